@@ -1,0 +1,76 @@
+"""Packaging and import-boundary rules (DESIGN.md, "Packaging")."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PACKAGE_DIR: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
+
+
+def _package_folders() -> set[str]:
+    """Every folder under a mapped top-level folder that holds an __init__.py."""
+    found = set()
+    for top in ("cache_format", "client", "server", "fixtures"):
+        for init in (ROOT / top).rglob("__init__.py"):
+            found.add(init.parent.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_every_package_folder_is_listed_and_mapped() -> None:
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert set(PACKAGE_DIR) == listed
+    assert set(PACKAGE_DIR.values()) == _package_folders()
+    assert not (ROOT / "logitcache" / "__init__.py").exists()
+
+
+def _imported_modules(folder: str, *, module_level_only: bool) -> dict[str, set[str]]:
+    result: dict[str, set[str]] = {}
+    for path in (ROOT / folder).rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nodes = tree.body if module_level_only else list(ast.walk(tree))
+        names: set[str] = set()
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        result[path.relative_to(ROOT).as_posix()] = names
+    return result
+
+
+def _offenders(imports: dict[str, set[str]], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(
+        f"{path}: {name}"
+        for path, names in imports.items()
+        for name in names
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    )
+
+
+def test_client_never_imports_server_vllm_or_fastapi() -> None:
+    imports = _imported_modules("client", module_level_only=False)
+    assert _offenders(imports, ("logitcache.server", "vllm", "fastapi", "uvicorn")) == []
+
+
+def test_cache_format_imports_no_sibling_and_no_heavy_framework_at_import() -> None:
+    anywhere = _imported_modules("cache_format", module_level_only=False)
+    assert _offenders(anywhere, ("logitcache.server", "logitcache.client", "vllm", "fastapi")) == []
+    module_level = _imported_modules("cache_format", module_level_only=True)
+    assert _offenders(module_level, ("torch", "transformers")) == []
+
+
+def test_importing_the_client_loads_no_server_stack() -> None:
+    code = (
+        "import sys, logitcache.client, logitcache.client.loss\n"
+        "heavy = ('vllm', 'fastapi', 'uvicorn', 'logitcache.server')\n"
+        "bad = [m for m in heavy if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
