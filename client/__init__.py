@@ -1,0 +1,87 @@
+"""logitcache.client: what a trainer imports.
+
+* :class:`TeacherClient` / :class:`AsyncTeacherClient`: the teacher service over HTTP (score on
+  demand, batch jobs with a progress bar, caches), with retries and typed errors.
+* :class:`CacheDataset` (+ :class:`CacheDataLoader`): a torch ``IterableDataset`` of aligned
+  top-k items read from a cache store (local or ``s3://``) or over HTTP; deterministic shuffling,
+  rank/worker sharding, exact mid-epoch resume, background prefetch.
+* :func:`check_compatible`: the tokenizer / vocab guard the dataset applies.
+* The loss (``topk_distill_loss`` ...) is re-exported lazily from :mod:`logitcache.client.loss`.
+
+Never imports ``logitcache.server``, ``vllm`` or ``fastapi``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .collate import IGNORE_INDEX, ITEM_FIELDS
+from .dataset import CacheDataLoader, CacheDataset
+from .errors import (
+    AuthError,
+    BadRequestError,
+    ClientError,
+    ConfigError,
+    ConflictError,
+    IncompatibleCacheError,
+    JobFailedError,
+    JobTimeoutError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitedError,
+    ServerError,
+    SourceError,
+    StateError,
+    TeacherHTTPError,
+    TransportError,
+)
+from .guards import check_compatible
+from .http import AsyncTeacherClient, TeacherClient
+from .sources import CacheSource, HttpSource, LocalSource, open_source
+from .state import LoaderState
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ITEM_FIELDS",
+    "AsyncTeacherClient",
+    "AuthError",
+    "BadRequestError",
+    "CacheDataLoader",
+    "CacheDataset",
+    "CacheSource",
+    "ClientError",
+    "ConfigError",
+    "ConflictError",
+    "HttpSource",
+    "IncompatibleCacheError",
+    "JobFailedError",
+    "JobTimeoutError",
+    "LoaderState",
+    "LocalSource",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "RateLimitedError",
+    "ServerError",
+    "SourceError",
+    "StateError",
+    "TeacherClient",
+    "TeacherHTTPError",
+    "TransportError",
+    "check_compatible",
+    "open_source",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy re-export of the loss package's public names (``from logitcache.client import
+    topk_distill_loss``) so that importing the client does not import the loss."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    try:
+        loss = importlib.import_module(f"{__name__}.loss")
+    except ImportError as exc:  # the loss package is optional for data-only users
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} ({exc})") from exc
+    if name in getattr(loss, "__all__", ()):
+        return getattr(loss, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,419 @@
+"""``CacheDataset``: a torch ``IterableDataset`` of aligned teacher top-k items.
+
+Stream
+------
+For epoch ``e`` the dataset plans, from the cache lengths alone:
+
+1. ``order = epoch_order(N, seed, e, shuffle_block_size)`` (identity when ``shuffle=False``);
+2. this rank's span of it (:func:`~logitcache.client.order.rank_partition`): ranks are disjoint
+   and together cover all ``N`` sequences;
+3. the items of that span (:func:`~logitcache.client.collate.plan_items`: padding or packing to
+   ``tokens_per_item`` positions);
+4. the *units* the dataset yields: single items, or batches of ``batch_size`` consecutive items
+   (tensors with a leading batch dimension; use ``DataLoader(batch_size=None)`` then);
+5. DataLoader worker ``w`` of ``n`` yields units ``w, w+n, ...`` so the DataLoader's round-robin
+   gives the trainer the rank's units in order, for any ``num_workers``.
+
+Items are documented in :mod:`logitcache.client.collate` (position t's target is token t+1 and row
+t of the cache; ``labels`` are -100 where there is no target).
+
+Resume
+------
+``state_dict()`` is a :class:`~logitcache.client.state.LoaderState`: ``epoch`` and
+``items_consumed``, the number of items of this rank's epoch stream *delivered to the trainer*.
+``load_state_dict(state)`` makes the next iteration start at item ``items_consumed`` of the same
+stream, so the remaining stream is identical to the one an uninterrupted run would have seen.
+Counting happens where items reach the trainer: when the dataset is iterated in the trainer
+process (``num_workers=0``) it counts itself; with DataLoader workers the copies in the workers
+cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
+counts the batches it handed out.
+
+A background thread per iterating process fetches and collates ``prefetch`` units ahead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from .collate import ItemPlan, LongPolicy, Mode, build_batch, plan_items
+from .errors import ConfigError, StateError
+from .guards import check_compatible
+from .order import epoch_order, rank_partition, worker_units
+from .sources import CacheSource, open_source
+from .state import LoaderState
+from .world import current_worker, resolve_ranks
+
+__all__ = ["CacheDataset", "CacheDataLoader"]
+
+_DONE = object()
+
+
+class CacheDataset(IterableDataset):
+    """Stream aligned, fixed-budget items from a teacher cache (see the module docstring).
+
+    Parameters
+    ----------
+    source:
+        A :class:`~logitcache.client.sources.CacheSource`, a store location (local path,
+        ``s3://...``) or a server URL ``http(s)://host:port`` with ``cache=<name>``.
+    tokens_per_item:
+        Positions per item ``T``.
+    mode:
+        ``"pack"`` (several sequences per item, boundaries kept) or ``"pad"`` (one per item).
+    long_sequences:
+        ``"split"`` sequences longer than ``T`` into ``T``-token pieces, or ``"truncate"`` them.
+    batch_size:
+        ``None``: yield single items (tensors ``[T, ...]``). An int ``B``: yield batches
+        ``[B, T, ...]`` of consecutive items (the last one may be smaller).
+    seed, shuffle, shuffle_block_size:
+        Order of sequences per epoch (:func:`~logitcache.client.order.epoch_order`).
+    rank, world_size:
+        Explicit sharding; default ``torch.distributed``'s when initialised, else ``(0, 1)``.
+    even_ranks:
+        Cut every rank's epoch to the item count of the shortest rank (DDP steps must match);
+        drops at most a few items per epoch. Off by default: then ranks cover every sequence.
+    tokenizer, vocab_size, allow_mismatch:
+        Student guards (:func:`~logitcache.client.guards.check_compatible`): the student's
+        tokenizer (or its fingerprint) and vocab size (int, config or model). Mismatch raises
+        ``IncompatibleCacheError`` unless ``allow_mismatch=True``.
+    topk:
+        Keep the first ``topk <= k`` columns of each row (their dropped mass goes to the tail).
+    ids_dtype:
+        dtype of ``topk_ids`` (``torch.int64`` default, or ``torch.int32``).
+    pad_token_id:
+        ``input_ids`` value on padding.
+    prefetch:
+        Units prepared ahead by the background thread of each iterating process.
+    storage_options, cache, **http_options:
+        Passed to :func:`~logitcache.client.sources.open_source` when ``source`` is a location.
+    """
+
+    def __init__(
+        self,
+        source: CacheSource | str | os.PathLike[str],
+        *,
+        tokens_per_item: int = 2048,
+        mode: Mode = "pack",
+        long_sequences: LongPolicy = "split",
+        batch_size: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_block_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        even_ranks: bool = False,
+        tokenizer: Any = None,
+        vocab_size: Any = None,
+        allow_mismatch: bool = False,
+        topk: int | None = None,
+        ids_dtype: torch.dtype = torch.int64,
+        pad_token_id: int = 0,
+        prefetch: int = 4,
+        storage_options: dict[str, Any] | None = None,
+        cache: str | None = None,
+        **http_options: Any,
+    ) -> None:
+        super().__init__()
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1 or None, got {batch_size}")
+        if prefetch < 1:
+            raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
+        if ids_dtype not in (torch.int64, torch.int32):
+            raise ConfigError(f"ids_dtype must be torch.int64 or torch.int32, got {ids_dtype}")
+        if seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {seed}")
+        self.source = open_source(
+            source, storage_options=storage_options, cache=cache, **http_options
+        )
+        manifest = self.source.manifest
+        self.mismatches = check_compatible(
+            manifest, tokenizer=tokenizer, vocab_size=vocab_size, allow_mismatch=allow_mismatch
+        )
+        k = int(manifest.k)
+        if topk is not None and not 1 <= topk <= k:
+            raise ConfigError(f"topk must be in [1, {k}] (the cache's k), got {topk}")
+        self.k = k if topk is None else int(topk)
+        self.tokens_per_item = int(tokens_per_item)
+        self.mode = mode
+        self.long_sequences = long_sequences
+        self.batch_size = batch_size
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.shuffle_block_size = int(shuffle_block_size)
+        self.rank, self.world_size = resolve_ranks(rank, world_size)
+        self.even_ranks = bool(even_ranks)
+        self.ids_dtype = ids_dtype
+        self.pad_token_id = int(pad_token_id)
+        self.prefetch = int(prefetch)
+        self._manifest_identity = _identity(manifest)
+        self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
+        self.num_sequences = len(self._all_lengths)
+        self.epoch = 0
+        self._start = 0
+        self._consumed = 0
+        self._plans: dict[tuple[int, int], ItemPlan] = {}
+        # validate budget, mode and policy now rather than in the first worker
+        plan_items(
+            np.zeros(0, dtype=np.int64), self._all_lengths, tokens_per_item, mode, long_sequences
+        )
+
+    # -- configuration --------------------------------------------------------------------
+    @property
+    def manifest(self) -> Any:
+        """The cache manifest."""
+        return self.source.manifest
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Token lengths of the sequences the current epoch is planned over."""
+        return self._all_lengths[: self.num_sequences]
+
+    def config_fingerprint(self, num_sequences: int | None = None) -> str:
+        """sha256 of every setting that shapes the item stream, and of the planned lengths."""
+        n = self.num_sequences if num_sequences is None else num_sequences
+        settings = {
+            "tokens_per_item": self.tokens_per_item,
+            "mode": self.mode,
+            "long_sequences": self.long_sequences,
+            "shuffle": self.shuffle,
+            "shuffle_block_size": self.shuffle_block_size,
+            "even_ranks": self.even_ranks,
+            "cache": self._manifest_identity,
+        }
+        h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+        h.update(np.ascontiguousarray(self._all_lengths[:n], dtype="<i8").tobytes())
+        return h.hexdigest()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its order); the next iteration starts at its beginning."""
+        if epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self._plans.clear()
+        self.epoch = int(epoch)
+        self._start = 0
+        self._consumed = 0
+
+    def refresh(self) -> None:
+        """Plan later epochs over the sequences committed since the dataset was built."""
+        self.source.refresh()
+        self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
+        self.num_sequences = len(self._all_lengths)
+        self._plans.clear()
+
+    # -- planning -------------------------------------------------------------------------
+    def plan(self, epoch: int | None = None, rank: int | None = None) -> ItemPlan:
+        """Item plan of ``rank`` (default this rank) for ``epoch`` (default the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        rank = self.rank if rank is None else rank
+        key = (epoch, rank)
+        if key not in self._plans:
+            n = self.num_sequences
+            if self.shuffle:
+                order = epoch_order(n, self.seed, epoch, self.shuffle_block_size)
+            else:
+                order = np.arange(n, dtype=np.int64)
+            span = rank_partition(order, rank, self.world_size)
+            self._plans[key] = plan_items(
+                span, self.lengths, self.tokens_per_item, self.mode, self.long_sequences
+            )
+        return self._plans[key]
+
+    def num_items(self, epoch: int | None = None) -> int:
+        """Items this rank yields in ``epoch`` (after ``even_ranks``)."""
+        count = self.plan(epoch).num_items
+        if self.even_ranks:
+            count = min(self.plan(epoch, r).num_items for r in range(self.world_size))
+        return count
+
+    def __len__(self) -> int:
+        """Units (items, or batches when ``batch_size`` is set) of this rank's current epoch."""
+        n = self.num_items()
+        return n if self.batch_size is None else -(-n // self.batch_size)
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def resume_point(self) -> int:
+        """Item of the epoch stream the next iteration starts at (set by load_state_dict)."""
+        return self._start
+
+    def state_dict(self, items_consumed: int | None = None) -> dict[str, Any]:
+        """Loader state (see :mod:`logitcache.client.state`); JSON-serialisable.
+
+        ``items_consumed`` defaults to what this object delivered in this process since the
+        epoch's resume point; :class:`CacheDataLoader` passes its own count.
+        """
+        consumed = self._start + self._consumed if items_consumed is None else items_consumed
+        return LoaderState(
+            epoch=self.epoch,
+            items_consumed=int(consumed),
+            seed=self.seed,
+            num_sequences=self.num_sequences,
+            rank=self.rank,
+            world_size=self.world_size,
+            config=self.config_fingerprint(),
+        ).to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration yields the rest of the stream the state was taken from."""
+        st = LoaderState.from_dict(state)
+        if st.world_size != self.world_size or st.rank != self.rank:
+            raise StateError(
+                f"state is for rank {st.rank} of {st.world_size}, this dataset is rank "
+                f"{self.rank} of {self.world_size} (elastic resume is not supported)"
+            )
+        if st.seed != self.seed:
+            raise StateError(f"state has seed {st.seed}, this dataset seed {self.seed}")
+        if st.num_sequences > len(self._all_lengths):
+            raise StateError(
+                f"state was planned over {st.num_sequences} sequences, the cache has only "
+                f"{len(self._all_lengths)}"
+            )
+        if st.config != self.config_fingerprint(st.num_sequences):
+            raise StateError(
+                "state belongs to another configuration (budget, mode, shuffle, cache or "
+                "lengths differ)"
+            )
+        self.num_sequences = st.num_sequences
+        self._plans.clear()
+        self.epoch = st.epoch
+        total = self.num_items()
+        if st.items_consumed > total:
+            raise StateError(f"state consumed {st.items_consumed} items of an epoch of {total}")
+        self._start = st.items_consumed
+        self._consumed = 0
+
+    # -- iteration ------------------------------------------------------------------------
+    def _units(self, worker: int, num_workers: int) -> list[np.ndarray]:
+        """Item indices of each unit this worker yields, in order."""
+        total = self.num_items()
+        step = self.batch_size or 1
+        starts = np.arange(self._start, total, step, dtype=np.int64)
+        mine = worker_units(len(starts), worker, num_workers)
+        return [np.arange(s, min(s + step, total)) for s in starts[mine]]
+
+    def _make_unit(self, plan: ItemPlan, items: np.ndarray, records: dict) -> dict[str, Any]:
+        arrays = build_batch(
+            plan,
+            items,
+            records,
+            self.tokens_per_item,
+            self.k,
+            pad_token_id=self.pad_token_id,
+            ids_dtype=np.int64 if self.ids_dtype == torch.int64 else np.int32,
+        )
+        unit = {name: torch.from_numpy(value) for name, value in arrays.items()}
+        if self.batch_size is None:
+            unit = {name: value[0] for name, value in unit.items()}
+        return unit
+
+    def _produce(self, units: list[np.ndarray], out: queue.Queue, stop: threading.Event) -> None:
+        """Background thread: fetch the sequences of a few units at once, collate, enqueue."""
+        try:
+            plan = self.plan()
+            group = max(1, 16 // (self.batch_size or 1))
+            for g in range(0, len(units), group):
+                chunk = units[g : g + group]
+                records = self.source.fetch(plan.sequences_of(np.concatenate(chunk)))
+                for items in chunk:
+                    unit = self._make_unit(plan, items, records)
+                    while not stop.is_set():
+                        try:
+                            out.put((len(items), unit), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+            out.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            out.put(exc)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker, num_workers = current_worker()
+        units = self._units(worker, num_workers)
+        self._consumed = 0
+        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._produce, args=(units, out, stop), name="logitcache-prefetch", daemon=True
+        )
+        thread.start()
+        try:
+            while True:
+                got = out.get()
+                if got is _DONE:
+                    return
+                if isinstance(got, BaseException):
+                    raise got
+                count, unit = got
+                self._consumed += count
+                yield unit
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    out.get_nowait()
+                except queue.Empty:
+                    thread.join(timeout=0.05)
+
+
+class CacheDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`CacheDataset` that knows what the trainer consumed.
+
+    ``batch_size`` is the dataset's (the dataset yields whole batches, so the loader is built
+    with ``batch_size=None``). ``state_dict()`` / ``load_state_dict()`` delegate to the dataset
+    with the number of items this loader has yielded, which is exact with any ``num_workers``.
+    ``persistent_workers`` is refused: workers would keep a stale epoch.
+    """
+
+    def __init__(self, dataset: CacheDataset, **kwargs: Any) -> None:
+        if not isinstance(dataset, CacheDataset):
+            raise ConfigError("CacheDataLoader needs a CacheDataset")
+        if kwargs.get("batch_size") is not None:
+            raise ConfigError("set batch_size on the CacheDataset; the loader uses batch_size=None")
+        if kwargs.get("persistent_workers"):
+            raise ConfigError("persistent_workers would keep a stale epoch/resume point")
+        kwargs["batch_size"] = None
+        super().__init__(dataset, **kwargs)
+        self._epoch = dataset.epoch
+        self._base = 0
+        self._yielded = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        ds: CacheDataset = self.dataset  # type: ignore[assignment]
+        self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
+        for unit in super().__iter__():
+            self._yielded += int(unit["input_ids"].shape[0]) if ds.batch_size else 1
+            yield unit
+
+    def state_dict(self) -> dict[str, Any]:
+        """Loader state after the units yielded so far (see :mod:`logitcache.client.state`)."""
+        ds: CacheDataset = self.dataset  # type: ignore[assignment]
+        if ds.epoch != self._epoch:  # set_epoch was called since the last iteration
+            return ds.state_dict(items_consumed=ds.resume_point)
+        return ds.state_dict(items_consumed=self._base + self._yielded)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the dataset; the next iteration yields the rest of the stream."""
+        ds: CacheDataset = self.dataset  # type: ignore[assignment]
+        ds.load_state_dict(state)
+        self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
+
+
+def _identity(manifest: Any) -> dict[str, Any]:
+    """The manifest fields that identify the cached distributions (not its counts/timestamps)."""
+    if hasattr(manifest, "identity"):
+        return dict(manifest.identity())
+    fields = ("teacher_model", "teacher_revision", "tokenizer_fingerprint", "vocab_size", "k")
+    return {f: getattr(manifest, f, None) for f in fields}

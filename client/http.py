@@ -1,0 +1,460 @@
+"""HTTP client of the teacher service: score on demand, batch jobs, caches (httpx, sync and async).
+
+Both clients share one definition of every endpoint (:class:`_Endpoints`): a method builds a
+:class:`Call` (method, path, query, JSON body, parser) and hands it to ``_send``, which the sync
+client runs at once and the async client returns as a coroutine, so ``client.get_job(id)`` and
+``await aclient.get_job(id)`` are the same code.
+
+Errors and retries
+------------------
+* 4xx answers raise the matching :class:`~logitcache.client.errors.TeacherHTTPError` subclass
+  (``BadRequestError`` for 400/422, ``NotFoundError``, ``ConflictError``, ...), carrying
+  ``status_code`` and the server's JSON error body (``{"error": {"code", "message", "detail"}}``).
+* Transient failures are retried up to ``max_retries`` times with exponential backoff
+  (``backoff * 2**attempt``, capped at ``max_backoff``, with +-25% jitter; a ``Retry-After``
+  header wins): connect errors and 429/502/503/504 for every request (the server did not act on
+  it), plus read errors, timeouts and 500 for idempotent requests (GETs, scoring). Then
+  ``TransportError`` / ``RateLimitedError`` / ``ServerError`` is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from .errors import (
+    ConfigError,
+    JobFailedError,
+    JobTimeoutError,
+    TransportError,
+    http_error_for,
+)
+
+__all__ = ["TeacherClient", "AsyncTeacherClient", "Call", "RetryPolicy", "FRAMES_MEDIA_TYPE"]
+
+FRAMES_MEDIA_TYPE = "application/x-logitcache-frames"
+"""Media type of binary wire frames (``logitcache.cache_format.encode_records``)."""
+
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+_ALWAYS_RETRY_STATUS = frozenset({429, 502, 503, 504})
+_IDEMPOTENT_RETRY_STATUS = frozenset({500})
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient failures are retried (see the module docstring)."""
+
+    max_retries: int = 5
+    backoff: float = 0.25
+    max_backoff: float = 8.0
+
+    def next_delay(
+        self,
+        attempt: int,
+        call: Call,
+        response: httpx.Response | None,
+        error: Exception | None,
+    ) -> float | None:
+        """Seconds to wait before retrying failed attempt ``attempt`` (0-based), or ``None``."""
+        if attempt >= self.max_retries:
+            return None
+        if error is not None:
+            if not (isinstance(error, _CONNECT_ERRORS) or call.idempotent):
+                return None
+        elif response is None or not (
+            response.status_code in _ALWAYS_RETRY_STATUS
+            or (call.idempotent and response.status_code in _IDEMPOTENT_RETRY_STATUS)
+        ):
+            return None
+        if response is not None and "retry-after" in response.headers:
+            try:
+                return min(max(float(response.headers["retry-after"]), 0.0), self.max_backoff)
+            except ValueError:
+                pass
+        return min(self.backoff * (2**attempt), self.max_backoff) * random.uniform(0.75, 1.25)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One API request and how to read its answer."""
+
+    method: str
+    path: str
+    params: dict[str, Any] | None = None
+    json: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    parse: Callable[[httpx.Response], Any] = lambda r: r.json()
+    idempotent: bool = True
+
+
+def _error_body(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return {"detail": response.text}
+
+
+def _outcome(call: Call, response: httpx.Response | None, error: Exception | None) -> Any:
+    """The parsed answer of a final attempt, or its typed error."""
+    if error is not None or response is None:
+        raise TransportError(f"{call.method} {call.path}: {error!r}") from error
+    if response.status_code >= 400:
+        raise http_error_for(
+            response.status_code,
+            _error_body(response),
+            response.request.method,
+            str(response.request.url),
+        )
+    return call.parse(response)
+
+
+def _decode_frames(response: httpx.Response) -> list[Any]:
+    from logitcache.cache_format import decode_records
+
+    return list(decode_records(response.content))
+
+
+def _parse_scores(response: httpx.Response) -> list[Any]:
+    """``SequenceRecord`` list from a score answer, binary frames or JSON."""
+    if response.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
+        return _decode_frames(response)
+    from logitcache.cache_format import SequenceRecord
+
+    body = response.json()
+    return [
+        SequenceRecord(
+            key=s["key"],
+            input_ids=np.asarray(s["input_ids"], dtype=np.int32),
+            topk_ids=np.asarray(s["topk_ids"], dtype=np.int32),
+            topk_logprobs=np.asarray(s["topk_logprobs"], dtype=np.float32),
+            tail_mass=np.asarray(s["tail_mass"], dtype=np.float32),
+        )
+        for s in body["sequences"]
+    ]
+
+
+def _parse_lengths(response: httpx.Response) -> np.ndarray:
+    return np.asarray(response.json()["lengths"], dtype=np.int64)
+
+
+class _Endpoints:
+    """Every endpoint of the service, defined once; ``_send`` runs (sync) or awaits (async)."""
+
+    def _send(self, call: Call) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def health(self) -> Any:
+        """``GET /health``: ``{"status", "model", "k", "version"}``."""
+        return self._send(Call("GET", "/health"))
+
+    def score(
+        self,
+        input_ids: Iterable[Iterable[int]] | None = None,
+        *,
+        texts: list[str] | None = None,
+        k: int | None = None,
+        cache: str | None = None,
+        keys: list[str] | None = None,
+    ) -> Any:
+        """``POST /v1/score``: teacher top-k for the given sequences, now.
+
+        Give token id sequences (each ``L >= 2``) or ``texts`` (tokenised by the teacher). Returns
+        one ``SequenceRecord`` per sequence (rows aligned as in DESIGN.md). With ``cache`` the
+        server also stores them in that cache.
+        """
+        body: dict[str, Any] = {"k": k, "cache": cache, "keys": keys}
+        if input_ids is not None:
+            body["input_ids"] = [[int(t) for t in seq] for seq in input_ids]
+        if texts is not None:
+            body["texts"] = list(texts)
+        body = {key: value for key, value in body.items() if value is not None}
+        accept = f"{FRAMES_MEDIA_TYPE}, application/json;q=0.5"
+        return self._send(
+            Call("POST", "/v1/score", json=body, headers={"accept": accept}, parse=_parse_scores)
+        )
+
+    def submit_job(
+        self,
+        cache: str,
+        *,
+        records: list[dict[str, Any]] | None = None,
+        texts: Iterable[str] | None = None,
+        input_ids: Iterable[Iterable[int]] | None = None,
+        file: str | dict[str, Any] | None = None,
+        k: int | None = None,
+        dataset: str | None = None,
+    ) -> Any:
+        """``POST /v1/jobs``: score a corpus into ``cache`` in the background; returns the job.
+
+        Give exactly one input: ``records`` (``{"id", "text" | "input_ids"}`` dicts), ``texts``,
+        ``input_ids``, or ``file`` (a path under the server's data directory, or an ``InputFile``
+        dict). Not retried on ambiguous failures (it is not idempotent).
+        """
+        given = [x is not None for x in (records, texts, input_ids, file)]
+        if sum(given) != 1:
+            raise ConfigError("give exactly one of records, texts, input_ids, file")
+        body: dict[str, Any] = {"cache": cache}
+        if texts is not None:
+            records = [{"text": str(t)} for t in texts]
+        if input_ids is not None:
+            records = [{"input_ids": [int(t) for t in seq]} for seq in input_ids]
+        if records is not None:
+            body["records"] = records
+        if file is not None:
+            body["file"] = {"path": file} if isinstance(file, str) else dict(file)
+        if k is not None:
+            body["k"] = k
+        if dataset is not None:
+            body["dataset"] = dataset
+        return self._send(Call("POST", "/v1/jobs", json=body, idempotent=False))
+
+    def get_job(self, job_id: str) -> Any:
+        """``GET /v1/jobs/{id}``: the job's status (state, sequences/tokens done, eta, errors)."""
+        return self._send(Call("GET", f"/v1/jobs/{job_id}"))
+
+    def list_jobs(self) -> Any:
+        """``GET /v1/jobs``: every job's status."""
+        return self._send(Call("GET", "/v1/jobs", parse=lambda r: r.json()["jobs"]))
+
+    def cancel_job(self, job_id: str) -> Any:
+        """``POST /v1/jobs/{id}/cancel``: stop a job (what it committed stays in the cache)."""
+        return self._send(Call("POST", f"/v1/jobs/{job_id}/cancel"))
+
+    def list_caches(self) -> Any:
+        """``GET /v1/caches``: ``[{"name", "manifest", "num_sequences", "num_rows"}, ...]``."""
+        return self._send(Call("GET", "/v1/caches", parse=lambda r: r.json()["caches"]))
+
+    def get_cache(self, name: str) -> Any:
+        """``GET /v1/caches/{name}``: ``{"name", "manifest", "num_sequences", "num_rows"}``."""
+        return self._send(Call("GET", f"/v1/caches/{name}"))
+
+    def cache_lengths(self, name: str, *, start: int = 0, stop: int | None = None) -> Any:
+        """``GET /v1/caches/{name}/lengths``: token count of sequences ``[start, stop)``."""
+        params = {"start": start} | ({} if stop is None else {"stop": stop})
+        return self._send(
+            Call("GET", f"/v1/caches/{name}/lengths", params=params, parse=_parse_lengths)
+        )
+
+    def read_sequences(self, name: str, start: int, stop: int) -> Any:
+        """``GET /v1/caches/{name}/sequences?start=&stop=``: records ``[start, stop)``."""
+        return self._send(
+            Call(
+                "GET",
+                f"/v1/caches/{name}/sequences",
+                params={"start": start, "stop": stop},
+                headers={"accept": FRAMES_MEDIA_TYPE},
+                parse=_decode_frames,
+            )
+        )
+
+
+class _JobProgress:
+    """A tqdm bar over a job's tokens (``tokens_done / tokens_total``)."""
+
+    def __init__(self, enabled: bool, job_id: str) -> None:
+        self._bar: Any = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=0, unit="tok", unit_scale=True, desc=f"job {job_id}")
+
+    def update(self, job: dict[str, Any]) -> None:
+        if self._bar is None:
+            return
+        total, done = int(job.get("tokens_total") or 0), int(job.get("tokens_done") or 0)
+        if self._bar.total != total:
+            self._bar.total = total
+        self._bar.n = done
+        self._bar.set_postfix_str(
+            f"{job.get('state')} "
+            f"{job.get('sequences_done', 0)}/{job.get('sequences_total', 0)} seq",
+            refresh=False,
+        )
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _finished(job: dict[str, Any], raise_on_failure: bool) -> bool:
+    state = job.get("state")
+    if state not in TERMINAL_STATES:
+        return False
+    if raise_on_failure and state != "succeeded":
+        raise JobFailedError(job)
+    return True
+
+
+def _client_kwargs(base_url: str, api_key: str | None, timeout: float) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    return {"base_url": base_url, "headers": headers, "timeout": timeout}
+
+
+class TeacherClient(_Endpoints):
+    """Synchronous client of the teacher service (a context manager; thread-safe).
+
+    ``TeacherClient("http://127.0.0.1:8000", api_key=None, timeout=60, max_retries=5)``; every
+    endpoint method of :class:`_Endpoints` returns the decoded answer.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 5,
+        backoff: float = 0.25,
+        progress: bool = True,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
+        self.progress = progress
+        self._http = httpx.Client(**_client_kwargs(base_url, api_key, timeout), transport=transport)
+
+    def __enter__(self) -> TeacherClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def _send(self, call: Call) -> Any:
+        attempt = 0
+        while True:
+            response, error = None, None
+            try:
+                response = self._http.request(
+                    call.method, call.path, params=call.params, json=call.json, headers=call.headers
+                )
+            except httpx.TransportError as exc:
+                error = exc
+            delay = self.retry.next_delay(attempt, call, response, error)
+            if delay is None:
+                return _outcome(call, response, error)
+            time.sleep(delay)
+            attempt += 1
+
+    def wait_job(
+        self,
+        job_id: str,
+        *,
+        poll_interval: float = 1.0,
+        timeout: float | None = None,
+        raise_on_failure: bool = True,
+        progress: bool | None = None,
+    ) -> dict[str, Any]:
+        """Poll a job until it ends, with a tqdm bar over its tokens; return its last status.
+
+        Raises :class:`JobFailedError` if it failed or was cancelled (unless
+        ``raise_on_failure=False``) and :class:`JobTimeoutError` after ``timeout`` seconds.
+        """
+        bar = _JobProgress(self.progress if progress is None else progress, job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                job = self.get_job(job_id)
+                bar.update(job)
+                if _finished(job, raise_on_failure):
+                    return job
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise JobTimeoutError(f"job {job_id} still {job.get('state')} after {timeout}s")
+                time.sleep(poll_interval)
+        finally:
+            bar.close()
+
+    def run_job(self, cache: str, **job: Any) -> dict[str, Any]:
+        """:meth:`submit_job` then :meth:`wait_job`; ``wait_*`` keywords go to the wait."""
+        wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
+        return self.wait_job(self.submit_job(cache, **job)["id"], **wait)
+
+
+class AsyncTeacherClient(_Endpoints):
+    """Asynchronous client (``async with AsyncTeacherClient(url) as c: await c.score(...)``).
+
+    Same endpoints, arguments and errors as :class:`TeacherClient`; every method is awaited.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 5,
+        backoff: float = 0.25,
+        progress: bool = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
+        self.progress = progress
+        self._http = httpx.AsyncClient(
+            **_client_kwargs(base_url, api_key, timeout), transport=transport
+        )
+
+    async def __aenter__(self) -> AsyncTeacherClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def _send(self, call: Call) -> Any:
+        attempt = 0
+        while True:
+            response, error = None, None
+            try:
+                response = await self._http.request(
+                    call.method, call.path, params=call.params, json=call.json, headers=call.headers
+                )
+            except httpx.TransportError as exc:
+                error = exc
+            delay = self.retry.next_delay(attempt, call, response, error)
+            if delay is None:
+                return _outcome(call, response, error)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def wait_job(
+        self,
+        job_id: str,
+        *,
+        poll_interval: float = 1.0,
+        timeout: float | None = None,
+        raise_on_failure: bool = True,
+        progress: bool | None = None,
+    ) -> dict[str, Any]:
+        """Async :meth:`TeacherClient.wait_job`."""
+        bar = _JobProgress(self.progress if progress is None else progress, job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                job = await self.get_job(job_id)
+                bar.update(job)
+                if _finished(job, raise_on_failure):
+                    return job
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise JobTimeoutError(f"job {job_id} still {job.get('state')} after {timeout}s")
+                await asyncio.sleep(poll_interval)
+        finally:
+            bar.close()
+
+    async def run_job(self, cache: str, **job: Any) -> dict[str, Any]:
+        """Async :meth:`TeacherClient.run_job`."""
+        wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
+        return await self.wait_job((await self.submit_job(cache, **job))["id"], **wait)

@@ -1,0 +1,74 @@
+"""The order in which a rank reads a cache: pure numpy functions of (seed, epoch, world).
+
+Contract
+--------
+* :func:`epoch_order` is a permutation of ``range(num_sequences)`` that depends only on
+  ``(num_sequences, seed, epoch, block_size)``. With ``block_size = b > 1`` the index range is cut
+  into contiguous blocks of ``b`` sequences, the blocks are permuted, then the sequences inside each
+  block are permuted: every rank still sees a random order, while reads stay local (one request per
+  block over HTTP, one chunk run on disk).
+* :func:`rank_partition` cuts that permutation into ``world_size`` contiguous spans whose sizes
+  differ by at most one (``numpy.array_split``). The spans are disjoint and their union is the whole
+  permutation, so within one epoch no sequence reaches two ranks and none is dropped.
+* :func:`worker_units` deals the units (items or batches) of one rank's stream to DataLoader
+  workers round-robin: worker ``w`` of ``n`` gets units ``w, w + n, w + 2n, ...``. PyTorch's
+  DataLoader (``in_order=True``, the default) takes one unit from each live worker in turn, so the
+  stream the trainer sees is the rank's stream in its original order, whatever ``num_workers`` is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = ["epoch_order", "rank_partition", "worker_units"]
+
+
+def epoch_order(num_sequences: int, seed: int, epoch: int, block_size: int = 1) -> np.ndarray:
+    """Return the epoch's permutation of sequence indices (``int64``, length ``num_sequences``).
+
+    The generator is ``numpy.random.default_rng([seed, epoch])`` (PCG64 seeded through
+    ``SeedSequence``): the same ``(seed, epoch)`` gives the same order on every machine running the
+    same numpy major version, and different epochs give independent orders.
+    """
+    if num_sequences < 0:
+        raise ConfigError(f"num_sequences must be >= 0, got {num_sequences}")
+    if block_size < 1:
+        raise ConfigError(f"block_size must be >= 1, got {block_size}")
+    if seed < 0 or epoch < 0:
+        raise ConfigError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
+    rng = np.random.default_rng([seed, epoch])
+    if block_size == 1:
+        return rng.permutation(num_sequences).astype(np.int64)
+    num_blocks = -(-num_sequences // block_size)
+    parts = []
+    for block in rng.permutation(num_blocks):
+        start = int(block) * block_size
+        stop = min(start + block_size, num_sequences)
+        parts.append(start + rng.permutation(stop - start))
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts).astype(np.int64)
+
+
+def rank_partition(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Return rank ``rank``'s contiguous span of ``order`` (spans differ in size by at most one)."""
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, {world_size}), got {rank}")
+    n = len(order)
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (1 if rank < extra else 0)
+    return order[start:stop]
+
+
+def worker_units(num_units: int, worker: int, num_workers: int) -> np.ndarray:
+    """Return the unit indices worker ``worker`` of ``num_workers`` produces, in order."""
+    if num_workers < 1:
+        raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
+    if not 0 <= worker < num_workers:
+        raise ConfigError(f"worker must be in [0, {num_workers}), got {worker}")
+    return np.arange(worker, num_units, num_workers, dtype=np.int64)

@@ -1,0 +1,273 @@
+"""Where cached sequences come from: the Zarr store itself, or the teacher service over HTTP.
+
+A source answers four questions and nothing else (the :class:`CacheSource` protocol): the cache
+``manifest``, ``num_sequences``, the token ``lengths`` of the first ``num_sequences`` sequences, and
+``fetch(indices) -> {index: SequenceRecord}``. Sources are picklable and open their reader or HTTP
+connection lazily in the process that uses them (a DataLoader worker reopens after fork or
+spawn), so a source built in the trainer can be handed to workers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .errors import SourceError
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import SequenceRecord
+
+    from .http import TeacherClient
+
+__all__ = ["CacheSource", "LocalSource", "HttpSource", "contiguous_runs", "open_source"]
+
+
+@runtime_checkable
+class CacheSource(Protocol):
+    """What :class:`logitcache.client.CacheDataset` reads from."""
+
+    @property
+    def manifest(self) -> Any:
+        """The cache's ``Manifest`` (tokenizer fingerprint, vocab size, k, ...)."""
+        ...
+
+    @property
+    def num_sequences(self) -> int:
+        """Committed sequences visible to this source (fixed until :meth:`refresh`)."""
+        ...
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``int64 [num_sequences]``: token count ``L`` of each sequence."""
+        ...
+
+    def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
+        """Records of the given sequence indices, keyed by index."""
+        ...
+
+    def refresh(self) -> None:
+        """See sequences committed since the source was opened."""
+        ...
+
+
+def contiguous_runs(indices: Iterable[int], max_len: int | None = None) -> list[tuple[int, int]]:
+    """Cut sorted unique ``indices`` into ``[start, stop)`` runs of consecutive integers.
+
+    Runs are at most ``max_len`` long when given. ``[3, 4, 5, 9] -> [(3, 6), (9, 10)]``.
+    """
+    idx = np.unique(np.fromiter(indices, dtype=np.int64))
+    if idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    runs = []
+    for part in np.split(idx, breaks):
+        start, stop = int(part[0]), int(part[-1]) + 1
+        step = max_len or (stop - start)
+        runs.extend((s, min(s + step, stop)) for s in range(start, stop, step))
+    return runs
+
+
+class LocalSource:
+    """Read a cache store directly: a local path or an object-store URL (``s3://bucket/prefix``).
+
+    ``storage_options`` go to ``CacheReader`` unchanged (e.g. ``{"endpoint_url": ...,
+    "key": ..., "secret": ...}`` for s3fs).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = str(url)
+        self.storage_options = dict(storage_options) if storage_options else None
+        self._reader: Any = None
+        self._pid: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"LocalSource({self.url!r})"
+
+    @property
+    def reader(self) -> Any:
+        """The ``CacheReader`` of this process (opened on first use, reopened after a fork)."""
+        if self._reader is None or self._pid != os.getpid():
+            from logitcache.cache_format import CacheReader
+
+            self._reader = CacheReader(self.url, storage_options=self.storage_options)
+            self._pid = os.getpid()
+        return self._reader
+
+    @property
+    def manifest(self) -> Any:
+        return self.reader.manifest
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.reader.num_sequences)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray(self.reader.lengths, dtype=np.int64)
+
+    def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
+        wanted = sorted({int(i) for i in indices})
+        if not wanted:
+            return {}
+        records = self.reader.sequences(wanted)
+        return dict(zip(wanted, records, strict=True))
+
+    def refresh(self) -> None:
+        self.reader.refresh()
+
+
+class HttpSource:
+    """Read a cache from the teacher service: ``GET /v1/caches/{name}/sequences?start=&stop=``.
+
+    The body is a stream of binary wire frames (``logitcache.cache_format.encode_records``),
+    decoded with ``decode_records``. Indices are fetched as contiguous runs of at most
+    ``max_sequences_per_request`` sequences, ``concurrency`` requests at a time. Transient errors
+    are retried by the underlying :class:`~logitcache.client.http.TeacherClient`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        cache: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 5,
+        max_sequences_per_request: int = 256,
+        concurrency: int = 4,
+    ) -> None:
+        self.base_url = base_url
+        self.cache = cache
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.max_sequences_per_request = max_sequences_per_request
+        self.concurrency = concurrency
+        self._client: TeacherClient | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid: int | None = None
+        self._info: dict[str, Any] | None = None
+        self._lengths: np.ndarray | None = None
+
+    _CONFIG = (
+        "base_url",
+        "cache",
+        "api_key",
+        "timeout",
+        "max_retries",
+        "max_sequences_per_request",
+        "concurrency",
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in self._CONFIG}
+        state["_info"], state["_lengths"] = self._info, self._lengths
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["base_url"], state["cache"], **{n: state[n] for n in self._CONFIG[2:]}
+        )
+        self._info, self._lengths = state["_info"], state["_lengths"]
+
+    def __repr__(self) -> str:
+        return f"HttpSource({self.base_url!r}, {self.cache!r})"
+
+    @property
+    def client(self) -> TeacherClient:
+        """The HTTP client of this process (made on first use, remade after a fork)."""
+        if self._client is None or self._pid != os.getpid():
+            from .http import TeacherClient
+
+            self._client = TeacherClient(
+                self.base_url,
+                api_key=self.api_key,
+                timeout=self.timeout,
+                max_retries=self.max_retries,
+                progress=False,
+            )
+            self._pool = ThreadPoolExecutor(max(1, self.concurrency), "logitcache-http")
+            self._pid = os.getpid()
+        return self._client
+
+    def _cache_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = self.client.get_cache(self.cache)
+        return self._info
+
+    @property
+    def manifest(self) -> Any:
+        from logitcache.cache_format import Manifest
+
+        return Manifest.model_validate(self._cache_info()["manifest"])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self._cache_info()["num_sequences"])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            lengths = self.client.cache_lengths(self.cache, stop=self.num_sequences)
+            if len(lengths) != self.num_sequences:
+                raise SourceError(
+                    f"server sent {len(lengths)} lengths for {self.num_sequences} sequences"
+                )
+            self._lengths = lengths
+        return self._lengths
+
+    def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
+        runs = contiguous_runs(indices, self.max_sequences_per_request)
+        client = self.client
+        if not runs:
+            return {}
+        assert self._pool is not None  # made with the client  # noqa: S101
+        futures = [
+            self._pool.submit(client.read_sequences, self.cache, start, stop)
+            for start, stop in runs
+        ]
+        out: dict[int, SequenceRecord] = {}
+        for (start, stop), future in zip(runs, futures, strict=True):
+            records = future.result()
+            if len(records) != stop - start:
+                raise SourceError(
+                    f"server sent {len(records)} sequences for [{start}, {stop}) of {self.cache!r}"
+                )
+            out.update(zip(range(start, stop), records, strict=True))
+        return out
+
+    def refresh(self) -> None:
+        self._info = None
+        self._lengths = None
+
+
+def open_source(
+    location: str | os.PathLike[str] | CacheSource,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    cache: str | None = None,
+    **http_options: Any,
+) -> CacheSource:
+    """Turn a location into a source: a source is returned as is; ``http(s)://`` URLs need
+    ``cache`` (the cache name on the server) and give an :class:`HttpSource`; anything else
+    (local path, ``s3://``, ``file://``) gives a :class:`LocalSource`."""
+    if isinstance(location, CacheSource) and not isinstance(location, str | os.PathLike):
+        return location
+    url = os.fspath(location)
+    if url.startswith(("http://", "https://")):
+        if cache is None:
+            raise SourceError("an http(s) location needs cache=<name of the cache on the server>")
+        return HttpSource(url, cache, **http_options)
+    if cache is not None or http_options:
+        raise SourceError("cache= and HTTP options only apply to http(s) locations")
+    return LocalSource(url, storage_options)

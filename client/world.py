@@ -1,0 +1,51 @@
+"""Where this process sits: distributed rank / world size and DataLoader worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["World", "resolve_ranks", "current_worker"]
+
+
+@dataclass(frozen=True)
+class World:
+    """One reading process: ``rank`` of ``world_size`` trainer ranks, ``worker`` of ``num_workers``.
+
+    ``num_workers`` is 1 and ``worker`` 0 when the dataset is iterated in the trainer process.
+    """
+
+    rank: int
+    world_size: int
+    worker: int = 0
+    num_workers: int = 1
+
+
+def resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Return ``(rank, world_size)``: explicit values, else ``torch.distributed``'s, else (0, 1).
+
+    Both or neither must be given. Explicit values are checked against each other only.
+    """
+    if (rank is None) != (world_size is None):
+        raise ConfigError("pass both rank and world_size, or neither")
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world_size = 0, 1
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return int(rank), int(world_size)
+
+
+def current_worker() -> tuple[int, int]:
+    """Return ``(worker_id, num_workers)`` of the calling DataLoader worker, or ``(0, 1)``."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    if info is None:
+        return 0, 1
+    return int(info.id), int(info.num_workers)
