@@ -1,0 +1,141 @@
+"""``logitcache`` command line: ``info``, ``validate``, ``export`` (entry point ``app``).
+
+Storage options for object stores come from ``--option name=value`` (repeatable), e.g.
+``--option endpoint_url=http://127.0.0.1:9000 --option key=... --option secret=...``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Inspect, validate and export logitcache stores.",
+)
+
+OptionList = Annotated[
+    list[str] | None,
+    typer.Option("--option", "-o", help="storage option name=value (repeatable)"),
+]
+
+
+def _options(pairs: list[str] | None) -> dict:
+    out: dict = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise typer.BadParameter(f"expected name=value, got {pair!r}")
+        name, value = pair.split("=", 1)
+        out[name] = value
+    return out
+
+
+@app.command()
+def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")):
+    """Print the manifest, sizes and compression ratio of the store at URL."""
+    from .reader import CacheReader
+    from .stats import store_stats
+
+    reader = CacheReader(url, _options(option))
+    m = reader.manifest
+    st = store_stats(reader._store, m)
+    doc = {
+        "url": url,
+        "manifest": m.to_attrs(),
+        "bytes_by_array": st.bytes_by_array,
+        "total_bytes": st.total_bytes,
+        "bytes_per_position": round(st.bytes_per_position, 2),
+        "raw_bytes_per_position": st.raw_bytes_per_position,
+        "compression_ratio": round(st.compression_ratio, 3),
+    }
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    typer.echo(f"store      {url}")
+    for name in (
+        "teacher_model",
+        "teacher_revision",
+        "tokenizer_fingerprint",
+        "vocab_size",
+        "k",
+        "temperature",
+        "logprob_mode",
+        "logprob_dtype",
+        "tail_mass_dtype",
+        "dataset",
+        "created",
+        "updated",
+        "generation",
+    ):
+        typer.echo(f"{name:<22} {getattr(m, name)}")
+    typer.echo(f"{'sequences':<22} {m.num_sequences}")
+    typer.echo(f"{'rows (positions)':<22} {m.num_rows}")
+    typer.echo(f"{'tokens':<22} {m.num_tokens}")
+    typer.echo(f"{'stored bytes':<22} {st.total_bytes}")
+    typer.echo(
+        f"{'bytes/position':<22} {st.bytes_per_position:.1f} "
+        f"(raw int32+float16: {st.raw_bytes_per_position})"
+    )
+    typer.echo(f"{'compression ratio':<22} {st.compression_ratio:.2f}x")
+
+
+@app.command("validate")
+def validate_cmd(url: str, option: OptionList = None):
+    """Check every invariant; exit status 1 if any problem is found."""
+    from .validate import validate
+
+    report = validate(url, _options(option))
+    typer.echo(str(report))
+    raise typer.Exit(0 if report.ok else 1)
+
+
+@app.command()
+def export(
+    url: str,
+    out: Path,
+    option: OptionList = None,
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl | frames (wire codec)"),
+    limit: int = typer.Option(-1, help="export the first N sequences only (-1: all)"),
+):
+    """Export sequences to JSON lines (one record per line) or wire-codec frames."""
+    from .reader import CacheReader
+    from .wire import encode_records
+
+    reader = CacheReader(url, _options(option))
+    n = reader.num_sequences if limit < 0 else min(limit, reader.num_sequences)
+    if fmt not in ("jsonl", "frames"):
+        raise typer.BadParameter("format must be jsonl or frames")
+    mode = "w" if fmt == "jsonl" else "wb"
+    with open(out, mode) as f:
+        for start in range(0, n, 256):
+            recs = reader.sequences(range(start, min(start + 256, n)))
+            if fmt == "frames":
+                f.write(encode_records(recs))
+                continue
+            for r in recs:
+                f.write(
+                    json.dumps(
+                        {
+                            "key": r.key,
+                            "input_ids": r.input_ids.tolist(),
+                            "topk_ids": r.topk_ids.tolist(),
+                            "topk_logprobs": r.topk_logprobs.tolist(),
+                            "tail_mass": r.tail_or_computed().tolist(),
+                        }
+                    )
+                    + "\n"
+                )
+    typer.echo(f"exported {n} sequences to {out}", err=True)
+
+
+def main() -> None:  # pragma: no cover - console entry convenience
+    app(sys.argv[1:])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,35 @@
+"""Named codec chains for the format's arrays.
+
+A codec name is a short string stored nowhere (zarr writes the full codec configuration into each
+array's ``zarr.json``); names exist so that the writer and the benchmark pick chains the same way.
+
+Grammar: ``blosc-<cname><level>-<shuffle>`` (cname in zstd|lz4|lz4hc|zlib, shuffle in
+noshuffle|shuffle|bitshuffle) or ``zstd<level>``. Every chain ends with a CRC32C of the inner chunk
+so that a torn or raced read is detected instead of decoded (FORMAT.md rule R7).
+"""
+
+from __future__ import annotations
+
+import re
+
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+from .errors import FormatError
+
+_BLOSC = re.compile(r"^blosc-(zstd|lz4|lz4hc|zlib|blosclz)(\d)-(noshuffle|shuffle|bitshuffle)$")
+_ZSTD = re.compile(r"^zstd(\d{1,2})$")
+
+
+def compressors(name: str, typesize: int) -> tuple:
+    """Bytes-to-bytes codecs (compressor + CRC32C) for codec ``name`` on items of ``typesize``."""
+    m = _BLOSC.match(name)
+    if m:
+        cname, level, shuffle = m.group(1), int(m.group(2)), m.group(3)
+        comp = BloscCodec(cname=cname, clevel=level, shuffle=shuffle, typesize=typesize)
+        return (comp, Crc32cCodec())
+    m = _ZSTD.match(name)
+    if m:
+        return (ZstdCodec(level=int(m.group(1))), Crc32cCodec())
+    if name == "none":
+        return (Crc32cCodec(),)
+    raise FormatError(f"unknown codec name {name!r}")

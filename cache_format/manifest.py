@@ -1,0 +1,100 @@
+"""The manifest: the store's self-description, kept in the root group's attributes.
+
+The manifest is also the commit point: ``num_sequences``/``num_rows``/``num_tokens`` and
+``generation`` say how much of the arrays is committed. Readers never look past these counts.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ManifestError, ManifestMismatchError
+from .spec import FORMAT_VERSION, LogprobDtype, TailDtype
+
+IDENTITY_FIELDS: tuple[str, ...] = (
+    "teacher_model",
+    "teacher_revision",
+    "tokenizer_fingerprint",
+    "vocab_size",
+    "k",
+    "temperature",
+    "logprob_mode",
+    "logprob_dtype",
+    "tail_mass_dtype",
+)
+"""Fields that must match between a resuming writer and the store (else ManifestMismatchError)."""
+
+
+def utcnow() -> str:
+    """Current UTC time as an ISO-8601 string with a ``Z`` suffix."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Manifest(BaseModel):
+    """Self-description of a cache (FORMAT.md section "Manifest").
+
+    Identity fields (:data:`IDENTITY_FIELDS`) say which teacher distribution the rows are; the rest
+    is description (``dataset``, ``extra``) or bookkeeping maintained by the writer (timestamps,
+    counts, generation). Callers building a new cache set the identity fields and may leave the
+    bookkeeping at its defaults.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
+
+    format_version: int = FORMAT_VERSION
+    teacher_model: str = Field(min_length=1)
+    teacher_revision: str = "main"
+    tokenizer_fingerprint: str = Field(min_length=1)
+    vocab_size: int = Field(gt=0, lt=2**31)
+    k: int = Field(gt=0)
+    temperature: float = Field(default=1.0, gt=0)
+    logprob_mode: str = "raw_logprobs"
+    logprob_dtype: LogprobDtype = "float16"
+    tail_mass_dtype: TailDtype = "float32"
+    dataset: str | dict[str, Any] = ""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    created: str = Field(default_factory=utcnow)
+    updated: str = Field(default_factory=utcnow)
+    num_sequences: int = Field(default=0, ge=0)
+    num_rows: int = Field(default=0, ge=0)
+    num_tokens: int = Field(default=0, ge=0)
+    generation: int = Field(default=0, ge=0)
+
+    @field_validator("k")
+    @classmethod
+    def _k_le_vocab(cls, v: int, info):  # noqa: ANN001 - pydantic signature
+        vocab = info.data.get("vocab_size")
+        if vocab is not None and v > vocab:
+            raise ValueError(f"k={v} exceeds vocab_size={vocab}")
+        return v
+
+    @classmethod
+    def from_attrs(cls, data: Any) -> Manifest:
+        """Parse the root attribute; a typed :class:`ManifestError` on anything invalid."""
+        if not isinstance(data, dict):
+            raise ManifestError(f"manifest attribute is {type(data).__name__}, expected an object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ManifestError(f"invalid manifest: {e}") from e
+
+    def to_attrs(self) -> dict[str, Any]:
+        """JSON-ready dict stored as the root attribute."""
+        return self.model_dump(mode="json")
+
+    def identity(self) -> dict[str, Any]:
+        """The identity fields only."""
+        return {name: getattr(self, name) for name in IDENTITY_FIELDS}
+
+    def check_compatible(self, other: Manifest) -> None:
+        """Raise :class:`ManifestMismatchError` listing every identity field that differs."""
+        diff = {
+            n: (getattr(self, n), getattr(other, n))
+            for n in IDENTITY_FIELDS
+            if getattr(self, n) != getattr(other, n)
+        }
+        if diff:
+            raise ManifestMismatchError(diff)

@@ -1,0 +1,291 @@
+"""Reading a cache: by sequence index, by key, by row range (FORMAT.md §6 "Reading").
+
+A reader works on a snapshot: the manifest (commit point) read at open or at :meth:`refresh`.
+It never reads past the snapshot's counts, so while a writer appends it sees a consistent
+committed prefix. Reads only touch the chunks that hold the requested rows. A read that races
+a writer's rewrite of a partly filled shard fails its CRC32C and is retried on a fresh snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from . import spec
+from .errors import CorruptStoreError, FormatError, StoreNotFoundError
+from .layout import parse_root, read_root_attrs
+from .manifest import Manifest
+from .quant import decode_logprobs
+from .records import RowBlock, SequenceRecord
+from .store import open_store
+
+_RETRIES = 5
+
+
+def _array_names(m: Manifest) -> list[str]:
+    names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
+    if m.logprob_dtype in spec.QUANTISED_DTYPES:
+        names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
+    return names
+
+
+class CacheReader:
+    """Read-only view of the committed part of a cache.
+
+    ``as_torch=True`` makes :meth:`sequence`, :meth:`get`, :meth:`sequences` and :meth:`rows`
+    return dicts of torch tensors (``record.to_torch()``) instead of numpy records.
+    """
+
+    def __init__(
+        self,
+        url: str | Path,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        as_torch: bool = False,
+    ):
+        self._handle = open_store(url, storage_options, read_only=True)
+        self._store = self._handle.zstore
+        self.as_torch = as_torch
+        self._arrays: dict[str, zarr.Array] = {}
+        self._keys: list[str] = []
+        self._key_index: dict[str, int] = {}
+        self._lengths = np.zeros(0, dtype=np.int32)
+        self._tok_start = np.zeros(0, dtype=np.int64)
+        self._row_start = np.zeros(0, dtype=np.int64)
+        self._manifest: Manifest | None = None
+        self.refresh()
+
+    # ------------------------------------------------------------------ snapshot
+    def refresh(self) -> bool:
+        """Adopt the latest commit; returns True if it changed. The index grows incrementally."""
+        try:
+            attrs = read_root_attrs(self._store)
+        except Exception as e:  # store unreachable or unreadable
+            raise FormatError(f"cannot read store {self._handle.url!r}: {e}") from e
+        if attrs is None:
+            raise StoreNotFoundError(f"no logitcache store at {self._handle.url!r}")
+        m = parse_root(attrs)
+        old = self._manifest
+        if old is not None and m.generation == old.generation:
+            return False
+        if old is not None and (m.generation < old.generation or m.num_sequences < len(self._keys)):
+            raise CorruptStoreError("store went backwards (generation or count decreased)")
+        names = _array_names(m)
+        try:
+            arrays = {n: zarr.open_array(self._store, path=n, mode="r") for n in names}
+        except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as e:
+            raise CorruptStoreError(f"store is missing an array: {e}") from e
+        need = {
+            spec.TOPK_IDS: m.num_rows,
+            spec.TOPK_LOGPROBS: m.num_rows,
+            spec.TAIL_MASS: m.num_rows,
+            spec.INPUT_IDS: m.num_tokens,
+            spec.LOGPROB_MAX: m.num_rows,
+            spec.LOGPROB_STEP: m.num_rows,
+            **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
+        }
+        for n, a in arrays.items():
+            if a.shape[0] < need[n]:
+                raise CorruptStoreError(
+                    f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
+                )
+        self._arrays = arrays
+        known = len(self._keys)
+        s = m.num_sequences
+        if s > known:
+            new_keys = [str(x) for x in arrays[spec.SEQ_KEYS][known:s]]
+            for i, key in enumerate(new_keys, start=known):
+                self._key_index.setdefault(key, i)
+            self._keys.extend(new_keys)
+            self._lengths = np.concatenate([self._lengths, arrays[spec.SEQ_LENGTHS][known:s]])
+            self._tok_start = np.concatenate(
+                [self._tok_start, arrays[spec.SEQ_TOKEN_START][known:s]]
+            )
+            self._row_start = np.concatenate([self._row_start, arrays[spec.SEQ_ROW_START][known:s]])
+        self._manifest = m
+        return True
+
+    @property
+    def manifest(self) -> Manifest:
+        assert self._manifest is not None
+        return self._manifest
+
+    @property
+    def url(self) -> str:
+        return self._handle.url
+
+    @property
+    def num_sequences(self) -> int:
+        return self.manifest.num_sequences
+
+    @property
+    def num_rows(self) -> int:
+        return self.manifest.num_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    @property
+    def keys(self) -> list[str]:
+        """Sequence keys in storage order (a copy)."""
+        return list(self._keys)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each)."""
+        return self._lengths.copy()
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        """First global row of each sequence."""
+        return self._row_start.copy()
+
+    def __len__(self) -> int:
+        return self.num_sequences
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._key_index
+
+    def index_of(self, key: str) -> int:
+        """Sequence index of ``key`` (KeyError if absent)."""
+        return self._key_index[key]
+
+    # ------------------------------------------------------------------ reading
+    def _retry(self, fn):
+        """Run ``fn``; on a checksum/decoding failure (raced rewrite) refresh and retry."""
+        for attempt in range(_RETRIES):
+            try:
+                return fn()
+            except (FormatError, IndexError, KeyError):
+                raise
+            except Exception:
+                if attempt == _RETRIES - 1:
+                    raise
+                import time
+
+                time.sleep(0.01 * (attempt + 1))
+                self._reopen_arrays()
+        raise AssertionError("unreachable")
+
+    def _reopen_arrays(self) -> None:
+        self._arrays = {
+            n: zarr.open_array(self._store, path=n, mode="r") for n in self._arrays_names()
+        }
+
+    def _arrays_names(self) -> list[str]:
+        return _array_names(self.manifest)
+
+    def _check_seq(self, i: int) -> int:
+        n = self.num_sequences
+        if not isinstance(i, int | np.integer):
+            raise TypeError(f"sequence index must be an int, got {type(i).__name__}")
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sequence index {i} out of range [0, {n})")
+        return i
+
+    def _read_rows(self, sel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows by a slice or an int array selection: (topk_ids, float32 logprobs, tail)."""
+        a = self._arrays
+        dtype = self.manifest.logprob_dtype
+        if isinstance(sel, slice):
+            get = lambda name: a[name][sel]  # noqa: E731
+        else:
+            get = lambda name: a[name].get_orthogonal_selection(sel)  # noqa: E731
+        ids = get(spec.TOPK_IDS)
+        stored = get(spec.TOPK_LOGPROBS)
+        if dtype in spec.QUANTISED_DTYPES:
+            lp = decode_logprobs(stored, dtype, get(spec.LOGPROB_MAX), get(spec.LOGPROB_STEP))
+        else:
+            lp = decode_logprobs(stored, dtype)
+        tail = np.asarray(get(spec.TAIL_MASS), dtype=np.float32)
+        return ids, lp, tail
+
+    def _out(self, rec):
+        return rec.to_torch() if self.as_torch else rec
+
+    def sequence(self, i: int) -> SequenceRecord | dict:
+        """Sequence ``i`` (storage order) as a :class:`SequenceRecord` with float32 logprobs."""
+        i = self._check_seq(i)
+        t0, r0, L = int(self._tok_start[i]), int(self._row_start[i]), int(self._lengths[i])
+
+        def read():
+            ids, lp, tail = self._read_rows(slice(r0, r0 + L - 1))
+            tokens = self._arrays[spec.INPUT_IDS][t0 : t0 + L]
+            return SequenceRecord(self._keys[i], tokens, ids, lp, tail)
+
+        return self._out(self._retry(read))
+
+    def get(self, key: str) -> SequenceRecord | dict:
+        """The sequence stored under ``key`` (KeyError if absent)."""
+        if key not in self._key_index:
+            raise KeyError(key)
+        return self.sequence(self._key_index[key])
+
+    def sequences(self, indices: Sequence[int]) -> list:
+        """Several sequences with one selection per array (reads each touched chunk once)."""
+        idx = [self._check_seq(i) for i in indices]
+        if not idx:
+            return []
+        lengths = self._lengths[idx].astype(np.int64)
+        row_sel = np.concatenate(
+            [
+                np.arange(self._row_start[i], self._row_start[i] + n - 1)
+                for i, n in zip(idx, lengths, strict=True)
+            ]
+        )
+        tok_sel = np.concatenate(
+            [
+                np.arange(self._tok_start[i], self._tok_start[i] + n)
+                for i, n in zip(idx, lengths, strict=True)
+            ]
+        )
+
+        def read():
+            ids, lp, tail = self._read_rows((row_sel,))
+            tokens = self._arrays[spec.INPUT_IDS].get_orthogonal_selection((tok_sel,))
+            out, r, t = [], 0, 0
+            for i, n in zip(idx, lengths, strict=True):
+                n = int(n)
+                out.append(
+                    SequenceRecord(
+                        self._keys[i],
+                        tokens[t : t + n],
+                        ids[r : r + n - 1],
+                        lp[r : r + n - 1],
+                        tail[r : r + n - 1],
+                    )
+                )
+                r, t = r + n - 1, t + n
+            return out
+
+        return [self._out(rec) for rec in self._retry(read)]
+
+    def rows(self, start: int, stop: int) -> RowBlock | dict:
+        """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`)."""
+        n = self.num_rows
+        if not (0 <= start <= stop <= n):
+            raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
+
+        def read():
+            ids, lp, tail = self._read_rows(slice(start, stop))
+            return RowBlock(start, ids, lp, tail)
+
+        return self._out(self._retry(read))
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Global input-token range ``[start, stop)`` of the flat ``input_ids`` array."""
+        if not (0 <= start <= stop <= self.num_tokens):
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+        return self._retry(lambda: self._arrays[spec.INPUT_IDS][start:stop])
+
+    def __iter__(self):
+        for i in range(self.num_sequences):
+            yield self.sequence(i)

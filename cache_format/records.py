@@ -1,0 +1,215 @@
+"""In-memory records: one sequence (:class:`SequenceRecord`) or a block of rows (:class:`RowBlock`).
+
+Alignment (DESIGN.md): a sequence of ``L >= 2`` tokens has ``L - 1`` rows; row ``j`` is the
+teacher's distribution of token ``j + 1`` given tokens ``0..j``. Within a row the ``k`` ids are
+distinct and sorted by descending logprob; ``tail_mass[j] = clip(1 - sum(exp(topk_logprobs[j])),
+0, 1)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import RecordError
+
+
+def content_key(input_ids: np.ndarray) -> str:
+    """Content key of a token sequence: ``"sha256:" + hex(sha256(int32 little-endian bytes))``."""
+    data = np.ascontiguousarray(np.asarray(input_ids, dtype="<i4")).tobytes()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def tail_from_logprobs(topk_logprobs: np.ndarray) -> np.ndarray:
+    """``clip(1 - sum_k exp(logprob), 0, 1)`` per row, computed in float64, returned as float32."""
+    s = np.exp(np.asarray(topk_logprobs, dtype=np.float64)).sum(axis=-1)
+    return np.clip(1.0 - s, 0.0, 1.0).astype(np.float32)
+
+
+def _as_int32(name: str, value: Any, key: str | None) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu":
+        raise RecordError(f"{name} must be integers, got dtype {arr.dtype}", key=key)
+    if arr.size and arr.dtype != np.int32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < -(2**31) or hi >= 2**31:
+            raise RecordError(f"{name} values outside int32 range [{lo}, {hi}]", key=key)
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _as_float32(name: str, value: Any, key: str | None) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fiu":
+        raise RecordError(f"{name} must be numbers, got dtype {arr.dtype}", key=key)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceRecord:
+    """One cached sequence.
+
+    Fields: ``key`` (caller's id, or ``None`` for the content key of ``input_ids``),
+    ``input_ids`` ``[L]`` int32, ``topk_ids`` ``[L-1, k]`` int32, ``topk_logprobs`` ``[L-1, k]``
+    float32, ``tail_mass`` ``[L-1]`` float32 or ``None`` (then computed from the logprobs).
+    Construction coerces dtypes and checks shapes (:class:`RecordError`); value checks against a
+    manifest (vocab, k, order, NaN) are :func:`check_record`'s job.
+    """
+
+    key: str | None
+    input_ids: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    tail_mass: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        key = self.key
+        if key is not None and (not isinstance(key, str) or not key):
+            raise RecordError(f"key must be a non-empty str or None, got {key!r}")
+        ids = _as_int32("input_ids", self.input_ids, key)
+        if ids.ndim != 1 or ids.shape[0] < 2:
+            raise RecordError(f"input_ids must be 1-D with L >= 2 tokens, got {ids.shape}", key=key)
+        rows = ids.shape[0] - 1
+        topk = _as_int32("topk_ids", self.topk_ids, key)
+        lp = _as_float32("topk_logprobs", self.topk_logprobs, key)
+        if topk.ndim != 2 or topk.shape[0] != rows or topk.shape[1] < 1:
+            raise RecordError(f"topk_ids must be [L-1={rows}, k], got {topk.shape}", key=key)
+        if lp.shape != topk.shape:
+            raise RecordError(
+                f"topk_logprobs shape {lp.shape} != topk_ids shape {topk.shape}", key=key
+            )
+        tail = self.tail_mass
+        if tail is not None:
+            tail = _as_float32("tail_mass", tail, key)
+            if tail.shape != (rows,):
+                raise RecordError(f"tail_mass must be [L-1={rows}], got {tail.shape}", key=key)
+        object.__setattr__(self, "input_ids", ids)
+        object.__setattr__(self, "topk_ids", topk)
+        object.__setattr__(self, "topk_logprobs", lp)
+        object.__setattr__(self, "tail_mass", tail)
+        if key is None:
+            object.__setattr__(self, "key", content_key(ids))
+
+    @property
+    def length(self) -> int:
+        """Number of tokens ``L``."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        """Number of rows ``L - 1``."""
+        return int(self.topk_ids.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+    @property
+    def labels(self) -> np.ndarray:
+        """``labels[j] = input_ids[j + 1]``: the token row ``j`` predicts."""
+        return self.input_ids[1:]
+
+    def tail_or_computed(self) -> np.ndarray:
+        """The given tail mass, or the one implied by the top-k logprobs."""
+        if self.tail_mass is not None:
+            return self.tail_mass
+        return tail_from_logprobs(self.topk_logprobs)
+
+    def equals(self, other: SequenceRecord) -> bool:
+        """Bit-exact equality of key and every array (``None`` tail equals only ``None``)."""
+        if self.key != other.key:
+            return False
+        pairs = [
+            (self.input_ids, other.input_ids),
+            (self.topk_ids, other.topk_ids),
+            (self.topk_logprobs, other.topk_logprobs),
+        ]
+        if (self.tail_mass is None) != (other.tail_mass is None):
+            return False
+        if self.tail_mass is not None:
+            pairs.append((self.tail_mass, other.tail_mass))
+        return all(a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in pairs)
+
+    def to_torch(self) -> dict[str, Any]:
+        """Tensors: input_ids, labels, topk_ids, topk_logprobs, tail_mass (and the key).
+
+        Imports torch lazily; ids become int64 (what embedding/gather ops expect).
+        """
+        import torch
+
+        return {
+            "key": self.key,
+            "input_ids": torch.from_numpy(self.input_ids.astype(np.int64)),
+            "labels": torch.from_numpy(self.labels.astype(np.int64)),
+            "topk_ids": torch.from_numpy(self.topk_ids.astype(np.int64)),
+            "topk_logprobs": torch.from_numpy(self.topk_logprobs),
+            "tail_mass": torch.from_numpy(self.tail_or_computed()),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class RowBlock:
+    """Rows ``[start, stop)`` of the flat row arrays (may span several sequences)."""
+
+    start: int
+    topk_ids: np.ndarray  # [n, k] int32
+    topk_logprobs: np.ndarray  # [n, k] float32
+    tail_mass: np.ndarray  # [n] float32
+
+    @property
+    def stop(self) -> int:
+        return self.start + int(self.topk_ids.shape[0])
+
+    def to_torch(self) -> dict[str, Any]:
+        """Tensors of the block (ids as int64); imports torch lazily."""
+        import torch
+
+        return {
+            "topk_ids": torch.from_numpy(self.topk_ids.astype(np.int64)),
+            "topk_logprobs": torch.from_numpy(self.topk_logprobs),
+            "tail_mass": torch.from_numpy(self.tail_mass),
+        }
+
+
+def check_record(rec: SequenceRecord, *, k: int, vocab_size: int, index: int | None = None) -> None:
+    """Value checks of one record against a cache's ``k`` and ``vocab_size`` (RecordError).
+
+    Checks: k matches; all ids in ``[0, vocab_size)``; top-k ids distinct within a row; logprobs
+    finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along each row; tail mass (if given)
+    finite and within ``[-TAIL_TOLERANCE, 1 + TAIL_TOLERANCE]``.
+    """
+    from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
+
+    key = rec.key
+    if rec.k != k:
+        raise RecordError(f"k mismatch: record has {rec.k}, cache has {k}", key=key, index=index)
+    for name, arr in (("input_ids", rec.input_ids), ("topk_ids", rec.topk_ids)):
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= vocab_size:
+            raise RecordError(
+                f"{name} outside vocab [0, {vocab_size}): min {lo}, max {hi}", key=key, index=index
+            )
+    srt = np.sort(rec.topk_ids, axis=1)
+    if k > 1 and bool((srt[:, 1:] == srt[:, :-1]).any()):
+        row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0][0])
+        raise RecordError(f"row {row}: repeated token id in top-k", key=key, index=index)
+    lp = rec.topk_logprobs
+    if not bool(np.isfinite(lp).all()):
+        raise RecordError("topk_logprobs contain NaN or inf", key=key, index=index)
+    if float(lp.max()) > LOGPROB_TOLERANCE:
+        raise RecordError(f"topk_logprobs > 0 (max {float(lp.max())})", key=key, index=index)
+    if k > 1 and bool((lp[:, 1:] > lp[:, :-1]).any()):
+        row = int(np.nonzero((lp[:, 1:] > lp[:, :-1]).any(axis=1))[0][0])
+        raise RecordError(f"row {row}: logprobs not sorted descending", key=key, index=index)
+    if rec.tail_mass is not None:
+        t = rec.tail_mass
+        if not bool(np.isfinite(t).all()):
+            raise RecordError("tail_mass contains NaN or inf", key=key, index=index)
+        if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
+            raise RecordError(
+                f"tail_mass outside [0, 1]: [{float(t.min())}, {float(t.max())}]",
+                key=key,
+                index=index,
+            )

@@ -1,0 +1,70 @@
+"""Constants of the on-disk format (FORMAT.md is the normative text; this module is its code).
+
+Array names, dtypes, chunk/shard shapes and codecs live here so that the writer, the reader, the
+validator and the benchmark agree on one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FORMAT_VERSION = 1
+"""Integer version of the on-disk layout, stored as root attribute ``format_version``."""
+
+SUPPORTED_VERSIONS = frozenset({1})
+
+ROOT_ATTR = "logitcache"
+"""Root group attribute holding the manifest (and with it the commit point: counts, generation)."""
+
+LOCK_NAME = ".logitcache.lock"
+"""Object/file next to the root ``zarr.json`` used as the writer lock (not a zarr node)."""
+
+LogprobDtype = Literal["float16", "float32", "uint8", "uint16"]
+TailDtype = Literal["float16", "float32"]
+LOGPROB_DTYPES: tuple[str, ...] = ("float16", "float32", "uint8", "uint16")
+QUANTISED_DTYPES: frozenset[str] = frozenset({"uint8", "uint16"})
+
+LOGPROB_TOLERANCE = 1e-3
+"""Logprobs in (0, LOGPROB_TOLERANCE] are rounding noise, stored as 0; larger is an error."""
+
+TAIL_TOLERANCE = 1e-3
+"""Given tail masses within this distance outside [0, 1] are clipped; farther is an error."""
+
+# Array names (all live directly under the root group; axis 0 is the append axis of each).
+INPUT_IDS = "input_ids"  # [T] int32, T = total tokens
+TOPK_IDS = "topk_ids"  # [R, k] int32, R = total rows = T - S
+TOPK_LOGPROBS = "topk_logprobs"  # [R, k] float16 | float32 | uint8 | uint16
+LOGPROB_MAX = "logprob_max"  # [R] float32, quantised dtypes only: the row max (= rank-0 logprob)
+LOGPROB_STEP = "logprob_step"  # [R] float32, quantised dtypes only: quantisation step of the row
+TAIL_MASS = "tail_mass"  # [R] float32 | float16
+SEQ_KEYS = "seq_keys"  # [S] string (UTF-8)
+SEQ_LENGTHS = "seq_lengths"  # [S] int32, L_i >= 2 tokens
+SEQ_TOKEN_START = "seq_token_start"  # [S] int64, offset of sequence i in input_ids
+SEQ_ROW_START = "seq_row_start"  # [S] int64, offset of sequence i in the row arrays
+
+ROW_ARRAYS_2D = (TOPK_IDS, TOPK_LOGPROBS)
+SEQ_ARRAYS = (SEQ_KEYS, SEQ_LENGTHS, SEQ_TOKEN_START, SEQ_ROW_START)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Chunk (read unit) and shard (object/write unit) lengths along axis 0, per array family.
+
+    Rows: ``row_chunk`` rows per inner chunk, ``row_shard`` rows per shard object.
+    Tokens (input_ids) and per-sequence arrays have their own lengths.
+    Chosen by benchmarks/format_bench.py (see benchmarks/results/format.md).
+    """
+
+    row_chunk: int = 2048
+    row_shard: int = 65536
+    token_chunk: int = 65536
+    token_shard: int = 1048576
+    seq_chunk: int = 16384
+    seq_shard: int = 262144
+    id_codec: str = "blosc-zstd5-bitshuffle"
+    logprob_codec: str = "blosc-zstd5-shuffle"
+    other_codec: str = "blosc-zstd5-shuffle"
+
+
+DEFAULT_LAYOUT = Layout()

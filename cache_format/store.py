@@ -1,0 +1,102 @@
+"""Opening a zarr store from a URL (local directory, s3://, gs://, az://, any fsspec URL).
+
+- A path or ``file://`` URL: :class:`zarr.storage.LocalStore` (atomic per-object writes).
+- ``s3://``, ``gs://``, ``az://``/``abfs://``: :class:`zarr.storage.ObjectStore` over obstore
+  (conditional puts give a safe writer lock). ``storage_options`` accepts s3fs-style names
+  (``endpoint_url``, ``key``, ``secret``, ``token``, ``region``, ``anon``, ``client_kwargs``)
+  and obstore config names; ``{"backend": "fsspec"}`` picks :class:`zarr.storage.FsspecStore`.
+- Anything else: :class:`zarr.storage.FsspecStore` (``storage_options`` go to fsspec as given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import zarr.storage
+
+from .errors import FormatError
+
+OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss"})
+
+_S3FS_TO_OBSTORE = {
+    "endpoint_url": "endpoint",
+    "key": "access_key_id",
+    "secret": "secret_access_key",
+    "token": "session_token",
+    "region": "region",
+    "region_name": "region",
+}
+
+
+@dataclass
+class StoreHandle:
+    """An opened zarr store plus what the writer lock needs to know about it."""
+
+    url: str
+    zstore: Any  # zarr.abc.store.Store
+    kind: str  # "local" | "object" | "fsspec"
+    local_path: Path | None = None
+    objstore: Any = None  # obstore store, for kind == "object"
+
+
+def _scheme(url: str) -> str:
+    if "://" not in url:
+        return ""
+    return urlparse(url).scheme.lower()
+
+
+def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+    """Translate s3fs-style options into obstore ``from_url`` kwargs and client options."""
+    opts = dict(options)
+    client_options: dict[str, Any] = dict(opts.pop("client_options", {}) or {})
+    client_kwargs = opts.pop("client_kwargs", {}) or {}
+    for src in ("endpoint_url", "region_name"):
+        if src in client_kwargs:
+            opts.setdefault(src, client_kwargs[src])
+    config: dict[str, Any] = {}
+    anon = bool(opts.pop("anon", False))
+    for name, value in opts.items():
+        if value is None:
+            continue
+        config[_S3FS_TO_OBSTORE.get(name, name) if scheme in ("s3", "s3a") else name] = value
+    if anon:
+        config["skip_signature"] = True
+    endpoint = str(config.get("endpoint", ""))
+    if endpoint:
+        config.setdefault("virtual_hosted_style_request", False)
+        if endpoint.startswith("http://"):
+            client_options.setdefault("allow_http", True)
+    return config, client_options
+
+
+def open_store(
+    url: str | Path, storage_options: dict[str, Any] | None = None, *, read_only: bool
+) -> StoreHandle:
+    """Open the zarr store behind ``url`` (see module docstring for the URL forms)."""
+    url = str(url)
+    options = dict(storage_options or {})
+    backend = options.pop("backend", None)
+    scheme = _scheme(url)
+    if scheme in ("", "file"):
+        path = Path(urlparse(url).path if scheme == "file" else url).expanduser().absolute()
+        if not read_only:
+            path.mkdir(parents=True, exist_ok=True)
+        zstore = zarr.storage.LocalStore(path, read_only=read_only)
+        return StoreHandle(url=url, zstore=zstore, kind="local", local_path=path)
+    if scheme in OBJECT_SCHEMES and backend in (None, "obstore"):
+        from obstore.store import from_url
+
+        config, client_options = _obstore_options(scheme, options)
+        try:
+            objstore = from_url(url, client_options=client_options or None, **config)
+        except Exception as e:  # obstore raises its own config errors
+            raise FormatError(f"cannot open object store {url!r}: {e}") from e
+        zstore = zarr.storage.ObjectStore(objstore, read_only=read_only)
+        return StoreHandle(url=url, zstore=zstore, kind="object", objstore=objstore)
+    if backend not in (None, "fsspec"):
+        raise FormatError(f"unknown storage backend {backend!r} (use 'obstore' or 'fsspec')")
+    zstore = zarr.storage.FsspecStore.from_url(url, storage_options=options, read_only=read_only)
+    return StoreHandle(url=url, zstore=zstore, kind="fsspec")

@@ -1,0 +1,299 @@
+"""Store validation: check every invariant of FORMAT.md §7 and report every problem found.
+
+The validator reads the committed part of a store in blocks (bounded memory) and never stops at
+the first problem: each violated rule is reported with how often it occurred and where (the first
+:data:`MAX_EXAMPLES` places).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from . import spec
+from .errors import FormatError
+from .layout import parse_root, read_root_attrs
+from .manifest import Manifest
+from .quant import decode_logprobs
+from .store import open_store
+
+MAX_EXAMPLES = 10
+BLOCK_ROWS = 65536
+
+
+@dataclass
+class Problem:
+    """One violated rule: ``code`` (stable identifier), message, count and example locations."""
+
+    code: str
+    message: str
+    count: int = 1
+    where: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        loc = f" at {', '.join(self.where)}" + (" ..." if self.count > len(self.where) else "")
+        return f"[{self.code}] {self.message} (x{self.count}){loc if self.where else ''}"
+
+
+@dataclass
+class ValidationReport:
+    """Result of :func:`validate`: ``ok`` iff no problem; ``problems`` lists each rule violated."""
+
+    url: str
+    manifest: Manifest | None = None
+    problems: list[Problem] = field(default_factory=list)
+    checked_rows: int = 0
+    checked_sequences: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, code: str, message: str, where: list[str] | None = None, count: int = 1) -> None:
+        for p in self.problems:
+            if p.code == code:
+                p.count += count
+                p.where.extend((where or [])[: max(0, MAX_EXAMPLES - len(p.where))])
+                return
+        self.problems.append(Problem(code, message, count, list((where or [])[:MAX_EXAMPLES])))
+
+    def codes(self) -> set[str]:
+        return {p.code for p in self.problems}
+
+    def __str__(self) -> str:
+        head = f"{self.url}: {'OK' if self.ok else f'{len(self.problems)} problem(s)'}"
+        head += f" ({self.checked_sequences} sequences, {self.checked_rows} rows checked)"
+        return "\n".join([head, *(f"  {p}" for p in self.problems)])
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            raise FormatError(str(self))
+
+
+def _flag(report: ValidationReport, code: str, msg: str, bad: np.ndarray, base: int, unit: str):
+    """Record problem ``code`` for every True in ``bad`` (offset ``base`` in ``unit`` numbering)."""
+    idx = np.flatnonzero(bad)
+    if idx.size:
+        report.add(
+            code, msg, [f"{unit} {base + int(i)}" for i in idx[:MAX_EXAMPLES]], int(idx.size)
+        )
+
+
+def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
+    d = {
+        spec.TOPK_IDS: ("int32", True),
+        spec.TOPK_LOGPROBS: (m.logprob_dtype, True),
+        spec.TAIL_MASS: (m.tail_mass_dtype, False),
+        spec.INPUT_IDS: ("int32", False),
+        spec.SEQ_KEYS: ("str", False),
+        spec.SEQ_LENGTHS: ("int32", False),
+        spec.SEQ_TOKEN_START: ("int64", False),
+        spec.SEQ_ROW_START: ("int64", False),
+    }
+    if m.logprob_dtype in spec.QUANTISED_DTYPES:
+        d[spec.LOGPROB_MAX] = ("float32", False)
+        d[spec.LOGPROB_STEP] = ("float32", False)
+    return d
+
+
+def _open_arrays(store, m: Manifest, report: ValidationReport) -> dict[str, zarr.Array]:
+    need_len = {spec.INPUT_IDS: m.num_tokens, **{n: m.num_sequences for n in spec.SEQ_ARRAYS}}
+    arrays = {}
+    for name, (dtype, k_axis) in _expected_dtypes(m).items():
+        try:
+            a = zarr.open_array(store, path=name, mode="r")
+        except Exception as e:
+            report.add("array_missing", f"array {name} cannot be opened: {e}", [name])
+            continue
+        kind_ok = (a.dtype.kind in "OTU") if dtype == "str" else (a.dtype == np.dtype(dtype))
+        if not kind_ok:
+            report.add("array_dtype", f"array {name} has dtype {a.dtype}, expected {dtype}", [name])
+            continue
+        want_ndim = 2 if k_axis else 1
+        if a.ndim != want_ndim or (k_axis and a.shape[1] != m.k):
+            report.add(
+                "array_shape",
+                f"array {name} has shape {a.shape}, expected "
+                f"{'[n, ' + str(m.k) + ']' if k_axis else '[n]'}",
+                [name],
+            )
+            continue
+        n = need_len.get(name, m.num_rows)
+        if a.shape[0] < n:
+            report.add(
+                "array_short", f"array {name} has {a.shape[0]} entries, commit needs {n}", [name]
+            )
+            continue
+        arrays[name] = a
+    return arrays
+
+
+def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+    s = m.num_sequences
+    if not all(n in arrays for n in spec.SEQ_ARRAYS):
+        return
+    keys = [str(x) for x in arrays[spec.SEQ_KEYS][:s]]
+    lengths = arrays[spec.SEQ_LENGTHS][:s].astype(np.int64)
+    tok = arrays[spec.SEQ_TOKEN_START][:s]
+    row = arrays[spec.SEQ_ROW_START][:s]
+    report.checked_sequences = s
+    _flag(report, "seq_too_short", "sequence with fewer than 2 tokens", lengths < 2, 0, "sequence")
+    exp_tok = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if s else lengths
+    exp_row = np.concatenate([[0], np.cumsum(lengths - 1)[:-1]]) if s else lengths
+    _flag(
+        report,
+        "token_offsets",
+        "seq_token_start not the running sum of lengths (monotone, contiguous)",
+        tok != exp_tok,
+        0,
+        "sequence",
+    )
+    _flag(
+        report,
+        "row_offsets",
+        "seq_row_start not the running sum of lengths - 1",
+        row != exp_row,
+        0,
+        "sequence",
+    )
+    if int(lengths.sum()) != m.num_tokens:
+        report.add(
+            "count_tokens", f"sum of lengths {int(lengths.sum())} != num_tokens {m.num_tokens}"
+        )
+    if int((lengths - 1).sum()) != m.num_rows:
+        report.add(
+            "count_rows",
+            f"sum of lengths - 1 = {int((lengths - 1).sum())} != num_rows {m.num_rows}",
+        )
+    seen: dict[str, int] = {}
+    dups = []
+    for i, key in enumerate(keys):
+        if not key:
+            report.add("key_empty", "empty sequence key", [f"sequence {i}"])
+        if key in seen:
+            dups.append(f"sequence {i} (= {seen[key]})")
+        seen.setdefault(key, i)
+    if dups:
+        report.add("key_duplicate", "sequence key stored twice", dups, len(dups))
+
+
+def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+    names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
+    quant = m.logprob_dtype in spec.QUANTISED_DTYPES
+    if quant:
+        names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
+    if not all(n in arrays for n in names):
+        return
+    for b0 in range(0, m.num_rows, BLOCK_ROWS):
+        b1 = min(b0 + BLOCK_ROWS, m.num_rows)
+        try:
+            block = {n: arrays[n][b0:b1] for n in names}
+        except Exception as e:
+            report.add("unreadable", f"rows cannot be read/decoded: {e}", [f"rows {b0}:{b1}"])
+            continue
+        ids = block[spec.TOPK_IDS]
+        _flag(
+            report,
+            "id_out_of_vocab",
+            f"top-k id outside [0, {m.vocab_size})",
+            ((ids < 0) | (ids >= m.vocab_size)).any(axis=1),
+            b0,
+            "row",
+        )
+        if m.k > 1:
+            srt = np.sort(ids, axis=1)
+            _flag(
+                report,
+                "id_repeated",
+                "repeated id within a row",
+                (srt[:, 1:] == srt[:, :-1]).any(axis=1),
+                b0,
+                "row",
+            )
+        if quant:
+            mx, st = block[spec.LOGPROB_MAX], block[spec.LOGPROB_STEP]
+            _flag(
+                report,
+                "quant_params",
+                "logprob_max/step not finite, max > 0 or step < 0",
+                ~np.isfinite(mx) | ~np.isfinite(st) | (mx > 0) | (st < 0),
+                b0,
+                "row",
+            )
+            lp = decode_logprobs(block[spec.TOPK_LOGPROBS], m.logprob_dtype, mx, st)
+        else:
+            lp = decode_logprobs(block[spec.TOPK_LOGPROBS], m.logprob_dtype)
+        finite = np.isfinite(lp).all(axis=1)
+        _flag(report, "logprob_nonfinite", "logprob NaN or inf", ~finite, b0, "row")
+        _flag(report, "logprob_positive", "logprob > 0", (lp > 0).any(axis=1), b0, "row")
+        if m.k > 1:
+            _flag(
+                report,
+                "logprob_order",
+                "logprobs not sorted descending",
+                (lp[:, 1:] > lp[:, :-1]).any(axis=1),
+                b0,
+                "row",
+            )
+        tail = np.asarray(block[spec.TAIL_MASS], dtype=np.float32)
+        _flag(
+            report,
+            "tail_range",
+            "tail mass outside [0, 1] or not finite",
+            ~np.isfinite(tail) | (tail < 0) | (tail > 1),
+            b0,
+            "row",
+        )
+        report.checked_rows = b1
+
+
+def _check_tokens(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+    if spec.INPUT_IDS not in arrays:
+        return
+    for b0 in range(0, m.num_tokens, BLOCK_ROWS * 16):
+        b1 = min(b0 + BLOCK_ROWS * 16, m.num_tokens)
+        try:
+            tok = arrays[spec.INPUT_IDS][b0:b1]
+        except Exception as e:
+            report.add(
+                "unreadable", f"input_ids cannot be read/decoded: {e}", [f"tokens {b0}:{b1}"]
+            )
+            continue
+        _flag(
+            report,
+            "token_out_of_vocab",
+            f"input id outside [0, {m.vocab_size})",
+            (tok < 0) | (tok >= m.vocab_size),
+            b0,
+            "token",
+        )
+
+
+def validate(url: str | Path, storage_options: dict[str, Any] | None = None) -> ValidationReport:
+    """Check every FORMAT.md invariant of the committed part of the store at ``url``."""
+    report = ValidationReport(url=str(url))
+    try:
+        handle = open_store(url, storage_options, read_only=True)
+        attrs = read_root_attrs(handle.zstore)
+    except Exception as e:
+        report.add("store_unreadable", f"cannot open store: {e}")
+        return report
+    if attrs is None:
+        report.add("no_store", "no zarr root group (zarr.json) at this URL")
+        return report
+    try:
+        m = parse_root(attrs)
+    except FormatError as e:
+        report.add("manifest", str(e))
+        return report
+    report.manifest = m
+    arrays = _open_arrays(handle.zstore, m, report)
+    checks: list[Callable] = [_check_index, _check_rows, _check_tokens]
+    for check in checks:
+        check(arrays, m, report)
+    return report

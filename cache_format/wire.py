@@ -1,0 +1,228 @@
+"""Wire codec: compact, self-describing binary frames of sequence records (FORMAT.md §8).
+
+Used by the teacher service's block-streaming endpoints and by the client. A byte stream is a
+concatenation of frames; each frame is independent::
+
+    offset  size  field
+    0       4     magic b"LCWF"
+    4       2     version (uint16 LE) = 1
+    6       2     flags (uint16 LE): bit 0 = payload zstd-compressed
+    8       4     header_len H (uint32 LE)
+    12      8     payload_len P (uint64 LE), bytes as stored (after compression)
+    20      H     header: UTF-8 JSON {"n", "k", "keys", "lengths", "arrays": [{name, dtype, shape}],
+                  "raw_len"}
+    20+H    P     payload: the arrays of "arrays", C order, concatenated in that order
+    20+H+P  4     CRC32 (zlib, uint32 LE) of header + payload bytes
+
+Arrays: ``input_ids`` ``<i4 [T]``, ``topk_ids`` ``<i4 [R, k]``, ``topk_logprobs`` ``<f4`` or
+``<f2 [R, k]``, optional ``tail_mass`` ``<f4 [R]``; ``T = sum(lengths)``, ``R = T - n``.
+Record ``i`` owns the ``lengths[i]`` tokens and ``lengths[i] - 1`` rows after those of records
+``0..i-1``. Decoding returns float32 logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .errors import WireFormatError
+from .records import SequenceRecord
+
+MAGIC = b"LCWF"
+WIRE_VERSION = 1
+FLAG_ZSTD = 1
+_PREFIX = struct.Struct("<4sHHIQ")
+_CRC = struct.Struct("<I")
+CONTENT_TYPE = "application/x-logitcache-frames"
+
+_ALLOWED = {
+    "input_ids": {"<i4"},
+    "topk_ids": {"<i4"},
+    "topk_logprobs": {"<f4", "<f2"},
+    "tail_mass": {"<f4"},
+}
+
+
+def encode_records(
+    records: Sequence[SequenceRecord],
+    *,
+    logprob_dtype: str = "float32",
+    compression: str = "none",
+) -> bytes:
+    """One frame holding ``records`` (all with the same ``k``).
+
+    ``logprob_dtype``: ``float32`` (exact) or ``float16`` (what a float16 cache stores, so exact
+    for its rows). ``compression``: ``none`` or ``zstd``. Tail masses are sent when every record
+    has one, or computed for those without when some do.
+    """
+    recs = list(records)
+    if logprob_dtype not in ("float32", "float16"):
+        raise WireFormatError(f"logprob_dtype must be float32 or float16, not {logprob_dtype!r}")
+    if compression not in ("none", "zstd"):
+        raise WireFormatError(f"compression must be 'none' or 'zstd', not {compression!r}")
+    ks = {r.k for r in recs}
+    if len(ks) > 1:
+        raise WireFormatError(f"records in one frame must share k, got {sorted(ks)}")
+    k = ks.pop() if ks else 0
+    lp_dt = "<f4" if logprob_dtype == "float32" else "<f2"
+    parts: list[tuple[str, np.ndarray]] = []
+    if recs:
+        parts = [
+            ("input_ids", np.concatenate([r.input_ids for r in recs]).astype("<i4")),
+            ("topk_ids", np.concatenate([r.topk_ids for r in recs]).astype("<i4")),
+            ("topk_logprobs", np.concatenate([r.topk_logprobs for r in recs]).astype(lp_dt)),
+        ]
+        if any(r.tail_mass is not None for r in recs):
+            parts.append(
+                ("tail_mass", np.concatenate([r.tail_or_computed() for r in recs]).astype("<f4"))
+            )
+    payload = b"".join(np.ascontiguousarray(a).tobytes() for _, a in parts)
+    raw_len = len(payload)
+    flags = 0
+    if compression == "zstd":
+        from numcodecs import Zstd
+
+        payload = bytes(Zstd(level=1).encode(payload))
+        flags |= FLAG_ZSTD
+    header = json.dumps(
+        {
+            "n": len(recs),
+            "k": k,
+            "keys": [r.key for r in recs],
+            "lengths": [r.length for r in recs],
+            "arrays": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in parts],
+            "raw_len": raw_len,
+        },
+        separators=(",", ":"),
+    ).encode()
+    body = header + payload
+    return b"".join(
+        [
+            _PREFIX.pack(MAGIC, WIRE_VERSION, flags, len(header), len(payload)),
+            body,
+            _CRC.pack(zlib.crc32(body)),
+        ]
+    )
+
+
+def _frame_size(buf: memoryview, pos: int) -> int | None:
+    """Total size of the frame starting at ``pos``, or None if its prefix is incomplete."""
+    if len(buf) - pos < _PREFIX.size:
+        return None
+    magic, version, _flags, hlen, plen = _PREFIX.unpack_from(buf, pos)
+    if magic != MAGIC:
+        raise WireFormatError(f"bad frame magic {bytes(magic)!r} at byte {pos}")
+    if version != WIRE_VERSION:
+        raise WireFormatError(f"unsupported wire version {version} (this library reads 1)")
+    return _PREFIX.size + hlen + plen + _CRC.size
+
+
+def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
+    _magic, _version, flags, hlen, plen = _PREFIX.unpack_from(frame, 0)
+    body = frame[_PREFIX.size : _PREFIX.size + hlen + plen]
+    (crc,) = _CRC.unpack_from(frame, _PREFIX.size + hlen + plen)
+    if zlib.crc32(body) != crc:
+        raise WireFormatError("frame CRC32 mismatch (corrupted or truncated data)")
+    try:
+        header = json.loads(bytes(body[:hlen]))
+        n, lengths, keys = int(header["n"]), header["lengths"], header["keys"]
+        specs = header["arrays"]
+        raw_len = int(header["raw_len"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise WireFormatError(f"bad frame header: {e}") from e
+    payload = bytes(body[hlen:])
+    if flags & FLAG_ZSTD:
+        from numcodecs import Zstd
+
+        payload = bytes(Zstd().decode(payload))
+    if len(payload) != raw_len or len(lengths) != n or len(keys) != n:
+        raise WireFormatError("frame header disagrees with its payload")
+    arrays: dict[str, np.ndarray] = {}
+    pos = 0
+    for s in specs:
+        name, dt, shape = s.get("name"), s.get("dtype"), tuple(s.get("shape", ()))
+        if name not in _ALLOWED or dt not in _ALLOWED[name]:
+            raise WireFormatError(f"unexpected array {name!r} of dtype {dt!r} in frame")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        if pos + nbytes > len(payload):
+            raise WireFormatError(f"array {name} overruns the payload")
+        arrays[name] = np.frombuffer(
+            payload, dtype=dt, count=nbytes // np.dtype(dt).itemsize, offset=pos
+        ).reshape(shape)
+        pos += nbytes
+    if n == 0:
+        return []
+    need = {"input_ids", "topk_ids", "topk_logprobs"}
+    if not need <= arrays.keys():
+        raise WireFormatError(f"frame lacks arrays {sorted(need - arrays.keys())}")
+    total = int(sum(lengths))
+    if arrays["input_ids"].shape != (total,) or arrays["topk_ids"].shape[0] != total - n:
+        raise WireFormatError("frame array shapes disagree with lengths")
+    lp = arrays["topk_logprobs"].astype(np.float32)
+    tail = arrays.get("tail_mass")
+    out, t, r = [], 0, 0
+    for key, L in zip(keys, lengths, strict=True):
+        L = int(L)
+        out.append(
+            SequenceRecord(
+                key,
+                arrays["input_ids"][t : t + L].copy(),
+                arrays["topk_ids"][r : r + L - 1].copy(),
+                lp[r : r + L - 1].copy(),
+                None if tail is None else tail[r : r + L - 1].copy(),
+            )
+        )
+        t, r = t + L, r + L - 1
+    return out
+
+
+class FrameDecoder:
+    """Incremental decoder for a byte stream of frames (e.g. an HTTP response body).
+
+    ``feed(chunk)`` returns the records of every frame completed by ``chunk``; ``close()`` raises
+    :class:`WireFormatError` if a partial frame is left over.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> list[SequenceRecord]:
+        self._buf += chunk
+        out: list[SequenceRecord] = []
+        pos = 0
+        view = memoryview(self._buf)
+        try:
+            while True:
+                size = _frame_size(view, pos)
+                if size is None or len(view) - pos < size:
+                    break
+                out.extend(_decode_frame(view[pos : pos + size]))
+                pos += size
+        finally:
+            view.release()
+        del self._buf[:pos]
+        return out
+
+    def close(self) -> None:
+        if self._buf:
+            raise WireFormatError(f"stream ended inside a frame ({len(self._buf)} bytes left)")
+
+
+def decode_records(data: bytes | bytearray | memoryview) -> list[SequenceRecord]:
+    """Records of every frame in ``data`` (one frame or several concatenated)."""
+    dec = FrameDecoder()
+    out = dec.feed(bytes(data))
+    dec.close()
+    return out
+
+
+def iter_decode(chunks: Iterable[bytes]) -> Iterable[SequenceRecord]:
+    """Yield records from an iterable of byte chunks (frames may span chunks)."""
+    dec = FrameDecoder()
+    for chunk in chunks:
+        yield from dec.feed(chunk)
+    dec.close()

@@ -1,0 +1,275 @@
+"""Appending sequences to a cache, crash-safely (FORMAT.md §5 "Writing").
+
+Transaction of :meth:`CacheWriter.append` (rules W1-W6 of FORMAT.md):
+
+1. validate and encode the whole batch in memory (nothing is written on bad input);
+2. take the writer lock; re-read the committed manifest (another process may have appended);
+3. drop records whose key is committed already (or repeated within the batch);
+4. for every array: resize to ``committed + new`` and write the new rows (each object write is
+   atomic: LocalStore writes via rename, object stores via single PUT);
+5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1``;
+6. release the lock.
+
+A writer killed before step 5 leaves data past the committed counts, which readers ignore and the
+next writer overwrites; a writer killed after step 5 has committed. Committed bytes are never
+changed: partially filled shards are rewritten (read-modify-write) with identical committed bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from . import spec
+from .errors import FormatError, ManifestError, RecordError
+from .layout import (
+    INCOMPLETE_ATTR,
+    array_defs,
+    create_array,
+    parse_root,
+    read_root_attrs,
+    root_attrs_for,
+    write_root_attrs,
+)
+from .lock import make_lock
+from .manifest import Manifest, utcnow
+from .quant import encode_logprobs
+from .records import SequenceRecord, check_record
+from .store import StoreHandle, open_store
+
+
+@dataclass
+class _Encoded:
+    """One validated record, in storage dtypes."""
+
+    key: str
+    input_ids: np.ndarray
+    arrays: dict[str, np.ndarray]  # row arrays by name
+
+
+def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = None) -> _Encoded:
+    """Validate ``rec`` against ``manifest`` and convert to the stored dtypes (RecordError)."""
+    if not isinstance(rec, SequenceRecord):
+        raise RecordError(f"expected SequenceRecord, got {type(rec).__name__}", index=index)
+    check_record(rec, k=manifest.k, vocab_size=manifest.vocab_size, index=index)
+    arrays = encode_logprobs(rec.topk_logprobs, manifest.logprob_dtype)
+    arrays[spec.TOPK_IDS] = rec.topk_ids
+    arrays[spec.TAIL_MASS] = rec.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
+    return _Encoded(rec.key, rec.input_ids, arrays)
+
+
+class CacheWriter:
+    """Appends :class:`SequenceRecord` batches to a store; see the module docstring.
+
+    Use :meth:`open` (creates the store or resumes an existing one). Concurrency: appends from
+    several writers (threads or processes, local or object store) are serialised by the writer lock
+    and are therefore safe; each append re-reads the committed state under the lock.
+    """
+
+    def __init__(
+        self,
+        handle: StoreHandle,
+        manifest: Manifest,
+        *,
+        layout: spec.Layout,
+        lock_timeout: float,
+        lock_ttl: float,
+    ):
+        self._handle = handle
+        self._store = handle.zstore
+        self._manifest = manifest
+        self._layout = layout
+        self._lock = make_lock(handle, ttl=lock_ttl)
+        self._lock_timeout = lock_timeout
+        self._keys: set[str] = set()
+        self._known = 0  # number of committed sequences whose keys are in self._keys
+        self._closed = False
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(
+        cls,
+        url: str | Path,
+        manifest: Manifest,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        layout: spec.Layout | None = None,
+        lock_timeout: float = 60.0,
+        lock_ttl: float = 60.0,
+    ) -> CacheWriter:
+        """Create the cache at ``url`` or resume it.
+
+        Resuming checks the identity fields (:data:`~.manifest.IDENTITY_FIELDS`) of ``manifest``
+        against the store's and raises :class:`~.errors.ManifestMismatchError` on any difference;
+        the store's description fields (dataset, extra) are kept. ``layout`` only applies when
+        creating. ``lock_timeout``: seconds to wait for another writer's transaction;
+        ``lock_ttl``: object-store lease length (see lock.py).
+        """
+        if not isinstance(manifest, Manifest):
+            raise ManifestError(f"expected Manifest, got {type(manifest).__name__}")
+        handle = open_store(url, storage_options, read_only=False)
+        self = cls(
+            handle,
+            manifest.model_copy(deep=True),
+            layout=layout or spec.DEFAULT_LAYOUT,
+            lock_timeout=lock_timeout,
+            lock_ttl=lock_ttl,
+        )
+        self._lock.acquire(lock_timeout)
+        try:
+            attrs = read_root_attrs(self._store)
+            if attrs is None or (spec.ROOT_ATTR not in attrs and INCOMPLETE_ATTR in attrs):
+                self._create()
+            elif spec.ROOT_ATTR not in attrs:
+                raise FormatError(f"{url!s} holds a zarr group that is not a logitcache store")
+            else:
+                stored = parse_root(attrs)
+                stored.check_compatible(manifest)
+                self._manifest = stored
+            self._sync_keys()
+        finally:
+            self._lock.release()
+        return self
+
+    def _create(self) -> None:
+        """Create root (marked incomplete), all arrays, then commit an empty manifest."""
+        now = utcnow()
+        m = self._manifest.model_copy(
+            update=dict(
+                created=now, updated=now, num_sequences=0, num_rows=0, num_tokens=0, generation=0
+            )
+        )
+        write_root_attrs(
+            self._store, {"format_version": spec.FORMAT_VERSION, INCOMPLETE_ATTR: True}
+        )
+        for d in array_defs(m, self._layout):
+            create_array(self._store, d, m.k)
+        write_root_attrs(self._store, root_attrs_for(m))
+        self._manifest = m
+
+    # ------------------------------------------------------------------ state
+    def _refresh_manifest(self) -> Manifest:
+        attrs = read_root_attrs(self._store)
+        if attrs is None:
+            raise FormatError("store root disappeared while writing")
+        m = parse_root(attrs)
+        self._manifest = m
+        return m
+
+    def _sync_keys(self) -> None:
+        """Load keys of sequences committed since the last sync (by any writer)."""
+        n = self._manifest.num_sequences
+        if n > self._known:
+            arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
+            self._keys.update(str(x) for x in arr[self._known : n])
+            self._known = n
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest as of this writer's last commit or refresh."""
+        return self._manifest
+
+    @property
+    def num_sequences(self) -> int:
+        return self._manifest.num_sequences
+
+    @property
+    def url(self) -> str:
+        return self._handle.url
+
+    def contains(self, key: str) -> bool:
+        """Whether ``key`` is committed (as of this writer's last transaction)."""
+        return key in self._keys
+
+    # ------------------------------------------------------------------ appending
+    def append(self, records: Iterable[SequenceRecord]) -> int:
+        """Append ``records``; returns how many were newly committed (known keys are skipped).
+
+        The whole batch is validated first: any bad record raises :class:`~.errors.RecordError`
+        and nothing is written. Raises :class:`~.errors.WriterLockedError` if the lock is not
+        obtained within ``lock_timeout``.
+        """
+        if self._closed:
+            raise FormatError("writer is closed")
+        batch = list(records)
+        encoded = [encode_record(r, self._manifest, i) for i, r in enumerate(batch)]
+        if not encoded:
+            return 0
+        self._lock.acquire(self._lock_timeout)
+        try:
+            m = self._refresh_manifest()
+            self._sync_keys()
+            fresh: list[_Encoded] = []
+            seen: set[str] = set()
+            for e in encoded:
+                if e.key not in self._keys and e.key not in seen:
+                    seen.add(e.key)
+                    fresh.append(e)
+            if not fresh:
+                return 0
+            self._write(m, fresh)
+            self._lock.check()
+            new = m.model_copy(
+                update=dict(
+                    num_sequences=m.num_sequences + len(fresh),
+                    num_rows=m.num_rows + sum(len(e.input_ids) - 1 for e in fresh),
+                    num_tokens=m.num_tokens + sum(len(e.input_ids) for e in fresh),
+                    generation=m.generation + 1,
+                    updated=utcnow(),
+                )
+            )
+            write_root_attrs(self._store, root_attrs_for(new))
+            self._manifest = new
+            self._keys.update(seen)
+            self._known = new.num_sequences
+            return len(fresh)
+        finally:
+            self._lock.release()
+
+    def _columns(self, m: Manifest, fresh: list[_Encoded]) -> dict[str, np.ndarray]:
+        """Concatenate the batch into one block per array, with global offsets."""
+        lengths = np.array([len(e.input_ids) for e in fresh], dtype=np.int64)
+        tok_start = m.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        row_start = m.num_rows + np.concatenate([[0], np.cumsum(lengths - 1)[:-1]])
+        cols = {
+            name: np.concatenate([e.arrays[name] for e in fresh], axis=0)
+            for name in fresh[0].arrays
+        }
+        cols[spec.INPUT_IDS] = np.concatenate([e.input_ids for e in fresh])
+        cols[spec.SEQ_KEYS] = np.array([e.key for e in fresh], dtype=object)
+        cols[spec.SEQ_LENGTHS] = lengths.astype(np.int32)
+        cols[spec.SEQ_TOKEN_START] = tok_start.astype(np.int64)
+        cols[spec.SEQ_ROW_START] = row_start.astype(np.int64)
+        return cols
+
+    def _write(self, m: Manifest, fresh: list[_Encoded]) -> None:
+        """Steps 4 of the transaction: grow every array and write the new rows past the commit."""
+        cols = self._columns(m, fresh)
+        base = {
+            spec.INPUT_IDS: m.num_tokens,
+            **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
+        }
+        for d in array_defs(m, self._layout):
+            data = cols[d.name]
+            start = base.get(d.name, m.num_rows)
+            arr = zarr.open_array(self._store, path=d.name, mode="r+")
+            stop = start + data.shape[0]
+            arr.resize((stop, *arr.shape[1:]))
+            arr[start:stop] = data
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Release resources; idempotent. Everything appended is already committed."""
+        self._closed = True
+        self._lock.release()
+
+    def __enter__(self) -> CacheWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
