@@ -1,0 +1,228 @@
+"""Named caches under the server's store root, and the one writer per cache this process holds.
+
+A cache name maps to ``<store_root>/<name>`` (a local directory or an object-store prefix). Names
+match :data:`NAME_PATTERN` (letters, digits, ``.``, ``_``, ``-``; no ``/``, no ``..``, at most 128
+characters), so no name can leave the root.
+
+Before anything is written the server's expected manifest (from the engine: teacher, revision,
+tokenizer fingerprint, vocab size, temperature, logprob mode, and the requested k) is compared
+with an existing cache's; any difference is a :class:`~logitcache.server.errors.ConflictError`
+(409). Storage dtypes (``logprob_dtype``, ``tail_mass_dtype``) are the cache's own: a resumed cache
+keeps what it was created with.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
+from logitcache.cache_format.errors import ManifestError, StoreNotFoundError
+
+from .errors import ConflictError, InvalidCacheNameError, NotFoundError
+
+if TYPE_CHECKING:
+    from .engine import EngineInfo
+
+#: Allowed cache names.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+#: Manifest fields that say which teacher distribution a cache holds (``k`` is checked apart).
+TEACHER_FIELDS: tuple[str, ...] = (
+    "teacher_model",
+    "teacher_revision",
+    "tokenizer_fingerprint",
+    "vocab_size",
+    "temperature",
+    "logprob_mode",
+)
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a valid cache name, else raise :class:`InvalidCacheNameError`."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise InvalidCacheNameError(
+            f"invalid cache name {name!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or "
+            "digit, without '..'"
+        )
+    return name
+
+
+def is_url(root: str) -> bool:
+    """Whether ``root`` is a URL (``scheme://...``) rather than a local path."""
+    return "://" in root
+
+
+@dataclass
+class _OpenWriter:
+    writer: CacheWriter
+    manifest: Manifest
+    users: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class WriterHandle:
+    """A shared, serialised view of one cache's writer (see :meth:`CacheRegistry.writer`)."""
+
+    def __init__(self, name: str, entry: _OpenWriter):
+        self.name = name
+        self._entry = entry
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._entry.manifest
+
+    def append(self, records: Sequence[SequenceRecord]) -> int:
+        """Append (and commit) records; keys already present are skipped. Returns new count."""
+        with self._entry.lock:
+            return self._entry.writer.append(list(records))
+
+    def contains(self, key: str) -> bool:
+        with self._entry.lock:
+            return self._entry.writer.contains(key)
+
+    def missing(self, keys: Sequence[str]) -> list[str]:
+        """The keys of ``keys`` not yet committed, in order."""
+        with self._entry.lock:
+            return [k for k in keys if not self._entry.writer.contains(k)]
+
+
+class CacheRegistry:
+    """Resolves cache names to store URLs, lists caches, and shares one writer per cache.
+
+    Thread-safe: writers are opened, shared and closed under a lock; appends to one cache are
+    serialised by that cache's own lock.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None):
+        if not is_url(root):
+            root = str(Path(root).expanduser().resolve())
+            Path(root).mkdir(parents=True, exist_ok=True)
+        self.root = root.rstrip("/")
+        self.storage_options = dict(storage_options or {}) or None
+        self._lock = threading.Lock()
+        self._writers: dict[str, _OpenWriter] = {}
+
+    # --- naming / discovery ---------------------------------------------------------------
+
+    def url(self, name: str) -> str:
+        """The store URL (or local path) of cache ``name`` (validated)."""
+        return f"{self.root}/{check_name(name)}"
+
+    def names(self) -> list[str]:
+        """Names of the caches (entries with a root ``zarr.json``) under the root, sorted."""
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(self.root, **(self.storage_options or {}))
+        try:
+            entries = fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if e.get("type") != "directory" or not NAME_PATTERN.fullmatch(name):
+                continue
+            if fs.exists(f"{path.rstrip('/')}/{name}/zarr.json"):
+                out.append(name)
+        return sorted(out)
+
+    def reader(self, name: str) -> CacheReader:
+        """A reader of cache ``name``; :class:`NotFoundError` if there is none."""
+        url = self.url(name)
+        try:
+            return CacheReader(url, storage_options=self.storage_options)
+        except (StoreNotFoundError, FileNotFoundError) as e:
+            raise NotFoundError(f"no cache named {name!r}") from e
+
+    def manifest(self, name: str) -> Manifest | None:
+        """The committed manifest of cache ``name``, or ``None`` if the cache does not exist."""
+        try:
+            return self.reader(name).manifest
+        except NotFoundError:
+            return None
+        except ManifestError:
+            return None
+
+    # --- identity checks ------------------------------------------------------------------
+
+    def target_manifest(self, name: str, expected: Manifest, *, k: int | None) -> Manifest:
+        """The manifest a writer of ``name`` must use for ``expected``'s teacher.
+
+        For a new cache: ``expected``. For an existing cache: its own
+        manifest, after checking that every teacher field and ``k`` (when given) agree; any
+        difference raises :class:`ConflictError` listing them.
+        """
+        stored = self.manifest(name)
+        if stored is None:
+            return expected
+        diff: dict[str, Any] = {
+            f: {"cache": getattr(stored, f), "server": getattr(expected, f)}
+            for f in TEACHER_FIELDS
+            if getattr(stored, f) != getattr(expected, f)
+        }
+        if k is not None and k != stored.k:
+            diff["k"] = {"cache": stored.k, "request": k}
+        if diff:
+            raise ConflictError(
+                f"cache {name!r} was made with another teacher configuration: "
+                + ", ".join(sorted(diff)),
+                detail=diff,
+            )
+        return stored
+
+    # --- shared writers -------------------------------------------------------------------
+
+    @contextmanager
+    def writer(self, name: str, manifest: Manifest) -> Iterator[WriterHandle]:
+        """Use the process's writer of cache ``name`` (opened on first use, closed on last)."""
+        url = self.url(name)
+        with self._lock:
+            entry = self._writers.get(name)
+            if entry is None:
+                w = CacheWriter.open(url, manifest, storage_options=self.storage_options)
+                entry = _OpenWriter(writer=w, manifest=manifest)
+                self._writers[name] = entry
+            elif entry.manifest.identity() != manifest.identity():
+                raise ConflictError(f"cache {name!r} is open with another manifest")
+            entry.users += 1
+        try:
+            yield WriterHandle(name, entry)
+        finally:
+            with self._lock:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._writers[name]
+                    with entry.lock:
+                        entry.writer.close()
+
+    def close(self) -> None:
+        """Close every open writer (shutdown)."""
+        with self._lock:
+            entries = list(self._writers.values())
+            self._writers.clear()
+        for entry in entries:
+            with entry.lock:
+                entry.writer.close()
+
+
+def expected_manifest(
+    info: EngineInfo, *, k: int, logprob_dtype: str, dataset: str = ""
+) -> Manifest:
+    """The manifest of a new cache of top-``k`` rows from the engine described by ``info``."""
+    return Manifest(
+        teacher_model=info.model_id,
+        teacher_revision=info.revision or "main",
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        vocab_size=info.vocab_size,
+        k=k,
+        temperature=info.temperature,
+        logprob_mode=info.logprob_mode,
+        logprob_dtype=logprob_dtype,  # type: ignore[arg-type]
+        dataset=dataset,
+    )

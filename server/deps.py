@@ -1,0 +1,40 @@
+"""The per-app service container and its request accessor (routes reach services only here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+
+from .errors import UnavailableError
+
+if TYPE_CHECKING:
+    from .caches import CacheRegistry
+    from .engine import TeacherEngine
+    from .jobs import JobRunner
+    from .metrics import Metrics
+    from .scoring import ScoringService
+    from .settings import ServerSettings
+
+
+@dataclass
+class Services:
+    """Everything a route may use; built by the app's lifespan, stored on ``app.state``."""
+
+    settings: ServerSettings
+    engine: TeacherEngine
+    caches: CacheRegistry
+    scoring: ScoringService
+    jobs: JobRunner
+    metrics: Metrics
+
+
+def get_services(request: Request) -> Services:
+    services = getattr(request.app.state, "services", None)
+    if services is None:
+        raise UnavailableError("the service is starting or stopping")
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]

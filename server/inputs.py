@@ -1,0 +1,300 @@
+"""Input sequences of scoring requests and jobs: reading, tokenising, checking, keying, batching.
+
+A raw input record has ``text`` *or* token ids, and optionally an ``id``. Its sequence key is
+``str(id)`` when given, else :func:`logitcache.cache_format.records.content_key` of its token ids
+(so text and ids inputs that tokenise alike share a key). A sequence must hold
+``2 <= L <= max_len`` tokens, each in ``[0, vocab_size)``.
+
+Job batches are a pure function of the input and two limits (:func:`batches`), so a resumed job
+re-forms exactly the batches of the first run: each batch still missing a key is scored whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from logitcache.cache_format.records import content_key
+
+from .errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
+from .protocol import InlineRecord, InputFile
+
+#: Most per-record problems listed in one error answer.
+MAX_LISTED_ERRORS = 20
+
+Tokenize = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a sequence must satisfy: ``2 <= len <= max_len`` and ids in ``[0, vocab_size)``."""
+
+    vocab_size: int
+    max_len: int
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One input record as read: where it came from, its id (or None), text or ids."""
+
+    where: str
+    id: str | None
+    text: str | None
+    input_ids: Any
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """A checked input sequence: its key and ``[L]`` int32 token ids."""
+
+    key: str
+    input_ids: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def check_ids(ids: Any, limits: Limits, where: str) -> np.ndarray:
+    """``ids`` as an int32 array after the length and vocabulary checks (InvalidInputError)."""
+    if isinstance(ids, np.ndarray):
+        arr = ids
+    else:
+        if not isinstance(ids, list | tuple) or not all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
+        ):
+            raise InvalidInputError(f"{where}: token ids must be a list of integers")
+        arr = np.asarray(ids, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidInputError(f"{where}: token ids must be a 1-D list of integers")
+    n = int(arr.shape[0])
+    if n < 2:
+        raise InvalidInputError(f"{where}: a sequence needs at least 2 tokens, got {n}")
+    if n > limits.max_len:
+        raise PayloadTooLargeError(
+            f"{where}: {n} tokens exceed the server's max sequence length {limits.max_len}"
+        )
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= limits.vocab_size:
+        bad = int(arr[(arr < 0) | (arr >= limits.vocab_size)][0])
+        raise InvalidInputError(
+            f"{where}: token id {bad} outside the teacher's vocabulary [0, {limits.vocab_size})"
+        )
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def to_sequence(raw: RawRecord, tokenize: Tokenize, limits: Limits) -> Sequence:
+    """Tokenise (if text), check and key one raw record."""
+    if (raw.text is None) == (raw.input_ids is None):
+        raise InvalidInputError(f"{raw.where}: give exactly one of text or token ids")
+    if raw.text is not None:
+        if not isinstance(raw.text, str):
+            raise InvalidInputError(f"{raw.where}: text must be a string")
+        ids: Any = tokenize(raw.text)
+    else:
+        ids = raw.input_ids
+    arr = check_ids(ids, limits, raw.where)
+    return Sequence(key=raw.id if raw.id is not None else content_key(arr), input_ids=arr)
+
+
+def _id_of(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise InvalidInputError(f"{where}: id must be a string or an integer")
+    key = str(value)
+    if not key:
+        raise InvalidInputError(f"{where}: id is empty")
+    return key
+
+
+# --- sources -------------------------------------------------------------------------------
+
+
+def resolve_input_path(data_dir: Path, rel: str) -> Path:
+    """The file ``rel`` under ``data_dir``; relative, no escape (symlinks resolved), must exist."""
+    base = data_dir.expanduser().resolve()
+    if not rel or Path(rel).is_absolute():
+        raise InvalidPathError(f"input path {rel!r} must be relative to the data directory")
+    path = (base / rel).resolve()
+    if not path.is_relative_to(base):
+        raise InvalidPathError(f"input path {rel!r} leaves the data directory")
+    if not path.is_file():
+        raise InvalidPathError(f"input file {rel!r} does not exist in the data directory")
+    return path
+
+
+def input_format(spec: InputFile, path: Path) -> str:
+    if spec.format is not None:
+        return spec.format
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise InvalidInputError(f"cannot tell the format of {spec.path!r}: set format")
+
+
+def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
+    if not isinstance(obj, dict):
+        raise InvalidInputError(f"{where}: expected an object")
+    return RawRecord(
+        where=where,
+        id=_id_of(obj.get(spec.id_field), where),
+        text=obj.get(spec.text_field),
+        input_ids=obj.get(spec.ids_field),
+    )
+
+
+def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{spec.path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidInputError(f"{where}: invalid JSON ({e.msg})") from e
+            yield _from_mapping(obj, spec, where)
+
+
+def _read_parquet(path: Path, spec: InputFile) -> Iterator[RawRecord]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a bad file
+        raise InvalidInputError(f"{spec.path}: not a readable Parquet file ({e})") from e
+    names = set(pf.schema_arrow.names)
+    cols = [c for c in (spec.id_field, spec.text_field, spec.ids_field) if c in names]
+    if spec.text_field not in names and spec.ids_field not in names:
+        raise InvalidInputError(
+            f"{spec.path}: no column {spec.text_field!r} or {spec.ids_field!r} "
+            f"(has {sorted(names)})"
+        )
+    row = 0
+    for batch in pf.iter_batches(batch_size=4096, columns=cols):
+        for obj in batch.to_pylist():
+            yield _from_mapping(obj, spec, f"{spec.path} row {row}")
+            row += 1
+
+
+def raw_records(
+    *, file: InputFile | None, records: list[InlineRecord] | None, data_dir: Path
+) -> Iterator[RawRecord]:
+    """The raw records of a job's input, in order."""
+    if records is not None:
+        for i, r in enumerate(records):
+            where = f"records[{i}]"
+            yield RawRecord(where=where, id=_id_of(r.id, where), text=r.text, input_ids=r.input_ids)
+        return
+    if file is None:
+        raise InvalidInputError("a job needs a file or records")
+    path = resolve_input_path(data_dir, file.path)
+    if input_format(file, path) == "jsonl":
+        yield from _read_jsonl(path, file)
+    else:
+        yield from _read_parquet(path, file)
+
+
+def input_digest(
+    *, file: InputFile | None, records: list[InlineRecord] | None, data_dir: Path
+) -> str:
+    """SHA-256 of the input (file bytes, or the inline records' JSON): detects a changed file."""
+    h = hashlib.sha256()
+    if records is not None:
+        h.update(json.dumps([r.model_dump() for r in records], sort_keys=True).encode())
+    elif file is not None:
+        with resolve_input_path(data_dir, file.path).open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def sequences(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> Iterator[Sequence]:
+    """Checked, keyed sequences in input order; repeated content keys are dropped.
+
+    Raises :class:`InvalidInputError` at the first bad record, or at an explicit id used twice.
+    """
+    seen: set[str] = set()
+    for raw in raws:
+        seq = to_sequence(raw, tokenize, limits)
+        if seq.key in seen:
+            if raw.id is not None:
+                raise InvalidInputError(f"{raw.where}: id {raw.id!r} appears more than once")
+            continue
+        seen.add(seq.key)
+        yield seq
+
+
+@dataclass(frozen=True)
+class InputSummary:
+    sequences: int
+    tokens: int
+
+
+def scan(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> InputSummary:
+    """Check every record before a job is accepted; list up to :data:`MAX_LISTED_ERRORS` errors.
+
+    Raises :class:`InvalidInputError` (422) with ``detail`` = the problems found, or for empty
+    input. Nothing is written either way.
+    """
+    n = tokens = 0
+    errors: list[str] = []
+    seen: dict[str, bool] = {}
+    it = iter(raws)
+    while True:
+        try:
+            raw = next(it)
+        except StopIteration:
+            break
+        except (InvalidInputError, PayloadTooLargeError) as e:  # unreadable source: stop here
+            errors.append(e.message)
+            break
+        try:
+            seq = to_sequence(raw, tokenize, limits)
+        except (InvalidInputError, PayloadTooLargeError) as e:
+            errors.append(e.message)
+            if len(errors) >= MAX_LISTED_ERRORS:
+                break
+            continue
+        if seq.key in seen:
+            if raw.id is not None:
+                errors.append(f"{raw.where}: id {raw.id!r} appears more than once")
+            continue
+        seen[seq.key] = True
+        n += 1
+        tokens += seq.length
+    if errors:
+        raise InvalidInputError(
+            f"the input has {len(errors)}{'+' if len(errors) >= MAX_LISTED_ERRORS else ''} "
+            f"invalid record(s); first: {errors[0]}",
+            detail=errors,
+        )
+    if n == 0:
+        raise InvalidInputError("the input holds no sequence")
+    return InputSummary(sequences=n, tokens=tokens)
+
+
+def batches(
+    seqs: Iterable[Sequence], *, max_sequences: int, max_tokens: int
+) -> Iterator[list[Sequence]]:
+    """Consecutive batches: a batch closes at ``max_sequences`` sequences, or before the sequence
+    that would take it past ``max_tokens`` tokens (a longer single sequence forms its own batch).
+    """
+    batch: list[Sequence] = []
+    tokens = 0
+    for s in seqs:
+        if batch and (len(batch) >= max_sequences or tokens + s.length > max_tokens):
+            yield batch
+            batch, tokens = [], 0
+        batch.append(s)
+        tokens += s.length
+    if batch:
+        yield batch

@@ -1,0 +1,222 @@
+"""Durable job records: one SQLite table, one row per job, every change committed at once.
+
+State machine (``JobState``)::
+
+    queued -> running -> succeeded | failed | cancelled
+    queued -> cancelled
+    running -> queued          (server stopped or killed mid-job: resumed at the next start)
+
+Progress counters (``sequences_done``/``tokens_done``) only move after the cache has committed the
+batch they count, so after a crash the table never claims more than the cache holds. The cache's
+sequence keys, not these counters, decide what a resumed job skips.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .errors import NotFoundError
+from .protocol import JobState
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    cache TEXT NOT NULL,
+    k INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    input_digest TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    started_at TEXT,
+    finished_at TEXT,
+    sequences_total INTEGER NOT NULL,
+    sequences_done INTEGER NOT NULL DEFAULT 0,
+    tokens_total INTEGER NOT NULL,
+    tokens_done INTEGER NOT NULL DEFAULT 0,
+    errors TEXT NOT NULL DEFAULT '[]',
+    cancel_requested INTEGER NOT NULL DEFAULT 0
+)
+"""
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One row of the job table (``spec`` is the submitted ``JobCreate`` as a dict)."""
+
+    id: str
+    cache: str
+    k: int
+    state: JobState
+    spec: dict[str, Any]
+    input_digest: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    sequences_total: int
+    sequences_done: int
+    tokens_total: int
+    tokens_done: int
+    errors: list[str]
+    cancel_requested: bool
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> JobRecord:
+        def ts(v: str | None) -> datetime | None:
+            return datetime.fromisoformat(v) if v else None
+
+        return cls(
+            id=row["id"],
+            cache=row["cache"],
+            k=row["k"],
+            state=JobState(row["state"]),
+            spec=json.loads(row["spec"]),
+            input_digest=row["input_digest"],
+            created_at=datetime.fromisoformat(row["created_at"]),
+            started_at=ts(row["started_at"]),
+            finished_at=ts(row["finished_at"]),
+            sequences_total=row["sequences_total"],
+            sequences_done=row["sequences_done"],
+            tokens_total=row["tokens_total"],
+            tokens_done=row["tokens_done"],
+            errors=json.loads(row["errors"]),
+            cancel_requested=bool(row["cancel_requested"]),
+        )
+
+
+class JobStore:
+    """The job table. Thread-safe (one connection behind a lock); WAL journal, full sync."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, args)
+
+    # --- create / read ----------------------------------------------------------------------
+
+    def create(
+        self,
+        *,
+        cache: str,
+        k: int,
+        spec: dict[str, Any],
+        input_digest: str,
+        sequences_total: int,
+        tokens_total: int,
+    ) -> JobRecord:
+        """Insert a queued job and return it."""
+        job_id = uuid.uuid4().hex
+        self._exec(
+            "INSERT INTO jobs (id, cache, k, state, spec, input_digest, created_at,"
+            " sequences_total, tokens_total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                job_id,
+                cache,
+                k,
+                JobState.queued.value,
+                json.dumps(spec),
+                input_digest,
+                _now(),
+                sequences_total,
+                tokens_total,
+            ),
+        )
+        return self.get(job_id)
+
+    def get(self, job_id: str) -> JobRecord:
+        row = self._exec("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no job with id {job_id!r}")
+        return JobRecord.from_row(row)
+
+    def list(self) -> list[JobRecord]:
+        rows = self._exec("SELECT * FROM jobs ORDER BY created_at, id").fetchall()
+        return [JobRecord.from_row(r) for r in rows]
+
+    def next_queued(self) -> JobRecord | None:
+        """The oldest queued job."""
+        row = self._exec(
+            "SELECT * FROM jobs WHERE state = ? ORDER BY created_at, id LIMIT 1",
+            (JobState.queued.value,),
+        ).fetchone()
+        return JobRecord.from_row(row) if row is not None else None
+
+    # --- transitions ------------------------------------------------------------------------
+
+    def requeue_interrupted(self) -> int:
+        """Put jobs left ``running`` by a stopped or killed server back in the queue."""
+        cur = self._exec(
+            "UPDATE jobs SET state = ? WHERE state = ?",
+            (JobState.queued.value, JobState.running.value),
+        )
+        return cur.rowcount
+
+    def start(self, job_id: str) -> bool:
+        """``queued -> running``; ``False`` if the job was no longer queued (e.g. cancelled)."""
+        cur = self._exec(
+            "UPDATE jobs SET state = ?, started_at = COALESCE(started_at, ?) "
+            "WHERE id = ? AND state = ? AND cancel_requested = 0",
+            (JobState.running.value, _now(), job_id, JobState.queued.value),
+        )
+        return cur.rowcount == 1
+
+    def progress(self, job_id: str, *, sequences_done: int, tokens_done: int) -> None:
+        self._exec(
+            "UPDATE jobs SET sequences_done = ?, tokens_done = ? WHERE id = ?",
+            (sequences_done, tokens_done, job_id),
+        )
+
+    def finish(self, job_id: str, state: JobState, error: str | None = None) -> None:
+        """Move to a terminal ``state``; ``error`` is appended to the job's error list."""
+        with self._lock:
+            row = self._db.execute("SELECT errors FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            errors = json.loads(row["errors"]) if row is not None else []
+            if error:
+                errors.append(error)
+            self._db.execute(
+                "UPDATE jobs SET state = ?, finished_at = ?, errors = ? WHERE id = ?",
+                (state.value, _now(), json.dumps(errors), job_id),
+            )
+
+    def request_cancel(self, job_id: str) -> JobRecord:
+        """Cancel: a queued job is cancelled at once; a running one is flagged for the runner.
+
+        Terminal jobs are left as they are (cancelling them is a no-op).
+        """
+        self.get(job_id)
+        live = (JobState.queued.value, JobState.running.value)
+        self._exec(
+            "UPDATE jobs SET cancel_requested = 1 WHERE id = ? AND state IN (?, ?)",
+            (job_id, *live),
+        )
+        self._exec(
+            "UPDATE jobs SET state = ?, finished_at = ? WHERE id = ? AND state = ?",
+            (JobState.cancelled.value, _now(), job_id, JobState.queued.value),
+        )
+        return self.get(job_id)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        row = self._exec("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return bool(row is not None and row["cancel_requested"])

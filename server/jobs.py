@@ -1,0 +1,399 @@
+"""Background batch jobs: score an input into a named cache, restart-safe, without blocking HTTP.
+
+Submission (:meth:`JobRunner.submit`) checks everything before a job exists: cache name, k, the
+cache's teacher identity (409), and every input record (ids, lengths, duplicate ids; 422 listing
+the problems). A rejected job writes nothing and leaves no row.
+
+Running (one job at a time, oldest first) is a three-stage pipeline:
+
+1. a *reader* (a worker thread per step) forms the next batch of the input
+   (:func:`~logitcache.server.inputs.batches`, a pure function of the input) and asks the cache
+   which of its keys are missing;
+2. up to ``job_inflight_batches`` batches are handed to the engine at once, so it is never idle
+   while results are converted and written;
+3. a *writer thread*, fed by a bounded queue, appends each scored batch to the cache (one commit
+   per batch) and only then advances the job's progress counters.
+
+Resume: a job left ``running`` by a stopped or killed server is queued again at start-up; the same
+batches are formed again, a batch whose keys are all committed is skipped, any other batch is
+scored whole (keys already present are skipped by the writer). The cache's keys, not the job
+table, decide what is skipped, so nothing is lost or duplicated.
+
+Cancel (``DELETE``): a queued job is cancelled at once; a running job stops handing batches to the
+engine, writes what it has already scored, and ends ``cancelled``. Committed data stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from logitcache.cache_format import SequenceRecord
+
+from . import inputs
+from .caches import CacheRegistry, WriterHandle, check_name
+from .errors import ServiceError
+from .protocol import JobCreate, JobState, JobStatus
+from .scoring import ScoringService, to_records
+
+if TYPE_CHECKING:
+    from .job_store import JobRecord, JobStore
+    from .metrics import Metrics
+    from .settings import ServerSettings
+
+log = logging.getLogger("logitcache.server.jobs")
+
+
+@dataclass
+class _Batch:
+    """One fixed batch of a job: its sequences, and whether any key is still missing."""
+
+    seqs: list[inputs.Sequence]
+    todo: bool
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.seqs)
+
+
+@dataclass
+class _RunStats:
+    """Throughput of the current (or last) run of a job, in this process."""
+
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    tokens_scored: int = 0
+
+    def rate(self) -> float | None:
+        elapsed = (self.ended or time.monotonic()) - self.started
+        if elapsed <= 0 or self.tokens_scored == 0:
+            return None
+        return self.tokens_scored / elapsed
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _WriterThread:
+    """Appends scored batches to a cache in order and advances the job's committed progress."""
+
+    def __init__(
+        self,
+        *,
+        job: JobRecord,
+        writer: WriterHandle,
+        store: JobStore,
+        metrics: Metrics,
+        stats: _RunStats,
+        maxsize: int,
+    ):
+        self.job = job
+        self.writer = writer
+        self.store = store
+        self.metrics = metrics
+        self.stats = stats
+        self.sequences_done = 0
+        self.tokens_done = 0
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[tuple[_Batch, list[SequenceRecord] | None] | None] = queue.Queue(
+            maxsize
+        )
+        self._thread = threading.Thread(target=self._run, name=f"job-writer-{job.id}", daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple[_Batch, list[SequenceRecord] | None] | None) -> None:
+        """Blocking put (call from a worker thread); raises the writer's error if it died."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def join(self) -> None:
+        self.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                batch, records = item
+                if records is not None:
+                    self.writer.append(records)
+                    self.stats.tokens_scored += batch.tokens
+                self.sequences_done += len(batch.seqs)
+                self.tokens_done += batch.tokens
+                self.store.progress(
+                    self.job.id, sequences_done=self.sequences_done, tokens_done=self.tokens_done
+                )
+                self.metrics.job_progress(
+                    self.job.id,
+                    sequences_done=self.sequences_done,
+                    tokens_done=self.tokens_done,
+                    total=self.job.tokens_total,
+                )
+        except BaseException as e:  # noqa: BLE001 - reported to the job, never lost
+            self.error = e
+            while True:  # unblock a producer waiting on a full queue
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+
+
+class JobRunner:
+    """Owns the job loop: submit, list, status, cancel; runs queued jobs in the background."""
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        scoring: ScoringService,
+        caches: CacheRegistry,
+        settings: ServerSettings,
+        metrics: Metrics,
+    ):
+        self.store = store
+        self.scoring = scoring
+        self.caches = caches
+        self.settings = settings
+        self.metrics = metrics
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._current: str | None = None
+        self._cancel = threading.Event()
+        self._stats: dict[str, _RunStats] = {}
+        metrics.watch_job_states(lambda: [j.state.value for j in self.store.list()])
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Queue jobs interrupted by the last shutdown or crash, then start the loop."""
+        n = self.store.requeue_interrupted()
+        if n:
+            log.info("resuming %d interrupted job(s)", n)
+        self._task = asyncio.create_task(self._loop(), name="job-runner")
+
+    async def stop(self) -> None:
+        """Stop after the running job's in-flight batches; it stays queued for the next start."""
+        self._stopping = True
+        self._cancel.set()
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # --- API --------------------------------------------------------------------------------
+
+    async def submit(self, req: JobCreate) -> JobStatus:
+        """Check a job completely (nothing written on failure), store it queued, wake the loop."""
+        name = check_name(req.cache)
+        if req.records is not None and len(req.records) > self.settings.max_inline_records:
+            from .errors import PayloadTooLargeError
+
+            raise PayloadTooLargeError(
+                f"{len(req.records)} inline records exceed the limit of "
+                f"{self.settings.max_inline_records}; use an input file"
+            )
+        manifest = self.scoring.target_manifest(name, req.k, req.dataset or "")
+        summary, digest = await asyncio.to_thread(self._scan, req)
+        job = self.store.create(
+            cache=name,
+            k=manifest.k,
+            spec=req.model_dump(mode="json"),
+            input_digest=digest,
+            sequences_total=summary.sequences,
+            tokens_total=summary.tokens,
+        )
+        self._wake.set()
+        return self.status(job.id)
+
+    def _scan(self, req: JobCreate) -> tuple[inputs.InputSummary, str]:
+        raws = inputs.raw_records(
+            file=req.file, records=req.records, data_dir=self.settings.data_dir
+        )
+        digest = inputs.input_digest(
+            file=req.file, records=req.records, data_dir=self.settings.data_dir
+        )
+        return inputs.scan(raws, self.scoring.engine.tokenize, self.scoring.limits), digest
+
+    def status(self, job_id: str) -> JobStatus:
+        return self._status(self.store.get(job_id))
+
+    def list(self) -> list[JobStatus]:
+        return [self._status(j) for j in self.store.list()]
+
+    def cancel(self, job_id: str) -> JobStatus:
+        job = self.store.request_cancel(job_id)
+        if job.state == JobState.running and self._current == job_id:
+            self._cancel.set()
+        return self._status(job)
+
+    def _status(self, job: JobRecord) -> JobStatus:
+        stats = self._stats.get(job.id)
+        rate = stats.rate() if stats is not None else None
+        eta = None
+        if rate and job.state == JobState.running:
+            eta = max(job.tokens_total - job.tokens_done, 0) / rate
+        return JobStatus(
+            id=job.id,
+            cache=job.cache,
+            state=job.state,
+            k=job.k,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            sequences_total=job.sequences_total,
+            sequences_done=job.sequences_done,
+            tokens_total=job.tokens_total,
+            tokens_done=job.tokens_done,
+            tokens_per_s=rate,
+            eta_s=eta,
+            error=job.errors[-1] if job.errors else None,
+            errors=job.errors,
+        )
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            job = self.store.next_queued()
+            if job is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if not self.store.start(job.id):
+                continue
+            self._current = job.id
+            self._cancel.clear()
+            try:
+                await self._run_job(self.store.get(job.id))
+            finally:
+                self._current = None
+                self.metrics.job_ended(job.id)
+
+    async def _run_job(self, job: JobRecord) -> None:
+        stats = self._stats[job.id] = _RunStats()
+        try:
+            await self._pipeline(job, stats)
+        except _Cancelled:
+            if self._stopping and not self.store.cancel_requested(job.id):
+                self.store.requeue_interrupted()  # graceful stop: resume at next start
+            else:
+                self.store.finish(job.id, JobState.cancelled)
+        except asyncio.CancelledError:
+            raise
+        except ServiceError as e:
+            log.warning("job %s failed: %s", job.id, e.message)
+            self.store.finish(job.id, JobState.failed, e.message)
+        except Exception as e:  # noqa: BLE001 - any failure ends the job, with its message
+            log.exception("job %s failed", job.id)
+            self.store.finish(job.id, JobState.failed, f"{type(e).__name__}: {e}")
+        else:
+            self.store.finish(job.id, JobState.succeeded)
+        finally:
+            stats.ended = time.monotonic()
+
+    async def _pipeline(self, job: JobRecord, stats: _RunStats) -> None:
+        spec = JobCreate.model_validate(job.spec)
+        digest = await asyncio.to_thread(
+            inputs.input_digest,
+            file=spec.file,
+            records=spec.records,
+            data_dir=self.settings.data_dir,
+        )
+        if digest != job.input_digest:
+            raise ServiceError("the input file changed since the job was submitted")
+        manifest = self.scoring.target_manifest(job.cache, job.k, spec.dataset or "")
+        cm = self.caches.writer(job.cache, manifest)
+        handle = await asyncio.to_thread(cm.__enter__)
+        try:
+            await self._stream(job, spec, handle, stats)
+        finally:
+            await asyncio.to_thread(cm.__exit__, None, None, None)
+
+    def _batches(self, spec: JobCreate, handle: WriterHandle) -> Iterator[_Batch]:
+        raws = inputs.raw_records(
+            file=spec.file, records=spec.records, data_dir=self.settings.data_dir
+        )
+        seqs = inputs.sequences(raws, self.scoring.engine.tokenize, self.scoring.limits)
+        for b in inputs.batches(
+            seqs,
+            max_sequences=self.settings.job_batch_sequences,
+            max_tokens=self.settings.job_batch_tokens,
+        ):
+            yield _Batch(seqs=b, todo=bool(handle.missing([s.key for s in b])))
+
+    async def _stream(
+        self, job: JobRecord, spec: JobCreate, handle: WriterHandle, stats: _RunStats
+    ) -> None:
+        writer = _WriterThread(
+            job=job,
+            writer=handle,
+            store=self.store,
+            metrics=self.metrics,
+            stats=stats,
+            maxsize=self.settings.job_write_queue,
+        )
+        it = self._batches(spec, handle)
+        inflight: deque[tuple[_Batch, asyncio.Task[list[SequenceRecord]]]] = deque()
+        depth = self.settings.job_inflight_batches
+        try:
+            while True:
+                if self._cancel.is_set():
+                    raise _Cancelled
+                batch = await asyncio.to_thread(next, it, None)
+                if batch is None:
+                    break
+                if not batch.todo:
+                    if not inflight:
+                        await asyncio.to_thread(writer.put, (batch, None))
+                        continue
+                    inflight.append((batch, _done_task()))
+                else:
+                    task = asyncio.create_task(self._score(batch, job.k))
+                    inflight.append((batch, task))
+                while len(inflight) >= depth or (inflight and inflight[0][1].done()):
+                    b, t = inflight.popleft()
+                    records = await t
+                    await asyncio.to_thread(writer.put, (b, records if b.todo else None))
+            while inflight:
+                b, t = inflight.popleft()
+                records = await t
+                await asyncio.to_thread(writer.put, (b, records if b.todo else None))
+        finally:
+            for _, t in inflight:
+                t.cancel()
+            for _, t in inflight:
+                with contextlib.suppress(BaseException):
+                    await t
+            await asyncio.to_thread(writer.join)
+
+    async def _score(self, batch: _Batch, k: int) -> list[SequenceRecord]:
+        t0 = time.perf_counter()
+        scores = await self.scoring.engine.score([s.input_ids.tolist() for s in batch.seqs], k)
+        self.metrics.scored(
+            "job", sequences=len(batch.seqs), tokens=batch.tokens, seconds=time.perf_counter() - t0
+        )
+        return await asyncio.to_thread(to_records, batch.seqs, scores)
+
+
+def _done_task() -> asyncio.Task[Any]:
+    async def nothing() -> None:
+        return None
+
+    return asyncio.ensure_future(nothing())

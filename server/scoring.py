@@ -1,0 +1,170 @@
+"""On-demand scoring: checked sequences in, :class:`SequenceRecord` s out (no FastAPI here).
+
+For a sequence ``x_0..x_{L-1}`` the engine returns ``L - 1`` rows (DESIGN.md alignment); a record
+is the sequence's key, its ids and those rows. Every check (k within the engine's limit, ids in
+the vocabulary, lengths, cache identity) runs before the engine is called, so a rejected request
+neither costs engine time nor writes anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from logitcache.cache_format import Manifest, SequenceRecord
+
+from .caches import CacheRegistry, check_name, expected_manifest
+from .errors import InvalidInputError, PayloadTooLargeError
+from .inputs import Limits, RawRecord, Sequence, to_sequence
+
+if TYPE_CHECKING:
+    from .engine import TeacherEngine
+    from .metrics import Metrics
+    from .protocol import ScoreRequest
+    from .settings import ServerSettings
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Scored records, the k used, and how many were newly committed to the request's cache."""
+
+    records: list[SequenceRecord]
+    k: int
+    stored: int
+
+
+class ScoringService:
+    """Turns requests into engine calls and records; optionally stores them in a named cache."""
+
+    def __init__(
+        self,
+        *,
+        engine: TeacherEngine,
+        caches: CacheRegistry,
+        settings: ServerSettings,
+        metrics: Metrics,
+    ):
+        self.engine = engine
+        self.caches = caches
+        self.settings = settings
+        self.metrics = metrics
+        info = engine.info
+        self.limits = Limits(
+            vocab_size=info.vocab_size, max_len=min(settings.max_seq_len, info.max_model_len)
+        )
+
+    # --- checks ---------------------------------------------------------------------------
+
+    def resolve_k(self, k: int | None) -> int:
+        """The request's k, or the engine's; above the engine's ``max_k`` is an error."""
+        info = self.engine.info
+        k = min(self.settings.k, info.max_k) if k is None else k
+        if k < 1:
+            raise InvalidInputError(f"k must be >= 1, got {k}")
+        if k > info.max_k:
+            raise InvalidInputError(
+                f"k={k} exceeds the engine's limit {info.max_k} "
+                "(restart the server with a larger k)"
+            )
+        if k > info.vocab_size:
+            raise InvalidInputError(f"k={k} exceeds the vocabulary size {info.vocab_size}")
+        return k
+
+    def expected_manifest(self, k: int | None = None, dataset: str = "") -> Manifest:
+        """The manifest of a new cache written by this server's engine at ``k`` (checked)."""
+        return expected_manifest(
+            self.engine.info,
+            k=self.resolve_k(k),
+            logprob_dtype=self.settings.logprob_dtype,
+            dataset=dataset,
+        )
+
+    def target_manifest(self, cache: str, k: int | None, dataset: str = "") -> Manifest:
+        """The manifest to write ``cache`` with: an existing cache's own (its k when ``k`` is
+        None), else a new one at ``k``. ConflictError if the cache holds another teacher or k.
+        """
+        manifest = self.caches.target_manifest(
+            check_name(cache), self.expected_manifest(k, dataset), k=k
+        )
+        self.resolve_k(manifest.k)
+        return manifest
+
+    def sequences_of(self, req: ScoreRequest) -> list[Sequence]:
+        """The request's checked, keyed sequences (tokenising texts)."""
+        n = req.num_sequences
+        if n > self.settings.max_score_sequences:
+            raise PayloadTooLargeError(
+                f"{n} sequences exceed the limit of {self.settings.max_score_sequences} per request"
+            )
+        keys: Seq[str | None] = req.keys if req.keys is not None else [None] * n
+        if req.keys is not None:
+            if any(not k for k in req.keys):
+                raise InvalidInputError("keys must be non-empty strings")
+            if len(set(req.keys)) != len(req.keys):
+                raise InvalidInputError("keys must be distinct")
+        if req.texts is not None:
+            raws = [
+                RawRecord(where=f"texts[{i}]", id=keys[i], text=t, input_ids=None)
+                for i, t in enumerate(req.texts)
+            ]
+        else:
+            raws = [
+                RawRecord(where=f"input_ids[{i}]", id=keys[i], text=None, input_ids=ids)
+                for i, ids in enumerate(req.input_ids or [])
+            ]
+        return [to_sequence(r, self.engine.tokenize, self.limits) for r in raws]
+
+    # --- scoring --------------------------------------------------------------------------
+
+    async def score_sequences(
+        self, seqs: Seq[Sequence], k: int, *, source: str
+    ) -> list[SequenceRecord]:
+        """Score checked sequences with the engine; one record per sequence, input order."""
+        t0 = time.perf_counter()
+        scores = await self.engine.score([s.input_ids.tolist() for s in seqs], k)
+        elapsed = time.perf_counter() - t0
+        self.metrics.scored(
+            source,
+            sequences=len(seqs),
+            tokens=sum(s.length for s in seqs),
+            seconds=elapsed,
+        )
+        return to_records(seqs, scores)
+
+    async def score(self, req: ScoreRequest) -> ScoreResult:
+        """Check, score and (if ``req.cache``) store; all checks precede engine and store."""
+        manifest = None
+        if req.cache is not None:
+            manifest = self.target_manifest(req.cache, req.k)
+            k = manifest.k
+        else:
+            k = self.resolve_k(req.k)
+        seqs = self.sequences_of(req)
+        records = await self.score_sequences(seqs, k, source="score")
+        stored = 0
+        if req.cache is not None and manifest is not None:
+            stored = await asyncio.to_thread(self._store, req.cache, manifest, records)
+        return ScoreResult(records=records, k=k, stored=stored)
+
+    def _store(self, cache: str, manifest: Manifest, records: list[SequenceRecord]) -> int:
+        with self.caches.writer(cache, manifest) as w:
+            return w.append(records)
+
+
+def to_records(seqs: Seq[Sequence], scores: Seq[object]) -> list[SequenceRecord]:
+    """Pair checked sequences with the engine's ``TeacherScores`` (same order)."""
+    if len(scores) != len(seqs):
+        raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
+    return [
+        SequenceRecord(
+            key=s.key,
+            input_ids=s.input_ids,
+            topk_ids=sc.topk_ids,  # type: ignore[attr-defined]
+            topk_logprobs=sc.topk_logprobs,  # type: ignore[attr-defined]
+            tail_mass=sc.tail_mass,  # type: ignore[attr-defined]
+        )
+        for s, sc in zip(seqs, scores, strict=True)
+    ]

@@ -1,0 +1,123 @@
+"""Configuration of the teacher service: one pydantic-settings model, read from the environment
+(prefix ``LOGITCACHE_``, e.g. ``LOGITCACHE_MODEL=/models/tiny``), a ``.env`` file, or the command
+line (``logitcache-server --model /models/tiny --k 20``; CLI beats environment beats defaults).
+
+Nothing here is read at import time: :func:`load_settings` builds a fresh object, and
+``create_app(settings)`` takes one, so tests build apps with any settings they like.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    """Every knob of the service. Field docstrings are the CLI help."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="LOGITCACHE_",
+        env_file=".env",
+        extra="ignore",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        use_attribute_docstrings=True,
+    )
+
+    # --- teacher engine -------------------------------------------------------------------
+    model: str = ""
+    """Teacher: a local model directory or a model id (the hub must be reachable for an id)."""
+    revision: str | None = None
+    """Model revision recorded in cache manifests (default: the engine's own notion)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or id, if not the model's."""
+    backend: Literal["vllm", "hf"] = "vllm"
+    """Engine backend: vLLM, or plain transformers (chunked lm-head top-k) where vLLM cannot run."""
+    k: int = Field(20, ge=1, le=4096)
+    """Largest top-k the engine is built for (vLLM ``max_logprobs``) and the default request k."""
+    temperature: float = Field(1.0, gt=0)
+    """Temperature applied to the teacher's logits before the log-softmax."""
+    dtype: str = "auto"
+    """Engine dtype (auto, float32, bfloat16, float16)."""
+    max_seq_len: int = Field(2048, ge=2)
+    """Longest sequence (in tokens) accepted and the engine's ``max_model_len``."""
+    memory_share: float = Field(0.9, gt=0, le=1)
+    """Share of accelerator memory the engine may take (vLLM ``gpu_memory_utilization``)."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences the engine schedules at once."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens per engine step (bounds prompt-logprob memory); engine default if unset."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM tensor parallelism for large teachers."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """vLLM pipeline parallelism for large teachers."""
+    seed: int = 0
+    """Engine seed."""
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the engine backend (JSON object)."""
+
+    # --- storage ----------------------------------------------------------------------------
+    store_root: str = "caches"
+    """Where named caches live: a local directory or a URL (``s3://bucket/prefix``)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec/zarr storage options for ``store_root`` (JSON object: keys, endpoint...)."""
+    logprob_dtype: Literal["float16", "float32", "uint8", "uint16"] = "float16"
+    """Storage dtype of top-k logprobs in caches this server creates (see FORMAT.md)."""
+    data_dir: Path = Path("data")
+    """Job input files (JSONL, Parquet) must lie under this directory."""
+    state_dir: Path = Path("state")
+    """Holds the job database (``jobs.sqlite``)."""
+
+    # --- limits -----------------------------------------------------------------------------
+    max_request_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    """Largest accepted request body in bytes (413 above)."""
+    max_score_sequences: int = Field(256, ge=1)
+    """Most sequences in one ``POST /v1/score``."""
+    max_inline_records: int = Field(10_000, ge=1)
+    """Most inline records in one ``POST /v1/jobs``."""
+    max_stream_sequences: int = Field(4096, ge=1)
+    """Most sequences returned by one block-streaming request."""
+
+    # --- jobs -------------------------------------------------------------------------------
+    job_batch_sequences: int = Field(64, ge=1)
+    """Sequences per engine call in a job; batches are fixed by input order (restart-safe)."""
+    job_batch_tokens: int = Field(16384, ge=2)
+    """A job batch also closes once it holds this many tokens."""
+    job_inflight_batches: int = Field(2, ge=1)
+    """Job batches handed to the engine before the oldest is awaited (keeps the engine busy)."""
+    job_write_queue: int = Field(4, ge=1)
+    """Bound of the queue between scoring and the cache-writer thread."""
+
+    # --- HTTP -------------------------------------------------------------------------------
+    api_key: SecretStr | None = None
+    """If set, every route but ``/health`` requires ``Authorization: Bearer <key>``."""
+    host: str = "127.0.0.1"
+    """Bind address."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Bind port (0: any free port)."""
+    log_level: str = "info"
+    """uvicorn log level."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerSettings:
+        if self.api_key is not None and not self.api_key.get_secret_value():
+            self.api_key = None
+        return self
+
+    @property
+    def job_db_path(self) -> Path:
+        """The SQLite job table's file."""
+        return self.state_dir / "jobs.sqlite"
+
+
+def load_settings(argv: list[str] | None = None, **overrides: Any) -> ServerSettings:
+    """Build settings from defaults < environment/.env < ``argv`` (CLI flags) < ``overrides``.
+
+    ``argv=None`` reads no command line (``[]`` parses an empty one).
+    """
+    if argv is None:
+        return ServerSettings(**overrides)
+    return ServerSettings(_cli_parse_args=argv, **overrides)  # type: ignore[call-arg]
