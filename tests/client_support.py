@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
 
 VOCAB = 97

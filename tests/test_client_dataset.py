@@ -1,0 +1,316 @@
+"""CacheDataset on real hand-built Zarr caches: alignment, order, sharding, resume, guards."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from client_support import (
+    FINGERPRINT,
+    PROBS,
+    VOCAB,
+    K,
+    build_cache,
+    collect,
+    make_sequences,
+    manifest,
+    record_for,
+    same_stream,
+    segments,
+)
+from logitcache.cache_format import CacheWriter, tokenizer_fingerprint
+from logitcache.client import (
+    CacheDataLoader,
+    CacheDataset,
+    ConfigError,
+    IncompatibleCacheError,
+    StateError,
+)
+from logitcache.client.order import epoch_order, rank_partition, worker_units
+
+NUM_SEQ = 80
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
+    url = str(tmp_path_factory.mktemp("client") / "cache")
+    records = build_cache(url, make_sequences(NUM_SEQ, seed=3, max_len=50))
+    return url, records
+
+
+# -- pure order functions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [1, 7])
+def test_epoch_order_is_a_deterministic_permutation(block: int) -> None:
+    a = epoch_order(101, seed=5, epoch=2, block_size=block)
+    assert sorted(a.tolist()) == list(range(101))
+    assert np.array_equal(a, epoch_order(101, seed=5, epoch=2, block_size=block))
+    assert not np.array_equal(a, epoch_order(101, seed=5, epoch=3, block_size=block))
+    assert not np.array_equal(a, epoch_order(101, seed=6, epoch=2, block_size=block))
+    if block > 1:  # each block stays contiguous as a set
+        for start in range(0, 101, block * 3):
+            first = a[start] // block
+            assert set(a[a // block == first]) == set(
+                range(first * block, min(first * block + block, 101))
+            )
+
+
+def test_rank_partition_and_worker_units_cover_everything_once() -> None:
+    order = epoch_order(103, seed=0, epoch=0)
+    spans = [rank_partition(order, r, 4) for r in range(4)]
+    assert sorted(np.concatenate(spans).tolist()) == list(range(103))
+    assert max(map(len, spans)) - min(map(len, spans)) <= 1
+    units = [worker_units(10, w, 3) for w in range(3)]
+    assert sorted(np.concatenate(units).tolist()) == list(range(10))
+    with pytest.raises(ConfigError):
+        rank_partition(order, 4, 4)
+
+
+# -- alignment -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode,budget,long_sequences",
+    [("pad", 64, "split"), ("pack", 64, "split"), ("pack", 16, "split"), ("pad", 16, "split")],
+)
+def test_alignment_is_exact(
+    cache: tuple[str, list], mode: str, budget: int, long_sequences: str
+) -> None:
+    url, records = cache
+    ds = CacheDataset(url, tokens_per_item=budget, mode=mode, long_sequences=long_sequences, seed=1)
+    items = collect(ds)
+    assert len(items) == len(ds) == ds.num_items()
+    by_tokens = {tuple(r.input_ids.tolist()): r for r in records}
+    rows_seen = 0
+    for it in items:
+        T = budget
+        assert it["input_ids"].shape == (T,) and it["topk_ids"].shape == (T, K)
+        assert it["topk_ids"].dtype == np.int64 and it["topk_logprobs"].dtype == np.float32
+        m = it["loss_mask"]
+        assert np.array_equal(m, it["labels"] != -100)
+        # the hand-built cache puts the next token first: top-1 == label wherever there is a loss
+        assert np.array_equal(it["topk_ids"][m, 0], it["labels"][m])
+        np.testing.assert_allclose(
+            np.exp(it["topk_logprobs"][m]), np.tile(PROBS, (m.sum(), 1)), rtol=1e-6
+        )
+        np.testing.assert_allclose(it["tail_mass"][m], 1 - PROBS.sum(), rtol=1e-5)
+        assert (it["topk_logprobs"][~m] == 0).all() and (it["tail_mass"][~m] == 0).all()
+        pad = it["segment_ids"] == 0
+        assert np.array_equal(it["attention_mask"] == 0, pad)
+        assert (it["labels"][pad] == -100).all()
+        # labels[t] == input_ids[t+1] inside a segment; position ids restart at 0 per segment
+        for s in range(1, it["segment_ids"].max() + 1):
+            where = np.flatnonzero(it["segment_ids"] == s)
+            assert np.array_equal(where, np.arange(where[0], where[-1] + 1))
+            assert np.array_equal(it["position_ids"][where], np.arange(len(where)))
+            inside = where[:-1]
+            assert np.array_equal(it["labels"][inside], it["input_ids"][inside + 1])
+        if mode == "pad":
+            assert it["segment_ids"].max() == 1
+        rows_seen += int(m.sum())
+        if budget >= 50:  # every segment is a whole cached sequence
+            for seg in segments(it):
+                assert seg in by_tokens
+    # every row of the cache is delivered exactly once per epoch
+    assert rows_seen == sum(r.num_rows for r in records)
+
+
+def test_split_pieces_reassemble_to_the_cached_sequences(cache: tuple[str, list]) -> None:
+    url, records = cache
+    ds = CacheDataset(url, tokens_per_item=8, mode="pad", shuffle=False)
+    pieces = [seg for it in collect(ds) for seg in segments(it)]
+    joined, rebuilt = [], []
+    for r in records:
+        n = -(-(r.length - 1) // 8)
+        joined.append(tuple(t for p in pieces[:n] for t in p))
+        pieces = pieces[n:]
+        # a final token that would sit alone in a piece has no row: it only appears as a label
+        rebuilt.append(tuple(r.input_ids[: min(r.length, n * 8)].tolist()))
+    assert joined == rebuilt and not pieces
+
+
+def test_batches_topk_truncation_and_int32_ids(cache: tuple[str, list]) -> None:
+    url, _ = cache
+    ds = CacheDataset(url, tokens_per_item=32, batch_size=4, topk=2, ids_dtype=torch.int32, seed=2)
+    units = collect(ds)
+    assert units[0]["topk_ids"].shape == (4, 32, 2) and units[0]["topk_ids"].dtype == np.int32
+    assert sum(u["input_ids"].shape[0] for u in units) == ds.num_items()
+    m = units[0]["loss_mask"]
+    # the two dropped columns' mass moves to the tail
+    np.testing.assert_allclose(units[0]["tail_mass"][m], 1 - PROBS[:2].sum(), rtol=1e-5)
+    with pytest.raises(ConfigError):
+        CacheDataset(url, topk=K + 1)
+
+
+# -- order, sharding, resume ---------------------------------------------------------------
+
+
+def test_shuffle_is_deterministic_per_seed_and_epoch(cache: tuple[str, list]) -> None:
+    url, _ = cache
+    a = collect(CacheDataset(url, tokens_per_item=64, seed=7))
+    b = collect(CacheDataset(url, tokens_per_item=64, seed=7))
+    assert same_stream(a, b)
+    ds = CacheDataset(url, tokens_per_item=64, seed=7)
+    ds.set_epoch(1)
+    c = collect(ds)
+    assert not same_stream(a, c)
+    assert Counter(s for u in a for s in segments(u)) == Counter(s for u in c for s in segments(u))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_partition_the_sequences(cache: tuple[str, list], world_size: int) -> None:
+    url, records = cache
+    per_rank = []
+    for rank in range(world_size):
+        ds = CacheDataset(
+            url, tokens_per_item=64, mode="pack", seed=4, rank=rank, world_size=world_size
+        )
+        per_rank.append(Counter(s for u in collect(ds) for s in segments(u)))
+    union = sum(per_rank, Counter())
+    assert union == Counter(tuple(r.input_ids.tolist()) for r in records)  # union = all, once
+    for a in range(world_size):
+        for b in range(a + 1, world_size):
+            assert not set(per_rank[a]) & set(per_rank[b])  # disjoint
+
+
+def test_even_ranks_equalises_item_counts(cache: tuple[str, list]) -> None:
+    url, _ = cache
+    counts = [
+        len(collect(CacheDataset(url, tokens_per_item=64, rank=r, world_size=3, even_ranks=True)))
+        for r in range(3)
+    ]
+    assert len(set(counts)) == 1 and counts[0] > 0
+
+
+@pytest.mark.parametrize("num_workers,batch_size", [(0, None), (0, 3), (2, None), (2, 3)])
+def test_resume_gives_the_identical_remaining_stream(
+    cache: tuple[str, list], num_workers: int, batch_size: int | None
+) -> None:
+    url, _ = cache
+
+    def loader() -> CacheDataLoader:
+        ds = CacheDataset(url, tokens_per_item=48, mode="pack", batch_size=batch_size, seed=11)
+        ds.set_epoch(2)
+        return CacheDataLoader(ds, num_workers=num_workers)
+
+    full = collect(loader())
+    assert len(full) > 6
+    if num_workers:  # workers deal units round-robin: the trainer sees the in-process order
+        in_process = CacheDataset(url, tokens_per_item=48, batch_size=batch_size, seed=11)
+        in_process.set_epoch(2)
+        assert same_stream(full, collect(in_process))
+    stop = 5
+    first = loader()
+    head = []
+    for unit in first:
+        head.append({k: v.numpy().copy() for k, v in unit.items()})
+        if len(head) == stop:
+            break
+    state = json.loads(json.dumps(first.state_dict()))  # survives JSON
+    assert state["epoch"] == 2 and state["items_consumed"] == stop * (batch_size or 1)
+    resumed = loader()
+    resumed.dataset.set_epoch(0)  # load_state_dict restores the epoch
+    resumed.load_state_dict(state)
+    rest = collect(resumed)
+    assert same_stream(head, full[:stop])
+    assert same_stream(rest, full[stop:])
+    assert resumed.state_dict()["items_consumed"] == resumed.dataset.num_items()
+
+
+def test_dataset_state_dict_counts_in_process_and_rejects_foreign_state(
+    cache: tuple[str, list],
+) -> None:
+    url, _ = cache
+    ds = CacheDataset(url, tokens_per_item=48, seed=1)
+    it = iter(ds)
+    taken = [next(it) for _ in range(3)]
+    state = ds.state_dict()
+    assert state["items_consumed"] == 3 and len(taken) == 3
+    rest = collect(it)
+    again = CacheDataset(url, tokens_per_item=48, seed=1)
+    again.load_state_dict(state)
+    assert same_stream(collect(again), rest)
+    for other in (
+        CacheDataset(url, tokens_per_item=32, seed=1),
+        CacheDataset(url, tokens_per_item=48, seed=2),
+        CacheDataset(url, tokens_per_item=48, seed=1, rank=1, world_size=2),
+    ):
+        with pytest.raises(StateError):
+            other.load_state_dict(state)
+    with pytest.raises(StateError):
+        again.load_state_dict({**state, "items_consumed": 10_000})
+    with pytest.raises(StateError):
+        again.load_state_dict({k: v for k, v in state.items() if k != "epoch"})
+
+
+def test_resume_survives_a_grown_cache(tmp_path: Path) -> None:
+    url = str(tmp_path / "grow")
+    seqs = make_sequences(30, seed=9)
+    build_cache(url, seqs[:20])
+    ds = CacheDataset(url, tokens_per_item=32, seed=0)
+    it = iter(ds)
+    for _ in range(4):
+        next(it)
+    state = ds.state_dict()
+    rest = collect(it)
+    with CacheWriter.open(url, manifest()) as w:  # a job appends more sequences meanwhile
+        w.append([record_for(s, key=f"seq-{i}") for i, s in enumerate(seqs[20:], start=20)])
+    grown = CacheDataset(url, tokens_per_item=32, seed=0)
+    assert grown.num_sequences == 30
+    grown.load_state_dict(state)
+    assert same_stream(collect(grown), rest)
+
+
+# -- guards --------------------------------------------------------------------------------
+
+
+def _word_tokenizer(words: list[str]):  # noqa: ANN202 - a real tokenizers.Tokenizer
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = Whitespace()
+    return tok
+
+
+def test_mismatched_tokenizer_or_vocab_is_refused_with_reasons(tmp_path: Path) -> None:
+    teacher_tok = _word_tokenizer(["<unk>", "a", "b", "c"])
+    student_tok = _word_tokenizer(["<unk>", "a", "b", "d"])
+    url = str(tmp_path / "guarded")
+    build_cache(url, make_sequences(5), tokenizer_fingerprint=tokenizer_fingerprint(teacher_tok))
+
+    ds = CacheDataset(url, tokenizer=teacher_tok, vocab_size=VOCAB)  # same tokenizer: accepted
+    assert ds.mismatches == []
+    with pytest.raises(IncompatibleCacheError) as err:
+        CacheDataset(url, tokenizer=student_tok, vocab_size=VOCAB + 3)
+    assert len(err.value.reasons) == 2
+    assert "tokenizer fingerprint differs" in str(err.value) and "vocab size differs" in str(
+        err.value
+    )
+    with pytest.raises(
+        IncompatibleCacheError, match="vocab size differs: cache has 97, student has 50"
+    ):
+        CacheDataset(url, vocab_size=type("Cfg", (), {"vocab_size": 50})())
+    forced = CacheDataset(url, tokenizer=student_tok, allow_mismatch=True)
+    assert len(forced.mismatches) == 1 and len(collect(forced)) > 0
+
+
+def test_fingerprint_string_and_bad_arguments(cache: tuple[str, list]) -> None:
+    url, _ = cache
+    assert CacheDataset(url, tokenizer=FINGERPRINT).mismatches == []
+    for bad in (
+        {"tokens_per_item": 1},
+        {"mode": "zip"},
+        {"batch_size": 0},
+        {"long_sequences": "x"},
+    ):
+        with pytest.raises(ConfigError):
+            CacheDataset(url, **bad)
+    with pytest.raises(ConfigError):
+        CacheDataLoader(CacheDataset(url), batch_size=4)
