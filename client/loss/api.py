@@ -1,0 +1,138 @@
+r"""``topk_distill_loss``: distillation against cached sparse top-k teacher targets."""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import auto_chunk_size, check_chunk_size, resolve_impl
+from .forward_chunked import forward_chunked_rows
+from .fused_chunked import FusedGradInForward, FusedRecompute
+from .reference import dense_row_losses
+from .spec import REDUCTIONS, LossInputError, LossSpec
+from .validation import Prepared, prepare
+
+
+def topk_distill_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    tail_mass: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    loss: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ce_weight: float = 0.0,
+    reduction: str = "mean",
+    impl: str = "auto",
+    chunk_size: int | None = None,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    r"""Distillation loss of a student lm-head against cached teacher top-k logprobs.
+
+    Shapes: ``hidden [..., d]`` (any leading shape, flattened to ``N`` rows), ``weight [V, d]``,
+    ``bias [V]``, ``topk_ids [..., k]`` (distinct per row, in ``[0, V)``), ``topk_logprobs
+    [..., k]``, ``tail_mass``, ``labels``, ``mask`` ``[...]``. A row *counts* when ``mask`` is
+    true (default all) and ``labels != ignore_index`` (when labels are given); other rows give
+    0 and no gradient, and their ids/logprobs are not checked. Gradients flow to ``hidden``,
+    ``weight`` and ``bias``.
+
+    Notation per row: logits ``x = W h + b``, tempered ``z = x / T``, student ``q = softmax(z)``
+    over all ``V`` ids, teacher top-k set ``S``, ``p_v = exp(topk_logprobs_v)`` (as cached, not
+    renormalised), ``M = sum_S p_v``, student mass outside ``S``: ``Q_o = 1 - sum_S q_v``
+    (computed as ``exp(lse_{u not in S} z_u - lse z)``, exactly), teacher tail ``P_o`` =
+    ``tail_mass`` if given, else ``clip(1 - M, 0, 1)``. Conventions ``0 log 0 = 0``; the logs
+    of ``Q_o``, ``P_o`` (and of ``p_v`` for reverse KL / JSD) are floored at ``log 1e-30``.
+
+    ``loss=``
+
+    * ``"forward_kl"``, no ``tail_mass``: ``KD = sum_S p_v (log p_v - log q_v)``, the
+      un-renormalised top-k objective of the Multiverse fused chunked KL (can be negative; its
+      minimum is ``M log M``); ``dKD/dz_u = M q_u - p_u [u in S]``.
+    * ``"forward_kl"`` with ``tail_mass``: the tail is one more bucket, i.e. the true KL of the
+      coarsened distributions ``(p_S, P_o)`` and ``(q_S, Q_o)``:
+      ``KD = sum_S p_v log(p_v / q_v) + P_o log(P_o / Q_o)``.
+    * ``"renormalized_kl"``: ``KD = sum_S pt_v log(pt_v / qt_v)`` with ``pt = p / M`` and
+      ``qt = q_S / sum_S q`` (depends on the k gathered logits only; ``tail_mass`` unused).
+    * ``"reverse_kl"``: ``KD = sum_S q_v log(q_v / p_v) + Q_o log(Q_o / P_o)`` (coarsened).
+    * ``"jsd"``: generalised Jensen-Shannon on the coarsened buckets ``b``, with
+      ``m_b = beta P_b + (1 - beta) Q_b``:
+      ``KD = beta sum_b P_b log(P_b / m_b) + (1 - beta) sum_b Q_b log(Q_b / m_b)``,
+      ``0 < beta < 1`` (TRL/Liger convention; beta -> 0 and 1 tend to 0, use the KLs instead).
+
+    Row loss: ``L = T**2 * KD + ce_weight * CE`` with ``CE = -log softmax(x)_label`` (un-tempered
+    logits; rows with ``ignore_index`` labels do not count at all). ``temperature`` divides the
+    student logits only: the teacher is used as cached (its temperature is the cache's).
+    ``reduction``: ``"mean"`` = sum over counted rows / number of counted rows (0 if none),
+    ``"sum"``, or ``"none"`` (shape ``[...]``, 0 on rows that do not count).
+
+    ``impl`` (all give the same numbers up to rounding):
+
+    * ``"dense"``: full ``[N, V]`` logits and a dense rebuilt teacher, plain autograd (the
+      reference; memory ``O(N V)``).
+    * ``"forward_chunked"``: full logits, the loss and its logits-gradient chunked over rows.
+    * ``"fused_chunked"`` (= ``"auto"``): projection fused and chunked over rows, logits never
+      materialised; gradients computed in the forward pass (3 GEMMs). With ``reduction="none"``
+      it becomes ``"fused_chunked_recompute"`` (projection recomputed in backward, 4 GEMMs).
+      On CUDA with Triton the two full-vocabulary passes are Triton kernels; elsewhere torch.
+
+    ``chunk_size``: rows per chunk (default: about 1 GiB of logits per chunk on CUDA, 4096
+    rows at V=128256 bf16; 64 MiB of float32 on CPU). ``check_ids``: verify that the top-k ids
+    are distinct and in range (one sort of ``[N, k]``); out-of-range ids are never silently
+    accepted by the gathers, but duplicates would be.
+
+    Raises :class:`LossInputError` (a ``ValueError``) for any bad argument.
+    """
+    spec = LossSpec(
+        loss=loss,
+        beta=beta,
+        temperature=temperature,
+        ce_weight=ce_weight,
+        has_tail=tail_mass is not None,
+    )
+    if reduction not in REDUCTIONS:
+        raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_chunk_size(chunk_size)
+    impl = resolve_impl(impl, reduction)
+    prep = prepare(
+        hidden,
+        weight,
+        topk_ids,
+        topk_logprobs,
+        tail_mass,
+        bias,
+        labels,
+        mask,
+        ignore_index,
+        ce_weight,
+        check_ids,
+    )
+    n_rows = prep.valid.numel()
+    chunk = chunk_size or auto_chunk_size(n_rows, weight.shape[0], weight.dtype, weight.device)
+
+    if impl == "fused_chunked":
+        scale = 1.0 if reduction == "sum" else 1.0 / max(prep.n_valid, 1)
+        grad_on = torch.is_grad_enabled()
+        need = (
+            grad_on and prep.hidden.requires_grad,
+            grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        )
+        return FusedGradInForward.apply(prep.hidden, weight, bias, spec, prep, chunk, scale, need)
+    rows = _rows(impl, spec, prep, chunk)
+    if reduction == "none":
+        return rows.reshape(prep.lead_shape)
+    total = rows.sum()
+    return total if reduction == "sum" else total / max(prep.n_valid, 1)
+
+
+def _rows(impl: str, spec: LossSpec, prep: Prepared, chunk: int) -> torch.Tensor:
+    if impl == "dense":
+        return dense_row_losses(spec, prep)
+    if impl == "forward_chunked":
+        return forward_chunked_rows(spec, prep, chunk)
+    return FusedRecompute.apply(prep.hidden, prep.weight, prep.bias, spec, prep, chunk)

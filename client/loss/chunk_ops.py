@@ -1,0 +1,130 @@
+"""The two full-vocabulary passes over one chunk of logits, in torch or in Triton.
+
+``stats_pass`` gathers the top-k (and label) logits, blanks the top-k columns to ``-inf`` and
+takes the row log-sum-exp of what is left (``lse_out``), so the student's outside-top-k mass is
+exact rather than ``1 - sum q``. ``grad_pass`` writes the logits gradient
+``c1 * exp(x/T - lse) [+ c2 * exp(x - lse1)]`` and then the explicit top-k and label values.
+The Triton path reads and writes the chunk in its own dtype (bf16 logits: 2 bytes/elt/pass);
+the torch path upcasts to the working dtype (it is the CPU and reference-precision path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .row_math import RowCoefs, row_coefs
+from .spec import LossSpec
+
+
+@dataclass
+class ChunkTargets:
+    """The teacher side of one chunk of rows."""
+
+    ids: torch.Tensor  # [C, k] int64
+    logprobs: torch.Tensor  # [C, k] working dtype
+    tail: torch.Tensor | None  # [C]
+    labels: torch.Tensor | None  # [C] int64
+    has_label: torch.Tensor | None  # [C] bool
+
+    def select(self, rows: slice | torch.Tensor) -> ChunkTargets:
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+        return ChunkTargets(
+            pick(self.ids),
+            pick(self.logprobs),
+            pick(self.tail),
+            pick(self.labels),
+            pick(self.has_label),
+        )
+
+
+#: Tests set this to run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``.
+FORCE_TRITON = False
+
+
+def use_triton_for(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve this tensor (CUDA, Triton importable, not disabled)."""
+    if FORCE_TRITON:
+        return True
+    if not x.is_cuda:
+        return False
+    from . import triton_kernels
+
+    return triton_kernels.available()
+
+
+def stats_pass(
+    spec: LossSpec,
+    x: torch.Tensor,
+    tgt: ChunkTargets,
+    work_dtype: torch.dtype,
+    *,
+    inplace: bool,
+    triton: bool,
+) -> RowCoefs:
+    """Per-row loss and unit gradient coefficients of a chunk of raw logits ``x`` [C, V].
+
+    With ``inplace`` the top-k columns of ``x`` are left at ``-inf`` (the caller overwrites the
+    buffer with the gradient next); otherwise ``x`` is not modified.
+    """
+    x_s = x.gather(1, tgt.ids).to(work_dtype)
+    need_ce = spec.ce_weight > 0.0
+    x_label = x.gather(1, tgt.labels[:, None]).squeeze(1).to(work_dtype) if need_ce else None
+    if triton:
+        from . import triton_kernels
+
+        buf = x if inplace else x.clone()
+        buf.scatter_(1, tgt.ids, float("-inf"))
+        lse_out, lse1_out = triton_kernels.row_lse(
+            buf, spec.inv_temperature, spec.separate_ce_softmax
+        )
+        lse_out, lse1_out = _cast(lse_out, work_dtype), _cast(lse1_out, work_dtype)
+    else:
+        reuse = inplace and x.dtype == work_dtype
+        buf = x if reuse else x.to(work_dtype, copy=True)
+        buf.scatter_(1, tgt.ids, float("-inf"))
+        scaled = buf if spec.temperature == 1.0 else buf * spec.inv_temperature
+        lse_out = torch.logsumexp(scaled, dim=1)
+        lse1_out = torch.logsumexp(buf, dim=1) if spec.separate_ce_softmax else None
+    return row_coefs(spec, x_s, lse_out, tgt.logprobs, tgt.tail, x_label, lse1_out, tgt.has_label)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def grad_pass(
+    spec: LossSpec,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    coefs: RowCoefs,
+    tgt: ChunkTargets,
+    *,
+    triton: bool,
+) -> torch.Tensor:
+    """Write d(loss)/d(x) for the chunk into ``out`` (may be ``x`` itself) and return it.
+
+    ``coefs`` must already carry the row weights (see :meth:`RowCoefs.scaled`). ``x`` may hold
+    ``-inf`` at the top-k columns (left by an in-place :func:`stats_pass`): those are overwritten.
+    """
+    s = spec.inv_temperature
+    if triton:
+        from . import triton_kernels
+
+        triton_kernels.row_grad(x, out, s, coefs.lse, coefs.c1, coefs.lse1, coefs.c2)
+    else:
+        xf = x.to(coefs.lse.dtype)
+        zs = xf if s == 1.0 else xf * s
+        g = (zs - coefs.lse[:, None]).exp_().mul_(coefs.c1[:, None])
+        if coefs.c2 is not None:
+            g += (xf - coefs.lse1[:, None]).exp_().mul_(coefs.c2[:, None])
+        out.copy_(g)
+    out.scatter_(1, tgt.ids, coefs.sparse.to(out.dtype))
+    if coefs.label_add is not None:
+        out.scatter_add_(1, tgt.labels[:, None], coefs.label_add[:, None].to(out.dtype))
+    return out

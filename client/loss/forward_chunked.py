@@ -1,0 +1,92 @@
+"""``impl="forward_chunked"``: full student logits, the sparse loss computed chunk by chunk.
+
+The projection ``x = h W^T (+ b)`` is an ordinary autograd op and keeps the full ``[N, V]``
+logits (and, in backward, their gradient); only the loss is chunked over positions, so no fp32
+``[N, V]`` temporaries and no dense teacher exist. Forward saves, per row, the log-sum-exps and
+the unit gradient coefficients (``O(N k)``); backward writes ``d loss / d x`` chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .chunk_ops import ChunkTargets, grad_pass, stats_pass, use_triton_for
+from .row_math import RowCoefs
+from .spec import LossSpec
+from .validation import Prepared
+
+
+def targets_of(prep: Prepared) -> ChunkTargets:
+    return ChunkTargets(prep.ids, prep.logprobs, prep.tail, prep.labels, prep.has_label)
+
+
+def cat_coefs(parts: list[RowCoefs]) -> RowCoefs:
+    """Concatenate the per-chunk coefficients of consecutive row ranges."""
+
+    def cat(name: str) -> torch.Tensor | None:
+        vals = [getattr(p, name) for p in parts]
+        return None if vals[0] is None else torch.cat(vals)
+
+    return RowCoefs(**{name: cat(name) for name in RowCoefs.__dataclass_fields__})
+
+
+def slice_coefs(c: RowCoefs, rows: slice | torch.Tensor) -> RowCoefs:
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+    return RowCoefs(**{name: pick(getattr(c, name)) for name in RowCoefs.__dataclass_fields__})
+
+
+class _ChunkedLossOnLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        spec: LossSpec,
+        tgt: ChunkTargets,
+        work_dtype: torch.dtype,
+        chunk: int,
+    ) -> torch.Tensor:
+        triton = use_triton_for(logits)
+        parts = []
+        for start in range(0, logits.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            parts.append(
+                stats_pass(
+                    spec, logits[rows], tgt.select(rows), work_dtype, inplace=False, triton=triton
+                )
+            )
+        coefs = cat_coefs(parts)
+        ctx.save_for_backward(logits)
+        ctx.coefs, ctx.tgt, ctx.spec, ctx.chunk, ctx.triton = coefs, tgt, spec, chunk, triton
+        return coefs.loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (logits,) = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        coefs = ctx.coefs.scaled(grad_rows.to(ctx.coefs.c1.dtype))
+        for start in range(0, logits.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            grad_pass(
+                ctx.spec,
+                logits[rows],
+                grad[rows],
+                slice_coefs(coefs, rows),
+                ctx.tgt.select(rows),
+                triton=ctx.triton,
+            )
+        return grad, None, None, None, None
+
+
+def forward_chunked_rows(spec: LossSpec, prep: Prepared, chunk: int) -> torch.Tensor:
+    """Per-row losses (zero on rows that do not count), differentiable w.r.t. h, W and b."""
+    logits = prep.hidden @ prep.weight.t()
+    if prep.bias is not None:
+        logits = logits + prep.bias
+    rows = _ChunkedLossOnLogits.apply(logits, spec, targets_of(prep), prep.work_dtype, chunk)
+    return torch.where(prep.valid, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))

@@ -1,0 +1,212 @@
+"""``impl="fused_chunked"``: the lm-head projection fused into the loss, chunked over positions.
+
+The full ``[N, V]`` logits never exist: rows are processed ``chunk`` at a time (only rows that
+count, so masked and ignored positions cost nothing) and each chunk's logits buffer is reused
+in place for its gradient. Two schedules, same numbers:
+
+* **gradient in forward** (:class:`FusedGradInForward`, the default for ``reduction`` "mean" and
+  "sum"): per chunk, ``x = h_c W^T``; stats; ``g`` written over ``x``; ``grad_h_c = g W`` and
+  ``grad_W += g^T h_c`` right away. Three GEMMs per chunk (``6 N d V`` FLOPs in all); backward
+  only scales the stored gradients by the incoming scalar.
+* **recompute** (:class:`FusedRecompute`, used for ``reduction="none"`` or on request): forward
+  keeps per-row statistics only (``O(N k)``); backward projects each chunk again. Four GEMMs
+  per chunk (``8 N d V``), but no gradient is held between forward and backward.
+
+Memory beyond inputs and gradients: one ``[chunk, V]`` buffer in the logits dtype (plus, on the
+torch path, float32 temporaries of that size), an fp32 ``grad_W`` accumulator when ``W`` is
+bf16/fp16, and ``O(N k)`` coefficients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .chunk_ops import ChunkTargets, grad_pass, stats_pass, use_triton_for
+from .forward_chunked import cat_coefs, slice_coefs, targets_of
+from .row_math import RowCoefs
+from .spec import LossSpec
+from .validation import Prepared
+
+Rows = slice | torch.Tensor
+
+_ADDMM_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def row_blocks(prep: Prepared, chunk: int) -> list[Rows]:
+    """Chunks of the counted rows: slices when every row counts, else index tensors."""
+    n = prep.valid.numel()
+    if prep.all_valid:
+        return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    idx = prep.valid.nonzero().squeeze(1)
+    return list(idx.split(chunk))
+
+
+def _take(t: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+
+
+def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in float32 and ``a, b`` possibly bf16/fp16.
+
+    On CUDA this uses the GEMM's own fp32 epilogue (``addmm(out_dtype=float32)``) when the
+    installed torch has it; otherwise the product is rounded once to ``a.dtype`` and added.
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    key = f"{a.device.type}:{a.dtype}"
+    if a.is_cuda and _ADDMM_OUT_DTYPE_OK.get(key, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _ADDMM_OUT_DTYPE_OK[key] = True
+            return
+        except (RuntimeError, TypeError):
+            _ADDMM_OUT_DTYPE_OK[key] = False
+    acc.add_(a @ b)
+
+
+def addmm_fp32_epilogue_used(device: torch.device, dtype: torch.dtype) -> bool | None:
+    """Whether grad_W accumulation used the fp32-epilogue GEMM (None: not tried yet)."""
+    return _ADDMM_OUT_DTYPE_OK.get(f"{device.type}:{dtype}")
+
+
+class _Grads:
+    """Gradient buffers filled chunk by chunk."""
+
+    def __init__(self, prep: Prepared, need: tuple[bool, bool, bool]) -> None:
+        h, w, b = prep.hidden, prep.weight, prep.bias
+        self.need_h, self.need_w, self.need_b = need
+        acc = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+        self.h = None
+        if self.need_h:
+            self.h = torch.empty_like(h) if prep.all_valid else torch.zeros_like(h)
+        self.w = torch.zeros(w.shape, dtype=acc, device=w.device) if self.need_w else None
+        self.b = torch.zeros(b.shape, dtype=acc, device=b.device) if self.need_b else None
+
+    def add(self, rows: Rows, g: torch.Tensor, h_c: torch.Tensor, w: torch.Tensor) -> None:
+        if self.h is not None:
+            if isinstance(rows, slice):
+                torch.mm(g, w, out=self.h[rows])
+            else:
+                self.h.index_copy_(0, rows, g @ w)
+        if self.w is not None:
+            _addmm_acc(self.w, g.t(), h_c)
+        if self.b is not None:
+            self.b += g.sum(0, dtype=self.b.dtype)
+
+    def finish(self, prep: Prepared) -> tuple[torch.Tensor | None, ...]:
+        w = None if self.w is None else self.w.to(prep.weight.dtype)
+        b = None if self.b is None else self.b.to(prep.bias.dtype)
+        self.w = self.b = None
+        return self.h, w, b
+
+
+def _chunk_pass(
+    spec: LossSpec, prep: Prepared, tgt: ChunkTargets, rows: Rows, triton: bool
+) -> tuple[torch.Tensor, torch.Tensor, RowCoefs, ChunkTargets]:
+    h_c = _take(prep.hidden, rows)
+    x = _project(h_c, prep.weight, prep.bias)
+    tgt_c = tgt.select(rows)
+    coefs = stats_pass(spec, x, tgt_c, prep.work_dtype, inplace=True, triton=triton)
+    return h_c, x, coefs, tgt_c
+
+
+class FusedGradInForward(torch.autograd.Function):
+    """Scalar ``scale * sum(row losses)``; all gradients are computed during forward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: LossSpec,
+        prep: Prepared,
+        chunk: int,
+        scale: float,
+        need: tuple[bool, bool, bool],
+    ) -> torch.Tensor:
+        triton = use_triton_for(hidden)
+        tgt = targets_of(prep)
+        grads = _Grads(prep, need)
+        total = torch.zeros((), dtype=prep.work_dtype, device=hidden.device)
+        for rows in row_blocks(prep, chunk):
+            h_c, x, coefs, tgt_c = _chunk_pass(spec, prep, tgt, rows, triton)
+            total += coefs.loss.sum()
+            if any(need):
+                w = torch.full_like(coefs.c1, scale)
+                grad_pass(spec, x, x, coefs.scaled(w), tgt_c, triton=triton)
+                grads.add(rows, x, h_c, prep.weight)
+            del x
+        ctx.grads = grads.finish(prep)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise RuntimeError("fused_chunked (gradient in forward) supports one backward only")
+        out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
+        ctx.grads = None
+        return (*out, None, None, None, None, None)
+
+
+class FusedRecompute(torch.autograd.Function):
+    """Per-row losses ``[N]``; backward recomputes each chunk's projection."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: LossSpec,
+        prep: Prepared,
+        chunk: int,
+    ) -> torch.Tensor:
+        triton = use_triton_for(hidden)
+        tgt = targets_of(prep)
+        blocks = row_blocks(prep, chunk)
+        parts = []
+        for rows in blocks:
+            _, x, coefs, _ = _chunk_pass(spec, prep, tgt, rows, triton)
+            parts.append(coefs)
+            del x
+        n = prep.valid.numel()
+        out = torch.zeros(n, dtype=prep.work_dtype, device=hidden.device)
+        coefs = cat_coefs(parts) if parts else None
+        if coefs is not None:
+            if prep.all_valid:
+                out = coefs.loss
+            else:
+                out.index_copy_(0, torch.cat(blocks), coefs.loss)
+        ctx.prep, ctx.spec, ctx.blocks, ctx.coefs, ctx.triton = prep, spec, blocks, coefs, triton
+        ctx.need = (
+            hidden.requires_grad,
+            weight.requires_grad,
+            bias is not None and bias.requires_grad,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        prep, spec = ctx.prep, ctx.spec
+        grads = _Grads(prep, ctx.need)
+        tgt = targets_of(prep)
+        start = 0
+        for rows in ctx.blocks:
+            h_c = _take(prep.hidden, rows)
+            x = _project(h_c, prep.weight, prep.bias)
+            tgt_c = tgt.select(rows)
+            c = slice_coefs(ctx.coefs, slice(start, start + x.shape[0]))
+            start += x.shape[0]
+            w = _take(grad_rows, rows).to(c.c1.dtype)
+            grad_pass(spec, x, x, c.scaled(w), tgt_c, triton=ctx.triton)
+            grads.add(rows, x, h_c, prep.weight)
+            del x
+        return (*grads.finish(prep), None, None, None)

@@ -1,0 +1,73 @@
+"""Options shared by every implementation of the top-k distillation loss, and its typed errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+LossKind = Literal["forward_kl", "renormalized_kl", "reverse_kl", "jsd"]
+Reduction = Literal["mean", "sum", "none"]
+Impl = Literal["auto", "dense", "forward_chunked", "fused_chunked", "fused_chunked_recompute"]
+
+LOSS_KINDS: tuple[str, ...] = ("forward_kl", "renormalized_kl", "reverse_kl", "jsd")
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
+IMPLS: tuple[str, ...] = (
+    "auto",
+    "dense",
+    "forward_chunked",
+    "fused_chunked",
+    "fused_chunked_recompute",
+)
+
+#: Floor for the log of a bucket probability (student outside-top-k mass, teacher tail): log(1e-30).
+#: It keeps ``tau * log(tau / Q_out)`` and ``Q_out * log(Q_out / tau)`` finite on underflow.
+LOG_FLOOR: float = math.log(1e-30)
+
+
+class LossInputError(ValueError):
+    """Bad arguments to the distillation loss (shape, dtype, range, duplicate ids, option)."""
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The objective, independent of how it is computed.
+
+    ``temperature`` divides the student logits (the cached teacher is used as cached) and the
+    distillation term is multiplied by ``temperature**2``; ``ce_weight`` weights a hard-label
+    cross-entropy term computed on the un-tempered logits.
+    """
+
+    loss: str = "forward_kl"
+    beta: float = 0.5
+    temperature: float = 1.0
+    ce_weight: float = 0.0
+    has_tail: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_KINDS:
+            raise LossInputError(f"loss must be one of {LOSS_KINDS}, got {self.loss!r}")
+        if self.loss == "jsd" and not 0.0 < self.beta < 1.0:
+            raise LossInputError(f"jsd needs 0 < beta < 1, got beta={self.beta}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0.0):
+            raise LossInputError(f"temperature must be finite and > 0, got {self.temperature}")
+        if not (math.isfinite(self.ce_weight) and self.ce_weight >= 0.0):
+            raise LossInputError(f"ce_weight must be finite and >= 0, got {self.ce_weight}")
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
+
+    @property
+    def uses_tail_bucket(self) -> bool:
+        """Whether the coarsened distributions carry a tail bucket (outside the top-k ids)."""
+        if self.loss == "renormalized_kl":
+            return False
+        if self.loss == "forward_kl":
+            return self.has_tail
+        return True  # reverse KL and JSD are only divergences with the tail bucket
+
+    @property
+    def separate_ce_softmax(self) -> bool:
+        """Whether the CE term needs its own (un-tempered) softmax, distinct from the KD one."""
+        return self.ce_weight > 0.0 and self.temperature != 1.0
