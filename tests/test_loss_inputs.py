@@ -108,9 +108,9 @@ _TRITON_SCRIPT = textwrap.dedent(
               temperature=2.0, chunk_size=8)
     for impl in ["forward_chunked", "fused_chunked", "fused_chunked_recompute"]:
         for kind in ["forward_kl", "jsd"]:
-            chunk_ops.FORCE_TRITON = False
+            chunk_ops.BACKEND = "auto"
             r, rg = run(prob, impl="dense", loss=kind, **kw)
-            chunk_ops.FORCE_TRITON = True
+            chunk_ops.BACKEND = "triton"
             loss, grads = run(prob, impl=impl, loss=kind, **kw)
             assert rel_err(loss, r) < 1e-5, (impl, kind)
             assert all(rel_err(g, x) < 1e-4 for g, x in zip(grads, rg)), (impl, kind)

@@ -43,14 +43,15 @@ class ChunkTargets:
         )
 
 
-#: Tests set this to run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``.
-FORCE_TRITON = False
+#: "auto" (Triton on CUDA when importable), "torch" (never Triton: the benchmark's torch-path
+#: variant), or "triton" (always: tests run the kernels on CPU under ``TRITON_INTERPRET=1``).
+BACKEND = "auto"
 
 
 def use_triton_for(x: torch.Tensor) -> bool:
     """Whether the Triton kernels serve this tensor (CUDA, Triton importable, not disabled)."""
-    if FORCE_TRITON:
-        return True
+    if BACKEND != "auto":
+        return BACKEND == "triton"
     if not x.is_cuda:
         return False
     from . import triton_kernels
