@@ -101,7 +101,7 @@ class ObjectLock:
             got = obstore.get(self.objstore, self.key)
             etag = got.meta["e_tag"]
             data = json.loads(bytes(got.bytes()))
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             return False  # released meanwhile; retry create
         except (ValueError, KeyError):
             data, etag = {"expires": 0}, None
@@ -111,7 +111,7 @@ class ObjectLock:
             res = obstore.put(self.objstore, self.key, self._payload(), mode={"e_tag": etag})
             self._etag = res["e_tag"]
             return True
-        except (PreconditionError, AlreadyExistsError, NotFoundError):
+        except (PreconditionError, AlreadyExistsError, NotFoundError, FileNotFoundError):
             return False
 
     def acquire(self, timeout: float) -> None:
@@ -173,12 +173,13 @@ class ProcessLock:
     _locks: dict[str, threading.Lock] = {}
 
     def __init__(self, url: str):
+        self.url = url
         self._lock = self._locks.setdefault(url, threading.Lock())
         self._held = False
 
     def acquire(self, timeout: float) -> None:
         if not self._lock.acquire(timeout=timeout):
-            raise WriterLockedError(f"store {self.__class__.__name__} locked (waited {timeout} s)")
+            raise WriterLockedError(f"store {self.url!r} is locked (waited {timeout} s)")
         self._held = True
 
     def release(self) -> None:

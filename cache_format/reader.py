@@ -8,6 +8,7 @@ a writer's rewrite of a partly filled shard fails its CRC32C and is retried on a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,23 @@ class CacheReader:
 
     # ------------------------------------------------------------------ snapshot
     def refresh(self) -> bool:
-        """Adopt the latest commit; returns True if it changed. The index grows incrementally."""
+        """Adopt the latest commit; returns True if it changed. The index grows incrementally.
+
+        A read that races a writer's shard rewrite (CRC32C mismatch, truncated object) is retried
+        on a freshly read commit.
+        """
+        for attempt in range(_RETRIES):
+            try:
+                return self._refresh_once()
+            except FormatError:
+                raise
+            except Exception:
+                if attempt == _RETRIES - 1:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _refresh_once(self) -> bool:
         try:
             attrs = read_root_attrs(self._store)
         except Exception as e:  # store unreachable or unreadable
@@ -98,14 +115,15 @@ class CacheReader:
         s = m.num_sequences
         if s > known:
             new_keys = [str(x) for x in arrays[spec.SEQ_KEYS][known:s]]
-            for i, key in enumerate(new_keys, start=known):
+            lengths = arrays[spec.SEQ_LENGTHS][known:s]
+            tok_start = arrays[spec.SEQ_TOKEN_START][known:s]
+            row_start = arrays[spec.SEQ_ROW_START][known:s]
+            for i, key in enumerate(new_keys, start=known):  # every read done: now mutate
                 self._key_index.setdefault(key, i)
             self._keys.extend(new_keys)
-            self._lengths = np.concatenate([self._lengths, arrays[spec.SEQ_LENGTHS][known:s]])
-            self._tok_start = np.concatenate(
-                [self._tok_start, arrays[spec.SEQ_TOKEN_START][known:s]]
-            )
-            self._row_start = np.concatenate([self._row_start, arrays[spec.SEQ_ROW_START][known:s]])
+            self._lengths = np.concatenate([self._lengths, lengths])
+            self._tok_start = np.concatenate([self._tok_start, tok_start])
+            self._row_start = np.concatenate([self._row_start, row_start])
         self._manifest = m
         return True
 
@@ -166,8 +184,6 @@ class CacheReader:
             except Exception:
                 if attempt == _RETRIES - 1:
                     raise
-                import time
-
                 time.sleep(0.01 * (attempt + 1))
                 self._reopen_arrays()
         raise AssertionError("unreachable")

@@ -72,6 +72,25 @@ def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, An
     return config, client_options
 
 
+_OBSTORE_TO_S3FS = {
+    "endpoint": "endpoint_url",
+    "access_key_id": "key",
+    "secret_access_key": "secret",
+    "session_token": "token",
+}
+
+
+def _fsspec_options(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs wants the region inside ``client_kwargs``; accept obstore names too."""
+    if scheme not in ("s3", "s3a"):
+        return options
+    opts = {_OBSTORE_TO_S3FS.get(n, n): v for n, v in options.items()}
+    region = opts.pop("region", None) or opts.pop("region_name", None)
+    if region:
+        opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "region_name": region}
+    return opts
+
+
 def open_store(
     url: str | Path, storage_options: dict[str, Any] | None = None, *, read_only: bool
 ) -> StoreHandle:
@@ -98,5 +117,7 @@ def open_store(
         return StoreHandle(url=url, zstore=zstore, kind="object", objstore=objstore)
     if backend not in (None, "fsspec"):
         raise FormatError(f"unknown storage backend {backend!r} (use 'obstore' or 'fsspec')")
-    zstore = zarr.storage.FsspecStore.from_url(url, storage_options=options, read_only=read_only)
+    zstore = zarr.storage.FsspecStore.from_url(
+        url, storage_options=_fsspec_options(scheme, options), read_only=read_only
+    )
     return StoreHandle(url=url, zstore=zstore, kind="fsspec")

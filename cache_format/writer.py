@@ -17,6 +17,7 @@ changed: partially filled shards are rewritten (read-modify-write) with identica
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import zarr
+import zarr.api.asynchronous
+from zarr.core.sync import sync
 
 from . import spec
 from .errors import FormatError, ManifestError, RecordError
@@ -248,19 +251,29 @@ class CacheWriter:
         return cols
 
     def _write(self, m: Manifest, fresh: list[_Encoded]) -> None:
-        """Steps 4 of the transaction: grow every array and write the new rows past the commit."""
+        """Step 4 of the transaction: grow every array and write the new rows past the commit.
+
+        The arrays are written concurrently (zarr's async API on zarr's event loop); the commit
+        (step 5) starts only after every write has returned.
+        """
         cols = self._columns(m, fresh)
-        base = {
-            spec.INPUT_IDS: m.num_tokens,
-            **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
-        }
-        for d in array_defs(m, self._layout):
-            data = cols[d.name]
-            start = base.get(d.name, m.num_rows)
-            arr = zarr.open_array(self._store, path=d.name, mode="r+")
-            stop = start + data.shape[0]
-            arr.resize((stop, *arr.shape[1:]))
-            arr[start:stop] = data
+        base = {spec.INPUT_IDS: m.num_tokens, **{n: m.num_sequences for n in spec.SEQ_ARRAYS}}
+        jobs = [
+            (d.name, base.get(d.name, m.num_rows), cols[d.name])
+            for d in array_defs(m, self._layout)
+        ]
+
+        async def write_all() -> None:
+            await asyncio.gather(*(self._write_array(n, start, data) for n, start, data in jobs))
+
+        sync(write_all())
+
+    async def _write_array(self, name: str, start: int, data: np.ndarray) -> None:
+        """Resize array ``name`` to ``start + len(data)`` and write ``data`` at ``start``."""
+        arr = await zarr.api.asynchronous.open_array(store=self._store, path=name, mode="r+")
+        stop = start + data.shape[0]
+        await arr.resize((stop, *arr.shape[1:]))
+        await arr.setitem(slice(start, stop), data)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

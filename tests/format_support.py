@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
+import pytest
 from logitcache.cache_format import Manifest, SequenceRecord
 
 
@@ -54,3 +57,144 @@ def make_records(
         make_record(rng, int(rng.integers(min_len, max_len + 1)), k, vocab, key=f"{prefix}{i}")
         for i in range(n)
     ]
+
+
+# --------------------------------------------------------------------------- S3 (moto server)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-compatible HTTP server (moto server mode) on 127.0.0.1, random port."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    assert host == "127.0.0.1"
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_endpoint):
+    """(url, storage_options) of an empty prefix in a fresh bucket on the moto server."""
+    import boto3
+
+    bucket = f"lc-{uuid.uuid4().hex[:12]}"
+    boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    options = {"endpoint_url": s3_endpoint, "key": "test", "secret": "test", "region": "us-east-1"}
+    return f"s3://{bucket}/cache", options
+
+
+# --------------------------------------------------------------------------- child processes
+# Run as `python tests/format_support.py append URL OPTIONS_JSON N BATCH SEED [CRASH_APPEND
+# CRASH_AFTER_ARRAYS LOCK_TTL PREFIX]`: appends make_records(N, seed=SEED) in batches, printing
+# "COMMITTED <num_sequences>" after each append. With CRASH_APPEND = j >= 0, the j-th append
+# SIGKILLs its own process after CRASH_AFTER_ARRAYS array writes (before the commit).
+
+CHILD_K = 8
+CHILD_VOCAB = 1000
+
+
+def child_append(argv: list[str]) -> None:
+    import json
+    import os
+    import signal
+    import sys
+
+    from logitcache.cache_format import CacheWriter
+
+    url, options, n, batch, seed = argv[0], json.loads(argv[1]), *map(int, argv[2:5])
+    crash_append = int(argv[5]) if len(argv) > 5 else -1
+    crash_after = int(argv[6]) if len(argv) > 6 else 0
+    ttl = float(argv[7]) if len(argv) > 7 else 60.0
+    prefix = argv[8] if len(argv) > 8 else "s"
+    state = {"append": 0, "arrays": 0}
+
+    class CrashingWriter(CacheWriter):
+        async def _write_array(self, name, start, data):
+            armed = state["append"] == crash_append
+            if armed and crash_after == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            await super()._write_array(name, start, data)
+            state["arrays"] += 1
+            if armed and state["arrays"] == crash_after:  # others may be half-way: realistic
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    recs = make_records(n, k=CHILD_K, vocab=CHILD_VOCAB, seed=seed, prefix=prefix)
+    w = CrashingWriter.open(
+        url,
+        make_manifest(k=CHILD_K, vocab_size=CHILD_VOCAB),
+        options,
+        lock_ttl=ttl,
+        lock_timeout=120,
+    )
+    for i in range(0, n, batch):
+        state["arrays"] = 0
+        w.append(recs[i : i + batch])
+        state["append"] += 1
+        print(f"COMMITTED {w.num_sequences}", flush=True)
+    w.close()
+    sys.exit(0)
+
+
+def child_read(argv: list[str]) -> None:
+    """`read URL OPTIONS_JSON SECONDS`: refresh-read loop; every snapshot must be a valid prefix.
+
+    Checks that every visible sequence equals make_records(...)'s record with the same key
+    (prefix and seed parsed from the key "<prefix><seed>_<i>" is not needed: the key encodes
+    nothing; the parent passes the expected records' seeds as "prefix:seed,prefix:seed").
+    """
+    import json
+    import sys
+    import time
+
+    import numpy as np
+    from logitcache.cache_format import CacheReader, StoreNotFoundError
+
+    url, options, seconds, sources = argv[0], json.loads(argv[1]), float(argv[2]), argv[3]
+    expected = {}
+    for item in sources.split(","):
+        prefix, seed, n = item.split(":")
+        for r in make_records(int(n), k=CHILD_K, vocab=CHILD_VOCAB, seed=int(seed), prefix=prefix):
+            expected[r.key] = r
+    deadline = time.monotonic() + seconds
+    reader = None
+    snapshots = checked = 0
+    while time.monotonic() < deadline:
+        try:
+            reader = reader or CacheReader(url, options)
+        except StoreNotFoundError:
+            time.sleep(0.05)
+            continue
+        reader.refresh()
+        n = reader.num_sequences
+        if n:
+            idx = sorted({0, n - 1, n // 2})
+            for rec in reader.sequences(idx):
+                want = expected[rec.key]
+                assert np.array_equal(rec.input_ids, want.input_ids), rec.key
+                assert np.array_equal(rec.topk_ids, want.topk_ids), rec.key
+                lp16 = want.topk_logprobs.astype(np.float16).astype(np.float32)
+                assert np.array_equal(rec.topk_logprobs, lp16), rec.key
+                checked += 1
+            assert len(set(reader.keys)) == n
+        snapshots += 1
+    last = reader.num_sequences if reader else 0
+    print(f"READER snapshots={snapshots} checked={checked} last={last}", flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    import sys
+
+    {"append": child_append, "read": child_read}[sys.argv[1]](sys.argv[2:])

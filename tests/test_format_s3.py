@@ -1,0 +1,118 @@
+"""Object storage: the format on a real S3-compatible server (moto, 127.0.0.1) through zarr's
+ObjectStore (obstore) and FsspecStore (s3fs): round trip, writer lease lock, SIGKILL + resume,
+and two appender processes plus a reader process working on one cache at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import format_support
+import numpy as np
+import pytest
+from format_support import CHILD_K, CHILD_VOCAB, make_manifest, make_records
+from logitcache.cache_format import CacheReader, CacheWriter, WriterLockedError, validate
+from logitcache.cache_format.lock import ObjectLock
+from logitcache.cache_format.store import open_store
+from test_format_crash import SUPPORT, check_prefix, expected, resume_and_check, run_child
+
+s3_endpoint = format_support.s3_endpoint
+s3_store = format_support.s3_store
+
+
+def test_s3_roundtrip_obstore_and_fsspec(s3_store):
+    url, opts = s3_store
+    recs = make_records(20, seed=11)
+    with CacheWriter.open(url, make_manifest(), opts) as w:
+        assert w.append(recs[:12]) == 12
+        assert w.append(recs) == 8
+    for backend in ("obstore", "fsspec"):
+        o = dict(opts, backend=backend)
+        r = CacheReader(url, o)
+        assert r.keys == [x.key for x in recs]
+        got = r.get("s13")
+        assert np.array_equal(got.topk_ids, recs[13].topk_ids)
+        assert validate(url, o).ok
+    import boto3
+
+    bucket = url.split("/")[2]
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=opts["endpoint_url"],
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    )
+    names = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert "cache/zarr.json" in names and "cache/topk_ids/c/0/0" in names
+    assert "cache/.logitcache.lock" not in names  # released after each append
+
+
+def test_s3_lock_excludes_second_writer_and_expires(s3_store):
+    url, opts = s3_store
+    with CacheWriter.open(url, make_manifest(), opts) as w:
+        w.append(make_records(2))
+    handle = open_store(url, opts, read_only=False)
+    holder = ObjectLock(handle.objstore, ttl=30)
+    holder.acquire(timeout=1)
+    try:
+        with pytest.raises(WriterLockedError):
+            CacheWriter.open(url, make_manifest(), opts, lock_timeout=0.5)
+    finally:
+        holder.release()
+    # a dead holder's lease is taken over once it expires
+    dead = ObjectLock(handle.objstore, ttl=1.0)
+    dead.acquire(timeout=1)
+    dead._stop.set()  # simulate a crash: no more heartbeats, never released
+    t0 = time.monotonic()
+    with CacheWriter.open(url, make_manifest(), opts, lock_timeout=10) as w2:
+        assert w2.append(make_records(4)) == 2
+    assert time.monotonic() - t0 >= 0.5
+
+
+def test_s3_sigkill_and_resume(s3_store):
+    url, opts = s3_store
+    proc = run_child(url, 30, 5, 7, 2, 3, 1.5, options=opts)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    recs = expected()
+    assert check_prefix(url, recs, opts) == 10
+    resume_and_check(url, recs, 10, opts, lock_timeout=30)  # waits out the dead writer's lease
+
+
+def _spawn(kind: str, url: str, opts: dict, *args: object) -> subprocess.Popen:
+    cmd = [sys.executable, SUPPORT, kind, url, json.dumps(opts), *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_two_appenders_and_a_reader(s3_store, tmp_path, where):
+    url, opts = s3_store if where == "s3" else (str(tmp_path / "c"), {})
+    n = 24
+    with CacheWriter.open(url, make_manifest(k=CHILD_K, vocab_size=CHILD_VOCAB), opts):
+        pass
+    reader = _spawn("read", url, opts, 12, f"a:1:{n},b:2:{n}")
+    writers = [
+        _spawn("append", url, opts, n, 3, seed, -1, 0, 10, p) for seed, p in ((1, "a"), (2, "b"))
+    ]
+    for w in writers:
+        out, err = w.communicate(timeout=180)
+        assert w.returncode == 0, err
+    out, err = reader.communicate(timeout=180)
+    assert reader.returncode == 0, err
+    snapshots = int(out.split("snapshots=")[1].split()[0])
+    assert snapshots >= 2
+    r = CacheReader(url, opts)
+    assert r.num_sequences == 2 * n and len(set(r.keys)) == 2 * n
+    want = {
+        x.key: x
+        for p, s in (("a", 1), ("b", 2))
+        for x in make_records(n, k=CHILD_K, vocab=CHILD_VOCAB, seed=s, prefix=p)
+    }
+    for rec in r.sequences(range(2 * n)):
+        assert np.array_equal(rec.topk_ids, want[rec.key].topk_ids)
+        assert np.array_equal(rec.input_ids, want[rec.key].input_ids)
+    assert [k for k in r.keys if k.startswith("a")] == [f"a{i}" for i in range(n)]
+    assert validate(url, opts).ok
