@@ -1,0 +1,213 @@
+"""The plain-transformers teacher backend: a PyTorch forward with a chunked lm-head top-k.
+
+For a batch of prompts (right-padded, grouped by length under a token budget) the decoder's last
+hidden states ``h [B, T, d]`` are computed once; then, ``chunk_rows`` positions at a time,
+``z = h_chunk W^T (+ b)``, ``lp = log_softmax(z / T)`` and ``torch.topk(lp, k)``. Peak extra
+memory is ``chunk_rows x V`` floats, never the full ``[L, V]`` logits. Rows are aligned as in
+``engine.py`` (position ``j``'s distribution predicts token ``j + 1``; the last position is not
+scored).
+
+The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the event loop stays
+free and calls are serialised. Models whose head does more than a linear map (logit soft-capping
+or scaling in the config) are refused, since the chunked head would silently differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+
+from .engine import (
+    LOGPROB_MODE,
+    EngineClosedError,
+    EngineConfig,
+    EngineConfigError,
+    EngineInfo,
+    EngineInputError,
+    ScoreTimings,
+    Stopwatch,
+    TeacherScores,
+    check_k,
+    check_prompts,
+    local_revision,
+    make_scores,
+    tokenizer_fingerprint,
+)
+
+#: Config attributes that mean the logits are not just ``h W^T + b``.
+_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_DTYPES.update({"float16": "float16", "fp16": "float16", "half": "float16"})
+
+
+def _torch_dtype(name: str, config: Any) -> Any:
+    import torch
+
+    if name == "auto":
+        # CPU: float32 unless the checkpoint says bf16 (fp16 matmuls are slow on CPU).
+        cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if cfg_dtype in (torch.bfloat16, "bfloat16"):
+            return torch.bfloat16
+        if torch.cuda.is_available() and cfg_dtype in (torch.float16, "float16"):
+            return torch.float16
+        return torch.float32
+    try:
+        return getattr(torch, _DTYPES[name.lower()])
+    except KeyError:
+        raise EngineConfigError(f"unsupported dtype {name!r}") from None
+
+
+class TransformersEngine:
+    """:class:`~logitcache.server.engine.TeacherEngine` on ``transformers`` + PyTorch.
+
+    ``options``: ``chunk_rows`` (positions per lm-head chunk, default 1024), ``batch_tokens``
+    (padded tokens per forward, default 8192), ``device`` (default ``cuda`` if available).
+    """
+
+    def __init__(self, cfg: EngineConfig):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        opts = dict(cfg.options)
+        self.chunk_rows = int(opts.pop("chunk_rows", 1024))
+        self.batch_tokens = int(opts.pop("batch_tokens", 8192))
+        device = opts.pop("device", "cuda" if torch.cuda.is_available() else "cpu")
+        opts.pop("vllm_mode", None)
+        opts.pop("cpu_kvcache_gib", None)
+        if self.chunk_rows < 1 or self.batch_tokens < 1:
+            raise EngineConfigError("chunk_rows and batch_tokens must be >= 1")
+        if cfg.tensor_parallel_size != 1 or cfg.pipeline_parallel_size != 1:
+            raise EngineConfigError("the transformers backend runs on one device (no TP/PP)")
+        revision = None if _is_dir(cfg.model) else cfg.revision
+        config = AutoConfig.from_pretrained(cfg.model, revision=revision)
+        extras = [a for a in _HEAD_EXTRAS if getattr(config, a, None) not in (None, 1, 1.0)]
+        if extras:
+            raise EngineConfigError(
+                f"the model's head uses {extras}; the chunked lm-head would differ. Use vLLM."
+            )
+        self.dtype = _torch_dtype(cfg.dtype, config)
+        self.device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model, revision=revision, dtype=self.dtype, **opts
+        )
+        self.model = model.to(self.device).eval()
+        self.decoder = model.get_decoder()
+        head = model.get_output_embeddings()
+        if head is None:
+            raise EngineConfigError("the model has no output embedding (lm head)")
+        self.head_weight = head.weight
+        self.head_bias = getattr(head, "bias", None)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        vocab = int(self.head_weight.shape[0])
+        model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        if cfg.max_model_len is None and model_max is None:
+            raise EngineConfigError("max_model_len unknown: set it (the model config has none)")
+        max_len = min(x for x in (cfg.max_model_len, model_max) if x is not None)
+        self.info = EngineInfo(
+            model_id=cfg.display_id,
+            revision=local_revision(cfg.model, cfg.revision),
+            vocab_size=vocab,
+            max_k=min(cfg.max_k, vocab),
+            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+            temperature=cfg.temperature,
+            logprob_mode=LOGPROB_MODE,
+            max_model_len=max_len,
+            backend="transformers",
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+        self.timings = ScoreTimings()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def tokenize(self, text: str) -> list[int]:
+        """Teacher-tokenizer ids of ``text`` (BOS included when the tokenizer adds one)."""
+        if not isinstance(text, str):
+            raise EngineInputError(f"text must be a string, got {type(text).__name__}")
+        return list(self.tokenizer(text)["input_ids"])
+
+    # --- compute ----------------------------------------------------------------------------
+
+    def _topk_rows(self, hidden: Any, k: int) -> tuple[Any, Any]:
+        """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk."""
+        import torch
+
+        ids_out, lps_out = [], []
+        inv_t = 1.0 / self.cfg.temperature
+        for h in hidden.split(self.chunk_rows):
+            z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
+            if inv_t != 1.0:
+                z.mul_(inv_t)
+            lp = torch.log_softmax(z, dim=-1)
+            v, i = torch.topk(lp, k, dim=-1, sorted=True)
+            ids_out.append(i.to(torch.int32))
+            lps_out.append(v)
+            del z, lp
+        return torch.cat(ids_out), torch.cat(lps_out)
+
+    def _batches(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Prompt indices grouped by length (longest first) so padded tokens stay under
+        ``batch_tokens`` (a longer prompt gets a batch of its own)."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        for i in order:
+            width = len(prompts[cur[0]]) if cur else len(prompts[i])
+            if cur and width * (len(cur) + 1) > self.batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+        return batches
+
+    def _score_sync(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        import torch
+
+        out: list[TeacherScores | None] = [None] * len(prompts)
+        with self._lock, torch.inference_mode():
+            for batch in self._batches(prompts):
+                width = max(len(prompts[i]) for i in batch)
+                ids = torch.zeros((len(batch), width), dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for r, i in enumerate(batch):
+                    n = len(prompts[i])
+                    ids[r, :n] = torch.tensor(prompts[i])
+                    mask[r, :n] = 1
+                hidden = self.decoder(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
+                ).last_hidden_state
+                for r, i in enumerate(batch):
+                    n = len(prompts[i])
+                    tid, tlp = self._topk_rows(hidden[r, : n - 1], k)
+                    out[i] = make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
+        return [s for s in out if s is not None]
+
+    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        """Top-``k`` rows of every prompt."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        k = check_k(k, self.info.max_k, self.info.vocab_size)
+        checked = check_prompts(prompts, self.info)
+        with Stopwatch() as t:
+            scores = await asyncio.to_thread(self._score_sync, checked, k)
+        self.timings.engine += t.elapsed
+        self.timings.calls += 1
+        self.timings.prompts += len(checked)
+        self.timings.rows += int(np.sum([s.num_rows for s in scores]))
+        return scores
+
+    async def aclose(self) -> None:
+        """Drop the model (idempotent)."""
+        self._closed = True
+        self.model = self.decoder = self.head_weight = self.head_bias = None
+
+
+def _is_dir(path: str) -> bool:
+    from pathlib import Path
+
+    return Path(path).is_dir()

