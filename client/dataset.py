@@ -374,7 +374,9 @@ class CacheDataLoader(DataLoader):
     ``batch_size`` is the dataset's (the dataset yields whole batches, so the loader is built
     with ``batch_size=None``). ``state_dict()`` / ``load_state_dict()`` delegate to the dataset
     with the number of items this loader has yielded, which is exact with any ``num_workers``.
-    ``persistent_workers`` is refused: workers would keep a stale epoch.
+    ``persistent_workers`` is refused: workers would keep a stale epoch. When the source is not
+    fork-safe (obstore-backed object stores, see :class:`~logitcache.client.sources.LocalSource`)
+    and no ``multiprocessing_context`` is given, workers are started with ``spawn``.
     """
 
     def __init__(self, dataset: CacheDataset, **kwargs: Any) -> None:
@@ -385,6 +387,12 @@ class CacheDataLoader(DataLoader):
         if kwargs.get("persistent_workers"):
             raise ConfigError("persistent_workers would keep a stale epoch/resume point")
         kwargs["batch_size"] = None
+        if (
+            kwargs.get("num_workers", 0) > 0
+            and kwargs.get("multiprocessing_context") is None
+            and not getattr(dataset.source, "fork_safe", True)
+        ):
+            kwargs["multiprocessing_context"] = "spawn"
         super().__init__(dataset, **kwargs)
         self._epoch = dataset.epoch
         self._base = 0

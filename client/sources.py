@@ -71,27 +71,59 @@ def contiguous_runs(indices: Iterable[int], max_len: int | None = None) -> list[
     return runs
 
 
+#: URL schemes that ``logitcache.cache_format`` opens with obstore unless told otherwise.
+_OBSTORE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss"})
+
+
 class LocalSource:
     """Read a cache store directly: a local path or an object-store URL (``s3://bucket/prefix``).
 
     ``storage_options`` go to ``CacheReader`` unchanged (e.g. ``{"endpoint_url": ...,
-    "key": ..., "secret": ...}`` for s3fs).
+    "key": ..., "secret": ...}``). ``max_gap_tokens``: see :meth:`fetch`.
+
+    Fork safety: object-store URLs are read through obstore by default, whose runtime does not
+    survive ``fork`` (a forked child hangs on its first request). :attr:`fork_safe` says so;
+    :class:`~logitcache.client.dataset.CacheDataLoader` then starts its workers with ``spawn``,
+    and a source used in a forked child after its parent read the store raises
+    :class:`SourceError` instead of hanging. ``storage_options={"backend": "fsspec"}`` (s3fs)
+    is fork-safe.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        max_gap_tokens: int = 16384,
+    ) -> None:
         self.url = str(url)
         self.storage_options = dict(storage_options) if storage_options else None
+        self.max_gap_tokens = int(max_gap_tokens)
         self._reader: Any = None
         self._pid: int | None = None
+        self._offsets: tuple[np.ndarray, np.ndarray, list[str]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "storage_options": self.storage_options}
+        return {
+            "url": self.url,
+            "storage_options": self.storage_options,
+            "max_gap_tokens": self.max_gap_tokens,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["url"], state["storage_options"], max_gap_tokens=state["max_gap_tokens"]
+        )
 
     def __repr__(self) -> str:
         return f"LocalSource({self.url!r})"
+
+    @property
+    def fork_safe(self) -> bool:
+        """Whether a child forked after this process read the store can read it too."""
+        scheme = self.url.split("://", 1)[0].lower() if "://" in self.url else ""
+        backend = (self.storage_options or {}).get("backend")
+        return not (scheme in _OBSTORE_SCHEMES and backend in (None, "obstore"))
 
     @property
     def reader(self) -> Any:
@@ -99,8 +131,17 @@ class LocalSource:
         if self._reader is None or self._pid != os.getpid():
             from logitcache.cache_format import CacheReader
 
+            if self._pid is not None and not self.fork_safe:
+                raise SourceError(
+                    f"{self.url}: this process was forked after its parent read the store "
+                    "through obstore, which does not survive fork; use CacheDataLoader (it "
+                    "spawns workers), DataLoader(multiprocessing_context='spawn'), or "
+                    "storage_options={'backend': 'fsspec'}"
+                )
+
             self._reader = CacheReader(self.url, storage_options=self.storage_options)
             self._pid = os.getpid()
+            self._offsets = None
         return self._reader
 
     @property
@@ -115,22 +156,74 @@ class LocalSource:
     def lengths(self) -> np.ndarray:
         return np.asarray(self.reader.lengths, dtype=np.int64)
 
+    def _index(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Token starts, lengths and keys of the reader's snapshot (cached until refresh)."""
+        reader = self.reader
+        if self._offsets is None or len(self._offsets[1]) != reader.num_sequences:
+            lengths = np.asarray(reader.lengths, dtype=np.int64)
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            self._offsets = (starts, lengths, reader.keys)
+        return self._offsets
+
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        wanted = sorted({int(i) for i in indices})
-        if not wanted:
-            return {}
-        records = self.reader.sequences(wanted)
-        return dict(zip(wanted, records, strict=True))
+        """Read the wanted sequences with few range reads (each read has a fixed cost).
+
+        The flat arrays hold sequences back to back (FORMAT.md: token starts are the running sum
+        of lengths, row starts that of ``lengths - 1``), so sequences ``[a, b)`` are rows
+        ``[row_start(a), row_start(b))`` and tokens ``[token_start(a), token_start(b))``. Runs of
+        wanted sequences less than ``max_gap_tokens`` apart are read as one range and the
+        unwanted sequences in between are dropped.
+        """
+        from logitcache.cache_format import SequenceRecord
+
+        tok_starts, lengths, keys = self._index()
+        wanted = np.unique(np.fromiter(indices, dtype=np.int64))
+        if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
+            raise SourceError(f"sequence indices outside [0, {len(lengths)})")
+        out: dict[int, SequenceRecord] = {}
+        for a, b in self._ranges(wanted, tok_starts, lengths):
+            t0 = int(tok_starts[a])
+            t1 = int(tok_starts[b - 1] + lengths[b - 1])
+            rows = self.reader.rows(t0 - a, t1 - b)
+            tokens = self.reader.tokens(t0, t1)
+            for i in wanted[(wanted >= a) & (wanted < b)].tolist():
+                ts, n = int(tok_starts[i]) - t0, int(lengths[i])
+                rs = ts - (i - a)
+                out[i] = SequenceRecord(
+                    keys[i],
+                    tokens[ts : ts + n],
+                    rows.topk_ids[rs : rs + n - 1],
+                    rows.topk_logprobs[rs : rs + n - 1],
+                    rows.tail_mass[rs : rs + n - 1],
+                )
+        return out
+
+    def _ranges(
+        self, wanted: np.ndarray, tok_starts: np.ndarray, lengths: np.ndarray
+    ) -> list[tuple[int, int]]:
+        """Sequence ranges to read: runs of ``wanted``, merged across small gaps."""
+        ranges: list[tuple[int, int]] = []
+        for a, b in contiguous_runs(wanted.tolist()):
+            if ranges:
+                pa, pb = ranges[-1]
+                gap = int(tok_starts[a]) - int(tok_starts[pb - 1] + lengths[pb - 1])
+                if gap <= self.max_gap_tokens:
+                    ranges[-1] = (pa, b)
+                    continue
+            ranges.append((a, b))
+        return ranges
 
     def refresh(self) -> None:
         self.reader.refresh()
+        self._offsets = None
 
 
 class HttpSource:
     """Read a cache from the teacher service: ``GET /v1/caches/{name}/sequences?start=&stop=``.
 
     The body is a stream of binary wire frames (``logitcache.cache_format.encode_records``),
-    decoded with ``decode_records``. Indices are fetched as contiguous runs of at most
+    decoded with ``decode_records`` (``compression="zstd"`` asks the server to compress each
+    frame). Indices are fetched as contiguous runs of at most
     ``max_sequences_per_request`` sequences, ``concurrency`` requests at a time. Transient errors
     are retried by the underlying :class:`~logitcache.client.http.TeacherClient`.
     """
@@ -145,6 +238,7 @@ class HttpSource:
         max_retries: int = 5,
         max_sequences_per_request: int = 256,
         concurrency: int = 4,
+        compression: str = "none",
     ) -> None:
         self.base_url = base_url
         self.cache = cache
@@ -153,6 +247,7 @@ class HttpSource:
         self.max_retries = max_retries
         self.max_sequences_per_request = max_sequences_per_request
         self.concurrency = concurrency
+        self.compression = compression
         self._client: TeacherClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pid: int | None = None
@@ -167,6 +262,7 @@ class HttpSource:
         "max_retries",
         "max_sequences_per_request",
         "concurrency",
+        "compression",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -186,7 +282,10 @@ class HttpSource:
     @property
     def client(self) -> TeacherClient:
         """The HTTP client of this process (made on first use, remade after a fork)."""
-        if self._client is None or self._pid != os.getpid():
+        return self._connection()[0]
+
+    def _connection(self) -> tuple[TeacherClient, ThreadPoolExecutor]:
+        if self._client is None or self._pool is None or self._pid != os.getpid():
             from .http import TeacherClient
 
             self._client = TeacherClient(
@@ -198,7 +297,7 @@ class HttpSource:
             )
             self._pool = ThreadPoolExecutor(max(1, self.concurrency), "logitcache-http")
             self._pid = os.getpid()
-        return self._client
+        return self._client, self._pool
 
     def _cache_info(self) -> dict[str, Any]:
         if self._info is None:
@@ -228,12 +327,13 @@ class HttpSource:
 
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
         runs = contiguous_runs(indices, self.max_sequences_per_request)
-        client = self.client
         if not runs:
             return {}
-        assert self._pool is not None  # made with the client  # noqa: S101
+        client, pool = self._connection()
         futures = [
-            self._pool.submit(client.read_sequences, self.cache, start, stop)
+            pool.submit(
+                client.read_sequences, self.cache, start, stop, compression=self.compression
+            )
             for start, stop in runs
         ]
         out: dict[int, SequenceRecord] = {}
