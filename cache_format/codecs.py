@@ -16,7 +16,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import FormatError
 
-_BLOSC = re.compile(r"^blosc-(zstd|lz4|lz4hc|zlib|blosclz)(\d)-(noshuffle|shuffle|bitshuffle)$")
+_BLOSC = re.compile(r"^blosc-(zstd|lz4hc|lz4|zlib|blosclz)(\d?)-(noshuffle|shuffle|bitshuffle)$")
 _ZSTD = re.compile(r"^zstd(\d{1,2})$")
 
 
@@ -24,7 +24,7 @@ def compressors(name: str, typesize: int) -> tuple:
     """Bytes-to-bytes codecs (compressor + CRC32C) for codec ``name`` on items of ``typesize``."""
     m = _BLOSC.match(name)
     if m:
-        cname, level, shuffle = m.group(1), int(m.group(2)), m.group(3)
+        cname, level, shuffle = m.group(1), int(m.group(2) or 5), m.group(3)
         comp = BloscCodec(cname=cname, clevel=level, shuffle=shuffle, typesize=typesize)
         return (comp, Crc32cCodec())
     m = _ZSTD.match(name)

@@ -13,6 +13,7 @@ import zarr
 from . import spec
 from .codecs import compressors
 from .manifest import Manifest
+from .quant import STORED_DTYPE
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
         ),
         ArrayDef(
             spec.TOPK_LOGPROBS,
-            lp_dtype,
+            STORED_DTYPE[lp_dtype],
             True,
             layout.row_chunk,
             layout.row_shard,
@@ -115,6 +116,9 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
             ("sequence",),
         ),
     ]
+    if manifest.id_remap:
+        vocab = manifest.vocab_size
+        defs.append(ArrayDef(spec.ID_ORDER, "int32", False, vocab, vocab, "zstd3", ("vocab",)))
     return defs
 
 

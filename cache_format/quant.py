@@ -1,12 +1,20 @@
-"""Storage encodings of top-k logprobs (FORMAT.md section "Logprob encodings").
+"""Storage encodings of top-k logprobs (FORMAT.md §4 "Logprob encodings").
 
-- ``float16`` (default) / ``float32``: the value, after clipping to ``[-65504, 0]``.
-  float16 keeps a relative error <= 2**-11 (about 4.9e-4 relative; e.g. <= 0.0078 absolute at -16).
-- ``uint8`` / ``uint16``: lossy, relative to the row max. With ``m = max_j lp_j`` (rank 0),
-  ``step = (m - min_j lp_j) / Q`` (``Q = 255`` or ``65535``), ``q_j = round((m - lp_j) / step)``.
-  Decoding is ``lp_j' = m - q_j * step`` in float32. Error bound: ``|lp_j - lp_j'| <= step / 2 =
-  (m - min_j lp_j) / (2 Q)`` (+ float32 rounding), rank 0 is exact, order is preserved (ties can
+Value encodings (manifest ``logprob_dtype``):
+
+- ``float16`` (default) / ``float32``: the value after clipping to ``[-65504, 0]`` (float16
+  range); float16 keeps a relative error <= 2**-11 (e.g. <= 0.0078 absolute at -16).
+- ``uint8`` / ``uint16``: lossy, relative to the row max. With ``m = max_j lp_j`` (rank 0) and
+  ``step = (m - min_j lp_j) / Q`` (``Q = 255`` or ``65535``), ``q_j = round((m - lp_j) / step)``;
+  decoding is ``m - q_j * step`` in float32. Error bound ``|lp_j - lp_j'| <= step / 2 =
+  (m - min_j lp_j) / (2 Q)`` (+ float32 rounding); rank 0 is exact; order is preserved (ties can
   appear). ``m`` and ``step`` are stored per row in ``logprob_max`` / ``logprob_step`` (float32).
+
+Row-delta transform (applied to every encoding, lossless): the encoded row is viewed as unsigned
+integers ``u`` (float16 -> uint16 bit patterns, float32 -> uint32, quantised as is) and stored as
+``d_0 = u_0``, ``d_j = (u_j - u_{j-1}) mod 2^bits``. Sorted logprobs make ``u`` monotone (bit
+patterns of non-positive floats grow with magnitude; ``q`` grows), so the deltas are small and
+compress about a third better. Decoding is a cumulative sum modulo ``2^bits``.
 """
 
 from __future__ import annotations
@@ -17,23 +25,38 @@ from .spec import LOGPROB_MAX, LOGPROB_STEP, QUANTISED_DTYPES, TOPK_LOGPROBS
 
 _QMAX = {"uint8": 255, "uint16": 65535}
 F16_MIN = -65504.0
+STORED_DTYPE = {"float16": "uint16", "float32": "uint32", "uint8": "uint8", "uint16": "uint16"}
+"""zarr dtype of the ``topk_logprobs`` array for each logical ``logprob_dtype``."""
+
+
+def row_delta(u: np.ndarray) -> np.ndarray:
+    """``d[:, 0] = u[:, 0]``, ``d[:, j] = u[:, j] - u[:, j-1]`` (unsigned, wrapping)."""
+    d = np.empty_like(u)
+    d[:, :1] = u[:, :1]
+    np.subtract(u[:, 1:], u[:, :-1], out=d[:, 1:])
+    return d
+
+
+def row_undelta(d: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`row_delta` (cumulative sum in the same unsigned dtype, wrapping)."""
+    return np.cumsum(d, axis=1, dtype=d.dtype)
 
 
 def encode_logprobs(lp: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
     """Encode validated float32 ``[n, k]`` logprobs into the arrays stored for ``dtype``."""
     lp = np.minimum(np.asarray(lp, dtype=np.float32), 0.0)
     if dtype == "float32":
-        return {TOPK_LOGPROBS: lp}
+        return {TOPK_LOGPROBS: row_delta(lp.view(np.uint32))}
     if dtype == "float16":
-        return {TOPK_LOGPROBS: np.maximum(lp, F16_MIN).astype(np.float16)}
+        h = np.maximum(lp, F16_MIN).astype(np.float16)
+        return {TOPK_LOGPROBS: row_delta(h.view(np.uint16))}
     if dtype in QUANTISED_DTYPES:
         qmax = _QMAX[dtype]
         mx = lp.max(axis=1)
         step = ((mx - lp.min(axis=1)) / np.float32(qmax)).astype(np.float32)
         safe = np.where(step > 0, step, np.float32(1.0))
-        q = np.rint((mx[:, None] - lp) / safe[:, None])
-        q = np.clip(q, 0, qmax).astype(dtype)
-        return {TOPK_LOGPROBS: q, LOGPROB_MAX: mx.astype(np.float32), LOGPROB_STEP: step}
+        q = np.clip(np.rint((mx[:, None] - lp) / safe[:, None]), 0, qmax).astype(dtype)
+        return {TOPK_LOGPROBS: row_delta(q), LOGPROB_MAX: mx.astype(np.float32), LOGPROB_STEP: step}
     raise ValueError(f"unknown logprob dtype {dtype!r}")
 
 
@@ -41,12 +64,17 @@ def decode_logprobs(
     stored: np.ndarray, dtype: str, mx: np.ndarray | None = None, step: np.ndarray | None = None
 ) -> np.ndarray:
     """Inverse of :func:`encode_logprobs`: float32 ``[n, k]`` logprobs."""
+    u = row_undelta(np.asarray(stored, dtype=STORED_DTYPE[dtype]))
+    if dtype == "float32":
+        return u.view(np.float32)
+    if dtype == "float16":
+        return u.view(np.float16).astype(np.float32)
     if dtype in QUANTISED_DTYPES:
         if mx is None or step is None:
             raise ValueError("quantised logprobs need logprob_max and logprob_step")
-        out = mx[:, None].astype(np.float32) - stored.astype(np.float32) * step[:, None]
+        out = mx[:, None].astype(np.float32) - u.astype(np.float32) * step[:, None]
         return out.astype(np.float32, copy=False)
-    return np.asarray(stored, dtype=np.float32)
+    raise ValueError(f"unknown logprob dtype {dtype!r}")
 
 
 def error_bound(lp: np.ndarray, dtype: str) -> np.ndarray:
@@ -57,6 +85,5 @@ def error_bound(lp: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float16":
         return np.abs(lp).max(axis=1) * 2.0**-11 + 2.0**-25
     qmax = _QMAX[dtype]
-    return (lp.max(axis=1) - lp.min(axis=1)) / (2 * qmax) * (1 + 1e-6) + np.abs(lp).max(
-        axis=1
-    ) * 2e-7
+    spread = (lp.max(axis=1) - lp.min(axis=1)) / (2 * qmax)
+    return spread * (1 + 1e-6) + np.abs(lp).max(axis=1) * 2e-7

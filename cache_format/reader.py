@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from . import spec
+from . import idmap, spec
 from .errors import CorruptStoreError, FormatError, StoreNotFoundError
 from .layout import parse_root, read_root_attrs
 from .manifest import Manifest
@@ -31,6 +31,8 @@ def _array_names(m: Manifest) -> list[str]:
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
     if m.logprob_dtype in spec.QUANTISED_DTYPES:
         names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
+    if m.id_remap:
+        names.append(spec.ID_ORDER)
     return names
 
 
@@ -58,6 +60,7 @@ class CacheReader:
         self._tok_start = np.zeros(0, dtype=np.int64)
         self._row_start = np.zeros(0, dtype=np.int64)
         self._manifest: Manifest | None = None
+        self._id_order: np.ndarray | None = None
         self.refresh()
 
     # ------------------------------------------------------------------ snapshot
@@ -103,6 +106,7 @@ class CacheReader:
             spec.INPUT_IDS: m.num_tokens,
             spec.LOGPROB_MAX: m.num_rows,
             spec.LOGPROB_STEP: m.num_rows,
+            spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
             **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
         }
         for n, a in arrays.items():
@@ -110,6 +114,11 @@ class CacheReader:
                 raise CorruptStoreError(
                     f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
                 )
+        if m.id_remap and m.num_rows and self._id_order is None:
+            order = arrays[spec.ID_ORDER][: m.vocab_size]
+            if not idmap.is_permutation(order, m.vocab_size):
+                raise CorruptStoreError("id_order is not a permutation of the vocabulary")
+            self._id_order = order
         self._arrays = arrays
         known = len(self._keys)
         s = m.num_sequences
@@ -216,6 +225,8 @@ class CacheReader:
         else:
             get = lambda name: a[name].get_orthogonal_selection(sel)  # noqa: E731
         ids = get(spec.TOPK_IDS)
+        if self._id_order is not None:
+            ids = self._id_order[ids]
         stored = get(spec.TOPK_LOGPROBS)
         if dtype in spec.QUANTISED_DTYPES:
             lp = decode_logprobs(stored, dtype, get(spec.LOGPROB_MAX), get(spec.LOGPROB_STEP))

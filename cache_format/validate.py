@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import zarr
 
-from . import spec
+from . import idmap, spec
 from .errors import FormatError
 from .layout import parse_root, read_root_attrs
 from .manifest import Manifest
-from .quant import decode_logprobs
+from .quant import STORED_DTYPE, decode_logprobs
 from .store import open_store
 
 MAX_EXAMPLES = 10
@@ -87,7 +87,7 @@ def _flag(report: ValidationReport, code: str, msg: str, bad: np.ndarray, base: 
 def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
     d = {
         spec.TOPK_IDS: ("int32", True),
-        spec.TOPK_LOGPROBS: (m.logprob_dtype, True),
+        spec.TOPK_LOGPROBS: (STORED_DTYPE[m.logprob_dtype], True),
         spec.TAIL_MASS: (m.tail_mass_dtype, False),
         spec.INPUT_IDS: ("int32", False),
         spec.SEQ_KEYS: ("str", False),
@@ -98,11 +98,17 @@ def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
     if m.logprob_dtype in spec.QUANTISED_DTYPES:
         d[spec.LOGPROB_MAX] = ("float32", False)
         d[spec.LOGPROB_STEP] = ("float32", False)
+    if m.id_remap:
+        d[spec.ID_ORDER] = ("int32", False)
     return d
 
 
 def _open_arrays(store, m: Manifest, report: ValidationReport) -> dict[str, zarr.Array]:
-    need_len = {spec.INPUT_IDS: m.num_tokens, **{n: m.num_sequences for n in spec.SEQ_ARRAYS}}
+    need_len = {
+        spec.INPUT_IDS: m.num_tokens,
+        spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
+        **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
+    }
     arrays = {}
     for name, (dtype, k_axis) in _expected_dtypes(m).items():
         try:
@@ -189,6 +195,14 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
         names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
     if not all(n in arrays for n in names):
         return
+    order = None
+    if m.id_remap and m.num_rows:
+        if spec.ID_ORDER not in arrays:
+            return
+        order = arrays[spec.ID_ORDER][: m.vocab_size]
+        if not idmap.is_permutation(order, m.vocab_size):
+            report.add("id_order", "id_order is not a permutation of [0, vocab_size)")
+            return
     for b0 in range(0, m.num_rows, BLOCK_ROWS):
         b1 = min(b0 + BLOCK_ROWS, m.num_rows)
         try:

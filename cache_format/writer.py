@@ -28,7 +28,7 @@ import zarr
 import zarr.api.asynchronous
 from zarr.core.sync import sync
 
-from . import spec
+from . import idmap, spec
 from .errors import FormatError, ManifestError, RecordError
 from .layout import (
     INCOMPLETE_ATTR,
@@ -91,6 +91,8 @@ class CacheWriter:
         self._lock_timeout = lock_timeout
         self._keys: set[str] = set()
         self._known = 0  # number of committed sequences whose keys are in self._keys
+        self._rank: np.ndarray | None = None  # id -> stored id (frequency-rank remap)
+        self._pending_rank: np.ndarray | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ opening
@@ -207,6 +209,7 @@ class CacheWriter:
         try:
             m = self._refresh_manifest()
             self._sync_keys()
+            self._load_id_map(m)
             fresh: list[_Encoded] = []
             seen: set[str] = set()
             for e in encoded:
@@ -228,11 +231,32 @@ class CacheWriter:
             )
             write_root_attrs(self._store, root_attrs_for(new))
             self._manifest = new
+            if self._pending_rank is not None:
+                self._rank, self._pending_rank = self._pending_rank, None
             self._keys.update(seen)
             self._known = new.num_sequences
             return len(fresh)
         finally:
             self._lock.release()
+
+    def _load_id_map(self, m: Manifest) -> None:
+        """Load the committed ``id_order`` (once) if the store remaps ids."""
+        self._pending_rank = None
+        if m.id_remap and m.num_rows > 0 and self._rank is None:
+            order = zarr.open_array(self._store, path=spec.ID_ORDER, mode="r")[:]
+            self._rank = idmap.inverse(order)
+
+    def _remap_ids(self, m: Manifest, cols: dict[str, np.ndarray]) -> None:
+        """Replace ids by their frequency rank; the first commit also writes ``id_order``."""
+        if not m.id_remap:
+            return
+        ids = cols[spec.TOPK_IDS]
+        rank = self._rank
+        if m.num_rows == 0:
+            order = idmap.build_id_order(ids, m.vocab_size)
+            cols[spec.ID_ORDER] = order
+            rank = self._pending_rank = idmap.inverse(order)
+        cols[spec.TOPK_IDS] = rank[ids]
 
     def _columns(self, m: Manifest, fresh: list[_Encoded]) -> dict[str, np.ndarray]:
         """Concatenate the batch into one block per array, with global offsets."""
@@ -248,6 +272,7 @@ class CacheWriter:
         cols[spec.SEQ_LENGTHS] = lengths.astype(np.int32)
         cols[spec.SEQ_TOKEN_START] = tok_start.astype(np.int64)
         cols[spec.SEQ_ROW_START] = row_start.astype(np.int64)
+        self._remap_ids(m, cols)
         return cols
 
     def _write(self, m: Manifest, fresh: list[_Encoded]) -> None:
@@ -257,10 +282,15 @@ class CacheWriter:
         (step 5) starts only after every write has returned.
         """
         cols = self._columns(m, fresh)
-        base = {spec.INPUT_IDS: m.num_tokens, **{n: m.num_sequences for n in spec.SEQ_ARRAYS}}
+        base = {
+            spec.INPUT_IDS: m.num_tokens,
+            spec.ID_ORDER: 0,
+            **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
+        }
         jobs = [
             (d.name, base.get(d.name, m.num_rows), cols[d.name])
             for d in array_defs(m, self._layout)
+            if d.name in cols
         ]
 
         async def write_all() -> None:

@@ -1,0 +1,367 @@
+"""Cache-format benchmark: bytes/position and write / sequential / random read throughput.
+
+Synthetic but realistic top-k data (k=100, vocab 131072 = 128K):
+
+- ids: each row's k ids are successive draws without replacement from a Zipf(s=1.05) law over
+  the vocabulary (the first-appearance order of i.i.d. Zipf draws), so rank 0 tends to be a
+  frequent token. The map frequency-rank -> token id is "bpe-like": ids sorted by
+  ``log(rank) + N(0, 1.5)``, i.e. frequent tokens have small ids on average but not exactly (BPE
+  vocabularies assign early merges, which are frequent, small ids). ``--id-map random`` uses a
+  uniform random permutation instead (worst case for compression).
+- logprobs: ``lp_j = -s log(j+1) + noise`` sorted descending, per-row sharpness
+  ``s ~ LogNormal(log 1.2, 0.35)``, normalised so that the top-k mass is ``1 - tail`` with
+  ``tail ~ Beta(0.6, 6)``; stored as float16 unless the config says otherwise.
+- sequences of 1024 tokens (1023 rows each).
+
+Each config writes the same data through :class:`CacheWriter` (appends of 64 sequences), then
+reads it back sequentially (``rows()`` in blocks of one shard) and randomly (``sequence(i)`` for
+random i). Baseline in the same run: the same arrays written/read as uncompressed ``.npy`` files
+(raw int32 ids + float16 logprobs + float32 tail). Throughputs are also given as ratios against it.
+
+Run (one core pinned, default configs)::
+
+    .venv/bin/python benchmarks/format_bench.py --rows 262144 --cores 1 \
+        --out benchmarks/results/format.json --md benchmarks/results/format.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+K = 100
+VOCAB = 131072
+SEQ_LEN = 1024
+RAW_BPP = K * 6  # int32 id + float16 logprob per entry: the issue's 600 B/position reference
+
+
+# --------------------------------------------------------------------------- synthetic data
+def zipf_cdf(vocab: int, s: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** s
+    return np.cumsum(w) / w.sum()
+
+
+def id_map(vocab: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """frequency rank -> token id."""
+    if kind == "random":
+        return rng.permutation(vocab).astype(np.int32)
+    if kind == "identity":
+        return np.arange(vocab, dtype=np.int32)
+    key = np.log1p(np.arange(vocab)) + rng.normal(0, 1.5, vocab)
+    order = np.argsort(key, kind="stable")  # order[i] = rank placed at id i
+    out = np.empty(vocab, dtype=np.int32)
+    out[order] = np.arange(vocab, dtype=np.int32)
+    return out
+
+
+def topk_ids(rows: int, rng: np.random.Generator, cdf: np.ndarray, rmap: np.ndarray) -> np.ndarray:
+    """Distinct ids per row in first-appearance order of i.i.d. Zipf draws."""
+    out = np.empty((rows, K), dtype=np.int32)
+    draws = 6 * K
+    for b0 in range(0, rows, 4096):
+        n = min(4096, rows - b0)
+        d = np.searchsorted(cdf, rng.random((n, draws))).astype(np.int64)
+        d = np.minimum(d, len(cdf) - 1)
+        srt = np.sort(d, axis=1)
+        order = np.argsort(d, axis=1, kind="stable")
+        first = np.ones_like(srt, dtype=bool)
+        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        keep = np.zeros_like(first)
+        np.put_along_axis(keep, order, first, axis=1)  # True at first appearance of each value
+        for i in range(n):
+            u = d[i][keep[i]][:K]
+            if u.size < K:  # rare: top up with unused ranks
+                extra = np.setdiff1d(np.arange(4 * K), u)[: K - u.size]
+                u = np.concatenate([u, extra])
+            out[b0 + i] = rmap[u]
+    return out
+
+
+def logprobs(rows: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    s = np.exp(rng.normal(np.log(1.2), 0.35, size=(rows, 1)))
+    base = -s * np.log(np.arange(1, K + 1))[None, :] + rng.normal(0, 0.3, size=(rows, K))
+    base = -np.sort(-base, axis=1)
+    tail = rng.beta(0.6, 6.0, size=rows).clip(1e-6, 0.999)
+    lse = np.log(np.exp(base).sum(axis=1, keepdims=True))
+    lp = base - lse + np.log1p(-tail)[:, None]
+    return lp.astype(np.float32), tail.astype(np.float32)
+
+
+def make_data(rows_target: int, id_kind: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n_seq = max(1, rows_target // (SEQ_LEN - 1))
+    rows = n_seq * (SEQ_LEN - 1)
+    cdf = zipf_cdf(VOCAB, 1.05)
+    rmap = id_map(VOCAB, id_kind, rng)
+    ids = topk_ids(rows, rng, cdf, rmap)
+    lp, tail = logprobs(rows, rng)
+    tokens = rmap[np.minimum(np.searchsorted(cdf, rng.random(n_seq * SEQ_LEN)), VOCAB - 1)]
+    return n_seq, tokens.astype(np.int32), ids, lp, tail
+
+
+# --------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class Config:
+    name: str
+    id_codec: str = "blosc-zstd5-bitshuffle"
+    logprob_codec: str = "blosc-zstd5-shuffle"
+    logprob_dtype: str = "float16"
+    row_chunk: int = 2048
+    row_shard: int = 65536
+    id_remap: bool = True
+
+
+CONFIGS = {
+    c.name: c
+    for c in [
+        Config("default"),
+        Config("no-id-remap", id_remap=False),
+        Config("lp-zstd1", logprob_codec="blosc-zstd1-shuffle"),
+        Config("ids-zstd1", id_codec="blosc-zstd1-bitshuffle"),
+        Config("lz4", id_codec="blosc-lz4-bitshuffle", logprob_codec="blosc-lz4-shuffle"),
+        Config("zstd3-noshuffle", id_codec="zstd3", logprob_codec="zstd3"),
+        Config("chunk512", row_chunk=512),
+        Config("chunk8192", row_chunk=8192),
+        Config("shard16k", row_shard=16384),
+        Config("uint8-lossy", logprob_dtype="uint8"),
+        Config("uint16-lossy", logprob_dtype="uint16"),
+        Config("float32", logprob_dtype="float32"),
+    ]
+}
+
+
+# --------------------------------------------------------------------------- measurements
+def records(n_seq, tokens, ids, lp, tail, lo, hi):
+    from logitcache.cache_format import SequenceRecord
+
+    out = []
+    for i in range(lo, hi):
+        r0, t0 = i * (SEQ_LEN - 1), i * SEQ_LEN
+        out.append(
+            SequenceRecord(
+                f"seq{i}",
+                tokens[t0 : t0 + SEQ_LEN],
+                ids[r0 : r0 + SEQ_LEN - 1],
+                lp[r0 : r0 + SEQ_LEN - 1],
+                tail[r0 : r0 + SEQ_LEN - 1],
+            )
+        )
+    return out
+
+
+def bench_config(cfg: Config, data, root: Path, random_reads: int, seed: int) -> dict:
+    from logitcache.cache_format import CacheReader, CacheWriter, Layout, Manifest
+    from logitcache.cache_format.layout import read_root_attrs  # noqa: F401 - warm import
+    from logitcache.cache_format.stats import store_stats
+
+    n_seq, tokens, ids, lp, tail = data
+    url = root / cfg.name
+    m = Manifest(
+        teacher_model="synthetic",
+        tokenizer_fingerprint="sha256:0",
+        vocab_size=VOCAB,
+        k=K,
+        logprob_dtype=cfg.logprob_dtype,
+        id_remap=cfg.id_remap,
+    )
+    layout = replace(
+        Layout(),
+        id_codec=cfg.id_codec,
+        logprob_codec=cfg.logprob_codec,
+        row_chunk=cfg.row_chunk,
+        row_shard=cfg.row_shard,
+    )
+    batches = [records(*data, lo, min(lo + 64, n_seq)) for lo in range(0, n_seq, 64)]
+    t0 = time.perf_counter()
+    with CacheWriter.open(url, m, layout=layout) as w:
+        for b in batches:
+            w.append(b)
+    t_write = time.perf_counter() - t0
+    rows = n_seq * (SEQ_LEN - 1)
+
+    reader = CacheReader(url)
+    st = store_stats(reader._store, reader.manifest)
+    block = cfg.row_shard
+    t0 = time.perf_counter()
+    checksum = 0
+    for s in range(0, rows, block):
+        rb = reader.rows(s, min(s + block, rows))
+        checksum += int(rb.topk_ids[0, 0])
+    t_seq = time.perf_counter() - t0
+
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, n_seq, size=random_reads)
+    t0 = time.perf_counter()
+    for i in picks:
+        reader.sequence(int(i))
+    t_rand = time.perf_counter() - t0
+
+    # exactness / error of what we read back (one block)
+    rb = reader.rows(0, min(rows, 8192))
+    assert np.array_equal(rb.topk_ids, ids[: rb.topk_ids.shape[0]])
+    err = float(np.abs(rb.topk_logprobs - lp[: rb.topk_ids.shape[0]]).max())
+    return {
+        "config": asdict(cfg),
+        "rows": rows,
+        "bytes_per_position": st.bytes_per_position,
+        "bytes_by_array": st.bytes_by_array,
+        "id_bytes_per_position": st.bytes_by_array["topk_ids"] / rows,
+        "logprob_bytes_per_position": (
+            st.bytes_by_array["topk_logprobs"]
+            + st.bytes_by_array.get("logprob_max", 0)
+            + st.bytes_by_array.get("logprob_step", 0)
+        )
+        / rows,
+        "ratio_vs_raw": RAW_BPP / st.bytes_per_position,
+        "write_pos_per_s": rows / t_write,
+        "seq_read_pos_per_s": rows / t_seq,
+        "seq_read_raw_mb_per_s": rows * RAW_BPP / t_seq / 1e6,
+        "random_read_seq_per_s": random_reads / t_rand,
+        "random_read_pos_per_s": random_reads * (SEQ_LEN - 1) / t_rand,
+        "max_abs_logprob_error_vs_float32_input": err,
+    }
+
+
+def bench_baseline(data, root: Path, random_reads: int, seed: int) -> dict:
+    """Uncompressed .npy files: write with np.save, read sequential blocks and random sequences
+    from np.load(mmap_mode='r') with a copy (so the bytes are really read)."""
+    n_seq, tokens, ids, lp, tail = data
+    rows = ids.shape[0]
+    d = root / "npy"
+    d.mkdir()
+    lp16 = lp.astype(np.float16)
+    t0 = time.perf_counter()
+    for name, a in (("ids", ids), ("lp", lp16), ("tail", tail), ("tokens", tokens)):
+        np.save(d / f"{name}.npy", a)
+        with open(d / f"{name}.npy", "rb+") as f:
+            os.fsync(f.fileno())
+    t_write = time.perf_counter() - t0
+    os.system("sync")
+    mi, ml, mt = (np.load(d / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail"))
+    t0 = time.perf_counter()
+    for s in range(0, rows, 65536):
+        np.array(mi[s : s + 65536]), np.array(ml[s : s + 65536]).astype(np.float32)
+        np.array(mt[s : s + 65536])
+    t_seq = time.perf_counter() - t0
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    for i in rng.integers(0, n_seq, size=random_reads):
+        r0 = int(i) * (SEQ_LEN - 1)
+        np.array(mi[r0 : r0 + SEQ_LEN - 1]), np.array(ml[r0 : r0 + SEQ_LEN - 1]).astype(np.float32)
+    t_rand = time.perf_counter() - t0
+    return {
+        "config": {"name": "baseline-npy-uncompressed"},
+        "rows": rows,
+        "bytes_per_position": (ids.nbytes + lp16.nbytes + tail.nbytes) / rows,
+        "write_pos_per_s": rows / t_write,
+        "seq_read_pos_per_s": rows / t_seq,
+        "seq_read_raw_mb_per_s": rows * RAW_BPP / t_seq / 1e6,
+        "random_read_seq_per_s": random_reads / t_rand,
+        "random_read_pos_per_s": random_reads * (SEQ_LEN - 1) / t_rand,
+    }
+
+
+# --------------------------------------------------------------------------- report
+def to_markdown(doc: dict) -> str:
+    base = doc["baseline"]
+    lines = [
+        "# Cache format benchmark",
+        "",
+        f"Machine: {doc['machine']}. Cores used: {doc['cores']} (pinned with sched_setaffinity). "
+        f"Load average at start: {doc['loadavg']} (machine shared with other jobs: timings are "
+        "noisy; ratios are against the baseline measured in the same run).",
+        f"Command: `{doc['command']}`",
+        f"Data: {doc['rows']} positions ({doc['rows'] // (SEQ_LEN - 1)} sequences x {SEQ_LEN} "
+        f"tokens), k={K}, vocab={VOCAB}, id map `{doc['id_map']}`, Zipf s=1.05. Raw reference "
+        f"{RAW_BPP} B/position (int32 ids + float16 logprobs).",
+        "Baseline: uncompressed .npy files (np.save + fsync; reads from np.load(mmap) with copy).",
+        "",
+        "| config | B/pos | ids B/pos | lp B/pos | vs raw 600 | write pos/s | seq read pos/s "
+        "(x baseline) | seq MB/s (raw-equiv) | random seq/s (x baseline) | max lp err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        c = r["config"]
+        lines.append(
+            f"| {c['name']} | {r['bytes_per_position']:.1f} | {r['id_bytes_per_position']:.1f} | "
+            f"{r['logprob_bytes_per_position']:.1f} | {r['ratio_vs_raw']:.2f}x | "
+            f"{r['write_pos_per_s']:,.0f} | {r['seq_read_pos_per_s']:,.0f} "
+            f"({r['seq_read_pos_per_s'] / base['seq_read_pos_per_s']:.2f}) | "
+            f"{r['seq_read_raw_mb_per_s']:,.0f} | {r['random_read_seq_per_s']:,.1f} "
+            f"({r['random_read_seq_per_s'] / base['random_read_seq_per_s']:.2f}) | "
+            f"{r['max_abs_logprob_error_vs_float32_input']:.2e} |"
+        )
+    lines.append(
+        f"| baseline (npy) | {base['bytes_per_position']:.1f} | 400.0 | 200.0 | - | "
+        f"{base['write_pos_per_s']:,.0f} | {base['seq_read_pos_per_s']:,.0f} (1.00) | "
+        f"{base['seq_read_raw_mb_per_s']:,.0f} | {base['random_read_seq_per_s']:,.1f} (1.00) | - |"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=262144)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
+    p.add_argument("--cores", type=int, default=1)
+    p.add_argument("--random-reads", type=int, default=200)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--md", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.cores:
+        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.cores]))
+        import numcodecs.blosc
+        import zarr
+
+        numcodecs.blosc.set_nthreads(args.cores)
+        zarr.config.set({"threading.max_workers": args.cores})
+    loadavg = open("/proc/loadavg").read().split()[:3]
+    t0 = time.perf_counter()
+    data = make_data(args.rows, args.id_map, args.seed)
+    print(f"data: {data[2].shape[0]} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="lc-format-bench-"))
+    try:
+        baseline = bench_baseline(data, root, args.random_reads, args.seed)
+        print(json.dumps(baseline), flush=True)
+        results = []
+        for name in args.configs.split(","):
+            r = bench_config(CONFIGS[name], data, root, args.random_reads, args.seed)
+            print(json.dumps({k: v for k, v in r.items() if k != "bytes_by_array"}), flush=True)
+            results.append(r)
+            shutil.rmtree(root / name)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    doc = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
+        "cores": args.cores,
+        "loadavg": " ".join(loadavg),
+        "command": "python benchmarks/format_bench.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "rows": data[2].shape[0],
+        "id_map": args.id_map,
+        "baseline": baseline,
+        "results": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2))
+    if args.md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(to_markdown(doc))
+    print(to_markdown(doc))
+
+
+if __name__ == "__main__":
+    main()
