@@ -309,7 +309,8 @@ class TeacherClient(_Endpoints):
     """Synchronous client of the teacher service (a context manager; thread-safe).
 
     ``TeacherClient("http://127.0.0.1:8000", api_key=None, timeout=60, max_retries=5)``; every
-    endpoint method of :class:`_Endpoints` returns the decoded answer.
+    endpoint method of :class:`_Endpoints` returns the decoded answer. ``http`` is the underlying
+    ``httpx.Client`` (add event hooks, inspect the pool).
     """
 
     def __init__(
@@ -325,7 +326,7 @@ class TeacherClient(_Endpoints):
     ) -> None:
         self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
         self.progress = progress
-        self._http = httpx.Client(**_client_kwargs(base_url, api_key, timeout), transport=transport)
+        self.http = httpx.Client(**_client_kwargs(base_url, api_key, timeout), transport=transport)
 
     def __enter__(self) -> TeacherClient:
         return self
@@ -335,14 +336,14 @@ class TeacherClient(_Endpoints):
 
     def close(self) -> None:
         """Close the connection pool."""
-        self._http.close()
+        self.http.close()
 
     def _send(self, call: Call) -> Any:
         attempt = 0
         while True:
             response, error = None, None
             try:
-                response = self._http.request(
+                response = self.http.request(
                     call.method, call.path, params=call.params, json=call.json, headers=call.headers
                 )
             except httpx.TransportError as exc:
@@ -391,6 +392,7 @@ class AsyncTeacherClient(_Endpoints):
     """Asynchronous client (``async with AsyncTeacherClient(url) as c: await c.score(...)``).
 
     Same endpoints, arguments and errors as :class:`TeacherClient`; every method is awaited.
+    ``http`` is the underlying ``httpx.AsyncClient``.
     """
 
     def __init__(
@@ -406,7 +408,7 @@ class AsyncTeacherClient(_Endpoints):
     ) -> None:
         self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
         self.progress = progress
-        self._http = httpx.AsyncClient(
+        self.http = httpx.AsyncClient(
             **_client_kwargs(base_url, api_key, timeout), transport=transport
         )
 
@@ -418,14 +420,14 @@ class AsyncTeacherClient(_Endpoints):
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        await self._http.aclose()
+        await self.http.aclose()
 
     async def _send(self, call: Call) -> Any:
         attempt = 0
         while True:
             response, error = None, None
             try:
-                response = await self._http.request(
+                response = await self.http.request(
                     call.method, call.path, params=call.params, json=call.json, headers=call.headers
                 )
             except httpx.TransportError as exc:
