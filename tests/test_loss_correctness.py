@@ -64,7 +64,7 @@ def test_forward_kl_with_tail_is_kl_of_coarsened_distributions():
     teacher = torch.cat([prob.logprobs.double().exp(), prob.tail.double()[:, None]], 1)
     student = torch.cat([q_s, (1 - q_s.sum(-1, keepdim=True))], 1)
     expected = (teacher * (teacher.log() - student.log())).sum(-1)
-    torch.testing.assert_close(rows, expected, rtol=1e-10, atol=1e-12)
+    assert rel_err(rows, expected) < 1e-10
     assert (rows >= -1e-12).all()  # a true KL of distributions is non-negative
 
 
@@ -122,7 +122,7 @@ def test_gradcheck_custom_functions(kind, impl):
             reduction="none",
         )
 
-    assert torch.autograd.gradcheck(f, (h, w, b), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(f, (h, w, b), eps=1e-6, atol=1e-7, fast_mode=True)
 
 
 def test_gradient_in_forward_allows_one_backward_only():
