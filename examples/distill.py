@@ -1,0 +1,260 @@
+"""End-to-end offline distillation on this machine with the tiny local teacher.
+
+1. build (or find) the tiny teacher/student fixture (``logitcache.fixtures.tiny``);
+2. start the teacher service (``python -m logitcache.server``, vLLM backend by default) on
+   127.0.0.1 and score the training corpus into a cache with one batch job over HTTP
+   (``TeacherClient``), with a progress bar; check the cache with ``validate``;
+3. train the student from the cache with ``CacheDataset`` + ``topk_distill_loss`` (fused chunked),
+   and, on the same stream, the comparison methods: CE only, online full-vocabulary KD (teacher
+   in PyTorch), offline top-k KD without and with the tail mass (see ``distill_train.py``);
+4. evaluate every student on held-out text: full-vocabulary KL(teacher || student) and
+   perplexity (``distill_eval.py``), and write a JSON + markdown report.
+
+``python examples/distill.py`` (a few minutes on 2 cores) writes benchmarks/results/distill.md
+and .json; ``--quick`` (the test suite's mode, under a minute once the fixture exists) scores a
+small corpus, trains only the offline top-k + tail method for a few steps, and writes into the
+work directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from distill_eval import evaluate, make_heldout  # noqa: E402
+from distill_report import add_ratios, markdown, method_summary  # noqa: E402
+from distill_service import TeacherService, score_corpus  # noqa: E402
+from distill_train import METHODS, TrainSettings, make_run, train_interleaved  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run does (defaults: the full comparison)."""
+
+    workdir: Path
+    k: int = 32
+    seq_len: int = 128
+    train_seqs: int = 0  # 0: every training piece
+    tokens_per_item: int = 128
+    batch_items: int = 8
+    steps: int = 300
+    lr: float = 3e-3
+    seed: int = 0
+    eval_tokens: int = 16384
+    methods: tuple[str, ...] = METHODS
+    backend: str = "vllm"
+    read_from: str = "store"
+    threads: int = 1
+    out_json: Path | None = ROOT / "benchmarks/results/distill.json"
+    out_md: Path | None = ROOT / "benchmarks/results/distill.md"
+
+
+QUICK = {
+    "k": 16,
+    "seq_len": 64,
+    "train_seqs": 160,
+    "tokens_per_item": 64,
+    "batch_items": 4,
+    "steps": 30,
+    "lr": 5e-3,
+    "eval_tokens": 2048,
+    "methods": ("offline_topk_tail",),
+    "out_json": None,
+    "out_md": None,
+}
+
+
+def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", type=Path, default=ROOT / "runs/distill")
+    p.add_argument("--quick", action="store_true", help="small and fast (the test suite's mode)")
+    p.add_argument("--k", type=int)
+    p.add_argument("--seq-len", type=int, help="longest training piece (tokens)")
+    p.add_argument("--train-seqs", type=int, help="training pieces to score (0: all)")
+    p.add_argument("--tokens-per-item", type=int)
+    p.add_argument("--batch-items", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--eval-tokens", type=int)
+    p.add_argument("--methods", help=f"comma list of {','.join(METHODS)}")
+    p.add_argument("--backend", choices=("vllm", "hf"))
+    p.add_argument(
+        "--read-from",
+        choices=("store", "http"),
+        help="train from the Zarr store directly or stream the cache from the service over HTTP",
+    )
+    p.add_argument("--threads", type=int)
+    p.add_argument("--out-json", type=Path)
+    p.add_argument("--out-md", type=Path)
+    args = p.parse_args(argv)
+    plan = Plan(workdir=args.workdir)
+    if args.quick:
+        plan = replace(plan, **QUICK)
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in ("quick", "workdir")}
+    if "methods" in given:
+        given["methods"] = tuple(m.strip() for m in given["methods"].split(",") if m.strip())
+        unknown = set(given["methods"]) - set(METHODS)
+        if unknown:
+            p.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    plan = replace(plan, **given)
+    if plan.out_json is None:
+        plan = replace(plan, out_json=plan.workdir / "distill.json")
+    return plan, args
+
+
+def cache_stats(url: str) -> dict[str, Any]:
+    """Validation verdict and the figures of the cache the job wrote."""
+    from logitcache.cache_format import CacheReader, validate
+
+    report = validate(url)
+    reader = CacheReader(url)
+    block = reader.rows(0, min(reader.num_rows, 200_000))
+    return {
+        "url": url,
+        "valid": bool(report.ok),
+        "validation": str(report).splitlines()[0],
+        "num_sequences": reader.num_sequences,
+        "num_rows": reader.num_rows,
+        "k": reader.manifest.k,
+        "logprob_dtype": reader.manifest.logprob_dtype,
+        "mean_topk_mass": float(1.0 - np.mean(block.tail_mass)),
+        "manifest": reader.manifest.to_attrs(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    plan, _ = parse_args(argv)
+    import torch
+    from logitcache.client import CacheDataset
+    from logitcache.fixtures.tiny import build_tiny_models
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(plan.threads)
+    plan.workdir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    models = build_tiny_models(verbose=True)
+    sequences = models.token_sequences(
+        "train", max_len=plan.seq_len, min_len=8, limit=plan.train_seqs or None
+    )
+    name = f"tiny-train-k{plan.k}-L{plan.seq_len}-n{len(sequences)}"
+    service = TeacherService(
+        models.teacher_dir,
+        plan.workdir / "service",
+        plan.k,
+        max_seq_len=max(256, plan.seq_len),
+        backend=plan.backend,
+    )
+    print(f"[distill] starting the teacher service ({plan.backend}) on {service.url}", flush=True)
+    with service:
+        print(f"[distill] scoring {len(sequences)} sequences into cache {name!r}", flush=True)
+        job = score_corpus(
+            service.url,
+            name,
+            sequences,
+            k=plan.k,
+            dataset=f"tiny fixture train split, pieces of <= {plan.seq_len}",
+        )
+        cache = cache_stats(service.cache_url(name))
+        if not cache["valid"]:
+            raise RuntimeError(f"the job wrote an invalid cache: {cache['validation']}")
+        print(f"[distill] {cache['validation']}", flush=True)
+        source: dict[str, Any] = {"source": cache["url"]}
+        if plan.read_from == "http":
+            source = {"source": service.url, "cache": name}
+        tokenizer = models.load_tokenizer()
+
+        def make_dataset() -> Any:
+            return CacheDataset(
+                **source,
+                tokens_per_item=plan.tokens_per_item,
+                mode="pack",
+                batch_size=plan.batch_items,
+                seed=plan.seed,
+                tokenizer=tokenizer,
+                vocab_size=models.vocab_size,
+            )
+
+        def load_student() -> Any:
+            return LlamaForCausalLM.from_pretrained(str(models.student_dir)).float()
+
+        teacher = LlamaForCausalLM.from_pretrained(str(models.teacher_dir)).float().eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        held = make_heldout(teacher, models.token_stream("heldout"), plan.seq_len, plan.eval_tokens)
+        untrained = evaluate(load_student(), held)
+        settings = TrainSettings(
+            steps=plan.steps, lr=plan.lr, warmup_steps=max(1, min(20, plan.steps // 10))
+        )
+        runs = [make_run(m, load_student, make_dataset, teacher, settings) for m in plan.methods]
+        print(f"[distill] training {', '.join(plan.methods)} for {plan.steps} steps", flush=True)
+        train_interleaved(runs, plan.steps, log_every=max(1, plan.steps // 6))
+    methods = {r.method: method_summary(r, evaluate(r.student, held)) for r in runs}
+    add_ratios(methods)
+    job_tokens = int(job.get("tokens_done") or 0)
+    rep = {
+        "command": "python examples/distill.py "
+        + shlex.join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "plan": {k: str(v) if isinstance(v, Path) else v for k, v in plan.__dict__.items()},
+        "models": {
+            "root": str(models.root),
+            "vocab_size": models.vocab_size,
+            "teacher_params": sum(p.numel() for p in teacher.parameters()),
+            "student_params": sum(p.numel() for p in runs[0].student.parameters()),
+            "fixture_teacher_heldout_ppl": models.teacher_heldout_ppl,
+        },
+        "job": {
+            "id": job.get("id"),
+            "state": job.get("state"),
+            "backend": plan.backend,
+            "sequences": job.get("sequences_done"),
+            "tokens": job_tokens,
+            "wall_s": job["wall_s"],
+            "tokens_per_s": job_tokens / job["wall_s"] if job["wall_s"] > 0 else 0.0,
+        },
+        "cache": cache,
+        "heldout": {
+            "positions": held.num_positions,
+            "window": plan.seq_len,
+            "teacher_ppl": held.teacher_ppl,
+        },
+        "train": {
+            "steps": plan.steps,
+            "batch_items": plan.batch_items,
+            "lr": plan.lr,
+            "tokens_per_item": plan.tokens_per_item,
+            "seed": plan.seed,
+            "threads": plan.threads,
+            "read_from": plan.read_from,
+        },
+        "untrained": untrained,
+        "methods": methods,
+        "total_s": time.perf_counter() - t_start,
+    }
+    plan.out_json.parent.mkdir(parents=True, exist_ok=True)
+    plan.out_json.write_text(json.dumps(rep, indent=1) + "\n")
+    text = markdown(rep)
+    if plan.out_md is not None:
+        plan.out_md.parent.mkdir(parents=True, exist_ok=True)
+        plan.out_md.write_text(text)
+    print(text, flush=True)
+    return rep
+
+
+if __name__ == "__main__":
+    main()
