@@ -1,7 +1,8 @@
 """Domain errors of the teacher service, each carrying the HTTP status it maps to.
 
-Services raise these (or ``logitcache.cache_format`` errors); :func:`install_error_handlers`
-maps both families to one JSON body, ``{"error": {"code", "message", "detail"}}``, in one place,
+Services raise these (or ``logitcache.cache_format`` errors, or the engine's
+``EngineInputError`` -> 422 / ``EngineError`` -> 503); :func:`install_error_handlers` maps all of
+them to one JSON body, ``{"error": {"code", "message", "detail"}}``, in one place,
 so routes hold no ``try``/``except``. Every 4xx is raised *before* anything is written.
 """
 
@@ -128,6 +129,13 @@ def error_body(code: str, message: str, detail: Any = None) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "detail": detail}}
 
 
+def _engine_error_types() -> tuple[type[Exception], ...]:
+    """The engine's input error (422) and failure (503) types."""
+    from .engine import EngineError, EngineInputError
+
+    return (EngineInputError, EngineError)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map :class:`ServiceError`, ``FormatError`` and request-validation errors to JSON bodies."""
     from fastapi.encoders import jsonable_encoder
@@ -149,6 +157,13 @@ def install_error_handlers(app: FastAPI) -> None:
         body = error_body(code, str(exc.detail))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+    async def on_engine_error(_request: Any, exc: Exception) -> JSONResponse:
+        from .engine import EngineInputError
+
+        if isinstance(exc, EngineInputError):
+            return JSONResponse(error_body("invalid_input", str(exc)), status_code=422)
+        return JSONResponse(error_body("engine_unavailable", str(exc)), status_code=503)
+
     async def on_validation_error(_request: Any, exc: RequestValidationError) -> JSONResponse:
         body = error_body("invalid_request", "request validation failed", exc.errors())
         return JSONResponse(jsonable_encoder(body), status_code=422)
@@ -156,4 +171,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
     app.add_exception_handler(FormatError, on_format_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
+    for exc_type in _engine_error_types():
+        app.add_exception_handler(exc_type, on_engine_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
