@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,3 +99,57 @@ def compose_config(*args: str, env: dict[str, str] | None = None) -> dict[str, A
     if proc.returncode != 0:
         raise RuntimeError(f"docker-compose {' '.join(args)} config failed:\n{proc.stderr}")
     return yaml.safe_load(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A real S3-compatible server (moto in server mode) on 127.0.0.1, random port."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    if host != "127.0.0.1":
+        server.stop()
+        raise RuntimeError(f"moto bound {host}, not 127.0.0.1")
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """``(endpoint, bucket, storage_options)`` of a fresh bucket on :func:`s3_server`."""
+    import uuid
+
+    import boto3
+
+    bucket = f"deploy-{uuid.uuid4().hex[:10]}"
+    boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    options = {"endpoint_url": s3_server, "key": "test", "secret": "test", "region": "us-east-1"}
+    return s3_server, bucket, options
+
+
+def s3_keys(endpoint: str, bucket: str, prefix: str = "") -> set[str]:
+    """Every object key under ``prefix`` in ``bucket``."""
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    )
+    keys: set[str] = set()
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys |= {o["Key"] for o in page.get("Contents", [])}
+    return keys

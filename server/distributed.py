@@ -1,0 +1,428 @@
+"""Distributed batch scoring with Ray: one dataset, several teacher replicas, one cache.
+
+    python -m logitcache.server.distributed --input data.jsonl --cache s3://bucket/name \\
+        --replicas 4 --model /models/teacher --k 64 [any logitcache-server option]
+
+Each replica is a Ray actor (:class:`ShardWorker`) that owns one teacher engine
+(:func:`logitcache.server.engine.build_engine`, the service's own backends); a large teacher spans
+several GPUs per replica with vLLM's own parallelism (``--tensor-parallel-size``,
+``--pipeline-parallel-size``, which are server settings). Work is distributed by Ray's
+:class:`ray.util.ActorPool`; the steps and the consistency contract are those of
+:mod:`logitcache.server.shards`:
+
+1. the driver reads the input and cuts it into shards of ``--shard-size`` records;
+2. the replicas check every shard (tokenise, lengths, vocabulary, ids); any problem aborts the run
+   before anything is written;
+3. the replicas score shards into per-shard staging caches under ``--staging``
+   (default ``<cache>.staging``) in the same store; a failed replica is restarted by Ray and its
+   shard re-run (finished batches are skipped);
+4. the driver commits the staging caches into the final cache in shard order, then deletes them.
+
+The final cache does not depend on the number of replicas: it equals a one-replica run,
+array for array, in the same order (tests/test_deploy_ray.py). Re-running an interrupted command
+resumes it. Scaling to many nodes: docs/SCALING.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from logitcache.cache_format import FormatError, Manifest
+
+from . import inputs, shards
+from .caches import expected_manifest
+from .errors import InvalidInputError, ServiceError
+from .protocol import InputFile
+from .settings import ServerSettings, load_settings
+
+if TYPE_CHECKING:
+    from .engine import EngineInfo, TeacherEngine
+
+log = logging.getLogger("logitcache.server.distributed")
+
+#: Environment variables forwarded to every replica (engine and hub configuration).
+FORWARDED_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "LOGITCACHE_", "CUDA_", "NCCL_")
+#: Identity fields every replica's engine must agree on.
+ENGINE_IDENTITY = (
+    "model_id",
+    "revision",
+    "vocab_size",
+    "tokenizer_fingerprint",
+    "temperature",
+    "logprob_mode",
+    "max_k",
+    "max_model_len",
+)
+
+
+class DistributedError(ServiceError):
+    """The Ray cluster or a replica failed in a way that is not the input's fault."""
+
+    status = 500
+    code = "distributed_error"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run is laid out on the cluster."""
+
+    replicas: int = 2
+    """Teacher replicas (Ray actors), each with its own engine."""
+    shard_size: int = 1024
+    """Input records per shard (the unit of work, retry and staging)."""
+    cpus_per_replica: float = 1.0
+    """Ray CPUs reserved per replica."""
+    gpus_per_replica: float | None = None
+    """Ray GPUs per replica; default tensor x pipeline parallel size if the cluster has GPUs."""
+    max_restarts: int = 2
+    """Times Ray restarts a dead replica (its shard is then retried)."""
+    keep_staging: bool = False
+    """Keep the staging caches after the commit."""
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What a distributed run did (printed as JSON by the CLI)."""
+
+    cache: str
+    staging: str
+    replicas: int
+    shards: int
+    sequences: int
+    """Distinct sequences in the input."""
+    committed: int
+    """Sequences newly committed to the final cache by this run."""
+    scored_sequences: int
+    scored_tokens: int
+    seconds: float
+    workers: dict[str, int]
+
+
+# --- the Ray actor -------------------------------------------------------------------------
+
+
+class ShardWorker:
+    """One teacher replica: builds its engine once, then checks and scores shards.
+
+    Wrapped with ``ray.remote`` by :func:`run_distributed`; methods are ``async`` so the engine's
+    coroutines run on the actor's event loop.
+    """
+
+    def __init__(self, settings: ServerSettings, storage_options: dict[str, Any] | None):
+        self.settings = settings
+        self.storage_options = storage_options
+        self.engine: TeacherEngine | None = None
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+
+    async def start(self) -> EngineInfo:
+        """Build the engine; return its :class:`EngineInfo`."""
+        from .engine import build_engine
+
+        if self.engine is None:
+            engine = build_engine(self.settings)
+            if asyncio.iscoroutine(engine):
+                engine = await engine
+            self.engine = engine  # type: ignore[assignment]
+        return self._engine().info
+
+    def _engine(self) -> TeacherEngine:
+        if self.engine is None:
+            raise DistributedError("ShardWorker.start() was not called")
+        return self.engine
+
+    def _limits(self) -> inputs.Limits:
+        info = self._engine().info
+        return inputs.Limits(
+            vocab_size=info.vocab_size, max_len=min(self.settings.max_seq_len, info.max_model_len)
+        )
+
+    async def scan(self, shard: shards.Shard) -> shards.ShardScan:
+        return shards.scan_shard(shard, self._engine().tokenize, self._limits())
+
+    async def score(self, task: shards.ShardTask, manifest: Any) -> shards.ShardResult:
+        return await shards.score_shard(
+            self._engine(),
+            task,
+            manifest=manifest,
+            limits=self._limits(),
+            batch_sequences=self.settings.job_batch_sequences,
+            batch_tokens=self.settings.job_batch_tokens,
+            storage_options=self.storage_options,
+            worker=self.name,
+        )
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.aclose()
+            self.engine = None
+
+
+# --- Ray cluster ---------------------------------------------------------------------------
+
+
+def init_local_ray(num_cpus: int, num_gpus: int | None = None) -> None:
+    """Start an in-process single-node Ray cluster that listens on 127.0.0.1 only.
+
+    Ray binds a machine's outward address by default, even with ``_node_ip_address``; with
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when Ray is imported, and by its subprocesses)
+    it treats the node as a local-only one, as on macOS, and every server binds 127.0.0.1. Checked
+    after start: :class:`DistributedError` if any node reports another address.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    already = "ray._private.ray_constants" in sys.modules
+    import ray
+
+    if already:  # the constant was read at import time; the subprocesses read the variable
+        ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+    )
+    addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    if addresses != {"127.0.0.1"}:
+        ray.shutdown()
+        raise DistributedError(f"local Ray cluster is not bound to 127.0.0.1: {addresses}")
+
+
+def _forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The original exception inside a Ray task error (so typed errors stay typed)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def read_input(
+    path: Path, *, text_field: str = "text", ids_field: str = "input_ids", id_field: str = "id"
+) -> list[inputs.RawRecord]:
+    """Raw records of a JSONL or Parquet file (the job input format), in order."""
+    path = Path(path).expanduser().resolve()
+    spec = InputFile(path=path.name, text_field=text_field, ids_field=ids_field, id_field=id_field)
+    return list(inputs.raw_records(file=spec, records=None, data_dir=path.parent))
+
+
+def run_distributed(
+    raws: Sequence[inputs.RawRecord],
+    cache_url: str,
+    settings: ServerSettings,
+    plan: Plan,
+    *,
+    dataset: str = "",
+    staging_root: str | None = None,
+    on_event: Callable[[str], None] | None = None,
+    worker_cls: type[ShardWorker] | None = None,
+) -> RunReport:
+    """Score ``raws`` into the cache at ``cache_url`` with ``plan.replicas`` Ray actors.
+
+    Needs a connected Ray cluster (``ray.init`` or :func:`init_local_ray`). Raises
+    :class:`InvalidInputError` for a bad input and ``ManifestMismatchError`` for an existing
+    cache of another teacher, in both cases before anything is written. ``worker_cls``: a
+    :class:`ShardWorker` subclass (e.g. one that builds another engine); default ShardWorker.
+    """
+    import ray
+    from ray.util import ActorPool
+
+    say = on_event or log.info
+    t0 = time.perf_counter()
+    if plan.replicas < 1:
+        raise InvalidInputError(f"replicas must be >= 1, got {plan.replicas}")
+    cache_url = cache_url.rstrip("/")
+    staging = (staging_root or f"{cache_url}.staging").rstrip("/")
+    options = dict(settings.storage_options) or None
+    work = shards.plan_shards(raws, plan.shard_size)
+    gpus = plan.gpus_per_replica
+    if gpus is None:
+        has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        gpus = settings.tensor_parallel_size * settings.pipeline_parallel_size if has_gpu else 0
+    actor_cls = ray.remote(worker_cls or ShardWorker).options(
+        num_cpus=plan.cpus_per_replica,
+        num_gpus=gpus,
+        max_restarts=plan.max_restarts,
+        max_task_retries=plan.max_restarts,
+        runtime_env={"env_vars": _forwarded_env()},
+    )
+    n = min(plan.replicas, len(work))
+    actors = [actor_cls.remote(settings, options) for _ in range(n)]
+    try:
+        infos = _get([a.start.remote() for a in actors])
+        info = _agreed_info(infos)
+        say(f"{n} replica(s) up: {info.model_id} (vocab {info.vocab_size})")
+        manifest = _final_manifest(info, settings, dataset)
+        committed = shards.check_target(cache_url, manifest, options)
+
+        pool = ActorPool(actors)
+        scans = _gather(pool.map_unordered(lambda a, s: a.scan.remote(s), work))
+        skips = shards.check_scans(scans, committed)
+        total = len({k for s in scans for k in s.keys})
+        say(f"input checked: {len(work)} shard(s), {total} sequences, {len(committed)} committed")
+
+        stage_manifest = shards.staging_manifest(manifest, cache_url)
+        tasks = [
+            shards.ShardTask(s, shards.staging_url(staging, s.index), skips[s.index]) for s in work
+        ]
+        results = _gather(pool.map_unordered(lambda a, t: a.score.remote(t, stage_manifest), tasks))
+        say(f"scored {sum(r.scored_sequences for r in results)} sequences; committing")
+        _get([a.stop.remote() for a in actors])
+    finally:
+        for a in actors:
+            ray.kill(a)
+    added = shards.commit(results, cache_url, manifest, options)
+    if not plan.keep_staging:
+        shards.remove_staging(staging, options)
+    workers: dict[str, int] = {}
+    for r in results:
+        workers[r.worker] = workers.get(r.worker, 0) + 1
+    return RunReport(
+        cache=cache_url,
+        staging=staging,
+        replicas=n,
+        shards=len(work),
+        sequences=total,
+        committed=added,
+        scored_sequences=sum(r.scored_sequences for r in results),
+        scored_tokens=sum(r.scored_tokens for r in results),
+        seconds=time.perf_counter() - t0,
+        workers=workers,
+    )
+
+
+def _get(refs: list[Any]) -> list[Any]:
+    import ray
+
+    try:
+        return ray.get(refs)
+    except Exception as e:  # RayTaskError wraps the worker's own exception
+        raise _unwrap(e) from e
+
+
+def _gather(results: Any) -> list[Any]:
+    """Drain an ActorPool result iterator, re-raising a worker's own (typed) exception."""
+    try:
+        return list(results)
+    except Exception as e:
+        inner = _unwrap(e)
+        if inner is e:
+            raise
+        raise inner from e
+
+
+def _agreed_info(infos: list[EngineInfo]) -> EngineInfo:
+    """The replicas' common engine description; DistributedError if they disagree."""
+    first = infos[0]
+    for other in infos[1:]:
+        diff = [f for f in ENGINE_IDENTITY if getattr(other, f) != getattr(first, f)]
+        if diff:
+            raise DistributedError(f"replicas loaded different teachers (fields {diff})")
+    return first
+
+
+def _final_manifest(info: EngineInfo, settings: ServerSettings, dataset: str) -> Manifest:
+    """The final cache's manifest: the engine's teacher at ``min(settings.k, max_k)``."""
+    k = min(settings.k, info.max_k)
+    return expected_manifest(info, k=k, logprob_dtype=settings.logprob_dtype, dataset=dataset)
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m logitcache.server.distributed",
+        description="Score a dataset into one cache with several teacher replicas on Ray. "
+        "Every other option is a logitcache-server setting (--model, --k, --backend, --dtype, "
+        "--tensor-parallel-size, --pipeline-parallel-size, --storage-options, ...), also read "
+        "from LOGITCACHE_* variables.",
+    )
+    p.add_argument("--input", required=True, type=Path, help="JSONL or Parquet file")
+    p.add_argument("--cache", required=True, help="cache URL or directory (s3://bucket/name)")
+    p.add_argument("--replicas", type=int, default=Plan.replicas)
+    p.add_argument("--shard-size", type=int, default=Plan.shard_size)
+    p.add_argument("--cpus-per-replica", type=float, default=Plan.cpus_per_replica)
+    p.add_argument("--gpus-per-replica", type=float, default=None)
+    p.add_argument("--max-restarts", type=int, default=Plan.max_restarts)
+    p.add_argument("--staging", default=None, help="staging root (default <cache>.staging)")
+    p.add_argument("--keep-staging", action="store_true")
+    p.add_argument("--dataset", default="", help="dataset description for the manifest")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--ids-field", default="input_ids")
+    p.add_argument("--id-field", default="id")
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="existing cluster ('auto' or host:port); default: a local cluster on 127.0.0.1",
+    )
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local cluster")
+    p.add_argument("--num-gpus", type=int, default=None, help="GPUs of the local cluster")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; prints the :class:`RunReport` as JSON. Exit 2 on bad input."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    settings = load_settings(rest)
+    plan = Plan(
+        replicas=args.replicas,
+        shard_size=args.shard_size,
+        cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=args.gpus_per_replica,
+        max_restarts=args.max_restarts,
+        keep_staging=args.keep_staging,
+    )
+    import ray
+
+    started = False
+    try:
+        raws = read_input(
+            args.input, text_field=args.text_field, ids_field=args.ids_field, id_field=args.id_field
+        )
+        if args.ray_address is None:
+            cpus = args.num_cpus or max(1, int(plan.replicas * plan.cpus_per_replica))
+            init_local_ray(cpus, args.num_gpus)
+            started = True
+        else:
+            ray.init(address=args.ray_address)
+        report = run_distributed(
+            raws,
+            args.cache,
+            settings,
+            plan,
+            dataset=args.dataset or str(args.input.name),
+            staging_root=args.staging,
+        )
+    except ServiceError as e:
+        error = {"error": e.code, "message": e.message, "detail": e.detail}
+        print(json.dumps(error), file=sys.stderr)
+        return 2 if e.status < 500 else 1
+    except FormatError as e:  # e.g. an existing cache made with another teacher
+        print(json.dumps({"error": type(e).__name__, "message": str(e)}), file=sys.stderr)
+        return 2
+    finally:
+        if started or ray.is_initialized():
+            ray.shutdown()
+    print(json.dumps(asdict(report), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

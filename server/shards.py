@@ -1,0 +1,288 @@
+"""Sharded batch scoring without a scheduler of its own: plan, check, score a shard, commit.
+
+This module is the engine-and-store half of :mod:`logitcache.server.distributed`; it holds no
+Ray code, so a single process can run the same steps (that is the single-worker reference).
+
+Contract (the result does not depend on how many workers ran, or in which order shards finished):
+
+1. **Plan.** The input's raw records, in input order, are cut into shards of ``shard_size``
+   consecutive records (:func:`plan_shards`). The cut depends on the input and ``shard_size``
+   only, never on the number of workers.
+2. **Check** (before anything is written). Every shard is tokenised and checked
+   (:func:`scan_shard`); :func:`check_scans` merges the scans in shard order and raises one
+   :class:`~logitcache.server.errors.InvalidInputError` listing bad records or explicit ids used
+   twice (anywhere in the input). A content key (no explicit id) seen again later is dropped, the
+   first occurrence kept, exactly as :func:`logitcache.server.inputs.sequences` does in one stream.
+3. **Score.** A worker scores one shard (:func:`score_shard`) into its own *staging* cache
+   ``<staging root>/shard-<index>``: the shard's sequences are cut into batches by
+   :func:`logitcache.server.inputs.batches` (job batch limits), each batch is one engine call and
+   one committed append. Staging caches keep float32 logprobs and tail mass (lossless), so the
+   final quantisation happens once, as in a direct write. Re-running a shard skips batches whose
+   keys are all committed (a crashed or retried worker resumes; nothing is scored twice).
+4. **Commit.** :func:`commit` appends the staging caches to the final cache in shard order,
+   each in its stored (input) order. Appends skip keys already present, so an interrupted commit
+   is resumed by running it again. Final order = input order minus dropped duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from logitcache.cache_format import CacheReader, CacheWriter, Manifest
+from logitcache.cache_format.errors import StoreNotFoundError
+
+from . import inputs
+from .errors import InvalidInputError, PayloadTooLargeError
+from .scoring import to_records
+
+if TYPE_CHECKING:
+    from .engine import TeacherEngine
+
+#: Most problems listed in one error answer (as for jobs).
+MAX_LISTED_ERRORS = inputs.MAX_LISTED_ERRORS
+#: Sequences per append while committing staging caches into the final cache.
+COMMIT_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Shard:
+    """``records`` = input records ``[start, start + len(records))``; ``index`` orders shards."""
+
+    index: int
+    start: int
+    records: tuple[inputs.RawRecord, ...]
+
+
+@dataclass(frozen=True)
+class ShardScan:
+    """What checking one shard found: its keys (input order, in-shard duplicates dropped), which
+    of them are explicit ids, its token count, and the problems (empty when the shard is valid).
+    """
+
+    index: int
+    keys: tuple[str, ...]
+    explicit: tuple[bool, ...]
+    tokens: int
+    errors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One unit of work: score ``shard`` into ``staging_url``, leaving out ``skip`` keys (owned
+    by an earlier shard)."""
+
+    shard: Shard
+    staging_url: str
+    skip: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """A scored shard: where it is staged, how many sequences it holds, what this run did."""
+
+    index: int
+    staging_url: str
+    num_sequences: int
+    scored_sequences: int
+    scored_tokens: int
+    seconds: float
+    worker: str = ""
+
+
+def plan_shards(raws: Iterable[inputs.RawRecord], shard_size: int) -> list[Shard]:
+    """Cut ``raws`` (input order) into shards of ``shard_size`` consecutive records."""
+    if shard_size < 1:
+        raise InvalidInputError(f"shard size must be >= 1, got {shard_size}")
+    shards: list[Shard] = []
+    chunk: list[inputs.RawRecord] = []
+    start = 0
+    for raw in raws:
+        chunk.append(raw)
+        if len(chunk) == shard_size:
+            shards.append(Shard(index=len(shards), start=start, records=tuple(chunk)))
+            start += len(chunk)
+            chunk = []
+    if chunk:
+        shards.append(Shard(index=len(shards), start=start, records=tuple(chunk)))
+    if not shards:
+        raise InvalidInputError("the input holds no sequence")
+    return shards
+
+
+def staging_url(root: str, index: int) -> str:
+    """The staging cache of shard ``index`` under ``root``."""
+    return f"{root.rstrip('/')}/shard-{index:06d}"
+
+
+def scan_shard(shard: Shard, tokenize: inputs.Tokenize, limits: inputs.Limits) -> ShardScan:
+    """Tokenise and check every record of ``shard`` (nothing is scored or written)."""
+    keys: list[str] = []
+    explicit: list[bool] = []
+    errors: list[str] = []
+    seen: set[str] = set()
+    tokens = 0
+    for raw in shard.records:
+        try:
+            seq = inputs.to_sequence(raw, tokenize, limits)
+        except (InvalidInputError, PayloadTooLargeError) as e:
+            errors.append(e.message)
+            if len(errors) >= MAX_LISTED_ERRORS:
+                break
+            continue
+        if seq.key in seen:
+            if raw.id is not None:
+                errors.append(f"{raw.where}: id {raw.id!r} appears more than once")
+            continue
+        seen.add(seq.key)
+        keys.append(seq.key)
+        explicit.append(raw.id is not None)
+        tokens += seq.length
+    return ShardScan(shard.index, tuple(keys), tuple(explicit), tokens, tuple(errors))
+
+
+def check_scans(
+    scans: Sequence[ShardScan], committed: frozenset[str] = frozenset()
+) -> list[frozenset[str]]:
+    """Merge shard scans (any order given; merged by index) into the input's verdict.
+
+    Returns, per shard index, the keys to leave out: owned by an earlier shard, or already in
+    the final cache (``committed``: a re-run scores only what is missing). Raises
+    :class:`InvalidInputError` (``detail`` = the problems) for bad records, an explicit id used
+    twice, or an empty input.
+    """
+    ordered = sorted(scans, key=lambda s: s.index)
+    errors = [e for s in ordered for e in s.errors]
+    owner: dict[str, int] = {}
+    skips: list[frozenset[str]] = []
+    for s in ordered:
+        skip: set[str] = set()
+        for key, is_id in zip(s.keys, s.explicit, strict=True):
+            if key not in owner:
+                owner[key] = s.index
+            elif is_id:
+                errors.append(f"id {key!r} appears more than once (shards {owner[key]}, {s.index})")
+            else:
+                skip.add(key)
+        skips.append(frozenset(skip | (committed & set(s.keys))))
+    if errors:
+        raise InvalidInputError(
+            f"the input has {len(errors)} invalid record(s); first: {errors[0]}",
+            detail=errors[:MAX_LISTED_ERRORS],
+        )
+    if not owner:
+        raise InvalidInputError("the input holds no sequence")
+    return skips
+
+
+def staging_manifest(final: Manifest, staging_of: str) -> Manifest:
+    """The manifest of a staging cache: the final one with lossless float32 storage."""
+    return final.model_copy(
+        update={
+            "logprob_dtype": "float32",
+            "tail_mass_dtype": "float32",
+            "extra": {**final.extra, "staging_of": staging_of},
+        }
+    )
+
+
+async def score_shard(
+    engine: TeacherEngine,
+    task: ShardTask,
+    *,
+    manifest: Manifest,
+    limits: inputs.Limits,
+    batch_sequences: int,
+    batch_tokens: int,
+    storage_options: dict[str, Any] | None = None,
+    worker: str = "",
+) -> ShardResult:
+    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's).
+
+    Batches whose keys are all committed already are skipped (resume). One engine call and one
+    committed append per batch, in input order.
+    """
+    t0 = time.perf_counter()
+    seqs = [
+        s
+        for s in inputs.sequences(task.shard.records, engine.tokenize, limits)
+        if s.key not in task.skip
+    ]
+    writer = await asyncio.to_thread(CacheWriter.open, task.staging_url, manifest, storage_options)
+    scored = tokens = 0
+    try:
+        for batch in inputs.batches(seqs, max_sequences=batch_sequences, max_tokens=batch_tokens):
+            if all(writer.contains(s.key) for s in batch):
+                continue
+            scores = await engine.score([s.input_ids.tolist() for s in batch], manifest.k)
+            records = to_records(batch, scores)
+            await asyncio.to_thread(writer.append, records)
+            scored += len(batch)
+            tokens += sum(s.length for s in batch)
+    finally:
+        await asyncio.to_thread(writer.close)
+    return ShardResult(
+        index=task.shard.index,
+        staging_url=task.staging_url,
+        num_sequences=len(seqs),
+        scored_sequences=scored,
+        scored_tokens=tokens,
+        seconds=time.perf_counter() - t0,
+        worker=worker,
+    )
+
+
+def check_target(
+    url: str, manifest: Manifest, storage_options: dict[str, Any] | None
+) -> frozenset[str]:
+    """The keys already committed to the cache at ``url`` (empty if there is none).
+
+    Raises ManifestMismatchError if that cache exists with another identity.
+    """
+    try:
+        reader = CacheReader(url, storage_options=storage_options)
+    except (StoreNotFoundError, FileNotFoundError):
+        return frozenset()
+    reader.manifest.check_compatible(manifest)
+    return frozenset(reader.keys)
+
+
+def commit(
+    results: Sequence[ShardResult],
+    url: str,
+    manifest: Manifest,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Append every staged shard to the final cache at ``url`` in shard order; returns the number
+    of sequences newly committed (0 when re-run after a complete commit)."""
+    added = 0
+    with CacheWriter.open(url, manifest, storage_options) as writer:
+        for result in sorted(results, key=lambda r: r.index):
+            reader = CacheReader(result.staging_url, storage_options=storage_options)
+            if reader.num_sequences != result.num_sequences:
+                raise RuntimeError(
+                    f"staging cache {result.staging_url} holds {reader.num_sequences} sequences, "
+                    f"expected {result.num_sequences}"
+                )
+            for i in range(0, reader.num_sequences, COMMIT_CHUNK):
+                stop = min(reader.num_sequences, i + COMMIT_CHUNK)
+                todo = [j for j in range(i, stop) if not writer.contains(reader.keys[j])]
+                if todo:
+                    added += writer.append(reader.sequences(todo))
+    return added
+
+
+def remove_staging(root: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete the staging root (all shard caches) after a successful commit.
+
+    Goes through the format library's store opener, so every URL form and storage option that
+    works for caches works here (local directory, ``s3://`` via obstore, fsspec URLs).
+    """
+    from logitcache.cache_format.store import open_store
+    from zarr.core.sync import sync
+
+    handle = open_store(root, storage_options, read_only=False)
+    sync(handle.zstore.delete_dir(""))

@@ -1,0 +1,224 @@
+"""Distributed batch scoring on a local Ray cluster (2 CPUs, 127.0.0.1) with the tiny teacher.
+
+The single-worker reference is :func:`run_distributed` with one replica; the distributed run is
+the CLI (``python -m logitcache.server.distributed --replicas 2``) in a subprocess, connected to
+this module's cluster: two vLLM engines, one per Ray actor. Their caches must be equal array for
+array, key for key, in the same order; bad input must write nothing; a re-run must score nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from logitcache.cache_format import CacheReader, validate
+from logitcache.server.errors import InvalidInputError
+from logitcache.server.settings import ServerSettings
+from server_support import VLLM_ENV
+
+pytestmark = pytest.mark.vllm
+
+K = 8
+SHARD = 5
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    return build_tiny_models()
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    old = {k: os.environ.get(k) for k in VLLM_ENV}
+    os.environ.update(VLLM_ENV)
+    yield dict(VLLM_ENV)
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _texts(tiny, n: int) -> list[str]:
+    docs = tiny.docs("heldout")
+    out = []
+    for d in docs:
+        text = d.text
+        for start in range(0, len(text), 180):
+            piece = text[start : start + 180]
+            if len(piece) > 40:
+                out.append(piece)
+            if len(out) == n:
+                return out
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A JSONL input of 21 records: explicit ids, texts, a token-id record, and a duplicated text
+    (no id) that must be scored once, in its first position. Returns (path, expected keys)."""
+    texts = _texts(tiny, 18)
+    records: list[dict] = [{"id": f"doc-{i:02d}", "text": t} for i, t in enumerate(texts)]
+    records.insert(3, {"text": texts[0] + " (copy without id)"})
+    records.insert(12, {"text": texts[0] + " (copy without id)"})  # duplicate content: dropped
+    records.append({"id": "ids-0", "input_ids": [1, 5, 9, 200, 7, 33, 2]})
+    path = tmp_path_factory.mktemp("ray-input") / "corpus.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path, records
+
+
+def _server_flags(tiny) -> list[str]:
+    return [
+        "--model", str(tiny.teacher_dir), "-k", str(K), "--max-seq-len", "256",
+        "--job-batch-sequences", "3", "--logprob-dtype", "float16", "--backend", "vllm",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tiny, vllm_env):
+    """This process's local Ray cluster (2 CPUs, loopback only); after the tiny models exist, so
+    their first build does not compete with Ray for the cores."""
+    from logitcache.server.distributed import init_local_ray
+
+    init_local_ray(num_cpus=2)
+    import ray
+
+    yield ray
+    ray.shutdown()
+
+
+def _cli(ray_cluster, tiny, path: Path, cache: Path, replicas: int) -> dict:
+    """``python -m logitcache.server.distributed`` in a subprocess, on this module's cluster."""
+    argv = [
+        sys.executable, "-m", "logitcache.server.distributed", "--input", str(path),
+        "--cache", str(cache), "--replicas", str(replicas), "--shard-size", str(SHARD),
+        "--ray-address", ray_cluster.get_runtime_context().gcs_address, *_server_flags(tiny),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def settings(tiny, vllm_env) -> ServerSettings:
+    return ServerSettings(
+        _env_file=None,  # type: ignore[call-arg]
+        model=str(tiny.teacher_dir),
+        k=K,
+        max_seq_len=256,
+        job_batch_sequences=3,
+        logprob_dtype="float16",
+        backend="vllm",
+    )
+
+
+def _run(raws, cache: Path, settings: ServerSettings, replicas: int, **kw):
+    from logitcache.server.distributed import Plan, run_distributed
+
+    return run_distributed(
+        raws, str(cache), settings, Plan(replicas=replicas, shard_size=SHARD), **kw
+    )
+
+
+def _ray_listeners() -> dict[str, set[str]]:
+    """Listening TCP addresses of this process's Ray subprocesses (gcs_server, raylet, workers)."""
+    out: dict[str, set[str]] = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            conns = child.net_connections(kind="tcp")
+            name = child.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                out.setdefault(name, set()).add(c.laddr.ip)
+    return out
+
+
+def test_local_cluster_binds_loopback_only(ray_cluster):
+    ray = ray_cluster
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    listeners = _ray_listeners()
+    assert any("gcs_server" in n for n in listeners) and any("raylet" in n for n in listeners)
+    wide = {n: ips for n, ips in listeners.items() if ips - LOOPBACK}
+    assert not wide, f"Ray processes listening beyond loopback: {wide}"
+
+
+def test_two_replicas_equal_a_single_worker_run(ray_cluster, tiny, dataset, settings, tmp_path):
+    """Reference: one replica, in process. Distributed: the CLI with 2 replicas."""
+    from logitcache.server.distributed import read_input
+
+    path, records = dataset
+    ref_cache = tmp_path / "single"
+    ref = _run(read_input(path), ref_cache, settings, replicas=1, dataset=path.name)
+    assert ref.replicas == 1 and ref.shards == 5 and len(ref.workers) == 1
+
+    cache = tmp_path / "kd"
+    report = _cli(ray_cluster, tiny, path, cache, replicas=2)
+    assert report["replicas"] == 2 and report["shards"] == 5
+    assert len(report["workers"]) == 2, f"both replicas should score shards: {report['workers']}"
+    assert report["sequences"] == len(records) - 1 == report["committed"] == ref.committed
+    assert not Path(f"{cache}.staging").exists(), "staging caches are removed after the commit"
+
+    a, b = CacheReader(cache), CacheReader(ref_cache)
+    assert a.keys == b.keys
+    # input order; the text without an id is keyed by content, its later copy dropped
+    expected = [r.get("id") for r in records]
+    del expected[12]
+    assert len(a.keys) == len(expected) == len(records) - 1
+    assert a.keys[3].startswith("sha256:") and expected[3] is None
+    assert [k for k in a.keys if not k.startswith("sha256:")] == [e for e in expected if e]
+    for i in range(a.num_sequences):
+        x, y = a.sequence(i), b.sequence(i)
+        assert x.key == y.key
+        for name in ("input_ids", "topk_ids", "topk_logprobs", "tail_mass"):
+            u, v = getattr(x, name), getattr(y, name)
+            assert u.dtype == v.dtype and u.shape == v.shape, (x.key, name)
+            assert u.tobytes() == v.tobytes(), f"{x.key}: {name} differs"
+    ma, mb = a.manifest, b.manifest
+    assert ma.identity() == mb.identity()
+    assert ma.k == K and ma.logprob_dtype == "float16"
+    assert (ma.num_sequences, ma.num_rows, ma.num_tokens) == (
+        mb.num_sequences, mb.num_rows, mb.num_tokens,
+    )  # fmt: skip
+    assert validate(str(cache)).ok
+    # the cache holds real teacher rows: aligned, sorted, a valid tail
+    rec = a.get("ids-0")
+    assert np.array_equal(rec.input_ids, [1, 5, 9, 200, 7, 33, 2])
+    assert rec.topk_ids.shape == (6, K)
+    assert np.all(np.diff(rec.topk_logprobs, axis=1) <= 0)
+    assert np.all((rec.tail_mass >= 0) & (rec.tail_mass <= 1))
+
+    # a re-run scores nothing and changes nothing
+    again = _run(read_input(path), cache, settings, replicas=1, dataset=path.name)
+    assert again.committed == 0 and again.scored_sequences == 0
+    assert CacheReader(cache).keys == a.keys
+
+
+def test_bad_input_is_refused_before_anything_is_written(ray_cluster, dataset, settings,
+                                                         tmp_path):  # fmt: skip
+    from logitcache.server.distributed import read_input
+
+    path, _ = dataset
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        path.read_text()
+        + json.dumps({"id": "oov", "input_ids": [1, 2, 10**6]}) + "\n"
+        + json.dumps({"id": "doc-01", "text": "an id used twice"}) + "\n"
+    )  # fmt: skip
+    cache = tmp_path / "never"
+    with pytest.raises(InvalidInputError) as err:
+        _run(read_input(bad), cache, settings, replicas=1)
+    problems = " ".join(err.value.detail)
+    assert "outside the teacher's vocabulary" in problems and "'doc-01'" in problems
+    assert not cache.exists() and not Path(f"{cache}.staging").exists()
