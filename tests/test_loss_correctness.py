@@ -220,3 +220,14 @@ def test_module_face_matches_function():
     )
     assert a.item() == pytest.approx(b.item(), rel=1e-10)
     assert "jsd" in repr(mod)
+
+
+def test_autocast_runs_the_projection_in_the_autocast_dtype():
+    prob = make_problem(n=12, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, ref_g = run(prob, impl="dense")
+        for impl in IMPLS:
+            loss, grads = run(prob, impl=impl, chunk_size=4)
+            assert all(g.dtype == torch.float32 for g in grads), impl
+            assert rel_err(loss, ref) < 1e-3, impl  # bf16 logits: bias rounding differs
+            assert all(rel_err(g, r) < 2e-2 for g, r in zip(grads, ref_g, strict=True)), impl

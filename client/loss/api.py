@@ -85,7 +85,10 @@ def topk_distill_loss(
     are distinct and in range (one sort of ``[N, k]``); out-of-range ids are never silently
     accepted by the gathers, but duplicates would be.
 
-    Raises :class:`LossInputError` (a ``ValueError``) for any bad argument.
+    Under ``torch.autocast`` with float32 ``hidden``, ``hidden``/``weight``/``bias`` are cast to
+    the autocast dtype first (differentiably), as the matmul would be; the rest of the loss
+    runs with autocast off. Raises :class:`LossInputError` (a ``ValueError``) for any bad
+    argument.
     """
     spec = LossSpec(
         loss=loss,
@@ -98,6 +101,7 @@ def topk_distill_loss(
         raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_chunk_size(chunk_size)
     impl = resolve_impl(impl, reduction)
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     prep = prepare(
         hidden,
         weight,
@@ -128,6 +132,20 @@ def topk_distill_loss(
         return rows.reshape(prep.lead_shape)
     total = rows.sum()
     return total if reduction == "sum" else total / max(prep.n_valid, 1)
+
+
+def _autocast_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Under autocast, run the projection in the autocast dtype, as ``torch.mm`` would.
+
+    The casts are differentiable, so the gradients reach fp32 parameters in fp32.
+    """
+    dev = hidden.device.type
+    if not (torch.is_autocast_enabled(dev) and hidden.dtype == torch.float32):
+        return hidden, weight, bias
+    dt = torch.get_autocast_dtype(dev)
+    return hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
 
 
 def _rows(impl: str, spec: LossSpec, prep: Prepared, chunk: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ bf16/fp16, and ``O(N k)`` coefficients.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,6 +31,20 @@ from .spec import LossSpec
 from .validation import Prepared
 
 Rows = slice | torch.Tensor
+
+
+def _no_autocast(fn):  # noqa: ANN001, ANN202 - decorator for the Function methods below
+    """Run ``fn`` with autocast off: the loss computes in the dtype of ``hidden``/``weight``
+    (autocast would turn the chunk GEMMs into bf16 while the gradient buffers stay fp32)."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx: Any, *args: Any) -> Any:
+        device = args[0].device.type if isinstance(args[0], torch.Tensor) else "cpu"
+        with torch.autocast(device_type=device, enabled=False):
+            return fn(ctx, *args)
+
+    return wrapper
+
 
 _ADDMM_OUT_DTYPE_OK: dict[str, bool] = {}
 
@@ -121,6 +136,7 @@ class FusedGradInForward(torch.autograd.Function):
     """Scalar ``scale * sum(row losses)``; all gradients are computed during forward."""
 
     @staticmethod
+    @_no_autocast
     def forward(
         ctx: Any,
         hidden: torch.Tensor,
@@ -148,6 +164,7 @@ class FusedGradInForward(torch.autograd.Function):
         return total * scale
 
     @staticmethod
+    @_no_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.grads is None:
             raise RuntimeError("fused_chunked (gradient in forward) supports one backward only")
@@ -160,6 +177,7 @@ class FusedRecompute(torch.autograd.Function):
     """Per-row losses ``[N]``; backward recomputes each chunk's projection."""
 
     @staticmethod
+    @_no_autocast
     def forward(
         ctx: Any,
         hidden: torch.Tensor,
@@ -194,6 +212,7 @@ class FusedRecompute(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_no_autocast
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         prep, spec = ctx.prep, ctx.spec
         grads = _Grads(prep, ctx.need)
