@@ -66,6 +66,12 @@ class _OpenWriter:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass
+class _CachedReader:
+    reader: CacheReader | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class WriterHandle:
     """A shared, serialised view of one cache's writer (see :meth:`CacheRegistry.writer`)."""
 
@@ -83,13 +89,14 @@ class WriterHandle:
             return self._entry.writer.append(list(records))
 
     def contains(self, key: str) -> bool:
-        with self._entry.lock:
-            return self._entry.writer.contains(key)
+        """Whether ``key`` is committed; does not wait for an append in progress (a key being
+        committed right now may read as absent: re-appending it is a no-op)."""
+        return self._entry.writer.contains(key)
 
     def missing(self, keys: Sequence[str]) -> list[str]:
-        """The keys of ``keys`` not yet committed, in order."""
-        with self._entry.lock:
-            return [k for k in keys if not self._entry.writer.contains(k)]
+        """The keys of ``keys`` not yet committed, in order (see :meth:`contains`)."""
+        w = self._entry.writer
+        return [k for k in keys if not w.contains(k)]
 
 
 class CacheRegistry:
@@ -107,6 +114,7 @@ class CacheRegistry:
         self.storage_options = dict(storage_options or {}) or None
         self._lock = threading.Lock()
         self._writers: dict[str, _OpenWriter] = {}
+        self._readers: dict[str, _CachedReader] = {}
 
     # --- naming / discovery ---------------------------------------------------------------
 
@@ -133,11 +141,25 @@ class CacheRegistry:
         return sorted(out)
 
     def reader(self, name: str) -> CacheReader:
-        """A reader of cache ``name``; :class:`NotFoundError` if there is none."""
+        """A reader of cache ``name`` at its latest commit; :class:`NotFoundError` if none.
+
+        Readers are kept per cache and refreshed (incrementally) on each call, so streaming a
+        large cache block by block does not reload its index every time. Reads of an older
+        snapshot stay valid while a refresh runs (the committed prefix never changes).
+        """
         url = self.url(name)
+        with self._lock:
+            entry = self._readers.setdefault(name, _CachedReader())
         try:
-            return CacheReader(url, storage_options=self.storage_options)
+            with entry.lock:
+                if entry.reader is None:
+                    entry.reader = CacheReader(url, storage_options=self.storage_options)
+                else:
+                    entry.reader.refresh()
+                return entry.reader
         except (StoreNotFoundError, FileNotFoundError) as e:
+            with self._lock:
+                self._readers.pop(name, None)
             raise NotFoundError(f"no cache named {name!r}") from e
 
     def manifest(self, name: str) -> Manifest | None:

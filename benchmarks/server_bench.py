@@ -1,0 +1,289 @@
+"""Teacher-service benchmark: the batch-job path versus vLLM called directly, plus concurrency.
+
+Usage (from the repository root, vLLM env set by the script)::
+
+    .venv/bin/python benchmarks/server_bench.py [--sequences 512] [--length 256] [--k 8]
+        [--repeats 2] [--clients 16] [--json benchmarks/results/server.json]
+
+Phases, all in one run on the same inputs (``--sequences`` windows of ``--length`` tokens cut
+from the tiny fixture's training split):
+
+1. **direct** (baseline): a fresh process builds ``vllm.LLM`` with the engine settings the service
+   uses and times one ``LLM.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=k,
+   detokenize=False, flat_logprobs=True))`` over every prompt (after a warm-up call). Nothing is
+   converted or stored: this is the cheapest way vLLM gives prompt logprobs.
+2. **job**: the real service (``python -m logitcache.server`` subprocess) runs a batch job over the
+   same prompts written as JSONL, converting to arrays and writing a Zarr cache; throughput is
+   ``tokens_total / (finished_at - started_at)`` from the job's own timestamps.
+   Phases 1 and 2 alternate ``--repeats`` times; the ratio of medians is printed.
+3. **concurrent**: while one more job runs, ``--clients`` threads send ``POST /v1/score`` requests
+   (4 sequences of 64 tokens each) back to back; every answer must be 200; latency p50/p90/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from server_support import VLLM_ENV, ServerProcess, wait_job  # noqa: E402
+
+
+def direct_engine_kwargs(settings: dict) -> dict:
+    """``vllm.LLM`` arguments equal to what the service's ``VllmEngine`` passes to ``EngineArgs``
+    for these settings (see ``server/engine_vllm.py::VllmEngine._engine_args``)."""
+    from logitcache.server.engine import engine_config, model_max_len
+    from logitcache.server.engine_vllm import resolve_max_len
+
+    cfg = engine_config(
+        None,
+        **{
+            "model": settings["model"],
+            "max_k": settings["k"],
+            "dtype": settings["dtype"],
+            "max_model_len": settings["max_seq_len"],
+        },
+    )
+    _, engine_len = resolve_max_len(cfg.max_model_len, model_max_len(cfg.model))
+    return dict(
+        dtype=cfg.dtype,
+        max_model_len=engine_len,
+        logprobs_mode="raw_logprobs",
+        enable_prefix_caching=False,
+        gpu_memory_utilization=cfg.memory_share,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed,
+        enforce_eager=True,
+        disable_log_stats=True,
+    )
+
+
+def make_inputs(length: int, count: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the fixture's training token stream."""
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    tiny = build_tiny_models()
+    tok = tiny.load_tokenizer()
+    stream: list[int] = []
+    for text in tiny.texts("train"):
+        stream.extend(tok(text)["input_ids"])
+        if len(stream) >= length * count:
+            break
+    if len(stream) < length * count:
+        raise SystemExit(f"corpus too small for {count} x {length} tokens")
+    return [stream[i * length : (i + 1) * length] for i in range(count)]
+
+
+def direct_worker(args: argparse.Namespace) -> None:
+    """Phase 1 in its own process: time ``LLM.generate`` with prompt logprobs; print JSON."""
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    engine_kwargs = json.loads(args.engine_kwargs)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, max_logprobs=args.k, **engine_kwargs)
+    init_s = time.perf_counter() - t0
+    sp = SamplingParams(
+        max_tokens=1, prompt_logprobs=args.k, detokenize=False, flat_logprobs=True, temperature=1.0
+    )
+    as_inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(as_inputs[:8], sp, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(as_inputs, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(p) for p in prompts)
+    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts, strict=True))
+    print(json.dumps({"tokens": tokens, "seconds": seconds, "init_s": init_s}))
+
+
+def run_direct(model: str, prompts_file: Path, k: int, engine_kwargs: dict) -> dict:
+    env = {**os.environ, **VLLM_ENV}
+    cmd = [
+        sys.executable,
+        __file__,
+        "--direct-worker",
+        "--model",
+        model,
+        "--prompts",
+        str(prompts_file),
+        "--k",
+        str(k),
+        "--engine-kwargs",
+        json.dumps(engine_kwargs),
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"direct worker failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["tokens_per_s"] = res["tokens"] / res["seconds"]
+    return res
+
+
+def job_rate(job: dict) -> float:
+    started = datetime.fromisoformat(job["started_at"])
+    finished = datetime.fromisoformat(job["finished_at"])
+    return job["tokens_total"] / (finished - started).total_seconds()
+
+
+def run_job(client, cache: str) -> dict:
+    t0 = time.perf_counter()
+    r = client.post("/v1/jobs", json={"cache": cache, "file": {"path": "bench.jsonl"}})
+    r.raise_for_status()
+    job = wait_job(client, r.json()["id"], timeout=3600)
+    wall = time.perf_counter() - t0
+    if job["state"] != "succeeded":
+        raise SystemExit(f"job failed: {job}")
+    return {"tokens": job["tokens_total"], "tokens_per_s": job_rate(job), "client_wall_s": wall}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def run_concurrent(server: ServerProcess, prompts: list[list[int]], k: int, clients: int) -> dict:
+    import httpx
+
+    stop = threading.Event()
+    lat: list[float] = []
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as c:
+            i = w
+            while not stop.is_set():
+                batch = [prompts[(i + j) % len(prompts)][:64] for j in range(4)]
+                i += clients
+                t0 = time.perf_counter()
+                r = c.post("/v1/score", json={"input_ids": batch, "k": k})
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+                    statuses.append(r.status_code)
+
+    with server.client() as c:
+        r = c.post("/v1/jobs", json={"cache": "bench-concurrent", "file": {"path": "bench.jsonl"}})
+        r.raise_for_status()
+        job_id = r.json()["id"]
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(clients)]
+        for t in threads:
+            t.start()
+        job = wait_job(c, job_id, timeout=3600)
+        stop.set()
+        for t in threads:
+            t.join()
+    ok = sum(s == 200 for s in statuses)
+    return {
+        "clients": clients,
+        "requests": len(statuses),
+        "ok": ok,
+        "failed": len(statuses) - ok,
+        "p50_s": percentile(lat, 50),
+        "p90_s": percentile(lat, 90),
+        "p99_s": percentile(lat, 99),
+        "max_s": max(lat),
+        "job_state": job["state"],
+        "job_tokens_per_s_under_load": job_rate(job) if job["state"] == "succeeded" else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sequences", type=int, default=512)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--batch-sequences", type=int, default=64)
+    p.add_argument("--inflight", type=int, default=2)
+    p.add_argument("--json", type=Path, default=REPO / "benchmarks/results/server.json")
+    p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", help=argparse.SUPPRESS)
+    p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.direct_worker:
+        direct_worker(args)
+        return
+
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    tiny = build_tiny_models()
+    prompts = make_inputs(args.length, args.sequences)
+    work = Path(tempfile.mkdtemp(prefix="server-bench-"))
+    (work / "data").mkdir()
+    (work / "data" / "bench.jsonl").write_text(
+        "\n".join(json.dumps({"id": f"w{i}", "input_ids": x}) for i, x in enumerate(prompts))
+    )
+    prompts_file = work / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    settings = dict(
+        model=str(tiny.teacher_dir),
+        k=args.k,
+        dtype="float32",
+        max_seq_len=max(args.length, 512),
+        job_batch_sequences=args.batch_sequences,
+        job_batch_tokens=args.batch_sequences * args.length,
+        job_inflight_batches=args.inflight,
+    )
+    engine_kwargs = direct_engine_kwargs(settings)
+    print(f"inputs: {args.sequences} x {args.length} tokens, k={args.k}; engine {engine_kwargs}")
+
+    direct, jobs = [], []
+    server = ServerProcess(work, **settings).start()
+    try:
+        with server.client() as c:
+            c.post("/v1/score", json={"input_ids": prompts[:4], "k": args.k}).raise_for_status()
+            for rep in range(args.repeats):
+                d = run_direct(str(tiny.teacher_dir), prompts_file, args.k, engine_kwargs)
+                j = run_job(c, f"bench-{rep}")
+                direct.append(d)
+                jobs.append(j)
+                ratio = j["tokens_per_s"] / d["tokens_per_s"]
+                print(
+                    f"repeat {rep}: direct {d['tokens_per_s']:,.0f} tok/s, "
+                    f"job {j['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}"
+                )
+        conc = run_concurrent(server, prompts, args.k, args.clients)
+    finally:
+        server.stop()
+    d_med = statistics.median(x["tokens_per_s"] for x in direct)
+    j_med = statistics.median(x["tokens_per_s"] for x in jobs)
+    result = {
+        "machine": f"{os.cpu_count()} CPU cores (shared), no GPU",
+        "command": " ".join(["python", "benchmarks/server_bench.py", *sys.argv[1:]]),
+        "inputs": {"sequences": args.sequences, "length": args.length, "k": args.k},
+        "settings": settings,
+        "engine_kwargs": engine_kwargs,
+        "direct": direct,
+        "job": jobs,
+        "direct_median_tokens_per_s": d_med,
+        "job_median_tokens_per_s": j_med,
+        "ratio_job_over_direct": j_med / d_med,
+        "concurrent": conc,
+    }
+    print(f"median: direct {d_med:,.0f} tok/s, job {j_med:,.0f} tok/s, ratio {j_med / d_med:.3f}")
+    print(
+        f"concurrent: {conc['ok']}/{conc['requests']} ok, p50 {conc['p50_s'] * 1000:.0f} ms, "
+        f"p90 {conc['p90_s'] * 1000:.0f} ms, p99 {conc['p99_s'] * 1000:.0f} ms; "
+        f"job under load {conc['job_tokens_per_s_under_load'] or 0:,.0f} tok/s"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
