@@ -23,7 +23,14 @@ if TYPE_CHECKING:
 
     from .http import TeacherClient
 
-__all__ = ["CacheSource", "LocalSource", "HttpSource", "contiguous_runs", "open_source"]
+__all__ = [
+    "CacheSource",
+    "LocalSource",
+    "HttpSource",
+    "contiguous_runs",
+    "merged_ranges",
+    "open_source",
+]
 
 
 @runtime_checkable
@@ -69,6 +76,30 @@ def contiguous_runs(indices: Iterable[int], max_len: int | None = None) -> list[
         step = max_len or (stop - start)
         runs.extend((s, min(s + step, stop)) for s in range(start, stop, step))
     return runs
+
+
+def merged_ranges(
+    wanted: np.ndarray,
+    lengths: np.ndarray,
+    max_gap_tokens: int,
+    max_sequences: int | None = None,
+) -> list[tuple[int, int]]:
+    """Sequence ranges ``[a, b)`` covering sorted unique ``wanted`` with few reads.
+
+    Runs of consecutive indices are merged when fewer than ``max_gap_tokens`` tokens of unwanted
+    sequences lie between them (reading those is cheaper than another request) and while the
+    range stays within ``max_sequences`` sequences.
+    """
+    ranges: list[tuple[int, int]] = []
+    for a, b in contiguous_runs(wanted.tolist(), max_sequences):
+        if ranges:
+            pa, pb = ranges[-1]
+            gap = int(lengths[pb:a].sum())
+            if gap <= max_gap_tokens and (max_sequences is None or b - pa <= max_sequences):
+                ranges[-1] = (pa, b)
+                continue
+        ranges.append((a, b))
+    return ranges
 
 
 #: URL schemes that ``logitcache.cache_format`` opens with obstore unless told otherwise.
@@ -181,7 +212,7 @@ class LocalSource:
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
         out: dict[int, SequenceRecord] = {}
-        for a, b in self._ranges(wanted, tok_starts, lengths):
+        for a, b in merged_ranges(wanted, lengths, self.max_gap_tokens):
             t0 = int(tok_starts[a])
             t1 = int(tok_starts[b - 1] + lengths[b - 1])
             rows = self.reader.rows(t0 - a, t1 - b)
@@ -198,21 +229,6 @@ class LocalSource:
                 )
         return out
 
-    def _ranges(
-        self, wanted: np.ndarray, tok_starts: np.ndarray, lengths: np.ndarray
-    ) -> list[tuple[int, int]]:
-        """Sequence ranges to read: runs of ``wanted``, merged across small gaps."""
-        ranges: list[tuple[int, int]] = []
-        for a, b in contiguous_runs(wanted.tolist()):
-            if ranges:
-                pa, pb = ranges[-1]
-                gap = int(tok_starts[a]) - int(tok_starts[pb - 1] + lengths[pb - 1])
-                if gap <= self.max_gap_tokens:
-                    ranges[-1] = (pa, b)
-                    continue
-            ranges.append((a, b))
-        return ranges
-
     def refresh(self) -> None:
         self.reader.refresh()
         self._offsets = None
@@ -223,8 +239,9 @@ class HttpSource:
 
     The body is a stream of binary wire frames (``logitcache.cache_format.encode_records``),
     decoded with ``decode_records`` (``compression="zstd"`` asks the server to compress each
-    frame). Indices are fetched as contiguous runs of at most
-    ``max_sequences_per_request`` sequences, ``concurrency`` requests at a time. Transient errors
+    frame). Indices are fetched as ranges of at most ``max_sequences_per_request`` sequences
+    (runs less than ``max_gap_tokens`` apart are merged, see :func:`merged_ranges`),
+    ``concurrency`` requests at a time. Transient errors
     are retried by the underlying :class:`~logitcache.client.http.TeacherClient`.
     """
 
@@ -239,6 +256,7 @@ class HttpSource:
         max_sequences_per_request: int = 256,
         concurrency: int = 4,
         compression: str = "none",
+        max_gap_tokens: int = 8192,
     ) -> None:
         self.base_url = base_url
         self.cache = cache
@@ -248,6 +266,7 @@ class HttpSource:
         self.max_sequences_per_request = max_sequences_per_request
         self.concurrency = concurrency
         self.compression = compression
+        self.max_gap_tokens = int(max_gap_tokens)
         self._client: TeacherClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pid: int | None = None
@@ -263,6 +282,7 @@ class HttpSource:
         "max_sequences_per_request",
         "concurrency",
         "compression",
+        "max_gap_tokens",
     )
 
     def __getstate__(self) -> dict[str, Any]:
