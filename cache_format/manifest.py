@@ -54,7 +54,7 @@ class Manifest(BaseModel):
     logprob_mode: str = "raw_logprobs"
     logprob_dtype: LogprobDtype = "float16"
     tail_mass_dtype: TailDtype = "float32"
-    id_remap: bool = True
+    id_remap: bool = False
     dataset: str | dict[str, Any] = ""
     extra: dict[str, Any] = Field(default_factory=dict)
     created: str = Field(default_factory=utcnow)

@@ -8,6 +8,7 @@ a writer's rewrite of a partly filled shard fails its CRC32C and is retried on a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.sync import sync
 
 from . import idmap, spec
 from .errors import CorruptStoreError, FormatError, StoreNotFoundError
@@ -216,24 +218,41 @@ class CacheReader:
             raise IndexError(f"sequence index {i} out of range [0, {n})")
         return i
 
-    def _read_rows(self, sel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows by a slice or an int array selection: (topk_ids, float32 logprobs, tail)."""
+    def _fetch(self, row_sel, tok_sel=None) -> tuple[np.ndarray, ...]:
+        """Rows (and tokens) by slice or int-array selection, every array read concurrently in
+        one call into zarr's event loop: ``(topk_ids, float32 logprobs, tail[, tokens])``."""
         a = self._arrays
         dtype = self.manifest.logprob_dtype
-        if isinstance(sel, slice):
-            get = lambda name: a[name][sel]  # noqa: E731
-        else:
-            get = lambda name: a[name].get_orthogonal_selection(sel)  # noqa: E731
-        ids = get(spec.TOPK_IDS)
+        names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
+        if dtype in spec.QUANTISED_DTYPES:
+            names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
+        jobs = [(n, row_sel) for n in names]
+        if tok_sel is not None:
+            jobs.append((spec.INPUT_IDS, tok_sel))
+
+        def one(name, sel):
+            arr = a[name]._async_array
+            if isinstance(sel, slice):
+                return arr.getitem(sel)
+            return arr.get_orthogonal_selection((sel,))
+
+        async def gather():
+            return await asyncio.gather(*(one(n, sel) for n, sel in jobs))
+
+        got = dict(zip([n for n, _ in jobs], sync(gather()), strict=True))
+        ids = got[spec.TOPK_IDS]
         if self._id_order is not None:
             ids = self._id_order[ids]
-        stored = get(spec.TOPK_LOGPROBS)
         if dtype in spec.QUANTISED_DTYPES:
-            lp = decode_logprobs(stored, dtype, get(spec.LOGPROB_MAX), get(spec.LOGPROB_STEP))
+            lp = decode_logprobs(
+                got[spec.TOPK_LOGPROBS], dtype, got[spec.LOGPROB_MAX], got[spec.LOGPROB_STEP]
+            )
         else:
-            lp = decode_logprobs(stored, dtype)
-        tail = np.asarray(get(spec.TAIL_MASS), dtype=np.float32)
-        return ids, lp, tail
+            lp = decode_logprobs(got[spec.TOPK_LOGPROBS], dtype)
+        tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
+        if tok_sel is None:
+            return ids, lp, tail
+        return ids, lp, tail, got[spec.INPUT_IDS]
 
     def _out(self, rec):
         return rec.to_torch() if self.as_torch else rec
@@ -244,8 +263,7 @@ class CacheReader:
         t0, r0, L = int(self._tok_start[i]), int(self._row_start[i]), int(self._lengths[i])
 
         def read():
-            ids, lp, tail = self._read_rows(slice(r0, r0 + L - 1))
-            tokens = self._arrays[spec.INPUT_IDS][t0 : t0 + L]
+            ids, lp, tail, tokens = self._fetch(slice(r0, r0 + L - 1), slice(t0, t0 + L))
             return SequenceRecord(self._keys[i], tokens, ids, lp, tail)
 
         return self._out(self._retry(read))
@@ -276,8 +294,7 @@ class CacheReader:
         )
 
         def read():
-            ids, lp, tail = self._read_rows((row_sel,))
-            tokens = self._arrays[spec.INPUT_IDS].get_orthogonal_selection((tok_sel,))
+            ids, lp, tail, tokens = self._fetch(row_sel, tok_sel)
             out, r, t = [], 0, 0
             for i, n in zip(idx, lengths, strict=True):
                 n = int(n)
@@ -302,7 +319,7 @@ class CacheReader:
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
 
         def read():
-            ids, lp, tail = self._read_rows(slice(start, stop))
+            ids, lp, tail = self._fetch(slice(start, stop))
             return RowBlock(start, ids, lp, tail)
 
         return self._out(self._retry(read))

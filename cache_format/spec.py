@@ -63,8 +63,8 @@ class Layout:
     token_shard: int = 1048576
     seq_chunk: int = 16384
     seq_shard: int = 262144
-    id_codec: str = "blosc-zstd5-bitshuffle"
-    logprob_codec: str = "blosc-zstd5-shuffle"
+    id_codec: str = "blosc-zstd1-bitshuffle"
+    logprob_codec: str = "blosc-zstd1-shuffle"
     other_codec: str = "blosc-zstd5-shuffle"
 
 

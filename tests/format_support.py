@@ -148,11 +148,10 @@ def child_append(argv: list[str]) -> None:
 
 
 def child_read(argv: list[str]) -> None:
-    """`read URL OPTIONS_JSON SECONDS`: refresh-read loop; every snapshot must be a valid prefix.
-
-    Checks that every visible sequence equals make_records(...)'s record with the same key
-    (prefix and seed parsed from the key "<prefix><seed>_<i>" is not needed: the key encodes
-    nothing; the parent passes the expected records' seeds as "prefix:seed,prefix:seed").
+    """`read URL OPTIONS_JSON SECONDS SOURCES [STOP_AT]`: refresh-read loop until the store has
+    STOP_AT sequences (or SECONDS pass). Every snapshot must be a consistent committed prefix:
+    unique keys, and sampled sequences equal (bit-exact after float16 storage) to the expected
+    records, SOURCES = "prefix:seed:n,..." naming the make_records(...) calls that produced them.
     """
     import json
     import sys
@@ -162,6 +161,8 @@ def child_read(argv: list[str]) -> None:
     from logitcache.cache_format import CacheReader, StoreNotFoundError
 
     url, options, seconds, sources = argv[0], json.loads(argv[1]), float(argv[2]), argv[3]
+    stop_at = int(argv[4]) if len(argv) > 4 else -1
+    seen_counts: set[int] = set()
     expected = {}
     for item in sources.split(","):
         prefix, seed, n = item.split(":")
@@ -178,6 +179,7 @@ def child_read(argv: list[str]) -> None:
             continue
         reader.refresh()
         n = reader.num_sequences
+        seen_counts.add(n)
         if n:
             idx = sorted({0, n - 1, n // 2})
             for rec in reader.sequences(idx):
@@ -189,8 +191,13 @@ def child_read(argv: list[str]) -> None:
                 checked += 1
             assert len(set(reader.keys)) == n
         snapshots += 1
+        if n == stop_at:
+            break
     last = reader.num_sequences if reader else 0
-    print(f"READER snapshots={snapshots} checked={checked} last={last}", flush=True)
+    print(
+        f"READER snapshots={snapshots} checked={checked} last={last} distinct={len(seen_counts)}",
+        flush=True,
+    )
     sys.exit(0)
 
 

@@ -132,3 +132,28 @@ def test_torch_output(tmp_path):
     assert t["topk_ids"].dtype == torch.int64 and t["topk_logprobs"].dtype == torch.float32
     assert torch.equal(t["labels"], torch.from_numpy(recs[1].input_ids[1:].astype(np.int64)))
     assert t["topk_ids"].shape == (recs[1].num_rows, 8)
+
+
+def test_id_remap_roundtrip_resume_and_validate(tmp_path):
+    import zarr
+
+    recs = make_records(30, seed=6)
+    url = tmp_path / "c"
+    m = make_manifest(id_remap=True)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[:10])  # defines id_order
+    with CacheWriter.open(url, m) as w:  # resume: loads id_order, remaps with it
+        w.append(recs[10:])
+    order = zarr.open_array(zarr.storage.LocalStore(url), path="id_order", mode="r")[:]
+    assert sorted(order.tolist()) == list(range(1000))
+    stored = zarr.open_array(zarr.storage.LocalStore(url), path="topk_ids", mode="r")[:]
+    r = CacheReader(url)
+    want = np.concatenate([x.topk_ids for x in recs])
+    assert not np.array_equal(stored, want)  # really remapped on disk
+    np.testing.assert_array_equal(order[stored], want)
+    for i in (0, 15, 29):
+        _same_exact(r.sequence(i), recs[i])
+    assert validate(url).ok
+    arr = zarr.open_array(zarr.storage.LocalStore(url), path="id_order", mode="r+")
+    arr[0] = arr[1]
+    assert "id_order" in validate(url).codes()
