@@ -314,3 +314,21 @@ def test_fingerprint_string_and_bad_arguments(cache: tuple[str, list]) -> None:
             CacheDataset(url, **bad)
     with pytest.raises(ConfigError):
         CacheDataLoader(CacheDataset(url), batch_size=4)
+
+
+def test_items_feed_the_distillation_loss(cache: tuple[str, list]) -> None:
+    from logitcache.client.loss import topk_distill_loss
+
+    url, _ = cache
+    batch = next(iter(CacheDataLoader(CacheDataset(url, tokens_per_item=64, batch_size=4))))
+    torch.manual_seed(0)
+    hidden = torch.randn(*batch["input_ids"].shape, 16, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, requires_grad=True)
+    args = (hidden, weight, batch["topk_ids"], batch["topk_logprobs"], batch["tail_mass"])
+    by_labels = topk_distill_loss(*args, labels=batch["labels"], impl="dense")
+    by_mask = topk_distill_loss(*args, mask=batch["loss_mask"], impl="dense")
+    assert torch.isfinite(by_labels) and torch.allclose(by_labels, by_mask)
+    by_labels.backward()
+    # positions without a row (last token, padding) get no gradient
+    assert (hidden.grad[~batch["loss_mask"]] == 0).all()
+    assert (hidden.grad[batch["loss_mask"]].abs().sum(-1) > 0).all()
