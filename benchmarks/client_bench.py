@@ -15,6 +15,8 @@ One run, one cache:
 3. **local**: ``CacheDataset(store path, tokens_per_item=--budget, mode="pack",
    batch_size=--batch, shuffle_block_size=b)`` through ``CacheDataLoader(num_workers=w)``, one
    epoch, for each ``b`` in ``--blocks`` (1 = full shuffle) and ``w`` in ``--workers``.
+   Then once more (2 workers, the last block size) with a consumer that sleeps ``--step-s`` per
+   batch, a stand-in for a GPU training step: the time it waits in ``next()`` is reported.
 4. **http**: the same with ``HttpSource`` against the real service (``python -m
    logitcache.server`` on the tiny teacher, serving the same store root).
 
@@ -96,9 +98,14 @@ def time_baseline(url: str) -> dict[str, float]:
 
 
 def time_loader(
-    source: Any, args: argparse.Namespace, workers: int, block: int
+    source: Any, args: argparse.Namespace, workers: int, block: int, step_s: float = 0.0
 ) -> dict[str, float]:
-    """One epoch of CacheDataset through CacheDataLoader; positions/s from the first next()."""
+    """One epoch of CacheDataset through CacheDataLoader; positions/s from the first next().
+
+    With ``step_s > 0`` the consumer sleeps ``step_s`` per batch (a training step that leaves
+    the CPU free, like a GPU step) and the time spent waiting in ``next()`` after the first
+    batch is reported: 0 means the trainer never waited.
+    """
     from logitcache.client import CacheDataLoader, CacheDataset
 
     ds = CacheDataset(
@@ -113,11 +120,21 @@ def time_loader(
     loader = CacheDataLoader(ds, num_workers=workers, prefetch_factor=4 if workers else None)
     t0 = time.perf_counter()
     positions = units = 0
-    for batch in loader:
+    waited = 0.0
+    it = iter(loader)
+    while True:
+        t_wait = time.perf_counter()
+        batch = next(it, None)
+        if units:
+            waited += time.perf_counter() - t_wait
+        if batch is None:
+            break
         positions += int(batch["loss_mask"].sum())
         units += 1
+        if step_s:
+            time.sleep(step_s)
     dt = time.perf_counter() - t0
-    return {
+    out = {
         "workers": workers,
         "shuffle_block_size": block,
         "positions": positions,
@@ -125,6 +142,9 @@ def time_loader(
         "seconds": dt,
         "positions_per_s": positions / dt,
     }
+    if step_s:
+        out |= {"step_s": step_s, "wait_s_after_first": waited, "wait_fraction": waited / dt}
+    return out
 
 
 def main() -> None:
@@ -137,6 +157,13 @@ def main() -> None:
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 64])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-http", action="store_true")
+    p.add_argument(
+        "--step-s",
+        type=float,
+        default=0.264,
+        help="simulated training step per batch for the wait measurement (default: the 0.95B "
+        "student step on an H200 from benchmarks/results/client_trainstep.json)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
 
@@ -171,6 +198,10 @@ def main() -> None:
         return out
 
     result["local"] = sweep("local", lambda: url)
+    if args.step_s:
+        r = time_loader(url, args, 2, args.blocks[-1], step_s=args.step_s)
+        result["local_with_step"] = r
+        print("local with a simulated step", r, flush=True)
 
     if not args.no_http:
         from logitcache.client import HttpSource
