@@ -9,6 +9,29 @@
 * The loss (``topk_distill_loss`` ...) is re-exported lazily from :mod:`logitcache.client.loss`.
 
 Never imports ``logitcache.server``, ``vllm`` or ``fastapi``.
+
+Quick start::
+
+    from logitcache.client import CacheDataLoader, CacheDataset, TeacherClient
+    from logitcache.client.loss import topk_distill_loss
+
+    with TeacherClient("http://127.0.0.1:8000", api_key=KEY) as teacher:
+        teacher.run_job("corpus", texts=texts)          # tqdm bar over the job's tokens
+
+    ds = CacheDataset("/data/caches/corpus",             # or "s3://...", or the server URL
+                      tokens_per_item=2048, mode="pack", batch_size=8, seed=0,
+                      tokenizer=student_tokenizer, vocab_size=student.config)
+    loader = CacheDataLoader(ds, num_workers=2)
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        for batch in loader:       # position t: target token t+1 and cache row t (labels -100)
+            h = student.model(input_ids=batch["input_ids"],
+                              position_ids=batch["position_ids"]).last_hidden_state
+            loss = topk_distill_loss(h, student.lm_head.weight, batch["topk_ids"],
+                                     batch["topk_logprobs"], batch["tail_mass"],
+                                     labels=batch["labels"])
+            ...
+            checkpoint["data"] = loader.state_dict()      # resume: loader.load_state_dict(...)
 """
 
 from __future__ import annotations
