@@ -51,9 +51,12 @@ RUN pip install --no-deps . \
 
 COPY docker/healthcheck.py /opt/logitcache/healthcheck.py
 
+# Named volumes mounted on these paths start as copies of them (owner included), so they are
+# created here, owned by the service user.
 RUN useradd --create-home --uid "${UID}" --shell /usr/sbin/nologin logitcache \
  && mkdir -p /data/caches /data/state /data/inputs /models \
- && chown -R logitcache:logitcache /data
+          /home/logitcache/.cache/huggingface /home/logitcache/.cache/logitcache \
+ && chown -R logitcache:logitcache /data /home/logitcache/.cache
 
 USER logitcache
 WORKDIR /data

@@ -107,6 +107,9 @@ class RunReport:
     scored_tokens: int
     seconds: float
     workers: dict[str, int]
+    """Shards scored per replica (``host:pid``)."""
+    phases: dict[str, float]
+    """Wall seconds of each step: start (engines up), check, score, commit (incl. cleanup)."""
 
 
 # --- the Ray actor -------------------------------------------------------------------------
@@ -263,8 +266,18 @@ def run_distributed(
     )
     n = min(plan.replicas, len(work))
     actors = [actor_cls.remote(settings, options) for _ in range(n)]
+    phases: dict[str, float] = {}
+    mark = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = round(now - mark, 3)
+        mark = now
+
     try:
         infos = _get([a.start.remote() for a in actors])
+        lap("start")
         info = _agreed_info(infos)
         say(f"{n} replica(s) up: {info.model_id} (vocab {info.vocab_size})")
         manifest = _final_manifest(info, settings, dataset)
@@ -275,20 +288,24 @@ def run_distributed(
         skips = shards.check_scans(scans, committed)
         total = len({k for s in scans for k in s.keys})
         say(f"input checked: {len(work)} shard(s), {total} sequences, {len(committed)} committed")
+        lap("check")
 
         stage_manifest = shards.staging_manifest(manifest, cache_url)
         tasks = [
             shards.ShardTask(s, shards.staging_url(staging, s.index), skips[s.index]) for s in work
         ]
         results = _gather(pool.map_unordered(lambda a, t: a.score.remote(t, stage_manifest), tasks))
+        lap("score")
         say(f"scored {sum(r.scored_sequences for r in results)} sequences; committing")
         _get([a.stop.remote() for a in actors])
     finally:
         for a in actors:
             ray.kill(a)
+    mark = time.perf_counter()
     added = shards.commit(results, cache_url, manifest, options)
     if not plan.keep_staging:
         shards.remove_staging(staging, options)
+    lap("commit")
     workers: dict[str, int] = {}
     for r in results:
         workers[r.worker] = workers.get(r.worker, 0) + 1
@@ -303,6 +320,7 @@ def run_distributed(
         scored_tokens=sum(r.scored_tokens for r in results),
         seconds=time.perf_counter() - t0,
         workers=workers,
+        phases=phases,
     )
 
 

@@ -170,3 +170,27 @@ def test_broken_compose_file_is_rejected(tmp_path):
     bad.write_text(text.replace("restart: unless", "restrt: x"))
     with pytest.raises(RuntimeError, match="restrt"):
         compose_config("-f", str(bad), env=clean_env())
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_volume_mount_points_exist_in_the_image_owned_by_the_service_user(variant, env_file):
+    """A named volume starts as a copy of its mount point in the image; a mount point the image
+    lacks is created root-owned and the non-root service could not write to it."""
+    from deploy_support import final_stage, parse_dockerfile
+
+    args = GPU_OVERRIDE if variant == "gpu" else ()
+    cfg = config(*args, *env_file())
+    stage = final_stage(parse_dockerfile(REPO / "docker" / f"{variant}.Dockerfile"))
+    runs = " ".join(i.args for i in stage if i.keyword == "RUN")
+    made = {p for group in re.findall(r"mkdir -p ((?:[\w/.-]+\s*)+)", runs) for p in group.split()}
+    owned = re.findall(r"chown -R \S+ ((?:/[\w/.-]+\s*)+)", runs)
+    owned_roots = {p for group in owned for p in group.split()}
+    for name in TEACHERS:
+        service = cfg["services"][name]
+        for target, source in volume_targets(service).items():
+            if source not in cfg["volumes"]:
+                continue  # a bind mount (read-only inputs/models)
+            assert target in made, f"{name}: {target} is not created in the {variant} image"
+            assert any(target == r or target.startswith(r + "/") for r in owned_roots), (
+                f"{name}: {target} is not owned by the service user"
+            )

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from deploy_support import s3_bucket, s3_keys, s3_server  # noqa: F401 - fixtures
 from logitcache.cache_format import CacheReader, validate
 from logitcache.server.errors import InvalidInputError
 from logitcache.server.settings import ServerSettings
@@ -96,12 +97,13 @@ def ray_cluster(tiny, vllm_env):
     ray.shutdown()
 
 
-def _cli(ray_cluster, tiny, path: Path, cache: Path, replicas: int) -> dict:
+def _cli(ray_cluster, tiny, path: Path, cache: str, replicas: int, options: dict) -> dict:
     """``python -m logitcache.server.distributed`` in a subprocess, on this module's cluster."""
     argv = [
         sys.executable, "-m", "logitcache.server.distributed", "--input", str(path),
-        "--cache", str(cache), "--replicas", str(replicas), "--shard-size", str(SHARD),
+        "--cache", cache, "--replicas", str(replicas), "--shard-size", str(SHARD),
         "--ray-address", ray_cluster.get_runtime_context().gcs_address, *_server_flags(tiny),
+        "--storage-options", json.dumps(options),
     ]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -121,7 +123,7 @@ def settings(tiny, vllm_env) -> ServerSettings:
     )
 
 
-def _run(raws, cache: Path, settings: ServerSettings, replicas: int, **kw):
+def _run(raws, cache: Path | str, settings: ServerSettings, replicas: int, **kw):
     from logitcache.server.distributed import Plan, run_distributed
 
     return run_distributed(
@@ -154,23 +156,28 @@ def test_local_cluster_binds_loopback_only(ray_cluster):
     assert not wide, f"Ray processes listening beyond loopback: {wide}"
 
 
-def test_two_replicas_equal_a_single_worker_run(ray_cluster, tiny, dataset, settings, tmp_path):
-    """Reference: one replica, in process. Distributed: the CLI with 2 replicas."""
+def test_two_replicas_on_s3_equal_a_single_worker_run(ray_cluster, tiny, dataset, settings,
+                                                      s3_bucket, tmp_path):  # fmt: skip  # noqa: F811
+    """Reference: one replica, in process, local directory. Distributed: the CLI with 2 replicas
+    into a bucket (per-shard staging caches on S3, one commit)."""
     from logitcache.server.distributed import read_input
 
+    endpoint, bucket, options = s3_bucket
     path, records = dataset
     ref_cache = tmp_path / "single"
     ref = _run(read_input(path), ref_cache, settings, replicas=1, dataset=path.name)
     assert ref.replicas == 1 and ref.shards == 5 and len(ref.workers) == 1
 
-    cache = tmp_path / "kd"
-    report = _cli(ray_cluster, tiny, path, cache, replicas=2)
+    cache = f"s3://{bucket}/kd"
+    report = _cli(ray_cluster, tiny, path, cache, replicas=2, options=options)
     assert report["replicas"] == 2 and report["shards"] == 5
     assert len(report["workers"]) == 2, f"both replicas should score shards: {report['workers']}"
     assert report["sequences"] == len(records) - 1 == report["committed"] == ref.committed
-    assert not Path(f"{cache}.staging").exists(), "staging caches are removed after the commit"
+    assert s3_keys(endpoint, bucket, "kd/"), "the cache is in the bucket"
+    assert not s3_keys(endpoint, bucket, "kd.staging/"), "staging is removed after the commit"
+    assert not Path(f"{ref_cache}.staging").exists()
 
-    a, b = CacheReader(cache), CacheReader(ref_cache)
+    a, b = CacheReader(cache, storage_options=options), CacheReader(ref_cache)
     assert a.keys == b.keys
     # input order; the text without an id is keyed by content, its later copy dropped
     expected = [r.get("id") for r in records]
@@ -191,7 +198,7 @@ def test_two_replicas_equal_a_single_worker_run(ray_cluster, tiny, dataset, sett
     assert (ma.num_sequences, ma.num_rows, ma.num_tokens) == (
         mb.num_sequences, mb.num_rows, mb.num_tokens,
     )  # fmt: skip
-    assert validate(str(cache)).ok
+    assert validate(cache, options).ok
     # the cache holds real teacher rows: aligned, sorted, a valid tail
     rec = a.get("ids-0")
     assert np.array_equal(rec.input_ids, [1, 5, 9, 200, 7, 33, 2])
@@ -200,15 +207,17 @@ def test_two_replicas_equal_a_single_worker_run(ray_cluster, tiny, dataset, sett
     assert np.all((rec.tail_mass >= 0) & (rec.tail_mass <= 1))
 
     # a re-run scores nothing and changes nothing
-    again = _run(read_input(path), cache, settings, replicas=1, dataset=path.name)
+    s3_settings = settings.model_copy(update={"storage_options": options})
+    again = _run(read_input(path), cache, s3_settings, replicas=1, dataset=path.name)
     assert again.committed == 0 and again.scored_sequences == 0
-    assert CacheReader(cache).keys == a.keys
+    assert CacheReader(cache, storage_options=options).keys == a.keys
 
 
 def test_bad_input_is_refused_before_anything_is_written(ray_cluster, dataset, settings,
-                                                         tmp_path):  # fmt: skip
+                                                         s3_bucket, tmp_path):  # fmt: skip  # noqa: F811
     from logitcache.server.distributed import read_input
 
+    endpoint, bucket, options = s3_bucket
     path, _ = dataset
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
@@ -216,9 +225,9 @@ def test_bad_input_is_refused_before_anything_is_written(ray_cluster, dataset, s
         + json.dumps({"id": "oov", "input_ids": [1, 2, 10**6]}) + "\n"
         + json.dumps({"id": "doc-01", "text": "an id used twice"}) + "\n"
     )  # fmt: skip
-    cache = tmp_path / "never"
+    s3_settings = settings.model_copy(update={"storage_options": options})
     with pytest.raises(InvalidInputError) as err:
-        _run(read_input(bad), cache, settings, replicas=1)
+        _run(read_input(bad), f"s3://{bucket}/never", s3_settings, replicas=1)
     problems = " ".join(err.value.detail)
     assert "outside the teacher's vocabulary" in problems and "'doc-01'" in problems
-    assert not cache.exists() and not Path(f"{cache}.staging").exists()
+    assert s3_keys(endpoint, bucket) == set(), "nothing may be written for a bad input"
