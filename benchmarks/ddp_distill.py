@@ -29,11 +29,17 @@ CPU (the test suite, gloo)::
 
     python benchmarks/ddp_distill.py report --workdir runs/ddp --nproc 2 --backend gloo
 
-GPU box (NCCL, one process per GPU; NVLink multicast is switched off by this script)::
+GPU box (NCCL, one process per GPU; NVLink multicast is switched off by this script). Make the
+cache once (vocab 128256, k 100, 20480 x 1024 = 20.97M positions), then run the report on it::
 
-    python benchmarks/ddp_distill.py report --workdir /scratch/ddp --nproc 2 --backend nccl \\
-        --vocab 128256 --k 100 --num-sequences 20480 --min-len 1025 --max-len 1025 \\
-        --tokens-per-item 1024 --batch-items 8 --hidden 1024 --layers 4 --dtype bfloat16
+    python benchmarks/ddp_distill.py make-cache --url /scratch/ddp/cache --vocab 128256 --k 100 \
+        --num-sequences 20480 --min-len 1025 --max-len 1025
+    python benchmarks/ddp_distill.py report --cache /scratch/ddp/cache --workdir /scratch/ddp \
+        --nproc 2 --backend nccl --tokens-per-item 1024 --batch-items 8 --hidden 1024 --layers 4 \
+        --heads 8 --dtype bfloat16 --workers 4 --json ddp_gpu.json --md ddp_gpu.md
+
+Under ``torchrun --nproc-per-node 2 benchmarks/ddp_distill.py train ...`` the ``train`` command
+takes rank and world size from the environment instead of spawning.
 """
 
 from __future__ import annotations
@@ -427,9 +433,29 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _peak_rss_mib() -> float:
+    """Peak resident memory of this process: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``,
+    which a child inherits from the process that forked it), else ``ru_maxrss``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Start a new peak-RSS window (Linux: writing 5 to ``/proc/self/clear_refs`` resets
+    ``VmHWM``), so a run's figure excludes what the process did before (e.g. making the cache)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def _peak_memory(device: torch.device) -> dict[str, float]:
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out = {"peak_rss_mib": round(rss_mib, 1)}
+    out = {"peak_rss_mib": round(_peak_rss_mib(), 1)}
     if device.type == "cuda":
         out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return out
@@ -442,6 +468,9 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
     from logitcache.client.loss import topk_distill_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    _reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     reader = CacheReader(cfg.cache)
     vocab = int(reader.manifest.vocab_size)
     parts = _open_parts(cfg, rank, world, vocab)
@@ -601,6 +630,7 @@ def _env(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "device": str(device),
         "cpu_count": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
         "nvls": {k: os.environ.get(k) for k in NVLS_OFF},
     }
     if device.type == "cuda":
@@ -773,6 +803,7 @@ def report(base: TrainConfig, spec: CacheSpec, workdir: Path, warmup: int) -> di
         },
         "resume": resume_check(ddp, resumed, at),
         "env": ddp["env"],
+        "load_average": [r["env"]["load_average_1min"] for r in (one, ddp, resumed)],
         "threads": {
             "one_process": one["ranks"][0]["threads"],
             "ddp": [r["threads"] for r in ddp["ranks"]],
@@ -790,7 +821,8 @@ def markdown(rep: dict[str, Any], command: str) -> str:
     lines = [
         f"- machine: {rep['env']['device']}, {rep['env']['cpu_count']} CPU cores, torch "
         f"{rep['env']['torch']}; backend {rep['config']['backend']}; threads per process: "
-        f"1-process {rep['threads']['one_process']}, DDP {rep['threads']['ddp']}",
+        f"1-process {rep['threads']['one_process']}, DDP {rep['threads']['ddp']}; 1-min load "
+        f"average at the end of the runs: {rep['load_average']} (shared machine)",
         f"- cache: {c['num_sequences']} sequences, {c['num_rows']} rows (positions), vocab "
         f"{c['vocab']}, k {c['k']} (synthetic bigram teacher written through CacheWriter)",
         f"- command: `{command}`",
