@@ -20,6 +20,7 @@ bf16/fp16, and ``O(N k)`` coefficients.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from .validation import Prepared
 Rows = slice | torch.Tensor
 
 
-def _no_autocast(fn):  # noqa: ANN001, ANN202 - decorator for the Function methods below
+def _no_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``fn`` with autocast off: the loss computes in the dtype of ``hidden``/``weight``
     (autocast would turn the chunk GEMMs into bf16 while the gradient buffers stay fp32)."""
 

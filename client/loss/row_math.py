@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import LOG_FLOOR, LossSpec
+from .spec import LOG_FLOOR, LossInputError, LossSpec
 
 
 @dataclass
@@ -65,6 +65,12 @@ class RowCoefs:
         )
 
 
+def _required(t: torch.Tensor | None, name: str) -> torch.Tensor:
+    if t is None:
+        raise LossInputError(f"this loss configuration needs {name}")
+    return t
+
+
 def _pos_mul(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``p * v`` with ``0 * anything = 0`` (the 0 log 0 = 0 convention)."""
     return torch.where(p > 0, p * v, torch.zeros((), dtype=v.dtype, device=v.device))
@@ -96,7 +102,7 @@ def kd_terms(
         loss = _pos_mul(p, logprobs - logq).sum(-1)
         if not spec.uses_tail_bucket:
             return KDTerms(loss, mass, mass[:, None] * q - p, lse)
-        assert tail is not None
+        tail = _required(tail, "tail_mass")
         loss = loss + _pos_mul(tail, tail.clamp_min(1e-30).log() - log_qo)
         total = mass + tail
         return KDTerms(loss, total - tail * (-log_qo).exp(), total[:, None] * q - p, lse)
@@ -147,11 +153,10 @@ def row_coefs(
     sparse = kd.sparse * t
     lse1 = c2 = label_add = None
     if spec.ce_weight > 0.0:
-        assert x_label is not None and has_label is not None
-        w = spec.ce_weight * has_label.to(loss.dtype)
+        x_label = _required(x_label, "labels")
+        w = spec.ce_weight * _required(has_label, "labels").to(loss.dtype)
         if spec.separate_ce_softmax:
-            assert lse1_out is not None
-            lse1 = torch.logaddexp(lse1_out, torch.logsumexp(x_s, dim=-1))
+            lse1 = torch.logaddexp(_required(lse1_out, "lse1_out"), torch.logsumexp(x_s, dim=-1))
             c2 = w
         else:
             lse1 = kd.lse
