@@ -121,6 +121,7 @@ class Config:
     row_chunk: int = 2048
     row_shard: int = 65536
     id_remap: bool = False
+    append_seqs: int = 64  # sequences per CacheWriter.append call
 
 
 CONFIGS = {
@@ -137,6 +138,8 @@ CONFIGS = {
         Config("uint8-lossy", logprob_dtype="uint8"),
         Config("uint16-lossy", logprob_dtype="uint16"),
         Config("float32", logprob_dtype="float32"),
+        Config("appends-of-4", append_seqs=4),
+        Config("appends-of-4-shard16k", append_seqs=4, row_shard=16384),
     ]
 }
 
@@ -209,7 +212,8 @@ def bench_config(
         row_chunk=cfg.row_chunk,
         row_shard=cfg.row_shard,
     )
-    batches = [records(*data, lo, min(lo + 64, n_seq)) for lo in range(0, n_seq, 64)]
+    step = cfg.append_seqs
+    batches = [records(*data, lo, min(lo + step, n_seq)) for lo in range(0, n_seq, step)]
 
     def write():
         with CacheWriter.open(url, m, layout=layout) as w:

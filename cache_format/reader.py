@@ -218,41 +218,44 @@ class CacheReader:
             raise IndexError(f"sequence index {i} out of range [0, {n})")
         return i
 
-    def _fetch(self, row_sel, tok_sel=None) -> tuple[np.ndarray, ...]:
-        """Rows (and tokens) by slice or int-array selection, every array read concurrently in
-        one call into zarr's event loop: ``(topk_ids, float32 logprobs, tail[, tokens])``."""
+    def _fetch(self, spans: list[tuple[slice, slice | None]]) -> list[tuple[np.ndarray, ...]]:
+        """Read row ranges (and token ranges) with every array read of every span issued
+        concurrently in one call into zarr's event loop (per-call overhead dominates small reads).
+
+        Returns per span ``(topk_ids, float32 logprobs, tail[, tokens])``.
+        """
         a = self._arrays
         dtype = self.manifest.logprob_dtype
         names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
         if dtype in spec.QUANTISED_DTYPES:
             names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
-        jobs = [(n, row_sel) for n in names]
-        if tok_sel is not None:
-            jobs.append((spec.INPUT_IDS, tok_sel))
-
-        def one(name, sel):
-            arr = a[name]._async_array
-            if isinstance(sel, slice):
-                return arr.getitem(sel)
-            return arr.get_orthogonal_selection((sel,))
+        jobs = []
+        for rows, toks in spans:
+            jobs += [(n, rows) for n in names]
+            if toks is not None:
+                jobs.append((spec.INPUT_IDS, toks))
 
         async def gather():
-            return await asyncio.gather(*(one(n, sel) for n, sel in jobs))
+            return await asyncio.gather(*(a[n]._async_array.getitem(sel) for n, sel in jobs))
 
-        got = dict(zip([n for n, _ in jobs], sync(gather()), strict=True))
-        ids = got[spec.TOPK_IDS]
-        if self._id_order is not None:
-            ids = self._id_order[ids]
-        if dtype in spec.QUANTISED_DTYPES:
-            lp = decode_logprobs(
-                got[spec.TOPK_LOGPROBS], dtype, got[spec.LOGPROB_MAX], got[spec.LOGPROB_STEP]
-            )
-        else:
-            lp = decode_logprobs(got[spec.TOPK_LOGPROBS], dtype)
-        tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
-        if tok_sel is None:
-            return ids, lp, tail
-        return ids, lp, tail, got[spec.INPUT_IDS]
+        results = iter(sync(gather()))
+        out = []
+        for _rows, toks in spans:
+            got = {n: next(results) for n in names}
+            if toks is not None:
+                got[spec.INPUT_IDS] = next(results)
+            ids = got[spec.TOPK_IDS]
+            if self._id_order is not None:
+                ids = self._id_order[ids]
+            if dtype in spec.QUANTISED_DTYPES:
+                lp = decode_logprobs(
+                    got[spec.TOPK_LOGPROBS], dtype, got[spec.LOGPROB_MAX], got[spec.LOGPROB_STEP]
+                )
+            else:
+                lp = decode_logprobs(got[spec.TOPK_LOGPROBS], dtype)
+            tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
+            out.append((ids, lp, tail) if toks is None else (ids, lp, tail, got[spec.INPUT_IDS]))
+        return out
 
     def _out(self, rec):
         return rec.to_torch() if self.as_torch else rec
@@ -260,10 +263,9 @@ class CacheReader:
     def sequence(self, i: int) -> SequenceRecord | dict:
         """Sequence ``i`` (storage order) as a :class:`SequenceRecord` with float32 logprobs."""
         i = self._check_seq(i)
-        t0, r0, L = int(self._tok_start[i]), int(self._row_start[i]), int(self._lengths[i])
 
         def read():
-            ids, lp, tail, tokens = self._fetch(slice(r0, r0 + L - 1), slice(t0, t0 + L))
+            ids, lp, tail, tokens = self._fetch([self._span(i)])[0]
             return SequenceRecord(self._keys[i], tokens, ids, lp, tail)
 
         return self._out(self._retry(read))
@@ -274,41 +276,22 @@ class CacheReader:
             raise KeyError(key)
         return self.sequence(self._key_index[key])
 
+    def _span(self, i: int) -> tuple[slice, slice]:
+        t0, r0, n = int(self._tok_start[i]), int(self._row_start[i]), int(self._lengths[i])
+        return slice(r0, r0 + n - 1), slice(t0, t0 + n)
+
     def sequences(self, indices: Sequence[int]) -> list:
-        """Several sequences with one selection per array (reads each touched chunk once)."""
+        """Several sequences, all their reads issued concurrently (one zarr call)."""
         idx = [self._check_seq(i) for i in indices]
         if not idx:
             return []
-        lengths = self._lengths[idx].astype(np.int64)
-        row_sel = np.concatenate(
-            [
-                np.arange(self._row_start[i], self._row_start[i] + n - 1)
-                for i, n in zip(idx, lengths, strict=True)
-            ]
-        )
-        tok_sel = np.concatenate(
-            [
-                np.arange(self._tok_start[i], self._tok_start[i] + n)
-                for i, n in zip(idx, lengths, strict=True)
-            ]
-        )
 
         def read():
-            ids, lp, tail, tokens = self._fetch(row_sel, tok_sel)
-            out, r, t = [], 0, 0
-            for i, n in zip(idx, lengths, strict=True):
-                n = int(n)
-                out.append(
-                    SequenceRecord(
-                        self._keys[i],
-                        tokens[t : t + n],
-                        ids[r : r + n - 1],
-                        lp[r : r + n - 1],
-                        tail[r : r + n - 1],
-                    )
-                )
-                r, t = r + n - 1, t + n
-            return out
+            got = self._fetch([self._span(i) for i in idx])
+            return [
+                SequenceRecord(self._keys[i], tokens, ids, lp, tail)
+                for i, (ids, lp, tail, tokens) in zip(idx, got, strict=True)
+            ]
 
         return [self._out(rec) for rec in self._retry(read)]
 
@@ -319,7 +302,7 @@ class CacheReader:
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
 
         def read():
-            ids, lp, tail = self._fetch(slice(start, stop))
+            ids, lp, tail = self._fetch([(slice(start, stop), None)])[0]
             return RowBlock(start, ids, lp, tail)
 
         return self._out(self._retry(read))

@@ -157,3 +157,24 @@ def test_id_remap_roundtrip_resume_and_validate(tmp_path):
     arr = zarr.open_array(zarr.storage.LocalStore(url), path="id_order", mode="r+")
     arr[0] = arr[1]
     assert "id_order" in validate(url).codes()
+
+
+def test_float16_tail_and_local_lock_timeout(tmp_path):
+    from logitcache.cache_format import WriterLockedError
+    from logitcache.cache_format.lock import LocalLock
+
+    recs = make_records(4, seed=8)
+    url = tmp_path / "c"
+    with CacheWriter.open(url, make_manifest(tail_mass_dtype="float16")) as w:
+        w.append(recs[:2])
+        holder = LocalLock(url / ".logitcache.lock")  # another open file: conflicts like a process
+        holder.acquire(timeout=1)
+        try:
+            w._lock_timeout = 0.2
+            with pytest.raises(WriterLockedError):
+                w.append(recs[2:])
+        finally:
+            holder.release()
+        assert w.append(recs[2:]) == 2
+    got = CacheReader(url).sequence(3)
+    np.testing.assert_array_equal(got.tail_mass, recs[3].tail_mass.astype(np.float16))
