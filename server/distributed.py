@@ -118,13 +118,13 @@ class RunReport:
 class ShardWorker:
     """One teacher replica: builds its engine once, then checks and scores shards.
 
-    Wrapped with ``ray.remote`` by :func:`run_distributed`; methods are ``async`` so the engine's
-    coroutines run on the actor's event loop.
+    Wrapped with ``ray.remote`` by :class:`Replicas`; methods are ``async`` so the engine's
+    coroutines run on the actor's event loop. Storage options travel with each call, so one
+    replica can serve runs against different stores.
     """
 
-    def __init__(self, settings: ServerSettings, storage_options: dict[str, Any] | None):
+    def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self.storage_options = storage_options
         self.engine: TeacherEngine | None = None
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -153,7 +153,9 @@ class ShardWorker:
     async def scan(self, shard: shards.Shard) -> shards.ShardScan:
         return shards.scan_shard(shard, self._engine().tokenize, self._limits())
 
-    async def score(self, task: shards.ShardTask, manifest: Any) -> shards.ShardResult:
+    async def score(
+        self, task: shards.ShardTask, manifest: Manifest, storage_options: dict[str, Any] | None
+    ) -> shards.ShardResult:
         return await shards.score_shard(
             self._engine(),
             task,
@@ -161,7 +163,7 @@ class ShardWorker:
             limits=self._limits(),
             batch_sequences=self.settings.job_batch_sequences,
             batch_tokens=self.settings.job_batch_tokens,
-            storage_options=self.storage_options,
+            storage_options=storage_options,
             worker=self.name,
         )
 
@@ -224,6 +226,70 @@ def read_input(
     return list(inputs.raw_records(file=spec, records=None, data_dir=path.parent))
 
 
+class Replicas:
+    """``count`` started teacher replicas (Ray actors with their engines loaded).
+
+    Reusable across runs (a large teacher loads once and scores many datasets); a context
+    manager whose exit stops the engines and kills the actors. Resources per actor come from
+    ``plan``; ``gpus_per_replica=None`` reserves ``tensor x pipeline`` GPUs when the cluster has
+    GPUs, none otherwise.
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        count: int,
+        plan: Plan | None = None,
+        *,
+        worker_cls: type[ShardWorker] | None = None,
+    ):
+        import ray
+
+        plan = plan or Plan()
+        if count < 1:
+            raise InvalidInputError(f"replicas must be >= 1, got {count}")
+        gpus = plan.gpus_per_replica
+        if gpus is None:
+            has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+            gpus = settings.tensor_parallel_size * settings.pipeline_parallel_size if has_gpu else 0
+        actor_cls = ray.remote(worker_cls or ShardWorker).options(
+            num_cpus=plan.cpus_per_replica,
+            num_gpus=gpus,
+            max_restarts=plan.max_restarts,
+            max_task_retries=plan.max_restarts,
+            runtime_env={"env_vars": _forwarded_env()},
+        )
+        t0 = time.perf_counter()
+        self.actors = [actor_cls.remote(settings) for _ in range(count)]
+        try:
+            self.info = _agreed_info(_get([a.start.remote() for a in self.actors]))
+        except BaseException:
+            self._kill()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+
+    def _kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+    def close(self) -> None:
+        """Stop the engines, then the actors."""
+        try:
+            if self.actors:
+                _get([a.stop.remote() for a in self.actors])
+        finally:
+            self._kill()
+
+    def __enter__(self) -> Replicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def run_distributed(
     raws: Sequence[inputs.RawRecord],
     cache_url: str,
@@ -233,16 +299,18 @@ def run_distributed(
     dataset: str = "",
     staging_root: str | None = None,
     on_event: Callable[[str], None] | None = None,
+    replicas: Replicas | None = None,
     worker_cls: type[ShardWorker] | None = None,
 ) -> RunReport:
-    """Score ``raws`` into the cache at ``cache_url`` with ``plan.replicas`` Ray actors.
+    """Score ``raws`` into the cache at ``cache_url`` with ``plan.replicas`` teacher replicas.
 
-    Needs a connected Ray cluster (``ray.init`` or :func:`init_local_ray`). Raises
+    Needs a connected Ray cluster (``ray.init`` or :func:`init_local_ray`). ``replicas``: started
+    replicas to use (the first ``plan.replicas`` of them; they stay up); without it, replicas are
+    started for this run (``worker_cls``: a :class:`ShardWorker` subclass) and stopped after.
+    ``settings.storage_options`` apply to the cache and its staging. Raises
     :class:`InvalidInputError` for a bad input and ``ManifestMismatchError`` for an existing
-    cache of another teacher, in both cases before anything is written. ``worker_cls``: a
-    :class:`ShardWorker` subclass (e.g. one that builds another engine); default ShardWorker.
+    cache of another teacher, in both cases before anything is written.
     """
-    import ray
     from ray.util import ActorPool
 
     say = on_event or log.info
@@ -253,20 +321,13 @@ def run_distributed(
     staging = (staging_root or f"{cache_url}.staging").rstrip("/")
     options = dict(settings.storage_options) or None
     work = shards.plan_shards(raws, plan.shard_size)
-    gpus = plan.gpus_per_replica
-    if gpus is None:
-        has_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        gpus = settings.tensor_parallel_size * settings.pipeline_parallel_size if has_gpu else 0
-    actor_cls = ray.remote(worker_cls or ShardWorker).options(
-        num_cpus=plan.cpus_per_replica,
-        num_gpus=gpus,
-        max_restarts=plan.max_restarts,
-        max_task_retries=plan.max_restarts,
-        runtime_env={"env_vars": _forwarded_env()},
-    )
     n = min(plan.replicas, len(work))
-    actors = [actor_cls.remote(settings, options) for _ in range(n)]
-    phases: dict[str, float] = {}
+    own = replicas is None
+    if replicas is None:
+        replicas = Replicas(settings, n, plan, worker_cls=worker_cls)
+    elif len(replicas.actors) < n:
+        raise InvalidInputError(f"{n} replicas asked for, {len(replicas.actors)} started")
+    phases: dict[str, float] = {"start": round(replicas.start_seconds, 3) if own else 0.0}
     mark = time.perf_counter()
 
     def lap(name: str) -> None:
@@ -276,14 +337,12 @@ def run_distributed(
         mark = now
 
     try:
-        infos = _get([a.start.remote() for a in actors])
-        lap("start")
-        info = _agreed_info(infos)
+        info = replicas.info
         say(f"{n} replica(s) up: {info.model_id} (vocab {info.vocab_size})")
         manifest = _final_manifest(info, settings, dataset)
         committed = shards.check_target(cache_url, manifest, options)
 
-        pool = ActorPool(actors)
+        pool = ActorPool(replicas.actors[:n])
         scans = _gather(pool.map_unordered(lambda a, s: a.scan.remote(s), work))
         skips = shards.check_scans(scans, committed)
         total = len({k for s in scans for k in s.keys})
@@ -294,13 +353,14 @@ def run_distributed(
         tasks = [
             shards.ShardTask(s, shards.staging_url(staging, s.index), skips[s.index]) for s in work
         ]
-        results = _gather(pool.map_unordered(lambda a, t: a.score.remote(t, stage_manifest), tasks))
+        results = _gather(
+            pool.map_unordered(lambda a, t: a.score.remote(t, stage_manifest, options), tasks)
+        )
         lap("score")
         say(f"scored {sum(r.scored_sequences for r in results)} sequences; committing")
-        _get([a.stop.remote() for a in actors])
     finally:
-        for a in actors:
-            ray.kill(a)
+        if own:
+            replicas.close()
     mark = time.perf_counter()
     added = shards.commit(results, cache_url, manifest, options)
     if not plan.keep_staging:
@@ -381,6 +441,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--staging", default=None, help="staging root (default <cache>.staging)")
     p.add_argument("--keep-staging", action="store_true")
     p.add_argument("--dataset", default="", help="dataset description for the manifest")
+    p.add_argument("--report", type=Path, default=None, help="also write the JSON report here")
     p.add_argument("--text-field", default="text")
     p.add_argument("--ids-field", default="input_ids")
     p.add_argument("--id-field", default="id")
@@ -438,7 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if started or ray.is_initialized():
             ray.shutdown()
-    print(json.dumps(asdict(report), indent=2))
+    text = json.dumps(asdict(report), indent=2)
+    if args.report is not None:
+        args.report.write_text(text + "\n")
+    print(text)
     return 0
 
 

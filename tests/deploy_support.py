@@ -101,8 +101,8 @@ def compose_config(*args: str, env: dict[str, str] | None = None) -> dict[str, A
     return yaml.safe_load(proc.stdout)
 
 
-@pytest.fixture(scope="module")
-def s3_server():
+@pytest.fixture(scope="module", name="s3_server")
+def s3_server_fixture():
     """A real S3-compatible server (moto in server mode) on 127.0.0.1, random port."""
     import logging
 
@@ -119,9 +119,9 @@ def s3_server():
     server.stop()
 
 
-@pytest.fixture
-def s3_bucket(s3_server):
-    """``(endpoint, bucket, storage_options)`` of a fresh bucket on :func:`s3_server`."""
+@pytest.fixture(name="s3_bucket")
+def s3_bucket_fixture(s3_server):
+    """``(endpoint, bucket, storage_options)`` of a fresh bucket on the ``s3_server`` fixture."""
     import uuid
 
     import boto3

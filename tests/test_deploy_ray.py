@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from deploy_support import s3_bucket, s3_keys, s3_server  # noqa: F401 - fixtures
+from deploy_support import s3_bucket_fixture, s3_keys, s3_server_fixture  # noqa: F401
 from logitcache.cache_format import CacheReader, validate
 from logitcache.server.errors import InvalidInputError
 from logitcache.server.settings import ServerSettings
@@ -97,17 +97,12 @@ def ray_cluster(tiny, vllm_env):
     ray.shutdown()
 
 
-def _cli(ray_cluster, tiny, path: Path, cache: str, replicas: int, options: dict) -> dict:
-    """``python -m logitcache.server.distributed`` in a subprocess, on this module's cluster."""
-    argv = [
-        sys.executable, "-m", "logitcache.server.distributed", "--input", str(path),
-        "--cache", cache, "--replicas", str(replicas), "--shard-size", str(SHARD),
-        "--ray-address", ray_cluster.get_runtime_context().gcs_address, *_server_flags(tiny),
-        "--storage-options", json.dumps(options),
-    ]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m logitcache.server.distributed ARGS`` in a subprocess."""
+    argv = [sys.executable, "-m", "logitcache.server.distributed", *args]
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +118,20 @@ def settings(tiny, vllm_env) -> ServerSettings:
     )
 
 
-def _run(raws, cache: Path | str, settings: ServerSettings, replicas: int, **kw):
+@pytest.fixture(scope="module")
+def replicas(ray_cluster, settings):
+    """Two started teacher replicas (vLLM engines in Ray actors), shared by this module's runs."""
+    from logitcache.server.distributed import Plan, Replicas
+
+    with Replicas(settings, 2, Plan(shard_size=SHARD)) as started:
+        yield started
+
+
+def _run(raws, cache: Path | str, settings: ServerSettings, n: int, pool, **kw):
     from logitcache.server.distributed import Plan, run_distributed
 
-    return run_distributed(
-        raws, str(cache), settings, Plan(replicas=replicas, shard_size=SHARD), **kw
-    )
+    plan = Plan(replicas=n, shard_size=SHARD)
+    return run_distributed(raws, str(cache), settings, plan, replicas=pool, **kw)
 
 
 def _ray_listeners() -> dict[str, set[str]]:
@@ -156,23 +159,24 @@ def test_local_cluster_binds_loopback_only(ray_cluster):
     assert not wide, f"Ray processes listening beyond loopback: {wide}"
 
 
-def test_two_replicas_on_s3_equal_a_single_worker_run(ray_cluster, tiny, dataset, settings,
-                                                      s3_bucket, tmp_path):  # fmt: skip  # noqa: F811
-    """Reference: one replica, in process, local directory. Distributed: the CLI with 2 replicas
-    into a bucket (per-shard staging caches on S3, one commit)."""
+def test_two_replicas_on_s3_equal_a_single_worker_run(replicas, dataset, settings, s3_bucket,
+                                                      tmp_path):  # fmt: skip
+    """Reference: one replica into a local directory. Distributed: 2 replicas into a bucket
+    (per-shard staging caches on S3, one commit). Same engines for both (loaded once)."""
     from logitcache.server.distributed import read_input
 
     endpoint, bucket, options = s3_bucket
+    s3_settings = settings.model_copy(update={"storage_options": options})
     path, records = dataset
     ref_cache = tmp_path / "single"
-    ref = _run(read_input(path), ref_cache, settings, replicas=1, dataset=path.name)
+    ref = _run(read_input(path), ref_cache, settings, 1, replicas, dataset=path.name)
     assert ref.replicas == 1 and ref.shards == 5 and len(ref.workers) == 1
 
     cache = f"s3://{bucket}/kd"
-    report = _cli(ray_cluster, tiny, path, cache, replicas=2, options=options)
-    assert report["replicas"] == 2 and report["shards"] == 5
-    assert len(report["workers"]) == 2, f"both replicas should score shards: {report['workers']}"
-    assert report["sequences"] == len(records) - 1 == report["committed"] == ref.committed
+    report = _run(read_input(path), cache, s3_settings, 2, replicas, dataset=path.name)
+    assert report.replicas == 2 and report.shards == 5
+    assert len(report.workers) == 2, f"both replicas should score shards: {report.workers}"
+    assert report.sequences == len(records) - 1 == report.committed == ref.committed
     assert s3_keys(endpoint, bucket, "kd/"), "the cache is in the bucket"
     assert not s3_keys(endpoint, bucket, "kd.staging/"), "staging is removed after the commit"
     assert not Path(f"{ref_cache}.staging").exists()
@@ -207,14 +211,13 @@ def test_two_replicas_on_s3_equal_a_single_worker_run(ray_cluster, tiny, dataset
     assert np.all((rec.tail_mass >= 0) & (rec.tail_mass <= 1))
 
     # a re-run scores nothing and changes nothing
-    s3_settings = settings.model_copy(update={"storage_options": options})
-    again = _run(read_input(path), cache, s3_settings, replicas=1, dataset=path.name)
+    again = _run(read_input(path), cache, s3_settings, 2, replicas, dataset=path.name)
     assert again.committed == 0 and again.scored_sequences == 0
     assert CacheReader(cache, storage_options=options).keys == a.keys
 
 
-def test_bad_input_is_refused_before_anything_is_written(ray_cluster, dataset, settings,
-                                                         s3_bucket, tmp_path):  # fmt: skip  # noqa: F811
+def test_bad_input_is_refused_before_anything_is_written(replicas, dataset, settings, s3_bucket,
+                                                         tmp_path):  # fmt: skip
     from logitcache.server.distributed import read_input
 
     endpoint, bucket, options = s3_bucket
@@ -227,7 +230,42 @@ def test_bad_input_is_refused_before_anything_is_written(ray_cluster, dataset, s
     )  # fmt: skip
     s3_settings = settings.model_copy(update={"storage_options": options})
     with pytest.raises(InvalidInputError) as err:
-        _run(read_input(bad), f"s3://{bucket}/never", s3_settings, replicas=1)
+        _run(read_input(bad), f"s3://{bucket}/never", s3_settings, 2, replicas)
     problems = " ".join(err.value.detail)
     assert "outside the teacher's vocabulary" in problems and "'doc-01'" in problems
     assert s3_keys(endpoint, bucket) == set(), "nothing may be written for a bad input"
+
+
+def test_cli_refuses_a_missing_input_before_starting_ray(tmp_path):
+    """Exit status 2 and a typed JSON error; settings flags are parsed like the server's."""
+    proc = _cli(
+        "--input", str(tmp_path / "missing.jsonl"), "--cache", str(tmp_path / "c"),
+        "--model", "/nowhere", "-k", "4", "--storage-options", '{"anon": true}', timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    error = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert error["error"] == "invalid_path" and "missing.jsonl" in error["message"]
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+def test_cli_on_the_cluster_equals_the_library_run(ray_cluster, tiny, dataset, settings,
+                                                   replicas, tmp_path):  # fmt: skip
+    """The CLI (its own engines, on this module's cluster) writes the same cache."""
+    path, _ = dataset
+    ref = tmp_path / "lib"
+    from logitcache.server.distributed import read_input
+
+    _run(read_input(path), ref, settings, 1, replicas, dataset=path.name)
+    out, report = tmp_path / "cli", tmp_path / "report.json"
+    proc = _cli(
+        "--input", str(path), "--cache", str(out), "--replicas", "1", "--shard-size", str(SHARD),
+        "--ray-address", ray_cluster.get_runtime_context().gcs_address, "--report", str(report),
+        *_server_flags(tiny),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(report.read_text())["committed"] == CacheReader(ref).num_sequences
+    a, b = CacheReader(out), CacheReader(ref)
+    assert a.keys == b.keys
+    for i in range(a.num_sequences):
+        assert a.sequence(i).topk_logprobs.tobytes() == b.sequence(i).topk_logprobs.tobytes()

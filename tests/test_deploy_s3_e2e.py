@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from deploy_support import REPO, s3_bucket, s3_keys, s3_server  # noqa: F401 - fixtures
+from deploy_support import REPO, s3_bucket_fixture, s3_keys, s3_server_fixture  # noqa: F401
 from logitcache.cache_format import CacheReader, validate
 from logitcache.client import CacheDataset
 from logitcache.client.http import TeacherClient
@@ -49,7 +49,7 @@ def _probe(port: int) -> int:
     return subprocess.run(probe, env=env, capture_output=True, timeout=30).returncode
 
 
-def test_service_writes_to_s3_and_the_client_streams_from_it(tiny, s3_bucket, tmp_path):  # noqa: F811
+def test_service_writes_to_s3_and_the_client_streams_from_it(tiny, s3_bucket, tmp_path):
     endpoint, bucket, options = s3_bucket
     root = f"s3://{bucket}/caches"
     texts = _texts(tiny, 10)
