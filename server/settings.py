@@ -34,8 +34,8 @@ class ServerSettings(BaseSettings):
     """Model revision recorded in cache manifests (default: the engine's own notion)."""
     tokenizer: str | None = None
     """Tokenizer directory or id, if not the model's."""
-    backend: Literal["vllm", "hf"] = "vllm"
-    """Engine backend: vLLM, or plain transformers (chunked lm-head top-k) where vLLM cannot run."""
+    backend: Literal["vllm", "hf", "transformers"] = "vllm"
+    """Engine: vLLM, or plain transformers (``hf``; chunked lm-head top-k) where vLLM cannot run."""
     k: int = Field(20, ge=1, le=4096)
     """Largest top-k the engine is built for (vLLM ``max_logprobs``) and the default request k."""
     temperature: float = Field(1.0, gt=0)

@@ -72,7 +72,7 @@ class ServerProcess:
     def client(self, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers(), timeout=60.0, **kw)
 
-    def start(self, timeout: float = 180.0) -> ServerProcess:
+    def start(self, timeout: float = 420.0) -> ServerProcess:
         argv = [sys.executable, "-m", "logitcache.server"]
         for k, v in self.settings.items():
             if k == "k":

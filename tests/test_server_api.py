@@ -215,7 +215,7 @@ def _bad_requests(sample_ids):
         ({"input_ids": [ok, ok], "keys": ["x", "x"], "cache": "never"}, 422, "distinct"),
         ({"input_ids": [ok], "keys": ["a", "b"], "cache": "never"}, 422, "keys has 2"),
         ({"input_ids": [[1, "two"]], "cache": "never"}, 422, "valid integer"),
-        ({"input_ids": [ok] * 20000, "cache": "never"}, 413, "exceeds the limit"),
+        ({"input_ids": [ok[:3]] * 300, "cache": "never"}, 413, "exceed the limit of 256"),
     ]
 
 
@@ -247,7 +247,11 @@ def test_cache_of_another_teacher_or_k_is_a_conflict(client, server, sample_ids)
         ("/v1/score", {"input_ids": sample_ids[:1], "k": K, "cache": "k4"}, "k"),
         ("/v1/score", {"input_ids": sample_ids[:1], "cache": "foreign"}, "tokenizer_fingerprint"),
         ("/v1/jobs", {"cache": "k4", "k": 2, "records": [{"input_ids": [1, 2, 3]}]}, "k"),
-        ("/v1/jobs", {"cache": "foreign", "records": [{"input_ids": [1, 2, 3]}]}, "tokenizer"),
+        (
+            "/v1/jobs",
+            {"cache": "foreign", "records": [{"input_ids": [1, 2, 3]}]},
+            "tokenizer_fingerprint",
+        ),
     ]
     for path, body, field in cases:
         r = client.post(path, json=body)
@@ -302,11 +306,19 @@ def test_malformed_jobs_are_4xx_and_create_nothing(client, server, tiny, tmp_pat
     assert client.get("/v1/caches/..%2Fetc").status_code in (404, 422)
 
 
-def test_body_over_the_limit_is_413(client) -> None:
-    big = {"input_ids": [[1] * 100] * 400}  # ~120 KB of JSON... times 3 > 256 KiB
-    big["texts"] = ["x" * 200_000]
-    r = client.post("/v1/score", json=big)
+def test_body_over_the_limit_is_413(client, server) -> None:
+    big = json.dumps({"texts": ["x" * 300_000]}).encode()  # over the 256 KiB limit
+    before = tree_snapshot(store_root(server))
+    r = client.post("/v1/score", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+    def chunks():  # no Content-Length: the limit is enforced while the body streams in
+        for i in range(0, len(big), 16384):
+            yield big[i : i + 16384]
+
+    r = client.post("/v1/score", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    assert tree_snapshot(store_root(server)) == before
 
 
 # --- jobs ----------------------------------------------------------------------------------
