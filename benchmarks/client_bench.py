@@ -214,14 +214,7 @@ def main() -> None:
         )
         server.settings["store_root"] = str(root)
         with server:
-            result["http"] = []
-            for w in args.workers:
-                r = time_loader(HttpSource(server.url, "bench"), args, w)
-                r["ratio_to_baseline"] = (
-                    r["positions_per_s"] / result["baseline"]["positions_per_s"]
-                )
-                result["http"].append(r)
-                print("http", r, flush=True)
+            result["http"] = sweep("http", lambda: HttpSource(server.url, "bench"))
     result["load_avg_end"] = os.getloadavg()
     result["git"] = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO

@@ -70,7 +70,9 @@ def client(server):
 @pytest.fixture(scope="module")
 def job(client, tiny):
     texts = [t for t in tiny.texts("heldout") if len(t) > 80][:24]
-    return client.run_job(CACHE, texts=texts, dataset="heldout[:24]", wait_poll_interval=0.2)
+    return client.run_job(
+        CACHE, texts=texts, dataset="heldout[:24]", wait_poll_interval=0.2, wait_progress=True
+    )
 
 
 def store(server: ServerProcess) -> str:
