@@ -26,7 +26,9 @@ A *piece* is a token range ``[start, stop)`` of one sequence. A sequence longer 
   items. Boundaries survive packing: ``position_ids`` restart at 0 at every piece and
   ``segment_ids`` numbers the pieces of an item ``1, 2, ...`` (``0`` on padding), so a
   block-diagonal (document) attention mask is ``segment_ids[:, None] == segment_ids[None, :]``
-  restricted to non-padding, and ``cu_seqlens`` for varlen attention is where ``position_ids == 0``.
+  restricted to non-padding, and ``cu_seqlens`` for varlen attention are the positions where
+  ``position_ids == 0`` and ``attention_mask == 1``, plus the number of real tokens (padding is
+  one trailing run per item, with ``position_ids = 0``).
 
 Fields of an item (``T`` = budget, ``k`` = top-k width; a batch adds a leading ``B``):
 ``input_ids`` [T] int64, ``labels`` [T] int64, ``attention_mask`` [T] int64 (1 = token, 0 = pad),
