@@ -312,6 +312,75 @@ def bench_baseline(data, root: Path, random_reads: int, seed: int) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- studies
+def codec_study(data, chunk: int = 2048) -> list[dict]:
+    """Bytes/position of each transform x codec on raw chunks (numcodecs, no zarr): what the
+    format's choices (row-delta logprobs, optional id remap, shuffle mode, zstd level) buy."""
+    from logitcache.cache_format.idmap import build_id_order, inverse
+    from logitcache.cache_format.quant import row_delta
+    from numcodecs import Blosc
+
+    _, _, ids, lp, _ = data
+    lp16 = np.minimum(lp, 0).astype(np.float16).view(np.uint16)
+    rank = inverse(build_id_order(ids[:8192], VOCAB))
+    inputs = {
+        "ids": ids,
+        "ids remapped": rank[ids],
+        "logprobs float16": lp16,
+        "logprobs float16 row-delta": row_delta(lp16),
+    }
+    out = []
+    for name, arr in inputs.items():
+        for cname, level, shuffle in (
+            ("zstd", 1, 1),
+            ("zstd", 1, 2),
+            ("zstd", 5, 1),
+            ("zstd", 5, 2),
+            ("lz4", 5, 1),
+            ("lz4", 5, 2),
+        ):
+            codec = Blosc(cname, level, shuffle)
+            chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
+            enc = [codec.encode(c) for c in chunks]
+            _, c_dec = timed(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
+            out.append(
+                {
+                    "input": name,
+                    "codec": f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle",
+                    "bytes_per_position": sum(map(len, enc)) / len(arr),
+                    "decode_pos_per_cpu_s": len(arr) / c_dec,
+                }
+            )
+    return out
+
+
+def read_profile(data, root: Path) -> dict:
+    """CPU seconds per step of one ``rows()`` block read with the default layout."""
+    from logitcache.cache_format import CacheReader, CacheWriter, Manifest
+    from logitcache.cache_format.quant import row_undelta
+
+    n_seq = data[0]
+    url = root / "profile"
+    m = Manifest(teacher_model="s", tokenizer_fingerprint="x", vocab_size=VOCAB, k=K)
+    with CacheWriter.open(url, m) as w:
+        for lo in range(0, n_seq, 64):
+            w.append(records(*data, lo, min(lo + 64, n_seq)))
+    r = CacheReader(url)
+    n = min(65536, r.num_rows)
+    a = r._arrays
+    stored = a["topk_logprobs"][0:n]
+    summed = row_undelta(stored)
+    steps = {
+        "topk_ids chunk read+decode": lambda: a["topk_ids"][0:n],
+        "topk_logprobs chunk read+decode": lambda: a["topk_logprobs"][0:n],
+        "tail_mass read+decode": lambda: a["tail_mass"][0:n],
+        "row-delta cumsum": lambda: row_undelta(stored),
+        "float16 -> float32": lambda: summed.view(np.float16).astype(np.float32),
+        "rows() total": lambda: r.rows(0, n),
+    }
+    return {name: timed(fn, 3)[1] for name, fn in steps.items()} | {"rows": n}
+
+
 # --------------------------------------------------------------------------- report
 def to_markdown(doc: dict) -> str:
     base = doc["baseline"]
@@ -369,6 +438,11 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--md", type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--study",
+        action="store_true",
+        help="codec/transform size study and a read-path CPU profile instead",
+    )
     args = p.parse_args()
     if args.cores:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.cores]))
@@ -382,6 +456,23 @@ def main() -> None:
     data = make_data(args.rows, args.id_map, args.seed)
     print(f"data: {data[2].shape[0]} rows in {time.perf_counter() - t0:.1f} s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="lc-format-bench-"))
+    if args.study:
+        try:
+            doc = {"codec_study": codec_study(data), "read_profile_cpu_s": read_profile(data, root)}
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        for row in doc["codec_study"]:
+            print(
+                f"{row['input']:28s} {row['codec']:26s} {row['bytes_per_position']:7.1f} B/pos "
+                f"decode {row['decode_pos_per_cpu_s']:,.0f} pos/cpu-s"
+            )
+        prof = doc["read_profile_cpu_s"]
+        for name, sec in prof.items():
+            if name != "rows":
+                print(f"{name:34s} {sec * 1e3:8.1f} ms CPU for {prof['rows']} rows")
+        if args.out:
+            args.out.write_text(json.dumps(doc, indent=2))
+        return
     try:
         baseline = bench_baseline(data, root, args.random_reads, args.seed)
         print(json.dumps(baseline), flush=True)

@@ -173,7 +173,9 @@ def child_read(argv: list[str]) -> None:
     snapshots = checked = 0
     while time.monotonic() < deadline:
         try:
-            reader = reader or CacheReader(url, options)
+            if reader is None:
+                reader = CacheReader(url, options)
+                print("READY", flush=True)
         except StoreNotFoundError:
             time.sleep(0.05)
             continue

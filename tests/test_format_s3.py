@@ -93,13 +93,14 @@ def test_two_appenders_and_a_reader(s3_store, tmp_path, where):
     with CacheWriter.open(url, make_manifest(k=CHILD_K, vocab_size=CHILD_VOCAB), opts):
         pass
     reader = _spawn("read", url, opts, 90, f"a:1:{n},b:2:{n}", 2 * n)
+    assert reader.stdout.readline().strip() == "READY"  # reading before the writers start
     writers = [
         _spawn("append", url, opts, n, 3, seed, -1, 0, 10, p) for seed, p in ((1, "a"), (2, "b"))
     ]
     for w in writers:
         out, err = w.communicate(timeout=180)
         assert w.returncode == 0, err
-    out, err = reader.communicate(timeout=180)
+    out, err = reader.communicate(timeout=180)  # ends once it has seen all 2n sequences
     assert reader.returncode == 0, err
     distinct = int(out.split("distinct=")[1].split()[0])
     assert distinct >= 2, out  # the reader saw the store grow while the writers appended
