@@ -134,7 +134,14 @@ def s3_bucket_fixture(s3_server):
         aws_secret_access_key="test",
         region_name="us-east-1",
     ).create_bucket(Bucket=bucket)
-    options = {"endpoint_url": s3_server, "key": "test", "secret": "test", "region": "us-east-1"}
+    # s3fs-style options in the form both store backends accept (obstore via cache_format's
+    # translation, s3fs as is): a top-level "region" breaks s3fs (AioSession rejects it).
+    options = {
+        "endpoint_url": s3_server,
+        "key": "test",
+        "secret": "test",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
     return s3_server, bucket, options
 
 

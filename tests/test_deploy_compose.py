@@ -95,6 +95,8 @@ def test_s3_profile_adds_minio_a_bucket_job_and_a_teacher_writing_to_s3(env_file
     assert env["LOGITCACHE_STORE_ROOT"] == "s3://kd-bucket/caches"
     options = json.loads(env["LOGITCACHE_STORAGE_OPTIONS"])
     assert options["endpoint_url"] == "http://minio:9000"
+    assert "region" not in options, "s3fs (cache listing) rejects a top-level region"
+    assert options["client_kwargs"] == {"region_name": "us-east-1"}
     assert options["key"] == minio["environment"]["MINIO_ROOT_USER"]
     assert options["secret"] == "pw-123456" == minio["environment"]["MINIO_ROOT_PASSWORD"]
     assert "/data/caches" not in volume_targets(t), "the S3 teacher keeps no local cache volume"
