@@ -19,7 +19,7 @@ from server_support import ServerProcess, wait_job
 pytestmark = pytest.mark.vllm
 
 K = 8
-MAX_LEN = 128
+MAX_LEN = 96
 
 
 def write_input(tiny, path: Path) -> int:
@@ -32,9 +32,9 @@ def write_input(tiny, path: Path) -> int:
             window = ids[j : j + MAX_LEN]
             if len(window) >= 2:
                 rows.append({"id": f"d{i}w{j}", "input_ids": window})
-        if len(rows) >= 700:
+        if len(rows) >= 360:
             break
-    for text in tiny.texts("heldout")[:60]:
+    for text in tiny.texts("heldout")[:40]:
         if 2 <= len(tok(text)["input_ids"]) <= MAX_LEN:
             rows.append({"text": text})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def test_sigkill_mid_job_then_resume_equals_one_go(tiny, tmp_path) -> None:
         k=K,
         dtype="float32",
         max_seq_len=MAX_LEN,
-        job_batch_sequences=16,
+        job_batch_sequences=8,
     )
     n_rows = write_input(tiny, tmp_path / "data" / "corpus.jsonl")
     caches = tmp_path / "caches"
