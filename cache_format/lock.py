@@ -7,6 +7,8 @@
   ``ttl/3`` with ``If-Match: <etag>``. A lease past ``expires`` (holder died) is taken over with
   ``If-Match`` on the stale etag, so exactly one contender wins. Caveat of every lease: a holder
   paused for longer than ``ttl`` (while its writes are in flight) could overlap the next holder.
+  (With ``backend="fsspec"`` on s3/gs/az URLs the data goes through s3fs and the lease through
+  obstore.)
 - Other fsspec stores: an in-process lock only (no cross-process safety; documented).
 """
 

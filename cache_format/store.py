@@ -120,4 +120,11 @@ def open_store(
     zstore = zarr.storage.FsspecStore.from_url(
         url, storage_options=_fsspec_options(scheme, options), read_only=read_only
     )
-    return StoreHandle(url=url, zstore=zstore, kind="fsspec")
+    objstore = None
+    if scheme in OBJECT_SCHEMES and not read_only:  # data via s3fs, writer lease via obstore
+        from obstore.store import from_url
+
+        config, client_options = _obstore_options(scheme, options)
+        objstore = from_url(url, client_options=client_options or None, **config)
+    kind = "object" if objstore is not None else "fsspec"
+    return StoreHandle(url=url, zstore=zstore, kind=kind, objstore=objstore)

@@ -195,6 +195,7 @@ def child_read(argv: list[str]) -> None:
         snapshots += 1
         if n == stop_at:
             break
+        time.sleep(0.02)  # leave CPU to the writers
     last = reader.num_sequences if reader else 0
     print(
         f"READER snapshots={snapshots} checked={checked} last={last} distinct={len(seen_counts)}",

@@ -28,6 +28,8 @@ def test_s3_roundtrip_obstore_and_fsspec(s3_store):
     recs = make_records(20, seed=11)
     with CacheWriter.open(url, make_manifest(), opts) as w:
         assert w.append(recs[:12]) == 12
+    with CacheWriter.open(url, make_manifest(), dict(opts, backend="fsspec")) as w:  # s3fs
+        assert type(w._lock).__name__ == "ObjectLock"  # cross-process lease even via s3fs
         assert w.append(recs) == 8
     for backend in ("obstore", "fsspec"):
         r = CacheReader(url, dict(opts, backend=backend))
