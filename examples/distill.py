@@ -38,7 +38,13 @@ sys.path.insert(0, str(HERE))
 from distill_eval import evaluate, make_heldout  # noqa: E402
 from distill_report import add_ratios, markdown, method_summary  # noqa: E402
 from distill_service import TeacherService, score_corpus  # noqa: E402
-from distill_train import METHODS, TrainSettings, make_run, train_interleaved  # noqa: E402
+from distill_train import (  # noqa: E402
+    METHODS,
+    TrainSettings,
+    make_run,
+    parse_method,
+    train_interleaved,
+)
 
 
 @dataclass(frozen=True)
@@ -46,16 +52,16 @@ class Plan:
     """What one run does (defaults: the full comparison)."""
 
     workdir: Path
-    k: int = 32
+    k: int = 256
     seq_len: int = 128
-    train_seqs: int = 0  # 0: every training piece
+    train_seqs: int = 2000  # 0: every training piece
     tokens_per_item: int = 128
     batch_items: int = 8
-    steps: int = 300
+    steps: int = 200
     lr: float = 3e-3
     seed: int = 0
-    eval_tokens: int = 16384
-    methods: tuple[str, ...] = METHODS
+    eval_tokens: int = 8192
+    methods: tuple[str, ...] = (*METHODS, "offline_topk_tail@64", "offline_topk_tail@16")
     backend: str = "vllm"
     read_from: str = "store"
     threads: int = 1
@@ -64,12 +70,12 @@ class Plan:
 
 
 QUICK = {
-    "k": 16,
+    "k": 64,
     "seq_len": 64,
-    "train_seqs": 160,
+    "train_seqs": 200,
     "tokens_per_item": 64,
-    "batch_items": 4,
-    "steps": 30,
+    "batch_items": 8,
+    "steps": 40,
     "lr": 5e-3,
     "eval_tokens": 2048,
     "methods": ("offline_topk_tail",),
@@ -108,9 +114,11 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     given = {k: v for k, v in vars(args).items() if v is not None and k not in ("quick", "workdir")}
     if "methods" in given:
         given["methods"] = tuple(m.strip() for m in given["methods"].split(",") if m.strip())
-        unknown = set(given["methods"]) - set(METHODS)
-        if unknown:
-            p.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+        for m in given["methods"]:
+            try:
+                parse_method(m)
+            except ValueError as e:
+                p.error(str(e))
     plan = replace(plan, **given)
     if plan.out_json is None:
         plan = replace(plan, out_json=plan.workdir / "distill.json")
@@ -173,12 +181,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not cache["valid"]:
             raise RuntimeError(f"the job wrote an invalid cache: {cache['validation']}")
         print(f"[distill] {cache['validation']}", flush=True)
+        if plan.read_from == "store":
+            service.stop()  # training reads the Zarr store directly: free the engine's memory
         source: dict[str, Any] = {"source": cache["url"]}
         if plan.read_from == "http":
             source = {"source": service.url, "cache": name}
         tokenizer = models.load_tokenizer()
 
-        def make_dataset() -> Any:
+        def make_dataset(topk: int | None = None) -> Any:
             return CacheDataset(
                 **source,
                 tokens_per_item=plan.tokens_per_item,
@@ -187,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seed=plan.seed,
                 tokenizer=tokenizer,
                 vocab_size=models.vocab_size,
+                topk=topk,
             )
 
         def load_student() -> Any:

@@ -14,6 +14,12 @@ LABELS = {
 }
 
 
+def label(method: str) -> str:
+    """Human name of a method spec (``offline_topk_tail@16`` included)."""
+    base, _, k = method.partition("@")
+    return LABELS[base] + (f", first {k} of the cached k" if k else "")
+
+
 def method_summary(run: Any, evaluation: dict[str, float], warmup: int = 5) -> dict[str, Any]:
     """Figures of one trained method (step times leave out the first ``warmup`` steps)."""
     steps = run.step_s[warmup:] or run.step_s
@@ -45,7 +51,7 @@ def verdict(methods: dict[str, dict[str, Any]], tolerance: float = 0.05) -> str 
     if "online_kd" not in methods:
         return None
     best = min(
-        (m for m in ("offline_topk_tail", "offline_topk") if m in methods),
+        (m for m in methods if m.startswith("offline")),
         key=lambda m: methods[m]["kl"],
         default=None,
     )
@@ -89,12 +95,12 @@ def markdown(rep: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     u = rep["untrained"]
-    lines.append(f"| {LABELS['untrained']} | {u['kl']:.4f} | | {u['ppl']:.1f} | | | | |")
+    lines.append(f"| {label('untrained')} | {u['kl']:.4f} | | {u['ppl']:.1f} | | | | |")
     for name, r in m.items():
         vs = f"{100 * r['kl_vs_online']:+.1f}%" if "kl_vs_online" in r else ""
         sp = f"{r['step_time_vs_online']:.2f}x" if "step_time_vs_online" in r else ""
         lines.append(
-            f"| {LABELS[name]} | {r['kl']:.4f} | {vs} | {r['ppl']:.2f} | "
+            f"| {label(name)} | {r['kl']:.4f} | {vs} | {r['ppl']:.2f} | "
             f"{r['step_ms_median']:.1f} | {sp} | {100 * r['data_wait_share']:.1f}% | "
             f"{r['loss_first']:.3f} → {r['loss_last10']:.3f} |"
         )

@@ -78,7 +78,7 @@ class TeacherService:
             str(self.model_dir),
             "--backend",
             self.backend,
-            "--k",
+            "-k",
             str(self.k),
             "--dtype",
             "float32",

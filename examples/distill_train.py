@@ -32,6 +32,20 @@ import torch.nn.functional as F
 METHODS = ("ce", "online_kd", "offline_topk", "offline_topk_tail")
 
 
+def parse_method(spec: str) -> tuple[str, int | None]:
+    """``"offline_topk_tail@16"`` -> ``("offline_topk_tail", 16)``: an offline method trained on
+    only the first 16 columns of each cached row (``CacheDataset(topk=16)``: the dropped columns'
+    mass joins the tail), so one large-k cache also gives every smaller k without rescoring."""
+    base, _, k = spec.partition("@")
+    if base not in METHODS:
+        raise ValueError(f"unknown method {spec!r}; choose from {METHODS} (offline ones @k)")
+    if not k:
+        return base, None
+    if not base.startswith("offline") or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"bad method {spec!r}: only offline methods take @k with k >= 1")
+    return base, int(k)
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     """Optimisation settings shared by every method."""
@@ -156,11 +170,13 @@ class Run:
 def make_run(
     method: str,
     load_student: Callable[[], Any],
-    make_dataset: Callable[[], Any],
+    make_dataset: Callable[[int | None], Any],
     teacher: Any,
     settings: TrainSettings,
 ) -> Run:
-    """A fresh student (same initial weights for every method) on a fresh, identical stream."""
+    """A fresh student (same initial weights for every method) on a fresh, identical stream
+    (``make_dataset(topk)``; ``topk`` from the method's ``@k``, else ``None``: the cache's k)."""
+    base, topk = parse_method(method)
     student = load_student()
     student.train()
     opt = torch.optim.AdamW(

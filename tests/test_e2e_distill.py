@@ -51,8 +51,8 @@ def test_job_wrote_a_valid_cache_of_the_teacher(quick_run: dict[str, Any], tiny:
     report = validate(cache["url"])
     assert report.ok, str(report)
     reader = CacheReader(cache["url"])
-    assert reader.num_sequences == quick_run["plan"]["train_seqs"] == 160
-    assert reader.manifest.k == 16 and reader.manifest.vocab_size == tiny.vocab_size
+    assert reader.num_sequences == quick_run["plan"]["train_seqs"] == 200
+    assert reader.manifest.k == 64 and reader.manifest.vocab_size == tiny.vocab_size
     assert reader.manifest.tokenizer_fingerprint == tokenizer_fingerprint(tiny.load_tokenizer())
     # the cached rows are the teacher's distribution of the next token (DESIGN.md alignment)
     rec = reader.sequence(0)
@@ -68,7 +68,7 @@ def test_job_wrote_a_valid_cache_of_the_teacher(quick_run: dict[str, Any], tiny:
 def test_distillation_reduced_the_loss(quick_run: dict[str, Any]) -> None:
     run = quick_run["methods"]["offline_topk_tail"]
     curve = np.array(run["loss_curve"])
-    assert len(curve) == quick_run["train"]["steps"] == 30
+    assert len(curve) == quick_run["train"]["steps"] == 40
     assert np.isfinite(curve).all()
     assert curve[-5:].mean() < 0.8 * curve[:5].mean()
     assert run["rows_trained"] > 0
@@ -76,6 +76,6 @@ def test_distillation_reduced_the_loss(quick_run: dict[str, Any]) -> None:
 
 def test_distilled_student_is_closer_to_the_teacher(quick_run: dict[str, Any]) -> None:
     before, after = quick_run["untrained"], quick_run["methods"]["offline_topk_tail"]
-    assert after["kl"] < 0.8 * before["kl"]
+    assert after["kl"] < 0.9 * before["kl"]
     assert after["ppl"] < before["ppl"]
     assert quick_run["heldout"]["positions"] >= 1000
