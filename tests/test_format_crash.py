@@ -91,3 +91,26 @@ def test_sigkill_at_random_times(tmp_path):
         committed = check_prefix(url, recs)
         assert committed >= seen
         resume_and_check(url, recs, committed)
+
+
+def test_interrupted_creation_is_recreated(tmp_path):
+    """A store left between creation start and its first commit (W6) is re-created on open."""
+    import zarr
+    from logitcache.cache_format.layout import (
+        INCOMPLETE_ATTR,
+        array_defs,
+        create_array,
+        write_root_attrs,
+    )
+
+    url = tmp_path / "c"
+    store = zarr.storage.LocalStore(url)
+    m = make_manifest(k=CHILD_K, vocab_size=CHILD_VOCAB)
+    write_root_attrs(store, {"format_version": 1, INCOMPLETE_ATTR: True})
+    create_array(store, array_defs(m)[0], m.k)  # died after the first array
+    with pytest.raises(Exception, match="no committed logitcache manifest"):
+        CacheReader(url)
+    recs = expected(6)
+    with CacheWriter.open(url, m) as w:
+        assert w.append(recs) == 6
+    assert check_prefix(url, recs) == 6
