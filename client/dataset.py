@@ -38,6 +38,7 @@ import json
 import os
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,7 +47,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .collate import ItemPlan, LongPolicy, Mode, build_batch, plan_items
-from .errors import ConfigError, StateError
+from .errors import ConfigError, SourceError, StateError
 from .guards import check_compatible
 from .order import epoch_order, rank_partition, worker_units
 from .sources import CacheSource, open_source
@@ -322,9 +323,10 @@ class CacheDataset(IterableDataset):
         try:
             plan = self.plan()
             group = max(1, 16 // (self.batch_size or 1))
+            blocks = _BlockCache(self.source, self.shuffle_block_size, self.num_sequences)
             for g in range(0, len(units), group):
                 chunk = units[g : g + group]
-                records = self.source.fetch(plan.sequences_of(np.concatenate(chunk)))
+                records = blocks.get(plan.sequences_of(np.concatenate(chunk)))
                 for items in chunk:
                     unit = self._make_unit(plan, items, records)
                     while not stop.is_set():
@@ -366,6 +368,43 @@ class CacheDataset(IterableDataset):
                     out.get_nowait()
                 except queue.Empty:
                     thread.join(timeout=0.05)
+
+
+class _BlockCache:
+    """Reads whole shuffle blocks (contiguous sequence ranges) and keeps the latest few.
+
+    With ``shuffle_block_size = b`` the epoch order walks block after block, so the units of a
+    fetch group need one or two blocks: reading each block once, in one range read, beats
+    reading the subset each group needs. ``b = 1`` degenerates to caching single sequences.
+    """
+
+    def __init__(self, source: CacheSource, block: int, num_sequences: int, keep: int = 4) -> None:
+        self.source, self.block, self.n = source, max(1, block), num_sequences
+        self.keep = keep if block > 1 else 64
+        self.blocks: OrderedDict[int, dict[int, Any]] = OrderedDict()
+
+    def get(self, indices: np.ndarray) -> dict[int, Any]:
+        """Records of ``indices`` (reading the missing blocks whole)."""
+        wanted = np.unique(np.asarray(indices, dtype=np.int64) // self.block).tolist()
+        missing = [b for b in wanted if b not in self.blocks]
+        if missing:
+            seqs = np.concatenate(
+                [np.arange(b * self.block, min((b + 1) * self.block, self.n)) for b in missing]
+            )
+            fetched = self.source.fetch(seqs)
+            lost = [int(i) for i in seqs if int(i) not in fetched]
+            if lost:
+                raise SourceError(f"source did not return sequences {lost[:10]}")
+            for b in missing:
+                lo, hi = b * self.block, min((b + 1) * self.block, self.n)
+                self.blocks[b] = {i: fetched[i] for i in range(lo, hi)}
+        out: dict[int, Any] = {}
+        for b in wanted:
+            self.blocks.move_to_end(b)
+            out.update(self.blocks[b])
+        while len(self.blocks) > max(self.keep, len(wanted)):
+            self.blocks.popitem(last=False)
+        return out
 
 
 class CacheDataLoader(DataLoader):
