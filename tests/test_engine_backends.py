@@ -77,7 +77,7 @@ def test_backends_give_the_same_topk(vllm_rows, hf_engine, heldout_sequences) ->
         mismatched += assert_rows_close(a, b, atol=ATOL)
         np.testing.assert_allclose(a.tail_mass, b.tail_mass, atol=K * ATOL)
     total = sum(s.num_rows for s in hf_rows)
-    assert total > 1000 and mismatched <= 0.01 * total
+    assert total > 500 and mismatched <= 0.01 * total
 
 
 def test_teacher_is_peaked(vllm_rows) -> None:

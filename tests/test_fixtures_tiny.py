@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from logitcache.fixtures.tiny import (
     Recipe,
     build_tiny_models,
     heldout_perplexity,
+    ngram_baselines,
 )
 
 #: A recipe small enough to build in seconds (for cache/lock behaviour, not for quality).
@@ -32,6 +34,8 @@ MICRO = Recipe(
     steps=2,
     warmup_steps=1,
     eval_tokens=256,
+    heldout_every=3,
+    corpus_subdir="email",
 )
 
 
@@ -41,6 +45,10 @@ def test_teacher_is_trained_and_beats_the_random_student(tiny) -> None:
     assert tiny.student_heldout_ppl > 0.5 * tiny.vocab_size
     assert tiny.teacher_heldout_ppl < tiny.student_heldout_ppl / 10
     assert s["train_loss_last"] < s["train_loss_first"] - 2.0
+    # ...and well below a unigram model of the same tokens (it uses context).
+    base = ngram_baselines(tiny)
+    assert tiny.teacher_heldout_ppl < 0.6 * base["unigram_heldout_ppl"]
+    assert base["bigram_heldout_ppl"] < base["unigram_heldout_ppl"]
     assert s["params"]["student"] < s["params"]["teacher"]
 
 
@@ -109,7 +117,7 @@ def test_token_sequences_respect_bounds(tiny) -> None:
 
 
 def test_cache_key_changes_with_the_recipe() -> None:
-    assert Recipe().cache_key() == Recipe().cache_key()
+    assert Recipe().cache_key() == Recipe().cache_key() == Recipe(corpus_subdir=None).cache_key()
     assert Recipe(steps=1).cache_key() != Recipe().cache_key()
     assert MICRO.cache_key() != Recipe().cache_key()
 
@@ -152,7 +160,7 @@ def test_concurrent_builds_publish_once_atomically(tmp_path: Path) -> None:
 
 
 def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
-    bad = Recipe(heldout_every=1)  # every module held out: no training text
+    bad = dataclasses.replace(MICRO, heldout_every=1)  # all modules held out: no training text
     with pytest.raises(FixtureError, match="empty corpus split"):
         build_tiny_models(bad, base=tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [f"{bad.cache_key()}.lock"]
