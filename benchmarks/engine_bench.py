@@ -78,9 +78,12 @@ def bench_k(vllm: Any, hf: Any, prompts: list[list[int]], k: int, repeats: int) 
         conv.append(vllm.timings.convert)
     outs = asyncio.run(_raw_outputs(vllm, prompts, vllm._params(k)))
     lens = [len(p) for p in prompts]
-    fast = _best(lambda: [rows_from_flat(o.prompt_logprobs, k, n) for o, n in zip(outs, lens)], 3)
+    fast = _best(
+        lambda: [rows_from_flat(o.prompt_logprobs, k, n) for o, n in zip(outs, lens, strict=True)],
+        3,
+    )
     dicts = [list(o.prompt_logprobs) for o in outs]  # the dict view, built outside the timing
-    slow = _best(lambda: [rows_from_dicts(d, k, n) for d, n in zip(dicts, lens)], 3)
+    slow = _best(lambda: [rows_from_dicts(d, k, n) for d, n in zip(dicts, lens, strict=True)], 3)
 
     default = SamplingParams(
         max_tokens=1, temperature=0.0, prompt_logprobs=k, output_kind=RequestOutputKind.FINAL_ONLY
@@ -89,7 +92,7 @@ def bench_k(vllm: Any, hf: Any, prompts: list[list[int]], k: int, repeats: int) 
     douts = asyncio.run(_raw_outputs(vllm, prompts, default))
     t_default_engine = time.perf_counter() - t
     t = time.perf_counter()
-    for o, n in zip(douts, lens):
+    for o, n in zip(douts, lens, strict=True):
         rows_from_dicts(o.prompt_logprobs, k, n)
     t_default_conv = time.perf_counter() - t
 

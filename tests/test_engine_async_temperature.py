@@ -64,7 +64,7 @@ def test_async_driver_applies_the_temperature(tiny, vllm_env, tmp_path: Path) ->
         ref = asyncio.run(hf.score(prompts, K))
     finally:
         asyncio.run(hf.aclose())
-    for (ids, lps, tail), r, p in zip(got, ref, prompts, strict=True):
+    for (ids, lps, tail), r in zip(got, ref, strict=True):
         assert_rows_close((ids, lps), r, atol=ATOL)
         np.testing.assert_allclose(tail, r.tail_mass, atol=K * ATOL)
     # And it really is T=2: log_softmax(z / 2) of a plain forward, not log_softmax(z).
