@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/deploy_ray_bench.py --sequences 256 \\
         --json benchmarks/results/deploy_ray.json
 
-Both runs use the same local Ray cluster (2 CPUs, 127.0.0.1), the same shards and batches, and
-one CPU (one torch thread, Ray's OMP_NUM_THREADS) per replica, so the ratio is what a second
-replica buys. The caches of the two runs are compared array for array (the run fails if they
+Both runs use the same local Ray cluster (2 CPUs, 127.0.0.1), the same two started replicas
+(engines loaded once; the 1-replica run uses the first), the same shards and batches, and one CPU
+(one torch thread, Ray's OMP_NUM_THREADS) per replica, so the ratio is what a second replica
+buys. The machine's load average is recorded: on a shared machine the ratio is noisy. The caches of the two runs are compared array for array (the run fails if they
 differ). Reported per run: wall seconds of each phase (start = engines up, check, score, commit)
 and scored tokens per second over the score phase. The baseline is the 1-replica run.
 """
@@ -67,7 +68,7 @@ def main() -> None:
     os.environ.update(VLLM_ENV)
 
     from logitcache.fixtures.tiny import build_tiny_models
-    from logitcache.server.distributed import Plan, init_local_ray, run_distributed
+    from logitcache.server.distributed import Plan, Replicas, init_local_ray, run_distributed
     from logitcache.server.inputs import RawRecord
     from logitcache.server.settings import ServerSettings
 
@@ -86,14 +87,19 @@ def main() -> None:
     init_local_ray(num_cpus=2)
     ray_start = time.perf_counter() - t
     runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    load_before = os.getloadavg()
+    plan = Plan(shard_size=args.shard_size, cpus_per_replica=1.0)
+    with tempfile.TemporaryDirectory() as tmp, Replicas(settings, 2, plan) as started:
+        print(f"2 engines up in {started.start_seconds:.1f} s")
         for replicas in (1, 2):
             url = f"{tmp}/r{replicas}"
-            plan = Plan(replicas=replicas, shard_size=args.shard_size, cpus_per_replica=1.0)
-            report = run_distributed(raws, url, settings, plan)
+            run_plan = Plan(replicas=replicas, shard_size=args.shard_size)
+            report = run_distributed(raws, url, settings, run_plan, replicas=started)
             runs[replicas] = report
             print(f"replicas={replicas}: {report.phases} tokens={report.scored_tokens}")
         equal = same_cache(f"{tmp}/r1", f"{tmp}/r2")
+        start_s = started.start_seconds
+    load_after = os.getloadavg()
     import ray
 
     ray.shutdown()
@@ -117,6 +123,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), "
         f"Python {platform.python_version()}",
         "ray_init_s": round(ray_start, 2),
+        "engines_start_s (2 in parallel)": round(start_s, 2),
+        "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "k": args.k,
         "runs": rows,
         "score_speedup_2_vs_1": round(speedup, 3),

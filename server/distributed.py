@@ -53,6 +53,8 @@ log = logging.getLogger("logitcache.server.distributed")
 
 #: Environment variables forwarded to every replica (engine and hub configuration).
 FORWARDED_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "LOGITCACHE_", "CUDA_", "NCCL_")
+#: Tries to start a local Ray cluster (see :func:`init_local_ray`).
+START_ATTEMPTS = 3
 #: Identity fields every replica's engine must agree on.
 ENGINE_IDENTITY = (
     "model_id",
@@ -129,43 +131,49 @@ class ShardWorker:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
     async def start(self) -> EngineInfo:
-        """Build the engine; return its :class:`EngineInfo`."""
-        from .engine import build_engine
+        """Build the engine (once); return its :class:`EngineInfo`."""
+        return (await self._ready()).info
 
+    async def _ready(self) -> TeacherEngine:
+        """The engine, built on first use: a replica Ray restarted after a crash rebuilds it
+        inside the retried call."""
         if self.engine is None:
+            from .engine import build_engine
+
             engine = build_engine(self.settings)
             if asyncio.iscoroutine(engine):
                 engine = await engine
             self.engine = engine  # type: ignore[assignment]
-        return self._engine().info
+        return self.engine  # type: ignore[return-value]
 
-    def _engine(self) -> TeacherEngine:
-        if self.engine is None:
-            raise DistributedError("ShardWorker.start() was not called")
-        return self.engine
-
-    def _limits(self) -> inputs.Limits:
-        info = self._engine().info
+    def _limits(self, engine: TeacherEngine) -> inputs.Limits:
+        info = engine.info
         return inputs.Limits(
             vocab_size=info.vocab_size, max_len=min(self.settings.max_seq_len, info.max_model_len)
         )
 
     async def scan(self, shard: shards.Shard) -> shards.ShardScan:
-        return shards.scan_shard(shard, self._engine().tokenize, self._limits())
+        engine = await self._ready()
+        return shards.scan_shard(shard, engine.tokenize, self._limits(engine))
 
     async def score(
         self, task: shards.ShardTask, manifest: Manifest, storage_options: dict[str, Any] | None
     ) -> shards.ShardResult:
+        engine = await self._ready()
         return await shards.score_shard(
-            self._engine(),
+            engine,
             task,
             manifest=manifest,
-            limits=self._limits(),
+            limits=self._limits(engine),
             batch_sequences=self.settings.job_batch_sequences,
             batch_tokens=self.settings.job_batch_tokens,
             storage_options=storage_options,
             worker=self.name,
         )
+
+    def pid(self) -> int:
+        """The replica's process id (for operators and crash tests)."""
+        return os.getpid()
 
     async def stop(self) -> None:
         if self.engine is not None:
@@ -191,13 +199,23 @@ def init_local_ray(num_cpus: int, num_gpus: int | None = None) -> None:
 
     if already:  # the constant was read at import time; the subprocesses read the variable
         ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
-    ray.init(
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=True,
-    )
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=True,
+            )
+            break
+        except Exception as e:  # Ray raises a bare Exception for this timeout
+            # Ray waits a fixed 30 s for its raylet to register; an overloaded machine can miss
+            # that. Anything else, or the last attempt, is raised as is.
+            if "timed out during startup" not in str(e) or attempt == START_ATTEMPTS:
+                raise
+            log.warning("Ray start-up timed out (attempt %d); retrying", attempt)
+            ray.shutdown()
     addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
     if addresses != {"127.0.0.1"}:
         ray.shutdown()
