@@ -6,9 +6,10 @@
 Both runs use the same local Ray cluster (2 CPUs, 127.0.0.1), the same two started replicas
 (engines loaded once; the 1-replica run uses the first), the same shards and batches, and one CPU
 (one torch thread, Ray's OMP_NUM_THREADS) per replica, so the ratio is what a second replica
-buys. The machine's load average is recorded: on a shared machine the ratio is noisy. The caches of the two runs are compared array for array (the run fails if they
-differ). Reported per run: wall seconds of each phase (start = engines up, check, score, commit)
-and scored tokens per second over the score phase. The baseline is the 1-replica run.
+buys. The machine's load average is recorded: on a shared machine the ratio is noisy. The caches
+of the two runs are compared array for array (the run fails if they differ). Reported per run:
+wall seconds of each phase (check, score, commit) and scored tokens per second over the score
+phase. The baseline is the 1-replica run.
 """
 
 from __future__ import annotations
