@@ -549,9 +549,9 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
         )
         if cfg.checkpoint_at and step == cfg.checkpoint_at:
             _checkpoint(cfg, rank, step, model, opt, parts)
-    drained = []
+    drained = []  # epoch mode: read (not train) the rest of each rank's epoch, for coverage
     for part, extra in zip(parts, leftovers, strict=True):
-        units = extra + list(part.iterator)
+        units = extra + (list(part.iterator) if cfg.steps == 0 else [])
         drained.append([part.pieces(u) for u in units])
     return {
         "rank": rank,

@@ -125,6 +125,16 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     return plan, args
 
 
+def committed_sequences(url: str) -> int:
+    """Sequences already committed in the cache at ``url`` (0 if there is none yet)."""
+    from logitcache.cache_format import CacheReader, FormatError
+
+    try:
+        return CacheReader(url).num_sequences
+    except (FormatError, OSError):
+        return 0
+
+
 def cache_stats(url: str) -> dict[str, Any]:
     """Validation verdict and the figures of the cache the job wrote."""
     from logitcache.cache_format import CacheReader, validate
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"[distill] starting the teacher service ({plan.backend}) on {service.url}", flush=True)
     with service:
         print(f"[distill] scoring {len(sequences)} sequences into cache {name!r}", flush=True)
+        already = committed_sequences(service.cache_url(name))
         job = score_corpus(
             service.url,
             name,
@@ -256,7 +267,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "untrained": untrained,
         "methods": methods,
         "total_s": time.perf_counter() - t_start,
+        "notes": [],
     }
+    if already:
+        rep["notes"].append(
+            f"{already} of the {len(sequences)} sequences were already in the cache from an "
+            "earlier run; the job skipped them, so its time and tokens/s are not a scoring figure"
+        )
     plan.out_json.parent.mkdir(parents=True, exist_ok=True)
     plan.out_json.write_text(json.dumps(rep, indent=1) + "\n")
     text = markdown(rep)

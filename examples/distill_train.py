@@ -183,15 +183,8 @@ def make_run(
         student.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, settings.lr_factor)
-    return Run(
-        method,
-        student,
-        loss_fn(method, teacher, settings),
-        opt,
-        sched,
-        epochs(make_dataset),
-        settings,
-    )
+    stream = epochs(lambda: make_dataset(topk))
+    return Run(method, student, loss_fn(base, teacher, settings), opt, sched, stream, settings)
 
 
 def train_interleaved(runs: list[Run], steps: int, log_every: int = 50) -> None:
