@@ -8,14 +8,16 @@ Usage (from the repository root, vLLM env set by the script)::
 Phases, all in one run on the same inputs (``--sequences`` windows of ``--length`` tokens cut
 from the tiny fixture's training split):
 
-1. **direct** (baseline): a fresh process builds ``vllm.LLM`` with the engine settings the service
-   uses and times one ``LLM.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=k,
-   detokenize=False, flat_logprobs=True))`` over every prompt (after a warm-up call). Nothing is
-   converted or stored: this is the cheapest way vLLM gives prompt logprobs.
+1. **direct** (baseline): a separate long-lived process builds ``vllm.LLM`` once with the engine
+   settings the service uses and, per repeat, times one ``LLM.generate(prompts,
+   SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True))`` over
+   every prompt (after a warm-up call). Nothing is converted or stored: this is the cheapest way
+   vLLM gives prompt logprobs. It sits idle (blocked on stdin) while the job runs.
 2. **job**: the real service (``python -m logitcache.server`` subprocess) runs a batch job over the
    same prompts written as JSONL, converting to arrays and writing a Zarr cache; throughput is
    ``tokens_total / (finished_at - started_at)`` from the job's own timestamps.
-   Phases 1 and 2 alternate ``--repeats`` times; the ratio of medians is printed.
+   Phases 1 and 2 alternate ``--repeats`` times (the machine's load drifts: adjacent pairs are
+   compared); the ratio of medians and the median of paired ratios are printed.
 3. **concurrent**: while one more job runs, ``--clients`` threads send ``POST /v1/score`` requests
    (4 sequences of 64 tokens each) back to back; every answer must be 200; latency p50/p90/p99.
 """
@@ -86,48 +88,72 @@ def make_inputs(length: int, count: int) -> list[list[int]]:
 
 
 def direct_worker(args: argparse.Namespace) -> None:
-    """Phase 1 in its own process: time ``LLM.generate`` with prompt logprobs; print JSON."""
+    """Phase 1 in its own long-lived process: build ``vllm.LLM`` once, then for every ``run``
+    line on stdin time one ``LLM.generate`` over all prompts and print a JSON line."""
     from vllm import LLM, SamplingParams
 
     prompts = json.loads(Path(args.prompts).read_text())
     engine_kwargs = json.loads(args.engine_kwargs)
-    t0 = time.perf_counter()
     llm = LLM(model=args.model, max_logprobs=args.k, **engine_kwargs)
-    init_s = time.perf_counter() - t0
     sp = SamplingParams(
         max_tokens=1, prompt_logprobs=args.k, detokenize=False, flat_logprobs=True, temperature=1.0
     )
     as_inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(as_inputs[:8], sp, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(as_inputs, sp, use_tqdm=False)
-    seconds = time.perf_counter() - t0
     tokens = sum(len(p) for p in prompts)
-    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts, strict=True))
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "init_s": init_s}))
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t0 = time.perf_counter()
+        outs = llm.generate(as_inputs, sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts, strict=True))
+        print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
 
 
-def run_direct(model: str, prompts_file: Path, k: int, engine_kwargs: dict) -> dict:
-    env = {**os.environ, **VLLM_ENV}
-    cmd = [
-        sys.executable,
-        __file__,
-        "--direct-worker",
-        "--model",
-        model,
-        "--prompts",
-        str(prompts_file),
-        "--k",
-        str(k),
-        "--engine-kwargs",
-        json.dumps(engine_kwargs),
-    ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"direct worker failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["tokens_per_s"] = res["tokens"] / res["seconds"]
-    return res
+class DirectWorker:
+    """The baseline process (see :func:`direct_worker`); idle (blocked on stdin) between runs."""
+
+    def __init__(self, model: str, prompts_file: Path, k: int, engine_kwargs: dict):
+        env = {**os.environ, **VLLM_ENV}
+        cmd = [
+            sys.executable,
+            __file__,
+            "--direct-worker",
+            "--model",
+            model,
+            "--prompts",
+            str(prompts_file),
+            "--k",
+            str(k),
+            "--engine-kwargs",
+            json.dumps(engine_kwargs),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self._read_until("READY")
+
+    def _read_until(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line
+        raise SystemExit(f"direct worker exited with {self.proc.wait()}")
+
+    def run(self) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        res = json.loads(self._read_until("{"))
+        res["tokens_per_s"] = res["tokens"] / res["seconds"]
+        return res
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(120)
 
 
 def job_rate(job: dict) -> float:
@@ -140,7 +166,7 @@ def run_job(client, cache: str) -> dict:
     t0 = time.perf_counter()
     r = client.post("/v1/jobs", json={"cache": cache, "file": {"path": "bench.jsonl"}})
     r.raise_for_status()
-    job = wait_job(client, r.json()["id"], timeout=3600)
+    job = wait_job(client, r.json()["id"], timeout=3600, interval=0.5)
     wall = time.perf_counter() - t0
     if job["state"] != "succeeded":
         raise SystemExit(f"job failed: {job}")
@@ -181,7 +207,7 @@ def run_concurrent(server: ServerProcess, prompts: list[list[int]], k: int, clie
         threads = [threading.Thread(target=worker, args=(w,)) for w in range(clients)]
         for t in threads:
             t.start()
-        job = wait_job(c, job_id, timeout=3600)
+        job = wait_job(c, job_id, timeout=3600, interval=0.5)
         stop.set()
         for t in threads:
             t.join()
@@ -207,8 +233,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--batch-sequences", type=int, default=64)
-    p.add_argument("--inflight", type=int, default=2)
+    p.add_argument("--batch-sequences", type=int, default=64, help="server job_batch_sequences")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="server job_batch_tokens")
+    p.add_argument("--inflight", type=int, default=2, help="server job_inflight_batches")
     p.add_argument("--json", type=Path, default=REPO / "benchmarks/results/server.json")
     p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -236,19 +263,20 @@ def main() -> None:
         dtype="float32",
         max_seq_len=max(args.length, 512),
         job_batch_sequences=args.batch_sequences,
-        job_batch_tokens=args.batch_sequences * args.length,
+        job_batch_tokens=args.batch_tokens,
         job_inflight_batches=args.inflight,
     )
     engine_kwargs = direct_engine_kwargs(settings)
     print(f"inputs: {args.sequences} x {args.length} tokens, k={args.k}; engine {engine_kwargs}")
 
     direct, jobs = [], []
+    worker = DirectWorker(str(tiny.teacher_dir), prompts_file, args.k, engine_kwargs)
     server = ServerProcess(work, **settings).start()
     try:
         with server.client() as c:
             c.post("/v1/score", json={"input_ids": prompts[:4], "k": args.k}).raise_for_status()
             for rep in range(args.repeats):
-                d = run_direct(str(tiny.teacher_dir), prompts_file, args.k, engine_kwargs)
+                d = worker.run()
                 j = run_job(c, f"bench-{rep}")
                 direct.append(d)
                 jobs.append(j)
@@ -257,11 +285,15 @@ def main() -> None:
                     f"repeat {rep}: direct {d['tokens_per_s']:,.0f} tok/s, "
                     f"job {j['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}"
                 )
+        worker.close()
         conc = run_concurrent(server, prompts, args.k, args.clients)
     finally:
         server.stop()
+        if worker.proc.poll() is None:
+            worker.proc.kill()
     d_med = statistics.median(x["tokens_per_s"] for x in direct)
     j_med = statistics.median(x["tokens_per_s"] for x in jobs)
+    pair_ratios = [j["tokens_per_s"] / d["tokens_per_s"] for d, j in zip(direct, jobs, strict=True)]
     result = {
         "machine": f"{os.cpu_count()} CPU cores (shared), no GPU",
         "command": " ".join(["python", "benchmarks/server_bench.py", *sys.argv[1:]]),
@@ -273,9 +305,14 @@ def main() -> None:
         "direct_median_tokens_per_s": d_med,
         "job_median_tokens_per_s": j_med,
         "ratio_job_over_direct": j_med / d_med,
+        "pair_ratios": pair_ratios,
+        "median_pair_ratio": statistics.median(pair_ratios),
         "concurrent": conc,
     }
-    print(f"median: direct {d_med:,.0f} tok/s, job {j_med:,.0f} tok/s, ratio {j_med / d_med:.3f}")
+    print(
+        f"median: direct {d_med:,.0f} tok/s, job {j_med:,.0f} tok/s, ratio {j_med / d_med:.3f}; "
+        f"median of paired ratios {statistics.median(pair_ratios):.3f}"
+    )
     print(
         f"concurrent: {conc['ok']}/{conc['requests']} ok, p50 {conc['p50_s'] * 1000:.0f} ms, "
         f"p90 {conc['p90_s'] * 1000:.0f} ms, p99 {conc['p99_s'] * 1000:.0f} ms; "

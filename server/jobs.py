@@ -10,7 +10,9 @@ Running (one job at a time, oldest first) is a three-stage pipeline:
    (:func:`~logitcache.server.inputs.batches`, a pure function of the input) and asks the cache
    which of its keys are missing;
 2. up to ``job_inflight_batches`` batches are handed to the engine at once, so it is never idle
-   while results are converted and written;
+   while results are converted and written (only one while on-demand ``/v1/score`` requests are
+   in progress: the engine serves requests in arrival order, so fewer job tokens queued ahead
+   of them means lower on-demand latency);
 3. a *writer thread*, fed by a bounded queue, appends each scored batch to the cache (one commit
    per batch) and only then advances the job's progress counters.
 
@@ -177,7 +179,7 @@ class JobRunner:
         self._current: str | None = None
         self._cancel = threading.Event()
         self._stats: dict[str, _RunStats] = {}
-        metrics.watch_job_states(lambda: [j.state.value for j in self.store.list()])
+        metrics.watch_job_states(self.store.count_by_state)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -209,7 +211,9 @@ class JobRunner:
                 f"{len(req.records)} inline records exceed the limit of "
                 f"{self.settings.max_inline_records}; use an input file"
             )
-        manifest = self.scoring.target_manifest(name, req.k, req.dataset or "")
+        manifest = await asyncio.to_thread(
+            self.scoring.target_manifest, name, req.k, req.dataset or ""
+        )
         summary, digest = await asyncio.to_thread(self._scan, req)
         job = self.store.create(
             cache=name,
@@ -318,7 +322,9 @@ class JobRunner:
         )
         if digest != job.input_digest:
             raise ServiceError("the input file changed since the job was submitted")
-        manifest = self.scoring.target_manifest(job.cache, job.k, spec.dataset or "")
+        manifest = await asyncio.to_thread(
+            self.scoring.target_manifest, job.cache, job.k, spec.dataset or ""
+        )
         cm = self.caches.writer(job.cache, manifest)
         handle = await asyncio.to_thread(cm.__enter__)
         try:
@@ -367,7 +373,9 @@ class JobRunner:
                 else:
                     task = asyncio.create_task(self._score(batch, job.k))
                     inflight.append((batch, task))
-                while len(inflight) >= depth or (inflight and inflight[0][1].done()):
+                # on-demand requests go first: while any is scored, keep one job batch in flight
+                limit = 1 if self.scoring.active else depth
+                while len(inflight) >= limit or (inflight and inflight[0][1].done()):
                     b, t = inflight.popleft()
                     records = await t
                     await asyncio.to_thread(writer.put, (b, records if b.todo else None))

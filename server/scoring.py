@@ -51,6 +51,8 @@ class ScoringService:
         self.caches = caches
         self.settings = settings
         self.metrics = metrics
+        self.active = 0
+        """On-demand engine calls in progress (jobs yield to them, see ``jobs``)."""
         info = engine.info
         self.limits = Limits(
             vocab_size=info.vocab_size, max_len=min(settings.max_seq_len, info.max_model_len)
@@ -138,12 +140,16 @@ class ScoringService:
         """Check, score and (if ``req.cache``) store; all checks precede engine and store."""
         manifest = None
         if req.cache is not None:
-            manifest = self.target_manifest(req.cache, req.k)
+            manifest = await asyncio.to_thread(self.target_manifest, req.cache, req.k)
             k = manifest.k
         else:
             k = self.resolve_k(req.k)
         seqs = self.sequences_of(req)
-        records = await self.score_sequences(seqs, k, source="score")
+        self.active += 1
+        try:
+            records = await self.score_sequences(seqs, k, source="score")
+        finally:
+            self.active -= 1
         stored = 0
         if req.cache is not None and manifest is not None:
             stored = await asyncio.to_thread(self._store, req.cache, manifest, records)

@@ -84,10 +84,11 @@ class ServerSettings(BaseSettings):
     # --- jobs -------------------------------------------------------------------------------
     job_batch_sequences: int = Field(64, ge=1)
     """Sequences per engine call in a job; batches are fixed by input order (restart-safe)."""
-    job_batch_tokens: int = Field(16384, ge=2)
+    job_batch_tokens: int = Field(8192, ge=2)
     """A job batch also closes once it holds this many tokens."""
     job_inflight_batches: int = Field(2, ge=1)
-    """Job batches handed to the engine before the oldest is awaited (keeps the engine busy)."""
+    """Job batches handed to the engine before the oldest is awaited (keeps the engine busy);
+    while on-demand requests are being scored a job keeps only one batch in the engine."""
     job_write_queue: int = Field(4, ge=1)
     """Bound of the queue between scoring and the cache-writer thread."""
 

@@ -130,7 +130,12 @@ class ServerProcess:
 
 
 def wait_job(
-    client: httpx.Client, job_id: str, *, until: Any = None, timeout: float = 300.0
+    client: httpx.Client,
+    job_id: str,
+    *,
+    until: Any = None,
+    timeout: float = 300.0,
+    interval: float = 0.05,
 ) -> dict[str, Any]:
     """Poll ``GET /v1/jobs/{id}`` until ``until(job)`` (default: a terminal state)."""
     cond = until or (lambda j: j["state"] in TERMINAL)
@@ -141,7 +146,7 @@ def wait_job(
             return job
         if job["state"] in TERMINAL or time.monotonic() > deadline:
             raise AssertionError(f"job did not reach the condition: {job}")
-        time.sleep(0.05)
+        time.sleep(interval)
 
 
 def tree_snapshot(root: Path) -> dict[str, int]:
