@@ -57,7 +57,7 @@ class Plan:
     train_seqs: int = 2000  # 0: every training piece
     tokens_per_item: int = 128
     batch_items: int = 8
-    steps: int = 200
+    steps: int = 100
     lr: float = 3e-3
     seed: int = 0
     eval_tokens: int = 8192
