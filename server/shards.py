@@ -87,6 +87,8 @@ class ShardResult:
     index: int
     staging_url: str
     num_sequences: int
+    keys: tuple[str, ...]
+    """The keys the final cache takes from this shard, in input order."""
     scored_sequences: int
     scored_tokens: int
     seconds: float
@@ -228,6 +230,7 @@ async def score_shard(
         index=task.shard.index,
         staging_url=task.staging_url,
         num_sequences=len(seqs),
+        keys=tuple(s.key for s in seqs),
         scored_sequences=scored,
         scored_tokens=tokens,
         seconds=time.perf_counter() - t0,
@@ -257,21 +260,28 @@ def commit(
     storage_options: dict[str, Any] | None = None,
 ) -> int:
     """Append every staged shard to the final cache at ``url`` in shard order; returns the number
-    of sequences newly committed (0 when re-run after a complete commit)."""
+    of sequences newly committed (0 when re-run after a complete commit).
+
+    Each shard's sequences go in their staging order (= input order); keys already in the final
+    cache are skipped, so an interrupted commit is finished by running it again. A staging cache
+    missing one of its result's keys is an error (nothing of that shard is appended).
+    """
     added = 0
     with CacheWriter.open(url, manifest, storage_options) as writer:
         for result in sorted(results, key=lambda r: r.index):
             reader = CacheReader(result.staging_url, storage_options=storage_options)
-            if reader.num_sequences != result.num_sequences:
+            missing = [k for k in result.keys if k not in reader]
+            if missing:
                 raise RuntimeError(
-                    f"staging cache {result.staging_url} holds {reader.num_sequences} sequences, "
-                    f"expected {result.num_sequences}"
+                    f"staging cache {result.staging_url} lacks {len(missing)} sequence(s) of "
+                    f"shard {result.index}, e.g. {missing[0]!r}"
                 )
-            for i in range(0, reader.num_sequences, COMMIT_CHUNK):
-                stop = min(reader.num_sequences, i + COMMIT_CHUNK)
-                todo = [j for j in range(i, stop) if not writer.contains(reader.keys[j])]
-                if todo:
-                    added += writer.append(reader.sequences(todo))
+            wanted = set(result.keys)
+            todo = [
+                i for i, key in enumerate(reader.keys) if key in wanted and not writer.contains(key)
+            ]
+            for start in range(0, len(todo), COMMIT_CHUNK):
+                added += writer.append(reader.sequences(todo[start : start + COMMIT_CHUNK]))
     return added
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 from deploy_support import s3_bucket_fixture, s3_keys, s3_server_fixture  # noqa: F401
-from logitcache.cache_format import CacheReader, validate
+from logitcache.cache_format import CacheReader, Manifest, validate
 from logitcache.server.errors import InvalidInputError
 from logitcache.server.settings import ServerSettings
 from server_support import VLLM_ENV
@@ -257,6 +257,38 @@ def test_cli_refuses_a_missing_input_before_starting_ray(tmp_path):
     error = json.loads(proc.stderr.strip().splitlines()[-1])
     assert error["error"] == "invalid_path" and "missing.jsonl" in error["message"]
     assert not (tmp_path / "c").exists()
+
+
+def test_an_interrupted_commit_is_finished_by_a_rerun_without_scoring(
+    replicas, reference, dataset, settings, tmp_path
+):
+    """State after a driver crash in the middle of the commit: every shard staged, the final
+    cache holding only the first shards. Running the same command again scores nothing, commits
+    the rest, and leaves the single-worker cache."""
+    import shutil
+
+    from logitcache.server import shards
+    from logitcache.server.distributed import Plan, read_input, run_distributed
+
+    path, _ = dataset
+    cache = tmp_path / "interrupted"
+    plan = Plan(replicas=2, shard_size=SHARD, keep_staging=True)
+    first = run_distributed(read_input(path), str(cache), settings, plan, replicas=replicas)
+    staged = sorted(Path(f"{cache}.staging").glob("shard-*"))
+    assert len(staged) == first.shards == 5
+    shutil.rmtree(cache)
+    manifest = Manifest(**CacheReader(reference[0]).manifest.identity())
+    partial = []
+    for index, url in enumerate(staged[:2]):
+        keys = tuple(CacheReader(url).keys)
+        partial.append(shards.ShardResult(index, str(url), len(keys), keys, 0, 0, 0.0))
+    done = shards.commit(partial, str(cache), manifest)
+    assert 0 < done < first.committed
+
+    again = run_distributed(read_input(path), str(cache), settings, plan, replicas=replicas)
+    assert again.scored_sequences == 0, "everything was staged: nothing is scored again"
+    assert again.committed == first.committed - done
+    assert_same_cache(CacheReader(cache), CacheReader(reference[0]))
 
 
 @pytest.mark.slow  # rebuilds one vLLM engine (~10 s idle; minutes on a loaded 2-core box)
