@@ -58,7 +58,7 @@ class JobRecord:
     cache: str
     k: int
     state: JobState
-    spec: dict[str, Any]
+    spec_json: str
     input_digest: str
     created_at: datetime
     started_at: datetime | None
@@ -80,7 +80,7 @@ class JobRecord:
             cache=row["cache"],
             k=row["k"],
             state=JobState(row["state"]),
-            spec=json.loads(row["spec"]),
+            spec_json=row["spec"],
             input_digest=row["input_digest"],
             created_at=datetime.fromisoformat(row["created_at"]),
             started_at=ts(row["started_at"]),
@@ -92,6 +92,11 @@ class JobRecord:
             errors=json.loads(row["errors"]),
             cancel_requested=bool(row["cancel_requested"]),
         )
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The submitted ``JobCreate`` as a dict (parsed on demand: inline inputs can be large)."""
+        return json.loads(self.spec_json)
 
 
 class JobStore:
@@ -154,6 +159,10 @@ class JobStore:
     def list(self) -> list[JobRecord]:
         rows = self._exec("SELECT * FROM jobs ORDER BY created_at, id").fetchall()
         return [JobRecord.from_row(r) for r in rows]
+
+    def count_by_state(self) -> dict[str, int]:
+        rows = self._exec("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state").fetchall()
+        return {r["state"]: r["n"] for r in rows}
 
     def next_queued(self) -> JobRecord | None:
         """The oldest queued job."""

@@ -13,8 +13,7 @@ Exposed at ``GET /metrics`` in the Prometheus text format:
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PCounter
@@ -25,12 +24,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class _JobStateCollector(Collector):
-    def __init__(self, states: Callable[[], Iterable[str]]):
-        self._states = states
+    def __init__(self, counts: Callable[[], Mapping[str, int]]):
+        self._counts = counts
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         g = GaugeMetricFamily("logitcache_jobs", "jobs per state", labels=["state"])
-        for state, n in sorted(Counter(self._states()).items()):
+        for state, n in sorted(self._counts().items()):
             g.add_metric([state], n)
         yield g
 
@@ -74,9 +73,9 @@ class Metrics:
             "logitcache_job_tokens_total", "prompt tokens of a running job", ["job"], registry=r
         )
 
-    def watch_job_states(self, states: Callable[[], Iterable[str]]) -> None:
-        """Report ``logitcache_jobs{state}`` from ``states()`` at every scrape."""
-        self.registry.register(_JobStateCollector(states))
+    def watch_job_states(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Report ``logitcache_jobs{state}`` from ``counts()`` (state -> jobs) at every scrape."""
+        self.registry.register(_JobStateCollector(counts))
 
     def scored(self, source: str, *, sequences: int, tokens: int, seconds: float) -> None:
         self.sequences.labels(source).inc(sequences)
