@@ -266,10 +266,18 @@ class Replicas:
         plan = plan or Plan()
         if count < 1:
             raise InvalidInputError(f"replicas must be >= 1, got {count}")
+        total = ray.cluster_resources()
         gpus = plan.gpus_per_replica
         if gpus is None:
-            has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+            has_gpu = total.get("GPU", 0) > 0
             gpus = settings.tensor_parallel_size * settings.pipeline_parallel_size if has_gpu else 0
+        for name, each in (("CPU", plan.cpus_per_replica), ("GPU", gpus)):
+            if count * each > total.get(name, 0):
+                # Ray would wait forever for resources the cluster does not have
+                raise DistributedError(
+                    f"{count} replica(s) x {each} {name} exceed the cluster's "
+                    f"{total.get(name, 0):g} {name}"
+                )
         actor_cls = ray.remote(worker_cls or ShardWorker).options(
             num_cpus=plan.cpus_per_replica,
             num_gpus=gpus,

@@ -180,6 +180,14 @@ def test_local_cluster_binds_loopback_only(ray_cluster):
     assert not wide, f"Ray processes listening beyond loopback: {wide}"
 
 
+def test_more_replicas_than_the_cluster_holds_fail_fast(ray_cluster, settings):
+    """Ray would queue such actors forever; the run refuses them before starting any."""
+    from logitcache.server.distributed import DistributedError, Plan, Replicas
+
+    with pytest.raises(DistributedError, match="exceed the cluster's 2 CPU"):
+        Replicas(settings, 3, Plan(cpus_per_replica=1.0))
+
+
 def test_two_replicas_on_s3_equal_a_single_worker_run(replicas, reference, dataset, settings,
                                                       s3_bucket):  # fmt: skip
     """Distributed: 2 replicas into a bucket (per-shard staging caches on S3, one commit); the
@@ -335,6 +343,7 @@ def test_cli_on_the_cluster_equals_the_library_run(ray_cluster, tiny, dataset, r
     proc = _cli(
         "--input", str(path), "--cache", str(out), "--replicas", "1", "--shard-size", str(SHARD),
         "--ray-address", ray_cluster.get_runtime_context().gcs_address, "--report", str(report),
+        "--cpus-per-replica", "0",  # the module's two replicas hold both CPUs of the cluster
         *_server_flags(tiny),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
