@@ -1,6 +1,6 @@
 """Configuration of the teacher service: one pydantic-settings model, read from the environment
 (prefix ``LOGITCACHE_``, e.g. ``LOGITCACHE_MODEL=/models/tiny``), a ``.env`` file, or the command
-line (``logitcache-server --model /models/tiny --k 20``; CLI beats environment beats defaults).
+line (``logitcache-server --model /models/tiny -k 20``; CLI beats environment beats defaults).
 
 Nothing here is read at import time: :func:`load_settings` builds a fresh object, and
 ``create_app(settings)`` takes one, so tests build apps with any settings they like.
