@@ -91,6 +91,11 @@ def _fsspec_options(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
+def fsspec_storage_options(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``storage_options`` of this library (s3fs or obstore names) as fsspec expects them."""
+    return _fsspec_options(_scheme(url), dict(options or {}))
+
+
 def open_store(
     url: str | Path, storage_options: dict[str, Any] | None = None, *, read_only: bool
 ) -> StoreHandle:

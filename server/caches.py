@@ -125,8 +125,10 @@ class CacheRegistry:
     def names(self) -> list[str]:
         """Names of the caches (entries with a root ``zarr.json``) under the root, sorted."""
         from fsspec.core import url_to_fs
+        from logitcache.cache_format.store import fsspec_storage_options
 
-        fs, path = url_to_fs(self.root, **(self.storage_options or {}))
+        options = fsspec_storage_options(str(self.root), self.storage_options)
+        fs, path = url_to_fs(self.root, **options)
         try:
             entries = fs.ls(path, detail=True, refresh=True)
         except FileNotFoundError:
