@@ -104,19 +104,10 @@ def compose_config(*args: str, env: dict[str, str] | None = None) -> dict[str, A
 @pytest.fixture(scope="module", name="s3_server")
 def s3_server_fixture():
     """A real S3-compatible server (moto in server mode) on 127.0.0.1, random port."""
-    import logging
+    from moto_support import moto_server
 
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    if host != "127.0.0.1":
-        server.stop()
-        raise RuntimeError(f"moto bound {host}, not 127.0.0.1")
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(name="s3_bucket")

@@ -7,6 +7,7 @@ import uuid
 import numpy as np
 import pytest
 from logitcache.cache_format import Manifest, SequenceRecord
+from moto_support import moto_server
 
 
 def make_manifest(k: int = 8, vocab_size: int = 1000, **kw) -> Manifest:
@@ -65,17 +66,8 @@ def make_records(
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible HTTP server (moto server mode) on 127.0.0.1, random port."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    assert host == "127.0.0.1"
-    yield f"http://{host}:{port}"
-    server.stop()
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
