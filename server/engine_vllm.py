@@ -225,6 +225,12 @@ class _InprocDriver:
         self._pending: dict[str, _Pending] = {}
         self._error: BaseException | None = None
         self._closed = False
+        # vLLM's CPU attention checks that a step runs with the thread count its metadata was
+        # built with; other code in the process (a second engine, a library) may change torch's
+        # or this thread's OpenMP count, so every step re-asserts the count the engine started with.
+        import torch
+
+        self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="vllm-inproc", daemon=True)
         self._thread.start()
 
@@ -268,12 +274,15 @@ class _InprocDriver:
             self._pending[req.request_id] = req
 
     def _run(self) -> None:
+        import torch
+
         running = True
         try:
             while running:
                 running = self._take(block=not self.engine.has_unfinished_requests())
                 if not running:
                     break
+                torch.set_num_threads(self._num_threads)
                 for out in self.engine.step():
                     if out.finished and (req := self._pending.pop(out.request_id, None)):
                         self._resolve(req, result=out)
