@@ -574,6 +574,8 @@ def _run_process(rank: int, world: int, local_rank: int, cfg: TrainConfig, init:
 
     for key, value in NVLS_OFF.items():
         os.environ.setdefault(key, value)
+    # Rank 0 may be the caller's own process (a test, a notebook): give its thread count back.
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(max(1, cfg.threads))
     device = _device(cfg, local_rank)
     if world > 1:
@@ -592,6 +594,7 @@ def _run_process(rank: int, world: int, local_rank: int, cfg: TrainConfig, init:
     finally:
         if world > 1:
             dist.destroy_process_group()
+        torch.set_num_threads(threads_before)
 
 
 def launch(cfg: TrainConfig) -> None:

@@ -225,9 +225,14 @@ class _InprocDriver:
         self._pending: dict[str, _Pending] = {}
         self._error: BaseException | None = None
         self._closed = False
-        # vLLM's CPU attention checks that a step runs with the thread count its metadata was
-        # built with; other code in the process (a second engine, a library) may change torch's
-        # or this thread's OpenMP count, so every step re-asserts the count the engine started with.
+        # vLLM's CPU attention checks that a step's kernels run with the OpenMP thread count its
+        # metadata was built with. The count is per thread: a new thread starts at OpenMP's
+        # default and takes torch's process-wide count at its first parallel op, so if other code
+        # had set that to something else (a trainer's ``torch.set_num_threads(1)``), the first step
+        # built its metadata with one count and ran with another. The driver thread therefore pins
+        # the count of the thread that built the engine before every step, through
+        # ``torch._C.set_num_threads``: vLLM's CPU worker replaces ``torch.set_num_threads`` with a
+        # no-op (and a warning) once an engine exists in the process.
         import torch
 
         self._num_threads = torch.get_num_threads()
@@ -282,7 +287,7 @@ class _InprocDriver:
                 running = self._take(block=not self.engine.has_unfinished_requests())
                 if not running:
                     break
-                torch.set_num_threads(self._num_threads)
+                torch._C.set_num_threads(self._num_threads)
                 for out in self.engine.step():
                     if out.finished and (req := self._pending.pop(out.request_id, None)):
                         self._resolve(req, result=out)
