@@ -14,12 +14,21 @@
 and .json; ``--quick`` (the test suite's mode, under a minute once the fixture exists) scores a
 small corpus, trains only the offline top-k + tail method for a few steps, and writes into the
 work directory.
+
+``--teacher-temperature T`` (default 1) distils from the sharpened teacher ``p_T =
+softmax(z / T)`` (the same network, logits divided by ``T``) in EVERY method: the service's engine
+scores the cache at ``T`` (server ``--temperature``), online KD's target is ``softmax(z / T)``, and
+held-out KL(teacher || student) is measured against ``p_T``. The cache name gets a ``-T<T>``
+suffix and the report goes to ``benchmarks/results/distill_T<T>.{md,json}`` (``distill.{md,json}``
+stays the ``T = 1`` page). Every run also checks a few cached sequences against the PyTorch
+teacher's ``log_softmax(z / T)`` and writes the largest differences into the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -30,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -65,8 +75,15 @@ class Plan:
     backend: str = "vllm"
     read_from: str = "store"
     threads: int = 1
+    teacher_temperature: float = 1.0
     out_json: Path | None = ROOT / "benchmarks/results/distill.json"
     out_md: Path | None = ROOT / "benchmarks/results/distill.md"
+
+    @property
+    def temperature_tag(self) -> str:
+        """``""`` at ``T = 1`` (the default names), else ``"_T0.5"``-style."""
+        t = self.teacher_temperature
+        return "" if t == 1.0 else f"_T{t:g}"
 
 
 QUICK = {
@@ -105,6 +122,11 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
         help="train from the Zarr store directly or stream the cache from the service over HTTP",
     )
     p.add_argument("--threads", type=int)
+    p.add_argument(
+        "--teacher-temperature",
+        type=float,
+        help="distil every method from softmax(teacher_logits / T) (default 1)",
+    )
     p.add_argument("--out-json", type=Path)
     p.add_argument("--out-md", type=Path)
     args = p.parse_args(argv)
@@ -119,10 +141,78 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
                 parse_method(m)
             except ValueError as e:
                 p.error(str(e))
+    t = given.get("teacher_temperature", 1.0)
+    if not (math.isfinite(t) and t > 0):
+        p.error(f"--teacher-temperature must be finite and > 0, got {t}")
+    if plan.out_json is not None and "out_json" not in given and t != 1.0:
+        given["out_json"] = plan.out_json.with_name(f"distill_T{t:g}.json")
+    if plan.out_md is not None and "out_md" not in given and t != 1.0:
+        given["out_md"] = plan.out_md.with_name(f"distill_T{t:g}.md")
     plan = replace(plan, **given)
     if plan.out_json is None:
         plan = replace(plan, out_json=plan.workdir / "distill.json")
     return plan, args
+
+
+@dataclass
+class TemperedTeacherService(TeacherService):
+    """:class:`TeacherService` whose engine scores at ``temperature`` (server ``--temperature``:
+    cached rows are the top-k of ``log_softmax(z / T)``)."""
+
+    temperature: float = 1.0
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--temperature", repr(float(self.temperature))]
+
+
+class ScaledHead(torch.nn.Module):
+    """``head(h) / T``: wraps a teacher's lm head so every consumer sees the logits ``z / T``."""
+
+    def __init__(self, head: torch.nn.Module, temperature: float):
+        super().__init__()
+        self.head = head
+        self.inv_temperature = 1.0 / temperature
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        z = self.head(hidden)
+        return z if self.inv_temperature == 1.0 else z * self.inv_temperature
+
+
+def sharpen(teacher: Any, temperature: float) -> Any:
+    """The same teacher with logits ``z / T`` (in place; no new parameters). Both the model's
+    forward (``.logits``) and a direct ``teacher.lm_head(h)`` (online KD) go through it."""
+    if temperature != 1.0:
+        teacher.lm_head = ScaledHead(teacher.lm_head, temperature)
+    return teacher
+
+
+def check_cache(url: str, teacher: Any, sequences: int = 4) -> dict[str, Any]:
+    """Compare the first ``sequences`` cached sequences with the PyTorch teacher (already
+    sharpened): ``max |cached logprob - log_softmax(z / T)[id]|`` over every cached entry, the
+    same for the tail mass ``1 - sum_topk p``, and the share of rows whose cached top-1 is the
+    teacher's argmax (float16 storage bounds the logprob difference to ~|logprob| * 2^-11)."""
+    from logitcache.cache_format import CacheReader
+
+    reader = CacheReader(url)
+    lp_diff, tail_diff, top1, rows = 0.0, 0.0, 0, 0
+    with torch.no_grad():
+        for i in range(min(sequences, reader.num_sequences)):
+            rec = reader.sequence(i)
+            ids = torch.as_tensor(rec.input_ids, dtype=torch.long)[None]
+            lp = torch.log_softmax(teacher(input_ids=ids).logits[0, :-1].float(), -1).numpy()
+            want = np.take_along_axis(lp, rec.topk_ids.astype(np.int64), axis=1)
+            lp_diff = max(lp_diff, float(np.abs(rec.topk_logprobs - want).max()))
+            tail = 1.0 - np.exp(want).sum(-1)
+            tail_diff = max(tail_diff, float(np.abs(rec.tail_or_computed() - tail).max()))
+            top1 += int((rec.topk_ids[:, 0] == lp.argmax(-1)).sum())
+            rows += lp.shape[0]
+    return {
+        "sequences": min(sequences, reader.num_sequences),
+        "rows": rows,
+        "max_abs_logprob_diff": lp_diff,
+        "max_abs_tail_mass_diff": tail_diff,
+        "top1_agreement": top1 / max(rows, 1),
+    }
 
 
 def committed_sequences(url: str) -> int:
@@ -170,12 +260,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train", max_len=plan.seq_len, min_len=8, limit=plan.train_seqs or None
     )
     name = f"tiny-train-k{plan.k}-L{plan.seq_len}-n{len(sequences)}"
-    service = TeacherService(
+    name += plan.temperature_tag.replace("_", "-")
+    service = TemperedTeacherService(
         models.teacher_dir,
         plan.workdir / "service",
         plan.k,
         max_seq_len=max(256, plan.seq_len),
         backend=plan.backend,
+        temperature=plan.teacher_temperature,
     )
     print(f"[distill] starting the teacher service ({plan.backend}) on {service.url}", flush=True)
     with service:
@@ -188,10 +280,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             k=plan.k,
             dataset=f"tiny fixture train split, pieces of <= {plan.seq_len}",
         )
+        teacher = sharpen(
+            LlamaForCausalLM.from_pretrained(str(models.teacher_dir)).float().eval(),
+            plan.teacher_temperature,
+        )
+        for p in teacher.parameters():
+            p.requires_grad_(False)
         cache = cache_stats(service.cache_url(name))
         if not cache["valid"]:
             raise RuntimeError(f"the job wrote an invalid cache: {cache['validation']}")
         print(f"[distill] {cache['validation']}", flush=True)
+        cache["check"] = check_cache(cache["url"], teacher)
+        print(f"[distill] cache vs PyTorch teacher at T: {cache['check']}", flush=True)
         if plan.read_from == "store":
             service.stop()  # training reads the Zarr store directly: free the engine's memory
         source: dict[str, Any] = {"source": cache["url"]}
@@ -214,9 +314,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def load_student() -> Any:
             return LlamaForCausalLM.from_pretrained(str(models.student_dir)).float()
 
-        teacher = LlamaForCausalLM.from_pretrained(str(models.teacher_dir)).float().eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
         held = make_heldout(teacher, models.token_stream("heldout"), plan.seq_len, plan.eval_tokens)
         untrained = evaluate(load_student(), held)
         settings = TrainSettings(
@@ -269,6 +366,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "total_s": time.perf_counter() - t_start,
         "notes": [],
     }
+    t = plan.teacher_temperature
+    chk = cache["check"]
+    rep["notes"].append(
+        f"teacher temperature T={t:g}: every method distils from softmax(z / {t:g}) (the "
+        "service scored the cache at T, online KD's target and the held-out KL use the same "
+        "sharpened PyTorch teacher; the teacher ppl above is its ppl at T). Cache vs PyTorch "
+        f"teacher on {chk['rows']} rows of {chk['sequences']} sequences: max |logprob diff| "
+        f"{chk['max_abs_logprob_diff']:.2e} (float16 storage), max |tail mass diff| "
+        f"{chk['max_abs_tail_mass_diff']:.2e}, top-1 agreement {100 * chk['top1_agreement']:.1f}%"
+    )
     if already:
         rep["notes"].append(
             f"{already} of the {len(sequences)} sequences were already in the cache from an "
