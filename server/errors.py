@@ -26,10 +26,22 @@ if TYPE_CHECKING:
 
 
 class ServiceError(Exception):
-    """Base of the service's typed errors: ``status`` is the HTTP status, ``code`` a stable slug."""
+    """Base of the service's typed errors: ``status`` is the HTTP status, ``code`` a stable slug.
+
+    A subclass names its own with class keywords, ``class X(ServiceError, status=404,
+    code="not_found")``; one that names neither inherits its parent's (so a handler of the
+    parent's status also catches it).
+    """
 
     status: int = 500
     code: str = "internal_error"
+
+    def __init_subclass__(cls, *, status: int | None = None, code: str | None = None) -> None:
+        super().__init_subclass__()
+        if status is not None:
+            cls.status = status
+        if code is not None:
+            cls.code = code
 
     def __init__(self, message: str, *, detail: Any = None):
         super().__init__(message)
@@ -37,65 +49,40 @@ class ServiceError(Exception):
         self.detail = detail
 
 
-class InvalidInputError(ServiceError):
+class InvalidInputError(ServiceError, status=422, code="invalid_input"):
     """The request parses but its content is unusable (ids, lengths, k, empty input)."""
 
-    status = 422
-    code = "invalid_input"
 
-
-class InvalidCacheNameError(InvalidInputError):
+class InvalidCacheNameError(InvalidInputError, code="invalid_cache_name"):
     """A cache name breaks the naming rule (see :data:`logitcache.server.caches.NAME_PATTERN`)."""
 
-    code = "invalid_cache_name"
 
-
-class InvalidPathError(InvalidInputError):
+class InvalidPathError(InvalidInputError, code="invalid_path"):
     """An input file path is absolute, escapes the data directory, or does not exist."""
 
-    code = "invalid_path"
 
-
-class PayloadTooLargeError(ServiceError):
+class PayloadTooLargeError(ServiceError, status=413, code="payload_too_large"):
     """The request body, the number of sequences or a sequence's length exceeds a server limit."""
 
-    status = 413
-    code = "payload_too_large"
 
-
-class UnauthorizedError(ServiceError):
+class UnauthorizedError(ServiceError, status=401, code="unauthorized"):
     """The API key is missing or wrong."""
 
-    status = 401
-    code = "unauthorized"
 
-
-class NotFoundError(ServiceError):
+class NotFoundError(ServiceError, status=404, code="not_found"):
     """A job or cache does not exist."""
 
-    status = 404
-    code = "not_found"
 
-
-class ConflictError(ServiceError):
+class ConflictError(ServiceError, status=409, code="conflict"):
     """The request contradicts existing state (a cache of another teacher, tokenizer or k)."""
 
-    status = 409
-    code = "conflict"
 
-
-class NotAcceptableError(ServiceError):
+class NotAcceptableError(ServiceError, status=406, code="not_acceptable"):
     """The ``Accept`` header names no media type this endpoint can produce."""
 
-    status = 406
-    code = "not_acceptable"
 
-
-class UnavailableError(ServiceError):
+class UnavailableError(ServiceError, status=503, code="unavailable"):
     """The engine is not ready or has died."""
-
-    status = 503
-    code = "unavailable"
 
 
 def format_error_status(exc: FormatError) -> tuple[int, str]:
