@@ -311,6 +311,33 @@ class EngineConfig:
         return self.model_id or self.model
 
 
+def engine_info(
+    cfg: EngineConfig,
+    *,
+    tokenizer: Any,
+    vocab_size: int,
+    max_model_len: int,
+    backend: Backend,
+    dtype: str,
+) -> EngineInfo:
+    """The :class:`EngineInfo` of an engine built from ``cfg``, the same for every backend:
+    ``cfg.display_id``, :func:`local_revision`, ``max_k = min(cfg.max_k, vocab_size)``, the
+    tokenizer's fingerprint, ``cfg.temperature`` and :data:`LOGPROB_MODE`; the backend supplies
+    the vocabulary size, the accepted prompt length and the dtype it resolved."""
+    return EngineInfo(
+        model_id=cfg.display_id,
+        revision=local_revision(cfg.model, cfg.revision),
+        vocab_size=vocab_size,
+        max_k=min(cfg.max_k, vocab_size),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        temperature=cfg.temperature,
+        logprob_mode=LOGPROB_MODE,
+        max_model_len=max_model_len,
+        backend=backend,
+        dtype=dtype,
+    )
+
+
 #: ServerSettings attribute -> EngineConfig field.
 _SETTINGS_FIELDS = {
     "model": "model",

@@ -21,20 +21,17 @@ from typing import Any
 import numpy as np
 
 from .engine import (
-    LOGPROB_MODE,
     EngineClosedError,
     EngineConfig,
     EngineConfigError,
-    EngineInfo,
     EngineInputError,
     ScoreTimings,
     Stopwatch,
     TeacherScores,
     check_k,
     check_prompts,
-    local_revision,
+    engine_info,
     make_scores,
-    tokenizer_fingerprint,
 )
 
 #: Config attributes that mean the logits are not just ``h W^T + b``.
@@ -108,14 +105,10 @@ class TransformersEngine:
         if cfg.max_model_len is None and model_max is None:
             raise EngineConfigError("max_model_len unknown: set it (the model config has none)")
         max_len = min(x for x in (cfg.max_model_len, model_max) if x is not None)
-        self.info = EngineInfo(
-            model_id=cfg.display_id,
-            revision=local_revision(cfg.model, cfg.revision),
+        self.info = engine_info(
+            cfg,
+            tokenizer=self.tokenizer,
             vocab_size=vocab,
-            max_k=min(cfg.max_k, vocab),
-            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
-            temperature=cfg.temperature,
-            logprob_mode=LOGPROB_MODE,
             max_model_len=max_len,
             backend="transformers",
             dtype=str(self.dtype).removeprefix("torch."),

@@ -57,17 +57,15 @@ from .engine import (
     EngineConfig,
     EngineConfigError,
     EngineError,
-    EngineInfo,
     EngineInputError,
     ScoreTimings,
     Stopwatch,
     TeacherScores,
     check_k,
     check_prompts,
-    local_revision,
+    engine_info,
     make_scores,
     model_max_len,
-    tokenizer_fingerprint,
 )
 
 #: Architectures whose vLLM 0.32 model multiplies ``config.logit_scale`` into the logits
@@ -339,14 +337,10 @@ class VllmEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
-        self.info = EngineInfo(
-            model_id=cfg.display_id,
-            revision=local_revision(cfg.model, cfg.revision),
+        self.info = engine_info(
+            cfg,
+            tokenizer=self.tokenizer,
             vocab_size=vocab_size,
-            max_k=min(cfg.max_k, vocab_size),
-            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer),
-            temperature=cfg.temperature,
-            logprob_mode=LOGPROB_MODE,
             max_model_len=accepted,
             backend="vllm",
             dtype=cfg.dtype,
