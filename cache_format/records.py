@@ -47,8 +47,25 @@ def _as_float32(name: str, value: Any, key: str | None) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+class TopkRows:
+    """Sizes derived from a ``topk_ids [rows, k]`` array (shared by every holder of rows, e.g.
+    :class:`SequenceRecord` and the server's ``TeacherScores``)."""
+
+    topk_ids: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        """Number of rows (``L - 1`` for a sequence of ``L`` tokens)."""
+        return int(self.topk_ids.shape[0])
+
+    @property
+    def k(self) -> int:
+        """Top-k ids per row."""
+        return int(self.topk_ids.shape[1])
+
+
 @dataclass(frozen=True, eq=False)
-class SequenceRecord:
+class SequenceRecord(TopkRows):
     """One cached sequence.
 
     Fields: ``key`` (caller's id, or ``None`` for the content key of ``input_ids``),
@@ -96,15 +113,6 @@ class SequenceRecord:
     def length(self) -> int:
         """Number of tokens ``L``."""
         return int(self.input_ids.shape[0])
-
-    @property
-    def num_rows(self) -> int:
-        """Number of rows ``L - 1``."""
-        return int(self.topk_ids.shape[0])
-
-    @property
-    def k(self) -> int:
-        return int(self.topk_ids.shape[1])
 
     @property
     def labels(self) -> np.ndarray:

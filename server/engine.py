@@ -28,16 +28,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
-
-try:  # the format engineer's canonical fingerprint
-    from logitcache.cache_format import tokenizer_fingerprint
-except ImportError:  # pragma: no cover - only while cache_format is incomplete
-
-    def tokenizer_fingerprint(tokenizer: Any) -> str:
-        """Fallback: sha256 of the sorted vocabulary."""
-        vocab = sorted(tokenizer.get_vocab().items())
-        return "sha256:" + hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
-
+from logitcache.cache_format import tokenizer_fingerprint
+from logitcache.cache_format.records import TopkRows, tail_from_logprobs
 
 Backend = Literal["vllm", "transformers"]
 #: Accepted spellings of the backends (``hf`` is the server settings' name).
@@ -86,21 +78,14 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
-class TeacherScores:
+class TeacherScores(TopkRows):
     """The rows of one prompt: ``topk_ids [L-1, k]`` int32, ``topk_logprobs [L-1, k]`` float32,
-    ``tail_mass [L-1]`` float32 (see the module docstring)."""
+    ``tail_mass [L-1]`` float32 (see the module docstring); ``num_rows`` and ``k`` as for a
+    cached record."""
 
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
     tail_mass: np.ndarray
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.topk_ids.shape[0])
-
-    @property
-    def k(self) -> int:
-        return int(self.topk_ids.shape[1])
 
 
 @dataclass
@@ -141,17 +126,12 @@ class TeacherEngine(Protocol):
 # ------------------------------------------------------------------------------------- helpers
 
 
-def tail_mass_of(topk_logprobs: np.ndarray) -> np.ndarray:
-    """``clip(1 - sum(exp(lp), -1), 0, 1)`` as float32, summed in float64."""
-    s = np.exp(topk_logprobs.astype(np.float64)).sum(axis=-1)
-    return np.clip(1.0 - s, 0.0, 1.0).astype(np.float32)
-
-
 def make_scores(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> TeacherScores:
-    """Wrap ``[rows, k]`` arrays (cast to int32/float32, C-contiguous) and add the tail mass."""
+    """Wrap ``[rows, k]`` arrays (cast to int32/float32, C-contiguous) and add the tail mass
+    (:func:`~logitcache.cache_format.records.tail_from_logprobs`: the format's own formula)."""
     ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
     lps = np.ascontiguousarray(topk_logprobs, dtype=np.float32)
-    return TeacherScores(topk_ids=ids, topk_logprobs=lps, tail_mass=tail_mass_of(lps))
+    return TeacherScores(topk_ids=ids, topk_logprobs=lps, tail_mass=tail_from_logprobs(lps))
 
 
 def check_k(k: int, max_k: int, vocab_size: int) -> int:
