@@ -38,6 +38,7 @@ def _options(pairs: list[str] | None) -> dict:
 @app.command()
 def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")):
     """Print the manifest, sizes and compression ratio of the store at URL."""
+    from .manifest import IDENTITY_FIELDS
     from .reader import CacheReader
     from .stats import store_stats
 
@@ -57,21 +58,7 @@ def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False
         typer.echo(json.dumps(doc, indent=2))
         return
     typer.echo(f"store      {url}")
-    for name in (
-        "teacher_model",
-        "teacher_revision",
-        "tokenizer_fingerprint",
-        "vocab_size",
-        "k",
-        "temperature",
-        "logprob_mode",
-        "logprob_dtype",
-        "tail_mass_dtype",
-        "dataset",
-        "created",
-        "updated",
-        "generation",
-    ):
+    for name in (*IDENTITY_FIELDS, "dataset", "created", "updated", "generation"):
         typer.echo(f"{name:<22} {getattr(m, name)}")
     typer.echo(f"{'sequences':<22} {m.num_sequences}")
     typer.echo(f"{'rows (positions)':<22} {m.num_rows}")

@@ -20,12 +20,17 @@ _BLOSC = re.compile(r"^blosc-(zstd|lz4hc|lz4|zlib|blosclz)(\d?)-(noshuffle|shuff
 _ZSTD = re.compile(r"^zstd(\d{1,2})$")
 
 
-def compressors(name: str, typesize: int) -> tuple:
-    """Bytes-to-bytes codecs (compressor + CRC32C) for codec ``name`` on items of ``typesize``."""
+def compressors(name: str, typesize: int, blocksize: int = 0) -> tuple:
+    """Bytes-to-bytes codecs (compressor + CRC32C) for codec ``name`` on items of ``typesize``.
+
+    ``blocksize``: bytes per blosc block (0: blosc's automatic choice); ignored by zstd.
+    """
     m = _BLOSC.match(name)
     if m:
         cname, level, shuffle = m.group(1), int(m.group(2) or 5), m.group(3)
-        comp = BloscCodec(cname=cname, clevel=level, shuffle=shuffle, typesize=typesize)
+        comp = BloscCodec(
+            cname=cname, clevel=level, shuffle=shuffle, typesize=typesize, blocksize=blocksize
+        )
         return (comp, Crc32cCodec())
     m = _ZSTD.match(name)
     if m:

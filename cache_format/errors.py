@@ -63,5 +63,10 @@ class CorruptStoreError(FormatError):
     """The store's committed data breaks an invariant a reader relies on (see FORMAT.md)."""
 
 
+class ChecksumError(CorruptStoreError):
+    """Stored bytes fail their CRC32C or framing (FORMAT.md R7): a damaged object, or a read that
+    raced a writer's shard rewrite. Readers retry it on a fresh snapshot before raising it."""
+
+
 class WireFormatError(FormatError):
     """Bytes given to the wire decoder are not a valid (or complete) logitcache frame."""

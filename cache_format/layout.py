@@ -18,7 +18,11 @@ from .quant import STORED_DTYPE
 
 @dataclass(frozen=True)
 class ArrayDef:
-    """One array of the format: ``k_axis`` is True for ``[n, k]`` arrays, else ``[n]``."""
+    """One array of the format: ``k_axis`` is True for ``[n, k]`` arrays, else ``[n]``.
+
+    ``whole_blocks``: a blosc codec compresses each inner chunk as one block (else blosc picks
+    its block size).
+    """
 
     name: str
     dtype: str
@@ -27,55 +31,44 @@ class ArrayDef:
     shard: int
     codec: str
     dims: tuple[str, ...]
+    whole_blocks: bool = False
 
 
 def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) -> list[ArrayDef]:
     """Every array a store with this manifest has, in write order (commit comes after all)."""
+    whole = layout.blosc_blocks == "chunk"
+    row_chunk, row_shard = layout.row_chunk, layout.row_shard
+
+    def rows(name: str, dtype: str, codec: str) -> ArrayDef:  # [n] per-row arrays
+        return ArrayDef(name, dtype, False, row_chunk * 8, row_shard * 8, codec, ("row",), whole)
+
+    def per_seq(name: str, dtype: str) -> ArrayDef:
+        codec = "zstd3" if dtype == "str" else layout.other_codec
+        return ArrayDef(
+            name, dtype, False, layout.seq_chunk, layout.seq_shard, codec, ("sequence",), whole
+        )
+
     lp_dtype = manifest.logprob_dtype
-    rows = ("row",)
+    dims2 = ("row", "rank")
     defs = [
-        ArrayDef(
-            spec.TOPK_IDS,
-            "int32",
-            True,
-            layout.row_chunk,
-            layout.row_shard,
-            layout.id_codec,
-            ("row", "rank"),
-        ),
+        ArrayDef(spec.TOPK_IDS, "int32", True, row_chunk, row_shard, layout.id_codec, dims2, whole),
         ArrayDef(
             spec.TOPK_LOGPROBS,
             STORED_DTYPE[lp_dtype],
             True,
-            layout.row_chunk,
-            layout.row_shard,
+            row_chunk,
+            row_shard,
             layout.logprob_codec,
-            ("row", "rank"),
+            dims2,
+            whole,
         ),
     ]
     if lp_dtype in spec.QUANTISED_DTYPES:
-        for name in (spec.LOGPROB_MAX, spec.LOGPROB_STEP):
-            defs.append(
-                ArrayDef(
-                    name,
-                    "float32",
-                    False,
-                    layout.row_chunk * 8,
-                    layout.row_shard * 8,
-                    layout.other_codec,
-                    rows,
-                )
-            )
+        defs += [
+            rows(n, "float32", layout.other_codec) for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
+        ]
     defs += [
-        ArrayDef(
-            spec.TAIL_MASS,
-            manifest.tail_mass_dtype,
-            False,
-            layout.row_chunk * 8,
-            layout.row_shard * 8,
-            layout.other_codec,
-            rows,
-        ),
+        rows(spec.TAIL_MASS, manifest.tail_mass_dtype, layout.other_codec),
         ArrayDef(
             spec.INPUT_IDS,
             "int32",
@@ -84,37 +77,12 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
             layout.token_shard,
             layout.id_codec,
             ("token",),
+            whole,
         ),
-        ArrayDef(
-            spec.SEQ_KEYS, "str", False, layout.seq_chunk, layout.seq_shard, "zstd3", ("sequence",)
-        ),
-        ArrayDef(
-            spec.SEQ_LENGTHS,
-            "int32",
-            False,
-            layout.seq_chunk,
-            layout.seq_shard,
-            layout.other_codec,
-            ("sequence",),
-        ),
-        ArrayDef(
-            spec.SEQ_TOKEN_START,
-            "int64",
-            False,
-            layout.seq_chunk,
-            layout.seq_shard,
-            layout.other_codec,
-            ("sequence",),
-        ),
-        ArrayDef(
-            spec.SEQ_ROW_START,
-            "int64",
-            False,
-            layout.seq_chunk,
-            layout.seq_shard,
-            layout.other_codec,
-            ("sequence",),
-        ),
+        per_seq(spec.SEQ_KEYS, "str"),
+        per_seq(spec.SEQ_LENGTHS, "int32"),
+        per_seq(spec.SEQ_TOKEN_START, "int64"),
+        per_seq(spec.SEQ_ROW_START, "int64"),
     ]
     if manifest.id_remap:
         vocab = manifest.vocab_size
@@ -130,6 +98,7 @@ def create_array(store, d: ArrayDef, k: int) -> zarr.Array:
     dtype = str if d.dtype == "str" else d.dtype
     itemsize = 1 if d.dtype == "str" else np.dtype(d.dtype).itemsize
     kwargs = {} if d.dtype == "str" else {"fill_value": 0}
+    block = d.chunk * (k if d.k_axis else 1) * itemsize if d.whole_blocks else 0
     return zarr.create_array(
         store,
         name=d.name,
@@ -137,7 +106,7 @@ def create_array(store, d: ArrayDef, k: int) -> zarr.Array:
         dtype=dtype,
         chunks=chunks,
         shards=shards,
-        compressors=compressors(d.codec, itemsize),
+        compressors=compressors(d.codec, itemsize, blocksize=block),
         dimension_names=list(d.dims),
         overwrite=True,
         **kwargs,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels
 from .spec import LOGPROB_MAX, LOGPROB_STEP, QUANTISED_DTYPES, TOPK_LOGPROBS
 
 _QMAX = {"uint8": 255, "uint16": 65535}
@@ -39,7 +40,7 @@ def row_delta(u: np.ndarray) -> np.ndarray:
 
 def row_undelta(d: np.ndarray) -> np.ndarray:
     """Inverse of :func:`row_delta` (cumulative sum in the same unsigned dtype, wrapping)."""
-    return np.cumsum(d, axis=1, dtype=d.dtype)
+    return kernels.row_undelta(np.asarray(d))
 
 
 def encode_logprobs(lp: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
@@ -60,21 +61,44 @@ def encode_logprobs(lp: np.ndarray, dtype: str) -> dict[str, np.ndarray]:
     raise ValueError(f"unknown logprob dtype {dtype!r}")
 
 
+OUT_DTYPES = ("float32", "float16")
+"""Dtypes :func:`decode_logprobs` can return."""
+
+
 def decode_logprobs(
-    stored: np.ndarray, dtype: str, mx: np.ndarray | None = None, step: np.ndarray | None = None
+    stored: np.ndarray,
+    dtype: str,
+    mx: np.ndarray | None = None,
+    step: np.ndarray | None = None,
+    *,
+    out_dtype: str = "float32",
+    in_place: bool = False,
 ) -> np.ndarray:
-    """Inverse of :func:`encode_logprobs`: float32 ``[n, k]`` logprobs."""
-    u = row_undelta(np.asarray(stored, dtype=STORED_DTYPE[dtype]))
-    if dtype == "float32":
-        return u.view(np.float32)
+    """Inverse of :func:`encode_logprobs`: ``[n, k]`` logprobs as ``out_dtype``.
+
+    ``out_dtype="float32"`` (default) gives the decoded values of FORMAT.md D3. ``"float16"``
+    returns the stored float16 values themselves for ``dtype="float16"`` (no widening: exact,
+    half the bytes), and the float32 values rounded to float16 for the other encodings (lossy).
+    ``in_place=True`` lets the row-delta inverse overwrite ``stored`` (a decoded block the caller
+    owns), saving one array.
+    """
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
+    d = np.asarray(stored, dtype=STORED_DTYPE[dtype])
+    u = kernels.row_undelta(d, out=d if in_place and d is stored else None)
     if dtype == "float16":
-        return u.view(np.float16).astype(np.float32)
-    if dtype in QUANTISED_DTYPES:
+        h = u.view(np.float16)
+        return h if out_dtype == "float16" else kernels.half_to_float(h)
+    if dtype == "float32":
+        out = u.view(np.float32)
+    elif dtype in QUANTISED_DTYPES:
         if mx is None or step is None:
             raise ValueError("quantised logprobs need logprob_max and logprob_step")
         out = mx[:, None].astype(np.float32) - u.astype(np.float32) * step[:, None]
-        return out.astype(np.float32, copy=False)
-    raise ValueError(f"unknown logprob dtype {dtype!r}")
+        out = out.astype(np.float32, copy=False)
+    else:
+        raise ValueError(f"unknown logprob dtype {dtype!r}")
+    return out.astype(np.float16) if out_dtype == "float16" else out
 
 
 def error_bound(lp: np.ndarray, dtype: str) -> np.ndarray:

@@ -3,7 +3,13 @@
 A reader works on a snapshot: the manifest (commit point) read at open or at :meth:`refresh`.
 It never reads past the snapshot's counts, so while a writer appends it sees a consistent
 committed prefix. Reads only touch the chunks that hold the requested rows. A read that races
-a writer's rewrite of a partly filled shard fails its CRC32C and is retried on a fresh snapshot.
+a writer's rewrite of a partly filled shard fails its CRC32C and is retried on a fresh snapshot;
+a failure that persists is a :class:`~.errors.CorruptStoreError` (a :class:`~.errors.ChecksumError`
+for bad bytes).
+
+Row and token reads of the format's arrays go through :mod:`.shardread` (shard objects read
+with few store requests and decoded straight into the output), arrays of any other layout
+through zarr's array API (``direct=False`` forces zarr for all); both return the same values.
 """
 
 from __future__ import annotations
@@ -18,15 +24,41 @@ import numpy as np
 import zarr
 from zarr.core.sync import sync
 
-from . import idmap, spec
-from .errors import CorruptStoreError, FormatError, StoreNotFoundError
+from . import idmap, shardread, spec
+from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
 from .layout import parse_root, read_root_attrs
 from .manifest import Manifest
-from .quant import decode_logprobs
+from .quant import OUT_DTYPES, decode_logprobs
 from .records import RowBlock, SequenceRecord
 from .store import open_store
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
+
+
+def _with_retries(fn, on_retry=None):
+    """Run ``fn``; retry a raced read (bad checksum or bytes, I/O error) with backoff.
+
+    Typed errors other than :class:`ChecksumError` (and IndexError/KeyError) are the caller's and
+    raised at once. A decoding failure that persists becomes a :class:`CorruptStoreError`.
+    """
+    for attempt in range(_RETRIES):
+        try:
+            return fn()
+        except ChecksumError as e:
+            err: Exception = e
+        except (FormatError, IndexError, KeyError):
+            raise
+        except Exception as e:
+            err = e
+        if attempt < _RETRIES - 1:
+            time.sleep(0.01 * 2**attempt)
+            if on_retry is not None:
+                on_retry()
+    if isinstance(err, ChecksumError):
+        raise err
+    if isinstance(err, ValueError | RuntimeError):  # zarr/numcodecs: CRC32C or codec failure
+        raise CorruptStoreError(f"unreadable after {_RETRIES} attempts: {err}") from err
+    raise err
 
 
 def _array_names(m: Manifest) -> list[str]:
@@ -43,6 +75,8 @@ class CacheReader:
 
     ``as_torch=True`` makes :meth:`sequence`, :meth:`get`, :meth:`sequences` and :meth:`rows`
     return dicts of torch tensors (``record.to_torch()``) instead of numpy records.
+    ``direct=False`` reads every array through zarr's array API instead of :mod:`.shardread`
+    (same values, slower; for comparison and as an escape hatch).
     """
 
     def __init__(
@@ -51,11 +85,14 @@ class CacheReader:
         storage_options: dict[str, Any] | None = None,
         *,
         as_torch: bool = False,
+        direct: bool = True,
     ):
         self._handle = open_store(url, storage_options, read_only=True)
         self._store = self._handle.zstore
         self.as_torch = as_torch
+        self.direct = direct
         self._arrays: dict[str, zarr.Array] = {}
+        self._direct: dict[str, shardread.DirectLayout] = {}
         self._keys: list[str] = []
         self._key_index: dict[str, int] = {}
         self._lengths = np.zeros(0, dtype=np.int32)
@@ -72,16 +109,7 @@ class CacheReader:
         A read that races a writer's shard rewrite (CRC32C mismatch, truncated object) is retried
         on a freshly read commit.
         """
-        for attempt in range(_RETRIES):
-            try:
-                return self._refresh_once()
-            except FormatError:
-                raise
-            except Exception:
-                if attempt == _RETRIES - 1:
-                    raise
-                time.sleep(0.01 * 2**attempt)
-        raise AssertionError("unreachable")
+        return _with_retries(self._refresh_once)
 
     def _refresh_once(self) -> bool:
         try:
@@ -121,7 +149,7 @@ class CacheReader:
             if not idmap.is_permutation(order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
             self._id_order = order
-        self._arrays = arrays
+        self._set_arrays(arrays)
         known = len(self._keys)
         s = m.num_sequences
         if s > known:
@@ -186,23 +214,22 @@ class CacheReader:
 
     # ------------------------------------------------------------------ reading
     def _retry(self, fn):
-        """Run ``fn``; on a checksum/decoding failure (raced rewrite) refresh and retry."""
-        for attempt in range(_RETRIES):
-            try:
-                return fn()
-            except (FormatError, IndexError, KeyError):
-                raise
-            except Exception:
-                if attempt == _RETRIES - 1:
-                    raise
-                time.sleep(0.01 * 2**attempt)
-                self._reopen_arrays()
-        raise AssertionError("unreachable")
+        """Run ``fn``; on a checksum/decoding failure (raced rewrite) reopen the arrays, retry."""
+        return _with_retries(fn, self._reopen_arrays)
+
+    def _set_arrays(self, arrays: dict[str, zarr.Array]) -> None:
+        self._arrays = arrays
+        self._direct = {}
+        if self.direct:
+            for n, a in arrays.items():
+                lay = shardread.direct_layout(a, n)
+                if lay is not None:
+                    self._direct[n] = lay
 
     def _reopen_arrays(self) -> None:
-        self._arrays = {
-            n: zarr.open_array(self._store, path=n, mode="r") for n in self._arrays_names()
-        }
+        self._set_arrays(
+            {n: zarr.open_array(self._store, path=n, mode="r") for n in self._arrays_names()}
+        )
 
     def _arrays_names(self) -> list[str]:
         return _array_names(self.manifest)
@@ -218,13 +245,39 @@ class CacheReader:
             raise IndexError(f"sequence index {i} out of range [0, {n})")
         return i
 
-    def _fetch(self, spans: list[tuple[slice, slice | None]]) -> list[tuple[np.ndarray, ...]]:
-        """Read row ranges (and token ranges) with every array read of every span issued
-        concurrently in one call into zarr's event loop (per-call overhead dominates small reads).
+    def _read(self, jobs: list[tuple[str, slice]]) -> list[np.ndarray]:
+        """Stored values of ``array[sel]`` for each job, all I/O issued concurrently in one call
+        into zarr's event loop (per-call overhead dominates small reads), then decoded here."""
+        a, direct = self._arrays, self._direct
 
-        Returns per span ``(topk_ids, float32 logprobs, tail[, tokens])``.
+        def io(name: str, sel: slice):
+            lay = direct.get(name)
+            if lay is None:
+                return a[name]._async_array.getitem(sel)
+            return shardread.fetch(lay, sel.start, sel.stop)
+
+        async def gather():
+            return await asyncio.gather(*(io(n, sel) for n, sel in jobs))
+
+        out = []
+        for (name, sel), got in zip(jobs, sync(gather()), strict=True):
+            lay = direct.get(name)
+            if lay is not None:
+                block = lay.empty(sel.stop - sel.start)
+                shardread.decode(lay, got, sel.start, sel.stop, block)
+                got = block
+            out.append(got)
+        return out
+
+    def _fetch(
+        self, spans: list[tuple[slice, slice | None]], logprob_dtype: str = "float32"
+    ) -> list[tuple[np.ndarray, ...]]:
+        """Read row ranges (and token ranges) of every span in one :meth:`_read`.
+
+        Returns per span ``(topk_ids, logprobs as logprob_dtype, float32 tail[, tokens])``.
         """
-        a = self._arrays
+        if logprob_dtype not in OUT_DTYPES:
+            raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
         dtype = self.manifest.logprob_dtype
         names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
         if dtype in spec.QUANTISED_DTYPES:
@@ -234,11 +287,7 @@ class CacheReader:
             jobs += [(n, rows) for n in names]
             if toks is not None:
                 jobs.append((spec.INPUT_IDS, toks))
-
-        async def gather():
-            return await asyncio.gather(*(a[n]._async_array.getitem(sel) for n, sel in jobs))
-
-        results = iter(sync(gather()))
+        results = iter(self._read(jobs))
         out = []
         for _rows, toks in spans:
             got = {n: next(results) for n in names}
@@ -247,12 +296,14 @@ class CacheReader:
             ids = got[spec.TOPK_IDS]
             if self._id_order is not None:
                 ids = self._id_order[ids]
-            if dtype in spec.QUANTISED_DTYPES:
-                lp = decode_logprobs(
-                    got[spec.TOPK_LOGPROBS], dtype, got[spec.LOGPROB_MAX], got[spec.LOGPROB_STEP]
-                )
-            else:
-                lp = decode_logprobs(got[spec.TOPK_LOGPROBS], dtype)
+            lp = decode_logprobs(
+                got[spec.TOPK_LOGPROBS],
+                dtype,
+                got.get(spec.LOGPROB_MAX),
+                got.get(spec.LOGPROB_STEP),
+                out_dtype=logprob_dtype,
+                in_place=True,
+            )
             tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
             out.append((ids, lp, tail) if toks is None else (ids, lp, tail, got[spec.INPUT_IDS]))
         return out
@@ -260,12 +311,13 @@ class CacheReader:
     def _out(self, rec):
         return rec.to_torch() if self.as_torch else rec
 
-    def sequence(self, i: int) -> SequenceRecord | dict:
-        """Sequence ``i`` (storage order) as a :class:`SequenceRecord` with float32 logprobs."""
+    def sequence(self, i: int, *, logprob_dtype: str = "float32") -> SequenceRecord | dict:
+        """Sequence ``i`` (storage order) as a :class:`SequenceRecord`; ``logprob_dtype`` as in
+        :meth:`rows`."""
         i = self._check_seq(i)
 
         def read():
-            ids, lp, tail, tokens = self._fetch([self._span(i)])[0]
+            ids, lp, tail, tokens = self._fetch([self._span(i)], logprob_dtype)[0]
             return SequenceRecord(self._keys[i], tokens, ids, lp, tail)
 
         return self._out(self._retry(read))
@@ -280,14 +332,14 @@ class CacheReader:
         t0, r0, n = int(self._tok_start[i]), int(self._row_start[i]), int(self._lengths[i])
         return slice(r0, r0 + n - 1), slice(t0, t0 + n)
 
-    def sequences(self, indices: Sequence[int]) -> list:
+    def sequences(self, indices: Sequence[int], *, logprob_dtype: str = "float32") -> list:
         """Several sequences, all their reads issued concurrently (one zarr call)."""
         idx = [self._check_seq(i) for i in indices]
         if not idx:
             return []
 
         def read():
-            got = self._fetch([self._span(i) for i in idx])
+            got = self._fetch([self._span(i) for i in idx], logprob_dtype)
             return [
                 SequenceRecord(self._keys[i], tokens, ids, lp, tail)
                 for i, (ids, lp, tail, tokens) in zip(idx, got, strict=True)
@@ -295,14 +347,19 @@ class CacheReader:
 
         return [self._out(rec) for rec in self._retry(read)]
 
-    def rows(self, start: int, stop: int) -> RowBlock | dict:
-        """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`)."""
+    def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
+        """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).
+
+        ``logprob_dtype="float32"`` (default): logprobs decoded to float32 (FORMAT.md D3).
+        ``"float16"``: for a float16 store the stored values themselves (exact, no widening, the
+        fastest read); for other encodings the float32 values rounded to float16.
+        """
         n = self.num_rows
         if not (0 <= start <= stop <= n):
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
 
         def read():
-            ids, lp, tail = self._fetch([(slice(start, stop), None)])[0]
+            ids, lp, tail = self._fetch([(slice(start, stop), None)], logprob_dtype)[0]
             return RowBlock(start, ids, lp, tail)
 
         return self._out(self._retry(read))
@@ -311,7 +368,7 @@ class CacheReader:
         """Global input-token range ``[start, stop)`` of the flat ``input_ids`` array."""
         if not (0 <= start <= stop <= self.num_tokens):
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
-        return self._retry(lambda: self._arrays[spec.INPUT_IDS][start:stop])
+        return self._retry(lambda: self._read([(spec.INPUT_IDS, slice(start, stop))])[0])
 
     def __iter__(self):
         for i in range(self.num_sequences):

@@ -66,6 +66,10 @@ class Layout:
     id_codec: str = "blosc-zstd1-bitshuffle"
     logprob_codec: str = "blosc-zstd1-shuffle"
     other_codec: str = "blosc-zstd5-shuffle"
+    blosc_blocks: Literal["chunk", "auto"] = "chunk"
+    """``"chunk"``: blosc compresses each inner chunk as one block (smaller and faster to decode
+    than blosc's automatic 32 KiB blocks at these chunk sizes, see format.md); ``"auto"``: blosc
+    picks the block size (stores written before this default)."""
 
 
 DEFAULT_LAYOUT = Layout()

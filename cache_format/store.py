@@ -1,6 +1,7 @@
 """Opening a zarr store from a URL (local directory, s3://, gs://, az://, any fsspec URL).
 
-- A path or ``file://`` URL: :class:`zarr.storage.LocalStore` (atomic per-object writes).
+- A path or ``file://`` URL: :class:`zarr.storage.LocalStore` (atomic per-object writes); for
+  writing :class:`DurableLocalStore`, which also fsyncs (FORMAT.md W5).
 - ``s3://``, ``gs://``, ``az://``/``abfs://``: :class:`zarr.storage.ObjectStore` over obstore
   (conditional puts give a safe writer lock). ``storage_options`` accepts s3fs-style names
   (``endpoint_url``, ``key``, ``secret``, ``token``, ``region``, ``anon``, ``client_kwargs``)
@@ -10,12 +11,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import zarr.storage
+from zarr.core.buffer import Buffer
 
 from .errors import FormatError
 
@@ -31,6 +37,79 @@ _S3FS_TO_OBSTORE = {
 }
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DurableLocalStore(zarr.storage.LocalStore):
+    """A :class:`zarr.storage.LocalStore` whose object writes survive power loss once
+    :meth:`sync_dirs` has returned.
+
+    Each object is written as zarr's LocalStore writes it (a ``*.partial`` temporary file renamed
+    over the key, so a reader sees the old or the new object, never a torn one) and its bytes are
+    fsynced before the rename. The rename itself (a directory entry) becomes durable when the
+    directory is fsynced: the store remembers every directory whose entries it changed and
+    :meth:`sync_dirs` fsyncs each once. The writer calls it after the data of an append and again
+    after the commit (FORMAT.md W3-W5).
+    """
+
+    def __init__(self, root: Path | str, *, read_only: bool = False) -> None:
+        super().__init__(root, read_only=read_only)
+        self._dirty: set[Path] = set()
+        self._dirty_lock = threading.Lock()
+
+    def _put_durable(self, path: Path, value: Buffer, exclusive: bool) -> None:
+        changed = [path.parent]
+        missing = path.parent
+        while not missing.exists():  # new directories: their parents' entries change too
+            changed.append(missing.parent)
+            missing = missing.parent
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+        try:
+            with tmp.open("wb") as f:
+                f.write(value.as_buffer_like())
+                f.flush()
+                os.fsync(f.fileno())
+            if exclusive:  # like zarr: fails if the key exists
+                os.link(tmp, path)
+                os.unlink(tmp)
+            else:
+                tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        with self._dirty_lock:
+            self._dirty.update(changed)
+
+    async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
+        if not self._is_open:
+            await self._open()
+        self._check_writable()
+        if not isinstance(value, Buffer):
+            raise TypeError(f"value must be a zarr Buffer, got {type(value).__name__}")
+        await asyncio.to_thread(self._put_durable, self.root / key, value, exclusive)
+
+    def set_sync(self, key: str, value: Buffer) -> None:
+        self._ensure_open_sync()
+        self._check_writable()
+        if not isinstance(value, Buffer):
+            raise TypeError(f"value must be a zarr Buffer, got {type(value).__name__}")
+        self._put_durable(self.root / key, value, False)
+
+    def sync_dirs(self) -> None:
+        """fsync every directory whose entries changed since the last call."""
+        with self._dirty_lock:
+            dirty, self._dirty = self._dirty, set()
+        for d in sorted(dirty, key=lambda p: len(p.parts), reverse=True):  # leaves first
+            if d.exists():
+                _fsync_dir(d)
+
+
 @dataclass
 class StoreHandle:
     """An opened zarr store plus what the writer lock needs to know about it."""
@@ -40,6 +119,13 @@ class StoreHandle:
     kind: str  # "local" | "object" | "fsspec"
     local_path: Path | None = None
     objstore: Any = None  # obstore store, for kind == "object"
+
+    def barrier(self) -> None:
+        """Make every object written so far durable: on a :class:`DurableLocalStore` fsync the
+        changed directories (object bytes are fsynced as written); elsewhere a no-op (a
+        completed PUT is the object store's to keep)."""
+        if isinstance(self.zstore, DurableLocalStore):
+            self.zstore.sync_dirs()
 
 
 def _scheme(url: str) -> str:
@@ -97,9 +183,17 @@ def fsspec_storage_options(url: str, options: dict[str, Any] | None) -> dict[str
 
 
 def open_store(
-    url: str | Path, storage_options: dict[str, Any] | None = None, *, read_only: bool
+    url: str | Path,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    read_only: bool,
+    fsync: bool = True,
 ) -> StoreHandle:
-    """Open the zarr store behind ``url`` (see module docstring for the URL forms)."""
+    """Open the zarr store behind ``url`` (see module docstring for the URL forms).
+
+    ``fsync=False`` writes a local store without fsync (zarr's plain LocalStore: faster, not
+    durable against power loss; still atomic per object).
+    """
     url = str(url)
     options = dict(storage_options or {})
     backend = options.pop("backend", None)
@@ -108,7 +202,8 @@ def open_store(
         path = Path(urlparse(url).path if scheme == "file" else url).expanduser().absolute()
         if not read_only:
             path.mkdir(parents=True, exist_ok=True)
-        zstore = zarr.storage.LocalStore(path, read_only=read_only)
+        cls = DurableLocalStore if fsync and not read_only else zarr.storage.LocalStore
+        zstore = cls(path, read_only=read_only)
         return StoreHandle(url=url, zstore=zstore, kind="local", local_path=path)
     if scheme in OBJECT_SCHEMES and backend in (None, "obstore"):
         from obstore.store import from_url

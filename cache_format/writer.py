@@ -106,6 +106,7 @@ class CacheWriter:
         layout: spec.Layout | None = None,
         lock_timeout: float = 60.0,
         lock_ttl: float = 60.0,
+        fsync: bool = True,
     ) -> CacheWriter:
         """Create the cache at ``url`` or resume it.
 
@@ -113,11 +114,13 @@ class CacheWriter:
         against the store's and raises :class:`~.errors.ManifestMismatchError` on any difference;
         the store's description fields (dataset, extra) are kept. ``layout`` only applies when
         creating. ``lock_timeout``: seconds to wait for another writer's transaction;
-        ``lock_ttl``: object-store lease length (see lock.py).
+        ``lock_ttl``: object-store lease length (see lock.py). ``fsync`` (local stores): make
+        each append durable against power loss before :meth:`append` returns (FORMAT.md W5);
+        ``False`` skips the fsyncs (faster, still crash-safe against the process dying).
         """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"expected Manifest, got {type(manifest).__name__}")
-        handle = open_store(url, storage_options, read_only=False)
+        handle = open_store(url, storage_options, read_only=False, fsync=fsync)
         self = cls(
             handle,
             manifest.model_copy(deep=True),
@@ -154,7 +157,9 @@ class CacheWriter:
         )
         for d in array_defs(m, self._layout):
             create_array(self._store, d, m.k)
+        self._handle.barrier()
         write_root_attrs(self._store, root_attrs_for(m))
+        self._handle.barrier()
         self._manifest = m
 
     # ------------------------------------------------------------------ state
@@ -219,6 +224,7 @@ class CacheWriter:
             if not fresh:
                 return 0
             self._write(m, fresh)
+            self._handle.barrier()  # data durable before the commit that points at it
             self._lock.check()
             new = m.model_copy(
                 update=dict(
@@ -230,6 +236,7 @@ class CacheWriter:
                 )
             )
             write_root_attrs(self._store, root_attrs_for(new))
+            self._handle.barrier()
             self._manifest = new
             if self._pending_rank is not None:
                 self._rank, self._pending_rank = self._pending_rank, None

@@ -1,0 +1,88 @@
+"""The two elementwise kernels of logprob decoding: the row-delta inverse (FORMAT.md 4.2) and
+float16 -> float32 widening.
+
+numpy's cumulative sum along short rows and its float16 cast run scalar loops (about 3-4 ns per
+value here), as much CPU as decompressing the chunks. torch's CPU kernels compute the same
+values about 4x faster (vectorised), so they are used when torch is installed (imported on the
+first call, never at import time: the format does not depend on torch). Both backends give
+bit-identical results: the cumulative sum is modulo ``2**bits`` of the unsigned dtype (torch works
+on the same bits viewed as the signed type of that width, whose wrapping addition is the same
+operation), and float16 -> float32 is exact. ``LOGITCACHE_KERNELS=numpy`` forces numpy,
+``=torch`` requires torch, unset or ``auto`` picks torch when importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import cache
+
+import numpy as np
+
+_SIGNED = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "int16", np.dtype(np.uint32): "int32"}
+
+
+@cache
+def _torch():
+    """The torch module if the torch backend is selected (and importable), else ``None``."""
+    mode = os.environ.get("LOGITCACHE_KERNELS", "auto").strip().lower() or "auto"
+    if mode == "numpy":
+        return None
+    if mode not in ("auto", "torch"):
+        raise ValueError(f"LOGITCACHE_KERNELS must be auto, torch or numpy, got {mode!r}")
+    if mode == "auto" and importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    return torch
+
+
+def backend() -> str:
+    """``"torch"`` or ``"numpy"``: the backend the kernels use in this process."""
+    return "numpy" if _torch() is None else "torch"
+
+
+def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``u[:, j] = (d[:, 0] + ... + d[:, j]) mod 2**bits`` for ``[n, k]`` unsigned ``d``.
+
+    ``out`` (same shape and dtype, may be ``d`` itself) receives the result.
+    """
+    d = np.ascontiguousarray(d)
+    if not d.flags.writeable:  # torch.from_numpy warns on read-only arrays
+        d = d.copy()
+    if d.ndim != 2 or d.dtype not in _SIGNED:
+        raise ValueError(f"row_undelta needs a 2-D uint8/16/32 array, got {d.dtype} {d.shape}")
+    if out is None:
+        out = np.empty_like(d)
+    elif out.shape != d.shape or out.dtype != d.dtype or not out.flags.c_contiguous:
+        raise ValueError("row_undelta: out must be a C-contiguous array like d")
+    torch = _torch()
+    if torch is None or d.size == 0:
+        return np.cumsum(d, axis=1, dtype=d.dtype, out=out)
+    signed = getattr(torch, _SIGNED[d.dtype])
+    src = torch.from_numpy(d.view(_SIGNED[d.dtype]))
+    dst = torch.from_numpy(out.view(_SIGNED[d.dtype]))
+    if np.shares_memory(d, out):
+        dst.copy_(torch.cumsum(src, 1, dtype=signed))
+    else:
+        torch.cumsum(src, 1, dtype=signed, out=dst)
+    return out
+
+
+def half_to_float(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Exact float16 -> float32 of ``h`` (into ``out`` if given)."""
+    h = np.ascontiguousarray(h)
+    if not h.flags.writeable:
+        h = h.copy()
+    if h.dtype != np.float16:
+        raise ValueError(f"half_to_float needs float16, got {h.dtype}")
+    if out is None:
+        out = np.empty(h.shape, dtype=np.float32)
+    elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError("half_to_float: out must be a C-contiguous float32 array of h's shape")
+    torch = _torch()
+    if torch is None or h.size == 0:
+        np.copyto(out, h, casting="same_kind")
+        return out
+    torch.from_numpy(out).copy_(torch.from_numpy(h))
+    return out

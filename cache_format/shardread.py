@@ -1,0 +1,273 @@
+"""Direct reads of row ranges of the format's sharded arrays (FORMAT.md §6, rule D2).
+
+zarr-python's array API decodes a sharded read through per-chunk tasks, copies and a generic
+codec pipeline, which costs about as much CPU as the decompression itself. This module reads the
+same bytes through the same zarr ``Store`` (local directory, obstore, fsspec) and decodes them
+itself, straight into the caller's output array. It implements the zarr v3 ``sharding_indexed``
+codec with the index at the end, for arrays whose chunk layout it fully understands
+(:func:`direct_layout`); for any other array it returns ``None`` and the caller uses zarr.
+
+Shard object of ``n`` inner chunks (zarr v3 sharding spec)::
+
+    chunk bytes ... | index: n x (offset uint64 LE, nbytes uint64 LE) | CRC32C(index) uint32 LE
+
+in C order over the shard's chunk grid; ``offset = nbytes = 2**64 - 1`` marks an empty chunk (all
+fill value). A missing shard object is all fill value too. Each inner chunk is
+``bytes(little-endian) -> blosc -> crc32c``: a blosc frame followed by the CRC32C of the frame.
+Every CRC32C is verified, as zarr does; a mismatch, an index pointing outside the object or a
+blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader retries it on a
+fresh snapshot, FORMAT.md R7).
+
+A shard whose needed chunks are at least half of it is read with one ``get`` of the whole
+object; otherwise its index is read with a suffix request and the needed chunks with one range
+request spanning them. All requests of a call are issued concurrently on zarr's event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import google_crc32c
+import numcodecs.blosc
+import numpy as np
+import zarr
+from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
+from zarr.codecs.sharding import ShardingCodecIndexLocation
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.chunk_grids import RegularChunkGrid
+from zarr.core.metadata.v3 import ArrayV3Metadata
+from zarr.storage import StorePath
+
+from .errors import ChecksumError
+
+_EMPTY = 2**64 - 1
+_BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes (uint32 LE)
+
+
+@dataclass(frozen=True)
+class DirectLayout:
+    """What the direct path needs of one array: shards of ``shard_rows`` rows along axis 0, made
+    of inner chunks of ``chunk_rows`` rows, each spanning the full trailing dimensions ``inner``.
+    """
+
+    name: str
+    store_path: StorePath
+    metadata: ArrayV3Metadata
+    length: int
+    inner: tuple[int, ...]
+    dtype: np.dtype
+    fill_value: object
+    shard_rows: int
+    chunk_rows: int
+
+    @property
+    def chunks_per_shard(self) -> int:
+        return self.shard_rows // self.chunk_rows
+
+    @property
+    def row_items(self) -> int:
+        return math.prod(self.inner)
+
+    def empty(self, rows: int) -> np.ndarray:
+        """An uninitialised output block of ``rows`` rows."""
+        return np.empty((rows, *self.inner), dtype=self.dtype)
+
+    def shard_path(self, shard: int) -> StorePath:
+        key = self.metadata.encode_chunk_key((shard,) + (0,) * len(self.inner))
+        return self.store_path / key
+
+
+def _little_endian_bytes(codec: object, dtype: np.dtype) -> bool:
+    if not isinstance(codec, BytesCodec):
+        return False
+    endian = codec.endian.value if codec.endian is not None else None
+    return endian == "little" or (endian is None and dtype.itemsize == 1)
+
+
+def direct_layout(arr: zarr.Array, name: str = "") -> DirectLayout | None:
+    """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it.
+
+    Supported: zarr v3, regular chunk grid of shards along axis 0 spanning the trailing
+    dimensions, one ``sharding_indexed`` codec (index at the end, index codecs ``bytes`` little
+    + ``crc32c``), inner codecs ``bytes`` little + ``blosc`` + ``crc32c``, inner chunks spanning
+    the trailing dimensions, a fixed-size numeric dtype, and a little-endian host.
+    """
+    m = arr.metadata
+    if sys.byteorder != "little" or not isinstance(m, ArrayV3Metadata) or m.storage_transformers:
+        return None
+    try:
+        dtype = np.dtype(m.data_type.to_native_dtype())
+    except Exception:
+        return None
+    if dtype.kind not in "iuf" or dtype.byteorder == ">":
+        return None
+    grid = m.chunk_grid
+    if not isinstance(grid, RegularChunkGrid) or len(m.codecs) != 1:
+        return None
+    sharding = m.codecs[0]
+    if not isinstance(sharding, ShardingCodec):
+        return None
+    shape, shard_shape, chunk_shape = tuple(m.shape), tuple(grid.chunk_shape), sharding.chunk_shape
+    inner = shape[1:]
+    if len(shard_shape) != len(shape) or shard_shape[1:] != inner or chunk_shape[1:] != inner:
+        return None
+    if shard_shape[0] % chunk_shape[0] or sharding.index_location != ShardingCodecIndexLocation.end:
+        return None
+    idx = sharding.index_codecs
+    if len(idx) != 2 or not _little_endian_bytes(idx[0], np.dtype("<u8")):
+        return None
+    if not isinstance(idx[1], Crc32cCodec):
+        return None
+    codecs = sharding.codecs
+    if len(codecs) != 3 or not _little_endian_bytes(codecs[0], dtype):
+        return None
+    if not isinstance(codecs[1], BloscCodec) or not isinstance(codecs[2], Crc32cCodec):
+        return None
+    return DirectLayout(
+        name=name,
+        store_path=arr.store_path,
+        metadata=m,
+        length=int(shape[0]),
+        inner=inner,
+        dtype=dtype,
+        fill_value=m.fill_value,
+        shard_rows=int(shard_shape[0]),
+        chunk_rows=int(chunk_shape[0]),
+    )
+
+
+# --------------------------------------------------------------------------- fetching (I/O)
+@dataclass
+class _Shard:
+    """The fetched bytes of one shard: its index and a window ``data`` of the object starting at
+    byte ``base`` (``index is None``: the object does not exist, all fill value)."""
+
+    shard: int
+    c0: int  # first needed chunk (within the shard)
+    c1: int  # one past the last needed chunk
+    index: np.ndarray | None = None  # [chunks_per_shard, 2] uint64 (offset, nbytes)
+    data: np.ndarray | None = None  # uint8
+    base: int = 0
+
+
+def _crc_ok(frame: np.ndarray) -> bool:
+    """Whether the last 4 bytes of ``frame`` are the CRC32C (uint32 LE) of the bytes before."""
+    if frame.size < 4:
+        return False
+    stored = int.from_bytes(frame[-4:].tobytes(), "little")
+    return google_crc32c.value(frame[:-4]) == stored
+
+
+def _parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
+    """The ``[n, 2]`` (offset, nbytes) table of a shard index, checked (ChecksumError)."""
+    if raw.size != 16 * n + 4 or not _crc_ok(raw):
+        raise ChecksumError(f"{where}: shard index fails its CRC32C (or is truncated)")
+    table = raw[:-4].view("<u8").reshape(n, 2).astype(np.uint64)
+    empty = table == _EMPTY
+    if np.any(empty[:, 0] != empty[:, 1]):
+        raise ChecksumError(f"{where}: shard index has a half-empty entry")
+    return table
+
+
+def _as_bytes(buf) -> np.ndarray:
+    return np.ascontiguousarray(buf.as_numpy_array()).view(np.uint8).reshape(-1)
+
+
+async def _fetch_shard(lay: DirectLayout, shard: int, c0: int, c1: int) -> _Shard:
+    """Read the bytes of chunks ``[c0, c1)`` of shard ``shard`` (see the module docstring)."""
+    n = lay.chunks_per_shard
+    path = lay.shard_path(shard)
+    where = f"{lay.name or path} shard {shard}"
+    proto = default_buffer_prototype()
+    got = _Shard(shard, c0, c1)
+    if 2 * (c1 - c0) >= n:
+        buf = await path.get(prototype=proto)
+        if buf is None:
+            return got
+        data = _as_bytes(buf)
+        if data.size < 16 * n + 4:
+            raise ChecksumError(f"{where}: object shorter than its index")
+        got.index = _parse_index(data[-(16 * n + 4) :], n, where)
+        got.data = data
+        return got
+    buf = await path.get(prototype=proto, byte_range=SuffixByteRequest(16 * n + 4))
+    if buf is None:
+        return got
+    got.index = _parse_index(_as_bytes(buf), n, where)
+    want = got.index[c0:c1]
+    want = want[want[:, 0] != _EMPTY]
+    if want.size:
+        lo, hi = int(want[:, 0].min()), int((want[:, 0] + want[:, 1]).max())
+        buf = await path.get(prototype=proto, byte_range=RangeByteRequest(lo, hi))
+        got.data = _as_bytes(buf) if buf is not None else np.zeros(0, np.uint8)
+        got.base = lo
+    return got
+
+
+def plan(lay: DirectLayout, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(shard, first chunk, end chunk)`` triples that hold rows ``[start, stop)``."""
+    if not 0 <= start <= stop <= lay.length:
+        raise IndexError(f"rows [{start}, {stop}) outside [0, {lay.length}) of {lay.name}")
+    out = []
+    cr, sr = lay.chunk_rows, lay.shard_rows
+    for s in range(start // sr, (stop - 1) // sr + 1 if stop > start else start // sr):
+        lo, hi = max(start, s * sr), min(stop, (s + 1) * sr)
+        out.append((s, (lo - s * sr) // cr, (hi - 1 - s * sr) // cr + 1))
+    return out
+
+
+async def fetch(lay: DirectLayout, start: int, stop: int) -> list[_Shard]:
+    """All I/O of a read of rows ``[start, stop)``: the needed shard bytes, concurrently."""
+    import asyncio
+
+    return list(await asyncio.gather(*(_fetch_shard(lay, *p) for p in plan(lay, start, stop))))
+
+
+# --------------------------------------------------------------------------- decoding (CPU)
+def _decode_chunk(lay: DirectLayout, frame: np.ndarray, dest: np.ndarray, where: str) -> None:
+    """Verify the CRC32C of one inner chunk and blosc-decode it into ``dest`` (a full chunk)."""
+    if not _crc_ok(frame):
+        raise ChecksumError(f"{where}: chunk fails its CRC32C")
+    body = frame[:-4]
+    if body.size < _BLOSC_HEADER:
+        raise ChecksumError(f"{where}: chunk shorter than a blosc header")
+    nbytes, _blocksize, cbytes = body[4:16].view("<u4").tolist()
+    if nbytes != dest.nbytes or cbytes != body.size:
+        raise ChecksumError(f"{where}: blosc frame of {nbytes} bytes, expected {dest.nbytes}")
+    numcodecs.blosc.decompress(body, dest)
+
+
+def decode(lay: DirectLayout, shards: list[_Shard], start: int, stop: int, out: np.ndarray) -> None:
+    """Decode the fetched bytes of rows ``[start, stop)`` into ``out`` (``[stop - start, *inner]``
+    of ``lay.dtype``, C-contiguous). Whole chunks inside the range decode in place; the partial
+    chunks at the ends go through a scratch chunk."""
+    if out.shape != (stop - start, *lay.inner) or out.dtype != lay.dtype:
+        raise ValueError(f"output block {out.shape} {out.dtype} does not fit rows of {lay.name}")
+    if not out.flags.c_contiguous:
+        raise ValueError("output block must be C-contiguous")
+    cr, sr = lay.chunk_rows, lay.shard_rows
+    scratch = None
+    for sh in shards:
+        for c in range(sh.c0, sh.c1):
+            r0 = sh.shard * sr + c * cr
+            lo, hi = max(r0, start), min(r0 + cr, stop)
+            target = out[lo - start : hi - start]
+            entry = None if sh.index is None else sh.index[c]
+            if entry is None or int(entry[0]) == _EMPTY:
+                target.fill(lay.fill_value)
+                continue
+            off, nb = int(entry[0]) - sh.base, int(entry[1])
+            if sh.data is None or off < 0 or off + nb > sh.data.size:
+                raise ChecksumError(f"{lay.name} shard {sh.shard}: chunk {c} outside the object")
+            where = f"{lay.name} shard {sh.shard} chunk {c}"
+            frame = sh.data[off : off + nb]
+            if lo == r0 and hi == r0 + cr:
+                _decode_chunk(lay, frame, target, where)
+            else:
+                if scratch is None:
+                    scratch = lay.empty(cr)
+                _decode_chunk(lay, frame, scratch, where)
+                target[...] = scratch[lo - r0 : hi - r0]
