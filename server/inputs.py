@@ -233,6 +233,42 @@ def sequences(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> 
         yield seq
 
 
+def valid_records(
+    raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits, errors: list[str]
+) -> Iterator[tuple[RawRecord, Sequence]]:
+    """The valid, first-seen records of ``raws`` with their sequences, in input order; the
+    problems found go to ``errors`` instead of being raised (the checks of :func:`scan`).
+
+    A bad record is listed and skipped; so is an explicit id seen before. A repeated content key
+    without an explicit id is dropped silently (the first occurrence is kept, as in
+    :func:`sequences`). The walk ends early when the source itself fails while being read (its
+    message listed) or when a bad record brings the list to :data:`MAX_LISTED_ERRORS`.
+    """
+    seen: set[str] = set()
+    it = iter(raws)
+    while True:
+        try:
+            raw = next(it)
+        except StopIteration:
+            return
+        except (InvalidInputError, PayloadTooLargeError) as e:  # unreadable source: stop here
+            errors.append(e.message)
+            return
+        try:
+            seq = to_sequence(raw, tokenize, limits)
+        except (InvalidInputError, PayloadTooLargeError) as e:
+            errors.append(e.message)
+            if len(errors) >= MAX_LISTED_ERRORS:
+                return
+            continue
+        if seq.key in seen:
+            if raw.id is not None:
+                errors.append(f"{raw.where}: id {raw.id!r} appears more than once")
+            continue
+        seen.add(seq.key)
+        yield raw, seq
+
+
 @dataclass(frozen=True)
 class InputSummary:
     sequences: int
@@ -247,28 +283,7 @@ def scan(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> Input
     """
     n = tokens = 0
     errors: list[str] = []
-    seen: dict[str, bool] = {}
-    it = iter(raws)
-    while True:
-        try:
-            raw = next(it)
-        except StopIteration:
-            break
-        except (InvalidInputError, PayloadTooLargeError) as e:  # unreadable source: stop here
-            errors.append(e.message)
-            break
-        try:
-            seq = to_sequence(raw, tokenize, limits)
-        except (InvalidInputError, PayloadTooLargeError) as e:
-            errors.append(e.message)
-            if len(errors) >= MAX_LISTED_ERRORS:
-                break
-            continue
-        if seq.key in seen:
-            if raw.id is not None:
-                errors.append(f"{raw.where}: id {raw.id!r} appears more than once")
-            continue
-        seen[seq.key] = True
+    for _raw, seq in valid_records(raws, tokenize, limits, errors):
         n += 1
         tokens += seq.length
     if errors:

@@ -36,7 +36,7 @@ from logitcache.cache_format import CacheReader, CacheWriter, Manifest
 from logitcache.cache_format.errors import StoreNotFoundError
 
 from . import inputs
-from .errors import InvalidInputError, PayloadTooLargeError
+from .errors import InvalidInputError
 from .scoring import to_records
 
 if TYPE_CHECKING:
@@ -125,21 +125,8 @@ def scan_shard(shard: Shard, tokenize: inputs.Tokenize, limits: inputs.Limits) -
     keys: list[str] = []
     explicit: list[bool] = []
     errors: list[str] = []
-    seen: set[str] = set()
     tokens = 0
-    for raw in shard.records:
-        try:
-            seq = inputs.to_sequence(raw, tokenize, limits)
-        except (InvalidInputError, PayloadTooLargeError) as e:
-            errors.append(e.message)
-            if len(errors) >= MAX_LISTED_ERRORS:
-                break
-            continue
-        if seq.key in seen:
-            if raw.id is not None:
-                errors.append(f"{raw.where}: id {raw.id!r} appears more than once")
-            continue
-        seen.add(seq.key)
+    for raw, seq in inputs.valid_records(shard.records, tokenize, limits, errors):
         keys.append(seq.key)
         explicit.append(raw.id is not None)
         tokens += seq.length
