@@ -4,7 +4,8 @@ Stream
 ------
 For epoch ``e`` the dataset plans, from the cache lengths alone:
 
-1. ``order = epoch_order(N, seed, e, shuffle_block_size)`` (identity when ``shuffle=False``);
+1. ``order = epoch_order(N, seed, e, shuffle_block_size, shuffle_window)`` (identity when
+   ``shuffle=False``);
 2. this rank's span of it (:func:`~logitcache.client.order.rank_partition`): ranks are disjoint
    and together cover all ``N`` sequences;
 3. the items of that span (:func:`~logitcache.client.collate.plan_items`: padding or packing to
@@ -58,6 +59,10 @@ __all__ = ["CacheDataset", "CacheDataLoader"]
 
 _DONE = object()
 
+#: Items whose sequences the prefetch thread fetches in one ``source.fetch`` call: more give
+#: the source longer runs to merge and fewer calls, at the price of memory and first-batch delay.
+_FETCH_ITEMS = 64
+
 
 class CacheDataset(IterableDataset):
     """Stream aligned, fixed-budget items from a teacher cache (see the module docstring).
@@ -76,13 +81,16 @@ class CacheDataset(IterableDataset):
     batch_size:
         ``None``: yield single items (tensors ``[T, ...]``). An int ``B``: yield batches
         ``[B, T, ...]`` of consecutive items (the last one may be smaller).
-    seed, shuffle, shuffle_block_size:
-        Order of sequences per epoch (:func:`~logitcache.client.order.epoch_order`). The default
-        ``shuffle_block_size=1`` is a full shuffle: one store read per sequence, and each read
-        has a fixed cost. ``shuffle_block_size=64`` shuffles blocks of 64 contiguous sequences
-        and the sequences inside each block; the prefetch thread reads each block once, which
-        was 4-10x faster here (benchmarks/results/client.md) at the price of batches drawn from
-        fewer, neighbouring sequences.
+    seed, shuffle, shuffle_block_size, shuffle_window:
+        Order of sequences per epoch (:func:`~logitcache.client.order.epoch_order`, whose
+        docstring states the randomness of each mode). The default ``shuffle_block_size=1`` is
+        a uniform full shuffle: one small store read per sequence, and each read has a fixed
+        cost. ``shuffle_block_size=b`` (e.g. 64) shuffles blocks of ``b`` contiguous sequences
+        and the sequences inside each block: one contiguous read per block, but a batch draws
+        from one or two blocks of neighbours. ``shuffle_window=w`` (with ``b > 1``) mixes the
+        sequences of ``w`` random blocks at a time: a batch draws from ``w`` distant regions,
+        reads stay one per block, and each iterating process holds about ``w + 1`` blocks of
+        records in memory. Measured rates: benchmarks/results/client.md.
     rank, world_size:
         Explicit sharding; default ``torch.distributed``'s when initialised, else ``(0, 1)``.
     even_ranks:
@@ -115,6 +123,7 @@ class CacheDataset(IterableDataset):
         seed: int = 0,
         shuffle: bool = True,
         shuffle_block_size: int = 1,
+        shuffle_window: int = 1,
         rank: int | None = None,
         world_size: int | None = None,
         even_ranks: bool = False,
@@ -138,6 +147,11 @@ class CacheDataset(IterableDataset):
             raise ConfigError(f"ids_dtype must be torch.int64 or torch.int32, got {ids_dtype}")
         if seed < 0:
             raise ConfigError(f"seed must be >= 0, got {seed}")
+        if shuffle_block_size < 1 or shuffle_window < 1:
+            raise ConfigError(
+                "shuffle_block_size and shuffle_window must be >= 1, got "
+                f"{shuffle_block_size}, {shuffle_window}"
+            )
         self.source = open_source(
             source, storage_options=storage_options, cache=cache, **http_options
         )
@@ -156,6 +170,7 @@ class CacheDataset(IterableDataset):
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.shuffle_block_size = int(shuffle_block_size)
+        self.shuffle_window = int(shuffle_window)
         self.rank, self.world_size = resolve_ranks(rank, world_size)
         self.even_ranks = bool(even_ranks)
         self.ids_dtype = ids_dtype
@@ -196,6 +211,8 @@ class CacheDataset(IterableDataset):
             "even_ranks": self.even_ranks,
             "cache": self._manifest_identity,
         }
+        if self.shuffle_window != 1:  # absent when 1: states saved before the window existed
+            settings["shuffle_window"] = self.shuffle_window
         h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
         h.update(np.ascontiguousarray(self._all_lengths[:n], dtype="<i8").tobytes())
         return h.hexdigest()
@@ -226,7 +243,9 @@ class CacheDataset(IterableDataset):
         if key not in self._plans:
             n = self.num_sequences
             if self.shuffle:
-                order = epoch_order(n, self.seed, epoch, self.shuffle_block_size)
+                order = epoch_order(
+                    n, self.seed, epoch, self.shuffle_block_size, self.shuffle_window
+                )
             else:
                 order = np.arange(n, dtype=np.int64)
             span = rank_partition(order, rank, self.world_size)
@@ -327,8 +346,13 @@ class CacheDataset(IterableDataset):
         """Background thread: fetch the sequences of a few units at once, collate, enqueue."""
         try:
             plan = self.plan()
-            group = max(1, 16 // (self.batch_size or 1))
-            blocks = _BlockCache(self.source, self.shuffle_block_size, self.num_sequences)
+            group = max(1, _FETCH_ITEMS // (self.batch_size or 1))
+            blocks = _BlockCache(
+                self.source,
+                self.shuffle_block_size,
+                self.num_sequences,
+                keep=self.shuffle_window + 1 if self.shuffle else 2,
+            )
             for g in range(0, len(units), group):
                 chunk = units[g : g + group]
                 records = blocks.get(plan.sequences_of(np.concatenate(chunk)))
@@ -378,12 +402,14 @@ class CacheDataset(IterableDataset):
 class _BlockCache:
     """Reads whole shuffle blocks (contiguous sequence ranges) and keeps the latest few.
 
-    With ``shuffle_block_size = b`` the epoch order walks block after block, so the units of a
-    fetch group need one or two blocks: reading each block once, in one range read, beats
-    reading the subset each group needs. ``b = 1`` degenerates to caching single sequences.
+    With ``shuffle_block_size = b`` the epoch order walks window after window (``w`` blocks
+    each, ``w = 1`` without a window), so the units of a fetch group need blocks of the current
+    window and maybe the next: reading each block once, in one range read, beats reading the
+    subset each group needs, and keeping ``w + 1`` blocks reads each block once per epoch.
+    ``b = 1`` degenerates to caching single sequences.
     """
 
-    def __init__(self, source: CacheSource, block: int, num_sequences: int, keep: int = 4) -> None:
+    def __init__(self, source: CacheSource, block: int, num_sequences: int, keep: int = 2) -> None:
         self.source, self.block, self.n = source, max(1, block), num_sequences
         self.keep = keep if block > 1 else 64
         self.blocks: OrderedDict[int, dict[int, Any]] = OrderedDict()

@@ -261,6 +261,25 @@ class _Endpoints:
             )
         )
 
+    def read_ranges(
+        self, name: str, ranges: Iterable[tuple[int, int]], *, compression: str = "none"
+    ) -> Any:
+        """``POST /v1/caches/{name}/sequences``: records of several ``[start, stop)`` ranges.
+
+        One request, answered range after range (each in storage order); the ranges' total is
+        at most the server's ``max_stream_sequences``. Idempotent (a read), so it is retried.
+        """
+        body = {"ranges": [[int(a), int(b)] for a, b in ranges], "compression": compression}
+        return self._send(
+            Call(
+                "POST",
+                f"/v1/caches/{name}/sequences",
+                json=body,
+                headers={"accept": FRAMES_MEDIA_TYPE},
+                parse=_decode_frames,
+            )
+        )
+
 
 class _JobProgress:
     """A tqdm bar over a job's tokens (``tokens_done / tokens_total``)."""

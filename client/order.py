@@ -3,10 +3,20 @@
 Contract
 --------
 * :func:`epoch_order` is a permutation of ``range(num_sequences)`` that depends only on
-  ``(num_sequences, seed, epoch, block_size)``. With ``block_size = b > 1`` the index range is cut
-  into contiguous blocks of ``b`` sequences, the blocks are permuted, then the sequences inside each
-  block are permuted: every rank still sees a random order, while reads stay local (one request per
-  block over HTTP, one chunk run on disk).
+  ``(num_sequences, seed, epoch, block_size, window)``. The index range is cut into contiguous
+  blocks of ``b = block_size`` sequences, the blocks are permuted uniformly, the permuted block
+  list is cut into consecutive *windows* of ``w = window`` blocks, and the sequences of each
+  window (``w * b`` of them, from ``w`` random places of the cache) are permuted uniformly. So:
+
+  - ``b = 1`` (any ``w``): a uniform random permutation of all sequences (full shuffle); every
+    sequence is a separate small read.
+  - ``b > 1, w = 1``: block shuffle; the items of a batch come from one or two blocks of ``b``
+    neighbouring sequences; every block is one contiguous read.
+  - ``b > 1, w > 1``: windowed shuffle; each window's sequences are in uniform random order, so
+    a batch draws from ``w`` random, distant regions of the cache, while the reader still reads
+    ``w`` whole blocks per window (one contiguous read each) and holds one window in memory.
+    Which sequences share a window is random, but neighbours in a block always share one
+    (``w * b >= num_sequences`` is a uniform full shuffle again).
 * :func:`rank_partition` cuts that permutation into ``world_size`` contiguous spans whose sizes
   differ by at most one (``numpy.array_split``). The spans are disjoint and their union is the whole
   permutation, so within one epoch no sequence reaches two ranks and none is dropped.
@@ -25,28 +35,37 @@ from .errors import ConfigError
 __all__ = ["epoch_order", "rank_partition", "worker_units"]
 
 
-def epoch_order(num_sequences: int, seed: int, epoch: int, block_size: int = 1) -> np.ndarray:
+def epoch_order(
+    num_sequences: int, seed: int, epoch: int, block_size: int = 1, window: int = 1
+) -> np.ndarray:
     """Return the epoch's permutation of sequence indices (``int64``, length ``num_sequences``).
 
-    The generator is ``numpy.random.default_rng([seed, epoch])`` (PCG64 seeded through
-    ``SeedSequence``): the same ``(seed, epoch)`` gives the same order on every machine running the
-    same numpy major version, and different epochs give independent orders.
+    ``block_size`` and ``window``: see the module docstring (``window=1`` gives exactly the
+    orders of earlier versions, which had no window). The generator is
+    ``numpy.random.default_rng([seed, epoch])`` (PCG64 seeded through ``SeedSequence``): the same
+    ``(seed, epoch)`` gives the same order on every machine running the same numpy major
+    version, and different epochs give independent orders.
     """
     if num_sequences < 0:
         raise ConfigError(f"num_sequences must be >= 0, got {num_sequences}")
-    if block_size < 1:
-        raise ConfigError(f"block_size must be >= 1, got {block_size}")
+    if block_size < 1 or window < 1:
+        raise ConfigError(f"block_size and window must be >= 1, got {block_size}, {window}")
     if seed < 0 or epoch < 0:
         raise ConfigError(f"seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
     rng = np.random.default_rng([seed, epoch])
     if block_size == 1:
         return rng.permutation(num_sequences).astype(np.int64)
     num_blocks = -(-num_sequences // block_size)
+    blocks = rng.permutation(num_blocks)
     parts = []
-    for block in rng.permutation(num_blocks):
-        start = int(block) * block_size
-        stop = min(start + block_size, num_sequences)
-        parts.append(start + rng.permutation(stop - start))
+    for w in range(0, num_blocks, window):
+        members = np.concatenate(
+            [
+                np.arange(b * block_size, min((b + 1) * block_size, num_sequences))
+                for b in blocks[w : w + window].tolist()
+            ]
+        )
+        parts.append(members[rng.permutation(len(members))])
     if not parts:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate(parts).astype(np.int64)

@@ -235,14 +235,16 @@ class LocalSource:
 
 
 class HttpSource:
-    """Read a cache from the teacher service: ``GET /v1/caches/{name}/sequences?start=&stop=``.
+    """Read a cache from the teacher service: ``POST /v1/caches/{name}/sequences``.
 
-    The body is a stream of binary wire frames (``logitcache.cache_format.encode_records``),
-    decoded with ``decode_records`` (``compression="zstd"`` asks the server to compress each
-    frame). Indices are fetched as ranges of at most ``max_sequences_per_request`` sequences
-    (runs less than ``max_gap_tokens`` apart are merged, see :func:`merged_ranges`),
-    ``concurrency`` requests at a time. Transient errors
-    are retried by the underlying :class:`~logitcache.client.http.TeacherClient`.
+    :meth:`fetch` turns the wanted indices into sequence ranges (:func:`merged_ranges`: runs
+    less than ``max_gap_tokens`` apart are merged, the unwanted sequences between them dropped
+    on arrival), packs the ranges into requests of at most ``max_sequences_per_request``
+    sequences, and sends them ``concurrency`` at a time over one keep-alive connection pool. The
+    server answers each request with binary wire frames read by contiguous range reads
+    (``logitcache.cache_format.encode_records``, decoded with ``decode_records``;
+    ``compression="zstd"`` asks the server to compress each frame). Transient errors are
+    retried by the underlying :class:`~logitcache.client.http.TeacherClient`.
     """
 
     def __init__(
@@ -345,30 +347,63 @@ class HttpSource:
             self._lengths = lengths
         return self._lengths
 
+    def _request_size(self, ranges: list[tuple[int, int]]) -> int:
+        """Sequences per request: enough requests to keep ``concurrency`` in flight, but not
+        fewer than 32 sequences each (each request has a fixed cost) nor more than
+        ``max_sequences_per_request``."""
+        total = sum(b - a for a, b in ranges)
+        share = -(-total // max(1, self.concurrency))
+        return max(1, min(self.max_sequences_per_request, max(32, share)))
+
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        runs = contiguous_runs(indices, self.max_sequences_per_request)
-        if not runs:
+        """Records of the wanted indices: few ranges, few requests (see the class docstring)."""
+        lengths = self.lengths
+        wanted = np.unique(np.fromiter(indices, dtype=np.int64))
+        if wanted.size == 0:
             return {}
+        if wanted[0] < 0 or wanted[-1] >= len(lengths):
+            raise SourceError(f"sequence indices outside [0, {len(lengths)})")
+        ranges = merged_ranges(wanted, lengths, self.max_gap_tokens, self.max_sequences_per_request)
         client, pool = self._connection()
         futures = [
-            pool.submit(
-                client.read_sequences, self.cache, start, stop, compression=self.compression
+            (
+                batch,
+                pool.submit(client.read_ranges, self.cache, batch, compression=self.compression),
             )
-            for start, stop in runs
+            for batch in _pack_ranges(ranges, self._request_size(ranges))
         ]
+        keep = set(wanted.tolist())
         out: dict[int, SequenceRecord] = {}
-        for (start, stop), future in zip(runs, futures, strict=True):
+        for batch, future in futures:
             records = future.result()
-            if len(records) != stop - start:
+            indices_sent = [i for a, b in batch for i in range(a, b)]
+            if len(records) != len(indices_sent):
                 raise SourceError(
-                    f"server sent {len(records)} sequences for [{start}, {stop}) of {self.cache!r}"
+                    f"server sent {len(records)} sequences for ranges {batch} of {self.cache!r}"
                 )
-            out.update(zip(range(start, stop), records, strict=True))
+            out.update((i, r) for i, r in zip(indices_sent, records, strict=True) if i in keep)
         return out
 
     def refresh(self) -> None:
         self._info = None
         self._lengths = None
+
+
+def _pack_ranges(ranges: list[tuple[int, int]], limit: int) -> list[list[tuple[int, int]]]:
+    """Consecutive groups of ``ranges`` holding at most ``limit`` sequences each (longer ranges
+    are cut). ``[(0, 5), (9, 10)]`` with ``limit=3`` -> ``[[(0, 3)], [(3, 5), (9, 10)]]``."""
+    groups: list[list[tuple[int, int]]] = []
+    size = limit
+    for a, b in ranges:
+        while a < b:
+            if size == limit:
+                groups.append([])
+                size = 0
+            take = min(b - a, limit - size)
+            groups[-1].append((a, a + take))
+            size += take
+            a += take
+    return groups
 
 
 def open_source(

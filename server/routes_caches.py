@@ -3,14 +3,19 @@
 Block streaming (``Accept`` is not needed: these answer ``application/x-logitcache-frames``):
 
 * ``GET /v1/caches/{name}/sequences?start=&stop=``: sequences ``[start, stop)`` in storage order;
+* ``POST /v1/caches/{name}/sequences`` ``{"ranges": [[start, stop], ...]}``: the sequences of
+  several ranges in one answer (range after range, each in storage order), so a client that
+  reads a shuffled subset pays one request, not one per run of consecutive sequences;
 * ``GET /v1/caches/{name}/rows?start=&stop=``: the whole sequences that hold global rows
   ``[start, stop)``; headers ``X-Logitcache-First-Sequence`` and ``X-Logitcache-First-Row`` say
   where the first returned sequence starts, so a client can cut the exact rows.
 
 The body is a concatenation of frames of at most ``FRAME_SEQUENCES`` sequences each
-(``logitcache.cache_format.iter_decode`` reads it incrementally). Logprobs travel as float16 when
-the cache stores float16 (exact), else float32. ``compression=zstd`` compresses each frame.
-Ranges are checked against the committed snapshot at the time of the request.
+(``logitcache.cache_format.iter_decode`` reads it incrementally); each frame's sequences are read
+with one contiguous row read and one token read (:class:`~.caches.RangeReader`), while the
+previous frame is being sent. Logprobs travel as float16 when the cache stores float16 (exact),
+else float32. ``compression=zstd`` compresses each frame. Ranges are checked against the
+committed snapshot at the time of the request.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import numpy as np
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from logitcache.cache_format import CacheReader, encode_records
+from pydantic import BaseModel, ConfigDict, Field
 
+from .caches import RangeReader
 from .deps import ServicesDep
 from .errors import InvalidInputError, PayloadTooLargeError
 from .protocol import FRAMES_MEDIA_TYPE, CacheInfo, CacheList, ErrorResponse
@@ -56,11 +63,30 @@ def _range(start: int, stop: int | None, n: int, limit: int) -> tuple[int, int]:
     return start, stop
 
 
-def _frames(reader: CacheReader, start: int, stop: int, compression: str) -> Iterator[bytes]:
-    lp_dtype = "float16" if reader.manifest.logprob_dtype == "float16" else "float32"
-    for a in range(start, stop, FRAME_SEQUENCES):
-        records = reader.sequences(range(a, min(stop, a + FRAME_SEQUENCES)))
-        yield encode_records(records, logprob_dtype=lp_dtype, compression=compression)
+Compression = Literal["none", "zstd"]
+
+
+class RangesRequest(BaseModel):
+    """Body of ``POST /v1/caches/{name}/sequences``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ranges: list[tuple[int, int]] = Field(min_length=1)
+    """``[start, stop)`` sequence ranges, answered in this order."""
+    compression: Compression = "none"
+
+
+def _frames(
+    reader: CacheReader, ranges: list[tuple[int, int]], compression: str
+) -> Iterator[bytes]:
+    """Frames of the sequences of ``ranges`` (each cut into frames of ``FRAME_SEQUENCES``)."""
+    ranged = RangeReader(reader)
+    for start, stop in ranges:
+        for a in range(start, stop, FRAME_SEQUENCES):
+            records = ranged.read(a, min(stop, a + FRAME_SEQUENCES))
+            yield encode_records(
+                records, logprob_dtype=ranged.logprob_dtype, compression=compression
+            )
 
 
 @router.get("", response_model=CacheList, responses=_ERRORS)
@@ -96,7 +122,7 @@ def cache_sequences(
     services: ServicesDep,
     start: int = Query(0, ge=0),
     stop: int | None = Query(None, ge=0),
-    compression: Literal["none", "zstd"] = "none",
+    compression: Compression = "none",
 ) -> StreamingResponse:
     """Sequences ``[start, stop)`` as wire frames."""
     reader = services.caches.reader(name)
@@ -108,7 +134,37 @@ def cache_sequences(
         "X-Logitcache-Num-Sequences": str(reader.num_sequences),
     }
     return StreamingResponse(
-        _frames(reader, start, stop, compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
+        _frames(reader, [(start, stop)], compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
+    )
+
+
+@router.post(
+    "/{name}/sequences", response_class=StreamingResponse, responses={**_ERRORS, **_FRAMES}
+)
+def cache_sequence_ranges(
+    name: str, body: RangesRequest, services: ServicesDep
+) -> StreamingResponse:
+    """The sequences of several ``[start, stop)`` ranges as wire frames, range after range.
+
+    Every range must lie in ``[0, num_sequences]`` with ``start <= stop``; their total length is
+    at most ``max_stream_sequences``.
+    """
+    reader = services.caches.reader(name)
+    n, limit = reader.num_sequences, services.settings.max_stream_sequences
+    for start, stop in body.ranges:
+        if not 0 <= start <= stop <= n:
+            raise InvalidInputError(f"range [{start}, {stop}) is outside [0, {n}]")
+    total = sum(stop - start for start, stop in body.ranges)
+    if total > limit:
+        raise PayloadTooLargeError(f"{total} sequences exceed the limit of {limit}")
+    headers = {
+        "X-Logitcache-Num-Sequences": str(total),
+        "X-Logitcache-Cache-Sequences": str(n),
+    }
+    return StreamingResponse(
+        _frames(reader, list(body.ranges), body.compression),
+        media_type=FRAMES_MEDIA_TYPE,
+        headers=headers,
     )
 
 
@@ -118,7 +174,7 @@ def cache_rows(
     services: ServicesDep,
     start: int = Query(ge=0),
     stop: int = Query(ge=0),
-    compression: Literal["none", "zstd"] = "none",
+    compression: Compression = "none",
 ) -> StreamingResponse:
     """The sequences holding global rows ``[start, stop)`` as wire frames (see module doc)."""
     reader = services.caches.reader(name)
@@ -134,5 +190,5 @@ def cache_rows(
         "X-Logitcache-Num-Sequences": str(last - first),
     }
     return StreamingResponse(
-        _frames(reader, first, last, compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
+        _frames(reader, [(first, last)], compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
     )
