@@ -215,6 +215,23 @@ def check_cache(url: str, teacher: Any, sequences: int = 4) -> dict[str, Any]:
     }
 
 
+def temperature_note(t: float, chk: dict[str, Any]) -> str:
+    """The report's line on the teacher temperature and on :func:`check_cache`'s figures."""
+    which = (
+        "teacher temperature T=1 (the teacher as trained)"
+        if t == 1.0
+        else f"teacher temperature T={t:g}: every method distils from softmax(z / {t:g}) (the "
+        "service scored the cache at T, online KD's target and the held-out KL use the same "
+        "sharpened PyTorch teacher; the teacher ppl above is its ppl at T)"
+    )
+    return (
+        f"{which}. Cache vs PyTorch teacher at T on {chk['rows']} rows of {chk['sequences']} "
+        f"sequences: max |logprob diff| {chk['max_abs_logprob_diff']:.2e} (float16 storage), "
+        f"max |tail mass diff| {chk['max_abs_tail_mass_diff']:.2e}, top-1 agreement "
+        f"{100 * chk['top1_agreement']:.1f}%"
+    )
+
+
 def committed_sequences(url: str) -> int:
     """Sequences already committed in the cache at ``url`` (0 if there is none yet)."""
     from logitcache.cache_format import CacheReader, FormatError
@@ -366,16 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "total_s": time.perf_counter() - t_start,
         "notes": [],
     }
-    t = plan.teacher_temperature
-    chk = cache["check"]
-    rep["notes"].append(
-        f"teacher temperature T={t:g}: every method distils from softmax(z / {t:g}) (the "
-        "service scored the cache at T, online KD's target and the held-out KL use the same "
-        "sharpened PyTorch teacher; the teacher ppl above is its ppl at T). Cache vs PyTorch "
-        f"teacher on {chk['rows']} rows of {chk['sequences']} sequences: max |logprob diff| "
-        f"{chk['max_abs_logprob_diff']:.2e} (float16 storage), max |tail mass diff| "
-        f"{chk['max_abs_tail_mass_diff']:.2e}, top-1 agreement {100 * chk['top1_agreement']:.1f}%"
-    )
+    rep["notes"].append(temperature_note(plan.teacher_temperature, cache["check"]))
     if already:
         rep["notes"].append(
             f"{already} of the {len(sequences)} sequences were already in the cache from an "
