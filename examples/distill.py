@@ -242,6 +242,14 @@ def committed_sequences(url: str) -> int:
         return 0
 
 
+def prefix_mass(logprobs: np.ndarray, ks: tuple[int, ...]) -> dict[str, float]:
+    """``{str(j): mean_rows sum_{i < j} exp(logprobs[:, i])}``: the teacher mass the first ``j``
+    cached columns hold (what an ``@j`` method trains on), for each ``j <= k`` in ``ks``."""
+    k = logprobs.shape[1]
+    cum = np.cumsum(np.exp(logprobs.astype(np.float64)), axis=1)
+    return {str(j): float(cum[:, j - 1].mean()) for j in sorted(set(ks)) if 1 <= j <= k}
+
+
 def cache_stats(url: str) -> dict[str, Any]:
     """Validation verdict and the figures of the cache the job wrote."""
     from logitcache.cache_format import CacheReader, validate
@@ -258,6 +266,7 @@ def cache_stats(url: str) -> dict[str, Any]:
         "k": reader.manifest.k,
         "logprob_dtype": reader.manifest.logprob_dtype,
         "mean_topk_mass": float(1.0 - np.mean(block.tail_mass)),
+        "mean_mass_first": prefix_mass(block.topk_logprobs, (16, 64, reader.manifest.k)),
         "manifest": reader.manifest.to_attrs(),
     }
 
