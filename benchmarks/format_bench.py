@@ -13,10 +13,13 @@ Synthetic but realistic top-k data (k=100, vocab 131072 = 128K):
   ``tail ~ Beta(0.6, 6)``; stored as float16 unless the config says otherwise.
 - sequences of 1024 tokens (1023 rows each).
 
-Each config writes the same data through :class:`CacheWriter` (appends of 64 sequences), then
-reads it back sequentially (``rows()`` in blocks of one shard) and randomly (``sequence(i)`` for
-random i). Baseline in the same run: the same arrays written/read as uncompressed ``.npy`` files
-(raw int32 ids + float16 logprobs + float32 tail). Throughputs are also given as ratios against it.
+Each config writes the same data through :class:`CacheWriter` (appends of 64 sequences, fsynced
+unless the config says otherwise), then reads it back sequentially (``rows()`` in blocks of one
+shard, float32 logprobs and, second column, ``logprob_dtype="float16"``) and randomly
+(``sequence(i)`` for random i), through the reader's direct shard path unless the config says
+``direct=False`` (zarr's array API). Baseline in the same run: the same arrays written/read as
+uncompressed ``.npy`` files (raw int32 ids + float16 logprobs + float32 tail). Throughputs are
+also given as ratios against it.
 
 Run (one core pinned, default configs)::
 
@@ -122,6 +125,9 @@ class Config:
     row_shard: int = 65536
     id_remap: bool = False
     append_seqs: int = 64  # sequences per CacheWriter.append call
+    blosc_blocks: str = "chunk"  # Layout.blosc_blocks: one blosc block per chunk, or "auto"
+    fsync: bool = True  # CacheWriter.open(fsync=...)
+    direct: bool = True  # CacheReader(direct=...): direct shard reads, or zarr's array API
 
 
 CONFIGS = {
@@ -140,6 +146,10 @@ CONFIGS = {
         Config("float32", logprob_dtype="float32"),
         Config("appends-of-4", append_seqs=4),
         Config("appends-of-4-shard16k", append_seqs=4, row_shard=16384),
+        Config("blocks-auto", blosc_blocks="auto"),
+        Config("zarr-read-path", direct=False),
+        Config("blocks-auto-zarr-read-path", blosc_blocks="auto", direct=False),
+        Config("no-fsync", fsync=False),
     ]
 }
 
@@ -211,27 +221,30 @@ def bench_config(
         logprob_codec=cfg.logprob_codec,
         row_chunk=cfg.row_chunk,
         row_shard=cfg.row_shard,
+        blosc_blocks=cfg.blosc_blocks,
     )
     step = cfg.append_seqs
     batches = [records(*data, lo, min(lo + step, n_seq)) for lo in range(0, n_seq, step)]
 
     def write():
-        with CacheWriter.open(url, m, layout=layout) as w:
+        with CacheWriter.open(url, m, layout=layout, fsync=cfg.fsync) as w:
             for b in batches:
                 w.append(b)
 
     t_write, c_write = timed(write)
     rows = n_seq * (SEQ_LEN - 1)
 
-    reader = CacheReader(url)
+    reader = CacheReader(url, direct=cfg.direct)
     st = store_stats(reader._store, reader.manifest)
     block = cfg.row_shard
 
-    def seq_read():
+    def seq_read(logprob_dtype: str = "float32"):
         for s in range(0, rows, block):
-            reader.rows(s, min(s + block, rows))
+            reader.rows(s, min(s + block, rows), logprob_dtype=logprob_dtype)
 
+    seq_read()  # warm-up: imports, first-call set-up
     t_seq, c_seq = timed(seq_read, repeats)
+    t_seq16, c_seq16 = timed(lambda: seq_read("float16"), repeats)
     picks = np.random.default_rng(seed).integers(0, n_seq, size=random_reads)
 
     def rand_read():
@@ -265,6 +278,8 @@ def bench_config(
         / rows,
         "ratio_vs_raw": RAW_BPP / st.bytes_per_position,
         **rates(rows, random_reads, t_write, c_write, t_seq, c_seq, t_rand, c_rand),
+        "seq_read_f16_pos_per_s": rows / t_seq16,
+        "seq_read_f16_pos_per_cpu_s": rows / c_seq16,
         "random_batch32_seq_per_cpu_s": random_reads / c_batch,
         "random_batch32_seq_per_s": random_reads / t_batch,
         "max_abs_logprob_error_vs_float32_input": err,
@@ -289,12 +304,14 @@ def bench_baseline(data, root: Path, random_reads: int, seed: int) -> dict:
     t_write, c_write = timed(write)
     mi, ml, mt = (np.load(d / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail"))
 
-    def seq_read():
+    def seq_read(widen: bool = True):
         for s in range(0, rows, 65536):
-            np.array(mi[s : s + 65536]), np.array(ml[s : s + 65536]).astype(np.float32)
+            lp_block = np.array(ml[s : s + 65536])
+            np.array(mi[s : s + 65536]), lp_block.astype(np.float32) if widen else lp_block
             np.array(mt[s : s + 65536])
 
     t_seq, c_seq = timed(seq_read, 3)
+    t_seq16, c_seq16 = timed(lambda: seq_read(False), 3)
     picks = np.random.default_rng(seed).integers(0, n_seq, size=random_reads)
 
     def rand_read():
@@ -309,6 +326,8 @@ def bench_baseline(data, root: Path, random_reads: int, seed: int) -> dict:
         "rows": rows,
         "bytes_per_position": (ids.nbytes + lp16.nbytes + tail.nbytes) / rows,
         **rates(rows, random_reads, t_write, c_write, t_seq, c_seq, t_rand, c_rand),
+        "seq_read_f16_pos_per_s": rows / t_seq16,
+        "seq_read_f16_pos_per_cpu_s": rows / c_seq16,
     }
 
 
@@ -355,9 +374,11 @@ def codec_study(data, chunk: int = 2048) -> list[dict]:
 
 
 def read_profile(data, root: Path) -> dict:
-    """CPU seconds per step of one ``rows()`` block read with the default layout."""
-    from logitcache.cache_format import CacheReader, CacheWriter, Manifest
+    """CPU seconds per step of one ``rows()`` block read with the default layout: zarr's array
+    API (``direct=False``) and the direct shard path, each step timed alone."""
+    from logitcache.cache_format import CacheReader, CacheWriter, Manifest, kernels, shardread
     from logitcache.cache_format.quant import row_undelta
+    from zarr.core.sync import sync
 
     n_seq = data[0]
     url = root / "profile"
@@ -367,16 +388,36 @@ def read_profile(data, root: Path) -> dict:
             w.append(records(*data, lo, min(lo + 64, n_seq)))
     r = CacheReader(url)
     n = min(65536, r.num_rows)
-    a = r._arrays
+    a, lays = r._arrays, r._direct
     stored = a["topk_logprobs"][0:n]
     summed = row_undelta(stored)
+    fetched = {name: sync(shardread.fetch(lays[name], 0, n)) for name in lays}
+
+    def direct_decode(name):
+        shardread.decode(lays[name], fetched[name], 0, n, lays[name].empty(n))
+
+    r.rows(0, n)  # warm-up (imports the kernels' backend)
     steps = {
-        "topk_ids chunk read+decode": lambda: a["topk_ids"][0:n],
-        "topk_logprobs chunk read+decode": lambda: a["topk_logprobs"][0:n],
-        "tail_mass read+decode": lambda: a["tail_mass"][0:n],
-        "row-delta cumsum": lambda: row_undelta(stored),
-        "float16 -> float32": lambda: summed.view(np.float16).astype(np.float32),
-        "rows() total": lambda: r.rows(0, n),
+        "zarr API: topk_ids read+decode": lambda: a["topk_ids"][0:n],
+        "zarr API: topk_logprobs read+decode": lambda: a["topk_logprobs"][0:n],
+        "zarr API: tail_mass read+decode": lambda: a["tail_mass"][0:n],
+        "direct: topk_ids store get": lambda: sync(shardread.fetch(lays["topk_ids"], 0, n)),
+        "direct: topk_ids CRC32C+decode": lambda: direct_decode("topk_ids"),
+        "direct: topk_logprobs store get": lambda: sync(
+            shardread.fetch(lays["topk_logprobs"], 0, n)
+        ),
+        "direct: topk_logprobs CRC32C+decode": lambda: direct_decode("topk_logprobs"),
+        "direct: tail_mass get+decode": lambda: (
+            sync(shardread.fetch(lays["tail_mass"], 0, n)),
+            direct_decode("tail_mass"),
+        ),
+        f"row-delta cumsum ({kernels.backend()})": lambda: row_undelta(stored),
+        f"float16 -> float32 ({kernels.backend()})": lambda: kernels.half_to_float(
+            summed.view(np.float16)
+        ),
+        "rows() total, zarr API": lambda: CacheReader(url, direct=False).rows(0, n),
+        "rows() total, direct": lambda: r.rows(0, n),
+        "rows() total, direct, float16 out": lambda: r.rows(0, n, logprob_dtype="float16"),
     }
     return {name: timed(fn, 3)[1] for name, fn in steps.items()} | {"rows": n}
 
@@ -388,42 +429,52 @@ def to_markdown(doc: dict) -> str:
         "# Cache format benchmark",
         "",
         f"Machine: {doc['machine']}. Cores used: {doc['cores']} (pinned with sched_setaffinity). "
-        f"Load average at start: {doc['loadavg']} (machine shared with other jobs: timings are "
-        "noisy; ratios are against the baseline measured in the same run).",
+        f"Load average at start: {doc['loadavg']}, at end: {doc.get('loadavg_end', '?')} "
+        "(machine shared with other jobs: timings are noisy; ratios are against the baseline "
+        "measured in the same run).",
         f"Command: `{doc['command']}`",
         f"Data: {doc['rows']} positions ({doc['rows'] // (SEQ_LEN - 1)} sequences x {SEQ_LEN} "
         f"tokens), k={K}, vocab={VOCAB}, id map `{doc['id_map']}`, Zipf s=1.05. Raw reference "
         f"{RAW_BPP} B/position (int32 ids + float16 logprobs).",
         "Baseline: uncompressed .npy files (np.save + fsync; reads from np.load(mmap) with copy).",
+        f"Reader: direct shard path unless the config says zarr; logprob kernels: "
+        f"{doc.get('kernels', '?')}.",
         "",
         "Throughputs: best of 3 runs; `/cpu-s` = per CPU-second of the process (all threads), "
-        "i.e. per core fully used; wall figures suffer from the shared machine.",
+        "i.e. per core fully used; wall figures suffer from the shared machine. Sequential reads: "
+        "`rows()` in blocks of one shard with float32 logprobs (default), and with "
+        "`logprob_dtype='float16'` (`f16`; baseline: no widening).",
         "",
         "Random reads: `sequence(i)` one at a time, and `sequences(32 indices)` batched; "
         "1 sequence = 1023 positions.",
         "",
-        "| config | B/pos | ids | lp | vs raw 600 | write pos/cpu-s | seq read pos/cpu-s "
-        "(x base) | seq read pos/s wall | random seq/cpu-s (x base) | batched random seq/cpu-s "
+        "| config | B/pos | ids | lp | vs raw 600 | write pos/cpu-s | write pos/s wall "
+        "| seq read pos/cpu-s (x base) | seq read pos/s wall | f16 seq read pos/cpu-s (x base) "
+        "| f16 seq read pos/s wall | random seq/cpu-s (x base) | batched random seq/cpu-s "
         "| max lp err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
         c = r["config"]
         lines.append(
             f"| {c['name']} | {r['bytes_per_position']:.1f} | {r['id_bytes_per_position']:.1f} | "
             f"{r['logprob_bytes_per_position']:.1f} | {r['ratio_vs_raw']:.2f}x | "
-            f"{r['write_pos_per_cpu_s']:,.0f} | {r['seq_read_pos_per_cpu_s']:,.0f} "
+            f"{r['write_pos_per_cpu_s']:,.0f} | {r['write_pos_per_s']:,.0f} | "
+            f"{r['seq_read_pos_per_cpu_s']:,.0f} "
             f"({r['seq_read_pos_per_cpu_s'] / base['seq_read_pos_per_cpu_s']:.2f}) | "
-            f"{r['seq_read_pos_per_s']:,.0f} | {r['random_read_seq_per_cpu_s']:,.1f} "
+            f"{r['seq_read_pos_per_s']:,.0f} | {r['seq_read_f16_pos_per_cpu_s']:,.0f} "
+            f"({r['seq_read_f16_pos_per_cpu_s'] / base['seq_read_f16_pos_per_cpu_s']:.2f}) | "
+            f"{r['seq_read_f16_pos_per_s']:,.0f} | {r['random_read_seq_per_cpu_s']:,.1f} "
             f"({r['random_read_seq_per_cpu_s'] / base['random_read_seq_per_cpu_s']:.2f}) | "
             f"{r['random_batch32_seq_per_cpu_s']:,.1f} | "
             f"{r['max_abs_logprob_error_vs_float32_input']:.2e} |"
         )
     lines.append(
         f"| baseline (npy) | {base['bytes_per_position']:.1f} | 400.0 | 200.0 | - | "
-        f"{base['write_pos_per_cpu_s']:,.0f} | {base['seq_read_pos_per_cpu_s']:,.0f} (1.00) | "
-        f"{base['seq_read_pos_per_s']:,.0f} | {base['random_read_seq_per_cpu_s']:,.1f} (1.00) | - "
-        "| - |"
+        f"{base['write_pos_per_cpu_s']:,.0f} | {base['write_pos_per_s']:,.0f} | "
+        f"{base['seq_read_pos_per_cpu_s']:,.0f} (1.00) | {base['seq_read_pos_per_s']:,.0f} | "
+        f"{base['seq_read_f16_pos_per_cpu_s']:,.0f} (1.00) | {base['seq_read_f16_pos_per_s']:,.0f} "
+        f"| {base['random_read_seq_per_cpu_s']:,.1f} (1.00) | - | - |"
     )
     return "\n".join(lines) + "\n"
 
@@ -443,6 +494,7 @@ def main() -> None:
         action="store_true",
         help="codec/transform size study and a read-path CPU profile instead",
     )
+    p.add_argument("--profile", action="store_true", help="only the read-path CPU profile")
     args = p.parse_args()
     if args.cores:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.cores]))
@@ -456,9 +508,11 @@ def main() -> None:
     data = make_data(args.rows, args.id_map, args.seed)
     print(f"data: {data[2].shape[0]} rows in {time.perf_counter() - t0:.1f} s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="lc-format-bench-"))
-    if args.study:
+    if args.study or args.profile:
         try:
-            doc = {"codec_study": codec_study(data), "read_profile_cpu_s": read_profile(data, root)}
+            doc = {"codec_study": codec_study(data)} if args.study else {"codec_study": []}
+            doc["read_profile_cpu_s"] = read_profile(data, root)
+            doc["loadavg"] = [" ".join(loadavg), open("/proc/loadavg").read().split()[:3]]
         finally:
             shutil.rmtree(root, ignore_errors=True)
         for row in doc["codec_study"]:
@@ -484,13 +538,21 @@ def main() -> None:
             shutil.rmtree(root / name)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    from logitcache.cache_format import kernels
+
+    flags = [
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        for k, v in vars(args).items()
+        if v is not None and v is not False
+    ]
     doc = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}",
         "cores": args.cores,
         "loadavg": " ".join(loadavg),
-        "command": "python benchmarks/format_bench.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "loadavg_end": " ".join(open("/proc/loadavg").read().split()[:3]),
+        "kernels": kernels.backend(),
+        "command": "python benchmarks/format_bench.py " + " ".join(flags),
         "rows": data[2].shape[0],
         "id_map": args.id_map,
         "baseline": baseline,

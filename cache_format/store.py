@@ -1,7 +1,7 @@
 """Opening a zarr store from a URL (local directory, s3://, gs://, az://, any fsspec URL).
 
 - A path or ``file://`` URL: :class:`zarr.storage.LocalStore` (atomic per-object writes); for
-  writing :class:`DurableLocalStore`, which also fsyncs (FORMAT.md W5).
+  writing :class:`DurableLocalStore`, which also fsyncs (FORMAT.md W5a).
 - ``s3://``, ``gs://``, ``az://``/``abfs://``: :class:`zarr.storage.ObjectStore` over obstore
   (conditional puts give a safe writer lock). ``storage_options`` accepts s3fs-style names
   (``endpoint_url``, ``key``, ``secret``, ``token``, ``region``, ``anon``, ``client_kwargs``)

@@ -6,8 +6,10 @@ Transaction of :meth:`CacheWriter.append` (rules W1-W6 of FORMAT.md):
 2. take the writer lock; re-read the committed manifest (another process may have appended);
 3. drop records whose key is committed already (or repeated within the batch);
 4. for every array: resize to ``committed + new`` and write the new rows (each object write is
-   atomic: LocalStore writes via rename, object stores via single PUT);
-5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1``;
+   atomic: LocalStore writes via rename, object stores via single PUT); on a local store each
+   object is fsynced before its rename and the changed directories after all writes (W5a);
+5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1`` (fsynced,
+   then its directory);
 6. release the lock.
 
 A writer killed before step 5 leaves data past the committed counts, which readers ignore and the
