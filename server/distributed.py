@@ -452,8 +452,9 @@ def _final_manifest(info: EngineInfo, settings: ServerSettings, dataset: str) ->
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m logitcache.server.distributed",
+        allow_abbrev=False,  # `--k 20` must not read as `--keep-staging 20`
         description="Score a dataset into one cache with several teacher replicas on Ray. "
-        "Every other option is a logitcache-server setting (--model, --k, --backend, --dtype, "
+        "Every other option is a logitcache-server setting (--model, -k, --backend, --dtype, "
         "--tensor-parallel-size, --pipeline-parallel-size, --storage-options, ...), also read "
         "from LOGITCACHE_* variables.",
     )
