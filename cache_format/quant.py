@@ -2,8 +2,9 @@
 
 Value encodings (manifest ``logprob_dtype``):
 
-- ``float16`` (default) / ``float32``: the value after clipping to ``[-65504, 0]`` (float16
-  range); float16 keeps a relative error <= 2**-11 (e.g. <= 0.0078 absolute at -16).
+- ``float16`` (default): the value clipped to ``[-65504, 0]`` (the finite float16 range) and
+  rounded to nearest-even half; relative error <= 2**-11 (e.g. <= 0.0078 absolute at -16).
+- ``float32``: the value itself (exact).
 - ``uint8`` / ``uint16``: lossy, relative to the row max. With ``m = max_j lp_j`` (rank 0) and
   ``step = (m - min_j lp_j) / Q`` (``Q = 255`` or ``65535``), ``q_j = round((m - lp_j) / step)``;
   decoding is ``m - q_j * step`` in float32. Error bound ``|lp_j - lp_j'| <= step / 2 =
@@ -78,7 +79,8 @@ def decode_logprobs(
 
     ``out_dtype="float32"`` (default) gives the decoded values of FORMAT.md D3. ``"float16"``
     returns the stored float16 values themselves for ``dtype="float16"`` (no widening: exact,
-    half the bytes), and the float32 values rounded to float16 for the other encodings (lossy).
+    half the bytes), and the float32 values clipped to ``[-65504, 65504]`` (the finite float16
+    range) and rounded to float16 for the other encodings (lossy; never ``-inf``).
     ``in_place=True`` lets the row-delta inverse overwrite ``stored`` (a decoded block the caller
     owns), saving one array.
     """
@@ -98,7 +100,9 @@ def decode_logprobs(
         out = out.astype(np.float32, copy=False)
     else:
         raise ValueError(f"unknown logprob dtype {dtype!r}")
-    return out.astype(np.float16) if out_dtype == "float16" else out
+    if out_dtype == "float16":  # clip to the finite float16 range first (FORMAT.md D3)
+        return np.clip(out, F16_MIN, -F16_MIN).astype(np.float16)
+    return out
 
 
 def error_bound(lp: np.ndarray, dtype: str) -> np.ndarray:

@@ -48,12 +48,20 @@ def records(seed: int, n: int, k: int, vocab: int, extreme: bool):
 def build(root: Path) -> dict:
     from logitcache.cache_format import CacheReader, CacheWriter, Layout, Manifest
 
-    tiny = Layout(row_chunk=4, row_shard=16, token_chunk=8, token_shard=32, seq_chunk=2, seq_shard=8)
+    tiny = Layout(
+        row_chunk=4, row_shard=16, token_chunk=8, token_shard=32, seq_chunk=2, seq_shard=8
+    )
     configs = {
         # name: (manifest overrides, layout, seed, sequences per append, appends)
         "float16": (dict(), None, 1, 6, 2),
         "float32_remap_tiny": (dict(logprob_dtype="float32", id_remap=True), tiny, 2, 5, 3),
-        "uint8_f16tail_tiny": (dict(logprob_dtype="uint8", tail_mass_dtype="float16"), tiny, 3, 7, 2),
+        "uint8_f16tail_tiny": (
+            dict(logprob_dtype="uint8", tail_mass_dtype="float16"),
+            tiny,
+            3,
+            7,
+            2,
+        ),
     }
     k, vocab = 4, 64
     made = {}
@@ -104,8 +112,9 @@ def main() -> int:
         shutil.rmtree(root)
         raise
     (root / "README.md").write_text(
-        f"Golden caches of format version {FORMAT_VERSION}, written by `tests/golden/make_golden.py`"
-        "; never edit or rebuild them: `tests/test_format_golden.py` requires every later version "
+        f"Golden caches of format version {FORMAT_VERSION}, written by "
+        "`tests/golden/make_golden.py`; never edit or rebuild them: "
+        "`tests/test_format_golden.py` requires every later version "
         "to read them to the values in `*.expected.npz`.\n"
     )
     print(json.dumps({n: m["num_sequences"] for n, m in made.items()}))
