@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from . import routes_caches, routes_jobs, routes_ops, routes_score
+from . import routes_caches, routes_jobs, routes_ops, routes_score, ui
 from .caches import CacheRegistry
 from .deps import Services
 from .errors import install_error_handlers
@@ -90,11 +90,14 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         version="1",
         lifespan=lifespan,
         generate_unique_id_function=_operation_id,
+        docs_url=None,  # /docs is served by server/ui with local assets (no CDN)
+        redoc_url=None,
     )
     app.state.services = None
     app.state.metrics = metrics
     for module in (routes_ops, routes_score, routes_jobs, routes_caches):
         app.include_router(module.router)
+    ui.install(app, settings)  # status page at /, login form, /docs, Bearer scheme
     install_error_handlers(app)
     # Outermost last: metrics see everything; the key is checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)

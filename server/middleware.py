@@ -5,6 +5,7 @@ Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through untou
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -13,14 +14,17 @@ from typing import TYPE_CHECKING, Any
 from starlette.exceptions import HTTPException
 
 from .errors import error_body
+from .ui import auth as ui_auth
+from .ui.routes import PUBLIC_PATHS as UI_PUBLIC_PATHS
+from .ui.routes import PUBLIC_PREFIXES
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from .metrics import Metrics
 
-#: Paths served without an API key.
-PUBLIC_PATHS = frozenset({"/health"})
+#: Paths served without an API key (the UI's pages check the key themselves; see server/ui).
+PUBLIC_PATHS = frozenset({"/health", *UI_PUBLIC_PATHS})
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list | None = None):
@@ -31,17 +35,27 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: lis
 
 
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on every path but :data:`PUBLIC_PATHS`."""
+    """Require ``Authorization: Bearer <api_key>`` on every path but :data:`PUBLIC_PATHS`
+    (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` the status page's login cookie also counts
+    (``server/ui/auth.py``)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
+        self._key = api_key
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
             await self.app(scope, receive, send)
             return
-        got = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        got = headers.get(b"authorization", b"")
+        if scope.get("method") in ui_auth.SAFE_METHODS and ui_auth.cookie_ok(
+            self._key, headers.get(b"cookie", b"").decode("latin-1")
+        ):
+            await self.app(scope, receive, send)
+            return
         if not secrets.compare_digest(got, self._expected):
             why = "missing" if not got else "invalid"
             await _send_json(
@@ -55,11 +69,14 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Answer 413 for a body over ``max_bytes`` (by ``Content-Length``, or while streaming it)."""
+    """Answer 413 for a body over ``max_bytes`` (by ``Content-Length``, or while streaming it),
+    and 408 when the next piece of a body takes longer than ``timeout_s`` to arrive (a slow
+    client cannot hold a connection and a request slot for ever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -74,12 +91,22 @@ class BodyLimitMiddleware:
             return
         seen = 0
         started = False
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done or self.timeout_s is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), self.timeout_s)
+                except TimeoutError:
+                    raise HTTPException(
+                        408, f"the request body did not arrive within {self.timeout_s:g} s"
+                    ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > self.max_bytes:
                     # HTTPException passes FastAPI's body parsing unchanged (-> 413 handler)
                     raise HTTPException(413, too_large["error"]["message"])
@@ -94,9 +121,13 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, limited_receive, tracking_send)
         except HTTPException as e:
-            if e.status_code != 413 or started:
+            if e.status_code not in (408, 413) or started:
                 raise
-            await _send_json(send, 413, too_large)
+            if e.status_code == 413:
+                await _send_json(send, 413, too_large)
+            else:
+                body = error_body("request_timeout", str(e.detail))
+                await _send_json(send, 408, body, [(b"connection", b"close")])
 
 
 class MetricsMiddleware:

@@ -1,0 +1,215 @@
+"""Routes of the browser UI and :func:`install`, which ``create_app`` calls.
+
+* ``GET /``: the status page (engine, jobs with progress/ETA/throughput, caches with size, rows,
+  coverage and bytes/position). With an API key set, a browser without the login cookie gets the
+  login form instead; ``Authorization: Bearer <key>`` works too.
+* ``POST /login`` (form field ``key``): sets the login cookie (see :mod:`.auth`) and redirects
+  to ``/``; a wrong key answers 401 with the form again. ``POST /logout`` clears it.
+* ``GET /docs``: Swagger UI with its JavaScript/CSS served from this server
+  (``/ui/static/...``, files of the ``swagger-ui-bundle`` package): nothing from a CDN.
+* The OpenAPI schema declares an HTTP Bearer scheme (``bearerAuth``) on every operation but
+  ``/health`` when the server has an API key, so Swagger UI shows its Authorize button.
+
+``/``, ``/login``, ``/logout``, ``/docs``, ``/openapi.json`` and ``/ui/static/*`` are public at
+the middleware (:data:`PUBLIC_PATHS`, :data:`PUBLIC_PREFIXES`); ``/`` checks the key itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+
+from . import auth, pages
+from .summary import CacheSummaries
+
+if TYPE_CHECKING:
+    from ..settings import ServerSettings
+
+#: Paths the API-key middleware lets through (the routes below check what they must).
+PUBLIC_PATHS = frozenset({"/", "/login", "/logout", "/docs", "/openapi.json"})
+#: Path prefixes the API-key middleware lets through.
+PUBLIC_PREFIXES = ("/ui/static/",)
+
+STATIC = "/ui/static"
+#: The Swagger UI files served from the ``swagger-ui-bundle`` package.
+SWAGGER_FILES = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "favicon-32x32.png"})
+
+#: Seconds between automatic reloads of the status page (``?refresh=N`` overrides; 0: never).
+DEFAULT_REFRESH = 5
+
+router = APIRouter(include_in_schema=False)
+
+
+def swagger_dir() -> Path | None:
+    """Folder of the Swagger UI assets (``swagger-ui-bundle`` package), or None if absent."""
+    try:
+        import swagger_ui_bundle
+    except ImportError:
+        return None
+    return Path(swagger_ui_bundle.swagger_ui_path)
+
+
+def _settings(request: Request) -> ServerSettings:
+    return request.app.state.ui_settings
+
+
+def _api_key(request: Request) -> str | None:
+    key = _settings(request).api_key
+    return key.get_secret_value() if key is not None else None
+
+
+def _authorized(request: Request) -> tuple[bool, bool]:
+    """``(authorized, by_cookie)`` for this request."""
+    key = _api_key(request)
+    if key is None:
+        return True, False
+    header = request.headers.get("authorization", "")
+    if secrets.compare_digest(header.encode(), f"Bearer {key}".encode()):
+        return True, False
+    ok = auth.cookie_ok(key, request.headers.get("cookie"))
+    return ok, ok
+
+
+def _engine_state(request: Request) -> dict[str, Any]:
+    settings = _settings(request)
+    services = getattr(request.app.state, "services", None)
+    if services is None:
+        return {"state": "starting (loading the teacher) or stopping", "model": settings.model}
+    info = services.engine.info
+    running = getattr(services.jobs, "_current", None)
+    return {
+        "state": "ready",
+        "model": info.model_id,
+        "backend": info.backend,
+        "dtype": info.dtype,
+        "vocab size": info.vocab_size,
+        "k (default / max)": f"{min(settings.k, info.max_k)} / {info.max_k}",
+        "max sequence length": services.scoring.limits.max_len,
+        "temperature": info.temperature,
+        "on-demand requests in flight": getattr(services.scoring, "active", 0),
+        "running job": running or "none",
+        "store root": services.caches.root,
+        "data dir": str(Path(settings.data_dir).expanduser().absolute()),
+    }
+
+
+@router.get("/", response_class=HTMLResponse)
+async def status_page(request: Request, refresh: int = DEFAULT_REFRESH) -> Response:
+    ok, by_cookie = _authorized(request)
+    if not ok:
+        return HTMLResponse(pages.login_page())
+    services = getattr(request.app.state, "services", None)
+    jobs: list[Any] = []
+    caches = None
+    caches_error = None
+    if services is not None:
+        jobs = services.jobs.list()
+        summaries: CacheSummaries = request.app.state.ui_caches
+        try:
+            caches = await asyncio.to_thread(summaries.all, services.caches)
+        except Exception as e:  # the page must render even if the store is unreachable
+            caches_error = f"cannot list caches: {e}"
+    html = pages.status_page(
+        engine=_engine_state(request),
+        jobs=jobs,
+        caches=caches,
+        caches_error=caches_error,
+        refresh=max(0, refresh),
+        logged_in_by_cookie=by_cookie,
+    )
+    return HTMLResponse(html)
+
+
+def _safe_next(url: str) -> str:
+    """Only same-site absolute paths (no ``//host`` or scheme) are followed after login."""
+    return url if url.startswith("/") and not url.startswith("//") else "/"
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    given = (form.get("key") or [""])[0]
+    next_url = _safe_next((form.get("next") or ["/"])[0])
+    key = _api_key(request)
+    if key is None:
+        return RedirectResponse(next_url, status_code=303)
+    if not secrets.compare_digest(given.encode(), key.encode()):
+        return HTMLResponse(pages.login_page(error="Wrong API key.", next_url=next_url), 401)
+    resp = RedirectResponse(next_url, status_code=303)
+    resp.set_cookie(
+        auth.COOKIE,
+        auth.cookie_token(key),
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        path="/",
+    )
+    return resp
+
+
+@router.post("/logout")
+async def logout() -> Response:
+    resp = RedirectResponse("/", status_code=303)
+    resp.delete_cookie(auth.COOKIE, path="/")
+    return resp
+
+
+@router.get("/docs", response_class=HTMLResponse)
+async def docs(request: Request) -> Response:
+    if swagger_dir() is None:
+        return HTMLResponse(
+            "<p>Swagger UI assets are not installed (pip install swagger-ui-bundle); "
+            'the schema is at <a href="/openapi.json">/openapi.json</a>.</p>',
+            503,
+        )
+    return HTMLResponse(pages.swagger_page(openapi_url=request.app.openapi_url, static=STATIC))
+
+
+@router.get(STATIC + "/{name}")
+async def static(name: str) -> Response:
+    folder = swagger_dir()
+    if folder is None or name not in SWAGGER_FILES:
+        return Response(status_code=404)
+    return FileResponse(folder / name, headers={"cache-control": "public, max-age=86400"})
+
+
+def _with_bearer_scheme(app: FastAPI) -> None:
+    """Declare ``bearerAuth`` (HTTP Bearer) in the schema, required by all operations but the
+    public ones (``/health``)."""
+    base = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = base()
+        comps = schema.setdefault("components", {})
+        comps.setdefault("securitySchemes", {})["bearerAuth"] = {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "the server's API key (--api-key / LOGITCACHE_API_KEY)",
+        }
+        schema["security"] = [{"bearerAuth": []}]
+        for path, ops in schema.get("paths", {}).items():
+            if path == "/health":
+                for op in ops.values():
+                    if isinstance(op, dict):
+                        op["security"] = []
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def install(app: FastAPI, settings: ServerSettings) -> None:
+    """Add the UI routes to ``app`` (built with ``docs_url=None, redoc_url=None``)."""
+    app.state.ui_settings = settings
+    app.state.ui_caches = CacheSummaries()
+    app.include_router(router)
+    if settings.api_key is not None:
+        _with_bearer_scheme(app)

@@ -1,0 +1,150 @@
+"""What the status page shows, as plain dataclasses built from the running services.
+
+Cache coverage is the mean teacher probability mass held by the cached top-k,
+``coverage = 1 - mean(tail_mass)`` over rows. On a large cache it is estimated from
+:data:`COVERAGE_WINDOWS` evenly spaced windows of :data:`COVERAGE_WINDOW_ROWS` rows each (every row
+when the cache has fewer than their total), and the page says how many rows it used. Summaries are
+memoised per ``(cache, num_rows)``: a cache is re-read only after it has grown.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Windows sampled for the coverage estimate, and rows per window.
+COVERAGE_WINDOWS = 8
+COVERAGE_WINDOW_ROWS = 2048
+
+#: Mean top-k mass below which the page (and ``logitcache info``) warns.
+LOW_COVERAGE = 0.9
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """One cache: identity, size and coverage (``None`` when empty or unreadable)."""
+
+    name: str
+    k: int
+    model: str
+    num_sequences: int
+    num_rows: int
+    stored_bytes: int | None
+    bytes_per_position: float | None
+    coverage: float | None
+    tail_p50: float | None
+    tail_p90: float | None
+    coverage_rows: int
+    error: str | None = None
+
+    @property
+    def low_coverage(self) -> bool:
+        return self.coverage is not None and self.coverage < LOW_COVERAGE
+
+
+def _windows(n: int) -> list[tuple[int, int]]:
+    """Row ranges sampled for coverage: all of ``[0, n)`` or evenly spaced windows."""
+    total = COVERAGE_WINDOWS * COVERAGE_WINDOW_ROWS
+    if n <= total:
+        return [(0, n)] if n else []
+    step = (n - COVERAGE_WINDOW_ROWS) / (COVERAGE_WINDOWS - 1)
+    starts = [int(round(i * step)) for i in range(COVERAGE_WINDOWS)]
+    return [(s, s + COVERAGE_WINDOW_ROWS) for s in starts]
+
+
+def tail_sample(reader: Any) -> np.ndarray:
+    """Tail masses of the sampled rows of an open :class:`CacheReader`."""
+    parts = [reader.rows(a, b).tail_mass for a, b in _windows(reader.num_rows)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def summarize_cache(name: str, reader: Any) -> CacheSummary:
+    """Size (stored bytes, bytes per position) and coverage of one cache."""
+    from logitcache.cache_format.stats import store_stats
+
+    m = reader.manifest
+    stored = bpp = None
+    try:
+        st = store_stats(reader._store, m)
+        stored, bpp = st.total_bytes, st.bytes_per_position
+    except Exception:  # sizes are best-effort (some stores cannot list sizes)
+        pass
+    tails = tail_sample(reader)
+    cov = p50 = p90 = None
+    if tails.size:
+        cov = float(1.0 - tails.mean())
+        p50, p90 = (float(x) for x in np.percentile(tails, [50, 90]))
+    return CacheSummary(
+        name=name,
+        k=m.k,
+        model=m.teacher_model,
+        num_sequences=reader.num_sequences,
+        num_rows=reader.num_rows,
+        stored_bytes=stored,
+        bytes_per_position=bpp,
+        coverage=cov,
+        tail_p50=p50,
+        tail_p90=p90,
+        coverage_rows=int(tails.size),
+    )
+
+
+class CacheSummaries:
+    """Memoised :func:`summarize_cache` per ``(name, num_rows)`` (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[str, tuple[int, CacheSummary]] = {}
+        self._lock = threading.Lock()
+
+    def all(self, caches: Any) -> list[CacheSummary]:
+        out = []
+        for name in caches.names():
+            try:
+                reader = caches.reader(name)
+            except Exception as e:  # an empty or broken cache is listed, not fatal
+                out.append(_broken(name, e))
+                continue
+            with self._lock:
+                hit = self._memo.get(name)
+            if hit is not None and hit[0] == reader.num_rows:
+                out.append(hit[1])
+                continue
+            try:
+                s = summarize_cache(name, reader)
+            except Exception as e:
+                out.append(_broken(name, e))
+                continue
+            with self._lock:
+                self._memo[name] = (reader.num_rows, s)
+            out.append(s)
+        return out
+
+
+def _broken(name: str, e: Exception) -> CacheSummary:
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CacheSummary(name, 0, "", 0, 0, None, None, None, None, None, 0, error=msg)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
