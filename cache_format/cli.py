@@ -120,6 +120,18 @@ def export(
     typer.echo(f"exported {n} sequences to {out}", err=True)
 
 
+@app.command(
+    "jobs",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def jobs(ctx: typer.Context) -> None:
+    """List, show, watch (progress bar) or cancel the service's batch jobs (client/jobs_cli.py)."""
+    from logitcache.client.jobs_cli import main as jobs_main  # lazy: needs the client extra
+
+    raise typer.Exit(jobs_main(list(ctx.args)))
+
+
 def main() -> None:  # pragma: no cover - console entry convenience
     app(sys.argv[1:])
 

@@ -1,0 +1,199 @@
+"""``logitcache jobs``: list, show, watch and cancel the service's batch jobs from a terminal.
+
+::
+
+    logitcache jobs list                    # one line per job: id, state, cache, progress
+    logitcache jobs show JOB_ID             # the job's full status (JSON)
+    logitcache jobs watch JOB_ID            # a progress bar until the job ends
+    logitcache jobs cancel JOB_ID
+
+The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
+``--api-key`` (default ``$LOGITCACHE_API_KEY``). Progress is in tokens (``tokens_done`` of
+``tokens_total``, what the job status reports); throughput and ETA are the server's.
+
+Exit status: 0 on success (``watch``: the job succeeded), 1 when a watched job ended failed or
+cancelled, 2 on a usage, connection or HTTP error, printed as one line
+``logitcache jobs: error: ...`` (no traceback). Only ``httpx`` (and ``tqdm`` for the bar) are
+needed: this is client-side code, like :class:`~logitcache.client.TeacherClient`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+PROG = "logitcache jobs"
+DEFAULT_URL = "http://127.0.0.1:8000"
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class CliError(Exception):
+    """A one-line error for the user (exit status 2)."""
+
+
+class JobsClient:
+    """The few job routes of the service over httpx (``GET/DELETE /v1/jobs[/{id}]``)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0):
+        import httpx
+
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str) -> Any:
+        import httpx
+
+        try:
+            r = self._http.request(method, path)
+        except httpx.HTTPError as e:
+            raise CliError(f"cannot reach {self.url}: {e}") from None
+        if r.status_code >= 400:
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:
+                msg = r.text.strip()[:200] or r.reason_phrase
+            raise CliError(f"{method} {path}: HTTP {r.status_code}: {msg}")
+        return r.json()
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/jobs")["jobs"]
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/v1/jobs/{job_id}")
+
+
+def _pct(job: dict[str, Any]) -> float:
+    total = job.get("tokens_total") or 0
+    return 100.0 * (job.get("tokens_done") or 0) / total if total else 0.0
+
+
+def _eta(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def summary_line(job: dict[str, Any]) -> str:
+    """``id  state  cache  done/total seqs  pct  tok/s  ETA  [note]`` for one job."""
+    rate = job.get("tokens_per_s")
+    note = job.get("error") or ""
+    extra = [f"{job[k]} {k}" for k in ("duplicates", "skipped", "split") if job.get(k)]
+    parts = [
+        job["id"],
+        f"{job['state']:<9}",
+        job["cache"],
+        f"{job['sequences_done']}/{job['sequences_total']} seqs",
+        f"{_pct(job):5.1f}%",
+        f"{rate:,.0f} tok/s" if rate else "- tok/s",
+        f"ETA {_eta(job.get('eta_s'))}",
+    ]
+    return "  ".join(parts + extra + ([note] if note else []))
+
+
+def cmd_list(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
+    jobs = client.list()
+    if args.json:
+        print(json.dumps(jobs, indent=2), file=out)
+    elif not jobs:
+        print("no jobs", file=out)
+    for job in [] if args.json else jobs:
+        print(summary_line(job), file=out)
+    return 0
+
+
+def cmd_show(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
+    print(json.dumps(client.get(args.job_id), indent=2), file=out)
+    return 0
+
+
+def cmd_cancel(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
+    job = client.cancel(args.job_id)
+    print(f"cancel requested: {summary_line(job)}", file=out)
+    return 0
+
+
+def cmd_watch(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
+    """Poll every ``--interval`` seconds and draw a tqdm bar (tokens) until a terminal state."""
+    from tqdm import tqdm
+
+    job = client.get(args.job_id)
+    bar = tqdm(
+        total=job["tokens_total"],
+        unit="tok",
+        unit_scale=True,
+        desc=f"{job['id']} -> {job['cache']}",
+        file=out,
+        dynamic_ncols=True,
+        mininterval=0,
+    )
+    try:
+        while True:
+            bar.n = job["tokens_done"]
+            rate = job.get("tokens_per_s")
+            bar.set_postfix_str(
+                f"{job['state']}, {job['sequences_done']}/{job['sequences_total']} seqs, "
+                f"{rate or 0:,.0f} tok/s, ETA {_eta(job.get('eta_s'))}",
+                refresh=True,
+            )
+            if job["state"] in TERMINAL:
+                break
+            time.sleep(args.interval)
+            job = client.get(args.job_id)
+    finally:
+        bar.close()
+    print(summary_line(job), file=out)
+    return 0 if job["state"] == "succeeded" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=os.environ.get("LOGITCACHE_URL", DEFAULT_URL))
+    p.add_argument("--api-key", default=os.environ.get("LOGITCACHE_API_KEY"))
+    sub = p.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="one line per job", allow_abbrev=False)
+    ls.add_argument("--json", action="store_true", help="print the statuses as JSON")
+    for name, helptext in (("show", "full status (JSON)"), ("cancel", "cancel a job")):
+        sp = sub.add_parser(name, help=helptext, allow_abbrev=False)
+        sp.add_argument("job_id")
+    w = sub.add_parser("watch", help="progress bar until the job ends", allow_abbrev=False)
+    w.add_argument("job_id")
+    w.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    return p
+
+
+COMMANDS = {"list": cmd_list, "show": cmd_show, "cancel": cmd_cancel, "watch": cmd_watch}
+
+
+def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    out = out or sys.stdout
+    try:
+        client = JobsClient(args.url, args.api_key)
+    except ImportError as e:
+        print(f"{PROG}: error: needs the client extra ({e})", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command](client, args, out)
+    except CliError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
