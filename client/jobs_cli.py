@@ -4,7 +4,7 @@
 
     logitcache jobs list                    # one line per job: id, state, cache, progress
     logitcache jobs show JOB_ID             # the job's full status (JSON)
-    logitcache jobs watch JOB_ID            # a progress bar until the job ends
+    logitcache jobs watch [JOB_ID]          # a progress bar until the job ends (default: newest)
     logitcache jobs cancel JOB_ID
 
 The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
@@ -128,6 +128,11 @@ def cmd_watch(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
     """Poll every ``--interval`` seconds and draw a tqdm bar (tokens) until a terminal state."""
     from tqdm import tqdm
 
+    if args.job_id is None:
+        jobs = client.list()
+        if not jobs:
+            raise CliError("no jobs to watch")
+        args.job_id = max(jobs, key=lambda j: j["created_at"])["id"]
     job = client.get(args.job_id)
     bar = tqdm(
         total=job["tokens_total"],
@@ -168,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext, allow_abbrev=False)
         sp.add_argument("job_id")
     w = sub.add_parser("watch", help="progress bar until the job ends", allow_abbrev=False)
-    w.add_argument("job_id")
+    w.add_argument("job_id", nargs="?", help="default: the newest job")
     w.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
     return p
 
