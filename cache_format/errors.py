@@ -68,5 +68,11 @@ class ChecksumError(CorruptStoreError):
     raced a writer's shard rewrite. Readers retry it on a fresh snapshot before raising it."""
 
 
+class MissingDataError(CorruptStoreError):
+    """An object (shard) or chunk that the committed counts need is absent from the store: a
+    lost or deleted object, a failed or partial copy (FORMAT.md R9). Never read as fill value.
+    The message names the array and the rows (entries) it would have held."""
+
+
 class WireFormatError(FormatError):
     """Bytes given to the wire decoder are not a valid (or complete) logitcache frame."""

@@ -32,6 +32,8 @@ class ArrayDef:
     codec: str
     dims: tuple[str, ...]
     whole_blocks: bool = False
+    encoding: str = ""
+    """Value of the array attribute ``logitcache_encoding`` (FORMAT.md §4, version >= 2)."""
 
 
 def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) -> list[ArrayDef]:
@@ -39,19 +41,32 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
     whole = layout.blosc_blocks == "chunk"
     row_chunk, row_shard = layout.row_chunk, layout.row_shard
 
-    def rows(name: str, dtype: str, codec: str) -> ArrayDef:  # [n] per-row arrays
-        return ArrayDef(name, dtype, False, row_chunk * 8, row_shard * 8, codec, ("row",), whole)
+    def rows(name: str, dtype: str, codec: str, enc: str) -> ArrayDef:  # [n] per-row arrays
+        return ArrayDef(
+            name, dtype, False, row_chunk * 8, row_shard * 8, codec, ("row",), whole, enc
+        )
 
-    def per_seq(name: str, dtype: str) -> ArrayDef:
+    def per_seq(name: str, dtype: str, enc: str) -> ArrayDef:
         codec = "zstd3" if dtype == "str" else layout.other_codec
         return ArrayDef(
-            name, dtype, False, layout.seq_chunk, layout.seq_shard, codec, ("sequence",), whole
+            name, dtype, False, layout.seq_chunk, layout.seq_shard, codec, ("sequence",), whole, enc
         )
 
     lp_dtype = manifest.logprob_dtype
     dims2 = ("row", "rank")
+    id_enc = "id_rank" if manifest.id_remap else "id"
     defs = [
-        ArrayDef(spec.TOPK_IDS, "int32", True, row_chunk, row_shard, layout.id_codec, dims2, whole),
+        ArrayDef(
+            spec.TOPK_IDS,
+            "int32",
+            True,
+            row_chunk,
+            row_shard,
+            layout.id_codec,
+            dims2,
+            whole,
+            id_enc,
+        ),
         ArrayDef(
             spec.TOPK_LOGPROBS,
             STORED_DTYPE[lp_dtype],
@@ -61,14 +76,18 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
             layout.logprob_codec,
             dims2,
             whole,
+            f"{lp_dtype}_row_delta",
         ),
     ]
     if lp_dtype in spec.QUANTISED_DTYPES:
         defs += [
-            rows(n, "float32", layout.other_codec) for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
+            rows(n, "float32", layout.other_codec, "float32")
+            for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
         ]
     defs += [
-        rows(spec.TAIL_MASS, manifest.tail_mass_dtype, layout.other_codec),
+        rows(
+            spec.TAIL_MASS, manifest.tail_mass_dtype, layout.other_codec, manifest.tail_mass_dtype
+        ),
         ArrayDef(
             spec.INPUT_IDS,
             "int32",
@@ -78,26 +97,72 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
             layout.id_codec,
             ("token",),
             whole,
+            "id",
         ),
-        per_seq(spec.SEQ_KEYS, "str"),
-        per_seq(spec.SEQ_LENGTHS, "int32"),
-        per_seq(spec.SEQ_TOKEN_START, "int64"),
-        per_seq(spec.SEQ_ROW_START, "int64"),
+        per_seq(spec.SEQ_KEYS, "str", "utf8"),
+        per_seq(spec.SEQ_LENGTHS, "int32", "int32"),
+        per_seq(spec.SEQ_TOKEN_START, "int64", "int64"),
+        per_seq(spec.SEQ_ROW_START, "int64", "int64"),
     ]
+    if manifest.format_version >= 2:
+        defs += [
+            per_seq(spec.SEQ_KEY_END, "int64", "int64"),
+            ArrayDef(
+                spec.SEQ_KEY_BYTES,
+                "uint8",
+                False,
+                layout.token_chunk,
+                layout.token_shard,
+                layout.other_codec,
+                ("byte",),
+                whole,
+                "utf8_bytes",
+            ),
+        ]
     if manifest.id_remap:
         vocab = manifest.vocab_size
-        defs.append(ArrayDef(spec.ID_ORDER, "int32", False, vocab, vocab, "zstd3", ("vocab",)))
+        defs.append(
+            ArrayDef(spec.ID_ORDER, "int32", False, vocab, vocab, "zstd3", ("vocab",), False, "id")
+        )
     return defs
 
 
-def create_array(store, d: ArrayDef, k: int) -> zarr.Array:
-    """Create (overwriting) an empty array for ``d`` in ``store``."""
+def committed_lengths(m: Manifest) -> dict[str, int]:
+    """Entries of each array that the manifest's counts commit (R6): readers use ``[0, n)``."""
+    out = {
+        spec.TOPK_IDS: m.num_rows,
+        spec.TOPK_LOGPROBS: m.num_rows,
+        spec.LOGPROB_MAX: m.num_rows,
+        spec.LOGPROB_STEP: m.num_rows,
+        spec.TAIL_MASS: m.num_rows,
+        spec.INPUT_IDS: m.num_tokens,
+        spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
+        spec.SEQ_KEY_BYTES: m.num_key_bytes,
+        **{n: m.num_sequences for n in (*spec.SEQ_ARRAYS, spec.SEQ_KEY_END)},
+    }
+    return {d.name: out[d.name] for d in array_defs(m)}
+
+
+def strict(m: Manifest) -> bool:
+    """Whether an absent chunk in the committed range is data loss (version >= 2, rule R9)
+    rather than fill value (version 1 stored no chunk equal to the fill value)."""
+    return m.format_version >= 2
+
+
+ENCODING_ATTR = "logitcache_encoding"
+"""Array attribute (version >= 2) naming how the stored values decode (FORMAT.md §4)."""
+
+
+def create_array(store, d: ArrayDef, k: int, version: int = spec.FORMAT_VERSION) -> zarr.Array:
+    """Create (overwriting) an empty array for ``d`` in ``store`` (of a store of ``version``)."""
     shape = (0, k) if d.k_axis else (0,)
     chunks = (d.chunk, k) if d.k_axis else (d.chunk,)
     shards = (d.shard, k) if d.k_axis else (d.shard,)
     dtype = str if d.dtype == "str" else d.dtype
     itemsize = 1 if d.dtype == "str" else np.dtype(d.dtype).itemsize
-    kwargs = {} if d.dtype == "str" else {"fill_value": 0}
+    kwargs: dict = {} if d.dtype == "str" else {"fill_value": 0}
+    if version >= 2:
+        kwargs["attributes"] = {ENCODING_ATTR: d.encoding}
     block = d.chunk * (k if d.k_axis else 1) * itemsize if d.whole_blocks else 0
     return zarr.create_array(
         store,
@@ -151,9 +216,16 @@ def parse_root(attrs: dict) -> Manifest:
             f"format_version {version!r} not supported (this library reads "
             f"{sorted(spec.SUPPORTED_VERSIONS)})"
         )
-    return Manifest.from_attrs(attrs[spec.ROOT_ATTR])
+    m = Manifest.from_attrs(attrs[spec.ROOT_ATTR])
+    if m.format_version != version:
+        from .errors import ManifestError
+
+        raise ManifestError(
+            f"manifest format_version {m.format_version} differs from the root's {version}"
+        )
+    return m
 
 
 def root_attrs_for(manifest: Manifest) -> dict:
-    """Root attributes that commit ``manifest``."""
-    return {"format_version": spec.FORMAT_VERSION, spec.ROOT_ATTR: manifest.to_attrs()}
+    """Root attributes that commit ``manifest`` (at the store's own version)."""
+    return {"format_version": manifest.format_version, spec.ROOT_ATTR: manifest.to_attrs()}

@@ -62,6 +62,7 @@ class Manifest(BaseModel):
     num_sequences: int = Field(default=0, ge=0)
     num_rows: int = Field(default=0, ge=0)
     num_tokens: int = Field(default=0, ge=0)
+    num_key_bytes: int = Field(default=0, ge=0)
     generation: int = Field(default=0, ge=0)
 
     @field_validator("k")
@@ -83,8 +84,12 @@ class Manifest(BaseModel):
             raise ManifestError(f"invalid manifest: {e}") from e
 
     def to_attrs(self) -> dict[str, Any]:
-        """JSON-ready dict stored as the root attribute."""
-        return self.model_dump(mode="json")
+        """JSON-ready dict stored as the root attribute (a version-1 manifest without the fields
+        version 1 did not have, so that version-1 readers still accept it)."""
+        doc = self.model_dump(mode="json")
+        if self.format_version < 2:
+            doc.pop("num_key_bytes", None)
+        return doc
 
     def identity(self) -> dict[str, Any]:
         """The identity fields only."""

@@ -26,7 +26,8 @@ from zarr.core.sync import sync
 
 from . import idmap, shardread, spec
 from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
-from .layout import parse_root, read_root_attrs
+from .integrity import checked_get
+from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
 from .manifest import Manifest
 from .quant import OUT_DTYPES, decode_logprobs
 from .records import RowBlock, SequenceRecord
@@ -38,15 +39,16 @@ _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in
 def _with_retries(fn, on_retry=None):
     """Run ``fn``; retry a raced read (bad checksum or bytes, I/O error) with backoff.
 
-    Typed errors other than :class:`ChecksumError` (and IndexError/KeyError) are the caller's and
-    raised at once. A decoding failure that persists becomes a :class:`CorruptStoreError`.
+    Typed errors other than :class:`ChecksumError` are raised at once. Any other failure inside
+    ``fn`` is the store's (the callers check their arguments before): retried, and if it persists
+    a :class:`CorruptStoreError` (never an untyped exception).
     """
     for attempt in range(_RETRIES):
         try:
             return fn()
         except ChecksumError as e:
             err: Exception = e
-        except (FormatError, IndexError, KeyError):
+        except FormatError:
             raise
         except Exception as e:
             err = e
@@ -56,18 +58,34 @@ def _with_retries(fn, on_retry=None):
                 on_retry()
     if isinstance(err, ChecksumError):
         raise err
-    if isinstance(err, ValueError | RuntimeError):  # zarr/numcodecs: CRC32C or codec failure
-        raise CorruptStoreError(f"unreadable after {_RETRIES} attempts: {err}") from err
-    raise err
+    raise CorruptStoreError(f"unreadable after {_RETRIES} attempts: {err!r}") from err
 
 
 def _array_names(m: Manifest) -> list[str]:
-    names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
-    if m.logprob_dtype in spec.QUANTISED_DTYPES:
-        names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
-    if m.id_remap:
-        names.append(spec.ID_ORDER)
-    return names
+    return [d.name for d in array_defs(m)]
+
+
+def _check_index(
+    m: Manifest, known: int, lengths: np.ndarray, tok: np.ndarray, row: np.ndarray, t0: int, r0: int
+) -> None:
+    """The sequence index entries ``[known, S)`` must tile the committed tokens and rows exactly
+    (R8): ``L_i >= 2``, starts are running sums from ``(t0, r0)`` (the end of the entries already
+    loaded), the last sequence ends at ``num_tokens`` / ``num_rows``. So no read can reach past
+    the committed counts (R6), whatever the index says."""
+    lengths = lengths.astype(np.int64)
+    if lengths.size and int(lengths.min()) < 2:
+        raise CorruptStoreError("sequence index: a sequence length < 2")
+    exp_tok = t0 + np.concatenate([[0], np.cumsum(lengths)[:-1]]) if lengths.size else lengths
+    exp_row = r0 + np.concatenate([[0], np.cumsum(lengths - 1)[:-1]]) if lengths.size else lengths
+    if not (np.array_equal(tok, exp_tok) and np.array_equal(row, exp_row)):
+        bad = known + int(np.flatnonzero((tok != exp_tok) | (row != exp_row))[0])
+        raise CorruptStoreError(f"sequence index: offsets of sequence {bad} break R8")
+    end_t, end_r = t0 + int(lengths.sum()), r0 + int((lengths - 1).sum())
+    if (end_t, end_r) != (m.num_tokens, m.num_rows):
+        raise CorruptStoreError(
+            f"sequence index ends at token {end_t}, row {end_r}; the commit counts "
+            f"{m.num_tokens} tokens, {m.num_rows} rows"
+        )
 
 
 class CacheReader:
@@ -129,34 +147,44 @@ class CacheReader:
             arrays = {n: zarr.open_array(self._store, path=n, mode="r") for n in names}
         except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as e:
             raise CorruptStoreError(f"store is missing an array: {e}") from e
-        need = {
-            spec.TOPK_IDS: m.num_rows,
-            spec.TOPK_LOGPROBS: m.num_rows,
-            spec.TAIL_MASS: m.num_rows,
-            spec.INPUT_IDS: m.num_tokens,
-            spec.LOGPROB_MAX: m.num_rows,
-            spec.LOGPROB_STEP: m.num_rows,
-            spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
-            **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
-        }
+        except Exception as e:  # damaged array metadata (zarr.json)
+            raise CorruptStoreError(f"array metadata unreadable: {e!r}") from e
+        need = committed_lengths(m)
         for n, a in arrays.items():
             if a.shape[0] < need[n]:
                 raise CorruptStoreError(
                     f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
                 )
+        strict_ = strict(m)
+        known = len(self._keys)
+        s = m.num_sequences
+        jobs = []
         if m.id_remap and m.num_rows and self._id_order is None:
-            order = arrays[spec.ID_ORDER][: m.vocab_size]
+            jobs.append((spec.ID_ORDER, 0, m.vocab_size))
+        if s > known:
+            jobs += [(n, known, s) for n in spec.SEQ_ARRAYS]
+
+        async def gather():
+            return await asyncio.gather(
+                *(checked_get(arrays[n]._async_array, n, a, b, strict_) for n, a, b in jobs)
+            )
+
+        got = dict(zip([j[0] for j in jobs], sync(gather()), strict=True))
+        if spec.ID_ORDER in got:
+            order = np.asarray(got[spec.ID_ORDER])
             if not idmap.is_permutation(order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
             self._id_order = order
-        self._set_arrays(arrays)
-        known = len(self._keys)
-        s = m.num_sequences
+        new_keys = [str(x) for x in got.get(spec.SEQ_KEYS, [])]
+        empty = np.zeros(0, dtype=np.int64)
+        lengths = np.asarray(got.get(spec.SEQ_LENGTHS, empty))
+        tok_start = np.asarray(got.get(spec.SEQ_TOKEN_START, empty))
+        row_start = np.asarray(got.get(spec.SEQ_ROW_START, empty))
+        t0 = int(self._tok_start[-1] + self._lengths[-1]) if known else 0
+        r0 = int(self._row_start[-1] + self._lengths[-1] - 1) if known else 0
+        _check_index(m, known, lengths, tok_start, row_start, t0, r0)
+        self._set_arrays(arrays, need, strict_)
         if s > known:
-            new_keys = [str(x) for x in arrays[spec.SEQ_KEYS][known:s]]
-            lengths = arrays[spec.SEQ_LENGTHS][known:s]
-            tok_start = arrays[spec.SEQ_TOKEN_START][known:s]
-            row_start = arrays[spec.SEQ_ROW_START][known:s]
             for i, key in enumerate(new_keys, start=known):  # every read done: now mutate
                 self._key_index.setdefault(key, i)
             self._keys.extend(new_keys)
@@ -217,18 +245,22 @@ class CacheReader:
         """Run ``fn``; on a checksum/decoding failure (raced rewrite) reopen the arrays, retry."""
         return _with_retries(fn, self._reopen_arrays)
 
-    def _set_arrays(self, arrays: dict[str, zarr.Array]) -> None:
+    def _set_arrays(self, arrays: dict[str, zarr.Array], need: dict[str, int], st: bool) -> None:
         self._arrays = arrays
+        self._need = need
+        self._strict = st
         self._direct = {}
         if self.direct:
             for n, a in arrays.items():
-                lay = shardread.direct_layout(a, n)
+                lay = shardread.direct_layout(a, n, committed=need[n], strict=st)
                 if lay is not None:
                     self._direct[n] = lay
 
     def _reopen_arrays(self) -> None:
         self._set_arrays(
-            {n: zarr.open_array(self._store, path=n, mode="r") for n in self._arrays_names()}
+            {n: zarr.open_array(self._store, path=n, mode="r") for n in self._arrays_names()},
+            self._need,
+            self._strict,
         )
 
     def _arrays_names(self) -> list[str]:
@@ -249,11 +281,17 @@ class CacheReader:
         """Stored values of ``array[sel]`` for each job, all I/O issued concurrently in one call
         into zarr's event loop (per-call overhead dominates small reads), then decoded here."""
         a, direct = self._arrays, self._direct
+        for name, sel in jobs:  # R6: never past the committed count, whatever asked
+            if not 0 <= sel.start <= sel.stop <= self._need[name]:
+                raise CorruptStoreError(
+                    f"read of {name}[{sel.start}:{sel.stop}] past the committed "
+                    f"{self._need[name]} entries"
+                )
 
         def io(name: str, sel: slice):
             lay = direct.get(name)
             if lay is None:
-                return a[name]._async_array.getitem(sel)
+                return checked_get(a[name]._async_array, name, sel.start, sel.stop, self._strict)
             return shardread.fetch(lay, sel.start, sel.stop)
 
         async def gather():

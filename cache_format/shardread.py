@@ -14,6 +14,8 @@ Shard object of ``n`` inner chunks (zarr v3 sharding spec)::
 in C order over the shard's chunk grid; ``offset = nbytes = 2**64 - 1`` marks an empty chunk (all
 fill value). A missing shard object is all fill value too. Each inner chunk is
 ``bytes(little-endian) -> blosc -> crc32c``: a blosc frame followed by the CRC32C of the frame.
+In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
+lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
 Every CRC32C is verified, as zarr does; a mismatch, an index pointing outside the object or a
 blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader retries it on a
 fresh snapshot, FORMAT.md R7).
@@ -41,7 +43,7 @@ from zarr.core.chunk_grids import RegularChunkGrid
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.storage import StorePath
 
-from .errors import ChecksumError
+from .errors import ChecksumError, MissingDataError
 
 _EMPTY = 2**64 - 1
 _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes (uint32 LE)
@@ -62,6 +64,9 @@ class DirectLayout:
     fill_value: object
     shard_rows: int
     chunk_rows: int
+    strict: bool = False
+    """Version >= 2 (FORMAT.md R9): an absent shard or chunk is :class:`MissingDataError`, not
+    fill value (``length`` is then the committed count: nothing past it is read)."""
 
     @property
     def chunks_per_shard(self) -> int:
@@ -87,13 +92,17 @@ def _little_endian_bytes(codec: object, dtype: np.dtype) -> bool:
     return endian == "little" or (endian is None and dtype.itemsize == 1)
 
 
-def direct_layout(arr: zarr.Array, name: str = "") -> DirectLayout | None:
+def direct_layout(
+    arr: zarr.Array, name: str = "", *, committed: int | None = None, strict: bool = False
+) -> DirectLayout | None:
     """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it.
 
     Supported: zarr v3, regular chunk grid of shards along axis 0 spanning the trailing
     dimensions, one ``sharding_indexed`` codec (index at the end, index codecs ``bytes`` little
     + ``crc32c``), inner codecs ``bytes`` little + ``blosc`` + ``crc32c``, inner chunks spanning
     the trailing dimensions, a fixed-size numeric dtype, and a little-endian host.
+    ``committed``: the entries readers may use (default: the array's length); ``strict``: see
+    :class:`DirectLayout`.
     """
     m = arr.metadata
     if sys.byteorder != "little" or not isinstance(m, ArrayV3Metadata) or m.storage_transformers:
@@ -130,12 +139,13 @@ def direct_layout(arr: zarr.Array, name: str = "") -> DirectLayout | None:
         name=name,
         store_path=arr.store_path,
         metadata=m,
-        length=int(shape[0]),
+        length=int(shape[0]) if committed is None else min(int(shape[0]), committed),
         inner=inner,
         dtype=dtype,
         fill_value=m.fill_value,
         shard_rows=int(shard_shape[0]),
         chunk_rows=int(chunk_shape[0]),
+        strict=strict,
     )
 
 
@@ -257,6 +267,12 @@ def decode(lay: DirectLayout, shards: list[_Shard], start: int, stop: int, out: 
             target = out[lo - start : hi - start]
             entry = None if sh.index is None else sh.index[c]
             if entry is None or int(entry[0]) == _EMPTY:
+                if lay.strict:
+                    what = "shard object" if entry is None else f"chunk {c} of shard"
+                    raise MissingDataError(
+                        f"array {lay.name}: entries {lo}:{hi} not stored "
+                        f"({what} {sh.shard} missing)"
+                    )
                 target.fill(lay.fill_value)
                 continue
             off, nb = int(entry[0]) - sh.base, int(entry[1])

@@ -9,10 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-FORMAT_VERSION = 1
-"""Integer version of the on-disk layout, stored as root attribute ``format_version``."""
+FORMAT_VERSION = 2
+"""Integer version of the on-disk layout written by this library, stored as root attribute
+``format_version``. Version 2 (FORMAT.md): every chunk of the committed range is stored (an
+absent object there is data loss, :class:`~.errors.MissingDataError`), keys also as bytes
+(``seq_key_bytes`` + ``seq_key_end``), arrays carry an ``encoding`` attribute."""
 
-SUPPORTED_VERSIONS = frozenset({1})
+SUPPORTED_VERSIONS = frozenset({1, 2})
+"""Versions this library reads (and appends to, keeping their version)."""
 
 ROOT_ATTR = "logitcache"
 """Root group attribute holding the manifest (and with it the commit point: counts, generation)."""
@@ -43,9 +47,12 @@ SEQ_KEYS = "seq_keys"  # [S] string (UTF-8)
 SEQ_LENGTHS = "seq_lengths"  # [S] int32, L_i >= 2 tokens
 SEQ_TOKEN_START = "seq_token_start"  # [S] int64, offset of sequence i in input_ids
 SEQ_ROW_START = "seq_row_start"  # [S] int64, offset of sequence i in the row arrays
+SEQ_KEY_BYTES = "seq_key_bytes"  # [B] uint8, v2: UTF-8 bytes of every key, concatenated
+SEQ_KEY_END = "seq_key_end"  # [S] int64, v2: end of key i in seq_key_bytes (start: end[i-1] or 0)
 
 ROW_ARRAYS_2D = (TOPK_IDS, TOPK_LOGPROBS)
 SEQ_ARRAYS = (SEQ_KEYS, SEQ_LENGTHS, SEQ_TOKEN_START, SEQ_ROW_START)
+KEY_BYTES_ARRAYS = (SEQ_KEY_END, SEQ_KEY_BYTES)  # v2 only
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,10 @@ class _Encoded:
     input_ids: np.ndarray
     arrays: dict[str, np.ndarray]  # row arrays by name
 
+    @property
+    def key_bytes(self) -> bytes:
+        return self.key.encode("utf-8")
+
 
 def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = None) -> _Encoded:
     """Validate ``rec`` against ``manifest`` and convert to the stored dtypes (RecordError)."""
@@ -151,14 +155,23 @@ class CacheWriter:
         now = utcnow()
         m = self._manifest.model_copy(
             update=dict(
-                created=now, updated=now, num_sequences=0, num_rows=0, num_tokens=0, generation=0
+                created=now,
+                updated=now,
+                num_sequences=0,
+                num_rows=0,
+                num_tokens=0,
+                num_key_bytes=0,
+                generation=0,
             )
         )
-        write_root_attrs(
-            self._store, {"format_version": spec.FORMAT_VERSION, INCOMPLETE_ATTR: True}
-        )
+        if m.format_version not in spec.SUPPORTED_VERSIONS:
+            raise ManifestError(
+                f"cannot create a store of format_version {m.format_version} "
+                f"(supported: {sorted(spec.SUPPORTED_VERSIONS)})"
+            )
+        write_root_attrs(self._store, {"format_version": m.format_version, INCOMPLETE_ATTR: True})
         for d in array_defs(m, self._layout):
-            create_array(self._store, d, m.k)
+            create_array(self._store, d, m.k, m.format_version)
         self._handle.barrier()
         write_root_attrs(self._store, root_attrs_for(m))
         self._handle.barrier()
@@ -233,6 +246,9 @@ class CacheWriter:
                     num_sequences=m.num_sequences + len(fresh),
                     num_rows=m.num_rows + sum(len(e.input_ids) - 1 for e in fresh),
                     num_tokens=m.num_tokens + sum(len(e.input_ids) for e in fresh),
+                    num_key_bytes=m.num_key_bytes + sum(len(e.key_bytes) for e in fresh)
+                    if m.format_version >= 2
+                    else 0,
                     generation=m.generation + 1,
                     updated=utcnow(),
                 )
@@ -281,6 +297,11 @@ class CacheWriter:
         cols[spec.SEQ_LENGTHS] = lengths.astype(np.int32)
         cols[spec.SEQ_TOKEN_START] = tok_start.astype(np.int64)
         cols[spec.SEQ_ROW_START] = row_start.astype(np.int64)
+        if m.format_version >= 2:
+            raw = [e.key_bytes for e in fresh]
+            cols[spec.SEQ_KEY_BYTES] = np.frombuffer(b"".join(raw), dtype=np.uint8)
+            ends = m.num_key_bytes + np.cumsum([len(b) for b in raw])
+            cols[spec.SEQ_KEY_END] = ends.astype(np.int64)
         self._remap_ids(m, cols)
         return cols
 
@@ -294,7 +315,8 @@ class CacheWriter:
         base = {
             spec.INPUT_IDS: m.num_tokens,
             spec.ID_ORDER: 0,
-            **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
+            spec.SEQ_KEY_BYTES: m.num_key_bytes,
+            **{n: m.num_sequences for n in (*spec.SEQ_ARRAYS, spec.SEQ_KEY_END)},
         }
         jobs = [
             (d.name, base.get(d.name, m.num_rows), cols[d.name])
@@ -308,8 +330,14 @@ class CacheWriter:
         sync(write_all())
 
     async def _write_array(self, name: str, start: int, data: np.ndarray) -> None:
-        """Resize array ``name`` to ``start + len(data)`` and write ``data`` at ``start``."""
+        """Resize array ``name`` to ``start + len(data)`` and write ``data`` at ``start``.
+
+        Every chunk is stored, also one equal to the fill value (``write_empty_chunks``), so an
+        absent object in the committed range can only be a lost one (FORMAT.md R9).
+        """
         arr = await zarr.api.asynchronous.open_array(store=self._store, path=name, mode="r+")
+        if self._manifest.format_version >= 2:  # version 1 stored no all-fill chunk
+            arr = arr.with_config({"write_empty_chunks": True})
         stop = start + data.shape[0]
         await arr.resize((stop, *arr.shape[1:]))
         await arr.setitem(slice(start, stop), data)

@@ -126,15 +126,23 @@ def test_direct_id_remap_and_auto_blocks(tmp_path):
 
 
 def test_direct_reads_unwritten_chunks_as_fill_value(tmp_path):
-    """zarr does not store chunks that equal the fill value: an all-zero tail mass leaves empty
-    index entries and missing shard objects, which must read as zeros."""
+    """Format version 1: zarr did not store chunks that equal the fill value: an all-zero tail
+    mass leaves empty index entries and missing shard objects, which must read as zeros. Version
+    2 stores every chunk (R9)."""
     recs = make_records(1, k=K, seed=99, min_len=40, max_len=40, prefix="nz")
     for i in range(29):
         r = make_records(1, k=K, seed=i, min_len=40, max_len=40, prefix=f"z{i}")[0]
         zero = np.zeros(r.num_rows, np.float32)
         recs.append(SequenceRecord(r.key, r.input_ids, r.topk_ids, r.topk_logprobs, zero))
+    with CacheWriter.open(tmp_path / "v2", make_manifest(k=K), layout=SMALL) as w:
+        w.append(recs)
+    assert sorted(p.name for p in (tmp_path / "v2" / "tail_mass" / "c").iterdir()) == [
+        "0",
+        "1",
+        "2",
+    ]
     url = tmp_path / "c"
-    with CacheWriter.open(url, make_manifest(k=K), layout=SMALL) as w:
+    with CacheWriter.open(url, make_manifest(k=K, format_version=1), layout=SMALL) as w:
         w.append(recs)
     # 1170 rows = 3 tail shards of 512 rows (4 chunks of 128): only the first holds non-zeros
     assert sorted(p.name for p in (url / "tail_mass" / "c").iterdir()) == ["0"]

@@ -1,0 +1,101 @@
+"""Presence checks for reads through zarr's array API (FORMAT.md R9).
+
+zarr reads an absent shard object, or a shard index entry marked empty, as the fill value. In a
+version-2 store every chunk of the committed range is stored, so within ``[0, committed)`` an
+absent chunk is a lost object: :func:`missing_ranges` finds them (one suffix request per shard
+for its index, nothing else; no listing) and :func:`checked_get` raises
+:class:`~.errors.MissingDataError` naming the array and the rows instead of returning fill
+values. The direct shard reader (:mod:`.shardread`) applies the same rule to the indexes it reads
+anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import zarr
+from zarr.codecs import ShardingCodec
+from zarr.core.chunk_grids import RegularChunkGrid
+from zarr.core.metadata.v3 import ArrayV3Metadata
+
+from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
+
+_EMPTY = 2**64 - 1
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+async def missing_ranges(arr: zarr.AsyncArray, start: int, stop: int) -> list[tuple[int, int]]:
+    """Entry ranges ``[a, b)`` (axis 0, clipped to ``[start, stop)``) of chunks that hold part of
+    ``[start, stop)`` but are not stored (absent object or empty shard-index entry)."""
+    m = arr.metadata
+    if stop <= start:
+        return []
+    if not isinstance(m, ArrayV3Metadata) or not isinstance(m.chunk_grid, RegularChunkGrid):
+        raise CorruptStoreError(f"array {arr.path}: not a zarr v3 regular-grid array")
+    shape, outer = tuple(m.shape), tuple(m.chunk_grid.chunk_shape)
+    trailing = [range(math.ceil(s / c)) for s, c in zip(shape[1:], outer[1:], strict=True)]
+    sharding = (
+        m.codecs[0] if len(m.codecs) == 1 and isinstance(m.codecs[0], ShardingCodec) else None
+    )
+    inner0 = sharding.chunk_shape[0] if sharding is not None else outer[0]
+    cps = (
+        tuple(o // c for o, c in zip(outer, sharding.chunk_shape, strict=True)) if sharding else ()
+    )
+    missing: list[tuple[int, int]] = []
+    for s in range(start // outer[0], (stop - 1) // outer[0] + 1):
+        for t in itertools.product(*trailing):
+            key = m.encode_chunk_key((s, *t))
+            path = arr.store_path / key
+            lo, hi = max(start, s * outer[0]), min(stop, (s + 1) * outer[0])
+            if sharding is None:
+                if not await path.exists():
+                    missing.append((lo, hi))
+                continue
+            try:
+                index = await sharding._load_shard_index_maybe(path, cps)
+            except Exception as e:  # CRC32C of the index, truncated object
+                raise ChecksumError(f"array {arr.path} shard {key}: index unreadable: {e}") from e
+            if index is None:
+                missing.append((lo, hi))
+                continue
+            table = np.asarray(index.offsets_and_lengths)
+            c0, c1 = (lo - s * outer[0]) // inner0, (hi - 1 - s * outer[0]) // inner0 + 1
+            empty = (table[c0:c1, ..., 0] == _EMPTY).reshape(c1 - c0, -1).any(axis=1)
+            for c in np.flatnonzero(empty):
+                r0 = s * outer[0] + (c0 + int(c)) * inner0
+                missing.append((max(lo, r0), min(hi, r0 + inner0)))
+    return _merge(missing)
+
+
+def describe(name: str, ranges: list[tuple[int, int]], unit: str = "entries") -> str:
+    spans = ", ".join(f"{a}:{b}" for a, b in ranges[:5]) + (" ..." if len(ranges) > 5 else "")
+    return f"array {name}: {unit} {spans} not stored (object or chunk missing)"
+
+
+async def checked_get(
+    arr: zarr.AsyncArray, name: str, start: int, stop: int, strict: bool
+) -> np.ndarray:
+    """``arr[start:stop]`` through zarr; with ``strict`` first :func:`missing_ranges` (raises
+    :class:`MissingDataError`). Any failure of zarr's decoding becomes a :class:`ChecksumError`
+    naming the array and range."""
+    if strict:
+        gaps = await missing_ranges(arr, start, stop)
+        if gaps:
+            raise MissingDataError(describe(name, gaps))
+    try:
+        return await arr.getitem(slice(start, stop))
+    except FormatError:
+        raise
+    except Exception as e:  # CRC32C mismatch, codec failure, truncated object
+        raise ChecksumError(f"array {name}: entries {start}:{stop} unreadable: {e}") from e
