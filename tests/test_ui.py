@@ -1,0 +1,229 @@
+"""The browser side and the terminal side of the real service (one uvicorn subprocess with an API
+key on the tiny teacher, shared by this module): status page, login cookie, ``/docs`` with local
+assets and a Bearer scheme, the start-up banner, ``logitcache jobs``, and a real headless
+chromium driven by playwright (skipped, with the reason, where either is missing).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_support import ServerProcess, wait_job
+
+KEY = "ui-test-key"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory) -> Iterator[ServerProcess]:
+    work = tmp_path_factory.mktemp("ui")
+    srv = ServerProcess(work, api_key=KEY, model=str(tiny.teacher_dir), k=8, max_seq_len=256)
+    srv.start()
+    seqs = tiny.token_sequences("heldout", max_len=64, min_len=8, limit=6)
+    with srv.client() as c:
+        job = (
+            c.post(
+                "/v1/jobs",
+                json={
+                    "cache": "ui-k8",
+                    "records": [{"id": f"s{i}", "input_ids": s} for i, s in enumerate(seqs)],
+                },
+            )
+            .raise_for_status()
+            .json()
+        )
+        wait_job(c, job["id"], timeout=240)
+    yield srv
+    srv.stop()
+
+
+def _login(c: httpx.Client) -> None:
+    r = c.post("/login", data={"key": KEY}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/"
+    assert "HttpOnly" in r.headers["set-cookie"] and "SameSite=strict" in r.headers["set-cookie"]
+
+
+def test_status_page_behind_login(server: ServerProcess) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.get("/")
+        assert r.status_code == 200 and 'name="key"' in r.text and "Engine" not in r.text
+        assert c.get("/v1/jobs").status_code == 401
+        bad = c.post("/login", data={"key": "wrong"}, follow_redirects=False)
+        assert bad.status_code == 401 and "Wrong API key" in bad.text
+        _login(c)
+        page = c.get("/").text
+        assert "ready" in page and str(server.settings["model"]) in page
+        job_row = re.search(r'<tr class="job".*?</tr>', page, re.S)
+        assert job_row and "succeeded" in job_row.group(0) and "100.0%" in job_row.group(0)
+        cache_row = re.search(r'<tr class="cache" data-cache="ui-k8">.*?</tr>', page, re.S)
+        assert cache_row, page
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", cache_row.group(0), re.S)
+        assert cells[1] == "8" and cells[2] == "6"  # k, sequences
+        cov = float(re.match(r"(?:<span[^>]*>)?([0-9.]+)", cells[6]).group(1))
+        assert 0.0 < cov < 1.0
+        # the cookie reads the JSON API, but never writes
+        assert c.get("/v1/jobs").status_code == 200
+        w = c.post("/v1/jobs", json={"cache": "x", "records": [{"input_ids": [1, 2]}]})
+        assert w.status_code == 401
+        c.post("/logout", follow_redirects=False)
+        c.cookies.clear()
+        assert 'name="key"' in c.get("/").text
+    # a bearer header works for the page too (curl users)
+    r = httpx.get(f"{server.url}/", headers=server.headers(), timeout=60)
+    assert "Jobs" in r.text and 'name="key"' not in r.text
+
+
+def test_status_page_coverage_matches_cache(server: ServerProcess) -> None:
+    """The page's coverage is 1 - mean tail mass of the cache (every row: it is small)."""
+    from logitcache.cache_format import CacheReader
+
+    reader = CacheReader(str(Path(server.settings["store_root"]) / "ui-k8"))
+    rows = reader.rows(0, reader.num_rows)
+    want = 1.0 - float(rows.tail_mass.mean())
+    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=60) as c:
+        page = c.get("/").text
+    cache_row = re.search(r'<tr class="cache" data-cache="ui-k8">.*?</tr>', page, re.S).group(0)
+    got = float(re.search(r'class="cov">(?:<span[^>]*>)?([0-9.]+)', cache_row).group(1))
+    assert got == pytest.approx(want, abs=1e-3)
+    assert f"({reader.num_rows:,} rows)" in cache_row
+    if want < 0.9:
+        assert "(low)" in cache_row
+
+
+def test_docs_local_assets_and_bearer_scheme(server: ServerProcess) -> None:
+    with httpx.Client(base_url=server.url, timeout=60) as c:  # no key: docs are public
+        docs = c.get("/docs")
+        assert docs.status_code == 200
+        srcs = re.findall(r'(?:src|href)="([^"]+)"', docs.text)
+        assert srcs and all(s.startswith("/ui/static/") for s in srcs), srcs
+        for s in srcs:
+            r = c.get(s)
+            assert r.status_code == 200 and len(r.content) > 1000
+        assert c.get("/ui/static/index.html").status_code == 404  # only the listed assets
+        schema = c.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "the server's API key (--api-key / LOGITCACHE_API_KEY)",
+    }
+    assert schema["security"] == [{"bearerAuth": []}]
+    assert schema["paths"]["/health"]["get"]["security"] == []
+    assert "/" not in schema["paths"] and "/login" not in schema["paths"]
+
+
+def test_startup_banner(server: ServerProcess) -> None:
+    log = server.log()
+    assert "logitcache teacher service ready" in log
+    assert f"URL             {server.url}" in log
+    assert f"{server.url}/docs" in log
+    store = str(Path(server.settings["store_root"]))
+    assert re.search(rf"store root\s+{re.escape(store)}", log)
+    assert re.search(r"data dir\s+\S+/data", log)
+    assert re.search(r"k\s+8 \(requests may ask up to \d+\)", log)
+    m = re.search(r"max seq length\s+(\d+) tokens", log)
+    assert m and int(m.group(1)) <= 256
+    assert "API key         required" in log
+
+
+def test_jobs_cli_list_watch_cancel(server: ServerProcess, tiny) -> None:
+    from logitcache.client.jobs_cli import main
+
+    base = ["--url", server.url, "--api-key", KEY]
+    out = io.StringIO()
+    assert main([*base, "list"], out=out) == 0
+    assert re.search(r"succeeded\s+ui-k8\s+6/6 seqs\s+100.0%", out.getvalue()), out.getvalue()
+    out = io.StringIO()
+    assert main([*base, "watch"], out=out) == 0  # newest job, already done
+    assert "succeeded" in out.getvalue() and "100%" in out.getvalue()
+    # a larger job, cancelled while queued or running
+    seqs = tiny.token_sequences("heldout", max_len=200, min_len=100, limit=40)
+    with server.client() as c:
+        job = (
+            c.post(
+                "/v1/jobs", json={"cache": "ui-cancel", "records": [{"input_ids": s} for s in seqs]}
+            )
+            .raise_for_status()
+            .json()
+        )
+        out = io.StringIO()
+        assert main([*base, "cancel", job["id"]], out=out) == 0
+        assert out.getvalue().startswith("cancel requested: " + job["id"])
+        out = io.StringIO()
+        assert main([*base, "watch", job["id"], "--interval", "0.2"], out=out) == 1
+        assert "cancelled" in out.getvalue()
+        assert c.get(f"/v1/jobs/{job['id']}").json()["state"] == "cancelled"
+    out = io.StringIO()
+    assert main([*base, "show", "nope"], out=out) == 2
+    assert main(["--url", server.url, "list"], out=io.StringIO()) == 2  # no key: 401, one line
+
+
+def test_jobs_cli_errors_are_one_line(server: ServerProcess, capsys) -> None:
+    from logitcache.client.jobs_cli import main
+
+    assert main(["--url", server.url, "--api-key", KEY, "show", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HTTP 404" in err and "Traceback" not in err
+
+
+def _browser_or_skip():
+    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright)")
+    return sync_playwright
+
+
+def test_browser_login_status_and_docs(server: ServerProcess) -> None:
+    """A real headless chromium: sign in, read the status page, open /docs; nothing leaves the
+    host (every request the page makes goes to the service)."""
+    sync_playwright = _browser_or_skip()
+    requested: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            page.on("request", lambda r: requested.append(r.url))
+            page.goto(f"{server.url}/?refresh=0")
+            page.fill("#key", "wrong")
+            page.click("button[type=submit]")
+            assert page.locator("#login-error").inner_text() == "Wrong API key."
+            page.fill("#key", KEY)
+            page.click("button[type=submit]")
+            page.wait_for_selector("#jobs")
+            row = page.locator('tr.cache[data-cache="ui-k8"]')
+            assert row.count() == 1
+            assert "ui-k8" in page.locator("#jobs").inner_text()
+            assert "ready" in page.locator("#engine").inner_text()
+            # the JSON API answers the browser (cookie, GET)
+            body = page.goto(f"{server.url}/v1/jobs").text()
+            assert any(j["cache"] == "ui-k8" for j in json.loads(body)["jobs"])
+            page.goto(f"{server.url}/docs")
+            page.wait_for_selector(".swagger-ui .info .title", timeout=30_000)
+            assert "logitcache teacher service" in page.locator(".info .title").inner_text()
+            assert page.locator("button.authorize").count() == 1
+            page.locator("button.authorize").click()
+            page.wait_for_selector("text=bearerAuth")
+        finally:
+            browser.close()
+    outside = [u for u in requested if not u.startswith(server.url) and not u.startswith("data:")]
+    assert not outside, outside
+    assert any(u.endswith("/ui/static/swagger-ui-bundle.js") for u in requested)
