@@ -1,0 +1,164 @@
+"""Shuffle modes of the loader: window order exactness, coverage, partition, resume, read counts.
+
+Real stores written through ``CacheWriter``; the read-count test uses a real ``LocalSource``
+that records what it was asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from client_support import build_cache, collect, make_sequences, same_stream, segments
+from logitcache.client import CacheDataLoader, CacheDataset, LocalSource, StateError
+from logitcache.client.order import epoch_order
+
+NUM_SEQ = 45
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
+    url = str(tmp_path_factory.mktemp("shuffle") / "cache")
+    return url, build_cache(url, make_sequences(NUM_SEQ, seed=9, max_len=40))
+
+
+def _block_order_reference(n: int, seed: int, epoch: int, b: int) -> np.ndarray:
+    """The block shuffle as written before windows existed (states saved then must still load)."""
+    rng = np.random.default_rng([seed, epoch])
+    parts = []
+    for block in rng.permutation(-(-n // b)):
+        start = int(block) * b
+        parts.append(start + rng.permutation(min(start + b, n) - start))
+    return np.concatenate(parts)
+
+
+@pytest.mark.parametrize("n,b,w", [(101, 7, 3), (100, 10, 4), (5, 2, 9)])
+def test_window_order_is_whole_blocks_mixed_per_window(n: int, b: int, w: int) -> None:
+    order = epoch_order(n, seed=3, epoch=1, block_size=b, window=w)
+    assert sorted(order.tolist()) == list(range(n))
+    assert np.array_equal(order, epoch_order(n, seed=3, epoch=1, block_size=b, window=w))
+    assert not np.array_equal(order, epoch_order(n, seed=3, epoch=2, block_size=b, window=w))
+    # cut the order where each window ends: every window is exactly the union of w whole blocks
+    pos = 0
+    windows = 0
+    while pos < n:
+        blocks: set[int] = set()
+        size = 0
+        while len(blocks) < w and pos + size < n:
+            # every block met in the prefix, plus the one of the next sequence
+            blocks |= {int(i) // b for i in order[pos : pos + size + 1]}
+            size = sum(min((k + 1) * b, n) - k * b for k in blocks)
+        members = order[pos : pos + size]
+        assert {int(i) // b for i in members} == blocks
+        assert len(members) == len(set(members.tolist())) == size
+        pos += size
+        windows += 1
+    num_blocks = -(-n // b)
+    assert windows == -(-num_blocks // w)
+    # the sequences of a window are interleaved, not block after block (not a block shuffle)
+    if w > 1 and n > b * w:
+        assert not np.array_equal(order, _block_order_reference(n, 3, 1, b))
+
+
+@pytest.mark.parametrize("b", [1, 7])
+def test_window_one_is_the_earlier_block_order(b: int) -> None:
+    for epoch in range(3):
+        assert np.array_equal(
+            epoch_order(101, seed=5, epoch=epoch, block_size=b, window=1),
+            _block_order_reference(101, 5, epoch, b),
+        )
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_windowed_ranks_cover_every_sequence_once(cache: tuple[str, list], world_size: int) -> None:
+    url, records = cache
+    per_rank = []
+    for rank in range(world_size):
+        ds = CacheDataset(
+            url,
+            tokens_per_item=64,
+            seed=2,
+            shuffle_block_size=4,
+            shuffle_window=3,
+            rank=rank,
+            world_size=world_size,
+        )
+        per_rank.append(Counter(s for u in collect(ds) for s in segments(u)))
+    assert sum(per_rank, Counter()) == Counter(tuple(r.input_ids.tolist()) for r in records)
+    for a in range(world_size):
+        for c in range(a + 1, world_size):
+            assert not set(per_rank[a]) & set(per_rank[c])
+
+
+@pytest.mark.parametrize("block,window", [(1, 1), (4, 3)])
+def test_resume_mid_epoch_with_workers(cache: tuple[str, list], block: int, window: int) -> None:
+    url, _ = cache
+
+    def loader(workers: int) -> CacheDataLoader:
+        ds = CacheDataset(
+            url,
+            tokens_per_item=40,
+            batch_size=2,
+            seed=8,
+            shuffle_block_size=block,
+            shuffle_window=window,
+        )
+        ds.set_epoch(1)
+        return CacheDataLoader(ds, num_workers=workers)
+
+    full = collect(loader(0))
+    assert len(full) > 6
+    assert same_stream(collect(loader(2)), full)
+    first = loader(2)
+    head = []
+    for unit in first:
+        head.append({k: v.numpy().copy() for k, v in unit.items()})
+        if len(head) == 4:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = loader(2)
+    resumed.load_state_dict(state)
+    assert same_stream(head, full[:4])
+    assert same_stream(collect(resumed), full[4:])
+    # the window is part of the configuration a state belongs to
+    other = CacheDataset(
+        url, tokens_per_item=40, batch_size=2, seed=8, shuffle_block_size=block, shuffle_window=2
+    )
+    with pytest.raises(StateError):
+        other.load_state_dict(state)
+
+
+class _CountingSource(LocalSource):
+    """A real LocalSource that records every index it was asked to fetch."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.asked: Counter[int] = Counter()
+
+    def fetch(self, indices):  # noqa: ANN001, ANN201 - LocalSource.fetch's signature
+        indices = list(indices)
+        self.asked.update(int(i) for i in indices)
+        return super().fetch(indices)
+
+
+@pytest.mark.parametrize("block,window", [(4, 1), (4, 3), (5, 20)])
+def test_block_and_window_modes_read_each_sequence_once(
+    cache: tuple[str, list], block: int, window: int
+) -> None:
+    url, _ = cache
+    source = _CountingSource(url)
+    ds = CacheDataset(
+        source, tokens_per_item=48, seed=4, shuffle_block_size=block, shuffle_window=window
+    )
+    assert len(collect(ds)) == ds.num_items()
+    assert source.asked == Counter(range(NUM_SEQ))
+
+
+def test_bad_window_is_refused(tmp_path: Path, cache: tuple[str, list]) -> None:
+    from logitcache.client import ConfigError
+
+    with pytest.raises(ConfigError, match="shuffle_window"):
+        CacheDataset(cache[0], shuffle_window=0)
