@@ -402,6 +402,12 @@ class CacheReader:
 
         return self._out(self._retry(read))
 
+    def read_ranges(self, ranges, *, logprob_dtype: str = "float32") -> list[SequenceRecord]:
+        """Records of sequence ranges ``[(a, b), ...]``, two reads per range (:mod:`.ranges`)."""
+        from .ranges import read_ranges
+
+        return read_ranges(self, ranges, logprob_dtype=logprob_dtype)
+
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Global input-token range ``[start, stop)`` of the flat ``input_ids`` array."""
         if not (0 <= start <= stop <= self.num_tokens):

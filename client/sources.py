@@ -199,35 +199,20 @@ class LocalSource:
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
         """Read the wanted sequences with few range reads (each read has a fixed cost).
 
-        The flat arrays hold sequences back to back (FORMAT.md: token starts are the running sum
-        of lengths, row starts that of ``lengths - 1``), so sequences ``[a, b)`` are rows
-        ``[row_start(a), row_start(b))`` and tokens ``[token_start(a), token_start(b))``. Runs of
-        wanted sequences less than ``max_gap_tokens`` apart are read as one range and the
-        unwanted sequences in between are dropped.
+        Runs of wanted sequences less than ``max_gap_tokens`` apart are merged into one
+        sequence range (:func:`merged_ranges`); all ranges are read by one
+        ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
+        concurrent) and the unwanted sequences in between are dropped.
         """
-        from logitcache.cache_format import SequenceRecord
-
-        tok_starts, lengths, keys = self._index()
+        _, lengths, _ = self._index()
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
-        out: dict[int, SequenceRecord] = {}
-        for a, b in merged_ranges(wanted, lengths, self.max_gap_tokens):
-            t0 = int(tok_starts[a])
-            t1 = int(tok_starts[b - 1] + lengths[b - 1])
-            rows = self.reader.rows(t0 - a, t1 - b)
-            tokens = self.reader.tokens(t0, t1)
-            for i in wanted[(wanted >= a) & (wanted < b)].tolist():
-                ts, n = int(tok_starts[i]) - t0, int(lengths[i])
-                rs = ts - (i - a)
-                out[i] = SequenceRecord(
-                    keys[i],
-                    tokens[ts : ts + n],
-                    rows.topk_ids[rs : rs + n - 1],
-                    rows.topk_logprobs[rs : rs + n - 1],
-                    rows.tail_mass[rs : rs + n - 1],
-                )
-        return out
+        ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)
+        records = self.reader.read_ranges(ranges)
+        sent = np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else wanted
+        keep = np.isin(sent, wanted)
+        return {int(i): r for i, r, k in zip(sent.tolist(), records, keep, strict=True) if k}
 
     def refresh(self) -> None:
         self.reader.refresh()

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import ManifestError, StoreNotFoundError
 
@@ -237,46 +236,23 @@ class CacheRegistry:
 
 
 class RangeReader:
-    """Read whole sequence ranges of one reader snapshot with two contiguous reads each.
+    """Read whole sequence ranges of one reader with two contiguous reads each
+    (``CacheReader.read_ranges``: the same code the client's ``LocalSource`` reads with).
 
-    Sequences are stored back to back (FORMAT.md): sequence ``i`` owns rows
-    ``[row_start(i), row_start(i) + L_i - 1)`` and tokens ``[row_start(i) + i, ... + L_i)`` (one
-    more token than rows per sequence). So sequences ``[a, b)`` are rows ``[row_start(a),
-    row_start(b))`` and tokens ``[row_start(a) + a, row_start(b) + b)``: one ``rows()`` and one
-    ``tokens()`` call, however many sequences, instead of one read per sequence. The index
-    arrays are copied from the reader once, at construction (the snapshot of a request).
+    Sequences ``[a, b)`` are rows ``[row_start(a), row_start(b))`` and tokens
+    ``[row_start(a) + a, row_start(b) + b)`` (FORMAT.md): one row read and one token read,
+    however many sequences, instead of one read per sequence. The committed prefix never
+    changes, so ranges checked against an earlier snapshot stay valid while the reader refreshes.
     """
 
     def __init__(self, reader: CacheReader) -> None:
         self.reader = reader
-        self.lengths = reader.lengths.astype(np.int64)
-        self.row_starts = np.append(reader.row_starts.astype(np.int64), reader.num_rows)
-        self.keys = reader.keys
-        self.num_sequences = len(self.lengths)
         # a float16 cache is read (and sent) as its stored float16 values: exact, less work
         self.logprob_dtype = "float16" if reader.manifest.logprob_dtype == "float16" else "float32"
 
     def read(self, start: int, stop: int) -> list[SequenceRecord]:
         """Records of sequences ``[start, stop)`` (``0 <= start <= stop <= num_sequences``)."""
-        if start >= stop:
-            return []
-        r0, r1 = int(self.row_starts[start]), int(self.row_starts[stop])
-        block = self.reader.rows(r0, r1, logprob_dtype=self.logprob_dtype)
-        tokens = self.reader.tokens(r0 + start, r1 + stop)
-        out = []
-        for i in range(start, stop):
-            rs, n = int(self.row_starts[i]) - r0, int(self.lengths[i])
-            ts = rs + i - start
-            out.append(
-                SequenceRecord(
-                    self.keys[i],
-                    tokens[ts : ts + n],
-                    block.topk_ids[rs : rs + n - 1],
-                    block.topk_logprobs[rs : rs + n - 1],
-                    block.tail_mass[rs : rs + n - 1],
-                )
-            )
-        return out
+        return self.reader.read_ranges([(start, stop)], logprob_dtype=self.logprob_dtype)
 
 
 def expected_manifest(

@@ -332,3 +332,32 @@ def test_items_feed_the_distillation_loss(cache: tuple[str, list]) -> None:
     # positions without a row (last token, padding) get no gradient
     assert (hidden.grad[~batch["loss_mask"]] == 0).all()
     assert (hidden.grad[batch["loss_mask"]].abs().sum(-1) > 0).all()
+
+
+# -- range reads shared by the client and the server ----------------------------------------
+
+
+def test_read_ranges_equals_per_sequence_reads(cache) -> None:
+    from logitcache.cache_format import CacheReader
+    from logitcache.client import LocalSource
+
+    url, records = cache
+    reader = CacheReader(url)
+    ranges = [(5, 9), (0, 2), (30, 30), (78, 80), (6, 7)]
+    got = reader.read_ranges(ranges)
+    want = [i for a, b in ranges for i in range(a, b)]
+    assert len(got) == len(want)
+    for i, rec in zip(want, got, strict=True):
+        ref = reader.sequence(i)
+        assert rec.equals(ref), i
+        assert rec.key == records[i].key
+    with pytest.raises(IndexError):
+        reader.read_ranges([(3, NUM_SEQ + 1)])
+    with pytest.raises(IndexError):
+        reader.read_ranges([(4, 3)])
+    assert reader.read_ranges([]) == []
+    # the client's source reads through it and drops the unwanted sequences between runs
+    src = LocalSource(url, max_gap_tokens=10**6)
+    fetched = src.fetch([3, 7, 8, 40])
+    assert sorted(fetched) == [3, 7, 8, 40]
+    assert all(fetched[i].equals(reader.sequence(i)) for i in fetched)
