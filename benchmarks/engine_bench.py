@@ -88,7 +88,7 @@ class _VllmPythonize:
 
 
 def bench_k(vllm: Any, hf: Any, prompts: list[list[int]], k: int, repeats: int) -> dict[str, Any]:
-    from logitcache.server.engine_vllm import rows_from_dicts, rows_from_flat
+    from logitcache.server.engine.vllm import rows_from_dicts, rows_from_flat
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 

@@ -44,9 +44,9 @@ from server_support import VLLM_ENV, ServerProcess, wait_job  # noqa: E402
 
 def direct_engine_kwargs(settings: dict) -> dict:
     """``vllm.LLM`` arguments equal to what the service's ``VllmEngine`` passes to ``EngineArgs``
-    for these settings (see ``server/engine_vllm.py::VllmEngine._engine_args``)."""
+    for these settings (see ``server/engine/vllm.py::VllmEngine._engine_args``)."""
     from logitcache.server.engine import engine_config, model_max_len
-    from logitcache.server.engine_vllm import resolve_max_len
+    from logitcache.server.engine.vllm import resolve_max_len
 
     cfg = engine_config(
         None,

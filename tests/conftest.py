@@ -15,7 +15,7 @@ Fixtures (session scope):
   machine and cached; see ``fixtures/tiny.py``);
 * ``tiny_tokenizer``: the fixture's Hugging Face tokenizer;
 * ``heldout_sequences``: 24 held-out token sequences of 2..200 tokens;
-* ``vllm_engine``: an in-process :class:`~logitcache.server.engine_vllm.VllmEngine` on the tiny
+* ``vllm_engine``: an in-process :class:`~logitcache.server.engine.vllm.VllmEngine` on the tiny
   teacher (float32, ``max_k=20``); ``hf_engine``: the transformers backend, same settings.
   Engines are shared: tests must not close them.
 """

@@ -74,3 +74,70 @@ def test_importing_the_client_loads_no_server_stack() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _module_name(path: Path) -> str:
+    """``server/engine/vllm.py`` -> ``logitcache.server.engine.vllm`` (``__init__`` dropped)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return "logitcache." + ".".join(parts)
+
+
+def _import_edges(folder: str) -> dict[str, set[str]]:
+    """Module -> modules of ours it imports anywhere (deferred imports in functions too, so a
+    cycle cannot hide behind a lazy import; relative imports resolved)."""
+    edges: dict[str, set[str]] = {}
+    for path in (ROOT / folder).rglob("*.py"):
+        mod = _module_name(path)
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    target = f"{base}.{node.module}" if node.module else base
+                else:
+                    target = node.module or ""
+                targets.add(target)
+                targets.update(f"{target}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+        edges[mod] = {t for t in targets if t.startswith("logitcache.")}
+    return edges
+
+
+def test_server_has_no_import_cycle() -> None:
+    edges = _import_edges("server")
+    known = set(edges)
+    graph = {m: {t for t in ts if t in known and t != m} for m, ts in edges.items()}
+    # A package's __init__ re-exporting its submodules is not a cycle: drop parent -> child.
+    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(m: str, stack: list[str]) -> bool:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycle.extend([*stack[stack.index(t) :], t] if t in stack else [m, t])
+                return True
+            if t not in state and visit(t, [*stack, t]):
+                return True
+        state[m] = 2
+        return False
+
+    for m in sorted(graph):
+        if m not in state and visit(m, [m]):
+            break
+    assert cycle == [], " -> ".join(cycle)
+    assert "logitcache.server.engine.protocol" in graph
+
+
+def test_engine_package_imports_no_backend_at_import_time() -> None:
+    code = (
+        "import sys, logitcache.server.engine as e\n"
+        "print(','.join(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -4,7 +4,7 @@ For a batch of prompts (right-padded, grouped by length under a token budget) th
 hidden states ``h [B, T, d]`` are computed once; then, ``chunk_rows`` positions at a time,
 ``z = h_chunk W^T (+ b)``, ``lp = log_softmax(z / T)`` and ``torch.topk(lp, k)``. Peak extra
 memory is ``chunk_rows x V`` floats, never the full ``[L, V]`` logits. Rows are aligned as in
-``engine.py`` (position ``j``'s distribution predicts token ``j + 1``; the last position is not
+``protocol.py`` (position ``j``'s distribution predicts token ``j + 1``; the last position is not
 scored).
 
 The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the event loop stays
@@ -18,21 +18,9 @@ import asyncio
 import threading
 from typing import Any
 
-import numpy as np
-
-from .engine import (
-    EngineClosedError,
-    EngineConfig,
-    EngineConfigError,
-    EngineInputError,
-    ScoreTimings,
-    Stopwatch,
-    TeacherScores,
-    check_k,
-    check_prompts,
-    engine_info,
-    make_scores,
-)
+from .base import BaseEngine
+from .config import EngineConfig, HfOptions, engine_info
+from .protocol import EngineConfigError, TeacherScores, make_scores
 
 #: Config attributes that mean the logits are not just ``h W^T + b``.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
@@ -58,26 +46,25 @@ def _torch_dtype(name: str, config: Any) -> Any:
         raise EngineConfigError(f"unsupported dtype {name!r}") from None
 
 
-class TransformersEngine:
+class TransformersEngine(BaseEngine):
     """:class:`~logitcache.server.engine.TeacherEngine` on ``transformers`` + PyTorch.
 
-    ``options``: ``chunk_rows`` (positions per lm-head chunk, default 1024), ``batch_tokens``
-    (padded tokens per forward, default 8192), ``device`` (default ``cuda`` if available).
+    ``options`` (:class:`~.config.HfOptions`): ``chunk_rows`` (positions per lm-head chunk,
+    default 1024), ``batch_tokens`` (padded tokens per forward, default 8192), ``device``
+    (default ``cuda`` if available); other keys go to ``from_pretrained``.
     """
 
     def __init__(self, cfg: EngineConfig):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        super().__init__()
         self.cfg = cfg
-        opts = dict(cfg.options)
-        self.chunk_rows = int(opts.pop("chunk_rows", 1024))
-        self.batch_tokens = int(opts.pop("batch_tokens", 8192))
-        device = opts.pop("device", "cuda" if torch.cuda.is_available() else "cpu")
-        opts.pop("vllm_mode", None)
-        opts.pop("cpu_kvcache_gib", None)
-        if self.chunk_rows < 1 or self.batch_tokens < 1:
-            raise EngineConfigError("chunk_rows and batch_tokens must be >= 1")
+        self.options = HfOptions.parse(cfg.options)
+        self.chunk_rows = self.options.chunk_rows
+        self.batch_tokens = self.options.batch_tokens
+        device = self.options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        opts = dict(self.options.model_kwargs)
         if cfg.tensor_parallel_size != 1 or cfg.pipeline_parallel_size != 1:
             raise EngineConfigError("the transformers backend runs on one device (no TP/PP)")
         revision = None if _is_dir(cfg.model) else cfg.revision
@@ -113,15 +100,7 @@ class TransformersEngine:
             backend="transformers",
             dtype=str(self.dtype).removeprefix("torch."),
         )
-        self.timings = ScoreTimings()
         self._lock = threading.Lock()
-        self._closed = False
-
-    def tokenize(self, text: str) -> list[int]:
-        """Teacher-tokenizer ids of ``text`` (BOS included when the tokenizer adds one)."""
-        if not isinstance(text, str):
-            raise EngineInputError(f"text must be a string, got {type(text).__name__}")
-        return list(self.tokenizer(text)["input_ids"])
 
     # --- compute ----------------------------------------------------------------------------
 
@@ -180,23 +159,12 @@ class TransformersEngine:
                     out[i] = make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
         return [s for s in out if s is not None]
 
-    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
-        """Top-``k`` rows of every prompt."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
-        k = check_k(k, self.info.max_k, self.info.vocab_size)
-        checked = check_prompts(prompts, self.info)
-        with Stopwatch() as t:
-            scores = await asyncio.to_thread(self._score_sync, checked, k)
-        self.timings.engine += t.elapsed
-        self.timings.calls += 1
-        self.timings.prompts += len(checked)
-        self.timings.rows += int(np.sum([s.num_rows for s in scores]))
-        return scores
+    async def _generate(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        """The forward in a worker thread (calls are serialised by a lock)."""
+        return await asyncio.to_thread(self._score_sync, prompts, k)
 
-    async def aclose(self) -> None:
-        """Drop the model (idempotent)."""
-        self._closed = True
+    async def _close(self) -> None:
+        """Drop the model."""
         self.model = self.decoder = self.head_weight = self.head_bias = None
 
 

@@ -32,7 +32,7 @@ Two drivers, same results:
 
 ``options["vllm_mode"]`` picks one (default ``auto``: ``inproc`` when
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, else ``async``). Other ``options`` entries are passed to
-vLLM's ``EngineArgs`` as is.
+vLLM's ``EngineArgs`` as is (:class:`~.config.VllmOptions`).
 """
 
 from __future__ import annotations
@@ -51,29 +51,21 @@ from typing import Any
 
 import numpy as np
 
-from .engine import (
+from .base import BaseEngine
+from .config import EngineConfig, VllmOptions, engine_info, model_max_len
+from .protocol import (
     LOGPROB_MODE,
     EngineClosedError,
-    EngineConfig,
     EngineConfigError,
     EngineError,
     EngineInputError,
-    ScoreTimings,
-    Stopwatch,
     TeacherScores,
-    check_k,
-    check_prompts,
-    engine_info,
     make_scores,
-    model_max_len,
 )
 
 #: Architectures whose vLLM 0.32 model multiplies ``config.logit_scale`` into the logits
 #: (checked in ``vllm/model_executor/models/llama.py``; Mistral-style checkpoints map to it).
 LOGIT_SCALE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
-
-#: Keys of ``EngineConfig.options`` consumed here (the rest go to ``EngineArgs``).
-_OWN_OPTIONS = ("vllm_mode", "cpu_kvcache_gib")
 
 _DEFAULT_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
 
@@ -195,8 +187,6 @@ def resolve_max_len(requested: int | None, model_max: int | None) -> tuple[int, 
 def _resolve_mode(mode: str) -> str:
     if mode == "auto":
         return "inproc" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else "async"
-    if mode not in ("async", "inproc"):
-        raise EngineConfigError(f"vllm_mode must be auto, async or inproc, got {mode!r}")
     return mode
 
 
@@ -269,6 +259,8 @@ class _InprocDriver:
             block = False
             if req is None:
                 return False
+            if req.future.cancelled():  # abandoned before it reached the engine
+                continue
             try:
                 self.engine.add_request(req.request_id, {"prompt_token_ids": req.ids}, req.params)
             except Exception as e:  # bad request: only this one fails
@@ -276,12 +268,22 @@ class _InprocDriver:
                 continue
             self._pending[req.request_id] = req
 
+    def _abort_cancelled(self) -> None:
+        """Abort the requests whose caller stopped waiting (its future was cancelled: client
+        gone or deadline passed), so the engine spends no more steps on them."""
+        gone = [rid for rid, req in self._pending.items() if req.future.cancelled()]
+        if gone:
+            self.engine.abort_request(gone)
+            for rid in gone:
+                del self._pending[rid]
+
     def _run(self) -> None:
         import torch
 
         running = True
         try:
             while running:
+                self._abort_cancelled()
                 running = self._take(block=not self.engine.has_unfinished_requests())
                 if not running:
                     break
@@ -322,15 +324,17 @@ def _input_error(e: BaseException) -> BaseException:
     return e
 
 
-class VllmEngine:
+class VllmEngine(BaseEngine):
     """:class:`~logitcache.server.engine.TeacherEngine` on vLLM (see the module docstring)."""
 
     def __init__(self, cfg: EngineConfig):
+        super().__init__()
+        self.options = VllmOptions.parse(cfg.options)
         for key, value in _DEFAULT_ENV.items():
             os.environ.setdefault(key, value)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.options.get("cpu_kvcache_gib", 1)))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.options.cpu_kvcache_gib:g}")
         self.cfg = cfg
-        self.mode = _resolve_mode(str(cfg.options.get("vllm_mode", "auto")))
+        self.mode = _resolve_mode(self.options.mode)
         config = _read_config(cfg.model)
         vocab_size = _model_vocab_size(config)
         accepted, engine_len = resolve_max_len(cfg.max_model_len, model_max_len(cfg.model))
@@ -345,9 +349,7 @@ class VllmEngine:
             backend="vllm",
             dtype=cfg.dtype,
         )
-        self.timings = ScoreTimings()
         self._ids = itertools.count()
-        self._closed = False
         args = self._engine_args(config, engine_len)
         try:
             self._start(args)
@@ -379,7 +381,7 @@ class VllmEngine:
         overrides = _temperature_overrides(config, cfg.temperature)
         if overrides:
             args["hf_overrides"] = overrides
-        args.update({k: v for k, v in cfg.options.items() if k not in _OWN_OPTIONS})
+        args.update(self.options.engine_args)
         return args
 
     def _start(self, args: dict[str, Any]) -> None:
@@ -399,13 +401,7 @@ class VllmEngine:
             self._driver = None
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
-    # --- TeacherEngine ----------------------------------------------------------------------
-
-    def tokenize(self, text: str) -> list[int]:
-        """Teacher-tokenizer ids of ``text`` (BOS included when the tokenizer adds one)."""
-        if not isinstance(text, str):
-            raise EngineInputError(f"text must be a string, got {type(text).__name__}")
-        return list(self.tokenizer(text)["input_ids"])
+    # --- BaseEngine -------------------------------------------------------------------------
 
     def _params(self, k: int) -> Any:
         from vllm import SamplingParams
@@ -442,33 +438,16 @@ class VllmEngine:
         self._driver.submit(_Pending(rid, ids, params, fut, loop))
         return await fut
 
-    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
-        """Top-``k`` rows of every prompt (all prompts are in flight at once)."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
-        k = check_k(k, self.info.max_k, self.info.vocab_size)
-        checked = check_prompts(prompts, self.info)
+    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
+        """Every prompt in flight at once; one final ``RequestOutput`` each."""
         params = self._params(k)
         one = self._one_inproc if self.mode == "inproc" else self._one_async
-        with Stopwatch() as t_engine:
-            outputs = await asyncio.gather(*(one(ids, params) for ids in checked))
-        with Stopwatch() as t_conv:
-            scores = [
-                scores_from_output(o, k, len(ids)) for o, ids in zip(outputs, checked, strict=True)
-            ]
-        tm = self.timings
-        tm.engine += t_engine.elapsed
-        tm.convert += t_conv.elapsed
-        tm.calls += 1
-        tm.prompts += len(checked)
-        tm.rows += sum(s.num_rows for s in scores)
-        return scores
+        return list(await asyncio.gather(*(one(ids, params) for ids in prompts)))
 
-    async def aclose(self) -> None:
-        """Stop the engine (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
+        return scores_from_output(raw, k, length)
+
+    async def _close(self) -> None:
         if self._driver is not None:
             await asyncio.to_thread(self._driver.close)
         elif self._llm is not None:

@@ -1,0 +1,73 @@
+"""The teacher engine: one contract, two backends.
+
+Modules (arrows are the only imports allowed inside the package; tests/test_packaging.py):
+
+* :mod:`.protocol` — the contract (:class:`TeacherEngine`, :class:`EngineInfo`,
+  :class:`TeacherScores`, errors, the input checks); imports no backend.
+* :mod:`.identity` — the weights' content hash and local revision.
+* :mod:`.config` — :class:`EngineConfig`, typed per-backend options, :func:`engine_info`
+  (-> protocol, identity).
+* :mod:`.base` — the check/score/convert/time path every backend shares (-> protocol).
+* :mod:`.vllm`, :mod:`.hf` — the backends (-> protocol, config, base); vLLM/torch are imported
+  when an engine is built, never at import time.
+* :mod:`.factory` — :func:`build_engine` (-> config, backends, lazily).
+"""
+
+from __future__ import annotations
+
+from .base import BaseEngine
+from .config import (
+    BACKEND_ALIASES,
+    EngineConfig,
+    HfOptions,
+    VllmOptions,
+    engine_config,
+    engine_info,
+    model_max_len,
+    resolve_backend,
+)
+from .factory import build_engine
+from .identity import local_revision, weights_hash
+from .protocol import (
+    LOGPROB_MODE,
+    Backend,
+    EngineClosedError,
+    EngineConfigError,
+    EngineError,
+    EngineInfo,
+    EngineInputError,
+    ScoreTimings,
+    TeacherEngine,
+    TeacherScores,
+    check_k,
+    check_prompts,
+    make_scores,
+)
+
+__all__ = [
+    "BACKEND_ALIASES",
+    "LOGPROB_MODE",
+    "Backend",
+    "BaseEngine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineError",
+    "EngineInfo",
+    "EngineInputError",
+    "HfOptions",
+    "ScoreTimings",
+    "TeacherEngine",
+    "TeacherScores",
+    "VllmOptions",
+    "build_engine",
+    "check_k",
+    "check_prompts",
+    "engine_config",
+    "engine_info",
+    "local_revision",
+    "make_scores",
+    "model_max_len",
+    "resolve_backend",
+    "weights_hash",
+]

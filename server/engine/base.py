@@ -1,0 +1,81 @@
+"""The path every backend shares: check, score, convert, time (written once).
+
+A backend subclasses :class:`BaseEngine` and supplies ``_generate(prompts, k)`` (the model's
+work on checked prompts; returns one raw output per prompt) and, if its raw outputs are not
+already :class:`~.protocol.TeacherScores`, ``_convert(raw, length, k)``. :meth:`BaseEngine.score`
+refuses a closed engine, range-checks ``k`` and the prompts against ``info`` (nothing is computed
+for bad input), runs ``_generate``, converts, and adds the phases to ``timings``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .protocol import (
+    EngineClosedError,
+    EngineInfo,
+    EngineInputError,
+    ScoreTimings,
+    TeacherScores,
+    check_k,
+    check_prompts,
+)
+
+
+class BaseEngine:
+    """Common behaviour of the backends (see the module docstring)."""
+
+    info: EngineInfo
+    tokenizer: Any
+
+    def __init__(self) -> None:
+        self.timings = ScoreTimings()
+        self._closed = False
+
+    # --- to implement -----------------------------------------------------------------------
+
+    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
+        """One raw output per (checked) prompt, in order."""
+        raise NotImplementedError
+
+    def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
+        """A raw output of a ``length``-token prompt as rows (default: already rows)."""
+        return raw  # type: ignore[no-any-return]
+
+    async def _close(self) -> None:
+        """Release the backend's resources (called once)."""
+
+    # --- TeacherEngine ----------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """Teacher-tokenizer ids of ``text`` (BOS included when the tokenizer adds one)."""
+        if not isinstance(text, str):
+            raise EngineInputError(f"text must be a string, got {type(text).__name__}")
+        return list(self.tokenizer(text)["input_ids"])
+
+    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        """Top-``k`` rows of every prompt, in order (the contract of :mod:`.protocol`)."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        k = check_k(k, self.info.max_k, self.info.vocab_size)
+        checked = check_prompts(prompts, self.info)
+        t0 = time.perf_counter()
+        raw = await self._generate(checked, k)
+        t1 = time.perf_counter()
+        scores = [self._convert(r, len(ids), k) for r, ids in zip(raw, checked, strict=True)]
+        t2 = time.perf_counter()
+        tm = self.timings
+        tm.engine += t1 - t0
+        tm.convert += t2 - t1
+        tm.calls += 1
+        tm.prompts += len(checked)
+        tm.rows += sum(s.num_rows for s in scores)
+        return scores
+
+    async def aclose(self) -> None:
+        """Release the engine (idempotent); later ``score`` calls raise EngineClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._close()
