@@ -1,0 +1,170 @@
+"""Job input files as real datasets come: gzip JSONL, Parquet or Arrow files, and directories of
+them in the layouts Hugging Face ``datasets`` writes.
+
+Accepted under the data directory (``InputFile.path``):
+
+* ``*.jsonl`` / ``*.ndjson`` / ``*.json`` (one JSON object per line), and the same with ``.gz``;
+* ``*.parquet`` / ``*.pq``; ``*.arrow`` (Arrow IPC stream, as ``datasets`` writes, or file);
+* a directory: ``Dataset.save_to_disk`` output (``state.json`` + ``data-*.arrow``, read in the
+  order ``state.json`` lists), or any directory of ``*.parquet`` files (e.g. a hub dataset's
+  ``data/`` folder), read in sorted path order, sub-directories included. A
+  ``DatasetDict`` directory (``dataset_dict.json``) is refused with the names of its splits:
+  give one split's directory.
+
+Records are read in a fixed order (a resumed job forms the same batches), each located as
+``<path>[/<file>] row <n>`` or ``<path>:<line>`` in error messages.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import InvalidInputError
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_SUFFIXES = (".arrow",)
+
+
+def _name(path: Path) -> str:
+    """The file name without a trailing ``.gz``, lower-cased."""
+    name = path.name.lower()
+    return name[:-3] if name.endswith(".gz") else name
+
+
+def detect_format(path: Path, rel: str) -> str:
+    """``jsonl``, ``parquet`` or ``arrow`` for a file or directory (InvalidInputError: unknown)."""
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+            raise InvalidInputError(
+                f"{rel!r} is a DatasetDict: give one split's directory ({', '.join(splits)})"
+            )
+        if (path / "state.json").is_file() or any(path.glob("*.arrow")):
+            return "arrow"
+        if next(_files(path, PARQUET_SUFFIXES), None) is not None:
+            return "parquet"
+        raise InvalidInputError(f"directory {rel!r} holds no .parquet or .arrow files")
+    name = _name(path)
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(ARROW_SUFFIXES):
+        return "arrow"
+    raise InvalidInputError(f"cannot tell the format of {rel!r}: set format")
+
+
+def _files(directory: Path, suffixes: tuple[str, ...]) -> Iterator[Path]:
+    for p in sorted(directory.rglob("*")):
+        rel_parts = p.relative_to(directory).parts
+        if (
+            p.is_file()
+            and p.name.lower().endswith(suffixes)
+            and not any(part.startswith((".", "_")) for part in rel_parts)
+        ):
+            yield p
+
+
+def data_files(path: Path, fmt: str) -> list[Path]:
+    """The files of an input, in reading order (one file, or a directory's files)."""
+    if not path.is_dir():
+        return [path]
+    if fmt == "arrow":
+        state = path / "state.json"
+        if state.is_file():
+            try:
+                listed = json.loads(state.read_text())["_data_files"]
+                return [path / f["filename"] for f in listed]
+            except (KeyError, TypeError, ValueError) as e:
+                raise InvalidInputError(f"{path.name}/state.json: unreadable ({e})") from None
+        return list(_files(path, ARROW_SUFFIXES))
+    if fmt == "parquet":
+        return list(_files(path, PARQUET_SUFFIXES))
+    raise InvalidInputError(f"a directory input must hold parquet or arrow files, not {fmt}")
+
+
+def open_text(path: Path) -> IO[bytes]:
+    """A binary reader of a (possibly gzip-compressed) text file."""
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rb")
+    return path.open("rb")
+
+
+def arrow_batches(path: Path, columns: list[str] | None, rel: str) -> Iterator[Any]:
+    """Record batches of an Arrow IPC stream (what ``datasets`` writes) or IPC file."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    try:
+        with pa.memory_map(str(path), "r") as source:
+            try:
+                reader: Any = ipc.open_stream(source)
+                batches = iter(reader)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                f = ipc.open_file(source)
+                batches = (f.get_batch(i) for i in range(f.num_record_batches))
+            for b in batches:
+                yield b.select(columns) if columns is not None else b
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InvalidInputError(f"{rel}: not a readable Arrow file ({e})") from None
+
+
+def arrow_schema_names(path: Path, rel: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    try:
+        with pa.memory_map(str(path), "r") as source:
+            try:
+                return list(ipc.open_stream(source).schema.names)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return list(ipc.open_file(source).schema.names)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InvalidInputError(f"{rel}: not a readable Arrow file ({e})") from None
+
+
+def table_rows(
+    path: Path, fmt: str, rel: str, wanted: tuple[str, ...], need_one_of: tuple[str, ...]
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, row dict)`` of a Parquet/Arrow file or directory, ``wanted`` columns only.
+
+    Every file must have at least one of ``need_one_of`` (InvalidInputError naming its columns).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = data_files(path, fmt)
+    if not files:
+        raise InvalidInputError(f"{rel!r} holds no {fmt} files")
+    for f in files:
+        row = 0
+        label = rel if f == path else f"{rel}/{f.relative_to(path)}"
+        if fmt == "parquet":
+            try:
+                pf = pq.ParquetFile(f)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise InvalidInputError(f"{label}: not a readable Parquet file ({e})") from None
+            names = set(pf.schema_arrow.names)
+        else:
+            names = set(arrow_schema_names(f, label))
+        if not names & set(need_one_of):
+            raise InvalidInputError(
+                f"{label}: no column {' or '.join(map(repr, need_one_of))} (has {sorted(names)})"
+            )
+        cols = [c for c in wanted if c in names]
+        batches = (
+            pf.iter_batches(batch_size=4096, columns=cols)
+            if fmt == "parquet"
+            else arrow_batches(f, cols, label)
+        )
+        for batch in batches:
+            for obj in batch.to_pylist():
+                yield f"{label} row {row}", obj
+                row += 1
