@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from logitcache.cache_format.records import content_key
 
+from . import input_files
 from .errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
 from .protocol import InlineRecord, InputFile
 
@@ -117,14 +118,15 @@ def _id_of(value: Any, where: str) -> str | None:
 
 
 def resolve_input_path(data_dir: Path, rel: str) -> Path:
-    """The file ``rel`` under ``data_dir``; relative, no escape (symlinks resolved), must exist."""
+    """The file or directory ``rel`` under ``data_dir`` (a directory holds Parquet or Arrow
+    files: :mod:`.input_files`); relative, no escape (symlinks resolved), must exist."""
     base = data_dir.expanduser().resolve()
     if not rel or Path(rel).is_absolute():
         raise InvalidPathError(f"input path {rel!r} must be relative to the data directory")
     path = (base / rel).resolve()
     if not path.is_relative_to(base):
         raise InvalidPathError(f"input path {rel!r} leaves the data directory")
-    if not path.is_file():
+    if not (path.is_file() or path.is_dir()):
         raise InvalidPathError(f"input file {rel!r} does not exist in the data directory")
     return path
 
@@ -132,12 +134,7 @@ def resolve_input_path(data_dir: Path, rel: str) -> Path:
 def input_format(spec: InputFile, path: Path) -> str:
     if spec.format is not None:
         return spec.format
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson", ".json"):
-        return "jsonl"
-    if suffix in (".parquet", ".pq"):
-        return "parquet"
-    raise InvalidInputError(f"cannot tell the format of {spec.path!r}: set format")
+    return input_files.detect_format(path, spec.path)  # also .gz, .arrow, directories
 
 
 def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
@@ -152,7 +149,7 @@ def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
 
 
 def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
-    with path.open("rb") as f:
+    with input_files.open_text(path) as f:  # plain or .gz
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -164,25 +161,12 @@ def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
             yield _from_mapping(obj, spec, where)
 
 
-def _read_parquet(path: Path, spec: InputFile) -> Iterator[RawRecord]:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises several types for a bad file
-        raise InvalidInputError(f"{spec.path}: not a readable Parquet file ({e})") from e
-    names = set(pf.schema_arrow.names)
-    cols = [c for c in (spec.id_field, spec.text_field, spec.ids_field) if c in names]
-    if spec.text_field not in names and spec.ids_field not in names:
-        raise InvalidInputError(
-            f"{spec.path}: no column {spec.text_field!r} or {spec.ids_field!r} "
-            f"(has {sorted(names)})"
-        )
-    row = 0
-    for batch in pf.iter_batches(batch_size=4096, columns=cols):
-        for obj in batch.to_pylist():
-            yield _from_mapping(obj, spec, f"{spec.path} row {row}")
-            row += 1
+def _read_table(path: Path, spec: InputFile, fmt: str) -> Iterator[RawRecord]:
+    """Parquet or Arrow records, from a file or a directory of files (:mod:`.input_files`)."""
+    wanted = (spec.id_field, spec.text_field, spec.ids_field)
+    need = (spec.text_field, spec.ids_field)
+    for where, obj in input_files.table_rows(path, fmt, spec.path, wanted, need):
+        yield _from_mapping(obj, spec, where)
 
 
 def raw_records(
@@ -197,10 +181,13 @@ def raw_records(
     if file is None:
         raise InvalidInputError("a job needs a file or records")
     path = resolve_input_path(data_dir, file.path)
-    if input_format(file, path) == "jsonl":
+    fmt = input_format(file, path)
+    if fmt == "jsonl":
+        if path.is_dir():
+            raise InvalidInputError(f"{file.path!r} is a directory: jsonl input is one file")
         yield from _read_jsonl(path, file)
     else:
-        yield from _read_parquet(path, file)
+        yield from _read_table(path, file, fmt)
 
 
 def input_digest(
@@ -211,9 +198,14 @@ def input_digest(
     if records is not None:
         h.update(json.dumps([r.model_dump() for r in records], sort_keys=True).encode())
     elif file is not None:
-        with resolve_input_path(data_dir, file.path).open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
+        path = resolve_input_path(data_dir, file.path)
+        for f_path in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if not f_path.is_file():
+                continue
+            h.update(str(f_path.relative_to(path)).encode() + b"\0")
+            with f_path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
     return "sha256:" + h.hexdigest()
 
 

@@ -112,10 +112,13 @@ class InlineRecord(ApiModel):
 
 
 class InputFile(ApiModel):
-    """A JSONL or Parquet file under the server's data directory (a relative path)."""
+    """A JSONL (optionally .gz), Parquet or Arrow file, or a directory of Parquet/Arrow files
+    (Hugging Face ``datasets`` layouts), under the server's data directory (a relative path)."""
 
     path: str = Field(description="relative to the server's data directory")
-    format: Literal["jsonl", "parquet"] | None = Field(None, description="default: from suffix")
+    format: Literal["jsonl", "parquet", "arrow"] | None = Field(
+        None, description="default: from the suffix (.gz allowed) or the directory's files"
+    )
     text_field: str = "text"
     ids_field: str = "input_ids"
     id_field: str = "id"
