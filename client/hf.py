@@ -1,0 +1,343 @@
+"""Hugging Face ``Trainer`` integration: distil a causal LM from a teacher cache, right under DDP.
+
+:class:`CacheDistillTrainer` is a ``transformers.Trainer`` whose ``train_dataset`` is a
+:class:`~logitcache.client.CacheDataset` (``batch_size = per_device_train_batch_size``). Per
+micro-batch it runs the student on the packed batch through the *wrapped* model
+(:func:`~logitcache.client.packing.packed_hidden_states`: DDP's hooks fire, no document attends to
+another) and trains the student's own ``lm_head`` against the cached top-k with
+:func:`~logitcache.client.loss.topk_distill_loss`::
+
+    loss = sum over counted rows of [ T**2 * KD(row) + ce_weight * CE(row) ] / N
+
+where a row counts when ``loss_mask`` is true, ``KD`` is the chosen divergence against the cached
+top-k (+ tail mass bucket unless ``use_tail=False``) with the student logits divided by
+``temperature``, and ``N`` is the number of counted rows of the *whole optimizer step*: every
+micro-batch of the gradient-accumulation window on every rank (summed across ranks). The returned
+loss is multiplied by the number of processes because DDP averages gradients; so the gradient of a
+step, and the logged loss, equal those of one process training on the same global batch.
+
+Data sharding: exactly once, by the dataset
+-------------------------------------------
+Each rank's ``CacheDataset`` reads only its own partition (``rank``/``world_size``: pass
+``rank=args.process_index, world_size=args.world_size``, or build it after ``TrainingArguments``
+so that ``torch.distributed`` is initialised; the trainer checks). The training ``DataLoader`` is
+**not** passed through ``accelerator.prepare``: for an ``IterableDataset`` accelerate would either
+dispatch rank 0's batches to every rank (``dispatch_batches=True``, its default for iterable
+datasets: with an already-sharded dataset half of the cache is never seen) or wrap it in
+``IterableDatasetShard`` and shard it a second time (``dispatch_batches=False``: each rank keeps
+1/world of its own partition), and ``split_batches`` would cut our pre-built batches. So the
+settings ``dispatch_batches``/``split_batches``/``even_batches`` of ``accelerator_config`` do not
+apply to the training data; the trainer sets ``dispatch_batches=False, split_batches=False`` in
+``accelerator_config`` anyway so that a stray ``prepare`` could not dispatch. Every rank reads
+1/world of the cache (I/O scales with ranks) and no batch is sent between processes.
+
+DDP needs the same number of steps on every rank, but the partitions of a packed cache give ranks
+slightly different item counts. Instead of dropping items (``even_ranks=True``), a rank with fewer
+batches finishes its epoch with *empty* batches (one item of padding, ``loss_mask`` all false:
+they add 0 to the loss and to ``N``), so every cached row is trained exactly once per epoch. The
+epoch length is the largest rank's unit count over the epochs the run plans (computed from the
+cache lengths; no data is read).
+
+Resume: ``trainer.train(resume_from_checkpoint=...)`` continues the data stream exactly. The
+epoch order is a pure function of ``(seed, epoch)``; the trainer sets the epoch at every epoch
+start (also on resume) and Trainer's own mid-epoch skip drops the batches already trained. When
+``dataloader_num_workers == 0`` those skipped batches are not read (placeholders stand in for
+them); with workers they are read and discarded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainerCallback
+
+from .collate import IGNORE_INDEX, plan_items
+from .dataset import CacheDataset
+from .errors import ConfigError
+from .order import epoch_order, rank_partition
+from .packing import packed_hidden_states, unwrap_model
+from .world import current_worker
+
+__all__ = ["CacheDistillTrainer", "RankEvenStream", "planned_units"]
+
+
+def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
+    """Units (batches) ``rank`` yields in ``epoch``: the same plan ``ds`` makes for itself
+    (:meth:`CacheDataset.plan`), computed without caching it (cheap: lengths only)."""
+    n = ds.num_sequences
+    if ds.shuffle:
+        order = epoch_order(n, ds.seed, epoch, ds.shuffle_block_size, ds.shuffle_window)
+    else:
+        order = np.arange(n, dtype=np.int64)
+
+    def items(r: int) -> int:
+        span = rank_partition(order, r, ds.world_size)
+        plan = plan_items(span, ds.lengths, ds.tokens_per_item, ds.mode, ds.long_sequences)
+        return plan.num_items
+
+    count = min(items(r) for r in range(ds.world_size)) if ds.even_ranks else items(rank)
+    return -(-count // (ds.batch_size or 1))
+
+
+class RankEvenStream(IterableDataset):
+    """A rank's ``CacheDataset`` batches, then empty batches up to ``units_per_epoch``.
+
+    Iterated by a ``DataLoader(batch_size=None)``; DataLoader worker ``w`` of ``n`` yields the
+    units ``i`` with ``i % n == w`` (the dataset does so for its own units; padding units follow),
+    so the loader's round-robin keeps the order for any ``num_workers``. ``skip_placeholders``:
+    the next iteration first yields that many ``{}`` placeholders instead of reading the first
+    units (only with ``num_workers=0``; used when Trainer skips already-trained batches).
+    """
+
+    def __init__(self, dataset: CacheDataset, units_per_epoch: int) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.units_per_epoch = int(units_per_epoch)
+        self.skip_placeholders = 0
+
+    def __len__(self) -> int:
+        return self.units_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch of the underlying dataset (its order)."""
+        self.dataset.set_epoch(epoch)
+
+    def empty_unit(self) -> dict[str, torch.Tensor]:
+        """One item of padding: no token, no row (adds 0 to every loss and to every count)."""
+        ds, T = self.dataset, self.dataset.tokens_per_item
+        zeros = torch.zeros(1, T, dtype=torch.int64)
+        return {
+            "input_ids": torch.full((1, T), ds.pad_token_id, dtype=torch.int64),
+            "labels": torch.full((1, T), IGNORE_INDEX, dtype=torch.int64),
+            "attention_mask": zeros.clone(),
+            "position_ids": zeros.clone(),
+            "segment_ids": zeros.clone(),
+            "topk_ids": torch.zeros(1, T, ds.k, dtype=ds.ids_dtype),
+            "topk_logprobs": torch.zeros(1, T, ds.k, dtype=torch.float32),
+            "tail_mass": torch.zeros(1, T, dtype=torch.float32),
+            "loss_mask": torch.zeros(1, T, dtype=torch.bool),
+        }
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker, num_workers = current_worker()
+        ds = self.dataset
+        real = len(ds)
+        if real > self.units_per_epoch:
+            raise ConfigError(
+                f"epoch {ds.epoch} has {real} batches on rank {ds.rank}, more than the "
+                f"{self.units_per_epoch} planned: was the dataset refreshed during training?"
+            )
+        skip, self.skip_placeholders = self.skip_placeholders, 0
+        if skip and num_workers == 1:
+            skip = min(skip, real)
+            for _ in range(skip):
+                yield {}
+            if skip:
+                ds.load_state_dict(ds.state_dict(items_consumed=_items_before(ds, skip)))
+        yield from ds
+        for i in range(real, self.units_per_epoch):
+            if i % num_workers == worker:
+                yield self.empty_unit()
+
+
+def _items_before(ds: CacheDataset, units: int) -> int:
+    """Items in the first ``units`` units of the current epoch (all units but the last are full)."""
+    return min(units * (ds.batch_size or 1), ds.num_items())
+
+
+class _EpochLoader(DataLoader):
+    """``DataLoader(batch_size=None)`` over a :class:`RankEvenStream`; forwards ``set_epoch``."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+
+
+class _StreamSync(TrainerCallback):
+    """Sets the stream's epoch at every epoch start (Trainer's resume path wraps the loader in a
+    skipping loader that does not forward ``set_epoch``) and arms the placeholder skip."""
+
+    def __init__(self, trainer: CacheDistillTrainer) -> None:
+        self.trainer = trainer
+        self.first_epoch = True
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.first_epoch = True
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        stream = self.trainer._stream
+        if stream is None:
+            return
+        steps = self.trainer._steps_per_epoch()
+        stream.set_epoch(state.global_step // steps)
+        if self.first_epoch and not args.ignore_data_skip and args.dataloader_num_workers == 0:
+            done = state.global_step % steps  # optimizer steps of this epoch already trained
+            stream.skip_placeholders = done * args.gradient_accumulation_steps
+        self.first_epoch = False
+
+
+class CacheDistillTrainer(Trainer):
+    """``transformers.Trainer`` that distils from a :class:`CacheDataset` (module docstring).
+
+    Extra keyword arguments (the rest go to ``Trainer``):
+
+    * ``temperature``: divides the student logits (the teacher is used as cached); ``T**2``
+      scales the KD term.
+    * ``ce_weight``: weight of the hard-label cross-entropy mixed in (0: pure KD).
+    * ``kd_loss``: ``"forward_kl"`` (default), ``"reverse_kl"``, ``"renormalized_kl"``, ``"jsd"``
+      (with ``beta``); see :func:`~logitcache.client.loss.topk_distill_loss`.
+    * ``use_tail``: use the cached tail mass as one more bucket (default true).
+    * ``loss_impl``, ``chunk_size``: passed to ``topk_distill_loss``.
+
+    ``train_dataset`` must be a ``CacheDataset`` with ``batch_size ==
+    args.per_device_train_batch_size`` and this process's ``rank``/``world_size``. Not supported:
+    FSDP / DeepSpeed ZeRO-3 (the loss reads ``lm_head.weight`` outside the forward), eval datasets
+    other than a ``CacheDataset`` built the same way.
+    """
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        *args: Any,
+        temperature: float = 1.0,
+        ce_weight: float = 0.0,
+        kd_loss: str = "forward_kl",
+        beta: float = 0.5,
+        use_tail: bool = True,
+        loss_impl: str = "auto",
+        chunk_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            cfg = training_args.accelerator_config
+            cfg.dispatch_batches = False
+            cfg.split_batches = False
+        super().__init__(*args, **kwargs)
+        self.temperature = float(temperature)
+        self.ce_weight = float(ce_weight)
+        self.kd_loss = kd_loss
+        self.beta = float(beta)
+        self.use_tail = bool(use_tail)
+        self.loss_impl = loss_impl
+        self.chunk_size = chunk_size
+        self._stream: RankEvenStream | None = None
+        if isinstance(self.train_dataset, CacheDataset):
+            self._check_dataset(self.train_dataset)
+        self.add_callback(_StreamSync(self))
+
+    # -- data ------------------------------------------------------------------------------
+    def _check_dataset(self, ds: CacheDataset) -> None:
+        a = self.args
+        if ds.batch_size is None or ds.batch_size != a.per_device_train_batch_size:
+            raise ConfigError(
+                f"CacheDataset(batch_size={ds.batch_size}) must equal "
+                f"per_device_train_batch_size={a.per_device_train_batch_size}"
+            )
+        if (ds.rank, ds.world_size) != (a.process_index, a.world_size):
+            raise ConfigError(
+                f"the CacheDataset is rank {ds.rank} of {ds.world_size} but this process is rank "
+                f"{a.process_index} of {a.world_size}: build it with rank=args.process_index, "
+                "world_size=args.world_size (or after TrainingArguments)"
+            )
+        if a.dataloader_persistent_workers:
+            raise ConfigError("dataloader_persistent_workers would keep a stale epoch; turn it off")
+
+    def _planned_epochs(self, first_len: int) -> int:
+        a = self.args
+        if a.max_steps and a.max_steps > 0:
+            batches = a.max_steps * a.gradient_accumulation_steps
+            return max(1, math.ceil(batches / max(first_len, 1)))
+        return max(1, math.ceil(a.num_train_epochs))
+
+    def _steps_per_epoch(self) -> int:
+        ga = self.args.gradient_accumulation_steps
+        n = len(self._stream) if self._stream is not None else 1
+        return max(n // ga + int(n % ga > 0), 1)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """A rank-local loader over the ``CacheDataset`` (not prepared by accelerate: see the
+        module docstring), every rank yielding the same number of batches per epoch."""
+        ds = self.train_dataset
+        if not isinstance(ds, CacheDataset):
+            return super().get_train_dataloader()
+        self._check_dataset(ds)
+        ranks = range(ds.world_size)
+        units = max(planned_units(ds, 0, r) for r in ranks)
+        epochs = self._planned_epochs(units)
+        seen = 1
+        while seen < epochs:  # later epochs can plan a few more items on some rank
+            units = max(units, *(planned_units(ds, seen, r) for r in ranks))
+            seen += 1
+            epochs = min(epochs, self._planned_epochs(units))
+        self._stream = RankEvenStream(ds, units)
+        return _EpochLoader(
+            self._stream,
+            batch_size=None,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+            multiprocessing_context=self.args.dataloader_multiprocessing_context,
+        )
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator, num_batches: int, device: torch.device
+    ) -> tuple[list, torch.Tensor | int | None]:
+        """The next ``num_batches`` micro-batches and ``N``: their counted rows (``loss_mask``)
+        summed over this step's micro-batches and over all ranks."""
+        batches: list = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batches or "loss_mask" not in batches[0]:
+            return batches, super()._get_num_items_in_batch(batches, device)
+        count = torch.tensor(sum(int(b["loss_mask"].sum()) for b in batches), device=device)
+        if self.accelerator.num_processes > 1:
+            count = self.accelerator.reduce(count, reduction="sum")
+        return batches, count
+
+    # -- loss ------------------------------------------------------------------------------
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
+        """``sum_rows loss / N * num_processes`` (module docstring); the student's own lm_head."""
+        from .loss import topk_distill_loss
+
+        if "topk_ids" not in inputs:
+            raise ConfigError("CacheDistillTrainer needs CacheDataset batches (no 'topk_ids')")
+        hidden = packed_hidden_states(model, inputs)
+        head = unwrap_model(model).get_output_embeddings()
+        total = topk_distill_loss(
+            hidden,
+            head.weight,
+            inputs["topk_ids"],
+            inputs["topk_logprobs"],
+            inputs["tail_mass"] if self.use_tail else None,
+            bias=getattr(head, "bias", None),
+            labels=inputs["labels"],
+            mask=inputs["loss_mask"],
+            loss=self.kd_loss,
+            beta=self.beta,
+            temperature=self.temperature,
+            ce_weight=self.ce_weight,
+            reduction="sum",
+            impl=self.loss_impl,
+            chunk_size=self.chunk_size,
+        )
+        if num_items_in_batch is None:  # e.g. evaluation: this batch's mean
+            loss = total / inputs["loss_mask"].sum().clamp_min(1)
+        else:
+            n = torch.as_tensor(num_items_in_batch, device=total.device).clamp_min(1)
+            loss = total / n * self.accelerator.num_processes
+        return (loss, {"hidden_states": hidden}) if return_outputs else loss
