@@ -7,9 +7,16 @@ The manifest is also the commit point: ``num_sequences``/``num_rows``/``num_toke
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ManifestError, ManifestMismatchError
 from .spec import FORMAT_VERSION, LogprobDtype, TailDtype
@@ -24,6 +31,8 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "logprob_mode",
     "logprob_dtype",
     "tail_mass_dtype",
+    "targets",
+    "sampling",
 )
 """Fields that must match between a resuming writer and the store (else ManifestMismatchError)."""
 
@@ -64,6 +73,29 @@ class Manifest(BaseModel):
     num_tokens: int = Field(default=0, ge=0)
     num_key_bytes: int = Field(default=0, ge=0)
     generation: int = Field(default=0, ge=0)
+    targets: Literal["topk", "sampled"] = "topk"
+    """What the rows hold: the teacher's top-k logprobs, or sampled ids with log importance
+    weights (FORMAT.md "Sampled targets"); a cache holds one kind."""
+    sampling: dict[str, Any] | None = None
+    """``targets="sampled"`` only: ``{"method", "draws", "proposal_temperature", "seed"}``."""
+
+    @model_validator(mode="after")
+    def _sampling_matches_targets(self) -> Manifest:
+        targets, v = self.targets, self.sampling
+        if targets == "topk" and v is not None:
+            raise ValueError('sampling is only allowed with targets="sampled"')
+        if targets == "sampled":
+            need = {"method", "draws", "proposal_temperature", "seed"}
+            if not isinstance(v, dict) or set(v) != need:
+                raise ValueError(f'targets="sampled" needs sampling with exactly {sorted(need)}')
+            if not (isinstance(v["draws"], int) and v["draws"] >= 1):
+                raise ValueError(f"sampling.draws must be an int >= 1, got {v['draws']!r}")
+            t = v["proposal_temperature"]
+            if not (isinstance(t, int | float) and t > 0):
+                raise ValueError(f"sampling.proposal_temperature must be > 0, got {t!r}")
+            if not isinstance(v["seed"], int):
+                raise ValueError(f"sampling.seed must be an int, got {v['seed']!r}")
+        return self
 
     @field_validator("k")
     @classmethod
@@ -87,6 +119,9 @@ class Manifest(BaseModel):
         """JSON-ready dict stored as the root attribute (a version-1 manifest without the fields
         version 1 did not have, so that version-1 readers still accept it)."""
         doc = self.model_dump(mode="json")
+        if self.targets == "topk":  # top-k stores keep the exact manifest they always had
+            doc.pop("targets", None)
+            doc.pop("sampling", None)
         if self.format_version < 2:
             doc.pop("num_key_bytes", None)
         return doc

@@ -1,0 +1,101 @@
+"""Sampled targets (random-sampling KD, Anshumann et al. 2025, "Sparse Logit Sampling").
+
+The estimator (FORMAT.md section "Sampled targets" is the normative text): for one row with teacher
+distribution ``p`` (already at the cache's ``temperature``) and proposal temperature ``tau``,
+
+* the proposal is ``q = softmax(log p / tau)`` (``q ∝ p^(1/tau)``; ``tau = 1``: ``q = p``);
+* ``N`` ids are drawn from ``q`` with replacement by inverse-CDF sampling: draw ``j`` is the
+  smallest id ``v`` with ``cumsum(q)[v] > u_j`` for the row's uniforms ``u_j`` (:func:`uniforms`);
+* the ``m <= N`` distinct ids get importance weights ``w_i ∝ c_i p_i / q_i`` (``c_i`` = times id
+  ``i`` was drawn), normalised to sum to 1;
+* the row is stored like a top-k row: ``ids [k]`` sorted by descending weight (ties: ascending
+  id), ``logprobs [k] = log w_i``; a row with ``m < k`` is padded with the smallest ids not in it
+  and log-weight :data:`PAD_LOGPROB` (weight 0; the format keeps logprobs finite).
+
+With ``tau = 1`` every weight is ``c_i / N`` and ``E[w_i] = p_i``: the forward KL
+``sum_i w_i (log w_i - log q_student_i)`` then has gradient ``q_student - w`` w.r.t. the student
+logits, an unbiased estimate of full KD's ``q_student - p``.
+
+Reproducibility: the uniforms of a sequence come from a ``torch.Generator`` seeded with
+``sha256(seed, key)`` (:func:`uniforms`), drawn for the whole sequence up front, so the targets
+depend only on (seed, key, teacher row) and not on batching, chunking or resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+#: Log-weight of a padding slot (weight ``exp(-65504) = 0``; the float16 minimum, exact in every
+#: logprob encoding of the format).
+PAD_LOGPROB = -65504.0
+
+#: The only sampling method so far: i.i.d. draws from ``q ∝ p^(1/tau)``, importance weighted.
+METHOD = "rs-kd"
+
+
+def sequence_seed(seed: int, key: str) -> int:
+    """63-bit generator seed of one sequence: ``sha256(f"{seed}:{key}")``'s first 8 bytes."""
+    digest = hashlib.sha256(f"{int(seed)}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def uniforms(seed: int, key: str, rows: int, draws: int) -> Any:
+    """``[rows, draws]`` float64 uniforms in ``[0, 1)`` of one sequence (torch CPU generator)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(sequence_seed(seed, key))
+    return torch.rand(rows, draws, generator=gen, dtype=torch.float64)
+
+
+def sample_rows(logprobs: Any, u: Any, proposal_temperature: float = 1.0, k: int | None = None):
+    """Sampled targets of a block of rows (see the module docstring).
+
+    ``logprobs``: ``[r, V]`` teacher log-probabilities (torch, any float dtype/device);
+    ``u``: ``[r, N]`` uniforms from :func:`uniforms`; ``k``: stored slots per row (default
+    ``N``; rows with more than ``k`` distinct ids raise ``ValueError``). Returns numpy
+    ``(ids [r, k] int32, log_w [r, k] float32)``.
+    """
+    import torch
+
+    if not proposal_temperature > 0:
+        raise ValueError(f"proposal_temperature must be > 0, got {proposal_temperature}")
+    r, v = logprobs.shape
+    n = int(u.shape[1])
+    k = n if k is None else int(k)
+    if k > v:
+        raise ValueError(f"k={k} slots exceed the vocabulary ({v})")
+    lp = logprobs.detach().to(torch.float64)
+    lq = lp if proposal_temperature == 1.0 else torch.log_softmax(lp / proposal_temperature, -1)
+    cdf = lq.exp().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]  # exact 1 at the end: every u < 1 finds an id
+    draws = torch.searchsorted(cdf, u.to(cdf.device), right=True).clamp_max(v - 1)
+    counts = torch.zeros(r, v, dtype=torch.float64, device=lp.device)
+    counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
+    distinct = int((counts > 0).sum(-1).max()) if r else 0
+    if distinct > k:
+        raise ValueError(f"a row has {distinct} distinct draws, more than k={k} slots")
+    # log w ∝ log c + log p - log q over the drawn ids; -inf elsewhere
+    logw = torch.where(counts > 0, counts.log() + lp - lq, torch.full_like(lp, -torch.inf))
+    logw = logw - torch.logsumexp(logw, -1, keepdim=True)
+    # order: descending weight, ties by ascending id (a stable sort of ids 0..V-1)
+    order = torch.sort(logw, dim=-1, descending=True, stable=True).indices[:, :k]
+    ids = order.cpu().numpy().astype(np.int32)
+    lw = torch.gather(logw, 1, order).cpu().numpy()
+    pad = ~np.isfinite(lw)
+    if pad.any():
+        # padding: the smallest ids not drawn in the row (sort put undrawn ids in id order)
+        lw[pad] = PAD_LOGPROB
+    return ids, lw.astype(np.float32)
+
+
+def sampling_manifest(draws: int, proposal_temperature: float, seed: int) -> dict[str, Any]:
+    """The manifest's ``sampling`` object of a sampled cache."""
+    return {
+        "method": METHOD,
+        "draws": int(draws),
+        "proposal_temperature": float(proposal_temperature),
+        "seed": int(seed),
+    }

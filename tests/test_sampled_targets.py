@@ -1,0 +1,155 @@
+"""Sampled targets (random-sampling KD): the estimator of cache_format/sampling.py and the
+format's ``targets = "sampled"`` kind (FORMAT.md section 4.4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from logitcache.cache_format import (
+    CacheReader,
+    CacheWriter,
+    Manifest,
+    ManifestError,
+    ManifestMismatchError,
+    SequenceRecord,
+    validate,
+)
+from logitcache.cache_format.sampling import (
+    PAD_LOGPROB,
+    sample_rows,
+    sampling_manifest,
+    uniforms,
+)
+
+V = 64
+
+
+def teacher_rows(rows: int, seed: int = 0, scale: float = 2.5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(torch.randn(rows, V, generator=g) * scale, -1)
+
+
+def test_rows_are_distinct_sorted_normalised_and_padded() -> None:
+    lp = teacher_rows(32)
+    ids, lw = sample_rows(lp, uniforms(7, "seq", 32, 16))
+    assert ids.shape == lw.shape == (32, 16) and ids.dtype == np.int32
+    for row_ids, row_lw in zip(ids, lw, strict=True):
+        assert len(set(row_ids.tolist())) == 16
+        assert (np.diff(row_lw) <= 0).all()
+        real = row_lw > PAD_LOGPROB
+        assert np.isclose(np.exp(row_lw[real]).sum(), 1.0, atol=1e-6)
+        # tau = 1: every weight is count / N, a multiple of 1/16
+        counts = np.exp(row_lw[real]) * 16
+        np.testing.assert_allclose(counts, np.round(counts), atol=1e-6)
+        # padding: the smallest ids not drawn, ascending
+        pad = row_ids[~real].tolist()
+        assert pad == sorted(set(range(V)) - set(row_ids[real].tolist()))[: len(pad)]
+
+
+def test_weights_are_unbiased_at_tau_one() -> None:
+    lp = teacher_rows(1, seed=3)
+    p = lp.exp()[0].numpy()
+    mean = np.zeros(V)
+    trials = 2000
+    for t in range(trials):
+        ids, lw = sample_rows(lp, uniforms(t, "row", 1, 8))
+        np.add.at(mean, ids[0], np.exp(lw[0]) * (lw[0] > PAD_LOGPROB))
+    mean /= trials
+    # E[w_i] = p_i; the standard error of a mean of w (values k/8) is <= sqrt(p/8/trials)
+    se = np.sqrt(p * (1 - p) / 8 / trials)
+    assert np.all(np.abs(mean - p) <= 5 * se + 1e-4)
+
+
+def test_proposal_temperature_gives_importance_weights() -> None:
+    lp = teacher_rows(4, seed=5)
+    tau = 2.0
+    u = uniforms(1, "x", 4, 32)
+    ids, lw = sample_rows(lp, u, proposal_temperature=tau)
+    lq = torch.log_softmax(lp / tau, -1)
+    cdf = lq.double().exp().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    draws = torch.searchsorted(cdf, u, right=True).numpy()
+    for r in range(4):
+        c = np.bincount(draws[r], minlength=V).astype(float)
+        w = c * np.exp(lp[r].double().numpy() - lq[r].double().numpy())
+        w /= w.sum()
+        got = np.zeros(V)
+        real = lw[r] > PAD_LOGPROB
+        got[ids[r][real]] = np.exp(lw[r][real])
+        np.testing.assert_allclose(got, w, atol=1e-6)
+
+
+def test_targets_depend_on_seed_and_key_only() -> None:
+    lp = teacher_rows(40)
+    a = sample_rows(lp, uniforms(1, "k", 40, 12))
+    b = sample_rows(lp, uniforms(1, "k", 40, 12))
+    assert all((x == y).all() for x, y in zip(a, b, strict=True))
+    # chunked (the engine's lm-head pass): the same rows from slices of the same uniforms
+    u = uniforms(1, "k", 40, 12)
+    parts = [sample_rows(lp[s : s + 7], u[s : s + 7]) for s in range(0, 40, 7)]
+    assert (np.concatenate([p[0] for p in parts]) == a[0]).all()
+    assert (np.concatenate([p[1] for p in parts]) == a[1]).all()
+    other_key = sample_rows(lp, uniforms(1, "k2", 40, 12))
+    other_seed = sample_rows(lp, uniforms(2, "k", 40, 12))
+    assert not (other_key[0] == a[0]).all() and not (other_seed[0] == a[0]).all()
+
+
+def test_bad_arguments_raise() -> None:
+    lp = teacher_rows(2)
+    with pytest.raises(ValueError, match="proposal_temperature"):
+        sample_rows(lp, uniforms(0, "k", 2, 4), proposal_temperature=0.0)
+    with pytest.raises(ValueError, match="distinct draws"):
+        sample_rows(teacher_rows(2, scale=0.01), uniforms(0, "k", 2, 40), k=2)
+
+
+def sampled_manifest(**over) -> Manifest:
+    doc = {
+        "teacher_model": "t",
+        "tokenizer_fingerprint": "sha256:x",
+        "vocab_size": V,
+        "k": 16,
+        "targets": "sampled",
+        "sampling": sampling_manifest(16, 1.0, 7),
+    }
+    return Manifest(**{**doc, **over})
+
+
+def test_sampled_cache_round_trips_and_validates(tmp_path: Path) -> None:
+    url = str(tmp_path / "c")
+    recs = []
+    for i in range(3):
+        inp = np.arange(10 + i) % V
+        key = f"s{i}"
+        lp = teacher_rows(len(inp) - 1, seed=i)
+        ids, lw = sample_rows(lp, uniforms(7, key, len(inp) - 1, 16))
+        recs.append(SequenceRecord(key, inp, ids, lw))
+    with CacheWriter.open(url, sampled_manifest()) as w:
+        w.append(recs)
+    reader = CacheReader(url)
+    assert reader.manifest.targets == "sampled"
+    assert reader.manifest.sampling == sampling_manifest(16, 1.0, 7)
+    for rec in recs:
+        got = reader.sequence(recs.index(rec))
+        assert (got.topk_ids == rec.topk_ids).all()
+        np.testing.assert_allclose(got.topk_logprobs, rec.topk_logprobs, rtol=2e-3)
+        assert np.abs(np.exp(got.topk_logprobs.astype(np.float64)).sum(-1) - 1).max() < 2e-3
+    assert validate(url).ok
+    # a resuming writer with other sampling parameters is refused (identity fields)
+    with pytest.raises(ManifestMismatchError, match="sampling"):
+        CacheWriter.open(url, sampled_manifest(sampling=sampling_manifest(16, 1.0, 8)))
+
+
+def test_manifest_rules_for_the_target_kind() -> None:
+    topk = Manifest(teacher_model="t", tokenizer_fingerprint="f", vocab_size=V, k=4)
+    assert "targets" not in topk.to_attrs() and "sampling" not in topk.to_attrs()
+    attrs = sampled_manifest().to_attrs()
+    assert attrs["targets"] == "sampled" and Manifest.from_attrs(attrs).sampling["draws"] == 16
+    with pytest.raises(ManifestError, match="needs sampling"):
+        Manifest.from_attrs({**attrs, "sampling": None})
+    with pytest.raises(ManifestError, match="only allowed"):
+        Manifest.from_attrs({**topk.to_attrs(), "sampling": sampling_manifest(4, 1.0, 0)})
+    with pytest.raises(ManifestError, match="draws"):
+        Manifest.from_attrs({**attrs, "sampling": {**attrs["sampling"], "draws": 0}})
