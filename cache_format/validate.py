@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.sync import sync
 
 from . import idmap, spec
-from .errors import FormatError
-from .layout import parse_root, read_root_attrs
+from .errors import FormatError, MissingDataError
+from .integrity import checked_get, missing_ranges
+from .layout import committed_lengths, parse_root, read_root_attrs, strict
 from .manifest import Manifest
 from .quant import STORED_DTYPE, decode_logprobs
 from .store import open_store
@@ -84,6 +86,36 @@ def _flag(report: ValidationReport, code: str, msg: str, bad: np.ndarray, base: 
         )
 
 
+_UNIT = {spec.INPUT_IDS: "tokens", spec.ID_ORDER: "vocab", spec.SEQ_KEY_BYTES: "bytes"}
+
+
+def _unit(name: str) -> str:
+    if name in spec.SEQ_ARRAYS or name == spec.SEQ_KEY_END:
+        return "sequences"
+    return _UNIT.get(name, "rows")
+
+
+def _read(
+    arrays: dict, m: Manifest, report: ValidationReport, name: str, a: int, b: int
+) -> np.ndarray | None:
+    """``arrays[name][a:b]``, or ``None`` after reporting why not: ``object_missing`` (absent
+    shard/chunk of a version-2 store, with the exact entry ranges) or ``unreadable`` (CRC32C,
+    codec, truncated object), each naming the array and the entries."""
+    unit = _unit(name)
+    try:
+        return np.asarray(sync(checked_get(arrays[name]._async_array, name, a, b, strict(m))))
+    except MissingDataError:
+        try:
+            gaps = sync(missing_ranges(arrays[name]._async_array, a, b))
+        except Exception:
+            gaps = [(a, b)]
+        where = [f"{name} {unit} {x}:{y}" for x, y in gaps]
+        report.add("object_missing", "stored object or chunk missing", where, len(where))
+    except Exception as e:
+        report.add("unreadable", f"cannot be read/decoded: {e}", [f"{name} {unit} {a}:{b}"])
+    return None
+
+
 def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
     d = {
         spec.TOPK_IDS: ("int32", True),
@@ -100,15 +132,14 @@ def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
         d[spec.LOGPROB_STEP] = ("float32", False)
     if m.id_remap:
         d[spec.ID_ORDER] = ("int32", False)
+    if m.format_version >= 2:
+        d[spec.SEQ_KEY_END] = ("int64", False)
+        d[spec.SEQ_KEY_BYTES] = ("uint8", False)
     return d
 
 
 def _open_arrays(store, m: Manifest, report: ValidationReport) -> dict[str, zarr.Array]:
-    need_len = {
-        spec.INPUT_IDS: m.num_tokens,
-        spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
-        **{n: m.num_sequences for n in spec.SEQ_ARRAYS},
-    }
+    need_len = committed_lengths(m)
     arrays = {}
     for name, (dtype, k_axis) in _expected_dtypes(m).items():
         try:
@@ -129,7 +160,7 @@ def _open_arrays(store, m: Manifest, report: ValidationReport) -> dict[str, zarr
                 [name],
             )
             continue
-        n = need_len.get(name, m.num_rows)
+        n = need_len[name]
         if a.shape[0] < n:
             report.add(
                 "array_short", f"array {name} has {a.shape[0]} entries, commit needs {n}", [name]
@@ -143,10 +174,14 @@ def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> None:
     s = m.num_sequences
     if not all(n in arrays for n in spec.SEQ_ARRAYS):
         return
-    keys = [str(x) for x in arrays[spec.SEQ_KEYS][:s]]
-    lengths = arrays[spec.SEQ_LENGTHS][:s].astype(np.int64)
-    tok = arrays[spec.SEQ_TOKEN_START][:s]
-    row = arrays[spec.SEQ_ROW_START][:s]
+    got = {n: _read(arrays, m, report, n, 0, s) for n in spec.SEQ_ARRAYS}
+    if got[spec.SEQ_KEYS] is not None:
+        _check_keys([str(x) for x in got[spec.SEQ_KEYS]], arrays, m, report)
+    if any(got[n] is None for n in spec.SEQ_ARRAYS[1:]):
+        return
+    lengths = got[spec.SEQ_LENGTHS].astype(np.int64)
+    tok = got[spec.SEQ_TOKEN_START]
+    row = got[spec.SEQ_ROW_START]
     report.checked_sequences = s
     _flag(report, "seq_too_short", "sequence with fewer than 2 tokens", lengths < 2, 0, "sequence")
     exp_tok = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if s else lengths
@@ -176,6 +211,11 @@ def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> None:
             "count_rows",
             f"sum of lengths - 1 = {int((lengths - 1).sum())} != num_rows {m.num_rows}",
         )
+
+
+def _check_keys(keys: list[str], arrays: dict, m: Manifest, report: ValidationReport) -> None:
+    """R3 (non-empty, unique) and, in version 2, ``seq_key_bytes``/``seq_key_end`` hold the
+    same keys (``key_bytes``)."""
     seen: dict[str, int] = {}
     dups = []
     for i, key in enumerate(keys):
@@ -186,6 +226,25 @@ def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> None:
         seen.setdefault(key, i)
     if dups:
         report.add("key_duplicate", "sequence key stored twice", dups, len(dups))
+    if m.format_version < 2 or not all(n in arrays for n in spec.KEY_BYTES_ARRAYS):
+        return
+    ends = _read(arrays, m, report, spec.SEQ_KEY_END, 0, m.num_sequences)
+    raw = _read(arrays, m, report, spec.SEQ_KEY_BYTES, 0, m.num_key_bytes)
+    if ends is None or raw is None:
+        return
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    last = int(ends[-1]) if ends.size else 0
+    if last != m.num_key_bytes or (ends.size and (np.diff(ends, prepend=0) < 0).any()):
+        report.add("key_bytes", "seq_key_end not non-decreasing or not ending at num_key_bytes", [])
+        return
+    data = raw.tobytes()
+    bad = [
+        f"sequence {i}"
+        for i, key in enumerate(keys)
+        if data[int(starts[i]) : int(ends[i])] != key.encode("utf-8")
+    ]
+    if bad:
+        report.add("key_bytes", "seq_key_bytes differ from seq_keys", bad, len(bad))
 
 
 def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
@@ -199,18 +258,18 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
     if m.id_remap and m.num_rows:
         if spec.ID_ORDER not in arrays:
             return
-        order = arrays[spec.ID_ORDER][: m.vocab_size]
+        order = _read(arrays, m, report, spec.ID_ORDER, 0, m.vocab_size)
+        if order is None:
+            return
         if not idmap.is_permutation(order, m.vocab_size):
             report.add("id_order", "id_order is not a permutation of [0, vocab_size)")
             return
     for b0 in range(0, m.num_rows, BLOCK_ROWS):
         b1 = min(b0 + BLOCK_ROWS, m.num_rows)
-        try:
-            block = {n: arrays[n][b0:b1] for n in names}
-        except Exception as e:
-            report.add("unreadable", f"rows cannot be read/decoded: {e}", [f"rows {b0}:{b1}"])
+        block = {n: _read(arrays, m, report, n, b0, b1) for n in names}
+        if any(v is None for v in block.values()):
             continue
-        ids = block[spec.TOPK_IDS]
+        ids = block[spec.TOPK_IDS]  # ranks if remapped: same range, same distinctness
         _flag(
             report,
             "id_out_of_vocab",
@@ -229,6 +288,7 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
                 b0,
                 "row",
             )
+        slack = np.full(b1 - b0, 1e-3 + m.k * (2e-4 if m.logprob_dtype == "float16" else 1e-6))
         if quant:
             mx, st = block[spec.LOGPROB_MAX], block[spec.LOGPROB_STEP]
             _flag(
@@ -240,11 +300,23 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
                 "row",
             )
             lp = decode_logprobs(block[spec.TOPK_LOGPROBS], m.logprob_dtype, mx, st)
+            with np.errstate(all="ignore"):  # decoded values may be up to step/2 too high
+                slack = np.expm1(np.nan_to_num(st.astype(np.float64), nan=0.0) / 2) + 2e-3
         else:
             lp = decode_logprobs(block[spec.TOPK_LOGPROBS], m.logprob_dtype)
         finite = np.isfinite(lp).all(axis=1)
         _flag(report, "logprob_nonfinite", "logprob NaN or inf", ~finite, b0, "row")
         _flag(report, "logprob_positive", "logprob > 0", (lp > 0).any(axis=1), b0, "row")
+        with np.errstate(all="ignore"):
+            mass = np.exp(lp.astype(np.float64)).sum(axis=1)
+        _flag(
+            report,
+            "logprob_mass",
+            "top-k probabilities sum to more than 1 (R2)",
+            finite & (mass > 1.0 + slack),
+            b0,
+            "row",
+        )
         if m.k > 1:
             _flag(
                 report,
@@ -271,12 +343,8 @@ def _check_tokens(arrays: dict, m: Manifest, report: ValidationReport) -> None:
         return
     for b0 in range(0, m.num_tokens, BLOCK_ROWS * 16):
         b1 = min(b0 + BLOCK_ROWS * 16, m.num_tokens)
-        try:
-            tok = arrays[spec.INPUT_IDS][b0:b1]
-        except Exception as e:
-            report.add(
-                "unreadable", f"input_ids cannot be read/decoded: {e}", [f"tokens {b0}:{b1}"]
-            )
+        tok = _read(arrays, m, report, spec.INPUT_IDS, b0, b1)
+        if tok is None:
             continue
         _flag(
             report,
@@ -309,5 +377,8 @@ def validate(url: str | Path, storage_options: dict[str, Any] | None = None) -> 
     arrays = _open_arrays(handle.zstore, m, report)
     checks: list[Callable] = [_check_index, _check_rows, _check_tokens]
     for check in checks:
-        check(arrays, m, report)
+        try:
+            check(arrays, m, report)
+        except Exception as e:  # a safety net: every check reports, none may crash validate
+            report.add("unreadable", f"{check.__name__} failed on damaged data: {e!r}")
     return report
