@@ -79,3 +79,64 @@ def test_directory_errors_and_digest(tmp_path: Path) -> None:
     (tmp_path / "j" / "b.parquet").write_bytes(b"more")
     d2 = inputs.input_digest(file=spec, records=None, data_dir=tmp_path)
     assert d1 != d2  # a file added to a directory changes the digest
+
+
+# --- on_long and duplicate counts (server/long_inputs.py) ------------------------------------
+
+
+def _raw(i: int, ids: list[int], rid: str | None = None) -> inputs.RawRecord:
+    return inputs.RawRecord(where=f"records[{i}]", id=rid, text=None, input_ids=ids)
+
+
+@pytest.mark.parametrize("n,m,o", [(10, 4, 1), (11, 4, 1), (50, 16, 1), (50, 16, 5), (17, 16, 15)])
+def test_split_windows_cover_every_target(n: int, m: int, o: int) -> None:
+    from logitcache.server.long_inputs import windows
+
+    spans = windows(n, m, o)
+    assert spans[0][0] == 0 and spans[-1][1] == n
+    assert all(2 <= b - a <= m for a, b in spans)
+    starts = [a for a, _ in spans]
+    assert all(b - a == m - o for a, b in zip(starts, starts[1:], strict=False))
+    predicted = [t for a, b in spans for t in range(a + 1, b)]  # targets of each window's rows
+    assert sorted(set(predicted)) == list(range(1, n))  # every position predicted
+    if o == 1:
+        assert predicted == list(range(1, n))  # exactly once, in order: rows concatenate
+
+
+def test_on_long_policies_and_counts() -> None:
+    limits = inputs.Limits(vocab_size=100, max_len=8)
+    long_ids = list(range(1, 21))  # 20 tokens
+    raws = [
+        _raw(0, [1, 2, 3]),
+        _raw(1, long_ids, "L"),
+        _raw(2, [1, 2, 3]),  # duplicate of records[0] (no id): dropped and counted
+        _raw(3, list(range(30, 50))),  # long, no id
+    ]
+    with pytest.raises(InvalidInputError, match=r"2 invalid record\(s\).*20 tokens exceed"):
+        inputs.scan(raws, tok, limits)  # reject: the default
+    skip = inputs.scan(raws, tok, inputs.job_limits(limits, "skip", 1))
+    assert (skip.sequences, skip.counts.skipped, skip.counts.duplicates) == (1, 2, 1)
+    trunc = list(inputs.sequences(raws, tok, inputs.job_limits(limits, "truncate", 1)))
+    assert [s.length for s in trunc] == [3, 8, 8] and trunc[1].key == "L"
+    counts = inputs.long_inputs.InputCounts()
+    split = list(inputs.sequences(raws, tok, inputs.job_limits(limits, "split", 1), counts))
+    keys = [s.key for s in split]
+    assert keys[1:4] == ["L#w0", "L#w1", "L#w2"] and keys[4].endswith("#w0")
+    rebuilt = [t for s in split[1:4] for t in s.input_ids[1:].tolist()]
+    assert rebuilt == long_ids[1:]  # the windows' targets are the record's, in order
+    assert (counts.split, counts.windows, counts.duplicates) == (2, 6, 1)
+    summary = inputs.scan(raws, tok, inputs.job_limits(limits, "split", 1))
+    assert summary.counts.as_dict() == {
+        "records": 4,
+        "sequences": 7,
+        "duplicates": 1,
+        "skipped": 0,
+        "truncated": 0,
+        "split": 2,
+        "windows": 6,
+    }
+    with pytest.raises(InvalidInputError, match="split_overlap must be in"):
+        inputs.job_limits(limits, "split", 8)
+    only_long = [_raw(0, long_ids)]
+    with pytest.raises(InvalidInputError, match=r"no sequence \(1 skipped as too long\)"):
+        inputs.scan(only_long, tok, inputs.job_limits(limits, "skip", 1))
