@@ -14,14 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from logitcache.cache_format.records import content_key
 
-from . import input_files
+from . import input_files, long_inputs
 from .errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
 from .protocol import InlineRecord, InputFile
 
@@ -37,6 +37,10 @@ class Limits:
 
     vocab_size: int
     max_len: int
+    on_long: str = "reject"
+    """A job's rule for a longer sequence: reject, truncate, split, skip (server/long_inputs.py)."""
+    split_overlap: int = 1
+    """Tokens shared by consecutive windows under ``on_long="split"`` (``1 <= O < max_len``)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,51 @@ def to_sequence(raw: RawRecord, tokenize: Tokenize, limits: Limits) -> Sequence:
         ids = raw.input_ids
     arr = check_ids(ids, limits, raw.where)
     return Sequence(key=raw.id if raw.id is not None else content_key(arr), input_ids=arr)
+
+
+def fit_sequences(
+    raw: RawRecord,
+    tokenize: Tokenize,
+    limits: Limits,
+    counts: long_inputs.InputCounts | None = None,
+) -> list[Sequence]:
+    """``raw`` as the sequences a job scores under ``limits.on_long`` (server/long_inputs.py):
+    one sequence, none (``skip``), its first ``max_len`` tokens (``truncate``) or its windows
+    (``split``, keys ``<key>#w<i>``). ``reject`` raises as :func:`to_sequence` does."""
+    if limits.on_long == "reject":
+        return [to_sequence(raw, tokenize, limits)]
+    whole = to_sequence(raw, tokenize, replace(limits, max_len=2**62))
+    n, m = whole.length, limits.max_len
+    if n <= m:
+        return [whole]
+    counts = counts if counts is not None else long_inputs.InputCounts()
+    if limits.on_long == "skip":
+        counts.skipped += 1
+        return []
+    if limits.on_long == "truncate":
+        counts.truncated += 1
+        ids = np.ascontiguousarray(whole.input_ids[:m])
+        return [Sequence(key=raw.id if raw.id is not None else content_key(ids), input_ids=ids)]
+    spans = long_inputs.windows(n, m, limits.split_overlap)
+    counts.split += 1
+    counts.windows += len(spans)
+    return [
+        Sequence(
+            key=long_inputs.window_key(whole.key, i),
+            input_ids=np.ascontiguousarray(whole.input_ids[a:b]),
+        )
+        for i, (a, b) in enumerate(spans)
+    ]
+
+
+def job_limits(limits: Limits, on_long: str, split_overlap: int) -> Limits:
+    """``limits`` with a job's long-sequence rule (InvalidInputError for an impossible overlap)."""
+    if on_long == "split" and not 1 <= split_overlap < limits.max_len:
+        raise InvalidInputError(
+            f"split_overlap must be in [1, {limits.max_len}) (the max sequence length), "
+            f"got {split_overlap}"
+        )
+    return replace(limits, on_long=on_long, split_overlap=split_overlap)
 
 
 def _id_of(value: Any, where: str) -> str | None:
@@ -209,24 +258,35 @@ def input_digest(
     return "sha256:" + h.hexdigest()
 
 
-def sequences(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> Iterator[Sequence]:
+def sequences(
+    raws: Iterable[RawRecord],
+    tokenize: Tokenize,
+    limits: Limits,
+    counts: long_inputs.InputCounts | None = None,
+) -> Iterator[Sequence]:
     """Checked, keyed sequences in input order; repeated content keys are dropped.
 
     Raises :class:`InvalidInputError` at the first bad record, or at an explicit id used twice.
     """
     seen: set[str] = set()
     for raw in raws:
-        seq = to_sequence(raw, tokenize, limits)
-        if seq.key in seen:
-            if raw.id is not None:
-                raise InvalidInputError(f"{raw.where}: id {raw.id!r} appears more than once")
-            continue
-        seen.add(seq.key)
-        yield seq
+        for seq in fit_sequences(raw, tokenize, limits, counts):
+            if seq.key in seen:
+                if raw.id is not None:
+                    raise InvalidInputError(f"{raw.where}: id {raw.id!r} appears more than once")
+                if counts is not None:
+                    counts.duplicates += 1
+                continue
+            seen.add(seq.key)
+            yield seq
 
 
 def valid_records(
-    raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits, errors: list[str]
+    raws: Iterable[RawRecord],
+    tokenize: Tokenize,
+    limits: Limits,
+    errors: list[str],
+    counts: long_inputs.InputCounts | None = None,
 ) -> Iterator[tuple[RawRecord, Sequence]]:
     """The valid, first-seen records of ``raws`` with their sequences, in input order; the
     problems found go to ``errors`` instead of being raised (the checks of :func:`scan`).
@@ -246,25 +306,34 @@ def valid_records(
         except (InvalidInputError, PayloadTooLargeError) as e:  # unreadable source: stop here
             errors.append(e.message)
             return
+        if counts is not None:
+            counts.records += 1
         try:
-            seq = to_sequence(raw, tokenize, limits)
+            seqs = fit_sequences(raw, tokenize, limits, counts)
         except (InvalidInputError, PayloadTooLargeError) as e:
             errors.append(e.message)
             if len(errors) >= MAX_LISTED_ERRORS:
                 return
             continue
-        if seq.key in seen:
-            if raw.id is not None:
-                errors.append(f"{raw.where}: id {raw.id!r} appears more than once")
-            continue
-        seen.add(seq.key)
-        yield raw, seq
+        for seq in seqs:
+            if seq.key in seen:
+                if raw.id is not None:
+                    errors.append(f"{raw.where}: id {raw.id!r} appears more than once")
+                    break
+                if counts is not None:
+                    counts.duplicates += 1
+                continue
+            seen.add(seq.key)
+            if counts is not None:
+                counts.sequences += 1
+            yield raw, seq
 
 
 @dataclass(frozen=True)
 class InputSummary:
     sequences: int
     tokens: int
+    counts: long_inputs.InputCounts = field(default_factory=long_inputs.InputCounts)
 
 
 def scan(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> InputSummary:
@@ -275,7 +344,8 @@ def scan(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> Input
     """
     n = tokens = 0
     errors: list[str] = []
-    for _raw, seq in valid_records(raws, tokenize, limits, errors):
+    counts = long_inputs.InputCounts()
+    for _raw, seq in valid_records(raws, tokenize, limits, errors, counts):
         n += 1
         tokens += seq.length
     if errors:
@@ -285,8 +355,9 @@ def scan(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> Input
             detail=errors,
         )
     if n == 0:
-        raise InvalidInputError("the input holds no sequence")
-    return InputSummary(sequences=n, tokens=tokens)
+        why = f" ({counts.skipped} skipped as too long)" if counts.skipped else ""
+        raise InvalidInputError(f"the input holds no sequence{why}")
+    return InputSummary(sequences=n, tokens=tokens, counts=counts)
 
 
 def batches(

@@ -110,6 +110,9 @@ class JobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)").fetchall()}
+        if "input_counts" not in cols:  # added for job input counts (server/long_inputs.py)
+            self._db.execute("ALTER TABLE jobs ADD COLUMN input_counts TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -190,6 +193,15 @@ class JobStore:
             (JobState.running.value, _now(), job_id, JobState.queued.value),
         )
         return cur.rowcount == 1
+
+    def set_input_counts(self, job_id: str, counts: dict[str, int]) -> None:
+        """Store what the job's input held (``InputCounts`` as a dict), once, at submission."""
+        self._exec("UPDATE jobs SET input_counts = ? WHERE id = ?", (json.dumps(counts), job_id))
+
+    def input_counts(self, job_id: str) -> dict[str, int] | None:
+        """The job's input counts (None for jobs stored before counts existed)."""
+        row = self._exec("SELECT input_counts FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return json.loads(row[0]) if row is not None and row[0] else None
 
     def progress(self, job_id: str, *, sequences_done: int, tokens_done: int) -> None:
         self._exec(

@@ -215,6 +215,7 @@ class JobRunner:
             self.scoring.target_manifest, name, req.k, req.dataset or ""
         )
         summary, digest = await asyncio.to_thread(self._scan, req)
+        counts = summary.counts.as_dict()
         job = self.store.create(
             cache=name,
             k=manifest.k,
@@ -223,6 +224,7 @@ class JobRunner:
             sequences_total=summary.sequences,
             tokens_total=summary.tokens,
         )
+        self.store.set_input_counts(job.id, counts)
         self._wake.set()
         return self.status(job.id)
 
@@ -233,7 +235,11 @@ class JobRunner:
         digest = inputs.input_digest(
             file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
-        return inputs.scan(raws, self.scoring.engine.tokenize, self.scoring.limits), digest
+        return inputs.scan(raws, self.scoring.engine.tokenize, self._limits(req)), digest
+
+    def _limits(self, spec: JobCreate) -> inputs.Limits:
+        """The server's limits with the job's long-sequence rule (``on_long``)."""
+        return inputs.job_limits(self.scoring.limits, spec.on_long, spec.split_overlap)
 
     def status(self, job_id: str) -> JobStatus:
         return self._status(self.store.get(job_id))
@@ -269,6 +275,7 @@ class JobRunner:
             eta_s=eta,
             error=job.errors[-1] if job.errors else None,
             errors=job.errors,
+            input=self.store.input_counts(job.id),
         )
 
     # --- the loop ---------------------------------------------------------------------------
@@ -336,7 +343,7 @@ class JobRunner:
         raws = inputs.raw_records(
             file=spec.file, records=spec.records, data_dir=self.settings.data_dir
         )
-        seqs = inputs.sequences(raws, self.scoring.engine.tokenize, self.scoring.limits)
+        seqs = inputs.sequences(raws, self.scoring.engine.tokenize, self._limits(spec))
         for b in inputs.batches(
             seqs,
             max_sequences=self.settings.job_batch_sequences,

@@ -131,6 +131,16 @@ class JobCreate(ApiModel):
     k: int | None = Field(None, ge=1, description="default: the cache's k, else the server's")
     file: InputFile | None = None
     records: list[InlineRecord] | None = None
+    on_long: Literal["reject", "truncate", "split", "skip"] = Field(
+        "reject",
+        description="a sequence over the max length: reject the job, keep its first max-length "
+        "tokens, split it into windows (keys <key>#w<i>), or skip it (server/long_inputs.py)",
+    )
+    split_overlap: int = Field(
+        1,
+        ge=1,
+        description="tokens shared by consecutive split windows (1: every position scored once)",
+    )
     dataset: str | None = Field(None, description="dataset description for a new cache manifest")
 
     @model_validator(mode="after")
@@ -140,6 +150,18 @@ class JobCreate(ApiModel):
         if self.records is not None and not self.records:
             raise ValueError("records is empty")
         return self
+
+
+class InputCounts(ApiModel):
+    """Counts of a job's input, taken when it was checked (server/long_inputs.py)."""
+
+    records: int = Field(description="records read")
+    sequences: int = Field(description="sequences to score (split windows count one each)")
+    duplicates: int = Field(description="records dropped: same token ids as an earlier one")
+    skipped: int = Field(0, description="records over the max length left out (on_long=skip)")
+    truncated: int = Field(0, description="records cut to the max length (on_long=truncate)")
+    split: int = Field(0, description="records split into windows (on_long=split)")
+    windows: int = Field(0, description="windows those records became")
 
 
 class JobStatus(ApiModel):
@@ -160,6 +182,9 @@ class JobStatus(ApiModel):
     eta_s: float | None = None
     error: str | None = None
     errors: list[str] = Field(default_factory=list, description="every error seen, oldest first")
+    input: InputCounts | None = Field(
+        None, description="what the input held and what was done with it (checked at submission)"
+    )
 
 
 class JobList(ApiModel):
