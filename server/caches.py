@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import ManifestError, StoreNotFoundError
 
+from .engine.identity import MANIFEST_FIELDS, manifest_extra, teacher_diff, teacher_identity
 from .errors import ConflictError, InvalidCacheNameError, NotFoundError
 
 if TYPE_CHECKING:
@@ -31,16 +32,6 @@ if TYPE_CHECKING:
 
 #: Allowed cache names.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-#: Manifest fields that say which teacher distribution a cache holds (``k`` is checked apart).
-TEACHER_FIELDS: tuple[str, ...] = (
-    "teacher_model",
-    "teacher_revision",
-    "tokenizer_fingerprint",
-    "vocab_size",
-    "temperature",
-    "logprob_mode",
-)
 
 
 def check_name(name: str) -> str:
@@ -186,9 +177,10 @@ class CacheRegistry:
         if stored is None:
             return expected
         diff: dict[str, Any] = {
-            f: {"cache": getattr(stored, f), "server": getattr(expected, f)}
-            for f in TEACHER_FIELDS
-            if getattr(stored, f) != getattr(expected, f)
+            f: {"cache": have, "server": want}
+            for f, (have, want) in teacher_diff(
+                teacher_identity(stored), teacher_identity(expected)
+            ).items()
         }
         if k is not None and k != stored.k:
             diff["k"] = {"cache": stored.k, "request": k}
@@ -258,15 +250,14 @@ class RangeReader:
 def expected_manifest(
     info: EngineInfo, *, k: int, logprob_dtype: str, dataset: str = ""
 ) -> Manifest:
-    """The manifest of a new cache of top-``k`` rows from the engine described by ``info``."""
+    """The manifest of a new cache of top-``k`` rows from the engine described by ``info``: its
+    teacher identity (:func:`~.engine.identity.teacher_identity`; the weights hash and dtype go
+    to ``extra["teacher"]``), ``k``, the storage dtype and the dataset description."""
+    ident = teacher_identity(info)
     return Manifest(
-        teacher_model=info.model_id,
-        teacher_revision=info.revision or "main",
-        tokenizer_fingerprint=info.tokenizer_fingerprint,
-        vocab_size=info.vocab_size,
+        **{f: ident[f] for f in MANIFEST_FIELDS},
         k=k,
-        temperature=info.temperature,
-        logprob_mode=info.logprob_mode,
         logprob_dtype=logprob_dtype,  # type: ignore[arg-type]
         dataset=dataset,
+        extra=manifest_extra(ident),
     )

@@ -42,6 +42,7 @@ from logitcache.cache_format import FormatError, Manifest
 
 from . import inputs, shards
 from .caches import expected_manifest
+from .engine.identity import teacher_diff, teacher_identity
 from .errors import InvalidInputError, ServiceError
 from .protocol import InputFile
 from .settings import ServerSettings, load_settings
@@ -55,17 +56,8 @@ log = logging.getLogger("logitcache.server.distributed")
 FORWARDED_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "LOGITCACHE_", "CUDA_", "NCCL_")
 #: Tries to start a local Ray cluster (see :func:`init_local_ray`).
 START_ATTEMPTS = 3
-#: Identity fields every replica's engine must agree on.
-ENGINE_IDENTITY = (
-    "model_id",
-    "revision",
-    "vocab_size",
-    "tokenizer_fingerprint",
-    "temperature",
-    "logprob_mode",
-    "max_k",
-    "max_model_len",
-)
+#: Engine limits every replica must agree on, beside the teacher identity.
+ENGINE_LIMITS = ("max_k", "max_model_len")
 
 
 class DistributedError(ServiceError):
@@ -434,7 +426,8 @@ def _agreed_info(infos: list[EngineInfo]) -> EngineInfo:
     """The replicas' common engine description; DistributedError if they disagree."""
     first = infos[0]
     for other in infos[1:]:
-        diff = [f for f in ENGINE_IDENTITY if getattr(other, f) != getattr(first, f)]
+        diff = sorted(teacher_diff(teacher_identity(other), teacher_identity(first)))
+        diff += [f for f in ENGINE_LIMITS if getattr(other, f) != getattr(first, f)]
         if diff:
             raise DistributedError(f"replicas loaded different teachers (fields {diff})")
     return first

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
+from logitcache.server.engine import BaseEngine, EngineInfo, make_scores
 
 
 def assert_rows_close(a: Any, b: Any, *, atol: float, max_mismatch_rows: float = 0.02) -> int:
@@ -50,3 +53,106 @@ def full_forward_logprobs(model_dir: str, ids: list[int], temperature: float = 1
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits / temperature, dim=-1).numpy()
+
+
+# ------------------------------------------------------------------------------ fake engine
+
+
+def fake_logprobs(ids: list[int], vocab_size: int, temperature: float = 1.0) -> np.ndarray:
+    """The fake teacher's full ``log_softmax(z / T)``, ``[L-1, V]`` float64: row ``j`` has
+    logits ``z_j[v] = 4 cos(0.37 (v + 1)(x_j + 1) + 0.11 j)`` (depends on the prefix only
+    through ``x_j`` and ``j``; deterministic, no ties in practice)."""
+    x = np.asarray(ids[:-1], dtype=np.float64)[:, None]
+    j = np.arange(len(ids) - 1, dtype=np.float64)[:, None]
+    v = np.arange(vocab_size, dtype=np.float64)[None, :]
+    z = 4.0 * np.cos(0.37 * (v + 1.0) * (x + 1.0) + 0.11 * j) / temperature
+    z -= z.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+class _ByteTokenizer:
+    """``text`` -> ``[1] + [byte + 2 ...]`` (1 is BOS)."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [1] + [b + 2 for b in text.encode("utf-8")]}
+
+
+class FakeEngine(BaseEngine):
+    """A deterministic teacher behind the real :class:`~logitcache.server.engine.TeacherEngine`
+    protocol and the real check/score path (:class:`~logitcache.server.engine.BaseEngine`): the
+    rows are the top-k of :func:`fake_logprobs`. For fast tests of everything around the engine
+    (routes, jobs, caches); the real vLLM/transformers engines keep their own tests.
+    ``weights_hash`` stands for the weights' content (change it to play a replaced teacher)."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 300,
+        max_k: int = 20,
+        max_model_len: int = 512,
+        temperature: float = 1.0,
+        weights_hash: str = "sha256:fake-1",
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        self.tokenizer = _ByteTokenizer()
+        self.info = EngineInfo(
+            model_id="fake-teacher",
+            revision="fake",
+            vocab_size=vocab_size,
+            max_k=min(max_k, vocab_size),
+            tokenizer_fingerprint="fake-bytes-v1",
+            temperature=temperature,
+            max_model_len=max_model_len,
+            backend="fake",
+            dtype=dtype,
+            weights_hash=weights_hash,
+        )
+        self.calls: list[int] = []  # prompts per engine call
+
+    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
+        self.calls.append(len(prompts))
+        out = []
+        for ids in prompts:
+            lp = fake_logprobs(ids, self.info.vocab_size, self.info.temperature)
+            top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+            out.append(make_scores(top, np.take_along_axis(lp, top, axis=1)))
+        return out
+
+
+# ------------------------------------------------------------------------ in-process service
+
+
+def app_settings(root: Any, **overrides: Any) -> Any:
+    """``ServerSettings`` for an in-process app whose store, data and state live under ``root``."""
+    from pathlib import Path
+
+    from logitcache.server.settings import ServerSettings
+
+    root = Path(root)
+    for sub in ("caches", "data", "state"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    base: dict[str, Any] = {
+        "model": "fake-teacher",
+        "store_root": str(root / "caches"),
+        "data_dir": root / "data",
+        "state_dir": root / "state",
+        "k": 20,
+        "logprob_dtype": "float32",
+    }
+    base.update(overrides)
+    return ServerSettings(**base)
+
+
+@contextlib.asynccontextmanager
+async def in_process(settings: Any, engine: Any) -> AsyncIterator[Any]:
+    """An ``httpx.AsyncClient`` talking to ``create_app(settings, engine)`` in this process
+    (``httpx.ASGITransport``; the app's lifespan runs around it). The engine is not closed."""
+    import httpx
+    from logitcache.server.app import create_app
+
+    app = create_app(settings, engine=engine)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            yield client

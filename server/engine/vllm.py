@@ -45,7 +45,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +355,13 @@ class VllmEngine(BaseEngine):
             self._start(args)
         except (ValueError, TypeError) as e:
             raise EngineConfigError(f"vLLM could not build the engine: {e}") from e
+        self.info = replace(self.info, dtype=self._resolved_dtype())
+
+    def _resolved_dtype(self) -> str:
+        """The dtype vLLM resolved (``auto`` becomes the checkpoint's), e.g. ``bfloat16``."""
+        core = self._driver.engine if self._driver is not None else self._llm
+        dtype = getattr(getattr(core, "model_config", None), "dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else self.cfg.dtype
 
     def _engine_args(self, config: dict[str, Any], engine_len: int) -> dict[str, Any]:
         cfg = self.cfg
