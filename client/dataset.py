@@ -195,6 +195,13 @@ class CacheDataset(IterableDataset):
         return self.source.manifest
 
     @property
+    def target_kind(self) -> str:
+        """``"topk"`` or ``"sampled"`` (the manifest's ``targets``; FORMAT.md 4.4). Units of a
+        sampled cache carry it as the key ``"target_kind"`` too (the value for the loss's
+        ``targets=``); top-k units keep exactly their tensor keys."""
+        return str(getattr(self.source.manifest, "targets", "topk"))
+
+    @property
     def lengths(self) -> np.ndarray:
         """Token lengths of the sequences the current epoch is planned over."""
         return self._all_lengths[: self.num_sequences]
@@ -340,6 +347,8 @@ class CacheDataset(IterableDataset):
         unit = {name: torch.from_numpy(value) for name, value in arrays.items()}
         if self.batch_size is None:
             unit = {name: value[0] for name, value in unit.items()}
+        if self.target_kind != "topk":
+            unit["target_kind"] = self.target_kind
         return unit
 
     def _produce(self, units: list[np.ndarray], out: queue.Queue, stop: threading.Event) -> None:
