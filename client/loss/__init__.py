@@ -4,10 +4,23 @@
 and the lm-head weight and never build the full ``[N, V]`` logits (``impl="fused_chunked"``,
 the default); ``"dense"`` and ``"forward_chunked"`` are the same objective computed the simple
 ways, for reference and comparison. See :func:`topk_distill_loss` for the formulas.
+A lm-head split along the vocabulary over a tensor-parallel group runs through the same fused
+path (``vocab_parallel=VocabParallel(group)`` or a ``Shard(0)`` DTensor weight);
+``TopKDistillHead`` computes the loss inside a module that owns the lm-head (for FSDP2).
 """
 
 from .api import topk_distill_loss
-from .module import TopKDistillLoss
-from .spec import LOSS_KINDS, LossInputError, LossSpec
+from .module import TopKDistillHead, TopKDistillLoss
+from .spec import LOSS_KINDS, TARGET_KINDS, LossInputError, LossSpec
+from .vocab_parallel import VocabParallel
 
-__all__ = ["LOSS_KINDS", "LossInputError", "LossSpec", "TopKDistillLoss", "topk_distill_loss"]
+__all__ = [
+    "LOSS_KINDS",
+    "TARGET_KINDS",
+    "LossInputError",
+    "LossSpec",
+    "TopKDistillHead",
+    "TopKDistillLoss",
+    "VocabParallel",
+    "topk_distill_loss",
+]

@@ -2,14 +2,28 @@ r"""``topk_distill_loss``: distillation against cached sparse top-k teacher targ
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .dispatch import auto_chunk_size, check_chunk_size, resolve_impl
+from .dispatch import (
+    auto_chunk_size,
+    check_chunk_size,
+    resolve_grad_weight_dtype,
+    resolve_impl,
+)
 from .forward_chunked import forward_chunked_rows
 from .fused_chunked import FusedGradInForward, FusedRecompute
 from .reference import dense_row_losses
 from .spec import REDUCTIONS, LossInputError, LossSpec
 from .validation import Prepared, prepare
+from .vocab_parallel import (
+    VocabParallel,
+    VocabShard,
+    check_same_rows,
+    from_dtensor,
+    resolve_shard,
+)
 
 
 def topk_distill_loss(
@@ -31,6 +45,9 @@ def topk_distill_loss(
     impl: str = "auto",
     chunk_size: int | None = None,
     check_ids: bool = True,
+    targets: str = "topk",
+    grad_weight_dtype: str = "auto",
+    vocab_parallel: VocabParallel | None = None,
 ) -> torch.Tensor:
     r"""Distillation loss of a student lm-head against cached teacher top-k logprobs.
 
@@ -80,10 +97,32 @@ def topk_distill_loss(
       it becomes ``"fused_chunked_recompute"`` (projection recomputed in backward, 4 GEMMs).
       On CUDA with Triton the two full-vocabulary passes are Triton kernels; elsewhere torch.
 
+    ``targets``: ``"topk"`` (cached top-k logprobs, as above) or ``"sampled"``: random-sampling
+    KD rows (Anshumann et al. 2025), ``topk_ids [..., m]`` distinct sampled ids and
+    ``topk_logprobs`` = ``log w`` with importance weights ``w`` summing to 1 per row (``-inf``
+    on padding ids); the loss is ``sum_i w_i (log w_i - log q_i)``, gradient ``q - w`` (the
+    ``forward_kl`` formula with ``p = w``). It needs ``loss="forward_kl"``, no ``tail_mass``;
+    rows whose weights do not sum to 1 within 1e-2 are an error, the rest are renormalised
+    exactly. Every ``impl`` accepts it.
+
+    ``grad_weight_dtype`` (fused impls, bf16/fp16 ``weight``): where ``grad_W`` is
+    accumulated chunk by chunk. ``"float32"``: an fp32 buffer (``4 V d`` bytes), cast to the
+    weight dtype at the end. ``"weight"``: straight into a buffer of the weight's dtype that
+    becomes ``weight.grad`` (``2 V d`` bytes: the memory floor; each chunk's fp32 GEMM result
+    is rounded once into it, so the error grows with the number of chunks). ``"auto"``: the
+    weight dtype when there are at most ``dispatch.AUTO_LOWP_MAX_CHUNKS`` chunks, else float32.
+
+    ``vocab_parallel``: a :class:`VocabParallel` when ``weight``/``bias`` are this rank's rows of
+    a lm-head split along the vocabulary over a process group (Megatron / ``ColwiseParallel``
+    layout; ids stay global). A ``DTensor`` weight with ``Shard(0)`` placement is detected
+    without it. Every rank passes the same hidden rows and targets and gets the same loss; see
+    :mod:`.vocab_parallel`. Fused impls only.
+
     ``chunk_size``: rows per chunk (default: about 1 GiB of logits per chunk on CUDA, 4096
-    rows at V=128256 bf16; 64 MiB of float32 on CPU). ``check_ids``: verify that the top-k ids
-    are distinct and in range (one sort of ``[N, k]``); out-of-range ids are never silently
-    accepted by the gathers, but duplicates would be.
+    rows at V=128256 bf16; 64 MiB of float32 on CPU; under ``vocab_parallel`` counted on
+    ``ceil(V / world)`` columns so that every rank cuts the same chunks). ``check_ids``: verify
+    that the top-k ids are distinct and in range (one sort of ``[N, k]``); out-of-range ids are
+    never silently accepted by the gathers, but duplicates would be.
 
     Under ``torch.autocast`` with float32 ``hidden``, ``hidden``/``weight``/``bias`` are cast to
     the autocast dtype first (differentiably), as the matmul would be; the rest of the loss
@@ -96,11 +135,22 @@ def topk_distill_loss(
         temperature=temperature,
         ce_weight=ce_weight,
         has_tail=tail_mass is not None,
+        targets=targets,
     )
     if reduction not in REDUCTIONS:
         raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_chunk_size(chunk_size)
     impl = resolve_impl(impl, reduction)
+    if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
+        raise LossInputError(f"vocab_parallel must be a VocabParallel, got {vocab_parallel!r}")
+    weight, bias, hidden, shard = from_dtensor(weight, bias, hidden)
+    if vocab_parallel is not None:
+        if shard is None:
+            shard = resolve_shard(vocab_parallel, weight.shape[0], weight.device)
+        elif not vocab_parallel.reduce_grad_hidden:
+            shard = dataclasses.replace(shard, reduce_grad_hidden=False)
+    if shard is not None and impl not in ("fused_chunked", "fused_chunked_recompute"):
+        raise LossInputError(f"a vocab-parallel lm-head needs a fused impl, got impl={impl!r}")
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     prep = prepare(
         hidden,
@@ -114,9 +164,15 @@ def topk_distill_loss(
         ignore_index,
         ce_weight,
         check_ids,
+        targets=targets,
+        vocab_global=None if shard is None else shard.vocab,
     )
+    if shard is not None:
+        check_same_rows(prep.ids, prep.valid, shard)
     n_rows = prep.valid.numel()
-    chunk = chunk_size or auto_chunk_size(n_rows, weight.shape[0], weight.dtype, weight.device)
+    cols = weight.shape[0] if shard is None else -(-shard.vocab // shard.world)
+    chunk = chunk_size or auto_chunk_size(n_rows, cols, weight.dtype, weight.device)
+    acc = resolve_grad_weight_dtype(grad_weight_dtype, weight.dtype, prep.n_valid, chunk)
 
     if impl == "fused_chunked":
         scale = 1.0 if reduction == "sum" else 1.0 / max(prep.n_valid, 1)
@@ -126,8 +182,10 @@ def topk_distill_loss(
             grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad,
         )
-        return FusedGradInForward.apply(prep.hidden, weight, bias, spec, prep, chunk, scale, need)
-    rows = _rows(impl, spec, prep, chunk)
+        return FusedGradInForward.apply(
+            prep.hidden, weight, bias, spec, prep, chunk, scale, need, acc, shard
+        )
+    rows = _rows(impl, spec, prep, chunk, acc, shard)
     if reduction == "none":
         return rows.reshape(prep.lead_shape)
     total = rows.sum()
@@ -148,9 +206,16 @@ def _autocast_inputs(
     return hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
 
 
-def _rows(impl: str, spec: LossSpec, prep: Prepared, chunk: int) -> torch.Tensor:
+def _rows(
+    impl: str,
+    spec: LossSpec,
+    prep: Prepared,
+    chunk: int,
+    acc: torch.dtype | None,
+    shard: VocabShard | None,
+) -> torch.Tensor:
     if impl == "dense":
         return dense_row_losses(spec, prep)
     if impl == "forward_chunked":
         return forward_chunked_rows(spec, prep, chunk)
-    return FusedRecompute.apply(prep.hidden, prep.weight, prep.bias, spec, prep, chunk)
+    return FusedRecompute.apply(prep.hidden, prep.weight, prep.bias, spec, prep, chunk, acc, shard)

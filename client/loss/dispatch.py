@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from .spec import IMPLS, LossInputError
+from .spec import GRAD_WEIGHT_DTYPES, IMPLS, LossInputError
 
 #: Bytes of one chunk's logits buffer that the automatic chunk size aims at.
 CHUNK_BUDGET_BYTES_GPU = 1 << 30
 CHUNK_BUDGET_BYTES_CPU = 64 << 20
 _ROW_MULTIPLE = 256
+#: ``grad_weight_dtype="auto"`` accumulates ``grad_W`` in a bf16/fp16 weight's own dtype up
+#: to this many chunks (each chunk adds one rounding of the running sum; see RESULTS).
+AUTO_LOWP_MAX_CHUNKS = 8
 
 
 def resolve_impl(impl: str, reduction: str) -> str:
@@ -45,3 +48,20 @@ def check_chunk_size(chunk_size: int | None) -> None:
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
     ):
         raise LossInputError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def resolve_grad_weight_dtype(
+    option: str, weight_dtype: torch.dtype, n_rows: int, chunk: int
+) -> torch.dtype | None:
+    """The ``grad_W`` accumulation dtype for the fused paths (``None``: their default, fp32
+    for bf16/fp16 weights); see ``topk_distill_loss(grad_weight_dtype=...)``."""
+    if option not in GRAD_WEIGHT_DTYPES:
+        raise LossInputError(
+            f"grad_weight_dtype must be one of {GRAD_WEIGHT_DTYPES}, got {option!r}"
+        )
+    if weight_dtype not in (torch.bfloat16, torch.float16) or option == "float32":
+        return None
+    if option == "weight":
+        return weight_dtype
+    n_chunks = -(-max(n_rows, 1) // chunk)
+    return weight_dtype if n_chunks <= AUTO_LOWP_MAX_CHUNKS else None

@@ -14,7 +14,12 @@ in place for its gradient. Two schedules, same numbers:
 
 Memory beyond inputs and gradients: one ``[chunk, V]`` buffer in the logits dtype (plus, on the
 torch path, float32 temporaries of that size), an fp32 ``grad_W`` accumulator when ``W`` is
-bf16/fp16, and ``O(N k)`` coefficients.
+bf16/fp16 and ``acc_dtype`` is float32 (with ``acc_dtype`` = the weight's dtype the chunks are
+added straight into the buffer that autograd hands to ``weight.grad``: no extra copy), and
+``O(N k)`` coefficients.
+
+With a :class:`~.vocab_parallel.VocabShard` (``shard``), ``weight``/``bias`` are this rank's
+vocabulary rows and each chunk's statistics are exchanged once (see :mod:`.vocab_parallel`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ from .forward_chunked import cat_coefs, slice_coefs, targets_of
 from .row_math import RowCoefs
 from .spec import LossSpec
 from .validation import Prepared
+from .vocab_parallel import (
+    LocalTargets,
+    VocabShard,
+    blank_owned,
+    grad_pass_sharded,
+    locate,
+    reduce_grad_hidden,
+    stats_pass_sharded,
+)
 
 Rows = slice | torch.Tensor
 
@@ -95,10 +109,14 @@ def addmm_fp32_epilogue_used(device: torch.device, dtype: torch.dtype) -> bool |
 class _Grads:
     """Gradient buffers filled chunk by chunk."""
 
-    def __init__(self, prep: Prepared, need: tuple[bool, bool, bool]) -> None:
+    def __init__(
+        self, prep: Prepared, need: tuple[bool, bool, bool], acc_dtype: torch.dtype | None
+    ) -> None:
         h, w, b = prep.hidden, prep.weight, prep.bias
         self.need_h, self.need_w, self.need_b = need
         acc = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
+        if acc_dtype is not None:
+            acc = acc_dtype
         self.h = None
         if self.need_h:
             self.h = torch.empty_like(h) if prep.all_valid else torch.zeros_like(h)
@@ -116,21 +134,47 @@ class _Grads:
         if self.b is not None:
             self.b += g.sum(0, dtype=self.b.dtype)
 
-    def finish(self, prep: Prepared) -> tuple[torch.Tensor | None, ...]:
-        w = None if self.w is None else self.w.to(prep.weight.dtype)
+    def finish(
+        self, prep: Prepared, shard: VocabShard | None = None
+    ) -> tuple[torch.Tensor | None, ...]:
+        reduce_grad_hidden(self.h, shard)
+        w = None if self.w is None else self.w.to(prep.weight.dtype)  # no copy if same dtype
         b = None if self.b is None else self.b.to(prep.bias.dtype)
         self.w = self.b = None
         return self.h, w, b
 
 
 def _chunk_pass(
-    spec: LossSpec, prep: Prepared, tgt: ChunkTargets, rows: Rows, triton: bool
-) -> tuple[torch.Tensor, torch.Tensor, RowCoefs, ChunkTargets]:
+    spec: LossSpec,
+    prep: Prepared,
+    tgt: ChunkTargets,
+    rows: Rows,
+    triton: bool,
+    shard: VocabShard | None,
+) -> tuple[torch.Tensor, torch.Tensor, RowCoefs, ChunkTargets | LocalTargets]:
+    """Project one chunk and take its statistics; ``x`` keeps ``-inf`` at the target columns."""
     h_c = _take(prep.hidden, rows)
     x = _project(h_c, prep.weight, prep.bias)
     tgt_c = tgt.select(rows)
+    if shard is not None:
+        coefs, loc = stats_pass_sharded(spec, x, tgt_c, prep.work_dtype, shard, triton=triton)
+        return h_c, x, coefs, loc
     coefs = stats_pass(spec, x, tgt_c, prep.work_dtype, inplace=True, triton=triton)
     return h_c, x, coefs, tgt_c
+
+
+def _write_grad(
+    spec: LossSpec,
+    x: torch.Tensor,
+    coefs: RowCoefs,
+    tgt: ChunkTargets | LocalTargets,
+    triton: bool,
+) -> None:
+    """Overwrite ``x`` (blanked at the target columns) with d(loss)/d(x)."""
+    if isinstance(tgt, LocalTargets):
+        grad_pass_sharded(spec, x, coefs, tgt, triton=triton)
+    else:
+        grad_pass(spec, x, x, coefs, tgt, triton=triton)
 
 
 class FusedGradInForward(torch.autograd.Function):
@@ -148,20 +192,22 @@ class FusedGradInForward(torch.autograd.Function):
         chunk: int,
         scale: float,
         need: tuple[bool, bool, bool],
+        acc_dtype: torch.dtype | None = None,
+        shard: VocabShard | None = None,
     ) -> torch.Tensor:
         triton = use_triton_for(hidden)
         tgt = targets_of(prep)
-        grads = _Grads(prep, need)
+        grads = _Grads(prep, need, acc_dtype)
         total = torch.zeros((), dtype=prep.work_dtype, device=hidden.device)
         for rows in row_blocks(prep, chunk):
-            h_c, x, coefs, tgt_c = _chunk_pass(spec, prep, tgt, rows, triton)
+            h_c, x, coefs, tgt_c = _chunk_pass(spec, prep, tgt, rows, triton, shard)
             total += coefs.loss.sum()
             if any(need):
                 w = torch.full_like(coefs.c1, scale)
-                grad_pass(spec, x, x, coefs.scaled(w), tgt_c, triton=triton)
+                _write_grad(spec, x, coefs.scaled(w), tgt_c, triton)
                 grads.add(rows, x, h_c, prep.weight)
             del x
-        ctx.grads = grads.finish(prep)
+        ctx.grads = grads.finish(prep, shard)
         return total * scale
 
     @staticmethod
@@ -171,7 +217,7 @@ class FusedGradInForward(torch.autograd.Function):
             raise RuntimeError("fused_chunked (gradient in forward) supports one backward only")
         out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
-        return (*out, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)
 
 
 class FusedRecompute(torch.autograd.Function):
@@ -187,13 +233,15 @@ class FusedRecompute(torch.autograd.Function):
         spec: LossSpec,
         prep: Prepared,
         chunk: int,
+        acc_dtype: torch.dtype | None = None,
+        shard: VocabShard | None = None,
     ) -> torch.Tensor:
         triton = use_triton_for(hidden)
         tgt = targets_of(prep)
         blocks = row_blocks(prep, chunk)
         parts = []
         for rows in blocks:
-            _, x, coefs, _ = _chunk_pass(spec, prep, tgt, rows, triton)
+            _, x, coefs, _ = _chunk_pass(spec, prep, tgt, rows, triton, shard)
             parts.append(coefs)
             del x
         n = prep.valid.numel()
@@ -205,6 +253,7 @@ class FusedRecompute(torch.autograd.Function):
             else:
                 out.index_copy_(0, torch.cat(blocks), coefs.loss)
         ctx.prep, ctx.spec, ctx.blocks, ctx.coefs, ctx.triton = prep, spec, blocks, coefs, triton
+        ctx.acc_dtype, ctx.shard = acc_dtype, shard
         ctx.need = (
             hidden.requires_grad,
             weight.requires_grad,
@@ -216,7 +265,8 @@ class FusedRecompute(torch.autograd.Function):
     @_no_autocast
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         prep, spec = ctx.prep, ctx.spec
-        grads = _Grads(prep, ctx.need)
+        shard = ctx.shard
+        grads = _Grads(prep, ctx.need, ctx.acc_dtype)
         tgt = targets_of(prep)
         start = 0
         for rows in ctx.blocks:
@@ -226,7 +276,12 @@ class FusedRecompute(torch.autograd.Function):
             c = slice_coefs(ctx.coefs, slice(start, start + x.shape[0]))
             start += x.shape[0]
             w = _take(grad_rows, rows).to(c.c1.dtype)
-            grad_pass(spec, x, x, c.scaled(w), tgt_c, triton=ctx.triton)
+            if shard is not None:
+                loc = locate(tgt_c, shard, spec.ce_weight > 0.0)
+                blank_owned(x, loc)
+                grad_pass_sharded(spec, x, c.scaled(w), loc, triton=ctx.triton)
+            else:
+                grad_pass(spec, x, x, c.scaled(w), tgt_c, triton=ctx.triton)
             grads.add(rows, x, h_c, prep.weight)
             del x
-        return (*grads.finish(prep), None, None, None)
+        return (*grads.finish(prep, shard), None, None, None, None, None)

@@ -1,13 +1,17 @@
-"""``TopKDistillLoss``: the :func:`topk_distill_loss` options bound in an ``nn.Module``."""
+"""``TopKDistillLoss`` (the loss options bound in a module) and ``TopKDistillHead`` (the loss
+computed inside a module that owns the lm-head, so that FSDP2 ``fully_shard`` unshards it)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from .api import topk_distill_loss
 from .dispatch import check_chunk_size, resolve_impl
-from .spec import REDUCTIONS, LossInputError, LossSpec
+from .spec import GRAD_WEIGHT_DTYPES, REDUCTIONS, LossInputError, LossSpec
+from .vocab_parallel import VocabParallel
 
 
 class TopKDistillLoss(nn.Module):
@@ -29,14 +33,21 @@ class TopKDistillLoss(nn.Module):
         impl: str = "auto",
         chunk_size: int | None = None,
         check_ids: bool = True,
+        targets: str = "topk",
+        grad_weight_dtype: str = "auto",
+        vocab_parallel: VocabParallel | None = None,
     ) -> None:
         super().__init__()
         LossSpec(loss=loss, beta=beta, temperature=temperature, ce_weight=ce_weight)
         if reduction not in REDUCTIONS:
             raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if grad_weight_dtype not in GRAD_WEIGHT_DTYPES:
+            raise LossInputError(
+                f"grad_weight_dtype must be one of {GRAD_WEIGHT_DTYPES}, got {grad_weight_dtype!r}"
+            )
         resolve_impl(impl, reduction)
         check_chunk_size(chunk_size)
-        self.options = dict(
+        self.options: dict[str, Any] = dict(
             loss=loss,
             beta=beta,
             temperature=temperature,
@@ -46,6 +57,9 @@ class TopKDistillLoss(nn.Module):
             impl=impl,
             chunk_size=chunk_size,
             check_ids=check_ids,
+            targets=targets,
+            grad_weight_dtype=grad_weight_dtype,
+            vocab_parallel=vocab_parallel,
         )
 
     def forward(
@@ -74,3 +88,41 @@ class TopKDistillLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+class TopKDistillHead(nn.Module):
+    """The student's lm-head (an ``nn.Linear(d, V)``) with the distillation loss as its forward.
+
+    ``forward(hidden, topk_ids, topk_logprobs, tail_mass=None, *, labels=None, mask=None)``
+    returns :func:`topk_distill_loss` on ``self.lm_head.weight`` (and bias) with the options
+    given here. Because the loss runs *inside* this module's forward, the usual wrappers see the
+    lm-head used: FSDP2 ``fully_shard(head)`` all-gathers the weight before the loss and
+    reduce-scatters its gradient after backward; torch ``ColwiseParallel`` on ``head.lm_head``
+    makes the weight a ``Shard(0)`` DTensor, which the loss runs vocab-parallel.
+    """
+
+    def __init__(self, lm_head: nn.Linear, **loss_options: Any) -> None:
+        super().__init__()
+        self.lm_head = lm_head
+        self.loss = TopKDistillLoss(**loss_options)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_logprobs: torch.Tensor,
+        tail_mass: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.loss(
+            hidden,
+            self.lm_head.weight,
+            topk_ids,
+            topk_logprobs,
+            tail_mass,
+            bias=self.lm_head.bias,
+            labels=labels,
+            mask=mask,
+        )

@@ -12,6 +12,11 @@ Impl = Literal["auto", "dense", "forward_chunked", "fused_chunked", "fused_chunk
 
 LOSS_KINDS: tuple[str, ...] = ("forward_kl", "renormalized_kl", "reverse_kl", "jsd")
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
+#: What the teacher columns hold: the teacher's top-k logprobs ("topk") or the log importance
+#: weights of a random-sampling KD row ("sampled", see :class:`LossSpec`).
+TARGET_KINDS: tuple[str, ...] = ("topk", "sampled")
+#: Where the lm-head gradient is accumulated chunk by chunk (see ``topk_distill_loss``).
+GRAD_WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "weight")
 IMPLS: tuple[str, ...] = (
     "auto",
     "dense",
@@ -36,6 +41,13 @@ class LossSpec:
     ``temperature`` divides the student logits (the cached teacher is used as cached) and the
     distillation term is multiplied by ``temperature**2``; ``ce_weight`` weights a hard-label
     cross-entropy term computed on the un-tempered logits.
+
+    ``targets="sampled"`` (random-sampling KD, Anshumann et al. 2025): the teacher columns hold
+    ``m`` distinct sampled ids and ``log w_i``, importance weights summing to 1 per row (``-inf``
+    on padding). The objective is then the forward KL ``sum_i w_i (log w_i - log q_i)`` with the
+    full-vocabulary student softmax, gradient ``q - w`` w.r.t. the tempered logits: the
+    ``forward_kl`` formula without tail, with ``p = w``. Only ``loss="forward_kl"`` without
+    ``tail_mass`` is accepted for sampled rows.
     """
 
     loss: str = "forward_kl"
@@ -43,8 +55,17 @@ class LossSpec:
     temperature: float = 1.0
     ce_weight: float = 0.0
     has_tail: bool = False
+    targets: str = "topk"
 
     def __post_init__(self) -> None:
+        if self.targets not in TARGET_KINDS:
+            raise LossInputError(f"targets must be one of {TARGET_KINDS}, got {self.targets!r}")
+        if self.targets == "sampled" and (self.loss != "forward_kl" or self.has_tail):
+            raise LossInputError(
+                'targets="sampled" needs loss="forward_kl" and tail_mass=None (the importance '
+                f"weights already sum to 1), got loss={self.loss!r}, "
+                f"tail_mass given: {self.has_tail}"
+            )
         if self.loss not in LOSS_KINDS:
             raise LossInputError(f"loss must be one of {LOSS_KINDS}, got {self.loss!r}")
         if self.loss == "jsd" and not 0.0 < self.beta < 1.0:

@@ -16,6 +16,9 @@ from .spec import LossInputError
 
 _LOGPROB_TOL = 1e-3  # cached logprobs may exceed 0 by rounding; more than this is an error
 _TAIL_TOL = 1e-3
+#: Sampled rows: ``|sum_i w_i - 1|`` above this is an error (float16 storage of ``log w`` can
+#: move the sum by a few 1e-3); rows within it are renormalised exactly.
+SAMPLED_SUM_TOL = 1e-2
 
 
 @dataclass
@@ -65,8 +68,16 @@ def prepare(
     ignore_index: int,
     ce_weight: float,
     check_ids: bool = True,
+    targets: str = "topk",
+    vocab_global: int | None = None,
 ) -> Prepared:
-    """Check every argument and flatten it; raise :class:`LossInputError` on any problem."""
+    """Check every argument and flatten it; raise :class:`LossInputError` on any problem.
+
+    ``vocab_global``: the full vocabulary when ``weight`` (and ``bias``) hold one vocab-parallel
+    shard; ids and labels are checked against it. With ``targets="sampled"`` each counted row's
+    ``exp(topk_logprobs)`` must sum to 1 within :data:`SAMPLED_SUM_TOL` (``-inf`` padding is
+    weight 0) and the log-weights are then renormalised to sum to exactly 1.
+    """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         raise LossInputError("hidden must be a tensor of shape [..., d] with at least 2 dims")
     if not hidden.is_floating_point():
@@ -79,9 +90,10 @@ def prepare(
     if weight.dtype != hidden.dtype:
         raise LossInputError(f"weight dtype {weight.dtype} != hidden dtype {hidden.dtype}")
     _same_device("weight", weight, device)
-    vocab = weight.shape[0]
+    vocab_local = weight.shape[0]
+    vocab = vocab_local if vocab_global is None else vocab_global
     if bias is not None:
-        _lead("bias", bias, (vocab,))
+        _lead("bias", bias, (vocab_local,))
         if bias.dtype != hidden.dtype:
             raise LossInputError(f"bias dtype {bias.dtype} != hidden dtype {hidden.dtype}")
         _same_device("bias", bias, device)
@@ -124,6 +136,16 @@ def prepare(
     tail = None if tail_mass is None else tail_mass.reshape(n).to(work)
 
     problems = _find_problems(ids, logprobs, tail, flat_labels, valid, vocab, check_ids)
+    if targets == "sampled":
+        wsum = torch.logsumexp(logprobs, dim=-1).exp()
+        off = valid & ~((wsum - 1.0).abs() <= SAMPLED_SUM_TOL)
+        problems.append(
+            (
+                f'targets="sampled": exp(topk_logprobs) (importance weights) must sum to 1 per '
+                f"row within {SAMPLED_SUM_TOL}",
+                off.any(),
+            )
+        )
     counts = torch.stack([valid.sum()] + [p for _, p in problems]).tolist()
     n_valid = int(counts[0])
     bad = [msg for (msg, _), flag in zip(problems, counts[1:], strict=True) if flag]
@@ -138,6 +160,8 @@ def prepare(
             tail = torch.where(valid, tail, torch.zeros((), dtype=work, device=device))
     if tail is not None:
         tail = tail.clamp(0.0, 1.0)
+    if targets == "sampled":  # exact normalisation (rows that do not count hold zeros)
+        logprobs = logprobs - torch.logsumexp(logprobs, dim=-1, keepdim=True)
     if flat_labels is not None:
         has_label = valid.clone()
         flat_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
