@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import queue
 import threading
@@ -50,7 +51,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .collate import ItemPlan, LongPolicy, Mode, build_batch, plan_items
 from .errors import ConfigError, SourceError, StateError
 from .guards import check_compatible
-from .order import epoch_order, rank_partition, worker_units
+from .order import epoch_order, lane_item_order, rank_partition, worker_units
 from .sources import CacheSource, open_source
 from .state import LoaderState
 from .world import current_worker, resolve_ranks
@@ -91,6 +92,14 @@ class CacheDataset(IterableDataset):
         sequences of ``w`` random blocks at a time: a batch draws from ``w`` distant regions,
         reads stay one per block, and each iterating process holds about ``w + 1`` blocks of
         records in memory. Measured rates: benchmarks/results/client.md.
+    lanes:
+        Cut this rank's epoch stream into ``lanes`` parts planned separately whose units
+        (batches) are interleaved, unit ``u`` from lane ``u mod lanes``
+        (:func:`~logitcache.client.order.lane_item_order`). With ``num_workers`` dividing
+        ``lanes``, each DataLoader worker reads only its own lanes' blocks, so workers do not
+        all decode the same shuffle window (without lanes every worker reads nearly every block
+        of the window its batches draw from). The stream depends on ``lanes``, not on
+        ``num_workers``. ``24`` suits 1, 2, 3, 4, 6, 8, 12 and 24 workers.
     rank, world_size:
         Explicit sharding; default ``torch.distributed``'s when initialised, else ``(0, 1)``.
     even_ranks:
@@ -124,6 +133,7 @@ class CacheDataset(IterableDataset):
         shuffle: bool = True,
         shuffle_block_size: int = 1,
         shuffle_window: int = 1,
+        lanes: int = 1,
         rank: int | None = None,
         world_size: int | None = None,
         even_ranks: bool = False,
@@ -143,6 +153,8 @@ class CacheDataset(IterableDataset):
             raise ConfigError(f"batch_size must be >= 1 or None, got {batch_size}")
         if prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
+        if lanes < 1:
+            raise ConfigError(f"lanes must be >= 1, got {lanes}")
         if ids_dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"ids_dtype must be torch.int64 or torch.int32, got {ids_dtype}")
         if seed < 0:
@@ -171,6 +183,7 @@ class CacheDataset(IterableDataset):
         self.shuffle = bool(shuffle)
         self.shuffle_block_size = int(shuffle_block_size)
         self.shuffle_window = int(shuffle_window)
+        self.lanes = int(lanes)
         self.rank, self.world_size = resolve_ranks(rank, world_size)
         self.even_ranks = bool(even_ranks)
         self.ids_dtype = ids_dtype
@@ -220,6 +233,8 @@ class CacheDataset(IterableDataset):
         }
         if self.shuffle_window != 1:  # absent when 1: states saved before the window existed
             settings["shuffle_window"] = self.shuffle_window
+        if self.lanes != 1:  # likewise
+            settings["lanes"] = self.lanes
         h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
         h.update(np.ascontiguousarray(self._all_lengths[:n], dtype="<i8").tobytes())
         return h.hexdigest()
@@ -256,9 +271,12 @@ class CacheDataset(IterableDataset):
             else:
                 order = np.arange(n, dtype=np.int64)
             span = rank_partition(order, rank, self.world_size)
-            self._plans[key] = plan_items(
-                span, self.lengths, self.tokens_per_item, self.mode, self.long_sequences
-            )
+            parts = np.array_split(span, self.lanes) if self.lanes > 1 else [span]
+            plans = [
+                plan_items(p, self.lengths, self.tokens_per_item, self.mode, self.long_sequences)
+                for p in parts
+            ]
+            self._plans[key] = _interleave(plans, self.batch_size or 1)
         return self._plans[key]
 
     def num_items(self, epoch: int | None = None) -> int:
@@ -356,11 +374,13 @@ class CacheDataset(IterableDataset):
         try:
             plan = self.plan()
             group = max(1, _FETCH_ITEMS // (self.batch_size or 1))
+            _, num_workers = current_worker()
+            busy_lanes = self.lanes // math.gcd(self.lanes, num_workers)  # lanes this worker reads
             blocks = _BlockCache(
                 self.source,
                 self.shuffle_block_size,
                 self.num_sequences,
-                keep=self.shuffle_window + 1 if self.shuffle else 2,
+                keep=(self.shuffle_window + 1 if self.shuffle else 2) * busy_lanes,
             )
             for g in range(0, len(units), group):
                 chunk = units[g : g + group]
@@ -406,6 +426,30 @@ class CacheDataset(IterableDataset):
                     out.get_nowait()
                 except queue.Empty:
                     thread.join(timeout=0.05)
+
+
+def _interleave(plans: list[ItemPlan], unit: int) -> ItemPlan:
+    """One plan of the lanes' items in :func:`lane_item_order` (a single plan is returned as is)."""
+    if len(plans) == 1:
+        return plans[0]
+    order = lane_item_order([p.num_items for p in plans], unit)
+    piece_base = np.cumsum([0] + [len(p.piece_seq) for p in plans])
+    starts = np.concatenate(
+        [p.item_offsets[:-1] + b for p, b in zip(plans, piece_base, strict=False)]
+    )
+    stops = np.concatenate(
+        [p.item_offsets[1:] + b for p, b in zip(plans, piece_base, strict=False)]
+    )
+    starts, stops = starts[order], stops[order]
+    sizes = stops - starts
+    pieces = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+    pieces = pieces + np.arange(int(sizes.sum()), dtype=np.int64)
+    cat = {
+        f: np.concatenate([getattr(p, f) for p in plans])[pieces]
+        for f in ("piece_seq", "piece_start", "piece_stop", "piece_rows")
+    }
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return ItemPlan(item_offsets=offsets, **cat)
 
 
 class _BlockCache:

@@ -20,6 +20,14 @@ Contract
 * :func:`rank_partition` cuts that permutation into ``world_size`` contiguous spans whose sizes
   differ by at most one (``numpy.array_split``). The spans are disjoint and their union is the whole
   permutation, so within one epoch no sequence reaches two ranks and none is dropped.
+* Lanes (optional, ``lanes = L > 1``): the rank's span is cut into ``L`` contiguous parts
+  (``numpy.array_split``), each planned into items on its own, and :func:`lane_item_order`
+  interleaves their *units*: unit ``r`` of lane 0, unit ``r`` of lane 1, ..., then unit ``r + 1``
+  (partial last units of each lane go to the end). Unit ``u`` then comes from lane ``u mod L``
+  (until lanes of unequal length run out), so with ``n`` DataLoader workers, ``n`` dividing
+  ``L``, worker ``w`` only ever needs the sequences of lanes ``w, w + n, ...``: each shuffle block
+  is read and decoded by one worker, not by all of them. The stream depends on ``L``, never on
+  ``n``.
 * :func:`worker_units` deals the units (items or batches) of one rank's stream to DataLoader
   workers round-robin: worker ``w`` of ``n`` gets units ``w, w + n, w + 2n, ...``. PyTorch's
   DataLoader (``in_order=True``, the default) takes one unit from each live worker in turn, so the
@@ -32,7 +40,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["epoch_order", "rank_partition", "worker_units"]
+__all__ = ["epoch_order", "lane_item_order", "rank_partition", "worker_units"]
 
 
 def epoch_order(
@@ -91,3 +99,27 @@ def worker_units(num_units: int, worker: int, num_workers: int) -> np.ndarray:
     if not 0 <= worker < num_workers:
         raise ConfigError(f"worker must be in [0, {num_workers}), got {worker}")
     return np.arange(worker, num_units, num_workers, dtype=np.int64)
+
+
+def lane_item_order(item_counts: list[int], unit: int) -> np.ndarray:
+    """Item order that interleaves the units of lanes (see the module docstring).
+
+    Lane ``l`` owns items ``[o_l, o_l + item_counts[l])`` with ``o_l = sum(item_counts[:l])``.
+    Consecutive groups of ``unit`` items of the returned order are whole units of one lane, lane
+    after lane in turn; the items of each lane's partial last unit come last, lane by lane. The
+    result is a permutation of ``range(sum(item_counts))``.
+    """
+    if unit < 1:
+        raise ConfigError(f"unit must be >= 1, got {unit}")
+    counts = [int(c) for c in item_counts]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    full = [c // unit for c in counts]
+    parts: list[np.ndarray] = []
+    for r in range(max(full, default=0)):
+        for lane, f in enumerate(full):
+            if r < f:
+                first = offsets[lane] + r * unit
+                parts.append(np.arange(first, first + unit, dtype=np.int64))
+    for lane, f in enumerate(full):
+        parts.append(np.arange(offsets[lane] + f * unit, offsets[lane + 1], dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from client_support import build_cache, collect, make_sequences, same_stream, segments
 from logitcache.client import CacheDataLoader, CacheDataset, LocalSource, StateError
-from logitcache.client.order import epoch_order
+from logitcache.client.order import epoch_order, lane_item_order, rank_partition
 
 NUM_SEQ = 45
 
@@ -93,8 +93,10 @@ def test_windowed_ranks_cover_every_sequence_once(cache: tuple[str, list], world
             assert not set(per_rank[a]) & set(per_rank[c])
 
 
-@pytest.mark.parametrize("block,window", [(1, 1), (4, 3)])
-def test_resume_mid_epoch_with_workers(cache: tuple[str, list], block: int, window: int) -> None:
+@pytest.mark.parametrize("block,window,lanes", [(1, 1, 1), (4, 3, 1), (4, 2, 2)])
+def test_resume_mid_epoch_with_workers(
+    cache: tuple[str, list], block: int, window: int, lanes: int
+) -> None:
     url, _ = cache
 
     def loader(workers: int) -> CacheDataLoader:
@@ -105,6 +107,7 @@ def test_resume_mid_epoch_with_workers(cache: tuple[str, list], block: int, wind
             seed=8,
             shuffle_block_size=block,
             shuffle_window=window,
+            lanes=lanes,
         )
         ds.set_epoch(1)
         return CacheDataLoader(ds, num_workers=workers)
@@ -125,7 +128,13 @@ def test_resume_mid_epoch_with_workers(cache: tuple[str, list], block: int, wind
     assert same_stream(collect(resumed), full[4:])
     # the window is part of the configuration a state belongs to
     other = CacheDataset(
-        url, tokens_per_item=40, batch_size=2, seed=8, shuffle_block_size=block, shuffle_window=2
+        url,
+        tokens_per_item=40,
+        batch_size=2,
+        seed=8,
+        shuffle_block_size=block,
+        shuffle_window=window + 1,
+        lanes=lanes,
     )
     with pytest.raises(StateError):
         other.load_state_dict(state)
@@ -162,3 +171,52 @@ def test_bad_window_is_refused(tmp_path: Path, cache: tuple[str, list]) -> None:
 
     with pytest.raises(ConfigError, match="shuffle_window"):
         CacheDataset(cache[0], shuffle_window=0)
+
+
+def test_lane_item_order_interleaves_whole_units() -> None:
+    # lanes of 5, 3, 4 items, units of 2: full units round-robin, partial last units at the end
+    got = lane_item_order([5, 3, 4], 2)
+    assert got.tolist() == [0, 1, 5, 6, 8, 9, 2, 3, 10, 11, 4, 7]
+    assert lane_item_order([], 3).size == 0
+    big = lane_item_order([17, 0, 9, 12], 4)
+    assert sorted(big.tolist()) == list(range(38))
+
+
+def test_lanes_cover_every_sequence_and_unit_u_reads_lane_u_mod_l(cache: tuple[str, list]) -> None:
+    url, records = cache
+    lanes, batch = 3, 2
+    ds = CacheDataset(
+        url,
+        tokens_per_item=48,
+        batch_size=batch,
+        seed=6,
+        shuffle_block_size=4,
+        shuffle_window=2,
+        lanes=lanes,
+    )
+    got = Counter(s for u in collect(ds) for s in segments(u))
+    assert got == Counter(tuple(r.input_ids.tolist()) for r in records)
+    order = epoch_order(NUM_SEQ, 6, 0, 4, 2)
+    parts = np.array_split(rank_partition(order, 0, 1), lanes)
+    plan = ds.plan()
+    units = ds._units(0, 1)
+    full = min(len(p) for p in parts) // 40 + 1  # a few rounds where every lane has units
+    for u in range(min(len(units), lanes * full)):
+        seqs = set(plan.sequences_of(units[u]).tolist())
+        assert seqs <= set(parts[u % lanes].tolist()), u
+    # lanes are part of the configuration; a bad count is refused
+    assert (
+        ds.config_fingerprint()
+        != CacheDataset(
+            url,
+            tokens_per_item=48,
+            batch_size=batch,
+            seed=6,
+            shuffle_block_size=4,
+            shuffle_window=2,
+        ).config_fingerprint()
+    )
+    from logitcache.client import ConfigError
+
+    with pytest.raises(ConfigError, match="lanes"):
+        CacheDataset(url, lanes=0)
