@@ -140,3 +140,44 @@ def test_on_long_policies_and_counts() -> None:
     only_long = [_raw(0, long_ids)]
     with pytest.raises(InvalidInputError, match=r"no sequence \(1 skipped as too long\)"):
         inputs.scan(only_long, tok, inputs.job_limits(limits, "skip", 1))
+
+
+# --- chat records (server/chat.py) -----------------------------------------------------------
+
+TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def test_chat_records_need_a_template_and_render_with_it(tiny_tokenizer, tmp_path: Path) -> None:
+    from logitcache.server.chat import ChatTokenize
+
+    msgs = [{"role": "user", "content": "Add two numbers."}, {"role": "assistant", "content": "ok"}]
+    (tmp_path / "chat.jsonl").write_text(
+        json.dumps({"id": "c1", "messages": msgs}) + "\n" + json.dumps({"text": "plain"}) + "\n"
+    )
+    raws = _read(tmp_path, "chat.jsonl")
+    assert raws[0].messages == msgs and raws[1].messages is None
+
+    def tokenize(t: str) -> list[int]:
+        return list(tiny_tokenizer(t)["input_ids"])
+
+    assert not getattr(tiny_tokenizer, "chat_template", None)  # the fixture has none
+    with pytest.raises(InvalidInputError, match="chat.jsonl:1: a chat record.*needs a chat"):
+        inputs.scan(raws, ChatTokenize(tokenize, tiny_tokenizer), LIMITS_TINY)
+    with pytest.raises(InvalidInputError, match="accepted by jobs only"):
+        inputs.scan(raws, tokenize, LIMITS_TINY)
+    chat_tok = ChatTokenize(tokenize, tiny_tokenizer, TEMPLATE)
+    seqs = list(inputs.sequences(raws, chat_tok, LIMITS_TINY))
+    text = "<s>user: Add two numbers.\n<s>assistant: ok\n"
+    assert chat_tok.render(msgs, "x") == text
+    want = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert seqs[0].key == "c1" and seqs[0].input_ids.tolist() == want
+    assert want.count(tiny_tokenizer.bos_token_id) == 2  # the template's BOS, none added on top
+    bad = [inputs.RawRecord("r", None, None, None, messages=[{"role": "robot", "content": "x"}])]
+    with pytest.raises(InvalidInputError, match=r"messages\[0\].role must be one of"):
+        inputs.scan(bad, chat_tok, LIMITS_TINY)
+    both = [inputs.RawRecord("r", None, "t", None, messages=msgs)]
+    with pytest.raises(InvalidInputError, match="exactly one of text, token ids or messages"):
+        inputs.scan(both, chat_tok, LIMITS_TINY)
+
+
+LIMITS_TINY = inputs.Limits(vocab_size=4096, max_len=512)
