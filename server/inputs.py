@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from logitcache.cache_format.records import content_key
 
-from . import input_files, long_inputs
+from . import chat, input_files, long_inputs
 from .errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
 from .protocol import InlineRecord, InputFile
 
@@ -51,6 +51,8 @@ class RawRecord:
     id: str | None
     text: str | None
     input_ids: Any
+    messages: Any = None
+    """A chat record's messages (server/chat.py), else None."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,12 @@ def check_ids(ids: Any, limits: Limits, where: str) -> np.ndarray:
 
 def to_sequence(raw: RawRecord, tokenize: Tokenize, limits: Limits) -> Sequence:
     """Tokenise (if text), check and key one raw record."""
-    if (raw.text is None) == (raw.input_ids is None):
-        raise InvalidInputError(f"{raw.where}: give exactly one of text or token ids")
-    if raw.text is not None:
+    if sum(x is not None for x in (raw.text, raw.input_ids, raw.messages)) != 1:
+        what = "text or token ids" if raw.messages is None else "text, token ids or messages"
+        raise InvalidInputError(f"{raw.where}: give exactly one of {what}")
+    if raw.messages is not None:  # a chat record: rendered with the chat template
+        ids = chat.chat_ids(tokenize, raw.messages, raw.where)
+    elif raw.text is not None:
         if not isinstance(raw.text, str):
             raise InvalidInputError(f"{raw.where}: text must be a string")
         ids: Any = tokenize(raw.text)
@@ -194,6 +199,7 @@ def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
         id=_id_of(obj.get(spec.id_field), where),
         text=obj.get(spec.text_field),
         input_ids=obj.get(spec.ids_field),
+        messages=obj.get(spec.messages_field),
     )
 
 
@@ -212,8 +218,8 @@ def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
 
 def _read_table(path: Path, spec: InputFile, fmt: str) -> Iterator[RawRecord]:
     """Parquet or Arrow records, from a file or a directory of files (:mod:`.input_files`)."""
-    wanted = (spec.id_field, spec.text_field, spec.ids_field)
-    need = (spec.text_field, spec.ids_field)
+    wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
+    need = (spec.text_field, spec.ids_field, spec.messages_field)
     for where, obj in input_files.table_rows(path, fmt, spec.path, wanted, need):
         yield _from_mapping(obj, spec, where)
 
@@ -225,7 +231,13 @@ def raw_records(
     if records is not None:
         for i, r in enumerate(records):
             where = f"records[{i}]"
-            yield RawRecord(where=where, id=_id_of(r.id, where), text=r.text, input_ids=r.input_ids)
+            yield RawRecord(
+                where=where,
+                id=_id_of(r.id, where),
+                text=r.text,
+                input_ids=r.input_ids,
+                messages=r.messages,
+            )
         return
     if file is None:
         raise InvalidInputError("a job needs a file or records")

@@ -42,6 +42,7 @@ from logitcache.cache_format import SequenceRecord
 
 from . import inputs
 from .caches import CacheRegistry, WriterHandle, check_name
+from .chat import ChatTokenize
 from .errors import ServiceError
 from .protocol import JobCreate, JobState, JobStatus
 from .scoring import ScoringService, to_records
@@ -235,11 +236,15 @@ class JobRunner:
         digest = inputs.input_digest(
             file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
-        return inputs.scan(raws, self.scoring.engine.tokenize, self._limits(req)), digest
+        return inputs.scan(raws, self._tokenize(req), self._limits(req)), digest
 
     def _limits(self, spec: JobCreate) -> inputs.Limits:
         """The server's limits with the job's long-sequence rule (``on_long``)."""
         return inputs.job_limits(self.scoring.limits, spec.on_long, spec.split_overlap)
+
+    def _tokenize(self, spec: JobCreate) -> ChatTokenize:
+        """The teacher's tokenize, able to render the job's chat records (server/chat.py)."""
+        return ChatTokenize.of(self.scoring.engine, spec.chat_template)
 
     def status(self, job_id: str) -> JobStatus:
         return self._status(self.store.get(job_id))
@@ -343,7 +348,7 @@ class JobRunner:
         raws = inputs.raw_records(
             file=spec.file, records=spec.records, data_dir=self.settings.data_dir
         )
-        seqs = inputs.sequences(raws, self.scoring.engine.tokenize, self._limits(spec))
+        seqs = inputs.sequences(raws, self._tokenize(spec), self._limits(spec))
         for b in inputs.batches(
             seqs,
             max_sequences=self.settings.job_batch_sequences,

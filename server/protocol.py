@@ -103,12 +103,21 @@ class JobState(StrEnum):
         return self in (JobState.succeeded, JobState.failed, JobState.cancelled)
 
 
+class ChatMessage(ApiModel):
+    """One message of a chat record (rendered with the teacher's chat template: server/chat.py)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
 class InlineRecord(ApiModel):
-    """One input sequence: ``text`` or ``input_ids``, and an optional ``id`` (the sequence key)."""
+    """One input sequence: ``text``, ``input_ids`` or chat ``messages``, and an optional ``id``
+    (the sequence key; default: the content key of the token ids)."""
 
     id: str | int | None = None
     text: str | None = None
     input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
 
 
 class InputFile(ApiModel):
@@ -122,6 +131,7 @@ class InputFile(ApiModel):
     text_field: str = "text"
     ids_field: str = "input_ids"
     id_field: str = "id"
+    messages_field: str = "messages"
 
 
 class JobCreate(ApiModel):
@@ -140,6 +150,11 @@ class JobCreate(ApiModel):
         1,
         ge=1,
         description="tokens shared by consecutive split windows (1: every position scored once)",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template for chat records (messages); default: the teacher "
+        "tokenizer's own (server/chat.py)",
     )
     dataset: str | None = Field(None, description="dataset description for a new cache manifest")
 
