@@ -89,7 +89,9 @@ def summary_line(job: dict[str, Any]) -> str:
     """``id  state  cache  done/total seqs  pct  tok/s  ETA  [note]`` for one job."""
     rate = job.get("tokens_per_s")
     note = job.get("error") or ""
-    extra = [f"{job[k]} {k}" for k in ("duplicates", "skipped", "split") if job.get(k)]
+    counts = job.get("input") or {}
+    kinds = ("duplicates", "skipped", "truncated", "split")
+    extra = [f"{counts[k]} {k}" for k in kinds if counts.get(k)]
     parts = [
         job["id"],
         f"{job['state']:<9}",

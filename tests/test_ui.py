@@ -227,3 +227,67 @@ def test_browser_login_status_and_docs(server: ServerProcess) -> None:
     outside = [u for u in requested if not u.startswith(server.url) and not u.startswith("data:")]
     assert not outside, outside
     assert any(u.endswith("/ui/static/swagger-ui-bundle.js") for u in requested)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def test_job_inputs_split_duplicates_chat(server: ServerProcess, tiny) -> None:
+    """on_long=split windows, a duplicate counted, a chat record rendered with the job's template:
+    through the real service into a real cache, counts in the job status and on the page."""
+    from logitcache.cache_format import CacheReader
+    from logitcache.server.long_inputs import windows
+
+    max_len = int(re.search(r"max seq length\s+(\d+) tokens", server.log()).group(1))
+    parts = tiny.token_sequences("heldout", max_len=200, min_len=150, limit=6)
+    long = [t for p in parts for t in p][: 2 * max_len + 40]
+    short = parts[0][:50]
+    msgs = [{"role": "user", "content": "Return the sum."}, {"role": "assistant", "content": "a+b"}]
+    records = [
+        {"id": "long", "input_ids": long},
+        {"input_ids": short},
+        {"input_ids": short},
+        {"id": "chat", "messages": msgs},
+    ]
+    with server.client() as c:
+        refused = c.post("/v1/jobs", json={"cache": "ui-inputs", "records": records})
+        assert refused.status_code in (413, 422) and "exceed" in refused.text  # reject: default
+        job = (
+            c.post(
+                "/v1/jobs",
+                json={
+                    "cache": "ui-inputs",
+                    "records": records,
+                    "on_long": "split",
+                    "chat_template": CHAT_TEMPLATE,
+                },
+            )
+            .raise_for_status()
+            .json()
+        )
+        done = wait_job(c, job["id"], timeout=240)
+        assert done["state"] == "succeeded", done
+        spans = windows(len(long), max_len, 1)
+        assert done["input"] == {
+            "records": 4,
+            "sequences": len(spans) + 2,
+            "duplicates": 1,
+            "skipped": 0,
+            "truncated": 0,
+            "split": 1,
+            "windows": len(spans),
+        }
+        assert done["sequences_total"] == len(spans) + 2
+        listed = [j for j in c.get("/v1/jobs").json()["jobs"] if j["id"] == job["id"]][0]
+        assert listed["input"]["duplicates"] == 1
+        page = c.get("/?refresh=0").text
+    row = re.search(rf'<tr class="job" data-job="{job["id"]}">.*?</tr>', page, re.S).group(0)
+    assert "1 duplicate(s) dropped" in row
+    reader = CacheReader(str(Path(server.settings["store_root"]) / "ui-inputs"))
+    for i, (a, b) in enumerate(spans):
+        assert reader.get(f"long#w{i}").input_ids.tolist() == long[a:b]
+    rows = sum(reader.get(f"long#w{i}").num_rows for i in range(len(spans)))
+    assert rows == len(long) - 1  # overlap 1: every position of the record scored once
+    tok = tiny.load_tokenizer()
+    text = "<s>user: Return the sum.\n<s>assistant: a+b\n"
+    assert reader.get("chat").input_ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]

@@ -80,13 +80,17 @@ def jobs_table(jobs: Sequence[Any]) -> str:
     rows = []
     for j in jobs:
         state = str(getattr(j.state, "value", j.state))
-        dup = getattr(j, "duplicates", None)
-        extra = getattr(j, "skipped", None)
+        counts = getattr(j, "input", None)
         notes = []
-        if dup:
-            notes.append(f"{dup} duplicate(s) dropped")
-        if extra:
-            notes.append(f"{extra} skipped (too long)")
+        if counts is not None:
+            if counts.duplicates:
+                notes.append(f"{counts.duplicates} duplicate(s) dropped")
+            if counts.skipped:
+                notes.append(f"{counts.skipped} skipped (too long)")
+            if counts.truncated:
+                notes.append(f"{counts.truncated} truncated")
+            if counts.split:
+                notes.append(f"{counts.split} split into {counts.windows} windows")
         if j.error:
             notes.append(f'<span class="err">{escape(j.error)}</span>')
         rows.append(
