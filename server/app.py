@@ -10,16 +10,19 @@ engine it built.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from . import routes_caches, routes_jobs, routes_ops, routes_score, ui
-from .caches import CacheRegistry
+from .caches import CacheRegistry, is_url
 from .deps import Services
 from .errors import install_error_handlers
 from .job_store import JobStore
@@ -50,6 +53,45 @@ async def _build_engine(settings: ServerSettings) -> TeacherEngine:
     return engine  # type: ignore[return-value]
 
 
+#: Age after which a ``*.partial`` temporary file under a local store root is a crash leftover.
+PARTIAL_MAX_AGE_S = 300.0
+#: Period of the maintenance task (job pruning, ``*.partial`` cleanup).
+MAINTENANCE_PERIOD_S = 3600.0
+
+
+def clean_partials(root: str, max_age_s: float = PARTIAL_MAX_AGE_S) -> int:
+    """Delete ``*.partial`` files (temporaries of an interrupted object write, never part of a
+    store) older than ``max_age_s`` under a local store root; returns how many."""
+    if is_url(root):
+        return 0
+    now, n = time.time(), 0
+    for p in Path(root).rglob("*.partial"):
+        with contextlib.suppress(OSError):
+            if p.is_file() and now - p.stat().st_mtime > max_age_s:
+                p.unlink()
+                n += 1
+    return n
+
+
+def maintain(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -> None:
+    """Prune finished jobs past ``job_retention_s`` and clean old ``*.partial`` files."""
+    pruned = store.prune(settings.job_retention_s)
+    if pruned:
+        log.info("pruned %d finished job(s) older than %g s", pruned, settings.job_retention_s)
+    cleaned = clean_partials(caches.root)
+    if cleaned:
+        log.info("removed %d leftover *.partial file(s) under the store root", cleaned)
+
+
+async def _maintenance(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -> None:
+    while True:
+        await asyncio.sleep(MAINTENANCE_PERIOD_S)
+        try:
+            await asyncio.to_thread(maintain, store, caches, settings)
+        except Exception:  # noqa: BLE001 - maintenance must never stop the server
+            log.exception("maintenance failed")
+
+
 def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) -> FastAPI:
     """A new app serving ``settings``; with ``engine`` given, that engine is used (not closed)."""
     metrics = Metrics()
@@ -64,7 +106,9 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         runner = JobRunner(
             store=store, scoring=scoring, caches=caches, settings=settings, metrics=metrics
         )
+        await asyncio.to_thread(maintain, store, caches, settings)
         await runner.start()
+        upkeep = asyncio.create_task(_maintenance(store, caches, settings), name="maintenance")
         app.state.services = Services(
             settings=settings,
             engine=eng,
@@ -78,6 +122,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
             yield
         finally:
             app.state.services = None
+            upkeep.cancel()
             await runner.stop()
             caches.close()
             store.close()
@@ -100,7 +145,11 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
     ui.install(app, settings)  # status page at /, login form, /docs, Bearer scheme
     install_error_handlers(app)
     # Outermost last: metrics see everything; the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        timeout_s=settings.body_timeout_s,
+    )
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())
     app.add_middleware(MetricsMiddleware, metrics=metrics)

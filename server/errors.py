@@ -8,6 +8,8 @@ so routes hold no ``try``/``except``. Every 4xx is raised *before* anything is w
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format.errors import (
@@ -23,6 +25,9 @@ from logitcache.cache_format.errors import (
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from starlette.responses import Response
+
+log = logging.getLogger("logitcache.server")
 
 
 class ServiceError(Exception):
@@ -84,6 +89,43 @@ class NotAcceptableError(ServiceError, status=406, code="not_acceptable"):
 class UnavailableError(ServiceError, status=503, code="unavailable"):
     """The engine is not ready or has died."""
 
+    retry_after: int | None = None
+
+
+class OverloadedError(ServiceError, status=429, code="overloaded"):
+    """Admission control: the queue of tokens waiting for the engine is full (``Retry-After``)."""
+
+    def __init__(self, message: str, *, retry_after: int, detail: Any = None):
+        super().__init__(message, detail=detail)
+        self.retry_after = retry_after
+
+
+class DeadlineExceededError(UnavailableError, code="deadline_exceeded"):
+    """The request's deadline passed before the engine answered; its work was aborted."""
+
+    def __init__(self, message: str, *, retry_after: int = 1, detail: Any = None):
+        super().__init__(message, detail=detail)
+        self.retry_after = retry_after
+
+
+class ClientClosedError(ServiceError, status=499, code="client_closed"):
+    """The client disconnected before the answer (nginx's 499; nobody reads this body)."""
+
+
+class RequestTimeoutError(ServiceError, status=408, code="request_timeout"):
+    """The client sent its request body too slowly (``body_timeout_s``)."""
+
+
+#: An absolute local path inside a message: a ``/`` not preceded by a word char, ``:`` or ``/``,
+#: then at least one directory component. URLs (``s3://b/p``) are left alone.
+_ABS_DIRS = re.compile(r"(?<![\w:/.~-])/(?:[^\s/'\"]+/)+")
+
+
+def public_message(message: str) -> str:
+    """``message`` without the directories of absolute paths (only base names stay), so error
+    bodies never show where the server keeps its files."""
+    return _ABS_DIRS.sub("", message)
+
 
 def format_error_status(exc: FormatError) -> tuple[int, str]:
     """The HTTP status and code slug of a ``cache_format`` error."""
@@ -105,6 +147,7 @@ _HTTP_CODES = {
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     406: "not_acceptable",
     413: "payload_too_large",
     415: "unsupported_media_type",
@@ -116,6 +159,33 @@ def error_body(code: str, message: str, detail: Any = None) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "detail": detail}}
 
 
+def error_response(
+    status: int, code: str, message: str, detail: Any = None, headers: dict[str, str] | None = None
+) -> Response:
+    """An error body as ASCII JSON (``ensure_ascii``: a lone surrogate echoed from the request
+    is escaped, never a 500), paths stripped from the message."""
+    import json
+
+    from fastapi.encoders import jsonable_encoder
+    from starlette.responses import Response
+
+    body = error_body(code, public_message(message), detail)
+    try:
+        data = json.dumps(jsonable_encoder(body), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError, UnicodeError):
+        data = json.dumps(error_body(code, public_message(message)), ensure_ascii=True)
+    return Response(data, status_code=status, media_type="application/json", headers=headers)
+
+
+def _validation_details(errors: Any) -> list[dict[str, Any]]:
+    """Pydantic errors without the echoed input (can be huge or not UTF-8) and context."""
+    out = []
+    for e in errors:
+        loc = [x if isinstance(x, int) else str(x)[:200] for x in e.get("loc", ())]
+        out.append({"loc": loc, "msg": str(e.get("msg", ""))[:500], "type": e.get("type")})
+    return out[:50]
+
+
 def _engine_error_types() -> tuple[type[Exception], ...]:
     """The engine's input error (422) and failure (503) types."""
     from .engine import EngineError, EngineInputError
@@ -123,37 +193,70 @@ def _engine_error_types() -> tuple[type[Exception], ...]:
     return (EngineInputError, EngineError)
 
 
+def _allowed_methods(request: Any) -> list[str]:
+    """Every method some route serves at the request's path (Starlette's own ``Allow`` header
+    names only the first route's methods when several routes share a path)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET", "type": "http"})
+        route_methods = getattr(route, "methods", None)
+        if match != Match.NONE and route_methods:
+            methods |= set(route_methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Map :class:`ServiceError`, ``FormatError`` and request-validation errors to JSON bodies."""
-    from fastapi.encoders import jsonable_encoder
+    """Map every error to the JSON body: :class:`ServiceError`, ``FormatError``, engine errors,
+    request-validation errors, HTTP errors, and any other exception (a 500 ``internal_error``
+    whose message shows no path or traceback; the traceback goes to the log)."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    async def on_service_error(_request: Any, exc: ServiceError) -> JSONResponse:
+    async def on_service_error(_request: Any, exc: ServiceError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, UnauthorizedError) else None
-        body = error_body(exc.code, exc.message, exc.detail)
-        return JSONResponse(jsonable_encoder(body), status_code=exc.status, headers=headers)
+        retry = getattr(exc, "retry_after", None)
+        if retry is not None:
+            headers = {**(headers or {}), "Retry-After": str(int(retry))}
+        return error_response(exc.status, exc.code, exc.message, exc.detail, headers)
 
-    async def on_format_error(_request: Any, exc: FormatError) -> JSONResponse:
+    async def on_format_error(_request: Any, exc: FormatError) -> Response:
         status, code = format_error_status(exc)
-        return JSONResponse(error_body(code, str(exc)), status_code=status)
+        if status >= 500:
+            log.error("cache store error: %s", exc, exc_info=exc)
+            return error_response(
+                status, code, f"the cache store failed ({type(exc).__name__}); see the server log"
+            )
+        return error_response(status, code, str(exc))
 
-    async def on_http_error(_request: Any, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Any, exc: StarletteHTTPException) -> Response:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        body = error_body(code, str(exc.detail))
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+        return error_response(exc.status_code, code, str(exc.detail), headers=headers or None)
 
-    async def on_engine_error(_request: Any, exc: Exception) -> JSONResponse:
+    async def on_engine_error(_request: Any, exc: Exception) -> Response:
         from .engine import EngineInputError
 
         if isinstance(exc, EngineInputError):
-            return JSONResponse(error_body("invalid_input", str(exc)), status_code=422)
-        return JSONResponse(error_body("engine_unavailable", str(exc)), status_code=503)
+            return error_response(422, "invalid_input", str(exc))
+        log.error("engine error: %s", exc)
+        return error_response(503, "engine_unavailable", str(exc), headers={"Retry-After": "5"})
 
-    async def on_validation_error(_request: Any, exc: RequestValidationError) -> JSONResponse:
-        body = error_body("invalid_request", "request validation failed", exc.errors())
-        return JSONResponse(jsonable_encoder(body), status_code=422)
+    async def on_validation_error(_request: Any, exc: RequestValidationError) -> Response:
+        details = _validation_details(exc.errors())
+        first = details[0] if details else {"loc": [], "msg": ""}
+        where = ".".join(str(x) for x in first["loc"] if x != "body")
+        message = f"request validation failed: {where + ': ' if where else ''}{first['msg']}"
+        return error_response(422, "invalid_request", message, details)
+
+    async def on_unexpected(_request: Any, exc: Exception) -> Response:
+        log.error("unhandled error: %r", exc, exc_info=exc)
+        return error_response(
+            500, "internal_error", f"internal server error ({type(exc).__name__}); see the log"
+        )
 
     app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
     app.add_exception_handler(FormatError, on_format_error)  # type: ignore[arg-type]
@@ -161,3 +264,4 @@ def install_error_handlers(app: FastAPI) -> None:
     for exc_type in _engine_error_types():
         app.add_exception_handler(exc_type, on_engine_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)

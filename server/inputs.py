@@ -41,6 +41,8 @@ class Limits:
     """A job's rule for a longer sequence: reject, truncate, split, skip (server/long_inputs.py)."""
     split_overlap: int = 1
     """Tokens shared by consecutive windows under ``on_long="split"`` (``1 <= O < max_len``)."""
+    max_text_bytes: int | None = None
+    """Longest text in UTF-8 bytes, checked before tokenising (413 above); None: no limit."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,12 @@ def check_ids(ids: Any, limits: Limits, where: str) -> np.ndarray:
             isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
         ):
             raise InvalidInputError(f"{where}: token ids must be a list of integers")
-        arr = np.asarray(ids, dtype=np.int64)
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except OverflowError:
+            raise InvalidInputError(
+                f"{where}: a token id is outside the teacher's vocabulary [0, {limits.vocab_size})"
+            ) from None
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidInputError(f"{where}: token ids must be a 1-D list of integers")
     n = int(arr.shape[0])
@@ -105,11 +112,51 @@ def to_sequence(raw: RawRecord, tokenize: Tokenize, limits: Limits) -> Sequence:
     elif raw.text is not None:
         if not isinstance(raw.text, str):
             raise InvalidInputError(f"{raw.where}: text must be a string")
-        ids: Any = tokenize(raw.text)
+        ids: Any = tokenize(check_text(raw.text, limits, raw.where))
     else:
         ids = raw.input_ids
     arr = check_ids(ids, limits, raw.where)
     return Sequence(key=raw.id if raw.id is not None else content_key(arr), input_ids=arr)
+
+
+def check_text(text: str, limits: Limits, where: str) -> str:
+    """``text`` if it is valid Unicode (no lone surrogate) and within ``max_text_bytes`` UTF-8
+    bytes; checked before tokenising (a huge text never reaches the tokenizer)."""
+    if limits.max_text_bytes is not None and len(text) > limits.max_text_bytes:
+        raise PayloadTooLargeError(
+            f"{where}: text of {len(text)}+ characters exceeds the limit of "
+            f"{limits.max_text_bytes} bytes per text"
+        )
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(
+            f"{where}: text is not valid Unicode (lone surrogate at index {e.start})"
+        ) from None
+    if limits.max_text_bytes is not None and size > limits.max_text_bytes:
+        raise PayloadTooLargeError(
+            f"{where}: text of {size} bytes exceeds the limit of {limits.max_text_bytes} bytes"
+        )
+    return text
+
+
+#: Longest sequence key (an explicit record id), in characters (``protocol.MAX_KEY_CHARS``).
+MAX_KEY_CHARS = 512
+
+
+def check_key(key: str, where: str) -> str:
+    """``key`` if it is a usable sequence key: 1-512 characters of valid Unicode, no NUL."""
+    if not key:
+        raise InvalidInputError(f"{where}: id is empty")
+    if len(key) > MAX_KEY_CHARS:
+        raise InvalidInputError(f"{where}: id of {len(key)} characters exceeds {MAX_KEY_CHARS}")
+    if "\x00" in key:
+        raise InvalidInputError(f"{where}: id contains a NUL character")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInputError(f"{where}: id is not valid Unicode (lone surrogate)") from None
+    return key
 
 
 def fit_sequences(
@@ -162,10 +209,7 @@ def _id_of(value: Any, where: str) -> str | None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise InvalidInputError(f"{where}: id must be a string or an integer")
-    key = str(value)
-    if not key:
-        raise InvalidInputError(f"{where}: id is empty")
-    return key
+    return check_key(str(value), where)
 
 
 # --- sources -------------------------------------------------------------------------------
@@ -210,9 +254,13 @@ def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
                 continue
             where = f"{spec.path}:{lineno}"
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise InvalidInputError(f"{where}: not valid UTF-8 (byte {e.start})") from None
             except json.JSONDecodeError as e:
-                raise InvalidInputError(f"{where}: invalid JSON ({e.msg})") from e
+                raise InvalidInputError(f"{where}: invalid JSON ({e.msg})") from None
+            except RecursionError:
+                raise InvalidInputError(f"{where}: JSON nested too deeply") from None
             yield _from_mapping(obj, spec, where)
 
 

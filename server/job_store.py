@@ -17,8 +17,9 @@ import json
 import sqlite3
 import threading
 import uuid
+import zlib
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,17 @@ CREATE TABLE IF NOT EXISTS jobs (
 )
 """
 
+#: Columns added after the first release (``ALTER TABLE`` on an older database).
+_ADDED_COLUMNS = {"spec_z": "BLOB"}
+
+#: Every column but the job's input (listing never reads inputs).
+_LIST_COLUMNS = (
+    "id, cache, k, state, input_digest, created_at, started_at, finished_at, sequences_total,"
+    " sequences_done, tokens_total, tokens_done, errors, cancel_requested"
+)
+
+_TERMINAL = (JobState.succeeded.value, JobState.failed.value, JobState.cancelled.value)
+
 
 def _now() -> str:
     return datetime.now(UTC).isoformat()
@@ -52,13 +64,14 @@ def _now() -> str:
 
 @dataclass(frozen=True)
 class JobRecord:
-    """One row of the job table (``spec`` is the submitted ``JobCreate`` as a dict)."""
+    """One row of the job table (``spec`` is the submitted ``JobCreate`` as a dict; rows from
+    :meth:`JobStore.list` carry no spec: ``spec_json`` is None)."""
 
     id: str
     cache: str
     k: int
     state: JobState
-    spec_json: str
+    spec_json: str | None
     input_digest: str
     created_at: datetime
     started_at: datetime | None
@@ -75,12 +88,18 @@ class JobRecord:
         def ts(v: str | None) -> datetime | None:
             return datetime.fromisoformat(v) if v else None
 
+        keys = row.keys()
+        spec: str | None = None
+        if "spec_z" in keys and row["spec_z"] is not None:
+            spec = zlib.decompress(row["spec_z"]).decode("utf-8")
+        elif "spec" in keys:
+            spec = row["spec"]
         return cls(
             id=row["id"],
             cache=row["cache"],
             k=row["k"],
             state=JobState(row["state"]),
-            spec_json=row["spec"],
+            spec_json=spec,
             input_digest=row["input_digest"],
             created_at=datetime.fromisoformat(row["created_at"]),
             started_at=ts(row["started_at"]),
@@ -96,6 +115,8 @@ class JobRecord:
     @property
     def spec(self) -> dict[str, Any]:
         """The submitted ``JobCreate`` as a dict (parsed on demand: inline inputs can be large)."""
+        if self.spec_json is None:
+            raise ValueError("this job record was read without its input (use JobStore.get)")
         return json.loads(self.spec_json)
 
 
@@ -113,6 +134,11 @@ class JobStore:
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)").fetchall()}
         if "input_counts" not in cols:  # added for job input counts (server/long_inputs.py)
             self._db.execute("ALTER TABLE jobs ADD COLUMN input_counts TEXT")
+        have = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)").fetchall()}
+        for column, kind in _ADDED_COLUMNS.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at, id)")
 
     def close(self) -> None:
         with self._lock:
@@ -134,17 +160,19 @@ class JobStore:
         sequences_total: int,
         tokens_total: int,
     ) -> JobRecord:
-        """Insert a queued job and return it."""
+        """Insert a queued job and return it. The spec (with any inline records: the job's only
+        copy of its input) is stored once, zlib-compressed; file inputs are stored by path."""
         job_id = uuid.uuid4().hex
+        spec_z = zlib.compress(json.dumps(spec, separators=(",", ":")).encode("utf-8"), 6)
         self._exec(
-            "INSERT INTO jobs (id, cache, k, state, spec, input_digest, created_at,"
-            " sequences_total, tokens_total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO jobs (id, cache, k, state, spec, spec_z, input_digest, created_at,"
+            " sequences_total, tokens_total) VALUES (?, ?, ?, ?, '', ?, ?, ?, ?, ?)",
             (
                 job_id,
                 cache,
                 k,
                 JobState.queued.value,
-                json.dumps(spec),
+                spec_z,
                 input_digest,
                 _now(),
                 sequences_total,
@@ -159,9 +187,45 @@ class JobStore:
             raise NotFoundError(f"no job with id {job_id!r}")
         return JobRecord.from_row(row)
 
-    def list(self) -> list[JobRecord]:
-        rows = self._exec("SELECT * FROM jobs ORDER BY created_at, id").fetchall()
+    def list(
+        self, *, limit: int | None = None, offset: int = 0, state: JobState | None = None
+    ) -> list[JobRecord]:
+        """Jobs oldest first (optionally one ``state``; ``limit``/``offset`` page), without their
+        inputs (``spec_json`` is None): listing costs the same for small and huge jobs."""
+        sql = f"SELECT {_LIST_COLUMNS} FROM jobs"
+        args: list[Any] = []
+        if state is not None:
+            sql += " WHERE state = ?"
+            args.append(JobState(state).value)
+        sql += " ORDER BY created_at, id LIMIT ? OFFSET ?"
+        args += [-1 if limit is None else limit, offset]
+        rows = self._exec(sql, tuple(args)).fetchall()
         return [JobRecord.from_row(r) for r in rows]
+
+    def count(self, state: JobState | None = None) -> int:
+        if state is None:
+            return int(self._exec("SELECT COUNT(*) FROM jobs").fetchone()[0])
+        row = self._exec("SELECT COUNT(*) FROM jobs WHERE state = ?", (state.value,)).fetchone()
+        return int(row[0])
+
+    def pending_tokens(self) -> int:
+        """Prompt tokens not yet scored in queued and running jobs (job admission)."""
+        row = self._exec(
+            "SELECT COALESCE(SUM(MAX(tokens_total - tokens_done, 0)), 0) FROM jobs"
+            " WHERE state IN (?, ?)",
+            (JobState.queued.value, JobState.running.value),
+        ).fetchone()
+        return int(row[0])
+
+    def prune(self, older_than_s: float, *, now: datetime | None = None) -> int:
+        """Delete terminal jobs that finished more than ``older_than_s`` seconds ago."""
+        cutoff = ((now or datetime.now(UTC)) - timedelta(seconds=older_than_s)).isoformat()
+        cur = self._exec(
+            "DELETE FROM jobs WHERE state IN (?, ?, ?) AND finished_at IS NOT NULL"
+            " AND finished_at < ?",
+            (*_TERMINAL, cutoff),
+        )
+        return cur.rowcount
 
     def count_by_state(self) -> dict[str, int]:
         rows = self._exec("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state").fetchall()

@@ -249,8 +249,9 @@ class JobRunner:
     def status(self, job_id: str) -> JobStatus:
         return self._status(self.store.get(job_id))
 
-    def list(self) -> list[JobStatus]:
-        return [self._status(j) for j in self.store.list()]
+    def list(self, **page: Any) -> list[JobStatus]:
+        """Job statuses, oldest first; ``page``: ``limit``/``offset``/``state`` of JobStore.list."""
+        return [self._status(j) for j in self.store.list(**page)]
 
     def cancel(self, job_id: str) -> JobStatus:
         job = self.store.request_cancel(job_id)

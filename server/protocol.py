@@ -9,15 +9,78 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from logitcache.cache_format import CONTENT_TYPE
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 #: Media type of the compact binary responses: the body is one or more frames of
 #: ``logitcache.cache_format.encode_records`` (cache_format/FORMAT.md, wire codec); decode with
 #: ``decode_records`` or ``iter_decode``.
 FRAMES_MEDIA_TYPE = CONTENT_TYPE
+
+
+#: Largest token id the API accepts at all (ids are stored as int32); the vocabulary bound is
+#: checked against the engine after parsing.
+MAX_TOKEN_ID = 2**31 - 1
+#: Largest ``k`` any request may name (the engine's own ``max_k`` is checked after parsing).
+MAX_K = 4096
+#: Longest sequence key / record id, in characters.
+MAX_KEY_CHARS = 512
+#: Longest cache name (see ``caches.NAME_PATTERN``).
+MAX_NAME_CHARS = 128
+#: Cache names: letters, digits, ``.``, ``_``, ``-``; not starting with ``.``/``_``/``-``.
+NAME_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def _utf8(value: str) -> str:
+    """``value`` if it encodes as UTF-8 (no lone surrogates, e.g. from a JSON ``"\\ud800"``)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"string is not valid Unicode (lone surrogate at index {e.start})"
+        ) from None
+    return value
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("string contains a NUL character")
+    return value
+
+
+#: A JSON integer (not ``"2"``, ``true`` or ``2.0``) in ``[0, MAX_TOKEN_ID]``.
+TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
+#: A JSON integer ``k`` in ``[1, MAX_K]``.
+TopK = Annotated[int, Field(strict=True, ge=1, le=MAX_K)]
+#: Text: any valid Unicode string (lone surrogates are refused).
+Text = Annotated[str, Field(strict=True), AfterValidator(_utf8)]
+#: A sequence key or record id: 1-512 characters of valid Unicode, no NUL.
+Key = Annotated[
+    str,
+    StringConstraints(strict=True, min_length=1, max_length=MAX_KEY_CHARS),
+    AfterValidator(_utf8),
+    AfterValidator(_no_nul),
+]
+#: A cache name (the ``..`` rule is checked by the service).
+CacheName = Annotated[
+    str, StringConstraints(strict=True, pattern=NAME_REGEX, max_length=MAX_NAME_CHARS)
+]
+#: A short free-form string (paths, field names, dataset descriptions).
+ShortText = Annotated[
+    str,
+    StringConstraints(strict=True, max_length=4096),
+    AfterValidator(_utf8),
+    AfterValidator(_no_nul),
+]
 
 
 class ApiModel(BaseModel):
@@ -44,13 +107,15 @@ class ErrorResponse(ApiModel):
 class ScoreRequest(ApiModel):
     """Score sequences on demand: exactly one of ``input_ids`` or ``texts``."""
 
-    input_ids: list[list[int]] | None = Field(
+    input_ids: list[list[TokenId]] | None = Field(
         None, description="token id sequences (each of length >= 2)"
     )
-    texts: list[str] | None = Field(None, description="texts, tokenised by the teacher's tokenizer")
-    k: int | None = Field(None, ge=1, description="top-k per row (default: the server's k)")
-    cache: str | None = Field(None, description="also store the results in this named cache")
-    keys: list[str] | None = Field(
+    texts: list[Text] | None = Field(
+        None, description="texts, tokenised by the teacher's tokenizer"
+    )
+    k: TopK | None = Field(None, description="top-k per row (default: the server's k)")
+    cache: CacheName | None = Field(None, description="also store the results in this named cache")
+    keys: list[Key] | None = Field(
         None, description="sequence keys (default: content hash of the token ids)"
     )
 
@@ -114,9 +179,9 @@ class InlineRecord(ApiModel):
     """One input sequence: ``text``, ``input_ids`` or chat ``messages``, and an optional ``id``
     (the sequence key; default: the content key of the token ids)."""
 
-    id: str | int | None = None
-    text: str | None = None
-    input_ids: list[int] | None = None
+    id: Key | Annotated[int, Field(strict=True, ge=-(2**63), lt=2**63)] | None = None
+    text: Text | None = None
+    input_ids: list[TokenId] | None = None
     messages: list[ChatMessage] | None = None
 
 
@@ -124,21 +189,21 @@ class InputFile(ApiModel):
     """A JSONL (optionally .gz), Parquet or Arrow file, or a directory of Parquet/Arrow files
     (Hugging Face ``datasets`` layouts), under the server's data directory (a relative path)."""
 
-    path: str = Field(description="relative to the server's data directory")
+    path: ShortText = Field(description="relative to the server's data directory")
     format: Literal["jsonl", "parquet", "arrow"] | None = Field(
         None, description="default: from the suffix (.gz allowed) or the directory's files"
     )
-    text_field: str = "text"
-    ids_field: str = "input_ids"
-    id_field: str = "id"
-    messages_field: str = "messages"
+    text_field: ShortText = "text"
+    ids_field: ShortText = "input_ids"
+    id_field: ShortText = "id"
+    messages_field: ShortText = "messages"
 
 
 class JobCreate(ApiModel):
     """A batch job: score every input sequence into the named cache (created if absent)."""
 
-    cache: str
-    k: int | None = Field(None, ge=1, description="default: the cache's k, else the server's")
+    cache: CacheName
+    k: TopK | None = Field(None, description="default: the cache's k, else the server's")
     file: InputFile | None = None
     records: list[InlineRecord] | None = None
     on_long: Literal["reject", "truncate", "split", "skip"] = Field(
@@ -156,7 +221,9 @@ class JobCreate(ApiModel):
         description="Jinja chat template for chat records (messages); default: the teacher "
         "tokenizer's own (server/chat.py)",
     )
-    dataset: str | None = Field(None, description="dataset description for a new cache manifest")
+    dataset: ShortText | None = Field(
+        None, description="dataset description for a new cache manifest"
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
@@ -204,6 +271,7 @@ class JobStatus(ApiModel):
 
 class JobList(ApiModel):
     jobs: list[JobStatus]
+    next_offset: int | None = Field(None, description="offset of the next page; null: last page")
 
 
 # --- caches --------------------------------------------------------------------------------
@@ -214,6 +282,12 @@ class CacheInfo(ApiModel):
     manifest: dict[str, Any]
     num_sequences: int
     num_rows: int
+    status: Literal["ok", "broken", "incomplete"] = Field(
+        "ok",
+        description="ok; broken: the store cannot be opened (see error); incomplete: a folder "
+        "without a root zarr.json (creation interrupted)",
+    )
+    error: str | None = Field(None, description="why the cache is broken or incomplete")
 
 
 class CacheList(ApiModel):

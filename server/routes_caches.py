@@ -20,27 +20,139 @@ committed snapshot at the time of the request.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Query
+from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from logitcache.cache_format import CacheReader, encode_records
 from pydantic import BaseModel, ConfigDict, Field
 
-from .caches import RangeReader
+from .caches import NAME_PATTERN, CacheRegistry, RangeReader, is_url
 from .deps import ServicesDep
-from .errors import InvalidInputError, PayloadTooLargeError
-from .protocol import FRAMES_MEDIA_TYPE, CacheInfo, CacheList, ErrorResponse
+from .errors import (
+    ConflictError,
+    InvalidInputError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ServiceError,
+    public_message,
+)
+from .protocol import (
+    FRAMES_MEDIA_TYPE,
+    MAX_NAME_CHARS,
+    NAME_REGEX,
+    CacheInfo,
+    CacheList,
+    ErrorResponse,
+)
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 
 #: Sequences per wire frame in streamed answers.
 FRAME_SEQUENCES = 256
 
-_ERRORS = {401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+log = logging.getLogger("logitcache.server.caches")
+
+_ERROR = {"model": ErrorResponse}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**_ERROR, "description": "body is not parsable JSON"},
+    401: {**_ERROR, "description": "missing or wrong API key"},
+    404: {**_ERROR, "description": "no such cache"},
+    409: {**_ERROR, "description": "the cache is broken or incomplete"},
+    413: {**_ERROR, "description": "range over a limit"},
+    422: {**_ERROR, "description": "invalid request"},
+    503: {**_ERROR, "description": "starting or stopping"},
+}
 _FRAMES = {200: {"content": {FRAMES_MEDIA_TYPE: {}}, "description": "wire frames"}}
+
+#: The ``{name}`` path parameter: a cache name (documented pattern; ``..`` is refused too).
+Name = Annotated[
+    str, PathParam(pattern=NAME_REGEX, max_length=MAX_NAME_CHARS, description="cache name")
+]
+
+
+def _link(op: str) -> dict[str, Any]:
+    return {"operationId": f"caches-{op}", "parameters": {"name": "$response.body#/caches/0/name"}}
+
+
+_LIST_LINKS = {
+    "GetCache": _link("get_cache"),
+    "GetLengths": _link("cache_lengths"),
+    "GetSequences": _link("cache_sequences"),
+    "PostSequences": _link("cache_sequence_ranges"),
+    "GetRows": _link("cache_rows"),
+}
+
+
+class CacheBrokenError(ConflictError, code="cache_broken"):
+    """A cache whose store cannot be opened (corrupt metadata, missing arrays, ...)."""
+
+
+class CacheIncompleteError(ConflictError, code="cache_incomplete"):
+    """A cache folder without a root ``zarr.json``: its creation was interrupted."""
+
+
+def _incomplete(caches: CacheRegistry, name: str) -> bool:
+    """Whether a local ``<root>/<name>`` folder exists, non-empty, without a ``zarr.json``."""
+    if is_url(caches.root):
+        return False
+    d = Path(caches.root) / name
+    try:
+        return d.is_dir() and not (d / "zarr.json").exists() and any(d.iterdir())
+    except OSError:
+        return False
+
+
+def open_reader(caches: CacheRegistry, name: str) -> CacheReader:
+    """The reader of ``name``: 404 if absent, 409 ``cache_incomplete`` / ``cache_broken`` if its
+    store exists but cannot be used (message without paths)."""
+    try:
+        return caches.reader(name)
+    except NotFoundError:
+        if _incomplete(caches, name):
+            raise CacheIncompleteError(
+                f"cache {name!r} is incomplete (its creation was interrupted): delete it, or "
+                "submit the job that creates it again"
+            ) from None
+        raise
+    except ServiceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to open is reported, not a 500
+        log.warning("cache %r cannot be opened: %r", name, e)
+        raise CacheBrokenError(
+            f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
+        ) from None
+
+
+def _listing(caches: CacheRegistry) -> list[CacheInfo]:
+    """Every cache under the root; one that cannot be opened is listed with its status."""
+    out = []
+    names = set(caches.names())
+    for name in sorted(names):
+        try:
+            out.append(_info(name, open_reader(caches, name)))
+        except ServiceError as e:
+            out.append(_unusable(name, "broken", e.message))
+    if not is_url(caches.root):
+        try:
+            folders = [p.name for p in Path(caches.root).iterdir()]
+        except OSError:
+            folders = []
+        for name in sorted(set(folders) - names):
+            if NAME_PATTERN.fullmatch(name) and ".." not in name and _incomplete(caches, name):
+                out.append(_unusable(name, "incomplete", "no zarr.json: creation interrupted"))
+    return sorted(out, key=lambda c: c.name)
+
+
+def _unusable(name: str, status: Literal["broken", "incomplete"], error: str) -> CacheInfo:
+    return CacheInfo(
+        name=name, manifest={}, num_sequences=0, num_rows=0, status=status, error=error
+    )
 
 
 def _info(name: str, reader: CacheReader) -> CacheInfo:
@@ -89,27 +201,31 @@ def _frames(
             )
 
 
-@router.get("", response_model=CacheList, responses=_ERRORS)
+@router.get(
+    "",
+    response_model=CacheList,
+    responses={**_ERRORS, 200: {"description": "every cache", "links": _LIST_LINKS}},
+)
 def list_caches(services: ServicesDep) -> CacheList:
-    caches = services.caches
-    return CacheList(caches=[_info(n, caches.reader(n)) for n in caches.names()])
+    """Every cache; a broken or incomplete one is listed with ``status`` and ``error``."""
+    return CacheList(caches=_listing(services.caches))
 
 
 @router.get("/{name}", response_model=CacheInfo, responses=_ERRORS)
-def get_cache(name: str, services: ServicesDep) -> CacheInfo:
+def get_cache(name: Name, services: ServicesDep) -> CacheInfo:
     """Manifest (teacher, tokenizer fingerprint, k, dtypes, timestamps) and committed counts."""
-    return _info(name, services.caches.reader(name))
+    return _info(name, open_reader(services.caches, name))
 
 
 @router.get("/{name}/lengths", responses=_ERRORS)
 def cache_lengths(
-    name: str,
+    name: Name,
     services: ServicesDep,
     start: int = Query(0, ge=0),
     stop: int | None = Query(None, ge=0),
 ) -> dict[str, object]:
     """Token counts ``L_i`` of sequences ``[start, stop)`` (default: to the end)."""
-    reader = services.caches.reader(name)
+    reader = open_reader(services.caches, name)
     n = reader.num_sequences
     stop = n if stop is None else stop
     start, stop = _range(start, stop, n, max(n, 1))
@@ -118,14 +234,14 @@ def cache_lengths(
 
 @router.get("/{name}/sequences", response_class=StreamingResponse, responses={**_ERRORS, **_FRAMES})
 def cache_sequences(
-    name: str,
+    name: Name,
     services: ServicesDep,
     start: int = Query(0, ge=0),
     stop: int | None = Query(None, ge=0),
     compression: Compression = "none",
 ) -> StreamingResponse:
     """Sequences ``[start, stop)`` as wire frames."""
-    reader = services.caches.reader(name)
+    reader = open_reader(services.caches, name)
     limit = services.settings.max_stream_sequences
     start, stop = _range(start, stop, reader.num_sequences, limit)
     headers = {
@@ -142,14 +258,14 @@ def cache_sequences(
     "/{name}/sequences", response_class=StreamingResponse, responses={**_ERRORS, **_FRAMES}
 )
 def cache_sequence_ranges(
-    name: str, body: RangesRequest, services: ServicesDep
+    name: Name, body: RangesRequest, services: ServicesDep
 ) -> StreamingResponse:
     """The sequences of several ``[start, stop)`` ranges as wire frames, range after range.
 
     Every range must lie in ``[0, num_sequences]`` with ``start <= stop``; their total length is
     at most ``max_stream_sequences``.
     """
-    reader = services.caches.reader(name)
+    reader = open_reader(services.caches, name)
     n, limit = reader.num_sequences, services.settings.max_stream_sequences
     for start, stop in body.ranges:
         if not 0 <= start <= stop <= n:
@@ -170,14 +286,14 @@ def cache_sequence_ranges(
 
 @router.get("/{name}/rows", response_class=StreamingResponse, responses={**_ERRORS, **_FRAMES})
 def cache_rows(
-    name: str,
+    name: Name,
     services: ServicesDep,
     start: int = Query(ge=0),
     stop: int = Query(ge=0),
     compression: Compression = "none",
 ) -> StreamingResponse:
     """The sequences holding global rows ``[start, stop)`` as wire frames (see module doc)."""
-    reader = services.caches.reader(name)
+    reader = open_reader(services.caches, name)
     if not 0 <= start < stop <= reader.num_rows:
         raise InvalidInputError(f"row range [{start}, {stop}) is outside [0, {reader.num_rows}]")
     row_starts = reader.row_starts

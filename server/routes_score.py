@@ -1,21 +1,47 @@
-"""``POST /v1/score``: on-demand teacher top-k (JSON, or binary frames by ``Accept``)."""
+"""``POST /v1/score``: on-demand teacher top-k (JSON, or binary frames by ``Accept``).
+
+A request runs until its answer is ready, its client disconnects, or ``request_timeout_s``
+passes; in the last two cases the scoring task is cancelled, which aborts its sequences in the
+engine (no work for clients that are gone), and the answer is ``499`` (unseen) or ``503
+deadline_exceeded`` with ``Retry-After``. The JSON body is built in a worker thread.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
-from logitcache.cache_format import encode_records
+from logitcache.cache_format import SequenceRecord, encode_records
 
 from .deps import ServicesDep
+from .errors import ClientClosedError, DeadlineExceededError
 from .protocol import FRAMES_MEDIA_TYPE, ErrorResponse, ScoreRequest, ScoreResponse
+from .routes_ops import public_model
 
 router = APIRouter(prefix="/v1", tags=["score"])
 
-_ERRORS = {
-    401: {"model": ErrorResponse},
-    409: {"model": ErrorResponse},
-    413: {"model": ErrorResponse},
-    422: {"model": ErrorResponse},
+T = TypeVar("T")
+
+_ERROR = {"model": ErrorResponse}
+_RETRY = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**_ERROR, "description": "body is not parsable JSON (e.g. nested too deeply)"},
+    401: {**_ERROR, "description": "missing or wrong API key"},
+    408: {**_ERROR, "description": "request body sent too slowly"},
+    409: {**_ERROR, "description": "the cache holds another teacher or k"},
+    413: {**_ERROR, "description": "body, sequence, text or answer over a limit"},
+    422: {**_ERROR, "description": "invalid request or input"},
+    429: {**_ERROR, "description": "over the on-demand token budget", "headers": _RETRY},
+    503: {**_ERROR, "description": "engine unavailable or deadline passed", "headers": _RETRY},
+}
+_SCORE_HEADERS = {
+    "X-Logitcache-K": {"description": "the k used", "schema": {"type": "string"}},
+    "X-Logitcache-Stored": {"description": "sequences newly stored", "schema": {"type": "string"}},
 }
 
 
@@ -24,12 +50,80 @@ def wants_frames(request: Request) -> bool:
     return FRAMES_MEDIA_TYPE in request.headers.get("accept", "")
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is already read: only ``http.disconnect``
+    can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout: float) -> T:
+    """``await work`` unless the client disconnects or ``timeout`` seconds pass first; then the
+    work is cancelled (and awaited) and :class:`ClientClosedError` /
+    :class:`DeadlineExceededError` raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when="FIRST_COMPLETED")
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    if gone in done:
+        raise ClientClosedError("the client disconnected; its work was aborted")
+    raise DeadlineExceededError(
+        f"no answer within the request deadline of {timeout:g} s; the work was aborted"
+    )
+
+
+_F32_MIN = float(np.finfo(np.float32).min)
+
+
+def json_body(
+    model: str, k: int, cache: str | None, stored: int, recs: list[SequenceRecord]
+) -> bytes:
+    """The :class:`ScoreResponse` JSON (``-inf`` logprobs, if any, as float32's lowest value)."""
+    payload = {
+        "model": model,
+        "k": k,
+        "cache": cache,
+        "stored": stored,
+        "sequences": [
+            {
+                "key": r.key,
+                "input_ids": r.input_ids.tolist(),
+                "topk_ids": r.topk_ids.tolist(),
+                "topk_logprobs": np.maximum(r.topk_logprobs, _F32_MIN).tolist(),
+                "tail_mass": np.nan_to_num(r.tail_or_computed(), nan=0.0).tolist(),
+            }
+            for r in recs
+        ],
+    }
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+
+
 @router.post(
     "/score",
     response_model=ScoreResponse,
     responses={
         **_ERRORS,
-        200: {"content": {FRAMES_MEDIA_TYPE: {}}, "description": "JSON, or frames if accepted"},
+        200: {
+            "content": {FRAMES_MEDIA_TYPE: {}},
+            "description": "JSON, or frames if accepted",
+            "headers": _SCORE_HEADERS,
+            "links": {
+                "GetCache": {
+                    "operationId": "caches-get_cache",
+                    "parameters": {"name": "$request.body#/cache"},
+                }
+            },
+        },
     },
     summary="Score sequences now",
 )
@@ -40,26 +134,22 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
     (``logitcache.cache_format.decode_records``), headers ``X-Logitcache-K`` and
     ``X-Logitcache-Stored``; otherwise a :class:`ScoreResponse` JSON body.
     """
-    result = await services.scoring.score(body)
+    frames = wants_frames(request)
+    result = await run_for_client(
+        request,
+        services.scoring.score(body, frames=frames),
+        services.settings.request_timeout_s,
+    )
     headers = {"X-Logitcache-K": str(result.k), "X-Logitcache-Stored": str(result.stored)}
-    if wants_frames(request):
-        return Response(
-            encode_records(result.records), media_type=FRAMES_MEDIA_TYPE, headers=headers
-        )
-    payload = {
-        "model": services.engine.info.model_id,
-        "k": result.k,
-        "cache": body.cache,
-        "stored": result.stored,
-        "sequences": [
-            {
-                "key": r.key,
-                "input_ids": r.input_ids.tolist(),
-                "topk_ids": r.topk_ids.tolist(),
-                "topk_logprobs": r.topk_logprobs.tolist(),
-                "tail_mass": r.tail_or_computed().tolist(),
-            }
-            for r in result.records
-        ],
-    }
-    return JSONResponse(payload, headers=headers)
+    if frames:
+        data = await asyncio.to_thread(encode_records, result.records)
+        return Response(data, media_type=FRAMES_MEDIA_TYPE, headers=headers)
+    data = await asyncio.to_thread(
+        json_body,
+        public_model(services.engine.info.model_id),
+        result.k,
+        body.cache,
+        result.stored,
+        result.records,
+    )
+    return Response(data, media_type="application/json", headers=headers)

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 from logitcache.cache_format import Manifest, SequenceRecord
 
+from .admission import TokenGate
 from .caches import CacheRegistry, check_name, expected_manifest
-from .errors import InvalidInputError, PayloadTooLargeError
+from .errors import InvalidInputError, OverloadedError, PayloadTooLargeError
 from .inputs import Limits, RawRecord, Sequence, to_sequence
 
 if TYPE_CHECKING:
@@ -55,8 +56,12 @@ class ScoringService:
         """On-demand engine calls in progress (jobs yield to them, see ``jobs``)."""
         info = engine.info
         self.limits = Limits(
-            vocab_size=info.vocab_size, max_len=min(settings.max_seq_len, info.max_model_len)
+            vocab_size=info.vocab_size,
+            max_len=min(settings.max_seq_len, info.max_model_len),
+            max_text_bytes=settings.text_byte_limit,
         )
+        self.gate = TokenGate(settings.max_queued_tokens)
+        """On-demand admission (``max_queued_tokens``); jobs are accounted apart (job table)."""
 
     # --- checks ---------------------------------------------------------------------------
 
@@ -136,20 +141,59 @@ class ScoringService:
         )
         return to_records(seqs, scores)
 
-    async def score(self, req: ScoreRequest) -> ScoreResult:
-        """Check, score and (if ``req.cache``) store; all checks precede engine and store."""
+    def check_response_size(self, seqs: Seq[Sequence], k: int, *, frames: bool) -> None:
+        """413 before any engine work if the answer would exceed ``max_response_bytes``.
+
+        Upper-bound estimate per row: JSON ``k * 34 + 30`` bytes (an id of up to 10 digits and a
+        float of up to 22 characters with separators, plus the tail), frames ``k * 8 + 4``; per
+        token ``12`` bytes of ``input_ids``.
+        """
+        tokens = sum(s.length for s in seqs)
+        rows = tokens - len(seqs)
+        per_row = k * 8 + 4 if frames else k * 34 + 30
+        size = rows * per_row + tokens * 12 + 200 * len(seqs)
+        limit = self.settings.max_response_bytes
+        if size > limit:
+            raise PayloadTooLargeError(
+                f"the answer would take about {size} bytes, over the limit of {limit}: send fewer "
+                "or shorter sequences, a smaller k, or ask for frames "
+                "(Accept: application/x-logitcache-frames)"
+            )
+
+    def admit(self, tokens: int) -> None:
+        """Take ``tokens`` of the on-demand budget or raise :class:`OverloadedError` (429)."""
+        if not self.gate.try_acquire(tokens):
+            raise OverloadedError(
+                f"the server is at its limit of {self.gate.limit} queued prompt tokens "
+                f"({self.gate.in_flight} in flight); retry later",
+                retry_after=self.gate.retry_after(),
+            )
+
+    async def score(self, req: ScoreRequest, *, frames: bool = False) -> ScoreResult:
+        """Check, admit, score and (if ``req.cache``) store; all checks precede engine and store.
+
+        Tokenising and checking run in a worker thread (never on the event loop). Cancelling
+        the awaiting task (client gone, deadline passed) aborts the engine work.
+        """
         manifest = None
         if req.cache is not None:
             manifest = await asyncio.to_thread(self.target_manifest, req.cache, req.k)
             k = manifest.k
         else:
             k = self.resolve_k(req.k)
-        seqs = self.sequences_of(req)
+        seqs = await asyncio.to_thread(self.sequences_of, req)
+        self.check_response_size(seqs, k, frames=frames)
+        tokens = sum(s.length for s in seqs)
+        self.admit(tokens)
         self.active += 1
+        t0 = time.perf_counter()
+        finished = False
         try:
             records = await self.score_sequences(seqs, k, source="score")
+            finished = True
         finally:
             self.active -= 1
+            self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
         stored = 0
         if req.cache is not None and manifest is not None:
             stored = await asyncio.to_thread(self._store, req.cache, manifest, records)

@@ -80,6 +80,26 @@ class ServerSettings(BaseSettings):
     """Most inline records in one ``POST /v1/jobs``."""
     max_stream_sequences: int = Field(4096, ge=1)
     """Most sequences returned by one block-streaming request."""
+    max_text_bytes: int | None = Field(None, ge=1)
+    """Longest text (UTF-8 bytes), checked before tokenising (413 above); default
+    ``64 * max_seq_len``."""
+    max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest ``/v1/score`` answer, estimated before scoring (413 above: ask for frames, fewer
+    sequences or a smaller k)."""
+
+    # --- admission control --------------------------------------------------------------------
+    max_queued_tokens: int = Field(262_144, ge=1)
+    """On-demand admission: most prompt tokens of ``/v1/score`` requests admitted to the engine
+    at once; a request that would pass it is answered 429 with ``Retry-After`` (a single request
+    is always admitted when nothing else is in flight)."""
+    max_pending_job_tokens: int = Field(1_000_000_000, ge=1)
+    """Job admission: most prompt tokens not yet scored in queued and running jobs; a new job
+    is refused with 429 while they are above it."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of a ``/v1/score`` request: past it the engine work is aborted and the answer is
+    503 ``deadline_exceeded``. A request whose client disconnects is aborted at once."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """Longest wait for the next piece of a request body (408 ``request_timeout`` after)."""
 
     # --- jobs -------------------------------------------------------------------------------
     job_batch_sequences: int = Field(64, ge=1)
@@ -91,22 +111,43 @@ class ServerSettings(BaseSettings):
     while on-demand requests are being scored a job keeps only one batch in the engine."""
     job_write_queue: int = Field(4, ge=1)
     """Bound of the queue between scoring and the cache-writer thread."""
+    job_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
+    """Finished (succeeded, failed, cancelled) jobs are deleted from the job table this long
+    after they finished (checked at start-up and hourly); their caches stay."""
 
     # --- HTTP -------------------------------------------------------------------------------
     api_key: SecretStr | None = None
-    """If set, every route but ``/health`` requires ``Authorization: Bearer <key>``."""
+    """If set, every route but ``/health`` requires ``Authorization: Bearer <key>``. Prefer the
+    environment (``LOGITCACHE_API_KEY``) or ``--api-key-file``: a command line is visible in
+    ``ps``."""
+    api_key_file: Path | None = None
+    """File holding the API key (first line; surrounding whitespace ignored)."""
     host: str = "127.0.0.1"
     """Bind address."""
     port: int = Field(8000, ge=0, le=65535)
     """Bind port (0: any free port)."""
     log_level: str = "info"
-    """uvicorn log level."""
+    """Log level of the service's and uvicorn's loggers (INFO shows start-up and job events)."""
 
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:
+        if self.api_key_file is not None:
+            try:
+                text = self.api_key_file.expanduser().read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read the API key file: {e}") from None
+            key = text.strip().splitlines()[0].strip() if text.strip() else ""
+            if not key:
+                raise ValueError("the API key file is empty")
+            self.api_key = SecretStr(key)
         if self.api_key is not None and not self.api_key.get_secret_value():
             self.api_key = None
         return self
+
+    @property
+    def text_byte_limit(self) -> int:
+        """``max_text_bytes``, or its default ``64 * max_seq_len``."""
+        return self.max_text_bytes if self.max_text_bytes is not None else 64 * self.max_seq_len
 
     @property
     def job_db_path(self) -> Path:

@@ -156,3 +156,81 @@ def tree_snapshot(root: Path) -> dict[str, int]:
     return {
         str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()
     }
+
+
+class ThreadedServer:
+    """The real app under real uvicorn, in a thread of the test process, on a shared engine.
+
+    Much cheaper than :class:`ServerProcess` (no engine start-up): ``create_app(settings,
+    engine)`` with the suite's session engine, served on a free port. ``app`` is reachable for
+    white-box checks (``app.state.services``); the engine is the caller's and is not closed.
+    """
+
+    def __init__(self, settings: Any, engine: Any, *, api_key: str | None = None):
+        import uvicorn
+        from logitcache.server.app import create_app
+
+        self.port = free_port()
+        self.api_key = api_key
+        self.settings = settings
+        self.app = create_app(settings, engine=engine)
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self._thread: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def services(self) -> Any:
+        return self.app.state.services
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers(), timeout=60.0, **kw)
+
+    def start(self, timeout: float = 60.0) -> ThreadedServer:
+        import threading
+
+        self._thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the threaded server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def server_settings(workdir: Path, model: str, **overrides: Any) -> Any:
+    """ServerSettings for a test server under ``workdir`` (caches, data, state folders)."""
+    from logitcache.server.settings import ServerSettings
+
+    workdir = Path(workdir)
+    (workdir / "data").mkdir(parents=True, exist_ok=True)
+    base: dict[str, Any] = {
+        "model": model,
+        "k": 8,
+        "dtype": "float32",
+        "store_root": str(workdir / "caches"),
+        "data_dir": workdir / "data",
+        "state_dir": workdir / "state",
+        "max_seq_len": 1000,
+    }
+    return ServerSettings(**{**base, **overrides})
