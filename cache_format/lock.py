@@ -1,7 +1,10 @@
 """Writer lock: one append transaction at a time per store (FORMAT.md rule W5).
 
 - Local directory: ``fcntl.flock`` on ``<root>/.logitcache.lock``. The kernel drops the lock when
-  the holder dies (SIGKILL included), so no lock is ever stale.
+  the holder dies (SIGKILL included), so no lock is ever stale. The holder deletes the file
+  before unlocking, so a store has no lock file between appends (stock zarr lists the store
+  without warnings); a contender that locked a file that was deleted meanwhile (its inode no
+  longer at the path) drops it and retries on the new one.
 - Object store: a lease object ``<prefix>/.logitcache.lock`` created with a conditional put
   (``If-None-Match: *``). It holds ``{owner, expires}``; a heartbeat thread renews it every
   ``ttl/3`` with ``If-Match: <etag>``. A lease past ``expires`` (holder died) is taken over with
@@ -44,13 +47,11 @@ class LocalLock:
     def acquire(self, timeout: float) -> None:
         import fcntl
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + timeout
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._fd = fd
-                return
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     os.close(fd)
@@ -58,11 +59,29 @@ class LocalLock:
                         f"store {self.path!r} is locked by another writer (waited {timeout} s)"
                     ) from None
                 time.sleep(_POLL_S)
+                continue
+            if self._same_file(fd):
+                self._fd = fd
+                return
+            os.close(fd)  # the holder deleted it on release: lock the current file instead
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
         import fcntl
 
         if self._fd is not None:
+            try:
+                os.unlink(self.path)  # still holding the lock: nobody else owns this file
+            except FileNotFoundError:
+                pass
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -31,3 +31,92 @@ def test_float16_output_clips_to_finite_range(tmp_path, dtype):
         assert got[:, -1].tolist() == [-65504.0] * 5
         want = np.clip(f32, -65504, 0).astype(np.float16)
         assert np.array_equal(got, want)
+
+
+def _set_counts(url, **counts) -> None:
+    import json
+
+    root = url / "zarr.json"
+    doc = json.loads(root.read_text())
+    doc["attributes"]["logitcache"].update(counts)
+    root.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        dict(num_rows=-1),
+        dict(num_tokens=-1),
+        dict(num_rows=-1, num_tokens=-1),
+        dict(num_sequences=-1),
+        dict(num_rows=+1, num_tokens=+1),
+    ],
+)
+def test_reader_never_reads_past_committed_counts(tmp_path, delta):
+    """R6: counts that disagree with the sequence index are a CorruptStoreError at open, never a
+    read of the last sequence past the committed rows (issue #11: num_rows - 1 used to return it
+    whole). validate reports count_rows/count_tokens."""
+    from logitcache.cache_format import CorruptStoreError, validate
+
+    url = tmp_path / "c"
+    recs = make_records(5, seed=2, min_len=4, max_len=9)
+    with CacheWriter.open(url, make_manifest(), fsync=False) as w:
+        w.append(recs)
+    m = CacheReader(url).manifest
+    _set_counts(url, **{n: getattr(m, n) + d for n, d in delta.items()})
+    for direct in (True, False):
+        with pytest.raises(CorruptStoreError):
+            CacheReader(url, direct=direct)
+    assert not validate(url).ok
+
+
+def test_direct_layout_is_bounded_by_the_commit(tmp_path):
+    """Entries past the commit (a killed writer's leftovers) are outside every read."""
+    from logitcache.cache_format import CorruptStoreError
+
+    url = tmp_path / "c"
+    with CacheWriter.open(url, make_manifest(), fsync=False) as w:
+        w.append(make_records(3, seed=4))
+    r = CacheReader(url)
+    n = r.num_rows
+    assert r._direct["topk_ids"].length == n
+    with pytest.raises(CorruptStoreError, match="past the committed"):
+        r._read([("topk_ids", slice(0, n + 1))])
+    with pytest.raises(IndexError):
+        r.rows(0, n + 1)
+
+
+def test_stock_zarr_lists_a_closed_store_without_warnings(tmp_path):
+    """The writer lock file is deleted on release (FORMAT.md 5.1), so stock zarr-python (the
+    pinned 3.1.x; zarr >= 3.2 needs Python >= 3.12) walks a closed store with no "not recognized
+    as a component of a Zarr hierarchy" warning."""
+    import warnings
+
+    import zarr
+    from logitcache.cache_format.lock import LocalLock
+
+    url = tmp_path / "c"
+    with CacheWriter.open(url, make_manifest(), fsync=False) as w:
+        w.append(make_records(3, seed=1))
+        w.append(make_records(2, seed=2, prefix="t"))
+    assert not (url / ".logitcache.lock").exists()
+    assert not list(url.rglob("*.partial"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g = zarr.open_group(url, mode="r")
+        names = {n for n, _ in g.members()}
+        assert {"topk_ids", "seq_keys", "seq_key_bytes"} <= names
+        assert sorted(g.array_keys()) == sorted(names)
+        assert g.tree() is not None
+    # a lock file left by a killed writer does not block the next one, which removes it
+    (url / ".logitcache.lock").touch()
+    a, b = LocalLock(url / ".logitcache.lock"), LocalLock(url / ".logitcache.lock")
+    a.acquire(1.0)
+    from logitcache.cache_format import WriterLockedError
+
+    with pytest.raises(WriterLockedError):
+        b.acquire(0.1)
+    a.release()
+    b.acquire(1.0)  # the file a locked is gone; b locks a fresh one
+    b.release()
+    assert not (url / ".logitcache.lock").exists()
