@@ -25,7 +25,8 @@ implementation ignores ``logit_scale`` are refused for ``T != 1`` (:data:`LOGIT_
 Two drivers, same results:
 
 * ``async``: vLLM's ``AsyncLLM`` (the engine core runs in its own process; what a GPU server
-  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process.
+  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process. The engine's processes are handed to
+  :mod:`.reaper`, so they end when the server process does, even on SIGKILL.
 * ``inproc``: vLLM's ``LLMEngine`` with the in-process engine core
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ~3 s start-up, ~1.7 GB on the CPU box), stepped by one
   dedicated thread; ``score`` awaits futures that thread resolves.
@@ -51,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from . import reaper
 from .base import BaseEngine
 from .config import EngineConfig, VllmOptions, engine_info, model_max_len
 from .protocol import (
@@ -406,7 +408,11 @@ class VllmEngine(BaseEngine):
             from vllm.v1.engine.async_llm import AsyncLLM
 
             self._driver = None
+            before = reaper.own_descendants()
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+            # the engine core (and its workers) must not outlive this process (issue #18)
+            started = reaper.own_descendants()
+            reaper.protect({p: t for p, t in started.items() if before.get(p) != t})
 
     # --- BaseEngine -------------------------------------------------------------------------
 
