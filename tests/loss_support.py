@@ -83,3 +83,30 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / ||b||`` in float64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def sample_targets(
+    p: torch.Tensor, draws: int, m: int, tau: float = 1.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random-sampling KD rows from teacher probabilities ``p [R, V]`` (the #12 contract).
+
+    Draw ``draws`` ids per row from ``q ∝ p^(1/tau)``; keep the distinct ones with weights
+    ``w ∝ count * p / q`` (normalised); pad to ``m`` columns with unused ids and ``log w = -inf``.
+    Returns ``ids [R, m]`` (int64, distinct per row) and ``log w [R, m]`` (float64).
+    """
+    rows, vocab = p.shape
+    q = p.pow(1.0 / tau)
+    q = q / q.sum(-1, keepdim=True)
+    picks = torch.multinomial(q, draws, replacement=True, generator=generator)
+    counts = torch.zeros(rows, vocab, dtype=torch.float64).scatter_add_(
+        1, picks, torch.ones(rows, draws, dtype=torch.float64)
+    )
+    w = counts * p / q
+    w = w / w.sum(-1, keepdim=True)
+    # sampled ids first (largest weight first), then unused ids as padding
+    order = torch.where(counts > 0, w, -1.0 - torch.arange(vocab, dtype=torch.float64))
+    ids = order.argsort(dim=1, descending=True)[:, :m]
+    logw = w.gather(1, ids).log()  # exactly -inf on padding (weight 0)
+    if bool((counts > 0).sum(-1).max() > m):
+        raise ValueError("m is smaller than the number of distinct sampled ids")
+    return ids, logw
