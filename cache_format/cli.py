@@ -86,17 +86,26 @@ def export(
     url: str,
     out: Path,
     option: OptionList = None,
-    fmt: str = typer.Option("jsonl", "--format", help="jsonl | frames (wire codec)"),
+    fmt: str = typer.Option(
+        "jsonl", "--format", help="jsonl | frames (wire codec) | parquet (axolotl) | distillkit"
+    ),
     limit: int = typer.Option(-1, help="export the first N sequences only (-1: all)"),
 ):
-    """Export sequences to JSON lines (one record per line) or wire-codec frames."""
+    """Export sequences to JSON lines (one record per line) or wire-codec frames; or for a peer
+    trainer: ``parquet`` (axolotl's KD layout) or ``distillkit`` (a DistillKit logit directory)."""
+    if fmt in ("parquet", "axolotl", "distillkit"):  # lazy: needs the client extra and pyarrow
+        from logitcache.client.interop_cli import export_peer
+
+        n = export_peer(fmt, url, out, _options(option), limit)
+        typer.echo(f"exported {n} sequences to {out}", err=True)
+        return
     from .reader import CacheReader
     from .wire import encode_records
 
     reader = CacheReader(url, _options(option))
     n = reader.num_sequences if limit < 0 else min(limit, reader.num_sequences)
     if fmt not in ("jsonl", "frames"):
-        raise typer.BadParameter("format must be jsonl or frames")
+        raise typer.BadParameter("format must be jsonl, frames, parquet or distillkit")
     mode = "w" if fmt == "jsonl" else "wb"
     with open(out, mode) as f:
         for start in range(0, n, 256):
@@ -130,6 +139,19 @@ def jobs(ctx: typer.Context) -> None:
     from logitcache.client.jobs_cli import main as jobs_main  # lazy: needs the client extra
 
     raise typer.Exit(jobs_main(list(ctx.args)))
+
+
+@app.command(
+    "import",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def import_cmd(ctx: typer.Context) -> None:
+    """Import a peer trainer's teacher top-k files (axolotl parquet, DistillKit) into a new cache
+    (client/interop_cli.py)."""
+    from logitcache.client.interop_cli import main as import_main  # lazy: needs pyarrow
+
+    raise typer.Exit(import_main(list(ctx.args)))
 
 
 def main() -> None:  # pragma: no cover - console entry convenience

@@ -341,3 +341,46 @@ class CacheDistillTrainer(Trainer):
             n = torch.as_tensor(num_items_in_batch, device=total.device).clamp_min(1)
             loss = total / n * self.accelerator.num_processes
         return (loss, {"hidden_states": hidden}) if return_outputs else loss
+
+
+def hf_iterable(ds: CacheDataset) -> Any:
+    """``ds`` as a ``datasets.IterableDataset`` (one example per item or batch ``ds`` yields,
+    numpy arrays with declared features; ``.with_format("torch")`` gives tensors back)::
+
+        hf = hf_iterable(CacheDataset(url, tokens_per_item=2048, seed=0))
+
+    It reads ``ds`` as configured (its rank partition, epoch and resume point) each time it is
+    iterated; do not let a second layer shard it again (e.g. ``split_dataset_by_node``)."""
+    import datasets
+
+    t, k = ds.tokens_per_item, ds.k
+    ids = "int64" if ds.ids_dtype == torch.int64 else "int32"
+    lead = () if ds.batch_size is None else (None,)
+
+    def arr(dtype: str, *shape: int) -> Any:
+        dims = (*lead, *shape)
+        if len(dims) == 1:
+            return datasets.Sequence(datasets.Value(dtype), length=dims[0] or -1)
+        return getattr(datasets, f"Array{len(dims)}D")(shape=dims, dtype=dtype)
+
+    features = datasets.Features(
+        {
+            "input_ids": arr("int64", t),
+            "labels": arr("int64", t),
+            "attention_mask": arr("int64", t),
+            "position_ids": arr("int64", t),
+            "segment_ids": arr("int64", t),
+            "topk_ids": arr(ids, t, k),
+            "topk_logprobs": arr("float32", t, k),
+            "tail_mass": arr("float32", t),
+            "loss_mask": arr("bool", t),
+        }
+    )
+    return datasets.IterableDataset.from_generator(
+        _numpy_items, gen_kwargs={"ds": ds}, features=features
+    )
+
+
+def _numpy_items(ds: CacheDataset) -> Iterator[dict[str, np.ndarray]]:
+    for unit in ds:
+        yield {name: value.numpy() for name, value in unit.items()}
