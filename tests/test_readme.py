@@ -2,7 +2,8 @@
 
 The block between ``<!-- quickstart:begin -->`` and ``<!-- quickstart:end -->`` is extracted and
 run by ``bash -e`` in a fresh directory (``.venv`` linked to this checkout's), against the tiny
-fixture teacher and a real ``logitcache-server`` subprocess. The one change: ``localhost:8000``
+fixture teacher and a real ``logitcache-server`` subprocess, in an environment without the
+test suite's vLLM variables (the block exports what it needs). The one change: ``localhost:8000``
 becomes a free port, and ``LOGITCACHE_PORT``/``LOGITCACHE_URL`` (documented settings of the
 server and of ``logitcache jobs``) point there, so the test never collides with a service on 8000.
 """
@@ -59,13 +60,13 @@ def test_readme_quickstart_runs_as_printed(tiny, tmp_path: Path) -> None:
     port = _free_port()
     script = script.replace("localhost:8000", f"localhost:{port}")
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    # the caller's environment without what the README sets itself (or must not inherit)
     env = {
-        **os.environ,
-        **VLLM_ENV,
-        "LOGITCACHE_PORT": str(port),
-        "LOGITCACHE_URL": f"http://127.0.0.1:{port}",
+        k: v
+        for k, v in os.environ.items()
+        if k not in VLLM_ENV and not k.startswith(("LOGITCACHE_", "VLLM_"))
     }
-    env.pop("LOGITCACHE_API_KEY", None)
+    env.update(LOGITCACHE_PORT=str(port), LOGITCACHE_URL=f"http://127.0.0.1:{port}")
     t0 = time.monotonic()
     proc = subprocess.Popen(
         ["bash", "-e", "-c", script],
