@@ -26,12 +26,23 @@ OptionList = Annotated[
 
 
 def _options(pairs: list[str] | None) -> dict:
+    """``name=value`` pairs as storage options; ``true``/``false`` (any case) are booleans and a
+    value starting with ``{`` is a JSON object (``client_kwargs={...}``); the rest stay strings
+    (so ``-o anon=false`` means anonymous access OFF)."""
     out: dict = {}
     for pair in pairs or []:
         if "=" not in pair:
             raise typer.BadParameter(f"expected name=value, got {pair!r}")
         name, value = pair.split("=", 1)
-        out[name] = value
+        parsed: object = value
+        if value.strip().lower() in ("true", "false"):
+            parsed = value.strip().lower() == "true"
+        elif value.lstrip().startswith("{"):
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                raise typer.BadParameter(f"{name}: not a JSON object: {value!r}") from None
+        out[name] = parsed
     return out
 
 

@@ -134,6 +134,19 @@ def _scheme(url: str) -> str:
     return urlparse(url).scheme.lower()
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A boolean option given as a bool or as ``true``/``false``/``1``/``0`` text
+    (``bool("false")`` would be True)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise FormatError(f"storage option {name} must be true or false, got {value!r}")
+
+
 def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict]:
     """Translate s3fs-style options into obstore ``from_url`` kwargs and client options."""
     opts = dict(options)
@@ -143,7 +156,7 @@ def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, An
         if src in client_kwargs:
             opts.setdefault(src, client_kwargs[src])
     config: dict[str, Any] = {}
-    anon = bool(opts.pop("anon", False))
+    anon = _flag("anon", opts.pop("anon", False))
     for name, value in opts.items():
         if value is None:
             continue
