@@ -3,7 +3,8 @@
 A request runs until its answer is ready, its client disconnects, or ``request_timeout_s``
 passes; in the last two cases the scoring task is cancelled, which aborts its sequences in the
 engine (no work for clients that are gone), and the answer is ``499`` (unseen) or ``503
-deadline_exceeded`` with ``Retry-After``. The JSON body is built in a worker thread.
+deadline_exceeded`` with ``Retry-After``. The JSON body is streamed, built one sequence at a time
+in a worker thread; frames are encoded in a worker thread.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 from logitcache.cache_format import SequenceRecord, encode_records
 
 from .deps import ServicesDep
@@ -85,27 +87,25 @@ async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout
 _F32_MIN = float(np.finfo(np.float32).min)
 
 
-def json_body(
+def json_chunks(
     model: str, k: int, cache: str | None, stored: int, recs: list[SequenceRecord]
-) -> bytes:
-    """The :class:`ScoreResponse` JSON (``-inf`` logprobs, if any, as float32's lowest value)."""
-    payload = {
-        "model": model,
-        "k": k,
-        "cache": cache,
-        "stored": stored,
-        "sequences": [
-            {
-                "key": r.key,
-                "input_ids": r.input_ids.tolist(),
-                "topk_ids": r.topk_ids.tolist(),
-                "topk_logprobs": np.maximum(r.topk_logprobs, _F32_MIN).tolist(),
-                "tail_mass": np.nan_to_num(r.tail_or_computed(), nan=0.0).tolist(),
-            }
-            for r in recs
-        ],
-    }
-    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+) -> Iterator[bytes]:
+    """The :class:`ScoreResponse` JSON in pieces, one sequence at a time (``-inf`` logprobs, if
+    any, as float32's lowest value). Streamed from a worker thread: no piece holds the GIL for
+    long (``/health`` stays fast) and the whole text never sits in memory at once."""
+    head = {"model": model, "k": k, "cache": cache, "stored": stored}
+    yield json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"sequences":['
+    for i, r in enumerate(recs):
+        seq = {
+            "key": r.key,
+            "input_ids": r.input_ids.tolist(),
+            "topk_ids": r.topk_ids.tolist(),
+            "topk_logprobs": np.maximum(r.topk_logprobs, _F32_MIN).tolist(),
+            "tail_mass": np.nan_to_num(r.tail_or_computed(), nan=0.0).tolist(),
+        }
+        text = json.dumps(seq, separators=(",", ":"), allow_nan=False).encode()
+        yield (b"," + text) if i else text
+    yield b"]}"
 
 
 @router.post(
@@ -144,12 +144,12 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
     if frames:
         data = await asyncio.to_thread(encode_records, result.records)
         return Response(data, media_type=FRAMES_MEDIA_TYPE, headers=headers)
-    data = await asyncio.to_thread(
-        json_body,
+    chunks = json_chunks(
         public_model(services.engine.info.model_id),
         result.k,
         body.cache,
         result.stored,
         result.records,
     )
-    return Response(data, media_type="application/json", headers=headers)
+    # a sync iterator: Starlette pulls each piece in a worker thread
+    return StreamingResponse(chunks, media_type="application/json", headers=headers)
