@@ -1,0 +1,197 @@
+"""A logitcache store reader written from ``cache_format/FORMAT.md`` alone.
+
+It imports nothing from the project and nothing from zarr: JSON metadata, the shard layout
+(FORMAT.md 4.5), the codecs named in the array table (section 4), the transforms (4.1-4.3) and the
+commit point (R6, R8, R9) are decoded here by hand, each line citing the rule it implements.
+``tests/test_format_spec_reader.py`` requires it to agree with the project's reader on every
+array of every encoding, so the text and the bytes cannot drift apart.
+
+Third-party decoders used: ``numcodecs.blosc`` (blosc1 frames), ``numcodecs.zstd`` (zstd frames)
+and ``google_crc32c`` (CRC32C).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+from numcodecs import blosc
+from numcodecs.zstd import Zstd
+
+EMPTY = 2**64 - 1  # 4.5: the index pair of a chunk that is not stored
+DTYPES = {  # zarr v3 data types of section 4 -> little-endian numpy dtypes
+    "int32": "<i4",
+    "int64": "<i8",
+    "uint8": "u1",
+    "uint16": "<u2",
+    "uint32": "<u4",
+    "float16": "<f2",
+    "float32": "<f4",
+}
+ROW_BITS = {"float16": np.uint16, "float32": np.uint32, "uint8": np.uint8, "uint16": np.uint16}
+
+
+class SpecError(Exception):
+    """The store breaks a rule of FORMAT.md (the message cites it)."""
+
+
+def _crc_ok(frame: bytes) -> bool:
+    """R7 / codec crc32c: the last 4 bytes are the CRC32C of the rest, uint32 little-endian."""
+    return len(frame) >= 4 and google_crc32c.value(frame[:-4]) == int.from_bytes(
+        frame[-4:], "little"
+    )
+
+
+def _vlen_utf8(raw: bytes) -> list[str]:
+    """Section 4 codec vlen-utf8: uint32 LE count, then per item uint32 LE length + UTF-8."""
+    n = int.from_bytes(raw[:4], "little")
+    out, pos = [], 4
+    for _ in range(n):
+        size = int.from_bytes(raw[pos : pos + 4], "little")
+        out.append(raw[pos + 4 : pos + 4 + size].decode("utf-8"))
+        pos += 4 + size
+    return out
+
+
+@dataclass
+class SpecArray:
+    name: str
+    meta: dict
+
+    @property
+    def shape(self) -> list[int]:
+        return self.meta["shape"]
+
+
+class SpecStore:
+    """A local store, read from FORMAT.md's statements only."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        attrs = json.loads((self.root / "zarr.json").read_text())["attributes"]
+        self.version = attrs["format_version"]  # 2.1
+        if self.version not in (1, 2):
+            raise SpecError(f"2.1: format_version {self.version} unknown")
+        self.manifest = attrs["logitcache"]  # section 3
+        if self.manifest["format_version"] != self.version:
+            raise SpecError("3: manifest format_version differs from the root's")
+
+    # ----------------------------------------------------------------- raw arrays (4, 4.5)
+    def meta(self, name: str) -> dict:
+        return json.loads((self.root / name / "zarr.json").read_text())
+
+    def raw(self, name: str, count: int) -> np.ndarray | list[str]:
+        """Entries ``[0, count)`` of array ``name`` as stored (R6: nothing past ``count``)."""
+        m = self.meta(name)
+        shape = m["shape"]
+        if shape[0] < count:
+            raise SpecError(f"R6: {name} has {shape[0]} entries, commit needs {count}")
+        shard_rows = m["chunk_grid"]["configuration"]["chunk_shape"][0]
+        (sharding,) = m["codecs"]  # 4: every array is sharded
+        assert sharding["name"] == "sharding_indexed"
+        cfg = sharding["configuration"]
+        assert cfg["index_location"] == "end"  # 4.5: the index follows the chunks
+        chunk_rows = cfg["chunk_shape"][0]
+        inner = tuple(shape[1:])
+        names = [c["name"] for c in cfg["codecs"]]
+        is_str = m["data_type"] == "string"
+        dtype = None if is_str else np.dtype(DTYPES[m["data_type"]])
+        fill = m["fill_value"]
+        n_chunks = shard_rows // chunk_rows
+        out: list = []
+        for s in range(math.ceil(count / shard_rows)):
+            key = f"c/{s}" + "/0" * len(inner)  # 4.5: chunk-key encoding
+            path = self.root / name / key
+            data = path.read_bytes() if path.exists() else None
+            if data is None and self.version >= 2:
+                raise SpecError(f"R9: {name} shard object {key} missing")
+            table = None
+            if data is not None:
+                index = data[-(16 * n_chunks + 4) :]
+                if len(index) != 16 * n_chunks + 4 or not _crc_ok(index):
+                    raise SpecError(f"R7: {name} {key} index fails its CRC32C")
+                table = np.frombuffer(index[:-4], "<u8").reshape(n_chunks, 2)
+            for c in range(n_chunks):
+                first = s * shard_rows + c * chunk_rows
+                if first >= count:
+                    break
+                take = min(chunk_rows, count - first)
+                if table is None or int(table[c, 0]) == EMPTY:
+                    if self.version >= 2:
+                        raise SpecError(f"R9: {name} chunk {c} of shard {s} not stored")
+                    out.append([fill] * take if is_str else np.full((take, *inner), fill, dtype))
+                    continue
+                off, nbytes = int(table[c, 0]), int(table[c, 1])
+                frame = data[off : off + nbytes]
+                if len(frame) != nbytes or not _crc_ok(frame):
+                    raise SpecError(f"R7: {name} chunk {c} of shard {s} fails its CRC32C")
+                body = frame[:-4]
+                if names == ["vlen-utf8", "zstd", "crc32c"]:
+                    out.append(_vlen_utf8(Zstd().decode(body))[:take])
+                    continue
+                if names == ["bytes", "blosc", "crc32c"]:
+                    buf = blosc.decompress(body)
+                elif names == ["bytes", "zstd", "crc32c"]:
+                    buf = Zstd().decode(body)
+                else:
+                    raise SpecError(f"4: {name} codecs {names} not in the array table")
+                chunk = np.frombuffer(buf, dtype).reshape(chunk_rows, *inner)  # C order
+                out.append(chunk[:take])
+        if is_str:
+            return [x for part in out for x in part]
+        if not out:
+            return np.zeros((0, *inner), dtype)
+        return np.concatenate(out)
+
+    # ----------------------------------------------------------------- decoded store
+    def decode(self) -> dict:
+        """Every array decoded (4.1-4.3, R8, keys as bytes), keyed like the project's reader."""
+        m = self.manifest
+        S, R, T = m["num_sequences"], m["num_rows"], m["num_tokens"]
+        out: dict = {"keys": self.raw("seq_keys", S)}
+        lengths = self.raw("seq_lengths", S).astype(np.int64)
+        tok, row = self.raw("seq_token_start", S), self.raw("seq_row_start", S)
+        zero = np.zeros(1, np.int64)
+        if not (
+            np.array_equal(tok, np.concatenate([zero, np.cumsum(lengths)])[:-1])
+            and np.array_equal(row, np.concatenate([zero, np.cumsum(lengths - 1)])[:-1])
+            and int(lengths.sum()) == T
+            and int((lengths - 1).sum()) == R
+        ):
+            raise SpecError("R8: the sequence index does not tile the committed counts")
+        out.update(lengths=lengths, token_start=tok, row_start=row)
+        out["input_ids"] = self.raw("input_ids", T)
+        ids = self.raw("topk_ids", R)
+        if m.get("id_remap"):  # 4.3
+            ids = self.raw("id_order", m["vocab_size"])[ids]
+        out["topk_ids"] = ids
+        kind = m["logprob_dtype"]
+        d = self.raw("topk_logprobs", R).astype(ROW_BITS[kind])
+        u = np.cumsum(d, axis=1, dtype=ROW_BITS[kind])  # 4.2: sum mod 2^b
+        if kind == "float16":
+            lp = u.view(np.float16).astype(np.float32)
+        elif kind == "float32":
+            lp = u.view(np.float32)
+        else:  # 4.1: fl32(m - fl32(fl32(q) * step)), no fused multiply-add
+            mx = self.raw("logprob_max", R).astype(np.float32)
+            step = self.raw("logprob_step", R).astype(np.float32)
+            prod = (u.astype(np.float32) * step[:, None]).astype(np.float32)
+            lp = (mx[:, None] - prod).astype(np.float32)
+        out["topk_logprobs"] = lp
+        out["tail_mass"] = self.raw("tail_mass", R).astype(np.float32)
+        if self.version >= 2:  # 4: keys as bytes
+            ends = self.raw("seq_key_end", S)
+            data = self.raw("seq_key_bytes", m["num_key_bytes"]).tobytes()
+            starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+            out["key_bytes_keys"] = [
+                data[int(a) : int(b)].decode("utf-8") for a, b in zip(starts, ends, strict=True)
+            ]
+            out["encodings"] = {
+                p.parent.name: json.loads(p.read_text())["attributes"]["logitcache_encoding"]
+                for p in self.root.glob("*/zarr.json")
+            }
+        return out
