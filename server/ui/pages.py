@@ -182,11 +182,12 @@ def status_page(
 
 
 def swagger_page(*, openapi_url: str, static: str) -> str:
-    """Swagger UI from local assets (``static``/swagger-ui.css and swagger-ui-bundle.js)."""
+    """Swagger UI 5 from local assets (``static``/swagger-ui.css and swagger-ui-bundle.js)."""
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
         "<title>logitcache teacher service - API docs</title>"
-        f'<link rel="stylesheet" href="{static}/swagger-ui.css"></head><body>'
+        f'<link rel="stylesheet" href="{static}/swagger-ui.css">'
+        f'<link rel="icon" type="image/png" href="{static}/favicon.png"></head><body>'
         '<div id="swagger-ui"></div>'
         f'<script src="{static}/swagger-ui-bundle.js"></script>'
         "<script>window.ui = SwaggerUIBundle({"

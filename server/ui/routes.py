@@ -5,8 +5,9 @@
   login form instead; ``Authorization: Bearer <key>`` works too.
 * ``POST /login`` (form field ``key``): sets the login cookie (see :mod:`.auth`) and redirects
   to ``/``; a wrong key answers 401 with the form again. ``POST /logout`` clears it.
-* ``GET /docs``: Swagger UI with its JavaScript/CSS served from this server
-  (``/ui/static/...``, files of the ``swagger-ui-bundle`` package): nothing from a CDN.
+* ``GET /docs``: Swagger UI (5.x: it renders the OpenAPI 3.1 schema FastAPI writes) with its
+  JavaScript/CSS served from this server (``/ui/static/...``, the files the ``fastapi-offline``
+  package carries; only they are used, not its code): nothing from a CDN.
 * The OpenAPI schema declares an HTTP Bearer scheme (``bearerAuth``) on every operation but
   ``/health`` when the server has an API key, so Swagger UI shows its Authorize button.
 
@@ -17,6 +18,7 @@ the middleware (:data:`PUBLIC_PATHS`, :data:`PUBLIC_PREFIXES`); ``/`` checks the
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,8 +39,8 @@ PUBLIC_PATHS = frozenset({"/", "/login", "/logout", "/docs", "/openapi.json"})
 PUBLIC_PREFIXES = ("/ui/static/",)
 
 STATIC = "/ui/static"
-#: The Swagger UI files served from the ``swagger-ui-bundle`` package.
-SWAGGER_FILES = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "favicon-32x32.png"})
+#: The Swagger UI files served from the ``fastapi-offline`` package's ``static`` folder.
+SWAGGER_FILES = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "favicon.png"})
 
 #: Seconds between automatic reloads of the status page (``?refresh=N`` overrides; 0: never).
 DEFAULT_REFRESH = 5
@@ -47,12 +49,13 @@ router = APIRouter(include_in_schema=False)
 
 
 def swagger_dir() -> Path | None:
-    """Folder of the Swagger UI assets (``swagger-ui-bundle`` package), or None if absent."""
-    try:
-        import swagger_ui_bundle
-    except ImportError:
+    """Folder of the Swagger UI assets (``fastapi_offline/static``), or None if not installed.
+    Found without importing the package (its code is not used)."""
+    spec = importlib.util.find_spec("fastapi_offline")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(swagger_ui_bundle.swagger_ui_path)
+    folder = Path(next(iter(spec.submodule_search_locations))) / "static"
+    return folder if (folder / "swagger-ui-bundle.js").is_file() else None
 
 
 def _settings(request: Request) -> ServerSettings:
@@ -164,7 +167,7 @@ async def logout() -> Response:
 async def docs(request: Request) -> Response:
     if swagger_dir() is None:
         return HTMLResponse(
-            "<p>Swagger UI assets are not installed (pip install swagger-ui-bundle); "
+            "<p>Swagger UI assets are not installed (pip install fastapi-offline); "
             'the schema is at <a href="/openapi.json">/openapi.json</a>.</p>',
             503,
         )
