@@ -7,31 +7,48 @@
   rank/worker sharding, exact mid-epoch resume, background prefetch.
 * :func:`check_compatible`: the tokenizer / vocab guard the dataset applies.
 * The loss (``topk_distill_loss`` ...) is re-exported lazily from :mod:`logitcache.client.loss`.
+* :mod:`~logitcache.client.packing`, :mod:`~logitcache.client.hf` (HF ``Trainer``, needs the
+  ``hf`` extra), :mod:`~logitcache.client.interop` (parquet for axolotl / DistillKit): imported
+  on demand, not by this package.
 
 Never imports ``logitcache.server``, ``vllm`` or ``fastapi``.
 
-Quick start::
+Quick start (the training loop is README's "In a trainer" block, executed by
+``tests/test_client_hf_readme.py``)::
 
+    import torch
     from logitcache.client import CacheDataLoader, CacheDataset, TeacherClient
     from logitcache.client.loss import topk_distill_loss
+    from logitcache.client.packing import packed_hidden_states
 
     with TeacherClient("http://127.0.0.1:8000", api_key=KEY) as teacher:
         teacher.run_job("corpus", texts=texts)          # tqdm bar over the job's tokens
 
-    ds = CacheDataset("/data/caches/corpus",             # or "s3://...", or the server URL
-                      tokens_per_item=2048, mode="pack", batch_size=8, seed=0,
-                      tokenizer=student_tokenizer, vocab_size=student.config)
+    ds = CacheDataset("s3://bucket/caches/corpus-k20", tokens_per_item=2048, mode="pack",
+                      batch_size=8, seed=0, tokenizer=student_tokenizer, vocab_size=student.config)
+    model = student              # or torch.nn.parallel.DistributedDataParallel(student)
+    opt = torch.optim.AdamW(student.parameters(), lr=3e-4)
     loader = CacheDataLoader(ds, num_workers=2)
-    for epoch in range(epochs):
+    for epoch in range(2):
         ds.set_epoch(epoch)
-        for batch in loader:       # position t: target token t+1 and cache row t (labels -100)
-            h = student.model(input_ids=batch["input_ids"],
-                              position_ids=batch["position_ids"]).last_hidden_state
+        for batch in loader:     # position t: target token t+1 and cache row t
+            h = packed_hidden_states(model, batch)
             loss = topk_distill_loss(h, student.lm_head.weight, batch["topk_ids"],
                                      batch["topk_logprobs"], batch["tail_mass"],
-                                     labels=batch["labels"])
-            ...
-            checkpoint["data"] = loader.state_dict()      # resume: loader.load_state_dict(...)
+                                     mask=batch["loss_mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            state = loader.state_dict()  # save with checkpoints; resume: load_state_dict
+
+``packed_hidden_states`` (:mod:`logitcache.client.packing`) keeps the documents of a packed item
+apart (position ids, no attention mask, ``use_cache=False``; calling ``student.model(...)``
+with the default cache lets them attend to each other) and calls the model it is given, so the
+DDP wrapper's hooks run. With the Hugging Face ``Trainer``: :class:`logitcache.client.hf.
+CacheDistillTrainer` (README); as a ``datasets.IterableDataset``:
+:func:`logitcache.client.hf.hf_iterable`; files for axolotl / DistillKit:
+:mod:`logitcache.client.interop` (``logitcache export --format parquet|distillkit``,
+``logitcache import``).
 """
 
 from __future__ import annotations
