@@ -46,14 +46,57 @@ def _options(pairs: list[str] | None) -> dict:
     return out
 
 
+def nearest_stores(url: str, n: int = 3) -> list[str]:
+    """Up to ``n`` existing local stores (directories holding a ``zarr.json``) whose names are
+    closest to ``url``'s last component, looked up in the nearest existing parent directory;
+    ``[]`` for object-store URLs (listing them would need requests the user did not ask for)."""
+    import difflib
+    from urllib.parse import urlparse
+
+    if "://" in url and not url.startswith("file://"):
+        return []
+    path = Path(urlparse(url).path if url.startswith("file://") else url).expanduser().absolute()
+    parent = path.parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        names = sorted(p.name for p in parent.iterdir() if (p / "zarr.json").is_file())
+    except OSError:
+        return []
+    ranked = difflib.get_close_matches(path.name, names, n=n, cutoff=0.0)
+    return [str(parent / name) for name in ranked]
+
+
+def _fail(url: str, err: BaseException) -> typer.Exit:
+    """Print ``err`` as one line on stderr (with the nearest store names when there is no store
+    at ``url``) and return the exit to raise (status 2): user errors get no traceback."""
+    from .errors import StoreNotFoundError
+
+    line = f"error: {err}"
+    if isinstance(err, StoreNotFoundError) or not str(err):
+        near = nearest_stores(url)
+        line += f"; nearest stores: {', '.join(near)}" if near else "; no stores next to it"
+    typer.echo(line.replace("\n", " "), err=True)
+    return typer.Exit(2)
+
+
+def _reader(url: str, options: dict):
+    from .errors import FormatError
+    from .reader import CacheReader
+
+    try:
+        return CacheReader(url, options)
+    except FormatError as e:
+        raise _fail(url, e) from None
+
+
 @app.command()
 def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")):
     """Print the manifest, sizes and compression ratio of the store at URL."""
     from .manifest import IDENTITY_FIELDS
-    from .reader import CacheReader
     from .stats import store_stats
 
-    reader = CacheReader(url, _options(option))
+    reader = _reader(url, _options(option))
     m = reader.manifest
     st = store_stats(reader._store, m)
     doc = {
@@ -84,10 +127,13 @@ def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False
 
 @app.command("validate")
 def validate_cmd(url: str, option: OptionList = None):
-    """Check every invariant; exit status 1 if any problem is found."""
+    """Check every invariant; exit status 1 if any problem is found, 2 if there is no store."""
+    from .errors import StoreNotFoundError
     from .validate import validate
 
     report = validate(url, _options(option))
+    if report.codes() & {"no_store", "store_unreadable"}:
+        raise _fail(url, StoreNotFoundError(f"no logitcache store at {url!r}"))
     typer.echo(str(report))
     raise typer.Exit(0 if report.ok else 1)
 
@@ -110,10 +156,9 @@ def export(
         n = export_peer(fmt, url, out, _options(option), limit)
         typer.echo(f"exported {n} sequences to {out}", err=True)
         return
-    from .reader import CacheReader
     from .wire import encode_records
 
-    reader = CacheReader(url, _options(option))
+    reader = _reader(url, _options(option))
     n = reader.num_sequences if limit < 0 else min(limit, reader.num_sequences)
     if fmt not in ("jsonl", "frames"):
         raise typer.BadParameter("format must be jsonl, frames, parquet or distillkit")

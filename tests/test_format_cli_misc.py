@@ -73,3 +73,28 @@ def test_import_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert np  # keep numpy import used
+
+
+def test_cli_wrong_path_is_one_line_with_nearest_stores(tmp_path):
+    """issue #15: info/validate/export on a wrong path print one line (no traceback) naming the
+    nearest existing stores, exit status 2."""
+    for name in ("train_cache", "eval_cache"):
+        with CacheWriter.open(tmp_path / name, make_manifest(), fsync=False) as w:
+            w.append(make_records(2))
+    (tmp_path / "not_a_store").mkdir()
+    runner = CliRunner()
+    for args in (
+        ["info", str(tmp_path / "train_cach")],
+        ["validate", str(tmp_path / "train_cach")],
+        ["export", str(tmp_path / "train_cach"), str(tmp_path / "x.jsonl")],
+        ["info", str(tmp_path / "missing_dir" / "train_cache")],
+        ["info", str(tmp_path / "not_a_store")],
+    ):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        err = res.stderr.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in res.output, err
+        assert err.startswith("error: no logitcache store at")
+        assert f"nearest stores: {tmp_path / 'train_cache'}" in err or "eval_cache" in err
+    res = runner.invoke(app, ["info", str(tmp_path / "train_cach")])
+    assert res.stderr.split("nearest stores: ")[1].split(", ")[0] == str(tmp_path / "train_cache")
