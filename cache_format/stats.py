@@ -56,5 +56,7 @@ def store_stats(zstore, manifest: Manifest) -> StoreStats:
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
     if manifest.logprob_dtype in spec.QUANTISED_DTYPES:
         names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
+    if manifest.format_version >= 2:
+        names += list(spec.KEY_BYTES_ARRAYS)
     sizes = {n: int(sync(zstore.getsize_prefix(n + "/"))) for n in names}
     return StoreStats(sizes, manifest.num_rows, manifest.k)

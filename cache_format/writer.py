@@ -32,6 +32,7 @@ from zarr.core.sync import sync
 
 from . import idmap, spec
 from .errors import FormatError, ManifestError, RecordError
+from .integrity import checked_get
 from .layout import (
     INCOMPLETE_ATTR,
     array_defs,
@@ -39,6 +40,7 @@ from .layout import (
     parse_root,
     read_root_attrs,
     root_attrs_for,
+    strict,
     write_root_attrs,
 )
 from .lock import make_lock
@@ -191,7 +193,10 @@ class CacheWriter:
         n = self._manifest.num_sequences
         if n > self._known:
             arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
-            self._keys.update(str(x) for x in arr[self._known : n])
+            got = sync(
+                checked_get(arr._async_array, spec.SEQ_KEYS, self._known, n, strict(self._manifest))
+            )  # a lost keys shard is MissingDataError, not "" keys that let duplicates in
+            self._keys.update(str(x) for x in got)
             self._known = n
 
     @property
