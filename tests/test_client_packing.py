@@ -25,7 +25,8 @@ def packed_batches(tiny: Any, heldout_sequences: list[list[int]], tmp_path_facto
     from logitcache.client import CacheDataset
 
     url = tmp_path_factory.mktemp("packing") / "cache"
-    build_cache(url, [torch.tensor(s).numpy() for s in heldout_sequences])
+    vocab = _student(tiny, "sdpa").config.vocab_size
+    build_cache(url, [torch.tensor(s).numpy() for s in heldout_sequences], vocab_size=vocab)
     ds = CacheDataset(url, tokens_per_item=256, mode="pack", batch_size=3, seed=1)
     batches = list(ds)
     assert max(int(b["segment_ids"].max()) for b in batches) >= 3, "items must hold several docs"
