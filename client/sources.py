@@ -220,15 +220,23 @@ class LocalSource:
 
 
 class HttpSource:
-    """Read a cache from the teacher service: ``POST /v1/caches/{name}/sequences``.
+    """Read a cache from the teacher service.
 
-    :meth:`fetch` turns the wanted indices into sequence ranges (:func:`merged_ranges`: runs
-    less than ``max_gap_tokens`` apart are merged, the unwanted sequences between them dropped
-    on arrival), packs the ranges into requests of at most ``max_sequences_per_request``
-    sequences, and sends them ``concurrency`` at a time over one keep-alive connection pool. The
-    server answers each request with binary wire frames read by contiguous range reads
-    (``logitcache.cache_format.encode_records``, decoded with ``decode_records``;
-    ``compression="zstd"`` asks the server to compress each frame). Transient errors are
+    ``transport="store"`` (default): the cache's stored objects are read as they are
+    (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md) by the format
+    library's own reader, so the server only copies compressed shard bytes (~260 B/position at
+    k=100), this process (or each DataLoader worker) decodes them, and snapshots, CRC32C checks
+    and retries are the reader's (an :class:`LocalSource` over the HTTP URL does the reading).
+
+    ``transport="frames"``: ``POST /v1/caches/{name}/sequences``, the server decodes and sends
+    wire frames. :meth:`fetch` turns the wanted indices into sequence ranges
+    (:func:`merged_ranges`: runs less than ``max_gap_tokens`` apart are merged, the unwanted
+    sequences between them dropped on arrival), packs the ranges into requests of at most
+    ``max_sequences_per_request`` sequences, and sends them ``concurrency`` at a time over one
+    keep-alive connection pool. The server answers each request with binary wire frames read by
+    contiguous range reads (``logitcache.cache_format.encode_records``, decoded with
+    ``decode_records``; ``compression="zstd"`` asks the server to compress each frame). Transient
+    errors are
     retried by the underlying :class:`~logitcache.client.http.TeacherClient`.
     """
 
@@ -244,7 +252,11 @@ class HttpSource:
         concurrency: int = 4,
         compression: str = "none",
         max_gap_tokens: int = 8192,
+        transport: str = "store",
     ) -> None:
+        if transport not in ("store", "frames"):
+            raise SourceError(f"transport must be 'store' or 'frames', got {transport!r}")
+        self.transport = transport
         self.base_url = base_url
         self.cache = cache
         self.api_key = api_key
@@ -259,6 +271,14 @@ class HttpSource:
         self._pid: int | None = None
         self._info: dict[str, Any] | None = None
         self._lengths: np.ndarray | None = None
+        self._store: LocalSource | None = None
+        if transport == "store":
+            headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+            self._store = LocalSource(
+                f"{base_url.rstrip('/')}/v1/caches/{cache}/store",
+                {"headers": headers} if headers else None,
+                max_gap_tokens=max_gap_tokens,
+            )
 
     _CONFIG = (
         "base_url",
@@ -270,6 +290,7 @@ class HttpSource:
         "concurrency",
         "compression",
         "max_gap_tokens",
+        "transport",
     )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -312,17 +333,28 @@ class HttpSource:
         return self._info
 
     @property
+    def fork_safe(self) -> bool:
+        """A forked DataLoader worker opens its own connections (see :class:`LocalSource`)."""
+        return True
+
+    @property
     def manifest(self) -> Any:
+        if self._store is not None:
+            return self._store.manifest
         from logitcache.cache_format import Manifest
 
         return Manifest.model_validate(self._cache_info()["manifest"])
 
     @property
     def num_sequences(self) -> int:
+        if self._store is not None:
+            return self._store.num_sequences
         return int(self._cache_info()["num_sequences"])
 
     @property
     def lengths(self) -> np.ndarray:
+        if self._store is not None:
+            return self._store.lengths
         if self._lengths is None:
             lengths = self.client.cache_lengths(self.cache, stop=self.num_sequences)
             if len(lengths) != self.num_sequences:
@@ -342,6 +374,8 @@ class HttpSource:
 
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
         """Records of the wanted indices: few ranges, few requests (see the class docstring)."""
+        if self._store is not None:
+            return self._store.fetch(indices)
         lengths = self.lengths
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size == 0:
@@ -370,6 +404,8 @@ class HttpSource:
         return out
 
     def refresh(self) -> None:
+        if self._store is not None:
+            self._store.refresh()
         self._info = None
         self._lengths = None
 

@@ -106,6 +106,7 @@ class CacheRegistry:
         self._lock = threading.Lock()
         self._writers: dict[str, _OpenWriter] = {}
         self._readers: dict[str, _CachedReader] = {}
+        self._stores: dict[str, Any] = {}
 
     # --- naming / discovery ---------------------------------------------------------------
 
@@ -154,6 +155,16 @@ class CacheRegistry:
             with self._lock:
                 self._readers.pop(name, None)
             raise NotFoundError(f"no cache named {name!r}") from e
+
+    def store(self, name: str) -> Any:
+        """The read-only zarr store of cache ``name`` (opened once; raw object reads)."""
+        url = self.url(name)
+        with self._lock:
+            if name not in self._stores:
+                from logitcache.cache_format.store import open_store
+
+                self._stores[name] = open_store(url, self.storage_options, read_only=True).zstore
+            return self._stores[name]
 
     def manifest(self, name: str) -> Manifest | None:
         """The committed manifest of cache ``name``, or ``None`` if the cache does not exist."""

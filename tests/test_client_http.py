@@ -106,6 +106,9 @@ def test_http_source_gives_the_local_items(server, job, tiny) -> None:
     assert len(expected) > 3
     assert same_stream(collect(remote), expected)
     assert same_stream(collect(CacheDataLoader(remote, num_workers=2)), expected)
+    # the frames transport (server decodes) gives the same stream as the store transport
+    frames = HttpSource(server.url, CACHE, api_key=KEY, transport="frames")
+    assert same_stream(collect(CacheDataset(frames, **settings, **student)), expected)
     # a student with another vocabulary is refused, with the reason
     with pytest.raises(IncompatibleCacheError, match="vocab size differs"):
         CacheDataset(HttpSource(server.url, CACHE, api_key=KEY), vocab_size=7)
@@ -163,3 +166,33 @@ def test_async_client(server, job) -> None:
             assert done["state"] == "succeeded"
 
     asyncio.run(run())
+
+
+def test_store_route_sends_stored_bytes_and_ranges(server, job) -> None:
+    import httpx
+
+    root = Path(store(server))
+    shard = next(
+        p for p in sorted((root / "topk_ids").rglob("*")) if p.is_file() and p.name != "zarr.json"
+    )
+    key = shard.relative_to(root).as_posix()
+    raw = shard.read_bytes()
+    base = f"{server.url}/v1/caches/{CACHE}/store"
+    with httpx.Client(headers={"authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        whole = http.get(f"{base}/{key}")
+        assert whole.status_code == 200 and whole.content == raw
+        part = http.get(f"{base}/{key}", headers={"Range": "bytes=3-12"})
+        assert part.status_code == 206 and part.content == raw[3:13]
+        assert part.headers["content-range"] == "bytes 3-12/*"
+        tail = http.get(f"{base}/{key}", headers={"Range": "bytes=-20"})
+        assert tail.status_code == 206 and tail.content == raw[-20:]
+        assert tail.headers["content-range"] == f"bytes {len(raw) - 20}-{len(raw) - 1}/*"
+        assert http.get(f"{base}/zarr.json").content == (root / "zarr.json").read_bytes()
+        assert http.head(f"{base}/{key}").headers["content-length"] == str(len(raw))
+        assert http.get(f"{base}/topk_ids/c/999/0").status_code == 404
+        assert http.get(f"{base}/{key}", headers={"Range": "bytes=9-2"}).status_code == 416
+        assert http.get(f"{base}/{key}", headers={"Range": "bytes=0-1,4-5"}).status_code == 416
+        for bad in (".logitcache.lock", "topk_ids/.hidden", "topk_ids/c/%2E%2E/x"):
+            assert http.get(f"{base}/{bad}").status_code in (404, 422), bad
+        assert http.get(f"{server.url}/v1/caches/nope/store/zarr.json").status_code == 404
+    assert httpx.get(f"{base}/zarr.json").status_code == 401  # the API key is required

@@ -1,0 +1,128 @@
+"""Read-only access to the stored objects of a cache: ``GET /v1/caches/{name}/store/{key}``.
+
+The object ``key`` of the cache's Zarr store (``zarr.json``, ``topk_ids/zarr.json``, shard
+objects such as ``topk_ids/c/3/0``) is sent **as stored**: compressed, checksummed shard bytes,
+never decoded here. A single ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` header answers
+``206`` with those bytes (how a client reads a shard's index and then the chunks it needs).
+A missing object is ``404``. Keys are path segments of ``[A-Za-z0-9_.-]`` not starting with a
+dot (so the writer lock and ``..`` are unreachable).
+
+Why this design: the client opens the cache with the format library's own reader over this URL
+(``CacheReader("http://host/v1/caches/NAME/store")``, fsspec's HTTP store), so the wire carries
+the stored ~260 B/position, the server spends no CPU on decoding or re-encoding (it copies bytes),
+decoding scales with the client's workers, and the client gets the reader's snapshot and
+retry rules unchanged: the root ``zarr.json`` is the commit point, and a shard read that races a
+writer's rewrite fails its CRC32C and is re-read (FORMAT.md R7), as for an object store.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import Response
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from .caches import check_name
+from .deps import ServicesDep
+from .errors import InvalidInputError, NotFoundError, ServiceError
+from .protocol import ErrorResponse
+
+router = APIRouter(prefix="/v1/caches", tags=["caches"])
+
+#: One path segment of a store key: no leading dot (no ``..``, no lock file).
+_SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+_ERROR = {"model": ErrorResponse}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {**_ERROR, "description": "missing or wrong API key"},
+    404: {**_ERROR, "description": "no such cache or object"},
+    416: {**_ERROR, "description": "unsupported or unsatisfiable Range"},
+    422: {**_ERROR, "description": "invalid cache name or key"},
+}
+
+
+class RangeNotSatisfiableError(ServiceError, status=416, code="range_not_satisfiable"):
+    """A ``Range`` header this route does not serve (several ranges, bad syntax, past the end)."""
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a store key this route serves: :class:`InvalidInputError` for a malformed
+    key, :class:`NotFoundError` for a segment starting with a dot (never served: the writer lock,
+    zarr v2 probes such as ``.zgroup``)."""
+    parts = key.split("/")
+    if len(parts) > 16 or not all(_SEGMENT.fullmatch(p.lstrip(".") or "-") for p in parts):
+        raise InvalidInputError(f"invalid store key {key!r}")
+    if any(p.startswith(".") for p in parts):
+        raise NotFoundError(f"no object {key!r}")
+    return key
+
+
+def parse_range(header: str | None) -> Any:
+    """The zarr byte request of a single-range ``Range`` header (``None``: whole object)."""
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    if m is None or (not m[1] and not m[2]):
+        raise RangeNotSatisfiableError(f"unsupported Range {header!r} (one bytes range only)")
+    if not m[1]:
+        return SuffixByteRequest(int(m[2]))
+    start = int(m[1])
+    if not m[2]:
+        return OffsetByteRequest(start)
+    stop = int(m[2]) + 1
+    if stop <= start:
+        raise RangeNotSatisfiableError(f"empty Range {header!r}")
+    return RangeByteRequest(start, stop)
+
+
+@router.api_route(
+    "/{name}/store/{key:path}",
+    methods=["GET", "HEAD"],
+    response_class=Response,
+    responses={
+        **_ERRORS,
+        200: {"content": {"application/octet-stream": {}}, "description": "the object"},
+        206: {"content": {"application/octet-stream": {}}, "description": "the byte range"},
+    },
+)
+def store_object(
+    name: str,
+    key: str,
+    request: Request,
+    services: ServicesDep,
+    range_: str | None = Header(None, alias="Range"),
+) -> Response:
+    """Object ``key`` of cache ``name``'s store, as stored (see the module docstring)."""
+    check_name(name)
+    check_key(key)
+    byte_range = parse_range(range_)
+    try:
+        store = services.caches.store(name)
+        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+    except FileNotFoundError:  # no such cache folder (a missing object is buf None)
+        raise NotFoundError(f"no cache named {name!r}") from None
+    if buf is None:
+        raise NotFoundError(f"cache {name!r} has no object {key!r}")
+    body = buf.to_bytes()
+    headers = {"Cache-Control": "no-store", "Accept-Ranges": "bytes"}
+    status = 200
+    if byte_range is not None:
+        if not body and not isinstance(byte_range, SuffixByteRequest):
+            raise RangeNotSatisfiableError(f"Range {range_!r} starts past the end of {key!r}")
+        status = 206
+        if isinstance(byte_range, SuffixByteRequest):  # where the suffix starts needs the size
+            first = int(sync(store.getsize(key))) - len(body)
+        else:
+            first = getattr(byte_range, "start", getattr(byte_range, "offset", 0))
+        headers["Content-Range"] = f"bytes {first}-{first + len(body) - 1}/*"
+    if request.method == "HEAD":
+        headers["Content-Length"] = str(len(body))
+        return Response(status_code=status, headers=headers)
+    return Response(
+        body, status_code=status, media_type="application/octet-stream", headers=headers
+    )
