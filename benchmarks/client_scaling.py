@@ -505,9 +505,9 @@ def main() -> None:
         lambda: [loader_rate(url, w, secs, pin=True, shuffle=True) for w in args.workers],
     )
     run("http", lambda: http_rates(str(root), args.http_workers, secs))
-    run("random", lambda: random_access(url, root, args.random, max(1, args.random // 10)))
     if args.gpu:
         run("datawait", lambda: data_wait(url, args.gpu_workers, args.steps, 5))
+    run("random", lambda: random_access(url, root, args.random, max(1, args.random // 10)))
     doc["machine"]["load_after"] = os.getloadavg()
     doc["wall_s"] = time.perf_counter() - start
     save()
