@@ -58,8 +58,9 @@ def test_readme_training_loop_runs(tiny: Any, setup: dict[str, Any]) -> None:
     ns: dict[str, Any] = {"student": student, "student_tokenizer": setup["tokenizer"]}
     exec(compile(code.replace(S3, setup["url"]), "README:trainer-loop", "exec"), ns)
     ds, state = ns["ds"], ns["state"]
-    assert state["epoch"] == 1 and state["items_consumed"] == ds.num_items() > 1
-    assert torch.isfinite(ns["loss"]) and float(ns["loss"]) > 0
+    assert state["epoch"] == 1 and state["items_consumed"] == ds.num_items() >= 1
+    loss = ns["loss"].detach()
+    assert torch.isfinite(loss) and float(loss) > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters(), strict=True))
 
 
@@ -82,5 +83,5 @@ def test_readme_hf_trainer_example_runs(tiny: Any, setup: dict[str, Any], tmp_pa
     exec(compile(code, "README:hf-trainer", "exec"), ns)
     trainer = ns["trainer"]
     assert trainer.state.global_step == 3
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    assert losses and all(np.isfinite(losses))
+    final = trainer.state.log_history[-1]
+    assert np.isfinite(final["train_loss"]) and final["train_loss"] > 0
