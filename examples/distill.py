@@ -2,26 +2,33 @@
 
 1. build (or find) the tiny teacher/student fixture (``logitcache.fixtures.tiny``);
 2. start the teacher service (``python -m logitcache.server``, vLLM backend by default) on
-   127.0.0.1 and score the training corpus into a cache with one batch job over HTTP
-   (``TeacherClient``), with a progress bar; check the cache with ``validate``;
-3. train the student from the cache with ``CacheDataset`` + ``topk_distill_loss`` (fused chunked),
-   and, on the same stream, the comparison methods: CE only, online full-vocabulary KD (teacher
-   in PyTorch), offline top-k KD without and with the tail mass (see ``distill_train.py``);
-4. evaluate every student on held-out text: full-vocabulary KL(teacher || student) and
-   perplexity (``distill_eval.py``), and write a JSON + markdown report.
+   127.0.0.1 and score the training corpus into a top-k cache with one batch job over HTTP
+   (``TeacherClient``), with a progress bar; check the cache with ``validate`` and against the
+   PyTorch teacher;
+3. derive the caches the offline methods train from, each sized to a storage budget in bytes per
+   position *measured on disk* (``--budgets``, default about 100 and 250 B/position): a top-k
+   cache (the first k' columns of the scored rows) and a sampled cache (random-sampling KD,
+   ``targets="sampled"``, drawn from the PyTorch teacher with the estimator of
+   ``logitcache.cache_format.sampling``) per budget (``distill_caches.py``);
+4. train copies of the student on the same stream (same init, same data order): CE only,
+   online full-vocabulary KD (teacher in the loop), and per budget offline top-k, top-k + tail
+   mass, and sampled targets (``distill_train.py``);
+5. evaluate every student on held-out text: full-vocabulary KL(teacher || student), perplexity
+   and the calibration (ECE) of its top-1 (``distill_eval.py``); print the table and say which
+   goal is met: the best offline method within 3% of online KD's held-out KL at <= 0.6x its step
+   time, and sampled targets no worse than top-k + tail at equal bytes.
 
-``python examples/distill.py`` (a few minutes on 2 cores) writes benchmarks/results/distill.md
-and .json; ``--quick`` (the test suite's mode, under a minute once the fixture exists) scores a
-small corpus, trains only the offline top-k + tail method for a few steps, and writes into the
-work directory.
+Everything is written under the work directory (``--workdir``, default ``runs/distill``): the
+caches, ``distill.json`` and ``distill.md``; never into tracked files (the committed results
+pages are written by ``benchmarks/distill_bench.py``, which runs this for two seeds). ``--quick``
+(the test suite's mode) scores a small corpus and trains a few steps.
 
 ``--teacher-temperature T`` (default 1) distils from the sharpened teacher ``p_T =
 softmax(z / T)`` (the same network, logits divided by ``T``) in EVERY method: the service's engine
-scores the cache at ``T`` (server ``--temperature``), online KD's target is ``softmax(z / T)``, and
-held-out KL(teacher || student) is measured against ``p_T``. The cache name gets a ``-T<T>``
-suffix and the report goes to ``benchmarks/results/distill_T<T>.{md,json}`` (``distill.{md,json}``
-stays the ``T = 1`` page). Every run also checks a few cached sequences against the PyTorch
-teacher's ``log_softmax(z / T)`` and writes the largest differences into the report.
+scores the cache at ``T`` (server ``--temperature``), online KD's target and the sampled targets
+are ``softmax(z / T)``, and held-out KL(teacher || student) is measured against ``p_T``. The
+cache name gets a ``-T<T>`` suffix. Every run also checks a few cached sequences against the
+PyTorch teacher's ``log_softmax(z / T)`` and writes the largest differences into the report.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from distill_eval import evaluate, make_heldout  # noqa: E402
-from distill_report import add_ratios, markdown, method_summary  # noqa: E402
+from distill_report import add_ratios, goals, markdown, method_summary  # noqa: E402
 from distill_service import TeacherService, score_corpus  # noqa: E402
 from distill_train import (  # noqa: E402
     METHODS,
@@ -56,10 +63,16 @@ from distill_train import (  # noqa: E402
     train_interleaved,
 )
 
+#: Offline methods that get one run per storage budget (unless given as ``method@n``).
+BUDGETED = ("offline_topk", "offline_topk_tail", "offline_sampled")
+#: Candidate k (top-k) and draws (sampled) whose bytes/position are measured to meet a budget.
+TOPK_CANDIDATES = (4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+DRAW_CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
 
 @dataclass(frozen=True)
 class Plan:
-    """What one run does (defaults: the full comparison)."""
+    """What one run does (defaults: the full comparison at one seed)."""
 
     workdir: Path
     k: int = 256
@@ -71,13 +84,18 @@ class Plan:
     lr: float = 3e-3
     seed: int = 0
     eval_tokens: int = 8192
-    methods: tuple[str, ...] = (*METHODS, "offline_topk_tail@64", "offline_topk_tail@16")
+    methods: tuple[str, ...] = ("ce", "online_kd", *BUDGETED)
+    budgets: tuple[float, ...] = (100.0, 250.0)
+    probe_seqs: int = 200
+    topk_candidates: tuple[int, ...] = TOPK_CANDIDATES
+    draw_candidates: tuple[int, ...] = DRAW_CANDIDATES
+    proposal_temperature: float = 1.0
     backend: str = "vllm"
     read_from: str = "store"
     threads: int = 1
     teacher_temperature: float = 1.0
-    out_json: Path | None = ROOT / "benchmarks/results/distill.json"
-    out_md: Path | None = ROOT / "benchmarks/results/distill.md"
+    out_json: Path | None = None
+    out_md: Path | None = None
 
     @property
     def temperature_tag(self) -> str:
@@ -95,9 +113,11 @@ QUICK = {
     "steps": 40,
     "lr": 5e-3,
     "eval_tokens": 2048,
-    "methods": ("offline_topk_tail",),
-    "out_json": None,
-    "out_md": None,
+    "methods": ("offline_topk_tail", "offline_sampled"),
+    "budgets": (100.0,),
+    "probe_seqs": 20,
+    "topk_candidates": (16, 32, 64),
+    "draw_candidates": (16, 32, 64),
 }
 
 
@@ -105,16 +125,22 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, default=ROOT / "runs/distill")
     p.add_argument("--quick", action="store_true", help="small and fast (the test suite's mode)")
-    p.add_argument("--k", type=int)
+    p.add_argument("--k", type=int, help="k of the scored cache (the largest top-k budget)")
     p.add_argument("--seq-len", type=int, help="longest training piece (tokens)")
     p.add_argument("--train-seqs", type=int, help="training pieces to score (0: all)")
     p.add_argument("--tokens-per-item", type=int)
     p.add_argument("--batch-items", type=int)
     p.add_argument("--steps", type=int)
     p.add_argument("--lr", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="data order and sampling seed")
     p.add_argument("--eval-tokens", type=int)
-    p.add_argument("--methods", help=f"comma list of {','.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        help=f"comma list of {','.join(METHODS)}; offline ones run once per budget, or "
+        "give method@n (k or draws) for one fixed cache",
+    )
+    p.add_argument("--budgets", help="comma list of storage budgets in bytes/position")
+    p.add_argument("--proposal-temperature", type=float, help="sampled targets' tau")
     p.add_argument("--backend", choices=("vllm", "hf"))
     p.add_argument(
         "--read-from",
@@ -127,8 +153,8 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
         type=float,
         help="distil every method from softmax(teacher_logits / T) (default 1)",
     )
-    p.add_argument("--out-json", type=Path)
-    p.add_argument("--out-md", type=Path)
+    p.add_argument("--out-json", type=Path, help="default: <workdir>/distill.json")
+    p.add_argument("--out-md", type=Path, help="default: <workdir>/distill.md")
     args = p.parse_args(argv)
     plan = Plan(workdir=args.workdir)
     if args.quick:
@@ -140,17 +166,26 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
             try:
                 parse_method(m)
             except ValueError as e:
-                p.error(str(e))
+                if m not in BUDGETED:
+                    p.error(str(e))
+    if "budgets" in given:
+        try:
+            given["budgets"] = tuple(float(b) for b in given["budgets"].split(",") if b.strip())
+        except ValueError:
+            p.error(f"--budgets must be numbers, got {given['budgets']!r}")
+        if not given["budgets"] or min(given["budgets"]) <= 0:
+            p.error("--budgets needs positive bytes/position values")
     t = given.get("teacher_temperature", 1.0)
     if not (math.isfinite(t) and t > 0):
         p.error(f"--teacher-temperature must be finite and > 0, got {t}")
-    if plan.out_json is not None and "out_json" not in given and t != 1.0:
-        given["out_json"] = plan.out_json.with_name(f"distill_T{t:g}.json")
-    if plan.out_md is not None and "out_md" not in given and t != 1.0:
-        given["out_md"] = plan.out_md.with_name(f"distill_T{t:g}.md")
+    tau = given.get("proposal_temperature", 1.0)
+    if not (math.isfinite(tau) and tau > 0):
+        p.error(f"--proposal-temperature must be finite and > 0, got {tau}")
     plan = replace(plan, **given)
     if plan.out_json is None:
         plan = replace(plan, out_json=plan.workdir / "distill.json")
+    if plan.out_md is None:
+        plan = replace(plan, out_md=plan.workdir / "distill.md")
     return plan, args
 
 
@@ -271,9 +306,115 @@ def cache_stats(url: str) -> dict[str, Any]:
     }
 
 
+def resolve_methods(
+    plan: Plan, src: str, teacher: Any, caches: Path
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Concrete method specs and the cache of each offline one.
+
+    A budgeted method (no ``@n``) becomes one spec per budget: the k (top-k) or number of draws
+    (sampled) whose cache, built for the first ``probe_seqs`` sequences, measured closest to the
+    budget in bytes/position on disk. Returns the specs and ``{spec: {"url", "n", "budget"}}``
+    (the full caches are built by :func:`build_caches`)."""
+    from distill_caches import (
+        bytes_per_position,
+        cache_dir,
+        derive_topk_cache,
+        pick_for_budget,
+        sampled_caches,
+    )
+
+    bases = {m for m in plan.methods if m in BUDGETED}
+    probe: dict[str, dict[int, float]] = {}
+    if bases & {"offline_topk", "offline_topk_tail"}:
+        cands = [k for k in plan.topk_candidates if k <= plan.k]
+        probe["topk"] = {
+            k: bytes_per_position(
+                derive_topk_cache(src, cache_dir(caches, f"probe-topk{k}"), k, plan.probe_seqs)
+            )
+            for k in cands
+        }
+    if "offline_sampled" in bases:
+        dsts = {
+            n: cache_dir(caches, f"probe-sampled{n}-s{plan.seed}-tau{plan.proposal_temperature:g}")
+            for n in plan.draw_candidates
+        }
+        sampled_caches(
+            src,
+            dsts,
+            teacher,
+            seed=plan.seed,
+            proposal_temperature=plan.proposal_temperature,
+            limit=plan.probe_seqs,
+        )
+        probe["sampled"] = {n: bytes_per_position(u) for n, u in dsts.items()}
+    specs: list[str] = []
+    where: dict[str, dict[str, Any]] = {}
+    for m in plan.methods:
+        if m not in BUDGETED:
+            specs.append(m)
+            base, n = parse_method(m)
+            if n is not None:
+                where[m] = {"n": n, "budget": None}
+            continue
+        kind = "sampled" if m == "offline_sampled" else "topk"
+        for b in plan.budgets:
+            n = pick_for_budget(probe[kind], b)
+            spec = f"{m}@{n}"
+            if spec not in where:
+                specs.append(spec)
+                where[spec] = {"n": n, "budget": b}
+    return specs, where | {"_probe": probe}
+
+
+def build_caches(
+    plan: Plan, src: str, teacher: Any, caches: Path, where: dict[str, dict[str, Any]]
+) -> None:
+    """Build the full cache of every offline spec (``where[spec]["url"]`` set, bytes measured)."""
+    from distill_caches import (
+        bytes_per_position,
+        cache_dir,
+        derive_topk_cache,
+        mean_distinct,
+        sampled_caches,
+    )
+
+    src_k = committed_k(src)
+    draws: dict[int, str] = {}
+    for spec, info in where.items():
+        if spec.startswith("_"):
+            continue
+        base, n = parse_method(spec)
+        if base == "offline_sampled":
+            url = cache_dir(caches, f"sampled{n}-s{plan.seed}-tau{plan.proposal_temperature:g}")
+            draws[n] = url
+        elif n == src_k:
+            url = src
+        else:
+            url = derive_topk_cache(src, cache_dir(caches, f"topk{n}"), n)
+        info["url"] = url
+    if draws:
+        print(f"[distill] sampling {sorted(draws)} draws per row from the teacher", flush=True)
+        sampled_caches(
+            src, draws, teacher, seed=plan.seed, proposal_temperature=plan.proposal_temperature
+        )
+    for spec, info in where.items():
+        if spec.startswith("_"):
+            continue
+        info["bytes_per_position"] = bytes_per_position(info["url"])
+        if spec.startswith("offline_sampled"):
+            info["mean_distinct_ids"] = mean_distinct(info["url"])
+
+
+def committed_k(url: str) -> int:
+    from logitcache.cache_format import CacheReader
+
+    return int(CacheReader(url).manifest.k)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan, _ = parse_args(argv)
     import torch
+    from distill_caches import bytes_per_position
     from logitcache.client import CacheDataset
     from logitcache.fixtures.tiny import build_tiny_models
     from transformers import LlamaForCausalLM
@@ -285,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sequences = models.token_sequences(
         "train", max_len=plan.seq_len, min_len=8, limit=plan.train_seqs or None
     )
-    name = f"tiny-train-k{plan.k}-L{plan.seq_len}-n{len(sequences)}"
+    name = f"tiny-{models.root.name[:8]}-k{plan.k}-L{plan.seq_len}-n{len(sequences)}"
     name += plan.temperature_tag.replace("_", "-")
     service = TemperedTeacherService(
         models.teacher_dir,
@@ -317,15 +458,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise RuntimeError(f"the job wrote an invalid cache: {cache['validation']}")
         print(f"[distill] {cache['validation']}", flush=True)
         cache["check"] = check_cache(cache["url"], teacher)
+        cache["bytes_per_position"] = bytes_per_position(cache["url"])
         print(f"[distill] cache vs PyTorch teacher at T: {cache['check']}", flush=True)
         if plan.read_from == "store":
-            service.stop()  # training reads the Zarr store directly: free the engine's memory
-        source: dict[str, Any] = {"source": cache["url"]}
-        if plan.read_from == "http":
-            source = {"source": service.url, "cache": name}
+            service.stop()  # training reads the Zarr stores directly: free the engine's memory
+        derived = plan.workdir / "caches" / name
+        specs, where = resolve_methods(plan, cache["url"], teacher, derived)
+        probe = where.pop("_probe")
+        build_caches(plan, cache["url"], teacher, derived, where)
+        for spec, info in where.items():
+            print(
+                f"[distill] {spec}: {info['bytes_per_position']:.1f} B/position on disk "
+                f"(budget {info['budget']})",
+                flush=True,
+            )
         tokenizer = models.load_tokenizer()
 
-        def make_dataset(topk: int | None = None) -> Any:
+        def make_dataset(method: str) -> Any:
+            url = where.get(method, {}).get("url", cache["url"])
+            source: dict[str, Any] = {"source": url}
+            if plan.read_from == "http" and url == cache["url"]:
+                source = {"source": service.url, "cache": name}
             return CacheDataset(
                 **source,
                 tokens_per_item=plan.tokens_per_item,
@@ -334,7 +487,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seed=plan.seed,
                 tokenizer=tokenizer,
                 vocab_size=models.vocab_size,
-                topk=topk,
             )
 
         def load_student() -> Any:
@@ -345,10 +497,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         settings = TrainSettings(
             steps=plan.steps, lr=plan.lr, warmup_steps=max(1, min(20, plan.steps // 10))
         )
-        runs = [make_run(m, load_student, make_dataset, teacher, settings) for m in plan.methods]
-        print(f"[distill] training {', '.join(plan.methods)} for {plan.steps} steps", flush=True)
+        runs = [make_run(m, load_student, make_dataset, teacher, settings) for m in specs]
+        print(f"[distill] training {', '.join(specs)} for {plan.steps} steps", flush=True)
         train_interleaved(runs, plan.steps, log_every=max(1, plan.steps // 6))
     methods = {r.method: method_summary(r, evaluate(r.student, held)) for r in runs}
+    for spec, info in where.items():
+        methods[spec].update({k: v for k, v in info.items() if k != "url"}, cache=info["url"])
     add_ratios(methods)
     job_tokens = int(job.get("tokens_done") or 0)
     rep = {
@@ -373,10 +527,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tokens_per_s": job_tokens / job["wall_s"] if job["wall_s"] > 0 else 0.0,
         },
         "cache": cache,
+        "probe_bytes_per_position": {
+            k: {str(n): b for n, b in v.items()} for k, v in probe.items()
+        },
         "heldout": {
             "positions": held.num_positions,
             "window": plan.seq_len,
             "teacher_ppl": held.teacher_ppl,
+            "teacher_ece": held.teacher_ece,
         },
         "train": {
             "steps": plan.steps,
@@ -392,6 +550,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "total_s": time.perf_counter() - t_start,
         "notes": [],
     }
+    rep["goals"] = goals(methods)
     rep["notes"].append(temperature_note(plan.teacher_temperature, cache["check"]))
     if already:
         rep["notes"].append(
@@ -401,9 +560,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan.out_json.parent.mkdir(parents=True, exist_ok=True)
     plan.out_json.write_text(json.dumps(rep, indent=1) + "\n")
     text = markdown(rep)
-    if plan.out_md is not None:
-        plan.out_md.parent.mkdir(parents=True, exist_ok=True)
-        plan.out_md.write_text(text)
+    plan.out_md.parent.mkdir(parents=True, exist_ok=True)
+    plan.out_md.write_text(text)
     print(text, flush=True)
     return rep
 

@@ -11,13 +11,21 @@ LABELS = {
     "online_kd": "online KD, full-vocab KL (teacher in the loop)",
     "offline_topk": "offline top-k cache KD, no tail",
     "offline_topk_tail": "offline top-k cache KD + tail mass",
+    "offline_sampled": "offline sampled targets (RS-KD)",
 }
+
+#: Goal 1: the best offline method's held-out KL within this share of online KD's ...
+KL_TOLERANCE = 0.03
+#: ... at no more than this share of online KD's step time.
+STEP_TIME_LIMIT = 0.6
 
 
 def label(method: str) -> str:
-    """Human name of a method spec (``offline_topk_tail@16`` included)."""
+    """Human name of a method spec (``offline_topk_tail@16``, ``offline_sampled@24``)."""
     base, _, k = method.partition("@")
-    return LABELS[base] + (f", first {k} of the cached k" if k else "")
+    if not k:
+        return LABELS[base]
+    return LABELS[base] + (f", {k} draws/row" if base == "offline_sampled" else f", k={k}")
 
 
 def method_summary(run: Any, evaluation: dict[str, float], warmup: int = 5) -> dict[str, Any]:
@@ -46,24 +54,85 @@ def add_ratios(methods: dict[str, dict[str, Any]]) -> None:
         m["step_time_vs_online"] = m["step_ms_median"] / base["step_ms_median"]
 
 
-def verdict(methods: dict[str, dict[str, Any]], tolerance: float = 0.05) -> str | None:
-    """One honest sentence on the goal (offline top-k within a few percent of online KD)."""
-    if "online_kd" not in methods:
-        return None
-    best = min(
-        (m for m in methods if m.startswith("offline")),
-        key=lambda m: methods[m]["kl"],
-        default=None,
-    )
-    if best is None:
-        return None
-    gap, speed = methods[best]["kl_vs_online"], methods[best]["step_time_vs_online"]
-    met = "met" if gap <= tolerance and speed < 1.0 else "NOT met"
-    return (
-        f"Goal (offline top-k within {100 * tolerance:.0f}% of online KD's held-out KL, at a "
-        f"fraction of its step time): **{met}**. Best offline variant `{best}`: KL "
-        f"{100 * gap:+.1f}% vs online KD, step time {speed:.2f}x online KD's."
-    )
+def goals(methods: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The two goals, judged on one run's (or the seed-mean) figures.
+
+    1. ``offline_within``: the best offline method (lowest held-out KL) has KL within
+       :data:`KL_TOLERANCE` of online KD's and step time <= :data:`STEP_TIME_LIMIT` x online
+       KD's.
+    2. ``sampled_vs_tail``: at every budget, sampled targets' KL <= top-k + tail's KL (the two
+       caches picked for the same budget; their measured bytes/position are reported beside).
+    """
+    out: dict[str, Any] = {}
+    base = methods.get("online_kd")
+    offline = [m for m in methods if m.startswith("offline")]
+    if base is not None and offline:
+        best = min(offline, key=lambda m: methods[m]["kl"])
+        gap = methods[best]["kl"] / base["kl"] - 1.0
+        speed = methods[best]["step_ms_median"] / base["step_ms_median"]
+        out["offline_within"] = {
+            "best": best,
+            "kl_vs_online": gap,
+            "step_time_vs_online": speed,
+            "met": bool(gap <= KL_TOLERANCE and speed <= STEP_TIME_LIMIT),
+        }
+    pairs = []
+    for m, r in methods.items():
+        if not m.startswith("offline_sampled@") or r.get("budget") is None:
+            continue
+        tails = [
+            t
+            for t, q in methods.items()
+            if t.startswith("offline_topk_tail@") and q.get("budget") == r["budget"]
+        ]
+        for t in tails:
+            pairs.append(
+                {
+                    "budget": r["budget"],
+                    "sampled": m,
+                    "topk_tail": t,
+                    "sampled_kl": r["kl"],
+                    "topk_tail_kl": methods[t]["kl"],
+                    "sampled_bytes": r.get("bytes_per_position"),
+                    "topk_tail_bytes": methods[t].get("bytes_per_position"),
+                    "met": bool(r["kl"] <= methods[t]["kl"]),
+                }
+            )
+    if pairs:
+        out["sampled_vs_tail"] = {"pairs": pairs, "met": all(p["met"] for p in pairs)}
+    return out
+
+
+def goal_lines(g: dict[str, Any]) -> list[str]:
+    """Plain sentences on each goal: met or NOT met, with the figures."""
+    lines = []
+    if "offline_within" in g:
+        o = g["offline_within"]
+        lines.append(
+            f"Goal 1 (best offline method within {100 * KL_TOLERANCE:.0f}% of online KD's "
+            f"held-out KL at <= {STEP_TIME_LIMIT}x its step time): "
+            f"**{'met' if o['met'] else 'NOT met'}**. Best offline: `{o['best']}`, KL "
+            f"{100 * o['kl_vs_online']:+.1f}% vs online KD, step time "
+            f"{o['step_time_vs_online']:.2f}x."
+        )
+    if "sampled_vs_tail" in g:
+        s = g["sampled_vs_tail"]
+        parts = [
+            f"~{p['budget']:g} B/pos: sampled {p['sampled_kl']:.4f} "
+            f"({p['sampled_bytes']:.0f} B) vs top-k+tail {p['topk_tail_kl']:.4f} "
+            f"({p['topk_tail_bytes']:.0f} B)"
+            for p in s["pairs"]
+        ]
+        lines.append(
+            "Goal 2 (sampled targets no worse than top-k + tail at equal bytes): "
+            f"**{'met' if s['met'] else 'NOT met'}**. " + "; ".join(parts) + "."
+        )
+    return lines
+
+
+def _bytes(r: dict[str, Any]) -> str:
+    b = r.get("bytes_per_position")
+    return f"{b:.0f}" if b is not None else ""
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -78,7 +147,8 @@ def markdown(rep: dict[str, Any]) -> str:
         f"{rep['models']['student_params']:,} params, vocab {rep['models']['vocab_size']}; "
         f"teacher held-out ppl on the eval windows {rep['heldout']['teacher_ppl']:.2f}",
         f"- cache: batch job over HTTP ({rep['job']['backend']} backend), "
-        f"{c['num_sequences']} sequences, {c['num_rows']:,} rows, k={c['k']}, mean teacher "
+        f"{c['num_sequences']} sequences, {c['num_rows']:,} rows, k={c['k']} "
+        f"({c.get('bytes_per_position', 0):.0f} B/position on disk), mean teacher "
         f"mass in the top-k {c['mean_topk_mass']:.3f} (tail {1 - c['mean_topk_mass']:.3f}); "
         f"job {rep['job']['wall_s']:.1f} s wall, {rep['job']['tokens_per_s']:,.0f} tokens/s; "
         f"`validate`: {c['validation']}",
@@ -87,26 +157,33 @@ def markdown(rep: dict[str, Any]) -> str:
         f"{rep['train']['seed']}, same data order and init for every method, runs interleaved "
         f"step by step; {rep['train']['threads']} torch thread(s)",
         f"- held-out: {rep['heldout']['positions']:,} positions (windows of "
-        f"{rep['heldout']['window']} tokens of held-out modules); KL(teacher||student) is over "
-        "the full vocabulary with the teacher run in PyTorch",
+        f"{rep['heldout']['window']} tokens spread over the held-out modules); "
+        "KL(teacher||student) is over the full vocabulary with the teacher run in PyTorch; "
+        f"teacher ppl {rep['heldout']['teacher_ppl']:.2f}, teacher top-1 ECE "
+        f"{rep['heldout'].get('teacher_ece', 0):.4f}",
+        "- B/pos: the method's cache on disk (every file of the store) / cached positions; "
+        "budgets pick the k or number of draws whose cache measured closest",
         "",
-        "| method | held-out KL(t‖s) | KL vs online KD | held-out ppl | step ms (median) | "
-        "step time vs online KD | data wait | train loss (first → last 10) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| method | B/pos | held-out KL(t‖s) | KL vs online KD | held-out ppl | top-1 ECE | "
+        "step ms (median) | step time vs online KD | data wait | train loss (first → last 10) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     u = rep["untrained"]
-    lines.append(f"| {label('untrained')} | {u['kl']:.4f} | | {u['ppl']:.1f} | | | | |")
+    lines.append(
+        f"| {label('untrained')} | | {u['kl']:.4f} | | {u['ppl']:.1f} | {u.get('ece', 0):.4f} "
+        "| | | | |"
+    )
     for name, r in m.items():
         vs = f"{100 * r['kl_vs_online']:+.1f}%" if "kl_vs_online" in r else ""
         sp = f"{r['step_time_vs_online']:.2f}x" if "step_time_vs_online" in r else ""
         lines.append(
-            f"| {label(name)} | {r['kl']:.4f} | {vs} | {r['ppl']:.2f} | "
-            f"{r['step_ms_median']:.1f} | {sp} | {100 * r['data_wait_share']:.1f}% | "
-            f"{r['loss_first']:.3f} → {r['loss_last10']:.3f} |"
+            f"| {label(name)} | {_bytes(r)} | {r['kl']:.4f} | {vs} | {r['ppl']:.2f} | "
+            f"{r.get('ece', 0):.4f} | {r['step_ms_median']:.1f} | {sp} | "
+            f"{100 * r['data_wait_share']:.1f}% | {r['loss_first']:.3f} → {r['loss_last10']:.3f} |"
         )
-    v = verdict(m)
-    if v:
-        lines += ["", v]
+    gl = goal_lines(rep.get("goals") or goals(m))
+    if gl:
+        lines += ["", *gl]
     if rep.get("notes"):
         lines += ["", *[f"- {n}" for n in rep["notes"]]]
     return "\n".join(lines) + "\n"

@@ -10,7 +10,14 @@ initial weights, same AdamW settings and schedule; position ``t`` of an item is 
 * ``offline_topk``: ``topk_distill_loss`` (impl ``fused_chunked``) on the cached top-k without the
   tail mass: ``sum_{v in S} p_v log(p_v / q_v)``;
 * ``offline_topk_tail``: the same with the cached tail mass as one more bucket:
-  ``sum_S p_v log(p_v / q_v) + P_o log(P_o / Q_o)``.
+  ``sum_S p_v log(p_v / q_v) + P_o log(P_o / Q_o)``;
+* ``offline_sampled``: random-sampling KD (Anshumann et al. 2025) from a ``targets="sampled"``
+  cache: ``sum_i w_i (log w_i - log q_i)`` over the sampled ids with importance weights ``w``
+  (FORMAT.md 4.4), ``topk_distill_loss(..., targets="sampled")``.
+
+A method spec may carry ``@n``: ``offline_topk@32`` / ``offline_topk_tail@32`` train from a
+``k = 32`` cache, ``offline_sampled@24`` from a cache of 24 draws per row (``distill.py`` derives
+these caches and measures their bytes on disk).
 
 Runs are **interleaved**: step ``s`` of every method, then step ``s + 1``, so that a shared,
 noisily loaded machine slows every method alike and the step-time ratios stay meaningful.
@@ -29,17 +36,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-METHODS = ("ce", "online_kd", "offline_topk", "offline_topk_tail")
+METHODS = ("ce", "online_kd", "offline_topk", "offline_topk_tail", "offline_sampled")
 
 
 def parse_method(spec: str) -> tuple[str, int | None]:
     """``"offline_topk_tail@16"`` -> ``("offline_topk_tail", 16)``: an offline method trained on
-    only the first 16 columns of each cached row (``CacheDataset(topk=16)``: the dropped columns'
-    mass joins the tail), so one large-k cache also gives every smaller k without rescoring."""
+    a ``k = 16`` cache (the first 16 columns of the scored cache's rows); ``"offline_sampled@24"``
+    -> ``("offline_sampled", 24)``: a sampled cache of 24 draws per row (``@n`` required)."""
     base, _, k = spec.partition("@")
     if base not in METHODS:
         raise ValueError(f"unknown method {spec!r}; choose from {METHODS} (offline ones @k)")
     if not k:
+        if base == "offline_sampled":
+            raise ValueError(f"bad method {spec!r}: offline_sampled needs @draws, e.g. @24")
         return base, None
     if not base.startswith("offline") or not k.isdigit() or int(k) < 1:
         raise ValueError(f"bad method {spec!r}: only offline methods take @k with k >= 1")
@@ -94,8 +103,10 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
         kl = (t_lp.exp() * (t_lp - s_lp)).sum(-1)
         return _masked_mean(kl, batch["loss_mask"].to(kl.dtype))
 
-    def offline(with_tail: bool) -> Callable[..., torch.Tensor]:
-        def f(student: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def offline(with_tail: bool, sampled: bool = False) -> Callable[..., torch.Tensor]:
+        def f(student: Any, batch: dict[str, Any]) -> torch.Tensor:
+            if sampled and batch.get("target_kind") != "sampled":
+                raise ValueError("offline_sampled needs a targets='sampled' cache")
             return topk_distill_loss(
                 _body(student, batch),
                 student.lm_head.weight,
@@ -105,6 +116,7 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
                 mask=batch["loss_mask"],
                 impl="fused_chunked",
                 chunk_size=settings.chunk_size,
+                **({"targets": "sampled"} if sampled else {}),
             )
 
         return f
@@ -114,6 +126,7 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
         "online_kd": online_kd,
         "offline_topk": offline(False),
         "offline_topk_tail": offline(True),
+        "offline_sampled": offline(False, sampled=True),
     }
     if method not in table:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -170,20 +183,21 @@ class Run:
 def make_run(
     method: str,
     load_student: Callable[[], Any],
-    make_dataset: Callable[[int | None], Any],
+    make_dataset: Callable[[str], Any],
     teacher: Any,
     settings: TrainSettings,
 ) -> Run:
-    """A fresh student (same initial weights for every method) on a fresh, identical stream
-    (``make_dataset(topk)``; ``topk`` from the method's ``@k``, else ``None``: the cache's k)."""
-    base, topk = parse_method(method)
+    """A fresh student (same initial weights for every method) on a fresh stream
+    (``make_dataset(method)``: the method's cache, every cache holding the same sequences in the
+    same order, so every method sees the same items in the same order)."""
+    base, _ = parse_method(method)
     student = load_student()
     student.train()
     opt = torch.optim.AdamW(
         student.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, settings.lr_factor)
-    stream = epochs(lambda: make_dataset(topk))
+    stream = epochs(lambda: make_dataset(method))
     return Run(method, student, loss_fn(base, teacher, settings), opt, sched, stream, settings)
 
 

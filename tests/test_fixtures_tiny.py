@@ -94,7 +94,12 @@ def test_splits_hold_out_whole_modules_and_are_deterministic(tiny) -> None:
     assert len(held) > 50 and len(train) > 10 * len(held)
     assert not {d.module for d in train} & {d.module for d in held}
     assert len({d.key for d in train + held}) == len(train) + len(held)
-    docs = corpus.stdlib_docs(min_chars=tiny.summary["recipe"]["min_doc_chars"])
+    r = tiny.summary["recipe"]
+    docs = corpus.build_corpus(
+        r.get("corpus_parts") or ("docstrings",),
+        min_chars=r["min_doc_chars"],
+        chunk_chars=r.get("source_chunk_chars") or 2000,
+    )
     assert corpus.corpus_sha256(docs) == tiny.summary["corpus"]["sha256"]
     t2, h2 = corpus.split_docs(docs, tiny.summary["recipe"]["heldout_every"])
     assert [d.key for d in t2] == [d.key for d in train]
@@ -179,3 +184,44 @@ def test_cli_prints_the_summary(tiny) -> None:
     summary = json.loads(out)
     assert summary["cache_key"] == tiny.root.name
     assert summary["teacher_heldout_ppl"] == tiny.teacher_heldout_ppl
+
+
+def test_source_chunks_end_at_blank_lines_and_stay_bounded() -> None:
+    text = "".join(f"def f{i}():\n    return {i}\n\n" for i in range(200))
+    pieces = corpus.chunk_source(text, 300)
+    assert "\n\n".join(pieces) + "\n" == text.rstrip("\n") + "\n"  # nothing lost or reordered
+    assert all(len(p) <= 600 for p in pieces) and len(pieces) > 10
+    assert all(p.startswith("def ") for p in pieces)  # cut at blank lines, between functions
+    long_line = "x" * 5000
+    assert corpus.chunk_source(long_line, 300) == [long_line]  # never inside a line
+    with pytest.raises(ValueError):
+        corpus.chunk_source(text, 0)
+
+
+def test_corpus_parts_topics_and_sources() -> None:
+    topics = corpus.pydoc_topics()
+    assert len(topics) > 50 and [d.key for d in topics] == sorted(d.key for d in topics)
+    assert all(d.module == d.key and d.key.startswith("pydoc_data/topics.py#") for d in topics)
+    sources = corpus.stdlib_sources(chunk_chars=2000)
+    modules = {d.module for d in sources}
+    assert "argparse.py" in modules
+    assert not any(m.split("/")[0] in corpus.SOURCE_SKIP for m in modules)
+    docs = corpus.build_corpus(("sources", "docstrings", "topics"))
+    # docstrings first, then topics, then sources, whatever order the parts are named in
+    n_doc = len(corpus.stdlib_docs())
+    assert docs[n_doc].key == topics[0].key and docs[n_doc + len(topics)].key == sources[0].key
+    with pytest.raises(ValueError, match="unknown corpus parts"):
+        corpus.build_corpus(("docstrings", "wiki"))
+
+
+def test_eval_windows_spread_over_the_stream() -> None:
+    from logitcache.fixtures.tiny import eval_windows
+
+    stream = np.arange(1000, dtype=np.int32)
+    w = eval_windows(stream, 10, 200)
+    assert w.shape == (20, 10) and w.dtype == np.int64
+    assert w[0, 0] == 0 and w[-1, -1] == 999  # first and last tokens both scored
+    assert (np.diff(w[:, 0]) >= 10).all()  # non-overlapping
+    assert (w[:, 1:] - w[:, :-1] == 1).all()
+    with pytest.raises(FixtureError):
+        eval_windows(stream[:5], 10, 200)

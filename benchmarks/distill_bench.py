@@ -1,0 +1,134 @@
+"""The distillation comparison of issue #12 over two seeds; writes the committed results pages.
+
+    .venv/bin/python benchmarks/distill_bench.py            # seeds 0 and 1, default plan
+    .venv/bin/python benchmarks/distill_bench.py --seeds 0 -- --steps 50   # extra args go on
+
+Runs ``examples/distill.py`` once per seed (the seed sets the data order of every method and
+the sampled targets' draws; the student init and the scored cache are shared), each run writing
+its own report under ``--workdir`` (default ``runs/distill-bench``), then combines them into
+``benchmarks/results/distill.json`` and ``distill.md``: per method the mean over seeds of the
+held-out KL(teacher || student), ppl, top-1 ECE, step time and bytes/position, the per-seed KL,
+and the goals judged on the seed means (and per seed). This command is the only writer of those
+pages; the demo writes under ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from distill_report import add_ratios, goal_lines, goals, label  # noqa: E402
+
+OUT_JSON = ROOT / "benchmarks/results/distill.json"
+OUT_MD = ROOT / "benchmarks/results/distill.md"
+AVERAGED = ("kl", "ppl", "ece", "step_ms_median", "bytes_per_position", "mean_distinct_ids")
+
+
+def combine(reports: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Seed means of every method present in all reports (``kl_by_seed`` keeps each seed's)."""
+    names = [m for m in reports[0]["methods"] if all(m in r["methods"] for r in reports)]
+    out: dict[str, dict[str, Any]] = {}
+    for m in names:
+        runs = [r["methods"][m] for r in reports]
+        row: dict[str, Any] = {
+            k: statistics.fmean(x[k] for x in runs) for k in AVERAGED if k in runs[0]
+        }
+        row["kl_by_seed"] = [x["kl"] for x in runs]
+        row["budget"] = runs[0].get("budget")
+        out[m] = row
+    add_ratios(out)
+    return out
+
+
+def markdown(reports: list[dict[str, Any]], methods: dict[str, dict[str, Any]]) -> str:
+    r0 = reports[0]
+    seeds = [r["train"]["seed"] for r in reports]
+    c = r0["cache"]
+    lines = [
+        "# Distillation from the cache vs online KD (tiny local teacher, issue #12)",
+        "",
+        f"- command: `python benchmarks/distill_bench.py {' '.join(sys.argv[1:])}` "
+        f"(per seed: `{r0['command']}` with `--seed`)",
+        f"- machine: {r0['machine']} (shared with other jobs: step times are medians of "
+        "interleaved steps, so every method is slowed alike)",
+        f"- teacher {r0['models']['teacher_params']:,} params, student "
+        f"{r0['models']['student_params']:,} params, vocab {r0['models']['vocab_size']}; "
+        f"teacher temperature {r0['plan']['teacher_temperature']}; teacher held-out ppl "
+        f"{r0['heldout']['teacher_ppl']:.2f} on the eval windows",
+        f"- scored cache: {c['num_sequences']} sequences, {c['num_rows']:,} rows, k={c['k']}, "
+        f"teacher mass in the top-k {c['mean_topk_mass']:.3f}, "
+        f"{c['bytes_per_position']:.0f} B/position; offline caches derived per budget "
+        f"({', '.join(f'{b:g}' for b in r0['plan']['budgets'])} B/position)",
+        f"- training: {r0['train']['steps']} steps x {r0['train']['batch_items']} x "
+        f"{r0['train']['tokens_per_item']} tokens, AdamW lr {r0['train']['lr']}; seeds "
+        f"{seeds} (data order + sampling); same init; held-out "
+        f"{r0['heldout']['positions']:,} positions, full-vocabulary KL",
+        "",
+        "| method | B/pos | held-out KL (mean) | KL per seed | vs online KD | ppl | top-1 ECE "
+        "| step ms | step vs online |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in methods.items():
+        b = r.get("bytes_per_position")
+        extra = ""
+        if "mean_distinct_ids" in r:
+            extra = f" ({r['mean_distinct_ids']:.1f} distinct ids/row)"
+        lines.append(
+            f"| {label(name)}{extra} | {'' if b is None else f'{b:.0f}'} | {r['kl']:.4f} | "
+            f"{', '.join(f'{x:.4f}' for x in r['kl_by_seed'])} | "
+            f"{100 * r.get('kl_vs_online', 0):+.1f}% | {r['ppl']:.2f} | {r['ece']:.4f} | "
+            f"{r['step_ms_median']:.0f} | {r.get('step_time_vs_online', 0):.2f}x |"
+        )
+    lines += ["", "On the seed means:", "", *goal_lines(goals(methods)), "", "Per seed:", ""]
+    for rep in reports:
+        lines += [f"- seed {rep['train']['seed']}: " + " ".join(goal_lines(rep["goals"]))]
+    lines += ["", *[f"- {n}" for n in r0["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--workdir", type=Path, default=ROOT / "runs/distill-bench")
+    p.add_argument("--out-json", type=Path, default=OUT_JSON)
+    p.add_argument("--out-md", type=Path, default=OUT_MD)
+    args, rest = p.parse_known_args(argv)
+    rest = [a for a in rest if a != "--"]
+    import distill
+
+    reports = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        out = args.workdir / f"seed{seed}"
+        reports.append(
+            distill.main(
+                [
+                    "--workdir",
+                    str(args.workdir),
+                    "--seed",
+                    str(seed),
+                    "--out-json",
+                    str(out / "distill.json"),
+                    "--out-md",
+                    str(out / "distill.md"),
+                    *rest,
+                ]
+            )
+        )
+    methods = combine(reports)
+    result = {"seeds": reports, "mean": methods, "goals": goals(methods)}
+    args.out_json.write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(reports, methods)
+    args.out_md.write_text(text)
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
