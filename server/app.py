@@ -28,7 +28,12 @@ from .errors import install_error_handlers
 from .job_store import JobStore
 from .jobs import JobRunner
 from .metrics import Metrics
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from .middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    InternalErrorMiddleware,
+    MetricsMiddleware,
+)
 from .scoring import ScoringService
 from .settings import ServerSettings
 
@@ -152,5 +157,6 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
     )
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -209,8 +209,8 @@ def _allowed_methods(request: Any) -> list[str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error to the JSON body: :class:`ServiceError`, ``FormatError``, engine errors,
-    request-validation errors, HTTP errors, and any other exception (a 500 ``internal_error``
-    whose message shows no path or traceback; the traceback goes to the log)."""
+    request-validation errors and HTTP errors (any other exception becomes a 500
+    ``internal_error`` in :class:`~logitcache.server.middleware.InternalErrorMiddleware`)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -252,16 +252,10 @@ def install_error_handlers(app: FastAPI) -> None:
         message = f"request validation failed: {where + ': ' if where else ''}{first['msg']}"
         return error_response(422, "invalid_request", message, details)
 
-    async def on_unexpected(_request: Any, exc: Exception) -> Response:
-        log.error("unhandled error: %r", exc, exc_info=exc)
-        return error_response(
-            500, "internal_error", f"internal server error ({type(exc).__name__}); see the log"
-        )
-
     app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
     app.add_exception_handler(FormatError, on_format_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
     for exc_type in _engine_error_types():
         app.add_exception_handler(exc_type, on_engine_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, on_unexpected)
+    # any other exception: middleware.InternalErrorMiddleware (keeps the connection usable)

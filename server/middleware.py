@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException
 
-from .errors import error_body
+from .errors import error_body, error_response, log
 from .ui import auth as ui_auth
 from .ui.routes import PUBLIC_PATHS as UI_PUBLIC_PATHS
 from .ui.routes import PUBLIC_PREFIXES
@@ -128,6 +128,42 @@ class BodyLimitMiddleware:
             else:
                 body = error_body("request_timeout", str(e.detail))
                 await _send_json(send, 408, body, [(b"connection", b"close")])
+
+
+class InternalErrorMiddleware:
+    """Answer any unhandled exception with the JSON 500 body (``internal_error``: the error type
+    only, no message, no path; the traceback goes to the log) and keep the connection usable.
+
+    (Starlette's own last-resort handler re-raises after answering, and uvicorn then closes the
+    keep-alive connection, so the client's next request on it fails.) An exception after the
+    answer has started cannot be turned into a 500: it is re-raised (the connection is closed).
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.error("unhandled error: %r", exc, exc_info=exc)
+            if started:
+                raise
+            response = error_response(
+                500, "internal_error", f"internal server error ({type(exc).__name__}); see the log"
+            )
+            await response(scope, receive, send)
 
 
 class MetricsMiddleware:

@@ -255,3 +255,78 @@ def test_json_error_bodies_are_ascii_json(client) -> None:
     r = _post_raw(client, "/v1/score", b'{"texts": ["\\ud800"], "bogus": "\\udc00"}')
     _assert_error(r, 422)
     json.loads(r.content.decode("ascii"))
+
+
+def _big_body(n_seqs: int, length: int, seed: int) -> dict:
+    import random
+
+    rng = random.Random(seed)
+    return {"input_ids": [[rng.randrange(5, 4000) for _ in range(length)] for _ in range(n_seqs)]}
+
+
+def _engine_idle(engine) -> bool:
+    driver = engine._driver
+    return not driver._pending and not driver.engine.has_unfinished_requests()
+
+
+def test_abandoned_request_is_aborted_in_the_engine(srv, client, vllm_engine) -> None:
+    """A client that gives up (timeout: disconnect) leaves no work in the engine: the same body
+    scored to the end takes ``full`` seconds; abandoned after 0.3 s, the engine is idle again at
+    once and a small request is answered well before ``full`` would have passed."""
+    body = _big_body(16, 900, seed=1)
+    t0 = time.perf_counter()
+    assert client.post("/v1/score", json=body, timeout=300).status_code == 200
+    full = time.perf_counter() - t0
+    body = _big_body(16, 900, seed=2)  # new content: nothing cached anywhere
+    with pytest.raises(httpx.TimeoutException):
+        client.post("/v1/score", json=body, timeout=0.3)
+    t_gone = time.perf_counter()
+    while not _engine_idle(vllm_engine):
+        assert time.perf_counter() - t_gone < max(2.0, full / 2), "engine still busy"
+        time.sleep(0.02)
+    idle_after = time.perf_counter() - t_gone
+    t1 = time.perf_counter()
+    assert client.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]]}).status_code == 200
+    small = time.perf_counter() - t1
+    assert srv.services.scoring.gate.in_flight == 0
+    print(
+        f"full {full:.2f} s, idle {idle_after:.2f} s after the disconnect, small {small:.2f} s"
+    )
+    assert idle_after + small < full
+
+
+def test_deadline_passed_is_503_with_retry_after(tiny, vllm_engine, tmp_path) -> None:
+    settings = server_settings(tmp_path, str(tiny.teacher_dir), request_timeout_s=0.2)
+    with ThreadedServer(settings, vllm_engine) as s, s.client() as c:
+        r = c.post("/v1/score", json=_big_body(16, 900, seed=3))
+        err = _assert_error(r, 503, "deadline_exceeded")
+        assert "aborted" in err["message"] and int(r.headers["retry-after"]) >= 1
+        t0 = time.perf_counter()
+        while not _engine_idle(vllm_engine):
+            assert time.perf_counter() - t0 < 5
+            time.sleep(0.02)
+
+
+def test_health_stays_fast_while_a_large_answer_is_built(srv, client) -> None:
+    import threading
+
+    body = _big_body(24, 900, seed=4)
+    body["k"] = 20
+    done: list[int] = []
+    worker = threading.Thread(
+        target=lambda: done.append(client.post("/v1/score", json=body, timeout=300).status_code)
+    )
+    worker.start()
+    lat = []
+    while worker.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        lat.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    worker.join()
+    assert done == [200] and len(lat) >= 3
+    lat.sort()
+    # the goal is < 100 ms (measured in benchmarks/load_bench.py, engine in its own process);
+    # here the in-process test engine shares the GIL and the machine is shared with other test
+    # runs, so the bound only proves the loop is never blocked for the whole answer (it was: 5 s)
+    assert lat[len(lat) // 2] < 0.5 and lat[-1] < 2.0, lat
