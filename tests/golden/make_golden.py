@@ -8,11 +8,16 @@ requires exactly these values: a later format version must keep reading old stor
 
 Usage (from the repo root): ``.venv/bin/python tests/golden/make_golden.py`` (refuses to
 overwrite an existing version folder; delete it first if you really mean to rebuild it).
+``GOLDEN_FORMAT_MODULE=pkg.cache_format`` (with ``pkg`` on ``PYTHONPATH``) builds them with
+another copy of the format code, e.g. an older version's ``cache_format`` folder from git
+(``git archive <commit> cache_format``): its modules import each other relatively only.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -20,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+FMT = importlib.import_module(os.environ.get("GOLDEN_FORMAT_MODULE", "logitcache.cache_format"))
 
 
 def records(seed: int, n: int, k: int, vocab: int, extreme: bool):
     """Deterministic valid records; ``extreme`` puts values below -65504 in the last ranks."""
-    from logitcache.cache_format import SequenceRecord
+    SequenceRecord = FMT.SequenceRecord
 
     rng = np.random.default_rng(seed)
     out = []
@@ -38,7 +44,7 @@ def records(seed: int, n: int, k: int, vocab: int, extreme: bool):
         lp = lp.astype(np.float32)
         if extreme and rows > 1:
             lp[1, -1] = -7.0e4  # below the float16 range
-            lp[0, :] = lp[0, 0]  # a row of ties: zero quantisation spread
+            lp[0, :] = np.log(0.2)  # a row of ties (zero quantisation spread), mass 0.8
         tail = np.clip(1 - np.exp(lp.astype(np.float64)).sum(axis=1), 0, 1).astype(np.float32)
         key = f"g{seed}-{i}" if i % 3 else None  # some content keys
         out.append(SequenceRecord(key, ids, topk.astype(np.int32), lp, tail))
@@ -46,7 +52,12 @@ def records(seed: int, n: int, k: int, vocab: int, extreme: bool):
 
 
 def build(root: Path) -> dict:
-    from logitcache.cache_format import CacheReader, CacheWriter, Layout, Manifest
+    CacheReader, CacheWriter, Layout, Manifest = (
+        FMT.CacheReader,
+        FMT.CacheWriter,
+        FMT.Layout,
+        FMT.Manifest,
+    )
 
     tiny = Layout(
         row_chunk=4, row_shard=16, token_chunk=8, token_shard=32, seq_chunk=2, seq_shard=8
@@ -99,7 +110,7 @@ def build(root: Path) -> dict:
 
 
 def main() -> int:
-    from logitcache.cache_format import FORMAT_VERSION
+    FORMAT_VERSION = FMT.FORMAT_VERSION
 
     root = HERE / f"v{FORMAT_VERSION}"
     if root.exists():
@@ -113,7 +124,8 @@ def main() -> int:
         raise
     (root / "README.md").write_text(
         f"Golden caches of format version {FORMAT_VERSION}, written by "
-        "`tests/golden/make_golden.py`; never edit or rebuild them: "
+        f"`tests/golden/make_golden.py` with the format code `{FMT.__name__}`; never edit or "
+        "rebuild them: "
         "`tests/test_format_golden.py` requires every later version "
         "to read them to the values in `*.expected.npz`.\n"
     )
