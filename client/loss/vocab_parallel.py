@@ -33,6 +33,9 @@ from .chunk_ops import ChunkTargets
 from .row_math import RowCoefs, row_coefs
 from .spec import LossInputError, LossSpec
 
+#: ``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` is deprecated there).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class VocabParallel:
@@ -85,7 +88,7 @@ def resolve_shard(spec: VocabParallel, local_rows: int, device: torch.device) ->
 def _all_sizes(local_rows: int, group: Any, world: int, device: torch.device) -> list[int]:
     mine = torch.tensor([local_rows], dtype=torch.int64, device=device)
     out = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    _all_gather(out, mine, group=group)
     return [int(v) for v in out.tolist()]
 
 
@@ -156,7 +159,7 @@ def check_same_rows(ids: torch.Tensor, valid: torch.Tensor, shard: VocabShard) -
         ]
     )
     out = torch.empty(shard.world * 3, dtype=torch.int64, device=ids.device)
-    dist.all_gather_into_tensor(out, mine, group=shard.group)
+    _all_gather(out, mine, group=shard.group)
     out = out.view(shard.world, 3)
     if not bool((out == out[0]).all()):
         raise LossInputError(
@@ -251,7 +254,7 @@ def exchange(packed: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     packed = packed.contiguous()
     rows, width = packed.shape
     out = torch.empty((shard.world * rows, width), dtype=packed.dtype, device=packed.device)
-    dist.all_gather_into_tensor(out, packed, group=shard.group)  # concatenated along dim 0
+    _all_gather(out, packed, group=shard.group)  # concatenated along dim 0
     return out.view(shard.world, rows, width)
 
 
