@@ -1,0 +1,69 @@
+"""``RankEvenStream``: every rank the same number of batches, any ``num_workers``, cheap skips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from client_support import build_cache, make_sequences
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("stream") / "cache"
+    build_cache(path, make_sequences(30, seed=7, max_len=40))
+    return path
+
+
+def _ds(url: Path, rank: int) -> object:
+    from logitcache.client import CacheDataset
+
+    return CacheDataset(url, tokens_per_item=40, batch_size=2, seed=1, rank=rank, world_size=2)
+
+
+def _ids(units: list) -> list:
+    return [u["input_ids"].numpy().tolist() if u else None for u in units]
+
+
+def test_ranks_padded_to_the_same_length_with_empty_batches(url: Path) -> None:
+    from logitcache.client.hf import RankEvenStream, planned_units
+
+    ranks = [_ds(url, r) for r in (0, 1)]
+    counts = [planned_units(d, 0, r) for r, d in enumerate(ranks)]
+    assert counts == [len(d) for d in ranks]  # the planner agrees with the dataset
+    units = max(counts) + 1  # one more than the longest rank: padding on every rank
+    for ds, count in zip(ranks, counts, strict=True):
+        got = list(RankEvenStream(ds, units))
+        assert len(got) == units
+        assert all(int(u["loss_mask"].sum()) > 0 for u in got[:count])
+        for pad in got[count:]:
+            assert not pad["loss_mask"].any() and (pad["labels"] == -100).all()
+            assert pad["topk_ids"].shape[-1] == ds.k and pad["input_ids"].shape == (1, 40)
+
+
+def test_workers_keep_the_order(url: Path) -> None:
+    from logitcache.client.hf import RankEvenStream, _EpochLoader
+
+    ds = _ds(url, 1)
+    units = len(ds) + 3
+    plain = _ids(list(RankEvenStream(ds, units)))
+    loader = _EpochLoader(RankEvenStream(ds, units), batch_size=None, num_workers=2)
+    assert _ids(list(loader)) == plain
+
+
+def test_placeholders_stand_in_for_skipped_batches(url: Path) -> None:
+    from logitcache.client.hf import RankEvenStream
+
+    ds = _ds(url, 0)
+    units = len(ds) + 1
+    full = _ids(list(RankEvenStream(ds, units)))
+    for skip in (1, 3, units):
+        stream = RankEvenStream(ds, units)
+        stream.skip_placeholders = skip
+        got = list(stream)
+        # real batches are replaced (not read); padding batches are cheap and stay: the stream
+        # keeps its length, so a consumer dropping the first `skip` sees exactly full[skip:]
+        held = min(skip, len(ds))
+        assert len(got) == units and got[:held] == [{}] * held
+        assert _ids(got[held:]) == full[held:]
+        assert stream.skip_placeholders == 0  # armed for one iteration only
