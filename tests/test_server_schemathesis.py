@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,12 @@ def _protected_2xx(srv: ThreadedServer) -> int:
             if status.startswith("2") and route not in PUBLIC:
                 n += int(s.value)
     return n
+
+
+def _generated(output: str) -> int:
+    """Test cases schemathesis reports as generated (``N generated, ...``)."""
+    m = re.search(r"(\d+) generated", output)
+    return int(m.group(1)) if m else 0
 
 
 def _st(
@@ -109,6 +116,7 @@ def test_schemathesis_finds_no_server_error_and_every_answer_conforms(
             EXCLUDED,
         )
         assert keyed.returncode == 0, keyed.stdout[-12000:] + keyed.stderr[-3000:]
+        assert _generated(keyed.stdout) >= 100, keyed.stdout[-3000:]  # it did test something
 
         before = _protected_2xx(srv)
         anonymous = _st(
@@ -121,4 +129,5 @@ def test_schemathesis_finds_no_server_error_and_every_answer_conforms(
             "response_headers_conformance,response_schema_conformance",
         )
         assert anonymous.returncode == 0, anonymous.stdout[-12000:] + anonymous.stderr[-3000:]
+        assert _generated(anonymous.stdout) >= 20, anonymous.stdout[-3000:]
         assert _protected_2xx(srv) == before
