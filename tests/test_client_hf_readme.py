@@ -74,6 +74,7 @@ def test_client_docstring_carries_the_readme_loop() -> None:
             assert line.strip() in doc, f"client docstring lacks README line: {line.strip()!r}"
 
 
+@pytest.mark.slow
 def test_readme_hf_trainer_example_runs(tiny: Any, setup: dict[str, Any], tmp_path: Path) -> None:
     code = _block("hf-trainer")
     assert S3 in code and "max_steps=1000" in code and '"runs/student"' in code
@@ -85,3 +86,32 @@ def test_readme_hf_trainer_example_runs(tiny: Any, setup: dict[str, Any], tmp_pa
     assert trainer.state.global_step == 3
     final = trainer.state.log_history[-1]
     assert np.isfinite(final["train_loss"]) and final["train_loss"] > 0
+
+
+@pytest.mark.slow
+def test_hf_trainer_example_command_runs(tiny: Any, setup: dict[str, Any], tmp_path: Path):
+    """The torchrun command of ``examples/hf_trainer.py``'s docstring, 2 CPU ranks, 2 steps."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    doc = (ROOT / "examples" / "hf_trainer.py").read_text()
+    lines = doc.splitlines()
+    i = next(j for j, line in enumerate(lines) if "torch.distributed.run" in line)
+    cmd = shlex.split(lines[i].rstrip("\\ ") + " " + lines[i + 1].strip())
+    assert cmd[:3] == [".venv/bin/python", "-m", "torch.distributed.run"]
+    subs = {
+        "./caches/corpus-k20": setup["url"],
+        "/path/to/student": str(tiny.student_dir),
+        "runs/hf": str(tmp_path / "run"),
+        "100": "2",
+    }
+    cmd = [sys.executable, *[subs.get(a, a) for a in cmd[1:]]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["world_size"] == 2
+    assert summary["train_loss"] > 0
