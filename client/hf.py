@@ -195,8 +195,9 @@ class CacheDistillTrainer(Trainer):
 
     ``train_dataset`` must be a ``CacheDataset`` with ``batch_size ==
     args.per_device_train_batch_size`` and this process's ``rank``/``world_size``. Not supported:
-    FSDP / DeepSpeed ZeRO-3 (the loss reads ``lm_head.weight`` outside the forward), eval datasets
-    other than a ``CacheDataset`` built the same way.
+    FSDP / DeepSpeed ZeRO-3 (the loss reads ``lm_head.weight`` outside the forward, where those
+    shard it), evaluation on a ``CacheDataset`` (refused). Planning the epoch length plans every
+    planned epoch once from the cache's lengths (linear in the number of sequences, no data read).
     """
 
     loss_is_scaled_for_ga = True
@@ -284,6 +285,16 @@ class CacheDistillTrainer(Trainer):
             prefetch_factor=self.args.dataloader_prefetch_factor,
             multiprocessing_context=self.args.dataloader_multiprocessing_context,
         )
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """Refuses a ``CacheDataset``: accelerate would shard it a second time and ranks with
+        fewer batches would stall the evaluation gather (evaluate with your own loop)."""
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(ds, CacheDataset) or (
+            isinstance(ds, dict) and any(isinstance(v, CacheDataset) for v in ds.values())
+        ):
+            raise ConfigError("CacheDistillTrainer does not evaluate on a CacheDataset")
+        return super().get_eval_dataloader(eval_dataset)
 
     def get_batch_samples(
         self, epoch_iterator: Iterator, num_batches: int, device: torch.device
