@@ -102,7 +102,7 @@ def _read_everything(path: Path, expected: list, direct: bool) -> bool:
 
 
 @settings(
-    max_examples=45,
+    max_examples=35,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
