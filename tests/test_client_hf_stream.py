@@ -67,3 +67,36 @@ def test_placeholders_stand_in_for_skipped_batches(url: Path) -> None:
         assert len(got) == units and got[:held] == [{}] * held
         assert _ids(got[held:]) == full[held:]
         assert stream.skip_placeholders == 0  # armed for one iteration only
+
+
+def test_trainer_refuses_a_dataset_it_would_shard_wrongly(url: Path, tmp_path: Path) -> None:
+    from logitcache.client import CacheDataset
+    from logitcache.client.errors import ConfigError
+    from logitcache.client.hf import CacheDistillTrainer
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    model = LlamaForCausalLM(cfg)
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, report_to=[])
+
+    def trainer(**ds_kw: object) -> CacheDistillTrainer:
+        ds = CacheDataset(url, tokens_per_item=40, seed=1, **ds_kw)
+        return CacheDistillTrainer(model=model, args=args, train_dataset=ds)
+
+    with pytest.raises(ConfigError, match="batch_size"):
+        trainer(batch_size=4)
+    with pytest.raises(ConfigError, match="rank 1 of 2"):
+        trainer(batch_size=2, rank=1, world_size=2)
+    ok = trainer(batch_size=2)
+    assert ok.args.accelerator_config.dispatch_batches is False
+    assert len(ok.get_train_dataloader()) == len(ok.train_dataset)
+    with pytest.raises(ConfigError, match="evaluate"):
+        ok.get_eval_dataloader(ok.train_dataset)
