@@ -2,9 +2,9 @@
 
 For every array of a version-2 store, one shard object is deleted (locally and on the moto S3
 server); every read path that needs it (direct shard read and zarr fallback: ``sequence``,
-``sequences``, ``get``, ``rows``, ``tokens``, opening the reader for the index arrays) raises
-:class:`MissingDataError` naming the array, and ``validate`` reports ``object_missing`` with the
-array and the entry range. Reads that do not touch the lost object still succeed.
+``sequences``, ``get``, ``read_ranges``, ``rows``, ``tokens``, opening the reader for the index
+arrays) raises :class:`MissingDataError` naming the array, and ``validate`` reports
+``object_missing`` with the array and the entry range. Reads that do not touch the lost object still succeed.
 """
 
 from __future__ import annotations
@@ -64,7 +64,11 @@ def _check_lost(url, options, name: str, recs, directs: tuple[bool, ...]) -> Non
                 continue
             reads: list[tuple[str, tuple, dict]] = [("sequence", (0,), {})]
             if len(directs) > 1:  # local: every method; S3: the same code over another store
-                reads += [("sequences", ([1, 0],), {}), ("get", (recs[0].key,), {})]
+                reads += [
+                    ("sequences", ([1, 0],), {}),
+                    ("get", (recs[0].key,), {}),
+                    ("read_ranges", ([(0, 2)],), {}),
+                ]
             if name == "input_ids":
                 reads.append(("tokens", (0, 3), {}))
             else:
