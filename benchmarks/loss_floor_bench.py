@@ -58,7 +58,10 @@ VARIANTS = {
     "fp32acc": dict(grad_weight_dtype="float32", budget=1 << 30),
     "bf16acc": dict(grad_weight_dtype="weight", budget=1 << 30),
     "floor": dict(grad_weight_dtype="weight", budget=1 << 29),
+    "floor_c1792": dict(grad_weight_dtype="weight", rows=1792),
 }
+#: what the sweep runs (``--variants``); ``floor_c1792`` only in the follow-up run
+SWEEP_VARIANTS = ["fp32acc", "bf16acc", "floor"]
 
 
 def chunk_for(vocab: int, budget: int) -> int:
@@ -68,7 +71,7 @@ def chunk_for(vocab: int, budget: int) -> int:
 
 def variant_fn(name: str, vocab: int, **extra: Any):
     opts = VARIANTS[name]
-    chunk = chunk_for(vocab, opts["budget"])
+    chunk = opts["rows"] if "rows" in opts else chunk_for(vocab, opts["budget"])
 
     def fn(x: dict) -> torch.Tensor:
         return topk_distill_loss(
@@ -251,7 +254,7 @@ def sweep(
     for vocab, d in CONFIGS:
         for n in sizes:
             x = None
-            for name in VARIANTS:
+            for name in SWEEP_VARIANTS:
                 fn, chunk = variant_fn(name, vocab)
                 row = dict(variant=name, n=n, vocab=vocab, d=d, k=k, chunk=chunk)
                 if time.time() > t_end:
@@ -299,7 +302,7 @@ def plot(result: dict, path: Path) -> bool:
             if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok"
         ]
         rate = result["gemm_tflops"].get(f"{vocab}x{d}")
-        for name in VARIANTS:
+        for name in sorted({r["variant"] for r in rows}, key=list(VARIANTS).index):
             pts = sorted((r["n"], r["peak_gib"], r["ms"]) for r in rows if r["variant"] == name)
             if not pts:
                 continue
@@ -364,7 +367,7 @@ def tables(result: dict) -> str:
 
 
 def main() -> None:
-    global DEVICE, CONFIGS
+    global DEVICE, CONFIGS, SWEEP_VARIANTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--sizes",
@@ -381,6 +384,7 @@ def main() -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--variants", default=",".join(SWEEP_VARIANTS))
     ap.add_argument("--configs", default=None, help="VxD,... (default: the three of the issue)")
     ap.add_argument("--plot-only", type=Path, default=None, help="render PNG + tables from a JSON")
     args = ap.parse_args()
@@ -394,6 +398,7 @@ def main() -> None:
         return
     t0 = time.time()
     DEVICE = args.device
+    SWEEP_VARIANTS = args.variants.split(",")
     if args.configs:
         CONFIGS = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     timer = Timer(DEVICE)
