@@ -15,7 +15,7 @@ One run, one cache, every figure side by side:
 2. **reader**: ``CacheReader.rows`` + ``tokens`` in storage order, 64-sequence ranges, one
    process: the format library's sequential rate.
 3. **shuffle** (one process, ``num_workers=0``): ``CacheDataset`` sequential (``shuffle=False``)
-   vs the full shuffle users are told to copy (``SHUFFLE``: blocks of 16 sequences, windows of 8
+   vs the full shuffle users are told to copy (``SHUFFLE``: blocks of 64 sequences, windows of 4
    blocks, 24 lanes). Ratio = shuffled / sequential positions/s.
 4. **scaling**: ``CacheDataLoader(num_workers=w, pin_memory=True)`` with the same shuffle, for each
    ``w`` of ``--workers``: positions/s *delivered to the main process* (pinned batches).
@@ -57,7 +57,7 @@ K = 100
 VOCAB = 128_256
 CACHE = "bench"
 #: The full shuffle users are told to copy (order.py states its randomness).
-SHUFFLE = {"shuffle_block_size": 16, "shuffle_window": 8, "lanes": 24}
+SHUFFLE = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
 #: Item/batch shape of the trainer (client_trainstep.py: 8 x 2,048 packed positions).
 LOADER = {"tokens_per_item": 2048, "mode": "pack", "batch_size": 8}
 

@@ -37,6 +37,12 @@ def _torch():
     return torch
 
 
+#: Arrays smaller than this (elements) use numpy even when torch is selected: torch's
+#: intra-op thread start-up costs more than the work on one sequence's rows (measured:
+#: benchmarks/results/client.md, random access).
+TORCH_MIN_ELEMENTS = 1 << 20
+
+
 def backend() -> str:
     """``"torch"`` or ``"numpy"``: the backend the kernels use in this process."""
     return "numpy" if _torch() is None else "torch"
@@ -57,7 +63,7 @@ def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     elif out.shape != d.shape or out.dtype != d.dtype or not out.flags.c_contiguous:
         raise ValueError("row_undelta: out must be a C-contiguous array like d")
     torch = _torch()
-    if torch is None or d.size == 0:
+    if torch is None or d.size < TORCH_MIN_ELEMENTS:
         return np.cumsum(d, axis=1, dtype=d.dtype, out=out)
     signed = getattr(torch, _SIGNED[d.dtype])
     src = torch.from_numpy(d.view(_SIGNED[d.dtype]))
@@ -81,7 +87,7 @@ def half_to_float(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("half_to_float: out must be a C-contiguous float32 array of h's shape")
     torch = _torch()
-    if torch is None or h.size == 0:
+    if torch is None or h.size < TORCH_MIN_ELEMENTS:
         np.copyto(out, h, casting="same_kind")
         return out
     torch.from_numpy(out).copy_(torch.from_numpy(h))
