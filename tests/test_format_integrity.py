@@ -120,3 +120,30 @@ def test_stock_zarr_lists_a_closed_store_without_warnings(tmp_path):
     b.acquire(1.0)  # the file a locked is gone; b locks a fresh one
     b.release()
     assert not (url / ".logitcache.lock").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["seq_keys", "seq_lengths", "seq_row_start", "seq_token_start", "id_order"]
+)
+def test_bit_flip_in_index_arrays_is_a_finding_not_a_crash(tmp_path, name):
+    """issue #11: a flipped bit in the sequence index or id_order made validate crash with a
+    ValueError; now it is an `unreadable` finding naming the array and entries, and the reader
+    raises a typed error."""
+    from logitcache.cache_format import FormatError, validate
+    from logitcache.cache_format import reader as reader_mod
+
+    url = tmp_path / "c"
+    with CacheWriter.open(url, make_manifest(id_remap=True), fsync=False) as w:
+        w.append(make_records(6, seed=8))
+    obj = url / name / "c" / "0"
+    data = bytearray(obj.read_bytes())
+    data[5] ^= 0x10
+    obj.write_bytes(bytes(data))
+    report = validate(url)
+    assert "unreadable" in report.codes(), str(report)
+    where = next(p for p in report.problems if p.code == "unreadable").where
+    assert any(w.startswith(f"{name} ") for w in where), where
+    import unittest.mock as mock
+
+    with mock.patch.object(reader_mod, "_RETRIES", 1), pytest.raises(FormatError):
+        CacheReader(url)
