@@ -277,13 +277,17 @@ class CacheDistillTrainer(Trainer):
             seen += 1
             epochs = min(epochs, self._planned_epochs(units))
         self._stream = RankEvenStream(ds, units)
+        workers = self.args.dataloader_num_workers
+        context = self.args.dataloader_multiprocessing_context
+        if workers > 0 and context is None and not getattr(ds.source, "fork_safe", True):
+            context = "spawn"  # as CacheDataLoader: obstore-backed sources must not be forked
         return _EpochLoader(
             self._stream,
             batch_size=None,
-            num_workers=self.args.dataloader_num_workers,
+            num_workers=workers,
             pin_memory=self.args.dataloader_pin_memory,
-            prefetch_factor=self.args.dataloader_prefetch_factor,
-            multiprocessing_context=self.args.dataloader_multiprocessing_context,
+            prefetch_factor=self.args.dataloader_prefetch_factor if workers > 0 else None,
+            multiprocessing_context=context if workers > 0 else None,
         )
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:

@@ -41,6 +41,7 @@ def test_ranks_padded_to_the_same_length_with_empty_batches(url: Path) -> None:
             assert pad["topk_ids"].shape[-1] == ds.k and pad["input_ids"].shape == (1, 40)
 
 
+@pytest.mark.slow
 def test_workers_keep_the_order(url: Path) -> None:
     from logitcache.client.hf import RankEvenStream, _EpochLoader
 
@@ -100,3 +101,55 @@ def test_trainer_refuses_a_dataset_it_would_shard_wrongly(url: Path, tmp_path: P
     assert len(ok.get_train_dataloader()) == len(ok.train_dataset)
     with pytest.raises(ConfigError, match="evaluate"):
         ok.get_eval_dataloader(ok.train_dataset)
+
+
+@pytest.mark.slow
+def test_trainer_resume_with_dataloader_workers(url: Path, tmp_path: Path) -> None:
+    """With ``dataloader_num_workers > 0`` Trainer's skip reads and drops the trained batches;
+    the resumed run (mid-epoch 1) must train the same documents in the same steps."""
+    import torch
+    from logitcache.client import CacheDataset
+    from logitcache.client.hf import CacheDistillTrainer
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    log: list[tuple[int, list]] = []
+
+    class Recording(CacheDistillTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            log.append((self.state.global_step, inputs["input_ids"].tolist()))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def run(out: Path, save: int, resume: str | None = None) -> list:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=97,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+        args = TrainingArguments(
+            str(out),
+            per_device_train_batch_size=2,
+            num_train_epochs=2,
+            save_steps=save,
+            report_to=[],
+            dataloader_num_workers=2,
+            disable_tqdm=True,
+            seed=0,
+        )
+        ds = CacheDataset(url, tokens_per_item=40, batch_size=2, seed=1)
+        log.clear()
+        Recording(model=LlamaForCausalLM(cfg), args=args, train_dataset=ds).train(
+            resume_from_checkpoint=resume
+        )
+        return list(log)
+
+    per_epoch = len(CacheDataset(url, tokens_per_item=40, batch_size=2, seed=1))
+    save = per_epoch + 2
+    full = run(tmp_path / "a", save)
+    assert [s for s, _ in full] == list(range(2 * per_epoch))
+    resumed = run(tmp_path / "b", save, resume=str(tmp_path / "a" / f"checkpoint-{save}"))
+    assert resumed == [e for e in full if e[0] >= save]
