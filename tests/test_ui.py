@@ -34,7 +34,11 @@ CHROMIUM_FLAGS = [
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory) -> Iterator[ServerProcess]:
     work = tmp_path_factory.mktemp("ui")
-    srv = ServerProcess(work, api_key=KEY, model=str(tiny.teacher_dir), k=8, max_seq_len=256)
+    # the transformers backend: a real engine of the service that starts in seconds (the
+    # README test runs the vLLM one); nothing here depends on which engine scores
+    srv = ServerProcess(
+        work, api_key=KEY, model=str(tiny.teacher_dir), k=8, max_seq_len=256, backend="hf"
+    )
     srv.start()
     seqs = tiny.token_sequences("heldout", max_len=64, min_len=8, limit=6)
     with srv.client() as c:
@@ -152,8 +156,9 @@ def test_jobs_cli_list_watch_cancel(server: ServerProcess, tiny) -> None:
     out = io.StringIO()
     assert main([*base, "watch"], out=out) == 0  # newest job, already done
     assert "succeeded" in out.getvalue() and "100%" in out.getvalue()
-    # a larger job, cancelled while queued or running
-    seqs = tiny.token_sequences("heldout", max_len=200, min_len=100, limit=40)
+    # a job far too large to finish within the test's next two requests, cancelled
+    base_seqs = tiny.token_sequences("heldout", max_len=200, min_len=100, limit=50)
+    seqs = [[(t + i) % 4000 + 1 for t in s] for i in range(20) for s in base_seqs]  # 1000 distinct
     with server.client() as c:
         job = (
             c.post(
