@@ -27,8 +27,9 @@ def _spawn(fn, world: int) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_equals_single_process(world):
-    """8 objectives/options, the ColwiseParallel DTensor path, and different-rows rejection;
-    world 4 splits V=41 unevenly (11, 11, 11, 8)."""
+    """8 objectives/options (world 4: the 4 with CE, tail, sampled rows and recompute), the
+    ColwiseParallel DTensor path, and different-rows rejection; world 4 splits V=41 unevenly
+    (11, 11, 11, 8)."""
     _spawn(vocab_parallel_worker, world)
 
 
