@@ -57,7 +57,7 @@ K = 100
 VOCAB = 128_256
 CACHE = "bench"
 #: The full shuffle users are told to copy (order.py states its randomness).
-SHUFFLE = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
+SHUFFLE = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}  # = dataset.TRAINER_SHUFFLE
 #: Item/batch shape of the trainer (client_trainstep.py: 8 x 2,048 packed positions).
 LOADER = {"tokens_per_item": 2048, "mode": "pack", "batch_size": 8}
 

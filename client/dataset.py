@@ -56,9 +56,16 @@ from .sources import CacheSource, open_source
 from .state import LoaderState
 from .world import current_worker, resolve_ranks
 
-__all__ = ["CacheDataset", "CacheDataLoader"]
+__all__ = ["CacheDataset", "CacheDataLoader", "TRAINER_SHUFFLE"]
 
 _DONE = object()
+
+#: The full shuffle measured on a 16-core trainer host (benchmarks/results/client.md): blocks of
+#: 64 sequences, windows of 4 blocks (a batch draws from 4 random regions of the cache), 24 lanes
+#: (so 1, 2, 3, 4, 6, 8, 12 or 24 DataLoader workers each decode only their own blocks). Holds
+#: about ``24 * 5`` blocks of decoded records per rank (~4.5 GB at 735 tokens per sequence, k=100),
+#: split among the workers. ``CacheDataset(url, **TRAINER_SHUFFLE, ids_dtype=torch.int32)``.
+TRAINER_SHUFFLE: dict[str, int] = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
 
 #: Items whose sequences the prefetch thread fetches in one ``source.fetch`` call: more give
 #: the source longer runs to merge and fewer calls, at the price of memory and first-batch delay.

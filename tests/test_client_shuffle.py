@@ -220,3 +220,22 @@ def test_lanes_cover_every_sequence_and_unit_u_reads_lane_u_mod_l(cache: tuple[s
 
     with pytest.raises(ConfigError, match="lanes"):
         CacheDataset(url, lanes=0)
+
+
+def test_trainer_shuffle_settings_run_and_match_the_benchmark(cache: tuple[str, list]) -> None:
+    """The settings the docs tell users to copy are the benchmark's and give a full epoch."""
+    import sys
+
+    import torch
+    from logitcache.client.dataset import TRAINER_SHUFFLE
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import client_scaling
+
+    assert client_scaling.SHUFFLE == TRAINER_SHUFFLE
+    url, records = cache
+    ds = CacheDataset(url, **TRAINER_SHUFFLE, ids_dtype=torch.int32, tokens_per_item=48)
+    units = collect(CacheDataLoader(ds, num_workers=2, pin_memory=False))
+    got = Counter(s for u in units for s in segments(u))
+    assert got == Counter(tuple(r.input_ids.tolist()) for r in records)
+    assert units[0]["topk_ids"].dtype == np.int32
