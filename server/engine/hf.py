@@ -76,7 +76,7 @@ class TransformersEngine(BaseEngine):
             )
         self.dtype = _torch_dtype(cfg.dtype, config)
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             cfg.model, revision=revision, dtype=self.dtype, **opts
         )
         self.model = model.to(self.device).eval()
