@@ -4,7 +4,8 @@ For every array of a version-2 store, one shard object is deleted (locally and o
 server); every read path that needs it (direct shard read and zarr fallback: ``sequence``,
 ``sequences``, ``get``, ``read_ranges``, ``rows``, ``tokens``, opening the reader for the index
 arrays) raises :class:`MissingDataError` naming the array, and ``validate`` reports
-``object_missing`` with the array and the entry range. Reads that do not touch the lost object still succeed.
+``object_missing`` with the array and the entry range. Reads that do not touch the lost object
+still succeed.
 """
 
 from __future__ import annotations
