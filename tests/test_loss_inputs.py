@@ -115,13 +115,28 @@ _TRITON_SCRIPT = textwrap.dedent(
         loss, grads = run(prob, impl=impl, loss=kind, **kw)
         assert rel_err(loss, r) < 1e-5, (impl, kind)
         assert all(rel_err(g, x) < 1e-4 for g, x in zip(grads, rg)), (impl, kind)
+    # sampled targets (random-sampling KD rows with -inf padding) through the same kernels
+    from test_loss_sampled import _problem
+    from logitcache.client.loss import topk_distill_loss
+    h, w, ids, logw = _problem(n=12, d=8, vocab=300, draws=10, m=10, dtype=torch.float32)
+    out = {}
+    for backend, impl in [("torch", "dense"), ("triton", "fused_chunked"),
+                          ("triton", "fused_chunked_recompute")]:
+        chunk_ops.BACKEND = backend
+        h.grad = w.grad = None
+        loss = topk_distill_loss(h, w, ids, logw, targets="sampled", impl=impl, chunk_size=5)
+        loss.backward()
+        out[impl] = (loss.detach(), h.grad.clone(), w.grad.clone())
+    for impl in ("fused_chunked", "fused_chunked_recompute"):
+        assert all(rel_err(a, b) < 1e-5 for a, b in zip(out[impl], out["dense"])), impl
     print("ok")
     """
 )
 
 
 def test_triton_kernels_under_interpreter():
-    """The Triton path (kernels run by Triton's CPU interpreter) agrees with the reference."""
+    """The Triton path (kernels run by Triton's CPU interpreter) agrees with the reference,
+    for top-k rows (4 objective/impl cases) and for sampled rows."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     here = os.path.dirname(__file__)
