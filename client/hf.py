@@ -56,10 +56,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 
-from .collate import IGNORE_INDEX, plan_items
+from .collate import IGNORE_INDEX
 from .dataset import CacheDataset
 from .errors import ConfigError
-from .order import epoch_order, rank_partition
 from .packing import packed_hidden_states, unwrap_model
 from .world import current_worker
 
@@ -67,20 +66,13 @@ __all__ = ["CacheDistillTrainer", "RankEvenStream", "planned_units"]
 
 
 def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
-    """Units (batches) ``rank`` yields in ``epoch``: the same plan ``ds`` makes for itself
-    (:meth:`CacheDataset.plan`), computed without caching it (cheap: lengths only)."""
-    n = ds.num_sequences
-    if ds.shuffle:
-        order = epoch_order(n, ds.seed, epoch, ds.shuffle_block_size, ds.shuffle_window)
+    """Units (batches) ``rank`` yields in ``epoch``: ``len(ds)`` as rank ``rank`` of ``ds``'s
+    world would see it in ``epoch`` (the dataset's own :meth:`CacheDataset.plan`, lengths only,
+    no data read; plans of an epoch other than the current one are dropped at ``set_epoch``)."""
+    if ds.even_ranks:
+        count = min(ds.plan(epoch, r).num_items for r in range(ds.world_size))
     else:
-        order = np.arange(n, dtype=np.int64)
-
-    def items(r: int) -> int:
-        span = rank_partition(order, r, ds.world_size)
-        plan = plan_items(span, ds.lengths, ds.tokens_per_item, ds.mode, ds.long_sequences)
-        return plan.num_items
-
-    count = min(items(r) for r in range(ds.world_size)) if ds.even_ranks else items(rank)
+        count = ds.plan(epoch, rank).num_items
     return -(-count // (ds.batch_size or 1))
 
 

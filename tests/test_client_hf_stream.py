@@ -15,22 +15,30 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _ds(url: Path, rank: int) -> object:
+def _ds(url: Path, rank: int, **kw: int) -> object:
     from logitcache.client import CacheDataset
 
-    return CacheDataset(url, tokens_per_item=40, batch_size=2, seed=1, rank=rank, world_size=2)
+    return CacheDataset(
+        url, tokens_per_item=40, batch_size=2, seed=1, rank=rank, world_size=2, **kw
+    )
 
 
 def _ids(units: list) -> list:
     return [u["input_ids"].numpy().tolist() if u else None for u in units]
 
 
-def test_ranks_padded_to_the_same_length_with_empty_batches(url: Path) -> None:
+LANES = {"shuffle_block_size": 4, "shuffle_window": 2, "lanes": 3}
+
+
+@pytest.mark.parametrize("shuffle", [{}, LANES])
+def test_ranks_padded_to_the_same_length_with_empty_batches(url: Path, shuffle: dict) -> None:
     from logitcache.client.hf import RankEvenStream, planned_units
 
-    ranks = [_ds(url, r) for r in (0, 1)]
-    counts = [planned_units(d, 0, r) for r, d in enumerate(ranks)]
-    assert counts == [len(d) for d in ranks]  # the planner agrees with the dataset
+    ranks = [_ds(url, r, **shuffle) for r in (0, 1)]
+    counts = [planned_units(ranks[0], 0, r) for r in (0, 1)]  # rank 0 plans rank 1's epoch too
+    assert counts == [len(d) for d in ranks]  # the planner agrees with each rank's dataset
+    ranks[1].set_epoch(1)
+    assert planned_units(ranks[0], 1, 1) == len(ranks[1])
     units = max(counts) + 1  # one more than the longest rank: padding on every rank
     for ds, count in zip(ranks, counts, strict=True):
         got = list(RankEvenStream(ds, units))
