@@ -20,7 +20,7 @@ Variants (all ours, ``impl="fused_chunked"``, Triton on CUDA):
 * ``floor``: bf16 accumulation and a 512 MiB chunk (2048 rows at V=128256).
 
     python benchmarks/loss_floor_bench.py --out $OUT/loss_floor.json            # on the GPU
-    python benchmarks/loss_floor_bench.py --plot-only benchmarks/results/loss_floor.json
+    python benchmarks/loss_floor_report.py benchmarks/results/loss_floor.json   # PNG + tables
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loss_bench import (  # noqa: E402  (also puts the package on the path)
-    GIB,
     Timer,
     free,
     gemm_rate,
@@ -48,6 +47,7 @@ from loss_bench import (  # noqa: E402  (also puts the package on the path)
     time_cell,
     topk_distill_loss,
 )
+from loss_floor_report import plot, tables  # noqa: E402
 
 loss_pkg = sys.modules[topk_distill_loss.__module__.rsplit(".", 1)[0]]
 chunk_ops = sys.modules[loss_pkg.__name__ + ".chunk_ops"]
@@ -282,90 +282,6 @@ def sweep(
     return table
 
 
-# ----------------------------------------------------------------------------- report
-def plot(result: dict, path: Path) -> bool:
-    """Peak memory and time vs N, one column per config, one line per variant."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    if "peak_gib" not in result["sweep"][0]:
-        return False
-    fig, axes = plt.subplots(2, len(CONFIGS), figsize=(5 * len(CONFIGS), 8), squeeze=False)
-    for col, (vocab, d) in enumerate(CONFIGS):
-        rows = [
-            r
-            for r in result["sweep"]
-            if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok"
-        ]
-        rate = result["gemm_tflops"].get(f"{vocab}x{d}")
-        for name in sorted({r["variant"] for r in rows}, key=list(VARIANTS).index):
-            pts = sorted((r["n"], r["peak_gib"], r["ms"]) for r in rows if r["variant"] == name)
-            if not pts:
-                continue
-            ns = [p[0] for p in pts]
-            axes[0][col].plot(ns, [p[1] for p in pts], marker="o", label=name)
-            axes[1][col].plot(ns, [p[2] for p in pts], marker="o", label=name)
-        if rate:
-            ns = sorted({r["n"] for r in rows})
-            axes[1][col].plot(
-                ns,
-                [6 * n * d * vocab / (rate * 1e12) * 1e3 for n in ns],
-                "k--",
-                label="6NdV at the GEMM rate",
-            )
-        if vocab == 128256 and d == 4096:
-            axes[0][col].axhline(6.8, color="r", ls=":", label="goal 6.8 GiB @256K")
-        axes[0][col].set_title(f"V={vocab}, d={d}: peak memory")
-        axes[1][col].set_title(f"V={vocab}, d={d}: fwd+bwd time")
-        for ax, lab in ((axes[0][col], "peak GiB"), (axes[1][col], "ms")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("positions N")
-            ax.set_ylabel(lab)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-        axes[1][col].set_yscale("log")
-    fig.suptitle(
-        f"top-k distillation loss, fwd+bwd, k={result['k']}, bf16, {result['meta']['device']}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
-
-
-def tables(result: dict) -> str:
-    lines = []
-    for vocab, d in CONFIGS:
-        rate = result["gemm_tflops"][f"{vocab}x{d}"]
-        lines += [
-            f"\n**V = {vocab}, d = {d}** (bf16 GEMM [8192x{d}]x[{d}x{vocab}] in this run: "
-            f"{rate:.0f} TFLOP/s)\n",
-            "| variant | chunk | N | ms fwd+bwd | TFLOP/s | % GEMM | peak GiB | floor GiB "
-            "| peak - floor |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in result["sweep"]:
-            if (r["vocab"], r["d"]) != (vocab, d):
-                continue
-            if r["status"] != "ok":
-                lines.append(
-                    f"| {r['variant']} | {r['chunk']} | {r['n']} | {r['status']} | | | | | |"
-                )
-                continue
-            if "peak_gib" not in r:
-                continue
-            floor = (r["input_gib"] * GIB + (r["n"] * d + vocab * d) * 2) / GIB
-            lines.append(
-                f"| {r['variant']} | {r['chunk']} | {r['n']} | {r['ms']:.1f} | {r['tflops']:.0f} | "
-                f"{100 * r['tflops'] / rate:.0f}% | {r['peak_gib']:.2f} | {floor:.2f} | "
-                f"{r['peak_gib'] - floor:+.2f} |"
-            )
-    return "\n".join(lines)
-
-
 def main() -> None:
     global DEVICE, CONFIGS, SWEEP_VARIANTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -386,16 +302,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", default=",".join(SWEEP_VARIANTS))
     ap.add_argument("--configs", default=None, help="VxD,... (default: the three of the issue)")
-    ap.add_argument("--plot-only", type=Path, default=None, help="render PNG + tables from a JSON")
     args = ap.parse_args()
 
-    if args.plot_only:
-        result = json.loads(args.plot_only.read_text())
-        CONFIGS = [tuple(c) for c in result["configs"]]
-        png = args.plot_only.with_suffix(".png")
-        print("plot:", png if plot(result, png) else "matplotlib missing")
-        print(tables(result))
-        return
     t0 = time.time()
     DEVICE = args.device
     SWEEP_VARIANTS = args.variants.split(",")
