@@ -81,11 +81,12 @@ def test_backends_give_the_same_topk(vllm_rows, hf_engine, heldout_sequences) ->
 
 
 def test_teacher_is_peaked(vllm_rows) -> None:
-    """The trained teacher's top-20 holds a real share of the mass (measured: median tail ~0.65
-    at held-out ppl ~290); a random-init teacher's top-20 holds ~0.5% (tail ~0.995)."""
+    """The trained teacher's top-20 holds most of the mass (fixture recipe v2, measured with
+    PyTorch on these sequences: median tail 0.41, 64% of rows below 0.5, at held-out ppl 62);
+    a random-init teacher's top-20 holds ~0.5% (tail ~0.995)."""
     tail = np.concatenate([s.tail_mass for s in vllm_rows])
-    assert float(np.median(tail)) < 0.85
-    assert float(np.mean(tail < 0.5)) > 0.1  # many rows are confident
+    assert float(np.median(tail)) < 0.55
+    assert float(np.mean(tail < 0.5)) > 0.5  # most rows are confident
 
 
 def test_flat_fast_path_equals_the_rank_fallback(vllm_engine, heldout_sequences) -> None:
