@@ -77,6 +77,8 @@ def _records(url: str, storage_options: dict | None, limit: int | None) -> Itera
     from logitcache.cache_format import CacheReader
 
     reader = CacheReader(url, storage_options)
+    if getattr(reader.manifest, "targets", "topk") != "topk":
+        raise InteropError("only top-k caches export to peer formats (this one holds sampled ids)")
     n = reader.num_sequences if limit is None or limit < 0 else min(limit, reader.num_sequences)
     for start in range(0, n, _BATCH):
         yield from reader.sequences(range(start, min(start + _BATCH, n)))
@@ -118,7 +120,13 @@ def _write_cache(
 ) -> int:
     """Write sequences ``(tokens, ids [L-1, k0], logprobs [L-1, k0])`` (``-inf`` = missing) to a
     new cache; ``k`` = the smallest count of valid slots over all rows (two passes)."""
-    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
+    from logitcache.cache_format import (
+        CacheWriter,
+        Manifest,
+        RecordError,
+        SequenceRecord,
+        check_record,
+    )
 
     seqs = list(rows)
     if not seqs:
@@ -127,20 +135,24 @@ def _write_cache(
     if k < 1:
         raise InteropError("a row has no valid slot")
     fields = {"logprob_dtype": "float32", **manifest_fields, "k": k}
-    manifest = Manifest(**fields)
-    n = 0
+    try:
+        manifest = Manifest(**fields)
+    except ValueError as exc:
+        raise InteropError(f"manifest: {exc}") from exc
+    records = []  # every check before the store exists: bad input writes nothing
+    for i, (tokens, ids, lp) in enumerate(seqs):
+        top = np.minimum(lp[:, :k], 0.0).astype(np.float32)
+        tail = np.clip(1.0 - np.exp(lp[:, :k]).sum(axis=1), 0.0, 1.0).astype(np.float32)
+        try:
+            rec = SequenceRecord(None, tokens, ids[:, :k], top, tail)
+            check_record(rec, k=k, vocab_size=manifest.vocab_size, index=i)
+        except RecordError as exc:
+            raise InteropError(f"sequence {i}: {exc}") from exc
+        records.append(rec)
     with CacheWriter.open(url, manifest, storage_options) as writer:
-        batch = []
-        for tokens, ids, lp in seqs:
-            top = np.minimum(lp[:, :k], 0.0).astype(np.float32)
-            tail = np.clip(1.0 - np.exp(lp[:, :k]).sum(axis=1), 0.0, 1.0).astype(np.float32)
-            batch.append(SequenceRecord(None, tokens, ids[:, :k], top, tail))
-            if len(batch) == _BATCH:
-                n += writer.append(batch) or len(batch)
-                batch = []
-        if batch:
-            n += writer.append(batch) or len(batch)
-    return len(seqs)
+        for start in range(0, len(records), _BATCH):
+            writer.append(records[start : start + _BATCH])
+    return len(records)
 
 
 # -- axolotl ----------------------------------------------------------------------------------

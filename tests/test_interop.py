@@ -325,3 +325,18 @@ def test_import_refuses_residual_bins_and_writes_nothing(tmp_path: Path) -> None
     assert res.exit_code == 2
     assert "residual_bins" in res.output and len(res.output.strip().splitlines()) == 1
     assert not url.exists()
+
+
+def test_import_out_of_vocab_ids_is_refused_before_writing(tmp_path: Path) -> None:
+    import datasets
+
+    rows, _ = _axolotl_rows(make_sequences(3, seed=9, min_len=5, max_len=20), k=5)
+    src = tmp_path / "axolotl.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(src))
+    url = tmp_path / "nope"
+    res = _cli(
+        "import", str(src), str(url), "--format", "axolotl", "--teacher-model", "t",
+        "--tokenizer-fingerprint", FP, "--vocab-size", "50",
+    )  # fmt: skip
+    assert res.exit_code == 2 and "outside vocab" in res.output
+    assert not url.exists()
