@@ -94,11 +94,12 @@ def _reader(url: str, options: dict):
 def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")):
     """Print the manifest, sizes and compression ratio of the store at URL."""
     from .manifest import IDENTITY_FIELDS
-    from .stats import store_stats
+    from .stats import LOW_COVERAGE, store_stats, tail_summary
 
     reader = _reader(url, _options(option))
     m = reader.manifest
     st = store_stats(reader._store, m)
+    tail = tail_summary(reader)  # coverage: 1 - mean tail mass (sampled on large caches)
     doc = {
         "url": url,
         "manifest": m.to_attrs(),
@@ -107,6 +108,16 @@ def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False
         "bytes_per_position": round(st.bytes_per_position, 2),
         "raw_bytes_per_position": st.raw_bytes_per_position,
         "compression_ratio": round(st.compression_ratio, 3),
+        "tail_mass": None
+        if tail is None
+        else {
+            "rows_sampled": tail.rows,
+            "mean": round(tail.mean_tail, 4),
+            "p50": round(tail.p50, 4),
+            "p90": round(tail.p90, 4),
+            "p99": round(tail.p99, 4),
+            "coverage": round(tail.coverage, 4),
+        },
     }
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
@@ -123,6 +134,17 @@ def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False
         f"(raw int32+float16: {st.raw_bytes_per_position})"
     )
     typer.echo(f"{'compression ratio':<22} {st.compression_ratio:.2f}x")
+    if tail is not None:
+        typer.echo(
+            f"{'coverage':<22} {tail.coverage:.3f} mean top-{m.k} mass over {tail.rows:,} rows "
+            f"(tail mass p50 {tail.p50:.3f}, p90 {tail.p90:.3f}, p99 {tail.p99:.3f})"
+        )
+        if tail.low:
+            typer.echo(
+                f"warning: the top-{m.k} holds on average {100 * tail.coverage:.1f}% of the "
+                f"teacher's probability (below {LOW_COVERAGE}): top-k distillation from this "
+                "cache misses much of the teacher; use a larger k or the tail mass"
+            )
 
 
 @app.command("validate")

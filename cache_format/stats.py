@@ -60,3 +60,52 @@ def store_stats(zstore, manifest: Manifest) -> StoreStats:
         names += list(spec.KEY_BYTES_ARRAYS)
     sizes = {n: int(sync(zstore.getsize_prefix(n + "/"))) for n in names}
     return StoreStats(sizes, manifest.num_rows, manifest.k)
+
+
+#: Windows sampled by :func:`tail_summary`, and rows per window.
+TAIL_WINDOWS = 8
+TAIL_WINDOW_ROWS = 2048
+#: Mean top-k mass below which ``logitcache info`` and the status page warn.
+LOW_COVERAGE = 0.9
+
+
+@dataclass
+class TailSummary:
+    """Tail mass over the sampled rows: ``coverage = 1 - mean(tail_mass)`` is the mean teacher
+    probability the cached top-k holds; percentiles are of the tail mass itself."""
+
+    rows: int
+    mean_tail: float
+    p50: float
+    p90: float
+    p99: float
+
+    @property
+    def coverage(self) -> float:
+        return 1.0 - self.mean_tail
+
+    @property
+    def low(self) -> bool:
+        return self.coverage < LOW_COVERAGE
+
+
+def tail_windows(num_rows: int) -> list[tuple[int, int]]:
+    """Row ranges :func:`tail_summary` reads: all rows, or evenly spaced windows."""
+    total = TAIL_WINDOWS * TAIL_WINDOW_ROWS
+    if num_rows <= total:
+        return [(0, num_rows)] if num_rows else []
+    step = (num_rows - TAIL_WINDOW_ROWS) / (TAIL_WINDOWS - 1)
+    return [(round(i * step), round(i * step) + TAIL_WINDOW_ROWS) for i in range(TAIL_WINDOWS)]
+
+
+def tail_summary(reader) -> TailSummary | None:
+    """Tail mass of every row (caches up to 16,384 rows) or of 8 evenly spaced windows of 2,048
+    rows of an open ``CacheReader``; None for an empty cache."""
+    import numpy as np
+
+    parts = [reader.rows(a, b).tail_mass for a, b in tail_windows(reader.num_rows)]
+    if not parts:
+        return None
+    tails = np.concatenate(parts).astype(np.float64)
+    p50, p90, p99 = (float(x) for x in np.percentile(tails, [50, 90, 99]))
+    return TailSummary(int(tails.size), float(tails.mean()), p50, p90, p99)

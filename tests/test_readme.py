@@ -101,6 +101,10 @@ def test_readme_quickstart_runs_as_printed(tiny, tmp_path: Path) -> None:
     assert re.search(r"succeeded\s+quickstart-k20\s+3/3 seqs", out), out[-3000:]
     # 5: info shows the 3 sequences; validate passed; the cache is on disk
     assert re.search(r"sequences\s+3\b", out), out[-3000:]
+    cov = re.search(r"^coverage\s+([0-9.]+) mean top-20 mass over (\d+) rows", out, re.M)
+    assert cov, out[-3000:]
+    if float(cov.group(1)) < 0.9:  # the tiny teacher is high-entropy: info says so
+        assert "warning: the top-20 holds on average" in out
     assert (tmp_path / "caches" / "quickstart-k20" / "zarr.json").is_file()
     assert (tmp_path / "data" / "corpus.jsonl").is_file()
     assert "Traceback" not in out, out[-6000:]

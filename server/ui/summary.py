@@ -1,9 +1,9 @@
 """What the status page shows, as plain dataclasses built from the running services.
 
 Cache coverage is the mean teacher probability mass held by the cached top-k,
-``coverage = 1 - mean(tail_mass)`` over rows. On a large cache it is estimated from
-:data:`COVERAGE_WINDOWS` evenly spaced windows of :data:`COVERAGE_WINDOW_ROWS` rows each (every row
-when the cache has fewer than their total), and the page says how many rows it used. Summaries are
+``coverage = 1 - mean(tail_mass)`` over rows (:func:`logitcache.cache_format.stats.tail_summary`:
+every row of a small cache, 8 evenly spaced windows of 2048 rows of a large one); the page says
+how many rows it used. Summaries are
 memoised per ``(cache, num_rows)``: a cache is re-read only after it has grown.
 """
 
@@ -13,12 +13,6 @@ import math
 import threading
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-
-#: Windows sampled for the coverage estimate, and rows per window.
-COVERAGE_WINDOWS = 8
-COVERAGE_WINDOW_ROWS = 2048
 
 #: Mean top-k mass below which the page (and ``logitcache info``) warns.
 LOW_COVERAGE = 0.9
@@ -46,25 +40,9 @@ class CacheSummary:
         return self.coverage is not None and self.coverage < LOW_COVERAGE
 
 
-def _windows(n: int) -> list[tuple[int, int]]:
-    """Row ranges sampled for coverage: all of ``[0, n)`` or evenly spaced windows."""
-    total = COVERAGE_WINDOWS * COVERAGE_WINDOW_ROWS
-    if n <= total:
-        return [(0, n)] if n else []
-    step = (n - COVERAGE_WINDOW_ROWS) / (COVERAGE_WINDOWS - 1)
-    starts = [int(round(i * step)) for i in range(COVERAGE_WINDOWS)]
-    return [(s, s + COVERAGE_WINDOW_ROWS) for s in starts]
-
-
-def tail_sample(reader: Any) -> np.ndarray:
-    """Tail masses of the sampled rows of an open :class:`CacheReader`."""
-    parts = [reader.rows(a, b).tail_mass for a, b in _windows(reader.num_rows)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
-
-
 def summarize_cache(name: str, reader: Any) -> CacheSummary:
     """Size (stored bytes, bytes per position) and coverage of one cache."""
-    from logitcache.cache_format.stats import store_stats
+    from logitcache.cache_format.stats import store_stats, tail_summary
 
     m = reader.manifest
     stored = bpp = None
@@ -73,11 +51,10 @@ def summarize_cache(name: str, reader: Any) -> CacheSummary:
         stored, bpp = st.total_bytes, st.bytes_per_position
     except Exception:  # sizes are best-effort (some stores cannot list sizes)
         pass
-    tails = tail_sample(reader)
+    tail = tail_summary(reader)
     cov = p50 = p90 = None
-    if tails.size:
-        cov = float(1.0 - tails.mean())
-        p50, p90 = (float(x) for x in np.percentile(tails, [50, 90]))
+    if tail is not None:
+        cov, p50, p90 = tail.coverage, tail.p50, tail.p90
     return CacheSummary(
         name=name,
         k=m.k,
@@ -89,7 +66,7 @@ def summarize_cache(name: str, reader: Any) -> CacheSummary:
         coverage=cov,
         tail_p50=p50,
         tail_p90=p90,
-        coverage_rows=int(tails.size),
+        coverage_rows=0 if tail is None else tail.rows,
     )
 
 
