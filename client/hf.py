@@ -186,9 +186,9 @@ class CacheDistillTrainer(Trainer):
     * ``loss_impl``, ``chunk_size``: passed to ``topk_distill_loss``.
 
     ``train_dataset`` must be a ``CacheDataset`` with ``batch_size ==
-    args.per_device_train_batch_size`` and this process's ``rank``/``world_size``. Not supported:
+    args.per_device_train_batch_size`` and this process's ``rank``/``world_size``. Refused:
     FSDP / DeepSpeed ZeRO-3 (the loss reads ``lm_head.weight`` outside the forward, where those
-    shard it), evaluation on a ``CacheDataset`` (refused). Planning the epoch length plans every
+    shard it) and evaluation on a ``CacheDataset``. Planning the epoch length plans every
     planned epoch once from the cache's lengths (linear in the number of sequences, no data read).
     """
 
@@ -220,6 +220,12 @@ class CacheDistillTrainer(Trainer):
         self.loss_impl = loss_impl
         self.chunk_size = chunk_size
         self._stream: RankEvenStream | None = None
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_fsdp_enabled or getattr(plugin, "zero_stage", 0) == 3:
+            raise ConfigError(
+                "CacheDistillTrainer reads lm_head.weight outside the forward: FSDP and ZeRO-3 "
+                "shard it there (use DDP or ZeRO-1/2)"
+            )
         if isinstance(self.train_dataset, CacheDataset):
             self._check_dataset(self.train_dataset)
         self.add_callback(_StreamSync(self))
