@@ -9,16 +9,16 @@ from logitcache.client.loss.dispatch import AUTO_LOWP_MAX_CHUNKS
 from loss_support import make_problem, rel_err, run
 
 
-def _grad_w(prob, **kw) -> torch.Tensor:
-    return run(prob, chunk_size=16, **kw)[1][1]
+def _grad_w(prob, rows: int = 16, **kw) -> torch.Tensor:
+    return run(prob, chunk_size=rows, **kw)[1][1]
 
 
 def test_bf16_accumulation_error_vs_float64():
     """The error grows with the number of chunks (one bf16 rounding of the running sum each)."""
     n_chunks = 32
-    ref = make_problem(n=16 * n_chunks, d=32, vocab=300, k=10, seed=4)
+    ref = make_problem(n=16 * n_chunks, d=16, vocab=128, k=8, seed=4)
     ref_w = run(ref, impl="dense")[1][1]
-    prob = make_problem(n=16 * n_chunks, d=32, vocab=300, k=10, seed=4, dtype=torch.bfloat16)
+    prob = make_problem(n=16 * n_chunks, d=16, vocab=128, k=8, seed=4, dtype=torch.bfloat16)
     g32 = _grad_w(prob, grad_weight_dtype="float32")
     glp = _grad_w(prob, grad_weight_dtype="weight")
     assert g32.dtype == glp.dtype == torch.bfloat16
