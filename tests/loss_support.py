@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -110,3 +112,170 @@ def sample_targets(
     if bool((counts > 0).sum(-1).max() > m):
         raise ValueError("m is smaller than the number of distinct sampled ids")
     return ids, logw
+
+
+# ----------------------------------------------------------------------------- multi-process
+# Worker bodies for tests/test_loss_vocab_parallel.py (gloo on CPU, started by fork). Each worker
+# builds the same float64 problem on every rank, runs the loss on its shard of the lm-head and
+# compares with the single-process result computed in the same process; a failed comparison
+# raises, and torch.multiprocessing re-raises it in the test with the traceback.
+
+TOL = 1e-10  # float64: the only difference is the order of one logsumexp and one grad_h sum
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _bounds(vocab: int, world: int, rank: int) -> tuple[int, int]:
+    """``torch.chunk`` layout (uneven when ``world`` does not divide ``vocab``)."""
+    size = -(-vocab // world)
+    start = min(rank * size, vocab)
+    return start, min(start + size, vocab)
+
+
+CONFIGS: list[dict] = [
+    dict(loss="forward_kl"),
+    dict(loss="forward_kl", tail=True, ce_weight=0.3, temperature=2.0),
+    dict(loss="forward_kl", ce_weight=0.5),
+    dict(loss="jsd", tail=True),
+    dict(loss="reverse_kl"),
+    dict(loss="renormalized_kl"),
+    dict(loss="forward_kl", targets="sampled"),
+    dict(loss="forward_kl", tail=True, impl="fused_chunked_recompute", reduction="none"),
+]
+
+
+def vocab_parallel_worker(rank: int, world: int, port: int) -> None:
+    """Every config: loss and grads of the sharded run equal the single-process run."""
+    from logitcache.client.loss import VocabParallel, topk_distill_loss
+
+    _init(rank, world, port)
+    try:
+        vocab = 41
+        lo, hi = _bounds(vocab, world, rank)
+        # world 4 (twice the processes on a 2-core box) runs the configs with the most paths
+        picked = range(len(CONFIGS)) if world <= 2 else (0, 1, 6, 7)
+        for i in picked:
+            cfg = dict(CONFIGS[i])
+            impl = cfg.pop("impl", "fused_chunked")
+            prob = make_problem(n=23, d=8, vocab=vocab, k=5, seed=10 + i)
+            if cfg.pop("tail", False):
+                cfg["tail_mass"] = prob.tail
+            if cfg.get("targets") == "sampled":
+                prob.logprobs = torch.log_softmax(prob.logprobs, -1)
+                prob.logprobs[:, -1] = float("-inf")  # one padded id per row
+                prob.logprobs = torch.log_softmax(prob.logprobs, -1)
+            kw = dict(labels=prob.labels, mask=prob.mask, chunk_size=7, **cfg)
+            ref_loss, ref_grads = run(prob, impl=impl, **kw)
+            h = prob.hidden.detach().clone().requires_grad_()
+            w = prob.weight.detach()[lo:hi].clone().requires_grad_()
+            b = prob.bias.detach()[lo:hi].clone().requires_grad_()
+            out = topk_distill_loss(
+                h,
+                w,
+                prob.ids,
+                prob.logprobs,
+                bias=b,
+                impl=impl,
+                vocab_parallel=VocabParallel(),
+                **kw,
+            )
+            out.sum().backward()
+            assert rel_err(out.detach(), ref_loss) < TOL, (cfg, out, ref_loss)
+            assert rel_err(h.grad, ref_grads[0]) < TOL, cfg
+            assert rel_err(w.grad, ref_grads[1][lo:hi]) < TOL, cfg
+            assert rel_err(b.grad, ref_grads[2][lo:hi]) < TOL, cfg
+        _dtensor_colwise_check(rank, world)
+        _different_rows_rejected(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor_colwise_check(rank: int, world: int) -> None:
+    """torch ``ColwiseParallel`` on an ``nn.Linear`` lm-head: the DTensor path, same grads."""
+    from logitcache.client.loss import TopKDistillHead
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    prob = make_problem(n=12, d=8, vocab=37, k=4, seed=3)
+    ref_loss, ref_grads = run(prob, chunk_size=5)
+    lin = torch.nn.Linear(8, 37, dtype=torch.float64)
+    with torch.no_grad():
+        lin.weight.copy_(prob.weight)
+        lin.bias.copy_(prob.bias)
+    head = TopKDistillHead(lin, chunk_size=5)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(head, mesh, {"lm_head": ColwiseParallel()})
+    h = prob.hidden.detach().clone().requires_grad_()
+    loss = head(h, prob.ids, prob.logprobs)
+    loss.backward()
+    assert rel_err(loss.detach(), ref_loss) < TOL
+    assert rel_err(h.grad, ref_grads[0]) < TOL
+    assert tuple(head.lm_head.weight.grad.placements) == tuple(head.lm_head.weight.placements)
+    assert rel_err(head.lm_head.weight.grad.full_tensor(), ref_grads[1]) < TOL
+    assert rel_err(head.lm_head.bias.grad.full_tensor(), ref_grads[2]) < TOL
+
+
+def _different_rows_rejected(rank: int, world: int) -> None:
+    from logitcache.client.loss import LossInputError, VocabParallel, topk_distill_loss
+
+    prob = make_problem(n=6, d=4, vocab=20, k=3, seed=100 + rank)  # different rows per rank
+    lo, hi = _bounds(20, world, rank)
+    try:
+        topk_distill_loss(
+            prob.hidden, prob.weight[lo:hi], prob.ids, prob.logprobs, vocab_parallel=VocabParallel()
+        )
+    except LossInputError as e:
+        assert "same hidden rows" in str(e)
+    else:
+        raise AssertionError("different rows on the ranks were not detected")
+
+
+class _Student(torch.nn.Module):
+    """A one-layer body and a :class:`TopKDistillHead` (float64)."""
+
+    def __init__(self, d: int, vocab: int) -> None:
+        from logitcache.client.loss import TopKDistillHead
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(d, d, dtype=torch.float64)
+        lm_head = torch.nn.Linear(d, vocab, bias=False, dtype=torch.float64)
+        self.head = TopKDistillHead(lm_head, chunk_size=4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, lps: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)), ids, lps)
+
+
+def fsdp_worker(rank: int, world: int, port: int) -> None:
+    """FSDP2 ``fully_shard`` student with a sharded lm-head: grads equal the unsharded run."""
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world, port)
+    try:
+        d, vocab, n_per_rank = 8, 30, 10
+        full = make_problem(n=n_per_rank * world, d=d, vocab=vocab, k=4, seed=7)
+
+        def step(m: torch.nn.Module, rows: slice) -> torch.Tensor:
+            loss = m(full.hidden.detach()[rows], full.ids[rows], full.logprobs[rows])
+            loss.backward()
+            return loss.detach()
+
+        ref = _Student(d, vocab)
+        step(ref, slice(None))  # one process, all rows, mean over all rows
+        model = _Student(d, vocab)
+        fully_shard(model.head)
+        fully_shard(model)
+        w = model.head.lm_head.weight
+        assert tuple(w.placements)[0].is_shard(0), w.placements
+        assert w.to_local().shape[0] == -(-vocab // world) or rank == world - 1
+        step(model, slice(rank * n_per_rank, (rank + 1) * n_per_rank))
+        for name, p in model.named_parameters():
+            want = dict(ref.named_parameters())[name].grad
+            got = p.grad.full_tensor()
+            assert rel_err(got, want) < TOL, (name, rel_err(got, want))
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ import socket
 
 import pytest
 import torch.multiprocessing as mp
-from loss_dist_workers import fsdp_worker, vocab_parallel_worker
+from loss_support import fsdp_worker, vocab_parallel_worker
 
 
 def _port() -> int:
