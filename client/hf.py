@@ -397,3 +397,48 @@ def hf_iterable(ds: CacheDataset) -> Any:
 def _numpy_items(ds: CacheDataset) -> Iterator[dict[str, np.ndarray]]:
     for unit in ds:
         yield {name: value.numpy() for name, value in unit.items()}
+
+
+def hf_sequences(url: str, storage_options: dict | None = None) -> Any:
+    """The cache's sequences as a ``datasets.IterableDataset``, one example per cached sequence
+    (``key``, ``input_ids [L]``, ``topk_ids [L-1, k]``, ``topk_logprobs [L-1, k]``,
+    ``tail_mass [L-1]``; row ``j`` is the distribution of token ``j + 1``)::
+
+        seqs = hf_sequences("./caches/corpus-k20")
+
+    Unpacked and unsharded (a ``datasets`` pipeline, ``split_dataset_by_node`` or ``map`` decide);
+    for training batches use :class:`CacheDataset` / :func:`hf_iterable`."""
+    import datasets
+    from logitcache.cache_format import CacheReader
+
+    k = int(CacheReader(url, storage_options).manifest.k)
+    features = datasets.Features(
+        {
+            "key": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "topk_ids": datasets.Array2D(shape=(None, k), dtype="int32"),
+            "topk_logprobs": datasets.Array2D(shape=(None, k), dtype="float32"),
+            "tail_mass": datasets.Sequence(datasets.Value("float32")),
+        }
+    )
+    shards = {"url": [url], "storage_options": [storage_options]}
+    return datasets.IterableDataset.from_generator(
+        _sequence_examples, gen_kwargs=shards, features=features
+    )
+
+
+def _sequence_examples(url: list[str], storage_options: list[dict | None]) -> Iterator[dict]:
+    from logitcache.cache_format import CacheReader
+
+    for u, opts in zip(url, storage_options, strict=True):
+        reader = CacheReader(u, opts)
+        n = reader.num_sequences
+        for start in range(0, n, 256):
+            for rec in reader.sequences(range(start, min(start + 256, n))):
+                yield {
+                    "key": rec.key or "",
+                    "input_ids": rec.input_ids,
+                    "topk_ids": rec.topk_ids,
+                    "topk_logprobs": rec.topk_logprobs.astype(np.float32),
+                    "tail_mass": rec.tail_or_computed().astype(np.float32),
+                }

@@ -31,3 +31,20 @@ def test_hf_iterable_yields_the_dataset_items(tmp_path: Path, batch_size: int | 
     # a datasets pipeline on top: count the supervised rows
     rows = sum(int(np.sum(ex["loss_mask"])) for ex in hf.map(lambda ex: ex))
     assert rows == sum(int(u["loss_mask"].sum()) for u in want)
+
+
+def test_hf_sequences_yields_the_cached_sequences(tmp_path: Path) -> None:
+    import datasets
+    from logitcache.client.hf import hf_sequences
+
+    url = tmp_path / "cache"
+    records = build_cache(url, make_sequences(9, seed=2, max_len=25))
+    seqs = hf_sequences(str(url))
+    assert isinstance(seqs, datasets.IterableDataset)
+    got = list(seqs)
+    assert [g["key"] for g in got] == [r.key for r in records]
+    for g, r in zip(got, records, strict=True):
+        np.testing.assert_array_equal(g["input_ids"], r.input_ids)
+        np.testing.assert_array_equal(np.asarray(g["topk_ids"]), r.topk_ids)
+        np.testing.assert_allclose(np.asarray(g["topk_logprobs"]), r.topk_logprobs, atol=1e-3)
+        np.testing.assert_allclose(g["tail_mass"], r.tail_mass, atol=1e-3)
