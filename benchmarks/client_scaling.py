@@ -60,6 +60,8 @@ CACHE = "bench"
 SHUFFLE = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}  # = dataset.TRAINER_SHUFFLE
 #: Item/batch shape of the trainer (client_trainstep.py: 8 x 2,048 packed positions).
 LOADER = {"tokens_per_item": 2048, "mode": "pack", "batch_size": 8}
+#: Batches not timed at the start of a loader measurement (``--warm``; at least 2 per worker).
+WARM_UNITS = 0
 
 
 def log(*a: Any) -> None:
@@ -165,7 +167,7 @@ def loader_rate(
     if workers:
         kwargs["prefetch_factor"] = 4
     loader = CacheDataLoader(ds, **kwargs)
-    warm = 2 * max(1, workers)
+    warm = max(WARM_UNITS, 2 * max(1, workers))
     t_start = time.perf_counter()
     pos = units = 0
     t0 = None
@@ -442,6 +444,13 @@ def main() -> None:
     p.add_argument("--gpu-workers", type=int, default=8)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--budget-s", type=float, default=540, help="skip steps once this is spent")
+    p.add_argument(
+        "--warm",
+        type=int,
+        default=0,
+        help="untimed batches before a loader is timed (default 2 per worker; lanes x window "
+        "blocks are read before the first batch of every lane, so one process needs more)",
+    )
     p.add_argument("--skip", nargs="*", default=[], help="steps to leave out")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
@@ -449,6 +458,8 @@ def main() -> None:
     if args.mode == "serve":
         serve(args.root, args.port)
         return
+    global WARM_UNITS
+    WARM_UNITS = args.warm
     start = time.perf_counter()
     root = Path(args.root)
     url = str(root / CACHE)
@@ -495,11 +506,14 @@ def main() -> None:
         lambda: {
             "sequential": loader_rate(url, 0, secs, pin=False, shuffle=False),
             "full_shuffle": loader_rate(url, 0, secs, pin=False, shuffle=True),
+            # one process has no workers to spread lanes over: the same shuffle, one lane
+            "full_shuffle_lanes1": loader_rate(url, 0, secs, pin=False, shuffle=True, lanes=1),
         },
     )
     if "shuffle" in doc:
         sh = doc["shuffle"]
         sh["ratio"] = sh["full_shuffle"]["pos_per_s"] / sh["sequential"]["pos_per_s"]
+        sh["ratio_lanes1"] = sh["full_shuffle_lanes1"]["pos_per_s"] / sh["sequential"]["pos_per_s"]
     run(
         "scaling",
         lambda: [loader_rate(url, w, secs, pin=True, shuffle=True) for w in args.workers],

@@ -65,6 +65,8 @@ _DONE = object()
 #: (so 1, 2, 3, 4, 6, 8, 12 or 24 DataLoader workers each decode only their own blocks). Holds
 #: about ``24 * 5`` blocks of decoded records per rank (~4.5 GB at 735 tokens per sequence, k=100),
 #: split among the workers. ``CacheDataset(url, **TRAINER_SHUFFLE, ids_dtype=torch.int32)``.
+#: Without DataLoader workers pass ``lanes=1`` as well: one process gains nothing from lanes and
+#: would read every lane's first window before its 24th batch.
 TRAINER_SHUFFLE: dict[str, int] = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
 
 #: Items whose sequences the prefetch thread fetches in one ``source.fetch`` call: more give
