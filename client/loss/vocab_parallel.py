@@ -145,17 +145,18 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 def check_same_rows(ids: torch.Tensor, valid: torch.Tensor, shard: VocabShard) -> None:
     """Raise :class:`LossInputError` on every rank unless all ranks passed the same targets.
 
-    One all-gather of a 3-number fingerprint (row count, counted rows, a position-weighted sum
-    of the ids): it catches a weight that is sharded over a *data*-parallel group (an FSDP
-    ``fully_shard`` parameter used outside its module's forward), where ranks hold different rows.
+    One all-gather of a 3-number fingerprint (row count, counted rows, the row-position-weighted
+    sum of each row's ids): it catches a weight sharded over a *data*-parallel group (an FSDP
+    ``fully_shard`` parameter used outside its module's forward), where ranks hold other rows.
     """
-    n, k = ids.shape
-    pos = torch.arange(1, n * k + 1, device=ids.device, dtype=torch.int64).view(n, k)
+    n = ids.shape[0]
+    row_sums = ids.sum(1)  # [N] int64: O(N) memory, no [N, k] temporary
+    pos = torch.arange(1, n + 1, device=ids.device, dtype=torch.int64)
     mine = torch.stack(
         [
             torch.tensor(n, device=ids.device, dtype=torch.int64),
             valid.sum().to(torch.int64),
-            ((ids * pos) % 1_000_000_007).sum(),
+            (row_sums * pos).sum(),
         ]
     )
     out = torch.empty(shard.world * 3, dtype=torch.int64, device=ids.device)
