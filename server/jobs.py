@@ -74,6 +74,12 @@ class _RunStats:
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     tokens_scored: int = 0
+    tail_sum: float = 0.0
+    tail_rows: int = 0
+
+    def coverage(self) -> float | None:
+        """Mean top-k mass (``1 - mean tail mass``) of the rows this run has written."""
+        return 1.0 - self.tail_sum / self.tail_rows if self.tail_rows else None
 
     def rate(self) -> float | None:
         elapsed = (self.ended or time.monotonic()) - self.started
@@ -137,6 +143,10 @@ class _WriterThread:
                 if records is not None:
                     self.writer.append(records)
                     self.stats.tokens_scored += batch.tokens
+                    for r in records:  # live coverage (status page, job status)
+                        tail = r.tail_or_computed()
+                        self.stats.tail_sum += float(tail.sum(dtype="float64"))
+                        self.stats.tail_rows += int(tail.shape[0])
                 self.sequences_done += len(batch.seqs)
                 self.tokens_done += batch.tokens
                 self.store.progress(
@@ -278,6 +288,7 @@ class JobRunner:
             tokens_total=job.tokens_total,
             tokens_done=job.tokens_done,
             tokens_per_s=rate,
+            coverage=stats.coverage() if stats is not None else None,
             eta_s=eta,
             error=job.errors[-1] if job.errors else None,
             errors=job.errors,

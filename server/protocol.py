@@ -262,6 +262,11 @@ class JobStatus(ApiModel):
         None, description="scored tokens/s since the job (re)started"
     )
     eta_s: float | None = None
+    coverage: float | None = Field(
+        None,
+        description="mean top-k probability mass (1 - mean tail mass) of the rows written so "
+        "far by this run of the job (null before the first batch)",
+    )
     error: str | None = None
     errors: list[str] = Field(default_factory=list, description="every error seen, oldest first")
     input: InputCounts | None = Field(

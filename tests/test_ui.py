@@ -103,6 +103,11 @@ def test_status_page_coverage_matches_cache(server: ServerProcess) -> None:
     want = 1.0 - float(rows.tail_mass.mean())
     with httpx.Client(base_url=server.url, headers=server.headers(), timeout=60) as c:
         page = c.get("/").text
+        jobs = c.get("/v1/jobs").json()["jobs"]
+    job = next(j for j in jobs if j["cache"] == "ui-k8")
+    assert job["coverage"] == pytest.approx(want, abs=1e-3)  # live figure of the job's rows
+    job_row = re.search(rf'<tr class="job" data-job="{job["id"]}">.*?</tr>', page, re.S).group(0)
+    assert f"{job['coverage']:.3f}" in job_row
     cache_row = re.search(r'<tr class="cache" data-cache="ui-k8">.*?</tr>', page, re.S).group(0)
     got = float(re.search(r'class="cov">(?:<span[^>]*>)?([0-9.]+)', cache_row).group(1))
     assert got == pytest.approx(want, abs=1e-3)
@@ -197,6 +202,7 @@ def _browser_or_skip():
     return sync_playwright
 
 
+@pytest.mark.slow  # a real chromium on 2 loaded cores: ~20 s
 def test_browser_login_status_and_docs(server: ServerProcess) -> None:
     """A real headless chromium: sign in, read the status page, open /docs; nothing leaves the
     host (every request the page makes goes to the service)."""

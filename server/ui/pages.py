@@ -74,6 +74,14 @@ def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+def _cov(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x < LOW_COVERAGE:
+        return f'<span class="warn" title="mean top-k mass below {LOW_COVERAGE}">{x:.3f}</span>'
+    return f"{x:.3f}"
+
+
 def jobs_table(jobs: Sequence[Any]) -> str:
     if not jobs:
         return '<p class="muted" id="no-jobs">No jobs yet.</p>'
@@ -100,11 +108,14 @@ def jobs_table(jobs: Sequence[Any]) -> str:
             f'<td class="num">{j.sequences_done:,} / {j.sequences_total:,}</td>'
             f'<td class="num">{j.tokens_done:,} / {j.tokens_total:,}</td>'
             f'<td class="num">{_rate(j.tokens_per_s)}</td>'
-            f'<td class="num">{human_seconds(j.eta_s)}</td><td>{"; ".join(notes)}</td></tr>'
+            f'<td class="num">{human_seconds(j.eta_s)}</td>'
+            f'<td class="num">{_cov(getattr(j, "coverage", None))}</td>'
+            f"<td>{'; '.join(notes)}</td></tr>"
         )
     head = (
         "<tr><th>job</th><th>cache</th><th>state</th><th>progress (tokens)</th>"
-        "<th>sequences</th><th>tokens</th><th>tokens/s</th><th>ETA</th><th>notes</th></tr>"
+        "<th>sequences</th><th>tokens</th><th>tokens/s</th><th>ETA</th>"
+        "<th>coverage</th><th>notes</th></tr>"
     )
     return f'<table id="jobs">{head}{"".join(rows)}</table>'
 
