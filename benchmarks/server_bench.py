@@ -20,6 +20,9 @@ from the tiny fixture's training split):
    compared); the ratio of medians and the median of paired ratios are printed.
 3. **concurrent**: while one more job runs, ``--clients`` threads send ``POST /v1/score`` requests
    (4 sequences of 64 tokens each) back to back; every answer must be 200; latency p50/p90/p99.
+   ``--clients 0`` skips this phase (``"concurrent": null`` in the JSON).
+
+The CPU cost per position of the job path outside the engine is ``benchmarks/job_cpu_bench.py``.
 """
 
 from __future__ import annotations
@@ -173,7 +176,10 @@ def run_job(client, cache: str) -> dict:
     return {"tokens": job["tokens_total"], "tokens_per_s": job_rate(job), "client_wall_s": wall}
 
 
-def percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``xs``; None for no values."""
+    if not xs:
+        return None
     xs = sorted(xs)
     i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
     return xs[i]
@@ -220,7 +226,7 @@ def run_concurrent(server: ServerProcess, prompts: list[list[int]], k: int, clie
         "p50_s": percentile(lat, 50),
         "p90_s": percentile(lat, 90),
         "p99_s": percentile(lat, 99),
-        "max_s": max(lat),
+        "max_s": max(lat) if lat else None,
         "job_state": job["state"],
         "job_tokens_per_s_under_load": job_rate(job) if job["state"] == "succeeded" else None,
     }
@@ -242,6 +248,10 @@ def main() -> None:
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.direct_worker and (
+        args.sequences < 1 or args.length < 2 or args.repeats < 1 or args.clients < 0
+    ):
+        p.error("need --sequences >= 1, --length >= 2, --repeats >= 1 and --clients >= 0")
     if args.direct_worker:
         direct_worker(args)
         return
@@ -286,7 +296,8 @@ def main() -> None:
                     f"job {j['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}"
                 )
         worker.close()
-        conc = run_concurrent(server, prompts, args.k, args.clients)
+        # --clients 0: no concurrency phase (it used to crash on an empty latency list)
+        conc = run_concurrent(server, prompts, args.k, args.clients) if args.clients else None
     finally:
         server.stop()
         if worker.proc.poll() is None:
@@ -313,11 +324,14 @@ def main() -> None:
         f"median: direct {d_med:,.0f} tok/s, job {j_med:,.0f} tok/s, ratio {j_med / d_med:.3f}; "
         f"median of paired ratios {statistics.median(pair_ratios):.3f}"
     )
-    print(
-        f"concurrent: {conc['ok']}/{conc['requests']} ok, p50 {conc['p50_s'] * 1000:.0f} ms, "
-        f"p90 {conc['p90_s'] * 1000:.0f} ms, p99 {conc['p99_s'] * 1000:.0f} ms; "
-        f"job under load {conc['job_tokens_per_s_under_load'] or 0:,.0f} tok/s"
-    )
+    if conc is not None and conc["requests"]:
+        print(
+            f"concurrent: {conc['ok']}/{conc['requests']} ok, p50 {conc['p50_s'] * 1000:.0f} ms, "
+            f"p90 {conc['p90_s'] * 1000:.0f} ms, p99 {conc['p99_s'] * 1000:.0f} ms; "
+            f"job under load {conc['job_tokens_per_s_under_load'] or 0:,.0f} tok/s"
+        )
+    elif conc is not None:
+        print("concurrent: no request finished while the job ran")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
 

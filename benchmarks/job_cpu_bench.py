@@ -1,0 +1,323 @@
+"""CPU cost per position of the batch-job path outside the engine (issue #19).
+
+What a GPU engine does not pay for: after the engine produced a request's prompt logprobs, the
+job path converts vLLM's output to arrays (``rows_from_flat`` + tail mass), pairs them with the
+sequences, compresses, checksums and writes them to the Zarr cache (one commit per batch), records
+progress in SQLite, and runs the asyncio/thread plumbing around all that. This bench runs the
+**real** job pipeline in-process (``create_app`` + ``httpx.ASGITransport``, ``POST /v1/jobs`` over
+a JSONL file, real ``CacheWriter`` on local disk, real SQLite job table) behind a *replay* engine:
+``score`` returns vLLM ``RequestOutput``-like objects holding real ``vllm.logprobs.FlatLogprobs``
+prepared before the clock starts, and the real conversion (``engine/vllm.py::
+scores_from_output``) turns them into rows. So every CPU-second counted is job-path work, none is
+the model's.
+
+Measured in CPU time, not wall time (the box is shared; wall-clock ratios drift with the load):
+``os.times()`` user+sys of this process over the job, divided by the positions scored (``L - 1``
+per sequence). Per-stage CPU comes from ``time.thread_time()`` around each stage in the thread
+that runs it: ``convert`` (FlatLogprobs -> int32/float32 arrays + tail mass), ``pair``
+(``to_records``), ``write`` (``CacheWriter.append``: float16 cast, blosc-zstd, CRC32C, store
+writes, manifest commit), ``sqlite`` (progress rows), ``read`` (input file -> batches, missing-key
+checks), ``submit`` (the whole input checked before the job exists); ``other`` is the rest
+(event loop, prompt checks, thread hand-offs, metrics). The replayed outputs are built before
+the clock starts and moved out of the garbage collector's sight (``gc.freeze``): in the service
+an output lives only until its batch is converted, so the collector never walks millions of
+them. The load average is
+recorded beside every figure.
+
+Usage::
+
+    .venv/bin/python benchmarks/job_cpu_bench.py --k 20 100 --sequences 256 --length 256 \\
+        --repeats 3 --json benchmarks/results/job_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import json
+import os
+import pstats
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 4096  # the tiny fixture teacher's vocabulary
+PROFILE = False  # --profile: cProfile of the event-loop thread during the job
+
+
+def flat_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
+    """A ``RequestOutput``-like object with vLLM 0.32's FlatLogprobs layout for ``ids``:
+    position 0 empty, then per position the actual token followed by the top-k."""
+    from vllm.logprobs import FlatLogprobs
+
+    m, w = len(ids) - 1, k + 1
+    # k distinct ids per row: a random start and a random odd stride modulo the (2^12) vocab
+    start = rng.integers(0, VOCAB, (m, 1))
+    stride = 2 * rng.integers(0, VOCAB // 2, (m, 1)) + 1
+    top = (start + stride * np.arange(k)[None, :]) % VOCAB
+    g = rng.gamma(0.3, size=(m, k + 64))  # a peaked distribution; the top k of it
+    lps = np.log(-np.sort(-(g / g.sum(axis=1, keepdims=True)), axis=1)[:, :k])
+    tok = np.empty((m, w), dtype=np.int64)
+    tok[:, 0], tok[:, 1:] = ids[1:], top
+    lp = np.empty((m, w), dtype=np.float64)
+    lp[:, 0], lp[:, 1:] = -7.0, lps
+    flat = FlatLogprobs()
+    flat.start_indices = [0, *range(0, m * w, w)]
+    flat.end_indices = [0, *range(w, m * w + 1, w)]
+    flat.token_ids = tok.ravel().tolist()
+    flat.logprobs = lp.ravel().tolist()
+    flat.ranks = [1] * (m * w)
+    flat.decoded_tokens = [None] * (m * w)
+    return SimpleNamespace(prompt_logprobs=flat)
+
+
+class StageClock:
+    """Thread-CPU seconds per stage (each stage runs in one thread at a time)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - t0
+
+        return timed
+
+
+def build_engine(prompts: list[list[int]], k: int, seed: int) -> Any:
+    from logitcache.server.engine import BaseEngine, EngineInfo
+    from logitcache.server.engine.vllm import scores_from_output
+
+    rng = np.random.default_rng(seed)
+    outputs = {tuple(p): flat_output(p, k, rng) for p in prompts}
+    gc.collect()
+    gc.freeze()
+
+    class ReplayEngine(BaseEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokenizer = None
+            self.info = EngineInfo(
+                model_id="replay",
+                revision="bench",
+                vocab_size=VOCAB,
+                max_k=k,
+                tokenizer_fingerprint="replay",
+                max_model_len=4096,
+                weights_hash="sha256:replay",
+            )
+
+        async def _generate(self, ps: list[list[int]], kk: int) -> list[Any]:
+            return [outputs[tuple(p)] for p in ps]
+
+        def _convert(self, raw: Any, length: int, kk: int) -> Any:
+            return scores_from_output(raw, kk, length)
+
+    return ReplayEngine()
+
+
+async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock) -> dict:
+    import httpx
+    from logitcache.server import job_store, jobs, scoring
+    from logitcache.server.app import create_app
+    from logitcache.server.caches import WriterHandle
+    from logitcache.server.settings import ServerSettings
+
+    settings = ServerSettings(
+        model="replay",
+        store_root=str(work / "caches"),
+        data_dir=work / "data",
+        state_dir=work / "state",
+        **settings_kw,
+    )
+    engine._convert = clock.wrap("convert", engine._convert)
+    patches = [
+        (jobs, "to_records", clock.wrap("pair", scoring.to_records)),
+        (WriterHandle, "append", clock.wrap("write", WriterHandle.append)),
+        (WriterHandle, "missing", clock.wrap("read", WriterHandle.missing)),
+        (job_store.JobStore, "progress", clock.wrap("sqlite", job_store.JobStore.progress)),
+        (jobs.JobRunner, "_batches", _wrap_gen(clock, jobs.JobRunner._batches)),
+        (jobs.JobRunner, "_scan", clock.wrap("submit", jobs.JobRunner._scan)),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    try:
+        app = create_app(settings, engine=engine)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                prof = cProfile.Profile() if PROFILE else None
+                if prof is not None:
+                    prof.enable()
+                threads0 = thread_cpu()
+                cpu0, wall0 = os.times(), time.perf_counter()
+                r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
+                r.raise_for_status()
+                job_id = r.json()["id"]
+                # wait on the job table directly (an HTTP poll costs ms of CPU in-process)
+                db = sqlite3.connect(settings.job_db_path)
+                while db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[
+                    0
+                ] not in ("succeeded", "failed", "cancelled"):
+                    await asyncio.sleep(0.05)
+                db.close()
+                cpu1, wall1 = os.times(), time.perf_counter()
+                threads1 = thread_cpu()
+                if prof is not None:
+                    prof.disable()
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+                job = (await c.get(f"/v1/jobs/{job_id}")).json()
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    if job["state"] != "succeeded":
+        raise SystemExit(f"job failed: {job}")
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    per_thread = {n: v - threads0.get(n, 0.0) for n, v in threads1.items()}
+    per_thread = {n: v for n, v in per_thread.items() if v > 0}
+    return {"cpu_s": cpu, "wall_s": wall1 - wall0, "job": job, "threads": per_thread}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread of this process, by ``tid:name`` (``/proc/self/task``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            raw = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1 : raw.rindex(")")]
+        f = raw[raw.rindex(")") + 2 :].split()
+        out[f"{task.name}:{name}"] = (int(f[11]) + int(f[12])) / tick
+    return out
+
+
+def _wrap_gen(clock: StageClock, gen_fn: Any) -> Any:
+    """Time a generator method's own work (each ``next``) as ``read``."""
+
+    def wrapped(*a: Any, **kw: Any) -> Any:
+        it = gen_fn(*a, **kw)
+        while True:
+            t0 = time.thread_time()
+            try:
+                item = next(it)
+            except StopIteration:
+                clock.cpu["read"] = clock.cpu.get("read", 0.0) + time.thread_time() - t0
+                return
+            clock.cpu["read"] = clock.cpu.get("read", 0.0) + time.thread_time() - t0
+            yield item
+
+    return wrapped
+
+
+def one_run(k: int, prompts: list[list[int]], settings_kw: dict, seed: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
+    (work / "data").mkdir()
+    (work / "data" / "in.jsonl").write_text(
+        "\n".join(json.dumps({"id": f"s{i}", "input_ids": p}) for i, p in enumerate(prompts))
+    )
+    engine = build_engine(prompts, k, seed)
+    clock = StageClock()
+    load = os.getloadavg()[0]
+    res = asyncio.run(run_job(work, engine, settings_kw, clock))
+    positions = sum(len(p) - 1 for p in prompts)
+    stages = {n: v / positions * 1e6 for n, v in sorted(clock.cpu.items())}
+    total_us = res["cpu_s"] / positions * 1e6
+    stages["other"] = total_us - sum(stages.values())
+    return {
+        "k": k,
+        "positions": positions,
+        "cpu_s": res["cpu_s"],
+        "wall_s": res["wall_s"],
+        "us_per_position": total_us,
+        "stage_us_per_position": stages,
+        "load_avg_1min_before": load,
+        "load_avg_1min_after": os.getloadavg()[0],
+        "thread_cpu_s": res["threads"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--k", type=int, nargs="+", default=[20, 100])
+    p.add_argument("--sequences", type=int, default=256)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-sequences", type=int, default=64)
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--logprob-dtype", default="float16")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--blosc-threads", type=int, default=None, help="numcodecs blosc threads")
+    p.add_argument("--profile", action="store_true", help="print the event loop's cProfile")
+    args = p.parse_args()
+    global PROFILE
+    PROFILE = args.profile
+    if args.blosc_threads is not None:
+        import numcodecs.blosc
+
+        numcodecs.blosc.set_nthreads(args.blosc_threads)
+    if args.sequences < 1 or args.length < 2 or args.repeats < 1:
+        p.error("--sequences >= 1, --length >= 2 and --repeats >= 1 are needed")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, args.length).tolist() for _ in range(args.sequences)]
+    settings_kw = {
+        "k": max(args.k),
+        "logprob_dtype": args.logprob_dtype,
+        "job_batch_sequences": args.batch_sequences,
+        "job_batch_tokens": args.batch_tokens,
+        "log_level": "warning",
+    }
+    runs = []
+    for rep in range(args.repeats):
+        for k in args.k:
+            r = one_run(k, prompts, settings_kw, seed=rep)
+            runs.append(r)
+            st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
+            print(
+                f"k={k} rep {rep}: {r['us_per_position']:.2f} CPU-us/position "
+                f"({st}); wall {r['wall_s']:.1f} s, load {r['load_avg_1min_before']:.1f}",
+                flush=True,
+            )
+    summary = {}
+    for k in args.k:
+        xs = [r for r in runs if r["k"] == k]
+        summary[str(k)] = {
+            "median_us_per_position": statistics.median(r["us_per_position"] for r in xs),
+            "min_us_per_position": min(r["us_per_position"] for r in xs),
+            "median_stage_us_per_position": {
+                n: statistics.median(r["stage_us_per_position"][n] for r in xs)
+                for n in xs[0]["stage_us_per_position"]
+            },
+        }
+        print(f"k={k}: median {summary[str(k)]['median_us_per_position']:.2f} CPU-us/position")
+    result = {
+        "machine": f"{os.cpu_count()} CPU cores (shared with other benchmarks), no GPU",
+        "command": " ".join(["python", "benchmarks/job_cpu_bench.py", *sys.argv[1:]]),
+        "inputs": {"sequences": args.sequences, "length": args.length, "vocab": VOCAB},
+        "settings": settings_kw,
+        "runs": runs,
+        "summary": summary,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
