@@ -317,6 +317,15 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
             b0,
             "row",
         )
+        if m.targets == "sampled":  # FORMAT.md 4.4: importance weights sum to 1
+            _flag(
+                report,
+                "sampled_weights",
+                "sampled row's weights do not sum to 1 (FORMAT.md 4.4)",
+                finite & (mass < 1.0 - slack),
+                b0,
+                "row",
+            )
         if m.k > 1:
             _flag(
                 report,

@@ -153,3 +153,19 @@ def test_manifest_rules_for_the_target_kind() -> None:
         Manifest.from_attrs({**topk.to_attrs(), "sampling": sampling_manifest(4, 1.0, 0)})
     with pytest.raises(ManifestError, match="draws"):
         Manifest.from_attrs({**attrs, "sampling": {**attrs["sampling"], "draws": 0}})
+
+
+def test_validate_flags_sampled_rows_whose_weights_do_not_sum_to_one(tmp_path: Path) -> None:
+    url = str(tmp_path / "bad")
+    lp = teacher_rows(9)
+    ids, lw = sample_rows(lp, uniforms(7, "s", 9, 16))
+    half = np.where(lw > PAD_LOGPROB, lw + np.log(0.5), lw)  # every weight halved
+    with CacheWriter.open(url, sampled_manifest()) as w:
+        w.append([SequenceRecord("s", np.arange(10) % V, ids, half)])
+    report = validate(url)
+    assert not report.ok and "sampled_weights" in report.codes()
+    # the same rows in a top-k cache are fine (a top-k row may hold less than all the mass)
+    url2 = str(tmp_path / "topk")
+    with CacheWriter.open(url2, sampled_manifest(targets="topk", sampling=None)) as w:
+        w.append([SequenceRecord("s", np.arange(10) % V, ids, half)])
+    assert validate(url2).ok
