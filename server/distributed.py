@@ -140,9 +140,8 @@ class ShardWorker:
 
     def _limits(self, engine: TeacherEngine) -> inputs.Limits:
         info = engine.info
-        return inputs.Limits(
-            vocab_size=info.vocab_size, max_len=min(self.settings.max_seq_len, info.max_model_len)
-        )
+        # the engine was built from these settings: info.max_model_len already holds max_seq_len
+        return inputs.Limits(vocab_size=info.vocab_size, max_len=info.max_model_len)
 
     async def scan(self, shard: shards.Shard) -> shards.ShardScan:
         engine = await self._ready()
@@ -434,9 +433,11 @@ def _agreed_info(infos: list[EngineInfo]) -> EngineInfo:
 
 
 def _final_manifest(info: EngineInfo, settings: ServerSettings, dataset: str) -> Manifest:
-    """The final cache's manifest: the engine's teacher at ``min(settings.k, max_k)``."""
-    k = min(settings.k, info.max_k)
-    return expected_manifest(info, k=k, logprob_dtype=settings.logprob_dtype, dataset=dataset)
+    """The final cache's manifest: the engine's teacher at its ``max_k`` (the server's ``-k``,
+    within the vocabulary: the engine applied the range check once, at its configuration)."""
+    return expected_manifest(
+        info, k=info.max_k, logprob_dtype=settings.logprob_dtype, dataset=dataset
+    )
 
 
 # --- CLI -----------------------------------------------------------------------------------
