@@ -122,10 +122,12 @@ QUICK = {
 
 
 def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--workdir", type=Path, default=ROOT / "runs/distill")
     p.add_argument("--quick", action="store_true", help="small and fast (the test suite's mode)")
-    p.add_argument("--k", type=int, help="k of the scored cache (the largest top-k budget)")
+    p.add_argument(  # -k as in logitcache-server; --k kept for existing commands
+        "-k", "--k", type=int, help="k of the scored cache (the largest top-k budget)"
+    )
     p.add_argument("--seq-len", type=int, help="longest training piece (tokens)")
     p.add_argument("--train-seqs", type=int, help="training pieces to score (0: all)")
     p.add_argument("--tokens-per-item", type=int)
