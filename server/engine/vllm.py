@@ -38,6 +38,7 @@ vLLM's ``EngineArgs`` as is (:class:`~.config.VllmOptions`).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
 import json
@@ -99,8 +100,10 @@ def rows_from_flat(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarr
         regular = bool(np.all(en[1:] - st[1:] == w)) and bool(np.all(st[2:] == en[1:-1]))
     if not regular:
         return rows_from_dicts(list(flat), k, length)
-    ids = np.asarray(flat.token_ids, dtype=np.int32).reshape(m, w)[:, 1:]
-    lps = np.asarray(flat.logprobs, dtype=np.float32).reshape(m, w)[:, 1:]
+    # array.array reads a list of Python ints/floats ~20% faster than np.asarray (no per-item
+    # type dispatch); the [:, 1:] slices are copied to contiguous int32/float32 by make_scores
+    ids = np.frombuffer(array.array("q", flat.token_ids), dtype=np.int64).reshape(m, w)[:, 1:]
+    lps = np.frombuffer(array.array("d", flat.logprobs), dtype=np.float64).reshape(m, w)[:, 1:]
     return ids, lps
 
 
