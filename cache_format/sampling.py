@@ -91,6 +91,43 @@ def sample_rows(logprobs: Any, u: Any, proposal_temperature: float = 1.0, k: int
     return ids, lw.astype(np.float32)
 
 
+def sample_from_hidden(
+    hidden: Any,
+    weight: Any,
+    u: Any,
+    *,
+    bias: Any = None,
+    temperature: float = 1.0,
+    proposal_temperature: float = 1.0,
+    chunk_rows: int = 256,
+    k: int | None = None,
+):
+    """Sampled targets straight from a teacher's final hidden states, chunk by chunk: for
+    ``chunk_rows`` positions at a time ``lp = log_softmax((h W^T + b) / temperature)`` and
+    :func:`sample_rows` on it, so at most ``chunk_rows x V`` logits exist at once (never the
+    ``[L, V]`` block of the whole sequence). ``hidden [n, d]``, ``weight [V, d]``, ``u [n, N]``
+    (:func:`uniforms` of the sequence). Equal to :func:`sample_rows` on the full block, whatever
+    ``chunk_rows`` is (the uniforms are per row)."""
+    import torch
+
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    ids, lws = [], []
+    with torch.no_grad():
+        for s in range(0, int(hidden.shape[0]), chunk_rows):
+            z = hidden[s : s + chunk_rows].float() @ weight.float().T
+            if bias is not None:
+                z = z + bias.float()
+            lp = torch.log_softmax(z / temperature, -1)
+            i, w = sample_rows(lp, u[s : s + chunk_rows], proposal_temperature, k)
+            ids.append(i)
+            lws.append(w)
+    n = int(u.shape[1]) if k is None else int(k)
+    if not ids:
+        return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
+    return np.concatenate(ids), np.concatenate(lws)
+
+
 def sampling_manifest(draws: int, proposal_temperature: float, seed: int) -> dict[str, Any]:
     """The manifest's ``sampling`` object of a sampled cache."""
     return {

@@ -169,3 +169,17 @@ def test_validate_flags_sampled_rows_whose_weights_do_not_sum_to_one(tmp_path: P
     with CacheWriter.open(url2, sampled_manifest(targets="topk", sampling=None)) as w:
         w.append([SequenceRecord("s", np.arange(10) % V, ids, half)])
     assert validate(url2).ok
+
+
+def test_chunked_lm_head_pass_equals_the_full_block() -> None:
+    from logitcache.cache_format.sampling import sample_from_hidden
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(37, 16, generator=g), torch.randn(V, 16, generator=g)
+    u = uniforms(3, "h", 37, 8)
+    full = sample_rows(torch.log_softmax(hidden @ weight.T / 0.7, -1), u)
+    for chunk in (1, 5, 64):
+        got = sample_from_hidden(hidden, weight, u, temperature=0.7, chunk_rows=chunk)
+        assert (got[0] == full[0]).all() and np.allclose(got[1], full[1], atol=1e-6)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        sample_from_hidden(hidden, weight, u, chunk_rows=0)
