@@ -1,7 +1,8 @@
 """The distillation comparison of issue #12 over two seeds; writes the committed results pages.
 
     .venv/bin/python benchmarks/distill_bench.py            # seeds 0 and 1, default plan
-    .venv/bin/python benchmarks/distill_bench.py --seeds 0 -- --steps 50   # extra args go on
+    .venv/bin/python benchmarks/distill_bench.py --parallel -- --steps 60 --reuse-cache
+                                     # seeds as concurrent processes; args after -- go on
 
 Runs ``examples/distill.py`` once per seed (the seed sets the data order of every method and
 the sampled targets' draws; the student init and the scored cache are shared), each run writing
@@ -99,28 +100,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workdir", type=Path, default=ROOT / "runs/distill-bench")
     p.add_argument("--out-json", type=Path, default=OUT_JSON)
     p.add_argument("--out-md", type=Path, default=OUT_MD)
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run the seeds as concurrent subprocesses (they share the scored and top-k caches; "
+        "the writer lock serialises their appends and known keys are skipped)",
+    )
+    p.add_argument(
+        "--combine-only", action="store_true", help="only combine existing per-seed reports"
+    )
     args, rest = p.parse_known_args(argv)
     rest = [a for a in rest if a != "--"]
-    import distill
+    seeds = [int(s) for s in args.seeds.split(",")]
 
-    reports = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    def seed_args(seed: int) -> list[str]:
         out = args.workdir / f"seed{seed}"
-        reports.append(
-            distill.main(
-                [
-                    "--workdir",
-                    str(args.workdir),
-                    "--seed",
-                    str(seed),
-                    "--out-json",
-                    str(out / "distill.json"),
-                    "--out-md",
-                    str(out / "distill.md"),
-                    *rest,
-                ]
-            )
-        )
+        return [
+            "--workdir",
+            str(args.workdir),
+            "--seed",
+            str(seed),
+            "--out-json",
+            str(out / "distill.json"),
+            "--out-md",
+            str(out / "distill.md"),
+            *rest,
+        ]
+
+    if args.combine_only:
+        pass
+    elif args.parallel:
+        import subprocess
+
+        procs = [
+            subprocess.Popen([sys.executable, str(ROOT / "examples/distill.py"), *seed_args(s)])
+            for s in seeds
+        ]
+        codes = [proc.wait() for proc in procs]
+        if any(codes):
+            raise SystemExit(f"a seed run failed: exit codes {codes}")
+    else:
+        import distill
+
+        for seed in seeds:
+            distill.main(seed_args(seed))
+    reports = [json.loads((args.workdir / f"seed{s}" / "distill.json").read_text()) for s in seeds]
     methods = combine(reports)
     result = {"seeds": reports, "mean": methods, "goals": goals(methods)}
     args.out_json.write_text(json.dumps(result, indent=1) + "\n")
