@@ -43,6 +43,7 @@ import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -196,13 +197,14 @@ async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock)
 def thread_cpu() -> dict[str, float]:
     """CPU seconds per thread of this process, by ``tid:name`` (``/proc/self/task``)."""
     tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
     out = {}
     for task in Path("/proc/self/task").iterdir():
         try:
             raw = (task / "stat").read_text()
         except OSError:
             continue
-        name = raw[raw.index("(") + 1 : raw.rindex(")")]
+        name = names.get(int(task.name)) or raw[raw.index("(") + 1 : raw.rindex(")")]
         f = raw[raw.rindex(")") + 2 :].split()
         out[f"{task.name}:{name}"] = (int(f[11]) + int(f[12])) / tick
     return out
@@ -224,6 +226,37 @@ def _wrap_gen(clock: StageClock, gen_fn: Any) -> Any:
             yield item
 
     return wrapped
+
+
+def vllm_list_building_us(k: int, positions: int = 255, repeats: int = 5) -> float:
+    """CPU-us per position (best of ``repeats``) of vLLM's own output processor turning the
+    engine core's prompt-logprob tensors ``[positions, k+1]`` into ``FlatLogprobs`` lists
+    (``LogprobsProcessor._update_prompt_logprobs``): API-process work that ``LLM.generate``
+    pays too, so it is not part of the job path's own cost, but it is CPU beside the engine."""
+    import torch
+    from vllm.logprobs import create_prompt_logprobs
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsTensors
+
+    best = float("inf")
+    for _ in range(repeats):
+        proc = LogprobsProcessor(
+            tokenizer=None,
+            logprobs=None,
+            prompt_logprobs=create_prompt_logprobs(True),
+            cumulative_logprob=None,
+            num_logprobs=None,
+            num_prompt_logprobs=k,
+        )
+        tensors = LogprobsTensors(
+            torch.randint(0, VOCAB, (positions, k + 1)),
+            -torch.rand(positions, k + 1) * 5,
+            torch.randint(1, 100, (positions,)),
+        )
+        t0 = time.thread_time()
+        proc._update_prompt_logprobs(tensors)
+        best = min(best, time.thread_time() - t0)
+    return best / positions * 1e6
 
 
 def one_run(k: int, prompts: list[list[int]], settings_kw: dict, seed: int) -> dict:
@@ -264,6 +297,9 @@ def main() -> None:
     p.add_argument("--logprob-dtype", default="float16")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--blosc-threads", type=int, default=None, help="numcodecs blosc threads")
+    p.add_argument(
+        "--vllm-lists-only", action="store_true", help="only time vLLM's own list building"
+    )
     p.add_argument("--profile", action="store_true", help="print the event loop's cProfile")
     args = p.parse_args()
     global PROFILE
@@ -274,6 +310,26 @@ def main() -> None:
         numcodecs.blosc.set_nthreads(args.blosc_threads)
     if args.sequences < 1 or args.length < 2 or args.repeats < 1:
         p.error("--sequences >= 1, --length >= 2 and --repeats >= 1 are needed")
+    if args.vllm_lists_only:
+        lists = {str(k): vllm_list_building_us(k) for k in args.k}
+        for k, us in lists.items():
+            print(f"k={k}: vLLM list building {us:.2f} CPU-us/position (best of 5)")
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "command": " ".join(
+                            ["python", "benchmarks/job_cpu_bench.py", *sys.argv[1:]]
+                        ),
+                        "machine": f"{os.cpu_count()} CPU cores (shared), no GPU",
+                        "load_avg_1min": os.getloadavg()[0],
+                        "vllm_list_building_us_per_position": lists,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
+        return
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB, args.length).tolist() for _ in range(args.sequences)]
     settings_kw = {
