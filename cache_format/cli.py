@@ -134,6 +134,8 @@ def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False
         f"(raw int32+float16: {st.raw_bytes_per_position})"
     )
     typer.echo(f"{'compression ratio':<22} {st.compression_ratio:.2f}x")
+    if tail is None and m.num_rows and getattr(m, "targets", "topk") != "topk":
+        typer.echo(f"{'coverage':<22} n/a (sampled targets: rows hold importance weights)")
     if tail is not None:
         typer.echo(
             f"{'coverage':<22} {tail.coverage:.3f} mean top-{m.k} mass over {tail.rows:,} rows "

@@ -100,8 +100,12 @@ def tail_windows(num_rows: int) -> list[tuple[int, int]]:
 
 def tail_summary(reader) -> TailSummary | None:
     """Tail mass of every row (caches up to 16,384 rows) or of 8 evenly spaced windows of 2,048
-    rows of an open ``CacheReader``; None for an empty cache."""
+    rows of an open ``CacheReader``; None for an empty cache, or one of sampled targets (its rows
+    hold importance weights that sum to 1: there is no top-k mass to report)."""
     import numpy as np
+
+    if getattr(reader.manifest, "targets", "topk") != "topk":
+        return None
 
     parts = [reader.rows(a, b).tail_mass for a, b in tail_windows(reader.num_rows)]
     if not parts:
