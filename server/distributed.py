@@ -481,6 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     settings = load_settings(rest)
+    try:  # before Ray starts: a missing/mistyped --model is one line (server/preflight.py)
+        from .preflight import PreflightError, check_model
+
+        check_model(settings.model)
+    except PreflightError as e:
+        print(json.dumps({"error": "invalid_model", "message": str(e)}), file=sys.stderr)
+        return 2
     plan = Plan(
         replicas=args.replicas,
         shard_size=args.shard_size,

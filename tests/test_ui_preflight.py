@@ -8,6 +8,7 @@ preflight checks its shape, and every case fails before the engine would read it
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -118,3 +119,17 @@ def test_distributed_cli_refuses_double_dash_k(tmp_path: Path) -> None:
 
     args, rest = _parser().parse_known_args(["--input", "a", "--cache", "b", "--k", "20"])
     assert args.keep_staging is False and rest == ["--k", "20"]
+
+
+def test_distributed_cli_checks_the_model_before_ray(tmp_path: Path, capsys) -> None:
+    """A missing --model ends logitcache-distributed in one JSON line, before Ray starts."""
+    from logitcache.server.distributed import main
+
+    rc = main(["--input", "x.jsonl", "--cache", str(tmp_path / "c"), "--model", "/nope/teacher"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert json.loads(err[0]) == {
+        "error": "invalid_model",
+        "message": "model path '/nope/teacher' does not exist",
+    }
+    assert not (tmp_path / "c").exists()
