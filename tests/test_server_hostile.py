@@ -289,9 +289,7 @@ def test_abandoned_request_is_aborted_in_the_engine(srv, client, vllm_engine) ->
     assert client.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]]}).status_code == 200
     small = time.perf_counter() - t1
     assert srv.services.scoring.gate.in_flight == 0
-    print(
-        f"full {full:.2f} s, idle {idle_after:.2f} s after the disconnect, small {small:.2f} s"
-    )
+    print(f"full {full:.2f} s, idle {idle_after:.2f} s after the disconnect, small {small:.2f} s")
     assert idle_after + small < full
 
 
