@@ -33,7 +33,7 @@ class Services:
 def get_services(request: Request) -> Services:
     services = getattr(request.app.state, "services", None)
     if services is None:
-        raise UnavailableError("the service is starting or stopping")
+        raise UnavailableError("the service is starting or stopping", retry_after=5)
     return services
 
 

@@ -87,9 +87,11 @@ class NotAcceptableError(ServiceError, status=406, code="not_acceptable"):
 
 
 class UnavailableError(ServiceError, status=503, code="unavailable"):
-    """The engine is not ready or has died."""
+    """The engine is not ready or has died (``Retry-After`` when a wait is known to help)."""
 
-    retry_after: int | None = None
+    def __init__(self, message: str, *, retry_after: int | None = None, detail: Any = None):
+        super().__init__(message, detail=detail)
+        self.retry_after = retry_after
 
 
 class OverloadedError(ServiceError, status=429, code="overloaded"):

@@ -142,3 +142,20 @@ def test_routes_page_jobs_and_refuse_over_budget(tmp_path) -> None:
         assert {j["id"] for j in page1["jobs"] + page2["jobs"]} == {j.id for j in store.list()}
         assert c.get("/v1/jobs", params={"limit": 0}).status_code == 422
         assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_starting_service_is_503_with_retry_after(tmp_path) -> None:
+    import asyncio
+
+    from logitcache.server.app import create_app
+
+    app = create_app(server_settings(tmp_path, "fake-teacher"), engine=FakeEngine())
+
+    async def ask() -> httpx.Response:  # no lifespan run: the service is not up yet
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            return await c.get("/v1/jobs")
+
+    r = asyncio.run(ask())
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    assert r.json()["error"]["code"] == "unavailable"
