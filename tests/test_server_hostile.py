@@ -198,6 +198,11 @@ def test_broken_and_incomplete_caches_are_listed_not_fatal(srv, client) -> None:
     _assert_error(client.get("/v1/caches/broken"), 409, "cache_broken")
     _assert_error(client.get("/v1/caches/incomplete"), 409, "cache_incomplete")
     _assert_error(client.get("/v1/caches/absent"), 404, "not_found")
+    # repaired by writing it again (what re-submitting the interrupted job does)
+    r = client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "cache": "incomplete"})
+    assert r.status_code == 200 and r.json()["stored"] == 1, r.text
+    fixed = client.get("/v1/caches/incomplete").json()
+    assert fixed["status"] == "ok" and fixed["num_sequences"] == 1
 
 
 def test_slow_body_is_cut_with_408(srv) -> None:
