@@ -8,7 +8,10 @@ Exposed at ``GET /metrics`` in the Prometheus text format:
   (``source`` = ``score`` for on-demand requests, ``job`` for batch jobs; prompt tokens);
 * ``logitcache_engine_seconds{source}``: latency of one engine call;
 * ``logitcache_jobs{state}``: jobs per state; ``logitcache_job_sequences_done{job}``,
-  ``logitcache_job_tokens_done{job}``, ``logitcache_job_tokens_total{job}`` for the running job.
+  ``logitcache_job_tokens_done{job}``, ``logitcache_job_tokens_total{job}`` for the running job;
+* ``logitcache_cache_hits_total`` / ``logitcache_cache_misses_total`` (sequences of cache-backed
+  requests answered from the cache / scored), ``logitcache_cache_tokens_saved_total`` (their
+  prompt tokens) and ``logitcache_cache_bytes_served_total`` (in-memory bytes of the hit arrays).
 """
 
 from __future__ import annotations
@@ -63,6 +66,20 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.cache_hits = PCounter(
+            "logitcache_cache_hits", "sequences answered from a cache (no engine work)", registry=r
+        )
+        self.cache_misses = PCounter(
+            "logitcache_cache_misses", "sequences of cache-backed requests scored", registry=r
+        )
+        self.cache_tokens_saved = PCounter(
+            "logitcache_cache_tokens_saved", "prompt tokens answered from a cache", registry=r
+        )
+        self.cache_bytes_served = PCounter(
+            "logitcache_cache_bytes_served",
+            "bytes of cached arrays answered (ids, logprobs, tail, tokens; in memory)",
+            registry=r,
+        )
         self.job_sequences_done = Gauge(
             "logitcache_job_sequences_done", "sequences done of a running job", ["job"], registry=r
         )
@@ -72,6 +89,13 @@ class Metrics:
         self.job_tokens_total = Gauge(
             "logitcache_job_tokens_total", "prompt tokens of a running job", ["job"], registry=r
         )
+
+    def cache_served(self, *, hits: int, misses: int, tokens_saved: int, bytes_served: int) -> None:
+        """Count one cache-backed answer (``server/cache_hits.py``)."""
+        self.cache_hits.inc(hits)
+        self.cache_misses.inc(misses)
+        self.cache_tokens_saved.inc(tokens_saved)
+        self.cache_bytes_served.inc(bytes_served)
 
     def watch_job_states(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Report ``logitcache_jobs{state}`` from ``counts()`` (state -> jobs) at every scrape."""

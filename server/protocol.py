@@ -143,6 +143,9 @@ class ScoredSequence(ApiModel):
     )
     topk_logprobs: list[list[float]] = Field(description="[L-1][k] their logprobs")
     tail_mass: list[float] = Field(description="[L-1] 1 - sum(exp(topk_logprobs)) per row")
+    cached: bool | None = Field(
+        None, description="with a cache: whether this sequence was read from it (no engine work)"
+    )
 
 
 class ScoreResponse(ApiModel):
@@ -150,6 +153,7 @@ class ScoreResponse(ApiModel):
     k: int
     cache: str | None = None
     stored: int = Field(0, description="sequences newly committed to the cache")
+    hits: int | None = Field(None, description="with a cache: sequences read from it")
     sequences: list[ScoredSequence]
 
 

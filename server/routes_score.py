@@ -44,6 +44,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 _SCORE_HEADERS = {
     "X-Logitcache-K": {"description": "the k used", "schema": {"type": "string"}},
     "X-Logitcache-Stored": {"description": "sequences newly stored", "schema": {"type": "string"}},
+    "X-Logitcache-Hits": {
+        "description": "with a cache: sequences read from it",
+        "schema": {"type": "string"},
+    },
 }
 
 
@@ -88,12 +92,19 @@ _F32_MIN = float(np.finfo(np.float32).min)
 
 
 def json_chunks(
-    model: str, k: int, cache: str | None, stored: int, recs: list[SequenceRecord]
+    model: str,
+    k: int,
+    cache: str | None,
+    stored: int,
+    recs: list[SequenceRecord],
+    hits: list[bool] | None = None,
 ) -> Iterator[bytes]:
     """The :class:`ScoreResponse` JSON in pieces, one sequence at a time (``-inf`` logprobs, if
     any, as float32's lowest value). Streamed from a worker thread: no piece holds the GIL for
     long (``/health`` stays fast) and the whole text never sits in memory at once."""
-    head = {"model": model, "k": k, "cache": cache, "stored": stored}
+    head: dict[str, Any] = {"model": model, "k": k, "cache": cache, "stored": stored}
+    if hits is not None:
+        head["hits"] = sum(hits)
     yield json.dumps(head, separators=(",", ":"))[:-1].encode() + b',"sequences":['
     for i, r in enumerate(recs):
         seq = {
@@ -103,6 +114,8 @@ def json_chunks(
             "topk_logprobs": np.maximum(r.topk_logprobs, _F32_MIN).tolist(),
             "tail_mass": np.nan_to_num(r.tail_or_computed(), nan=0.0).tolist(),
         }
+        if hits is not None:
+            seq["cached"] = hits[i]
         text = json.dumps(seq, separators=(",", ":"), allow_nan=False).encode()
         yield (b"," + text) if i else text
     yield b"]}"
@@ -141,6 +154,8 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
         services.settings.request_timeout_s,
     )
     headers = {"X-Logitcache-K": str(result.k), "X-Logitcache-Stored": str(result.stored)}
+    if result.hits is not None:
+        headers["X-Logitcache-Hits"] = str(sum(result.hits))
     if frames:
         data = await asyncio.to_thread(encode_records, result.records)
         return Response(data, media_type=FRAMES_MEDIA_TYPE, headers=headers)
@@ -150,6 +165,7 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
         body.cache,
         result.stored,
         result.records,
+        result.hits,
     )
     # a sync iterator: Starlette pulls each piece in a worker thread
     return StreamingResponse(chunks, media_type="application/json", headers=headers)

@@ -35,6 +35,8 @@ class ScoreResult:
     records: list[SequenceRecord]
     k: int
     stored: int
+    hits: list[bool] | None = None
+    """With a cache: per sequence, whether it was served from the cache (``cache_hits``)."""
 
 
 class ScoringService:
@@ -175,12 +177,13 @@ class ScoringService:
         Tokenising and checking run in a worker thread (never on the event loop). Cancelling
         the awaiting task (client gone, deadline passed) aborts the engine work.
         """
+        if req.cache is not None:  # hits from the cache, misses scored and stored
+            from .cache_hits import score_with_cache
+
+            got = await score_with_cache(self, req, frames=frames)
+            return ScoreResult(records=got.records, k=got.k, stored=got.stored, hits=got.hits)
         manifest = None
-        if req.cache is not None:
-            manifest = await asyncio.to_thread(self.target_manifest, req.cache, req.k)
-            k = manifest.k
-        else:
-            k = self.resolve_k(req.k)
+        k = self.resolve_k(req.k)
         seqs = await asyncio.to_thread(self.sequences_of, req)
         self.check_response_size(seqs, k, frames=frames)
         tokens = sum(s.length for s in seqs)

