@@ -72,23 +72,45 @@ def sample_rows(logprobs: Any, u: Any, proposal_temperature: float = 1.0, k: int
     cdf = lq.exp().cumsum(-1)
     cdf = cdf / cdf[:, -1:]  # exact 1 at the end: every u < 1 finds an id
     draws = torch.searchsorted(cdf, u.to(cdf.device), right=True).clamp_max(v - 1)
-    counts = torch.zeros(r, v, dtype=torch.float64, device=lp.device)
-    counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
-    distinct = int((counts > 0).sum(-1).max()) if r else 0
-    if distinct > k:
-        raise ValueError(f"a row has {distinct} distinct draws, more than k={k} slots")
-    # log w ∝ log c + log p - log q over the drawn ids; -inf elsewhere
-    logw = torch.where(counts > 0, counts.log() + lp - lq, torch.full_like(lp, -torch.inf))
+    # distinct ids and counts per row, on [r, N] only (never a sort over the vocabulary)
+    d = draws.sort(-1).values
+    new = torch.ones_like(d, dtype=torch.bool)
+    new[:, 1:] = d[:, 1:] != d[:, :-1]
+    group = new.long().cumsum(-1) - 1
+    counts = torch.zeros(r, n, dtype=torch.float64, device=lp.device)
+    counts.scatter_add_(1, group, torch.ones_like(d, dtype=torch.float64))
+    uniq = torch.zeros_like(d).scatter_(1, group, d)  # ascending distinct ids, then zeros
+    m = new.sum(-1, keepdim=True)
+    if r and int(m.max()) > k:
+        raise ValueError(f"a row has {int(m.max())} distinct draws, more than k={k} slots")
+    slot = torch.arange(n, device=lp.device)[None, :]
+    valid = slot < m
+    # log w ∝ log c + log p - log q over the drawn ids
+    # (log p - log q first: exactly 0 at tau = 1, so equal counts give bit-equal weights)
+    logw = counts.clamp_min(1).log() + (lp.gather(1, uniq) - lq.gather(1, uniq))
+    logw = torch.where(valid, logw, torch.full_like(logw, -torch.inf))
     logw = logw - torch.logsumexp(logw, -1, keepdim=True)
-    # order: descending weight, ties by ascending id (a stable sort of ids 0..V-1)
-    order = torch.sort(logw, dim=-1, descending=True, stable=True).indices[:, :k]
-    ids = order.cpu().numpy().astype(np.int32)
-    lw = torch.gather(logw, 1, order).cpu().numpy()
-    pad = ~np.isfinite(lw)
-    if pad.any():
-        # padding: the smallest ids not drawn in the row (sort put undrawn ids in id order)
-        lw[pad] = PAD_LOGPROB
-    return ids, lw.astype(np.float32)
+    # descending weight; the stable sort keeps ascending id among equal weights
+    order = torch.sort(logw, dim=-1, descending=True, stable=True).indices
+    ids = uniq.gather(1, order)
+    lw = logw.gather(1, order)
+    if k > n:
+        ids = torch.cat([ids, torch.zeros(r, k - n, dtype=ids.dtype, device=ids.device)], 1)
+        lw = torch.cat([lw, torch.full((r, k - n), -torch.inf, dtype=lw.dtype)], 1)
+    else:
+        ids, lw = ids[:, :k], lw[:, :k]
+    # padding slots j >= m: the smallest ids not drawn, ascending (all lie below k + m <= 2k)
+    width = min(v, 2 * k)
+    drawn = torch.zeros(r, width, dtype=torch.long, device=lp.device)
+    drawn.scatter_add_(1, uniq.clamp_max(width - 1), (valid & (uniq < width)).long())
+    drawn = drawn.clamp_max(1)
+    free = (drawn * width + torch.arange(width, device=lp.device)[None, :]).argsort(-1)
+    kslot = torch.arange(k, device=lp.device)[None, :]
+    pad_ids = free.gather(1, (kslot - m).clamp(0, width - 1))
+    is_pad = kslot >= m
+    ids = torch.where(is_pad, pad_ids, ids)
+    lw = torch.where(is_pad, torch.full_like(lw, PAD_LOGPROB), lw)
+    return ids.cpu().numpy().astype(np.int32), lw.cpu().numpy().astype(np.float32)
 
 
 def sample_from_hidden(

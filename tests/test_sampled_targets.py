@@ -39,6 +39,8 @@ def test_rows_are_distinct_sorted_normalised_and_padded() -> None:
     for row_ids, row_lw in zip(ids, lw, strict=True):
         assert len(set(row_ids.tolist())) == 16
         assert (np.diff(row_lw) <= 0).all()
+        tie = row_lw[1:] == row_lw[:-1]
+        assert (row_ids[1:][tie] > row_ids[:-1][tie]).all()  # equal weights: ascending ids
         real = row_lw > PAD_LOGPROB
         assert np.isclose(np.exp(row_lw[real]).sum(), 1.0, atol=1e-6)
         # tau = 1: every weight is count / N, a multiple of 1/16
