@@ -185,3 +185,52 @@ def test_chunked_lm_head_pass_equals_the_full_block() -> None:
         assert (got[0] == full[0]).all() and np.allclose(got[1], full[1], atol=1e-6)
     with pytest.raises(ValueError, match="chunk_rows"):
         sample_from_hidden(hidden, weight, u, chunk_rows=0)
+
+
+class _Teacher(torch.nn.Module):
+    """A deterministic stand-in with the Hugging Face call signature (``.logits``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, V)
+        torch.nn.init.normal_(self.emb.weight, std=2.0, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, input_ids: torch.Tensor):  # noqa: ANN201 - HF-like output
+        return type("Out", (), {"logits": self.emb(input_ids)})()
+
+
+def test_sampled_cache_resumes_to_the_same_targets(tmp_path: Path) -> None:
+    """A sampled cache built in two sittings (a killed producer resumed) equals one built at once:
+    the draws depend on (seed, key, teacher row) only."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from distill_caches import sampled_caches
+
+    src = str(tmp_path / "src")
+    m = sampled_manifest(targets="topk", sampling=None, k=4)
+    with CacheWriter.open(src, m) as w:
+        w.append(
+            [
+                SequenceRecord(f"s{i}", (np.arange(12) * (i + 1)) % V, *top4(12 - 1, i))
+                for i in range(6)
+            ]
+        )
+    teacher = _Teacher()
+    once = sampled_caches(src, {8: str(tmp_path / "once")}, teacher, seed=3)[8]
+    twice = str(tmp_path / "twice")
+    sampled_caches(src, {8: twice}, teacher, seed=3, limit=2)  # the first sitting stops early
+    sampled_caches(src, {8: twice}, teacher, seed=3)  # resume: known keys skipped
+    a, b = CacheReader(once), CacheReader(twice)
+    assert a.num_sequences == b.num_sequences == 6
+    for i in range(6):
+        ra, rb = a.sequence(i), b.sequence(i)
+        assert ra.key == rb.key and (ra.topk_ids == rb.topk_ids).all()
+        assert (ra.topk_logprobs == rb.topk_logprobs).all()
+    assert b.manifest.sampling == sampling_manifest(8, 1.0, 3)
+
+
+def top4(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    lp = teacher_rows(rows, seed)
+    v, i = lp.topk(4, -1)
+    return i.numpy(), v.numpy()
