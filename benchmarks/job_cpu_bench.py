@@ -56,6 +56,18 @@ VOCAB = 4096  # the tiny fixture teacher's vocabulary
 PROFILE = False  # --profile: cProfile of the event-loop thread during the job
 
 
+def tensor_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
+    """The engine core's prompt-logprob tensors for ``ids`` (what vLLM hands its output
+    processor): ``(token_ids [L-1, k+1] int64, logprobs [L-1, k+1] float32)``."""
+    import torch
+
+    flat = flat_output(ids, k, rng).prompt_logprobs
+    m, w = len(ids) - 1, k + 1
+    tok = torch.tensor(flat.token_ids, dtype=torch.int64).reshape(m, w)
+    lp = torch.tensor(flat.logprobs, dtype=torch.float32).reshape(m, w)
+    return tok, lp
+
+
 def flat_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
     """A ``RequestOutput``-like object with vLLM 0.32's FlatLogprobs layout for ``ids``:
     position 0 empty, then per position the actual token followed by the top-k."""
@@ -99,12 +111,17 @@ class StageClock:
         return timed
 
 
-def build_engine(prompts: list[list[int]], k: int, seed: int) -> Any:
+def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "arrays") -> Any:
+    """A replay engine. ``form="arrays"``: each call wraps the prepared tensors the way the
+    service's vLLM hook does (``vllm_logprobs.TensorPromptLogprobs.add``, copies included, on
+    the clock); ``"lists"``: vLLM's ``FlatLogprobs`` lists (built before the clock)."""
     from logitcache.server.engine import BaseEngine, EngineInfo
     from logitcache.server.engine.vllm import scores_from_output
+    from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
 
     rng = np.random.default_rng(seed)
-    outputs = {tuple(p): flat_output(p, k, rng) for p in prompts}
+    make = tensor_output if form == "arrays" else flat_output
+    outputs = {tuple(p): make(p, k, rng) for p in prompts}
     gc.collect()
     gc.freeze()
 
@@ -123,7 +140,14 @@ def build_engine(prompts: list[list[int]], k: int, seed: int) -> Any:
             )
 
         async def _generate(self, ps: list[list[int]], kk: int) -> list[Any]:
-            return [outputs[tuple(p)] for p in ps]
+            if form == "lists":
+                return [outputs[tuple(p)] for p in ps]
+            out = []
+            for p in ps:
+                arrays = TensorPromptLogprobs()
+                arrays.add(*outputs[tuple(p)])
+                out.append(SimpleNamespace(prompt_logprobs=arrays))
+            return out
 
         def _convert(self, raw: Any, length: int, kk: int) -> Any:
             return scores_from_output(raw, kk, length)
@@ -259,13 +283,15 @@ def vllm_list_building_us(k: int, positions: int = 255, repeats: int = 5) -> flo
     return best / positions * 1e6
 
 
-def one_run(k: int, prompts: list[list[int]], settings_kw: dict, seed: int) -> dict:
+def one_run(
+    k: int, prompts: list[list[int]], settings_kw: dict, seed: int, form: str = "arrays"
+) -> dict:
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
     (work / "data").mkdir()
     (work / "data" / "in.jsonl").write_text(
         "\n".join(json.dumps({"id": f"s{i}", "input_ids": p}) for i, p in enumerate(prompts))
     )
-    engine = build_engine(prompts, k, seed)
+    engine = build_engine(prompts, k, seed, form)
     clock = StageClock()
     load = os.getloadavg()[0]
     res = asyncio.run(run_job(work, engine, settings_kw, clock))
@@ -275,6 +301,7 @@ def one_run(k: int, prompts: list[list[int]], settings_kw: dict, seed: int) -> d
     stages["other"] = total_us - sum(stages.values())
     return {
         "k": k,
+        "form": form,
         "positions": positions,
         "cpu_s": res["cpu_s"],
         "wall_s": res["wall_s"],
@@ -296,6 +323,12 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--logprob-dtype", default="float16")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--form",
+        choices=["arrays", "lists"],
+        default="arrays",
+        help="vLLM output form: the service's array hook (default) or vLLM's FlatLogprobs lists",
+    )
     p.add_argument("--blosc-threads", type=int, default=None, help="numcodecs blosc threads")
     p.add_argument(
         "--vllm-lists-only", action="store_true", help="only time vLLM's own list building"
@@ -342,7 +375,7 @@ def main() -> None:
     runs = []
     for rep in range(args.repeats):
         for k in args.k:
-            r = one_run(k, prompts, settings_kw, seed=rep)
+            r = one_run(k, prompts, settings_kw, seed=rep, form=args.form)
             runs.append(r)
             st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
             print(
@@ -367,6 +400,7 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/job_cpu_bench.py", *sys.argv[1:]]),
         "inputs": {"sequences": args.sequences, "length": args.length, "vocab": VOCAB},
         "settings": settings_kw,
+        "form": args.form,
         "runs": runs,
         "summary": summary,
     }

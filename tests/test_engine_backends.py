@@ -15,7 +15,7 @@ from logitcache.server.engine import (
     build_engine,
     engine_config,
 )
-from logitcache.server.engine.vllm import rows_from_dicts, rows_from_flat
+from logitcache.server.engine.vllm import rows_from_dicts, rows_from_flat, scores_from_output
 
 K = 20
 #: fp32 on both sides; research measured |vLLM - HF| <= 2e-6 on CPU.
@@ -89,16 +89,26 @@ def test_teacher_is_peaked(vllm_rows) -> None:
     assert float(np.mean(tail < 0.5)) > 0.5  # most rows are confident
 
 
-def test_flat_fast_path_equals_the_rank_fallback(vllm_engine, heldout_sequences) -> None:
-    params = vllm_engine._params(5)
+def test_array_form_equals_flat_fast_path_and_rank_fallback(vllm_engine, heldout_sequences) -> None:
+    """The engine core's arrays (vllm_logprobs.py, what the engine uses), vLLM's FlatLogprobs
+    lists read in bulk, and the per-position rank fallback give the same rows."""
+    from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
+
+    assert vllm_engine._arrays, "the array hook should install on vLLM 0.32"
     for ids in heldout_sequences[:4]:
-        out = asyncio.run(vllm_engine._one_inproc(ids, params))
+        out = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5, arrays=False)))
         flat = out.prompt_logprobs
         assert len(flat) == len(ids) and len(flat.token_ids) == (len(ids) - 1) * 6
         fast = rows_from_flat(flat, 5, len(ids))
         slow = rows_from_dicts(list(flat), 5, len(ids))
         np.testing.assert_array_equal(fast[0], slow[0])
         np.testing.assert_array_equal(fast[1], slow[1])
+        arrays = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5)))
+        pl = arrays.prompt_logprobs
+        assert isinstance(pl, TensorPromptLogprobs) and len(pl) == len(ids)
+        got = scores_from_output(arrays, 5, len(ids))
+        np.testing.assert_array_equal(got.topk_ids, fast[0])
+        np.testing.assert_array_equal(got.topk_logprobs, fast[1])
 
 
 def test_smaller_k_is_a_prefix_and_concurrent_calls_agree(vllm_engine, heldout_sequences) -> None:

@@ -9,7 +9,9 @@ Modules (arrows are the only imports allowed inside the package; tests/test_pack
   (-> protocol, identity).
 * :mod:`.base` — the check/score/convert/time path every backend shares (-> protocol).
 * :mod:`.vllm`, :mod:`.hf` — the backends (-> protocol, config, base); vLLM/torch are imported
-  when an engine is built, never at import time.
+  when an engine is built, never at import time. :mod:`.vllm_logprobs` has vLLM hand this
+  engine's prompt logprobs over as arrays (no Python lists); :mod:`.reaper` ends the engine's
+  processes with the server.
 * :mod:`.factory` — :func:`build_engine` (-> config, backends, lazily).
 """
 

@@ -13,7 +13,9 @@ the top-k by descending logprob (ranks ``1..k``), duplicates included. So the fl
 ``[L - 1, k + 1]`` and column 0 is dropped: row ``j`` (= position ``j + 1``) is the top-k of the
 distribution of ``x_{j+1}``. That conversion is a handful of numpy calls per prompt (no
 per-position Python loop); other layouts (the dict form) go through a per-position fallback that
-keeps the ``k`` best entries by rank.
+keeps the ``k`` best entries by rank. Normally neither runs: :mod:`.vllm_logprobs` has vLLM keep
+this engine's prompt logprobs as the engine core's ``[L - 1, k + 1]`` arrays (same layout), so no
+Python list is built at all.
 
 Temperature: vLLM never applies sampling processors (temperature included) to prompt positions,
 in any ``logprobs_mode``. A temperature ``T != 1`` is therefore applied by scaling the logits in
@@ -53,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from . import reaper
+from . import reaper, vllm_logprobs
 from .base import BaseEngine
 from .config import EngineConfig, VllmOptions, engine_info, model_max_len
 from .protocol import (
@@ -65,6 +67,7 @@ from .protocol import (
     TeacherScores,
     make_scores,
 )
+from .vllm_logprobs import TensorPromptLogprobs
 
 #: Architectures whose vLLM 0.32 model multiplies ``config.logit_scale`` into the logits
 #: (checked in ``vllm/model_executor/models/llama.py``; Mistral-style checkpoints map to it).
@@ -134,6 +137,14 @@ def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
     pl = output.prompt_logprobs
     if pl is None:
         raise EngineError("vLLM returned no prompt_logprobs (was prompt_logprobs set?)")
+    if isinstance(pl, TensorPromptLogprobs):  # the array form (vllm_logprobs.py)
+        ids, lps = pl.rows(k)
+        if ids.shape != (length - 1, k):
+            raise EngineError(
+                f"vLLM returned prompt logprobs of shape {ids.shape} for a {length}-token "
+                f"prompt at k={k}"
+            )
+        return make_scores(ids, lps)
     if hasattr(pl, "start_indices"):
         ids, lps = rows_from_flat(pl, k, length)
     else:
@@ -397,6 +408,8 @@ class VllmEngine(BaseEngine):
         return args
 
     def _start(self, args: dict[str, Any]) -> None:
+        # prompt logprobs as arrays from the engine core's tensors, when this vLLM allows it
+        self._arrays = vllm_logprobs.install()
         if self.mode == "inproc":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             from vllm import EngineArgs
@@ -419,7 +432,9 @@ class VllmEngine(BaseEngine):
 
     # --- BaseEngine -------------------------------------------------------------------------
 
-    def _params(self, k: int) -> Any:
+    def _params(self, k: int, *, arrays: bool | None = None) -> Any:
+        """``SamplingParams`` of a scoring request; ``arrays`` (default: when the hook is
+        installed) asks for the array form of :mod:`.vllm_logprobs`."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -430,6 +445,9 @@ class VllmEngine(BaseEngine):
             detokenize=False,
             flat_logprobs=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args={vllm_logprobs.FLAG: True}
+            if (self._arrays if arrays is None else arrays)
+            else None,
         )
 
     async def _one_async(self, ids: list[int], params: Any) -> Any:

@@ -1,0 +1,93 @@
+"""Prompt logprobs as arrays, straight from the engine core's tensors (no Python lists).
+
+vLLM 0.32's output processor (``vllm/v1/engine/logprobs.py::LogprobsProcessor``, in the
+process that owns the ``LLMEngine``/``AsyncLLM``) receives each prefill chunk's prompt logprobs
+as tensors ``token_ids [n, k+1]``, ``logprobs [n, k+1]`` (column 0: the actual next token, then
+the top-k by rank) and turns them into a ``FlatLogprobs`` of Python lists, one object per value;
+the service then reads those lists back into arrays. Both steps cost tens of CPU-us per position
+at k=100 (benchmarks/results/server.md). :func:`install` wraps two methods of that class, once
+per process, so that a request whose ``SamplingParams.extra_args`` carry :data:`FLAG` keeps the
+chunks as numpy arrays in a :class:`TensorPromptLogprobs` instead; every other request (any
+other vLLM user in the process) takes vLLM's own path unchanged.
+
+If the vLLM in use lacks the hooks (another version), :func:`install` returns False and the
+engine keeps asking for the list form.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+#: ``SamplingParams.extra_args`` key that selects the array form for a request.
+FLAG = "logitcache_prompt_logprob_arrays"
+
+_lock = threading.Lock()
+_installed: bool | None = None
+
+
+class TensorPromptLogprobs:
+    """The prompt logprobs of one request, chunk by chunk: ``token_ids`` int64 and ``logprobs``
+    float32 arrays ``[n_chunk, k+1]`` (row ``j`` of the concatenation is prompt position
+    ``j + 1``; column 0 the actual token, columns ``1..k`` the top-k by descending logprob)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[np.ndarray] = []
+        self.logprobs: list[np.ndarray] = []
+
+    def add(self, token_ids: Any, logprobs: Any) -> None:
+        # copies: the tensors may be views of buffers the engine reuses
+        self.token_ids.append(np.array(token_ids.numpy(), dtype=np.int64, copy=True))
+        self.logprobs.append(np.array(logprobs.numpy(), dtype=np.float32, copy=True))
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(c) for c in self.token_ids)
+
+    def __len__(self) -> int:  # prompt positions, like vLLM's containers (position 0 included)
+        return self.num_rows + 1
+
+    def rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(topk_ids [L-1, k], topk_logprobs [L-1, k])`` (column 0 dropped)."""
+        if not self.token_ids:
+            return np.empty((0, k), np.int64), np.empty((0, k), np.float32)
+        ids = np.concatenate(self.token_ids) if len(self.token_ids) > 1 else self.token_ids[0]
+        lps = np.concatenate(self.logprobs) if len(self.logprobs) > 1 else self.logprobs[0]
+        return ids[:, 1 : k + 1], lps[:, 1 : k + 1]
+
+
+def install() -> bool:
+    """Wrap vLLM's ``LogprobsProcessor`` (idempotent); True when the array form is available."""
+    global _installed
+    with _lock:
+        if _installed is not None:
+            return _installed
+        try:
+            from vllm.v1.engine.logprobs import LogprobsProcessor
+
+            original_new = LogprobsProcessor.from_new_request.__func__  # type: ignore[attr-defined]
+            original_update = LogprobsProcessor._update_prompt_logprobs
+        except (ImportError, AttributeError):
+            _installed = False
+            return False
+
+        def from_new_request(cls: Any, tokenizer: Any, request: Any) -> Any:
+            proc = original_new(cls, tokenizer, request)
+            extra = getattr(request.sampling_params, "extra_args", None) or {}
+            if extra.get(FLAG) and proc.prompt_logprobs is not None:
+                proc.prompt_logprobs = TensorPromptLogprobs()
+            return proc
+
+        def update_prompt_logprobs(self: Any, tensors: Any) -> None:
+            if isinstance(self.prompt_logprobs, TensorPromptLogprobs):
+                token_ids, logprobs, *_ = tensors
+                self.prompt_logprobs.add(token_ids, logprobs)
+                return
+            original_update(self, tensors)
+
+        LogprobsProcessor.from_new_request = classmethod(from_new_request)  # type: ignore[method-assign,assignment]
+        LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs  # type: ignore[method-assign]
+        _installed = True
+        return True
