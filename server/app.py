@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from . import routes_caches, routes_jobs, routes_ops, routes_score, routes_store, ui
+from . import routes_caches, routes_jobs, routes_openai, routes_ops, routes_score, routes_store, ui
 from .caches import CacheRegistry, is_url
 from .deps import Services
 from .errors import install_error_handlers
@@ -147,6 +147,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
     app.state.metrics = metrics
     for module in (routes_ops, routes_score, routes_jobs, routes_caches, routes_store):
         app.include_router(module.router)
+    app.include_router(routes_openai.router)  # vLLM-compatible /v1/completions, /v1/models
     ui.install(app, settings)  # status page at /, login form, /docs, Bearer scheme
     install_error_handlers(app)
     # Outermost last: metrics see everything; the key is checked before the body is read.

@@ -105,3 +105,88 @@ def test_smaller_k_is_folded_from_the_cache_larger_k_conflicts(client, seqs) -> 
     big = client.post("/v1/score", json={"input_ids": seqs[:1], "cache": "s2", "k": K + 1})
     assert big.status_code == 409 and "k" in big.json()["error"]["detail"]
     assert math.isfinite(metric(client, "logitcache_cache_misses_total"))
+
+
+def test_openai_client_completions_served_from_the_cache(server, client, seqs, tiny) -> None:
+    from openai import OpenAI
+
+    oa = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    model = oa.models.list().data[0].id
+    assert model == tiny.teacher_dir.name
+
+    def ask():
+        return oa.completions.create(
+            model=model,
+            prompt=seqs[:2],
+            max_tokens=0,
+            echo=True,
+            extra_body={"prompt_logprobs": 5, "cache": "oa"},
+        ).model_dump()
+
+    t0 = engine_tokens(client)
+    first = ask()
+    assert engine_tokens(client) == t0 + sum(len(s) for s in seqs[:2])
+    t1, h1 = engine_tokens(client), metric(client, "logitcache_cache_hits_total")
+    second = ask()
+    assert engine_tokens(client) == t1, "a repeated request must not reach the engine"
+    assert metric(client, "logitcache_cache_hits_total") == h1 + 2
+    assert [c["cached"] for c in first["choices"]] == [False, False]
+    assert [c["cached"] for c in second["choices"]] == [True, True]
+    for a, b in zip(first["choices"], second["choices"], strict=True):
+        assert a["prompt_logprobs"] == b["prompt_logprobs"]  # identical numbers
+    assert first["usage"]["prompt_tokens"] == sum(len(s) for s in seqs[:2])
+    assert first["usage"]["completion_tokens"] == 0
+
+    # the same numbers as /v1/score on that cache (top 5 of its k, in order, ranks 1..5)
+    ref = client.post("/v1/score", json={"input_ids": seqs[:2], "cache": "oa", "k": 5}).json()
+    assert ref["hits"] == 2
+    for choice, seq, want in zip(first["choices"], seqs[:2], ref["sequences"], strict=True):
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(seq) and plp[0] is None
+        assert choice["text"] and isinstance(choice["text"], str)  # echo: the decoded prompt
+        for pos, ids, lps in zip(plp[1:], want["topk_ids"], want["topk_logprobs"], strict=True):
+            assert list(pos) == [str(t) for t in ids]
+            assert [v["logprob"] for v in pos.values()] == lps
+            assert [v["rank"] for v in pos.values()] == [1, 2, 3, 4, 5]
+            assert all(isinstance(v["decoded_token"], str) for v in pos.values())
+
+
+def test_raw_vllm_request_shape_and_errors(server, client, tiny) -> None:
+    # the shape of vLLM's docs: a text prompt, max_tokens 1, prompt_logprobs; default cache
+    body = {"model": tiny.teacher_dir.name, "prompt": "The quick brown fox", "max_tokens": 1}
+    r = client.post("/v1/completions", json={**body, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    ans = r.json()
+    assert ans["object"] == "text_completion" and len(ans["choices"]) == 1
+    c = ans["choices"][0]
+    assert c["index"] == 0 and c["text"] == "" and c["finish_reason"] == "length"
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"][1]) == 3
+    t0 = engine_tokens(client)
+    r2 = client.post("/v1/completions", json={**body, "prompt_logprobs": 3})
+    assert r2.json()["choices"][0]["prompt_logprobs"] == c["prompt_logprobs"]
+    assert r2.json()["choices"][0]["cached"] is True and engine_tokens(client) == t0
+    # a larger k than the default cache's: scored by the engine, not stored
+    big = client.post("/v1/completions", json={**body, "prompt_logprobs": K + 2})
+    assert big.status_code == 200 and big.json()["choices"][0]["cached"] is False
+    assert len(big.json()["choices"][0]["prompt_logprobs"][1]) == K + 2
+    assert engine_tokens(client) > t0
+    # unauthenticated, and what the route does not do: typed errors
+    with httpx_client(server.url) as anon:
+        assert anon.post("/v1/completions", json=body).status_code == 401
+        assert anon.get("/v1/models").status_code == 401
+    for extra, code in [
+        ({"prompt_logprobs": 0}, 422),
+        ({"prompt_logprobs": 3, "max_tokens": 16}, 422),
+        ({"prompt_logprobs": 3, "logprobs": 2}, 422),
+        ({"prompt_logprobs": 3, "model": "another-model"}, 404),
+        ({"prompt_logprobs": 3, "cache": "../x"}, 422),
+    ]:
+        bad = client.post("/v1/completions", json={**body, **extra})
+        assert bad.status_code == code, (extra, bad.text)
+        assert bad.json()["error"]["message"]
+
+
+def httpx_client(url: str):
+    import httpx
+
+    return httpx.Client(base_url=url, timeout=30.0)

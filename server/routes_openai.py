@@ -1,0 +1,251 @@
+"""vLLM-compatible routes: ``POST /v1/completions`` (prompt logprobs) and ``GET /v1/models``.
+
+For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD): the request
+shape of vLLM's ``CompletionRequest`` (``prompt``: a string, a list of token ids, or a list of
+either; ``prompt_logprobs``: int; ``max_tokens`` 0 or 1; ``echo``), answered in vLLM's
+``CompletionResponse`` shape for the fields those clients read. Every prompt is served through
+the cache (``server/cache_hits.py``): hits are read with no engine work, misses are scored,
+stored and returned.
+
+Answer, per prompt ``x_0..x_{L-1}``: ``choices[i].prompt_logprobs`` is a list of ``L`` entries,
+``None`` first (no prediction for ``x_0``), then for position ``t >= 1`` a dict
+``{str(token_id): {"logprob", "rank", "decoded_token"}}`` of the teacher's top-``k`` ids for
+``x_t`` given ``x_<t`` (``k = prompt_logprobs``; rank ``1..k`` by descending logprob; ``-inf`` as
+``-9999.0`` as vLLM does). Differences from vLLM, by design of a top-k cache: vLLM also adds the
+actual prompt token ``x_t`` with its rank when it is outside the top-k, and this route cannot
+(the cache holds the top-k and the tail mass only); no token is generated (``max_tokens: 1`` is
+accepted and answered with no completion tokens, ``finish_reason: "length"``); ``logprobs``,
+``stream``, ``n > 1`` and ``prompt_logprobs`` outside ``[1, max_k]`` are a 422.
+
+The cache is ``cache`` (an extra body field, e.g. the ``openai`` client's ``extra_body``), else
+:data:`DEFAULT_CACHE`; a new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below
+the cache's k is served from it (tail folded, ``cache_hits.fold_k``); above it, the prompts are
+scored by the engine and not stored. ``choices[i]`` carries the extra field ``cached`` (bool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence as Seq
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from logitcache.cache_format import SequenceRecord
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import cache_hits
+from .caches import check_name
+from .deps import Services, ServicesDep
+from .errors import InvalidInputError, NotFoundError, PayloadTooLargeError
+from .inputs import RawRecord, Sequence, to_sequence
+from .routes_ops import public_model
+from .routes_score import run_for_client
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+#: The cache ``/v1/completions`` serves from when the request names none.
+DEFAULT_CACHE = "openai-completions"
+
+#: vLLM's stand-in for a ``-inf`` prompt logprob (``clamp_prompt_logprobs``).
+NEG_INF_LOGPROB = -9999.0
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionRequest(BaseModel):
+    """The fields of vLLM's ``CompletionRequest`` this route reads; others are accepted and
+    ignored (sampling parameters do not change prompt logprobs)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | TokenIds | list[str] | list[TokenIds]
+    prompt_logprobs: int | None = None
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    n: int = 1
+    stream: bool | None = False
+    return_token_ids: bool | None = False
+    cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
+
+
+def _check(req: CompletionRequest, max_k: int) -> int:
+    """The requested k, or :class:`InvalidInputError` for what this route does not do."""
+    k = req.prompt_logprobs
+    if k is None or k < 1 or k > max_k:
+        raise InvalidInputError(
+            f"prompt_logprobs must be an integer in [1, {max_k}] (this teacher serves top-k prompt "
+            f"logprobs), got {k}"
+        )
+    if req.max_tokens not in (0, 1, None):
+        raise InvalidInputError(
+            "max_tokens must be 0 or 1: this teacher scores, it does not generate"
+        )
+    if req.logprobs is not None:
+        raise InvalidInputError(
+            "logprobs (generated-token logprobs) is not served: use prompt_logprobs"
+        )
+    if req.stream:
+        raise InvalidInputError("stream is not supported with prompt_logprobs")
+    if req.n != 1:
+        raise InvalidInputError("n must be 1")
+    return k
+
+
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise InvalidInputError("prompt holds no sequence")
+    if isinstance(p[0], int):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]
+
+
+def _sequences(services: Services, prompts: list[str | list[int]]) -> list[Sequence]:
+    scoring = services.scoring
+    if len(prompts) > services.settings.max_score_sequences:
+        raise PayloadTooLargeError(
+            f"{len(prompts)} prompts exceed the limit of {services.settings.max_score_sequences}"
+        )
+    raws = [
+        RawRecord(where=f"prompt[{i}]", id=None, text=p, input_ids=None)
+        if isinstance(p, str)
+        else RawRecord(where=f"prompt[{i}]", id=None, text=None, input_ids=p)
+        for i, p in enumerate(prompts)
+    ]
+    return [to_sequence(r, services.engine.tokenize, scoring.limits) for r in raws]
+
+
+class _Decoder:
+    """Token id -> text of that token alone (memoised): vLLM's ``decoded_token``."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.memo: dict[int, str | None] = {}
+
+    def __call__(self, tid: int) -> str | None:
+        if tid not in self.memo:
+            tok = self.tokenizer
+            self.memo[tid] = None if tok is None else (tok.decode([tid]) or "")
+        return self.memo[tid]
+
+
+def prompt_logprobs(rec: SequenceRecord, decode: _Decoder) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs`` of one record: ``None``, then one top-k dict per row."""
+    out: list[dict[str, dict] | None] = [None]
+    for ids, lps in zip(rec.topk_ids.tolist(), rec.topk_logprobs.tolist(), strict=True):
+        out.append(
+            {
+                str(t): {
+                    "logprob": lp if lp > NEG_INF_LOGPROB else NEG_INF_LOGPROB,
+                    "rank": r + 1,
+                    "decoded_token": decode(t),
+                }
+                for r, (t, lp) in enumerate(zip(ids, lps, strict=True))
+            }
+        )
+    return out
+
+
+def _body(
+    services: Services,
+    req: CompletionRequest,
+    prompts: Seq[str | list[int]],
+    served: cache_hits.Served,
+) -> dict[str, Any]:
+    tokenizer = getattr(services.engine, "tokenizer", None)
+    decode = _Decoder(tokenizer)
+    choices = []
+    for i, (p, rec) in enumerate(zip(prompts, served.records, strict=True)):
+        text = ""
+        if req.echo:
+            text = p if isinstance(p, str) else (tokenizer.decode(p) if tokenizer else "")
+        choices.append(
+            {
+                "index": i,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": prompt_logprobs(rec, decode),
+                "prompt_token_ids": rec.input_ids.tolist() if req.return_token_ids else None,
+                "cached": served.hits[i],
+            }
+        )
+    tokens = sum(int(r.input_ids.shape[0]) for r in served.records)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": public_model(services.engine.info.model_id),
+        "choices": choices,
+        "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
+    }
+
+
+async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]:
+    """Check, serve through the cache (or score above its k), and build the vLLM answer."""
+    scoring = services.scoring
+    info = services.engine.info
+    if req.model is not None and req.model not in (public_model(info.model_id), info.model_id):
+        raise NotFoundError(f"The model `{req.model}` does not exist.")
+    k = _check(req, info.max_k)
+    cache = check_name(req.cache or DEFAULT_CACHE)
+    prompts = _prompts(req)
+    seqs = await asyncio.to_thread(_sequences, services, prompts)
+    rows = sum(s.length - 1 for s in seqs)
+    size = rows * k * 80 + 200 * len(seqs)
+    if size > services.settings.max_response_bytes:
+        raise PayloadTooLargeError(
+            f"the answer would take about {size} bytes, over the limit of "
+            f"{services.settings.max_response_bytes}: send fewer or shorter prompts or a smaller "
+            "prompt_logprobs"
+        )
+    manifest = await asyncio.to_thread(scoring.target_manifest, cache, None)
+    if k <= manifest.k:
+        served = await cache_hits.serve(scoring, cache, seqs, k, manifest)
+    else:  # the cache cannot hold this k: scored, not stored
+        recs = await cache_hits.score_misses(scoring, seqs, k)
+        services.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
+        served = cache_hits.Served(records=recs, k=k, hits=[False] * len(seqs), stored=0)
+    return await asyncio.to_thread(_body, services, req, prompts, served)
+
+
+@router.post("/completions", summary="vLLM-compatible prompt logprobs (served from the cache)")
+async def completions(
+    body: CompletionRequest, request: Request, services: ServicesDep
+) -> JSONResponse:
+    """vLLM's ``/v1/completions`` for ``prompt_logprobs`` with ``max_tokens`` 0 or 1 (see module
+    doc: the answer's shape, and what differs from vLLM)."""
+    answer = await run_for_client(
+        request, complete(services, body), services.settings.request_timeout_s
+    )
+    return JSONResponse(answer)
+
+
+@router.get("/models", summary="vLLM/OpenAI model list (the teacher)")
+async def models(services: ServicesDep) -> dict[str, Any]:
+    """``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", "root",
+    "max_model_len"}]}`` with the teacher's public name as ``id``."""
+    info = services.engine.info
+    name = public_model(info.model_id)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "logitcache",
+                "root": name,
+                "parent": None,
+                "max_model_len": services.scoring.limits.max_len,
+            }
+        ],
+    }
