@@ -97,6 +97,19 @@ class Metrics:
         self.cache_tokens_saved.inc(tokens_saved)
         self.cache_bytes_served.inc(bytes_served)
 
+    def cache_line(self) -> str:
+        """The cache counters in one line (status page): hit rate over cache-backed sequences."""
+
+        def get(name: str) -> int:
+            return int(self.registry.get_sample_value(f"logitcache_cache_{name}_total") or 0)
+
+        hits, misses = get("hits"), get("misses")
+        rate = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
+        return (
+            f"{hits} hits / {misses} misses ({rate}); {get('tokens_saved')} tokens saved, "
+            f"{get('bytes_served')} bytes served"
+        )
+
     def watch_job_states(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Report ``logitcache_jobs{state}`` from ``counts()`` (state -> jobs) at every scrape."""
         self.registry.register(_JobStateCollector(counts))

@@ -107,6 +107,17 @@ def test_smaller_k_is_folded_from_the_cache_larger_k_conflicts(client, seqs) -> 
     assert math.isfinite(metric(client, "logitcache_cache_misses_total"))
 
 
+def test_status_page_shows_cache_counters(client) -> None:
+    client.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]], "cache": "s3"})
+    client.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]], "cache": "s3"})
+    hits = int(metric(client, "logitcache_cache_hits_total"))
+    misses = int(metric(client, "logitcache_cache_misses_total"))
+    assert hits >= 1 and misses >= 1
+    page = client.get("/")
+    assert page.status_code == 200
+    assert f"{hits} hits / {misses} misses" in page.text
+
+
 def test_openai_client_completions_served_from_the_cache(server, client, seqs, tiny) -> None:
     from openai import OpenAI
 

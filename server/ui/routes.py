@@ -96,6 +96,7 @@ def _engine_state(request: Request) -> dict[str, Any]:
         "max sequence length": services.scoring.limits.max_len,
         "temperature": info.temperature,
         "on-demand requests in flight": getattr(services.scoring, "active", 0),
+        "served from caches": services.metrics.cache_line(),
         "running job": running or "none",
         "store root": services.caches.root,
         "data dir": str(Path(settings.data_dir).expanduser().absolute()),
