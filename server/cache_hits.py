@@ -132,7 +132,7 @@ def _cache_manifest(service: ScoringService, cache: str, k: int | None) -> tuple
     A ``k`` below an existing cache's k is served from it (folded); any other k must equal the
     cache's (:meth:`ScoringService.target_manifest`: 409 otherwise).
     """
-    stored = service.caches.manifest(check_name(cache))
+    stored = service.stored_manifest(cache)
     if stored is not None and k is not None and k < stored.k:
         manifest = service.target_manifest(cache, None)
         return manifest, service.resolve_k(k)

@@ -110,6 +110,14 @@ class DeadlineExceededError(UnavailableError, code="deadline_exceeded"):
         self.retry_after = retry_after
 
 
+class CacheBrokenError(ConflictError, code="cache_broken"):
+    """A cache whose store cannot be opened (corrupt metadata, missing arrays, ...)."""
+
+
+class CacheIncompleteError(ConflictError, code="cache_incomplete"):
+    """A cache folder without a root ``zarr.json``: its creation was interrupted."""
+
+
 class ClientClosedError(ServiceError, status=499, code="client_closed"):
     """The client disconnected before the answer (nginx's 499; nobody reads this body)."""
 

@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .caches import NAME_PATTERN, CacheRegistry, RangeReader, is_url
 from .deps import ServicesDep
 from .errors import (
-    ConflictError,
+    CacheBrokenError,
+    CacheIncompleteError,
     InvalidInputError,
     NotFoundError,
     PayloadTooLargeError,
@@ -87,14 +88,6 @@ _LIST_LINKS = {
     "PostSequences": _link("cache_sequence_ranges"),
     "GetRows": _link("cache_rows"),
 }
-
-
-class CacheBrokenError(ConflictError, code="cache_broken"):
-    """A cache whose store cannot be opened (corrupt metadata, missing arrays, ...)."""
-
-
-class CacheIncompleteError(ConflictError, code="cache_incomplete"):
-    """A cache folder without a root ``zarr.json``: its creation was interrupted."""
 
 
 def _incomplete(caches: CacheRegistry, name: str) -> bool:

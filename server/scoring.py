@@ -9,16 +9,28 @@ neither costs engine time nor writes anything.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from logitcache.cache_format import Manifest, SequenceRecord
+from logitcache.cache_format.errors import FormatError
 
 from .admission import TokenGate
 from .caches import CacheRegistry, check_name, expected_manifest
-from .errors import InvalidInputError, OverloadedError, PayloadTooLargeError
+from .errors import (
+    CacheBrokenError,
+    InvalidInputError,
+    OverloadedError,
+    PayloadTooLargeError,
+    ServiceError,
+    format_error_status,
+    public_message,
+)
 from .inputs import Limits, RawRecord, Sequence, to_sequence
 
 if TYPE_CHECKING:
@@ -26,6 +38,9 @@ if TYPE_CHECKING:
     from .metrics import Metrics
     from .protocol import ScoreRequest
     from .settings import ServerSettings
+
+
+log = logging.getLogger("logitcache.server.scoring")
 
 
 @dataclass(frozen=True)
@@ -95,11 +110,19 @@ class ScoringService:
         """The manifest to write ``cache`` with: an existing cache's own (its k when ``k`` is
         None), else a new one at ``k``. ConflictError if the cache holds another teacher or k.
         """
-        manifest = self.caches.target_manifest(
-            check_name(cache), self.expected_manifest(k, dataset), k=k
-        )
+        name = check_name(cache)
+        expected = self.expected_manifest(k, dataset)
+        with _broken_store(name):
+            manifest = self.caches.target_manifest(name, expected, k=k)
         self.resolve_k(manifest.k)
         return manifest
+
+    def stored_manifest(self, cache: str) -> Manifest | None:
+        """Cache ``cache``'s committed manifest (None if absent); 409 ``cache_broken`` if its
+        store exists but cannot be read."""
+        name = check_name(cache)
+        with _broken_store(name):
+            return self.caches.manifest(name)
 
     def sequences_of(self, req: ScoreRequest) -> list[Sequence]:
         """The request's checked, keyed sequences (tokenising texts)."""
@@ -205,6 +228,28 @@ class ScoringService:
     def _store(self, cache: str, manifest: Manifest, records: list[SequenceRecord]) -> int:
         with self.caches.writer(cache, manifest) as w:
             return w.append(records)
+
+
+@contextmanager
+def _broken_store(name: str) -> Iterator[None]:
+    """Turn an unreadable store (any error but a typed 4xx finding) into 409 ``cache_broken``
+    (message without paths) instead of a 500."""
+    try:
+        yield
+    except ServiceError:
+        raise
+    except FormatError as e:
+        if format_error_status(e)[0] < 500:  # a typed finding (409/422/404): as mapped
+            raise
+        log.warning("cache %r cannot be opened: %r", name, e)
+        raise CacheBrokenError(
+            f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - an unreadable store is a conflict, not a 500
+        log.warning("cache %r cannot be opened: %r", name, e)
+        raise CacheBrokenError(
+            f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
+        ) from None
 
 
 def to_records(seqs: Seq[Sequence], scores: Seq[object]) -> list[SequenceRecord]:

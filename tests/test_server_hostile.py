@@ -196,6 +196,10 @@ def test_broken_and_incomplete_caches_are_listed_not_fatal(srv, client) -> None:
     assert by_name["incomplete"]["status"] == "incomplete"
     assert str(root) not in r.text
     _assert_error(client.get("/v1/caches/broken"), 409, "cache_broken")
+    r = client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "cache": "broken"})
+    _assert_error(r, 409, "cache_broken")
+    r = client.post("/v1/jobs", json={"cache": "broken", "records": [{"input_ids": [1, 2]}]})
+    _assert_error(r, 409, "cache_broken")
     _assert_error(client.get("/v1/caches/incomplete"), 409, "cache_incomplete")
     _assert_error(client.get("/v1/caches/absent"), 404, "not_found")
     # repaired by writing it again (what re-submitting the interrupted job does)
