@@ -90,13 +90,24 @@ def _module_name(path: Path) -> str:
 
 def _import_edges(folder: str) -> dict[str, set[str]]:
     """Module -> modules of ours it imports anywhere (deferred imports in functions too, so a
-    cycle cannot hide behind a lazy import; relative imports resolved)."""
+    cycle cannot hide behind a lazy import; relative imports resolved; ``if TYPE_CHECKING:``
+    blocks skipped: they import nothing at run time)."""
     edges: dict[str, set[str]] = {}
     for path in (ROOT / folder).rglob("*.py"):
         mod = _module_name(path)
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for stmt in block.body
+            for n in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # annotations only: no import at run time
+                continue
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
