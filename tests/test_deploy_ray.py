@@ -255,11 +255,13 @@ def test_bad_input_is_refused_before_anything_is_written(replicas, dataset, sett
     assert s3_keys(endpoint, bucket) == set(), "nothing may be written for a bad input"
 
 
-def test_cli_refuses_a_missing_input_before_starting_ray(tmp_path):
-    """Exit status 2 and a typed JSON error; settings flags are parsed like the server's."""
+def test_cli_refuses_a_missing_input_before_starting_ray(tmp_path, tiny):
+    """Exit status 2 and a typed JSON error; settings flags are parsed like the server's. (The
+    model must exist: a missing --model is refused first, as ``invalid_model``.)"""
     proc = _cli(
         "--input", str(tmp_path / "missing.jsonl"), "--cache", str(tmp_path / "c"),
-        "--model", "/nowhere", "-k", "4", "--storage-options", '{"anon": true}', timeout=120,
+        "--model", str(tiny.teacher_dir), "-k", "4", "--storage-options", '{"anon": true}',
+        timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     error = json.loads(proc.stderr.strip().splitlines()[-1])
