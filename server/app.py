@@ -97,6 +97,57 @@ async def _maintenance(store: JobStore, caches: CacheRegistry, settings: ServerS
             log.exception("maintenance failed")
 
 
+#: Paths whose operations answer without services or the key (no 401/503 to declare).
+_NO_SERVICE_PATHS = frozenset({"/openapi.json", "/docs", "/login", "/logout", "/"})
+
+
+def declare_common_errors(app: FastAPI, *, keyed: bool) -> None:
+    """Declare in ``/openapi.json`` the error answers every operation can give because of the
+    middleware and the app's state, whatever its router wrote: ``401`` (with an API key, all
+    but ``/health``), ``503`` (starting, stopping, engine down), and for operations with a body
+    ``400`` (unparsable), ``408`` (body too slow), ``413`` (body too large), ``422`` (invalid).
+    Each points at the one :class:`~.protocol.ErrorResponse` shape."""
+    from .middleware import PUBLIC_PATHS
+
+    build = app.openapi
+    ref = {
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    }
+    common = {
+        "401": "missing or wrong API key",
+        "503": "starting, stopping, or the engine is unavailable",
+    }
+    with_body = {
+        "400": "body is not parsable",
+        "408": "request body sent too slowly",
+        "413": "request body over the size limit",
+        "422": "invalid request",
+    }
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for path, ops in schema.get("paths", {}).items():
+            if path in _NO_SERVICE_PATHS:
+                continue
+            for op in ops.values():
+                if not isinstance(op, dict) or "responses" not in op:
+                    continue
+                responses = op["responses"]
+                for status, what in common.items():
+                    if status == "401" and (not keyed or path in PUBLIC_PATHS):
+                        continue
+                    responses.setdefault(status, {"description": what, **ref})
+                if "requestBody" in op:
+                    for status, what in with_body.items():
+                        responses.setdefault(status, {"description": what, **ref})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) -> FastAPI:
     """A new app serving ``settings``; with ``engine`` given, that engine is used (not closed)."""
     metrics = Metrics()
@@ -150,6 +201,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
     app.include_router(routes_openai.router)  # vLLM-compatible /v1/completions, /v1/models
     ui.install(app, settings)  # status page at /, login form, /docs, Bearer scheme
     install_error_handlers(app)
+    declare_common_errors(app, keyed=settings.api_key is not None)
     # Outermost last: metrics see everything; the key is checked before the body is read.
     app.add_middleware(
         BodyLimitMiddleware,
