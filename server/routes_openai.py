@@ -42,7 +42,7 @@ from .deps import Services, ServicesDep
 from .errors import InvalidInputError, NotFoundError, PayloadTooLargeError
 from .inputs import RawRecord, Sequence, to_sequence
 from .routes_ops import public_model
-from .routes_score import run_for_client
+from .routes_score import _ERRORS, run_for_client
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -217,7 +217,17 @@ async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]
     return await asyncio.to_thread(_body, services, req, prompts, served)
 
 
-@router.post("/completions", summary="vLLM-compatible prompt logprobs (served from the cache)")
+_COMPLETION_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    404: {**_ERRORS[401], "description": "unknown model"},
+}
+
+
+@router.post(
+    "/completions",
+    responses=_COMPLETION_ERRORS,
+    summary="vLLM-compatible prompt logprobs (served from the cache)",
+)
 async def completions(
     body: CompletionRequest, request: Request, services: ServicesDep
 ) -> JSONResponse:
@@ -229,7 +239,11 @@ async def completions(
     return JSONResponse(answer)
 
 
-@router.get("/models", summary="vLLM/OpenAI model list (the teacher)")
+@router.get(
+    "/models",
+    responses={401: _ERRORS[401]},
+    summary="vLLM/OpenAI model list (the teacher)",
+)
 async def models(services: ServicesDep) -> dict[str, Any]:
     """``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", "root",
     "max_model_len"}]}`` with the teacher's public name as ``id``."""
