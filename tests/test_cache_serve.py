@@ -81,6 +81,14 @@ def test_score_hits_misses_and_identical_answers(client, seqs) -> None:
     assert [s["cached"] for s in bm["sequences"]] == [False, True] and bm["stored"] == 1
     assert engine_tokens(client) == t0 + len(seqs[3])
 
+    # an explicit key stored with other tokens is not a hit: scored, answered, not overwritten
+    client.post("/v1/score", json={"input_ids": [seqs[4]], "cache": "s1", "keys": ["kx"]})
+    other = client.post("/v1/score", json={"input_ids": [seqs[1]], "cache": "s1", "keys": ["kx"]})
+    bo = other.json()
+    assert bo["hits"] == 0 and bo["stored"] == 0
+    assert bo["sequences"][0]["input_ids"] == seqs[1]
+    assert bo["sequences"][0]["topk_ids"] == body["sequences"][1]["topk_ids"]
+
 
 def test_smaller_k_is_folded_from_the_cache_larger_k_conflicts(client, seqs) -> None:
     full = client.post("/v1/score", json={"input_ids": seqs[:2], "cache": "s2"}).json()
