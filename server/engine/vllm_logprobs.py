@@ -88,6 +88,6 @@ def install() -> bool:
             original_update(self, tensors)
 
         LogprobsProcessor.from_new_request = classmethod(from_new_request)  # type: ignore[method-assign,assignment]
-        LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs  # type: ignore[method-assign]
+        LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs  # type: ignore[method-assign,assignment]
         _installed = True
         return True
