@@ -20,8 +20,13 @@ def _port() -> int:
 
 
 def _spawn(fn, world: int) -> None:
-    # fork: the children inherit the imported torch (spawn would re-import it: ~10 s per rank)
-    mp.start_processes(fn, args=(world, _port()), nprocs=world, start_method="fork", join=True)
+    # fork: the children inherit the imported torch (spawn would re-import it: ~10 s per rank).
+    # A process group left initialised in this pytest process by an earlier test would be
+    # inherited too ("default process group twice"): then pay for spawn.
+    import torch.distributed as dist
+
+    method = "spawn" if dist.is_available() and dist.is_initialized() else "fork"
+    mp.start_processes(fn, args=(world, _port()), nprocs=world, start_method=method, join=True)
 
 
 @pytest.mark.timeout(120)
