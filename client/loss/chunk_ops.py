@@ -99,6 +99,26 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 
+def dense_row_grad(
+    spec: LossSpec, x: torch.Tensor, out: torch.Tensor, coefs: RowCoefs, *, triton: bool
+) -> torch.Tensor:
+    """Write the dense part of d(loss)/d(x), ``c1 exp(s x - lse) + c2 exp(x - lse1)``, into
+    ``out`` (may be ``x`` itself); the sparse target and label terms are the caller's."""
+    s = spec.inv_temperature
+    if triton:
+        from . import triton_kernels
+
+        triton_kernels.row_grad(x, out, s, coefs.lse, coefs.c1, coefs.lse1, coefs.c2)
+    else:
+        xf = x.to(coefs.lse.dtype)
+        zs = xf if s == 1.0 else xf * s
+        g = (zs - coefs.lse[:, None]).exp_().mul_(coefs.c1[:, None])
+        if coefs.c2 is not None:
+            g += (xf - coefs.lse1[:, None]).exp_().mul_(coefs.c2[:, None])
+        out.copy_(g)
+    return out
+
+
 def grad_pass(
     spec: LossSpec,
     x: torch.Tensor,
@@ -113,18 +133,7 @@ def grad_pass(
     ``coefs`` must already carry the row weights (see :meth:`RowCoefs.scaled`). ``x`` may hold
     ``-inf`` at the top-k columns (left by an in-place :func:`stats_pass`): those are overwritten.
     """
-    s = spec.inv_temperature
-    if triton:
-        from . import triton_kernels
-
-        triton_kernels.row_grad(x, out, s, coefs.lse, coefs.c1, coefs.lse1, coefs.c2)
-    else:
-        xf = x.to(coefs.lse.dtype)
-        zs = xf if s == 1.0 else xf * s
-        g = (zs - coefs.lse[:, None]).exp_().mul_(coefs.c1[:, None])
-        if coefs.c2 is not None:
-            g += (xf - coefs.lse1[:, None]).exp_().mul_(coefs.c2[:, None])
-        out.copy_(g)
+    dense_row_grad(spec, x, out, coefs, triton=triton)
     out.scatter_(1, tgt.ids, coefs.sparse.to(out.dtype))
     if coefs.label_add is not None:
         out.scatter_add_(1, tgt.labels[:, None], coefs.label_add[:, None].to(out.dtype))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .chunk_ops import ChunkTargets
+from .chunk_ops import ChunkTargets, dense_row_grad
 from .row_math import RowCoefs, row_coefs
 from .spec import LossInputError, LossSpec
 
@@ -269,18 +269,7 @@ def grad_pass_sharded(
 ) -> torch.Tensor:
     """Write d(loss)/d(x) of this rank's columns over ``x`` (which must hold ``-inf`` at the
     owned target columns, see :func:`blank_owned`) and return it."""
-    s = spec.inv_temperature
-    if triton:
-        from . import triton_kernels
-
-        triton_kernels.row_grad(x, x, s, coefs.lse, coefs.c1, coefs.lse1, coefs.c2)
-    else:
-        xf = x.to(coefs.lse.dtype)
-        zs = xf if s == 1.0 else xf * s
-        g = (zs - coefs.lse[:, None]).exp_().mul_(coefs.c1[:, None])
-        if coefs.c2 is not None:
-            g += (xf - coefs.lse1[:, None]).exp_().mul_(coefs.c2[:, None])
-        x.copy_(g)
+    dense_row_grad(spec, x, x, coefs, triton=triton)
     # owned target columns hold exactly 0 now (exp(-inf)); adding 0 elsewhere is exact
     zero = torch.zeros((), dtype=coefs.sparse.dtype, device=x.device)
     x.scatter_add_(1, loc.idx, torch.where(loc.own, coefs.sparse, zero).to(x.dtype))
