@@ -19,7 +19,6 @@ Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -112,18 +111,7 @@ async def score_misses(
     """Engine-score ``seqs`` at ``k`` under the on-demand admission budget (429 when full)."""
     if not seqs:
         return []
-    tokens = sum(s.length for s in seqs)
-    service.admit(tokens)
-    service.active += 1
-    t0 = time.perf_counter()
-    finished = False
-    try:
-        records = await service.score_sequences(seqs, k, source="score")
-        finished = True
-    finally:
-        service.active -= 1
-        service.gate.release(tokens, time.perf_counter() - t0 if finished else None)
-    return records
+    return await service.score_admitted(seqs, k)
 
 
 def _cache_manifest(service: ScoringService, cache: str, k: int | None) -> tuple[Manifest, int]:

@@ -205,10 +205,15 @@ class ScoringService:
 
             got = await score_with_cache(self, req, frames=frames)
             return ScoreResult(records=got.records, k=got.k, stored=got.stored, hits=got.hits)
-        manifest = None
         k = self.resolve_k(req.k)
         seqs = await asyncio.to_thread(self.sequences_of, req)
         self.check_response_size(seqs, k, frames=frames)
+        records = await self.score_admitted(seqs, k)
+        return ScoreResult(records=records, k=k, stored=0)
+
+    async def score_admitted(self, seqs: Seq[Sequence], k: int) -> list[SequenceRecord]:
+        """Engine-score ``seqs`` at ``k`` under the on-demand admission budget (429 when full);
+        the budget's token rate learns only from requests that finished."""
         tokens = sum(s.length for s in seqs)
         self.admit(tokens)
         self.active += 1
@@ -220,10 +225,7 @@ class ScoringService:
         finally:
             self.active -= 1
             self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
-        stored = 0
-        if req.cache is not None and manifest is not None:
-            stored = await asyncio.to_thread(self._store, req.cache, manifest, records)
-        return ScoreResult(records=records, k=k, stored=stored)
+        return records
 
     def _store(self, cache: str, manifest: Manifest, records: list[SequenceRecord]) -> int:
         with self.caches.writer(cache, manifest) as w:
