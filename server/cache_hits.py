@@ -12,8 +12,10 @@ Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
 * A requested ``k' <= k`` of the cache is served from the cache's top-k by :func:`fold_k`: the
   first ``k'`` columns (already sorted by descending logprob) and
   ``tail' = clip(tail + sum_{j >= k'} exp(logprob_j), 0, 1)`` (the dropped probability folded
-  into the tail). A ``k' > k`` cannot be served or stored by that cache: ``/v1/score`` answers
-  409 as for any k conflict; ``/v1/completions`` scores it with the engine without storing.
+  into the tail). A ``k' > k`` cannot be served or stored by that cache: every sequence is a
+  **miss**, scored by the engine at ``k'``, answered as the engine returned it and **not stored**
+  (the cache keeps its k; :func:`score_above`). This holds for ``/v1/score`` and
+  ``/v1/completions`` alike; the cache's teacher identity is still checked (409 if another).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.cache_format.quant import decode_logprobs, encode_logprobs
 from logitcache.cache_format.spec import LOGPROB_MAX, LOGPROB_STEP, TOPK_LOGPROBS
 
+from . import pipeline
 from .caches import check_name
 from .errors import NotFoundError
 
@@ -109,23 +112,30 @@ async def score_misses(
     service: ScoringService, seqs: Seq[Sequence], k: int
 ) -> list[SequenceRecord]:
     """Engine-score ``seqs`` at ``k`` under the on-demand admission budget (429 when full)."""
-    if not seqs:
-        return []
-    return await service.score_admitted(seqs, k)
+    return await pipeline.score_into(list(seqs), score=lambda s: service.score_admitted(s, k))
 
 
 def _cache_manifest(service: ScoringService, cache: str, k: int | None) -> tuple[Manifest, int]:
     """The cache's manifest (checked against the engine) and the k to answer at.
 
-    A ``k`` below an existing cache's k is served from it (folded); any other k must equal the
-    cache's (:meth:`ScoringService.target_manifest`: 409 otherwise).
+    A ``k`` other than an existing cache's k is answered at ``k`` (below: folded from the cache;
+    above: :func:`score_above`); the cache's teacher identity is checked either way
+    (:meth:`ScoringService.target_manifest`: 409 if another teacher).
     """
     stored = service.stored_manifest(cache)
-    if stored is not None and k is not None and k < stored.k:
+    if stored is not None and k is not None and k != stored.k:
         manifest = service.target_manifest(cache, None)
         return manifest, service.resolve_k(k)
     manifest = service.target_manifest(cache, k)
     return manifest, manifest.k
+
+
+async def score_above(service: ScoringService, seqs: Seq[Sequence], k: int) -> Served:
+    """Answer ``seqs`` at a ``k`` above the cache's: all misses, engine-scored at ``k``, returned
+    as scored and not stored (the cache cannot hold a larger k)."""
+    records = await score_misses(service, seqs, k)
+    service.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
+    return Served(records=records, k=k, hits=[False] * len(seqs), stored=0)
 
 
 async def serve(
@@ -141,10 +151,18 @@ async def serve(
     ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``."""
     found = await asyncio.to_thread(lookup, service, cache, seqs)
     miss_idx = [i for i in range(len(seqs)) if i not in found]
-    scored = await score_misses(service, [seqs[i] for i in miss_idx], manifest.k)
     stored = 0
-    if scored and store:
-        stored = await asyncio.to_thread(service._store, cache, manifest, scored)
+
+    def append(_batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
+        nonlocal stored
+        with service.caches.writer(cache, manifest) as w:
+            stored += w.append(records or [])
+
+    scored = await pipeline.score_into(
+        [seqs[i] for i in miss_idx],
+        score=lambda s: service.score_admitted(s, manifest.k),
+        write=append if store else None,
+    )
     out: list[SequenceRecord | None] = [None] * len(seqs)
     for i, rec in found.items():
         out[i] = fold_k(rec, k)
@@ -169,4 +187,6 @@ async def score_with_cache(service: ScoringService, req: ScoreRequest, *, frames
     manifest, k = await asyncio.to_thread(_cache_manifest, service, cache, req.k)
     seqs = await asyncio.to_thread(service.sequences_of, req)
     service.check_response_size(seqs, k, frames=frames)
+    if k > manifest.k:
+        return await score_above(service, seqs, k)
     return await serve(service, cache, seqs, k, manifest)

@@ -211,9 +211,7 @@ async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]
     if k <= manifest.k:
         served = await cache_hits.serve(scoring, cache, seqs, k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
-        recs = await cache_hits.score_misses(scoring, seqs, k)
-        services.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
-        served = cache_hits.Served(records=recs, k=k, hits=[False] * len(seqs), stored=0)
+        served = await cache_hits.score_above(scoring, seqs, k)
     return await asyncio.to_thread(_body, services, req, prompts, served)
 
 

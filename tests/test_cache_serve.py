@@ -90,7 +90,7 @@ def test_score_hits_misses_and_identical_answers(client, seqs) -> None:
     assert bo["sequences"][0]["topk_ids"] == body["sequences"][1]["topk_ids"]
 
 
-def test_smaller_k_is_folded_from_the_cache_larger_k_conflicts(client, seqs) -> None:
+def test_smaller_k_is_folded_from_the_cache_larger_k_is_a_miss(client, seqs) -> None:
     full = client.post("/v1/score", json={"input_ids": seqs[:2], "cache": "s2"}).json()
     assert full["k"] == K
     t0 = engine_tokens(client)
@@ -110,8 +110,26 @@ def test_smaller_k_is_folded_from_the_cache_larger_k_conflicts(client, seqs) -> 
         assert d["topk_ids"] == s["topk_ids"]
         np.testing.assert_allclose(d["topk_logprobs"], s["topk_logprobs"], atol=2e-2)
         np.testing.assert_allclose(d["tail_mass"], s["tail_mass"], atol=2e-3)
+    # a larger k than the cache's: a miss, scored by the engine at that k, returned, not stored
+    m0, t1 = metric(client, "logitcache_cache_misses_total"), engine_tokens(client)
     big = client.post("/v1/score", json={"input_ids": seqs[:1], "cache": "s2", "k": K + 1})
-    assert big.status_code == 409 and "k" in big.json()["error"]["detail"]
+    assert big.status_code == 200, big.text
+    bb = big.json()
+    assert bb["k"] == K + 1 and bb["hits"] == 0 and bb["stored"] == 0
+    assert big.headers["x-logitcache-k"] == str(K + 1)
+    assert [s["cached"] for s in bb["sequences"]] == [False]
+    assert len(bb["sequences"][0]["topk_ids"][0]) == K + 1
+    assert engine_tokens(client) == t1 + len(seqs[0])
+    assert metric(client, "logitcache_cache_misses_total") == m0 + 1
+    direct_big = client.post("/v1/score", json={"input_ids": seqs[:1], "k": K + 1}).json()
+    assert bb["sequences"][0]["topk_ids"] == direct_big["sequences"][0]["topk_ids"]
+    np.testing.assert_allclose(
+        bb["sequences"][0]["topk_logprobs"], direct_big["sequences"][0]["topk_logprobs"], atol=1e-5
+    )
+    info = client.get("/v1/caches/s2").json()
+    assert info["manifest"]["k"] == K and info["num_sequences"] == 2, info  # kept k, nothing added
+    again = client.post("/v1/score", json={"input_ids": seqs[:1], "cache": "s2", "k": K + 1})
+    assert again.json()["hits"] == 0, "a larger k is never served from a smaller-k cache"
     assert math.isfinite(metric(client, "logitcache_cache_misses_total"))
 
 
