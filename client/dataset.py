@@ -36,25 +36,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .collate import ItemPlan, LongPolicy, Mode, build_batch, plan_items
-from .errors import ConfigError, SourceError, StateError
+from .errors import ConfigError, StateError
 from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
+from .readahead import ReadAhead, default_read_threads
 from .sources import CacheSource, open_source
 from .state import LoaderState
-from .world import current_worker, resolve_ranks
+from .world import agree_min, current_worker, distributed_world_size, resolve_ranks
 
 __all__ = ["CacheDataset", "CacheDataLoader", "TRAINER_SHUFFLE"]
 
@@ -69,9 +68,13 @@ _DONE = object()
 #: would read every lane's first window before its 24th batch.
 TRAINER_SHUFFLE: dict[str, int] = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
 
-#: Items whose sequences the prefetch thread fetches in one ``source.fetch`` call: more give
-#: the source longer runs to merge and fewer calls, at the price of memory and first-batch delay.
+#: Items whose sequences one ``source.fetch`` call reads with a uniform full shuffle
+#: (``shuffle_block_size=1``): more give the source longer runs to merge and fewer calls, at the
+#: price of memory and first-batch delay.
 _FETCH_ITEMS = 64
+
+#: Sequences per read when ``shuffle=False`` (the order is the storage order: contiguous reads).
+_SEQUENTIAL_BLOCK = 64
 
 
 class CacheDataset(IterableDataset):
@@ -126,6 +129,19 @@ class CacheDataset(IterableDataset):
         ``input_ids`` value on padding.
     prefetch:
         Units prepared ahead by the background thread of each iterating process.
+    read_threads:
+        Store reads (``source.fetch`` calls) each iterating process runs at once, ahead of the
+        units that need them (:class:`~logitcache.client.readahead.ReadAhead`; decoding releases
+        the GIL, so one process decodes on several cores). ``None``:
+        :func:`~logitcache.client.readahead.default_read_threads` (4 in the trainer process of a
+        16-core host, 2 in each of 8 DataLoader workers). The stream does not depend on it.
+    follow:
+        Follow a cache that a running job is still filling: every :meth:`set_epoch` first
+        adopts the sequences committed since (:meth:`refresh`; under ``torch.distributed`` the
+        ranks agree on the smallest count any of them sees, so call ``set_epoch`` on every rank,
+        as DDP trainers do). Epoch ``e`` is planned over the sequences committed when it was
+        set, and the loader state records that count, so a resumed run replays exactly the
+        same remaining stream however much the cache grew meanwhile.
     storage_options, cache, **http_options:
         Passed to :func:`~logitcache.client.sources.open_source` when ``source`` is a location.
     """
@@ -153,6 +169,8 @@ class CacheDataset(IterableDataset):
         ids_dtype: torch.dtype = torch.int64,
         pad_token_id: int = 0,
         prefetch: int = 4,
+        read_threads: int | None = None,
+        follow: bool = False,
         storage_options: dict[str, Any] | None = None,
         cache: str | None = None,
         **http_options: Any,
@@ -162,6 +180,8 @@ class CacheDataset(IterableDataset):
             raise ConfigError(f"batch_size must be >= 1 or None, got {batch_size}")
         if prefetch < 1:
             raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
+        if read_threads is not None and read_threads < 1:
+            raise ConfigError(f"read_threads must be >= 1 or None, got {read_threads}")
         if lanes < 1:
             raise ConfigError(f"lanes must be >= 1, got {lanes}")
         if ids_dtype not in (torch.int64, torch.int32):
@@ -198,6 +218,8 @@ class CacheDataset(IterableDataset):
         self.ids_dtype = ids_dtype
         self.pad_token_id = int(pad_token_id)
         self.prefetch = int(prefetch)
+        self.read_threads = None if read_threads is None else int(read_threads)
+        self.follow = bool(follow)
         self._manifest_identity = _identity(manifest)
         self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
         self.num_sequences = len(self._all_lengths)
@@ -257,6 +279,23 @@ class CacheDataset(IterableDataset):
         self.epoch = int(epoch)
         self._start = 0
         self._consumed = 0
+        if self.follow:
+            self._follow()
+
+    def _follow(self) -> None:
+        """Adopt the committed sequences (``follow=True``): the count every rank sees."""
+        if self.world_size > 1 and distributed_world_size() != self.world_size:
+            raise ConfigError(
+                "follow=True with world_size > 1 needs torch.distributed initialised with that "
+                "world size: the ranks must agree on how many sequences an epoch covers"
+            )
+        self.source.refresh()
+        lengths = np.asarray(self.source.lengths, dtype=np.int64)
+        count = agree_min(len(lengths))
+        if count != self.num_sequences or len(lengths) != len(self._all_lengths):
+            self._plans.clear()
+        self._all_lengths = lengths
+        self.num_sequences = count
 
     def refresh(self) -> None:
         """Plan later epochs over the sequences committed since the dataset was built."""
@@ -378,35 +417,41 @@ class CacheDataset(IterableDataset):
             unit["target_kind"] = self.target_kind
         return unit
 
+    def _read_threads(self, num_workers: int) -> int:
+        if self.read_threads is not None:
+            return self.read_threads
+        return default_read_threads(num_workers, os.cpu_count())
+
     def _produce(self, units: list[np.ndarray], out: queue.Queue, stop: threading.Event) -> None:
-        """Background thread: fetch the sequences of a few units at once, collate, enqueue."""
+        """Background thread: collate units in order from records read ahead (ReadAhead)."""
+        reads: ReadAhead | None = None
         try:
             plan = self.plan()
-            group = max(1, _FETCH_ITEMS // (self.batch_size or 1))
-            _, num_workers = current_worker()
-            busy_lanes = self.lanes // math.gcd(self.lanes, num_workers)  # lanes this worker reads
-            blocks = _BlockCache(
+            worker, num_workers = current_worker()
+            reads = ReadAhead(
                 self.source,
-                self.shuffle_block_size,
-                self.num_sequences,
-                keep=(self.shuffle_window + 1 if self.shuffle else 2) * busy_lanes,
+                [plan.sequences_of(items) for items in units],
+                block=self.shuffle_block_size if self.shuffle else _SEQUENTIAL_BLOCK,
+                num_sequences=self.num_sequences,
+                threads=self._read_threads(num_workers if get_worker_info() else 0),
+                group=max(1, _FETCH_ITEMS // (self.batch_size or 1)),
             )
-            for g in range(0, len(units), group):
-                chunk = units[g : g + group]
-                records = blocks.get(plan.sequences_of(np.concatenate(chunk)))
-                for items in chunk:
-                    unit = self._make_unit(plan, items, records)
-                    while not stop.is_set():
-                        try:
-                            out.put((len(items), unit), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
+            for u, items in enumerate(units):
+                unit = self._make_unit(plan, items, reads.records(u))
+                while not stop.is_set():
+                    try:
+                        out.put((len(items), unit), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
             out.put(_DONE)
         except BaseException as exc:  # handed to the consumer, re-raised there
             out.put(exc)
+        finally:
+            if reads is not None:
+                reads.close()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker, num_workers = current_worker()
@@ -459,45 +504,6 @@ def _interleave(plans: list[ItemPlan], unit: int) -> ItemPlan:
     }
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return ItemPlan(item_offsets=offsets, **cat)
-
-
-class _BlockCache:
-    """Reads whole shuffle blocks (contiguous sequence ranges) and keeps the latest few.
-
-    With ``shuffle_block_size = b`` the epoch order walks window after window (``w`` blocks
-    each, ``w = 1`` without a window), so the units of a fetch group need blocks of the current
-    window and maybe the next: reading each block once, in one range read, beats reading the
-    subset each group needs, and keeping ``w + 1`` blocks reads each block once per epoch.
-    ``b = 1`` degenerates to caching single sequences.
-    """
-
-    def __init__(self, source: CacheSource, block: int, num_sequences: int, keep: int = 2) -> None:
-        self.source, self.block, self.n = source, max(1, block), num_sequences
-        self.keep = keep if block > 1 else 64
-        self.blocks: OrderedDict[int, dict[int, Any]] = OrderedDict()
-
-    def get(self, indices: np.ndarray) -> dict[int, Any]:
-        """Records of ``indices`` (reading the missing blocks whole)."""
-        wanted = np.unique(np.asarray(indices, dtype=np.int64) // self.block).tolist()
-        missing = [b for b in wanted if b not in self.blocks]
-        if missing:
-            seqs = np.concatenate(
-                [np.arange(b * self.block, min((b + 1) * self.block, self.n)) for b in missing]
-            )
-            fetched = self.source.fetch(seqs)
-            lost = [int(i) for i in seqs if int(i) not in fetched]
-            if lost:
-                raise SourceError(f"source did not return sequences {lost[:10]}")
-            for b in missing:
-                lo, hi = b * self.block, min((b + 1) * self.block, self.n)
-                self.blocks[b] = {i: fetched[i] for i in range(lo, hi)}
-        out: dict[int, Any] = {}
-        for b in wanted:
-            self.blocks.move_to_end(b)
-            out.update(self.blocks[b])
-        while len(self.blocks) > max(self.keep, len(wanted)):
-            self.blocks.popitem(last=False)
-        return out
 
 
 class CacheDataLoader(DataLoader):

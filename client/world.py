@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["World", "resolve_ranks", "current_worker"]
+__all__ = ["World", "agree_min", "current_worker", "distributed_world_size", "resolve_ranks"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +49,27 @@ def current_worker() -> tuple[int, int]:
     if info is None:
         return 0, 1
     return int(info.id), int(info.num_workers)
+
+
+def distributed_world_size() -> int:
+    """World size of ``torch.distributed``'s default group, or 0 when it is not initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 0
+
+
+def agree_min(value: int) -> int:
+    """The smallest ``value`` over the ranks of the default process group (one all-reduce MIN;
+    every rank must call it). Without a process group, or with one rank, ``value`` itself."""
+    if distributed_world_size() <= 1:
+        return int(value)
+    import torch
+    import torch.distributed as dist
+
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
