@@ -157,7 +157,7 @@ def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "array
 
 async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock) -> dict:
     import httpx
-    from logitcache.server import job_store, jobs, scoring
+    from logitcache.server import job_store, jobs, pipeline
     from logitcache.server.app import create_app
     from logitcache.server.caches import WriterHandle
     from logitcache.server.settings import ServerSettings
@@ -171,7 +171,7 @@ async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock)
     )
     engine._convert = clock.wrap("convert", engine._convert)
     patches = [
-        (jobs, "to_records", clock.wrap("pair", scoring.to_records)),
+        (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
         (WriterHandle, "append", clock.wrap("write", WriterHandle.append)),
         (WriterHandle, "missing", clock.wrap("read", WriterHandle.missing)),
         (job_store.JobStore, "progress", clock.wrap("sqlite", job_store.JobStore.progress)),

@@ -158,6 +158,7 @@ class ShardWorker:
             limits=self._limits(engine),
             batch_sequences=self.settings.job_batch_sequences,
             batch_tokens=self.settings.job_batch_tokens,
+            inflight_batches=self.settings.job_inflight_batches,
             storage_options=storage_options,
             worker=self.name,
         )

@@ -4,17 +4,14 @@ Submission (:meth:`JobRunner.submit`) checks everything before a job exists: cac
 cache's teacher identity (409), and every input record (ids, lengths, duplicate ids; 422 listing
 the problems). A rejected job writes nothing and leaves no row.
 
-Running (one job at a time, oldest first) is a three-stage pipeline:
-
-1. a *reader* (a worker thread per step) forms the next batch of the input
-   (:func:`~logitcache.server.inputs.batches`, a pure function of the input) and asks the cache
-   which of its keys are missing;
-2. up to ``job_inflight_batches`` batches are handed to the engine at once, so it is never idle
-   while results are converted and written (only one while on-demand ``/v1/score`` requests are
-   in progress: the engine serves requests in arrival order, so fewer job tokens queued ahead
-   of them means lower on-demand latency);
-3. a *writer thread*, fed by a bounded queue, appends each scored batch to the cache (one commit
-   per batch) and only then advances the job's progress counters.
+Running (one job at a time, oldest first) is :func:`logitcache.server.pipeline.run`, the batch
+pipeline shared with on-demand scoring and the Ray shards: batches are formed from the input
+(:func:`~logitcache.server.inputs.batches`, a pure function of the input) and checked against the
+cache's keys in a worker thread; up to ``job_inflight_batches`` batches are in the engine at once
+(only one while on-demand ``/v1/score`` requests are in progress: the engine serves requests in
+arrival order, so fewer job tokens queued ahead of them means lower on-demand latency); a writer
+thread, fed by a bounded queue (``job_write_queue``), appends each scored batch to the cache (one
+commit per batch) and only then advances the job's progress counters.
 
 Resume: a job left ``running`` by a stopped or killed server is queued again at start-up; the same
 batches are formed again, a batch whose keys are all committed is skipped, any other batch is
@@ -30,22 +27,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import SequenceRecord
 
-from . import inputs
+from . import inputs, pipeline
 from .caches import CacheRegistry, WriterHandle, check_name
 from .chat import ChatTokenize
 from .errors import ServiceError
 from .protocol import JobCreate, JobState, JobStatus
-from .scoring import ScoringService, to_records
+from .scoring import ScoringService
 
 if TYPE_CHECKING:
     from .job_store import JobRecord, JobStore
@@ -53,18 +48,6 @@ if TYPE_CHECKING:
     from .settings import ServerSettings
 
 log = logging.getLogger("logitcache.server.jobs")
-
-
-@dataclass
-class _Batch:
-    """One fixed batch of a job: its sequences, and whether any key is still missing."""
-
-    seqs: list[inputs.Sequence]
-    todo: bool
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.length for s in self.seqs)
 
 
 @dataclass
@@ -86,85 +69,6 @@ class _RunStats:
         if elapsed <= 0 or self.tokens_scored == 0:
             return None
         return self.tokens_scored / elapsed
-
-
-class _Cancelled(Exception):
-    pass
-
-
-class _WriterThread:
-    """Appends scored batches to a cache in order and advances the job's committed progress."""
-
-    def __init__(
-        self,
-        *,
-        job: JobRecord,
-        writer: WriterHandle,
-        store: JobStore,
-        metrics: Metrics,
-        stats: _RunStats,
-        maxsize: int,
-    ):
-        self.job = job
-        self.writer = writer
-        self.store = store
-        self.metrics = metrics
-        self.stats = stats
-        self.sequences_done = 0
-        self.tokens_done = 0
-        self.error: BaseException | None = None
-        self._queue: queue.Queue[tuple[_Batch, list[SequenceRecord] | None] | None] = queue.Queue(
-            maxsize
-        )
-        self._thread = threading.Thread(target=self._run, name=f"job-writer-{job.id}", daemon=True)
-        self._thread.start()
-
-    def put(self, item: tuple[_Batch, list[SequenceRecord] | None] | None) -> None:
-        """Blocking put (call from a worker thread); raises the writer's error if it died."""
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def join(self) -> None:
-        self.put(None)
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def _run(self) -> None:
-        try:
-            while (item := self._queue.get()) is not None:
-                batch, records = item
-                if records is not None:
-                    self.writer.append(records)
-                    self.stats.tokens_scored += batch.tokens
-                    for r in records:  # live coverage (status page, job status)
-                        tail = r.tail_or_computed()
-                        self.stats.tail_sum += float(tail.sum(dtype="float64"))
-                        self.stats.tail_rows += int(tail.shape[0])
-                self.sequences_done += len(batch.seqs)
-                self.tokens_done += batch.tokens
-                self.store.progress(
-                    self.job.id, sequences_done=self.sequences_done, tokens_done=self.tokens_done
-                )
-                self.metrics.job_progress(
-                    self.job.id,
-                    sequences_done=self.sequences_done,
-                    tokens_done=self.tokens_done,
-                    total=self.job.tokens_total,
-                )
-        except BaseException as e:  # noqa: BLE001 - reported to the job, never lost
-            self.error = e
-            while True:  # unblock a producer waiting on a full queue
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
 
 
 class JobRunner:
@@ -318,7 +222,7 @@ class JobRunner:
         stats = self._stats[job.id] = _RunStats()
         try:
             await self._pipeline(job, stats)
-        except _Cancelled:
+        except pipeline.Stopped:
             if self._stopping and not self.store.cancel_requested(job.id):
                 self.store.requeue_interrupted()  # graceful stop: resume at next start
             else:
@@ -356,76 +260,76 @@ class JobRunner:
         finally:
             await asyncio.to_thread(cm.__exit__, None, None, None)
 
-    def _batches(self, spec: JobCreate, handle: WriterHandle) -> Iterator[_Batch]:
+    def _batches(self, spec: JobCreate, handle: WriterHandle) -> Iterator[pipeline.Batch]:
+        """The job's batches (a generator: the input is read in the pipeline's worker thread)."""
         raws = inputs.raw_records(
             file=spec.file, records=spec.records, data_dir=self.settings.data_dir
         )
         seqs = inputs.sequences(raws, self._tokenize(spec), self._limits(spec))
-        for b in inputs.batches(
+        yield from pipeline.plan(
             seqs,
+            handle.missing,
             max_sequences=self.settings.job_batch_sequences,
             max_tokens=self.settings.job_batch_tokens,
-        ):
-            yield _Batch(seqs=b, todo=bool(handle.missing([s.key for s in b])))
+        )
 
     async def _stream(
         self, job: JobRecord, spec: JobCreate, handle: WriterHandle, stats: _RunStats
     ) -> None:
-        writer = _WriterThread(
-            job=job,
-            writer=handle,
-            store=self.store,
-            metrics=self.metrics,
-            stats=stats,
-            maxsize=self.settings.job_write_queue,
-        )
-        it = self._batches(spec, handle)
-        inflight: deque[tuple[_Batch, asyncio.Task[list[SequenceRecord]]]] = deque()
+        """The job's batches through :func:`.pipeline.run`: appended to ``handle`` in order,
+        progress advanced after each commit; only one batch in the engine while on-demand
+        requests are scored (they go first)."""
+        progress = _Progress(job, handle, self.store, self.metrics, stats)
         depth = self.settings.job_inflight_batches
-        try:
-            while True:
-                if self._cancel.is_set():
-                    raise _Cancelled
-                batch = await asyncio.to_thread(next, it, None)
-                if batch is None:
-                    break
-                if not batch.todo:
-                    if not inflight:
-                        await asyncio.to_thread(writer.put, (batch, None))
-                        continue
-                    inflight.append((batch, _done_task()))
-                else:
-                    task = asyncio.create_task(self._score(batch, job.k))
-                    inflight.append((batch, task))
-                # on-demand requests go first: while any is scored, keep one job batch in flight
-                limit = 1 if self.scoring.active else depth
-                while len(inflight) >= limit or (inflight and inflight[0][1].done()):
-                    b, t = inflight.popleft()
-                    records = await t
-                    await asyncio.to_thread(writer.put, (b, records if b.todo else None))
-            while inflight:
-                b, t = inflight.popleft()
-                records = await t
-                await asyncio.to_thread(writer.put, (b, records if b.todo else None))
-        finally:
-            for _, t in inflight:
-                t.cancel()
-            for _, t in inflight:
-                with contextlib.suppress(BaseException):
-                    await t
-            await asyncio.to_thread(writer.join)
-
-    async def _score(self, batch: _Batch, k: int) -> list[SequenceRecord]:
-        t0 = time.perf_counter()
-        scores = await self.scoring.engine.score([s.input_ids.tolist() for s in batch.seqs], k)
-        self.metrics.scored(
-            "job", sequences=len(batch.seqs), tokens=batch.tokens, seconds=time.perf_counter() - t0
+        await pipeline.run(
+            self._batches(spec, handle),
+            score=lambda seqs: pipeline.score_records(
+                self.scoring.engine, seqs, job.k, metrics=self.metrics, source="job"
+            ),
+            write=progress.write,
+            depth=lambda: 1 if self.scoring.active else depth,
+            stop=self._cancel.is_set,
+            queue_size=self.settings.job_write_queue,
+            name=f"job-writer-{job.id}",
         )
-        return await asyncio.to_thread(to_records, batch.seqs, scores)
 
 
-def _done_task() -> asyncio.Task[Any]:
-    async def nothing() -> None:
-        return None
+class _Progress:
+    """A job's writer-thread step: append a scored batch, then advance the committed progress
+    (job table, metrics, live coverage)."""
 
-    return asyncio.ensure_future(nothing())
+    def __init__(
+        self,
+        job: JobRecord,
+        writer: WriterHandle,
+        store: JobStore,
+        metrics: Metrics,
+        stats: _RunStats,
+    ):
+        self.job = job
+        self.writer = writer
+        self.store = store
+        self.metrics = metrics
+        self.stats = stats
+        self.sequences_done = 0
+        self.tokens_done = 0
+
+    def write(self, batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
+        if records is not None:
+            self.writer.append(records)
+            self.stats.tokens_scored += batch.tokens
+            for r in records:  # live coverage (status page, job status)
+                tail = r.tail_or_computed()
+                self.stats.tail_sum += float(tail.sum(dtype="float64"))
+                self.stats.tail_rows += int(tail.shape[0])
+        self.sequences_done += len(batch.seqs)
+        self.tokens_done += batch.tokens
+        self.store.progress(
+            self.job.id, sequences_done=self.sequences_done, tokens_done=self.tokens_done
+        )
+        self.metrics.job_progress(
+            self.job.id,
+            sequences_done=self.sequences_done,
+            tokens_done=self.tokens_done,
+            total=self.job.tokens_total,
+        )

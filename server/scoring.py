@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.cache_format.errors import FormatError
 
+from . import pipeline
 from .admission import TokenGate
 from .caches import CacheRegistry, check_name, expected_manifest
 from .errors import (
@@ -154,17 +155,11 @@ class ScoringService:
     async def score_sequences(
         self, seqs: Seq[Sequence], k: int, *, source: str
     ) -> list[SequenceRecord]:
-        """Score checked sequences with the engine; one record per sequence, input order."""
-        t0 = time.perf_counter()
-        scores = await self.engine.score([s.input_ids.tolist() for s in seqs], k)
-        elapsed = time.perf_counter() - t0
-        self.metrics.scored(
-            source,
-            sequences=len(seqs),
-            tokens=sum(s.length for s in seqs),
-            seconds=elapsed,
+        """Score checked sequences with the engine; one record per sequence, input order
+        (:func:`.pipeline.score_records`, timed under ``source``)."""
+        return await pipeline.score_records(
+            self.engine, seqs, k, metrics=self.metrics, source=source
         )
-        return to_records(seqs, scores)
 
     def check_response_size(self, seqs: Seq[Sequence], k: int, *, frames: bool) -> None:
         """413 before any engine work if the answer would exceed ``max_response_bytes``.
@@ -227,10 +222,6 @@ class ScoringService:
             self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
         return records
 
-    def _store(self, cache: str, manifest: Manifest, records: list[SequenceRecord]) -> int:
-        with self.caches.writer(cache, manifest) as w:
-            return w.append(records)
-
 
 @contextmanager
 def _broken_store(name: str) -> Iterator[None]:
@@ -252,19 +243,3 @@ def _broken_store(name: str) -> Iterator[None]:
         raise CacheBrokenError(
             f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
         ) from None
-
-
-def to_records(seqs: Seq[Sequence], scores: Seq[object]) -> list[SequenceRecord]:
-    """Pair checked sequences with the engine's ``TeacherScores`` (same order)."""
-    if len(scores) != len(seqs):
-        raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
-    return [
-        SequenceRecord(
-            key=s.key,
-            input_ids=s.input_ids,
-            topk_ids=sc.topk_ids,  # type: ignore[attr-defined]
-            topk_logprobs=sc.topk_logprobs,  # type: ignore[attr-defined]
-            tail_mass=sc.tail_mass,  # type: ignore[attr-defined]
-        )
-        for s, sc in zip(seqs, scores, strict=True)
-    ]

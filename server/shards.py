@@ -15,7 +15,8 @@ Contract (the result does not depend on how many workers ran, or in which order 
    first occurrence kept, exactly as :func:`logitcache.server.inputs.sequences` does in one stream.
 3. **Score.** A worker scores one shard (:func:`score_shard`) into its own *staging* cache
    ``<staging root>/shard-<index>``: the shard's sequences are cut into batches by
-   :func:`logitcache.server.inputs.batches` (job batch limits), each batch is one engine call and
+   :func:`logitcache.server.pipeline.plan` (job batch limits) and run through the batch
+   pipeline jobs use (:func:`logitcache.server.pipeline.run`): each batch is one engine call and
    one committed append. Staging caches keep float32 logprobs and tail mass (lossless), so the
    final quantisation happens once, as in a direct write. Re-running a shard skips batches whose
    keys are all committed (a crashed or retried worker resumes; nothing is scored twice).
@@ -32,12 +33,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import CacheReader, CacheWriter, Manifest
+from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import StoreNotFoundError
 
-from . import inputs
+from . import inputs, pipeline
 from .errors import InvalidInputError
-from .scoring import to_records
 
 if TYPE_CHECKING:
     from .engine import TeacherEngine
@@ -186,13 +186,15 @@ async def score_shard(
     limits: inputs.Limits,
     batch_sequences: int,
     batch_tokens: int,
+    inflight_batches: int = 1,
     storage_options: dict[str, Any] | None = None,
     worker: str = "",
 ) -> ShardResult:
-    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's).
+    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's),
+    through the batch pipeline (:func:`.pipeline.run`, as a job does).
 
     Batches whose keys are all committed already are skipped (resume). One engine call and one
-    committed append per batch, in input order.
+    committed append per batch, in input order; up to ``inflight_batches`` in the engine.
     """
     t0 = time.perf_counter()
     seqs = [
@@ -201,16 +203,27 @@ async def score_shard(
         if s.key not in task.skip
     ]
     writer = await asyncio.to_thread(CacheWriter.open, task.staging_url, manifest, storage_options)
-    scored = tokens = 0
+    done = {"sequences": 0, "tokens": 0}
+
+    def append(batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
+        if records is not None:
+            writer.append(records)
+            done["sequences"] += len(batch.seqs)
+            done["tokens"] += batch.tokens
+
     try:
-        for batch in inputs.batches(seqs, max_sequences=batch_sequences, max_tokens=batch_tokens):
-            if all(writer.contains(s.key) for s in batch):
-                continue
-            scores = await engine.score([s.input_ids.tolist() for s in batch], manifest.k)
-            records = to_records(batch, scores)
-            await asyncio.to_thread(writer.append, records)
-            scored += len(batch)
-            tokens += sum(s.length for s in batch)
+        await pipeline.run(
+            pipeline.plan(
+                seqs,
+                lambda keys: [k for k in keys if not writer.contains(k)],
+                max_sequences=batch_sequences,
+                max_tokens=batch_tokens,
+            ),
+            score=lambda b: pipeline.score_records(engine, b, manifest.k),
+            write=append,
+            depth=lambda: inflight_batches,
+            name=f"shard-writer-{task.shard.index}",
+        )
     finally:
         await asyncio.to_thread(writer.close)
     return ShardResult(
@@ -218,8 +231,8 @@ async def score_shard(
         staging_url=task.staging_url,
         num_sequences=len(seqs),
         keys=tuple(s.key for s in seqs),
-        scored_sequences=scored,
-        scored_tokens=tokens,
+        scored_sequences=done["sequences"],
+        scored_tokens=done["tokens"],
         seconds=time.perf_counter() - t0,
         worker=worker,
     )

@@ -1,0 +1,246 @@
+"""The one batch pipeline: checked sequences -> batches -> engine scores -> records -> append.
+
+Used by every path that writes scored rows to a cache:
+
+* jobs (:mod:`.jobs`): a whole input, ``job_inflight_batches`` batches in the engine at once
+  (one while on-demand requests are scored), progress advanced after each commit;
+* on-demand scoring with a cache (:mod:`.cache_hits`): the misses of one request are one batch,
+  scored under the admission budget, appended, and answered as stored;
+* the Ray shards (:mod:`.shards`): a shard's sequences into its staging cache.
+
+Contract (the same for all three):
+
+1. :func:`plan` cuts the sequences into consecutive batches (:func:`.inputs.batches`: a pure
+   function of the sequences and the batch limits, so a restarted run forms the same batches)
+   and marks a batch ``todo`` when its cache still lacks any of its keys.
+2. :func:`score_records` scores one batch: one engine call at ``k`` (rows aligned as in
+   DESIGN.md), then :func:`to_records` pairs each sequence with its rows.
+3. :func:`run` keeps up to ``depth()`` batches in the engine, and hands each finished batch, in
+   input order, to ``write(batch, records)`` in one writer thread (``records`` is ``None`` for
+   a batch that was not ``todo``); ``write`` appends (one commit per batch) and then reports
+   progress. A batch is therefore committed before any later batch, and the engine is never idle
+   while results are converted and written.
+
+Stopping: :func:`run` raises :class:`Stopped` when ``stop()`` turns true between batches; the
+batches already scored are written first, the ones still in the engine are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from logitcache.cache_format import SequenceRecord
+
+from . import inputs
+
+if TYPE_CHECKING:
+    from .engine import TeacherEngine
+    from .metrics import Metrics
+
+
+@dataclass
+class Batch:
+    """One fixed batch: its sequences (input order), and whether any key is still missing."""
+
+    seqs: list[inputs.Sequence]
+    todo: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.seqs)
+
+
+class Missing(Protocol):
+    """What :func:`plan` asks a cache: which of these keys are not committed yet."""
+
+    def __call__(self, keys: Seq[str]) -> Seq[str]: ...
+
+
+#: Scores one batch's sequences (engine call + conversion); returns one record per sequence.
+ScoreFn = Callable[[list[inputs.Sequence]], Awaitable[list[SequenceRecord]]]
+#: Appends a scored batch (``records``; ``None`` when nothing was scored) and reports progress.
+WriteFn = Callable[[Batch, "list[SequenceRecord] | None"], None]
+
+
+class Stopped(Exception):
+    """:func:`run` was stopped between batches (see the module docstring)."""
+
+
+def plan(
+    seqs: Iterable[inputs.Sequence],
+    missing: Missing,
+    *,
+    max_sequences: int,
+    max_tokens: int,
+) -> Iterator[Batch]:
+    """Consecutive batches of ``seqs`` (:func:`.inputs.batches`), each marked ``todo`` when
+    ``missing`` reports any of its keys."""
+    for b in inputs.batches(seqs, max_sequences=max_sequences, max_tokens=max_tokens):
+        yield Batch(seqs=b, todo=bool(missing([s.key for s in b])))
+
+
+def to_records(seqs: Seq[inputs.Sequence], scores: Seq[Any]) -> list[SequenceRecord]:
+    """Pair checked sequences with the engine's ``TeacherScores`` (same order)."""
+    if len(scores) != len(seqs):
+        raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
+    return [
+        SequenceRecord(
+            key=s.key,
+            input_ids=s.input_ids,
+            topk_ids=sc.topk_ids,
+            topk_logprobs=sc.topk_logprobs,
+            tail_mass=sc.tail_mass,
+        )
+        for s, sc in zip(seqs, scores, strict=True)
+    ]
+
+
+async def score_records(
+    engine: TeacherEngine,
+    seqs: Seq[inputs.Sequence],
+    k: int,
+    *,
+    metrics: Metrics | None = None,
+    source: str = "job",
+) -> list[SequenceRecord]:
+    """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
+    the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
+    With ``metrics``, the engine call's time is recorded under ``source``.
+    """
+    t0 = time.perf_counter()
+    scores = await engine.score([s.input_ids.tolist() for s in seqs], k)
+    if metrics is not None:
+        metrics.scored(
+            source,
+            sequences=len(seqs),
+            tokens=sum(s.length for s in seqs),
+            seconds=time.perf_counter() - t0,
+        )
+    return await asyncio.to_thread(to_records, seqs, scores)
+
+
+class _Writer:
+    """The writer thread: ``write(batch, records)`` for each item, in order, off the loop."""
+
+    def __init__(self, write: WriteFn, maxsize: int, name: str):
+        self._write = write
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[tuple[Batch, list[SequenceRecord] | None] | None] = queue.Queue(
+            maxsize
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple[Batch, list[SequenceRecord] | None] | None) -> None:
+        """Blocking put (call from a worker thread); raises the writer's error if it died."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def join(self) -> None:
+        self.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                self._write(*item)
+        except BaseException as e:  # noqa: BLE001 - re-raised to the pipeline, never lost
+            self.error = e
+            while True:  # unblock a producer waiting on a full queue
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+
+
+async def run(
+    batches: Iterator[Batch],
+    *,
+    score: ScoreFn,
+    write: WriteFn,
+    depth: Callable[[], int] = lambda: 1,
+    stop: Callable[[], bool] = lambda: False,
+    queue_size: int = 4,
+    name: str = "pipeline-writer",
+) -> None:
+    """Score every ``todo`` batch of ``batches`` and ``write`` every batch, in order.
+
+    ``batches`` is drawn in a worker thread (forming a batch reads the input and asks the cache).
+    ``depth()`` (read after each batch is handed out) bounds the batches in the engine;
+    ``queue_size`` bounds the scored batches waiting for the writer thread. Raises
+    :class:`Stopped` when ``stop()`` is true before a batch is drawn, and re-raises the first
+    error of scoring or writing; either way every batch already handed to the writer is written
+    before this returns or raises.
+    """
+    writer = _Writer(write, queue_size, name)
+    inflight: deque[tuple[Batch, asyncio.Future[list[SequenceRecord] | None]]] = deque()
+
+    async def drain_one() -> None:
+        b, t = inflight.popleft()
+        records = await t
+        await asyncio.to_thread(writer.put, (b, records if b.todo else None))
+
+    try:
+        while True:
+            if stop():
+                raise Stopped
+            batch = await asyncio.to_thread(next, batches, None)
+            if batch is None:
+                break
+            if not batch.todo and not inflight:
+                await asyncio.to_thread(writer.put, (batch, None))
+                continue
+            fut: asyncio.Future[list[SequenceRecord] | None]
+            if batch.todo:
+                fut = asyncio.ensure_future(score(batch.seqs))
+            else:  # keep its place in the order behind the batches still in the engine
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(None)
+            inflight.append((batch, fut))
+            limit = depth()
+            while len(inflight) >= limit or (inflight and inflight[0][1].done()):
+                await drain_one()
+        while inflight:
+            await drain_one()
+    finally:
+        for _, t in inflight:
+            t.cancel()
+        for _, t in inflight:
+            with contextlib.suppress(BaseException):
+                await t
+        await asyncio.to_thread(writer.join)
+
+
+async def score_into(
+    seqs: list[inputs.Sequence], *, score: ScoreFn, write: WriteFn | None = None
+) -> list[SequenceRecord]:
+    """The pipeline for one batch (an on-demand request's misses): score ``seqs`` and, with
+    ``write``, append them before returning; returns the scored records (input order)."""
+    if not seqs:
+        return []
+    got: list[SequenceRecord] = []
+
+    def keep(batch: Batch, records: list[SequenceRecord] | None) -> None:
+        got.extend(records or [])
+        if write is not None:
+            write(batch, records)
+
+    await run(iter([Batch(seqs)]), score=score, write=keep, name="score-writer")
+    return got

@@ -1,0 +1,97 @@
+"""The one batch pipeline (``server/pipeline.py``) as the Ray shards use it, in-process with
+:class:`engine_support.FakeEngine` and real zarr stores: the staged rows are the engine's rows in
+input order, a re-run scores nothing, a stop between batches keeps what was committed, and a
+writer error reaches the caller."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_support import FakeEngine, fake_logprobs
+from logitcache.cache_format import CacheReader, Manifest
+from logitcache.server import inputs, pipeline, shards
+from logitcache.server.caches import expected_manifest
+
+pytestmark = pytest.mark.fast
+
+K = 4
+LIMITS = inputs.Limits(vocab_size=300, max_len=512)
+
+
+def _raws(n: int) -> list[inputs.RawRecord]:
+    return [
+        inputs.RawRecord(where=f"r{i}", id=f"s{i}", text=None, input_ids=[1, 2 + i, 3, 4 + i, 9])
+        for i in range(n)
+    ]
+
+
+def _manifest(engine: FakeEngine) -> Manifest:
+    return expected_manifest(engine.info, k=K, logprob_dtype="float32")
+
+
+def test_a_shard_is_staged_in_input_order_and_a_rerun_scores_nothing(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    (shard,) = shards.plan_shards(_raws(7), shard_size=10)
+    task = shards.ShardTask(shard, str(tmp_path / "stage"), frozenset({"s2"}))
+    kw = dict(manifest=_manifest(engine), limits=LIMITS, batch_sequences=2, batch_tokens=1000)
+    first = asyncio.run(shards.score_shard(engine, task, inflight_batches=2, **kw))
+    assert first.scored_sequences == 6 and first.scored_tokens == 30
+    assert engine.calls == [2, 2, 2]  # batches of 2 over the 6 kept sequences
+    reader = CacheReader(tmp_path / "stage")
+    assert reader.keys == ["s0", "s1", "s3", "s4", "s5", "s6"] == list(first.keys)
+    for i, key in ((0, "s0"), (3, "s4")):
+        rec = reader.get(key)
+        lp = fake_logprobs(rec.input_ids.tolist(), 300)
+        top = np.argsort(-lp, axis=1, kind="stable")[:, :K]
+        assert np.array_equal(rec.topk_ids, top), i
+    again = asyncio.run(shards.score_shard(engine, task, **kw))
+    assert again.scored_sequences == 0 and engine.calls == [2, 2, 2]
+
+
+def test_stop_between_batches_keeps_the_committed_batches(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    seqs = list(inputs.sequences(_raws(6), engine.tokenize, LIMITS))
+    written: list[list[str]] = []
+
+    def write(batch: pipeline.Batch, records: list | None) -> None:
+        written.append([r.key for r in records or []])
+
+    async def main() -> None:
+        await pipeline.run(
+            pipeline.plan(seqs, lambda keys: keys, max_sequences=2, max_tokens=1000),
+            score=lambda b: pipeline.score_records(engine, b, K),
+            write=write,
+            stop=lambda: len(engine.calls) >= 2,
+        )
+
+    with pytest.raises(pipeline.Stopped):
+        asyncio.run(main())
+    assert written == [["s0", "s1"], ["s2", "s3"]]  # scored batches are written before the stop
+
+
+def test_a_writer_error_reaches_the_caller_and_skipped_batches_keep_their_place() -> None:
+    engine = FakeEngine()
+    seqs = list(inputs.sequences(_raws(6), engine.tokenize, LIMITS))
+    order: list[tuple[bool, list[str]]] = []
+
+    def write(batch: pipeline.Batch, records: list | None) -> None:
+        order.append((records is not None, [s.key for s in batch.seqs]))
+        if len(order) == 3:
+            raise OSError("disk full")
+
+    async def main() -> None:
+        await pipeline.run(
+            pipeline.plan(
+                seqs, lambda keys: [k for k in keys if k != "s2"], max_sequences=1, max_tokens=99
+            ),
+            score=lambda b: pipeline.score_records(engine, b, K),
+            write=write,
+            depth=lambda: 3,
+        )
+
+    with pytest.raises(OSError, match="disk full"):
+        asyncio.run(main())
+    assert order == [(True, ["s0"]), (True, ["s1"]), (False, ["s2"])]
