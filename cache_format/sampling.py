@@ -44,9 +44,17 @@ def sequence_seed(seed: int, key: str) -> int:
 
 def uniforms(seed: int, key: str, rows: int, draws: int) -> Any:
     """``[rows, draws]`` float64 uniforms in ``[0, 1)`` of one sequence (torch CPU generator)."""
+    return seeded_uniforms(sequence_seed(seed, key), rows, draws)
+
+
+def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
+    """The uniforms of a sequence whose generator seed is ``seq_seed`` (:func:`sequence_seed`):
+    ``torch.rand(rows, draws, float64)`` from a CPU ``torch.Generator``. The stream is row-major,
+    so the first ``r`` rows are the same whatever ``rows >= r`` is asked for (a producer that
+    sees a sequence in chunks draws ``[:end]`` and keeps ``[start:end]``)."""
     import torch
 
-    gen = torch.Generator().manual_seed(sequence_seed(seed, key))
+    gen = torch.Generator().manual_seed(int(seq_seed))
     return torch.rand(rows, draws, generator=gen, dtype=torch.float64)
 
 

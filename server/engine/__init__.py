@@ -10,8 +10,8 @@ Modules (arrows are the only imports allowed inside the package; tests/test_pack
 * :mod:`.base` — the check/score/convert/time path every backend shares (-> protocol).
 * :mod:`.vllm`, :mod:`.hf` — the backends (-> protocol, config, base); vLLM/torch are imported
   when an engine is built, never at import time. :mod:`.vllm_logprobs` has vLLM hand this
-  engine's prompt logprobs over as arrays (no Python lists); :mod:`.reaper` ends the engine's
-  processes with the server.
+  engine's prompt logprobs over as arrays (no Python lists); :mod:`.vllm_sampling` draws sampled
+  targets inside vLLM's worker; :mod:`.reaper` ends the engine's processes with the server.
 * :mod:`.factory` — :func:`build_engine` (-> config, backends, lazily).
 """
 
@@ -38,11 +38,14 @@ from .protocol import (
     EngineError,
     EngineInfo,
     EngineInputError,
+    SampledTargets,
+    SamplingTeacherEngine,
     ScoreTimings,
     TeacherEngine,
     TeacherScores,
     check_k,
     check_prompts,
+    check_sampled,
     make_scores,
 )
 
@@ -58,6 +61,8 @@ __all__ = [
     "EngineInfo",
     "EngineInputError",
     "HfOptions",
+    "SampledTargets",
+    "SamplingTeacherEngine",
     "ScoreTimings",
     "TeacherEngine",
     "TeacherScores",
@@ -65,6 +70,7 @@ __all__ = [
     "build_engine",
     "check_k",
     "check_prompts",
+    "check_sampled",
     "engine_config",
     "engine_info",
     "local_revision",

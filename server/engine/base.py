@@ -16,10 +16,13 @@ from .protocol import (
     EngineClosedError,
     EngineInfo,
     EngineInputError,
+    SampledTargets,
     ScoreTimings,
     TeacherScores,
     check_k,
+    check_keys,
     check_prompts,
+    check_sampled,
 )
 
 
@@ -41,6 +44,18 @@ class BaseEngine:
 
     def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
         """A raw output of a ``length``-token prompt as rows (default: already rows)."""
+        return cast(TeacherScores, raw)
+
+    async def _generate_sampled(
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+    ) -> list[Any]:
+        """One raw sampled output per (checked) prompt, in order (default: not supported)."""
+        raise EngineInputError(
+            f"the {self.info.backend} backend cannot produce sampled targets (targets='sampled')"
+        )
+
+    def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
+        """A raw sampled output of a ``length``-token prompt as rows (default: already rows)."""
         return cast(TeacherScores, raw)
 
     async def _close(self) -> None:
@@ -65,13 +80,38 @@ class BaseEngine:
         t1 = time.perf_counter()
         scores = [self._convert(r, len(ids), k) for r, ids in zip(raw, checked, strict=True)]
         t2 = time.perf_counter()
+        self._account(checked, scores, t0, t1, t2)
+        return scores
+
+    async def score_sampled(
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+    ) -> list[TeacherScores]:
+        """Sampled rows of every prompt, in order (the contract of :mod:`.protocol`); all
+        checks (closed, parameters, keys, prompts) run before any work."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        targets = check_sampled(targets, self.info.vocab_size)
+        checked = check_prompts(prompts, self.info)
+        keys = check_keys(keys, len(checked))
+        t0 = time.perf_counter()
+        raw = await self._generate_sampled(checked, keys, targets)
+        t1 = time.perf_counter()
+        scores = [
+            self._convert_sampled(r, len(ids), targets) for r, ids in zip(raw, checked, strict=True)
+        ]
+        t2 = time.perf_counter()
+        self._account(checked, scores, t0, t1, t2)
+        return scores
+
+    def _account(
+        self, checked: list[list[int]], scores: list[TeacherScores], t0: float, t1: float, t2: float
+    ) -> None:
         tm = self.timings
         tm.engine += t1 - t0
         tm.convert += t2 - t1
         tm.calls += 1
         tm.prompts += len(checked)
         tm.rows += sum(s.num_rows for s in scores)
-        return scores
 
     async def aclose(self) -> None:
         """Release the engine (idempotent); later ``score`` calls raise EngineClosedError."""

@@ -7,6 +7,12 @@ memory is ``chunk_rows x V`` floats, never the full ``[L, V]`` logits. Rows are 
 ``protocol.py`` (position ``j``'s distribution predicts token ``j + 1``; the last position is not
 scored).
 
+Sampled targets (:meth:`score_sampled`, protocol.py) take the same pass: per chunk
+``lp = log_softmax((h W^T + b) / T)`` feeds
+:func:`~logitcache.cache_format.sampling.sample_rows` with the chunk's rows of the prompt's
+uniforms (:func:`~logitcache.cache_format.sampling.uniforms` of ``(seed, key)``), so the draws
+equal those of one pass over the whole ``[L-1, V]`` block without ever building it.
+
 The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the event loop stays
 free and calls are serialised. Models whose head does more than a linear map (logit soft-capping
 or scaling in the config) are refused, since the chunked head would silently differ.
@@ -20,7 +26,7 @@ from typing import Any
 
 from .base import BaseEngine
 from .config import EngineConfig, HfOptions, engine_info
-from .protocol import EngineConfigError, TeacherScores, make_scores
+from .protocol import EngineConfigError, SampledTargets, TeacherScores, make_scores
 
 #: Config attributes that mean the logits are not just ``h W^T + b``.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
@@ -121,6 +127,22 @@ class TransformersEngine(BaseEngine):
             del z, lp
         return torch.cat(ids_out), torch.cat(lps_out)
 
+    def _sampled_rows(self, hidden: Any, key: str, targets: SampledTargets) -> TeacherScores:
+        """Sampled rows (FORMAT.md 4.4) of ``hidden [n, d]``, ``chunk_rows`` rows at a time."""
+        from logitcache.cache_format.sampling import sample_from_hidden, uniforms
+
+        u = uniforms(targets.seed, key, int(hidden.shape[0]), targets.draws)
+        ids, lw = sample_from_hidden(
+            hidden,
+            self.head_weight,
+            u,
+            bias=self.head_bias,
+            temperature=self.cfg.temperature,
+            proposal_temperature=targets.proposal_temperature,
+            chunk_rows=self.chunk_rows,
+        )
+        return make_scores(ids, lw)
+
     def _batches(self, prompts: list[list[int]]) -> list[list[int]]:
         """Prompt indices grouped by length (longest first) so padded tokens stay under
         ``batch_tokens`` (a longer prompt gets a batch of its own)."""
@@ -138,6 +160,14 @@ class TransformersEngine(BaseEngine):
         return batches
 
     def _score_sync(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        def topk(i: int, hidden: Any) -> TeacherScores:
+            tid, tlp = self._topk_rows(hidden, k)
+            return make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
+
+        return self._forward_rows(prompts, topk)
+
+    def _forward_rows(self, prompts: list[list[int]], rows: Any) -> list[TeacherScores]:
+        """``rows(i, hidden [L_i - 1, d])`` of every prompt after batched decoder forwards."""
         import torch
 
         out: list[TeacherScores | None] = [None] * len(prompts)
@@ -154,14 +184,22 @@ class TransformersEngine(BaseEngine):
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
                 ).last_hidden_state
                 for r, i in enumerate(batch):
-                    n = len(prompts[i])
-                    tid, tlp = self._topk_rows(hidden[r, : n - 1], k)
-                    out[i] = make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
+                    out[i] = rows(i, hidden[r, : len(prompts[i]) - 1])
         return [s for s in out if s is not None]
 
     async def _generate(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
         """The forward in a worker thread (calls are serialised by a lock)."""
         return await asyncio.to_thread(self._score_sync, prompts, k)
+
+    async def _generate_sampled(
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+    ) -> list[TeacherScores]:
+        """Sampled rows from the chunked lm-head pass, in a worker thread."""
+
+        def sampled(i: int, hidden: Any) -> TeacherScores:
+            return self._sampled_rows(hidden, keys[i], targets)
+
+        return await asyncio.to_thread(self._forward_rows, prompts, sampled)
 
     async def _close(self) -> None:
         """Drop the model."""

@@ -16,6 +16,16 @@ any work is done: an empty batch or prompt, a prompt shorter than 2 tokens or lo
 Engine configuration problems raise :class:`EngineConfigError`; failures inside a running engine
 raise :class:`EngineError`.
 
+**Sampled targets** (:meth:`TeacherEngine.score_sampled`; FORMAT.md 4.4, the estimator of
+``cache_format/sampling.py``): with :class:`SampledTargets` ``(draws N, proposal_temperature tau,
+seed)`` and one sequence key per prompt, row ``j`` instead holds the ``m <= N`` distinct ids of
+``N`` draws from ``q ∝ p_j^(1/tau)`` (``p_j`` the distribution above), sorted by descending
+importance weight ``w_i ∝ c_i p_i / q_i`` (normalised), padded to ``N`` slots with the smallest
+ids not drawn at log-weight ``PAD_LOGPROB``; ``topk_logprobs = log w`` and ``tail_mass ~ 0``.
+The uniforms of a prompt come from a generator seeded by ``sha256(f"{seed}:{key}")`` (row ``j``
+uses row ``j`` of them), so the rows depend on (seed, key, teacher distribution) only: not on
+batching, chunking, the backend's own RNG or a resumed job.
+
 This module imports nothing of the backends (numpy and the format's records only).
 """
 
@@ -27,6 +37,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 from logitcache.cache_format.records import TopkRows, tail_from_logprobs
+from logitcache.cache_format.sampling import METHOD, sampling_manifest
 
 Backend = Literal["vllm", "transformers"]
 
@@ -101,6 +112,69 @@ class ScoreTimings:
         self.prompts = self.rows = self.calls = 0
 
 
+#: Largest ``draws`` a sampled request may ask for (the row width of a sampled cache).
+MAX_DRAWS = 4096
+#: The target kinds an engine can produce (a cache manifest's ``targets``).
+TargetKind = Literal["topk", "sampled"]
+
+
+@dataclass(frozen=True)
+class SampledTargets:
+    """Parameters of sampled targets (see the module docstring): ``draws`` N i.i.d. draws per
+    row from ``q ∝ p^(1/proposal_temperature)``, sequence generators seeded from ``seed``."""
+
+    draws: int
+    proposal_temperature: float = 1.0
+    seed: int = 0
+
+    def manifest(self) -> dict[str, object]:
+        """The cache manifest's ``sampling`` object for these parameters."""
+        return sampling_manifest(self.draws, self.proposal_temperature, self.seed)
+
+    @classmethod
+    def from_manifest(cls, sampling: dict[str, object]) -> SampledTargets:
+        """The parameters a sampled cache's manifest records (``sampling``)."""
+        if sampling.get("method") != METHOD:
+            raise EngineInputError(f"unknown sampling method {sampling.get('method')!r}")
+        return cls(
+            draws=int(sampling["draws"]),  # type: ignore[call-overload]
+            proposal_temperature=float(sampling["proposal_temperature"]),  # type: ignore[arg-type]
+            seed=int(sampling["seed"]),  # type: ignore[call-overload]
+        )
+
+
+def check_sampled(targets: SampledTargets, vocab_size: int) -> SampledTargets:
+    """``targets`` if ``1 <= draws <= min(MAX_DRAWS, vocab_size)``, ``proposal_temperature`` a
+    finite number > 0 and ``0 <= seed < 2**63``; :class:`EngineInputError` otherwise."""
+    if not isinstance(targets, SampledTargets):
+        raise EngineInputError(f"expected SampledTargets, got {type(targets).__name__}")
+    d, tau, seed = targets.draws, targets.proposal_temperature, targets.seed
+    if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 1:
+        raise EngineInputError(f"draws must be an integer >= 1, got {d!r}")
+    if d > min(MAX_DRAWS, vocab_size):
+        raise EngineInputError(
+            f"draws={d} exceeds the limit {min(MAX_DRAWS, vocab_size)} "
+            f"(min of {MAX_DRAWS} and the vocabulary size)"
+        )
+    if isinstance(tau, bool) or not isinstance(tau, int | float) or not 0 < tau < float("inf"):
+        raise EngineInputError(f"proposal_temperature must be a finite number > 0, got {tau!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**63:
+        raise EngineInputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return SampledTargets(int(d), float(tau), int(seed))
+
+
+def check_keys(keys: Sequence[str], n: int) -> list[str]:
+    """One non-empty string key per prompt (the sampled rows' seed input)."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise EngineInputError("keys must be a list of strings")
+    if len(keys) != n:
+        raise EngineInputError(f"{len(keys)} keys for {n} prompts")
+    for i, key in enumerate(keys):
+        if not isinstance(key, str) or not key:
+            raise EngineInputError(f"key {i}: must be a non-empty string")
+    return list(keys)
+
+
 @runtime_checkable
 class TeacherEngine(Protocol):
     """A teacher that scores token-id prompts (see the module docstring for the contract)."""
@@ -117,6 +191,18 @@ class TeacherEngine(Protocol):
 
     async def aclose(self) -> None:
         """Release the engine; later calls raise :class:`EngineClosedError`."""
+        ...
+
+
+@runtime_checkable
+class SamplingTeacherEngine(TeacherEngine, Protocol):
+    """A teacher that also produces sampled targets (both backends; see the module docstring)."""
+
+    async def score_sampled(
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+    ) -> list[TeacherScores]:
+        """Sampled rows (``[L-1, draws]``) for every prompt, in order; ``keys[i]`` seeds
+        prompt ``i``'s draws."""
         ...
 
 

@@ -24,6 +24,16 @@ multiply into the logits before the log-softmax (``LogitsProcessor(scale=config.
 so the returned values are exactly ``log_softmax(z / T)``. Architectures whose vLLM
 implementation ignores ``logit_scale`` are refused for ``T != 1`` (:data:`LOGIT_SCALE_ARCHS`).
 
+Sampled targets (:meth:`VllmEngine.score_sampled`, protocol.py) are drawn inside vLLM's worker,
+where the full ``[n, V]`` log-softmax of a prompt chunk exists (:mod:`.vllm_sampling`; vLLM's
+logits processors never see prompt positions): a request carries its sequence seed, ``draws``
+and proposal temperature in ``extra_args`` and comes back, through the array form of
+:mod:`.vllm_logprobs`, as ``[L - 1, draws + 1]`` arrays whose column 0 is the marker
+``vllm_sampling.MARK`` (checked: a worker without the hook is an error) and whose other columns
+are the sampled ids and log-weights. The engine names
+``vllm_sampling.SamplingWorkerExtension`` as vLLM's ``worker_extension_cls`` so that every
+worker process installs the hook, whether in-process or started by vLLM.
+
 Two drivers, same results:
 
 * ``async``: vLLM's ``AsyncLLM`` (the engine core runs in its own process; what a GPU server
@@ -64,6 +74,7 @@ from .protocol import (
     EngineConfigError,
     EngineError,
     EngineInputError,
+    SampledTargets,
     TeacherScores,
     make_scores,
 )
@@ -74,6 +85,9 @@ from .vllm_logprobs import TensorPromptLogprobs
 LOGIT_SCALE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 _DEFAULT_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
+
+#: vLLM ``worker_extension_cls`` whose import installs the sampled-targets hook in a worker.
+WORKER_EXTENSION = "logitcache.server.engine.vllm_sampling.SamplingWorkerExtension"
 
 
 # ------------------------------------------------------------------------------- conversion
@@ -150,6 +164,27 @@ def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
     else:
         ids, lps = rows_from_dicts(pl, k, length)
     return make_scores(ids, lps)
+
+
+def sampled_from_output(output: Any, length: int, draws: int) -> TeacherScores:
+    """The sampled rows of one vLLM ``RequestOutput`` of a sampled request (see the module
+    docstring): ``[L - 1, draws + 1]`` arrays, column 0 the hook's marker, dropped."""
+    from .vllm_sampling import MARK
+
+    pl = output.prompt_logprobs
+    if not isinstance(pl, TensorPromptLogprobs):
+        raise EngineError("vLLM returned no prompt-logprob arrays for a sampled request")
+    if not pl.token_ids:
+        raise EngineError(f"vLLM returned no rows for a {length}-token prompt")
+    ids = np.concatenate(pl.token_ids)
+    lps = np.concatenate(pl.logprobs)
+    if ids.shape != (length - 1, draws + 1) or not (ids[:, 0] == MARK).all():
+        raise EngineError(
+            f"vLLM returned prompt rows of shape {ids.shape} without the sampling marker for a "
+            f"{length}-token prompt at draws={draws}: the sampling hook did not run in vLLM's "
+            "worker (is worker_extension_cls overridden?)"
+        )
+    return make_scores(ids[:, 1:], lps[:, 1:])
 
 
 # ----------------------------------------------------------------------------- engine set-up
@@ -401,6 +436,8 @@ class VllmEngine(BaseEngine):
             args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         if not Path(cfg.model).is_dir() and cfg.revision:
             args["revision"] = cfg.revision
+        # sampled targets: vLLM imports this class in every worker, which installs the hook
+        args["worker_extension_cls"] = WORKER_EXTENSION
         overrides = _temperature_overrides(config, cfg.temperature)
         if overrides:
             args["hf_overrides"] = overrides
@@ -410,6 +447,8 @@ class VllmEngine(BaseEngine):
     def _start(self, args: dict[str, Any]) -> None:
         # prompt logprobs as arrays from the engine core's tensors, when this vLLM allows it
         self._arrays = vllm_logprobs.install()
+        from . import vllm_sampling  # noqa: F401 - installs the worker hook in this process
+
         if self.mode == "inproc":
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             from vllm import EngineArgs
@@ -480,6 +519,48 @@ class VllmEngine(BaseEngine):
 
     def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
         return scores_from_output(raw, k, length)
+
+    def _sampled_params(self, key: str, targets: SampledTargets) -> Any:
+        """``SamplingParams`` of one sampled request (the hook's spec in ``extra_args``)."""
+        from logitcache.cache_format.sampling import sequence_seed
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from . import vllm_sampling
+
+        spec = {
+            "seed": sequence_seed(targets.seed, key),
+            "draws": targets.draws,
+            "tau": targets.proposal_temperature,
+        }
+        return SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=vllm_sampling.PROMPT_LOGPROBS,
+            detokenize=False,
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args={vllm_logprobs.FLAG: True, vllm_sampling.FLAG: spec},
+        )
+
+    async def _generate_sampled(
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+    ) -> list[Any]:
+        """Every prompt in flight at once, each with its own sequence seed."""
+        if not self._arrays:
+            raise EngineInputError(
+                "this vLLM cannot return prompt logprobs as arrays: sampled targets need "
+                "vLLM 0.32's LogprobsProcessor (see vllm_logprobs.py)"
+            )
+        one = self._one_inproc if self.mode == "inproc" else self._one_async
+        calls = [
+            one(ids, self._sampled_params(key, targets))
+            for ids, key in zip(prompts, keys, strict=True)
+        ]
+        return list(await asyncio.gather(*calls))
+
+    def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
+        return sampled_from_output(raw, length, targets.draws)
 
     async def _close(self) -> None:
         if self._driver is not None:
