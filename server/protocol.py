@@ -101,6 +101,31 @@ class ErrorResponse(ApiModel):
     error: ErrorDetail
 
 
+# --- target kind ---------------------------------------------------------------------------
+
+#: What a cache's rows hold (FORMAT.md 4.4): the teacher's top-k, or sampled targets.
+TargetKind = Literal["topk", "sampled"]
+
+
+class SamplingOptions(ApiModel):
+    """Sampled targets (random-sampling KD, FORMAT.md 4.4): per row ``draws`` i.i.d. draws from
+    ``q ∝ p^(1/proposal_temperature)``, kept as distinct ids with importance weights; the draws
+    of a sequence are seeded by ``sha256(f"{seed}:{key}")`` (reproducible across resumes)."""
+
+    draws: int = Field(64, strict=True, ge=1, le=MAX_K, description="draws per row (its slots)")
+    proposal_temperature: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="tau of the proposal q ∝ p^(1/tau)"
+    )
+    seed: int = Field(0, strict=True, ge=0, lt=2**63, description="seed of every sequence's draws")
+
+
+def _check_targets(targets: str, sampling: SamplingOptions | None, k: int | None) -> None:
+    if targets == "topk" and sampling is not None:
+        raise ValueError('sampling is only allowed with targets="sampled"')
+    if targets == "sampled" and k is not None:
+        raise ValueError('k does not apply to targets="sampled" (use sampling.draws)')
+
+
 # --- scoring -------------------------------------------------------------------------------
 
 
@@ -118,9 +143,18 @@ class ScoreRequest(ApiModel):
     keys: list[Key] | None = Field(
         None, description="sequence keys (default: content hash of the token ids)"
     )
+    targets: TargetKind = Field(
+        "topk", description="topk rows, or sampled targets (ids with log importance weights)"
+    )
+    sampling: SamplingOptions | None = Field(
+        None,
+        description='targets="sampled" only; default: the cache\'s own, else 64 draws, tau 1, '
+        "seed 0",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> ScoreRequest:
+        _check_targets(self.targets, self.sampling, self.k)
         given = [x for x in (self.input_ids, self.texts) if x is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of input_ids or texts")
@@ -228,9 +262,20 @@ class JobCreate(ApiModel):
     dataset: ShortText | None = Field(
         None, description="dataset description for a new cache manifest"
     )
+    targets: TargetKind = Field(
+        "topk",
+        description="what the cache holds: topk rows, or sampled targets (one cache, one kind: "
+        "another kind than an existing cache's is a 409)",
+    )
+    sampling: SamplingOptions | None = Field(
+        None,
+        description='targets="sampled" only; default: the cache\'s own, else 64 draws, tau 1, '
+        "seed 0",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
+        _check_targets(self.targets, self.sampling, self.k)
         if (self.file is None) == (self.records is None):
             raise ValueError("give exactly one of file or records")
         if self.records is not None and not self.records:
