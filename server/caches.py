@@ -181,8 +181,9 @@ class CacheRegistry:
         """The manifest a writer of ``name`` must use for ``expected``'s teacher.
 
         For a new cache: ``expected``. For an existing cache: its own
-        manifest, after checking that every teacher field and ``k`` (when given) agree; any
-        difference raises :class:`ConflictError` listing them.
+        manifest, after checking that every teacher field, ``k`` (when given) and the target
+        kind (``targets``, ``sampling``) agree; any difference raises :class:`ConflictError`
+        listing them.
         """
         stored = self.manifest(name)
         if stored is None:
@@ -195,6 +196,9 @@ class CacheRegistry:
         }
         if k is not None and k != stored.k:
             diff["k"] = {"cache": stored.k, "request": k}
+        for f in ("targets", "sampling"):  # one cache holds one kind of rows (FORMAT.md 4.4)
+            if getattr(stored, f) != getattr(expected, f):
+                diff[f] = {"cache": getattr(stored, f), "request": getattr(expected, f)}
         if diff:
             raise ConflictError(
                 f"cache {name!r} was made with another teacher configuration: "
