@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import SequenceRecord
 
-from . import inputs, pipeline
+from . import inputs, pipeline, targets
 from .caches import CacheRegistry, WriterHandle, check_name
 from .chat import ChatTokenize
 from .errors import ServiceError
@@ -127,7 +127,12 @@ class JobRunner:
                 f"{self.settings.max_inline_records}; use an input file"
             )
         manifest = await asyncio.to_thread(
-            self.scoring.target_manifest, name, req.k, req.dataset or ""
+            targets.target_manifest,
+            self.scoring,
+            name,
+            req.k,
+            req.dataset or "",
+            targets.of_request(req),
         )
         summary, digest = await asyncio.to_thread(self._scan, req)
         counts = summary.counts.as_dict()
@@ -250,8 +255,14 @@ class JobRunner:
         )
         if digest != job.input_digest:
             raise ServiceError("the input file changed since the job was submitted")
+        asked = targets.of_request(spec)
         manifest = await asyncio.to_thread(
-            self.scoring.target_manifest, job.cache, job.k, spec.dataset or ""
+            targets.target_manifest,
+            self.scoring,
+            job.cache,
+            job.k if asked is None else None,
+            spec.dataset or "",
+            asked,
         )
         cm = self.caches.writer(job.cache, manifest)
         handle = await asyncio.to_thread(cm.__enter__)
@@ -281,10 +292,16 @@ class JobRunner:
         requests are scored (they go first)."""
         progress = _Progress(job, handle, self.store, self.metrics, stats)
         depth = self.settings.job_inflight_batches
+        sampled = targets.targets_of(handle.manifest)  # None: top-k rows
         await pipeline.run(
             self._batches(spec, handle),
             score=lambda seqs: pipeline.score_records(
-                self.scoring.engine, seqs, job.k, metrics=self.metrics, source="job"
+                self.scoring.engine,
+                seqs,
+                job.k,
+                metrics=self.metrics,
+                source="job",
+                targets=sampled,
             ),
             write=progress.write,
             depth=lambda: 1 if self.scoring.active else depth,

@@ -43,7 +43,7 @@ from logitcache.cache_format import SequenceRecord
 from . import inputs
 
 if TYPE_CHECKING:
-    from .engine import TeacherEngine
+    from .engine import SampledTargets, TeacherEngine
     from .metrics import Metrics
 
 
@@ -111,13 +111,17 @@ async def score_records(
     *,
     metrics: Metrics | None = None,
     source: str = "job",
+    targets: SampledTargets | None = None,
 ) -> list[SequenceRecord]:
     """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
     the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
-    With ``metrics``, the engine call's time is recorded under ``source``.
+    With ``metrics``, the engine call's time is recorded under ``source``. With ``targets``,
+    sampled rows instead (:func:`.targets.score_rows`: seeded by each sequence's key).
     """
+    from .targets import score_rows
+
     t0 = time.perf_counter()
-    scores = await engine.score([s.input_ids.tolist() for s in seqs], k)
+    scores = await score_rows(engine, seqs, k, targets)
     if metrics is not None:
         metrics.scored(
             source,

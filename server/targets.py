@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import Manifest
 
-from .engine.protocol import EngineInputError, SampledTargets
+from .caches import check_name
+from .engine.protocol import EngineInputError, SampledTargets, check_sampled
 from .errors import InvalidInputError
 
 if TYPE_CHECKING:
     from .engine import TeacherEngine, TeacherScores
     from .inputs import Sequence
+    from .scoring import ScoringService
 
 #: Draws per row of a sampled request that names none (and no existing cache gives them).
 DEFAULT_DRAWS = 64
@@ -61,6 +63,35 @@ def resolve(asked: SampledTargets | str | None, stored: Manifest | None) -> Samp
     if stored is not None and stored.targets == "sampled" and stored.sampling is not None:
         return SampledTargets.from_manifest(stored.sampling)
     return SampledTargets(draws=DEFAULT_DRAWS)
+
+
+def of_request(req: Any) -> SampledTargets | str | None:
+    """:func:`requested` of a ``ScoreRequest`` or ``JobCreate`` (``targets``, ``sampling``,
+    ``k``; a stored job spec from before these fields reads as top-k)."""
+    return requested(getattr(req, "targets", None), getattr(req, "sampling", None), req.k)
+
+
+def target_manifest(
+    service: ScoringService,
+    cache: str,
+    k: int | None,
+    dataset: str,
+    asked: SampledTargets | str | None,
+) -> Manifest:
+    """The manifest to write ``cache`` with for the asked kind (top-k:
+    ``ScoringService.target_manifest``). Sampled: the parameters (:func:`resolve`, checked
+    against the engine: 422), a new cache's manifest at ``k = draws``, and for an existing cache
+    the 409 on any other teacher, kind or sampling parameters."""
+    if asked is None:
+        return service.target_manifest(cache, k, dataset)
+    name = check_name(cache)
+    stored = service.stored_manifest(name)
+    try:
+        chosen = check_sampled(resolve(asked, stored), service.engine.info.vocab_size)
+    except EngineInputError as e:
+        raise InvalidInputError(str(e)) from None
+    expected = with_targets(service.expected_manifest(None, dataset), chosen)
+    return service.caches.target_manifest(name, expected, k=None)
 
 
 def with_targets(expected: Manifest, targets: SampledTargets | None) -> Manifest:
