@@ -361,3 +361,93 @@ def test_read_ranges_equals_per_sequence_reads(cache) -> None:
     fetched = src.fetch([3, 7, 8, 40])
     assert sorted(fetched) == [3, 7, 8, 40]
     assert all(fetched[i].equals(reader.sequence(i)) for i in fetched)
+
+
+# -- follow a cache a job is still filling ---------------------------------------------------
+
+_WRITER = """
+import sys, time
+import numpy as np
+from client_support import manifest, record_for
+from logitcache.cache_format import CacheWriter
+
+url, first, total, batch, pause = sys.argv[1], *map(int, sys.argv[2:5]), float(sys.argv[5])
+rng = np.random.default_rng(first)
+with CacheWriter.open(url, manifest(), fsync=False) as w:
+    for a in range(first, total, batch):
+        recs = []
+        for i in range(a, min(a + batch, total)):
+            body = rng.integers(0, 97, size=int(rng.integers(1, 20))).astype(np.int32)
+            recs.append(record_for(np.concatenate([[i // 97, i % 97], body]), key=f"seq-{i}"))
+        w.append(recs)
+        time.sleep(pause)
+"""
+
+
+def _indices(units: list[dict[str, np.ndarray]]) -> list[int]:
+    """Sequence index of every segment (tokens 0 and 1 of sequence i are i // 97, i % 97)."""
+    return [t[0] * 97 + t[1] for u in units for t in segments(u)]
+
+
+def test_follow_adopts_sequences_a_concurrent_writer_commits_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    """A writer process appends while the loader runs epochs with ``follow=True``: every epoch
+    covers exactly the sequences committed when it was set (each once, values aligned), counts
+    grow, and a state taken mid-epoch resumes to the identical remainder after more commits."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    url = str(tmp_path / "filling")
+    head = [np.array([i // 97, i % 97, *range(5, 15)], dtype=np.int32) for i in range(12)]
+    build_cache(url, head)
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    total = 60
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, url, "12", str(total), "6", "0.1"], env=env
+    )
+    try:
+        ds = CacheDataset(url, tokens_per_item=32, seed=4, follow=True)
+        counts, resumed_checks = [], 0
+        deadline = time.monotonic() + 120
+        epoch = 0
+        while time.monotonic() < deadline:
+            ds.set_epoch(epoch)
+            n = ds.num_sequences
+            counts.append(n)
+            loader = iter(CacheDataLoader(ds, num_workers=0))
+            first = [next(loader) for _ in range(2)]
+            state = ds.state_dict(items_consumed=2)
+            rest = collect(loader)
+            units = collect(first) + rest
+            seen = _indices(units)
+            assert sorted(seen) == list(range(n)), (epoch, n)  # exactly the committed prefix
+            for u in units:  # row j's top-1 id is token j + 1 of the same segment
+                m = u["loss_mask"].astype(bool)
+                assert np.array_equal(u["topk_ids"][..., 0][m], u["labels"][m])
+            if 12 < n < total and resumed_checks < 1:  # the writer is still appending
+                again = CacheDataset(url, tokens_per_item=32, seed=4, follow=True)
+                again.load_state_dict(state)
+                assert again.num_sequences == n
+                assert same_stream(collect(again), rest)
+                again.set_epoch(epoch + 1)  # the next epoch adopts what was committed since
+                assert again.num_sequences >= n
+                resumed_checks += 1
+            if n == total:
+                break
+            epoch += 1
+        assert counts == sorted(counts) and counts[-1] == total
+        assert len(set(counts)) >= 3 and resumed_checks >= 1, counts
+    finally:
+        writer.wait(60)
+    assert writer.returncode == 0
+
+
+def test_follow_with_ranks_needs_a_process_group(cache: tuple[str, list]) -> None:
+    url, _ = cache
+    ds = CacheDataset(url, tokens_per_item=48, follow=True, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="torch.distributed"):
+        ds.set_epoch(1)
