@@ -166,6 +166,29 @@ def test_block_and_window_modes_read_each_sequence_once(
     assert source.asked == Counter(range(NUM_SEQ))
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"shuffle": False},
+        {"shuffle_block_size": 1},
+        {"shuffle_block_size": 4, "shuffle_window": 3, "lanes": 3, "batch_size": 2},
+    ],
+)
+def test_read_threads_do_not_change_the_stream_and_read_once(
+    cache: tuple[str, list], settings: dict
+) -> None:
+    """ReadAhead runs reads in threads ahead of the units: same stream, each sequence read once."""
+    url, _ = cache
+    streams = []
+    for threads in (1, 3):
+        source = _CountingSource(url)
+        ds = CacheDataset(source, tokens_per_item=48, seed=6, read_threads=threads, **settings)
+        streams.append(collect(ds))
+        assert source.asked == Counter(range(NUM_SEQ)), threads
+    assert len(streams[0]) == len(CacheDataset(url, tokens_per_item=48, seed=6, **settings))
+    assert same_stream(streams[0], streams[1])
+
+
 def test_bad_window_is_refused(tmp_path: Path, cache: tuple[str, list]) -> None:
     from logitcache.client import ConfigError
 
