@@ -135,7 +135,7 @@ def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "array
                 vocab_size=VOCAB,
                 max_k=k,
                 tokenizer_fingerprint="replay",
-                max_model_len=4096,
+                max_seq_len=4096,
                 weights_hash="sha256:replay",
             )
 

@@ -49,7 +49,7 @@ def direct_engine_kwargs(settings: dict) -> dict:
     """``vllm.LLM`` arguments equal to what the service's ``VllmEngine`` passes to ``EngineArgs``
     for these settings (see ``server/engine/vllm.py::VllmEngine._engine_args``)."""
     from logitcache.server.engine import engine_config, model_max_len
-    from logitcache.server.engine.vllm import resolve_max_len
+    from logitcache.server.engine.vllm import resolve_seq_len
 
     cfg = engine_config(
         None,
@@ -57,10 +57,10 @@ def direct_engine_kwargs(settings: dict) -> dict:
             "model": settings["model"],
             "max_k": settings["k"],
             "dtype": settings["dtype"],
-            "max_model_len": settings["max_seq_len"],
+            "max_seq_len": settings["max_seq_len"],
         },
     )
-    _, engine_len = resolve_max_len(cfg.max_model_len, model_max_len(cfg.model))
+    _, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
     return dict(
         dtype=cfg.dtype,
         max_model_len=engine_len,

@@ -57,7 +57,7 @@ FORWARDED_ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "LOGITCACHE_"
 #: Tries to start a local Ray cluster (see :func:`init_local_ray`).
 START_ATTEMPTS = 3
 #: Engine limits every replica must agree on, beside the teacher identity.
-ENGINE_LIMITS = ("max_k", "max_model_len")
+ENGINE_LIMITS = ("max_k", "max_seq_len")
 
 
 class DistributedError(ServiceError):
@@ -140,8 +140,8 @@ class ShardWorker:
 
     def _limits(self, engine: TeacherEngine) -> inputs.Limits:
         info = engine.info
-        # the engine was built from these settings: info.max_model_len already holds max_seq_len
-        return inputs.Limits(vocab_size=info.vocab_size, max_len=info.max_model_len)
+        # the engine was built from these settings: info.max_seq_len is already within them
+        return inputs.Limits(vocab_size=info.vocab_size, max_seq_len=info.max_seq_len)
 
     async def scan(self, shard: shards.Shard) -> shards.ShardScan:
         engine = await self._ready()

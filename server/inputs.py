@@ -3,7 +3,7 @@
 A raw input record has ``text`` *or* token ids, and optionally an ``id``. Its sequence key is
 ``str(id)`` when given, else :func:`logitcache.cache_format.records.content_key` of its token ids
 (so text and ids inputs that tokenise alike share a key). A sequence must hold
-``2 <= L <= max_len`` tokens, each in ``[0, vocab_size)``.
+``2 <= L <= max_seq_len`` tokens, each in ``[0, vocab_size)``.
 
 Job batches are a pure function of the input and two limits (:func:`batches`), so a resumed job
 re-forms exactly the batches of the first run: each batch still missing a key is scored whole.
@@ -33,14 +33,14 @@ Tokenize = Callable[[str], list[int]]
 
 @dataclass(frozen=True)
 class Limits:
-    """What a sequence must satisfy: ``2 <= len <= max_len`` and ids in ``[0, vocab_size)``."""
+    """What a sequence must satisfy: ``2 <= len <= max_seq_len`` and ids in ``[0, vocab_size)``."""
 
     vocab_size: int
-    max_len: int
+    max_seq_len: int
     on_long: str = "reject"
     """A job's rule for a longer sequence: reject, truncate, split, skip (server/long_inputs.py)."""
     split_overlap: int = 1
-    """Tokens shared by consecutive windows under ``on_long="split"`` (``1 <= O < max_len``)."""
+    """Tokens shared by consecutive windows under ``on_long="split"`` (``1 <= O < max_seq_len``)."""
     max_text_bytes: int | None = None
     """Longest text in UTF-8 bytes, checked before tokenising (413 above); None: no limit."""
 
@@ -89,9 +89,9 @@ def check_ids(ids: Any, limits: Limits, where: str) -> np.ndarray:
     n = int(arr.shape[0])
     if n < 2:
         raise InvalidInputError(f"{where}: a sequence needs at least 2 tokens, got {n}")
-    if n > limits.max_len:
+    if n > limits.max_seq_len:
         raise PayloadTooLargeError(
-            f"{where}: {n} tokens exceed the server's max sequence length {limits.max_len}"
+            f"{where}: {n} tokens exceed the server's max sequence length {limits.max_seq_len}"
         )
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= limits.vocab_size:
@@ -166,12 +166,12 @@ def fit_sequences(
     counts: long_inputs.InputCounts | None = None,
 ) -> list[Sequence]:
     """``raw`` as the sequences a job scores under ``limits.on_long`` (server/long_inputs.py):
-    one sequence, none (``skip``), its first ``max_len`` tokens (``truncate``) or its windows
+    one sequence, none (``skip``), its first ``max_seq_len`` tokens (``truncate``) or its windows
     (``split``, keys ``<key>#w<i>``). ``reject`` raises as :func:`to_sequence` does."""
     if limits.on_long == "reject":
         return [to_sequence(raw, tokenize, limits)]
-    whole = to_sequence(raw, tokenize, replace(limits, max_len=2**62))
-    n, m = whole.length, limits.max_len
+    whole = to_sequence(raw, tokenize, replace(limits, max_seq_len=2**62))
+    n, m = whole.length, limits.max_seq_len
     if n <= m:
         return [whole]
     counts = counts if counts is not None else long_inputs.InputCounts()
@@ -196,9 +196,9 @@ def fit_sequences(
 
 def job_limits(limits: Limits, on_long: str, split_overlap: int) -> Limits:
     """``limits`` with a job's long-sequence rule (InvalidInputError for an impossible overlap)."""
-    if on_long == "split" and not 1 <= split_overlap < limits.max_len:
+    if on_long == "split" and not 1 <= split_overlap < limits.max_seq_len:
         raise InvalidInputError(
-            f"split_overlap must be in [1, {limits.max_len}) (the max sequence length), "
+            f"split_overlap must be in [1, {limits.max_seq_len}) (the max sequence length), "
             f"got {split_overlap}"
         )
     return replace(limits, on_long=on_long, split_overlap=split_overlap)

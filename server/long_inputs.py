@@ -33,17 +33,17 @@ OnLong = Literal["reject", "truncate", "split", "skip"]
 ON_LONG_CHOICES: tuple[str, ...] = ("reject", "truncate", "split", "skip")
 
 
-def windows(n: int, max_len: int, overlap: int = 1) -> list[tuple[int, int]]:
+def windows(n: int, max_seq_len: int, overlap: int = 1) -> list[tuple[int, int]]:
     """``[(start, stop)]`` of the split windows of an ``n``-token sequence (module docstring)."""
-    if not 1 <= overlap < max_len:
-        raise ValueError(f"split_overlap must be in [1, {max_len}), got {overlap}")
-    if n <= max_len:
+    if not 1 <= overlap < max_seq_len:
+        raise ValueError(f"split_overlap must be in [1, {max_seq_len}), got {overlap}")
+    if n <= max_seq_len:
         return [(0, n)]
-    stride = max_len - overlap
+    stride = max_seq_len - overlap
     out = []
     start = 0
     while True:
-        stop = min(start + max_len, n)
+        stop = min(start + max_seq_len, n)
         out.append((start, stop))
         if stop >= n:
             return out

@@ -147,7 +147,7 @@ def banner_lines(settings: ServerSettings, services: Any) -> list[str]:
     info = services.engine.info
     k_eff = min(settings.k, info.max_k)
     asked = settings.max_seq_len
-    max_len = services.scoring.limits.max_len
+    max_len = services.scoring.limits.max_seq_len
     capped = f" (asked {asked}; capped by the model)" if max_len < asked else ""
     data = Path(settings.data_dir).expanduser().absolute()
     data_note = "" if data.is_dir() else "  (does not exist yet: create it for file inputs)"

@@ -257,7 +257,7 @@ async def models(services: ServicesDep) -> dict[str, Any]:
                 "owned_by": "logitcache",
                 "root": name,
                 "parent": None,
-                "max_model_len": services.scoring.limits.max_len,
+                "max_model_len": services.scoring.limits.max_seq_len,
             }
         ],
     }

@@ -75,7 +75,7 @@ class ScoringService:
         info = engine.info
         self.limits = Limits(
             vocab_size=info.vocab_size,
-            max_len=min(settings.max_seq_len, info.max_model_len),
+            max_seq_len=min(settings.max_seq_len, info.max_seq_len),
             max_text_bytes=settings.text_byte_limit,
         )
         self.gate = TokenGate(settings.max_queued_tokens)

@@ -41,7 +41,7 @@ def test_engines_satisfy_the_protocol_and_agree_on_identity(vllm_engine, hf_engi
     assert vllm_engine.info.revision == hf_engine.info.revision
     assert vllm_engine.info.revision.startswith("local-")
     # vLLM needs one position for the generated token: the longest prompt is max_pos - 1.
-    assert vllm_engine.info.max_model_len == 1023
+    assert vllm_engine.info.max_seq_len == 1023
     text = tiny.texts("heldout")[3]
     assert vllm_engine.tokenize(text) == hf_engine.tokenize(text) == tiny.encode([text])[0]
 
@@ -131,7 +131,7 @@ BAD_PROMPTS = [
     ([[1, 2], [1, -1]], "prompt 1: token id -1"),
     ([[1, 4096]], "outside the vocabulary"),
     ([[1, 2.5]], "must be integers"),
-    ([[1] * 1100], "exceed the engine's max_model_len"),
+    ([[1] * 1100], "exceed the engine's max_seq_len"),
 ]
 
 
@@ -165,7 +165,7 @@ def test_settings_object_maps_onto_the_engine_config(tiny) -> None:
 
     s = ServerSettings(_env_file=None, model=str(tiny.teacher_dir), backend="hf", k=7)
     cfg = engine_config(s, dtype="float32")
-    assert (cfg.backend, cfg.max_k, cfg.dtype, cfg.max_model_len) == (
+    assert (cfg.backend, cfg.max_k, cfg.dtype, cfg.max_seq_len) == (
         "transformers",
         7,
         "float32",

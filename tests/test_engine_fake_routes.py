@@ -105,7 +105,7 @@ def test_job_writes_every_record_once(tmp_path: Path) -> None:
         ({"input_ids": [[1, 2]], "k": True}, 422),
         ({"input_ids": [[1, 300]]}, 422),  # outside the vocabulary
         ({"input_ids": [[1]]}, 422),  # no row
-        ({"input_ids": [list(range(2, 600))]}, 422),  # longer than max_model_len=512
+        ({"input_ids": [list(range(2, 600))]}, 422),  # longer than max_seq_len=512
     ],
 )
 def test_bad_requests_are_4xx_and_write_nothing(tmp_path: Path, payload: dict, status: int) -> None:

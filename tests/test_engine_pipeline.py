@@ -18,7 +18,7 @@ from logitcache.server.caches import expected_manifest
 pytestmark = pytest.mark.fast
 
 K = 4
-LIMITS = inputs.Limits(vocab_size=300, max_len=512)
+LIMITS = inputs.Limits(vocab_size=300, max_seq_len=512)
 
 
 def _raws(n: int) -> list[inputs.RawRecord]:

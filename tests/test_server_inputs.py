@@ -22,7 +22,7 @@ from logitcache.server.errors import (
 from logitcache.server.job_store import JobStore
 from logitcache.server.protocol import InlineRecord, InputFile, JobState
 
-LIMITS = inputs.Limits(vocab_size=100, max_len=8)
+LIMITS = inputs.Limits(vocab_size=100, max_seq_len=8)
 
 
 def fake_tokenize(text: str) -> list[int]:

@@ -17,7 +17,7 @@ from logitcache.server.errors import InvalidInputError
 from logitcache.server.protocol import InputFile
 
 TEXTS = [f"record number {i} says hello" for i in range(10)]
-LIMITS = inputs.Limits(vocab_size=256, max_len=512)
+LIMITS = inputs.Limits(vocab_size=256, max_seq_len=512)
 
 
 def tok(text: str) -> list[int]:
@@ -104,7 +104,7 @@ def test_split_windows_cover_every_target(n: int, m: int, o: int) -> None:
 
 
 def test_on_long_policies_and_counts() -> None:
-    limits = inputs.Limits(vocab_size=100, max_len=8)
+    limits = inputs.Limits(vocab_size=100, max_seq_len=8)
     long_ids = list(range(1, 21))  # 20 tokens
     raws = [
         _raw(0, [1, 2, 3]),
@@ -180,4 +180,4 @@ def test_chat_records_need_a_template_and_render_with_it(tiny_tokenizer, tmp_pat
         inputs.scan(both, chat_tok, LIMITS_TINY)
 
 
-LIMITS_TINY = inputs.Limits(vocab_size=4096, max_len=512)
+LIMITS_TINY = inputs.Limits(vocab_size=4096, max_seq_len=512)

@@ -97,7 +97,7 @@ class EngineConfig:
     """Backend-independent engine options (what :func:`engine_config` reads from settings).
 
     ``max_k``: the largest ``k`` a request may ask for (vLLM ``max_logprobs``).
-    ``max_model_len``: the longest prompt accepted (``None``: the model's own limit; vLLM needs
+    ``max_seq_len``: the longest prompt accepted (``None``: the model's own limit; vLLM needs
     room for one generated token, see :mod:`.vllm`). ``memory_share`` is vLLM's
     ``gpu_memory_utilization``; on CPU the KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE``.
     ``options``: backend options, parsed by :class:`VllmOptions` / :class:`HfOptions`.
@@ -108,7 +108,7 @@ class EngineConfig:
     max_k: int = 20
     temperature: float = 1.0
     dtype: str = "auto"
-    max_model_len: int | None = None
+    max_seq_len: int | None = None
     revision: str | None = None
     tokenizer: str | None = None
     model_id: str | None = None
@@ -127,8 +127,8 @@ class EngineConfig:
             raise EngineConfigError(f"max_k must be >= 1, got {self.max_k}")
         if not self.temperature > 0:
             raise EngineConfigError(f"temperature must be > 0, got {self.temperature}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise EngineConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise EngineConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
     @property
     def display_id(self) -> str:
@@ -154,7 +154,7 @@ def engine_info(
     *,
     tokenizer: Any,
     vocab_size: int,
-    max_model_len: int,
+    max_seq_len: int,
     backend: Backend,
     dtype: str,
 ) -> EngineInfo:
@@ -171,7 +171,7 @@ def engine_info(
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         temperature=cfg.temperature,
         logprob_mode=LOGPROB_MODE,
-        max_model_len=max_model_len,
+        max_seq_len=max_seq_len,
         backend=backend,
         dtype=dtype,
         weights_hash=weights_hash(cfg.model),
@@ -186,8 +186,7 @@ _SETTINGS_FIELDS = {
     "max_k": "max_k",
     "temperature": "temperature",
     "dtype": "dtype",
-    "max_seq_len": "max_model_len",
-    "max_model_len": "max_model_len",
+    "max_seq_len": "max_seq_len",
     "revision": "revision",
     "tokenizer": "tokenizer",
     "memory_share": "memory_share",

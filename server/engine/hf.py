@@ -95,14 +95,14 @@ class TransformersEngine(BaseEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         vocab = int(self.head_weight.shape[0])
         model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or None
-        if cfg.max_model_len is None and model_max is None:
-            raise EngineConfigError("max_model_len unknown: set it (the model config has none)")
-        max_len = min(x for x in (cfg.max_model_len, model_max) if x is not None)
+        if cfg.max_seq_len is None and model_max is None:
+            raise EngineConfigError("max_seq_len unknown: set it (the model config has none)")
+        max_seq_len = min(x for x in (cfg.max_seq_len, model_max) if x is not None)
         self.info = engine_info(
             cfg,
             tokenizer=self.tokenizer,
             vocab_size=vocab,
-            max_model_len=max_len,
+            max_seq_len=max_seq_len,
             backend="transformers",
             dtype=str(self.dtype).removeprefix("torch."),
         )

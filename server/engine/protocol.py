@@ -12,7 +12,7 @@ describes the teacher's distribution of token ``x_{j+1}`` given ``x_0 .. x_j`` (
 
 Bad input raises :class:`EngineInputError` (a ``ValueError``; the server maps it to 4xx) before
 any work is done: an empty batch or prompt, a prompt shorter than 2 tokens or longer than
-``info.max_model_len``, token ids outside ``[0, vocab_size)``, ``k`` outside ``[1, max_k]``.
+``info.max_seq_len``, token ids outside ``[0, vocab_size)``, ``k`` outside ``[1, max_k]``.
 Engine configuration problems raise :class:`EngineConfigError`; failures inside a running engine
 raise :class:`EngineError`.
 
@@ -67,7 +67,7 @@ class EngineClosedError(EngineError):
 class EngineInfo:
     """What a cache manifest needs to know about the teacher behind an engine.
 
-    ``max_k``: the largest ``k`` a request may ask for; ``max_model_len``: the longest prompt
+    ``max_k``: the largest ``k`` a request may ask for; ``max_seq_len``: the longest prompt
     (in tokens) the engine accepts. ``weights_hash``: a content hash of the weight files
     (:func:`logitcache.server.engine.identity.weights_hash`; ``None`` for a hub id not on disk).
     """
@@ -79,7 +79,7 @@ class EngineInfo:
     tokenizer_fingerprint: str
     temperature: float = 1.0
     logprob_mode: str = LOGPROB_MODE
-    max_model_len: int = 2048
+    max_seq_len: int = 2048
     backend: str = "vllm"
     dtype: str = "float32"
     weights_hash: str | None = None
@@ -256,9 +256,9 @@ def check_prompts(prompts: Sequence[Sequence[int]], info: EngineInfo) -> list[li
             raise EngineInputError(f"prompt {i}: token ids must be integers, got {arr.dtype}")
         if n < 2:
             raise EngineInputError(f"prompt {i}: needs at least 2 tokens to have a row, got {n}")
-        if n > info.max_model_len:
+        if n > info.max_seq_len:
             raise EngineInputError(
-                f"prompt {i}: {n} tokens exceed the engine's max_model_len={info.max_model_len}"
+                f"prompt {i}: {n} tokens exceed the engine's max_seq_len={info.max_seq_len}"
             )
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= info.vocab_size:

@@ -221,18 +221,18 @@ def _temperature_overrides(config: dict[str, Any], temperature: float) -> dict[s
     return {"logit_scale": float(config.get("logit_scale", 1.0)) / temperature}
 
 
-def resolve_max_len(requested: int | None, model_max: int | None) -> tuple[int, int]:
-    """``(accepted prompt length, vLLM max_model_len)``: vLLM refuses a prompt of exactly
+def resolve_seq_len(requested: int | None, model_max: int | None) -> tuple[int, int]:
+    """``(max_seq_len, vLLM max_model_len)``: vLLM refuses a prompt of exactly
     ``max_model_len`` tokens (it needs room for the one generated token), so the engine gets one
     more position than the longest accepted prompt, within the model's limit."""
     if model_max is None:
         if requested is None:
-            raise EngineConfigError("max_model_len unknown: set it (the model config has none)")
+            raise EngineConfigError("max_seq_len unknown: set it (the model config has none)")
         return requested, requested + 1
     if model_max < 3:
         raise EngineConfigError(f"model supports only {model_max} positions")
-    accepted = min(requested, model_max - 1) if requested is not None else model_max - 1
-    return accepted, accepted + 1
+    max_seq_len = min(requested, model_max - 1) if requested is not None else model_max - 1
+    return max_seq_len, max_seq_len + 1
 
 
 def _resolve_mode(mode: str) -> str:
@@ -388,7 +388,7 @@ class VllmEngine(BaseEngine):
         self.mode = _resolve_mode(self.options.mode)
         config = _read_config(cfg.model)
         vocab_size = _model_vocab_size(config)
-        accepted, engine_len = resolve_max_len(cfg.max_model_len, model_max_len(cfg.model))
+        max_seq_len, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
@@ -396,7 +396,7 @@ class VllmEngine(BaseEngine):
             cfg,
             tokenizer=self.tokenizer,
             vocab_size=vocab_size,
-            max_model_len=accepted,
+            max_seq_len=max_seq_len,
             backend="vllm",
             dtype=cfg.dtype,
         )
