@@ -78,6 +78,8 @@ class Manifest(BaseModel):
     weights (FORMAT.md "Sampled targets"); a cache holds one kind."""
     sampling: dict[str, Any] | None = None
     """``targets="sampled"`` only: ``{"method", "draws", "proposal_temperature", "seed"}``."""
+    loss_mask: bool = False
+    """The store has the row-aligned ``loss_mask`` array (FORMAT.md 4.6); set at creation."""
 
     @model_validator(mode="after")
     def _sampling_matches_targets(self) -> Manifest:
@@ -124,6 +126,8 @@ class Manifest(BaseModel):
             doc.pop("sampling", None)
         if self.format_version < 2:
             doc.pop("num_key_bytes", None)
+        if not self.loss_mask:  # stores without a mask keep their exact manifest
+            doc.pop("loss_mask", None)
         return doc
 
     def identity(self) -> dict[str, Any]:

@@ -47,6 +47,18 @@ def _as_float32(name: str, value: Any, key: str | None) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def _as_mask(value: Any, rows: int, key: str | None) -> np.ndarray:
+    """A loss mask as uint8 ``[rows]`` of 0/1 (bools or integers 0/1; else RecordError)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biu":
+        raise RecordError(f"loss_mask must be bools or 0/1 ints, got dtype {arr.dtype}", key=key)
+    if arr.shape != (rows,):
+        raise RecordError(f"loss_mask must be [L-1={rows}], got {arr.shape}", key=key)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1):
+        raise RecordError("loss_mask values must be 0 or 1", key=key)
+    return np.ascontiguousarray(arr, dtype=np.uint8)
+
+
 class TopkRows:
     """Sizes derived from a ``topk_ids [rows, k]`` array (shared by every holder of rows, e.g.
     :class:`SequenceRecord` and the server's ``TeacherScores``)."""
@@ -70,9 +82,11 @@ class SequenceRecord(TopkRows):
 
     Fields: ``key`` (caller's id, or ``None`` for the content key of ``input_ids``),
     ``input_ids`` ``[L]`` int32, ``topk_ids`` ``[L-1, k]`` int32, ``topk_logprobs`` ``[L-1, k]``
-    float32, ``tail_mass`` ``[L-1]`` float32 or ``None`` (then computed from the logprobs).
-    Construction coerces dtypes and checks shapes (:class:`RecordError`); value checks against a
-    manifest (vocab, k, order, NaN) are :func:`check_record`'s job.
+    float32, ``tail_mass`` ``[L-1]`` float32 or ``None`` (then computed from the logprobs),
+    ``loss_mask`` ``[L-1]`` uint8 of 0/1 or ``None`` (row ``j`` is trained on iff 1; ``None``:
+    every row is, FORMAT.md 4.6). Construction coerces dtypes and checks shapes
+    (:class:`RecordError`); value checks against a manifest (vocab, k, order, NaN) are
+    :func:`check_record`'s job.
     """
 
     key: str | None
@@ -80,6 +94,7 @@ class SequenceRecord(TopkRows):
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
     tail_mass: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         key = self.key
@@ -102,6 +117,8 @@ class SequenceRecord(TopkRows):
             tail = _as_float32("tail_mass", tail, key)
             if tail.shape != (rows,):
                 raise RecordError(f"tail_mass must be [L-1={rows}], got {tail.shape}", key=key)
+        if self.loss_mask is not None:
+            object.__setattr__(self, "loss_mask", _as_mask(self.loss_mask, rows, key))
         object.__setattr__(self, "input_ids", ids)
         object.__setattr__(self, "topk_ids", topk)
         object.__setattr__(self, "topk_logprobs", lp)
@@ -138,16 +155,21 @@ class SequenceRecord(TopkRows):
             return False
         if self.tail_mass is not None:
             pairs.append((self.tail_mass, other.tail_mass))
+        if (self.loss_mask is None) != (other.loss_mask is None):
+            return False
+        if self.loss_mask is not None:
+            pairs.append((self.loss_mask, other.loss_mask))
         return all(a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in pairs)
 
     def to_torch(self) -> dict[str, Any]:
-        """Tensors: input_ids, labels, topk_ids, topk_logprobs, tail_mass (and the key).
+        """Tensors: input_ids, labels, topk_ids, topk_logprobs, tail_mass (and the key), plus
+        ``loss_mask`` (bool ``[L-1]``) when the record has one.
 
         Imports torch lazily; ids become int64 (what embedding/gather ops expect).
         """
         import torch
 
-        return {
+        out = {
             "key": self.key,
             "input_ids": torch.from_numpy(self.input_ids.astype(np.int64)),
             "labels": torch.from_numpy(self.labels.astype(np.int64)),
@@ -155,6 +177,9 @@ class SequenceRecord(TopkRows):
             "topk_logprobs": torch.from_numpy(self.topk_logprobs),
             "tail_mass": torch.from_numpy(self.tail_or_computed()),
         }
+        if self.loss_mask is not None:
+            out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,6 +190,7 @@ class RowBlock:
     topk_ids: np.ndarray  # [n, k] int32
     topk_logprobs: np.ndarray  # [n, k] float32
     tail_mass: np.ndarray  # [n] float32
+    loss_mask: np.ndarray | None = None  # [n] uint8 0/1, loss_mask stores only (FORMAT.md 4.6)
 
     @property
     def stop(self) -> int:
@@ -174,11 +200,14 @@ class RowBlock:
         """Tensors of the block (ids as int64); imports torch lazily."""
         import torch
 
-        return {
+        out = {
             "topk_ids": torch.from_numpy(self.topk_ids.astype(np.int64)),
             "topk_logprobs": torch.from_numpy(self.topk_logprobs),
             "tail_mass": torch.from_numpy(self.tail_mass),
         }
+        if self.loss_mask is not None:
+            out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
+        return out
 
 
 def check_record(rec: SequenceRecord, *, k: int, vocab_size: int, index: int | None = None) -> None:
