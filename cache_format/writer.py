@@ -71,6 +71,15 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
     arrays = encode_logprobs(rec.topk_logprobs, manifest.logprob_dtype)
     arrays[spec.TOPK_IDS] = rec.topk_ids
     arrays[spec.TAIL_MASS] = rec.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
+    if manifest.loss_mask:  # FORMAT.md 4.6: no mask means every row is trained on
+        mask = rec.loss_mask
+        arrays[spec.LOSS_MASK] = np.ones(rec.num_rows, np.uint8) if mask is None else mask
+    elif rec.loss_mask is not None:
+        raise RecordError(
+            "record has a loss_mask but the store has none (create it with loss_mask=True)",
+            key=rec.key,
+            index=index,
+        )
     return _Encoded(rec.key, rec.input_ids, arrays)
 
 
