@@ -66,7 +66,7 @@ def read_ranges(
             for a, b in todo
         ]
         out: list[SequenceRecord] = []
-        for (a, b), (ids, lp, tail, tokens) in zip(
+        for (a, b), (ids, lp, tail, tokens, mask) in zip(
             todo, reader._fetch(spans, logprob_dtype), strict=True
         ):
             r0 = int(row_start[a])
@@ -80,6 +80,7 @@ def read_ranges(
                         ids[rs : rs + n - 1],
                         lp[rs : rs + n - 1],
                         tail[rs : rs + n - 1],
+                        None if mask is None else mask[rs : rs + n - 1],
                     )
                 )
         return out

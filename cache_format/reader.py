@@ -312,7 +312,8 @@ class CacheReader:
     ) -> list[tuple[np.ndarray, ...]]:
         """Read row ranges (and token ranges) of every span in one :meth:`_read`.
 
-        Returns per span ``(topk_ids, logprobs as logprob_dtype, float32 tail[, tokens])``.
+        Returns per span ``(topk_ids, logprobs as logprob_dtype, float32 tail, tokens or None,
+        loss mask or None)`` (the mask only in a ``loss_mask`` store, FORMAT.md 4.6).
         """
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
@@ -320,6 +321,8 @@ class CacheReader:
         names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
         if dtype in spec.QUANTISED_DTYPES:
             names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
+        if self.manifest.loss_mask:
+            names.append(spec.LOSS_MASK)
         jobs = []
         for rows, toks in spans:
             jobs += [(n, rows) for n in names]
@@ -343,7 +346,8 @@ class CacheReader:
                 in_place=True,
             )
             tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
-            out.append((ids, lp, tail) if toks is None else (ids, lp, tail, got[spec.INPUT_IDS]))
+            mask = got.get(spec.LOSS_MASK)
+            out.append((ids, lp, tail, got.get(spec.INPUT_IDS), mask))
         return out
 
     def _out(self, rec):
@@ -355,8 +359,8 @@ class CacheReader:
         i = self._check_seq(i)
 
         def read():
-            ids, lp, tail, tokens = self._fetch([self._span(i)], logprob_dtype)[0]
-            return SequenceRecord(self._keys[i], tokens, ids, lp, tail)
+            ids, lp, tail, tokens, mask = self._fetch([self._span(i)], logprob_dtype)[0]
+            return SequenceRecord(self._keys[i], tokens, ids, lp, tail, mask)
 
         return self._out(self._retry(read))
 
@@ -379,8 +383,8 @@ class CacheReader:
         def read():
             got = self._fetch([self._span(i) for i in idx], logprob_dtype)
             return [
-                SequenceRecord(self._keys[i], tokens, ids, lp, tail)
-                for i, (ids, lp, tail, tokens) in zip(idx, got, strict=True)
+                SequenceRecord(self._keys[i], tokens, ids, lp, tail, mask)
+                for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
             ]
 
         return [self._out(rec) for rec in self._retry(read)]
@@ -397,8 +401,8 @@ class CacheReader:
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
 
         def read():
-            ids, lp, tail = self._fetch([(slice(start, stop), None)], logprob_dtype)[0]
-            return RowBlock(start, ids, lp, tail)
+            ids, lp, tail, _, mask = self._fetch([(slice(start, stop), None)], logprob_dtype)[0]
+            return RowBlock(start, ids, lp, tail, mask)
 
         return self._out(self._retry(read))
 
