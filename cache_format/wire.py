@@ -15,7 +15,8 @@ concatenation of frames; each frame is independent::
     20+H+P  4     CRC32 (zlib, uint32 LE) of header + payload bytes
 
 Arrays: ``input_ids`` ``<i4 [T]``, ``topk_ids`` ``<i4 [R, k]``, ``topk_logprobs`` ``<f4`` or
-``<f2 [R, k]``, optional ``tail_mass`` ``<f4 [R]``; ``T = sum(lengths)``, ``R = T - n``.
+``<f2 [R, k]``, optional ``tail_mass`` ``<f4 [R]``, optional ``loss_mask`` ``|u1 [R]`` (FORMAT.md
+4.6; sent when any record has one, the others as all 1); ``T = sum(lengths)``, ``R = T - n``.
 Record ``i`` owns the ``lengths[i]`` tokens and ``lengths[i] - 1`` rows after those of records
 ``0..i-1``. Decoding returns float32 logprobs.
 """
@@ -44,6 +45,7 @@ _ALLOWED = {
     "topk_ids": {"<i4"},
     "topk_logprobs": {"<f4", "<f2"},
     "tail_mass": {"<f4"},
+    "loss_mask": {"|u1"},
 }
 
 
@@ -80,6 +82,11 @@ def encode_records(
             parts.append(
                 ("tail_mass", np.concatenate([r.tail_or_computed() for r in recs]).astype("<f4"))
             )
+        if any(r.loss_mask is not None for r in recs):
+            masks = [
+                np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in recs
+            ]
+            parts.append(("loss_mask", np.concatenate(masks).astype(np.uint8)))
     payload = b"".join(np.ascontiguousarray(a).tobytes() for _, a in parts)
     raw_len = len(payload)
     flags = 0
@@ -164,6 +171,10 @@ def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
         raise WireFormatError("frame array shapes disagree with lengths")
     lp = arrays["topk_logprobs"].astype(np.float32)
     tail = arrays.get("tail_mass")
+    mask = arrays.get("loss_mask")
+    for name in ("tail_mass", "loss_mask"):
+        if name in arrays and arrays[name].shape != (total - n,):
+            raise WireFormatError(f"frame array {name} shape disagrees with lengths")
     out, t, r = [], 0, 0
     for key, L in zip(keys, lengths, strict=True):
         L = int(L)
@@ -174,6 +185,7 @@ def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
                 arrays["topk_ids"][r : r + L - 1].copy(),
                 lp[r : r + L - 1].copy(),
                 None if tail is None else tail[r : r + L - 1].copy(),
+                None if mask is None else mask[r : r + L - 1].copy(),
             )
         )
         t, r = t + L, r + L - 1
