@@ -132,6 +132,8 @@ def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
         d[spec.LOGPROB_STEP] = ("float32", False)
     if m.id_remap:
         d[spec.ID_ORDER] = ("int32", False)
+    if m.loss_mask:
+        d[spec.LOSS_MASK] = ("uint8", False)
     if m.format_version >= 2:
         d[spec.SEQ_KEY_END] = ("int64", False)
         d[spec.SEQ_KEY_BYTES] = ("uint8", False)
@@ -347,6 +349,17 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
         report.checked_rows = b1
 
 
+def _check_loss_mask(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+    """FORMAT.md 4.6: every committed ``loss_mask`` entry is 0 or 1 (``loss_mask_value``)."""
+    if not m.loss_mask or spec.LOSS_MASK not in arrays:
+        return
+    for b0 in range(0, m.num_rows, BLOCK_ROWS * 16):
+        b1 = min(b0 + BLOCK_ROWS * 16, m.num_rows)
+        mask = _read(arrays, m, report, spec.LOSS_MASK, b0, b1)
+        if mask is not None:
+            _flag(report, "loss_mask_value", "loss_mask entry not 0 or 1", mask > 1, b0, "row")
+
+
 def _check_tokens(arrays: dict, m: Manifest, report: ValidationReport) -> None:
     if spec.INPUT_IDS not in arrays:
         return
@@ -384,7 +397,7 @@ def validate(url: str | Path, storage_options: dict[str, Any] | None = None) -> 
         return report
     report.manifest = m
     arrays = _open_arrays(handle.zstore, m, report)
-    checks: list[Callable] = [_check_index, _check_rows, _check_tokens]
+    checks: list[Callable] = [_check_index, _check_rows, _check_loss_mask, _check_tokens]
     for check in checks:
         try:
             check(arrays, m, report)
