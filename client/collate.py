@@ -35,7 +35,10 @@ Fields of an item (``T`` = budget, ``k`` = top-k width; a batch adds a leading `
 ``position_ids`` [T] int64, ``segment_ids`` [T] int64, ``topk_ids`` [T, k] int64 (or int32),
 ``topk_logprobs`` [T, k] float32, ``tail_mass`` [T] float32, ``loss_mask`` [T] bool.
 Positions without a row hold ``topk_ids = 0``, ``topk_logprobs = 0``, ``tail_mass = 0`` and
-``loss_mask = False``: mask them (``loss_mask``) in every loss.
+``loss_mask = False``: mask them (``loss_mask``) in every loss. A record with a stored loss mask
+(chat data, cache_format FORMAT.md 4.6: row ``j`` trained on iff ``record.loss_mask[j] = 1``)
+also has ``loss_mask = False`` on its masked rows (e.g. the prompt), so every loss that takes
+``mask=batch["loss_mask"]`` trains on the response rows only; ``labels`` keep the tokens.
 """
 
 from __future__ import annotations
@@ -198,6 +201,7 @@ def build_batch(
         "topk_logprobs": np.zeros((B, T, k), dtype=np.float32),
         "tail_mass": np.zeros((B, T), dtype=np.float32),
     }
+    keep = np.ones((B, T), dtype=bool)  # False on rows a record's stored loss mask excludes
     for b, item in enumerate(items):
         offset = 0
         span = plan.item_pieces(int(item))
@@ -214,8 +218,12 @@ def build_batch(
             if record is None:
                 raise SourceError(f"source did not return sequence {seq}")
             _place(out, b, offset, record, start, stop, segment, k)
+            row_mask = getattr(record, "loss_mask", None)
+            if row_mask is not None:
+                rows = np.asarray(row_mask)[start : min(stop, len(record.input_ids) - 1)]
+                keep[b, offset : offset + len(rows)] = rows.astype(bool)
             offset += stop - start
-    out["loss_mask"] = out["labels"] != IGNORE_INDEX
+    out["loss_mask"] = (out["labels"] != IGNORE_INDEX) & keep
     return out
 
 
