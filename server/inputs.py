@@ -59,10 +59,12 @@ class RawRecord:
 
 @dataclass(frozen=True)
 class Sequence:
-    """A checked input sequence: its key and ``[L]`` int32 token ids."""
+    """A checked input sequence: its key, ``[L]`` int32 token ids and, for a chat record of a
+    job with ``loss_mask``, its row loss mask (uint8 ``[L-1]``, server/chat.py; else None)."""
 
     key: str
     input_ids: np.ndarray
+    loss_mask: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -107,8 +109,9 @@ def to_sequence(raw: RawRecord, tokenize: Tokenize, limits: Limits) -> Sequence:
     if sum(x is not None for x in (raw.text, raw.input_ids, raw.messages)) != 1:
         what = "text or token ids" if raw.messages is None else "text, token ids or messages"
         raise InvalidInputError(f"{raw.where}: give exactly one of {what}")
+    mask = None
     if raw.messages is not None:  # a chat record: rendered with the chat template
-        ids = chat.chat_ids(tokenize, raw.messages, raw.where)
+        ids, mask = chat.chat_ids_and_mask(tokenize, raw.messages, raw.where)
     elif raw.text is not None:
         if not isinstance(raw.text, str):
             raise InvalidInputError(f"{raw.where}: text must be a string")
@@ -116,7 +119,8 @@ def to_sequence(raw: RawRecord, tokenize: Tokenize, limits: Limits) -> Sequence:
     else:
         ids = raw.input_ids
     arr = check_ids(ids, limits, raw.where)
-    return Sequence(key=raw.id if raw.id is not None else content_key(arr), input_ids=arr)
+    key = raw.id if raw.id is not None else content_key(arr)
+    return Sequence(key=key, input_ids=arr, loss_mask=mask)
 
 
 def check_text(text: str, limits: Limits, where: str) -> str:
@@ -181,7 +185,8 @@ def fit_sequences(
     if limits.on_long == "truncate":
         counts.truncated += 1
         ids = np.ascontiguousarray(whole.input_ids[:m])
-        return [Sequence(key=raw.id if raw.id is not None else content_key(ids), input_ids=ids)]
+        key = raw.id if raw.id is not None else content_key(ids)
+        return [Sequence(key=key, input_ids=ids, loss_mask=_rows(whole.loss_mask, 0, m))]
     spans = long_inputs.windows(n, m, limits.split_overlap)
     counts.split += 1
     counts.windows += len(spans)
@@ -189,9 +194,15 @@ def fit_sequences(
         Sequence(
             key=long_inputs.window_key(whole.key, i),
             input_ids=np.ascontiguousarray(whole.input_ids[a:b]),
+            loss_mask=_rows(whole.loss_mask, a, b),
         )
         for i, (a, b) in enumerate(spans)
     ]
+
+
+def _rows(mask: np.ndarray | None, a: int, b: int) -> np.ndarray | None:
+    """The loss mask of tokens ``[a, b)``: rows ``a .. b-2`` (row ``j`` predicts token ``j+1``)."""
+    return None if mask is None else np.ascontiguousarray(mask[a : b - 1])
 
 
 def job_limits(limits: Limits, on_long: str, split_overlap: int) -> Limits:

@@ -99,6 +99,7 @@ def to_records(seqs: Seq[inputs.Sequence], scores: Seq[Any]) -> list[SequenceRec
             topk_ids=sc.topk_ids,
             topk_logprobs=sc.topk_logprobs,
             tail_mass=sc.tail_mass,
+            loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/chat.py)
         )
         for s, sc in zip(seqs, scores, strict=True)
     ]
