@@ -7,8 +7,21 @@ tokenised **without** adding special tokens again (the template writes BOS and t
 so the cached ids are exactly the rendered conversation's. A teacher tokenizer without a chat
 template and no ``chat_template`` in the job is an error naming the record: nothing is guessed.
 
-The scored sequence is the whole conversation. A per-row loss mask (prompt vs response rows)
-is not stored: the cache format has no field for it yet.
+The scored sequence is the whole conversation. With ``loss_mask`` (a job option) each record
+also gets a per-row loss mask (cache_format FORMAT.md 4.6), stored with the sequence:
+
+* **Assistant spans.** For each assistant message ``i``, the characters
+  ``[len(P_i), len(F_i))`` of the rendered text, where ``P_i`` renders ``messages[:i]`` with the
+  generation prompt (the assistant header, when the template writes one) and ``F_i`` renders
+  ``messages[:i + 1]``. So a span holds the message's content and whatever the template writes
+  after it (end-of-turn token), and not its role header when the template's generation prompt
+  writes that. Every ``P_i`` must be a prefix of ``F_i`` and every ``F_i`` a prefix of the whole
+  text; a template that rewrites earlier turns (e.g. drops past reasoning) is refused for that
+  record (InvalidInputError), nothing is guessed.
+* **Tokens.** Token ``t`` is a response token iff its first character (the tokenizer's offset
+  mapping) lies in an assistant span.
+* **Rows.** ``loss_mask[j] = 1`` iff token ``j + 1`` is a response token (row ``j`` predicts
+  it), ``0`` for the system/user/tool turns and the template's framing around them.
 """
 
 from __future__ import annotations
@@ -16,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import InvalidInputError
+import numpy as np
+
+from .errors import ConflictError, InvalidInputError
 
 #: Roles a message may have.
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -51,19 +66,24 @@ class ChatTokenize:
         tokenize: Callable[[str], list[int]],
         tokenizer: Any | None,
         chat_template: str | None = None,
+        loss_mask: bool = False,
     ):
         self._tokenize = tokenize
         self._tokenizer = tokenizer
         self.chat_template = chat_template
+        self.loss_mask = loss_mask
+        """Whether chat records also get a loss mask (:meth:`chat_with_mask`)."""
 
     @classmethod
-    def of(cls, engine: Any, chat_template: str | None = None) -> ChatTokenize:
-        return cls(engine.tokenize, getattr(engine, "tokenizer", None), chat_template)
+    def of(
+        cls, engine: Any, chat_template: str | None = None, loss_mask: bool = False
+    ) -> ChatTokenize:
+        return cls(engine.tokenize, getattr(engine, "tokenizer", None), chat_template, loss_mask)
 
     def __call__(self, text: str) -> list[int]:
         return self._tokenize(text)
 
-    def render(self, messages: Any, where: str) -> str:
+    def render(self, messages: Any, where: str, *, generation_prompt: bool = False) -> str:
         """The conversation as text (see the module docstring)."""
         msgs = check_messages(messages, where)
         tok = self._tokenizer
@@ -77,7 +97,10 @@ class ChatTokenize:
             )
         try:
             text = tok.apply_chat_template(
-                msgs, chat_template=template, tokenize=False, add_generation_prompt=False
+                msgs,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
             )
         except Exception as e:  # a Jinja error in a user-given template
             raise InvalidInputError(f"{where}: the chat template failed: {e}") from None
@@ -90,6 +113,37 @@ class ChatTokenize:
         text = self.render(messages, where)
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def assistant_spans(self, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans of its assistant turns (module docstring)."""
+        msgs = check_messages(messages, where)
+        text = self.render(msgs, where)
+        spans = []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            head = self.render(msgs[:i], where, generation_prompt=True) if i else ""
+            full = self.render(msgs[: i + 1], where)
+            if not (full.startswith(head) and text.startswith(full)):
+                raise InvalidInputError(
+                    f"{where}: cannot mark the assistant turns for the loss mask: the chat "
+                    f"template does not render messages[:{i + 1}] as a prefix of the conversation"
+                )
+            if len(full) > len(head):
+                spans.append((len(head), len(full)))
+        return text, spans
+
+    def chat_with_mask(self, messages: Any, where: str) -> tuple[list[int], np.ndarray]:
+        """Token ids of the rendered conversation and its row loss mask (uint8 ``[L-1]``:
+        ``1`` where row ``j`` predicts a token of an assistant turn; module docstring)."""
+        text, spans = self.assistant_spans(messages, where)
+        enc = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+        response = np.zeros(len(ids), dtype=bool)
+        for a, b in spans:
+            response |= (starts >= a) & (starts < b)
+        return ids, response[1:].astype(np.uint8)
+
 
 def chat_ids(tokenize: Any, messages: Any, where: str) -> list[int]:
     """Ids of a chat record with ``tokenize`` (a :class:`ChatTokenize`; else a clear error)."""
@@ -97,3 +151,29 @@ def chat_ids(tokenize: Any, messages: Any, where: str) -> list[int]:
     if chat is None:
         raise InvalidInputError(f"{where}: chat records (messages) are accepted by jobs only")
     return chat(messages, where)
+
+
+def chat_ids_and_mask(
+    tokenize: Any, messages: Any, where: str
+) -> tuple[list[int], np.ndarray | None]:
+    """Ids of a chat record and, when ``tokenize.loss_mask`` is set, its row loss mask."""
+    if getattr(tokenize, "loss_mask", False):
+        return tokenize.chat_with_mask(messages, where)
+    return chat_ids(tokenize, messages, where), None
+
+
+def job_manifest(scoring: Any, cache: str, manifest: Any, loss_mask: bool) -> Any:
+    """The manifest a job with ``loss_mask`` writes ``cache`` with: a new cache is created with
+    the ``loss_mask`` array (FORMAT.md 4.6); an existing cache without one is a 409 (its rows
+    could not hold the mask; nothing is written). Without ``loss_mask``: ``manifest``."""
+    if not loss_mask:
+        return manifest
+    stored = scoring.stored_manifest(cache)
+    if stored is None:
+        return manifest.model_copy(update={"loss_mask": True})
+    if not stored.loss_mask:
+        raise ConflictError(
+            f"cache {cache!r} was created without a loss mask and cannot store one: "
+            "write the job to a new cache, or submit it without loss_mask"
+        )
+    return manifest

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import SequenceRecord
 
-from . import inputs, pipeline, targets
+from . import chat, inputs, pipeline, targets
 from .caches import CacheRegistry, WriterHandle, check_name
 from .chat import ChatTokenize
 from .errors import ServiceError
@@ -134,6 +134,9 @@ class JobRunner:
             req.dataset or "",
             targets.of_request(req),
         )
+        manifest = await asyncio.to_thread(
+            chat.job_manifest, self.scoring, name, manifest, req.loss_mask
+        )
         summary, digest = await asyncio.to_thread(self._scan, req)
         counts = summary.counts.as_dict()
         job = self.store.create(
@@ -163,7 +166,7 @@ class JobRunner:
 
     def _tokenize(self, spec: JobCreate) -> ChatTokenize:
         """The teacher's tokenize, able to render the job's chat records (server/chat.py)."""
-        return ChatTokenize.of(self.scoring.engine, spec.chat_template)
+        return ChatTokenize.of(self.scoring.engine, spec.chat_template, spec.loss_mask)
 
     def status(self, job_id: str) -> JobStatus:
         return self._status(self.store.get(job_id))
@@ -263,6 +266,9 @@ class JobRunner:
             job.k if asked is None else None,
             spec.dataset or "",
             asked,
+        )
+        manifest = await asyncio.to_thread(
+            chat.job_manifest, self.scoring, job.cache, manifest, spec.loss_mask
         )
         cm = self.caches.writer(job.cache, manifest)
         handle = await asyncio.to_thread(cm.__enter__)

@@ -259,6 +259,12 @@ class JobCreate(ApiModel):
         description="Jinja chat template for chat records (messages); default: the teacher "
         "tokenizer's own (server/chat.py)",
     )
+    loss_mask: bool = Field(
+        False,
+        description="store a per-row loss mask with chat records: 1 on rows predicting an "
+        "assistant turn's tokens, 0 elsewhere (server/chat.py, FORMAT.md 4.6); a new cache is "
+        "created with the mask, an existing cache without one is a 409",
+    )
     dataset: ShortText | None = Field(
         None, description="dataset description for a new cache manifest"
     )
