@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,9 @@ class CacheReader:
     return dicts of torch tensors (``record.to_torch()``) instead of numpy records.
     ``direct=False`` reads every array through zarr's array API instead of :mod:`.shardread`
     (same values, slower; for comparison and as an escape hatch).
+    ``decode_threads > 1`` decodes the arrays of one read call (e.g. the sequences of one
+    :meth:`sequences` call) in that many threads (blosc and the numpy kernels release the GIL);
+    the values are the same.
     """
 
     def __init__(
@@ -104,7 +108,12 @@ class CacheReader:
         *,
         as_torch: bool = False,
         direct: bool = True,
+        decode_threads: int = 1,
     ):
+        if decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
+        self.decode_threads = int(decode_threads)
+        self._decode_pool: ThreadPoolExecutor | None = None
         self._handle = open_store(url, storage_options, read_only=True)
         self._store = self._handle.zstore
         self.as_torch = as_torch
@@ -297,15 +306,21 @@ class CacheReader:
         async def gather():
             return await asyncio.gather(*(io(n, sel) for n, sel in jobs))
 
-        out = []
-        for (name, sel), got in zip(jobs, sync(gather()), strict=True):
+        def decode(job: tuple[str, slice], got):
+            name, sel = job
             lay = direct.get(name)
-            if lay is not None:
-                block = lay.empty(sel.stop - sel.start)
-                shardread.decode(lay, got, sel.start, sel.stop, block)
-                got = block
-            out.append(got)
-        return out
+            if lay is None:
+                return got
+            block = lay.empty(sel.stop - sel.start)
+            shardread.decode(lay, got, sel.start, sel.stop, block)
+            return block
+
+        fetched = sync(gather())
+        if self.decode_threads > 1 and len(jobs) > 1:
+            if self._decode_pool is None:
+                self._decode_pool = ThreadPoolExecutor(self.decode_threads, "logitcache-decode")
+            return list(self._decode_pool.map(decode, jobs, fetched))
+        return [decode(job, got) for job, got in zip(jobs, fetched, strict=True)]
 
     def _fetch(
         self, spans: list[tuple[slice, slice | None]], logprob_dtype: str = "float32"

@@ -361,6 +361,14 @@ def test_read_ranges_equals_per_sequence_reads(cache) -> None:
     fetched = src.fetch([3, 7, 8, 40])
     assert sorted(fetched) == [3, 7, 8, 40]
     assert all(fetched[i].equals(reader.sequence(i)) for i in fetched)
+    # decoding one call's arrays in threads gives the same records
+    threaded = CacheReader(url, decode_threads=3)
+    picks = [17, 3, 60, 3, 79, 0]
+    for a, b in zip(threaded.sequences(picks), reader.sequences(picks), strict=True):
+        assert a.equals(b)
+    assert all(a.equals(b) for a, b in zip(threaded.read_ranges(ranges), got, strict=True))
+    with pytest.raises(ValueError):
+        CacheReader(url, decode_threads=0)
 
 
 # -- follow a cache a job is still filling ---------------------------------------------------
