@@ -145,7 +145,7 @@ def banner_lines(settings: ServerSettings, services: Any) -> list[str]:
         else f"http://{shown}:<port> (port 0: see uvicorn's 'running on' line)"
     )
     info = services.engine.info
-    k_eff = min(settings.k, info.max_k)
+    k_eff = services.scoring.default_k
     asked = settings.max_seq_len
     max_len = services.scoring.limits.max_seq_len
     capped = f" (asked {asked}; capped by the model)" if max_len < asked else ""

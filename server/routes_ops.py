@@ -36,7 +36,7 @@ def public_model(model_id: str) -> str:
 async def health(services: ServicesDep) -> Health:
     """Liveness and readiness: 200 once the engine is loaded (503 while starting)."""
     info = services.engine.info
-    k = min(services.settings.k, info.max_k)
+    k = services.scoring.default_k
     return Health(model=public_model(info.model_id), k=k, version=_version())
 
 

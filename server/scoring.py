@@ -78,25 +78,24 @@ class ScoringService:
             max_seq_len=min(settings.max_seq_len, info.max_seq_len),
             max_text_bytes=settings.text_byte_limit,
         )
+        self.default_k = min(settings.k, info.max_k)
+        """The k of a request that names none: the server's ``-k`` within the engine's max_k."""
         self.gate = TokenGate(settings.max_queued_tokens)
         """On-demand admission (``max_queued_tokens``); jobs are accounted apart (job table)."""
 
     # --- checks ---------------------------------------------------------------------------
 
     def resolve_k(self, k: int | None) -> int:
-        """The request's k, or the engine's; above the engine's ``max_k`` is an error."""
+        """The request's ``k``, or :attr:`default_k` when it names none. The one range check of
+        a request's k (the engine's :func:`~.engine.protocol.check_k`: ``1 <= k <= max_k``);
+        422 otherwise, before any engine work."""
+        if k is None:
+            return self.default_k
         info = self.engine.info
-        k = min(self.settings.k, info.max_k) if k is None else k
-        if k < 1:
-            raise InvalidInputError(f"k must be >= 1, got {k}")
-        if k > info.max_k:
-            raise InvalidInputError(
-                f"k={k} exceeds the engine's limit {info.max_k} "
-                "(restart the server with a larger k)"
-            )
-        if k > info.vocab_size:
-            raise InvalidInputError(f"k={k} exceeds the vocabulary size {info.vocab_size}")
-        return k
+        try:
+            return check_k(k, info.max_k, info.vocab_size)
+        except EngineInputError as e:
+            raise InvalidInputError(str(e)) from None
 
     def expected_manifest(self, k: int | None = None, dataset: str = "") -> Manifest:
         """The manifest of a new cache written by this server's engine at ``k`` (checked)."""

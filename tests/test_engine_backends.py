@@ -141,7 +141,8 @@ def test_bad_input_raises_typed_errors(backend, vllm_engine, hf_engine) -> None:
     for prompts, msg in BAD_PROMPTS:
         with pytest.raises(EngineInputError, match=msg):
             _score(engine, prompts)
-    for k, msg in [(0, "k must be >= 1"), (K + 1, "exceeds the engine's max_k"), (2.0, "integer")]:
+    bad_k = [(0, "k must be >= 1"), (K + 1, "exceeds the engine's limit max_k"), (2.0, "integer")]
+    for k, msg in bad_k:
         with pytest.raises(EngineInputError, match=msg):
             _score(engine, [[1, 2, 3]], k)
     with pytest.raises(EngineInputError):

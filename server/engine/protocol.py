@@ -225,7 +225,9 @@ def check_k(k: int, max_k: int, vocab_size: int) -> int:
     if k < 1:
         raise EngineInputError(f"k must be >= 1, got {k}")
     if k > max_k:
-        raise EngineInputError(f"k={k} exceeds the engine's max_k={max_k}")
+        raise EngineInputError(
+            f"k={k} exceeds the engine's limit max_k={max_k} (start it with a larger -k)"
+        )
     if k > vocab_size:
         raise EngineInputError(f"k={k} exceeds the vocabulary size {vocab_size}")
     return k

@@ -92,7 +92,7 @@ def _engine_state(request: Request) -> dict[str, Any]:
         "backend": info.backend,
         "dtype": info.dtype,
         "vocab size": info.vocab_size,
-        "k (default / max)": f"{min(settings.k, info.max_k)} / {info.max_k}",
+        "k (default / max)": f"{services.scoring.default_k} / {info.max_k}",
         "max sequence length": services.scoring.limits.max_seq_len,
         "temperature": info.temperature,
         "on-demand requests in flight": getattr(services.scoring, "active", 0),
