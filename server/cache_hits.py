@@ -16,6 +16,10 @@ Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
   **miss**, scored by the engine at ``k'``, answered as the engine returned it and **not stored**
   (the cache keeps its k; :func:`score_above`). This holds for ``/v1/score`` and
   ``/v1/completions`` alike; the cache's teacher identity is still checked (409 if another).
+* A **sampled** cache (``targets="sampled"``, FORMAT.md 4.4) is served only to requests with
+  ``targets="sampled"`` and its sampling parameters (or none: the cache's own); any other kind
+  or parameters is a 409. Rows are answered whole (``k`` = the draws, no folding); misses are
+  sampled rows seeded by their keys, so a miss answers what a later hit will.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.cache_format.quant import decode_logprobs, encode_logprobs
 from logitcache.cache_format.spec import LOGPROB_MAX, LOGPROB_STEP, TOPK_LOGPROBS
 
-from . import pipeline
+from . import pipeline, targets
 from .caches import check_name
 from .errors import NotFoundError
 
@@ -158,9 +162,10 @@ async def serve(
         with service.caches.writer(cache, manifest) as w:
             stored += w.append(records or [])
 
+    sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
     scored = await pipeline.score_into(
         [seqs[i] for i in miss_idx],
-        score=lambda s: service.score_admitted(s, manifest.k),
+        score=lambda s: service.score_admitted(s, manifest.k, targets=sampled),
         write=append if store else None,
     )
     out: list[SequenceRecord | None] = [None] * len(seqs)
@@ -184,7 +189,12 @@ async def score_with_cache(service: ScoringService, req: ScoreRequest, *, frames
     engine call or write; then :func:`serve`."""
     cache = req.cache
     assert cache is not None
-    manifest, k = await asyncio.to_thread(_cache_manifest, service, cache, req.k)
+    asked = targets.of_request(req)
+    if asked is None:
+        manifest, k = await asyncio.to_thread(_cache_manifest, service, cache, req.k)
+    else:  # sampled: the cache's kind and parameters must match (409), k is the draws
+        manifest = await asyncio.to_thread(targets.target_manifest, service, cache, None, "", asked)
+        k = manifest.k
     seqs = await asyncio.to_thread(service.sequences_of, req)
     service.check_response_size(seqs, k, frames=frames)
     if k > manifest.k:

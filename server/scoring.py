@@ -23,6 +23,7 @@ from logitcache.cache_format.errors import FormatError
 from . import pipeline
 from .admission import TokenGate
 from .caches import CacheRegistry, check_name, expected_manifest
+from .engine.protocol import EngineInputError, SampledTargets, check_k, check_sampled
 from .errors import (
     CacheBrokenError,
     InvalidInputError,
@@ -33,6 +34,7 @@ from .errors import (
     public_message,
 )
 from .inputs import Limits, RawRecord, Sequence, to_sequence
+from .targets import of_request, resolve
 
 if TYPE_CHECKING:
     from .engine import TeacherEngine
@@ -152,12 +154,17 @@ class ScoringService:
     # --- scoring --------------------------------------------------------------------------
 
     async def score_sequences(
-        self, seqs: Seq[Sequence], k: int, *, source: str
+        self,
+        seqs: Seq[Sequence],
+        k: int,
+        *,
+        source: str,
+        targets: SampledTargets | None = None,
     ) -> list[SequenceRecord]:
         """Score checked sequences with the engine; one record per sequence, input order
-        (:func:`.pipeline.score_records`, timed under ``source``)."""
+        (:func:`.pipeline.score_records`, timed under ``source``; ``targets``: sampled rows)."""
         return await pipeline.score_records(
-            self.engine, seqs, k, metrics=self.metrics, source=source
+            self.engine, seqs, k, metrics=self.metrics, source=source, targets=targets
         )
 
     def check_response_size(self, seqs: Seq[Sequence], k: int, *, frames: bool) -> None:
@@ -199,22 +206,37 @@ class ScoringService:
 
             got = await score_with_cache(self, req, frames=frames)
             return ScoreResult(records=got.records, k=got.k, stored=got.stored, hits=got.hits)
-        k = self.resolve_k(req.k)
+        sampled = self.sampled_targets(req)
+        k = self.resolve_k(req.k) if sampled is None else sampled.draws
         seqs = await asyncio.to_thread(self.sequences_of, req)
         self.check_response_size(seqs, k, frames=frames)
-        records = await self.score_admitted(seqs, k)
+        records = await self.score_admitted(seqs, k, targets=sampled)
         return ScoreResult(records=records, k=k, stored=0)
 
-    async def score_admitted(self, seqs: Seq[Sequence], k: int) -> list[SequenceRecord]:
-        """Engine-score ``seqs`` at ``k`` under the on-demand admission budget (429 when full);
-        the budget's token rate learns only from requests that finished."""
+    def sampled_targets(self, req: ScoreRequest) -> SampledTargets | None:
+        """The request's sampled-target parameters (``None``: top-k), checked against the
+        engine (422); without ``sampling``, the defaults of :mod:`.targets`."""
+        asked = of_request(req)
+        if asked is None:
+            return None
+        try:
+            return check_sampled(resolve(asked, None), self.engine.info.vocab_size)
+        except EngineInputError as e:
+            raise InvalidInputError(str(e)) from None
+
+    async def score_admitted(
+        self, seqs: Seq[Sequence], k: int, *, targets: SampledTargets | None = None
+    ) -> list[SequenceRecord]:
+        """Engine-score ``seqs`` at ``k`` (or sampled rows with ``targets``) under the on-demand
+        admission budget (429 when full); the budget's token rate learns only from requests
+        that finished."""
         tokens = sum(s.length for s in seqs)
         self.admit(tokens)
         self.active += 1
         t0 = time.perf_counter()
         finished = False
         try:
-            records = await self.score_sequences(seqs, k, source="score")
+            records = await self.score_sequences(seqs, k, source="score", targets=targets)
             finished = True
         finally:
             self.active -= 1
