@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 from logitcache.cache_format.records import content_key
+from logitcache.protocol import MAX_KEY_CHARS, InlineRecord, InputFile
 
 from . import chat, input_files, long_inputs
 from .errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
-from .protocol import InlineRecord, InputFile
 
 #: Most per-record problems listed in one error answer.
 MAX_LISTED_ERRORS = 20
@@ -142,10 +142,6 @@ def check_text(text: str, limits: Limits, where: str) -> str:
             f"{where}: text of {size} bytes exceeds the limit of {limits.max_text_bytes} bytes"
         )
     return text
-
-
-#: Longest sequence key (an explicit record id), in characters (``protocol.MAX_KEY_CHARS``).
-MAX_KEY_CHARS = 512
 
 
 def check_key(key: str, where: str) -> str:

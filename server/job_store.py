@@ -23,8 +23,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from logitcache.protocol import JobState
+
 from .errors import NotFoundError
-from .protocol import JobState
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

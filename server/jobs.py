@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import SequenceRecord
+from logitcache.protocol import JobCreate, JobState, JobStatus
 
 from . import chat, inputs, pipeline, targets
 from .caches import CacheRegistry, WriterHandle, check_name
 from .chat import ChatTokenize
 from .errors import ServiceError
-from .protocol import JobCreate, JobState, JobStatus
 from .scoring import ScoringService
 
 if TYPE_CHECKING:

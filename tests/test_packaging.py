@@ -15,12 +15,14 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE_DIR: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
+#: The top-level folders that are import packages (``logitcache.<folder>``).
+TOP_FOLDERS = ("cache_format", "client", "server", "fixtures", "protocol")
 
 
 def _package_folders() -> set[str]:
     """Every folder under a mapped top-level folder that holds an __init__.py."""
     found = set()
-    for top in ("cache_format", "client", "server", "fixtures"):
+    for top in TOP_FOLDERS:
         for init in (ROOT / top).rglob("__init__.py"):
             found.add(init.parent.relative_to(ROOT).as_posix())
     return found
@@ -67,6 +69,20 @@ def test_cache_format_imports_no_heavy_framework_at_import() -> None:
     assert _offenders(anywhere, ("logitcache.server", "vllm", "fastapi")) == []
     module_level = _imported_modules("cache_format", module_level_only=True)
     assert _offenders(module_level, ("torch", "transformers", "logitcache.client")) == []
+
+
+def test_protocol_is_light() -> None:
+    """The shared protocol imports neither side nor a web framework, engine or HTTP client
+    (pydantic and cache_format only), so the client may import it."""
+    imports = _imported_modules("protocol", module_level_only=False)
+    heavy = ("logitcache.server", "logitcache.client", "vllm", "fastapi", "starlette", "httpx")
+    assert _offenders(imports, (*heavy, "torch", "uvicorn")) == []
+    code = (
+        "import sys, logitcache.protocol\n"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
 
 
 def test_importing_the_client_loads_no_server_stack() -> None:
@@ -169,6 +185,7 @@ ROOMS = (
     ("server/engine", "server.engine"),
     ("server", "server"),
     ("fixtures", "fixtures"),
+    ("protocol", "protocol"),
 )
 
 
@@ -197,13 +214,15 @@ def design_arrows() -> dict[str, set[str]]:
 def test_design_lists_the_arrows() -> None:
     arrows = design_arrows()
     assert arrows["server.engine"] == {"cache_format"}
+    assert arrows["protocol"] == {"cache_format"}  # neither side: both import it
+    assert "protocol" in arrows["client"] and "protocol" in arrows["server"]
     assert set(arrows) <= {room for _, room in ROOMS}
 
 
 def test_every_import_follows_an_allowed_arrow() -> None:
     allowed = design_arrows()
     bad = []
-    for folder in ("cache_format", "client", "server", "fixtures"):
+    for folder in TOP_FOLDERS:
         for module, targets in _import_edges(folder).items():
             src = _room_of(module)
             for t in targets:
@@ -238,7 +257,7 @@ IMPORT_NAMES = {
 def _imported_top_levels() -> set[str]:
     """Top-level names of every module imported anywhere (deferred imports too) in our rooms."""
     names: set[str] = set()
-    for folder in {top for top in PACKAGE_DIR.values() if "/" not in top}:
+    for folder in TOP_FOLDERS:
         for deps in _imported_modules(folder, module_level_only=False).values():
             names.update(d.split(".")[0] for d in deps)
     return names

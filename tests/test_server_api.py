@@ -22,7 +22,7 @@ from logitcache.cache_format import (
     decode_records,
     validate,
 )
-from logitcache.server.protocol import FRAMES_MEDIA_TYPE
+from logitcache.protocol import FRAMES_MEDIA_TYPE
 from server_support import ServerProcess, tree_snapshot, wait_job
 
 pytestmark = pytest.mark.vllm

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from logitcache.cache_format import content_key
+from logitcache.protocol import InlineRecord, InputFile, JobState
 from logitcache.server import inputs
 from logitcache.server.caches import check_name
 from logitcache.server.errors import (
@@ -20,7 +21,6 @@ from logitcache.server.errors import (
     PayloadTooLargeError,
 )
 from logitcache.server.job_store import JobStore
-from logitcache.server.protocol import InlineRecord, InputFile, JobState
 
 LIMITS = inputs.Limits(vocab_size=100, max_seq_len=8)
 

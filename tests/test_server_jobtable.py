@@ -11,9 +11,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from engine_support import FakeEngine
+from logitcache.protocol import JobState
 from logitcache.server.admission import TokenGate
 from logitcache.server.job_store import JobStore
-from logitcache.server.protocol import JobState
 from server_support import ThreadedServer, server_settings
 
 pytestmark = pytest.mark.fast

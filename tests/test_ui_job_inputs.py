@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
+from logitcache.protocol import InputFile
 from logitcache.server import inputs
 from logitcache.server.errors import InvalidInputError
-from logitcache.server.protocol import InputFile
 
 TEXTS = [f"record number {i} says hello" for i in range(10)]
 LIMITS = inputs.Limits(vocab_size=256, max_seq_len=512)

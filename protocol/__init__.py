@@ -1,0 +1,88 @@
+"""logitcache.protocol: the JSON protocol of the teacher service, shared by server and client.
+
+One definition of every request and response body (pydantic models), of the media types
+(``FRAMES_MEDIA_TYPE`` for binary wire frames, ``JSON_MEDIA_TYPE``), of the job states
+(``JobState``; ``JobState.terminal`` / ``TERMINAL_JOB_STATES``) and of the request limits
+(``MAX_K``, ``MAX_TOKEN_ID``, key and name rules). The server (``logitcache.server``) validates
+and answers with them; the client (``logitcache.client.TeacherClient``) returns them. Importing
+it needs pydantic and ``logitcache.cache_format`` only (no FastAPI, no vLLM, no httpx); the
+HTTP semantics are in ``server/API.md``.
+"""
+
+from .models import (
+    FRAMES_MEDIA_TYPE,
+    JSON_MEDIA_TYPE,
+    MAX_K,
+    MAX_KEY_CHARS,
+    MAX_NAME_CHARS,
+    MAX_TOKEN_ID,
+    NAME_REGEX,
+    TERMINAL_JOB_STATES,
+    ApiModel,
+    CacheInfo,
+    CacheLengths,
+    CacheList,
+    CacheName,
+    ChatMessage,
+    Compression,
+    ErrorDetail,
+    ErrorResponse,
+    Health,
+    InlineRecord,
+    InputCounts,
+    InputFile,
+    JobCreate,
+    JobList,
+    JobState,
+    JobStatus,
+    Key,
+    RangesRequest,
+    SamplingOptions,
+    ScoredSequence,
+    ScoreRequest,
+    ScoreResponse,
+    ShortText,
+    TargetKind,
+    Text,
+    TokenId,
+    TopK,
+)
+
+__all__ = [
+    "ApiModel",
+    "CacheInfo",
+    "CacheLengths",
+    "CacheList",
+    "CacheName",
+    "ChatMessage",
+    "Compression",
+    "ErrorDetail",
+    "ErrorResponse",
+    "FRAMES_MEDIA_TYPE",
+    "Health",
+    "InlineRecord",
+    "InputCounts",
+    "InputFile",
+    "JSON_MEDIA_TYPE",
+    "JobCreate",
+    "JobList",
+    "JobState",
+    "JobStatus",
+    "Key",
+    "MAX_K",
+    "MAX_KEY_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_TOKEN_ID",
+    "NAME_REGEX",
+    "RangesRequest",
+    "SamplingOptions",
+    "ScoreRequest",
+    "ScoreResponse",
+    "ScoredSequence",
+    "ShortText",
+    "TERMINAL_JOB_STATES",
+    "TargetKind",
+    "Text",
+    "TokenId",
+    "TopK",
+]
