@@ -16,21 +16,27 @@ One run, one cache, every figure side by side:
    process: the format library's sequential rate.
 3. **shuffle** (one process, ``num_workers=0``): ``CacheDataset`` sequential (``shuffle=False``)
    vs the full shuffle users are told to copy (``SHUFFLE``: blocks of 64 sequences, windows of 4
-   blocks, 24 lanes). Ratio = shuffled / sequential positions/s.
+   blocks, 24 lanes) and the same with one lane, each with the default ``read_threads`` and with
+   ``read_threads=1``, over ``--shuffle-seconds`` after ``--shuffle-warm`` batches. Ratio =
+   shuffled / sequential positions/s (and / the reader's rate of step 2).
 4. **scaling**: ``CacheDataLoader(num_workers=w, pin_memory=True)`` with the same shuffle, for each
    ``w`` of ``--workers``: positions/s *delivered to the main process* (pinned batches).
 5. **http**: a server process (uvicorn, the real ``/v1/caches/{name}/store`` route) serving the
    same store root on loopback, and ``HttpSource`` in the client: one client process
-   (``num_workers=0``) and ``--http-workers`` workers. Server CPU seconds per position come from
-   the server process's ``/proc`` counters.
+   (``num_workers=0``) with each ``--http-threads`` read threads, and ``--http-workers``
+   workers. Server CPU seconds per position come from the server process's ``/proc`` counters.
 6. **random**: ``CacheReader.sequence(i)`` for random ``i`` and ``sequences(idx)`` in batches of 32
-   vs an uncompressed ``.npy`` copy of the same sequences (int32 ids, float16 logprobs, float32
-   tail, int32 tokens; ``np.load(mmap_mode="r")`` slices copied out), same indices.
+   (also with ``decode_threads=8``) vs an uncompressed ``.npy`` copy of the same sequences (int32
+   ids, float16 logprobs, float32 tail, int32 tokens; ``np.load(mmap_mode="r")`` slices copied
+   out), same indices. **chunk_options**: the same stored values recompressed at smaller inner
+   chunks: bytes/position and decode time per random sequence (:func:`chunk_options`).
 7. **datawait** (``--gpu``): the ``client_trainstep.py`` "small" student shape (d=768, 12 layers;
    vocab 128,256 here, so more parameters than the 134M of vocab 32,000) trained by
    ``topk_distill_loss`` on batches from ``CacheDataLoader`` (``LOADER`` settings, 8 workers,
-   pinned, ``non_blocking`` copies): fraction of the step time spent in ``next()``; first the same
-   step on one batch kept on the GPU (no loader) gives the pure step time.
+   pinned, ``non_blocking`` copies; ``--ddp``: inside ``DistributedDataParallel`` in a one-process
+   NCCL group), from the local store and from the HTTP source: fraction of the step time spent
+   in ``next()`` over ``--fed-steps`` steps after the workers' prefilled queues are drained; first
+   the same step on one batch kept on the GPU (no loader) gives the pure step time.
 
 Loader rates are steady-state: positions with ``loss_mask`` over ``--seconds`` of wall time after
 the first ``2 * max(1, w)`` batches (start-up is reported apart). ``serve`` runs the server part.
@@ -39,12 +45,14 @@ the first ``2 * max(1, w)`` batches (start-up is reported apart). ``serve`` runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +163,14 @@ def reader_rate(url: str, seconds: float) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- 3-5. loaders
 def loader_rate(
-    source: Any, workers: int, seconds: float, *, pin: bool, shuffle: bool, **extra: Any
+    source: Any,
+    workers: int,
+    seconds: float,
+    *,
+    pin: bool,
+    shuffle: bool,
+    warm: int | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """Steady positions/s delivered by ``CacheDataLoader`` (see the module docstring)."""
     import torch
@@ -167,7 +182,7 @@ def loader_rate(
     if workers:
         kwargs["prefetch_factor"] = 4
     loader = CacheDataLoader(ds, **kwargs)
-    warm = max(WARM_UNITS, 2 * max(1, workers))
+    warm = max(WARM_UNITS if warm is None else warm, 2 * max(1, workers))
     t_start = time.perf_counter()
     pos = units = 0
     t0 = None
@@ -186,12 +201,17 @@ def loader_rate(
     if t0 is None:
         raise RuntimeError("epoch shorter than the warm-up; use a larger cache")
     wall = time.perf_counter() - t0
+    from logitcache.client.readahead import default_read_threads
+
+    threads = ds.read_threads or default_read_threads(workers, os.cpu_count())
     return {
         "workers": workers,
+        "read_threads": threads,
         "pin_memory": pin,
         "pinned": pinned,
         "shuffle": shuffle,
         "settings": {k: v for k, v in settings.items()},
+        "warm_units": warm,
         "startup_s": t_first,
         "positions": pos,
         "wall_s": wall,
@@ -222,12 +242,12 @@ def serve(root: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def http_rates(root: str, workers: list[int], seconds: float) -> list[dict[str, Any]]:
-    """HttpSource (store transport) against a server process on loopback."""
+@contextlib.contextmanager
+def http_server(root: str) -> Iterator[tuple[str, int]]:
+    """A server process (``serve``) on a free loopback port; yields ``(url, pid)``."""
     import socket
 
     import httpx
-    from logitcache.client import HttpSource
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,19 +266,34 @@ def http_rates(root: str, workers: list[int], seconds: float) -> list[dict[str, 
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        out = []
-        for w in workers:
-            c0 = proc_cpu_s(proc.pid)
-            r = loader_rate(HttpSource(url, CACHE), w, seconds, pin=w > 0, shuffle=True)
-            r["server_cpu_s"] = proc_cpu_s(proc.pid) - c0
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def http_rates(
+    root: str, workers: list[int], seconds: float, threads: list[int]
+) -> list[dict[str, Any]]:
+    """HttpSource (store transport) against a server process on loopback: one client process
+    with each ``threads`` (``read_threads``), then each ``workers`` (> 0) count of workers."""
+    from logitcache.client import HttpSource
+
+    runs = [(0, t) for t in threads] if 0 in workers else []
+    runs += [(w, None) for w in workers if w > 0]
+    out = []
+    with http_server(root) as (url, pid):
+        for w, t in runs:
+            c0 = proc_cpu_s(pid)
+            r = loader_rate(
+                HttpSource(url, CACHE), w, seconds, pin=w > 0, shuffle=True, read_threads=t
+            )
+            r["server_cpu_s"] = proc_cpu_s(pid) - c0
             # CPU over the whole run (start-up reads included) per steady position: an upper bound
             r["server_cpu_us_per_position_upper"] = 1e6 * r["server_cpu_s"] / r["positions"]
             out.append(r)
             log("http", json.dumps(r))
-        return out
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    return out
 
 
 # --------------------------------------------------------------------------- 6. random access
@@ -304,18 +339,92 @@ def random_access(url: str, root: Path, n_single: int, n_batches: int) -> dict[s
     w, c = timed(lambda: [r.sequences(b.tolist()) for b in batches])
     n_b = batches.size
     out["sequences32_seq_per_s"], out["sequences32_seq_per_cpu_s"] = n_b / w, n_b / c
+    threaded = CacheReader(url, decode_threads=8)
+    w, c = timed(lambda: [threaded.sequences(b.tolist()) for b in batches])
+    out["sequences32_8threads_seq_per_s"], out["sequences32_8threads_seq_per_cpu_s"] = (
+        n_b / w,
+        n_b / c,
+    )
     w, c = timed(lambda: [npy_one(int(i)) for i in picks])
     out["npy_seq_per_s"], out["npy_seq_per_cpu_s"] = n_single / w, n_single / c
     out["sequence_x_npy"] = out["sequence_seq_per_s"] / out["npy_seq_per_s"]
     out["sequences32_x_npy"] = out["sequences32_seq_per_s"] / out["npy_seq_per_s"]
+    out["sequences32_8threads_x_npy"] = out["sequences32_8threads_seq_per_s"] / out["npy_seq_per_s"]
+    return out
+
+
+def chunk_options(url: str, n_seq: int, rows: int = 262_144) -> dict[str, Any]:
+    """The format question behind random access: what smaller inner chunks cost and give.
+
+    The stored (encoded) values of the first ``rows`` rows of ``topk_ids`` and ``topk_logprobs``
+    (row-delta bit patterns) and of the first ``rows`` tokens are recompressed with the format's
+    own codecs (blosc zstd 1, bitshuffle for ids and tokens, shuffle for logprobs, one blosc block
+    per chunk) at each inner-chunk size. Reported per size: bytes per position of those arrays
+    (compressed chunks + 4-byte CRC32C + 16-byte shard-index entry each) and the one-thread CPU
+    time to decode the chunks that ``n_seq`` random sequences touch (lengths drawn from the
+    cache's, start rows uniform). A random ``sequence(i)`` decodes whole chunks, so this time is
+    its floor before any I/O or Python.
+    """
+    import numcodecs.blosc
+    from logitcache.cache_format import CacheReader, spec
+
+    numcodecs.blosc.use_threads = False
+    r = CacheReader(url)
+    rows = min(rows, r.num_rows)
+    arrays = {
+        "ids": (np.asarray(r._arrays[spec.TOPK_IDS][:rows]), numcodecs.blosc.BITSHUFFLE),
+        "lp": (np.asarray(r._arrays[spec.TOPK_LOGPROBS][:rows]), numcodecs.blosc.SHUFFLE),
+        "tok": (np.asarray(r._arrays[spec.INPUT_IDS][:rows]), numcodecs.blosc.BITSHUFFLE),
+    }
+    rng = np.random.default_rng(1)
+    lengths = rng.choice(np.asarray(r.lengths, dtype=np.int64), size=n_seq)
+    lengths = np.minimum(lengths, rows // 2)
+    starts = rng.integers(0, rows - lengths)
+    out: dict[str, Any] = {"rows": rows, "sequences": n_seq, "mean_length": float(lengths.mean())}
+    sizes = {"ids": [2048, 1024, 512, 256, 128], "lp": [2048, 1024, 512, 256, 128]}
+    sizes["tok"] = [65536, 8192, 2048, 512]
+    for name, (data, shuffle) in arrays.items():
+        per = []
+        for c in sizes[name]:
+            frames = []
+            for a in range(0, rows - rows % c, c):
+                chunk = np.ascontiguousarray(data[a : a + c])
+                frames.append(
+                    numcodecs.blosc.compress(chunk, b"zstd", 1, shuffle, blocksize=chunk.nbytes)
+                )
+            nbytes = sum(len(f) + 4 + 16 for f in frames)
+            dest = np.empty_like(data[:c])
+            t0 = time.process_time()
+            touched = 0
+            for a, n in zip(starts.tolist(), lengths.tolist(), strict=True):
+                for ci in range(a // c, min((a + n - 1) // c + 1, len(frames))):
+                    numcodecs.blosc.decompress(frames[ci], dest)
+                    touched += 1
+            cpu = time.process_time() - t0
+            per.append(
+                {
+                    "chunk": c,
+                    "bytes_per_position": nbytes / (len(frames) * c),
+                    "chunks_per_sequence": touched / n_seq,
+                    "decode_ms_per_sequence": 1e3 * cpu / n_seq,
+                }
+            )
+        out[name] = per
     return out
 
 
 # --------------------------------------------------------------------------- 7. data wait
-def data_wait(url: str, workers: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Student steps fed by the loader: fraction of step time spent waiting in ``next()``."""
+def data_wait(
+    source: Any, workers: int, steps: int, warmup: int, ddp: bool = True, fed_steps: int = 120
+) -> dict[str, Any]:
+    """Student steps fed by the loader: fraction of step time spent waiting in ``next()``.
+
+    ``ddp``: the model is wrapped in ``DistributedDataParallel`` in a one-process NCCL group (the
+    gradient all-reduce path of a DDP trainer; ``CacheDataset`` takes its rank from the group).
+    """
     import client_trainstep as ts
     import torch
+    import torch.distributed as dist
     from logitcache.client import CacheDataLoader, CacheDataset
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -332,25 +441,45 @@ def data_wait(url: str, workers: int, steps: int, warmup: int) -> dict[str, Any]
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
+    torch.cuda.set_device(0)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+    class Distill(torch.nn.Module):
+        """Forward = student hidden states + top-k distillation loss (one DDP forward)."""
+
+        def __init__(self, m: Any) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+            out = self.m.model(input_ids=b["input_ids"], position_ids=b["position_ids"])
+            h = out.last_hidden_state.reshape(-1, hidden)
+            return loss_fn(
+                h,
+                self.m.lm_head.weight,
+                b["topk_ids"].reshape(h.shape[0], K).long(),
+                b["topk_logprobs"].reshape(h.shape[0], K),
+                b["tail_mass"].reshape(-1),
+                mask=b["loss_mask"].reshape(-1),
+            )
+
+    net: torch.nn.Module = Distill(model)
+    if ddp:
+        import socket
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(b: dict[str, torch.Tensor]) -> None:
-        out = model.model(input_ids=b["input_ids"], position_ids=b["position_ids"])
-        h = out.last_hidden_state.reshape(-1, hidden)
-        loss = loss_fn(
-            h,
-            model.lm_head.weight,
-            b["topk_ids"].reshape(h.shape[0], K).long(),
-            b["topk_logprobs"].reshape(h.shape[0], K),
-            b["tail_mass"].reshape(-1),
-            mask=b["loss_mask"].reshape(-1),
-        )
-        loss.backward()
+        net(b).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    ds = CacheDataset(url, ids_dtype=torch.int32, seed=2, **LOADER, **SHUFFLE)
+    ds = CacheDataset(source, ids_dtype=torch.int32, seed=2, **LOADER, **SHUFFLE)
     loader = CacheDataLoader(ds, num_workers=workers, pin_memory=True, prefetch_factor=4)
     it = iter(loader)
 
@@ -367,11 +496,13 @@ def data_wait(url: str, workers: int, steps: int, warmup: int) -> dict[str, Any]
         step(first)
         torch.cuda.synchronize()
         pure.append(time.perf_counter() - t0)
-    for _ in range(warmup):
-        step(to_gpu(next(it)))
-    torch.cuda.synchronize()
+    # the workers filled their queues (num_workers x prefetch_factor batches) during the pure
+    # steps: the first fed steps are served from that buffer, so the steady figures leave them out
+    skip = warmup + workers * 4
     waits, totals, pos = [], [], 0
-    for _ in range(steps):
+    for i in range(skip + fed_steps):
+        if i == skip:
+            waits, totals, pos = [], [], 0
         t0 = time.perf_counter()
         u = next(it)
         t1 = time.perf_counter()
@@ -382,11 +513,20 @@ def data_wait(url: str, workers: int, steps: int, warmup: int) -> dict[str, Any]
         totals.append(time.perf_counter() - t0)
     params = sum(p.numel() for p in model.parameters())
     positions = LOADER["batch_size"] * LOADER["tokens_per_item"]
+    del it, loader
+    if ddp:
+        dist.destroy_process_group()
     return {
+        "source": repr(ds.source),
+        "ddp_world_1_nccl": ddp,
+        "loader": {**LOADER, **SHUFFLE, "num_workers": workers, "pin_memory": True},
         "gpu": torch.cuda.get_device_name(),
         "params": params,
         "workers": workers,
         "steps": steps,
+        "fed_steps_timed": fed_steps,
+        "fed_steps_skipped": skip,
+        "wait_s_max": float(np.max(waits)),
         "pure_step_s_median": float(np.median(pure)),
         "pure_positions_per_s": positions / float(np.median(pure)),
         "fed_step_s_mean": float(np.mean(totals)),
@@ -451,6 +591,11 @@ def main() -> None:
         help="untimed batches before a loader is timed (default 2 per worker; lanes x window "
         "blocks are read before the first batch of every lane, so one process needs more)",
     )
+    p.add_argument("--shuffle-seconds", type=float, default=10.0, help="one-process window")
+    p.add_argument("--shuffle-warm", type=int, default=30, help="one-process untimed batches")
+    p.add_argument("--http-threads", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--ddp", action="store_true", help="data wait under a world-1 NCCL DDP")
+    p.add_argument("--fed-steps", type=int, default=120, help="timed loader-fed steps")
     p.add_argument("--skip", nargs="*", default=[], help="steps to leave out")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
@@ -501,27 +646,52 @@ def main() -> None:
         run("build", lambda: build(url, args.positions))
     secs = args.seconds
     run("reader", lambda: reader_rate(url, secs))
-    run(
-        "shuffle",
-        lambda: {
-            "sequential": loader_rate(url, 0, secs, pin=False, shuffle=False),
-            "full_shuffle": loader_rate(url, 0, secs, pin=False, shuffle=True),
+
+    def one_process() -> dict[str, Any]:
+        """One process: sequential vs full shuffle, same timing window and warm-up (past the
+        24-lane start-up: lanes x window blocks are read before every lane's first batch)."""
+        ss, warm = args.shuffle_seconds, args.shuffle_warm
+        out: dict[str, Any] = {}
+        for threads in (None, 1):  # default read threads, then one read at a time
+            tag = "" if threads is None else "_threads1"
+            kw = {"pin": False, "warm": warm, "read_threads": threads}
+            out["sequential" + tag] = loader_rate(url, 0, ss, shuffle=False, **kw)
+            out["full_shuffle" + tag] = loader_rate(url, 0, ss, shuffle=True, **kw)
             # one process has no workers to spread lanes over: the same shuffle, one lane
-            "full_shuffle_lanes1": loader_rate(url, 0, secs, pin=False, shuffle=True, lanes=1),
-        },
-    )
-    if "shuffle" in doc:
-        sh = doc["shuffle"]
-        sh["ratio"] = sh["full_shuffle"]["pos_per_s"] / sh["sequential"]["pos_per_s"]
-        sh["ratio_lanes1"] = sh["full_shuffle_lanes1"]["pos_per_s"] / sh["sequential"]["pos_per_s"]
+            out["full_shuffle_lanes1" + tag] = loader_rate(url, 0, ss, shuffle=True, lanes=1, **kw)
+            seq = out["sequential" + tag]["pos_per_s"]
+            out["ratio" + tag] = out["full_shuffle" + tag]["pos_per_s"] / seq
+            out["ratio_lanes1" + tag] = out["full_shuffle_lanes1" + tag]["pos_per_s"] / seq
+        if "reader" in doc:  # vs the format library's one-thread sequential rows()+tokens()
+            r = doc["reader"]["pos_per_s"]
+            out["x_reader"] = out["full_shuffle"]["pos_per_s"] / r
+            out["x_reader_lanes1"] = out["full_shuffle_lanes1"]["pos_per_s"] / r
+        return out
+
+    run("shuffle", one_process)
     run(
         "scaling",
         lambda: [loader_rate(url, w, secs, pin=True, shuffle=True) for w in args.workers],
     )
-    run("http", lambda: http_rates(str(root), args.http_workers, secs))
+    run("http", lambda: http_rates(str(root), args.http_workers, secs, args.http_threads))
+
+    def datawait() -> dict[str, Any]:
+        from logitcache.client import HttpSource
+
+        fed = args.fed_steps
+        out = {"local": data_wait(url, args.gpu_workers, args.steps, 5, args.ddp, fed)}
+        with http_server(str(root)) as (http_url, pid):
+            c0 = proc_cpu_s(pid)
+            out["http"] = data_wait(
+                HttpSource(http_url, CACHE), args.gpu_workers, args.steps, 5, args.ddp, fed
+            )
+            out["http"]["server_cpu_s"] = proc_cpu_s(pid) - c0
+        return out
+
     if args.gpu:
-        run("datawait", lambda: data_wait(url, args.gpu_workers, args.steps, 5))
+        run("datawait", datawait)
     run("random", lambda: random_access(url, root, args.random, max(1, args.random // 10)))
+    run("chunk_options", lambda: chunk_options(url, args.random))
     doc["machine"]["load_after"] = os.getloadavg()
     doc["wall_s"] = time.perf_counter() - start
     save()
@@ -530,10 +700,15 @@ def main() -> None:
     summary = {
         "reader": doc.get("reader", {}).get("pos_per_s"),
         "shuffle_ratio": doc.get("shuffle", {}).get("ratio"),
+        "shuffle_ratio_lanes1": doc.get("shuffle", {}).get("ratio_lanes1"),
         "scaling": [(r["workers"], round(r["pos_per_s"])) for r in doc.get("scaling", [])],
         "http": [(r["workers"], round(r["pos_per_s"])) for r in doc.get("http", [])],
         "random": doc.get("random"),
-        "datawait": doc.get("datawait"),
+        "chunk_options": doc.get("chunk_options"),
+        "datawait": {
+            k: {f: v.get(f) for f in ("wait_fraction", "fed_step_s_mean", "pure_step_s_median")}
+            for k, v in doc.get("datawait", {}).items()
+        },
         "errors": doc.get("errors"),
     }
     print(json.dumps(summary, indent=1))
