@@ -1,5 +1,5 @@
 """The JSON protocol of the HTTP API: request and response models, media types, job states and
-limits (pydantic only: no FastAPI, no engine, no HTTP client).
+limits (pydantic only: no FastAPI, no engine, no HTTP client, no other room of ours).
 
 The server validates requests and shapes answers with these models; the client
 (:mod:`logitcache.client.http`) parses answers into them, so both sides share one definition.
@@ -14,7 +14,6 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from logitcache.cache_format import CONTENT_TYPE
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -25,9 +24,11 @@ from pydantic import (
 )
 
 #: Media type of the compact binary responses: the body is one or more frames of
-#: ``logitcache.cache_format.encode_records`` (cache_format/FORMAT.md, wire codec); decode with
-#: ``decode_records`` or ``iter_decode``.
-FRAMES_MEDIA_TYPE = CONTENT_TYPE
+#: ``logitcache.cache_format.encode_records``; decode with ``decode_records`` or ``iter_decode``.
+#: It is the name cache_format/FORMAT.md section 8 gives the wire codec (``cache_format.
+#: CONTENT_TYPE``; tests/test_packaging.py checks they agree). Written here, not imported, so
+#: that this package needs pydantic only.
+FRAMES_MEDIA_TYPE = "application/x-logitcache-frames"
 #: Media type of every JSON body (answers, errors included).
 JSON_MEDIA_TYPE = "application/json"
 

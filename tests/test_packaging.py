@@ -72,11 +72,17 @@ def test_cache_format_imports_no_heavy_framework_at_import() -> None:
 
 
 def test_protocol_is_light() -> None:
-    """The shared protocol imports neither side nor a web framework, engine or HTTP client
-    (pydantic and cache_format only), so the client may import it."""
+    """The shared protocol imports nothing of ours and no web framework, engine or HTTP client
+    (pydantic only), so both sides may import it; its frames media type is the one FORMAT.md
+    names for the wire codec."""
+    from logitcache.cache_format import CONTENT_TYPE
+    from logitcache.protocol import FRAMES_MEDIA_TYPE
+
+    assert FRAMES_MEDIA_TYPE == CONTENT_TYPE
     imports = _imported_modules("protocol", module_level_only=False)
-    heavy = ("logitcache.server", "logitcache.client", "vllm", "fastapi", "starlette", "httpx")
-    assert _offenders(imports, (*heavy, "torch", "uvicorn")) == []
+    ours = tuple(f"logitcache.{room}" for room in TOP_FOLDERS if room != "protocol")
+    heavy = (*ours, "vllm", "fastapi", "starlette", "httpx", "zarr", "torch")
+    assert _offenders(imports, heavy) == []
     code = (
         "import sys, logitcache.protocol\n"
         f"print(','.join(m for m in {heavy!r} if m in sys.modules))\n"
@@ -214,7 +220,7 @@ def design_arrows() -> dict[str, set[str]]:
 def test_design_lists_the_arrows() -> None:
     arrows = design_arrows()
     assert arrows["server.engine"] == {"cache_format"}
-    assert arrows["protocol"] == {"cache_format"}  # neither side: both import it
+    assert "protocol" not in arrows  # imports nothing of ours: both sides import it
     assert "protocol" in arrows["client"] and "protocol" in arrows["server"]
     assert set(arrows) <= {room for _, room in ROOMS}
 
