@@ -5,8 +5,8 @@ One definition of every request and response body (pydantic models), of the medi
 (``JobState``; ``JobState.terminal`` / ``TERMINAL_JOB_STATES``) and of the request limits
 (``MAX_K``, ``MAX_TOKEN_ID``, key and name rules). The server (``logitcache.server``) validates
 and answers with them; the client (``logitcache.client.TeacherClient``) returns them. Importing
-it needs pydantic and ``logitcache.cache_format`` only (no FastAPI, no vLLM, no httpx); the
-HTTP semantics are in ``server/API.md``.
+it needs pydantic only (no other room of ours, no FastAPI, vLLM, httpx or zarr); the HTTP
+semantics are in ``server/API.md``.
 """
 
 from .models import (
