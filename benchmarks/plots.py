@@ -14,6 +14,17 @@ the keyword arguments)::
 
     .venv/bin/python benchmarks/plots.py spec.json out.png
 
+The distillation chart (held-out KL vs bytes/position, from a committed ``distill_bench``
+result)::
+
+    .venv/bin/python benchmarks/plots.py distill \\
+        benchmarks/results/distill.json benchmarks/results/distill_kl_bytes.png
+
+The loss charts (peak memory and time vs positions, every variant, from a committed
+``loss_bench`` result; writes ``loss_memory.png`` and ``loss_time.png``)::
+
+    .venv/bin/python benchmarks/plots.py loss benchmarks/results/loss.json benchmarks/results
+
 Headless (matplotlib's Agg backend), deterministic file output (no timestamp in the PNG metadata),
 points drawn as markers joined by lines, one colour per series in insertion order. Needs
 ``matplotlib`` (the ``dev`` extra).
@@ -84,10 +95,94 @@ def line_plot(
     return out
 
 
+def distill_series(result: Mapping) -> tuple[dict[str, list[Point]], float]:
+    """Held-out KL vs bytes/position per offline method family of a ``distill_bench`` result
+    (``benchmarks/results/distill.json``: ``mean[method] = {"kl", "bytes_per_position"}``,
+    methods ``<family>@<size>``), and online KD's KL (the reference line)."""
+    mean = result["mean"]
+    series: dict[str, list[Point]] = {}
+    for method, row in mean.items():
+        if "@" not in method or row.get("bytes_per_position") is None:
+            continue
+        family = method.split("@")[0].removeprefix("offline_")
+        series.setdefault(family, []).append((float(row["bytes_per_position"]), float(row["kl"])))
+    return series, float(mean["online_kd"]["kl"])
+
+
+def distill_plot(result_json: str | Path, out: str | Path) -> Path:
+    """The distillation chart (held-out KL vs stored bytes/position) from a committed result."""
+    result = json.loads(Path(result_json).read_text())
+    series, online = distill_series(result)
+    seeds = result.get("seeds") or [result]
+    first = seeds[0] if isinstance(seeds, list) else result
+    note = f"{Path(result_json).name}, mean of {len(seeds)} seed(s); {first.get('machine', '')}"
+    return line_plot(
+        out,
+        series,
+        title="distillation: held-out KL vs bytes stored per position",
+        xlabel="bytes / position (whole store on disk)",
+        ylabel="held-out KL (student || teacher)",
+        hline=online,
+        hline_label="online KD (no cache)",
+        note=note,
+    )
+
+
+def loss_series(
+    result: Mapping, field: str, vocab: int = 128256, d: int = 4096
+) -> dict[str, list[Point]]:
+    """``field`` (``peak_gib`` or ``ms``) vs positions per loss variant of a ``loss_bench``
+    result (``benchmarks/results/loss.json``: ``sweep = [{"variant", "n", "vocab", "d",
+    "status", "peak_gib", "ms"}]``) at one (vocab, d); runs that did not finish ("OOM") are left
+    out."""
+    series: dict[str, list[Point]] = {}
+    for r in result["sweep"]:
+        if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok":
+            series.setdefault(r["variant"], []).append((float(r["n"]), float(r[field])))
+    return series
+
+
+def loss_plots(result_json: str | Path, out_dir: str | Path, vocab: int = 128256) -> list[Path]:
+    """``loss_memory.png`` and ``loss_time.png`` (every variant vs positions) in ``out_dir``."""
+    result = json.loads(Path(result_json).read_text())
+    meta = result.get("meta", {})
+    note = (
+        f"{Path(result_json).name}: {meta.get('device', '')}, torch {meta.get('torch', '')}; "
+        f"V={vocab}, d=4096, k=100, fwd+bwd; a variant's line ends where it ran out of memory"
+    )
+    common = dict(xlabel="positions N", logx=True, logy=True, note=note, size=(7.2, 4.4))
+    return [
+        line_plot(
+            Path(out_dir) / "loss_memory.png",
+            loss_series(result, "peak_gib", vocab),
+            title="distillation loss: peak memory vs positions, every variant",
+            ylabel="peak GiB",
+            **common,  # type: ignore[arg-type]
+        ),
+        line_plot(
+            Path(out_dir) / "loss_time.png",
+            loss_series(result, "ms", vocab),
+            title="distillation loss: fwd+bwd time vs positions, every variant",
+            ylabel="ms",
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 3 and args[0] == "distill":
+        print(distill_plot(args[1], args[2]))
+        return 0
+    if len(args) == 3 and args[0] == "loss":
+        print(*loss_plots(args[1], args[2]), sep="\n")
+        return 0
     if len(args) != 2:
-        print("usage: plots.py SPEC.json OUT.png", file=sys.stderr)
+        print(
+            "usage: plots.py SPEC.json OUT.png | plots.py distill RESULT.json OUT.png | "
+            "plots.py loss RESULT.json OUT_DIR",
+            file=sys.stderr,
+        )
         return 2
     spec = json.loads(Path(args[0]).read_text())
     series = {k: [tuple(p) for p in v] for k, v in spec.pop("series").items()}

@@ -55,3 +55,47 @@ def test_plot_refuses_nothing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nothing to plot"):
         line_plot(tmp_path / "x.png", {})
     assert not (tmp_path / "x.png").exists()
+
+
+def _docstring_commands() -> list[list[str]]:
+    """The ``plots.py distill|loss`` commands exactly as benchmarks/plots.py's docstring prints
+    them (line continuations joined)."""
+    text = (ROOT / "benchmarks" / "plots.py").read_text().replace("\\\\\n", " ")
+    cmds = []
+    for line in text.splitlines():
+        words = line.split()
+        if words[:3] in (
+            [".venv/bin/python", "benchmarks/plots.py", "distill"],
+            [".venv/bin/python", "benchmarks/plots.py", "loss"],
+        ):
+            cmds.append(words)
+    return cmds
+
+
+def test_committed_result_pngs_are_made_by_the_printed_commands(tmp_path: Path) -> None:
+    """The distillation and loss PNGs that RESULTS.md embeds are what the printed commands make
+    from the committed result JSONs (run with the outputs redirected to tmp_path, the PNGs must
+    equal the committed ones byte for byte: the plot is deterministic)."""
+    pytest.importorskip("matplotlib")
+    cmds = _docstring_commands()
+    assert [c[2] for c in cmds] == ["distill", "loss"]
+    made: list[str] = []
+    for cmd in cmds:
+        args = cmd[2:]
+        out = args[-1]
+        target = tmp_path / Path(out).name if out.endswith(".png") else tmp_path
+        args = [*args[:-1], str(target)]
+        r = subprocess.run(
+            [sys.executable, str(ROOT / cmd[1]), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert r.returncode == 0, r.stderr
+        made += r.stdout.split()
+    names = sorted(Path(p).name for p in made)
+    assert names == ["distill_kl_bytes.png", "loss_memory.png", "loss_time.png"]
+    for name in names:
+        committed = ROOT / "benchmarks" / "results" / name
+        assert (tmp_path / name).read_bytes() == committed.read_bytes(), name
