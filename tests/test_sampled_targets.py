@@ -3,6 +3,7 @@ format's ``targets = "sampled"`` kind (FORMAT.md section 4.4)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -56,9 +57,10 @@ def test_weights_are_unbiased_at_tau_one() -> None:
     p = lp.exp()[0].numpy()
     mean = np.zeros(V)
     trials = 2000
-    for t in range(trials):
-        ids, lw = sample_rows(lp, uniforms(t, "row", 1, 8))
-        np.add.at(mean, ids[0], np.exp(lw[0]) * (lw[0] > PAD_LOGPROB))
+    # one call: the same row 2000 times, each with the uniforms of its own seed
+    u = torch.cat([uniforms(t, "row", 1, 8) for t in range(trials)])
+    ids, lw = sample_rows(lp.expand(trials, V), u)
+    np.add.at(mean, ids.ravel(), (np.exp(lw) * (lw > PAD_LOGPROB)).ravel())
     mean /= trials
     # E[w_i] = p_i; the standard error of a mean of w (values k/8) is <= sqrt(p/8/trials)
     se = np.sqrt(p * (1 - p) / 8 / trials)
@@ -234,3 +236,174 @@ def top4(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     lp = teacher_rows(rows, seed)
     v, i = lp.topk(4, -1)
     return i.numpy(), v.numpy()
+
+
+# ------------------------------------------- the teacher service: engines, jobs, /v1/score
+
+
+def _sampled(engine, seqs, keys, **params):  # noqa: ANN001, ANN202 - test helper
+    from logitcache.server.engine import SampledTargets
+
+    return asyncio.run(engine.score_sampled(seqs, keys, SampledTargets(**params)))
+
+
+@pytest.mark.vllm
+def test_engines_sample_the_teacher_distribution(vllm_engine, hf_engine, heldout_sequences):  # noqa: ANN001
+    """vLLM (draws inside its worker) and transformers (chunked lm-head pass) give the same
+    sampled rows for the same seed and keys; the weights are unbiased estimates of the engine's
+    own probabilities; the same call again gives the same bytes, another seed other rows."""
+    seqs = [s[:64] for s in heldout_sequences[:8] if len(s) >= 8]
+    keys = [f"k{i}" for i in range(len(seqs))]
+    n = 64
+    got = _sampled(vllm_engine, seqs, keys, draws=n, seed=11)
+    again = _sampled(vllm_engine, seqs, keys, draws=n, seed=11)
+    other = _sampled(vllm_engine, seqs, keys, draws=n, seed=12)
+    ref = _sampled(hf_engine, seqs, keys, draws=n, seed=11)
+    top = asyncio.run(vllm_engine.score(seqs, 20))
+    rows = sum(len(s) - 1 for s in seqs)
+    same_hf = sum(
+        int((a.topk_ids == b.topk_ids).all(1).sum()) for a, b in zip(got, ref, strict=True)
+    )
+    assert same_hf >= 0.95 * rows, (same_hf, rows)  # a draw on a CDF step may flip by rounding
+    for a, b, c in zip(got, again, other, strict=True):
+        assert (a.topk_ids == b.topk_ids).all() and (a.topk_logprobs == b.topk_logprobs).all()
+        assert not (a.topk_ids == c.topk_ids).all()
+    # statistics: E[w_i] = p_i, Var(w_i) = p_i (1 - p_i) / N (tau = 1: w = counts / N)
+    diff1, var1, diff20, var20 = 0.0, 0.0, 0.0, 0.0
+    for s, t in zip(got, top, strict=True):
+        assert s.topk_ids.shape == (t.num_rows, n)
+        w = np.exp(s.topk_logprobs.astype(np.float64)) * (s.topk_logprobs > PAD_LOGPROB)
+        np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(w * n, np.round(w * n), atol=1e-4)
+        p = np.exp(t.topk_logprobs.astype(np.float64))
+        for r in range(t.num_rows):
+            wr = dict(zip(s.topk_ids[r].tolist(), w[r].tolist(), strict=True))
+            w_top = np.array([wr.get(i, 0.0) for i in t.topk_ids[r].tolist()])
+            diff1 += w_top[0] - p[r, 0]
+            var1 += p[r, 0] * (1 - p[r, 0]) / n
+            m = p[r].sum()
+            diff20 += w_top.sum() - m
+            var20 += m * (1 - m) / n
+    assert abs(diff1) <= 5 * np.sqrt(var1), (diff1, var1)
+    assert abs(diff20) <= 5 * np.sqrt(var20), (diff20, var20)
+    # a proposal temperature: importance weights, the same rows from both backends
+    warm = _sampled(vllm_engine, seqs[:3], keys[:3], draws=32, proposal_temperature=2.0, seed=1)
+    warm_hf = _sampled(hf_engine, seqs[:3], keys[:3], draws=32, proposal_temperature=2.0, seed=1)
+    eq = sum(
+        int((a.topk_ids == b.topk_ids).all(1).sum()) for a, b in zip(warm, warm_hf, strict=True)
+    )
+    assert eq >= 0.9 * sum(x.num_rows for x in warm)
+    assert not np.allclose(warm[0].topk_logprobs[:, 0], warm[0].topk_logprobs[:, 1])
+
+
+def test_engine_refuses_bad_sampling_arguments(vllm_engine):  # noqa: ANN001
+    from logitcache.server.engine import EngineInputError
+
+    for params, match in (
+        ({"draws": 0}, "draws"),
+        ({"draws": 10**6}, "draws"),
+        ({"draws": 4, "proposal_temperature": 0.0}, "proposal_temperature"),
+        ({"draws": 4, "seed": -1}, "seed"),
+    ):
+        with pytest.raises(EngineInputError, match=match):
+            _sampled(vllm_engine, [[1, 2, 3]], ["k"], **params)
+    with pytest.raises(EngineInputError, match="keys"):
+        _sampled(vllm_engine, [[1, 2, 3]], ["a", "b"], draws=4)
+
+
+@pytest.mark.vllm
+def test_sampled_job_on_vllm_validates_and_resumes_to_the_same_cache(  # noqa: ANN201
+    vllm_engine, tiny, heldout_sequences, tmp_path
+):  # noqa: ANN001
+    """A job with ``targets="sampled"`` on the real vLLM engine (real app under uvicorn) writes a
+    sampled cache that validates and holds the engine's own sampled rows. Resume: a second cache
+    that already holds a subset of the keys, scored in other batches (what a killed job leaves
+    committed), completed by the same job, equals the one-go cache byte for byte: the draws
+    depend on (seed, key, teacher row) only. Another kind or other parameters are a 409."""
+    from server_support import ThreadedServer, server_settings, wait_job
+
+    seqs = [s[:48] for s in heldout_sequences if len(s) >= 4][:12]
+    records = [{"id": f"r{i}", "input_ids": s} for i, s in enumerate(seqs)]
+    sampling = {"draws": 24, "seed": 5}
+    job = {"targets": "sampled", "sampling": sampling, "records": records}
+    settings = server_settings(
+        tmp_path, str(tiny.teacher_dir), k=8, logprob_dtype="float32", job_batch_sequences=5
+    )
+    caches = tmp_path / "caches"
+    # "b" first holds 4 of the keys, scored alone and in another order (a killed job's prefix)
+    part = [7, 2, 10, 0]
+    pre = _sampled(vllm_engine, [seqs[i] for i in part], [f"r{i}" for i in part], **sampling)
+    manifest = None
+    with ThreadedServer(settings, vllm_engine) as srv, srv.client() as c:
+        r = c.post("/v1/jobs", json={"cache": "a", **job})
+        assert r.status_code == 201, r.text
+        assert r.json()["k"] == 24
+        assert wait_job(c, r.json()["id"], timeout=120)["state"] == "succeeded"
+        manifest = CacheReader(caches / "a").manifest
+        with CacheWriter.open(str(caches / "b"), manifest) as w:
+            w.append(
+                [
+                    SequenceRecord(f"r{i}", np.asarray(seqs[i]), s.topk_ids, s.topk_logprobs)
+                    for i, s in zip(part, pre, strict=True)
+                ]
+            )
+        r = c.post("/v1/jobs", json={"cache": "b", **job})
+        assert wait_job(c, r.json()["id"], timeout=120)["state"] == "succeeded"
+        # one cache, one kind: a top-k job, other sampling parameters -> 409, nothing written
+        for other in (
+            {"k": 8},
+            {"targets": "sampled", "sampling": {"draws": 24, "seed": 6}},
+            {"targets": "sampled", "sampling": {"draws": 16, "seed": 5}},
+        ):
+            r = c.post("/v1/jobs", json={"cache": "a", "records": records, **other})
+            assert r.status_code == 409, (other, r.text)
+        # targets=sampled without sampling: the cache's own parameters
+        r = c.post("/v1/jobs", json={"cache": "a", "targets": "sampled", "records": records})
+        assert r.status_code == 201 and r.json()["k"] == 24, r.text
+        wait_job(c, r.json()["id"], timeout=120)
+        # /v1/score: sampled rows without a cache; from a sampled cache (hits) and a miss
+        ask = {"targets": "sampled", "sampling": sampling}
+        plain = c.post("/v1/score", json={"input_ids": seqs[:2], "keys": ["r0", "r1"], **ask})
+        assert plain.status_code == 200 and plain.json()["k"] == 24, plain.text
+        served = c.post(
+            "/v1/score",
+            json={"input_ids": [seqs[0], seqs[1][:9]], "keys": ["r0", "new"], "cache": "a", **ask},
+        )
+        assert served.status_code == 200, served.text
+        assert [s["cached"] for s in served.json()["sequences"]] == [True, False]
+        assert served.json()["stored"] == 1
+        assert plain.json()["sequences"][0]["topk_ids"] == served.json()["sequences"][0]["topk_ids"]
+        hit = c.post(
+            "/v1/score",
+            json={"input_ids": [seqs[1][:9]], "keys": ["new"], "cache": "a", "targets": "sampled"},
+        )
+        assert hit.json()["sequences"][0]["cached"] is True
+        assert (
+            hit.json()["sequences"][0]["topk_logprobs"]
+            == served.json()["sequences"][1]["topk_logprobs"]
+        )
+        wrong = c.post("/v1/score", json={"input_ids": seqs[:1], "cache": "a"})
+        assert wrong.status_code == 409, wrong.text
+        for bad in (
+            {"targets": "topk", "sampling": sampling},
+            {"targets": "sampled", "k": 4},
+            {"targets": "sampled", "sampling": {"draws": 0}},
+            {"targets": "sampled", "sampling": {"draws": 24, "proposal_temperature": 0}},
+        ):
+            r = c.post("/v1/jobs", json={"cache": "c", "records": records, **bad})
+            assert r.status_code == 422, (bad, r.text)
+    assert not (caches / "c").exists()
+    assert manifest.targets == "sampled"
+    assert manifest.sampling == sampling_manifest(24, 1.0, 5) and manifest.k == 24
+    for name in ("a", "b"):
+        report = validate(str(caches / name))
+        assert report.ok, report
+    a, b = CacheReader(caches / "a"), CacheReader(caches / "b")
+    assert sorted(b.keys) == sorted(r["id"] for r in records)
+    assert sorted(a.keys) == sorted([*b.keys, "new"])
+    direct = _sampled(vllm_engine, seqs, [r["id"] for r in records], **sampling)
+    for rec, d in zip(records, direct, strict=True):
+        ra, rb = a.get(rec["id"]), b.get(rec["id"])
+        assert (ra.topk_ids == rb.topk_ids).all() and (ra.topk_logprobs == rb.topk_logprobs).all()
+        assert (ra.topk_ids == d.topk_ids).all()
+        np.testing.assert_array_equal(ra.topk_logprobs, d.topk_logprobs)
