@@ -7,7 +7,13 @@ the list of reasons the cache was refused.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from logitcache.protocol import ErrorDetail, ErrorResponse
+from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from logitcache.protocol import JobStatus
 
 __all__ = [
     "ClientError",
@@ -70,6 +76,10 @@ class TeacherHTTPError(ClientError):
         The HTTP status.
     body:
         The decoded JSON error body (or ``{"detail": <text>}`` when the body is not JSON).
+    error:
+        The body as the protocol's :class:`~logitcache.protocol.ErrorDetail` (``code``,
+        ``message``, ``detail``), or ``None`` when it is not the API's error shape (a proxy's
+        page, say).
     method, url:
         The request that failed.
     """
@@ -77,17 +87,22 @@ class TeacherHTTPError(ClientError):
     def __init__(self, status_code: int, body: Any, method: str, url: str) -> None:
         self.status_code = status_code
         self.body = body
+        self.error = _error_detail(body)
         self.method = method
         self.url = url
         super().__init__(f"{method} {url} -> HTTP {status_code}: {_summarise(body)}")
 
     @property
+    def code(self) -> str | None:
+        """The API's machine-readable error code (``error.code``, e.g. ``invalid_input``)."""
+        return None if self.error is None else self.error.code
+
+    @property
     def detail(self) -> Any:
-        """The server's error message (``detail``, ``error.message`` or ``message``), if any."""
+        """The server's error message (``error.message``, else ``detail`` or ``message``)."""
+        if self.error is not None:
+            return self.error.message
         if isinstance(self.body, dict):
-            err = self.body.get("error")
-            if isinstance(err, dict) and "message" in err:
-                return err["message"]
             for key in ("detail", "message", "error"):
                 if key in self.body:
                     return self.body[key]
@@ -129,12 +144,9 @@ class TransportError(ClientError):
 class JobFailedError(ClientError):
     """A batch job ended in a failed or cancelled state; ``job`` holds its last status."""
 
-    def __init__(self, job: dict[str, Any]) -> None:
+    def __init__(self, job: JobStatus) -> None:
         self.job = job
-        super().__init__(
-            f"job {job.get('id', '?')} ended as {job.get('status', '?')}: "
-            f"{job.get('error') or job.get('message') or 'no error message'}"
-        )
+        super().__init__(f"job {job.id} ended as {job.state}: {job.error or 'no error message'}")
 
 
 class JobTimeoutError(ClientError, TimeoutError):
@@ -160,6 +172,13 @@ def http_error_for(status_code: int, body: Any, method: str, url: str) -> Teache
     else:
         cls = _BY_STATUS.get(status_code, TeacherHTTPError)
     return cls(status_code, body, method, url)
+
+
+def _error_detail(body: Any) -> ErrorDetail | None:
+    try:
+        return ErrorResponse.model_validate(body).error
+    except ValidationError:
+        return None
 
 
 def _summarise(body: Any, limit: int = 500) -> str:

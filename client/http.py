@@ -1,5 +1,9 @@
 """HTTP client of the teacher service: score on demand, batch jobs, caches (httpx, sync and async).
 
+Answers are typed: JSON bodies are parsed into the models of :mod:`logitcache.protocol` (the
+ones the server answers with: ``Health``, ``JobStatus``, ``CacheInfo``, ...), sequences into
+``cache_format.SequenceRecord`` and lengths into a numpy array.
+
 Both clients share one definition of every endpoint (:class:`_Endpoints`): a method builds a
 :class:`Call` (method, path, query, JSON body, parser) and hands it to ``_send``, which the sync
 client runs at once and the async client returns as a coroutine, so ``client.get_job(id)`` and
@@ -28,6 +32,19 @@ from typing import Any
 
 import httpx
 import numpy as np
+from logitcache.protocol import (
+    FRAMES_MEDIA_TYPE,
+    JSON_MEDIA_TYPE,
+    CacheInfo,
+    CacheLengths,
+    CacheList,
+    Health,
+    JobList,
+    JobStatus,
+    RangesRequest,
+    ScoreResponse,
+)
+from pydantic import BaseModel
 
 from .errors import (
     ConfigError,
@@ -37,12 +54,8 @@ from .errors import (
     http_error_for,
 )
 
-__all__ = ["TeacherClient", "AsyncTeacherClient", "Call", "RetryPolicy", "FRAMES_MEDIA_TYPE"]
+__all__ = ["TeacherClient", "AsyncTeacherClient", "Call", "RetryPolicy"]
 
-FRAMES_MEDIA_TYPE = "application/x-logitcache-frames"
-"""Media type of binary wire frames (``logitcache.cache_format.encode_records``)."""
-
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 _ALWAYS_RETRY_STATUS = frozenset({429, 502, 503, 504})
 _IDEMPOTENT_RETRY_STATUS = frozenset({500})
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -95,6 +108,11 @@ class Call:
     idempotent: bool = True
 
 
+def _model(cls: type[BaseModel]) -> Callable[[httpx.Response], Any]:
+    """A parser of a JSON answer into the protocol model ``cls``."""
+    return lambda r: cls.model_validate_json(r.content)
+
+
 def _error_body(response: httpx.Response) -> Any:
     try:
         return response.json()
@@ -128,21 +146,30 @@ def _parse_scores(response: httpx.Response) -> list[Any]:
         return _decode_frames(response)
     from logitcache.cache_format import SequenceRecord
 
-    body = response.json()
+    body = ScoreResponse.model_validate_json(response.content)
     return [
         SequenceRecord(
-            key=s["key"],
-            input_ids=np.asarray(s["input_ids"], dtype=np.int32),
-            topk_ids=np.asarray(s["topk_ids"], dtype=np.int32),
-            topk_logprobs=np.asarray(s["topk_logprobs"], dtype=np.float32),
-            tail_mass=np.asarray(s["tail_mass"], dtype=np.float32),
+            key=s.key,
+            input_ids=np.asarray(s.input_ids, dtype=np.int32),
+            topk_ids=np.asarray(s.topk_ids, dtype=np.int32),
+            topk_logprobs=np.asarray(s.topk_logprobs, dtype=np.float32),
+            tail_mass=np.asarray(s.tail_mass, dtype=np.float32),
         )
-        for s in body["sequences"]
+        for s in body.sequences
     ]
 
 
+def _jobs(response: httpx.Response) -> list[JobStatus]:
+    return JobList.model_validate_json(response.content).jobs
+
+
+def _caches(response: httpx.Response) -> list[CacheInfo]:
+    return CacheList.model_validate_json(response.content).caches
+
+
 def _parse_lengths(response: httpx.Response) -> np.ndarray:
-    return np.asarray(response.json()["lengths"], dtype=np.int64)
+    body = CacheLengths.model_validate_json(response.content)
+    return np.asarray(body.lengths, dtype=np.int64)
 
 
 class _Endpoints:
@@ -152,8 +179,8 @@ class _Endpoints:
         raise NotImplementedError
 
     def health(self) -> Any:
-        """``GET /health``: ``{"status", "model", "k", "version"}``."""
-        return self._send(Call("GET", "/health"))
+        """``GET /health`` -> :class:`~logitcache.protocol.Health` (model, k, version)."""
+        return self._send(Call("GET", "/health", parse=_model(Health)))
 
     def score(
         self,
@@ -176,7 +203,7 @@ class _Endpoints:
         if texts is not None:
             body["texts"] = list(texts)
         body = {key: value for key, value in body.items() if value is not None}
-        accept = f"{FRAMES_MEDIA_TYPE}, application/json;q=0.5"
+        accept = f"{FRAMES_MEDIA_TYPE}, {JSON_MEDIA_TYPE};q=0.5"
         return self._send(
             Call("POST", "/v1/score", json=body, headers={"accept": accept}, parse=_parse_scores)
         )
@@ -192,7 +219,8 @@ class _Endpoints:
         k: int | None = None,
         dataset: str | None = None,
     ) -> Any:
-        """``POST /v1/jobs``: score a corpus into ``cache`` in the background; returns the job.
+        """``POST /v1/jobs``: score a corpus into ``cache`` in the background; returns the job's
+        :class:`~logitcache.protocol.JobStatus`.
 
         Give exactly one input: ``records`` (``{"id", "text" | "input_ids"}`` dicts), ``texts``,
         ``input_ids``, or ``file`` (a path under the server's data directory, or an ``InputFile``
@@ -214,27 +242,31 @@ class _Endpoints:
             body["k"] = k
         if dataset is not None:
             body["dataset"] = dataset
-        return self._send(Call("POST", "/v1/jobs", json=body, idempotent=False))
+        return self._send(
+            Call("POST", "/v1/jobs", json=body, parse=_model(JobStatus), idempotent=False)
+        )
 
     def get_job(self, job_id: str) -> Any:
-        """``GET /v1/jobs/{id}``: the job's status (state, sequences/tokens done, eta, errors)."""
-        return self._send(Call("GET", f"/v1/jobs/{job_id}"))
+        """``GET /v1/jobs/{id}`` -> :class:`~logitcache.protocol.JobStatus` (state,
+        sequences/tokens done, eta, errors)."""
+        return self._send(Call("GET", f"/v1/jobs/{job_id}", parse=_model(JobStatus)))
 
     def list_jobs(self) -> Any:
-        """``GET /v1/jobs``: every job's status."""
-        return self._send(Call("GET", "/v1/jobs", parse=lambda r: r.json()["jobs"]))
+        """``GET /v1/jobs`` -> ``list[JobStatus]`` (the first page, newest first)."""
+        return self._send(Call("GET", "/v1/jobs", parse=_jobs))
 
     def cancel_job(self, job_id: str) -> Any:
-        """``POST /v1/jobs/{id}/cancel``: stop a job (what it committed stays in the cache)."""
-        return self._send(Call("POST", f"/v1/jobs/{job_id}/cancel"))
+        """``POST /v1/jobs/{id}/cancel`` -> the job's ``JobStatus``: stop a job (what it
+        committed stays in the cache)."""
+        return self._send(Call("POST", f"/v1/jobs/{job_id}/cancel", parse=_model(JobStatus)))
 
     def list_caches(self) -> Any:
-        """``GET /v1/caches``: ``[{"name", "manifest", "num_sequences", "num_rows"}, ...]``."""
-        return self._send(Call("GET", "/v1/caches", parse=lambda r: r.json()["caches"]))
+        """``GET /v1/caches`` -> ``list[CacheInfo]`` (name, manifest, counts, status)."""
+        return self._send(Call("GET", "/v1/caches", parse=_caches))
 
     def get_cache(self, name: str) -> Any:
-        """``GET /v1/caches/{name}``: ``{"name", "manifest", "num_sequences", "num_rows"}``."""
-        return self._send(Call("GET", f"/v1/caches/{name}"))
+        """``GET /v1/caches/{name}`` -> :class:`~logitcache.protocol.CacheInfo`."""
+        return self._send(Call("GET", f"/v1/caches/{name}", parse=_model(CacheInfo)))
 
     def cache_lengths(self, name: str, *, start: int = 0, stop: int | None = None) -> Any:
         """``GET /v1/caches/{name}/lengths``: token count of sequences ``[start, stop)``."""
@@ -269,7 +301,10 @@ class _Endpoints:
         One request, answered range after range (each in storage order); the ranges' total is
         at most the server's ``max_stream_sequences``. Idempotent (a read), so it is retried.
         """
-        body = {"ranges": [[int(a), int(b)] for a, b in ranges], "compression": compression}
+        request = RangesRequest.model_validate(
+            {"ranges": [(int(a), int(b)) for a, b in ranges], "compression": compression}
+        )
+        body = request.model_dump(mode="json")
         return self._send(
             Call(
                 "POST",
@@ -291,17 +326,14 @@ class _JobProgress:
 
             self._bar = tqdm(total=0, unit="tok", unit_scale=True, desc=f"job {job_id}")
 
-    def update(self, job: dict[str, Any]) -> None:
+    def update(self, job: JobStatus) -> None:
         if self._bar is None:
             return
-        total, done = int(job.get("tokens_total") or 0), int(job.get("tokens_done") or 0)
-        if self._bar.total != total:
-            self._bar.total = total
-        self._bar.n = done
+        if self._bar.total != job.tokens_total:
+            self._bar.total = job.tokens_total
+        self._bar.n = job.tokens_done
         self._bar.set_postfix_str(
-            f"{job.get('state')} "
-            f"{job.get('sequences_done', 0)}/{job.get('sequences_total', 0)} seq",
-            refresh=False,
+            f"{job.state} {job.sequences_done}/{job.sequences_total} seq", refresh=False
         )
         self._bar.refresh()
 
@@ -310,11 +342,10 @@ class _JobProgress:
             self._bar.close()
 
 
-def _finished(job: dict[str, Any], raise_on_failure: bool) -> bool:
-    state = job.get("state")
-    if state not in TERMINAL_STATES:
+def _finished(job: JobStatus, raise_on_failure: bool) -> bool:
+    if not job.state.terminal:
         return False
-    if raise_on_failure and state != "succeeded":
+    if raise_on_failure and job.state != "succeeded":
         raise JobFailedError(job)
     return True
 
@@ -381,7 +412,7 @@ class TeacherClient(_Endpoints):
         timeout: float | None = None,
         raise_on_failure: bool = True,
         progress: bool | None = None,
-    ) -> dict[str, Any]:
+    ) -> JobStatus:
         """Poll a job until it ends, with a tqdm bar over its tokens; return its last status.
 
         Raises :class:`JobFailedError` if it failed or was cancelled (unless
@@ -396,15 +427,15 @@ class TeacherClient(_Endpoints):
                 if _finished(job, raise_on_failure):
                     return job
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise JobTimeoutError(f"job {job_id} still {job.get('state')} after {timeout}s")
+                    raise JobTimeoutError(f"job {job_id} still {job.state} after {timeout}s")
                 time.sleep(poll_interval)
         finally:
             bar.close()
 
-    def run_job(self, cache: str, **job: Any) -> dict[str, Any]:
+    def run_job(self, cache: str, **job: Any) -> JobStatus:
         """:meth:`submit_job` then :meth:`wait_job`; ``wait_*`` keywords go to the wait."""
         wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
-        return self.wait_job(self.submit_job(cache, **job)["id"], **wait)
+        return self.wait_job(self.submit_job(cache, **job).id, **wait)
 
 
 class AsyncTeacherClient(_Endpoints):
@@ -465,7 +496,7 @@ class AsyncTeacherClient(_Endpoints):
         timeout: float | None = None,
         raise_on_failure: bool = True,
         progress: bool | None = None,
-    ) -> dict[str, Any]:
+    ) -> JobStatus:
         """Async :meth:`TeacherClient.wait_job`."""
         bar = _JobProgress(self.progress if progress is None else progress, job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -476,12 +507,12 @@ class AsyncTeacherClient(_Endpoints):
                 if _finished(job, raise_on_failure):
                     return job
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise JobTimeoutError(f"job {job_id} still {job.get('state')} after {timeout}s")
+                    raise JobTimeoutError(f"job {job_id} still {job.state} after {timeout}s")
                 await asyncio.sleep(poll_interval)
         finally:
             bar.close()
 
-    async def run_job(self, cache: str, **job: Any) -> dict[str, Any]:
+    async def run_job(self, cache: str, **job: Any) -> JobStatus:
         """Async :meth:`TeacherClient.run_job`."""
         wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
-        return await self.wait_job((await self.submit_job(cache, **job))["id"], **wait)
+        return await self.wait_job((await self.submit_job(cache, **job)).id, **wait)

@@ -20,6 +20,7 @@ from .errors import SourceError
 
 if TYPE_CHECKING:
     from logitcache.cache_format import SequenceRecord
+    from logitcache.protocol import CacheInfo
 
     from .http import TeacherClient
 
@@ -269,7 +270,7 @@ class HttpSource:
         self._client: TeacherClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pid: int | None = None
-        self._info: dict[str, Any] | None = None
+        self._info: CacheInfo | None = None
         self._lengths: np.ndarray | None = None
         self._store: LocalSource | None = None
         if transport == "store":
@@ -327,7 +328,7 @@ class HttpSource:
             self._pid = os.getpid()
         return self._client, self._pool
 
-    def _cache_info(self) -> dict[str, Any]:
+    def _cache_info(self) -> CacheInfo:
         if self._info is None:
             self._info = self.client.get_cache(self.cache)
         return self._info
@@ -343,13 +344,13 @@ class HttpSource:
             return self._store.manifest
         from logitcache.cache_format import Manifest
 
-        return Manifest.model_validate(self._cache_info()["manifest"])
+        return Manifest.model_validate(self._cache_info().manifest)
 
     @property
     def num_sequences(self) -> int:
         if self._store is not None:
             return self._store.num_sequences
-        return int(self._cache_info()["num_sequences"])
+        return self._cache_info().num_sequences
 
     @property
     def lengths(self) -> np.ndarray:

@@ -170,7 +170,8 @@ def score_corpus(
     """Score ``sequences`` (token ids, ``L >= 2`` each) into ``cache`` with one batch job.
 
     Sequence ``i`` gets the key ``"seq-<i>"``, so a re-run resumes the same cache (keys already
-    committed are skipped by the server). Returns the finished job's status plus the wall time.
+    committed are skipped by the server). Returns the finished job's status (``JobStatus`` as a
+    JSON dict) plus the wall time.
     """
     from logitcache.client import TeacherClient
 
@@ -185,5 +186,4 @@ def score_corpus(
             wait_timeout=timeout,
             wait_poll_interval=0.5,
         )
-    job["wall_s"] = time.perf_counter() - t0
-    return job
+    return {**job.model_dump(mode="json"), "wall_s": time.perf_counter() - t0}

@@ -80,15 +80,15 @@ def store(server: ServerProcess) -> str:
 
 
 def test_job_and_cache_listing(client, job, tiny) -> None:
-    assert job["state"] == "succeeded" and job["sequences_done"] == 24, job
-    assert client.get_job(job["id"])["state"] == "succeeded"
-    assert any(j["id"] == job["id"] for j in client.list_jobs())
-    caches = {c["name"]: c for c in client.list_caches()}
-    assert caches[CACHE]["num_sequences"] == 24
+    assert job.state == "succeeded" and job.sequences_done == 24, job
+    assert client.get_job(job.id).state == "succeeded"
+    assert any(j.id == job.id for j in client.list_jobs())
+    caches = {c.name: c for c in client.list_caches()}
+    assert caches[CACHE].num_sequences == 24
     info = client.get_cache(CACHE)
-    assert info["manifest"]["k"] == K
-    assert info["manifest"]["tokenizer_fingerprint"] == tokenizer_fingerprint(tiny.load_tokenizer())
-    assert client.health()["status"] == "ok"
+    assert info.manifest["k"] == K
+    assert info.manifest["tokenizer_fingerprint"] == tokenizer_fingerprint(tiny.load_tokenizer())
+    assert client.health().status == "ok"
 
 
 def test_http_source_gives_the_local_items(server, job, tiny) -> None:
@@ -130,6 +130,7 @@ def test_4xx_answers_raise_typed_errors_with_the_server_body(client, server, job
     with pytest.raises(NotFoundError) as err:
         client.get_job("no-such-job")
     assert err.value.status_code == 404 and err.value.body["error"]["code"] == "not_found"
+    assert err.value.code == "not_found"
     with pytest.raises(NotFoundError):
         client.get_cache("no-such-cache")
     with pytest.raises(BadRequestError) as err:
@@ -156,14 +157,14 @@ def test_unreachable_server_is_retried_then_raises() -> None:
 def test_async_client(server, job) -> None:
     async def run() -> None:
         async with AsyncTeacherClient(server.url, api_key=KEY, progress=False) as c:
-            assert (await c.health())["status"] == "ok"
-            assert (await c.get_cache(CACHE))["num_sequences"] == 24
+            assert (await c.health()).status == "ok"
+            assert (await c.get_cache(CACHE)).num_sequences == 24
             with pytest.raises(NotFoundError):
                 await c.get_job("no-such-job")
             (rec,) = await c.score([[1, 2, 3, 4, 5]])
             assert rec.topk_ids.shape == (4, K)
-            done = await c.wait_job(job["id"], poll_interval=0.1)
-            assert done["state"] == "succeeded"
+            done = await c.wait_job(job.id, poll_interval=0.1)
+            assert done.state == "succeeded"
 
     asyncio.run(run())
 

@@ -66,9 +66,9 @@ def test_service_writes_to_s3_and_the_client_streams_from_it(tiny, s3_bucket, tm
         assert _probe(server.port) == 0, "the container health probe fails on a healthy server"
         with TeacherClient(server.url, progress=False, timeout=120) as client:
             job = client.run_job(CACHE, texts=texts, wait_timeout=240, wait_poll_interval=0.2)
-            assert job["state"] == "succeeded", job
-            listed = {c["name"]: c for c in client.list_caches()}
-            assert listed[CACHE]["num_sequences"] == len(texts)
+            assert job.state == "succeeded", job
+            listed = {c.name: c for c in client.list_caches()}
+            assert listed[CACHE].num_sequences == len(texts)
             direct = client.score(texts=texts, k=K)  # on demand, not stored
     assert _probe(server.port) == 1, "the probe must fail once the server is gone"
 
