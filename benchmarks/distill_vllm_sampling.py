@@ -1,27 +1,31 @@
-"""Cost of sampled targets in the vLLM backend: full-vocabulary prompt logprobs vs top-k scoring.
+"""Cost of sampled targets in the vLLM backend, against top-k scoring, in one run.
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \\
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python benchmarks/distill_vllm_sampling.py
 
-vLLM exposes the teacher's distribution at prompt positions only through ``prompt_logprobs``
-(the top ``n`` logprobs per position, plus the prompt token's). Sampled targets need the whole
-distribution, so the mechanism measured here is ``prompt_logprobs = V`` (``max_logprobs = V``,
-flat output): per position the engine returns all ``V`` logprobs, which are scattered into a
-dense ``[L-1, V]`` block *per sequence* and sampled with the estimator of
-:mod:`logitcache.cache_format.sampling` (same seed/key rule as every producer). The baseline is
-what the service does today: ``prompt_logprobs = k``.
+One in-process :class:`~logitcache.server.engine.vllm.VllmEngine` (the service's engine, on the
+tiny teacher, float32, ``max_k = V`` so that the full-vocabulary baseline is allowed) scores the
+same held-out sequences three ways, repeated and interleaved so that the shared machine's load
+hits all alike:
 
-One in-process engine (``LLM``, enforce_eager, raw logprobs, the engine's settings) scores the
-same held-out sequences both ways, repeated and interleaved (top-k, full, top-k, full, ...) so
-that the shared machine's load hits both alike; reported: median wall per round, tokens/s, the
-ratio, and a check that the sampled rows built from vLLM's full logprobs equal those built from
-the PyTorch teacher's for the same seed and key (up to float rounding of the logprobs, which can
-move a draw that lands within rounding of a CDF step).
+* ``topk``: ``engine.score(prompts, k)`` (what a top-k job does; the baseline);
+* ``sampled``: ``engine.score_sampled(prompts, keys, SampledTargets(draws))``: the draws are made
+  inside vLLM's worker where the ``[n, V]`` block exists (``server/engine/vllm_sampling.py``),
+  only ``draws + 1`` values per position leave the engine;
+* ``full``: ``engine.score(prompts, V)`` (all ``V`` prompt logprobs per position, as arrays) and
+  :func:`~logitcache.cache_format.sampling.sample_rows` on the service side: the mechanism
+  measured before the hook existed (that measurement, with vLLM's Python lists, was 14.8x).
+
+Reported: median wall per round and its ratio to ``topk``, and two checks: the hook's rows equal
+the rows sampled from the full-vocabulary logprobs for the same seed and key (both from vLLM's
+float32 log-softmax), and the share of rows equal to those of the transformers backend (a draw
+within float rounding of a CDF step can differ).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -36,24 +40,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def dense_rows(flat: Any, length: int, vocab: int) -> np.ndarray:
-    """``[L-1, V]`` float32 logprobs from a full-vocabulary ``FlatLogprobs`` (position 0 is
-    ``None`` in vLLM; every later position lists the prompt token then all ``V`` ids)."""
-    out = np.full((length - 1, vocab), -np.inf, dtype=np.float32)
-    ids = np.asarray(flat.token_ids, dtype=np.int64)
-    lps = np.asarray(flat.logprobs, dtype=np.float32)
-    for j in range(1, length):
-        s, e = flat.start_indices[j], flat.end_indices[j]
-        out[j - 1, ids[s:e]] = lps[s:e]
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sequences", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--k", type=int, default=64)
-    p.add_argument("--draws", type=int, default=32)
+    p.add_argument("--draws", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/distill_vllm.json")
     args = p.parse_args(argv)
@@ -61,81 +53,85 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     from logitcache.cache_format.sampling import sample_rows, uniforms
     from logitcache.fixtures.tiny import build_tiny_models
-    from transformers import LlamaForCausalLM
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from logitcache.server.engine import SampledTargets, build_engine
 
-    torch.set_num_threads(1)
     tiny = build_tiny_models()
     vocab = tiny.vocab_size
     seqs = tiny.token_sequences("heldout", max_len=args.seq_len, min_len=16, limit=args.sequences)
+    keys = [f"s{i}" for i in range(len(seqs))]
     tokens = sum(len(s) for s in seqs)
-    llm = LLM(
+    targets = SampledTargets(draws=args.draws, seed=0)
+    engine = build_engine(
         model=str(tiny.teacher_dir),
+        backend="vllm",
+        max_k=vocab,
         dtype="float32",
-        max_seq_len=max(256, args.seq_len),
-        max_logprobs=vocab,
-        logprobs_mode="raw_logprobs",
-        enable_prefix_caching=False,
-        enforce_eager=True,
-        seed=0,
+        options={"vllm_mode": "inproc"},
     )
-    prompts = [TokensPrompt(prompt_token_ids=s) for s in seqs]
-
-    def params(n: int) -> Any:
-        return SamplingParams(
-            max_tokens=1, temperature=0.0, prompt_logprobs=n, detokenize=False, flat_logprobs=True
-        )
-
-    def topk_round() -> float:
-        t0 = time.perf_counter()
-        llm.generate(prompts, params(args.k), use_tqdm=False)
-        return time.perf_counter() - t0
-
     last: dict[str, Any] = {}
 
-    def full_round() -> float:
+    async def topk_round() -> float:
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params(vocab), use_tqdm=False)
-        rows = []
-        for i, (s, out) in enumerate(zip(seqs, outs, strict=True)):
-            lp = torch.from_numpy(dense_rows(out.prompt_logprobs, len(s), vocab))
-            rows.append(sample_rows(lp, uniforms(0, f"s{i}", len(s) - 1, args.draws)))
-        last["rows"] = rows
+        await engine.score(seqs, args.k)
         return time.perf_counter() - t0
 
-    topk_round()  # warm-up
-    full_round()
-    t_topk, t_full = [], []
-    for _ in range(args.rounds):
-        t_topk.append(topk_round())
-        t_full.append(full_round())
-    # the same rows from the PyTorch teacher
-    teacher = LlamaForCausalLM.from_pretrained(str(tiny.teacher_dir)).float().eval()
-    same, total = 0, 0
-    with torch.no_grad():
-        for i, s in enumerate(seqs):
-            z = teacher(input_ids=torch.as_tensor(s)[None]).logits[0, :-1].float()
-            ref = sample_rows(
-                torch.log_softmax(z, -1), uniforms(0, f"s{i}", len(s) - 1, args.draws)
-            )
-            got = last["rows"][i]
-            same += int((ref[0] == got[0]).all(axis=1).sum())
-            total += len(s) - 1
-    med_k, med_f = statistics.median(t_topk), statistics.median(t_full)
+    async def sampled_round() -> float:
+        t0 = time.perf_counter()
+        last["hook"] = await engine.score_sampled(seqs, keys, targets)
+        return time.perf_counter() - t0
+
+    async def full_round() -> float:
+        t0 = time.perf_counter()
+        outs = await engine.score(seqs, vocab)
+        rows = []
+        for s, key, out in zip(seqs, keys, outs, strict=True):
+            dense = np.full((len(s) - 1, vocab), -np.inf, dtype=np.float32)
+            np.put_along_axis(dense, out.topk_ids.astype(np.int64), out.topk_logprobs, axis=1)
+            u = uniforms(targets.seed, key, len(s) - 1, args.draws)
+            rows.append(sample_rows(torch.from_numpy(dense), u))
+        last["full"] = rows
+        return time.perf_counter() - t0
+
+    async def run() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {"topk": [], "sampled": [], "full": []}
+        for fn in (topk_round, sampled_round, full_round):  # warm-up
+            await fn()
+        for _ in range(args.rounds):
+            times["topk"].append(await topk_round())
+            times["sampled"].append(await sampled_round())
+            times["full"].append(await full_round())
+        return times
+
+    times = asyncio.run(run())
+    hook_eq_full = sum(
+        int((h.topk_ids == f[0]).all(axis=1).sum())
+        for h, f in zip(last["hook"], last["full"], strict=True)
+    )
+    asyncio.run(engine.aclose())
+    hf = build_engine(model=str(tiny.teacher_dir), backend="transformers", dtype="float32")
+    ref = asyncio.run(hf.score_sampled(seqs, keys, targets))
+    hook_eq_hf = sum(
+        int((h.topk_ids == r.topk_ids).all(axis=1).sum())
+        for h, r in zip(last["hook"], ref, strict=True)
+    )
+    rows = tokens - len(seqs)
+    med = {m: statistics.median(t) for m, t in times.items()}
     result = {
         "command": "python benchmarks/distill_vllm_sampling.py " + " ".join(argv or sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} CPU cores (shared), vLLM CPU",
+        "load_average": os.getloadavg(),
         "sequences": len(seqs),
         "tokens": tokens,
         "vocab": vocab,
         "k": args.k,
         "draws": args.draws,
-        "rounds_topk_s": t_topk,
-        "rounds_full_sampled_s": t_full,
-        "topk_tokens_per_s": tokens / med_k,
-        "full_sampled_tokens_per_s": tokens / med_f,
-        "full_vs_topk_time": med_f / med_k,
-        "rows_identical_to_pytorch_teacher": same / max(total, 1),
+        "rounds_s": times,
+        "median_s": med,
+        "tokens_per_s": {m: tokens / t for m, t in med.items()},
+        "sampled_hook_vs_topk_time": med["sampled"] / med["topk"],
+        "full_vocab_vs_topk_time": med["full"] / med["topk"],
+        "hook_rows_equal_full_vocab_rows": hook_eq_full / rows,
+        "hook_rows_equal_transformers_rows": hook_eq_hf / rows,
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
