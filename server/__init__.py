@@ -5,11 +5,12 @@ logitcache.server``; every option is also a ``LOGITCACHE_*`` environment variabl
 :mod:`~logitcache.server.settings`). The HTTP API is described in ``server/API.md`` and in the
 OpenAPI document at ``/openapi.json`` (``/docs`` renders it).
 
-Module map (one job each; routes hold no logic, services import no FastAPI):
+Module map (one job each; routes hold no logic, services import no FastAPI). The request and
+response models, media types and job states are :mod:`logitcache.protocol` (shared with the
+client).
 
 ========================  ========================================================================
 ``settings``              ``ServerSettings`` (pydantic-settings: env, ``.env``, CLI)
-``protocol``              request/response models (``extra="forbid"``), ``FRAMES_MEDIA_TYPE``
 ``errors``                typed service errors and their one mapping to HTTP
 ``inputs``                reading, tokenising, checking, keying and batching input sequences
 ``scoring``               ``ScoringService``: on-demand scoring (+ optional store)

@@ -39,8 +39,9 @@ from .caches import check_name
 from .errors import NotFoundError
 
 if TYPE_CHECKING:
+    from logitcache.protocol import ScoreRequest
+
     from .inputs import Sequence
-    from .protocol import ScoreRequest
     from .scoring import ScoringService
 
 

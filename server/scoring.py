@@ -37,9 +37,10 @@ from .inputs import Limits, RawRecord, Sequence, to_sequence
 from .targets import of_request, resolve
 
 if TYPE_CHECKING:
+    from logitcache.protocol import ScoreRequest
+
     from .engine import TeacherEngine
     from .metrics import Metrics
-    from .protocol import ScoreRequest
     from .settings import ServerSettings
 
 
