@@ -1,7 +1,14 @@
 """Distributed batch scoring with Ray: one dataset, several teacher replicas, one cache.
 
     python -m logitcache.server.distributed --input data.jsonl --cache s3://bucket/name \\
-        --replicas 4 --model /models/teacher --k 64 [any logitcache-server option]
+        --replicas 4 --model /models/teacher -k 64 [any logitcache-server option]
+
+Settings (:class:`DistributedSettings`) are the server's pydantic settings plus the run's own,
+read the same way (flags > ``LOGITCACHE_*`` environment > ``.env``). Before Ray or any engine
+starts, the input is read and an existing target cache is checked against this run's teacher
+identity and k (:func:`check_target_early`); any problem is one JSON line on stderr. While the
+shards are checked and scored, tqdm bars on stderr show shards done and sequences/tokens scored
+(``--no-progress`` turns them off).
 
 Each replica is a Ray actor (:class:`ShardWorker`) that owns one teacher engine
 (:func:`logitcache.server.engine.build_engine`, the service's own backends); a large teacher spans
@@ -25,7 +32,6 @@ resumes it. Scaling to many nodes: docs/SCALING.md.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -39,13 +45,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import FormatError, Manifest
+from pydantic import Field, ValidationError
+from pydantic_settings import SettingsConfigDict
 
 from . import inputs, shards
 from .caches import expected_manifest
 from .engine.identity import teacher_diff, teacher_identity
 from .errors import InvalidInputError, ServiceError
 from .protocol import InputFile
-from .settings import ServerSettings, load_settings
+from .settings import ServerSettings
 
 if TYPE_CHECKING:
     from .engine import EngineInfo, TeacherEngine
@@ -319,6 +327,7 @@ def run_distributed(
     on_event: Callable[[str], None] | None = None,
     replicas: Replicas | None = None,
     worker_cls: type[ShardWorker] | None = None,
+    progress: bool = False,
 ) -> RunReport:
     """Score ``raws`` into the cache at ``cache_url`` with ``plan.replicas`` teacher replicas.
 
@@ -327,7 +336,8 @@ def run_distributed(
     started for this run (``worker_cls``: a :class:`ShardWorker` subclass) and stopped after.
     ``settings.storage_options`` apply to the cache and its staging. Raises
     :class:`InvalidInputError` for a bad input and ``ManifestMismatchError`` for an existing
-    cache of another teacher, in both cases before anything is written.
+    cache of another teacher, in both cases before anything is written. ``progress``: tqdm bars
+    on stderr while the shards are checked and scored.
     """
     from ray.util import ActorPool
 
@@ -361,7 +371,10 @@ def run_distributed(
         committed = shards.check_target(cache_url, manifest, options)
 
         pool = ActorPool(replicas.actors[:n])
-        scans = _gather(pool.map_unordered(lambda a, s: a.scan.remote(s), work))
+        scans = _gather(
+            pool.map_unordered(lambda a, s: a.scan.remote(s), work),
+            _bar(progress, "check", len(work)),
+        )
         skips = shards.check_scans(scans, committed)
         total = len({k for s in scans for k in s.keys})
         say(f"input checked: {len(work)} shard(s), {total} sequences, {len(committed)} committed")
@@ -372,7 +385,8 @@ def run_distributed(
             shards.ShardTask(s, shards.staging_url(staging, s.index), skips[s.index]) for s in work
         ]
         results = _gather(
-            pool.map_unordered(lambda a, t: a.score.remote(t, stage_manifest, options), tasks)
+            pool.map_unordered(lambda a, t: a.score.remote(t, stage_manifest, options), tasks),
+            _bar(progress, "score", len(tasks)),
         )
         lap("score")
         say(f"scored {sum(r.scored_sequences for r in results)} sequences; committing")
@@ -411,15 +425,38 @@ def _get(refs: list[Any]) -> list[Any]:
         raise _unwrap(e) from e
 
 
-def _gather(results: Any) -> list[Any]:
-    """Drain an ActorPool result iterator, re-raising a worker's own (typed) exception."""
+def _bar(enabled: bool, what: str, shards_total: int) -> Any:
+    """A tqdm bar over shards on stderr (None when disabled)."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=shards_total, desc=what, unit="shard", file=sys.stderr, dynamic_ncols=True)
+
+
+def _gather(results: Any, bar: Any = None) -> list[Any]:
+    """Drain an ActorPool result iterator, re-raising a worker's own (typed) exception; each
+    result advances ``bar`` (a tqdm bar: shards, and sequences/tokens scored as its postfix)."""
+    out: list[Any] = []
+    seqs = tokens = 0
     try:
-        return list(results)
+        for r in results:
+            out.append(r)
+            if bar is not None:
+                if isinstance(r, shards.ShardResult):
+                    seqs += r.scored_sequences
+                    tokens += r.scored_tokens
+                    bar.set_postfix(sequences=seqs, tokens=tokens, refresh=False)
+                bar.update(1)
+        return out
     except Exception as e:
         inner = _unwrap(e)
         if inner is e:
             raise
         raise inner from e
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _agreed_info(infos: list[EngineInfo]) -> EngineInfo:
@@ -444,59 +481,141 @@ def _final_manifest(info: EngineInfo, settings: ServerSettings, dataset: str) ->
 # --- CLI -----------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m logitcache.server.distributed",
-        allow_abbrev=False,  # `--k 20` must not read as `--keep-staging 20`
-        description="Score a dataset into one cache with several teacher replicas on Ray. "
-        "Every other option is a logitcache-server setting (--model, -k, --backend, --dtype, "
-        "--tensor-parallel-size, --pipeline-parallel-size, --storage-options, ...), also read "
-        "from LOGITCACHE_* variables.",
+class DistributedSettings(ServerSettings):
+    """``logitcache-distributed``'s settings: every :class:`ServerSettings` field (the replicas'
+    engines are built from them: ``--model``, ``-k``, ``--backend``, ``--tensor-parallel-size``,
+    ``--storage-options``, ...) plus the run's own below; read exactly like the server's (command
+    line > ``LOGITCACHE_*`` environment > ``.env`` > defaults; no abbreviated flags)."""
+
+    model_config = SettingsConfigDict(
+        **{**ServerSettings.model_config, "cli_prog_name": "logitcache-distributed"}
     )
-    p.add_argument("--input", required=True, type=Path, help="JSONL or Parquet file")
-    p.add_argument("--cache", required=True, help="cache URL or directory (s3://bucket/name)")
-    p.add_argument("--replicas", type=int, default=Plan.replicas)
-    p.add_argument("--shard-size", type=int, default=Plan.shard_size)
-    p.add_argument("--cpus-per-replica", type=float, default=Plan.cpus_per_replica)
-    p.add_argument("--gpus-per-replica", type=float, default=None)
-    p.add_argument("--max-restarts", type=int, default=Plan.max_restarts)
-    p.add_argument("--staging", default=None, help="staging root (default <cache>.staging)")
-    p.add_argument("--keep-staging", action="store_true")
-    p.add_argument("--dataset", default="", help="dataset description for the manifest")
-    p.add_argument("--report", type=Path, default=None, help="also write the JSON report here")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--ids-field", default="input_ids")
-    p.add_argument("--id-field", default="id")
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="existing cluster ('auto' or host:port); default: a local cluster on 127.0.0.1",
-    )
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local cluster")
-    p.add_argument("--num-gpus", type=int, default=None, help="GPUs of the local cluster")
-    return p
+
+    input: Path
+    """Input: a JSONL or Parquet file (the job input format)."""
+    cache: str
+    """The final cache: a directory or URL (``s3://bucket/name``)."""
+    replicas: int = Field(Plan.replicas, ge=1)
+    """Teacher replicas (Ray actors), each with its own engine."""
+    shard_size: int = Field(Plan.shard_size, ge=1)
+    """Input records per shard (the unit of work, retry and staging)."""
+    cpus_per_replica: float = Field(Plan.cpus_per_replica, gt=0)
+    """Ray CPUs reserved per replica."""
+    gpus_per_replica: float | None = Field(None, ge=0)
+    """Ray GPUs per replica (default: tensor x pipeline parallel size if the cluster has GPUs)."""
+    max_restarts: int = Field(Plan.max_restarts, ge=0)
+    """Times Ray restarts a dead replica (its shard is then retried)."""
+    staging: str | None = None
+    """Staging root (default ``<cache>.staging``)."""
+    keep_staging: bool = False
+    """Keep the staging caches after the commit."""
+    dataset: str = ""
+    """Dataset description for the manifest (default: the input file's name)."""
+    report: Path | None = None
+    """Also write the JSON report here."""
+    text_field: str = "text"
+    """Input field holding a record's text."""
+    ids_field: str = "input_ids"
+    """Input field holding a record's token ids."""
+    id_field: str = "id"
+    """Input field holding a record's explicit id."""
+    ray_address: str | None = None
+    """An existing Ray cluster (``auto`` or ``host:port``); default: a local one on 127.0.0.1."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local cluster (default: replicas x cpus per replica)."""
+    num_gpus: int | None = Field(None, ge=0)
+    """GPUs of the local cluster."""
+    progress: bool = True
+    """Progress bars (tqdm, on stderr) while the shards are checked and scored."""
+
+    def plan(self) -> Plan:
+        return Plan(
+            replicas=self.replicas,
+            shard_size=self.shard_size,
+            cpus_per_replica=self.cpus_per_replica,
+            gpus_per_replica=self.gpus_per_replica,
+            max_restarts=self.max_restarts,
+            keep_staging=self.keep_staging,
+        )
+
+    def server_settings(self) -> ServerSettings:
+        """The :class:`ServerSettings` part (what the replicas' engines are built from)."""
+        return ServerSettings.model_construct(
+            **{f: getattr(self, f) for f in ServerSettings.model_fields}
+        )
+
+
+def load_distributed_settings(argv: list[str]) -> DistributedSettings:
+    """Settings from ``argv`` (CLI flags) over the environment, ``.env`` and defaults."""
+    return DistributedSettings(_cli_parse_args=argv)  # type: ignore[call-arg]
+
+
+class TargetMismatchError(ServiceError):
+    """The target cache holds another teacher or another k (found before any engine loads)."""
+
+    status = 409
+    code = "conflict"
+
+
+def check_target_early(settings: ServerSettings, cache_url: str) -> None:
+    """Fail before any engine loads when the cache at ``cache_url`` exists with another teacher
+    identity or k than this run would write: :class:`TargetMismatchError` naming each field.
+
+    The run's identity is :func:`~.engine.config.planned_info` (the model's files and tokenizer
+    only); a cache that does not exist yet passes. The full check (:func:`.shards.check_target`,
+    against the loaded engines) still runs before anything is written.
+    """
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format.errors import StoreNotFoundError
+
+    from .engine.config import engine_config, planned_info
+
+    try:
+        stored = CacheReader(cache_url, storage_options=settings.storage_options or None).manifest
+    except (StoreNotFoundError, FileNotFoundError):
+        return
+    info = planned_info(engine_config(settings))
+    want = teacher_identity(info)
+    if info.backend == "transformers" and info.dtype == "auto":
+        want["dtype"] = teacher_identity(stored)["dtype"]  # resolved only when weights load
+    diff = {f: f"cache {a!r}, this run {b!r}" for f, (a, b) in
+            teacher_diff(teacher_identity(stored), want).items()}  # fmt: skip
+    if stored.k != info.max_k:
+        diff["k"] = f"cache {stored.k}, this run {info.max_k}"
+    if diff:
+        fields = "; ".join(f"{f}: {v}" for f, v in sorted(diff.items()))
+        raise TargetMismatchError(
+            f"cache {cache_url} holds another teacher configuration ({fields}); "
+            "use another --cache, or the settings it was made with",
+            detail=sorted(diff),
+        )
+
+
+def _fail(code: str, message: str, detail: Any = None) -> None:
+    """One JSON line on stderr (the CLI's error form)."""
+    print(json.dumps({"error": code, "message": message, "detail": detail}), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; prints the :class:`RunReport` as JSON. Exit 2 on bad input."""
+    """CLI entry point; prints the :class:`RunReport` as JSON. Exit 2 on bad input or settings,
+    1 on a cluster failure; errors are one JSON line on stderr, before any engine loads when the
+    input, the model or the target cache is wrong."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    settings = load_settings(rest)
+    try:
+        args = load_distributed_settings(sys.argv[1:] if argv is None else argv)
+    except ValidationError as e:
+        why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        _fail("invalid_settings", why)
+        return 2
+    settings = args.server_settings()
     try:  # before Ray starts: a missing/mistyped --model is one line (server/preflight.py)
         from .preflight import PreflightError, check_model
 
         check_model(settings.model)
     except PreflightError as e:
-        print(json.dumps({"error": "invalid_model", "message": str(e)}), file=sys.stderr)
+        _fail("invalid_model", str(e))
         return 2
-    plan = Plan(
-        replicas=args.replicas,
-        shard_size=args.shard_size,
-        cpus_per_replica=args.cpus_per_replica,
-        gpus_per_replica=args.gpus_per_replica,
-        max_restarts=args.max_restarts,
-        keep_staging=args.keep_staging,
-    )
+    plan = args.plan()
     import ray
 
     started = False
@@ -504,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         raws = read_input(
             args.input, text_field=args.text_field, ids_field=args.ids_field, id_field=args.id_field
         )
+        check_target_early(settings, args.cache.rstrip("/"))
         if args.ray_address is None:
             cpus = args.num_cpus or max(1, int(plan.replicas * plan.cpus_per_replica))
             init_local_ray(cpus, args.num_gpus)
@@ -517,13 +637,13 @@ def main(argv: list[str] | None = None) -> int:
             plan,
             dataset=args.dataset or str(args.input.name),
             staging_root=args.staging,
+            progress=args.progress,
         )
     except ServiceError as e:
-        error = {"error": e.code, "message": e.message, "detail": e.detail}
-        print(json.dumps(error), file=sys.stderr)
+        _fail(e.code, e.message, e.detail)
         return 2 if e.status < 500 else 1
     except FormatError as e:  # e.g. an existing cache made with another teacher
-        print(json.dumps({"error": type(e).__name__, "message": str(e)}), file=sys.stderr)
+        _fail(type(e).__name__, str(e))
         return 2
     finally:
         if started or ray.is_initialized():

@@ -80,6 +80,12 @@ def dataset(tiny, tmp_path_factory) -> tuple[Path, list[str]]:
     return path, records
 
 
+def _settings_kw(tiny) -> dict:
+    """The settings of :func:`_server_flags` as ``ServerSettings`` keywords."""
+    return dict(model=str(tiny.teacher_dir), k=K, max_seq_len=256, job_batch_sequences=3,
+                logprob_dtype="float16", backend="vllm")  # fmt: skip
+
+
 def _server_flags(tiny) -> list[str]:
     return [
         "--model", str(tiny.teacher_dir), "-k", str(K), "--max-seq-len", "256",
@@ -269,6 +275,55 @@ def test_cli_refuses_a_missing_input_before_starting_ray(tmp_path, tiny):
     assert not (tmp_path / "c").exists()
 
 
+def test_cli_refuses_a_cache_of_another_k_or_teacher_before_any_engine_loads(
+    tmp_path, tiny, dataset, capsys, monkeypatch
+):
+    """An existing cache made at another k and temperature: exit 2 with one JSON line naming both
+    fields, before Ray or an engine starts (both are patched to fail); the cache is untouched."""
+    from format_support import make_records
+    from logitcache.cache_format import CacheWriter
+    from logitcache.server import distributed
+    from logitcache.server.caches import expected_manifest
+    from logitcache.server.engine import engine_config
+    from logitcache.server.engine.config import planned_info
+
+    other = {**_settings_kw(tiny), "k": K + 1, "temperature": 2.0}
+    cfg = engine_config(ServerSettings(_env_file=None, **other))  # type: ignore[call-arg]
+    manifest = expected_manifest(planned_info(cfg), k=cfg.max_k, logprob_dtype="float16")
+    cache = tmp_path / "made-otherwise"
+    with CacheWriter.open(cache, manifest) as w:
+        w.append(make_records(2, k=manifest.k, vocab=manifest.vocab_size))
+    before = sorted(p.name for p in cache.rglob("*"))
+
+    def never(*a, **kw):
+        raise AssertionError("Ray or an engine started")
+
+    monkeypatch.setattr(distributed, "init_local_ray", never)
+    monkeypatch.setattr(distributed, "Replicas", never)
+    path, _ = dataset
+    code = distributed.main(["--input", str(path), "--cache", str(cache), *_server_flags(tiny)])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    error = json.loads(err.strip().splitlines()[-1])
+    assert error["error"] == "conflict" and error["detail"] == ["k", "temperature"], error
+    assert f"k: cache {K + 1}, this run {K}" in error["message"]
+    assert "Traceback" not in err
+    assert sorted(p.name for p in cache.rglob("*")) == before
+    assert not Path(f"{cache}.staging").exists()
+
+
+def test_planned_identity_is_the_loaded_engines(replicas, tiny, settings) -> None:
+    """The early check's identity (model files + tokenizer only) equals what the loaded vLLM
+    replicas report, so a cache made by this configuration is never refused early."""
+    from logitcache.server.engine import engine_config
+    from logitcache.server.engine.config import planned_info
+    from logitcache.server.engine.identity import teacher_identity
+
+    planned = planned_info(engine_config(settings))
+    assert teacher_identity(planned) == teacher_identity(replicas.info)
+    assert planned.max_k == replicas.info.max_k == K
+
+
 def test_an_interrupted_commit_is_finished_by_a_rerun_without_scoring(
     replicas, reference, dataset, settings, tmp_path
 ):
@@ -351,3 +406,6 @@ def test_cli_on_the_cluster_equals_the_library_run(ray_cluster, tiny, dataset, r
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(report.read_text())["committed"] == reference[1].committed
     assert_same_cache(CacheReader(out), CacheReader(reference[0]))
+    # progress bars (tqdm on stderr) for both phases, over the 5 shards
+    assert "check: 100%" in proc.stderr and "score: 100%" in proc.stderr, proc.stderr[-2000:]
+    assert "5/5" in proc.stderr

@@ -216,3 +216,39 @@ def engine_config(settings: Any = None, **overrides: Any) -> EngineConfig:
         return EngineConfig(**kwargs)
     except TypeError as e:
         raise EngineConfigError(f"bad engine option: {e}") from None
+
+
+def model_vocab_size(model: str) -> int:
+    """``vocab_size`` of a model's config (``text_config`` first); EngineConfigError if absent."""
+    cfg_path = Path(model) / "config.json"
+    if cfg_path.is_file():
+        data = json.loads(cfg_path.read_text())
+    else:  # a hub id (needs the hub or its local cache)
+        from transformers import AutoConfig
+
+        data = AutoConfig.from_pretrained(model).to_dict()
+    data = data.get("text_config", data)
+    v = data.get("vocab_size")
+    if not isinstance(v, int) or v < 1:
+        raise EngineConfigError("the model config has no vocab_size")
+    return v
+
+
+def planned_info(cfg: EngineConfig) -> EngineInfo:
+    """The :class:`EngineInfo` an engine built from ``cfg`` will report, from the model's files
+    and tokenizer only (no weights loaded, nothing on an accelerator): for checks that must fail
+    before an engine starts (the Ray CLI's target-cache check). Exact for the teacher identity and
+    ``max_k``, with one exception: the transformers backend resolves ``dtype="auto"`` only when it
+    loads the weights, so there ``dtype`` is ``"auto"`` (callers do not compare it).
+    ``max_seq_len`` is ``cfg.max_seq_len`` as asked (the model may cap it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+    return engine_info(
+        cfg,
+        tokenizer=tokenizer,
+        vocab_size=model_vocab_size(cfg.model),
+        max_seq_len=cfg.max_seq_len or 2,
+        backend=cfg.backend,
+        dtype=cfg.dtype,
+    )
