@@ -79,13 +79,17 @@ def clean_partials(root: str, max_age_s: float = PARTIAL_MAX_AGE_S) -> int:
 
 
 def maintain(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -> None:
-    """Prune finished jobs past ``job_retention_s`` and clean old ``*.partial`` files."""
+    """Prune finished jobs past ``job_retention_s``, clean old ``*.partial`` files, and warn
+    about stores whose creation was interrupted (listed as ``incomplete``; the next write to
+    one completes it)."""
     pruned = store.prune(settings.job_retention_s)
     if pruned:
         log.info("pruned %d finished job(s) older than %g s", pruned, settings.job_retention_s)
     cleaned = clean_partials(caches.root)
     if cleaned:
         log.info("removed %d leftover *.partial file(s) under the store root", cleaned)
+    for name, reason in routes_caches.incomplete_caches(caches).items():
+        log.warning("cache %r is incomplete: %s", name, reason)
 
 
 async def _maintenance(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -> None:

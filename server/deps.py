@@ -30,7 +30,10 @@ class Services:
     metrics: Metrics
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
+    """The app's services, or 503 while starting/stopping. ``async`` on purpose: FastAPI runs a
+    plain ``def`` dependency in its worker-thread pool, and that hop (queued behind every other
+    worker-thread task, and two GIL hand-offs) made even ``/health`` wait under load."""
     services = getattr(request.app.state, "services", None)
     if services is None:
         raise UnavailableError("the service is starting or stopping", retry_after=5)

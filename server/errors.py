@@ -9,6 +9,7 @@ so routes hold no ``try``/``except``. Every 4xx is raised *before* anything is w
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,8 @@ class CacheBrokenError(ConflictError, code="cache_broken"):
 
 
 class CacheIncompleteError(ConflictError, code="cache_incomplete"):
-    """A cache folder without a root ``zarr.json``: its creation was interrupted."""
+    """A store whose creation was interrupted (no root ``zarr.json``, or one marked incomplete
+    without a manifest); see ``routes_caches.incomplete_reason``."""
 
 
 class ClientClosedError(ServiceError, status=499, code="client_closed"):
@@ -135,6 +137,29 @@ def public_message(message: str) -> str:
     """``message`` without the directories of absolute paths (only base names stay), so error
     bodies never show where the server keeps its files."""
     return _ABS_DIRS.sub("", message)
+
+
+def public_name(value: str) -> str:
+    """``value`` as a public body may show it: an absolute local path (a teacher given as a
+    folder, a store root) becomes its last component (``/srv/models/tiny/`` -> ``tiny``);
+    absolute directories inside any other text are dropped as in :func:`public_message`; hub
+    ids and URLs stay as they are."""
+    if os.path.isabs(value):
+        return os.path.basename(value.rstrip("/")) or value
+    return public_message(value)
+
+
+def public_value(value: Any) -> Any:
+    """``value`` (JSON-like: dicts, lists, strings, numbers) with every string through
+    :func:`public_name`, e.g. a cache manifest, whose ``teacher_model`` is the path the server
+    was started with."""
+    if isinstance(value, str):
+        return public_name(value)
+    if isinstance(value, dict):
+        return {k: public_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [public_value(v) for v in value]
+    return value
 
 
 def format_error_status(exc: FormatError) -> tuple[int, str]:

@@ -30,6 +30,8 @@ from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from logitcache.cache_format import CacheReader, encode_records
+from logitcache.cache_format.layout import INCOMPLETE_ATTR, read_root_attrs
+from logitcache.cache_format.spec import ROOT_ATTR
 from pydantic import BaseModel, ConfigDict, Field
 
 from .caches import NAME_PATTERN, CacheRegistry, RangeReader, is_url
@@ -38,10 +40,10 @@ from .errors import (
     CacheBrokenError,
     CacheIncompleteError,
     InvalidInputError,
-    NotFoundError,
     PayloadTooLargeError,
     ServiceError,
     public_message,
+    public_value,
 )
 from .protocol import (
     FRAMES_MEDIA_TYPE,
@@ -90,15 +92,42 @@ _LIST_LINKS = {
 }
 
 
-def _incomplete(caches: CacheRegistry, name: str) -> bool:
-    """Whether a local ``<root>/<name>`` folder exists, non-empty, without a ``zarr.json``."""
-    if is_url(caches.root):
-        return False
-    d = Path(caches.root) / name
+#: Why a store left by a crash during its creation is not usable (:func:`incomplete_reason`).
+NO_ROOT = (
+    "creation was interrupted before its root zarr.json was written; no sequence was "
+    "committed. Writing to it again (a job, or a score request naming this cache) completes it"
+)
+ROOT_MARKED = (
+    "creation was interrupted while its arrays were created (root zarr.json marked "
+    f"{INCOMPLETE_ATTR!r}, no manifest); no sequence was committed. Writing to it again "
+    "(a job, or a score request naming this cache) completes it"
+)
+
+
+def incomplete_reason(caches: CacheRegistry, name: str) -> str | None:
+    """Why ``name`` is a store whose creation was interrupted (a crash inside
+    ``CacheWriter._create``, FORMAT.md's create order: root marked incomplete, arrays, then the
+    manifest), or None if it is not one. Two on-disk states: a non-empty local folder without a
+    root ``zarr.json`` (killed before the first write; e.g. only the writer's lock file), or a
+    root ``zarr.json`` whose attributes carry the incomplete mark and no manifest (killed while
+    the arrays were created). Neither holds committed data, and the writer's next ``open``
+    re-creates such a store, so that is the repair; without a manifest nothing else can be."""
+    if not is_url(caches.root):
+        d = Path(caches.root) / name
+        try:
+            if not d.is_dir():
+                return None
+            if not (d / "zarr.json").exists():
+                return NO_ROOT if any(d.iterdir()) else None
+        except OSError:
+            return None
     try:
-        return d.is_dir() and not (d / "zarr.json").exists() and any(d.iterdir())
-    except OSError:
-        return False
+        attrs = read_root_attrs(caches.store(name))
+    except Exception:  # noqa: BLE001 - unreadable: broken, not incomplete
+        return None
+    if attrs is not None and ROOT_ATTR not in attrs and attrs.get(INCOMPLETE_ATTR):
+        return ROOT_MARKED
+    return None
 
 
 def open_reader(caches: CacheRegistry, name: str) -> CacheReader:
@@ -106,39 +135,50 @@ def open_reader(caches: CacheRegistry, name: str) -> CacheReader:
     store exists but cannot be used (message without paths)."""
     try:
         return caches.reader(name)
-    except NotFoundError:
-        if _incomplete(caches, name):
-            raise CacheIncompleteError(
-                f"cache {name!r} is incomplete (its creation was interrupted): delete it, or "
-                "submit the job that creates it again"
-            ) from None
-        raise
-    except ServiceError:
-        raise
     except Exception as e:  # noqa: BLE001 - any failure to open is reported, not a 500
+        reason = incomplete_reason(caches, name)
+        if reason is not None:
+            raise CacheIncompleteError(f"cache {name!r} is incomplete: {reason}") from None
+        if isinstance(e, ServiceError):
+            raise
         log.warning("cache %r cannot be opened: %r", name, e)
         raise CacheBrokenError(
             f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
         ) from None
 
 
+def incomplete_caches(caches: CacheRegistry) -> dict[str, str]:
+    """Every store under a local root whose creation was interrupted, with the reason (what
+    start-up logs and ``GET /v1/caches`` lists)."""
+    if is_url(caches.root):
+        return {}
+    try:
+        folders = sorted(p.name for p in Path(caches.root).iterdir() if p.is_dir())
+    except OSError:
+        return {}
+    out = {}
+    for name in folders:
+        if NAME_PATTERN.fullmatch(name) and ".." not in name:
+            reason = incomplete_reason(caches, name)
+            if reason is not None:
+                out[name] = reason
+    return out
+
+
 def _listing(caches: CacheRegistry) -> list[CacheInfo]:
     """Every cache under the root; one that cannot be opened is listed with its status."""
     out = []
     names = set(caches.names())
-    for name in sorted(names):
+    incomplete = incomplete_caches(caches)
+    for name in sorted(names - set(incomplete)):
         try:
             out.append(_info(name, open_reader(caches, name)))
+        except CacheIncompleteError as e:
+            out.append(_unusable(name, "incomplete", e.message))
         except ServiceError as e:
             out.append(_unusable(name, "broken", e.message))
-    if not is_url(caches.root):
-        try:
-            folders = [p.name for p in Path(caches.root).iterdir()]
-        except OSError:
-            folders = []
-        for name in sorted(set(folders) - names):
-            if NAME_PATTERN.fullmatch(name) and ".." not in name and _incomplete(caches, name):
-                out.append(_unusable(name, "incomplete", "no zarr.json: creation interrupted"))
+    for name, reason in incomplete.items():
+        out.append(_unusable(name, "incomplete", reason))
     return sorted(out, key=lambda c: c.name)
 
 
@@ -151,7 +191,7 @@ def _unusable(name: str, status: Literal["broken", "incomplete"], error: str) ->
 def _info(name: str, reader: CacheReader) -> CacheInfo:
     return CacheInfo(
         name=name,
-        manifest=reader.manifest.to_attrs(),
+        manifest=public_value(reader.manifest.to_attrs()),  # no server paths (teacher_model)
         num_sequences=reader.num_sequences,
         num_rows=reader.num_rows,
     )

@@ -3,16 +3,21 @@
 Job admission is accounted apart from on-demand scoring: while the queued and running jobs
 hold more than ``max_pending_job_tokens`` prompt tokens not yet scored, a new job is refused
 with 429 and ``Retry-After``. Listing is paged and never reads job inputs.
+
+The job table is read in worker threads, never on the event loop: its lock is held by the job
+writer through each fsync'd progress commit, which would otherwise stall every route
+(``/health`` included) for the commit's duration. Error texts in statuses keep no server paths.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Query
 
 from .deps import ServicesDep
-from .errors import OverloadedError
+from .errors import OverloadedError, public_message
 from .protocol import ErrorResponse, JobCreate, JobList, JobState, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -45,6 +50,18 @@ _JOB_LINKS = {
 MAX_PAGE = 1000
 
 
+def public_status(job: JobStatus) -> JobStatus:
+    """``job`` as public bodies show it: error texts without server directories."""
+    if not job.errors and job.error is None:
+        return job
+    return job.model_copy(
+        update={
+            "error": None if job.error is None else public_message(job.error),
+            "errors": [public_message(e) for e in job.errors],
+        }
+    )
+
+
 @router.post(
     "",
     status_code=201,
@@ -61,17 +78,17 @@ MAX_PAGE = 1000
 async def create_job(body: JobCreate, services: ServicesDep) -> JobStatus:
     """Check the whole input (422 listing bad records; nothing written), then queue the job."""
     limit = services.settings.max_pending_job_tokens
-    pending = services.jobs.store.pending_tokens()
+    pending = await asyncio.to_thread(services.jobs.store.pending_tokens)
     if pending >= limit:
         raise OverloadedError(
             f"{pending} job tokens are pending, at the limit of {limit}; retry later",
             retry_after=60,
         )
-    return await services.jobs.submit(body)
+    return public_status(await services.jobs.submit(body))
 
 
 @router.get("", response_model=JobList, responses=_COMMON)
-async def list_jobs(
+def list_jobs(
     services: ServicesDep,
     limit: int = Query(100, ge=1, le=MAX_PAGE, description="jobs per page"),
     offset: int = Query(0, ge=0, le=2**62, description="jobs to skip (oldest first)"),
@@ -80,22 +97,23 @@ async def list_jobs(
     """Jobs oldest first, one page (``next_offset``: the next page's offset, null at the end)."""
     jobs = services.jobs.list(limit=limit + 1, offset=offset, state=state)
     more = len(jobs) > limit
-    return JobList(jobs=jobs[:limit], next_offset=offset + limit if more else None)
+    page = [public_status(j) for j in jobs[:limit]]
+    return JobList(jobs=page, next_offset=offset + limit if more else None)
 
 
 @router.get("/{job_id}", response_model=JobStatus, responses=_ONE_JOB)
-async def get_job(job_id: str, services: ServicesDep) -> JobStatus:
+def get_job(job_id: str, services: ServicesDep) -> JobStatus:
     """State, sequences and tokens done/total, throughput (this run), ETA, errors."""
-    return services.jobs.status(job_id)
+    return public_status(services.jobs.status(job_id))
 
 
 @router.delete("/{job_id}", response_model=JobStatus, responses=_ONE_JOB)
-async def cancel_job(job_id: str, services: ServicesDep) -> JobStatus:
+def cancel_job(job_id: str, services: ServicesDep) -> JobStatus:
     """Cancel: queued jobs at once, running jobs after their in-flight batches."""
-    return services.jobs.cancel(job_id)
+    return public_status(services.jobs.cancel(job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobStatus, responses=_ONE_JOB)
-async def cancel_job_post(job_id: str, services: ServicesDep) -> JobStatus:
+def cancel_job_post(job_id: str, services: ServicesDep) -> JobStatus:
     """Same as ``DELETE /v1/jobs/{id}`` (for clients that cannot send DELETE)."""
-    return services.jobs.cancel(job_id)
+    return public_status(services.jobs.cancel(job_id))

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import os
+import functools
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .deps import ServicesDep
+from .errors import public_name
 from .protocol import ErrorResponse, Health
 
 router = APIRouter(tags=["ops"])
 
 
+@functools.cache
 def _version() -> str:
+    """The package version, read once (``importlib.metadata`` parses the METADATA file on every
+    call: file I/O and an e-mail header parse that ``/health`` must not pay each time)."""
     try:
         return version("logitcache")
     except PackageNotFoundError:
@@ -23,9 +27,7 @@ def _version() -> str:
 
 def public_model(model_id: str) -> str:
     """The teacher's name for public bodies: an absolute local path shows only its last part."""
-    if not os.path.isabs(model_id):
-        return model_id
-    return os.path.basename(model_id.rstrip("/")) or model_id
+    return public_name(model_id)
 
 
 @router.get(

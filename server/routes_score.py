@@ -90,6 +90,10 @@ async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout
 
 _F32_MIN = float(np.finfo(np.float32).min)
 
+#: JSON answers of at most this many top-k values (rows x k; about 30 bytes each) are built in
+#: one piece; larger ones are streamed one sequence at a time.
+WHOLE_BODY_VALUES = 16384
+
 
 def json_chunks(
     model: str,
@@ -167,5 +171,11 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
         result.records,
         result.hits,
     )
+    if sum(len(r.topk_ids) for r in result.records) * result.k <= WHOLE_BODY_VALUES:
+        # a small answer: built in one worker-thread call and sent at once (streaming it costs
+        # one thread hop and one event-loop turn per sequence, which under many clients is
+        # what kept /health waiting)
+        data = await asyncio.to_thread(b"".join, chunks)
+        return Response(data, media_type="application/json", headers=headers)
     # a sync iterator: Starlette pulls each piece in a worker thread
     return StreamingResponse(chunks, media_type="application/json", headers=headers)

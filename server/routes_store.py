@@ -80,16 +80,6 @@ def parse_range(header: str | None) -> Any:
     return RangeByteRequest(start, stop)
 
 
-@router.api_route(
-    "/{name}/store/{key:path}",
-    methods=["GET", "HEAD"],
-    response_class=Response,
-    responses={
-        **_ERRORS,
-        200: {"content": {"application/octet-stream": {}}, "description": "the object"},
-        206: {"content": {"application/octet-stream": {}}, "description": "the byte range"},
-    },
-)
 def store_object(
     name: str,
     key: str,
@@ -125,4 +115,24 @@ def store_object(
         return Response(status_code=status, headers=headers)
     return Response(
         body, status_code=status, media_type="application/octet-stream", headers=headers
+    )
+
+
+_STORE_PATH = "/{name}/store/{key:path}"
+_STORE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    200: {"content": {"application/octet-stream": {}}, "description": "the object"},
+    206: {"content": {"application/octet-stream": {}}, "description": "the byte range"},
+}
+# One handler, two operations: GET and HEAD each get their own OpenAPI operation id
+# (``caches-store_object`` / ``caches-store_object_head``); one route with both methods would
+# give both the same id (FastAPI warns "Duplicate Operation ID").
+for _method, _name in (("GET", "store_object"), ("HEAD", "store_object_head")):
+    router.add_api_route(
+        _STORE_PATH,
+        store_object,
+        methods=[_method],
+        name=_name,
+        response_class=Response,
+        responses=_STORE_RESPONSES,
     )

@@ -8,6 +8,7 @@ Every value from outside (job ids, cache names, error messages) goes through :fu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
 from typing import Any
@@ -80,6 +81,34 @@ def _cov(x: float | None) -> str:
     if x < LOW_COVERAGE:
         return f'<span class="warn" title="mean top-k mass below {LOW_COVERAGE}">{x:.3f}</span>'
     return f"{x:.3f}"
+
+
+@dataclass(frozen=True)
+class JobsPage:
+    """Where the shown jobs lie in the whole table: ``shown`` jobs from ``offset`` (oldest
+    first) of ``total``, pages of ``size``."""
+
+    offset: int
+    shown: int
+    total: int
+    size: int
+
+
+def jobs_nav(p: JobsPage | None) -> str:
+    """``jobs a-b of N`` with links to the earlier/later pages (none when one page holds all)."""
+    if p is None or p.total <= p.size:
+        return ""
+    links = []
+    if p.offset > 0:
+        links.append(
+            f'<a id="jobs-earlier" href="/?jobs_offset={max(0, p.offset - p.size)}">earlier</a>'
+        )
+    if p.offset + p.shown < p.total:
+        links.append(f'<a id="jobs-later" href="/?jobs_offset={p.offset + p.size}">later</a>')
+    return (
+        f'<p class="muted" id="jobs-paging">jobs {p.offset + 1}-{p.offset + p.shown} of '
+        f"{p.total:,} (oldest first) {' '.join(links)}</p>"
+    )
 
 
 def jobs_table(jobs: Sequence[Any]) -> str:
@@ -166,6 +195,7 @@ def status_page(
     engine: dict[str, Any],
     jobs: Sequence[Any],
     caches: Iterable[CacheSummary] | None,
+    jobs_paging: JobsPage | None = None,
     refresh: int,
     logged_in_by_cookie: bool,
     caches_error: str | None = None,
@@ -186,7 +216,7 @@ def status_page(
         "<h1>logitcache teacher service</h1>"
         f'<p class="muted">{now}; refreshes every {refresh}s (<a href="/?refresh=0">stop</a>)</p>'
         f"<h2>Engine</h2>{engine_block(engine)}"
-        f"<h2>Jobs</h2>{jobs_table(jobs)}"
+        f"<h2>Jobs</h2>{jobs_nav(jobs_paging)}{jobs_table(jobs)}"
         f"<h2>Caches</h2>{caches_html}"
     )
     return _page("logitcache status", body, refresh=refresh)

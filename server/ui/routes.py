@@ -27,6 +27,8 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
+from ..errors import public_message, public_name
+from ..routes_jobs import public_status
 from . import auth, pages
 from .summary import CacheSummaries
 
@@ -41,6 +43,9 @@ PUBLIC_PREFIXES = ("/ui/static/",)
 STATIC = "/ui/static"
 #: The Swagger UI files served from the ``fastapi-offline`` package's ``static`` folder.
 SWAGGER_FILES = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "favicon.png"})
+
+#: Jobs per page of the status page's jobs table (the newest page by default).
+JOBS_PAGE = 100
 
 #: Seconds between automatic reloads of the status page (``?refresh=N`` overrides; 0: never).
 DEFAULT_REFRESH = 5
@@ -83,12 +88,15 @@ def _engine_state(request: Request) -> dict[str, Any]:
     settings = _settings(request)
     services = getattr(request.app.state, "services", None)
     if services is None:
-        return {"state": "starting (loading the teacher) or stopping", "model": settings.model}
+        return {
+            "state": "starting (loading the teacher) or stopping",
+            "model": public_name(settings.model),
+        }
     info = services.engine.info
     running = getattr(services.jobs, "_current", None)
     return {
         "state": "ready",
-        "model": info.model_id,
+        "model": public_name(info.model_id),
         "backend": info.backend,
         "dtype": info.dtype,
         "vocab size": info.vocab_size,
@@ -98,30 +106,45 @@ def _engine_state(request: Request) -> dict[str, Any]:
         "on-demand requests in flight": getattr(services.scoring, "active", 0),
         "served from caches": services.metrics.cache_line(),
         "running job": running or "none",
-        "store root": services.caches.root,
-        "data dir": str(Path(settings.data_dir).expanduser().absolute()),
+        # last components only: no page shows where the server keeps its files
+        "store root": public_name(str(services.caches.root)),
+        "data dir": public_name(str(Path(settings.data_dir).expanduser().absolute())),
     }
 
 
+def jobs_page(jobs: Any, offset: int | None) -> tuple[list[Any], pages.JobsPage]:
+    """One page of :data:`JOBS_PAGE` jobs (oldest first) and where it lies; ``offset`` None:
+    the newest page. Read in a worker thread (the job table's lock is held through commits)."""
+    total = jobs.store.count()
+    last = max(0, total - JOBS_PAGE)
+    start = last if offset is None else min(max(0, offset), last)
+    page = [public_status(j) for j in jobs.list(limit=JOBS_PAGE, offset=start)]
+    return page, pages.JobsPage(offset=start, shown=len(page), total=total, size=JOBS_PAGE)
+
+
 @router.get("/", response_class=HTMLResponse)
-async def status_page(request: Request, refresh: int = DEFAULT_REFRESH) -> Response:
+async def status_page(
+    request: Request, refresh: int = DEFAULT_REFRESH, jobs_offset: int | None = None
+) -> Response:
     ok, by_cookie = _authorized(request)
     if not ok:
         return HTMLResponse(pages.login_page())
     services = getattr(request.app.state, "services", None)
     jobs: list[Any] = []
+    paging = None
     caches = None
     caches_error = None
     if services is not None:
-        jobs = services.jobs.list()
+        jobs, paging = await asyncio.to_thread(jobs_page, services.jobs, jobs_offset)
         summaries: CacheSummaries = request.app.state.ui_caches
         try:
             caches = await asyncio.to_thread(summaries.all, services.caches)
         except Exception as e:  # the page must render even if the store is unreachable
-            caches_error = f"cannot list caches: {e}"
+            caches_error = public_message(f"cannot list caches: {e}")
     html = pages.status_page(
         engine=_engine_state(request),
         jobs=jobs,
+        jobs_paging=paging,
         caches=caches,
         caches_error=caches_error,
         refresh=max(0, refresh),

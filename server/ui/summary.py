@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import public_message, public_name
+
 #: Mean top-k mass below which the page (and ``logitcache info``) warns.
 LOW_COVERAGE = 0.9
 
@@ -58,7 +60,7 @@ def summarize_cache(name: str, reader: Any) -> CacheSummary:
     return CacheSummary(
         name=name,
         k=m.k,
-        model=m.teacher_model,
+        model=public_name(m.teacher_model),  # a teacher given as a folder: its name only
         num_sequences=reader.num_sequences,
         num_rows=reader.num_rows,
         stored_bytes=stored,
@@ -78,11 +80,17 @@ class CacheSummaries:
         self._lock = threading.Lock()
 
     def all(self, caches: Any) -> list[CacheSummary]:
+        from ..routes_caches import incomplete_caches, open_reader
+
         out = []
-        for name in caches.names():
+        incomplete = incomplete_caches(caches)
+        for name in sorted(set(caches.names()) | set(incomplete)):
+            if name in incomplete:
+                out.append(_broken(name, Exception(f"incomplete: {incomplete[name]}")))
+                continue
             try:
-                reader = caches.reader(name)
-            except Exception as e:  # an empty or broken cache is listed, not fatal
+                reader = open_reader(caches, name)
+            except Exception as e:  # an empty, incomplete or broken cache is listed, not fatal
                 out.append(_broken(name, e))
                 continue
             with self._lock:
@@ -102,7 +110,7 @@ class CacheSummaries:
 
 
 def _broken(name: str, e: Exception) -> CacheSummary:
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    msg = public_message(str(e).splitlines()[0]) if str(e) else type(e).__name__
     return CacheSummary(name, 0, "", 0, 0, None, None, None, None, None, 0, error=msg)
 
 
