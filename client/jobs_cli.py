@@ -1,11 +1,22 @@
-"""``logitcache jobs``: list, show, watch and cancel the service's batch jobs from a terminal.
+"""``logitcache jobs``: submit, list, show, watch and cancel the service's batch jobs.
+
+From a terminal:
 
 ::
 
-    logitcache jobs list                    # one line per job: id, state, cache, progress
+    logitcache jobs submit CACHE PATH [--watch]  # score a file of the server's data dir
+    logitcache jobs submit CACHE --records FILE  # a local JSONL file, sent inline
+    logitcache jobs list                    # one line per job (every page): id, state, progress
     logitcache jobs show JOB_ID             # the job's full status (JSON)
     logitcache jobs watch [JOB_ID]          # a progress bar until the job ends (default: newest)
     logitcache jobs cancel JOB_ID
+
+``submit`` sends ``POST /v1/jobs``: ``PATH`` is relative to the server's ``--data-dir``
+(JSONL, .jsonl.gz, Parquet, Arrow, or a directory of them); ``--records`` reads a local JSONL
+file (one ``{"text"|"input_ids"|"messages", "id"}`` object per line) and sends its records in the
+request (at most the server's ``max_inline_records``). It prints the job's line (``--json``: its
+status), and with ``--watch`` then draws the progress bar until the job ends. ``list`` follows
+``GET /v1/jobs``'s pages (``next_offset``) to the end.
 
 The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
 ``--api-key`` (default ``$LOGITCACHE_API_KEY``). Progress is in tokens (``tokens_done`` of
@@ -48,11 +59,11 @@ class JobsClient:
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, method: str, path: str) -> Any:
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
         import httpx
 
         try:
-            r = self._http.request(method, path)
+            r = self._http.request(method, path, **kw)
         except httpx.HTTPError as e:
             raise CliError(f"cannot reach {self.url}: {e}") from None
         if r.status_code >= 400:
@@ -64,7 +75,18 @@ class JobsClient:
         return r.json()
 
     def list(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/v1/jobs")["jobs"]
+        """Every job, oldest first: the pages of ``GET /v1/jobs`` followed to the end."""
+        jobs: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page = self._call("GET", "/v1/jobs", params={"offset": offset} if offset else None)
+            jobs += page["jobs"]
+            nxt = page.get("next_offset")
+            offset = nxt if isinstance(nxt, int) and nxt > offset else None
+        return jobs
+
+    def submit(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", json=body)
 
     def get(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")
@@ -126,6 +148,61 @@ def cmd_cancel(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int
     return 0
 
 
+def read_records(path: str) -> list[dict[str, Any]]:
+    """The records of a local JSONL file (one JSON object per non-empty line)."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CliError(f"{path}:{n}: not JSON ({e.msg})") from None
+                if not isinstance(rec, dict):
+                    raise CliError(f"{path}:{n}: a record must be a JSON object")
+                records.append(rec)
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read {path}: {e}") from None
+    if not records:
+        raise CliError(f"{path} holds no records")
+    return records
+
+
+def job_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``POST /v1/jobs`` body of ``jobs submit``'s arguments (only what was given)."""
+    if (args.path is None) == (args.records is None):
+        raise CliError("give exactly one of PATH (on the server) or --records FILE (local)")
+    body: dict[str, Any] = {"cache": args.cache, "on_long": args.on_long}
+    if args.records is not None:
+        body["records"] = read_records(args.records)
+    else:
+        file: dict[str, Any] = {"path": args.path}
+        for field in ("format", "text_field", "ids_field", "id_field"):
+            if getattr(args, field) is not None:
+                file[field] = getattr(args, field)
+        body["file"] = file
+    if args.k is not None:
+        body["k"] = args.k
+    if args.dataset is not None:
+        body["dataset"] = args.dataset
+    return body
+
+
+def cmd_submit(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
+    """Queue a job; print its line (or JSON status); with ``--watch`` follow it to the end."""
+    job = client.submit(job_body(args))
+    if args.json:
+        print(json.dumps(job, indent=2), file=out)
+    else:
+        print(f"submitted: {summary_line(job)}", file=out)
+    if not args.watch:
+        return 0
+    args.job_id = job["id"]
+    return cmd_watch(client, args, out)
+
+
 def cmd_watch(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
     """Poll every ``--interval`` seconds and draw a tqdm bar (tokens) until a terminal state."""
     from tqdm import tqdm
@@ -177,10 +254,37 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("watch", help="progress bar until the job ends", allow_abbrev=False)
     w.add_argument("job_id", nargs="?", help="default: the newest job")
     w.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    sm = sub.add_parser("submit", help="queue a job (POST /v1/jobs)", allow_abbrev=False)
+    sm.add_argument("cache", help="cache to write (created if absent)")
+    sm.add_argument(
+        "path", nargs="?", help="input file or folder, relative to the server's data dir"
+    )
+    sm.add_argument("--records", metavar="FILE", help="a local JSONL file, sent inline instead")
+    sm.add_argument("--k", type=int, help="default: the cache's k, else the server's")
+    sm.add_argument("--format", choices=("jsonl", "parquet", "arrow"), help="default: by suffix")
+    sm.add_argument("--text-field", help="default: text")
+    sm.add_argument("--ids-field", help="default: input_ids")
+    sm.add_argument("--id-field", help="default: id")
+    sm.add_argument(
+        "--on-long",
+        choices=("reject", "truncate", "split", "skip"),
+        default="reject",
+        help="a sequence over the server's max length (default: reject the job)",
+    )
+    sm.add_argument("--dataset", help="dataset description for a new cache's manifest")
+    sm.add_argument("--json", action="store_true", help="print the job's status as JSON")
+    sm.add_argument("--watch", action="store_true", help="then draw its progress bar")
+    sm.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
     return p
 
 
-COMMANDS = {"list": cmd_list, "show": cmd_show, "cancel": cmd_cancel, "watch": cmd_watch}
+COMMANDS = {
+    "submit": cmd_submit,
+    "list": cmd_list,
+    "show": cmd_show,
+    "cancel": cmd_cancel,
+    "watch": cmd_watch,
+}
 
 
 def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
