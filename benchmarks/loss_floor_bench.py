@@ -17,7 +17,12 @@ Variants (all ours, ``impl="fused_chunked"``, Triton on CUDA):
 
 * ``fp32acc``: grad_W accumulated in fp32, 1 GiB logits chunk (the previous default);
 * ``bf16acc``: grad_W chunks added straight into the bf16 grad buffer, 1 GiB chunk;
-* ``floor``: bf16 accumulation and a 512 MiB chunk (2048 rows at V=128256).
+* ``floor``: bf16 accumulation and a 512 MiB chunk (2048 rows at V=128256);
+* ``floor_c<R>``: the same with an ``R``-row chunk (2016, 1984, 1920, 1792).
+
+``--anatomy VARIANT`` adds one step of that variant at ``--large-n`` under
+:class:`loss_memory.LiveBytes`: the tensors alive at the peak, and the allocator's peak beside the
+tracked one (the difference is memory that is no tensor, e.g. cuBLAS workspaces).
 
     python benchmarks/loss_floor_bench.py --out $OUT/loss_floor.json            # on the GPU
     python benchmarks/loss_floor_report.py benchmarks/results/loss_floor.json   # PNG + tables
@@ -48,6 +53,7 @@ from loss_bench import (  # noqa: E402  (also puts the package on the path)
     topk_distill_loss,
 )
 from loss_floor_report import plot, tables  # noqa: E402
+from loss_memory import LiveBytes  # noqa: E402
 
 loss_pkg = sys.modules[topk_distill_loss.__module__.rsplit(".", 1)[0]]
 chunk_ops = sys.modules[loss_pkg.__name__ + ".chunk_ops"]
@@ -58,6 +64,9 @@ VARIANTS = {
     "fp32acc": dict(grad_weight_dtype="float32", budget=1 << 30),
     "bf16acc": dict(grad_weight_dtype="weight", budget=1 << 30),
     "floor": dict(grad_weight_dtype="weight", budget=1 << 29),
+    "floor_c2016": dict(grad_weight_dtype="weight", rows=2016),
+    "floor_c1984": dict(grad_weight_dtype="weight", rows=1984),
+    "floor_c1920": dict(grad_weight_dtype="weight", rows=1920),
     "floor_c1792": dict(grad_weight_dtype="weight", rows=1792),
 }
 #: what the sweep runs (``--variants``); ``floor_c1792`` only in the follow-up run
@@ -247,6 +256,39 @@ def check_large(n: int, vocab: int, d: int, k: int) -> dict:
     return out
 
 
+def anatomy(name: str, n: int, vocab: int, d: int, k: int) -> dict:
+    """One fwd+bwd step of ``name`` at ``n`` under :class:`LiveBytes` (after one warm-up step)."""
+    x = make_inputs(n, d, vocab, k, DEVICE, seed=41)
+    fn, chunk = variant_fn(name, vocab)
+    grads(fn, x)  # warm-up: kernels compiled, cuBLAS workspaces allocated
+    free()
+    cuda = DEVICE == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    mode = LiveBytes().known(*x.values())
+    with mode:
+        loss = fn(x)
+        loss.backward()
+    out: dict[str, Any] = {"variant": name, "n": n, "vocab": vocab, "d": d, "chunk": chunk}
+    out.update(mode.report())
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        out.update(
+            base_bytes=base,
+            allocator_peak_bytes=peak,
+            allocator_over_base_bytes=peak - base,
+            not_tensors_bytes=peak - base - mode.peak,
+        )
+    x["h"].grad = x["w"].grad = None
+    del x, loss
+    free()
+    print("anatomy", json.dumps(out), flush=True)
+    return out
+
+
 def sweep(
     sizes: list[int], k: int, timer: Timer, t_end: float, reps: int, cap: float
 ) -> list[dict]:
@@ -302,6 +344,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", default=",".join(SWEEP_VARIANTS))
     ap.add_argument("--configs", default=None, help="VxD,... (default: the three of the issue)")
+    ap.add_argument("--anatomy", default=None, help="a variant: tensors alive at its peak")
     args = ap.parse_args()
 
     t0 = time.time()
@@ -343,6 +386,9 @@ def main() -> None:
     result["sweep"] = sweep(
         args.sizes, args.k, timer, t0 + args.budget_s, args.reps, args.cell_cap_s
     )
+    if args.anatomy:
+        vocab, d = CONFIGS[0]
+        result["anatomy"] = anatomy(args.anatomy, args.large_n, vocab, d, args.k)
     result["wall_s"] = time.time() - t0
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -15,7 +15,11 @@ import sys
 from pathlib import Path
 
 GIB = 1 << 30
-ORDER = ["fp32acc", "bf16acc", "floor", "floor_c1792"]
+ORDER = ["fp32acc", "bf16acc", "floor", "floor_c2016", "floor_c1984", "floor_c1920", "floor_c1792"]
+
+
+def _order(name: str) -> tuple[int, str]:
+    return (ORDER.index(name) if name in ORDER else len(ORDER), name)
 
 
 def _configs(result: dict) -> list[tuple[int, int]]:
@@ -43,7 +47,7 @@ def plot(result: dict, path: Path) -> bool:
             if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok"
         ]
         rate = result["gemm_tflops"].get(f"{vocab}x{d}")
-        for name in sorted({r["variant"] for r in rows}, key=ORDER.index):
+        for name in sorted({r["variant"] for r in rows}, key=_order):
             pts = sorted((r["n"], r["peak_gib"], r["ms"]) for r in rows if r["variant"] == name)
             if not pts:
                 continue
@@ -101,8 +105,8 @@ def tables(result: dict) -> str:
             floor = (r["input_gib"] * GIB + (r["n"] * d + vocab * d) * 2) / GIB
             lines.append(
                 f"| {r['variant']} | {r['chunk']} | {r['n']} | {r['ms']:.1f} | {r['tflops']:.0f} | "
-                f"{100 * r['tflops'] / rate:.0f}% | {r['peak_gib']:.2f} | {floor:.2f} | "
-                f"{r['peak_gib'] - floor:+.2f} |"
+                f"{100 * r['tflops'] / rate:.1f}% | {r['peak_gib']:.3f} | {floor:.3f} | "
+                f"{r['peak_gib'] - floor:+.3f} |"
             )
     return "\n".join(lines)
 

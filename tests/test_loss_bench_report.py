@@ -28,6 +28,6 @@ def test_report_command_renders_png_and_tables(tmp_path, monkeypatch, capsys):
     png = tmp_path / "loss_floor.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     # the 256K floor row of the committed run, as written in results/loss.md
-    assert "| floor | 2048 | 262144 | 1309.8 | 631 | 89% | 6.81 | 6.31 | +0.50 |" in out
+    assert "| floor | 2048 | 262144 | 1309.8 | 631 | 88.5% | 6.810 | 6.312 | +0.498 |" in out
     for vocab, d in [(128256, 4096), (201088, 4096), (128256, 8192)]:
         assert f"**V = {vocab}, d = {d}**" in out

@@ -203,10 +203,11 @@ class FusedGradInForward(torch.autograd.Function):
             h_c, x, coefs, tgt_c = _chunk_pass(spec, prep, tgt, rows, triton, shard)
             total += coefs.loss.sum()
             if any(need):
-                w = torch.full_like(coefs.c1, scale)
-                _write_grad(spec, x, coefs.scaled(w), tgt_c, triton)
+                _write_grad(spec, x, coefs.scaled_(scale), tgt_c, triton)
+            del coefs  # its [C, k] terms must not sit beside the chunk during the GEMMs
+            if any(need):
                 grads.add(rows, x, h_c, prep.weight)
-            del x
+            del x, h_c, tgt_c
         ctx.grads = grads.finish(prep, shard)
         return total * scale
 

@@ -52,6 +52,14 @@ class RowCoefs:
     sparse: torch.Tensor  # [C, k]
     label_add: torch.Tensor | None  # [C]
 
+    def scaled_(self, w: float) -> RowCoefs:
+        """:meth:`scaled` by one scalar for every row, in place (no new ``[C, k]`` buffer);
+        returns ``self``. Only for coefficients nothing else reads afterwards."""
+        for t in (self.c1, self.c2, self.sparse, self.label_add):
+            if t is not None:
+                t.mul_(w)
+        return self
+
     def scaled(self, w: torch.Tensor) -> RowCoefs:
         """All gradient fields multiplied by the row weights ``w`` ([C]); the loss is kept."""
         return RowCoefs(
@@ -76,6 +84,20 @@ def _pos_mul(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * v, torch.zeros((), dtype=v.dtype, device=v.device))
 
 
+def _forward_kl_lean(z_s: torch.Tensor, lse: torch.Tensor, logprobs: torch.Tensor) -> KDTerms:
+    """The ``forward_kl`` terms without a tail bucket (the common case), with the same
+    arithmetic as :func:`kd_terms`'s general branch but at most three ``[C, k]`` temporaries
+    alive at once (they coexist with a chunk's ``[C, V]`` logits, so they add to the peak)."""
+    logq = z_s - lse[:, None]
+    p = logprobs.exp()
+    mass = p.sum(-1)
+    v = (logprobs - logq).mul_(p)  # p * (log p - log q); 0 where p == 0 (0 log 0 = 0)
+    loss = v.masked_fill_((p > 0).logical_not_(), 0.0).sum(-1)
+    del v
+    sparse = logq.exp_().mul_(mass[:, None]).sub_(p)  # M q - p, in logq's buffer
+    return KDTerms(loss, mass, sparse, lse)
+
+
 def kd_terms(
     spec: LossSpec,
     z_s: torch.Tensor,
@@ -85,6 +107,8 @@ def kd_terms(
 ) -> KDTerms:
     """Loss and ``dF/dz`` of the distillation term for each row (see the module docstring)."""
     lse = torch.logaddexp(lse_out, torch.logsumexp(z_s, dim=-1))
+    if spec.loss == "forward_kl" and not spec.uses_tail_bucket:
+        return _forward_kl_lean(z_s, lse, logprobs)
     logq = z_s - lse[:, None]
     q = logq.exp()
     if spec.loss == "renormalized_kl":
@@ -150,7 +174,7 @@ def row_coefs(
     kd = kd_terms(spec, x_s * spec.inv_temperature, lse_out, logprobs, tail)
     loss = kd.loss * (t * t)
     c1 = kd.dense * t
-    sparse = kd.sparse * t
+    sparse = kd.sparse if t == 1.0 else kd.sparse * t
     lse1 = c2 = label_add = None
     if spec.ce_weight > 0.0:
         x_label = _required(x_label, "labels")
