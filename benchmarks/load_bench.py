@@ -24,7 +24,9 @@ In each run:
    without and with a batch job running (64-sequence x 1000-token JSONL, re-submitted as needed):
    answers per status, p50/p99 latency, requests/s.
 
-During 2 and 3 a prober in its own process sends ``GET /health`` every 100 ms (p50/p99/max
+Before 2, ``/health`` is probed for ``--idle-s`` with no client load: the latency floor the
+(shared) machine sets at that moment. During 2 and 3 a prober in its own process sends
+``GET /health`` every 100 ms (p50/p99/max
 latency and how many took over 100 ms; goal < 100 ms) and the server process's RSS is sampled
 every 0.5 s (``psutil``; peak and after). The machine is
 shared: the 1-minute load average is recorded at start and end of every phase.
@@ -338,6 +340,13 @@ async def run_mode(mode: str, args: argparse.Namespace, teacher: str) -> dict[st
             idle = [(await small_request(c, rng))[1] for _ in range(10)]
         out["idle_small_p50_s"] = round(statistics.median(idle), 4)
         out["rss_idle_mib"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+
+        async def quiet(_p: Probe) -> dict[str, Any]:
+            await asyncio.sleep(args.idle_s)
+            return {"seconds": args.idle_s}
+
+        # /health with no client load: the floor this (shared) machine sets at this moment
+        out["idle"] = await _phase("idle", server.url, pid, quiet)
         out["overload"] = await _phase(
             "overload",
             server.url,
@@ -437,6 +446,17 @@ def to_markdown(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
+        "/health with no client load (the machine's floor at that moment), p50 / p99 / max "
+        "(ms), n > 100 ms: "
+        + ", ".join(
+            f"{m['mode']} {_fmt(i['health_p50_ms'])} / {_fmt(i['health_p99_ms'])} / "
+            f"{_fmt(i['health_max_ms'])}, {i['health_over_100ms']}/{i['health_n']} "
+            f"(load {i['load_start']} -> {i['load_end']})"
+            for m in result["modes"]
+            if (i := m.get("idle"))
+        )
+        + ".",
+        "",
         "Idle small-request latency (baseline of the same run): "
         + ", ".join(f"{m['mode']} {m['idle_small_p50_s']} s" for m in result["modes"])
         + ".",
@@ -498,6 +518,9 @@ def main() -> None:
     p.add_argument("--overload-s", type=float, default=30.0)
     p.add_argument("--steady-s", type=float, default=20.0)
     p.add_argument("--modes", default="shedding,baseline")
+    p.add_argument(
+        "--idle-s", type=float, default=10.0, help="/health probed with no client load first"
+    )
     p.add_argument(
         "--engine",
         choices=("inproc", "async"),
