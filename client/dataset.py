@@ -64,8 +64,8 @@ _DONE = object()
 #: (so 1, 2, 3, 4, 6, 8, 12 or 24 DataLoader workers each decode only their own blocks). Holds
 #: about ``24 * 5`` blocks of decoded records per rank (~4.5 GB at 735 tokens per sequence, k=100),
 #: split among the workers. ``CacheDataset(url, **TRAINER_SHUFFLE, ids_dtype=torch.int32)``.
-#: Without DataLoader workers pass ``lanes=1`` as well: one process gains nothing from lanes and
-#: would read every lane's first window before its 24th batch.
+#: In one process (no DataLoader workers) ``lanes=1`` starts faster: with 24 lanes every lane's
+#: first window is read before the 24th batch (1.6 s on that host with 4 read threads).
 TRAINER_SHUFFLE: dict[str, int] = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
 
 #: Items whose sequences one ``source.fetch`` call reads with a uniform full shuffle
