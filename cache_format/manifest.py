@@ -19,22 +19,19 @@ from pydantic import (
 )
 
 from .errors import ManifestError, ManifestMismatchError
+from .identity import TEACHER_FIELDS
 from .spec import FORMAT_VERSION, LogprobDtype, TailDtype
 
 IDENTITY_FIELDS: tuple[str, ...] = (
-    "teacher_model",
-    "teacher_revision",
-    "tokenizer_fingerprint",
-    "vocab_size",
+    *TEACHER_FIELDS,
     "k",
-    "temperature",
-    "logprob_mode",
     "logprob_dtype",
     "tail_mass_dtype",
     "targets",
     "sampling",
 )
-"""Fields that must match between a resuming writer and the store (else ManifestMismatchError)."""
+"""Fields that must match between a resuming writer and the store (else ManifestMismatchError):
+the teacher (:data:`~.identity.TEACHER_FIELDS`) and what of its distribution is stored."""
 
 
 def utcnow() -> str:

@@ -558,8 +558,9 @@ class CacheDataLoader(DataLoader):
 
 
 def _identity(manifest: Any) -> dict[str, Any]:
-    """The manifest fields that identify the cached distributions (not its counts/timestamps)."""
-    if hasattr(manifest, "identity"):
-        return dict(manifest.identity())
-    fields = ("teacher_model", "teacher_revision", "tokenizer_fingerprint", "vocab_size", "k")
-    return {f: getattr(manifest, f, None) for f in fields}
+    """The manifest fields that identify the cached distributions (not its counts/timestamps):
+    ``cache_format``'s :data:`~logitcache.cache_format.IDENTITY_FIELDS` (the teacher identity,
+    ``k``, encodings, target kind), read off any source's manifest."""
+    from logitcache.cache_format import IDENTITY_FIELDS
+
+    return {f: getattr(manifest, f, None) for f in IDENTITY_FIELDS}

@@ -45,14 +45,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import FormatError, Manifest
+from logitcache.cache_format.identity import teacher_diff
+from logitcache.protocol import InputFile
 from pydantic import Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from . import inputs, shards
 from .caches import expected_manifest
-from .engine.identity import teacher_diff, teacher_identity
+from .engine.identity import teacher_identity
 from .errors import InvalidInputError, ServiceError
-from .protocol import InputFile
 from .settings import ServerSettings
 
 if TYPE_CHECKING:

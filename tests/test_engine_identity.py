@@ -1,5 +1,5 @@
 """Teacher identity: the weights' content hash and the engine dtype are part of it, defined once
-(``server/engine/identity.py``) and compared by one function; a cache made by another teacher
+(``cache_format/identity.py``) and compared by one function; a cache made by another teacher
 is a 409 and nothing is written (issue #18, "silent teacher mixing")."""
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ import numpy as np
 import pytest
 from engine_support import FakeEngine, app_settings, in_process
 from logitcache.cache_format import CacheReader, Manifest
+from logitcache.cache_format.identity import teacher_diff
 from logitcache.server.engine import EngineInfo
-from logitcache.server.engine.identity import (
-    local_revision,
-    teacher_diff,
-    teacher_identity,
-    weights_hash,
-)
+from logitcache.server.engine.identity import local_revision, teacher_identity, weights_hash
 
 
 def _write_safetensors(path: Path, seed: int, shape: tuple[int, ...] = (64, 32)) -> None:
@@ -89,6 +85,24 @@ def test_one_identity_for_engine_info_and_manifest() -> None:
     old = m.model_copy(update={"extra": {}})
     assert teacher_diff(teacher_identity(old), teacher_identity(_info(dtype="float16"))) == {}
     assert teacher_diff(teacher_identity(old), teacher_identity(_info(revision="x"))) != {}
+
+
+@pytest.mark.fast
+def test_the_identity_fields_are_defined_once() -> None:
+    """The cache identity starts with the teacher's fields, and the dataset's config fingerprint
+    reads the cache identity of any source's manifest (duck-typed ones too) from that list."""
+    from types import SimpleNamespace
+
+    from logitcache.cache_format import IDENTITY_FIELDS
+    from logitcache.cache_format.identity import TEACHER_EXTRA_FIELDS, TEACHER_FIELDS
+    from logitcache.client.dataset import _identity
+    from logitcache.server.caches import expected_manifest
+
+    assert IDENTITY_FIELDS[: len(TEACHER_FIELDS)] == TEACHER_FIELDS
+    m = expected_manifest(_info(), k=5, logprob_dtype="float16")
+    assert set(teacher_identity(m)) == {*TEACHER_FIELDS, *TEACHER_EXTRA_FIELDS}
+    assert _identity(m) == m.identity()
+    assert _identity(SimpleNamespace(**dict(m))) == m.identity()
 
 
 async def _score(client: Any, cache: str, seqs: list[list[int]], k: int = 5) -> Any:

@@ -1,12 +1,11 @@
-"""Who the teacher is: the one definition of a teacher's identity, the one comparison, and the
-on-disk facts it is built from (a local model's revision and a content hash of its weights).
+"""Who the teacher is, as an engine sees it: the on-disk facts a teacher's identity is built from
+(a local model's revision and a content hash of its weights) and the identity of an engine.
 
-Teacher identity (:func:`teacher_identity`): the manifest fields :data:`MANIFEST_FIELDS`
-(model id, revision, tokenizer fingerprint, vocabulary size, temperature, logprob mode) plus
-:data:`EXTRA_FIELDS` (the weights' content hash and the engine's dtype), which a manifest keeps
-under ``extra["teacher"]``. An :class:`~.protocol.EngineInfo` and a cache ``Manifest`` both map
-to it; :func:`teacher_diff` is the only comparison (the server's 409, the Ray replicas' check).
-``k`` is not part of it (a request's ``k`` is checked against the cache's apart).
+The identity itself (its fields and :func:`~logitcache.cache_format.identity.teacher_diff`, the
+only comparison) is defined once in :mod:`logitcache.cache_format.identity`, beside the manifest
+that records it; :func:`teacher_identity` maps an :class:`~.protocol.EngineInfo` (or a cache
+``Manifest``) to it. ``k`` is not part of it (a request's ``k`` is checked against the cache's
+apart).
 
 ``weights_hash(model)``: ``"sha256:<hex>"`` over every weight file (``*.safetensors``, ``*.bin``,
 ``*.pt``; sorted by name) of a local model directory (or a hub id already in the local hub
@@ -24,23 +23,34 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-#: Manifest fields that name the teacher distribution a cache holds.
-MANIFEST_FIELDS: tuple[str, ...] = (
-    "teacher_model",
-    "teacher_revision",
-    "tokenizer_fingerprint",
-    "vocab_size",
-    "temperature",
-    "logprob_mode",
+from logitcache.cache_format import Manifest
+from logitcache.cache_format.identity import (
+    TEACHER_EXTRA_FIELDS,
+    TEACHER_FIELDS,
+    teacher_of,
 )
-#: Identity kept under a manifest's ``extra["teacher"]``: the weights' content hash and dtype.
-EXTRA_FIELDS: tuple[str, ...] = ("weights_hash", "dtype")
-#: Key of :data:`EXTRA_FIELDS` in ``Manifest.extra``.
-EXTRA_KEY = "teacher"
+
+if TYPE_CHECKING:
+    from .protocol import EngineInfo
+
+# The old names, for server/caches.py only while its owner has it open (issue #16 moves the
+# definition to cache_format.identity); remove once it imports from there.
+from logitcache.cache_format.identity import TEACHER_FIELDS as MANIFEST_FIELDS  # noqa: E402
+from logitcache.cache_format.identity import teacher_diff  # noqa: E402
+from logitcache.cache_format.identity import teacher_extra as manifest_extra  # noqa: E402
+
+__all__ = [
+    "local_revision",
+    "model_dir",
+    "weights_hash",
+    "teacher_identity",
+    "MANIFEST_FIELDS",
+    "manifest_extra",
+    "teacher_diff",
+]
 
 #: Blocks read per weight file, and their size in bytes.
 SAMPLES = 64
@@ -135,41 +145,18 @@ def weights_hash(model: str, revision: str | None = None) -> str | None:
 # ------------------------------------------------------------------------------ identity
 
 
-def teacher_identity(source: Any) -> dict[str, Any]:
-    """The teacher identity (:data:`MANIFEST_FIELDS` + :data:`EXTRA_FIELDS`) of an
-    ``EngineInfo`` or a cache ``Manifest``. A manifest written before the extra fields were
-    recorded has ``None`` for them."""
-    if hasattr(source, "teacher_model"):  # a Manifest
-        out = {f: getattr(source, f) for f in MANIFEST_FIELDS}
-        extra = (getattr(source, "extra", None) or {}).get(EXTRA_KEY) or {}
-        out.update({f: extra.get(f) if isinstance(extra, Mapping) else None for f in EXTRA_FIELDS})
-        return out
-    return {
-        "teacher_model": source.model_id,
-        "teacher_revision": source.revision or "main",
-        "tokenizer_fingerprint": source.tokenizer_fingerprint,
-        "vocab_size": source.vocab_size,
-        "temperature": source.temperature,
-        "logprob_mode": source.logprob_mode,
-        "weights_hash": source.weights_hash,
-        "dtype": source.dtype,
+def teacher_identity(source: EngineInfo | Manifest) -> dict[str, Any]:
+    """The teacher identity (:data:`~logitcache.cache_format.identity.TEACHER_FIELDS` +
+    ``TEACHER_EXTRA_FIELDS``) of an engine's ``EngineInfo`` or of a cache ``Manifest``
+    (:func:`~logitcache.cache_format.identity.teacher_of`)."""
+    if isinstance(source, Manifest):
+        return teacher_of(source)
+    out = {
+        f: getattr(source, _INFO_NAMES.get(f, f)) for f in (*TEACHER_FIELDS, *TEACHER_EXTRA_FIELDS)
     }
+    out["teacher_revision"] = out["teacher_revision"] or "main"
+    return out
 
 
-def manifest_extra(identity: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``Manifest.extra`` entry that records ``identity``'s :data:`EXTRA_FIELDS`."""
-    return {EXTRA_KEY: {f: identity[f] for f in EXTRA_FIELDS}}
-
-
-def teacher_diff(have: Mapping[str, Any], want: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{field: (have, want)}`` for every identity field that differs; empty when the same
-    teacher. An :data:`EXTRA_FIELDS` value missing (``None``) on the ``have`` side (a cache made
-    before it was recorded) is not compared; every other difference counts."""
-    diff: dict[str, tuple[Any, Any]] = {}
-    for f in (*MANIFEST_FIELDS, *EXTRA_FIELDS):
-        a, b = have.get(f), want.get(f)
-        if f in EXTRA_FIELDS and a is None:
-            continue
-        if a != b:
-            diff[f] = (a, b)
-    return diff
+#: ``EngineInfo`` attributes whose name differs from the identity field's.
+_INFO_NAMES = {"teacher_model": "model_id", "teacher_revision": "revision"}
