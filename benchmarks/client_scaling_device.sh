@@ -9,7 +9,7 @@ shift
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl-data/*.whl
 mkdir -p /tmp/lcpkg/logitcache "$out"
-for d in cache_format client server fixtures; do ln -sfn "$PWD/$d" "/tmp/lcpkg/logitcache/$d"; done
+for d in cache_format client server fixtures protocol; do ln -sfn "$PWD/$d" "/tmp/lcpkg/logitcache/$d"; done
 export PYTHONPATH="/tmp/site:/tmp/lcpkg:$PWD/tests" PYTHONUNBUFFERED=1
 nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.used --format=csv || true
 python3 -c "import torch, zarr, fastapi, logitcache.client; print(torch.__version__, zarr.__version__)"
