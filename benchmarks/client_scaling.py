@@ -675,21 +675,20 @@ def main() -> None:
     )
     run("http", lambda: http_rates(str(root), args.http_workers, secs, args.http_threads))
 
-    def datawait() -> dict[str, Any]:
+    def datawait_http() -> dict[str, Any]:
         from logitcache.client import HttpSource
 
-        fed = args.fed_steps
-        out = {"local": data_wait(url, args.gpu_workers, args.steps, 5, args.ddp, fed)}
         with http_server(str(root)) as (http_url, pid):
             c0 = proc_cpu_s(pid)
-            out["http"] = data_wait(
-                HttpSource(http_url, CACHE), args.gpu_workers, args.steps, 5, args.ddp, fed
-            )
-            out["http"]["server_cpu_s"] = proc_cpu_s(pid) - c0
+            src = HttpSource(http_url, CACHE)
+            out = data_wait(src, args.gpu_workers, args.steps, 5, args.ddp, args.fed_steps)
+            out["server_cpu_s"] = proc_cpu_s(pid) - c0
         return out
 
     if args.gpu:
-        run("datawait", datawait)
+        local = lambda: data_wait(url, args.gpu_workers, args.steps, 5, args.ddp, args.fed_steps)  # noqa: E731
+        run("datawait", local)
+        run("datawait_http", datawait_http)
     run("random", lambda: random_access(url, root, args.random, max(1, args.random // 10)))
     run("chunk_options", lambda: chunk_options(url, args.random))
     doc["machine"]["load_after"] = os.getloadavg()
@@ -706,8 +705,11 @@ def main() -> None:
         "random": doc.get("random"),
         "chunk_options": doc.get("chunk_options"),
         "datawait": {
-            k: {f: v.get(f) for f in ("wait_fraction", "fed_step_s_mean", "pure_step_s_median")}
-            for k, v in doc.get("datawait", {}).items()
+            k: {
+                f: doc[k].get(f) for f in ("wait_fraction", "fed_step_s_mean", "pure_step_s_median")
+            }
+            for k in ("datawait", "datawait_http")
+            if isinstance(doc.get(k), dict)
         },
         "errors": doc.get("errors"),
     }
