@@ -227,3 +227,59 @@ def httpx_client(url: str):
     import httpx
 
     return httpx.Client(base_url=url, timeout=30.0)
+
+
+CHATML = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_chat_job_stores_the_assistant_loss_mask(server, client, tiny) -> None:
+    """A real chat job (issue #15): the stored row mask is 1 exactly on the rows predicting the
+    assistant turns' tokens (content + end-of-turn), read back from the cache."""
+    from server_support import wait_job
+    from transformers import AutoTokenizer
+
+    turns = [
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "what is two plus two"},
+            {"role": "assistant", "content": "four"},
+            {"role": "user", "content": "and three"},
+            {"role": "assistant", "content": "six, no five"},
+        ],
+        [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there"}],
+    ]
+    body = {
+        "cache": "chat-mask",
+        "records": [{"id": f"c{i}", "messages": m} for i, m in enumerate(turns)]
+        + [{"id": "plain", "text": "a plain text record"}],
+        "chat_template": CHATML,
+        "loss_mask": True,
+    }
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 201, r.text
+    assert wait_job(client, r.json()["id"], timeout=120)["state"] == "succeeded"
+    reader = server.services.caches.reader("chat-mask")
+    assert reader.manifest.loss_mask
+    tok = AutoTokenizer.from_pretrained(tiny.teacher_dir)
+    for i, msgs in enumerate(turns):
+        rec = reader.get(f"c{i}")
+        ids, mask = rec.input_ids.tolist(), rec.loss_mask
+        assert mask.shape == (len(ids) - 1,) and set(mask.tolist()) == {0, 1}
+        runs, run = [], []
+        for j, m in enumerate(mask.tolist()):  # row j predicts token j + 1
+            if m:
+                run.append(ids[j + 1])
+            elif run:
+                runs.append(run)
+                run = []
+        runs += [run] if run else []
+        want = [m["content"] + "<|end|>\n" for m in msgs if m["role"] == "assistant"]
+        assert [tok.decode(x) for x in runs] == want
+    assert reader.get("plain").loss_mask.all()  # a text record of a mask job: every row
+    # an existing cache without a mask refuses a loss_mask job (nothing written)
+    client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "cache": "no-mask"})
+    r = client.post("/v1/jobs", json={**body, "cache": "no-mask"})
+    assert r.status_code == 409 and "loss mask" in r.json()["error"]["message"]
