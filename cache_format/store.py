@@ -3,10 +3,19 @@
 - A path or ``file://`` URL: :class:`zarr.storage.LocalStore` (atomic per-object writes); for
   writing :class:`DurableLocalStore`, which also fsyncs (FORMAT.md W5a).
 - ``s3://``, ``gs://``, ``az://``/``abfs://``: :class:`zarr.storage.ObjectStore` over obstore
-  (conditional puts give a safe writer lock). ``storage_options`` accepts s3fs-style names
-  (``endpoint_url``, ``key``, ``secret``, ``token``, ``region``, ``anon``, ``client_kwargs``)
-  and obstore config names; ``{"backend": "fsspec"}`` picks :class:`zarr.storage.FsspecStore`.
+  (conditional puts give a safe writer lock); ``{"backend": "fsspec"}`` picks
+  :class:`zarr.storage.FsspecStore`.
 - Anything else: :class:`zarr.storage.FsspecStore` (``storage_options`` go to fsspec as given).
+
+**One option dialect.** ``storage_options`` are fsspec's (for S3, s3fs's names: ``endpoint_url``,
+``key``, ``secret``, ``token``, ``anon``, ``client_kwargs={"region_name": ...}``; ``region`` is
+accepted as a shorthand for the latter). :func:`normalize_storage_options` is the one edge: it
+puts the options in that form once (obstore's own spellings ``endpoint``, ``access_key_id``,
+``secret_access_key``, ``session_token`` still work, with a ``DeprecationWarning``; a text
+``anon`` such as ``"false"`` means what it says). Every store is opened from the normalised
+options: FsspecStore takes them as they are, obstore gets them translated one way
+(:func:`_obstore_options`). Listing goes through the same opened store as reading and writing
+(:func:`list_children`), so no path translates them back.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import asyncio
 import os
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +37,15 @@ from .errors import FormatError
 
 OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss"})
 
+#: s3fs name -> obstore S3 config name (the one translation, applied by :func:`_obstore_options`).
 _S3FS_TO_OBSTORE = {
     "endpoint_url": "endpoint",
     "key": "access_key_id",
     "secret": "secret_access_key",
     "token": "session_token",
-    "region": "region",
-    "region_name": "region",
 }
+#: obstore spellings accepted at the edge (deprecated) -> the dialect's name.
+_DEPRECATED_NAMES = {v: k for k, v in _S3FS_TO_OBSTORE.items()}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -147,14 +158,39 @@ def _flag(name: str, value: Any) -> bool:
     raise FormatError(f"storage option {name} must be true or false, got {value!r}")
 
 
+def normalize_storage_options(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """``options`` in the one dialect (module docstring), for ``url``'s scheme; the edge every
+    store is opened through. S3: obstore spellings are renamed (``DeprecationWarning``), a
+    top-level ``region``/``region_name`` moves to ``client_kwargs["region_name"]``, ``anon`` becomes
+    a bool (:class:`FormatError` for anything but true/false text). Other schemes: as given."""
+    opts = dict(options or {})
+    if _scheme(url) not in ("s3", "s3a"):
+        return opts
+    for old, new in _DEPRECATED_NAMES.items():
+        if old in opts:
+            warnings.warn(
+                f"storage option {old!r} is obstore's spelling; use {new!r}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            value = opts.pop(old)
+            opts.setdefault(new, value)
+    region = opts.pop("region", None) or opts.pop("region_name", None)
+    if region:
+        opts["client_kwargs"] = {"region_name": region, **(opts.get("client_kwargs") or {})}
+    if "anon" in opts:
+        opts["anon"] = _flag("anon", opts["anon"])
+    return opts
+
+
 def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict]:
-    """Translate s3fs-style options into obstore ``from_url`` kwargs and client options."""
+    """obstore ``from_url`` config and client options from normalised options (one way)."""
     opts = dict(options)
     client_options: dict[str, Any] = dict(opts.pop("client_options", {}) or {})
     client_kwargs = opts.pop("client_kwargs", {}) or {}
-    for src in ("endpoint_url", "region_name"):
+    for src, dst in (("endpoint_url", "endpoint_url"), ("region_name", "region")):
         if src in client_kwargs:
-            opts.setdefault(src, client_kwargs[src])
+            opts.setdefault(dst, client_kwargs[src])
     config: dict[str, Any] = {}
     anon = _flag("anon", opts.pop("anon", False))
     for name, value in opts.items():
@@ -171,28 +207,20 @@ def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, An
     return config, client_options
 
 
-_OBSTORE_TO_S3FS = {
-    "endpoint": "endpoint_url",
-    "access_key_id": "key",
-    "secret_access_key": "secret",
-    "session_token": "token",
-}
+def list_children(zstore: Any) -> list[str]:
+    """Names of the entries directly under an opened store's root (through the store itself:
+    the same client, options and credentials as its reads). Never from a stale listing: an
+    fsspec store's listing cache is dropped first."""
+    from zarr.core.sync import sync
 
+    fs = getattr(zstore, "fs", None)
+    if fs is not None and hasattr(fs, "invalidate_cache"):
+        fs.invalidate_cache()
 
-def _fsspec_options(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
-    """s3fs wants the region inside ``client_kwargs``; accept obstore names too."""
-    if scheme not in ("s3", "s3a"):
-        return options
-    opts = {_OBSTORE_TO_S3FS.get(n, n): v for n, v in options.items()}
-    region = opts.pop("region", None) or opts.pop("region_name", None)
-    if region:
-        opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "region_name": region}
-    return opts
+    async def names() -> list[str]:
+        return [n.rstrip("/") async for n in zstore.list_dir("")]
 
-
-def fsspec_storage_options(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``storage_options`` of this library (s3fs or obstore names) as fsspec expects them."""
-    return _fsspec_options(_scheme(url), dict(options or {}))
+    return sorted(sync(names()))
 
 
 def open_store(
@@ -208,7 +236,7 @@ def open_store(
     durable against power loss; still atomic per object).
     """
     url = str(url)
-    options = dict(storage_options or {})
+    options = normalize_storage_options(url, storage_options)
     backend = options.pop("backend", None)
     scheme = _scheme(url)
     if scheme in ("", "file"):
@@ -230,9 +258,7 @@ def open_store(
         return StoreHandle(url=url, zstore=zstore, kind="object", objstore=objstore)
     if backend not in (None, "fsspec"):
         raise FormatError(f"unknown storage backend {backend!r} (use 'obstore' or 'fsspec')")
-    zstore = zarr.storage.FsspecStore.from_url(
-        url, storage_options=_fsspec_options(scheme, options), read_only=read_only
-    )
+    zstore = zarr.storage.FsspecStore.from_url(url, storage_options=options, read_only=read_only)
     objstore = None
     if scheme in OBJECT_SCHEMES and not read_only:  # data via s3fs, writer lease via obstore
         from obstore.store import from_url

@@ -107,6 +107,7 @@ class CacheRegistry:
         self._writers: dict[str, _OpenWriter] = {}
         self._readers: dict[str, _CachedReader] = {}
         self._stores: dict[str, Any] = {}
+        self._root: Any = None
 
     # --- naming / discovery ---------------------------------------------------------------
 
@@ -115,24 +116,27 @@ class CacheRegistry:
         return f"{self.root}/{check_name(name)}"
 
     def names(self) -> list[str]:
-        """Names of the caches (entries with a root ``zarr.json``) under the root, sorted."""
-        from fsspec.core import url_to_fs
-        from logitcache.cache_format.store import fsspec_storage_options
+        """Names of the caches (entries with a root ``zarr.json``) under the root, sorted.
 
-        options = fsspec_storage_options(str(self.root), self.storage_options)
-        fs, path = url_to_fs(self.root, **options)
-        try:
-            entries = fs.ls(path, detail=True, refresh=True)
-        except FileNotFoundError:
-            return []
+        Listed through the same store (and storage options) that reads and writes the caches
+        (``cache_format.store.list_children``)."""
+        from logitcache.cache_format.store import list_children
+
+        root = self._root_store()
         out = []
-        for e in entries:
-            name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if e.get("type") != "directory" or not NAME_PATTERN.fullmatch(name):
-                continue
-            if fs.exists(f"{path.rstrip('/')}/{name}/zarr.json"):
+        for name in list_children(root):
+            if NAME_PATTERN.fullmatch(name) and _exists(root, f"{name}/zarr.json"):
                 out.append(name)
-        return sorted(out)
+        return out
+
+    def _root_store(self) -> Any:
+        """The read-only store of the root (opened once)."""
+        with self._lock:
+            if self._root is None:
+                from logitcache.cache_format.store import open_store
+
+                self._root = open_store(self.root, self.storage_options, read_only=True).zstore
+            return self._root
 
     def reader(self, name: str) -> CacheReader:
         """A reader of cache ``name`` at its latest commit; :class:`NotFoundError` if none.
@@ -260,6 +264,12 @@ class RangeReader:
     def read(self, start: int, stop: int) -> list[SequenceRecord]:
         """Records of sequences ``[start, stop)`` (``0 <= start <= stop <= num_sequences``)."""
         return self.reader.read_ranges([(start, stop)], logprob_dtype=self.logprob_dtype)
+
+
+def _exists(zstore: Any, key: str) -> bool:
+    from zarr.core.sync import sync
+
+    return bool(sync(zstore.exists(key)))
 
 
 def expected_manifest(
