@@ -43,7 +43,8 @@ class ServerSettings(BaseSettings):
     dtype: str = "auto"
     """Engine dtype (auto, float32, bfloat16, float16)."""
     max_seq_len: int = Field(2048, ge=2)
-    """Longest sequence (in tokens) accepted and the engine's ``max_model_len``."""
+    """Longest sequence (in tokens) accepted (``max_seq_len`` everywhere; the model may cap it,
+    and vLLM is given one position more for the generated token)."""
     memory_share: float = Field(0.9, gt=0, le=1)
     """Share of accelerator memory the engine may take (vLLM ``gpu_memory_utilization``)."""
     max_num_seqs: int = Field(256, ge=1)
