@@ -13,10 +13,13 @@ client).
 ``settings``              ``ServerSettings`` (pydantic-settings: env, ``.env``, CLI)
 ``errors``                typed service errors and their one mapping to HTTP
 ``inputs``                reading, tokenising, checking, keying and batching input sequences
+``pipeline``              the one batch pipeline: batches -> engine -> records -> ordered appends
 ``scoring``               ``ScoringService``: on-demand scoring (+ optional store)
 ``caches``                ``CacheRegistry``: named caches, identity checks, shared writers
 ``job_store``             the SQLite job table
 ``jobs``                  ``JobRunner``: background jobs, restart-safe resume, cancel
+``shards``                sharded batch scoring: plan, check, score into staging, commit
+``distributed``           the Ray driver and ``logitcache-distributed`` CLI over ``shards``
 ``metrics``               Prometheus metrics of one app
 ``middleware``            API key, body-size limit, request metrics (pure ASGI)
 ``routes_*``              thin routers: score, jobs, caches (block streaming), ops
