@@ -16,11 +16,11 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
-from .deps import ServicesDep
+from .deps import OffLoopJSONRoute, ServicesDep
 from .errors import OverloadedError, public_message
 from .protocol import ErrorResponse, JobCreate, JobList, JobState, JobStatus
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=OffLoopJSONRoute)
 
 _ERROR = {"model": ErrorResponse}
 _RETRY = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}

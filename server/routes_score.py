@@ -20,12 +20,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from logitcache.cache_format import SequenceRecord, encode_records
 
-from .deps import ServicesDep
+from .deps import OffLoopJSONRoute, ServicesDep
 from .errors import ClientClosedError, DeadlineExceededError
 from .protocol import FRAMES_MEDIA_TYPE, ErrorResponse, ScoreRequest, ScoreResponse
 from .routes_ops import public_model
 
-router = APIRouter(prefix="/v1", tags=["score"])
+router = APIRouter(prefix="/v1", tags=["score"], route_class=OffLoopJSONRoute)
 
 T = TypeVar("T")
 
