@@ -273,14 +273,18 @@ def http_server(root: str) -> Iterator[tuple[str, int]]:
 
 
 def http_rates(
-    root: str, workers: list[int], seconds: float, threads: list[int]
+    root: str,
+    workers: list[int],
+    seconds: float,
+    threads: list[int],
+    worker_threads: tuple[int, ...] = (0,),
 ) -> list[dict[str, Any]]:
     """HttpSource (store transport) against a server process on loopback: one client process
     with each ``threads`` (``read_threads``), then each ``workers`` (> 0) count of workers."""
     from logitcache.client import HttpSource
 
     runs = [(0, t) for t in threads] if 0 in workers else []
-    runs += [(w, None) for w in workers if w > 0]
+    runs += [(w, t or None) for t in worker_threads for w in workers if w > 0]
     out = []
     with http_server(root) as (url, pid):
         for w, t in runs:
@@ -594,6 +598,13 @@ def main() -> None:
     p.add_argument("--shuffle-seconds", type=float, default=10.0, help="one-process window")
     p.add_argument("--shuffle-warm", type=int, default=30, help="one-process untimed batches")
     p.add_argument("--http-threads", type=int, nargs="+", default=[4, 8])
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="read_threads per DataLoader worker in the scaling and HTTP-worker steps (0: default)",
+    )
     p.add_argument("--ddp", action="store_true", help="data wait under a world-1 NCCL DDP")
     p.add_argument("--fed-steps", type=int, default=120, help="timed loader-fed steps")
     p.add_argument("--skip", nargs="*", default=[], help="steps to leave out")
@@ -671,9 +682,18 @@ def main() -> None:
     run("shuffle", one_process)
     run(
         "scaling",
-        lambda: [loader_rate(url, w, secs, pin=True, shuffle=True) for w in args.workers],
+        lambda: [
+            loader_rate(url, w, secs, pin=True, shuffle=True, read_threads=t or None)
+            for t in args.worker_threads
+            for w in args.workers
+        ],
     )
-    run("http", lambda: http_rates(str(root), args.http_workers, secs, args.http_threads))
+    run(
+        "http",
+        lambda: http_rates(
+            str(root), args.http_workers, secs, args.http_threads, args.worker_threads
+        ),
+    )
 
     def datawait_http() -> dict[str, Any]:
         from logitcache.client import HttpSource
@@ -700,8 +720,12 @@ def main() -> None:
         "reader": doc.get("reader", {}).get("pos_per_s"),
         "shuffle_ratio": doc.get("shuffle", {}).get("ratio"),
         "shuffle_ratio_lanes1": doc.get("shuffle", {}).get("ratio_lanes1"),
-        "scaling": [(r["workers"], round(r["pos_per_s"])) for r in doc.get("scaling", [])],
-        "http": [(r["workers"], round(r["pos_per_s"])) for r in doc.get("http", [])],
+        "scaling": [
+            (r["workers"], r["read_threads"], round(r["pos_per_s"])) for r in doc.get("scaling", [])
+        ],
+        "http": [
+            (r["workers"], r["read_threads"], round(r["pos_per_s"])) for r in doc.get("http", [])
+        ],
         "random": doc.get("random"),
         "chunk_options": doc.get("chunk_options"),
         "datawait": {
