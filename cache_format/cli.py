@@ -215,7 +215,7 @@ def export(
     add_help_option=False,
 )
 def jobs(ctx: typer.Context) -> None:
-    """List, show, watch (progress bar) or cancel the service's batch jobs (client/jobs_cli.py)."""
+    """Submit, list, show, watch (progress bar) or cancel jobs (client/jobs_cli.py)."""
     from logitcache.client.jobs_cli import main as jobs_main  # lazy: needs the client extra
 
     raise typer.Exit(jobs_main(list(ctx.args)))
