@@ -11,6 +11,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from logitcache.protocol import InputFile
 from logitcache.server import inputs
@@ -181,3 +182,44 @@ def test_chat_records_need_a_template_and_render_with_it(tiny_tokenizer, tmp_pat
 
 
 LIMITS_TINY = inputs.Limits(vocab_size=4096, max_seq_len=512)
+
+
+CHATML = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_chat_loss_mask_follows_split_and_truncate(tiny_tokenizer) -> None:
+    """The row mask of a chat record (loss_mask job) is cut with its tokens: split windows with
+    overlap 1 concatenate to the whole record's mask, truncate keeps its first rows."""
+    from dataclasses import replace
+
+    from logitcache.server.chat import ChatTokenize
+
+    def tokenize(text: str) -> list[int]:
+        return list(tiny_tokenizer(text)["input_ids"])
+
+    chat_tok = ChatTokenize(tokenize, tiny_tokenizer, CHATML, loss_mask=True)
+    msgs = [
+        {"role": "user", "content": "count to five please"},
+        {"role": "assistant", "content": "one two three four five"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "one two three"},
+    ]
+    raw = inputs.RawRecord("r", "c", None, None, messages=msgs)
+    whole = inputs.to_sequence(raw, chat_tok, LIMITS_TINY)
+    mask = whole.loss_mask
+    assert mask is not None and mask.shape == (whole.length - 1,)
+    assert 0 < int(mask.sum()) < len(mask)
+    m = whole.length // 3
+    lim = replace(LIMITS_TINY, max_seq_len=m, on_long="split")
+    split = inputs.fit_sequences(raw, chat_tok, lim)
+    assert len(split) > 1
+    assert np.array_equal(np.concatenate([s.loss_mask for s in split]), mask)
+    trunc = inputs.fit_sequences(
+        raw, chat_tok, replace(LIMITS_TINY, max_seq_len=m, on_long="truncate")
+    )
+    assert np.array_equal(trunc[0].loss_mask, mask[: m - 1])
+    plain = ChatTokenize(tokenize, tiny_tokenizer, CHATML)  # a job without loss_mask
+    assert inputs.to_sequence(raw, plain, LIMITS_TINY).loss_mask is None
