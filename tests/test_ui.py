@@ -73,7 +73,9 @@ def test_status_page_behind_login(server: ServerProcess) -> None:
         assert bad.status_code == 401 and "Wrong API key" in bad.text
         _login(c)
         page = c.get("/").text
-        assert "ready" in page and str(server.settings["model"]) in page
+        model = Path(str(server.settings["model"]))
+        assert "ready" in page and model.name in page
+        assert str(model.parent) not in page  # no server path on the page (issue #18)
         job_row = re.search(r'<tr class="job".*?</tr>', page, re.S)
         assert job_row and "succeeded" in job_row.group(0) and "100.0%" in job_row.group(0)
         cache_row = re.search(r'<tr class="cache" data-cache="ui-k8">.*?</tr>', page, re.S)
