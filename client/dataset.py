@@ -29,7 +29,15 @@ process (``num_workers=0``) it counts itself; with DataLoader workers the copies
 cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
 counts the batches it handed out.
 
-A background thread per iterating process fetches and collates ``prefetch`` units ahead.
+A background thread per iterating process collates ``prefetch`` units ahead, from records that
+:class:`~logitcache.client.readahead.ReadAhead` reads ``read_threads`` store reads at a time, in
+the order the units first need them.
+
+Follow
+------
+``follow=True``: :meth:`CacheDataset.set_epoch` adopts the sequences committed since (a job may
+still be filling the cache); every rank plans the epoch over the same count (the smallest any rank
+sees), and the state's ``num_sequences`` pins it for an exact resume.
 """
 
 from __future__ import annotations
