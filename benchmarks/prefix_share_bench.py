@@ -162,7 +162,7 @@ def main() -> None:
             "rows": rows,
         },
         "k": k,
-        "kv_block_size": int(llm.llm_engine.cache_config.block_size),
+        "kv_block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
         "engine_prompt_logprobs": {
             "cached_tokens": cached_lp,
             "computed_tokens": tokens - cached_lp,
