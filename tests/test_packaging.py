@@ -246,7 +246,8 @@ def test_every_import_follows_an_allowed_arrow() -> None:
 
 #: Runtime requirements that no module of ours imports by name, and why they are still needed.
 INDIRECT_DEPS = {
-    "s3fs": "fsspec loads it for s3:// URLs (listing and locks on object stores)",
+    "s3fs": "fsspec loads it for s3:// URLs opened with storage_options backend=fsspec",
+    "fsspec": "zarr's FsspecStore opens http:// (the client's /store/ reads) and fsspec URLs",
     "accelerate": "transformers' Trainer needs it (client/hf.py CacheDistillTrainer)",
     "fastapi-offline": "its static Swagger UI files are found by find_spec (server/ui/routes.py)",
 }
