@@ -218,16 +218,19 @@ def engine_config(settings: Any = None, **overrides: Any) -> EngineConfig:
         raise EngineConfigError(f"bad engine option: {e}") from None
 
 
-def model_vocab_size(model: str) -> int:
-    """``vocab_size`` of a model's config (``text_config`` first); EngineConfigError if absent."""
+def read_model_config(model: str) -> dict[str, Any]:
+    """A model's ``config.json`` as a dict (a hub id: through transformers' ``AutoConfig``)."""
     cfg_path = Path(model) / "config.json"
     if cfg_path.is_file():
-        data = json.loads(cfg_path.read_text())
-    else:  # a hub id (needs the hub or its local cache)
-        from transformers import AutoConfig
+        return dict(json.loads(cfg_path.read_text()))
+    from transformers import AutoConfig  # a hub id (needs the hub or its local cache)
 
-        data = AutoConfig.from_pretrained(model).to_dict()
-    data = data.get("text_config", data)
+    return dict(AutoConfig.from_pretrained(model).to_dict())
+
+
+def config_vocab_size(config: Mapping[str, Any]) -> int:
+    """``vocab_size`` of a model config (``text_config`` first); EngineConfigError if absent."""
+    data = config.get("text_config", config)
     v = data.get("vocab_size")
     if not isinstance(v, int) or v < 1:
         raise EngineConfigError("the model config has no vocab_size")
@@ -247,7 +250,7 @@ def planned_info(cfg: EngineConfig) -> EngineInfo:
     return engine_info(
         cfg,
         tokenizer=tokenizer,
-        vocab_size=model_vocab_size(cfg.model),
+        vocab_size=config_vocab_size(read_model_config(cfg.model)),
         max_seq_len=cfg.max_seq_len or 2,
         backend=cfg.backend,
         dtype=cfg.dtype,

@@ -53,7 +53,6 @@ from __future__ import annotations
 import array
 import asyncio
 import itertools
-import json
 import os
 import queue
 import threading
@@ -67,7 +66,14 @@ import numpy as np
 
 from . import reaper, vllm_logprobs
 from .base import BaseEngine
-from .config import EngineConfig, VllmOptions, engine_info, model_max_len
+from .config import (
+    EngineConfig,
+    VllmOptions,
+    config_vocab_size,
+    engine_info,
+    model_max_len,
+    read_model_config,
+)
 from .protocol import (
     LOGPROB_MODE,
     EngineClosedError,
@@ -188,23 +194,6 @@ def sampled_from_output(output: Any, length: int, draws: int) -> TeacherScores:
 
 
 # ----------------------------------------------------------------------------- engine set-up
-
-
-def _read_config(model: str) -> dict[str, Any]:
-    cfg = Path(model) / "config.json"
-    if cfg.is_file():
-        return json.loads(cfg.read_text())
-    from transformers import AutoConfig  # a hub id (needs the hub or its local cache)
-
-    return AutoConfig.from_pretrained(model).to_dict()
-
-
-def _model_vocab_size(config: dict[str, Any]) -> int:
-    cfg = config.get("text_config", config)
-    v = cfg.get("vocab_size")
-    if not isinstance(v, int) or v < 1:
-        raise EngineConfigError("the model config has no vocab_size")
-    return v
 
 
 def _temperature_overrides(config: dict[str, Any], temperature: float) -> dict[str, Any]:
@@ -386,8 +375,8 @@ class VllmEngine(BaseEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.options.cpu_kvcache_gib:g}")
         self.cfg = cfg
         self.mode = _resolve_mode(self.options.mode)
-        config = _read_config(cfg.model)
-        vocab_size = _model_vocab_size(config)
+        config = read_model_config(cfg.model)
+        vocab_size = config_vocab_size(config)
         max_seq_len, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
         from transformers import AutoTokenizer
 
