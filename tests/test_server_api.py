@@ -253,7 +253,6 @@ def test_cache_of_another_teacher_or_k_is_a_conflict(client, server, sample_ids)
         pass
     before = tree_snapshot(store_root(server))
     cases = [
-        ("/v1/score", {"input_ids": sample_ids[:1], "k": K, "cache": "k4"}, "k"),
         ("/v1/score", {"input_ids": sample_ids[:1], "cache": "foreign"}, "tokenizer_fingerprint"),
         ("/v1/jobs", {"cache": "k4", "k": 2, "records": [{"input_ids": [1, 2, 3]}]}, "k"),
         (
@@ -266,6 +265,10 @@ def test_cache_of_another_teacher_or_k_is_a_conflict(client, server, sample_ids)
         r = client.post(path, json=body)
         assert r.status_code == 409, r.text
         assert field in r.json()["error"]["detail"], r.json()
+    # a k above the cache's is a miss (issue #17): engine-scored at that k, answered, not stored
+    big = client.post("/v1/score", json={"input_ids": sample_ids[:1], "k": K, "cache": "k4"})
+    assert big.status_code == 200, big.text
+    assert (big.json()["k"], big.json()["hits"], big.json()["stored"]) == (K, 0, 0)
     # without k, a request adopts the cache's own k
     ok = client.post("/v1/score", json={"input_ids": sample_ids[1:2], "cache": "k4"})
     assert ok.status_code == 200 and ok.json()["k"] == 4
