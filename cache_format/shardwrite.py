@@ -1,0 +1,153 @@
+"""Direct writes of new rows into the format's sharded arrays (the write side of shardread.py).
+
+zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
+codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machinery cost about 4
+CPU-us per position in the job path, more than the compression itself (issue #19). This module
+writes the same bytes itself, through the same zarr ``Store`` (so a local store still writes each
+object atomically and fsyncs it, FORMAT.md W5), for arrays whose layout
+:func:`~.shardread.direct_layout` understands; the writer falls back to zarr for the others.
+
+Per shard touched by rows ``[start, stop)`` (``start`` is the committed count, rule W3):
+
+* inner chunks wholly below ``start`` keep their stored bytes (committed bytes never change);
+* the inner chunk holding ``start``, when ``start`` is inside it, is read back (CRC32C checked,
+  blosc-decoded), its rows below ``start`` kept and the new rows placed after them;
+* every inner chunk the new rows reach is encoded exactly as zarr encodes it (``bytes`` little
+  endian -> the array's own ``BloscCodec`` settings -> CRC32C of the frame, uint32 LE), the last
+  one padded with the fill value;
+* chunks past the new rows are left empty (``offset = nbytes = 2**64 - 1``: nothing past the
+  new count is committed), and the shard object is written once: chunks in order, then the
+  index ``n x (offset, nbytes)`` uint64 LE and its CRC32C.
+
+A lost shard below ``start`` in a version-2 store is :class:`~.errors.MissingDataError` (R9), as
+on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import google_crc32c
+import numcodecs.blosc
+import numpy as np
+from zarr.core.buffer import default_buffer_prototype
+
+from .errors import ChecksumError, MissingDataError
+from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
+
+
+def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> bytes:
+    """One inner chunk's stored bytes: the blosc frame of its little-endian bytes + CRC32C."""
+    blosc = lay.metadata.codecs[0].codecs[1]._blosc_codec  # the array's own settings
+    frame = blosc.encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
+    return bytes(frame) + google_crc32c.value(frame).to_bytes(4, "little")
+
+
+def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarray:
+    if not _crc_ok(frame):
+        raise ChecksumError(f"{where}: inner chunk fails its CRC32C")
+    out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
+    try:
+        numcodecs.blosc.decompress(frame[:-4].tobytes(), out)
+    except Exception as e:  # a wrong-size or broken frame
+        raise ChecksumError(f"{where}: inner chunk does not decode ({e})") from e
+    return out
+
+
+async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np.ndarray | None]:
+    """The stored bytes of the chunks wholly below row ``below`` of ``shard`` and the rows of
+    the chunk holding ``below`` that precede it (None when ``below`` starts a chunk)."""
+    n, c = lay.chunks_per_shard, lay.chunk_rows
+    keep: list[np.ndarray | None] = [None] * n
+    full, part = divmod(below, c)
+    where = f"{lay.name} shard {shard}"
+    buf = await lay.shard_path(shard).get(prototype=default_buffer_prototype())
+    if buf is None:
+        if lay.strict:
+            raise MissingDataError(f"{where}: shard object missing below the committed count")
+        head = np.full((part, *lay.inner), lay.fill_value, dtype=lay.dtype) if part else None
+        return keep, head
+    data = _as_bytes(buf)
+    index_size = 16 * n + 4
+    if data.size < index_size:
+        raise ChecksumError(f"{where}: shard shorter than its index")
+    table = _parse_index(data[-index_size:], n, where)
+    body = data.size - index_size
+
+    def frame(i: int) -> np.ndarray | None:
+        off, nb = int(table[i, 0]), int(table[i, 1])
+        if off == _EMPTY:
+            if lay.strict:
+                raise MissingDataError(f"{where}: chunk {i} missing below the committed count")
+            return None
+        if off + nb > body:
+            raise ChecksumError(f"{where}: chunk {i} points outside the shard")
+        return data[off : off + nb]
+
+    for i in range(full):
+        keep[i] = frame(i)
+    head = None
+    if part:
+        f = frame(full)
+        if f is None:
+            head = np.full((part, *lay.inner), lay.fill_value, dtype=lay.dtype)
+        else:
+            head = _decode_chunk(lay, f, f"{where} chunk {full}")[:part]
+    return keep, head
+
+
+async def _write_shard(lay: DirectLayout, shard: int, off: int, rows: np.ndarray) -> None:
+    """Write ``rows`` at row ``off`` of ``shard`` (rows below ``off`` are committed)."""
+    n, c = lay.chunks_per_shard, lay.chunk_rows
+    keep: list[np.ndarray | None] = [None] * n
+    head = None
+    if off:
+        keep, head = await _existing(lay, shard, off)
+    first = off // c
+    block = rows if head is None else np.concatenate([head, rows])
+    last = (off + rows.shape[0] - 1) // c
+
+    def encode_all() -> list[bytes]:
+        out = []
+        for i in range(first, last + 1):
+            part = block[(i - first) * c : (i - first + 1) * c]
+            if part.shape[0] < c:
+                full = np.full((c, *lay.inner), lay.fill_value, dtype=lay.dtype)
+                full[: part.shape[0]] = part
+                part = full
+            out.append(encode_chunk(lay, part))
+        return out
+
+    new = encode_all()
+    parts: list[bytes | np.ndarray] = []
+    table = np.full((n, 2), _EMPTY, dtype="<u8")
+    pos = 0
+    for i in range(n):
+        f = keep[i] if i < first else (new[i - first] if i <= last else None)
+        if f is None:
+            continue
+        size = len(f) if isinstance(f, bytes) else int(f.size)
+        table[i] = (pos, size)
+        pos += size
+        parts.append(f)
+    index = table.tobytes()
+    parts.append(index + google_crc32c.value(index).to_bytes(4, "little"))
+    payload = b"".join(p if isinstance(p, bytes) else p.tobytes() for p in parts)
+    await lay.shard_path(shard).set(default_buffer_prototype().buffer.from_bytes(payload))
+
+
+async def write_rows(lay: DirectLayout, start: int, data: np.ndarray) -> None:
+    """Write ``data`` (rows ``[start, start + len(data))``, the array already resized) shard by
+    shard, the shards concurrently; see the module docstring."""
+    if data.shape[0] == 0:
+        return
+    data = np.ascontiguousarray(data, dtype=lay.dtype)
+    if data.shape[1:] != lay.inner:
+        raise ValueError(f"{lay.name}: rows of shape {data.shape[1:]}, array has {lay.inner}")
+    s = lay.shard_rows
+    stop = start + data.shape[0]
+    jobs = []
+    for shard in range(start // s, (stop - 1) // s + 1):
+        lo, hi = max(start, shard * s), min(stop, (shard + 1) * s)
+        jobs.append(_write_shard(lay, shard, lo - shard * s, data[lo - start : hi - start]))
+    await asyncio.gather(*jobs)

@@ -1,0 +1,102 @@
+"""cache_format/shardwrite.py: the writer's direct shard writes give the bytes zarr gives.
+
+The reference is the same writer with ``writer.DIRECT_WRITES = False`` (every array through
+zarr's ``setitem``). Small layouts make every case cheap: appends that start and end inside inner
+chunks and shards, a batch spanning several shards, leftovers of a writer killed before its
+commit, and a damaged committed shard (typed error, nothing committed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from format_support import make_manifest, make_records
+from logitcache.cache_format import CacheReader, CacheWriter, validate, writer
+from logitcache.cache_format.errors import ChecksumError, MissingDataError
+from logitcache.cache_format.spec import DEFAULT_LAYOUT
+
+LAYOUT = replace(
+    DEFAULT_LAYOUT, row_chunk=16, row_shard=64, token_chunk=32, token_shard=128, seq_chunk=4,
+    seq_shard=16,
+)  # fmt: skip
+K, VOCAB = 8, 1000
+
+
+def write(url: Path, recs, cuts: list[int], *, direct: bool, monkeypatch) -> None:
+    monkeypatch.setattr(writer, "DIRECT_WRITES", direct)
+    with CacheWriter.open(url, make_manifest(k=K, vocab_size=VOCAB), layout=LAYOUT) as w:
+        for a, b in zip([0, *cuts], [*cuts, len(recs)], strict=True):
+            w.append(recs[a:b])
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every object of a store but the root ``zarr.json`` (it holds timestamps)."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p != root / "zarr.json" and not p.name.endswith(".lock")
+    }
+
+
+@pytest.mark.parametrize("cuts", [[3, 4, 9, 15], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+def test_same_bytes_as_zarr(tmp_path: Path, monkeypatch, cuts: list[int]) -> None:
+    recs = make_records(16, k=K, vocab=VOCAB, seed=3)  # ~20 rows each: many shards of 64 rows
+    write(tmp_path / "zarr", recs, cuts, direct=False, monkeypatch=monkeypatch)
+    write(tmp_path / "direct", recs, cuts, direct=True, monkeypatch=monkeypatch)
+    a, b = files(tmp_path / "zarr"), files(tmp_path / "direct")
+    assert a.keys() == b.keys() and len(a) > 20
+    assert [n for n in a if a[n] != b[n]] == []
+    r = CacheReader(tmp_path / "direct")
+    assert r.num_sequences == 16
+    for got, want in zip(r.sequences(range(16)), recs, strict=True):
+        assert np.array_equal(got.topk_ids, want.topk_ids)
+        assert np.array_equal(got.input_ids, want.input_ids)
+    assert validate(tmp_path / "direct").ok
+
+
+def test_leftovers_of_a_killed_writer_are_overwritten(tmp_path: Path, monkeypatch) -> None:
+    """Rows written past the commit (a writer killed before step 5) never reach readers, and
+    the next append writes over them with the same result as zarr's path."""
+    recs = make_records(12, k=K, vocab=VOCAB, seed=4)
+    stray = make_records(5, k=K, vocab=VOCAB, seed=5, prefix="x")
+    for direct in (False, True):
+        monkeypatch.setattr(writer, "DIRECT_WRITES", direct)
+        url = tmp_path / f"store-{direct}"
+        m = make_manifest(k=K, vocab_size=VOCAB)
+        with CacheWriter.open(url, m, layout=LAYOUT) as w:
+            w.append(recs[:5])
+            fresh = [writer.encode_record(r, w.manifest, i) for i, r in enumerate(stray)]
+            w._write(w.manifest, fresh)  # step 4 only: data past the commit, no commit
+        with CacheWriter.open(url, m) as w:
+            assert w.num_sequences == 5
+            w.append(recs[5:])
+        r = CacheReader(url)
+        assert r.keys == [x.key for x in recs]
+        got = r.rows(0, r.manifest.num_rows)
+        want = np.concatenate([x.topk_ids for x in recs])
+        assert np.array_equal(got.topk_ids, want)
+        assert validate(url).ok
+
+
+def test_damaged_committed_shard_is_a_typed_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    recs = make_records(6, k=K, vocab=VOCAB, seed=6)
+    url = tmp_path / "s"
+    m = make_manifest(k=K, vocab_size=VOCAB)
+    with CacheWriter.open(url, m, layout=LAYOUT) as w:
+        w.append(recs[:3])
+    rows = CacheReader(url).manifest.num_rows
+    assert rows % LAYOUT.row_shard  # the next append starts inside this shard: it is read
+    shard = url / "topk_ids" / "c" / str(rows // LAYOUT.row_shard) / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[-10] ^= 0xFF  # inside the shard index
+    shard.write_bytes(bytes(raw))
+    with CacheWriter.open(url, m) as w, pytest.raises(ChecksumError):
+        w.append(recs[3:])
+    shard.unlink()
+    with CacheWriter.open(url, m) as w, pytest.raises(MissingDataError):
+        w.append(recs[3:])
+    assert CacheReader(url).num_sequences == 3
