@@ -151,14 +151,11 @@ class SequenceRecord(TopkRows):
             (self.topk_ids, other.topk_ids),
             (self.topk_logprobs, other.topk_logprobs),
         ]
-        if (self.tail_mass is None) != (other.tail_mass is None):
-            return False
-        if self.tail_mass is not None:
-            pairs.append((self.tail_mass, other.tail_mass))
-        if (self.loss_mask is None) != (other.loss_mask is None):
-            return False
-        if self.loss_mask is not None:
-            pairs.append((self.loss_mask, other.loss_mask))
+        for mine, theirs in ((self.tail_mass, other.tail_mass), (self.loss_mask, other.loss_mask)):
+            if (mine is None) != (theirs is None):
+                return False
+            if mine is not None and theirs is not None:
+                pairs.append((mine, theirs))
         return all(a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in pairs)
 
     def to_torch(self) -> dict[str, Any]:
