@@ -128,6 +128,7 @@ class Config:
     blosc_blocks: str = "chunk"  # Layout.blosc_blocks: one blosc block per chunk, or "auto"
     fsync: bool = True  # CacheWriter.open(fsync=...)
     direct: bool = True  # CacheReader(direct=...): direct shard reads, or zarr's array API
+    direct_writes: bool = True  # writer.DIRECT_WRITES: shardwrite.py, or zarr's setitem
 
 
 CONFIGS = {
@@ -150,6 +151,8 @@ CONFIGS = {
         Config("zarr-read-path", direct=False),
         Config("blocks-auto-zarr-read-path", blosc_blocks="auto", direct=False),
         Config("no-fsync", fsync=False),
+        Config("zarr-writes", direct_writes=False),
+        Config("appends-of-4-zarr-writes", append_seqs=4, direct_writes=False),
     ]
 }
 
@@ -202,6 +205,7 @@ def bench_config(
     cfg: Config, data, root: Path, random_reads: int, seed: int, repeats: int = 3
 ) -> dict:
     from logitcache.cache_format import CacheReader, CacheWriter, Layout, Manifest
+    from logitcache.cache_format import writer as writer_mod
     from logitcache.cache_format.layout import read_root_attrs  # noqa: F401 - warm import
     from logitcache.cache_format.stats import store_stats
 
@@ -227,9 +231,13 @@ def bench_config(
     batches = [records(*data, lo, min(lo + step, n_seq)) for lo in range(0, n_seq, step)]
 
     def write():
-        with CacheWriter.open(url, m, layout=layout, fsync=cfg.fsync) as w:
-            for b in batches:
-                w.append(b)
+        writer_mod.DIRECT_WRITES = cfg.direct_writes
+        try:
+            with CacheWriter.open(url, m, layout=layout, fsync=cfg.fsync) as w:
+                for b in batches:
+                    w.append(b)
+        finally:
+            writer_mod.DIRECT_WRITES = True
 
     t_write, c_write = timed(write)
     rows = n_seq * (SEQ_LEN - 1)

@@ -360,7 +360,10 @@ class CacheWriter:
         if self._manifest.format_version >= 2:  # version 1 stored no all-fill chunk
             arr = arr.with_config({"write_empty_chunks": True})
         stop = start + data.shape[0]
-        await arr.resize((stop, *arr.shape[1:]))
+        # when growing, no chunk lies outside the new shape: skip zarr's scan of every chunk key
+        # (it grows with the store); shrinking (past a dead writer's rows) deletes as before
+        shrink = stop < arr.shape[0]
+        await arr.resize((stop, *arr.shape[1:]), delete_outside_chunks=shrink)
         lay = None
         if DIRECT_WRITES and self._manifest.format_version >= 2:
             lay = direct_layout(arr, name, strict=True)
