@@ -413,9 +413,9 @@ def test_follow_adopts_sequences_a_concurrent_writer_commits_and_resumes_exactly
     build_cache(url, head)
     tests = str(Path(__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    total = 60
+    total = 42
     writer = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, url, "12", str(total), "6", "0.1"], env=env
+        [sys.executable, "-c", _WRITER, url, "12", str(total), "6", "0.05"], env=env
     )
     try:
         ds = CacheDataset(url, tokens_per_item=32, seed=4, follow=True)
