@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from .reader import CacheReader
 
 app = typer.Typer(
     add_completion=False,
@@ -80,7 +83,7 @@ def _fail(url: str, err: BaseException) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _reader(url: str, options: dict):
+def _reader(url: str, options: dict) -> CacheReader:
     from .errors import FormatError
     from .reader import CacheReader
 
@@ -91,7 +94,9 @@ def _reader(url: str, options: dict):
 
 
 @app.command()
-def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")):
+def info(
+    url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")
+) -> None:
     """Print the manifest, sizes and compression ratio of the store at URL."""
     from .manifest import IDENTITY_FIELDS
     from .stats import LOW_COVERAGE, store_stats, tail_summary
@@ -150,7 +155,7 @@ def info(url: str, option: OptionList = None, as_json: bool = typer.Option(False
 
 
 @app.command("validate")
-def validate_cmd(url: str, option: OptionList = None):
+def validate_cmd(url: str, option: OptionList = None) -> None:
     """Check every invariant; exit status 1 if any problem is found, 2 if there is no store."""
     from .errors import StoreNotFoundError
     from .validate import validate
@@ -171,7 +176,7 @@ def export(
         "jsonl", "--format", help="jsonl | frames (wire codec) | parquet (axolotl) | distillkit"
     ),
     limit: int = typer.Option(-1, help="export the first N sequences only (-1: all)"),
-):
+) -> None:
     """Export sequences to JSON lines (one record per line) or wire-codec frames; or for a peer
     trainer: ``parquet`` (axolotl's KD layout) or ``distillkit`` (a DistillKit logit directory)."""
     if fmt in ("parquet", "axolotl", "distillkit"):  # lazy: needs the client extra and pyarrow

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import cache
+from types import ModuleType
 
 import numpy as np
 
@@ -23,7 +24,7 @@ _SIGNED = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "int16", np.dtype(n
 
 
 @cache
-def _torch():
+def _torch() -> ModuleType | None:
     """The torch module if the torch backend is selected (and importable), else ``None``."""
     mode = os.environ.get("LOGITCACHE_KERNELS", "auto").strip().lower() or "auto"
     if mode == "numpy":

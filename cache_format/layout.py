@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import zarr
+import zarr.abc.store
 
 from . import spec
 from .codecs import compressors
@@ -159,7 +160,9 @@ ENCODING_ATTR = "logitcache_encoding"
 """Array attribute (version >= 2) naming how the stored values decode (FORMAT.md §4)."""
 
 
-def create_array(store, d: ArrayDef, k: int, version: int = spec.FORMAT_VERSION) -> zarr.Array:
+def create_array(
+    store: zarr.abc.store.Store, d: ArrayDef, k: int, version: int = spec.FORMAT_VERSION
+) -> zarr.Array:
     """Create (overwriting) an empty array for ``d`` in ``store`` (of a store of ``version``)."""
     shape = (0, k) if d.k_axis else (0,)
     chunks = (d.chunk, k) if d.k_axis else (d.chunk,)
@@ -188,7 +191,7 @@ INCOMPLETE_ATTR = "logitcache_incomplete"
 """Root attribute present while a store is being created (before its first commit)."""
 
 
-def read_root_attrs(store) -> dict | None:
+def read_root_attrs(store: zarr.abc.store.Store) -> dict | None:
     """The root group's attributes, or ``None`` if the store has no root ``zarr.json``."""
     try:
         group = zarr.open_group(store, mode="r", use_consolidated=False)
@@ -197,7 +200,7 @@ def read_root_attrs(store) -> dict | None:
     return dict(group.attrs)
 
 
-def write_root_attrs(store, attrs: dict) -> None:
+def write_root_attrs(store: zarr.abc.store.Store, attrs: dict) -> None:
     """Replace the root group's attributes with one write of the root ``zarr.json`` (the commit).
 
     Creates the root group if absent; never touches the arrays below it.

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import WriterLockedError
 from .spec import LOCK_NAME
@@ -94,7 +94,7 @@ class LocalLock:
 class ObjectLock:
     """Lease lock on an object store via conditional puts (see module docstring)."""
 
-    def __init__(self, objstore, key: str = LOCK_NAME, ttl: float = 60.0):
+    def __init__(self, objstore: Any, key: str = LOCK_NAME, ttl: float = 60.0) -> None:
         self.objstore = objstore
         self.key = key
         self.ttl = float(ttl)
@@ -215,7 +215,7 @@ class ProcessLock:
 
 def make_lock(handle: StoreHandle, ttl: float = 60.0) -> WriterLock:
     """The lock implementation for a store kind."""
-    if handle.kind == "local":
+    if handle.kind == "local" and handle.local_path is not None:
         return LocalLock(handle.local_path / LOCK_NAME)
     if handle.kind == "object":
         return ObjectLock(handle.objstore, LOCK_NAME, ttl=ttl)

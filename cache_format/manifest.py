@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -98,7 +99,7 @@ class Manifest(BaseModel):
 
     @field_validator("k")
     @classmethod
-    def _k_le_vocab(cls, v: int, info):  # noqa: ANN001 - pydantic signature
+    def _k_le_vocab(cls, v: int, info: ValidationInfo) -> int:
         vocab = info.data.get("vocab_size")
         if vocab is not None and v > vocab:
             raise ValueError(f"k={v} exceeds vocab_size={vocab}")

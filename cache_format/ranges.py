@@ -58,7 +58,7 @@ def read_ranges(
     keys = reader._keys
 
     def read() -> list[SequenceRecord]:
-        spans = [
+        spans: list[tuple[slice, slice | None]] = [
             (
                 slice(int(row_start[a]), int(row_start[b])),
                 slice(int(row_start[a]) + a, int(row_start[b]) + b),
@@ -69,6 +69,7 @@ def read_ranges(
         for (a, b), (ids, lp, tail, tokens, mask) in zip(
             todo, reader._fetch(spans, logprob_dtype), strict=True
         ):
+            assert tokens is not None  # sequence spans read their tokens
             r0 = int(row_start[a])
             for i in range(a, b):
                 rs, n = int(row_start[i]) - r0, int(lengths[i])

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zarr
@@ -34,10 +34,24 @@ from .quant import OUT_DTYPES, decode_logprobs
 from .records import RowBlock, SequenceRecord
 from .store import open_store
 
+#: Per span: top-k ids, logprobs, float32 tail, tokens (None for a row-only span), loss mask or
+#: None (:meth:`CacheReader._fetch`).
+_Fetched = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+
+_T = TypeVar("_T")
+
+
+def span_tokens(tokens: np.ndarray | None) -> np.ndarray:
+    """The tokens of a sequence span of :meth:`CacheReader._fetch` (read with every sequence
+    span; ``None`` only for a row-only span)."""
+    assert tokens is not None
+    return tokens
+
+
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
 
 
-def _with_retries(fn, on_retry=None):
+def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
     """Run ``fn``; retry a raced read (bad checksum or bytes, I/O error) with backoff.
 
     Typed errors other than :class:`ChecksumError` are raised at once. Any other failure inside
@@ -173,7 +187,7 @@ class CacheReader:
         if s > known:
             jobs += [(n, known, s) for n in spec.SEQ_ARRAYS]
 
-        async def gather():
+        async def gather() -> list[np.ndarray]:
             return await asyncio.gather(
                 *(checked_get(arrays[n]._async_array, n, a, b, strict_) for n, a, b in jobs)
             )
@@ -250,7 +264,7 @@ class CacheReader:
         return self._key_index[key]
 
     # ------------------------------------------------------------------ reading
-    def _retry(self, fn):
+    def _retry(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn``; on a checksum/decoding failure (raced rewrite) reopen the arrays, retry."""
         return _with_retries(fn, self._reopen_arrays)
 
@@ -297,16 +311,16 @@ class CacheReader:
                     f"{self._need[name]} entries"
                 )
 
-        def io(name: str, sel: slice):
+        def io(name: str, sel: slice) -> Any:
             lay = direct.get(name)
             if lay is None:
                 return checked_get(a[name]._async_array, name, sel.start, sel.stop, self._strict)
             return shardread.fetch(lay, sel.start, sel.stop)
 
-        async def gather():
+        async def gather() -> list[Any]:
             return await asyncio.gather(*(io(n, sel) for n, sel in jobs))
 
-        def decode(job: tuple[str, slice], got):
+        def decode(job: tuple[str, slice], got: Any) -> np.ndarray:
             name, sel = job
             lay = direct.get(name)
             if lay is None:
@@ -324,7 +338,7 @@ class CacheReader:
 
     def _fetch(
         self, spans: list[tuple[slice, slice | None]], logprob_dtype: str = "float32"
-    ) -> list[tuple[np.ndarray, ...]]:
+    ) -> list[_Fetched]:
         """Read row ranges (and token ranges) of every span in one :meth:`_read`.
 
         Returns per span ``(topk_ids, logprobs as logprob_dtype, float32 tail, tokens or None,
@@ -365,7 +379,7 @@ class CacheReader:
             out.append((ids, lp, tail, got.get(spec.INPUT_IDS), mask))
         return out
 
-    def _out(self, rec):
+    def _out(self, rec: SequenceRecord | RowBlock) -> Any:
         return rec.to_torch() if self.as_torch else rec
 
     def sequence(self, i: int, *, logprob_dtype: str = "float32") -> SequenceRecord | dict:
@@ -373,9 +387,9 @@ class CacheReader:
         :meth:`rows`."""
         i = self._check_seq(i)
 
-        def read():
+        def read() -> SequenceRecord:
             ids, lp, tail, tokens, mask = self._fetch([self._span(i)], logprob_dtype)[0]
-            return SequenceRecord(self._keys[i], tokens, ids, lp, tail, mask)
+            return SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
 
         return self._out(self._retry(read))
 
@@ -395,10 +409,10 @@ class CacheReader:
         if not idx:
             return []
 
-        def read():
+        def read() -> list[SequenceRecord]:
             got = self._fetch([self._span(i) for i in idx], logprob_dtype)
             return [
-                SequenceRecord(self._keys[i], tokens, ids, lp, tail, mask)
+                SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
                 for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
             ]
 
@@ -415,13 +429,15 @@ class CacheReader:
         if not (0 <= start <= stop <= n):
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
 
-        def read():
+        def read() -> RowBlock:
             ids, lp, tail, _, mask = self._fetch([(slice(start, stop), None)], logprob_dtype)[0]
             return RowBlock(start, ids, lp, tail, mask)
 
         return self._out(self._retry(read))
 
-    def read_ranges(self, ranges, *, logprob_dtype: str = "float32") -> list[SequenceRecord]:
+    def read_ranges(
+        self, ranges: Sequence[tuple[int, int]], *, logprob_dtype: str = "float32"
+    ) -> list[SequenceRecord]:
         """Records of sequence ranges ``[(a, b), ...]``, two reads per range (:mod:`.ranges`)."""
         from .ranges import read_ranges
 
@@ -433,6 +449,6 @@ class CacheReader:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
         return self._retry(lambda: self._read([(spec.INPUT_IDS, slice(start, stop))])[0])
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[SequenceRecord | dict]:
         for i in range(self.num_sequences):
             yield self.sequence(i)

@@ -58,7 +58,9 @@ def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
     return torch.rand(rows, draws, generator=gen, dtype=torch.float64)
 
 
-def sample_rows(logprobs: Any, u: Any, proposal_temperature: float = 1.0, k: int | None = None):
+def sample_rows(
+    logprobs: Any, u: Any, proposal_temperature: float = 1.0, k: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Sampled targets of a block of rows (see the module docstring).
 
     ``logprobs``: ``[r, V]`` teacher log-probabilities (torch, any float dtype/device);
@@ -131,7 +133,7 @@ def sample_from_hidden(
     proposal_temperature: float = 1.0,
     chunk_rows: int = 256,
     k: int | None = None,
-):
+) -> tuple[np.ndarray, np.ndarray]:
     """Sampled targets straight from a teacher's final hidden states, chunk by chunk: for
     ``chunk_rows`` positions at a time ``lp = log_softmax((h W^T + b) / temperature)`` and
     :func:`sample_rows` on it, so at most ``chunk_rows x V`` logits exist at once (never the

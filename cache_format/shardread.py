@@ -38,7 +38,7 @@ import zarr
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
-from zarr.core.buffer import default_buffer_prototype
+from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.core.chunk_grids import RegularChunkGrid
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.storage import StorePath
@@ -182,7 +182,7 @@ def _parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
     return table
 
 
-def _as_bytes(buf) -> np.ndarray:
+def _as_bytes(buf: Buffer) -> np.ndarray:
     return np.ascontiguousarray(buf.as_numpy_array()).view(np.uint8).reshape(-1)
 
 

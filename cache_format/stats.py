@@ -8,11 +8,17 @@ logprobs, quantisation parameters, tail mass) divided by the committed rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from zarr.abc.store import Store
 from zarr.core.sync import sync
 
 from . import spec
 from .manifest import Manifest
+
+if TYPE_CHECKING:
+    from .reader import CacheReader
+    from .records import RowBlock
 
 ROW_FAMILY = (
     spec.TOPK_IDS,
@@ -51,7 +57,7 @@ class StoreStats:
         return self.raw_bytes_per_position / self.bytes_per_position if self.num_rows else 0.0
 
 
-def store_stats(zstore, manifest: Manifest) -> StoreStats:
+def store_stats(zstore: Store, manifest: Manifest) -> StoreStats:
     """Stored bytes of every array of the store (all objects under each array's prefix)."""
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
     if manifest.logprob_dtype in spec.QUANTISED_DTYPES:
@@ -98,7 +104,7 @@ def tail_windows(num_rows: int) -> list[tuple[int, int]]:
     return [(round(i * step), round(i * step) + TAIL_WINDOW_ROWS) for i in range(TAIL_WINDOWS)]
 
 
-def tail_summary(reader) -> TailSummary | None:
+def tail_summary(reader: CacheReader) -> TailSummary | None:
     """Tail mass of every row (caches up to 16,384 rows) or of 8 evenly spaced windows of 2,048
     rows of an open ``CacheReader``; None for an empty cache, or one of sampled targets (its rows
     hold importance weights that sum to 1: there is no top-k mass to report)."""
@@ -107,9 +113,14 @@ def tail_summary(reader) -> TailSummary | None:
     if getattr(reader.manifest, "targets", "topk") != "topk":
         return None
 
-    parts = [reader.rows(a, b).tail_mass for a, b in tail_windows(reader.num_rows)]
+    parts = [_tail(reader.rows(a, b)) for a, b in tail_windows(reader.num_rows)]
     if not parts:
         return None
     tails = np.concatenate(parts).astype(np.float64)
     p50, p90, p99 = (float(x) for x in np.percentile(tails, [50, 90, 99]))
     return TailSummary(int(tails.size), float(tails.mean()), p50, p90, p99)
+
+
+def _tail(block: RowBlock | dict) -> Any:
+    """The tail masses of a row block (a ``RowBlock``, or its dict from an ``as_torch`` reader)."""
+    return block["tail_mass"] if isinstance(block, dict) else block.tail_mass

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import zarr
+from zarr.abc.store import Store
 from zarr.core.sync import sync
 
 from . import idmap, spec
@@ -77,7 +79,9 @@ class ValidationReport:
             raise FormatError(str(self))
 
 
-def _flag(report: ValidationReport, code: str, msg: str, bad: np.ndarray, base: int, unit: str):
+def _flag(
+    report: ValidationReport, code: str, msg: str, bad: npt.ArrayLike, base: int, unit: str
+) -> None:
     """Record problem ``code`` for every True in ``bad`` (offset ``base`` in ``unit`` numbering)."""
     idx = np.flatnonzero(bad)
     if idx.size:
@@ -140,7 +144,7 @@ def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
     return d
 
 
-def _open_arrays(store, m: Manifest, report: ValidationReport) -> dict[str, zarr.Array]:
+def _open_arrays(store: Store, m: Manifest, report: ValidationReport) -> dict[str, zarr.Array]:
     need_len = committed_lengths(m)
     arrays = {}
     for name, (dtype, k_axis) in _expected_dtypes(m).items():
@@ -176,10 +180,12 @@ def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> None:
     s = m.num_sequences
     if not all(n in arrays for n in spec.SEQ_ARRAYS):
         return
-    got = {n: _read(arrays, m, report, n, 0, s) for n in spec.SEQ_ARRAYS}
-    if got[spec.SEQ_KEYS] is not None:
-        _check_keys([str(x) for x in got[spec.SEQ_KEYS]], arrays, m, report)
-    if any(got[n] is None for n in spec.SEQ_ARRAYS[1:]):
+    read = {n: _read(arrays, m, report, n, 0, s) for n in spec.SEQ_ARRAYS}
+    keys = read[spec.SEQ_KEYS]
+    if keys is not None:
+        _check_keys([str(x) for x in keys], arrays, m, report)
+    got = {n: v for n, v in read.items() if v is not None}
+    if any(n not in got for n in spec.SEQ_ARRAYS[1:]):
         return
     lengths = got[spec.SEQ_LENGTHS].astype(np.int64)
     tok = got[spec.SEQ_TOKEN_START]
@@ -268,8 +274,9 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
             return
     for b0 in range(0, m.num_rows, BLOCK_ROWS):
         b1 = min(b0 + BLOCK_ROWS, m.num_rows)
-        block = {n: _read(arrays, m, report, n, b0, b1) for n in names}
-        if any(v is None for v in block.values()):
+        read = {n: _read(arrays, m, report, n, b0, b1) for n in names}
+        block = {n: v for n, v in read.items() if v is not None}
+        if len(block) < len(read):
             continue
         ids = block[spec.TOPK_IDS]  # ranks if remapped: same range, same distinctness
         _flag(

@@ -418,7 +418,7 @@ class CacheDataset(IterableDataset):
             pad_token_id=self.pad_token_id,
             ids_dtype=np.int64 if self.ids_dtype == torch.int64 else np.int32,
         )
-        unit = {name: torch.from_numpy(value) for name, value in arrays.items()}
+        unit: dict[str, Any] = {name: torch.from_numpy(v) for name, v in arrays.items()}
         if self.batch_size is None:
             unit = {name: value[0] for name, value in unit.items()}
         if self.target_kind != "topk":

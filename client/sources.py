@@ -71,7 +71,7 @@ def contiguous_runs(indices: Iterable[int], max_len: int | None = None) -> list[
     if idx.size == 0:
         return []
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    runs = []
+    runs: list[tuple[int, int]] = []
     for part in np.split(idx, breaks):
         start, stop = int(part[0]), int(part[-1]) + 1
         step = max_len or (stop - start)
