@@ -459,3 +459,52 @@ def test_follow_with_ranks_needs_a_process_group(cache: tuple[str, list]) -> Non
     ds = CacheDataset(url, tokens_per_item=48, follow=True, rank=0, world_size=2)
     with pytest.raises(ConfigError, match="torch.distributed"):
         ds.set_epoch(1)
+
+
+def _follow_rank(rank: int, url: str, limits: list[int], init: str, out: str) -> None:
+    """One DDP rank (gloo) that sees only the first ``limits[rank]`` sequences of the cache."""
+    import torch.distributed as dist
+    from logitcache.client import LocalSource
+
+    class Partial(LocalSource):
+        """A store view lagging behind: a rank whose snapshot is older than the others'."""
+
+        @property
+        def lengths(self) -> np.ndarray:
+            return super().lengths[: limits[rank]]
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        ds = CacheDataset(Partial(url), tokens_per_item=48, seed=3, follow=True)
+        ds.set_epoch(1)
+        seen = [t[0] * 97 + t[1] for u in collect(ds) for t in segments(u)]
+        Path(out).write_text(json.dumps({"n": ds.num_sequences, "seen": seen}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_follow_ranks_agree_on_the_smallest_committed_count(tmp_path: Path) -> None:
+    """Two gloo ranks whose snapshots differ plan the epoch over the same (smallest) count and
+    together cover it exactly once."""
+    import multiprocessing as mp
+
+    url = str(tmp_path / "ranks")
+    build_cache(url, [np.array([i // 97, i % 97, 7, 8, 9], dtype=np.int32) for i in range(30)])
+    limits = [30, 21]  # rank 1 lags behind
+    ctx = mp.get_context("fork")  # as DataLoader workers: the children reopen the store
+    init = f"file://{tmp_path / 'pg'}"
+    outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    procs = [ctx.Process(target=_follow_rank, args=(r, url, limits, init, outs[r])) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(180)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    got = [json.loads(Path(o).read_text()) for o in outs]
+    assert [g["n"] for g in got] == [21, 21]
+    assert sorted(got[0]["seen"] + got[1]["seen"]) == list(range(21))
