@@ -189,6 +189,34 @@ def test_read_threads_do_not_change_the_stream_and_read_once(
     assert same_stream(streams[0], streams[1])
 
 
+def test_read_ahead_frees_each_read_after_its_last_unit_and_passes_errors(
+    cache: tuple[str, list],
+) -> None:
+    from logitcache.client import SourceError
+    from logitcache.client.readahead import ReadAhead
+
+    url, _ = cache
+    units = [np.arange(a, min(a + 3, NUM_SEQ)) for a in range(0, NUM_SEQ, 3)]
+    reads = ReadAhead(LocalSource(url), units, block=5, num_sequences=NUM_SEQ, threads=2, ahead=2)
+    assert reads.num_reads == 9  # blocks of 5 sequences, each read once
+    try:
+        for u, seqs in enumerate(units):
+            got = reads.records(u)
+            assert set(seqs.tolist()) <= set(got)
+            live = {r for r in reads._done}
+            assert len(live) <= 2, (u, live)  # only the blocks the next units still need
+    finally:
+        reads.close()
+
+    class Broken(LocalSource):
+        def fetch(self, indices):  # noqa: ANN001, ANN201 - LocalSource.fetch's signature
+            raise SourceError("store unreachable")
+
+    ds = CacheDataset(Broken(url), tokens_per_item=48, read_threads=2)
+    with pytest.raises(SourceError, match="unreachable"):
+        collect(ds)
+
+
 def test_bad_window_is_refused(tmp_path: Path, cache: tuple[str, list]) -> None:
     from logitcache.client import ConfigError
 
