@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+from zarr.codecs import BloscCname, BloscCodec, BloscShuffle, Crc32cCodec, ZstdCodec
 
 from .errors import FormatError
 
@@ -29,7 +29,11 @@ def compressors(name: str, typesize: int, blocksize: int = 0) -> tuple:
     if m:
         cname, level, shuffle = m.group(1), int(m.group(2) or 5), m.group(3)
         comp = BloscCodec(
-            cname=cname, clevel=level, shuffle=shuffle, typesize=typesize, blocksize=blocksize
+            cname=BloscCname(cname),
+            clevel=level,
+            shuffle=BloscShuffle(shuffle),
+            typesize=typesize,
+            blocksize=blocksize,
         )
         return (comp, Crc32cCodec())
     m = _ZSTD.match(name)

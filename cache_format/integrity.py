@@ -94,7 +94,7 @@ async def checked_get(
         if gaps:
             raise MissingDataError(describe(name, gaps))
     try:
-        return await arr.getitem(slice(start, stop))
+        return np.asarray(await arr.getitem(slice(start, stop)))
     except FormatError:
         raise
     except Exception as e:  # CRC32C mismatch, codec failure, truncated object

@@ -27,11 +27,15 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlparse
 
+import zarr.abc.store
 import zarr.storage
 from zarr.core.buffer import Buffer
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig
 
 from .errors import FormatError
 
@@ -183,7 +187,9 @@ def normalize_storage_options(url: str, options: dict[str, Any] | None) -> dict[
     return opts
 
 
-def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+def _obstore_options(
+    scheme: str, options: dict[str, Any]
+) -> tuple[dict[str, Any], ClientConfig | None]:
     """obstore ``from_url`` config and client options from normalised options (one way)."""
     opts = dict(options)
     client_options: dict[str, Any] = dict(opts.pop("client_options", {}) or {})
@@ -204,7 +210,8 @@ def _obstore_options(scheme: str, options: dict[str, Any]) -> tuple[dict[str, An
         config.setdefault("virtual_hosted_style_request", False)
         if endpoint.startswith("http://"):
             client_options.setdefault("allow_http", True)
-    return config, client_options
+    # obstore checks the keys of its ClientConfig itself (a typed error on an unknown one)
+    return config, cast("ClientConfig", client_options) if client_options else None
 
 
 def list_children(zstore: Any) -> list[str]:
@@ -244,26 +251,26 @@ def open_store(
         if not read_only:
             path.mkdir(parents=True, exist_ok=True)
         cls = DurableLocalStore if fsync and not read_only else zarr.storage.LocalStore
-        zstore = cls(path, read_only=read_only)
-        return StoreHandle(url=url, zstore=zstore, kind="local", local_path=path)
+        local: zarr.abc.store.Store = cls(path, read_only=read_only)
+        return StoreHandle(url=url, zstore=local, kind="local", local_path=path)
     if scheme in OBJECT_SCHEMES and backend in (None, "obstore"):
         from obstore.store import from_url
 
         config, client_options = _obstore_options(scheme, options)
         try:
-            objstore = from_url(url, client_options=client_options or None, **config)
+            obj = from_url(url, client_options=client_options, **config)
         except Exception as e:  # obstore raises its own config errors
             raise FormatError(f"cannot open object store {url!r}: {e}") from e
-        zstore = zarr.storage.ObjectStore(objstore, read_only=read_only)
-        return StoreHandle(url=url, zstore=zstore, kind="object", objstore=objstore)
+        ostore = zarr.storage.ObjectStore(obj, read_only=read_only)
+        return StoreHandle(url=url, zstore=ostore, kind="object", objstore=obj)
     if backend not in (None, "fsspec"):
         raise FormatError(f"unknown storage backend {backend!r} (use 'obstore' or 'fsspec')")
     zstore = zarr.storage.FsspecStore.from_url(url, storage_options=options, read_only=read_only)
-    objstore = None
+    objstore: Any = None
     if scheme in OBJECT_SCHEMES and not read_only:  # data via s3fs, writer lease via obstore
         from obstore.store import from_url
 
         config, client_options = _obstore_options(scheme, options)
-        objstore = from_url(url, client_options=client_options or None, **config)
+        objstore = from_url(url, client_options=client_options, **config)
     kind = "object" if objstore is not None else "fsspec"
     return StoreHandle(url=url, zstore=zstore, kind=kind, objstore=objstore)

@@ -85,6 +85,7 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
             key=rec.key,
             index=index,
         )
+    assert rec.key is not None  # SequenceRecord.__post_init__ sets the content key
     return _Encoded(rec.key, rec.input_ids, arrays)
 
 
@@ -287,7 +288,7 @@ class CacheWriter:
         """Load the committed ``id_order`` (once) if the store remaps ids."""
         self._pending_rank = None
         if m.id_remap and m.num_rows > 0 and self._rank is None:
-            order = zarr.open_array(self._store, path=spec.ID_ORDER, mode="r")[:]
+            order = np.asarray(zarr.open_array(self._store, path=spec.ID_ORDER, mode="r")[:])
             self._rank = idmap.inverse(order)
 
     def _remap_ids(self, m: Manifest, cols: dict[str, np.ndarray]) -> None:
@@ -300,6 +301,7 @@ class CacheWriter:
             order = idmap.build_id_order(ids, m.vocab_size)
             cols[spec.ID_ORDER] = order
             rank = self._pending_rank = idmap.inverse(order)
+        assert rank is not None  # loaded by _load_id_map once the store has rows
         cols[spec.TOPK_IDS] = rank[ids]
 
     def _columns(self, m: Manifest, fresh: list[_Encoded]) -> dict[str, np.ndarray]:

@@ -94,7 +94,7 @@ def _cache_rows(
     sequence cut to its covered span, or ``None`` when no row has data."""
     lp = np.asarray(logprobs, dtype=np.float64)
     valid = np.isfinite(lp) & (lp > _MISSING)
-    has = valid.any(axis=1)
+    has = np.asarray(valid.any(axis=1))
     if not has.any():
         return None
     first = int(np.argmax(has))
@@ -267,8 +267,13 @@ def _rect(rows: list, dtype: Any, fill: float, name: str) -> np.ndarray:
 
 
 # -- DistillKit -------------------------------------------------------------------------------
-_DTYPES = {"float16": (np.float16, 2), "bfloat16": ("bf16", 2), "float32": (np.float32, 4)}
-_DTYPES["float64"] = (np.float64, 8)
+#: Stored logit dtype -> (numpy little-endian dtype, or "bf16" for bfloat16 bit patterns; bytes).
+_DTYPES: dict[str, tuple[str, int]] = {
+    "float16": ("<f2", 2),
+    "bfloat16": ("bf16", 2),
+    "float32": ("<f4", 4),
+    "float64": ("<f8", 8),
+}
 
 
 def _index_bits(d: int) -> int:
@@ -299,7 +304,7 @@ def _to_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
         u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
         raw = u
     else:
-        raw = np.ascontiguousarray(values, dtype=np.dtype(kind).newbyteorder("<"))
+        raw = np.ascontiguousarray(values, dtype=np.dtype(kind))
     return raw.view(np.uint8).reshape(*values.shape[:-1], values.shape[-1] * width)
 
 
@@ -309,7 +314,7 @@ def _from_bytes(data: np.ndarray, dtype: str, n: int) -> np.ndarray:
     if kind == "bf16":
         u = raw.view("<u2").astype(np.uint32) << 16
         return u.view(np.float32).astype(np.float64)
-    return raw.view(np.dtype(kind).newbyteorder("<")).astype(np.float64)
+    return raw.view(np.dtype(kind)).astype(np.float64)
 
 
 def _terms(terms: list, n: int, normalize_t: bool) -> np.ndarray:
