@@ -21,15 +21,16 @@ blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader
 fresh snapshot, FORMAT.md R7).
 
 A shard whose needed chunks are at least half of it is read with one ``get`` of the whole
-object; otherwise its index is read with a suffix request and the needed chunks with one range
-request spanning them. All requests of a call are issued concurrently on zarr's event loop.
+object; otherwise its index is read with a suffix request (once per complete shard and layout:
+:attr:`DirectLayout.index_cache`) and the needed chunks with one range request spanning them.
+All requests of a call are issued concurrently on zarr's event loop.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import google_crc32c
 import numcodecs.blosc
@@ -67,6 +68,13 @@ class DirectLayout:
     strict: bool = False
     """Version >= 2 (FORMAT.md R9): an absent shard or chunk is :class:`MissingDataError`, not
     fill value (``length`` is then the committed count: nothing past it is read)."""
+    index_cache: dict[int, np.ndarray] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
+    """Parsed indexes of *complete* shards (every row below ``length``, so an append-only writer
+    never rewrites them) read through this layout: a later partial read of such a shard skips
+    its suffix request. The reader makes new layouts at every refresh and after a failed read,
+    so a cached index never outlives the snapshot it was read in."""
 
     @property
     def chunks_per_shard(self) -> int:
@@ -93,7 +101,11 @@ def _little_endian_bytes(codec: object, dtype: np.dtype) -> bool:
 
 
 def direct_layout(
-    arr: zarr.Array, name: str = "", *, committed: int | None = None, strict: bool = False
+    arr: zarr.Array | zarr.AsyncArray[Any],
+    name: str = "",
+    *,
+    committed: int | None = None,
+    strict: bool = False,
 ) -> DirectLayout | None:
     """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it.
 
@@ -193,6 +205,7 @@ async def _fetch_shard(lay: DirectLayout, shard: int, c0: int, c1: int) -> _Shar
     where = f"{lay.name or path} shard {shard}"
     proto = default_buffer_prototype()
     got = _Shard(shard, c0, c1)
+    complete = (shard + 1) * lay.shard_rows <= lay.length
     if 2 * (c1 - c0) >= n:
         buf = await path.get(prototype=proto)
         if buf is None:
@@ -202,11 +215,18 @@ async def _fetch_shard(lay: DirectLayout, shard: int, c0: int, c1: int) -> _Shar
             raise ChecksumError(f"{where}: object shorter than its index")
         got.index = _parse_index(data[-(16 * n + 4) :], n, where)
         got.data = data
+        if complete:
+            lay.index_cache[shard] = got.index
         return got
-    buf = await path.get(prototype=proto, byte_range=SuffixByteRequest(16 * n + 4))
-    if buf is None:
-        return got
-    got.index = _parse_index(_as_bytes(buf), n, where)
+    index = lay.index_cache.get(shard) if complete else None
+    if index is None:
+        buf = await path.get(prototype=proto, byte_range=SuffixByteRequest(16 * n + 4))
+        if buf is None:
+            return got
+        index = _parse_index(_as_bytes(buf), n, where)
+        if complete:
+            lay.index_cache[shard] = index
+    got.index = index
     want = got.index[c0:c1]
     want = want[want[:, 0] != _EMPTY]
     if want.size:

@@ -371,6 +371,41 @@ def test_read_ranges_equals_per_sequence_reads(cache) -> None:
         CacheReader(url, decode_threads=0)
 
 
+def test_complete_shard_index_is_read_once_per_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partial read of a complete shard (all rows committed) reuses its parsed index: one suffix
+    request fewer per such array; incomplete shards are always re-read; a new commit drops it."""
+    from logitcache.cache_format import CacheReader, shardread, spec
+
+    url = str(tmp_path / "big")
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, VOCAB, size=1000).astype(np.int32) for _ in range(70)]
+    build_cache(url, seqs[:69])  # 68,931 rows: row shard 0 (65,536 rows) is complete
+    calls: list[int] = []
+    real = shardread.SuffixByteRequest
+
+    def counting(suffix: int):  # noqa: ANN202 - returns zarr's request type
+        calls.append(suffix)
+        return real(suffix)
+
+    monkeypatch.setattr(shardread, "SuffixByteRequest", counting)
+    reader, ref = CacheReader(url), CacheReader(url, direct=False)
+    first = reader.sequence(3)
+    n_first = len(calls)
+    second = reader.sequence(5)
+    assert n_first >= 4 and len(calls) - n_first == n_first - 2  # topk_ids, topk_logprobs cached
+    assert set(reader._direct[spec.TOPK_IDS].index_cache) == {0}
+    assert first.equals(ref.sequence(3)) and second.equals(ref.sequence(5))
+    assert reader.sequence(68).equals(ref.sequence(68))  # in the incomplete shard 1
+    assert set(reader._direct[spec.TOPK_LOGPROBS].index_cache) == {0}
+    with CacheWriter.open(url, manifest()) as w:
+        w.append([record_for(seqs[69], key="seq-69")])
+    assert reader.refresh()
+    assert reader._direct[spec.TOPK_IDS].index_cache == {}  # new snapshot, new layouts
+    assert reader.sequence(3).equals(first)
+
+
 # -- follow a cache a job is still filling ---------------------------------------------------
 
 _WRITER = """
