@@ -500,7 +500,7 @@ class DistributedSettings(ServerSettings):
     """Teacher replicas (Ray actors), each with its own engine."""
     shard_size: int = Field(Plan.shard_size, ge=1)
     """Input records per shard (the unit of work, retry and staging)."""
-    cpus_per_replica: float = Field(Plan.cpus_per_replica, gt=0)
+    cpus_per_replica: float = Field(Plan.cpus_per_replica, ge=0)
     """Ray CPUs reserved per replica."""
     gpus_per_replica: float | None = Field(None, ge=0)
     """Ray GPUs per replica (default: tensor x pipeline parallel size if the cluster has GPUs)."""
@@ -577,8 +577,8 @@ def check_target_early(settings: ServerSettings, cache_url: str) -> None:
         return
     info = planned_info(engine_config(settings))
     want = teacher_identity(info)
-    if info.backend == "transformers" and info.dtype == "auto":
-        want["dtype"] = teacher_identity(stored)["dtype"]  # resolved only when weights load
+    if info.dtype == "auto":  # resolved only when the weights load: not compared here
+        want["dtype"] = teacher_identity(stored)["dtype"]
     diff = {f: f"cache {a!r}, this run {b!r}" for f, (a, b) in
             teacher_diff(teacher_identity(stored), want).items()}  # fmt: skip
     if stored.k != info.max_k:
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = args.plan()
     import ray
 
-    started = False
+    started = False  # this call started or joined a Ray cluster (and so shuts it down)
     try:
         raws = read_input(
             args.input, text_field=args.text_field, ids_field=args.ids_field, id_field=args.id_field
@@ -631,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
             started = True
         else:
             ray.init(address=args.ray_address)
+            started = True
         report = run_distributed(
             raws,
             args.cache,
@@ -647,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(type(e).__name__, str(e))
         return 2
     finally:
-        if started or ray.is_initialized():
+        if started:
             ray.shutdown()
     text = json.dumps(asdict(report), indent=2)
     if args.report is not None:

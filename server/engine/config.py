@@ -241,8 +241,8 @@ def planned_info(cfg: EngineConfig) -> EngineInfo:
     """The :class:`EngineInfo` an engine built from ``cfg`` will report, from the model's files
     and tokenizer only (no weights loaded, nothing on an accelerator): for checks that must fail
     before an engine starts (the Ray CLI's target-cache check). Exact for the teacher identity and
-    ``max_k``, with one exception: the transformers backend resolves ``dtype="auto"`` only when it
-    loads the weights, so there ``dtype`` is ``"auto"`` (callers do not compare it).
+    ``max_k``, with one exception: both backends resolve ``dtype="auto"`` only when they load the
+    weights, so an ``"auto"`` here is unknown (callers do not compare it).
     ``max_seq_len`` is ``cfg.max_seq_len`` as asked (the model may cap it)."""
     from transformers import AutoTokenizer
 
