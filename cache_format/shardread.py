@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import google_crc32c
 import numcodecs.blosc

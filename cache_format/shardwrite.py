@@ -30,6 +30,7 @@ import asyncio
 import google_crc32c
 import numcodecs.blosc
 import numpy as np
+from zarr.codecs import BloscCodec, ShardingCodec
 from zarr.core.buffer import default_buffer_prototype
 
 from .errors import ChecksumError, MissingDataError
@@ -38,7 +39,11 @@ from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
 
 def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> bytes:
     """One inner chunk's stored bytes: the blosc frame of its little-endian bytes + CRC32C."""
-    blosc = lay.metadata.codecs[0].codecs[1]._blosc_codec  # the array's own settings
+    sharding = lay.metadata.codecs[0]
+    assert isinstance(sharding, ShardingCodec)  # direct_layout accepts sharded arrays only
+    inner = sharding.codecs[1]
+    assert isinstance(inner, BloscCodec)
+    blosc = inner._blosc_codec  # the array's own settings
     frame = blosc.encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
     return bytes(frame) + google_crc32c.value(frame).to_bytes(4, "little")
 
