@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -199,6 +200,68 @@ def rates(rows, random_reads, t_write, c_write, t_seq, c_seq, t_rand, c_rand) ->
         "random_read_seq_per_cpu_s": random_reads / c_rand,
         "random_read_pos_per_cpu_s": random_reads * (SEQ_LEN - 1) / c_rand,
     }
+
+
+def write_rounds(configs: list[str], data, root: Path, rounds: int) -> dict:
+    """Write-only rate of each config, ``rounds`` times, the configs alternating within each
+    round (the load drifts; adjacent runs are compared): CPU seconds of the process per write
+    of all rows to a fresh store, and positions per CPU-second (median and max over rounds)."""
+    import statistics
+
+    out: dict[str, dict] = {n: {"pos_per_cpu_s": [], "load_avg_1min": []} for n in configs}
+    rows = data[2].shape[0]
+    for r in range(rounds):
+        for name in configs:
+            cfg = CONFIGS[name]
+            write, url = writer_for(cfg, data, root / f"{name}-{r}")
+            load = os.getloadavg()[0]
+            _, cpu = timed(write)
+            out[name]["pos_per_cpu_s"].append(rows / cpu)
+            out[name]["load_avg_1min"].append(round(load, 2))
+            shutil.rmtree(url, ignore_errors=True)
+            print(f"round {r} {name}: {rows / cpu:,.0f} pos/cpu-s (load {load:.1f})", flush=True)
+    for row in out.values():
+        row["median_pos_per_cpu_s"] = statistics.median(row["pos_per_cpu_s"])
+        row["max_pos_per_cpu_s"] = max(row["pos_per_cpu_s"])
+    return out
+
+
+def writer_for(cfg: Config, data, url: Path):
+    """``(write, url)``: a function writing every row of ``data`` to a fresh store at ``url``
+    with ``cfg`` (appends of ``cfg.append_seqs`` sequences)."""
+    from logitcache.cache_format import CacheWriter, Layout, Manifest
+    from logitcache.cache_format import writer as writer_mod
+
+    n_seq = data[0]
+    m = Manifest(
+        teacher_model="synthetic",
+        tokenizer_fingerprint="sha256:0",
+        vocab_size=VOCAB,
+        k=K,
+        logprob_dtype=cfg.logprob_dtype,
+        id_remap=cfg.id_remap,
+    )
+    layout = replace(
+        Layout(),
+        id_codec=cfg.id_codec,
+        logprob_codec=cfg.logprob_codec,
+        row_chunk=cfg.row_chunk,
+        row_shard=cfg.row_shard,
+        blosc_blocks=cfg.blosc_blocks,
+    )
+    step = cfg.append_seqs
+    batches = [records(*data, lo, min(lo + step, n_seq)) for lo in range(0, n_seq, step)]
+
+    def write():
+        writer_mod.DIRECT_WRITES = cfg.direct_writes
+        try:
+            with CacheWriter.open(url, m, layout=layout, fsync=cfg.fsync) as w:
+                for b in batches:
+                    w.append(b)
+        finally:
+            writer_mod.DIRECT_WRITES = True
+
+    return write, url
 
 
 def bench_config(
@@ -503,6 +566,12 @@ def main() -> None:
         help="codec/transform size study and a read-path CPU profile instead",
     )
     p.add_argument("--profile", action="store_true", help="only the read-path CPU profile")
+    p.add_argument(
+        "--write-rounds",
+        type=int,
+        default=0,
+        help="only the write rate of --configs, this many alternating rounds (median, max)",
+    )
     args = p.parse_args()
     if args.cores:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.cores]))
@@ -516,6 +585,26 @@ def main() -> None:
     data = make_data(args.rows, args.id_map, args.seed)
     print(f"data: {data[2].shape[0]} rows in {time.perf_counter() - t0:.1f} s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="lc-format-bench-"))
+    if args.write_rounds:
+        try:
+            doc = {
+                "command": "python benchmarks/format_bench.py " + " ".join(sys.argv[1:]),
+                "cores": args.cores,
+                "loadavg_start": " ".join(loadavg),
+                "rows": int(data[2].shape[0]),
+                "write": write_rounds(args.configs.split(","), data, root, args.write_rounds),
+            }
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        for name, row in doc["write"].items():
+            print(
+                f"{name}: write {row['median_pos_per_cpu_s']:,.0f} pos/cpu-s median "
+                f"(best {row['max_pos_per_cpu_s']:,.0f}) over {args.write_rounds} rounds, "
+                f"load {min(row['load_avg_1min'])}-{max(row['load_avg_1min'])}"
+            )
+        if args.out:
+            args.out.write_text(json.dumps(doc, indent=2))
+        return
     if args.study or args.profile:
         try:
             doc = {"codec_study": codec_study(data)} if args.study else {"codec_study": []}

@@ -334,9 +334,19 @@ def main() -> None:
         "--vllm-lists-only", action="store_true", help="only time vLLM's own list building"
     )
     p.add_argument("--profile", action="store_true", help="print the event loop's cProfile")
+    p.add_argument(
+        "--zarr-writes",
+        action="store_true",
+        help="write every array through zarr's setitem (writer.DIRECT_WRITES = False): the "
+        "write path before cache_format/shardwrite.py, for an A/B in the same checkout",
+    )
     args = p.parse_args()
     global PROFILE
     PROFILE = args.profile
+    if args.zarr_writes:
+        from logitcache.cache_format import writer
+
+        writer.DIRECT_WRITES = False
     if args.blosc_threads is not None:
         import numcodecs.blosc
 
@@ -401,6 +411,7 @@ def main() -> None:
         "inputs": {"sequences": args.sequences, "length": args.length, "vocab": VOCAB},
         "settings": settings_kw,
         "form": args.form,
+        "direct_shard_writes": not args.zarr_writes,
         "runs": runs,
         "summary": summary,
     }

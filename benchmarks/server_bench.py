@@ -2,8 +2,14 @@
 
 Usage (from the repository root, vLLM env set by the script)::
 
-    .venv/bin/python benchmarks/server_bench.py [--sequences 512] [--length 256] [--k 8]
-        [--repeats 2] [--clients 16] [--json benchmarks/results/server.json]
+    .venv/bin/python benchmarks/server_bench.py [--sequences 512] [--length 256] [--k 8 ...]
+        [--modes inproc async] [--repeats 2] [--clients 16] [--json benchmarks/results/server.json]
+
+The idle-machine job/direct ratio of issue #19 (5 alternating pairs, k=20 and k=100, both engine
+modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
+
+    .venv/bin/python benchmarks/server_bench.py --sequences 256 --length 256 --k 20 100 \
+        --modes inproc async --repeats 5 --clients 0 --json benchmarks/results/server_idle.json
 
 Phases, all in one run on the same inputs (``--sequences`` windows of ``--length`` tokens cut
 from the tiny fixture's training split):
@@ -16,8 +22,14 @@ from the tiny fixture's training split):
 2. **job**: the real service (``python -m logitcache.server`` subprocess) runs a batch job over the
    same prompts written as JSONL, converting to arrays and writing a Zarr cache; throughput is
    ``tokens_total / (finished_at - started_at)`` from the job's own timestamps.
-   Phases 1 and 2 alternate ``--repeats`` times (the machine's load drifts: adjacent pairs are
-   compared); the ratio of medians and the median of paired ratios are printed.
+   Phases 1 and 2 form ``--repeats`` pairs per ``k`` (the machine's load drifts: adjacent runs
+   are compared, and the pair's order alternates: direct first in even pairs, job first in odd
+   ones); per ``k``, the median and the minimum of the paired ratios job/direct are printed, each
+   figure with the 1-minute load average read just before it.
+   ``--modes``: the engine driver, one server (and one direct process) per mode: ``inproc``
+   (vLLM's engine core in the server process; direct ``LLM`` with
+   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``async`` (``AsyncLLM``, engine core in its own
+   process; direct ``LLM`` with multiprocessing on).
 3. **concurrent**: while one more job runs, ``--clients`` threads send ``POST /v1/score`` requests
    (4 sequences of 64 tokens each) back to back; every answer must be 200; latency p50/p90/p99.
    ``--clients 0`` skips this phase (``"concurrent": null`` in the JSON).
@@ -98,16 +110,21 @@ def direct_worker(args: argparse.Namespace) -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     engine_kwargs = json.loads(args.engine_kwargs)
     llm = LLM(model=args.model, max_logprobs=args.k, **engine_kwargs)
-    sp = SamplingParams(
-        max_tokens=1, prompt_logprobs=args.k, detokenize=False, flat_logprobs=True, temperature=1.0
-    )
+
+    def params(k: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True, temperature=1.0
+        )
+
     as_inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(as_inputs[:8], sp, use_tqdm=False)  # warm-up
+    llm.generate(as_inputs[:8], params(args.k), use_tqdm=False)  # warm-up
     tokens = sum(len(p) for p in prompts)
     print("READY", flush=True)
     for line in sys.stdin:
-        if line.strip() != "run":
+        words = line.split()
+        if not words or words[0] != "run":
             break
+        sp = params(int(words[1]) if len(words) > 1 else args.k)
         t0 = time.perf_counter()
         outs = llm.generate(as_inputs, sp, use_tqdm=False)
         seconds = time.perf_counter() - t0
@@ -118,8 +135,11 @@ def direct_worker(args: argparse.Namespace) -> None:
 class DirectWorker:
     """The baseline process (see :func:`direct_worker`); idle (blocked on stdin) between runs."""
 
-    def __init__(self, model: str, prompts_file: Path, k: int, engine_kwargs: dict):
+    def __init__(
+        self, model: str, prompts_file: Path, k: int, engine_kwargs: dict, mode: str = "inproc"
+    ):
         env = {**os.environ, **VLLM_ENV}
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
         cmd = [
             sys.executable,
             __file__,
@@ -145,9 +165,9 @@ class DirectWorker:
                 return line
         raise SystemExit(f"direct worker exited with {self.proc.wait()}")
 
-    def run(self) -> dict:
+    def run(self, k: int) -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("run\n")
+        self.proc.stdin.write(f"run {k}\n")
         self.proc.stdin.flush()
         res = json.loads(self._read_until("{"))
         res["tokens_per_s"] = res["tokens"] / res["seconds"]
@@ -165,9 +185,12 @@ def job_rate(job: dict) -> float:
     return job["tokens_total"] / (finished - started).total_seconds()
 
 
-def run_job(client, cache: str) -> dict:
+def run_job(client, cache: str, k: int | None = None) -> dict:
     t0 = time.perf_counter()
-    r = client.post("/v1/jobs", json={"cache": cache, "file": {"path": "bench.jsonl"}})
+    body: dict = {"cache": cache, "file": {"path": "bench.jsonl"}}
+    if k is not None:
+        body["k"] = k
+    r = client.post("/v1/jobs", json=body)
     r.raise_for_status()
     job = wait_job(client, r.json()["id"], timeout=3600, interval=0.5)
     wall = time.perf_counter() - t0
@@ -232,12 +255,66 @@ def run_concurrent(server: ServerProcess, prompts: list[list[int]], k: int, clie
     }
 
 
+def load() -> float:
+    """The 1-minute load average now."""
+    return round(os.getloadavg()[0], 2)
+
+
+def run_pairs(
+    worker: DirectWorker, server: ServerProcess, ks: list[int], repeats: int, mode: str
+) -> dict:
+    """``repeats`` pairs (direct, job) per ``k``, order alternating; per ``k``: the pairs and
+    the median and minimum paired ratio job/direct."""
+    out: dict[str, dict] = {}
+    with server.client() as c:
+        c.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]], "k": ks[0]}).raise_for_status()
+        for rep in range(repeats):
+            for k in ks:
+                order = ("direct", "job") if rep % 2 == 0 else ("job", "direct")
+                got: dict[str, dict] = {}
+                for what in order:
+                    before = load()
+                    res = (
+                        worker.run(k) if what == "direct" else run_job(c, f"b-{mode}-{k}-{rep}", k)
+                    )
+                    got[what] = {**res, "load_avg_1min_before": before}
+                ratio = got["job"]["tokens_per_s"] / got["direct"]["tokens_per_s"]
+                pair = {"k": k, "order": list(order), **got, "ratio": ratio}
+                out.setdefault(str(k), {"pairs": []})["pairs"].append(pair)
+                print(
+                    f"{mode} k={k} pair {rep} ({order[0]} first): direct "
+                    f"{got['direct']['tokens_per_s']:,.0f} tok/s (load "
+                    f"{got['direct']['load_avg_1min_before']}), job "
+                    f"{got['job']['tokens_per_s']:,.0f} tok/s (load "
+                    f"{got['job']['load_avg_1min_before']}), job/direct {ratio:.3f}",
+                    flush=True,
+                )
+    for row in out.values():
+        ratios = [p["ratio"] for p in row["pairs"]]
+        loads = [p[w]["load_avg_1min_before"] for p in row["pairs"] for w in ("direct", "job")]
+        row.update(
+            median_ratio=statistics.median(ratios),
+            min_ratio=min(ratios),
+            direct_median_tokens_per_s=statistics.median(
+                p["direct"]["tokens_per_s"] for p in row["pairs"]
+            ),
+            job_median_tokens_per_s=statistics.median(
+                p["job"]["tokens_per_s"] for p in row["pairs"]
+            ),
+            load_avg_1min_range=[min(loads), max(loads)],
+        )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sequences", type=int, default=512)
     p.add_argument("--length", type=int, default=256)
-    p.add_argument("--k", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--k", type=int, nargs="+", default=[8], help="one or more k (pairs per k)")
+    p.add_argument(
+        "--modes", nargs="+", default=["inproc"], choices=["inproc", "async"], help="engine driver"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="pairs (direct, job) per k and mode")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--batch-sequences", type=int, default=64, help="server job_batch_sequences")
     p.add_argument("--batch-tokens", type=int, default=8192, help="server job_batch_tokens")
@@ -248,16 +325,22 @@ def main() -> None:
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not args.direct_worker and (
-        args.sequences < 1 or args.length < 2 or args.repeats < 1 or args.clients < 0
-    ):
-        p.error("need --sequences >= 1, --length >= 2, --repeats >= 1 and --clients >= 0")
     if args.direct_worker:
+        args.k = args.k[0]
         direct_worker(args)
         return
+    if (
+        args.sequences < 1
+        or args.length < 2
+        or args.repeats < 1
+        or args.clients < 0
+        or min(args.k) < 1
+    ):
+        p.error("need --sequences >= 1, --length >= 2, --repeats >= 1, --clients >= 0 and --k >= 1")
 
     from logitcache.fixtures.tiny import build_tiny_models
 
+    t_start = time.perf_counter()
     tiny = build_tiny_models()
     prompts = make_inputs(args.length, args.sequences)
     work = Path(tempfile.mkdtemp(prefix="server-bench-"))
@@ -267,9 +350,10 @@ def main() -> None:
     )
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
+    kmax = max(args.k)
     settings = dict(
         model=str(tiny.teacher_dir),
-        k=args.k,
+        k=kmax,
         dtype="float32",
         max_seq_len=max(args.length, 512),
         job_batch_sequences=args.batch_sequences,
@@ -277,40 +361,48 @@ def main() -> None:
         job_inflight_batches=args.inflight,
     )
     engine_kwargs = direct_engine_kwargs(settings)
-    print(f"inputs: {args.sequences} x {args.length} tokens, k={args.k}; engine {engine_kwargs}")
+    print(
+        f"inputs: {args.sequences} x {args.length} tokens, k={args.k}, modes {args.modes}; "
+        f"engine {engine_kwargs}; load {load()}",
+        flush=True,
+    )
 
-    direct, jobs = [], []
-    worker = DirectWorker(str(tiny.teacher_dir), prompts_file, args.k, engine_kwargs)
-    server = ServerProcess(work, **settings).start()
-    try:
-        with server.client() as c:
-            c.post("/v1/score", json={"input_ids": prompts[:4], "k": args.k}).raise_for_status()
-            for rep in range(args.repeats):
-                d = worker.run()
-                j = run_job(c, f"bench-{rep}")
-                direct.append(d)
-                jobs.append(j)
-                ratio = j["tokens_per_s"] / d["tokens_per_s"]
-                print(
-                    f"repeat {rep}: direct {d['tokens_per_s']:,.0f} tok/s, "
-                    f"job {j['tokens_per_s']:,.0f} tok/s, ratio {ratio:.3f}"
-                )
-        worker.close()
-        # --clients 0: no concurrency phase (it used to crash on an empty latency list)
-        conc = run_concurrent(server, prompts, args.k, args.clients) if args.clients else None
-    finally:
-        server.stop()
-        if worker.proc.poll() is None:
-            worker.proc.kill()
+    modes: dict[str, dict] = {}
+    conc = None
+    for m_i, mode in enumerate(args.modes):
+        worker = DirectWorker(str(tiny.teacher_dir), prompts_file, kmax, engine_kwargs, mode)
+        server = ServerProcess(
+            work / mode, **settings, engine_options=json.dumps({"vllm_mode": mode})
+        )
+        (work / mode / "data").mkdir(parents=True, exist_ok=True)
+        (work / mode / "data" / "bench.jsonl").write_text(
+            (work / "data" / "bench.jsonl").read_text()
+        )
+        server.start()
+        try:
+            modes[mode] = run_pairs(worker, server, args.k, args.repeats, mode)
+            worker.close()
+            # --clients 0: no concurrency phase (it used to crash on an empty latency list)
+            if args.clients and m_i == 0:
+                conc = run_concurrent(server, prompts, kmax, args.clients)
+        finally:
+            server.stop()
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+    first = modes[args.modes[0]][str(args.k[0])]
+    direct = [p["direct"] for p in first["pairs"]]
+    jobs = [p["job"] for p in first["pairs"]]
+    pair_ratios = [p["ratio"] for p in first["pairs"]]
     d_med = statistics.median(x["tokens_per_s"] for x in direct)
     j_med = statistics.median(x["tokens_per_s"] for x in jobs)
-    pair_ratios = [j["tokens_per_s"] / d["tokens_per_s"] for d, j in zip(direct, jobs, strict=True)]
     result = {
         "machine": f"{os.cpu_count()} CPU cores (shared), no GPU",
         "command": " ".join(["python", "benchmarks/server_bench.py", *sys.argv[1:]]),
         "inputs": {"sequences": args.sequences, "length": args.length, "k": args.k},
+        "modes": modes,
         "settings": settings,
         "engine_kwargs": engine_kwargs,
+        # the first mode and k, flat (the layout of earlier results)
         "direct": direct,
         "job": jobs,
         "direct_median_tokens_per_s": d_med,
@@ -319,11 +411,17 @@ def main() -> None:
         "pair_ratios": pair_ratios,
         "median_pair_ratio": statistics.median(pair_ratios),
         "concurrent": conc,
+        "wall_s": time.perf_counter() - t_start,
     }
-    print(
-        f"median: direct {d_med:,.0f} tok/s, job {j_med:,.0f} tok/s, ratio {j_med / d_med:.3f}; "
-        f"median of paired ratios {statistics.median(pair_ratios):.3f}"
-    )
+    for mode, per_k in modes.items():
+        for k, row in per_k.items():
+            print(
+                f"{mode} k={k}: job/direct median {row['median_ratio']:.3f}, min "
+                f"{row['min_ratio']:.3f} over {len(row['pairs'])} pairs (direct median "
+                f"{row['direct_median_tokens_per_s']:,.0f} tok/s, job median "
+                f"{row['job_median_tokens_per_s']:,.0f}); load average "
+                f"{row['load_avg_1min_range'][0]}-{row['load_avg_1min_range'][1]}"
+            )
     if conc is not None and conc["requests"]:
         print(
             f"concurrent: {conc['ok']}/{conc['requests']} ok, p50 {conc['p50_s'] * 1000:.0f} ms, "
@@ -332,6 +430,7 @@ def main() -> None:
         )
     elif conc is not None:
         print("concurrent: no request finished while the job ran")
+    print(f"wall {result['wall_s']:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
 
