@@ -385,27 +385,46 @@ def _fmt(x: Any) -> str:
 NOTES = """
 ## Reading the figures
 
-* **Goal "small request after overload < 2 s": met** in all four runs (0.03-0.33 s), with and
+The two runs above were measured on 2026-12-03 21:50-22:15 UTC on a private checkout of the
+shared tree at 41c0b2d with this session's service commits (e0f6450, cdfd74a) applied (the shared
+tree was mid-refactor). The machine was shared: the load average of every phase is beside it.
+
+* **Goal "small request after overload < 2 s": met** in all four runs (0.07-0.77 s), with and
   without admission control: a client that times out disconnects, its request is cancelled and
-  its sequences are aborted in the engine (in-process driver: ``_abort_cancelled``; async engine:
-  vLLM's own abort on cancellation), so nothing abandoned stays queued. The "baseline" rows turn
-  admission control off but keep the abort; a run without the abort was not measured here (the
-  issue's probe, before this work, reported 108.9 s). Admission control turns most of the
-  overload into immediate ``429`` answers with ``Retry-After`` instead of 10 s client timeouts
-  (60 x 429 and 6-9 timeouts, against 125-189 timeouts without it).
-* **Goal "/health < 100 ms under load": met at the median (5-24 ms), missed at p99** (0.09-1.1 s;
-  single answers up to 2.8 s) on this 2-core machine at a load average of 13-23 from other
-  engineers' test runs; the answers over 100 ms are counted per row. The event loop does no
-  tokenising, JSON building or store I/O; what remains is CPU starvation of the box.
-* Steady load with a job running is slow on this CPU teacher (p50 4-35 s): a job batch of up to
-  8,192 tokens occupies the engine for seconds and on-demand requests wait behind it (the job
-  keeps one batch in flight while requests are active; ``job_batch_tokens`` bounds that wait).
+  its sequences are aborted in the engine, so nothing abandoned stays queued. Admission control
+  turns the overload into immediate ``429`` answers with ``Retry-After`` (60 x 429, 3-7 client
+  timeouts) instead of client timeouts (188 without it).
+* **Goal "/health < 100 ms at p99 under every probe"**:
+  * **engine core in the server process (inproc): p99 41-120 ms with admission control, under
+    100 ms in 4 of the 5 probes**; the miss is 16 steady clients without a job at load 20 (4 of
+    117 probes over 100 ms, max 159 ms). Without admission control 60-798 ms (the 64-client +
+    job row at load 20-21). Before this session's changes, the same script gave p99 168-512 ms
+    (max 1.15 s) at a lower load (6-15), ``--modes shedding --overload-s 20 --steady-s 15``.
+  * **engine core in its own process (async; vLLM's default and what a GPU server runs): p99
+    73-393 ms with admission control: missed** (4 of 5 probes over 100 ms), 80-621 ms without.
+  * The machine's own floor, probed with no client load just before, was p99 10-42 ms (max
+    11-64 ms), and 116 ms (max 276 ms) once at load 15: on 2 cores at a load average of 10-23,
+    a process waits for a core for tens of ms whatever it runs.
+* What was ours, found with py-spy (``--gil``, in-process engine, 16 clients + job): the event
+  loop thread held the GIL in 47% of the samples and the engine thread in 47%, and on the loop
+  ran: sending streamed JSON one sequence per worker-thread hop, ``importlib.metadata.version()``
+  parsing the package METADATA on every ``/health``, a plain ``def`` dependency (one worker-thread
+  hop per request, queued behind the streaming iterators), job-table reads whose lock the job
+  writer holds through each fsync'd commit, and FastAPI's ``json.loads`` of request bodies (1-7
+  ms for one 46 KB overload body, 64 at once). All of it now runs off the loop or once.
+* Why the async mode still misses on this box: py-spy (``--idle``) of the API process during 64
+  clients + a job shows its event loop idle (waiting in epoll) in 68% of the samples: the loop
+  is not the bottleneck. The engine core process runs its OpenMP threads on both cores
+  (``VLLM_CPU_OMP_THREADS_BIND=auto``), so the API process gets a core only when the OS
+  scheduler preempts them, among the box's other 10-20 runnable processes. In-process, the
+  engine thread and the loop share the GIL instead, which hands the loop the interpreter within
+  the 5 ms switch interval. On a GPU server the engine core does not hold the CPU cores.
+* Steady load with a job running is slow on this CPU teacher (p50 4-24 s): a job batch of up to
+  8,192 tokens occupies the engine for seconds and on-demand requests wait behind it.
   Differences between the shedding and baseline steady rows are machine noise: at 256 tokens a
   request, 64 clients stay under the 32,768-token budget, so nothing is shed there.
 * RSS: the server process and its children (psutil; with ``--engine async`` the engine core is a
-  child process), sampled every 0.5 s; the "idle / after" line is the server process alone. The
-  issue's growth from 0.7 to 3.0 GiB came from tokenising a 31 MB text, which is now refused (413)
-  before the tokenizer sees it (``max_text_bytes``).
+  child process), sampled every 0.5 s; the "idle / after" line is the server process alone.
 """
 
 
