@@ -37,6 +37,15 @@ from .errors import ChecksumError, MissingDataError
 from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
 
 
+def supported(lay: DirectLayout) -> bool:
+    """Whether this zarr exposes the array's numcodecs Blosc (``BloscCodec._blosc_codec``, what
+    zarr itself encodes with); if not, the writer uses zarr's ``setitem``."""
+    try:
+        return lay.metadata.codecs[0].codecs[1]._blosc_codec is not None
+    except Exception:
+        return False
+
+
 def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> bytes:
     """One inner chunk's stored bytes: the blosc frame of its little-endian bytes + CRC32C."""
     sharding = lay.metadata.codecs[0]

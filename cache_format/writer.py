@@ -369,6 +369,8 @@ class CacheWriter:
         lay = None
         if DIRECT_WRITES and self._manifest.format_version >= 2:
             lay = direct_layout(arr, name, strict=True)
+            if lay is not None and not shardwrite.supported(lay):
+                lay = None
         if lay is None:
             await arr.setitem(slice(start, stop), data)
         else:  # the same bytes as zarr's setitem, without its per-chunk machinery
