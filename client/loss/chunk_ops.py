@@ -29,14 +29,15 @@ class ChunkTargets:
     has_label: torch.Tensor | None  # [C] bool
 
     def select(self, rows: slice | torch.Tensor) -> ChunkTargets:
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
+        def take(t: torch.Tensor) -> torch.Tensor:
             return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else take(t)
+
         return ChunkTargets(
-            pick(self.ids),
-            pick(self.logprobs),
+            take(self.ids),
+            take(self.logprobs),
             pick(self.tail),
             pick(self.labels),
             pick(self.has_label),
@@ -75,7 +76,10 @@ def stats_pass(
     """
     x_s = x.gather(1, tgt.ids).to(work_dtype)
     need_ce = spec.ce_weight > 0.0
-    x_label = x.gather(1, tgt.labels[:, None]).squeeze(1).to(work_dtype) if need_ce else None
+    x_label = None
+    if need_ce:
+        assert tgt.labels is not None  # ce_weight > 0: validation supplied labels
+        x_label = x.gather(1, tgt.labels[:, None]).squeeze(1).to(work_dtype)
     if triton:
         from . import triton_kernels
 
@@ -84,7 +88,7 @@ def stats_pass(
         lse_out, lse1_out = triton_kernels.row_lse(
             buf, spec.inv_temperature, spec.separate_ce_softmax
         )
-        lse_out, lse1_out = _cast(lse_out, work_dtype), _cast(lse1_out, work_dtype)
+        lse_out, lse1_out = lse_out.to(work_dtype), _cast(lse1_out, work_dtype)
     else:
         reuse = inplace and x.dtype == work_dtype
         buf = x if reuse else x.to(work_dtype, copy=True)
@@ -114,6 +118,7 @@ def dense_row_grad(
         zs = xf if s == 1.0 else xf * s
         g = (zs - coefs.lse[:, None]).exp_().mul_(coefs.c1[:, None])
         if coefs.c2 is not None:
+            assert coefs.lse1 is not None  # c2 and lse1 come together (separate CE softmax)
             g += (xf - coefs.lse1[:, None]).exp_().mul_(coefs.c2[:, None])
         out.copy_(g)
     return out
@@ -136,5 +141,6 @@ def grad_pass(
     dense_row_grad(spec, x, out, coefs, triton=triton)
     out.scatter_(1, tgt.ids, coefs.sparse.to(out.dtype))
     if coefs.label_add is not None:
+        assert tgt.labels is not None  # a label term exists only with labels
         out.scatter_add_(1, tgt.labels[:, None], coefs.label_add[:, None].to(out.dtype))
     return out

@@ -29,7 +29,8 @@ def cat_coefs(parts: list[RowCoefs]) -> RowCoefs:
         vals = [getattr(p, name) for p in parts]
         return None if vals[0] is None else torch.cat(vals)
 
-    return RowCoefs(**{name: cat(name) for name in RowCoefs.__dataclass_fields__})
+    fields: dict[str, Any] = {name: cat(name) for name in RowCoefs.__dataclass_fields__}
+    return RowCoefs(**fields)  # the required fields are present in every part
 
 
 def slice_coefs(c: RowCoefs, rows: slice | torch.Tensor) -> RowCoefs:
@@ -38,7 +39,8 @@ def slice_coefs(c: RowCoefs, rows: slice | torch.Tensor) -> RowCoefs:
             return None
         return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
-    return RowCoefs(**{name: pick(getattr(c, name)) for name in RowCoefs.__dataclass_fields__})
+    fields: dict[str, Any] = {n: pick(getattr(c, n)) for n in RowCoefs.__dataclass_fields__}
+    return RowCoefs(**fields)
 
 
 class _ChunkedLossOnLogits(torch.autograd.Function):

@@ -121,7 +121,9 @@ class _Grads:
         if self.need_h:
             self.h = torch.empty_like(h) if prep.all_valid else torch.zeros_like(h)
         self.w = torch.zeros(w.shape, dtype=acc, device=w.device) if self.need_w else None
-        self.b = torch.zeros(b.shape, dtype=acc, device=b.device) if self.need_b else None
+        self.b = None
+        if self.need_b and b is not None:
+            self.b = torch.zeros(b.shape, dtype=acc, device=b.device)
 
     def add(self, rows: Rows, g: torch.Tensor, h_c: torch.Tensor, w: torch.Tensor) -> None:
         if self.h is not None:
@@ -139,7 +141,7 @@ class _Grads:
     ) -> tuple[torch.Tensor | None, ...]:
         reduce_grad_hidden(self.h, shard)
         w = None if self.w is None else self.w.to(prep.weight.dtype)  # no copy if same dtype
-        b = None if self.b is None else self.b.to(prep.bias.dtype)
+        b = None if self.b is None or prep.bias is None else self.b.to(prep.bias.dtype)
         self.w = self.b = None
         return self.h, w, b
 
@@ -247,13 +249,15 @@ class FusedRecompute(torch.autograd.Function):
             del x
         n = prep.valid.numel()
         out = torch.zeros(n, dtype=prep.work_dtype, device=hidden.device)
-        coefs = cat_coefs(parts) if parts else None
-        if coefs is not None:
+        all_coefs = cat_coefs(parts) if parts else None
+        if all_coefs is not None:
             if prep.all_valid:
-                out = coefs.loss
-            else:
-                out.index_copy_(0, torch.cat(blocks), coefs.loss)
-        ctx.prep, ctx.spec, ctx.blocks, ctx.coefs, ctx.triton = prep, spec, blocks, coefs, triton
+                out = all_coefs.loss
+            else:  # index tensors (row_blocks gives slices only when every row counts)
+                index = [r for r in blocks if isinstance(r, torch.Tensor)]
+                out.index_copy_(0, torch.cat(index), all_coefs.loss)
+        ctx.prep, ctx.spec, ctx.blocks, ctx.coefs = prep, spec, blocks, all_coefs
+        ctx.triton = triton
         ctx.acc_dtype, ctx.shard = acc_dtype, shard
         ctx.need = (
             hidden.requires_grad,

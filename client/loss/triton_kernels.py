@@ -87,7 +87,7 @@ def row_grad(
     f32 = torch.float32
     lse1, c1 = lse1.to(f32).contiguous(), c1.to(f32).contiguous()
     lse2 = lse2.to(f32).contiguous() if has2 and lse2 is not None else lse1
-    c2 = c2.to(f32).contiguous() if has2 else c1
+    c2 = c2.to(f32).contiguous() if c2 is not None else c1
     if rows:
         _kernels()["grad"][(rows,)](
             x,

@@ -218,6 +218,7 @@ def stats_pass_sharded(
     x_s = torch.where(loc.own, x.gather(1, loc.idx).to(work_dtype), zero)
     cols = [x_s]
     if need_ce:
+        assert loc.lab_idx is not None and loc.lab_own is not None  # located with labels
         x_lab = x.gather(1, loc.lab_idx).squeeze(1).to(work_dtype)
         cols.append(torch.where(loc.lab_own, x_lab, zero)[:, None])
     blank_owned(x, loc)
@@ -274,6 +275,7 @@ def grad_pass_sharded(
     zero = torch.zeros((), dtype=coefs.sparse.dtype, device=x.device)
     x.scatter_add_(1, loc.idx, torch.where(loc.own, coefs.sparse, zero).to(x.dtype))
     if coefs.label_add is not None:
+        assert loc.lab_idx is not None and loc.lab_own is not None  # located with labels
         add = torch.where(loc.lab_own, coefs.label_add, zero)[:, None].to(x.dtype)
         x.scatter_add_(1, loc.lab_idx, add)
     return x
