@@ -110,7 +110,7 @@ def declare_common_errors(app: FastAPI, *, keyed: bool) -> None:
     middleware and the app's state, whatever its router wrote: ``401`` (with an API key, all
     but ``/health``), ``503`` (starting, stopping, engine down), and for operations with a body
     ``400`` (unparsable), ``408`` (body too slow), ``413`` (body too large), ``422`` (invalid).
-    Each points at the one :class:`~.protocol.ErrorResponse` shape."""
+    Each points at the one :class:`~logitcache.protocol.ErrorResponse` shape."""
     from .middleware import PUBLIC_PATHS
 
     build = app.openapi

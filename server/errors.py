@@ -190,7 +190,7 @@ _HTTP_CODES = {
 
 
 def error_body(code: str, message: str, detail: Any = None) -> dict[str, Any]:
-    """The one JSON error shape of the API (:class:`~logitcache.server.protocol.ErrorResponse`)."""
+    """The one JSON error shape of the API (:class:`~logitcache.protocol.ErrorResponse`)."""
     return {"error": {"code": code, "message": message, "detail": detail}}
 
 

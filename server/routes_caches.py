@@ -32,7 +32,17 @@ from fastapi.responses import StreamingResponse
 from logitcache.cache_format import CacheReader, encode_records
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, read_root_attrs
 from logitcache.cache_format.spec import ROOT_ATTR
-from pydantic import BaseModel, ConfigDict, Field
+from logitcache.protocol import (
+    FRAMES_MEDIA_TYPE,
+    MAX_NAME_CHARS,
+    NAME_REGEX,
+    CacheInfo,
+    CacheLengths,
+    CacheList,
+    Compression,
+    ErrorResponse,
+    RangesRequest,
+)
 
 from .caches import NAME_PATTERN, CacheRegistry, RangeReader, is_url
 from .deps import ServicesDep
@@ -44,14 +54,6 @@ from .errors import (
     ServiceError,
     public_message,
     public_value,
-)
-from .protocol import (
-    FRAMES_MEDIA_TYPE,
-    MAX_NAME_CHARS,
-    NAME_REGEX,
-    CacheInfo,
-    CacheList,
-    ErrorResponse,
 )
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
@@ -208,19 +210,6 @@ def _range(start: int, stop: int | None, n: int, limit: int) -> tuple[int, int]:
     return start, stop
 
 
-Compression = Literal["none", "zstd"]
-
-
-class RangesRequest(BaseModel):
-    """Body of ``POST /v1/caches/{name}/sequences``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    ranges: list[tuple[int, int]] = Field(min_length=1)
-    """``[start, stop)`` sequence ranges, answered in this order."""
-    compression: Compression = "none"
-
-
 def _frames(
     reader: CacheReader, ranges: list[tuple[int, int]], compression: str
 ) -> Iterator[bytes]:
@@ -250,19 +239,19 @@ def get_cache(name: Name, services: ServicesDep) -> CacheInfo:
     return _info(name, open_reader(services.caches, name))
 
 
-@router.get("/{name}/lengths", responses=_ERRORS)
+@router.get("/{name}/lengths", response_model=CacheLengths, responses=_ERRORS)
 def cache_lengths(
     name: Name,
     services: ServicesDep,
     start: int = Query(0, ge=0),
     stop: int | None = Query(None, ge=0),
-) -> dict[str, object]:
+) -> CacheLengths:
     """Token counts ``L_i`` of sequences ``[start, stop)`` (default: to the end)."""
     reader = open_reader(services.caches, name)
     n = reader.num_sequences
     stop = n if stop is None else stop
     start, stop = _range(start, stop, n, max(n, 1))
-    return {"start": start, "stop": stop, "lengths": reader.lengths[start:stop].tolist()}
+    return CacheLengths(start=start, stop=stop, lengths=reader.lengths[start:stop].tolist())
 
 
 @router.get("/{name}/sequences", response_class=StreamingResponse, responses={**_ERRORS, **_FRAMES})

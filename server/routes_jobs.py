@@ -15,10 +15,10 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Query
+from logitcache.protocol import ErrorResponse, JobCreate, JobList, JobState, JobStatus
 
 from .deps import OffLoopJSONRoute, ServicesDep
 from .errors import OverloadedError, public_message
-from .protocol import ErrorResponse, JobCreate, JobList, JobState, JobStatus
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=OffLoopJSONRoute)
 

@@ -6,11 +6,11 @@ import functools
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Response
+from logitcache.protocol import ErrorResponse, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .deps import ServicesDep
 from .errors import public_name
-from .protocol import ErrorResponse, Health
 
 router = APIRouter(tags=["ops"])
 

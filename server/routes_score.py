@@ -19,10 +19,10 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from logitcache.cache_format import SequenceRecord, encode_records
+from logitcache.protocol import FRAMES_MEDIA_TYPE, ErrorResponse, ScoreRequest, ScoreResponse
 
 from .deps import OffLoopJSONRoute, ServicesDep
 from .errors import ClientClosedError, DeadlineExceededError
-from .protocol import FRAMES_MEDIA_TYPE, ErrorResponse, ScoreRequest, ScoreResponse
 from .routes_ops import public_model
 
 router = APIRouter(prefix="/v1", tags=["score"], route_class=OffLoopJSONRoute)

@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
+from logitcache.protocol import ErrorResponse
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
@@ -29,7 +30,6 @@ from zarr.core.sync import sync
 from .caches import check_name
 from .deps import ServicesDep
 from .errors import InvalidInputError, NotFoundError, ServiceError
-from .protocol import ErrorResponse
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 
