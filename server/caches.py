@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import ManifestError, StoreNotFoundError
+from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
 
-from .engine.identity import MANIFEST_FIELDS, manifest_extra, teacher_diff, teacher_identity
+from .engine.identity import teacher_identity
 from .errors import ConflictError, InvalidCacheNameError, NotFoundError
 
 if TYPE_CHECKING:
@@ -280,9 +281,9 @@ def expected_manifest(
     to ``extra["teacher"]``), ``k``, the storage dtype and the dataset description."""
     ident = teacher_identity(info)
     return Manifest(
-        **{f: ident[f] for f in MANIFEST_FIELDS},
+        **{f: ident[f] for f in TEACHER_FIELDS},
         k=k,
         logprob_dtype=logprob_dtype,  # type: ignore[arg-type]
         dataset=dataset,
-        extra=manifest_extra(ident),
+        extra=teacher_extra(ident),
     )

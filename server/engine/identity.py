@@ -36,21 +36,7 @@ from logitcache.cache_format.identity import (
 if TYPE_CHECKING:
     from .protocol import EngineInfo
 
-# The old names, for server/caches.py only while its owner has it open (issue #16 moves the
-# definition to cache_format.identity); remove once it imports from there.
-from logitcache.cache_format.identity import TEACHER_FIELDS as MANIFEST_FIELDS  # noqa: E402
-from logitcache.cache_format.identity import teacher_diff  # noqa: E402
-from logitcache.cache_format.identity import teacher_extra as manifest_extra  # noqa: E402
-
-__all__ = [
-    "local_revision",
-    "model_dir",
-    "weights_hash",
-    "teacher_identity",
-    "MANIFEST_FIELDS",
-    "manifest_extra",
-    "teacher_diff",
-]
+__all__ = ["local_revision", "model_dir", "weights_hash", "teacher_identity"]
 
 #: Blocks read per weight file, and their size in bytes.
 SAMPLES = 64
