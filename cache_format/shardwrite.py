@@ -26,6 +26,7 @@ on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
 from __future__ import annotations
 
 import asyncio
+from typing import Any, cast
 
 import google_crc32c
 import numcodecs.blosc
@@ -41,9 +42,16 @@ def supported(lay: DirectLayout) -> bool:
     """Whether this zarr exposes the array's numcodecs Blosc (``BloscCodec._blosc_codec``, what
     zarr itself encodes with); if not, the writer uses zarr's ``setitem``."""
     try:
-        return lay.metadata.codecs[0].codecs[1]._blosc_codec is not None
+        return _blosc(lay) is not None
     except Exception:
         return False
+
+
+def _blosc(lay: DirectLayout) -> Any:
+    """The numcodecs ``Blosc`` zarr encodes this array's inner chunks with."""
+    sharding = lay.metadata.codecs[0]
+    assert isinstance(sharding, ShardingCodec)  # direct_layout checked it
+    return cast(Any, sharding.codecs[1])._blosc_codec
 
 
 def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> bytes:
