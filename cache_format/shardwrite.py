@@ -26,7 +26,7 @@ on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
+from typing import Any
 
 import google_crc32c
 import numcodecs.blosc
@@ -50,17 +50,15 @@ def supported(lay: DirectLayout) -> bool:
 def _blosc(lay: DirectLayout) -> Any:
     """The numcodecs ``Blosc`` zarr encodes this array's inner chunks with."""
     sharding = lay.metadata.codecs[0]
-    assert isinstance(sharding, ShardingCodec)  # direct_layout checked it
-    return cast(Any, sharding.codecs[1])._blosc_codec
+    assert isinstance(sharding, ShardingCodec)  # direct_layout accepts sharded arrays only
+    inner = sharding.codecs[1]
+    assert isinstance(inner, BloscCodec)
+    return inner._blosc_codec
 
 
 def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> bytes:
     """One inner chunk's stored bytes: the blosc frame of its little-endian bytes + CRC32C."""
-    sharding = lay.metadata.codecs[0]
-    assert isinstance(sharding, ShardingCodec)  # direct_layout accepts sharded arrays only
-    inner = sharding.codecs[1]
-    assert isinstance(inner, BloscCodec)
-    blosc = inner._blosc_codec  # the array's own settings
+    blosc = _blosc(lay)  # the array's own settings
     frame = blosc.encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
     return bytes(frame) + google_crc32c.value(frame).to_bytes(4, "little")
 
