@@ -139,7 +139,8 @@ class JobRunner:
         )
         summary, digest = await asyncio.to_thread(self._scan, req)
         counts = summary.counts.as_dict()
-        job = self.store.create(
+        job = await asyncio.to_thread(  # job-table writes off the event loop (fsync'd)
+            self.store.create,
             cache=name,
             k=manifest.k,
             spec=req.model_dump(mode="json"),
@@ -147,9 +148,9 @@ class JobRunner:
             sequences_total=summary.sequences,
             tokens_total=summary.tokens,
         )
-        self.store.set_input_counts(job.id, counts)
+        await asyncio.to_thread(self.store.set_input_counts, job.id, counts)
         self._wake.set()
-        return self.status(job.id)
+        return await asyncio.to_thread(self.status, job.id)
 
     def _scan(self, req: JobCreate) -> tuple[inputs.InputSummary, str]:
         raws = inputs.raw_records(
@@ -210,18 +211,20 @@ class JobRunner:
     # --- the loop ---------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        # job-table calls run in worker threads: the store's lock is held by the job writer
+        # through each fsync'd commit, and the event loop must never wait for it (issue #18)
         while not self._stopping:
-            job = self.store.next_queued()
+            self._wake.clear()  # before the read: a submit during it is not missed
+            job = await asyncio.to_thread(self.store.next_queued)
             if job is None:
-                self._wake.clear()
                 await self._wake.wait()
                 continue
-            if not self.store.start(job.id):
+            if not await asyncio.to_thread(self.store.start, job.id):
                 continue
             self._current = job.id
             self._cancel.clear()
             try:
-                await self._run_job(self.store.get(job.id))
+                await self._run_job(await asyncio.to_thread(self.store.get, job.id))
             finally:
                 self._current = None
                 self.metrics.job_ended(job.id)
@@ -231,20 +234,21 @@ class JobRunner:
         try:
             await self._pipeline(job, stats)
         except pipeline.Stopped:
-            if self._stopping and not self.store.cancel_requested(job.id):
-                self.store.requeue_interrupted()  # graceful stop: resume at next start
+            if self._stopping and not await asyncio.to_thread(self.store.cancel_requested, job.id):
+                await asyncio.to_thread(self.store.requeue_interrupted)  # resume at next start
             else:
-                self.store.finish(job.id, JobState.cancelled)
+                await asyncio.to_thread(self.store.finish, job.id, JobState.cancelled)
         except asyncio.CancelledError:
             raise
         except ServiceError as e:
             log.warning("job %s failed: %s", job.id, e.message)
-            self.store.finish(job.id, JobState.failed, e.message)
+            await asyncio.to_thread(self.store.finish, job.id, JobState.failed, e.message)
         except Exception as e:  # noqa: BLE001 - any failure ends the job, with its message
             log.exception("job %s failed", job.id)
-            self.store.finish(job.id, JobState.failed, f"{type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            await asyncio.to_thread(self.store.finish, job.id, JobState.failed, error)
         else:
-            self.store.finish(job.id, JobState.succeeded)
+            await asyncio.to_thread(self.store.finish, job.id, JobState.succeeded)
         finally:
             stats.ended = time.monotonic()
 

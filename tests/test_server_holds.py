@@ -205,8 +205,10 @@ def test_public_status_drops_directories_from_job_errors() -> None:
 
 
 def test_health_answers_while_the_job_table_is_locked(tmp_path: Path) -> None:
-    """Job-table reads wait for its lock (held by the job writer through each fsync'd commit) in
-    a worker thread: the event loop, and so ``/health``, never waits for them."""
+    """Job-table calls (the routes' reads and the job runner's own, which runs right after
+    start-up) wait for its lock (held by the job writer through each fsync'd commit) in worker
+    threads: the event loop, and so ``/health``, never waits for them. (With the runner's
+    ``next_queued`` on the loop this test took the holder's full 60 s.)"""
 
     async def main() -> None:
         async with in_process(app_settings(tmp_path), FakeEngine()) as c:
@@ -259,8 +261,8 @@ def _cli(url: str, *argv: str) -> tuple[int, str]:
 def test_jobs_submit_watch_list_and_status_page_over_pages(tmp_path: Path) -> None:
     """``jobs submit --watch`` runs a job to the end; with more jobs than one page of ``GET
     /v1/jobs`` (100), ``jobs list`` and the status page still reach every job."""
-    from logitcache.server.job_store import JobStore
     from logitcache.protocol import JobState
+    from logitcache.server.job_store import JobStore
 
     settings = app_settings(tmp_path, job_retention_s=86400)
     store = JobStore(settings.job_db_path)  # 103 finished jobs already in the table
