@@ -117,6 +117,7 @@ class CacheWriter:
         self._rank: np.ndarray | None = None  # id -> stored id (frequency-rank remap)
         self._pending_rank: np.ndarray | None = None
         self._closed = False
+        self._opened: dict[str, Any] = {}  # arrays as this writer's last append left them
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -356,11 +357,15 @@ class CacheWriter:
         Every chunk is stored, also one equal to the fill value (``write_empty_chunks``), so an
         absent object in the committed range can only be a lost one (FORMAT.md R9). Arrays of a
         version-2 store whose layout :func:`~.shardread.direct_layout` supports are written by
-        :mod:`.shardwrite` (same bytes, about a third of the CPU); the others through zarr.
+        :mod:`.shardwrite` (same bytes, less CPU: benchmarks/results/server.md); the others through
+        zarr. The opened arrays are kept between appends while nothing else resizes them.
         """
-        arr = await zarr.api.asynchronous.open_array(store=self._store, path=name, mode="r+")
-        if self._manifest.format_version >= 2:  # version 1 stored no all-fill chunk
-            arr = arr.with_config({"write_empty_chunks": True})
+        arr = self._opened.get(name)
+        if arr is None or arr.shape[0] != start:  # not ours as we left it: read it again
+            arr = await zarr.api.asynchronous.open_array(store=self._store, path=name, mode="r+")
+            if self._manifest.format_version >= 2:  # version 1 stored no all-fill chunk
+                arr = arr.with_config({"write_empty_chunks": True})
+        self._opened.pop(name, None)
         stop = start + data.shape[0]
         # when growing, no chunk lies outside the new shape: skip zarr's scan of every chunk key
         # (it grows with the store); shrinking (past a dead writer's rows) deletes as before
@@ -375,6 +380,9 @@ class CacheWriter:
             await arr.setitem(slice(start, stop), data)
         else:  # the same bytes as zarr's setitem, without its per-chunk machinery
             await shardwrite.write_rows(lay, start, data)
+        # kept for the next append (its metadata now says ``stop``): reused only if the array
+        # still ends where this append left it, i.e. no other writer has resized it since
+        self._opened[name] = arr
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -100,3 +100,27 @@ def test_damaged_committed_shard_is_a_typed_error(tmp_path: Path, monkeypatch) -
     with CacheWriter.open(url, m) as w, pytest.raises(MissingDataError):
         w.append(recs[3:])
     assert CacheReader(url).num_sequences == 3
+
+
+def test_two_writers_taking_turns(tmp_path: Path, monkeypatch) -> None:
+    """Each writer keeps its opened arrays between appends; after the other writer has appended
+    (or a writer died past the commit) they are read again: same bytes as one writer through
+    zarr, and after leftover rows the same values."""
+    recs = make_records(12, k=K, vocab=VOCAB, seed=8)
+    write(tmp_path / "ref", recs[:10], [2, 4, 6, 8], direct=False, monkeypatch=monkeypatch)
+    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    url, m = tmp_path / "two", make_manifest(k=K, vocab_size=VOCAB)
+    with CacheWriter.open(url, m, layout=LAYOUT) as a, CacheWriter.open(url, m) as b:
+        for i, w in enumerate([a, b, a, a, b]):
+            w.append(recs[2 * i : 2 * i + 2])
+        assert files(tmp_path / "ref") == files(url)
+        a.append(recs[10:11])  # a's kept arrays end at the commit ...
+        b._refresh_manifest()
+        stray = [writer.encode_record(r, b.manifest, 0) for r in make_records(3, prefix="x")]
+        b._write(b.manifest, stray)  # ... and b leaves rows past it, as a dead writer would
+        a.append(recs[11:])  # reuses its arrays (they still end at the commit)
+    r = CacheReader(url)
+    assert r.keys == [x.key for x in recs]
+    got = r.rows(0, r.manifest.num_rows).topk_ids
+    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
+    assert validate(url).ok
