@@ -67,7 +67,7 @@ def install() -> bool:
         try:
             from vllm.v1.engine.logprobs import LogprobsProcessor
 
-            original_new = LogprobsProcessor.from_new_request.__func__  # type: ignore[attr-defined]
+            original_new = LogprobsProcessor.from_new_request.__func__
             original_update = LogprobsProcessor._update_prompt_logprobs
         except (ImportError, AttributeError):
             _installed = False
@@ -87,7 +87,7 @@ def install() -> bool:
                 return
             original_update(self, tensors)
 
-        LogprobsProcessor.from_new_request = classmethod(from_new_request)  # type: ignore[method-assign,assignment]
-        LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs  # type: ignore[method-assign,assignment]
+        LogprobsProcessor.from_new_request = classmethod(from_new_request)
+        LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs
         _installed = True
         return True

@@ -142,7 +142,7 @@ def install() -> bool:
             result.update(sampled)
             return result
 
-        GPUModelRunner._get_prompt_logprobs_dict = get_prompt_logprobs_dict  # type: ignore[method-assign]
+        GPUModelRunner._get_prompt_logprobs_dict = get_prompt_logprobs_dict
         _installed = True
         return True
 
