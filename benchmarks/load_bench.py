@@ -385,40 +385,46 @@ def _fmt(x: Any) -> str:
 NOTES = """
 ## Reading the figures
 
-The two runs above were measured on 2026-12-03 21:50-22:15 UTC on a private checkout of the
-shared tree at 41c0b2d with this session's service commits (e0f6450, cdfd74a) applied (the shared
-tree was mid-refactor). The machine was shared: the load average of every phase is beside it.
+Sections in order: (1) engine in-process and (2) engine in its own process, both modes,
+2026-12-03 21:50-22:15 UTC at load 10-23, on a private checkout of 41c0b2d with this session's
+service commits (e0f6450, cdfd74a) applied (the shared tree was mid-refactor); then, once the box
+had quietened (load 3-5), on a checkout of 14d3269 (also the job runner's table calls off the loop),
+admission control on: (3) engine in its own process, (4) the same with
+``VLLM_CPU_OMP_THREADS_BIND=0`` (the engine core's OpenMP threads on core 0 only; that variable is
+the only difference of the command), (5) engine in-process. The machine was shared: the load
+average of every phase is beside it.
 
-* **Goal "small request after overload < 2 s": met** in all four runs (0.07-0.77 s), with and
+* **Goal "small request after overload < 2 s": met** in all runs (0.02-0.77 s), with and
   without admission control: a client that times out disconnects, its request is cancelled and
   its sequences are aborted in the engine, so nothing abandoned stays queued. Admission control
-  turns the overload into immediate ``429`` answers with ``Retry-After`` (60 x 429, 3-7 client
+  turns the overload into immediate ``429`` answers with ``Retry-After`` (60 x 429, 0-7 client
   timeouts) instead of client timeouts (188 without it).
-* **Goal "/health < 100 ms at p99 under every probe"**:
-  * **engine core in the server process (inproc): p99 41-120 ms with admission control, under
-    100 ms in 4 of the 5 probes**; the miss is 16 steady clients without a job at load 20 (4 of
-    117 probes over 100 ms, max 159 ms). Without admission control 60-798 ms (the 64-client +
-    job row at load 20-21). Before this session's changes, the same script gave p99 168-512 ms
-    (max 1.15 s) at a lower load (6-15), ``--modes shedding --overload-s 20 --steady-s 15``.
-  * **engine core in its own process (async; vLLM's default and what a GPU server runs): p99
-    73-393 ms with admission control: missed** (4 of 5 probes over 100 ms), 80-621 ms without.
-  * The machine's own floor, probed with no client load just before, was p99 10-42 ms (max
-    11-64 ms), and 116 ms (max 276 ms) once at load 15: on 2 cores at a load average of 10-23,
-    a process waits for a core for tens of ms whatever it runs.
+* **Goal "/health < 100 ms at p99 under every probe"**, admission control on (the default):
+  * **quiet box (load 3-5, sections 3 and 5): met in both engine modes**: engine in its own
+    process p99 17-56 ms in all 5 probes (single answers still reach 0.65-0.73 s: 1 of 133-178
+    probes in 2 phases); engine in-process p99 14-37 ms (max 89 ms: no probe over 100 ms).
+  * **loaded box (load 10-23, sections 1 and 2): missed**: in-process p99 41-120 ms (4 of 5 probes
+    under 100 ms; the miss: 16 clients without a job at load 20, 4 of 117 probes over 100 ms);
+    engine in its own process 73-393 ms (4 of 5 missed). Without admission control 60-798 /
+    80-621 ms. Before this session's changes the in-process figures were p99 168-512 ms (max
+    1.15 s) at load 6-15 (``load_before_inproc.json``, ``--modes shedding --overload-s 20
+    --steady-s 15``, the shared tree at 21:08 UTC).
+  * The machine's own floor, probed with no client load just before each run, was p99 6-42 ms,
+    once 116 ms (max 276 ms) at load 15.
 * What was ours, found with py-spy (``--gil``, in-process engine, 16 clients + job): the event
   loop thread held the GIL in 47% of the samples and the engine thread in 47%, and on the loop
   ran: sending streamed JSON one sequence per worker-thread hop, ``importlib.metadata.version()``
   parsing the package METADATA on every ``/health``, a plain ``def`` dependency (one worker-thread
   hop per request, queued behind the streaming iterators), job-table reads whose lock the job
-  writer holds through each fsync'd commit, and FastAPI's ``json.loads`` of request bodies (1-7
-  ms for one 46 KB overload body, 64 at once). All of it now runs off the loop or once.
-* Why the async mode still misses on this box: py-spy (``--idle``) of the API process during 64
-  clients + a job shows its event loop idle (waiting in epoll) in 68% of the samples: the loop
-  is not the bottleneck. The engine core process runs its OpenMP threads on both cores
-  (``VLLM_CPU_OMP_THREADS_BIND=auto``), so the API process gets a core only when the OS
-  scheduler preempts them, among the box's other 10-20 runnable processes. In-process, the
-  engine thread and the loop share the GIL instead, which hands the loop the interpreter within
-  the 5 ms switch interval. On a GPU server the engine core does not hold the CPU cores.
+  writer holds through each fsync'd commit (in the routes and in the job runner), and FastAPI's
+  ``json.loads`` of request bodies (1-7 ms for one 46 KB overload body, 64 at once). All of it now
+  runs off the loop or once.
+* What is left is the machine: py-spy (``--idle``) of the API process (engine in its own
+  process, 64 clients + a job, load 14) shows its event loop idle in epoll in 68% of the samples,
+  and the same code meets the goal at load 3-5 and misses it at load 10-23. Pinning the engine
+  core's OpenMP threads to one core (section 4) changed nothing measurable at load 4 (p99 38-56
+  ms) and cost 28% of the 64-client throughput (14.6 vs 20.3 requests/s), so it is not the
+  default.
 * Steady load with a job running is slow on this CPU teacher (p50 4-24 s): a job batch of up to
   8,192 tokens occupies the engine for seconds and on-demand requests wait behind it.
   Differences between the shedding and baseline steady rows are machine noise: at 256 tokens a
