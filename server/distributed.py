@@ -594,7 +594,10 @@ def check_target_early(settings: ServerSettings, cache_url: str) -> None:
 
 def _fail(code: str, message: str, detail: Any = None) -> None:
     """One JSON line on stderr (the CLI's error form)."""
-    print(json.dumps({"error": code, "message": message, "detail": detail}), file=sys.stderr)
+    body: dict[str, Any] = {"error": code, "message": message}
+    if detail is not None:
+        body["detail"] = detail
+    print(json.dumps(body), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

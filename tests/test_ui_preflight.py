@@ -113,12 +113,15 @@ def test_top_k_flag_is_one_spelling(tmp_path: Path, model_dir: Path) -> None:
     assert rc == 2 and "unrecognized arguments: --store x" in err
 
 
-def test_distributed_cli_refuses_double_dash_k(tmp_path: Path) -> None:
-    """``--k 20`` used to be read as ``--keep-staging`` plus a stray ``20``."""
-    from logitcache.server.distributed import _parser
+def test_distributed_cli_refuses_double_dash_k(tmp_path: Path, capsys) -> None:
+    """``--k 20`` used to be read as ``--keep-staging`` plus a stray ``20``: now refused by name."""
+    from logitcache.server.distributed import main
 
-    args, rest = _parser().parse_known_args(["--input", "a", "--cache", "b", "--k", "20"])
-    assert args.keep_staging is False and rest == ["--k", "20"]
+    with pytest.raises(SystemExit) as stop:
+        main(["--input", "a.jsonl", "--cache", str(tmp_path / "c"), "--k", "20"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --k 20" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 def test_distributed_cli_checks_the_model_before_ray(tmp_path: Path, capsys) -> None:
