@@ -267,41 +267,12 @@ def writer_for(cfg: Config, data, url: Path):
 def bench_config(
     cfg: Config, data, root: Path, random_reads: int, seed: int, repeats: int = 3
 ) -> dict:
-    from logitcache.cache_format import CacheReader, CacheWriter, Layout, Manifest
-    from logitcache.cache_format import writer as writer_mod
+    from logitcache.cache_format import CacheReader
     from logitcache.cache_format.layout import read_root_attrs  # noqa: F401 - warm import
     from logitcache.cache_format.stats import store_stats
 
     n_seq, tokens, ids, lp, tail = data
-    url = root / cfg.name
-    m = Manifest(
-        teacher_model="synthetic",
-        tokenizer_fingerprint="sha256:0",
-        vocab_size=VOCAB,
-        k=K,
-        logprob_dtype=cfg.logprob_dtype,
-        id_remap=cfg.id_remap,
-    )
-    layout = replace(
-        Layout(),
-        id_codec=cfg.id_codec,
-        logprob_codec=cfg.logprob_codec,
-        row_chunk=cfg.row_chunk,
-        row_shard=cfg.row_shard,
-        blosc_blocks=cfg.blosc_blocks,
-    )
-    step = cfg.append_seqs
-    batches = [records(*data, lo, min(lo + step, n_seq)) for lo in range(0, n_seq, step)]
-
-    def write():
-        writer_mod.DIRECT_WRITES = cfg.direct_writes
-        try:
-            with CacheWriter.open(url, m, layout=layout, fsync=cfg.fsync) as w:
-                for b in batches:
-                    w.append(b)
-        finally:
-            writer_mod.DIRECT_WRITES = True
-
+    write, url = writer_for(cfg, data, root / cfg.name)
     t_write, c_write = timed(write)
     rows = n_seq * (SEQ_LEN - 1)
 
