@@ -160,8 +160,9 @@ def test_sharpened_teacher_reaches_the_cache_online_kd_and_the_eval(
     )
     assert np.abs(rec.topk_logprobs - np.take_along_axis(plain, ids, axis=1)).max() > 0.5
     assert rep["cache"]["check"]["max_abs_logprob_diff"] < 2e-2
-    # a sharper teacher: more of its mass in the same k, a larger perplexity on real text
-    assert rep["cache"]["mean_topk_mass"] > quick_run["cache"]["mean_topk_mass"] + 0.1
+    # a sharper teacher: more of its mass in the same k (less than half the tail left, whatever
+    # the vocabulary), a larger perplexity on real text
+    assert 1 - rep["cache"]["mean_topk_mass"] < 0.5 * (1 - quick_run["cache"]["mean_topk_mass"])
     assert rep["heldout"]["teacher_ppl"] > 1.5 * quick_run["heldout"]["teacher_ppl"]
     # online KD trains against the same softmax(z / T): its KL falls on the held-out set too
     online = rep["methods"]["online_kd"]

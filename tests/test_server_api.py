@@ -165,7 +165,7 @@ def test_frames_equal_json_and_texts_are_tokenised_by_the_teacher(client, tiny, 
         assert x.k == 4
 
 
-def test_score_into_a_cache_then_stream_it_back(client, server, sample_ids) -> None:
+def test_score_into_a_cache_then_stream_it_back(client, server, sample_ids, tiny) -> None:
     keys = [f"s{i}" for i in range(len(sample_ids))]
     r = client.post("/v1/score", json={"input_ids": sample_ids, "cache": "ondemand", "keys": keys})
     assert r.status_code == 200, r.text
@@ -178,7 +178,7 @@ def test_score_into_a_cache_then_stream_it_back(client, server, sample_ids) -> N
     info = client.get("/v1/caches/ondemand").json()
     assert info["num_sequences"] == len(sample_ids)
     assert info["num_rows"] == sum(len(s) - 1 for s in sample_ids)
-    assert info["manifest"]["k"] == K and info["manifest"]["vocab_size"] == 4096
+    assert info["manifest"]["k"] == K and info["manifest"]["vocab_size"] == tiny.vocab_size
     assert "ondemand" in [c["name"] for c in client.get("/v1/caches").json()["caches"]]
     s = client.get("/v1/caches/ondemand/sequences", params={"start": 1, "stop": 5})
     assert s.status_code == 200 and s.headers["content-type"] == FRAMES_MEDIA_TYPE
@@ -205,10 +205,10 @@ def test_score_into_a_cache_then_stream_it_back(client, server, sample_ids) -> N
 # --- bad input: 4xx, nothing written -------------------------------------------------------
 
 
-def _bad_requests(sample_ids):
+def _bad_requests(sample_ids, vocab_size):
     ok = sample_ids[0]
     return [
-        ({"input_ids": [[1, 4096, 5]], "cache": "never"}, 422, "outside the teacher's vocab"),
+        ({"input_ids": [[1, vocab_size, 5]], "cache": "never"}, 422, "outside the teacher's vocab"),
         ({"input_ids": [[1, -3, 5]], "cache": "never"}, 422, "greater than or equal to 0"),
         ({"input_ids": [[7]], "cache": "never"}, 422, "at least 2 tokens"),
         ({"input_ids": [list(range(MAX_LEN + 1))], "cache": "never"}, 413, "max sequence length"),
@@ -228,9 +228,11 @@ def _bad_requests(sample_ids):
     ]
 
 
-def test_malformed_score_requests_are_4xx_and_write_nothing(client, server, sample_ids) -> None:
+def test_malformed_score_requests_are_4xx_and_write_nothing(
+    client, server, sample_ids, tiny
+) -> None:
     before = tree_snapshot(store_root(server))
-    for body, status, message in _bad_requests(sample_ids):
+    for body, status, message in _bad_requests(sample_ids, tiny.vocab_size):
         r = client.post("/v1/score", json=body)
         assert r.status_code == status, (body.keys(), r.text[:300])
         err = r.json()["error"]

@@ -266,11 +266,12 @@ def test_json_error_bodies_are_ascii_json(client) -> None:
     json.loads(r.content.decode("ascii"))
 
 
-def _big_body(n_seqs: int, length: int, seed: int) -> dict:
+def _big_body(n_seqs: int, length: int, seed: int, vocab_size: int) -> dict:
     import random
 
     rng = random.Random(seed)
-    return {"input_ids": [[rng.randrange(5, 4000) for _ in range(length)] for _ in range(n_seqs)]}
+    ids = [[rng.randrange(5, vocab_size) for _ in range(length)] for _ in range(n_seqs)]
+    return {"input_ids": ids}
 
 
 def _engine_idle(engine) -> bool:
@@ -278,15 +279,16 @@ def _engine_idle(engine) -> bool:
     return not driver._pending and not driver.engine.has_unfinished_requests()
 
 
-def test_abandoned_request_is_aborted_in_the_engine(srv, client, vllm_engine) -> None:
+def test_abandoned_request_is_aborted_in_the_engine(srv, client, vllm_engine, tiny) -> None:
     """A client that gives up (timeout: disconnect) leaves no work in the engine: the same body
     scored to the end takes ``full`` seconds; abandoned after 0.3 s, the engine is idle again at
     once and a small request is answered well before ``full`` would have passed."""
-    body = _big_body(16, 900, seed=1)
+    body = _big_body(16, 900, seed=1, vocab_size=tiny.vocab_size)
     t0 = time.perf_counter()
     assert client.post("/v1/score", json=body, timeout=300).status_code == 200
     full = time.perf_counter() - t0
-    body = _big_body(16, 900, seed=2)  # new content: nothing cached anywhere
+    # new content: nothing cached anywhere
+    body = _big_body(16, 900, seed=2, vocab_size=tiny.vocab_size)
     with pytest.raises(httpx.TimeoutException):
         client.post("/v1/score", json=body, timeout=0.3)
     t_gone = time.perf_counter()
@@ -305,7 +307,7 @@ def test_abandoned_request_is_aborted_in_the_engine(srv, client, vllm_engine) ->
 def test_deadline_passed_is_503_with_retry_after(tiny, vllm_engine, tmp_path) -> None:
     settings = server_settings(tmp_path, str(tiny.teacher_dir), request_timeout_s=0.2)
     with ThreadedServer(settings, vllm_engine) as s, s.client() as c:
-        r = c.post("/v1/score", json=_big_body(16, 900, seed=3))
+        r = c.post("/v1/score", json=_big_body(16, 900, seed=3, vocab_size=tiny.vocab_size))
         err = _assert_error(r, 503, "deadline_exceeded")
         assert "aborted" in err["message"] and int(r.headers["retry-after"]) >= 1
         t0 = time.perf_counter()
@@ -314,10 +316,10 @@ def test_deadline_passed_is_503_with_retry_after(tiny, vllm_engine, tmp_path) ->
             time.sleep(0.02)
 
 
-def test_health_stays_fast_while_a_large_answer_is_built(srv, client) -> None:
+def test_health_stays_fast_while_a_large_answer_is_built(srv, client, tiny) -> None:
     import threading
 
-    body = _big_body(24, 900, seed=4)
+    body = _big_body(24, 900, seed=4, vocab_size=tiny.vocab_size)
     body["k"] = 20
     done: list[int] = []
     worker = threading.Thread(

@@ -165,7 +165,8 @@ def test_jobs_cli_list_watch_cancel(server: ServerProcess, tiny) -> None:
     assert "succeeded" in out.getvalue() and "100%" in out.getvalue()
     # a job far too large to finish within the test's next two requests, cancelled
     base_seqs = tiny.token_sequences("heldout", max_len=200, min_len=100, limit=50)
-    seqs = [[(t + i) % 4000 + 1 for t in s] for i in range(20) for s in base_seqs]  # 1000 distinct
+    v = tiny.vocab_size  # ids shifted within [1, v): 1000 distinct sequences
+    seqs = [[(t + i) % (v - 1) + 1 for t in s] for i in range(20) for s in base_seqs]
     with server.client() as c:
         job = (
             c.post(

@@ -161,13 +161,14 @@ def test_chat_records_need_a_template_and_render_with_it(tiny_tokenizer, tmp_pat
     def tokenize(t: str) -> list[int]:
         return list(tiny_tokenizer(t)["input_ids"])
 
+    limits = _tiny_limits(tiny_tokenizer)
     assert not getattr(tiny_tokenizer, "chat_template", None)  # the fixture has none
     with pytest.raises(InvalidInputError, match="chat.jsonl:1: a chat record.*needs a chat"):
-        inputs.scan(raws, ChatTokenize(tokenize, tiny_tokenizer), LIMITS_TINY)
+        inputs.scan(raws, ChatTokenize(tokenize, tiny_tokenizer), limits)
     with pytest.raises(InvalidInputError, match="accepted by jobs only"):
-        inputs.scan(raws, tokenize, LIMITS_TINY)
+        inputs.scan(raws, tokenize, limits)
     chat_tok = ChatTokenize(tokenize, tiny_tokenizer, TEMPLATE)
-    seqs = list(inputs.sequences(raws, chat_tok, LIMITS_TINY))
+    seqs = list(inputs.sequences(raws, chat_tok, limits))
     text = "<s>user: Add two numbers.\n<s>assistant: ok\n"
     assert chat_tok.render(msgs, "x") == text
     want = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -175,13 +176,15 @@ def test_chat_records_need_a_template_and_render_with_it(tiny_tokenizer, tmp_pat
     assert want.count(tiny_tokenizer.bos_token_id) == 2  # the template's BOS, none added on top
     bad = [inputs.RawRecord("r", None, None, None, messages=[{"role": "robot", "content": "x"}])]
     with pytest.raises(InvalidInputError, match=r"messages\[0\].role must be one of"):
-        inputs.scan(bad, chat_tok, LIMITS_TINY)
+        inputs.scan(bad, chat_tok, limits)
     both = [inputs.RawRecord("r", None, "t", None, messages=msgs)]
     with pytest.raises(InvalidInputError, match="exactly one of text, token ids or messages"):
-        inputs.scan(both, chat_tok, LIMITS_TINY)
+        inputs.scan(both, chat_tok, limits)
 
 
-LIMITS_TINY = inputs.Limits(vocab_size=4096, max_seq_len=512)
+def _tiny_limits(tokenizer) -> inputs.Limits:
+    """Job limits of the tiny teacher: its vocabulary (from its tokenizer), 512 tokens."""
+    return inputs.Limits(vocab_size=len(tokenizer), max_seq_len=512)
 
 
 CHATML = (
@@ -201,6 +204,7 @@ def test_chat_loss_mask_follows_split_and_truncate(tiny_tokenizer) -> None:
         return list(tiny_tokenizer(text)["input_ids"])
 
     chat_tok = ChatTokenize(tokenize, tiny_tokenizer, CHATML, loss_mask=True)
+    limits = _tiny_limits(tiny_tokenizer)
     msgs = [
         {"role": "user", "content": "count to five please"},
         {"role": "assistant", "content": "one two three four five"},
@@ -208,18 +212,16 @@ def test_chat_loss_mask_follows_split_and_truncate(tiny_tokenizer) -> None:
         {"role": "assistant", "content": "one two three"},
     ]
     raw = inputs.RawRecord("r", "c", None, None, messages=msgs)
-    whole = inputs.to_sequence(raw, chat_tok, LIMITS_TINY)
+    whole = inputs.to_sequence(raw, chat_tok, limits)
     mask = whole.loss_mask
     assert mask is not None and mask.shape == (whole.length - 1,)
     assert 0 < int(mask.sum()) < len(mask)
     m = whole.length // 3
-    lim = replace(LIMITS_TINY, max_seq_len=m, on_long="split")
+    lim = replace(limits, max_seq_len=m, on_long="split")
     split = inputs.fit_sequences(raw, chat_tok, lim)
     assert len(split) > 1
     assert np.array_equal(np.concatenate([s.loss_mask for s in split]), mask)
-    trunc = inputs.fit_sequences(
-        raw, chat_tok, replace(LIMITS_TINY, max_seq_len=m, on_long="truncate")
-    )
+    trunc = inputs.fit_sequences(raw, chat_tok, replace(limits, max_seq_len=m, on_long="truncate"))
     assert np.array_equal(trunc[0].loss_mask, mask[: m - 1])
     plain = ChatTokenize(tokenize, tiny_tokenizer, CHATML)  # a job without loss_mask
-    assert inputs.to_sequence(raw, plain, LIMITS_TINY).loss_mask is None
+    assert inputs.to_sequence(raw, plain, limits).loss_mask is None
