@@ -407,3 +407,22 @@ def test_sampled_job_on_vllm_validates_and_resumes_to_the_same_cache(  # noqa: A
         assert (ra.topk_ids == rb.topk_ids).all() and (ra.topk_logprobs == rb.topk_logprobs).all()
         assert (ra.topk_ids == d.topk_ids).all()
         np.testing.assert_array_equal(ra.topk_logprobs, d.topk_logprobs)
+
+
+@pytest.mark.vllm
+def test_both_vllm_hooks_install_once(vllm_engine) -> None:  # noqa: ANN001
+    """The array-form and sampling hooks (server/engine/patching.py's patch-once) wrap vLLM's
+    methods, once: a second install() keeps the same wrapper (no wrapper of a wrapper). After
+    the shared engine exists, so vLLM's modules are already imported."""
+    from logitcache.server.engine import vllm_logprobs, vllm_sampling
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert vllm_logprobs.install() is True and vllm_sampling.install() is True
+    update = LogprobsProcessor._update_prompt_logprobs
+    runner = GPUModelRunner._get_prompt_logprobs_dict
+    assert update.__module__ == vllm_logprobs.__name__
+    assert runner.__module__ == vllm_sampling.__name__
+    assert vllm_logprobs.install() is True and vllm_sampling.install() is True
+    assert LogprobsProcessor._update_prompt_logprobs is update
+    assert GPUModelRunner._get_prompt_logprobs_dict is runner

@@ -16,16 +16,14 @@ engine keeps asking for the list form.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
+from .patching import patch_once
+
 #: ``SamplingParams.extra_args`` key that selects the array form for a request.
 FLAG = "logitcache_prompt_logprob_arrays"
-
-_lock = threading.Lock()
-_installed: bool | None = None
 
 
 class TensorPromptLogprobs:
@@ -58,36 +56,29 @@ class TensorPromptLogprobs:
         return ids[:, 1 : k + 1], lps[:, 1 : k + 1]
 
 
-def install() -> bool:
-    """Wrap vLLM's ``LogprobsProcessor`` (idempotent); True when the array form is available."""
-    global _installed
-    with _lock:
-        if _installed is not None:
-            return _installed
-        try:
-            from vllm.v1.engine.logprobs import LogprobsProcessor
+@patch_once
+def install() -> None:
+    """Wrap vLLM's ``LogprobsProcessor`` (once per process, :func:`.patching.patch_once`):
+    ``install()`` is True when the array form is available, False if this vLLM lacks the
+    hooks."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
 
-            original_new = LogprobsProcessor.from_new_request.__func__
-            original_update = LogprobsProcessor._update_prompt_logprobs
-        except (ImportError, AttributeError):
-            _installed = False
-            return False
+    original_new = LogprobsProcessor.from_new_request.__func__
+    original_update = LogprobsProcessor._update_prompt_logprobs
 
-        def from_new_request(cls: Any, tokenizer: Any, request: Any) -> Any:
-            proc = original_new(cls, tokenizer, request)
-            extra = getattr(request.sampling_params, "extra_args", None) or {}
-            if extra.get(FLAG) and proc.prompt_logprobs is not None:
-                proc.prompt_logprobs = TensorPromptLogprobs()
-            return proc
+    def from_new_request(cls: Any, tokenizer: Any, request: Any) -> Any:
+        proc = original_new(cls, tokenizer, request)
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        if extra.get(FLAG) and proc.prompt_logprobs is not None:
+            proc.prompt_logprobs = TensorPromptLogprobs()
+        return proc
 
-        def update_prompt_logprobs(self: Any, tensors: Any) -> None:
-            if isinstance(self.prompt_logprobs, TensorPromptLogprobs):
-                token_ids, logprobs, *_ = tensors
-                self.prompt_logprobs.add(token_ids, logprobs)
-                return
-            original_update(self, tensors)
+    def update_prompt_logprobs(self: Any, tensors: Any) -> None:
+        if isinstance(self.prompt_logprobs, TensorPromptLogprobs):
+            token_ids, logprobs, *_ = tensors
+            self.prompt_logprobs.add(token_ids, logprobs)
+            return
+        original_update(self, tensors)
 
-        LogprobsProcessor.from_new_request = classmethod(from_new_request)
-        LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs
-        _installed = True
-        return True
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+    LogprobsProcessor._update_prompt_logprobs = update_prompt_logprobs

@@ -30,8 +30,9 @@ without the wrapper is an :class:`~.protocol.EngineError`, never top-k rows take
 
 from __future__ import annotations
 
-import threading
 from typing import Any
+
+from .patching import patch_once
 
 #: ``SamplingParams.extra_args`` key of a sampled request: ``{"seed", "draws", "tau"}``.
 FLAG = "logitcache_sampled_targets"
@@ -39,9 +40,6 @@ FLAG = "logitcache_sampled_targets"
 MARK = -1
 #: ``SamplingParams.prompt_logprobs`` of a sampled request (the runner's own top-n is not used).
 PROMPT_LOGPROBS = 1
-
-_lock = threading.Lock()
-_installed: bool | None = None
 
 
 class SamplingWorkerExtension:
@@ -103,48 +101,38 @@ def _sampled_chunks(
     return out, finished
 
 
-def install() -> bool:
-    """Wrap the model runner's prompt-logprob pass (idempotent); False if this vLLM lacks it."""
-    global _installed
-    with _lock:
-        if _installed is not None:
-            return _installed
+@patch_once
+def install() -> None:
+    """Wrap the model runner's prompt-logprob pass (once per process,
+    :func:`.patching.patch_once`): ``install()`` is False if this vLLM lacks it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._get_prompt_logprobs_dict
+
+    def get_prompt_logprobs_dict(
+        self: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int]
+    ) -> dict[str, Any]:
+        pending = self.num_prompt_logprobs
+        specs = {
+            rid: spec
+            for rid in list(pending)
+            if (spec := _spec(self.requests.get(rid))) is not None
+        }
+        if not specs:
+            return original(self, hidden_states, num_scheduled_tokens)
+        kept = {rid: pending.pop(rid) for rid in specs}
         try:
-            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+            result = original(self, hidden_states, num_scheduled_tokens)
+            sampled, finished = _sampled_chunks(self, specs, hidden_states, num_scheduled_tokens)
+        finally:
+            pending.update(kept)
+        for rid in finished:
+            del pending[rid]
+            self.requests[rid].in_progress_prompt_logprobs_cpu = None
+        result.update(sampled)
+        return result
 
-            original = GPUModelRunner._get_prompt_logprobs_dict
-        except (ImportError, AttributeError):
-            _installed = False
-            return False
-
-        def get_prompt_logprobs_dict(
-            self: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int]
-        ) -> dict[str, Any]:
-            pending = self.num_prompt_logprobs
-            specs = {
-                rid: spec
-                for rid in list(pending)
-                if (spec := _spec(self.requests.get(rid))) is not None
-            }
-            if not specs:
-                return original(self, hidden_states, num_scheduled_tokens)
-            kept = {rid: pending.pop(rid) for rid in specs}
-            try:
-                result = original(self, hidden_states, num_scheduled_tokens)
-                sampled, finished = _sampled_chunks(
-                    self, specs, hidden_states, num_scheduled_tokens
-                )
-            finally:
-                pending.update(kept)
-            for rid in finished:
-                del pending[rid]
-                self.requests[rid].in_progress_prompt_logprobs_cpu = None
-            result.update(sampled)
-            return result
-
-        GPUModelRunner._get_prompt_logprobs_dict = get_prompt_logprobs_dict
-        _installed = True
-        return True
+    GPUModelRunner._get_prompt_logprobs_dict = get_prompt_logprobs_dict
 
 
 install()
