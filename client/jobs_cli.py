@@ -6,6 +6,7 @@ From a terminal:
 
     logitcache jobs submit CACHE PATH [--watch]  # score a file of the server's data dir
     logitcache jobs submit CACHE --records FILE  # a local JSONL file, sent inline
+    logitcache jobs submit CACHE PATH --targets sampled --draws 32 --seed 7  # sampled targets
     logitcache jobs list                    # one line per job (every page): id, state, progress
     logitcache jobs show JOB_ID             # the job's full status (JSON)
     logitcache jobs watch [JOB_ID]          # a progress bar until the job ends (default: newest)
@@ -17,6 +18,12 @@ file (one ``{"text"|"input_ids"|"messages", "id"}`` object per line) and sends i
 request (at most the server's ``max_inline_records``). It prints the job's line (``--json``: its
 status), and with ``--watch`` then draws the progress bar until the job ends. ``list`` follows
 ``GET /v1/jobs``'s pages (``next_offset``) to the end.
+
+``--targets sampled`` asks for sampled targets instead of top-k rows (random-sampling KD,
+FORMAT.md 4.4): ``--draws`` per row, ``--proposal-temperature`` and ``--seed`` (each optional;
+without any of them the server takes an existing sampled cache's own parameters, else 64 draws,
+temperature 1, seed 0; a missing one takes that default). They are refused with ``--k`` or
+without ``--targets sampled``, before anything is sent.
 
 The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
 ``--api-key`` (default ``$LOGITCACHE_API_KEY``). Progress is in tokens (``tokens_done`` of
@@ -184,11 +191,40 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, field) is not None:
                 file[field] = getattr(args, field)
         body["file"] = file
-    if args.k is not None:
-        body["k"] = args.k
+    body.update(target_fields(args))
     if args.dataset is not None:
         body["dataset"] = args.dataset
     return body
+
+
+#: ``jobs submit`` flags of sampled targets -> the job's ``sampling`` fields.
+SAMPLING_FLAGS = {"draws": "draws", "proposal_temperature": "proposal_temperature", "seed": "seed"}
+
+
+def target_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """``k`` (top-k) or ``targets``/``sampling`` (sampled) of ``jobs submit``'s arguments;
+    :class:`CliError` for a contradiction (the server would answer 422)."""
+    sampling = {
+        field: getattr(args, flag)
+        for flag, field in SAMPLING_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    out: dict[str, Any] = {}
+    if args.targets == "sampled":
+        if args.k is not None:
+            raise CliError("--k does not apply to --targets sampled (a row holds --draws slots)")
+        out["targets"] = "sampled"
+        if sampling:
+            out["sampling"] = sampling
+        return out
+    if sampling:
+        given = ", ".join("--" + f.replace("_", "-") for f in SAMPLING_FLAGS if f in sampling)
+        raise CliError(f"{given} only apply with --targets sampled")
+    if args.targets is not None:
+        out["targets"] = args.targets
+    if args.k is not None:
+        out["k"] = args.k
+    return out
 
 
 def cmd_submit(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
@@ -262,6 +298,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sm.add_argument("--records", metavar="FILE", help="a local JSONL file, sent inline instead")
     sm.add_argument("--k", type=int, help="default: the cache's k, else the server's")
+    sm.add_argument(
+        "--targets",
+        choices=("topk", "sampled"),
+        help="top-k rows (default) or sampled targets (ids with importance weights)",
+    )
+    sm.add_argument(
+        "--draws", type=int, help="sampled: draws per row (default: the cache's, else 64)"
+    )
+    sm.add_argument(
+        "--proposal-temperature",
+        type=float,
+        help="sampled: tau of the proposal q ~ p^(1/tau) (default: the cache's, else 1)",
+    )
+    sm.add_argument(
+        "--seed",
+        type=int,
+        help="sampled: seed of every sequence's draws (default: the cache's, else 0)",
+    )
     sm.add_argument("--format", choices=("jsonl", "parquet", "arrow"), help="default: by suffix")
     sm.add_argument("--text-field", help="default: text")
     sm.add_argument("--ids-field", help="default: input_ids")

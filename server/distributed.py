@@ -6,7 +6,8 @@
 Settings (:class:`DistributedSettings`) are the server's pydantic settings plus the run's own,
 read the same way (flags > ``LOGITCACHE_*`` environment > ``.env``). Before Ray or any engine
 starts, the input is read and an existing target cache is checked against this run's teacher
-identity and k (:func:`check_target_early`); any problem is one JSON line on stderr. While the
+identity, k and target kind (:func:`check_target_early`); any problem is one JSON line on
+stderr. While the
 shards are checked and scored, tqdm bars on stderr show shards done and sequences/tokens scored
 (``--no-progress`` turns them off).
 
@@ -28,6 +29,13 @@ several GPUs per replica with vLLM's own parallelism (``--tensor-parallel-size``
 The final cache does not depend on the number of replicas: it equals a one-replica run,
 array for array, in the same order (tests/test_deploy_ray.py). Re-running an interrupted command
 resumes it. Scaling to many nodes: docs/SCALING.md.
+
+Sampled targets (issue #12, FORMAT.md 4.4): ``--targets sampled`` with ``--draws``,
+``--proposal-temperature`` and ``--sampling-seed`` (each optional: an existing sampled cache's
+own parameters, else 64 draws at temperature 1 and seed 0, as for a job) writes a sampled cache
+instead of top-k rows. Every sequence's draws are seeded by (seed, key) only, so the cache equals
+the service's job (``POST /v1/jobs`` with ``targets="sampled"``) on the same input, row for row,
+whatever the number of replicas or shards.
 """
 
 from __future__ import annotations
@@ -42,19 +50,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from logitcache.cache_format import FormatError, Manifest
 from logitcache.cache_format.identity import teacher_diff
 from logitcache.protocol import InputFile
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from . import inputs, shards
 from .caches import expected_manifest
 from .engine.identity import teacher_identity
+from .engine.protocol import MAX_DRAWS, EngineInputError, SampledTargets, check_sampled
 from .errors import InvalidInputError, ServiceError
 from .settings import ServerSettings
+from .targets import DEFAULT_DRAWS, resolve, with_targets
 
 if TYPE_CHECKING:
     from .engine import EngineInfo, TeacherEngine
@@ -113,6 +123,8 @@ class RunReport:
     """Shards scored per replica (``host:pid``)."""
     phases: dict[str, float]
     """Wall seconds of each step: start (engines up), check, score, commit (incl. cleanup)."""
+    targets: str = "topk"
+    """What the cache holds: ``topk`` rows or ``sampled`` targets."""
 
 
 # --- the Ray actor -------------------------------------------------------------------------
@@ -329,6 +341,7 @@ def run_distributed(
     replicas: Replicas | None = None,
     worker_cls: type[ShardWorker] | None = None,
     progress: bool = False,
+    targets: SampledTargets | str | None = None,
 ) -> RunReport:
     """Score ``raws`` into the cache at ``cache_url`` with ``plan.replicas`` teacher replicas.
 
@@ -338,7 +351,11 @@ def run_distributed(
     ``settings.storage_options`` apply to the cache and its staging. Raises
     :class:`InvalidInputError` for a bad input and ``ManifestMismatchError`` for an existing
     cache of another teacher, in both cases before anything is written. ``progress``: tqdm bars
-    on stderr while the shards are checked and scored.
+    on stderr while the shards are checked and scored. ``targets``: ``None`` for top-``k`` rows
+    (``k`` = the engines' ``max_k``), a :class:`~.engine.SampledTargets` for sampled targets, or
+    ``"sampled"`` for an existing sampled cache's own parameters (else the job defaults); bad
+    parameters, or another kind than an existing cache's, are refused before anything is
+    written.
     """
     from ray.util import ActorPool
 
@@ -346,6 +363,7 @@ def run_distributed(
     t0 = time.perf_counter()
     if plan.replicas < 1:
         raise InvalidInputError(f"replicas must be >= 1, got {plan.replicas}")
+    _check_asked(targets)  # the parameters' own ranges, before any replica starts
     cache_url = cache_url.rstrip("/")
     staging = (staging_root or f"{cache_url}.staging").rstrip("/")
     options = dict(settings.storage_options) or None
@@ -368,7 +386,8 @@ def run_distributed(
     try:
         info = replicas.info
         say(f"{n} replica(s) up: {info.model_id} (vocab {info.vocab_size})")
-        manifest = _final_manifest(info, settings, dataset)
+        chosen = chosen_targets(targets, shards.stored_manifest(cache_url, options), info)
+        manifest = _final_manifest(info, settings, dataset, chosen)
         committed = shards.check_target(cache_url, manifest, options)
 
         pool = ActorPool(replicas.actors[:n])
@@ -414,6 +433,7 @@ def run_distributed(
         seconds=time.perf_counter() - t0,
         workers=workers,
         phases=phases,
+        targets=manifest.targets,
     )
 
 
@@ -471,12 +491,48 @@ def _agreed_info(infos: list[EngineInfo]) -> EngineInfo:
     return first
 
 
-def _final_manifest(info: EngineInfo, settings: ServerSettings, dataset: str) -> Manifest:
+def _final_manifest(
+    info: EngineInfo,
+    settings: ServerSettings,
+    dataset: str,
+    targets: SampledTargets | None = None,
+) -> Manifest:
     """The final cache's manifest: the engine's teacher at its ``max_k`` (the server's ``-k``,
-    within the vocabulary: the engine applied the range check once, at its configuration)."""
-    return expected_manifest(
+    within the vocabulary: the engine applied the range check once, at its configuration); for
+    sampled targets ``k = draws`` and the ``sampling`` object (:func:`.targets.with_targets`)."""
+    top = expected_manifest(
         info, k=info.max_k, logprob_dtype=settings.logprob_dtype, dataset=dataset
     )
+    return with_targets(top, targets)
+
+
+def _check_asked(targets: SampledTargets | str | None) -> None:
+    """:class:`InvalidInputError` for parameters out of range whatever the teacher (the
+    vocabulary bound on ``draws`` is checked once the engines are up: :func:`chosen_targets`)."""
+    if targets is None or targets == "sampled":
+        return
+    if not isinstance(targets, SampledTargets):
+        raise InvalidInputError(f'targets must be None, "sampled" or SampledTargets: {targets!r}')
+    try:
+        check_sampled(targets, MAX_DRAWS)
+    except EngineInputError as e:
+        raise InvalidInputError(str(e)) from None
+
+
+def chosen_targets(
+    targets: SampledTargets | str | None, stored: Manifest | None, info: EngineInfo
+) -> SampledTargets | None:
+    """The run's sampled-target parameters (``None``: top-k): ``"sampled"`` takes an existing
+    sampled cache's own (``stored``), else the job defaults (:func:`.targets.resolve`); checked
+    against the teacher's vocabulary (:class:`InvalidInputError`)."""
+    _check_asked(targets)
+    chosen = resolve(targets, stored)
+    if chosen is None:
+        return None
+    try:
+        return check_sampled(chosen, info.vocab_size)
+    except EngineInputError as e:
+        raise InvalidInputError(str(e)) from None
 
 
 # --- CLI -----------------------------------------------------------------------------------
@@ -528,6 +584,40 @@ class DistributedSettings(ServerSettings):
     """GPUs of the local cluster."""
     progress: bool = True
     """Progress bars (tqdm, on stderr) while the shards are checked and scored."""
+    targets: Literal["topk", "sampled"] = "topk"
+    """What the cache holds: top-k rows (``-k``), or sampled targets (FORMAT.md 4.4)."""
+    draws: int | None = Field(None, ge=1, le=MAX_DRAWS)
+    """Sampled targets: draws per row (default: an existing sampled cache's, else 64)."""
+    proposal_temperature: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """Sampled targets: tau of the proposal q ∝ p^(1/tau) (default: the cache's, else 1)."""
+    sampling_seed: int | None = Field(None, ge=0, lt=2**63)
+    """Sampled targets: seed of every sequence's draws (default: the cache's, else 0)."""
+
+    @model_validator(mode="after")
+    def _sampling_needs_sampled(self) -> DistributedSettings:
+        given = [
+            f"--{f.replace('_', '-')}"
+            for f in ("draws", "proposal_temperature", "sampling_seed")
+            if getattr(self, f) is not None
+        ]
+        if given and self.targets != "sampled":
+            raise ValueError(f"{', '.join(given)} only apply with --targets sampled")
+        return self
+
+    def sampled_targets(self) -> SampledTargets | str | None:
+        """``None`` (top-k), ``"sampled"`` (no parameter given: the cache's own, else the
+        defaults) or the :class:`~.engine.SampledTargets` asked for (defaults for the rest)."""
+        if self.targets == "topk":
+            return None
+        if self.draws is None and self.proposal_temperature is None and self.sampling_seed is None:
+            return "sampled"
+        return SampledTargets(
+            draws=DEFAULT_DRAWS if self.draws is None else self.draws,
+            proposal_temperature=1.0
+            if self.proposal_temperature is None
+            else self.proposal_temperature,
+            seed=0 if self.sampling_seed is None else self.sampling_seed,
+        )
 
     def plan(self) -> Plan:
         return Plan(
@@ -552,28 +642,30 @@ def load_distributed_settings(argv: list[str]) -> DistributedSettings:
 
 
 class TargetMismatchError(ServiceError):
-    """The target cache holds another teacher or another k (found before any engine loads)."""
+    """The target cache holds another teacher, k, target kind or sampling parameters (found
+    before any engine loads)."""
 
     status = 409
     code = "conflict"
 
 
-def check_target_early(settings: ServerSettings, cache_url: str) -> None:
+def check_target_early(
+    settings: ServerSettings, cache_url: str, targets: SampledTargets | str | None = None
+) -> None:
     """Fail before any engine loads when the cache at ``cache_url`` exists with another teacher
-    identity or k than this run would write: :class:`TargetMismatchError` naming each field.
+    identity, k, target kind or sampling parameters than this run would write (``targets`` as
+    for :func:`run_distributed`): :class:`TargetMismatchError` naming each field. Sampling
+    parameters out of range are an :class:`InvalidInputError` (exit 2) here too.
 
     The run's identity is :func:`~.engine.config.planned_info` (the model's files and tokenizer
     only); a cache that does not exist yet passes. The full check (:func:`.shards.check_target`,
     against the loaded engines) still runs before anything is written.
     """
-    from logitcache.cache_format import CacheReader
-    from logitcache.cache_format.errors import StoreNotFoundError
-
     from .engine.config import engine_config, planned_info
 
-    try:
-        stored = CacheReader(cache_url, storage_options=settings.storage_options or None).manifest
-    except (StoreNotFoundError, FileNotFoundError):
+    _check_asked(targets)
+    stored = shards.stored_manifest(cache_url, settings.storage_options or None)
+    if stored is None:
         return
     info = planned_info(engine_config(settings))
     want = teacher_identity(info)
@@ -581,8 +673,13 @@ def check_target_early(settings: ServerSettings, cache_url: str) -> None:
         want["dtype"] = teacher_identity(stored)["dtype"]
     diff = {f: f"cache {a!r}, this run {b!r}" for f, (a, b) in
             teacher_diff(teacher_identity(stored), want).items()}  # fmt: skip
-    if stored.k != info.max_k:
-        diff["k"] = f"cache {stored.k}, this run {info.max_k}"
+    chosen = chosen_targets(targets, stored, info)
+    run: dict[str, Any] = {"targets": "topk", "sampling": None, "k": info.max_k}
+    if chosen is not None:
+        run = {"targets": "sampled", "sampling": chosen.manifest(), "k": chosen.draws}
+    for f, value in run.items():
+        if getattr(stored, f) != value:
+            diff[f] = f"cache {getattr(stored, f)!r}, this run {value!r}"
     if diff:
         fields = "; ".join(f"{f}: {v}" for f, v in sorted(diff.items()))
         raise TargetMismatchError(
@@ -627,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
         raws = read_input(
             args.input, text_field=args.text_field, ids_field=args.ids_field, id_field=args.id_field
         )
-        check_target_early(settings, args.cache.rstrip("/"))
+        asked = args.sampled_targets()
+        check_target_early(settings, args.cache.rstrip("/"), asked)
         if args.ray_address is None:
             cpus = args.num_cpus or max(1, int(plan.replicas * plan.cpus_per_replica))
             init_local_ray(cpus, args.num_gpus)
@@ -643,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
             dataset=args.dataset or str(args.input.name),
             staging_root=args.staging,
             progress=args.progress,
+            targets=asked,
         )
     except ServiceError as e:
         _fail(e.code, e.message, e.detail)

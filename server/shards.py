@@ -38,6 +38,7 @@ from logitcache.cache_format.errors import StoreNotFoundError
 
 from . import inputs, pipeline
 from .errors import InvalidInputError
+from .targets import targets_of
 
 if TYPE_CHECKING:
     from .engine import TeacherEngine
@@ -191,7 +192,9 @@ async def score_shard(
     worker: str = "",
 ) -> ShardResult:
     """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's),
-    through the batch pipeline (:func:`.pipeline.run`, as a job does).
+    through the batch pipeline (:func:`.pipeline.run`, as a job does). The rows are the kind
+    ``manifest`` names: top-``k``, or sampled targets with its ``sampling`` parameters, each
+    sequence's draws seeded by its key (so they do not depend on the shard or the worker).
 
     Batches whose keys are all committed already are skipped (resume). One engine call and one
     committed append per batch, in input order; up to ``inflight_batches`` in the engine.
@@ -202,6 +205,7 @@ async def score_shard(
         for s in inputs.sequences(task.shard.records, engine.tokenize, limits)
         if s.key not in task.skip
     ]
+    sampled = targets_of(manifest)  # the kind the manifest says (None: top-k rows)
     writer = await asyncio.to_thread(CacheWriter.open, task.staging_url, manifest, storage_options)
     done = {"sequences": 0, "tokens": 0}
 
@@ -219,7 +223,7 @@ async def score_shard(
                 max_sequences=batch_sequences,
                 max_tokens=batch_tokens,
             ),
-            score=lambda b: pipeline.score_records(engine, b, manifest.k),
+            score=lambda b: pipeline.score_records(engine, b, manifest.k, targets=sampled),
             write=append,
             depth=lambda: inflight_batches,
             name=f"shard-writer-{task.shard.index}",
@@ -238,12 +242,21 @@ async def score_shard(
     )
 
 
+def stored_manifest(url: str, storage_options: dict[str, Any] | None) -> Manifest | None:
+    """The manifest of the cache at ``url``; ``None`` if there is no cache there."""
+    try:
+        return CacheReader(url, storage_options=storage_options).manifest
+    except (StoreNotFoundError, FileNotFoundError):
+        return None
+
+
 def check_target(
     url: str, manifest: Manifest, storage_options: dict[str, Any] | None
 ) -> frozenset[str]:
     """The keys already committed to the cache at ``url`` (empty if there is none).
 
-    Raises ManifestMismatchError if that cache exists with another identity.
+    Raises ManifestMismatchError if that cache exists with another identity (teacher, ``k``,
+    target kind or sampling parameters).
     """
     try:
         reader = CacheReader(url, storage_options=storage_options)

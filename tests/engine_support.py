@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from logitcache.server.engine import BaseEngine, EngineInfo, make_scores
+from logitcache.server.engine import BaseEngine, EngineInfo, SampledTargets, make_scores
 
 
 def assert_rows_close(a: Any, b: Any, *, atol: float, max_mismatch_rows: float = 0.02) -> int:
@@ -80,8 +80,10 @@ class _ByteTokenizer:
 class FakeEngine(BaseEngine):
     """A deterministic teacher behind the real :class:`~logitcache.server.engine.TeacherEngine`
     protocol and the real check/score path (:class:`~logitcache.server.engine.BaseEngine`): the
-    rows are the top-k of :func:`fake_logprobs`. For fast tests of everything around the engine
-    (routes, jobs, caches); the real vLLM/transformers engines keep their own tests.
+    rows are the top-k of :func:`fake_logprobs`, and its sampled targets (``score_sampled``)
+    the format's estimator on the same distributions (:func:`fake_sampled`). For fast tests of
+    everything around the engine (routes, jobs, caches); the real vLLM/transformers engines
+    keep their own tests.
     ``weights_hash`` stands for the weights' content (change it to play a replaced teacher)."""
 
     def __init__(
@@ -118,6 +120,30 @@ class FakeEngine(BaseEngine):
             top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
             out.append(make_scores(top, np.take_along_axis(lp, top, axis=1)))
         return out
+
+    async def _generate_sampled(
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+    ) -> list[Any]:
+        """Sampled rows (FORMAT.md 4.4) of :func:`fake_logprobs`: :func:`fake_sampled`."""
+        self.calls.append(len(prompts))
+        return [
+            fake_sampled(ids, key, targets, self.info)
+            for ids, key in zip(prompts, keys, strict=True)
+        ]
+
+
+def fake_sampled(ids: list[int], key: str, targets: SampledTargets, info: EngineInfo) -> Any:
+    """The fake teacher's sampled rows of one prompt: the format's estimator
+    (:func:`~logitcache.cache_format.sampling.sample_rows`) on :func:`fake_logprobs` with the
+    uniforms of ``(targets.seed, key)``, exactly what the real backends do with their own
+    distributions (so the rows depend on seed, key and prompt only)."""
+    import torch
+    from logitcache.cache_format.sampling import sample_rows, uniforms
+
+    lp = torch.from_numpy(fake_logprobs(ids, info.vocab_size, info.temperature))
+    u = uniforms(targets.seed, key, lp.shape[0], targets.draws)
+    sampled_ids, log_w = sample_rows(lp, u, targets.proposal_temperature, k=targets.draws)
+    return make_scores(sampled_ids, log_w)
 
 
 # ------------------------------------------------------------------------ in-process service
