@@ -5,7 +5,7 @@ Shared by the writer (creation), the reader and the validator (opening and check
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import zarr
@@ -35,6 +35,9 @@ class ArrayDef:
     whole_blocks: bool = False
     encoding: str = ""
     """Value of the array attribute ``logitcache_encoding`` (FORMAT.md §4, version >= 2)."""
+    layout: str = "default"
+    """Name of the :class:`~.spec.Layout` preset; recorded as the array attribute
+    ``logitcache_layout`` (version >= 2) unless ``"default"`` (FORMAT.md 4.7)."""
 
 
 def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) -> list[ArrayDef]:
@@ -130,6 +133,8 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
         defs.append(
             ArrayDef(spec.ID_ORDER, "int32", False, vocab, vocab, "zstd3", ("vocab",), False, "id")
         )
+    if layout.name != "default":
+        defs = [replace(d, layout=layout.name) for d in defs]
     return defs
 
 
@@ -172,6 +177,8 @@ def create_array(
     kwargs: dict = {} if d.dtype == "str" else {"fill_value": 0}
     if version >= 2:
         kwargs["attributes"] = {ENCODING_ATTR: d.encoding}
+        if d.layout != "default":
+            kwargs["attributes"][spec.LAYOUT_ATTR] = d.layout
     block = d.chunk * (k if d.k_axis else 1) * itemsize if d.whole_blocks else 0
     return zarr.create_array(
         store,

@@ -25,7 +25,7 @@ import numpy as np
 import zarr
 from zarr.core.sync import sync
 
-from . import idmap, shardread, spec
+from . import idmap, pointread, shardread, spec
 from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
 from .integrity import checked_get
 from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
@@ -113,6 +113,13 @@ class CacheReader:
     ``decode_threads > 1`` decodes the arrays of one read call (e.g. the sequences of one
     :meth:`sequences` call) in that many threads (blosc and the numpy kernels release the GIL);
     the values are the same.
+
+    :meth:`sequence`, :meth:`get` and :meth:`sequences` take the point-read path
+    (:mod:`.pointread`, FORMAT.md D4) when every array they need is read directly: only the
+    needed inner chunks, each decoded once per call (``os.pread`` on a local store), and with
+    ``decode_threads > 1`` the chunk decodes and logprob row blocks of even one sequence run in
+    parallel. Random access is fastest on a store written with the ``random_access`` layout
+    preset (``spec.LAYOUTS``, FORMAT.md 4.7); :attr:`layout_name` says which one a store has.
     """
 
     def __init__(
@@ -141,6 +148,9 @@ class CacheReader:
         self._row_start = np.zeros(0, dtype=np.int64)
         self._manifest: Manifest | None = None
         self._id_order: np.ndarray | None = None
+        self.point_reads = True
+        """Use the point-read path for :meth:`sequence` / :meth:`sequences` where it applies
+        (``False``: the range path, same values; for comparison)."""
         self.refresh()
 
     # ------------------------------------------------------------------ snapshot
@@ -225,6 +235,25 @@ class CacheReader:
     @property
     def url(self) -> str:
         return self._handle.url
+
+    @property
+    def layout_name(self) -> str:
+        """The store's layout preset (FORMAT.md 4.7): its ``logitcache_layout`` attribute, else
+        ``"default"`` if ``topk_ids`` has the default chunking and codecs, else ``"custom"``."""
+        arr = self._arrays[spec.TOPK_IDS]
+        name = arr.attrs.get(spec.LAYOUT_ATTR)
+        if isinstance(name, str) and name:
+            return name
+        lay = self._direct.get(spec.TOPK_IDS) or shardread.direct_layout(arr)
+        d = spec.DEFAULT_LAYOUT
+        if lay is None or (lay.chunk_rows, lay.shard_rows) != (d.row_chunk, d.row_shard):
+            return "custom"
+        comp = next(
+            (c for c in arr.metadata.codecs[0].codecs if type(c).__name__ == "BloscCodec"), None
+        )
+        if comp is None or (comp.cname.value, comp.clevel) != ("zstd", 1):
+            return "custom"
+        return "default"
 
     @property
     def num_sequences(self) -> int:
@@ -337,9 +366,14 @@ class CacheReader:
         return [decode(job, got) for job, got in zip(jobs, fetched, strict=True)]
 
     def _fetch(
-        self, spans: list[tuple[slice, slice | None]], logprob_dtype: str = "float32"
+        self,
+        spans: list[tuple[slice, slice | None]],
+        logprob_dtype: str = "float32",
+        *,
+        point: bool = False,
     ) -> list[_Fetched]:
-        """Read row ranges (and token ranges) of every span in one :meth:`_read`.
+        """Read row ranges (and token ranges) of every span in one :meth:`_read` (``point``:
+        through :meth:`_fetch_point` where every array is read directly).
 
         Returns per span ``(topk_ids, logprobs as logprob_dtype, float32 tail, tokens or None,
         loss mask or None)`` (the mask only in a ``loss_mask`` store, FORMAT.md 4.6).
@@ -352,6 +386,10 @@ class CacheReader:
             names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
         if self.manifest.loss_mask:
             names.append(spec.LOSS_MASK)
+        if point and self.point_reads:
+            wanted = [*names, *([spec.INPUT_IDS] if any(t for _, t in spans) else [])]
+            if all(n in self._direct for n in wanted):
+                return self._fetch_point(spans, names, logprob_dtype)
         jobs = []
         for rows, toks in spans:
             jobs += [(n, rows) for n in names]
@@ -379,6 +417,60 @@ class CacheReader:
             out.append((ids, lp, tail, got.get(spec.INPUT_IDS), mask))
         return out
 
+    def _pool(self) -> ThreadPoolExecutor | None:
+        if self.decode_threads <= 1:
+            return None
+        if self._decode_pool is None:
+            self._decode_pool = ThreadPoolExecutor(self.decode_threads, "logitcache-decode")
+        return self._decode_pool
+
+    def _fetch_point(
+        self, spans: list[tuple[slice, slice | None]], names: list[str], logprob_dtype: str
+    ) -> list[_Fetched]:
+        """:meth:`_fetch` through :mod:`.pointread` (FORMAT.md D4): each needed chunk decoded
+        once, then the logprobs (and id remap) in row blocks, on the decode pool if any."""
+        jobs: list[pointread.Job] = []
+        for rows, toks in spans:
+            jobs += [(n, rows.start, rows.stop) for n in names]
+            if toks is not None:
+                jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
+        pool, threads = self._pool(), self.decode_threads
+        results = iter(pointread.read(self._direct, jobs, pool, threads))
+        dtype = self.manifest.logprob_dtype
+        blockwise = dtype in ("float16", "float32") and (
+            dtype == "float16" or logprob_dtype == "float32"
+        )
+        out: list[_Fetched] = []
+        tasks: list[Callable[[], None]] = []
+        cost: list[int] = []
+        order = self._id_order
+        for _rows, toks in spans:
+            got = {n: next(results) for n in names}
+            tokens = next(results) if toks is not None else None
+            ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
+            if blockwise:
+                lp = d.view(np.float16 if dtype == "float16" else np.float32)
+                if dtype == "float16" and logprob_dtype == "float32":
+                    lp = np.empty(d.shape, dtype=np.float32)
+                for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
+                    tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
+                    cost.append((b - a) * d.shape[1])
+            else:
+                if order is not None:
+                    ids = order[ids]
+                lp = decode_logprobs(
+                    d,
+                    dtype,
+                    got.get(spec.LOGPROB_MAX),
+                    got.get(spec.LOGPROB_STEP),
+                    out_dtype=logprob_dtype,
+                    in_place=True,
+                )
+            tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
+            out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
+        pointread.run_tasks(tasks, cost, pool, threads)
+        return out
+
     def _out(self, rec: SequenceRecord | RowBlock) -> Any:
         return rec.to_torch() if self.as_torch else rec
 
@@ -388,7 +480,7 @@ class CacheReader:
         i = self._check_seq(i)
 
         def read() -> SequenceRecord:
-            ids, lp, tail, tokens, mask = self._fetch([self._span(i)], logprob_dtype)[0]
+            ids, lp, tail, tokens, mask = self._fetch([self._span(i)], logprob_dtype, point=True)[0]
             return SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
 
         return self._out(self._retry(read))
@@ -404,13 +496,14 @@ class CacheReader:
         return slice(r0, r0 + n - 1), slice(t0, t0 + n)
 
     def sequences(self, indices: Sequence[int], *, logprob_dtype: str = "float32") -> list:
-        """Several sequences, all their reads issued concurrently (one zarr call)."""
+        """Several sequences (any order, repeats allowed) in one read: every inner chunk they
+        need is fetched and decoded once (point reads, FORMAT.md D4)."""
         idx = [self._check_seq(i) for i in indices]
         if not idx:
             return []
 
         def read() -> list[SequenceRecord]:
-            got = self._fetch([self._span(i) for i in idx], logprob_dtype)
+            got = self._fetch([self._span(i) for i in idx], logprob_dtype, point=True)
             return [
                 SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
                 for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
@@ -452,3 +545,20 @@ class CacheReader:
     def __iter__(self) -> Iterator[SequenceRecord | dict]:
         for i in range(self.num_sequences):
             yield self.sequence(i)
+
+
+def _lp_task(
+    d: np.ndarray, lp: np.ndarray, ids: np.ndarray, order: np.ndarray | None
+) -> Callable[[], None]:
+    """One row block of a point read: the row-delta inverse of the stored logprob bits ``d``
+    (in place), widened into ``lp`` if that is a float32 view of other memory (float16 store),
+    and the id remap of ``ids`` (in place) when the store has one."""
+
+    def task() -> None:
+        pointread.undelta_block(d)
+        if lp.dtype == np.float32 and d.dtype == np.uint16:
+            pointread.widen_block(d.view(np.float16), lp)
+        if order is not None:
+            np.take(order, ids, out=ids)
+
+    return task

@@ -24,12 +24,20 @@ A shard whose needed chunks are at least half of it is read with one ``get`` of 
 object; otherwise its index is read with a suffix request (once per complete shard and layout:
 :attr:`DirectLayout.index_cache`) and the needed chunks with one range request spanning them.
 All requests of a call are issued concurrently on zarr's event loop.
+
+Point reads (:func:`chunk_frames`, used by ``CacheReader.sequence`` / ``sequences`` through
+:mod:`.pointread`) fetch a set of inner chunks by number: on a local directory store with
+``os.pread`` on the shard files (no event loop, no store object: one ``open``, an index read
+unless cached, and one read per run of consecutive chunks), on other stores with the requests
+above, all arrays' requests in one call into zarr's event loop.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +51,8 @@ from zarr.codecs.sharding import ShardingCodecIndexLocation
 from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.core.chunk_grids import RegularChunkGrid
 from zarr.core.metadata.v3 import ArrayV3Metadata
-from zarr.storage import StorePath
+from zarr.core.sync import sync
+from zarr.storage import LocalStore, StorePath
 
 from .errors import ChecksumError, MissingDataError
 
@@ -76,6 +85,8 @@ class DirectLayout:
     never rewrites them) read through this layout: a later partial read of such a shard skips
     its suffix request. The reader makes new layouts at every refresh and after a failed read,
     so a cached index never outlives the snapshot it was read in."""
+    paths: dict[int, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Local file path of each shard object :func:`chunk_frames` has read (local stores)."""
 
     @property
     def chunks_per_shard(self) -> int:
@@ -308,3 +319,126 @@ def decode(lay: DirectLayout, shards: list[_Shard], start: int, stop: int, out: 
                     scratch = lay.empty(cr)
                 _decode_chunk(lay, frame, scratch, where)
                 target[...] = scratch[lo - r0 : hi - r0]
+
+
+# --------------------------------------------------------------------------- point reads
+#: ``{global chunk number: its frame (CRC32C included) or None (absent shard / empty entry)}``
+Frames = dict[int, np.ndarray | None]
+
+
+def local_root(lay: DirectLayout) -> str | None:
+    """The directory of the array's store if it is a local directory store (else ``None``)."""
+    store = lay.store_path.store
+    return str(store.root) if isinstance(store, LocalStore) else None
+
+
+def _runs(chunks: Iterable[int], per_shard: int) -> dict[int, list[tuple[int, int]]]:
+    """Sorted global chunk numbers -> ``{shard: [(c0, c1), ...]}`` runs of consecutive chunks."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for g in sorted(set(chunks)):
+        s, c = divmod(g, per_shard)
+        runs = out.setdefault(s, [])
+        if runs and runs[-1][1] == c:
+            runs[-1] = (runs[-1][0], c + 1)
+        else:
+            runs.append((c, c + 1))
+    return out
+
+
+def _frames_of(lay: DirectLayout, sh: _Shard, out: Frames) -> None:
+    """The frames of chunks ``[sh.c0, sh.c1)`` of a fetched shard into ``out`` (bounds-checked)."""
+    base = sh.shard * lay.chunks_per_shard
+    for c in range(sh.c0, sh.c1):
+        entry = None if sh.index is None else sh.index[c]
+        if entry is None or int(entry[0]) == _EMPTY:
+            out[base + c] = None
+            continue
+        off, nb = int(entry[0]) - sh.base, int(entry[1])
+        if sh.data is None or off < 0 or off + nb > sh.data.size:
+            raise ChecksumError(f"{lay.name} shard {sh.shard}: chunk {c} outside the object")
+        out[base + c] = sh.data[off : off + nb]
+
+
+def _frames_local(lay: DirectLayout, root: str, chunks: Iterable[int]) -> Frames:
+    """:func:`chunk_frames` for a local directory store: ``os.pread`` on the shard files."""
+    n = lay.chunks_per_shard
+    out: Frames = {}
+    for shard, runs in _runs(chunks, n).items():
+        path = lay.paths.get(shard)
+        if path is None:
+            path = lay.paths[shard] = os.path.join(root, lay.shard_path(shard).path)
+        where = f"{lay.name or path} shard {shard}"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            for c0, c1 in runs:
+                _frames_of(lay, _Shard(shard, c0, c1), out)
+            continue
+        try:
+            complete = (shard + 1) * lay.shard_rows <= lay.length
+            index = lay.index_cache.get(shard) if complete else None
+            if index is None:
+                size, want = os.fstat(fd).st_size, 16 * n + 4
+                if size < want:
+                    raise ChecksumError(f"{where}: object shorter than its index")
+                raw = np.frombuffer(os.pread(fd, want, size - want), dtype=np.uint8)
+                index = _parse_index(raw, n, where)
+                if complete:
+                    lay.index_cache[shard] = index
+            for c0, c1 in runs:
+                got = _Shard(shard, c0, c1, index=index)
+                used = index[c0:c1]
+                used = used[used[:, 0] != _EMPTY]
+                if used.size:
+                    lo, hi = int(used[:, 0].min()), int((used[:, 0] + used[:, 1]).max())
+                    buf = os.pread(fd, hi - lo, lo)
+                    if len(buf) != hi - lo:
+                        raise ChecksumError(f"{where}: chunks past the end of the object")
+                    got.data, got.base = np.frombuffer(buf, dtype=np.uint8), lo
+                _frames_of(lay, got, out)
+        finally:
+            os.close(fd)
+    return out
+
+
+def chunk_frames(wanted: list[tuple[DirectLayout, Iterable[int]]]) -> list[Frames]:
+    """The stored frames of the given inner chunks (global chunk numbers along axis 0) of each
+    layout, CRC32C not yet checked (:func:`decode_frame` does). Chunks must lie below the
+    layout's ``length``. Local directory stores are read with ``os.pread``; the others through
+    the store (one call into zarr's event loop for all of them)."""
+    out: list[Frames] = [{} for _ in wanted]
+    remote: list[tuple[int, DirectLayout, int, int, int]] = []
+    for i, (lay, chunks) in enumerate(wanted):
+        root = local_root(lay)
+        if root is not None:
+            out[i] = _frames_local(lay, root, chunks)
+            continue
+        for shard, runs in _runs(chunks, lay.chunks_per_shard).items():
+            remote += [(i, lay, shard, c0, c1) for c0, c1 in runs]
+    if remote:
+        import asyncio
+
+        async def gather() -> list[_Shard]:
+            return await asyncio.gather(*(_fetch_shard(lay, s, a, b) for _, lay, s, a, b in remote))
+
+        for (i, lay, *_), sh in zip(remote, sync(gather()), strict=True):
+            _frames_of(lay, sh, out[i])
+    return out
+
+
+def decode_frame(
+    lay: DirectLayout, frame: np.ndarray | None, chunk: int, dest: np.ndarray, rows: str
+) -> None:
+    """Decode the frame of global chunk ``chunk`` into ``dest`` (a full chunk, C-contiguous);
+    an absent frame is :class:`MissingDataError` in a strict store, else the fill value.
+    ``rows``: the entries asked for, for the error message."""
+    if frame is None:
+        if lay.strict:
+            s, c = divmod(chunk, lay.chunks_per_shard)
+            raise MissingDataError(
+                f"array {lay.name}: entries {rows} not stored (chunk {c} of shard {s} missing)"
+            )
+        dest.fill(lay.fill_value)
+        return
+    s, c = divmod(chunk, lay.chunks_per_shard)
+    _decode_chunk(lay, frame, dest, f"{lay.name} shard {s} chunk {c}")

@@ -62,12 +62,15 @@ class Layout:
 
     Rows: ``row_chunk`` rows per inner chunk, ``row_shard`` rows per shard object.
     Tokens (input_ids) and per-sequence arrays have their own lengths.
-    Chosen by benchmarks/format_bench.py (see benchmarks/results/format.md).
+    Chosen by benchmarks/format_bench.py (see benchmarks/results/format.md). Named presets:
+    :data:`LAYOUTS` (FORMAT.md 4.7); a store records its layout in each array's ``zarr.json``
+    (and a preset's name in the array attribute ``logitcache_layout``), so readers and later
+    writers use the store's own, whatever layout they were given.
     """
 
     row_chunk: int = 2048
     row_shard: int = 65536
-    token_chunk: int = 65536
+    token_chunk: int = 8192
     token_shard: int = 1048576
     seq_chunk: int = 16384
     seq_shard: int = 262144
@@ -79,5 +82,36 @@ class Layout:
     than blosc's automatic 32 KiB blocks at these chunk sizes, see format.md); ``"auto"``: blosc
     picks the block size (stores written before this default)."""
 
+    name: str = "default"
+    """Preset name recorded in the store (``logitcache_layout`` array attribute, v2) when it is
+    not ``"default"``; a custom layout keeps ``"default"`` unless the caller names it."""
+
 
 DEFAULT_LAYOUT = Layout()
+"""Sequential-read and size-first layout: <= 260 B/position at k=100 (format bench)."""
+
+RANDOM_ACCESS_LAYOUT = Layout(
+    row_chunk=256,
+    token_chunk=8192,
+    id_codec="blosc-lz4-bitshuffle",
+    logprob_codec="blosc-lz4-shuffle",
+    name="random_access",
+)
+"""Random-access preset: 256-row chunks and lz4 (about 4x cheaper to decode per row than
+zstd at this chunk size) for ``sequence(i)`` / ``sequences(idx)`` reads; about 320 B/position
+at k=100 instead of about 258 (benchmarks/results/client.md, random access)."""
+
+LAYOUTS: dict[str, Layout] = {"default": DEFAULT_LAYOUT, "random_access": RANDOM_ACCESS_LAYOUT}
+"""Named layout presets (FORMAT.md 4.7), chosen at write time: ``CacheWriter.open(...,
+layout=LAYOUTS["random_access"])`` (or :func:`layout_named`)."""
+
+LAYOUT_ATTR = "logitcache_layout"
+"""Array attribute (v2) naming the preset a store was created with (absent: ``"default"`` or a
+store written before presets; the chunk shapes and codecs in ``zarr.json`` are what readers use)."""
+
+
+def layout_named(name: str) -> Layout:
+    """The preset called ``name`` (ValueError naming the presets if unknown)."""
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown layout preset {name!r} (presets: {sorted(LAYOUTS)})")
+    return LAYOUTS[name]

@@ -1,0 +1,276 @@
+"""Random access (issue #14): ``sequence(i)`` and ``sequences(idx)`` vs an uncompressed ``.npy``
+copy, for each layout preset, side by side in one run.
+
+Usage (from the repository root)::
+
+    python benchmarks/random_access_bench.py --root /tmp/ra-bench --positions 2000000 \\
+        --layouts default random_access --threads 1 8 --json OUT/client_random.json
+
+1. **build**: one set of sequences (log-normal lengths, median 490 tokens, clipped to [16, 8192];
+   rows are slices of a pool of realistic rows from ``format_bench.py``'s generators: Zipf ids in
+   a BPE-like id order, sorted float16 logprobs with a tail; k=100, vocab 128,256, the same
+   recipe as ``client_scaling.py``) written once per layout preset (``spec.LAYOUTS``) through
+   ``CacheWriter``; bytes/position = store size / positions. The same sequences are saved as
+   uncompressed ``.npy`` files (int32 ids, float16 logprobs, float32 tail, int32 tokens).
+2. **npy**: the baseline: for each random ``i``, its slices of the ``np.load(mmap_mode="r")``
+   arrays copied out (page cache warm), the same indices as the reader's.
+3. per layout and per ``--threads`` value (``CacheReader(decode_threads=t)``):
+   ``sequence(i)`` one at a time (float32 logprobs, the default) and ``sequences(idx)`` with
+   ``--batch`` random indices per call; also the range path (``point_reads=False``, the reader
+   before point reads) with one thread, and the sequential reader (``rows`` + ``tokens`` of
+   64-sequence ranges) in positions/s, so the preset's cost on the loader's path is visible.
+   Every figure: wall-clock and process CPU time (all threads), each as a ratio to the ``.npy``
+   baseline's wall / CPU figure measured just before it.
+4. **check**: the point path returns bit-identical values to the range path, and ``validate``
+   accepts every store (``--validate``).
+
+Indices are uniform over all sequences; each measurement runs once untimed (warm) then timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+K = 100
+VOCAB = 128_256
+
+
+def log(*a: Any) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def make_records(positions: int, seed: int = 0, pool_rows: int = 65536) -> list:
+    """The benchmark's sequences (see the module docstring), as views of one row pool."""
+    import format_bench as fb
+    from logitcache.cache_format import SequenceRecord
+
+    rng = np.random.default_rng(seed)
+    fb.VOCAB, fb.K = VOCAB, K
+    cdf = fb.zipf_cdf(VOCAB, 1.05)
+    rmap = fb.id_map(VOCAB, "bpe", rng)
+    ids = fb.topk_ids(pool_rows, rng, cdf, rmap)
+    lp, tail = fb.logprobs(pool_rows, rng)
+    lp = lp.astype(np.float16).astype(np.float32)  # the stored values, so the .npy copy matches
+    tok_pool = rmap[np.minimum(np.searchsorted(cdf, rng.random(pool_rows)), VOCAB - 1)]
+    out, rows = [], 0
+    while rows < positions:
+        length = min(int(np.clip(rng.lognormal(np.log(490), 0.9), 16, 8192)), pool_rows)
+        o = int(rng.integers(0, pool_rows - length + 1))
+        t = int(rng.integers(0, pool_rows - length + 1))
+        out.append(
+            SequenceRecord(
+                f"s{len(out)}",
+                tok_pool[t : t + length].astype(np.int32),
+                ids[o : o + length - 1],
+                lp[o : o + length - 1],
+                tail[o : o + length - 1],
+            )
+        )
+        rows += length - 1
+    return out
+
+
+def build(url: str, records: list, layout_name: str) -> dict[str, Any]:
+    import numcodecs.blosc
+    from logitcache.cache_format import CacheWriter, Manifest, spec
+
+    numcodecs.blosc.set_nthreads(1)
+    manifest = Manifest(
+        teacher_model="random-access-synthetic",
+        tokenizer_fingerprint="random-access",
+        vocab_size=VOCAB,
+        k=K,
+        dataset="synthetic (benchmarks/random_access_bench.py)",
+    )
+    t0, c0 = time.perf_counter(), time.process_time()
+    layout = spec.layout_named(layout_name)
+    with CacheWriter.open(url, manifest, layout=layout, fsync=False) as w:
+        batch, n = [], 0
+        for rec in records:
+            batch.append(rec)
+            n += rec.topk_ids.shape[0]
+            if n >= 500_000:
+                w.append(batch)
+                batch, n = [], 0
+        if batch:
+            w.append(batch)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    positions = sum(r.topk_ids.shape[0] for r in records)
+    nbytes = sum(p.stat().st_size for p in Path(url).rglob("*") if p.is_file())
+    return {
+        "layout": layout_name,
+        "positions": positions,
+        "sequences": len(records),
+        "store_bytes": nbytes,
+        "bytes_per_position": nbytes / positions,
+        "write_s": wall,
+        "write_cpu_s": cpu,
+        "write_pos_per_cpu_s": positions / cpu,
+    }
+
+
+def save_npy(d: Path, records: list) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    np.save(d / "ids.npy", np.concatenate([r.topk_ids for r in records]))
+    np.save(d / "lp.npy", np.concatenate([r.topk_logprobs for r in records]).astype(np.float16))
+    np.save(d / "tail.npy", np.concatenate([r.tail_mass for r in records]))
+    np.save(d / "tok.npy", np.concatenate([r.input_ids for r in records]))
+
+
+def timed(fn) -> tuple[float, float]:
+    fn()  # warm
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from logitcache.cache_format import CacheReader, validate
+
+    root = Path(args.root)
+    log("generating records")
+    records = make_records(args.positions, args.seed)
+    lengths = np.array([r.length for r in records], dtype=np.int64)
+    rs = np.concatenate([[0], np.cumsum(lengths - 1)])
+    ts = np.concatenate([[0], np.cumsum(lengths)])
+    save_npy(root / "npy", records)
+    doc: dict[str, Any] = {"builds": {}, "layouts": {}}
+    for name in args.layouts:
+        log("build", name)
+        doc["builds"][name] = build(str(root / name), records, name)
+        log(doc["builds"][name])
+    del records
+    mi, ml, mt, mk = (
+        np.load(root / "npy" / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail", "tok")
+    )
+    n_seq = len(lengths)
+    rng = np.random.default_rng(args.seed + 1)
+    picks = rng.integers(0, n_seq, size=args.reads).tolist()
+    batches = rng.integers(0, n_seq, size=(max(1, args.reads // args.batch), args.batch))
+    n_batched = batches.size
+    doc["mean_length"] = float(lengths[picks].mean())
+
+    def npy_one(i: int) -> tuple:
+        a, b = int(rs[i]), int(rs[i + 1])
+        return (
+            np.array(mi[a:b]),
+            np.array(ml[a:b]),
+            np.array(mt[a:b]),
+            np.array(mk[int(ts[i]) : int(ts[i + 1])]),
+        )
+
+    def npy() -> tuple[float, float]:
+        return timed(lambda: [npy_one(i) for i in picks])
+
+    def entry(w: float, c: float, n: int, base: tuple[float, float]) -> dict[str, float]:
+        per_w, per_c = n / w, n / c
+        return {
+            "seq_per_s": per_w,
+            "seq_per_cpu_s": per_c,
+            "x_npy_wall": per_w / (len(picks) / base[0]),
+            "x_npy_cpu": per_c / (len(picks) / base[1]),
+            "npy_seq_per_s": len(picks) / base[0],
+            "npy_seq_per_cpu_s": len(picks) / base[1],
+        }
+
+    base = npy()
+    doc["npy"] = {"seq_per_s": len(picks) / base[0], "seq_per_cpu_s": len(picks) / base[1]}
+    log("npy", doc["npy"])
+    for name in args.layouts:
+        url = str(root / name)
+        res: dict[str, Any] = {}
+        ref = CacheReader(url)
+        ref.point_reads = False
+        res["layout_name"] = ref.layout_name
+        # correctness: point path == range path, bit for bit
+        check = CacheReader(url, decode_threads=max(args.threads))
+        for i in picks[:20]:
+            a, b = check.sequence(i), ref.sequence(i)
+            assert a.equals(b), f"point read of sequence {i} differs ({name})"
+        first = batches[0].tolist()
+        for a, b in zip(check.sequences(first), ref.sequences(first), strict=True):
+            assert a.equals(b), f"batched point read differs ({name})"
+        res["point_equals_range_path"] = True
+        base = npy()
+        w, c = timed(lambda ref=ref: [ref.sequence(i) for i in picks])
+        res["range_path_sequence"] = entry(w, c, len(picks), base)
+        w, c = timed(lambda ref=ref: [ref.sequences(b.tolist()) for b in batches])
+        res["range_path_sequences"] = entry(w, c, n_batched, base)
+        for t in args.threads:
+            r = CacheReader(url, decode_threads=t)
+            base = npy()
+            w, c = timed(lambda r=r: [r.sequence(i) for i in picks])
+            res[f"sequence_t{t}"] = entry(w, c, len(picks), base)
+            w, c = timed(lambda r=r: [r.sequences(b.tolist()) for b in batches])
+            res[f"sequences{args.batch}_t{t}"] = entry(w, c, n_batched, base)
+            log(name, t, res[f"sequence_t{t}"], res[f"sequences{args.batch}_t{t}"])
+
+        def sequential(r: Any = ref) -> None:
+            for a in range(0, min(n_seq, args.seq_sequences), 64):
+                b = min(a + 64, n_seq)
+                r.rows(int(rs[a]), int(rs[b]))
+                r.tokens(int(ts[a]), int(ts[b]))
+
+        w, c = timed(sequential)
+        pos = int(rs[min(n_seq, args.seq_sequences)])
+        res["sequential_rows_pos_per_s"] = pos / w
+        res["sequential_rows_pos_per_cpu_s"] = pos / c
+        if args.validate:
+            t0 = time.perf_counter()
+            rep = validate(url)
+            res["validate_ok"] = rep.ok
+            res["validate_s"] = time.perf_counter() - t0
+            assert rep.ok, str(rep)
+        doc["layouts"][name] = res
+        log(name, {k: v for k, v in res.items() if not isinstance(v, dict)})
+    return doc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--root", default="/tmp/ra-bench")
+    p.add_argument("--positions", type=int, default=2_000_000)
+    p.add_argument("--layouts", nargs="+", default=["default", "random_access"])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--reads", type=int, default=320)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq-sequences", type=int, default=1024, help="sequences read sequentially")
+    p.add_argument("--validate", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    doc: dict[str, Any] = {
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
+        "command": " ".join(["python", *sys.argv]),
+        "load_avg_start": os.getloadavg(),
+        "git": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip(),
+    }
+    from logitcache.cache_format import kernels
+
+    doc["kernels"] = kernels.backend()
+    doc |= run(args)
+    doc["load_avg_end"] = os.getloadavg()
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Random access (issue #14): point reads and the ``random_access`` layout preset.
+
+``CacheReader.sequence`` / ``sequences`` read only the inner chunks they need, each decoded once
+per call (``pointread.py``, FORMAT.md D4); they must return bit-identical values to the range
+path (``point_reads = False``) for every encoding, id remap, loss mask, repeated and unsorted
+indices, ranges across chunk and shard edges, with and without decode threads, on a local and
+an S3 store. The ``random_access`` preset (FORMAT.md 4.7) is chosen at write time, recorded in
+the store, kept by a later writer given another layout, and validates.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import format_support
+import numpy as np
+import pytest
+from format_support import make_manifest, make_records
+from logitcache.cache_format import CacheReader, CacheWriter, Layout, spec, validate
+from logitcache.cache_format.errors import ChecksumError, CorruptStoreError
+
+s3_endpoint = format_support.s3_endpoint
+s3_store = format_support.s3_store
+
+# chunks of 8 rows / 16 tokens, shards of 32 rows / 64 tokens: sequences of 2..40 tokens cross
+# chunk and shard edges everywhere
+SMALL = Layout(row_chunk=8, row_shard=32, token_chunk=16, token_shard=64, seq_chunk=4, seq_shard=8)
+K = 6
+
+
+def _write(url, layout: Layout, options=None, **manifest_kw) -> list:
+    recs = make_records(40, k=K, vocab=300, seed=11, min_len=2, max_len=40)
+    if manifest_kw.get("loss_mask"):
+        rng = np.random.default_rng(3)
+        recs = [
+            replace(r, loss_mask=rng.integers(0, 2, r.length - 1).astype(np.uint8)) for r in recs
+        ]
+    m = make_manifest(k=K, vocab_size=300, **manifest_kw)
+    with CacheWriter.open(url, m, options, layout=layout) as w:
+        w.append(recs[:17])
+        w.append(recs[17:])
+    return recs
+
+
+def _same(a, b) -> None:
+    assert a.equals(b), (a.key, b.key)
+    assert a.topk_logprobs.dtype == b.topk_logprobs.dtype == np.float32
+
+
+CASES = [
+    {},
+    {"logprob_dtype": "float32"},
+    {"logprob_dtype": "uint8"},
+    {"id_remap": True},
+    {"loss_mask": True},
+]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_point_reads_equal_the_range_path(tmp_path, kw, threads):
+    recs = _write(tmp_path / "c", SMALL, **kw)
+    point = CacheReader(tmp_path / "c", decode_threads=threads)
+    ranged = CacheReader(tmp_path / "c")
+    ranged.point_reads = False
+    for i in range(len(recs)):
+        _same(point.sequence(i), ranged.sequence(i))
+        assert np.array_equal(point.sequence(i).topk_ids, recs[i].topk_ids)
+    idx = [5, 3, 5, 39, 0, 22, 21, 22, 38, 1]  # unsorted, repeated, neighbours sharing chunks
+    got = point.sequences(idx)
+    assert [g.key for g in got] == [recs[i].key for i in idx]
+    for g, want in zip(got, ranged.sequences(idx), strict=True):
+        _same(g, want)
+    assert point.sequences([]) == []
+    # the whole store in one call: every chunk is shared by several sequences
+    for g, want in zip(point.sequences(range(len(recs))), recs, strict=True):
+        assert np.array_equal(g.topk_ids, want.topk_ids)
+        assert np.array_equal(g.input_ids, want.input_ids)
+
+
+def test_point_reads_torch_output_and_float16_request(tmp_path):
+    _write(tmp_path / "c", SMALL)
+    r = CacheReader(tmp_path / "c", as_torch=True, decode_threads=2)
+    ranged = CacheReader(tmp_path / "c", as_torch=True)
+    ranged.point_reads = False
+    a, b = r.sequence(7, logprob_dtype="float16"), ranged.sequence(7, logprob_dtype="float16")
+    assert set(a) == set(b)
+    for name in a:
+        if hasattr(a[name], "dtype"):
+            assert a[name].dtype == b[name].dtype and bool((a[name] == b[name]).all()), name
+
+
+def test_point_read_of_a_damaged_chunk_is_a_checksum_error(tmp_path):
+    url = tmp_path / "c"
+    _write(url, SMALL)
+    shard = url / "topk_ids" / "c" / "0" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0xFF  # inside chunk 0 (the index is at the end)
+    shard.write_bytes(bytes(raw))
+    r = CacheReader(url, decode_threads=2)
+    with pytest.raises(ChecksumError, match="topk_ids"):
+        r.sequence(0)
+    with pytest.raises(CorruptStoreError):
+        r.sequences([30, 0])
+    assert r.sequence(r.num_sequences - 1).key  # later shards still read
+
+
+def test_point_read_of_a_truncated_shard_is_a_checksum_error(tmp_path):
+    url = tmp_path / "c"
+    _write(url, SMALL)
+    shard = url / "topk_logprobs" / "c" / "0" / "0"
+    shard.write_bytes(shard.read_bytes()[:5])  # shorter than its index
+    with pytest.raises(ChecksumError, match="topk_logprobs"):
+        CacheReader(url).sequence(0)
+
+
+def test_random_access_preset_is_recorded_kept_and_validates(tmp_path):
+    url = tmp_path / "c"
+    preset = spec.layout_named("random_access")
+    assert preset is spec.LAYOUTS["random_access"] is spec.RANDOM_ACCESS_LAYOUT
+    recs = _write(url, preset)
+    meta = json.loads((url / "topk_ids" / "zarr.json").read_text())
+    assert meta["attributes"][spec.LAYOUT_ATTR] == "random_access"
+    sharding = meta["codecs"][0]["configuration"]
+    assert sharding["chunk_shape"] == [256, K]
+    blosc = sharding["codecs"][1]["configuration"]
+    assert blosc["cname"] == "lz4"
+    tok = json.loads((url / "input_ids" / "zarr.json").read_text())
+    assert tok["codecs"][0]["configuration"]["chunk_shape"] == [8192]
+    # a later writer given another layout appends with the store's own
+    more = make_records(5, k=K, vocab=300, seed=12, prefix="t")
+    with CacheWriter.open(url, make_manifest(k=K, vocab_size=300), layout=SMALL) as w:
+        w.append(more)
+    r = CacheReader(url)
+    assert r.layout_name == "random_access"
+    assert json.loads((url / "topk_ids" / "zarr.json").read_text()) == meta | {
+        "shape": [r.num_rows, K]
+    }
+    for i, want in enumerate([*recs, *more]):
+        assert np.array_equal(r.sequence(i).topk_ids, want.topk_ids)
+    assert validate(url).ok
+
+
+def test_layout_names_of_other_stores(tmp_path):
+    _write(tmp_path / "d", spec.DEFAULT_LAYOUT)
+    assert CacheReader(tmp_path / "d").layout_name == "default"
+    meta = json.loads((tmp_path / "d" / "topk_ids" / "zarr.json").read_text())
+    assert spec.LAYOUT_ATTR not in meta["attributes"]  # default stores are unchanged
+    _write(tmp_path / "s", SMALL)
+    assert CacheReader(tmp_path / "s").layout_name == "custom"
+    with pytest.raises(ValueError, match="random_access"):
+        spec.layout_named("fast")
+
+
+def test_point_reads_on_s3_equal_local(tmp_path, s3_store):
+    url, opts = s3_store
+    recs = _write(url, SMALL, opts)
+    r = CacheReader(url, opts, decode_threads=2)
+    idx = [3, 0, 3, 39, 17]
+    for g, i in zip(r.sequences(idx), idx, strict=True):
+        assert g.equals(CacheReader(url, opts).sequence(i))
+        assert np.array_equal(g.topk_ids, recs[i].topk_ids)
+        assert np.array_equal(g.input_ids, recs[i].input_ids)
+
+
+def test_point_reads_see_only_the_snapshot(tmp_path):
+    url = Path(tmp_path / "c")
+    recs = _write(url, SMALL)
+    r = CacheReader(url)
+    more = make_records(6, k=K, vocab=300, seed=13, prefix="u")
+    with CacheWriter.open(url, make_manifest(k=K, vocab_size=300)) as w:
+        w.append(more)  # rewrites the last, partly filled shards
+    with pytest.raises(IndexError):
+        r.sequence(len(recs))
+    assert np.array_equal(r.sequence(len(recs) - 1).topk_ids, recs[-1].topk_ids)
+    r.refresh()
+    got = r.sequences([len(recs) + 5, len(recs) - 1])
+    assert np.array_equal(got[0].topk_ids, more[5].topk_ids)
+    assert np.array_equal(got[1].topk_ids, recs[-1].topk_ids)
