@@ -22,7 +22,7 @@ from logitcache.cache_format import CacheReader, validate
 from logitcache.cache_format.sampling import PAD_LOGPROB, sampling_manifest
 from server_support import ServerProcess, wait_job
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # two real server starts (~15 s each idle)
 
 MAX_LEN = 32
 #: Windows in the input (plus a few texts): enough batches of 2 for the kill to land mid-job.
