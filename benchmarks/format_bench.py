@@ -130,6 +130,7 @@ class Config:
     fsync: bool = True  # CacheWriter.open(fsync=...)
     direct: bool = True  # CacheReader(direct=...): direct shard reads, or zarr's array API
     direct_writes: bool = True  # writer.DIRECT_WRITES: shardwrite.py, or zarr's setitem
+    layout: str = "default"  # spec.LAYOUTS preset the fields above are applied to
 
 
 CONFIGS = {
@@ -154,6 +155,13 @@ CONFIGS = {
         Config("no-fsync", fsync=False),
         Config("zarr-writes", direct_writes=False),
         Config("appends-of-4-zarr-writes", append_seqs=4, direct_writes=False),
+        Config(
+            "random-access",  # the spec.LAYOUTS["random_access"] preset (FORMAT.md 4.7)
+            id_codec="blosc-lz4-bitshuffle",
+            logprob_codec="blosc-lz4-shuffle",
+            row_chunk=256,
+            layout="random_access",
+        ),
     ]
 }
 
@@ -229,7 +237,7 @@ def write_rounds(configs: list[str], data, root: Path, rounds: int) -> dict:
 def writer_for(cfg: Config, data, url: Path):
     """``(write, url)``: a function writing every row of ``data`` to a fresh store at ``url``
     with ``cfg`` (appends of ``cfg.append_seqs`` sequences)."""
-    from logitcache.cache_format import CacheWriter, Layout, Manifest
+    from logitcache.cache_format import CacheWriter, Manifest, spec
     from logitcache.cache_format import writer as writer_mod
 
     n_seq = data[0]
@@ -242,7 +250,7 @@ def writer_for(cfg: Config, data, url: Path):
         id_remap=cfg.id_remap,
     )
     layout = replace(
-        Layout(),
+        spec.layout_named(cfg.layout),
         id_codec=cfg.id_codec,
         logprob_codec=cfg.logprob_codec,
         row_chunk=cfg.row_chunk,

@@ -137,6 +137,24 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def profile(reader: Any, picks: list[int], top: int = 14) -> list[str]:
+    """cProfile of ``sequence(i)`` over ``picks`` (one thread): the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    for i in picks[:20]:
+        reader.sequence(i)
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in picks:
+        reader.sequence(i)
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-top - 2 :]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from logitcache.cache_format import CacheReader, validate
 
@@ -228,6 +246,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pos = int(rs[min(n_seq, args.seq_sequences)])
         res["sequential_rows_pos_per_s"] = pos / w
         res["sequential_rows_pos_per_cpu_s"] = pos / c
+        if args.profile:
+            res["profile_point_t1"] = profile(CacheReader(url), picks)
+            res["profile_range_path"] = profile(ref, picks)
         if args.validate:
             t0 = time.perf_counter()
             rep = validate(url)
@@ -249,6 +270,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-sequences", type=int, default=1024, help="sequences read sequentially")
     p.add_argument("--validate", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile of sequence(i), one thread")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args()

@@ -17,6 +17,7 @@ the calling thread, vectorised (about 2x faster than numpy's cumulative sum alon
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,13 +110,29 @@ def _decode_task(
             if a <= r0 and r1 <= b:  # the whole chunk is inside the range: decode in place
                 shardread.decode_frame(lay, frame, g, out[r0 - a : r1 - a], f"{lo}:{hi}")
                 return
-        scratch = lay.empty(cr)
+        scratch = _scratch(lay)
         shardread.decode_frame(lay, frame, g, scratch, f"{lo}:{hi}")
         for out, a, b in targets:
             x, y = max(a, r0), min(b, r1)
             out[x - a : y - a] = scratch[x - r0 : y - r0]
 
     return task
+
+
+_local = threading.local()
+
+
+def _scratch(lay: DirectLayout) -> np.ndarray:
+    """This thread's scratch chunk for ``lay``'s chunk shape (reused: a decode task copies out of
+    it before the thread runs another)."""
+    cache = getattr(_local, "scratch", None)
+    if cache is None:
+        cache = _local.scratch = {}
+    key = (lay.dtype.str, lay.chunk_rows, lay.inner)
+    buf = cache.get(key)
+    if buf is None:
+        buf = cache[key] = lay.empty(lay.chunk_rows)
+    return buf
 
 
 # --------------------------------------------------------------------------- row-block kernels

@@ -179,3 +179,18 @@ def test_point_reads_see_only_the_snapshot(tmp_path):
     got = r.sequences([len(recs) + 5, len(recs) - 1])
     assert np.array_equal(got[0].topk_ids, more[5].topk_ids)
     assert np.array_equal(got[1].topk_ids, recs[-1].topk_ids)
+
+
+def test_spec_reader_decodes_the_random_access_preset(tmp_path):
+    """FORMAT.md alone (tests/spec_reader.py) decodes a ``random_access`` store to the reader's
+    values: the preset is a layout the spec describes, nothing more."""
+    from spec_reader import SpecStore
+
+    url = tmp_path / "c"
+    _write(url, spec.RANDOM_ACCESS_LAYOUT)
+    got = SpecStore(url).decode()
+    r = CacheReader(url)
+    block = r.rows(0, r.num_rows)
+    assert np.array_equal(got["topk_ids"], block.topk_ids)
+    assert np.array_equal(got["topk_logprobs"].view(np.uint32), block.topk_logprobs.view(np.uint32))
+    assert np.array_equal(got["input_ids"], r.tokens(0, r.num_tokens))

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# benchmarks/random_access_bench.py (+ format_bench's default vs random-access configs and the
+# random-access tests) on a box where the project is not installed (the device H200 box): the
+# wheels carried in .whl (zarr, numcodecs, google-crc32c, pydantic, ...) go to /tmp/site, the
+# logitcache namespace is made of symlinks to the repository's folders.
+# Usage: bash benchmarks/random_access_device.sh OUTDIR [random_access_bench.py options...]
+set -uo pipefail
+out="$1"
+shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+mkdir -p /tmp/lcpkg/logitcache "$out"
+for d in cache_format client server fixtures protocol; do ln -sfn "$PWD/$d" "/tmp/lcpkg/logitcache/$d"; done
+export PYTHONPATH="/tmp/site:/tmp/lcpkg:$PWD/tests" PYTHONUNBUFFERED=1
+{ nproc; uptime; lscpu | grep -E "Model name|^CPU\(s\)"; } 2>&1 | tee "$out/machine.txt"
+python3 -m pytest -q -n 0 -p no:cacheprovider -o addopts="" tests/test_format_random_access.py \
+    tests/test_format_golden.py -k "not s3" 2>&1 | tail -5 | tee "$out/tests.txt"
+python3 benchmarks/random_access_bench.py --json "$out/client_random.json" "$@" 2>&1 \
+    | grep -v '^ \|^[{}]' | tee "$out/client_random_log.txt"
+python3 benchmarks/format_bench.py --rows 262144 --configs default,random-access --cores 1 \
+    --random-reads 128 --out "$out/format_random.json" --md "$out/format_random.md" 2>&1 | tail -3
