@@ -4,6 +4,8 @@ The single-worker reference is :func:`run_distributed` with one replica; the dis
 the CLI (``python -m logitcache.server.distributed --replicas 2``) in a subprocess, connected to
 this module's cluster: two vLLM engines, one per Ray actor. Their caches must be equal array for
 array, key for key, in the same order; bad input must write nothing; a re-run must score nothing.
+Sampled targets (issue #12): two replicas give the cache the service's one-process job gives
+for the same input and seed.
 """
 
 from __future__ import annotations
@@ -152,6 +154,17 @@ def reference(replicas, dataset, settings, tmp_path_factory):
 def assert_same_cache(a: CacheReader, b: CacheReader) -> None:
     """Same keys in the same order, byte-equal arrays per key."""
     assert a.keys == b.keys
+    assert a.manifest.identity() == b.manifest.identity()
+    differing = []
+    for i in range(a.num_sequences):
+        x, y = a.sequence(i), b.sequence(i)
+        for name in ("input_ids", "topk_ids", "topk_logprobs", "tail_mass"):
+            if (
+                np.ascontiguousarray(getattr(x, name)).tobytes()
+                != np.ascontiguousarray(getattr(y, name)).tobytes()
+            ):
+                differing.append((x.key, name))
+    assert not differing, f"{len(differing)} arrays differ, e.g. {differing[:3]}"
 
 
 def _run(raws, cache: Path | str, settings: ServerSettings, n: int, pool, **kw):
@@ -413,3 +426,109 @@ def test_cli_on_the_cluster_equals_the_library_run(ray_cluster, tiny, dataset, r
     # progress bars (tqdm on stderr) for both phases, over the 5 shards
     assert "check: 100%" in proc.stderr and "score: 100%" in proc.stderr, proc.stderr[-2000:]
     assert "5/5" in proc.stderr
+
+
+def test_sampled_targets_on_two_replicas_equal_the_one_process_job(
+    replicas, dataset, settings, tmp_path
+):
+    """``targets`` = sampled (tau 1.5, seed 9) on two replicas: the final cache equals, array for
+    array in the same order, the cache the service's own job (``POST /v1/jobs``, one process,
+    its own vLLM engine of the same settings) writes from the same file with the same sampling;
+    the draws depend on (seed, key, teacher row) only, not on shards or replicas. A re-run with
+    ``"sampled"`` (the cache's own parameters) scores nothing; a top-k run into it is refused
+    before anything is written."""
+    import asyncio
+
+    from logitcache.cache_format import ManifestMismatchError
+    from logitcache.cache_format.sampling import sampling_manifest
+    from logitcache.server.distributed import read_input
+    from logitcache.server.engine import SampledTargets, build_engine
+    from server_support import ThreadedServer, wait_job
+
+    path, records = dataset
+    draws = min(16, replicas.info.vocab_size)
+    chosen = SampledTargets(draws=draws, proposal_temperature=1.5, seed=9)
+    cache = tmp_path / "sampled"
+    report = _run(read_input(path), cache, settings, 2, replicas, dataset=path.name,
+                  targets=chosen)  # fmt: skip
+    assert report.targets == "sampled" and report.committed == len(records) - 1
+    assert len(report.workers) == 2, f"both replicas should score shards: {report.workers}"
+    got = CacheReader(cache)
+    assert got.manifest.sampling == sampling_manifest(draws, 1.5, 9) and got.manifest.k == draws
+    assert validate(cache).ok
+
+    work = tmp_path / "service"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / path.name).write_text(path.read_text())
+    job_settings = settings.model_copy(update={
+        "store_root": str(work / "caches"), "data_dir": work / "data", "state_dir": work / "state",
+    })  # fmt: skip
+    engine = build_engine(job_settings)
+    try:
+        with ThreadedServer(job_settings, engine) as srv, srv.client() as c:
+            body = {"cache": "job", "file": {"path": path.name}, "dataset": path.name,
+                    "targets": "sampled", "sampling": {"draws": draws,
+                    "proposal_temperature": 1.5, "seed": 9}}  # fmt: skip
+            r = c.post("/v1/jobs", json=body)
+            assert r.status_code == 201, r.text
+            assert wait_job(c, r.json()["id"], timeout=240)["state"] == "succeeded"
+    finally:
+        asyncio.run(engine.aclose())
+    assert_same_cache(got, CacheReader(work / "caches" / "job"))
+
+    again = _run(read_input(path), cache, settings, 2, replicas, targets="sampled")
+    assert again.scored_sequences == 0 and again.committed == 0
+    before = sorted(p.name for p in cache.rglob("*"))
+    with pytest.raises(ManifestMismatchError, match="targets"):
+        _run(read_input(path), cache, settings, 2, replicas)  # top-k into a sampled cache
+    with pytest.raises(InvalidInputError, match="draws"):
+        _run(read_input(path), tmp_path / "never", settings, 2, replicas,
+             targets=SampledTargets(draws=replicas.info.vocab_size + 1))  # fmt: skip
+    assert sorted(p.name for p in cache.rglob("*")) == before
+    assert not (tmp_path / "never").exists() and not (tmp_path / "never.staging").exists()
+
+
+def test_cli_sampled_flags_are_checked_before_any_engine_loads(
+    tmp_path, tiny, dataset, capsys, monkeypatch
+):
+    """``--draws`` without ``--targets sampled`` is a settings error; ``--targets sampled`` into
+    an existing top-k cache is a conflict naming ``targets``, ``sampling`` and ``k``: exit 2,
+    one JSON line, before Ray or an engine starts (both patched to fail); nothing written."""
+    from format_support import make_records
+    from logitcache.cache_format import CacheWriter
+    from logitcache.server import distributed
+    from logitcache.server.caches import expected_manifest
+    from logitcache.server.engine import engine_config
+    from logitcache.server.engine.config import planned_info
+
+    cfg = engine_config(ServerSettings(_env_file=None, **_settings_kw(tiny)))  # type: ignore[call-arg]
+    manifest = expected_manifest(planned_info(cfg), k=cfg.max_k, logprob_dtype="float16")
+    cache = tmp_path / "topk"
+    with CacheWriter.open(cache, manifest) as w:
+        w.append(make_records(2, k=manifest.k, vocab=manifest.vocab_size))
+    before = sorted(p.name for p in cache.rglob("*"))
+
+    def never(*a, **kw):
+        raise AssertionError("Ray or an engine started")
+
+    monkeypatch.setattr(distributed, "init_local_ray", never)
+    monkeypatch.setattr(distributed, "Replicas", never)
+    path, _ = dataset
+    base = ["--input", str(path), "--cache", str(cache), *_server_flags(tiny)]
+    for extra, code, fields in (
+        (["--draws", "4"], "invalid_settings", None),
+        (["--targets", "sampled", "--draws", "4", "--sampling-seed", "3"], "conflict",
+         ["k", "sampling", "targets"]),
+        (["--targets", "sampled", "--proposal-temperature", "0"], "invalid_settings", None),
+    ):  # fmt: skip
+        assert distributed.main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        (line,) = [x for x in err.splitlines() if x.startswith('{"error"')]
+        error = json.loads(line)
+        assert error["error"] == code, error
+        if fields is not None:
+            assert error["detail"] == fields, error
+        else:
+            assert "targets" in error["message"] or "proposal" in error["message"], error
+    assert sorted(p.name for p in cache.rglob("*")) == before
+    assert not Path(f"{cache}.staging").exists()
