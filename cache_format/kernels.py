@@ -93,3 +93,29 @@ def half_to_float(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         return out
     torch.from_numpy(out).copy_(torch.from_numpy(h))
     return out
+
+
+#: Elements per torch call of :func:`float_to_half`: below torch's parallel grain size (32768),
+#: so the conversion stays on the calling thread (in the service it shares the process with an
+#: in-process engine whose OpenMP threads must not be competed with).
+HALF_BLOCK = 1 << 15
+
+
+def float_to_half(x: np.ndarray) -> np.ndarray:
+    """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``.
+
+    numpy converts one value at a time (~3.5 ns per value here: 0.35 CPU-us per position at
+    k=100 on the writer's path, issue #19); torch's vectorised cast is ~4x cheaper. It runs in
+    blocks of :data:`HALF_BLOCK` elements, each on the calling thread."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    torch = _torch()
+    if torch is None:
+        return x.astype(np.float16)
+    if not x.flags.writeable:  # torch.from_numpy warns on read-only arrays
+        x = x.copy()
+    out = np.empty(x.shape, dtype=np.float16)
+    src, dst = x.reshape(-1), out.reshape(-1)
+    for a in range(0, src.size, HALF_BLOCK):
+        b = min(a + HALF_BLOCK, src.size)
+        torch.from_numpy(dst[a:b]).copy_(torch.from_numpy(src[a:b]))
+    return out

