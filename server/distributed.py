@@ -7,9 +7,8 @@ Settings (:class:`DistributedSettings`) are the server's pydantic settings plus 
 read the same way (flags > ``LOGITCACHE_*`` environment > ``.env``). Before Ray or any engine
 starts, the input is read and an existing target cache is checked against this run's teacher
 identity, k and target kind (:func:`check_target_early`); any problem is one JSON line on
-stderr. While the
-shards are checked and scored, tqdm bars on stderr show shards done and sequences/tokens scored
-(``--no-progress`` turns them off).
+stderr. While the shards are checked and scored, tqdm bars on stderr show shards done and
+sequences/tokens scored (``--no-progress`` turns them off).
 
 Each replica is a Ray actor (:class:`ShardWorker`) that owns one teacher engine
 (:func:`logitcache.server.engine.build_engine`, the service's own backends); a large teacher spans
