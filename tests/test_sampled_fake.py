@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_support import FakeEngine, app_settings, fake_logprobs, fake_sampled
+from engine_support import FakeEngine, app_settings, fake_logprobs, fake_sampled, in_process
 from logitcache.cache_format import CacheReader, validate
 from logitcache.cache_format.sampling import PAD_LOGPROB, sampling_manifest
 from logitcache.server.engine import EngineInputError, SampledTargets
@@ -68,6 +68,33 @@ def test_fake_engine_samples_its_own_distribution() -> None:
     assert any((a.topk_ids != b.topk_ids).any() for a, b in zip(got, other, strict=True))
     with pytest.raises(EngineInputError, match="draws"):
         asyncio.run(engine.score_sampled(prompts, ["a", "b"], SampledTargets(draws=301)))
+
+
+def test_score_route_returns_the_fake_sampled_rows(tmp_path: Path) -> None:
+    """``POST /v1/score`` with ``targets="sampled"`` on the fake teacher: the engine's sampled
+    rows (keyed by the request's keys); without ``sampling``, the defaults (64 draws, seed 0)."""
+    engine = FakeEngine()
+    prompts = [[1, 5, 9, 200, 7, 33, 2], [1, 2, 3, 4]]
+    ask = {"targets": "sampled", "sampling": {"draws": 8, "seed": 2}}
+
+    async def main() -> list[Any]:
+        async with in_process(app_settings(tmp_path), engine) as c:
+            out = []
+            for body in (ask, {"targets": "sampled"}, {**ask, "k": 4}):
+                r = await c.post("/v1/score", json={"input_ids": prompts, "keys": ["a", "b"],
+                                                    **body})  # fmt: skip
+                out.append(r)
+            return out
+
+    given, default, bad = asyncio.run(main())
+    assert given.status_code == 200 and given.json()["k"] == 8, given.text
+    assert default.status_code == 200 and default.json()["k"] == 64, default.text
+    assert bad.status_code == 422, bad.text
+    for resp, t in ((given, SampledTargets(8, seed=2)), (default, SampledTargets(64))):
+        for seq, ids, key in zip(resp.json()["sequences"], prompts, ("a", "b"), strict=True):
+            ref = fake_sampled(ids, key, t, engine.info)
+            assert seq["topk_ids"] == ref.topk_ids.tolist()
+            np.testing.assert_allclose(seq["topk_logprobs"], ref.topk_logprobs, rtol=1e-6)
 
 
 def _cli(url: str, *argv: str) -> tuple[int, str]:
