@@ -83,9 +83,21 @@ def make_records(positions: int, seed: int = 0, pool_rows: int = 65536) -> list:
     return out
 
 
+def layout_of(label: str) -> Any:
+    """``preset`` or ``preset:field=int,...`` (an experiment: the preset with those fields)."""
+    from dataclasses import replace
+
+    from logitcache.cache_format import spec
+
+    name, _, over = label.partition(":")
+    fields = {k: int(v) for k, v in (kv.split("=") for kv in over.split(",") if kv)}
+    layout = spec.layout_named(name)
+    return replace(layout, **fields, name=label) if fields else layout
+
+
 def build(url: str, records: list, layout_name: str) -> dict[str, Any]:
     import numcodecs.blosc
-    from logitcache.cache_format import CacheWriter, Manifest, spec
+    from logitcache.cache_format import CacheWriter, Manifest
 
     numcodecs.blosc.set_nthreads(1)
     manifest = Manifest(
@@ -96,7 +108,7 @@ def build(url: str, records: list, layout_name: str) -> dict[str, Any]:
         dataset="synthetic (benchmarks/random_access_bench.py)",
     )
     t0, c0 = time.perf_counter(), time.process_time()
-    layout = spec.layout_named(layout_name)
+    layout = layout_of(layout_name)
     with CacheWriter.open(url, manifest, layout=layout, fsync=False) as w:
         batch, n = [], 0
         for rec in records:
@@ -265,7 +277,7 @@ def main() -> None:
     p.add_argument("--root", default="/tmp/ra-bench")
     p.add_argument("--positions", type=int, default=2_000_000)
     p.add_argument("--layouts", nargs="+", default=["default", "random_access"])
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--reads", type=int, default=320)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-sequences", type=int, default=1024, help="sequences read sequentially")

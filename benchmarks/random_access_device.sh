@@ -4,6 +4,7 @@
 # wheels carried in .whl (zarr, numcodecs, google-crc32c, pydantic, ...) go to /tmp/site, the
 # logitcache namespace is made of symlinks to the repository's folders.
 # Usage: bash benchmarks/random_access_device.sh OUTDIR [random_access_bench.py options...]
+# (RA_SKIP_FORMAT=1: without the format bench)
 set -uo pipefail
 out="$1"
 shift
@@ -17,5 +18,5 @@ python3 -m pytest -q -n 0 -p no:cacheprovider -o addopts="" tests/test_format_ra
     tests/test_format_golden.py -k "not s3" 2>&1 | tail -5 | tee "$out/tests.txt"
 python3 benchmarks/random_access_bench.py --json "$out/client_random.json" "$@" 2>&1 \
     | grep -v '^ \|^[{}]' | tee "$out/client_random_log.txt"
-python3 benchmarks/format_bench.py --rows 262144 --configs default,random-access --cores 1 \
+[ -n "${RA_SKIP_FORMAT:-}" ] || python3 benchmarks/format_bench.py --rows 262144 --configs default,random-access --cores 1 \
     --random-reads 128 --out "$out/format_random.json" --md "$out/format_random.md" 2>&1 | tail -3

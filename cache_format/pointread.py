@@ -29,6 +29,12 @@ from .shardread import DirectLayout
 BLOCK_ELEMENTS = 32_000
 """Elements per row-block kernel call (below torch's intra-op grain size of 32,768)."""
 
+PARALLEL_MIN_BYTES = 192 * 1024
+"""Only tasks that decode at least this many bytes run on the decode threads: smaller ones (the
+``random_access`` preset's 100 KB chunks of 256 rows, the logprob row blocks) hold the GIL for
+too large a share of their time, and threads made them slower (benchmarks/results/client.md,
+random access); they run in the calling thread."""
+
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
 
@@ -36,17 +42,22 @@ Job = tuple[str, int, int]
 def run_tasks(
     tasks: list[Callable[[], None]], cost: list[int], pool: ThreadPoolExecutor | None, n: int
 ) -> None:
-    """Run ``tasks``: inline, or in ``n`` balanced groups on ``pool`` (longest first)."""
-    if pool is None or n <= 1 or len(tasks) <= 1:
+    """Run ``tasks`` (``cost``: bytes each decodes). With a pool and ``n > 1``, the tasks of at
+    least :data:`PARALLEL_MIN_BYTES` go in ``n`` balanced groups (longest first), ``n - 1`` of
+    them on the pool; the calling thread runs the last group and every smaller task."""
+    big = [i for i, c in enumerate(cost) if c >= PARALLEL_MIN_BYTES]
+    if pool is None or n <= 1 or len(big) <= 1:
         for t in tasks:
             t()
         return
-    groups: list[list[Callable[[], None]]] = [[] for _ in range(min(n, len(tasks)))]
+    groups: list[list[Callable[[], None]]] = [[] for _ in range(min(n, len(big)))]
     load = [0] * len(groups)
-    for i in sorted(range(len(tasks)), key=lambda i: -cost[i]):
+    for i in sorted(big, key=lambda i: -cost[i]):
         g = load.index(min(load))
         groups[g].append(tasks[i])
         load[g] += cost[i]
+    small = set(range(len(tasks))).difference(big)
+    groups[0] += [tasks[i] for i in sorted(small)]
 
     def run(group: list[Callable[[], None]]) -> None:
         for t in group:
@@ -104,14 +115,15 @@ def _decode_task(
     lo = min(max(a, r0) for _, a, _ in targets)
     hi = max(min(b, r1) for _, _, b in targets)
 
+    whole = len(targets) == 1 and targets[0][1] <= r0 and r1 <= targets[0][2]
+
     def task() -> None:
-        if len(targets) == 1:
-            out, a, b = targets[0]
-            if a <= r0 and r1 <= b:  # the whole chunk is inside the range: decode in place
-                shardread.decode_frame(lay, frame, g, out[r0 - a : r1 - a], f"{lo}:{hi}")
-                return
+        if whole:  # the chunk lies inside the one range that uses it: decode in place
+            out, a, _ = targets[0]
+            shardread.decode_frame(lay, frame, g, out[r0 - a : r1 - a], (lo, hi))
+            return
         scratch = _scratch(lay)
-        shardread.decode_frame(lay, frame, g, scratch, f"{lo}:{hi}")
+        shardread.decode_frame(lay, frame, g, scratch, (lo, hi))
         for out, a, b in targets:
             x, y = max(a, r0), min(b, r1)
             out[x - a : y - a] = scratch[x - r0 : y - r0]

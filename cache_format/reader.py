@@ -454,7 +454,7 @@ class CacheReader:
                     lp = np.empty(d.shape, dtype=np.float32)
                 for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
                     tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
-                    cost.append((b - a) * d.shape[1])
+                    cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
             else:
                 if order is not None:
                     ids = order[ids]

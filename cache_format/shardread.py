@@ -269,17 +269,24 @@ async def fetch(lay: DirectLayout, start: int, stop: int) -> list[_Shard]:
 
 
 # --------------------------------------------------------------------------- decoding (CPU)
+def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
+    """Why ``frame`` (blosc frame + CRC32C) cannot decode to ``nbytes`` bytes, or ``None``."""
+    if not _crc_ok(frame):
+        return "chunk fails its CRC32C"
+    if frame.size < _BLOSC_HEADER + 4:
+        return "chunk shorter than a blosc header"
+    got, _blocksize, cbytes = frame[4:16].view("<u4").tolist()
+    if got != nbytes or cbytes != frame.size - 4:
+        return f"blosc frame of {got} bytes, expected {nbytes}"
+    return None
+
+
 def _decode_chunk(lay: DirectLayout, frame: np.ndarray, dest: np.ndarray, where: str) -> None:
     """Verify the CRC32C of one inner chunk and blosc-decode it into ``dest`` (a full chunk)."""
-    if not _crc_ok(frame):
-        raise ChecksumError(f"{where}: chunk fails its CRC32C")
-    body = frame[:-4]
-    if body.size < _BLOSC_HEADER:
-        raise ChecksumError(f"{where}: chunk shorter than a blosc header")
-    nbytes, _blocksize, cbytes = body[4:16].view("<u4").tolist()
-    if nbytes != dest.nbytes or cbytes != body.size:
-        raise ChecksumError(f"{where}: blosc frame of {nbytes} bytes, expected {dest.nbytes}")
-    numcodecs.blosc.decompress(body, dest)
+    err = _frame_error(frame, dest.nbytes)
+    if err is not None:
+        raise ChecksumError(f"{where}: {err}")
+    numcodecs.blosc.decompress(frame[:-4], dest)
 
 
 def decode(lay: DirectLayout, shards: list[_Shard], start: int, stop: int, out: np.ndarray) -> None:
@@ -427,18 +434,22 @@ def chunk_frames(wanted: list[tuple[DirectLayout, Iterable[int]]]) -> list[Frame
 
 
 def decode_frame(
-    lay: DirectLayout, frame: np.ndarray | None, chunk: int, dest: np.ndarray, rows: str
+    lay: DirectLayout, frame: np.ndarray | None, chunk: int, dest: np.ndarray, rows: tuple[int, int]
 ) -> None:
     """Decode the frame of global chunk ``chunk`` into ``dest`` (a full chunk, C-contiguous);
     an absent frame is :class:`MissingDataError` in a strict store, else the fill value.
-    ``rows``: the entries asked for, for the error message."""
-    if frame is None:
-        if lay.strict:
-            s, c = divmod(chunk, lay.chunks_per_shard)
-            raise MissingDataError(
-                f"array {lay.name}: entries {rows} not stored (chunk {c} of shard {s} missing)"
-            )
-        dest.fill(lay.fill_value)
-        return
-    s, c = divmod(chunk, lay.chunks_per_shard)
-    _decode_chunk(lay, frame, dest, f"{lay.name} shard {s} chunk {c}")
+    ``rows``: the entries asked for ``(lo, hi)``, for the error message."""
+    if frame is not None:
+        err = _frame_error(frame, dest.nbytes)
+        if err is None:
+            numcodecs.blosc.decompress(frame[:-4], dest)
+            return
+        s, c = divmod(chunk, lay.chunks_per_shard)
+        raise ChecksumError(f"{lay.name} shard {s} chunk {c}: {err}")
+    if lay.strict:
+        s, c = divmod(chunk, lay.chunks_per_shard)
+        raise MissingDataError(
+            f"array {lay.name}: entries {rows[0]}:{rows[1]} not stored "
+            f"(chunk {c} of shard {s} missing)"
+        )
+    dest.fill(lay.fill_value)

@@ -18,7 +18,7 @@ import format_support
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, Layout, spec, validate
+from logitcache.cache_format import CacheReader, CacheWriter, Layout, pointread, spec, validate
 from logitcache.cache_format.errors import ChecksumError, CorruptStoreError
 
 s3_endpoint = format_support.s3_endpoint
@@ -60,7 +60,8 @@ CASES = [
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
 @pytest.mark.parametrize("threads", [1, 3])
-def test_point_reads_equal_the_range_path(tmp_path, kw, threads):
+def test_point_reads_equal_the_range_path(tmp_path, monkeypatch, kw, threads):
+    monkeypatch.setattr(pointread, "PARALLEL_MIN_BYTES", 0)  # tiny chunks go to the threads too
     recs = _write(tmp_path / "c", SMALL, **kw)
     point = CacheReader(tmp_path / "c", decode_threads=threads)
     ranged = CacheReader(tmp_path / "c")
@@ -92,7 +93,8 @@ def test_point_reads_torch_output_and_float16_request(tmp_path):
             assert a[name].dtype == b[name].dtype and bool((a[name] == b[name]).all()), name
 
 
-def test_point_read_of_a_damaged_chunk_is_a_checksum_error(tmp_path):
+def test_point_read_of_a_damaged_chunk_is_a_checksum_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(pointread, "PARALLEL_MIN_BYTES", 0)  # the error comes from a thread
     url = tmp_path / "c"
     _write(url, SMALL)
     shard = url / "topk_ids" / "c" / "0" / "0"
