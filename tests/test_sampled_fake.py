@@ -230,3 +230,23 @@ def test_shard_steps_write_the_jobs_sampled_rows(tmp_path: Path) -> None:
         chosen_targets(SampledTargets(draws=engine.info.vocab_size + 1), None, engine.info)
     with pytest.raises(InvalidInputError, match="proposal_temperature"):
         chosen_targets(SampledTargets(draws=4, proposal_temperature=0.0), None, engine.info)
+
+
+def test_distributed_settings_read_the_sampled_flags(tmp_path: Path) -> None:
+    """``logitcache-distributed``'s sampled flags as the run's ``targets``: the parameters given
+    (defaults for the rest), ``"sampled"`` when none is given (the cache's own, else the
+    defaults), ``None`` for top-k; a sampling flag without ``--targets sampled`` is refused."""
+    from logitcache.server.distributed import load_distributed_settings
+    from pydantic import ValidationError
+
+    base = ["--input", str(tmp_path / "in.jsonl"), "--cache", str(tmp_path / "c"), "--model", "m"]
+    read = lambda *a: load_distributed_settings([*base, *a]).sampled_targets()  # noqa: E731
+    assert read() is None and read("--targets", "topk") is None
+    assert read("--targets", "sampled") == "sampled"
+    got = read("--targets", "sampled", "--draws", "12", "--sampling-seed", "5")
+    assert got == SampledTargets(draws=12, proposal_temperature=1.0, seed=5)
+    assert read("--targets", "sampled", "--proposal-temperature", "2") == SampledTargets(64, 2.0)
+    for bad in (["--draws", "4"], ["--targets", "topk", "--sampling-seed", "1"],
+                ["--targets", "sampled", "--draws", "0"], ["--targets", "other"]):  # fmt: skip
+        with pytest.raises(ValidationError):
+            read(*bad)
