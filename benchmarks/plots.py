@@ -116,12 +116,18 @@ def distill_plot(result_json: str | Path, out: str | Path) -> Path:
     seeds = result.get("seeds") or [result]
     first = seeds[0] if isinstance(seeds, list) else result
     note = f"{Path(result_json).name}, mean of {len(seeds)} seed(s); {first.get('machine', '')}"
+    if "models" in first and "train" in first:
+        note += (
+            f"; teacher vocab {first['models']['vocab_size']}, "
+            f"{first['train']['steps']} steps x {first['train']['batch_items']} x "
+            f"{first['train']['tokens_per_item']} tokens"
+        )
     return line_plot(
         out,
         series,
         title="distillation: held-out KL vs bytes stored per position",
         xlabel="bytes / position (whole store on disk)",
-        ylabel="held-out KL (student || teacher)",
+        ylabel="held-out KL (teacher || student)",
         hline=online,
         hline_label="online KD (no cache)",
         note=note,
