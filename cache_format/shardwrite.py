@@ -26,6 +26,7 @@ on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
@@ -116,12 +117,39 @@ async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np
     return keep, head
 
 
-async def _write_shard(lay: DirectLayout, shard: int, off: int, rows: np.ndarray) -> None:
-    """Write ``rows`` at row ``off`` of ``shard`` (rows below ``off`` are committed)."""
+@dataclass
+class LastShard:
+    """What this process last wrote to an array's last shard: the chunk frames it holds and the
+    rows of its last chunk, as of row ``end`` of the shard (issue #19). The next append, when it
+    starts at that row of that shard, takes the committed chunks from here instead of reading
+    the shard back and decoding its partial chunk: the same bytes (every object it writes is
+    still the one :func:`_existing` would give), without the read. The caller keeps one per
+    array and drops it whenever the array may have changed under it."""
+
+    shard: int = -1
+    end: int = 0
+    frames: list[Any] = field(default_factory=list)
+    head: np.ndarray | None = None  # rows of the chunk holding ``end`` below it
+
+
+async def _write_shard(
+    lay: DirectLayout,
+    shard: int,
+    off: int,
+    rows: np.ndarray,
+    reuse: LastShard | None = None,
+    update: LastShard | None = None,
+) -> None:
+    """Write ``rows`` at row ``off`` of ``shard`` (rows below ``off`` are committed); the
+    committed chunks come from ``reuse`` (this shard as last written, ending at ``off``) or are
+    read back; ``update`` then describes the shard as written."""
     n, c = lay.chunks_per_shard, lay.chunk_rows
-    keep: list[np.ndarray | None] = [None] * n
+    keep: list[Any] = [None] * n
     head = None
-    if off:
+    if off and reuse is not None:
+        keep[: len(reuse.frames)] = reuse.frames
+        head = reuse.head
+    elif off:
         keep, head = await _existing(lay, shard, off)
     first = off // c
     block = rows if head is None else np.concatenate([head, rows])
@@ -154,11 +182,21 @@ async def _write_shard(lay: DirectLayout, shard: int, off: int, rows: np.ndarray
     parts.append(index + google_crc32c.value(index).to_bytes(4, "little"))
     payload = b"".join(p if isinstance(p, bytes) else p.tobytes() for p in parts)
     await lay.shard_path(shard).set(default_buffer_prototype().buffer.from_bytes(payload))
+    if update is not None:  # as this shard now stands (only once its write has returned)
+        end = off + rows.shape[0]
+        done, part = divmod(end, c)
+        update.frames = [keep[i] if i < first else new[i - first] for i in range(done)]
+        update.head = np.array(block[(done - first) * c :], copy=True) if part else None
+        update.shard, update.end = shard, end
 
 
-async def write_rows(lay: DirectLayout, start: int, data: np.ndarray) -> None:
+async def write_rows(
+    lay: DirectLayout, start: int, data: np.ndarray, last: LastShard | None = None
+) -> None:
     """Write ``data`` (rows ``[start, start + len(data))``, the array already resized) shard by
-    shard, the shards concurrently; see the module docstring."""
+    shard, the shards concurrently; see the module docstring. ``last``: the array's
+    :class:`LastShard`, used when the write starts where it ends and updated to the last shard
+    written (left stale if a write fails: the caller drops it then)."""
     if data.shape[0] == 0:
         return
     data = np.ascontiguousarray(data, dtype=lay.dtype)
@@ -169,5 +207,12 @@ async def write_rows(lay: DirectLayout, start: int, data: np.ndarray) -> None:
     jobs = []
     for shard in range(start // s, (stop - 1) // s + 1):
         lo, hi = max(start, shard * s), min(stop, (shard + 1) * s)
-        jobs.append(_write_shard(lay, shard, lo - shard * s, data[lo - start : hi - start]))
+        off = lo - shard * s
+        reuse = None
+        if last is not None and last.shard == shard and last.end == off and off:
+            reuse = LastShard(shard, off, list(last.frames), last.head)  # before any update
+        update = last if shard == (stop - 1) // s else None
+        jobs.append(_write_shard(lay, shard, off, data[lo - start : hi - start], reuse, update))
+    if last is not None:
+        last.shard = -1  # stale until the last shard's write has returned
     await asyncio.gather(*jobs)

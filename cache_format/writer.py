@@ -120,9 +120,10 @@ class _DirectArray:
     head: bytes
     tail: bytes
     length: int  # the length this writer last gave the array
+    last: shardwrite.LastShard  # its last shard as written (no read-back of committed chunks)
 
     @classmethod
-    def of(cls, arr: Any, lay: Any, length: int) -> _DirectArray | None:
+    def of(cls, arr: Any, lay: Any, length: int, last: shardwrite.LastShard) -> _DirectArray | None:
         """The template of ``arr`` (``None`` if its JSON does not hold the length once)."""
         from zarr.core.metadata.v3 import ArrayV3Metadata
 
@@ -135,7 +136,7 @@ class _DirectArray:
         if raw.count(mark) != 1:
             return None
         head, tail = raw.split(mark)
-        return cls(lay, arr.store_path / "zarr.json", head, tail, length)
+        return cls(lay, arr.store_path / "zarr.json", head, tail, length, last)
 
     async def write(self, start: int, data: np.ndarray) -> None:
         """Set the length to ``start + len(data)`` and write ``data`` at ``start``."""
@@ -143,7 +144,7 @@ class _DirectArray:
         meta = self.head + str(stop).encode() + self.tail
         await asyncio.gather(
             self.meta_path.set(default_buffer_prototype().buffer.from_bytes(meta)),
-            shardwrite.write_rows(self.lay, start, data),
+            shardwrite.write_rows(self.lay, start, data, self.last),
         )
         self.length = stop
 
@@ -441,13 +442,14 @@ class CacheWriter:
             lay = direct_layout(arr, name, strict=True)
             if lay is not None and not shardwrite.supported(lay):
                 lay = None
+        last = shardwrite.LastShard()
         if lay is None:
             await arr.setitem(slice(start, stop), data)
         else:  # the same bytes as zarr's setitem, without its per-chunk machinery
-            await shardwrite.write_rows(lay, start, data)
+            await shardwrite.write_rows(lay, start, data, last)
         # kept for the next append (its metadata now says ``stop``): reused only if the array
         # still ends where this append left it, i.e. no other writer has resized it since
-        direct = None if lay is None else _DirectArray.of(arr, lay, stop)
+        direct = None if lay is None else _DirectArray.of(arr, lay, stop, last)
         if direct is not None:
             self._direct[name] = direct
         else:
