@@ -6,8 +6,9 @@ reads exactly those (:func:`.shardread.chunk_frames`: ``os.pread`` on a local st
 loop), decodes every needed chunk once per call, straight into the output when the chunk lies
 inside one requested range (else into a scratch chunk copied to each range that uses it), and
 then decodes the logprobs (row-delta inverse, float16 -> float32) in row blocks. With a thread
-pool the chunk decodes and the row blocks of one call run in parallel (blosc, CRC32C and the
-kernels release the GIL); the values do not depend on it.
+pool, the chunk decodes of at least :data:`PARALLEL_MIN_BYTES` run in parallel (blosc releases
+the GIL; ``google_crc32c`` and the Python around each task do not, so small tasks stay in the
+calling thread); the values do not depend on it.
 
 The row-block kernels use torch (when :mod:`.kernels` selects it) on blocks of at most
 :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
