@@ -71,8 +71,8 @@ def run_tasks(
     except BaseException as e:
         err = e
     for f in futures:  # every group finishes before the caller sees its buffers or an error
-        e = f.exception()
-        err = err or e
+        failed = f.exception()
+        err = err or failed
     if err is not None:
         raise err
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zarr
+from zarr.codecs import BloscCodec, ShardingCodec
 from zarr.core.sync import sync
 
 from . import idmap, pointread, shardread, spec
@@ -249,9 +250,10 @@ class CacheReader:
         d = spec.DEFAULT_LAYOUT
         if lay is None or (lay.chunk_rows, lay.shard_rows) != (d.row_chunk, d.row_shard):
             return "custom"
-        comp = next(
-            (c for c in arr.metadata.codecs[0].codecs if type(c).__name__ == "BloscCodec"), None
-        )
+        sharding = lay.metadata.codecs[0]
+        comp = None
+        if isinstance(sharding, ShardingCodec):
+            comp = next((c for c in sharding.codecs if isinstance(c, BloscCodec)), None)
         if comp is None or (comp.cname.value, comp.clevel) != ("zstd", 1):
             return "custom"
         return "default"
