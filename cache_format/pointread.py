@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import kernels, shardread
+from .errors import CorruptStoreError
 from .shardread import DirectLayout
 
 BLOCK_ELEMENTS = 32_000
@@ -45,7 +46,7 @@ def run_tasks(
 ) -> None:
     """Run ``tasks`` (``cost``: bytes each decodes). With a pool and ``n > 1``, the tasks of at
     least :data:`PARALLEL_MIN_BYTES` go in ``n`` balanced groups (longest first), ``n - 1`` of
-    them on the pool; the calling thread runs the last group and every smaller task."""
+    them on the pool; the calling thread runs the first group and every smaller task."""
     big = [i for i, c in enumerate(cost) if c >= PARALLEL_MIN_BYTES]
     if pool is None or n <= 1 or len(big) <= 1:
         for t in tasks:
@@ -88,6 +89,10 @@ def read(
     outs = [direct[n].empty(b - a) for n, a, b in jobs]
     need: dict[str, dict[int, list[int]]] = {}
     for j, (n, a, b) in enumerate(jobs):
+        if not 0 <= a <= b <= direct[n].length:  # R6: never past the committed count
+            raise CorruptStoreError(
+                f"read of {n}[{a}:{b}] past the committed {direct[n].length} entries"
+            )
         if b > a:
             cr = direct[n].chunk_rows
             per = need.setdefault(n, {})

@@ -196,3 +196,13 @@ def test_spec_reader_decodes_the_random_access_preset(tmp_path):
     assert np.array_equal(got["topk_ids"], block.topk_ids)
     assert np.array_equal(got["topk_logprobs"].view(np.uint32), block.topk_logprobs.view(np.uint32))
     assert np.array_equal(got["input_ids"], r.tokens(0, r.num_tokens))
+
+
+def test_point_read_never_reads_past_the_committed_count(tmp_path):
+    _write(tmp_path / "c", SMALL)
+    r = CacheReader(tmp_path / "c")
+    n = r.num_rows
+    with pytest.raises(CorruptStoreError, match="past the committed"):
+        pointread.read(r._direct, [("topk_ids", n - 2, n + 1)])
+    (got,) = pointread.read(r._direct, [("topk_ids", n - 2, n)])
+    assert np.array_equal(got, r.rows(n - 2, n).topk_ids)
