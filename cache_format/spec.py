@@ -97,7 +97,7 @@ RANDOM_ACCESS_LAYOUT = Layout(
     logprob_codec="blosc-lz4-shuffle",
     name="random_access",
 )
-"""Random-access preset: 256-row chunks and lz4 (about 4x cheaper to decode per row than
+"""Random-access preset: 256-row chunks and lz4 (about 2.5-3x cheaper to decode per row than
 zstd at this chunk size) for ``sequence(i)`` / ``sequences(idx)`` reads; about 320 B/position
 at k=100 instead of about 258 (benchmarks/results/client.md, random access)."""
 
