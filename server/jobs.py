@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("logitcache.server.jobs")
 
+#: Rows (positions) of scored batches that the job's writer thread may append in one commit
+#: when they are already waiting for it (pipeline._Writer): one default shard of rows.
+MERGE_ROWS = 65536
+
 
 @dataclass
 class _RunStats:
@@ -314,6 +318,8 @@ class JobRunner:
                 targets=sampled,
             ),
             write=progress.write,
+            write_many=progress.write_many,
+            merge_rows=MERGE_ROWS,
             depth=lambda: 1 if self.scoring.active else depth,
             stop=self._cancel.is_set,
             queue_size=self.settings.job_write_queue,
@@ -342,15 +348,22 @@ class _Progress:
         self.tokens_done = 0
 
     def write(self, batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
-        if records is not None:
-            self.writer.append(records)
-            self.stats.tokens_scored += batch.tokens
-            for r in records:  # live coverage (status page, job status)
+        self.write_many([(batch, records)])
+
+    def write_many(self, items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
+        """Append the scored batches of ``items`` in one commit, then advance the progress."""
+        scored = [r for _, records in items if records is not None for r in records]
+        if scored:
+            self.writer.append(scored)
+            for r in scored:  # live coverage (status page, job status)
                 tail = r.tail_or_computed()
                 self.stats.tail_sum += float(tail.sum(dtype="float64"))
                 self.stats.tail_rows += int(tail.shape[0])
-        self.sequences_done += len(batch.seqs)
-        self.tokens_done += batch.tokens
+        for batch, records in items:
+            if records is not None:
+                self.stats.tokens_scored += batch.tokens
+            self.sequences_done += len(batch.seqs)
+            self.tokens_done += batch.tokens
         self.store.progress(
             self.job.id, sequences_done=self.sequences_done, tokens_done=self.tokens_done
         )

@@ -18,8 +18,10 @@ Contract (the same for all three):
 3. :func:`run` keeps up to ``depth()`` batches in the engine, and hands each finished batch, in
    input order, to ``write(batch, records)`` in one writer thread (``records`` is ``None`` for
    a batch that was not ``todo``); ``write`` appends (one commit per batch) and then reports
-   progress. A batch is therefore committed before any later batch, and the engine is never idle
-   while results are converted and written.
+   progress. A ``write_many`` instead takes the batches already waiting for the writer thread
+   as one group (one commit for the group: a writer behind the engine pays its per-commit
+   costs less often). A batch is therefore committed before any later batch, and the engine
+   is never idle while results are converted and written.
 
 Stopping: :func:`run` raises :class:`Stopped` when ``stop()`` turns true between batches; the
 batches already scored are written first, the ones still in the engine are cancelled.
@@ -133,11 +135,34 @@ async def score_records(
     return await asyncio.to_thread(to_records, seqs, scores)
 
 
-class _Writer:
-    """The writer thread: ``write(batch, records)`` for each item, in order, off the loop."""
+#: Writes several scored batches at once (one append, one commit), in order: ``(batch,
+#: records)`` items as :data:`WriteFn` takes them.
+WriteManyFn = Callable[[list[tuple[Batch, "list[SequenceRecord] | None"]]], None]
 
-    def __init__(self, write: WriteFn, maxsize: int, name: str):
+
+def _rows(item: tuple[Batch, list[SequenceRecord] | None]) -> int:
+    return sum(s.length - 1 for s in item[0].seqs)
+
+
+class _Writer:
+    """The writer thread: ``write(batch, records)`` for each item, in order, off the loop. With
+    ``write_many``, the items already waiting in the queue when one is taken are written with
+    it, up to ``merge_rows`` rows (issue #19): one append and one commit for the group, so a
+    writer that falls behind the engine pays its per-commit costs (array metadata, fsyncs, the
+    manifest commit, rewriting the partly filled shards) once per group instead of per batch.
+    A writer that keeps up finds the queue empty and writes batch by batch as before."""
+
+    def __init__(
+        self,
+        write: WriteFn,
+        maxsize: int,
+        name: str,
+        write_many: WriteManyFn | None = None,
+        merge_rows: int = 0,
+    ):
         self._write = write
+        self._write_many = write_many
+        self._merge_rows = merge_rows
         self.error: BaseException | None = None
         self._queue: queue.Queue[tuple[Batch, list[SequenceRecord] | None] | None] = queue.Queue(
             maxsize
@@ -165,7 +190,23 @@ class _Writer:
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                self._write(*item)
+                if self._write_many is None:
+                    self._write(*item)
+                    continue
+                group, rows, done = [item], _rows(item), False
+                while rows < self._merge_rows:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        done = True
+                        break
+                    group.append(more)
+                    rows += _rows(more)
+                self._write_many(group)
+                if done:
+                    break
         except BaseException as e:  # noqa: BLE001 - re-raised to the pipeline, never lost
             self.error = e
             while True:  # unblock a producer waiting on a full queue
@@ -184,8 +225,13 @@ async def run(
     stop: Callable[[], bool] = lambda: False,
     queue_size: int = 4,
     name: str = "pipeline-writer",
+    write_many: WriteManyFn | None = None,
+    merge_rows: int = 0,
 ) -> None:
     """Score every ``todo`` batch of ``batches`` and ``write`` every batch, in order.
+
+    With ``write_many``, batches already waiting for the writer thread are written together, up
+    to ``merge_rows`` rows (see :class:`_Writer`); ``write`` is then unused.
 
     ``batches`` is drawn in a worker thread (forming a batch reads the input and asks the cache).
     ``depth()`` (read after each batch is handed out) bounds the batches in the engine;
@@ -194,7 +240,7 @@ async def run(
     error of scoring or writing; either way every batch already handed to the writer is written
     before this returns or raises.
     """
-    writer = _Writer(write, queue_size, name)
+    writer = _Writer(write, queue_size, name, write_many, merge_rows)
     inflight: deque[tuple[Batch, asyncio.Future[list[SequenceRecord] | None]]] = deque()
 
     async def drain_one() -> None:

@@ -1,0 +1,63 @@
+"""pipeline.run with ``write_many``: batches already waiting for a slow writer are written as one
+group (in order, up to ``merge_rows`` rows), every batch exactly once; a writer that keeps up
+writes them one by one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from engine_support import FakeEngine
+from logitcache.server import inputs, pipeline
+
+pytestmark = pytest.mark.fast
+
+K = 4
+LIMITS = inputs.Limits(vocab_size=300, max_seq_len=512)
+
+
+def _seqs(n: int) -> list[inputs.Sequence]:
+    raws = [
+        inputs.RawRecord(where=f"r{i}", id=f"s{i}", text=None, input_ids=[1, 2 + i, 3, 4 + i, 9])
+        for i in range(n)
+    ]
+    return list(inputs.sequences(raws, FakeEngine().tokenize, LIMITS))
+
+
+def _run(n: int, merge_rows: int, gate: threading.Event | None) -> list[list[str]]:
+    engine = FakeEngine()
+    groups: list[list[str]] = []
+
+    def write_many(items: list) -> None:
+        if gate is not None:
+            gate.wait(5)  # the first group waits until every batch is scored and queued
+        groups.append([s.key for b, recs in items for s in b.seqs if recs is not None])
+
+    async def main() -> None:
+        await pipeline.run(
+            pipeline.plan(_seqs(n), lambda keys: keys, max_sequences=1, max_tokens=99),
+            score=lambda b: pipeline.score_records(engine, b, K),
+            write=lambda b, r: pytest.fail("write_many takes every batch"),
+            write_many=write_many,
+            merge_rows=merge_rows,
+            depth=lambda: 2,
+            queue_size=8,
+        )
+
+    if gate is not None:
+        threading.Timer(0.5, gate.set).start()  # all 6 batches are queued well before that
+    asyncio.run(main())
+    return groups
+
+
+def test_waiting_batches_are_written_as_one_group_in_order() -> None:
+    groups = _run(6, merge_rows=10_000, gate=threading.Event())
+    assert [k for g in groups for k in g] == [f"s{i}" for i in range(6)]
+    assert len(groups) < 6 and max(len(g) for g in groups) >= 3
+
+
+def test_merge_rows_bounds_a_group() -> None:
+    groups = _run(6, merge_rows=8, gate=threading.Event())  # 4 rows per sequence: 2 per group
+    assert [k for g in groups for k in g] == [f"s{i}" for i in range(6)]
+    assert all(len(g) <= 2 for g in groups) and len(groups) >= 3
