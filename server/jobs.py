@@ -54,7 +54,7 @@ log = logging.getLogger("logitcache.server.jobs")
 #: and at most MERGE_VALUES top-k entries (``rows * k``): a larger group's arrays outgrow the
 #: CPU caches and cost more per position than the commits it saves (measured at k=100).
 MERGE_ROWS = 65536
-MERGE_VALUES = 1 << 21
+MERGE_VALUES = 1 << 20
 
 
 @dataclass
