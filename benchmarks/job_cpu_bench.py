@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 4096  # the tiny fixture teacher's vocabulary
+VOCAB = 4096  # the replay engine's vocabulary (no real teacher runs in this bench)
 PROFILE = False  # --profile: cProfile of the event-loop thread during the job
 
 

@@ -60,7 +60,7 @@ from server_support import ServerProcess  # noqa: E402
 KEY = "load-bench-key"
 SEQ_LEN = 1000
 BIG_SEQS = 8
-VOCAB = 4096
+VOCAB = 1024  # replaced by the fixture teacher's vocabulary in main_async
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -522,7 +522,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     multiprocessing = "1" if args.engine == "async" else "0"
     server_support.VLLM_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
 
-    teacher = str(build_tiny_models().teacher_dir)
+    global VOCAB
+    tiny = build_tiny_models()
+    teacher, VOCAB = str(tiny.teacher_dir), tiny.vocab_size  # ids the teacher accepts
     modes = []
     for m in args.modes.split(","):
         modes.append(await run_mode(m, args, teacher))
