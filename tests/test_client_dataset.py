@@ -374,22 +374,22 @@ def test_read_ranges_equals_per_sequence_reads(cache) -> None:
 def test_complete_shard_index_is_read_once_per_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A partial read of a complete shard (all rows committed) reuses its parsed index: one suffix
-    request fewer per such array; incomplete shards are always re-read; a new commit drops it."""
+    """A partial read of a complete shard (all rows committed) reuses its parsed index: one index
+    read fewer per such array; incomplete shards are always re-read; a new commit drops it."""
     from logitcache.cache_format import CacheReader, shardread, spec
 
     url = str(tmp_path / "big")
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, VOCAB, size=1000).astype(np.int32) for _ in range(70)]
     build_cache(url, seqs[:69])  # 68,931 rows: row shard 0 (65,536 rows) is complete
-    calls: list[int] = []
-    real = shardread.SuffixByteRequest
+    calls: list[int] = []  # one entry per shard index read and parsed (local pread or store get)
+    real = shardread._parse_index
 
-    def counting(suffix: int):  # noqa: ANN202 - returns zarr's request type
-        calls.append(suffix)
-        return real(suffix)
+    def counting(raw: np.ndarray, n: int, where: str) -> np.ndarray:
+        calls.append(n)
+        return real(raw, n, where)
 
-    monkeypatch.setattr(shardread, "SuffixByteRequest", counting)
+    monkeypatch.setattr(shardread, "_parse_index", counting)
     reader, ref = CacheReader(url), CacheReader(url, direct=False)
     first = reader.sequence(3)
     n_first = len(calls)

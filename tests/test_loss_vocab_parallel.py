@@ -6,27 +6,40 @@ differs only in the order of one log-sum-exp and of the ``grad_h`` sum over rank
 
 from __future__ import annotations
 
-import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+_HERE = Path(__file__).resolve().parent
+
+# The ranks fork from a fresh interpreter that has imported only torch and the workers: forking
+# the pytest process itself hangs once an earlier test file on the same xdist worker has started
+# threads (the in-process vLLM engine, OpenMP pools), and would inherit any process group left
+# initialised there. spawn would re-import torch in every rank (~10 s each on 2 cores).
+_LAUNCH = """
+import socket, sys
 import torch.multiprocessing as mp
-from loss_support import fsdp_worker, vocab_parallel_worker
+import loss_support
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+fn, world = getattr(loss_support, sys.argv[1]), int(sys.argv[2])
+mp.start_processes(fn, args=(world, port), nprocs=world, start_method="fork", join=True)
+"""
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int) -> None:
-    # fork: the children inherit the imported torch (spawn would re-import it: ~10 s per rank).
-    # A process group left initialised in this pytest process by an earlier test would be
-    # inherited too ("default process group twice"): then pay for spawn.
-    import torch.distributed as dist
-
-    method = "spawn" if dist.is_available() and dist.is_initialized() else "fork"
-    mp.start_processes(fn, args=(world, _port()), nprocs=world, start_method=method, join=True)
+def _spawn(worker: str, world: int) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", _LAUNCH, worker, str(world)],
+        cwd=_HERE,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
 @pytest.mark.timeout(120)
@@ -35,9 +48,9 @@ def test_vocab_parallel_equals_single_process(world):
     """8 objectives/options (world 4: the 4 with CE, tail, sampled rows and recompute), the
     ColwiseParallel DTensor path, and different-rows rejection; world 4 splits V=41 unevenly
     (11, 11, 11, 8)."""
-    _spawn(vocab_parallel_worker, world)
+    _spawn("vocab_parallel_worker", world)
 
 
 @pytest.mark.timeout(120)
 def test_fsdp2_sharded_lm_head_grads_equal_unsharded_run():
-    _spawn(fsdp_worker, 2)
+    _spawn("fsdp_worker", 2)
