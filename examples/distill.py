@@ -417,6 +417,19 @@ def build_caches(
             info["mean_distinct_ids"] = mean_distinct(info["url"])
 
 
+def load_summary(samples: list[float]) -> dict[str, float]:
+    """Min, mean and max of the 1-minute load averages sampled while training (``{}``: none)."""
+    if not samples:
+        return {}
+    return {
+        "min": min(samples),
+        "mean": sum(samples) / len(samples),
+        "max": max(samples),
+        "samples": len(samples),
+        "cores": os.cpu_count() or 0,
+    }
+
+
 def committed_k(url: str) -> int:
     from logitcache.cache_format import CacheReader
 
@@ -522,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         runs = [make_run(m, load_student, make_dataset, teacher, settings) for m in specs]
         print(f"[distill] training {', '.join(specs)} for {plan.steps} steps", flush=True)
-        train_interleaved(runs, plan.steps, log_every=max(1, plan.steps // 6))
+        load = train_interleaved(runs, plan.steps, log_every=max(1, plan.steps // 6))
     methods = {r.method: method_summary(r, evaluate(r.student, held)) for r in runs}
     for spec, info in where.items():
         methods[spec].update({k: v for k, v in info.items() if k != "url"}, cache=info["url"])
@@ -567,6 +580,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seed": plan.seed,
             "threads": plan.threads,
             "read_from": plan.read_from,
+            "load_avg": load_summary(load),
         },
         "untrained": untrained,
         "methods": methods,

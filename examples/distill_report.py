@@ -32,8 +32,16 @@ def method_summary(run: Any, evaluation: dict[str, float], warmup: int = 5) -> d
     """Figures of one trained method (step times leave out the first ``warmup`` steps)."""
     steps = run.step_s[warmup:] or run.step_s
     data = run.data_s[warmup:] or run.data_s
+    extra: dict[str, Any] = {}
+    cpu = getattr(run, "step_cpu_s", None)
+    if cpu:
+        extra["step_cpu_ms_median"] = 1000 * statistics.median(cpu[warmup:] or cpu)
+    columns = getattr(run, "columns", None)
+    if columns and run.method.startswith("offline"):
+        extra["mean_batch_columns"] = statistics.fmean(columns)
     return {
         **evaluation,
+        **extra,
         "step_ms_median": 1000 * statistics.median(steps),
         "step_ms_mean": 1000 * statistics.fmean(steps),
         "data_wait_share": sum(data) / (sum(data) + sum(steps)),
@@ -52,6 +60,8 @@ def add_ratios(methods: dict[str, dict[str, Any]]) -> None:
     for m in methods.values():
         m["kl_vs_online"] = m["kl"] / base["kl"] - 1.0
         m["step_time_vs_online"] = m["step_ms_median"] / base["step_ms_median"]
+        if "step_cpu_ms_median" in m and "step_cpu_ms_median" in base:
+            m["step_cpu_vs_online"] = m["step_cpu_ms_median"] / base["step_cpu_ms_median"]
 
 
 def goals(methods: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -130,6 +140,21 @@ def goal_lines(g: dict[str, Any]) -> list[str]:
     return lines
 
 
+def load_text(load: dict[str, Any] | None) -> str:
+    """``"; load average 3.1-5.2 (mean 4.0) on 2 cores while training"`` (``""``: not sampled)."""
+    if not load:
+        return ""
+    return (
+        f"; 1-minute load average {load['min']:.1f}-{load['max']:.1f} (mean {load['mean']:.1f}) "
+        f"on {load['cores']} cores while training"
+    )
+
+
+def _cpu_ratio(r: dict[str, Any]) -> str:
+    x = r.get("step_cpu_vs_online")
+    return f"{x:.2f}x" if x is not None else ""
+
+
 def _bytes(r: dict[str, Any]) -> str:
     b = r.get("bytes_per_position")
     return f"{b:.0f}" if b is not None else ""
@@ -155,7 +180,8 @@ def markdown(rep: dict[str, Any]) -> str:
         f"- training: {rep['train']['steps']} steps x {rep['train']['batch_items']} packed items "
         f"x {rep['train']['tokens_per_item']} tokens, AdamW lr {rep['train']['lr']}, seed "
         f"{rep['train']['seed']}, same data order and init for every method, runs interleaved "
-        f"step by step; {rep['train']['threads']} torch thread(s)",
+        f"step by step; {rep['train']['threads']} torch thread(s)"
+        + load_text(rep["train"].get("load_avg")),
         f"- held-out: {rep['heldout']['positions']:,} positions (windows of "
         f"{rep['heldout']['window']} tokens spread over the held-out modules); "
         "KL(teacher||student) is over the full vocabulary with the teacher run in PyTorch; "
@@ -165,20 +191,21 @@ def markdown(rep: dict[str, Any]) -> str:
         "budgets pick the k or number of draws whose cache measured closest",
         "",
         "| method | B/pos | held-out KL(t‖s) | KL vs online KD | held-out ppl | top-1 ECE | "
-        "step ms (median) | step time vs online KD | data wait | train loss (first → last 10) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "step ms (median) | step time vs online KD | step CPU time vs online KD | data wait | "
+        "train loss (first → last 10) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     u = rep["untrained"]
     lines.append(
         f"| {label('untrained')} | | {u['kl']:.4f} | | {u['ppl']:.1f} | {u.get('ece', 0):.4f} "
-        "| | | | |"
+        "| | | | | |"
     )
     for name, r in m.items():
         vs = f"{100 * r['kl_vs_online']:+.1f}%" if "kl_vs_online" in r else ""
         sp = f"{r['step_time_vs_online']:.2f}x" if "step_time_vs_online" in r else ""
         lines.append(
             f"| {label(name)} | {_bytes(r)} | {r['kl']:.4f} | {vs} | {r['ppl']:.2f} | "
-            f"{r.get('ece', 0):.4f} | {r['step_ms_median']:.1f} | {sp} | "
+            f"{r.get('ece', 0):.4f} | {r['step_ms_median']:.1f} | {sp} | {_cpu_ratio(r)} | "
             f"{100 * r['data_wait_share']:.1f}% | {r['loss_first']:.3f} → {r['loss_last10']:.3f} |"
         )
     gl = goal_lines(rep.get("goals") or goals(m))

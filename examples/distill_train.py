@@ -23,11 +23,17 @@ Runs are **interleaved**: step ``s`` of every method, then step ``s + 1``, so th
 noisily loaded machine slows every method alike and the step-time ratios stay meaningful.
 ``step_s`` is the compute of one step (forward, backward, optimizer), ``data_s`` the time blocked
 waiting for the next batch; the online teacher's forward is part of ``online_kd``'s step.
+``step_cpu_s`` is the same step's CPU time in the training thread (``time.thread_time``; with one
+torch thread the forward, backward and optimizer all run there, while the dataset's read-ahead
+threads do not count): on a shared machine it leaves out the time the step waited for a core.
+``columns`` is the width of each batch's teacher columns (``topk_ids.shape[-1]``; for a sampled
+cache the dataset may trim padding columns, so it can be below the cache's draws).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -161,13 +167,16 @@ class Run:
     settings: TrainSettings
     losses: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    step_cpu_s: list[float] = field(default_factory=list)
     data_s: list[float] = field(default_factory=list)
+    columns: list[int] = field(default_factory=list)
     rows: int = 0
 
     def step(self) -> None:
         t0 = time.perf_counter()
         batch = next(self.stream)
         t1 = time.perf_counter()
+        c1 = time.thread_time()
         loss = self.loss(self.student, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -175,8 +184,11 @@ class Run:
         self.optimizer.step()
         self.scheduler.step()
         self.losses.append(float(loss.detach()))
+        self.step_cpu_s.append(time.thread_time() - c1)
         self.step_s.append(time.perf_counter() - t1)
         self.data_s.append(t1 - t0)
+        if "topk_ids" in batch:
+            self.columns.append(int(batch["topk_ids"].shape[-1]))
         self.rows += int(batch["loss_mask"].sum())
 
 
@@ -201,11 +213,18 @@ def make_run(
     return Run(method, student, loss_fn(base, teacher, settings), opt, sched, stream, settings)
 
 
-def train_interleaved(runs: list[Run], steps: int, log_every: int = 50) -> None:
-    """Step every run once per round, ``steps`` rounds."""
+def train_interleaved(
+    runs: list[Run], steps: int, log_every: int = 50, load_every: int = 10
+) -> list[float]:
+    """Step every run once per round, ``steps`` rounds. Returns the machine's 1-minute load
+    average sampled every ``load_every`` rounds (``os.getloadavg``; empty where there is none)."""
+    load: list[float] = []
     for s in range(steps):
+        if load_every and s % load_every == 0 and hasattr(os, "getloadavg"):
+            load.append(os.getloadavg()[0])
         for run in runs:
             run.step()
         if log_every and ((s + 1) % log_every == 0 or s + 1 == steps):
             parts = ", ".join(f"{r.method} {r.losses[-1]:.3f}" for r in runs)
             print(f"[train] step {s + 1}/{steps}: {parts}", flush=True)
+    return load
