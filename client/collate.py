@@ -34,6 +34,9 @@ Fields of an item (``T`` = budget, ``k`` = top-k width; a batch adds a leading `
 ``input_ids`` [T] int64, ``labels`` [T] int64, ``attention_mask`` [T] int64 (1 = token, 0 = pad),
 ``position_ids`` [T] int64, ``segment_ids`` [T] int64, ``topk_ids`` [T, k] int64 (or int32),
 ``topk_logprobs`` [T, k] float32, ``tail_mass`` [T] float32, ``loss_mask`` [T] bool.
+In a batch of a sampled cache ``CacheDataset`` (``trim_sampled=True``, its default) keeps only
+the first ``k' <= k`` columns, up to the last one that holds a drawn id in any row of the batch
+(:func:`trim_padding_columns`; the rest is weight-0 padding).
 Positions without a row hold ``topk_ids = 0``, ``topk_logprobs = 0``, ``tail_mass = 0`` and
 ``loss_mask = False``: mask them (``loss_mask``) in every loss. A record with a stored loss mask
 (chat data, cache_format FORMAT.md 4.6: row ``j`` trained on iff ``record.loss_mask[j] = 1``)
@@ -56,7 +59,9 @@ __all__ = [
     "ItemPlan",
     "plan_items",
     "build_batch",
+    "trim_padding_columns",
     "ITEM_FIELDS",
+    "PADDING_LOGPROB_MAX",
 ]
 
 IGNORE_INDEX = -100
@@ -71,6 +76,11 @@ ITEM_FIELDS = (
     "tail_mass",
     "loss_mask",
 )
+
+#: A column of a sampled row whose logprob is at most this is padding (weight ``exp(lp) = 0``
+#: exactly, in float32 and float64 alike): the format pads sampled rows with ``-65504``
+#: (cache_format FORMAT.md 4.4; ``-inf`` is padding too), and no drawn id's weight is that small.
+PADDING_LOGPROB_MAX = -1.0e4
 
 Mode = Literal["pad", "pack"]
 LongPolicy = Literal["split", "truncate"]
@@ -271,3 +281,33 @@ def _place(
         if k < lp.shape[1]:
             tail_rows = tail_rows + np.exp(lp[:, k:].astype(np.float64)).sum(axis=1)
     out["tail_mass"][b, rl] = np.clip(tail_rows, 0.0, 1.0)
+
+
+def trim_padding_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Drop the trailing ``topk_*`` columns that are padding in every row of a batch.
+
+    For sampled targets (cache_format FORMAT.md 4.4): a row stores its ``m <= k`` distinct
+    draws first (descending weight), then ``k - m`` padding slots of log-weight ``-65504``
+    (weight 0). The width kept is ``1 + `` the last column holding a non-padding value
+    (:data:`PADDING_LOGPROB_MAX`) in any position that has a teacher row (``labels !=
+    IGNORE_INDEX``; positions without a row hold zeros and are masked in every loss). Only
+    trailing all-padding columns are dropped, so a padding slot in the middle of a row (which
+    the format does not write) is kept, never reordered. At least one column is kept.
+
+    A dropped column has weight exactly 0 in every row, so a forward KL against the batch
+    (``topk_distill_loss(..., targets="sampled")``) has the same value and gradients, up to the
+    order of float summation. Returns a new dict (the other arrays are the same objects); the
+    trimmed arrays are contiguous copies.
+    """
+    lp = arrays["topk_logprobs"]
+    rows = arrays["labels"] != IGNORE_INDEX
+    used = ~(lp <= PADDING_LOGPROB_MAX) & rows[..., None]  # NaN is kept (the loss refuses it)
+    used = used.reshape(-1, lp.shape[-1]).any(axis=0)
+    nz = np.flatnonzero(used)
+    width = max(int(nz[-1]) + 1 if len(nz) else 1, 1)
+    if width == lp.shape[-1]:
+        return dict(arrays)
+    out = dict(arrays)
+    out["topk_ids"] = np.ascontiguousarray(arrays["topk_ids"][..., :width])
+    out["topk_logprobs"] = np.ascontiguousarray(lp[..., :width])
+    return out

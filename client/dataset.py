@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .collate import ItemPlan, LongPolicy, Mode, build_batch, plan_items
+from .collate import ItemPlan, LongPolicy, Mode, build_batch, plan_items, trim_padding_columns
 from .errors import ConfigError, StateError
 from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
@@ -143,6 +143,18 @@ class CacheDataset(IterableDataset):
         the GIL, so one process decodes on several cores). ``None``:
         :func:`~logitcache.client.readahead.default_read_threads` (4 in the trainer process of a
         16-core host, 2 in each of 8 DataLoader workers). The stream does not depend on it.
+    trim_sampled:
+        For a ``targets="sampled"`` cache (FORMAT.md 4.4): cut each unit's ``topk_ids`` /
+        ``topk_logprobs`` to the columns some row of that unit uses, i.e. drop the trailing
+        columns that are weight-0 padding in every row
+        (:func:`~logitcache.client.collate.trim_padding_columns`). Rows hold only their
+        distinct draws (on the fixture teacher at 384 draws: 90 per row on average, a batch of
+        8 x 128 positions keeps ~180 columns), so the loss does less work (0.67x CPU time per
+        step there); its value and gradients are unchanged (a dropped column has weight 0).
+        The width then varies from unit to unit (at most ``k``); pass ``False`` for a fixed
+        ``[..., k]`` shape (``torch.compile`` without dynamic shapes, CUDA graphs, stacking
+        units). Top-k caches are never trimmed. The item stream (and the loader state) does
+        not depend on it.
     follow:
         Follow a cache that a running job is still filling: every :meth:`set_epoch` first
         adopts the sequences committed since (:meth:`refresh`; under ``torch.distributed`` the
@@ -179,6 +191,7 @@ class CacheDataset(IterableDataset):
         prefetch: int = 4,
         read_threads: int | None = None,
         follow: bool = False,
+        trim_sampled: bool = True,
         storage_options: dict[str, Any] | None = None,
         cache: str | None = None,
         **http_options: Any,
@@ -228,6 +241,7 @@ class CacheDataset(IterableDataset):
         self.prefetch = int(prefetch)
         self.read_threads = None if read_threads is None else int(read_threads)
         self.follow = bool(follow)
+        self.trim_sampled = bool(trim_sampled)
         self._manifest_identity = _identity(manifest)
         self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
         self.num_sequences = len(self._all_lengths)
@@ -408,7 +422,9 @@ class CacheDataset(IterableDataset):
         mine = worker_units(len(starts), worker, num_workers)
         return [np.arange(s, min(s + step, total)) for s in starts[mine]]
 
-    def _make_unit(self, plan: ItemPlan, items: np.ndarray, records: dict) -> dict[str, Any]:
+    def _make_unit(
+        self, plan: ItemPlan, items: np.ndarray, records: dict, trim: bool = False
+    ) -> dict[str, Any]:
         arrays = build_batch(
             plan,
             items,
@@ -418,6 +434,8 @@ class CacheDataset(IterableDataset):
             pad_token_id=self.pad_token_id,
             ids_dtype=np.int64 if self.ids_dtype == torch.int64 else np.int32,
         )
+        if trim and self.target_kind == "sampled":
+            arrays = trim_padding_columns(arrays)
         unit: dict[str, Any] = {name: torch.from_numpy(v) for name, v in arrays.items()}
         if self.batch_size is None:
             unit = {name: value[0] for name, value in unit.items()}
@@ -430,7 +448,13 @@ class CacheDataset(IterableDataset):
             return self.read_threads
         return default_read_threads(num_workers, os.cpu_count())
 
-    def _produce(self, units: list[np.ndarray], out: queue.Queue, stop: threading.Event) -> None:
+    def _produce(
+        self,
+        units: list[np.ndarray],
+        out: queue.Queue,
+        stop: threading.Event,
+        trim: bool = False,
+    ) -> None:
         """Background thread: collate units in order from records read ahead (ReadAhead)."""
         reads: ReadAhead | None = None
         try:
@@ -445,7 +469,7 @@ class CacheDataset(IterableDataset):
                 group=max(1, _FETCH_ITEMS // (self.batch_size or 1)),
             )
             for u, items in enumerate(units):
-                unit = self._make_unit(plan, items, reads.records(u))
+                unit = self._make_unit(plan, items, reads.records(u), trim)
                 while not stop.is_set():
                     try:
                         out.put((len(items), unit), timeout=0.1)
@@ -462,13 +486,20 @@ class CacheDataset(IterableDataset):
                 reads.close()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self._iterate(trim=self.trim_sampled)
+
+    def _iterate(self, trim: bool) -> Iterator[dict[str, torch.Tensor]]:
+        """The units of :meth:`__iter__`; ``trim``: cut sampled units' padding columns."""
         worker, num_workers = current_worker()
         units = self._units(worker, num_workers)
         self._consumed = 0
         out: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         thread = threading.Thread(
-            target=self._produce, args=(units, out, stop), name="logitcache-prefetch", daemon=True
+            target=self._produce,
+            args=(units, out, stop, trim),
+            name="logitcache-prefetch",
+            daemon=True,
         )
         thread.start()
         try:

@@ -363,7 +363,9 @@ def hf_iterable(ds: CacheDataset) -> Any:
         hf = hf_iterable(CacheDataset(url, tokens_per_item=2048, seed=0))
 
     It reads ``ds`` as configured (its rank partition, epoch and resume point) each time it is
-    iterated; do not let a second layer shard it again (e.g. ``split_dataset_by_node``)."""
+    iterated; do not let a second layer shard it again (e.g. ``split_dataset_by_node``). Units
+    of a sampled cache keep the full ``k`` columns here (the features fix the shape; no
+    ``trim_sampled``) and carry ``target_kind``."""
     import datasets
 
     t, k = ds.tokens_per_item, ds.k
@@ -389,14 +391,17 @@ def hf_iterable(ds: CacheDataset) -> Any:
             "loss_mask": arr("bool", t),
         }
     )
+    if ds.target_kind != "topk":  # sampled units carry their kind (the loss's ``targets=``)
+        features["target_kind"] = datasets.Value("string")
     return datasets.IterableDataset.from_generator(
         _numpy_items, gen_kwargs={"ds": ds}, features=features
     )
 
 
 def _numpy_items(ds: CacheDataset) -> Iterator[dict[str, np.ndarray]]:
-    for unit in ds:
-        yield {name: value.numpy() for name, value in unit.items()}
+    # full width: the features declare [..., k] (a sampled cache's units are not trimmed here)
+    for unit in ds._iterate(trim=False):
+        yield {n: v.numpy() if isinstance(v, torch.Tensor) else v for n, v in unit.items()}
 
 
 def hf_sequences(url: str, storage_options: dict | None = None) -> Any:
