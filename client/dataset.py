@@ -24,6 +24,9 @@ Resume
 ``items_consumed``, the number of items of this rank's epoch stream *delivered to the trainer*.
 ``load_state_dict(state)`` makes the next iteration start at item ``items_consumed`` of the same
 stream, so the remaining stream is identical to the one an uninterrupted run would have seen.
+A trainer loop may call ``set_epoch(state["epoch"])`` after it (as it does at every epoch start):
+until the restored stream is iterated, setting the restored epoch keeps the restored position and
+sequence count; another epoch starts from its beginning.
 Counting happens where items reach the trainer: when the dataset is iterated in the trainer
 process (``num_workers=0``) it counts itself; with DataLoader workers the copies in the workers
 cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
@@ -248,6 +251,9 @@ class CacheDataset(IterableDataset):
         self.epoch = 0
         self._start = 0
         self._consumed = 0
+        # epoch of a state loaded by load_state_dict and not iterated yet: set_epoch of that
+        # epoch keeps the restored position (None: no pending resume)
+        self._restored_epoch: int | None = None
         self._plans: dict[tuple[int, int], ItemPlan] = {}
         # validate budget, mode and policy now rather than in the first worker
         plan_items(
@@ -293,12 +299,23 @@ class CacheDataset(IterableDataset):
         return h.hexdigest()
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (its order); the next iteration starts at its beginning."""
-        if epoch < 0:
-            raise ConfigError(f"epoch must be >= 0, got {epoch}")
+        """Select the epoch (its order); the next iteration starts at its beginning.
+
+        Right after :meth:`load_state_dict` (before the restored stream is iterated), setting
+        the state's own epoch keeps the restored position and sequence count (``follow=True``
+        does not adopt newer sequences then): a trainer that calls ``set_epoch`` at every epoch
+        start, the resumed one included, continues the interrupted epoch exactly. Any other
+        epoch starts from its beginning (``follow=True``: over the sequences committed now).
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
+        epoch = int(epoch)
+        if self._restored_epoch is not None and epoch == self._restored_epoch:
+            return  # the resumed epoch: keep load_state_dict's position and snapshot
+        self._restored_epoch = None
         if epoch != self.epoch:
             self._plans.clear()
-        self.epoch = int(epoch)
+        self.epoch = epoch
         self._start = 0
         self._consumed = 0
         if self.follow:
@@ -412,6 +429,7 @@ class CacheDataset(IterableDataset):
             raise StateError(f"state consumed {st.items_consumed} items of an epoch of {total}")
         self._start = st.items_consumed
         self._consumed = 0
+        self._restored_epoch = st.epoch
 
     # -- iteration ------------------------------------------------------------------------
     def _units(self, worker: int, num_workers: int) -> list[np.ndarray]:
@@ -490,6 +508,7 @@ class CacheDataset(IterableDataset):
 
     def _iterate(self, trim: bool) -> Iterator[dict[str, torch.Tensor]]:
         """The units of :meth:`__iter__`; ``trim``: cut sampled units' padding columns."""
+        self._restored_epoch = None  # the restored stream is being read: set_epoch resets now
         worker, num_workers = current_worker()
         units = self._units(worker, num_workers)
         self._consumed = 0
@@ -578,6 +597,7 @@ class CacheDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds: CacheDataset = self.dataset  # type: ignore[assignment]
         self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
+        ds._restored_epoch = None  # as the dataset's own iteration (workers iterate copies)
         for unit in super().__iter__():
             self._yielded += int(unit["input_ids"].shape[0]) if ds.batch_size else 1
             yield unit
