@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from logitcache.server import inputs
@@ -43,3 +45,65 @@ def test_check_ids_plain_and_numpy_ints(ids: list) -> None:
 def test_check_ids_rejects(ids: list, match: str) -> None:
     with pytest.raises(InvalidInputError, match=match):
         inputs.check_ids(ids, LIMITS, "x")
+
+
+def _chunks(rng: np.random.Generator, rows: int, k: int, first: int | None = None) -> tuple:
+    """An engine core's prompt-logprob tensors: column 0 the actual token (or ``first``), then
+    k distinct ids by descending logprob."""
+    import torch
+
+    ids = np.stack([rng.permutation(1000)[: k + 1] for _ in range(rows)]).astype(np.int64)
+    if first is not None:
+        ids[:, 0] = first
+    lps = -np.sort(rng.gamma(1.0, size=(rows, k + 1)), axis=1).astype(np.float32)
+    return torch.from_numpy(ids), torch.from_numpy(lps)
+
+
+@pytest.mark.parametrize("splits", [[7], [3, 4], [1, 2, 4]])
+def test_prompt_logprob_arrays_drop_column_0_as_int32(splits: list[int]) -> None:
+    """The hook's chunks become the rows vLLM's lists would give (columns 1..k), in the stored
+    dtypes, for prompts that arrive in one or several prefill chunks."""
+    from logitcache.server.engine.vllm import scores_from_output
+    from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
+
+    rng = np.random.default_rng(0)
+    pl = TensorPromptLogprobs()
+    parts = [_chunks(rng, n, 5) for n in splits]
+    for ids, lps in parts:
+        pl.add(ids, lps)
+        ids[:] = 0  # the engine reuses its buffers: the hook must have copied
+        lps[:] = 0
+    rng = np.random.default_rng(0)
+    want = [_chunks(rng, n, 5) for n in splits]
+    want_ids = np.concatenate([i.numpy()[:, 1:] for i, _ in want])
+    want_lps = np.concatenate([lp.numpy()[:, 1:] for _, lp in want])
+    assert len(pl) == sum(splits) + 1
+    got = scores_from_output(SimpleNamespace(prompt_logprobs=pl), 5, sum(splits) + 1)
+    assert got.topk_ids.dtype == np.int32 and got.topk_ids.flags.c_contiguous
+    assert got.topk_logprobs.dtype == np.float32 and got.topk_logprobs.flags.c_contiguous
+    np.testing.assert_array_equal(got.topk_ids, want_ids)
+    np.testing.assert_array_equal(got.topk_logprobs, want_lps)
+    small = scores_from_output(SimpleNamespace(prompt_logprobs=pl), 3, sum(splits) + 1)
+    np.testing.assert_array_equal(small.topk_ids, want_ids[:, :3])
+    with pytest.raises(Exception, match="shape"):
+        scores_from_output(SimpleNamespace(prompt_logprobs=pl), 6, sum(splits) + 1)
+
+
+def test_sampled_rows_need_the_marker_in_column_0() -> None:
+    from logitcache.server.engine.protocol import EngineError
+    from logitcache.server.engine.vllm import sampled_from_output
+    from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
+    from logitcache.server.engine.vllm_sampling import MARK
+
+    rng = np.random.default_rng(1)
+    marked = TensorPromptLogprobs()
+    for n in (2, 3):
+        marked.add(*_chunks(rng, n, 4, first=MARK))
+    got = sampled_from_output(SimpleNamespace(prompt_logprobs=marked), 6, 4)
+    assert got.topk_ids.shape == (5, 4) and got.topk_ids.dtype == np.int32
+    plain = TensorPromptLogprobs()
+    plain.add(*_chunks(rng, 5, 4))  # column 0: prompt tokens, not the marker
+    with pytest.raises(EngineError, match="sampling marker"):
+        sampled_from_output(SimpleNamespace(prompt_logprobs=plain), 6, 4)
+    with pytest.raises(EngineError, match="sampling marker"):  # wrong draws
+        sampled_from_output(SimpleNamespace(prompt_logprobs=marked), 6, 3)

@@ -182,15 +182,15 @@ def sampled_from_output(output: Any, length: int, draws: int) -> TeacherScores:
         raise EngineError("vLLM returned no prompt-logprob arrays for a sampled request")
     if not pl.token_ids:
         raise EngineError(f"vLLM returned no rows for a {length}-token prompt")
-    ids = np.concatenate(pl.token_ids)
-    lps = np.concatenate(pl.logprobs)
-    if ids.shape != (length - 1, draws + 1) or not (ids[:, 0] == MARK).all():
+    ids, lps = pl.rows(draws)  # column 0 (the marker) is kept apart: pl.column0()
+    width = pl.token_ids[0].shape[1] + 1
+    if ids.shape != (length - 1, draws) or width != draws + 1 or not (pl.column0() == MARK).all():
         raise EngineError(
-            f"vLLM returned prompt rows of shape {ids.shape} without the sampling marker for a "
-            f"{length}-token prompt at draws={draws}: the sampling hook did not run in vLLM's "
-            "worker (is worker_extension_cls overridden?)"
+            f"vLLM returned prompt rows of shape {(ids.shape[0], width)} without the sampling "
+            f"marker for a {length}-token prompt at draws={draws}: the sampling hook did not run "
+            "in vLLM's worker (is worker_extension_cls overridden?)"
         )
-    return make_scores(ids[:, 1:], lps[:, 1:])
+    return make_scores(ids, lps)
 
 
 # ----------------------------------------------------------------------------- engine set-up

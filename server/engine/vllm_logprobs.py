@@ -27,18 +27,30 @@ FLAG = "logitcache_prompt_logprob_arrays"
 
 
 class TensorPromptLogprobs:
-    """The prompt logprobs of one request, chunk by chunk: ``token_ids`` int64 and ``logprobs``
-    float32 arrays ``[n_chunk, k+1]`` (row ``j`` of the concatenation is prompt position
-    ``j + 1``; column 0 the actual token, columns ``1..k`` the top-k by descending logprob)."""
+    """The prompt logprobs of one request, chunk by chunk, as the rows the cache stores: per
+    chunk ``token_ids`` int32 and ``logprobs`` float32 arrays ``[n_chunk, k]`` (C order; row
+    ``j`` of the concatenation is prompt position ``j + 1``; the top-k by descending logprob),
+    and ``first`` int64 ``[n_chunk]``, the engine core's column 0 (the actual token, or the
+    sampling hook's marker, ``vllm_sampling.MARK``).
+
+    ``add`` copies each chunk once, straight into those dtypes and without column 0 (issue #19:
+    the int64 copy, then its int32 cast and the logprobs' contiguous copy in ``make_scores``
+    cost ~1 CPU-us/position at k=100); token ids are below the vocabulary size, so int32 holds
+    them (an id past it is refused by the writer's checks, FORMAT.md W1)."""
 
     def __init__(self) -> None:
         self.token_ids: list[np.ndarray] = []
         self.logprobs: list[np.ndarray] = []
+        self.first: list[np.ndarray] = []
 
     def add(self, token_ids: Any, logprobs: Any) -> None:
         # copies: the tensors may be views of buffers the engine reuses
-        self.token_ids.append(np.array(token_ids.numpy(), dtype=np.int64, copy=True))
-        self.logprobs.append(np.array(logprobs.numpy(), dtype=np.float32, copy=True))
+        ids = token_ids.numpy()
+        self.first.append(np.array(ids[:, 0], dtype=np.int64, copy=True))
+        self.token_ids.append(np.array(ids[:, 1:], dtype=np.int32, order="C", copy=True))
+        self.logprobs.append(
+            np.array(logprobs.numpy()[:, 1:], dtype=np.float32, order="C", copy=True)
+        )
 
     @property
     def num_rows(self) -> int:
@@ -48,12 +60,21 @@ class TensorPromptLogprobs:
         return self.num_rows + 1
 
     def rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(topk_ids [L-1, k], topk_logprobs [L-1, k])`` (column 0 dropped)."""
+        """``(topk_ids [L-1, k] int32, topk_logprobs [L-1, k] float32)`` (C order when the
+        request asked for ``k``: no copy for a one-chunk prompt)."""
         if not self.token_ids:
-            return np.empty((0, k), np.int64), np.empty((0, k), np.float32)
+            return np.empty((0, k), np.int32), np.empty((0, k), np.float32)
         ids = np.concatenate(self.token_ids) if len(self.token_ids) > 1 else self.token_ids[0]
         lps = np.concatenate(self.logprobs) if len(self.logprobs) > 1 else self.logprobs[0]
-        return ids[:, 1 : k + 1], lps[:, 1 : k + 1]
+        if ids.shape[1] == k:
+            return ids, lps
+        return ids[:, :k], lps[:, :k]
+
+    def column0(self) -> np.ndarray:
+        """The engine core's column 0 of every row (int64 ``[L-1]``)."""
+        if not self.first:
+            return np.empty(0, np.int64)
+        return np.concatenate(self.first) if len(self.first) > 1 else self.first[0]
 
 
 @patch_once
