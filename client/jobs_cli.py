@@ -115,8 +115,23 @@ def _eta(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def targets_label(job: dict[str, Any]) -> str:
+    """``top-20`` for a top-k job; ``sampled 64 tau 1 seed 0`` for a sampled one (a server
+    that predates the field reports neither: ``k=20``)."""
+    kind = job.get("targets")
+    if kind == "sampled":
+        s = job.get("sampling") or {}
+        if not s:
+            return f"sampled {job.get('k')}"
+        return f"sampled {s['draws']} tau {s['proposal_temperature']:g} seed {s['seed']}"
+    if kind == "topk":
+        return f"top-{job.get('k')}"
+    return f"k={job.get('k')}"
+
+
 def summary_line(job: dict[str, Any]) -> str:
-    """``id  state  cache  done/total seqs  pct  tok/s  ETA  [note]`` for one job."""
+    """``id  state  cache  targets  done/total seqs  pct  tok/s  ETA  [note]`` for one job
+    (``targets``: :func:`targets_label`)."""
     rate = job.get("tokens_per_s")
     note = job.get("error") or ""
     counts = job.get("input") or {}
@@ -126,6 +141,7 @@ def summary_line(job: dict[str, Any]) -> str:
         job["id"],
         f"{job['state']:<9}",
         job["cache"],
+        targets_label(job),
         f"{job['sequences_done']}/{job['sequences_total']} seqs",
         f"{_pct(job):5.1f}%",
         f"{rate:,.0f} tok/s" if rate else "- tok/s",

@@ -316,7 +316,15 @@ class JobStatus(ApiModel):
     id: str
     cache: str
     state: JobState
-    k: int
+    k: int = Field(description="entries per row: the top-k, or a sampled job's draws")
+    targets: TargetKind = Field(
+        "topk", description="what the job writes: topk rows or sampled targets (FORMAT.md 4.4)"
+    )
+    sampling: SamplingOptions | None = Field(
+        None,
+        description='targets="sampled" only: the draws, proposal temperature and seed the '
+        "job's rows are drawn with (the cache's own when the job named none)",
+    )
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import SequenceRecord
-from logitcache.protocol import JobCreate, JobState, JobStatus
+from logitcache.cache_format.errors import StoreNotFoundError
+from logitcache.cache_format.layout import parse_root, read_root_attrs
+from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 
 from . import chat, inputs, pipeline, targets
 from .caches import CacheRegistry, WriterHandle, check_name
@@ -78,6 +80,17 @@ class _RunStats:
         return self.tokens_scored / elapsed
 
 
+def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingOptions | None]:
+    """``(targets, sampling)`` of a job from a manifest's ``targets`` and ``sampling`` object."""
+    if kind != "sampled" or sampling is None:
+        return "topk", None
+    return "sampled", SamplingOptions(
+        draws=int(sampling["draws"]),
+        proposal_temperature=float(sampling["proposal_temperature"]),
+        seed=int(sampling["seed"]),
+    )
+
+
 class JobRunner:
     """Owns the job loop: submit, list, status, cancel; runs queued jobs in the background."""
 
@@ -101,6 +114,7 @@ class JobRunner:
         self._current: str | None = None
         self._cancel = threading.Event()
         self._stats: dict[str, _RunStats] = {}
+        self._kinds: dict[str, tuple[str, SamplingOptions | None]] = {}  # job id -> targets
         metrics.watch_job_states(self.store.count_by_state)
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -156,6 +170,7 @@ class JobRunner:
             tokens_total=summary.tokens,
         )
         await asyncio.to_thread(self.store.set_input_counts, job.id, counts)
+        self._kinds[job.id] = _kind_of(manifest.targets, manifest.sampling)  # as resolved
         self._wake.set()
         return await asyncio.to_thread(self.status, job.id)
 
@@ -195,11 +210,14 @@ class JobRunner:
         eta = None
         if rate and job.state == JobState.running:
             eta = max(job.tokens_total - job.tokens_done, 0) / rate
+        kind, sampling = self._kind(job)
         return JobStatus(
             id=job.id,
             cache=job.cache,
             state=job.state,
             k=job.k,
+            targets=kind,
+            sampling=sampling,
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
@@ -214,6 +232,35 @@ class JobRunner:
             errors=job.errors,
             input=self.store.input_counts(job.id),
         )
+
+    def _kind(self, job: JobRecord) -> tuple[str, SamplingOptions | None]:
+        """What ``job`` writes (``targets``, and a sampled job's parameters): as resolved at
+        submission; after a restart from the job's spec, a sampled spec naming no parameters
+        taking its cache's own (else the defaults, :func:`.targets.resolve`). Fixed for a job's
+        life, so worked out once per job and process (a listed row carries no spec: it is read
+        on its own that once)."""
+        got = self._kinds.get(job.id)
+        if got is not None:
+            return got
+        spec = job.spec if job.spec_json is not None else self.store.get(job.id).spec
+        kind = spec.get("targets") or "topk"
+        sampling = None
+        if kind == "sampled":
+            if spec.get("sampling") is not None:
+                sampling = SamplingOptions.model_validate(spec["sampling"])
+            else:
+                try:  # the cache's root zarr.json only (no reader, no sequence index)
+                    attrs = read_root_attrs(self.caches.store(job.cache))
+                    stored = parse_root(attrs) if attrs is not None else None
+                except (StoreNotFoundError, FileNotFoundError):  # no cache yet: the defaults
+                    stored = None
+                except Exception:  # noqa: BLE001 - a broken cache: parameters unknown for now
+                    return kind, None
+                chosen = targets.resolve("sampled", stored)
+                assert chosen is not None  # "sampled" always resolves to parameters
+                sampling = _kind_of("sampled", chosen.manifest())[1]
+        got = self._kinds[job.id] = (kind, sampling)
+        return got
 
     # --- the loop ---------------------------------------------------------------------------
 
