@@ -39,15 +39,25 @@ epoch length is the largest rank's unit count over the epochs the run plans (com
 cache lengths; no data is read).
 
 Resume: ``trainer.train(resume_from_checkpoint=...)`` continues the data stream exactly. The
-epoch order is a pure function of ``(seed, epoch)``; the trainer sets the epoch at every epoch
-start (also on resume) and Trainer's own mid-epoch skip drops the batches already trained. When
-``dataloader_num_workers == 0`` those skipped batches are not read (placeholders stand in for
-them); with workers they are read and discarded.
+epoch order is a pure function of ``(seed, epoch)`` and of the number of cache sequences it is
+planned over; every checkpoint also holds, per rank, the dataset's state (``epoch``,
+``num_sequences``: :data:`DATA_STATE_NAME`) and the planned epoch length, and a resumed
+``train`` restores them before planning, so the resumed epoch is planned over the same sequences
+even when the cache grew since (a new ``CacheDataset`` sees every committed sequence;
+``follow=True`` would adopt them at ``set_epoch``). The trainer sets the epoch at every epoch
+start (also on resume: setting the restored epoch keeps the restored snapshot) and Trainer's own
+mid-epoch skip drops the batches already trained. When ``dataloader_num_workers == 0`` those
+skipped batches are not read (placeholders stand in for them); with workers they are read and
+discarded. A checkpoint without the file (written before it existed) resumes over the cache as
+it is now, with a warning.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,7 +72,12 @@ from .errors import ConfigError
 from .packing import packed_hidden_states, unwrap_model
 from .world import current_worker
 
-__all__ = ["CacheDistillTrainer", "RankEvenStream", "planned_units"]
+__all__ = ["CacheDistillTrainer", "DATA_STATE_NAME", "RankEvenStream", "planned_units"]
+
+#: File of a checkpoint folder holding one rank's data state: ``{"loader": <the dataset's
+#: LoaderState dict, items_consumed 0: the position in the epoch is the trainer's global_step>,
+#: "units_per_epoch": <batches per epoch of every rank>}``.
+DATA_STATE_NAME = "logitcache_data-rank{rank}.json"
 
 
 def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
@@ -182,7 +197,9 @@ class CacheDistillTrainer(Trainer):
     * ``ce_weight``: weight of the hard-label cross-entropy mixed in (0: pure KD).
     * ``kd_loss``: ``"forward_kl"`` (default), ``"reverse_kl"``, ``"renormalized_kl"``, ``"jsd"``
       (with ``beta``); see :func:`~logitcache.client.loss.topk_distill_loss`.
-    * ``use_tail``: use the cached tail mass as one more bucket (default true).
+    * ``use_tail``: use the cached tail mass as one more bucket (default true; a sampled
+      cache, FORMAT.md 4.4, has none: its batches train with ``targets="sampled"``, forward KL
+      against the importance weights, so ``kd_loss`` must stay ``"forward_kl"``).
     * ``loss_impl``, ``chunk_size``: passed to ``topk_distill_loss``.
 
     ``train_dataset`` must be a ``CacheDataset`` with ``batch_size ==
@@ -220,6 +237,7 @@ class CacheDistillTrainer(Trainer):
         self.loss_impl = loss_impl
         self.chunk_size = chunk_size
         self._stream: RankEvenStream | None = None
+        self._resume_units: int | None = None  # epoch length restored from a checkpoint
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if self.is_fsdp_enabled or getattr(plugin, "zero_stage", 0) == 3:
             raise ConfigError(
@@ -266,14 +284,17 @@ class CacheDistillTrainer(Trainer):
         if not isinstance(ds, CacheDataset):
             return super().get_train_dataloader()
         self._check_dataset(ds)
-        ranks = range(ds.world_size)
-        units = max(planned_units(ds, 0, r) for r in ranks)
-        epochs = self._planned_epochs(units)
-        seen = 1
-        while seen < epochs:  # later epochs can plan a few more items on some rank
-            units = max(units, *(planned_units(ds, seen, r) for r in ranks))
-            seen += 1
-            epochs = min(epochs, self._planned_epochs(units))
+        if self._resume_units is not None:  # the interrupted run's plan (train: checkpoint)
+            units = self._resume_units
+        else:
+            ranks = range(ds.world_size)
+            units = max(planned_units(ds, 0, r) for r in ranks)
+            epochs = self._planned_epochs(units)
+            seen = 1
+            while seen < epochs:  # later epochs can plan a few more items on some rank
+                units = max(units, *(planned_units(ds, seen, r) for r in ranks))
+                seen += 1
+                epochs = min(epochs, self._planned_epochs(units))
         self._stream = RankEvenStream(ds, units)
         workers = self.args.dataloader_num_workers
         context = self.args.dataloader_multiprocessing_context
@@ -287,6 +308,64 @@ class CacheDistillTrainer(Trainer):
             prefetch_factor=self.args.dataloader_prefetch_factor if workers > 0 else None,
             multiprocessing_context=context if workers > 0 else None,
         )
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        """``Trainer.train``; resuming from a checkpoint first restores this rank's data state
+        (module docstring: the resumed epoch is planned over the same sequences)."""
+        self._resume_units = None
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(self.args.output_dir)  # None: Trainer raises
+        if isinstance(checkpoint, (str, os.PathLike)) and isinstance(
+            self.train_dataset, CacheDataset
+        ):
+            self._restore_data_state(os.fspath(checkpoint), self.train_dataset)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _restore_data_state(self, checkpoint: str, ds: CacheDataset) -> None:
+        path = os.path.join(checkpoint, DATA_STATE_NAME.format(rank=ds.rank))
+        if not os.path.isfile(path):
+            warnings.warn(
+                f"{path} is missing (a checkpoint written before logitcache saved its data "
+                "state): the resumed epoch is planned over the cache as it is now, which "
+                "changes its order if the cache grew since",
+                stacklevel=3,
+            )
+            return
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        units = data.get("units_per_epoch") if isinstance(data, dict) else None
+        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+            raise ConfigError(f"{path}: 'units_per_epoch' must be an int >= 1, got {units!r}")
+        ds.load_state_dict(data.get("loader"))  # StateError on a foreign or damaged state
+        self._resume_units = units
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """``Trainer._save_checkpoint``, then this rank's data state (:data:`DATA_STATE_NAME`)."""
+        super()._save_checkpoint(model, trial)
+        ds = self.train_dataset
+        if self._stream is None or not isinstance(ds, CacheDataset):
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        os.makedirs(folder, exist_ok=True)
+        data = {
+            "loader": ds.state_dict(items_consumed=0),
+            "units_per_epoch": self._stream.units_per_epoch,
+        }
+        path = os.path.join(folder, DATA_STATE_NAME.format(rank=ds.rank))
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Refuses a ``CacheDataset``: accelerate would shard it a second time and ranks with
@@ -331,12 +410,15 @@ class CacheDistillTrainer(Trainer):
             raise ConfigError("CacheDistillTrainer needs CacheDataset batches (no 'topk_ids')")
         hidden = packed_hidden_states(model, inputs)
         head = unwrap_model(model).get_output_embeddings()
+        ds = self.train_dataset
+        kind = ds.target_kind if isinstance(ds, CacheDataset) else "topk"
+        kind = str(inputs.get("target_kind", kind))
         total = topk_distill_loss(
             hidden,
             head.weight,
             inputs["topk_ids"],
             inputs["topk_logprobs"],
-            inputs["tail_mass"] if self.use_tail else None,
+            inputs["tail_mass"] if self.use_tail and kind == "topk" else None,
             bias=getattr(head, "bias", None),
             labels=inputs["labels"],
             mask=inputs["loss_mask"],
@@ -347,6 +429,7 @@ class CacheDistillTrainer(Trainer):
             reduction="sum",
             impl=self.loss_impl,
             chunk_size=self.chunk_size,
+            targets=kind,
         )
         if num_items_in_batch is None:  # e.g. evaluation: this batch's mean
             loss = total / inputs["loss_mask"].sum().clamp_min(1)
