@@ -89,6 +89,20 @@ def test_page_shows_cpu_ratio_paired_error_load_and_previous() -> None:
     assert text.index("WHAT CHANGED") < text.index("| method |")
 
 
+def test_goal2_paired_per_seed_line() -> None:
+    kls = [
+        {"online_kd": 1.0, "offline_topk_tail@8": 1.0, "offline_sampled@16": 0.98},
+        {"online_kd": 1.0, "offline_topk_tail@8": 1.0, "offline_sampled@16": 1.04},
+    ]
+    reports = [_report(i, k, {}) for i, k in enumerate(kls)]
+    methods = distill_bench.combine(reports)
+    text = distill_bench.markdown(reports, methods)
+    assert (
+        "~100 B/pos: `offline_sampled@16` vs `offline_topk_tail@8` per seed -2.0%, +4.0%; "
+        "mean +1.0% (standard error 3.0 points)" in text
+    )
+
+
 def test_page_without_new_fields_keeps_its_old_form() -> None:
     reports = [_report(0, {"online_kd": 1.0, "offline_topk_tail@8": 1.1}, {})]
     for m in reports[0]["methods"].values():
