@@ -2,13 +2,19 @@
 (FORMAT.md §6, D4).
 
 A random sequence needs a few inner chunks of each row array and of ``input_ids``. This module
-reads exactly those (:func:`.shardread.chunk_frames`: ``os.pread`` on a local store, no event
-loop), decodes every needed chunk once per call, straight into the output when the chunk lies
-inside one requested range (else into a scratch chunk copied to each range that uses it), and
-then decodes the logprobs (row-delta inverse, float16 -> float32) in row blocks. With a thread
-pool, the chunk decodes of at least :data:`PARALLEL_MIN_BYTES` run in parallel (blosc releases
-the GIL; ``google_crc32c`` and the Python around each task do not, so small tasks stay in the
-calling thread); the values do not depend on it.
+reads exactly those (:func:`.shardread.chunk_frames`: ``os.pread`` on a local store, shard files
+kept open per layout, no event loop), decodes every needed chunk once per call, straight into the
+output when the chunk lies inside one requested range (else into a scratch chunk copied to each
+range that uses it), and then decodes the logprobs (row-delta inverse, float16 -> float32) in row
+blocks.
+
+With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) the needed chunks of a call are
+cut into runs of consecutive chunks, about ``1/t`` of the bytes to decode each but at least
+:data:`PARALLEL_MIN_BYTES`, and each thread reads (``pread`` releases the GIL) and decodes its
+runs (blosc releases the GIL too); the calling thread takes one share. The per-chunk Python under
+the GIL is a few microseconds (``google_crc32c`` holds it for ~3 us per 100 KB frame), so even
+one sequence's ~10 chunks of the ``random_access`` preset spread over threads. The row blocks go
+to the threads the same way. The values never depend on it.
 
 The row-block kernels use torch (when :mod:`.kernels` selects it) on blocks of at most
 :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
@@ -19,7 +25,7 @@ the calling thread, vectorised (about 2x faster than numpy's cumulative sum alon
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,40 +38,40 @@ BLOCK_ELEMENTS = 32_000
 """Elements per row-block kernel call (below torch's intra-op grain size of 32,768)."""
 
 PARALLEL_MIN_BYTES = 192 * 1024
-"""Only tasks that decode at least this many bytes run on the decode threads: smaller ones (the
-``random_access`` preset's 100 KB chunks of 256 rows, the logprob row blocks) hold the GIL for
-too large a share of their time, and threads made them slower (benchmarks/results/client.md,
-random access); they run in the calling thread."""
+"""The least work (bytes decoded, or read + written by a row block) one decode thread is given:
+a call with less than twice this runs in the calling thread alone (a hand-off costs tens of
+microseconds; benchmarks/results/client.md, random access)."""
 
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
 
 
-def run_tasks(
-    tasks: list[Callable[[], None]], cost: list[int], pool: ThreadPoolExecutor | None, n: int
+def _groups(cost: list[int], n: int) -> list[list[int]]:
+    """Task numbers in at most ``n`` groups balanced by ``cost`` (longest first), each group
+    holding at least :data:`PARALLEL_MIN_BYTES` of work (one group: no threads)."""
+    total = sum(cost)
+    g = min(n, len(cost), max(1, total // max(1, PARALLEL_MIN_BYTES)))
+    if g <= 1:
+        return [list(range(len(cost)))]
+    groups: list[list[int]] = [[] for _ in range(g)]
+    load = [0] * g
+    for i in sorted(range(len(cost)), key=cost.__getitem__, reverse=True):
+        k = load.index(min(load))
+        groups[k].append(i)
+        load[k] += cost[i]
+    return groups
+
+
+def _run_groups(
+    run: Callable[[list[int]], None], groups: list[list[int]], pool: ThreadPoolExecutor | None
 ) -> None:
-    """Run ``tasks`` (``cost``: bytes each decodes). With a pool and ``n > 1``, the tasks of at
-    least :data:`PARALLEL_MIN_BYTES` go in ``n`` balanced groups (longest first), ``n - 1`` of
-    them on the pool; the calling thread runs the first group and every smaller task."""
-    big = [i for i, c in enumerate(cost) if c >= PARALLEL_MIN_BYTES]
-    if pool is None or n <= 1 or len(big) <= 1:
-        for t in tasks:
-            t()
+    """``run(group)`` for every group: the first in the calling thread, the others on ``pool``;
+    every group finishes before this returns (or raises the first error)."""
+    if pool is None or len(groups) == 1:
+        for grp in groups:
+            run(grp)
         return
-    groups: list[list[Callable[[], None]]] = [[] for _ in range(min(n, len(big)))]
-    load = [0] * len(groups)
-    for i in sorted(big, key=lambda i: -cost[i]):
-        g = load.index(min(load))
-        groups[g].append(tasks[i])
-        load[g] += cost[i]
-    small = set(range(len(tasks))).difference(big)
-    groups[0] += [tasks[i] for i in sorted(small)]
-
-    def run(group: list[Callable[[], None]]) -> None:
-        for t in group:
-            t()
-
-    futures = [pool.submit(run, g) for g in groups[1:]]
+    futures = [pool.submit(run, grp) for grp in groups[1:]]
     err: BaseException | None = None
     try:
         run(groups[0])  # the calling thread takes a share
@@ -78,6 +84,30 @@ def run_tasks(
         raise err
 
 
+def run_tasks(
+    tasks: list[Callable[[], None]], cost: list[int], pool: ThreadPoolExecutor | None, n: int
+) -> None:
+    """Run ``tasks`` (``cost``: bytes each decodes). With a pool and ``n > 1``, they go in up to
+    ``n`` groups balanced by cost, each of at least :data:`PARALLEL_MIN_BYTES`, all but the
+    first on the pool (the calling thread runs the first)."""
+    if pool is None or n <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            t()
+        return
+
+    def run(group: list[int]) -> None:
+        for i in group:
+            tasks[i]()
+
+    _run_groups(run, _groups(cost, n), pool)
+
+
+Item = tuple[DirectLayout, int, "shardread.Frame | None", "np.ndarray | None", list]
+"""One chunk decode of a point read: ``(layout, global chunk, frame, dest, targets)``: ``dest``
+is the slice of an output the whole chunk decodes into, or ``None``: the chunk decodes into a
+scratch chunk and its rows are copied to each ``(out, start, stop)`` range of ``targets``."""
+
+
 def read(
     direct: dict[str, DirectLayout],
     jobs: list[Job],
@@ -86,63 +116,128 @@ def read(
 ) -> list[np.ndarray]:
     """Stored values of each ``array[start:stop]`` of ``jobs`` (every array in ``direct``),
     each needed inner chunk fetched and decoded once."""
-    outs = [direct[n].empty(b - a) for n, a, b in jobs]
-    need: dict[str, dict[int, list[int]]] = {}
+    outs: list[np.ndarray] = []
+    per: dict[str, list[int]] = {}
     for j, (n, a, b) in enumerate(jobs):
-        if not 0 <= a <= b <= direct[n].length:  # R6: never past the committed count
-            raise CorruptStoreError(
-                f"read of {n}[{a}:{b}] past the committed {direct[n].length} entries"
-            )
-        if b > a:
-            cr = direct[n].chunk_rows
-            per = need.setdefault(n, {})
-            for g in range(a // cr, (b - 1) // cr + 1):
-                per.setdefault(g, []).append(j)
-    names = list(need)
-    frames = shardread.chunk_frames([(direct[n], need[n].keys()) for n in names])
-    tasks: list[Callable[[], None]] = []
-    cost: list[int] = []
-    for n, fr in zip(names, frames, strict=True):
         lay = direct[n]
-        nbytes = lay.chunk_rows * lay.row_items * lay.dtype.itemsize
-        for g, js in need[n].items():
-            tasks.append(_decode_task(lay, g, fr[g], [(outs[j], *jobs[j][1:]) for j in js]))
-            cost.append(nbytes)
-    run_tasks(tasks, cost, pool, threads)
+        if not 0 <= a <= b <= lay.length:  # R6: never past the committed count
+            raise CorruptStoreError(f"read of {n}[{a}:{b}] past the committed {lay.length} entries")
+        outs.append(lay.empty(b - a))
+        if b > a:
+            per.setdefault(n, []).append(j)
+    plans: list[Plan] = []
+    for n, js in per.items():
+        lay = direct[n]
+        cr = lay.chunk_rows
+        if len(js) == 1:
+            _, a, b = jobs[js[0]]
+            chunks = list(range(a // cr, (b - 1) // cr + 1))
+            plans.append((lay, chunks, [js] * len(chunks)))
+            continue
+        need: dict[int, list[int]] = {}
+        for j in js:
+            _, a, b = jobs[j]
+            for g in range(a // cr, (b - 1) // cr + 1):
+                need.setdefault(g, []).append(j)
+        chunks = sorted(need)
+        plans.append((lay, chunks, [need[g] for g in chunks]))
+    threaded = pool is not None and threads > 1
+    if threaded and all(shardread.local_root(p[0]) is not None for p in plans):
+        pieces = _pieces(plans, threads)
+        groups = _groups([len(p[1]) * _chunk_bytes(p[0]) for p in pieces], threads)
+        if len(groups) > 1:  # each thread reads (pread releases the GIL) and decodes its pieces
+
+            def run(group: list[int]) -> None:
+                for i in group:
+                    _read_plans([pieces[i]], jobs, outs)
+
+            _run_groups(run, groups, pool)
+            return outs
+    if not threaded:
+        _read_plans(plans, jobs, outs)
+        return outs
+    items, cost = _items(plans, shardread.chunk_frames([p[:2] for p in plans]), jobs, outs)
+    _run_groups(lambda grp: _decode_items(items, grp), _groups(cost, threads), pool)
     return outs
 
 
-def _decode_task(
-    lay: DirectLayout, g: int, frame: np.ndarray | None, targets: list[tuple[np.ndarray, int, int]]
-) -> Callable[[], None]:
-    """Decode chunk ``g`` into the ranges ``(out, start, stop)`` that use it."""
-    cr = lay.chunk_rows
-    r0, r1 = g * cr, (g + 1) * cr
-    lo = min(max(a, r0) for _, a, _ in targets)
-    hi = max(min(b, r1) for _, _, b in targets)
+Plan = tuple[DirectLayout, list[int], list[list[int]]]
+"""The chunks one array needs (sorted global chunk numbers) and, per chunk, the jobs using it."""
 
-    whole = len(targets) == 1 and targets[0][1] <= r0 and r1 <= targets[0][2]
 
-    def task() -> None:
-        if whole:  # the chunk lies inside the one range that uses it: decode in place
-            out, a, _ = targets[0]
-            shardread.decode_frame(lay, frame, g, out[r0 - a : r1 - a], (lo, hi))
-            return
+def _chunk_bytes(lay: DirectLayout) -> int:
+    return lay.chunk_rows * lay.row_items * lay.dtype.itemsize
+
+
+def _pieces(plans: list[Plan], threads: int) -> list[Plan]:
+    """``plans`` cut into runs of consecutive needed chunks of about an equal share of the
+    bytes to decode (``threads`` shares of at least :data:`PARALLEL_MIN_BYTES`)."""
+    total = sum(len(p[1]) * _chunk_bytes(p[0]) for p in plans)
+    share = max(total / threads, PARALLEL_MIN_BYTES, 1)
+    out: list[Plan] = []
+    for lay, chunks, users in plans:
+        step = max(1, round(share / _chunk_bytes(lay)))
+        for a in range(0, len(chunks), step):
+            out.append((lay, chunks[a : a + step], users[a : a + step]))
+    return out
+
+
+def _read_plans(plans: list[Plan], jobs: list[Job], outs: list[np.ndarray]) -> None:
+    """Fetch and decode the chunks of ``plans`` in this thread."""
+    items, _ = _items(plans, shardread.chunk_frames([p[:2] for p in plans]), jobs, outs)
+    _decode_items(items, range(len(items)))
+
+
+def _items(
+    plans: list[Plan],
+    frames: list[list[shardread.Frame | None]],
+    jobs: list[Job],
+    outs: list[np.ndarray],
+) -> tuple[list[Item], list[int]]:
+    """The decode :data:`Item` of every chunk of ``plans`` and the bytes each decodes."""
+    items: list[Item] = []
+    cost: list[int] = []
+    for (lay, chunks, users), fr in zip(plans, frames, strict=True):
+        cr = lay.chunk_rows
+        nbytes = _chunk_bytes(lay)
+        for g, frame, js in zip(chunks, fr, users, strict=True):
+            r0 = g * cr
+            if len(js) == 1:
+                j = js[0]
+                _, a, b = jobs[j]
+                if a <= r0 and r0 + cr <= b:  # the chunk lies inside the one range using it
+                    items.append((lay, g, frame, outs[j][r0 - a : r0 + cr - a], []))
+                    cost.append(nbytes)
+                    continue
+            items.append((lay, g, frame, None, [(outs[j], jobs[j][1], jobs[j][2]) for j in js]))
+            cost.append(nbytes)
+    return items, cost
+
+
+def _decode_items(items: list[Item], which: Iterable[int]) -> None:
+    """Decode ``items[i]`` for ``i`` in ``which`` (see :data:`Item`)."""
+    for i in which:
+        lay, g, frame, dest, targets = items[i]
+        cr = lay.chunk_rows
+        r0 = g * cr
+        if dest is not None:
+            shardread.decode_frame(lay, frame, g, dest, (r0, r0 + cr))
+            continue
         scratch = _scratch(lay)
+        lo = min(max(a, r0) for _, a, _ in targets)
+        hi = max(min(b, r0 + cr) for _, _, b in targets)
         shardread.decode_frame(lay, frame, g, scratch, (lo, hi))
         for out, a, b in targets:
-            x, y = max(a, r0), min(b, r1)
+            x, y = max(a, r0), min(b, r0 + cr)
             out[x - a : y - a] = scratch[x - r0 : y - r0]
-
-    return task
 
 
 _local = threading.local()
 
 
 def _scratch(lay: DirectLayout) -> np.ndarray:
-    """This thread's scratch chunk for ``lay``'s chunk shape (reused: a decode task copies out of
-    it before the thread runs another)."""
+    """This thread's scratch chunk for ``lay``'s chunk shape (reused: a decode copies out of it
+    before the thread decodes another chunk)."""
     cache = getattr(_local, "scratch", None)
     if cache is None:
         cache = _local.scratch = {}
@@ -174,8 +269,7 @@ def undelta_block(d: np.ndarray) -> None:
     if torch is None:
         np.cumsum(d, axis=1, dtype=d.dtype, out=d)
         return
-    t = torch.from_numpy(d.view(_SIGNED[d.dtype]))
-    t.copy_(torch.cumsum(t, 1, dtype=t.dtype))
+    torch.from_numpy(d.view(_SIGNED[d.dtype])).cumsum_(1)  # in place (no temporary)
 
 
 def widen_block(h: np.ndarray, out: np.ndarray) -> None:

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import google_crc32c
 import numcodecs.blosc
@@ -58,6 +60,56 @@ from .errors import ChecksumError, MissingDataError
 
 _EMPTY = 2**64 - 1
 _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes (uint32 LE)
+_HEADER = struct.Struct("<III")  # nbytes, blocksize, cbytes: bytes 4..16 of a blosc frame
+_U32 = struct.Struct("<I")
+
+
+FD_CACHE = 64
+"""Shard files kept open per layout (:class:`OpenShards`); reads of other shards open and close
+their file each time."""
+
+
+class OpenShards:
+    """Open read-only descriptors of a layout's shard files, up to :data:`FD_CACHE`, closed when
+    the layout is dropped (the reader makes new layouts at every refresh and after a failed
+    read). A descriptor is never closed while its layout is in use, so no read sees it reused.
+
+    Keeping a file open is safe because stores are written by replacing whole objects (zarr's
+    local store writes a temporary file and renames it): an open descriptor keeps the version it
+    opened, which holds every row committed when the layout was made (a writer writes the data
+    before the commit that a snapshot reads). A writer that rewrote files in place would make a
+    read fail its CRC32C, which the reader retries on fresh layouts, as before."""
+
+    def __init__(self) -> None:
+        self.fds: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def get(self, shard: int) -> int | None:
+        return self.fds.get(shard)
+
+    def keep(self, shard: int, fd: int) -> bool:
+        """Keep ``fd`` as shard ``shard``'s; ``False`` (the caller closes it) if the cache is
+        full or another thread kept one first."""
+        with self.lock:
+            if len(self.fds) >= FD_CACHE or shard in self.fds:
+                return False
+            self.fds[shard] = fd
+            return True
+
+    def close(self) -> None:
+        with self.lock:
+            fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
 
 @dataclass(frozen=True)
@@ -87,6 +139,10 @@ class DirectLayout:
     so a cached index never outlives the snapshot it was read in."""
     paths: dict[int, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Local file path of each shard object :func:`chunk_frames` has read (local stores)."""
+    fds: OpenShards = field(
+        default_factory=lambda: OpenShards(), compare=False, hash=False, repr=False
+    )
+    """Shard files :func:`chunk_frames` keeps open for this layout (local stores)."""
 
     @property
     def chunks_per_shard(self) -> int:
@@ -187,12 +243,19 @@ class _Shard:
     base: int = 0
 
 
+def _buffer(a: np.ndarray) -> Any:
+    """``a`` for ``struct`` (a numpy array is a buffer; numpy's stubs do not say so)."""
+    return cast(Any, a)
+
+
 def _crc_ok(frame: np.ndarray) -> bool:
-    """Whether the last 4 bytes of ``frame`` are the CRC32C (uint32 LE) of the bytes before."""
-    if frame.size < 4:
+    """Whether the last 4 bytes of ``frame`` (uint8) are the CRC32C (uint32 LE) of the bytes
+    before."""
+    size = len(frame)
+    if size < 4:
         return False
-    stored = int.from_bytes(frame[-4:].tobytes(), "little")
-    return google_crc32c.value(frame[:-4]) == stored
+    stored: int = _U32.unpack_from(_buffer(frame), size - 4)[0]
+    return bool(google_crc32c.value(frame[:-4]) == stored)
 
 
 def _parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
@@ -270,13 +333,15 @@ async def fetch(lay: DirectLayout, start: int, stop: int) -> list[_Shard]:
 
 # --------------------------------------------------------------------------- decoding (CPU)
 def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
-    """Why ``frame`` (blosc frame + CRC32C) cannot decode to ``nbytes`` bytes, or ``None``."""
+    """Why ``frame`` (blosc frame + CRC32C, uint8) cannot decode to ``nbytes`` bytes, or
+    ``None``."""
     if not _crc_ok(frame):
         return "chunk fails its CRC32C"
-    if frame.size < _BLOSC_HEADER + 4:
+    size = len(frame)
+    if size < _BLOSC_HEADER + 4:
         return "chunk shorter than a blosc header"
-    got, _blocksize, cbytes = frame[4:16].view("<u4").tolist()
-    if got != nbytes or cbytes != frame.size - 4:
+    got, _blocksize, cbytes = _HEADER.unpack_from(_buffer(frame), 4)
+    if got != nbytes or cbytes != size - 4:
         return f"blosc frame of {got} bytes, expected {nbytes}"
     return None
 
@@ -329,8 +394,9 @@ def decode(lay: DirectLayout, shards: list[_Shard], start: int, stop: int, out: 
 
 
 # --------------------------------------------------------------------------- point reads
-#: ``{global chunk number: its frame (CRC32C included) or None (absent shard / empty entry)}``
-Frames = dict[int, np.ndarray | None]
+Frame = np.ndarray
+"""The stored bytes of one inner chunk (uint8): its blosc frame followed by its CRC32C (uint32
+LE). (numpy views, not memoryviews: ``google_crc32c`` refuses memoryviews.)"""
 
 
 def local_root(lay: DirectLayout) -> str | None:
@@ -352,68 +418,100 @@ def _runs(chunks: Iterable[int], per_shard: int) -> dict[int, list[tuple[int, in
     return out
 
 
-def _frames_of(lay: DirectLayout, sh: _Shard, out: Frames) -> None:
-    """The frames of chunks ``[sh.c0, sh.c1)`` of a fetched shard into ``out`` (bounds-checked)."""
-    base = sh.shard * lay.chunks_per_shard
-    for c in range(sh.c0, sh.c1):
-        entry = None if sh.index is None else sh.index[c]
-        if entry is None or int(entry[0]) == _EMPTY:
-            out[base + c] = None
+def _frames_of(lay: DirectLayout, sh: _Shard, out: list[Frame | None]) -> None:
+    """Append the frames of chunks ``[sh.c0, sh.c1)`` of a fetched shard to ``out``
+    (bounds-checked; ``None`` for an absent shard or empty entry)."""
+    if sh.index is None:
+        out += [None] * (sh.c1 - sh.c0)
+        return
+    size = 0 if sh.data is None else sh.data.size
+    for c, (off, nb) in enumerate(sh.index[sh.c0 : sh.c1].tolist(), start=sh.c0):
+        if off == _EMPTY:
+            out.append(None)
             continue
-        off, nb = int(entry[0]) - sh.base, int(entry[1])
-        if sh.data is None or off < 0 or off + nb > sh.data.size:
+        off -= sh.base
+        if sh.data is None or off < 0 or off + nb > size:
             raise ChecksumError(f"{lay.name} shard {sh.shard}: chunk {c} outside the object")
-        out[base + c] = sh.data[off : off + nb]
+        out.append(sh.data[off : off + nb])
 
 
-def _frames_local(lay: DirectLayout, root: str, chunks: Iterable[int]) -> Frames:
-    """:func:`chunk_frames` for a local directory store: ``os.pread`` on the shard files."""
+def _local_index(lay: DirectLayout, fd: int, shard: int, where: str) -> np.ndarray:
+    """The parsed index of shard ``shard`` open as ``fd`` (cached for complete shards)."""
+    complete = (shard + 1) * lay.shard_rows <= lay.length
+    index = lay.index_cache.get(shard) if complete else None
+    if index is None:
+        n = lay.chunks_per_shard
+        size, want = os.fstat(fd).st_size, 16 * n + 4
+        if size < want:
+            raise ChecksumError(f"{where}: object shorter than its index")
+        raw = np.frombuffer(os.pread(fd, want, size - want), dtype=np.uint8)
+        index = _parse_index(raw, n, where)
+        if complete:
+            lay.index_cache[shard] = index
+    return index
+
+
+def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame | None]:
+    """:func:`chunk_frames` of one local array: ``os.pread`` on the shard files, one read per
+    run of consecutive chunks, frames as views of the bytes read."""
     n = lay.chunks_per_shard
-    out: Frames = {}
-    for shard, runs in _runs(chunks, n).items():
+    out: list[Frame | None] = []
+    i, total = 0, len(chunks)
+    while i < total:
+        shard = chunks[i] // n
+        j, end = i + 1, (shard + 1) * n
+        while j < total and chunks[j] < end:
+            j += 1
+        part, i = chunks[i:j], j
+        fd = lay.fds.get(shard)
+        owned = fd is None  # opened here: kept in lay.fds if there is room, else closed below
         path = lay.paths.get(shard)
         if path is None:
             path = lay.paths[shard] = os.path.join(root, lay.shard_path(shard).path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                out += [None] * len(part)
+                continue
+            if lay.fds.keep(shard, fd):
+                owned = False
         where = f"{lay.name or path} shard {shard}"
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            for c0, c1 in runs:
-                _frames_of(lay, _Shard(shard, c0, c1), out)
-            continue
-        try:
-            complete = (shard + 1) * lay.shard_rows <= lay.length
-            index = lay.index_cache.get(shard) if complete else None
-            if index is None:
-                size, want = os.fstat(fd).st_size, 16 * n + 4
-                if size < want:
-                    raise ChecksumError(f"{where}: object shorter than its index")
-                raw = np.frombuffer(os.pread(fd, want, size - want), dtype=np.uint8)
-                index = _parse_index(raw, n, where)
-                if complete:
-                    lay.index_cache[shard] = index
-            for c0, c1 in runs:
-                got = _Shard(shard, c0, c1, index=index)
-                used = index[c0:c1]
-                used = used[used[:, 0] != _EMPTY]
-                if used.size:
-                    lo, hi = int(used[:, 0].min()), int((used[:, 0] + used[:, 1]).max())
-                    buf = os.pread(fd, hi - lo, lo)
-                    if len(buf) != hi - lo:
-                        raise ChecksumError(f"{where}: chunks past the end of the object")
-                    got.data, got.base = np.frombuffer(buf, dtype=np.uint8), lo
-                _frames_of(lay, got, out)
+            index = _local_index(lay, fd, shard, where)
+            base = shard * n
+            k = 0
+            while k < len(part):  # one pread per run of consecutive chunks
+                c0 = part[k] - base
+                m = k + 1
+                while m < len(part) and part[m] - base == c0 + (m - k):
+                    m += 1
+                entries = index[c0 : c0 + m - k].tolist()
+                k = m
+                used = [(o, nb) for o, nb in entries if o != _EMPTY]
+                if not used:
+                    out += [None] * len(entries)
+                    continue
+                lo = min(o for o, _ in used)
+                hi = max(o + nb for o, nb in used)
+                buf = np.frombuffer(os.pread(fd, hi - lo, lo), dtype=np.uint8)
+                if buf.size != hi - lo:
+                    raise ChecksumError(f"{where}: chunks past the end of the object")
+                for off, nb in entries:
+                    out.append(None if off == _EMPTY else buf[off - lo : off - lo + nb])
         finally:
-            os.close(fd)
+            if owned:
+                os.close(fd)
     return out
 
 
-def chunk_frames(wanted: list[tuple[DirectLayout, Iterable[int]]]) -> list[Frames]:
-    """The stored frames of the given inner chunks (global chunk numbers along axis 0) of each
-    layout, CRC32C not yet checked (:func:`decode_frame` does). Chunks must lie below the
-    layout's ``length``. Local directory stores are read with ``os.pread``; the others through
-    the store (one call into zarr's event loop for all of them)."""
-    out: list[Frames] = [{} for _ in wanted]
+def chunk_frames(wanted: list[tuple[DirectLayout, list[int]]]) -> list[list[Frame | None]]:
+    """The stored frames (CRC32C not yet checked: :func:`decode_frame` does) of the given inner
+    chunks of each layout: ``wanted`` holds sorted, distinct global chunk numbers along axis 0,
+    all below the layout's ``length``; the answer holds one frame (or ``None``: absent shard or
+    empty entry) per chunk, in that order. Local directory stores are read with ``os.pread``;
+    the others through the store (one call into zarr's event loop for all of them)."""
+    out: list[list[Frame | None]] = [[] for _ in wanted]
     remote: list[tuple[int, DirectLayout, int, int, int]] = []
     for i, (lay, chunks) in enumerate(wanted):
         root = local_root(lay)
@@ -434,7 +532,7 @@ def chunk_frames(wanted: list[tuple[DirectLayout, Iterable[int]]]) -> list[Frame
 
 
 def decode_frame(
-    lay: DirectLayout, frame: np.ndarray | None, chunk: int, dest: np.ndarray, rows: tuple[int, int]
+    lay: DirectLayout, frame: Frame | None, chunk: int, dest: np.ndarray, rows: tuple[int, int]
 ) -> None:
     """Decode the frame of global chunk ``chunk`` into ``dest`` (a full chunk, C-contiguous);
     an absent frame is :class:`MissingDataError` in a strict store, else the fill value.
