@@ -168,7 +168,7 @@ def profile(reader: Any, picks: list[int], top: int = 14) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from logitcache.cache_format import CacheReader, validate
+    from logitcache.cache_format import CacheReader, pointread, validate
 
     root = Path(args.root)
     log("generating records")
@@ -176,9 +176,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = np.array([r.length for r in records], dtype=np.int64)
     rs = np.concatenate([[0], np.cumsum(lengths - 1)])
     ts = np.concatenate([[0], np.cumsum(lengths)])
-    save_npy(root / "npy", records)
+    if not (args.reuse and (root / "npy" / "tok.npy").exists()):
+        save_npy(root / "npy", records)
     doc: dict[str, Any] = {"builds": {}, "layouts": {}}
     for name in args.layouts:
+        if args.reuse and (root / name / "zarr.json").exists():
+            nbytes = sum(p.stat().st_size for p in (root / name).rglob("*") if p.is_file())
+            positions = int(lengths.sum() - len(lengths))
+            doc["builds"][name] = {"layout": name, "reused": True, "store_bytes": nbytes}
+            doc["builds"][name]["bytes_per_position"] = nbytes / positions
+            continue
         log("build", name)
         doc["builds"][name] = build(str(root / name), records, name)
         log(doc["builds"][name])
@@ -234,19 +241,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for a, b in zip(check.sequences(first), ref.sequences(first), strict=True):
             assert a.equals(b), f"batched point read differs ({name})"
         res["point_equals_range_path"] = True
-        base = npy()
-        w, c = timed(lambda ref=ref: [ref.sequence(i) for i in picks])
-        res["range_path_sequence"] = entry(w, c, len(picks), base)
-        w, c = timed(lambda ref=ref: [ref.sequences(b.tolist()) for b in batches])
-        res["range_path_sequences"] = entry(w, c, n_batched, base)
+        if not args.skip_range_path:
+            base = npy()
+            w, c = timed(lambda ref=ref: [ref.sequence(i) for i in picks])
+            res["range_path_sequence"] = entry(w, c, len(picks), base)
+            w, c = timed(lambda ref=ref: [ref.sequences(b.tolist()) for b in batches])
+            res["range_path_sequences"] = entry(w, c, n_batched, base)
+        default_min = pointread.PARALLEL_MIN_BYTES
         for t in args.threads:
             r = CacheReader(url, decode_threads=t)
-            base = npy()
-            w, c = timed(lambda r=r: [r.sequence(i) for i in picks])
-            res[f"sequence_t{t}"] = entry(w, c, len(picks), base)
-            w, c = timed(lambda r=r: [r.sequences(b.tolist()) for b in batches])
-            res[f"sequences{args.batch}_t{t}"] = entry(w, c, n_batched, base)
-            log(name, t, res[f"sequence_t{t}"], res[f"sequences{args.batch}_t{t}"])
+            for mb in args.min_bytes if t > 1 and args.min_bytes else [None]:
+                pointread.PARALLEL_MIN_BYTES = default_min if mb is None else mb
+                tag = f"t{t}" if mb is None else f"t{t}_mb{mb // 1024}k"
+                base = npy()
+                w, c = timed(lambda r=r: [r.sequence(i) for i in picks])
+                res[f"sequence_{tag}"] = entry(w, c, len(picks), base)
+                w, c = timed(lambda r=r: [r.sequences(b.tolist()) for b in batches])
+                res[f"sequences{args.batch}_{tag}"] = entry(w, c, n_batched, base)
+                log(name, tag, res[f"sequence_{tag}"], res[f"sequences{args.batch}_{tag}"])
+            pointread.PARALLEL_MIN_BYTES = default_min
 
         def sequential(r: Any = ref) -> None:
             for a in range(0, min(n_seq, args.seq_sequences), 64):
@@ -284,11 +297,22 @@ def main() -> None:
     p.add_argument("--validate", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile of sequence(i), one thread")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--min-bytes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with threads > 1: each value of pointread.PARALLEL_MIN_BYTES to measure",
+    )
+    p.add_argument("--reuse", action="store_true", help="read the stores already under --root")
+    p.add_argument("--label", default="", help="a name for this run (e.g. the code measured)")
+    p.add_argument("--skip-range-path", action="store_true", help="no range-path figures")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     doc: dict[str, Any] = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
         "command": " ".join(["python", *sys.argv]),
+        "label": args.label,
         "load_avg_start": os.getloadavg(),
         "git": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO

@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
+# benchmarks/random_access_device.sh OUTDIR [random_access_bench.py options...]
+#
 # benchmarks/random_access_bench.py (+ format_bench's default vs random-access configs and the
 # random-access tests) on a box where the project is not installed (the device H200 box): the
 # wheels carried in .whl (zarr, numcodecs, google-crc32c, pydantic, ...) go to /tmp/site, the
 # logitcache namespace is made of symlinks to the repository's folders.
-# Usage: bash benchmarks/random_access_device.sh OUTDIR [random_access_bench.py options...]
-# (RA_SKIP_FORMAT=1: without the format bench)
+#
+# RA_SKIP_FORMAT=1: without the format bench.
+# RA_OLD=DIR: before/after in one call: DIR holds older versions of some cache_format/*.py files
+#   (e.g. `git show 36bd27e:cache_format/pointread.py`); after the run of this tree's code, the
+#   bench runs again on the same stores (--reuse) with those files in place of the tree's
+#   (everything else as in the tree), and then once more with the tree's code, so the two are
+#   measured alternately on one machine. Extra options for those runs: RA_OLD_ARGS.
 set -uo pipefail
 out="$1"
 shift
@@ -16,7 +23,21 @@ export PYTHONPATH="/tmp/site:/tmp/lcpkg:$PWD/tests" PYTHONUNBUFFERED=1
 { nproc; uptime; lscpu | grep -E "Model name|^CPU\(s\)"; } 2>&1 | tee "$out/machine.txt"
 python3 -m pytest -q -n 0 -p no:cacheprovider -o addopts="" tests/test_format_random_access.py \
     tests/test_format_golden.py -k "not s3" 2>&1 | tail -5 | tee "$out/tests.txt"
-python3 benchmarks/random_access_bench.py --json "$out/client_random.json" "$@" 2>&1 \
+python3 benchmarks/random_access_bench.py --json "$out/client_random.json" --label tree "$@" 2>&1 \
     | grep -v '^ \|^[{}]' | tee "$out/client_random_log.txt"
+if [ -n "${RA_OLD:-}" ]; then
+    mkdir -p /tmp/lcold/logitcache
+    cp -r cache_format /tmp/lcold/logitcache/
+    cp "$RA_OLD"/*.py /tmp/lcold/logitcache/cache_format/
+    for d in client server fixtures protocol; do ln -sfn "$PWD/$d" "/tmp/lcold/logitcache/$d"; done
+    # shellcheck disable=SC2086
+    PYTHONPATH="/tmp/site:/tmp/lcold:$PWD/tests" python3 benchmarks/random_access_bench.py \
+        --json "$out/client_random_old.json" --label old "$@" --reuse ${RA_OLD_ARGS:-} 2>&1 \
+        | grep -v '^ \|^[{}]' | tee -a "$out/client_random_log.txt"
+    # shellcheck disable=SC2086
+    python3 benchmarks/random_access_bench.py --json "$out/client_random_again.json" \
+        --label tree-again "$@" --reuse ${RA_OLD_ARGS:-} 2>&1 \
+        | grep -v '^ \|^[{}]' | tee -a "$out/client_random_log.txt"
+fi
 [ -n "${RA_SKIP_FORMAT:-}" ] || python3 benchmarks/format_bench.py --rows 262144 --configs default,random-access --cores 1 \
     --random-reads 128 --out "$out/format_random.json" --md "$out/format_random.md" 2>&1 | tail -3
