@@ -189,3 +189,14 @@ def test_hf_iterable_of_a_sampled_cache_is_full_width_with_its_kind(sampled_url:
         assert g["target_kind"] == "sampled"
         assert np.array_equal(np.asarray(g["topk_ids"]), f["topk_ids"])
         assert np.array_equal(np.asarray(g["topk_logprobs"]), f["topk_logprobs"])
+
+
+def test_single_items_are_trimmed_per_item(sampled_url: str) -> None:
+    full = collect(_ds(sampled_url, batch_size=None, trim_sampled=False))
+    items = collect(_ds(sampled_url, batch_size=None))
+    assert len(items) == len(full) > 3
+    for f, t in zip(full, items, strict=True):
+        w = t["topk_ids"].shape[-1]
+        assert t["topk_ids"].shape == (32, w) and f["topk_ids"].shape == (32, DRAWS)
+        assert np.array_equal(t["topk_logprobs"], f["topk_logprobs"][:, :w])
+    assert min(t["topk_ids"].shape[-1] for t in items) < DRAWS
