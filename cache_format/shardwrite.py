@@ -132,6 +132,12 @@ class LastShard:
     head: np.ndarray | None = None  # rows of the chunk holding ``end`` below it
 
 
+def _frame(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes, bytes]:
+    """:func:`encode_chunk` as its two parts (blosc frame, CRC32C), nothing concatenated."""
+    frame = _blosc(lay).encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
+    return frame, google_crc32c.value(frame).to_bytes(4, "little")
+
+
 async def _write_shard(
     lay: DirectLayout,
     shard: int,
@@ -142,7 +148,11 @@ async def _write_shard(
 ) -> None:
     """Write ``rows`` at row ``off`` of ``shard`` (rows below ``off`` are committed); the
     committed chunks come from ``reuse`` (this shard as last written, ending at ``off``) or are
-    read back; ``update`` then describes the shard as written."""
+    read back; ``update`` then describes the shard as written.
+
+    The object is assembled in one buffer, each byte copied into it once (issue #19: joining
+    ``bytes`` copied committed chunks twice and new ones three times, per append, for the whole
+    partly filled shard); the chunks the object holds are then views of that buffer."""
     n, c = lay.chunks_per_shard, lay.chunk_rows
     keep: list[Any] = [None] * n
     head = None
@@ -152,41 +162,68 @@ async def _write_shard(
     elif off:
         keep, head = await _existing(lay, shard, off)
     first = off // c
-    block = rows if head is None else np.concatenate([head, rows])
     last = (off + rows.shape[0] - 1) // c
+    lead = 0 if head is None else head.shape[0]  # committed rows of chunk ``first``
 
-    def encode_all() -> list[bytes]:
-        out = []
-        for i in range(first, last + 1):
-            part = block[(i - first) * c : (i - first + 1) * c]
-            if part.shape[0] < c:
-                full = np.full((c, *lay.inner), lay.fill_value, dtype=lay.dtype)
-                full[: part.shape[0]] = part
-                part = full
-            out.append(encode_chunk(lay, part))
-        return out
+    def chunk_rows(i: int) -> np.ndarray:
+        """Inner chunk ``i``'s rows (``first <= i <= last``), padded with the fill value."""
+        lo = (i - first) * c - lead  # into ``rows``
+        part = rows[max(lo, 0) : lo + c]
+        if lo >= 0 and part.shape[0] == c:
+            return part  # a view: no copy before blosc
+        full = np.full((c, *lay.inner), lay.fill_value, dtype=lay.dtype)
+        at = -lo if lo < 0 else 0
+        if lo < 0:
+            assert head is not None
+            full[:at] = head
+        full[at : at + part.shape[0]] = part
+        return full
 
-    new = encode_all()
-    parts: list[bytes | np.ndarray] = []
+    new = [_frame(lay, chunk_rows(i)) for i in range(first, last + 1)]
+    frames: list[Any] = [
+        keep[i] if i < first else (new[i - first] if i <= last else None) for i in range(n)
+    ]
+    sizes = [
+        0 if f is None else (len(f[0]) + len(f[1]) if isinstance(f, tuple) else len(f))
+        for f in frames
+    ]
+    body = sum(sizes)
+    # a bytearray (malloc), not np.empty: numpy asks for huge pages above 4 MiB, whose
+    # first-touch zeroing cost more than the copies saved (measured)
+    payload = np.frombuffer(bytearray(body + 16 * n + 4), dtype=np.uint8)
     table = np.full((n, 2), _EMPTY, dtype="<u8")
     pos = 0
-    for i in range(n):
-        f = keep[i] if i < first else (new[i - first] if i <= last else None)
+    views: list[np.ndarray | None] = [None] * n
+    for i, f in enumerate(frames):
         if f is None:
             continue
-        size = len(f) if isinstance(f, bytes) else int(f.size)
+        size = sizes[i]
+        if isinstance(f, tuple):  # a new chunk: frame, then its CRC32C
+            k = len(f[0])
+            payload[pos : pos + k] = np.frombuffer(f[0], dtype=np.uint8)
+            payload[pos + k : pos + size] = np.frombuffer(f[1], dtype=np.uint8)
+        else:  # a committed chunk's stored bytes
+            payload[pos : pos + size] = np.frombuffer(f, dtype=np.uint8)
         table[i] = (pos, size)
+        views[i] = payload[pos : pos + size]
         pos += size
-        parts.append(f)
     index = table.tobytes()
-    parts.append(index + google_crc32c.value(index).to_bytes(4, "little"))
-    payload = b"".join(p if isinstance(p, bytes) else p.tobytes() for p in parts)
-    await lay.shard_path(shard).set(default_buffer_prototype().buffer.from_bytes(payload))
+    payload[body : body + 16 * n] = np.frombuffer(index, dtype=np.uint8)
+    payload[body + 16 * n :] = np.frombuffer(
+        google_crc32c.value(index).to_bytes(4, "little"), dtype=np.uint8
+    )
+    await lay.shard_path(shard).set(default_buffer_prototype().buffer.from_array_like(payload))
     if update is not None:  # as this shard now stands (only once its write has returned)
         end = off + rows.shape[0]
         done, part = divmod(end, c)
-        update.frames = [keep[i] if i < first else new[i - first] for i in range(done)]
-        update.head = np.array(block[(done - first) * c :], copy=True) if part else None
+        update.frames = views[:done]
+        tail = None
+        if part:  # the rows of chunk ``done`` below ``end``
+            if done == first and head is not None:
+                tail = np.concatenate([head, rows])
+            else:
+                tail = np.array(rows[(done - first) * c - lead :], copy=True)
+        update.head = tail
         update.shard, update.end = shard, end
 
 
