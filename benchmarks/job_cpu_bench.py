@@ -39,6 +39,7 @@ import gc
 import json
 import os
 import pstats
+import shutil
 import sqlite3
 import statistics
 import sys
@@ -155,7 +156,23 @@ def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "array
     return ReplayEngine()
 
 
-async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock) -> dict:
+async def _wait(c: Any, db_path: Path, job_id: str) -> None:
+    """Until the job ends (read from the job table directly: an HTTP poll costs ms of CPU)."""
+    db = sqlite3.connect(db_path)
+    try:
+        while db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[0] not in (
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
+            await asyncio.sleep(0.05)
+    finally:
+        db.close()
+
+
+async def run_job(
+    work: Path, engine: Any, settings_kw: dict, clock: StageClock, prefill: bool = False
+) -> dict:
     import httpx
     from logitcache.server import job_store, jobs, pipeline
     from logitcache.server.app import create_app
@@ -186,6 +203,11 @@ async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                if prefill:  # untimed: the cache already holds rows, as in a long job
+                    r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "pre.jsonl"}})
+                    r.raise_for_status()
+                    await _wait(c, settings.job_db_path, r.json()["id"])
+                    clock.cpu.clear()
                 prof = cProfile.Profile() if PROFILE else None
                 if prof is not None:
                     prof.enable()
@@ -194,13 +216,7 @@ async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock)
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
                 r.raise_for_status()
                 job_id = r.json()["id"]
-                # wait on the job table directly (an HTTP poll costs ms of CPU in-process)
-                db = sqlite3.connect(settings.job_db_path)
-                while db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[
-                    0
-                ] not in ("succeeded", "failed", "cancelled"):
-                    await asyncio.sleep(0.05)
-                db.close()
+                await _wait(c, settings.job_db_path, job_id)
                 cpu1, wall1 = os.times(), time.perf_counter()
                 threads1 = thread_cpu()
                 if prof is not None:
@@ -213,9 +229,16 @@ async def run_job(work: Path, engine: Any, settings_kw: dict, clock: StageClock)
     if job["state"] != "succeeded":
         raise SystemExit(f"job failed: {job}")
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    sys_s = cpu1.system - cpu0.system
     per_thread = {n: v - threads0.get(n, 0.0) for n, v in threads1.items()}
     per_thread = {n: v for n, v in per_thread.items() if v > 0}
-    return {"cpu_s": cpu, "wall_s": wall1 - wall0, "job": job, "threads": per_thread}
+    return {
+        "cpu_s": cpu,
+        "sys_s": sys_s,
+        "wall_s": wall1 - wall0,
+        "job": job,
+        "threads": per_thread,
+    }
 
 
 def thread_cpu() -> dict[str, float]:
@@ -284,17 +307,34 @@ def vllm_list_building_us(k: int, positions: int = 255, repeats: int = 5) -> flo
 
 
 def one_run(
-    k: int, prompts: list[list[int]], settings_kw: dict, seed: int, form: str = "arrays"
+    k: int,
+    prompts: list[list[int]],
+    settings_kw: dict,
+    seed: int,
+    form: str = "arrays",
+    prefill: int = 0,
 ) -> dict:
+    """One timed job over ``prompts``; with ``prefill``, an untimed job of that many sequences
+    (the same prompts again, other ids) fills the cache first, so the timed appends land where a
+    long job's do: inside partly filled shards of every array (the whole-object rewrites of
+    FORMAT.md W3 grow with how full a shard already is)."""
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
     (work / "data").mkdir()
     (work / "data" / "in.jsonl").write_text(
         "\n".join(json.dumps({"id": f"s{i}", "input_ids": p}) for i, p in enumerate(prompts))
     )
+    if prefill:
+        (work / "data" / "pre.jsonl").write_text(
+            "\n".join(
+                json.dumps({"id": f"p{i}", "input_ids": prompts[i % len(prompts)]})
+                for i in range(prefill)
+            )
+        )
     engine = build_engine(prompts, k, seed, form)
     clock = StageClock()
     load = os.getloadavg()[0]
-    res = asyncio.run(run_job(work, engine, settings_kw, clock))
+    res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
+    shutil.rmtree(work, ignore_errors=True)
     positions = sum(len(p) - 1 for p in prompts)
     stages = {n: v / positions * 1e6 for n, v in sorted(clock.cpu.items())}
     total_us = res["cpu_s"] / positions * 1e6
@@ -306,6 +346,8 @@ def one_run(
         "cpu_s": res["cpu_s"],
         "wall_s": res["wall_s"],
         "us_per_position": total_us,
+        "sys_us_per_position": res["sys_s"] / positions * 1e6,
+        "prefill_sequences": prefill,
         "stage_us_per_position": stages,
         "load_avg_1min_before": load,
         "load_avg_1min_after": os.getloadavg()[0],
@@ -341,6 +383,19 @@ def main() -> None:
     )
     p.add_argument("--profile", action="store_true", help="print the event loop's cProfile")
     p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="sequences written (untimed) into the cache before the timed job, e.g. 1600 "
+        "(408K rows): the timed appends then rewrite partly filled shards as a long job's do",
+    )
+    p.add_argument(
+        "--merge-values",
+        type=int,
+        default=None,
+        help="jobs.MERGE_VALUES for this run (top-k entries a merged write group may hold)",
+    )
+    p.add_argument(
         "--zarr-writes",
         action="store_true",
         help="write every array through zarr's setitem (writer.DIRECT_WRITES = False): the "
@@ -353,6 +408,10 @@ def main() -> None:
         from logitcache.cache_format import writer
 
         writer.DIRECT_WRITES = False
+    if args.merge_values is not None:
+        from logitcache.server import jobs
+
+        jobs.MERGE_VALUES = args.merge_values
     if args.blosc_threads is not None:
         import numcodecs.blosc
 
@@ -394,11 +453,12 @@ def main() -> None:
     runs = []
     for rep in range(args.repeats):
         for k in args.k:
-            r = one_run(k, prompts, settings_kw, seed=rep, form=args.form)
+            r = one_run(k, prompts, settings_kw, seed=rep, form=args.form, prefill=args.prefill)
             runs.append(r)
             st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
             print(
                 f"k={k} rep {rep}: {r['us_per_position']:.2f} CPU-us/position "
+                f"(sys {r['sys_us_per_position']:.2f}) "
                 f"({st}); wall {r['wall_s']:.1f} s, load {r['load_avg_1min_before']:.1f}",
                 flush=True,
             )
@@ -422,6 +482,8 @@ def main() -> None:
         "form": args.form,
         "warmup_jobs_per_k": args.warmup,
         "direct_shard_writes": not args.zarr_writes,
+        "prefill_sequences": args.prefill,
+        "merge_values": args.merge_values,
         "runs": runs,
         "summary": summary,
     }
