@@ -9,12 +9,14 @@ range that uses it), and then decodes the logprobs (row-delta inverse, float16 -
 blocks.
 
 With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) the needed chunks of a call are
-cut into runs of consecutive chunks, about ``1/t`` of the bytes to decode each but at least
-:data:`PARALLEL_MIN_BYTES`, and each thread reads (``pread`` releases the GIL) and decodes its
-runs (blosc releases the GIL too); the calling thread takes one share. The per-chunk Python under
-the GIL is a few microseconds (``google_crc32c`` holds it for ~3 us per 100 KB frame), so even
-one sequence's ~10 chunks of the ``random_access`` preset spread over threads. The row blocks go
-to the threads the same way. The values never depend on it.
+cut into runs of consecutive chunks, about ``1/t`` of the bytes to decode each (``t`` at most
+:data:`MAX_SHARES`) but at least :data:`PARALLEL_MIN_BYTES`, and each thread reads (``pread``
+releases the GIL) and decodes its runs (blosc releases the GIL too); the calling thread takes one
+share. The Python under the GIL is a few microseconds per chunk (``google_crc32c`` holds it for
+~3 us per 100 KB frame), but with the reader's own work about half of a call's CPU holds the GIL,
+so threads pay off for batches (``sequences``) and large chunks, not for one sequence of the
+``random_access`` preset (measured: benchmarks/results/client.md). The row blocks go to the
+threads the same way. The values never depend on it.
 
 The row-block kernels use torch (when :mod:`.kernels` selects it) on blocks of at most
 :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
@@ -42,15 +44,23 @@ PARALLEL_MIN_BYTES = 192 * 1024
 a call with less than twice this runs in the calling thread alone (a hand-off costs tens of
 microseconds; benchmarks/results/client.md, random access)."""
 
+MAX_SHARES = 4
+"""A call's work goes to at most this many threads (the calling thread included), whatever
+``decode_threads``: about half of a point read's CPU holds the GIL (the Python around each
+chunk, CRC32C, the reader's records), so more threads only queue on it. Measured on the 16-core
+H200 box (benchmarks/results/client.md, random access): ``sequences(32)`` on the preset 1,460-1,540
+seq/s with 4 threads, 980-1,130 with 8, 770-830 with 16."""
+
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
 
 
 def _groups(cost: list[int], n: int) -> list[list[int]]:
-    """Task numbers in at most ``n`` groups balanced by ``cost`` (longest first), each group
-    holding at least :data:`PARALLEL_MIN_BYTES` of work (one group: no threads)."""
+    """Task numbers in at most ``n`` (and :data:`MAX_SHARES`) groups balanced by ``cost``
+    (longest first), each group holding at least :data:`PARALLEL_MIN_BYTES` of work (one group:
+    no threads)."""
     total = sum(cost)
-    g = min(n, len(cost), max(1, total // max(1, PARALLEL_MIN_BYTES)))
+    g = min(n, MAX_SHARES, len(cost), max(1, total // max(1, PARALLEL_MIN_BYTES)))
     if g <= 1:
         return [list(range(len(cost)))]
     groups: list[list[int]] = [[] for _ in range(g)]
@@ -171,9 +181,10 @@ def _chunk_bytes(lay: DirectLayout) -> int:
 
 def _pieces(plans: list[Plan], threads: int) -> list[Plan]:
     """``plans`` cut into runs of consecutive needed chunks of about an equal share of the
-    bytes to decode (``threads`` shares of at least :data:`PARALLEL_MIN_BYTES`)."""
+    bytes to decode (``threads`` shares, at most :data:`MAX_SHARES`, of at least
+    :data:`PARALLEL_MIN_BYTES`)."""
     total = sum(len(p[1]) * _chunk_bytes(p[0]) for p in plans)
-    share = max(total / threads, PARALLEL_MIN_BYTES, 1)
+    share = max(total / min(threads, MAX_SHARES), PARALLEL_MIN_BYTES, 1)
     out: list[Plan] = []
     for lay, chunks, users in plans:
         step = max(1, round(share / _chunk_bytes(lay)))
