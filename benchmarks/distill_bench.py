@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def shown_args(argv: list[str]) -> str:
             skip = True
         elif not a.startswith("--intro="):
             out.append(a)
-    return " ".join(out)
+    return shlex.join(out)
 
 
 def paired_gap(row: dict[str, Any]) -> tuple[float, float] | None:
@@ -167,7 +168,7 @@ def previous_lines(
             f"{p.get('step_time_vs_online', 0):.2f}x → {r.get('step_time_vs_online', 0):.2f}x | "
             f"{'' if cols is None else f'{cols:.1f}'} |"
         )
-    return [*lines, ""]
+    return lines
 
 
 def markdown(
