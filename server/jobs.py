@@ -53,10 +53,13 @@ log = logging.getLogger("logitcache.server.jobs")
 
 #: Rows (positions) of scored batches that the job's writer thread may append in one commit
 #: when they are already waiting for it (pipeline._Writer): at most one default shard of rows,
-#: and at most MERGE_VALUES top-k entries (``rows * k``): a larger group's arrays outgrow the
-#: CPU caches and cost more per position than the commits it saves (measured at k=100).
+#: and at most MERGE_VALUES top-k entries (``rows * k``, which bounds a group's memory at large
+#: k; 65,536 rows up to k=128). Large groups matter in a long job: every append rewrites each
+#: partly filled shard object whole (FORMAT.md W3), and the per-row arrays' shards hold 524,288
+#: rows, so small appends rewrite them dozens of times (job_cpu_bench --prefill 1600, k=100:
+#: 11.5 CPU-us/position with the earlier 1M cap, 10K-row groups, against 7.4 with this one).
 MERGE_ROWS = 65536
-MERGE_VALUES = 1 << 20
+MERGE_VALUES = 1 << 23
 
 
 @dataclass
