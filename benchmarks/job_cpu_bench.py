@@ -96,10 +96,21 @@ def flat_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
 
 
 class StageClock:
-    """Thread-CPU seconds per stage (each stage runs in one thread at a time)."""
+    """Thread-CPU seconds per stage (each stage runs in one thread at a time), and the rows of
+    every append (how the job's writer grouped the scored batches: per-append costs, and the
+    rewrites of partly filled shards, FORMAT.md W3, depend on it)."""
 
     def __init__(self) -> None:
         self.cpu: dict[str, float] = {}
+        self.appends: list[int] = []
+
+    def count_append(self, fn: Any) -> Any:
+        def counted(handle: Any, records: Any) -> Any:
+            records = list(records)
+            self.appends.append(sum(r.num_rows for r in records))
+            return fn(handle, records)
+
+        return counted
 
     def wrap(self, name: str, fn: Any) -> Any:
         def timed(*a: Any, **kw: Any) -> Any:
@@ -189,7 +200,7 @@ async def run_job(
     engine._convert = clock.wrap("convert", engine._convert)
     patches = [
         (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
-        (WriterHandle, "append", clock.wrap("write", WriterHandle.append)),
+        (WriterHandle, "append", clock.wrap("write", clock.count_append(WriterHandle.append))),
         (WriterHandle, "missing", clock.wrap("read", WriterHandle.missing)),
         (job_store.JobStore, "progress", clock.wrap("sqlite", job_store.JobStore.progress)),
         (jobs.JobRunner, "_batches", _wrap_gen(clock, jobs.JobRunner._batches)),
@@ -208,6 +219,7 @@ async def run_job(
                     r.raise_for_status()
                     await _wait(c, settings.job_db_path, r.json()["id"])
                     clock.cpu.clear()
+                    clock.appends.clear()
                 prof = cProfile.Profile() if PROFILE else None
                 if prof is not None:
                     prof.enable()
@@ -347,6 +359,8 @@ def one_run(
         "wall_s": res["wall_s"],
         "us_per_position": total_us,
         "sys_us_per_position": res["sys_s"] / positions * 1e6,
+        "appends": len(clock.appends),
+        "rows_per_append": clock.appends,
         "prefill_sequences": prefill,
         "stage_us_per_position": stages,
         "load_avg_1min_before": load,
@@ -459,7 +473,8 @@ def main() -> None:
             print(
                 f"k={k} rep {rep}: {r['us_per_position']:.2f} CPU-us/position "
                 f"(sys {r['sys_us_per_position']:.2f}) "
-                f"({st}); wall {r['wall_s']:.1f} s, load {r['load_avg_1min_before']:.1f}",
+                f"({st}); {r['appends']} appends; wall {r['wall_s']:.1f} s, "
+                f"load {r['load_avg_1min_before']:.1f}",
                 flush=True,
             )
     summary = {}
