@@ -48,8 +48,8 @@ MAX_SHARES = 4
 """A call's work goes to at most this many threads (the calling thread included), whatever
 ``decode_threads``: about half of a point read's CPU holds the GIL (the Python around each
 chunk, CRC32C, the reader's records), so more threads only queue on it. Measured on the 16-core
-H200 box (benchmarks/results/client.md, random access): ``sequences(32)`` on the preset 1,460-1,540
-seq/s with 4 threads, 980-1,130 with 8, 770-830 with 16."""
+H200 box (benchmarks/results/client.md, random access): ``sequences(32)`` on the preset 1,370-1,540
+seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
 
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
