@@ -68,11 +68,19 @@ FD_CACHE = 64
 """Shard files kept open per layout (:class:`OpenShards`); reads of other shards open and close
 their file each time."""
 
+FD_BUDGET = 256
+"""Shard files kept open by all layouts of the process together (well below the usual limit of
+1,024 open files, whatever the number of readers)."""
+
+_kept = [0]  # files kept open now, all layouts
+_kept_lock = threading.Lock()
+
 
 class OpenShards:
-    """Open read-only descriptors of a layout's shard files, up to :data:`FD_CACHE`, closed when
-    the layout is dropped (the reader makes new layouts at every refresh and after a failed
-    read). A descriptor is never closed while its layout is in use, so no read sees it reused.
+    """Open read-only descriptors of a layout's shard files, up to :data:`FD_CACHE` (and
+    :data:`FD_BUDGET` in the process), closed when the layout is dropped (the reader makes new
+    layouts at every refresh and after a failed read). A descriptor is never closed while its
+    layout is in use, so no read sees it reused.
 
     Keeping a file open is safe because stores are written by replacing whole objects (zarr's
     local store writes a temporary file and renames it): an open descriptor keeps the version it
@@ -90,15 +98,17 @@ class OpenShards:
     def keep(self, shard: int, fd: int) -> bool:
         """Keep ``fd`` as shard ``shard``'s; ``False`` (the caller closes it) if the cache is
         full or another thread kept one first."""
-        with self.lock:
-            if len(self.fds) >= FD_CACHE or shard in self.fds:
+        with self.lock, _kept_lock:
+            if len(self.fds) >= FD_CACHE or shard in self.fds or _kept[0] >= FD_BUDGET:
                 return False
             self.fds[shard] = fd
+            _kept[0] += 1
             return True
 
     def close(self) -> None:
-        with self.lock:
+        with self.lock, _kept_lock:
             fds, self.fds = self.fds, {}
+            _kept[0] -= len(fds)
         for fd in fds.values():
             try:
                 os.close(fd)

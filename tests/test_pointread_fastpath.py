@@ -63,6 +63,22 @@ def test_open_shards_are_capped_and_closed_with_the_layouts(tmp_path, monkeypatc
     assert _open_under(url) == []  # dropping the reader closed every kept file
 
 
+def test_open_files_of_all_readers_stay_within_the_process_budget(tmp_path, monkeypatch):
+    url = tmp_path / "c"
+    recs = _write(url)
+    before = shardread._kept[0]
+    monkeypatch.setattr(shardread, "FD_BUDGET", before + 3)
+    readers = [CacheReader(url), CacheReader(url)]
+    for r in readers:
+        got = r.sequences(range(len(recs)))  # every shard of every array
+        assert all(np.array_equal(g.topk_ids, x.topk_ids) for g, x in zip(got, recs, strict=True))
+    kept = sum(len(lay.fds.fds) for r in readers for lay in r._direct.values())
+    assert kept == 3 and shardread._kept[0] == before + 3
+    del readers, r
+    gc.collect()
+    assert shardread._kept[0] == before
+
+
 def test_kept_files_serve_the_snapshot_across_appends(tmp_path):
     """A writer's append replaces the partly filled shards after the reader kept them open:
     the old snapshot still reads its rows; after ``refresh`` the new rows are read too."""
