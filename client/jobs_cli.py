@@ -130,8 +130,9 @@ def targets_label(job: dict[str, Any]) -> str:
 
 
 def summary_line(job: dict[str, Any]) -> str:
-    """``id  state  cache  targets  done/total seqs  pct  tok/s  ETA  [note]`` for one job
-    (``targets``: :func:`targets_label`)."""
+    """``id  state  cache  done/total seqs  pct  tok/s  ETA  targets  [note]`` for one job
+    (``targets``: :func:`targets_label`; last of the fixed columns, so lines keep the order
+    that scripts reading the earlier columns expect)."""
     rate = job.get("tokens_per_s")
     note = job.get("error") or ""
     counts = job.get("input") or {}
@@ -141,11 +142,11 @@ def summary_line(job: dict[str, Any]) -> str:
         job["id"],
         f"{job['state']:<9}",
         job["cache"],
-        targets_label(job),
         f"{job['sequences_done']}/{job['sequences_total']} seqs",
         f"{_pct(job):5.1f}%",
         f"{rate:,.0f} tok/s" if rate else "- tok/s",
         f"ETA {_eta(job.get('eta_s'))}",
+        targets_label(job),
     ]
     return "  ".join(parts + extra + ([note] if note else []))
 
