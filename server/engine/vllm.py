@@ -247,8 +247,18 @@ class _InprocDriver:
     failure fails every pending request and closes the driver.
     """
 
+    #: In-process engines alive in this process. They share vLLM's process-global distributed
+    #: state (the world-1 model-parallel groups), which ``EngineCore.shutdown`` tears down: closing
+    #: one engine while another is alive would leave the other failing its next step with
+    #: "pipeline model parallel group is not initialized". Only the last one to close tears it down.
+    _live = 0
+    _live_lock = threading.Lock()
+
     def __init__(self, engine: Any):
         self.engine = engine
+        with _InprocDriver._live_lock:
+            _InprocDriver._live += 1
+        self._shut_down = False
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._error: BaseException | None = None
@@ -351,10 +361,31 @@ class _InprocDriver:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=60)
-        try:
-            self.engine.engine_core.shutdown()
-        except Exception:  # best effort
-            pass
+        with _InprocDriver._live_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            _InprocDriver._live -= 1
+            try:
+                if _InprocDriver._live > 0:
+                    _shutdown_keeping_dist_state(self.engine.engine_core)
+                else:
+                    self.engine.engine_core.shutdown()
+            except Exception:  # best effort
+                pass
+
+
+def _shutdown_keeping_dist_state(core: Any) -> None:
+    """``core.shutdown()`` without its ``cleanup_dist_env_and_memory()`` (the process-global
+    distributed state other live in-process engines still use)."""
+    from vllm.v1.engine import core as core_module
+
+    cleanup = core_module.cleanup_dist_env_and_memory
+    core_module.cleanup_dist_env_and_memory = lambda *a, **kw: None
+    try:
+        core.shutdown()
+    finally:
+        core_module.cleanup_dist_env_and_memory = cleanup
 
 
 def _input_error(e: BaseException) -> BaseException:
