@@ -118,8 +118,9 @@ class CacheReader:
     :meth:`sequence`, :meth:`get` and :meth:`sequences` take the point-read path
     (:mod:`.pointread`, FORMAT.md D4) when every array they need is read directly: only the
     needed inner chunks, each decoded once per call (``os.pread`` on a local store); with
-    ``decode_threads > 1`` the decodes of large chunks (>= ``pointread.PARALLEL_MIN_BYTES``, e.g.
-    the default layout's) of even one sequence run in parallel. Random access is fastest on a
+    ``decode_threads > 1`` the chunks of a call are split over at most ``pointread.MAX_SHARES``
+    threads in runs of at least ``pointread.PARALLEL_MIN_BYTES`` decoded (this pays for
+    :meth:`sequences` batches and the default layout's large chunks). Random access is fastest on a
     store written with the ``random_access`` layout preset (``spec.LAYOUTS``, FORMAT.md 4.7);
     :attr:`layout_name` says which one a store has.
     """
