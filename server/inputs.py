@@ -75,27 +75,24 @@ def check_ids(ids: Any, limits: Limits, where: str) -> np.ndarray:
     """``ids`` as an int32 array after the length and vocabulary checks (InvalidInputError)."""
     if isinstance(ids, np.ndarray):
         arr = ids
-    elif isinstance(ids, list | tuple) and set(map(type, ids)) <= {int}:
-        # plain ints only (what JSON gives; no bool, whose type is not int): one C-level pass
-        # instead of a Python check per token (issue #19: ~0.3 CPU-us/position, paid at submit
-        # and again at run). A value outside int32 is outside every vocabulary.
+    elif isinstance(ids, list | tuple):
+        # plain ints only (what JSON gives; no bool, whose type is not int) are checked by one
+        # C-level pass and converted straight to int32 instead of a Python check per token (issue
+        # #19: ~0.3 CPU-us/position, paid at submit and again at run). A value outside int32 is
+        # outside every vocabulary.
+        plain = set(map(type, ids)) <= {int}
+        if not plain and not all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
+        ):
+            raise InvalidInputError(f"{where}: token ids must be a list of integers")
         try:
-            arr = np.asarray(ids, dtype=np.int32)
+            arr = np.asarray(ids, dtype=np.int32 if plain else np.int64)
         except OverflowError:
             raise InvalidInputError(
                 f"{where}: a token id is outside the teacher's vocabulary [0, {limits.vocab_size})"
             ) from None
     else:
-        if not isinstance(ids, list | tuple) or not all(
-            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
-        ):
-            raise InvalidInputError(f"{where}: token ids must be a list of integers")
-        try:
-            arr = np.asarray(ids, dtype=np.int64)
-        except OverflowError:
-            raise InvalidInputError(
-                f"{where}: a token id is outside the teacher's vocabulary [0, {limits.vocab_size})"
-            ) from None
+        raise InvalidInputError(f"{where}: token ids must be a list of integers")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise InvalidInputError(f"{where}: token ids must be a 1-D list of integers")
     n = int(arr.shape[0])
