@@ -97,3 +97,22 @@ def segments(unit: dict[str, np.ndarray]) -> list[tuple[int, ...]]:
         for s in range(1, int(row_seg.max(initial=0)) + 1):
             out.append(tuple(int(t) for t in row_ids[row_seg == s]))
     return out
+
+
+def tiny_llama() -> Any:
+    """A one-layer Llama student for the Trainer tests (vocab 97, hidden 16), its weights drawn
+    after ``torch.manual_seed(0)`` (so every call gives the same model)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    return LlamaForCausalLM(cfg)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from client_support import build_cache, make_sequences, manifest, record_for
+from client_support import build_cache, make_sequences, manifest, record_for, tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -23,23 +23,6 @@ def _grow(url: Path, sequences: list, first: int) -> None:
     records = [record_for(s, key=f"seq-{first + i}") for i, s in enumerate(sequences)]
     with CacheWriter.open(str(url), manifest()) as writer:
         writer.append(records)
-
-
-def _model() -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    return LlamaForCausalLM(cfg)
 
 
 def _args(out: Path, save: int, workers: int) -> Any:
@@ -78,7 +61,7 @@ def test_resume_after_the_cache_grew_trains_the_same_stream(
     def run(out: Path, save: int, resume: str | None = None) -> list:
         ds = CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1, follow=follow)
         log.clear()
-        trainer = Recording(model=_model(), args=_args(out, save, workers), train_dataset=ds)
+        trainer = Recording(model=tiny_llama(), args=_args(out, save, workers), train_dataset=ds)
         trainer.train(resume_from_checkpoint=resume)
         return list(log)
 
@@ -107,7 +90,7 @@ def test_resume_refuses_a_damaged_data_state(tmp_path: Path) -> None:
     build_cache(url, make_sequences(10, seed=3, max_len=30))
     ds = CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1)
     trainer = CacheDistillTrainer(
-        model=_model(), args=_args(tmp_path / "o", 5, 0), train_dataset=ds
+        model=tiny_llama(), args=_args(tmp_path / "o", 5, 0), train_dataset=ds
     )
     checkpoint = tmp_path / "checkpoint-5"
     checkpoint.mkdir()
@@ -143,7 +126,7 @@ def test_trainer_trains_a_sampled_cache_with_sampled_targets(tmp_path: Path) -> 
     with CacheWriter.open(str(url), m) as writer:
         writer.append(records)
     ds = CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1)
-    model = _model()
+    model = tiny_llama()
     trainer = CacheDistillTrainer(model=model, args=_args(tmp_path / "o", 5, 0), train_dataset=ds)
     batch = next(iter(ds))
     got = trainer.compute_loss(model, batch).detach()

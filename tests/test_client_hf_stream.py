@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from client_support import build_cache, make_sequences
+from client_support import build_cache, make_sequences, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +82,9 @@ def test_trainer_refuses_a_dataset_it_would_shard_wrongly(url: Path, tmp_path: P
     from logitcache.client import CacheDataset
     from logitcache.client.errors import ConfigError
     from logitcache.client.hf import CacheDistillTrainer
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from transformers import TrainingArguments
 
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama()
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, report_to=[])
 
     def trainer(**ds_kw: object) -> CacheDistillTrainer:
@@ -115,10 +106,9 @@ def test_trainer_refuses_a_dataset_it_would_shard_wrongly(url: Path, tmp_path: P
 def test_trainer_resume_with_dataloader_workers(url: Path, tmp_path: Path) -> None:
     """With ``dataloader_num_workers > 0`` Trainer's skip reads and drops the trained batches;
     the resumed run (mid-epoch 1) must train the same documents in the same steps."""
-    import torch
     from logitcache.client import CacheDataset
     from logitcache.client.hf import CacheDistillTrainer
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from transformers import TrainingArguments
 
     log: list[tuple[int, list]] = []
 
@@ -128,16 +118,6 @@ def test_trainer_resume_with_dataloader_workers(url: Path, tmp_path: Path) -> No
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def run(out: Path, save: int, resume: str | None = None) -> list:
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=97,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=8,
-        )
         args = TrainingArguments(
             str(out),
             per_device_train_batch_size=2,
@@ -150,7 +130,7 @@ def test_trainer_resume_with_dataloader_workers(url: Path, tmp_path: Path) -> No
         )
         ds = CacheDataset(url, tokens_per_item=40, batch_size=2, seed=1)
         log.clear()
-        Recording(model=LlamaForCausalLM(cfg), args=args, train_dataset=ds).train(
+        Recording(model=tiny_llama(), args=args, train_dataset=ds).train(
             resume_from_checkpoint=resume
         )
         return list(log)
