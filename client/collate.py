@@ -304,7 +304,7 @@ def trim_padding_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     used = ~(lp <= PADDING_LOGPROB_MAX) & rows[..., None]  # NaN is kept (the loss refuses it)
     used = used.reshape(-1, lp.shape[-1]).any(axis=0)
     nz = np.flatnonzero(used)
-    width = max(int(nz[-1]) + 1 if len(nz) else 1, 1)
+    width = int(nz[-1]) + 1 if len(nz) else 1
     if width == lp.shape[-1]:
         return dict(arrays)
     out = dict(arrays)
