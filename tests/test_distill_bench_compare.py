@@ -15,52 +15,28 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import distill_bench  # noqa: E402
 from distill_report import method_summary  # noqa: E402
+from test_distill_bench import _report as base_report  # noqa: E402
 
 
 def _report(seed: int, kls: dict[str, float], cpu_ms: dict[str, float]) -> dict[str, Any]:
-    methods: dict[str, dict[str, Any]] = {}
-    for m, kl in kls.items():
-        methods[m] = {
-            "kl": kl,
-            "ppl": 80.0,
-            "ece": 0.02,
-            "step_ms_median": 500.0,
-            "step_time_vs_online": 1.0,
-            "step_cpu_ms_median": cpu_ms.get(m, 1.0),
-        }
+    """test_distill_bench's fake report plus what this page reads: step CPU times, wall ratios,
+    batch columns and the load average while training."""
+    rep = base_report(seed, kls)
+    for m, row in rep["methods"].items():
+        row.update(step_time_vs_online=1.0, step_cpu_ms_median=cpu_ms.get(m, 1.0))
         if m != "online_kd":
-            methods[m].update(
-                bytes_per_position=100.0,
-                budget=100.0,
-                step_ms_median=310.0,
-                step_time_vs_online=0.62,
-                mean_batch_columns=70.0 + seed,
+            row.update(
+                step_ms_median=310.0, step_time_vs_online=0.62, mean_batch_columns=70.0 + seed
             )
-    return {
-        "command": "python examples/distill.py --steps 3",
-        "machine": "test box",
-        "models": {"teacher_params": 10, "student_params": 5, "vocab_size": 1024},
-        "plan": {"teacher_temperature": 1.0, "budgets": [100.0]},
-        "heldout": {"teacher_ppl": 28.0, "positions": 100},
-        "cache": {
-            "num_sequences": 2,
-            "num_rows": 10,
-            "k": 8,
-            "mean_topk_mass": 0.9,
-            "bytes_per_position": 40.0,
-        },
-        "train": {
-            "steps": 3,
-            "batch_items": 2,
-            "tokens_per_item": 4,
-            "lr": 0.1,
-            "seed": seed,
-            "load_avg": {"min": 2.0 + seed, "mean": 3.0, "max": 4.5, "samples": 3, "cores": 2},
-        },
-        "methods": methods,
-        "goals": {},
-        "notes": [],
+    rep["train"]["load_avg"] = {
+        "min": 2.0 + seed,
+        "mean": 3.0,
+        "max": 4.5,
+        "samples": 3,
+        "cores": 2,
     }
+    rep["notes"] = []
+    return rep
 
 
 def test_page_shows_cpu_ratio_paired_error_load_and_previous() -> None:
