@@ -57,11 +57,11 @@ def _blosc(lay: DirectLayout) -> Any:
     return inner._blosc_codec
 
 
-def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> bytes:
-    """One inner chunk's stored bytes: the blosc frame of its little-endian bytes + CRC32C."""
-    blosc = _blosc(lay)  # the array's own settings
-    frame = blosc.encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
-    return bytes(frame) + google_crc32c.value(frame).to_bytes(4, "little")
+def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes, bytes]:
+    """One inner chunk's stored bytes as their two parts, not concatenated: the blosc frame of
+    its little-endian bytes (the array's own codec settings) and the frame's CRC32C."""
+    frame = _blosc(lay).encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
+    return frame, google_crc32c.value(frame).to_bytes(4, "little")
 
 
 def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarray:
@@ -132,12 +132,6 @@ class LastShard:
     head: np.ndarray | None = None  # rows of the chunk holding ``end`` below it
 
 
-def _frame(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes, bytes]:
-    """:func:`encode_chunk` as its two parts (blosc frame, CRC32C), nothing concatenated."""
-    frame = _blosc(lay).encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
-    return frame, google_crc32c.value(frame).to_bytes(4, "little")
-
-
 async def _write_shard(
     lay: DirectLayout,
     shard: int,
@@ -179,7 +173,7 @@ async def _write_shard(
         full[at : at + part.shape[0]] = part
         return full
 
-    new = [_frame(lay, chunk_rows(i)) for i in range(first, last + 1)]
+    new = [encode_chunk(lay, chunk_rows(i)) for i in range(first, last + 1)]
     frames: list[Any] = [
         keep[i] if i < first else (new[i - first] if i <= last else None) for i in range(n)
     ]
