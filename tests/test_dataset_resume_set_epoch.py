@@ -47,6 +47,15 @@ def _head(units: object, stop: int) -> list[dict]:
     return head
 
 
+def _state_after(url: str, epoch: int, items: int) -> dict:
+    """The dataset state after ``items`` items of ``epoch`` were iterated (num_workers=0)."""
+    ds = CacheDataset(url, **OPTS)
+    ds.set_epoch(epoch)
+    it = iter(ds)
+    _ = [next(it) for _ in range(items)]
+    return ds.state_dict()
+
+
 @pytest.mark.parametrize("num_workers,batch_size", [(0, None), (0, 2), (2, 2)])
 def test_set_epoch_of_the_restored_epoch_keeps_the_position(
     url: str, num_workers: int, batch_size: int | None
@@ -83,11 +92,7 @@ def test_set_epoch_on_the_dataset_itself_after_load_state_dict(url: str) -> None
     ds = CacheDataset(url, **OPTS)
     ds.set_epoch(2)
     full = collect(ds)
-    ds = CacheDataset(url, **OPTS)
-    ds.set_epoch(2)
-    it = iter(ds)
-    _ = [next(it) for _ in range(5)]
-    state = ds.state_dict()
+    state = _state_after(url, 2, 5)
     again = CacheDataset(url, **OPTS)
     again.load_state_dict(state)
     again.set_epoch(2)
@@ -95,11 +100,7 @@ def test_set_epoch_on_the_dataset_itself_after_load_state_dict(url: str) -> None
 
 
 def test_set_epoch_of_another_epoch_starts_it_fresh(url: str) -> None:
-    ds = CacheDataset(url, **OPTS)
-    ds.set_epoch(2)
-    it = iter(ds)
-    _ = [next(it) for _ in range(3)]
-    state = ds.state_dict()
+    state = _state_after(url, 2, 3)
     fresh = CacheDataset(url, **OPTS)
     fresh.set_epoch(3)
     want = collect(fresh)
