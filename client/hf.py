@@ -43,8 +43,10 @@ epoch order is a pure function of ``(seed, epoch)`` and of the number of cache s
 planned over; every checkpoint also holds, per rank, the dataset's state (``epoch``,
 ``num_sequences``: :data:`DATA_STATE_NAME`) and the planned epoch length, and a resumed
 ``train`` restores them before planning, so the resumed epoch is planned over the same sequences
-even when the cache grew since (a new ``CacheDataset`` sees every committed sequence;
-``follow=True`` would adopt them at ``set_epoch``). The trainer sets the epoch at every epoch
+even when the cache grew since (a new ``CacheDataset`` sees every committed sequence). The
+trainer refuses ``follow=True`` when it is built (``ConfigError``): Trainer fixes the epoch length
+when ``train()`` starts, so a cache that grows during the run could not join a later epoch
+without breaking its step schedule. The trainer sets the epoch at every epoch
 start (also on resume: setting the restored epoch keeps the restored snapshot) and Trainer's own
 mid-epoch skip drops the batches already trained. When ``dataloader_num_workers == 0`` those
 skipped batches are not read (placeholders stand in for them); with workers they are read and
@@ -264,6 +266,13 @@ class CacheDistillTrainer(Trainer):
             )
         if a.dataloader_persistent_workers:
             raise ConfigError("dataloader_persistent_workers would keep a stale epoch; turn it off")
+        if ds.follow:
+            raise ConfigError(
+                "CacheDistillTrainer needs follow=False: Trainer fixes the epoch length when "
+                "train() starts (its step schedule and its resume arithmetic assume it), so "
+                "sequences committed during the run cannot join a later epoch; to train on what "
+                "a job committed since, build a new CacheDataset and start a new train()"
+            )
 
     def _planned_epochs(self, first_len: int) -> int:
         a = self.args

@@ -95,6 +95,8 @@ def test_trainer_refuses_a_dataset_it_would_shard_wrongly(url: Path, tmp_path: P
         trainer(batch_size=4)
     with pytest.raises(ConfigError, match="rank 1 of 2"):
         trainer(batch_size=2, rank=1, world_size=2)
+    with pytest.raises(ConfigError, match="follow=False"):
+        trainer(batch_size=2, follow=True)
     ok = trainer(batch_size=2)
     assert ok.args.accelerator_config.dispatch_batches is False
     assert len(ok.get_train_dataloader()) == len(ok.train_dataset)
