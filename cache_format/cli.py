@@ -110,6 +110,7 @@ def info(
         "manifest": m.to_attrs(),
         "bytes_by_array": st.bytes_by_array,
         "total_bytes": st.total_bytes,
+        "layout": reader.layout_name,
         "bytes_per_position": round(st.bytes_per_position, 2),
         "raw_bytes_per_position": st.raw_bytes_per_position,
         "compression_ratio": round(st.compression_ratio, 3),
@@ -133,6 +134,7 @@ def info(
     typer.echo(f"{'sequences':<22} {m.num_sequences}")
     typer.echo(f"{'rows (positions)':<22} {m.num_rows}")
     typer.echo(f"{'tokens':<22} {m.num_tokens}")
+    typer.echo(f"{'layout preset':<22} {reader.layout_name}")
     typer.echo(f"{'stored bytes':<22} {st.total_bytes}")
     typer.echo(
         f"{'bytes/position':<22} {st.bytes_per_position:.1f} "

@@ -10,6 +10,7 @@ import numpy as np
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheWriter, tokenizer_fingerprint
 from logitcache.cache_format.cli import app
+from logitcache.cache_format.spec import layout_named
 from typer.testing import CliRunner
 
 
@@ -24,8 +25,17 @@ def test_cli_info_validate_export(tmp_path):
     doc = json.loads(res.output)
     assert doc["manifest"]["num_sequences"] == 10
     assert doc["raw_bytes_per_position"] == 8 * 6 and doc["bytes_per_position"] > 0
+    assert doc["layout"] == "default"
     res = runner.invoke(app, ["info", str(url)])
     assert "compression ratio" in res.output and "tiny-teacher" in res.output
+    ra = tmp_path / "ra"
+    with CacheWriter.open(ra, make_manifest(), layout=layout_named("random_access")) as w:
+        w.append(recs[:2])
+    res = runner.invoke(app, ["info", str(ra)])
+    assert res.exit_code == 0, res.output
+    assert any(
+        line.split() == ["layout", "preset", "random_access"] for line in res.output.splitlines()
+    )
     assert runner.invoke(app, ["validate", str(url)]).exit_code == 0
     out = tmp_path / "x.jsonl"
     res = runner.invoke(app, ["export", str(url), str(out), "--limit", "4"])
