@@ -16,6 +16,14 @@ With ``tau = 1`` every weight is ``c_i / N`` and ``E[w_i] = p_i``: the forward K
 ``sum_i w_i (log w_i - log q_student_i)`` then has gradient ``q_student - w`` w.r.t. the student
 logits, an unbiased estimate of full KD's ``q_student - p``.
 
+**Head + residual** (``head = m > 0``, a stratified estimator): the row keeps the teacher's top
+``m`` ids exactly, with ``w_i = p_i``; the ``N`` draws come from the residual proposal
+``q_R ∝ p^(1/tau)`` restricted to the ids outside the head (renormalised), and the distinct drawn
+ids get ``w_i = (1 - P_head) (c_i p_i / q_R_i) / sum_l (c_l p_l / q_R_l)`` (``P_head`` the head's
+mass). With ``tau = 1``, ``E[w_i] = p_i`` for every id (the head is exact, the tail unbiased) and
+the variance is lower than ``m + N`` plain draws': the head's ids no longer spend draws. A row
+then has ``k = m + N`` slots. ``head = 0`` is the plain estimator above, bit for bit.
+
 Reproducibility: the uniforms of a sequence come from a ``torch.Generator`` seeded with
 ``sha256(seed, key)`` (:func:`uniforms`), drawn for the whole sequence up front, so the targets
 depend only on (seed, key, teacher row) and not on batching, chunking or resume.
@@ -58,14 +66,29 @@ def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
     return torch.rand(rows, draws, generator=gen, dtype=torch.float64)
 
 
+def check_head(head: int, draws: int, vocab_size: int) -> int:
+    """``head`` as an int if ``0 <= head`` and ``head + draws <= vocab_size`` (a row's
+    ``head + draws`` slots must fit the vocabulary); ``ValueError`` otherwise."""
+    if isinstance(head, bool) or not isinstance(head, int | np.integer) or head < 0:
+        raise ValueError(f"head must be an integer >= 0, got {head!r}")
+    if int(head) + int(draws) > vocab_size:
+        raise ValueError(f"head={head} + draws={draws} slots exceed the vocabulary ({vocab_size})")
+    return int(head)
+
+
 def sample_rows(
-    logprobs: Any, u: Any, proposal_temperature: float = 1.0, k: int | None = None
+    logprobs: Any,
+    u: Any,
+    proposal_temperature: float = 1.0,
+    k: int | None = None,
+    head: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sampled targets of a block of rows (see the module docstring).
 
     ``logprobs``: ``[r, V]`` teacher log-probabilities (torch, any float dtype/device);
-    ``u``: ``[r, N]`` uniforms from :func:`uniforms`; ``k``: stored slots per row (default
-    ``N``; rows with more than ``k`` distinct ids raise ``ValueError``). Returns numpy
+    ``u``: ``[r, N]`` uniforms from :func:`uniforms`; ``head``: the top ids kept exactly
+    (``m``, default 0: plain RS-KD); ``k``: stored slots per row (default ``m + N``; rows with
+    more than ``k`` distinct ids raise ``ValueError``). Returns numpy
     ``(ids [r, k] int32, log_w [r, k] float32)``.
     """
     import torch
@@ -74,6 +97,9 @@ def sample_rows(
         raise ValueError(f"proposal_temperature must be > 0, got {proposal_temperature}")
     r, v = logprobs.shape
     n = int(u.shape[1])
+    head = check_head(head, n, v)
+    if head:
+        return _sample_head_rows(logprobs, u, proposal_temperature, k, head)
     k = n if k is None else int(k)
     if k > v:
         raise ValueError(f"k={k} slots exceed the vocabulary ({v})")
@@ -109,17 +135,98 @@ def sample_rows(
         lw = torch.cat([lw, torch.full((r, k - n), -torch.inf, dtype=lw.dtype)], 1)
     else:
         ids, lw = ids[:, :k], lw[:, :k]
-    # padding slots j >= m: the smallest ids not drawn, ascending (all lie below k + m <= 2k)
+    ids, lw = _pad(ids, lw, uniq, valid, m, k, v)
+    return ids.cpu().numpy().astype(np.int32), lw.cpu().numpy().astype(np.float32)
+
+
+def _pad(ids: Any, lw: Any, present: Any, valid: Any, m: Any, k: int, v: int) -> tuple[Any, Any]:
+    """Slots ``j >= m`` (``m [r, 1]`` real entries per row) take the smallest ids not among the
+    ``valid`` entries of ``present``, ascending (all lie below ``k + m <= 2k``), at log-weight
+    :data:`PAD_LOGPROB`."""
+    import torch
+
+    r = ids.shape[0]
     width = min(v, 2 * k)
-    drawn = torch.zeros(r, width, dtype=torch.long, device=lp.device)
-    drawn.scatter_add_(1, uniq.clamp_max(width - 1), (valid & (uniq < width)).long())
+    drawn = torch.zeros(r, width, dtype=torch.long, device=ids.device)
+    drawn.scatter_add_(1, present.clamp_max(width - 1), (valid & (present < width)).long())
     drawn = drawn.clamp_max(1)
-    free = (drawn * width + torch.arange(width, device=lp.device)[None, :]).argsort(-1)
-    kslot = torch.arange(k, device=lp.device)[None, :]
+    free = (drawn * width + torch.arange(width, device=ids.device)[None, :]).argsort(-1)
+    kslot = torch.arange(k, device=ids.device)[None, :]
     pad_ids = free.gather(1, (kslot - m).clamp(0, width - 1))
     is_pad = kslot >= m
     ids = torch.where(is_pad, pad_ids, ids)
     lw = torch.where(is_pad, torch.full_like(lw, PAD_LOGPROB), lw)
+    return ids, lw
+
+
+def _sample_head_rows(
+    logprobs: Any, u: Any, proposal_temperature: float, k: int | None, head: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sample_rows` with ``head > 0`` (the head + residual estimator of the module
+    docstring): a top-``head`` per row (``torch.topk``, no sort over the vocabulary), the draws
+    from the residual proposal by inverse CDF over ids ``0..V-1`` with the head's ``q`` set to
+    0, weights in log space."""
+    import torch
+
+    r, v = logprobs.shape
+    n = int(u.shape[1])
+    k = head + n if k is None else int(k)
+    if k > v:
+        raise ValueError(f"k={k} slots exceed the vocabulary ({v})")
+    if k < head:
+        raise ValueError(f"k={k} slots cannot hold the head ({head})")
+    lp = logprobs.detach().to(torch.float64)
+    dev = lp.device
+    lq = lp if proposal_temperature == 1.0 else torch.log_softmax(lp / proposal_temperature, -1)
+    head_lp, head_ids = torch.topk(lp, head, dim=-1)
+    head_lp = head_lp.clamp_min(PAD_LOGPROB)  # finite even for an id of probability 0
+    in_head = torch.zeros(r, v, dtype=torch.bool, device=dev)
+    in_head.scatter_(1, head_ids, True)
+    lq_rest = lq.masked_fill(in_head, -torch.inf)
+    # log(1 - P_head) as the log-mass of the ids outside the head (no cancellation)
+    log_rest = torch.logsumexp(lp.masked_fill(in_head, -torch.inf), -1, keepdim=True)
+    # residual proposal q_R = q / sum_{v not in head} q (its largest term is >= 1/V: no 0/0)
+    cdf = (lq_rest - torch.logsumexp(lq_rest, -1, keepdim=True)).exp().cumsum(-1)
+    cdf = cdf / cdf[:, -1:]
+    draws = torch.searchsorted(cdf, u.to(dev), right=True).clamp_max(v - 1)
+    d = draws.sort(-1).values
+    new = torch.ones_like(d, dtype=torch.bool)
+    new[:, 1:] = d[:, 1:] != d[:, :-1]
+    group = new.long().cumsum(-1) - 1
+    counts = torch.zeros(r, n, dtype=torch.float64, device=dev)
+    counts.scatter_add_(1, group, torch.ones_like(d, dtype=torch.float64))
+    uniq = torch.zeros_like(d).scatter_(1, group, d)  # ascending distinct ids, then zeros
+    m_rest = new.sum(-1, keepdim=True)
+    real = head + m_rest
+    if r and int(real.max()) > k:
+        raise ValueError(f"a row has {int(real.max())} distinct ids, more than k={k} slots")
+    slot = torch.arange(n, device=dev)[None, :]
+    # a row whose residual has no mass (every other logprob -inf) keeps its head only
+    valid = (slot < m_rest) & torch.isfinite(log_rest)
+    real = head + valid.sum(-1, keepdim=True)
+    # log w = log(1 - P_head) + normalised (log c + log p - log q) over the drawn ids; q_R / q
+    # is a per-row constant, so it cancels in the normalisation
+    logw = counts.clamp_min(1).log() + (lp.gather(1, uniq) - lq.gather(1, uniq))
+    logw = torch.where(valid, logw, torch.full_like(logw, -torch.inf))
+    norm = torch.logsumexp(logw, -1, keepdim=True)
+    logw = torch.where(valid, logw - norm + log_rest, logw)
+    ids = torch.cat([head_ids, uniq], 1)
+    lw = torch.cat([head_lp, logw], 1)
+    # descending weight, ties by ascending id: sort by id, then a stable sort by weight
+    by_id = ids.masked_fill(~torch.cat([torch.ones_like(head_ids, dtype=torch.bool), valid], 1), v)
+    by_id = torch.sort(by_id, dim=-1, stable=True).indices
+    ids, lw = ids.gather(1, by_id), lw.gather(1, by_id)
+    order = torch.sort(lw, dim=-1, descending=True, stable=True).indices
+    ids, lw = ids.gather(1, order), lw.gather(1, order)
+    width = head + n
+    if k > width:
+        ids = torch.cat([ids, torch.zeros(r, k - width, dtype=ids.dtype, device=dev)], 1)
+        lw = torch.cat([lw, torch.full((r, k - width), -torch.inf, dtype=lw.dtype)], 1)
+    else:
+        ids, lw = ids[:, :k], lw[:, :k]
+    present = torch.cat([head_ids, uniq], 1)
+    ok = torch.cat([torch.ones_like(head_ids, dtype=torch.bool), valid], 1)
+    ids, lw = _pad(ids, lw, present, ok, real, k, v)
     return ids.cpu().numpy().astype(np.int32), lw.cpu().numpy().astype(np.float32)
 
 
@@ -133,17 +240,20 @@ def sample_from_hidden(
     proposal_temperature: float = 1.0,
     chunk_rows: int = 256,
     k: int | None = None,
+    head: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sampled targets straight from a teacher's final hidden states, chunk by chunk: for
     ``chunk_rows`` positions at a time ``lp = log_softmax((h W^T + b) / temperature)`` and
     :func:`sample_rows` on it, so at most ``chunk_rows x V`` logits exist at once (never the
     ``[L, V]`` block of the whole sequence). ``hidden [n, d]``, ``weight [V, d]``, ``u [n, N]``
-    (:func:`uniforms` of the sequence). Equal to :func:`sample_rows` on the full block, whatever
-    ``chunk_rows`` is (the uniforms are per row)."""
+    (:func:`uniforms` of the sequence); ``head``: the top ids kept exactly (:func:`sample_rows`).
+    Equal to :func:`sample_rows` on the full block, whatever ``chunk_rows`` is (the uniforms are
+    per row)."""
     import torch
 
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    head = check_head(head, int(u.shape[1]), int(weight.shape[0]))
     ids, lws = [], []
     with torch.no_grad():
         for s in range(0, int(hidden.shape[0]), chunk_rows):
@@ -151,20 +261,26 @@ def sample_from_hidden(
             if bias is not None:
                 z = z + bias.float()
             lp = torch.log_softmax(z / temperature, -1)
-            i, w = sample_rows(lp, u[s : s + chunk_rows], proposal_temperature, k)
+            i, w = sample_rows(lp, u[s : s + chunk_rows], proposal_temperature, k, head)
             ids.append(i)
             lws.append(w)
-    n = int(u.shape[1]) if k is None else int(k)
+    n = head + int(u.shape[1]) if k is None else int(k)
     if not ids:
         return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
     return np.concatenate(ids), np.concatenate(lws)
 
 
-def sampling_manifest(draws: int, proposal_temperature: float, seed: int) -> dict[str, Any]:
-    """The manifest's ``sampling`` object of a sampled cache."""
-    return {
+def sampling_manifest(
+    draws: int, proposal_temperature: float, seed: int, head: int = 0
+) -> dict[str, Any]:
+    """The manifest's ``sampling`` object of a sampled cache; ``head`` only when > 0 (a store
+    without it keeps the exact manifest it always had; absent means 0)."""
+    doc: dict[str, Any] = {
         "method": METHOD,
         "draws": int(draws),
         "proposal_temperature": float(proposal_temperature),
         "seed": int(seed),
     }
+    if int(head) > 0:
+        doc["head"] = int(head)
+    return doc
