@@ -75,7 +75,9 @@ class Manifest(BaseModel):
     """What the rows hold: the teacher's top-k logprobs, or sampled ids with log importance
     weights (FORMAT.md "Sampled targets"); a cache holds one kind."""
     sampling: dict[str, Any] | None = None
-    """``targets="sampled"`` only: ``{"method", "draws", "proposal_temperature", "seed"}``."""
+    """``targets="sampled"`` only: ``{"method", "draws", "proposal_temperature", "seed"}`` and,
+    for the head + residual estimator, ``"head"`` (``> 0``; absent means 0, and a ``head`` of 0
+    is dropped, so both spellings are one identity)."""
     loss_mask: bool = False
     """The store has the row-aligned ``loss_mask`` array (FORMAT.md 4.6); set at creation."""
 
@@ -86,8 +88,11 @@ class Manifest(BaseModel):
             raise ValueError('sampling is only allowed with targets="sampled"')
         if targets == "sampled":
             need = {"method", "draws", "proposal_temperature", "seed"}
-            if not isinstance(v, dict) or set(v) != need:
-                raise ValueError(f'targets="sampled" needs sampling with exactly {sorted(need)}')
+            if not isinstance(v, dict) or not need <= set(v) <= need | {"head"}:
+                raise ValueError(
+                    f'targets="sampled" needs sampling with exactly {sorted(need)} '
+                    '(and optionally "head")'
+                )
             if not (isinstance(v["draws"], int) and v["draws"] >= 1):
                 raise ValueError(f"sampling.draws must be an int >= 1, got {v['draws']!r}")
             t = v["proposal_temperature"]
@@ -95,7 +100,22 @@ class Manifest(BaseModel):
                 raise ValueError(f"sampling.proposal_temperature must be > 0, got {t!r}")
             if not isinstance(v["seed"], int):
                 raise ValueError(f"sampling.seed must be an int, got {v['seed']!r}")
+            head = v.get("head", 0)
+            if isinstance(head, bool) or not isinstance(head, int) or head < 0:
+                raise ValueError(f"sampling.head must be an int >= 0, got {head!r}")
+            if head and self.k != head + v["draws"]:
+                raise ValueError(
+                    f"k={self.k} must be sampling.head + sampling.draws = "
+                    f"{head + v['draws']} (a row holds the head and the draws)"
+                )
         return self
+
+    @field_validator("sampling")
+    @classmethod
+    def _head_zero_is_absent(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if isinstance(v, dict) and "head" in v and type(v["head"]) is int and v["head"] == 0:
+            return {n: x for n, x in v.items() if n != "head"}
+        return v
 
     @field_validator("k")
     @classmethod

@@ -20,9 +20,10 @@ status), and with ``--watch`` then draws the progress bar until the job ends. ``
 ``GET /v1/jobs``'s pages (``next_offset``) to the end.
 
 ``--targets sampled`` asks for sampled targets instead of top-k rows (random-sampling KD,
-FORMAT.md 4.4): ``--draws`` per row, ``--proposal-temperature`` and ``--seed`` (each optional;
-without any of them the server takes an existing sampled cache's own parameters, else 64 draws,
-temperature 1, seed 0; a missing one takes that default). A sampling flag without
+FORMAT.md 4.4): ``--draws`` per row, ``--proposal-temperature``, ``--seed`` and ``--head M``
+(keep the teacher's top ``M`` ids exactly and draw from the rest: ``M + draws`` slots a row)
+(each optional; without any of them the server takes an existing sampled cache's own
+parameters, else 64 draws, temperature 1, seed 0, head 0; a missing one takes that default). A sampling flag without
 ``--targets sampled``, or ``--k`` with it, is refused before anything is sent.
 
 The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
@@ -123,7 +124,8 @@ def targets_label(job: dict[str, Any]) -> str:
         s = job.get("sampling") or {}
         if not s:
             return f"sampled {job.get('k')}"
-        return f"sampled {s['draws']} tau {s['proposal_temperature']:g} seed {s['seed']}"
+        head = f" head {s['head']}" if s.get("head") else ""
+        return f"sampled {s['draws']}{head} tau {s['proposal_temperature']:g} seed {s['seed']}"
     if kind == "topk":
         return f"top-{job.get('k')}"
     return f"k={job.get('k')}"
@@ -215,7 +217,12 @@ def job_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 #: ``jobs submit`` flags of sampled targets -> the job's ``sampling`` fields.
-SAMPLING_FLAGS = {"draws": "draws", "proposal_temperature": "proposal_temperature", "seed": "seed"}
+SAMPLING_FLAGS = {
+    "draws": "draws",
+    "proposal_temperature": "proposal_temperature",
+    "seed": "seed",
+    "head": "head",
+}
 
 
 def target_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -332,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         help="sampled: seed of every sequence's draws (default: the cache's, else 0)",
+    )
+    sm.add_argument(
+        "--head",
+        type=int,
+        help="sampled: keep the teacher's top HEAD ids exactly and draw from the rest "
+        "(a row holds head + draws slots; default: the cache's, else 0)",
     )
     sm.add_argument("--format", choices=("jsonl", "parquet", "arrow"), help="default: by suffix")
     sm.add_argument("--text-field", help="default: text")

@@ -116,13 +116,45 @@ TargetKind = Literal["topk", "sampled"]
 class SamplingOptions(ApiModel):
     """Sampled targets (random-sampling KD, FORMAT.md 4.4): per row ``draws`` i.i.d. draws from
     ``q ∝ p^(1/proposal_temperature)``, kept as distinct ids with importance weights; the draws
-    of a sequence are seeded by ``sha256(f"{seed}:{key}")`` (reproducible across resumes)."""
+    of a sequence are seeded by ``sha256(f"{seed}:{key}")`` (reproducible across resumes). With
+    ``head = m > 0`` the teacher's top ``m`` ids are kept exactly and the draws come from the
+    rest (the head + residual estimator)."""
 
     draws: int = Field(64, strict=True, ge=1, le=MAX_K, description="draws per row (its slots)")
     proposal_temperature: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="tau of the proposal q ∝ p^(1/tau)"
     )
     seed: int = Field(0, strict=True, ge=0, lt=2**63, description="seed of every sequence's draws")
+    head: int = Field(
+        0,
+        strict=True,
+        ge=0,
+        le=MAX_K,
+        # written only when > 0 (absent means 0): answers and stored job specs of plain RS-KD
+        # keep the exact shape they always had
+        exclude_if=lambda v: v == 0,
+        description="the teacher's top ids kept exactly (w = p), the draws taken from the rest; "
+        "a row holds head + draws slots (<= MAX_K); 0: plain RS-KD",
+    )
+
+    @model_validator(mode="after")
+    def _slots_fit(self) -> SamplingOptions:
+        if self.head + self.draws > MAX_K:
+            raise ValueError(
+                f"head={self.head} + draws={self.draws} slots exceed the limit {MAX_K}"
+            )
+        return self
+
+    @classmethod
+    def from_manifest(cls, sampling: dict[str, Any]) -> SamplingOptions:
+        """The options a sampled cache's manifest ``sampling`` object records (``head``
+        absent: 0)."""
+        return cls(
+            draws=int(sampling["draws"]),
+            proposal_temperature=float(sampling["proposal_temperature"]),
+            seed=int(sampling["seed"]),
+            head=int(sampling.get("head", 0)),
+        )
 
 
 def _check_targets(targets: str, sampling: SamplingOptions | None, k: int | None) -> None:

@@ -2,10 +2,10 @@
 
 A request (``/v1/score``, ``/v1/jobs``) names ``targets`` (``"topk"``, the default, or
 ``"sampled"``) and, for ``"sampled"``, optionally ``sampling = {draws, proposal_temperature,
-seed}`` (FORMAT.md 4.4; the engine contract in ``server/engine/protocol.py``). Rules:
+seed, head}`` (FORMAT.md 4.4; the engine contract in ``server/engine/protocol.py``). Rules:
 
 * ``sampling`` with ``targets="topk"`` is a 422; so is ``k`` with ``targets="sampled"`` (a
-  sampled row has ``draws`` slots; ``k`` of the cache is ``draws``).
+  sampled row has ``head + draws`` slots; ``k`` of the cache is ``head + draws``).
 * ``targets="sampled"`` without ``sampling``: an existing sampled cache's own parameters, else
   :data:`DEFAULT_DRAWS` draws at proposal temperature 1 and seed 0.
 * One cache holds one kind: a request whose kind or sampling parameters differ from an existing
@@ -53,6 +53,7 @@ def requested(targets: str | None, sampling: Any, k: int | None) -> SampledTarge
         draws=int(sampling.draws),
         proposal_temperature=float(sampling.proposal_temperature),
         seed=int(sampling.seed),
+        head=int(getattr(sampling, "head", 0)),
     )
 
 
@@ -81,7 +82,7 @@ def target_manifest(
     """The manifest to write ``cache`` with for the asked kind (top-k:
     ``ScoringService.target_manifest``). Sampled: the parameters (:func:`resolve`, checked
     against the engine: 422), a new cache's manifest at ``k = draws``, and for an existing cache
-    the 409 on any other teacher, kind or sampling parameters."""
+    the 409 on any other teacher, kind or sampling parameters (``head`` included)."""
     if asked is None:
         return service.target_manifest(cache, k, dataset)
     name = check_name(cache)
@@ -96,11 +97,11 @@ def target_manifest(
 
 def with_targets(expected: Manifest, targets: SampledTargets | None) -> Manifest:
     """``expected`` (a new top-k cache's manifest) for ``targets``: unchanged for top-k; for
-    sampled, ``k = draws``, ``targets = "sampled"`` and the ``sampling`` object."""
+    sampled, ``k = head + draws``, ``targets = "sampled"`` and the ``sampling`` object."""
     if targets is None:
         return expected
     doc = expected.model_dump()
-    doc.update(k=targets.draws, targets="sampled", sampling=targets.manifest())
+    doc.update(k=targets.slots, targets="sampled", sampling=targets.manifest())
     return Manifest(**doc)
 
 

@@ -11,7 +11,8 @@ Sampled targets (:meth:`score_sampled`, protocol.py) take the same pass: per chu
 ``lp = log_softmax((h W^T + b) / T)`` feeds
 :func:`~logitcache.cache_format.sampling.sample_rows` with the chunk's rows of the prompt's
 uniforms (:func:`~logitcache.cache_format.sampling.uniforms` of ``(seed, key)``), so the draws
-equal those of one pass over the whole ``[L-1, V]`` block without ever building it.
+equal those of one pass over the whole ``[L-1, V]`` block without ever building it; a ``head``
+(:class:`~.protocol.SampledTargets`) is the chunk's ``torch.topk`` plus the residual draws.
 
 The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the event loop stays
 free and calls are serialised. Models whose head does more than a linear map (logit soft-capping
@@ -140,6 +141,7 @@ class TransformersEngine(BaseEngine):
             temperature=self.cfg.temperature,
             proposal_temperature=targets.proposal_temperature,
             chunk_rows=self.chunk_rows,
+            head=targets.head,
         )
         return make_scores(ids, lw)
 

@@ -24,7 +24,9 @@ importance weight ``w_i ∝ c_i p_i / q_i`` (normalised), padded to ``N`` slots 
 ids not drawn at log-weight ``PAD_LOGPROB``; ``topk_logprobs = log w`` and ``tail_mass ~ 0``.
 The uniforms of a prompt come from a generator seeded by ``sha256(f"{seed}:{key}")`` (row ``j``
 uses row ``j`` of them), so the rows depend on (seed, key, teacher distribution) only: not on
-batching, chunking, the backend's own RNG or a resumed job.
+batching, chunking, the backend's own RNG or a resumed job. With ``head = m > 0`` a row keeps the
+teacher's top ``m`` ids exactly (``w = p``) and the ``N`` draws come from the rest (FORMAT.md
+4.4): ``m + N`` slots (:attr:`SampledTargets.slots`).
 
 This module imports nothing of the backends (numpy and the format's records only).
 """
@@ -126,10 +128,17 @@ class SampledTargets:
     draws: int
     proposal_temperature: float = 1.0
     seed: int = 0
+    head: int = 0
+    """The teacher's top ``head`` ids kept exactly, the draws from the rest (FORMAT.md 4.4)."""
+
+    @property
+    def slots(self) -> int:
+        """Entries per row (the cache's ``k``): ``head + draws``."""
+        return self.head + self.draws
 
     def manifest(self) -> dict[str, object]:
         """The cache manifest's ``sampling`` object for these parameters."""
-        return sampling_manifest(self.draws, self.proposal_temperature, self.seed)
+        return sampling_manifest(self.draws, self.proposal_temperature, self.seed, self.head)
 
     @classmethod
     def from_manifest(cls, sampling: dict[str, object]) -> SampledTargets:
@@ -140,12 +149,14 @@ class SampledTargets:
             draws=int(sampling["draws"]),  # type: ignore[call-overload]
             proposal_temperature=float(sampling["proposal_temperature"]),  # type: ignore[arg-type]
             seed=int(sampling["seed"]),  # type: ignore[call-overload]
+            head=int(sampling.get("head", 0)),  # type: ignore[call-overload]
         )
 
 
 def check_sampled(targets: SampledTargets, vocab_size: int) -> SampledTargets:
     """``targets`` if ``1 <= draws <= min(MAX_DRAWS, vocab_size)``, ``proposal_temperature`` a
-    finite number > 0 and ``0 <= seed < 2**63``; :class:`EngineInputError` otherwise."""
+    finite number > 0, ``0 <= seed < 2**63``, ``head >= 0`` and ``head + draws <=
+    min(MAX_DRAWS, vocab_size)``; :class:`EngineInputError` otherwise."""
     if not isinstance(targets, SampledTargets):
         raise EngineInputError(f"expected SampledTargets, got {type(targets).__name__}")
     d, tau, seed = targets.draws, targets.proposal_temperature, targets.seed
@@ -160,7 +171,15 @@ def check_sampled(targets: SampledTargets, vocab_size: int) -> SampledTargets:
         raise EngineInputError(f"proposal_temperature must be a finite number > 0, got {tau!r}")
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**63:
         raise EngineInputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    return SampledTargets(int(d), float(tau), int(seed))
+    head = targets.head
+    if isinstance(head, bool) or not isinstance(head, int | np.integer) or head < 0:
+        raise EngineInputError(f"head must be an integer >= 0, got {head!r}")
+    if head + d > min(MAX_DRAWS, vocab_size):
+        raise EngineInputError(
+            f"head={head} + draws={d} slots exceed the limit {min(MAX_DRAWS, vocab_size)} "
+            f"(min of {MAX_DRAWS} and the vocabulary size)"
+        )
+    return SampledTargets(int(d), float(tau), int(seed), int(head))
 
 
 def check_keys(keys: Sequence[str], n: int) -> list[str]:

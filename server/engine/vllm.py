@@ -552,6 +552,7 @@ class VllmEngine(BaseEngine):
             "seed": sequence_seed(targets.seed, key),
             "draws": targets.draws,
             "tau": targets.proposal_temperature,
+            "head": targets.head,
         }
         return SamplingParams(
             max_tokens=1,
@@ -580,7 +581,7 @@ class VllmEngine(BaseEngine):
         return list(await asyncio.gather(*calls))
 
     def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
-        return sampled_from_output(raw, length, targets.draws)
+        return sampled_from_output(raw, length, targets.slots)
 
     async def _close(self) -> None:
         if self._driver is not None:

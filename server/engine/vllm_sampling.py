@@ -11,15 +11,17 @@ values per position out of the engine (measured 14.8x the time of top-k scoring,
 ``benchmarks/distill_vllm_sampling.py``).
 
 :func:`install` wraps ``_get_prompt_logprobs_dict`` (once per process) so that for a request
-whose ``SamplingParams.extra_args`` carry :data:`FLAG` = ``{"seed", "draws", "tau"}`` it samples
-right where the ``[n, V]`` block exists: ``sample_rows(log_softmax(logits), u, tau, k=draws)``
+whose ``SamplingParams.extra_args`` carry :data:`FLAG` = ``{"seed", "draws", "tau", "head"}`` it
+samples right where the ``[n, V]`` block exists:
+``sample_rows(log_softmax(logits), u, tau, head=head)`` (``head`` absent: 0)
 of :mod:`logitcache.cache_format.sampling` (FORMAT.md 4.4), with ``u`` the rows
 ``[start, start + n)`` of :func:`~logitcache.cache_format.sampling.seeded_uniforms` of the
 request's sequence seed, so a chunked prefill draws exactly what one pass would. The request's
-prompt-logprob tensors then hold ``[L - 1, draws + 1]``: column 0 the marker id :data:`MARK`
-(``-1``; vLLM puts the prompt token there), columns ``1..draws`` the sampled ids and their
-log-weights. Every other request takes vLLM's own code unchanged. Only ``draws + 1`` values per
-position leave the worker, like top-k scoring at ``k = draws``.
+prompt-logprob tensors then hold ``[L - 1, head + draws + 1]``: column 0 the marker id
+:data:`MARK` (``-1``; vLLM puts the prompt token there), columns ``1..head + draws`` the row's ids
+and their log-weights. Every other request takes vLLM's own code unchanged. Only
+``head + draws + 1`` values per position leave the worker, like top-k scoring at
+``k = head + draws``.
 
 The wrapper must be installed in the process that runs the model runner. The engine names
 :class:`SamplingWorkerExtension` as vLLM's ``worker_extension_cls``; vLLM imports it in every
@@ -34,7 +36,7 @@ from typing import Any
 
 from .patching import patch_once
 
-#: ``SamplingParams.extra_args`` key of a sampled request: ``{"seed", "draws", "tau"}``.
+#: ``SamplingParams.extra_args`` key of a sampled request: ``{"seed", "draws", "tau", "head"}``.
 FLAG = "logitcache_sampled_targets"
 #: Id written in column 0 of a sampled request's rows (vLLM writes the prompt token there).
 MARK = -1
@@ -72,10 +74,11 @@ def _sampled_chunks(
         if request.prompt_token_ids is None:
             continue
         draws = int(spec["draws"])
+        head = int(spec.get("head", 0))
         rows = len(request.prompt_token_ids) - 1
         tensors = request.in_progress_prompt_logprobs_cpu
         if tensors is None:
-            tensors = LogprobsTensors.empty_cpu(rows, draws + 1)
+            tensors = LogprobsTensors.empty_cpu(rows, head + draws + 1)
             request.in_progress_prompt_logprobs_cpu = tensors
         start = request.num_computed_tokens
         remaining = rows - start
@@ -91,7 +94,7 @@ def _sampled_chunks(
         logits = runner.model.compute_logits(hidden_states[offset : offset + n])
         lp = runner.sampler.compute_logprobs(logits)
         u = seeded_uniforms(int(spec["seed"]), start + n, draws)[start:]
-        ids, lw = sample_rows(lp, u, float(spec["tau"]), k=draws)
+        ids, lw = sample_rows(lp, u, float(spec["tau"]), k=head + draws, head=head)
         part = slice(start, start + n)
         tensors.logprob_token_ids[part, 0] = MARK
         tensors.logprob_token_ids[part, 1:] = torch.from_numpy(ids)
