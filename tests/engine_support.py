@@ -142,7 +142,9 @@ def fake_sampled(ids: list[int], key: str, targets: SampledTargets, info: Engine
 
     lp = torch.from_numpy(fake_logprobs(ids, info.vocab_size, info.temperature))
     u = uniforms(targets.seed, key, lp.shape[0], targets.draws)
-    sampled_ids, log_w = sample_rows(lp, u, targets.proposal_temperature, k=targets.draws)
+    sampled_ids, log_w = sample_rows(
+        lp, u, targets.proposal_temperature, k=targets.slots, head=targets.head
+    )
     return make_scores(sampled_ids, log_w)
 
 
