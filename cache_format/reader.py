@@ -26,7 +26,7 @@ import zarr
 from zarr.codecs import BloscCodec, ShardingCodec
 from zarr.core.sync import sync
 
-from . import idmap, pointread, shardread, spec
+from . import idmap, pointread, procread, shardread, spec
 from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
 from .integrity import checked_get
 from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
@@ -114,6 +114,10 @@ class CacheReader:
     ``decode_threads > 1`` decodes the arrays of one read call (e.g. the sequences of one
     :meth:`sequences` call) in that many threads (blosc and the numpy kernels release the GIL);
     the values are the same.
+    ``read_processes > 1`` spreads the rows of each :meth:`sequence` / :meth:`sequences` call
+    over that many reader processes (:mod:`.procread`: spawned at the first such call, each
+    with its own GIL, decoding into shared memory the returned arrays are views of; same
+    values); :meth:`close` (or ``with``) stops them.
 
     :meth:`sequence`, :meth:`get` and :meth:`sequences` take the point-read path
     (:mod:`.pointread`, FORMAT.md D4) when every array they need is read directly: only the
@@ -133,10 +137,16 @@ class CacheReader:
         as_torch: bool = False,
         direct: bool = True,
         decode_threads: int = 1,
+        read_processes: int = 1,
     ):
         if decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
+        if read_processes < 1:
+            raise ValueError(f"read_processes must be >= 1, got {read_processes}")
         self.decode_threads = int(decode_threads)
+        self.read_processes = int(read_processes)
+        self._procs: procread.ReadProcesses | None = None
+        self._url, self._storage_options = str(url), storage_options
         self._decode_pool: ThreadPoolExecutor | None = None
         self._handle = open_store(url, storage_options, read_only=True)
         self._store = self._handle.zstore
@@ -482,6 +492,8 @@ class CacheReader:
         """Sequence ``i`` (storage order) as a :class:`SequenceRecord`; ``logprob_dtype`` as in
         :meth:`rows`."""
         i = self._check_seq(i)
+        if self._use_processes():
+            return self._out(self._proc_records([i], logprob_dtype)[0])
 
         def read() -> SequenceRecord:
             ids, lp, tail, tokens, mask = self._fetch([self._span(i)], logprob_dtype, point=True)[0]
@@ -505,6 +517,8 @@ class CacheReader:
         idx = [self._check_seq(i) for i in indices]
         if not idx:
             return []
+        if self._use_processes():
+            return [self._out(rec) for rec in self._proc_records(idx, logprob_dtype)]
 
         def read() -> list[SequenceRecord]:
             got = self._fetch([self._span(i) for i in idx], logprob_dtype, point=True)
@@ -514,6 +528,65 @@ class CacheReader:
             ]
 
         return [self._out(rec) for rec in self._retry(read)]
+
+    def _use_processes(self) -> bool:
+        return self.read_processes > 1 and self.point_reads and spec.TOPK_IDS in self._direct
+
+    def _proc_records(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord]:
+        """Records of sequences ``idx`` read by the reader processes (:mod:`.procread`); a call
+        that makes one piece is read here."""
+        if logprob_dtype not in OUT_DTYPES:
+            raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
+        spans = []
+        for i in idx:
+            (rows, toks) = self._span(i)
+            spans.append((rows.start, rows.stop, toks.start, toks.stop))
+        cr = self._direct[spec.TOPK_IDS].chunk_rows
+        groups = procread.cut(spans, self.read_processes, cr)
+        if len(groups) <= 1:
+            got = self._retry(
+                lambda: self._fetch([self._span(i) for i in idx], logprob_dtype, point=True)
+            )
+            return [
+                SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
+                for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
+            ]
+        if self._procs is None:
+            self._procs = procread.ReadProcesses(
+                self._url, self._storage_options, self.read_processes
+            )
+        m = self.manifest
+        buf, reg = self._procs.read(
+            spans, m.k, m.num_rows, m.num_tokens, logprob_dtype, m.loss_mask, groups
+        )
+        ids, lp, tail, mask, tok = reg.views(buf)
+        out, r, t = [], 0, 0
+        for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
+            n, nt = b - a, tb - ta
+            rec = SequenceRecord(
+                self._keys[i],
+                tok[t : t + nt],
+                ids[r : r + n],
+                lp[r : r + n],
+                tail[r : r + n],
+                None if mask is None else mask[r : r + n],
+            )
+            out.append(rec)
+            r, t = r + n, t + nt
+        return out
+
+    def close(self) -> None:
+        """Stop the reader processes, if any (the reader stays usable: a later call starts
+        them again)."""
+        procs, self._procs = self._procs, None
+        if procs is not None:
+            procs.close()
+
+    def __enter__(self) -> CacheReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
         """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).

@@ -1,0 +1,318 @@
+"""Reader processes for point reads: ``CacheReader(read_processes=n)`` (issue #14, FORMAT.md D4).
+
+In one process, a point read is bound by the GIL: about half of its CPU is Python around each
+chunk (numcodecs' wrappers, ``google_crc32c``, which holds the GIL, the reader's bookkeeping), so
+decode threads stop scaling near 2x (benchmarks/results/client.md, random access). This module
+spreads the rows of one :meth:`CacheReader.sequence` / :meth:`CacheReader.sequences` call over
+``n`` reader processes, each with its own :class:`CacheReader` (its own GIL), which decode
+straight into one shared-memory segment (``memfd``) that the calling process maps; the returned
+arrays are views of that segment (it is freed when the last of them is).
+
+How a call is cut: the requested sequences, in call order, make one axis of ``R`` rows; it is cut
+into ``n`` (at most ``ceil(R / chunk_rows)``) runs of about ``R / n`` rows, each cut moved to the
+nearest inner-chunk boundary of ``topk_ids`` (or sequence end), so no worker decodes a row chunk
+another one decodes too; a sequence's tokens go with its first rows. A call that makes one run is
+read in the calling process (no hand-off). The values are those of the in-process path, bit for
+bit (each worker runs the same point read, with every CRC32C checked); a worker's error (a
+:class:`~.errors.ChecksumError` after its retries, say) is raised in the caller as is.
+
+Cost (stated in benchmarks/results/client.md): start-up of ``n`` Python processes (each
+imports the package and opens the store: about a second, in parallel, at the first point read),
+each process's memory (the interpreter, numpy, zarr, torch when installed), and per call one
+message and one descriptor passed to each worker used.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+ALIGN = 64
+"""Byte alignment of each region of a segment."""
+
+Piece = tuple[int, int, int, int, int, int]
+"""``(row a, row b, token a, token b, region row, region token)``: rows ``[a, b)`` (and tokens
+``[ta, tb)``, empty if ``ta == tb``) decode into the segment's row regions from row ``region
+row`` (and its token region from ``region token``)."""
+
+
+class ReadProcessError(RuntimeError):
+    """A reader process died or could not start (the store's own errors are raised as is)."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def cut(spans: list[tuple[int, int, int, int]], n: int, chunk_rows: int) -> list[list[Piece]]:
+    """The pieces of each of at most ``n`` workers for ``spans`` (``(row a, row b, token a,
+    token b)`` per requested sequence, in call order; see the module docstring)."""
+    starts = [0]
+    for a, b, _, _ in spans:
+        starts.append(starts[-1] + (b - a))
+    total = starts[-1]
+    n = max(1, min(n, math.ceil(total / max(1, chunk_rows))))
+    cuts = {0, total}
+    for w in range(1, n):
+        x = total * w / n
+        j = min(bisect.bisect_right(starts, x) - 1, len(spans) - 1)
+        a, b = spans[j][0], spans[j][1]
+        cands = [starts[j], starts[j + 1]]
+        g = (a // chunk_rows + 1) * chunk_rows
+        lo = g - a + starts[j]  # the first chunk boundary inside the sequence (virtual row)
+        if g < b:
+            k = round((x - lo) / chunk_rows)
+            for kk in (k - 1, k, k + 1):
+                v = lo + kk * chunk_rows
+                if starts[j] < v < starts[j + 1]:
+                    cands.append(v)
+        cuts.add(min(cands, key=lambda v: abs(v - x)))
+    edges = sorted(cuts)
+    tok_starts = [0]
+    for _, _, ta, tb in spans:
+        tok_starts.append(tok_starts[-1] + (tb - ta))
+    out: list[list[Piece]] = []
+    for u, v in zip(edges[:-1], edges[1:], strict=True):
+        pieces: list[Piece] = []
+        j = bisect.bisect_right(starts, u) - 1
+        while j < len(spans) and starts[j] < v:
+            a, _, ta, tb = spans[j]
+            x, y = max(u, starts[j]), min(v, starts[j + 1])
+            first = x == starts[j]
+            pieces.append(
+                (
+                    a + x - starts[j],
+                    a + y - starts[j],
+                    ta if first else 0,
+                    tb if first else 0,
+                    x,
+                    tok_starts[j],
+                )
+            )
+            j += 1
+        out.append(pieces)
+    return out
+
+
+class Regions:
+    """Where each output array of a call lies in its segment: ``rows`` rows of ``k`` ids
+    (int32), logprobs (``lp_dtype``), tail (float32) and optionally loss mask (uint8), and
+    ``tokens`` tokens (int32)."""
+
+    def __init__(self, rows: int, tokens: int, k: int, lp_dtype: str, mask: bool):
+        self.rows, self.tokens, self.k, self.lp_dtype, self.mask = rows, tokens, k, lp_dtype, mask
+        lpi = np.dtype(lp_dtype).itemsize
+        self.ids = 0
+        self.lp = _align(rows * k * 4)
+        self.tail = self.lp + _align(rows * k * lpi)
+        self.maskoff = self.tail + _align(rows * 4)
+        self.tok = self.maskoff + (_align(rows) if mask else 0)
+        self.size = max(1, self.tok + tokens * 4)
+
+    def args(self) -> tuple[int, int, int, str, bool]:
+        return self.rows, self.tokens, self.k, self.lp_dtype, self.mask
+
+    def views(self, buf: Any) -> tuple[np.ndarray, ...]:
+        """``(ids [R, k], lp [R, k], tail [R], mask [R] or None, tokens [T])`` over ``buf``."""
+        r, k = self.rows, self.k
+        ids = np.frombuffer(buf, np.int32, r * k, self.ids).reshape(r, k)
+        lp = np.frombuffer(buf, self.lp_dtype, r * k, self.lp).reshape(r, k)
+        tail = np.frombuffer(buf, np.float32, r, self.tail)
+        mask = np.frombuffer(buf, np.uint8, r, self.maskoff) if self.mask else None
+        tok = np.frombuffer(buf, np.int32, self.tokens, self.tok)
+        return ids, lp, tail, mask, tok
+
+
+def _main(fd: int) -> None:
+    """Entry point of a reader process (:class:`ReadProcesses`): ``fd`` is its socket."""
+    conn = Connection(fd)
+    try:
+        url, storage_options = conn.recv()
+    except (EOFError, OSError):
+        return
+    _worker(conn, url, storage_options)
+
+
+def _worker(conn: Connection, url: str, storage_options: dict | None) -> None:
+    """A reader process: serve point reads into the segments it is sent until told to stop."""
+    try:
+        from .reader import CacheReader
+
+        reader = CacheReader(url, storage_options)
+    except BaseException as e:  # the caller raises it
+        conn.send(("error", e))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        need_rows, need_tokens, args, logprob_dtype, pieces = msg
+        fd = reduction.recv_handle(conn)
+        try:
+            reg = Regions(*args)
+            with mmap.mmap(fd, reg.size) as mm:
+                os.close(fd)
+                fd = -1
+                _serve(reader, mm, reg, need_rows, need_tokens, logprob_dtype, pieces)
+            conn.send(None)
+        except BaseException as e:
+            try:
+                conn.send(e)
+            except Exception:  # unpicklable error
+                conn.send(ReadProcessError(repr(e)))
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+def _serve(
+    reader: Any,
+    mm: mmap.mmap,
+    reg: Regions,
+    need_rows: int,
+    need_tokens: int,
+    logprob_dtype: str,
+    pieces: list[Piece],
+) -> None:
+    """Point-read ``pieces`` with ``reader`` into the segment ``mm``."""
+    if reader.num_rows < need_rows or reader.num_tokens < need_tokens:
+        reader.refresh()  # the caller's snapshot is newer: every row it asks for is committed
+    spans = [(slice(a, b), slice(ta, tb) if tb > ta else None) for a, b, ta, tb, _, _ in pieces]
+    got = reader._retry(lambda: reader._fetch(spans, logprob_dtype, point=True))
+    ids, lp, tail, mask, tok = reg.views(mm)
+    for (a, b, ta, tb, ro, to), (i, p, t, k, m) in zip(pieces, got, strict=True):
+        n = b - a
+        ids[ro : ro + n] = i
+        lp[ro : ro + n] = p
+        tail[ro : ro + n] = t
+        if mask is not None and m is not None:
+            mask[ro : ro + n] = m
+        if tb > ta and k is not None:
+            tok[to : to + tb - ta] = k
+    del ids, lp, tail, mask, tok
+
+
+class ReadProcesses:
+    """``n`` reader processes of one store (see the module docstring); :meth:`read` is called by
+    one thread at a time (a lock serialises callers).
+
+    The processes are started with ``subprocess`` (``python -c``, this package imported by
+    name, ``sys.path`` passed on), not ``multiprocessing``: spawn would re-run the caller's main
+    module, and fork is unsafe in a process that may hold threads (torch, zarr's event loop)."""
+
+    def __init__(self, url: str, storage_options: dict | None, n: int):
+        if n < 1:
+            raise ValueError(f"read_processes must be >= 1, got {n}")
+        self.n = n
+        self.lock = threading.Lock()
+        self.conns: list[Connection] = []
+        self.procs: list[subprocess.Popen] = []
+        env = dict(os.environ)
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        code = "import importlib, sys; importlib.import_module(sys.argv[1])._main(int(sys.argv[2]))"
+        try:
+            for _ in range(n):
+                parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    fd = child.fileno()
+                    p = subprocess.Popen(
+                        [sys.executable, "-c", code, __name__, str(fd)],
+                        pass_fds=(fd,),
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                    )
+                finally:
+                    child.close()
+                self.procs.append(p)
+                conn = Connection(parent.detach())
+                self.conns.append(conn)
+                conn.send((url, storage_options))
+            for c in self.conns:
+                kind, what = self._recv(c)
+                if kind != "ready":
+                    raise what
+        except BaseException:
+            self.close()
+            raise
+
+    def _recv(self, conn: Connection) -> Any:
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            self.close()
+            raise ReadProcessError(f"a reader process died: {e!r}") from e
+
+    def read(
+        self,
+        spans: list[tuple[int, int, int, int]],
+        k: int,
+        stored_rows: int,
+        stored_tokens: int,
+        lp_dtype: str,
+        mask: bool,
+        groups: list[list[Piece]],
+    ) -> tuple[Any, Regions]:
+        """Decode ``groups`` (from :func:`cut`, one per worker) into a new segment; returns the
+        segment (an ``mmap``) and its :class:`Regions`."""
+        rows = sum(b - a for a, b, _, _ in spans)
+        tokens = sum(tb - ta for _, _, ta, tb in spans)
+        reg = Regions(rows, tokens, k, lp_dtype, mask)
+        with self.lock:
+            if not self.conns:
+                raise ReadProcessError("reader processes are closed")
+            fd = os.memfd_create("logitcache-read", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, reg.size)
+                mm = mmap.mmap(fd, reg.size)
+                used = self.conns[: len(groups)]
+                for conn, pieces in zip(used, groups, strict=False):
+                    conn.send((stored_rows, stored_tokens, reg.args(), lp_dtype, pieces))
+                    reduction.send_handle(conn, fd, 0)
+            finally:
+                os.close(fd)
+            err: BaseException | None = None
+            for conn in used:
+                got = self._recv(conn)
+                err = err or got
+        if err is not None:
+            raise err
+        return mm, reg
+
+    def close(self) -> None:
+        """Stop the processes (idempotent)."""
+        conns, self.conns = self.conns, []
+        for c in conns:
+            try:
+                c.send(None)
+                c.close()
+            except Exception:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=2)
+        self.procs = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass

@@ -1,0 +1,97 @@
+"""Reader processes (``CacheReader(read_processes=n)``, ``cache_format/procread.py``, issue #14):
+bit-identical to the in-process range path for every encoding, id remap and loss mask, with
+sequences cut across workers at chunk edges; a damaged chunk read by a worker is the caller's
+``ChecksumError``; the cut covers every row once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from logitcache.cache_format import CacheReader, procread
+from logitcache.cache_format.errors import ChecksumError
+from test_format_random_access import SMALL, _same, _write
+
+
+def test_cut_covers_every_row_once_at_chunk_edges():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        spans, t = [], 0
+        for _ in range(int(rng.integers(1, 9))):
+            a = int(rng.integers(0, 5000))
+            n = int(rng.integers(1, 900))
+            spans.append((a, a + n, t, t + n + 1))
+            t += n + 1
+        n_workers = int(rng.integers(1, 9))
+        cr = int(rng.choice([8, 64, 256]))
+        groups = procread.cut(spans, n_workers, cr)
+        assert 1 <= len(groups) <= n_workers
+        seen: list[list[tuple[int, int]]] = [[] for _ in spans]
+        toks = [0] * len(spans)
+        region = 0
+        starts = np.cumsum([0] + [b - a for a, b, _, _ in spans])
+        for pieces in groups:
+            assert pieces
+            for a, b, ta, tb, ro, to in pieces:
+                j = int(np.searchsorted(starts, ro, side="right") - 1)
+                sa, sb, sta, stb = spans[j]
+                assert sa <= a < b <= sb and ro == starts[j] + a - sa
+                assert ro == region  # pieces in call order, contiguous
+                region += b - a
+                seen[j].append((a, b))
+                if tb > ta:
+                    assert (ta, tb, a) == (sta, stb, sa) and to == sum(
+                        x[3] - x[2] for x in spans[:j]
+                    )
+                    toks[j] += 1
+                # an inner cut lies on a chunk edge
+                if a != sa:
+                    assert a % cr == 0
+        assert toks == [1] * len(spans)
+        for (sa, sb, _, _), parts in zip(spans, seen, strict=True):
+            assert sorted(parts)[0][0] == sa and sum(b - a for a, b in parts) == sb - sa
+
+
+# every encoding of test_format_random_access's CASES, id remap and loss mask together (each
+# store starts its own processes: a few seconds each)
+STORES = [
+    {},
+    {"logprob_dtype": "float32"},
+    {"logprob_dtype": "uint8", "id_remap": True, "loss_mask": True},
+]
+
+
+@pytest.mark.parametrize("kw", STORES, ids=lambda kw: ",".join(map(str, kw.values())) or "float16")
+def test_processes_equal_the_range_path(tmp_path, kw):
+    url = tmp_path / "c"
+    recs = _write(url, SMALL, **kw)
+    ranged = CacheReader(url)
+    ranged.point_reads = False
+    with CacheReader(url, read_processes=2) as procs:
+        idx = [5, 3, 5, 39, 0, 22, 21, 22, 38, 1]
+        got = procs.sequences(idx)
+        assert procs._procs is not None  # the call went to the processes
+        for g, want in zip(got, ranged.sequences(idx), strict=True):
+            _same(g, want)
+        for i in (0, 39, 17):
+            _same(procs.sequence(i), ranged.sequence(i))
+        half = procs.sequences(range(len(recs)), logprob_dtype="float16")
+        want16 = ranged.sequences(range(len(recs)), logprob_dtype="float16")
+        for g, want in zip(half, want16, strict=True):
+            assert np.array_equal(g.topk_logprobs, want.topk_logprobs)
+    assert procs._procs is None
+
+
+def test_worker_checksum_error_reaches_the_caller(tmp_path, monkeypatch):
+    from logitcache.cache_format import reader as reader_mod
+
+    url = tmp_path / "c"
+    _write(url, SMALL)
+    shard = url / "topk_ids" / "c" / "0" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[40] ^= 0xFF  # inside the first chunk's frame
+    shard.write_bytes(bytes(raw))
+    monkeypatch.setattr(reader_mod, "_RETRIES", 1)  # the caller's side; workers retry as usual
+    with CacheReader(url, read_processes=2) as r:
+        with pytest.raises(ChecksumError):
+            r.sequences([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+        assert r.sequences([39])[0].key == r.keys[39]  # the workers still serve
