@@ -401,3 +401,63 @@ def test_head_job_on_vllm_writes_the_engines_rows(vllm_engine, tiny, heldout_seq
         assert (got.topk_ids == d.topk_ids).all()
         np.testing.assert_array_equal(got.topk_logprobs, d.topk_logprobs)
         assert got.topk_logprobs.tobytes() == first[rec["id"]]
+
+
+# ---------------------------------------------------------------- readers and the loss
+
+
+def test_head_rows_read_trim_and_train_like_plain_rows(tmp_path: Path) -> None:
+    """A head cache through CacheDataset(trim_sampled=True) drops only trailing padding, and
+    the loss (targets="sampled", reduction "none") on it is each row's
+    sum_i w_i (log w_i - log s_i) with w the stored weights (float64)."""
+    from client_support import VOCAB, make_sequences, manifest
+    from logitcache.client import CacheDataset
+    from logitcache.client.collate import IGNORE_INDEX
+    from logitcache.client.loss import topk_distill_loss
+
+    m, n = 6, 20
+    records = []
+    for i, seq in enumerate(make_sequences(12, seed=3, min_len=6, max_len=40)):
+        g = torch.Generator().manual_seed(i)
+        scale = torch.linspace(0.5, 6.0, len(seq) - 1)[:, None]
+        lp = torch.log_softmax(torch.randn(len(seq) - 1, VOCAB, generator=g) * scale, -1)
+        ids, lw = sample_rows(lp, uniforms(5, f"s{i}", len(seq) - 1, n), head=m)
+        records.append(SequenceRecord(f"s{i}", seq, ids, lw))
+    url = str(tmp_path / "head")
+    mf = manifest(k=m + n, targets="sampled", sampling=sampling_manifest(n, 1.0, 5, head=m))
+    with CacheWriter.open(url, mf) as w:
+        w.append(records)
+    assert validate(url).ok
+    opts: dict[str, Any] = {"tokens_per_item": 32, "batch_size": 3, "seed": 1}
+    full = list(CacheDataset(url, trim_sampled=False, **opts))
+    trimmed = list(CacheDataset(url, **opts))
+    assert len(full) == len(trimmed) > 2
+    narrower = 0
+    for f, t in zip(full, trimmed, strict=True):
+        assert t["target_kind"] == "sampled"
+        width = t["topk_ids"].shape[-1]
+        narrower += width < m + n
+        assert torch.equal(t["topk_ids"], f["topk_ids"][..., :width])
+        rows = f["labels"] != IGNORE_INDEX
+        assert (f["topk_logprobs"][..., width:][rows] == PAD_LOGPROB).all()
+    assert narrower > 0
+    unit = trimmed[0]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(*unit["labels"].shape, 8, generator=g, dtype=torch.float64)
+    weight = torch.randn(VOCAB, 8, generator=g, dtype=torch.float64) / 2
+    loss = topk_distill_loss(
+        hidden,
+        weight,
+        unit["topk_ids"],
+        unit["topk_logprobs"],
+        labels=unit["labels"],
+        targets="sampled",
+        impl="dense",
+        reduction="none",
+    )
+    log_s = torch.log_softmax(hidden @ weight.T, -1)
+    lw = unit["topk_logprobs"].double()
+    wt = lw.exp() * (lw > PAD_LOGPROB)
+    ref = (wt * (lw.clamp_min(-1e4) - log_s.gather(-1, unit["topk_ids"].long()))).sum(-1)
+    rows = unit["labels"] != IGNORE_INDEX
+    torch.testing.assert_close(loss[rows], ref[rows], rtol=1e-6, atol=1e-8)
