@@ -298,9 +298,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=[],
         help="a paragraph for the page above the table (what changed since --previous); repeat",
     )
+    p.add_argument(
+        "--ablation",
+        metavar="NAME=WORKDIR",
+        action="append",
+        default=[],
+        help="combine-only: the issue #12 ablation page from each named configuration's per-seed "
+        "reports (WORKDIR/seed<s>/distill.json) plus a row check of the scored cache at each "
+        "configuration's item layout; repeat per configuration",
+    )
+    p.add_argument("--check-batches", type=int, default=30, help="--ablation row-check batches")
     args, rest = p.parse_known_args(argv)
     rest = [a for a in rest if a != "--"]
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.ablation:
+        return ablation(args, seeds)
 
     def seed_args(seed: int) -> list[str]:
         out = args.workdir / f"seed{seed}"
@@ -342,6 +354,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = markdown(
         reports, methods, intro=intro, previous=previous, previous_tag=args.previous_tag
     )
+    args.out_md.write_text(text)
+    print(text)
+    return result
+
+
+def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
+    """``--ablation``: the page of issue #12's ablation (examples/distill_ablation.py)."""
+    import torch
+    from distill_ablation import ablation_markdown, row_check
+    from logitcache.fixtures.tiny import build_tiny_models
+    from transformers import LlamaForCausalLM
+
+    configs: dict[str, list[dict[str, Any]]] = {}
+    for spec in args.ablation:
+        name, eq, workdir = spec.partition("=")
+        if not eq or not name or not workdir:
+            raise SystemExit(f"--ablation takes NAME=WORKDIR, got {spec!r}")
+        configs[name] = [
+            json.loads((Path(workdir) / f"seed{s}" / "distill.json").read_text()) for s in seeds
+        ]
+    torch.set_num_threads(1)
+    models = build_tiny_models(verbose=False)
+    teacher = LlamaForCausalLM.from_pretrained(str(models.teacher_dir)).float().eval()
+    url = next(iter(configs.values()))[0]["cache"]["url"]
+    checks = []
+    for reports in configs.values():
+        t = reports[0]["train"]
+        if reports[0]["cache"]["url"] != url:
+            raise SystemExit("the configurations trained from different scored caches")
+        checks.append(
+            row_check(
+                url,
+                teacher,
+                tokens_per_item=t["tokens_per_item"],
+                batch_items=t["batch_items"],
+                batches=args.check_batches,
+                tokenizer=models.load_tokenizer(),
+                vocab_size=models.vocab_size,
+            )
+        )
+    text = ablation_markdown(
+        configs,
+        checks,
+        command=f"python benchmarks/distill_bench.py {shown_args(sys.argv[1:])}",
+        intro=args.intro,
+        label=label,
+    )
+    result = {
+        "row_checks": checks,
+        "configs": {name: {"seeds": reps, "mean": combine(reps)} for name, reps in configs.items()},
+    }
+    args.out_json.write_text(json.dumps(result, indent=1) + "\n")
     args.out_md.write_text(text)
     print(text)
     return result

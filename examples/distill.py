@@ -365,7 +365,7 @@ def resolve_methods(
         if m not in BUDGETED:
             specs.append(m)
             base, n = parse_method(m)
-            if n is not None:
+            if n is not None and base.startswith("offline"):  # online ablations: no cache
                 where[m] = {"n": n, "budget": None}
             continue
         kind = "sampled" if m == "offline_sampled" else "topk"
@@ -531,7 +531,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         held = make_heldout(teacher, models.token_stream("heldout"), plan.seq_len, plan.eval_tokens)
         untrained = evaluate(load_student(), held)
         settings = TrainSettings(
-            steps=plan.steps, lr=plan.lr, warmup_steps=max(1, min(20, plan.steps // 10))
+            steps=plan.steps,
+            lr=plan.lr,
+            warmup_steps=max(1, min(20, plan.steps // 10)),
+            seed=plan.seed,
         )
         runs = [make_run(m, load_student, make_dataset, teacher, settings) for m in specs]
         print(f"[distill] training {', '.join(specs)} for {plan.steps} steps", flush=True)

@@ -12,6 +12,11 @@ LABELS = {
     "offline_topk": "offline top-k cache KD, no tail",
     "offline_topk_tail": "offline top-k cache KD + tail mass",
     "offline_sampled": "offline sampled targets (RS-KD)",
+    "online_kd_f16": "ablation: online KD, teacher logprobs rounded through float16",
+    "online_topk": "ablation: live teacher's top-k, no tail (no cache)",
+    "online_topk_tail": "ablation: live teacher's top-k + tail mass (no cache)",
+    "online_sampled": "ablation: live teacher, fresh sampled targets every step (no cache)",
+    "online_sampled_head": "ablation: live teacher, exact top-m + fresh residual draws every step",
 }
 
 #: Goal 1: the best offline method's held-out KL within this share of online KD's ...
@@ -25,7 +30,11 @@ def label(method: str) -> str:
     base, _, k = method.partition("@")
     if not k:
         return LABELS[base]
-    return LABELS[base] + (f", {k} draws/row" if base == "offline_sampled" else f", k={k}")
+    if base == "online_sampled_head":
+        m, _, n = k.partition("+")
+        return LABELS[base] + f", m={m} + {n} draws/row"
+    sampled = base in ("offline_sampled", "online_sampled")
+    return LABELS[base] + (f", {k} draws/row" if sampled else f", k={k}")
 
 
 def method_summary(run: Any, evaluation: dict[str, float], warmup: int = 5) -> dict[str, Any]:

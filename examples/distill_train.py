@@ -15,6 +15,20 @@ initial weights, same AdamW settings and schedule; position ``t`` of an item is 
   cache: ``sum_i w_i (log w_i - log q_i)`` over the sampled ids with importance weights ``w``
   (FORMAT.md 4.4), ``topk_distill_loss(..., targets="sampled")``.
 
+Ablations (issue #12: why every offline method sits above online KD). Each builds its targets
+from the LIVE teacher's ``log_softmax`` on the very batch the student trains on (the teacher's
+forward is part of the step, as in ``online_kd``), then takes the same loss as its offline twin,
+so only the source of the targets differs:
+
+* ``online_topk@k`` / ``online_topk_tail@k``: the live teacher's top-k (+ the tail bucket),
+  ``topk_distill_loss`` (impl ``fused_chunked``), no storage, no float16 rounding;
+* ``online_sampled@N``: ``N`` fresh draws per row at every step
+  (:func:`logitcache.cache_format.sampling.sample_rows` on the live rows, uniforms from a
+  generator seeded by ``(seed, step)``), the sampled loss; ``online_sampled_head@m+N``: the same
+  with the teacher's top-``m`` kept exactly (``sample_rows(..., head=m)``);
+* ``online_kd_f16``: ``online_kd`` against the teacher's log-probabilities rounded through
+  float16 (the cache's storage dtype).
+
 A method spec may carry ``@n``: ``offline_topk@32`` / ``offline_topk_tail@32`` train from a
 ``k = 32`` cache, ``offline_sampled@24`` from a cache of 24 draws per row (``distill.py`` derives
 these caches and measures their bytes on disk).
@@ -42,22 +56,55 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-METHODS = ("ce", "online_kd", "offline_topk", "offline_topk_tail", "offline_sampled")
+METHODS = (
+    "ce",
+    "online_kd",
+    "offline_topk",
+    "offline_topk_tail",
+    "offline_sampled",
+    "online_kd_f16",
+    "online_topk",
+    "online_topk_tail",
+    "online_sampled",
+    "online_sampled_head",
+)
+#: Methods that need ``@n`` (k or draws).
+SIZED = (
+    "offline_sampled",
+    "online_topk",
+    "online_topk_tail",
+    "online_sampled",
+    "online_sampled_head",
+)
+
+
+def parse_head(spec: str) -> tuple[int, int]:
+    """``"online_sampled_head@32+96"`` -> ``(32, 96)``: head ``m`` and draws ``N``."""
+    _, _, n = spec.partition("@")
+    m, plus, draws = n.partition("+")
+    if not (plus and m.isdigit() and draws.isdigit() and int(m) >= 1 and int(draws) >= 1):
+        raise ValueError(f"bad method {spec!r}: online_sampled_head takes @m+N, e.g. @32+96")
+    return int(m), int(draws)
 
 
 def parse_method(spec: str) -> tuple[str, int | None]:
     """``"offline_topk_tail@16"`` -> ``("offline_topk_tail", 16)``: an offline method trained on
     a ``k = 16`` cache (the first 16 columns of the scored cache's rows); ``"offline_sampled@24"``
-    -> ``("offline_sampled", 24)``: a sampled cache of 24 draws per row (``@n`` required)."""
+    -> ``("offline_sampled", 24)``: a sampled cache of 24 draws per row (``@n`` required).
+    The live-teacher ablations ``online_topk@k``, ``online_topk_tail@k``, ``online_sampled@N``
+    need ``@n`` too; ``online_sampled_head@m+N`` returns ``m + N`` (:func:`parse_head`)."""
     base, _, k = spec.partition("@")
     if base not in METHODS:
         raise ValueError(f"unknown method {spec!r}; choose from {METHODS} (offline ones @k)")
     if not k:
-        if base == "offline_sampled":
-            raise ValueError(f"bad method {spec!r}: offline_sampled needs @draws, e.g. @24")
+        if base in SIZED:
+            raise ValueError(f"bad method {spec!r}: {base} needs @n, e.g. {base}@24")
         return base, None
-    if not base.startswith("offline") or not k.isdigit() or int(k) < 1:
-        raise ValueError(f"bad method {spec!r}: only offline methods take @k with k >= 1")
+    if base == "online_sampled_head":
+        m, n = parse_head(spec)
+        return base, m + n
+    if not (base.startswith("offline") or base in SIZED) or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"bad method {spec!r}: only offline and sized methods take @k >= 1")
     return base, int(k)
 
 
@@ -71,6 +118,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     clip: float = 1.0
     chunk_size: int | None = None
+    seed: int = 0  # the live sampled ablations' draws: uniforms seeded by (seed, step)
 
     def lr_factor(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 10% at the last step."""
@@ -94,20 +142,94 @@ def _masked_mean(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (rows * mask).sum() / mask.sum().clamp_min(1)
 
 
+def live_topk(t_lp: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Top-``k`` targets of live teacher log-probabilities ``[..., V]``: the batch keys of a top-k
+    cache (``topk_ids``, ``topk_logprobs`` float32, ``tail_mass = 1 - sum_topk p``)."""
+    lp, ids = torch.topk(t_lp.float(), k, dim=-1)
+    tail = (1.0 - lp.exp().sum(-1)).clamp_min(0.0)
+    return {"topk_ids": ids, "topk_logprobs": lp, "tail_mass": tail}
+
+
+def step_seed(seed: int, step: int) -> int:
+    """63-bit generator seed of one step's draws (distinct per seed and step)."""
+    from logitcache.cache_format.sampling import sequence_seed
+
+    return sequence_seed(seed, f"step{step}")
+
+
+def live_sampled(
+    t_lp: torch.Tensor, draws: int, seed: int, step: int, head: int = 0
+) -> dict[str, torch.Tensor]:
+    """Fresh sampled targets of live teacher log-probabilities ``[B, T, V]``: ``draws`` draws
+    per row (after the exact top-``head``), uniforms from the ``(seed, step)`` generator,
+    :func:`~logitcache.cache_format.sampling.sample_rows` at ``tau = 1``; trailing all-padding
+    columns dropped (as ``CacheDataset`` trims a sampled batch)."""
+    from logitcache.cache_format.sampling import PAD_LOGPROB, sample_rows, seeded_uniforms
+
+    b, t, v = t_lp.shape
+    u = seeded_uniforms(step_seed(seed, step), b * t, draws)
+    kw = {"head": head} if head else {}
+    ids, lw = sample_rows(t_lp.reshape(b * t, v), u, 1.0, **kw)
+    ids_t = torch.from_numpy(ids).long().reshape(b, t, -1)
+    lw_t = torch.from_numpy(lw).reshape(b, t, -1)
+    real = (lw_t > PAD_LOGPROB / 2).flatten(0, 1).any(0)
+    width = int(real.nonzero().max()) + 1 if bool(real.any()) else 1
+    return {"topk_ids": ids_t[..., :width], "topk_logprobs": lw_t[..., :width]}
+
+
 def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[..., torch.Tensor]:
-    """``f(student, batch) -> scalar loss`` for one method (see the module docstring)."""
+    """``f(student, batch) -> scalar loss`` for one method (see the module docstring); ``method``
+    is a spec (``online_topk_tail@128``) or a base name for the methods that take no ``@n``."""
     from logitcache.client.loss import topk_distill_loss
+
+    base, n = parse_method(method) if "@" in method else (method, None)
+    if base in SIZED and n is None:
+        raise ValueError(f"{base} needs @n (got {method!r})")
+    steps = [0]  # the sampled ablations' step counter (fresh draws per step)
+
+    def teacher_lp(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return F.log_softmax(teacher.lm_head(_body(teacher, batch)), dim=-1)
+
+    def sparse(student: Any, batch: dict[str, Any], tgt: dict[str, Any], **kw: Any) -> Any:
+        return topk_distill_loss(
+            _body(student, batch),
+            student.lm_head.weight,
+            tgt["topk_ids"],
+            tgt["topk_logprobs"],
+            tgt.get("tail_mass"),
+            mask=batch["loss_mask"],
+            impl="fused_chunked",
+            chunk_size=settings.chunk_size,
+            **kw,
+        )
 
     def ce(student: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = student.lm_head(_body(student, batch))
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
 
-    def online_kd(student: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad():
-            t_lp = F.log_softmax(teacher.lm_head(_body(teacher, batch)), dim=-1)
+    def online_kd(student: Any, batch: dict[str, torch.Tensor], f16: bool = False) -> Any:
+        t_lp = teacher_lp(batch)
+        if f16:  # the cache's storage rounding (not renormalised, as stored rows)
+            t_lp = t_lp.to(torch.float16).float()
         s_lp = F.log_softmax(student.lm_head(_body(student, batch)), dim=-1)
         kl = (t_lp.exp() * (t_lp - s_lp)).sum(-1)
         return _masked_mean(kl, batch["loss_mask"].to(kl.dtype))
+
+    def online_topk(with_tail: bool) -> Callable[..., torch.Tensor]:
+        def f(student: Any, batch: dict[str, Any]) -> torch.Tensor:
+            tgt = live_topk(teacher_lp(batch), int(n))
+            if not with_tail:
+                tgt.pop("tail_mass")
+            return sparse(student, batch, tgt)
+
+        return f
+
+    def online_sampled(student: Any, batch: dict[str, Any]) -> torch.Tensor:
+        head, draws = parse_head(method) if base == "online_sampled_head" else (0, int(n))
+        tgt = live_sampled(teacher_lp(batch), draws, settings.seed, steps[0], head)
+        steps[0] += 1
+        return sparse(student, batch, tgt, targets="sampled")
 
     def offline(with_tail: bool, sampled: bool = False) -> Callable[..., torch.Tensor]:
         def f(student: Any, batch: dict[str, Any]) -> torch.Tensor:
@@ -133,10 +255,15 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
         "offline_topk": offline(False),
         "offline_topk_tail": offline(True),
         "offline_sampled": offline(False, sampled=True),
+        "online_kd_f16": lambda student, batch: online_kd(student, batch, f16=True),
+        "online_topk": online_topk(False),
+        "online_topk_tail": online_topk(True),
+        "online_sampled": online_sampled,
+        "online_sampled_head": online_sampled,
     }
-    if method not in table:
+    if base not in table:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    return table[method]
+    return table[base]
 
 
 def epochs(make_dataset: Callable[[], Any]) -> Iterator[dict[str, torch.Tensor]]:
@@ -202,7 +329,7 @@ def make_run(
     """A fresh student (same initial weights for every method) on a fresh stream
     (``make_dataset(method)``: the method's cache, every cache holding the same sequences in the
     same order, so every method sees the same items in the same order)."""
-    base, _ = parse_method(method)
+    parse_method(method)
     student = load_student()
     student.train()
     opt = torch.optim.AdamW(
@@ -210,7 +337,7 @@ def make_run(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, settings.lr_factor)
     stream = epochs(lambda: make_dataset(method))
-    return Run(method, student, loss_fn(base, teacher, settings), opt, sched, stream, settings)
+    return Run(method, student, loss_fn(method, teacher, settings), opt, sched, stream, settings)
 
 
 def train_interleaved(

@@ -1,0 +1,204 @@
+"""Issue #12 ablation: why every offline method sits above online KD (the page's figures).
+
+* :func:`row_kl`: per training position, ``KL(cached top-k + tail || live teacher)`` with the
+  live teacher's distribution collapsed onto the same buckets (the cached ids and one tail
+  bucket): 0 (up to float16 rounding) when a batch's cached rows are the rows the live teacher
+  computes on the batch's own inputs;
+* :func:`row_check`: that KL over the first ``batches`` training batches of a cache at one item
+  layout (``tokens_per_item`` x ``batch_items``), with the share of rows that differ and the
+  top-1 agreement: how far the cache's targets are from what the teacher would say given the
+  context the student actually sees;
+* :func:`ablation_markdown`: the results page (``benchmarks/distill_bench.py --ablation``) from
+  the per-seed reports of each configuration and the row checks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: A row "differs" when its KL(cache || live) exceeds this (float16 rounding gives ~1e-6).
+DIFF_NATS = 0.01
+
+
+def row_kl(batch: dict[str, torch.Tensor], t_lp: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` ``KL(cached || live)`` over the cached ids plus one tail bucket (``t_lp``: the
+    live teacher's log-probabilities ``[B, T, V]`` on the batch's inputs). Positions without a
+    row are 0."""
+    ids = batch["topk_ids"].long()
+    clp = batch["topk_logprobs"].float().clamp_min(-80.0)
+    live = t_lp.float().gather(-1, ids)
+    live_tail = (1.0 - live.exp().sum(-1)).clamp_min(1e-12)
+    c_tail = batch["tail_mass"].float().clamp_min(1e-12)
+    kl = (clp.exp() * (clp - live)).sum(-1) + c_tail * (c_tail.log() - live_tail.log())
+    return torch.where(batch["loss_mask"], kl, torch.zeros_like(kl))
+
+
+def row_check(
+    url: str,
+    teacher: Any,
+    *,
+    tokens_per_item: int,
+    batch_items: int,
+    seed: int = 0,
+    batches: int = 30,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
+) -> dict[str, Any]:
+    """:func:`row_kl` over the first ``batches`` batches of epoch 0 of a top-k cache, packed as
+    the comparison packs it (a sequence longer than ``tokens_per_item`` is cut into pieces that
+    restart at position 0: the live teacher, like the student, no longer sees their prefix)."""
+    from distill_train import _body
+    from logitcache.client import CacheDataset
+
+    ds = CacheDataset(
+        source=url,
+        tokens_per_item=tokens_per_item,
+        mode="pack",
+        batch_size=batch_items,
+        seed=seed,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+    )
+    ds.set_epoch(0)
+    kls, top1 = [], []
+    with torch.no_grad():
+        for i, batch in enumerate(ds):
+            if i == batches:
+                break
+            t_lp = F.log_softmax(teacher.lm_head(_body(teacher, batch)), -1)
+            mask = batch["loss_mask"]
+            kls.append(row_kl(batch, t_lp)[mask])
+            top1.append((t_lp.argmax(-1) == batch["topk_ids"][..., 0].long())[mask])
+    kl = torch.cat(kls).double()
+    differs = kl > DIFF_NATS
+    return {
+        "tokens_per_item": tokens_per_item,
+        "batch_items": batch_items,
+        "batches": len(kls),
+        "rows": int(kl.numel()),
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "share_rows_differ": float(differs.double().mean()),
+        "mean_kl_differing": float(kl[differs].mean()) if bool(differs.any()) else 0.0,
+        "top1_agreement": float(torch.cat(top1).double().mean()),
+    }
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and standard error (0 with one seed) of ``a_i / b_i - 1`` over seeds."""
+    d = [x / y - 1.0 for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else 0.0
+    return statistics.fmean(d), se
+
+
+#: Pairs whose paired gap the page states: (method, reference) where both ran.
+PAIRS = (
+    ("offline_topk_tail@128", "online_kd"),
+    ("online_topk_tail@128", "online_kd"),
+    ("offline_topk_tail@128", "online_topk_tail@128"),
+    ("offline_sampled@384", "online_kd"),
+    ("online_sampled@384", "online_kd"),
+    ("offline_sampled@384", "online_sampled@384"),
+    ("offline_sampled@384", "offline_topk_tail@128"),
+)
+
+
+def config_lines(name: str, reports: list[dict[str, Any]], label: Any) -> list[str]:
+    """One configuration's table (per method: KL mean and per seed, paired gap to online KD,
+    step time vs online KD) and its paired gaps."""
+    names = [m for m in reports[0]["methods"] if all(m in r["methods"] for r in reports)]
+    seeds = [r["train"]["seed"] for r in reports]
+    t = reports[0]["train"]
+    loads = [r["train"].get("load_avg") or {} for r in reports]
+    load = ", ".join(
+        f"seed {s} {x['min']:.1f}-{x['max']:.1f} (mean {x['mean']:.1f})"
+        for s, x in zip(seeds, loads, strict=True)
+        if x
+    )
+    out = [
+        f"### {name}: {t['batch_items']} items x {t['tokens_per_item']} tokens, seeds {seeds}",
+        "",
+        f"1-minute load average while training (2 cores): {load or 'not recorded'}.",
+        "",
+        "| method | held-out KL (mean) | KL per seed | vs online KD, paired (mean +- SE) "
+        "| per seed | step vs online KD (median of seeds) |",
+        "|---|---:|---|---:|---|---:|",
+    ]
+    kl = {m: [r["methods"][m]["kl"] for r in reports] for m in names}
+    for m in names:
+        ref = kl.get("online_kd")
+        gap = paired(kl[m], ref) if ref else (0.0, 0.0)
+        per = ", ".join(
+            f"{100 * (x / y - 1):+.1f}%" for x, y in zip(kl[m], ref or kl[m], strict=True)
+        )
+        step = statistics.median(
+            r["methods"][m]["step_ms_median"] / r["methods"]["online_kd"]["step_ms_median"]
+            for r in reports
+            if "online_kd" in r["methods"]
+        )
+        out.append(
+            f"| {label(m)} | {statistics.fmean(kl[m]):.4f} | "
+            f"{', '.join(f'{x:.4f}' for x in kl[m])} | "
+            f"{100 * gap[0]:+.1f}% +- {100 * gap[1]:.1f} | {per} | {step:.2f}x |"
+        )
+    gaps = []
+    for a, b in PAIRS:
+        if a in kl and b in kl:
+            g = paired(kl[a], kl[b])
+            gaps.append(f"`{a}` vs `{b}` {100 * g[0]:+.1f}% +- {100 * g[1]:.1f}")
+    if gaps:
+        out += ["", "Paired KL gaps (mean +- standard error over seeds): " + "; ".join(gaps) + "."]
+    return out
+
+
+def ablation_markdown(
+    configs: dict[str, list[dict[str, Any]]],
+    checks: list[dict[str, Any]],
+    *,
+    command: str,
+    intro: list[str],
+    label: Any,
+) -> str:
+    """The ablation page: the row checks, then one table per configuration."""
+    r0 = next(iter(configs.values()))[0]
+    lines = [
+        "# Why offline distillation sits above online KD (issue #12 ablation)",
+        "",
+        f"- command: `{command}` (per seed and configuration: `{r0['command']}` with the "
+        "configuration's `--seed`, `--methods`, `--tokens-per-item`, `--batch-items`)",
+        f"- machine: {r0['machine']} (shared; 1 torch thread per process)",
+        f"- teacher {r0['models']['teacher_params']:,} params, student "
+        f"{r0['models']['student_params']:,} params, vocab {r0['models']['vocab_size']}; "
+        f"scored cache {r0['cache']['num_sequences']} sequences (pieces of <= "
+        f"{r0['plan']['seq_len']} tokens), k={r0['cache']['k']}; {r0['train']['steps']} steps, "
+        f"AdamW lr {r0['train']['lr']}; held-out {r0['heldout']['positions']:,} positions in "
+        f"windows of {r0['heldout']['window']} tokens, full-vocabulary KL(teacher || student)",
+        "",
+        *[x for para in intro for x in (para, "")],
+        "## Cached rows vs the live teacher on the same training batches",
+        "",
+        "KL(cached top-k + tail || live teacher collapsed onto the same buckets), per training "
+        f"position, first batches of epoch 0 (seed 0); a row differs when KL > {DIFF_NATS}.",
+        "",
+        "| items x tokens | rows | mean KL | share of rows that differ | mean KL of those | max "
+        "KL | top-1 agreement |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in checks:
+        lines.append(
+            f"| {c['batch_items']} x {c['tokens_per_item']} | {c['rows']:,} | "
+            f"{c['mean_kl']:.4f} | {100 * c['share_rows_differ']:.1f}% | "
+            f"{c['mean_kl_differing']:.4f} | {c['max_kl']:.3f} | "
+            f"{100 * c['top1_agreement']:.2f}% |"
+        )
+    lines += ["", "## Training runs", ""]
+    for name, reports in configs.items():
+        lines += [*config_lines(name, reports, label), ""]
+    return "\n".join(lines)
+
+
+__all__ = ["DIFF_NATS", "ablation_markdown", "paired", "row_check", "row_kl"]

@@ -1,0 +1,155 @@
+"""Issue #12 ablation methods (examples/distill_train.py live-teacher targets) and the ablation
+page's pieces (examples/distill_ablation.py); tiny tensors and a one-layer Llama, no cache."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import distill_ablation  # noqa: E402
+import distill_train  # noqa: E402
+from client_support import tiny_llama  # noqa: E402
+from distill_report import label  # noqa: E402
+
+
+def test_parse_method_ablation_specs() -> None:
+    assert distill_train.parse_method("online_topk_tail@128") == ("online_topk_tail", 128)
+    assert distill_train.parse_method("online_sampled@384") == ("online_sampled", 384)
+    assert distill_train.parse_method("online_sampled_head@32+96") == ("online_sampled_head", 128)
+    assert distill_train.parse_method("online_kd_f16") == ("online_kd_f16", None)
+    assert distill_train.parse_head("online_sampled_head@32+96") == (32, 96)
+    for bad in ("online_sampled", "online_topk", "online_kd@3", "online_sampled_head@32"):
+        with pytest.raises(ValueError):
+            distill_train.parse_method(bad)
+    assert label("online_sampled_head@32+96").endswith("m=32 + 96 draws/row")
+    assert label("online_sampled@384").endswith("384 draws/row")
+
+
+def test_live_topk_tail_is_the_mass_outside() -> None:
+    t_lp = torch.log_softmax(torch.randn(2, 3, 10), -1)
+    tgt = distill_train.live_topk(t_lp, 4)
+    assert tgt["topk_ids"].shape == (2, 3, 4)
+    assert torch.equal(tgt["topk_ids"][..., 0], t_lp.argmax(-1))
+    want = 1 - t_lp.exp().gather(-1, tgt["topk_ids"]).sum(-1)
+    torch.testing.assert_close(tgt["tail_mass"], want)
+    assert float(distill_train.live_topk(t_lp, 10)["tail_mass"].abs().max()) < 1e-6
+
+
+def test_live_sampled_fresh_per_step_and_unbiased() -> None:
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    t_lp = p.log().expand(1, 4000, 5).contiguous()
+    a = distill_train.live_sampled(t_lp, 3, seed=0, step=0)
+    again = distill_train.live_sampled(t_lp, 3, seed=0, step=0)
+    other = distill_train.live_sampled(t_lp, 3, seed=0, step=1)
+    assert torch.equal(a["topk_ids"], again["topk_ids"])
+    assert not torch.equal(a["topk_ids"], other["topk_ids"])
+    w = a["topk_logprobs"].exp()
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 4000))
+    mean_w = torch.zeros(5).index_add_(0, a["topk_ids"].flatten(), w.flatten()) / 4000
+    torch.testing.assert_close(mean_w, p, atol=0.02, rtol=0)  # E[w_i] = p_i
+
+
+def test_live_sampled_head_keeps_the_top_exactly() -> None:
+    t_lp = torch.log_softmax(torch.randn(1, 6, 50) * 2, -1)
+    tgt = distill_train.live_sampled(t_lp, 8, seed=1, step=0, head=3)
+    top = torch.topk(t_lp, 3, -1)
+    for r in range(6):
+        ids, lws = tgt["topk_ids"][0, r].tolist(), tgt["topk_logprobs"][0, r].tolist()
+        got = dict(zip(ids, lws, strict=True))
+        for i, lp in zip(top.indices[0, r].tolist(), top.values[0, r].tolist(), strict=True):
+            assert got[i] == pytest.approx(lp, abs=1e-5)
+
+
+def _batch(t: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (2, t), generator=g)
+    mask = torch.ones(2, t, dtype=torch.bool)
+    mask[1, -2:] = False
+    return {
+        "input_ids": ids,
+        "position_ids": torch.arange(t).expand(2, t),
+        "loss_mask": mask,
+    }
+
+
+def test_live_full_topk_tail_equals_online_kd() -> None:
+    """k = V: the live top-k + tail loss is the full KL, so only the target source differs."""
+    teacher, batch = tiny_llama().eval(), _batch()
+    torch.manual_seed(5)
+    student = tiny_llama()
+    with torch.no_grad():
+        for w in student.parameters():
+            w.add_(0.1 * torch.randn_like(w))
+    s = distill_train.TrainSettings()
+
+    def value(method: str) -> torch.Tensor:
+        return distill_train.loss_fn(method, teacher, s)(student, batch).detach()
+
+    full, topk, f16 = value("online_kd"), value("online_topk_tail@97"), value("online_kd_f16")
+    assert float(full) > 1e-3
+    torch.testing.assert_close(topk, full, atol=1e-4, rtol=1e-4)
+    assert abs(float(f16) - float(full)) < 5e-3 * float(full)
+    sparse = value("online_topk@8")
+    assert abs(float(sparse) - float(full)) > 1e-4  # a top-8 loss is not the full KL
+
+
+def test_row_kl_zero_for_live_rows_positive_for_other_context() -> None:
+    t_lp = torch.log_softmax(torch.randn(2, 5, 20) * 2, -1)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 0] = False
+    batch = {**distill_train.live_topk(t_lp, 6), "loss_mask": mask}
+    assert float(distill_ablation.row_kl(batch, t_lp).abs().max()) < 1e-5
+    other = torch.log_softmax(torch.randn(2, 5, 20) * 2, -1)
+    kl = distill_ablation.row_kl(batch, other)
+    assert float(kl[0, 0]) == 0.0  # masked position
+    assert float(kl[mask].min()) > 0
+
+
+def _report(seed: int, kls: dict[str, float], tpi: int = 64) -> dict[str, Any]:
+    methods = {
+        m: {"kl": kl, "step_ms_median": 500.0 if m == "online_kd" else 250.0}
+        for m, kl in kls.items()
+    }
+    return {
+        "command": "python examples/distill.py --steps 3",
+        "machine": "test box",
+        "models": {"teacher_params": 10, "student_params": 5, "vocab_size": 1024},
+        "plan": {"seq_len": 128},
+        "cache": {"num_sequences": 2, "k": 8},
+        "heldout": {"positions": 100, "window": 128},
+        "train": {"steps": 3, "batch_items": 8, "tokens_per_item": tpi, "lr": 0.1, "seed": seed},
+        "methods": methods,
+    }
+
+
+def test_ablation_page_paired_gaps() -> None:
+    reps = [
+        _report(0, {"online_kd": 1.0, "offline_topk_tail@128": 1.10, "online_topk_tail@128": 1.0}),
+        _report(1, {"online_kd": 2.0, "offline_topk_tail@128": 2.10, "online_topk_tail@128": 2.02}),
+    ]
+    check = {
+        "tokens_per_item": 64,
+        "batch_items": 8,
+        "rows": 1000,
+        "mean_kl": 0.04,
+        "share_rows_differ": 0.27,
+        "mean_kl_differing": 0.13,
+        "max_kl": 5.0,
+        "top1_agreement": 0.92,
+    }
+    text = distill_ablation.ablation_markdown(
+        {"split": reps}, [check], command="cmd", intro=["why"], label=label
+    )
+    # offline vs online KD: +10% and +5% -> mean +7.5%, SE 2.5 points
+    assert "| +7.5% +- 2.5 | +10.0%, +5.0% | 0.50x |" in text
+    assert "`offline_topk_tail@128` vs `online_topk_tail@128` +7.0% +- 3.0" in text
+    assert "| 8 x 64 | 1,000 | 0.0400 | 27.0% | 0.1300 | 5.000 | 92.00% |" in text
+    assert distill_ablation.paired([1.0], [2.0]) == (-0.5, 0.0)
