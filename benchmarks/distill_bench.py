@@ -359,6 +359,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def parse_ablation(spec: str, seeds: list[int]) -> tuple[str, list[Path], list[int]]:
+    """``NAME=DIR[+DIR2...][@s,s]`` -> (name, work dirs, seeds; ``--seeds`` when no ``@``)."""
+    name, eq, rest = spec.partition("=")
+    where, at, only = rest.partition("@")
+    dirs = [Path(d) for d in where.split("+") if d]
+    try:
+        picked = [int(x) for x in only.split(",")] if at else seeds
+    except ValueError:
+        picked = []
+    if not eq or not name or not dirs or not picked:
+        raise SystemExit(f"--ablation takes NAME=WORKDIR[+WORKDIR2][@seeds], got {spec!r}")
+    return name, dirs, picked
+
+
+def merged_report(dirs: list[Path], seed: int) -> dict[str, Any]:
+    """Seed ``seed``'s report of ``dirs[0]`` with the methods of the other work dirs' reports of
+    that seed added (same seed, steps and item layout required); ``merged_methods`` names the
+    added ones (their step times come from another run: not paired with this run's)."""
+    reports = [json.loads((d / f"seed{seed}" / "distill.json").read_text()) for d in dirs]
+    out = reports[0]
+    out["merged_methods"] = []
+    keys = ("seed", "steps", "tokens_per_item", "batch_items", "lr")
+    for extra in reports[1:]:
+        if any(extra["train"][k] != out["train"][k] for k in keys):
+            raise SystemExit(f"seed {seed}: {dirs} ran different training plans")
+        for m, row in extra["methods"].items():
+            if m not in out["methods"]:
+                out["methods"][m] = row
+                out["merged_methods"].append(m)
+    return out
+
+
 def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
     """``--ablation``: the page of issue #12's ablation (examples/distill_ablation.py)."""
     import torch
@@ -366,14 +398,10 @@ def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
     from logitcache.fixtures.tiny import build_tiny_models
     from transformers import LlamaForCausalLM
 
-    configs: dict[str, list[dict[str, Any]]] = {}
-    for spec in args.ablation:
-        name, eq, workdir = spec.partition("=")
-        if not eq or not name or not workdir:
-            raise SystemExit(f"--ablation takes NAME=WORKDIR, got {spec!r}")
-        configs[name] = [
-            json.loads((Path(workdir) / f"seed{s}" / "distill.json").read_text()) for s in seeds
-        ]
+    configs = {
+        name: [merged_report(dirs, s) for s in config_seeds]
+        for name, dirs, config_seeds in (parse_ablation(spec, seeds) for spec in args.ablation)
+    }
     torch.set_num_threads(1)
     models = build_tiny_models(verbose=False)
     teacher = LlamaForCausalLM.from_pretrained(str(models.teacher_dir)).float().eval()

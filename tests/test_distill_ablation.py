@@ -153,3 +153,34 @@ def test_ablation_page_paired_gaps() -> None:
     assert "`offline_topk_tail@128` vs `online_topk_tail@128` +7.0% +- 3.0" in text
     assert "| 8 x 64 | 1,000 | 0.0400 | 27.0% | 0.1300 | 5.000 | 92.00% |" in text
     assert distill_ablation.paired([1.0], [2.0]) == (-0.5, 0.0)
+
+
+def test_bench_ablation_spec_and_merge(tmp_path: Path) -> None:
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import distill_bench
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, kls in (
+        (a, {"online_kd": 1.0, "offline_sampled@384": 1.1}),
+        (b, {"online_sampled@384": 1.02, "online_kd": 9.0}),
+    ):
+        (d / "seed0").mkdir(parents=True)
+        (d / "seed0" / "distill.json").write_text(json.dumps(_report(0, kls)))
+    name, dirs, seeds = distill_bench.parse_ablation(f"draws={a}+{b}@0", [0, 1, 2])
+    assert (name, dirs, seeds) == ("draws", [a, b], [0])
+    assert distill_bench.parse_ablation(f"x={a}", [2, 3])[2] == [2, 3]
+    with pytest.raises(SystemExit):
+        distill_bench.parse_ablation(f"x={a}@one", [0])
+    merged = distill_bench.merged_report(dirs, 0)
+    assert merged["methods"]["online_kd"]["kl"] == 1.0  # the first work dir's own method wins
+    assert merged["methods"]["online_sampled@384"]["kl"] == 1.02
+    assert merged["merged_methods"] == ["online_sampled@384"]
+    text = "\n".join(distill_ablation.config_lines("draws", [merged], label))
+    assert "(separate run: step time not interleaved)" in text
+    assert "`offline_sampled@384` vs `online_sampled@384` +7.8% +- 0.0" in text
+    other = _report(0, {"online_kd": 1.0}, tpi=128)
+    (b / "seed0" / "distill.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different training plans"):
+        distill_bench.merged_report(dirs, 0)
