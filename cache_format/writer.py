@@ -47,7 +47,7 @@ from .layout import (
 from .lock import make_lock
 from .manifest import Manifest, utcnow
 from .quant import F16_MIN, encode_logprobs, row_delta
-from .records import SequenceRecord, check_record
+from .records import SequenceRecord, check_record, rows_pass, tail_from_logprobs
 from .shardread import direct_layout
 from .store import StoreHandle, open_store
 
@@ -91,6 +91,92 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
         )
     assert rec.key is not None  # SequenceRecord.__post_init__ sets the content key
     return _Encoded(rec.key, rec.input_ids, arrays)
+
+
+@dataclass
+class _Batch:
+    """The validated records of one append, in storage dtypes, each array concatenated over
+    the batch (rows and tokens in record order)."""
+
+    keys: list[str]
+    lengths: np.ndarray  # int64 [S]: tokens of each record
+    input_ids: np.ndarray  # [T] int32
+    arrays: dict[str, np.ndarray]  # row arrays by name, [R, ...]
+
+    @classmethod
+    def of(cls, encoded: list[_Encoded]) -> _Batch:
+        """The batch of records encoded one by one (:func:`encode_record`)."""
+        return cls(
+            [e.key for e in encoded],
+            np.array([len(e.input_ids) for e in encoded], dtype=np.int64),
+            np.concatenate([e.input_ids for e in encoded]),
+            {n: np.concatenate([e.arrays[n] for e in encoded]) for n in encoded[0].arrays},
+        )
+
+    def select(self, keep: list[int]) -> _Batch:
+        """The records ``keep`` (indices, ascending) of this batch."""
+        if len(keep) == len(self.keys):
+            return self
+        rows = self.lengths - 1
+        row_end, tok_end = np.cumsum(rows), np.cumsum(self.lengths)
+        r = np.concatenate([np.arange(row_end[i] - rows[i], row_end[i]) for i in keep])
+        t = np.concatenate([np.arange(tok_end[i] - self.lengths[i], tok_end[i]) for i in keep])
+        return _Batch(
+            [self.keys[i] for i in keep],
+            self.lengths[keep],
+            self.input_ids[t],
+            {n: a[r] for n, a in self.arrays.items()},
+        )
+
+
+def encode_batch(records: list[Any], manifest: Manifest) -> _Batch | None:
+    """Validate every record of ``records`` against ``manifest`` and convert the batch to the
+    stored dtypes, concatenated (``None`` for an empty batch).
+
+    Accepts and refuses exactly what :func:`encode_record` does record by record, with the same
+    :class:`~.errors.RecordError` (the first bad record's, with its index): the value checks run
+    once over the concatenated batch (:func:`.records.rows_pass`), and only a batch that fails
+    them is checked again record by record, for the error. The stored arrays are bit-identical to
+    :func:`encode_record`'s concatenated (issue #19: one numpy call per check and per encoding
+    step for the batch instead of one per record; ~0.6 CPU-us/position at k=100, 255-row records).
+    """
+    if not records:
+        return None
+    k, mask = manifest.k, manifest.loss_mask
+    ok = all(
+        isinstance(r, SequenceRecord) and r.k == k and (mask or r.loss_mask is None)
+        for r in records
+    )
+    if ok:
+        ids = np.concatenate([r.topk_ids for r in records])
+        lp = np.concatenate([r.topk_logprobs for r in records])
+        inp = np.concatenate([r.input_ids for r in records])
+        given = [r.tail_mass for r in records if r.tail_mass is not None]
+        tails = np.concatenate(given) if given else None
+        ok = rows_pass(inp, ids, lp, tails, vocab_size=manifest.vocab_size)
+    if not ok:
+        for i, r in enumerate(records):
+            encode_record(r, manifest, i)  # raises the first bad record's error
+        raise RecordError("the batch fails its checks but none of its records does")
+    if manifest.logprob_dtype == "float16":
+        arrays = {spec.TOPK_LOGPROBS: _float16_row_delta(lp)}
+    else:
+        arrays = encode_logprobs(lp, manifest.logprob_dtype)
+    arrays[spec.TOPK_IDS] = ids
+    if tails is None:
+        tail = tail_from_logprobs(lp)
+    elif len(given) < len(records):
+        tail = np.concatenate([r.tail_or_computed() for r in records])
+    else:
+        tail = tails
+    arrays[spec.TAIL_MASS] = tail.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
+    if mask:  # FORMAT.md 4.6: no mask means every row is trained on
+        arrays[spec.LOSS_MASK] = np.concatenate(
+            [np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in records]
+        )
+    keys = [r.key for r in records]
+    lengths = np.array([r.length for r in records], dtype=np.int64)
+    return _Batch(keys, lengths, inp, arrays)
 
 
 def _float16_row_delta(lp: np.ndarray) -> np.ndarray:
@@ -303,32 +389,32 @@ class CacheWriter:
         """
         if self._closed:
             raise FormatError("writer is closed")
-        batch = list(records)
-        encoded = [encode_record(r, self._manifest, i) for i, r in enumerate(batch)]
-        if not encoded:
+        encoded = encode_batch(list(records), self._manifest)
+        if encoded is None:
             return 0
         self._lock.acquire(self._lock_timeout)
         try:
             m = self._refresh_manifest()
             self._sync_keys()
             self._load_id_map(m)
-            fresh: list[_Encoded] = []
+            keep: list[int] = []
             seen: set[str] = set()
-            for e in encoded:
-                if e.key not in self._keys and e.key not in seen:
-                    seen.add(e.key)
-                    fresh.append(e)
-            if not fresh:
+            for i, key in enumerate(encoded.keys):
+                if key not in self._keys and key not in seen:
+                    seen.add(key)
+                    keep.append(i)
+            if not keep:
                 return 0
+            fresh = encoded.select(keep)
             self._write(m, fresh)
             self._handle.barrier()  # data durable before the commit that points at it
             self._lock.check()
             new = m.model_copy(
                 update=dict(
-                    num_sequences=m.num_sequences + len(fresh),
-                    num_rows=m.num_rows + sum(len(e.input_ids) - 1 for e in fresh),
-                    num_tokens=m.num_tokens + sum(len(e.input_ids) for e in fresh),
-                    num_key_bytes=m.num_key_bytes + sum(len(e.key_bytes) for e in fresh)
+                    num_sequences=m.num_sequences + len(keep),
+                    num_rows=m.num_rows + int(fresh.lengths.sum()) - len(keep),
+                    num_tokens=m.num_tokens + int(fresh.lengths.sum()),
+                    num_key_bytes=m.num_key_bytes + sum(len(k.encode("utf-8")) for k in seen)
                     if m.format_version >= 2
                     else 0,
                     generation=m.generation + 1,
@@ -342,7 +428,7 @@ class CacheWriter:
                 self._rank, self._pending_rank = self._pending_rank, None
             self._keys.update(seen)
             self._known = new.num_sequences
-            return len(fresh)
+            return len(keep)
         finally:
             self._lock.release()
 
@@ -366,35 +452,32 @@ class CacheWriter:
         assert rank is not None  # loaded by _load_id_map once the store has rows
         cols[spec.TOPK_IDS] = rank[ids]
 
-    def _columns(self, m: Manifest, fresh: list[_Encoded]) -> dict[str, np.ndarray]:
-        """Concatenate the batch into one block per array, with global offsets."""
-        lengths = np.array([len(e.input_ids) for e in fresh], dtype=np.int64)
+    def _columns(self, m: Manifest, fresh: _Batch) -> dict[str, np.ndarray]:
+        """One block per array (the batch's, plus the sequence index with global offsets)."""
+        lengths = fresh.lengths
         tok_start = m.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         row_start = m.num_rows + np.concatenate([[0], np.cumsum(lengths - 1)[:-1]])
-        cols = {
-            name: np.concatenate([e.arrays[name] for e in fresh], axis=0)
-            for name in fresh[0].arrays
-        }
-        cols[spec.INPUT_IDS] = np.concatenate([e.input_ids for e in fresh])
-        cols[spec.SEQ_KEYS] = np.array([e.key for e in fresh], dtype=object)
+        cols = dict(fresh.arrays)
+        cols[spec.INPUT_IDS] = fresh.input_ids
+        cols[spec.SEQ_KEYS] = np.array(fresh.keys, dtype=object)
         cols[spec.SEQ_LENGTHS] = lengths.astype(np.int32)
         cols[spec.SEQ_TOKEN_START] = tok_start.astype(np.int64)
         cols[spec.SEQ_ROW_START] = row_start.astype(np.int64)
         if m.format_version >= 2:
-            raw = [e.key_bytes for e in fresh]
+            raw = [key.encode("utf-8") for key in fresh.keys]
             cols[spec.SEQ_KEY_BYTES] = np.frombuffer(b"".join(raw), dtype=np.uint8)
             ends = m.num_key_bytes + np.cumsum([len(b) for b in raw])
             cols[spec.SEQ_KEY_END] = ends.astype(np.int64)
         self._remap_ids(m, cols)
         return cols
 
-    def _write(self, m: Manifest, fresh: list[_Encoded]) -> None:
+    def _write(self, m: Manifest, fresh: _Batch | list[_Encoded]) -> None:
         """Step 4 of the transaction: grow every array and write the new rows past the commit.
 
         The arrays are written concurrently (zarr's async API on zarr's event loop); the commit
         (step 5) starts only after every write has returned.
         """
-        cols = self._columns(m, fresh)
+        cols = self._columns(m, fresh if isinstance(fresh, _Batch) else _Batch.of(fresh))
         base = {
             spec.INPUT_IDS: m.num_tokens,
             spec.ID_ORDER: 0,
