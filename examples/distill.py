@@ -60,6 +60,7 @@ from distill_train import (  # noqa: E402
     METHODS,
     TrainSettings,
     make_run,
+    parse_head,
     parse_method,
     train_interleaved,
 )
@@ -392,11 +393,17 @@ def build_caches(
 
     src_k = committed_k(src)
     draws: dict[int, str] = {}
+    heads: dict[tuple[int, int], str] = {}
+    tau = plan.proposal_temperature
     for spec, info in where.items():
         if spec.startswith("_"):
             continue
         base, n = parse_method(spec)
-        if base == "offline_sampled":
+        if base == "offline_sampled_head":
+            m, d = parse_head(spec)
+            url = cache_dir(caches, f"sampled-head{m}+{d}-s{plan.seed}-tau{tau:g}")
+            heads[(m, d)] = url
+        elif base == "offline_sampled":
             url = cache_dir(caches, f"sampled{n}-s{plan.seed}-tau{plan.proposal_temperature:g}")
             draws[n] = url
         elif n == src_k:
@@ -409,6 +416,9 @@ def build_caches(
         sampled_caches(
             src, draws, teacher, seed=plan.seed, proposal_temperature=plan.proposal_temperature
         )
+    for (m, d), url in heads.items():
+        print(f"[distill] sampling head {m} + {d} draws per row from the teacher", flush=True)
+        sampled_caches(src, {d: url}, teacher, seed=plan.seed, proposal_temperature=tau, head=m)
     for spec, info in where.items():
         if spec.startswith("_"):
             continue

@@ -76,12 +76,15 @@ def sampled_caches(
     seed: int,
     proposal_temperature: float = 1.0,
     limit: int | None = None,
+    head: int = 0,
 ) -> dict[int, str]:
     """Sampled caches of ``src``'s sequences (its first ``limit``), one per number of draws
     (``dsts = {draws: url}``), from one teacher pass: per row ``draws`` ids from
     ``q ∝ p^(1/tau)`` with ``p`` the teacher's distribution (``teacher`` already at the cache's
     temperature, e.g. :func:`distill.sharpen`), stored as ids and log importance weights (same
-    keys, same order as ``src``; idempotent like :func:`derive_topk_cache`)."""
+    keys, same order as ``src``; idempotent like :func:`derive_topk_cache`). ``head = m > 0``:
+    the head + residual estimator (the teacher's top-``m`` exact, ``draws`` from the rest;
+    ``k = m + draws`` slots, ``sampling.head = m`` in the manifest)."""
     from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord
     from logitcache.cache_format.sampling import sample_rows, sampling_manifest, uniforms
 
@@ -92,9 +95,9 @@ def sampled_caches(
             url,
             m.model_copy(
                 update={
-                    "k": int(n),
+                    "k": int(n) + int(head),
                     "targets": "sampled",
-                    "sampling": sampling_manifest(n, proposal_temperature, seed),
+                    "sampling": sampling_manifest(n, proposal_temperature, seed, head),
                     "extra": {**m.extra, "sampled_by": "examples/distill_caches.py (PyTorch)"},
                 }
             ),
@@ -115,7 +118,8 @@ def sampled_caches(
                     lp = torch.log_softmax(teacher(input_ids=ids).logits[0, :-1].float(), -1)
                     for n in todo:
                         u = uniforms(seed, r.key, lp.shape[0], n)
-                        s_ids, s_lw = sample_rows(lp, u, proposal_temperature)
+                        kw = {"head": head} if head else {}
+                        s_ids, s_lw = sample_rows(lp, u, proposal_temperature, **kw)
                         recs[n].append(SequenceRecord(r.key, r.input_ids, s_ids, s_lw))
                 for n, batch in recs.items():
                     if batch:

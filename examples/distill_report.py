@@ -12,6 +12,7 @@ LABELS = {
     "offline_topk": "offline top-k cache KD, no tail",
     "offline_topk_tail": "offline top-k cache KD + tail mass",
     "offline_sampled": "offline sampled targets (RS-KD)",
+    "offline_sampled_head": "offline sampled targets, exact top-m + residual draws",
     "online_kd_f16": "ablation: online KD, teacher logprobs rounded through float16",
     "online_topk": "ablation: live teacher's top-k, no tail (no cache)",
     "online_topk_tail": "ablation: live teacher's top-k + tail mass (no cache)",
@@ -30,7 +31,7 @@ def label(method: str) -> str:
     base, _, k = method.partition("@")
     if not k:
         return LABELS[base]
-    if base == "online_sampled_head":
+    if base.endswith("_sampled_head"):
         m, _, n = k.partition("+")
         return LABELS[base] + f", m={m} + {n} draws/row"
     sampled = base in ("offline_sampled", "online_sampled")

@@ -62,6 +62,7 @@ METHODS = (
     "offline_topk",
     "offline_topk_tail",
     "offline_sampled",
+    "offline_sampled_head",
     "online_kd_f16",
     "online_topk",
     "online_topk_tail",
@@ -71,6 +72,7 @@ METHODS = (
 #: Methods that need ``@n`` (k or draws).
 SIZED = (
     "offline_sampled",
+    "offline_sampled_head",
     "online_topk",
     "online_topk_tail",
     "online_sampled",
@@ -79,11 +81,12 @@ SIZED = (
 
 
 def parse_head(spec: str) -> tuple[int, int]:
-    """``"online_sampled_head@32+96"`` -> ``(32, 96)``: head ``m`` and draws ``N``."""
-    _, _, n = spec.partition("@")
+    """``"online_sampled_head@32+96"`` (or ``offline_sampled_head@32+96``, from a cache of the
+    head + residual estimator) -> ``(32, 96)``: head ``m`` and draws ``N``."""
+    base, _, n = spec.partition("@")
     m, plus, draws = n.partition("+")
     if not (plus and m.isdigit() and draws.isdigit() and int(m) >= 1 and int(draws) >= 1):
-        raise ValueError(f"bad method {spec!r}: online_sampled_head takes @m+N, e.g. @32+96")
+        raise ValueError(f"bad method {spec!r}: {base} takes @m+N, e.g. @32+96")
     return int(m), int(draws)
 
 
@@ -100,7 +103,7 @@ def parse_method(spec: str) -> tuple[str, int | None]:
         if base in SIZED:
             raise ValueError(f"bad method {spec!r}: {base} needs @n, e.g. {base}@24")
         return base, None
-    if base == "online_sampled_head":
+    if base.endswith("_sampled_head"):
         m, n = parse_head(spec)
         return base, m + n
     if not (base.startswith("offline") or base in SIZED) or not k.isdigit() or int(k) < 1:
@@ -255,6 +258,7 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
         "offline_topk": offline(False),
         "offline_topk_tail": offline(True),
         "offline_sampled": offline(False, sampled=True),
+        "offline_sampled_head": offline(False, sampled=True),
         "online_kd_f16": lambda student, batch: online_kd(student, batch, f16=True),
         "online_topk": online_topk(False),
         "online_topk_tail": online_topk(True),

@@ -184,3 +184,48 @@ def test_bench_ablation_spec_and_merge(tmp_path: Path) -> None:
     (b / "seed0" / "distill.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="different training plans"):
         distill_bench.merged_report(dirs, 0)
+
+
+class _EmbTeacher(torch.nn.Module):
+    """A deterministic HF-like teacher (``.logits`` = an embedding of the input ids)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, vocab)
+        torch.nn.init.normal_(self.emb.weight, std=2.0, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, input_ids: torch.Tensor) -> Any:
+        return type("Out", (), {"logits": self.emb(input_ids)})()
+
+
+def test_head_sampled_cache_keeps_the_teacher_top_exactly(tmp_path: Path) -> None:
+    import numpy as np
+    from distill_caches import sampled_caches
+    from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
+    from logitcache.cache_format.sampling import sampling_manifest
+
+    v, teacher = 64, _EmbTeacher(64)
+    src = str(tmp_path / "src")
+    manifest = Manifest(teacher_model="t", tokenizer_fingerprint="sha256:x", vocab_size=v, k=4)
+    with torch.no_grad(), CacheWriter.open(src, manifest) as w:
+        recs = []
+        for i in range(3):
+            ids = (np.arange(10) * (i + 3)) % v
+            lp = torch.log_softmax(teacher(torch.as_tensor(ids)[None]).logits[0, :-1], -1)
+            top = lp.topk(4, -1)
+            recs.append(SequenceRecord(f"s{i}", ids, top.indices.numpy(), top.values.numpy()))
+        w.append(recs)
+    url = sampled_caches(src, {6: str(tmp_path / "head")}, teacher, seed=2, head=3)[6]
+    reader = CacheReader(url)
+    assert reader.manifest.k == 9 and reader.manifest.sampling == sampling_manifest(6, 1.0, 2, 3)
+    for i in range(3):
+        rec, want = reader.sequence(i), CacheReader(src).sequence(i)
+        for row in range(rec.topk_ids.shape[0]):
+            got = dict(
+                zip(rec.topk_ids[row].tolist(), rec.topk_logprobs[row].tolist(), strict=True)
+            )
+            for j in range(3):  # the top-3 ids with their exact log p (float16 storage)
+                assert got[int(want.topk_ids[row, j])] == pytest.approx(
+                    float(want.topk_logprobs[row, j]), abs=2e-2
+                )
+    assert distill_train.parse_method("offline_sampled_head@3+6") == ("offline_sampled_head", 9)
