@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "configuration's item layout; repeat per configuration",
     )
     p.add_argument("--check-batches", type=int, default=30, help="--ablation row-check batches")
+    p.add_argument(
+        "--ablation-methods",
+        help="comma list: the --ablation page shows only these methods (default: all)",
+    )
     args, rest = p.parse_known_args(argv)
     rest = [a for a in rest if a != "--"]
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -402,6 +406,11 @@ def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
         name: [merged_report(dirs, s) for s in config_seeds]
         for name, dirs, config_seeds in (parse_ablation(spec, seeds) for spec in args.ablation)
     }
+    if args.ablation_methods:
+        keep = [m.strip() for m in args.ablation_methods.split(",") if m.strip()]
+        for reports in configs.values():
+            for r in reports:
+                r["methods"] = {m: r["methods"][m] for m in keep if m in r["methods"]}
     torch.set_num_threads(1)
     models = build_tiny_models(verbose=False)
     teacher = LlamaForCausalLM.from_pretrained(str(models.teacher_dir)).float().eval()
