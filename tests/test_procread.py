@@ -95,3 +95,23 @@ def test_worker_checksum_error_reaches_the_caller(tmp_path, monkeypatch):
         with pytest.raises(ChecksumError):
             r.sequences([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
         assert r.sequences([39])[0].key == r.keys[39]  # the workers still serve
+
+
+def test_segments_are_reused_only_once_free(tmp_path):
+    url = tmp_path / "c"
+    recs = _write(url, SMALL)
+    with CacheReader(url, read_processes=2) as r:
+        by_key = {rec.key: rec for rec in recs}
+        held = r.sequences([0, 1, 2, 3, 4, 5])
+        for _ in range(6):  # later calls never write into a segment a held record uses
+            got = r.sequences([39, 38, 37, 36, 35, 34])
+            assert all(np.array_equal(g.topk_ids, by_key[g.key].topk_ids) for g in got)
+            del got
+        for g, want in zip(held, recs[:6], strict=True):
+            assert np.array_equal(g.topk_ids, want.topk_ids)
+            assert np.array_equal(g.input_ids, want.input_ids)
+        assert r._procs is not None
+        assert len(r._procs.segments) == 2  # the held one and one reused by every later call
+        del held
+        r.sequences([0, 1, 2, 3, 4, 5])
+        assert len(r._procs.segments) == 2
