@@ -137,6 +137,7 @@ def test_ablation_page_paired_gaps() -> None:
     ]
     check = {
         "tokens_per_item": 64,
+        "share_rows_in_cut_pieces": 0.347,
         "batch_items": 8,
         "rows": 1000,
         "mean_kl": 0.04,
@@ -151,8 +152,11 @@ def test_ablation_page_paired_gaps() -> None:
     # offline vs online KD: +10% and +5% -> mean +7.5%, SE 2.5 points
     assert "| +7.5% +- 2.5 | +10.0%, +5.0% | 0.50x |" in text
     assert "`offline_topk_tail@128` vs `online_topk_tail@128` +7.0% +- 3.0" in text
-    assert "| 8 x 64 | 1,000 | 0.0400 | 27.0% | 0.1300 | 5.000 | 92.00% |" in text
+    assert "| 8 x 64 | 34.7% | 1,000 | 4.00e-02 | 27.0% | 0.1300 | 5.00e+00 | 92.00% |" in text
     assert distill_ablation.paired([1.0], [2.0]) == (-0.5, 0.0)
+    # rows 100 and 30 of two sequences, T = 64: rows 64..99 of the first lie in its 2nd piece
+    assert distill_ablation.cut_share([100, 30], 64) == pytest.approx(36 / 130)
+    assert distill_ablation.cut_share([100, 30], 128) == 0.0
 
 
 def test_bench_ablation_spec_and_merge(tmp_path: Path) -> None:
