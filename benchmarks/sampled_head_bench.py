@@ -1,0 +1,319 @@
+"""Head + residual sampled targets vs plain RS-KD at equal bytes (issue #12, FORMAT.md 4.4).
+
+    .venv/bin/python benchmarks/sampled_head_bench.py
+
+On the live fixture teacher (``fixtures/tiny.py``, temperature 1) and its held-out sequences:
+
+* every candidate ``(head m, draws N)`` (``m = 0``: plain RS-KD) is written as a sampled cache
+  of the same rows (float16 log-weights, the service's default encoding, ``CacheWriter``, two
+  appends) and its **bytes per position on disk** measured (every file of the store / cached
+  rows; and the marginal bytes of the second append's rows, free of the store's fixed part);
+* the estimator's per-row **variance** ``sum_v E[(w_v - p_v)^2]`` (mean over rows), exactly at
+  ``tau = 1`` (plain: ``(1 - sum p^2) / N``; head: ``(1 - P_H)^2 (1 - sum pi^2) / N`` with
+  ``pi`` the tail renormalised) and by Monte Carlo over ``--reps`` seeds on ``--mc-rows`` rows
+  (``||w - p||^2`` of the stored rows, the check that the code does what the formula says);
+* at each budget (about 100 and 250 B/position) the head configuration within ``--band`` of
+  the budget whose variance is the smallest fraction of plain RS-KD's at the same bytes (the
+  plain variance interpolated log-log between the two plain caches around the head's bytes;
+  the nearest plain cache is listed too);
+* the CPU time of ``sample_rows`` per position, head vs plain, side by side.
+
+Writes ``benchmarks/results/sampled_head.json`` and ``.md`` (command, machine, load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAIN = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768)
+HEADS = (4, 8, 16, 32, 64, 128)
+DRAWS = (8, 16, 32, 64, 128, 256, 384)
+
+
+def teacher_logprobs(tiny: Any, seqs: list[list[int]]) -> list[Any]:
+    """Float32 ``log_softmax`` of the teacher's logits per sequence (``[L - 1, V]``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.teacher_dir), torch_dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            z = model(input_ids=torch.tensor([s])).logits[0, :-1].float()
+            out.append(torch.log_softmax(z, -1))
+    return out
+
+
+def exact_variance(lp: Any, head: int, draws: int) -> np.ndarray:
+    """Per-row ``sum_v E[(w_v - p_v)^2]`` at ``tau = 1`` (multinomial counts)."""
+    import torch
+
+    p = lp.double().exp()
+    if head == 0:
+        return ((1 - (p * p).sum(-1)) / draws).numpy()
+    top = torch.topk(p, head, -1).indices
+    rest = p.scatter(1, top, 0.0)
+    mass = rest.sum(-1)
+    pi = rest / mass[:, None]
+    return (mass**2 * (1 - (pi * pi).sum(-1)) / draws).numpy()
+
+
+def mc_variance(lp: Any, head: int, draws: int, reps: int) -> float:
+    """Mean over rows and ``reps`` seeds of ``||w - p||^2`` of the stored rows."""
+    import torch
+    from logitcache.cache_format.sampling import PAD_LOGPROB, sample_rows, uniforms
+
+    p = lp.double().exp()
+    pp = (p * p).sum(-1)
+    total = 0.0
+    for r in range(reps):
+        ids, lw = sample_rows(lp, uniforms(1000 + r, "mc", lp.shape[0], draws), head=head)
+        ids_t = torch.from_numpy(ids.astype(np.int64))
+        w = torch.from_numpy(lw.astype(np.float64)).exp() * torch.from_numpy(lw > PAD_LOGPROB)
+        pw = p.gather(1, ids_t)
+        total += float((pp + (w * w - 2 * w * pw).sum(-1)).mean())
+    return total / reps
+
+
+def _size(url: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(url) for f in files)
+
+
+def write_cache(url: str, lps: list[Any], keys: list[str], seqs: list, head: int, n: int) -> dict:
+    """The sampled cache of one configuration; its bytes/position and mean distinct ids."""
+    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
+    from logitcache.cache_format.sampling import PAD_LOGPROB, sample_rows, sampling_manifest
+    from logitcache.cache_format.sampling import uniforms as unif
+
+    vocab = int(lps[0].shape[1])
+    m = Manifest(
+        teacher_model="tiny-teacher",
+        tokenizer_fingerprint="sha256:bench",
+        vocab_size=vocab,
+        k=head + n,
+        targets="sampled",
+        sampling=sampling_manifest(n, 1.0, 0, head),
+        logprob_dtype="float16",
+    )
+    recs, distinct, rows, cpu = [], 0, 0, 0.0
+    for key, s, lp in zip(keys, seqs, lps, strict=True):
+        t0 = time.process_time()
+        ids, lw = sample_rows(lp, unif(0, key, lp.shape[0], n), head=head)
+        cpu += time.process_time() - t0
+        distinct += int((lw > PAD_LOGPROB).sum())
+        rows += lp.shape[0]
+        recs.append(SequenceRecord(key, np.asarray(s), ids, lw))
+    half = len(recs) // 2
+    half_rows = sum(r.topk_ids.shape[0] for r in recs[:half])
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[:half])
+    first = _size(url)
+    with CacheWriter.open(url, m) as w:  # a resumed writer appends the rest
+        w.append(recs[half:])
+    size = _size(url)
+    return {
+        "bytes_per_position": size / rows,
+        "marginal_bytes_per_position": (size - first) / max(1, rows - half_rows),
+        "mean_distinct": distinct / rows,
+        "sample_cpu_us_per_position": 1e6 * cpu / rows,
+    }
+
+
+def interp_plain(plain: list[dict], b: float) -> float | None:
+    """Plain variance at ``b`` bytes/position, log-log between the plain caches around it."""
+    pts = sorted((r["bytes_per_position"], r["variance_exact"]) for r in plain)
+    for (b0, v0), (b1, v1) in zip(pts, pts[1:], strict=False):
+        if b0 <= b <= b1:
+            t = (math.log(b) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return math.exp(math.log(v0) + t * (math.log(v1) - math.log(v0)))
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sequences", type=int, default=96)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=16, help="Monte Carlo seeds per configuration")
+    ap.add_argument("--mc-rows", type=int, default=256)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[100.0, 250.0])
+    ap.add_argument("--band", type=float, default=0.15, help="relative bytes band of a budget")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/sampled_head.json")
+    args = ap.parse_args(argv)
+    import torch
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    torch.set_num_threads(1)
+    load0 = os.getloadavg()
+    started = time.time()
+    tiny = build_tiny_models()
+    seqs = tiny.token_sequences("heldout", max_len=args.seq_len, min_len=16, limit=args.sequences)
+    keys = [f"h{i}" for i in range(len(seqs))]
+    lps = teacher_logprobs(tiny, seqs)
+    allrows = torch.cat(lps)
+    mc = allrows[: args.mc_rows]
+    p = allrows.double().exp()
+    configs = [(0, n) for n in PLAIN] + [(m, n) for m in HEADS for n in DRAWS]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (m, n) in enumerate(configs):
+            if m + n > allrows.shape[1]:
+                continue
+            row = {"head": m, "draws": n, "k": m + n}
+            row.update(write_cache(f"{tmp}/c{i}", lps, keys, seqs, m, n))
+            row["variance_exact"] = float(exact_variance(allrows, m, n).mean())
+            row["variance_mc"] = mc_variance(mc, m, n, args.reps)
+            row["variance_exact_mc_rows"] = float(exact_variance(mc, m, n).mean())
+            results.append(row)
+            print(
+                f"[head-bench] head {m:3d} draws {n:3d}: {row['bytes_per_position']:7.1f} B/pos "
+                f"distinct {row['mean_distinct']:6.1f} var {row['variance_exact']:.5f} "
+                f"(MC {row['variance_mc']:.5f} vs {row['variance_exact_mc_rows']:.5f})",
+                file=sys.stderr,
+            )
+    plain = [r for r in results if r["head"] == 0]
+    heads = [r for r in results if r["head"] > 0]
+    budgets = []
+    for b in args.budgets:
+        # the head config of least variance relative to plain RS-KD at its own bytes (a config
+        # is not favoured for spending more bytes inside the band)
+        near = []
+        for r in heads:
+            at = interp_plain(plain, r["bytes_per_position"])
+            if abs(r["bytes_per_position"] / b - 1) <= args.band and at:
+                near.append((r["variance_exact"] / at, at, r))
+        nearest_plain = min(plain, key=lambda r: abs(math.log(r["bytes_per_position"] / b)))
+        entry: dict[str, Any] = {"budget": b, "plain_nearest": nearest_plain, "head_best": None}
+        if near:
+            ratio, at, best = min(near, key=lambda x: x[0])
+            entry.update(
+                head_best=best,
+                plain_variance_at_head_bytes=at,
+                variance_ratio_vs_plain_at_equal_bytes=ratio,
+                head_candidates_in_band=[
+                    {"head": r["head"], "draws": r["draws"], "ratio": x}
+                    for x, _, r in sorted(near, key=lambda x: x[0])
+                ],
+            )
+        budgets.append(entry)
+    report = {
+        "command": ".venv/bin/python "
+        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, 1 torch thread",
+        "load_average_start": load0,
+        "load_average_end": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
+        "seconds": time.time() - started,
+        "teacher": {
+            "vocab_size": int(allrows.shape[1]),
+            "heldout_ppl": tiny.teacher_heldout_ppl,
+            "rows": int(allrows.shape[0]),
+            "mean_top_mass": {
+                str(k): float(torch.topk(p, k, -1).values.sum(-1).mean()) for k in HEADS
+            },
+        },
+        "encoding": "float16 log-weights, int32 ids, CacheWriter defaults",
+        "configs": results,
+        "budgets": budgets,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def markdown(r: dict[str, Any]) -> str:
+    t = r["teacher"]
+    la0 = ", ".join(f"{x:.2f}" for x in r["load_average_start"])
+    la1 = ", ".join(f"{x:.2f}" for x in r["load_average_end"])
+    lines = [
+        "# Head + residual sampled targets vs plain RS-KD at equal bytes (issue #12)",
+        "",
+        f"Command: `{r['command']}` ({r['started']}, {r['seconds']:.0f} s). Machine: "
+        f"{r['machine']}; load average {la0} at the start, {la1} at the end.",
+        "",
+        f"Teacher: the fixture teacher (V = {t['vocab_size']}, held-out ppl "
+        f"{t['heldout_ppl']:.1f}), temperature 1, {t['rows']} held-out rows; mean top-m mass: "
+        + ", ".join(f"m={k} {v:.3f}" for k, v in t["mean_top_mass"].items())
+        + f". Caches: {r['encoding']}. Variance = mean over rows of "
+        "`sum_v E[(w_v - p_v)^2]` at tau = 1: exact (multinomial) and, as a check of the "
+        "code, Monte Carlo over seeds on the first rows (`MC` vs `exact` on the same rows). "
+        "It is the variance of the sparse KD gradient `s - w` w.r.t. the student logits "
+        "(FORMAT.md 4.4), both estimators unbiased at tau = 1. `sample_rows CPU` is process "
+        "time on the loaded box (indicative only).",
+        "",
+        "## At each budget",
+        "",
+        "The head configuration within the band around the budget whose variance is the "
+        "smallest fraction of plain RS-KD's at the same bytes (plain interpolated log-log "
+        "between the plain caches around it); the other configurations in the band follow the "
+        "table.",
+        "",
+        "| budget | head config (m + N) | B/pos | variance | plain at the same bytes "
+        "(interpolated) | ratio | nearest plain cache (N) | B/pos | variance |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in r["budgets"]:
+        h, pl = b["head_best"], b["plain_nearest"]
+        if h is None:
+            lines.append(
+                f"| ~{b['budget']:g} | none in the band | | | | | {pl['draws']} | "
+                f"{pl['bytes_per_position']:.1f} | {pl['variance_exact']:.5f} |"
+            )
+            continue
+        at = b.get("plain_variance_at_head_bytes")
+        ratio = b.get("variance_ratio_vs_plain_at_equal_bytes")
+        lines.append(
+            f"| ~{b['budget']:g} | {h['head']} + {h['draws']} | {h['bytes_per_position']:.1f} | "
+            f"{h['variance_exact']:.5f} | {at:.5f} | **{ratio:.2f}x** | {pl['draws']} | "
+            f"{pl['bytes_per_position']:.1f} | {pl['variance_exact']:.5f} |"
+            if at
+            else f"| ~{b['budget']:g} | {h['head']} + {h['draws']} | "
+            f"{h['bytes_per_position']:.1f} | {h['variance_exact']:.5f} | n/a | | "
+            f"{pl['draws']} | {pl['bytes_per_position']:.1f} | {pl['variance_exact']:.5f} |"
+        )
+    lines.append("")
+    for b in r["budgets"]:
+        cands = b.get("head_candidates_in_band") or []
+        if cands:
+            lines.append(
+                f"In the band around {b['budget']:g} B/position (head + draws: variance / plain "
+                "at equal bytes): "
+                + ", ".join(f"{c['head']} + {c['draws']}: {c['ratio']:.2f}" for c in cands)
+                + "."
+            )
+    lines += [
+        "",
+        "## Every configuration",
+        "",
+        "| head m | draws N | k | B/pos | marginal B/pos | distinct ids/row | variance (exact) "
+        "| MC rows: exact | MC rows: measured | sample_rows CPU us/pos |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in r["configs"]:
+        lines.append(
+            f"| {c['head']} | {c['draws']} | {c['k']} | {c['bytes_per_position']:.1f} | "
+            f"{c['marginal_bytes_per_position']:.1f} | {c['mean_distinct']:.1f} | "
+            f"{c['variance_exact']:.5f} | "
+            f"{c['variance_exact_mc_rows']:.5f} | {c['variance_mc']:.5f} | "
+            f"{c['sample_cpu_us_per_position']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
