@@ -67,11 +67,12 @@ def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
 
 
 def check_head(head: int, draws: int, vocab_size: int) -> int:
-    """``head`` as an int if ``0 <= head`` and ``head + draws <= vocab_size`` (a row's
-    ``head + draws`` slots must fit the vocabulary); ``ValueError`` otherwise."""
+    """``head`` as an int if ``0 <= head`` and, for ``head > 0``, ``head + draws <= vocab_size``
+    (a row's ``head + draws`` slots must fit the vocabulary); ``ValueError`` otherwise. ``head =
+    0`` adds no check (the plain estimator's own ``k <= V`` rule applies, as it always did)."""
     if isinstance(head, bool) or not isinstance(head, int | np.integer) or head < 0:
         raise ValueError(f"head must be an integer >= 0, got {head!r}")
-    if int(head) + int(draws) > vocab_size:
+    if head and int(head) + int(draws) > vocab_size:
         raise ValueError(f"head={head} + draws={draws} slots exceed the vocabulary ({vocab_size})")
     return int(head)
 
@@ -183,10 +184,14 @@ def _sample_head_rows(
     in_head = torch.zeros(r, v, dtype=torch.bool, device=dev)
     in_head.scatter_(1, head_ids, True)
     lq_rest = lq.masked_fill(in_head, -torch.inf)
+    lse_q_rest = torch.logsumexp(lq_rest, -1, keepdim=True)
     # log(1 - P_head) as the log-mass of the ids outside the head (no cancellation)
-    log_rest = torch.logsumexp(lp.masked_fill(in_head, -torch.inf), -1, keepdim=True)
+    if lq is lp:
+        log_rest = lse_q_rest
+    else:
+        log_rest = torch.logsumexp(lp.masked_fill(in_head, -torch.inf), -1, keepdim=True)
     # residual proposal q_R = q / sum_{v not in head} q (its largest term is >= 1/V: no 0/0)
-    cdf = (lq_rest - torch.logsumexp(lq_rest, -1, keepdim=True)).exp().cumsum(-1)
+    cdf = (lq_rest - lse_q_rest).exp().cumsum(-1)
     cdf = cdf / cdf[:, -1:]
     draws = torch.searchsorted(cdf, u.to(dev), right=True).clamp_max(v - 1)
     d = draws.sort(-1).values

@@ -154,6 +154,9 @@ def test_head_zero_is_the_plain_estimator_bit_for_bit() -> None:
     assert _golden() == want
     assert _golden(head=0) == want
     assert _golden(head=1) != want
+    # more draws than ids, few distinct (k <= V): still allowed without a head
+    flat = torch.log_softmax(torch.zeros(2, 16), -1)
+    assert sample_rows(flat, uniforms(0, "k", 2, 40), k=16)[0].shape == (2, 16)
 
 
 def test_head_rows_do_not_depend_on_chunking() -> None:
