@@ -71,7 +71,11 @@ class Layout:
     row_chunk: int = 2048
     row_shard: int = 65536
     token_chunk: int = 8192
-    token_shard: int = 1048576
+    token_shard: int = 65536
+    """Tokens per ``input_ids`` (and ``seq_key_bytes``) shard object. 65,536 (was 1,048,576,
+    which stores created before keep and append to): every append rewrites the partly filled
+    shard whole (FORMAT.md W3), so a 1M-token shard was rewritten ~9 times per 65K-row append
+    and ~33 times per 16K-row one (issue #19, benchmarks/results/job_cpu_s5.md)."""
     seq_chunk: int = 16384
     seq_shard: int = 262144
     id_codec: str = "blosc-zstd1-bitshuffle"
