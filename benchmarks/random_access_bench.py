@@ -167,6 +167,66 @@ def profile(reader: Any, picks: list[int], top: int = 14) -> list[str]:
     return [line for line in buf.getvalue().splitlines() if line.strip()][-top - 2 :]
 
 
+def _proc_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by the processes ``pids`` (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def processes(url, ref, n_proc, picks, batches, npy, entry, batch) -> dict[str, Any]:
+    """``CacheReader(read_processes=n_proc)``: start-up, checks against the range path, then
+    ``sequence(i)`` and ``sequences(batch)``; CPU figures count the reader processes too.
+    Empty if the code measured has no reader processes (an older tree)."""
+    from logitcache.cache_format import CacheReader
+
+    try:
+        r = CacheReader(url, read_processes=n_proc)
+    except TypeError:
+        return {}
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    first = batches[0].tolist()
+    for a, b in zip(r.sequences(first), ref.sequences(first), strict=True):
+        assert a.equals(b), "read_processes: batched read differs from the range path"
+    out[f"proc{n_proc}_start_s"] = time.perf_counter() - t0
+    for i in picks[:20]:
+        assert r.sequence(i).equals(ref.sequence(i)), f"read_processes: sequence {i} differs"
+    pids = [p.pid for p in r._procs.procs] if r._procs is not None else []
+    out[f"proc{n_proc}_worker_rss_mib"] = [_rss_mib(p) for p in pids]
+    out[f"proc{n_proc}_parent_rss_mib"] = _rss_mib(os.getpid())
+    n_batched = batches.size
+    for tag, fn, n in (
+        ("sequence", lambda: [r.sequence(i) for i in picks], len(picks)),
+        (f"sequences{batch}", lambda: [r.sequences(b.tolist()) for b in batches], n_batched),
+    ):
+        base = npy()
+        fn()  # warm
+        k0, t0, c0 = _proc_cpu(pids), time.perf_counter(), time.process_time()
+        fn()
+        w, c = time.perf_counter() - t0, time.process_time() - c0
+        workers = _proc_cpu(pids) - k0
+        e = entry(w, c + workers, n, base)
+        e["workers_cpu_s"] = workers
+        e["parent_cpu_s"] = c
+        out[f"{tag}_p{n_proc}"] = e
+        log(url, f"{tag}_p{n_proc}", e)
+    r.close()
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from logitcache.cache_format import CacheReader, pointread, validate
 
@@ -261,6 +321,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(name, tag, res[f"sequence_{tag}"], res[f"sequences{args.batch}_{tag}"])
             pointread.PARALLEL_MIN_BYTES = default_min
 
+        for n_proc in args.processes:
+            res.update(processes(url, ref, n_proc, picks, batches, npy, entry, args.batch))
+
         def sequential(r: Any = ref) -> None:
             for a in range(0, min(n_seq, args.seq_sequences), 64):
                 b = min(a + 64, n_seq)
@@ -303,6 +366,13 @@ def main() -> None:
         nargs="*",
         default=[],
         help="with threads > 1: each value of pointread.PARALLEL_MIN_BYTES to measure",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="each value of CacheReader(read_processes=n) to measure (trees that have it)",
     )
     p.add_argument("--reuse", action="store_true", help="read the stores already under --root")
     p.add_argument("--label", default="", help="a name for this run (e.g. the code measured)")

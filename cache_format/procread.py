@@ -198,18 +198,22 @@ def _serve(
     if reader.num_rows < need_rows or reader.num_tokens < need_tokens:
         reader.refresh()  # the caller's snapshot is newer: every row it asks for is committed
     spans = [(slice(a, b), slice(ta, tb) if tb > ta else None) for a, b, ta, tb, _, _ in pieces]
-    got = reader._retry(lambda: reader._fetch(spans, logprob_dtype, point=True))
     ids, lp, tail, mask, tok = reg.views(mm)
-    for (a, b, ta, tb, ro, to), (i, p, t, k, m) in zip(pieces, got, strict=True):
+    into: list[dict[str, np.ndarray]] = []
+    for a, b, ta, tb, ro, to in pieces:
         n = b - a
-        ids[ro : ro + n] = i
-        lp[ro : ro + n] = p
-        tail[ro : ro + n] = t
-        if mask is not None and m is not None:
-            mask[ro : ro + n] = m
-        if tb > ta and k is not None:
-            tok[to : to + tb - ta] = k
-    del ids, lp, tail, mask, tok
+        d = {"ids": ids[ro : ro + n], "lp": lp[ro : ro + n], "tail": tail[ro : ro + n]}
+        if mask is not None:
+            d["mask"] = mask[ro : ro + n]
+        if tb > ta:
+            d["tokens"] = tok[to : to + tb - ta]
+        into.append(d)
+    got = reader._retry(lambda: reader._fetch(spans, logprob_dtype, point=True, into=into))
+    for d, (i, p, t, k, m) in zip(into, got, strict=True):  # what did not decode in place
+        for key, x in (("ids", i), ("lp", p), ("tail", t), ("mask", m), ("tokens", k)):
+            y = d.get(key)
+            if y is not None and x is not None and not np.shares_memory(x, y):
+                y[...] = x
 
 
 MAX_FREE = 4
@@ -221,12 +225,25 @@ SEGMENT_MIN = 1 << 20
 """Smallest segment (bytes); sizes are powers of two, so segments are reused across calls."""
 
 
+def _shared_fd() -> int:
+    """A descriptor of new, empty shared memory: a ``memfd``, else an unlinked file in
+    ``/dev/shm`` (or the temporary directory)."""
+    try:
+        return os.memfd_create("logitcache-read", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        import tempfile
+
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryFile(dir=where) as f:
+            return os.dup(f.fileno())
+
+
 class _Segment:
     """One shared-memory segment: a ``memfd`` of ``size`` bytes, mapped here as ``mm``."""
 
     def __init__(self, seg_id: int, size: int):
         self.id, self.size = seg_id, size
-        self.fd = os.memfd_create("logitcache-read", os.MFD_CLOEXEC)
+        self.fd = _shared_fd()
         try:
             os.ftruncate(self.fd, size)
             self.mm = mmap.mmap(self.fd, size)

@@ -385,12 +385,16 @@ class CacheReader:
         logprob_dtype: str = "float32",
         *,
         point: bool = False,
+        into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[_Fetched]:
         """Read row ranges (and token ranges) of every span in one :meth:`_read` (``point``:
         through :meth:`_fetch_point` where every array is read directly).
 
         Returns per span ``(topk_ids, logprobs as logprob_dtype, float32 tail, tokens or None,
         loss mask or None)`` (the mask only in a ``loss_mask`` store, FORMAT.md 4.6).
+        ``into`` (point reads): per span, output arrays to decode into where they fit
+        (``"ids"``, ``"lp"``, ``"tail"``, ``"mask"``, ``"tokens"``; see :mod:`.procread`); the
+        returned arrays are those where they were used.
         """
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
@@ -403,7 +407,7 @@ class CacheReader:
         if point and self.point_reads:
             wanted = [*names, *([spec.INPUT_IDS] if any(t for _, t in spans) else [])]
             if all(n in self._direct for n in wanted):
-                return self._fetch_point(spans, names, logprob_dtype)
+                return self._fetch_point(spans, names, logprob_dtype, into)
         jobs = []
         for rows, toks in spans:
             jobs += [(n, rows) for n in names]
@@ -439,33 +443,56 @@ class CacheReader:
         return self._decode_pool
 
     def _fetch_point(
-        self, spans: list[tuple[slice, slice | None]], names: list[str], logprob_dtype: str
+        self,
+        spans: list[tuple[slice, slice | None]],
+        names: list[str],
+        logprob_dtype: str,
+        into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[_Fetched]:
         """:meth:`_fetch` through :mod:`.pointread` (FORMAT.md D4): each needed chunk decoded
         once, then the logprobs (and id remap) in row blocks, on the decode pool if any."""
-        jobs: list[pointread.Job] = []
-        for rows, toks in spans:
-            jobs += [(n, rows.start, rows.stop) for n in names]
-            if toks is not None:
-                jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
-        pool, threads = self._pool(), self.decode_threads
-        results = iter(pointread.read(self._direct, jobs, pool, threads))
         dtype = self.manifest.logprob_dtype
         blockwise = dtype in ("float16", "float32") and (
             dtype == "float16" or logprob_dtype == "float32"
         )
+        jobs: list[pointread.Job] = []
+        dest: list[np.ndarray | None] = []
+        slot = {spec.TOPK_IDS: "ids", spec.TAIL_MASS: "tail", spec.LOSS_MASK: "mask"}
+        for s, (rows, toks) in enumerate(spans):
+            jobs += [(n, rows.start, rows.stop) for n in names]
+            if toks is not None:
+                jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
+            if into is None:
+                continue
+            want = into[s]
+            for n in names:
+                x = want.get(slot.get(n, ""))
+                if n == spec.TOPK_LOGPROBS and blockwise and dtype == logprob_dtype:
+                    x = want.get("lp")  # the stored bits, decoded in place
+                    x = (
+                        None
+                        if x is None
+                        else x.view(np.uint16 if dtype == "float16" else np.uint32)
+                    )
+                dest.append(x)
+            if toks is not None:
+                dest.append(want.get("tokens"))
+        pool, threads = self._pool(), self.decode_threads
+        results = iter(pointread.read(self._direct, jobs, pool, threads, dest if into else None))
         out: list[_Fetched] = []
         tasks: list[Callable[[], None]] = []
         cost: list[int] = []
         order = self._id_order
-        for _rows, toks in spans:
+        for s, (_rows, toks) in enumerate(spans):
             got = {n: next(results) for n in names}
             tokens = next(results) if toks is not None else None
             ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
             if blockwise:
                 lp = d.view(np.float16 if dtype == "float16" else np.float32)
                 if dtype == "float16" and logprob_dtype == "float32":
-                    lp = np.empty(d.shape, dtype=np.float32)
+                    lp = into[s].get("lp") if into is not None else None
+                    if lp is None or lp.shape != d.shape or lp.dtype != np.float32:
+                        lp = np.empty(d.shape, dtype=np.float32)
                 for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
                     tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
                     cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
