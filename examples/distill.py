@@ -440,6 +440,28 @@ def load_summary(samples: list[float]) -> dict[str, float]:
     }
 
 
+def split_note(url: str, tokens_per_item: int) -> str:
+    """A warning when items are shorter than the cached sequences: ``long_sequences="split"``
+    cuts them into pieces that restart at position 0, so those pieces' cached rows condition on
+    a prefix the student (and online KD's teacher) never sees (issue #12 ablation,
+    benchmarks/results/distill_ablation.md); ``""`` when no row is cut."""
+    from distill_ablation import cut_share
+    from logitcache.cache_format import CacheReader
+
+    reader = CacheReader(url)
+    rows = [int(n) - 1 for n in reader.lengths]
+    share = cut_share(rows, tokens_per_item)
+    if share == 0.0:
+        return ""
+    return (
+        f"{100 * share:.1f}% of the cache's rows lie in pieces cut from sequences longer than "
+        f"--tokens-per-item {tokens_per_item} (longest {max(rows) + 1} tokens): their cached "
+        "targets condition on a prefix the student never sees, while online KD's teacher sees "
+        "the student's context; offline methods are handicapped (use --tokens-per-item >= "
+        "--seq-len)"
+    )
+
+
 def committed_k(url: str) -> int:
     from logitcache.cache_format import CacheReader
 
@@ -602,6 +624,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     rep["goals"] = goals(methods)
     rep["notes"].append(temperature_note(plan.teacher_temperature, cache["check"]))
+    cut = split_note(cache["url"], plan.tokens_per_item)
+    if cut:
+        rep["notes"].append(cut)
+        print(f"[distill] WARNING: {cut}", flush=True)
     if reuse:
         rep["notes"].append(
             "the scored cache was reused from an earlier run of the same plan (--reuse-cache): "

@@ -202,13 +202,11 @@ class _EmbTeacher(torch.nn.Module):
         return type("Out", (), {"logits": self.emb(input_ids)})()
 
 
-def test_head_sampled_cache_keeps_the_teacher_top_exactly(tmp_path: Path) -> None:
+def _src_cache(tmp_path: Path, teacher: Any, v: int = 64) -> str:
+    """A k=4 top-k cache of three 10-token sequences scored by ``teacher``."""
     import numpy as np
-    from distill_caches import sampled_caches
-    from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
-    from logitcache.cache_format.sampling import sampling_manifest
+    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
 
-    v, teacher = 64, _EmbTeacher(64)
     src = str(tmp_path / "src")
     manifest = Manifest(teacher_model="t", tokenizer_fingerprint="sha256:x", vocab_size=v, k=4)
     with torch.no_grad(), CacheWriter.open(src, manifest) as w:
@@ -219,6 +217,25 @@ def test_head_sampled_cache_keeps_the_teacher_top_exactly(tmp_path: Path) -> Non
             top = lp.topk(4, -1)
             recs.append(SequenceRecord(f"s{i}", ids, top.indices.numpy(), top.values.numpy()))
         w.append(recs)
+    return src
+
+
+def test_split_note_only_when_items_cut_sequences(tmp_path: Path) -> None:
+    import distill
+
+    src = _src_cache(tmp_path, _EmbTeacher(64))
+    note = distill.split_note(src, 4)  # rows 4..8 of each 10-token sequence: 5 of 9 cut
+    assert note.startswith("55.6% of the cache's rows lie in pieces cut")
+    assert distill.split_note(src, 10) == ""
+
+
+def test_head_sampled_cache_keeps_the_teacher_top_exactly(tmp_path: Path) -> None:
+    from distill_caches import sampled_caches
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format.sampling import sampling_manifest
+
+    teacher = _EmbTeacher(64)
+    src = _src_cache(tmp_path, teacher)
     url = sampled_caches(src, {6: str(tmp_path / "head")}, teacher, seed=2, head=3)[6]
     reader = CacheReader(url)
     assert reader.manifest.k == 9 and reader.manifest.sampling == sampling_manifest(6, 1.0, 2, 3)
