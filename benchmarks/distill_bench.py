@@ -415,11 +415,14 @@ def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
     models = build_tiny_models(verbose=False)
     teacher = LlamaForCausalLM.from_pretrained(str(models.teacher_dir)).float().eval()
     url = next(iter(configs.values()))[0]["cache"]["url"]
-    checks = []
+    checks: list[dict[str, Any]] = []
     for reports in configs.values():
         t = reports[0]["train"]
         if reports[0]["cache"]["url"] != url:
             raise SystemExit("the configurations trained from different scored caches")
+        layout = (t["tokens_per_item"], t["batch_items"])
+        if any((c["tokens_per_item"], c["batch_items"]) == layout for c in checks):
+            continue
         checks.append(
             row_check(
                 url,
