@@ -440,6 +440,7 @@ def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
         command=f"python benchmarks/distill_bench.py {shown_args(sys.argv[1:])}",
         intro=args.intro,
         label=label,
+        verdicts={name: goal_lines(goals(combine(reps))) for name, reps in configs.items()},
     )
     result = {
         "row_checks": checks,

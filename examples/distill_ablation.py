@@ -177,6 +177,7 @@ def ablation_markdown(
     command: str,
     intro: list[str],
     label: Any,
+    verdicts: dict[str, list[str]] | None = None,
 ) -> str:
     """The ablation page: the row checks, then one table per configuration."""
     r0 = next(iter(configs.values()))[0]
@@ -214,6 +215,8 @@ def ablation_markdown(
     lines += ["", "## Training runs", ""]
     for name, reports in configs.items():
         lines += [*config_lines(name, reports, label), ""]
+        if verdicts and verdicts.get(name):
+            lines += ["On this configuration's seed means: " + " ".join(verdicts[name]), ""]
     return "\n".join(lines)
 
 

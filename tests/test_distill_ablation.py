@@ -147,8 +147,14 @@ def test_ablation_page_paired_gaps() -> None:
         "top1_agreement": 0.92,
     }
     text = distill_ablation.ablation_markdown(
-        {"split": reps}, [check], command="cmd", intro=["why"], label=label
+        {"split": reps},
+        [check],
+        command="cmd",
+        intro=["why"],
+        label=label,
+        verdicts={"split": ["Goal 1 verdict."]},
     )
+    assert "On this configuration's seed means: Goal 1 verdict." in text
     # offline vs online KD: +10% and +5% -> mean +7.5%, SE 2.5 points
     assert "| +7.5% +- 2.5 | +10.0%, +5.0% | 0.50x |" in text
     assert "`offline_topk_tail@128` vs `online_topk_tail@128` +7.0% +- 3.0" in text
