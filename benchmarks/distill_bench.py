@@ -380,7 +380,8 @@ def parse_ablation(spec: str, seeds: list[int]) -> tuple[str, list[Path], list[i
 def merged_report(dirs: list[Path], seed: int) -> dict[str, Any]:
     """Seed ``seed``'s report of ``dirs[0]`` with the methods of the other work dirs' reports of
     that seed added (same seed, steps and item layout required); ``merged_methods`` names the
-    added ones (their step times come from another run: not paired with this run's)."""
+    added ones. An added method's step times are rescaled to keep its ratio to its own run's
+    online KD (when both runs have one): step times of two runs are not comparable."""
     reports = [json.loads((d / f"seed{seed}" / "distill.json").read_text()) for d in dirs]
     out = reports[0]
     out["merged_methods"] = []
@@ -388,8 +389,16 @@ def merged_report(dirs: list[Path], seed: int) -> dict[str, Any]:
     for extra in reports[1:]:
         if any(extra["train"][k] != out["train"][k] for k in keys):
             raise SystemExit(f"seed {seed}: {dirs} ran different training plans")
+        own = extra["methods"].get("online_kd")
+        base = out["methods"].get("online_kd")
         for m, row in extra["methods"].items():
             if m not in out["methods"]:
+                if own and base:  # keep the step-time ratio measured within its own run
+                    for key in ("step_ms_median", "step_cpu_ms_median"):
+                        if key in row and key in own and key in base:
+                            row[key] = row[key] / own[key] * base[key]
+                else:
+                    out.setdefault("unscaled_methods", []).append(m)
                 out["methods"][m] = row
                 out["merged_methods"].append(m)
     return out

@@ -143,6 +143,7 @@ def config_lines(name: str, reports: list[dict[str, Any]], label: Any) -> list[s
     ]
     kl = {m: [r["methods"][m]["kl"] for r in reports] for m in names}
     merged = {m for r in reports for m in r.get("merged_methods", [])}
+    unscaled = {m for r in reports for m in r.get("unscaled_methods", [])}
     for m in names:
         ref = kl.get("online_kd")
         gap = paired(kl[m], ref) if ref else (0.0, 0.0)
@@ -154,11 +155,14 @@ def config_lines(name: str, reports: list[dict[str, Any]], label: Any) -> list[s
             for r in reports
             if "online_kd" in r["methods"]
         )
-        sep = " (separate run: step time not interleaved)" if m in merged else ""
+        sep = " (separate run: step time vs its own run's online KD)" if m in merged else ""
+        if m in unscaled:
+            sep = " (separate run without online KD: step time not comparable)"
         out.append(
             f"| {label(m)}{sep} | {statistics.fmean(kl[m]):.4f} | "
             f"{', '.join(f'{x:.4f}' for x in kl[m])} | "
-            f"{100 * gap[0]:+.1f}% +- {100 * gap[1]:.1f} | {per} | {step:.2f}x |"
+            f"{100 * gap[0]:+.1f}% +- {100 * gap[1]:.1f} | {per} | "
+            + ("n/a |" if m in unscaled else f"{step:.2f}x |")
         )
     gaps = []
     for a, b in PAIRS:

@@ -172,12 +172,14 @@ def test_bench_ablation_spec_and_merge(tmp_path: Path) -> None:
     import distill_bench
 
     a, b = tmp_path / "a", tmp_path / "b"
-    for d, kls in (
-        (a, {"online_kd": 1.0, "offline_sampled@384": 1.1}),
-        (b, {"online_sampled@384": 1.02, "online_kd": 9.0}),
+    for d, kls, online_ms in (
+        (a, {"online_kd": 1.0, "offline_sampled@384": 1.1}, 500.0),
+        (b, {"online_sampled@384": 1.02, "online_kd": 9.0}, 1000.0),
     ):
+        rep = _report(0, kls)
+        rep["methods"]["online_kd"]["step_ms_median"] = online_ms
         (d / "seed0").mkdir(parents=True)
-        (d / "seed0" / "distill.json").write_text(json.dumps(_report(0, kls)))
+        (d / "seed0" / "distill.json").write_text(json.dumps(rep))
     name, dirs, seeds = distill_bench.parse_ablation(f"draws={a}+{b}@0", [0, 1, 2])
     assert (name, dirs, seeds) == ("draws", [a, b], [0])
     assert distill_bench.parse_ablation(f"x={a}", [2, 3])[2] == [2, 3]
@@ -188,8 +190,16 @@ def test_bench_ablation_spec_and_merge(tmp_path: Path) -> None:
     assert merged["methods"]["online_sampled@384"]["kl"] == 1.02
     assert merged["merged_methods"] == ["online_sampled@384"]
     text = "\n".join(distill_ablation.config_lines("draws", [merged], label))
-    assert "(separate run: step time not interleaved)" in text
+    assert "(separate run: step time vs its own run's online KD)" in text
+    # 250 ms against its own run's 1000 ms online KD: 0.25x of this run's 500 ms = 125 ms
+    assert merged["methods"]["online_sampled@384"]["step_ms_median"] == pytest.approx(125.0)
     assert "`offline_sampled@384` vs `online_sampled@384` +7.8% +- 0.0" in text
+    (b / "seed0" / "distill.json").write_text(json.dumps(_report(0, {"online_sampled@384": 1.0})))
+    alone = distill_bench.merged_report(dirs, 0)  # no online KD in the second run: no rescale
+    assert alone["unscaled_methods"] == ["online_sampled@384"]
+    assert "not comparable) | 1.0000 |" in "\n".join(
+        distill_ablation.config_lines("d", [alone], label)
+    )
     other = _report(0, {"online_kd": 1.0}, tpi=128)
     (b / "seed0" / "distill.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="different training plans"):
