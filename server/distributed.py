@@ -675,7 +675,7 @@ def check_target_early(
     chosen = chosen_targets(targets, stored, info)
     run: dict[str, Any] = {"targets": "topk", "sampling": None, "k": info.max_k}
     if chosen is not None:
-        run = {"targets": "sampled", "sampling": chosen.manifest(), "k": chosen.draws}
+        run = {"targets": "sampled", "sampling": chosen.manifest(), "k": chosen.slots}
     for f, value in run.items():
         if getattr(stored, f) != value:
             diff[f] = f"cache {getattr(stored, f)!r}, this run {value!r}"

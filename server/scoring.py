@@ -208,7 +208,7 @@ class ScoringService:
             got = await score_with_cache(self, req, frames=frames)
             return ScoreResult(records=got.records, k=got.k, stored=got.stored, hits=got.hits)
         sampled = self.sampled_targets(req)
-        k = self.resolve_k(req.k) if sampled is None else sampled.draws
+        k = self.resolve_k(req.k) if sampled is None else sampled.slots
         seqs = await asyncio.to_thread(self.sequences_of, req)
         self.check_response_size(seqs, k, frames=frames)
         records = await self.score_admitted(seqs, k, targets=sampled)

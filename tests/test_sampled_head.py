@@ -296,6 +296,7 @@ def test_service_refuses_bad_heads_and_writes_the_engines_head_rows(tmp_path: Pa
     got = asyncio.run(main())
     t = SampledTargets(8, seed=2, head=3)
     assert got["score"].status_code == 200, got["score"].text
+    assert got["score"].json()["k"] == 11  # the response's k is the row's slots, head + draws
     for seq, ids, key in zip(got["score"].json()["sequences"], prompts, ("a", "b"), strict=True):
         ref = fake_sampled(ids, key, t, engine.info)
         assert np.asarray(seq["topk_ids"]).shape == (len(ids) - 1, 11)
