@@ -187,8 +187,9 @@ def _rss_mib(pid: int) -> float:
 
 
 def processes(url, ref, n_proc, picks, batches, npy, entry, batch) -> dict[str, Any]:
-    """``CacheReader(read_processes=n_proc)``: start-up, checks against the range path, then
-    ``sequence(i)`` and ``sequences(batch)``; CPU figures count the reader processes too.
+    """``CacheReader(read_processes=n_proc)`` (the caller + ``n_proc`` processes): start-up,
+    checks against the range path, then ``sequence(i)`` and ``sequences(batch)``; CPU figures
+    count the reader processes too.
     Empty if the code measured has no reader processes (an older tree)."""
     from logitcache.cache_format import CacheReader
 
@@ -209,8 +210,8 @@ def processes(url, ref, n_proc, picks, batches, npy, entry, batch) -> dict[str, 
     out[f"proc{n_proc}_parent_rss_mib"] = _rss_mib(os.getpid())
     n_batched = batches.size
     for tag, fn, n in (
-        ("sequence", lambda: [r.sequence(i) for i in picks], len(picks)),
-        (f"sequences{batch}", lambda: [r.sequences(b.tolist()) for b in batches], n_batched),
+        ("sequence", lambda: each(r.sequence, picks), len(picks)),
+        (f"sequences{batch}", lambda: each(r.sequences, [b.tolist() for b in batches]), n_batched),
     ):
         base = npy()
         fn()  # warm
@@ -225,6 +226,20 @@ def processes(url, ref, n_proc, picks, batches, npy, entry, batch) -> dict[str, 
         log(url, f"{tag}_p{n_proc}", e)
     r.close()
     return out
+
+
+KEEP = True
+"""``--drop`` sets it False: each result is dropped right after its call (as a loader does after
+collating), instead of all results of a pass being kept until its end."""
+
+
+def each(fn, items) -> list:
+    """``fn(x)`` for every ``x``: all results kept (a list) or each dropped at once (``--drop``)."""
+    if KEEP:
+        return [fn(x) for x in items]
+    for x in items:
+        fn(x)
+    return []
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     def npy() -> tuple[float, float]:
-        return timed(lambda: [npy_one(i) for i in picks])
+        return timed(lambda: each(npy_one, picks))
 
     def entry(w: float, c: float, n: int, base: tuple[float, float]) -> dict[str, float]:
         per_w, per_c = n / w, n / c
@@ -314,9 +329,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pointread.PARALLEL_MIN_BYTES = default_min if mb is None else mb
                 tag = f"t{t}" if mb is None else f"t{t}_mb{mb // 1024}k"
                 base = npy()
-                w, c = timed(lambda r=r: [r.sequence(i) for i in picks])
+                w, c = timed(lambda r=r: each(r.sequence, picks))
                 res[f"sequence_{tag}"] = entry(w, c, len(picks), base)
-                w, c = timed(lambda r=r: [r.sequences(b.tolist()) for b in batches])
+                w, c = timed(lambda r=r: each(r.sequences, [b.tolist() for b in batches]))
                 res[f"sequences{args.batch}_{tag}"] = entry(w, c, n_batched, base)
                 log(name, tag, res[f"sequence_{tag}"], res[f"sequences{args.batch}_{tag}"])
             pointread.PARALLEL_MIN_BYTES = default_min
@@ -374,15 +389,23 @@ def main() -> None:
         default=[],
         help="each value of CacheReader(read_processes=n) to measure (trees that have it)",
     )
+    p.add_argument(
+        "--drop",
+        action="store_true",
+        help="drop each result right after its call (the .npy copy's too); default: keep a pass's",
+    )
     p.add_argument("--reuse", action="store_true", help="read the stores already under --root")
     p.add_argument("--label", default="", help="a name for this run (e.g. the code measured)")
     p.add_argument("--skip-range-path", action="store_true", help="no range-path figures")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    global KEEP
+    KEEP = not args.drop
     doc: dict[str, Any] = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs",
         "command": " ".join(["python", *sys.argv]),
         "label": args.label,
+        "results_kept": not args.drop,
         "load_avg_start": os.getloadavg(),
         "git": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO

@@ -4,17 +4,20 @@ In one process, a point read is bound by the GIL: about half of its CPU is Pytho
 chunk (numcodecs' wrappers, ``google_crc32c``, which holds the GIL, the reader's bookkeeping), so
 decode threads stop scaling near 2x (benchmarks/results/client.md, random access). This module
 spreads the rows of one :meth:`CacheReader.sequence` / :meth:`CacheReader.sequences` call over
-``n`` reader processes, each with its own :class:`CacheReader` (its own GIL), which decode
-straight into one shared-memory segment (``memfd``) that the calling process maps; the returned
+the calling process and ``n`` reader processes (``read_processes=n``), each with its own
+:class:`CacheReader` (its own GIL), which decode straight into one shared-memory segment
+(``memfd``) that the calling process maps; the returned
 arrays are views of that segment (it is freed when the last of them is).
 
-How a call is cut: the requested sequences, in call order, make one axis of ``R`` rows; it is cut
-into ``n`` (at most ``ceil(R / chunk_rows)``) runs of about ``R / n`` rows, each cut moved to the
-nearest inner-chunk boundary of ``topk_ids`` (or sequence end), so no worker decodes a row chunk
-another one decodes too; a sequence's tokens go with its first rows. A call that makes one run is
-read in the calling process (no hand-off). The values are those of the in-process path, bit for
-bit (each worker runs the same point read, with every CRC32C checked); a worker's error (a
-:class:`~.errors.ChecksumError` after its retries, say) is raised in the caller as is.
+How a call is cut: the requested sequences, in call order, make one axis of ``R`` rows; it is
+cut into ``n + 1`` (at most ``ceil(R / chunk_rows)``) runs of about equal rows, each cut moved to
+the nearest inner-chunk boundary of ``topk_ids`` (or sequence end), so no process decodes a row
+chunk another one decodes too; a sequence's tokens go with its first rows. The calling process
+decodes the first run itself while the workers decode the others (one run each); a call that
+makes one run is read in the calling process alone (no hand-off). The values are those of the
+in-process path, bit for bit (each process runs the same point read, with every CRC32C
+checked); a worker's error (a :class:`~.errors.ChecksumError` after its retries, say) is raised
+in the caller as is.
 
 Cost (stated in benchmarks/results/client.md): start-up of ``n`` Python processes (each
 imports the package and opens the store: about a second, in parallel, at the first point read),
@@ -343,28 +346,40 @@ class ReadProcesses:
         lp_dtype: str,
         mask: bool,
         groups: list[list[Piece]],
+        local: Any = None,
     ) -> tuple[Any, Regions]:
-        """Decode ``groups`` (from :func:`cut`, one per worker) into a segment no earlier result
-        uses; returns the segment (an ``mmap``) and its :class:`Regions`."""
+        """Decode ``groups`` (from :func:`cut`) into a segment no earlier result uses: with
+        ``local`` (a reader of the same store), the calling process decodes ``groups[0]`` while
+        the workers decode the others (one each); without, the workers decode them all.
+        Returns the segment (an ``mmap``) and its :class:`Regions`."""
         rows = sum(b - a for a, b, _, _ in spans)
         tokens = sum(tb - ta for _, _, ta, tb in spans)
         reg = Regions(rows, tokens, k, lp_dtype, mask)
+        mine = groups[0] if local is not None else None
+        theirs = groups[1:] if local is not None else groups
+        if len(theirs) > len(self.conns):
+            raise ValueError(f"{len(theirs)} groups for {len(self.conns)} reader processes")
         with self.lock:
             if not self.conns:
                 raise ReadProcessError("reader processes are closed")
             seg = self._segment(reg.size)
-            used = list(range(len(groups)))
+            used = list(range(len(theirs)))
             for w in used:
                 conn, new = self.conns[w], seg.id not in self.mapped[w]
                 drop = [d for d in self.dropped if d in self.mapped[w]]
                 self.mapped[w].difference_update(drop)
                 msg = (seg.id, seg.size, new, drop, stored_rows, stored_tokens, reg.args())
-                conn.send((*msg, lp_dtype, groups[w]))
+                conn.send((*msg, lp_dtype, theirs[w]))
                 if new:
                     reduction.send_handle(conn, seg.fd, 0)
                     self.mapped[w].add(seg.id)
             self.dropped = [d for d in self.dropped if any(d in m for m in self.mapped)]
             err: BaseException | None = None
+            if mine:
+                try:  # the calling process's share, while the workers decode theirs
+                    _serve(local, seg.mm, reg, 0, 0, lp_dtype, mine)
+                except BaseException as e:
+                    err = e
             for w in used:
                 got = self._recv(self.conns[w])
                 err = err or got

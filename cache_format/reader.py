@@ -114,10 +114,10 @@ class CacheReader:
     ``decode_threads > 1`` decodes the arrays of one read call (e.g. the sequences of one
     :meth:`sequences` call) in that many threads (blosc and the numpy kernels release the GIL);
     the values are the same.
-    ``read_processes > 1`` spreads the rows of each :meth:`sequence` / :meth:`sequences` call
-    over that many reader processes (:mod:`.procread`: spawned at the first such call, each
-    with its own GIL, decoding into shared memory the returned arrays are views of; same
-    values); :meth:`close` (or ``with``) stops them.
+    ``read_processes > 0`` spreads the rows of each :meth:`sequence` / :meth:`sequences` call
+    over the calling process and that many reader processes (:mod:`.procread`: started at the
+    first such call, each with its own GIL, decoding into shared memory the returned arrays
+    are views of; same values); :meth:`close` (or ``with``) stops them.
 
     :meth:`sequence`, :meth:`get` and :meth:`sequences` take the point-read path
     (:mod:`.pointread`, FORMAT.md D4) when every array they need is read directly: only the
@@ -137,12 +137,12 @@ class CacheReader:
         as_torch: bool = False,
         direct: bool = True,
         decode_threads: int = 1,
-        read_processes: int = 1,
+        read_processes: int = 0,
     ):
         if decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
-        if read_processes < 1:
-            raise ValueError(f"read_processes must be >= 1, got {read_processes}")
+        if read_processes < 0:
+            raise ValueError(f"read_processes must be >= 0, got {read_processes}")
         self.decode_threads = int(decode_threads)
         self.read_processes = int(read_processes)
         self._procs: procread.ReadProcesses | None = None
@@ -557,7 +557,7 @@ class CacheReader:
         return [self._out(rec) for rec in self._retry(read)]
 
     def _use_processes(self) -> bool:
-        return self.read_processes > 1 and self.point_reads and spec.TOPK_IDS in self._direct
+        return self.read_processes > 0 and self.point_reads and spec.TOPK_IDS in self._direct
 
     def _proc_records(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord]:
         """Records of sequences ``idx`` read by the reader processes (:mod:`.procread`); a call
@@ -569,7 +569,7 @@ class CacheReader:
             (rows, toks) = self._span(i)
             spans.append((rows.start, rows.stop, toks.start, toks.stop))
         cr = self._direct[spec.TOPK_IDS].chunk_rows
-        groups = procread.cut(spans, self.read_processes, cr)
+        groups = procread.cut(spans, self.read_processes + 1, cr)  # the caller takes a share
         if len(groups) <= 1:
             got = self._retry(
                 lambda: self._fetch([self._span(i) for i in idx], logprob_dtype, point=True)
@@ -584,7 +584,7 @@ class CacheReader:
             )
         m = self.manifest
         buf, reg = self._procs.read(
-            spans, m.k, m.num_rows, m.num_tokens, logprob_dtype, m.loss_mask, groups
+            spans, m.k, m.num_rows, m.num_tokens, logprob_dtype, m.loss_mask, groups, self
         )
         ids, lp, tail, mask, tok = reg.views(buf)
         out, r, t = [], 0, 0
