@@ -27,7 +27,9 @@ def _one_by_one(recs: list[SequenceRecord], m) -> writer._Batch:
         {"loss_mask": True},
     ],
 )
-def test_batch_encoding_is_bit_identical_to_per_record(kw: dict) -> None:
+@pytest.mark.parametrize("group_rows", [7, 1 << 16])  # several groups of records, or one
+def test_batch_encoding_is_bit_identical_to_per_record(kw: dict, group_rows: int, monkeypatch):
+    monkeypatch.setattr(writer, "ENCODE_GROUP_VALUES", group_rows * K)
     rng = np.random.default_rng(1)
     m = make_manifest(k=K, vocab_size=VOCAB, **kw)
     recs = [
@@ -82,7 +84,9 @@ KINDS = ["vocab", "input_vocab", "repeat", "order", "nan", "positive", "tail", "
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_bad_record_gets_the_per_record_error(kind: str) -> None:
+@pytest.mark.parametrize("group_rows", [4, 1 << 16])
+def test_a_bad_record_gets_the_per_record_error(kind: str, group_rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(writer, "ENCODE_GROUP_VALUES", group_rows * K)
     m = make_manifest(k=K, vocab_size=VOCAB)
     recs: list = make_records(5, k=K, vocab=VOCAB, seed=2, min_len=4)
     recs[2] = _bad(kind, recs[2])
