@@ -9,15 +9,15 @@ the calling process and ``n`` reader processes (``read_processes=n``), each with
 (``memfd``) that the calling process maps; the returned
 arrays are views of that segment (it is freed when the last of them is).
 
-How a call is cut: the requested sequences, in call order, make one axis of ``R`` rows; it is
-cut into ``n + 1`` (at most ``ceil(R / chunk_rows)``) runs of about equal rows, each cut moved to
-the nearest inner-chunk boundary of ``topk_ids`` (or sequence end), so no process decodes a row
-chunk another one decodes too; a sequence's tokens go with its first rows. The calling process
-decodes the first run itself while the workers decode the others (one run each); a call that
-makes one run is read in the calling process alone (no hand-off). The values are those of the
-in-process path, bit for bit (each process runs the same point read, with every CRC32C
-checked); a worker's error (a :class:`~.errors.ChecksumError` after its retries, say) is raised
-in the caller as is.
+How a call is cut: the requested sequences, in call order, are cut into ``n + 1`` runs (at most
+one per ``topk_ids`` row chunk they touch) of about equal numbers of row chunks touched (what
+decoding costs: a short sequence decodes whole chunks too), only at chunk edges inside a
+sequence, so no process decodes a row chunk another one decodes too; a sequence's tokens go with
+its first rows. The calling process decodes the first run itself while the workers decode the
+others (one run each); a call that makes one run is read in the calling process alone (no
+hand-off). The values are those of the in-process path, bit for bit (each process runs the same
+point read, with every CRC32C checked); a worker's error (a :class:`~.errors.ChecksumError`
+after its retries, say) is raised in the caller as is.
 
 Cost (stated in benchmarks/results/client.md): start-up of ``n`` Python processes (each
 imports the package and opens the store: about a second, in parallel, at the first point read),
@@ -28,7 +28,6 @@ message and one descriptor passed to each worker used.
 from __future__ import annotations
 
 import bisect
-import math
 import mmap
 import os
 import socket
@@ -59,52 +58,44 @@ def _align(n: int) -> int:
 
 
 def cut(spans: list[tuple[int, int, int, int]], n: int, chunk_rows: int) -> list[list[Piece]]:
-    """The pieces of each of at most ``n`` workers for ``spans`` (``(row a, row b, token a,
-    token b)`` per requested sequence, in call order; see the module docstring)."""
-    starts = [0]
-    for a, b, _, _ in spans:
-        starts.append(starts[-1] + (b - a))
-    total = starts[-1]
-    n = max(1, min(n, math.ceil(total / max(1, chunk_rows))))
-    cuts = {0, total}
-    for w in range(1, n):
-        x = total * w / n
-        j = min(bisect.bisect_right(starts, x) - 1, len(spans) - 1)
+    """The pieces of each of at most ``n`` processes for ``spans`` (``(row a, row b, token a,
+    token b)`` per requested sequence, in call order; see the module docstring).
+
+    Balanced by the row chunks each sequence touches (what decoding costs: a sequence of 10
+    rows decodes whole chunks too), cut only at chunk edges inside a sequence."""
+    cr = max(1, chunk_rows)
+    units = [0]  # chunk units: sequence j touches units [units[j], units[j + 1])
+    rows = [0]  # its rows go to region rows [rows[j], rows[j + 1])
+    toks = [0]
+    for a, b, ta, tb in spans:
+        units.append(units[-1] + (b - 1) // cr - a // cr + 1)
+        rows.append(rows[-1] + (b - a))
+        toks.append(toks[-1] + (tb - ta))
+    total = units[-1]
+    n = max(1, min(n, total))
+    edges = sorted({0, total, *(round(total * w / n) for w in range(1, n))})
+
+    def row_at(j: int, u: int) -> int:
+        """The row where unit ``u`` (within ``[units[j], units[j + 1]]``) starts in span j."""
         a, b = spans[j][0], spans[j][1]
-        cands = [starts[j], starts[j + 1]]
-        g = (a // chunk_rows + 1) * chunk_rows
-        lo = g - a + starts[j]  # the first chunk boundary inside the sequence (virtual row)
-        if g < b:
-            k = round((x - lo) / chunk_rows)
-            for kk in (k - 1, k, k + 1):
-                v = lo + kk * chunk_rows
-                if starts[j] < v < starts[j + 1]:
-                    cands.append(v)
-        cuts.add(min(cands, key=lambda v: abs(v - x)))
-    edges = sorted(cuts)
-    tok_starts = [0]
-    for _, _, ta, tb in spans:
-        tok_starts.append(tok_starts[-1] + (tb - ta))
+        if u == units[j + 1]:
+            return b
+        return a if u == units[j] else (a // cr + u - units[j]) * cr
+
     out: list[list[Piece]] = []
     for u, v in zip(edges[:-1], edges[1:], strict=True):
         pieces: list[Piece] = []
-        j = bisect.bisect_right(starts, u) - 1
-        while j < len(spans) and starts[j] < v:
-            a, _, ta, tb = spans[j]
-            x, y = max(u, starts[j]), min(v, starts[j + 1])
-            first = x == starts[j]
-            pieces.append(
-                (
-                    a + x - starts[j],
-                    a + y - starts[j],
-                    ta if first else 0,
-                    tb if first else 0,
-                    x,
-                    tok_starts[j],
-                )
-            )
+        j = bisect.bisect_right(units, u) - 1
+        while j < len(spans) and units[j] < v:
+            x, y = max(u, units[j]), min(v, units[j + 1])
+            r0, r1 = row_at(j, x), row_at(j, y)
+            first = x == units[j]
+            _, _, ta, tb = spans[j]
+            ro = rows[j] + r0 - spans[j][0]
+            pieces.append((r0, r1, ta if first else 0, tb if first else 0, ro, toks[j]))
             j += 1
-        out.append(pieces)
+        if pieces:
+            out.append(pieces)
     return out
 
 
