@@ -407,7 +407,7 @@ def merged_report(dirs: list[Path], seed: int) -> dict[str, Any]:
 def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
     """``--ablation``: the page of issue #12's ablation (examples/distill_ablation.py)."""
     import torch
-    from distill_ablation import ablation_markdown, row_check
+    from distill_ablation import ablation_markdown, row_check, same_stream
     from logitcache.fixtures.tiny import build_tiny_models
     from transformers import LlamaForCausalLM
 
@@ -432,17 +432,20 @@ def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
         layout = (t["tokens_per_item"], t["batch_items"])
         if any((c["tokens_per_item"], c["batch_items"]) == layout for c in checks):
             continue
-        checks.append(
-            row_check(
-                url,
-                teacher,
-                tokens_per_item=t["tokens_per_item"],
-                batch_items=t["batch_items"],
-                batches=args.check_batches,
-                tokenizer=models.load_tokenizer(),
-                vocab_size=models.vocab_size,
-            )
+        kw = {
+            "tokens_per_item": t["tokens_per_item"],
+            "batch_items": t["batch_items"],
+            "batches": args.check_batches,
+            "tokenizer": models.load_tokenizer(),
+            "vocab_size": models.vocab_size,
+        }
+        check = row_check(url, teacher, **kw)
+        caches = sorted(
+            {m["cache"] for r in reports for m in r["methods"].values() if "cache" in m}
         )
+        urls = [url, *(c for c in caches if c != url)]
+        check.update(same_stream=same_stream(urls, **kw), stream_caches=len(urls))
+        checks.append(check)
     text = ablation_markdown(
         configs,
         checks,

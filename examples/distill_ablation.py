@@ -37,6 +37,52 @@ def row_kl(batch: dict[str, torch.Tensor], t_lp: torch.Tensor) -> torch.Tensor:
     return torch.where(batch["loss_mask"], kl, torch.zeros_like(kl))
 
 
+def same_stream(
+    urls: list[str],
+    *,
+    tokens_per_item: int,
+    batch_items: int,
+    seed: int = 0,
+    epoch: int = 1,
+    batches: int = 30,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
+) -> bool:
+    """Whether the caches at ``urls`` (the scored cache and those derived from it) yield the same
+    ``input_ids``, ``position_ids`` and ``loss_mask`` in their first ``batches`` batches of
+    ``epoch``: every method trains on the same inputs in the same order."""
+    from logitcache.client import CacheDataset
+
+    streams = []
+    for url in urls:
+        ds = CacheDataset(
+            source=url,
+            tokens_per_item=tokens_per_item,
+            mode="pack",
+            batch_size=batch_items,
+            seed=seed,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+        )
+        ds.set_epoch(epoch)
+        got = []
+        for i, b in enumerate(ds):
+            if i == batches:
+                break
+            got.append([b[k] for k in ("input_ids", "position_ids", "loss_mask")])
+        streams.append(got)
+    first = streams[0]
+    return all(
+        len(s) == len(first)
+        and all(
+            torch.equal(x, y)
+            for a, b in zip(s, first, strict=True)
+            for x, y in zip(a, b, strict=True)
+        )
+        for s in streams[1:]
+    )
+
+
 def row_check(
     url: str,
     teacher: Any,
@@ -99,6 +145,14 @@ def cut_share(rows: Any, tokens_per_item: int) -> float:
 
     r = np.asarray(rows, dtype=np.int64)
     return float(np.clip(r - tokens_per_item, 0, None).sum() / max(1, int(r.sum())))
+
+
+def same_text(check: dict[str, Any]) -> str:
+    """The row check's stream-identity cell (``""`` when it was not measured)."""
+    if "same_stream" not in check:
+        return ""
+    yes = "yes" if check["same_stream"] else "**NO**"
+    return f"{yes} ({check['stream_caches']} caches, epoch 1, first {check['batches']} batches)"
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -205,8 +259,9 @@ def ablation_markdown(
         f"position, first batches of epoch 0 (seed 0); a row differs when KL > {DIFF_NATS}.",
         "",
         "| items x tokens | cache rows in cut pieces (whole cache) | rows checked | mean KL | "
-        "share of rows that differ | mean KL of those | max KL | top-1 agreement |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "share of rows that differ | mean KL of those | max KL | top-1 agreement | same inputs "
+        "from every method's cache |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in checks:
         lines.append(
@@ -214,7 +269,7 @@ def ablation_markdown(
             f"{100 * c['share_rows_in_cut_pieces']:.1f}% | {c['rows']:,} | "
             f"{c['mean_kl']:.2e} | {100 * c['share_rows_differ']:.1f}% | "
             f"{c['mean_kl_differing']:.4f} | {c['max_kl']:.2e} | "
-            f"{100 * c['top1_agreement']:.2f}% |"
+            f"{100 * c['top1_agreement']:.2f}% | {same_text(c)} |"
         )
     lines += ["", "## Training runs", ""]
     for name, reports in configs.items():
@@ -224,4 +279,4 @@ def ablation_markdown(
     return "\n".join(lines)
 
 
-__all__ = ["DIFF_NATS", "ablation_markdown", "paired", "row_check", "row_kl"]
+__all__ = ["DIFF_NATS", "ablation_markdown", "paired", "row_check", "row_kl", "same_stream"]

@@ -145,6 +145,9 @@ def test_ablation_page_paired_gaps() -> None:
         "mean_kl_differing": 0.13,
         "max_kl": 5.0,
         "top1_agreement": 0.92,
+        "same_stream": False,
+        "stream_caches": 3,
+        "batches": 30,
     }
     text = distill_ablation.ablation_markdown(
         {"split": reps},
@@ -158,7 +161,10 @@ def test_ablation_page_paired_gaps() -> None:
     # offline vs online KD: +10% and +5% -> mean +7.5%, SE 2.5 points
     assert "| +7.5% +- 2.5 | +10.0%, +5.0% | 0.50x |" in text
     assert "`offline_topk_tail@128` vs `online_topk_tail@128` +7.0% +- 3.0" in text
-    assert "| 8 x 64 | 34.7% | 1,000 | 4.00e-02 | 27.0% | 0.1300 | 5.00e+00 | 92.00% |" in text
+    assert (
+        "| 8 x 64 | 34.7% | 1,000 | 4.00e-02 | 27.0% | 0.1300 | 5.00e+00 | 92.00% | "
+        "**NO** (3 caches, epoch 1, first 30 batches) |" in text
+    )
     assert distill_ablation.paired([1.0], [2.0]) == (-0.5, 0.0)
     # rows 100 and 30 of two sequences, T = 64: rows 64..99 of the first lie in its 2nd piece
     assert distill_ablation.cut_share([100, 30], 64) == pytest.approx(36 / 130)
@@ -266,3 +272,19 @@ def test_head_sampled_cache_keeps_the_teacher_top_exactly(tmp_path: Path) -> Non
                     float(want.topk_logprobs[row, j]), abs=2e-2
                 )
     assert distill_train.parse_method("offline_sampled_head@3+6") == ("offline_sampled_head", 9)
+
+
+def test_same_stream_true_for_a_derived_cache_false_for_another_order(tmp_path: Path) -> None:
+    from distill_caches import derive_topk_cache
+    from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord
+
+    src = _src_cache(tmp_path, _EmbTeacher(64))
+    derived = derive_topk_cache(src, str(tmp_path / "k2"), 2)
+    reader = CacheReader(src)
+    with CacheWriter.open(str(tmp_path / "rev"), reader.manifest) as w:
+        for i in reversed(range(reader.num_sequences)):
+            r = reader.sequence(i)
+            w.append([SequenceRecord(r.key, r.input_ids, r.topk_ids, r.topk_logprobs)])
+    kw = {"tokens_per_item": 10, "batch_items": 1, "batches": 5}
+    assert distill_ablation.same_stream([src, derived], **kw)
+    assert not distill_ablation.same_stream([src, str(tmp_path / "rev")], **kw)
