@@ -267,6 +267,7 @@ class ReadProcesses:
         if n < 1:
             raise ValueError(f"read_processes must be >= 1, got {n}")
         self.n = n
+        self.pid = os.getpid()  # a forked child must not use (or stop) its parent's processes
         self.lock = threading.Lock()
         self.conns: list[Connection] = []
         self.procs: list[subprocess.Popen] = []
@@ -399,6 +400,8 @@ class ReadProcesses:
         self.procs = []
 
     def __del__(self) -> None:
+        if self.__dict__.get("pid") != os.getpid():
+            return  # a forked copy: the processes are the parent's
         try:
             self.close()
         except Exception:  # interpreter shutdown

@@ -15,6 +15,7 @@ through zarr's array API (``direct=False`` forces zarr for all); both return the
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -578,6 +579,8 @@ class CacheReader:
                 SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
                 for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
             ]
+        if self._procs is not None and self._procs.pid != os.getpid():
+            self._procs = None  # a forked copy of the reader: the processes are the parent's
         if self._procs is None:
             self._procs = procread.ReadProcesses(
                 self._url, self._storage_options, self.read_processes
@@ -606,7 +609,7 @@ class CacheReader:
         """Stop the reader processes, if any (the reader stays usable: a later call starts
         them again)."""
         procs, self._procs = self._procs, None
-        if procs is not None:
+        if procs is not None and procs.pid == os.getpid():
             procs.close()
 
     def __enter__(self) -> CacheReader:

@@ -12,6 +12,10 @@ from logitcache.cache_format.errors import ChecksumError
 from test_format_random_access import SMALL, _same, _write
 
 
+def _spans(r, idx):
+    return [(a.start, a.stop, t.start, t.stop) for a, t in (r._span(i) for i in idx)]
+
+
 def test_cut_covers_every_row_once_at_chunk_edges():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -66,7 +70,7 @@ def test_processes_equal_the_range_path(tmp_path, kw):
     recs = _write(url, SMALL, **kw)
     ranged = CacheReader(url)
     ranged.point_reads = False
-    with CacheReader(url, read_processes=2) as procs:
+    with CacheReader(url, read_processes=1) as procs:
         idx = [5, 3, 5, 39, 0, 22, 21, 22, 38, 1]
         got = procs.sequences(idx)
         assert procs._procs is not None  # the call went to the processes
@@ -91,16 +95,18 @@ def test_worker_checksum_error_reaches_the_caller(tmp_path, monkeypatch):
     raw[40] ^= 0xFF  # inside the first chunk's frame
     shard.write_bytes(bytes(raw))
     monkeypatch.setattr(reader_mod, "_RETRIES", 1)  # the caller's side; workers retry as usual
-    with CacheReader(url, read_processes=2) as r:
+    with CacheReader(url, read_processes=1) as r:
+        idx = list(range(9, -1, -1))  # sequence 0 (the damaged chunk) last: the worker's run
+        assert any(p[0] == 0 for p in procread.cut(_spans(r, idx), 2, 8)[-1])
         with pytest.raises(ChecksumError):
-            r.sequences([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+            r.sequences(idx)
         assert r.sequences([39])[0].key == r.keys[39]  # the workers still serve
 
 
 def test_segments_are_reused_only_once_free(tmp_path):
     url = tmp_path / "c"
     recs = _write(url, SMALL)
-    with CacheReader(url, read_processes=2) as r:
+    with CacheReader(url, read_processes=1) as r:
         by_key = {rec.key: rec for rec in recs}
         held = r.sequences([0, 1, 2, 3, 4, 5])
         for _ in range(6):  # later calls never write into a segment a held record uses
@@ -115,3 +121,21 @@ def test_segments_are_reused_only_once_free(tmp_path):
         del held
         r.sequences([0, 1, 2, 3, 4, 5])
         assert len(r._procs.segments) == 2
+
+
+def test_a_forked_reader_starts_its_own_processes(tmp_path):
+    import os
+
+    url = tmp_path / "c"
+    recs = _write(url, SMALL)
+    r = CacheReader(url, read_processes=1)
+    r.sequences([0, 1, 2, 3])
+    parent = r._procs
+    assert parent is not None
+    parent.pid = -1  # as a forked child sees it: the processes belong to another pid
+    got = r.sequences([39, 38, 37, 36, 35])
+    assert r._procs is not parent and r._procs.pid == os.getpid()
+    assert [g.key for g in got] == [recs[i].key for i in (39, 38, 37, 36, 35)]
+    r.close()
+    parent.pid = os.getpid()
+    parent.close()
