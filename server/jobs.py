@@ -87,11 +87,7 @@ def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingO
     """``(targets, sampling)`` of a job from a manifest's ``targets`` and ``sampling`` object."""
     if kind != "sampled" or sampling is None:
         return "topk", None
-    return "sampled", SamplingOptions(
-        draws=int(sampling["draws"]),
-        proposal_temperature=float(sampling["proposal_temperature"]),
-        seed=int(sampling["seed"]),
-    )
+    return "sampled", SamplingOptions.from_manifest(sampling)
 
 
 class JobRunner:

@@ -306,6 +306,7 @@ def test_service_refuses_bad_heads_and_writes_the_engines_head_rows(tmp_path: Pa
     assert not (tmp_path / "caches" / "x").exists()
     assert got["job"].status_code == 201 and got["job"].json()["k"] == 11, got["job"].text
     assert got["done"]["state"] == "succeeded", got["done"]
+    assert got["done"]["sampling"]["head"] == 3, got["done"]
     assert got["other"].status_code == 409, got["other"].text
     reader = CacheReader(tmp_path / "caches" / "h")
     assert reader.manifest.sampling == sampling_manifest(8, 1.0, 2, head=3)
