@@ -379,10 +379,12 @@ def parse_ablation(spec: str, seeds: list[int]) -> tuple[str, list[Path], list[i
 
 def merged_report(dirs: list[Path], seed: int) -> dict[str, Any]:
     """Seed ``seed``'s report of ``dirs[0]`` with the methods of the other work dirs' reports of
-    that seed added (same seed, steps and item layout required); ``merged_methods`` names the
+    that seed added (same seed, steps and item layout required; a later work dir without that
+    seed's report adds nothing); ``merged_methods`` names the
     added ones. An added method's step times are rescaled to keep its ratio to its own run's
     online KD (when both runs have one): step times of two runs are not comparable."""
-    reports = [json.loads((d / f"seed{seed}" / "distill.json").read_text()) for d in dirs]
+    paths = [d / f"seed{seed}" / "distill.json" for d in dirs]
+    reports = [json.loads(f.read_text()) for i, f in enumerate(paths) if i == 0 or f.exists()]
     out = reports[0]
     out["merged_methods"] = []
     keys = ("seed", "steps", "tokens_per_item", "batch_items", "lr")

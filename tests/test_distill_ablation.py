@@ -195,6 +195,10 @@ def test_bench_ablation_spec_and_merge(tmp_path: Path) -> None:
     assert merged["methods"]["online_kd"]["kl"] == 1.0  # the first work dir's own method wins
     assert merged["methods"]["online_sampled@384"]["kl"] == 1.02
     assert merged["merged_methods"] == ["online_sampled@384"]
+    only_first = distill_bench.merged_report([a, tmp_path / "no-such-run"], 0)
+    assert set(only_first["methods"]) == {"online_kd", "offline_sampled@384"}
+    with pytest.raises(FileNotFoundError):  # the first work dir must have the seed
+        distill_bench.merged_report([tmp_path / "no-such-run", a], 0)
     text = "\n".join(distill_ablation.config_lines("draws", [merged], label))
     assert "(separate run: step time vs its own run's online KD)" in text
     # 250 ms against its own run's 1000 ms online KD: 0.25x of this run's 500 ms = 125 ms
