@@ -456,9 +456,14 @@ def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
         label=label,
         verdicts={name: goal_lines(goals(combine(reps))) for name, reps in configs.items()},
     )
+    means = {name: combine(reps) for name, reps in configs.items()}
+    for reps in configs.values():  # the page's JSON without the per-step loss curves (run dirs)
+        for r in reps:
+            for row in r["methods"].values():
+                row.pop("loss_curve", None)
     result = {
         "row_checks": checks,
-        "configs": {name: {"seeds": reps, "mean": combine(reps)} for name, reps in configs.items()},
+        "configs": {name: {"seeds": reps, "mean": means[name]} for name, reps in configs.items()},
     }
     args.out_json.write_text(json.dumps(result, indent=1) + "\n")
     args.out_md.write_text(text)
