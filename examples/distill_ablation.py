@@ -171,6 +171,10 @@ PAIRS = (
     ("online_sampled@384", "online_kd"),
     ("offline_sampled@384", "online_sampled@384"),
     ("offline_sampled@384", "offline_topk_tail@128"),
+    ("offline_sampled_head@32+96", "online_kd"),
+    ("offline_sampled_head@32+96", "online_sampled_head@32+96"),
+    ("offline_sampled_head@32+96", "offline_sampled@384"),
+    ("offline_sampled_head@32+96", "offline_topk_tail@128"),
 )
 
 
@@ -191,9 +195,9 @@ def config_lines(name: str, reports: list[dict[str, Any]], label: Any) -> list[s
         "",
         f"1-minute load average while training (2 cores): {load or 'not recorded'}.",
         "",
-        "| method | held-out KL (mean) | KL per seed | vs online KD, paired (mean +- SE) "
+        "| method | B/pos | held-out KL (mean) | KL per seed | vs online KD, paired (mean +- SE) "
         "| per seed | step vs online KD (median of seeds) |",
-        "|---|---:|---|---:|---|---:|",
+        "|---|---:|---:|---|---:|---|---:|",
     ]
     kl = {m: [r["methods"][m]["kl"] for r in reports] for m in names}
     merged = {m for r in reports for m in r.get("merged_methods", [])}
@@ -212,8 +216,10 @@ def config_lines(name: str, reports: list[dict[str, Any]], label: Any) -> list[s
         sep = " (separate run: step time vs its own run's online KD)" if m in merged else ""
         if m in unscaled:
             sep = " (separate run without online KD: step time not comparable)"
+        b = [r["methods"][m].get("bytes_per_position") for r in reports]
+        bpos = f"{statistics.fmean(b):.0f}" if all(x is not None for x in b) else ""
         out.append(
-            f"| {label(m)}{sep} | {statistics.fmean(kl[m]):.4f} | "
+            f"| {label(m)}{sep} | {bpos} | {statistics.fmean(kl[m]):.4f} | "
             f"{', '.join(f'{x:.4f}' for x in kl[m])} | "
             f"{100 * gap[0]:+.1f}% +- {100 * gap[1]:.1f} | {per} | "
             + ("n/a |" if m in unscaled else f"{step:.2f}x |")
