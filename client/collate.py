@@ -18,7 +18,11 @@ Items
 A *piece* is a token range ``[start, stop)`` of one sequence. A sequence longer than the budget
 ``T`` is cut into pieces of ``T`` tokens (``long_sequences="split"``: no row is lost, piece
 ``[aT, (a+1)T)`` ends with the label ``x_{(a+1)T}``) or keeps only its first ``T`` tokens
-(``"truncate"``). Pieces without any row are dropped.
+(``"truncate"``). Pieces without any row are dropped. A cut sequence's later pieces start at
+position 0, but their cached rows are the teacher's distribution given the whole prefix, which
+the student does not see there (:func:`cut_rows` counts them; ``CacheDataset`` warns with
+:class:`~logitcache.client.errors.CutSequenceWarning`): for exact targets, score the corpus in
+pieces of at most ``T`` tokens or train with ``T`` >= the longest sequence.
 
 * ``mode="pad"``: one piece per item, right-padded to ``T``.
 * ``mode="pack"``: pieces are packed greedily in stream order; a piece that does not fit in the
@@ -125,6 +129,14 @@ class ItemPlan:
     def num_rows(self) -> int:
         """Supervised positions (teacher rows) in the whole plan."""
         return int(self.piece_rows.sum())
+
+
+def cut_rows(lengths: np.ndarray, tokens_per_item: int) -> int:
+    """Rows that ``long_sequences="split"`` puts in a piece after its sequence's first: rows
+    whose cached target conditions on tokens the student does not see in that piece. A sequence
+    of ``L`` tokens has ``L - 1`` rows and its first piece holds ``T`` of them."""
+    rows = np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0)
+    return int(np.maximum(rows - int(tokens_per_item), 0).sum())
 
 
 def plan_items(

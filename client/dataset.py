@@ -50,6 +50,7 @@ import json
 import os
 import queue
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,8 +58,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .collate import ItemPlan, LongPolicy, Mode, build_batch, plan_items, trim_padding_columns
-from .errors import ConfigError, StateError
+from .collate import (
+    ItemPlan,
+    LongPolicy,
+    Mode,
+    build_batch,
+    cut_rows,
+    plan_items,
+    trim_padding_columns,
+)
+from .errors import ConfigError, CutSequenceWarning, StateError
 from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
 from .readahead import ReadAhead, default_read_threads
@@ -102,6 +111,9 @@ class CacheDataset(IterableDataset):
         ``"pack"`` (several sequences per item, boundaries kept) or ``"pad"`` (one per item).
     long_sequences:
         ``"split"`` sequences longer than ``T`` into ``T``-token pieces, or ``"truncate"`` them.
+        Split pieces after a sequence's first are trained against rows the teacher scored with
+        the whole prefix in view, which the student does not see there: the dataset warns
+        (:class:`~logitcache.client.errors.CutSequenceWarning`, with the share of rows).
     batch_size:
         ``None``: yield single items (tensors ``[T, ...]``). An int ``B``: yield batches
         ``[B, T, ...]`` of consecutive items (the last one may be smaller).
@@ -258,6 +270,27 @@ class CacheDataset(IterableDataset):
         # validate budget, mode and policy now rather than in the first worker
         plan_items(
             np.zeros(0, dtype=np.int64), self._all_lengths, tokens_per_item, mode, long_sequences
+        )
+        if long_sequences == "split":
+            self._warn_cut()
+
+    def _warn_cut(self) -> None:
+        """:class:`CutSequenceWarning` when ``"split"`` cuts sequences (rows trained against
+        targets conditioned on a prefix the student does not see)."""
+        cut = cut_rows(self._all_lengths, self.tokens_per_item)
+        if not cut:
+            return
+        rows = int(np.maximum(self._all_lengths - 1, 0).sum())
+        longest = int(self._all_lengths.max())
+        warnings.warn(
+            f"tokens_per_item={self.tokens_per_item} cuts sequences of this cache (longest "
+            f"{longest} tokens): {cut:,} of {rows:,} rows ({cut / rows:.1%}) fall in later "
+            "pieces that restart at position 0, while their cached targets are the teacher's "
+            "given the whole prefix. Train with tokens_per_item >= the longest sequence, score "
+            "the corpus in pieces of at most tokens_per_item tokens, or drop those rows with "
+            "long_sequences='truncate'",
+            CutSequenceWarning,
+            stacklevel=3,
         )
 
     # -- configuration --------------------------------------------------------------------

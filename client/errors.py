@@ -33,6 +33,7 @@ __all__ = [
     "JobFailedError",
     "JobTimeoutError",
     "http_error_for",
+    "CutSequenceWarning",
 ]
 
 
@@ -42,6 +43,11 @@ class ClientError(Exception):
 
 class ConfigError(ClientError, ValueError):
     """An argument of a client object is invalid (bad budget, bad mode, bad rank...)."""
+
+
+class CutSequenceWarning(UserWarning):
+    """``long_sequences="split"`` cuts cached sequences: the rows of every piece after a
+    sequence's first were scored by the teacher on a prefix the student does not see there."""
 
 
 class StateError(ClientError, ValueError):

@@ -23,8 +23,9 @@ status), and with ``--watch`` then draws the progress bar until the job ends. ``
 FORMAT.md 4.4): ``--draws`` per row, ``--proposal-temperature``, ``--seed`` and ``--head M``
 (keep the teacher's top ``M`` ids exactly and draw from the rest: ``M + draws`` slots a row)
 (each optional; without any of them the server takes an existing sampled cache's own
-parameters, else 64 draws, temperature 1, seed 0, head 0; a missing one takes that default). A sampling flag without
-``--targets sampled``, or ``--k`` with it, is refused before anything is sent.
+parameters, else 64 draws, temperature 1, seed 0, head 0; a missing one takes that default). A
+sampling flag without ``--targets sampled``, or ``--k`` with it, is refused before anything is
+sent.
 
 The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
 ``--api-key`` (default ``$LOGITCACHE_API_KEY``). Progress is in tokens (``tokens_done`` of
