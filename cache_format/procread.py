@@ -117,7 +117,9 @@ class Regions:
     def args(self) -> tuple[int, int, int, str, bool]:
         return self.rows, self.tokens, self.k, self.lp_dtype, self.mask
 
-    def views(self, buf: Any) -> tuple[np.ndarray, ...]:
+    def views(
+        self, buf: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
         """``(ids [R, k], lp [R, k], tail [R], mask [R] or None, tokens [T])`` over ``buf``."""
         r, k = self.rows, self.k
         ids = np.frombuffer(buf, np.int32, r * k, self.ids).reshape(r, k)

@@ -491,9 +491,10 @@ class CacheReader:
             if blockwise:
                 lp = d.view(np.float16 if dtype == "float16" else np.float32)
                 if dtype == "float16" and logprob_dtype == "float32":
-                    lp = into[s].get("lp") if into is not None else None
-                    if lp is None or lp.shape != d.shape or lp.dtype != np.float32:
-                        lp = np.empty(d.shape, dtype=np.float32)
+                    given = into[s].get("lp") if into is not None else None
+                    if given is None or given.shape != d.shape or given.dtype != np.float32:
+                        given = np.empty(d.shape, dtype=np.float32)
+                    lp = given
                 for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
                     tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
                     cost.append((b - a) * d.shape[1] * 6)  # bytes read + written

@@ -219,6 +219,7 @@ def _encode_groups(
             tails[a:b] = tail_from_logprobs(lp)
         else:
             tails[a:b] = np.concatenate([r.tail_or_computed() for r in part])
+    arrays: dict[str, np.ndarray]
     if stored is not None:
         arrays = {spec.TOPK_LOGPROBS: stored}
     else:
