@@ -108,7 +108,7 @@ def ray_cluster(tiny, vllm_env):
     ray.shutdown()
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
     """``python -m logitcache.server.distributed ARGS`` in a subprocess."""
     argv = [sys.executable, "-m", "logitcache.server.distributed", *args]
     return subprocess.run(
