@@ -37,6 +37,32 @@ def row_kl(batch: dict[str, torch.Tensor], t_lp: torch.Tensor) -> torch.Tensor:
     return torch.where(batch["loss_mask"], kl, torch.zeros_like(kl))
 
 
+def _packed(
+    url: str,
+    tokens_per_item: int,
+    batch_items: int,
+    seed: int,
+    epoch: int,
+    tokenizer: Any,
+    vocab_size: int | None,
+) -> Any:
+    """The comparison's ``CacheDataset`` over ``url`` (packed, batched as it trains), at
+    ``epoch``."""
+    from logitcache.client import CacheDataset
+
+    ds = CacheDataset(
+        source=url,
+        tokens_per_item=tokens_per_item,
+        mode="pack",
+        batch_size=batch_items,
+        seed=seed,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+    )
+    ds.set_epoch(epoch)
+    return ds
+
+
 def same_stream(
     urls: list[str],
     *,
@@ -51,20 +77,9 @@ def same_stream(
     """Whether the caches at ``urls`` (the scored cache and those derived from it) yield the same
     ``input_ids``, ``position_ids`` and ``loss_mask`` in their first ``batches`` batches of
     ``epoch``: every method trains on the same inputs in the same order."""
-    from logitcache.client import CacheDataset
-
     streams = []
     for url in urls:
-        ds = CacheDataset(
-            source=url,
-            tokens_per_item=tokens_per_item,
-            mode="pack",
-            batch_size=batch_items,
-            seed=seed,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size,
-        )
-        ds.set_epoch(epoch)
+        ds = _packed(url, tokens_per_item, batch_items, seed, epoch, tokenizer, vocab_size)
         got = []
         for i, b in enumerate(ds):
             if i == batches:
@@ -98,18 +113,8 @@ def row_check(
     the comparison packs it (a sequence longer than ``tokens_per_item`` is cut into pieces that
     restart at position 0: the live teacher, like the student, no longer sees their prefix)."""
     from distill_train import _body
-    from logitcache.client import CacheDataset
 
-    ds = CacheDataset(
-        source=url,
-        tokens_per_item=tokens_per_item,
-        mode="pack",
-        batch_size=batch_items,
-        seed=seed,
-        tokenizer=tokenizer,
-        vocab_size=vocab_size,
-    )
-    ds.set_epoch(0)
+    ds = _packed(url, tokens_per_item, batch_items, seed, 0, tokenizer, vocab_size)
     kls, top1 = [], []
     with torch.no_grad():
         for i, batch in enumerate(ds):

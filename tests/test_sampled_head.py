@@ -31,13 +31,7 @@ from logitcache.cache_format.sampling import (
     sampling_manifest,
     uniforms,
 )
-
-V = 64
-
-
-def teacher_rows(rows: int, seed: int = 0, scale: float = 2.5) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.log_softmax(torch.randn(rows, V, generator=g) * scale, -1)
+from sampling_support import V, teacher_rows
 
 
 def dense(ids: np.ndarray, lw: np.ndarray, vocab: int = V) -> np.ndarray:
