@@ -147,9 +147,10 @@ def cut_share(rows: Any, tokens_per_item: int) -> float:
     a multiple of ``T`` > 0 and restarts at position 0, without the prefix the row was scored
     with)."""
     import numpy as np
+    from logitcache.client.collate import cut_rows
 
     r = np.asarray(rows, dtype=np.int64)
-    return float(np.clip(r - tokens_per_item, 0, None).sum() / max(1, int(r.sum())))
+    return cut_rows(r + 1, tokens_per_item) / max(1, int(r.sum()))
 
 
 def same_text(check: dict[str, Any]) -> str:
