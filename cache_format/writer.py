@@ -521,13 +521,13 @@ class CacheWriter:
         self._remap_ids(m, cols)
         return cols
 
-    def _write(self, m: Manifest, fresh: _Batch | list[_Encoded]) -> None:
+    def _write(self, m: Manifest, fresh: _Batch) -> None:
         """Step 4 of the transaction: grow every array and write the new rows past the commit.
 
         The arrays are written concurrently (zarr's async API on zarr's event loop); the commit
         (step 5) starts only after every write has returned.
         """
-        cols = self._columns(m, fresh if isinstance(fresh, _Batch) else _Batch.of(fresh))
+        cols = self._columns(m, fresh)
         base = {
             spec.INPUT_IDS: m.num_tokens,
             spec.ID_ORDER: 0,

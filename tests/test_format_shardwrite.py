@@ -68,7 +68,7 @@ def test_leftovers_of_a_killed_writer_are_overwritten(tmp_path: Path, monkeypatc
         m = make_manifest(k=K, vocab_size=VOCAB)
         with CacheWriter.open(url, m, layout=LAYOUT) as w:
             w.append(recs[:5])
-            fresh = [writer.encode_record(r, w.manifest, i) for i, r in enumerate(stray)]
+            fresh = writer.encode_batch(stray, w.manifest)
             w._write(w.manifest, fresh)  # step 4 only: data past the commit, no commit
         with CacheWriter.open(url, m) as w:
             assert w.num_sequences == 5
@@ -116,7 +116,7 @@ def test_two_writers_taking_turns(tmp_path: Path, monkeypatch) -> None:
         assert files(tmp_path / "ref") == files(url)
         a.append(recs[10:11])  # a's kept arrays end at the commit ...
         b._refresh_manifest()
-        stray = [writer.encode_record(r, b.manifest, 0) for r in make_records(3, prefix="x")]
+        stray = writer.encode_batch(make_records(3, prefix="x"), b.manifest)
         b._write(b.manifest, stray)  # ... and b leaves rows past it, as a dead writer would
         a.append(recs[11:])  # reuses its arrays (they still end at the commit)
     r = CacheReader(url)
