@@ -520,15 +520,7 @@ class CacheReader:
     def sequence(self, i: int, *, logprob_dtype: str = "float32") -> SequenceRecord | dict:
         """Sequence ``i`` (storage order) as a :class:`SequenceRecord`; ``logprob_dtype`` as in
         :meth:`rows`."""
-        i = self._check_seq(i)
-        if self._use_processes():
-            return self._out(self._proc_records([i], logprob_dtype)[0])
-
-        def read() -> SequenceRecord:
-            ids, lp, tail, tokens, mask = self._fetch([self._span(i)], logprob_dtype, point=True)[0]
-            return SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
-
-        return self._out(self._retry(read))
+        return self._out(self._records([self._check_seq(i)], logprob_dtype)[0])
 
     def get(self, key: str) -> SequenceRecord | dict:
         """The sequence stored under ``key`` (KeyError if absent)."""
@@ -546,8 +538,15 @@ class CacheReader:
         idx = [self._check_seq(i) for i in indices]
         if not idx:
             return []
+        return [self._out(rec) for rec in self._records(idx, logprob_dtype)]
+
+    def _records(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord]:
+        """Records of sequences ``idx`` (checked indices) in one read: over the reader processes
+        when there are any and the call splits, else in this process (with retries)."""
         if self._use_processes():
-            return [self._out(rec) for rec in self._proc_records(idx, logprob_dtype)]
+            got = self._proc_records(idx, logprob_dtype)
+            if got is not None:
+                return got
 
         def read() -> list[SequenceRecord]:
             got = self._fetch([self._span(i) for i in idx], logprob_dtype, point=True)
@@ -556,14 +555,14 @@ class CacheReader:
                 for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
             ]
 
-        return [self._out(rec) for rec in self._retry(read)]
+        return self._retry(read)
 
     def _use_processes(self) -> bool:
         return self.read_processes > 0 and self.point_reads and spec.TOPK_IDS in self._direct
 
-    def _proc_records(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord]:
-        """Records of sequences ``idx`` read by the reader processes (:mod:`.procread`); a call
-        that makes one piece is read here."""
+    def _proc_records(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord] | None:
+        """Records of sequences ``idx`` read by the reader processes (:mod:`.procread`); ``None``
+        for a call that makes one piece (read in this process)."""
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
         spans = []
@@ -573,13 +572,7 @@ class CacheReader:
         cr = self._direct[spec.TOPK_IDS].chunk_rows
         groups = procread.cut(spans, self.read_processes + 1, cr)  # the caller takes a share
         if len(groups) <= 1:
-            got = self._retry(
-                lambda: self._fetch([self._span(i) for i in idx], logprob_dtype, point=True)
-            )
-            return [
-                SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
-                for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
-            ]
+            return None
         if self._procs is not None and self._procs.pid != os.getpid():
             self._procs = None  # a forked copy of the reader: the processes are the parent's
         if self._procs is None:
