@@ -109,15 +109,7 @@ def sample_rows(
     cdf = lq.exp().cumsum(-1)
     cdf = cdf / cdf[:, -1:]  # exact 1 at the end: every u < 1 finds an id
     draws = torch.searchsorted(cdf, u.to(cdf.device), right=True).clamp_max(v - 1)
-    # distinct ids and counts per row, on [r, N] only (never a sort over the vocabulary)
-    d = draws.sort(-1).values
-    new = torch.ones_like(d, dtype=torch.bool)
-    new[:, 1:] = d[:, 1:] != d[:, :-1]
-    group = new.long().cumsum(-1) - 1
-    counts = torch.zeros(r, n, dtype=torch.float64, device=lp.device)
-    counts.scatter_add_(1, group, torch.ones_like(d, dtype=torch.float64))
-    uniq = torch.zeros_like(d).scatter_(1, group, d)  # ascending distinct ids, then zeros
-    m = new.sum(-1, keepdim=True)
+    uniq, counts, m = _distinct(draws)
     if r and int(m.max()) > k:
         raise ValueError(f"a row has {int(m.max())} distinct draws, more than k={k} slots")
     slot = torch.arange(n, device=lp.device)[None, :]
@@ -138,6 +130,22 @@ def sample_rows(
         ids, lw = ids[:, :k], lw[:, :k]
     ids, lw = _pad(ids, lw, uniq, valid, m, k, v)
     return ids.cpu().numpy().astype(np.int32), lw.cpu().numpy().astype(np.float32)
+
+
+def _distinct(draws: Any) -> tuple[Any, Any, Any]:
+    """Distinct ids and counts per row of ``draws [r, N]``, on ``[r, N]`` only (never a sort
+    over the vocabulary): ``(uniq [r, N]`` ascending distinct ids then zeros, ``counts [r, N]``
+    float64 (0 past the distinct ids), ``m [r, 1]`` distinct ids per row)."""
+    import torch
+
+    d = draws.sort(-1).values
+    new = torch.ones_like(d, dtype=torch.bool)
+    new[:, 1:] = d[:, 1:] != d[:, :-1]
+    group = new.long().cumsum(-1) - 1
+    counts = torch.zeros(d.shape, dtype=torch.float64, device=d.device)
+    counts.scatter_add_(1, group, torch.ones_like(d, dtype=torch.float64))
+    uniq = torch.zeros_like(d).scatter_(1, group, d)
+    return uniq, counts, new.sum(-1, keepdim=True)
 
 
 def _pad(ids: Any, lw: Any, present: Any, valid: Any, m: Any, k: int, v: int) -> tuple[Any, Any]:
@@ -194,14 +202,7 @@ def _sample_head_rows(
     cdf = (lq_rest - lse_q_rest).exp().cumsum(-1)
     cdf = cdf / cdf[:, -1:]
     draws = torch.searchsorted(cdf, u.to(dev), right=True).clamp_max(v - 1)
-    d = draws.sort(-1).values
-    new = torch.ones_like(d, dtype=torch.bool)
-    new[:, 1:] = d[:, 1:] != d[:, :-1]
-    group = new.long().cumsum(-1) - 1
-    counts = torch.zeros(r, n, dtype=torch.float64, device=dev)
-    counts.scatter_add_(1, group, torch.ones_like(d, dtype=torch.float64))
-    uniq = torch.zeros_like(d).scatter_(1, group, d)  # ascending distinct ids, then zeros
-    m_rest = new.sum(-1, keepdim=True)
+    uniq, counts, m_rest = _distinct(draws)
     real = head + m_rest
     if r and int(real.max()) > k:
         raise ValueError(f"a row has {int(real.max())} distinct ids, more than k={k} slots")
