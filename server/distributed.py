@@ -30,8 +30,9 @@ array for array, in the same order (tests/test_deploy_ray.py). Re-running an int
 resumes it. Scaling to many nodes: docs/SCALING.md.
 
 Sampled targets (issue #12, FORMAT.md 4.4): ``--targets sampled`` with ``--draws``,
-``--proposal-temperature`` and ``--sampling-seed`` (each optional: an existing sampled cache's
-own parameters, else 64 draws at temperature 1 and seed 0, as for a job) writes a sampled cache
+``--proposal-temperature``, ``--sampling-seed`` and ``--head`` (each optional: an existing sampled
+cache's own parameters, else 64 draws at temperature 1, seed 0 and head 0, as for a job) writes a
+sampled cache
 instead of top-k rows. Every sequence's draws are seeded by (seed, key) only, so the cache equals
 the service's job (``POST /v1/jobs`` with ``targets="sampled"``) on the same input, row for row,
 whatever the number of replicas or shards.
@@ -536,6 +537,9 @@ def chosen_targets(
 
 # --- CLI -----------------------------------------------------------------------------------
 
+_SAMPLING_FIELDS = ("draws", "proposal_temperature", "sampling_seed", "head")
+"""The sampled-target settings (each only with ``--targets sampled``)."""
+
 
 class DistributedSettings(ServerSettings):
     """``logitcache-distributed``'s settings: every :class:`ServerSettings` field (the replicas'
@@ -591,13 +595,14 @@ class DistributedSettings(ServerSettings):
     """Sampled targets: tau of the proposal q ∝ p^(1/tau) (default: the cache's, else 1)."""
     sampling_seed: int | None = Field(None, ge=0, lt=2**63)
     """Sampled targets: seed of every sequence's draws (default: the cache's, else 0)."""
+    head: int | None = Field(None, ge=0, lt=MAX_DRAWS)
+    """Sampled targets: the teacher's top ``head`` ids kept exactly, the draws from the rest
+    (a row holds head + draws slots; default: the cache's, else 0)."""
 
     @model_validator(mode="after")
     def _sampling_needs_sampled(self) -> DistributedSettings:
         given = [
-            f"--{f.replace('_', '-')}"
-            for f in ("draws", "proposal_temperature", "sampling_seed")
-            if getattr(self, f) is not None
+            f"--{f.replace('_', '-')}" for f in _SAMPLING_FIELDS if getattr(self, f) is not None
         ]
         if given and self.targets != "sampled":
             raise ValueError(f"{', '.join(given)} only apply with --targets sampled")
@@ -608,7 +613,7 @@ class DistributedSettings(ServerSettings):
         defaults) or the :class:`~.engine.SampledTargets` asked for (defaults for the rest)."""
         if self.targets == "topk":
             return None
-        if self.draws is None and self.proposal_temperature is None and self.sampling_seed is None:
+        if all(getattr(self, f) is None for f in _SAMPLING_FIELDS):
             return "sampled"
         return SampledTargets(
             draws=DEFAULT_DRAWS if self.draws is None else self.draws,
@@ -616,6 +621,7 @@ class DistributedSettings(ServerSettings):
             if self.proposal_temperature is None
             else self.proposal_temperature,
             seed=0 if self.sampling_seed is None else self.sampling_seed,
+            head=0 if self.head is None else self.head,
         )
 
     def plan(self) -> Plan:

@@ -520,6 +520,10 @@ def test_cli_sampled_flags_are_checked_before_any_engine_loads(
         (["--targets", "sampled", "--draws", "4", "--sampling-seed", "3"], "conflict",
          ["k", "sampling", "targets"]),
         (["--targets", "sampled", "--proposal-temperature", "0"], "invalid_settings", None),
+        (["--head", "2"], "invalid_settings", None),
+        (["--targets", "sampled", "--draws", "4", "--head", "2"], "conflict",
+         ["k", "sampling", "targets"]),
+        (["--targets", "sampled", "--head", "-1"], "invalid_settings", None),
     ):  # fmt: skip
         assert distributed.main([*base, *extra]) == 2
         err = capsys.readouterr().err
@@ -529,6 +533,6 @@ def test_cli_sampled_flags_are_checked_before_any_engine_loads(
         if fields is not None:
             assert error["detail"] == fields, error
         else:
-            assert "targets" in error["message"] or "proposal" in error["message"], error
+            assert any(w in error["message"] for w in ("targets", "proposal", "head")), error
     assert sorted(p.name for p in cache.rglob("*")) == before
     assert not Path(f"{cache}.staging").exists()

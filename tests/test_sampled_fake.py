@@ -246,7 +246,11 @@ def test_distributed_settings_read_the_sampled_flags(tmp_path: Path) -> None:
     got = read("--targets", "sampled", "--draws", "12", "--sampling-seed", "5")
     assert got == SampledTargets(draws=12, proposal_temperature=1.0, seed=5)
     assert read("--targets", "sampled", "--proposal-temperature", "2") == SampledTargets(64, 2.0)
+    assert read("--targets", "sampled", "--head", "8") == SampledTargets(64, head=8)
+    got = read("--targets", "sampled", "--draws", "4", "--head", "16")
+    assert got == SampledTargets(draws=4, head=16) and got.slots == 20
     for bad in (["--draws", "4"], ["--targets", "topk", "--sampling-seed", "1"],
+                ["--head", "2"], ["--targets", "sampled", "--head", "-1"],
                 ["--targets", "sampled", "--draws", "0"], ["--targets", "other"]):  # fmt: skip
         with pytest.raises(ValidationError):
             read(*bad)
