@@ -12,17 +12,25 @@ scores_from_output``) turns them into rows. So every CPU-second counted is job-p
 the model's.
 
 Measured in CPU time, not wall time (the box is shared; wall-clock ratios drift with the load):
-``os.times()`` user+sys of this process over the job, divided by the positions scored (``L - 1``
-per sequence). Per-stage CPU comes from ``time.thread_time()`` around each stage in the thread
-that runs it: ``convert`` (FlatLogprobs -> int32/float32 arrays + tail mass), ``pair``
-(``to_records``), ``write`` (``CacheWriter.append``: float16 cast, blosc-zstd, CRC32C, store
-writes, manifest commit), ``sqlite`` (progress rows), ``read`` (input file -> batches, missing-key
-checks), ``submit`` (the whole input checked before the job exists); ``other`` is the rest
-(event loop, prompt checks, thread hand-offs, metrics). The replayed outputs are built before
-the clock starts and moved out of the garbage collector's sight (``gc.freeze``): in the service
-an output lives only until its batch is converted, so the collector never walks millions of
-them. The load average is
-recorded beside every figure.
+``os.times()`` user+sys of this process over the job, divided by the positions scored (``L - 1`` per
+sequence). The breakdown is by thread and by stage, every figure measured in the thread that spends
+it (``time.thread_time()`` around a stage; a thread's own CPU from
+``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as the
+job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the replay engine's
+call: the service's vLLM hook copies, on the event loop), ``convert`` (rows + tail mass, on the
+event loop), ``pair`` (``to_records``), ``encode`` (``writer.encode_batch``: checks, float16, row
+deltas, in the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C, in
+zarr's IO thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
+writes, fsyncs and renames in its ``to_thread`` workers; and the rest of ``CacheWriter.append`` in
+the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress rows), ``read``
+(input -> batches, missing-key checks), ``submit`` (the whole input checked before the job exists),
+``bookkeeping`` (the job writer thread's other work: progress, coverage, its queue), ``event_loop``
+(the event loop thread's CPU outside ``engine`` and ``convert``: HTTP, tasks, futures), ``handoffs``
+(the ``asyncio.to_thread`` workers' CPU outside the stages they run); ``other`` is what no thread or
+stage accounts for (threads ended before being seen, and the difference between the clocks). The
+replayed outputs are built before the clock starts and moved out of the garbage collector's sight
+(``gc.freeze``): in the service an output lives only until its batch is converted, so the collector
+never walks millions of them. The load average is recorded beside every figure.
 
 Usage::
 
@@ -112,15 +120,51 @@ class StageClock:
 
         return counted
 
+    def add(self, name: str, seconds: float) -> None:
+        self.cpu[name] = self.cpu.get(name, 0.0) + seconds
+
     def wrap(self, name: str, fn: Any) -> Any:
         def timed(*a: Any, **kw: Any) -> Any:
             t0 = time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
-                self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - t0
+                self.add(name, time.thread_time() - t0)
 
         return timed
+
+    def wrap_async(self, name: str, fn: Any) -> Any:
+        """Time a coroutine function that never suspends (its whole body runs in one step)."""
+
+        async def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return await fn(*a, **kw)
+            finally:
+                self.add(name, time.thread_time() - t0)
+
+        return timed
+
+
+#: Threads that ended while a job ran: ``tid -> (name, CPU seconds of the thread's whole life)``
+#: (a thread's /proc entry is gone once it ends, e.g. the job's writer thread).
+ENDED: dict[int, tuple[str, float]] = {}
+
+
+def _track_thread_ends() -> None:
+    """Record every thread's CPU time as it ends (``threading.Thread.run`` wrapped once)."""
+    if getattr(threading.Thread.run, "_tracked", False):
+        return
+    original = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        try:
+            original(self)
+        finally:
+            ENDED[threading.get_native_id()] = (self.name, time.thread_time())
+
+    run._tracked = True  # type: ignore[attr-defined]
+    threading.Thread.run = run  # type: ignore[method-assign]
 
 
 def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "arrays") -> Any:
@@ -197,11 +241,18 @@ async def run_job(
         state_dir=work / "state",
         **settings_kw,
     )
+    from logitcache.cache_format import shardwrite, store, writer
+
+    put_durable = store.DurableLocalStore._put_durable
+
     engine._convert = clock.wrap("convert", engine._convert)
+    engine._generate = clock.wrap_async("engine", engine._generate)
     patches = [
         (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
-        (WriterHandle, "append", clock.wrap("write", clock.count_append(WriterHandle.append))),
-        (WriterHandle, "missing", clock.wrap("read", WriterHandle.missing)),
+        (WriterHandle, "append", clock.wrap("append", clock.count_append(WriterHandle.append))),
+        (writer, "encode_batch", clock.wrap("encode", writer.encode_batch)),
+        (shardwrite, "encode_chunk", clock.wrap("compress", shardwrite.encode_chunk)),
+        (store.DurableLocalStore, "_put_durable", clock.wrap("put", put_durable)),
         (job_store.JobStore, "progress", clock.wrap("sqlite", job_store.JobStore.progress)),
         (jobs.JobRunner, "_batches", _wrap_gen(clock, jobs.JobRunner._batches)),
         (jobs.JobRunner, "_scan", clock.wrap("submit", jobs.JobRunner._scan)),
@@ -223,6 +274,7 @@ async def run_job(
                 prof = cProfile.Profile() if PROFILE else None
                 if prof is not None:
                     prof.enable()
+                ENDED.clear()
                 threads0 = thread_cpu()
                 cpu0, wall0 = os.times(), time.perf_counter()
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
@@ -242,6 +294,8 @@ async def run_job(
         raise SystemExit(f"job failed: {job}")
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     sys_s = cpu1.system - cpu0.system
+    for tid, (name, cpu_s) in ENDED.items():  # ended inside the job: its whole life's CPU
+        threads1.setdefault(f"{tid}:{name}", cpu_s)
     per_thread = {n: v - threads0.get(n, 0.0) for n, v in threads1.items()}
     per_thread = {n: v for n, v in per_thread.items() if v > 0}
     return {
@@ -254,18 +308,62 @@ async def run_job(
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds per thread of this process, by ``tid:name`` (``/proc/self/task``)."""
+    """CPU seconds per thread of this process, by ``tid:name`` (``/proc/self/task``: the
+    scheduler's ns count, ``schedstat``, else the ``stat`` ticks)."""
     tick = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
     out = {}
     for task in Path("/proc/self/task").iterdir():
         try:
             raw = (task / "stat").read_text()
-        except OSError:
+            ns = (task / "schedstat").read_text().split()[0]
+        except (OSError, IndexError):
             continue
         name = names.get(int(task.name)) or raw[raw.index("(") + 1 : raw.rindex(")")]
         f = raw[raw.rindex(")") + 2 :].split()
-        out[f"{task.name}:{name}"] = (int(f[11]) + int(f[12])) / tick
+        ticks = (int(f[11]) + int(f[12])) / tick
+        out[f"{task.name}:{name}"] = int(ns) / 1e9 if ns.isdigit() else ticks
+    return out
+
+
+def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
+    """Per-thread CPU summed by role: ``event_loop`` (the main thread), ``workers``
+    (``asyncio.to_thread``), ``job_writer``, ``zarr_io`` (zarr's own event loop thread),
+    ``other_threads``."""
+    out = dict.fromkeys(("event_loop", "workers", "job_writer", "zarr_io", "other_threads"), 0.0)
+    for key, v in per_thread.items():
+        name = key.split(":", 1)[1]
+        role = (
+            "event_loop"
+            if name == "MainThread"
+            else "workers"
+            if name.startswith("asyncio_")
+            else "job_writer"
+            if name.startswith("job-writer")
+            else "zarr_io"
+            if name.startswith("zarr_io")
+            else "other_threads"
+        )
+        out[role] += v
+    return out
+
+
+def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: float) -> dict:
+    """Seconds per stage, each thread's CPU split into the stages it ran (see the module
+    docstring); ``other``: the total less every thread's and stage's share."""
+    g = stage_s.get
+    out = {n: g(n, 0.0) for n in ("engine", "convert", "pair", "encode", "compress", "sqlite")}
+    out["read"], out["submit"] = g("read", 0.0), g("submit", 0.0)
+    append = g("append", 0.0)
+    put = g("put", 0.0)  # object files: write, fsync, rename (zarr's to_thread workers)
+    out["write"] = (
+        max(groups["zarr_io"] - g("compress", 0.0), 0.0) + append - g("encode", 0.0) + put
+    )
+    out["bookkeeping"] = max(groups["job_writer"] - append - g("sqlite", 0.0), 0.0)
+    out["event_loop"] = max(groups["event_loop"] - g("engine", 0.0) - g("convert", 0.0), 0.0)
+    in_workers = g("read", 0.0) + g("submit", 0.0) + g("pair", 0.0) + put
+    out["handoffs"] = max(groups["workers"] - in_workers, 0.0) + groups["other_threads"]
+    out["other"] = total_s - sum(out.values())
     return out
 
 
@@ -348,9 +446,10 @@ def one_run(
     res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
     shutil.rmtree(work, ignore_errors=True)
     positions = sum(len(p) - 1 for p in prompts)
-    stages = {n: v / positions * 1e6 for n, v in sorted(clock.cpu.items())}
+    groups = thread_groups(res["threads"])
+    split = breakdown(clock.cpu, groups, res["cpu_s"])
+    stages = {n: v / positions * 1e6 for n, v in split.items()}
     total_us = res["cpu_s"] / positions * 1e6
-    stages["other"] = total_us - sum(stages.values())
     return {
         "k": k,
         "form": form,
@@ -363,9 +462,11 @@ def one_run(
         "rows_per_append": clock.appends,
         "prefill_sequences": prefill,
         "stage_us_per_position": stages,
+        "stage_clock_us_per_position": {n: v / positions * 1e6 for n, v in clock.cpu.items()},
         "load_avg_1min_before": load,
         "load_avg_1min_after": os.getloadavg()[0],
         "thread_cpu_s": res["threads"],
+        "thread_group_us_per_position": {n: v / positions * 1e6 for n, v in groups.items()},
     }
 
 
@@ -418,6 +519,7 @@ def main() -> None:
     args = p.parse_args()
     global PROFILE
     PROFILE = args.profile
+    _track_thread_ends()
     if args.zarr_writes:
         from logitcache.cache_format import writer
 
