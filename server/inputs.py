@@ -410,11 +410,22 @@ class InputSummary:
     counts: long_inputs.InputCounts = field(default_factory=long_inputs.InputCounts)
 
 
-def scan(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> InputSummary:
+def scan(
+    raws: Iterable[RawRecord],
+    tokenize: Tokenize,
+    limits: Limits,
+    keep: list[Sequence] | None = None,
+    keep_tokens: int = 0,
+) -> InputSummary:
     """Check every record before a job is accepted; list up to :data:`MAX_LISTED_ERRORS` errors.
 
     Raises :class:`InvalidInputError` (422) with ``detail`` = the problems found, or for empty
     input. Nothing is written either way.
+
+    With ``keep``, the checked sequences are appended to it while they hold at most
+    ``keep_tokens`` tokens in all (past that, ``keep`` is emptied and stays empty): for a valid
+    input they are what :func:`sequences` yields, so a job can run from them without reading
+    and checking its input a second time (issue #19).
     """
     n = tokens = 0
     errors: list[str] = []
@@ -422,6 +433,11 @@ def scan(raws: Iterable[RawRecord], tokenize: Tokenize, limits: Limits) -> Input
     for _raw, seq in valid_records(raws, tokenize, limits, errors, counts):
         n += 1
         tokens += seq.length
+        if keep is not None:
+            if tokens <= keep_tokens:
+                keep.append(seq)
+            elif keep:
+                keep.clear()
     if errors:
         raise InvalidInputError(
             f"the input has {len(errors)}{'+' if len(errors) >= MAX_LISTED_ERRORS else ''} "

@@ -6,10 +6,12 @@ the problems). A rejected job writes nothing and leaves no row.
 
 Running (one job at a time, oldest first) is :func:`logitcache.server.pipeline.run`, the batch
 pipeline shared with on-demand scoring and the Ray shards: batches are formed from the input
-(:func:`~logitcache.server.inputs.batches`, a pure function of the input) and checked against the
-cache's keys in a worker thread; up to ``job_inflight_batches`` batches are in the engine at once
-(only one while on-demand ``/v1/score`` requests are in progress: the engine serves requests in
-arrival order, so fewer job tokens queued ahead of them means lower on-demand latency); a writer
+(:func:`~logitcache.server.inputs.batches`, a pure function of the input: the sequences that the
+submission checked, kept in memory up to :data:`KEEP_INPUT_TOKENS`, else the input read and
+checked again) and checked against the cache's keys in a worker thread; up to
+``job_inflight_batches`` batches are in the engine at once (only one while on-demand
+``/v1/score`` requests are in progress: the engine serves requests in arrival order, so fewer job
+tokens queued ahead of them means lower on-demand latency); a writer
 thread, fed by a bounded queue (``job_write_queue``), appends each scored batch to the cache (one
 commit per batch) and only then advances the job's progress counters.
 
@@ -60,6 +62,12 @@ log = logging.getLogger("logitcache.server.jobs")
 #: 11.5 CPU-us/position with the earlier 1M cap, 10K-row groups, against 7.4 with this one).
 MERGE_ROWS = 65536
 MERGE_VALUES = 1 << 23
+
+#: Tokens of checked input that submitted jobs keep in memory until they run, in all: such a job
+#: runs from the sequences its submission checked instead of reading and checking its input
+#: again (issue #19: ~0.15 CPU-us/position). A larger input, or a job resumed after a restart,
+#: reads its input again (and refuses to run if the input changed since its submission).
+KEEP_INPUT_TOKENS = 1 << 25
 
 
 @dataclass
@@ -114,6 +122,8 @@ class JobRunner:
         self._cancel = threading.Event()
         self._stats: dict[str, _RunStats] = {}
         self._kinds: dict[str, tuple[str, SamplingOptions | None]] = {}  # job id -> targets
+        # job id -> (tokens, sequences): the checked input of a job not yet started
+        self._kept: dict[str, tuple[int, list[inputs.Sequence]]] = {}
         metrics.watch_job_states(self.store.count_by_state)
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -157,7 +167,8 @@ class JobRunner:
         manifest = await asyncio.to_thread(
             chat.job_manifest, self.scoring, name, manifest, req.loss_mask
         )
-        summary, digest = await asyncio.to_thread(self._scan, req)
+        kept: list[inputs.Sequence] = []
+        summary, digest = await asyncio.to_thread(self._scan, req, kept)
         counts = summary.counts.as_dict()
         job = await asyncio.to_thread(  # job-table writes off the event loop (fsync'd)
             self.store.create,
@@ -169,18 +180,24 @@ class JobRunner:
             tokens_total=summary.tokens,
         )
         await asyncio.to_thread(self.store.set_input_counts, job.id, counts)
+        if len(kept) == summary.sequences:  # the whole input fits in the budget
+            self._kept[job.id] = (summary.tokens, kept)
         self._kinds[job.id] = _kind_of(manifest.targets, manifest.sampling)  # as resolved
         self._wake.set()
         return await asyncio.to_thread(self.status, job.id)
 
-    def _scan(self, req: JobCreate) -> tuple[inputs.InputSummary, str]:
+    def _scan(self, req: JobCreate, keep: list[inputs.Sequence]) -> tuple[inputs.InputSummary, str]:
+        """The input's summary and digest; its checked sequences go to ``keep`` when they fit
+        in what :data:`KEEP_INPUT_TOKENS` leaves (else ``keep`` stays empty)."""
         raws = inputs.raw_records(
             file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
         digest = inputs.input_digest(
             file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
-        return inputs.scan(raws, self._tokenize(req), self._limits(req)), digest
+        budget = KEEP_INPUT_TOKENS - sum(t for t, _ in list(self._kept.values()))
+        tok, limits = self._tokenize(req), self._limits(req)
+        return inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget), digest
 
     def _limits(self, spec: JobCreate) -> inputs.Limits:
         """The server's limits with the job's long-sequence rule (``on_long``)."""
@@ -201,6 +218,8 @@ class JobRunner:
         job = self.store.request_cancel(job_id)
         if job.state == JobState.running and self._current == job_id:
             self._cancel.set()
+        elif job.state == JobState.cancelled:
+            self._kept.pop(job_id, None)
         return self._status(job)
 
     def _status(self, job: JobRecord) -> JobStatus:
@@ -307,14 +326,16 @@ class JobRunner:
 
     async def _pipeline(self, job: JobRecord, stats: _RunStats) -> None:
         spec = JobCreate.model_validate(job.spec)
-        digest = await asyncio.to_thread(
-            inputs.input_digest,
-            file=spec.file,
-            records=spec.records,
-            data_dir=self.settings.data_dir,
-        )
-        if digest != job.input_digest:
-            raise ServiceError("the input file changed since the job was submitted")
+        kept = self._kept.pop(job.id, None)
+        if kept is None:  # read again (a resumed job, or an input too large to keep)
+            digest = await asyncio.to_thread(
+                inputs.input_digest,
+                file=spec.file,
+                records=spec.records,
+                data_dir=self.settings.data_dir,
+            )
+            if digest != job.input_digest:
+                raise ServiceError("the input file changed since the job was submitted")
         asked = targets.of_request(spec)
         manifest = await asyncio.to_thread(
             targets.target_manifest,
@@ -330,16 +351,23 @@ class JobRunner:
         cm = self.caches.writer(job.cache, manifest)
         handle = await asyncio.to_thread(cm.__enter__)
         try:
-            await self._stream(job, spec, handle, stats)
+            await self._stream(job, spec, handle, stats, None if kept is None else kept[1])
         finally:
             await asyncio.to_thread(cm.__exit__, None, None, None)
 
-    def _batches(self, spec: JobCreate, handle: WriterHandle) -> Iterator[pipeline.Batch]:
-        """The job's batches (a generator: the input is read in the pipeline's worker thread)."""
-        raws = inputs.raw_records(
-            file=spec.file, records=spec.records, data_dir=self.settings.data_dir
-        )
-        seqs = inputs.sequences(raws, self._tokenize(spec), self._limits(spec))
+    def _batches(
+        self, spec: JobCreate, handle: WriterHandle, kept: list[inputs.Sequence] | None = None
+    ) -> Iterator[pipeline.Batch]:
+        """The job's batches (a generator: the input is read in the pipeline's worker thread),
+        from the sequences its submission checked when they were ``kept``."""
+        seqs: Iterator[inputs.Sequence]
+        if kept is not None:
+            seqs = iter(kept)
+        else:
+            raws = inputs.raw_records(
+                file=spec.file, records=spec.records, data_dir=self.settings.data_dir
+            )
+            seqs = inputs.sequences(raws, self._tokenize(spec), self._limits(spec))
         yield from pipeline.plan(
             seqs,
             handle.missing,
@@ -348,7 +376,12 @@ class JobRunner:
         )
 
     async def _stream(
-        self, job: JobRecord, spec: JobCreate, handle: WriterHandle, stats: _RunStats
+        self,
+        job: JobRecord,
+        spec: JobCreate,
+        handle: WriterHandle,
+        stats: _RunStats,
+        kept: list[inputs.Sequence] | None = None,
     ) -> None:
         """The job's batches through :func:`.pipeline.run`: appended to ``handle`` in order,
         progress advanced after each commit; only one batch in the engine while on-demand
@@ -357,7 +390,7 @@ class JobRunner:
         depth = self.settings.job_inflight_batches
         sampled = targets.targets_of(handle.manifest)  # None: top-k rows
         await pipeline.run(
-            self._batches(spec, handle),
+            self._batches(spec, handle, kept),
             score=lambda seqs: pipeline.score_records(
                 self.scoring.engine,
                 seqs,
