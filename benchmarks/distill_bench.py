@@ -113,6 +113,81 @@ def paired_goal2_lines(methods: dict[str, dict[str, Any]], g: dict[str, Any]) ->
     ]
 
 
+#: Two-sided 95% Student t quantiles by degrees of freedom (df > 30 uses df = 30's: wider).
+T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def paired_stats(gaps: list[float]) -> dict[str, float]:
+    """Mean, standard error and the two-sided 95% t interval of paired per-seed gaps."""
+    n = len(gaps)
+    mean = statistics.fmean(gaps)
+    se = statistics.stdev(gaps) / n**0.5 if n > 1 else float("inf")
+    t = T975[min(n - 1, len(T975)) - 1] if n > 1 else float("inf")
+    return {"n": n, "mean": mean, "se": se, "lo": mean - t * se, "hi": mean + t * se}
+
+
+def rule_verdict(st: dict[str, float]) -> str:
+    """The goal-2 rule declared before the 24-seed runs (benchmarks/results/
+    distill_t128_plan2.txt), on the paired gap sampled / top-k+tail - 1: mean <= 0 -> met;
+    mean > 0 with the 95% interval reaching 0 -> met only as "no worse within the noise";
+    interval wholly above 0 -> NOT met."""
+    if st["mean"] <= 0:
+        return "**met** (paired mean <= 0)"
+    if st["lo"] <= 0:
+        return (
+            '**met only as "no worse within the noise"** (paired mean > 0, its 95% interval '
+            "includes 0)"
+        )
+    return "**NOT met** (sampled worse: the 95% interval lies above 0)"
+
+
+def pair_gaps(reports: list[dict[str, Any]], a: str, b: str) -> tuple[list[int], list[float]]:
+    """Seeds where both ``a`` and ``b`` ran, and ``KL(a) / KL(b) - 1`` on each."""
+    seeds, gaps = [], []
+    for r in reports:
+        ms = r["methods"]
+        if a in ms and b in ms:
+            seeds.append(r["train"]["seed"])
+            gaps.append(ms[a]["kl"] / ms[b]["kl"] - 1.0)
+    return seeds, gaps
+
+
+def rule_lines(reports: list[dict[str, Any]], pairs: list[str]) -> list[str]:
+    """Per ``A:B`` pair the paired per-seed KL of A vs B over the seeds that ran both, with
+    mean, standard error, 95% interval and :func:`rule_verdict`."""
+    if not pairs:
+        return []
+    out = [
+        "Goal 2 by the rule declared before the runs (distill_t128_plan2.txt): per seed "
+        "d = KL(sampled) / KL(top-k + tail) - 1 on the same data order; met if the mean of d "
+        '<= 0; met only as "no worse within the noise" if the mean > 0 but its two-sided 95% '
+        "t interval includes 0; NOT met if the interval lies above 0.",
+        "",
+    ]
+    for spec in pairs:
+        a, _, b = spec.partition(":")
+        seeds, gaps = pair_gaps(reports, a, b)
+        if len(gaps) < 2:
+            out.append(f"- `{a}` vs `{b}`: fewer than two seeds ran both")
+            continue
+        st = paired_stats(gaps)
+        ka = statistics.fmean(r["methods"][a]["kl"] for r in reports if r["train"]["seed"] in seeds)
+        kb = statistics.fmean(r["methods"][b]["kl"] for r in reports if r["train"]["seed"] in seeds)
+        run = seeds == list(range(seeds[0], seeds[-1] + 1))
+        span = f"seeds {seeds[0]}-{seeds[-1]}" if run else f"seeds {seeds}"
+        out.append(
+            f"- `{a}` vs `{b}`, {st['n']} seeds ({span}): mean KL {ka:.4f} vs {kb:.4f}; paired "
+            f"mean {100 * st['mean']:+.2f}% (standard error {100 * st['se']:.2f} points, 95% "
+            f"interval {100 * st['lo']:+.2f}% to {100 * st['hi']:+.2f}%): "
+            f"{rule_verdict(st)}. Per seed: {', '.join(f'{100 * x:+.1f}%' for x in gaps)}"
+        )
+    return out
+
+
 def cpu_goal_lines(methods: dict[str, dict[str, Any]]) -> list[str]:
     """Goal 1 judged again with the step's CPU time in the training thread instead of its wall
     time (a second view of the same runs; the verdict above stays the wall-time one)."""
@@ -178,6 +253,7 @@ def markdown(
     intro: list[str] | None = None,
     previous: dict[str, Any] | None = None,
     previous_tag: str = "",
+    rules: list[str] | None = None,
 ) -> str:
     r0 = reports[0]
     seeds = [r["train"]["seed"] for r in reports]
@@ -235,6 +311,8 @@ def markdown(
         )
     lines += paired_goal2_lines(methods, g)
     lines += cpu_goal_lines(methods)
+    if rules:
+        lines += ["", *rule_lines(reports, rules)]
     if previous is not None:
         lines += ["", *previous_lines(methods, previous, previous_tag)]
     lines += ["", "Per seed:", ""]
@@ -307,6 +385,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reports (WORKDIR/seed<s>/distill.json) plus a row check of the scored cache at each "
         "configuration's item layout; repeat per configuration",
     )
+    p.add_argument(
+        "--pair",
+        metavar="SAMPLED:TOPK_TAIL",
+        action="append",
+        default=[],
+        help="judge goal 2 on this pair of methods by the pre-declared paired rule (seeds that "
+        "ran both; repeat)",
+    )
     p.add_argument("--check-batches", type=int, default=30, help="--ablation row-check batches")
     p.add_argument(
         "--ablation-methods",
@@ -352,11 +438,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reports = [json.loads((args.workdir / f"seed{s}" / "distill.json").read_text()) for s in seeds]
     methods = combine(reports)
     result = {"seeds": reports, "mean": methods, "goals": goals(methods)}
+    if args.pair:
+        result["paired_rule"] = {
+            spec: {"seeds": sd, "gaps": gp, **paired_stats(gp)}
+            for spec in args.pair
+            for sd, gp in [pair_gaps(reports, *spec.split(":", 1))]
+            if len(gp) >= 2
+        }
     args.out_json.write_text(json.dumps(result, indent=1) + "\n")
     previous = json.loads(args.previous.read_text()) if args.previous else None
     intro = [x for para in args.intro for x in (para, "")]
     text = markdown(
-        reports, methods, intro=intro, previous=previous, previous_tag=args.previous_tag
+        reports,
+        methods,
+        intro=intro,
+        previous=previous,
+        previous_tag=args.previous_tag,
+        rules=args.pair,
     )
     args.out_md.write_text(text)
     print(text)

@@ -104,7 +104,9 @@ def distill_series(result: Mapping) -> tuple[dict[str, list[Point]], float]:
     for method, row in mean.items():
         if "@" not in method or row.get("bytes_per_position") is None:
             continue
-        family = method.split("@")[0].removeprefix("offline_")
+        base, _, size = method.partition("@")
+        _, mark, tau = size.partition("~tau")  # a sampled variant at its own proposal tau
+        family = base.removeprefix("offline_") + (f" tau={tau}" if mark else "")
         series.setdefault(family, []).append((float(row["bytes_per_position"]), float(row["kl"])))
     return series, float(mean["online_kd"]["kl"])
 

@@ -19,6 +19,14 @@ On the live fixture teacher (``fixtures/tiny.py``, temperature 1) and its held-o
 * the CPU time of ``sample_rows`` per position, head vs plain, side by side.
 
 Writes ``benchmarks/results/sampled_head.json`` and ``.md`` (command, machine, load average).
+
+``--taus 0.8,1,1.25`` instead picks the **proposal temperature** of plain RS-KD (issue #12):
+per tau and number of draws the cache's bytes/position on disk, the first-order variance
+``(1/N) sum_j p_j^2 / q_j (1 - 2 p_j + sum p^2)`` of the self-normalised estimator (exact at
+tau = 1) and its Monte Carlo value on the same uniforms for every tau; each tau's variance
+interpolated (log-log over draws) at the bytes of tau = 1 with ``--tau-draws`` draws, as a
+fraction of tau = 1's. Writes ``--out`` (default ``benchmarks/results/distill_t128_tau.json``)
+and ``.md``.
 """
 
 from __future__ import annotations
@@ -71,8 +79,22 @@ def exact_variance(lp: Any, head: int, draws: int) -> np.ndarray:
     return (mass**2 * (1 - (pi * pi).sum(-1)) / draws).numpy()
 
 
-def mc_variance(lp: Any, head: int, draws: int, reps: int) -> float:
-    """Mean over rows and ``reps`` seeds of ``||w - p||^2`` of the stored rows."""
+def delta_variance(lp: Any, draws: int, tau: float) -> np.ndarray:
+    """Per-row first-order ``sum_v E[(w_v - p_v)^2]`` of plain RS-KD (self-normalised weights
+    ``c_v p_v / q_v``) with proposal ``q ∝ p^(1/tau)``: ``(1/N) sum_j p_j^2 / q_j (1 - 2 p_j +
+    sum p^2)`` (the delta method; exact at ``tau = 1``, where it is ``(1 - sum p^2) / N``)."""
+    import torch
+
+    lp = lp.double()
+    lq = torch.log_softmax(lp / tau, -1)
+    p = lp.exp()
+    s2 = (p * p).sum(-1, keepdim=True)
+    return ((2 * lp - lq).exp() * (1 - 2 * p + s2)).sum(-1).numpy() / draws
+
+
+def mc_variance(lp: Any, head: int, draws: int, reps: int, tau: float = 1.0) -> float:
+    """Mean over rows and ``reps`` seeds of ``||w - p||^2`` of the stored rows (the same
+    uniforms for every ``tau``)."""
     import torch
     from logitcache.cache_format.sampling import PAD_LOGPROB, sample_rows, uniforms
 
@@ -80,7 +102,8 @@ def mc_variance(lp: Any, head: int, draws: int, reps: int) -> float:
     pp = (p * p).sum(-1)
     total = 0.0
     for r in range(reps):
-        ids, lw = sample_rows(lp, uniforms(1000 + r, "mc", lp.shape[0], draws), head=head)
+        u = uniforms(1000 + r, "mc", lp.shape[0], draws)
+        ids, lw = sample_rows(lp, u, tau, head=head)
         ids_t = torch.from_numpy(ids.astype(np.int64))
         w = torch.from_numpy(lw.astype(np.float64)).exp() * torch.from_numpy(lw > PAD_LOGPROB)
         pw = p.gather(1, ids_t)
@@ -92,7 +115,9 @@ def _size(url: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(url) for f in files)
 
 
-def write_cache(url: str, lps: list[Any], keys: list[str], seqs: list, head: int, n: int) -> dict:
+def write_cache(
+    url: str, lps: list[Any], keys: list[str], seqs: list, head: int, n: int, tau: float = 1.0
+) -> dict:
     """The sampled cache of one configuration; its bytes/position and mean distinct ids."""
     from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
     from logitcache.cache_format.sampling import PAD_LOGPROB, sample_rows, sampling_manifest
@@ -105,13 +130,13 @@ def write_cache(url: str, lps: list[Any], keys: list[str], seqs: list, head: int
         vocab_size=vocab,
         k=head + n,
         targets="sampled",
-        sampling=sampling_manifest(n, 1.0, 0, head),
+        sampling=sampling_manifest(n, tau, 0, head),
         logprob_dtype="float16",
     )
     recs, distinct, rows, cpu = [], 0, 0, 0.0
     for key, s, lp in zip(keys, seqs, lps, strict=True):
         t0 = time.process_time()
-        ids, lw = sample_rows(lp, unif(0, key, lp.shape[0], n), head=head)
+        ids, lw = sample_rows(lp, unif(0, key, lp.shape[0], n), tau, head=head)
         cpu += time.process_time() - t0
         distinct += int((lw > PAD_LOGPROB).sum())
         rows += lp.shape[0]
@@ -142,6 +167,123 @@ def interp_plain(plain: list[dict], b: float) -> float | None:
     return None
 
 
+def interp_at(rows: list[dict], key: str, b: float) -> float | None:
+    """``rows[*][key]`` at ``b`` bytes/position, log-log between the two rows around it."""
+    pts = sorted((r["bytes_per_position"], r[key]) for r in rows)
+    for (b0, v0), (b1, v1) in zip(pts, pts[1:], strict=False):
+        if b0 <= b <= b1 and b1 > b0:
+            t = (math.log(b) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return math.exp(math.log(v0) + t * (math.log(v1) - math.log(v0)))
+    return None
+
+
+def tau_choice(configs: list[dict], tau_draws: int) -> dict[str, Any]:
+    """Every tau's variance at the bytes of ``tau = 1`` with ``tau_draws`` draws, as a fraction
+    of tau = 1's (first-order and Monte Carlo), the draws whose cache is nearest those bytes,
+    and the tau of least first-order variance (``best``; 1.0 unless another is lower)."""
+    ref = next(c for c in configs if c["tau"] == 1.0 and c["draws"] == tau_draws)
+    b = ref["bytes_per_position"]
+    out: dict[str, Any] = {"target_bytes": b, "reference": ref, "taus": []}
+    for tau in sorted({c["tau"] for c in configs}):
+        rows = [c for c in configs if c["tau"] == tau]
+        vd, vm = interp_at(rows, "variance_delta", b), interp_at(rows, "variance_mc", b)
+        near = min(rows, key=lambda c: abs(math.log(c["bytes_per_position"] / b)))
+        out["taus"].append(
+            {
+                "tau": tau,
+                "variance_delta_at_bytes": vd,
+                "variance_mc_at_bytes": vm,
+                "ratio_delta": None if vd is None else vd / ref["variance_delta"],
+                "ratio_mc": None if vm is None else vm / ref["variance_mc"],
+                "nearest_draws": near["draws"],
+                "nearest_bytes": near["bytes_per_position"],
+                "nearest_variance_delta": near["variance_delta"],
+            }
+        )
+    ok = [t for t in out["taus"] if t["ratio_delta"] is not None]
+    out["best"] = min(ok, key=lambda t: t["ratio_delta"])["tau"] if ok else 1.0
+    return out
+
+
+def tau_markdown(r: dict[str, Any]) -> str:
+    ch = r["choice"]
+    la0 = ", ".join(f"{x:.2f}" for x in r["load_average_start"])
+    la1 = ", ".join(f"{x:.2f}" for x in r["load_average_end"])
+    lines = [
+        "# Proposal temperature of sampled targets at ~250 B/position (issue #12)",
+        "",
+        f"Command: `{r['command']}` ({r['started']}, {r['seconds']:.0f} s). Machine: "
+        f"{r['machine']}; load average {la0} at the start, {la1} at the end.",
+        "",
+        f"Fixture teacher (V = {r['teacher']['vocab_size']}), temperature 1, "
+        f"{r['teacher']['rows']} held-out rows. Plain RS-KD: N draws from q ∝ p^(1/tau), "
+        "self-normalised importance weights (FORMAT.md). Variance = mean over rows of "
+        "`sum_v E[(w_v - p_v)^2]` (the variance of the sparse KD gradient): first-order "
+        "(delta method, exact at tau = 1) on every row, and Monte Carlo on the first "
+        f"{r['mc_rows']} rows over {r['reps']} seeds (the same uniforms for every tau). Bytes: "
+        f"the sampled cache of the {r['sequences']} sequences on disk ({r['encoding']}).",
+        "",
+        f"Target: tau = 1 with {ch['reference']['draws']} draws, "
+        f"{ch['target_bytes']:.1f} B/position. Each tau's variance interpolated log-log to those "
+        "bytes, as a fraction of tau = 1's:",
+        "",
+        "| tau | variance at the bytes (first-order) | ratio | Monte Carlo | ratio | draws "
+        "nearest the bytes | their B/pos | their variance (first-order) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in ch["taus"]:
+        f = lambda x, d=5: "out of grid" if x is None else f"{x:.{d}f}"  # noqa: E731
+        lines.append(
+            f"| {t['tau']:g} | {f(t['variance_delta_at_bytes'])} | "
+            f"{f(t['ratio_delta'], 3)} | {f(t['variance_mc_at_bytes'])} | "
+            f"{f(t['ratio_mc'], 3)} | {t['nearest_draws']} | {t['nearest_bytes']:.1f} | "
+            f"{t['nearest_variance_delta']:.5f} |"
+        )
+    lines += [
+        "",
+        f"Least first-order variance at equal bytes: **tau = {ch['best']:g}**.",
+        "",
+        "## Every configuration",
+        "",
+        "| tau | draws | B/pos | distinct ids/row | variance (first-order) | MC rows: first-order "
+        "| MC rows: measured |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in r["configs"]:
+        lines.append(
+            f"| {c['tau']:g} | {c['draws']} | {c['bytes_per_position']:.1f} | "
+            f"{c['mean_distinct']:.1f} | {c['variance_delta']:.5f} | "
+            f"{c['variance_delta_mc_rows']:.5f} | {c['variance_mc']:.5f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def tau_grid(args: argparse.Namespace, tiny: Any, lps: list[Any], seqs: list, keys: list[str]):
+    """``--taus``: the configurations of every (tau, draws) and :func:`tau_choice`."""
+    import torch
+
+    allrows = torch.cat(lps)
+    mc = allrows[: args.mc_rows]
+    taus = sorted({float(t) for t in args.taus.split(",")} | {1.0})
+    draws = sorted({int(n) for n in args.tau_grid_draws.split(",")} | {args.tau_draws})
+    configs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (tau, n) in enumerate((t, n) for t in taus for n in draws):
+            row: dict[str, Any] = {"tau": tau, "draws": n}
+            row.update(write_cache(f"{tmp}/t{i}", lps, keys, seqs, 0, n, tau))
+            row["variance_delta"] = float(delta_variance(allrows, n, tau).mean())
+            row["variance_delta_mc_rows"] = float(delta_variance(mc, n, tau).mean())
+            row["variance_mc"] = mc_variance(mc, 0, n, args.reps, tau)
+            configs.append(row)
+            print(
+                f"[tau-bench] tau {tau:4g} draws {n:4d}: {row['bytes_per_position']:7.1f} B/pos "
+                f"distinct {row['mean_distinct']:6.1f} var {row['variance_delta']:.5f} (MC "
+                f"{row['variance_mc']:.5f} vs {row['variance_delta_mc_rows']:.5f})",
+                file=sys.stderr,
+            )
+    return configs, tau_choice(configs, args.tau_draws), allrows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sequences", type=int, default=96)
@@ -150,8 +292,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--mc-rows", type=int, default=256)
     ap.add_argument("--budgets", type=float, nargs="+", default=[100.0, 250.0])
     ap.add_argument("--band", type=float, default=0.15, help="relative bytes band of a budget")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/sampled_head.json")
+    ap.add_argument("--out", type=Path, help="default: results/sampled_head.json (--taus: ...tau)")
+    ap.add_argument("--taus", help="comma list of proposal temperatures: the tau page instead")
+    ap.add_argument("--tau-draws", type=int, default=384, help="tau = 1 draws fixing the bytes")
+    ap.add_argument("--tau-grid-draws", default="192,256,320,384,448,512,640,768")
     args = ap.parse_args(argv)
+    if args.out is None:
+        name = "distill_t128_tau.json" if args.taus else "sampled_head.json"
+        args.out = ROOT / "benchmarks/results" / name
     import torch
     from logitcache.fixtures.tiny import build_tiny_models
 
@@ -162,6 +310,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seqs = tiny.token_sequences("heldout", max_len=args.seq_len, min_len=16, limit=args.sequences)
     keys = [f"h{i}" for i in range(len(seqs))]
     lps = teacher_logprobs(tiny, seqs)
+    if args.taus:
+        configs, choice, rows = tau_grid(args, tiny, lps, seqs, keys)
+        rep = {
+            "command": ".venv/bin/python "
+            + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch "
+            f"{torch.__version__}, 1 torch thread",
+            "load_average_start": load0,
+            "load_average_end": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
+            "seconds": time.time() - started,
+            "teacher": {"vocab_size": int(rows.shape[1]), "rows": int(rows.shape[0])},
+            "sequences": len(seqs),
+            "mc_rows": min(args.mc_rows, int(rows.shape[0])),
+            "reps": args.reps,
+            "encoding": "float16 log-weights, int32 ids, CacheWriter defaults",
+            "configs": configs,
+            "choice": choice,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rep, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(tau_markdown(rep))
+        print(tau_markdown(rep))
+        return rep
     allrows = torch.cat(lps)
     mc = allrows[: args.mc_rows]
     p = allrows.double().exp()

@@ -72,6 +72,27 @@ TOPK_CANDIDATES = (4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
 #: A peaked teacher repeats its head tokens: with a 1024-token vocabulary 256 draws hold fewer
 #: distinct ids, so the larger budget needs more draws than with 4096.
 DRAW_CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+#: ``offline_sampled@384~tau0.8``: a sampled method whose cache is drawn at its own proposal
+#: temperature (``--proposal-temperature`` for the others), beside the plain ``@384`` one.
+TAU_MARK = "~tau"
+
+
+def split_tau(spec: str) -> tuple[str, float | None]:
+    """``"offline_sampled@384~tau0.8"`` -> ``("offline_sampled@384", 0.8)``; a spec without
+    ``~tau`` -> ``(spec, None)``. Only offline sampled methods with ``@n`` take one; ``tau`` must
+    be finite and > 0."""
+    spec_, mark, t = spec.partition(TAU_MARK)
+    if not mark:
+        return spec, None
+    try:
+        tau = float(t)
+    except ValueError:
+        tau = float("nan")
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"bad method {spec!r}: ~tau needs a finite proposal temperature > 0")
+    if not (spec_.startswith("offline_sampled") and "@" in spec_):
+        raise ValueError(f"bad method {spec!r}: only offline_sampled@n methods take ~tau")
+    return spec_, tau
 
 
 @dataclass(frozen=True)
@@ -149,6 +170,16 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     p.add_argument("--budgets", help="comma list of storage budgets in bytes/position")
     p.add_argument("--proposal-temperature", type=float, help="sampled targets' tau")
     p.add_argument(
+        "--topk-candidates",
+        help="comma list of k whose bytes/position are probed to meet a budget (default: "
+        f"{','.join(map(str, TOPK_CANDIDATES))})",
+    )
+    p.add_argument(
+        "--draw-candidates",
+        help="comma list of draws per row probed to meet a budget (default: "
+        f"{','.join(map(str, DRAW_CANDIDATES))})",
+    )
+    p.add_argument(
         "--reuse-cache",
         action="store_true",
         default=None,
@@ -177,10 +208,18 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
         given["methods"] = tuple(m.strip() for m in given["methods"].split(",") if m.strip())
         for m in given["methods"]:
             try:
-                parse_method(m)
+                parse_method(split_tau(m)[0])
             except ValueError as e:
                 if m not in BUDGETED:
                     p.error(str(e))
+    for key in ("topk_candidates", "draw_candidates"):
+        if key in given:
+            try:
+                given[key] = tuple(int(x) for x in given[key].split(",") if x.strip())
+            except ValueError:
+                p.error(f"--{key.replace('_', '-')} must be integers, got {given[key]!r}")
+            if not given[key] or min(given[key]) < 1:
+                p.error(f"--{key.replace('_', '-')} needs sizes >= 1")
     if "budgets" in given:
         try:
             given["budgets"] = tuple(float(b) for b in given["budgets"].split(",") if b.strip())
@@ -365,9 +404,12 @@ def resolve_methods(
     for m in plan.methods:
         if m not in BUDGETED:
             specs.append(m)
-            base, n = parse_method(m)
+            plain, tau = split_tau(m)
+            base, n = parse_method(plain)
             if n is not None and base.startswith("offline"):  # online ablations: no cache
                 where[m] = {"n": n, "budget": None}
+                if tau is not None:
+                    where[m]["proposal_temperature"] = tau
             continue
         kind = "sampled" if m == "offline_sampled" else "topk"
         for b in plan.budgets:
@@ -392,31 +434,33 @@ def build_caches(
     )
 
     src_k = committed_k(src)
-    draws: dict[int, str] = {}
-    heads: dict[tuple[int, int], str] = {}
-    tau = plan.proposal_temperature
+    draws: dict[float, dict[int, str]] = {}  # per proposal temperature
+    heads: dict[tuple[int, int, float], str] = {}
     for spec, info in where.items():
         if spec.startswith("_"):
             continue
-        base, n = parse_method(spec)
+        plain, _ = split_tau(spec)
+        tau = info.get("proposal_temperature", plan.proposal_temperature)
+        base, n = parse_method(plain)
         if base == "offline_sampled_head":
-            m, d = parse_head(spec)
+            m, d = parse_head(plain)
             url = cache_dir(caches, f"sampled-head{m}+{d}-s{plan.seed}-tau{tau:g}")
-            heads[(m, d)] = url
+            heads[(m, d, tau)] = url
         elif base == "offline_sampled":
-            url = cache_dir(caches, f"sampled{n}-s{plan.seed}-tau{plan.proposal_temperature:g}")
-            draws[n] = url
+            url = cache_dir(caches, f"sampled{n}-s{plan.seed}-tau{tau:g}")
+            draws.setdefault(tau, {})[int(n)] = url
         elif n == src_k:
             url = src
         else:
             url = derive_topk_cache(src, cache_dir(caches, f"topk{n}"), n)
         info["url"] = url
-    if draws:
-        print(f"[distill] sampling {sorted(draws)} draws per row from the teacher", flush=True)
-        sampled_caches(
-            src, draws, teacher, seed=plan.seed, proposal_temperature=plan.proposal_temperature
+    for tau, dsts in draws.items():
+        print(
+            f"[distill] sampling {sorted(dsts)} draws per row from the teacher (tau {tau:g})",
+            flush=True,
         )
-    for (m, d), url in heads.items():
+        sampled_caches(src, dsts, teacher, seed=plan.seed, proposal_temperature=tau)
+    for (m, d, tau), url in heads.items():
         print(f"[distill] sampling head {m} + {d} draws per row from the teacher", flush=True)
         sampled_caches(src, {d: url}, teacher, seed=plan.seed, proposal_temperature=tau, head=m)
     for spec, info in where.items():
@@ -460,6 +504,15 @@ def split_note(url: str, tokens_per_item: int) -> str:
         "the student's context; offline methods are handicapped (use --tokens-per-item >= "
         "--seq-len)"
     )
+
+
+def spec_run(spec: str, load_student: Any, make_dataset: Any, teacher: Any, settings: Any) -> Any:
+    """:func:`make_run` for a spec that may carry ``~tau``: the loss is the plain method's (the
+    stored importance weights already hold the proposal), the stream is the spec's own cache."""
+    plain, _ = split_tau(spec)
+    run = make_run(plain, load_student, lambda _m: make_dataset(spec), teacher, settings)
+    run.method = spec
+    return run
 
 
 def committed_k(url: str) -> int:
@@ -568,7 +621,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warmup_steps=max(1, min(20, plan.steps // 10)),
             seed=plan.seed,
         )
-        runs = [make_run(m, load_student, make_dataset, teacher, settings) for m in specs]
+        runs = [spec_run(m, load_student, make_dataset, teacher, settings) for m in specs]
         print(f"[distill] training {', '.join(specs)} for {plan.steps} steps", flush=True)
         load = train_interleaved(runs, plan.steps, log_every=max(1, plan.steps // 6))
     methods = {r.method: method_summary(r, evaluate(r.student, held)) for r in runs}
