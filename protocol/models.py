@@ -280,6 +280,10 @@ class InputFile(ApiModel):
     messages_field: ShortText = "messages"
 
 
+#: Layout presets a job can create its cache with (``cache_format.spec.LAYOUTS``).
+LayoutName = Literal["default", "random_access"]
+
+
 class JobCreate(ApiModel):
     """A batch job: score every input sequence into the named cache (created if absent)."""
 
@@ -321,6 +325,12 @@ class JobCreate(ApiModel):
         description='targets="sampled" only; default: the cache\'s own, else 64 draws, tau 1, '
         "seed 0",
     )
+    layout: LayoutName | None = Field(
+        None,
+        description="layout preset of a new cache (cache_format FORMAT.md 4.7): default, or "
+        "random_access (256-row chunks, lz4: cheaper sequence(i) reads, ~25% larger); an "
+        "existing cache keeps its own (another preset than its own is a 409); default: default",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
@@ -356,6 +366,9 @@ class JobStatus(ApiModel):
         None,
         description='targets="sampled" only: the draws, proposal temperature and seed the '
         "job's rows are drawn with (the cache's own when the job named none)",
+    )
+    layout: LayoutName | None = Field(
+        None, description="the layout preset the job asked for its cache (null: none named)"
     )
     created_at: datetime
     started_at: datetime | None = None

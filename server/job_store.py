@@ -48,12 +48,12 @@ CREATE TABLE IF NOT EXISTS jobs (
 """
 
 #: Columns added after the first release (``ALTER TABLE`` on an older database).
-_ADDED_COLUMNS = {"spec_z": "BLOB"}
+_ADDED_COLUMNS = {"spec_z": "BLOB", "layout": "TEXT"}
 
 #: Every column but the job's input (listing never reads inputs).
 _LIST_COLUMNS = (
     "id, cache, k, state, input_digest, created_at, started_at, finished_at, sequences_total,"
-    " sequences_done, tokens_total, tokens_done, errors, cancel_requested"
+    " sequences_done, tokens_total, tokens_done, errors, cancel_requested, layout"
 )
 
 _TERMINAL = (JobState.succeeded.value, JobState.failed.value, JobState.cancelled.value)
@@ -83,6 +83,8 @@ class JobRecord:
     tokens_done: int
     errors: list[str]
     cancel_requested: bool
+    layout: str | None = None
+    """The layout preset the job asked for its cache (``JobCreate.layout``), else None."""
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -111,6 +113,7 @@ class JobRecord:
             tokens_done=row["tokens_done"],
             errors=json.loads(row["errors"]),
             cancel_requested=bool(row["cancel_requested"]),
+            layout=row["layout"] if "layout" in keys else None,
         )
 
     @property
@@ -160,14 +163,16 @@ class JobStore:
         input_digest: str,
         sequences_total: int,
         tokens_total: int,
+        layout: str | None = None,
     ) -> JobRecord:
         """Insert a queued job and return it. The spec (with any inline records: the job's only
-        copy of its input) is stored once, zlib-compressed; file inputs are stored by path."""
+        copy of its input) is stored once, zlib-compressed; file inputs are stored by path.
+        ``layout``: the preset the job asked for its cache (a column, so listing shows it)."""
         job_id = uuid.uuid4().hex
         spec_z = zlib.compress(json.dumps(spec, separators=(",", ":")).encode("utf-8"), 6)
         self._exec(
             "INSERT INTO jobs (id, cache, k, state, spec, spec_z, input_digest, created_at,"
-            " sequences_total, tokens_total) VALUES (?, ?, ?, ?, '', ?, ?, ?, ?, ?)",
+            " sequences_total, tokens_total, layout) VALUES (?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?)",
             (
                 job_id,
                 cache,
@@ -178,6 +183,7 @@ class JobStore:
                 _now(),
                 sequences_total,
                 tokens_total,
+                layout,
             ),
         )
         return self.get(job_id)

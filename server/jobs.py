@@ -35,15 +35,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import SequenceRecord
+from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import StoreNotFoundError
 from logitcache.cache_format.layout import parse_root, read_root_attrs
+from logitcache.cache_format.spec import layout_named
 from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 
 from . import chat, inputs, pipeline, targets
 from .caches import CacheRegistry, WriterHandle, check_name
 from .chat import ChatTokenize
-from .errors import ServiceError
+from .errors import ConflictError, ServiceError
 from .scoring import ScoringService
 
 if TYPE_CHECKING:
@@ -167,6 +168,8 @@ class JobRunner:
         manifest = await asyncio.to_thread(
             chat.job_manifest, self.scoring, name, manifest, req.loss_mask
         )
+        if req.layout is not None:
+            await asyncio.to_thread(self._check_layout, name, req.layout)
         kept: list[inputs.Sequence] = []
         summary, digest = await asyncio.to_thread(self._scan, req, kept)
         counts = summary.counts.as_dict()
@@ -178,6 +181,7 @@ class JobRunner:
             input_digest=digest,
             sequences_total=summary.sequences,
             tokens_total=summary.tokens,
+            layout=req.layout,
         )
         await asyncio.to_thread(self.store.set_input_counts, job.id, counts)
         if len(kept) == summary.sequences:  # the whole input fits in the budget
@@ -198,6 +202,30 @@ class JobRunner:
         budget = KEEP_INPUT_TOKENS - sum(t for t, _ in list(self._kept.values()))
         tok, limits = self._tokenize(req), self._limits(req)
         return inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget), digest
+
+    def _check_layout(self, name: str, layout: str) -> None:
+        """An existing cache must have the layout preset the job names (it is fixed when the
+        cache is created): :class:`ConflictError` otherwise."""
+        if self.caches.manifest(name) is None:
+            return
+        have = self.caches.reader(name).layout_name
+        if have != layout:
+            raise ConflictError(
+                f"cache {name!r} has the layout preset {have!r}, the job asks for {layout!r} "
+                "(a cache's layout is fixed when it is created)"
+            )
+
+    def _create(self, name: str, manifest: Manifest, layout: str) -> None:
+        """Create cache ``name`` with the layout preset ``layout`` if it does not exist yet
+        (an existing cache is left as it is: its preset was checked at submission)."""
+        if self.caches.manifest(name) is not None:
+            return
+        CacheWriter.open(
+            self.caches.url(name),
+            manifest,
+            storage_options=self.caches.storage_options,
+            layout=layout_named(layout),
+        ).close()
 
     def _limits(self, spec: JobCreate) -> inputs.Limits:
         """The server's limits with the job's long-sequence rule (``on_long``)."""
@@ -236,6 +264,7 @@ class JobRunner:
             k=job.k,
             targets=kind,
             sampling=sampling,
+            layout=job.layout,
             created_at=job.created_at,
             started_at=job.started_at,
             finished_at=job.finished_at,
@@ -348,6 +377,8 @@ class JobRunner:
         manifest = await asyncio.to_thread(
             chat.job_manifest, self.scoring, job.cache, manifest, spec.loss_mask
         )
+        if spec.layout is not None:  # a new cache gets the job's preset
+            await asyncio.to_thread(self._create, job.cache, manifest, spec.layout)
         cm = self.caches.writer(job.cache, manifest)
         handle = await asyncio.to_thread(cm.__enter__)
         try:
