@@ -207,14 +207,8 @@ def tau_choice(configs: list[dict], tau_draws: int) -> dict[str, Any]:
 
 def tau_markdown(r: dict[str, Any]) -> str:
     ch = r["choice"]
-    la0 = ", ".join(f"{x:.2f}" for x in r["load_average_start"])
-    la1 = ", ".join(f"{x:.2f}" for x in r["load_average_end"])
     lines = [
-        "# Proposal temperature of sampled targets at ~250 B/position (issue #12)",
-        "",
-        f"Command: `{r['command']}` ({r['started']}, {r['seconds']:.0f} s). Machine: "
-        f"{r['machine']}; load average {la0} at the start, {la1} at the end.",
-        "",
+        *page_head(r, "Proposal temperature of sampled targets at ~250 B/position (issue #12)"),
         f"Fixture teacher (V = {r['teacher']['vocab_size']}), temperature 1, "
         f"{r['teacher']['rows']} held-out rows. Plain RS-KD: N draws from q ∝ p^(1/tau), "
         "self-normalised importance weights (FORMAT.md). Variance = mean over rows of "
@@ -313,14 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.taus:
         configs, choice, rows = tau_grid(args, tiny, lps, seqs, keys)
         rep = {
-            "command": ".venv/bin/python "
-            + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch "
-            f"{torch.__version__}, 1 torch thread",
-            "load_average_start": load0,
-            "load_average_end": os.getloadavg(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
-            "seconds": time.time() - started,
+            **run_fields(argv, load0, started),
             "teacher": {"vocab_size": int(rows.shape[1]), "rows": int(rows.shape[0])},
             "sequences": len(seqs),
             "mc_rows": min(args.mc_rows, int(rows.shape[0])),
@@ -329,11 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "configs": configs,
             "choice": choice,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rep, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(tau_markdown(rep))
-        print(tau_markdown(rep))
-        return rep
+        return write_pages(args.out, rep, tau_markdown(rep))
     allrows = torch.cat(lps)
     mc = allrows[: args.mc_rows]
     p = allrows.double().exp()
@@ -381,14 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         budgets.append(entry)
     report = {
-        "command": ".venv/bin/python "
-        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch "
-        f"{torch.__version__}, 1 torch thread",
-        "load_average_start": load0,
-        "load_average_end": os.getloadavg(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
-        "seconds": time.time() - started,
+        **run_fields(argv, load0, started),
         "teacher": {
             "vocab_size": int(allrows.shape[1]),
             "heldout_ppl": tiny.teacher_heldout_ppl,
@@ -401,23 +377,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "configs": results,
         "budgets": budgets,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    return write_pages(args.out, report, markdown(report))
+
+
+def run_fields(argv: list[str] | None, load0: tuple, started: float) -> dict[str, Any]:
+    """The command, machine, load averages and times every page of this bench states."""
+    import torch
+
+    return {
+        "command": ".venv/bin/python "
+        + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, 1 torch thread",
+        "load_average_start": load0,
+        "load_average_end": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
+        "seconds": time.time() - started,
+    }
+
+
+def write_pages(out: Path, report: dict[str, Any], text: str) -> dict[str, Any]:
+    """``out`` (JSON) and its ``.md`` beside it; prints the page."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(text)
+    print(text)
     return report
 
 
-def markdown(r: dict[str, Any]) -> str:
-    t = r["teacher"]
+def page_head(r: dict[str, Any], title: str) -> list[str]:
+    """The title and the command / machine / load line of a page."""
     la0 = ", ".join(f"{x:.2f}" for x in r["load_average_start"])
     la1 = ", ".join(f"{x:.2f}" for x in r["load_average_end"])
-    lines = [
-        "# Head + residual sampled targets vs plain RS-KD at equal bytes (issue #12)",
+    return [
+        f"# {title}",
         "",
         f"Command: `{r['command']}` ({r['started']}, {r['seconds']:.0f} s). Machine: "
         f"{r['machine']}; load average {la0} at the start, {la1} at the end.",
         "",
+    ]
+
+
+def markdown(r: dict[str, Any]) -> str:
+    t = r["teacher"]
+    lines = [
+        *page_head(r, "Head + residual sampled targets vs plain RS-KD at equal bytes (issue #12)"),
         f"Teacher: the fixture teacher (V = {t['vocab_size']}, held-out ppl "
         f"{t['heldout_ppl']:.1f}), temperature 1, {t['rows']} held-out rows; mean top-m mass: "
         + ", ".join(f"m={k} {v:.3f}" for k, v in t["mean_top_mass"].items())

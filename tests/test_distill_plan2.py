@@ -197,3 +197,30 @@ def test_chart_keeps_a_tau_variant_apart_from_plain_sampled() -> None:
         "sampled tau=0.8": [(245.0, 0.95)],
         "topk_tail": [(239.0, 0.92)],
     }
+
+
+def test_tau_page_states_command_load_and_choice(tmp_path: Path) -> None:
+    def cfg(tau: float, n: int, b: float, v: float) -> dict[str, Any]:
+        return {"tau": tau, "draws": n, "bytes_per_position": b, "variance_delta": v,
+                "variance_mc": v, "variance_delta_mc_rows": v, "mean_distinct": 9.0}  # fmt: skip
+
+    configs = [
+        cfg(1.0, 384, 250.0, 0.002),
+        cfg(1.0, 256, 200.0, 0.003),
+        cfg(0.9, 384, 260.0, 0.003),
+    ]
+    rep = {
+        **shb.run_fields(["--taus", "0.9"], (1.0, 2.0, 3.0), 0.0),
+        "teacher": {"vocab_size": 1024, "rows": 10},
+        "sequences": 2,
+        "mc_rows": 10,
+        "reps": 2,
+        "encoding": "float16",
+        "configs": configs,
+        "choice": shb.tau_choice(configs, 384),
+    }
+    text = shb.write_pages(tmp_path / "t.json", rep, shb.tau_markdown(rep))
+    page = (tmp_path / "t.md").read_text()
+    assert text is rep and page.startswith("# Proposal temperature")
+    assert "--taus 0.9" in page and "load average 1.00, 2.00, 3.00 at the start" in page
+    assert "| 0.9 | out of grid |" in page and "**tau = 1**" in page
