@@ -145,6 +145,16 @@ def rule_verdict(st: dict[str, float]) -> str:
     return "**NOT met** (sampled worse: the 95% interval lies above 0)"
 
 
+def pair_stats(reports: list[dict[str, Any]], pairs: list[str]) -> dict[str, Any]:
+    """Per ``A:B`` pair: seeds, gaps and :func:`paired_stats` (pairs with >= 2 seeds)."""
+    out = {}
+    for spec in pairs:
+        seeds, gaps = pair_gaps(reports, *spec.split(":", 1))
+        if len(gaps) >= 2:
+            out[spec] = {"seeds": seeds, "gaps": gaps, **paired_stats(gaps)}
+    return out
+
+
 def pair_gaps(reports: list[dict[str, Any]], a: str, b: str) -> tuple[list[int], list[float]]:
     """Seeds where both ``a`` and ``b`` ran, and ``KL(a) / KL(b) - 1`` on each."""
     seeds, gaps = [], []
@@ -156,9 +166,14 @@ def pair_gaps(reports: list[dict[str, Any]], a: str, b: str) -> tuple[list[int],
     return seeds, gaps
 
 
-def rule_lines(reports: list[dict[str, Any]], pairs: list[str]) -> list[str]:
+def rule_lines(
+    reports: list[dict[str, Any]],
+    pairs: list[str],
+    others: dict[str, list[dict[str, Any]]] | None = None,
+) -> list[str]:
     """Per ``A:B`` pair the paired per-seed KL of A vs B over the seeds that ran both, with
-    mean, standard error, 95% interval and :func:`rule_verdict`."""
+    mean, standard error, 95% interval and :func:`rule_verdict`; then the same for each named
+    secondary set of reports in ``others`` (reported beside, not deciding)."""
     if not pairs:
         return []
     out = [
@@ -168,6 +183,16 @@ def rule_lines(reports: list[dict[str, Any]], pairs: list[str]) -> list[str]:
         "t interval includes 0; NOT met if the interval lies above 0.",
         "",
     ]
+    out += pair_rule_lines(reports, pairs)
+    for name, reps in (others or {}).items():
+        out += ["", f"Secondary set (reported, does not decide): {name}:", ""]
+        out += pair_rule_lines(reps, pairs)
+    return out
+
+
+def pair_rule_lines(reports: list[dict[str, Any]], pairs: list[str]) -> list[str]:
+    """:func:`rule_lines`' one line per pair on one set of reports."""
+    out = []
     for spec in pairs:
         a, _, b = spec.partition(":")
         seeds, gaps = pair_gaps(reports, a, b)
@@ -246,6 +271,25 @@ def previous_lines(
     return lines
 
 
+def command_note(reports: list[dict[str, Any]]) -> str:
+    """``(per seed: `cmd` with `--seed`)``; where the seeds ran different commands (other
+    than ``--seed`` and the seed's output paths), each command with the seeds that ran it."""
+    import re
+
+    groups: dict[str, tuple[str, list[int]]] = {}  # normalised command -> (first, seeds)
+    for r in reports:
+        seed = r["train"]["seed"]
+        key = re.sub(rf"(--seed |seed){seed}\b", r"\g<1>S", r["command"])
+        groups.setdefault(key, (r["command"], []))[1].append(seed)
+    if len(groups) == 1:
+        return f"(per seed: `{reports[0]['command']}` with `--seed`)"
+    return (
+        "(per seed, with `--seed`: "
+        + "; ".join(f"seeds {seeds}: `{cmd}`" for cmd, seeds in groups.values())
+        + ")"
+    )
+
+
 def markdown(
     reports: list[dict[str, Any]],
     methods: dict[str, dict[str, Any]],
@@ -254,6 +298,7 @@ def markdown(
     previous: dict[str, Any] | None = None,
     previous_tag: str = "",
     rules: list[str] | None = None,
+    rule_sets: dict[str, list[dict[str, Any]]] | None = None,
 ) -> str:
     r0 = reports[0]
     seeds = [r["train"]["seed"] for r in reports]
@@ -262,7 +307,7 @@ def markdown(
         "# Distillation from the cache vs online KD (tiny local teacher, issue #12)",
         "",
         f"- command: `python benchmarks/distill_bench.py {shown_args(sys.argv[1:])}` "
-        f"(per seed: `{r0['command']}` with `--seed`)",
+        + command_note(reports),
         f"- machine: {r0['machine']} (shared with other jobs: step times are medians of "
         "interleaved steps, so every method is slowed alike)",
         f"- teacher {r0['models']['teacher_params']:,} params, student "
@@ -312,7 +357,7 @@ def markdown(
     lines += paired_goal2_lines(methods, g)
     lines += cpu_goal_lines(methods)
     if rules:
-        lines += ["", *rule_lines(reports, rules)]
+        lines += ["", *rule_lines(reports, rules, rule_sets)]
     if previous is not None:
         lines += ["", *previous_lines(methods, previous, previous_tag)]
     lines += ["", "Per seed:", ""]
@@ -393,6 +438,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="judge goal 2 on this pair of methods by the pre-declared paired rule (seeds that "
         "ran both; repeat)",
     )
+    p.add_argument(
+        "--rule-set",
+        metavar="NAME=WORKDIR@SEEDS",
+        action="append",
+        default=[],
+        help="--pair's rule again on another set of per-seed reports (WORKDIR/seed<s>/"
+        "distill.json), reported as secondary; repeat",
+    )
     p.add_argument("--check-batches", type=int, default=30, help="--ablation row-check batches")
     p.add_argument(
         "--ablation-methods",
@@ -438,12 +491,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reports = [json.loads((args.workdir / f"seed{s}" / "distill.json").read_text()) for s in seeds]
     methods = combine(reports)
     result = {"seeds": reports, "mean": methods, "goals": goals(methods)}
+    rule_sets = {}
+    for spec in args.rule_set:
+        name, dirs, picked = parse_ablation(spec, seeds)
+        rule_sets[name] = [
+            json.loads((dirs[0] / f"seed{s}" / "distill.json").read_text()) for s in picked
+        ]
     if args.pair:
-        result["paired_rule"] = {
-            spec: {"seeds": sd, "gaps": gp, **paired_stats(gp)}
-            for spec in args.pair
-            for sd, gp in [pair_gaps(reports, *spec.split(":", 1))]
-            if len(gp) >= 2
+        result["paired_rule"] = pair_stats(reports, args.pair)
+        result["paired_rule_secondary"] = {
+            name: pair_stats(reps, args.pair) for name, reps in rule_sets.items()
         }
     args.out_json.write_text(json.dumps(result, indent=1) + "\n")
     previous = json.loads(args.previous.read_text()) if args.previous else None
@@ -455,6 +512,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         previous=previous,
         previous_tag=args.previous_tag,
         rules=args.pair,
+        rule_sets=rule_sets,
     )
     args.out_md.write_text(text)
     print(text)

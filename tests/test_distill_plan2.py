@@ -143,10 +143,31 @@ def test_pair_lines_use_the_seeds_that_ran_both(tmp_path: Path) -> None:
             str(tmp_path / "p.md"),
             "--pair",
             f"{a}:{b}",
+            "--rule-set",
+            f"last two={tmp_path}@1,2",
         ]
     )
     assert out["paired_rule"][f"{a}:{b}"]["seeds"] == [1, 2]
+    assert out["paired_rule_secondary"]["last two"][f"{a}:{b}"]["n"] == 2
     assert a not in out["mean"]  # the table keeps the methods every seed ran
+    page = (tmp_path / "p.md").read_text()
+    assert "Secondary set (reported, does not decide): last two:" in page
+    assert page.count("paired mean +0.50% (standard error 1.50 points") == 2
+
+
+def test_page_lists_each_per_seed_command_with_its_seeds() -> None:
+    reports = [_report(s, {"online_kd": 1.0}) for s in (0, 1, 8)]
+    for r in reports:
+        s = r["train"]["seed"]
+        extra = "" if s == 0 else " --reuse-cache"
+        r["command"] = f"python examples/distill.py --seed {s} --out-json w/seed{s}/d.json{extra}"
+    note = distill_bench.command_note(reports)
+    assert note == (
+        "(per seed, with `--seed`: seeds [0]: `python examples/distill.py --seed 0 --out-json "
+        "w/seed0/d.json`; seeds [1, 8]: `python examples/distill.py --seed 1 --out-json "
+        "w/seed1/d.json --reuse-cache`)"
+    )
+    assert distill_bench.command_note(reports[1:]).startswith("(per seed: `python")
 
 
 def test_delta_variance_is_exact_at_tau_one_and_matches_monte_carlo() -> None:
