@@ -511,6 +511,18 @@ def main() -> None:
         help="jobs.MERGE_VALUES for this run (top-k entries a merged write group may hold)",
     )
     p.add_argument(
+        "--merge-rows",
+        type=int,
+        default=None,
+        help="jobs.MERGE_ROWS for this run (rows a merged write group may hold)",
+    )
+    p.add_argument(
+        "--linger",
+        type=float,
+        default=None,
+        help="jobs.WRITE_LINGER_S for this run (seconds the job writer waits for more batches)",
+    )
+    p.add_argument(
         "--zarr-writes",
         action="store_true",
         help="write every array through zarr's setitem (writer.DIRECT_WRITES = False): the "
@@ -524,10 +536,14 @@ def main() -> None:
         from logitcache.cache_format import writer
 
         writer.DIRECT_WRITES = False
-    if args.merge_values is not None:
-        from logitcache.server import jobs
+    from logitcache.server import jobs
 
+    if args.merge_values is not None:
         jobs.MERGE_VALUES = args.merge_values
+    if args.merge_rows is not None:
+        jobs.MERGE_ROWS = args.merge_rows
+    if args.linger is not None:
+        jobs.WRITE_LINGER_S = args.linger
     if args.blosc_threads is not None:
         import numcodecs.blosc
 
@@ -601,6 +617,8 @@ def main() -> None:
         "direct_shard_writes": not args.zarr_writes,
         "prefill_sequences": args.prefill,
         "merge_values": args.merge_values,
+        "merge_rows": getattr(jobs, "MERGE_ROWS", None),
+        "write_linger_s": getattr(jobs, "WRITE_LINGER_S", None),
         "runs": runs,
         "summary": summary,
     }

@@ -61,3 +61,43 @@ def test_merge_rows_bounds_a_group() -> None:
     groups = _run(6, merge_rows=8, gate=threading.Event())  # 4 rows per sequence: 2 per group
     assert [k for g in groups for k in g] == [f"s{i}" for i in range(6)]
     assert all(len(g) <= 2 for g in groups) and len(groups) >= 3
+
+
+def _slow_run(n: int, linger: float, merge_rows: int = 10_000) -> tuple[list[list[str]], float]:
+    """Batches scored one at a time, 50 ms apart, to a writer that keeps up."""
+    import time
+
+    engine = FakeEngine()
+    groups: list[list[str]] = []
+
+    async def slow_score(b: list) -> list:
+        await asyncio.sleep(0.05)
+        return await pipeline.score_records(engine, b, K)
+
+    async def main() -> None:
+        await pipeline.run(
+            pipeline.plan(_seqs(n), lambda keys: keys, max_sequences=1, max_tokens=99),
+            score=slow_score,
+            write=lambda b, r: pytest.fail("write_many takes every batch"),
+            write_many=lambda items: groups.append([s.key for b, _ in items for s in b.seqs]),
+            merge_rows=merge_rows,
+            linger=linger,
+            depth=lambda: 1,
+        )
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    return groups, time.monotonic() - t0
+
+
+def test_linger_gathers_batches_of_a_writer_that_keeps_up() -> None:
+    """With ``linger`` the writer waits for more batches (up to ``merge_rows`` rows) instead of
+    appending each as it comes; the end of the input ends the wait at once."""
+    keys = [f"s{i}" for i in range(6)]
+    eager, _ = _slow_run(6, linger=0.0)
+    assert [k for g in eager for k in g] == keys and len(eager) == 6  # one append per batch
+    lingered, seconds = _slow_run(6, linger=30.0)
+    assert lingered == [keys]  # one append for all six
+    assert seconds < 10  # not 30: the input's end flushed the group
+    bounded, _ = _slow_run(6, linger=30.0, merge_rows=8)  # 4 rows a sequence: 2 per group
+    assert bounded == [keys[0:2], keys[2:4], keys[4:6]]
