@@ -124,3 +124,19 @@ def test_two_writers_taking_turns(tmp_path: Path, monkeypatch) -> None:
     got = r.rows(0, r.manifest.num_rows).topk_ids
     assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
     assert validate(url).ok
+
+
+def test_the_stored_bytes_do_not_depend_on_how_appends_are_grouped(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The job writer's grouping of batches into appends (merged, lingering: server/pipeline.py)
+    changes which appends write which rows, never the objects the store ends with."""
+    recs = make_records(16, k=K, vocab=VOCAB, seed=4)
+    groupings = {"one": [], "each": list(range(1, 16)), "some": [2, 7, 8, 13]}
+    for name, cuts in groupings.items():
+        write(tmp_path / name, recs, cuts, direct=True, monkeypatch=monkeypatch)
+    one = files(tmp_path / "one")
+    assert len(one) > 20
+    for name in ("each", "some"):
+        other = files(tmp_path / name)
+        assert other.keys() == one.keys() and [n for n in one if one[n] != other[n]] == []
