@@ -1,13 +1,15 @@
 """The writer alone at steady state: CPU per position of appends of a given size (issue #19).
 
-Every append replaces each partly filled shard object whole (FORMAT.md W3), so what an append
-costs depends on how full the shards it lands in already are, not only on its own rows: the
-per-row ``[n]`` arrays' shards hold 524,288 rows and ``input_ids``' 1,048,576 tokens, so a long run
-of small appends rewrites them dozens of times. This bench appends equal groups of sequences
-(``--seqs`` sequences of ``--length`` tokens, top-``k`` rows of a peaked random distribution)
-to a local store (fsynced, as the service writes) until it holds ``--total`` rows, and reports
-the process CPU (user and system, ``os.times``) per position and the bytes written per position
-over the appends after the first ``--skip`` rows. Sizes alternate within each round.
+Every append replaces each partly filled shard object whole (FORMAT.md W3), so what an append costs
+depends on how full the shards it lands in already are, not only on its own rows: the per-row
+``[n]`` arrays' shards hold 524,288 rows and ``input_ids``' 65,536 tokens (1,048,576 in stores
+created before 2026-12-04), so a long run of small appends rewrites them dozens of times; and every
+append pays ~20 ms of CPU whatever its size (an object and a metadata write per array, each array's
+partly filled last chunk encoded again, fsyncs, the commit). This bench appends equal groups of
+sequences (``--seqs`` sequences of ``--length`` tokens, top-``k`` rows of a peaked random
+distribution) to a local store (fsynced, as the service writes) until it holds ``--total`` rows, and
+reports the process CPU (user and system, ``os.times``) per position and the bytes written per
+position over the appends after the first ``--skip`` rows. Sizes alternate within each round.
 
 Usage::
 
