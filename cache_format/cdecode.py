@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -45,7 +45,7 @@ def _load() -> tuple[Any, Any] | None:
 
         if getattr(google_crc32c, "implementation", "c") != "c":
             return None
-        from google_crc32c import _crc32c  # type: ignore[attr-defined]
+        from google_crc32c import _crc32c
 
         crc = ctypes.CDLL(_crc32c.__file__).crc32c_value
         dec = ctypes.CDLL(numcodecs.blosc.__file__).blosc_decompress_ctx
@@ -85,12 +85,13 @@ def decode(frame: np.ndarray, dest: np.ndarray) -> str | None:
     if size < 4 or not frame.flags.c_contiguous:
         return "chunk fails its CRC32C"
     ptr = frame.ctypes.data
-    if crc(ptr, size - 4) != _U32.unpack_from(frame, size - 4)[0]:
+    raw = cast(Any, frame)  # a numpy array is a buffer (numpy's stubs do not say so)
+    if crc(ptr, size - 4) != _U32.unpack_from(raw, size - 4)[0]:
         return "chunk fails its CRC32C"
     nbytes = dest.nbytes
     if size < BLOSC_HEADER + 4:
         return "chunk shorter than a blosc header"
-    got, _blocksize, cbytes = _HEADER.unpack_from(frame, 4)
+    got, _blocksize, cbytes = _HEADER.unpack_from(raw, 4)
     if got != nbytes or cbytes != size - 4:
         return f"blosc frame of {got} bytes, expected {nbytes}"
     if not (dest.flags.c_contiguous and dest.flags.writeable):

@@ -11,12 +11,14 @@ blocks.
 With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) the needed chunks of a call are
 cut into runs of consecutive chunks, about ``1/t`` of the bytes to decode each (``t`` at most
 :data:`MAX_SHARES`) but at least :data:`PARALLEL_MIN_BYTES`, and each thread reads (``pread``
-releases the GIL) and decodes its runs (blosc releases the GIL too); the calling thread takes one
-share. The Python under the GIL is a few microseconds per chunk (``google_crc32c`` holds it for
-~3 us per 100 KB frame), but with the reader's own work about half of a call's CPU holds the GIL,
-so threads pay off for batches (``sequences``) and large chunks, not for one sequence of the
-``random_access`` preset (measured: benchmarks/results/client.md). The row blocks go to the
-threads the same way. The values never depend on it.
+releases the GIL) and decodes its runs (CRC32C and decompression without the GIL where
+:mod:`.cdecode` applies; else ``google_crc32c`` holds it, ~3 us per 100 KB frame); the calling
+thread takes one share. With the reader's own Python about half of a call's CPU still holds the
+GIL, and on the 16-core H200 box (gVisor) a hand-off costs 23-34 us and threads raise the CPU
+per sequence 2-3x even with a GIL-free decode (benchmarks/results/client.md, session 6), so
+threads pay off for batches (``sequences``) and large chunks, not for one sequence of the
+``random_access`` preset. The row blocks go to the threads the same way. The values never
+depend on it.
 
 The row-block kernels use torch (when :mod:`.kernels` selects it) on blocks of at most
 :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
@@ -32,46 +34,35 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import cdecode, kernels, shardread
+from . import kernels, shardread
 from .errors import CorruptStoreError
 from .shardread import DirectLayout
 
 BLOCK_ELEMENTS = 32_000
 """Elements per row-block kernel call (below torch's intra-op grain size of 32,768)."""
 
-PARALLEL_MIN_BYTES = 64 * 1024 if cdecode.AVAILABLE else 192 * 1024
+PARALLEL_MIN_BYTES = 192 * 1024
 """The least work (bytes decoded, or read + written by a row block) one decode thread is given:
 a call with less than twice this runs in the calling thread alone (a hand-off costs tens of
-microseconds; benchmarks/results/client.md, random access). Smaller where the chunks decode
-without the GIL (:mod:`.cdecode`): then one sequence of the ``random_access`` preset (about 10
-chunks) is worth splitting."""
+microseconds; benchmarks/results/client.md, random access)."""
 
-MAX_SHARES = 16 if cdecode.AVAILABLE else 4
+MAX_SHARES = 4
 """A call's work goes to at most this many threads (the calling thread included), whatever
-``decode_threads``. Through the wrappers (no :mod:`.cdecode`) about half of a point read's CPU
-holds the GIL, so more than 4 threads only queue on it (measured on the 16-core H200 box,
-benchmarks/results/client.md, random access: ``sequences(32)`` on the preset 1,370-1,540 seq/s
-with 4 threads, 970-1,130 with 8, 760-830 with 16); with :mod:`.cdecode` the CRC32C and the
-decompression run without it."""
-
-
-def max_shares() -> int:
-    return MAX_SHARES
-
+``decode_threads``: about half of a point read's CPU holds the GIL (the Python around each
+chunk, CRC32C, the reader's records), so more threads only queue on it. Measured on the 16-core
+H200 box (benchmarks/results/client.md, random access): ``sequences(32)`` on the preset 1,370-1,540
+seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
 
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
 
-Post = Callable[[np.ndarray, int, int], None]
-"""Work on rows ``[lo, hi)`` of a job's output once they are decoded (:func:`read`)."""
-
 
 def _groups(cost: list[int], n: int) -> list[list[int]]:
-    """Task numbers in at most ``n`` (and :func:`max_shares`) groups balanced by ``cost``
+    """Task numbers in at most ``n`` (and :data:`MAX_SHARES`) groups balanced by ``cost``
     (longest first), each group holding at least :data:`PARALLEL_MIN_BYTES` of work (one group:
     no threads)."""
     total = sum(cost)
-    g = min(n, max_shares(), len(cost), max(1, total // max(1, PARALLEL_MIN_BYTES)))
+    g = min(n, MAX_SHARES, len(cost), max(1, total // max(1, PARALLEL_MIN_BYTES)))
     if g <= 1:
         return [list(range(len(cost)))]
     groups: list[list[int]] = [[] for _ in range(g)]
@@ -105,11 +96,28 @@ def _run_groups(
         raise err
 
 
+def run_tasks(
+    tasks: list[Callable[[], None]], cost: list[int], pool: ThreadPoolExecutor | None, n: int
+) -> None:
+    """Run ``tasks`` (``cost``: bytes each decodes). With a pool and ``n > 1``, they go in up to
+    ``n`` groups balanced by cost, each of at least :data:`PARALLEL_MIN_BYTES`, all but the
+    first on the pool (the calling thread runs the first)."""
+    if pool is None or n <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            t()
+        return
+
+    def run(group: list[int]) -> None:
+        for i in group:
+            tasks[i]()
+
+    _run_groups(run, _groups(cost, n), pool)
+
+
 Item = tuple[DirectLayout, int, "shardread.Frame | None", "np.ndarray | None", list]
 """One chunk decode of a point read: ``(layout, global chunk, frame, dest, targets)``: ``dest``
-is the slice of an output the whole chunk decodes into (its one target's), or ``None``: the
-chunk decodes into a scratch chunk and its rows are copied to each ``(out, job, start, stop)``
-range of ``targets``."""
+is the slice of an output the whole chunk decodes into, or ``None``: the chunk decodes into a
+scratch chunk and its rows are copied to each ``(out, start, stop)`` range of ``targets``."""
 
 
 def _fits(x: np.ndarray | None, lay: DirectLayout, rows: int) -> bool:
@@ -129,14 +137,11 @@ def read(
     pool: ThreadPoolExecutor | None = None,
     threads: int = 1,
     into: list[np.ndarray | None] | None = None,
-    post: list[Post | None] | None = None,
 ) -> list[np.ndarray]:
     """Stored values of each ``array[start:stop]`` of ``jobs`` (every array in ``direct``),
     each needed inner chunk fetched and decoded once; ``into[j]``, where given and of the
     job's exact shape and stored dtype (C-contiguous), is the output of job ``j`` (else a new
-    array). ``post[j]``, where given, is called as ``post[j](out, lo, hi)`` on every run of
-    rows ``[lo, hi)`` of job ``j``'s output ``out`` once they are written, in the thread that
-    decoded them (each row exactly once; e.g. the row-delta inverse of those rows)."""
+    array)."""
     outs: list[np.ndarray] = []
     per: dict[str, list[int]] = {}
     for j, (n, a, b) in enumerate(jobs):
@@ -165,22 +170,21 @@ def read(
         plans.append((lay, chunks, [need[g] for g in chunks]))
     threaded = pool is not None and threads > 1
     if threaded and all(shardread.local_root(p[0]) is not None for p in plans):
-        pieces = _pieces(plans, threads, post)
-        groups = _groups([_plan_cost(p, post) for p in pieces], threads)
+        pieces = _pieces(plans, threads)
+        groups = _groups([len(p[1]) * _chunk_bytes(p[0]) for p in pieces], threads)
         if len(groups) > 1:  # each thread reads (pread releases the GIL) and decodes its pieces
 
             def run(group: list[int]) -> None:
                 for i in group:
-                    _read_plans([pieces[i]], jobs, outs, post)
+                    _read_plans([pieces[i]], jobs, outs)
 
             _run_groups(run, groups, pool)
             return outs
     if not threaded:
-        _read_plans(plans, jobs, outs, post)
+        _read_plans(plans, jobs, outs)
         return outs
-    frames = shardread.chunk_frames([p[:2] for p in plans])
-    items, cost = _items(plans, frames, jobs, outs, post)
-    _run_groups(lambda grp: _decode_items(items, grp, post), _groups(cost, threads), pool)
+    items, cost = _items(plans, shardread.chunk_frames([p[:2] for p in plans]), jobs, outs)
+    _run_groups(lambda grp: _decode_items(items, grp), _groups(cost, threads), pool)
     return outs
 
 
@@ -192,46 +196,24 @@ def _chunk_bytes(lay: DirectLayout) -> int:
     return lay.chunk_rows * lay.row_items * lay.dtype.itemsize
 
 
-POST_WEIGHT = 4
-"""Cost of a :data:`Post` per decoded element, in bytes-decoded units (the row-delta inverse and
-float16 -> float32 widening of a logprob chunk cost about as much as decompressing an id chunk
-of the same rows, measured)."""
-
-
-def _cost(lay: DirectLayout, users: list[int], post: list[Post | None] | None) -> int:
-    """Work of decoding one chunk of ``lay`` used by jobs ``users`` (bytes-decoded units)."""
-    nbytes = _chunk_bytes(lay)
-    if post is not None and any(post[j] is not None for j in users):
-        nbytes += POST_WEIGHT * lay.chunk_rows * lay.row_items
-    return nbytes
-
-
-def _plan_cost(plan: Plan, post: list[Post | None] | None) -> int:
-    lay, _, users = plan
-    return sum(_cost(lay, u, post) for u in users)
-
-
-def _pieces(plans: list[Plan], threads: int, post: list[Post | None] | None = None) -> list[Plan]:
+def _pieces(plans: list[Plan], threads: int) -> list[Plan]:
     """``plans`` cut into runs of consecutive needed chunks of about an equal share of the
-    work (``threads`` shares, at most :func:`max_shares`, of at least
+    bytes to decode (``threads`` shares, at most :data:`MAX_SHARES`, of at least
     :data:`PARALLEL_MIN_BYTES`)."""
-    total = sum(_plan_cost(p, post) for p in plans)
-    share = max(total / min(threads, max_shares()), PARALLEL_MIN_BYTES, 1)
+    total = sum(len(p[1]) * _chunk_bytes(p[0]) for p in plans)
+    share = max(total / min(threads, MAX_SHARES), PARALLEL_MIN_BYTES, 1)
     out: list[Plan] = []
     for lay, chunks, users in plans:
-        step = max(1, round(share / _cost(lay, users[0], post)))
+        step = max(1, round(share / _chunk_bytes(lay)))
         for a in range(0, len(chunks), step):
             out.append((lay, chunks[a : a + step], users[a : a + step]))
     return out
 
 
-def _read_plans(
-    plans: list[Plan], jobs: list[Job], outs: list[np.ndarray], post: list[Post | None] | None
-) -> None:
+def _read_plans(plans: list[Plan], jobs: list[Job], outs: list[np.ndarray]) -> None:
     """Fetch and decode the chunks of ``plans`` in this thread."""
-    frames = shardread.chunk_frames([p[:2] for p in plans])
-    items, _ = _items(plans, frames, jobs, outs, post)
-    _decode_items(items, range(len(items)), post)
+    items, _ = _items(plans, shardread.chunk_frames([p[:2] for p in plans]), jobs, outs)
+    _decode_items(items, range(len(items)))
 
 
 def _items(
@@ -239,52 +221,43 @@ def _items(
     frames: list[list[shardread.Frame | None]],
     jobs: list[Job],
     outs: list[np.ndarray],
-    post: list[Post | None] | None = None,
 ) -> tuple[list[Item], list[int]]:
-    """The decode :data:`Item` of every chunk of ``plans`` and the work of each."""
+    """The decode :data:`Item` of every chunk of ``plans`` and the bytes each decodes."""
     items: list[Item] = []
     cost: list[int] = []
     for (lay, chunks, users), fr in zip(plans, frames, strict=True):
         cr = lay.chunk_rows
+        nbytes = _chunk_bytes(lay)
         for g, frame, js in zip(chunks, fr, users, strict=True):
             r0 = g * cr
-            cost.append(_cost(lay, js, post))
-            targets = [(outs[j], j, jobs[j][1], jobs[j][2]) for j in js]
             if len(js) == 1:
-                _, _, a, b = targets[0]
+                j = js[0]
+                _, a, b = jobs[j]
                 if a <= r0 and r0 + cr <= b:  # the chunk lies inside the one range using it
-                    items.append((lay, g, frame, outs[js[0]][r0 - a : r0 + cr - a], targets))
+                    items.append((lay, g, frame, outs[j][r0 - a : r0 + cr - a], []))
+                    cost.append(nbytes)
                     continue
-            items.append((lay, g, frame, None, targets))
+            items.append((lay, g, frame, None, [(outs[j], jobs[j][1], jobs[j][2]) for j in js]))
+            cost.append(nbytes)
     return items, cost
 
 
-def _decode_items(
-    items: list[Item], which: Iterable[int], post: list[Post | None] | None = None
-) -> None:
-    """Decode ``items[i]`` for ``i`` in ``which`` (see :data:`Item`), each followed by the
-    :data:`Post` of its jobs on the rows it wrote."""
+def _decode_items(items: list[Item], which: Iterable[int]) -> None:
+    """Decode ``items[i]`` for ``i`` in ``which`` (see :data:`Item`)."""
     for i in which:
         lay, g, frame, dest, targets = items[i]
         cr = lay.chunk_rows
         r0 = g * cr
         if dest is not None:
             shardread.decode_frame(lay, frame, g, dest, (r0, r0 + cr))
-            fn = None if post is None else post[targets[0][1]]
-            if fn is not None:
-                out, _, a, _ = targets[0]
-                fn(out, r0 - a, r0 + cr - a)
             continue
         scratch = _scratch(lay)
-        lo = min(max(a, r0) for _, _, a, _ in targets)
-        hi = max(min(b, r0 + cr) for _, _, _, b in targets)
+        lo = min(max(a, r0) for _, a, _ in targets)
+        hi = max(min(b, r0 + cr) for _, _, b in targets)
         shardread.decode_frame(lay, frame, g, scratch, (lo, hi))
-        for out, j, a, b in targets:
+        for out, a, b in targets:
             x, y = max(a, r0), min(b, r0 + cr)
             out[x - a : y - a] = scratch[x - r0 : y - r0]
-            fn = None if post is None else post[j]
-            if fn is not None:
-                fn(out, x - a, y - a)
 
 
 _local = threading.local()

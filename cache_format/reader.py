@@ -42,8 +42,6 @@ _Fetched = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarr
 
 _T = TypeVar("_T")
 
-_FLOAT = {"float16": np.float16, "float32": np.float32}
-
 
 def span_tokens(tokens: np.ndarray | None) -> np.ndarray:
     """The tokens of a sequence span of :meth:`CacheReader._fetch` (read with every sequence
@@ -453,60 +451,56 @@ class CacheReader:
         into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[_Fetched]:
         """:meth:`_fetch` through :mod:`.pointread` (FORMAT.md D4): each needed chunk decoded
-        once, and for float logprobs the row-delta inverse, widening and id remap of its rows
-        right after it, in the thread that decoded it (on the decode pool if any)."""
+        once, then the logprobs (and id remap) in row blocks, on the decode pool if any."""
         dtype = self.manifest.logprob_dtype
         blockwise = dtype in ("float16", "float32") and (
             dtype == "float16" or logprob_dtype == "float32"
         )
-        widen = dtype == "float16" and logprob_dtype == "float32"
-        stored = np.uint16 if dtype == "float16" else np.uint32
-        order = self._id_order
         jobs: list[pointread.Job] = []
         dest: list[np.ndarray | None] = []
-        post: list[pointread.Post | None] = []
-        wide: list[np.ndarray | None] = []
         slot = {spec.TOPK_IDS: "ids", spec.TAIL_MASS: "tail", spec.LOSS_MASK: "mask"}
-        k = self.manifest.k
         for s, (rows, toks) in enumerate(spans):
-            want = into[s] if into is not None else {}
-            w = None
-            if blockwise and widen:  # the float32 output the stored float16 bits widen into
-                w = want.get("lp")
-                n = rows.stop - rows.start
-                if w is None or w.shape != (n, k) or w.dtype != np.float32:
-                    w = np.empty((n, k), dtype=np.float32)
-            wide.append(w)
-            for n in names:
-                jobs.append((n, rows.start, rows.stop))
-                x = want.get(slot.get(n, ""))
-                fn: pointread.Post | None = None
-                if n == spec.TOPK_LOGPROBS and blockwise:
-                    x = want.get("lp") if not widen else None  # the stored bits, in place
-                    x = None if x is None else x.view(stored)
-                    fn = _lp_post(w)
-                elif n == spec.TOPK_IDS and order is not None:
-                    fn = _remap_post(order)
-                dest.append(x)
-                post.append(fn)
+            jobs += [(n, rows.start, rows.stop) for n in names]
             if toks is not None:
                 jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
+            if into is None:
+                continue
+            want = into[s]
+            for n in names:
+                x = want.get(slot.get(n, ""))
+                if n == spec.TOPK_LOGPROBS and blockwise and dtype == logprob_dtype:
+                    x = want.get("lp")  # the stored bits, decoded in place
+                    x = (
+                        None
+                        if x is None
+                        else x.view(np.uint16 if dtype == "float16" else np.uint32)
+                    )
+                dest.append(x)
+            if toks is not None:
                 dest.append(want.get("tokens"))
-                post.append(None)
         pool, threads = self._pool(), self.decode_threads
-        got_all = pointread.read(
-            self._direct, jobs, pool, threads, dest if into is not None else None, post
-        )
-        results = iter(got_all)
+        results = iter(pointread.read(self._direct, jobs, pool, threads, dest if into else None))
         out: list[_Fetched] = []
+        tasks: list[Callable[[], None]] = []
+        cost: list[int] = []
+        order = self._id_order
         for s, (_rows, toks) in enumerate(spans):
             got = {n: next(results) for n in names}
             tokens = next(results) if toks is not None else None
             ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
             if blockwise:
-                w = wide[s]
-                lp = w if w is not None else d.view(stored).view(_FLOAT[dtype])
+                lp = d.view(np.float16 if dtype == "float16" else np.float32)
+                if dtype == "float16" and logprob_dtype == "float32":
+                    given = into[s].get("lp") if into is not None else None
+                    if given is None or given.shape != d.shape or given.dtype != np.float32:
+                        given = np.empty(d.shape, dtype=np.float32)
+                    lp = given
+                for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
+                    tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
+                    cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
             else:
+                if order is not None:
+                    ids = order[ids]
                 lp = decode_logprobs(
                     d,
                     dtype,
@@ -517,6 +511,7 @@ class CacheReader:
                 )
             tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
             out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
+        pointread.run_tasks(tasks, cost, pool, threads)
         return out
 
     def _out(self, rec: SequenceRecord | RowBlock) -> Any:
@@ -653,27 +648,18 @@ class CacheReader:
             yield self.sequence(i)
 
 
-def _lp_post(wide: np.ndarray | None) -> pointread.Post:
-    """The :data:`.pointread.Post` of a float logprob job: the row-delta inverse of the stored
-    bits of rows ``[lo, hi)`` (in place), widened into the same rows of ``wide`` when given
-    (float16 store, float32 output), in row blocks of at most ``pointread.BLOCK_ELEMENTS``."""
+def _lp_task(
+    d: np.ndarray, lp: np.ndarray, ids: np.ndarray, order: np.ndarray | None
+) -> Callable[[], None]:
+    """One row block of a point read: the row-delta inverse of the stored logprob bits ``d``
+    (in place), widened into ``lp`` if that is a float32 view of other memory (float16 store),
+    and the id remap of ``ids`` (in place) when the store has one."""
 
-    def post(d: np.ndarray, lo: int, hi: int) -> None:
-        for a, b in pointread.row_blocks(hi - lo, d.shape[1]):
-            block = d[lo + a : lo + b]
-            pointread.undelta_block(block)
-            if wide is not None:
-                pointread.widen_block(block.view(np.float16), wide[lo + a : lo + b])
+    def task() -> None:
+        pointread.undelta_block(d)
+        if lp.dtype == np.float32 and d.dtype == np.uint16:
+            pointread.widen_block(d.view(np.float16), lp)
+        if order is not None:
+            np.take(order, ids, out=ids)
 
-    return post
-
-
-def _remap_post(order: np.ndarray) -> pointread.Post:
-    """The :data:`.pointread.Post` of a ``topk_ids`` job in an ``id_remap`` store (FORMAT.md
-    4.3): stored ranks to token ids, in place."""
-
-    def post(ids: np.ndarray, lo: int, hi: int) -> None:
-        block = ids[lo:hi]
-        np.take(order, block, out=block)
-
-    return post
+    return task

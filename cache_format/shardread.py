@@ -16,7 +16,8 @@ fill value). A missing shard object is all fill value too. Each inner chunk is
 ``bytes(little-endian) -> blosc -> crc32c``: a blosc frame followed by the CRC32C of the frame.
 In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
 lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
-Every CRC32C is verified, as zarr does; a mismatch, an index pointing outside the object or a
+Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`: without the GIL
+where :mod:`.cdecode` applies); a mismatch, an index pointing outside the object or a
 blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader retries it on a
 fresh snapshot, FORMAT.md R7).
 
@@ -474,44 +475,9 @@ def _local_index(lay: DirectLayout, fd: int, shard: int, where: str) -> np.ndarr
     return index
 
 
-class _Arena:
-    """One thread's buffer for the frames that :func:`chunk_frames` reads from local files
-    (``os.preadv`` into it: no allocation of fresh memory per read, which costs page faults,
-    and under gVisor system calls, on every call). :meth:`reset` at the start of each call;
-    :meth:`take` hands out consecutive pieces, moving to a larger buffer when one does not fit
-    (earlier pieces keep theirs alive)."""
-
-    def __init__(self) -> None:
-        self.buf = np.empty(1 << 20, dtype=np.uint8)
-        self.used = 0
-
-    def reset(self) -> None:
-        self.used = 0
-
-    def take(self, n: int) -> np.ndarray:
-        if self.used + n > self.buf.size:
-            self.buf = np.empty(max(2 * self.buf.size, n), dtype=np.uint8)
-            self.used = 0
-        a = self.used
-        self.used = (a + n + 63) // 64 * 64
-        return self.buf[a : a + n]
-
-
-_arenas = threading.local()
-
-
-def _arena() -> _Arena:
-    arena = getattr(_arenas, "arena", None)
-    if arena is None:
-        arena = _arenas.arena = _Arena()
-    return arena
-
-
-def _frames_local(
-    lay: DirectLayout, root: str, chunks: list[int], arena: _Arena
-) -> list[Frame | None]:
-    """:func:`chunk_frames` of one local array: ``os.preadv`` on the shard files into
-    ``arena``, one read per run of consecutive chunks, frames as views of the bytes read."""
+def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame | None]:
+    """:func:`chunk_frames` of one local array: ``os.pread`` on the shard files, one read per
+    run of consecutive chunks, frames as views of the bytes read."""
     n = lay.chunks_per_shard
     out: list[Frame | None] = []
     i, total = 0, len(chunks)
@@ -552,8 +518,8 @@ def _frames_local(
                     continue
                 lo = min(o for o, _ in used)
                 hi = max(o + nb for o, nb in used)
-                buf = arena.take(hi - lo)
-                if os.preadv(fd, [buf], lo) != hi - lo:
+                buf = np.frombuffer(os.pread(fd, hi - lo, lo), dtype=np.uint8)
+                if buf.size != hi - lo:
                     raise ChecksumError(f"{where}: chunks past the end of the object")
                 for off, nb in entries:
                     out.append(None if off == _EMPTY else buf[off - lo : off - lo + nb])
@@ -567,18 +533,14 @@ def chunk_frames(wanted: list[tuple[DirectLayout, list[int]]]) -> list[list[Fram
     """The stored frames (CRC32C not yet checked: :func:`decode_frame` does) of the given inner
     chunks of each layout: ``wanted`` holds sorted, distinct global chunk numbers along axis 0,
     all below the layout's ``length``; the answer holds one frame (or ``None``: absent shard or
-    empty entry) per chunk, in that order. Local directory stores are read with ``os.preadv``
-    into this thread's read buffer (:class:`_Arena`): those frames stay valid until this
-    thread's next call (decode them first); the others through the store (one call into zarr's
-    event loop for all of them)."""
+    empty entry) per chunk, in that order. Local directory stores are read with ``os.pread``;
+    the others through the store (one call into zarr's event loop for all of them)."""
     out: list[list[Frame | None]] = [[] for _ in wanted]
     remote: list[tuple[int, DirectLayout, int, int, int]] = []
-    arena = _arena()
-    arena.reset()
     for i, (lay, chunks) in enumerate(wanted):
         root = local_root(lay)
         if root is not None:
-            out[i] = _frames_local(lay, root, chunks, arena)
+            out[i] = _frames_local(lay, root, chunks)
             continue
         for shard, runs in _runs(chunks, lay.chunks_per_shard).items():
             remote += [(i, lay, shard, c0, c1) for c0, c1 in runs]

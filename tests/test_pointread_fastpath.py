@@ -147,8 +147,7 @@ def test_groups_balance_and_respect_the_share_size(monkeypatch):
     loads = sorted(sum([300, 100, 100, 100, 90, 10][i] for i in g) for g in groups)
     assert len(groups) == 3 and loads == [200, 200, 300]
     assert len(pointread._groups([1000] * 10, 3)) == 3  # never more than the threads
-    monkeypatch.setattr(pointread, "MAX_SHARES", 4)
-    assert len(pointread._groups([1000] * 10, 16)) == 4  # never more than MAX_SHARES
+    assert len(pointread._groups([1000] * 10, 16)) == pointread.MAX_SHARES == 4
 
 
 def test_frame_checks_on_any_buffer():
