@@ -599,6 +599,28 @@ class CacheReader:
             r, t = r + n, t + nt
         return out
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A reader pickles as its configuration (e.g. to reach a ``DataLoader`` worker): the
+        copy opens the store again (its latest commit at unpickling) and starts its own reader
+        processes at its first point read; the original's processes, decode pool and open
+        files stay the original's."""
+        return {
+            "url": self._url,
+            "storage_options": self._storage_options,
+            "as_torch": self.as_torch,
+            "direct": self.direct,
+            "decode_threads": self.decode_threads,
+            "read_processes": self.read_processes,
+            "point_reads": self.point_reads,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        point_reads = bool(state.pop("point_reads", True))
+        url, options = state.pop("url"), state.pop("storage_options")
+        self.__init__(url, options, **state)  # type: ignore[misc]
+        self.point_reads = point_reads
+
     def close(self) -> None:
         """Stop the reader processes, if any (the reader stays usable: a later call starts
         them again)."""

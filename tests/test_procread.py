@@ -139,3 +139,29 @@ def test_a_forked_reader_starts_its_own_processes(tmp_path):
     r.close()
     parent.pid = os.getpid()
     parent.close()
+
+
+def test_a_reader_with_started_processes_pickles_as_its_configuration(tmp_path):
+    """A DataLoader worker receives the reader pickled: the copy keeps the settings, starts its
+    own processes at its first point read, and reads the same values."""
+    import pickle
+
+    url = tmp_path / "c"
+    _write(url, SMALL)
+    with CacheReader(url, read_processes=1, decode_threads=2) as r:
+        r.point_reads = True
+        idx = [5, 3, 39, 0, 22]
+        want = r.sequences(idx)
+        assert r._procs is not None
+        copy = pickle.loads(pickle.dumps(r))
+        assert (copy.read_processes, copy.decode_threads, copy.url) == (1, 2, r.url)
+        assert copy._procs is None and copy.num_sequences == r.num_sequences
+        with copy:
+            got = copy.sequences(idx)
+            assert copy._procs is not None
+            assert {p.pid for p in copy._procs.procs}.isdisjoint(p.pid for p in r._procs.procs)
+            for g, w in zip(got, want, strict=True):
+                _same(g, w)
+        ranged = pickle.loads(pickle.dumps(CacheReader(url)))
+        ranged.point_reads = False
+        assert not pickle.loads(pickle.dumps(ranged)).point_reads
