@@ -1,0 +1,57 @@
+"""``CacheDataset(read_processes=n)`` (issue #14): the dataset's reader gets ``n`` reader
+processes and fetches with point reads over them; the stream is the one without; the setting
+survives pickling (DataLoader workers) and is refused where it cannot apply."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+from client_support import collect, same_stream
+from logitcache.cache_format import CacheReader
+from logitcache.client import CacheDataset, ConfigError
+from test_format_random_access import SMALL, _write
+
+
+def test_read_processes_reach_the_reader_and_keep_the_stream(tmp_path):
+    url = str(tmp_path / "c")
+    _write(url, SMALL)  # 8-row chunks: a fetch of several sequences splits over processes
+    plain = collect(CacheDataset(url, tokens_per_item=48, seed=3, read_threads=1))
+    ds = CacheDataset(url, tokens_per_item=48, seed=3, read_threads=1, read_processes=1)
+    try:
+        assert same_stream(collect(ds), plain)
+        reader = ds.source.reader
+        assert reader.read_processes == 1 and reader._procs is not None  # processes were used
+        copy = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker receives
+        assert copy.read_processes == 1 and copy.source.read_processes == 1
+        assert copy.source._reader is None  # opens its own reader (and processes) when read
+        got = copy.source.fetch([39, 0, 7])
+        want = CacheReader(url).sequences([0, 7, 39])
+        assert sorted(got) == [0, 7, 39]
+        for i, w in zip([0, 7, 39], want, strict=True):
+            assert got[i].equals(w)
+        copy.source.reader.close()
+    finally:
+        ds.source.reader.close()
+
+
+def test_read_processes_are_checked(tmp_path):
+    url = str(tmp_path / "c")
+    _write(url, SMALL)
+    with pytest.raises(ConfigError, match="read_processes"):
+        CacheDataset(url, read_processes=-1)
+
+    class Other:  # a CacheSource that is not a LocalSource
+        def __init__(self, reader: CacheReader) -> None:
+            self.manifest, self.num_sequences = reader.manifest, reader.num_sequences
+            self.lengths = np.asarray(reader.lengths, dtype=np.int64)
+
+        def fetch(self, indices):  # pragma: no cover - never read
+            return {}
+
+        def refresh(self) -> None:  # pragma: no cover
+            pass
+
+    with pytest.raises(ConfigError, match="LocalSource"):
+        CacheDataset(Other(CacheReader(url)), read_processes=2)
