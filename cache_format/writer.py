@@ -51,8 +51,9 @@ from .records import SequenceRecord, check_record, rows_pass, tail_from_logprobs
 from .shardread import direct_layout
 from .store import StoreHandle, open_store
 
-#: Write the arrays that :func:`~.shardread.direct_layout` supports with :mod:`.shardwrite`
-#: (False: every array through zarr's ``setitem``, the reference the tests compare against).
+#: Write the arrays that :func:`~.shardread.direct_layout` supports, and ``seq_keys``, with
+#: :mod:`.shardwrite` (False: every array through zarr's ``setitem``, the reference the tests
+#: compare against).
 DIRECT_WRITES = True
 
 
@@ -550,9 +551,10 @@ class CacheWriter:
 
         Every chunk is stored, also one equal to the fill value (``write_empty_chunks``), so an
         absent object in the committed range can only be a lost one (FORMAT.md R9). Arrays of a
-        version-2 store whose layout :func:`~.shardread.direct_layout` supports are written by
-        :mod:`.shardwrite` (same bytes, less CPU: benchmarks/results/server.md); the others through
-        zarr. The opened arrays are kept between appends while nothing else resizes them.
+        version-2 store whose layout :func:`~.shardread.direct_layout` supports, and its
+        ``seq_keys`` (:func:`.shardwrite.keys_layout`), are written by :mod:`.shardwrite` (same
+        bytes, less CPU: benchmarks/results/server.md, job_cpu_s6.md); the others through zarr.
+        The opened arrays are kept between appends while nothing else resizes them.
         """
         direct = self._direct.pop(name, None)
         if direct is not None and direct.length == start:  # ours as we left it: no zarr at all
@@ -573,6 +575,8 @@ class CacheWriter:
         lay = None
         if DIRECT_WRITES and self._manifest.format_version >= 2:
             lay = direct_layout(arr, name, strict=True)
+            if lay is None and name == spec.SEQ_KEYS:  # vlen-utf8 strings
+                lay = shardwrite.keys_layout(arr, name, strict=True)
             if lay is not None and not shardwrite.supported(lay):
                 lay = None
         last = shardwrite.LastShard()
