@@ -12,11 +12,12 @@ scores_from_output``) turns them into rows. So every CPU-second counted is job-p
 the model's.
 
 Measured in CPU time, not wall time (the box is shared; wall-clock ratios drift with the load):
-``os.times()`` user+sys of this process over the job, divided by the positions scored (``L - 1`` per
-sequence). The breakdown is by thread and by stage, every figure measured in the thread that spends
-it (``time.thread_time()`` around a stage; a thread's own CPU from
-``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as the
-job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the replay engine's
+``getrusage`` user+sys of this process over the job (microsecond resolution; ``os.times()``, used
+before session 6, counts 10 ms ticks: 0.077 us/position steps at 130K positions), divided by the
+positions scored (``L - 1`` per sequence). The breakdown is by thread and by stage, every figure
+measured in the thread that spends it (``time.thread_time()`` around a stage; a thread's own CPU
+from ``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as
+the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the replay engine's
 call: the service's vLLM hook copies, on the event loop), ``convert`` (rows + tail mass, on the
 event loop), ``pair`` (``to_records``), ``encode`` (``writer.encode_batch``: checks, float16, row
 deltas, in the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C, in
@@ -47,6 +48,7 @@ import gc
 import json
 import os
 import pstats
+import resource
 import shutil
 import sqlite3
 import statistics
@@ -276,12 +278,12 @@ async def run_job(
                     prof.enable()
                 ENDED.clear()
                 threads0 = thread_cpu()
-                cpu0, wall0 = os.times(), time.perf_counter()
+                cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
                 r.raise_for_status()
                 job_id = r.json()["id"]
                 await _wait(c, settings.job_db_path, job_id)
-                cpu1, wall1 = os.times(), time.perf_counter()
+                cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 threads1 = thread_cpu()
                 if prof is not None:
                     prof.disable()
@@ -292,8 +294,8 @@ async def run_job(
             setattr(obj, name, fn)
     if job["state"] != "succeeded":
         raise SystemExit(f"job failed: {job}")
-    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
-    sys_s = cpu1.system - cpu0.system
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    sys_s = cpu1.ru_stime - cpu0.ru_stime
     for tid, (name, cpu_s) in ENDED.items():  # ended inside the job: its whole life's CPU
         threads1.setdefault(f"{tid}:{name}", cpu_s)
     per_thread = {n: v - threads0.get(n, 0.0) for n, v in threads1.items()}
