@@ -16,9 +16,14 @@ checks are those of the Python wrappers (tests/test_cdecode.py compares both on 
 kind); what changes is that a thread spends its chunk's CRC and decompression outside the GIL,
 and the per-chunk Python is a few hundred nanoseconds per call.
 
-:data:`AVAILABLE` is ``False`` where either symbol is missing (another build of the wheels, or
-``google_crc32c``'s pure-Python fallback) or ``LOGITCACHE_NOGIL=0`` is set; then
-:mod:`.shardread` decodes through the wrappers as before (same values, same errors).
+:data:`FOUND` says whether both symbols were found (``False`` with another build of the wheels,
+or ``google_crc32c``'s pure-Python fallback). The reader uses this module only where
+``LOGITCACHE_NOGIL=1`` is set (:data:`AVAILABLE`): measured on the 16-core H200 box (gVisor),
+decode threads did not gain from it (a hand-off costs 23-34 us there and threads raised the CPU
+per sequence 2-3x with or without the GIL), and on one thread it costs 2-4% more CPU than the
+wrappers on the 2-core VM (``frame.ctypes.data`` and ctypes argument conversion;
+benchmarks/results/client.md, session 6). Otherwise :mod:`.shardread` decodes through the
+wrappers (same values, same errors).
 """
 
 from __future__ import annotations
@@ -37,8 +42,6 @@ BLOSC_HEADER = 16
 
 def _load() -> tuple[Any, Any] | None:
     """``(crc32c_value, blosc_decompress_ctx)`` as ctypes functions, or ``None``."""
-    if os.environ.get("LOGITCACHE_NOGIL", "1").strip() in ("0", "false", "no"):
-        return None
     try:
         import google_crc32c
         import numcodecs.blosc
@@ -69,8 +72,11 @@ def _load() -> tuple[Any, Any] | None:
 
 
 _FUNCS = _load()
-AVAILABLE = _FUNCS is not None
+FOUND = _FUNCS is not None
 """Whether the GIL-free functions were found (else :func:`decode` must not be called)."""
+
+AVAILABLE = FOUND and os.environ.get("LOGITCACHE_NOGIL", "0").strip().lower() in ("1", "true")
+"""Whether the reader decodes through this module (``LOGITCACHE_NOGIL=1`` and :data:`FOUND`)."""
 
 
 def decode(frame: np.ndarray, dest: np.ndarray) -> str | None:

@@ -11,8 +11,8 @@ blocks.
 With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) the needed chunks of a call are
 cut into runs of consecutive chunks, about ``1/t`` of the bytes to decode each (``t`` at most
 :data:`MAX_SHARES`) but at least :data:`PARALLEL_MIN_BYTES`, and each thread reads (``pread``
-releases the GIL) and decodes its runs (CRC32C and decompression without the GIL where
-:mod:`.cdecode` applies; else ``google_crc32c`` holds it, ~3 us per 100 KB frame); the calling
+releases the GIL) and decodes its runs (``google_crc32c`` holds the GIL, ~3 us per 100 KB frame;
+with ``LOGITCACHE_NOGIL=1`` :mod:`.cdecode` checks and decompresses without it); the calling
 thread takes one share. With the reader's own Python about half of a call's CPU still holds the
 GIL, and on the 16-core H200 box (gVisor) a hand-off costs 23-34 us and threads raise the CPU
 per sequence 2-3x even with a GIL-free decode (benchmarks/results/client.md, session 6), so

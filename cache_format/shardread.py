@@ -17,7 +17,7 @@ fill value). A missing shard object is all fill value too. Each inner chunk is
 In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
 lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
 Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`: without the GIL
-where :mod:`.cdecode` applies); a mismatch, an index pointing outside the object or a
+with ``LOGITCACHE_NOGIL=1``, :mod:`.cdecode`); a mismatch, an index pointing outside the object or a
 blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader retries it on a
 fresh snapshot, FORMAT.md R7).
 
@@ -361,8 +361,8 @@ def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
 def check_decode(frame: np.ndarray, dest: np.ndarray) -> str | None:
     """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it
     into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None``. Without
-    the GIL where :mod:`.cdecode` found the C functions, else through the wrappers (same values,
-    same checks)."""
+    the GIL through :mod:`.cdecode` where it is enabled (``LOGITCACHE_NOGIL=1``), else through
+    the wrappers (same values, same checks)."""
     if cdecode.AVAILABLE:
         return cdecode.decode(frame, dest)
     err = _frame_error(frame, dest.nbytes)
