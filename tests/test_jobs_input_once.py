@@ -14,16 +14,9 @@ import pytest
 from engine_support import FakeEngine, app_settings, in_process
 from logitcache.cache_format import CacheReader
 from logitcache.server import inputs, jobs
+from test_jobs_targets import _done
 
 pytestmark = pytest.mark.fast
-
-
-async def _done(c: Any, job_id: str) -> dict[str, Any]:
-    while True:
-        job = (await c.get(f"/v1/jobs/{job_id}")).json()
-        if job["state"] in ("succeeded", "failed", "cancelled"):
-            return job
-        await asyncio.sleep(0.02)
 
 
 def _stored(url: Path) -> list[tuple[Any, ...]]:
