@@ -251,7 +251,7 @@ def previous_lines(
     """A table of this run's seed means beside an earlier result's (``previous["mean"]``)."""
     prev = previous.get("mean", {})
     lines = [
-        f"Compared with the previous result ({tag}; same command and plan):",
+        f"Compared with the previous result ({tag}):",
         "",
         "| method | held-out KL before → now | vs online KD before → now | step vs online "
         "before → now | teacher columns per batch now |",
