@@ -18,7 +18,7 @@ The distillation chart (held-out KL vs bytes/position, from a committed ``distil
 result)::
 
     .venv/bin/python benchmarks/plots.py distill \\
-        benchmarks/results/distill_t128_8seeds.json benchmarks/results/distill_kl_bytes.png
+        benchmarks/results/distill_t128_24seeds.json benchmarks/results/distill_kl_bytes.png
 
 The loss charts (peak memory and time vs positions, every variant, from a committed
 ``loss_bench`` result; writes ``loss_memory.png`` and ``loss_time.png``)::
