@@ -23,4 +23,5 @@ def test_small_vocab_loss_bench_prints_every_impl_and_the_dense_loss() -> None:
     impls = ["auto", "dense", "forward_chunked", "fused_chunked"]
     assert [(k, i) for k, i, _ in got] == [(k, i) for k in ("128", "174") for i in impls]
     assert all(float(ms) > 0 for _, _, ms in got)
+    assert len(re.findall(r"^k=(128|174) gather-based sketch: [\d.]+ ms$", r.stdout, re.M)) == 2
     assert re.search(r"^full-vocabulary dense loss: [\d.]+ ms$", r.stdout, re.M)
