@@ -51,8 +51,8 @@ import os
 import queue
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,16 +67,13 @@ from .collate import (
     plan_items,
     trim_padding_columns,
 )
-from .errors import ConfigError, CutSequenceWarning, SourceError, StateError
+from .errors import ConfigError, CutSequenceWarning, StateError
 from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
 from .readahead import ReadAhead, default_read_threads
 from .sources import CacheSource, LocalSource, open_source
 from .state import LoaderState
 from .world import agree_min, current_worker, distributed_world_size, resolve_ranks
-
-if TYPE_CHECKING:
-    from logitcache.cache_format import SequenceRecord
 
 __all__ = ["CacheDataset", "CacheDataLoader", "TRAINER_SHUFFLE"]
 
@@ -100,64 +97,17 @@ _FETCH_ITEMS = 64
 _SEQUENTIAL_BLOCK = 64
 
 
-class _ProcessReadSource(LocalSource):
-    """A :class:`~logitcache.client.sources.LocalSource` whose reader has ``read_processes``
-    reader processes (``CacheDataset(read_processes=n)``): :meth:`fetch` reads the wanted
-    sequences with one point read (``CacheReader.sequences``), which the reader spreads over the
-    calling process and its processes; the records are those of ``LocalSource.fetch``. It
-    pickles as its configuration (each DataLoader worker starts its own processes)."""
-
-    def __init__(
-        self,
-        url: str,
-        storage_options: dict[str, Any] | None = None,
-        *,
-        read_processes: int,
-        max_gap_tokens: int = 16384,
-    ) -> None:
-        super().__init__(url, storage_options, max_gap_tokens=max_gap_tokens)
-        self.read_processes = int(read_processes)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "read_processes": self.read_processes}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["url"],
-            state["storage_options"],
-            read_processes=state["read_processes"],
-            max_gap_tokens=state["max_gap_tokens"],
-        )
-
-    def __repr__(self) -> str:
-        return f"LocalSource({self.url!r}, read_processes={self.read_processes})"
-
-    @property
-    def reader(self) -> Any:
-        reader = super().reader
-        reader.read_processes = self.read_processes  # started lazily, at its first point read
-        return reader
-
-    def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        wanted = np.unique(np.fromiter(indices, dtype=np.int64)).tolist()
-        n = self.num_sequences
-        if wanted and (wanted[0] < 0 or wanted[-1] >= n):
-            raise SourceError(f"sequence indices outside [0, {n})")
-        return dict(zip(wanted, self.reader.sequences(wanted), strict=True))
-
-
 def _process_source(source: CacheSource, n: int) -> CacheSource:
-    """``source`` read through a reader with ``n`` reader processes (ConfigError where the
-    source is not a :class:`~logitcache.client.sources.LocalSource`)."""
+    """``source`` read through a reader with ``n`` reader processes
+    (:class:`~logitcache.client.sources.LocalSource` ``read_processes``; ConfigError where the
+    source is not a LocalSource)."""
     if type(source) is LocalSource:
-        return _ProcessReadSource(
+        return LocalSource(
             source.url,
             source.storage_options,
-            read_processes=n,
             max_gap_tokens=source.max_gap_tokens,
+            read_processes=n,
         )
-    if isinstance(source, _ProcessReadSource):
-        return source
     raise ConfigError(
         f"read_processes applies to local and object-store caches (a LocalSource), not to "
         f"{type(source).__name__}"

@@ -111,7 +111,11 @@ class LocalSource:
     """Read a cache store directly: a local path or an object-store URL (``s3://bucket/prefix``).
 
     ``storage_options`` go to ``CacheReader`` unchanged (e.g. ``{"endpoint_url": ...,
-    "key": ..., "secret": ...}``). ``max_gap_tokens``: see :meth:`fetch`.
+    "key": ..., "secret": ...}``). ``max_gap_tokens``: see :meth:`fetch`. ``read_processes``
+    (default 0): the reader is ``CacheReader(read_processes=n)`` and :meth:`fetch` reads the wanted
+    sequences with one point read, which that reader spreads over this process and ``n`` reader
+    processes (started at its first read, in every process that reads;
+    ``cache_format/procread.py``); the records are the same.
 
     Fork safety: object-store URLs are read through obstore by default, whose runtime does not
     survive ``fork`` (a forked child hangs on its first request). :attr:`fork_safe` says so;
@@ -127,10 +131,14 @@ class LocalSource:
         storage_options: dict[str, Any] | None = None,
         *,
         max_gap_tokens: int = 16384,
+        read_processes: int = 0,
     ) -> None:
+        if read_processes < 0:
+            raise SourceError(f"read_processes must be >= 0, got {read_processes}")
         self.url = str(url)
         self.storage_options = dict(storage_options) if storage_options else None
         self.max_gap_tokens = int(max_gap_tokens)
+        self.read_processes = int(read_processes)
         self._reader: Any = None
         self._pid: int | None = None
         self._offsets: tuple[np.ndarray, np.ndarray, list[str]] | None = None
@@ -140,15 +148,20 @@ class LocalSource:
             "url": self.url,
             "storage_options": self.storage_options,
             "max_gap_tokens": self.max_gap_tokens,
+            "read_processes": self.read_processes,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(  # type: ignore[misc]
-            state["url"], state["storage_options"], max_gap_tokens=state["max_gap_tokens"]
+            state["url"],
+            state["storage_options"],
+            max_gap_tokens=state["max_gap_tokens"],
+            read_processes=state.get("read_processes", 0),
         )
 
     def __repr__(self) -> str:
-        return f"LocalSource({self.url!r})"
+        procs = f", read_processes={self.read_processes}" if self.read_processes else ""
+        return f"LocalSource({self.url!r}{procs})"
 
     @property
     def fork_safe(self) -> bool:
@@ -171,7 +184,9 @@ class LocalSource:
                     "storage_options={'backend': 'fsspec'}"
                 )
 
-            self._reader = CacheReader(self.url, storage_options=self.storage_options)
+            self._reader = CacheReader(
+                self.url, storage_options=self.storage_options, read_processes=self.read_processes
+            )
             self._pid = os.getpid()
             self._offsets = None
         return self._reader
@@ -203,12 +218,16 @@ class LocalSource:
         Runs of wanted sequences less than ``max_gap_tokens`` apart are merged into one
         sequence range (:func:`merged_ranges`); all ranges are read by one
         ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
-        concurrent) and the unwanted sequences in between are dropped.
+        concurrent) and the unwanted sequences in between are dropped. With ``read_processes``
+        the wanted sequences are read with one point read (``CacheReader.sequences``) instead.
         """
         _, lengths, _ = self._index()
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
+        if self.read_processes:
+            picked = wanted.tolist()
+            return dict(zip(picked, self.reader.sequences(picked), strict=True))
         ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)
         records = self.reader.read_ranges(ranges)
         sent = np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else wanted

@@ -55,3 +55,24 @@ def test_read_processes_are_checked(tmp_path):
 
     with pytest.raises(ConfigError, match="LocalSource"):
         CacheDataset(Other(CacheReader(url)), read_processes=2)
+
+
+def test_local_source_takes_read_processes_itself(tmp_path):
+    """``LocalSource(url, read_processes=n)``: the option lives on the source (pickled with it,
+    shown in its repr, refused below 0); fetch returns what the range reads return."""
+    from logitcache.client.errors import SourceError
+    from logitcache.client.sources import LocalSource
+
+    url = str(tmp_path / "c")
+    _write(url, SMALL)
+    with pytest.raises(SourceError, match="read_processes"):
+        LocalSource(url, read_processes=-1)
+    src = LocalSource(url, read_processes=1)
+    try:
+        assert "read_processes=1" in repr(src) and "read_processes" not in repr(LocalSource(url))
+        assert pickle.loads(pickle.dumps(src)).read_processes == 1
+        got, want = src.fetch([5, 2, 30]), LocalSource(url).fetch([5, 2, 30])
+        assert sorted(got) == sorted(want) == [2, 5, 30]
+        assert all(got[i].equals(want[i]) for i in want)
+    finally:
+        src.reader.close()
