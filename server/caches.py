@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
+from logitcache.cache_format.spec import layout_named
 
 from .engine.identity import teacher_identity
 from .errors import ConflictError, InvalidCacheNameError, NotFoundError
@@ -215,13 +216,22 @@ class CacheRegistry:
     # --- shared writers -------------------------------------------------------------------
 
     @contextmanager
-    def writer(self, name: str, manifest: Manifest) -> Iterator[WriterHandle]:
-        """Use the process's writer of cache ``name`` (opened on first use, closed on last)."""
+    def writer(
+        self, name: str, manifest: Manifest, layout: str | None = None
+    ) -> Iterator[WriterHandle]:
+        """Use the process's writer of cache ``name`` (opened on first use, closed on last).
+        ``layout``: the preset a cache created here gets (``spec.LAYOUTS``; an existing cache
+        keeps its own, FORMAT.md 4.7)."""
         url = self.url(name)
         with self._lock:
             entry = self._writers.get(name)
             if entry is None:
-                w = CacheWriter.open(url, manifest, storage_options=self.storage_options)
+                w = CacheWriter.open(
+                    url,
+                    manifest,
+                    storage_options=self.storage_options,
+                    layout=None if layout is None else layout_named(layout),
+                )
                 entry = _OpenWriter(writer=w, manifest=manifest)
                 self._writers[name] = entry
             elif entry.manifest.identity() != manifest.identity():

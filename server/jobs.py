@@ -35,10 +35,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
+from logitcache.cache_format import SequenceRecord
 from logitcache.cache_format.errors import StoreNotFoundError
 from logitcache.cache_format.layout import parse_root, read_root_attrs
-from logitcache.cache_format.spec import layout_named
 from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 
 from . import chat, inputs, pipeline, targets
@@ -222,18 +221,6 @@ class JobRunner:
                 "(a cache's layout is fixed when it is created)"
             )
 
-    def _create(self, name: str, manifest: Manifest, layout: str) -> None:
-        """Create cache ``name`` with the layout preset ``layout`` if it does not exist yet
-        (an existing cache is left as it is: its preset was checked at submission)."""
-        if self.caches.manifest(name) is not None:
-            return
-        CacheWriter.open(
-            self.caches.url(name),
-            manifest,
-            storage_options=self.caches.storage_options,
-            layout=layout_named(layout),
-        ).close()
-
     def _limits(self, spec: JobCreate) -> inputs.Limits:
         """The server's limits with the job's long-sequence rule (``on_long``)."""
         return inputs.job_limits(self.scoring.limits, spec.on_long, spec.split_overlap)
@@ -384,9 +371,7 @@ class JobRunner:
         manifest = await asyncio.to_thread(
             chat.job_manifest, self.scoring, job.cache, manifest, spec.loss_mask
         )
-        if spec.layout is not None:  # a new cache gets the job's preset
-            await asyncio.to_thread(self._create, job.cache, manifest, spec.layout)
-        cm = self.caches.writer(job.cache, manifest)
+        cm = self.caches.writer(job.cache, manifest, spec.layout)  # a new cache gets the preset
         handle = await asyncio.to_thread(cm.__enter__)
         try:
             await self._stream(job, spec, handle, stats, None if kept is None else kept[1])
