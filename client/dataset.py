@@ -25,8 +25,10 @@ Resume
 ``load_state_dict(state)`` makes the next iteration start at item ``items_consumed`` of the same
 stream, so the remaining stream is identical to the one an uninterrupted run would have seen.
 A trainer loop may call ``set_epoch(state["epoch"])`` after it (as it does at every epoch start):
-until the restored stream is iterated, setting the restored epoch keeps the restored position and
-sequence count; another epoch starts from its beginning.
+until the restored stream is iterated (by this object or by a copy in a DataLoader worker:
+:class:`~logitcache.client.resume_mark.ResumeMark` is shared with them), setting the restored
+epoch keeps the restored position and sequence count; after it, and for another epoch, set_epoch
+starts the epoch from its beginning.
 Counting happens where items reach the trainer: when the dataset is iterated in the trainer
 process (``num_workers=0``) it counts itself; with DataLoader workers the copies in the workers
 cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
@@ -71,6 +73,7 @@ from .errors import ConfigError, CutSequenceWarning, StateError
 from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
 from .readahead import ReadAhead, default_read_threads
+from .resume_mark import ResumeMark
 from .sources import CacheSource, LocalSource, open_source
 from .state import LoaderState
 from .world import agree_min, current_worker, distributed_world_size, resolve_ranks
@@ -296,9 +299,9 @@ class CacheDataset(IterableDataset):
         self.epoch = 0
         self._start = 0
         self._consumed = 0
-        # epoch of a state loaded by load_state_dict and not iterated yet: set_epoch of that
-        # epoch keeps the restored position (None: no pending resume)
-        self._restored_epoch: int | None = None
+        # the position load_state_dict restored: set_epoch of its epoch keeps it until a copy of
+        # this dataset (here or in a DataLoader worker) iterates it (None: no pending resume)
+        self._resume_mark: ResumeMark | None = None
         self._plans: dict[tuple[int, int], ItemPlan] = {}
         # validate budget, mode and policy now rather than in the first worker
         plan_items(
@@ -376,9 +379,10 @@ class CacheDataset(IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
         epoch = int(epoch)
-        if self._restored_epoch is not None and epoch == self._restored_epoch:
-            return  # the resumed epoch: keep load_state_dict's position and snapshot
-        self._restored_epoch = None
+        mark = self._resume_mark
+        if mark is not None and mark.pending and epoch == mark.epoch:
+            return  # the resumed epoch, not read yet: keep load_state_dict's position and snapshot
+        self._resume_mark = None
         if epoch != self.epoch:
             self._plans.clear()
         self.epoch = epoch
@@ -495,7 +499,7 @@ class CacheDataset(IterableDataset):
             raise StateError(f"state consumed {st.items_consumed} items of an epoch of {total}")
         self._start = st.items_consumed
         self._consumed = 0
-        self._restored_epoch = st.epoch
+        self._resume_mark = ResumeMark(st.epoch)
 
     # -- iteration ------------------------------------------------------------------------
     def _units(self, worker: int, num_workers: int) -> list[np.ndarray]:
@@ -574,7 +578,8 @@ class CacheDataset(IterableDataset):
 
     def _iterate(self, trim: bool) -> Iterator[dict[str, torch.Tensor]]:
         """The units of :meth:`__iter__`; ``trim``: cut sampled units' padding columns."""
-        self._restored_epoch = None  # the restored stream is being read: set_epoch resets now
+        if self._resume_mark is not None:  # the restored stream is being read (maybe in a
+            self._resume_mark.clear()  # worker: the mark is shared): set_epoch resets now
         worker, num_workers = current_worker()
         units = self._units(worker, num_workers)
         self._consumed = 0
@@ -663,7 +668,8 @@ class CacheDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds: CacheDataset = self.dataset  # type: ignore[assignment]
         self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
-        ds._restored_epoch = None  # as the dataset's own iteration (workers iterate copies)
+        if ds._resume_mark is not None:  # as the dataset's own iteration (workers iterate copies)
+            ds._resume_mark.clear()
         for unit in super().__iter__():
             self._yielded += int(unit["input_ids"].shape[0]) if ds.batch_size else 1
             yield unit

@@ -150,3 +150,42 @@ def test_set_epoch_refuses_bad_epochs(url: str) -> None:
         with pytest.raises(ConfigError, match="epoch"):
             ds.set_epoch(bad)  # type: ignore[arg-type]
     assert ds.epoch == 0 and ds.resume_point == 0
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_plain_dataloader_workers_clear_the_restored_mark(url: str, context: str) -> None:
+    """A plain ``DataLoader(num_workers=2)`` iterates copies of the dataset in its workers; the
+    restored position must still be spent once they read it: repeating the epoch with
+    ``set_epoch(same)`` then yields the whole epoch, not the restored tail again."""
+    from torch.utils.data import DataLoader
+
+    ds = CacheDataset(url, batch_size=2, **OPTS)
+    ds.set_epoch(1)
+    full = collect(ds)
+    resumed = CacheDataset(url, batch_size=2, **OPTS)
+    resumed.load_state_dict(_state_after_batches(url, 1, 3))
+    resumed.set_epoch(1)
+    loader = DataLoader(resumed, batch_size=None, num_workers=2, multiprocessing_context=context)
+    assert same_stream(collect(loader), full[3:])
+    resumed.set_epoch(1)  # the epoch again: the restored stream was read in the workers
+    assert resumed.resume_point == 0
+    assert same_stream(collect(loader), full)
+
+
+def _state_after_batches(url: str, epoch: int, batches: int) -> dict:
+    ds = CacheDataset(url, batch_size=2, **OPTS)
+    ds.set_epoch(epoch)
+    it = iter(ds)
+    _ = [next(it) for _ in range(batches)]
+    return ds.state_dict()
+
+
+def test_a_pickled_dataset_carries_the_pending_mark(url: str) -> None:
+    """Outside a worker start the mark travels by value: the copy keeps the resume."""
+    import pickle
+
+    resumed = CacheDataset(url, **OPTS)
+    resumed.load_state_dict(_state_after(url, 2, 5))
+    copy = pickle.loads(pickle.dumps(resumed))
+    copy.set_epoch(2)
+    assert copy.resume_point == 5
