@@ -10,7 +10,7 @@ import torch
 from logitcache.client.loss import topk_distill_loss
 from loss_support import make_problem, rel_err, run
 
-IMPLS = ["forward_chunked", "fused_chunked", "fused_chunked_recompute"]
+IMPLS = ["forward_chunked", "fused_chunked", "fused_chunked_recompute", "small_vocab"]
 KINDS = ["forward_kl", "renormalized_kl", "reverse_kl", "jsd"]
 
 
@@ -127,7 +127,9 @@ def test_gradcheck_custom_functions(kind, impl):
 
 def test_gradient_in_forward_allows_one_backward_only():
     prob = make_problem(n=6)
-    loss = topk_distill_loss(prob.hidden, prob.weight, prob.ids, prob.logprobs)
+    loss = topk_distill_loss(
+        prob.hidden, prob.weight, prob.ids, prob.logprobs, impl="fused_chunked"
+    )
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward"):
         loss.backward()

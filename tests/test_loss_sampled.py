@@ -7,7 +7,7 @@ import torch
 from logitcache.client.loss import LossInputError, topk_distill_loss
 from loss_support import rel_err, sample_targets
 
-IMPLS = ["dense", "forward_chunked", "fused_chunked", "fused_chunked_recompute"]
+IMPLS = ["dense", "forward_chunked", "fused_chunked", "fused_chunked_recompute", "small_vocab"]
 
 
 def _problem(n=20, d=8, vocab=50, draws=12, m=14, tau=0.8, seed=0, dtype=torch.float64):

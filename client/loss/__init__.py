@@ -3,7 +3,9 @@
 ``topk_distill_loss`` (function) and ``TopKDistillLoss`` (module) take student hidden states
 and the lm-head weight and never build the full ``[N, V]`` logits (``impl="fused_chunked"``,
 the default); ``"dense"`` and ``"forward_chunked"`` are the same objective computed the simple
-ways, for reference and comparison. See :func:`topk_distill_loss` for the formulas.
+ways, for reference and comparison; ``"small_vocab"`` computes it on the full logits, the
+default on the CPU when ``N x V`` is small (about 1K vocabulary entries). See
+:func:`topk_distill_loss` for the formulas.
 A lm-head split along the vocabulary over a tensor-parallel group runs through the same fused
 path (``vocab_parallel=VocabParallel(group)`` or a ``Shard(0)`` DTensor weight);
 ``TopKDistillHead`` computes the loss inside a module that owns the lm-head (for FSDP2).

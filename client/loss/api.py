@@ -15,6 +15,7 @@ from .dispatch import (
 from .forward_chunked import forward_chunked_rows
 from .fused_chunked import FusedGradInForward, FusedRecompute
 from .reference import dense_row_losses
+from .small_vocab import small_vocab_rows
 from .spec import REDUCTIONS, LossInputError, LossSpec
 from .validation import Prepared, prepare
 from .vocab_parallel import (
@@ -92,10 +93,16 @@ def topk_distill_loss(
     * ``"dense"``: full ``[N, V]`` logits and a dense rebuilt teacher, plain autograd (the
       reference; memory ``O(N V)``).
     * ``"forward_chunked"``: full logits, the loss and its logits-gradient chunked over rows.
-    * ``"fused_chunked"`` (= ``"auto"``): projection fused and chunked over rows, logits never
-      materialised; gradients computed in the forward pass (3 GEMMs). With ``reduction="none"``
-      it becomes ``"fused_chunked_recompute"`` (projection recomputed in backward, 4 GEMMs).
+    * ``"fused_chunked"`` (``"auto"``, except as below): projection fused and chunked over
+      rows, logits never materialised; gradients computed in the forward pass (3 GEMMs). With
+      ``reduction="none"`` it becomes ``"fused_chunked_recompute"`` (projection recomputed in
+      backward, 4 GEMMs).
       On CUDA with Triton the two full-vocabulary passes are Triton kernels; elsewhere torch.
+    * ``"small_vocab"``: full logits of the counted rows (autograd GEMM), one exponential pass
+      shared by forward and backward, the loss gathered at the ids (see :mod:`.small_vocab`);
+      memory ``O(N V)``. ``"auto"`` takes it instead of ``"fused_chunked"`` on the CPU when
+      ``V <= 4096`` and ``N * V <= 4,194,304`` (``dispatch.picks_small_vocab``), no
+      ``chunk_size`` is given and the lm-head is not vocab-parallel; never on CUDA.
 
     ``targets``: ``"topk"`` (cached top-k logprobs, as above) or ``"sampled"``: random-sampling
     KD rows (Anshumann et al. 2025), ``topk_ids [..., m]`` distinct sampled ids and
@@ -140,7 +147,7 @@ def topk_distill_loss(
     if reduction not in REDUCTIONS:
         raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_chunk_size(chunk_size)
-    impl = resolve_impl(impl, reduction)
+    resolve_impl(impl, reduction)  # the option's check, before any other work
     if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
         raise LossInputError(f"vocab_parallel must be a VocabParallel, got {vocab_parallel!r}")
     weight, bias, hidden, shard = from_dtensor(weight, bias, hidden)
@@ -149,6 +156,15 @@ def topk_distill_loss(
             shard = resolve_shard(vocab_parallel, weight.shape[0], weight.device)
         elif not vocab_parallel.reduce_grad_hidden:
             shard = dataclasses.replace(shard, reduce_grad_hidden=False)
+    impl = resolve_impl(
+        impl,
+        reduction,
+        n_rows=_n_rows(hidden),
+        vocab=weight.shape[0],
+        device=hidden.device,
+        chunk_size=chunk_size,
+        sharded=shard is not None,
+    )
     if shard is not None and impl not in ("fused_chunked", "fused_chunked_recompute"):
         raise LossInputError(f"a vocab-parallel lm-head needs a fused impl, got impl={impl!r}")
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
@@ -166,6 +182,7 @@ def topk_distill_loss(
         check_ids,
         targets=targets,
         vocab_global=None if shard is None else shard.vocab,
+        sort_dups=impl != "small_vocab",
     )
     if shard is not None:
         check_same_rows(prep.ids, prep.valid, shard)
@@ -185,11 +202,21 @@ def topk_distill_loss(
         return FusedGradInForward.apply(
             prep.hidden, weight, bias, spec, prep, chunk, scale, need, acc, shard
         )
-    rows = _rows(impl, spec, prep, chunk, acc, shard)
+    if impl == "small_vocab":
+        rows = small_vocab_rows(spec, prep, check_ids)
+    else:
+        rows = _rows(impl, spec, prep, chunk, acc, shard)
     if reduction == "none":
         return rows.reshape(prep.lead_shape)
     total = rows.sum()
     return total if reduction == "sum" else total / max(prep.n_valid, 1)
+
+
+def _n_rows(hidden: torch.Tensor) -> int | None:
+    """Rows of ``hidden [..., d]`` (``None`` for a shape that ``prepare`` will reject)."""
+    if hidden.dim() < 2 or hidden.shape[-1] == 0:
+        return None
+    return hidden.numel() // hidden.shape[-1]
 
 
 def _autocast_inputs(

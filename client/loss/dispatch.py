@@ -13,14 +13,61 @@ _ROW_MULTIPLE = 256
 #: ``grad_weight_dtype="auto"`` accumulates ``grad_W`` in a bf16/fp16 weight's own dtype up
 #: to this many chunks (each chunk adds one rounding of the running sum; see RESULTS).
 AUTO_LOWP_MAX_CHUNKS = 8
+#: ``impl="auto"`` takes ``"small_vocab"`` on the CPU up to this vocabulary and this many rows x
+#: vocabulary entries (see :func:`picks_small_vocab`; figures from
+#: ``benchmarks/loss_small_vocab_cpu.py --sweep``).
+SMALL_VOCAB_MAX_VOCAB = 4096
+SMALL_VOCAB_MAX_ELEMENTS = 1 << 22
 
 
-def resolve_impl(impl: str, reduction: str) -> str:
-    """The concrete implementation for ``impl`` ("auto" is the fused chunked path)."""
+def picks_small_vocab(
+    n_rows: int, vocab: int, device: torch.device, chunk_size: int | None, sharded: bool
+) -> bool:
+    """Whether ``impl="auto"`` computes the loss on the full ``[N, V]`` logits.
+
+    Only on the CPU, only for ``V <= SMALL_VOCAB_MAX_VOCAB`` and ``N * V <=
+    SMALL_VOCAB_MAX_ELEMENTS``, never with an explicit ``chunk_size`` (the caller asked for
+    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. Speed:
+    on one CPU thread (hidden 128, k = 128) it takes 0.6-0.7x the fused path's time at V = 1,024
+    for any N, 0.8x at 2,048, 0.95x at 4,096 and about 1-1.2x from 8,192 on, where the
+    per-row work of the chunked path no longer dominates. Memory: its logits, exponentials and
+    logits gradient are at most 16 MiB each in float32 under the element bound, no more than one
+    chunk of the fused path's 64 MiB CPU budget.
+    """
+    return (
+        device.type == "cpu"
+        and chunk_size is None
+        and not sharded
+        and vocab <= SMALL_VOCAB_MAX_VOCAB
+        and n_rows * vocab <= SMALL_VOCAB_MAX_ELEMENTS
+    )
+
+
+def resolve_impl(
+    impl: str,
+    reduction: str,
+    *,
+    n_rows: int | None = None,
+    vocab: int | None = None,
+    device: torch.device | None = None,
+    chunk_size: int | None = None,
+    sharded: bool = False,
+) -> str:
+    """The concrete implementation for ``impl``.
+
+    ``"auto"``: ``"small_vocab"`` where :func:`picks_small_vocab` says so (needs the problem's
+    ``n_rows``, ``vocab`` and ``device``), else the fused chunked path.
+    """
     if impl not in IMPLS:
         raise LossInputError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "fused_chunked"
+        small = (
+            n_rows is not None
+            and vocab is not None
+            and device is not None
+            and picks_small_vocab(n_rows, vocab, device, chunk_size, sharded)
+        )
+        impl = "small_vocab" if small else "fused_chunked"
     if impl == "fused_chunked" and reduction == "none":
         impl = "fused_chunked_recompute"  # per-row grad_output is only known in backward
     return impl

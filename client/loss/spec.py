@@ -8,7 +8,9 @@ from typing import Literal
 
 LossKind = Literal["forward_kl", "renormalized_kl", "reverse_kl", "jsd"]
 Reduction = Literal["mean", "sum", "none"]
-Impl = Literal["auto", "dense", "forward_chunked", "fused_chunked", "fused_chunked_recompute"]
+Impl = Literal[
+    "auto", "dense", "forward_chunked", "fused_chunked", "fused_chunked_recompute", "small_vocab"
+]
 
 LOSS_KINDS: tuple[str, ...] = ("forward_kl", "renormalized_kl", "reverse_kl", "jsd")
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
@@ -23,6 +25,7 @@ IMPLS: tuple[str, ...] = (
     "forward_chunked",
     "fused_chunked",
     "fused_chunked_recompute",
+    "small_vocab",
 )
 
 #: Floor for the log of a bucket probability (student outside-top-k mass, teacher tail): log(1e-30).

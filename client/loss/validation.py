@@ -19,6 +19,7 @@ _TAIL_TOL = 1e-3
 #: Sampled rows: ``|sum_i w_i - 1|`` above this is an error (float16 storage of ``log w`` can
 #: move the sum by a few 1e-3); rows within it are renormalised exactly.
 SAMPLED_SUM_TOL = 1e-2
+DUPLICATE_IDS = "topk_ids has duplicate ids within a row"
 
 
 @dataclass
@@ -70,13 +71,16 @@ def prepare(
     check_ids: bool = True,
     targets: str = "topk",
     vocab_global: int | None = None,
+    sort_dups: bool = True,
 ) -> Prepared:
     """Check every argument and flatten it; raise :class:`LossInputError` on any problem.
 
     ``vocab_global``: the full vocabulary when ``weight`` (and ``bias``) hold one vocab-parallel
     shard; ids and labels are checked against it. With ``targets="sampled"`` each counted row's
     ``exp(topk_logprobs)`` must sum to 1 within :data:`SAMPLED_SUM_TOL` (``-inf`` padding is
-    weight 0) and the log-weights are then renormalised to sum to exactly 1.
+    weight 0) and the log-weights are then renormalised to sum to exactly 1. ``sort_dups=False``
+    leaves the duplicate-id part of ``check_ids`` to the caller (the small-vocabulary impl
+    counts its ``[N, V]`` support mask instead of sorting the ids).
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         raise LossInputError("hidden must be a tensor of shape [..., d] with at least 2 dims")
@@ -135,7 +139,9 @@ def prepare(
         valid &= flat_labels != ignore_index
     tail = None if tail_mass is None else tail_mass.reshape(n).to(work)
 
-    problems = _find_problems(ids, logprobs, tail, flat_labels, valid, vocab, check_ids)
+    problems = _find_problems(
+        ids, logprobs, tail, flat_labels, valid, vocab, check_ids, check_ids and sort_dups
+    )
     if targets == "sampled":
         wsum = torch.logsumexp(logprobs, dim=-1).exp()
         off = valid & ~((wsum - 1.0).abs() <= SAMPLED_SUM_TOL)
@@ -188,6 +194,7 @@ def _find_problems(
     valid: torch.Tensor,
     vocab: int,
     check_ids: bool,
+    sort_dups: bool,
 ) -> list[tuple[str, torch.Tensor]]:
     """(message, 0-d bool tensor) pairs, evaluated on counted rows, without synchronising."""
     vcol = valid[:, None]
@@ -196,10 +203,10 @@ def _find_problems(
         out.append(
             (f"topk_ids out of range [0, {vocab})", (vcol & ((ids < 0) | (ids >= vocab))).any())
         )
-        if ids.shape[1] > 1:
-            srt = ids.sort(dim=1).values
-            dup = (srt[:, 1:] == srt[:, :-1]) & vcol
-            out.append(("topk_ids has duplicate ids within a row", dup.any()))
+    if sort_dups and ids.shape[1] > 1:
+        srt = ids.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & vcol
+        out.append((DUPLICATE_IDS, dup.any()))
     lp_bad = vcol & (torch.isnan(logprobs) | (logprobs > _LOGPROB_TOL))
     out.append(("topk_logprobs must be log-probabilities (<= 0, not NaN)", lp_bad.any()))
     if tail is not None:
