@@ -57,6 +57,7 @@ from distill_eval import evaluate, make_heldout  # noqa: E402
 from distill_report import add_ratios, goals, markdown, method_summary  # noqa: E402
 from distill_service import TeacherService, score_corpus  # noqa: E402
 from distill_train import (  # noqa: E402
+    LOSS_IMPLS,
     METHODS,
     TrainSettings,
     make_run,
@@ -120,6 +121,7 @@ class Plan:
     read_from: str = "store"
     threads: int = 1
     teacher_temperature: float = 1.0
+    loss_impl: str = "auto"
     out_json: Path | None = None
     out_md: Path | None = None
 
@@ -196,6 +198,12 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
         "--teacher-temperature",
         type=float,
         help="distil every method from softmax(teacher_logits / T) (default 1)",
+    )
+    p.add_argument(
+        "--loss-impl",
+        choices=LOSS_IMPLS,
+        help="topk_distill_loss impl of the sparse-target methods (default auto: small_vocab on "
+        "this CPU setup; fused_chunked reproduces the pages before session 7)",
     )
     p.add_argument("--out-json", type=Path, help="default: <workdir>/distill.json")
     p.add_argument("--out-md", type=Path, help="default: <workdir>/distill.md")
@@ -620,6 +628,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lr=plan.lr,
             warmup_steps=max(1, min(20, plan.steps // 10)),
             seed=plan.seed,
+            loss_impl=plan.loss_impl,
         )
         runs = [spec_run(m, load_student, make_dataset, teacher, settings) for m in specs]
         print(f"[distill] training {', '.join(specs)} for {plan.steps} steps", flush=True)
@@ -667,6 +676,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tokens_per_item": plan.tokens_per_item,
             "seed": plan.seed,
             "threads": plan.threads,
+            "loss_impl": plan.loss_impl,
             "read_from": plan.read_from,
             "load_avg": load_summary(load),
         },

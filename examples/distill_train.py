@@ -7,8 +7,8 @@ initial weights, same AdamW settings and schedule; position ``t`` of an item is 
 * ``ce``: no distillation, ``mean_t -log q(x_{t+1})`` (hard labels only);
 * ``online_kd``: the teacher (PyTorch, full model) runs on the batch at every step and the loss is
   the full-vocabulary ``mean_t KL(p_teacher || q_student)``;
-* ``offline_topk``: ``topk_distill_loss`` (impl ``fused_chunked``) on the cached top-k without the
-  tail mass: ``sum_{v in S} p_v log(p_v / q_v)``;
+* ``offline_topk``: ``topk_distill_loss`` (``TrainSettings.loss_impl``, default ``auto``) on
+  the cached top-k without the tail mass: ``sum_{v in S} p_v log(p_v / q_v)``;
 * ``offline_topk_tail``: the same with the cached tail mass as one more bucket:
   ``sum_S p_v log(p_v / q_v) + P_o log(P_o / Q_o)``;
 * ``offline_sampled``: random-sampling KD (Anshumann et al. 2025) from a ``targets="sampled"``
@@ -21,7 +21,7 @@ forward is part of the step, as in ``online_kd``), then takes the same loss as i
 so only the source of the targets differs:
 
 * ``online_topk@k`` / ``online_topk_tail@k``: the live teacher's top-k (+ the tail bucket),
-  ``topk_distill_loss`` (impl ``fused_chunked``), no storage, no float16 rounding;
+  ``topk_distill_loss`` (the same impl), no storage, no float16 rounding;
 * ``online_sampled@N``: ``N`` fresh draws per row at every step
   (:func:`logitcache.cache_format.sampling.sample_rows` on the live rows, uniforms from a
   generator seeded by ``(seed, step)``), the sampled loss; ``online_sampled_head@m+N``: the same
@@ -56,6 +56,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+#: ``--loss-impl`` choices (``topk_distill_loss(impl=...)``).
+LOSS_IMPLS = ("auto", "fused_chunked", "small_vocab", "forward_chunked", "dense")
 METHODS = (
     "ce",
     "online_kd",
@@ -122,6 +124,7 @@ class TrainSettings:
     clip: float = 1.0
     chunk_size: int | None = None
     seed: int = 0  # the live sampled ablations' draws: uniforms seeded by (seed, step)
+    loss_impl: str = "auto"  # topk_distill_loss impl of the sparse-target methods
 
     def lr_factor(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 10% at the last step."""
@@ -202,7 +205,7 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
             tgt["topk_logprobs"],
             tgt.get("tail_mass"),
             mask=batch["loss_mask"],
-            impl="fused_chunked",
+            impl=settings.loss_impl,
             chunk_size=settings.chunk_size,
             **kw,
         )
@@ -245,7 +248,7 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
                 batch["topk_logprobs"],
                 batch["tail_mass"] if with_tail else None,
                 mask=batch["loss_mask"],
-                impl="fused_chunked",
+                impl=settings.loss_impl,
                 chunk_size=settings.chunk_size,
                 **({"targets": "sampled"} if sampled else {}),
             )
