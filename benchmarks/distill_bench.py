@@ -271,6 +271,13 @@ def previous_lines(
     return lines
 
 
+def impl_note(reports: list[dict[str, Any]]) -> str:
+    """``; sparse-target loss impl X`` from the reports (``--loss-impl``; reports before it
+    have none: their runs used ``fused_chunked``)."""
+    impls = sorted({r["train"].get("loss_impl", "fused_chunked") for r in reports})
+    return f"; sparse-target loss `topk_distill_loss(impl={'/'.join(impls)})`"
+
+
 def command_note(reports: list[dict[str, Any]]) -> str:
     """``(per seed: `cmd` with `--seed`)``; where the seeds ran different commands (other
     than ``--seed`` and the seed's output paths), each command with the seeds that ran it."""
@@ -321,7 +328,7 @@ def markdown(
         f"- training: {r0['train']['steps']} steps x {r0['train']['batch_items']} x "
         f"{r0['train']['tokens_per_item']} tokens, AdamW lr {r0['train']['lr']}; seeds "
         f"{seeds} (data order + sampling); same init; held-out "
-        f"{r0['heldout']['positions']:,} positions, full-vocabulary KL",
+        f"{r0['heldout']['positions']:,} positions, full-vocabulary KL{impl_note(reports)}",
         *load_lines(reports),
         "",
         *(intro or []),

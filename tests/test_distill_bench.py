@@ -55,3 +55,14 @@ def test_combine_pairs_each_seed_with_its_own_online_run() -> None:
     assert "spread of online KD's held-out KL: 1.0000 to 2.0000 (67% of the mean)" in text
     assert "vocab 4096" in text and distill_bench.OLD_PAGES_NOTE in text
     assert distill_bench.spread_notes({"online_kd": {"kl_by_seed": [1.0]}}) == []
+
+
+def test_page_names_the_sparse_loss_impl() -> None:
+    """Reports from before ``--loss-impl`` ran ``fused_chunked``; newer ones carry theirs."""
+    old = [_report(0, {"online_kd": 1.0, "offline_topk_tail@8": 1.1})]
+    assert distill_bench.impl_note(old).endswith("`topk_distill_loss(impl=fused_chunked)`")
+    new = [_report(s, {"online_kd": 1.0, "offline_topk_tail@8": 1.1}) for s in (0, 1)]
+    for r in new:
+        r["train"]["loss_impl"] = "auto"
+    page = distill_bench.markdown(new, distill_bench.combine(new))
+    assert "full-vocabulary KL; sparse-target loss `topk_distill_loss(impl=auto)`" in page
