@@ -414,6 +414,14 @@ def main() -> None:
     from logitcache.cache_format import kernels
 
     doc["kernels"] = kernels.backend()
+    try:
+        from logitcache.cache_format import fastdecode
+    except ImportError:  # a tree without it (RA_OLD)
+        doc["fastdecode"] = None
+    else:
+        t0 = time.perf_counter()
+        doc["fastdecode"] = fastdecode.ready()
+        doc["fastdecode_ready_s"] = time.perf_counter() - t0
     doc |= run(args)
     doc["load_avg_end"] = os.getloadavg()
     text = json.dumps(doc, indent=2)

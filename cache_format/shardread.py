@@ -155,6 +155,8 @@ class DirectLayout:
         default_factory=lambda: OpenShards(), compare=False, hash=False, repr=False
     )
     """Shard files :func:`chunk_frames` keeps open for this layout (local stores)."""
+    fast: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """:mod:`.fastdecode`'s tables for this layout (descriptors and indexes of kept shards)."""
 
     @property
     def chunks_per_shard(self) -> int:
@@ -475,6 +477,28 @@ def _local_index(lay: DirectLayout, fd: int, shard: int, where: str) -> np.ndarr
     return index
 
 
+def open_shard(lay: DirectLayout, root: str, shard: int) -> tuple[int, bool] | None:
+    """``(fd, owned)`` of shard ``shard``'s file (a local store under ``root``), or ``None`` if
+    it does not exist; ``owned``: opened for this read only (the caller closes it), else kept
+    open in ``lay.fds``."""
+    fd = lay.fds.get(shard)
+    if fd is not None:
+        return fd, False
+    path = lay.paths.get(shard)
+    if path is None:
+        path = lay.paths[shard] = os.path.join(root, lay.shard_path(shard).path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    return fd, not lay.fds.keep(shard, fd)
+
+
+def local_index(lay: DirectLayout, fd: int, shard: int) -> np.ndarray:
+    """:func:`_local_index` of shard ``shard`` open as ``fd`` (after :func:`open_shard`)."""
+    return _local_index(lay, fd, shard, f"{lay.name or lay.paths.get(shard)} shard {shard}")
+
+
 def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame | None]:
     """:func:`chunk_frames` of one local array: ``os.pread`` on the shard files, one read per
     run of consecutive chunks, frames as views of the bytes read."""
@@ -487,20 +511,12 @@ def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame
         while j < total and chunks[j] < end:
             j += 1
         part, i = chunks[i:j], j
-        fd = lay.fds.get(shard)
-        owned = fd is None  # opened here: kept in lay.fds if there is room, else closed below
-        path = lay.paths.get(shard)
-        if path is None:
-            path = lay.paths[shard] = os.path.join(root, lay.shard_path(shard).path)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                out += [None] * len(part)
-                continue
-            if lay.fds.keep(shard, fd):
-                owned = False
-        where = f"{lay.name or path} shard {shard}"
+        got = open_shard(lay, root, shard)
+        if got is None:
+            out += [None] * len(part)
+            continue
+        fd, owned = got
+        where = f"{lay.name or lay.paths[shard]} shard {shard}"
         try:
             index = _local_index(lay, fd, shard, where)
             base = shard * n

@@ -1,0 +1,598 @@
+"""Compiled point reads: the whole decode of a ``sequence`` / ``sequences`` call in a few compiled
+calls, one per array (issue #14, FORMAT.md D4).
+
+The per-chunk path (:mod:`.pointread`) spends about half of a ``random_access``-preset
+``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
+row blocks, torch calls; benchmarks/results/client.md, session 7). Here, for each array a call
+needs, one function compiled with numba (``nogil``) takes the shard indexes and open file
+descriptors and does the rest without returning to Python: it groups the needed chunks into runs,
+reads each run with ``pread`` into one buffer, checks every chunk's CRC32C and blosc header,
+decompresses it (``blosc_decompress_ctx``, the same C function numcodecs' wheel runs, one internal
+thread) straight into the output or, for a chunk shared by several ranges or cut by one, into a
+scratch chunk whose rows are copied to each range; then one more compiled call undoes the logprob
+row delta and widens float16 to float32 (``vcvtph2ps``: exact, as numpy's and torch's casts). The C
+functions are those :mod:`.cdecode` finds in the installed wheels (``crc32c_value`` of
+google_crc32c's libcrc32c, ``blosc_decompress_ctx`` of numcodecs' blosc extension) and libc's
+``pread``, called through ctypes function pointers from the compiled code.
+
+The values are those of :mod:`.pointread`, bit for bit, and every CRC32C is checked. What this
+path does not handle it hands back (``None``: the caller reads the call through
+:mod:`.pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
+value or :class:`~.errors.MissingDataError`), a frame failing its checks or a short read (so the
+error raised is the per-chunk path's :class:`~.errors.ChecksumError`, after the reader's retries),
+quantised logprobs, output arrays given by the caller (reader processes).
+
+Outputs: each array of a call decodes into one contiguous block; the records of a ``sequences``
+call are views of it (one record keeps its call's block alive, as with reader processes).
+
+Optional: needs ``numba`` (``pip install 'logitcache[fast]'``); without it, with the C symbols
+missing, with ``LOGITCACHE_FASTDECODE=0``, or if the self-check at the first use fails,
+:data:`AVAILABLE` is ``False`` after :func:`ready` and the reader uses :mod:`.pointread`. The
+kernels compile at the first point read of a process (about a second; numba caches them on disk
+where the package directory is writable).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from . import cdecode, shardread
+from .shardread import DirectLayout
+
+EMPTY = np.uint64(2**64 - 1)
+
+OK, NEED_BUFFER, FALLBACK, NEED_SHARDS = 0, 1, 2, 3
+"""Kernel status codes (``status[0]``): done; the read buffer is too small (``status[1]``
+bytes needed); hand the call back to the per-chunk path (empty chunk, short read, a frame
+failing its CRC32C / header / decompression: ``status[1]`` the global chunk); shards not open
+yet (``status[1]`` of them, ``(array, shard)`` pairs from ``status[2]`` on)."""
+
+
+def _wanted() -> bool:
+    mode = os.environ.get("LOGITCACHE_FASTDECODE", "auto").strip().lower()
+    return mode not in ("0", "false", "no", "off")
+
+
+AVAILABLE = _wanted() and cdecode.FOUND
+"""Whether the reader uses this module (numba importable, the C functions found, not disabled
+by ``LOGITCACHE_FASTDECODE=0``); set ``False`` by :func:`ready` if compiling or the self-check
+fails. Tests and benchmarks may set it to compare both paths."""
+
+_kernels: dict[str, Any] | None = None
+_lock = threading.Lock()
+
+
+def _cfuncs() -> tuple[Any, Any, Any]:
+    """``(crc32c_value, blosc_decompress_ctx, pread)`` as ctypes function pointers whose pointer
+    arguments are plain integers (what the compiled code passes)."""
+    assert cdecode._FUNCS is not None
+    crc, dec = cdecode._FUNCS
+    size, addr = ctypes.c_size_t, ctypes.c_void_p
+    crc_p = ctypes.CFUNCTYPE(ctypes.c_uint32, size, size)(ctypes.cast(crc, addr).value)
+    dec_p = ctypes.CFUNCTYPE(ctypes.c_int, size, size, size, ctypes.c_int)(
+        ctypes.cast(dec, addr).value
+    )
+    pread = ctypes.CDLL(None).pread
+    pread_p = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, size, size, ctypes.c_int64)(
+        ctypes.cast(pread, addr).value
+    )
+    return crc_p, dec_p, pread_p
+
+
+def _compile() -> dict[str, Any]:
+    """The compiled kernels (numba; raises ImportError without it)."""
+    import numba
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    crc_fn, dec_fn, pread_fn = _cfuncs()
+
+    @intrinsic
+    def h2f(typingctx: Any, u: Any) -> Any:
+        """float16 bits (uint16) -> float32, exact (LLVM ``fpext half``)."""
+        if u != types.uint16:
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    jit = numba.njit(nogil=True, cache=False, boundscheck=False)
+
+    @jit
+    def u32(buf: Any, p: int) -> int:
+        return (
+            np.int64(buf[p])
+            | (np.int64(buf[p + 1]) << 8)
+            | (np.int64(buf[p + 2]) << 16)
+            | (np.int64(buf[p + 3]) << 24)
+        )
+
+    @jit
+    def undelta_widen(d: Any, out: Any) -> None:
+        """``out = float32(float16 bits of the row-wise cumulative sum of d mod 2**16)``."""
+        n, k = d.shape
+        for r in range(n):
+            acc = 0
+            for j in range(k):
+                acc = (acc + d[r, j]) & 0xFFFF
+                out[r, j] = h2f(np.uint16(acc))
+
+    @jit
+    def undelta16(d: Any) -> None:
+        """In place: the row-wise cumulative sum of uint16 ``d`` modulo ``2**16``."""
+        n, k = d.shape
+        for r in range(n):
+            acc = 0
+            for j in range(k):
+                acc = (acc + d[r, j]) & 0xFFFF
+                d[r, j] = acc
+
+    @jit
+    def undelta32(d: Any) -> None:
+        """In place: the row-wise cumulative sum of uint32 ``d`` modulo ``2**32``."""
+        n, k = d.shape
+        for r in range(n):
+            acc = 0
+            for j in range(k):
+                acc = (acc + d[r, j]) & 0xFFFFFFFF
+                d[r, j] = acc
+
+    @jit
+    def read_items(
+        fd_tabs: Any,
+        idx_tabs: Any,
+        meta: Any,
+        items: Any,
+        arena: Any,
+        lp: Any,
+        lp_out: Any,
+        scratch: Any,
+        buf: Any,
+        status: Any,
+    ) -> None:
+        """Decode every item ``(array, first row, end row, output row)`` of ``items`` into its
+        array's block of ``arena`` (``meta[a]``: chunks per shard, chunk rows, row bytes, shard
+        rows, block offset in ``arena``), each needed chunk once; then the logprob items
+        (array ``lp[0]``): row-delta inverse in place, widened into ``lp_out`` if ``lp[1]``
+        (see :func:`read_arrays`)."""
+        status[0] = OK
+        n_items = items.shape[0]
+        missing = 0
+        for i in range(n_items):
+            a, st, sp = items[i, 0], items[i, 1], items[i, 2]
+            sr = meta[a, 3]
+            fd_tab = fd_tabs[a]
+            for sh in range(st // sr, (sp - 1) // sr + 1):
+                if fd_tab[sh] < 0 and 3 + 2 * missing < status.size:
+                    dup = False
+                    for m in range(missing):
+                        if status[2 + 2 * m] == a and status[3 + 2 * m] == sh:
+                            dup = True
+                    if not dup:
+                        status[2 + 2 * missing] = a
+                        status[3 + 2 * missing] = sh
+                        missing += 1
+        if missing:
+            status[0] = NEED_SHARDS
+            status[1] = missing
+            return
+        base = buf.ctypes.data
+        scr = scratch.ctypes.data
+        arena_base = arena.ctypes.data
+        used = 0  # bytes of buf taken by the frames read so far
+        for a in range(meta.shape[0]):
+            per_shard, cr, row_bytes, out_at = meta[a, 0], meta[a, 1], meta[a, 2], meta[a, 4]
+            fd_tab, idx_tab = fd_tabs[a], idx_tabs[a]
+            chunk_bytes = cr * row_bytes
+            n_pairs = 0
+            for i in range(n_items):
+                if items[i, 0] == a:
+                    n_pairs += (items[i, 2] - 1) // cr - items[i, 1] // cr + 1
+            if n_pairs == 0:
+                continue
+            pc = np.empty(n_pairs, np.int64)  # (chunk, item) pairs, sorted by chunk below
+            pj = np.empty(n_pairs, np.int64)
+            q = 0
+            for i in range(n_items):
+                if items[i, 0] == a:
+                    for g in range(items[i, 1] // cr, (items[i, 2] - 1) // cr + 1):
+                        pc[q] = g
+                        pj[q] = i
+                        q += 1
+            if q > 1:
+                order = np.argsort(pc, kind="mergesort")
+                pc = pc[order]
+                pj = pj[order]
+            n_u = 0
+            for q in range(n_pairs):
+                if q == 0 or pc[q] != pc[q - 1]:
+                    n_u += 1
+            ug = np.empty(n_u, np.int64)
+            ufirst = np.empty(n_u + 1, np.int64)  # pairs [ufirst[u], ufirst[u + 1]) use chunk u
+            uoff = np.empty(n_u, np.int64)
+            unb = np.empty(n_u, np.int64)
+            ush = np.empty(n_u, np.int64)
+            u = -1
+            for q in range(n_pairs):
+                if q == 0 or pc[q] != pc[q - 1]:
+                    u += 1
+                    g = pc[q]
+                    ug[u] = g
+                    ufirst[u] = q
+                    sh = g // per_shard
+                    e = 2 * (g - sh * per_shard)
+                    if idx_tab[sh, e] == EMPTY:
+                        status[0] = FALLBACK
+                        status[1] = g
+                        return
+                    uoff[u] = np.int64(idx_tab[sh, e])
+                    unb[u] = np.int64(idx_tab[sh, e + 1])
+                    ush[u] = sh
+            ufirst[n_u] = n_pairs
+            # runs of consecutive chunks of one shard whose bytes are contiguous: one pread each
+            upos = np.empty(n_u, np.int64)  # where each frame lands in buf
+            total = used
+            u = 0
+            while u < n_u:
+                v = u + 1
+                while (
+                    v < n_u
+                    and ush[v] == ush[u]
+                    and ug[v] == ug[v - 1] + 1
+                    and uoff[v] == uoff[v - 1] + unb[v - 1]
+                ):
+                    v += 1
+                for w in range(u, v):
+                    upos[w] = total + uoff[w] - uoff[u]
+                size = uoff[v - 1] + unb[v - 1] - uoff[u]
+                if total + size <= buf.size:
+                    if pread_fn(fd_tab[ush[u]], base + total, size, uoff[u]) != size:
+                        status[0] = FALLBACK
+                        status[1] = ug[u]
+                        return
+                total += size
+                u = v
+            if total > buf.size:
+                status[0] = NEED_BUFFER
+                status[1] = total
+                return
+            used = total
+            for u in range(n_u):
+                p, nb, g = upos[u], unb[u], ug[u]
+                if (
+                    nb < 20
+                    or crc_fn(base + p, nb - 4) != u32(buf, p + nb - 4)
+                    or u32(buf, p + 4) != chunk_bytes
+                    or u32(buf, p + 12) != nb - 4
+                ):
+                    status[0] = FALLBACK
+                    status[1] = g
+                    return
+                r0 = g * cr
+                q0, q1 = ufirst[u], ufirst[u + 1]
+                if q1 - q0 == 1:
+                    i = pj[q0]
+                    st, sp = items[i, 1], items[i, 2]
+                    if st <= r0 and r0 + cr <= sp:
+                        dest = arena_base + out_at + (items[i, 3] + r0 - st) * row_bytes
+                        if dec_fn(base + p, dest, chunk_bytes, 1) != chunk_bytes:
+                            status[0] = FALLBACK
+                            status[1] = g
+                            return
+                        continue
+                if dec_fn(base + p, scr, chunk_bytes, 1) != chunk_bytes:
+                    status[0] = FALLBACK
+                    status[1] = g
+                    return
+                for q in range(q0, q1):
+                    i = pj[q]
+                    st, sp = items[i, 1], items[i, 2]
+                    x, y = max(st, r0), min(sp, r0 + cr)
+                    o = out_at + (items[i, 3] + x - st) * row_bytes
+                    n = (y - x) * row_bytes
+                    arena[o : o + n] = scratch[(x - r0) * row_bytes : (x - r0) * row_bytes + n]
+        a = lp[0]
+        if a < 0:
+            return
+        k = meta[a, 2] // lp[2]
+        for i in range(n_items):
+            if items[i, 0] != a:
+                continue
+            o = meta[a, 4] + items[i, 3] * meta[a, 2]
+            rows = items[i, 2] - items[i, 1]
+            if lp[2] == 4:
+                undelta32(arena[o : o + rows * meta[a, 2]].view(np.uint32).reshape((rows, k)))
+                continue
+            d = arena[o : o + rows * meta[a, 2]].view(np.uint16).reshape((rows, k))
+            if lp[1]:
+                undelta_widen(d, lp_out[items[i, 3] : items[i, 3] + rows])
+            else:
+                undelta16(d)
+
+    return {
+        "read_items": read_items,
+        "undelta_widen": undelta_widen,
+        "undelta16": undelta16,
+        "undelta32": undelta32,
+    }
+
+
+def _self_check(k: dict[str, Any]) -> bool:
+    """The kernels compute what numpy does on a probe (every float16 bit pattern but NaNs)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(-1, 64)
+    h = bits.view(np.float16)
+    keep = ~np.isnan(h).any(axis=1)
+    u = bits[keep]
+    d = u.copy()
+    d[:, 1:] = u[:, 1:] - u[:, :-1]
+    out = np.empty(u.shape, np.float32)
+    k["undelta_widen"](d, out)
+    if not np.array_equal(
+        out.view(np.uint32), u.view(np.float16).astype(np.float32).view(np.uint32)
+    ):
+        return False
+    d2 = d.copy()
+    k["undelta16"](d2)
+    w = (u.astype(np.uint32) * 65599).reshape(-1, 32)
+    d3 = w.copy()
+    d3[:, 1:] = w[:, 1:] - w[:, :-1]
+    k["undelta32"](d3)
+    return bool(np.array_equal(d2, u) and np.array_equal(d3, w))
+
+
+def ready() -> bool:
+    """Compile the kernels (once per process) and check them; ``False`` (and
+    :data:`AVAILABLE` off) if that fails."""
+    global _kernels, AVAILABLE
+    if _kernels is not None:
+        return AVAILABLE
+    if not AVAILABLE:
+        return False
+    with _lock:
+        if _kernels is None:
+            try:
+                k = _compile()
+                ok = _self_check(k)
+            except Exception:  # no numba, no F16C lowering, ...: the per-chunk path
+                k, ok = {}, False
+            if not ok:
+                AVAILABLE = False
+            _kernels = k
+    return AVAILABLE
+
+
+_local = threading.local()
+
+
+def _buffer(attr: str, size: int) -> np.ndarray:
+    """This thread's uint8 buffer ``attr`` of at least ``size`` bytes (grown by doubling)."""
+    buf = getattr(_local, attr, None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, 2 * (0 if buf is None else buf.size), 1 << 16), np.uint8)
+        setattr(_local, attr, buf)
+    return buf
+
+
+class _Tables:
+    """A layout's shards as the kernel sees them: ``fd[s]`` (``-1``: not ready) and the parsed
+    index of shard ``s`` (``index[s]``: ``(offset, nbytes)`` pairs), for shards kept open in
+    ``lay.fds`` (an open descriptor keeps the file version its index was read from, see
+    :class:`.shardread.OpenShards`)."""
+
+    def __init__(self, lay: DirectLayout):
+        n = -(-lay.length // lay.shard_rows)
+        self.fd = np.full(max(n, 1), -1, np.int64)
+        self.index = np.empty((max(n, 1), 2 * lay.chunks_per_shard), np.uint64)
+        self.meta = (lay.chunks_per_shard, lay.chunk_rows, lay.row_items * lay.dtype.itemsize)
+        self.lock = threading.Lock()
+
+
+def _tables(lay: DirectLayout) -> _Tables:
+    t = lay.fast.get("tables")
+    if t is None:
+        t = lay.fast.setdefault("tables", _Tables(lay))
+    return t
+
+
+ALIGN = 64
+"""Byte alignment of each array's block in a call's arena."""
+
+MAX_MISSING = 64
+"""Shards the kernel reports as not ready per round."""
+
+PARALLEL_MIN_BYTES = 128 * 1024
+"""The least work (bytes decoded) one thread is given: a call with less than twice this runs in
+the calling thread alone (a hand-off costs tens of microseconds)."""
+
+
+def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) -> list[np.ndarray]:
+    """``items`` in at most ``n`` groups of about equal decoded bytes (at least
+    :data:`PARALLEL_MIN_BYTES` each), items cut at chunk edges where that balances them."""
+    cost = [
+        ((b - 1) // int(meta[a, 1]) - a0 // int(meta[a, 1]) + 1) * int(meta[a, 1] * meta[a, 2])
+        for a, a0, b, _ in [(i[0], i[1], i[2], i[3]) for i in items]
+    ]
+    total = sum(cost)
+    g = max(1, min(n, total // PARALLEL_MIN_BYTES))
+    if g <= 1:
+        return [np.array(items, np.int64).reshape(-1, 4)]
+    share = total / g
+    groups: list[list[tuple[int, int, int, int]]] = [[]]
+    load = 0.0
+    for (a, st, sp, out), c in zip(items, cost, strict=True):
+        cr = int(meta[a, 1])
+        per = int(meta[a, 1] * meta[a, 2])
+        while c > 0:
+            room = share - load
+            if room < per / 2 and len(groups) < g:
+                groups.append([])
+                load, room = 0.0, share
+            take = max(1, int(room // per)) * per if len(groups) < g else c
+            if take >= c:
+                groups[-1].append((a, st, sp, out))
+                load += c
+                break
+            cut = (st // cr + take // per) * cr  # a chunk edge inside (st, sp)
+            groups[-1].append((a, st, cut, out))
+            load += take
+            out += cut - st
+            st, c = cut, c - take
+    return [np.array(x, np.int64).reshape(-1, 4) for x in groups if x]
+
+
+def read_arrays(
+    lays: list[DirectLayout],
+    root: str,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    lp: tuple[int, bool] = (-1, False),
+    pool: ThreadPoolExecutor | None = None,
+    threads: int = 1,
+) -> tuple[list[np.ndarray], np.ndarray | None] | None:
+    """For each array ``a`` (``lays[a]``), rows ``[starts[a, j], stops[a, j])`` of every job
+    ``j`` (int64 ``[arrays, jobs]``), one after the other in one block (stored dtype; the
+    blocks share one allocation); or ``None``: read these through :mod:`.pointread` instead
+    (see the module docstring). Rows must lie below each layout's ``length`` (the caller checks
+    R6). ``lp = (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place
+    (float16 bits widened into the float32 array returned beside the blocks if ``widen``).
+
+    With ``pool`` and ``threads > 1`` the work is cut at chunk edges into up to ``threads``
+    groups of at least :data:`PARALLEL_MIN_BYTES` decoded, the calling thread taking one (each
+    group one compiled call without the GIL). A shard the kernel needs that is not open yet is
+    opened here and the call made again; a shard whose descriptor cannot be kept
+    (:data:`.shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
+    its descriptor closed after it."""
+    assert _kernels is not None
+    key = tuple(map(id, lays))
+    got = lays[0].fast.get(key)
+    if got is None:
+        tabs = [_tables(lay) for lay in lays]
+        meta = np.array(
+            [(*t.meta, lay.shard_rows, 0) for t, lay in zip(tabs, lays, strict=True)], np.int64
+        )
+        got = lays[0].fast[key] = (tabs, meta)
+    tabs, meta = got
+    meta = meta.copy()
+    lens = stops - starts
+    rows = lens.sum(axis=1)
+    sizes = (rows * meta[:, 2] + ALIGN - 1) // ALIGN * ALIGN
+    meta[1:, 4] = np.cumsum(sizes[:-1])
+    arena = np.empty(max(int(sizes.sum()), 1), np.uint8)
+    offs = np.zeros_like(starts)
+    np.cumsum(lens[:, :-1], axis=1, out=offs[:, 1:])
+    live = np.nonzero(lens > 0)
+    items = np.stack([live[0], starts[live], stops[live], offs[live]], axis=1)
+    a_lp, widen = lp
+    lp_arg = np.array([a_lp, int(widen), lays[a_lp].dtype.itemsize if a_lp >= 0 else 0], np.int64)
+    lp_out = None
+    if a_lp >= 0 and widen:
+        lp_out = np.empty((int(rows[a_lp]), *lays[a_lp].inner), np.float32)
+    dummy = lp_out if lp_out is not None else _DUMMY
+    groups = [items]
+    if pool is not None and threads > 1:
+        groups = _pieces([tuple(x) for x in items.tolist()], meta, threads)
+    run = partial(_run, lays, root, tabs, meta, arena, lp_arg, dummy)
+    if len(groups) == 1:
+        ok = run(groups[0])
+    else:
+        futures = [pool.submit(run, grp) for grp in groups[1:]]  # type: ignore[union-attr]
+        ok = run(groups[0])
+        ok = all([f.result() for f in futures]) and ok
+    if not ok:
+        return None
+    out = []
+    for a, lay in enumerate(lays):
+        o, n = int(meta[a, 4]), int(rows[a] * meta[a, 2])
+        out.append(arena[o : o + n].view(lay.dtype).reshape(int(rows[a]), *lay.inner))
+    return out, lp_out
+
+
+_DUMMY = np.empty((0, 1), np.float32)
+
+
+def _run(
+    lays: list[DirectLayout],
+    root: str,
+    tabs: list[_Tables],
+    meta: np.ndarray,
+    arena: np.ndarray,
+    lp: np.ndarray,
+    lp_out: np.ndarray,
+    items: np.ndarray,
+) -> bool:
+    """One compiled call over ``items`` (in this thread); ``False``: hand the call back."""
+    fd_tabs = tuple(t.fd for t in tabs)
+    idx_tabs = tuple(t.index for t in tabs)
+    status = np.zeros(2 + 2 * MAX_MISSING, np.int64)
+    scratch = _buffer("scratch", int((meta[:, 1] * meta[:, 2]).max()))
+    kernel = _kernels["read_items"]  # type: ignore[index]
+    close: list[int] = []
+    try:
+        buf = _buffer("buf", 1 << 20)
+        for _ in range(64):
+            kernel(fd_tabs, idx_tabs, meta, items, arena, lp, lp_out, scratch, buf, status)
+            if status[0] == NEED_BUFFER:
+                buf = _buffer("buf", int(status[1]))
+            elif status[0] == NEED_SHARDS:
+                pairs = status[2 : 2 + 2 * int(status[1])].reshape(-1, 2).tolist()
+                fd_tabs, idx_tabs = _open(lays, root, tabs, fd_tabs, idx_tabs, pairs, close)
+                if not fd_tabs:
+                    return False
+            else:
+                break
+    finally:
+        for fd in close:
+            os.close(fd)
+    return bool(status[0] == OK)
+
+
+def _open(
+    lays: list[DirectLayout],
+    root: str,
+    tabs: list[_Tables],
+    fd_tabs: tuple[np.ndarray, ...],
+    idx_tabs: tuple[np.ndarray, ...],
+    pairs: list[list[int]],
+    close: list[int],
+) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Open the shards ``pairs`` (``[array, shard]``) into the tables; returns the tables for the
+    next round (private copies where a descriptor is not kept; ``((), ())`` if a shard is
+    missing: the per-chunk path decides, fill value or R9)."""
+    fds, idxs = list(fd_tabs), list(idx_tabs)
+    for a, s in pairs:
+        lay, tab = lays[a], tabs[a]
+        with tab.lock:
+            if fds[a] is tab.fd and tab.fd[s] >= 0:
+                continue  # another thread opened it meanwhile
+            got = shardread.open_shard(lay, root, s)
+            if got is None:
+                return (), ()
+            fd, owned = got
+            index = shardread.local_index(lay, fd, s).reshape(-1)
+            if owned:  # this call only: private tables, the descriptor closed after the call
+                close.append(fd)
+                if fds[a] is tab.fd:
+                    fds[a], idxs[a] = tab.fd.copy(), tab.index.copy()
+                fds[a][s], idxs[a][s] = fd, index
+            else:
+                tab.index[s] = index
+                tab.fd[s] = fd
+                if fds[a] is not tab.fd:
+                    fds[a][s], idxs[a][s] = fd, index
+    return tuple(fds), tuple(idxs)
+
+
+def undelta_widen(d: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = float32 logprobs of float16 row-delta bits ``d`` (benchmarks' stage timing)."""
+    assert _kernels is not None
+    _kernels["undelta_widen"](d, out)

@@ -1,0 +1,172 @@
+"""Compiled point reads (``cache_format/fastdecode.py``, issue #14): the whole decode of a
+``sequence`` / ``sequences`` call in one compiled call per thread must return the per-chunk path's
+values bit for bit (every encoding it takes, id remap, loss mask, repeats, chunk and shard edges,
+threads), check every CRC32C (a flipped byte is the per-chunk path's typed error), hand back what
+it does not handle, leak no descriptors, and be optional (no numba, ``LOGITCACHE_FASTDECODE=0``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from logitcache.cache_format import CacheReader, fastdecode, shardread
+from logitcache.cache_format.errors import ChecksumError, MissingDataError
+from test_format_random_access import CASES, SMALL, _same, _write
+
+pytestmark = pytest.mark.skipif(not fastdecode.ready(), reason="numba or C symbols missing")
+
+
+class Spy:
+    """Counts :func:`fastdecode.read_arrays` calls and those handed back (``None``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.calls = self.handed_back = 0
+        real = fastdecode.read_arrays
+
+        def spy(*a, **kw):
+            self.calls += 1
+            got = real(*a, **kw)
+            self.handed_back += got is None
+            return got
+
+        monkeypatch.setattr(fastdecode, "read_arrays", spy)
+
+
+def _per_chunk(url, **kw) -> CacheReader:
+    """A reader whose point reads take the per-chunk path (pointread)."""
+
+    class PerChunk(CacheReader):
+        def _fetch_fast(self, *a, **k):
+            return None
+
+    return PerChunk(url, **kw)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_compiled_reads_equal_the_per_chunk_path(tmp_path, monkeypatch, kw, threads):
+    monkeypatch.setattr(fastdecode, "PARALLEL_MIN_BYTES", 1)  # tiny calls split over threads too
+    spy = Spy(monkeypatch)
+    recs = _write(tmp_path / "c", SMALL, **kw)
+    fast = CacheReader(tmp_path / "c", decode_threads=threads)
+    slow = _per_chunk(tmp_path / "c")
+    for i in range(len(recs)):
+        _same(fast.sequence(i), slow.sequence(i))
+        a, b = fast.sequence(i, logprob_dtype="float16"), slow.sequence(i, logprob_dtype="float16")
+        assert a.equals(b) and a.topk_logprobs.dtype == b.topk_logprobs.dtype
+    idx = [5, 3, 5, 39, 0, 22, 21, 22, 38, 1]  # unsorted, repeated, neighbours sharing chunks
+    for g, want in zip(fast.sequences(idx), slow.sequences(idx), strict=True):
+        _same(g, want)
+    for g, want in zip(fast.sequences(range(len(recs))), recs, strict=True):
+        assert np.array_equal(g.topk_ids, want.topk_ids)
+        assert np.array_equal(g.input_ids, want.input_ids)
+    # uint8 (quantised) and float32 rounded to float16 on request: the per-chunk path
+    per_seq = {"uint8": 0, "float32": 1}.get(kw.get("logprob_dtype", ""), 2)
+    assert spy.calls == per_seq * len(recs) + (2 if per_seq else 0)
+    assert spy.handed_back == 0
+
+
+def test_a_flipped_byte_is_a_checksum_error(tmp_path, monkeypatch):
+    """Every chunk's CRC32C is checked: a flipped byte in any array's chunk makes the compiled
+    call hand back, and the per-chunk path raises its typed error (after the reader's retries)."""
+    monkeypatch.setattr("logitcache.cache_format.reader._RETRIES", 2)
+    url = tmp_path / "c"
+    _write(url, SMALL)
+    spy = Spy(monkeypatch)
+    for array in ("topk_ids", "topk_logprobs", "tail_mass", "input_ids"):
+        shard = url / array / "c" / "0"
+        shard = shard / "0" if shard.is_dir() else shard
+        raw = bytearray(shard.read_bytes())
+        saved = bytes(raw)
+        raw[20] ^= 0x01  # inside chunk 0's frame (the index is at the end)
+        shard.write_bytes(bytes(raw))
+        r = CacheReader(url)
+        before = spy.handed_back
+        with pytest.raises(ChecksumError, match=array):
+            r.sequence(0)
+        assert spy.handed_back > before
+        assert r.sequence(r.num_sequences - 1).key  # later shards still read
+        shard.write_bytes(saved)
+    assert CacheReader(url).sequence(0).key
+
+
+def test_a_missing_shard_is_the_per_chunk_paths_error(tmp_path, monkeypatch):
+    url = tmp_path / "c"
+    _write(url, SMALL)
+    (url / "topk_logprobs" / "c" / "1" / "0").unlink()
+    spy = Spy(monkeypatch)
+    r = CacheReader(url)
+    i = next(j for j in range(r.num_sequences) if r.row_starts[j] >= SMALL.row_shard)
+    with pytest.raises(MissingDataError):
+        r.sequence(i)
+    assert spy.handed_back >= 1
+    assert r.sequence(0).key
+
+
+def test_descriptors_not_kept_are_closed(tmp_path, monkeypatch):
+    """With no room to keep shard files open, each call reads through private tables and
+    closes what it opened: same values, no descriptor left open."""
+    recs = _write(tmp_path / "c", SMALL)
+    monkeypatch.setattr(shardread, "FD_CACHE", 0)
+    r = CacheReader(tmp_path / "c", decode_threads=2)
+    monkeypatch.setattr(fastdecode, "PARALLEL_MIN_BYTES", 1)
+    r.sequence(0)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(len(recs)):
+        assert np.array_equal(r.sequence(i).topk_ids, recs[i].topk_ids)
+    got = r.sequences(range(len(recs)))
+    assert all(np.array_equal(g.input_ids, w.input_ids) for g, w in zip(got, recs, strict=True))
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert all((t["tables"].fd < 0).all() for lay in r._direct.values() for t in [lay.fast] if t)
+
+
+def test_pieces_cover_every_row_once_at_chunk_edges():
+    meta = np.array([[4, 8, 24, 32, 0], [4, 16, 4, 64, 0]], np.int64)  # chunk rows 8 and 16
+    items = [(0, 3, 70, 0), (1, 5, 90, 0), (0, 100, 101, 67)]
+    for n in (1, 2, 3, 5):
+        groups = fastdecode._pieces(items, meta, n)
+        assert 1 <= len(groups) <= n
+        rows: dict[int, list[int]] = {0: [], 1: []}
+        for g in groups:
+            for a, st, sp, out in g.tolist():
+                assert st < sp
+                rows[a] += [(r, out + r - st) for r in range(st, sp)]  # type: ignore[misc]
+        assert sorted(rows[0]) == [(r, r - 3) for r in range(3, 70)] + [(100, 67)]
+        assert sorted(rows[1]) == [(r, r - 5) for r in range(5, 90)]
+        for g in groups[1:]:  # every cut at a chunk edge of its array
+            a, st = int(g[0, 0]), int(g[0, 1])
+            assert st in (3, 5, 100) or st % int(meta[a, 1]) == 0
+
+
+def test_kernels_match_numpy_on_every_float16():
+    assert fastdecode._self_check(fastdecode._kernels)
+
+
+def test_optional(tmp_path):
+    """Without numba (or with LOGITCACHE_FASTDECODE=0) the reader takes the per-chunk path."""
+    url = tmp_path / "c"
+    recs = _write(url, SMALL)
+    code = (
+        "import sys\n"
+        "if sys.argv[2] == 'nonumba': sys.modules['numba'] = None\n"
+        "from logitcache.cache_format import CacheReader, fastdecode\n"
+        "r = CacheReader(sys.argv[1])\n"
+        "print(r.sequence(3).topk_ids.sum(), fastdecode.ready(), fastdecode._kernels)\n"
+    )
+    want = str(int(recs[3].topk_ids.sum()))
+    root = Path(__file__).resolve().parents[1]
+    for mode, env in (("nonumba", {}), ("off", {"LOGITCACHE_FASTDECODE": "0"})):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(url), mode],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            cwd=root,
+            check=True,
+        ).stdout.split()
+        assert out[:2] == [want, "False"], (mode, out)
