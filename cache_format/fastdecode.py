@@ -118,34 +118,18 @@ def _compile() -> dict[str, Any]:
         )
 
     @jit
-    def undelta_widen(d: Any, out: Any) -> None:
-        """``out = float32(float16 bits of the row-wise cumulative sum of d mod 2**16)``."""
+    def undelta(d: Any, mask: int, out: Any, widen: bool) -> None:
+        """The row-wise cumulative sum of unsigned ``d`` modulo ``mask + 1``: in place, or
+        (``widen``: float16 bits) as float32 into ``out``."""
         n, k = d.shape
         for r in range(n):
             acc = 0
             for j in range(k):
-                acc = (acc + d[r, j]) & 0xFFFF
-                out[r, j] = h2f(np.uint16(acc))
-
-    @jit
-    def undelta16(d: Any) -> None:
-        """In place: the row-wise cumulative sum of uint16 ``d`` modulo ``2**16``."""
-        n, k = d.shape
-        for r in range(n):
-            acc = 0
-            for j in range(k):
-                acc = (acc + d[r, j]) & 0xFFFF
-                d[r, j] = acc
-
-    @jit
-    def undelta32(d: Any) -> None:
-        """In place: the row-wise cumulative sum of uint32 ``d`` modulo ``2**32``."""
-        n, k = d.shape
-        for r in range(n):
-            acc = 0
-            for j in range(k):
-                acc = (acc + d[r, j]) & 0xFFFFFFFF
-                d[r, j] = acc
+                acc = (acc + d[r, j]) & mask
+                if widen:
+                    out[r, j] = h2f(np.uint16(acc))
+                else:
+                    d[r, j] = acc
 
     @jit
     def read_items(
@@ -310,20 +294,18 @@ def _compile() -> dict[str, Any]:
                 continue
             o = meta[a, 4] + items[i, 3] * meta[a, 2]
             rows = items[i, 2] - items[i, 1]
+            n = rows * meta[a, 2]
+            out = lp_out[items[i, 3] : items[i, 3] + rows]
             if lp[2] == 4:
-                undelta32(arena[o : o + rows * meta[a, 2]].view(np.uint32).reshape((rows, k)))
-                continue
-            d = arena[o : o + rows * meta[a, 2]].view(np.uint16).reshape((rows, k))
-            if lp[1]:
-                undelta_widen(d, lp_out[items[i, 3] : items[i, 3] + rows])
+                undelta(arena[o : o + n].view(np.uint32).reshape((rows, k)), 0xFFFFFFFF, out, False)
             else:
-                undelta16(d)
+                undelta(
+                    arena[o : o + n].view(np.uint16).reshape((rows, k)), 0xFFFF, out, lp[1] != 0
+                )
 
     return {
         "read_items": read_items,
-        "undelta_widen": undelta_widen,
-        "undelta16": undelta16,
-        "undelta32": undelta32,
+        "undelta": undelta,
     }
 
 
@@ -336,17 +318,17 @@ def _self_check(k: dict[str, Any]) -> bool:
     d = u.copy()
     d[:, 1:] = u[:, 1:] - u[:, :-1]
     out = np.empty(u.shape, np.float32)
-    k["undelta_widen"](d, out)
+    k["undelta"](d.copy(), 0xFFFF, out, True)
     if not np.array_equal(
         out.view(np.uint32), u.view(np.float16).astype(np.float32).view(np.uint32)
     ):
         return False
     d2 = d.copy()
-    k["undelta16"](d2)
+    k["undelta"](d2, 0xFFFF, out, False)
     w = (u.astype(np.uint32) * 65599).reshape(-1, 32)
     d3 = w.copy()
     d3[:, 1:] = w[:, 1:] - w[:, :-1]
-    k["undelta32"](d3)
+    k["undelta"](d3, 0xFFFFFFFF, out, False)
     return bool(np.array_equal(d2, u) and np.array_equal(d3, w))
 
 
@@ -595,4 +577,4 @@ def _open(
 def undelta_widen(d: np.ndarray, out: np.ndarray) -> None:
     """``out`` = float32 logprobs of float16 row-delta bits ``d`` (benchmarks' stage timing)."""
     assert _kernels is not None
-    _kernels["undelta_widen"](d, out)
+    _kernels["undelta"](d, 0xFFFF, out, True)
