@@ -229,3 +229,23 @@ def test_auto_runs_small_vocab_on_a_small_cpu_problem(monkeypatch):
     assert len(calls) == 2
     run(prob, tail_mass=prob.tail, chunk_size=8)  # chunks asked for: the fused path
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp_and_logsumexp_flush_only_below_e_tiny(dtype):
+    """``row_math.exp_ftz`` / ``logsumexp_ftz`` (sampled rows' padding off torch's slow exp
+    path): bit-equal to ``exp`` / ``logsumexp`` except results below ``e * tiny``, exactly 0."""
+    from logitcache.client.loss.row_math import exp_ftz, logsumexp_ftz
+
+    lo = float(np.log(torch.finfo(dtype).tiny)) + 1.0
+    t = torch.tensor([0.0, -3.5, -80.0, lo, lo - 0.5, -200.0, -65504.0, float("-inf")], dtype=dtype)
+    want = torch.where(t >= lo, t.exp(), torch.zeros((), dtype=dtype))
+    assert torch.equal(exp_ftz(t), want)
+    assert exp_ftz(t)[4] == 0 and t.exp()[4] > 0  # the flushed sliver
+    rows = torch.log_softmax(torch.randn(6, 9, dtype=dtype), -1)
+    rows[:, 5:] = -65504.0
+    rows[1, 3:] = float("-inf")
+    torch.testing.assert_close(logsumexp_ftz(rows), torch.logsumexp(rows, -1), rtol=0, atol=1e-6)
+    assert logsumexp_ftz(rows, keepdim=True).shape == (6, 1)
+    neg_inf = torch.full((2, 3), float("-inf"), dtype=dtype)
+    assert torch.equal(logsumexp_ftz(neg_inf), torch.logsumexp(neg_inf, -1))

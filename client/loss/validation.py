@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .row_math import logsumexp_ftz
 from .spec import LossInputError
 
 _LOGPROB_TOL = 1e-3  # cached logprobs may exceed 0 by rounding; more than this is an error
@@ -143,7 +144,7 @@ def prepare(
         ids, logprobs, tail, flat_labels, valid, vocab, check_ids, check_ids and sort_dups
     )
     if targets == "sampled":
-        wsum = torch.logsumexp(logprobs, dim=-1).exp()
+        wsum = logsumexp_ftz(logprobs).exp()
         off = valid & ~((wsum - 1.0).abs() <= SAMPLED_SUM_TOL)
         problems.append(
             (
@@ -167,7 +168,7 @@ def prepare(
     if tail is not None:
         tail = tail.clamp(0.0, 1.0)
     if targets == "sampled":  # exact normalisation (rows that do not count hold zeros)
-        logprobs = logprobs - torch.logsumexp(logprobs, dim=-1, keepdim=True)
+        logprobs = logprobs - logsumexp_ftz(logprobs, keepdim=True)
     if flat_labels is not None:
         has_label = valid.clone()
         flat_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
