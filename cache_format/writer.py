@@ -20,6 +20,7 @@ changed: partially filled shards are rewritten (read-modify-write) with identica
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import zarr.api.asynchronous
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from . import idmap, kernels, shardwrite, spec
+from . import fastencode, idmap, kernels, shardwrite, spec
 from .errors import FormatError, ManifestError, RecordError
 from .integrity import checked_get
 from .layout import (
@@ -189,7 +190,16 @@ def _encode_groups(
     records: list[SequenceRecord], manifest: Manifest
 ) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
     """The row arrays and input ids of checked ``records`` (all of the cache's ``k``), or
-    ``None`` as soon as a group fails :func:`.records.rows_pass`."""
+    ``None`` as soon as a group fails :func:`.records.rows_pass`. float16 stores with a
+    vocabulary of up to :data:`.fastencode.MAX_VOCAB` take the compiled pass
+    (:func:`_encode_fused`) where numba is available."""
+    if (
+        FAST_ENCODE
+        and manifest.logprob_dtype == "float16"
+        and manifest.vocab_size <= fastencode.MAX_VOCAB
+        and fastencode.ready()
+    ):
+        return _encode_fused(records, manifest)
     k = manifest.k
     row_end = np.cumsum([r.num_rows for r in records])
     tok_end = np.cumsum([r.length for r in records])
@@ -226,6 +236,57 @@ def _encode_groups(
     else:
         arrays = encode_logprobs(np.concatenate(lps), manifest.logprob_dtype)
     arrays[spec.TOPK_IDS] = ids
+    arrays[spec.TAIL_MASS] = tails.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
+    return arrays, inp
+
+
+#: Use :mod:`.fastencode` when it is ready (False: the numpy path, for tests and A/B runs).
+FAST_ENCODE = True
+_tables: dict[int, fastencode.StampTable] = {}  # by vocabulary size, reused between appends
+_tables_lock = threading.Lock()
+
+
+def _encode_fused(
+    records: list[SequenceRecord], manifest: Manifest
+) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+    """:func:`_encode_groups`'s result through :func:`.fastencode.encode_rows`: one compiled
+    call per record checks its rows and writes its ids and float16 row deltas straight into the
+    batch's arrays (no concatenated copies, no temporaries); the input ids and tail masses are
+    checked as :func:`.records.rows_pass` checks them. Same bytes, same accepted batches."""
+    from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
+
+    k, vocab = manifest.k, manifest.vocab_size
+    inp = np.concatenate([r.input_ids for r in records])
+    if inp.size and (int(inp.min()) < 0 or int(inp.max()) >= vocab):
+        return None
+    total = sum(r.num_rows for r in records)
+    ids = np.empty((total, k), dtype=np.int32)
+    stored = np.empty((total, k), dtype=np.uint16)
+    tails = np.empty(total, dtype=np.float32)
+    with _tables_lock:  # one table per writer thread at a time
+        table = _tables.pop(vocab, None) or fastencode.StampTable(vocab)
+    try:
+        a = 0
+        for r in records:
+            b = a + r.num_rows
+            lp = r.topk_logprobs
+            if not fastencode.encode_rows(
+                r.topk_ids, lp, ids[a:b], stored[a:b], table, LOGPROB_TOLERANCE
+            ):
+                return None
+            tails[a:b] = tail_from_logprobs(lp) if r.tail_mass is None else r.tail_mass
+            a = b
+    finally:
+        with _tables_lock:
+            _tables[vocab] = table
+    given = [r.tail_mass for r in records if r.tail_mass is not None]
+    if given:
+        t = np.concatenate(given) if len(given) > 1 else given[0]
+        if not bool(np.isfinite(t).all()):
+            return None
+        if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
+            return None
+    arrays = {spec.TOPK_LOGPROBS: stored, spec.TOPK_IDS: ids}
     arrays[spec.TAIL_MASS] = tails.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
     return arrays, inp
 

@@ -1,5 +1,6 @@
 """writer.encode_batch (issue #19): the whole append checked and encoded at once must store the
-same bytes and refuse the same records, with the same error, as encode_record one by one."""
+same bytes and refuse the same records, with the same error, as encode_record one by one; with
+the compiled pass (cache_format/fastencode.py, where numba is available) and without it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord, wr
 from logitcache.cache_format.errors import RecordError
 
 K, VOCAB = 6, 50
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["fast", "numpy"])
+def _fast_encode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "FAST_ENCODE", request.param)
 
 
 def _one_by_one(recs: list[SequenceRecord], m) -> writer._Batch:
@@ -66,6 +72,8 @@ def _bad(kind: str, good: SequenceRecord) -> object:
         lp[-1, 1] = lp[-1, 0] + 0.5
     elif kind == "nan":
         lp[0, 3] = np.nan
+    elif kind == "neginf":
+        lp[0, -1] = -np.inf
     elif kind == "positive":
         lp[:, 0] = 0.01
     elif kind == "tail":
@@ -80,7 +88,19 @@ def _bad(kind: str, good: SequenceRecord) -> object:
     return SequenceRecord(good.key, inp, ids, lp, tail)
 
 
-KINDS = ["vocab", "input_vocab", "repeat", "order", "nan", "positive", "tail", "k", "mask", "type"]
+KINDS = [
+    "vocab",
+    "input_vocab",
+    "repeat",
+    "order",
+    "nan",
+    "neginf",
+    "positive",
+    "tail",
+    "k",
+    "mask",
+    "type",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,0 +1,194 @@
+"""A compiled pass for the writer's encode step: checks, float16 and row deltas in one loop over
+each record's rows (issue #19; the write side of the format, FORMAT.md W1 and 4.2).
+
+:func:`~.writer.encode_batch` checks a batch with about fifteen numpy passes over its top-k
+arrays (ranges, a sort per row for distinct ids, finiteness, the order of each row) and encodes
+the logprobs with five more (clip, float16, row delta, copies), each pass writing a temporary as
+large as the batch: ~0.5 CPU-us per position at k=100. :func:`encode_rows`, compiled with numba,
+reads each record's ``topk_ids`` and ``topk_logprobs`` once and writes the batch's stored arrays in
+place: the same checks (:func:`.records.rows_pass`: ids in ``[0, vocab)`` and distinct in a row,
+logprobs finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along the row) and the same bytes
+(:func:`.quant.encode_logprobs` for ``float16``: ``min(x, 0)``, ``max(., -65504)``, rounded to the
+nearest-even half, row deltas of the bit patterns modulo ``2**16``), bit for bit
+(``tests/test_format_fastencode.py`` compares them over every float16 rounding boundary and
+random batches). Distinct ids are checked with a per-vocabulary stamp table instead of a sort.
+
+The float32 -> float16 rounding is integer arithmetic on the bit patterns (no F16C instruction or
+compiler runtime needed), exact for the clipped range ``[-65504, 0]``.
+
+Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere, ~10 MB with
+llvmlite's ~40 MB). Without it, with ``LOGITCACHE_FASTENCODE=0``, or if compiling or the
+self-check at the first use fails, :func:`ready` is ``False`` and the writer keeps its numpy path.
+The kernel compiles at the first append of a process (~1-2 s) unless numba's on-disk cache has it
+(``cache=True``: the package's ``__pycache__``, or numba's user cache directory).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+#: Largest vocabulary the stamp table serves (int32 entries: 4 MiB); larger ones use numpy.
+MAX_VOCAB = 1 << 20
+
+_kernel: Any = None
+_state = "unknown"  # "unknown" | "ready" | "off"
+_lock = threading.Lock()
+
+
+def _wanted() -> bool:
+    mode = os.environ.get("LOGITCACHE_FASTENCODE", "auto").strip().lower()
+    return mode not in ("0", "false", "no", "off")
+
+
+def _compile() -> Any:
+    """The compiled kernel (raises ImportError without numba)."""
+    import numba
+
+    @numba.njit(nogil=True, cache=True)
+    def _half(x, a):  # noqa: ANN001, ANN202
+        """The half bits of ``max(min(x, +0.0), -65504)`` (``a``: ``|x|``'s float32 bits), every
+        case: ``x >= 0`` (also -0.0: numpy's ``minimum(x, +0.0)`` gives +0.0), the clip, a
+        subnormal or zero half, a normal one."""
+        if x >= 0.0:
+            return 0
+        if a >= 0x477FE000:  # at or past -65504
+            return 0xFBFF
+        if a >= 0x38800000:  # normal
+            h = (a >> 13) - 0x1C000
+            rem = a & 0x1FFF
+            if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
+                h += 1
+            return 0x8000 | h
+        e = a >> 23
+        if e < 102:  # below half the smallest subnormal: -0
+            return 0x8000
+        m = (a & 0x7FFFFF) | 0x800000
+        shift = 126 - e
+        h = m >> shift
+        rem = m & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and (h & 1) == 1):
+            h += 1
+        return 0x8000 | h
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # noqa: ANN001
+        """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
+        (the caller then runs the per-record checks for the error). ``bits``: ``lp`` viewed as
+        uint32; ``seen``: int32 ``[vocab]`` of stamps, ``stamp`` the first row's. The checks
+        are branch-free flags tested once per row (early exits per value cost 4x); the logprob loop
+        vectorises, the rare values (zero, subnormal, clipped) take :func:`_half` row by row."""
+        n, k = ids.shape
+        top = vocab - 1
+        hs = np.empty(k, np.int32)  # one row's half bits
+        for r in range(n):
+            s = np.int32(stamp + r)
+            bad = False
+            for j in range(k):  # ids: scalar (the stamp table)
+                v = ids[r, j]
+                bad |= (v < 0) | (v > top)
+                vi = min(max(v, 0), top)  # in range for the table even when bad
+                bad |= seen[vi] == s
+                seen[vi] = s
+                ids_out[r, j] = v
+            rare = False
+            for j in range(k):  # logprobs: branch-free, vectorised
+                x = lp[r, j]
+                # NaN, too large, -inf, or larger than the value before it
+                bad |= (not (x <= tol)) | (x == -np.inf) | (x > lp[r, max(j - 1, 0)])
+                a = np.int32(bits[r, j] & np.uint32(0x7FFFFFFF))
+                rare |= (x >= 0.0) | (a < 0x38800000) | (a >= 0x477FE000)
+                h = (a >> 13) - np.int32(0x1C000)  # a normal half: 13 bits off, nearest-even
+                rem = a & np.int32(0x1FFF)
+                h += np.int32((rem > 0x1000) | ((rem == 0x1000) & ((h & 1) == 1)))
+                hs[j] = h | np.int32(0x8000)
+            if rare:  # a zero, subnormal or clipped value in the row: the exact path
+                for j in range(k):
+                    hs[j] = _half(lp[r, j], np.int32(bits[r, j] & np.uint32(0x7FFFFFFF)))
+            stored_out[r, 0] = np.uint16(hs[0])
+            for j in range(1, k):  # row deltas, modulo 2**16
+                stored_out[r, j] = np.uint16((hs[j] - hs[j - 1]) & 0xFFFF)
+            if bad:
+                return 1
+        return 0
+
+    return encode_rows
+
+
+def ready() -> bool:
+    """Whether :func:`encode_rows` is usable in this process (compiles and self-checks once)."""
+    global _kernel, _state
+    if _state == "unknown":
+        with _lock:
+            if _state == "unknown":
+                try:
+                    if not _wanted():
+                        raise ImportError("LOGITCACHE_FASTENCODE=0")
+                    _kernel = _compile()
+                    _state = "ready" if _self_check() else "off"
+                except Exception:  # no numba, a failed compile: the numpy path
+                    _state = "off"
+    return _state == "ready"
+
+
+def _self_check() -> bool:
+    """The kernel against :func:`.quant.encode_logprobs` and the checks on a small batch."""
+    from .quant import encode_logprobs
+
+    rng = np.random.default_rng(0)
+    lp = -np.sort(rng.exponential(3.0, (64, 16)).astype(np.float32), axis=1)
+    lp[0, :4] = (0.0, -0.0, -1e-30, -7e-8)
+    lp[1] = -np.sort(rng.uniform(0, 1e5, 16)).astype(np.float32)
+    lp[0] = np.maximum.accumulate(lp[0][::-1])[::-1]  # still non-increasing
+    ids = np.stack([rng.permutation(128)[:16] for _ in range(64)]).astype(np.int32)
+    table = StampTable(128)
+    out_ids, stored = np.empty_like(ids), np.empty(ids.shape, np.uint16)
+    if not encode_rows(ids, lp, out_ids, stored, table, 1e-3):
+        return False
+    ids[5, 3] = ids[5, 9]  # a repeated id must fail
+    bad = encode_rows(ids, lp, np.empty_like(ids), np.empty_like(stored), table, 1e-3)
+    want = encode_logprobs(lp, "float16")["topk_logprobs"]
+    return bool((stored == want).all() and (out_ids[5] != ids[5]).any() and not bad)
+
+
+class StampTable:
+    """The distinct-id table of :func:`encode_rows`: one int32 stamp per vocabulary id; a row's
+    ids are distinct iff none finds the row's own stamp. Stamps grow by one per row checked, so
+    the table is never cleared (only refilled when the stamps would overflow int32)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab = int(vocab_size)
+        self.seen = np.full(self.vocab, -1, dtype=np.int32)
+        self.next = 0
+
+    def take(self, rows: int) -> int:
+        """The first stamp of ``rows`` new rows."""
+        if self.next + rows >= 2**31 - 1:
+            self.seen.fill(-1)
+            self.next = 0
+        s = self.next
+        self.next += rows
+        return s
+
+
+def encode_rows(
+    ids: np.ndarray,
+    lp: np.ndarray,
+    ids_out: np.ndarray,
+    stored_out: np.ndarray,
+    table: StampTable,
+    tol: float,
+) -> bool:
+    """Check ``ids`` int32 / ``lp`` float32 ``[n, k]`` (one record's rows, C order) as
+    :func:`.records.rows_pass` does and write ``ids_out`` (the ids) and ``stored_out`` (the
+    float16 row-delta bit patterns, :func:`.quant.encode_logprobs`); False at the first failing
+    row (the outputs are then partly written). Call only after :func:`ready` returned True."""
+    stamp = table.take(ids.shape[0])
+    got = _kernel(
+        ids, lp, lp.view(np.uint32), ids_out, stored_out, table.seen, stamp, table.vocab, tol
+    )
+    return got == 0

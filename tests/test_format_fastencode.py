@@ -1,0 +1,179 @@
+"""cache_format/fastencode.py (issue #19): the compiled encode pass stores the numpy path's bytes
+bit for bit (float16 rounding at every boundary, clip, zeros, subnormals, row deltas), refuses
+exactly what rows_pass refuses, and is optional (off switch, large vocabularies, no numba)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from format_support import make_manifest, make_records
+from logitcache.cache_format import SequenceRecord, fastencode, writer
+from logitcache.cache_format.quant import encode_logprobs
+from logitcache.cache_format.records import rows_pass
+
+pytestmark = pytest.mark.skipif(not fastencode.ready(), reason="numba not available")
+TOL = 1e-3
+
+
+def _encode(ids: np.ndarray, lp: np.ndarray, vocab: int) -> tuple[bool, np.ndarray, np.ndarray]:
+    out_ids, stored = np.empty_like(ids), np.empty(ids.shape, np.uint16)
+    ok = fastencode.encode_rows(ids, lp, out_ids, stored, fastencode.StampTable(vocab), TOL)
+    return ok, out_ids, stored
+
+
+def _boundary_values() -> np.ndarray:
+    """float32 values at and around every float16 rounding boundary of [-65504 * 2, 0]: each
+    negative half, the midpoints between neighbours, one float32 ulp either side of both, and
+    the special cases (zeros, the clip, positives up to the tolerance, tiny negatives)."""
+    halves = np.arange(0x8000, 0xFC00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    mids = ((halves[:-1].astype(np.float64) + halves[1:]) / 2).astype(np.float32)
+    base = np.concatenate([halves, mids]).view(np.uint32)
+    near = np.concatenate([base - 1, base, base + 1]).view(np.float32)
+    special = np.array(
+        [0.0, -0.0, 1e-4, 5e-4, TOL, -1e-30, -1e-45, -6e-8, -5.96e-8, -2.98e-8, -3e-8,
+         -65504.0, -65519.0, -65520.0, -65536.0, -1e6, -3.4e38, -6.1e-5, -6.104e-5],
+        dtype=np.float32,
+    )  # fmt: skip
+    v = np.concatenate([near, special])
+    return v[np.isfinite(v) & (v.astype(np.float64) <= TOL)]  # as rows_pass compares
+
+
+def test_every_float16_boundary_rounds_as_numpy() -> None:
+    lp = _boundary_values().reshape(-1, 1)  # one value per row: the stored delta is its half
+    ids = np.zeros(lp.shape, np.int32)
+    ok, _, stored = _encode(ids, lp, 4)
+    assert ok
+    want = encode_logprobs(lp, "float16")["topk_logprobs"]
+    bad = np.nonzero(stored != want)[0]
+    assert bad.size == 0, [(float(lp[i, 0]), hex(stored[i, 0]), hex(want[i, 0])) for i in bad[:5]]
+
+
+@pytest.mark.parametrize("k", [1, 7, 20, 100, 129])
+def test_random_rows_store_the_numpy_bytes(k: int) -> None:
+    rng = np.random.default_rng(k)
+    n, vocab = 300, 5000
+    lp = -np.sort(rng.exponential(4.0, (n, k)), axis=1).astype(np.float32)
+    lp[::7, 0] = 0.0  # rows led by a zero, a tiny value, a clipped tail
+    lp[1::7, 0] = -1e-9
+    lp[2::7, -1] = -1e5
+    lp[3::7, 0] = 5e-4  # within the tolerance: stored as +0
+    lp[2::7] = np.minimum.accumulate(lp[2::7], axis=1)
+    ids = np.stack([rng.choice(vocab, k, replace=False) for _ in range(n)]).astype(np.int32)
+    assert rows_pass(np.zeros(2, np.int32), ids, lp, None, vocab_size=vocab)
+    ok, out_ids, stored = _encode(ids, lp, vocab)
+    assert ok
+    assert out_ids.tobytes() == ids.tobytes()
+    assert stored.tobytes() == encode_logprobs(lp, "float16")["topk_logprobs"].tobytes()
+
+
+def _good(n: int = 40, k: int = 8, vocab: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(vocab, k, replace=False) for _ in range(n)]).astype(np.int32)
+    lp = -np.sort(rng.exponential(2.0, (n, k)), axis=1).astype(np.float32)
+    return ids, lp
+
+
+@pytest.mark.parametrize(
+    "kind", ["repeat", "negative", "vocab", "nan", "-inf", "positive", "order", "last_row"]
+)
+def test_it_refuses_what_rows_pass_refuses(kind: str) -> None:
+    ids, lp = _good()
+    if kind == "repeat":
+        ids[7, 5] = ids[7, 2]
+    elif kind == "negative":
+        ids[3, 0] = -1
+    elif kind == "vocab":
+        ids[3, 7] = 64
+    elif kind == "nan":
+        lp[9, 4] = np.nan
+    elif kind == "-inf":
+        lp[9, 7] = -np.inf
+    elif kind == "positive":
+        lp[0, 0] = 2e-3
+    elif kind == "order":
+        lp[5, 6] = lp[5, 5] + 0.25
+    elif kind == "last_row":
+        ids[-1, -1] = ids[-1, 0]
+    assert not rows_pass(np.zeros(2, np.int32), ids, lp, None, vocab_size=64)
+    assert not _encode(ids, lp, 64)[0]
+
+
+def test_an_id_may_repeat_across_rows_and_calls() -> None:
+    """The stamp table tells rows apart: the same id in every row, call after call, passes;
+    ids at both ends of the vocabulary pass."""
+    table = fastencode.StampTable(10)
+    ids = np.tile(np.array([0, 9, 4], np.int32), (50, 1))
+    lp = np.tile(np.array([-0.1, -1.0, -2.0], np.float32), (50, 1))
+    for _ in range(3):
+        out = np.empty_like(ids)
+        assert fastencode.encode_rows(ids, lp, out, np.empty(ids.shape, np.uint16), table, TOL)
+
+
+def test_the_stamp_table_refills_before_its_stamps_overflow() -> None:
+    table = fastencode.StampTable(8)
+    table.next = 2**31 - 10
+    table.seen[:] = 5
+    assert table.take(20) == 0 and table.next == 20
+    assert (table.seen == -1).all()
+    ids, lp = _good(n=20, k=4, vocab=8)
+    assert fastencode.encode_rows(
+        ids, lp, np.empty_like(ids), np.empty(ids.shape, np.uint16), table, TOL
+    )
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = fastencode.encode_rows
+
+    def counted(ids: np.ndarray, *a: object) -> bool:
+        calls.append(ids.shape[0])
+        return original(ids, *a)
+
+    monkeypatch.setattr(fastencode, "encode_rows", counted)
+    return calls
+
+
+def test_the_writer_uses_it_for_float16_and_not_past_max_vocab(
+    spy: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = make_manifest(k=6, vocab_size=50)
+    recs = make_records(4, k=6, vocab=50, seed=5)
+    fast = writer.encode_batch(recs, m)
+    assert len(spy) == 4  # one call per record
+    monkeypatch.setattr(fastencode, "MAX_VOCAB", 49)
+    slow = writer.encode_batch(recs, m)
+    assert len(spy) == 4
+    assert fast is not None and slow is not None
+    for name, a in slow.arrays.items():
+        assert fast.arrays[name].tobytes() == a.tobytes(), name
+    writer.encode_batch(recs, make_manifest(k=6, vocab_size=50, logprob_dtype="float32"))
+    assert len(spy) == 4
+
+
+def test_records_without_tails_get_the_computed_tail(spy: list[int]) -> None:
+    m = make_manifest(k=6, vocab_size=50)
+    recs = make_records(3, k=6, vocab=50, seed=6)
+    bare = [SequenceRecord(r.key, r.input_ids, r.topk_ids, r.topk_logprobs) for r in recs]
+    got = writer.encode_batch(bare, m)
+    assert spy and got is not None
+    want = np.concatenate([r.tail_or_computed() for r in bare])
+    assert got.arrays["tail_mass"].tobytes() == want.tobytes()
+
+
+def test_the_off_switch_and_a_failed_compile_leave_the_numpy_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fastencode, "_state", "unknown")
+    monkeypatch.setenv("LOGITCACHE_FASTENCODE", "0")
+    assert not fastencode.ready()
+    monkeypatch.setattr(fastencode, "_state", "unknown")
+    monkeypatch.delenv("LOGITCACHE_FASTENCODE")
+
+    def broken() -> None:
+        raise ImportError("no numba")
+
+    monkeypatch.setattr(fastencode, "_compile", broken)
+    assert not fastencode.ready()
+    m = make_manifest(k=6, vocab_size=50)
+    assert writer.encode_batch(make_records(2, k=6, vocab=50, seed=7), m) is not None
