@@ -77,6 +77,28 @@ WRITE_LINGER_S = 0.1
 KEEP_INPUT_TOKENS = 1 << 25
 
 
+def numpy_hugepages_off() -> bool:
+    """Stop numpy asking for transparent huge pages for its arrays (``madvise(MADV_HUGEPAGE)``
+    on every array of 4 MiB or more) in this process, unless ``NUMPY_MADVISE_HUGEPAGE`` is set
+    (then numpy's own choice stands); returns whether numpy asked for them before.
+
+    The job path allocates tens of MB of fresh arrays per append (the batch's top-k arrays, its
+    stored forms, shard objects); with the kernel's THP ``defrag=madvise`` setting a fault on such
+    an array may compact memory for a 2 MiB page first (``compact_stall``), and each huge page is
+    zeroed whole: system time that came and went with the rest of the machine's memory use,
+    0.2-4 CPU-us/position at k=100 (issue #19, benchmarks/results/job_cpu_s7.md). The arrays
+    are written and read once, sequentially: 4 KiB pages cost them nothing measurable."""
+    import os
+
+    import numpy as np
+
+    multiarray = getattr(getattr(np, "_core", None), "multiarray", None)
+    setter = getattr(multiarray, "_set_madvise_hugepage", None)
+    if setter is None or "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+        return False
+    return bool(setter(False))
+
+
 @dataclass
 class _RunStats:
     """Throughput of the current (or last) run of a job, in this process."""
@@ -132,6 +154,7 @@ class JobRunner:
         # job id -> (tokens, sequences): the checked input of a job not yet started
         self._kept: dict[str, tuple[int, list[inputs.Sequence]]] = {}
         metrics.watch_job_states(self.store.count_by_state)
+        numpy_hugepages_off()  # this process runs the jobs: see the function
 
     # --- lifecycle --------------------------------------------------------------------------
 
