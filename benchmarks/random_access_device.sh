@@ -6,7 +6,7 @@
 # wheels carried in .whl (zarr, numcodecs, google-crc32c, pydantic, ...) go to /tmp/site, the
 # logitcache namespace is made of symlinks to the repository's folders.
 #
-# RA_SKIP_FORMAT=1: without the format bench. (--processes N...: CacheReader(read_processes=N)
+# RA_SKIP_TESTS=1: without the random-access tests. RA_SKIP_FORMAT=1: without the format bench. (--processes N...: CacheReader(read_processes=N)
 #   figures, for trees that have it; tests/test_procread.py runs with the random-access tests.)
 # RA_OLD=DIR: before/after in one call: DIR holds older versions of some cache_format/*.py files
 #   (e.g. `git show 36bd27e:cache_format/pointread.py`); after the run of this tree's code, the
@@ -26,7 +26,7 @@ mkdir -p /tmp/lcpkg/logitcache "$out"
 for d in cache_format client server fixtures protocol; do ln -sfn "$PWD/$d" "/tmp/lcpkg/logitcache/$d"; done
 export PYTHONPATH="/tmp/site:/tmp/lcpkg:$PWD/tests" PYTHONUNBUFFERED=1
 { nproc; uptime; lscpu | grep -E "Model name|^CPU\(s\)"; } 2>&1 | tee "$out/machine.txt"
-python3 -m pytest -q -n 0 -p no:cacheprovider -o addopts="" tests/test_format_random_access.py \
+[ -n "${RA_SKIP_TESTS:-}" ] || python3 -m pytest -q -n 0 -p no:cacheprovider -o addopts="" tests/test_format_random_access.py \
     tests/test_format_golden.py tests/test_procread.py tests/test_fastdecode.py -k "not s3" 2>&1 | tail -5 | tee "$out/tests.txt"
 python3 benchmarks/random_access_bench.py --json "$out/client_random.json" --label tree "$@" 2>&1 \
     | grep -v '^ \|^[{}]' | tee "$out/client_random_log.txt"

@@ -53,6 +53,17 @@ def main() -> None:
     except ImportError:
         doc["cdecode"] = None
     doc["env"] = {k: v for k, v in os.environ.items() if k.startswith(("LOGITCACHE", "GLIBC"))}
+    try:
+        from logitcache.cache_format import fastdecode
+
+        doc["fastdecode"] = fastdecode.ready()
+        import llvmlite.binding as ll
+
+        feats = ll.get_host_cpu_features()
+        doc["llvm_cpu"] = ll.get_host_cpu_name()
+        doc["llvm_features"] = {f: feats.get(f) for f in ("avx2", "f16c", "avx512f", "sse4.2")}
+    except ImportError:
+        doc["fastdecode"] = None
 
     pool = ThreadPoolExecutor(1)
     pool.submit(int).result()
@@ -137,7 +148,8 @@ def main() -> None:
                 "npy_seq_per_s": base_npy,
             }
             print(args.label, tag, t, {k: round(v, 3) for k, v in doc[f"{tag}_t{t}"].items()})
-    print(json.dumps({k: doc[k] for k in ("label", "cdecode", "handoff_us", "decode_scaling")}))
+    keys = ("label", "cdecode", "fastdecode", "llvm_cpu", "llvm_features", "handoff_us")
+    print(json.dumps({k: doc.get(k) for k in (*keys, "decode_scaling")}))
     if args.json:  # one line per run, appended
         with args.json.open("a") as f:
             f.write(json.dumps(doc) + "\n")

@@ -69,9 +69,9 @@ _kernels: dict[str, Any] | None = None
 _lock = threading.Lock()
 
 
-def _cfuncs() -> tuple[Any, Any, Any]:
-    """``(crc32c_value, blosc_decompress_ctx, pread)`` as ctypes function pointers whose pointer
-    arguments are plain integers (what the compiled code passes)."""
+def _cfuncs() -> tuple[Any, Any, Any, Any]:
+    """``(crc32c_value, blosc_decompress_ctx, pread, memcpy)`` as ctypes function pointers whose
+    pointer arguments are plain integers (what the compiled code passes)."""
     assert cdecode._FUNCS is not None
     crc, dec = cdecode._FUNCS
     size, addr = ctypes.c_size_t, ctypes.c_void_p
@@ -79,11 +79,12 @@ def _cfuncs() -> tuple[Any, Any, Any]:
     dec_p = ctypes.CFUNCTYPE(ctypes.c_int, size, size, size, ctypes.c_int)(
         ctypes.cast(dec, addr).value
     )
-    pread = ctypes.CDLL(None).pread
+    libc = ctypes.CDLL(None)
     pread_p = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, size, size, ctypes.c_int64)(
-        ctypes.cast(pread, addr).value
+        ctypes.cast(libc.pread, addr).value
     )
-    return crc_p, dec_p, pread_p
+    memcpy_p = ctypes.CFUNCTYPE(size, size, size, size)(ctypes.cast(libc.memcpy, addr).value)
+    return crc_p, dec_p, pread_p, memcpy_p
 
 
 def _compile() -> dict[str, Any]:
@@ -93,7 +94,7 @@ def _compile() -> dict[str, Any]:
     from numba.core import types
     from numba.extending import intrinsic
 
-    crc_fn, dec_fn, pread_fn = _cfuncs()
+    crc_fn, dec_fn, pread_fn, memcpy_fn = _cfuncs()
 
     @intrinsic
     def h2f(typingctx: Any, u: Any) -> Any:
@@ -283,8 +284,7 @@ def _compile() -> dict[str, Any]:
                     st, sp = items[i, 1], items[i, 2]
                     x, y = max(st, r0), min(sp, r0 + cr)
                     o = out_at + (items[i, 3] + x - st) * row_bytes
-                    n = (y - x) * row_bytes
-                    arena[o : o + n] = scratch[(x - r0) * row_bytes : (x - r0) * row_bytes + n]
+                    memcpy_fn(arena_base + o, scr + (x - r0) * row_bytes, (y - x) * row_bytes)
         a = lp[0]
         if a < 0:
             return
