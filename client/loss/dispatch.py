@@ -27,12 +27,15 @@ def picks_small_vocab(
 
     Only on the CPU, only for ``V <= SMALL_VOCAB_MAX_VOCAB`` and ``N * V <=
     SMALL_VOCAB_MAX_ELEMENTS``, never with an explicit ``chunk_size`` (the caller asked for
-    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. Speed:
-    on one CPU thread (hidden 128, k = 128) it takes 0.6-0.7x the fused path's time at V = 1,024
-    for any N, 0.8x at 2,048, 0.95x at 4,096 and about 1-1.2x from 8,192 on, where the
-    per-row work of the chunked path no longer dominates. Memory: its logits, exponentials and
-    logits gradient are at most 16 MiB each in float32 under the element bound, no more than one
-    chunk of the fused path's 64 MiB CPU budget.
+    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. Speed
+    (``benchmarks/loss_small_vocab_cpu.py --sweep``, one CPU thread, hidden 128, k = 128, two
+    runs on the shared 2-core box, load 1.7-2.9): CPU time vs the fused path 0.59-0.71x at
+    N = 512, V = 1,024; 0.72-0.85x at 4,096 x 1,024; 0.65-0.82x at V = 2,048; 0.81-0.95x at
+    512 x 4,096 and 0.94-1.03x at 1,024 x 4,096; 1.06-1.23x at 512 x 8,192. Fewer rows at a
+    large V are faster too (0.77-0.88x at 32 x 131,072), but there the ``[N, V]`` buffers grow
+    with V, so the vocabulary bound keeps them to the small-vocabulary case. Memory: its
+    logits, exponentials and logits gradient are at most 16 MiB each in float32 under the
+    element bound, no more than one chunk of the fused path's 64 MiB CPU budget.
     """
     return (
         device.type == "cpu"
