@@ -29,13 +29,14 @@ def picks_small_vocab(
     SMALL_VOCAB_MAX_ELEMENTS``, never with an explicit ``chunk_size`` (the caller asked for
     chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. Speed
     (``benchmarks/loss_small_vocab_cpu.py --sweep``, one CPU thread, hidden 128, k = 128, two
-    runs on the shared 2-core box, load 1.7-2.9): CPU time vs the fused path 0.59-0.71x at
-    N = 512, V = 1,024; 0.72-0.85x at 4,096 x 1,024; 0.65-0.82x at V = 2,048; 0.81-0.95x at
-    512 x 4,096 and 0.94-1.03x at 1,024 x 4,096; 1.06-1.23x at 512 x 8,192. Fewer rows at a
-    large V are faster too (0.77-0.88x at 32 x 131,072), but there the ``[N, V]`` buffers grow
-    with V, so the vocabulary bound keeps them to the small-vocabulary case. Memory: its
-    logits, exponentials and logits gradient are at most 16 MiB each in float32 under the
-    element bound, no more than one chunk of the fused path's 64 MiB CPU budget.
+    runs on the shared 2-core box, load 2.2-2.9): CPU time vs the fused path 0.59/0.72x at
+    N x V = 512 x 1,024; 0.85/0.79x at 4,096 x 1,024; 0.65/0.65x at 512 x 2,048; 0.81/0.81x at
+    512 x 4,096 and 1.03/1.02x at 1,024 x 4,096; 1.08/1.10x at 512 x 8,192. Fewer rows at a
+    large V are faster too (0.84-0.88x at 128 x 32,768, 0.77x at 32 x 131,072), but there the
+    ``[N, V]`` buffers grow with V, so the vocabulary bound keeps them to the small-vocabulary
+    case. Memory: its logits, exponentials and logits gradient are at most 16 MiB each in
+    float32 under the element bound, no more than one chunk of the fused path's 64 MiB CPU
+    budget.
     """
     return (
         device.type == "cpu"
