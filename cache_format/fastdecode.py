@@ -89,224 +89,9 @@ def _cfuncs() -> tuple[Any, Any, Any, Any]:
 
 def _compile() -> dict[str, Any]:
     """The compiled kernels (numba; raises ImportError without it)."""
-    import numba
-    from llvmlite import ir
-    from numba.core import types
-    from numba.extending import intrinsic
+    from . import _fastkernels as fk
 
-    crc_fn, dec_fn, pread_fn, memcpy_fn = _cfuncs()
-
-    @intrinsic
-    def h2f(typingctx: Any, u: Any) -> Any:
-        """float16 bits (uint16) -> float32, exact (LLVM ``fpext half``)."""
-        if u != types.uint16:
-            return None
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-        return types.float32(types.uint16), codegen
-
-    jit = numba.njit(nogil=True, cache=False, boundscheck=False)
-
-    @jit
-    def u32(buf: Any, p: int) -> int:
-        return (
-            np.int64(buf[p])
-            | (np.int64(buf[p + 1]) << 8)
-            | (np.int64(buf[p + 2]) << 16)
-            | (np.int64(buf[p + 3]) << 24)
-        )
-
-    @jit
-    def undelta(d: Any, mask: int, out: Any, widen: bool) -> None:
-        """The row-wise cumulative sum of unsigned ``d`` modulo ``mask + 1``: in place, or
-        (``widen``: float16 bits) as float32 into ``out``."""
-        n, k = d.shape
-        for r in range(n):
-            acc = 0
-            for j in range(k):
-                acc = (acc + d[r, j]) & mask
-                if widen:
-                    out[r, j] = h2f(np.uint16(acc))
-                else:
-                    d[r, j] = acc
-
-    @jit
-    def read_items(
-        fd_tabs: Any,
-        idx_tabs: Any,
-        meta: Any,
-        items: Any,
-        arena: Any,
-        lp: Any,
-        lp_out: Any,
-        scratch: Any,
-        buf: Any,
-        status: Any,
-    ) -> None:
-        """Decode every item ``(array, first row, end row, output row)`` of ``items`` into its
-        array's block of ``arena`` (``meta[a]``: chunks per shard, chunk rows, row bytes, shard
-        rows, block offset in ``arena``), each needed chunk once; then the logprob items
-        (array ``lp[0]``): row-delta inverse in place, widened into ``lp_out`` if ``lp[1]``
-        (see :func:`read_arrays`)."""
-        status[0] = OK
-        n_items = items.shape[0]
-        missing = 0
-        for i in range(n_items):
-            a, st, sp = items[i, 0], items[i, 1], items[i, 2]
-            sr = meta[a, 3]
-            fd_tab = fd_tabs[a]
-            for sh in range(st // sr, (sp - 1) // sr + 1):
-                if fd_tab[sh] < 0 and 3 + 2 * missing < status.size:
-                    dup = False
-                    for m in range(missing):
-                        if status[2 + 2 * m] == a and status[3 + 2 * m] == sh:
-                            dup = True
-                    if not dup:
-                        status[2 + 2 * missing] = a
-                        status[3 + 2 * missing] = sh
-                        missing += 1
-        if missing:
-            status[0] = NEED_SHARDS
-            status[1] = missing
-            return
-        base = buf.ctypes.data
-        scr = scratch.ctypes.data
-        arena_base = arena.ctypes.data
-        used = 0  # bytes of buf taken by the frames read so far
-        for a in range(meta.shape[0]):
-            per_shard, cr, row_bytes, out_at = meta[a, 0], meta[a, 1], meta[a, 2], meta[a, 4]
-            fd_tab, idx_tab = fd_tabs[a], idx_tabs[a]
-            chunk_bytes = cr * row_bytes
-            n_pairs = 0
-            for i in range(n_items):
-                if items[i, 0] == a:
-                    n_pairs += (items[i, 2] - 1) // cr - items[i, 1] // cr + 1
-            if n_pairs == 0:
-                continue
-            pc = np.empty(n_pairs, np.int64)  # (chunk, item) pairs, sorted by chunk below
-            pj = np.empty(n_pairs, np.int64)
-            q = 0
-            for i in range(n_items):
-                if items[i, 0] == a:
-                    for g in range(items[i, 1] // cr, (items[i, 2] - 1) // cr + 1):
-                        pc[q] = g
-                        pj[q] = i
-                        q += 1
-            if q > 1:
-                order = np.argsort(pc, kind="mergesort")
-                pc = pc[order]
-                pj = pj[order]
-            n_u = 0
-            for q in range(n_pairs):
-                if q == 0 or pc[q] != pc[q - 1]:
-                    n_u += 1
-            ug = np.empty(n_u, np.int64)
-            ufirst = np.empty(n_u + 1, np.int64)  # pairs [ufirst[u], ufirst[u + 1]) use chunk u
-            uoff = np.empty(n_u, np.int64)
-            unb = np.empty(n_u, np.int64)
-            ush = np.empty(n_u, np.int64)
-            u = -1
-            for q in range(n_pairs):
-                if q == 0 or pc[q] != pc[q - 1]:
-                    u += 1
-                    g = pc[q]
-                    ug[u] = g
-                    ufirst[u] = q
-                    sh = g // per_shard
-                    e = 2 * (g - sh * per_shard)
-                    if idx_tab[sh, e] == EMPTY:
-                        status[0] = FALLBACK
-                        status[1] = g
-                        return
-                    uoff[u] = np.int64(idx_tab[sh, e])
-                    unb[u] = np.int64(idx_tab[sh, e + 1])
-                    ush[u] = sh
-            ufirst[n_u] = n_pairs
-            # runs of consecutive chunks of one shard whose bytes are contiguous: one pread each
-            upos = np.empty(n_u, np.int64)  # where each frame lands in buf
-            total = used
-            u = 0
-            while u < n_u:
-                v = u + 1
-                while (
-                    v < n_u
-                    and ush[v] == ush[u]
-                    and ug[v] == ug[v - 1] + 1
-                    and uoff[v] == uoff[v - 1] + unb[v - 1]
-                ):
-                    v += 1
-                for w in range(u, v):
-                    upos[w] = total + uoff[w] - uoff[u]
-                size = uoff[v - 1] + unb[v - 1] - uoff[u]
-                if total + size <= buf.size:
-                    if pread_fn(fd_tab[ush[u]], base + total, size, uoff[u]) != size:
-                        status[0] = FALLBACK
-                        status[1] = ug[u]
-                        return
-                total += size
-                u = v
-            if total > buf.size:
-                status[0] = NEED_BUFFER
-                status[1] = total
-                return
-            used = total
-            for u in range(n_u):
-                p, nb, g = upos[u], unb[u], ug[u]
-                if (
-                    nb < 20
-                    or crc_fn(base + p, nb - 4) != u32(buf, p + nb - 4)
-                    or u32(buf, p + 4) != chunk_bytes
-                    or u32(buf, p + 12) != nb - 4
-                ):
-                    status[0] = FALLBACK
-                    status[1] = g
-                    return
-                r0 = g * cr
-                q0, q1 = ufirst[u], ufirst[u + 1]
-                if q1 - q0 == 1:
-                    i = pj[q0]
-                    st, sp = items[i, 1], items[i, 2]
-                    if st <= r0 and r0 + cr <= sp:
-                        dest = arena_base + out_at + (items[i, 3] + r0 - st) * row_bytes
-                        if dec_fn(base + p, dest, chunk_bytes, 1) != chunk_bytes:
-                            status[0] = FALLBACK
-                            status[1] = g
-                            return
-                        continue
-                if dec_fn(base + p, scr, chunk_bytes, 1) != chunk_bytes:
-                    status[0] = FALLBACK
-                    status[1] = g
-                    return
-                for q in range(q0, q1):
-                    i = pj[q]
-                    st, sp = items[i, 1], items[i, 2]
-                    x, y = max(st, r0), min(sp, r0 + cr)
-                    o = out_at + (items[i, 3] + x - st) * row_bytes
-                    memcpy_fn(arena_base + o, scr + (x - r0) * row_bytes, (y - x) * row_bytes)
-        a = lp[0]
-        if a < 0:
-            return
-        k = meta[a, 2] // lp[2]
-        for i in range(n_items):
-            if items[i, 0] != a:
-                continue
-            o = meta[a, 4] + items[i, 3] * meta[a, 2]
-            rows = items[i, 2] - items[i, 1]
-            n = rows * meta[a, 2]
-            out = lp_out[items[i, 3] : items[i, 3] + rows]
-            if lp[2] == 4:
-                undelta(arena[o : o + n].view(np.uint32).reshape((rows, k)), 0xFFFFFFFF, out, False)
-            else:
-                undelta(
-                    arena[o : o + n].view(np.uint16).reshape((rows, k)), 0xFFFF, out, lp[1] != 0
-                )
-
-    return {
-        "read_items": read_items,
-        "undelta": undelta,
-    }
+    return {"read_items": fk.read_items, "undelta": fk.undelta, "fns": _cfuncs()}
 
 
 def _self_check(k: dict[str, Any]) -> bool:
@@ -332,6 +117,46 @@ def _self_check(k: dict[str, Any]) -> bool:
     return bool(np.array_equal(d2, u) and np.array_equal(d3, w))
 
 
+def _probe_read(k: dict[str, Any]) -> bool:
+    """``read_items`` (compiled here for the usual four arrays) reads a small shard file it
+    writes: whole and partial chunks, every CRC32C, the values of numcodecs' decompression."""
+    import tempfile
+
+    import google_crc32c
+    import numcodecs.blosc
+
+    data = np.arange(8 * 3, dtype=np.int32).reshape(8, 3) * 7919
+    frames = []
+    for c in range(2):  # two chunks of 4 rows
+        body = numcodecs.blosc.compress(data[4 * c : 4 * c + 4].copy(), b"lz4", 5, 1)
+        frames.append(body + google_crc32c.value(body).to_bytes(4, "little"))
+    index = np.array([[0, len(frames[0])], [len(frames[0]), len(frames[1])]], np.uint64)
+    with tempfile.TemporaryFile() as f:
+        f.write(b"".join(frames))
+        f.flush()
+        fd = np.array([f.fileno()], np.int64)
+        n = 4
+        meta = np.array([[2, 4, 12, 8, 128 * a] for a in range(n)], np.int64)
+        items = np.array([[a, 1, 7, 0] for a in range(n)], np.int64)
+        arena = np.zeros(128 * n, np.uint8)
+        status = np.zeros(2 + 2 * MAX_MISSING, np.int64)
+        k["read_items"](
+            k["fns"],
+            (fd,) * n,
+            (index.reshape(1, -1),) * n,
+            meta,
+            items,
+            arena,
+            np.array([-1, 0, 0], np.int64),
+            np.zeros((0, 1), np.float32),
+            np.empty(48, np.uint8),
+            np.empty(1024, np.uint8),
+            status,
+        )
+    got = [arena[128 * a : 128 * a + 72].view(np.int32).reshape(6, 3) for a in range(n)]
+    return status[0] == OK and all(np.array_equal(g, data[1:7]) for g in got)
+
+
 def ready() -> bool:
     """Compile the kernels (once per process) and check them; ``False`` (and
     :data:`AVAILABLE` off) if that fails."""
@@ -344,13 +169,18 @@ def ready() -> bool:
         if _kernels is None:
             try:
                 k = _compile()
-                ok = _self_check(k)
+                ok = _self_check(k) and _probe_read(k)
             except Exception:  # no numba, no F16C lowering, ...: the per-chunk path
                 k, ok = {}, False
             if not ok:
                 AVAILABLE = False
             _kernels = k
     return AVAILABLE
+
+
+def _disable() -> None:
+    global AVAILABLE
+    AVAILABLE = False
 
 
 _local = threading.local()
@@ -517,12 +347,16 @@ def _run(
     idx_tabs = tuple(t.index for t in tabs)
     status = np.zeros(2 + 2 * MAX_MISSING, np.int64)
     scratch = _buffer("scratch", int((meta[:, 1] * meta[:, 2]).max()))
-    kernel = _kernels["read_items"]  # type: ignore[index]
+    kernel, fns = _kernels["read_items"], _kernels["fns"]  # type: ignore[index]
     close: list[int] = []
     try:
         buf = _buffer("buf", 1 << 20)
         for _ in range(64):
-            kernel(fd_tabs, idx_tabs, meta, items, arena, lp, lp_out, scratch, buf, status)
+            try:
+                kernel(fns, fd_tabs, idx_tabs, meta, items, arena, lp, lp_out, scratch, buf, status)
+            except Exception:  # a specialisation that does not compile here: per-chunk path
+                _disable()
+                return False
             if status[0] == NEED_BUFFER:
                 buf = _buffer("buf", int(status[1]))
             elif status[0] == NEED_SHARDS:

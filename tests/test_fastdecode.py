@@ -170,3 +170,34 @@ def test_optional(tmp_path):
             check=True,
         ).stdout.split()
         assert out[:2] == [want, "False"], (mode, out)
+
+
+def test_a_kernel_failure_hands_the_reader_back(tmp_path, monkeypatch):
+    """A specialisation that does not compile (or any kernel error) turns the compiled path off
+    for the process and the call is read per chunk: the caller sees values, not an error."""
+    recs = _write(tmp_path / "c", SMALL)
+
+    def broken(*a):
+        raise RuntimeError("no such specialisation")
+
+    monkeypatch.setitem(fastdecode._kernels, "read_items", broken)
+    monkeypatch.setattr(fastdecode, "AVAILABLE", True)
+    r = CacheReader(tmp_path / "c")
+    assert np.array_equal(r.sequence(4).topk_ids, recs[4].topk_ids)
+    assert fastdecode.AVAILABLE is False
+
+
+def test_compiled_kernels_are_cached_on_disk():
+    """The kernels are module-level numba functions cached on disk (next to the module, or
+    numba's user cache): a second process loads them instead of compiling (seconds each)."""
+    code = (
+        "from logitcache.cache_format import fastdecode, _fastkernels as fk\n"
+        "assert fastdecode.ready()\n"
+        "st = fk.read_items.stats\n"
+        "print(sum(st.cache_hits.values()), len(st.cache_misses))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    run = [sys.executable, "-c", code]
+    subprocess.run(run, check=True, cwd=root, capture_output=True)  # fills the cache if empty
+    hits, misses = subprocess.run(run, check=True, cwd=root, capture_output=True).stdout.split()
+    assert (int(hits), int(misses)) == (1, 0)

@@ -1,0 +1,229 @@
+"""The numba kernels of :mod:`.fastdecode` (imported only by :func:`.fastdecode.ready`: numba is
+optional). Module-level functions, so that numba's on-disk cache (``cache=True``) finds them again
+in the next process; the C functions they call are arguments (``fns``), not globals (numba cannot
+cache code holding ctypes pointers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from .fastdecode import EMPTY, FALLBACK, NEED_BUFFER, NEED_SHARDS, OK
+
+
+@intrinsic
+def h2f(typingctx: Any, u: Any) -> Any:
+    """float16 bits (uint16) -> float32, exact (LLVM ``fpext half``)."""
+    if u != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+
+
+@jit
+def u32(buf: Any, p: int) -> int:
+    return (
+        np.int64(buf[p])
+        | (np.int64(buf[p + 1]) << 8)
+        | (np.int64(buf[p + 2]) << 16)
+        | (np.int64(buf[p + 3]) << 24)
+    )
+
+
+@jit
+def undelta(d: Any, mask: int, out: Any, widen: bool) -> None:
+    """The row-wise cumulative sum of unsigned ``d`` modulo ``mask + 1``: in place, or
+    (``widen``: float16 bits) as float32 into ``out``."""
+    n, k = d.shape
+    for r in range(n):
+        acc = 0
+        for j in range(k):
+            acc = (acc + d[r, j]) & mask
+            if widen:
+                out[r, j] = h2f(np.uint16(acc))
+            else:
+                d[r, j] = acc
+
+
+@jit
+def read_items(
+    fns: Any,
+    fd_tabs: Any,
+    idx_tabs: Any,
+    meta: Any,
+    items: Any,
+    arena: Any,
+    lp: Any,
+    lp_out: Any,
+    scratch: Any,
+    buf: Any,
+    status: Any,
+) -> None:
+    """Decode every item ``(array, first row, end row, output row)`` of ``items`` into its
+    array's block of ``arena`` (``meta[a]``: chunks per shard, chunk rows, row bytes, shard
+    rows, block offset in ``arena``), each needed chunk once; then the logprob items
+    (array ``lp[0]``): row-delta inverse in place, widened into ``lp_out`` if ``lp[1]``
+    (see :func:`read_arrays`). ``fns``: the C functions of :func:`_cfuncs` (arguments, not
+    globals, so that numba can cache the compiled code on disk)."""
+    crc_fn, dec_fn, pread_fn, memcpy_fn = fns
+    status[0] = OK
+    n_items = items.shape[0]
+    missing = 0
+    for i in range(n_items):
+        a, st, sp = items[i, 0], items[i, 1], items[i, 2]
+        sr = meta[a, 3]
+        fd_tab = fd_tabs[a]
+        for sh in range(st // sr, (sp - 1) // sr + 1):
+            if fd_tab[sh] < 0 and 3 + 2 * missing < status.size:
+                dup = False
+                for m in range(missing):
+                    if status[2 + 2 * m] == a and status[3 + 2 * m] == sh:
+                        dup = True
+                if not dup:
+                    status[2 + 2 * missing] = a
+                    status[3 + 2 * missing] = sh
+                    missing += 1
+    if missing:
+        status[0] = NEED_SHARDS
+        status[1] = missing
+        return
+    base = buf.ctypes.data
+    scr = scratch.ctypes.data
+    arena_base = arena.ctypes.data
+    used = 0  # bytes of buf taken by the frames read so far
+    for a in range(meta.shape[0]):
+        per_shard, cr, row_bytes, out_at = meta[a, 0], meta[a, 1], meta[a, 2], meta[a, 4]
+        fd_tab, idx_tab = fd_tabs[a], idx_tabs[a]
+        chunk_bytes = cr * row_bytes
+        n_pairs = 0
+        for i in range(n_items):
+            if items[i, 0] == a:
+                n_pairs += (items[i, 2] - 1) // cr - items[i, 1] // cr + 1
+        if n_pairs == 0:
+            continue
+        pc = np.empty(n_pairs, np.int64)  # (chunk, item) pairs, sorted by chunk below
+        pj = np.empty(n_pairs, np.int64)
+        q = 0
+        for i in range(n_items):
+            if items[i, 0] == a:
+                for g in range(items[i, 1] // cr, (items[i, 2] - 1) // cr + 1):
+                    pc[q] = g
+                    pj[q] = i
+                    q += 1
+        if q > 1:
+            order = np.argsort(pc, kind="mergesort")
+            pc = pc[order]
+            pj = pj[order]
+        n_u = 0
+        for q in range(n_pairs):
+            if q == 0 or pc[q] != pc[q - 1]:
+                n_u += 1
+        ug = np.empty(n_u, np.int64)
+        ufirst = np.empty(n_u + 1, np.int64)  # pairs [ufirst[u], ufirst[u + 1]) use chunk u
+        uoff = np.empty(n_u, np.int64)
+        unb = np.empty(n_u, np.int64)
+        ush = np.empty(n_u, np.int64)
+        u = -1
+        for q in range(n_pairs):
+            if q == 0 or pc[q] != pc[q - 1]:
+                u += 1
+                g = pc[q]
+                ug[u] = g
+                ufirst[u] = q
+                sh = g // per_shard
+                e = 2 * (g - sh * per_shard)
+                if idx_tab[sh, e] == EMPTY:
+                    status[0] = FALLBACK
+                    status[1] = g
+                    return
+                uoff[u] = np.int64(idx_tab[sh, e])
+                unb[u] = np.int64(idx_tab[sh, e + 1])
+                ush[u] = sh
+        ufirst[n_u] = n_pairs
+        # runs of consecutive chunks of one shard whose bytes are contiguous: one pread each
+        upos = np.empty(n_u, np.int64)  # where each frame lands in buf
+        total = used
+        u = 0
+        while u < n_u:
+            v = u + 1
+            while (
+                v < n_u
+                and ush[v] == ush[u]
+                and ug[v] == ug[v - 1] + 1
+                and uoff[v] == uoff[v - 1] + unb[v - 1]
+            ):
+                v += 1
+            for w in range(u, v):
+                upos[w] = total + uoff[w] - uoff[u]
+            size = uoff[v - 1] + unb[v - 1] - uoff[u]
+            if total + size <= buf.size:
+                if pread_fn(fd_tab[ush[u]], base + total, size, uoff[u]) != size:
+                    status[0] = FALLBACK
+                    status[1] = ug[u]
+                    return
+            total += size
+            u = v
+        if total > buf.size:
+            status[0] = NEED_BUFFER
+            status[1] = total
+            return
+        used = total
+        for u in range(n_u):
+            p, nb, g = upos[u], unb[u], ug[u]
+            if (
+                nb < 20
+                or crc_fn(base + p, nb - 4) != u32(buf, p + nb - 4)
+                or u32(buf, p + 4) != chunk_bytes
+                or u32(buf, p + 12) != nb - 4
+            ):
+                status[0] = FALLBACK
+                status[1] = g
+                return
+            r0 = g * cr
+            q0, q1 = ufirst[u], ufirst[u + 1]
+            if q1 - q0 == 1:
+                i = pj[q0]
+                st, sp = items[i, 1], items[i, 2]
+                if st <= r0 and r0 + cr <= sp:
+                    dest = arena_base + out_at + (items[i, 3] + r0 - st) * row_bytes
+                    if dec_fn(base + p, dest, chunk_bytes, 1) != chunk_bytes:
+                        status[0] = FALLBACK
+                        status[1] = g
+                        return
+                    continue
+            if dec_fn(base + p, scr, chunk_bytes, 1) != chunk_bytes:
+                status[0] = FALLBACK
+                status[1] = g
+                return
+            for q in range(q0, q1):
+                i = pj[q]
+                st, sp = items[i, 1], items[i, 2]
+                x, y = max(st, r0), min(sp, r0 + cr)
+                o = out_at + (items[i, 3] + x - st) * row_bytes
+                memcpy_fn(arena_base + o, scr + (x - r0) * row_bytes, (y - x) * row_bytes)
+    a = lp[0]
+    if a < 0:
+        return
+    k = meta[a, 2] // lp[2]
+    for i in range(n_items):
+        if items[i, 0] != a:
+            continue
+        o = meta[a, 4] + items[i, 3] * meta[a, 2]
+        rows = items[i, 2] - items[i, 1]
+        n = rows * meta[a, 2]
+        out = lp_out[items[i, 3] : items[i, 3] + rows]
+        if lp[2] == 4:
+            undelta(arena[o : o + n].view(np.uint32).reshape((rows, k)), 0xFFFFFFFF, out, False)
+        else:
+            undelta(arena[o : o + n].view(np.uint16).reshape((rows, k)), 0xFFFF, out, lp[1] != 0)
