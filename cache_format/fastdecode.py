@@ -1,35 +1,40 @@
-"""Compiled point reads: the whole decode of a ``sequence`` / ``sequences`` call in a few compiled
-calls, one per array (issue #14, FORMAT.md D4).
+"""Compiled point reads: the whole decode of a ``sequence`` / ``sequences`` call in one compiled
+call per thread (issue #14, FORMAT.md D4).
 
-The per-chunk path (:mod:`.pointread`) spends about half of a ``random_access``-preset
+The per-chunk path (:mod:`.pointread`) spends a large part of a ``random_access``-preset
 ``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
-row blocks, torch calls; benchmarks/results/client.md, session 7). Here, for each array a call
-needs, one function compiled with numba (``nogil``) takes the shard indexes and open file
-descriptors and does the rest without returning to Python: it groups the needed chunks into runs,
-reads each run with ``pread`` into one buffer, checks every chunk's CRC32C and blosc header,
-decompresses it (``blosc_decompress_ctx``, the same C function numcodecs' wheel runs, one internal
-thread) straight into the output or, for a chunk shared by several ranges or cut by one, into a
-scratch chunk whose rows are copied to each range; then one more compiled call undoes the logprob
-row delta and widens float16 to float32 (``vcvtph2ps``: exact, as numpy's and torch's casts). The C
-functions are those :mod:`.cdecode` finds in the installed wheels (``crc32c_value`` of
-google_crc32c's libcrc32c, ``blosc_decompress_ctx`` of numcodecs' blosc extension) and libc's
-``pread``, called through ctypes function pointers from the compiled code.
+row blocks, torch calls; benchmarks/results/client.md, session 7). Here one function compiled with
+numba (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output row) with the
+layouts' tables of open shard descriptors and parsed indexes, and does the rest without returning
+to Python: it groups each array's needed chunks into runs, reads each run with ``pread`` into a
+per-thread buffer, checks every chunk's CRC32C and blosc header, decompresses it
+(``blosc_decompress_ctx``, the C function numcodecs' wheel runs, one internal thread) straight into
+the call's arena or, for a chunk shared by several ranges or cut by one, into a scratch chunk whose
+rows are ``memcpy``'d to each range; then it undoes the logprob row delta and widens float16 to
+float32 (LLVM ``fpext half``: exact, as numpy's and torch's casts). The C functions are those
+:mod:`.cdecode` finds in the installed wheels (``crc32c_value`` of google_crc32c's libcrc32c,
+``blosc_decompress_ctx`` of numcodecs' blosc extension) and libc's ``pread`` and ``memcpy``,
+passed to the compiled code as ctypes function pointers. With a decode pool (``decode_threads >
+1``) a call is cut at chunk edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
 
 The values are those of :mod:`.pointread`, bit for bit, and every CRC32C is checked. What this
 path does not handle it hands back (``None``: the caller reads the call through
 :mod:`.pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
 value or :class:`~.errors.MissingDataError`), a frame failing its checks or a short read (so the
 error raised is the per-chunk path's :class:`~.errors.ChecksumError`, after the reader's retries),
-quantised logprobs, output arrays given by the caller (reader processes).
+quantised logprobs, float32 logprobs read as float16, output arrays given by the caller (reader
+processes).
 
-Outputs: each array of a call decodes into one contiguous block; the records of a ``sequences``
-call are views of it (one record keeps its call's block alive, as with reader processes).
+Outputs: the arrays of a call decode into one arena (a block per array; the float16 logprob bits
+stay there, widened into a separate float32 array); the records of a ``sequences`` call are
+views of it (one record keeps its call's arena alive, as with reader processes).
 
-Optional: needs ``numba`` (``pip install 'logitcache[fast]'``); without it, with the C symbols
-missing, with ``LOGITCACHE_FASTDECODE=0``, or if the self-check at the first use fails,
-:data:`AVAILABLE` is ``False`` after :func:`ready` and the reader uses :mod:`.pointread`. The
-kernels compile at the first point read of a process (about a second; numba caches them on disk
-where the package directory is writable).
+Optional: needs ``numba`` (in the ``client`` extra, or ``pip install 'logitcache[fast]'``);
+without it, with the C symbols missing, with ``LOGITCACHE_FASTDECODE=0``, if the self-check in
+:func:`ready` fails or a kernel raises, :data:`AVAILABLE` is ``False`` and the reader uses
+:mod:`.pointread`. The kernels compile at the first point read of a process (3.8 s on the 2-core
+VM) and numba caches them on disk (next to the module, or in its user cache): later processes load
+them (0.4-0.7 s).
 """
 
 from __future__ import annotations
@@ -197,9 +202,9 @@ def _buffer(attr: str, size: int) -> np.ndarray:
 
 class _Tables:
     """A layout's shards as the kernel sees them: ``fd[s]`` (``-1``: not ready) and the parsed
-    index of shard ``s`` (``index[s]``: ``(offset, nbytes)`` pairs), for shards kept open in
-    ``lay.fds`` (an open descriptor keeps the file version its index was read from, see
-    :class:`.shardread.OpenShards`)."""
+    index of shard ``s`` (``index[s]``: ``(offset, nbytes)`` pairs), for complete shards kept
+    open in ``lay.fds`` (their index is cached by :mod:`.shardread` too; incomplete shards are
+    looked up at every call, as there)."""
 
     def __init__(self, lay: DirectLayout):
         n = -(-lay.length // lay.shard_rows)
@@ -382,8 +387,9 @@ def _open(
     close: list[int],
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """Open the shards ``pairs`` (``[array, shard]``) into the tables; returns the tables for the
-    next round (private copies where a descriptor is not kept; ``((), ())`` if a shard is
-    missing: the per-chunk path decides, fill value or R9)."""
+    next round (private copies for a descriptor not kept, closed after the call, and for an
+    incomplete shard; ``((), ())`` if a shard is missing: the per-chunk path decides, fill
+    value or R9)."""
     fds, idxs = list(fd_tabs), list(idx_tabs)
     for a, s in pairs:
         lay, tab = lays[a], tabs[a]
@@ -395,8 +401,10 @@ def _open(
                 return (), ()
             fd, owned = got
             index = shardread.local_index(lay, fd, s).reshape(-1)
-            if owned:  # this call only: private tables, the descriptor closed after the call
-                close.append(fd)
+            complete = (s + 1) * lay.shard_rows <= lay.length
+            if owned or not complete:  # this call only: private tables (an incomplete shard's
+                if owned:  # index is read again at every call, as the per-chunk path does)
+                    close.append(fd)
                 if fds[a] is tab.fd:
                     fds[a], idxs[a] = tab.fd.copy(), tab.index.copy()
                 fds[a][s], idxs[a][s] = fd, index

@@ -1,5 +1,7 @@
 """Point reads: whole sequences by index, the path of ``CacheReader.sequence`` / ``sequences``
-(FORMAT.md §6, D4).
+(FORMAT.md §6, D4), chunk by chunk in Python (the compiled path, :mod:`.fastdecode`, reads a call
+in one compiled call where numba is installed and hands back to this module what it does not
+handle).
 
 A random sequence needs a few inner chunks of each row array and of ``input_ids``. This module
 reads exactly those (:func:`.shardread.chunk_frames`: ``os.pread`` on a local store, shard files

@@ -121,8 +121,11 @@ class CacheReader:
     are views of; same values); :meth:`close` (or ``with``) stops them.
 
     :meth:`sequence`, :meth:`get` and :meth:`sequences` take the point-read path
-    (:mod:`.pointread`, FORMAT.md D4) when every array they need is read directly: only the
-    needed inner chunks, each decoded once per call (``os.pread`` on a local store); with
+    (FORMAT.md D4) when every array they need is read directly: only the needed inner chunks,
+    each decoded once per call (``os.pread`` on a local store). With numba installed the whole
+    call is one compiled call per thread (:mod:`.fastdecode`; ``decode_threads > 1`` cuts a call
+    at chunk edges, which pays for :meth:`sequences` batches); otherwise, and for what that path
+    hands back, chunk by chunk (:mod:`.pointread`); the values are the same. Per chunk, with
     ``decode_threads > 1`` the chunks of a call are split over at most ``pointread.MAX_SHARES``
     threads in runs of at least ``pointread.PARALLEL_MIN_BYTES`` decoded (this pays for
     :meth:`sequences` batches and the default layout's large chunks). Random access is fastest on a
