@@ -84,13 +84,15 @@ def make_records(positions: int, seed: int = 0, pool_rows: int = 65536) -> list:
 
 
 def layout_of(label: str) -> Any:
-    """``preset`` or ``preset:field=int,...`` (an experiment: the preset with those fields)."""
+    """``preset`` or ``preset:field=value,...`` (an experiment: the preset with those fields;
+    integers for sizes, codec names as in ``cache_format/codecs.py``)."""
     from dataclasses import replace
 
     from logitcache.cache_format import spec
 
     name, _, over = label.partition(":")
-    fields = {k: int(v) for k, v in (kv.split("=") for kv in over.split(",") if kv)}
+    pairs = [kv.split("=") for kv in over.split(",") if kv]
+    fields = {k: int(v) if v.isdigit() else v for k, v in pairs}
     layout = spec.layout_named(name)
     return replace(layout, **fields, name=label) if fields else layout
 

@@ -79,7 +79,13 @@ CANDIDATES = {
         "blosc-zstd1-shuffle",
     ],
     "tail_mass": ["blosc-zstd5-shuffle", "blosc-lz4-shuffle", "blosc-lz4hc5-shuffle"],
-    "input_ids": ["blosc-zstd5-shuffle", "blosc-lz4-shuffle", "blosc-lz4hc5-shuffle"],
+    "input_ids": [
+        "blosc-lz4-bitshuffle",
+        "blosc-zstd1-bitshuffle",
+        "blosc-zstd5-shuffle",
+        "blosc-lz4-shuffle",
+        "blosc-lz4hc5-shuffle",
+    ],
 }
 """Codecs re-measured per array by ``--codecs`` (names as in ``cache_format/codecs.py``)."""
 
@@ -104,7 +110,10 @@ def codec_study(own, names, lays, dests, n, mean_rows, args, dec) -> dict[str, A
                 numcodecs.blosc.decompress(f[:-4], raw)
                 raws.append(raw)
         rows = len(raws) * lay.chunk_rows
-        res = {}
+        blosc = lay.metadata.codecs[0].codecs[1]  # the store's own codec for this array
+        res: dict[str, Any] = {
+            "stored": f"blosc-{blosc.cname.value}{blosc.clevel}-{blosc.shuffle.value}"
+        }
         for name in CANDIDATES[a]:
             m = re.match(r"^blosc-(zstd|lz4hc|lz4|blosclz)(\d?)-(\w+)$", name)
             assert m is not None
