@@ -201,3 +201,23 @@ def test_compiled_kernels_are_cached_on_disk():
     subprocess.run(run, check=True, cwd=root, capture_output=True)  # fills the cache if empty
     hits, misses = subprocess.run(run, check=True, cwd=root, capture_output=True).stdout.split()
     assert (int(hits), int(misses)) == (1, 0)
+
+
+def test_threads_reading_one_reader_at_once(tmp_path, monkeypatch):
+    """Several caller threads (a loader's read-ahead) share one reader, its layouts' tables and
+    its decode pool: every result is exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(fastdecode, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(shardread, "FD_CACHE", 3)  # some shards kept, some opened per call
+    recs = _write(tmp_path / "c", SMALL)
+    r = CacheReader(tmp_path / "c", decode_threads=2)
+    want = _per_chunk(tmp_path / "c").sequences(range(len(recs)))
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(0, len(recs), 6).tolist() for _ in range(60)]
+
+    def one(b: list[int]) -> bool:
+        return all(g.equals(want[i]) for g, i in zip(r.sequences(b), b, strict=True))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(one, batches))
