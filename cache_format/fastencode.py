@@ -26,6 +26,7 @@ The kernel compiles at the first append of a process (~1-2 s) unless numba's on-
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any
 
@@ -44,9 +45,35 @@ def _wanted() -> bool:
     return mode not in ("0", "false", "no", "off")
 
 
+def harden_llvmlite() -> None:
+    """Make llvmlite's library wrapper (``llvmlite.binding.ffi.lib``, imported with numba) answer
+    dunder lookups with AttributeError, once per process, if llvmlite is imported.
+
+    The wrapper turns any attribute it lacks into a C-function wrapper, ``__dict__`` included, so
+    code that scans every module's values (vLLM's CPU platform, ``register_kernels``, at each
+    engine start: ``vars(value).get(...)`` on whatever has a ``__dict__``) fails with
+    "'_lib_fn_wrapper' object has no attribute 'get'" in a process that imported numba first.
+    Its functions are named ``LLVMPY_*``: no dunder name is one of them."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    cls = getattr(ffi, "_lib_wrapper", None)
+    if cls is None or getattr(cls, "_dunders_refused", False):
+        return
+    original = cls.__getattr__
+
+    def __getattr__(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    cls.__getattr__ = __getattr__
+    cls._dunders_refused = True
+
+
 def _compile() -> Any:
     """The compiled kernel (raises ImportError without numba)."""
     import numba
+
+    harden_llvmlite()  # numba imported llvmlite: see the function
 
     @numba.njit(nogil=True, cache=True)
     def _half(x, a):  # noqa: ANN001, ANN202

@@ -177,3 +177,21 @@ def test_the_off_switch_and_a_failed_compile_leave_the_numpy_path(
     assert not fastencode.ready()
     m = make_manifest(k=6, vocab_size=50)
     assert writer.encode_batch(make_records(2, k=6, vocab=50, seed=7), m) is not None
+
+
+def test_llvmlite_survives_a_scan_of_every_module() -> None:
+    """vLLM's CPU platform runs ``vars(value).get("kernel")`` over every module's values with a
+    ``__dict__`` at each engine start: llvmlite's library wrapper (imported with numba) used to
+    hand back a C-function wrapper for ``__dict__`` and break it (harden_llvmlite)."""
+    import sys
+
+    from llvmlite.binding import ffi
+
+    fastencode.harden_llvmlite()
+    assert not hasattr(ffi.lib, "__dict__")
+    mods = [m for n, m in list(sys.modules.items()) if n.split(".")[0] in ("llvmlite", "numba")]
+    for module in mods:  # vLLM 0.32's scan, over llvmlite's and numba's modules
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if hasattr(value, "__dict__"):
+                vars(value).get("kernel")
+    assert ffi.lib.LLVMPY_GetVersionInfo is not None  # its functions still resolve

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from logitcache.cache_format import fastencode
 
 from . import reaper, vllm_logprobs
 from .base import BaseEngine
@@ -467,6 +468,8 @@ class VllmEngine(BaseEngine):
     def _start(self, args: dict[str, Any]) -> None:
         # prompt logprobs as arrays from the engine core's tensors, when this vLLM allows it
         self._arrays = vllm_logprobs.install()
+        # vLLM's CPU platform scans every module at start: numba's llvmlite must survive it
+        fastencode.harden_llvmlite()
         from . import vllm_sampling  # noqa: F401 - installs the worker hook in this process
 
         if self.mode == "inproc":
