@@ -221,3 +221,29 @@ def test_threads_reading_one_reader_at_once(tmp_path, monkeypatch):
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(one, batches))
+
+
+def test_an_engine_started_after_a_compiled_read_can_scan_the_modules(tmp_path):
+    """vLLM's kernel-override scan (``vllm/triton_utils/dispatcher.py``) calls
+    ``vars(value).get("kernel")`` on every module attribute with a ``__dict__``: after a compiled
+    read (numba has loaded llvmlite's library object) that scan must not raise (it did on
+    ``llvmlite.binding.ffi.lib``; run in a fresh process, as an engine's start would)."""
+    url = tmp_path / "c"
+    recs = _write(url, SMALL)
+    code = (
+        "import sys\n"
+        "from logitcache.cache_format import CacheReader, fastdecode\n"
+        "assert fastdecode.ready()\n"
+        "print(int(CacheReader(sys.argv[1]).sequence(2).topk_ids.sum()))\n"
+        "for m in list(sys.modules.values()):\n"
+        "    for name in list(getattr(m, '__dict__', None) or {}):\n"
+        "        v = m.__dict__[name]\n"
+        "        if hasattr(v, '__dict__'):\n"
+        "            vars(v).get('kernel')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(url)], capture_output=True, text=True, cwd=root
+    )
+    assert out.returncode == 0, out.stderr[-800:]
+    assert out.stdout.split() == [str(int(recs[2].topk_ids.sum()))]
