@@ -14,27 +14,9 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from .fastdecode import EMPTY, FALLBACK, NEED_BUFFER, NEED_SHARDS, OK
+from .fastencode import harden_llvmlite
 
-
-def vllm_scan_safe() -> None:
-    """Keep an in-process vLLM engine startable after numba has run here.
-
-    vLLM's triton-kernel override (``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``)
-    scans every module attribute and calls ``vars(value).get("kernel")`` on each one that has a
-    ``__dict__``; llvmlite's library object (``llvmlite.binding.ffi.lib``, loaded once numba has
-    compiled) answers any attribute, ``__dict__`` included, with a function wrapper, so that scan
-    raised ``AttributeError`` and the engine did not start (seen in the test suite when a worker
-    had decoded before it started an engine). Give ``__dict__`` a real (empty) answer; llvmlite
-    never reads it."""
-    try:
-        from llvmlite.binding import ffi
-
-        ffi.lib._fntab.setdefault("__dict__", {})
-    except Exception:  # another llvmlite layout: nothing to do
-        pass
-
-
-vllm_scan_safe()
+harden_llvmlite()  # numba imported llvmlite: keep an in-process vLLM engine startable (see there)
 
 
 @intrinsic
