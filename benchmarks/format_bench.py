@@ -162,6 +162,13 @@ CONFIGS = {
             row_chunk=256,
             layout="random_access",
         ),
+        Config(
+            "random-access-raw",  # spec.LAYOUTS["random_access_raw"]: no compressor (4.7)
+            id_codec="none",
+            logprob_codec="none",
+            row_chunk=256,
+            layout="random_access_raw",
+        ),
     ]
 }
 

@@ -23,6 +23,8 @@ them and timed with ``time.thread_time`` (CPU of this thread: robust on a loaded
 - ``bitshuffle_share``: for the ``topk_ids`` frames (bitshuffle), the decompression of the same
   bytes stored without the shuffle (the bit-transposed bytes, lz4/zstd as stored, noshuffle):
   the difference to ``blosc_c`` of those frames is the bit-unshuffle.
+- ``copy_c`` (layouts without a compressor, ``random_access_raw``, in place of the ``blosc``
+  stages and ``--codecs``): ``memmove`` of every chunk's bytes into a chunk buffer.
 - ``undelta``, ``widen``: :func:`pointread.undelta_block` / ``widen_block`` over the sequence's
   logprob rows in the reader's row blocks; ``record``: building the ``SequenceRecord``.
 - ``npy``: the ``.npy`` copy of the same sequences (the benchmark's baseline), so every stage
@@ -209,40 +211,46 @@ def measure(name, root, npy, args, crc, dec, fd_mod) -> dict[str, Any]:
     ptrs = [(j, f.ctypes.data, f.size) for j, f in flat]
     t["crc_c"] = best_us(lambda: [crc(p, s - 4) for _, p, s in ptrs], n, args.reps)
     dptr = {j: (dests[a].ctypes.data, dests[a].nbytes) for j, a in enumerate(names)}
-    t["blosc_wrapper"] = best_us(
-        lambda: [numcodecs.blosc.decompress(f[:-4], dests[names[j]]) for j, f in flat],
-        n,
-        args.reps,
-    )
-    t["blosc_c"] = best_us(
-        lambda: [dec(p, dptr[j][0], dptr[j][1], 1) for j, p, _ in ptrs], n, args.reps
-    )
-    for j, a in enumerate(names):
-        mine = [(p, s) for jj, p, s in ptrs if jj == j]
-        t[f"blosc_c_{a}"] = best_us(
-            lambda mine=mine, j=j: [dec(p, dptr[j][0], dptr[j][1], 1) for p, _ in mine],
+    raw = any(getattr(lay, "raw", False) for lay in lays.values())  # random_access_raw
+    if raw:  # no compressor: the compiled path copies each checked chunk (memcpy)
+        t["copy_c"] = best_us(
+            lambda: [ctypes.memmove(dptr[j][0], p, s - 4) for j, p, s in ptrs], n, args.reps
+        )
+    else:
+        t["blosc_wrapper"] = best_us(
+            lambda: [numcodecs.blosc.decompress(f[:-4], dests[names[j]]) for j, f in flat],
             n,
             args.reps,
         )
-    # bit-unshuffle share of topk_ids: the same bit-transposed bytes, same compressor, noshuffle
-    lay = lays[spec.TOPK_IDS]
-    comp = lay.metadata.codecs[0].codecs[1]
-    plain = []
-    for _j, f in flat:
-        if _j != 0:
-            continue
-        raw = np.empty(dests[spec.TOPK_IDS].nbytes, np.uint8)
-        numcodecs.blosc.decompress(f[:-4], raw)
-        tb = bitshuffle(raw, 4)
-        frame = numcodecs.blosc.compress(
-            tb, comp.cname.value.encode(), comp.clevel, numcodecs.blosc.NOSHUFFLE, raw.size
+        t["blosc_c"] = best_us(
+            lambda: [dec(p, dptr[j][0], dptr[j][1], 1) for j, p, _ in ptrs], n, args.reps
         )
-        plain.append(np.frombuffer(frame, np.uint8).copy())
-    tgt = dptr[0]
-    t["ids_noshuffle_c"] = best_us(
-        lambda: [dec(f.ctypes.data, tgt[0], tgt[1], 1) for f in plain], n, args.reps
-    )
-    res["ids_noshuffle_bytes_per_seq"] = sum(f.size for f in plain) / n
+        for j, a in enumerate(names):
+            mine = [(p, s) for jj, p, s in ptrs if jj == j]
+            t[f"blosc_c_{a}"] = best_us(
+                lambda mine=mine, j=j: [dec(p, dptr[j][0], dptr[j][1], 1) for p, _ in mine],
+                n,
+                args.reps,
+            )
+        # bit-unshuffle share of topk_ids: the same bit-transposed bytes, same compressor, noshuffle
+        lay = lays[spec.TOPK_IDS]
+        comp = lay.metadata.codecs[0].codecs[1]
+        plain = []
+        for _j, f in flat:
+            if _j != 0:
+                continue
+            raw = np.empty(dests[spec.TOPK_IDS].nbytes, np.uint8)
+            numcodecs.blosc.decompress(f[:-4], raw)
+            tb = bitshuffle(raw, 4)
+            frame = numcodecs.blosc.compress(
+                tb, comp.cname.value.encode(), comp.clevel, numcodecs.blosc.NOSHUFFLE, raw.size
+            )
+            plain.append(np.frombuffer(frame, np.uint8).copy())
+        tgt = dptr[0]
+        t["ids_noshuffle_c"] = best_us(
+            lambda: [dec(f.ctypes.data, tgt[0], tgt[1], 1) for f in plain], n, args.reps
+        )
+        res["ids_noshuffle_bytes_per_seq"] = sum(f.size for f in plain) / n
     # logprob kernels over each sequence's rows, in the reader's blocks
     lps = [np.ascontiguousarray(npy["lp"][s[0]]).view(np.uint16) for s in spans]
     work = [x.copy() for x in lps]
@@ -275,7 +283,7 @@ def measure(name, root, npy, args, crc, dec, fd_mod) -> dict[str, Any]:
     t["record"] = best_us(record, len(recs), args.reps)
     t["budget_us"] = round(t["npy"] / 0.3, 1)
     res["us_per_seq"] = t
-    if args.codecs:
+    if args.codecs and not raw:
         res["codecs"] = codec_study(own, names, lays, dests, n, res["mean_rows"], args, dec)
     return res
 

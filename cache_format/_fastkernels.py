@@ -33,6 +33,9 @@ def h2f(typingctx: Any, u: Any) -> Any:
 
 jit = numba.njit(nogil=True, cache=True, boundscheck=False)
 
+MAX_RUN = 256
+"""Raw chunks per ``preadv`` (2 ``iovec`` each: well below the usual ``IOV_MAX`` of 1,024)."""
+
 
 @jit
 def u32(buf: Any, p: int) -> int:
@@ -75,11 +78,12 @@ def read_items(
 ) -> None:
     """Decode every item ``(array, first row, end row, output row)`` of ``items`` into its
     array's block of ``arena`` (``meta[a]``: chunks per shard, chunk rows, row bytes, shard
-    rows, block offset in ``arena``), each needed chunk once; then the logprob items
+    rows, block offset in ``arena``, 1 if its chunks have no compressor: ``raw``, copied after
+    their CRC32C and size are checked), each needed chunk once; then the logprob items
     (array ``lp[0]``): row-delta inverse in place, widened into ``lp_out`` if ``lp[1]``
     (see :func:`read_arrays`). ``fns``: the C functions of :func:`_cfuncs` (arguments, not
     globals, so that numba can cache the compiled code on disk)."""
-    crc_fn, dec_fn, pread_fn, memcpy_fn = fns
+    crc_fn, dec_fn, pread_fn, memcpy_fn, preadv_fn = fns
     status[0] = OK
     n_items = items.shape[0]
     missing = 0
@@ -107,6 +111,7 @@ def read_items(
     used = 0  # bytes of buf taken by the frames read so far
     for a in range(meta.shape[0]):
         per_shard, cr, row_bytes, out_at = meta[a, 0], meta[a, 1], meta[a, 2], meta[a, 4]
+        raw = meta[a, 5] != 0
         fd_tab, idx_tab = fd_tabs[a], idx_tabs[a]
         chunk_bytes = cr * row_bytes
         n_pairs = 0
@@ -153,7 +158,25 @@ def read_items(
                 uoff[u] = np.int64(idx_tab[sh, e])
                 unb[u] = np.int64(idx_tab[sh, e + 1])
                 ush[u] = sh
+                if raw and unb[u] != chunk_bytes + 4:
+                    status[0] = FALLBACK
+                    status[1] = g
+                    return
         ufirst[n_u] = n_pairs
+        # a raw chunk used whole by one item is read straight into the arena (udest: its
+        # address there, else -1), its CRC32C into buf where the frame would have been
+        udest = np.full(n_u, -1, np.int64)
+        if raw:
+            for u in range(n_u):
+                q0 = ufirst[u]
+                if ufirst[u + 1] - q0 == 1:
+                    i = pj[q0]
+                    r0 = ug[u] * cr
+                    if items[i, 1] <= r0 and r0 + cr <= items[i, 2]:
+                        udest[u] = (
+                            arena_base + out_at + (items[i, 3] + r0 - items[i, 1]) * row_bytes
+                        )
+        iov = np.empty(4 * MAX_RUN, np.int64)  # struct iovec pairs (address, length)
         # runs of consecutive chunks of one shard whose bytes are contiguous: one pread each
         upos = np.empty(n_u, np.int64)  # where each frame lands in buf
         total = used
@@ -165,13 +188,30 @@ def read_items(
                 and ush[v] == ush[u]
                 and ug[v] == ug[v - 1] + 1
                 and uoff[v] == uoff[v - 1] + unb[v - 1]
+                and (not raw or v - u < MAX_RUN)
             ):
                 v += 1
             for w in range(u, v):
                 upos[w] = total + uoff[w] - uoff[u]
             size = uoff[v - 1] + unb[v - 1] - uoff[u]
             if total + size <= buf.size:
-                if pread_fn(fd_tab[ush[u]], base + total, size, uoff[u]) != size:
+                if raw:  # one preadv: whole chunks into the arena, the rest into buf
+                    n_iov = 0
+                    for w in range(u, v):
+                        if udest[w] >= 0:
+                            iov[2 * n_iov] = udest[w]
+                            iov[2 * n_iov + 1] = chunk_bytes
+                            iov[2 * n_iov + 2] = base + upos[w] + chunk_bytes
+                            iov[2 * n_iov + 3] = 4
+                            n_iov += 2
+                        else:
+                            iov[2 * n_iov] = base + upos[w]
+                            iov[2 * n_iov + 1] = unb[w]
+                            n_iov += 1
+                    got = preadv_fn(fd_tab[ush[u]], iov.ctypes.data, n_iov, uoff[u])
+                else:
+                    got = pread_fn(fd_tab[ush[u]], base + total, size, uoff[u])
+                if got != size:
                     status[0] = FALLBACK
                     status[1] = ug[u]
                     return
@@ -184,12 +224,17 @@ def read_items(
         used = total
         for u in range(n_u):
             p, nb, g = upos[u], unb[u], ug[u]
-            if (
-                nb < 20
-                or crc_fn(base + p, nb - 4) != u32(buf, p + nb - 4)
-                or u32(buf, p + 4) != chunk_bytes
-                or u32(buf, p + 12) != nb - 4
-            ):
+            if raw:  # the chunk's bytes (in the arena, or in buf), then their CRC32C (in buf)
+                at = udest[u] if udest[u] >= 0 else base + p
+                bad = crc_fn(at, chunk_bytes) != u32(buf, p + chunk_bytes)
+            else:  # a blosc frame of exactly one chunk, then its CRC32C
+                bad = (
+                    nb < 20
+                    or crc_fn(base + p, nb - 4) != u32(buf, p + nb - 4)
+                    or u32(buf, p + 4) != chunk_bytes
+                    or u32(buf, p + 12) != nb - 4
+                )
+            if bad:
                 status[0] = FALLBACK
                 status[1] = g
                 return
@@ -200,21 +245,26 @@ def read_items(
                 st, sp = items[i, 1], items[i, 2]
                 if st <= r0 and r0 + cr <= sp:
                     dest = arena_base + out_at + (items[i, 3] + r0 - st) * row_bytes
+                    if raw:
+                        continue  # read in place
                     if dec_fn(base + p, dest, chunk_bytes, 1) != chunk_bytes:
                         status[0] = FALLBACK
                         status[1] = g
                         return
                     continue
-            if dec_fn(base + p, scr, chunk_bytes, 1) != chunk_bytes:
-                status[0] = FALLBACK
-                status[1] = g
-                return
+            src = base + p  # a raw chunk's rows are copied from the bytes read
+            if not raw:
+                if dec_fn(base + p, scr, chunk_bytes, 1) != chunk_bytes:
+                    status[0] = FALLBACK
+                    status[1] = g
+                    return
+                src = scr
             for q in range(q0, q1):
                 i = pj[q]
                 st, sp = items[i, 1], items[i, 2]
                 x, y = max(st, r0), min(sp, r0 + cr)
                 o = out_at + (items[i, 3] + x - st) * row_bytes
-                memcpy_fn(arena_base + o, scr + (x - r0) * row_bytes, (y - x) * row_bytes)
+                memcpy_fn(arena_base + o, src + (x - r0) * row_bytes, (y - x) * row_bytes)
     a = lp[0]
     if a < 0:
         return

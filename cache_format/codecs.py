@@ -4,8 +4,9 @@ A codec name is a short string stored nowhere (zarr writes the full codec config
 array's ``zarr.json``); names exist so that the writer and the benchmark pick chains the same way.
 
 Grammar: ``blosc-<cname><level>-<shuffle>`` (cname in zstd|lz4|lz4hc|zlib, shuffle in
-noshuffle|shuffle|bitshuffle) or ``zstd<level>``. Every chain ends with a CRC32C of the inner chunk
-so that a torn or raced read is detected instead of decoded (FORMAT.md rule R7).
+noshuffle|shuffle|bitshuffle), ``zstd<level>``, or ``none`` (no compressor: the chunk's bytes
+as they are, FORMAT.md 4.7's ``random_access_raw``). Every chain ends with a CRC32C of the inner
+chunk so that a torn or raced read is detected instead of decoded (FORMAT.md rule R7).
 """
 
 from __future__ import annotations

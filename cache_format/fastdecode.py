@@ -10,11 +10,14 @@ to Python: it groups each array's needed chunks into runs, reads each run with `
 per-thread buffer, checks every chunk's CRC32C and blosc header, decompresses it
 (``blosc_decompress_ctx``, the C function numcodecs' wheel runs, one internal thread) straight into
 the call's arena or, for a chunk shared by several ranges or cut by one, into a scratch chunk whose
-rows are ``memcpy``'d to each range; then it undoes the logprob row delta and widens float16 to
-float32 (LLVM ``fpext half``: exact, as numpy's and torch's casts). The C functions are those
-:mod:`.cdecode` finds in the installed wheels (``crc32c_value`` of google_crc32c's libcrc32c,
-``blosc_decompress_ctx`` of numcodecs' blosc extension) and libc's ``pread`` and ``memcpy``,
-passed to the compiled code as ctypes function pointers. With a decode pool (``decode_threads >
+rows are ``memcpy``'d to each range (a chunk without compressor, layout ``random_access_raw``, is
+read with ``preadv`` straight into the arena where one range uses it whole, else its rows
+``memcpy``'d from the bytes read; its CRC32C and size checked either way); then it undoes the
+logprob row delta and widens float16 to float32 (LLVM ``fpext half``: exact, as numpy's and
+torch's casts). The C functions are those :mod:`.cdecode` finds in the installed wheels
+(``crc32c_value`` of google_crc32c's libcrc32c, ``blosc_decompress_ctx`` of numcodecs' blosc
+extension) and libc's ``pread`` and ``memcpy``, passed to the compiled code as ctypes function
+pointers. With a decode pool (``decode_threads >
 1``) a call is cut at chunk edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
 
 The values are those of :mod:`.pointread`, bit for bit, and every CRC32C is checked. What this
@@ -74,9 +77,9 @@ _kernels: dict[str, Any] | None = None
 _lock = threading.Lock()
 
 
-def _cfuncs() -> tuple[Any, Any, Any, Any]:
-    """``(crc32c_value, blosc_decompress_ctx, pread, memcpy)`` as ctypes function pointers whose
-    pointer arguments are plain integers (what the compiled code passes)."""
+def _cfuncs() -> tuple[Any, Any, Any, Any, Any]:
+    """``(crc32c_value, blosc_decompress_ctx, pread, memcpy, preadv)`` as ctypes function
+    pointers whose pointer arguments are plain integers (what the compiled code passes)."""
     assert cdecode._FUNCS is not None
     crc, dec = cdecode._FUNCS
     size, addr = ctypes.c_size_t, ctypes.c_void_p
@@ -89,7 +92,10 @@ def _cfuncs() -> tuple[Any, Any, Any, Any]:
         ctypes.cast(libc.pread, addr).value
     )
     memcpy_p = ctypes.CFUNCTYPE(size, size, size, size)(ctypes.cast(libc.memcpy, addr).value)
-    return crc_p, dec_p, pread_p, memcpy_p
+    preadv_p = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, size, ctypes.c_int, ctypes.c_int64)(
+        ctypes.cast(libc.preadv, addr).value
+    )
+    return crc_p, dec_p, pread_p, memcpy_p, preadv_p
 
 
 def _compile() -> dict[str, Any]:
@@ -141,7 +147,7 @@ def _probe_read(k: dict[str, Any]) -> bool:
         f.flush()
         fd = np.array([f.fileno()], np.int64)
         n = 4
-        meta = np.array([[2, 4, 12, 8, 128 * a] for a in range(n)], np.int64)
+        meta = np.array([[2, 4, 12, 8, 128 * a, 0] for a in range(n)], np.int64)
         items = np.array([[a, 1, 7, 0] for a in range(n)], np.int64)
         arena = np.zeros(128 * n, np.uint8)
         status = np.zeros(2 + 2 * MAX_MISSING, np.int64)
@@ -295,7 +301,8 @@ def read_arrays(
     if got is None:
         tabs = [_tables(lay) for lay in lays]
         meta = np.array(
-            [(*t.meta, lay.shard_rows, 0) for t, lay in zip(tabs, lays, strict=True)], np.int64
+            [(*t.meta, lay.shard_rows, 0, int(lay.raw)) for t, lay in zip(tabs, lays, strict=True)],
+            np.int64,
         )
         got = lays[0].fast[key] = (tabs, meta)
     tabs, meta = got

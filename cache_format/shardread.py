@@ -13,7 +13,9 @@ Shard object of ``n`` inner chunks (zarr v3 sharding spec)::
 
 in C order over the shard's chunk grid; ``offset = nbytes = 2**64 - 1`` marks an empty chunk (all
 fill value). A missing shard object is all fill value too. Each inner chunk is
-``bytes(little-endian) -> blosc -> crc32c``: a blosc frame followed by the CRC32C of the frame.
+``bytes(little-endian) -> blosc -> crc32c``: a blosc frame followed by the CRC32C of the frame,
+or (``raw`` layouts, preset ``random_access_raw``) ``bytes(little-endian) -> crc32c``: the
+chunk's bytes as they are followed by their CRC32C.
 In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
 lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
 Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`: without the GIL
@@ -142,6 +144,9 @@ class DirectLayout:
     strict: bool = False
     """Version >= 2 (FORMAT.md R9): an absent shard or chunk is :class:`MissingDataError`, not
     fill value (``length`` is then the committed count: nothing past it is read)."""
+    raw: bool = False
+    """Inner chunks have no compressor (codecs ``bytes`` LE + ``crc32c``): a chunk's stored bytes
+    are its little-endian bytes followed by their CRC32C (FORMAT.md 4.7, ``random_access_raw``)."""
     index_cache: dict[int, np.ndarray] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
@@ -193,7 +198,8 @@ def direct_layout(
 
     Supported: zarr v3, regular chunk grid of shards along axis 0 spanning the trailing
     dimensions, one ``sharding_indexed`` codec (index at the end, index codecs ``bytes`` little
-    + ``crc32c``), inner codecs ``bytes`` little + ``blosc`` + ``crc32c``, inner chunks spanning
+    + ``crc32c``), inner codecs ``bytes`` little + ``blosc`` + ``crc32c`` (or ``bytes`` little +
+    ``crc32c``: :attr:`DirectLayout.raw`), inner chunks spanning
     the trailing dimensions, a fixed-size numeric dtype, and a little-endian host.
     ``committed``: the entries readers may use (default: the array's length); ``strict``: see
     :class:`DirectLayout`.
@@ -225,9 +231,11 @@ def direct_layout(
     if not isinstance(idx[1], Crc32cCodec):
         return None
     codecs = sharding.codecs
-    if len(codecs) != 3 or not _little_endian_bytes(codecs[0], dtype):
+    if len(codecs) not in (2, 3) or not _little_endian_bytes(codecs[0], dtype):
         return None
-    if not isinstance(codecs[1], BloscCodec) or not isinstance(codecs[2], Crc32cCodec):
+    if not isinstance(codecs[-1], Crc32cCodec):
+        return None
+    if len(codecs) == 3 and not isinstance(codecs[1], BloscCodec):
         return None
     return DirectLayout(
         name=name,
@@ -240,6 +248,7 @@ def direct_layout(
         shard_rows=int(shard_shape[0]),
         chunk_rows=int(chunk_shape[0]),
         strict=strict,
+        raw=len(codecs) == 2,
     )
 
 
@@ -360,11 +369,19 @@ def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
     return None
 
 
-def check_decode(frame: np.ndarray, dest: np.ndarray) -> str | None:
+def check_decode(frame: np.ndarray, dest: np.ndarray, raw: bool = False) -> str | None:
     """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it
     into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None``. Without
     the GIL through :mod:`.cdecode` where it is enabled (``LOGITCACHE_NOGIL=1``), else through
-    the wrappers (same values, same checks)."""
+    the wrappers (same values, same checks). ``raw``: the chunk has no compressor (its bytes,
+    then their CRC32C), checked and copied."""
+    if raw:
+        if not _crc_ok(frame):
+            return "chunk fails its CRC32C"
+        if frame.size - 4 != dest.nbytes:
+            return f"raw chunk of {frame.size - 4} bytes, expected {dest.nbytes}"
+        dest.reshape(-1).view(np.uint8)[...] = frame[:-4]
+        return None
     if cdecode.AVAILABLE:
         return cdecode.decode(frame, dest)
     err = _frame_error(frame, dest.nbytes)
@@ -375,7 +392,7 @@ def check_decode(frame: np.ndarray, dest: np.ndarray) -> str | None:
 
 def _decode_chunk(lay: DirectLayout, frame: np.ndarray, dest: np.ndarray, where: str) -> None:
     """Verify the CRC32C of one inner chunk and blosc-decode it into ``dest`` (a full chunk)."""
-    err = check_decode(frame, dest)
+    err = check_decode(frame, dest, lay.raw)
     if err is not None:
         raise ChecksumError(f"{where}: {err}")
 
@@ -578,7 +595,7 @@ def decode_frame(
     an absent frame is :class:`MissingDataError` in a strict store, else the fill value.
     ``rows``: the entries asked for ``(lo, hi)``, for the error message."""
     if frame is not None:
-        err = check_decode(frame, dest)
+        err = check_decode(frame, dest, lay.raw)
         if err is None:
             return
         s, c = divmod(chunk, lay.chunks_per_shard)

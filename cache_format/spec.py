@@ -105,7 +105,25 @@ RANDOM_ACCESS_LAYOUT = Layout(
 zstd at this chunk size) for ``sequence(i)`` / ``sequences(idx)`` reads; about 320 B/position
 at k=100 instead of about 258 (benchmarks/results/client.md, random access)."""
 
-LAYOUTS: dict[str, Layout] = {"default": DEFAULT_LAYOUT, "random_access": RANDOM_ACCESS_LAYOUT}
+RANDOM_ACCESS_RAW_LAYOUT = Layout(
+    row_chunk=256,
+    token_chunk=8192,
+    id_codec="none",
+    logprob_codec="none",
+    other_codec="none",
+    name="random_access_raw",
+)
+"""Point-read preset that trades bytes for CPU: the chunking of ``random_access`` with every
+numeric array stored without a compressor (inner codecs ``bytes`` LE + ``crc32c``; the logprob
+row delta of FORMAT.md 4.2 is kept, it is part of the encoding). ``loss_mask`` keeps its own
+codec and ``seq_keys`` zstd. About 2x the bytes of ``random_access`` at k=100 (FORMAT.md 4.7):
+for ``sequence(i)`` reads whose budget the decompression alone exceeds (issue #14)."""
+
+LAYOUTS: dict[str, Layout] = {
+    "default": DEFAULT_LAYOUT,
+    "random_access": RANDOM_ACCESS_LAYOUT,
+    "random_access_raw": RANDOM_ACCESS_RAW_LAYOUT,
+}
 """Named layout presets (FORMAT.md 4.7), chosen at write time: ``CacheWriter.open(...,
 layout=LAYOUTS["random_access"])`` (or :func:`layout_named`)."""
 

@@ -281,7 +281,7 @@ class InputFile(ApiModel):
 
 
 #: Layout presets a job can create its cache with (``cache_format.spec.LAYOUTS``).
-LayoutName = Literal["default", "random_access"]
+LayoutName = Literal["default", "random_access", "random_access_raw"]
 
 
 class JobCreate(ApiModel):
