@@ -6,7 +6,7 @@ validator and the benchmark agree on one definition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 FORMAT_VERSION = 2
@@ -105,9 +105,8 @@ RANDOM_ACCESS_LAYOUT = Layout(
 zstd at this chunk size) for ``sequence(i)`` / ``sequences(idx)`` reads; about 320 B/position
 at k=100 instead of about 258 (benchmarks/results/client.md, random access)."""
 
-RANDOM_ACCESS_RAW_LAYOUT = Layout(
-    row_chunk=256,
-    token_chunk=8192,
+RANDOM_ACCESS_RAW_LAYOUT = replace(
+    RANDOM_ACCESS_LAYOUT,
     id_codec="none",
     logprob_codec="none",
     other_codec="none",

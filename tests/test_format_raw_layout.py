@@ -92,18 +92,23 @@ def test_reader_processes_read_raw_chunks(tmp_path):
             _same(g, w)
 
 
+def _first_shards(url) -> list:
+    out = []
+    for array in ("topk_ids", "topk_logprobs", "tail_mass", "input_ids"):
+        first = url / array / "c" / "0"
+        out.append(first / "0" if first.is_dir() else first)
+    return out
+
+
 def test_a_flipped_byte_is_a_checksum_error_on_every_path(tmp_path, monkeypatch):
-    monkeypatch.setattr("logitcache.cache_format.reader._RETRIES", 2)
     url = tmp_path / "c"
     _write(url, SMALL_RAW)
+    monkeypatch.setattr("logitcache.cache_format.reader._RETRIES", 2)
     spy = Spy(monkeypatch)
-    for array in ("topk_ids", "topk_logprobs", "tail_mass", "input_ids"):
-        shard = url / array / "c" / "0"
-        shard = shard / "0" if shard.is_dir() else shard
-        stored = bytearray(shard.read_bytes())
-        saved = bytes(stored)
-        stored[20] ^= 0x01  # a value byte of chunk 0 (the index is at the end)
-        shard.write_bytes(bytes(stored))
+    for shard in _first_shards(url):
+        saved = shard.read_bytes()
+        # a value byte of chunk 0 (the index is at the end)
+        shard.write_bytes(saved[:20] + bytes([saved[20] ^ 1]) + saved[21:])
         for path in PATHS:
             r = _reader(url, path)
             with pytest.raises(ChecksumError):
