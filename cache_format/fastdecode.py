@@ -77,23 +77,28 @@ _kernels: dict[str, Any] | None = None
 _lock = threading.Lock()
 
 
+def _address(fn: Any) -> int:
+    """The integer address of a ctypes function (or function pointer)."""
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
 def _cfuncs() -> tuple[Any, Any, Any, Any, Any]:
     """``(crc32c_value, blosc_decompress_ctx, pread, memcpy, preadv)`` as ctypes function
     pointers whose pointer arguments are plain integers (what the compiled code passes)."""
     assert cdecode._FUNCS is not None
     crc, dec = cdecode._FUNCS
-    size, addr = ctypes.c_size_t, ctypes.c_void_p
-    crc_p = ctypes.CFUNCTYPE(ctypes.c_uint32, size, size)(ctypes.cast(crc, addr).value)
-    dec_p = ctypes.CFUNCTYPE(ctypes.c_int, size, size, size, ctypes.c_int)(
-        ctypes.cast(dec, addr).value
-    )
+    size = ctypes.c_size_t
+    crc_p = ctypes.CFUNCTYPE(ctypes.c_uint32, size, size)(_address(crc))
+    dec_p = ctypes.CFUNCTYPE(ctypes.c_int, size, size, size, ctypes.c_int)(_address(dec))
     libc = ctypes.CDLL(None)
     pread_p = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, size, size, ctypes.c_int64)(
-        ctypes.cast(libc.pread, addr).value
+        _address(libc.pread)
     )
-    memcpy_p = ctypes.CFUNCTYPE(size, size, size, size)(ctypes.cast(libc.memcpy, addr).value)
+    memcpy_p = ctypes.CFUNCTYPE(size, size, size, size)(_address(libc.memcpy))
     preadv_p = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, size, ctypes.c_int, ctypes.c_int64)(
-        ctypes.cast(libc.preadv, addr).value
+        _address(libc.preadv)
     )
     return crc_p, dec_p, pread_p, memcpy_p, preadv_p
 

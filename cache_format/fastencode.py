@@ -76,7 +76,7 @@ def _compile() -> Any:
     harden_llvmlite()  # numba imported llvmlite: see the function
 
     @numba.njit(nogil=True, cache=True)
-    def _half(x, a):  # noqa: ANN001, ANN202
+    def _half(x, a):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
         """The half bits of ``max(min(x, +0.0), -65504)`` (``a``: ``|x|``'s float32 bits), every
         case: ``x >= 0`` (also -0.0: numpy's ``minimum(x, +0.0)`` gives +0.0), the clip, a
         subnormal or zero half, a normal one."""
@@ -103,7 +103,7 @@ def _compile() -> Any:
         return 0x8000 | h
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
-    def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # noqa: ANN001
+    def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
         """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
         (the caller then runs the per-record checks for the error). ``bits``: ``lp`` viewed as
         uint32; ``seen``: int32 ``[vocab]`` of stamps, ``stamp`` the first row's. The checks

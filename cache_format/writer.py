@@ -286,7 +286,7 @@ def _encode_fused(
             return None
         if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
             return None
-    arrays = {spec.TOPK_LOGPROBS: stored, spec.TOPK_IDS: ids}
+    arrays: dict[str, np.ndarray] = {spec.TOPK_LOGPROBS: stored, spec.TOPK_IDS: ids}
     arrays[spec.TAIL_MASS] = tails.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
     return arrays, inp
 
