@@ -189,3 +189,16 @@ def test_an_in_process_vllm_engine_freezes_torch_set_num_threads(vllm_engine) ->
         assert torch.get_num_threads() == target
     finally:
         torch._C.set_num_threads(before)
+
+
+def test_the_service_engine_takes_vllm_llm_batch_defaults(vllm_engine) -> None:
+    """Scheduler defaults by usage context (issue #19): the service's engine steps as many tokens
+    as ``vllm.LLM`` does (4,096 per CPU rank), not the 2,048 of ``from_engine_args``' default
+    context, which made a job run twice the steps of ``LLM.generate``."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    tokens, _ = EngineArgs.get_batch_defaults(world_size=1)
+    scheduler = vllm_engine._driver.engine.vllm_config.scheduler_config
+    assert scheduler.max_num_batched_tokens == tokens[UsageContext.LLM_CLASS]
+    assert tokens[UsageContext.LLM_CLASS] > tokens.get(UsageContext.ENGINE_CONTEXT, 2048)
