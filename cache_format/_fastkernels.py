@@ -177,7 +177,8 @@ def read_items(
                             arena_base + out_at + (items[i, 3] + r0 - items[i, 1]) * row_bytes
                         )
         iov = np.empty(4 * MAX_RUN, np.int64)  # struct iovec pairs (address, length)
-        # runs of consecutive chunks of one shard whose bytes are contiguous: one pread each
+        # runs of consecutive chunks of one shard whose bytes are contiguous: one pread (raw:
+        # preadv) each
         upos = np.empty(n_u, np.int64)  # where each frame lands in buf
         total = used
         u = 0

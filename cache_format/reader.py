@@ -129,8 +129,9 @@ class CacheReader:
     ``decode_threads > 1`` the chunks of a call are split over at most ``pointread.MAX_SHARES``
     threads in runs of at least ``pointread.PARALLEL_MIN_BYTES`` decoded (this pays for
     :meth:`sequences` batches and the default layout's large chunks). Random access is fastest on a
-    store written with the ``random_access`` layout preset (``spec.LAYOUTS``, FORMAT.md 4.7);
-    :attr:`layout_name` says which one a store has.
+    store written with the ``random_access`` layout preset (``spec.LAYOUTS``, FORMAT.md 4.7), or
+    ``random_access_raw`` (the same chunks uncompressed: nothing to decompress, about twice the
+    bytes); :attr:`layout_name` says which one a store has.
     """
 
     def __init__(

@@ -115,7 +115,7 @@ RANDOM_ACCESS_RAW_LAYOUT = replace(
 """Point-read preset that trades bytes for CPU: the chunking of ``random_access`` with every
 numeric array stored without a compressor (inner codecs ``bytes`` LE + ``crc32c``; the logprob
 row delta of FORMAT.md 4.2 is kept, it is part of the encoding). ``loss_mask`` keeps its own
-codec and ``seq_keys`` zstd. About 2x the bytes of ``random_access`` at k=100 (FORMAT.md 4.7):
+codec and ``seq_keys`` zstd. About 1.9x the bytes of ``random_access`` at k=100 (FORMAT.md 4.7):
 for ``sequence(i)`` reads whose budget the decompression alone exceeds (issue #14)."""
 
 LAYOUTS: dict[str, Layout] = {

@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("default", "random_access", "random_access_raw"),
         help="layout preset of a new cache (FORMAT.md 4.7; random_access: cheaper sequence(i) "
         "reads, ~25%% larger; random_access_raw: no compression, cheapest sequence(i) reads, "
-        "~2.4x larger); an existing cache keeps its own (another is refused)",
+        "~2.3x larger); an existing cache keeps its own (another is refused)",
     )
     sm.add_argument("--format", choices=("jsonl", "parquet", "arrow"), help="default: by suffix")
     sm.add_argument("--text-field", help="default: text")
