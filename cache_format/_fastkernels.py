@@ -38,7 +38,7 @@ MAX_RUN = 256
 
 
 @jit
-def u32(buf: Any, p: int) -> int:
+def u32(buf: Any, p: int) -> Any:
     return (
         np.int64(buf[p])
         | (np.int64(buf[p + 1]) << 8)

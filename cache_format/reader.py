@@ -554,7 +554,7 @@ class CacheReader:
         ids = blocks[spec.TOPK_IDS]
         if self._id_order is not None:
             np.take(self._id_order, ids, out=ids)
-        lp = got[1] if widen else blocks[spec.TOPK_LOGPROBS].view(stored)
+        lp = got[1] if got[1] is not None else blocks[spec.TOPK_LOGPROBS].view(stored)
         tail = np.asarray(blocks[spec.TAIL_MASS], dtype=np.float32)
         mask = blocks.get(spec.LOSS_MASK)
         tokens = blocks.get(spec.INPUT_IDS)
