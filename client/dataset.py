@@ -668,8 +668,8 @@ class CacheDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds: CacheDataset = self.dataset  # type: ignore[assignment]
         self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
-        if ds._resume_mark is not None:  # as the dataset's own iteration (workers iterate copies)
-            ds._resume_mark.clear()
+        if ds._resume_mark is not None:  # at once, not when the first worker starts (the
+            ds._resume_mark.clear()  # workers' copies clear the same shared mark then)
         for unit in super().__iter__():
             self._yielded += int(unit["input_ids"].shape[0]) if ds.batch_size else 1
             yield unit
