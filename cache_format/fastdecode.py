@@ -84,23 +84,15 @@ def _address(fn: Any) -> int:
     return address
 
 
-def _cfuncs() -> tuple[Any, Any, Any, Any, Any]:
-    """``(crc32c_value, blosc_decompress_ctx, pread, memcpy, preadv)`` as ctypes function
-    pointers whose pointer arguments are plain integers (what the compiled code passes)."""
+def _cfuncs() -> np.ndarray:
+    """The addresses of ``(crc32c_value, blosc_decompress_ctx, pread, memcpy, preadv)``
+    (int64; the kernels call them through :mod:`._fastkernels`' intrinsics with their C
+    signatures). The libraries stay loaded: :mod:`.cdecode` holds the first two, libc the rest."""
     assert cdecode._FUNCS is not None
     crc, dec = cdecode._FUNCS
-    size = ctypes.c_size_t
-    crc_p = ctypes.CFUNCTYPE(ctypes.c_uint32, size, size)(_address(crc))
-    dec_p = ctypes.CFUNCTYPE(ctypes.c_int, size, size, size, ctypes.c_int)(_address(dec))
     libc = ctypes.CDLL(None)
-    pread_p = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, size, size, ctypes.c_int64)(
-        _address(libc.pread)
-    )
-    memcpy_p = ctypes.CFUNCTYPE(size, size, size, size)(_address(libc.memcpy))
-    preadv_p = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, size, ctypes.c_int, ctypes.c_int64)(
-        _address(libc.preadv)
-    )
-    return crc_p, dec_p, pread_p, memcpy_p, preadv_p
+    fns = (crc, dec, libc.pread, libc.memcpy, libc.preadv)
+    return np.array([_address(f) for f in fns], np.int64)
 
 
 def _compile() -> dict[str, Any]:
@@ -119,17 +111,17 @@ def _self_check(k: dict[str, Any]) -> bool:
     d = u.copy()
     d[:, 1:] = u[:, 1:] - u[:, :-1]
     out = np.empty(u.shape, np.float32)
-    k["undelta"](d.copy(), 0xFFFF, out, True)
+    k["undelta"](d.copy(), out, True)
     if not np.array_equal(
         out.view(np.uint32), u.view(np.float16).astype(np.float32).view(np.uint32)
     ):
         return False
     d2 = d.copy()
-    k["undelta"](d2, 0xFFFF, out, False)
+    k["undelta"](d2, out, False)
     w = (u.astype(np.uint32) * 65599).reshape(-1, 32)
     d3 = w.copy()
     d3[:, 1:] = w[:, 1:] - w[:, :-1]
-    k["undelta"](d3, 0xFFFFFFFF, out, False)
+    k["undelta"](d3, out, False)
     return bool(np.array_equal(d2, u) and np.array_equal(d3, w))
 
 
@@ -213,9 +205,8 @@ def _buffer(attr: str, size: int) -> np.ndarray:
 
 class _Tables:
     """A layout's shards as the kernel sees them: ``fd[s]`` (``-1``: not ready) and the parsed
-    index of shard ``s`` (``index[s]``: ``(offset, nbytes)`` pairs), for complete shards kept
-    open in ``lay.fds`` (their index is cached by :mod:`.shardread` too; incomplete shards are
-    looked up at every call, as there)."""
+    index of shard ``s`` (``index[s]``: ``(offset, nbytes)`` pairs), for shards kept open in
+    ``lay.fds`` (see :func:`_open`)."""
 
     def __init__(self, lay: DirectLayout):
         n = -(-lay.length // lay.shard_rows)
@@ -230,6 +221,15 @@ def _tables(lay: DirectLayout) -> _Tables:
     if t is None:
         t = lay.fast.setdefault("tables", _Tables(lay))
     return t
+
+
+def _buffer_i64(attr: str, size: int) -> np.ndarray:
+    """This thread's int64 array ``attr`` of exactly ``size`` items (made once per thread)."""
+    got = getattr(_local, attr, None)
+    if got is None or got.size != size:
+        got = np.zeros(size, np.int64)
+        setattr(_local, attr, got)
+    return got
 
 
 ALIGN = 64
@@ -278,59 +278,95 @@ def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) ->
     return [np.array(x, np.int64).reshape(-1, 4) for x in groups if x]
 
 
+class _Plan:
+    """What every call over one set of layouts reuses: their tables, ``meta`` rows (block
+    offsets filled per call), the descriptor and index tables as the kernel takes them, the
+    scratch size and the ``lp`` arguments (one small array per ``(array, widen)``)."""
+
+    def __init__(self, lays: list[DirectLayout]):
+        self.tabs = [_tables(lay) for lay in lays]
+        self.meta = np.array(
+            [
+                (*t.meta, lay.shard_rows, 0, int(lay.raw))
+                for t, lay in zip(self.tabs, lays, strict=True)
+            ],
+            np.int64,
+        )
+        self.row_bytes = [int(x) for x in self.meta[:, 2]]
+        self.fd_tabs = tuple(t.fd for t in self.tabs)
+        self.idx_tabs = tuple(t.index for t in self.tabs)
+        self.scratch = int((self.meta[:, 1] * self.meta[:, 2]).max())
+        self.inner = [lay.inner for lay in lays]
+        self.dtypes = [lay.dtype for lay in lays]
+        self.lp: dict[tuple[int, bool], np.ndarray] = {}
+
+    def lp_arg(self, a: int, widen: bool) -> np.ndarray:
+        got = self.lp.get((a, widen))
+        if got is None:
+            size = self.dtypes[a].itemsize if a >= 0 else 0
+            got = self.lp[(a, widen)] = np.array([a, int(widen), size], np.int64)
+        return got
+
+
+def _plan(lays: list[DirectLayout]) -> _Plan:
+    key = tuple(map(id, lays))
+    got = lays[0].fast.get(key)
+    if got is None:
+        got = lays[0].fast.setdefault(key, _Plan(lays))
+    return got
+
+
 def read_arrays(
     lays: list[DirectLayout],
     root: str,
-    starts: np.ndarray,
-    stops: np.ndarray,
+    bounds: list[list[tuple[int, int]]],
     lp: tuple[int, bool] = (-1, False),
     pool: ThreadPoolExecutor | None = None,
     threads: int = 1,
 ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
-    """For each array ``a`` (``lays[a]``), rows ``[starts[a, j], stops[a, j])`` of every job
-    ``j`` (int64 ``[arrays, jobs]``), one after the other in one block (stored dtype; the
-    blocks share one allocation); or ``None``: read these through :mod:`.pointread` instead
-    (see the module docstring). Rows must lie below each layout's ``length`` (the caller checks
-    R6). ``lp = (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place
-    (float16 bits widened into the float32 array returned beside the blocks if ``widen``).
+    """For each array ``a`` (``lays[a]``), rows ``[start, stop)`` of every job in
+    ``bounds[a]``, one after the other in one block (stored dtype; the blocks share one
+    allocation); or ``None``: read these through :mod:`.pointread` instead (see the module
+    docstring). Rows must lie below each layout's ``length`` (the caller checks R6). ``lp =
+    (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place (float16 bits
+    widened into the float32 array returned beside the blocks if ``widen``).
 
     With ``pool`` and ``threads > 1`` the work is cut at chunk edges into up to ``threads``
     groups of at least :data:`PARALLEL_MIN_BYTES` decoded, the calling thread taking one (each
     group one compiled call without the GIL). A shard the kernel needs that is not open yet is
     opened here and the call made again; a shard whose descriptor cannot be kept
     (:data:`.shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
-    its descriptor closed after it."""
+    its descriptor closed after it. (Plain Python on the few numbers of a call: a
+    ``sequence(i)`` spends ~0.2 ms in all, and numpy's per-call cost on small arrays was a
+    quarter of it.)"""
     assert _kernels is not None
-    key = tuple(map(id, lays))
-    got = lays[0].fast.get(key)
-    if got is None:
-        tabs = [_tables(lay) for lay in lays]
-        meta = np.array(
-            [(*t.meta, lay.shard_rows, 0, int(lay.raw)) for t, lay in zip(tabs, lays, strict=True)],
-            np.int64,
-        )
-        got = lays[0].fast[key] = (tabs, meta)
-    tabs, meta = got
-    meta = meta.copy()
-    lens = stops - starts
-    rows = lens.sum(axis=1)
-    sizes = (rows * meta[:, 2] + ALIGN - 1) // ALIGN * ALIGN
-    meta[1:, 4] = np.cumsum(sizes[:-1])
-    arena = np.empty(max(int(sizes.sum()), 1), np.uint8)
-    offs = np.zeros_like(starts)
-    np.cumsum(lens[:, :-1], axis=1, out=offs[:, 1:])
-    live = np.nonzero(lens > 0)
-    items = np.stack([live[0], starts[live], stops[live], offs[live]], axis=1)
+    plan = _plan(lays)
+    items: list[tuple[int, int, int, int]] = []
+    rows: list[int] = []
+    offsets: list[int] = []
+    at = 0
+    for a, jobs in enumerate(bounds):
+        out = 0
+        for st, sp in jobs:
+            if sp > st:
+                items.append((a, st, sp, out))
+            out += sp - st
+        rows.append(out)
+        offsets.append(at)
+        at += (out * plan.row_bytes[a] + ALIGN - 1) // ALIGN * ALIGN
+    meta = plan.meta.copy()
+    meta[:, 4] = offsets
+    arena = np.empty(max(at, 1), np.uint8)
     a_lp, widen = lp
-    lp_arg = np.array([a_lp, int(widen), lays[a_lp].dtype.itemsize if a_lp >= 0 else 0], np.int64)
     lp_out = None
     if a_lp >= 0 and widen:
-        lp_out = np.empty((int(rows[a_lp]), *lays[a_lp].inner), np.float32)
+        lp_out = np.empty((rows[a_lp], *plan.inner[a_lp]), np.float32)
     dummy = lp_out if lp_out is not None else _DUMMY
-    groups = [items]
+    run = partial(_run, lays, root, plan, meta, arena, plan.lp_arg(a_lp, widen), dummy)
     if pool is not None and threads > 1:
-        groups = _pieces([tuple(x) for x in items.tolist()], meta, threads)
-    run = partial(_run, lays, root, tabs, meta, arena, lp_arg, dummy)
+        groups = _pieces(items, meta, threads)
+    else:
+        groups = [np.array(items, np.int64).reshape(-1, 4)]
     if len(groups) == 1:
         ok = run(groups[0])
     else:
@@ -339,11 +375,11 @@ def read_arrays(
         ok = all([f.result() for f in futures]) and ok
     if not ok:
         return None
-    out = []
-    for a, lay in enumerate(lays):
-        o, n = int(meta[a, 4]), int(rows[a] * meta[a, 2])
-        out.append(arena[o : o + n].view(lay.dtype).reshape(int(rows[a]), *lay.inner))
-    return out, lp_out
+    out_blocks = []
+    for a, o in enumerate(offsets):
+        n = rows[a] * plan.row_bytes[a]
+        out_blocks.append(arena[o : o + n].view(plan.dtypes[a]).reshape(rows[a], *plan.inner[a]))
+    return out_blocks, lp_out
 
 
 _DUMMY = np.empty((0, 1), np.float32)
@@ -352,7 +388,7 @@ _DUMMY = np.empty((0, 1), np.float32)
 def _run(
     lays: list[DirectLayout],
     root: str,
-    tabs: list[_Tables],
+    plan: _Plan,
     meta: np.ndarray,
     arena: np.ndarray,
     lp: np.ndarray,
@@ -360,10 +396,9 @@ def _run(
     items: np.ndarray,
 ) -> bool:
     """One compiled call over ``items`` (in this thread); ``False``: hand the call back."""
-    fd_tabs = tuple(t.fd for t in tabs)
-    idx_tabs = tuple(t.index for t in tabs)
-    status = np.zeros(2 + 2 * MAX_MISSING, np.int64)
-    scratch = _buffer("scratch", int((meta[:, 1] * meta[:, 2]).max()))
+    fd_tabs, idx_tabs = plan.fd_tabs, plan.idx_tabs
+    status = _buffer_i64("status", 2 + 2 * MAX_MISSING)
+    scratch = _buffer("scratch", plan.scratch)
     kernel, fns = _kernels["read_items"], _kernels["fns"]  # type: ignore[index]
     close: list[int] = []
     try:
@@ -378,7 +413,7 @@ def _run(
                 buf = _buffer("buf", int(status[1]))
             elif status[0] == NEED_SHARDS:
                 pairs = status[2 : 2 + 2 * int(status[1])].reshape(-1, 2).tolist()
-                fd_tabs, idx_tabs = _open(lays, root, tabs, fd_tabs, idx_tabs, pairs, close)
+                fd_tabs, idx_tabs = _open(lays, root, plan.tabs, fd_tabs, idx_tabs, pairs, close)
                 if not fd_tabs:
                     return False
             else:
@@ -399,9 +434,15 @@ def _open(
     close: list[int],
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """Open the shards ``pairs`` (``[array, shard]``) into the tables; returns the tables for the
-    next round (private copies for a descriptor not kept, closed after the call, and for an
-    incomplete shard; ``((), ())`` if a shard is missing: the per-chunk path decides, fill
-    value or R9)."""
+    next round (private copies for a descriptor not kept, closed after the call; ``((), ())`` if
+    a shard is missing: the per-chunk path decides, fill value or R9).
+
+    A kept descriptor's index stays in the tables for the layout's life, also for the
+    incomplete last shard: a writer replaces a shard file whole (rename), so the descriptor
+    keeps the version it opened, whose index and bytes agree and hold every row below the
+    layout's ``length`` (committed before the layout was made). Reading that index again at
+    every call, as before, cost one ``open`` + ``pread`` + ``close`` per call that touched the
+    last shard."""
     fds, idxs = list(fd_tabs), list(idx_tabs)
     for a, s in pairs:
         lay, tab = lays[a], tabs[a]
@@ -413,10 +454,8 @@ def _open(
                 return (), ()
             fd, owned = got
             index = shardread.local_index(lay, fd, s).reshape(-1)
-            complete = (s + 1) * lay.shard_rows <= lay.length
-            if owned or not complete:  # this call only: private tables (an incomplete shard's
-                if owned:  # index is read again at every call, as the per-chunk path does)
-                    close.append(fd)
+            if owned:  # this call only: private tables, the descriptor closed after it
+                close.append(fd)
                 if fds[a] is tab.fd:
                     fds[a], idxs[a] = tab.fd.copy(), tab.index.copy()
                 fds[a][s], idxs[a][s] = fd, index
@@ -431,4 +470,4 @@ def _open(
 def undelta_widen(d: np.ndarray, out: np.ndarray) -> None:
     """``out`` = float32 logprobs of float16 row-delta bits ``d`` (benchmarks' stage timing)."""
     assert _kernels is not None
-    _kernels["undelta"](d, 0xFFFF, out, True)
+    _kernels["undelta"](d, out, True)

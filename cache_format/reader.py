@@ -159,6 +159,7 @@ class CacheReader:
         self.direct = direct
         self._arrays: dict[str, zarr.Array] = {}
         self._direct: dict[str, shardread.DirectLayout] = {}
+        self._local_root: str | None = None  # the local store directory of the direct arrays
         self._keys: list[str] = []
         self._key_index: dict[str, int] = {}
         self._lengths = np.zeros(0, dtype=np.int32)
@@ -326,6 +327,8 @@ class CacheReader:
                 lay = shardread.direct_layout(a, n, committed=need[n], strict=st)
                 if lay is not None:
                     self._direct[n] = lay
+        ids = self._direct.get(spec.TOPK_IDS)
+        self._local_root = None if ids is None else shardread.local_root(ids)
 
     def _reopen_arrays(self) -> None:
         self._set_arrays(
@@ -527,7 +530,7 @@ class CacheReader:
     ) -> list[_Fetched] | None:
         """:meth:`_fetch_point` through :mod:`.fastdecode` (one compiled call per array; the
         records are views of one block per array), or ``None``: read it per chunk instead."""
-        root = shardread.local_root(self._direct[spec.TOPK_IDS])
+        root = self._local_root
         if root is None:
             return None
         rows = [(r.start, r.stop) for r, _ in spans]
@@ -537,16 +540,16 @@ class CacheReader:
             arrays.append(spec.INPUT_IDS)
             bounds.append([(t.start, t.stop) if t is not None else (0, 0) for _, t in spans])
         lays = [self._direct[n] for n in arrays]
-        ab = np.array(bounds, dtype=np.int64).reshape(len(arrays), len(spans), 2)
-        starts, stops = np.ascontiguousarray(ab[:, :, 0]), np.ascontiguousarray(ab[:, :, 1])
-        if int(starts.min()) < 0 or int((stops - starts).min()) < 0:
-            return None  # the per-chunk path raises
-        if any(int(b.max()) > lay.length for b, lay in zip(stops, lays, strict=True)):
-            return None  # past the committed count: the per-chunk path raises (R6)
+        for jobs, lay in zip(bounds, lays, strict=True):
+            for st, sp in jobs:
+                if st < 0 or sp < st:
+                    return None  # the per-chunk path raises
+                if sp > lay.length:
+                    return None  # past the committed count: the per-chunk path raises (R6)
         stored = self.manifest.logprob_dtype
         widen = stored == "float16" and logprob_dtype == "float32"
         got = fastdecode.read_arrays(
-            lays, root, starts, stops, (1, widen), self._pool(), self.decode_threads
+            lays, root, bounds, (1, widen), self._pool(), self.decode_threads
         )
         if got is None:
             return None
