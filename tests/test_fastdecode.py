@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from format_support import make_records
 from logitcache.cache_format import CacheReader, fastdecode, shardread
 from logitcache.cache_format.errors import ChecksumError, MissingDataError
-from test_format_random_access import CASES, SMALL, _same, _write
+from test_format_random_access import CASES, SMALL, K, _same, _write
 
 pytestmark = pytest.mark.skipif(not fastdecode.ready(), reason="numba or C symbols missing")
 
@@ -247,3 +249,37 @@ def test_an_engine_started_after_a_compiled_read_can_scan_the_modules(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-800:]
     assert out.stdout.split() == [str(int(recs[2].topk_ids.sum()))]
+
+
+def test_the_last_shard_stays_open_and_reads_its_version_after_the_writer_replaced_it(
+    tmp_path, monkeypatch
+):
+    """The incomplete last shard's descriptor and index are kept like a complete shard's (no
+    open + index read per call); a writer then appending (replacing that shard's file) does not
+    change what the reader's layout reads: its descriptor holds the version it opened, with
+    every row committed when the layout was made."""
+    from logitcache.cache_format import CacheWriter
+
+    url = tmp_path / "c"
+    recs = _write(url, SMALL)
+    r = CacheReader(url)
+    lay = r._direct["topk_ids"]
+    assert lay.length % lay.shard_rows, "the store must end inside a shard"
+    last = len(recs) - 1
+    want = _per_chunk(url).sequence(last)
+    _same(r.sequence(last), want)
+    opened = []
+    real = shardread.open_shard
+    monkeypatch.setattr(shardread, "open_shard", lambda *a: opened.append(a[2]) or real(*a))
+    for _ in range(3):
+        _same(r.sequence(last), want)
+    assert opened == []  # the last shard was not opened again
+    more = make_records(12, k=K, vocab=300, seed=12, min_len=20, max_len=40)
+    more = [replace(m, key=f"more{j}") for j, m in enumerate(more)]  # not duplicates of recs
+    with CacheWriter.open(url, r.manifest) as w:
+        w.append(more)
+    _same(r.sequence(last), want)  # the version its layout opened
+    fresh = CacheReader(url)
+    assert fresh.sequence(len(recs) + 11).key == more[11].key
+    _same(fresh.sequence(len(recs) + 11), _per_chunk(url).sequence(len(recs) + 11))
+    _same(fresh.sequence(last), want)
