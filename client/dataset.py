@@ -74,7 +74,7 @@ from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
 from .readahead import ReadAhead, default_read_threads
 from .resume_mark import ResumeMark
-from .sources import CacheSource, LocalSource, open_source
+from .sources import CacheSource, HttpSource, LocalSource, open_source
 from .state import LoaderState
 from .world import agree_min, current_worker, distributed_world_size, resolve_ranks
 
@@ -100,20 +100,32 @@ _FETCH_ITEMS = 64
 _SEQUENTIAL_BLOCK = 64
 
 
-def _process_source(source: CacheSource, n: int) -> CacheSource:
-    """``source`` read through a reader with ``n`` reader processes
-    (:class:`~logitcache.client.sources.LocalSource` ``read_processes``; ConfigError where the
-    source is not a LocalSource)."""
+def _reader_source(source: CacheSource, read_processes: int, decode_threads: int) -> CacheSource:
+    """A copy of ``source`` whose reader has ``read_processes`` reader processes and
+    ``decode_threads`` decode threads where given (0 and 1: the source's own setting); the source
+    itself is left as it is. ``read_processes``: a
+    :class:`~logitcache.client.sources.LocalSource` only; ``decode_threads``: also an
+    :class:`~logitcache.client.sources.HttpSource` of ``transport="store"`` (its reader is a
+    LocalSource's). ConfigError elsewhere."""
     if type(source) is LocalSource:
         return LocalSource(
             source.url,
             source.storage_options,
             max_gap_tokens=source.max_gap_tokens,
-            read_processes=n,
+            read_processes=read_processes or source.read_processes,
+            decode_threads=decode_threads if decode_threads > 1 else source.decode_threads,
         )
+    if read_processes:
+        raise ConfigError(
+            f"read_processes applies to local and object-store caches (a LocalSource), not to "
+            f"{type(source).__name__}"
+        )
+    if type(source) is HttpSource and source.transport == "store":
+        config = {name: getattr(source, name) for name in HttpSource._CONFIG}
+        return HttpSource(**{**config, "decode_threads": decode_threads})
     raise ConfigError(
-        f"read_processes applies to local and object-store caches (a LocalSource), not to "
-        f"{type(source).__name__}"
+        "decode_threads applies where this process reads the store: a LocalSource, or an "
+        f"HttpSource with transport='store'; not to {source!r}"
     )
 
 
@@ -200,6 +212,17 @@ class CacheDataset(IterableDataset):
         idle cores exist (measured on a 16-core box: batches of 32 random sequences 0.3-0.7x an
         uncompressed copy with 4-12 processes, benchmarks/results/client.md). The values and the
         stream do not depend on it.
+    decode_threads:
+        ``1`` (default): each store read is decoded in the thread that issued it. ``n > 1``
+        (local and object-store locations, a :class:`~logitcache.client.sources.LocalSource`,
+        and server URLs / an :class:`~logitcache.client.sources.HttpSource` with the default
+        ``transport="store"``): the iterating process's reader is
+        ``CacheReader(decode_threads=n)``, which decodes the arrays of each fetch (its range
+        reads, or its point read with ``read_processes``) on ``n`` threads. It splits one
+        fetch, where ``read_threads`` runs several fetches at once: it pays when few fetches
+        are in flight (``read_threads=1``, large ``shuffle_block_size`` blocks) and cores are
+        idle. Every DataLoader worker's reader has it too (the setting is pickled with the
+        source). The values and the stream do not depend on it.
     follow:
         Follow a cache that a running job is still filling: every :meth:`set_epoch` first
         adopts the sequences committed since (:meth:`refresh`; under ``torch.distributed`` the
@@ -236,6 +259,7 @@ class CacheDataset(IterableDataset):
         prefetch: int = 4,
         read_threads: int | None = None,
         read_processes: int = 0,
+        decode_threads: int = 1,
         follow: bool = False,
         trim_sampled: bool = True,
         storage_options: dict[str, Any] | None = None,
@@ -262,12 +286,15 @@ class CacheDataset(IterableDataset):
             )
         if read_processes < 0:
             raise ConfigError(f"read_processes must be >= 0, got {read_processes}")
+        if decode_threads < 1:
+            raise ConfigError(f"decode_threads must be >= 1, got {decode_threads}")
         self.source = open_source(
             source, storage_options=storage_options, cache=cache, **http_options
         )
-        if read_processes:
-            self.source = _process_source(self.source, int(read_processes))
+        if read_processes or decode_threads > 1:
+            self.source = _reader_source(self.source, int(read_processes), int(decode_threads))
         self.read_processes = int(read_processes)
+        self.decode_threads = int(decode_threads)
         manifest = self.source.manifest
         self.mismatches = check_compatible(
             manifest, tokenizer=tokenizer, vocab_size=vocab_size, allow_mismatch=allow_mismatch

@@ -115,7 +115,11 @@ class LocalSource:
     (default 0): the reader is ``CacheReader(read_processes=n)`` and :meth:`fetch` reads the wanted
     sequences with one point read, which that reader spreads over this process and ``n`` reader
     processes (started at its first read, in every process that reads;
-    ``cache_format/procread.py``); the records are the same.
+    ``cache_format/procread.py``); the records are the same. ``decode_threads`` (default 1): the
+    reader is ``CacheReader(decode_threads=n)``, which decodes the arrays of each read call (a
+    :meth:`fetch`'s range reads, or its point read with ``read_processes``) on ``n`` threads; the
+    records are the same. Both settings are pickled with the source, so a DataLoader worker's
+    reader (opened there) has them too.
 
     Fork safety: object-store URLs are read through obstore by default, whose runtime does not
     survive ``fork`` (a forked child hangs on its first request). :attr:`fork_safe` says so;
@@ -132,13 +136,17 @@ class LocalSource:
         *,
         max_gap_tokens: int = 16384,
         read_processes: int = 0,
+        decode_threads: int = 1,
     ) -> None:
         if read_processes < 0:
             raise SourceError(f"read_processes must be >= 0, got {read_processes}")
+        if decode_threads < 1:
+            raise SourceError(f"decode_threads must be >= 1, got {decode_threads}")
         self.url = str(url)
         self.storage_options = dict(storage_options) if storage_options else None
         self.max_gap_tokens = int(max_gap_tokens)
         self.read_processes = int(read_processes)
+        self.decode_threads = int(decode_threads)
         self._reader: Any = None
         self._pid: int | None = None
         self._offsets: tuple[np.ndarray, np.ndarray, list[str]] | None = None
@@ -149,6 +157,7 @@ class LocalSource:
             "storage_options": self.storage_options,
             "max_gap_tokens": self.max_gap_tokens,
             "read_processes": self.read_processes,
+            "decode_threads": self.decode_threads,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -157,11 +166,13 @@ class LocalSource:
             state["storage_options"],
             max_gap_tokens=state["max_gap_tokens"],
             read_processes=state.get("read_processes", 0),
+            decode_threads=state.get("decode_threads", 1),
         )
 
     def __repr__(self) -> str:
         procs = f", read_processes={self.read_processes}" if self.read_processes else ""
-        return f"LocalSource({self.url!r}{procs})"
+        threads = f", decode_threads={self.decode_threads}" if self.decode_threads > 1 else ""
+        return f"LocalSource({self.url!r}{procs}{threads})"
 
     @property
     def fork_safe(self) -> bool:
@@ -185,7 +196,10 @@ class LocalSource:
                 )
 
             self._reader = CacheReader(
-                self.url, storage_options=self.storage_options, read_processes=self.read_processes
+                self.url,
+                storage_options=self.storage_options,
+                read_processes=self.read_processes,
+                decode_threads=self.decode_threads,
             )
             self._pid = os.getpid()
             self._offsets = None
@@ -246,7 +260,8 @@ class HttpSource:
     (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md) by the format
     library's own reader, so the server only copies compressed shard bytes (~260 B/position at
     k=100), this process (or each DataLoader worker) decodes them, and snapshots, CRC32C checks
-    and retries are the reader's (an :class:`LocalSource` over the HTTP URL does the reading).
+    and retries are the reader's (an :class:`LocalSource` over the HTTP URL does the reading;
+    ``decode_threads`` is its reader's, see :class:`LocalSource`).
 
     ``transport="frames"``: ``POST /v1/caches/{name}/sequences``, the server decodes and sends
     wire frames. :meth:`fetch` turns the wanted indices into sequence ranges
@@ -257,7 +272,8 @@ class HttpSource:
     contiguous range reads (``logitcache.cache_format.encode_records``, decoded with
     ``decode_records``; ``compression="zstd"`` asks the server to compress each frame). Transient
     errors are
-    retried by the underlying :class:`~logitcache.client.http.TeacherClient`.
+    retried by the underlying :class:`~logitcache.client.http.TeacherClient`. There is no reader
+    in this process then, so ``decode_threads`` (> 1) is refused.
     """
 
     def __init__(
@@ -273,9 +289,15 @@ class HttpSource:
         compression: str = "none",
         max_gap_tokens: int = 8192,
         transport: str = "store",
+        decode_threads: int = 1,
     ) -> None:
         if transport not in ("store", "frames"):
             raise SourceError(f"transport must be 'store' or 'frames', got {transport!r}")
+        if decode_threads != 1 and transport != "store":
+            raise SourceError(
+                "decode_threads applies to transport='store' (the reader in this process); "
+                "with 'frames' the server decodes"
+            )
         self.transport = transport
         self.base_url = base_url
         self.cache = cache
@@ -286,6 +308,7 @@ class HttpSource:
         self.concurrency = concurrency
         self.compression = compression
         self.max_gap_tokens = int(max_gap_tokens)
+        self.decode_threads = int(decode_threads)
         self._client: TeacherClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pid: int | None = None
@@ -298,6 +321,7 @@ class HttpSource:
                 f"{base_url.rstrip('/')}/v1/caches/{cache}/store",
                 {"headers": headers} if headers else None,
                 max_gap_tokens=max_gap_tokens,
+                decode_threads=decode_threads,
             )
 
     _CONFIG = (
@@ -311,6 +335,7 @@ class HttpSource:
         "compression",
         "max_gap_tokens",
         "transport",
+        "decode_threads",
     )
 
     def __getstate__(self) -> dict[str, Any]:
