@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import pickle
 
-import numpy as np
 import pytest
 import torch
 from client_support import collect, same_stream
@@ -124,16 +123,8 @@ def test_decode_threads_are_checked(tmp_path) -> None:
     with pytest.raises(ConfigError, match="decode_threads"):
         CacheDataset(url, decode_threads=0)
 
-    class Other:  # a CacheSource that is neither a LocalSource nor an HttpSource
-        def __init__(self, reader: CacheReader) -> None:
-            self.manifest, self.num_sequences = reader.manifest, reader.num_sequences
-            self.lengths = np.asarray(reader.lengths, dtype=np.int64)
-
-        def fetch(self, indices):  # pragma: no cover - never read
-            return {}
-
-        def refresh(self) -> None:  # pragma: no cover
-            pass
+    class Other(LocalSource):  # a source of another type: its reader is not the dataset's to set
+        pass
 
     with pytest.raises(ConfigError, match="decode_threads"):
-        CacheDataset(Other(CacheReader(url)), decode_threads=2)
+        CacheDataset(Other(url), decode_threads=2)
