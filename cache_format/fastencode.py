@@ -105,11 +105,13 @@ def _compile() -> Any:
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
         """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
-        (the caller then runs the per-record checks for the error). ``bits``: ``lp`` viewed as
-        uint32; ``seen``: int32 ``[vocab]`` of stamps, ``stamp`` the first row's. The checks
-        are branch-free flags tested once per row (early exits per value cost 4x); the logprob loop
-        vectorises, the rare values (zero, subnormal, clipped) take :func:`_half` row by row."""
-        n, k = ids.shape
+        (the caller then runs the per-record checks for the error). ``ids``, ``lp``: C-ordered
+        ``[n, w]`` with ``w >= k`` (``k`` from ``ids_out``; columns past ``k`` are never read:
+        :func:`parent_rows`); ``bits``: ``lp`` viewed as uint32; ``seen``: int32 ``[vocab]`` of
+        stamps, ``stamp`` the first row's. The checks are branch-free flags tested once per row
+        (early exits per value cost 4x); the logprob loop vectorises, the rare values (zero,
+        subnormal, clipped) take :func:`_half` row by row."""
+        n, k = ids_out.shape
         top = vocab - 1
         hs = np.empty(k, np.int32)  # one row's half bits
         for r in range(n):
@@ -202,6 +204,21 @@ class StampTable:
         return s
 
 
+def parent_rows(a: np.ndarray) -> np.ndarray:
+    """A C-ordered ``[n, w]`` view whose first ``k`` columns are ``a`` (``[n, k]``, each row
+    contiguous and ``w`` values after the one before, :func:`.records.rows_array`): ``a`` itself
+    when C-ordered. The kernel reads such a view in place at the speed of a C-ordered array (an
+    arbitrarily strided one halves it). Its columns past ``k`` are not ``a``'s, and the last
+    row's run past ``a``'s last value: only the first ``k`` of a row may be read."""
+    n, k = a.shape
+    if a.flags.c_contiguous or n == 0 or k == 0:
+        return a
+    if a.strides[1] != a.itemsize or a.strides[0] % a.itemsize or a.strides[0] < k * a.itemsize:
+        raise ValueError("rows must each be contiguous and not overlap")
+    w = a.strides[0] // a.itemsize
+    return np.lib.stride_tricks.as_strided(a, shape=(n, w), strides=(a.strides[0], a.itemsize))
+
+
 def encode_rows(
     ids: np.ndarray,
     lp: np.ndarray,
@@ -210,12 +227,14 @@ def encode_rows(
     table: StampTable,
     tol: float,
 ) -> bool:
-    """Check ``ids`` int32 / ``lp`` float32 ``[n, k]`` (one record's rows, C order) as
+    """Check ``ids`` int32 / ``lp`` float32 ``[n, k]`` (one record's rows: C order, or rows
+    of a wider buffer, each contiguous, as :func:`parent_rows` takes them) as
     :func:`.records.rows_pass` does and write ``ids_out`` (the ids) and ``stored_out`` (the
     float16 row-delta bit patterns, :func:`.quant.encode_logprobs`); False at the first failing
     row (the outputs are then partly written). Call only after :func:`ready` returned True."""
     stamp = table.take(ids.shape[0])
+    pi, pl = parent_rows(ids), parent_rows(lp)
     got = _kernel(
-        ids, lp, lp.view(np.uint32), ids_out, stored_out, table.seen, stamp, table.vocab, tol
+        pi, pl, pl.view(np.uint32), ids_out, stored_out, table.seen, stamp, table.vocab, tol
     )
     return got == 0

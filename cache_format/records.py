@@ -54,6 +54,23 @@ def _tail_float64(topk_logprobs: np.ndarray) -> np.ndarray:
     return np.clip(1.0 - s, 0.0, 1.0).astype(np.float32)
 
 
+def rows_array(value: Any, dtype: Any) -> np.ndarray:
+    """``value`` as a ``dtype`` array: itself when it already is one whose rows each lie
+    contiguous in memory (a 2-D array with unit inner stride and rows that do not overlap, such
+    as columns ``1..k`` of the vLLM hook's ``[n, k + 1]`` buffers: issue #19, no copy), else a
+    C-ordered copy."""
+    arr = np.asarray(value)
+    if (
+        arr.dtype == dtype
+        and arr.ndim == 2
+        and arr.strides[1] == arr.itemsize
+        and arr.strides[0] >= arr.shape[1] * arr.itemsize
+        and arr.strides[0] % arr.itemsize == 0
+    ):
+        return arr
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
 def _as_int32(name: str, value: Any, key: str | None) -> np.ndarray:
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu":
@@ -62,14 +79,14 @@ def _as_int32(name: str, value: Any, key: str | None) -> np.ndarray:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < -(2**31) or hi >= 2**31:
             raise RecordError(f"{name} values outside int32 range [{lo}, {hi}]", key=key)
-    return np.ascontiguousarray(arr, dtype=np.int32)
+    return rows_array(arr, np.int32)
 
 
 def _as_float32(name: str, value: Any, key: str | None) -> np.ndarray:
     arr = np.asarray(value)
     if arr.dtype.kind not in "fiu":
         raise RecordError(f"{name} must be numbers, got dtype {arr.dtype}", key=key)
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return rows_array(arr, np.float32)
 
 
 def _as_mask(value: Any, rows: int, key: str | None) -> np.ndarray:

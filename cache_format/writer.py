@@ -80,7 +80,7 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
         arrays = {spec.TOPK_LOGPROBS: _float16_row_delta(rec.topk_logprobs)}
     else:
         arrays = encode_logprobs(rec.topk_logprobs, manifest.logprob_dtype)
-    arrays[spec.TOPK_IDS] = rec.topk_ids
+    arrays[spec.TOPK_IDS] = np.ascontiguousarray(rec.topk_ids)
     arrays[spec.TAIL_MASS] = rec.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
     if manifest.loss_mask:  # FORMAT.md 4.6: no mask means every row is trained on
         mask = rec.loss_mask

@@ -195,3 +195,66 @@ def test_llvmlite_survives_a_scan_of_every_module() -> None:
             if hasattr(value, "__dict__"):
                 vars(value).get("kernel")
     assert ffi.lib.LLVMPY_GetVersionInfo is not None  # its functions still resolve
+
+
+def test_rows_of_a_wider_buffer_are_read_in_place() -> None:
+    """Columns 1..k of an ``[n, k + 1]`` buffer (the vLLM hook's rows, issue #19) encode as
+    their C-ordered copy does and are refused as it is; column 0 and the buffer past the view
+    are never read (a NaN and a repeated id there pass)."""
+    n, k, vocab = 50, 9, 64
+    rng = np.random.default_rng(11)
+    full_ids = np.stack([rng.choice(vocab, k + 1, replace=False) for _ in range(n)]).astype(
+        np.int32
+    )
+    full_lp = -np.sort(rng.exponential(2.0, (n, k + 1)), axis=1).astype(np.float32)
+    full_ids[:, 0] = full_ids[:, 1]  # outside the view: a repeat that must not count
+    full_lp[:, 0] = np.nan
+    ids, lp = full_ids[:, 1:], full_lp[:, 1:]
+    assert not ids.flags.c_contiguous and fastencode.parent_rows(ids).shape == (n, k + 1)
+    ok, out_ids, stored = _encode(ids, lp, vocab)
+    want_ok, want_ids, want_stored = _encode(
+        np.ascontiguousarray(ids), np.ascontiguousarray(lp), vocab
+    )
+    assert ok and want_ok
+    assert out_ids.tobytes() == want_ids.tobytes() and stored.tobytes() == want_stored.tobytes()
+    narrow_ids, narrow_lp = full_ids[:, 1:5], full_lp[:, 1:5]  # rows further apart than k
+    ok, out_ids, stored = _encode(narrow_ids, narrow_lp, vocab)
+    assert ok and out_ids.tobytes() == np.ascontiguousarray(narrow_ids).tobytes()
+    assert stored.tobytes() == encode_logprobs(narrow_lp, "float16")["topk_logprobs"].tobytes()
+    full_ids[-1, -1] = full_ids[-1, 1]  # the last value of the view: refused
+    assert not _encode(ids, lp, vocab)[0]
+    full_ids[-1, -1] = full_ids[-1, 0] = vocab + 5  # still a repeat, and out of range
+    assert not _encode(ids, lp, vocab)[0]
+    with pytest.raises(ValueError, match="contiguous"):
+        fastencode.parent_rows(full_ids[:, ::2])
+
+
+def test_the_writer_stores_row_views_as_their_copies() -> None:
+    """Records holding row views (rows_array keeps them) store the bytes of C-ordered copies,
+    through the compiled pass and the numpy path."""
+    from logitcache.cache_format.records import rows_array
+
+    m = make_manifest(k=6, vocab_size=50)
+    recs = make_records(5, k=6, vocab=50, seed=9)
+    viewed = []
+    for r in recs:
+        wide_ids = np.zeros((r.num_rows, 8), np.int32)
+        wide_lp = np.full((r.num_rows, 8), np.nan, np.float32)
+        wide_ids[:, 1:7], wide_lp[:, 1:7] = r.topk_ids, r.topk_logprobs
+        v = SequenceRecord(r.key, r.input_ids, wide_ids[:, 1:7], wide_lp[:, 1:7], r.tail_mass)
+        assert np.shares_memory(v.topk_ids, wide_ids) and np.shares_memory(v.topk_logprobs, wide_lp)
+        viewed.append(v)
+    assert rows_array(wide_ids[:, ::2], np.int32).flags.c_contiguous  # not rows: copied
+    assert rows_array(wide_ids[:, 1:7], np.int64).flags.c_contiguous  # another dtype: copied
+    want = writer.encode_batch(recs, m)
+    fast = writer.encode_batch(viewed, m)
+    assert want is not None and fast is not None
+    for name, a in want.arrays.items():
+        assert fast.arrays[name].tobytes() == a.tobytes(), name
+    slow_m = make_manifest(k=6, vocab_size=50, logprob_dtype="float32")
+    want, slow = writer.encode_batch(recs, slow_m), writer.encode_batch(viewed, slow_m)
+    assert want is not None and slow is not None
+    for name, a in want.arrays.items():
+        assert slow.arrays[name].tobytes() == a.tobytes(), name
+    one = writer.encode_record(viewed[0], m)
+    assert one.arrays["topk_ids"].flags.c_contiguous

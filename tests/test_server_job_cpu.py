@@ -47,22 +47,30 @@ def test_check_ids_rejects(ids: list, match: str) -> None:
         inputs.check_ids(ids, LIMITS, "x")
 
 
-def _chunks(rng: np.random.Generator, rows: int, k: int, first: int | None = None) -> tuple:
+def _chunks(
+    rng: np.random.Generator, rows: int, k: int, first: int | None = None, dtype: type = np.int64
+) -> tuple:
     """An engine core's prompt-logprob tensors: column 0 the actual token (or ``first``), then
-    k distinct ids by descending logprob."""
+    k distinct ids by descending logprob (int64 ids as earlier vLLMs gave them; vLLM 0.32's
+    are int32)."""
     import torch
 
-    ids = np.stack([rng.permutation(1000)[: k + 1] for _ in range(rows)]).astype(np.int64)
+    ids = np.stack([rng.permutation(1000)[: k + 1] for _ in range(rows)]).astype(dtype)
     if first is not None:
         ids[:, 0] = first
     lps = -np.sort(rng.gamma(1.0, size=(rows, k + 1)), axis=1).astype(np.float32)
     return torch.from_numpy(ids), torch.from_numpy(lps)
 
 
+def _rows_contiguous(a: np.ndarray) -> bool:
+    return a.ndim == 2 and a.strides[1] == a.itemsize and a.strides[0] >= a.shape[1] * a.itemsize
+
+
 @pytest.mark.parametrize("splits", [[7], [3, 4], [1, 2, 4]])
 def test_prompt_logprob_arrays_drop_column_0_as_int32(splits: list[int]) -> None:
     """The hook's chunks become the rows vLLM's lists would give (columns 1..k), in the stored
-    dtypes, for prompts that arrive in one or several prefill chunks."""
+    dtypes, for prompts that arrive in one or several prefill chunks. int64 ids (not the buffers
+    of a vLLM whose buffers may be kept) are copied at once."""
     from logitcache.server.engine.vllm import scores_from_output
     from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
 
@@ -71,7 +79,7 @@ def test_prompt_logprob_arrays_drop_column_0_as_int32(splits: list[int]) -> None
     parts = [_chunks(rng, n, 5) for n in splits]
     for ids, lps in parts:
         pl.add(ids, lps)
-        ids[:] = 0  # the engine reuses its buffers: the hook must have copied
+        ids[:] = 0  # an engine that reuses its buffers: the hook must have copied
         lps[:] = 0
     rng = np.random.default_rng(0)
     want = [_chunks(rng, n, 5) for n in splits]
@@ -79,14 +87,45 @@ def test_prompt_logprob_arrays_drop_column_0_as_int32(splits: list[int]) -> None
     want_lps = np.concatenate([lp.numpy()[:, 1:] for _, lp in want])
     assert len(pl) == sum(splits) + 1
     got = scores_from_output(SimpleNamespace(prompt_logprobs=pl), 5, sum(splits) + 1)
-    assert got.topk_ids.dtype == np.int32 and got.topk_ids.flags.c_contiguous
-    assert got.topk_logprobs.dtype == np.float32 and got.topk_logprobs.flags.c_contiguous
+    assert got.topk_ids.dtype == np.int32 and _rows_contiguous(got.topk_ids)
+    assert got.topk_logprobs.dtype == np.float32 and _rows_contiguous(got.topk_logprobs)
     np.testing.assert_array_equal(got.topk_ids, want_ids)
     np.testing.assert_array_equal(got.topk_logprobs, want_lps)
     small = scores_from_output(SimpleNamespace(prompt_logprobs=pl), 3, sum(splits) + 1)
     np.testing.assert_array_equal(small.topk_ids, want_ids[:, :3])
     with pytest.raises(Exception, match="shape"):
         scores_from_output(SimpleNamespace(prompt_logprobs=pl), 6, sum(splits) + 1)
+
+
+@pytest.mark.parametrize("views", [True, False])
+def test_vllm_032_buffers_are_kept_as_views(views: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 hands each request's whole int32/float32 buffer over once and never writes it
+    again: the hook keeps it (no copy) and the scores are views of it, rows strided, with the
+    tail mass of a copy bit for bit; another vLLM series (or the off switch) copies."""
+    from logitcache.cache_format.records import tail_from_logprobs
+    from logitcache.server.engine import vllm_logprobs
+    from logitcache.server.engine.vllm import scores_from_output
+
+    monkeypatch.setattr(vllm_logprobs, "_views", [])
+    if views:
+        monkeypatch.setattr("vllm.__version__", "0.32.0")
+    else:
+        monkeypatch.setattr("vllm.__version__", "0.33.0")
+    assert vllm_logprobs.keep_views() is views
+    ids, lps = _chunks(np.random.default_rng(2), 9, 6, dtype=np.int32)
+    pl = vllm_logprobs.TensorPromptLogprobs()
+    pl.add(ids, lps)
+    got = scores_from_output(SimpleNamespace(prompt_logprobs=pl), 6, 10)
+    assert np.shares_memory(got.topk_ids, ids.numpy()) is views
+    assert np.shares_memory(got.topk_logprobs, lps.numpy()) is views
+    np.testing.assert_array_equal(got.topk_ids, ids.numpy()[:, 1:])
+    np.testing.assert_array_equal(got.topk_logprobs, lps.numpy()[:, 1:])
+    want = tail_from_logprobs(np.ascontiguousarray(lps.numpy()[:, 1:]))
+    assert got.tail_mass.tobytes() == want.tobytes()
+    monkeypatch.setattr(vllm_logprobs, "_views", [])
+    monkeypatch.setenv("LOGITCACHE_HOOK_VIEWS", "0")
+    monkeypatch.setattr("vllm.__version__", "0.32.0")
+    assert vllm_logprobs.keep_views() is False
 
 
 def test_sampled_rows_need_the_marker_in_column_0() -> None:

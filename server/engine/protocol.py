@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
-from logitcache.cache_format.records import TopkRows, tail_from_logprobs
+from logitcache.cache_format.records import TopkRows, rows_array, tail_from_logprobs
 from logitcache.cache_format.sampling import METHOD, sampling_manifest
 
 Backend = Literal["vllm", "transformers"]
@@ -229,10 +229,11 @@ class SamplingTeacherEngine(TeacherEngine, Protocol):
 
 
 def make_scores(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> TeacherScores:
-    """Wrap ``[rows, k]`` arrays (cast to int32/float32, C-contiguous) and add the tail mass
+    """Wrap ``[rows, k]`` arrays (cast to int32/float32; rows contiguous, as
+    :func:`~logitcache.cache_format.records.rows_array` keeps them) and add the tail mass
     (:func:`~logitcache.cache_format.records.tail_from_logprobs`: the format's own formula)."""
-    ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
-    lps = np.ascontiguousarray(topk_logprobs, dtype=np.float32)
+    ids = rows_array(topk_ids, np.int32)
+    lps = rows_array(topk_logprobs, np.float32)
     return TeacherScores(topk_ids=ids, topk_logprobs=lps, tail_mass=tail_from_logprobs(lps))
 
 

@@ -184,7 +184,7 @@ def sampled_from_output(output: Any, length: int, draws: int) -> TeacherScores:
     if not pl.token_ids:
         raise EngineError(f"vLLM returned no rows for a {length}-token prompt")
     ids, lps = pl.rows(draws)  # column 0 (the marker) is kept apart: pl.column0()
-    width = pl.token_ids[0].shape[1] + 1
+    width = pl.width
     if ids.shape != (length - 1, draws) or width != draws + 1 or not (pl.column0() == MARK).all():
         raise EngineError(
             f"vLLM returned prompt rows of shape {(ids.shape[0], width)} without the sampling "

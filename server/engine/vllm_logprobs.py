@@ -16,6 +16,7 @@ engine keeps asking for the list form.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -26,31 +27,62 @@ from .patching import patch_once
 FLAG = "logitcache_prompt_logprob_arrays"
 
 
+#: vLLM release series whose prompt-logprob tensors the hook may keep as views (issue #19). In
+#: these, the model runner (``GPUModelRunner._get_prompt_logprobs_dict``, also the CPU runner's)
+#: allocates one ``LogprobsTensors.empty_cpu(L - 1, k + 1)`` per request (int32 ids, float32
+#: logprobs), fills it chunk by chunk, hands it over once, when the prompt is complete, and drops
+#: its own reference (``in_progress_prompt_logprobs_cpu = None``); in the multiprocess mode the
+#: client's decoder makes the tensors views of their received message frames, one per message.
+#: Neither buffer is written again, and a view keeps it alive. Another series: copies.
+VIEW_SERIES = ("0.32.",)
+_views: list[bool] = []  # the answer for the vLLM in this process, once asked
+
+
+def keep_views() -> bool:
+    """Whether :meth:`TensorPromptLogprobs.add` keeps views (the installed vLLM is of a
+    :data:`VIEW_SERIES`; ``LOGITCACHE_HOOK_VIEWS=0`` turns it off)."""
+    if not _views:
+        try:
+            from vllm import __version__ as version
+        except ImportError:
+            version = ""
+        off = os.environ.get("LOGITCACHE_HOOK_VIEWS", "1").strip().lower() in ("0", "off", "no")
+        _views.append(not off and str(version).startswith(VIEW_SERIES))
+    return _views[0]
+
+
 class TensorPromptLogprobs:
     """The prompt logprobs of one request, chunk by chunk, as the rows the cache stores: per
-    chunk ``token_ids`` int32 and ``logprobs`` float32 arrays ``[n_chunk, k]`` (C order; row
-    ``j`` of the concatenation is prompt position ``j + 1``; the top-k by descending logprob),
-    and ``first`` int64 ``[n_chunk]``, the engine core's column 0 (the actual token, or the
+    chunk ``token_ids`` int32 and ``logprobs`` float32 arrays ``[n_chunk, k + 1]`` whose columns
+    ``1..k`` are the top-k by descending logprob (row ``j`` of the concatenation is prompt
+    position ``j + 1``) and whose column 0 is the engine core's (the actual token, or the
     sampling hook's marker, ``vllm_sampling.MARK``).
 
-    ``add`` copies each chunk once, straight into those dtypes and without column 0 (issue #19:
-    the int64 copy, then its int32 cast and the logprobs' contiguous copy in ``make_scores``
-    cost ~1 CPU-us/position at k=100); token ids are below the vocabulary size, so int32 holds
-    them (an id past it is refused by the writer's checks, FORMAT.md W1)."""
+    ``add`` keeps the engine's own buffers (numpy views, no copy) when :func:`keep_views` says
+    vLLM never writes them again and they are already int32/float32 in C order (vLLM 0.32's);
+    otherwise it copies each chunk once, into those dtypes (the engine may reuse its buffers).
+    :meth:`rows` then gives columns ``1..k`` as views whose rows are strided (``k + 1`` apart):
+    the writer's compiled encode reads them in place (issue #19: the hook's copies of cold
+    memory cost ~0.35 CPU-us/position at k=100). Token ids are below the vocabulary size, so
+    int32 holds them (an id past it is refused by the writer's checks, FORMAT.md W1)."""
 
     def __init__(self) -> None:
         self.token_ids: list[np.ndarray] = []
         self.logprobs: list[np.ndarray] = []
-        self.first: list[np.ndarray] = []
 
     def add(self, token_ids: Any, logprobs: Any) -> None:
-        # copies: the tensors may be views of buffers the engine reuses
-        ids = token_ids.numpy()
-        self.first.append(np.array(ids[:, 0], dtype=np.int64, copy=True))
-        self.token_ids.append(np.array(ids[:, 1:], dtype=np.int32, order="C", copy=True))
-        self.logprobs.append(
-            np.array(logprobs.numpy()[:, 1:], dtype=np.float32, order="C", copy=True)
-        )
+        ids, lps = token_ids.numpy(), logprobs.numpy()
+        if not (
+            keep_views()
+            and ids.dtype == np.int32
+            and lps.dtype == np.float32
+            and ids.flags.c_contiguous
+            and lps.flags.c_contiguous
+        ):
+            ids = np.array(ids, dtype=np.int32, order="C", copy=True)
+            lps = np.array(lps, dtype=np.float32, order="C", copy=True)
+        self.token_ids.append(ids)
+        self.logprobs.append(lps)
 
     @property
     def num_rows(self) -> int:
@@ -59,22 +91,26 @@ class TensorPromptLogprobs:
     def __len__(self) -> int:  # prompt positions, like vLLM's containers (position 0 included)
         return self.num_rows + 1
 
+    @property
+    def width(self) -> int:
+        """The engine's row width, ``k + 1`` (0 before any chunk)."""
+        return int(self.token_ids[0].shape[1]) if self.token_ids else 0
+
     def rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(topk_ids [L-1, k] int32, topk_logprobs [L-1, k] float32)`` (C order when the
-        request asked for ``k``: no copy for a one-chunk prompt)."""
+        """``(topk_ids [L-1, k] int32, topk_logprobs [L-1, k] float32)``: columns ``1..k``
+        (views with strided rows for a one-chunk prompt; concatenated, C order, otherwise)."""
         if not self.token_ids:
             return np.empty((0, k), np.int32), np.empty((0, k), np.float32)
-        ids = np.concatenate(self.token_ids) if len(self.token_ids) > 1 else self.token_ids[0]
-        lps = np.concatenate(self.logprobs) if len(self.logprobs) > 1 else self.logprobs[0]
-        if ids.shape[1] == k:
-            return ids, lps
-        return ids[:, :k], lps[:, :k]
+        if len(self.token_ids) == 1:
+            return self.token_ids[0][:, 1 : k + 1], self.logprobs[0][:, 1 : k + 1]
+        ids = np.concatenate([c[:, 1 : k + 1] for c in self.token_ids])
+        return ids, np.concatenate([c[:, 1 : k + 1] for c in self.logprobs])
 
     def column0(self) -> np.ndarray:
         """The engine core's column 0 of every row (int64 ``[L-1]``)."""
-        if not self.first:
+        if not self.token_ids:
             return np.empty(0, np.int64)
-        return np.concatenate(self.first) if len(self.first) > 1 else self.first[0]
+        return np.concatenate([c[:, 0] for c in self.token_ids], dtype=np.int64)
 
 
 @patch_once
