@@ -18,9 +18,10 @@ positions scored (``L - 1`` per sequence). The breakdown is by thread and by sta
 measured in the thread that spends it (``time.thread_time()`` around a stage; a thread's own CPU
 from ``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as
 the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the replay engine's
-call: the service's vLLM hook copies, on the event loop), ``convert`` (rows + tail mass, on the
-event loop), ``pair`` (``to_records``), ``encode`` (``writer.encode_batch``: checks, float16, row
-deltas, in the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C, in
+call: the service's vLLM hook, which keeps vLLM 0.32's buffers or copies them, on the event loop),
+``convert`` (rows + tail mass, on the event loop), ``pair`` (``to_records``), ``encode``
+(``writer.encode_batch``: checks, float16, row deltas, in the job writer thread), ``compress``
+(``shardwrite.encode_chunk``: blosc + CRC32C, in
 zarr's IO thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
 writes, fsyncs and renames in its ``to_thread`` workers; and the rest of ``CacheWriter.append`` in
 the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress rows), ``read``
@@ -68,13 +69,15 @@ PROFILE = False  # --profile: cProfile of the event-loop thread during the job
 
 
 def tensor_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
-    """The engine core's prompt-logprob tensors for ``ids`` (what vLLM hands its output
-    processor): ``(token_ids [L-1, k+1] int64, logprobs [L-1, k+1] float32)``."""
+    """The engine core's prompt-logprob tensors for ``ids`` (what vLLM 0.32 hands its output
+    processor: one buffer per request, ``LogprobsTensors.empty_cpu``): ``(token_ids [L-1, k+1]
+    int32, logprobs [L-1, k+1] float32)``. (Before session 8 the token ids were int64, as
+    earlier vLLM releases gave them.)"""
     import torch
 
     flat = flat_output(ids, k, rng).prompt_logprobs
     m, w = len(ids) - 1, k + 1
-    tok = torch.tensor(flat.token_ids, dtype=torch.int64).reshape(m, w)
+    tok = torch.tensor(flat.token_ids, dtype=torch.int32).reshape(m, w)
     lp = torch.tensor(flat.logprobs, dtype=torch.float32).reshape(m, w)
     return tok, lp
 
@@ -171,8 +174,9 @@ def _track_thread_ends() -> None:
 
 def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "arrays") -> Any:
     """A replay engine. ``form="arrays"``: each call wraps the prepared tensors the way the
-    service's vLLM hook does (``vllm_logprobs.TensorPromptLogprobs.add``, copies included, on
-    the clock); ``"lists"``: vLLM's ``FlatLogprobs`` lists (built before the clock)."""
+    service's vLLM hook does (``vllm_logprobs.TensorPromptLogprobs.add``: views of vLLM 0.32's
+    buffers, copies otherwise, on the clock); ``"lists"``: vLLM's ``FlatLogprobs`` lists (built
+    before the clock)."""
     from logitcache.server.engine import BaseEngine, EngineInfo
     from logitcache.server.engine.vllm import scores_from_output
     from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
