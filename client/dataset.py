@@ -100,13 +100,15 @@ _FETCH_ITEMS = 64
 _SEQUENTIAL_BLOCK = 64
 
 
-def _reader_source(source: CacheSource, read_processes: int, decode_threads: int) -> CacheSource:
+def _reader_source(
+    source: CacheSource, read_processes: int, decode_threads: int, point_reads: bool
+) -> CacheSource:
     """A copy of ``source`` whose reader has ``read_processes`` reader processes and
-    ``decode_threads`` decode threads where given (0 and 1: the source's own setting); the source
-    itself is left as it is. ``read_processes``: a
-    :class:`~logitcache.client.sources.LocalSource` only; ``decode_threads``: also an
-    :class:`~logitcache.client.sources.HttpSource` of ``transport="store"`` (its reader is a
-    LocalSource's). ConfigError elsewhere."""
+    ``decode_threads`` decode threads, and whose fetches are point reads if ``point_reads``,
+    where given (0, 1 and False: the source's own setting); the source itself is left as it is.
+    ``read_processes`` and ``point_reads``: a :class:`~logitcache.client.sources.LocalSource`
+    only; ``decode_threads``: also an :class:`~logitcache.client.sources.HttpSource` of
+    ``transport="store"`` (its reader is a LocalSource's). ConfigError elsewhere."""
     if type(source) is LocalSource:
         return LocalSource(
             source.url,
@@ -114,11 +116,13 @@ def _reader_source(source: CacheSource, read_processes: int, decode_threads: int
             max_gap_tokens=source.max_gap_tokens,
             read_processes=read_processes or source.read_processes,
             decode_threads=decode_threads if decode_threads > 1 else source.decode_threads,
+            point_reads=point_reads or source.point_reads,
         )
-    if read_processes:
+    local = [n for n, v in (("read_processes", read_processes), ("point_reads", point_reads)) if v]
+    if local:
         raise ConfigError(
-            f"read_processes applies to local and object-store caches (a LocalSource), not to "
-            f"{type(source).__name__}"
+            f"{' and '.join(local)}: for local and object-store caches (a LocalSource) only, "
+            f"not {type(source).__name__}"
         )
     if type(source) is HttpSource and source.transport == "store":
         config = {name: getattr(source, name) for name in HttpSource._CONFIG}
@@ -223,6 +227,14 @@ class CacheDataset(IterableDataset):
         are in flight (``read_threads=1``, large ``shuffle_block_size`` blocks) and cores are
         idle. Every DataLoader worker's reader has it too (the setting is pickled with the
         source). The values and the stream do not depend on it.
+    point_reads:
+        ``False`` (default): each fetch merges the wanted sequences into few sequence ranges and
+        reads those (unwanted sequences between nearby wanted ones are read and dropped).
+        ``True`` (local and object-store locations and
+        :class:`~logitcache.client.sources.LocalSource` only): each fetch is one point read of
+        the wanted sequences (``CacheReader.sequences``, FORMAT.md D4: only their own chunks,
+        one compiled call per decode thread on a local store with numba), as with
+        ``read_processes``. The values and the stream do not depend on it.
     follow:
         Follow a cache that a running job is still filling: every :meth:`set_epoch` first
         adopts the sequences committed since (:meth:`refresh`; under ``torch.distributed`` the
@@ -260,6 +272,7 @@ class CacheDataset(IterableDataset):
         read_threads: int | None = None,
         read_processes: int = 0,
         decode_threads: int = 1,
+        point_reads: bool = False,
         follow: bool = False,
         trim_sampled: bool = True,
         storage_options: dict[str, Any] | None = None,
@@ -291,10 +304,13 @@ class CacheDataset(IterableDataset):
         self.source = open_source(
             source, storage_options=storage_options, cache=cache, **http_options
         )
-        if read_processes or decode_threads > 1:
-            self.source = _reader_source(self.source, int(read_processes), int(decode_threads))
+        if read_processes or decode_threads > 1 or point_reads:
+            self.source = _reader_source(
+                self.source, int(read_processes), int(decode_threads), bool(point_reads)
+            )
         self.read_processes = int(read_processes)
         self.decode_threads = int(decode_threads)
+        self.point_reads = bool(point_reads)
         manifest = self.source.manifest
         self.mismatches = check_compatible(
             manifest, tokenizer=tokenizer, vocab_size=vocab_size, allow_mismatch=allow_mismatch

@@ -118,8 +118,13 @@ class LocalSource:
     ``cache_format/procread.py``); the records are the same. ``decode_threads`` (default 1): the
     reader is ``CacheReader(decode_threads=n)``, which decodes the arrays of each read call (a
     :meth:`fetch`'s range reads, or its point read with ``read_processes``) on ``n`` threads; the
-    records are the same. Both settings are pickled with the source, so a DataLoader worker's
-    reader (opened there) has them too.
+    records are the same. ``point_reads`` (default False): :meth:`fetch` reads the wanted
+    sequences with one point read (``CacheReader.sequences``, FORMAT.md D4: only their own
+    chunks, each decoded once; one compiled call per thread on a local store with numba) instead
+    of merged range reads, as it always does with ``read_processes``; the records are the same.
+    These settings are pickled with the source, so a DataLoader worker's reader (opened there)
+    has them too. The reader's other settings stay its defaults (direct shard reads, numpy
+    records).
 
     Fork safety: object-store URLs are read through obstore by default, whose runtime does not
     survive ``fork`` (a forked child hangs on its first request). :attr:`fork_safe` says so;
@@ -137,6 +142,7 @@ class LocalSource:
         max_gap_tokens: int = 16384,
         read_processes: int = 0,
         decode_threads: int = 1,
+        point_reads: bool = False,
     ) -> None:
         if read_processes < 0:
             raise SourceError(f"read_processes must be >= 0, got {read_processes}")
@@ -147,6 +153,7 @@ class LocalSource:
         self.max_gap_tokens = int(max_gap_tokens)
         self.read_processes = int(read_processes)
         self.decode_threads = int(decode_threads)
+        self.point_reads = bool(point_reads)
         self._reader: Any = None
         self._pid: int | None = None
         self._offsets: tuple[np.ndarray, np.ndarray, list[str]] | None = None
@@ -158,6 +165,7 @@ class LocalSource:
             "max_gap_tokens": self.max_gap_tokens,
             "read_processes": self.read_processes,
             "decode_threads": self.decode_threads,
+            "point_reads": self.point_reads,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -167,12 +175,14 @@ class LocalSource:
             max_gap_tokens=state["max_gap_tokens"],
             read_processes=state.get("read_processes", 0),
             decode_threads=state.get("decode_threads", 1),
+            point_reads=state.get("point_reads", False),
         )
 
     def __repr__(self) -> str:
         procs = f", read_processes={self.read_processes}" if self.read_processes else ""
         threads = f", decode_threads={self.decode_threads}" if self.decode_threads > 1 else ""
-        return f"LocalSource({self.url!r}{procs}{threads})"
+        points = ", point_reads=True" if self.point_reads else ""
+        return f"LocalSource({self.url!r}{procs}{threads}{points})"
 
     @property
     def fork_safe(self) -> bool:
@@ -232,14 +242,15 @@ class LocalSource:
         Runs of wanted sequences less than ``max_gap_tokens`` apart are merged into one
         sequence range (:func:`merged_ranges`); all ranges are read by one
         ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
-        concurrent) and the unwanted sequences in between are dropped. With ``read_processes``
-        the wanted sequences are read with one point read (``CacheReader.sequences``) instead.
+        concurrent) and the unwanted sequences in between are dropped. With ``point_reads`` or
+        ``read_processes`` the wanted sequences are read with one point read
+        (``CacheReader.sequences``) instead.
         """
         _, lengths, _ = self._index()
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
-        if self.read_processes:
+        if self.point_reads or self.read_processes:
             picked = wanted.tolist()
             return dict(zip(picked, self.reader.sequences(picked), strict=True))
         ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)

@@ -1,0 +1,76 @@
+"""``point_reads`` in the loader (issue #14): ``CacheDataset(point_reads=True)`` and
+``LocalSource(point_reads=True)`` fetch with one point read (``CacheReader.sequences``) instead
+of merged range reads; the records and the stream are the same; the setting is pickled with the
+source and refused where the source is not a LocalSource."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+from client_support import collect, same_stream
+from logitcache.client import CacheDataset, ConfigError, LocalSource
+from test_format_random_access import SMALL, _write
+
+OPTS = {"tokens_per_item": 48, "seed": 3, "read_threads": 1}
+
+
+def _no_range_reads(source: LocalSource, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the source's reader refuse range reads and count its point reads (sequences)."""
+    reader = source.reader
+    calls: list[int] = []
+    real = reader.sequences
+
+    def sequences(indices: Any, **kw: Any) -> list:
+        calls.append(len(indices))
+        return real(indices, **kw)
+
+    def refused(*a: Any, **kw: Any) -> None:
+        raise AssertionError("a range read")
+
+    monkeypatch.setattr(reader, "sequences", sequences)
+    monkeypatch.setattr(reader, "read_ranges", refused)
+    return calls
+
+
+def test_point_reads_fetch_by_point_reads_and_keep_the_stream(tmp_path, monkeypatch) -> None:
+    url = str(tmp_path / "c")
+    _write(url, SMALL)
+    plain = collect(CacheDataset(url, **OPTS))
+    ds = CacheDataset(url, point_reads=True, **OPTS)
+    assert ds.point_reads and ds.source.point_reads
+    calls = _no_range_reads(ds.source, monkeypatch)
+    assert same_stream(collect(ds), plain)
+    assert sum(calls) >= 40  # every sequence came from a point read
+    copy = pickle.loads(pickle.dumps(ds))  # what a spawned DataLoader worker receives
+    assert copy.point_reads and copy.source.point_reads and copy.source._reader is None
+    # the default still reads ranges (the patch above does catch them)
+    other = CacheDataset(url, **OPTS)
+    _no_range_reads(other.source, monkeypatch)
+    with pytest.raises(AssertionError, match="a range read"):
+        collect(other)
+
+
+def test_local_source_takes_point_reads_itself(tmp_path, monkeypatch) -> None:
+    """``LocalSource(url, point_reads=True)``: pickled, in its repr, fetch by point reads with
+    the records of the range reads; a source given to the dataset keeps it, and the dataset's
+    copy for another setting keeps it too."""
+    url = str(tmp_path / "c")
+    _write(url, SMALL)
+    src = LocalSource(url, point_reads=True)
+    assert "point_reads=True" in repr(src) and "point_reads" not in repr(LocalSource(url))
+    assert pickle.loads(pickle.dumps(src)).point_reads
+    want = LocalSource(url).fetch([5, 2, 30, 31])
+    calls = _no_range_reads(src, monkeypatch)
+    got = src.fetch([31, 5, 2, 30])
+    assert calls == [4] and sorted(got) == sorted(want) == [2, 5, 30, 31]
+    assert all(got[i].equals(want[i]) for i in want)
+    assert CacheDataset(src, **OPTS).source.point_reads
+    ds = CacheDataset(src, decode_threads=2, **OPTS)
+    assert ds.source is not src and ds.source.point_reads and ds.source.decode_threads == 2
+
+
+def test_point_reads_need_a_local_source() -> None:
+    with pytest.raises(ConfigError, match="point_reads"):  # refused before any request
+        CacheDataset("http://127.0.0.1:9", cache="c", point_reads=True)
