@@ -239,11 +239,11 @@ def measure(name, root, npy, args, crc, dec, fd_mod) -> dict[str, Any]:
         for _j, f in flat:
             if _j != 0:
                 continue
-            raw = np.empty(dests[spec.TOPK_IDS].nbytes, np.uint8)
-            numcodecs.blosc.decompress(f[:-4], raw)
-            tb = bitshuffle(raw, 4)
+            chunk = np.empty(dests[spec.TOPK_IDS].nbytes, np.uint8)
+            numcodecs.blosc.decompress(f[:-4], chunk)
+            tb = bitshuffle(chunk, 4)
             frame = numcodecs.blosc.compress(
-                tb, comp.cname.value.encode(), comp.clevel, numcodecs.blosc.NOSHUFFLE, raw.size
+                tb, comp.cname.value.encode(), comp.clevel, numcodecs.blosc.NOSHUFFLE, chunk.size
             )
             plain.append(np.frombuffer(frame, np.uint8).copy())
         tgt = dptr[0]

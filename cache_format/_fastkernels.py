@@ -148,9 +148,9 @@ def read_items(
         status[0] = NEED_SHARDS
         status[1] = missing
         return
-    base = buf.ctypes.data
-    scr = scratch.ctypes.data
-    arena_base = arena.ctypes.data
+    base = np.int64(buf.ctypes.data)  # addresses as int64 (uintp would unify to float64)
+    scr = np.int64(scratch.ctypes.data)
+    arena_base = np.int64(arena.ctypes.data)
     for a in range(meta.shape[0]):
         per_shard, cr, row_bytes, out_at = meta[a, 0], meta[a, 1], meta[a, 2], meta[a, 4]
         raw = meta[a, 5] != 0
@@ -252,7 +252,7 @@ def read_items(
                         iov[2 * n_iov] = base + p
                         iov[2 * n_iov + 1] = unb[w]
                         n_iov += 1
-                got = preadv(preadv_fn, fd_tab[ush[u]], iov.ctypes.data, n_iov, uoff[u])
+                got = preadv(preadv_fn, fd_tab[ush[u]], np.int64(iov.ctypes.data), n_iov, uoff[u])
             else:
                 got = pread(pread_fn, fd_tab[ush[u]], base, size, uoff[u])
             if got != size:
