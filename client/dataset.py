@@ -234,7 +234,10 @@ class CacheDataset(IterableDataset):
         :class:`~logitcache.client.sources.LocalSource` only): each fetch is one point read of
         the wanted sequences (``CacheReader.sequences``, FORMAT.md D4: only their own chunks,
         one compiled call per decode thread on a local store with numba), as with
-        ``read_processes``. The values and the stream do not depend on it.
+        ``read_processes``. With a uniform full shuffle, measured on a 2-core VM, one process:
+        3-5x the positions per CPU-second of the range reads on the default layout, 10-14x on
+        the ``random_access`` layout (benchmarks/results/loader_point_reads_s8.md). The values
+        and the stream do not depend on it.
     follow:
         Follow a cache that a running job is still filling: every :meth:`set_epoch` first
         adopts the sequences committed since (:meth:`refresh`; under ``torch.distributed`` the
