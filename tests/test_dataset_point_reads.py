@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from client_support import collect, same_stream
-from logitcache.client import CacheDataset, ConfigError, LocalSource
+from logitcache.client import CacheDataLoader, CacheDataset, ConfigError, LocalSource
 from test_format_random_access import SMALL, _write
 
 OPTS = {"tokens_per_item": 48, "seed": 3, "read_threads": 1}
@@ -74,3 +74,17 @@ def test_local_source_takes_point_reads_itself(tmp_path, monkeypatch) -> None:
 def test_point_reads_need_a_local_source() -> None:
     with pytest.raises(ConfigError, match="point_reads"):  # refused before any request
         CacheDataset("http://127.0.0.1:9", cache="c", point_reads=True)
+
+
+def test_point_reads_in_forked_workers_after_the_parent_read(tmp_path) -> None:
+    """Forked DataLoader workers (the default start method for a local store) of a dataset whose
+    parent already read with point reads (its reader, descriptors and compiled-read state
+    inherited) give the stream of the range reads, as does the parent again afterwards."""
+    url = str(tmp_path / "c")
+    _write(url, SMALL)
+    plain = collect(CacheDataset(url, batch_size=2, **OPTS))
+    ds = CacheDataset(url, batch_size=2, point_reads=True, **OPTS)
+    assert same_stream(collect(ds), plain)  # the parent reads first
+    loader = CacheDataLoader(ds, num_workers=2, multiprocessing_context="fork")
+    assert same_stream(collect(loader), plain)
+    assert same_stream(collect(ds), plain)
