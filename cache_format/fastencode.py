@@ -20,7 +20,8 @@ Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere,
 llvmlite's ~40 MB). Without it, with ``LOGITCACHE_FASTENCODE=0``, or if compiling or the
 self-check at the first use fails, :func:`ready` is ``False`` and the writer keeps its numpy path.
 The kernel compiles at the first append of a process (~1-2 s) unless numba's on-disk cache has it
-(``cache=True``: the package's ``__pycache__``, or numba's user cache directory).
+(``cache=True``: the package's ``__pycache__``, or numba's user cache directory), where the
+kernel module :mod:`._encodekernels` keeps its functions at module level so that it finds them.
 """
 
 from __future__ import annotations
@@ -71,81 +72,9 @@ def harden_llvmlite() -> None:
 
 def _compile() -> Any:
     """The compiled kernel (raises ImportError without numba)."""
-    import numba
+    from . import _encodekernels
 
-    harden_llvmlite()  # numba imported llvmlite: see the function
-
-    @numba.njit(nogil=True, cache=True)
-    def _half(x, a):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-        """The half bits of ``max(min(x, +0.0), -65504)`` (``a``: ``|x|``'s float32 bits), every
-        case: ``x >= 0`` (also -0.0: numpy's ``minimum(x, +0.0)`` gives +0.0), the clip, a
-        subnormal or zero half, a normal one."""
-        if x >= 0.0:
-            return 0
-        if a >= 0x477FE000:  # at or past -65504
-            return 0xFBFF
-        if a >= 0x38800000:  # normal
-            h = (a >> 13) - 0x1C000
-            rem = a & 0x1FFF
-            if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
-                h += 1
-            return 0x8000 | h
-        e = a >> 23
-        if e < 102:  # below half the smallest subnormal: -0
-            return 0x8000
-        m = (a & 0x7FFFFF) | 0x800000
-        shift = 126 - e
-        h = m >> shift
-        rem = m & ((1 << shift) - 1)
-        half = 1 << (shift - 1)
-        if rem > half or (rem == half and (h & 1) == 1):
-            h += 1
-        return 0x8000 | h
-
-    @numba.njit(nogil=True, cache=True, boundscheck=False)
-    def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
-        """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
-        (the caller then runs the per-record checks for the error). ``ids``, ``lp``: C-ordered
-        ``[n, w]`` with ``w >= k`` (``k`` from ``ids_out``; columns past ``k`` are never read:
-        :func:`parent_rows`); ``bits``: ``lp`` viewed as uint32; ``seen``: int32 ``[vocab]`` of
-        stamps, ``stamp`` the first row's. The checks are branch-free flags tested once per row
-        (early exits per value cost 4x); the logprob loop vectorises, the rare values (zero,
-        subnormal, clipped) take :func:`_half` row by row."""
-        n, k = ids_out.shape
-        top = vocab - 1
-        hs = np.empty(k, np.int32)  # one row's half bits
-        for r in range(n):
-            s = np.int32(stamp + r)
-            bad = False
-            for j in range(k):  # ids: scalar (the stamp table)
-                v = ids[r, j]
-                bad |= (v < 0) | (v > top)
-                vi = min(max(v, 0), top)  # in range for the table even when bad
-                bad |= seen[vi] == s
-                seen[vi] = s
-                ids_out[r, j] = v
-            rare = False
-            for j in range(k):  # logprobs: branch-free, vectorised
-                x = lp[r, j]
-                # NaN, too large, -inf, or larger than the value before it
-                bad |= (not (x <= tol)) | (x == -np.inf) | (x > lp[r, max(j - 1, 0)])
-                a = np.int32(bits[r, j] & np.uint32(0x7FFFFFFF))
-                rare |= (x >= 0.0) | (a < 0x38800000) | (a >= 0x477FE000)
-                h = (a >> 13) - np.int32(0x1C000)  # a normal half: 13 bits off, nearest-even
-                rem = a & np.int32(0x1FFF)
-                h += np.int32((rem > 0x1000) | ((rem == 0x1000) & ((h & 1) == 1)))
-                hs[j] = h | np.int32(0x8000)
-            if rare:  # a zero, subnormal or clipped value in the row: the exact path
-                for j in range(k):
-                    hs[j] = _half(lp[r, j], np.int32(bits[r, j] & np.uint32(0x7FFFFFFF)))
-            stored_out[r, 0] = np.uint16(hs[0])
-            for j in range(1, k):  # row deltas, modulo 2**16
-                stored_out[r, j] = np.uint16((hs[j] - hs[j - 1]) & 0xFFFF)
-            if bad:
-                return 1
-        return 0
-
-    return encode_rows
+    return _encodekernels.encode_rows
 
 
 def ready() -> bool:

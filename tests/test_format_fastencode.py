@@ -258,3 +258,25 @@ def test_the_writer_stores_row_views_as_their_copies() -> None:
         assert slow.arrays[name].tobytes() == a.tobytes(), name
     one = writer.encode_record(viewed[0], m)
     assert one.arrays["topk_ids"].flags.c_contiguous
+
+
+def test_the_kernel_is_cached_on_disk() -> None:
+    """The kernel is a module-level numba function (cache_format/_encodekernels.py): a second
+    process loads it from numba's on-disk cache instead of compiling it (~1 s of CPU). Defined
+    inside a function, it was compiled again in every process and added a cache entry each time
+    (its closure's pickled bytes, part of numba's cache key, differ between processes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from logitcache.cache_format import fastencode, _encodekernels as ek\n"
+        "assert fastencode.ready()\n"
+        "st = ek.encode_rows.stats\n"
+        "print(sum(st.cache_hits.values()), len(st.cache_misses))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    run = [sys.executable, "-c", code]
+    subprocess.run(run, check=True, cwd=root, capture_output=True)  # fills the cache if empty
+    hits, misses = subprocess.run(run, check=True, cwd=root, capture_output=True).stdout.split()
+    assert (int(hits), int(misses)) == (1, 0)
