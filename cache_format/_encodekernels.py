@@ -46,12 +46,12 @@ def _half(x, a):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
     """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
-    (the caller then runs the per-record checks for the error). ``ids``, ``lp``: C-ordered
-    ``[n, w]`` with ``w >= k`` (``k`` from ``ids_out``; columns past ``k`` are never read:
-    :func:`parent_rows`); ``bits``: ``lp`` viewed as uint32; ``seen``: int32 ``[vocab]`` of
-    stamps, ``stamp`` the first row's. The checks are branch-free flags tested once per row
-    (early exits per value cost 4x); the logprob loop vectorises, the rare values (zero,
-    subnormal, clipped) take :func:`_half` row by row."""
+    (the caller then runs the per-record checks for the error). ``ids``: ``[n, k]``, any
+    strides; ``lp``: C-ordered ``[n, w]`` with ``w >= k`` (``k`` from ``ids_out``; columns past
+    ``k`` are never read: :func:`.fastencode.parent_rows`); ``bits``: ``lp`` viewed as uint32;
+    ``seen``: int32 ``[vocab]`` of stamps, ``stamp`` the first row's. The checks are branch-free
+    flags tested once per row (early exits per value cost 4x); the logprob loop vectorises, the
+    rare values (zero, subnormal, clipped) take :func:`_half` row by row."""
     n, k = ids_out.shape
     top = vocab - 1
     hs = np.empty(k, np.int32)  # one row's half bits

@@ -94,7 +94,9 @@ def ready() -> bool:
 
 
 def _self_check() -> bool:
-    """The kernel against :func:`.quant.encode_logprobs` and the checks on a small batch."""
+    """The kernel against :func:`.quant.encode_logprobs` and the checks on a small batch, given
+    as C-ordered arrays and as rows of wider ones (both of numba's specialisations, compiled or
+    loaded here, not at a job's first append)."""
     from .quant import encode_logprobs
 
     rng = np.random.default_rng(0)
@@ -107,10 +109,16 @@ def _self_check() -> bool:
     out_ids, stored = np.empty_like(ids), np.empty(ids.shape, np.uint16)
     if not encode_rows(ids, lp, out_ids, stored, table, 1e-3):
         return False
+    wide_ids, wide_lp = np.zeros((64, 17), np.int32), np.zeros((64, 17), np.float32)
+    wide_ids[:, 1:], wide_lp[:, 1:] = ids, lp  # rows of a wider buffer (the vLLM hook's views)
+    out_wide, stored_wide = np.empty_like(ids), np.empty(ids.shape, np.uint16)
+    if not encode_rows(wide_ids[:, 1:], wide_lp[:, 1:], out_wide, stored_wide, table, 1e-3):
+        return False
     ids[5, 3] = ids[5, 9]  # a repeated id must fail
     bad = encode_rows(ids, lp, np.empty_like(ids), np.empty_like(stored), table, 1e-3)
     want = encode_logprobs(lp, "float16")["topk_logprobs"]
-    return bool((stored == want).all() and (out_ids[5] != ids[5]).any() and not bad)
+    same = (stored_wide == stored).all() and (out_wide == out_ids).all()
+    return bool((stored == want).all() and same and (out_ids[5] != ids[5]).any() and not bad)
 
 
 class StampTable:
@@ -162,8 +170,8 @@ def encode_rows(
     float16 row-delta bit patterns, :func:`.quant.encode_logprobs`); False at the first failing
     row (the outputs are then partly written). Call only after :func:`ready` returned True."""
     stamp = table.take(ids.shape[0])
-    pi, pl = parent_rows(ids), parent_rows(lp)
+    pl = parent_rows(lp)  # the ids' loop is scalar: their strides cost nothing (numba's "A")
     got = _kernel(
-        pi, pl, pl.view(np.uint32), ids_out, stored_out, table.seen, stamp, table.vocab, tol
+        ids, pl, pl.view(np.uint32), ids_out, stored_out, table.seen, stamp, table.vocab, tol
     )
     return got == 0
