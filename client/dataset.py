@@ -101,11 +101,12 @@ _SEQUENTIAL_BLOCK = 64
 
 
 def _reader_source(
-    source: CacheSource, read_processes: int, decode_threads: int, point_reads: bool
+    source: CacheSource, read_processes: int, decode_threads: int, point_reads: bool | None
 ) -> CacheSource:
     """A copy of ``source`` whose reader has ``read_processes`` reader processes and
-    ``decode_threads`` decode threads, and whose fetches are point reads if ``point_reads``,
-    where given (0, 1 and False: the source's own setting); the source itself is left as it is.
+    ``decode_threads`` decode threads, and whose fetches are point reads or not as
+    ``point_reads`` says, where given (0, 1 and None: the source's own setting); the source
+    itself is left as it is.
     ``read_processes`` and ``point_reads``: a :class:`~logitcache.client.sources.LocalSource`
     only; ``decode_threads``: also an :class:`~logitcache.client.sources.HttpSource` of
     ``transport="store"`` (its reader is a LocalSource's). ConfigError elsewhere."""
@@ -116,7 +117,7 @@ def _reader_source(
             max_gap_tokens=source.max_gap_tokens,
             read_processes=read_processes or source.read_processes,
             decode_threads=decode_threads if decode_threads > 1 else source.decode_threads,
-            point_reads=point_reads or source.point_reads,
+            point_reads=source.point_reads if point_reads is None else point_reads,
         )
     local = [n for n, v in (("read_processes", read_processes), ("point_reads", point_reads)) if v]
     if local:
@@ -228,16 +229,19 @@ class CacheDataset(IterableDataset):
         idle. Every DataLoader worker's reader has it too (the setting is pickled with the
         source). The values and the stream do not depend on it.
     point_reads:
-        ``False`` (default): each fetch merges the wanted sequences into few sequence ranges and
-        reads those (unwanted sequences between nearby wanted ones are read and dropped).
-        ``True`` (local and object-store locations and
-        :class:`~logitcache.client.sources.LocalSource` only): each fetch is one point read of
-        the wanted sequences (``CacheReader.sequences``, FORMAT.md D4: only their own chunks,
-        one compiled call per decode thread on a local store with numba), as with
-        ``read_processes``. With a uniform full shuffle, measured on a 2-core VM, one process:
-        3-5x the positions per CPU-second of the range reads on the default layout, 10-14x on
-        the ``random_access`` layout (benchmarks/results/loader_point_reads_s8.md). The values
-        and the stream do not depend on it.
+        ``None`` (default): the source's choice; a
+        :class:`~logitcache.client.sources.LocalSource` makes point reads where its reader's
+        compiled path serves them (a local directory store, numba installed) and range reads
+        elsewhere. ``True`` (local and object-store locations and LocalSource only): each fetch
+        is one point read of the wanted sequences (``CacheReader.sequences``, FORMAT.md D4:
+        only their own chunks, one compiled call per decode thread on a local store with
+        numba), as with ``read_processes``. ``False``: each fetch merges the wanted sequences
+        into few sequence ranges and reads those (unwanted sequences between nearby wanted ones
+        are read and dropped). With a uniform full shuffle, measured on a 2-core VM, one
+        process: point reads gave 3-5x the positions per CPU-second of the range reads on the
+        default layout, 10-14x on the ``random_access`` layout
+        (benchmarks/results/loader_point_reads_s8.md). The values and the stream do not depend
+        on it.
     follow:
         Follow a cache that a running job is still filling: every :meth:`set_epoch` first
         adopts the sequences committed since (:meth:`refresh`; under ``torch.distributed`` the
@@ -275,7 +279,7 @@ class CacheDataset(IterableDataset):
         read_threads: int | None = None,
         read_processes: int = 0,
         decode_threads: int = 1,
-        point_reads: bool = False,
+        point_reads: bool | None = None,
         follow: bool = False,
         trim_sampled: bool = True,
         storage_options: dict[str, Any] | None = None,
@@ -307,13 +311,21 @@ class CacheDataset(IterableDataset):
         self.source = open_source(
             source, storage_options=storage_options, cache=cache, **http_options
         )
-        if read_processes or decode_threads > 1 or point_reads:
+        if (
+            read_processes
+            or decode_threads > 1
+            or point_reads is not None
+            and (point_reads or type(self.source) is LocalSource)
+        ):  # (point_reads=False: range reads, what every other source does anyway)
             self.source = _reader_source(
-                self.source, int(read_processes), int(decode_threads), bool(point_reads)
+                self.source,
+                int(read_processes),
+                int(decode_threads),
+                None if point_reads is None else bool(point_reads),
             )
         self.read_processes = int(read_processes)
         self.decode_threads = int(decode_threads)
-        self.point_reads = bool(point_reads)
+        self.point_reads = point_reads
         manifest = self.source.manifest
         self.mismatches = check_compatible(
             manifest, tokenizer=tokenizer, vocab_size=vocab_size, allow_mismatch=allow_mismatch

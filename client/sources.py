@@ -118,10 +118,15 @@ class LocalSource:
     ``cache_format/procread.py``); the records are the same. ``decode_threads`` (default 1): the
     reader is ``CacheReader(decode_threads=n)``, which decodes the arrays of each read call (a
     :meth:`fetch`'s range reads, or its point read with ``read_processes``) on ``n`` threads; the
-    records are the same. ``point_reads`` (default False): :meth:`fetch` reads the wanted
-    sequences with one point read (``CacheReader.sequences``, FORMAT.md D4: only their own
-    chunks, each decoded once; one compiled call per thread on a local store with numba) instead
-    of merged range reads, as it always does with ``read_processes``; the records are the same.
+    records are the same. ``point_reads``: ``True``: :meth:`fetch` reads the wanted sequences
+    with one point read (``CacheReader.sequences``, FORMAT.md D4: only their own chunks, each
+    decoded once; one compiled call per thread on a local store with numba) instead of merged
+    range reads, as it always does with ``read_processes``; ``False``: range reads; ``None``
+    (default): point reads where the reader's compiled path serves them (a local directory store
+    and :mod:`~logitcache.cache_format.fastdecode` available), else range reads (an object store
+    answers few large range requests better than many chunk requests). The records are the
+    same either way; a uniform full shuffle read 3-14x the positions per CPU-second with point
+    reads on a 2-core VM (benchmarks/results/loader_point_reads_s8.md).
     These settings are pickled with the source, so a DataLoader worker's reader (opened there)
     has them too. The reader's other settings stay its defaults (direct shard reads, numpy
     records).
@@ -142,7 +147,7 @@ class LocalSource:
         max_gap_tokens: int = 16384,
         read_processes: int = 0,
         decode_threads: int = 1,
-        point_reads: bool = False,
+        point_reads: bool | None = None,
     ) -> None:
         if read_processes < 0:
             raise SourceError(f"read_processes must be >= 0, got {read_processes}")
@@ -153,7 +158,7 @@ class LocalSource:
         self.max_gap_tokens = int(max_gap_tokens)
         self.read_processes = int(read_processes)
         self.decode_threads = int(decode_threads)
-        self.point_reads = bool(point_reads)
+        self.point_reads = None if point_reads is None else bool(point_reads)
         self._reader: Any = None
         self._pid: int | None = None
         self._offsets: tuple[np.ndarray, np.ndarray, list[str]] | None = None
@@ -175,13 +180,13 @@ class LocalSource:
             max_gap_tokens=state["max_gap_tokens"],
             read_processes=state.get("read_processes", 0),
             decode_threads=state.get("decode_threads", 1),
-            point_reads=state.get("point_reads", False),
+            point_reads=state.get("point_reads"),
         )
 
     def __repr__(self) -> str:
         procs = f", read_processes={self.read_processes}" if self.read_processes else ""
         threads = f", decode_threads={self.decode_threads}" if self.decode_threads > 1 else ""
-        points = ", point_reads=True" if self.point_reads else ""
+        points = "" if self.point_reads is None else f", point_reads={self.point_reads}"
         return f"LocalSource({self.url!r}{procs}{threads}{points})"
 
     @property
@@ -236,13 +241,29 @@ class LocalSource:
             self._offsets = (starts, lengths, reader.keys)
         return self._offsets
 
+    def _point_reads(self) -> bool:
+        """Whether :meth:`fetch` makes one point read (``point_reads``, ``None`` resolved for
+        this process's reader)."""
+        if self.point_reads is not None:
+            return self.point_reads
+        from logitcache.cache_format import fastdecode
+
+        reader = self.reader
+        return bool(
+            reader.point_reads
+            and reader._local_root is not None
+            and fastdecode.AVAILABLE
+            and fastdecode.ready()
+        )
+
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
         """Read the wanted sequences with few range reads (each read has a fixed cost).
 
         Runs of wanted sequences less than ``max_gap_tokens`` apart are merged into one
         sequence range (:func:`merged_ranges`); all ranges are read by one
         ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
-        concurrent) and the unwanted sequences in between are dropped. With ``point_reads`` or
+        concurrent) and the unwanted sequences in between are dropped. With point reads (see
+        the class: the default on a local store read by the compiled path) or
         ``read_processes`` the wanted sequences are read with one point read
         (``CacheReader.sequences``) instead.
         """
@@ -250,7 +271,7 @@ class LocalSource:
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
-        if self.point_reads or self.read_processes:
+        if self.read_processes or self._point_reads():
             picked = wanted.tolist()
             return dict(zip(picked, self.reader.sequences(picked), strict=True))
         ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)

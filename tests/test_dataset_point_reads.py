@@ -45,11 +45,32 @@ def test_point_reads_fetch_by_point_reads_and_keep_the_stream(tmp_path, monkeypa
     assert sum(calls) >= 40  # every sequence came from a point read
     copy = pickle.loads(pickle.dumps(ds))  # what a spawned DataLoader worker receives
     assert copy.point_reads and copy.source.point_reads and copy.source._reader is None
-    # the default still reads ranges (the patch above does catch them)
-    other = CacheDataset(url, **OPTS)
+    # point_reads=False reads ranges (the patch above does catch them)
+    other = CacheDataset(url, point_reads=False, **OPTS)
     _no_range_reads(other.source, monkeypatch)
     with pytest.raises(AssertionError, match="a range read"):
         collect(other)
+
+
+def test_the_default_reads_points_where_the_compiled_path_serves_them(tmp_path, monkeypatch):
+    """``point_reads=None`` (default): a local directory store read by the compiled path is
+    fetched by point reads, the same stream as range reads; without the compiled path
+    (``fastdecode`` off), range reads."""
+    from logitcache.cache_format import fastdecode
+
+    url = str(tmp_path / "c")
+    _write(url, SMALL)
+    ranged = collect(CacheDataset(url, point_reads=False, **OPTS))
+    ds = CacheDataset(url, **OPTS)
+    assert ds.point_reads is None and ds.source.point_reads is None
+    if fastdecode.AVAILABLE and fastdecode.ready():
+        calls = _no_range_reads(ds.source, monkeypatch)
+        assert same_stream(collect(ds), ranged) and sum(calls) >= 40
+    monkeypatch.setattr(fastdecode, "AVAILABLE", False)
+    off = CacheDataset(url, **OPTS)
+    _no_range_reads(off.source, monkeypatch)
+    with pytest.raises(AssertionError, match="a range read"):
+        collect(off)
 
 
 def test_local_source_takes_point_reads_itself(tmp_path, monkeypatch) -> None:
@@ -60,8 +81,9 @@ def test_local_source_takes_point_reads_itself(tmp_path, monkeypatch) -> None:
     _write(url, SMALL)
     src = LocalSource(url, point_reads=True)
     assert "point_reads=True" in repr(src) and "point_reads" not in repr(LocalSource(url))
+    assert "point_reads=False" in repr(LocalSource(url, point_reads=False))
     assert pickle.loads(pickle.dumps(src)).point_reads
-    want = LocalSource(url).fetch([5, 2, 30, 31])
+    want = LocalSource(url, point_reads=False).fetch([5, 2, 30, 31])
     calls = _no_range_reads(src, monkeypatch)
     got = src.fetch([31, 5, 2, 30])
     assert calls == [4] and sorted(got) == sorted(want) == [2, 5, 30, 31]
