@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,3 +147,31 @@ def test_sampled_rows_need_the_marker_in_column_0() -> None:
         sampled_from_output(SimpleNamespace(prompt_logprobs=plain), 6, 4)
     with pytest.raises(EngineError, match="sampling marker"):  # wrong draws
         sampled_from_output(SimpleNamespace(prompt_logprobs=marked), 6, 3)
+
+
+@pytest.mark.timeout(300)
+def test_kept_vllm_buffers_are_not_written_again(
+    vllm_engine: Any, heldout_sequences: list[list[int]]
+) -> None:
+    """A real in-process vLLM 0.32 engine: the scores hold views of its per-request buffers
+    (rows strided, k+1 apart), and its later requests, chunked prefills and freed buffers
+    included, leave them as they were scored (the hook's premise, vllm_logprobs.VIEW_SERIES)."""
+    import asyncio
+
+    from logitcache.server.engine import vllm_logprobs
+
+    if not vllm_logprobs.keep_views():
+        pytest.skip("this vLLM's buffers are copied")
+    seqs = heldout_sequences[:4]
+    first = asyncio.run(vllm_engine.score(seqs, k=8))
+    assert all(
+        s.topk_ids.strides[0] == 9 * 4 and s.topk_logprobs.strides[0] == 9 * 4 for s in first
+    )
+    frozen = [(s.topk_ids.copy(), s.topk_logprobs.copy(), s.tail_mass.copy()) for s in first]
+    for _ in range(3):
+        asyncio.run(vllm_engine.score(heldout_sequences[4:16] + seqs, k=8))
+    again = asyncio.run(vllm_engine.score(seqs, k=8))
+    for s, (ids, lps, tail), b in zip(first, frozen, again, strict=True):
+        assert np.array_equal(s.topk_ids, ids) and np.array_equal(s.topk_logprobs, lps)
+        assert np.array_equal(s.tail_mass, tail)
+        assert np.array_equal(b.topk_ids, ids)
