@@ -260,24 +260,33 @@ def test_the_writer_stores_row_views_as_their_copies() -> None:
     assert one.arrays["topk_ids"].flags.c_contiguous
 
 
-def test_the_kernel_is_cached_on_disk() -> None:
-    """The kernel is a module-level numba function (cache_format/_encodekernels.py): a second
-    process loads both its specialisations (``ready`` compiles them) from numba's on-disk cache
-    instead of compiling them (~1 s of CPU). Defined
-    inside a function, it was compiled again in every process and added a cache entry each time
-    (its closure's pickled bytes, part of numba's cache key, differ between processes)."""
+def _kernel_cache_stats() -> tuple[int, int]:
+    """``(cache hits, cache misses)`` of the kernel's specialisations in a fresh process."""
     import subprocess
     import sys
     from pathlib import Path
 
-    code = (
-        "from logitcache.cache_format import fastencode, _encodekernels as ek\n"
-        "assert fastencode.ready()\n"
-        "st = ek.encode_rows.stats\n"
-        "print(sum(st.cache_hits.values()), len(st.cache_misses))\n"
+    probe = "; ".join(
+        [
+            "from logitcache.cache_format import fastencode, _encodekernels as ek",
+            "assert fastencode.ready()",
+            "st = ek.encode_rows.stats",
+            "print(sum(st.cache_hits.values()), len(st.cache_misses))",
+        ]
     )
     root = Path(__file__).resolve().parents[1]
-    run = [sys.executable, "-c", code]
-    subprocess.run(run, check=True, cwd=root, capture_output=True)  # fills the cache if empty
-    hits, misses = subprocess.run(run, check=True, cwd=root, capture_output=True).stdout.split()
-    assert (int(hits), int(misses)) == (2, 0)  # C-ordered ids, and rows of a wider buffer
+    done = subprocess.run(
+        [sys.executable, "-c", probe], check=True, cwd=root, capture_output=True, text=True
+    )
+    hits, misses = done.stdout.split()
+    return int(hits), int(misses)
+
+
+def test_the_kernel_is_cached_on_disk() -> None:
+    """The kernel is a module-level numba function (cache_format/_encodekernels.py): a second
+    process loads both its specialisations (``ready`` compiles them: C-ordered ids, and rows of
+    a wider buffer) from numba's on-disk cache instead of compiling them (~1 s of CPU). Defined
+    inside a function, it was compiled again in every process and added a cache entry each time
+    (its closure's pickled bytes, part of numba's cache key, differ between processes)."""
+    _kernel_cache_stats()  # fills the cache if it is empty
+    assert _kernel_cache_stats() == (2, 0)
