@@ -14,8 +14,9 @@ Per shard touched by rows ``[start, stop)`` (``start`` is the committed count, r
 * the inner chunk holding ``start``, when ``start`` is inside it, is read back (CRC32C checked,
   blosc-decoded), its rows below ``start`` kept and the new rows placed after them;
 * every inner chunk the new rows reach is encoded exactly as zarr encodes it (``bytes`` little
-  endian -> the array's own ``BloscCodec`` settings, or ``vlen-utf8`` -> its ``ZstdCodec``
-  settings -> CRC32C of the frame, uint32 LE), the last one padded with the fill value;
+  endian -> the array's own ``BloscCodec`` settings, or no compressor (``raw`` layouts), or
+  ``vlen-utf8`` -> its ``ZstdCodec`` settings -> CRC32C of the frame, uint32 LE), the last one
+  padded with the fill value;
 * chunks past the new rows are left empty (``offset = nbytes = 2**64 - 1``: nothing past the
   new count is committed), and the shard object is written once: chunks in order, then the
   index ``n x (offset, nbytes)`` uint64 LE and its CRC32C.
@@ -43,11 +44,15 @@ from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
 #: The ``vlen-utf8`` encoding zarr applies to string chunks (``zarr.codecs.vlen_utf8``).
 _VLEN = VLenUTF8()
 
+#: :func:`_codec` of an array without compressor (layout preset ``random_access_raw``).
+RAW = "none"
+
 
 def supported(lay: DirectLayout) -> bool:
     """Whether this zarr exposes the array's numcodecs Blosc (``BloscCodec._blosc_codec``, what
-    zarr itself encodes with), or its Zstd for a ``vlen-utf8`` array (:func:`keys_layout`); if
-    not, the writer uses zarr's ``setitem``."""
+    zarr itself encodes with), or its Zstd for a ``vlen-utf8`` array (:func:`keys_layout`), or
+    the array has no compressor (``raw``: its little-endian bytes); if not, the writer uses
+    zarr's ``setitem``."""
     try:
         return _codec(lay) is not None
     except Exception:
@@ -56,7 +61,10 @@ def supported(lay: DirectLayout) -> bool:
 
 def _codec(lay: DirectLayout) -> Any:
     """The numcodecs codec zarr encodes this array's inner chunks with: ``Blosc`` (after the
-    ``bytes`` codec), or ``Zstd`` (after ``vlen-utf8``: an object array of str)."""
+    ``bytes`` codec), or ``Zstd`` (after ``vlen-utf8``: an object array of str); :data:`RAW`
+    for an array without compressor (``bytes`` then ``crc32c``)."""
+    if lay.raw:
+        return RAW
     sharding = lay.metadata.codecs[0]
     assert isinstance(sharding, ShardingCodec)  # direct layouts are of sharded arrays only
     inner = sharding.codecs[1]
@@ -118,7 +126,10 @@ def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes, bytes]:
     its little-endian bytes (the array's own codec settings), or the zstd frame of its
     ``vlen-utf8`` bytes, and the frame's CRC32C."""
     codec = _codec(lay)
-    if lay.dtype == np.dtype(object):
+    if codec is RAW:  # the chunk's little-endian bytes are the frame
+        le = np.ascontiguousarray(chunk, dtype=lay.dtype.newbyteorder("<"))
+        frame = le.view(np.uint8).reshape(-1)
+    elif lay.dtype == np.dtype(object):
         frame = codec.encode(_VLEN.encode(np.asarray(chunk, dtype=object)))
     else:
         frame = codec.encode(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1))
@@ -137,6 +148,11 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
             raise ChecksumError(f"{where}: inner chunk holds {out.shape[0]} items")
         return out
     out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
+    if lay.raw:
+        if frame.size != out.nbytes + 4:
+            raise ChecksumError(f"{where}: inner chunk of {frame.size - 4} bytes, not {out.nbytes}")
+        out[...] = frame[:-4].view(lay.dtype.newbyteorder("<")).reshape(out.shape)
+        return out
     try:
         numcodecs.blosc.decompress(frame[:-4].tobytes(), out)
     except Exception as e:  # a wrong-size or broken frame

@@ -22,12 +22,21 @@ LAYOUT = replace(
     DEFAULT_LAYOUT, row_chunk=16, row_shard=64, token_chunk=32, token_shard=128, seq_chunk=4,
     seq_shard=16,
 )  # fmt: skip
+RAW = replace(
+    spec.RANDOM_ACCESS_RAW_LAYOUT,
+    row_chunk=16,
+    row_shard=64,
+    token_chunk=32,
+    token_shard=128,
+    seq_chunk=4,
+    seq_shard=16,
+)  # fmt: skip  (no compressor: the chunks' bytes, then their CRC32C)
 K, VOCAB = 8, 1000
 
 
-def write(url: Path, recs, cuts: list[int], *, direct: bool, monkeypatch) -> None:
+def write(url: Path, recs, cuts: list[int], *, direct: bool, monkeypatch, layout=LAYOUT) -> None:
     monkeypatch.setattr(writer, "DIRECT_WRITES", direct)
-    with CacheWriter.open(url, make_manifest(k=K, vocab_size=VOCAB), layout=LAYOUT) as w:
+    with CacheWriter.open(url, make_manifest(k=K, vocab_size=VOCAB), layout=layout) as w:
         for a, b in zip([0, *cuts], [*cuts, len(recs)], strict=True):
             w.append(recs[a:b])
 
@@ -41,11 +50,23 @@ def files(root: Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.parametrize("layout", [LAYOUT, RAW], ids=["blosc", "raw"])
 @pytest.mark.parametrize("cuts", [[3, 4, 9, 15], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
-def test_same_bytes_as_zarr(tmp_path: Path, monkeypatch, cuts: list[int]) -> None:
+def test_same_bytes_as_zarr(tmp_path: Path, monkeypatch, cuts: list[int], layout) -> None:
     recs = make_records(16, k=K, vocab=VOCAB, seed=3)  # ~20 rows each: many shards of 64 rows
-    write(tmp_path / "zarr", recs, cuts, direct=False, monkeypatch=monkeypatch)
-    write(tmp_path / "direct", recs, cuts, direct=True, monkeypatch=monkeypatch)
+    direct_layouts = []
+    real = writer.shardwrite.supported
+
+    def spy(lay):  # every numeric array takes the direct path (raw ones too)
+        ok = real(lay)
+        direct_layouts.append((lay.name, ok))
+        return ok
+
+    monkeypatch.setattr(writer.shardwrite, "supported", spy)
+    write(tmp_path / "zarr", recs, cuts, direct=False, monkeypatch=monkeypatch, layout=layout)
+    write(tmp_path / "direct", recs, cuts, direct=True, monkeypatch=monkeypatch, layout=layout)
+    refused = {n for n, ok in direct_layouts if not ok}
+    assert not refused & {"topk_ids", "topk_logprobs", "tail_mass", "input_ids"}, refused
     a, b = files(tmp_path / "zarr"), files(tmp_path / "direct")
     assert a.keys() == b.keys() and len(a) > 20
     assert [n for n in a if a[n] != b[n]] == []
