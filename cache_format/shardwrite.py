@@ -121,7 +121,7 @@ def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
     )
 
 
-def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes, bytes]:
+def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes | np.ndarray, bytes]:
     """One inner chunk's stored bytes as their two parts, not concatenated: the blosc frame of
     its little-endian bytes (the array's own codec settings), or the zstd frame of its
     ``vlen-utf8`` bytes, and the frame's CRC32C."""
