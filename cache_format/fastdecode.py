@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cdecode, shardread
+from . import cdecode, outbuf, shardread
 from .shardread import DirectLayout
 
 EMPTY = np.uint64(2**64 - 1)
@@ -359,11 +359,11 @@ def read_arrays(
         at += (out * plan.row_bytes[a] + ALIGN - 1) // ALIGN * ALIGN
     meta = plan.meta.copy()
     meta[:, 4] = offsets
-    arena = np.empty(max(at, 1), np.uint8)
+    arena = outbuf.empty(max(at, 1))  # no huge-page request for large calls (outbuf)
     a_lp, widen = lp
     lp_out = None
-    if a_lp >= 0 and widen:
-        lp_out = np.empty((rows[a_lp], *plan.inner[a_lp]), np.float32)
+    if a_lp >= 0 and widen:  # (a separate allocation: one block with the arena was slower)
+        lp_out = outbuf.empty((rows[a_lp], *plan.inner[a_lp]), np.float32)
     dummy = lp_out if lp_out is not None else _DUMMY
     run = partial(_run, lays, root, plan, meta, arena, plan.lp_arg(a_lp, widen), dummy)
     if pool is not None and threads > 1:

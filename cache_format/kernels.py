@@ -20,6 +20,8 @@ from types import ModuleType
 
 import numpy as np
 
+from . import outbuf
+
 _SIGNED = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "int16", np.dtype(np.uint32): "int32"}
 
 
@@ -84,7 +86,7 @@ def half_to_float(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if h.dtype != np.float16:
         raise ValueError(f"half_to_float needs float16, got {h.dtype}")
     if out is None:
-        out = np.empty(h.shape, dtype=np.float32)
+        out = outbuf.empty(h.shape, np.float32)  # a read's output: no huge-page request
     elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("half_to_float: out must be a C-contiguous float32 array of h's shape")
     torch = _torch()

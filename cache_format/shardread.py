@@ -59,7 +59,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 from zarr.storage import LocalStore, StorePath
 
-from . import cdecode
+from . import cdecode, outbuf
 from .errors import ChecksumError, MissingDataError
 
 _EMPTY = 2**64 - 1
@@ -172,8 +172,9 @@ class DirectLayout:
         return math.prod(self.inner)
 
     def empty(self, rows: int) -> np.ndarray:
-        """An uninitialised output block of ``rows`` rows."""
-        return np.empty((rows, *self.inner), dtype=self.dtype)
+        """An uninitialised output block of ``rows`` rows (:func:`.outbuf.empty`: no huge-page
+        request for large blocks)."""
+        return outbuf.empty((rows, *self.inner), self.dtype)
 
     def shard_path(self, shard: int) -> StorePath:
         key = self.metadata.encode_chunk_key((shard,) + (0,) * len(self.inner))

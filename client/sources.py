@@ -122,11 +122,14 @@ class LocalSource:
     with one point read (``CacheReader.sequences``, FORMAT.md D4: only their own chunks, each
     decoded once; one compiled call per thread on a local store with numba) instead of merged
     range reads, as it always does with ``read_processes``; ``False``: range reads; ``None``
-    (default): point reads where the reader's compiled path serves them (a local directory store
-    and :mod:`~logitcache.cache_format.fastdecode` available), else range reads (an object store
-    answers few large range requests better than many chunk requests). The records are the
-    same either way; a uniform full shuffle read 3-14x the positions per CPU-second with point
-    reads on a 2-core VM (benchmarks/results/loader_point_reads_s8.md).
+    (default): point reads for a fetch of scattered sequences (at least one merged range per two
+    wanted sequences) where the reader's compiled path serves them (a local directory store and
+    :mod:`~logitcache.cache_format.fastdecode` available), else range reads (an object store
+    answers few large range requests better than many chunk requests; runs of neighbours, as
+    shuffle blocks fetch, decode cheaper as ranges). The records are the same either way; a
+    uniform full shuffle read 3-14x the positions per CPU-second with point reads on a 2-core VM
+    (benchmarks/results/loader_point_reads_s8.md), while ``TRAINER_SHUFFLE``'s 64-sequence
+    blocks took 2-3x the CPU with them (benchmarks/results/client.md, session 8).
     These settings are pickled with the source, so a DataLoader worker's reader (opened there)
     has them too. The reader's other settings stay its defaults (direct shard reads, numpy
     records).
@@ -241,11 +244,15 @@ class LocalSource:
             self._offsets = (starts, lengths, reader.keys)
         return self._offsets
 
-    def _point_reads(self) -> bool:
-        """Whether :meth:`fetch` makes one point read (``point_reads``, ``None`` resolved for
-        this process's reader)."""
+    def _point_reads(self, wanted: int, ranges: int) -> bool:
+        """Whether :meth:`fetch` reads ``wanted`` sequences, which merge into ``ranges`` sequence
+        ranges, with one point read (``point_reads``; ``None``: where the compiled path serves
+        this process's reader and the wanted sequences are scattered, at least one range per two
+        of them)."""
         if self.point_reads is not None:
             return self.point_reads
+        if 2 * ranges < wanted:
+            return False  # runs of neighbours (shuffle blocks): range reads decode them cheaper
         from logitcache.cache_format import fastdecode
 
         reader = self.reader
@@ -271,10 +278,10 @@ class LocalSource:
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
-        if self.read_processes or self._point_reads():
+        ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)
+        if self.read_processes or self._point_reads(len(wanted), len(ranges)):
             picked = wanted.tolist()
             return dict(zip(picked, self.reader.sequences(picked), strict=True))
-        ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)
         records = self.reader.read_ranges(ranges)
         sent = np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else wanted
         keep = np.isin(sent, wanted)

@@ -52,25 +52,32 @@ def test_point_reads_fetch_by_point_reads_and_keep_the_stream(tmp_path, monkeypa
         collect(other)
 
 
-def test_the_default_reads_points_where_the_compiled_path_serves_them(tmp_path, monkeypatch):
-    """``point_reads=None`` (default): a local directory store read by the compiled path is
-    fetched by point reads, the same stream as range reads; without the compiled path
-    (``fastdecode`` off), range reads."""
+def test_the_default_reads_scattered_fetches_by_point_reads(tmp_path, monkeypatch):
+    """``point_reads=None`` (default): a fetch of scattered sequences (at least one merged range
+    per two of them) from a local directory store read by the compiled path is one point read,
+    a fetch of neighbours (a shuffle block) range reads, and without the compiled path
+    (``fastdecode`` off) range reads; the records are the range reads' every time."""
     from logitcache.cache_format import fastdecode
 
     url = str(tmp_path / "c")
     _write(url, SMALL)
-    ranged = collect(CacheDataset(url, point_reads=False, **OPTS))
-    ds = CacheDataset(url, **OPTS)
-    assert ds.point_reads is None and ds.source.point_reads is None
+    want = LocalSource(url, point_reads=False).fetch(range(40))
+    src = LocalSource(url, max_gap_tokens=0)  # only adjacent sequences merge
+    assert src.point_reads is None and "point_reads" not in repr(src)
+    scattered, block = [2, 9, 17, 30, 35], list(range(8, 20))
     if fastdecode.AVAILABLE and fastdecode.ready():
-        calls = _no_range_reads(ds.source, monkeypatch)
-        assert same_stream(collect(ds), ranged) and sum(calls) >= 40
+        calls = _no_range_reads(src, monkeypatch)
+        got = src.fetch(scattered)
+        assert calls == [5] and all(got[i].equals(want[i]) for i in scattered)
+        with pytest.raises(AssertionError, match="a range read"):
+            src.fetch(block)
     monkeypatch.setattr(fastdecode, "AVAILABLE", False)
-    off = CacheDataset(url, **OPTS)
-    _no_range_reads(off.source, monkeypatch)
+    off = LocalSource(url, max_gap_tokens=0)
+    _no_range_reads(off, monkeypatch)
     with pytest.raises(AssertionError, match="a range read"):
-        collect(off)
+        off.fetch(scattered)
+    got = LocalSource(url).fetch(block)  # no patch: range reads, the same records
+    assert all(got[i].equals(want[i]) for i in block)
 
 
 def test_local_source_takes_point_reads_itself(tmp_path, monkeypatch) -> None:
