@@ -30,3 +30,17 @@ def test_the_script_runs_on_the_other_tree(tmp_path):
     ).stdout
     assert out.startswith("other tree ") and str(other / "spec.py") in out
     assert out.rstrip().endswith("['--x', '1']")
+
+
+def test_loader_sys_time_runs_on_a_small_store(tmp_path):
+    """``benchmarks/loader_sys_time.py`` (its usage line, on a small store): one line of figures."""
+    from test_format_random_access import SMALL, _write
+
+    _write(tmp_path / "c", SMALL)
+    for mode in ("auto", "true", "false"):
+        out = subprocess.run(
+            [sys.executable, "-W", "ignore", "benchmarks/loader_sys_time.py", str(tmp_path / "c"),
+             mode, "1", "--batches", "2"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert out.startswith(f"point_reads={mode} batches ") and " sys " in out
