@@ -2,32 +2,51 @@
 
 numpy asks the kernel for transparent huge pages (``madvise(MADV_HUGEPAGE)``) for every array of
 4 MiB or more. Where THP defragmentation is ``madvise`` (the 2-core VM: ``defrag`` =
-``[madvise]``), the first write to such an array can stall on memory compaction and zero whole
+``[madvise]``), the first write to such memory can stall on memory compaction and zero whole
 2 MiB pages, in system time that comes and goes with the machine's memory state: a loader
 fetching 64-sequence blocks spent 8-9 s of system time per 157 batches with its outputs from
 numpy, 1.4-1.6 s without (session 8; the job process turns numpy's requests off for the same
 reason, ``server/jobs.py::numpy_hugepages_off``). A library should not change numpy's global
-setting, so the reader allocates its own large outputs here: an anonymous mapping (4 KiB pages,
-faulted in as they are written, unmapped when the last view of the array is gone).
+setting, so the reader takes its large outputs from here: numpy's allocation (malloc reuses
+freed memory, already faulted in), with the request withdrawn at once (``MADV_NOHUGEPAGE`` on
+its whole pages, before anything is written). A fresh anonymous mapping per call was tried
+first: it avoided the stalls but faulted every page of every call in (``sequences(32)`` at half
+its rate).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+from typing import Any
 
 import numpy as np
 
 HUGEPAGE_BYTES = 4 << 20
 """numpy's threshold for its huge-page request (``numpy/_core/src/multiarray/alloc.c``)."""
 
+_PAGE = mmap.PAGESIZE
+_MADV_NOHUGEPAGE = 15  # linux/mman.h
+_madvise: Any = None
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _madvise.restype = ctypes.c_int
+except (AttributeError, OSError):  # not Linux/glibc: nothing to withdraw
+    _madvise = None
+
 
 def empty(shape: int | tuple[int, ...], dtype: np.dtype | type | str = np.uint8) -> np.ndarray:
-    """An uninitialised C-contiguous array: numpy's below :data:`HUGEPAGE_BYTES`, an anonymous
-    mapping from there (contents then zero, as the kernel maps them)."""
+    """An uninitialised C-contiguous numpy array; from :data:`HUGEPAGE_BYTES` on, its whole pages
+    advised ``MADV_NOHUGEPAGE`` (numpy's huge-page request withdrawn) before it is returned."""
     dt = np.dtype(dtype)
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    out = np.empty(dims, dtype=dt)
     nbytes = math.prod(dims) * dt.itemsize
-    if nbytes < HUGEPAGE_BYTES:
-        return np.empty(dims, dtype=dt)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dt).reshape(dims)
+    if nbytes >= HUGEPAGE_BYTES and _madvise is not None:
+        start = -(-out.ctypes.data // _PAGE) * _PAGE
+        end = (out.ctypes.data + nbytes) // _PAGE * _PAGE
+        if end > start:
+            _madvise(start, end - start, _MADV_NOHUGEPAGE)  # advice only: errors are ignored
+    return out
