@@ -40,6 +40,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from .errors import ChecksumError, MissingDataError
 from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
+from .shardread import _decode_chunk as shardread_decode_chunk
 
 #: The ``vlen-utf8`` encoding zarr applies to string chunks (``zarr.codecs.vlen_utf8``).
 _VLEN = VLenUTF8()
@@ -137,6 +138,10 @@ def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes | np.ndarr
 
 
 def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarray:
+    if lay.raw:  # the read side's check and copy: CRC32C, size, bytes
+        out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
+        shardread_decode_chunk(lay, frame, out, where)
+        return out
     if not _crc_ok(frame):
         raise ChecksumError(f"{where}: inner chunk fails its CRC32C")
     if lay.dtype == np.dtype(object):
@@ -148,11 +153,6 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
             raise ChecksumError(f"{where}: inner chunk holds {out.shape[0]} items")
         return out
     out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
-    if lay.raw:
-        if frame.size != out.nbytes + 4:
-            raise ChecksumError(f"{where}: inner chunk of {frame.size - 4} bytes, not {out.nbytes}")
-        out[...] = frame[:-4].view(lay.dtype.newbyteorder("<")).reshape(out.shape)
-        return out
     try:
         numcodecs.blosc.decompress(frame[:-4].tobytes(), out)
     except Exception as e:  # a wrong-size or broken frame

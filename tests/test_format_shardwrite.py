@@ -123,18 +123,21 @@ def test_damaged_committed_shard_is_a_typed_error(tmp_path: Path, monkeypatch) -
     assert CacheReader(url).num_sequences == 3
 
 
-def test_two_writers_taking_turns(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("layout", [LAYOUT, RAW], ids=["blosc", "raw"])
+def test_two_writers_taking_turns(tmp_path: Path, monkeypatch, layout) -> None:
     """Each writer keeps its opened arrays between appends; after the other writer has appended
-    (or a writer died past the commit) they are read again: same bytes as one writer through
-    zarr, and after leftover rows the same values."""
+    (or a writer died past the commit) they are read again (a partial chunk decoded back: blosc,
+    or a raw chunk checked and copied): same bytes as one writer through zarr, and after
+    leftover rows the same values."""
     recs = make_records(12, k=K, vocab=VOCAB, seed=8)
-    write(tmp_path / "ref", recs[:10], [2, 4, 6, 8], direct=False, monkeypatch=monkeypatch)
+    ref = tmp_path / "ref"
+    write(ref, recs[:10], [2, 4, 6, 8], direct=False, monkeypatch=monkeypatch, layout=layout)
     monkeypatch.setattr(writer, "DIRECT_WRITES", True)
     url, m = tmp_path / "two", make_manifest(k=K, vocab_size=VOCAB)
-    with CacheWriter.open(url, m, layout=LAYOUT) as a, CacheWriter.open(url, m) as b:
+    with CacheWriter.open(url, m, layout=layout) as a, CacheWriter.open(url, m) as b:
         for i, w in enumerate([a, b, a, a, b]):
             w.append(recs[2 * i : 2 * i + 2])
-        assert files(tmp_path / "ref") == files(url)
+        assert files(ref) == files(url)
         a.append(recs[10:11])  # a's kept arrays end at the commit ...
         b._refresh_manifest()
         stray = writer.encode_batch(make_records(3, prefix="x"), b.manifest)
