@@ -16,9 +16,9 @@ read with ``preadv`` straight into the arena where one range uses it whole, else
 logprob row delta and widens float16 to float32 (LLVM ``fpext half``: exact, as numpy's and
 torch's casts). The C functions are those :mod:`.cdecode` finds in the installed wheels
 (``crc32c_value`` of google_crc32c's libcrc32c, ``blosc_decompress_ctx`` of numcodecs' blosc
-extension) and libc's ``pread`` and ``memcpy``, passed to the compiled code as ctypes function
-pointers. With a decode pool (``decode_threads >
-1``) a call is cut at chunk edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
+extension) and libc's ``pread``, ``preadv`` and ``memcpy``, passed to the compiled code as their
+addresses (:func:`_cfuncs`). With a decode pool (``decode_threads > 1``) a call is cut at chunk
+edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
 
 The values are those of :mod:`.pointread`, bit for bit, and every CRC32C is checked. What this
 path does not handle it hands back (``None``: the caller reads the call through
@@ -223,15 +223,6 @@ def _tables(lay: DirectLayout) -> _Tables:
     return t
 
 
-def _buffer_i64(attr: str, size: int) -> np.ndarray:
-    """This thread's int64 array ``attr`` of exactly ``size`` items (made once per thread)."""
-    got = getattr(_local, attr, None)
-    if got is None or got.size != size:
-        got = np.zeros(size, np.int64)
-        setattr(_local, attr, got)
-    return got
-
-
 ALIGN = 64
 """Byte alignment of each array's block in a call's arena."""
 
@@ -400,7 +391,8 @@ def _run(
 ) -> bool:
     """One compiled call over ``items`` (in this thread); ``False``: hand the call back."""
     fd_tabs, idx_tabs = plan.fd_tabs, plan.idx_tabs
-    status = _buffer_i64("status", 2 + 2 * MAX_MISSING)
+    n_status = 2 + 2 * MAX_MISSING
+    status = _buffer("status", 8 * n_status).view(np.int64)[:n_status]
     scratch = _buffer("scratch", plan.scratch)
     kernel, fns = _kernels["read_items"], _kernels["fns"]  # type: ignore[index]
     close: list[int] = []

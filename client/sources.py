@@ -270,8 +270,8 @@ class LocalSource:
         sequence range (:func:`merged_ranges`); all ranges are read by one
         ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
         concurrent) and the unwanted sequences in between are dropped. With point reads (see
-        the class: the default on a local store read by the compiled path) or
-        ``read_processes`` the wanted sequences are read with one point read
+        the class: by default for scattered sequences on a local store read by the compiled
+        path) or ``read_processes`` the wanted sequences are read with one point read
         (``CacheReader.sequences``) instead.
         """
         _, lengths, _ = self._index()
