@@ -2,8 +2,9 @@
 
 Each tree is a directory holding the project's packages (``cache_format/``, ``server/``, ...),
 such as a commit exported with ``git archive``; every run is a fresh process of *this* checkout's
-``benchmarks/job_cpu_bench.py`` with the editable install's ``MAPPING`` pointed at that tree
-before anything of the project is imported, so both trees run the same bench script. Rounds
+``benchmarks/job_cpu_bench.py`` run through ``benchmarks/run_with_tree.py`` (the editable
+install's ``MAPPING`` pointed at that tree before anything of the project is imported), so both
+trees run the same bench script. Rounds
 alternate which tree goes first (odd rounds: ``--a`` first); each round runs, per tree, one
 process per ``--prefill`` value. Every run's JSON is kept, and a summary (median and min per
 tree, prefill and k; the median paired difference; in how many rounds B was lower) printed and
@@ -29,25 +30,12 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent / "job_cpu_bench.py"
-
-_RUNNER = """
-import runpy, sys
-import __editable___logitcache_0_1_0_finder as finder
-root = sys.argv[1]
-for name, path in list(finder.MAPPING.items()):
-    finder.MAPPING[name] = root + "/" + path.rstrip("/").rsplit("/", 1)[1]
-import logitcache.cache_format, logitcache.server
-for mod in (logitcache.cache_format, logitcache.server):
-    assert str(mod.__path__[0]).startswith(root), (mod.__path__, root)
-bench = sys.argv[2]
-sys.argv = [bench, *sys.argv[3:]]
-runpy.run_path(bench, run_name="__main__")
-"""
+RUN_WITH_TREE = Path(__file__).resolve().parent / "run_with_tree.py"
 
 
 def run_one(tree: Path, bench_args: list[str], prefill: int, out: Path) -> dict:
     """One bench process over ``tree``; its JSON."""
-    cmd = [sys.executable, "-c", _RUNNER, str(tree), str(BENCH), *bench_args]
+    cmd = [sys.executable, str(RUN_WITH_TREE), str(tree), str(BENCH), *bench_args]
     cmd += ["--prefill", str(prefill), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
