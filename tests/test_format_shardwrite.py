@@ -18,19 +18,10 @@ from logitcache.cache_format import CacheReader, CacheWriter, spec, validate, wr
 from logitcache.cache_format.errors import ChecksumError, MissingDataError
 from logitcache.cache_format.spec import DEFAULT_LAYOUT
 
-LAYOUT = replace(
-    DEFAULT_LAYOUT, row_chunk=16, row_shard=64, token_chunk=32, token_shard=128, seq_chunk=4,
-    seq_shard=16,
-)  # fmt: skip
-RAW = replace(
-    spec.RANDOM_ACCESS_RAW_LAYOUT,
-    row_chunk=16,
-    row_shard=64,
-    token_chunk=32,
-    token_shard=128,
-    seq_chunk=4,
-    seq_shard=16,
-)  # fmt: skip  (no compressor: the chunks' bytes, then their CRC32C)
+#: Small chunks and shards, so that every case spans many of them.
+SMALL = dict(row_chunk=16, row_shard=64, token_chunk=32, token_shard=128, seq_chunk=4, seq_shard=16)
+LAYOUT = replace(DEFAULT_LAYOUT, **SMALL)
+RAW = replace(spec.RANDOM_ACCESS_RAW_LAYOUT, **SMALL)  # no compressor: bytes, then CRC32C
 K, VOCAB = 8, 1000
 
 
