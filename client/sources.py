@@ -511,6 +511,16 @@ def _pack_ranges(ranges: list[tuple[int, int]], limit: int) -> list[list[tuple[i
     return groups
 
 
+_SOURCE_MEMBERS = ("manifest", "num_sequences", "lengths", "fetch", "refresh")
+
+
+def _is_source(obj: object) -> bool:
+    """Whether ``obj`` has :class:`CacheSource`'s members, looked up on its type:
+    ``isinstance(obj, CacheSource)`` on Python 3.11 reads each property of the object, so an
+    :class:`HttpSource` would make a request to its server inside the check."""
+    return all(hasattr(type(obj), name) for name in _SOURCE_MEMBERS)
+
+
 def open_source(
     location: str | os.PathLike[str] | CacheSource,
     *,
@@ -521,8 +531,12 @@ def open_source(
     """Turn a location into a source: a source is returned as is; ``http(s)://`` URLs need
     ``cache`` (the cache name on the server) and give an :class:`HttpSource`; anything else
     (local path, ``s3://``, ``file://``) gives a :class:`LocalSource`."""
-    if isinstance(location, CacheSource) and not isinstance(location, str | os.PathLike):
-        return location
+    if not isinstance(location, str | os.PathLike):
+        if _is_source(location):
+            return location
+        raise SourceError(
+            f"a cache location is a path, a URL or a CacheSource, not {type(location).__name__}"
+        )
     url = os.fspath(location)
     if url.startswith(("http://", "https://")):
         if cache is None:
