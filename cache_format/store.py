@@ -21,6 +21,8 @@ options: FsspecStore takes them as they are, obstore gets them translated one wa
 from __future__ import annotations
 
 import asyncio
+import errno
+import mmap
 import os
 import threading
 import uuid
@@ -60,6 +62,67 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: Objects of at least this many bytes are written with ``O_DIRECT`` (:class:`DurableLocalStore`).
+DIRECT_IO_MIN = 1 << 16
+#: Alignment of ``O_DIRECT`` transfers (memory address, file offset, length): a page, a multiple
+#: of every logical block size Linux filesystems use.
+DIRECT_IO_ALIGN = 4096
+#: The page-aligned bounce buffer (one per thread, kept) through which an object whose memory is
+#: not page-aligned, and the last partial page of any object, are written.
+DIRECT_IO_BUFFER = 4 << 20
+#: Environment variable: ``0``/``false``/``no``/``off`` turns ``O_DIRECT`` writes off for stores
+#: opened without an explicit ``direct_io`` argument.
+DIRECT_IO_ENV = "LOGITCACHE_DIRECT_IO"
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_bounce = threading.local()
+
+
+def direct_io_default() -> bool:
+    """Whether stores use ``O_DIRECT`` when not told (:data:`DIRECT_IO_ENV`, default on; never
+    where the platform has no ``O_DIRECT``)."""
+    text = os.environ.get(DIRECT_IO_ENV, "1").strip().lower()
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text not in ("", "1", "true", "yes", "on"):
+        raise ValueError(f"{DIRECT_IO_ENV} must be 1 or 0, got {text!r}")
+    return bool(_O_DIRECT)
+
+
+def _address(data: memoryview) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _write_direct(fd: int, data: memoryview) -> None:
+    """Write ``data`` to ``fd`` (opened with ``O_DIRECT``, at offset 0) and cut the file to its
+    size: the page-aligned whole pages of ``data`` straight from its memory, everything else
+    (memory not page-aligned, the last partial page) through this thread's bounce buffer, zero
+    padded to a page (the padding is truncated away)."""
+    n, a = len(data), DIRECT_IO_ALIGN
+    pos = 0
+    if _address(data) % a == 0:
+        pos = n - n % a
+        _write_all(fd, data[:pos])
+    buf = getattr(_bounce, "buf", None)
+    if pos < n and buf is None:
+        buf = _bounce.buf = mmap.mmap(-1, DIRECT_IO_BUFFER)  # page-aligned
+    while pos < n:
+        m = min(DIRECT_IO_BUFFER, n - pos)
+        padded = -(-m // a) * a
+        buf[:m] = data[pos : pos + m]
+        buf[m:padded] = bytes(padded - m)
+        _write_all(fd, memoryview(buf)[:padded])
+        pos += m
+    if n % a:
+        os.ftruncate(fd, n)
+
+
 class DurableLocalStore(zarr.storage.LocalStore):
     """A :class:`zarr.storage.LocalStore` whose object writes survive power loss once
     :meth:`sync_dirs` has returned.
@@ -70,12 +133,29 @@ class DurableLocalStore(zarr.storage.LocalStore):
     directory is fsynced: the store remembers every directory whose entries it changed and
     :meth:`sync_dirs` fsyncs each once. The writer calls it after the data of an append and again
     after the commit (FORMAT.md W3-W5).
+
+    **O_DIRECT.** Objects of :data:`DIRECT_IO_MIN` bytes or more (the shards) are written to their
+    temporary file with ``O_DIRECT`` (issue #19): page-aligned memory straight from the caller's
+    buffer, the rest through a page-aligned bounce buffer, padded to a page and truncated back to
+    the object's size, then fsynced and renamed as above: the same bytes and the same crash
+    safety, without the copy into the page cache (on the 2-core VM that copy's system time came
+    and went with fresh page-cache pages, 0.2-1.9 CPU-us/position at k=100). Smaller objects
+    (``zarr.json``) go through the page cache. A filesystem that refuses ``O_DIRECT`` (``EINVAL``
+    on open or on the first write: tmpfs, ``/dev/shm``, some FUSE mounts) gets the buffered write,
+    and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False``, or
+    ``LOGITCACHE_DIRECT_IO=0`` in the environment for a store opened without the argument, turns
+    it off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it
+    comes from the disk.
     """
 
-    def __init__(self, root: Path | str, *, read_only: bool = False) -> None:
+    def __init__(
+        self, root: Path | str, *, read_only: bool = False, direct_io: bool | None = None
+    ) -> None:
         super().__init__(root, read_only=read_only)
         self._dirty: set[Path] = set()
         self._dirty_lock = threading.Lock()
+        # objects of DIRECT_IO_MIN bytes or more written with O_DIRECT (False once refused)
+        self.direct_io = direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)
 
     def _put_durable(self, path: Path, value: Buffer, exclusive: bool) -> None:
         changed = [path.parent]
@@ -84,12 +164,14 @@ class DurableLocalStore(zarr.storage.LocalStore):
             changed.append(missing.parent)
             missing = missing.parent
         path.parent.mkdir(parents=True, exist_ok=True)
+        data = memoryview(value.as_buffer_like()).cast("B")
         tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
         try:
-            with tmp.open("wb") as f:
-                f.write(value.as_buffer_like())
-                f.flush()
-                os.fsync(f.fileno())
+            if not (self.direct_io and len(data) >= DIRECT_IO_MIN and self._put_direct(tmp, data)):
+                with tmp.open("wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
             if exclusive:  # like zarr: fails if the key exists
                 os.link(tmp, path)
                 os.unlink(tmp)
@@ -100,6 +182,35 @@ class DurableLocalStore(zarr.storage.LocalStore):
             raise
         with self._dirty_lock:
             self._dirty.update(changed)
+
+    def _put_direct(self, tmp: Path, data: memoryview) -> bool:
+        """Write ``data`` to the new file ``tmp`` with ``O_DIRECT`` and fsync it; False (nothing
+        left at ``tmp``, :attr:`direct_io` now False) if the filesystem refuses ``O_DIRECT``."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _O_DIRECT
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct_io = False
+            tmp.unlink(missing_ok=True)  # the file may have been created before the refusal
+            return False
+        try:
+            try:
+                _write_direct(fd, data)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct_io = False  # open took the flag, the filesystem refused the write
+                os.close(fd)
+                fd = -1
+                tmp.unlink()
+                return False
+            os.fsync(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        return True
 
     async def _set(self, key: str, value: Buffer, exclusive: bool = False) -> None:
         if not self._is_open:
@@ -236,11 +347,14 @@ def open_store(
     *,
     read_only: bool,
     fsync: bool = True,
+    direct_io: bool | None = None,
 ) -> StoreHandle:
     """Open the zarr store behind ``url`` (see module docstring for the URL forms).
 
     ``fsync=False`` writes a local store without fsync (zarr's plain LocalStore: faster, not
-    durable against power loss; still atomic per object).
+    durable against power loss; still atomic per object). ``direct_io``: whether a durable local
+    store writes its large objects with ``O_DIRECT`` (:class:`DurableLocalStore`; ``None``: yes
+    unless ``LOGITCACHE_DIRECT_IO=0``).
     """
     url = str(url)
     options = normalize_storage_options(url, storage_options)
@@ -250,8 +364,11 @@ def open_store(
         path = Path(urlparse(url).path if scheme == "file" else url).expanduser().absolute()
         if not read_only:
             path.mkdir(parents=True, exist_ok=True)
-        cls = DurableLocalStore if fsync and not read_only else zarr.storage.LocalStore
-        local: zarr.abc.store.Store = cls(path, read_only=read_only)
+        local: zarr.abc.store.Store
+        if fsync and not read_only:
+            local = DurableLocalStore(path, direct_io=direct_io)
+        else:
+            local = zarr.storage.LocalStore(path, read_only=read_only)
         return StoreHandle(url=url, zstore=local, kind="local", local_path=path)
     if scheme in OBJECT_SCHEMES and backend in (None, "obstore"):
         from obstore.store import from_url

@@ -390,6 +390,7 @@ class CacheWriter:
         lock_timeout: float = 60.0,
         lock_ttl: float = 60.0,
         fsync: bool = True,
+        direct_io: bool | None = None,
     ) -> CacheWriter:
         """Create the cache at ``url`` or resume it.
 
@@ -400,10 +401,13 @@ class CacheWriter:
         ``lock_ttl``: object-store lease length (see lock.py). ``fsync`` (local stores): make
         each append durable against power loss before :meth:`append` returns (FORMAT.md W5);
         ``False`` skips the fsyncs (faster, still crash-safe against the process dying).
+        ``direct_io`` (local stores with ``fsync``): write the shards with ``O_DIRECT``, not
+        through the page cache (``None``: yes unless ``LOGITCACHE_DIRECT_IO=0``; see
+        :class:`.store.DurableLocalStore`).
         """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"expected Manifest, got {type(manifest).__name__}")
-        handle = open_store(url, storage_options, read_only=False, fsync=fsync)
+        handle = open_store(url, storage_options, read_only=False, fsync=fsync, direct_io=direct_io)
         self = cls(
             handle,
             manifest.model_copy(deep=True),
