@@ -463,7 +463,10 @@ class CacheReader:
         blockwise = dtype in ("float16", "float32") and (
             dtype == "float16" or logprob_dtype == "float32"
         )
-        if into is None and blockwise and fastdecode.AVAILABLE and fastdecode.ready():
+        if blockwise and fastdecode.AVAILABLE and fastdecode.ready():
+            # The compiled read decodes into its own arena even when ``into`` is given: a
+            # reader process (procread) copies it out, which costs less than the per-chunk
+            # path below decoding in place (benchmarks/results/client.md, session 9).
             fast = self._fetch_fast(spans, names, logprob_dtype)
             if fast is not None:
                 return fast

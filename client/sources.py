@@ -9,6 +9,7 @@ spawn), so a source built in the trainer can be handed to workers.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -515,10 +516,11 @@ _SOURCE_MEMBERS = ("manifest", "num_sequences", "lengths", "fetch", "refresh")
 
 
 def _is_source(obj: object) -> bool:
-    """Whether ``obj`` has :class:`CacheSource`'s members, looked up on its type:
-    ``isinstance(obj, CacheSource)`` on Python 3.11 reads each property of the object, so an
-    :class:`HttpSource` would make a request to its server inside the check."""
-    return all(hasattr(type(obj), name) for name in _SOURCE_MEMBERS)
+    """Whether ``obj`` has :class:`CacheSource`'s members (as attributes of the object or of its
+    type), looked up without calling them: ``isinstance(obj, CacheSource)`` on Python 3.11 reads
+    each property, so an :class:`HttpSource` would make a request to its server in the check."""
+    missing = object()
+    return all(inspect.getattr_static(obj, n, missing) is not missing for n in _SOURCE_MEMBERS)
 
 
 def open_source(

@@ -29,3 +29,18 @@ def test_an_http_source_is_returned_without_a_request(transport: str) -> None:
 def test_a_non_location_is_a_typed_error() -> None:
     with pytest.raises(SourceError, match="not int"):
         open_source(3)  # type: ignore[arg-type]
+
+
+def test_a_source_with_instance_attributes_passes_through() -> None:
+    class Plain:  # the protocol's data members set on the object, not properties of its type
+        def __init__(self) -> None:
+            self.manifest, self.num_sequences, self.lengths = None, 0, []
+
+        def fetch(self, indices):  # pragma: no cover - never read
+            return {}
+
+        def refresh(self) -> None:  # pragma: no cover
+            pass
+
+    src = Plain()
+    assert open_source(src) is src
