@@ -26,9 +26,11 @@ kernel module :mod:`._encodekernels` keeps its functions at module level so that
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -139,6 +141,57 @@ class StampTable:
         s = self.next
         self.next += rows
         return s
+
+
+#: Largest output kept between appends, in top-k entries (``rows * k``): 64 MiB of ids and 32 MiB
+#: of stored logprobs. A job's appends hold at most ``jobs.MERGE_VALUES`` (2**23) and a batch;
+#: a larger append gets arrays of its own, freed with it.
+KEEP_VALUES = 1 << 24
+
+
+class Outputs:
+    """The compiled encode's output arrays, kept from one append to the next (issue #19).
+
+    Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages: at 65K rows and
+    k=100 (~40 MB) that is ~10K page faults, whose system time (~0.25 CPU-us per row on the
+    2-core VM) was half of the encode stage, and an ``int32`` array over glibc's largest mmap
+    threshold (32 MiB) is a new mapping every time. These are faulted in once and reused.
+    Taken through :func:`outputs` for the length of one append: the arrays it hands out are
+    overwritten by the next append that takes the same :class:`Outputs`."""
+
+    def __init__(self) -> None:
+        self._ids = np.empty(0, np.int32)
+        self._stored = np.empty(0, np.uint16)
+
+    def take(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int32 [rows, k], stored uint16 [rows, k])``, uninitialised; views of the kept
+        buffers when they fit in :data:`KEEP_VALUES` (grown as needed), else new arrays."""
+        n = rows * k
+        if n > KEEP_VALUES:
+            return np.empty((rows, k), np.int32), np.empty((rows, k), np.uint16)
+        if n > self._ids.size:
+            size = min(max(n + n // 4, 1 << 16), KEEP_VALUES)  # headroom: group sizes vary
+            self._ids, self._stored = np.empty(0, np.int32), np.empty(0, np.uint16)  # free first
+            self._ids, self._stored = np.empty(size, np.int32), np.empty(size, np.uint16)
+        return self._ids[:n].reshape(rows, k), self._stored[:n].reshape(rows, k)
+
+
+_outputs: list[Outputs] = []  # free ones, for the next append of any writer
+_outputs_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def outputs() -> Iterator[Outputs]:
+    """An :class:`Outputs` for one append (:meth:`.writer.CacheWriter.append`), returned to a
+    process-wide pool at its end; concurrent appends take one each."""
+    with _outputs_lock:
+        out = _outputs.pop() if _outputs else Outputs()
+    try:
+        yield out
+    finally:
+        with _outputs_lock:
+            if len(_outputs) < 2:
+                _outputs.append(out)
 
 
 def parent_rows(a: np.ndarray) -> np.ndarray:

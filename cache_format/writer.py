@@ -152,9 +152,12 @@ def _groups(records: list[SequenceRecord], rows_per_group: int) -> list[tuple[in
     return out
 
 
-def encode_batch(records: list[Any], manifest: Manifest) -> _Batch | None:
+def encode_batch(
+    records: list[Any], manifest: Manifest, out: fastencode.Outputs | None = None
+) -> _Batch | None:
     """Validate every record of ``records`` against ``manifest`` and convert the batch to the
-    stored dtypes, concatenated (``None`` for an empty batch).
+    stored dtypes, concatenated (``None`` for an empty batch). With ``out``, the compiled pass
+    writes the top-k ids and logprobs into its arrays (valid until ``out`` is taken again).
 
     Accepts and refuses exactly what :func:`encode_record` does record by record, with the same
     :class:`~.errors.RecordError` (the first bad record's, with its index): the value checks run
@@ -171,7 +174,7 @@ def encode_batch(records: list[Any], manifest: Manifest) -> _Batch | None:
         isinstance(r, SequenceRecord) and r.k == k and (mask or r.loss_mask is None)
         for r in records
     ):
-        got = _encode_groups(records, manifest)
+        got = _encode_groups(records, manifest, out)
     if got is None:
         for i, r in enumerate(records):
             encode_record(r, manifest, i)  # raises the first bad record's error
@@ -187,7 +190,7 @@ def encode_batch(records: list[Any], manifest: Manifest) -> _Batch | None:
 
 
 def _encode_groups(
-    records: list[SequenceRecord], manifest: Manifest
+    records: list[SequenceRecord], manifest: Manifest, out: fastencode.Outputs | None = None
 ) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
     """The row arrays and input ids of checked ``records`` (all of the cache's ``k``), or
     ``None`` as soon as a group fails :func:`.records.rows_pass`. float16 stores with a
@@ -199,7 +202,7 @@ def _encode_groups(
         and manifest.vocab_size <= fastencode.MAX_VOCAB
         and fastencode.ready()
     ):
-        return _encode_fused(records, manifest)
+        return _encode_fused(records, manifest, out)
     k = manifest.k
     row_end = np.cumsum([r.num_rows for r in records])
     tok_end = np.cumsum([r.length for r in records])
@@ -247,7 +250,7 @@ _tables_lock = threading.Lock()
 
 
 def _encode_fused(
-    records: list[SequenceRecord], manifest: Manifest
+    records: list[SequenceRecord], manifest: Manifest, out: fastencode.Outputs | None = None
 ) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
     """:func:`_encode_groups`'s result through :func:`.fastencode.encode_rows`: one compiled
     call per record checks its rows and writes its ids and float16 row deltas straight into the
@@ -260,8 +263,10 @@ def _encode_fused(
     if inp.size and (int(inp.min()) < 0 or int(inp.max()) >= vocab):
         return None
     total = sum(r.num_rows for r in records)
-    ids = np.empty((total, k), dtype=np.int32)
-    stored = np.empty((total, k), dtype=np.uint16)
+    if out is not None:  # faulted in once, reused (fastencode.Outputs)
+        ids, stored = out.take(total, k)
+    else:
+        ids, stored = np.empty((total, k), np.int32), np.empty((total, k), np.uint16)
     tails = np.empty(total, dtype=np.float32)
     with _tables_lock:  # one table per writer thread at a time
         table = _tables.pop(vocab, None) or fastencode.StampTable(vocab)
@@ -505,7 +510,11 @@ class CacheWriter:
         """
         if self._closed:
             raise FormatError("writer is closed")
-        encoded = encode_batch(list(records), self._manifest)
+        with fastencode.outputs() as out:  # its arrays are written before this returns
+            return self._append(list(records), out)
+
+    def _append(self, records: list[SequenceRecord], out: fastencode.Outputs) -> int:
+        encoded = encode_batch(records, self._manifest, out)
         if encoded is None:
             return 0
         self._lock.acquire(self._lock_timeout)

@@ -290,3 +290,48 @@ def test_the_kernel_is_cached_on_disk() -> None:
     (its closure's pickled bytes, part of numba's cache key, differ between processes)."""
     _kernel_cache_stats()  # fills the cache if it is empty
     assert _kernel_cache_stats() == (2, 0)
+
+
+def test_appends_reuse_the_encode_outputs(tmp_path, monkeypatch) -> None:
+    """An append's compiled encode writes into arrays kept from the appends before (no fresh
+    pages per append, issue #19); every append still stores its own rows."""
+    from logitcache.cache_format import CacheReader, CacheWriter
+
+    monkeypatch.setattr(fastencode, "_outputs", [])
+    m = make_manifest(k=6, vocab_size=50)
+    recs = make_records(12, k=6, vocab=50, seed=4)
+    taken: list[tuple[int, int]] = []  # (buffer address, rows) per append
+    real = fastencode.Outputs.take
+
+    def spy(self: fastencode.Outputs, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, stored = real(self, rows, k)
+        taken.append((ids.__array_interface__["data"][0], rows))
+        return ids, stored
+
+    monkeypatch.setattr(fastencode.Outputs, "take", spy)
+    with CacheWriter.open(tmp_path / "c", m) as w:
+        for a in range(0, 12, 3):
+            w.append(recs[a : a + 3])
+    assert len(taken) == 4 and len({addr for addr, _ in taken}) == 1, taken
+    assert len(fastencode._outputs) == 1  # back in the pool
+    r = CacheReader(tmp_path / "c")
+    for got, want in zip(r.sequences(range(12)), recs, strict=True):
+        assert np.array_equal(got.topk_ids, want.topk_ids)
+        assert (
+            got.topk_logprobs.tobytes()
+            == want.topk_logprobs.astype(np.float16).astype(np.float32).tobytes()
+        )
+
+
+def test_outputs_grow_and_large_ones_are_not_kept(monkeypatch) -> None:
+    monkeypatch.setattr(fastencode, "KEEP_VALUES", 1 << 20)
+    out = fastencode.Outputs()
+    ids, stored = out.take(10, 7)
+    assert ids.shape == stored.shape == (10, 7) and ids.dtype == np.int32
+    assert stored.dtype == np.uint16 and np.shares_memory(out.take(3, 5)[0], ids)  # reused
+    big = out.take(1000, 100)[0]  # 100K values: grown, kept
+    assert not np.shares_memory(big, ids) and np.shares_memory(out.take(2, 2)[0], big)
+    huge = out.take(1100, 1000)[0]  # past KEEP_VALUES: arrays of its own; the kept ones stay
+    assert not np.shares_memory(huge, big) and np.shares_memory(out.take(2, 2)[0], big)
+    with fastencode.outputs() as a, fastencode.outputs() as b:  # concurrent appends
+        assert a is not b
