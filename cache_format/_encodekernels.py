@@ -85,3 +85,53 @@ def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  #
         if bad:
             return 1
     return 0
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def tail_rest(lp, rest):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """``rest[r, j] = lp[r, j + 1] - lp[r, 0]`` (float32, as numpy subtracts) for ``rest``'s
+    ``[n, k - 1]``; ``lp``: C-ordered ``[n, w]``, ``w >= k`` (columns past ``k`` never read).
+    1 when some difference is not ``<= 0`` (an unsorted row, NaN), else 0: one pass where
+    :func:`.records.tail_from_logprobs`'s numpy form makes a broadcast subtraction (buffered
+    for row views) and a comparison."""
+    n, c = rest.shape
+    bad = False
+    for r in range(n):
+        m = lp[r, 0]
+        for j in range(c):
+            d = lp[r, j + 1] - m
+            bad |= not (d <= 0.0)
+            rest[r, j] = d
+    return 1 if bad else 0
+
+
+#: Longest row :func:`row_sums` takes: numpy's pairwise sum splits longer ones in halves,
+#: recursively (a self-recursive numba function does not survive ``cache=True``).
+PAIRWISE_BLOCK = 128
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def row_sums(x, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """``out[r] = x[r].sum(dtype=float32)`` bit for bit as numpy sums a C-ordered float32
+    ``[n, c]``, ``c <= PAIRWISE_BLOCK``, along its rows: the identity 0 plus numpy's
+    ``pairwise_sum`` of the row, operation for operation (under 8 values a plain loop; else eight
+    accumulators combined as ``((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))``, then the
+    values past the last multiple of 8)."""
+    n, c = x.shape
+    end = c - c % 8
+    acc = np.empty(8, np.float32)  # r0..r7: one vector add per 8 values
+    for r in range(n):
+        if c < 8:
+            res = np.float32(0.0)
+            for i in range(c):
+                res += x[r, i]
+        else:
+            for j in range(8):
+                acc[j] = x[r, j]
+            for i in range(8, end, 8):
+                for j in range(8):
+                    acc[j] += x[r, i + j]
+            res = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+            for i in range(end, c):
+                res += x[r, i]
+        out[r] = np.float32(0.0) + res

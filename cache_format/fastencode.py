@@ -39,6 +39,9 @@ import numpy as np
 MAX_VOCAB = 1 << 20
 
 _kernel: Any = None
+_tail: Any = (
+    None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once they pass their self-check, else None
+)
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
 
@@ -80,8 +83,9 @@ def _compile() -> Any:
 
 
 def ready() -> bool:
-    """Whether :func:`encode_rows` is usable in this process (compiles and self-checks once)."""
-    global _kernel, _state
+    """Whether :func:`encode_rows` is usable in this process (compiles and self-checks once;
+    the tail-mass kernels of :func:`tail_rows` too)."""
+    global _kernel, _state, _tail
     if _state == "unknown":
         with _lock:
             if _state == "unknown":
@@ -92,7 +96,64 @@ def ready() -> bool:
                     _state = "ready" if _self_check() else "off"
                 except Exception:  # no numba, a failed compile: the numpy path
                     _state = "off"
+                if _state == "ready":
+                    try:
+                        from . import _encodekernels as ek
+
+                        _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
+                        if not _tail_check():
+                            _tail = None
+                    except Exception:  # numpy's tail formula stays
+                        _tail = None
     return _state == "ready"
+
+
+def tail_rows(lp: np.ndarray) -> np.ndarray | None:
+    """:func:`.records.tail_from_logprobs` of float32 ``lp`` ``[n, k]`` (rows each contiguous,
+    :func:`parent_rows`), bit for bit, with two compiled passes around numpy's own ``exp``
+    (issue #19): the differences to each row's first value and their check in one pass, the row
+    sums as numpy's pairwise float32 sum. ``None`` when the kernels are not loaded (only
+    :func:`ready`, which the job runner calls at its start, loads them: a reader computing a
+    tail does not compile anything) or when a row is unsorted or not finite (the caller's
+    float64 path then)."""
+    if _tail is None:
+        return None
+    n, k = lp.shape
+    rest = np.empty((n, k - 1), np.float32)
+    if _tail[0](parent_rows(lp), rest):
+        return None
+    np.exp(rest, out=rest)  # numpy's exp: its bits are what the format stores
+    if k - 1 <= _tail[2]:
+        s = np.empty(n, np.float32)
+        _tail[1](rest, s)
+    else:  # numpy's sum splits such rows: its own
+        s = rest.sum(axis=-1, dtype=np.float32)
+    np.log1p(s, out=s)  # the numpy form's -expm1(m + log1p(s)), clipped, in place
+    np.add(lp[:, 0], s, out=s)
+    np.expm1(s, out=s)
+    np.negative(s, out=s)
+    return np.clip(s, 0.0, 1.0, out=s)
+
+
+def _tail_check() -> bool:
+    """:func:`tail_rows` against numpy's formula (:func:`.records.tail_numpy`) on rows of
+    every summation shape (under 8 values, up to 128, split halves), as C-ordered arrays and
+    rows of a wider buffer, and its refusals (unsorted, NaN, a row of -inf)."""
+    from .records import tail_numpy
+
+    rng = np.random.default_rng(1)
+    for k in (1, 2, 8, 9, 100, 129, 300):
+        lp = -np.sort(rng.exponential(2.0, (33, k)).astype(np.float32), axis=1)
+        lp[0, 0], lp[1, :] = 0.0, -1e-30
+        wide = np.zeros((33, k + 1), np.float32)
+        wide[:, 1:] = lp
+        for a in (lp, wide[:, 1:]):
+            got = tail_rows(a)
+            if got is None or got.tobytes() != tail_numpy(a).tobytes():
+                return False
+    bad = -np.sort(rng.exponential(2.0, (4, 5)).astype(np.float32), axis=1)
+    bad[0, 3], bad[1, 2], bad[2] = 0.5, np.nan, -np.inf  # unsorted, NaN, -inf - -inf
+    return all(tail_rows(bad[i : i + 1]) is None for i in range(3))
 
 
 def _self_check() -> bool:

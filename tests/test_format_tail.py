@@ -62,3 +62,37 @@ def test_tail_edge_rows() -> None:
     lp64 = np.log(np.array([[0.5, 0.25]]))
     np.testing.assert_array_equal(tail_from_logprobs(lp64), np.float32([0.25]))
     assert tail_from_logprobs(np.zeros((3, 0), np.float32)).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 8, 9, 16, 17, 20, 64, 100, 128, 129, 130, 200])
+def test_the_compiled_tail_is_numpys_bit_for_bit(k: int, monkeypatch) -> None:
+    """fastencode.tail_rows (issue #19: compiled differences and row sums around numpy's exp)
+    gives numpy's formula's bits, for C-ordered rows and rows of a wider buffer (the vLLM
+    hook's views), and tail_from_logprobs takes it once the kernels are loaded."""
+    from logitcache.cache_format import fastencode
+    from logitcache.cache_format.records import tail_numpy
+
+    if not fastencode.ready() or fastencode._tail is None:
+        pytest.skip("numba not available")
+    rng = np.random.default_rng(100 + k)
+    tails = np.concatenate([10.0 ** -rng.uniform(0, 12, 600), rng.uniform(0, 1, 200)])
+    lp = _rows(rng, k, tails)
+    lp[:5, 0] = 0.0  # a zero top-1, tiny and -inf tails
+    lp[5, :] = -1e-30
+    lp[6, 1:] = -np.inf
+    lp[7, :] = -80.0 - np.arange(k, dtype=np.float32)  # sums of subnormal terms
+    wide = np.full((lp.shape[0], k + 3), np.nan, np.float32)
+    wide[:, 2 : k + 2] = lp
+    calls = []
+    real = fastencode.tail_rows
+    monkeypatch.setattr(fastencode, "tail_rows", lambda a: calls.append(a.shape) or real(a))
+    for a in (lp, wide[:, 2 : k + 2], lp[:1]):
+        want = tail_numpy(a)
+        assert real(a) is not None
+        assert tail_from_logprobs(a).tobytes() == want.tobytes()
+    assert len(calls) == 3
+    bad = lp.copy()
+    bad[3, 0] = -50.0  # unsorted: the float64 sum, as numpy's form does
+    if k > 1:
+        assert real(bad) is None
+    assert tail_from_logprobs(bad).tobytes() == tail_numpy(bad).tobytes()
