@@ -22,7 +22,7 @@ import numpy as np
 from logitcache.cache_format.records import content_key
 from logitcache.protocol import MAX_KEY_CHARS, InlineRecord, InputFile
 
-from . import chat, input_files, long_inputs
+from . import chat, input_files, jsonids, long_inputs
 from .errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
 
 #: Most per-record problems listed in one error answer.
@@ -262,11 +262,17 @@ def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
 
 
 def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
+    wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
+    fast = jsonids.ready()  # ids straight to int32, else json.loads' own reading (issue #19)
     with input_files.open_text(path) as f:  # plain or .gz
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{spec.path}:{lineno}"
+            obj = jsonids.fields(line, wanted, spec.ids_field) if fast else None
+            if obj is not None:
+                yield _from_mapping(obj, spec, where)
+                continue
             try:
                 obj = json.loads(line.decode("utf-8"))
             except UnicodeDecodeError as e:

@@ -40,7 +40,7 @@ from logitcache.cache_format.errors import StoreNotFoundError
 from logitcache.cache_format.layout import parse_root, read_root_attrs
 from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 
-from . import chat, inputs, pipeline, targets
+from . import chat, inputs, jsonids, pipeline, targets
 from .caches import CacheRegistry, WriterHandle, check_name
 from .chat import ChatTokenize
 from .errors import ConflictError, ServiceError
@@ -160,9 +160,11 @@ class JobRunner:
 
     async def start(self) -> None:
         """Warm the writer's compiled encode pass (a job's first append would otherwise compile
-        or load it: 0.6-3.8 s of a 2-core box, inside the first job's time), queue jobs
+        or load it: 0.6-3.8 s of a 2-core box, inside the first job's time) and the input
+        reader's (:mod:`.jsonids`), queue jobs
         interrupted by the last shutdown or crash, then start the loop."""
         await asyncio.to_thread(fastencode.ready)
+        await asyncio.to_thread(jsonids.ready)  # its JSONL reading, also compiled or loaded
         n = self.store.requeue_interrupted()
         if n:
             log.info("resuming %d interrupted job(s)", n)
