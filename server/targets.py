@@ -116,7 +116,7 @@ async def score_rows(
     engine: TeacherEngine, seqs: Seq[Sequence], k: int, targets: SampledTargets | None
 ) -> list[TeacherScores]:
     """One engine call: top-``k`` rows, or sampled rows seeded by each sequence's key."""
-    prompts = [s.input_ids.tolist() for s in seqs]
+    prompts = [s.input_ids for s in seqs]  # int32 arrays: check_prompts makes the lists once
     if targets is None:
         return await engine.score(prompts, k)
     sample = getattr(engine, "score_sampled", None)

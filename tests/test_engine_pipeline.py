@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,3 +96,29 @@ def test_a_writer_error_reaches_the_caller_and_skipped_batches_keep_their_place(
     with pytest.raises(OSError, match="disk full"):
         asyncio.run(main())
     assert order == [(True, ["s0"]), (True, ["s1"]), (False, ["s2"])]
+
+
+def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
+    """score_records hands the engine the checked int32 arrays; BaseEngine's check_prompts
+    makes the plain int lists the backends take, once (issue #19: a list, an array of it and a
+    second list per prompt before)."""
+    from logitcache.server.engine import base
+
+    engine = FakeEngine()
+    seqs = [inputs.to_sequence(r, engine.tokenize, LIMITS) for r in _raws(3)]
+    seen: list[Any] = []
+    real = base.check_prompts
+    monkeypatch.setattr(base, "check_prompts", lambda p, info: seen.extend(p) or real(p, info))
+    got: list[list[int]] = []
+    original = engine._generate
+
+    async def generate(prompts: list[list[int]], k: int) -> list[Any]:
+        got.extend(prompts)
+        return await original(prompts, k)
+
+    monkeypatch.setattr(engine, "_generate", generate)
+    records = asyncio.run(pipeline.score_records(engine, seqs, K))
+    assert all(a is s.input_ids for a, s in zip(seen, seqs, strict=True))  # no list in between
+    assert [type(p) for p in got] == [list] * 3 and all(type(t) is int for p in got for t in p)
+    assert got == [s.input_ids.tolist() for s in seqs]
+    assert [r.key for r in records] == [s.key for s in seqs]

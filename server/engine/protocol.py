@@ -288,5 +288,5 @@ def check_prompts(prompts: Sequence[Sequence[int]], info: EngineInfo) -> list[li
             raise EngineInputError(
                 f"prompt {i}: token id {bad} outside the vocabulary [0, {info.vocab_size})"
             )
-        out.append(arr.astype(np.int64).tolist())
+        out.append(arr.tolist())  # Python ints whatever the integer dtype
     return out
