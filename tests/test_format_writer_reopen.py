@@ -1,0 +1,117 @@
+"""A later writer of the same store in one process (the service opens one per job) takes the
+arrays from the earlier writer's templates when their stored ``zarr.json`` is the template at the
+committed length, without zarr's ``open_array``/``resize`` (issue #19), and writes the same
+objects as a writer that opens every array through zarr; a store changed under the template is
+opened through zarr again."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import zarr.api.asynchronous
+from format_support import make_manifest, make_records
+from logitcache.cache_format import CacheReader, CacheWriter, validate, writer
+from logitcache.cache_format.spec import DEFAULT_LAYOUT
+from test_format_shardwrite import LAYOUT, files
+
+K, VOCAB = 8, 1000
+DIRECT = {"topk_ids", "topk_logprobs", "tail_mass", "input_ids", "seq_keys", "seq_lengths"}
+
+
+def _spy_opens(monkeypatch) -> list[str]:
+    opened: list[str] = []
+    real = zarr.api.asynchronous.open_array
+
+    async def spy(*a, **kw):
+        if kw.get("mode") == "r+":  # opened for writing (reading the keys opens seq_keys "r")
+            opened.append(kw.get("path", ""))
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(zarr.api.asynchronous, "open_array", spy)
+    return opened
+
+
+def _writers(url: Path, recs, groups: list[list[int]], *, forget: bool) -> None:
+    """One writer per group of cuts, one after the other; ``forget``: no templates between."""
+    m = make_manifest(k=K, vocab_size=VOCAB)
+    done = 0
+    for cuts in groups:
+        if forget:
+            writer._TEMPLATES.clear()
+        with CacheWriter.open(url, m, layout=LAYOUT) as w:
+            for c in cuts:
+                w.append(recs[done:c])
+                done = c
+
+
+def test_a_later_writer_takes_the_templates(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    recs = make_records(16, k=K, vocab=VOCAB, seed=11)
+    groups = [[3, 5], [9], [10, 16]]  # the later writers start inside partly filled shards
+    _writers(tmp_path / "ref", recs, groups, forget=True)
+    opened = _spy_opens(monkeypatch)
+    _writers(tmp_path / "new", recs, groups[:1], forget=False)
+    first = list(opened)
+    assert DIRECT <= set(first)  # the first writer opens its arrays through zarr
+    opened.clear()
+    _writers(tmp_path / "new", recs, groups[1:], forget=False)
+    assert not DIRECT & set(opened), opened  # the later ones do not
+    a, b = files(tmp_path / "ref"), files(tmp_path / "new")
+    assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == []
+    r = CacheReader(tmp_path / "new")
+    assert r.keys == [x.key for x in recs]
+    got = r.rows(0, r.manifest.num_rows).topk_ids
+    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
+    assert validate(tmp_path / "new").ok
+
+
+def test_a_store_changed_under_the_template_is_opened_through_zarr(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The store is deleted and made again at the same URL with other chunks: its zarr.json
+    differs from the template, so every array is opened through zarr; the rows read back."""
+    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
+    recs = make_records(8, k=K, vocab=VOCAB, seed=12)
+    with CacheWriter.open(url, m, layout=LAYOUT) as w:
+        w.append(recs[:4])
+    shutil.rmtree(url)
+    other = replace(DEFAULT_LAYOUT, row_chunk=8, row_shard=32, token_chunk=16, token_shard=64)
+    opened = _spy_opens(monkeypatch)
+    with CacheWriter.open(url, m, layout=other) as w:
+        w.append(recs[:2])
+    assert DIRECT <= set(opened)
+    opened.clear()
+    with CacheWriter.open(url, m) as w:  # the new store's own templates
+        w.append(recs[2:])
+    assert not DIRECT & set(opened), opened
+    r = CacheReader(url)
+    assert r.keys == [x.key for x in recs]
+    got = r.rows(0, r.manifest.num_rows).topk_ids
+    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
+    assert validate(url).ok
+
+
+def test_rows_left_past_the_commit_are_opened_through_zarr(tmp_path: Path, monkeypatch) -> None:
+    """A writer that died past the commit left arrays longer than the committed counts: their
+    zarr.json is not the template at the committed length, so zarr opens (and shrinks) them."""
+    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
+    recs = make_records(10, k=K, vocab=VOCAB, seed=13)
+    with CacheWriter.open(url, m, layout=LAYOUT) as w:
+        w.append(recs[:4])
+        stray = writer.encode_batch(make_records(3, prefix="x"), w.manifest)
+        w._write(w.manifest, stray)  # step 4 only, as a writer killed before its commit
+    opened = _spy_opens(monkeypatch)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[4:])
+    assert DIRECT <= set(opened)
+    r = CacheReader(url)
+    assert r.keys == [x.key for x in recs]
+    got = r.rows(0, r.manifest.num_rows).topk_ids
+    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
+    assert validate(url).ok
