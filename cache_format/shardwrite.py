@@ -38,6 +38,7 @@ from numcodecs.vlen import VLenUTF8
 from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 
+from . import outbuf
 from .errors import ChecksumError, MissingDataError
 from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
 from .shardread import _decode_chunk as shardread_decode_chunk
@@ -162,11 +163,12 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
 
 
 def _aligned(size: int) -> np.ndarray:
-    """``size`` bytes starting on a page boundary, so that a store writing with ``O_DIRECT``
-    (:class:`.store.DurableLocalStore`) writes the object's whole pages straight from them, with
-    no copy through its bounce buffer. A bytearray (malloc), not np.empty: numpy asks for huge
-    pages above 4 MiB, whose first-touch zeroing cost more than the copies saved (measured)."""
-    raw = np.frombuffer(bytearray(size + DIRECT_IO_ALIGN), dtype=np.uint8)
+    """``size`` uninitialised bytes starting on a page boundary, so that a store writing with
+    ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
+    from them, with no copy through its bounce buffer. From :func:`.outbuf.empty` (malloc, no
+    huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing cost
+    more than the copies saved, measured), not zero-filled (the caller writes every byte)."""
+    raw = outbuf.empty(size + DIRECT_IO_ALIGN)
     start = -raw.ctypes.data % DIRECT_IO_ALIGN
     return raw[start : start + size]
 
@@ -261,12 +263,13 @@ async def _write_shard(
         part = rows[max(lo, 0) : lo + c]
         if lo >= 0 and part.shape[0] == c:
             return part  # a view: no copy before blosc
-        full = np.full((c, *lay.inner), lay.fill_value, dtype=lay.dtype)
+        full = np.empty((c, *lay.inner), dtype=lay.dtype)
         at = -lo if lo < 0 else 0
         if lo < 0:
             assert head is not None
             full[:at] = head
         full[at : at + part.shape[0]] = part
+        full[at + part.shape[0] :] = lay.fill_value  # only the rows past the data
         return full
 
     new = [encode_chunk(lay, chunk_rows(i)) for i in range(first, last + 1)]
