@@ -70,6 +70,21 @@ def _tail_float64(topk_logprobs: np.ndarray) -> np.ndarray:
     return np.clip(1.0 - s, 0.0, 1.0).astype(np.float32)
 
 
+def computed_tail(rows: Any) -> np.ndarray:
+    """:func:`tail_from_logprobs` of ``rows.topk_logprobs``, computed once per object (kept in
+    its ``__dict__``, also for frozen dataclasses; do not modify the array it returns)."""
+    got = rows.__dict__.get("_computed_tail")
+    if got is None:
+        got = tail_from_logprobs(rows.topk_logprobs)
+        object.__setattr__(rows, "_computed_tail", got)
+    return got
+
+
+def known_tail(rows: Any) -> np.ndarray | None:
+    """What :func:`computed_tail` computed for ``rows`` so far (``None``: nothing yet)."""
+    return rows.__dict__.get("_computed_tail")
+
+
 def rows_array(value: Any, dtype: Any) -> np.ndarray:
     """``value`` as a ``dtype`` array: itself when it already is one whose rows each lie
     contiguous in memory (a 2-D array with unit inner stride and rows that do not overlap, such
@@ -195,10 +210,11 @@ class SequenceRecord(TopkRows):
         return self.input_ids[1:]
 
     def tail_or_computed(self) -> np.ndarray:
-        """The given tail mass, or the one implied by the top-k logprobs."""
+        """The given tail mass, or the one implied by the top-k logprobs (computed once: a
+        job's writer computes it as it encodes the record, its progress reads it again)."""
         if self.tail_mass is not None:
             return self.tail_mass
-        return tail_from_logprobs(self.topk_logprobs)
+        return computed_tail(self)
 
     def equals(self, other: SequenceRecord) -> bool:
         """Bit-exact equality of key and every array (``None`` tail equals only ``None``)."""

@@ -280,7 +280,7 @@ def _encode_fused(
                 r.topk_ids, lp, ids[a:b], stored[a:b], table, LOGPROB_TOLERANCE
             ):
                 return None
-            tails[a:b] = tail_from_logprobs(lp) if r.tail_mass is None else r.tail_mass
+            tails[a:b] = r.tail_or_computed()  # after the kernel: its rows are in cache
             a = b
     finally:
         with _tables_lock:

@@ -449,6 +449,7 @@ class JobRunner:
                 metrics=self.metrics,
                 source="job",
                 targets=sampled,
+                lazy_tail=True,  # the writer computes it (pipeline.to_records)
             ),
             write=progress.write,
             write_many=progress.write_many,

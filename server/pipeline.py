@@ -90,8 +90,13 @@ def plan(
         yield Batch(seqs=b, todo=bool(missing([s.key for s in b])))
 
 
-def to_records(seqs: Seq[inputs.Sequence], scores: Seq[Any]) -> list[SequenceRecord]:
-    """Pair checked sequences with the engine's ``TeacherScores`` (same order)."""
+def to_records(
+    seqs: Seq[inputs.Sequence], scores: Seq[Any], lazy_tail: bool = False
+) -> list[SequenceRecord]:
+    """Pair checked sequences with the engine's ``TeacherScores`` (same order). With
+    ``lazy_tail``, a tail mass not computed yet stays so: the cache's writer computes it (issue
+    #19: next to its encode pass, on rows still in the CPU's cache; the same bits); else it is
+    computed here (the records answer a request with it)."""
     if len(scores) != len(seqs):
         raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
     return [
@@ -100,7 +105,7 @@ def to_records(seqs: Seq[inputs.Sequence], scores: Seq[Any]) -> list[SequenceRec
             input_ids=s.input_ids,
             topk_ids=sc.topk_ids,
             topk_logprobs=sc.topk_logprobs,
-            tail_mass=sc.tail_mass,
+            tail_mass=sc.known_tail() if lazy_tail and hasattr(sc, "known_tail") else sc.tail_mass,
             loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/chat.py)
         )
         for s, sc in zip(seqs, scores, strict=True)
@@ -115,11 +120,14 @@ async def score_records(
     metrics: Metrics | None = None,
     source: str = "job",
     targets: SampledTargets | None = None,
+    lazy_tail: bool = False,
 ) -> list[SequenceRecord]:
     """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
     the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
     With ``metrics``, the engine call's time is recorded under ``source``. With ``targets``,
-    sampled rows instead (:func:`.targets.score_rows`: seeded by each sequence's key).
+    sampled rows instead (:func:`.targets.score_rows`: seeded by each sequence's key). With
+    ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
+    (:func:`to_records`).
     """
     from .targets import score_rows
 
@@ -132,7 +140,7 @@ async def score_records(
             tokens=sum(s.length for s in seqs),
             seconds=time.perf_counter() - t0,
         )
-    return await asyncio.to_thread(to_records, seqs, scores)
+    return await asyncio.to_thread(to_records, seqs, scores, lazy_tail)
 
 
 #: Writes several scored batches at once (one append, one commit), in order: ``(batch,

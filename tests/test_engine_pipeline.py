@@ -122,3 +122,36 @@ def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
     assert [type(p) for p in got] == [list] * 3 and all(type(t) is int for p in got for t in p)
     assert got == [s.input_ids.tolist() for s in seqs]
     assert [r.key for r in records] == [s.key for s in seqs]
+
+
+def test_the_writer_computes_a_jobs_tail_mass_once(tmp_path: Path, monkeypatch) -> None:
+    """A job's records reach the writer without their tail mass (issue #19: computed in the
+    writer thread next to the encode pass, not on the event loop); it is computed once per
+    record, progress reads it again without recomputing, and the stored tails are the ones
+    computed up front."""
+    from logitcache.cache_format import CacheWriter, fastencode
+    from logitcache.cache_format import records as recs_mod
+    from logitcache.server.engine.protocol import make_scores
+
+    engine = FakeEngine()
+    seqs = [inputs.to_sequence(r, engine.tokenize, LIMITS) for r in _raws(4)]
+    eager = asyncio.run(pipeline.score_records(engine, seqs, K))  # answers carry their tail
+    assert all(r.tail_mass is not None for r in eager)
+    got = asyncio.run(pipeline.score_records(engine, seqs, K, lazy_tail=True))  # a job's
+    assert all(r.tail_mass is None for r in got)
+    calls: list[int] = []
+    real = recs_mod.tail_from_logprobs
+    monkeypatch.setattr(
+        recs_mod, "tail_from_logprobs", lambda lp: calls.append(len(lp)) or real(lp)
+    )
+    m = expected_manifest(engine.info, k=K, logprob_dtype="float16")
+    with CacheWriter.open(tmp_path / "c", m) as w:
+        w.append(got)
+    if fastencode.ready():
+        assert len(calls) == len(got)  # the fused encode computed each once
+    tails = [r.tail_or_computed() for r in got]  # as the job's progress reads them
+    assert len(calls) == len(got)
+    stored = CacheReader(tmp_path / "c").sequences(range(4))
+    for r, t, s in zip(got, tails, stored, strict=True):
+        want = make_scores(r.topk_ids, r.topk_logprobs).tail_mass
+        assert t.tobytes() == want.tobytes() == s.tail_mass.tobytes()

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
-from logitcache.cache_format.records import TopkRows, rows_array, tail_from_logprobs
+from logitcache.cache_format.records import TopkRows, computed_tail, known_tail, rows_array
 from logitcache.cache_format.sampling import METHOD, sampling_manifest
 
 Backend = Literal["vllm", "transformers"]
@@ -87,15 +87,27 @@ class EngineInfo:
     weights_hash: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TeacherScores(TopkRows):
     """The rows of one prompt: ``topk_ids [L-1, k]`` int32, ``topk_logprobs [L-1, k]`` float32,
     ``tail_mass [L-1]`` float32 (see the module docstring); ``num_rows`` and ``k`` as for a
-    cached record."""
+    cached record.
+
+    ``tail_mass`` is computed from the logprobs at its first use, then kept (issue #19): a job
+    hands its rows to the cache's writer without it (:meth:`known_tail`), which computes it next
+    to its encode pass, on rows still in the CPU's cache, instead of the event loop on cold ones.
+    """
 
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
-    tail_mass: np.ndarray
+
+    @property
+    def tail_mass(self) -> np.ndarray:
+        return computed_tail(self)
+
+    def known_tail(self) -> np.ndarray | None:
+        """The tail mass if it was computed already, else ``None``."""
+        return known_tail(self)
 
 
 @dataclass
@@ -231,10 +243,11 @@ class SamplingTeacherEngine(TeacherEngine, Protocol):
 def make_scores(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> TeacherScores:
     """Wrap ``[rows, k]`` arrays (cast to int32/float32; rows contiguous, as
     :func:`~logitcache.cache_format.records.rows_array` keeps them) and add the tail mass
-    (:func:`~logitcache.cache_format.records.tail_from_logprobs`: the format's own formula)."""
+    (:func:`~logitcache.cache_format.records.tail_from_logprobs`: the format's own formula, at
+    its first use)."""
     ids = rows_array(topk_ids, np.int32)
     lps = rows_array(topk_logprobs, np.float32)
-    return TeacherScores(topk_ids=ids, topk_logprobs=lps, tail_mass=tail_from_logprobs(lps))
+    return TeacherScores(topk_ids=ids, topk_logprobs=lps)
 
 
 def check_k(k: int, max_k: int, vocab_size: int) -> int:
