@@ -1,8 +1,9 @@
 """A later writer of the same store in one process (the service opens one per job) takes the
 arrays from the earlier writer's templates when their stored ``zarr.json`` is the template at the
-committed length, without zarr's ``open_array``/``resize`` (issue #19), and writes the same
-objects as a writer that opens every array through zarr; a store changed under the template is
-opened through zarr again."""
+committed length, without zarr's ``open_array``/``resize`` (issue #19), and the last shards that
+writer left when their files are still the ones it wrote (no read-back); it writes the same
+objects as a writer that opens every array through zarr. A store changed under the template is
+opened through zarr again, a shard file replaced since is read back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import zarr.api.asynchronous
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, validate, writer
+from logitcache.cache_format import CacheReader, CacheWriter, shardwrite, validate, writer
 from logitcache.cache_format.spec import DEFAULT_LAYOUT
 from test_format_shardwrite import LAYOUT, files
 
@@ -34,6 +35,18 @@ def _spy_opens(monkeypatch) -> list[str]:
     return opened
 
 
+def _spy_readbacks(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    real = shardwrite._existing
+
+    async def spy(lay, shard, below):
+        seen.append(lay.name)
+        return await real(lay, shard, below)
+
+    monkeypatch.setattr(shardwrite, "_existing", spy)
+    return seen
+
+
 def _writers(url: Path, recs, groups: list[list[int]], *, forget: bool) -> None:
     """One writer per group of cuts, one after the other; ``forget``: no templates between."""
     m = make_manifest(k=K, vocab_size=VOCAB)
@@ -49,17 +62,19 @@ def _writers(url: Path, recs, groups: list[list[int]], *, forget: bool) -> None:
 
 def test_a_later_writer_takes_the_templates(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(writer, "_TEMPLATES", {})
+    monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
     monkeypatch.setattr(writer, "DIRECT_WRITES", True)
     recs = make_records(16, k=K, vocab=VOCAB, seed=11)
     groups = [[3, 5], [9], [10, 16]]  # the later writers start inside partly filled shards
     _writers(tmp_path / "ref", recs, groups, forget=True)
-    opened = _spy_opens(monkeypatch)
+    opened, read_back = _spy_opens(monkeypatch), _spy_readbacks(monkeypatch)
     _writers(tmp_path / "new", recs, groups[:1], forget=False)
-    first = list(opened)
-    assert DIRECT <= set(first)  # the first writer opens its arrays through zarr
+    assert DIRECT <= set(opened)  # the first writer opens its arrays through zarr
     opened.clear()
+    read_back.clear()
     _writers(tmp_path / "new", recs, groups[1:], forget=False)
-    assert not DIRECT & set(opened), opened  # the later ones do not
+    assert not DIRECT & set(opened), opened  # the later ones do not ...
+    assert not DIRECT & set(read_back), read_back  # ... nor read their last shards back
     a, b = files(tmp_path / "ref"), files(tmp_path / "new")
     assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == []
     r = CacheReader(tmp_path / "new")
@@ -115,3 +130,42 @@ def test_rows_left_past_the_commit_are_opened_through_zarr(tmp_path: Path, monke
     got = r.rows(0, r.manifest.num_rows).topk_ids
     assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
     assert validate(url).ok
+
+
+def test_a_last_shard_replaced_since_is_read_back(tmp_path: Path, monkeypatch) -> None:
+    """The store is made again at the same URL by someone else (another process: this process's
+    kept last shards are the old store's) with the same layout and the same counts: the
+    zarr.json matches the template, but the shard files are not the ones the old writer wrote,
+    so they are read back and the new store's rows are kept."""
+    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
+    url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
+    old = make_records(4, k=K, vocab=VOCAB, seed=14, min_len=20, max_len=20, prefix="o")
+    new = make_records(8, k=K, vocab=VOCAB, seed=15, min_len=20, max_len=20)
+    with CacheWriter.open(url, m, layout=LAYOUT) as w:
+        w.append(old)
+    kept = dict(writer._LAST[str(url)])
+    shutil.rmtree(url)
+    with CacheWriter.open(url, m, layout=LAYOUT) as w:  # "another process"
+        w.append(new[:4])
+    writer._LAST[str(url)] = kept  # as this process left it
+    read_back = _spy_readbacks(monkeypatch)
+    with CacheWriter.open(url, m) as w:
+        w.append(new[4:])
+    assert {"topk_ids", "topk_logprobs"} <= set(read_back)
+    r = CacheReader(url)
+    assert r.keys == [x.key for x in new]
+    got = r.rows(0, r.manifest.num_rows).topk_ids
+    assert np.array_equal(got, np.concatenate([x.topk_ids for x in new]))
+    assert validate(url).ok
+
+
+def test_kept_last_shards_are_bounded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
+    m = make_manifest(k=K, vocab_size=VOCAB)
+    for i in range(writer.KEEP_LAST_STORES + 2):
+        with CacheWriter.open(tmp_path / f"c{i}", m, layout=LAYOUT) as w:
+            w.append(make_records(2, k=K, vocab=VOCAB, seed=i))
+    assert list(writer._LAST) == [
+        str(tmp_path / f"c{i + 2}") for i in range(writer.KEEP_LAST_STORES)
+    ]
