@@ -109,10 +109,10 @@ def _write_direct(fd: int, data: memoryview) -> None:
     if _address(data) % a == 0:
         pos = n - n % a
         _write_all(fd, data[:pos])
-    buf = getattr(_bounce, "buf", None)
-    if pos < n and buf is None:
-        buf = _bounce.buf = mmap.mmap(-1, DIRECT_IO_BUFFER)  # page-aligned
+    buf: mmap.mmap | None = getattr(_bounce, "buf", None)
     while pos < n:
+        if buf is None:
+            buf = _bounce.buf = mmap.mmap(-1, DIRECT_IO_BUFFER)  # page-aligned
         m = min(DIRECT_IO_BUFFER, n - pos)
         padded = -(-m // a) * a
         buf[:m] = data[pos : pos + m]

@@ -24,7 +24,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from .lock import make_lock
 from .manifest import Manifest, utcnow
 from .quant import F16_MIN, encode_logprobs, row_delta
 from .records import SequenceRecord, check_record, rows_pass, tail_from_logprobs
-from .shardread import DirectLayout, direct_layout
+from .shardread import DirectLayout, OpenShards, direct_layout
 from .store import StoreHandle, open_store
 
 #: Write the arrays that :func:`~.shardread.direct_layout` supports, and ``seq_keys``, with
@@ -698,7 +698,7 @@ class CacheWriter:
         if direct is not None:
             direct.sig = _shard_sig(direct.lay, last)
             self._direct[name] = direct
-            _TEMPLATES[(self._handle.url, name)] = (lay, direct.head, direct.tail)
+            _TEMPLATES[(self._handle.url, name)] = (direct.lay, direct.head, direct.tail)
         else:
             self._opened[name] = arr
 
@@ -724,18 +724,8 @@ class CacheWriter:
         got = await (path / "zarr.json").get(prototype=default_buffer_prototype())
         if got is None or got.to_bytes() != head + str(start).encode() + tail:
             return None
-        lay = DirectLayout(
-            name=name,
-            store_path=path,
-            metadata=old.metadata,
-            length=start,
-            inner=old.inner,
-            dtype=old.dtype,
-            fill_value=old.fill_value,
-            shard_rows=old.shard_rows,
-            chunk_rows=old.chunk_rows,
-            strict=True,
-            raw=old.raw,
+        lay = replace(  # the template's layout on this writer's store, no read caches
+            old, store_path=path, length=start, index_cache={}, paths={}, fds=OpenShards(), fast={}
         )
         last = shardwrite.LastShard()
         with _LAST_LOCK:

@@ -22,6 +22,14 @@ K, VOCAB = 8, 1000
 DIRECT = {"topk_ids", "topk_logprobs", "tail_mass", "input_ids", "seq_keys", "seq_lengths"}
 
 
+def _reads_back(url: Path, recs) -> None:
+    r = CacheReader(url)
+    assert r.keys == [x.key for x in recs]
+    got = r.rows(0, r.manifest.num_rows).topk_ids
+    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
+    assert validate(url).ok
+
+
 def _spy_opens(monkeypatch) -> list[str]:
     opened: list[str] = []
     real = zarr.api.asynchronous.open_array
@@ -77,11 +85,7 @@ def test_a_later_writer_takes_the_templates(tmp_path: Path, monkeypatch) -> None
     assert not DIRECT & set(read_back), read_back  # ... nor read their last shards back
     a, b = files(tmp_path / "ref"), files(tmp_path / "new")
     assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == []
-    r = CacheReader(tmp_path / "new")
-    assert r.keys == [x.key for x in recs]
-    got = r.rows(0, r.manifest.num_rows).topk_ids
-    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
-    assert validate(tmp_path / "new").ok
+    _reads_back(tmp_path / "new", recs)
 
 
 def test_a_store_changed_under_the_template_is_opened_through_zarr(
@@ -104,11 +108,7 @@ def test_a_store_changed_under_the_template_is_opened_through_zarr(
     with CacheWriter.open(url, m) as w:  # the new store's own templates
         w.append(recs[2:])
     assert not DIRECT & set(opened), opened
-    r = CacheReader(url)
-    assert r.keys == [x.key for x in recs]
-    got = r.rows(0, r.manifest.num_rows).topk_ids
-    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
-    assert validate(url).ok
+    _reads_back(url, recs)
 
 
 def test_rows_left_past_the_commit_are_opened_through_zarr(tmp_path: Path, monkeypatch) -> None:
@@ -125,11 +125,7 @@ def test_rows_left_past_the_commit_are_opened_through_zarr(tmp_path: Path, monke
     with CacheWriter.open(url, m) as w:
         w.append(recs[4:])
     assert DIRECT <= set(opened)
-    r = CacheReader(url)
-    assert r.keys == [x.key for x in recs]
-    got = r.rows(0, r.manifest.num_rows).topk_ids
-    assert np.array_equal(got, np.concatenate([x.topk_ids for x in recs]))
-    assert validate(url).ok
+    _reads_back(url, recs)
 
 
 def test_a_last_shard_replaced_since_is_read_back(tmp_path: Path, monkeypatch) -> None:
@@ -153,11 +149,7 @@ def test_a_last_shard_replaced_since_is_read_back(tmp_path: Path, monkeypatch) -
     with CacheWriter.open(url, m) as w:
         w.append(new[4:])
     assert {"topk_ids", "topk_logprobs"} <= set(read_back)
-    r = CacheReader(url)
-    assert r.keys == [x.key for x in new]
-    got = r.rows(0, r.manifest.num_rows).topk_ids
-    assert np.array_equal(got, np.concatenate([x.topk_ids for x in new]))
-    assert validate(url).ok
+    _reads_back(url, new)
 
 
 def test_kept_last_shards_are_bounded(tmp_path: Path, monkeypatch) -> None:
