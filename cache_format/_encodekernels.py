@@ -43,6 +43,13 @@ def _half(x, a):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
     return 0x8000 | h
 
 
+@numba.njit(nogil=True, cache=True)
+def _rare(x, b):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+    """Whether ``x`` (float32 bits ``b``) is not :func:`_half`'s normal case."""
+    a = np.int32(b & np.uint32(0x7FFFFFFF))
+    return (x >= 0.0) or (a < 0x38800000) or (a >= 0x477FE000)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
     """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
@@ -51,7 +58,8 @@ def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  #
     ``k`` are never read: :func:`.fastencode.parent_rows`); ``bits``: ``lp`` viewed as uint32;
     ``seen``: int32 ``[vocab]`` of stamps, ``stamp`` the first row's. The checks are branch-free
     flags tested once per row (early exits per value cost 4x); the logprob loop vectorises, the
-    rare values (zero, subnormal, clipped) take :func:`_half` row by row."""
+    rare values (zero, subnormal, clipped: a prefix and a suffix of a row that passes) are then
+    recomputed by :func:`_half` (a failing row's outputs are not used)."""
     n, k = ids_out.shape
     top = vocab - 1
     hs = np.empty(k, np.int32)  # one row's half bits
@@ -76,9 +84,18 @@ def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  #
             rem = a & np.int32(0x1FFF)
             h += np.int32((rem > 0x1000) | ((rem == 0x1000) & ((h & 1) == 1)))
             hs[j] = h | np.int32(0x8000)
-        if rare:  # a zero, subnormal or clipped value in the row: the exact path
-            for j in range(k):
+        if rare and not bad:  # zero, subnormal or clipped values: the exact path for them
+            # a row that passes is non-increasing, so they are a prefix (>= -2**-14, e.g. a
+            # confident teacher's top-1) and a suffix (<= -65504); the rest is _half's normal
+            # case, computed above
+            j = 0
+            while j < k and _rare(lp[r, j], bits[r, j]):
                 hs[j] = _half(lp[r, j], np.int32(bits[r, j] & np.uint32(0x7FFFFFFF)))
+                j += 1
+            j = k - 1
+            while j >= 0 and _rare(lp[r, j], bits[r, j]):
+                hs[j] = _half(lp[r, j], np.int32(bits[r, j] & np.uint32(0x7FFFFFFF)))
+                j -= 1
         stored_out[r, 0] = np.uint16(hs[0])
         for j in range(1, k):  # row deltas, modulo 2**16
             stored_out[r, j] = np.uint16((hs[j] - hs[j - 1]) & 0xFFFF)

@@ -335,3 +335,23 @@ def test_outputs_grow_and_large_ones_are_not_kept(monkeypatch) -> None:
     assert not np.shares_memory(huge, big) and np.shares_memory(out.take(2, 2)[0], big)
     with fastencode.outputs() as a, fastencode.outputs() as b:  # concurrent appends
         assert a is not b
+
+
+def test_rows_with_rare_values_at_both_ends_store_the_numpy_bytes() -> None:
+    """Zeros, tiny and clipped values (half's non-normal cases) are a prefix and a suffix of a
+    sorted row, and only they take the exact path (a confident teacher's top-1 near 0 is common)."""
+    rng = np.random.default_rng(11)
+    n, k, vocab = 200, 40, 5000
+    lp = -np.sort(rng.exponential(4.0, (n, k)), axis=1).astype(np.float32)
+    lp[:, :3] = np.array([5e-4, 0.0, -3e-6], np.float32)  # a rare prefix of three
+    lp[::2, 3] = -6.1e-5  # just past the subnormal halves: a fourth rare value in half the rows
+    lp[1::3, -4:] = np.array([-7e4, -1e5, -3e5, -1e7], np.float32)  # a clipped suffix
+    lp[5::9, :] = -1e-7  # whole rows of rare values
+    lp = np.minimum.accumulate(np.minimum(lp, np.float32(TOL)), axis=1)
+    ids = np.stack([rng.choice(vocab, k, replace=False) for _ in range(n)]).astype(np.int32)
+    ok, _, stored = _encode(ids, lp, vocab)
+    assert ok
+    assert stored.tobytes() == encode_logprobs(lp, "float16")["topk_logprobs"].tobytes()
+    bad = lp.copy()
+    bad[7, 20] = 0.0  # a rare value out of order: refused
+    assert not _encode(ids, bad, vocab)[0]
