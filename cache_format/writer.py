@@ -313,7 +313,9 @@ _SENTINEL = 987_654_321_012_345
 
 #: The :class:`_DirectArray` templates this process has made, by (store URL, array name): the
 #: layout and the ``zarr.json`` bytes around the length (:meth:`CacheWriter._from_template`).
-_TEMPLATES: dict[tuple[str, str], tuple[DirectLayout, bytes, bytes]] = {}
+_TEMPLATES: OrderedDict[tuple[str, str], tuple[DirectLayout, bytes, bytes]] = OrderedDict()
+#: Templates kept (arrays of the most recently written stores; a few KB each).
+KEEP_TEMPLATES = 1024
 #: The last shards the most recently closed writers of :data:`KEEP_LAST_STORES` stores left, by
 #: store URL and array name, each with its shard file's identity when written
 #: (:func:`_shard_sig`): a later writer of the store takes one instead of reading the shard back
@@ -698,7 +700,11 @@ class CacheWriter:
         if direct is not None:
             direct.sig = _shard_sig(direct.lay, last)
             self._direct[name] = direct
-            _TEMPLATES[(self._handle.url, name)] = (direct.lay, direct.head, direct.tail)
+            key = (self._handle.url, name)
+            _TEMPLATES[key] = (direct.lay, direct.head, direct.tail)
+            _TEMPLATES.move_to_end(key)
+            while len(_TEMPLATES) > KEEP_TEMPLATES:
+                _TEMPLATES.popitem(last=False)
         else:
             self._opened[name] = arr
 

@@ -69,7 +69,7 @@ def _writers(url: Path, recs, groups: list[list[int]], *, forget: bool) -> None:
 
 
 def test_a_later_writer_takes_the_templates(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
     monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
     monkeypatch.setattr(writer, "DIRECT_WRITES", True)
     recs = make_records(16, k=K, vocab=VOCAB, seed=11)
@@ -93,7 +93,7 @@ def test_a_store_changed_under_the_template_is_opened_through_zarr(
 ) -> None:
     """The store is deleted and made again at the same URL with other chunks: its zarr.json
     differs from the template, so every array is opened through zarr; the rows read back."""
-    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
     url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
     recs = make_records(8, k=K, vocab=VOCAB, seed=12)
     with CacheWriter.open(url, m, layout=LAYOUT) as w:
@@ -114,7 +114,7 @@ def test_a_store_changed_under_the_template_is_opened_through_zarr(
 def test_rows_left_past_the_commit_are_opened_through_zarr(tmp_path: Path, monkeypatch) -> None:
     """A writer that died past the commit left arrays longer than the committed counts: their
     zarr.json is not the template at the committed length, so zarr opens (and shrinks) them."""
-    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
     url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
     recs = make_records(10, k=K, vocab=VOCAB, seed=13)
     with CacheWriter.open(url, m, layout=LAYOUT) as w:
@@ -133,7 +133,7 @@ def test_a_last_shard_replaced_since_is_read_back(tmp_path: Path, monkeypatch) -
     kept last shards are the old store's) with the same layout and the same counts: the
     zarr.json matches the template, but the shard files are not the ones the old writer wrote,
     so they are read back and the new store's rows are kept."""
-    monkeypatch.setattr(writer, "_TEMPLATES", {})
+    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
     monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
     url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
     old = make_records(4, k=K, vocab=VOCAB, seed=14, min_len=20, max_len=20, prefix="o")
@@ -152,8 +152,10 @@ def test_a_last_shard_replaced_since_is_read_back(tmp_path: Path, monkeypatch) -
     _reads_back(url, new)
 
 
-def test_kept_last_shards_are_bounded(tmp_path: Path, monkeypatch) -> None:
+def test_kept_templates_and_last_shards_are_bounded(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
+    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
+    monkeypatch.setattr(writer, "KEEP_TEMPLATES", 12)
     m = make_manifest(k=K, vocab_size=VOCAB)
     for i in range(writer.KEEP_LAST_STORES + 2):
         with CacheWriter.open(tmp_path / f"c{i}", m, layout=LAYOUT) as w:
@@ -161,3 +163,5 @@ def test_kept_last_shards_are_bounded(tmp_path: Path, monkeypatch) -> None:
     assert list(writer._LAST) == [
         str(tmp_path / f"c{i + 2}") for i in range(writer.KEEP_LAST_STORES)
     ]
+    assert len(writer._TEMPLATES) == 12  # the most recent store's arrays come last
+    assert list(writer._TEMPLATES)[-1][0] == str(tmp_path / f"c{writer.KEEP_LAST_STORES + 1}")
