@@ -390,8 +390,20 @@ def bench_baseline(data, root: Path, random_reads: int, seed: int) -> dict:
 
 # --------------------------------------------------------------------------- studies
 def codec_study(data, chunk: int = 2048) -> list[dict]:
-    """Bytes/position of each transform x codec on raw chunks (numcodecs, no zarr): what the
-    format's choices (row-delta logprobs, optional id remap, shuffle mode, zstd level) buy."""
+    """Bytes/position and encode/decode CPU of each transform x codec on raw chunks (numcodecs,
+    no zarr): what the format's choices (row-delta logprobs, optional id remap, shuffle mode,
+    zstd level) buy. Each chunk is one blosc block, as the layouts write them
+    (``blosc_blocks="chunk"``), in one thread, as the writer's I/O threads run blosc."""
+    import numcodecs.blosc
+
+    threads, numcodecs.blosc.use_threads = numcodecs.blosc.use_threads, False
+    try:
+        return _codec_rows(data, chunk)
+    finally:
+        numcodecs.blosc.use_threads = threads
+
+
+def _codec_rows(data, chunk: int) -> list[dict]:
     from logitcache.cache_format.idmap import build_id_order, inverse
     from logitcache.cache_format.quant import row_delta
     from numcodecs import Blosc
@@ -412,18 +424,21 @@ def codec_study(data, chunk: int = 2048) -> list[dict]:
             ("zstd", 1, 2),
             ("zstd", 5, 1),
             ("zstd", 5, 2),
+            ("lz4", 1, 2),
             ("lz4", 5, 1),
             ("lz4", 5, 2),
         ):
-            codec = Blosc(cname, level, shuffle)
+            codec = Blosc(cname, level, shuffle, blocksize=chunk * arr[:1].nbytes)
             chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
             enc = [codec.encode(c) for c in chunks]
+            _, c_enc = timed(lambda chunks=chunks, codec=codec: [codec.encode(c) for c in chunks])
             _, c_dec = timed(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
             out.append(
                 {
                     "input": name,
                     "codec": f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle",
                     "bytes_per_position": sum(map(len, enc)) / len(arr),
+                    "encode_pos_per_cpu_s": len(arr) / c_enc,
                     "decode_pos_per_cpu_s": len(arr) / c_dec,
                 }
             )
@@ -448,7 +463,8 @@ def read_profile(data, root: Path) -> dict:
     a, lays = r._arrays, r._direct
     stored = a["topk_logprobs"][0:n]
     summed = row_undelta(stored)
-    fetched = {name: sync(shardread.fetch(lays[name], 0, n)) for name in lays}
+    row_arrays = ("topk_ids", "topk_logprobs", "tail_mass")  # (the per-sequence arrays are short)
+    fetched = {name: sync(shardread.fetch(lays[name], 0, n)) for name in row_arrays}
 
     def direct_decode(name):
         shardread.decode(lays[name], fetched[name], 0, n, lays[name].empty(n))
@@ -601,6 +617,7 @@ def main() -> None:
         for row in doc["codec_study"]:
             print(
                 f"{row['input']:28s} {row['codec']:26s} {row['bytes_per_position']:7.1f} B/pos "
+                f"encode {row['encode_pos_per_cpu_s']:,.0f} "
                 f"decode {row['decode_pos_per_cpu_s']:,.0f} pos/cpu-s"
             )
         prof = doc["read_profile_cpu_s"]

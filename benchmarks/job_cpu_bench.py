@@ -625,8 +625,9 @@ def main() -> None:
     p.add_argument(
         "--direct-io",
         action="store_true",
-        help="write objects of 64 KiB or more with O_DIRECT (direct_io_put: a prototype of a "
-        "store.py change, for an A/B; not what the service does)",
+        help="write objects of 64 KiB or more with O_DIRECT through direct_io_put, session 8's "
+        "prototype: for trees before session 9, whose store writes through the page cache (since "
+        "then DurableLocalStore does this itself; LOGITCACHE_DIRECT_IO=0 turns it off)",
     )
     p.add_argument(
         "--ids",

@@ -316,9 +316,27 @@ def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=2, help="pairs (direct, job) per k and mode")
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--batch-sequences", type=int, default=64, help="server job_batch_sequences")
-    p.add_argument("--batch-tokens", type=int, default=8192, help="server job_batch_tokens")
-    p.add_argument("--inflight", type=int, default=2, help="server job_inflight_batches")
+    from logitcache.server.settings import ServerSettings
+
+    default = {n: f.default for n, f in ServerSettings.model_fields.items()}
+    p.add_argument(
+        "--batch-sequences",
+        type=int,
+        default=default["job_batch_sequences"],
+        help="server job_batch_sequences (default: the service's)",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=default["job_batch_tokens"],
+        help="server job_batch_tokens (default: the service's)",
+    )
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=default["job_inflight_batches"],
+        help="server job_inflight_batches (default: the service's)",
+    )
     p.add_argument("--json", type=Path, default=REPO / "benchmarks/results/server.json")
     p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)

@@ -105,8 +105,12 @@ class ServerSettings(BaseSettings):
     # --- jobs -------------------------------------------------------------------------------
     job_batch_sequences: int = Field(64, ge=1)
     """Sequences per engine call in a job; batches are fixed by input order (restart-safe)."""
-    job_batch_tokens: int = Field(8192, ge=2)
-    """A job batch also closes once it holds this many tokens."""
+    job_batch_tokens: int = Field(16384, ge=2)
+    """A job batch also closes once it holds this many tokens. 16,384 (was 8,192): with two
+    8,192-token batches in flight the in-process CPU engine (4,096 tokens per step) ran a
+    256 x 256-token job at 24.7-26.3K tokens/s, with 16,384 at 27.6-28.9K and with 32,768 at
+    28.6-29.2K (benchmarks/results/server.md, session 9). A larger batch also makes an
+    on-demand request wait longer behind the one job batch kept in the engine meanwhile."""
     job_inflight_batches: int = Field(2, ge=1)
     """Job batches handed to the engine before the oldest is awaited (keeps the engine busy);
     while on-demand requests are being scored a job keeps only one batch in the engine."""
