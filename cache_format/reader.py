@@ -50,6 +50,33 @@ def span_tokens(tokens: np.ndarray | None) -> np.ndarray:
     return tokens
 
 
+def _blockwise(stored: str, out: str) -> bool:
+    """Whether logprobs stored as ``stored`` are decoded into ``out`` in row blocks with no
+    dequantisation (float16 bits -> float16 or float32, float32 bits -> float32)."""
+    return stored == "float16" or (stored == "float32" and out == "float32")
+
+
+class _FastPlan:
+    """What :meth:`CacheReader._fetch_fast` passes to :func:`.fastdecode.read_arrays` for one
+    ``(logprob_dtype, tokens)`` (:meth:`CacheReader._fast_plan`): the arrays' layouts in the
+    order ``topk_ids, topk_logprobs, tail_mass[, loss_mask][, input_ids]``."""
+
+    __slots__ = ("lays", "root", "stored", "widen", "mask", "tokens", "row_arrays")
+
+    def __init__(
+        self,
+        names: list[str],
+        lays: list[shardread.DirectLayout],
+        root: str,
+        stored: np.dtype,
+        widen: bool,
+    ):
+        self.lays, self.root, self.stored, self.widen = lays, root, stored, widen
+        self.mask = spec.LOSS_MASK in names
+        self.tokens = spec.INPUT_IDS in names
+        self.row_arrays = len(names) - self.tokens
+
+
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
 
 
@@ -329,6 +356,7 @@ class CacheReader:
                     self._direct[n] = lay
         ids = self._direct.get(spec.TOPK_IDS)
         self._local_root = None if ids is None else shardread.local_root(ids)
+        self._fast_plans: dict[tuple[str, bool], _FastPlan | None] = {}
 
     def _reopen_arrays(self) -> None:
         self._set_arrays(
@@ -406,6 +434,17 @@ class CacheReader:
         """
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
+        if point and self.point_reads and fastdecode.AVAILABLE:
+            tokens = any(t is not None for _, t in spans)
+            key = (logprob_dtype, tokens)
+            plan = self._fast_plans[key] if key in self._fast_plans else self._fast_plan(*key)
+            if plan is not None and fastdecode.ready():
+                # The compiled read decodes into its own arena even when ``into`` is given: a
+                # reader process (procread) copies it out, which costs less than the per-chunk
+                # path decoding in place (benchmarks/results/client.md, session 9).
+                fast = self._fetch_fast(spans, plan)
+                if fast is not None:
+                    return fast
         dtype = self.manifest.logprob_dtype
         names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
         if dtype in spec.QUANTISED_DTYPES:
@@ -460,16 +499,7 @@ class CacheReader:
         """:meth:`_fetch` through :mod:`.pointread` (FORMAT.md D4): each needed chunk decoded
         once, then the logprobs (and id remap) in row blocks, on the decode pool if any."""
         dtype = self.manifest.logprob_dtype
-        blockwise = dtype in ("float16", "float32") and (
-            dtype == "float16" or logprob_dtype == "float32"
-        )
-        if blockwise and fastdecode.AVAILABLE and fastdecode.ready():
-            # The compiled read decodes into its own arena even when ``into`` is given: a
-            # reader process (procread) copies it out, which costs less than the per-chunk
-            # path below decoding in place (benchmarks/results/client.md, session 9).
-            fast = self._fetch_fast(spans, names, logprob_dtype)
-            if fast is not None:
-                return fast
+        blockwise = _blockwise(dtype, logprob_dtype)
         jobs: list[pointread.Job] = []
         dest: list[np.ndarray | None] = []
         slot = {spec.TOPK_IDS: "ids", spec.TAIL_MASS: "tail", spec.LOSS_MASK: "mask"}
@@ -528,42 +558,60 @@ class CacheReader:
         pointread.run_tasks(tasks, cost, pool, threads)
         return out
 
+    def _fast_plan(self, logprob_dtype: str, tokens: bool) -> _FastPlan | None:
+        """The compiled read's arguments for reads of ``logprob_dtype`` (with ``tokens``: and
+        ``input_ids``), made once per set of arrays; ``None`` where it does not apply (a remote
+        store, an array not read directly, quantised logprobs, float32 stored read as float16):
+        the per-chunk path reads those."""
+        m = self.manifest
+        names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
+        if m.loss_mask:
+            names.append(spec.LOSS_MASK)
+        if tokens:
+            names.append(spec.INPUT_IDS)
+        plan = None
+        if (
+            self._local_root is not None
+            and _blockwise(m.logprob_dtype, logprob_dtype)
+            and all(n in self._direct for n in names)
+        ):
+            plan = _FastPlan(
+                names,
+                [self._direct[n] for n in names],
+                self._local_root,
+                np.dtype(m.logprob_dtype),
+                m.logprob_dtype == "float16" and logprob_dtype == "float32",
+            )
+        self._fast_plans[(logprob_dtype, tokens)] = plan
+        return plan
+
     def _fetch_fast(
-        self, spans: list[tuple[slice, slice | None]], names: list[str], logprob_dtype: str
+        self, spans: list[tuple[slice, slice | None]], plan: _FastPlan
     ) -> list[_Fetched] | None:
-        """:meth:`_fetch_point` through :mod:`.fastdecode` (one compiled call per array; the
-        records are views of one block per array), or ``None``: read it per chunk instead."""
-        root = self._local_root
-        if root is None:
-            return None
+        """:meth:`_fetch` through :mod:`.fastdecode` (one compiled call; the records are views of
+        one block per array), or ``None``: read it per chunk instead (also every span the
+        per-chunk path refuses: out of order, or past the committed count, R6)."""
         rows = [(r.start, r.stop) for r, _ in spans]
-        arrays = list(names)
-        bounds = [rows] * len(names)
-        if spans[0][1] is not None or any(t is not None for _, t in spans):
-            arrays.append(spec.INPUT_IDS)
-            bounds.append([(t.start, t.stop) if t is not None else (0, 0) for _, t in spans])
-        lays = [self._direct[n] for n in arrays]
-        for jobs, lay in zip(bounds, lays, strict=True):
+        bounds = [rows] * plan.row_arrays
+        if plan.tokens:
+            bounds.append([(0, 0) if t is None else (t.start, t.stop) for _, t in spans])
+        for jobs, lay in zip(bounds, plan.lays, strict=True):
             for st, sp in jobs:
-                if st < 0 or sp < st:
-                    return None  # the per-chunk path raises
-                if sp > lay.length:
-                    return None  # past the committed count: the per-chunk path raises (R6)
-        stored = self.manifest.logprob_dtype
-        widen = stored == "float16" and logprob_dtype == "float32"
+                if st < 0 or sp < st or sp > lay.length:
+                    return None
+        lp = (1, plan.widen)  # spec.TOPK_LOGPROBS is the plan's second array
         got = fastdecode.read_arrays(
-            lays, root, bounds, (1, widen), self._pool(), self.decode_threads
+            plan.lays, plan.root, bounds, lp, self._pool(), self.decode_threads
         )
         if got is None:
             return None
-        blocks = dict(zip(arrays, got[0], strict=True))
-        ids = blocks[spec.TOPK_IDS]
+        blocks, widened = got
+        ids, tail = blocks[0], blocks[2]
         if self._id_order is not None:
             np.take(self._id_order, ids, out=ids)
-        lp = got[1] if got[1] is not None else blocks[spec.TOPK_LOGPROBS].view(stored)
-        tail = np.asarray(blocks[spec.TAIL_MASS], dtype=np.float32)
-        mask = blocks.get(spec.LOSS_MASK)
-        tokens = blocks.get(spec.INPUT_IDS)
+        lp_all = widened if widened is not None else blocks[1].view(plan.stored)
+        mask = blocks[3] if plan.mask else None
+        tokens = blocks[-1] if plan.tokens else None
         out: list[_Fetched] = []
         r = t = 0
         for rs, ts in spans:
@@ -573,7 +621,7 @@ class CacheReader:
                 tok = tokens[t : t + ts.stop - ts.start]
                 t += ts.stop - ts.start
             m = None if mask is None else mask[r : r + n]
-            out.append((ids[r : r + n], lp[r : r + n], tail[r : r + n], tok, m))
+            out.append((ids[r : r + n], lp_all[r : r + n], tail[r : r + n], tok, m))
             r += n
         return out
 
@@ -613,8 +661,9 @@ class CacheReader:
 
         def read() -> list[SequenceRecord]:
             got = self._fetch([self._span(i) for i in idx], logprob_dtype, point=True)
+            keys = self._keys
             return [
-                SequenceRecord(self._keys[i], span_tokens(tokens), ids, lp, tail, mask)
+                SequenceRecord.trusted(keys[i], span_tokens(tokens), ids, lp, tail, mask)
                 for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True)
             ]
 
@@ -650,7 +699,7 @@ class CacheReader:
         out, r, t = [], 0, 0
         for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
             n, nt = b - a, tb - ta
-            rec = SequenceRecord(
+            rec = SequenceRecord.trusted(
                 self._keys[i],
                 tok[t : t + nt],
                 ids[r : r + n],

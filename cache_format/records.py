@@ -155,11 +155,11 @@ class SequenceRecord(TopkRows):
 
     Fields: ``key`` (caller's id, or ``None`` for the content key of ``input_ids``),
     ``input_ids`` ``[L]`` int32, ``topk_ids`` ``[L-1, k]`` int32, ``topk_logprobs`` ``[L-1, k]``
-    float32, ``tail_mass`` ``[L-1]`` float32 or ``None`` (then computed from the logprobs),
-    ``loss_mask`` ``[L-1]`` uint8 of 0/1 or ``None`` (row ``j`` is trained on iff 1; ``None``:
-    every row is, FORMAT.md 4.6). Construction coerces dtypes and checks shapes
-    (:class:`RecordError`); value checks against a manifest (vocab, k, order, NaN) are
-    :func:`check_record`'s job.
+    float32 (float16 in a reader's record asked for ``logprob_dtype="float16"``), ``tail_mass``
+    ``[L-1]`` float32 or ``None`` (then computed from the logprobs), ``loss_mask`` ``[L-1]``
+    uint8 of 0/1 or ``None`` (row ``j`` is trained on iff 1; ``None``: every row is, FORMAT.md
+    4.6). Construction coerces dtypes and checks shapes (:class:`RecordError`); value checks
+    against a manifest (vocab, k, order, NaN) are :func:`check_record`'s job.
     """
 
     key: str | None
@@ -198,6 +198,31 @@ class SequenceRecord(TopkRows):
         object.__setattr__(self, "tail_mass", tail)
         if key is None:
             object.__setattr__(self, "key", content_key(ids))
+
+    @classmethod
+    def trusted(
+        cls,
+        key: str,
+        input_ids: np.ndarray,
+        topk_ids: np.ndarray,
+        topk_logprobs: np.ndarray,
+        tail_mass: np.ndarray | None,
+        loss_mask: np.ndarray | None,
+    ) -> SequenceRecord:
+        """A record of arrays that already are what construction would make of them (a reader's
+        decoded arrays: int32 ids, float32 or float16 logprobs, float32 tail, uint8 mask, shapes
+        consistent by the store's layout), without the coercion and checks (~3 us of a ~150 us
+        ``sequence(i)``, issue #14). Anything else goes through the constructor."""
+        rec = object.__new__(cls)
+        rec.__dict__.update(  # the fields a frozen dataclass's __init__ would set
+            key=key,
+            input_ids=input_ids,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
+            tail_mass=tail_mass,
+            loss_mask=loss_mask,
+        )
+        return rec
 
     @property
     def length(self) -> int:

@@ -149,6 +149,52 @@ def test_kernels_match_numpy_on_every_float16():
     assert fastdecode._self_check(fastdecode._kernels)
 
 
+@pytest.mark.parametrize("k", [1, 2, 31, 32, 33, 63, 64, 65, 100, 128, 129])
+def test_vector_row_sums_match_numpy_at_every_width(k):
+    """The row-delta inverse goes 32 values at a time through a vector prefix sum, the rest of
+    a row serially: bit for bit numpy's wrapping cumsum (in place) and its float16 -> float32
+    view (widened), at widths below, at and across the vector's, for rows whose sums wrap."""
+    from logitcache.cache_format import _fastkernels as fk
+
+    rng = np.random.default_rng(k)
+    d = rng.integers(0, 1 << 16, (37, k)).astype(np.uint16)
+    u = np.cumsum(d, axis=1, dtype=np.uint16)
+    u[np.isnan(u.view(np.float16))] = 0  # (NaN payloads aside) then deltas of those sums
+    d = u.copy()
+    d[:, 1:] = u[:, 1:] - u[:, :-1]
+    out = np.full(u.shape, np.nan, np.float32)
+    fk.undelta(d.copy(), out, True)
+    want = u.view(np.float16).astype(np.float32)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    inplace = d.copy()
+    fk.undelta(inplace, out, False)
+    assert np.array_equal(inplace, u)
+    wide = rng.integers(0, 1 << 32, (5, k), dtype=np.uint64).astype(np.uint32)  # the serial sum
+    fk.undelta(got := wide.copy(), out, False)
+    assert np.array_equal(got, np.cumsum(wide, axis=1, dtype=np.uint32))
+
+
+def test_wide_rows_read_like_the_per_chunk_path(tmp_path, monkeypatch):
+    """k = 70 (two vectors and a serial rest per row) through a whole read, raw and compressed
+    layouts, float32 and float16 requests: the per-chunk path's values, bit for bit."""
+    from format_support import make_manifest
+    from logitcache.cache_format import CacheWriter, spec
+
+    recs = make_records(12, k=70, vocab=500, seed=5, min_len=2, max_len=60)
+    for name in ("random_access_raw", "default"):
+        url = tmp_path / name
+        lay = replace(spec.LAYOUTS[name], row_chunk=16, row_shard=64)
+        with CacheWriter.open(url, make_manifest(k=70, vocab_size=500), layout=lay) as w:
+            w.append(recs)
+        spy = Spy(monkeypatch)
+        fast, slow = CacheReader(url), _per_chunk(url)
+        for dtype in ("float32", "float16"):
+            got = fast.sequences(range(12), logprob_dtype=dtype)
+            for a, b in zip(got, slow.sequences(range(12), logprob_dtype=dtype), strict=True):
+                assert a.equals(b) and a.topk_logprobs.dtype == np.dtype(dtype)
+        assert spy.calls == 2 and spy.handed_back == 0
+
+
 def test_optional(tmp_path):
     """Without numba (or with LOGITCACHE_FASTDECODE=0) the reader takes the per-chunk path."""
     url = tmp_path / "c"

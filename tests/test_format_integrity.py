@@ -25,7 +25,7 @@ def test_float16_output_clips_to_finite_range(tmp_path, dtype):
     assert r.rows(0, 5, logprob_dtype="float16").topk_logprobs.dtype == np.float16
     for got in (
         r.rows(0, 5, logprob_dtype="float16").topk_logprobs,
-        r.sequence(0, logprob_dtype="float16").topk_logprobs,  # a record holds float32
+        r.sequence(0, logprob_dtype="float16").topk_logprobs,  # float16 as asked
     ):
         assert np.isfinite(got).all()
         assert got[:, -1].tolist() == [-65504.0] * 5

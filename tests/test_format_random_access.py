@@ -18,7 +18,15 @@ import format_support
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, Layout, pointread, spec, validate
+from logitcache.cache_format import (
+    CacheReader,
+    CacheWriter,
+    Layout,
+    SequenceRecord,
+    pointread,
+    spec,
+    validate,
+)
 from logitcache.cache_format.errors import ChecksumError, CorruptStoreError
 
 s3_endpoint = format_support.s3_endpoint
@@ -79,6 +87,31 @@ def test_point_reads_equal_the_range_path(tmp_path, monkeypatch, kw, threads):
     for g, want in zip(point.sequences(range(len(recs))), recs, strict=True):
         assert np.array_equal(g.topk_ids, want.topk_ids)
         assert np.array_equal(g.input_ids, want.input_ids)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
+def test_records_hold_the_dtypes_asked_for(tmp_path, kw):
+    """A reader builds its records without the constructor's checks (``SequenceRecord.trusted``):
+    every array has the dtype and shape the constructor would give it, on both paths, and the
+    logprobs are the ``logprob_dtype`` asked for (float16 stays float16)."""
+    _write(tmp_path / "c", SMALL, **kw)
+    for point in (True, False):
+        r = CacheReader(tmp_path / "c")
+        r.point_reads = point
+        for dtype in ("float32", "float16"):
+            for rec in r.sequences([3, 0, 39, 3], logprob_dtype=dtype):
+                checked = SequenceRecord(
+                    rec.key, rec.input_ids, rec.topk_ids, rec.topk_logprobs, rec.tail_mass,
+                    rec.loss_mask,
+                )  # fmt: skip
+                # the constructor keeps a record's logprobs float32: same bits, or same values
+                assert rec.equals(checked) if dtype == "float32" else rec.key == checked.key
+                assert np.array_equal(rec.topk_logprobs, checked.topk_logprobs)
+                assert rec.input_ids.dtype == rec.topk_ids.dtype == np.int32
+                assert rec.topk_logprobs.dtype == np.dtype(dtype)
+                assert rec.tail_mass.dtype == np.float32
+                assert rec.tail_mass.shape == (rec.length - 1,)
+                assert rec.loss_mask is None or rec.loss_mask.dtype == np.uint8
 
 
 def test_point_reads_torch_output_and_float16_request(tmp_path):
