@@ -517,6 +517,38 @@ class CacheWriter:
             self._keys.update(str(x) for x in got)
             self._known = n
 
+    def refresh(self) -> bool:
+        """Catch up with what other writers committed since this writer's last transaction:
+        re-read the committed manifest and load only the keys committed since (so
+        :meth:`contains` sees them). For a writer kept open between jobs (the server's
+        ``CacheRegistry``): its next job plans against the cache as it is, without a new
+        writer reading every committed key again (O(sequences) per open).
+
+        Returns ``False``, changing nothing, when the store is no longer the one this writer
+        has been appending to (root gone, or made again: another ``created`` time, fewer
+        sequences or an older generation than this writer saw, other identity fields): the
+        caller then closes this writer and opens a new one. Reads only committed state, so it
+        takes no lock (as readers do). An unreadable key range raises
+        (:class:`~.errors.MissingDataError`), as :meth:`open` would.
+        """
+        if self._closed:
+            raise FormatError("writer is closed")
+        attrs = read_root_attrs(self._store)
+        if attrs is None or spec.ROOT_ATTR not in attrs:
+            return False
+        m = parse_root(attrs)
+        old = self._manifest
+        if (
+            m.created != old.created
+            or m.num_sequences < self._known
+            or m.generation < old.generation
+            or m.identity() != old.identity()
+        ):
+            return False
+        self._manifest = m
+        self._sync_keys()
+        return True
+
     @property
     def manifest(self) -> Manifest:
         """The manifest as of this writer's last commit or refresh."""
