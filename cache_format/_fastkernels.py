@@ -187,10 +187,12 @@ def read_items(
     """Decode every item ``(array, first row, end row, output row)`` of ``items`` into its
     array's block of ``arena`` (``meta[a]``: chunks per shard, chunk rows, row bytes, shard
     rows, block offset in ``arena``, 1 if its chunks have no compressor: ``raw``, copied after
-    their CRC32C and size are checked), each needed chunk once; then the logprob items
-    (array ``lp[0]``): row-delta inverse in place, widened into ``lp_out`` if ``lp[1]``
-    (see :func:`read_arrays`). ``fns``: the addresses of :func:`_cfuncs` (arguments, not
-    globals, so that numba can cache the compiled code on disk)."""
+    their CRC32C and size are checked), each needed chunk once. The logprob items (array
+    ``lp[0]``): if ``lp[1]`` (float16 bits widened), each chunk's rows summed from the bytes
+    read (or decompressed) straight into ``lp_out`` (their arena block is not written); else,
+    after all chunks, the row-delta inverse in place (see :func:`read_arrays`). ``fns``: the
+    addresses of :func:`_cfuncs` (arguments, not globals, so that numba can cache the compiled
+    code on disk)."""
     crc_fn, dec_fn, pread_fn, memcpy_fn, preadv_fn = fns[0], fns[1], fns[2], fns[3], fns[4]
     status[0] = OK
     n_items = items.shape[0]
@@ -219,6 +221,10 @@ def read_items(
     for a in range(meta.shape[0]):
         per_shard, cr, row_bytes, out_at = meta[a, 0], meta[a, 1], meta[a, 2], meta[a, 4]
         raw = meta[a, 5] != 0
+        # widened logprobs: each chunk's rows summed from the bytes read (or decompressed)
+        # straight into lp_out, never through the arena (one pass less over fresh memory)
+        to_lp = a == lp[0] and lp[1] != 0
+        k_lp = row_bytes // 2
         fd_tab, idx_tab = fd_tabs[a], idx_tabs[a]
         chunk_bytes = cr * row_bytes
         n_pairs = 0
@@ -273,7 +279,7 @@ def read_items(
         # a raw chunk used whole by one item is read straight into the arena (udest: its
         # address there, else -1), its CRC32C into buf where the frame would have been
         udest = np.full(n_u, -1, np.int64)
-        if raw:
+        if raw and not to_lp:
             for u in range(n_u):
                 q0 = ufirst[u]
                 if ufirst[u + 1] - q0 == 1:
@@ -342,6 +348,28 @@ def read_items(
                     return
                 r0 = g * cr
                 q0, q1 = ufirst[w], ufirst[w + 1]
+                if to_lp:
+                    src_buf = buf
+                    at = p
+                    if not raw:
+                        if (
+                            blosc_decompress_ctx(dec_fn, base + p, scr, chunk_bytes, 1)
+                            != chunk_bytes
+                        ):
+                            status[0] = FALLBACK
+                            status[1] = g
+                            return
+                        src_buf = scratch
+                        at = 0
+                    for q in range(q0, q1):
+                        i = pj[q]
+                        st, sp = items[i, 1], items[i, 2]
+                        x, y = max(st, r0), min(sp, r0 + cr)
+                        b0 = at + (x - r0) * row_bytes
+                        rows16 = src_buf[b0 : b0 + (y - x) * row_bytes].view(np.uint16)
+                        o = items[i, 3] + x - st
+                        undelta(rows16.reshape((y - x, k_lp)), lp_out[o : o + y - x], True)
+                    continue
                 if q1 - q0 == 1:
                     i = pj[q0]
                     st, sp = items[i, 1], items[i, 2]
@@ -374,7 +402,7 @@ def read_items(
                     )
             u = v
     a = lp[0]
-    if a < 0:
+    if a < 0 or lp[1] != 0:  # (widened logprobs were summed chunk by chunk above)
         return
     k = meta[a, 2] // lp[2]
     for i in range(n_items):
