@@ -35,7 +35,7 @@ def _reader(url, path: str, **kw) -> CacheReader:
 def test_the_preset_is_recorded_uncompressed_and_validates(tmp_path):
     assert spec.LAYOUTS["random_access_raw"] is RAW is spec.RANDOM_ACCESS_RAW_LAYOUT
     ra = spec.layout_named("random_access")
-    assert (RAW.row_chunk, RAW.row_shard, RAW.token_chunk) == (128, ra.row_shard, 1024)
+    assert (RAW.row_chunk, RAW.row_shard, RAW.token_chunk) == (64, ra.row_shard, 512)
     url = tmp_path / "c"
     recs = _write(url, RAW)
     for name in ("topk_ids", "topk_logprobs", "tail_mass", "input_ids", "seq_lengths"):
@@ -51,10 +51,10 @@ def test_the_preset_is_recorded_uncompressed_and_validates(tmp_path):
         assert g.key == want.key
         assert np.array_equal(g.topk_ids, want.topk_ids)
         assert np.array_equal(g.input_ids, want.input_ids)
-    # one raw chunk stores exactly its bytes and a CRC32C: 128 rows x K int32
+    # one raw chunk stores exactly its bytes and a CRC32C: 64 rows x K int32
     shard = (url / "topk_ids" / "c" / "0" / "0").read_bytes()
-    index = np.frombuffer(shard[-(16 * (RAW.row_shard // 128) + 4) : -4], "<u8").reshape(-1, 2)
-    assert int(index[0, 1]) == 128 * K * 4 + 4
+    index = np.frombuffer(shard[-(16 * (RAW.row_shard // 64) + 4) : -4], "<u8").reshape(-1, 2)
+    assert int(index[0, 1]) == 64 * K * 4 + 4
     assert validate(url).ok
 
 
