@@ -322,8 +322,9 @@ def read_arrays(
     ``bounds[a]``, one after the other in one block (stored dtype; the blocks share one
     allocation); or ``None``: read these through :mod:`.pointread` instead (see the module
     docstring). Rows must lie below each layout's ``length`` (the caller checks R6). ``lp =
-    (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place (float16 bits
-    widened into the float32 array returned beside the blocks if ``widen``).
+    (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place, or if ``widen``
+    (float16 bits) into the float32 array returned beside the blocks (array ``a``'s block is
+    then empty).
 
     With ``pool`` and ``threads > 1`` the work is cut at chunk edges into up to ``threads``
     groups of at least :data:`PARALLEL_MIN_BYTES` decoded, the calling thread taking one (each
@@ -335,6 +336,7 @@ def read_arrays(
     quarter of it.)"""
     assert _kernels is not None
     plan = _plan(lays)
+    a_lp, widen = lp
     items: list[tuple[int, int, int, int]] = []
     rows: list[int] = []
     offsets: list[int] = []
@@ -347,14 +349,17 @@ def read_arrays(
             out += sp - st
         rows.append(out)
         offsets.append(at)
+        if widen and a == a_lp:  # read_items sums these rows straight into lp_out
+            rows[a] = 0
+            continue
         at += (out * plan.row_bytes[a] + ALIGN - 1) // ALIGN * ALIGN
     meta = plan.meta.copy()
     meta[:, 4] = offsets
     arena = outbuf.empty(max(at, 1))  # no huge-page request for large calls (outbuf)
-    a_lp, widen = lp
     lp_out = None
     if a_lp >= 0 and widen:  # (a separate allocation: one block with the arena was slower)
-        lp_out = outbuf.empty((rows[a_lp], *plan.inner[a_lp]), np.float32)
+        n_lp = sum(sp - st for st, sp in bounds[a_lp])
+        lp_out = outbuf.empty((n_lp, *plan.inner[a_lp]), np.float32)
     dummy = lp_out if lp_out is not None else _DUMMY
     run = partial(_run, lays, root, plan, meta, arena, plan.lp_arg(a_lp, widen), dummy)
     if pool is not None and threads > 1:
@@ -369,10 +374,10 @@ def read_arrays(
         ok = all([f.result() for f in futures]) and ok
     if not ok:
         return None
-    out_blocks = []
-    for a, o in enumerate(offsets):
-        n = rows[a] * plan.row_bytes[a]
-        out_blocks.append(arena[o : o + n].view(plan.dtypes[a]).reshape(rows[a], *plan.inner[a]))
+    out_blocks = [
+        np.ndarray((rows[a], *plan.inner[a]), plan.dtypes[a], arena, o)
+        for a, o in enumerate(offsets)
+    ]
     return out_blocks, lp_out
 
 

@@ -435,7 +435,7 @@ class CacheReader:
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
         if point and self.point_reads and fastdecode.AVAILABLE:
-            tokens = any(t is not None for _, t in spans)
+            tokens = spans[0][1] is not None or any(t is not None for _, t in spans)
             key = (logprob_dtype, tokens)
             plan = self._fast_plans[key] if key in self._fast_plans else self._fast_plan(*key)
             if plan is not None and fastdecode.ready():
