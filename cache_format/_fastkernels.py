@@ -348,58 +348,42 @@ def read_items(
                     return
                 r0 = g * cr
                 q0, q1 = ufirst[w], ufirst[w + 1]
-                if to_lp:
-                    src_buf = buf
-                    at = p
-                    if not raw:
-                        if (
-                            blosc_decompress_ctx(dec_fn, base + p, scr, chunk_bytes, 1)
-                            != chunk_bytes
-                        ):
-                            status[0] = FALLBACK
-                            status[1] = g
-                            return
-                        src_buf = scratch
-                        at = 0
-                    for q in range(q0, q1):
-                        i = pj[q]
-                        st, sp = items[i, 1], items[i, 2]
-                        x, y = max(st, r0), min(sp, r0 + cr)
-                        b0 = at + (x - r0) * row_bytes
-                        rows16 = src_buf[b0 : b0 + (y - x) * row_bytes].view(np.uint16)
-                        o = items[i, 3] + x - st
-                        undelta(rows16.reshape((y - x, k_lp)), lp_out[o : o + y - x], True)
+                i = pj[q0]  # the chunk is all one item's: decoded in place in the arena
+                whole = q1 - q0 == 1 and not to_lp
+                whole = whole and items[i, 1] <= r0 and r0 + cr <= items[i, 2]
+                if whole and raw:
+                    continue  # read in place
+                src_buf, at, dest = buf, p, scr  # raw: rows copied (or summed) from the bytes read
+                if whole:
+                    dest = arena_base + out_at + (items[i, 3] + r0 - items[i, 1]) * row_bytes
+                elif not raw:
+                    src_buf, at = scratch, 0
+                if not raw and (
+                    blosc_decompress_ctx(dec_fn, base + p, dest, chunk_bytes, 1) != chunk_bytes
+                ):
+                    status[0] = FALLBACK
+                    status[1] = g
+                    return
+                if whole:
                     continue
-                if q1 - q0 == 1:
-                    i = pj[q0]
-                    st, sp = items[i, 1], items[i, 2]
-                    if st <= r0 and r0 + cr <= sp:
-                        dest = arena_base + out_at + (items[i, 3] + r0 - st) * row_bytes
-                        if raw:
-                            continue  # read in place
-                        if (
-                            blosc_decompress_ctx(dec_fn, base + p, dest, chunk_bytes, 1)
-                            != chunk_bytes
-                        ):
-                            status[0] = FALLBACK
-                            status[1] = g
-                            return
-                        continue
-                src = base + p  # a raw chunk's rows are copied from the bytes read
-                if not raw:
-                    if blosc_decompress_ctx(dec_fn, base + p, scr, chunk_bytes, 1) != chunk_bytes:
-                        status[0] = FALLBACK
-                        status[1] = g
-                        return
-                    src = scr
+                src = np.int64(src_buf.ctypes.data) + at
                 for q in range(q0, q1):
                     i = pj[q]
                     st, sp = items[i, 1], items[i, 2]
                     x, y = max(st, r0), min(sp, r0 + cr)
-                    o = out_at + (items[i, 3] + x - st) * row_bytes
-                    memcpy(
-                        memcpy_fn, arena_base + o, src + (x - r0) * row_bytes, (y - x) * row_bytes
-                    )
+                    if to_lp:
+                        b0 = at + (x - r0) * row_bytes
+                        rows16 = src_buf[b0 : b0 + (y - x) * row_bytes].view(np.uint16)
+                        o = items[i, 3] + x - st
+                        undelta(rows16.reshape((y - x, k_lp)), lp_out[o : o + y - x], True)
+                    else:
+                        o = out_at + (items[i, 3] + x - st) * row_bytes
+                        memcpy(
+                            memcpy_fn,
+                            arena_base + o,
+                            src + (x - r0) * row_bytes,
+                            (y - x) * row_bytes,
+                        )
             u = v
     a = lp[0]
     if a < 0 or lp[1] != 0:  # (widened logprobs were summed chunk by chunk above)
