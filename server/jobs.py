@@ -7,7 +7,7 @@ the problems). A rejected job writes nothing and leaves no row.
 Running (one job at a time, oldest first) is :func:`logitcache.server.pipeline.run`, the batch
 pipeline shared with on-demand scoring and the Ray shards: batches are formed from the input
 (:func:`~logitcache.server.inputs.batches`, a pure function of the input: the sequences that the
-submission checked, kept in memory up to :data:`KEEP_INPUT_TOKENS`, else the input read and
+submission checked, kept in memory up to ``job_keep_input_tokens``, else the input read and
 checked again) and checked against the cache's keys in a worker thread; up to
 ``job_inflight_batches`` batches are in the engine at once (only one while on-demand
 ``/v1/score`` requests are in progress: the engine serves requests in arrival order, so fewer job
@@ -69,12 +69,6 @@ MERGE_VALUES = 1 << 23
 #: 0.1 s is what a GPU engine (~500K positions/s) takes to score 65K rows; a slower engine
 #: gets smaller groups, and progress still moves (and a crash loses at most) every 0.1 s.
 WRITE_LINGER_S = 0.1
-
-#: Tokens of checked input that submitted jobs keep in memory until they run, in all: such a job
-#: runs from the sequences its submission checked instead of reading and checking its input
-#: again (issue #19: ~0.15 CPU-us/position). A larger input, or a job resumed after a restart,
-#: reads its input again (and refuses to run if the input changed since its submission).
-KEEP_INPUT_TOKENS = 1 << 25
 
 
 def numpy_hugepages_off() -> bool:
@@ -226,14 +220,15 @@ class JobRunner:
 
     def _scan(self, req: JobCreate, keep: list[inputs.Sequence]) -> tuple[inputs.InputSummary, str]:
         """The input's summary and digest; its checked sequences go to ``keep`` when they fit
-        in what :data:`KEEP_INPUT_TOKENS` leaves (else ``keep`` stays empty)."""
+        in what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
         raws = inputs.raw_records(
             file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
         digest = inputs.input_digest(
             file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
-        budget = KEEP_INPUT_TOKENS - sum(t for t, _ in list(self._kept.values()))
+        kept = sum(t for t, _ in list(self._kept.values()))
+        budget = self.settings.job_keep_input_tokens - kept
         tok, limits = self._tokenize(req), self._limits(req)
         return inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget), digest
 

@@ -1,6 +1,7 @@
 """A job reads its input once (issue #19): it runs from the sequences its submission checked,
-kept in memory up to ``jobs.KEEP_INPUT_TOKENS``; past that budget (or after a restart) it reads
-and checks the input again. Both ways store the same bytes (fake teacher, in process)."""
+kept in memory up to the ``job_keep_input_tokens`` setting; past that budget (or after a
+restart) it reads and checks the input again. Both ways store the same bytes (fake teacher, in
+process)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from engine_support import FakeEngine, app_settings, in_process
 from logitcache.cache_format import CacheReader
-from logitcache.server import inputs, jobs
+from logitcache.server import inputs
 from test_jobs_targets import _done
 
 pytestmark = pytest.mark.fast
@@ -28,7 +29,7 @@ def _stored(url: Path) -> list[tuple[Any, ...]]:
     return out
 
 
-def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: str) -> int:
+def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: str, **settings: Any) -> int:
     """Submit a job over a file and wait for it; returns how often the input was read."""
     reads = []
     original = inputs.raw_records
@@ -40,7 +41,8 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: str) -> int:
     monkeypatch.setattr(inputs, "raw_records", counted)
 
     async def go() -> None:
-        async with in_process(app_settings(tmp_path, job_batch_sequences=3), FakeEngine()) as c:
+        conf = app_settings(tmp_path, job_batch_sequences=3, **settings)
+        async with in_process(conf, FakeEngine()) as c:
             body = {"cache": cache, "file": {"path": "in.jsonl"}, "k": 5}
             r = await c.post("/v1/jobs", json=body)
             assert r.status_code == 201, r.text
@@ -60,8 +62,8 @@ def test_a_job_runs_from_its_checked_input_without_reading_it_again(
     rows.append({"text": "a text record"})
     (tmp_path / "data" / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert _run(tmp_path, monkeypatch, "once") == 1  # the submission's read only
-    monkeypatch.setattr(jobs, "KEEP_INPUT_TOKENS", 10)  # too small: read again to run
-    assert _run(tmp_path, monkeypatch, "twice") == 2
+    # too small a budget: read again to run
+    assert _run(tmp_path, monkeypatch, "twice", job_keep_input_tokens=10) == 2
     once, twice = _stored(tmp_path / "caches" / "once"), _stored(tmp_path / "caches" / "twice")
     assert len(once) == 9 and once == twice
 
