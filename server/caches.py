@@ -326,8 +326,8 @@ class CacheRegistry:
             if self._closed or self.idle_s <= 0 or self.keep_idle <= 0:
                 self._drop(name, entry)
                 return
-            entry.idle_since = time.monotonic()
-            entry.timer = threading.Timer(self.idle_s, self._expire, (name, entry))
+            entry.idle_since = since = time.monotonic()
+            entry.timer = threading.Timer(self.idle_s, self._expire, (name, entry, since))
             entry.timer.daemon = True
             entry.timer.start()
             idle = sorted(
@@ -336,10 +336,11 @@ class CacheRegistry:
             for _, n in idle[: max(len(idle) - self.keep_idle, 0)]:
                 self._drop(n, self._writers[n])
 
-    def _expire(self, name: str, entry: _OpenWriter) -> None:
-        """Timer: close ``entry`` if it is still ``name``'s writer and still idle."""
+    def _expire(self, name: str, entry: _OpenWriter, since: float) -> None:
+        """Timer: close ``entry`` if it is still ``name``'s writer and still idle since
+        ``since`` (not taken up and left again meanwhile: that started a new timer)."""
         with self._lock:
-            if self._writers.get(name) is entry and entry.users == 0:
+            if self._writers.get(name) is entry and entry.idle_since == since:
                 self._drop(name, entry)
 
     def _drop(self, name: str, entry: _OpenWriter) -> None:

@@ -147,6 +147,22 @@ def test_idle_writers_expire_and_only_keep_idle_are_kept(tmp_path) -> None:
     reg.close()
 
 
+def test_an_earlier_idle_periods_timer_does_not_close_a_writer_idle_again(tmp_path) -> None:
+    recs = _records(4)
+    reg = CacheRegistry(str(tmp_path), idle_s=60)
+    w = _use(reg, recs[:2])
+    entry = reg._writers["c"]
+    first_since = entry.idle_since
+    assert first_since is not None
+    _use(reg, recs[2:])  # taken up and left again: a new idle period, a new timer
+    assert entry.idle_since != first_since
+    reg._expire("c", entry, first_since)  # the first period's timer firing late
+    assert not w._closed and reg.open_writers() == {"c": 0}
+    reg._expire("c", entry, entry.idle_since)  # the current period's
+    assert w._closed and reg.open_writers() == {}
+    reg.close()
+
+
 def test_close_writer_closes_an_idle_one_only(tmp_path) -> None:
     recs = _records(4)
     reg = CacheRegistry(str(tmp_path), idle_s=60)
