@@ -606,7 +606,8 @@ class CacheReader:
         if got is None:
             return None
         blocks, widened = got
-        ids, tail = blocks[0], blocks[2]
+        ids = blocks[0]
+        tail = np.asarray(blocks[2], dtype=np.float32)  # stored float16 in some caches
         if self._id_order is not None:
             np.take(self._id_order, ids, out=ids)
         lp_all = widened if widened is not None else blocks[1].view(plan.stored)

@@ -89,7 +89,11 @@ def test_point_reads_equal_the_range_path(tmp_path, monkeypatch, kw, threads):
         assert np.array_equal(g.input_ids, want.input_ids)
 
 
-@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
+@pytest.mark.parametrize(
+    "kw",
+    [*CASES, {"logprob_dtype": "float32", "tail_mass_dtype": "float16"}],
+    ids=lambda kw: ",".join(kw) or "float16",
+)
 def test_records_hold_the_dtypes_asked_for(tmp_path, kw):
     """A reader builds its records without the constructor's checks (``SequenceRecord.trusted``):
     every array has the dtype and shape the constructor would give it, on both paths, and the
