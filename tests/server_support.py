@@ -31,6 +31,10 @@ VLLM_ENV = {
 }
 
 
+class PortTakenError(RuntimeError):
+    """The server could not bind its port (taken since :func:`free_port` chose it)."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -71,7 +75,21 @@ class ServerProcess:
     def client(self, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers(), timeout=60.0, **kw)
 
-    def start(self, timeout: float = 420.0) -> ServerProcess:
+    def start(self, timeout: float = 420.0, attempts: int = 3) -> ServerProcess:
+        """Start the service and wait for ``/health``. A port taken between :func:`free_port`
+        and the server's bind (another process, or the engine's own ephemeral ports, got the
+        same number) is not the code under test: the start is retried on a fresh port."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except PortTakenError:
+                if attempt == attempts - 1:
+                    raise
+                self.port = self.settings["port"] = free_port()
+                self.log_path = self.workdir / f"server-{self.port}.log"
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> ServerProcess:
         argv = [sys.executable, "-m", "logitcache.server"]
         for k, v in self.settings.items():
             if k == "k":
@@ -87,7 +105,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                log = self.log()
+                error = PortTakenError if "address already in use" in log else RuntimeError
+                raise error(f"server exited with {self.proc.returncode}:\n{log}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return self
