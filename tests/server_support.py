@@ -189,7 +189,12 @@ class ThreadedServer:
         import uvicorn
         from logitcache.server.app import create_app
 
-        self.port = free_port()
+        # the listening socket is made here and handed to uvicorn: no other process can take
+        # the port between choosing it and binding it (the window ServerProcess retries over)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = int(self._socket.getsockname()[1])
         self.api_key = api_key
         self.settings = settings
         self.app = create_app(settings, engine=engine)
@@ -216,7 +221,10 @@ class ThreadedServer:
     def start(self, timeout: float = 60.0) -> ThreadedServer:
         import threading
 
-        self._thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, name="uvicorn-test",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -229,6 +237,7 @@ class ThreadedServer:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(60)
+        self._socket.close()
 
     def __enter__(self) -> ThreadedServer:
         return self.start()
