@@ -187,6 +187,7 @@ class CacheReader:
         self._arrays: dict[str, zarr.Array] = {}
         self._direct: dict[str, shardread.DirectLayout] = {}
         self._local_root: str | None = None  # the local store directory of the direct arrays
+        self._fast_plans: dict[tuple[str, bool], _FastPlan | None] = {}  # (see _fast_plan)
         self._keys: list[str] = []
         self._key_index: dict[str, int] = {}
         self._lengths = np.zeros(0, dtype=np.int32)
@@ -356,7 +357,7 @@ class CacheReader:
                     self._direct[n] = lay
         ids = self._direct.get(spec.TOPK_IDS)
         self._local_root = None if ids is None else shardread.local_root(ids)
-        self._fast_plans: dict[tuple[str, bool], _FastPlan | None] = {}
+        self._fast_plans = {}
 
     def _reopen_arrays(self) -> None:
         self._set_arrays(
