@@ -248,13 +248,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from logitcache.cache_format import CacheReader, pointread, validate
 
     root = Path(args.root)
-    log("generating records")
-    records = make_records(args.positions, args.seed)
-    lengths = np.array([r.length for r in records], dtype=np.int64)
+    # --reuse with every store and the .npy copy there: the sequence lengths are all a run needs
+    # from the records (generating them costs ~10 s of a device call per run)
+    saved = root / "npy" / f"lengths_{args.positions}_{args.seed}.npy"
+    built = all((root / name / "zarr.json").exists() for name in args.layouts)
+    records: list | None = None
+    if args.reuse and built and saved.exists() and (root / "npy" / "tok.npy").exists():
+        lengths = np.load(saved)
+        log("reusing", root, "and its sequence lengths")
+    else:
+        log("generating records")
+        records = make_records(args.positions, args.seed)
+        lengths = np.array([r.length for r in records], dtype=np.int64)
+        if not (args.reuse and (root / "npy" / "tok.npy").exists()):
+            save_npy(root / "npy", records)
+        np.save(saved, lengths)
     rs = np.concatenate([[0], np.cumsum(lengths - 1)])
     ts = np.concatenate([[0], np.cumsum(lengths)])
-    if not (args.reuse and (root / "npy" / "tok.npy").exists()):
-        save_npy(root / "npy", records)
     doc: dict[str, Any] = {"builds": {}, "layouts": {}}
     for name in args.layouts:
         if args.reuse and (root / name / "zarr.json").exists():
@@ -264,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             doc["builds"][name]["bytes_per_position"] = nbytes / positions
             continue
         log("build", name)
+        assert records is not None  # (generated above whenever a store is missing)
         doc["builds"][name] = build(str(root / name), records, name)
         log(doc["builds"][name])
     del records
@@ -396,7 +407,12 @@ def main() -> None:
         action="store_true",
         help="drop each result right after its call (the .npy copy's too); default: keep a pass's",
     )
-    p.add_argument("--reuse", action="store_true", help="read the stores already under --root")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read the stores already under --root (and, when every one is there, the sequence "
+        "lengths saved beside the .npy copy instead of generating the records again)",
+    )
     p.add_argument("--label", default="", help="a name for this run (e.g. the code measured)")
     p.add_argument("--skip-range-path", action="store_true", help="no range-path figures")
     p.add_argument("--json", type=Path)
