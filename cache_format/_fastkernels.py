@@ -149,8 +149,7 @@ def undelta(d: Any, out: Any, widen: bool) -> None:
     2-2.5x the serial sum at k=100, issue #14), the rest of a row serially; the serial sum runs
     in ``d``'s own type (wrapping), which LLVM keeps in narrow registers."""
     n, k = d.shape
-    vec = LANES if d.itemsize == 2 else 0
-    full = k // LANES * LANES if vec else 0
+    full = k // LANES * LANES if d.itemsize == 2 else 0
     src, dst = np.int64(d.ctypes.data), np.int64(out.ctypes.data)
     s_row, o_row = d.strides[0], out.strides[0]
     for r in range(n):
@@ -348,8 +347,8 @@ def read_items(
                     return
                 r0 = g * cr
                 q0, q1 = ufirst[w], ufirst[w + 1]
-                i = pj[q0]  # the chunk is all one item's: decoded in place in the arena
-                whole = q1 - q0 == 1 and not to_lp
+                i = pj[q0]
+                whole = q1 - q0 == 1 and not to_lp  # all one item's: decoded in place in the arena
                 whole = whole and items[i, 1] <= r0 and r0 + cr <= items[i, 2]
                 if whole and raw:
                     continue  # read in place
@@ -395,8 +394,7 @@ def read_items(
         o = meta[a, 4] + items[i, 3] * meta[a, 2]
         rows = items[i, 2] - items[i, 1]
         n = rows * meta[a, 2]
-        out = lp_out[items[i, 3] : items[i, 3] + rows]
-        if lp[2] == 4:
-            undelta(arena[o : o + n].view(np.uint32).reshape((rows, k)), out, False)
+        if lp[2] == 4:  # in place (lp_out: not written)
+            undelta(arena[o : o + n].view(np.uint32).reshape((rows, k)), lp_out, False)
         else:
-            undelta(arena[o : o + n].view(np.uint16).reshape((rows, k)), out, lp[1] != 0)
+            undelta(arena[o : o + n].view(np.uint16).reshape((rows, k)), lp_out, False)

@@ -350,7 +350,6 @@ def read_arrays(
         rows.append(out)
         offsets.append(at)
         if widen and a == a_lp:  # read_items sums these rows straight into lp_out
-            rows[a] = 0
             continue
         at += (out * plan.row_bytes[a] + ALIGN - 1) // ALIGN * ALIGN
     meta = plan.meta.copy()
@@ -358,8 +357,8 @@ def read_arrays(
     arena = outbuf.empty(max(at, 1))  # no huge-page request for large calls (outbuf)
     lp_out = None
     if a_lp >= 0 and widen:  # (a separate allocation: one block with the arena was slower)
-        n_lp = sum(sp - st for st, sp in bounds[a_lp])
-        lp_out = outbuf.empty((n_lp, *plan.inner[a_lp]), np.float32)
+        lp_out = outbuf.empty((rows[a_lp], *plan.inner[a_lp]), np.float32)
+        rows[a_lp] = 0  # its block in the arena stays empty
     dummy = lp_out if lp_out is not None else _DUMMY
     run = partial(_run, lays, root, plan, meta, arena, plan.lp_arg(a_lp, widen), dummy)
     if pool is not None and threads > 1:
