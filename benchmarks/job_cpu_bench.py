@@ -320,12 +320,14 @@ async def run_job(
                     prof.enable()
                 ENDED.clear()
                 threads0 = thread_cpu()
+                perf_ctl("enable")
                 cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
                 r.raise_for_status()
                 job_id = r.json()["id"]
                 await _wait(c, settings.job_db_path, job_id)
                 cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                perf_ctl("disable")
                 threads1 = thread_cpu()
                 if prof is not None:
                     prof.disable()
@@ -349,6 +351,23 @@ async def run_job(
         "job": job,
         "threads": per_thread,
     }
+
+
+#: ``--perf-ctl``: perf's control FIFO and its acknowledgement FIFO (``None``: no perf).
+PERF_CTL: tuple[str, str] | None = None
+
+
+def perf_ctl(command: str) -> None:
+    """Tell a ``perf record -D -1 --control fifo:CTL,ACK`` parent to start or stop sampling, so
+    its profile holds the timed jobs only (not the replay engine's set-up); waits for perf's
+    ``ack`` so no sample of the other side of the boundary slips in."""
+    if PERF_CTL is None:
+        return
+    ctl, ack = PERF_CTL
+    with open(ctl, "w") as f:
+        f.write(command + "\n")
+    with open(ack) as f:
+        f.readline()
 
 
 def thread_cpu() -> dict[str, float]:
@@ -637,8 +656,17 @@ def main() -> None:
         "the bench's own) or 'zipf' (format_bench.py's teacher model over 131,072 tokens, "
         "what the format's bytes/position goal is measured on; ~8 s to make)",
     )
+    p.add_argument(
+        "--perf-ctl",
+        nargs=2,
+        metavar=("CTL", "ACK"),
+        default=None,
+        help="perf's control and ack FIFOs: sample only the timed jobs, e.g. mkfifo ctl ack; "
+        "perf record -D -1 --control fifo:ctl,ack -g -- python job_cpu_bench.py --perf-ctl ctl ack",
+    )
     args = p.parse_args()
-    global ZIPF, VOCAB, PROFILE
+    global ZIPF, VOCAB, PROFILE, PERF_CTL
+    PERF_CTL = tuple(args.perf_ctl) if args.perf_ctl else None
     if args.ids == "zipf":
         ZIPF = ZipfRows()
         VOCAB = 131072
