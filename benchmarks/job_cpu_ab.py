@@ -43,12 +43,22 @@ def run_one(tree: Path, bench_args: list[str], prefill: int, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _job(run: dict) -> str:
+    """Which timed job of its process a run is, when the bench ran more than one per k
+    (``--repeats``): ``first`` (the process's first job of that size: it also grows the kept
+    buffers, once per process) or ``later``; ``all`` for runs without the field."""
+    rep = run.get("rep")
+    return "all" if rep is None else "first" if rep == 0 else "later"
+
+
 def summarize(runs: list[dict]) -> dict:
-    """Per prefill and k: each tree's per-round figures, median and min; B - A paired."""
+    """Per prefill, k and job (:func:`_job`): each tree's per-round figures (the median of a
+    round's runs), median and min; B - A paired."""
+    runs = _per_round(runs)
     out: dict = {}
-    keys = sorted({(r["prefill"], r["k"]) for r in runs})
-    for prefill, k in keys:
-        sel = [r for r in runs if r["prefill"] == prefill and r["k"] == k]
+    keys = sorted({(r["prefill"], r["k"], _job(r)) for r in runs})
+    for prefill, k, job in keys:
+        sel = [r for r in runs if r["prefill"] == prefill and r["k"] == k and _job(r) == job]
         by = {t: sorted((r for r in sel if r["tree"] == t), key=lambda r: r["round"]) for t in "ab"}
         a = [r["us_per_position"] for r in by["a"]]
         b = [r["us_per_position"] for r in by["b"]]
@@ -61,7 +71,7 @@ def summarize(runs: list[dict]) -> dict:
             for t in "ab"
             if by[t]
         }
-        out[f"prefill={prefill} k={k}"] = {
+        out[f"prefill={prefill} k={k}" + ("" if job == "all" else f" {job}")] = {
             "a_rounds": a,
             "b_rounds": b,
             "a_median": statistics.median(a),
@@ -76,6 +86,19 @@ def summarize(runs: list[dict]) -> dict:
             "median_stages": stages,
             "load_1min": [r["load_avg_1min_before"] for r in sel],
         }
+    return out
+
+
+def _per_round(runs: list[dict]) -> list[dict]:
+    """One run per (round, tree, prefill, k, job): the later jobs of a round folded into their
+    median run (the run at the median figure)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["round"], r["tree"], r["prefill"], r["k"], _job(r)), []).append(r)
+    out = []
+    for sel in groups.values():
+        sel = sorted(sel, key=lambda r: r["us_per_position"])
+        out.append(sel[(len(sel) - 1) // 2])
     return out
 
 
@@ -99,9 +122,13 @@ def main() -> None:
             for prefill in args.prefill:
                 path = args.out / f"r{rnd:02d}-{tree}-p{prefill}.json"
                 res = run_one(root, bench_args, prefill, path)
+                seen_k: dict[int, int] = {}
                 for r in res["runs"]:
                     keep = {n: v for n, v in r.items() if n != "thread_cpu_s"}
-                    runs.append({"round": rnd, "tree": tree, "prefill": prefill, **keep})
+                    rep = seen_k[r["k"]] = seen_k.get(r["k"], -1) + 1  # 0: the process's first
+                    runs.append(
+                        {"round": rnd, "tree": tree, "prefill": prefill, "rep": rep, **keep}
+                    )
                     print(
                         f"round {rnd} {tree} prefill {prefill} k={r['k']}: "
                         f"{r['us_per_position']:.2f} (sys {r['sys_us_per_position']:.2f}) "

@@ -15,6 +15,7 @@ Usage (A/B through another tree: ``benchmarks/run_with_tree.py TREE benchmarks/j
 
     .venv/bin/python benchmarks/job_fixed_cost.py --prefill 1600 --jobs 8
     .venv/bin/python benchmarks/job_fixed_cost.py --prefill 50000 --prefill-length 8 --jobs 8
+    .venv/bin/python benchmarks/job_fixed_cost.py --prefill 16 --jobs 8 --new-caches
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def _write_jsonl(path: Path, prompts: list[list[int]], prefix: str) -> None:
     path.write_text("\n".join(lines))
 
 
-async def _job(client: Any, db: Path, file: str) -> None:
-    """Submit a job over ``file`` into cache ``c`` and wait for its end (succeeded or raise)."""
-    r = await client.post("/v1/jobs", json={"cache": "c", "file": {"path": file}})
+async def _job(client: Any, db: Path, file: str, cache: str = "c") -> None:
+    """Submit a job over ``file`` into ``cache`` and wait for its end (succeeded or raise)."""
+    r = await client.post("/v1/jobs", json={"cache": cache, "file": {"path": file}})
     r.raise_for_status()
     await jb._wait(client, db, r.json()["id"])
     state = (await client.get(f"/v1/jobs/{r.json()['id']}")).json()["state"]
@@ -95,7 +96,9 @@ async def run(a: argparse.Namespace, work: Path) -> list[float]:
             for j in range(a.jobs):
                 await asyncio.sleep(a.pause)  # the writer's threads settle
                 c0 = _cpu()
-                await _job(c, settings.job_db_path, f"j{j}.jsonl")
+                await _job(
+                    c, settings.job_db_path, f"j{j}.jsonl", f"new{j}" if a.new_caches else "c"
+                )
                 out.append(_cpu() - c0)
     return out
 
@@ -109,6 +112,12 @@ def main() -> None:
     p.add_argument("--length", type=int, default=256, help="tokens per timed sequence")
     p.add_argument("--k", type=int, default=100)
     p.add_argument("--pause", type=float, default=0.2, help="seconds between timed jobs")
+    p.add_argument(
+        "--new-caches",
+        action="store_true",
+        help="every timed job into a cache of its own, made by that job (a first job into a new "
+        "cache: the cache's creation and its writer's first open are in the figure)",
+    )
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     if a.jobs < 2 or a.job_sequences < 1 or a.length < 2 or a.prefill_length < 2:
@@ -127,13 +136,16 @@ def main() -> None:
         "load_avg_1min_before": load,
         "load_avg_1min_after": os.getloadavg()[0],
         "wall_s": time.perf_counter() - t0,
+        "new_caches": a.new_caches,
         "job_cpu_ms": ms,
         "first_ms": ms[0],
         "median_ms": statistics.median(ms[1:]),
         "min_ms": min(ms[1:]),
     }
     print(
-        f"{a.job_sequences}-sequence jobs into a {a.prefill}-sequence cache, process CPU per job: "
+        f"{a.job_sequences}-sequence jobs into "
+        + ("new caches" if a.new_caches else f"a {a.prefill}-sequence cache")
+        + ", process CPU per job: "
         f"first {ms[0]:.1f} ms, then median {result['median_ms']:.1f} (min {result['min_ms']:.1f})"
         f" ms; load {load:.1f} -> {result['load_avg_1min_after']:.1f}",
         flush=True,
