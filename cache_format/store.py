@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import mmap
 import os
 import threading
@@ -123,6 +124,24 @@ def _write_direct(fd: int, data: memoryview) -> None:
         os.ftruncate(fd, n)
 
 
+_tag_prefix = uuid.uuid4().hex[:16]
+_tag_count = itertools.count()
+
+
+def _new_tag_prefix() -> None:
+    global _tag_prefix
+    _tag_prefix = uuid.uuid4().hex[:16]
+
+
+os.register_at_fork(after_in_child=_new_tag_prefix)
+
+
+def _temporary_tag() -> str:
+    """A name part no other temporary file gets: this process's random prefix (new in a forked
+    child) and a counter (one ``getrandom`` per process, not per object write)."""
+    return f"{_tag_prefix}{next(_tag_count):x}"
+
+
 class DurableLocalStore(zarr.storage.LocalStore):
     """A :class:`zarr.storage.LocalStore` whose object writes survive power loss once
     :meth:`sync_dirs` has returned.
@@ -158,20 +177,24 @@ class DurableLocalStore(zarr.storage.LocalStore):
         self.direct_io = direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)
 
     def _put_durable(self, path: Path, value: Buffer, exclusive: bool) -> None:
-        changed = [path.parent]
-        missing = path.parent
-        while not missing.exists():  # new directories: their parents' entries change too
-            changed.append(missing.parent)
-            missing = missing.parent
-        path.parent.mkdir(parents=True, exist_ok=True)
+        parent = path.parent
+        changed = [parent]
+        if not os.path.isdir(parent):  # new directories: their parents' entries change too
+            missing = parent
+            while not missing.exists():
+                changed.append(missing.parent)
+                missing = missing.parent
+            parent.mkdir(parents=True, exist_ok=True)
         data = memoryview(value.as_buffer_like()).cast("B")
-        tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+        tmp = path.with_suffix(f".{_temporary_tag()}.partial")
         try:
             if not (self.direct_io and len(data) >= DIRECT_IO_MIN and self._put_direct(tmp, data)):
-                with tmp.open("wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+                try:
+                    _write_all(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             if exclusive:  # like zarr: fails if the key exists
                 os.link(tmp, path)
                 os.unlink(tmp)

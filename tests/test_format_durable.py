@@ -81,3 +81,22 @@ def test_fsync_false_writes_plain_localstore(tmp_path, monkeypatch):
         w.append(make_records(5))
     assert events == []
     assert CacheReader(url).num_sequences == 5
+
+
+def test_temporary_names_differ_across_writes_and_forked_children():
+    """The ``*.partial`` name part is unique per write, and a forked child (a server worker, a
+    DataLoader worker) draws a prefix of its own rather than repeating its parent's names."""
+    from logitcache.cache_format import store
+
+    a, b = store._temporary_tag(), store._temporary_tag()
+    assert a != b and a[:16] == b[:16]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its tag, then leave without running the test session's exit
+        os.write(write, store._temporary_tag().encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 100).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert child[:16] != a[:16] and len(child) > 16
