@@ -118,3 +118,51 @@ def test_two_appenders_and_a_reader(s3_store, tmp_path, where):
         assert np.array_equal(rec.input_ids, want[rec.key].input_ids)
     assert [k for k in r.keys if k.startswith("a")] == [f"a{i}" for i in range(n)]
     assert validate(url, opts).ok
+
+
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
+def test_s3_store_made_from_creation_templates(s3_store, monkeypatch, backend):
+    """issue #19: the second store of a layout in a process gets its arrays' ``zarr.json``
+    written from templates (no zarr ``create_array``) on S3 too: the same objects as the first
+    store, which zarr created, and both read back and validate."""
+    import boto3
+    from logitcache.cache_format import writer
+
+    monkeypatch.setattr(writer, "_CREATED", {})
+    made: list[str] = []
+    real = writer.create_array
+    monkeypatch.setattr(writer, "create_array", lambda *a: made.append(a[1].name) or real(*a))
+    url, opts = s3_store
+    opts = dict(opts, backend=backend)
+    recs = make_records(9, seed=12)
+    for name in ("first", "second"):
+        with CacheWriter.open(f"{url}/{name}", make_manifest(), opts) as w:
+            assert w.append(recs[:4]) == 4 and w.append(recs[4:]) == 5
+        if name == "first":
+            assert len(made) >= 8
+            made.clear()
+    assert made == []  # the second store: no zarr create_array
+    bucket = url.split("/")[2]
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=opts["endpoint_url"],
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    )
+
+    def objects(prefix: str) -> dict[str, bytes]:
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
+        return {
+            k[len(prefix) :]: s3.get_object(Bucket=bucket, Key=k)["Body"].read()
+            for k in keys
+            if k != prefix + "zarr.json"  # the root holds timestamps
+        }
+
+    a, b = objects("cache/first/"), objects("cache/second/")
+    assert len(a) > 10 and a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
+    for name in ("first", "second"):
+        r = CacheReader(f"{url}/{name}", opts)
+        assert r.keys == [x.key for x in recs]
+        assert np.array_equal(r.get("s7").topk_ids, recs[7].topk_ids)
+        assert validate(f"{url}/{name}", opts).ok
