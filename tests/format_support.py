@@ -70,19 +70,24 @@ def s3_endpoint():
         yield endpoint
 
 
-@pytest.fixture
-def s3_store(s3_endpoint):
-    """(url, storage_options) of an empty prefix in a fresh bucket on the moto server."""
+def s3_client(endpoint_url: str):
+    """A boto3 S3 client of the moto server at ``endpoint_url`` (the tests' credentials)."""
     import boto3
 
-    bucket = f"lc-{uuid.uuid4().hex[:12]}"
-    boto3.client(
+    return boto3.client(
         "s3",
-        endpoint_url=s3_endpoint,
+        endpoint_url=endpoint_url,
         aws_access_key_id="test",
         aws_secret_access_key="test",
         region_name="us-east-1",
-    ).create_bucket(Bucket=bucket)
+    )
+
+
+@pytest.fixture
+def s3_store(s3_endpoint):
+    """(url, storage_options) of an empty prefix in a fresh bucket on the moto server."""
+    bucket = f"lc-{uuid.uuid4().hex[:12]}"
+    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
     options = {"endpoint_url": s3_endpoint, "key": "test", "secret": "test", "region": "us-east-1"}
     return f"s3://{bucket}/cache", options
 

@@ -10,7 +10,7 @@ import dataclasses
 import format_support
 import numpy as np
 import pytest
-from format_support import make_manifest, make_records
+from format_support import make_manifest, make_records, s3_client
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
@@ -191,8 +191,6 @@ def test_corrupt_shard_raises_typed_error(tmp_path, monkeypatch, where):
 def test_direct_equals_zarr_s3(s3_store, monkeypatch):
     """On S3 through obstore and s3fs, both paths give the same bits; a damaged shard object is
     a ChecksumError."""
-    import boto3
-
     url, opts = s3_store
     _write(url, "uint8", opts)
     for backend in ("obstore", "fsspec"):
@@ -201,13 +199,7 @@ def test_direct_equals_zarr_s3(s3_store, monkeypatch):
         assert "topk_ids" in fast._direct
         _assert_same(fast, slow)
     bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=opts["endpoint_url"],
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(opts["endpoint_url"])
     key = f"{prefix}/topk_logprobs/c/2/0"
     data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[20] ^= 0x01

@@ -18,7 +18,7 @@ import format_support
 import google_crc32c
 import numpy as np
 import pytest
-from format_support import make_manifest, make_records
+from format_support import make_manifest, make_records, s3_client
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
@@ -115,18 +115,10 @@ def test_lost_shard_of_every_array_local(tmp_path):
 
 
 def test_lost_shard_of_every_array_s3(s3_store):
-    import boto3
-
     url, opts = s3_store
     recs = _write(url, opts)
     bucket, prefix = url.split("/")[2], url.split("/", 3)[3]
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=opts["endpoint_url"],
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(opts["endpoint_url"])
 
     def get(key: str) -> bytes:
         return s3.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()

@@ -13,7 +13,7 @@ import time
 import format_support
 import numpy as np
 import pytest
-from format_support import CHILD_K, CHILD_VOCAB, make_manifest, make_records
+from format_support import CHILD_K, CHILD_VOCAB, make_manifest, make_records, s3_client
 from logitcache.cache_format import CacheReader, CacheWriter, WriterLockedError, validate
 from logitcache.cache_format.lock import ObjectLock
 from logitcache.cache_format.store import open_store
@@ -37,16 +37,8 @@ def test_s3_roundtrip_obstore_and_fsspec(s3_store):
         got = r.get("s13")
         assert np.array_equal(got.topk_ids, recs[13].topk_ids)
     assert validate(url, opts).ok
-    import boto3
-
     bucket = url.split("/")[2]
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=opts["endpoint_url"],
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(opts["endpoint_url"])
     names = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
     assert "cache/zarr.json" in names and "cache/topk_ids/c/0/0" in names
     assert "cache/.logitcache.lock" not in names  # released after each append
@@ -125,7 +117,6 @@ def test_s3_store_made_from_creation_templates(s3_store, monkeypatch, backend):
     """issue #19: the second store of a layout in a process gets its arrays' ``zarr.json``
     written from templates (no zarr ``create_array``) on S3 too: the same objects as the first
     store, which zarr created, and both read back and validate."""
-    import boto3
     from logitcache.cache_format import writer
 
     monkeypatch.setattr(writer, "_CREATED", {})
@@ -143,13 +134,7 @@ def test_s3_store_made_from_creation_templates(s3_store, monkeypatch, backend):
             made.clear()
     assert made == []  # the second store: no zarr create_array
     bucket = url.split("/")[2]
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=opts["endpoint_url"],
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(opts["endpoint_url"])
 
     def objects(prefix: str) -> dict[str, bytes]:
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
