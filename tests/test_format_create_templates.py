@@ -170,3 +170,24 @@ def test_sigkill_inside_a_creation_from_templates(tmp_path: Path, after: int) ->
     for seq, want in zip(r.sequences(range(6)), recs, strict=True):
         assert np.array_equal(seq.topk_ids, want.topk_ids)
     assert validate(url).ok
+
+
+def test_stores_made_by_concurrent_writers_have_zarrs_bytes(tmp_path: Path, monkeypatch) -> None:
+    """Four threads make four stores of one layout at once (the service runs jobs into new
+    caches side by side), from an empty template table: whichever thread records the templates,
+    every store is zarr's bytes and reads back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(writer, "_CREATED", {})
+    recs = make_records(6, k=K, vocab=VOCAB, seed=31)
+    monkeypatch.setattr(writer, "DIRECT_WRITES", False)
+    _make(tmp_path / "zarr", recs, [2])
+    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: _make(tmp_path / f"t{i}", recs, [2]), range(4)))
+    ref = files(tmp_path / "zarr")
+    for i in range(4):
+        got = files(tmp_path / f"t{i}")
+        assert got.keys() == ref.keys() and [n for n in ref if ref[n] != got[n]] == [], i
+        assert CacheReader(tmp_path / f"t{i}").keys == [x.key for x in recs]
+    assert writer._CREATED  # recorded once the first creations were read back
