@@ -20,6 +20,7 @@ from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheReader, CacheWriter, validate, writer
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, write_root_attrs
 from test_format_shardwrite import LAYOUT, RAW, files
+from test_format_writer_reopen import _spy_opens
 
 K, VOCAB = 8, 1000
 
@@ -34,21 +35,6 @@ def _spy_creates(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(writer, "create_array", spy)
     return made
-
-
-def _spy_opens(monkeypatch) -> list[str]:
-    import zarr.api.asynchronous
-
-    opened: list[str] = []
-    real = zarr.api.asynchronous.open_array
-
-    async def spy(*a, **kw):
-        if kw.get("mode") == "r+":
-            opened.append(kw.get("path", ""))
-        return await real(*a, **kw)
-
-    monkeypatch.setattr(zarr.api.asynchronous, "open_array", spy)
-    return opened
 
 
 def _make(url: Path, recs, cuts: list[int], *, k: int = K, layout=LAYOUT) -> None:
