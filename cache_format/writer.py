@@ -322,7 +322,9 @@ KEEP_TEMPLATES = 1024
 #: its arrays' ``zarr.json`` written from these bytes, not through zarr
 #: (:meth:`CacheWriter._create_arrays`). One entry per layout preset and ``k`` in use.
 _CREATED: dict[tuple[int, int, ArrayDef], tuple[DirectLayout, bytes, bytes]] = {}
-_CREATED_LOCK = threading.Lock()
+#: Guards the updates of :data:`_TEMPLATES` and :data:`_CREATED` (writers of several caches
+#: run in as many threads).
+_TEMPLATES_LOCK = threading.Lock()
 #: The last shards the most recently closed writers of :data:`KEEP_LAST_STORES` stores left, by
 #: store URL and array name, each with its shard file's identity when written
 #: (:func:`_shard_sig`): a later writer of the store takes one instead of reading the shard back
@@ -551,7 +553,7 @@ class CacheWriter:
             if sync(direct.meta_path.get(prototype=default_buffer_prototype())).to_bytes() == (
                 direct.head + b"0" + direct.tail
             ):
-                with _CREATED_LOCK:
+                with _TEMPLATES_LOCK:
                     _CREATED[key] = (direct.lay, direct.head, direct.tail)
                 self._keep_direct(d.name, direct)
 
@@ -580,7 +582,7 @@ class CacheWriter:
         writer of this store starts from (:meth:`_from_template`)."""
         self._direct[name] = direct
         key = (self._handle.url, name)
-        with _CREATED_LOCK:
+        with _TEMPLATES_LOCK:
             _TEMPLATES[key] = (direct.lay, direct.head, direct.tail)
             _TEMPLATES.move_to_end(key)
             while len(_TEMPLATES) > KEEP_TEMPLATES:
