@@ -118,7 +118,7 @@ class CacheBrokenError(ConflictError, code="cache_broken"):
 
 class CacheIncompleteError(ConflictError, code="cache_incomplete"):
     """A store whose creation was interrupted (no root ``zarr.json``, or one marked incomplete
-    without a manifest); see ``api.caches.incomplete_reason``."""
+    without a manifest); see ``CacheRegistry.incomplete_reason``."""
 
 
 class ClientClosedError(ServiceError, status=499, code="client_closed"):

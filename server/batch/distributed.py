@@ -29,7 +29,7 @@ The final cache does not depend on the number of replicas: it equals a one-repli
 array for array, in the same order (tests/test_deploy_ray.py). Re-running an interrupted command
 resumes it. Scaling to many nodes: docs/SCALING.md.
 
-Sampled targets (issue #12, FORMAT.md 4.4): ``--targets sampled`` with ``--draws``,
+Sampled targets (FORMAT.md 4.4): ``--targets sampled`` with ``--draws``,
 ``--proposal-temperature``, ``--sampling-seed`` and ``--head`` (each optional: an existing sampled
 cache's own parameters, else 64 draws at temperature 1, seed 0 and head 0, as for a job) writes a
 sampled cache

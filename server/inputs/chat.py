@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConflictError, InvalidInputError
+from ..errors import InvalidInputError
 
 #: Roles a message may have.
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -160,20 +160,3 @@ def chat_ids_and_mask(
     if getattr(tokenize, "loss_mask", False):
         return tokenize.chat_with_mask(messages, where)
     return chat_ids(tokenize, messages, where), None
-
-
-def job_manifest(scoring: Any, cache: str, manifest: Any, loss_mask: bool) -> Any:
-    """The manifest a job with ``loss_mask`` writes ``cache`` with: a new cache is created with
-    the ``loss_mask`` array (FORMAT.md 4.6); an existing cache without one is a 409 (its rows
-    could not hold the mask; nothing is written). Without ``loss_mask``: ``manifest``."""
-    if not loss_mask:
-        return manifest
-    stored = scoring.stored_manifest(cache)
-    if stored is None:
-        return manifest.model_copy(update={"loss_mask": True})
-    if not stored.loss_mask:
-        raise ConflictError(
-            f"cache {cache!r} was created without a loss mask and cannot store one: "
-            "write the job to a new cache, or submit it without loss_mask"
-        )
-    return manifest

@@ -266,7 +266,7 @@ def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
 
 def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
     wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
-    fast = jsonids.ready()  # ids straight to int32, else json.loads' own reading (issue #19)
+    fast = jsonids.ready()  # ids straight to int32, else json.loads' own reading
     with input_files.open_text(path) as f:  # plain or .gz
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -434,7 +434,7 @@ def scan(
     With ``keep``, the checked sequences are appended to it while they hold at most
     ``keep_tokens`` tokens in all (past that, ``keep`` is emptied and stays empty): for a valid
     input they are what :func:`sequences` yields, so a job can run from them without reading
-    and checking its input a second time (issue #19).
+    and checking its input a second time.
     """
     n = tokens = 0
     errors: list[str] = []
