@@ -40,6 +40,7 @@ client).
 ``batch.pipeline``             the one batch pipeline: batches -> engine -> records -> appends
 ``batch.shards``               sharded batch scoring: plan, check, score into staging, commit
 ``batch.distributed``          the Ray driver, ``logitcache-distributed``, over ``batch.shards``
+``batch.distributed_config``   its settings, cluster plan, targets and early cache check
 ``engine``                     the teacher engines (vLLM, transformers) behind ``TeacherEngine``
 =============================  ===================================================================
 """
