@@ -211,18 +211,19 @@ class JobRunner:
         return await asyncio.to_thread(self.status, job.id)
 
     def _scan(self, req: JobCreate, keep: list[inputs.Sequence]) -> tuple[inputs.InputSummary, str]:
-        """The input's summary and digest; its checked sequences go to ``keep`` when they fit
-        in what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
-        raws = inputs.raw_records(
-            file=req.file, records=req.records, data_dir=self.settings.data_dir
-        )
-        digest = inputs.input_digest(
-            file=req.file, records=req.records, data_dir=self.settings.data_dir
-        )
+        """The input's summary and digest, from one reading of a JSONL file
+        (:class:`~.records.InputDigest`); its checked sequences go to ``keep`` when they fit in
+        what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
+        file, records, data_dir = req.file, req.records, self.settings.data_dir
+        if file is not None:  # a bad path is its own error, before any record is read
+            inputs.resolve_input_path(data_dir, file.path)
+        digest = inputs.InputDigest()
+        raws = inputs.raw_records(file=file, records=records, data_dir=data_dir, digest=digest)
         kept = sum(t for t, _ in list(self._kept.values()))
         budget = self.settings.job_keep_input_tokens - kept
         tok, limits = self._tokenize(req), self._limits(req)
-        return inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget), digest
+        summary = inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget)
+        return summary, digest.value(file=file, records=records, data_dir=data_dir)
 
     def _manifest(self, cache: str, spec: JobCreate, k: int | None) -> Manifest:
         """The manifest the job writes ``cache`` with (:meth:`ScoringService.target_manifest`

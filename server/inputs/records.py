@@ -11,12 +11,15 @@ re-forms exactly the batches of the first run: each batch still missing a key is
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
 import json
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from logitcache.cache_format.records import content_key
@@ -264,10 +267,66 @@ def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
     )
 
 
-def _read_jsonl(path: Path, spec: InputFile) -> Iterator[RawRecord]:
+class InputDigest:
+    """:func:`input_digest` of a job's input, computed from the bytes its reading reads (one
+    pass over a JSONL file: :func:`raw_records` feeds it); for other inputs it reads them."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+        self.fed = False
+
+    def feed(self, data: bytes) -> None:
+        self.hash.update(data)
+
+    def value(
+        self, *, file: InputFile | None, records: list[InlineRecord] | None, data_dir: Path
+    ) -> str:
+        if self.fed:
+            return "sha256:" + self.hash.hexdigest()
+        return input_digest(file=file, records=records, data_dir=data_dir)
+
+
+class _Hashed(io.RawIOBase):
+    """A raw binary file whose bytes, as they are read, also go to an :class:`InputDigest`."""
+
+    def __init__(self, raw: io.RawIOBase, digest: InputDigest):
+        self._raw = raw
+        self._digest = digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._raw.readinto(buffer) or 0
+        self._digest.feed(memoryview(buffer)[:n])
+        return n
+
+
+@contextmanager
+def _jsonl_lines(path: Path, digest: InputDigest | None) -> Iterator[IO[bytes]]:
+    """The lines of a JSONL file, plain or ``.gz``; with ``digest``, its bytes (as stored) are
+    fed to it, the rest of the file too once the lines are read."""
+    if digest is None:
+        with input_files.open_text(path) as f:
+            yield f
+        return
+    digest.feed(b".\0")  # input_digest's name of a one-file input
+    with path.open("rb", buffering=0) as raw:
+        hashed = io.BufferedReader(_Hashed(raw, digest), 1 << 20)
+        gz = path.name.lower().endswith(".gz")
+        with gzip.GzipFile(fileobj=hashed, mode="rb") if gz else nullcontext(hashed) as f:
+            yield f
+        while hashed.read(1 << 20):  # bytes after the last line (or gzip member)
+            pass
+    digest.fed = True
+
+
+def _read_jsonl(
+    path: Path, spec: InputFile, digest: InputDigest | None = None
+) -> Iterator[RawRecord]:
     wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
     fast = jsonids.ready()  # ids straight to int32, else json.loads' own reading
-    with input_files.open_text(path) as f:  # plain or .gz
+    with _jsonl_lines(path, digest) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -296,9 +355,14 @@ def _read_table(path: Path, spec: InputFile, fmt: str) -> Iterator[RawRecord]:
 
 
 def raw_records(
-    *, file: InputFile | None, records: list[InlineRecord] | None, data_dir: Path
+    *,
+    file: InputFile | None,
+    records: list[InlineRecord] | None,
+    data_dir: Path,
+    digest: InputDigest | None = None,
 ) -> Iterator[RawRecord]:
-    """The raw records of a job's input, in order."""
+    """The raw records of a job's input, in order; a JSONL file's bytes also go to ``digest``
+    (so a submission reads its file once)."""
     if records is not None:
         for i, r in enumerate(records):
             where = f"records[{i}]"
@@ -317,7 +381,7 @@ def raw_records(
     if fmt == "jsonl":
         if path.is_dir():
             raise InvalidInputError(f"{file.path!r} is a directory: jsonl input is one file")
-        yield from _read_jsonl(path, file)
+        yield from _read_jsonl(path, file, digest)
     else:
         yield from _read_table(path, file, fmt)
 
