@@ -138,7 +138,7 @@ async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when="FIRST_COMPLETED")
-    except BaseException:
+    except BaseException:  # our own cancellation included: the work must not outlive it
         task.cancel()
         raise
     finally:

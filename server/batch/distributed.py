@@ -291,7 +291,7 @@ class Replicas:
         self.actors = [actor_cls.remote(settings) for _ in range(count)]
         try:
             self.info = _agreed_info(_get([a.start.remote() for a in self.actors]))
-        except BaseException:
+        except BaseException:  # interrupted too: no replica outlives a failed start
             self._kill()
             raise
         self.start_seconds = time.perf_counter() - t0
@@ -459,7 +459,7 @@ def _gather(results: Any, bar: Any = None) -> list[Any]:
                     bar.set_postfix(sequences=seqs, tokens=tokens, refresh=False)
                 bar.update(1)
         return out
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - Ray's wrapper: re-raised as the worker's own error
         inner = _unwrap(e)
         if inner is e:
             raise

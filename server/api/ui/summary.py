@@ -103,7 +103,7 @@ class CacheSummaries:
                 continue
             try:
                 s = summarize_cache(name, reader)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a cache the page cannot summarise is listed
                 out.append(_broken(name, e))
                 continue
             with self._lock:
