@@ -268,9 +268,11 @@ class JobRunner:
     def status(self, job_id: str) -> JobStatus:
         return self._status(self.store.get(job_id))
 
-    def list(self, **page: Any) -> list[JobStatus]:
-        """Job statuses, oldest first; ``page``: ``limit``/``offset``/``state`` of JobStore.list."""
-        return [self._status(j) for j in self.store.list(**page)]
+    def list(
+        self, *, limit: int | None = None, offset: int = 0, state: JobState | None = None
+    ) -> list[JobStatus]:
+        """Job statuses, oldest first (a page of :meth:`JobStore.list`)."""
+        return [self._status(j) for j in self.store.list(limit=limit, offset=offset, state=state)]
 
     def cancel(self, job_id: str) -> JobStatus:
         job = self.store.request_cancel(job_id)

@@ -77,7 +77,7 @@ class Sequence:
         return int(self.input_ids.shape[0])
 
 
-def check_ids(ids: Any, limits: Limits, where: str) -> np.ndarray:
+def check_ids(ids: object, limits: Limits, where: str) -> np.ndarray:
     """``ids`` as an int32 array after the length and vocabulary checks (InvalidInputError)."""
     if isinstance(ids, np.ndarray):
         arr = ids
@@ -224,7 +224,7 @@ def job_limits(limits: Limits, on_long: str, split_overlap: int) -> Limits:
     return replace(limits, on_long=on_long, split_overlap=split_overlap)
 
 
-def _id_of(value: Any, where: str) -> str | None:
+def _id_of(value: object, where: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int):
@@ -255,7 +255,7 @@ def input_format(spec: InputFile, path: Path) -> str:
     return input_files.detect_format(path, spec.path)  # also .gz, .arrow, directories
 
 
-def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
+def _from_mapping(obj: object, spec: InputFile, where: str) -> RawRecord:
     if not isinstance(obj, dict):
         raise InvalidInputError(f"{where}: expected an object")
     return RawRecord(
@@ -296,7 +296,7 @@ class _Hashed(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: memoryview) -> int:
         n = self._raw.readinto(buffer) or 0
         self._digest.feed(memoryview(buffer)[:n])
         return n
