@@ -124,9 +124,7 @@ class CacheServing:
         if asked is None:
             manifest, k = await asyncio.to_thread(self._cache_manifest, cache, req.k)
         else:  # sampled: the cache's kind and parameters must match (409), k is the draws
-            manifest = await asyncio.to_thread(
-                scoring.target_manifest, cache, None, "", asked
-            )
+            manifest = await asyncio.to_thread(scoring.target_manifest, cache, None, "", asked)
             k = manifest.k
         seqs = await asyncio.to_thread(scoring.sequences_of, req)
         scoring.check_answer_size(seqs, k, fmt)
@@ -170,9 +168,7 @@ class CacheServing:
     async def above(self, seqs: Seq[Sequence], k: int) -> Served:
         """Answer ``seqs`` at a ``k`` above the cache's: all misses, engine-scored at ``k``,
         returned as scored and not stored (the cache cannot hold a larger k)."""
-        records = await pipeline.one_batch(
-            list(seqs), score=lambda s: self.scoring.admitted(s, k)
-        )
+        records = await pipeline.one_batch(list(seqs), score=lambda s: self.scoring.admitted(s, k))
         self.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
         return Served(records=records, k=k, hits=[False] * len(seqs), stored=0)
 
