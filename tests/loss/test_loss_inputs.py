@@ -139,7 +139,7 @@ def test_triton_kernels_under_interpreter():
     for top-k rows (4 objective/impl cases) and for sampled rows."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(__file__)
     proc = subprocess.run(
         [sys.executable, "-c", _TRITON_SCRIPT],
         cwd=here,
