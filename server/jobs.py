@@ -43,6 +43,7 @@ from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 from . import chat, inputs, jsonids, pipeline, targets
 from .caches import CacheRegistry, WriterHandle, check_name
 from .chat import ChatTokenize
+from .engine import EngineUnavailableError, SupervisedEngine
 from .errors import ConflictError, ServiceError
 from .scoring import ScoringService
 
@@ -358,6 +359,17 @@ class JobRunner:
                 await asyncio.to_thread(self.store.finish, job.id, JobState.cancelled)
         except asyncio.CancelledError:
             raise
+        except EngineUnavailableError as e:
+            if not isinstance(self.scoring.engine, SupervisedEngine):  # nothing restarts it
+                log.warning("job %s failed: %s", job.id, e)
+                await asyncio.to_thread(self.store.finish, job.id, JobState.failed, str(e))
+                return
+            # the engine died mid-job and is being restarted: the job waits and resumes from
+            # its committed sequences
+            log.warning("job %s paused: %s", job.id, e)
+            await asyncio.to_thread(self.store.requeue_interrupted)
+            while not self._stopping and not self.scoring.engine.alive:
+                await asyncio.sleep(0.5)
         except ServiceError as e:
             log.warning("job %s failed: %s", job.id, e.message)
             await asyncio.to_thread(self.store.finish, job.id, JobState.failed, e.message)
