@@ -27,9 +27,9 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from .caches import check_name
+from ..errors import InvalidInputError, NotFoundError, ServiceError
+from ..serving.caches import check_name
 from .deps import ServicesDep
-from .errors import InvalidInputError, NotFoundError, ServiceError
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 

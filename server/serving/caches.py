@@ -29,11 +29,11 @@ from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teach
 from logitcache.cache_format.layout import parse_root, read_root_attrs
 from logitcache.cache_format.spec import layout_named
 
-from .engine.identity import teacher_identity
-from .errors import ConflictError, InvalidCacheNameError, NotFoundError
+from ..engine.identity import teacher_identity
+from ..errors import ConflictError, InvalidCacheNameError, NotFoundError
 
 if TYPE_CHECKING:
-    from .engine import EngineInfo
+    from ..engine import EngineInfo
 
 log = logging.getLogger(__name__)
 
