@@ -37,11 +37,14 @@ worker process installs the hook, whether in-process or started by vLLM.
 Two drivers, same results:
 
 * ``async``: vLLM's ``AsyncLLM`` (the engine core runs in its own process; what a GPU server
-  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process. The engine's processes are handed to
-  :mod:`.reaper`, so they end when the server process does, even on SIGKILL.
+  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process. :mod:`.reaper` is armed before the
+  engine's processes start, so they end when the server process does, even on SIGKILL and
+  during start-up. When they die, ``alive`` turns false and calls raise
+  :class:`~.protocol.EngineUnavailableError` (:mod:`.supervisor` restarts the engine).
 * ``inproc``: vLLM's ``LLMEngine`` with the in-process engine core
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ~3 s start-up, ~1.7 GB on the CPU box), stepped by one
-  dedicated thread; ``score`` awaits futures that thread resolves.
+  dedicated thread; ``score`` awaits futures that thread resolves. It scores
+  :data:`WARM_UP_LENGTHS` prompts before the driver starts (:meth:`VllmEngine._warm_up`).
 
 ``options["vllm_mode"]`` picks one (default ``auto``: ``inproc`` when
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, else ``async``). Other ``options`` entries are passed to
