@@ -275,11 +275,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, code, str(exc.detail), headers=headers or None)
 
     async def on_engine_error(_request: Any, exc: Exception) -> Response:
-        from .engine import EngineInputError
+        from .engine import EngineInputError, EngineUnavailableError
 
         if isinstance(exc, EngineInputError):
             return error_response(422, "invalid_input", str(exc))
-        log.error("engine error: %s", exc)
+        if isinstance(exc, EngineUnavailableError):  # the supervisor logged the death once
+            log.info("engine unavailable: %s", exc)
+        else:
+            log.error("engine error: %s", exc)
         retry = max(1, math.ceil(getattr(exc, "retry_after", 5)))
         return error_response(
             503, "engine_unavailable", str(exc), headers={"Retry-After": str(retry)}
