@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -195,5 +196,52 @@ def test_an_engine_given_to_the_app_is_not_restarted_and_its_job_fails(tmp_path:
             assert state["state"] == "failed" and "died" in state["error"], state
             r = await c.post("/v1/score", json={"input_ids": [[1, 2, 3]], "k": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+
+    asyncio.run(run())
+
+
+def test_weights_changed_in_place_are_a_409_after_the_engine_restarts(tmp_path: Path) -> None:
+    """The restarted engine hashes its weights again (every byte, :mod:`.identity`): one changed
+    byte of the weights file makes the next score into the existing cache a 409 ``conflict``,
+    and nothing is written."""
+    from logitcache.server.engine.identity import weights_hash
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    save_file({"norm": np.ones(256, dtype=np.float32)}, str(weights))
+    digests = tmp_path / "digests.json"
+    built: list[MortalEngine] = []
+
+    def build() -> MortalEngine:
+        engine = MortalEngine()
+        h = weights_hash(str(model), cache_path=digests)
+        engine.info = replace(engine.info, weights_hash=h)
+        built.append(engine)
+        return engine
+
+    settings = app_settings(tmp_path)
+
+    async def run() -> None:
+        engine = SupervisedEngine(build)
+        await engine.start()
+        try:
+            async with in_process(settings, engine) as c:
+                body = {"input_ids": [[1, 5, 9, 20]], "k": 4, "cache": "c"}
+                assert (await c.post("/v1/score", json=body)).status_code == 200
+                data = bytearray(weights.read_bytes())
+                data[-7] ^= 0x01  # one byte of the 1 KiB tensor, in place
+                with weights.open("r+b") as fh:
+                    fh.write(data)
+                built[0].dead = True
+                await _until(lambda: engine.restarts == 1)
+                assert built[1].info.weights_hash != built[0].info.weights_hash
+                r = await c.post("/v1/score", json={**body, "input_ids": [[1, 2, 3]]})
+                assert r.status_code == 409, r.text
+                assert "weights_hash" in r.text
+        finally:
+            await engine.aclose()
+        assert CacheReader(tmp_path / "caches" / "c").num_sequences == 1
 
     asyncio.run(run())
