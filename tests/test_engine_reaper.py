@@ -113,3 +113,37 @@ def test_readme_started_server_sigkilled_leaves_no_engine_process(
         if server.poll() is None:
             server.kill()
         log.close()
+
+
+_ARMED_SERVER = """
+import subprocess, sys, time
+from logitcache.server.engine import reaper
+reaper.arm()  # before any child exists, as the engine does before vLLM starts its processes
+# a daemon that left the tree at once (its parent exited): only the tag finds it
+subprocess.run(["sh", "-c", "sleep 302 & echo $!"], stdout=sys.stdout)
+print(subprocess.Popen(["sleep", "303"]).pid, flush=True)  # killed before any scan could see it
+sys.stdout.flush()
+time.sleep(300)
+"""
+
+
+@pytest.mark.fast
+def test_armed_reaper_ends_children_it_never_saw_even_orphaned_ones() -> None:
+    """The start-up window: children the watcher was never told about and had no time to scan
+    (the server is killed at once), including one already orphaned (ppid 1), end too."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ARMED_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    pids: list[int] = []
+    try:
+        assert parent.stdout is not None
+        pids = [int(parent.stdout.readline()), int(parent.stdout.readline())]
+        assert all(_alive(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        left, _ = _wait_gone(pids, GONE_WITHIN_S)
+        assert left == [], f"still running {GONE_WITHIN_S} s after the kill: {left}"
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
