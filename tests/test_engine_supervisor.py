@@ -245,3 +245,45 @@ def test_weights_changed_in_place_are_a_409_after_the_engine_restarts(tmp_path: 
         assert CacheReader(tmp_path / "caches" / "c").num_sequences == 1
 
     asyncio.run(run())
+
+
+def test_a_job_the_engine_keeps_dying_on_fails_after_three_deaths(tmp_path: Path) -> None:
+    """An input that kills every engine (a poison pill) does not loop forever: after
+    ``MAX_ENGINE_DEATHS`` deaths without a committed sequence the job fails, and the service
+    scores again once the engine is back."""
+    from logitcache.server.batch.jobs import MAX_ENGINE_DEATHS
+
+    built: list[MortalEngine] = []
+
+    def build() -> MortalEngine:
+        built.append(MortalEngine(die_after=0 if len(built) < MAX_ENGINE_DEATHS else None))
+        return built[-1]
+
+    settings = app_settings(tmp_path, job_batch_sequences=2)
+    (tmp_path / "data" / "c.jsonl").write_text(
+        "\n".join(json.dumps({"input_ids": [1, 2, 3 + i]}) for i in range(6)) + "\n"
+    )
+
+    async def run() -> None:
+        engine = SupervisedEngine(build)
+        await engine.start()
+        try:
+            async with in_process(settings, engine) as c:
+                r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "c.jsonl"}})
+                job_id = r.json()["id"]
+                deadline = time.monotonic() + 60
+                while (state := (await c.get(f"/v1/jobs/{job_id}")).json())["state"] in (
+                    "queued",
+                    "running",
+                ):
+                    assert time.monotonic() < deadline, state
+                    await asyncio.sleep(0.05)
+                assert state["state"] == "failed", state
+                assert f"died {MAX_ENGINE_DEATHS} times" in state["error"], state
+                await _until(lambda: engine.alive and engine.restarts == MAX_ENGINE_DEATHS)
+                r = await c.post("/v1/score", json={"input_ids": [[1, 2, 3]], "k": 2})
+                assert r.status_code == 200, r.text
+        finally:
+            await engine.aclose()
+
+    asyncio.run(run())
