@@ -6,28 +6,28 @@ vLLM's ``AsyncLLM`` runs its engine core in a child process (``fork`` or ``spawn
 starts its worker the same way), and a SIGKILLed parent runs no clean-up, so without help the
 engine (GiBs of weights and KV cache) outlives the server. ``PR_SET_PDEATHSIG`` would need code
 in the child at start (impossible for ``spawn`` children without patching vLLM) and fires when
-the creating *thread* exits. Instead, before an engine starts its processes it calls
-:func:`arm`, which (once per server process):
+the creating *thread* exits. Instead an engine starts its processes inside :func:`armed`:
 
-* starts ``python -S .../reaper.py <server pid> <tag>`` (stdlib only, so it is watching within
-  milliseconds), before any engine process exists;
-* puts ``<tag>`` (the server's pid and start time) into this process's environment as
-  :data:`TAG_VAR`, which every process it starts from then on inherits, and so do theirs;
+* the watcher, ``python -S .../reaper.py <server pid> <tag>`` (stdlib only, so it is watching
+  within milliseconds), is started (once per server process) before any engine process exists;
+* while the block runs, ``<tag>`` (the server's pid and start time) is in this process's
+  environment as :data:`TAG_VAR`, so every process started meanwhile inherits it, and so do
+  theirs; and the watcher records the server's descendants every :data:`SCAN_S` seconds;
+* after it, the processes started meanwhile are handed to the watcher (:func:`protect`: ``pid
+  starttime`` lines on its stdin) and the tag is removed (later children are not the engine's).
 
-:func:`protect` hands the watcher known processes as ``pid starttime`` lines on its stdin.
+The watcher polls ``getppid()`` every :data:`POLL_S` seconds. When its parent changed (the
+server is gone) or its stdin closed, it sends SIGTERM to every process it recorded that is still
+alive with the same start time (pid reuse is never hit), to their descendants, and to every
+process whose environment carries the tag (a child started after the last scan, or orphaned by
+then: its parent is gone), then SIGKILL to what is left after :data:`GRACE_S` seconds, and exits.
 
-The watcher polls ``getppid()`` every :data:`POLL_S` seconds and records the server's
-descendants every :data:`SCAN_S` seconds. When its parent changed (the server is gone) or its
-stdin closed, it sends SIGTERM to every process it knows that is still alive with the same start
-time (pid reuse is never hit), to their descendants, and to every process whose environment
-carries the tag (a child started after the last scan, or orphaned by then: its parent is
-gone), then SIGKILL to what is left after :data:`GRACE_S` seconds, and exits.
-
-Linux only (``/proc``); elsewhere :func:`arm` and :func:`protect` do nothing.
+Linux only (``/proc``); elsewhere :func:`armed` and :func:`protect` do nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -35,14 +35,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 POLL_S = 0.2
-SCAN_S = 1.0
+SCAN_S = 0.25
 GRACE_S = 2.0
 
 #: Environment variable naming the server whose watcher ends a process (``<pid>:<starttime>``).
 TAG_VAR = "_LOGITCACHE_OWNER"
+#: Watcher commands: record the server's descendants every SCAN_S seconds, or stop doing so.
+SCAN_ON, SCAN_OFF = "scan on", "scan off"
 
 _lock = threading.Lock()
 _watcher: subprocess.Popen[bytes] | None = None
@@ -117,14 +120,32 @@ def _start_watcher() -> subprocess.Popen[bytes]:
     return _watcher
 
 
-def arm() -> None:
-    """Start the watcher and tag this process's future children (see the module docstring):
-    call before starting processes that must not outlive this one."""
-    if not sys.platform.startswith("linux"):
-        return
+def _send(lines: list[str]) -> None:
     with _lock:
-        _start_watcher()
-        os.environ[TAG_VAR] = _own_tag()
+        watcher = _start_watcher()
+        assert watcher.stdin is not None
+        watcher.stdin.write("".join(f"{line}\n" for line in lines).encode())
+        watcher.stdin.flush()
+
+
+@contextlib.contextmanager
+def armed() -> Iterator[None]:
+    """Start processes that must not outlive this one inside this block (see the module
+    docstring): the watcher exists before them, and ends them however this process ends, also
+    while the block still runs."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    _send([SCAN_ON])
+    before = own_descendants()
+    os.environ[TAG_VAR] = _own_tag()
+    try:
+        yield
+    finally:
+        os.environ.pop(TAG_VAR, None)
+        started = own_descendants()
+        protect({p: t for p, t in started.items() if before.get(p) != t})
+        _send([SCAN_OFF])
 
 
 def protect(procs: dict[int, int]) -> None:
@@ -132,11 +153,7 @@ def protect(procs: dict[int, int]) -> None:
     their descendants once this process is gone."""
     if not sys.platform.startswith("linux") or not procs:
         return
-    with _lock:
-        watcher = _start_watcher()
-        assert watcher.stdin is not None
-        watcher.stdin.write(b"".join(f"{p} {s}\n".encode() for p, s in procs.items()))
-        watcher.stdin.flush()
+    _send([f"{p} {s}" for p, s in procs.items()])
 
 
 def _targets(recorded: dict[int, int], tag: str) -> dict[int, int]:
@@ -173,28 +190,33 @@ def watch(parent: int, tag: str) -> None:
     fd = sys.stdin.fileno()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the server
     parent_alive = True
+    scanning = False
     next_scan = 0.0
     while True:
         # once the parent is gone, read what it wrote before dying (up to EOF), then act
         parent_alive = parent_alive and os.getppid() == parent
-        if parent_alive and time.monotonic() >= next_scan:
+        ready, _, _ = select.select([fd], [], [], POLL_S if parent_alive else 0)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:  # EOF: the server exited (or closed our stdin)
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                text = line.decode()
+                if text in (SCAN_ON, SCAN_OFF):
+                    scanning, next_scan = text == SCAN_ON, 0.0
+                    continue
+                pid, start = text.split()
+                recorded[int(pid)] = int(start)
+        elif not parent_alive:
+            break
+        # after reading: a "scan off" already sent is obeyed before the next scan
+        if scanning and parent_alive and time.monotonic() >= next_scan:
             scanned = descendants(parent)
             scanned.pop(os.getpid(), None)
             recorded.update(scanned)
             next_scan = time.monotonic() + SCAN_S
-        ready, _, _ = select.select([fd], [], [], POLL_S if parent_alive else 0)
-        if not ready:
-            if parent_alive:
-                continue
-            break
-        chunk = os.read(fd, 65536)
-        if not chunk:  # EOF: the server exited (or closed our stdin)
-            break
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            pid, start = line.split()
-            recorded[int(pid)] = int(start)
     targets = _targets(recorded, tag)
     if _signal(targets, signal.SIGTERM):
         deadline = time.monotonic() + GRACE_S

@@ -515,14 +515,11 @@ class VllmEngine(BaseEngine):
             from vllm.v1.engine.async_llm import AsyncLLM
 
             self._driver = None
-            # armed before vLLM starts its processes: a kill during start-up orphans nothing
-            reaper.arm()
-            before = reaper.own_descendants()
-            self._llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**args), usage_context=_batch_usage_context()
-            )
-            started = reaper.own_descendants()
-            reaper.protect({p: t for p, t in started.items() if before.get(p) != t})
+            # the engine's processes, from their start on, end with this one (SIGKILL included)
+            with reaper.armed():
+                self._llm = AsyncLLM.from_engine_args(
+                    AsyncEngineArgs(**args), usage_context=_batch_usage_context()
+                )
 
     def _warm_up(self, engine: Any) -> None:
         """Score :data:`WARM_UP_LENGTHS` prompts on a new in-process engine, one step after
