@@ -27,26 +27,98 @@ def _write_safetensors(path: Path, seed: int, shape: tuple[int, ...] = (64, 32))
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("shape", [(64, 32), (1024, 1536)], ids=["whole-file", "sampled"])
+@pytest.mark.parametrize("shape", [(64, 32), (1024, 1536)], ids=["small", "6MiB"])
 def test_weights_hash_sees_weights_replaced_in_place(tmp_path: Path, shape: tuple) -> None:
     (tmp_path / "config.json").write_text('{"vocab_size": 64}')
     f = tmp_path / "model.safetensors"
+    cache = tmp_path.parent / f"{tmp_path.name}-digests.json"  # outside the model's folder
     _write_safetensors(f, seed=0, shape=shape)
     size, rev, before = (
         f.stat().st_size,
         local_revision(str(tmp_path), None),
-        weights_hash(str(tmp_path)),
+        weights_hash(str(tmp_path), cache_path=cache),
     )
     assert before is not None and before.startswith("sha256:")
     _write_safetensors(f, seed=1, shape=shape)  # same path, same shapes, same size
     assert f.stat().st_size == size
     assert local_revision(str(tmp_path), None) == rev  # what the identity saw before: blind
-    after = weights_hash(str(tmp_path))
+    after = weights_hash(str(tmp_path), cache_path=cache)
     assert after != before
     os.utime(f, ns=(1, 1))  # a new mtime with the same content: recomputed, same value
-    assert weights_hash(str(tmp_path)) == after
+    assert weights_hash(str(tmp_path), cache_path=cache) == after
     _write_safetensors(f, seed=0, shape=shape)
-    assert weights_hash(str(tmp_path)) == before
+    assert weights_hash(str(tmp_path), cache_path=cache) == before
+
+
+def _tiny_copy(tiny: Any, dest: Path) -> Path:
+    dest.mkdir()
+    for f in Path(tiny.teacher_dir).iterdir():
+        shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def _norm_span(weights: Path) -> tuple[int, int]:
+    """Byte span of the tiny teacher's final norm tensor (1 KiB) in its safetensors file."""
+    import json
+    import struct
+
+    with weights.open("rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(n))
+    start, stop = header["model.norm.weight"]["data_offsets"]
+    return 8 + n + start, 8 + n + stop
+
+
+@pytest.mark.fast
+def test_weights_hash_covers_every_byte_of_the_tiny_teacher(tiny: Any, tmp_path: Path) -> None:
+    """The reported blind spot: one element of a 1 KiB norm tensor changed in place (same size,
+    same header) gives another hash; so does any single byte anywhere in the file."""
+    model = _tiny_copy(tiny, tmp_path / "teacher")
+    weights = model / "model.safetensors"
+    cache = tmp_path / "digests.json"
+    before = weights_hash(str(model), cache_path=cache)
+    start, stop = _norm_span(weights)
+    assert stop - start == 1024
+    data = bytearray(weights.read_bytes())
+    seen = {before}
+    rng = np.random.default_rng(0)
+    for offset in [start + 4, *rng.integers(0, len(data), size=6).tolist()]:
+        changed = bytearray(data)
+        changed[offset] ^= 0x01
+        with weights.open("r+b") as fh:  # in place: same inode, same size
+            fh.write(changed)
+        got = weights_hash(str(model), cache_path=cache)
+        assert got not in seen, f"a change at byte {offset} of {len(data)} was not seen"
+        seen.add(got)
+    weights.write_bytes(data)
+    assert weights_hash(str(model), cache_path=cache) == before
+
+
+@pytest.mark.fast
+def test_weights_digest_is_kept_across_processes(tmp_path: Path, monkeypatch: Any) -> None:
+    """A second process (here: an emptied in-process cache) reads the digest from the shared
+    cache file instead of rehashing; a changed file is hashed again."""
+    from logitcache.server.engine import identity
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 64}')
+    f = tmp_path / "model.safetensors"
+    _write_safetensors(f, seed=0)
+    cache = tmp_path / "cache" / "digests.json"
+    first = weights_hash(str(tmp_path), cache_path=cache)
+    assert cache.is_file()
+    reads: list[Path] = []
+    real = identity.content_digest
+    monkeypatch.setattr(identity, "content_digest", lambda p: reads.append(p) or real(p))
+    identity._cache.clear()  # what a new process starts with
+    assert weights_hash(str(tmp_path), cache_path=cache) == first
+    assert reads == []
+    _write_safetensors(f, seed=2)
+    identity._cache.clear()
+    assert weights_hash(str(tmp_path), cache_path=cache) != first
+    assert reads == [f]
+    cache.write_text("{not json")  # a torn or foreign file costs a rehash, nothing else
+    identity._cache.clear()
+    assert weights_hash(str(tmp_path), cache_path=cache) is not None
 
 
 @pytest.mark.fast

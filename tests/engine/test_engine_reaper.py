@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from logitcache.server.engine.reaper import GRACE_S
 from server_support import free_port
 
 #: The brief's bound: no engine process left this long after the kill.
@@ -113,3 +114,48 @@ def test_readme_started_server_sigkilled_leaves_no_engine_process(
         if server.poll() is None:
             server.kill()
         log.close()
+
+
+_ARMED_SERVER = """
+import subprocess, sys, time
+from logitcache.server.engine import reaper
+with reaper.armed():  # as the engine starts vLLM's processes
+    # a daemon that left the tree at once (its parent exited): only the tag finds it
+    subprocess.run(["sh", "-c", "sleep 302 & echo $!"], stdout=sys.stdout)
+    sys.stdout.flush()
+    print(subprocess.Popen(["sleep", "303"]).pid, flush=True)
+    if sys.argv[1] == "inside":
+        print(-1, flush=True)
+        time.sleep(300)  # killed in the start-up window
+print(subprocess.Popen(["sleep", "304"]).pid, flush=True)  # not the engine's: left alone
+time.sleep(300)
+"""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("when", ["inside", "after"])
+def test_armed_reaper_ends_what_started_in_the_block_only(when: str) -> None:
+    """Children started inside ``reaper.armed()`` end with a SIGKILLed parent, also when it is
+    killed inside the block before the watcher could see them, including one already orphaned
+    (ppid 1); a child started after the block is not the engine's and is left alone."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ARMED_SERVER, when], stdout=subprocess.PIPE, text=True
+    )
+    pids: list[int] = []
+    try:
+        assert parent.stdout is not None
+        pids = [int(parent.stdout.readline()) for _ in range(3)]
+        engine, late = pids[:2], pids[2]
+        assert all(_alive(p) for p in engine)
+        assert (late == -1) == (when == "inside")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        left, _ = _wait_gone(engine, GONE_WITHIN_S)
+        assert left == [], f"still running {GONE_WITHIN_S} s after the kill: {left}"
+        if when == "after":
+            time.sleep(GRACE_S + 1.0)
+            assert _alive(late), "a child started after the block was ended"
+    finally:
+        for p in pids:
+            if p > 0 and _alive(p):
+                os.kill(p, signal.SIGKILL)
