@@ -151,12 +151,12 @@ def test_malformed_jobs_are_refused_at_submit_and_write_nothing(srv, client) -> 
 def test_a_500_is_json_without_paths(srv, client, monkeypatch) -> None:
     from logitcache.cache_format.errors import FormatError
 
-    scoring = srv.services.scoring
+    serving = srv.services.serving
 
     async def boom(*_a, **_k):
         raise RuntimeError("exploded at /srv/secret/place/model.bin")
 
-    monkeypatch.setattr(scoring, "score", boom)
+    monkeypatch.setattr(serving, "answer", boom)
     r = client.post("/v1/score", json={"input_ids": [[1, 2]]})
     err = _assert_error(r, 500, "internal_error")
     assert "secret" not in r.text and "RuntimeError" in err["message"]
@@ -164,7 +164,7 @@ def test_a_500_is_json_without_paths(srv, client, monkeypatch) -> None:
     async def store_boom(*_a, **_k):
         raise FormatError("cannot read /srv/secret/caches/c/zarr.json")
 
-    monkeypatch.setattr(scoring, "score", store_boom)
+    monkeypatch.setattr(serving, "answer", store_boom)
     r = client.post("/v1/score", json={"input_ids": [[1, 2]]})
     _assert_error(r, 500, "store_error")
     assert "secret" not in r.text
