@@ -29,6 +29,7 @@ from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teach
 from logitcache.cache_format.layout import parse_root, read_root_attrs
 from logitcache.cache_format.spec import layout_named
 
+from . import paths
 from .engine.identity import teacher_identity
 from .errors import ConflictError, InvalidCacheNameError, NotFoundError
 
@@ -42,8 +43,15 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def check_name(name: str) -> str:
-    """Return ``name`` if it is a valid cache name, else raise :class:`InvalidCacheNameError`."""
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or ".." in name:
+    """Return ``name`` if it is a valid cache name (one safe segment under the store root,
+    :func:`.paths.one_segment`, without ``..``), else raise :class:`InvalidCacheNameError`."""
+    try:
+        paths.one_segment(name, NAME_PATTERN, "cache name")
+    except paths.UnsafePathError:
+        ok = False
+    else:
+        ok = ".." not in name
+    if not ok:
         raise InvalidCacheNameError(
             f"invalid cache name {name!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or "
             "digit, without '..'"
@@ -145,8 +153,12 @@ class CacheRegistry:
     # --- naming / discovery ---------------------------------------------------------------
 
     def url(self, name: str) -> str:
-        """The store URL (or local path) of cache ``name`` (validated)."""
-        return f"{self.root}/{check_name(name)}"
+        """The store URL (or local path) of cache ``name`` (validated; a local cache folder
+        must lie inside the root, links followed: :func:`.paths.resolve_under`)."""
+        check_name(name)
+        if not is_url(self.root):
+            paths.resolve_under(Path(self.root), name, "cache folder")
+        return f"{self.root}/{name}"
 
     def names(self) -> list[str]:
         """Names of the caches (entries with a root ``zarr.json``) under the root, sorted.

@@ -4,8 +4,10 @@ The object ``key`` of the cache's Zarr store (``zarr.json``, ``topk_ids/zarr.jso
 objects such as ``topk_ids/c/3/0``) is sent **as stored**: compressed, checksummed shard bytes,
 never decoded here. A single ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` header answers
 ``206`` with those bytes (how a client reads a shard's index and then the chunks it needs).
-A missing object is ``404``. Keys are path segments of ``[A-Za-z0-9_.-]`` not starting with a
-dot (so the writer lock and ``..`` are unreachable).
+A missing object is ``404``. Keys are checked by :func:`.paths.store_key` (segments of
+``[A-Za-z0-9_.-]``, no empty, dot or absolute segment; a segment starting with a dot, such as the
+writer lock, is never served) and, for a local store, resolved with links followed: an object
+outside the store root is refused (422 ``invalid_path``).
 
 Why this design: the client opens the cache with the format library's own reader over this URL
 (``CacheReader("http://host/v1/caches/NAME/store")``, fsspec's HTTP store), so the wire carries
@@ -18,6 +20,7 @@ writer's rewrite fails its CRC32C and is re-read (FORMAT.md R7), as for an objec
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Header, Request
@@ -27,15 +30,15 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from .caches import check_name
+from . import paths
+from .caches import check_name, is_url
 from .deps import ServicesDep
-from .errors import InvalidInputError, NotFoundError, ServiceError
+from .errors import NotFoundError, ServiceError
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 
-#: One path segment of a store key: no leading dot (no ``..``, no lock file).
-_SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+#: A single ``bytes`` range; offsets of at most 18 digits (a larger one is past any object).
+_RANGE = re.compile(r"bytes=(\d{0,18})-(\d{0,18})")
 
 _ERROR = {"model": ErrorResponse}
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -48,18 +51,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 class RangeNotSatisfiableError(ServiceError, status=416, code="range_not_satisfiable"):
     """A ``Range`` header this route does not serve (several ranges, bad syntax, past the end)."""
-
-
-def check_key(key: str) -> str:
-    """``key`` if it is a store key this route serves: :class:`InvalidInputError` for a malformed
-    key, :class:`NotFoundError` for a segment starting with a dot (never served: the writer lock,
-    zarr v2 probes such as ``.zgroup``)."""
-    parts = key.split("/")
-    if len(parts) > 16 or not all(_SEGMENT.fullmatch(p.lstrip(".") or "-") for p in parts):
-        raise InvalidInputError(f"invalid store key {key!r}")
-    if any(p.startswith(".") for p in parts):
-        raise NotFoundError(f"no object {key!r}")
-    return key
 
 
 def parse_range(header: str | None) -> Any:
@@ -89,8 +80,11 @@ def store_object(
 ) -> Response:
     """Object ``key`` of cache ``name``'s store, as stored (see the module docstring)."""
     check_name(name)
-    check_key(key)
+    paths.store_key(key)
     byte_range = parse_range(range_)
+    root = services.caches.root
+    if not is_url(root):  # links followed: the object must lie inside the store root
+        paths.resolve_under(Path(root), f"{name}/{key}", "store key")
     try:
         store = services.caches.store(name)
         buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
