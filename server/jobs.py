@@ -221,15 +221,18 @@ class JobRunner:
     def _scan(self, req: JobCreate, keep: list[inputs.Sequence]) -> tuple[inputs.InputSummary, str]:
         """The input's summary and digest; its checked sequences go to ``keep`` when they fit
         in what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
+        tok, limits = self._tokenize(req), self._limits(req)
         raws = inputs.raw_records(
-            file=req.file, records=req.records, data_dir=self.settings.data_dir
+            file=req.file,
+            records=req.records,
+            data_dir=self.settings.data_dir,
+            max_line_bytes=inputs.line_limit(limits),
         )
         digest = inputs.input_digest(
             file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
         kept = sum(t for t, _ in list(self._kept.values()))
         budget = self.settings.job_keep_input_tokens - kept
-        tok, limits = self._tokenize(req), self._limits(req)
         return inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget), digest
 
     def _check_layout(self, name: str, layout: str) -> None:
@@ -410,10 +413,14 @@ class JobRunner:
         if kept is not None:
             seqs = iter(kept)
         else:
+            limits = self._limits(spec)
             raws = inputs.raw_records(
-                file=spec.file, records=spec.records, data_dir=self.settings.data_dir
+                file=spec.file,
+                records=spec.records,
+                data_dir=self.settings.data_dir,
+                max_line_bytes=inputs.line_limit(limits),
             )
-            seqs = inputs.sequences(raws, self._tokenize(spec), self._limits(spec))
+            seqs = inputs.sequences(raws, self._tokenize(spec), limits)
         yield from pipeline.plan(
             seqs,
             handle.missing,

@@ -83,11 +83,13 @@ def contained(root: Path, path: Path, what: str = "path", shown: str | None = No
     return real
 
 
-def resolve_under(root: Path, rel: str, what: str = "path") -> Path:
-    """``root / rel`` resolved, after :func:`segments` checked ``rel``'s text and
-    :func:`contained` that it stays inside ``root``. The result need not exist."""
+def resolve_under(root: Path, rel: str, what: str = "path", *, base: Path | None = None) -> Path:
+    """``base / rel`` resolved (``base`` defaults to ``root``; a folder inside it, e.g. a
+    dataset folder whose ``state.json`` names ``rel``), after :func:`segments` checked ``rel``'s
+    text and :func:`contained` that the result stays inside ``root``. It need not exist."""
     parts = segments(rel, what)
-    return contained(root, root.expanduser().resolve().joinpath(*parts), what, shown=rel)
+    start = (root if base is None else base).expanduser().resolve()
+    return contained(root, start.joinpath(*parts), what, shown=rel)
 
 
 def store_key(key: str) -> str:
