@@ -13,7 +13,9 @@ keeps what it was created with.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 import threading
 import time
@@ -26,12 +28,18 @@ from typing import TYPE_CHECKING, Any
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
-from logitcache.cache_format.layout import parse_root, read_root_attrs
-from logitcache.cache_format.spec import layout_named
+from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
+from logitcache.cache_format.spec import ROOT_ATTR, layout_named
 
 from . import paths
 from .engine.identity import teacher_identity
-from .errors import ConflictError, InvalidCacheNameError, NotFoundError
+from .errors import (
+    ConflictError,
+    InvalidCacheNameError,
+    NotACacheError,
+    NotFoundError,
+    StoreNotWritableError,
+)
 
 if TYPE_CHECKING:
     from .engine import EngineInfo
@@ -57,6 +65,24 @@ def check_name(name: str) -> str:
             "digit, without '..'"
         )
     return name
+
+
+#: ``errno`` values of a store that refuses writes.
+_NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+@contextmanager
+def not_writable_as_409(name: str) -> Iterator[None]:
+    """Turn a write refused by the store (read-only file system, no permission) into
+    :class:`StoreNotWritableError` (409 ``store_read_only``) instead of a 500."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE:
+            raise
+        raise StoreNotWritableError(
+            f"cache {name!r} cannot be written: the store refuses writes ({os.strerror(e.errno)})"
+        ) from None
 
 
 def is_url(root: str) -> bool:
@@ -104,7 +130,7 @@ class WriterHandle:
 
     def append(self, records: Sequence[SequenceRecord]) -> int:
         """Append (and commit) records; keys already present are skipped. Returns new count."""
-        with self._entry.lock:
+        with self._entry.lock, not_writable_as_409(self.name):
             return self._entry.writer.append(list(records))
 
     def contains(self, key: str) -> bool:
@@ -229,10 +255,24 @@ class CacheRegistry:
             return None
         if attrs is None:
             return None
+        if ROOT_ATTR not in attrs and not attrs.get(INCOMPLETE_ATTR):
+            raise NotACacheError(f"{name!r} holds a zarr group that is not a logitcache cache")
         try:
             return parse_root(attrs)
         except (StoreNotFoundError, ManifestError):  # not committed yet, or unreadable as before
             return None
+
+    def check_writable(self, name: str) -> None:
+        """:class:`StoreNotWritableError` (409) if a local store refuses writes to cache
+        ``name`` (its folder, or the root for a new cache: a read-only file system, no
+        permission), so a request or job that would write is refused before any engine work."""
+        if is_url(self.root):
+            return
+        folder = Path(self.url(name))
+        if not os.access(folder if folder.exists() else self.root, os.W_OK):
+            raise StoreNotWritableError(
+                f"cache {name!r} cannot be written: the store is read-only or not writable"
+            )
 
     # --- identity checks ------------------------------------------------------------------
 
@@ -293,12 +333,13 @@ class CacheRegistry:
             self._drop(name, entry)
             entry = None
         if entry is None:
-            w = CacheWriter.open(
-                self.url(name),
-                manifest,
-                storage_options=self.storage_options,
-                layout=None if layout is None else layout_named(layout),
-            )
+            with not_writable_as_409(name):
+                w = CacheWriter.open(
+                    self.url(name),
+                    manifest,
+                    storage_options=self.storage_options,
+                    layout=None if layout is None else layout_named(layout),
+                )
             entry = _OpenWriter(writer=w, manifest=manifest)
             self._writers[name] = entry
         elif entry.manifest.identity() != manifest.identity():

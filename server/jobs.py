@@ -185,6 +185,7 @@ class JobRunner:
                 f"{len(req.records)} inline records exceed the limit of "
                 f"{self.settings.max_inline_records}; use an input file"
             )
+        await asyncio.to_thread(self.caches.check_writable, name)
         manifest = await asyncio.to_thread(
             targets.target_manifest,
             self.scoring,
