@@ -71,6 +71,20 @@ def parse_range(header: str | None) -> Any:
     return RangeByteRequest(start, stop)
 
 
+def clamp_range(byte_range: Any, size: int, header: str | None) -> RangeByteRequest:
+    """``byte_range`` as the bytes ``[start, stop)`` it names within an object of ``size``
+    bytes (416 if none: a start at or past the end, an empty suffix)."""
+    if isinstance(byte_range, SuffixByteRequest):
+        start, stop = size - min(byte_range.suffix, size), size
+    elif isinstance(byte_range, OffsetByteRequest):
+        start, stop = byte_range.offset, size
+    else:
+        start, stop = byte_range.start, min(byte_range.end, size)
+    if start >= stop:
+        raise RangeNotSatisfiableError(f"Range {header!r} selects no byte of the object")
+    return RangeByteRequest(start, stop)
+
+
 def store_object(
     name: str,
     key: str,
@@ -87,22 +101,19 @@ def store_object(
         paths.resolve_under(Path(root), f"{name}/{key}", "store key")
     try:
         store = services.caches.store(name)
+        if byte_range is not None:  # a range is cut to the object (no read past its end)
+            byte_range = clamp_range(byte_range, int(sync(store.getsize(key))), range_)
         buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
-    except FileNotFoundError:  # no such cache folder (a missing object is buf None)
-        raise NotFoundError(f"no cache named {name!r}") from None
+    except FileNotFoundError:  # no such cache folder or object
+        raise NotFoundError(f"cache {name!r} has no object {key!r}") from None
     if buf is None:
         raise NotFoundError(f"cache {name!r} has no object {key!r}")
     body = buf.to_bytes()
     headers = {"Cache-Control": "no-store", "Accept-Ranges": "bytes"}
     status = 200
     if byte_range is not None:
-        if not body and not isinstance(byte_range, SuffixByteRequest):
-            raise RangeNotSatisfiableError(f"Range {range_!r} starts past the end of {key!r}")
         status = 206
-        if isinstance(byte_range, SuffixByteRequest):  # where the suffix starts needs the size
-            first = int(sync(store.getsize(key))) - len(body)
-        else:
-            first = getattr(byte_range, "start", getattr(byte_range, "offset", 0))
+        first = byte_range.start if isinstance(byte_range, RangeByteRequest) else 0
         headers["Content-Range"] = f"bytes {first}-{first + len(body) - 1}/*"
     if request.method == "HEAD":
         headers["Content-Length"] = str(len(body))

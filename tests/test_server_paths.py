@@ -174,7 +174,9 @@ Reply = tuple[int, dict[str, str], bytes]
 Send = Callable[[str, str, dict[str, str], bytes], Reply]
 
 
-async def _asgi(app: Any, method: str, target: str, headers: dict[str, str], body: bytes) -> Reply:
+async def asgi_request(
+    app: Any, method: str, target: str, headers: dict[str, str], body: bytes
+) -> Reply:
     """One request to ``app`` with the scope uvicorn builds from the request line ``target``."""
     raw_path, _, query = target.partition("?")
     hdrs = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
@@ -277,7 +279,7 @@ def world(request, tmp_path_factory):
     loop.run_until_complete(lifespan.__aenter__())
 
     def send(method: str, target: str, headers: dict[str, str], body: bytes) -> Reply:
-        return loop.run_until_complete(_asgi(app, method, target, headers, body))
+        return loop.run_until_complete(asgi_request(app, method, target, headers, body))
 
     try:
         w = World(tmp, names, send, app)
