@@ -12,8 +12,8 @@ sent in requests of ``--batch`` prompts:
 1. **direct** (baseline): one epoch of ``POST /v1/score`` without a cache (every request is
    scored by the engine: what a trainer calling a plain teacher pays every epoch).
 2. **served**: ``--epochs`` epochs of vLLM-shaped ``POST /v1/completions`` (``prompt_logprobs=k``,
-   ``max_tokens=0``) through the cache (``server/cache_hits.py``): epoch 1 misses and stores,
-   later epochs should hit.
+   ``max_tokens=0``) through the cache (``server/serving/cache_hits.py``): epoch 1 misses and
+   stores, later epochs should hit.
 
 Per epoch: engine seconds (``logitcache_engine_seconds_sum{source="score"}`` delta from
 ``/metrics``: time inside engine calls), tokens the engine scored, cache hits, and wall seconds.

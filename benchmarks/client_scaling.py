@@ -231,9 +231,9 @@ def serve(root: str, port: int) -> None:
 
     import uvicorn
     from fastapi import FastAPI
-    from logitcache.server import routes_store
-    from logitcache.server.caches import CacheRegistry
+    from logitcache.server.api import store as routes_store
     from logitcache.server.errors import install_error_handlers
+    from logitcache.server.serving.caches import CacheRegistry
 
     app = FastAPI()
     app.include_router(routes_store.router)

@@ -69,8 +69,8 @@ def main() -> None:
     os.environ.update(VLLM_ENV)
 
     from logitcache.fixtures.tiny import build_tiny_models
-    from logitcache.server.distributed import Plan, Replicas, init_local_ray, run_distributed
-    from logitcache.server.inputs import RawRecord
+    from logitcache.server.batch.distributed import Plan, Replicas, init_local_ray, run_distributed
+    from logitcache.server.inputs.records import RawRecord
     from logitcache.server.settings import ServerSettings
 
     tiny = build_tiny_models()

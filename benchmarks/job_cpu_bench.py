@@ -273,9 +273,9 @@ async def run_job(
     work: Path, engine: Any, settings_kw: dict, clock: StageClock, prefill: bool = False
 ) -> dict:
     import httpx
-    from logitcache.server import job_store, jobs, pipeline
     from logitcache.server.app import create_app
-    from logitcache.server.caches import WriterHandle
+    from logitcache.server.batch import job_store, jobs, pipeline
+    from logitcache.server.serving.caches import WriterHandle
     from logitcache.server.settings import ServerSettings
 
     settings = ServerSettings(
@@ -681,7 +681,7 @@ def main() -> None:
         from logitcache.cache_format import writer
 
         writer.DIRECT_WRITES = False
-    from logitcache.server import jobs
+    from logitcache.server.batch import jobs
 
     if args.merge_values is not None:
         jobs.MERGE_VALUES = args.merge_values

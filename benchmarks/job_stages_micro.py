@@ -10,7 +10,8 @@
   the calling thread's minor page faults, and of the same rows with a top-1 logprob of -1e-6 (a
   subnormal half: the kernel's exact path);
 * ``submit``: reading and checking a JSONL input of 256-token sequences (``inputs.scan`` plus the
-  digest, what a job's submission does) through ``json.loads`` and through ``server/jsonids.py``.
+  digest, what a job's submission does) through ``json.loads`` and through
+  ``server/inputs/jsonids.py``.
 
 Usage::
 
@@ -111,7 +112,8 @@ def bench_encode(bufs: list, k: int, repeats: int) -> dict:
 
 def bench_submit(sequences: int, length: int, repeats: int) -> dict:
     from logitcache.protocol import InputFile
-    from logitcache.server import inputs, jsonids
+    from logitcache.server.inputs import jsonids
+    from logitcache.server.inputs import records as inputs
 
     rng = np.random.default_rng(1)
     d = Path(tempfile.mkdtemp(prefix="stages-micro-"))
@@ -147,7 +149,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    from logitcache.server.jobs import numpy_hugepages_off
+    from logitcache.server.batch.jobs import numpy_hugepages_off
 
     numpy_hugepages_off()  # as the job runner's process
     load = os.getloadavg()[0]

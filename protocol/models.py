@@ -258,7 +258,8 @@ TERMINAL_JOB_STATES = frozenset({JobState.succeeded, JobState.failed, JobState.c
 
 
 class ChatMessage(ApiModel):
-    """One message of a chat record (rendered with the teacher's chat template: server/chat.py)."""
+    """One message of a chat record (rendered with the teacher's chat template:
+    server/inputs/chat.py)."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
@@ -302,7 +303,7 @@ class JobCreate(ApiModel):
     on_long: Literal["reject", "truncate", "split", "skip"] = Field(
         "reject",
         description="a sequence over the max length: reject the job, keep its first max-length "
-        "tokens, split it into windows (keys <key>#w<i>), or skip it (server/long_inputs.py)",
+        "tokens, split it into windows (keys <key>#w<i>), or skip it (server/inputs/long.py)",
     )
     split_overlap: int = Field(
         1,
@@ -312,13 +313,13 @@ class JobCreate(ApiModel):
     chat_template: str | None = Field(
         None,
         description="Jinja chat template for chat records (messages); default: the teacher "
-        "tokenizer's own (server/chat.py)",
+        "tokenizer's own (server/inputs/chat.py)",
     )
     loss_mask: bool = Field(
         False,
         description="store a per-row loss mask with chat records: 1 on rows predicting an "
-        "assistant turn's tokens, 0 elsewhere (server/chat.py, FORMAT.md 4.6); a new cache is "
-        "created with the mask, an existing cache without one is a 409",
+        "assistant turn's tokens, 0 elsewhere (server/inputs/chat.py, FORMAT.md 4.6); a new cache "
+        "is created with the mask, an existing cache without one is a 409",
     )
     dataset: ShortText | None = Field(
         None, description="dataset description for a new cache manifest"
@@ -351,7 +352,7 @@ class JobCreate(ApiModel):
 
 
 class InputCounts(ApiModel):
-    """Counts of a job's input, taken when it was checked (server/long_inputs.py)."""
+    """Counts of a job's input, taken when it was checked (server/inputs/long.py)."""
 
     records: int = Field(description="records read")
     sequences: int = Field(description="sequences to score (split windows count one each)")

@@ -9,22 +9,37 @@ Module map (one job each; routes hold no logic, services import no FastAPI). The
 response models, media types and job states are :mod:`logitcache.protocol` (shared with the
 client).
 
-========================  ========================================================================
-``settings``              ``ServerSettings`` (pydantic-settings: env, ``.env``, CLI)
-``errors``                typed service errors and their one mapping to HTTP
-``inputs``                reading, tokenising, checking, keying and batching input sequences
-``pipeline``              the one batch pipeline: batches -> engine -> records -> ordered appends
-``scoring``               ``ScoringService``: on-demand scoring (+ optional store)
-``caches``                ``CacheRegistry``: named caches, identity checks, shared writers
-``job_store``             the SQLite job table
-``jobs``                  ``JobRunner``: background jobs, restart-safe resume, cancel
-``shards``                sharded batch scoring: plan, check, score into staging, commit
-``distributed``           the Ray driver and ``logitcache-distributed`` CLI over ``shards``
-``metrics``               Prometheus metrics of one app
-``middleware``            API key, body-size limit, request metrics (pure ASGI)
-``routes_*``              thin routers: score, jobs, caches (block streaming), ops
-``app``                   ``create_app(settings, engine=None)``: lifespan owns engine + runner
-``__main__``              ``main()``: uvicorn
-``engine*``               the teacher engines (vLLM, transformers) behind ``TeacherEngine``
-========================  ========================================================================
+=============================  ===================================================================
+``app``                        ``create_app(settings, engine=None)``: lifespan owns engine + runner
+``__main__``                   ``main()``: uvicorn
+``settings``                   ``ServerSettings`` (pydantic-settings: env, ``.env``, CLI)
+``errors``                     typed service errors and their one mapping to HTTP
+``metrics``                    Prometheus metrics of one app
+``admission``                  ``TokenGate``: the budget of on-demand prompt tokens in flight
+``preflight``                  fail-fast start-up checks and the start-up banner
+``api.deps``                   ``Services`` (the per-app container) and ``ServicesDep``
+``api.middleware``             API key, body-size limit, request metrics (pure ASGI)
+``api.score``                  ``POST /v1/score``
+``api.openai``                 vLLM-compatible ``/v1/completions`` and ``/v1/models``
+``api.jobs``                   ``/v1/jobs``: submit, list, status, cancel
+``api.caches``                 ``/v1/caches``: list, describe, stream blocks
+``api.store``                  ``/v1/caches/{name}/store/{key}``: the stored objects, read-only
+``api.ops``                    ``/health`` and ``/metrics``
+``api.ui``                     the browser pages: status page, login, ``/docs``
+``serving.scoring``            ``ScoringService``: on-demand scoring (+ optional store)
+``serving.cache_hits``         serving scores from a named cache (hits read, misses scored)
+``serving.targets``            the target kind of a request or job (top-k or sampled)
+``serving.caches``             ``CacheRegistry``: named caches, identity checks, shared writers
+``inputs.records``             reading, tokenising, checking, keying and batching input sequences
+``inputs.files``               input files: gzip JSONL, Parquet, Arrow, dataset directories
+``inputs.chat``                chat records rendered with the teacher's chat template
+``inputs.long``                sequences over the max length: split, skip or refuse; input counts
+``inputs.jsonids``             fast parsing of JSONL token-id lists (``_jsonkernels``: numba)
+``batch.job_store``            the SQLite job table
+``batch.jobs``                 ``JobRunner``: background jobs, restart-safe resume, cancel
+``batch.pipeline``             the one batch pipeline: batches -> engine -> records -> appends
+``batch.shards``               sharded batch scoring: plan, check, score into staging, commit
+``batch.distributed``          the Ray driver, ``logitcache-distributed``, over ``batch.shards``
+``engine``                     the teacher engines (vLLM, transformers) behind ``TeacherEngine``
+=============================  ===================================================================
 """

@@ -21,20 +21,26 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from . import routes_caches, routes_jobs, routes_openai, routes_ops, routes_score, routes_store, ui
-from .caches import CacheRegistry, is_url
-from .deps import Services
-from .errors import install_error_handlers
-from .job_store import JobStore
-from .jobs import JobRunner
-from .metrics import Metrics
-from .middleware import (
+from .api import caches as routes_caches
+from .api import jobs as routes_jobs
+from .api import openai as routes_openai
+from .api import ops as routes_ops
+from .api import score as routes_score
+from .api import store as routes_store
+from .api import ui
+from .api.deps import Services
+from .api.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     InternalErrorMiddleware,
     MetricsMiddleware,
 )
-from .scoring import ScoringService
+from .batch.job_store import JobStore
+from .batch.jobs import JobRunner
+from .errors import install_error_handlers
+from .metrics import Metrics
+from .serving.caches import CacheRegistry, is_url
+from .serving.scoring import ScoringService
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -111,7 +117,7 @@ def declare_common_errors(app: FastAPI, *, keyed: bool) -> None:
     but ``/health``), ``503`` (starting, stopping, engine down), and for operations with a body
     ``400`` (unparsable), ``408`` (body too slow), ``413`` (body too large), ``422`` (invalid).
     Each points at the one :class:`~logitcache.protocol.ErrorResponse` shape."""
-    from .middleware import PUBLIC_PATHS
+    from .api.middleware import PUBLIC_PATHS
 
     build = app.openapi
     ref = {
@@ -195,7 +201,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         version="1",
         lifespan=lifespan,
         generate_unique_id_function=_operation_id,
-        docs_url=None,  # /docs is served by server/ui with local assets (no CDN)
+        docs_url=None,  # /docs is served by server/api/ui with local assets (no CDN)
         redoc_url=None,
     )
     app.state.services = None

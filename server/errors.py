@@ -60,7 +60,8 @@ class InvalidInputError(ServiceError, status=422, code="invalid_input"):
 
 
 class InvalidCacheNameError(InvalidInputError, code="invalid_cache_name"):
-    """A cache name breaks the naming rule (see :data:`logitcache.server.caches.NAME_PATTERN`)."""
+    """A cache name breaks the naming rule (see
+    :data:`logitcache.server.serving.caches.NAME_PATTERN`)."""
 
 
 class InvalidPathError(InvalidInputError, code="invalid_path"):
@@ -125,7 +126,7 @@ class StoreNotWritableError(ConflictError, code="store_read_only"):
 
 class CacheIncompleteError(ConflictError, code="cache_incomplete"):
     """A store whose creation was interrupted (no root ``zarr.json``, or one marked incomplete
-    without a manifest); see ``routes_caches.incomplete_reason``."""
+    without a manifest); see ``api.caches.incomplete_reason``."""
 
 
 class ClientClosedError(ServiceError, status=499, code="client_closed"):
@@ -253,7 +254,7 @@ def _allowed_methods(request: Any) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error to the JSON body: :class:`ServiceError`, ``FormatError``, engine errors,
     request-validation errors and HTTP errors (any other exception becomes a 500
-    ``internal_error`` in :class:`~logitcache.server.middleware.InternalErrorMiddleware`)."""
+    ``internal_error`` in :class:`~logitcache.server.api.middleware.InternalErrorMiddleware`)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 

@@ -91,7 +91,7 @@ class Metrics:
         )
 
     def cache_served(self, *, hits: int, misses: int, tokens_saved: int, bytes_served: int) -> None:
-        """Count one cache-backed answer (``server/cache_hits.py``)."""
+        """Count one cache-backed answer (``server/serving/cache_hits.py``)."""
         self.cache_hits.inc(hits)
         self.cache_misses.inc(misses)
         self.cache_tokens_saved.inc(tokens_saved)

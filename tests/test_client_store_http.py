@@ -1,6 +1,6 @@
 """HttpSource's store transport against the real store route under real uvicorn (no engine).
 
-The route module (``server/routes_store.py``) is served by uvicorn in a thread with a
+The route module (``server/api/store.py``) is served by uvicorn in a thread with a
 ``CacheRegistry`` over a temporary store root; caches are written with ``CacheWriter``. Checked:
 the HTTP source gives the same records and items as the local store, it sees appends only after a
 commit (the root ``zarr.json`` is the commit point) and after ``refresh()``, a corrupted shard byte
@@ -31,9 +31,9 @@ class _StoreServer:
     def __init__(self, root: Path) -> None:
         import uvicorn
         from fastapi import FastAPI
-        from logitcache.server import routes_store
-        from logitcache.server.caches import CacheRegistry
+        from logitcache.server.api import store as routes_store
         from logitcache.server.errors import install_error_handlers
+        from logitcache.server.serving.caches import CacheRegistry
 
         app = FastAPI()
         app.include_router(routes_store.router)

@@ -1,8 +1,8 @@
 """Distributed batch scoring on a local Ray cluster (2 CPUs, 127.0.0.1) with the tiny teacher.
 
 The single-worker reference is :func:`run_distributed` with one replica; the distributed run is
-the CLI (``python -m logitcache.server.distributed --replicas 2``) in a subprocess, connected to
-this module's cluster: two vLLM engines, one per Ray actor. Their caches must be equal array for
+the CLI (``python -m logitcache.server.batch.distributed --replicas 2``) in a subprocess, connected
+to this module's cluster: two vLLM engines, one per Ray actor. Their caches must be equal array for
 array, key for key, in the same order; bad input must write nothing; a re-run must score nothing.
 Sampled targets (issue #12): two replicas give the cache the service's one-process job gives
 for the same input and seed.
@@ -99,7 +99,7 @@ def _server_flags(tiny) -> list[str]:
 def ray_cluster(tiny, vllm_env):
     """This process's local Ray cluster (2 CPUs, loopback only); after the tiny models exist, so
     their first build does not compete with Ray for the cores."""
-    from logitcache.server.distributed import init_local_ray
+    from logitcache.server.batch.distributed import init_local_ray
 
     init_local_ray(num_cpus=2)
     import ray
@@ -109,8 +109,8 @@ def ray_cluster(tiny, vllm_env):
 
 
 def _cli(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
-    """``python -m logitcache.server.distributed ARGS`` in a subprocess."""
-    argv = [sys.executable, "-m", "logitcache.server.distributed", *args]
+    """``python -m logitcache.server.batch.distributed ARGS`` in a subprocess."""
+    argv = [sys.executable, "-m", "logitcache.server.batch.distributed", *args]
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
     )
@@ -132,7 +132,7 @@ def settings(tiny, vllm_env) -> ServerSettings:
 @pytest.fixture(scope="module")
 def replicas(ray_cluster, settings):
     """Two started teacher replicas (vLLM engines in Ray actors), shared by this module's runs."""
-    from logitcache.server.distributed import Plan, Replicas
+    from logitcache.server.batch.distributed import Plan, Replicas
 
     with Replicas(settings, 2, Plan(shard_size=SHARD)) as started:
         yield started
@@ -141,7 +141,7 @@ def replicas(ray_cluster, settings):
 @pytest.fixture(scope="module")
 def reference(replicas, dataset, settings, tmp_path_factory):
     """The single-worker run: one replica, into a local directory."""
-    from logitcache.server.distributed import read_input
+    from logitcache.server.batch.distributed import read_input
 
     path, _ = dataset
     cache = tmp_path_factory.mktemp("ray-ref") / "single"
@@ -168,7 +168,7 @@ def assert_same_cache(a: CacheReader, b: CacheReader) -> None:
 
 
 def _run(raws, cache: Path | str, settings: ServerSettings, n: int, pool, **kw):
-    from logitcache.server.distributed import Plan, run_distributed
+    from logitcache.server.batch.distributed import Plan, run_distributed
 
     plan = Plan(replicas=n, shard_size=SHARD)
     return run_distributed(raws, str(cache), settings, plan, replicas=pool, **kw)
@@ -201,7 +201,7 @@ def test_local_cluster_binds_loopback_only(ray_cluster):
 
 def test_more_replicas_than_the_cluster_holds_fail_fast(ray_cluster, settings):
     """Ray would queue such actors forever; the run refuses them before starting any."""
-    from logitcache.server.distributed import DistributedError, Plan, Replicas
+    from logitcache.server.batch.distributed import DistributedError, Plan, Replicas
 
     with pytest.raises(DistributedError, match="exceed the cluster's 2 CPU"):
         Replicas(settings, 3, Plan(cpus_per_replica=1.0))
@@ -211,7 +211,7 @@ def test_two_replicas_on_s3_equal_a_single_worker_run(replicas, reference, datas
                                                       s3_bucket):  # fmt: skip
     """Distributed: 2 replicas into a bucket (per-shard staging caches on S3, one commit); the
     reference is the single-worker run into a local directory. Same engines (loaded once)."""
-    from logitcache.server.distributed import read_input
+    from logitcache.server.batch.distributed import read_input
 
     endpoint, bucket, options = s3_bucket
     s3_settings = settings.model_copy(update={"storage_options": options})
@@ -256,7 +256,7 @@ def test_two_replicas_on_s3_equal_a_single_worker_run(replicas, reference, datas
 
 def test_bad_input_is_refused_before_anything_is_written(replicas, dataset, settings, s3_bucket,
                                                          tmp_path):  # fmt: skip
-    from logitcache.server.distributed import read_input
+    from logitcache.server.batch.distributed import read_input
 
     endpoint, bucket, options = s3_bucket
     path, _ = dataset
@@ -295,10 +295,10 @@ def test_cli_refuses_a_cache_of_another_k_or_teacher_before_any_engine_loads(
     fields, before Ray or an engine starts (both are patched to fail); the cache is untouched."""
     from format_support import make_records
     from logitcache.cache_format import CacheWriter
-    from logitcache.server import distributed
-    from logitcache.server.caches import expected_manifest
+    from logitcache.server.batch import distributed
     from logitcache.server.engine import engine_config
     from logitcache.server.engine.config import planned_info
+    from logitcache.server.serving.caches import expected_manifest
 
     other = {**_settings_kw(tiny), "k": K + 1, "temperature": 2.0}
     cfg = engine_config(ServerSettings(_env_file=None, **other))  # type: ignore[call-arg]
@@ -349,8 +349,8 @@ def test_an_interrupted_commit_is_finished_by_a_rerun_without_scoring(
     the rest, and leaves the single-worker cache."""
     import shutil
 
-    from logitcache.server import shards
-    from logitcache.server.distributed import Plan, read_input, run_distributed
+    from logitcache.server.batch import shards
+    from logitcache.server.batch.distributed import Plan, read_input, run_distributed
 
     path, _ = dataset
     cache = tmp_path / "interrupted"
@@ -381,7 +381,7 @@ def test_a_replica_killed_mid_run_is_restarted_and_the_cache_is_unchanged(
     the retried call), its shard is re-run from what its staging cache committed, and the final
     cache still equals the single-worker run."""
     import ray
-    from logitcache.server.distributed import read_input
+    from logitcache.server.batch.distributed import read_input
 
     path, _ = dataset
     pids = ray.get([a.pid.remote() for a in replicas.actors])
@@ -441,7 +441,7 @@ def test_sampled_targets_on_two_replicas_equal_the_one_process_job(
 
     from logitcache.cache_format import ManifestMismatchError
     from logitcache.cache_format.sampling import sampling_manifest
-    from logitcache.server.distributed import read_input
+    from logitcache.server.batch.distributed import read_input
     from logitcache.server.engine import SampledTargets, build_engine
     from server_support import ThreadedServer, wait_job
 
@@ -496,10 +496,10 @@ def test_cli_sampled_flags_are_checked_before_any_engine_loads(
     one JSON line, before Ray or an engine starts (both patched to fail); nothing written."""
     from format_support import make_records
     from logitcache.cache_format import CacheWriter
-    from logitcache.server import distributed
-    from logitcache.server.caches import expected_manifest
+    from logitcache.server.batch import distributed
     from logitcache.server.engine import engine_config
     from logitcache.server.engine.config import planned_info
+    from logitcache.server.serving.caches import expected_manifest
 
     cfg = engine_config(ServerSettings(_env_file=None, **_settings_kw(tiny)))  # type: ignore[call-arg]
     manifest = expected_manifest(planned_info(cfg), k=cfg.max_k, logprob_dtype="float16")

@@ -70,7 +70,7 @@ def _info(**kw: Any) -> EngineInfo:
 
 @pytest.mark.fast
 def test_one_identity_for_engine_info_and_manifest() -> None:
-    from logitcache.server.caches import expected_manifest
+    from logitcache.server.serving.caches import expected_manifest
 
     info = _info()
     m = expected_manifest(info, k=5, logprob_dtype="float16")
@@ -96,7 +96,7 @@ def test_the_identity_fields_are_defined_once() -> None:
     from logitcache.cache_format import IDENTITY_FIELDS
     from logitcache.cache_format.identity import TEACHER_EXTRA_FIELDS, TEACHER_FIELDS
     from logitcache.client.dataset import _identity
-    from logitcache.server.caches import expected_manifest
+    from logitcache.server.serving.caches import expected_manifest
 
     assert IDENTITY_FIELDS[: len(TEACHER_FIELDS)] == TEACHER_FIELDS
     m = expected_manifest(_info(), k=5, logprob_dtype="float16")

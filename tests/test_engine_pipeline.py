@@ -1,4 +1,4 @@
-"""The one batch pipeline (``server/pipeline.py``) as the Ray shards use it, in-process with
+"""The one batch pipeline (``server/batch/pipeline.py``) as the Ray shards use it, in-process with
 :class:`engine_support.FakeEngine` and real zarr stores: the staged rows are the engine's rows in
 input order, a re-run scores nothing, a stop between batches keeps what was committed, and a
 writer error reaches the caller."""
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from engine_support import FakeEngine, fake_logprobs
 from logitcache.cache_format import CacheReader, Manifest
-from logitcache.server import inputs, pipeline, shards
-from logitcache.server.caches import expected_manifest
+from logitcache.server.batch import pipeline, shards
+from logitcache.server.inputs import records as inputs
+from logitcache.server.serving.caches import expected_manifest
 
 pytestmark = pytest.mark.fast
 

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 from engine_support import FakeEngine
-from logitcache.server import inputs, pipeline
+from logitcache.server.batch import pipeline
+from logitcache.server.inputs import records as inputs
 
 pytestmark = pytest.mark.fast
 

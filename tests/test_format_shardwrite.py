@@ -144,8 +144,9 @@ def test_two_writers_taking_turns(tmp_path: Path, monkeypatch, layout) -> None:
 def test_the_stored_bytes_do_not_depend_on_how_appends_are_grouped(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """The job writer's grouping of batches into appends (merged, lingering: server/pipeline.py)
-    changes which appends write which rows, never the objects the store ends with."""
+    """The job writer's grouping of batches into appends (merged, lingering:
+    server/batch/pipeline.py) changes which appends write which rows, never the objects the store
+    ends with."""
     recs = make_records(16, k=K, vocab=VOCAB, seed=4)
     groupings = {"one": [], "each": list(range(1, 16)), "some": [2, 7, 8, 13]}
     for name, cuts in groupings.items():

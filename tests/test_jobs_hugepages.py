@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from engine_support import FakeEngine, app_settings, in_process
-from logitcache.server import jobs
+from logitcache.server.batch import jobs
 
 pytestmark = pytest.mark.fast
 

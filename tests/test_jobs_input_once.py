@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from engine_support import FakeEngine, app_settings, in_process
 from logitcache.cache_format import CacheReader
-from logitcache.server import inputs
+from logitcache.server.inputs import records as inputs
 from test_jobs_targets import _done
 
 pytestmark = pytest.mark.fast

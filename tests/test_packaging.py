@@ -249,7 +249,8 @@ INDIRECT_DEPS = {
     "s3fs": "fsspec loads it for s3:// URLs opened with storage_options backend=fsspec",
     "fsspec": "zarr's FsspecStore opens http:// (the client's /store/ reads) and fsspec URLs",
     "accelerate": "transformers' Trainer needs it (client/hf.py CacheDistillTrainer)",
-    "fastapi-offline": "its static Swagger UI files are found by find_spec (server/ui/routes.py)",
+    "fastapi-offline": "its static Swagger UI files are found by find_spec "
+    "(server/api/ui/routes.py)",
 }
 #: Distribution name -> import name where they differ.
 IMPORT_NAMES = {

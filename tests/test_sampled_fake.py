@@ -1,8 +1,8 @@
 """Sampled targets around the engine, fast tier (issue #12): the fake teacher's sampled rows,
 ``logitcache jobs submit --targets sampled``, and the shard steps of the Ray path
-(server/shards.py) run in one process, all on :class:`engine_support.FakeEngine` (whose sampled
-rows are the format's estimator on its own distributions). The real engines' sampled rows have
-their own tests (test_sampled_targets.py, test_deploy_ray.py, test_sampled_restart.py)."""
+(server/batch/shards.py) run in one process, all on :class:`engine_support.FakeEngine` (whose
+sampled rows are the format's estimator on its own distributions). The real engines' sampled rows
+have their own tests (test_sampled_targets.py, test_deploy_ray.py, test_sampled_restart.py)."""
 
 from __future__ import annotations
 
@@ -160,9 +160,10 @@ def test_jobs_cli_submits_a_sampled_job(tmp_path: Path, capsys) -> None:  # noqa
 
 
 def _shards_run(engine: FakeEngine, raws: list, url: str, manifest: Any, shard_size: int) -> int:
-    """The Ray path's steps in one process (server/shards.py): plan, scan, check, score every
+    """The Ray path's steps in one process (server/batch/shards.py): plan, scan, check, score every
     shard into its staging cache (in reverse order: the order must not matter), commit."""
-    from logitcache.server import inputs, shards
+    from logitcache.server.batch import shards
+    from logitcache.server.inputs import records as inputs
 
     limits = inputs.Limits(vocab_size=engine.info.vocab_size, max_seq_len=engine.info.max_seq_len)
     work = shards.plan_shards(raws, shard_size)
@@ -191,7 +192,7 @@ def test_shard_steps_write_the_jobs_sampled_rows(tmp_path: Path) -> None:
     one-process job's cache: same keys in the same order, byte-equal arrays, same identity; a
     re-run adds nothing; a top-k run into that cache is refused (one cache, one kind)."""
     from logitcache.cache_format import ManifestMismatchError
-    from logitcache.server.distributed import _final_manifest, chosen_targets, read_input
+    from logitcache.server.batch.distributed import _final_manifest, chosen_targets, read_input
     from logitcache.server.errors import InvalidInputError
 
     settings = app_settings(tmp_path, job_batch_sequences=3)
@@ -236,7 +237,7 @@ def test_distributed_settings_read_the_sampled_flags(tmp_path: Path) -> None:
     """``logitcache-distributed``'s sampled flags as the run's ``targets``: the parameters given
     (defaults for the rest), ``"sampled"`` when none is given (the cache's own, else the
     defaults), ``None`` for top-k; a sampling flag without ``--targets sampled`` is refused."""
-    from logitcache.server.distributed import load_distributed_settings
+    from logitcache.server.batch.distributed import load_distributed_settings
     from pydantic import ValidationError
 
     base = ["--input", str(tmp_path / "in.jsonl"), "--cache", str(tmp_path / "c"), "--model", "m"]

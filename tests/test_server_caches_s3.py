@@ -9,7 +9,7 @@ from __future__ import annotations
 import format_support
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheWriter
-from logitcache.server.caches import CacheRegistry
+from logitcache.server.serving.caches import CacheRegistry
 
 s3_endpoint = format_support.s3_endpoint
 s3_store = format_support.s3_store

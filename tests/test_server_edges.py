@@ -102,7 +102,7 @@ def test_a_long_jsonl_line_is_refused_while_read(app: App, tmp_path: Path) -> No
     """A 64 MB single-line record in a 64 KB gzip is refused after at most the line limit is
     read: the reader's memory peak stays far below the line (the whole line was read before)."""
     from logitcache.protocol import InputFile
-    from logitcache.server import inputs
+    from logitcache.server.inputs import records as inputs
 
     big = app.root / "data" / "one-line.jsonl.gz"
     with gzip.open(big, "wb", compresslevel=1) as f:

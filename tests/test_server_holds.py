@@ -185,7 +185,7 @@ def test_public_status_drops_directories_from_job_errors() -> None:
     from datetime import UTC, datetime
 
     from logitcache.protocol import JobStatus
-    from logitcache.server.routes_jobs import public_status
+    from logitcache.server.api.jobs import public_status
 
     job = JobStatus(
         id="j",
@@ -262,7 +262,7 @@ def test_jobs_submit_watch_list_and_status_page_over_pages(tmp_path: Path) -> No
     """``jobs submit --watch`` runs a job to the end; with more jobs than one page of ``GET
     /v1/jobs`` (100), ``jobs list`` and the status page still reach every job."""
     from logitcache.protocol import JobState
-    from logitcache.server.job_store import JobStore
+    from logitcache.server.batch.job_store import JobStore
 
     settings = app_settings(tmp_path, job_retention_s=86400)
     store = JobStore(settings.job_db_path)  # 103 finished jobs already in the table

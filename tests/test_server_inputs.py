@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from logitcache.cache_format import content_key
 from logitcache.protocol import InlineRecord, InputFile, JobState
-from logitcache.server import inputs
-from logitcache.server.caches import check_name
+from logitcache.server.batch.job_store import JobStore
 from logitcache.server.errors import (
     InvalidCacheNameError,
     InvalidInputError,
@@ -20,7 +19,8 @@ from logitcache.server.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
-from logitcache.server.job_store import JobStore
+from logitcache.server.inputs import records as inputs
+from logitcache.server.serving.caches import check_name
 
 LIMITS = inputs.Limits(vocab_size=100, max_seq_len=8)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from logitcache.server import inputs
 from logitcache.server.errors import InvalidInputError
+from logitcache.server.inputs import records as inputs
 
 LIMITS = inputs.Limits(vocab_size=100, max_seq_len=8)
 

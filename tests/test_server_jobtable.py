@@ -13,7 +13,7 @@ import pytest
 from engine_support import FakeEngine
 from logitcache.protocol import JobState
 from logitcache.server.admission import TokenGate
-from logitcache.server.job_store import JobStore
+from logitcache.server.batch.job_store import JobStore
 from server_support import ThreadedServer, server_settings
 
 pytestmark = pytest.mark.fast

@@ -1,4 +1,4 @@
-"""server/jsonids.py (issue #19): JSONL input lines read with the ids straight to int32 give
+"""server/inputs/jsonids.py (issue #19): JSONL input lines read with the ids straight to int32 give
 what the json reading gives: the same records, the same errors, the same messages."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from logitcache.protocol import InputFile
-from logitcache.server import inputs, jsonids
 from logitcache.server.errors import InvalidInputError, PayloadTooLargeError
+from logitcache.server.inputs import jsonids
+from logitcache.server.inputs import records as inputs
 
 pytestmark = pytest.mark.skipif(not jsonids.ready(), reason="msgspec or numba not available")
 

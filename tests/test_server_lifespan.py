@@ -67,7 +67,7 @@ def test_graceful_stop_requeues_and_the_next_app_resumes(tmp_path, tiny, vllm_en
                 return await _poll(c, job_id, lambda j: j["state"] == "succeeded")
 
     job_id, total = asyncio.run(first())
-    from logitcache.server.job_store import JobStore
+    from logitcache.server.batch.job_store import JobStore
 
     store = JobStore(settings.job_db_path)
     stopped = store.get(job_id)

@@ -26,7 +26,7 @@ import pytest
 from format_support import CHILD_K, CHILD_VOCAB, make_manifest, make_records
 from logitcache.cache_format import CacheReader, CacheWriter, validate
 from logitcache.cache_format.errors import ManifestMismatchError
-from logitcache.server.caches import CacheRegistry
+from logitcache.server.serving.caches import CacheRegistry
 
 SUPPORT = str(Path(__file__).with_name("format_support.py"))
 MANIFEST = make_manifest(k=CHILD_K, vocab_size=CHILD_VOCAB)

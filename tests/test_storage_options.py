@@ -17,7 +17,7 @@ from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheReader, CacheWriter, FormatError
 from logitcache.cache_format.cli import _options
 from logitcache.cache_format.store import _obstore_options, normalize_storage_options
-from logitcache.server.caches import CacheRegistry
+from logitcache.server.serving.caches import CacheRegistry
 
 s3_endpoint = format_support.s3_endpoint
 s3_store = format_support.s3_store

@@ -250,7 +250,7 @@ def test_job_inputs_split_duplicates_chat(server: ServerProcess, tiny) -> None:
     """on_long=split windows, a duplicate counted, a chat record rendered with the job's template:
     through the real service into a real cache, counts in the job status and on the page."""
     from logitcache.cache_format import CacheReader
-    from logitcache.server.long_inputs import windows
+    from logitcache.server.inputs.long import windows
 
     max_len = int(re.search(r"max seq length\s+(\d+) tokens", server.log()).group(1))
     parts = tiny.token_sequences("heldout", max_len=200, min_len=150, limit=6)

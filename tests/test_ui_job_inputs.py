@@ -1,6 +1,6 @@
-"""Job inputs as real datasets come (server/input_files.py through server/inputs.py): gzip JSONL,
-Hugging Face ``datasets`` directories (``save_to_disk`` Arrow, Parquet shards), Arrow files; a
-DatasetDict is refused with its splits; the input digest covers every file of a directory.
+"""Job inputs as real datasets come (server/inputs/files.py through server/inputs/records.py): gzip
+JSONL, Hugging Face ``datasets`` directories (``save_to_disk`` Arrow, Parquet shards), Arrow files;
+a DatasetDict is refused with its splits; the input digest covers every file of a directory.
 
 The readers and checks run without an engine: a character tokenizer stands in for the teacher's.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from logitcache.protocol import InputFile
-from logitcache.server import inputs
 from logitcache.server.errors import InvalidInputError
+from logitcache.server.inputs import records as inputs
 
 TEXTS = [f"record number {i} says hello" for i in range(10)]
 LIMITS = inputs.Limits(vocab_size=256, max_seq_len=512)
@@ -82,7 +82,7 @@ def test_directory_errors_and_digest(tmp_path: Path) -> None:
     assert d1 != d2  # a file added to a directory changes the digest
 
 
-# --- on_long and duplicate counts (server/long_inputs.py) ------------------------------------
+# --- on_long and duplicate counts (server/inputs/long.py) ------------------------------------
 
 
 def _raw(i: int, ids: list[int], rid: str | None = None) -> inputs.RawRecord:
@@ -91,7 +91,7 @@ def _raw(i: int, ids: list[int], rid: str | None = None) -> inputs.RawRecord:
 
 @pytest.mark.parametrize("n,m,o", [(10, 4, 1), (11, 4, 1), (50, 16, 1), (50, 16, 5), (17, 16, 15)])
 def test_split_windows_cover_every_target(n: int, m: int, o: int) -> None:
-    from logitcache.server.long_inputs import windows
+    from logitcache.server.inputs.long import windows
 
     spans = windows(n, m, o)
     assert spans[0][0] == 0 and spans[-1][1] == n
@@ -143,13 +143,13 @@ def test_on_long_policies_and_counts() -> None:
         inputs.scan(only_long, tok, inputs.job_limits(limits, "skip", 1))
 
 
-# --- chat records (server/chat.py) -----------------------------------------------------------
+# --- chat records (server/inputs/chat.py) ---------------------------------------------------------
 
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
 def test_chat_records_need_a_template_and_render_with_it(tiny_tokenizer, tmp_path: Path) -> None:
-    from logitcache.server.chat import ChatTokenize
+    from logitcache.server.inputs.chat import ChatTokenize
 
     msgs = [{"role": "user", "content": "Add two numbers."}, {"role": "assistant", "content": "ok"}]
     (tmp_path / "chat.jsonl").write_text(
@@ -198,7 +198,7 @@ def test_chat_loss_mask_follows_split_and_truncate(tiny_tokenizer) -> None:
     overlap 1 concatenate to the whole record's mask, truncate keeps its first rows."""
     from dataclasses import replace
 
-    from logitcache.server.chat import ChatTokenize
+    from logitcache.server.inputs.chat import ChatTokenize
 
     def tokenize(text: str) -> list[int]:
         return list(tiny_tokenizer(text)["input_ids"])

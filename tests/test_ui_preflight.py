@@ -115,7 +115,7 @@ def test_top_k_flag_is_one_spelling(tmp_path: Path, model_dir: Path) -> None:
 
 def test_distributed_cli_refuses_double_dash_k(tmp_path: Path, capsys) -> None:
     """``--k 20`` used to be read as ``--keep-staging`` plus a stray ``20``: now refused by name."""
-    from logitcache.server.distributed import main
+    from logitcache.server.batch.distributed import main
 
     with pytest.raises(SystemExit) as stop:
         main(["--input", "a.jsonl", "--cache", str(tmp_path / "c"), "--k", "20"])
@@ -126,7 +126,7 @@ def test_distributed_cli_refuses_double_dash_k(tmp_path: Path, capsys) -> None:
 
 def test_distributed_cli_checks_the_model_before_ray(tmp_path: Path, capsys) -> None:
     """A missing --model ends logitcache-distributed in one JSON line, before Ray starts."""
-    from logitcache.server.distributed import main
+    from logitcache.server.batch.distributed import main
 
     rc = main(["--input", "x.jsonl", "--cache", str(tmp_path / "c"), "--model", "/nope/teacher"])
     err = capsys.readouterr().err.strip().splitlines()

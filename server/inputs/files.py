@@ -15,7 +15,7 @@ Records are read in a fixed order (a resumed job forms the same batches), each l
 ``<path>[/<file>] row <n>`` or ``<path>:<line>`` in error messages. Every file read (a folder's
 ``state.json``, the files it names, the files found by walking a folder) must lie inside the data
 directory ``root`` with links followed, and a ``state.json`` entry must be a safe relative path
-(:mod:`.paths`; 422 ``invalid_path`` otherwise).
+(:mod:`..paths`; 422 ``invalid_path`` otherwise).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from . import paths
-from .errors import InvalidInputError
+from .. import paths
+from ..errors import InvalidInputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import Manifest
 
+from ..engine.protocol import EngineInputError, SampledTargets, check_sampled
+from ..errors import InvalidInputError
 from .caches import check_name
-from .engine.protocol import EngineInputError, SampledTargets, check_sampled
-from .errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from .engine import TeacherEngine, TeacherScores
-    from .inputs import Sequence
+    from ..engine import TeacherEngine, TeacherScores
+    from ..inputs.records import Sequence
     from .scoring import ScoringService
 
 #: Draws per row of a sampled request that names none (and no existing cache gives them).

@@ -1,6 +1,6 @@
 """Distributed batch scoring with Ray: one dataset, several teacher replicas, one cache.
 
-    python -m logitcache.server.distributed --input data.jsonl --cache s3://bucket/name \\
+    python -m logitcache.server.batch.distributed --input data.jsonl --cache s3://bucket/name \\
         --replicas 4 --model /models/teacher -k 64 [any logitcache-server option]
 
 Settings (:class:`DistributedSettings`) are the server's pydantic settings plus the run's own,
@@ -15,7 +15,7 @@ Each replica is a Ray actor (:class:`ShardWorker`) that owns one teacher engine
 several GPUs per replica with vLLM's own parallelism (``--tensor-parallel-size``,
 ``--pipeline-parallel-size``, which are server settings). Work is distributed by Ray's
 :class:`ray.util.ActorPool`; the steps and the consistency contract are those of
-:mod:`logitcache.server.shards`:
+:mod:`logitcache.server.batch.shards`:
 
 1. the driver reads the input and cuts it into shards of ``--shard-size`` records;
 2. the replicas check every shard (tokenise, lengths, vocabulary, ids); any problem aborts the run
@@ -58,16 +58,17 @@ from logitcache.protocol import InputFile
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from . import inputs, shards
-from .caches import expected_manifest
-from .engine.identity import teacher_identity
-from .engine.protocol import MAX_DRAWS, EngineInputError, SampledTargets, check_sampled
-from .errors import InvalidInputError, ServiceError
-from .settings import ServerSettings
-from .targets import DEFAULT_DRAWS, resolve, with_targets
+from ..engine.identity import teacher_identity
+from ..engine.protocol import MAX_DRAWS, EngineInputError, SampledTargets, check_sampled
+from ..errors import InvalidInputError, ServiceError
+from ..inputs import records as inputs
+from ..serving.caches import expected_manifest
+from ..serving.targets import DEFAULT_DRAWS, resolve, with_targets
+from ..settings import ServerSettings
+from . import shards
 
 if TYPE_CHECKING:
-    from .engine import EngineInfo, TeacherEngine
+    from ..engine import EngineInfo, TeacherEngine
 
 log = logging.getLogger("logitcache.server.distributed")
 
@@ -151,7 +152,7 @@ class ShardWorker:
         """The engine, built on first use: a replica Ray restarted after a crash rebuilds it
         inside the retried call."""
         if self.engine is None:
-            from .engine import build_engine
+            from ..engine import build_engine
 
             engine = build_engine(self.settings)
             if asyncio.iscoroutine(engine):
@@ -666,7 +667,7 @@ def check_target_early(
     only); a cache that does not exist yet passes. The full check (:func:`.shards.check_target`,
     against the loaded engines) still runs before anything is written.
     """
-    from .engine.config import engine_config, planned_info
+    from ..engine.config import engine_config, planned_info
 
     _check_asked(targets)
     stored = shards.stored_manifest(cache_url, settings.storage_options or None)
@@ -715,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     settings = args.server_settings()
     try:  # before Ray starts: a missing/mistyped --model is one line (server/preflight.py)
-        from .preflight import PreflightError, check_model
+        from ..preflight import PreflightError, check_model
 
         check_model(settings.model)
     except PreflightError as e:

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import public_message, public_name
+from ...errors import public_message, public_name
 
 #: Mean top-k mass below which the page (and ``logitcache info``) warns.
 LOW_COVERAGE = 0.9
@@ -80,7 +80,7 @@ class CacheSummaries:
         self._lock = threading.Lock()
 
     def all(self, caches: Any) -> list[CacheSummary]:
-        from ..routes_caches import incomplete_caches, open_reader
+        from ..caches import incomplete_caches, open_reader
 
         out = []
         incomplete = incomplete_caches(caches)

@@ -31,9 +31,9 @@ from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teach
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
 from logitcache.cache_format.spec import ROOT_ATTR, layout_named
 
-from . import paths
-from .engine.identity import teacher_identity
-from .errors import (
+from .. import paths
+from ..engine.identity import teacher_identity
+from ..errors import (
     ConflictError,
     InvalidCacheNameError,
     NotACacheError,
@@ -42,7 +42,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .engine import EngineInfo
+    from ..engine import EngineInfo
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def check_name(name: str) -> str:
     """Return ``name`` if it is a valid cache name (one safe segment under the store root,
-    :func:`.paths.one_segment`, without ``..``), else raise :class:`InvalidCacheNameError`."""
+    :func:`..paths.one_segment`, without ``..``), else raise :class:`InvalidCacheNameError`."""
     try:
         paths.one_segment(name, NAME_PATTERN, "cache name")
     except paths.UnsafePathError:
@@ -180,7 +180,7 @@ class CacheRegistry:
 
     def url(self, name: str) -> str:
         """The store URL (or local path) of cache ``name`` (validated; a local cache folder
-        must lie inside the root, links followed: :func:`.paths.resolve_under`)."""
+        must lie inside the root, links followed: :func:`..paths.resolve_under`)."""
         check_name(name)
         if not is_url(self.root):
             paths.resolve_under(Path(self.root), name, "cache folder")

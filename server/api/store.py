@@ -4,7 +4,7 @@ The object ``key`` of the cache's Zarr store (``zarr.json``, ``topk_ids/zarr.jso
 objects such as ``topk_ids/c/3/0``) is sent **as stored**: compressed, checksummed shard bytes,
 never decoded here. A single ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` header answers
 ``206`` with those bytes (how a client reads a shard's index and then the chunks it needs).
-A missing object is ``404``. Keys are checked by :func:`.paths.store_key` (segments of
+A missing object is ``404``. Keys are checked by :func:`..paths.store_key` (segments of
 ``[A-Za-z0-9_.-]``, no empty, dot or absolute segment; a segment starting with a dot, such as the
 writer lock, is never served) and, for a local store, resolved with links followed: an object
 outside the store root is refused (422 ``invalid_path``).
@@ -30,10 +30,10 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from . import paths
-from .caches import check_name, is_url
+from .. import paths
+from ..errors import NotFoundError, ServiceError
+from ..serving.caches import check_name, is_url
 from .deps import ServicesDep
-from .errors import NotFoundError, ServiceError
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 

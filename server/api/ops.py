@@ -9,8 +9,8 @@ from fastapi import APIRouter, Response
 from logitcache.protocol import ErrorResponse, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..errors import public_name
 from .deps import ServicesDep
-from .errors import public_name
 
 router = APIRouter(tags=["ops"])
 

@@ -21,9 +21,9 @@ from fastapi.responses import StreamingResponse
 from logitcache.cache_format import SequenceRecord, encode_records
 from logitcache.protocol import FRAMES_MEDIA_TYPE, ErrorResponse, ScoreRequest, ScoreResponse
 
+from ..errors import ClientClosedError, DeadlineExceededError
 from .deps import OffLoopJSONRoute, ServicesDep
-from .errors import ClientClosedError, DeadlineExceededError
-from .routes_ops import public_model
+from .ops import public_model
 
 router = APIRouter(prefix="/v1", tags=["score"], route_class=OffLoopJSONRoute)
 

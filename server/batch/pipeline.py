@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from logitcache.cache_format import SequenceRecord
 
-from . import inputs
+from ..inputs import records as inputs
 
 if TYPE_CHECKING:
-    from .engine import SampledTargets, TeacherEngine
-    from .metrics import Metrics
+    from ..engine import SampledTargets, TeacherEngine
+    from ..metrics import Metrics
 
 
 @dataclass
@@ -106,7 +106,7 @@ def to_records(
             topk_ids=sc.topk_ids,
             topk_logprobs=sc.topk_logprobs,
             tail_mass=sc.known_tail() if lazy_tail and hasattr(sc, "known_tail") else sc.tail_mass,
-            loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/chat.py)
+            loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/inputs/chat.py)
         )
         for s, sc in zip(seqs, scores, strict=True)
     ]
@@ -129,7 +129,7 @@ async def score_records(
     ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
     (:func:`to_records`).
     """
-    from .targets import score_rows
+    from ..serving.targets import score_rows
 
     t0 = time.perf_counter()
     scores = await score_rows(engine, seqs, k, targets)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException
 
-from .errors import error_body, error_response, log
+from ..errors import error_body, error_response, log
 from .ui import auth as ui_auth
 from .ui.routes import PUBLIC_PATHS as UI_PUBLIC_PATHS
 from .ui.routes import PUBLIC_PREFIXES
@@ -21,9 +21,9 @@ from .ui.routes import PUBLIC_PREFIXES
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-    from .metrics import Metrics
+    from ..metrics import Metrics
 
-#: Paths served without an API key (the UI's pages check the key themselves; see server/ui).
+#: Paths served without an API key (the UI's pages check the key themselves; see server/api/ui).
 PUBLIC_PATHS = frozenset({"/health", *UI_PUBLIC_PATHS})
 
 
@@ -37,7 +37,7 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: lis
 class ApiKeyMiddleware:
     """Require ``Authorization: Bearer <api_key>`` on every path but :data:`PUBLIC_PATHS`
     (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` the status page's login cookie also counts
-    (``server/ui/auth.py``)."""
+    (``server/api/ui/auth.py``)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app

@@ -44,9 +44,7 @@ from logitcache.protocol import (
     RangesRequest,
 )
 
-from .caches import NAME_PATTERN, CacheRegistry, RangeReader, is_url
-from .deps import ServicesDep
-from .errors import (
+from ..errors import (
     CacheBrokenError,
     CacheIncompleteError,
     InvalidInputError,
@@ -55,6 +53,8 @@ from .errors import (
     public_message,
     public_value,
 )
+from ..serving.caches import NAME_PATTERN, CacheRegistry, RangeReader, is_url
+from .deps import ServicesDep
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 

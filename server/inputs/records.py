@@ -23,8 +23,11 @@ import numpy as np
 from logitcache.cache_format.records import content_key
 from logitcache.protocol import MAX_KEY_CHARS, InlineRecord, InputFile
 
-from . import chat, input_files, jsonids, long_inputs, paths
-from .errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
+from .. import paths
+from ..errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
+from . import chat, jsonids
+from . import files as input_files
+from . import long as long_inputs
 
 #: Most per-record problems listed in one error answer.
 MAX_LISTED_ERRORS = 20
@@ -39,7 +42,7 @@ class Limits:
     vocab_size: int
     max_seq_len: int
     on_long: str = "reject"
-    """A job's rule for a longer sequence: reject, truncate, split, skip (server/long_inputs.py)."""
+    """A job's rule for a longer sequence: reject, truncate, split, skip (server/inputs/long.py)."""
     split_overlap: int = 1
     """Tokens shared by consecutive windows under ``on_long="split"`` (``1 <= O < max_seq_len``)."""
     max_text_bytes: int | None = None
@@ -55,13 +58,14 @@ class RawRecord:
     text: str | None
     input_ids: Any
     messages: Any = None
-    """A chat record's messages (server/chat.py), else None."""
+    """A chat record's messages (server/inputs/chat.py), else None."""
 
 
 @dataclass(frozen=True)
 class Sequence:
     """A checked input sequence: its key, ``[L]`` int32 token ids and, for a chat record of a
-    job with ``loss_mask``, its row loss mask (uint8 ``[L-1]``, server/chat.py; else None)."""
+    job with ``loss_mask``, its row loss mask (uint8 ``[L-1]``, server/inputs/chat.py; else
+    None)."""
 
     key: str
     input_ids: np.ndarray
@@ -173,7 +177,7 @@ def fit_sequences(
     limits: Limits,
     counts: long_inputs.InputCounts | None = None,
 ) -> list[Sequence]:
-    """``raw`` as the sequences a job scores under ``limits.on_long`` (server/long_inputs.py):
+    """``raw`` as the sequences a job scores under ``limits.on_long`` (server/inputs/long.py):
     one sequence, none (``skip``), its first ``max_seq_len`` tokens (``truncate``) or its windows
     (``split``, keys ``<key>#w<i>``). ``reject`` raises as :func:`to_sequence` does."""
     if limits.on_long == "reject":
@@ -232,8 +236,8 @@ def _id_of(value: Any, where: str) -> str | None:
 
 def resolve_input_path(data_dir: Path, rel: str) -> Path:
     """The file or directory ``rel`` under ``data_dir`` (a directory holds Parquet or Arrow
-    files: :mod:`.input_files`): a safe relative path that stays inside ``data_dir`` with links
-    followed (:func:`.paths.resolve_under`), and must exist."""
+    files: :mod:`.files`): a safe relative path that stays inside ``data_dir`` with links
+    followed (:func:`..paths.resolve_under`), and must exist."""
     path = paths.resolve_under(data_dir, rel, "input path")
     if not (path.is_file() or path.is_dir()):
         raise InvalidPathError(f"input file {rel!r} does not exist in the data directory")
@@ -311,7 +315,7 @@ def _read_jsonl(path: Path, spec: InputFile, max_line_bytes: int | None) -> Iter
 
 
 def _read_table(path: Path, spec: InputFile, fmt: str, data_dir: Path) -> Iterator[RawRecord]:
-    """Parquet or Arrow records, from a file or a directory of files (:mod:`.input_files`)."""
+    """Parquet or Arrow records, from a file or a directory of files (:mod:`.files`)."""
     wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
     need = (spec.text_field, spec.ids_field, spec.messages_field)
     for where, obj in input_files.table_rows(path, fmt, spec.path, wanted, need, data_dir):

@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import APIRouter, Query
 from logitcache.protocol import ErrorResponse, JobCreate, JobList, JobState, JobStatus
 
+from ..errors import OverloadedError, public_message
 from .deps import OffLoopJSONRoute, ServicesDep
-from .errors import OverloadedError, public_message
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=OffLoopJSONRoute)
 

@@ -35,14 +35,15 @@ from logitcache.cache_format.quant import decode_logprobs, encode_logprobs
 from logitcache.cache_format.spec import LOGPROB_MAX, LOGPROB_STEP, TOPK_LOGPROBS
 from logitcache.cache_format.writer import encode_record
 
-from . import pipeline, targets
+from ..batch import pipeline
+from ..errors import NotFoundError
+from . import targets
 from .caches import check_name
-from .errors import NotFoundError
 
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
 
-    from .inputs import Sequence
+    from ..inputs.records import Sequence
     from .scoring import ScoringService
 
 

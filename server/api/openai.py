@@ -4,7 +4,7 @@ For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD):
 shape of vLLM's ``CompletionRequest`` (``prompt``: a string, a list of token ids, or a list of
 either; ``prompt_logprobs``: int; ``max_tokens`` 0 or 1; ``echo``), answered in vLLM's
 ``CompletionResponse`` shape for the fields those clients read. Every prompt is served through
-the cache (``server/cache_hits.py``): hits are read with no engine work, misses are scored,
+the cache (``server/serving/cache_hits.py``): hits are read with no engine work, misses are scored,
 stored and returned.
 
 Answer, per prompt ``x_0..x_{L-1}``: ``choices[i].prompt_logprobs`` is a list of ``L`` entries,
@@ -37,13 +37,13 @@ from logitcache.cache_format import SequenceRecord
 from logitcache.protocol import TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import cache_hits
-from .caches import check_name
+from ..errors import InvalidInputError, NotFoundError, PayloadTooLargeError
+from ..inputs.records import RawRecord, Sequence, to_sequence
+from ..serving import cache_hits
+from ..serving.caches import check_name
 from .deps import Services, ServicesDep
-from .errors import InvalidInputError, NotFoundError, PayloadTooLargeError
-from .inputs import RawRecord, Sequence, to_sequence
-from .routes_ops import public_model
-from .routes_score import _ERRORS, run_for_client
+from .ops import public_model
+from .score import _ERRORS, run_for_client
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

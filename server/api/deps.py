@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, Request, Response
 from fastapi.routing import APIRoute
 
-from .errors import UnavailableError
+from ..errors import UnavailableError
 
 if TYPE_CHECKING:
-    from .caches import CacheRegistry
-    from .engine import TeacherEngine
-    from .jobs import JobRunner
-    from .metrics import Metrics
-    from .scoring import ScoringService
-    from .settings import ServerSettings
+    from ..batch.jobs import JobRunner
+    from ..engine import TeacherEngine
+    from ..metrics import Metrics
+    from ..serving.caches import CacheRegistry
+    from ..serving.scoring import ScoringService
+    from ..settings import ServerSettings
 
 
 @dataclass

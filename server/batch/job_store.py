@@ -25,7 +25,7 @@ from typing import Any
 
 from logitcache.protocol import JobState
 
-from .errors import NotFoundError
+from ..errors import NotFoundError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -136,7 +136,7 @@ class JobStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(_SCHEMA)
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)").fetchall()}
-        if "input_counts" not in cols:  # added for job input counts (server/long_inputs.py)
+        if "input_counts" not in cols:  # added for job input counts (server/inputs/long.py)
             self._db.execute("ALTER TABLE jobs ADD COLUMN input_counts TEXT")
         have = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)").fetchall()}
         for column, kind in _ADDED_COLUMNS.items():

@@ -27,13 +27,13 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
-from ..errors import public_message, public_name
-from ..routes_jobs import public_status
+from ...errors import public_message, public_name
+from ..jobs import public_status
 from . import auth, pages
 from .summary import CacheSummaries
 
 if TYPE_CHECKING:
-    from ..settings import ServerSettings
+    from ...settings import ServerSettings
 
 #: Paths the API-key middleware lets through (the routes below check what they must).
 PUBLIC_PATHS = frozenset({"/", "/login", "/logout", "/docs", "/openapi.json"})

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConflictError, InvalidInputError
+from ..errors import ConflictError, InvalidInputError
 
 #: Roles a message may have.
 ROLES = frozenset({"system", "user", "assistant", "tool"})

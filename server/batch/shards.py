@@ -1,6 +1,6 @@
 """Sharded batch scoring without a scheduler of its own: plan, check, score a shard, commit.
 
-This module is the engine-and-store half of :mod:`logitcache.server.distributed`; it holds no
+This module is the engine-and-store half of :mod:`logitcache.server.batch.distributed`; it holds no
 Ray code, so a single process can run the same steps (that is the single-worker reference).
 
 Contract (the result does not depend on how many workers ran, or in which order shards finished):
@@ -12,12 +12,13 @@ Contract (the result does not depend on how many workers ran, or in which order 
    (:func:`scan_shard`); :func:`check_scans` merges the scans in shard order and raises one
    :class:`~logitcache.server.errors.InvalidInputError` listing bad records or explicit ids used
    twice (anywhere in the input). A content key (no explicit id) seen again later is dropped, the
-   first occurrence kept, exactly as :func:`logitcache.server.inputs.sequences` does in one stream.
+   first occurrence kept, exactly as :func:`logitcache.server.inputs.records.sequences` does in
+   one stream.
 3. **Score.** A worker scores one shard (:func:`score_shard`) into its own *staging* cache
    ``<staging root>/shard-<index>``: the shard's sequences are cut into batches by
-   :func:`logitcache.server.pipeline.plan` (job batch limits) and run through the batch
-   pipeline jobs use (:func:`logitcache.server.pipeline.run`): each batch is one engine call and
-   one committed append. Staging caches keep float32 logprobs and tail mass (lossless), so the
+   :func:`logitcache.server.batch.pipeline.plan` (job batch limits) and run through the batch
+   pipeline jobs use (:func:`logitcache.server.batch.pipeline.run`): each batch is one engine call
+   and one committed append. Staging caches keep float32 logprobs and tail mass (lossless), so the
    final quantisation happens once, as in a direct write. Re-running a shard skips batches whose
    keys are all committed (a crashed or retried worker resumes; nothing is scored twice).
 4. **Commit.** :func:`commit` appends the staging caches to the final cache in shard order,
@@ -36,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
 from logitcache.cache_format.errors import StoreNotFoundError
 
-from . import inputs, pipeline
-from .errors import InvalidInputError
-from .targets import targets_of
+from ..errors import InvalidInputError
+from ..inputs import records as inputs
+from ..serving.targets import targets_of
+from . import pipeline
 
 if TYPE_CHECKING:
-    from .engine import TeacherEngine
+    from ..engine import TeacherEngine
 
 #: Most problems listed in one error answer (as for jobs).
 MAX_LISTED_ERRORS = inputs.MAX_LISTED_ERRORS

@@ -4,10 +4,10 @@ Submission (:meth:`JobRunner.submit`) checks everything before a job exists: cac
 cache's teacher identity (409), and every input record (ids, lengths, duplicate ids; 422 listing
 the problems). A rejected job writes nothing and leaves no row.
 
-Running (one job at a time, oldest first) is :func:`logitcache.server.pipeline.run`, the batch
+Running (one job at a time, oldest first) is :func:`logitcache.server.batch.pipeline.run`, the batch
 pipeline shared with on-demand scoring and the Ray shards: batches are formed from the input
-(:func:`~logitcache.server.inputs.batches`, a pure function of the input: the sequences that the
-submission checked, kept in memory up to ``job_keep_input_tokens``, else the input read and
+(:func:`~logitcache.server.inputs.records.batches`, a pure function of the input: the sequences
+that the submission checked, kept in memory up to ``job_keep_input_tokens``, else the input read and
 checked again) and checked against the cache's keys in a worker thread; up to
 ``job_inflight_batches`` batches are in the engine at once (only one while on-demand
 ``/v1/score`` requests are in progress: the engine serves requests in arrival order, so fewer job
@@ -40,16 +40,19 @@ from logitcache.cache_format.errors import StoreNotFoundError
 from logitcache.cache_format.layout import parse_root, read_root_attrs
 from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 
-from . import chat, inputs, jsonids, pipeline, targets
-from .caches import CacheRegistry, WriterHandle, check_name
-from .chat import ChatTokenize
-from .errors import ConflictError, ServiceError
-from .scoring import ScoringService
+from ..errors import ConflictError, ServiceError
+from ..inputs import chat, jsonids
+from ..inputs import records as inputs
+from ..inputs.chat import ChatTokenize
+from ..serving import targets
+from ..serving.caches import CacheRegistry, WriterHandle, check_name
+from ..serving.scoring import ScoringService
+from . import pipeline
 
 if TYPE_CHECKING:
+    from ..metrics import Metrics
+    from ..settings import ServerSettings
     from .job_store import JobRecord, JobStore
-    from .metrics import Metrics
-    from .settings import ServerSettings
 
 log = logging.getLogger("logitcache.server.jobs")
 
@@ -179,7 +182,7 @@ class JobRunner:
         """Check a job completely (nothing written on failure), store it queued, wake the loop."""
         name = check_name(req.cache)
         if req.records is not None and len(req.records) > self.settings.max_inline_records:
-            from .errors import PayloadTooLargeError
+            from ..errors import PayloadTooLargeError
 
             raise PayloadTooLargeError(
                 f"{len(req.records)} inline records exceed the limit of "
@@ -253,7 +256,7 @@ class JobRunner:
         return inputs.job_limits(self.scoring.limits, spec.on_long, spec.split_overlap)
 
     def _tokenize(self, spec: JobCreate) -> ChatTokenize:
-        """The teacher's tokenize, able to render the job's chat records (server/chat.py)."""
+        """The teacher's tokenize, able to render the job's chat records (server/inputs/chat.py)."""
         return ChatTokenize.of(self.scoring.engine, spec.chat_template, spec.loss_mask)
 
     def status(self, job_id: str) -> JobStatus:

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING
 from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.cache_format.errors import FormatError
 
-from . import pipeline
-from .admission import TokenGate
-from .caches import CacheRegistry, check_name, expected_manifest
-from .engine.protocol import EngineInputError, SampledTargets, check_k, check_sampled
-from .errors import (
+from ..admission import TokenGate
+from ..batch import pipeline
+from ..engine.protocol import EngineInputError, SampledTargets, check_k, check_sampled
+from ..errors import (
     CacheBrokenError,
     InvalidInputError,
     OverloadedError,
@@ -33,15 +32,16 @@ from .errors import (
     format_error_status,
     public_message,
 )
-from .inputs import Limits, RawRecord, Sequence, to_sequence
+from ..inputs.records import Limits, RawRecord, Sequence, to_sequence
+from .caches import CacheRegistry, check_name, expected_manifest
 from .targets import of_request, resolve
 
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
 
-    from .engine import TeacherEngine
-    from .metrics import Metrics
-    from .settings import ServerSettings
+    from ..engine import TeacherEngine
+    from ..metrics import Metrics
+    from ..settings import ServerSettings
 
 
 log = logging.getLogger("logitcache.server.scoring")

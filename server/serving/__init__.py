@@ -1,0 +1,1 @@
+"""On-demand scoring: the scoring service, named caches, cache hits and target kinds."""
