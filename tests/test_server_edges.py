@@ -188,6 +188,34 @@ def test_a_read_only_store_is_409_before_engine_work_and_still_serves_hits(app: 
     assert app.caches() == ["ro"]
 
 
+def test_stored_metadata_is_served_without_server_paths(tmp_path: Path) -> None:
+    """A teacher given as a folder is recorded with its absolute path in the manifest; the
+    store route serves ``zarr.json`` with it cut to the folder's name (ranges included), and
+    the format's reader opens the cache over HTTP from those bytes."""
+    import dataclasses
+
+    from logitcache.cache_format import CacheReader
+    from server_support import ThreadedServer
+
+    engine = FakeEngine()
+    engine.info = dataclasses.replace(engine.info, model_id="/srv/private/models/tiny-teacher")
+    settings = app_settings(tmp_path)
+    with ThreadedServer(settings, engine) as srv, srv.client() as c:
+        assert (
+            c.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]], "cache": "m"}).status_code == 200
+        )
+        stored = (tmp_path / "caches" / "m" / "zarr.json").read_bytes()
+        assert b"/srv/private/models" in stored  # what the server keeps for itself
+        base = f"{srv.url}/v1/caches/m/store"
+        served = c.get(f"{base}/zarr.json").content
+        assert b"/srv/private" not in served and b'"tiny-teacher"' in served
+        part = c.get(f"{base}/zarr.json", headers={"range": "bytes=5-24"})
+        assert (part.status_code, part.content) == (206, served[5:25])
+        assert c.head(f"{base}/zarr.json").headers["content-length"] == str(len(served))
+        reader = CacheReader(base)
+        assert reader.num_sequences == 1 and reader.manifest.teacher_model == "tiny-teacher"
+
+
 class _BadRows(FakeEngine):
     """Sampled rows with a NaN weight: what the writer refuses (``invalid_record``)."""
 

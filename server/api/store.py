@@ -7,7 +7,9 @@ never decoded here. A single ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` 
 A missing object is ``404``. Keys are checked by :func:`..paths.store_key` (segments of
 ``[A-Za-z0-9_.-]``, no empty, dot or absolute segment; a segment starting with a dot, such as the
 writer lock, is never served) and, for a local store, resolved with links followed: an object
-outside the store root is refused (422 ``invalid_path``).
+outside the store root is refused (422 ``invalid_path``). A ``zarr.json`` document is served
+with the absolute server paths in its attributes cut to their last component
+(:func:`public_metadata`; e.g. the manifest's ``teacher_model``), as every other answer shows it.
 
 Why this design: the client opens the cache with the format library's own reader over this URL
 (``CacheReader("http://host/v1/caches/NAME/store")``, fsspec's HTTP store), so the wire carries
@@ -19,6 +21,7 @@ writer's rewrite fails its CRC32C and is re-read (FORMAT.md R7), as for an objec
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from .. import paths
-from ..errors import NotFoundError, ServiceError
+from ..errors import NotFoundError, ServiceError, public_value
 from ..serving.caches import check_name, is_url
 from .deps import ServicesDep
 
@@ -71,6 +74,23 @@ def parse_range(header: str | None) -> Any:
     return RangeByteRequest(start, stop)
 
 
+def public_metadata(raw: bytes) -> bytes:
+    """A ``zarr.json`` document as served: its attributes through
+    :func:`~logitcache.server.errors.public_value`, so no absolute server path (the manifest's
+    ``teacher_model`` when the teacher was given as a folder) leaves the server; the stored
+    bytes unchanged when nothing needed it."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return raw
+    if not isinstance(doc, dict) or not isinstance(doc.get("attributes"), dict):
+        return raw
+    public = public_value(doc["attributes"])
+    if public == doc["attributes"]:
+        return raw
+    return json.dumps({**doc, "attributes": public}, indent=2).encode()
+
+
 def clamp_range(byte_range: Any, size: int, header: str | None) -> RangeByteRequest:
     """``byte_range`` as the bytes ``[start, stop)`` it names within an object of ``size``
     bytes (416 if none: a start at or past the end, an empty suffix)."""
@@ -99,16 +119,23 @@ def store_object(
     root = services.caches.root
     if not is_url(root):  # links followed: the object must lie inside the store root
         paths.resolve_under(Path(root), f"{name}/{key}", "store key")
+    metadata = key.rsplit("/", 1)[-1] == "zarr.json"  # read whole, served without paths
     try:
         store = services.caches.store(name)
-        if byte_range is not None:  # a range is cut to the object (no read past its end)
+        if byte_range is not None and not metadata:  # cut to the object: no read past its end
             byte_range = clamp_range(byte_range, int(sync(store.getsize(key))), range_)
-        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+        got = byte_range if not metadata else None
+        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=got))
     except FileNotFoundError:  # no such cache folder or object
         raise NotFoundError(f"cache {name!r} has no object {key!r}") from None
     if buf is None:
         raise NotFoundError(f"cache {name!r} has no object {key!r}")
     body = buf.to_bytes()
+    if metadata:
+        body = public_metadata(body)
+        if byte_range is not None:
+            byte_range = clamp_range(byte_range, len(body), range_)
+            body = body[byte_range.start : byte_range.end]
     headers = {"Cache-Control": "no-store", "Accept-Ranges": "bytes"}
     status = 200
     if byte_range is not None:
