@@ -130,6 +130,9 @@ class ServerSettings(BaseSettings):
     """If set, every route but ``/health`` requires ``Authorization: Bearer <key>``. Prefer the
     environment (``LOGITCACHE_API_KEY``) or ``--api-key-file``: a command line is visible in
     ``ps``."""
+    session_ttl_s: float = Field(8 * 3600.0, gt=0, le=30 * 24 * 3600.0)
+    """Lifetime of a status-page login session (its cookie): a new login is needed after it;
+    logout or a restart ends every session at once."""
     api_key_file: Path | None = None
     """File holding the API key (first line; surrounding whitespace ignored)."""
     host: str = "127.0.0.1"

@@ -36,12 +36,12 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: lis
 
 class ApiKeyMiddleware:
     """Require ``Authorization: Bearer <api_key>`` on every path but :data:`PUBLIC_PATHS`
-    (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` the status page's login cookie also counts
-    (``server/api/ui/auth.py``)."""
+    (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` a live login session's cookie also counts
+    (``sessions``, ``server/api/ui/auth.py``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, sessions: ui_auth.Sessions):
         self.app = app
-        self._key = api_key
+        self._sessions = sessions
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -51,8 +51,8 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope["headers"])
         got = headers.get(b"authorization", b"")
-        if scope.get("method") in ui_auth.SAFE_METHODS and ui_auth.cookie_ok(
-            self._key, headers.get(b"cookie", b"").decode("latin-1")
+        if scope.get("method") in ui_auth.SAFE_METHODS and self._sessions.cookie_ok(
+            headers.get(b"cookie", b"").decode("latin-1")
         ):
             await self.app(scope, receive, send)
             return
