@@ -217,6 +217,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         BodyLimitMiddleware,
         max_bytes=settings.max_request_bytes,
         timeout_s=settings.body_timeout_s,
+        deadline_s=settings.body_deadline_s,
     )
     if settings.api_key is not None:
         app.add_middleware(

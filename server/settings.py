@@ -101,6 +101,14 @@ class ServerSettings(BaseSettings):
     503 ``deadline_exceeded``. A request whose client disconnects is aborted at once."""
     body_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for the next piece of a request body (408 ``request_timeout`` after)."""
+    body_deadline_s: float = Field(300.0, gt=0)
+    """Longest time a whole request body may take to arrive (408 ``request_timeout`` after)."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """Longest wait for a request's head (request line and headers) on a connection, from its
+    opening or the previous answer on it; a slower client is disconnected."""
+    max_connections: int = Field(1024, ge=1)
+    """Most connections and requests in progress at once (uvicorn ``limit_concurrency``); past
+    it a new request is answered 503 at once."""
 
     # --- jobs -------------------------------------------------------------------------------
     job_batch_sequences: int = Field(64, ge=1)

@@ -70,13 +70,21 @@ class ApiKeyMiddleware:
 
 class BodyLimitMiddleware:
     """Answer 413 for a body over ``max_bytes`` (by ``Content-Length``, or while streaming it),
-    and 408 when the next piece of a body takes longer than ``timeout_s`` to arrive (a slow
-    client cannot hold a connection and a request slot for ever)."""
+    and 408 when the next piece of a body takes longer than ``timeout_s`` to arrive or the whole
+    body longer than ``deadline_s`` (a slow or drip-feeding client cannot hold a connection and a
+    request slot for ever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        deadline_s: float | None = None,
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,17 +100,22 @@ class BodyLimitMiddleware:
         seen = 0
         started = False
         body_done = False
+        loop = asyncio.get_running_loop()
+        ends = None if self.deadline_s is None else loop.time() + self.deadline_s
 
         async def limited_receive() -> Message:
             nonlocal seen, body_done
-            if body_done or self.timeout_s is None:
+            waits = [w for w in (self.timeout_s, ends and ends - loop.time()) if w is not None]
+            if body_done or not waits:
                 message = await receive()
             else:
                 try:
-                    message = await asyncio.wait_for(receive(), self.timeout_s)
+                    message = await asyncio.wait_for(receive(), max(0.0, min(waits)))
                 except TimeoutError:
                     raise HTTPException(
-                        408, f"the request body did not arrive within {self.timeout_s:g} s"
+                        408,
+                        f"the request body did not arrive in time ({self.timeout_s:g} s for "
+                        f"each piece, {self.deadline_s:g} s in all)",
                     ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
