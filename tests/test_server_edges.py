@@ -10,7 +10,6 @@ left behind), and ``/v1/completions`` token ids as strict as ``/v1/score``'s.
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 import math
@@ -22,42 +21,31 @@ from typing import Any
 
 import numpy as np
 import pytest
+from asgi_support import LiveApp, Reply, asgi_request
 from engine_support import FakeEngine, app_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server_paths import asgi_request
 
 pytestmark = pytest.mark.fast
 
 JSON = {"content-type": "application/json"}
 
 
-class App:
-    """``create_app(settings, engine)`` with its lifespan entered, driven request by request
-    on one event loop (``send`` builds the scope as uvicorn does)."""
+class App(LiveApp):
+    """:class:`LiveApp` over ``root`` (fake engine by default) with JSON bodies."""
 
     def __init__(self, root: Path, engine: Any = None, **overrides: Any) -> None:
-        from logitcache.server.app import create_app
-
         self.root = root
-        self.engine = engine or FakeEngine()
-        self.app = create_app(app_settings(root, **overrides), engine=self.engine)
-        self.loop = asyncio.new_event_loop()
-        self._life = self.app.router.lifespan_context(self.app)
-        self.loop.run_until_complete(self._life.__aenter__())
+        super().__init__(app_settings(root, **overrides), engine or FakeEngine())
 
     def send(
         self, method: str, target: str, body: Any = None, headers: dict[str, str] | None = None
-    ) -> tuple[int, dict[str, str], bytes]:
+    ) -> Reply:
         data = (
             body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
         )
         hdrs = {**(JSON if body is not None else {}), **(headers or {})}
-        return self.loop.run_until_complete(asgi_request(self.app, method, target, hdrs, data))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self._life.__aexit__(None, None, None))
-        self.loop.close()
+        return self.request(method, target, hdrs, data)
 
     def caches(self) -> list[str]:
         return sorted(p.name for p in (self.root / "caches").iterdir())

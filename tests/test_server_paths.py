@@ -13,18 +13,17 @@ back (the files outside hold a marker the bodies are searched for), and nothing 
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from asgi_support import LiveApp, Reply
 from engine_support import FakeEngine, app_settings
 from server_support import ThreadedServer
 
@@ -170,44 +169,7 @@ def decorate_caches(root: Path) -> None:
 
 # ------------------------------------------------------------------------------ transports
 
-Reply = tuple[int, dict[str, str], bytes]
 Send = Callable[[str, str, dict[str, str], bytes], Reply]
-
-
-async def asgi_request(
-    app: Any, method: str, target: str, headers: dict[str, str], body: bytes
-) -> Reply:
-    """One request to ``app`` with the scope uvicorn builds from the request line ``target``."""
-    raw_path, _, query = target.partition("?")
-    hdrs = [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
-    hdrs += [(b"host", b"app"), (b"content-length", str(len(body)).encode())]
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-        "scheme": "http", "path": unquote(raw_path), "raw_path": raw_path.encode(),
-        "query_string": query.encode(), "root_path": "", "headers": hdrs,
-        "client": ("127.0.0.1", 1), "server": ("app", 80),
-    }  # fmt: skip
-    sent = False
-    status, out_headers, chunks = 0, {}, []
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        nonlocal status, out_headers
-        if message["type"] == "http.response.start":
-            status = message["status"]
-            out_headers = {k.decode().lower(): v.decode() for k, v in message["headers"]}
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    await app(scope, receive, send)
-    return status, out_headers, b"".join(chunks)
 
 
 def _socket(port: int) -> Send:
@@ -271,23 +233,13 @@ def world(request, tmp_path_factory):
             _first_cache(w.send, w.root)
             yield w
         return
-    from logitcache.server.app import create_app
-
-    app = create_app(settings, engine=FakeEngine())
-    loop = asyncio.new_event_loop()
-    lifespan = app.router.lifespan_context(app)
-    loop.run_until_complete(lifespan.__aenter__())
-
-    def send(method: str, target: str, headers: dict[str, str], body: bytes) -> Reply:
-        return loop.run_until_complete(asgi_request(app, method, target, headers, body))
-
+    live = LiveApp(settings, FakeEngine())
     try:
-        w = World(tmp, names, send, app)
+        w = World(tmp, names, live.request, live.app)
         _first_cache(w.send, w.root)
         yield w
     finally:
-        loop.run_until_complete(lifespan.__aexit__(None, None, None))
-        loop.close()
+        live.close()
 
 
 # ------------------------------------------------------------------------------ the tables
