@@ -30,7 +30,7 @@ class HeadDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
     head_timeout_s: float = 10.0
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._arm_head_deadline()
 
