@@ -17,8 +17,10 @@ client).
 ``metrics``                    Prometheus metrics of one app
 ``admission``                  ``TokenGate``: the budget of on-demand prompt tokens in flight
 ``preflight``                  fail-fast start-up checks and the start-up banner
+``paths``                      the one check of keys and paths from requests against their root
 ``api.deps``                   ``Services`` (the per-app container) and ``ServicesDep``
 ``api.middleware``             API key, body-size limit, request metrics (pure ASGI)
+``api.connections``            uvicorn's options: request-head deadline, connection limit
 ``api.score``                  ``POST /v1/score``
 ``api.openai``                 vLLM-compatible ``/v1/completions`` and ``/v1/models``
 ``api.jobs``                   ``/v1/jobs``: submit, list, status, cancel
@@ -40,6 +42,7 @@ client).
 ``batch.pipeline``             the one batch pipeline: batches -> engine -> records -> appends
 ``batch.shards``               sharded batch scoring: plan, check, score into staging, commit
 ``batch.distributed``          the Ray driver, ``logitcache-distributed``, over ``batch.shards``
+``batch.distributed_config``   its settings, cluster plan, targets and early cache check
 ``engine``                     the teacher engines (vLLM, transformers) behind ``TeacherEngine``
 =============================  ===================================================================
 """

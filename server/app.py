@@ -39,6 +39,7 @@ from .batch.job_store import JobStore
 from .batch.jobs import JobRunner
 from .errors import install_error_handlers
 from .metrics import Metrics
+from .serving.cache_hits import CacheServing
 from .serving.caches import CacheRegistry, is_url
 from .serving.scoring import ScoringService
 from .settings import ServerSettings
@@ -94,7 +95,7 @@ def maintain(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -
     cleaned = clean_partials(caches.root)
     if cleaned:
         log.info("removed %d leftover *.partial file(s) under the store root", cleaned)
-    for name, reason in routes_caches.incomplete_caches(caches).items():
+    for name, reason in caches.incomplete().items():
         log.warning("cache %r is incomplete: %s", name, reason)
 
 
@@ -180,6 +181,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
             engine=eng,
             caches=caches,
             scoring=scoring,
+            serving=CacheServing(scoring),
             jobs=runner,
             metrics=metrics,
         )

@@ -26,6 +26,7 @@ from logitcache.cache_format.errors import (
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from starlette.requests import Request
     from starlette.responses import Response
 
 log = logging.getLogger("logitcache.server")
@@ -126,7 +127,7 @@ class StoreNotWritableError(ConflictError, code="store_read_only"):
 
 class CacheIncompleteError(ConflictError, code="cache_incomplete"):
     """A store whose creation was interrupted (no root ``zarr.json``, or one marked incomplete
-    without a manifest); see ``api.caches.incomplete_reason``."""
+    without a manifest); see ``CacheRegistry.incomplete_reason``."""
 
 
 class ClientClosedError(ServiceError, status=499, code="client_closed"):
@@ -237,7 +238,7 @@ def _engine_error_types() -> tuple[type[Exception], ...]:
     return (EngineInputError, EngineError)
 
 
-def _allowed_methods(request: Any) -> list[str]:
+def _allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at the request's path (Starlette's own ``Allow`` header
     names only the first route's methods when several routes share a path)."""
     from starlette.routing import Match
@@ -258,14 +259,14 @@ def install_error_handlers(app: FastAPI) -> None:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    async def on_service_error(_request: Any, exc: ServiceError) -> Response:
+    async def on_service_error(_request: Request, exc: ServiceError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, UnauthorizedError) else None
         retry = getattr(exc, "retry_after", None)
         if retry is not None:
             headers = {**(headers or {}), "Retry-After": str(int(retry))}
         return error_response(exc.status, exc.code, exc.message, exc.detail, headers)
 
-    async def on_format_error(_request: Any, exc: FormatError) -> Response:
+    async def on_format_error(_request: Request, exc: FormatError) -> Response:
         status, code = format_error_status(exc)
         if status >= 500:
             log.error("cache store error: %s", exc, exc_info=exc)
@@ -274,14 +275,14 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         return error_response(status, code, str(exc))
 
-    async def on_http_error(request: Any, exc: StarletteHTTPException) -> Response:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(_allowed_methods(request))
         return error_response(exc.status_code, code, str(exc.detail), headers=headers or None)
 
-    async def on_engine_error(_request: Any, exc: Exception) -> Response:
+    async def on_engine_error(_request: Request, exc: Exception) -> Response:
         from .engine import EngineInputError
 
         if isinstance(exc, EngineInputError):
@@ -289,7 +290,7 @@ def install_error_handlers(app: FastAPI) -> None:
         log.error("engine error: %s", exc)
         return error_response(503, "engine_unavailable", str(exc), headers={"Retry-After": "5"})
 
-    async def on_validation_error(_request: Any, exc: RequestValidationError) -> Response:
+    async def on_validation_error(_request: Request, exc: RequestValidationError) -> Response:
         details = _validation_details(exc.errors())
         first = details[0] if details else {"loc": [], "msg": ""}
         where = ".".join(str(x) for x in first["loc"] if x != "body")

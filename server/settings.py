@@ -114,18 +114,18 @@ class ServerSettings(BaseSettings):
     job_batch_sequences: int = Field(64, ge=1)
     """Sequences per engine call in a job; batches are fixed by input order (restart-safe)."""
     job_batch_tokens: int = Field(16384, ge=2)
-    """A job batch also closes once it holds this many tokens. 16,384 (was 8,192): with two
-    8,192-token batches in flight the in-process CPU engine (4,096 tokens per step) ran a
-    256 x 256-token job at 24.7-26.3K tokens/s, with 16,384 at 27.6-28.9K and with 32,768 at
-    28.6-29.2K (benchmarks/results/server.md, session 9). A larger batch also makes an
-    on-demand request wait longer behind the one job batch kept in the engine meanwhile."""
+    """A job batch also closes once it holds this many tokens. With two batches in flight the
+    in-process CPU engine (4,096 tokens per step) ran a 256 x 256-token job at 24.7-26.3K
+    tokens/s with 8,192, 27.6-28.9K with 16,384 and 28.6-29.2K with 32,768
+    (benchmarks/results/server.md). A larger batch also makes an on-demand request wait longer
+    behind the one job batch kept in the engine meanwhile."""
     job_inflight_batches: int = Field(2, ge=1)
     """Job batches handed to the engine before the oldest is awaited (keeps the engine busy);
     while on-demand requests are being scored a job keeps only one batch in the engine."""
     job_keep_input_tokens: int = Field(1 << 25, ge=0)
     """Tokens of checked input that submitted jobs keep in memory until they run, over all queued
     jobs: such a job runs from the sequences its submission checked instead of reading and
-    checking its input again (~0.15 CPU-us/position, issue #19). A larger input, or a job resumed
+    checking its input again (~0.15 CPU-us/position). A larger input, or a job resumed
     after a restart, reads its input again (and fails if it changed). 0: never keep."""
     job_write_queue: int = Field(4, ge=1)
     """Bound of the queue between scoring and the cache-writer thread."""

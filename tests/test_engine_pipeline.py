@@ -64,7 +64,7 @@ def test_stop_between_batches_keeps_the_committed_batches(tmp_path: Path) -> Non
     async def main() -> None:
         await pipeline.run(
             pipeline.plan(seqs, lambda keys: keys, max_sequences=2, max_tokens=1000),
-            score=lambda b: pipeline.score_records(engine, b, K),
+            score=lambda b: pipeline.engine_records(engine, b, K),
             write=write,
             stop=lambda: len(engine.calls) >= 2,
         )
@@ -89,7 +89,7 @@ def test_a_writer_error_reaches_the_caller_and_skipped_batches_keep_their_place(
             pipeline.plan(
                 seqs, lambda keys: [k for k in keys if k != "s2"], max_sequences=1, max_tokens=99
             ),
-            score=lambda b: pipeline.score_records(engine, b, K),
+            score=lambda b: pipeline.engine_records(engine, b, K),
             write=write,
             depth=lambda: 3,
         )
@@ -100,7 +100,7 @@ def test_a_writer_error_reaches_the_caller_and_skipped_batches_keep_their_place(
 
 
 def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
-    """score_records hands the engine the checked int32 arrays; BaseEngine's check_prompts
+    """engine_records hands the engine the checked int32 arrays; BaseEngine's check_prompts
     makes the plain int lists the backends take, once (issue #19: a list, an array of it and a
     second list per prompt before)."""
     from logitcache.server.engine import base
@@ -118,7 +118,7 @@ def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
         return await original(prompts, k)
 
     monkeypatch.setattr(engine, "_generate", generate)
-    records = asyncio.run(pipeline.score_records(engine, seqs, K))
+    records = asyncio.run(pipeline.engine_records(engine, seqs, K))
     assert all(a is s.input_ids for a, s in zip(seen, seqs, strict=True))  # no list in between
     assert [type(p) for p in got] == [list] * 3 and all(type(t) is int for p in got for t in p)
     assert got == [s.input_ids.tolist() for s in seqs]
@@ -136,9 +136,9 @@ def test_the_writer_computes_a_jobs_tail_mass_once(tmp_path: Path, monkeypatch) 
 
     engine = FakeEngine()
     seqs = [inputs.to_sequence(r, engine.tokenize, LIMITS) for r in _raws(4)]
-    eager = asyncio.run(pipeline.score_records(engine, seqs, K))  # answers carry their tail
+    eager = asyncio.run(pipeline.engine_records(engine, seqs, K))  # answers carry their tail
     assert all(r.tail_mass is not None for r in eager)
-    got = asyncio.run(pipeline.score_records(engine, seqs, K, lazy_tail=True))  # a job's
+    got = asyncio.run(pipeline.engine_records(engine, seqs, K, lazy_tail=True))  # a job's
     assert all(r.tail_mass is None for r in got)
     calls: list[int] = []
     real = recs_mod.tail_from_logprobs

@@ -38,7 +38,7 @@ def _run(n: int, merge_rows: int, gate: threading.Event | None) -> list[list[str
     async def main() -> None:
         await pipeline.run(
             pipeline.plan(_seqs(n), lambda keys: keys, max_sequences=1, max_tokens=99),
-            score=lambda b: pipeline.score_records(engine, b, K),
+            score=lambda b: pipeline.engine_records(engine, b, K),
             write=lambda b, r: pytest.fail("write_many takes every batch"),
             write_many=write_many,
             merge_rows=merge_rows,
@@ -73,7 +73,7 @@ def _slow_run(n: int, linger: float, merge_rows: int = 10_000) -> tuple[list[lis
 
     async def slow_score(b: list) -> list:
         await asyncio.sleep(0.05)
-        return await pipeline.score_records(engine, b, K)
+        return await pipeline.engine_records(engine, b, K)
 
     async def main() -> None:
         await pipeline.run(

@@ -192,7 +192,8 @@ def test_shard_steps_write_the_jobs_sampled_rows(tmp_path: Path) -> None:
     one-process job's cache: same keys in the same order, byte-equal arrays, same identity; a
     re-run adds nothing; a top-k run into that cache is refused (one cache, one kind)."""
     from logitcache.cache_format import ManifestMismatchError
-    from logitcache.server.batch.distributed import _final_manifest, chosen_targets, read_input
+    from logitcache.server.batch.distributed import _final_manifest, read_input
+    from logitcache.server.batch.distributed_config import chosen_targets
     from logitcache.server.errors import InvalidInputError
 
     settings = app_settings(tmp_path, job_batch_sequences=3)
@@ -237,7 +238,7 @@ def test_distributed_settings_read_the_sampled_flags(tmp_path: Path) -> None:
     """``logitcache-distributed``'s sampled flags as the run's ``targets``: the parameters given
     (defaults for the rest), ``"sampled"`` when none is given (the cache's own, else the
     defaults), ``None`` for top-k; a sampling flag without ``--targets sampled`` is refused."""
-    from logitcache.server.batch.distributed import load_distributed_settings
+    from logitcache.server.batch.distributed_config import load_distributed_settings
     from pydantic import ValidationError
 
     base = ["--input", str(tmp_path / "in.jsonl"), "--cache", str(tmp_path / "c"), "--model", "m"]

@@ -185,7 +185,7 @@ def test_public_status_drops_directories_from_job_errors() -> None:
     from datetime import UTC, datetime
 
     from logitcache.protocol import JobStatus
-    from logitcache.server.api.jobs import public_status
+    from logitcache.server.api.deps import public_status
 
     job = JobStatus(
         id="j",

@@ -20,9 +20,7 @@ committed snapshot at the time of the request.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -30,8 +28,6 @@ from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from logitcache.cache_format import CacheReader, encode_records
-from logitcache.cache_format.layout import INCOMPLETE_ATTR, read_root_attrs
-from logitcache.cache_format.spec import ROOT_ATTR
 from logitcache.protocol import (
     FRAMES_MEDIA_TYPE,
     MAX_NAME_CHARS,
@@ -45,23 +41,19 @@ from logitcache.protocol import (
 )
 
 from ..errors import (
-    CacheBrokenError,
     CacheIncompleteError,
     InvalidInputError,
     PayloadTooLargeError,
     ServiceError,
-    public_message,
     public_value,
 )
-from ..serving.caches import NAME_PATTERN, CacheRegistry, RangeReader, is_url
+from ..serving.caches import CacheRegistry, RangeReader
 from .deps import ServicesDep
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 
 #: Sequences per wire frame in streamed answers.
 FRAME_SEQUENCES = 256
-
-log = logging.getLogger("logitcache.server.caches")
 
 _ERROR = {"model": ErrorResponse}
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -94,87 +86,14 @@ _LIST_LINKS = {
 }
 
 
-#: Why a store left by a crash during its creation is not usable (:func:`incomplete_reason`).
-NO_ROOT = (
-    "creation was interrupted before its root zarr.json was written; no sequence was "
-    "committed. Writing to it again (a job, or a score request naming this cache) completes it"
-)
-ROOT_MARKED = (
-    "creation was interrupted while its arrays were created (root zarr.json marked "
-    f"{INCOMPLETE_ATTR!r}, no manifest); no sequence was committed. Writing to it again "
-    "(a job, or a score request naming this cache) completes it"
-)
-
-
-def incomplete_reason(caches: CacheRegistry, name: str) -> str | None:
-    """Why ``name`` is a store whose creation was interrupted (a crash inside
-    ``CacheWriter._create``, FORMAT.md's create order: root marked incomplete, arrays, then the
-    manifest), or None if it is not one. Two on-disk states: a non-empty local folder without a
-    root ``zarr.json`` (killed before the first write; e.g. only the writer's lock file), or a
-    root ``zarr.json`` whose attributes carry the incomplete mark and no manifest (killed while
-    the arrays were created). Neither holds committed data, and the writer's next ``open``
-    re-creates such a store, so that is the repair; without a manifest nothing else can be."""
-    if not is_url(caches.root):
-        d = Path(caches.root) / name
-        try:
-            if not d.is_dir():
-                return None
-            if not (d / "zarr.json").exists():
-                return NO_ROOT if any(d.iterdir()) else None
-        except OSError:
-            return None
-    try:
-        attrs = read_root_attrs(caches.store(name))
-    except Exception:  # noqa: BLE001 - unreadable: broken, not incomplete
-        return None
-    if attrs is not None and ROOT_ATTR not in attrs and attrs.get(INCOMPLETE_ATTR):
-        return ROOT_MARKED
-    return None
-
-
-def open_reader(caches: CacheRegistry, name: str) -> CacheReader:
-    """The reader of ``name``: 404 if absent, 409 ``cache_incomplete`` / ``cache_broken`` if its
-    store exists but cannot be used (message without paths)."""
-    try:
-        return caches.reader(name)
-    except Exception as e:  # noqa: BLE001 - any failure to open is reported, not a 500
-        reason = incomplete_reason(caches, name)
-        if reason is not None:
-            raise CacheIncompleteError(f"cache {name!r} is incomplete: {reason}") from None
-        if isinstance(e, ServiceError):
-            raise
-        log.warning("cache %r cannot be opened: %r", name, e)
-        raise CacheBrokenError(
-            f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
-        ) from None
-
-
-def incomplete_caches(caches: CacheRegistry) -> dict[str, str]:
-    """Every store under a local root whose creation was interrupted, with the reason (what
-    start-up logs and ``GET /v1/caches`` lists)."""
-    if is_url(caches.root):
-        return {}
-    try:
-        folders = sorted(p.name for p in Path(caches.root).iterdir() if p.is_dir())
-    except OSError:
-        return {}
-    out = {}
-    for name in folders:
-        if NAME_PATTERN.fullmatch(name) and ".." not in name:
-            reason = incomplete_reason(caches, name)
-            if reason is not None:
-                out[name] = reason
-    return out
-
-
 def _listing(caches: CacheRegistry) -> list[CacheInfo]:
     """Every cache under the root; one that cannot be opened is listed with its status."""
     out = []
     names = set(caches.names())
-    incomplete = incomplete_caches(caches)
+    incomplete = caches.incomplete()
     for name in sorted(names - set(incomplete)):
         try:
-            out.append(_info(name, open_reader(caches, name)))
+            out.append(_info(name, caches.open_reader(name)))
         except CacheIncompleteError as e:
             out.append(_unusable(name, "incomplete", e.message))
         except ServiceError as e:
@@ -236,7 +155,7 @@ def list_caches(services: ServicesDep) -> CacheList:
 @router.get("/{name}", response_model=CacheInfo, responses=_ERRORS)
 def get_cache(name: Name, services: ServicesDep) -> CacheInfo:
     """Manifest (teacher, tokenizer fingerprint, k, dtypes, timestamps) and committed counts."""
-    return _info(name, open_reader(services.caches, name))
+    return _info(name, services.caches.open_reader(name))
 
 
 @router.get("/{name}/lengths", response_model=CacheLengths, responses=_ERRORS)
@@ -247,7 +166,7 @@ def cache_lengths(
     stop: int | None = Query(None, ge=0),
 ) -> CacheLengths:
     """Token counts ``L_i`` of sequences ``[start, stop)`` (default: to the end)."""
-    reader = open_reader(services.caches, name)
+    reader = services.caches.open_reader(name)
     n = reader.num_sequences
     stop = n if stop is None else stop
     start, stop = _range(start, stop, n, max(n, 1))
@@ -263,7 +182,7 @@ def cache_sequences(
     compression: Compression = "none",
 ) -> StreamingResponse:
     """Sequences ``[start, stop)`` as wire frames."""
-    reader = open_reader(services.caches, name)
+    reader = services.caches.open_reader(name)
     limit = services.settings.max_stream_sequences
     start, stop = _range(start, stop, reader.num_sequences, limit)
     headers = {
@@ -287,7 +206,7 @@ def cache_sequence_ranges(
     Every range must lie in ``[0, num_sequences]`` with ``start <= stop``; their total length is
     at most ``max_stream_sequences``.
     """
-    reader = open_reader(services.caches, name)
+    reader = services.caches.open_reader(name)
     n, limit = reader.num_sequences, services.settings.max_stream_sequences
     for start, stop in body.ranges:
         if not 0 <= start <= stop <= n:
@@ -315,7 +234,7 @@ def cache_rows(
     compression: Compression = "none",
 ) -> StreamingResponse:
     """The sequences holding global rows ``[start, stop)`` as wire frames (see module doc)."""
-    reader = open_reader(services.caches, name)
+    reader = services.caches.open_reader(name)
     if not 0 <= start < stop <= reader.num_rows:
         raise InvalidInputError(f"row range [{start}, {stop}) is outside [0, {reader.num_rows}]")
     row_starts = reader.row_starts

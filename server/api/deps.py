@@ -1,23 +1,34 @@
-"""The per-app service container and its request accessor (routes reach services only here),
-and :class:`OffLoopJSONRoute`, the route class that decodes JSON bodies in a worker thread."""
+"""What the routers share: the per-app service container and its request accessor (routes
+reach services only here), :class:`OffLoopJSONRoute` (JSON bodies decoded in a worker thread),
+:func:`run_for_client` (work cancelled when its client leaves or its deadline passes), the
+public forms of names and job errors, and the error answers of the scoring routes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Depends, Request, Response
 from fastapi.routing import APIRoute
+from logitcache.protocol import ErrorResponse, JobStatus
 
-from ..errors import UnavailableError
+from ..errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    UnavailableError,
+    public_message,
+    public_name,
+)
 
 if TYPE_CHECKING:
     from ..batch.jobs import JobRunner
     from ..engine import TeacherEngine
     from ..metrics import Metrics
+    from ..serving.cache_hits import CacheServing
     from ..serving.caches import CacheRegistry
     from ..serving.scoring import ScoringService
     from ..settings import ServerSettings
@@ -31,6 +42,7 @@ class Services:
     engine: TeacherEngine
     caches: CacheRegistry
     scoring: ScoringService
+    serving: CacheServing
     jobs: JobRunner
     metrics: Metrics
 
@@ -76,3 +88,68 @@ class OffLoopJSONRoute(APIRoute):
             return await handler(_OffLoopJSONRequest(request.scope, request.receive))
 
         return handle
+
+
+T = TypeVar("T")
+
+_ERROR = {"model": ErrorResponse}
+_RETRY = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**_ERROR, "description": "body is not parsable JSON (e.g. nested too deeply)"},
+    401: {**_ERROR, "description": "missing or wrong API key"},
+    408: {**_ERROR, "description": "request body sent too slowly"},
+    409: {**_ERROR, "description": "the cache holds another teacher or k"},
+    413: {**_ERROR, "description": "body, sequence, text or answer over a limit"},
+    422: {**_ERROR, "description": "invalid request or input"},
+    429: {**_ERROR, "description": "over the on-demand token budget", "headers": _RETRY},
+    503: {**_ERROR, "description": "engine unavailable or deadline passed", "headers": _RETRY},
+}
+
+
+def public_model(model_id: str) -> str:
+    """The teacher's name for public bodies: an absolute local path shows only its last part."""
+    return public_name(model_id)
+
+
+def public_status(job: JobStatus) -> JobStatus:
+    """``job`` as public bodies show it: error texts without server directories."""
+    if not job.errors and job.error is None:
+        return job
+    return job.model_copy(
+        update={
+            "error": None if job.error is None else public_message(job.error),
+            "errors": [public_message(e) for e in job.errors],
+        }
+    )
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is already read: only ``http.disconnect``
+    can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout: float) -> T:
+    """``await work`` unless the client disconnects or ``timeout`` seconds pass first; then the
+    work is cancelled (and awaited) and :class:`ClientClosedError` /
+    :class:`DeadlineExceededError` raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when="FIRST_COMPLETED")
+    except BaseException:  # our own cancellation included: the work must not outlive it
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    if gone in done:
+        raise ClientClosedError("the client disconnected; its work was aborted")
+    raise DeadlineExceededError(
+        f"no answer within the request deadline of {timeout:g} s; the work was aborted"
+    )

@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import APIRouter, Query
 from logitcache.protocol import ErrorResponse, JobCreate, JobList, JobState, JobStatus
 
-from ..errors import OverloadedError, public_message
-from .deps import OffLoopJSONRoute, ServicesDep
+from ..errors import OverloadedError
+from .deps import OffLoopJSONRoute, ServicesDep, public_status
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=OffLoopJSONRoute)
 
@@ -48,18 +48,6 @@ _JOB_LINKS = {
 
 #: Largest page of ``GET /v1/jobs``.
 MAX_PAGE = 1000
-
-
-def public_status(job: JobStatus) -> JobStatus:
-    """``job`` as public bodies show it: error texts without server directories."""
-    if not job.errors and job.error is None:
-        return job
-    return job.model_copy(
-        update={
-            "error": None if job.error is None else public_message(job.error),
-            "errors": [public_message(e) for e in job.errors],
-        }
-    )
 
 
 @router.post(

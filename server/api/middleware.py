@@ -169,7 +169,7 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the last net: a 500 body, never a dropped socket
             log.error("unhandled error: %r", exc, exc_info=exc)
             if started:
                 raise

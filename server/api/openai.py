@@ -37,13 +37,12 @@ from logitcache.cache_format import SequenceRecord
 from logitcache.protocol import TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInputError, NotFoundError, PayloadTooLargeError
-from ..inputs.records import RawRecord, Sequence, to_sequence
-from ..serving import cache_hits
+from ..errors import InvalidInputError, NotFoundError
+from ..inputs.records import RawRecord
+from ..serving.cache_hits import Served
 from ..serving.caches import check_name
-from .deps import Services, ServicesDep
-from .ops import public_model
-from .score import _ERRORS, run_for_client
+from ..serving.scoring import ScoringService
+from .deps import ERRORS, Services, ServicesDep, public_model, run_for_client
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -78,13 +77,18 @@ class CompletionRequest(BaseModel):
     cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
 
 
-def _check(req: CompletionRequest, max_k: int) -> int:
-    """The requested k, or :class:`InvalidInputError` for what this route does not do."""
+def _check(req: CompletionRequest, scoring: ScoringService) -> int:
+    """The requested k (range-checked by :meth:`ScoringService.check_k`), or
+    :class:`InvalidInputError` for what this route does not do."""
     k = req.prompt_logprobs
-    if k is None or k < 1 or k > max_k:
+    try:
+        checked = scoring.check_k(k)
+    except InvalidInputError:
+        checked = None
+    if checked is None:
         raise InvalidInputError(
-            f"prompt_logprobs must be an integer in [1, {max_k}] (this teacher serves top-k prompt "
-            f"logprobs), got {k}"
+            f"prompt_logprobs must be an integer in [1, {scoring.engine.info.max_k}] (this "
+            f"teacher serves top-k prompt logprobs), got {k}"
         )
     if req.max_tokens not in (0, 1, None):
         raise InvalidInputError(
@@ -98,7 +102,7 @@ def _check(req: CompletionRequest, max_k: int) -> int:
         raise InvalidInputError("stream is not supported with prompt_logprobs")
     if req.n != 1:
         raise InvalidInputError("n must be 1")
-    return k
+    return checked
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -112,19 +116,13 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
-def _sequences(services: Services, prompts: list[str | list[int]]) -> list[Sequence]:
-    scoring = services.scoring
-    if len(prompts) > services.settings.max_score_sequences:
-        raise PayloadTooLargeError(
-            f"{len(prompts)} prompts exceed the limit of {services.settings.max_score_sequences}"
-        )
-    raws = [
+def _raws(prompts: list[str | list[int]]) -> list[RawRecord]:
+    return [
         RawRecord(where=f"prompt[{i}]", id=None, text=p, input_ids=None)
         if isinstance(p, str)
         else RawRecord(where=f"prompt[{i}]", id=None, text=None, input_ids=p)
         for i, p in enumerate(prompts)
     ]
-    return [to_sequence(r, services.engine.tokenize, scoring.limits) for r in raws]
 
 
 class _Decoder:
@@ -162,7 +160,7 @@ def _body(
     services: Services,
     req: CompletionRequest,
     prompts: Seq[str | list[int]],
-    served: cache_hits.Served,
+    served: Served,
 ) -> dict[str, Any]:
     tokenizer = getattr(services.engine, "tokenizer", None)
     decode = _Decoder(tokenizer)
@@ -180,7 +178,7 @@ def _body(
                 "stop_reason": None,
                 "prompt_logprobs": prompt_logprobs(rec, decode),
                 "prompt_token_ids": rec.input_ids.tolist() if req.return_token_ids else None,
-                "cached": served.hits[i],
+                "cached": served.hits is not None and served.hits[i],
             }
         )
     tokens = sum(int(r.input_ids.shape[0]) for r in served.records)
@@ -200,29 +198,22 @@ async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]
     info = services.engine.info
     if req.model is not None and req.model not in (public_model(info.model_id), info.model_id):
         raise NotFoundError(f"The model `{req.model}` does not exist.")
-    k = _check(req, info.max_k)
+    k = _check(req, scoring)
     cache = check_name(req.cache or DEFAULT_CACHE)
     prompts = _prompts(req)
-    seqs = await asyncio.to_thread(_sequences, services, prompts)
-    rows = sum(s.length - 1 for s in seqs)
-    size = rows * k * 80 + 200 * len(seqs)
-    if size > services.settings.max_response_bytes:
-        raise PayloadTooLargeError(
-            f"the answer would take about {size} bytes, over the limit of "
-            f"{services.settings.max_response_bytes}: send fewer or shorter prompts or a smaller "
-            "prompt_logprobs"
-        )
+    seqs = await asyncio.to_thread(scoring.checked, _raws(prompts), len(prompts), "prompts")
+    scoring.check_answer_size(seqs, k, "completions")
     manifest = await asyncio.to_thread(scoring.target_manifest, cache, None)
     if k <= manifest.k:
-        served = await cache_hits.serve(scoring, cache, seqs, k, manifest)
+        served = await services.serving.serve(cache, seqs, k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
-        served = await cache_hits.score_above(scoring, seqs, k)
+        served = await services.serving.above(seqs, k)
     return await asyncio.to_thread(_body, services, req, prompts, served)
 
 
 _COMPLETION_ERRORS: dict[int | str, dict[str, Any]] = {
-    **_ERRORS,
-    404: {**_ERRORS[401], "description": "unknown model"},
+    **ERRORS,
+    404: {**ERRORS[401], "description": "unknown model"},
 }
 
 
@@ -244,7 +235,7 @@ async def completions(
 
 @router.get(
     "/models",
-    responses={401: _ERRORS[401]},
+    responses={401: ERRORS[401]},
     summary="vLLM/OpenAI model list (the teacher)",
 )
 async def models(services: ServicesDep) -> dict[str, Any]:

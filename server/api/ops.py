@@ -9,8 +9,7 @@ from fastapi import APIRouter, Response
 from logitcache.protocol import ErrorResponse, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..errors import public_name
-from .deps import ServicesDep
+from .deps import ServicesDep, public_model
 
 router = APIRouter(tags=["ops"])
 
@@ -23,11 +22,6 @@ def _version() -> str:
         return version("logitcache")
     except PackageNotFoundError:
         return "0+unknown"
-
-
-def public_model(model_id: str) -> str:
-    """The teacher's name for public bodies: an absolute local path shows only its last part."""
-    return public_name(model_id)
 
 
 @router.get(

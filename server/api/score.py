@@ -10,37 +10,20 @@ in a worker thread; frames are encoded in a worker thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from logitcache.cache_format import SequenceRecord, encode_records
-from logitcache.protocol import FRAMES_MEDIA_TYPE, ErrorResponse, ScoreRequest, ScoreResponse
+from logitcache.protocol import FRAMES_MEDIA_TYPE, ScoreRequest, ScoreResponse
 
-from ..errors import ClientClosedError, DeadlineExceededError
-from .deps import OffLoopJSONRoute, ServicesDep
-from .ops import public_model
+from .deps import ERRORS, OffLoopJSONRoute, ServicesDep, public_model, run_for_client
 
 router = APIRouter(prefix="/v1", tags=["score"], route_class=OffLoopJSONRoute)
 
-T = TypeVar("T")
-
-_ERROR = {"model": ErrorResponse}
-_RETRY = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {**_ERROR, "description": "body is not parsable JSON (e.g. nested too deeply)"},
-    401: {**_ERROR, "description": "missing or wrong API key"},
-    408: {**_ERROR, "description": "request body sent too slowly"},
-    409: {**_ERROR, "description": "the cache holds another teacher or k"},
-    413: {**_ERROR, "description": "body, sequence, text or answer over a limit"},
-    422: {**_ERROR, "description": "invalid request or input"},
-    429: {**_ERROR, "description": "over the on-demand token budget", "headers": _RETRY},
-    503: {**_ERROR, "description": "engine unavailable or deadline passed", "headers": _RETRY},
-}
 _SCORE_HEADERS = {
     "X-Logitcache-K": {"description": "the k used", "schema": {"type": "string"}},
     "X-Logitcache-Stored": {"description": "sequences newly stored", "schema": {"type": "string"}},
@@ -54,38 +37,6 @@ _SCORE_HEADERS = {
 def wants_frames(request: Request) -> bool:
     """Whether the ``Accept`` header asks for :data:`FRAMES_MEDIA_TYPE`."""
     return FRAMES_MEDIA_TYPE in request.headers.get("accept", "")
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once the client has gone (the body is already read: only ``http.disconnect``
-    can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout: float) -> T:
-    """``await work`` unless the client disconnects or ``timeout`` seconds pass first; then the
-    work is cancelled (and awaited) and :class:`ClientClosedError` /
-    :class:`DeadlineExceededError` raised."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when="FIRST_COMPLETED")
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        gone.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    if gone in done:
-        raise ClientClosedError("the client disconnected; its work was aborted")
-    raise DeadlineExceededError(
-        f"no answer within the request deadline of {timeout:g} s; the work was aborted"
-    )
 
 
 _F32_MIN = float(np.finfo(np.float32).min)
@@ -129,7 +80,7 @@ def json_chunks(
     "/score",
     response_model=ScoreResponse,
     responses={
-        **_ERRORS,
+        **ERRORS,
         200: {
             "content": {FRAMES_MEDIA_TYPE: {}},
             "description": "JSON, or frames if accepted",
@@ -154,7 +105,7 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
     frames = wants_frames(request)
     result = await run_for_client(
         request,
-        services.scoring.score(body, frames=frames),
+        services.serving.answer(body, frames=frames),
         services.settings.request_timeout_s,
     )
     headers = {"X-Logitcache-K": str(result.k), "X-Logitcache-Stored": str(result.stored)}

@@ -35,13 +35,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import SequenceRecord, fastencode
+from logitcache.cache_format import Manifest, SequenceRecord, fastencode
 from logitcache.cache_format.errors import StoreNotFoundError
 from logitcache.cache_format.layout import parse_root, read_root_attrs
 from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 
-from ..errors import ConflictError, ServiceError
-from ..inputs import chat, jsonids
+from ..errors import ConflictError, PayloadTooLargeError, ServiceError
+from ..inputs import jsonids
 from ..inputs import records as inputs
 from ..inputs.chat import ChatTokenize
 from ..serving import targets
@@ -83,7 +83,7 @@ def numpy_hugepages_off() -> bool:
     stored forms, shard objects); with the kernel's THP ``defrag=madvise`` setting a fault on such
     an array may compact memory for a 2 MiB page first (``compact_stall``), and each huge page is
     zeroed whole: system time that came and went with the rest of the machine's memory use,
-    0.2-4 CPU-us/position at k=100 (issue #19, benchmarks/results/job_cpu_s7.md). The arrays
+    0.2-4 CPU-us/position at k=100 (benchmarks/results/job_cpu_s7.md). The arrays
     are written and read once, sequentially: 4 KiB pages cost them nothing measurable."""
     import os
 
@@ -161,7 +161,8 @@ class JobRunner:
         reader's (:mod:`.jsonids`), queue jobs
         interrupted by the last shutdown or crash, then start the loop."""
         await asyncio.to_thread(fastencode.ready)
-        await asyncio.to_thread(jsonids.ready)  # its JSONL reading, also compiled or loaded
+        fast = await asyncio.to_thread(jsonids.ready)  # its JSONL reading, compiled or loaded
+        log.info("JSONL input ids: %s", "msgspec + numba" if fast else "json (no msgspec/numba)")
         n = self.store.requeue_interrupted()
         if n:
             log.info("resuming %d interrupted job(s)", n)
@@ -182,24 +183,12 @@ class JobRunner:
         """Check a job completely (nothing written on failure), store it queued, wake the loop."""
         name = check_name(req.cache)
         if req.records is not None and len(req.records) > self.settings.max_inline_records:
-            from ..errors import PayloadTooLargeError
-
             raise PayloadTooLargeError(
                 f"{len(req.records)} inline records exceed the limit of "
                 f"{self.settings.max_inline_records}; use an input file"
             )
         await asyncio.to_thread(self.caches.check_writable, name)
-        manifest = await asyncio.to_thread(
-            targets.target_manifest,
-            self.scoring,
-            name,
-            req.k,
-            req.dataset or "",
-            targets.of_request(req),
-        )
-        manifest = await asyncio.to_thread(
-            chat.job_manifest, self.scoring, name, manifest, req.loss_mask
-        )
+        manifest = await asyncio.to_thread(self._manifest, name, req, req.k)
         if req.layout is not None:
             await asyncio.to_thread(self._check_layout, name, req.layout)
         kept: list[inputs.Sequence] = []
@@ -223,21 +212,45 @@ class JobRunner:
         return await asyncio.to_thread(self.status, job.id)
 
     def _scan(self, req: JobCreate, keep: list[inputs.Sequence]) -> tuple[inputs.InputSummary, str]:
-        """The input's summary and digest; its checked sequences go to ``keep`` when they fit
-        in what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
+        """The input's summary and digest, from one reading of a JSONL file
+        (:class:`~.records.InputDigest`); its checked sequences go to ``keep`` when they fit in
+        what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
+        file, records, data_dir = req.file, req.records, self.settings.data_dir
+        if file is not None:  # a bad path is its own error, before any record is read
+            inputs.resolve_input_path(data_dir, file.path)
         tok, limits = self._tokenize(req), self._limits(req)
+        digest = inputs.InputDigest()
         raws = inputs.raw_records(
-            file=req.file,
-            records=req.records,
-            data_dir=self.settings.data_dir,
+            file=file,
+            records=records,
+            data_dir=data_dir,
+            digest=digest,
             max_line_bytes=inputs.line_limit(limits),
-        )
-        digest = inputs.input_digest(
-            file=req.file, records=req.records, data_dir=self.settings.data_dir
         )
         kept = sum(t for t, _ in list(self._kept.values()))
         budget = self.settings.job_keep_input_tokens - kept
-        return inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget), digest
+        summary = inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget)
+        return summary, digest.value(file=file, records=records, data_dir=data_dir)
+
+    def _manifest(self, cache: str, spec: JobCreate, k: int | None) -> Manifest:
+        """The manifest the job writes ``cache`` with (:meth:`ScoringService.target_manifest`
+        for its target kind and ``k``, checked once here). With ``loss_mask`` a new cache is
+        created with the ``loss_mask`` array (FORMAT.md 4.6); an existing cache without one is
+        a 409 (its rows could not hold the mask; nothing is written)."""
+        asked = targets.of_request(spec)
+        k = self.scoring.check_k(k) if asked is None else None
+        manifest = self.scoring.target_manifest(cache, k, spec.dataset or "", asked)
+        if not spec.loss_mask:
+            return manifest
+        stored = self.scoring.stored_manifest(cache)
+        if stored is None:
+            return manifest.model_copy(update={"loss_mask": True})
+        if not stored.loss_mask:
+            raise ConflictError(
+                f"cache {cache!r} was created without a loss mask and cannot store one: "
+                "write the job to a new cache, or submit it without loss_mask"
+            )
+        return manifest
 
     def _check_layout(self, name: str, layout: str) -> None:
         """An existing cache must have the layout preset the job names (it is fixed when the
@@ -262,9 +275,11 @@ class JobRunner:
     def status(self, job_id: str) -> JobStatus:
         return self._status(self.store.get(job_id))
 
-    def list(self, **page: Any) -> list[JobStatus]:
-        """Job statuses, oldest first; ``page``: ``limit``/``offset``/``state`` of JobStore.list."""
-        return [self._status(j) for j in self.store.list(**page)]
+    def list(
+        self, *, limit: int | None = None, offset: int = 0, state: JobState | None = None
+    ) -> list[JobStatus]:
+        """Job statuses, oldest first (a page of :meth:`JobStore.list`)."""
+        return [self._status(j) for j in self.store.list(limit=limit, offset=offset, state=state)]
 
     def cancel(self, job_id: str) -> JobStatus:
         job = self.store.request_cancel(job_id)
@@ -327,8 +342,7 @@ class JobRunner:
                     stored = None
                 except Exception:  # noqa: BLE001 - a broken cache: parameters unknown for now
                     return kind, None
-                chosen = targets.resolve("sampled", stored)
-                assert chosen is not None  # "sampled" always resolves to parameters
+                chosen = targets.cache_or_default(stored)
                 sampling = _kind_of("sampled", chosen.manifest())[1]
         got = self._kinds[job.id] = (kind, sampling)
         return got
@@ -337,7 +351,7 @@ class JobRunner:
 
     async def _loop(self) -> None:
         # job-table calls run in worker threads: the store's lock is held by the job writer
-        # through each fsync'd commit, and the event loop must never wait for it (issue #18)
+        # through each fsync'd commit, and the event loop must never wait for it
         while not self._stopping:
             self._wake.clear()  # before the read: a submit during it is not missed
             job = await asyncio.to_thread(self.store.next_queued)
@@ -389,18 +403,7 @@ class JobRunner:
             )
             if digest != job.input_digest:
                 raise ServiceError("the input file changed since the job was submitted")
-        asked = targets.of_request(spec)
-        manifest = await asyncio.to_thread(
-            targets.target_manifest,
-            self.scoring,
-            job.cache,
-            job.k if asked is None else None,
-            spec.dataset or "",
-            asked,
-        )
-        manifest = await asyncio.to_thread(
-            chat.job_manifest, self.scoring, job.cache, manifest, spec.loss_mask
-        )
+        manifest = await asyncio.to_thread(self._manifest, job.cache, spec, job.k)
         cm = self.caches.writer(job.cache, manifest, spec.layout)  # a new cache gets the preset
         handle = await asyncio.to_thread(cm.__enter__)
         try:
@@ -448,7 +451,7 @@ class JobRunner:
         sampled = targets.targets_of(handle.manifest)  # None: top-k rows
         await pipeline.run(
             self._batches(spec, handle, kept),
-            score=lambda seqs: pipeline.score_records(
+            score=lambda seqs: pipeline.engine_records(
                 self.scoring.engine,
                 seqs,
                 job.k,

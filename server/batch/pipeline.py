@@ -4,17 +4,18 @@ Used by every path that writes scored rows to a cache:
 
 * jobs (:mod:`.jobs`): a whole input, ``job_inflight_batches`` batches in the engine at once
   (one while on-demand requests are scored), progress advanced after each commit;
-* on-demand scoring with a cache (:mod:`.cache_hits`): the misses of one request are one batch,
-  scored under the admission budget, appended, and answered as stored;
+* on-demand scoring with a cache (:mod:`~logitcache.server.serving.cache_hits`): the misses of
+  one request are one batch (:func:`one_batch`), scored under the admission budget, appended,
+  and answered as stored;
 * the Ray shards (:mod:`.shards`): a shard's sequences into its staging cache.
 
 Contract (the same for all three):
 
-1. :func:`plan` cuts the sequences into consecutive batches (:func:`.inputs.batches`: a pure
+1. :func:`plan` cuts the sequences into consecutive batches (:func:`.records.batches`: a pure
    function of the sequences and the batch limits, so a restarted run forms the same batches)
    and marks a batch ``todo`` when its cache still lacks any of its keys.
-2. :func:`score_records` scores one batch: one engine call at ``k`` (rows aligned as in
-   DESIGN.md), then :func:`to_records` pairs each sequence with its rows.
+2. :func:`engine_records` scores one batch: one engine call at ``k`` (:func:`call_engine`, rows
+   aligned as in DESIGN.md), then :func:`to_records` pairs each sequence with its rows.
 3. :func:`run` keeps up to ``depth()`` batches in the engine, and hands each finished batch, in
    input order, to ``write(batch, records)`` in one writer thread (``records`` is ``None`` for
    a batch that was not ``todo``); ``write`` appends (one commit per batch) and then reports
@@ -38,14 +39,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from logitcache.cache_format import SequenceRecord
 
+from ..engine.protocol import EngineInputError
 from ..inputs import records as inputs
 
 if TYPE_CHECKING:
-    from ..engine import SampledTargets, TeacherEngine
+    from ..engine import SampledTargets, TeacherEngine, TeacherScores
     from ..metrics import Metrics
 
 
@@ -84,19 +86,19 @@ def plan(
     max_sequences: int,
     max_tokens: int,
 ) -> Iterator[Batch]:
-    """Consecutive batches of ``seqs`` (:func:`.inputs.batches`), each marked ``todo`` when
+    """Consecutive batches of ``seqs`` (:func:`.records.batches`), each marked ``todo`` when
     ``missing`` reports any of its keys."""
     for b in inputs.batches(seqs, max_sequences=max_sequences, max_tokens=max_tokens):
         yield Batch(seqs=b, todo=bool(missing([s.key for s in b])))
 
 
 def to_records(
-    seqs: Seq[inputs.Sequence], scores: Seq[Any], lazy_tail: bool = False
+    seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores], lazy_tail: bool = False
 ) -> list[SequenceRecord]:
     """Pair checked sequences with the engine's ``TeacherScores`` (same order). With
-    ``lazy_tail``, a tail mass not computed yet stays so: the cache's writer computes it (issue
-    #19: next to its encode pass, on rows still in the CPU's cache; the same bits); else it is
-    computed here (the records answer a request with it)."""
+    ``lazy_tail``, a tail mass not computed yet stays so: the cache's writer computes it (next
+    to its encode pass, on rows still in the CPU's cache; the same bits); else it is computed
+    here (the records answer a request with it)."""
     if len(scores) != len(seqs):
         raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
     return [
@@ -112,7 +114,21 @@ def to_records(
     ]
 
 
-async def score_records(
+async def call_engine(
+    engine: TeacherEngine, seqs: Seq[inputs.Sequence], k: int, targets: SampledTargets | None
+) -> list[TeacherScores]:
+    """One engine call: top-``k`` rows, or sampled rows seeded by each sequence's key."""
+    prompts = [s.input_ids for s in seqs]  # int32 arrays: check_prompts makes the lists once
+    if targets is None:
+        return await engine.score(prompts, k)
+    sample = getattr(engine, "score_sampled", None)
+    if sample is None:
+        raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
+    scores: list[TeacherScores] = await sample(prompts, [s.key for s in seqs], targets)
+    return scores
+
+
+async def engine_records(
     engine: TeacherEngine,
     seqs: Seq[inputs.Sequence],
     k: int,
@@ -125,14 +141,12 @@ async def score_records(
     """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
     the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
     With ``metrics``, the engine call's time is recorded under ``source``. With ``targets``,
-    sampled rows instead (:func:`.targets.score_rows`: seeded by each sequence's key). With
+    sampled rows instead (:func:`call_engine`: seeded by each sequence's key). With
     ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
     (:func:`to_records`).
     """
-    from ..serving.targets import score_rows
-
     t0 = time.perf_counter()
-    scores = await score_rows(engine, seqs, k, targets)
+    scores = await call_engine(engine, seqs, k, targets)
     if metrics is not None:
         metrics.scored(
             source,
@@ -155,7 +169,7 @@ def _rows(item: tuple[Batch, list[SequenceRecord] | None]) -> int:
 class _Writer:
     """The writer thread: ``write(batch, records)`` for each item, in order, off the loop. With
     ``write_many``, the items already waiting in the queue when one is taken are written with
-    it, up to ``merge_rows`` rows (issue #19): one append and one commit for the group, so a
+    it, up to ``merge_rows`` rows: one append and one commit for the group, so a
     writer that falls behind the engine pays its per-commit costs (array metadata, fsyncs, the
     manifest commit, rewriting the partly filled shards) once per group instead of per batch.
     With ``linger`` (seconds), a writer that keeps up also waits up to that long after taking
@@ -299,7 +313,7 @@ async def run(
         await asyncio.to_thread(writer.join)
 
 
-async def score_into(
+async def one_batch(
     seqs: list[inputs.Sequence], *, score: ScoreFn, write: WriteFn | None = None
 ) -> list[SequenceRecord]:
     """The pipeline for one batch (an on-demand request's misses): score ``seqs`` and, with

@@ -225,7 +225,7 @@ async def score_shard(
                 max_sequences=batch_sequences,
                 max_tokens=batch_tokens,
             ),
-            score=lambda b: pipeline.score_records(engine, b, manifest.k, targets=sampled),
+            score=lambda b: pipeline.engine_records(engine, b, manifest.k, targets=sampled),
             write=append,
             depth=lambda: inflight_batches,
             name=f"shard-writer-{task.shard.index}",

@@ -93,7 +93,7 @@ class TeacherScores(TopkRows):
     ``tail_mass [L-1]`` float32 (see the module docstring); ``num_rows`` and ``k`` as for a
     cached record.
 
-    ``tail_mass`` is computed from the logprobs at its first use, then kept (issue #19): a job
+    ``tail_mass`` is computed from the logprobs at its first use, then kept: a job
     hands its rows to the cache's writer without it (:meth:`known_tail`), which computes it next
     to its encode pass, on rows still in the CPU's cache, instead of the event loop on cold ones.
     """

@@ -16,7 +16,6 @@ engine keeps asking for the list form.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,7 @@ from .patching import patch_once
 FLAG = "logitcache_prompt_logprob_arrays"
 
 
-#: vLLM release series whose prompt-logprob tensors the hook may keep as views (issue #19). In
+#: vLLM release series whose prompt-logprob tensors the hook may keep as views. In
 #: these, the model runner (``GPUModelRunner._get_prompt_logprobs_dict``, also the CPU runner's)
 #: allocates one ``LogprobsTensors.empty_cpu(L - 1, k + 1)`` per request (int32 ids, float32
 #: logprobs), fills it chunk by chunk, hands it over once, when the prompt is complete, and drops
@@ -40,14 +39,13 @@ _views: list[bool] = []  # the answer for the vLLM in this process, once asked
 
 def keep_views() -> bool:
     """Whether :meth:`TensorPromptLogprobs.add` keeps views (the installed vLLM is of a
-    :data:`VIEW_SERIES`; ``LOGITCACHE_HOOK_VIEWS=0`` turns it off)."""
+    :data:`VIEW_SERIES`), decided once per process."""
     if not _views:
         try:
             from vllm import __version__ as version
         except ImportError:
             version = ""
-        off = os.environ.get("LOGITCACHE_HOOK_VIEWS", "1").strip().lower() in ("0", "off", "no")
-        _views.append(not off and str(version).startswith(VIEW_SERIES))
+        _views.append(str(version).startswith(VIEW_SERIES))
     return _views[0]
 
 
@@ -62,8 +60,8 @@ class TensorPromptLogprobs:
     vLLM never writes them again and they are already int32/float32 in C order (vLLM 0.32's);
     otherwise it copies each chunk once, into those dtypes (the engine may reuse its buffers).
     :meth:`rows` then gives columns ``1..k`` as views whose rows are strided (``k + 1`` apart):
-    the writer's compiled encode reads them in place (issue #19: the hook's copies of cold
-    memory cost ~0.35 CPU-us/position at k=100). Token ids are below the vocabulary size, so
+    the writer's compiled encode reads them in place (copies of cold memory would cost ~0.35
+    CPU-us/position at k=100). Token ids are below the vocabulary size, so
     int32 holds them (an id past it is refused by the writer's checks, FORMAT.md W1)."""
 
     def __init__(self) -> None:

@@ -27,17 +27,20 @@ also gets a per-row loss mask (cache_format FORMAT.md 4.6), stored with the sequ
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConflictError, InvalidInputError
+from ..errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from ..engine import TeacherEngine
 
 #: Roles a message may have.
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+def check_messages(messages: object, where: str) -> list[dict[str, str]]:
     """``messages`` as a list of ``{"role", "content"}`` dicts (InvalidInputError otherwise)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidInputError(f"{where}: messages must be a non-empty list of messages")
@@ -76,14 +79,14 @@ class ChatTokenize:
 
     @classmethod
     def of(
-        cls, engine: Any, chat_template: str | None = None, loss_mask: bool = False
+        cls, engine: TeacherEngine, chat_template: str | None = None, loss_mask: bool = False
     ) -> ChatTokenize:
         return cls(engine.tokenize, getattr(engine, "tokenizer", None), chat_template, loss_mask)
 
     def __call__(self, text: str) -> list[int]:
         return self._tokenize(text)
 
-    def render(self, messages: Any, where: str, *, generation_prompt: bool = False) -> str:
+    def render(self, messages: object, where: str, *, generation_prompt: bool = False) -> str:
         """The conversation as text (see the module docstring)."""
         msgs = check_messages(messages, where)
         tok = self._tokenizer
@@ -108,12 +111,12 @@ class ChatTokenize:
             raise InvalidInputError(f"{where}: the chat template did not render text")
         return text
 
-    def chat(self, messages: Any, where: str) -> list[int]:
+    def chat(self, messages: object, where: str) -> list[int]:
         """Token ids of the rendered conversation (no special tokens added on top)."""
         text = self.render(messages, where)
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def assistant_spans(self, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: object, where: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans of its assistant turns (module docstring)."""
         msgs = check_messages(messages, where)
         text = self.render(msgs, where)
@@ -132,7 +135,7 @@ class ChatTokenize:
                 spans.append((len(head), len(full)))
         return text, spans
 
-    def chat_with_mask(self, messages: Any, where: str) -> tuple[list[int], np.ndarray]:
+    def chat_with_mask(self, messages: object, where: str) -> tuple[list[int], np.ndarray]:
         """Token ids of the rendered conversation and its row loss mask (uint8 ``[L-1]``:
         ``1`` where row ``j`` predicts a token of an assistant turn; module docstring)."""
         text, spans = self.assistant_spans(messages, where)
@@ -145,7 +148,7 @@ class ChatTokenize:
         return ids, response[1:].astype(np.uint8)
 
 
-def chat_ids(tokenize: Any, messages: Any, where: str) -> list[int]:
+def chat_ids(tokenize: Callable[[str], list[int]], messages: object, where: str) -> list[int]:
     """Ids of a chat record with ``tokenize`` (a :class:`ChatTokenize`; else a clear error)."""
     chat = getattr(tokenize, "chat", None)
     if chat is None:
@@ -154,26 +157,9 @@ def chat_ids(tokenize: Any, messages: Any, where: str) -> list[int]:
 
 
 def chat_ids_and_mask(
-    tokenize: Any, messages: Any, where: str
+    tokenize: Callable[[str], list[int]], messages: object, where: str
 ) -> tuple[list[int], np.ndarray | None]:
     """Ids of a chat record and, when ``tokenize.loss_mask`` is set, its row loss mask."""
     if getattr(tokenize, "loss_mask", False):
         return tokenize.chat_with_mask(messages, where)
     return chat_ids(tokenize, messages, where), None
-
-
-def job_manifest(scoring: Any, cache: str, manifest: Any, loss_mask: bool) -> Any:
-    """The manifest a job with ``loss_mask`` writes ``cache`` with: a new cache is created with
-    the ``loss_mask`` array (FORMAT.md 4.6); an existing cache without one is a 409 (its rows
-    could not hold the mask; nothing is written). Without ``loss_mask``: ``manifest``."""
-    if not loss_mask:
-        return manifest
-    stored = scoring.stored_manifest(cache)
-    if stored is None:
-        return manifest.model_copy(update={"loss_mask": True})
-    if not stored.loss_mask:
-        raise ConflictError(
-            f"cache {cache!r} was created without a loss mask and cannot store one: "
-            "write the job to a new cache, or submit it without loss_mask"
-        )
-    return manifest

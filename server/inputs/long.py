@@ -21,7 +21,7 @@ length, printed in the start-up banner):
   tokens, so a trainer can put a split record back together.
 
 Duplicates: a record whose content key (no explicit id) was seen before is dropped and counted
-(``duplicates``); an explicit id seen twice is an error, as before.
+(``duplicates``); an explicit id seen twice is an error.
 """
 
 from __future__ import annotations

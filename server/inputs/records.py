@@ -11,13 +11,16 @@ re-forms exactly the batches of the first run: each batch still missing a key is
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import io
 import json
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from logitcache.cache_format.records import content_key
@@ -76,7 +79,7 @@ class Sequence:
         return int(self.input_ids.shape[0])
 
 
-def check_ids(ids: Any, limits: Limits, where: str) -> np.ndarray:
+def check_ids(ids: object, limits: Limits, where: str) -> np.ndarray:
     """``ids`` as an int32 array after the length and vocabulary checks (InvalidInputError)."""
     if isinstance(ids, np.ndarray):
         arr = ids
@@ -223,7 +226,7 @@ def job_limits(limits: Limits, on_long: str, split_overlap: int) -> Limits:
     return replace(limits, on_long=on_long, split_overlap=split_overlap)
 
 
-def _id_of(value: Any, where: str) -> str | None:
+def _id_of(value: object, where: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int):
@@ -250,7 +253,7 @@ def input_format(spec: InputFile, path: Path, data_dir: Path) -> str:
     return input_files.detect_format(path, spec.path, data_dir)  # .gz, .arrow, directories
 
 
-def _from_mapping(obj: Any, spec: InputFile, where: str) -> RawRecord:
+def _from_mapping(obj: object, spec: InputFile, where: str) -> RawRecord:
     if not isinstance(obj, dict):
         raise InvalidInputError(f"{where}: expected an object")
     return RawRecord(
@@ -291,10 +294,69 @@ def _lines(f: Any, limit: int | None, rel: str) -> Iterator[tuple[int, bytes]]:
         ) from None
 
 
-def _read_jsonl(path: Path, spec: InputFile, max_line_bytes: int | None) -> Iterator[RawRecord]:
+class InputDigest:
+    """:func:`input_digest` of a job's input, computed from the bytes its reading reads (one
+    pass over a JSONL file: :func:`raw_records` feeds it); for other inputs it reads them."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.sha256()
+        self.fed = False
+
+    def feed(self, data: bytes) -> None:
+        self.hash.update(data)
+
+    def value(
+        self, *, file: InputFile | None, records: list[InlineRecord] | None, data_dir: Path
+    ) -> str:
+        if self.fed:
+            return "sha256:" + self.hash.hexdigest()
+        return input_digest(file=file, records=records, data_dir=data_dir)
+
+
+class _Hashed(io.RawIOBase):
+    """A raw binary file whose bytes, as they are read, also go to an :class:`InputDigest`."""
+
+    def __init__(self, raw: io.RawIOBase, digest: InputDigest):
+        self._raw = raw
+        self._digest = digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:
+        n = self._raw.readinto(buffer) or 0
+        self._digest.feed(memoryview(buffer)[:n])
+        return n
+
+
+@contextmanager
+def _jsonl_lines(path: Path, digest: InputDigest | None) -> Iterator[IO[bytes]]:
+    """The lines of a JSONL file, plain or ``.gz``; with ``digest``, its bytes (as stored) are
+    fed to it, the rest of the file too once the lines are read."""
+    if digest is None:
+        with input_files.open_text(path) as f:
+            yield f
+        return
+    digest.feed(b".\0")  # input_digest's name of a one-file input
+    with path.open("rb", buffering=0) as raw:
+        hashed = io.BufferedReader(_Hashed(raw, digest), 1 << 20)
+        gz = path.name.lower().endswith(".gz")
+        with gzip.GzipFile(fileobj=hashed, mode="rb") if gz else nullcontext(hashed) as f:
+            yield f
+        while hashed.read(1 << 20):  # bytes after the last line (or gzip member)
+            pass
+    digest.fed = True
+
+
+def _read_jsonl(
+    path: Path,
+    spec: InputFile,
+    digest: InputDigest | None = None,
+    max_line_bytes: int | None = None,
+) -> Iterator[RawRecord]:
     wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
-    fast = jsonids.ready()  # ids straight to int32, else json.loads' own reading (issue #19)
-    with input_files.open_text(path) as f:  # plain or .gz
+    fast = jsonids.ready()  # ids straight to int32, else json.loads' own reading
+    with _jsonl_lines(path, digest) as f:
         for lineno, line in _lines(f, max_line_bytes, spec.path):
             if not line.strip():
                 continue
@@ -327,9 +389,11 @@ def raw_records(
     file: InputFile | None,
     records: list[InlineRecord] | None,
     data_dir: Path,
+    digest: InputDigest | None = None,
     max_line_bytes: int | None = None,
 ) -> Iterator[RawRecord]:
-    """The raw records of a job's input, in order; a JSONL line over ``max_line_bytes``
+    """The raw records of a job's input, in order; a JSONL file's bytes also go to ``digest``
+    (so a submission reads its file once), and a JSONL line over ``max_line_bytes``
     (:func:`line_limit`) is a 413 before it is read whole."""
     if records is not None:
         for i, r in enumerate(records):
@@ -349,7 +413,7 @@ def raw_records(
     if fmt == "jsonl":
         if path.is_dir():
             raise InvalidInputError(f"{file.path!r} is a directory: jsonl input is one file")
-        yield from _read_jsonl(path, file, max_line_bytes)
+        yield from _read_jsonl(path, file, digest, max_line_bytes)
     else:
         yield from _read_table(path, file, fmt, data_dir)
 
@@ -471,7 +535,7 @@ def scan(
     With ``keep``, the checked sequences are appended to it while they hold at most
     ``keep_tokens`` tokens in all (past that, ``keep`` is emptied and stays empty): for a valid
     input they are what :func:`sequences` yields, so a job can run from them without reading
-    and checking its input a second time (issue #19).
+    and checking its input a second time.
     """
     n = tokens = 0
     errors: list[str] = []

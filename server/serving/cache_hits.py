@@ -14,7 +14,7 @@ Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
   ``tail' = clip(tail + sum_{j >= k'} exp(logprob_j), 0, 1)`` (the dropped probability folded
   into the tail). A ``k' > k`` cannot be served or stored by that cache: every sequence is a
   **miss**, scored by the engine at ``k'``, answered as the engine returned it and **not stored**
-  (the cache keeps its k; :func:`score_above`). This holds for ``/v1/score`` and
+  (the cache keeps its k; :meth:`CacheServing.above`). This holds for ``/v1/score`` and
   ``/v1/completions`` alike; the cache's teacher identity is still checked (409 if another).
 * A **sampled** cache (``targets="sampled"``, FORMAT.md 4.4) is served only to requests with
   ``targets="sampled"`` and its sampling parameters (or none: the cache's own); any other kind
@@ -37,23 +37,23 @@ from logitcache.cache_format.writer import encode_record
 
 from ..batch import pipeline
 from ..errors import NotFoundError
+from ..inputs.records import Sequence
 from . import targets
 from .caches import check_name
+from .scoring import ScoringService
 
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
 
-    from ..inputs.records import Sequence
-    from .scoring import ScoringService
-
 
 @dataclass(frozen=True)
 class Served:
-    """Records in request order, the k they were answered at, and which came from the cache."""
+    """Records in request order, the k they were answered at, how many were newly committed
+    to the request's cache, and (with a cache) which came from it (``hits``)."""
 
     records: list[SequenceRecord]
     k: int
-    hits: list[bool]
+    hits: list[bool] | None
     stored: int
 
 
@@ -95,117 +95,121 @@ def record_bytes(rec: SequenceRecord) -> int:
     return int(rec.input_ids.nbytes + rec.topk_ids.nbytes + rec.topk_logprobs.nbytes + tail.nbytes)
 
 
-def lookup(service: ScoringService, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
-    """Stored records of the hits among ``seqs`` (index -> record); blocking (run in a thread).
+class CacheServing:
+    """On-demand answers (``/v1/score``, ``/v1/completions``): with a cache, hits read and misses
+    scored, stored and answered as stored (see the module doc); without one, scored. Checks
+    (k, cache manifest, inputs, answer size) precede any read, engine call or write; the
+    engine work is :meth:`ScoringService.admitted` (the on-demand budget)."""
 
-    A key stored with other token ids is not a hit (it is scored, and not stored again).
-    """
-    try:
-        reader = service.caches.reader(check_name(cache))
-    except NotFoundError:
-        return {}
-    found = [(i, reader.index_of(s.key)) for i, s in enumerate(seqs) if s.key in reader]
-    if not found:
-        return {}
-    recs = reader.sequences([j for _, j in found])
-    return {
-        i: rec
-        for (i, _), rec in zip(found, recs, strict=True)
-        if np.array_equal(rec.input_ids, seqs[i].input_ids)
-    }
+    def __init__(self, scoring: ScoringService):
+        self.scoring = scoring
+        self.caches = scoring.caches
+        self.metrics = scoring.metrics
 
+    async def answer(self, req: ScoreRequest, *, frames: bool = False) -> Served:
+        """``/v1/score``: check, then serve from ``req.cache`` or score without one.
 
-async def score_misses(
-    service: ScoringService, seqs: Seq[Sequence], k: int
-) -> list[SequenceRecord]:
-    """Engine-score ``seqs`` at ``k`` under the on-demand admission budget (429 when full)."""
-    return await pipeline.score_into(list(seqs), score=lambda s: service.score_admitted(s, k))
+        Tokenising and checking run in a worker thread (never on the event loop). Cancelling
+        the awaiting task (client gone, deadline passed) aborts the engine work."""
+        scoring = self.scoring
+        fmt = "frames" if frames else "json"
+        asked = targets.of_request(req)
+        if req.cache is None:
+            sampled = scoring.sampled_targets(asked)
+            k = scoring.resolve_k(req.k) if sampled is None else sampled.slots
+            seqs = await asyncio.to_thread(scoring.sequences_of, req)
+            scoring.check_answer_size(seqs, k, fmt)
+            records = await scoring.admitted(seqs, k, targets=sampled)
+            return Served(records=records, k=k, hits=None, stored=0)
+        cache = req.cache
+        if asked is None:
+            manifest, k = await asyncio.to_thread(self._cache_manifest, cache, req.k)
+        else:  # sampled: the cache's kind and parameters must match (409), k is the draws
+            manifest = await asyncio.to_thread(scoring.target_manifest, cache, None, "", asked)
+            k = manifest.k
+        seqs = await asyncio.to_thread(scoring.sequences_of, req)
+        scoring.check_answer_size(seqs, k, fmt)
+        if k > manifest.k:
+            return await self.above(seqs, k)
+        return await self.serve(cache, seqs, k, manifest)
 
+    def _cache_manifest(self, cache: str, k: int | None) -> tuple[Manifest, int]:
+        """The cache's manifest (checked against the engine) and the checked k to answer at.
 
-def _cache_manifest(service: ScoringService, cache: str, k: int | None) -> tuple[Manifest, int]:
-    """The cache's manifest (checked against the engine) and the k to answer at.
+        A ``k`` other than an existing cache's k is answered at ``k`` (below: folded from the
+        cache; above: :meth:`above`); the cache's teacher identity is checked either way
+        (:meth:`ScoringService.target_manifest`: 409 if another teacher).
+        """
+        scoring = self.scoring
+        k = scoring.check_k(k)
+        stored = scoring.stored_manifest(cache)
+        if stored is not None and k is not None and k != stored.k:
+            return scoring.target_manifest(cache, None), k
+        manifest = scoring.target_manifest(cache, k)
+        return manifest, manifest.k
 
-    A ``k`` other than an existing cache's k is answered at ``k`` (below: folded from the cache;
-    above: :func:`score_above`); the cache's teacher identity is checked either way
-    (:meth:`ScoringService.target_manifest`: 409 if another teacher).
-    """
-    stored = service.stored_manifest(cache)
-    if stored is not None and k is not None and k != stored.k:
-        manifest = service.target_manifest(cache, None)
-        return manifest, service.resolve_k(k)
-    manifest = service.target_manifest(cache, k)
-    return manifest, manifest.k
+    def lookup(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
+        """Stored records of the hits among ``seqs`` (index -> record); blocking (run in a
+        thread). A key stored with other token ids is not a hit (it is scored, and not stored
+        again)."""
+        try:
+            reader = self.caches.reader(check_name(cache))
+        except NotFoundError:
+            return {}
+        found = [(i, reader.index_of(s.key)) for i, s in enumerate(seqs) if s.key in reader]
+        if not found:
+            return {}
+        recs = reader.sequences([j for _, j in found])
+        return {
+            i: rec
+            for (i, _), rec in zip(found, recs, strict=True)
+            if np.array_equal(rec.input_ids, seqs[i].input_ids)
+        }
 
+    async def above(self, seqs: Seq[Sequence], k: int) -> Served:
+        """Answer ``seqs`` at a ``k`` above the cache's: all misses, engine-scored at ``k``,
+        returned as scored and not stored (the cache cannot hold a larger k)."""
+        records = await pipeline.one_batch(list(seqs), score=lambda s: self.scoring.admitted(s, k))
+        self.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
+        return Served(records=records, k=k, hits=[False] * len(seqs), stored=0)
 
-async def score_above(service: ScoringService, seqs: Seq[Sequence], k: int) -> Served:
-    """Answer ``seqs`` at a ``k`` above the cache's: all misses, engine-scored at ``k``, returned
-    as scored and not stored (the cache cannot hold a larger k)."""
-    records = await score_misses(service, seqs, k)
-    service.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
-    return Served(records=records, k=k, hits=[False] * len(seqs), stored=0)
+    async def serve(
+        self, cache: str, seqs: Seq[Sequence], k: int, manifest: Manifest, *, store: bool = True
+    ) -> Served:
+        """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache``: hits read, misses scored
+        at ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``."""
+        found = await asyncio.to_thread(self.lookup, cache, seqs)
+        miss_idx = [i for i in range(len(seqs)) if i not in found]
+        if store and miss_idx:  # a read-only store still serves its hits
+            await asyncio.to_thread(self.caches.check_writable, cache)
+        stored = 0
 
+        def append(_batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
+            nonlocal stored
+            if not records:
+                return
+            for i, rec in enumerate(records):  # the writer's own checks, before a cache is
+                encode_record(rec, manifest, i)  # created: a rejected request leaves none
+            with self.caches.writer(cache, manifest) as w:
+                stored += w.append(records)
 
-async def serve(
-    service: ScoringService,
-    cache: str,
-    seqs: Seq[Sequence],
-    k: int,
-    manifest: Manifest,
-    *,
-    store: bool = True,
-) -> Served:
-    """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache``: hits read, misses scored at
-    ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``."""
-    found = await asyncio.to_thread(lookup, service, cache, seqs)
-    miss_idx = [i for i in range(len(seqs)) if i not in found]
-    if store and miss_idx:  # a read-only store still serves its hits
-        await asyncio.to_thread(service.caches.check_writable, cache)
-    stored = 0
-
-    def append(_batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
-        nonlocal stored
-        if not records:
-            return
-        for i, rec in enumerate(records):  # the writer's own checks, before a cache is created:
-            encode_record(rec, manifest, i)  # a rejected request leaves no empty cache behind
-        with service.caches.writer(cache, manifest) as w:
-            stored += w.append(records)
-
-    sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
-    scored = await pipeline.score_into(
-        [seqs[i] for i in miss_idx],
-        score=lambda s: service.score_admitted(s, manifest.k, targets=sampled),
-        write=append if store else None,
-    )
-    out: list[SequenceRecord | None] = [None] * len(seqs)
-    for i, rec in found.items():
-        out[i] = fold_k(rec, k)
-    for i, rec in zip(miss_idx, scored, strict=True):
-        out[i] = fold_k(as_stored(rec, manifest), k)
-    records = [r for r in out if r is not None]
-    hits = [i in found for i in range(len(seqs))]
-    service.metrics.cache_served(
-        hits=len(found),
-        misses=len(miss_idx),
-        tokens_saved=sum(seqs[i].length for i in found),
-        bytes_served=sum(record_bytes(records[i]) for i in found),
-    )
-    return Served(records=records, k=k, hits=hits, stored=stored)
-
-
-async def score_with_cache(service: ScoringService, req: ScoreRequest, *, frames: bool) -> Served:
-    """``/v1/score`` with ``cache``: checks (manifest, k, inputs, answer size) precede any read,
-    engine call or write; then :func:`serve`."""
-    cache = req.cache
-    assert cache is not None
-    asked = targets.of_request(req)
-    if asked is None:
-        manifest, k = await asyncio.to_thread(_cache_manifest, service, cache, req.k)
-    else:  # sampled: the cache's kind and parameters must match (409), k is the draws
-        manifest = await asyncio.to_thread(targets.target_manifest, service, cache, None, "", asked)
-        k = manifest.k
-    seqs = await asyncio.to_thread(service.sequences_of, req)
-    service.check_response_size(seqs, k, frames=frames)
-    if k > manifest.k:
-        return await score_above(service, seqs, k)
-    return await serve(service, cache, seqs, k, manifest)
+        sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
+        scored = await pipeline.one_batch(
+            [seqs[i] for i in miss_idx],
+            score=lambda s: self.scoring.admitted(s, manifest.k, targets=sampled),
+            write=append if store else None,
+        )
+        out: list[SequenceRecord | None] = [None] * len(seqs)
+        for i, rec in found.items():
+            out[i] = fold_k(rec, k)
+        for i, rec in zip(miss_idx, scored, strict=True):
+            out[i] = fold_k(as_stored(rec, manifest), k)
+        records = [r for r in out if r is not None]
+        hits = [i in found for i in range(len(seqs))]
+        self.metrics.cache_served(
+            hits=len(found),
+            misses=len(miss_idx),
+            tokens_saved=sum(seqs[i].length for i in found),
+            bytes_served=sum(record_bytes(records[i]) for i in found),
+        )
+        return Served(records=records, k=k, hits=hits, stored=stored)

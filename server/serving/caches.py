@@ -34,11 +34,15 @@ from logitcache.cache_format.spec import ROOT_ATTR, layout_named
 from .. import paths
 from ..engine.identity import teacher_identity
 from ..errors import (
+    CacheBrokenError,
+    CacheIncompleteError,
     ConflictError,
     InvalidCacheNameError,
     NotACacheError,
     NotFoundError,
+    ServiceError,
     StoreNotWritableError,
+    public_message,
 )
 
 if TYPE_CHECKING:
@@ -90,7 +94,7 @@ def is_url(root: str) -> bool:
     return "://" in root
 
 
-#: Seconds a cache's writer stays open after its last user has finished (issue #19): the next job
+#: Seconds a cache's writer stays open after its last user has finished: the next job
 #: into the cache within that time reuses it, loading only the keys committed since
 #: (:meth:`CacheWriter.refresh`) instead of opening a new writer, which reads every committed
 #: key (O(sequences): ~2 us of CPU per key, seconds at a million sequences), and its first append
@@ -144,6 +148,18 @@ class WriterHandle:
         return [k for k in keys if not w.contains(k)]
 
 
+#: Why a store left by a crash during its creation is not usable (:func:`incomplete_reason`).
+NO_ROOT = (
+    "creation was interrupted before its root zarr.json was written; no sequence was "
+    "committed. Writing to it again (a job, or a score request naming this cache) completes it"
+)
+ROOT_MARKED = (
+    "creation was interrupted while its arrays were created (root zarr.json marked "
+    f"{INCOMPLETE_ATTR!r}, no manifest); no sequence was committed. Writing to it again "
+    "(a job, or a score request naming this cache) completes it"
+)
+
+
 class CacheRegistry:
     """Resolves cache names to store URLs, lists caches, and shares one writer per cache.
 
@@ -161,7 +177,7 @@ class CacheRegistry:
     ):
         """``idle_s``/``keep_idle``: how long and how many of the caches' writers stay open
         after their last user (:data:`WRITER_IDLE_S`, :data:`KEEP_IDLE_WRITERS`; ``0``: closed
-        at once, as before session 10)."""
+        at once)."""
         if not is_url(root):
             root = str(Path(root).expanduser().resolve())
             Path(root).mkdir(parents=True, exist_ok=True)
@@ -231,6 +247,64 @@ class CacheRegistry:
                 self._readers.pop(name, None)
             raise NotFoundError(f"no cache named {name!r}") from e
 
+    def incomplete_reason(self, name: str) -> str | None:
+        """Why ``name`` is a store whose creation was interrupted (a crash inside
+        ``CacheWriter._create``, FORMAT.md's create order: root marked incomplete, arrays, then the
+        manifest), or None if it is not one. Two on-disk states: a non-empty local folder without a
+        root ``zarr.json`` (killed before the first write; e.g. only the writer's lock file), or a
+        root ``zarr.json`` whose attributes carry the incomplete mark and no manifest (killed while
+        the arrays were created). Neither holds committed data, and the writer's next ``open``
+        re-creates such a store, so that is the repair; without a manifest nothing else can be."""
+        if not is_url(self.root):
+            d = Path(self.root) / name
+            try:
+                if not d.is_dir():
+                    return None
+                if not (d / "zarr.json").exists():
+                    return NO_ROOT if any(d.iterdir()) else None
+            except OSError:
+                return None
+        try:
+            attrs = read_root_attrs(self.store(name))
+        except Exception:  # noqa: BLE001 - unreadable: broken, not incomplete
+            return None
+        if attrs is not None and ROOT_ATTR not in attrs and attrs.get(INCOMPLETE_ATTR):
+            return ROOT_MARKED
+        return None
+
+    def open_reader(self, name: str) -> CacheReader:
+        """The reader of ``name``: 404 if absent, 409 ``cache_incomplete`` / ``cache_broken`` if its
+        store exists but cannot be used (message without paths)."""
+        try:
+            return self.reader(name)
+        except Exception as e:  # noqa: BLE001 - any failure to open is reported, not a 500
+            reason = self.incomplete_reason(name)
+            if reason is not None:
+                raise CacheIncompleteError(f"cache {name!r} is incomplete: {reason}") from None
+            if isinstance(e, ServiceError):
+                raise
+            log.warning("cache %r cannot be opened: %r", name, e)
+            raise CacheBrokenError(
+                f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
+            ) from None
+
+    def incomplete(self) -> dict[str, str]:
+        """Every store under a local root whose creation was interrupted, with the reason (what
+        start-up logs and ``GET /v1/caches`` lists)."""
+        if is_url(self.root):
+            return {}
+        try:
+            folders = sorted(p.name for p in Path(self.root).iterdir() if p.is_dir())
+        except OSError:
+            return {}
+        out = {}
+        for name in folders:
+            if NAME_PATTERN.fullmatch(name) and ".." not in name:
+                reason = self.incomplete_reason(name)
+                if reason is not None:
+                    out[name] = reason
+        return out
+
     def store(self, name: str) -> Any:
         """The read-only zarr store of cache ``name`` (opened once; raw object reads)."""
         url = self.url(name)
@@ -245,10 +319,9 @@ class CacheRegistry:
         """The committed manifest of cache ``name``, or ``None`` if the cache does not exist
         (or holds no committed manifest: the next writer creates it).
 
-        Read from the root ``zarr.json`` alone (issue #19): a job asks twice (at submission and
-        at its start), and the kept reader's refresh, which this used, also loads the new part
-        of the sequence index: ~5.5 ms of CPU per call at 2K sequences, ~11 ms of a job's fixed
-        cost. A root that cannot be read raises, as the reader did."""
+        Read from the root ``zarr.json`` alone: a job asks twice (at submission and at its
+        start), and a reader's refresh would also load the new part of the sequence index
+        (~5.5 ms of CPU per call at 2K sequences). A root that cannot be read raises."""
         try:
             attrs = read_root_attrs(self.store(name))
         except (StoreNotFoundError, FileNotFoundError):
@@ -259,7 +332,7 @@ class CacheRegistry:
             raise NotACacheError(f"{name!r} holds a zarr group that is not a logitcache cache")
         try:
             return parse_root(attrs)
-        except (StoreNotFoundError, ManifestError):  # not committed yet, or unreadable as before
+        except (StoreNotFoundError, ManifestError):  # not committed yet, or no manifest to read
             return None
 
     def check_writable(self, name: str) -> None:

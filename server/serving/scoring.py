@@ -8,13 +8,11 @@ neither costs engine time nor writes anything.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from logitcache.cache_format import Manifest, SequenceRecord
@@ -34,7 +32,7 @@ from ..errors import (
 )
 from ..inputs.records import Limits, RawRecord, Sequence, to_sequence
 from .caches import CacheRegistry, check_name, expected_manifest
-from .targets import of_request, resolve
+from .targets import resolve, with_targets
 
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
@@ -47,19 +45,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("logitcache.server.scoring")
 
 
-@dataclass(frozen=True)
-class ScoreResult:
-    """Scored records, the k used, and how many were newly committed to the request's cache."""
-
-    records: list[SequenceRecord]
-    k: int
-    stored: int
-    hits: list[bool] | None = None
-    """With a cache: per sequence, whether it was served from the cache (``cache_hits``)."""
+#: Upper-bound bytes of an answer, per format: per top-k value, per row, per token and per
+#: sequence. JSON: an id of up to 10 digits and a float of up to 22 characters with separators,
+#: the tail per row, ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions:
+#: vLLM's per-id dict (logprob, rank, decoded token) for every value.
+ANSWER_BYTES: dict[str, tuple[int, int, int, int]] = {
+    "json": (34, 30, 12, 200),
+    "frames": (8, 4, 12, 200),
+    "completions": (80, 0, 0, 200),
+}
+#: What to change when an answer would be over ``max_response_bytes``, per format.
+SMALLER_ANSWER = {
+    "json": "send fewer or shorter sequences, a smaller k, or ask for frames "
+    "(Accept: application/x-logitcache-frames)",
+    "frames": "send fewer or shorter sequences, a smaller k, or ask for frames "
+    "(Accept: application/x-logitcache-frames)",
+    "completions": "send fewer or shorter prompts or a smaller prompt_logprobs",
+}
 
 
 class ScoringService:
-    """Turns requests into engine calls and records; optionally stores them in a named cache."""
+    """Checks on-demand requests against the engine and the limits, and scores checked
+    sequences under the on-demand admission budget (no cache logic: see
+    :class:`~.cache_hits.CacheServing`, which calls this)."""
 
     def __init__(
         self,
@@ -88,36 +96,54 @@ class ScoringService:
 
     # --- checks ---------------------------------------------------------------------------
 
-    def resolve_k(self, k: int | None) -> int:
-        """The request's ``k``, or :attr:`default_k` when it names none. The one range check of
-        a request's k (the engine's :func:`~.engine.protocol.check_k`: ``1 <= k <= max_k``);
-        422 otherwise, before any engine work."""
+    def check_k(self, k: int | None) -> int | None:
+        """The one range check of a request's or job's ``k`` (the engine's
+        :func:`~.engine.protocol.check_k`: ``1 <= k <= max_k``); 422 otherwise, before any
+        engine work. ``None`` (the request names none) stays ``None``."""
         if k is None:
-            return self.default_k
+            return None
         info = self.engine.info
         try:
             return check_k(k, info.max_k, info.vocab_size)
         except EngineInputError as e:
             raise InvalidInputError(str(e)) from None
 
-    def expected_manifest(self, k: int | None = None, dataset: str = "") -> Manifest:
-        """The manifest of a new cache written by this server's engine at ``k`` (checked)."""
+    def resolve_k(self, k: int | None) -> int:
+        """The request's checked ``k``, or :attr:`default_k` when it names none."""
+        checked = self.check_k(k)
+        return self.default_k if checked is None else checked
+
+    def expected_manifest(self, k: int, dataset: str = "") -> Manifest:
+        """The manifest of a new cache written by this server's engine at a checked ``k``."""
         return expected_manifest(
-            self.engine.info,
-            k=self.resolve_k(k),
-            logprob_dtype=self.settings.logprob_dtype,
-            dataset=dataset,
+            self.engine.info, k=k, logprob_dtype=self.settings.logprob_dtype, dataset=dataset
         )
 
-    def target_manifest(self, cache: str, k: int | None, dataset: str = "") -> Manifest:
-        """The manifest to write ``cache`` with: an existing cache's own (its k when ``k`` is
-        None), else a new one at ``k``. ConflictError if the cache holds another teacher or k.
-        """
+    def target_manifest(
+        self,
+        cache: str,
+        k: int | None,
+        dataset: str = "",
+        asked: SampledTargets | str | None = None,
+    ) -> Manifest:
+        """The manifest to write ``cache`` with for a checked ``k`` (:meth:`check_k`) and the
+        asked target kind (:func:`.targets.of_request`).
+
+        Top-k: an existing cache's own (its k when ``k`` is None), else a new one at ``k`` (or
+        :attr:`default_k`). Sampled: the parameters (:func:`.targets.resolve`, checked against
+        the engine: 422) and a new cache's manifest at ``k = head + draws``. Either way a
+        :class:`ConflictError` if the cache holds another teacher, kind, k or sampling
+        parameters, and 422 if an existing cache's k is beyond this engine's."""
         name = check_name(cache)
-        expected = self.expected_manifest(k, dataset)
+        if asked is not None:
+            chosen = self._sampled(resolve(asked, self.stored_manifest(name)))
+            expected = with_targets(self.expected_manifest(self.default_k, dataset), chosen)
+            return self.caches.target_manifest(name, expected, k=None)
+        expected = self.expected_manifest(self.default_k if k is None else k, dataset)
         with _broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
-        self.resolve_k(manifest.k)
+        if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
+            self.check_k(manifest.k)
         return manifest
 
     def stored_manifest(self, cache: str) -> Manifest | None:
@@ -127,13 +153,22 @@ class ScoringService:
         with _broken_store(name):
             return self.caches.manifest(name)
 
+    def sampled_targets(self, asked: SampledTargets | str | None) -> SampledTargets | None:
+        """The sampled-target parameters of a request without a cache (``None``: top-k),
+        checked against the engine (422); ``"sampled"``: the defaults of :mod:`.targets`."""
+        return None if asked is None else self._sampled(resolve(asked, None))
+
+    def _sampled(self, chosen: SampledTargets | None) -> SampledTargets | None:
+        if chosen is None:
+            return None
+        try:
+            return check_sampled(chosen, self.engine.info.vocab_size)
+        except EngineInputError as e:
+            raise InvalidInputError(str(e)) from None
+
     def sequences_of(self, req: ScoreRequest) -> list[Sequence]:
         """The request's checked, keyed sequences (tokenising texts)."""
         n = req.num_sequences
-        if n > self.settings.max_score_sequences:
-            raise PayloadTooLargeError(
-                f"{n} sequences exceed the limit of {self.settings.max_score_sequences} per request"
-            )
         keys: Seq[str | None] = req.keys if req.keys is not None else [None] * n
         if req.keys is not None:
             if any(not k for k in req.keys):
@@ -150,42 +185,31 @@ class ScoringService:
                 RawRecord(where=f"input_ids[{i}]", id=keys[i], text=None, input_ids=ids)
                 for i, ids in enumerate(req.input_ids or [])
             ]
+        return self.checked(raws, n, "sequences", " per request")
+
+    def checked(self, raws: Seq[RawRecord], n: int, noun: str, per: str = "") -> list[Sequence]:
+        """Checked sequences of ``n`` raw records of one request (``noun``: what the limit's
+        message calls them); 413 over ``max_score_sequences``."""
+        limit = self.settings.max_score_sequences
+        if n > limit:
+            raise PayloadTooLargeError(f"{n} {noun} exceed the limit of {limit}{per}")
         return [to_sequence(r, self.engine.tokenize, self.limits) for r in raws]
 
-    # --- scoring --------------------------------------------------------------------------
-
-    async def score_sequences(
-        self,
-        seqs: Seq[Sequence],
-        k: int,
-        *,
-        source: str,
-        targets: SampledTargets | None = None,
-    ) -> list[SequenceRecord]:
-        """Score checked sequences with the engine; one record per sequence, input order
-        (:func:`.pipeline.score_records`, timed under ``source``; ``targets``: sampled rows)."""
-        return await pipeline.score_records(
-            self.engine, seqs, k, metrics=self.metrics, source=source, targets=targets
-        )
-
-    def check_response_size(self, seqs: Seq[Sequence], k: int, *, frames: bool) -> None:
-        """413 before any engine work if the answer would exceed ``max_response_bytes``.
-
-        Upper-bound estimate per row: JSON ``k * 34 + 30`` bytes (an id of up to 10 digits and a
-        float of up to 22 characters with separators, plus the tail), frames ``k * 8 + 4``; per
-        token ``12`` bytes of ``input_ids``.
-        """
+    def check_answer_size(self, seqs: Seq[Sequence], k: int, answer: str) -> None:
+        """413 before any engine work if the answer (``answer``: a format of
+        :data:`ANSWER_BYTES`) could exceed ``max_response_bytes`` (an upper-bound estimate)."""
+        per_value, per_row, per_token, per_seq = ANSWER_BYTES[answer]
         tokens = sum(s.length for s in seqs)
         rows = tokens - len(seqs)
-        per_row = k * 8 + 4 if frames else k * 34 + 30
-        size = rows * per_row + tokens * 12 + 200 * len(seqs)
+        size = rows * (k * per_value + per_row) + tokens * per_token + per_seq * len(seqs)
         limit = self.settings.max_response_bytes
         if size > limit:
             raise PayloadTooLargeError(
-                f"the answer would take about {size} bytes, over the limit of {limit}: send fewer "
-                "or shorter sequences, a smaller k, or ask for frames "
-                "(Accept: application/x-logitcache-frames)"
+                f"the answer would take about {size} bytes, over the limit of {limit}: "
+                + SMALLER_ANSWER[answer]
             )
+
+    # --- scoring --------------------------------------------------------------------------
 
     def admit(self, tokens: int) -> None:
         """Take ``tokens`` of the on-demand budget or raise :class:`OverloadedError` (429)."""
@@ -196,48 +220,21 @@ class ScoringService:
                 retry_after=self.gate.retry_after(),
             )
 
-    async def score(self, req: ScoreRequest, *, frames: bool = False) -> ScoreResult:
-        """Check, admit, score and (if ``req.cache``) store; all checks precede engine and store.
-
-        Tokenising and checking run in a worker thread (never on the event loop). Cancelling
-        the awaiting task (client gone, deadline passed) aborts the engine work.
-        """
-        if req.cache is not None:  # hits from the cache, misses scored and stored
-            from .cache_hits import score_with_cache
-
-            got = await score_with_cache(self, req, frames=frames)
-            return ScoreResult(records=got.records, k=got.k, stored=got.stored, hits=got.hits)
-        sampled = self.sampled_targets(req)
-        k = self.resolve_k(req.k) if sampled is None else sampled.slots
-        seqs = await asyncio.to_thread(self.sequences_of, req)
-        self.check_response_size(seqs, k, frames=frames)
-        records = await self.score_admitted(seqs, k, targets=sampled)
-        return ScoreResult(records=records, k=k, stored=0)
-
-    def sampled_targets(self, req: ScoreRequest) -> SampledTargets | None:
-        """The request's sampled-target parameters (``None``: top-k), checked against the
-        engine (422); without ``sampling``, the defaults of :mod:`.targets`."""
-        asked = of_request(req)
-        if asked is None:
-            return None
-        try:
-            return check_sampled(resolve(asked, None), self.engine.info.vocab_size)
-        except EngineInputError as e:
-            raise InvalidInputError(str(e)) from None
-
-    async def score_admitted(
+    async def admitted(
         self, seqs: Seq[Sequence], k: int, *, targets: SampledTargets | None = None
     ) -> list[SequenceRecord]:
-        """Engine-score ``seqs`` at ``k`` (or sampled rows with ``targets``) under the on-demand
-        admission budget (429 when full); the budget's token rate learns only from requests
-        that finished."""
+        """Engine records of ``seqs`` at ``k`` (or sampled rows with ``targets``) under the
+        on-demand admission budget (429 when full); the budget's token rate learns only from
+        requests that finished. Cancelling the awaiting task aborts the engine work."""
         tokens = sum(s.length for s in seqs)
         self.admit(tokens)
         self.active += 1
         t0 = time.perf_counter()
         finished = False
         try:
-            records = await self.score_sequences(seqs, k, source="score", targets=targets)
+            records = await pipeline.engine_records(
+                self.engine, seqs, k, metrics=self.metrics, source="score", targets=targets
+            )
             finished = True
         finally:
             self.active -= 1

@@ -1,4 +1,4 @@
-"""The target kind of a request or job: top-k rows or sampled targets (issue #12).
+"""The target kind of a request or job: top-k rows or sampled targets.
 
 A request (``/v1/score``, ``/v1/jobs``) names ``targets`` (``"topk"``, the default, or
 ``"sampled"``) and, for ``"sampled"``, optionally ``sampling = {draws, proposal_temperature,
@@ -12,30 +12,27 @@ seed, head}`` (FORMAT.md 4.4; the engine contract in ``server/engine/protocol.py
   cache's is a 409 (``ConflictError`` from ``CacheRegistry.target_manifest``).
 
 The kind then travels as the manifest written: :func:`targets_of` gives the engine call's
-:class:`~.engine.SampledTargets` (``None`` for top-k) and :func:`score_rows` makes the call.
+:class:`~.engine.SampledTargets` (``None`` for top-k), which
+:func:`~logitcache.server.batch.pipeline.call_engine` passes on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from logitcache.cache_format import Manifest
+from logitcache.protocol import SamplingOptions
 
-from ..engine.protocol import EngineInputError, SampledTargets, check_sampled
+from ..engine.protocol import SampledTargets
 from ..errors import InvalidInputError
-from .caches import check_name
-
-if TYPE_CHECKING:
-    from ..engine import TeacherEngine, TeacherScores
-    from ..inputs.records import Sequence
-    from .scoring import ScoringService
 
 #: Draws per row of a sampled request that names none (and no existing cache gives them).
 DEFAULT_DRAWS = 64
 
 
-def requested(targets: str | None, sampling: Any, k: int | None) -> SampledTargets | str | None:
+def requested(
+    targets: str | None, sampling: SamplingOptions | None, k: int | None
+) -> SampledTargets | str | None:
     """What a request asks for: ``None`` (top-k), ``"sampled"`` (sampled, parameters from the
     cache or the defaults) or a :class:`SampledTargets`. 422 on a contradiction."""
     kind = targets or "topk"
@@ -53,7 +50,7 @@ def requested(targets: str | None, sampling: Any, k: int | None) -> SampledTarge
         draws=int(sampling.draws),
         proposal_temperature=float(sampling.proposal_temperature),
         seed=int(sampling.seed),
-        head=int(getattr(sampling, "head", 0)),
+        head=int(sampling.head),
     )
 
 
@@ -61,38 +58,31 @@ def resolve(asked: SampledTargets | str | None, stored: Manifest | None) -> Samp
     """The parameters to use: ``"sampled"`` takes a sampled cache's own, else the defaults."""
     if asked != "sampled":
         return asked if isinstance(asked, SampledTargets) else None
+    return cache_or_default(stored)
+
+
+def cache_or_default(stored: Manifest | None) -> SampledTargets:
+    """A sampled cache's own parameters, else :data:`DEFAULT_DRAWS` draws at proposal
+    temperature 1 and seed 0."""
     if stored is not None and stored.targets == "sampled" and stored.sampling is not None:
         return SampledTargets.from_manifest(stored.sampling)
     return SampledTargets(draws=DEFAULT_DRAWS)
 
 
-def of_request(req: Any) -> SampledTargets | str | None:
-    """:func:`requested` of a ``ScoreRequest`` or ``JobCreate`` (``targets``, ``sampling``,
-    ``k``; a stored job spec from before these fields reads as top-k)."""
-    return requested(getattr(req, "targets", None), getattr(req, "sampling", None), req.k)
+class Asks(Protocol):
+    """What :func:`of_request` reads of a ``ScoreRequest`` or ``JobCreate``."""
+
+    @property
+    def targets(self) -> str: ...
+    @property
+    def sampling(self) -> SamplingOptions | None: ...
+    @property
+    def k(self) -> int | None: ...
 
 
-def target_manifest(
-    service: ScoringService,
-    cache: str,
-    k: int | None,
-    dataset: str,
-    asked: SampledTargets | str | None,
-) -> Manifest:
-    """The manifest to write ``cache`` with for the asked kind (top-k:
-    ``ScoringService.target_manifest``). Sampled: the parameters (:func:`resolve`, checked
-    against the engine: 422), a new cache's manifest at ``k = draws``, and for an existing cache
-    the 409 on any other teacher, kind or sampling parameters (``head`` included)."""
-    if asked is None:
-        return service.target_manifest(cache, k, dataset)
-    name = check_name(cache)
-    stored = service.stored_manifest(name)
-    try:
-        chosen = check_sampled(resolve(asked, stored), service.engine.info.vocab_size)
-    except EngineInputError as e:
-        raise InvalidInputError(str(e)) from None
-    expected = with_targets(service.expected_manifest(None, dataset), chosen)
-    return service.caches.target_manifest(name, expected, k=None)
+def of_request(req: Asks) -> SampledTargets | str | None:
+    """:func:`requested` of a ``ScoreRequest`` or ``JobCreate``."""
+    return requested(req.targets, req.sampling, req.k)
 
 
 def with_targets(expected: Manifest, targets: SampledTargets | None) -> Manifest:
@@ -110,16 +100,3 @@ def targets_of(manifest: Manifest) -> SampledTargets | None:
     if manifest.targets != "sampled" or manifest.sampling is None:
         return None
     return SampledTargets.from_manifest(manifest.sampling)
-
-
-async def score_rows(
-    engine: TeacherEngine, seqs: Seq[Sequence], k: int, targets: SampledTargets | None
-) -> list[TeacherScores]:
-    """One engine call: top-``k`` rows, or sampled rows seeded by each sequence's key."""
-    prompts = [s.input_ids for s in seqs]  # int32 arrays: check_prompts makes the lists once
-    if targets is None:
-        return await engine.score(prompts, k)
-    sample = getattr(engine, "score_sampled", None)
-    if sample is None:
-        raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
-    return await sample(prompts, [s.key for s in seqs], targets)

@@ -28,7 +28,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
 from ...errors import public_message, public_name
-from ..jobs import public_status
+from ..deps import public_status
 from . import auth, pages
 from .summary import CacheSummaries
 

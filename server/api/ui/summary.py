@@ -12,9 +12,14 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...errors import public_message, public_name
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import CacheReader
+
+    from ...serving.caches import CacheRegistry
 
 #: Mean top-k mass below which the page (and ``logitcache info``) warns.
 LOW_COVERAGE = 0.9
@@ -42,7 +47,7 @@ class CacheSummary:
         return self.coverage is not None and self.coverage < LOW_COVERAGE
 
 
-def summarize_cache(name: str, reader: Any) -> CacheSummary:
+def summarize_cache(name: str, reader: CacheReader) -> CacheSummary:
     """Size (stored bytes, bytes per position) and coverage of one cache."""
     from logitcache.cache_format.stats import store_stats, tail_summary
 
@@ -79,17 +84,15 @@ class CacheSummaries:
         self._memo: dict[str, tuple[int, CacheSummary]] = {}
         self._lock = threading.Lock()
 
-    def all(self, caches: Any) -> list[CacheSummary]:
-        from ..caches import incomplete_caches, open_reader
-
+    def all(self, caches: CacheRegistry) -> list[CacheSummary]:
         out = []
-        incomplete = incomplete_caches(caches)
+        incomplete = caches.incomplete()
         for name in sorted(set(caches.names()) | set(incomplete)):
             if name in incomplete:
                 out.append(_broken(name, Exception(f"incomplete: {incomplete[name]}")))
                 continue
             try:
-                reader = open_reader(caches, name)
+                reader = caches.open_reader(name)
             except Exception as e:  # an empty, incomplete or broken cache is listed, not fatal
                 out.append(_broken(name, e))
                 continue
@@ -100,7 +103,7 @@ class CacheSummaries:
                 continue
             try:
                 s = summarize_cache(name, reader)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a cache the page cannot summarise is listed
                 out.append(_broken(name, e))
                 continue
             with self._lock:
