@@ -1,10 +1,10 @@
 """The FastAPI application factory: ``create_app(settings, engine=None)``.
 
 No import-time singletons: every app owns its settings, metrics registry, engine and job runner.
-The lifespan builds the engine (unless one is given, e.g. by a test or an embedding program, in
-which case the caller keeps ownership and closes it), opens the job table, starts the job runner
-(resuming interrupted jobs), and on shutdown stops the runner, closes the cache writers and the
-engine it built.
+The lifespan builds the engine, supervised (restarted when it dies; unless one is given, e.g. by a
+test or an embedding program, in which case the caller keeps ownership and closes it), opens the
+job table, starts the job runner (resuming interrupted jobs), and on shutdown stops the runner,
+closes the cache writers and the engine it built.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def _operation_id(route: APIRoute) -> str:
 
 
 async def _build_engine(settings: ServerSettings) -> TeacherEngine:
-    from .engine import build_engine
+    """The configured engine, supervised: restarted when it dies (:mod:`.engine.supervisor`)."""
+    from .engine import SupervisedEngine, build_engine
 
-    engine = build_engine(settings)
-    if asyncio.iscoroutine(engine):
-        engine = await engine
-    return engine  # type: ignore[return-value]
+    engine = SupervisedEngine(lambda: build_engine(settings))
+    await engine.start()
+    return engine
 
 
 #: Age after which a ``*.partial`` temporary file under a local store root is a crash leftover.

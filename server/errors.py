@@ -9,6 +9,7 @@ so routes hold no ``try``/``except``. Every 4xx is raised *before* anything is w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from typing import TYPE_CHECKING, Any
@@ -283,12 +284,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, code, str(exc.detail), headers=headers or None)
 
     async def on_engine_error(_request: Request, exc: Exception) -> Response:
-        from .engine import EngineInputError
+        from .engine import EngineInputError, EngineUnavailableError
 
         if isinstance(exc, EngineInputError):
             return error_response(422, "invalid_input", str(exc))
-        log.error("engine error: %s", exc)
-        return error_response(503, "engine_unavailable", str(exc), headers={"Retry-After": "5"})
+        if isinstance(exc, EngineUnavailableError):  # the supervisor logged the death once
+            log.info("engine unavailable: %s", exc)
+        else:
+            log.error("engine error: %s", exc)
+        retry = max(1, math.ceil(getattr(exc, "retry_after", 5)))
+        return error_response(
+            503, "engine_unavailable", str(exc), headers={"Retry-After": str(retry)}
+        )
 
     async def on_validation_error(_request: Request, exc: RequestValidationError) -> Response:
         details = _validation_details(exc.errors())

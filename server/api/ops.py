@@ -9,6 +9,7 @@ from fastapi import APIRouter, Response
 from logitcache.protocol import ErrorResponse, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..engine import EngineUnavailableError, SupervisedEngine
 from .deps import ServicesDep, public_model
 
 router = APIRouter(tags=["ops"])
@@ -27,11 +28,22 @@ def _version() -> str:
 @router.get(
     "/health",
     response_model=Health,
-    responses={503: {"model": ErrorResponse, "description": "starting or stopping"}},
+    responses={
+        503: {
+            "model": ErrorResponse,
+            "description": "starting or stopping (`unavailable`), or the engine has died and is "
+            "being restarted (`engine_unavailable`, with `Retry-After`)",
+        }
+    },
 )
 async def health(services: ServicesDep) -> Health:
-    """Liveness and readiness: 200 once the engine is loaded (503 while starting)."""
-    info = services.engine.info
+    """Liveness and readiness: 200 while the engine can score; 503 while starting, stopping, or
+    while a dead engine is restarted (no engine call: the engine's own liveness flag)."""
+    engine = services.engine
+    if not getattr(engine, "alive", True):
+        retry = engine.retry_after() if isinstance(engine, SupervisedEngine) else 5.0
+        raise EngineUnavailableError("the teacher engine is not running", retry_after=retry)
+    info = engine.info
     k = services.scoring.default_k
     return Health(model=public_model(info.model_id), k=k, version=_version())
 

@@ -497,6 +497,7 @@ def _final_manifest(
 
 # --- CLI -----------------------------------------------------------------------------------
 
+
 def _fail(code: str, message: str, detail: Any = None) -> None:
     """One JSON line on stderr (the CLI's error form)."""
     body: dict[str, Any] = {"error": code, "message": message}

@@ -40,6 +40,7 @@ from logitcache.cache_format.errors import StoreNotFoundError
 from logitcache.cache_format.layout import parse_root, read_root_attrs
 from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
 
+from ..engine import EngineUnavailableError, SupervisedEngine
 from ..errors import ConflictError, PayloadTooLargeError, ServiceError
 from ..inputs import jsonids
 from ..inputs import records as inputs
@@ -124,6 +125,11 @@ def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingO
     return "sampled", SamplingOptions.from_manifest(sampling)
 
 
+#: Engine deaths in a row without a committed sequence after which a job fails (the engine
+#: crashes on its input) instead of waiting for the restarted engine again.
+MAX_ENGINE_DEATHS = 3
+
+
 class JobRunner:
     """Owns the job loop: submit, list, status, cancel; runs queued jobs in the background."""
 
@@ -148,6 +154,8 @@ class JobRunner:
         self._cancel = threading.Event()
         self._stats: dict[str, _RunStats] = {}
         self._kinds: dict[str, tuple[str, SamplingOptions | None]] = {}  # job id -> targets
+        # job id -> (sequences done, engine deaths in a row at that count)
+        self._engine_deaths: dict[str, tuple[int, int]] = {}
         # job id -> (tokens, sequences): the checked input of a job not yet started
         self._kept: dict[str, tuple[int, list[inputs.Sequence]]] = {}
         metrics.watch_job_states(self.store.count_by_state)
@@ -379,6 +387,26 @@ class JobRunner:
                 await asyncio.to_thread(self.store.finish, job.id, JobState.cancelled)
         except asyncio.CancelledError:
             raise
+        except EngineUnavailableError as e:
+            if not isinstance(self.scoring.engine, SupervisedEngine):  # nothing restarts it
+                log.warning("job %s failed: %s", job.id, e)
+                await asyncio.to_thread(self.store.finish, job.id, JobState.failed, str(e))
+                return
+            # the engine died mid-job and is being restarted: the job waits and resumes from
+            # its committed sequences, unless the engine keeps dying on it without progress
+            done = (await asyncio.to_thread(self.store.get, job.id)).sequences_done
+            last, deaths = self._engine_deaths.get(job.id, (-1, 0))
+            deaths = deaths + 1 if done == last else 1
+            self._engine_deaths[job.id] = (done, deaths)
+            if deaths >= MAX_ENGINE_DEATHS:
+                error = f"the engine died {deaths} times on this job without progress: {e}"
+                log.warning("job %s failed: %s", job.id, error)
+                await asyncio.to_thread(self.store.finish, job.id, JobState.failed, error)
+                return
+            log.warning("job %s paused: %s", job.id, e)
+            await asyncio.to_thread(self.store.requeue_interrupted)
+            while not self._stopping and not self.scoring.engine.alive:
+                await asyncio.sleep(0.5)
         except ServiceError as e:
             log.warning("job %s failed: %s", job.id, e.message)
             await asyncio.to_thread(self.store.finish, job.id, JobState.failed, e.message)

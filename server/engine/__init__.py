@@ -13,6 +13,7 @@ Modules (arrows are the only imports allowed inside the package; tests/test_pack
   engine's prompt logprobs over as arrays (no Python lists); :mod:`.vllm_sampling` draws sampled
   targets inside vLLM's worker; :mod:`.reaper` ends the engine's processes with the server.
 * :mod:`.factory` — :func:`build_engine` (-> config, backends, lazily).
+* :mod:`.supervisor` — :class:`SupervisedEngine`: restarts an engine that died (-> protocol).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .protocol import (
     EngineError,
     EngineInfo,
     EngineInputError,
+    EngineUnavailableError,
     SampledTargets,
     SamplingTeacherEngine,
     ScoreTimings,
@@ -48,6 +50,7 @@ from .protocol import (
     check_sampled,
     make_scores,
 )
+from .supervisor import SupervisedEngine
 
 __all__ = [
     "BACKEND_ALIASES",
@@ -60,9 +63,11 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "EngineInputError",
+    "EngineUnavailableError",
     "HfOptions",
     "SampledTargets",
     "SamplingTeacherEngine",
+    "SupervisedEngine",
     "ScoreTimings",
     "TeacherEngine",
     "TeacherScores",

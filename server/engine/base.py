@@ -61,6 +61,11 @@ class BaseEngine:
     async def _close(self) -> None:
         """Release the backend's resources (called once)."""
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine can score (not closed, its processes running)."""
+        return not self._closed
+
     # --- TeacherEngine ----------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:

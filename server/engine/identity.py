@@ -9,19 +9,21 @@ apart).
 
 ``weights_hash(model)``: ``"sha256:<hex>"`` over every weight file (``*.safetensors``, ``*.bin``,
 ``*.pt``; sorted by name) of a local model directory (or a hub id already in the local hub
-cache): its name, its size, and :data:`SAMPLES` blocks of :data:`BLOCK` bytes at evenly spaced
-offsets covering the first and last bytes (for ``.safetensors`` the whole JSON header is hashed
-too, which names every tensor, dtype and offset). Re-training, re-quantising or replacing the
-weights changes essentially every byte, so this detects a replaced teacher while reading only a
-few MiB per file, whatever the model's size; it is not a tamper check (a single edited byte
-between two samples goes unseen — set an explicit ``--revision`` for that). Results are cached
-in-process by ``(path, size, mtime_ns)`` of every file, so a server computes it once.
+cache): each file's name, size and the sha256 of its whole content, so a change to any byte (a
+1 KiB norm tensor included) changes it. Reading every byte costs what the disk and sha256 allow
+(server/API.md states the measured rate), so a file's digest is computed once and kept by the
+file's identity on disk ``(device, inode, size, mtime_ns, ctime_ns)``: in-process, and in a small
+JSON file shared by every process on the machine (:func:`digest_cache_path`), so a restart does
+not rehash a multi-GB checkpoint. Any write to a file changes its ``ctime``, so an in-place
+change is always hashed again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,15 +38,23 @@ from logitcache.cache_format.identity import (
 if TYPE_CHECKING:
     from .protocol import EngineInfo
 
-__all__ = ["local_revision", "model_dir", "weights_hash", "teacher_identity"]
-
-#: Blocks read per weight file, and their size in bytes.
-SAMPLES = 64
-BLOCK = 1 << 16
+__all__ = [
+    "content_digest",
+    "digest_cache_path",
+    "local_revision",
+    "model_dir",
+    "teacher_identity",
+    "weights_hash",
+]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
-_cache: dict[tuple[tuple[str, int, int], ...], str] = {}
+#: Bytes read per ``read`` while hashing (large reads: sha256 releases the GIL on each update).
+READ_BLOCK = 8 << 20
+#: Entries kept in the shared digest cache file (the newest).
+CACHE_ENTRIES = 512
+
+_cache: dict[str, str] = {}  # file identity -> sha256 hex of its content
 _cache_lock = threading.Lock()
 
 
@@ -84,48 +94,88 @@ def model_dir(model: str, revision: str | None = None) -> Path | None:
         return None
 
 
-def _file_digest(path: Path, size: int) -> bytes:
-    h = hashlib.sha256(f"{path.name}:{size}".encode())
-    with path.open("rb") as fh:
-        if path.suffix == ".safetensors" and size >= 8:
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(fh.read(min(n, size - 8)))
-        if size <= SAMPLES * BLOCK:
-            fh.seek(0)
-            h.update(fh.read())
-        else:
-            step = (size - BLOCK) / (SAMPLES - 1)
-            for i in range(SAMPLES):
-                fh.seek(int(i * step))
-                h.update(fh.read(BLOCK))
-    return h.digest()
+def digest_cache_path() -> Path:
+    """The shared digest cache: ``$XDG_CACHE_HOME/logitcache/weights-digests.json`` (default
+    ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "logitcache" / "weights-digests.json"
 
 
-def weights_hash(model: str, revision: str | None = None) -> str | None:
+def _file_key(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _read_cache_file(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, unreadable or torn: hash again
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _write_cache_file(path: Path, new: dict[str, str]) -> None:
+    """Merge ``new`` into the cache file (atomic replace; best effort: a read-only home only
+    costs a rehash at the next start)."""
+    try:
+        merged = {**_read_cache_file(path), **new}
+        keep = dict(list(merged.items())[-CACHE_ENTRIES:])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".weights-digests.", dir=path.parent)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(keep, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def content_digest(path: Path) -> str:
+    """The sha256 hex digest of a file's whole content, read in :data:`READ_BLOCK` pieces."""
+    h = hashlib.sha256()
+    buf = bytearray(READ_BLOCK)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def weights_hash(
+    model: str, revision: str | None = None, *, cache_path: Path | None = None
+) -> str | None:
     """The content hash of ``model``'s weight files (see the module docstring); None when the
-    model is not on this machine or has no weight files."""
+    model is not on this machine or has no weight files. ``cache_path``: the shared digest
+    cache (default :func:`digest_cache_path`)."""
     root = model_dir(model, revision)
     if root is None:
         return None
     files = sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
     if not files:
         return None
-    stats = []
+    shared = digest_cache_path() if cache_path is None else cache_path
+    stored: dict[str, str] | None = None
+    computed: dict[str, str] = {}
+    h = hashlib.sha256()
     for p in files:
         st = os.stat(p)  # follows hub-cache symlinks to the blobs
-        stats.append((str(p.resolve()), st.st_size, st.st_mtime_ns))
-    key = tuple(stats)
-    with _cache_lock:
-        hit = _cache.get(key)
-    if hit is not None:
-        return hit
-    h = hashlib.sha256()
-    for p, (_, size, _) in zip(files, stats, strict=True):
-        h.update(_file_digest(p, size))
-    value = "sha256:" + h.hexdigest()
-    with _cache_lock:
-        _cache[key] = value
-    return value
+        key = _file_key(st)
+        with _cache_lock:
+            digest = _cache.get(key)
+        if digest is None:
+            if stored is None:
+                stored = _read_cache_file(shared)
+            digest = stored.get(key)
+        if digest is None:
+            digest = computed[key] = content_digest(p)
+            if _file_key(os.stat(p)) != key:  # written while being read: not a stable value
+                raise OSError(f"{p} changed while its content hash was computed")
+        with _cache_lock:
+            _cache[key] = digest
+        h.update(f"{p.name}:{st.st_size}:{digest}\n".encode())
+    if computed:
+        _write_cache_file(shared, computed)
+    return "sha256:" + h.hexdigest()
 
 
 # ------------------------------------------------------------------------------ identity

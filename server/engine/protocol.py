@@ -14,7 +14,8 @@ Bad input raises :class:`EngineInputError` (a ``ValueError``; the server maps it
 any work is done: an empty batch or prompt, a prompt shorter than 2 tokens or longer than
 ``info.max_seq_len``, token ids outside ``[0, vocab_size)``, ``k`` outside ``[1, max_k]``.
 Engine configuration problems raise :class:`EngineConfigError`; failures inside a running engine
-raise :class:`EngineError`.
+raise :class:`EngineError`, and :class:`EngineUnavailableError` when the engine itself is gone (its
+process died) or restarting.
 
 **Sampled targets** (:meth:`TeacherEngine.score_sampled`; FORMAT.md 4.4, the estimator of
 ``cache_format/sampling.py``): with :class:`SampledTargets` ``(draws N, proposal_temperature tau,
@@ -63,6 +64,15 @@ class EngineInputError(ValueError):
 
 class EngineClosedError(EngineError):
     """The engine was closed."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine has died or is being restarted (not the request's fault): retry after
+    ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 5.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)

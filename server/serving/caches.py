@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
-from logitcache.cache_format.errors import ManifestError, StoreNotFoundError
+from logitcache.cache_format.errors import FormatError, ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
 from logitcache.cache_format.spec import ROOT_ATTR, layout_named
@@ -42,6 +42,7 @@ from ..errors import (
     NotFoundError,
     ServiceError,
     StoreNotWritableError,
+    format_error_status,
     public_message,
 )
 
@@ -283,10 +284,7 @@ class CacheRegistry:
                 raise CacheIncompleteError(f"cache {name!r} is incomplete: {reason}") from None
             if isinstance(e, ServiceError):
                 raise
-            log.warning("cache %r cannot be opened: %r", name, e)
-            raise CacheBrokenError(
-                f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
-            ) from None
+            raise broken(name, e) from None
 
     def incomplete(self) -> dict[str, str]:
         """Every store under a local root whose creation was interrupted, with the reason (what
@@ -522,6 +520,30 @@ class RangeReader:
     def read(self, start: int, stop: int) -> list[SequenceRecord]:
         """Records of sequences ``[start, stop)`` (``0 <= start <= stop <= num_sequences``)."""
         return self.reader.read_ranges([(start, stop)], logprob_dtype=self.logprob_dtype)
+
+
+def broken(name: str, e: BaseException) -> CacheBrokenError:
+    """The 409 ``cache_broken`` of a store that cannot be opened (logged; no paths in it)."""
+    log.warning("cache %r cannot be opened: %r", name, e)
+    return CacheBrokenError(
+        f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
+    )
+
+
+@contextmanager
+def broken_store(name: str) -> Iterator[None]:
+    """Turn an unreadable store (any error but a typed 4xx finding) into 409 ``cache_broken``
+    instead of a 500."""
+    try:
+        yield
+    except ServiceError:
+        raise
+    except FormatError as e:
+        if format_error_status(e)[0] < 500:  # a typed finding (409/422/404): as mapped
+            raise
+        raise broken(name, e) from None
+    except Exception as e:  # noqa: BLE001 - an unreadable store is a conflict, not a 500
+        raise broken(name, e) from None
 
 
 def _exists(zstore: Any, key: str) -> bool:

@@ -8,30 +8,22 @@ neither costs engine time nor writes anything.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from logitcache.cache_format import Manifest, SequenceRecord
-from logitcache.cache_format.errors import FormatError
 
 from ..admission import TokenGate
 from ..batch import pipeline
 from ..engine.protocol import EngineInputError, SampledTargets, check_k, check_sampled
 from ..errors import (
-    CacheBrokenError,
     InvalidInputError,
     OverloadedError,
     PayloadTooLargeError,
-    ServiceError,
-    format_error_status,
-    public_message,
 )
 from ..inputs.records import Limits, RawRecord, Sequence, to_sequence
-from .caches import CacheRegistry, check_name, expected_manifest
+from .caches import CacheRegistry, broken_store, check_name, expected_manifest
 from .targets import resolve, with_targets
 
 if TYPE_CHECKING:
@@ -40,9 +32,6 @@ if TYPE_CHECKING:
     from ..engine import TeacherEngine
     from ..metrics import Metrics
     from ..settings import ServerSettings
-
-
-log = logging.getLogger("logitcache.server.scoring")
 
 
 #: Upper-bound bytes of an answer, per format: per top-k value, per row, per token and per
@@ -140,7 +129,7 @@ class ScoringService:
             expected = with_targets(self.expected_manifest(self.default_k, dataset), chosen)
             return self.caches.target_manifest(name, expected, k=None)
         expected = self.expected_manifest(self.default_k if k is None else k, dataset)
-        with _broken_store(name):
+        with broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
             self.check_k(manifest.k)
@@ -150,7 +139,7 @@ class ScoringService:
         """Cache ``cache``'s committed manifest (None if absent); 409 ``cache_broken`` if its
         store exists but cannot be read."""
         name = check_name(cache)
-        with _broken_store(name):
+        with broken_store(name):
             return self.caches.manifest(name)
 
     def sampled_targets(self, asked: SampledTargets | str | None) -> SampledTargets | None:
@@ -240,25 +229,3 @@ class ScoringService:
             self.active -= 1
             self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
         return records
-
-
-@contextmanager
-def _broken_store(name: str) -> Iterator[None]:
-    """Turn an unreadable store (any error but a typed 4xx finding) into 409 ``cache_broken``
-    (message without paths) instead of a 500."""
-    try:
-        yield
-    except ServiceError:
-        raise
-    except FormatError as e:
-        if format_error_status(e)[0] < 500:  # a typed finding (409/422/404): as mapped
-            raise
-        log.warning("cache %r cannot be opened: %r", name, e)
-        raise CacheBrokenError(
-            f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - an unreadable store is a conflict, not a 500
-        log.warning("cache %r cannot be opened: %r", name, e)
-        raise CacheBrokenError(
-            f"cache {name!r} cannot be opened: {type(e).__name__}: {public_message(str(e))}"
-        ) from None

@@ -1,0 +1,210 @@
+"""A teacher engine that is restarted when it dies: :class:`SupervisedEngine`.
+
+It wraps the engine a ``build`` function returns and is itself a
+:class:`~.protocol.TeacherEngine` (``info``, ``tokenizer``, ``tokenize``, ``score``,
+``score_sampled``, ``aclose``). A monitor task (:meth:`SupervisedEngine.start`) checks the
+engine's ``alive`` every :data:`CHECK_S` seconds; a call that fails with
+:class:`~.protocol.EngineUnavailableError`, or any engine error once the engine is no longer
+alive, also marks it dead. A dead engine is closed (its processes ended) and built again in a
+worker thread, with a growing pause between failed builds; meanwhile ``alive`` is false and every
+call raises :class:`~.protocol.EngineUnavailableError` at once, with a ``retry_after`` estimated
+from how long the engine took to start.
+
+Only a separate engine process can be restarted: an in-process engine that crashes the process
+takes the server with it (:mod:`.vllm` warms such an engine up so the known crash cannot be
+reached from a request; a container's restart policy covers the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .protocol import (
+    EngineClosedError,
+    EngineError,
+    EngineInfo,
+    EngineInputError,
+    EngineUnavailableError,
+    SampledTargets,
+    TeacherEngine,
+    TeacherScores,
+)
+
+log = logging.getLogger("logitcache.server.engine")
+
+#: Seconds between two checks of the engine's liveness.
+CHECK_S = 1.0
+#: Pauses between failed builds, in seconds (the last repeats).
+BACKOFF_S = (1.0, 5.0, 15.0, 60.0)
+#: Seconds to wait for a dead engine's clean-up before building the next one.
+CLOSE_TIMEOUT_S = 60.0
+
+
+def engine_alive(engine: Any) -> bool:
+    """An engine's ``alive`` (an engine without one counts as alive)."""
+    return bool(getattr(engine, "alive", True))
+
+
+class SupervisedEngine:
+    """A :class:`~.protocol.TeacherEngine` that rebuilds its engine when it dies (see the
+    module docstring). ``build`` is called now, on this thread, and again in a worker thread
+    for each restart."""
+
+    def __init__(self, build: Callable[[], TeacherEngine]):
+        self._build = build
+        t0 = time.monotonic()
+        self._engine = build()
+        self.start_s = time.monotonic() - t0
+        self.restarts = 0
+        self._restarting_since: float | None = None
+        self._closed = False
+        self._restart: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
+
+    # --- state ------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> TeacherEngine:
+        """The current engine (another object after a restart)."""
+        return self._engine
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._engine.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self._engine, "tokenizer", None)
+
+    @property
+    def timings(self) -> Any:
+        return getattr(self._engine, "timings", None)
+
+    @property
+    def alive(self) -> bool:
+        """Ready to score: not closed, not restarting, the engine alive."""
+        return not self._closed and self._restarting_since is None and engine_alive(self._engine)
+
+    def retry_after(self) -> float:
+        """Seconds until the engine is expected back (at least 1)."""
+        if self._restarting_since is None:
+            return max(1.0, math.ceil(self.start_s))
+        left = self.start_s - (time.monotonic() - self._restarting_since)
+        return max(1.0, math.ceil(left))
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start watching the engine (on the running event loop)."""
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._watch(), name="engine-monitor")
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(CHECK_S)
+            if self._restarting_since is None and not engine_alive(self._engine):
+                self._died(self._engine, "the engine stopped")
+
+    def _died(self, engine: TeacherEngine, why: str) -> None:
+        """Start a restart unless one runs or ``engine`` was already replaced."""
+        if self._closed or engine is not self._engine or self._restarting_since is not None:
+            return
+        log.error("teacher engine unavailable (%s): restarting it", why)
+        self._restarting_since = time.monotonic()
+        self._restart = asyncio.create_task(self._rebuild(engine), name="engine-restart")
+
+    async def _rebuild(self, dead: TeacherEngine) -> None:
+        try:
+            await asyncio.wait_for(dead.aclose(), CLOSE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a dead engine's clean-up may fail
+            log.warning("closing the dead engine failed: %r", e)
+        attempt = 0
+        while not self._closed:
+            t0 = time.monotonic()
+            try:
+                engine = await asyncio.to_thread(self._build)
+            except Exception:  # noqa: BLE001 - keep trying: the service stays up, 503 meanwhile
+                pause = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                log.exception("restarting the teacher engine failed; next try in %g s", pause)
+                attempt += 1
+                await asyncio.sleep(pause)
+                continue
+            if self._closed:
+                await engine.aclose()
+                return
+            self.start_s = time.monotonic() - t0
+            self._engine = engine
+            self.restarts += 1
+            self._restarting_since = None
+            log.warning("teacher engine restarted in %.1f s", self.start_s)
+            return
+
+    async def wait_alive(self, poll_s: float = 0.2) -> None:
+        """Return once the engine can score (raises EngineClosedError once closed)."""
+        while not self.alive:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            await asyncio.sleep(poll_s)
+
+    async def aclose(self) -> None:
+        """Stop watching and close the current engine (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in (self._monitor, self._restart):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self._engine.aclose()
+
+    # --- TeacherEngine ----------------------------------------------------------------------
+
+    def _current(self) -> TeacherEngine:
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        if self._restarting_since is not None:
+            raise EngineUnavailableError(
+                "the teacher engine is restarting", retry_after=self.retry_after()
+            )
+        return self._engine
+
+    def _failed(self, engine: TeacherEngine, e: EngineError) -> EngineError:
+        """The error to raise for ``e``: a dead engine's becomes EngineUnavailableError (and
+        starts a restart); another engine error stays as it is."""
+        if isinstance(e, EngineUnavailableError) or not engine_alive(engine):
+            self._died(engine, str(e))
+            if isinstance(e, EngineClosedError) and self._closed:
+                return e
+            return EngineUnavailableError(
+                f"the teacher engine died and is restarting ({e})", retry_after=self.retry_after()
+            )
+        return e
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._engine.tokenize(text)
+
+    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        engine = self._current()
+        try:
+            return await engine.score(prompts, k)
+        except EngineError as e:
+            raise self._failed(engine, e) from e
+
+    async def score_sampled(
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+    ) -> list[TeacherScores]:
+        engine = self._current()
+        sample = getattr(engine, "score_sampled", None)
+        if sample is None:
+            raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
+        try:
+            return await sample(prompts, keys, targets)
+        except EngineError as e:
+            raise self._failed(engine, e) from e

