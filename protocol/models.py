@@ -38,6 +38,10 @@ JSON_MEDIA_TYPE = "application/json"
 MAX_TOKEN_ID = 2**31 - 1
 #: Largest ``k`` any request may name (the engine's own ``max_k`` is checked after parsing).
 MAX_K = 4096
+#: Range of a sampled request's ``proposal_temperature``: ``log p / tau`` stays finite in float32
+#: (a subnormal tau made it infinite, and the answer NaN).
+MIN_PROPOSAL_TEMPERATURE = 1e-3
+MAX_PROPOSAL_TEMPERATURE = 1e3
 #: Longest sequence key / record id, in characters.
 MAX_KEY_CHARS = 512
 #: Longest cache name (see ``caches.NAME_PATTERN``).
@@ -122,7 +126,11 @@ class SamplingOptions(ApiModel):
 
     draws: int = Field(64, strict=True, ge=1, le=MAX_K, description="draws per row (its slots)")
     proposal_temperature: float = Field(
-        1.0, gt=0, allow_inf_nan=False, description="tau of the proposal q ∝ p^(1/tau)"
+        1.0,
+        ge=MIN_PROPOSAL_TEMPERATURE,
+        le=MAX_PROPOSAL_TEMPERATURE,
+        allow_inf_nan=False,
+        description="tau of the proposal q ∝ p^(1/tau)",
     )
     seed: int = Field(0, strict=True, ge=0, lt=2**63, description="seed of every sequence's draws")
     head: int = Field(

@@ -17,8 +17,10 @@ client).
 ``metrics``                    Prometheus metrics of one app
 ``admission``                  ``TokenGate``: the budget of on-demand prompt tokens in flight
 ``preflight``                  fail-fast start-up checks and the start-up banner
+``paths``                      the one check of keys and paths from requests against their root
 ``api.deps``                   ``Services`` (the per-app container) and ``ServicesDep``
 ``api.middleware``             API key, body-size limit, request metrics (pure ASGI)
+``api.connections``            uvicorn's options: request-head deadline, connection limit
 ``api.score``                  ``POST /v1/score``
 ``api.openai``                 vLLM-compatible ``/v1/completions`` and ``/v1/models``
 ``api.jobs``                   ``/v1/jobs``: submit, list, status, cancel

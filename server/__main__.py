@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from uvicorn.config import LOGGING_CONFIG
 
 from . import preflight
+from .api.connections import uvicorn_options
 from .app import create_app
 from .settings import load_settings
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=settings.log_level,
         log_config=log_config(settings.log_level),
         timeout_graceful_shutdown=30,
+        **uvicorn_options(settings),  # head deadline, connection limit (server/api/connections.py)
     )
 
 

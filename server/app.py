@@ -219,9 +219,14 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         BodyLimitMiddleware,
         max_bytes=settings.max_request_bytes,
         timeout_s=settings.body_timeout_s,
+        deadline_s=settings.body_deadline_s,
     )
     if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value())
+        app.add_middleware(
+            ApiKeyMiddleware,
+            api_key=settings.api_key.get_secret_value(),
+            sessions=app.state.ui_sessions,
+        )
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -118,6 +118,14 @@ class CacheBrokenError(ConflictError, code="cache_broken"):
     """A cache whose store cannot be opened (corrupt metadata, missing arrays, ...)."""
 
 
+class NotACacheError(ConflictError, code="not_a_cache"):
+    """The name holds a store that is not a logitcache cache (e.g. a plain zarr group)."""
+
+
+class StoreNotWritableError(ConflictError, code="store_read_only"):
+    """The cache store refuses writes (a read-only file system, no permission)."""
+
+
 class CacheIncompleteError(ConflictError, code="cache_incomplete"):
     """A store whose creation was interrupted (no root ``zarr.json``, or one marked incomplete
     without a manifest); see ``CacheRegistry.incomplete_reason``."""

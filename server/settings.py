@@ -101,6 +101,14 @@ class ServerSettings(BaseSettings):
     503 ``deadline_exceeded``. A request whose client disconnects is aborted at once."""
     body_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for the next piece of a request body (408 ``request_timeout`` after)."""
+    body_deadline_s: float = Field(300.0, gt=0)
+    """Longest time a whole request body may take to arrive (408 ``request_timeout`` after)."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """Longest wait for a request's head (request line and headers) on a connection, from its
+    opening or the previous answer on it; a slower client is disconnected."""
+    max_connections: int = Field(1024, ge=1)
+    """Most connections and requests in progress at once (uvicorn ``limit_concurrency``); past
+    it a new request is answered 503 at once."""
 
     # --- jobs -------------------------------------------------------------------------------
     job_batch_sequences: int = Field(64, ge=1)
@@ -130,6 +138,9 @@ class ServerSettings(BaseSettings):
     """If set, every route but ``/health`` requires ``Authorization: Bearer <key>``. Prefer the
     environment (``LOGITCACHE_API_KEY``) or ``--api-key-file``: a command line is visible in
     ``ps``."""
+    session_ttl_s: float = Field(8 * 3600.0, gt=0, le=30 * 24 * 3600.0)
+    """Lifetime of a status-page login session (its cookie): a new login is needed after it;
+    logout or a restart ends every session at once."""
     api_key_file: Path | None = None
     """File holding the API key (first line; surrounding whitespace ignored)."""
     host: str = "127.0.0.1"

@@ -76,6 +76,10 @@ class _ByteTokenizer:
     def __call__(self, text: str) -> dict[str, list[int]]:
         return {"input_ids": [1] + [b + 2 for b in text.encode("utf-8")]}
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (BOS and ids outside the byte range dropped)."""
+        return bytes(i - 2 for i in ids if 2 <= i < 258).decode("utf-8", "replace")
+
 
 class FakeEngine(BaseEngine):
     """A deterministic teacher behind the real :class:`~logitcache.server.engine.TeacherEngine`

@@ -200,8 +200,15 @@ class ThreadedServer:
         self.api_key = api_key
         self.settings = settings
         self.app = create_app(settings, engine=engine)
+        from logitcache.server.api.connections import uvicorn_options
+
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            **uvicorn_options(settings),  # as logitcache-server runs it
         )
         self.server = uvicorn.Server(config)
         self._thread: Any = None

@@ -36,12 +36,12 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: lis
 
 class ApiKeyMiddleware:
     """Require ``Authorization: Bearer <api_key>`` on every path but :data:`PUBLIC_PATHS`
-    (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` the status page's login cookie also counts
-    (``server/api/ui/auth.py``)."""
+    (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` a live login session's cookie also counts
+    (``sessions``, ``server/api/ui/auth.py``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, sessions: ui_auth.Sessions):
         self.app = app
-        self._key = api_key
+        self._sessions = sessions
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -51,8 +51,8 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope["headers"])
         got = headers.get(b"authorization", b"")
-        if scope.get("method") in ui_auth.SAFE_METHODS and ui_auth.cookie_ok(
-            self._key, headers.get(b"cookie", b"").decode("latin-1")
+        if scope.get("method") in ui_auth.SAFE_METHODS and self._sessions.cookie_ok(
+            headers.get(b"cookie", b"").decode("latin-1")
         ):
             await self.app(scope, receive, send)
             return
@@ -70,13 +70,21 @@ class ApiKeyMiddleware:
 
 class BodyLimitMiddleware:
     """Answer 413 for a body over ``max_bytes`` (by ``Content-Length``, or while streaming it),
-    and 408 when the next piece of a body takes longer than ``timeout_s`` to arrive (a slow
-    client cannot hold a connection and a request slot for ever)."""
+    and 408 when the next piece of a body takes longer than ``timeout_s`` to arrive or the whole
+    body longer than ``deadline_s`` (a slow or drip-feeding client cannot hold a connection and a
+    request slot for ever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float | None = None,
+        deadline_s: float | None = None,
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,17 +100,22 @@ class BodyLimitMiddleware:
         seen = 0
         started = False
         body_done = False
+        loop = asyncio.get_running_loop()
+        ends = None if self.deadline_s is None else loop.time() + self.deadline_s
 
         async def limited_receive() -> Message:
             nonlocal seen, body_done
-            if body_done or self.timeout_s is None:
+            waits = [w for w in (self.timeout_s, ends and ends - loop.time()) if w is not None]
+            if body_done or not waits:
                 message = await receive()
             else:
                 try:
-                    message = await asyncio.wait_for(receive(), self.timeout_s)
+                    message = await asyncio.wait_for(receive(), max(0.0, min(waits)))
                 except TimeoutError:
                     raise HTTPException(
-                        408, f"the request body did not arrive within {self.timeout_s:g} s"
+                        408,
+                        f"the request body did not arrive in time ({self.timeout_s:g} s for "
+                        f"each piece, {self.deadline_s:g} s in all)",
                     ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))

@@ -34,6 +34,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from logitcache.cache_format import SequenceRecord
+from logitcache.protocol import TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidInputError, NotFoundError
@@ -51,22 +52,26 @@ DEFAULT_CACHE = "openai-completions"
 #: vLLM's stand-in for a ``-inf`` prompt logprob (``clamp_prompt_logprobs``).
 NEG_INF_LOGPROB = -9999.0
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+#: Token ids as ``/v1/score`` takes them: JSON integers only (not ``2.0``, ``"2"``, ``true``).
+TokenIds = list[TokenId]
+#: A JSON integer (strict, as everywhere in the API).
+Int = Annotated[int, Field(strict=True)]
 
 
 class CompletionRequest(BaseModel):
     """The fields of vLLM's ``CompletionRequest`` this route reads; others are accepted and
-    ignored (sampling parameters do not change prompt logprobs)."""
+    ignored (sampling parameters do not change prompt logprobs). Integers are strict, as in
+    ``/v1/score``: ``2.0``, ``"2"`` and ``true`` are a 422."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    prompt_logprobs: int | None = None
-    max_tokens: int | None = 16
+    prompt_logprobs: Int | None = None
+    max_tokens: Int | None = 16
     echo: bool | None = False
-    logprobs: int | None = None
-    n: int = 1
+    logprobs: Int | None = None
+    n: Int = 1
     stream: bool | None = False
     return_token_ids: bool | None = False
     cache: str | None = Field(None, description="logitcache extension: the cache to serve from")

@@ -4,8 +4,12 @@ The object ``key`` of the cache's Zarr store (``zarr.json``, ``topk_ids/zarr.jso
 objects such as ``topk_ids/c/3/0``) is sent **as stored**: compressed, checksummed shard bytes,
 never decoded here. A single ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` header answers
 ``206`` with those bytes (how a client reads a shard's index and then the chunks it needs).
-A missing object is ``404``. Keys are path segments of ``[A-Za-z0-9_.-]`` not starting with a
-dot (so the writer lock and ``..`` are unreachable).
+A missing object is ``404``. Keys are checked by :func:`..paths.store_key` (segments of
+``[A-Za-z0-9_.-]``, no empty, dot or absolute segment; a segment starting with a dot, such as the
+writer lock, is never served) and, for a local store, resolved with links followed: an object
+outside the store root is refused (422 ``invalid_path``). A ``zarr.json`` document is served
+with the absolute server paths in its attributes cut to their last component
+(:func:`public_metadata`; e.g. the manifest's ``teacher_model``), as every other answer shows it.
 
 Why this design: the client opens the cache with the format library's own reader over this URL
 (``CacheReader("http://host/v1/caches/NAME/store")``, fsspec's HTTP store), so the wire carries
@@ -17,7 +21,9 @@ writer's rewrite fails its CRC32C and is re-read (FORMAT.md R7), as for an objec
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Header, Request
@@ -27,15 +33,15 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from ..errors import InvalidInputError, NotFoundError, ServiceError
-from ..serving.caches import check_name
+from .. import paths
+from ..errors import NotFoundError, ServiceError, public_value
+from ..serving.caches import check_name, is_url
 from .deps import ServicesDep
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
 
-#: One path segment of a store key: no leading dot (no ``..``, no lock file).
-_SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+#: A single ``bytes`` range; offsets of at most 18 digits (a larger one is past any object).
+_RANGE = re.compile(r"bytes=(\d{0,18})-(\d{0,18})")
 
 _ERROR = {"model": ErrorResponse}
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -48,18 +54,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 class RangeNotSatisfiableError(ServiceError, status=416, code="range_not_satisfiable"):
     """A ``Range`` header this route does not serve (several ranges, bad syntax, past the end)."""
-
-
-def check_key(key: str) -> str:
-    """``key`` if it is a store key this route serves: :class:`InvalidInputError` for a malformed
-    key, :class:`NotFoundError` for a segment starting with a dot (never served: the writer lock,
-    zarr v2 probes such as ``.zgroup``)."""
-    parts = key.split("/")
-    if len(parts) > 16 or not all(_SEGMENT.fullmatch(p.lstrip(".") or "-") for p in parts):
-        raise InvalidInputError(f"invalid store key {key!r}")
-    if any(p.startswith(".") for p in parts):
-        raise NotFoundError(f"no object {key!r}")
-    return key
 
 
 def parse_range(header: str | None) -> Any:
@@ -80,6 +74,37 @@ def parse_range(header: str | None) -> Any:
     return RangeByteRequest(start, stop)
 
 
+def public_metadata(raw: bytes) -> bytes:
+    """A ``zarr.json`` document as served: its attributes through
+    :func:`~logitcache.server.errors.public_value`, so no absolute server path (the manifest's
+    ``teacher_model`` when the teacher was given as a folder) leaves the server; the stored
+    bytes unchanged when nothing needed it."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return raw
+    if not isinstance(doc, dict) or not isinstance(doc.get("attributes"), dict):
+        return raw
+    public = public_value(doc["attributes"])
+    if public == doc["attributes"]:
+        return raw
+    return json.dumps({**doc, "attributes": public}, indent=2).encode()
+
+
+def clamp_range(byte_range: Any, size: int, header: str | None) -> RangeByteRequest:
+    """``byte_range`` as the bytes ``[start, stop)`` it names within an object of ``size``
+    bytes (416 if none: a start at or past the end, an empty suffix)."""
+    if isinstance(byte_range, SuffixByteRequest):
+        start, stop = size - min(byte_range.suffix, size), size
+    elif isinstance(byte_range, OffsetByteRequest):
+        start, stop = byte_range.offset, size
+    else:
+        start, stop = byte_range.start, min(byte_range.end, size)
+    if start >= stop:
+        raise RangeNotSatisfiableError(f"Range {header!r} selects no byte of the object")
+    return RangeByteRequest(start, stop)
+
+
 def store_object(
     name: str,
     key: str,
@@ -89,26 +114,33 @@ def store_object(
 ) -> Response:
     """Object ``key`` of cache ``name``'s store, as stored (see the module docstring)."""
     check_name(name)
-    check_key(key)
+    paths.store_key(key)
     byte_range = parse_range(range_)
+    root = services.caches.root
+    if not is_url(root):  # links followed: the object must lie inside the store root
+        paths.resolve_under(Path(root), f"{name}/{key}", "store key")
+    metadata = key.rsplit("/", 1)[-1] == "zarr.json"  # read whole, served without paths
     try:
         store = services.caches.store(name)
-        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
-    except FileNotFoundError:  # no such cache folder (a missing object is buf None)
-        raise NotFoundError(f"no cache named {name!r}") from None
+        if byte_range is not None and not metadata:  # cut to the object: no read past its end
+            byte_range = clamp_range(byte_range, int(sync(store.getsize(key))), range_)
+        got = byte_range if not metadata else None
+        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=got))
+    except FileNotFoundError:  # no such cache folder or object
+        raise NotFoundError(f"cache {name!r} has no object {key!r}") from None
     if buf is None:
         raise NotFoundError(f"cache {name!r} has no object {key!r}")
     body = buf.to_bytes()
+    if metadata:
+        body = public_metadata(body)
+        if byte_range is not None:
+            byte_range = clamp_range(byte_range, len(body), range_)
+            body = body[byte_range.start : byte_range.end]
     headers = {"Cache-Control": "no-store", "Accept-Ranges": "bytes"}
     status = 200
     if byte_range is not None:
-        if not body and not isinstance(byte_range, SuffixByteRequest):
-            raise RangeNotSatisfiableError(f"Range {range_!r} starts past the end of {key!r}")
         status = 206
-        if isinstance(byte_range, SuffixByteRequest):  # where the suffix starts needs the size
-            first = int(sync(store.getsize(key))) - len(body)
-        else:
-            first = getattr(byte_range, "start", getattr(byte_range, "offset", 0))
+        first = byte_range.start if isinstance(byte_range, RangeByteRequest) else 0
         headers["Content-Range"] = f"bytes {first}-{first + len(body) - 1}/*"
     if request.method == "HEAD":
         headers["Content-Length"] = str(len(body))

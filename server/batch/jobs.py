@@ -195,6 +195,7 @@ class JobRunner:
                 f"{len(req.records)} inline records exceed the limit of "
                 f"{self.settings.max_inline_records}; use an input file"
             )
+        await asyncio.to_thread(self.caches.check_writable, name)
         manifest = await asyncio.to_thread(self._manifest, name, req, req.k)
         if req.layout is not None:
             await asyncio.to_thread(self._check_layout, name, req.layout)
@@ -225,11 +226,17 @@ class JobRunner:
         file, records, data_dir = req.file, req.records, self.settings.data_dir
         if file is not None:  # a bad path is its own error, before any record is read
             inputs.resolve_input_path(data_dir, file.path)
+        tok, limits = self._tokenize(req), self._limits(req)
         digest = inputs.InputDigest()
-        raws = inputs.raw_records(file=file, records=records, data_dir=data_dir, digest=digest)
+        raws = inputs.raw_records(
+            file=file,
+            records=records,
+            data_dir=data_dir,
+            digest=digest,
+            max_line_bytes=inputs.line_limit(limits),
+        )
         kept = sum(t for t, _ in list(self._kept.values()))
         budget = self.settings.job_keep_input_tokens - kept
-        tok, limits = self._tokenize(req), self._limits(req)
         summary = inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget)
         return summary, digest.value(file=file, records=records, data_dir=data_dir)
 
@@ -441,10 +448,14 @@ class JobRunner:
         if kept is not None:
             seqs = iter(kept)
         else:
+            limits = self._limits(spec)
             raws = inputs.raw_records(
-                file=spec.file, records=spec.records, data_dir=self.settings.data_dir
+                file=spec.file,
+                records=spec.records,
+                data_dir=self.settings.data_dir,
+                max_line_bytes=inputs.line_limit(limits),
             )
-            seqs = inputs.sequences(raws, self._tokenize(spec), self._limits(spec))
+            seqs = inputs.sequences(raws, self._tokenize(spec), limits)
         yield from pipeline.plan(
             seqs,
             handle.missing,

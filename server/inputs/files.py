@@ -12,7 +12,10 @@ Accepted under the data directory (``InputFile.path``):
   give one split's directory.
 
 Records are read in a fixed order (a resumed job forms the same batches), each located as
-``<path>[/<file>] row <n>`` or ``<path>:<line>`` in error messages.
+``<path>[/<file>] row <n>`` or ``<path>:<line>`` in error messages. Every file read (a folder's
+``state.json``, the files it names, the files found by walking a folder) must lie inside the data
+directory ``root`` with links followed, and a ``state.json`` entry must be a safe relative path
+(:mod:`..paths`; 422 ``invalid_path`` otherwise).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from .. import paths
 from ..errors import InvalidInputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -36,7 +40,7 @@ def _name(path: Path) -> str:
     return name[:-3] if name.endswith(".gz") else name
 
 
-def detect_format(path: Path, rel: str) -> str:
+def detect_format(path: Path, rel: str, root: Path) -> str:
     """``jsonl``, ``parquet`` or ``arrow`` for a file or directory (InvalidInputError: unknown)."""
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
@@ -46,7 +50,7 @@ def detect_format(path: Path, rel: str) -> str:
             )
         if (path / "state.json").is_file() or any(path.glob("*.arrow")):
             return "arrow"
-        if next(_files(path, PARQUET_SUFFIXES), None) is not None:
+        if next(_files(path, PARQUET_SUFFIXES, root, rel), None) is not None:
             return "parquet"
         raise InvalidInputError(f"directory {rel!r} holds no .parquet or .arrow files")
     name = _name(path)
@@ -59,33 +63,46 @@ def detect_format(path: Path, rel: str) -> str:
     raise InvalidInputError(f"cannot tell the format of {rel!r}: set format")
 
 
-def _files(directory: Path, suffixes: tuple[str, ...]) -> Iterator[Path]:
+def _files(directory: Path, suffixes: tuple[str, ...], root: Path, rel: str) -> Iterator[Path]:
+    """The data files under ``directory`` in sorted order (hidden and ``_`` parts skipped),
+    each checked to lie inside ``root`` with links followed."""
     for p in sorted(directory.rglob("*")):
         rel_parts = p.relative_to(directory).parts
         if (
-            p.is_file()
-            and p.name.lower().endswith(suffixes)
+            p.name.lower().endswith(suffixes)
             and not any(part.startswith((".", "_")) for part in rel_parts)
+            and p.is_file()
         ):
+            shown = "/".join((rel, *rel_parts))
+            paths.contained(root, p, "input file", shown=shown)
             yield p
 
 
-def data_files(path: Path, fmt: str) -> list[Path]:
-    """The files of an input, in reading order (one file, or a directory's files)."""
+def data_files(path: Path, fmt: str, root: Path, rel: str) -> list[Path]:
+    """The files of an input, in reading order (one file, or a directory's files), each inside
+    the data directory ``root`` (see the module docstring); ``rel``: the input's path."""
     if not path.is_dir():
         return [path]
     if fmt == "arrow":
         state = path / "state.json"
         if state.is_file():
+            paths.contained(root, state, "input file", shown=f"{rel}/state.json")
             try:
                 listed = json.loads(state.read_text())["_data_files"]
-                return [path / f["filename"] for f in listed]
-            except (KeyError, TypeError, ValueError) as e:
-                raise InvalidInputError(f"{path.name}/state.json: unreadable ({e})") from None
-        return list(_files(path, ARROW_SUFFIXES))
+                names = [f["filename"] for f in listed]
+            except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+                raise InvalidInputError(f"{rel}/state.json: unreadable ({e})") from None
+            what = f"{rel}/state.json entry"
+            return [paths.resolve_under(root, str(n), what, base=path) for n in names]
+        return list(_files(path, ARROW_SUFFIXES, root, rel))
     if fmt == "parquet":
-        return list(_files(path, PARQUET_SUFFIXES))
+        return list(_files(path, PARQUET_SUFFIXES, root, rel))
     raise InvalidInputError(f"a directory input must hold parquet or arrow files, not {fmt}")
+
+
+def _below(f: Path, folder: Path) -> str:
+    """``f`` relative to ``folder`` when it lies there, else its name (a linked member)."""
+    return str(f.relative_to(folder)) if f.is_relative_to(folder) else f.name
 
 
 def open_text(path: Path) -> IO[bytes]:
@@ -131,21 +148,27 @@ def arrow_schema_names(path: Path, rel: str) -> list[str]:
 
 
 def table_rows(
-    path: Path, fmt: str, rel: str, wanted: tuple[str, ...], need_one_of: tuple[str, ...]
+    path: Path,
+    fmt: str,
+    rel: str,
+    wanted: tuple[str, ...],
+    need_one_of: tuple[str, ...],
+    root: Path,
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, row dict)`` of a Parquet/Arrow file or directory, ``wanted`` columns only.
+    """``(where, row dict)`` of a Parquet/Arrow file or directory under the data directory
+    ``root``, ``wanted`` columns only.
 
     Every file must have at least one of ``need_one_of`` (InvalidInputError naming its columns).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files = data_files(path, fmt)
+    files = data_files(path, fmt, root, rel)
     if not files:
         raise InvalidInputError(f"{rel!r} holds no {fmt} files")
     for f in files:
         row = 0
-        label = rel if f == path else f"{rel}/{f.relative_to(path)}"
+        label = rel if f == path else f"{rel}/{_below(f, path)}"
         if fmt == "parquet":
             try:
                 pf = pq.ParquetFile(f)

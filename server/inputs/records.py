@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import io
 import json
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ import numpy as np
 from logitcache.cache_format.records import content_key
 from logitcache.protocol import MAX_KEY_CHARS, InlineRecord, InputFile
 
+from .. import paths
 from ..errors import InvalidInputError, InvalidPathError, PayloadTooLargeError
 from . import chat, jsonids
 from . import files as input_files
@@ -237,22 +239,18 @@ def _id_of(value: object, where: str) -> str | None:
 
 def resolve_input_path(data_dir: Path, rel: str) -> Path:
     """The file or directory ``rel`` under ``data_dir`` (a directory holds Parquet or Arrow
-    files: :mod:`.files`); relative, no escape (symlinks resolved), must exist."""
-    base = data_dir.expanduser().resolve()
-    if not rel or Path(rel).is_absolute():
-        raise InvalidPathError(f"input path {rel!r} must be relative to the data directory")
-    path = (base / rel).resolve()
-    if not path.is_relative_to(base):
-        raise InvalidPathError(f"input path {rel!r} leaves the data directory")
+    files: :mod:`.files`): a safe relative path that stays inside ``data_dir`` with links
+    followed (:func:`..paths.resolve_under`), and must exist."""
+    path = paths.resolve_under(data_dir, rel, "input path")
     if not (path.is_file() or path.is_dir()):
         raise InvalidPathError(f"input file {rel!r} does not exist in the data directory")
     return path
 
 
-def input_format(spec: InputFile, path: Path) -> str:
+def input_format(spec: InputFile, path: Path, data_dir: Path) -> str:
     if spec.format is not None:
         return spec.format
-    return input_files.detect_format(path, spec.path)  # also .gz, .arrow, directories
+    return input_files.detect_format(path, spec.path, data_dir)  # .gz, .arrow, directories
 
 
 def _from_mapping(obj: object, spec: InputFile, where: str) -> RawRecord:
@@ -265,6 +263,35 @@ def _from_mapping(obj: object, spec: InputFile, where: str) -> RawRecord:
         input_ids=obj.get(spec.ids_field),
         messages=obj.get(spec.messages_field),
     )
+
+
+def line_limit(limits: Limits) -> int | None:
+    """Longest JSONL line read (bytes) for ``limits``: room for a text of ``max_text_bytes``
+    written with JSON escapes (at most 6 bytes per byte), ``max_seq_len`` token ids of up to
+    11 characters each, and 64 KiB of other fields; None without a text limit."""
+    if limits.max_text_bytes is None:
+        return None
+    return 6 * limits.max_text_bytes + 12 * limits.max_seq_len + (64 << 10)
+
+
+def _lines(f: Any, limit: int | None, rel: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)`` of a binary reader, each read with at most ``limit + 1`` bytes
+    in memory (a longer line is a 413 before the rest of it is read); a file that is not what
+    its name says (a ``.gz`` that is not gzip, a read error) is a 422."""
+    lineno = 0
+    try:
+        while line := (f.readline() if limit is None else f.readline(limit + 1)):
+            lineno += 1
+            if limit is not None and len(line) > limit:
+                raise PayloadTooLargeError(
+                    f"{rel}:{lineno}: line longer than the limit of {limit} bytes "
+                    "(set by max_text_bytes and max_seq_len)"
+                )
+            yield lineno, line
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise InvalidInputError(
+            f"{rel}:{lineno + 1}: unreadable ({type(e).__name__}: {e})"
+        ) from None
 
 
 class InputDigest:
@@ -322,12 +349,15 @@ def _jsonl_lines(path: Path, digest: InputDigest | None) -> Iterator[IO[bytes]]:
 
 
 def _read_jsonl(
-    path: Path, spec: InputFile, digest: InputDigest | None = None
+    path: Path,
+    spec: InputFile,
+    digest: InputDigest | None = None,
+    max_line_bytes: int | None = None,
 ) -> Iterator[RawRecord]:
     wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
     fast = jsonids.ready()  # ids straight to int32, else json.loads' own reading
     with _jsonl_lines(path, digest) as f:
-        for lineno, line in enumerate(f, start=1):
+        for lineno, line in _lines(f, max_line_bytes, spec.path):
             if not line.strip():
                 continue
             where = f"{spec.path}:{lineno}"
@@ -346,11 +376,11 @@ def _read_jsonl(
             yield _from_mapping(obj, spec, where)
 
 
-def _read_table(path: Path, spec: InputFile, fmt: str) -> Iterator[RawRecord]:
+def _read_table(path: Path, spec: InputFile, fmt: str, data_dir: Path) -> Iterator[RawRecord]:
     """Parquet or Arrow records, from a file or a directory of files (:mod:`.files`)."""
     wanted = (spec.id_field, spec.text_field, spec.ids_field, spec.messages_field)
     need = (spec.text_field, spec.ids_field, spec.messages_field)
-    for where, obj in input_files.table_rows(path, fmt, spec.path, wanted, need):
+    for where, obj in input_files.table_rows(path, fmt, spec.path, wanted, need, data_dir):
         yield _from_mapping(obj, spec, where)
 
 
@@ -360,9 +390,11 @@ def raw_records(
     records: list[InlineRecord] | None,
     data_dir: Path,
     digest: InputDigest | None = None,
+    max_line_bytes: int | None = None,
 ) -> Iterator[RawRecord]:
     """The raw records of a job's input, in order; a JSONL file's bytes also go to ``digest``
-    (so a submission reads its file once)."""
+    (so a submission reads its file once), and a JSONL line over ``max_line_bytes``
+    (:func:`line_limit`) is a 413 before it is read whole."""
     if records is not None:
         for i, r in enumerate(records):
             where = f"records[{i}]"
@@ -377,13 +409,13 @@ def raw_records(
     if file is None:
         raise InvalidInputError("a job needs a file or records")
     path = resolve_input_path(data_dir, file.path)
-    fmt = input_format(file, path)
+    fmt = input_format(file, path, data_dir)
     if fmt == "jsonl":
         if path.is_dir():
             raise InvalidInputError(f"{file.path!r} is a directory: jsonl input is one file")
-        yield from _read_jsonl(path, file, digest)
+        yield from _read_jsonl(path, file, digest, max_line_bytes)
     else:
-        yield from _read_table(path, file, fmt)
+        yield from _read_table(path, file, fmt, data_dir)
 
 
 def input_digest(
@@ -398,7 +430,9 @@ def input_digest(
         for f_path in sorted(path.rglob("*")) if path.is_dir() else [path]:
             if not f_path.is_file():
                 continue
-            h.update(str(f_path.relative_to(path)).encode() + b"\0")
+            rel = f_path.relative_to(path)
+            paths.contained(data_dir, f_path, "input file", shown=f"{file.path}/{rel}")
+            h.update(str(rel).encode() + b"\0")
             with f_path.open("rb") as f:
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
@@ -441,7 +475,8 @@ def valid_records(
     A bad record is listed and skipped; so is an explicit id seen before. A repeated content key
     without an explicit id is dropped silently (the first occurrence is kept, as in
     :func:`sequences`). The walk ends early when the source itself fails while being read (its
-    message listed) or when a bad record brings the list to :data:`MAX_LISTED_ERRORS`.
+    message listed) or when a bad record brings the list to :data:`MAX_LISTED_ERRORS`; a file
+    of the input outside the data directory raises its :class:`InvalidPathError` at once.
     """
     seen: set[str] = set()
     it = iter(raws)
@@ -450,6 +485,8 @@ def valid_records(
             raw = next(it)
         except StopIteration:
             return
+        except InvalidPathError:  # a file outside the data directory: refused as such
+            raise
         except (InvalidInputError, PayloadTooLargeError) as e:  # unreadable source: stop here
             errors.append(e.message)
             return

@@ -33,6 +33,7 @@ import numpy as np
 from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.cache_format.quant import decode_logprobs, encode_logprobs
 from logitcache.cache_format.spec import LOGPROB_MAX, LOGPROB_STEP, TOPK_LOGPROBS
+from logitcache.cache_format.writer import encode_record
 
 from ..batch import pipeline
 from ..errors import NotFoundError
@@ -179,12 +180,18 @@ class CacheServing:
         at ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``."""
         found = await asyncio.to_thread(self.lookup, cache, seqs)
         miss_idx = [i for i in range(len(seqs)) if i not in found]
+        if store and miss_idx:  # a read-only store still serves its hits
+            await asyncio.to_thread(self.caches.check_writable, cache)
         stored = 0
 
         def append(_batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
             nonlocal stored
+            if not records:
+                return
+            for i, rec in enumerate(records):  # the writer's own checks, before a cache is
+                encode_record(rec, manifest, i)  # created: a rejected request leaves none
             with self.caches.writer(cache, manifest) as w:
-                stored += w.append(records or [])
+                stored += w.append(records)
 
         sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
         scored = await pipeline.one_batch(

@@ -13,7 +13,9 @@ keeps what it was created with.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import re
 import threading
 import time
@@ -29,14 +31,17 @@ from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teach
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
 from logitcache.cache_format.spec import ROOT_ATTR, layout_named
 
+from .. import paths
 from ..engine.identity import teacher_identity
 from ..errors import (
     CacheBrokenError,
     CacheIncompleteError,
     ConflictError,
     InvalidCacheNameError,
+    NotACacheError,
     NotFoundError,
     ServiceError,
+    StoreNotWritableError,
     format_error_status,
     public_message,
 )
@@ -51,13 +56,38 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def check_name(name: str) -> str:
-    """Return ``name`` if it is a valid cache name, else raise :class:`InvalidCacheNameError`."""
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or ".." in name:
+    """Return ``name`` if it is a valid cache name (one safe segment under the store root,
+    :func:`..paths.one_segment`, without ``..``), else raise :class:`InvalidCacheNameError`."""
+    try:
+        paths.one_segment(name, NAME_PATTERN, "cache name")
+    except paths.UnsafePathError:
+        ok = False
+    else:
+        ok = ".." not in name
+    if not ok:
         raise InvalidCacheNameError(
             f"invalid cache name {name!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or "
             "digit, without '..'"
         )
     return name
+
+
+#: ``errno`` values of a store that refuses writes.
+_NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+@contextmanager
+def not_writable_as_409(name: str) -> Iterator[None]:
+    """Turn a write refused by the store (read-only file system, no permission) into
+    :class:`StoreNotWritableError` (409 ``store_read_only``) instead of a 500."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _NOT_WRITABLE:
+            raise
+        raise StoreNotWritableError(
+            f"cache {name!r} cannot be written: the store refuses writes ({os.strerror(e.errno)})"
+        ) from None
 
 
 def is_url(root: str) -> bool:
@@ -105,7 +135,7 @@ class WriterHandle:
 
     def append(self, records: Sequence[SequenceRecord]) -> int:
         """Append (and commit) records; keys already present are skipped. Returns new count."""
-        with self._entry.lock:
+        with self._entry.lock, not_writable_as_409(self.name):
             return self._entry.writer.append(list(records))
 
     def contains(self, key: str) -> bool:
@@ -166,8 +196,12 @@ class CacheRegistry:
     # --- naming / discovery ---------------------------------------------------------------
 
     def url(self, name: str) -> str:
-        """The store URL (or local path) of cache ``name`` (validated)."""
-        return f"{self.root}/{check_name(name)}"
+        """The store URL (or local path) of cache ``name`` (validated; a local cache folder
+        must lie inside the root, links followed: :func:`..paths.resolve_under`)."""
+        check_name(name)
+        if not is_url(self.root):
+            paths.resolve_under(Path(self.root), name, "cache folder")
+        return f"{self.root}/{name}"
 
     def names(self) -> list[str]:
         """Names of the caches (entries with a root ``zarr.json``) under the root, sorted.
@@ -292,10 +326,24 @@ class CacheRegistry:
             return None
         if attrs is None:
             return None
+        if ROOT_ATTR not in attrs and not attrs.get(INCOMPLETE_ATTR):
+            raise NotACacheError(f"{name!r} holds a zarr group that is not a logitcache cache")
         try:
             return parse_root(attrs)
         except (StoreNotFoundError, ManifestError):  # not committed yet, or no manifest to read
             return None
+
+    def check_writable(self, name: str) -> None:
+        """:class:`StoreNotWritableError` (409) if a local store refuses writes to cache
+        ``name`` (its folder, or the root for a new cache: a read-only file system, no
+        permission), so a request or job that would write is refused before any engine work."""
+        if is_url(self.root):
+            return
+        folder = Path(self.url(name))
+        if not os.access(folder if folder.exists() else self.root, os.W_OK):
+            raise StoreNotWritableError(
+                f"cache {name!r} cannot be written: the store is read-only or not writable"
+            )
 
     # --- identity checks ------------------------------------------------------------------
 
@@ -356,12 +404,13 @@ class CacheRegistry:
             self._drop(name, entry)
             entry = None
         if entry is None:
-            w = CacheWriter.open(
-                self.url(name),
-                manifest,
-                storage_options=self.storage_options,
-                layout=None if layout is None else layout_named(layout),
-            )
+            with not_writable_as_409(name):
+                w = CacheWriter.open(
+                    self.url(name),
+                    manifest,
+                    storage_options=self.storage_options,
+                    layout=None if layout is None else layout_named(layout),
+                )
             entry = _OpenWriter(writer=w, manifest=manifest)
             self._writers[name] = entry
         elif entry.manifest.identity() != manifest.identity():

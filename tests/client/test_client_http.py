@@ -171,6 +171,7 @@ def test_async_client(server, job) -> None:
 
 def test_store_route_sends_stored_bytes_and_ranges(server, job) -> None:
     import httpx
+    from logitcache.server.api.store import public_metadata
 
     root = Path(store(server))
     shard = next(
@@ -188,7 +189,9 @@ def test_store_route_sends_stored_bytes_and_ranges(server, job) -> None:
         tail = http.get(f"{base}/{key}", headers={"Range": "bytes=-20"})
         assert tail.status_code == 206 and tail.content == raw[-20:]
         assert tail.headers["content-range"] == f"bytes {len(raw) - 20}-{len(raw) - 1}/*"
-        assert http.get(f"{base}/zarr.json").content == (root / "zarr.json").read_bytes()
+        served = http.get(f"{base}/zarr.json").content  # the stored document, paths cut
+        assert served == public_metadata((root / "zarr.json").read_bytes())
+        assert '"/' not in served.decode()  # no absolute server path (the teacher's folder)
         assert http.head(f"{base}/{key}").headers["content-length"] == str(len(raw))
         assert http.get(f"{base}/topk_ids/c/999/0").status_code == 404
         assert http.get(f"{base}/{key}", headers={"Range": "bytes=9-2"}).status_code == 416

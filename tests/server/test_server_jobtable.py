@@ -104,10 +104,30 @@ def test_token_gate_admits_within_budget_and_estimates_retry() -> None:
     gate.release(60)
     gate.release(40)
     assert gate.in_flight == 0 and gate.refused == 2
-    busy = TokenGate(10_000)
+    busy = TokenGate(10_000, clock=lambda: 7.0)
     busy.release(100, seconds=1.0)  # 100 tok/s
     assert busy.try_acquire(5000)
     assert busy.retry_after() == 50
+
+
+def test_retry_after_is_the_queues_drain_time_under_a_burst() -> None:
+    """64 concurrent requests of 8,000 tokens admitted at t=0 finish one by one over 10 s (the
+    engine drains ~51K tokens/s): with 32 finished and 32 in flight, the queue's 256K tokens
+    drain in ~5 s, and Retry-After says so (a per-request rate, 8,000 tokens over its whole
+    10 s wait, said 60). Finished requests leave the window after RATE_WINDOW_S."""
+    from logitcache.server.admission import RATE_WINDOW_S
+
+    now = [0.0]
+    gate = TokenGate(64 * 8000, clock=lambda: now[0])
+    for _ in range(64):
+        assert gate.try_acquire(8000)
+    for i in range(32):
+        now[0] = 10.0 * (i + 1) / 64
+        gate.release(8000, seconds=now[0])
+    assert gate.rate is not None and abs(gate.rate - 51_200) < 1
+    assert gate.retry_after() == 5
+    now[0] += RATE_WINDOW_S + 1  # only the newest finished request still counts
+    assert gate.rate is not None and gate.rate < 300
 
 
 def test_routes_page_jobs_and_refuse_over_budget(tmp_path) -> None:

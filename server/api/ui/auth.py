@@ -1,18 +1,23 @@
-"""The status page's login cookie.
+"""The status page's login sessions.
 
-The login form (``POST /login``) takes the API key and, if it matches, sets the cookie
-:data:`COOKIE` to :func:`cookie_token` ``(key)`` = ``HMAC-SHA256(key, "logitcache-ui-v1")`` (hex):
-the key itself is never stored in the browser. The cookie is ``HttpOnly`` and ``SameSite=Strict``
-(another site cannot make the browser send it), and the API-key middleware accepts it **only on
-safe methods** (``GET``/``HEAD``): it lets a browser read the status page and the JSON API, while
-anything that changes state (``POST /v1/jobs``, cancel) still needs ``Authorization: Bearer``.
+The login form (``POST /login``) takes the API key and, if it matches, starts a session: a random
+id (:func:`secrets.token_urlsafe`, 256 bits; no function of the key) set as the cookie
+:data:`COOKIE`, and held by this process (:class:`Sessions`, only its SHA-256) with its expiry,
+``session_ttl_s`` after login. ``POST /logout`` ends it (the id is forgotten: the cookie is no
+login any more, even if a copy was kept), and so does a restart. The cookie is ``HttpOnly`` and
+``SameSite=Strict`` (another site cannot make the browser send it), and the API-key middleware
+accepts it **only on safe methods** (``GET``/``HEAD``): it lets a browser read the status page and
+the JSON API, while anything that changes state (``POST /v1/jobs``, cancel) still needs
+``Authorization: Bearer``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
+import threading
+import time
+from collections.abc import Callable
 from http.cookies import SimpleCookie
 
 #: Name of the login cookie.
@@ -22,9 +27,58 @@ COOKIE = "logitcache_session"
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 
 
-def cookie_token(api_key: str) -> str:
-    """The cookie value that proves knowledge of ``api_key``."""
-    return hmac.new(api_key.encode(), b"logitcache-ui-v1", hashlib.sha256).hexdigest()
+#: Most sessions held at once; past it the one closest to expiry is dropped.
+MAX_SESSIONS = 10_000
+
+
+class Sessions:
+    """Login sessions of one app: random ids with their expiry (see the module docstring).
+    Thread-safe; ``clock`` is ``time.monotonic`` (tests pass their own)."""
+
+    def __init__(self, ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._expiry: dict[str, float] = {}  # sha256(id) -> expiry
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _digest(token: str) -> str:
+        return hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()
+
+    def start(self) -> str:
+        """A new session's id (the cookie value)."""
+        token = secrets.token_urlsafe(32)
+        now = self._clock()
+        with self._lock:
+            self._expiry = {d: t for d, t in self._expiry.items() if t > now}
+            if len(self._expiry) >= MAX_SESSIONS:
+                del self._expiry[min(self._expiry, key=self._expiry.__getitem__)]
+            self._expiry[self._digest(token)] = now + self.ttl_s
+        return token
+
+    def valid(self, token: str | None) -> bool:
+        """Whether ``token`` is a live session (an expired one is forgotten)."""
+        if not token:
+            return False
+        digest = self._digest(token)
+        with self._lock:
+            expiry = self._expiry.get(digest)
+            if expiry is None:
+                return False
+            if expiry <= self._clock():
+                del self._expiry[digest]
+                return False
+            return True
+
+    def end(self, token: str | None) -> None:
+        """Forget session ``token`` (logout)."""
+        if token:
+            with self._lock:
+                self._expiry.pop(self._digest(token), None)
+
+    def cookie_ok(self, cookie_header: str | None) -> bool:
+        """Whether ``cookie_header`` carries a live session's cookie."""
+        return bool(cookie_header) and self.valid(cookie_from_header(cookie_header or ""))
 
 
 def cookie_from_header(cookie_header: str) -> str | None:
@@ -36,11 +90,3 @@ def cookie_from_header(cookie_header: str) -> str | None:
         return None
     morsel = jar.get(COOKIE)
     return morsel.value if morsel is not None else None
-
-
-def cookie_ok(api_key: str, cookie_header: str | None) -> bool:
-    """Whether ``cookie_header`` carries a valid login cookie for ``api_key``."""
-    if not cookie_header:
-        return False
-    got = cookie_from_header(cookie_header)
-    return got is not None and secrets.compare_digest(got, cookie_token(api_key))

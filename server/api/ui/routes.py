@@ -67,6 +67,10 @@ def _settings(request: Request) -> ServerSettings:
     return request.app.state.ui_settings
 
 
+def _sessions(request: Request) -> auth.Sessions:
+    return request.app.state.ui_sessions
+
+
 def _api_key(request: Request) -> str | None:
     key = _settings(request).api_key
     return key.get_secret_value() if key is not None else None
@@ -80,7 +84,7 @@ def _authorized(request: Request) -> tuple[bool, bool]:
     header = request.headers.get("authorization", "")
     if secrets.compare_digest(header.encode(), f"Bearer {key}".encode()):
         return True, False
-    ok = auth.cookie_ok(key, request.headers.get("cookie"))
+    ok = _sessions(request).cookie_ok(request.headers.get("cookie"))
     return ok, ok
 
 
@@ -171,7 +175,8 @@ async def login(request: Request) -> Response:
     resp = RedirectResponse(next_url, status_code=303)
     resp.set_cookie(
         auth.COOKIE,
-        auth.cookie_token(key),
+        _sessions(request).start(),
+        max_age=int(_settings(request).session_ttl_s),
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
@@ -181,7 +186,8 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/logout")
-async def logout() -> Response:
+async def logout(request: Request) -> Response:
+    _sessions(request).end(auth.cookie_from_header(request.headers.get("cookie", "")))
     resp = RedirectResponse("/", status_code=303)
     resp.delete_cookie(auth.COOKIE, path="/")
     return resp
@@ -237,6 +243,7 @@ def install(app: FastAPI, settings: ServerSettings) -> None:
     """Add the UI routes to ``app`` (built with ``docs_url=None, redoc_url=None``)."""
     app.state.ui_settings = settings
     app.state.ui_caches = CacheSummaries()
+    app.state.ui_sessions = auth.Sessions(settings.session_ttl_s)
     app.include_router(router)
     if settings.api_key is not None:
         _with_bearer_scheme(app)
