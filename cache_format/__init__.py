@@ -2,7 +2,8 @@
 
 Public API (DESIGN.md): :class:`Manifest`, :class:`SequenceRecord`, :class:`RowBlock`,
 :class:`CacheWriter`, :class:`CacheReader`, :func:`validate`, :func:`tokenizer_fingerprint`,
-:func:`encode_records` / :func:`decode_records`, and the :class:`FormatError` family.
+:func:`encode_records` / :func:`decode_records`, :func:`kernels_in_use`, and the
+:class:`FormatError` family.
 The normative byte-level spec is ``FORMAT.md`` beside this file. Importing this package does not
 import torch.
 """
@@ -19,6 +20,7 @@ from .errors import (
     WireFormatError,
     WriterLockedError,
 )
+from ._info import kernels_in_use
 from .fingerprint import tokenizer_fingerprint
 from .manifest import IDENTITY_FIELDS, Manifest
 from .reader import CacheReader
@@ -56,6 +58,7 @@ __all__ = [
     "decode_records",
     "encode_records",
     "iter_decode",
+    "kernels_in_use",
     "tail_from_logprobs",
     "tokenizer_fingerprint",
     "validate",

@@ -14,8 +14,10 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .fastdecode import EMPTY, FALLBACK, NEED_BUFFER, NEED_SHARDS, OK
-from .fastencode import harden_llvmlite
+from ._numba import EMPTY as _EMPTY
+from ._numba import FALLBACK, NEED_BUFFER, NEED_SHARDS, OK, harden_llvmlite
+
+EMPTY = np.uint64(_EMPTY)
 
 harden_llvmlite()  # numba imported llvmlite: keep an in-process vLLM engine startable (see there)
 

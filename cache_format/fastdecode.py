@@ -1,5 +1,5 @@
 """Compiled point reads: the whole decode of a ``sequence`` / ``sequences`` call in one compiled
-call per thread (issue #14, FORMAT.md D4).
+call per thread (FORMAT.md D4).
 
 The per-chunk path (:mod:`.pointread`) spends a large part of a ``random_access``-preset
 ``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
@@ -33,7 +33,7 @@ stay there, widened into a separate float32 array); the records of a ``sequences
 views of it (one record keeps its call's arena alive, as with reader processes).
 
 Optional: needs ``numba`` (in the ``client`` extra, or ``pip install 'logitcache[fast]'``);
-without it, with the C symbols missing, with ``LOGITCACHE_FASTDECODE=0``, if the self-check in
+without it, with the C symbols missing, if the self-check in
 :func:`ready` fails or a kernel raises, :data:`AVAILABLE` is ``False`` and the reader uses
 :mod:`.pointread`. The kernels compile at the first point read of a process (3.8 s on the 2-core
 VM) and numba caches them on disk (next to the module, or in its user cache): later processes load
@@ -51,27 +51,13 @@ from typing import Any
 
 import numpy as np
 
-from . import cdecode, outbuf, shardread
+from . import _numba, cdecode, outbuf, shardread
+from ._numba import NEED_BUFFER, NEED_SHARDS, OK
 from .shardread import DirectLayout
 
-EMPTY = np.uint64(2**64 - 1)
-
-OK, NEED_BUFFER, FALLBACK, NEED_SHARDS = 0, 1, 2, 3
-"""Kernel status codes (``status[0]``): done; the read buffer is too small (``status[1]``
-bytes needed); hand the call back to the per-chunk path (empty chunk, short read, a frame
-failing its CRC32C / header / decompression: ``status[1]`` the global chunk); shards not open
-yet (``status[1]`` of them, ``(array, shard)`` pairs from ``status[2]`` on)."""
-
-
-def _wanted() -> bool:
-    mode = os.environ.get("LOGITCACHE_FASTDECODE", "auto").strip().lower()
-    return mode not in ("0", "false", "no", "off")
-
-
-AVAILABLE = _wanted() and cdecode.FOUND
-"""Whether the reader uses this module (numba importable, the C functions found, not disabled
-by ``LOGITCACHE_FASTDECODE=0``); set ``False`` by :func:`ready` if compiling or the self-check
-fails. Tests and benchmarks may set it to compare both paths."""
+AVAILABLE = _numba.AVAILABLE and cdecode.FOUND
+"""Whether the compiled decoder may run here (numba importable and the C functions found;
+decided at import); set ``False`` by :func:`ready` if compiling or the self-check fails."""
 
 _kernels: dict[str, Any] | None = None
 _lock = threading.Lock()
@@ -88,8 +74,8 @@ def _cfuncs() -> np.ndarray:
     """The addresses of ``(crc32c_value, blosc_decompress_ctx, pread, memcpy, preadv)``
     (int64; the kernels call them through :mod:`._fastkernels`' intrinsics with their C
     signatures). The libraries stay loaded: :mod:`.cdecode` holds the first two, libc the rest."""
-    assert cdecode._FUNCS is not None
-    crc, dec = cdecode._FUNCS
+    assert cdecode.FUNCS is not None
+    crc, dec = cdecode.FUNCS
     libc = ctypes.CDLL(None)
     fns = (crc, dec, libc.pread, libc.memcpy, libc.preadv)
     return np.array([_address(f) for f in fns], np.int64)

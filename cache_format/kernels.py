@@ -7,14 +7,13 @@ values about 4x faster (vectorised), so they are used when torch is installed (i
 first call, never at import time: the format does not depend on torch). Both backends give
 bit-identical results: the cumulative sum is modulo ``2**bits`` of the unsigned dtype (torch works
 on the same bits viewed as the signed type of that width, whose wrapping addition is the same
-operation), and float16 -> float32 is exact. ``LOGITCACHE_KERNELS=numpy`` forces numpy,
-``=torch`` requires torch, unset or ``auto`` picks torch when importable.
+operation), and float16 -> float32 is exact. Whether torch is importable is decided once, at
+import (:func:`backend` says which runs).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from functools import cache
 from types import ModuleType
 
@@ -25,15 +24,14 @@ from . import outbuf
 _SIGNED = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "int16", np.dtype(np.uint32): "int32"}
 
 
+TORCH = importlib.util.find_spec("torch") is not None
+"""Whether torch is installed (then the kernels use it; imported at their first call)."""
+
+
 @cache
 def _torch() -> ModuleType | None:
-    """The torch module if the torch backend is selected (and importable), else ``None``."""
-    mode = os.environ.get("LOGITCACHE_KERNELS", "auto").strip().lower() or "auto"
-    if mode == "numpy":
-        return None
-    if mode not in ("auto", "torch"):
-        raise ValueError(f"LOGITCACHE_KERNELS must be auto, torch or numpy, got {mode!r}")
-    if mode == "auto" and importlib.util.find_spec("torch") is None:
+    """The torch module where it is installed, else ``None``."""
+    if not TORCH:
         return None
     import torch
 
@@ -107,7 +105,7 @@ def float_to_half(x: np.ndarray) -> np.ndarray:
     """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``.
 
     numpy converts one value at a time (~3.5 ns per value here: 0.35 CPU-us per position at
-    k=100 on the writer's path, issue #19); torch's vectorised cast is ~4x cheaper. It runs in
+    k=100 on the writer's path); torch's vectorised cast is ~4x cheaper. It runs in
     blocks of :data:`HALF_BLOCK` elements, each on the calling thread."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     torch = _torch()

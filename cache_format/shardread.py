@@ -18,8 +18,7 @@ or (``raw`` layouts, preset ``random_access_raw``) ``bytes(little-endian) -> crc
 chunk's bytes as they are followed by their CRC32C.
 In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
 lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
-Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`: without the GIL
-with ``LOGITCACHE_NOGIL=1``, :mod:`.cdecode`); a mismatch, an index pointing outside the object or a
+Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`); a mismatch, an index pointing outside the object or a
 blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader retries it on a
 fresh snapshot, FORMAT.md R7).
 
@@ -59,7 +58,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 from zarr.storage import LocalStore, StorePath
 
-from . import cdecode, outbuf
+from . import outbuf
 from .errors import ChecksumError, MissingDataError
 
 _EMPTY = 2**64 - 1
@@ -372,9 +371,8 @@ def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
 
 def check_decode(frame: np.ndarray, dest: np.ndarray, raw: bool = False) -> str | None:
     """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it
-    into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None``. Without
-    the GIL through :mod:`.cdecode` where it is enabled (``LOGITCACHE_NOGIL=1``), else through
-    the wrappers (same values, same checks). ``raw``: the chunk has no compressor (its bytes,
+    into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None`` (through
+    numcodecs' and google_crc32c's wrappers). ``raw``: the chunk has no compressor (its bytes,
     then their CRC32C), checked and copied."""
     if raw:
         if not _crc_ok(frame):
@@ -383,8 +381,6 @@ def check_decode(frame: np.ndarray, dest: np.ndarray, raw: bool = False) -> str 
             return f"raw chunk of {frame.size - 4} bytes, expected {dest.nbytes}"
         dest.reshape(-1).view(np.uint8)[...] = frame[:-4]
         return None
-    if cdecode.AVAILABLE:
-        return cdecode.decode(frame, dest)
     err = _frame_error(frame, dest.nbytes)
     if err is None:
         numcodecs.blosc.decompress(frame[:-4], dest)

@@ -473,7 +473,7 @@ class CacheWriter:
         each append durable against power loss before :meth:`append` returns (FORMAT.md W5);
         ``False`` skips the fsyncs (faster, still crash-safe against the process dying).
         ``direct_io`` (local stores with ``fsync``): write the shards with ``O_DIRECT``, not
-        through the page cache (``None``: yes unless ``LOGITCACHE_DIRECT_IO=0``; see
+        through the page cache (``None``: yes where the platform has it; see
         :class:`.store.DurableLocalStore`).
         """
         if not isinstance(manifest, Manifest):

@@ -2,7 +2,7 @@
 ``sequence`` / ``sequences`` call in one compiled call per thread must return the per-chunk path's
 values bit for bit (every encoding it takes, id remap, loss mask, repeats, chunk and shard edges,
 threads), check every CRC32C (a flipped byte is the per-chunk path's typed error), hand back what
-it does not handle, leak no descriptors, and be optional (no numba, ``LOGITCACHE_FASTDECODE=0``).
+it does not handle, leak no descriptors, and be optional (no numba).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def test_wide_rows_read_like_the_per_chunk_path(tmp_path, monkeypatch):
 
 
 def test_optional(tmp_path):
-    """Without numba (or with LOGITCACHE_FASTDECODE=0) the reader takes the per-chunk path."""
+    """Without numba the reader takes the per-chunk path."""
     url = tmp_path / "c"
     recs = _write(url, SMALL)
     code = (
@@ -208,16 +208,14 @@ def test_optional(tmp_path):
     )
     want = str(int(recs[3].topk_ids.sum()))
     root = Path(__file__).resolve().parents[1]
-    for mode, env in (("nonumba", {}), ("off", {"LOGITCACHE_FASTDECODE": "0"})):
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(url), mode],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **env},
-            cwd=root,
-            check=True,
-        ).stdout.split()
-        assert out[:2] == [want, "False"], (mode, out)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(url), "nonumba"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=True,
+    ).stdout.split()
+    assert out[:2] == [want, "False"], out
 
 
 def test_a_kernel_failure_hands_the_reader_back(tmp_path, monkeypatch):

@@ -161,14 +161,16 @@ def test_records_without_tails_get_the_computed_tail(spy: list[int]) -> None:
     assert got.arrays["tail_mass"].tobytes() == want.tobytes()
 
 
-def test_the_off_switch_and_a_failed_compile_leave_the_numpy_path(
+def test_no_numba_and_a_failed_compile_leave_the_numpy_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from logitcache.cache_format import _numba
+
     monkeypatch.setattr(fastencode, "_state", "unknown")
-    monkeypatch.setenv("LOGITCACHE_FASTENCODE", "0")
+    monkeypatch.setattr(_numba, "AVAILABLE", False)
     assert not fastencode.ready()
     monkeypatch.setattr(fastencode, "_state", "unknown")
-    monkeypatch.delenv("LOGITCACHE_FASTENCODE")
+    monkeypatch.setattr(_numba, "AVAILABLE", True)
 
     def broken() -> None:
         raise ImportError("no numba")

@@ -15,7 +15,7 @@ from logitcache.cache_format import kernels
 @pytest.fixture
 def use_backend(monkeypatch):
     def select(name: str) -> None:
-        monkeypatch.setenv("LOGITCACHE_KERNELS", name)
+        monkeypatch.setattr(kernels, "TORCH", name == "torch")
         kernels._torch.cache_clear()
         assert kernels.backend() == name
 
@@ -62,7 +62,8 @@ def test_kernel_arguments_checked():
 
 
 def test_store_reads_identically_under_both_backends(tmp_path):
-    """End to end in fresh processes (the backend is chosen once per process)."""
+    """End to end in fresh processes (the backend is chosen once per process: the numpy one
+    forced through the module's ``TORCH`` flag before the first read)."""
     from format_support import make_manifest, make_records
     from logitcache.cache_format import CacheWriter
 
@@ -72,6 +73,7 @@ def test_store_reads_identically_under_both_backends(tmp_path):
     code = (
         "import sys, hashlib, numpy as np\n"
         "from logitcache.cache_format import CacheReader, kernels\n"
+        "kernels.TORCH = sys.argv[2] == 'torch'\n"
         "r = CacheReader(sys.argv[1]); b = r.rows(0, r.num_rows)\n"
         "h = r.rows(0, r.num_rows, logprob_dtype='float16').topk_logprobs\n"
         "print(kernels.backend(), hashlib.sha256(b.topk_logprobs.tobytes() + h.tobytes())"
@@ -79,9 +81,8 @@ def test_store_reads_identically_under_both_backends(tmp_path):
     )
     seen = {}
     for name in ("numpy", "torch"):
-        env = {"LOGITCACHE_KERNELS": name, "PATH": "/usr/bin:/bin"}
         out = subprocess.run(
-            [sys.executable, "-c", code, str(url)], env=env, capture_output=True, text=True
+            [sys.executable, "-c", code, str(url), name], capture_output=True, text=True
         )
         assert out.returncode == 0, out.stderr
         backend, digest = out.stdout.split()
