@@ -8,6 +8,7 @@ The normative byte-level spec is ``FORMAT.md`` beside this file. Importing this 
 import torch.
 """
 
+from ._info import kernels_in_use
 from .errors import (
     CorruptStoreError,
     FormatError,
@@ -20,7 +21,6 @@ from .errors import (
     WireFormatError,
     WriterLockedError,
 )
-from ._info import kernels_in_use
 from .fingerprint import tokenizer_fingerprint
 from .manifest import IDENTITY_FIELDS, Manifest
 from .reader import CacheReader

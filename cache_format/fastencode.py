@@ -18,7 +18,8 @@ compiler runtime needed), exact for the clipped range ``[-65504, 0]``.
 
 Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere, ~10 MB with
 llvmlite's ~40 MB; whether it is installed is decided once, :data:`._numba.AVAILABLE`). Without
-it, or if compiling or the self-check at the first use fails, :func:`ready` is ``False`` and the writer keeps its numpy path.
+it, or if compiling or the self-check at the first use fails, :func:`ready` is ``False`` and the
+writer keeps its numpy path.
 The kernel compiles at the first append of a process (~1-2 s) unless numba's on-disk cache has it
 (``cache=True``: the package's ``__pycache__``, or numba's user cache directory), where the
 kernel module :mod:`._encodekernels` keeps its functions at module level so that it finds them.

@@ -18,9 +18,9 @@ or (``raw`` layouts, preset ``random_access_raw``) ``bytes(little-endian) -> crc
 chunk's bytes as they are followed by their CRC32C.
 In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
 lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
-Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`); a mismatch, an index pointing outside the object or a
-blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader retries it on a
-fresh snapshot, FORMAT.md R7).
+Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`); a mismatch, an index
+pointing outside the object or a blosc frame of the wrong size raises
+:class:`~.errors.ChecksumError` (the reader retries it on a fresh snapshot, FORMAT.md R7).
 
 A shard whose needed chunks are at least half of it is read with one ``get`` of the whole
 object; otherwise its index is read with a suffix request (once per complete shard and layout:

@@ -145,15 +145,16 @@ class DurableLocalStore(zarr.storage.LocalStore):
     after the commit (FORMAT.md W3-W5).
 
     **O_DIRECT.** Objects of :data:`DIRECT_IO_MIN` bytes or more (the shards) are written to their
-    temporary file with ``O_DIRECT`` (issue #19): page-aligned memory straight from the caller's
+    temporary file with ``O_DIRECT``: page-aligned memory straight from the caller's
     buffer, the rest through a page-aligned bounce buffer, padded to a page and truncated back to
     the object's size, then fsynced and renamed as above: the same bytes and the same crash
     safety, without the copy into the page cache (on the 2-core VM that copy's system time came
     and went with fresh page-cache pages, 0.2-1.9 CPU-us/position at k=100). Smaller objects
     (``zarr.json``) go through the page cache. A filesystem that refuses ``O_DIRECT`` (``EINVAL``
     on open or on the first write: tmpfs, ``/dev/shm``, some FUSE mounts) gets the buffered write,
-    and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False`` turns it off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it
-    comes from the disk.
+    and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False`` turns it
+    off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it comes
+    from the disk.
     """
 
     def __init__(

@@ -33,7 +33,9 @@ def _cases() -> list[tuple[np.ndarray, np.ndarray]]:
 def _decode(frame: np.ndarray, dest: np.ndarray) -> tuple[int, int]:
     assert cdecode.FUNCS is not None
     crc, dec = cdecode.FUNCS
-    return crc(frame.ctypes.data, frame.size), dec(frame.ctypes.data, dest.ctypes.data, dest.nbytes, 1)
+    return crc(frame.ctypes.data, frame.size), dec(
+        frame.ctypes.data, dest.ctypes.data, dest.nbytes, 1
+    )
 
 
 def test_values_equal_the_wrappers():
