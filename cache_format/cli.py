@@ -103,7 +103,7 @@ def info(
 
     reader = _reader(url, _options(option))
     m = reader.manifest
-    st = store_stats(reader._store, m)
+    st = store_stats(reader.store, m)
     tail = tail_summary(reader)  # coverage: 1 - mean tail mass (sampled on large caches)
     doc = {
         "url": url,

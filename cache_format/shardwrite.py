@@ -40,8 +40,8 @@ from zarr.core.buffer import default_buffer_prototype
 
 from . import outbuf
 from .errors import ChecksumError, MissingDataError
-from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
-from .shardread import _decode_chunk as shardread_decode_chunk
+from .shardread import EMPTY, DirectLayout, as_bytes, crc_ok, parse_index
+from .shardread import decode_chunk as shardread_decode_chunk
 from .store import DIRECT_IO_ALIGN
 
 #: The ``vlen-utf8`` encoding zarr applies to string chunks (``zarr.codecs.vlen_utf8``).
@@ -144,7 +144,7 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
         out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
         shardread_decode_chunk(lay, frame, out, where)
         return out
-    if not _crc_ok(frame):
+    if not crc_ok(frame):
         raise ChecksumError(f"{where}: inner chunk fails its CRC32C")
     if lay.dtype == np.dtype(object):
         try:
@@ -186,16 +186,16 @@ async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np
             raise MissingDataError(f"{where}: shard object missing below the committed count")
         head = np.full((part, *lay.inner), lay.fill_value, dtype=lay.dtype) if part else None
         return keep, head
-    data = _as_bytes(buf)
+    data = as_bytes(buf)
     index_size = 16 * n + 4
     if data.size < index_size:
         raise ChecksumError(f"{where}: shard shorter than its index")
-    table = _parse_index(data[-index_size:], n, where)
+    table = parse_index(data[-index_size:], n, where)
     body = data.size - index_size
 
     def frame(i: int) -> np.ndarray | None:
         off, nb = int(table[i, 0]), int(table[i, 1])
-        if off == _EMPTY:
+        if off == EMPTY:
             if lay.strict:
                 raise MissingDataError(f"{where}: chunk {i} missing below the committed count")
             return None
@@ -282,7 +282,7 @@ async def _write_shard(
     ]
     body = sum(sizes)
     payload = _aligned(body + 16 * n + 4)
-    table = np.full((n, 2), _EMPTY, dtype="<u8")
+    table = np.full((n, 2), EMPTY, dtype="<u8")
     pos = 0
     views: list[np.ndarray | None] = [None] * n
     for i, f in enumerate(frames):

@@ -42,11 +42,7 @@ class Spy:
 def _per_chunk(url, **kw) -> CacheReader:
     """A reader whose point reads take the per-chunk path (pointread)."""
 
-    class PerChunk(CacheReader):
-        def _fetch_fast(self, *a, **k):
-            return None
-
-    return PerChunk(url, **kw)
+    return CacheReader(url, decoder="numpy", **kw)
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
@@ -124,7 +120,9 @@ def test_descriptors_not_kept_are_closed(tmp_path, monkeypatch):
     got = r.sequences(range(len(recs)))
     assert all(np.array_equal(g.input_ids, w.input_ids) for g, w in zip(got, recs, strict=True))
     assert len(os.listdir("/proc/self/fd")) == before
-    assert all((t["tables"].fd < 0).all() for lay in r._direct.values() for t in [lay.fast] if t)
+    assert all(
+        (t["tables"].fd < 0).all() for lay in r._opened.direct.values() for t in [lay.fast] if t
+    )
 
 
 def test_pieces_cover_every_row_once_at_chunk_edges():
@@ -307,7 +305,7 @@ def test_the_last_shard_stays_open_and_reads_its_version_after_the_writer_replac
     url = tmp_path / "c"
     recs = _write(url, SMALL)
     r = CacheReader(url)
-    lay = r._direct["topk_ids"]
+    lay = r._opened.direct["topk_ids"]
     assert lay.length % lay.shard_rows, "the store must end inside a shard"
     last = len(recs) - 1
     want = _per_chunk(url).sequence(last)
