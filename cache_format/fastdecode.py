@@ -53,6 +53,7 @@ import numpy as np
 
 from . import _numba, cdecode, outbuf, shardread
 from ._numba import NEED_BUFFER, NEED_SHARDS, OK
+from ._plan import split
 from .shardread import DirectLayout
 
 AVAILABLE = _numba.AVAILABLE and cdecode.FOUND
@@ -224,38 +225,11 @@ CPU with 2 threads on the 2-core VM."""
 
 
 def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) -> list[np.ndarray]:
-    """``items`` in at most ``n`` groups of about equal decoded bytes (at least
-    :data:`PARALLEL_MIN_BYTES` each), items cut at chunk edges where that balances them."""
-    cost = [
-        ((b - 1) // int(meta[a, 1]) - a0 // int(meta[a, 1]) + 1) * int(meta[a, 1] * meta[a, 2])
-        for a, a0, b, _ in [(i[0], i[1], i[2], i[3]) for i in items]
-    ]
-    total = sum(cost)
-    g = max(1, min(n, total // PARALLEL_MIN_BYTES))
-    if g <= 1:
-        return [np.array(items, np.int64).reshape(-1, 4)]
-    share = total / g
-    groups: list[list[tuple[int, int, int, int]]] = [[]]
-    load = 0.0
-    for (a, st, sp, out), c in zip(items, cost, strict=True):
-        cr = int(meta[a, 1])
-        per = int(meta[a, 1] * meta[a, 2])
-        while c > 0:
-            room = share - load
-            if room < per / 2 and len(groups) < g:
-                groups.append([])
-                load, room = 0.0, share
-            take = max(1, int(room // per)) * per if len(groups) < g else c
-            if take >= c:
-                groups[-1].append((a, st, sp, out))
-                load += c
-                break
-            cut = (st // cr + take // per) * cr  # a chunk edge inside (st, sp)
-            groups[-1].append((a, st, cut, out))
-            load += take
-            out += cut - st
-            st, c = cut, c - take
-    return [np.array(x, np.int64).reshape(-1, 4) for x in groups if x]
+    """``items`` in at most ``n`` groups (:func:`._plan.split`, at least
+    :data:`PARALLEL_MIN_BYTES` each), as the kernel takes them."""
+    cr, rb = meta[:, 1].tolist(), meta[:, 2].tolist()
+    groups = split(items, cr, rb, n, PARALLEL_MIN_BYTES)
+    return [np.array(x, np.int64).reshape(-1, 4) for x in groups]
 
 
 class _Plan:

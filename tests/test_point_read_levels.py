@@ -31,7 +31,8 @@ def test_every_layer_is_timed_inside_the_whole_call(tmp_path: Path) -> None:
     assert len(lines) == 2
     for line in lines:
         got = ast.literal_eval(line)
-        layers = ["kernel", "_run", "read_arrays", "_fetch_fast", "_fetch", "_records", "sequence"]
+        layers = ["kernel", "_run", "read_arrays", "_fetch_fast", "read_spans", "_sequences"]
+        layers.append("sequence")
         assert list(got) == layers
         assert all(got[a] <= got[b] for a, b in zip(layers, layers[1:], strict=False))
         assert got["kernel"] > 0
