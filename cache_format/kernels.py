@@ -29,7 +29,7 @@ TORCH = importlib.util.find_spec("torch") is not None
 
 
 @cache
-def _torch() -> ModuleType | None:
+def torch_module() -> ModuleType | None:
     """The torch module where it is installed, else ``None``."""
     if not TORCH:
         return None
@@ -46,7 +46,7 @@ TORCH_MIN_ELEMENTS = 1 << 20
 
 def backend() -> str:
     """``"torch"`` or ``"numpy"``: the backend the kernels use in this process."""
-    return "numpy" if _torch() is None else "torch"
+    return "numpy" if torch_module() is None else "torch"
 
 
 def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -63,7 +63,7 @@ def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty_like(d)
     elif out.shape != d.shape or out.dtype != d.dtype or not out.flags.c_contiguous:
         raise ValueError("row_undelta: out must be a C-contiguous array like d")
-    torch = _torch()
+    torch = torch_module()
     if torch is None or d.size < TORCH_MIN_ELEMENTS:
         return np.cumsum(d, axis=1, dtype=d.dtype, out=out)
     signed = getattr(torch, _SIGNED[d.dtype])
@@ -87,7 +87,7 @@ def half_to_float(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = outbuf.empty(h.shape, np.float32)  # a read's output: no huge-page request
     elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("half_to_float: out must be a C-contiguous float32 array of h's shape")
-    torch = _torch()
+    torch = torch_module()
     if torch is None or h.size < TORCH_MIN_ELEMENTS:
         np.copyto(out, h, casting="same_kind")
         return out
@@ -108,7 +108,7 @@ def float_to_half(x: np.ndarray) -> np.ndarray:
     k=100 on the writer's path); torch's vectorised cast is ~4x cheaper. It runs in
     blocks of :data:`HALF_BLOCK` elements, each on the calling thread."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    torch = _torch()
+    torch = torch_module()
     if torch is None:
         return x.astype(np.float16)
     if not x.flags.writeable:  # torch.from_numpy warns on read-only arrays

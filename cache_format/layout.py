@@ -11,11 +11,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import zarr
 import zarr.abc.store
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.group import GroupMetadata
-from zarr.core.sync import sync
 
 from . import spec
+from ._zarr_adapter import GroupMetadata, default_buffer_prototype, sync
 from .codecs import compressors
 from .manifest import Manifest
 from .quant import STORED_DTYPE

@@ -288,7 +288,7 @@ _SIGNED = {
 def undelta_block(d: np.ndarray) -> None:
     """In place: ``d[:, j] = d[:, 0] + ... + d[:, j]`` modulo ``2**bits`` (FORMAT.md 4.2) for a
     C-contiguous unsigned ``[m, k]`` block of at most :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels._torch()
+    torch = kernels.torch_module()
     if torch is None:
         np.cumsum(d, axis=1, dtype=d.dtype, out=d)
         return
@@ -298,7 +298,7 @@ def undelta_block(d: np.ndarray) -> None:
 def widen_block(h: np.ndarray, out: np.ndarray) -> None:
     """``out[...] = h`` (exact float16 -> float32) for a block of at most
     :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels._torch()
+    torch = kernels.torch_module()
     if torch is None:
         np.copyto(out, h, casting="same_kind")
         return

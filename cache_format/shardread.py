@@ -52,13 +52,16 @@ import zarr
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
-from zarr.core.buffer import Buffer, default_buffer_prototype
-from zarr.core.chunk_grids import RegularChunkGrid
-from zarr.core.metadata.v3 import ArrayV3Metadata
-from zarr.core.sync import sync
 from zarr.storage import LocalStore, StorePath
 
 from . import outbuf
+from ._zarr_adapter import (
+    ArrayV3Metadata,
+    Buffer,
+    RegularChunkGrid,
+    default_buffer_prototype,
+    sync,
+)
 from .errors import ChecksumError, MissingDataError
 
 EMPTY = 2**64 - 1

@@ -36,9 +36,15 @@ import numcodecs.blosc
 import numpy as np
 from numcodecs.vlen import VLenUTF8
 from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
-from zarr.core.buffer import default_buffer_prototype
 
 from . import outbuf
+from ._zarr_adapter import (
+    ArrayV3Metadata,
+    RegularChunkGrid,
+    blosc_codec,
+    default_buffer_prototype,
+    zstd_codec,
+)
 from .errors import ChecksumError, MissingDataError
 from .shardread import EMPTY, DirectLayout, as_bytes, crc_ok, parse_index
 from .shardread import decode_chunk as shardread_decode_chunk
@@ -52,7 +58,7 @@ RAW = "none"
 
 
 def supported(lay: DirectLayout) -> bool:
-    """Whether this zarr exposes the array's numcodecs Blosc (``BloscCodec._blosc_codec``, what
+    """Whether this zarr exposes the array's numcodecs Blosc (:func:`._zarr_adapter.blosc_codec`:
     zarr itself encodes with), or its Zstd for a ``vlen-utf8`` array (:func:`keys_layout`), or
     the array has no compressor (``raw``: its little-endian bytes); if not, the writer uses
     zarr's ``setitem``."""
@@ -72,9 +78,9 @@ def _codec(lay: DirectLayout) -> Any:
     assert isinstance(sharding, ShardingCodec)  # direct layouts are of sharded arrays only
     inner = sharding.codecs[1]
     if isinstance(inner, BloscCodec):
-        return inner._blosc_codec
+        return blosc_codec(inner)
     assert isinstance(inner, ZstdCodec) and lay.dtype == np.dtype(object)
-    return inner._zstd_codec
+    return zstd_codec(inner)
 
 
 def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
@@ -86,8 +92,6 @@ def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
     from zarr.codecs import BytesCodec, Crc32cCodec
     from zarr.codecs.sharding import ShardingCodecIndexLocation
     from zarr.codecs.vlen_utf8 import VLenUTF8Codec
-    from zarr.core.chunk_grids import RegularChunkGrid
-    from zarr.core.metadata.v3 import ArrayV3Metadata
 
     m = arr.metadata
     if not isinstance(m, ArrayV3Metadata) or len(m.shape) != 1 or m.storage_transformers:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zarr.abc.store import Store
-from zarr.core.sync import sync
 
 from . import spec
+from ._zarr_adapter import sync
 from .manifest import Manifest
 
 if TYPE_CHECKING:

@@ -35,11 +35,11 @@ from urllib.parse import urlparse
 
 import zarr.abc.store
 import zarr.storage
-from zarr.core.buffer import Buffer
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig
 
+from ._zarr_adapter import Buffer, sync
 from .errors import FormatError
 
 OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss"})
@@ -342,8 +342,6 @@ def list_children(zstore: Any) -> list[str]:
     """Names of the entries directly under an opened store's root (through the store itself:
     the same client, options and credentials as its reads). Never from a stale listing: an
     fsspec store's listing cache is dropped first."""
-    from zarr.core.sync import sync
-
     fs = getattr(zstore, "fs", None)
     if fs is not None and hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache()

@@ -31,11 +31,10 @@ from typing import Any
 import numpy as np
 import zarr
 import zarr.api.asynchronous
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
 from zarr.storage import StorePath
 
 from . import fastencode, idmap, kernels, shardwrite, spec
+from ._zarr_adapter import ArrayV3Metadata, async_array, default_buffer_prototype, sync
 from .errors import FormatError, ManifestError, RecordError
 from .integrity import checked_get
 from .layout import (
@@ -370,8 +369,6 @@ class _DirectArray:
     @classmethod
     def of(cls, arr: Any, lay: Any, length: int, last: shardwrite.LastShard) -> _DirectArray | None:
         """The template of ``arr`` (``None`` if its JSON does not hold the length once)."""
-        from zarr.core.metadata.v3 import ArrayV3Metadata
-
         md = arr.metadata
         if not isinstance(md, ArrayV3Metadata):
             return None
@@ -603,7 +600,7 @@ class CacheWriter:
         if n > self._known:
             arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
             got = sync(
-                checked_get(arr._async_array, spec.SEQ_KEYS, self._known, n, strict(self._manifest))
+                checked_get(async_array(arr), spec.SEQ_KEYS, self._known, n, strict(self._manifest))
             )  # a lost keys shard is MissingDataError, not "" keys that let duplicates in
             self._keys.update(str(x) for x in got)
             self._known = n

@@ -16,11 +16,11 @@ from logitcache.cache_format import kernels
 def use_backend(monkeypatch):
     def select(name: str) -> None:
         monkeypatch.setattr(kernels, "TORCH", name == "torch")
-        kernels._torch.cache_clear()
+        kernels.torch_module.cache_clear()
         assert kernels.backend() == name
 
     yield select
-    kernels._torch.cache_clear()
+    kernels.torch_module.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
