@@ -119,10 +119,10 @@ def tail_rows(lp: np.ndarray) -> np.ndarray | None:
 
 
 def _tail_check() -> bool:
-    """:func:`tail_rows` against numpy's formula (:func:`.records.tail_numpy`) on rows of
+    """:func:`tail_rows` against numpy's formula (:func:`._tail.tail_numpy`) on rows of
     every summation shape (under 8 values, up to 128, split halves), as C-ordered arrays and
     rows of a wider buffer, and its refusals (unsorted, NaN, a row of -inf)."""
-    from .records import tail_numpy
+    from ._tail import tail_numpy
 
     rng = np.random.default_rng(1)
     for k in (1, 2, 8, 9, 100, 129, 300):
