@@ -40,7 +40,8 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    from logitcache.cache_format import CacheReader, fastdecode
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format import _fastdecode as fastdecode
 
     r = CacheReader(args.store)
     if not fastdecode.ready():

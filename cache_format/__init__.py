@@ -14,8 +14,14 @@ Importing this package does not import torch.
 - the :class:`FormatError` family (also in :mod:`.errors`).
 """
 
+from ._fingerprint import tokenizer_fingerprint
 from ._info import kernels_in_use
+from ._manifest import IDENTITY_FIELDS, Manifest
+from ._reader import CacheReader
 from ._snapshot import IndexSnapshot
+from ._validate import Problem, ValidationReport, validate
+from ._wire import CONTENT_TYPE, FrameDecoder, decode_records, encode_records, iter_decode
+from ._writer import CacheWriter
 from .errors import (
     ChecksumError,
     CorruptStoreError,
@@ -29,7 +35,6 @@ from .errors import (
     WireFormatError,
     WriterLockedError,
 )
-from .fingerprint import tokenizer_fingerprint
 from .identity import (
     TEACHER_EXTRA_FIELDS,
     TEACHER_EXTRA_KEY,
@@ -39,9 +44,7 @@ from .identity import (
     teacher_of,
 )
 from .layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
-from .manifest import IDENTITY_FIELDS, Manifest
 from .quant import decode_logprobs, encode_logprobs
-from .reader import CacheReader
 from .records import (
     RowBlock,
     SequenceRecord,
@@ -56,9 +59,6 @@ from .records import (
 from .spec import FORMAT_VERSION, ROOT_ATTR, Layout, layout_named
 from .stats import store_stats, tail_summary
 from .store import list_children, open_store
-from .validate import Problem, ValidationReport, validate
-from .wire import CONTENT_TYPE, FrameDecoder, decode_records, encode_records, iter_decode
-from .writer import CacheWriter
 
 __all__ = [
     "CONTENT_TYPE",

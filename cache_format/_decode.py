@@ -2,10 +2,10 @@
 arrays into decoded arrays. One interface, two implementations chosen by name:
 
 - ``"numpy"``: the reference, always available. Arrays of the format's sharded layout are read
-  chunk by chunk (:mod:`.pointread`: only the needed inner chunks, each decoded once per call,
+  chunk by chunk (:mod:`._pointread`: only the needed inner chunks, each decoded once per call,
   ``os.pread`` on a local store), then the logprobs (row-delta inverse, widening, id remap) in
   row blocks; arrays of any other layout through zarr's array API.
-- ``"numba"``: the whole call in one compiled call per thread (:mod:`.fastdecode`) where it
+- ``"numba"``: the whole call in one compiled call per thread (:mod:`._fastdecode`) where it
   applies (a local store, float16 or float32 logprobs read as stored or widened); anything else,
   and anything the compiled code hands back (a missing shard, a frame failing its checks), goes
   to the NumPy decoder, which raises the typed error.
@@ -24,12 +24,14 @@ from typing import Protocol
 import numpy as np
 import zarr
 
-from . import fastdecode, pointread, spec
+from . import _fastdecode as fastdecode
+from . import _pointread as pointread
+from . import spec
+from ._integrity import checked_read
+from ._manifest import Manifest
+from ._shardread import DirectLayout
 from .errors import CorruptStoreError
-from .integrity import checked_read
-from .manifest import Manifest
 from .quant import OUT_DTYPES, decode_logprobs
-from .shardread import DirectLayout
 
 Span = tuple[slice, slice | None]
 """Rows ``[a, b)`` of the row arrays and, for a sequence span, tokens ``[ta, tb)``."""
@@ -253,7 +255,7 @@ def _lp_task(
 
 
 class _FastPlan:
-    """What :class:`NumbaDecoder` passes to :func:`.fastdecode.read_arrays` for one
+    """What :class:`NumbaDecoder` passes to :func:`._fastdecode.read_arrays` for one
     ``(logprob_dtype, tokens)``: the arrays' layouts in the order ``topk_ids, topk_logprobs,
     tail_mass[, loss_mask][, input_ids]``."""
 

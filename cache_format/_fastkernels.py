@@ -1,4 +1,4 @@
-"""The numba kernels of :mod:`.fastdecode` (imported only by :func:`.fastdecode.ready`: numba is
+"""The numba kernels of :mod:`._fastdecode` (imported only by :func:`._fastdecode.ready`: numba is
 optional). Module-level functions, so that numba's on-disk cache (``cache=True``) finds them again
 in the next process; the C functions they call are arguments (``fns``: their addresses, an int64
 array), not globals (numba cannot cache code holding function pointers), called through the

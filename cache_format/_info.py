@@ -3,7 +3,9 @@ optional: each is decided once per process)."""
 
 from __future__ import annotations
 
-from . import fastdecode, fastencode, kernels
+from . import _fastdecode as fastdecode
+from . import _kernels as kernels
+from . import fastencode
 
 
 def kernels_in_use() -> dict[str, str]:

@@ -1,5 +1,5 @@
 """The chunk planner of a read call: how the rows a call decodes are split over threads. Both
-decoders (:mod:`.pointread`, :mod:`.fastdecode`) plan with it."""
+decoders (:mod:`._pointread`, :mod:`._fastdecode`) plan with it."""
 
 from __future__ import annotations
 

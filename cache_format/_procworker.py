@@ -1,5 +1,5 @@
-"""The program of a reader process (:class:`.procread.ReadProcesses` starts it as
-``python -c ... _main(fd)``): a :class:`~.reader.CacheReader` of the store, serving the point
+"""The program of a reader process (:class:`._procread.ReadProcesses` starts it as
+``python -c ... _main(fd)``): a :class:`~._reader.CacheReader` of the store, serving the point
 reads it is sent into the shared-memory segments it is handed."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 
-from .procread import ReadProcessError, Regions, serve
-from .reader import CacheReader
+from ._procread import ReadProcessError, Regions, serve
+from ._reader import CacheReader
 
 
 def _main(fd: int) -> None:

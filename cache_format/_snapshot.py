@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._manifest import Manifest
 from .errors import CorruptStoreError
-from .manifest import Manifest
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

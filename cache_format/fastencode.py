@@ -1,7 +1,7 @@
 """A compiled pass for the writer's encode step: checks, float16 and row deltas in one loop over
 each record's rows (the write side of the format, FORMAT.md W1 and 4.2).
 
-:func:`~.writer.encode_batch` checks a batch with about fifteen numpy passes over its top-k
+:func:`~._writer.encode_batch` checks a batch with about fifteen numpy passes over its top-k
 arrays (ranges, a sort per row for distinct ids, finiteness, the order of each row) and encodes
 the logprobs with five more (clip, float16, row delta, copies), each pass writing a temporary as
 large as the batch: ~0.5 CPU-us per position at k=100. :func:`encode_rows`, compiled with numba,
@@ -226,7 +226,7 @@ _outputs_lock = threading.Lock()
 
 @contextlib.contextmanager
 def outputs() -> Iterator[Outputs]:
-    """An :class:`Outputs` for one append (:meth:`.writer.CacheWriter.append`), returned to a
+    """An :class:`Outputs` for one append (:meth:`._writer.CacheWriter.append`), returned to a
     process-wide pool at its end; concurrent appends take one each."""
     with _outputs_lock:
         out = _outputs.pop() if _outputs else Outputs()

@@ -7,7 +7,7 @@ fingerprint, vocabulary size, temperature, logprob mode) plus :data:`TEACHER_EXT
 weights' content hash and the engine's dtype), which a manifest keeps under
 ``extra[TEACHER_EXTRA_KEY]``. :func:`teacher_diff` is the only comparison. ``k``, the logprob
 encoding and the target kind are not the teacher: they are the rest of a cache's identity
-(:data:`~.manifest.IDENTITY_FIELDS`, which starts with :data:`TEACHER_FIELDS`).
+(:data:`~._manifest.IDENTITY_FIELDS`, which starts with :data:`TEACHER_FIELDS`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ TEACHER_EXTRA_KEY = "teacher"
 
 
 class Described(Protocol):
-    """What :func:`teacher_of` reads of a manifest (:class:`~.manifest.Manifest`)."""
+    """What :func:`teacher_of` reads of a manifest (:class:`~._manifest.Manifest`)."""
 
     extra: dict[str, Any]
 

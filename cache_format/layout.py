@@ -13,9 +13,9 @@ import zarr
 import zarr.abc.store
 
 from . import spec
+from ._codecs import compressors
+from ._manifest import Manifest
 from ._zarr_adapter import GroupMetadata, default_buffer_prototype, sync
-from .codecs import compressors
-from .manifest import Manifest
 from .quant import STORED_DTYPE
 
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 from zarr.abc.store import Store
 
 from . import spec
+from ._manifest import Manifest
 from ._zarr_adapter import sync
-from .manifest import Manifest
 
 if TYPE_CHECKING:
-    from .reader import CacheReader
+    from ._reader import CacheReader
     from .records import RowBlock
 
 ROW_FAMILY = (

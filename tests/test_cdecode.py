@@ -10,7 +10,7 @@ import google_crc32c
 import numcodecs.blosc
 import numpy as np
 import pytest
-from logitcache.cache_format import cdecode
+from logitcache.cache_format import _cdecode as cdecode
 
 pytestmark = pytest.mark.skipif(not cdecode.FOUND, reason="cdecode symbols not found")
 

@@ -379,7 +379,9 @@ def test_complete_shard_index_is_read_once_per_snapshot(
     read fewer per such array; the per-chunk path reads an incomplete shard's index again at
     every call, the compiled path keeps it with the shard's open descriptor (the version it
     opened: fastdecode._open); a new commit drops them."""
-    from logitcache.cache_format import CacheReader, fastdecode, shardread, spec
+    from logitcache.cache_format import CacheReader, spec
+    from logitcache.cache_format import _fastdecode as fastdecode
+    from logitcache.cache_format import _shardread as shardread
 
     url = str(tmp_path / "big")
     rng = np.random.default_rng(2)

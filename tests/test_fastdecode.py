@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_records
-from logitcache.cache_format import CacheReader, fastdecode, shardread
+from logitcache.cache_format import CacheReader
+from logitcache.cache_format import _fastdecode as fastdecode
+from logitcache.cache_format import _shardread as shardread
 from logitcache.cache_format.errors import ChecksumError, MissingDataError
 from test_format_random_access import CASES, SMALL, K, _same, _write
 
@@ -72,7 +74,7 @@ def test_compiled_reads_equal_the_per_chunk_path(tmp_path, monkeypatch, kw, thre
 def test_a_flipped_byte_is_a_checksum_error(tmp_path, monkeypatch):
     """Every chunk's CRC32C is checked: a flipped byte in any array's chunk makes the compiled
     call hand back, and the per-chunk path raises its typed error (after the reader's retries)."""
-    monkeypatch.setattr("logitcache.cache_format.reader._RETRIES", 2)
+    monkeypatch.setattr("logitcache.cache_format._reader._RETRIES", 2)
     url = tmp_path / "c"
     _write(url, SMALL)
     spy = Spy(monkeypatch)
@@ -200,7 +202,7 @@ def test_optional(tmp_path):
     code = (
         "import sys\n"
         "if sys.argv[2] == 'nonumba': sys.modules['numba'] = None\n"
-        "from logitcache.cache_format import CacheReader, fastdecode\n"
+        "from logitcache.cache_format import CacheReader, _fastdecode as fastdecode\n"
         "r = CacheReader(sys.argv[1])\n"
         "print(r.sequence(3).topk_ids.sum(), fastdecode.ready(), fastdecode._kernels)\n"
     )
@@ -235,7 +237,7 @@ def test_compiled_kernels_are_cached_on_disk():
     """The kernels are module-level numba functions cached on disk (next to the module, or
     numba's user cache): a second process loads them instead of compiling (seconds each)."""
     code = (
-        "from logitcache.cache_format import fastdecode, _fastkernels as fk\n"
+        "from logitcache.cache_format import _fastdecode as fastdecode, _fastkernels as fk\n"
         "assert fastdecode.ready()\n"
         "st = fk.read_items.stats\n"
         "print(sum(st.cache_hits.values()), len(st.cache_misses))\n"
@@ -276,7 +278,7 @@ def test_an_engine_started_after_a_compiled_read_can_scan_the_modules(tmp_path):
     recs = _write(url, SMALL)
     code = (
         "import sys\n"
-        "from logitcache.cache_format import CacheReader, fastdecode\n"
+        "from logitcache.cache_format import CacheReader, _fastdecode as fastdecode\n"
         "assert fastdecode.ready()\n"
         "print(int(CacheReader(sys.argv[1]).sequence(2).topk_ids.sum()))\n"
         "for m in list(sys.modules.values()):\n"

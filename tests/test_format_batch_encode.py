@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_record, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord, writer
+from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.errors import RecordError
 
 K, VOCAB = 6, 50

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, validate, writer
+from logitcache.cache_format import CacheReader, CacheWriter, validate
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, write_root_attrs
 from test_format_shardwrite import LAYOUT, RAW, files
 from test_format_writer_reopen import _spy_opens

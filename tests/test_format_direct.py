@@ -17,7 +17,7 @@ from logitcache.cache_format import (
     Layout,
     SequenceRecord,
 )
-from logitcache.cache_format import reader as reader_mod
+from logitcache.cache_format import _reader as reader_mod
 from logitcache.cache_format.errors import ChecksumError
 
 s3_endpoint = format_support.s3_endpoint

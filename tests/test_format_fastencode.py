@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import SequenceRecord, fastencode, writer
+from logitcache.cache_format import SequenceRecord, fastencode
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.quant import encode_logprobs
 from logitcache.cache_format.records import rows_pass
 

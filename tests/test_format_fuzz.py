@@ -21,7 +21,7 @@ from format_support import make_manifest, make_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logitcache.cache_format import CacheReader, CacheWriter, FormatError, Layout, validate
-from logitcache.cache_format import reader as reader_mod
+from logitcache.cache_format import _reader as reader_mod
 
 TINY = Layout(row_chunk=4, row_shard=16, token_chunk=8, token_shard=32, seq_chunk=2, seq_shard=8)
 CONFIGS = {

@@ -92,7 +92,7 @@ def test_stock_zarr_lists_a_closed_store_without_warnings(tmp_path):
     import warnings
 
     import zarr
-    from logitcache.cache_format.lock import LocalLock
+    from logitcache.cache_format._lock import LocalLock
 
     url = tmp_path / "c"
     with CacheWriter.open(url, make_manifest(), fsync=False) as w:
@@ -129,7 +129,7 @@ def test_bit_flip_in_index_arrays_is_a_finding_not_a_crash(tmp_path, name):
     ValueError; now it is an `unreadable` finding naming the array and entries, and the reader
     raises a typed error."""
     from logitcache.cache_format import FormatError, validate
-    from logitcache.cache_format import reader as reader_mod
+    from logitcache.cache_format import _reader as reader_mod
 
     url = tmp_path / "c"
     with CacheWriter.open(url, make_manifest(id_remap=True), fsync=False) as w:

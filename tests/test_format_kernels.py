@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from logitcache.cache_format import kernels
+from logitcache.cache_format import _kernels as kernels
 
 
 @pytest.fixture

@@ -18,15 +18,8 @@ import format_support
 import numpy as np
 import pytest
 from format_support import ZarrReader, make_manifest, make_records
-from logitcache.cache_format import (
-    CacheReader,
-    CacheWriter,
-    Layout,
-    SequenceRecord,
-    pointread,
-    spec,
-    validate,
-)
+from logitcache.cache_format import CacheReader, CacheWriter, Layout, SequenceRecord, spec, validate
+from logitcache.cache_format import _pointread as pointread
 from logitcache.cache_format.errors import ChecksumError, CorruptStoreError
 
 s3_endpoint = format_support.s3_endpoint

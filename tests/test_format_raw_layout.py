@@ -13,7 +13,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from format_support import ZarrReader
-from logitcache.cache_format import CacheReader, fastdecode, shardread, spec, validate
+from logitcache.cache_format import CacheReader, spec, validate
+from logitcache.cache_format import _fastdecode as fastdecode
+from logitcache.cache_format import _shardread as shardread
 from logitcache.cache_format.errors import ChecksumError
 from test_fastdecode import Spy, _per_chunk
 from test_format_random_access import CASES, SMALL, K, _same, _write
@@ -101,7 +103,7 @@ def _first_shards(url) -> list:
 def test_a_flipped_byte_is_a_checksum_error_on_every_path(tmp_path, monkeypatch):
     url = tmp_path / "c"
     _write(url, SMALL_RAW)
-    monkeypatch.setattr("logitcache.cache_format.reader._RETRIES", 2)
+    monkeypatch.setattr("logitcache.cache_format._reader._RETRIES", 2)
     spy = Spy(monkeypatch)
     for shard in _first_shards(url):
         saved = shard.read_bytes()

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import zarr.storage
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, shardwrite, store
+from logitcache.cache_format import CacheReader, CacheWriter, store
+from logitcache.cache_format import _shardwrite as shardwrite
 from logitcache.cache_format.store import DurableLocalStore, open_store
 from zarr.core.buffer import default_buffer_prototype
 

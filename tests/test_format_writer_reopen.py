@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import zarr.api.asynchronous
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, shardwrite, validate, writer
+from logitcache.cache_format import CacheReader, CacheWriter, validate
+from logitcache.cache_format import _shardwrite as shardwrite
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.spec import DEFAULT_LAYOUT
 from test_format_shardwrite import LAYOUT, files
 

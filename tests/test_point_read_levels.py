@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheWriter, fastdecode, spec
+from logitcache.cache_format import CacheWriter, spec
+from logitcache.cache_format import _fastdecode as fastdecode
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "point_read_levels.py"
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import ZarrReader, make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, Layout, pointread, shardread
+from logitcache.cache_format import CacheReader, CacheWriter, Layout
+from logitcache.cache_format import _pointread as pointread
+from logitcache.cache_format import _shardread as shardread
 from logitcache.cache_format.errors import ChecksumError
 
 # 8-row chunks, 32-row shards: the 40 sequences of 2..40 tokens span many shards of every array

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from format_support import ZarrReader
-from logitcache.cache_format import CacheReader, procread
+from logitcache.cache_format import CacheReader
+from logitcache.cache_format import _procread as procread
 from logitcache.cache_format.errors import ChecksumError
 from test_format_random_access import SMALL, _same, _write
 
@@ -86,7 +87,7 @@ def test_processes_equal_the_range_path(tmp_path, kw):
 
 
 def test_worker_checksum_error_reaches_the_caller(tmp_path, monkeypatch):
-    from logitcache.cache_format import reader as reader_mod
+    from logitcache.cache_format import _reader as reader_mod
 
     url = tmp_path / "c"
     _write(url, SMALL)

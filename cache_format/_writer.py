@@ -33,10 +33,16 @@ import zarr
 import zarr.api.asynchronous
 from zarr.storage import StorePath
 
-from . import fastencode, idmap, kernels, shardwrite, spec
+from . import _idmap as idmap
+from . import _kernels as kernels
+from . import _shardwrite as shardwrite
+from . import fastencode, spec
+from ._integrity import checked_get
+from ._lock import make_lock
+from ._manifest import Manifest, utcnow
+from ._shardread import DirectLayout, OpenShards, direct_layout
 from ._zarr_adapter import ArrayV3Metadata, async_array, default_buffer_prototype, sync
 from .errors import FormatError, ManifestError, RecordError
-from .integrity import checked_get
 from .layout import (
     INCOMPLETE_ATTR,
     ArrayDef,
@@ -48,15 +54,12 @@ from .layout import (
     strict,
     write_root_attrs,
 )
-from .lock import make_lock
-from .manifest import Manifest, utcnow
 from .quant import F16_MIN, encode_logprobs, row_delta
 from .records import SequenceRecord, check_record, rows_pass, tail_from_logprobs
-from .shardread import DirectLayout, OpenShards, direct_layout
 from .store import StoreHandle, open_store
 
-#: Write the arrays that :func:`~.shardread.direct_layout` supports, and ``seq_keys``, with
-#: :mod:`.shardwrite` (False: every array through zarr's ``setitem``, the reference the tests
+#: Write the arrays that :func:`~._shardread.direct_layout` supports, and ``seq_keys``, with
+#: :mod:`._shardwrite` (False: every array through zarr's ``setitem``, the reference the tests
 #: compare against).
 DIRECT_WRITES = True
 
@@ -302,7 +305,7 @@ def _encode_fused(
 def _float16_row_delta(lp: np.ndarray) -> np.ndarray:
     """``encode_logprobs(lp, "float16")``'s stored array, bit for bit (clipped to
     ``[-65504, 0]``, rounded to float16, row deltas of the bit patterns), with the float16
-    cast through :func:`.kernels.float_to_half` (0.93 -> 0.23 CPU-us/position at k=100)."""
+    cast through :func:`._kernels.float_to_half` (0.93 -> 0.23 CPU-us/position at k=100)."""
     c = np.minimum(np.asarray(lp, dtype=np.float32), np.float32(0.0))
     np.maximum(c, np.float32(F16_MIN), out=c)
     return row_delta(kernels.float_to_half(c).view(np.uint16))
@@ -393,7 +396,7 @@ class _DirectArray:
 
 
 def _direct_layout_of(arr: Any, name: str, version: int) -> DirectLayout | None:
-    """The layout :mod:`.shardwrite` writes ``arr`` with, or ``None`` (written through zarr)."""
+    """The layout :mod:`._shardwrite` writes ``arr`` with, or ``None`` (written through zarr)."""
     if not DIRECT_WRITES or version < 2:
         return None
     lay = direct_layout(arr, name, strict=True)
@@ -462,7 +465,7 @@ class CacheWriter:
     ) -> CacheWriter:
         """Create the cache at ``url`` or resume it.
 
-        Resuming checks the identity fields (:data:`~.manifest.IDENTITY_FIELDS`) of ``manifest``
+        Resuming checks the identity fields (:data:`~._manifest.IDENTITY_FIELDS`) of ``manifest``
         against the store's and raises :class:`~.errors.ManifestMismatchError` on any difference;
         the store's description fields (dataset, extra) are kept. ``layout`` only applies when
         creating. ``lock_timeout``: seconds to wait for another writer's transaction;
@@ -528,7 +531,7 @@ class CacheWriter:
     def _create_arrays(self, m: Manifest) -> None:
         """Create every array of ``m`` empty (overwriting whatever lies at its path), each also
         kept as this writer's :class:`_DirectArray` of length 0, so the first append goes
-        straight to :mod:`.shardwrite` without opening the arrays through zarr.
+        straight to :mod:`._shardwrite` without opening the arrays through zarr.
 
         The first store of a layout this process creates goes through zarr's ``create_array``;
         its arrays' ``zarr.json`` become templates (:data:`_CREATED`) once read back equal, byte
@@ -779,8 +782,8 @@ class CacheWriter:
 
         Every chunk is stored, also one equal to the fill value (``write_empty_chunks``), so an
         absent object in the committed range can only be a lost one (FORMAT.md R9). Arrays of a
-        version-2 store whose layout :func:`~.shardread.direct_layout` supports, and its
-        ``seq_keys`` (:func:`.shardwrite.keys_layout`), are written by :mod:`.shardwrite` (same
+        version-2 store whose layout :func:`~._shardread.direct_layout` supports, and its
+        ``seq_keys`` (:func:`._shardwrite.keys_layout`), are written by :mod:`._shardwrite` (same
         bytes, less CPU: benchmarks/results/server.md, job_cpu_s6.md); the others through zarr.
         The opened arrays are kept between appends while nothing else resizes them.
         """

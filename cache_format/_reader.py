@@ -26,14 +26,17 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ShardingCodec
 
-from . import idmap, procread, shardread, spec
+from . import _idmap as idmap
+from . import _procread as procread
+from . import _shardread as shardread
+from . import spec
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
+from ._integrity import checked_get
+from ._manifest import Manifest
 from ._snapshot import IndexSnapshot
 from ._zarr_adapter import async_array, sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
-from .integrity import checked_get
 from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
-from .manifest import Manifest
 from .quant import OUT_DTYPES
 from .records import RowBlock, SequenceRecord
 from .store import open_store
@@ -98,7 +101,7 @@ class CacheReader:
     :meth:`sequences` call) over that many threads, cut at chunk edges (the values are the
     same). ``read_processes > 0`` spreads the rows of each :meth:`sequence` /
     :meth:`sequences` call over the calling process and that many reader processes
-    (:mod:`.procread`: started at the first such call, each with its own GIL, decoding into
+    (:mod:`._procread`: started at the first such call, each with its own GIL, decoding into
     shared memory the returned arrays are views of; same values); :meth:`close` (or ``with``)
     stops them. ``decoder``: ``"numba"`` or ``"numpy"`` (:mod:`._decode`; default: the compiled
     one where numba is installed); both give the same values.
@@ -389,7 +392,7 @@ class CacheReader:
     def _proc_records(
         self, index: IndexSnapshot, idx: list[int], logprob_dtype: str
     ) -> list[SequenceRecord] | None:
-        """Records of sequences ``idx`` read by the reader processes (:mod:`.procread`); ``None``
+        """Records of sequences ``idx`` read by the reader processes (:mod:`._procread`); ``None``
         for a call that makes one piece (read in this process)."""
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")

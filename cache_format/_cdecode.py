@@ -5,7 +5,7 @@ import through :mod:`ctypes` and checked on a known frame against the Python wra
 
 :data:`FOUND` says whether both symbols were found (``False`` with another build of the wheels,
 or ``google_crc32c``'s pure-Python fallback); without them the reader decodes with NumPy and the
-wrappers (:mod:`.pointread`).
+wrappers (:mod:`._pointread`).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class ReadProcessError(RuntimeError):
 
 
 class SpanReader(Protocol):
-    """What :func:`serve` needs of a reader (:class:`~.reader.CacheReader`)."""
+    """What :func:`serve` needs of a reader (:class:`~._reader.CacheReader`)."""
 
     num_rows: int
     num_tokens: int

@@ -28,7 +28,7 @@ object; otherwise its index is read with a suffix request (once per complete sha
 All requests of a call are issued concurrently on zarr's event loop.
 
 Point reads (:func:`chunk_frames`, used by ``CacheReader.sequence`` / ``sequences`` through
-:mod:`.pointread`) fetch a set of inner chunks by number: on a local directory store with
+:mod:`._pointread`) fetch a set of inner chunks by number: on a local directory store with
 ``os.pread`` on the shard files (no event loop, no store object: one ``open``, an index read
 unless cached, and one read per run of consecutive chunks), on other stores with the requests
 above, all arrays' requests in one call into zarr's event loop.
@@ -54,7 +54,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
 from zarr.storage import LocalStore, StorePath
 
-from . import outbuf
+from . import _outbuf as outbuf
 from ._zarr_adapter import (
     ArrayV3Metadata,
     Buffer,
@@ -163,7 +163,7 @@ class DirectLayout:
     )
     """Shard files :func:`chunk_frames` keeps open for this layout (local stores)."""
     fast: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    """:mod:`.fastdecode`'s tables for this layout (descriptors and indexes of kept shards)."""
+    """:mod:`._fastdecode`'s tables for this layout (descriptors and indexes of kept shards)."""
 
     @property
     def chunks_per_shard(self) -> int:
@@ -174,7 +174,7 @@ class DirectLayout:
         return math.prod(self.inner)
 
     def empty(self, rows: int) -> np.ndarray:
-        """An uninitialised output block of ``rows`` rows (:func:`.outbuf.empty`: no huge-page
+        """An uninitialised output block of ``rows`` rows (:func:`._outbuf.empty`: no huge-page
         request for large blocks)."""
         return outbuf.empty((rows, *self.inner), self.dtype)
 

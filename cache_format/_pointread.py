@@ -1,10 +1,10 @@
 """Point reads: whole sequences by index, the path of ``CacheReader.sequence`` / ``sequences``
-(FORMAT.md §6, D4), chunk by chunk in Python (the compiled path, :mod:`.fastdecode`, reads a call
+(FORMAT.md §6, D4), chunk by chunk in Python (the compiled path, :mod:`._fastdecode`, reads a call
 in one compiled call where numba is installed and hands back to this module what it does not
 handle).
 
 A random sequence needs a few inner chunks of each row array and of ``input_ids``. This module
-reads exactly those (:func:`.shardread.chunk_frames`: ``os.pread`` on a local store, shard files
+reads exactly those (:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files
 kept open per layout, no event loop), decodes every needed chunk once per call, straight into the
 output when the chunk lies inside one requested range (else into a scratch chunk copied to each
 range that uses it), and then decodes the logprobs (row-delta inverse, float16 -> float32) in row
@@ -19,7 +19,7 @@ and a thread hand-off costs tens of microseconds, so threads pay off for batches
 (``sequences``) and large chunks, not for one sequence of the ``random_access`` preset. The row
 blocks go to the threads the same way. The values never depend on it.
 
-The row-block kernels use torch (when :mod:`.kernels` selects it) on blocks of at most
+The row-block kernels use torch (when :mod:`._kernels` selects it) on blocks of at most
 :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
 the calling thread, vectorised (about 2x faster than numpy's cumulative sum along short rows and
 6x faster than its float16 cast, measured), with no thread start-up.
@@ -34,9 +34,11 @@ from typing import TypeVar
 
 import numpy as np
 
-from . import _plan, kernels, shardread
+from . import _kernels as kernels
+from . import _plan
+from . import _shardread as shardread
+from ._shardread import DirectLayout
 from .errors import CorruptStoreError
-from .shardread import DirectLayout
 
 BLOCK_ELEMENTS = 32_000
 """Elements per row-block kernel call (below torch's intra-op grain size of 32,768)."""

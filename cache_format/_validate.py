@@ -17,12 +17,13 @@ import numpy.typing as npt
 import zarr
 from zarr.abc.store import Store
 
-from . import idmap, spec
+from . import _idmap as idmap
+from . import spec
+from ._integrity import checked_get, missing_ranges
+from ._manifest import Manifest
 from ._zarr_adapter import async_array, sync
 from .errors import FormatError, MissingDataError
-from .integrity import checked_get, missing_ranges
 from .layout import committed_lengths, parse_root, read_root_attrs, strict
-from .manifest import Manifest
 from .quant import STORED_DTYPE, decode_logprobs
 from .store import open_store
 

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import numpy as np
 
-from . import outbuf
+from . import _outbuf as outbuf
 
 _SIGNED = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "int16", np.dtype(np.uint32): "int32"}
 

@@ -1,7 +1,7 @@
 """Compiled point reads: the whole decode of a ``sequence`` / ``sequences`` call in one compiled
 call per thread (FORMAT.md D4).
 
-The per-chunk path (:mod:`.pointread`) spends a large part of a ``random_access``-preset
+The per-chunk path (:mod:`._pointread`) spends a large part of a ``random_access``-preset
 ``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
 row blocks, torch calls; benchmarks/results/client.md, session 7). Here one function compiled with
 numba (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output row) with the
@@ -14,15 +14,15 @@ rows are ``memcpy``'d to each range (a chunk without compressor, layout ``random
 read with ``preadv`` straight into the arena where one range uses it whole, else its rows
 ``memcpy``'d from the bytes read; its CRC32C and size checked either way); then it undoes the
 logprob row delta and widens float16 to float32 (LLVM ``fpext half``: exact, as numpy's and
-torch's casts). The C functions are those :mod:`.cdecode` finds in the installed wheels
+torch's casts). The C functions are those :mod:`._cdecode` finds in the installed wheels
 (``crc32c_value`` of google_crc32c's libcrc32c, ``blosc_decompress_ctx`` of numcodecs' blosc
 extension) and libc's ``pread``, ``preadv`` and ``memcpy``, passed to the compiled code as their
 addresses (:func:`_cfuncs`). With a decode pool (``decode_threads > 1``) a call is cut at chunk
 edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
 
-The values are those of :mod:`.pointread`, bit for bit, and every CRC32C is checked. What this
+The values are those of :mod:`._pointread`, bit for bit, and every CRC32C is checked. What this
 path does not handle it hands back (``None``: the caller reads the call through
-:mod:`.pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
+:mod:`._pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
 value or :class:`~.errors.MissingDataError`), a frame failing its checks or a short read (so the
 error raised is the per-chunk path's :class:`~.errors.ChecksumError`, after the reader's retries),
 quantised logprobs, float32 logprobs read as float16, output arrays given by the caller (reader
@@ -35,7 +35,7 @@ views of it (one record keeps its call's arena alive, as with reader processes).
 Optional: needs ``numba`` (in the ``client`` extra, or ``pip install 'logitcache[fast]'``);
 without it, with the C symbols missing, if the self-check in
 :func:`ready` fails or a kernel raises, :data:`AVAILABLE` is ``False`` and the reader uses
-:mod:`.pointread`. The kernels compile at the first point read of a process (3.8 s on the 2-core
+:mod:`._pointread`. The kernels compile at the first point read of a process (3.8 s on the 2-core
 VM) and numba caches them on disk (next to the module, or in its user cache): later processes load
 them (0.4-0.7 s).
 """
@@ -51,10 +51,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _numba, cdecode, outbuf, shardread
+from . import _cdecode as cdecode
+from . import _numba
+from . import _outbuf as outbuf
+from . import _shardread as shardread
 from ._numba import NEED_BUFFER, NEED_SHARDS, OK
 from ._plan import split
-from .shardread import DirectLayout
+from ._shardread import DirectLayout
 
 AVAILABLE = _numba.AVAILABLE and cdecode.FOUND
 """Whether the compiled decoder may run here (numba importable and the C functions found;
@@ -74,7 +77,7 @@ def _address(fn: Any) -> int:
 def _cfuncs() -> np.ndarray:
     """The addresses of ``(crc32c_value, blosc_decompress_ctx, pread, memcpy, preadv)``
     (int64; the kernels call them through :mod:`._fastkernels`' intrinsics with their C
-    signatures). The libraries stay loaded: :mod:`.cdecode` holds the first two, libc the rest."""
+    signatures). The libraries stay loaded: :mod:`._cdecode` holds the first two, libc the rest."""
     assert cdecode.FUNCS is not None
     crc, dec = cdecode.FUNCS
     libc = ctypes.CDLL(None)
@@ -280,7 +283,7 @@ def read_arrays(
 ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
     """For each array ``a`` (``lays[a]``), rows ``[start, stop)`` of every job in
     ``bounds[a]``, one after the other in one block (stored dtype; the blocks share one
-    allocation); or ``None``: read these through :mod:`.pointread` instead (see the module
+    allocation); or ``None``: read these through :mod:`._pointread` instead (see the module
     docstring). Rows must lie below each layout's ``length`` (the caller checks R6). ``lp =
     (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place, or if ``widen``
     (float16 bits) into the float32 array returned beside the blocks (array ``a``'s block is
@@ -290,7 +293,7 @@ def read_arrays(
     groups of at least :data:`PARALLEL_MIN_BYTES` decoded, the calling thread taking one (each
     group one compiled call without the GIL). A shard the kernel needs that is not open yet is
     opened here and the call made again; a shard whose descriptor cannot be kept
-    (:data:`.shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
+    (:data:`._shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
     its descriptor closed after it. (Plain Python on the few numbers of a call: a
     ``sequence(i)`` spends ~0.2 ms in all, and numpy's per-call cost on small arrays was a
     quarter of it.)"""

@@ -5,7 +5,7 @@ codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machin
 CPU-us per position in the job path, more than the compression itself (issue #19). This module
 writes the same bytes itself, through the same zarr ``Store`` (so a local store still writes each
 object atomically and fsyncs it, FORMAT.md W5), for arrays whose layout
-:func:`~.shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
+:func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
 chunks ``vlen-utf8`` -> ``zstd`` -> ``crc32c``); the writer falls back to zarr for the others.
 
 Per shard touched by rows ``[start, stop)`` (``start`` is the committed count, rule W3):
@@ -37,7 +37,9 @@ import numpy as np
 from numcodecs.vlen import VLenUTF8
 from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
 
-from . import outbuf
+from . import _outbuf as outbuf
+from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, parse_index
+from ._shardread import decode_chunk as shardread_decode_chunk
 from ._zarr_adapter import (
     ArrayV3Metadata,
     RegularChunkGrid,
@@ -46,8 +48,6 @@ from ._zarr_adapter import (
     zstd_codec,
 )
 from .errors import ChecksumError, MissingDataError
-from .shardread import EMPTY, DirectLayout, as_bytes, crc_ok, parse_index
-from .shardread import decode_chunk as shardread_decode_chunk
 from .store import DIRECT_IO_ALIGN
 
 #: The ``vlen-utf8`` encoding zarr applies to string chunks (``zarr.codecs.vlen_utf8``).
@@ -84,7 +84,7 @@ def _codec(lay: DirectLayout) -> Any:
 
 
 def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
-    """The :class:`~.shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
+    """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
     as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
     ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
     inner chunks are written as zarr writes them (issue #19: zarr's ``setitem`` of one append's
@@ -169,7 +169,7 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
 def _aligned(size: int) -> np.ndarray:
     """``size`` uninitialised bytes starting on a page boundary, so that a store writing with
     ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
-    from them, with no copy through its bounce buffer. From :func:`.outbuf.empty` (malloc, no
+    from them, with no copy through its bounce buffer. From :func:`._outbuf.empty` (malloc, no
     huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing cost
     more than the copies saved, measured), not zero-filled (the caller writes every byte)."""
     raw = outbuf.empty(size + DIRECT_IO_ALIGN)

@@ -5,7 +5,7 @@ version-2 store every chunk of the committed range is stored, so within ``[0, co
 absent chunk is a lost object: :func:`missing_ranges` finds them (one suffix request per shard
 for its index, nothing else; no listing) and :func:`checked_get` raises
 :class:`~.errors.MissingDataError` naming the array and the rows instead of returning fill
-values. The direct shard reader (:mod:`.shardread`) applies the same rule to the indexes it reads
+values. The direct shard reader (:mod:`._shardread`) applies the same rule to the indexes it reads
 anyway.
 """
 
