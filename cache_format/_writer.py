@@ -20,11 +20,7 @@ changed: partially filled shards are rewritten (read-modify-write) with identica
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +30,16 @@ import zarr.api.asynchronous
 from zarr.storage import StorePath
 
 from . import _idmap as idmap
-from . import _kernels as kernels
 from . import _shardwrite as shardwrite
+from . import _templates as templates
 from . import fastencode, spec
+from ._encode import Batch, encode_batch
 from ._integrity import checked_get
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
-from ._shardread import DirectLayout, OpenShards, direct_layout
-from ._zarr_adapter import ArrayV3Metadata, async_array, default_buffer_prototype, sync
-from .errors import FormatError, ManifestError, RecordError
+from ._shardread import DirectLayout
+from ._zarr_adapter import async_array, default_buffer_prototype, sync
+from .errors import FormatError, ManifestError
 from .layout import (
     INCOMPLETE_ATTR,
     ArrayDef,
@@ -54,368 +51,13 @@ from .layout import (
     strict,
     write_root_attrs,
 )
-from .quant import F16_MIN, encode_logprobs, row_delta
-from .records import SequenceRecord, check_record, rows_pass, tail_from_logprobs
+from .records import SequenceRecord
 from .store import StoreHandle, open_store
 
 #: Write the arrays that :func:`~._shardread.direct_layout` supports, and ``seq_keys``, with
 #: :mod:`._shardwrite` (False: every array through zarr's ``setitem``, the reference the tests
 #: compare against).
 DIRECT_WRITES = True
-
-
-@dataclass
-class _Encoded:
-    """One validated record, in storage dtypes."""
-
-    key: str
-    input_ids: np.ndarray
-    arrays: dict[str, np.ndarray]  # row arrays by name
-
-    @property
-    def key_bytes(self) -> bytes:
-        return self.key.encode("utf-8")
-
-
-def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = None) -> _Encoded:
-    """Validate ``rec`` against ``manifest`` and convert to the stored dtypes (RecordError)."""
-    if not isinstance(rec, SequenceRecord):
-        raise RecordError(f"expected SequenceRecord, got {type(rec).__name__}", index=index)
-    check_record(rec, k=manifest.k, vocab_size=manifest.vocab_size, index=index)
-    if manifest.logprob_dtype == "float16":
-        arrays = {spec.TOPK_LOGPROBS: _float16_row_delta(rec.topk_logprobs)}
-    else:
-        arrays = encode_logprobs(rec.topk_logprobs, manifest.logprob_dtype)
-    arrays[spec.TOPK_IDS] = np.ascontiguousarray(rec.topk_ids)
-    arrays[spec.TAIL_MASS] = rec.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
-    if manifest.loss_mask:  # FORMAT.md 4.6: no mask means every row is trained on
-        mask = rec.loss_mask
-        arrays[spec.LOSS_MASK] = np.ones(rec.num_rows, np.uint8) if mask is None else mask
-    elif rec.loss_mask is not None:
-        raise RecordError(
-            "record has a loss_mask but the store has none (create it with loss_mask=True)",
-            key=rec.key,
-            index=index,
-        )
-    assert rec.key is not None  # SequenceRecord.__post_init__ sets the content key
-    return _Encoded(rec.key, rec.input_ids, arrays)
-
-
-@dataclass
-class _Batch:
-    """The validated records of one append, in storage dtypes, each array concatenated over
-    the batch (rows and tokens in record order)."""
-
-    keys: list[str]
-    lengths: np.ndarray  # int64 [S]: tokens of each record
-    input_ids: np.ndarray  # [T] int32
-    arrays: dict[str, np.ndarray]  # row arrays by name, [R, ...]
-
-    @classmethod
-    def of(cls, encoded: list[_Encoded]) -> _Batch:
-        """The batch of records encoded one by one (:func:`encode_record`)."""
-        return cls(
-            [e.key for e in encoded],
-            np.array([len(e.input_ids) for e in encoded], dtype=np.int64),
-            np.concatenate([e.input_ids for e in encoded]),
-            {n: np.concatenate([e.arrays[n] for e in encoded]) for n in encoded[0].arrays},
-        )
-
-    def select(self, keep: list[int]) -> _Batch:
-        """The records ``keep`` (indices, ascending) of this batch."""
-        if len(keep) == len(self.keys):
-            return self
-        rows = self.lengths - 1
-        row_end, tok_end = np.cumsum(rows), np.cumsum(self.lengths)
-        r = np.concatenate([np.arange(row_end[i] - rows[i], row_end[i]) for i in keep])
-        t = np.concatenate([np.arange(tok_end[i] - self.lengths[i], tok_end[i]) for i in keep])
-        return _Batch(
-            [self.keys[i] for i in keep],
-            self.lengths[keep],
-            self.input_ids[t],
-            {n: a[r] for n, a in self.arrays.items()},
-        )
-
-
-#: Top-k entries (rows * k) of the records that :func:`encode_batch` checks and encodes at once:
-#: 2 MiB of int32 / float32 temporaries per step, which the allocator reuses from group to group.
-#: Whole-batch temporaries (26 MB each at 65K rows, k=100) were fresh pages every append: page
-#: faults and zeroing, system time (issue #19).
-ENCODE_GROUP_VALUES = 1 << 19
-
-
-def _groups(records: list[SequenceRecord], rows_per_group: int) -> list[tuple[int, int]]:
-    """Consecutive ``[lo, hi)`` ranges of records of up to ``rows_per_group`` rows (at least one
-    record each)."""
-    out: list[tuple[int, int]] = []
-    lo = n = 0
-    for i, r in enumerate(records):
-        if n and n + r.num_rows > rows_per_group:
-            out.append((lo, i))
-            lo, n = i, 0
-        n += r.num_rows
-    out.append((lo, len(records)))
-    return out
-
-
-def encode_batch(
-    records: list[Any], manifest: Manifest, out: fastencode.Outputs | None = None
-) -> _Batch | None:
-    """Validate every record of ``records`` against ``manifest`` and convert the batch to the
-    stored dtypes, concatenated (``None`` for an empty batch). With ``out``, the compiled pass
-    writes the top-k ids and logprobs into its arrays (valid until ``out`` is taken again).
-
-    Accepts and refuses exactly what :func:`encode_record` does record by record, with the same
-    :class:`~.errors.RecordError` (the first bad record's, with its index): the value checks run
-    once per group of records (:data:`ENCODE_GROUP_VALUES`) over their concatenated rows
-    (:func:`.records.rows_pass`), and only a batch that fails them is checked again record by
-    record, for the error. The stored arrays are bit-identical to :func:`encode_record`'s
-    concatenated (issue #19: a few numpy calls per group instead of per record).
-    """
-    if not records:
-        return None
-    k, mask = manifest.k, manifest.loss_mask
-    got = None
-    if all(
-        isinstance(r, SequenceRecord) and r.k == k and (mask or r.loss_mask is None)
-        for r in records
-    ):
-        got = _encode_groups(records, manifest, out)
-    if got is None:
-        for i, r in enumerate(records):
-            encode_record(r, manifest, i)  # raises the first bad record's error
-        raise RecordError("the batch fails its checks but none of its records does")
-    arrays, inp = got
-    if mask:  # FORMAT.md 4.6: no mask means every row is trained on
-        arrays[spec.LOSS_MASK] = np.concatenate(
-            [np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in records]
-        )
-    keys = [r.key for r in records]
-    lengths = np.array([r.length for r in records], dtype=np.int64)
-    return _Batch(keys, lengths, inp, arrays)
-
-
-def _encode_groups(
-    records: list[SequenceRecord], manifest: Manifest, out: fastencode.Outputs | None = None
-) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
-    """The row arrays and input ids of checked ``records`` (all of the cache's ``k``), or
-    ``None`` as soon as a group fails :func:`.records.rows_pass`. float16 stores with a
-    vocabulary of up to :data:`.fastencode.MAX_VOCAB` take the compiled pass
-    (:func:`_encode_fused`) where numba is available."""
-    if (
-        FAST_ENCODE
-        and manifest.logprob_dtype == "float16"
-        and manifest.vocab_size <= fastencode.MAX_VOCAB
-        and fastencode.ready()
-    ):
-        return _encode_fused(records, manifest, out)
-    k = manifest.k
-    row_end = np.cumsum([r.num_rows for r in records])
-    tok_end = np.cumsum([r.length for r in records])
-    inp = np.concatenate([r.input_ids for r in records])
-    total = int(row_end[-1])
-    ids = np.empty((total, k), dtype=np.int32)
-    tails = np.empty(total, dtype=np.float32)
-    half = manifest.logprob_dtype == "float16"
-    stored = np.empty((total, k), dtype=np.uint16) if half else None
-    lps: list[np.ndarray] = []  # other encodings: encoded once, over the batch
-    for lo, hi in _groups(records, max(1, ENCODE_GROUP_VALUES // k)):
-        part = records[lo:hi]
-        a, b = (int(row_end[lo - 1]) if lo else 0), int(row_end[hi - 1])
-        ta, tb = (int(tok_end[lo - 1]) if lo else 0), int(tok_end[hi - 1])
-        np.concatenate([r.topk_ids for r in part], out=ids[a:b])
-        lp = np.concatenate([r.topk_logprobs for r in part])
-        given = [r.tail_mass for r in part if r.tail_mass is not None]
-        t_given = np.concatenate(given) if given else None
-        if not rows_pass(inp[ta:tb], ids[a:b], lp, t_given, vocab_size=manifest.vocab_size):
-            return None
-        if stored is not None:
-            stored[a:b] = _float16_row_delta(lp)
-        else:
-            lps.append(lp)
-        if t_given is not None and len(given) == len(part):
-            tails[a:b] = t_given
-        elif t_given is None:
-            tails[a:b] = tail_from_logprobs(lp)
-        else:
-            tails[a:b] = np.concatenate([r.tail_or_computed() for r in part])
-    arrays: dict[str, np.ndarray]
-    if stored is not None:
-        arrays = {spec.TOPK_LOGPROBS: stored}
-    else:
-        arrays = encode_logprobs(np.concatenate(lps), manifest.logprob_dtype)
-    arrays[spec.TOPK_IDS] = ids
-    arrays[spec.TAIL_MASS] = tails.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
-    return arrays, inp
-
-
-#: Use :mod:`.fastencode` when it is ready (False: the numpy path, for tests and A/B runs).
-FAST_ENCODE = True
-_tables: dict[int, fastencode.StampTable] = {}  # by vocabulary size, reused between appends
-_tables_lock = threading.Lock()
-
-
-def _encode_fused(
-    records: list[SequenceRecord], manifest: Manifest, out: fastencode.Outputs | None = None
-) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
-    """:func:`_encode_groups`'s result through :func:`.fastencode.encode_rows`: one compiled
-    call per record checks its rows and writes its ids and float16 row deltas straight into the
-    batch's arrays (no concatenated copies, no temporaries); the input ids and tail masses are
-    checked as :func:`.records.rows_pass` checks them. Same bytes, same accepted batches."""
-    from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
-
-    k, vocab = manifest.k, manifest.vocab_size
-    inp = np.concatenate([r.input_ids for r in records])
-    if inp.size and (int(inp.min()) < 0 or int(inp.max()) >= vocab):
-        return None
-    total = sum(r.num_rows for r in records)
-    if out is not None:  # faulted in once, reused (fastencode.Outputs)
-        ids, stored = out.take(total, k)
-    else:
-        ids, stored = np.empty((total, k), np.int32), np.empty((total, k), np.uint16)
-    tails = np.empty(total, dtype=np.float32)
-    with _tables_lock:  # one table per writer thread at a time
-        table = _tables.pop(vocab, None) or fastencode.StampTable(vocab)
-    try:
-        a = 0
-        for r in records:
-            b = a + r.num_rows
-            lp = r.topk_logprobs
-            if not fastencode.encode_rows(
-                r.topk_ids, lp, ids[a:b], stored[a:b], table, LOGPROB_TOLERANCE
-            ):
-                return None
-            tails[a:b] = r.tail_or_computed()  # after the kernel: its rows are in cache
-            a = b
-    finally:
-        with _tables_lock:
-            _tables[vocab] = table
-    given = [r.tail_mass for r in records if r.tail_mass is not None]
-    if given:
-        t = np.concatenate(given) if len(given) > 1 else given[0]
-        if not bool(np.isfinite(t).all()):
-            return None
-        if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
-            return None
-    arrays: dict[str, np.ndarray] = {spec.TOPK_LOGPROBS: stored, spec.TOPK_IDS: ids}
-    arrays[spec.TAIL_MASS] = tails.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
-    return arrays, inp
-
-
-def _float16_row_delta(lp: np.ndarray) -> np.ndarray:
-    """``encode_logprobs(lp, "float16")``'s stored array, bit for bit (clipped to
-    ``[-65504, 0]``, rounded to float16, row deltas of the bit patterns), with the float16
-    cast through :func:`._kernels.float_to_half` (0.93 -> 0.23 CPU-us/position at k=100)."""
-    c = np.minimum(np.asarray(lp, dtype=np.float32), np.float32(0.0))
-    np.maximum(c, np.float32(F16_MIN), out=c)
-    return row_delta(kernels.float_to_half(c).view(np.uint16))
-
-
-#: A first dimension no real array has: its digits mark where the length goes in a template.
-_SENTINEL = 987_654_321_012_345
-
-#: The :class:`_DirectArray` templates this process has made, by (store URL, array name): the
-#: layout and the ``zarr.json`` bytes around the length (:meth:`CacheWriter._from_template`).
-_TEMPLATES: OrderedDict[tuple[str, str], tuple[DirectLayout, bytes, bytes]] = OrderedDict()
-#: Templates kept (arrays of the most recently written stores; a few KB each).
-KEEP_TEMPLATES = 1024
-#: The same templates by what fixes an empty array's metadata (format version, ``k``, its
-#: :class:`~.layout.ArrayDef`): a store this process creates after one of the same layout gets
-#: its arrays' ``zarr.json`` written from these bytes, not through zarr
-#: (:meth:`CacheWriter._create_arrays`). One entry per layout preset and ``k`` in use.
-_CREATED: dict[tuple[int, int, ArrayDef], tuple[DirectLayout, bytes, bytes]] = {}
-#: Guards the updates of :data:`_TEMPLATES` and :data:`_CREATED` (writers of several caches
-#: run in as many threads).
-_TEMPLATES_LOCK = threading.Lock()
-#: The last shards the most recently closed writers of :data:`KEEP_LAST_STORES` stores left, by
-#: store URL and array name, each with its shard file's identity when written
-#: (:func:`_shard_sig`): a later writer of the store takes one instead of reading the shard back
-#: when the file is still that one (:meth:`CacheWriter._from_template`).
-_LAST: OrderedDict[str, dict[str, tuple[shardwrite.LastShard, tuple[int, ...]]]] = OrderedDict()
-_LAST_LOCK = threading.Lock()
-#: Stores whose last shards are kept after their writer closes (each holds up to about a shard
-#: object per array: ~20 MB at k=100).
-KEEP_LAST_STORES = 2
-
-
-def _shard_sig(lay: DirectLayout, last: shardwrite.LastShard) -> tuple[int, ...] | None:
-    """The identity of the file holding ``last``'s shard as it stands now (device, inode,
-    mtime in ns, size), on a local store; ``None`` elsewhere (no file to check) or if absent.
-    Every object is replaced by a rename (a new inode), so an equal identity is the same file."""
-    store = lay.store_path.store
-    if last.shard < 0 or not isinstance(store, zarr.storage.LocalStore):
-        return None
-    try:
-        st = os.stat(Path(store.root) / lay.shard_path(last.shard).path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-@dataclass
-class _DirectArray:
-    """An array the writer grows and writes without zarr (issue #19): its direct layout and its
-    ``zarr.json`` as the bytes around the first dimension. zarr's ``resize`` rebuilt and
-    re-encoded the metadata through its Python JSON encoder on every append (~1.2 ms per array,
-    ~0.7 CPU-us/position at 16K rows per append); here the new ``zarr.json`` is those bytes with
-    the new length in between, bit-identical to zarr's (tests/test_format_shardwrite.py compares
-    every object with zarr's own writes), written through the same store (atomic, fsynced)."""
-
-    lay: Any  # shardread.DirectLayout
-    meta_path: Any  # zarr StorePath of the array's zarr.json
-    head: bytes
-    tail: bytes
-    length: int  # the length this writer last gave the array
-    last: shardwrite.LastShard  # its last shard as written (no read-back of committed chunks)
-    sig: tuple[int, ...] | None = None  # its file's identity once written (_shard_sig)
-
-    @classmethod
-    def of(cls, arr: Any, lay: Any, length: int, last: shardwrite.LastShard) -> _DirectArray | None:
-        """The template of ``arr`` (``None`` if its JSON does not hold the length once)."""
-        md = arr.metadata
-        if not isinstance(md, ArrayV3Metadata):
-            return None
-        probe = md.update_shape((_SENTINEL, *md.shape[1:]))
-        raw = probe.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes()
-        mark = str(_SENTINEL).encode()
-        if raw.count(mark) != 1:
-            return None
-        head, tail = raw.split(mark)
-        return cls(lay, arr.store_path / "zarr.json", head, tail, length, last)
-
-    async def write(self, start: int, data: np.ndarray) -> None:
-        """Set the length to ``start + len(data)`` and write ``data`` at ``start``."""
-        stop = start + data.shape[0]
-        meta = self.head + str(stop).encode() + self.tail
-        await asyncio.gather(
-            self.meta_path.set(default_buffer_prototype().buffer.from_bytes(meta)),
-            shardwrite.write_rows(self.lay, start, data, self.last),
-        )
-        self.length = stop
-        self.sig = _shard_sig(self.lay, self.last)
-
-
-def _direct_layout_of(arr: Any, name: str, version: int) -> DirectLayout | None:
-    """The layout :mod:`._shardwrite` writes ``arr`` with, or ``None`` (written through zarr)."""
-    if not DIRECT_WRITES or version < 2:
-        return None
-    lay = direct_layout(arr, name, strict=True)
-    if lay is None and name == spec.SEQ_KEYS:  # vlen-utf8 strings
-        lay = shardwrite.keys_layout(arr, name, strict=True)
-    return lay if lay is not None and shardwrite.supported(lay) else None
-
-
-def _direct_of(arr: Any, name: str, length: int, version: int) -> _DirectArray | None:
-    """``arr`` (of ``length`` rows, nothing written yet) as a :class:`_DirectArray`, or ``None``."""
-    lay = _direct_layout_of(arr, name, version)
-    return None if lay is None else _DirectArray.of(arr, lay, length, shardwrite.LastShard())
-
-
-def _rebased(lay: DirectLayout, path: StorePath, length: int) -> DirectLayout:
-    """A template's layout on another store path (and length), with no read caches."""
-    return replace(
-        lay, store_path=path, length=length, index_cache={}, paths={}, fds=OpenShards(), fast={}
-    )
 
 
 class CacheWriter:
@@ -447,7 +89,7 @@ class CacheWriter:
         self._pending_rank: np.ndarray | None = None
         self._closed = False
         self._opened: dict[str, Any] = {}  # arrays as this writer's last append left them
-        self._direct: dict[str, _DirectArray] = {}  # the same, for arrays written directly
+        self._direct: dict[str, templates.DirectArray] = {}  # the same, for arrays written directly
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -530,31 +172,31 @@ class CacheWriter:
 
     def _create_arrays(self, m: Manifest) -> None:
         """Create every array of ``m`` empty (overwriting whatever lies at its path), each also
-        kept as this writer's :class:`_DirectArray` of length 0, so the first append goes
+        kept as this writer's :class:`templates.DirectArray` of length 0, so the first append goes
         straight to :mod:`._shardwrite` without opening the arrays through zarr.
 
         The first store of a layout this process creates goes through zarr's ``create_array``;
-        its arrays' ``zarr.json`` become templates (:data:`_CREATED`) once read back equal, byte
-        for byte, to the template at length 0. Later stores of that layout get those bytes
-        written directly (issue #19: zarr's creation, its Python JSON encoding with indentation,
+        its arrays' ``zarr.json`` become templates (:data:`._templates.CREATED`) once read back
+        equal, byte for byte, to the template at length 0. Later stores of that layout get those
+        bytes written directly (zarr's creation, its Python JSON encoding with indentation,
         and the first append's ``open_array`` + ``resize`` cost ~25-35 ms of CPU per new cache,
         ~0.2 CPU-us/position of a 130K-position job)."""
         made: list[tuple[ArrayDef, tuple[DirectLayout, bytes, bytes]]] = []
         for d in array_defs(m, self._layout):
             key = (m.format_version, m.k, d)
-            tpl = _CREATED.get(key) if DIRECT_WRITES and m.format_version >= 2 else None
+            tpl = templates.CREATED.get(key) if DIRECT_WRITES and m.format_version >= 2 else None
             if tpl is not None:
                 made.append((d, tpl))
                 continue
             arr = create_array(self._store, d, m.k, m.format_version)
-            direct = _direct_of(arr, d.name, 0, m.format_version)
+            direct = templates.direct_of(arr, d.name, 0, m.format_version, DIRECT_WRITES)
             if direct is None:
                 continue
             if sync(direct.meta_path.get(prototype=default_buffer_prototype())).to_bytes() == (
                 direct.head + b"0" + direct.tail
             ):
-                with _TEMPLATES_LOCK:
-                    _CREATED[key] = (direct.lay, direct.head, direct.tail)
+                with templates.TEMPLATES_LOCK:
+                    templates.CREATED[key] = (direct.lay, direct.head, direct.tail)
                 self._keep_direct(d.name, direct)
 
         async def write_all() -> None:
@@ -572,21 +214,26 @@ class CacheWriter:
         await (path / "zarr.json").set(
             default_buffer_prototype().buffer.from_bytes(head + b"0" + tail)
         )
-        direct = _DirectArray(
-            _rebased(lay, path, 0), path / "zarr.json", head, tail, 0, shardwrite.LastShard()
+        direct = templates.DirectArray(
+            templates.rebased(lay, path, 0),
+            path / "zarr.json",
+            head,
+            tail,
+            0,
+            shardwrite.LastShard(),
         )
         self._keep_direct(d.name, direct)
 
-    def _keep_direct(self, name: str, direct: _DirectArray) -> None:
+    def _keep_direct(self, name: str, direct: templates.DirectArray) -> None:
         """Keep ``direct`` for this writer's next append to ``name``, and as the template a later
         writer of this store starts from (:meth:`_from_template`)."""
         self._direct[name] = direct
         key = (self._handle.url, name)
-        with _TEMPLATES_LOCK:
-            _TEMPLATES[key] = (direct.lay, direct.head, direct.tail)
-            _TEMPLATES.move_to_end(key)
-            while len(_TEMPLATES) > KEEP_TEMPLATES:
-                _TEMPLATES.popitem(last=False)
+        with templates.TEMPLATES_LOCK:
+            templates.TEMPLATES[key] = (direct.lay, direct.head, direct.tail)
+            templates.TEMPLATES.move_to_end(key)
+            while len(templates.TEMPLATES) > templates.KEEP_TEMPLATES:
+                templates.TEMPLATES.popitem(last=False)
 
     # ------------------------------------------------------------------ state
     def _refresh_manifest(self) -> Manifest:
@@ -734,7 +381,7 @@ class CacheWriter:
         assert rank is not None  # loaded by _load_id_map once the store has rows
         cols[spec.TOPK_IDS] = rank[ids]
 
-    def _columns(self, m: Manifest, fresh: _Batch) -> dict[str, np.ndarray]:
+    def _columns(self, m: Manifest, fresh: Batch) -> dict[str, np.ndarray]:
         """One block per array (the batch's, plus the sequence index with global offsets)."""
         lengths = fresh.lengths
         tok_start = m.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -753,7 +400,7 @@ class CacheWriter:
         self._remap_ids(m, cols)
         return cols
 
-    def _write(self, m: Manifest, fresh: _Batch) -> None:
+    def _write(self, m: Manifest, fresh: Batch) -> None:
         """Step 4 of the transaction: grow every array and write the new rows past the commit.
 
         The arrays are written concurrently (zarr's async API on zarr's event loop); the commit
@@ -805,7 +452,7 @@ class CacheWriter:
         # (it grows with the store); shrinking (past a dead writer's rows) deletes as before
         shrink = stop < arr.shape[0]
         await arr.resize((stop, *arr.shape[1:]), delete_outside_chunks=shrink)
-        lay = _direct_layout_of(arr, name, self._manifest.format_version)
+        lay = templates.direct_layout_of(arr, name, self._manifest.format_version, DIRECT_WRITES)
         last = shardwrite.LastShard()
         if lay is None:
             await arr.setitem(slice(start, stop), data)
@@ -813,28 +460,29 @@ class CacheWriter:
             await shardwrite.write_rows(lay, start, data, last)
         # kept for the next append (its metadata now says ``stop``): reused only if the array
         # still ends where this append left it, i.e. no other writer has resized it since
-        direct = None if lay is None else _DirectArray.of(arr, lay, stop, last)
+        direct = None if lay is None else templates.DirectArray.of(arr, lay, stop, last)
         if direct is not None:
-            direct.sig = _shard_sig(direct.lay, last)
+            direct.sig = templates.shard_sig(direct.lay, last)
             self._keep_direct(name, direct)
         else:
             self._opened[name] = arr
 
-    async def _from_template(self, name: str, start: int) -> _DirectArray | None:
-        """Array ``name`` as a :class:`_DirectArray` of length ``start`` without opening it
+    async def _from_template(self, name: str, start: int) -> templates.DirectArray | None:
+        """Array ``name`` as a :class:`templates.DirectArray` of length ``start`` without opening it
         through zarr, when this process has written the same store's array before (an earlier
         writer: the service opens one per job) and its stored ``zarr.json`` is, byte for byte,
         that writer's template with length ``start`` (so layout, codecs and attributes are the
         template's, and nothing lies past ``start``). Its last shard is read back on the first
         write, as for an array opened through zarr. ``None``: open it through zarr.
 
-        The last shard the store's previous writer in this process left (:data:`_LAST`) is taken
-        too when its file is still the one that writer wrote (:func:`_shard_sig`): no read-back.
+        The last shard the store's previous writer in this process left (:data:`._templates.LAST`)
+        is taken too when its file is still the one that writer wrote
+        (:func:`._templates.shard_sig`): no read-back.
 
         Issue #19: zarr's ``open_array``, ``resize`` and the template's JSON encoding cost ~19 ms
         of CPU per writer (10 arrays) at its first append, ~0.15 CPU-us/position of a
         130K-position job; the read-back another ~9 ms."""
-        tpl = _TEMPLATES.get((self._handle.url, name))
+        tpl = templates.TEMPLATES.get((self._handle.url, name))
         if tpl is None or not DIRECT_WRITES or self._manifest.format_version < 2:
             return None
         old, head, tail = tpl
@@ -842,25 +490,25 @@ class CacheWriter:
         got = await (path / "zarr.json").get(prototype=default_buffer_prototype())
         if got is None or got.to_bytes() != head + str(start).encode() + tail:
             return None
-        lay = _rebased(old, path, start)
+        lay = templates.rebased(old, path, start)
         last = shardwrite.LastShard()
-        with _LAST_LOCK:
-            saved = _LAST.get(self._handle.url, {}).pop(name, None)
-        if saved is not None and saved[1] == _shard_sig(lay, saved[0]):
+        with templates.LAST_LOCK:
+            saved = templates.LAST.get(self._handle.url, {}).pop(name, None)
+        if saved is not None and saved[1] == templates.shard_sig(lay, saved[0]):
             last = saved[0]  # its shard file is the one it describes
-        return _DirectArray(lay, path / "zarr.json", head, tail, start, last)
+        return templates.DirectArray(lay, path / "zarr.json", head, tail, start, last)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Release resources; idempotent. Everything appended is already committed."""
         if not self._closed:
             kept = {n: (d.last, d.sig) for n, d in self._direct.items() if d.sig is not None}
-            with _LAST_LOCK:
+            with templates.LAST_LOCK:
                 if kept:
-                    _LAST[self._handle.url] = kept
-                    _LAST.move_to_end(self._handle.url)
-                while len(_LAST) > KEEP_LAST_STORES:
-                    _LAST.popitem(last=False)
+                    templates.LAST[self._handle.url] = kept
+                    templates.LAST.move_to_end(self._handle.url)
+                while len(templates.LAST) > templates.KEEP_LAST_STORES:
+                    templates.LAST.popitem(last=False)
         self._closed = True
         self._lock.release()
 

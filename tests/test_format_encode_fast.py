@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from logitcache.cache_format import _kernels as kernels
-from logitcache.cache_format._writer import _float16_row_delta
+from logitcache.cache_format._encode import _float16_row_delta
 from logitcache.cache_format.quant import encode_logprobs
 from logitcache.cache_format.spec import TOPK_LOGPROBS
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from format_support import make_manifest, make_records
 from logitcache.cache_format import SequenceRecord, fastencode
+from logitcache.cache_format import _encode as encode
 from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.quant import encode_logprobs
 from logitcache.cache_format.records import rows_pass
@@ -259,7 +260,7 @@ def test_the_writer_stores_row_views_as_their_copies() -> None:
     assert want is not None and slow is not None
     for name, a in want.arrays.items():
         assert slow.arrays[name].tobytes() == a.tobytes(), name
-    one = writer.encode_record(viewed[0], m)
+    one = encode.encode_record(viewed[0], m)
     assert one.arrays["topk_ids"].flags.c_contiguous
 
 

@@ -72,7 +72,7 @@ def test_store_reads_identically_under_both_backends(tmp_path):
         w.append(make_records(20, k=7, seed=5))
     code = (
         "import sys, hashlib, numpy as np\n"
-        "from logitcache.cache_format import CacheReader, kernels\n"
+        "from logitcache.cache_format import CacheReader, _kernels as kernels\n"
         "kernels.TORCH = sys.argv[2] == 'torch'\n"
         "r = CacheReader(sys.argv[1]); b = r.rows(0, r.num_rows)\n"
         "h = r.rows(0, r.num_rows, logprob_dtype='float16').topk_logprobs\n"
