@@ -94,7 +94,7 @@ class Batch:
 #: Top-k entries (rows * k) of the records that :func:`encode_batch` checks and encodes at once:
 #: 2 MiB of int32 / float32 temporaries per step, which the allocator reuses from group to group.
 #: Whole-batch temporaries (26 MB each at 65K rows, k=100) were fresh pages every append: page
-#: faults and zeroing, system time (issue #19).
+#: faults and zeroing, system time.
 ENCODE_GROUP_VALUES = 1 << 19
 
 
@@ -124,7 +124,7 @@ def encode_batch(
     once per group of records (:data:`ENCODE_GROUP_VALUES`) over their concatenated rows
     (:func:`.records.rows_pass`), and only a batch that fails them is checked again record by
     record, for the error. The stored arrays are bit-identical to :func:`encode_record`'s
-    concatenated (issue #19: a few numpy calls per group instead of per record).
+    concatenated (a few numpy calls per group instead of per record).
     """
     if not records:
         return None

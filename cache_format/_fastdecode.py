@@ -3,7 +3,7 @@ call per thread (FORMAT.md D4).
 
 The per-chunk path (:mod:`._pointread`) spends a large part of a ``random_access``-preset
 ``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
-row blocks, torch calls; benchmarks/results/client.md, session 7). Here one function compiled with
+row blocks, torch calls; benchmarks/results/client.md). Here one function compiled with
 numba (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output row) with the
 layouts' tables of open shard descriptors and parsed indexes, and does the rest without returning
 to Python: it groups each array's needed chunks into runs, reads each run with ``pread`` into a
@@ -223,7 +223,7 @@ PARALLEL_MIN_BYTES = 512 * 1024
 """The least work (bytes decoded) one thread is given: a call with less than twice this runs in
 the calling thread alone. A hand-off costs 23-34 us on the H200 box; at 128 KiB a typical
 ``sequence(i)`` (~0.65 MB at k=100) was cut into ~5 pieces and ran at half its one-thread rate
-with 8 decode threads there (0.14x vs 0.28x of the ``.npy`` copy, session 8), and used 25% more
+with 8 decode threads there (0.14x vs 0.28x of the ``.npy`` copy), and used 25% more
 CPU with 2 threads on the 2-core VM."""
 
 

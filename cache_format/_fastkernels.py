@@ -148,7 +148,7 @@ def undelta(d: Any, out: Any, widen: bool) -> None:
     """The row-wise cumulative sum of unsigned ``d`` (uint16 or uint32) modulo 2^bits: in
     place, or (``widen``: float16 bits) as float32 into ``out`` (rows of both C-contiguous).
     uint16 rows go ``LANES`` values at a time through the vector scan (:func:`_scan_vector`:
-    2-2.5x the serial sum at k=100, issue #14), the rest of a row serially; the serial sum runs
+    2-2.5x the serial sum at k=100), the rest of a row serially; the serial sum runs
     in ``d``'s own type (wrapping), which LLVM keeps in narrow registers."""
     n, k = d.shape
     full = k // LANES * LANES if d.itemsize == 2 else 0

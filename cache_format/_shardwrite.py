@@ -2,7 +2,7 @@
 
 zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
 codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machinery cost about 4
-CPU-us per position in the job path, more than the compression itself (issue #19). This module
+CPU-us per position in the job path, more than the compression itself. This module
 writes the same bytes itself, through the same zarr ``Store`` (so a local store still writes each
 object atomically and fsyncs it, FORMAT.md W5), for arrays whose layout
 :func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
@@ -87,7 +87,7 @@ def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
     """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
     as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
     ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
-    inner chunks are written as zarr writes them (issue #19: zarr's ``setitem`` of one append's
+    inner chunks are written as zarr writes them (zarr's ``setitem`` of one append's
     keys cost ~5 ms of CPU, a quarter of an append's fixed cost)."""
     from zarr.codecs import BytesCodec, Crc32cCodec
     from zarr.codecs.sharding import ShardingCodecIndexLocation
@@ -222,7 +222,7 @@ async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np
 @dataclass
 class LastShard:
     """What this process last wrote to an array's last shard: the chunk frames it holds and the
-    rows of its last chunk, as of row ``end`` of the shard (issue #19). The next append, when it
+    rows of its last chunk, as of row ``end`` of the shard. The next append, when it
     starts at that row of that shard, takes the committed chunks from here instead of reading
     the shard back and decoding its partial chunk: the same bytes (every object it writes is
     still the one :func:`_existing` would give), without the read. The caller keeps one per
@@ -246,7 +246,7 @@ async def _write_shard(
     committed chunks come from ``reuse`` (this shard as last written, ending at ``off``) or are
     read back; ``update`` then describes the shard as written.
 
-    The object is assembled in one buffer, each byte copied into it once (issue #19: joining
+    The object is assembled in one buffer, each byte copied into it once (joining
     ``bytes`` copied committed chunks twice and new ones three times, per append, for the whole
     partly filled shard); the chunks the object holds are then views of that buffer."""
     n, c = lay.chunks_per_shard, lay.chunk_rows

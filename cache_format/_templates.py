@@ -67,7 +67,7 @@ def shard_sig(lay: DirectLayout, last: shardwrite.LastShard) -> tuple[int, ...] 
 
 @dataclass
 class DirectArray:
-    """An array the writer grows and writes without zarr (issue #19): its direct layout and its
+    """An array the writer grows and writes without zarr: its direct layout and its
     ``zarr.json`` as the bytes around the first dimension. zarr's ``resize`` rebuilt and
     re-encoded the metadata through its Python JSON encoder on every append (~1.2 ms per array,
     ~0.7 CPU-us/position at 16K rows per append); here the new ``zarr.json`` is those bytes with

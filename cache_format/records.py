@@ -71,7 +71,7 @@ def known_tail(rows: Any) -> np.ndarray | None:
 def rows_array(value: Any, dtype: Any) -> np.ndarray:
     """``value`` as a ``dtype`` array: itself when it already is one whose rows each lie
     contiguous in memory (a 2-D array with unit inner stride and rows that do not overlap, such
-    as columns ``1..k`` of the vLLM hook's ``[n, k + 1]`` buffers: issue #19, no copy), else a
+    as columns ``1..k`` of the vLLM hook's ``[n, k + 1]`` buffers: no copy), else a
     C-ordered copy."""
     arr = np.asarray(value)
     if (
@@ -195,7 +195,7 @@ class SequenceRecord(TopkRows):
         """A record of arrays that already are what construction would make of them (a reader's
         decoded arrays: int32 ids, float32 or float16 logprobs, float32 tail, uint8 mask, shapes
         consistent by the store's layout), without the coercion and checks (~3 us of a ~150 us
-        ``sequence(i)``, issue #14). Anything else goes through the constructor."""
+        ``sequence(i)``). Anything else goes through the constructor."""
         rec = object.__new__(cls)
         rec.__dict__.update(  # the fields a frozen dataclass's __init__ would set
             key=key,
@@ -312,7 +312,7 @@ def rows_pass(
     all have the cache's ``k``, ``tails``: the given tail masses, or ``None`` if none is given).
 
     The same checks as :func:`check_record`'s, each made once over the whole batch instead of
-    once per record (issue #19: at 255 rows per record the per-call overheads of its ~15 numpy
+    once per record (at 255 rows per record the per-call overheads of its ~15 numpy
     calls were a third of its cost): every check is a test of single rows or an extremum, so it
     holds for the concatenation iff it holds for every record. ``False`` says only that some
     record fails; the caller runs :func:`check_record` per record for the error.
