@@ -61,8 +61,11 @@ class ReadProcessError(RuntimeError):
 class SpanReader(Protocol):
     """What :func:`serve` needs of a reader (:class:`~._reader.CacheReader`)."""
 
-    num_rows: int
-    num_tokens: int
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
     def refresh(self) -> bool: ...
 
