@@ -245,7 +245,7 @@ def writer_for(cfg: Config, data, url: Path):
     """``(write, url)``: a function writing every row of ``data`` to a fresh store at ``url``
     with ``cfg`` (appends of ``cfg.append_seqs`` sequences)."""
     from logitcache.cache_format import CacheWriter, Manifest, spec
-    from logitcache.cache_format import writer as writer_mod
+    from logitcache.cache_format import _writer as writer_mod
 
     n_seq = data[0]
     m = Manifest(
@@ -404,7 +404,7 @@ def codec_study(data, chunk: int = 2048) -> list[dict]:
 
 
 def _codec_rows(data, chunk: int) -> list[dict]:
-    from logitcache.cache_format.idmap import build_id_order, inverse
+    from logitcache.cache_format._idmap import build_id_order, inverse
     from logitcache.cache_format.quant import row_delta
     from numcodecs import Blosc
 
@@ -448,7 +448,9 @@ def _codec_rows(data, chunk: int) -> list[dict]:
 def read_profile(data, root: Path) -> dict:
     """CPU seconds per step of one ``rows()`` block read with the default layout: zarr's array
     API (``direct=False``) and the direct shard path, each step timed alone."""
-    from logitcache.cache_format import CacheReader, CacheWriter, Manifest, kernels, shardread
+    from logitcache.cache_format import CacheReader, CacheWriter, Manifest
+    from logitcache.cache_format import _kernels as kernels
+    from logitcache.cache_format import _shardread as shardread
     from logitcache.cache_format.quant import row_undelta
     from zarr.core.sync import sync
 
@@ -638,7 +640,7 @@ def main() -> None:
             shutil.rmtree(root / name)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    from logitcache.cache_format import kernels
+    from logitcache.cache_format import _kernels as kernels
 
     flags = [
         f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")

@@ -285,7 +285,9 @@ async def run_job(
         state_dir=work / "state",
         **settings_kw,
     )
-    from logitcache.cache_format import shardwrite, store, writer
+    from logitcache.cache_format import _shardwrite as shardwrite
+    from logitcache.cache_format import _writer as writer
+    from logitcache.cache_format import store
 
     put_durable = store.DurableLocalStore._put_durable
 
@@ -678,7 +680,7 @@ def main() -> None:
     PROFILE = args.profile
     _track_thread_ends()
     if args.zarr_writes:
-        from logitcache.cache_format import writer
+        from logitcache.cache_format import _writer as writer
 
         writer.DIRECT_WRITES = False
     from logitcache.server.batch import jobs

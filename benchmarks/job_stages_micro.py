@@ -76,7 +76,8 @@ def bench_tail(bufs: list, repeats: int) -> dict:
 
 
 def bench_encode(bufs: list, k: int, repeats: int) -> dict:
-    from logitcache.cache_format import fastencode, writer
+    from logitcache.cache_format import _writer as writer
+    from logitcache.cache_format import fastencode
     from logitcache.cache_format.records import SequenceRecord
 
     assert fastencode.ready()

@@ -7,8 +7,8 @@ Usage (a store built by ``random_access_bench.py``, e.g. ``/tmp/rab/random_acces
 The same ``--reads`` random sequences are read ``--passes`` times after a warm-up; every layer
 is wrapped with a ``time.thread_time_ns`` timer (CPU of this thread: robust on a loaded box),
 cumulative, in microseconds per sequence: ``kernel`` (the compiled ``read_items`` call),
-``_run``, ``read_arrays``, ``_fetch_fast``, ``_fetch``, ``_records`` and ``sequence`` (the whole
-call). The wrappers add ~1 us per layer. Compare trees with ``benchmarks/run_with_tree.py``,
+``_run``, ``read_arrays``, ``_fetch_fast``, ``read_spans``, ``_sequences`` and ``sequence`` (the
+whole call). The wrappers add ~1 us per layer. Compare trees with ``benchmarks/run_with_tree.py``,
 alternating them on the same store.
 """
 
@@ -40,7 +40,8 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    from logitcache.cache_format import CacheReader, fastdecode
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format import _fastdecode as fastdecode
 
     r = CacheReader(args.store)
     if not fastdecode.ready():
@@ -52,9 +53,11 @@ def main() -> None:
     kernels = fastdecode._kernels
     assert kernels is not None
     kernels["read_items"] = _timed(kernels["read_items"], "kernel", acc)
-    for obj, name in ((fastdecode, "_run"), (fastdecode, "read_arrays")):
+    from logitcache.cache_format import _decode
+
+    for obj, name in ((fastdecode, "_run"), (fastdecode, "read_arrays"), (_decode, "_fetch_fast")):
         setattr(obj, name, _timed(getattr(obj, name), name, acc))
-    for name in ("_fetch_fast", "_fetch", "_records"):
+    for name in ("read_spans", "_sequences"):
         setattr(r, name, _timed(getattr(r, name), name, acc))
     for _ in range(args.passes):
         acc.clear()

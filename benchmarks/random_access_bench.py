@@ -245,7 +245,8 @@ def each(fn, items) -> list:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from logitcache.cache_format import CacheReader, pointread, validate
+    from logitcache.cache_format import CacheReader, validate
+    from logitcache.cache_format import _pointread as pointread
 
     root = Path(args.root)
     # --reuse with every store and the .npy copy there: the sequence lengths are all a run needs
@@ -429,11 +430,11 @@ def main() -> None:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
         ).stdout.strip(),
     }
-    from logitcache.cache_format import kernels
+    from logitcache.cache_format import _kernels as kernels
 
     doc["kernels"] = kernels.backend()
     try:
-        from logitcache.cache_format import fastdecode
+        from logitcache.cache_format import _fastdecode as fastdecode
     except ImportError:  # a tree without it (RA_OLD)
         doc["fastdecode"] = None
     else:

@@ -42,19 +42,20 @@ def main() -> None:
     p.add_argument("--reads", type=int, default=640)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    from logitcache.cache_format import CacheReader, shardread
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format import _shardread as shardread
 
     root = Path(args.root)
     doc: dict = {"label": args.label, "load": os.getloadavg()}
     try:
-        from logitcache.cache_format import cdecode
+        from logitcache.cache_format import _cdecode as cdecode
 
         doc["cdecode"] = cdecode.AVAILABLE
     except ImportError:
         doc["cdecode"] = None
     doc["env"] = {k: v for k, v in os.environ.items() if k.startswith(("LOGITCACHE", "GLIBC"))}
     try:
-        from logitcache.cache_format import fastdecode
+        from logitcache.cache_format import _fastdecode as fastdecode
 
         doc["fastdecode"] = fastdecode.ready()
         import llvmlite.binding as ll

@@ -150,7 +150,9 @@ def measure(name, root, npy, args, crc, dec, fd_mod) -> dict[str, Any]:
     """The stages of ``sequence(i)`` on one layout store (see the module docstring)."""
     import google_crc32c
     import numcodecs.blosc
-    from logitcache.cache_format import CacheReader, pointread, shardread, spec
+    from logitcache.cache_format import CacheReader, spec
+    from logitcache.cache_format import _pointread as pointread
+    from logitcache.cache_format import _shardread as shardread
     from logitcache.cache_format.records import SequenceRecord
 
     r = CacheReader(root / name)
@@ -304,7 +306,7 @@ def main() -> None:
     from google_crc32c import _crc32c
 
     try:
-        from logitcache.cache_format import fastdecode as fd_mod
+        from logitcache.cache_format import _fastdecode as fd_mod
     except ImportError:  # a tree without it
 
         class fd_mod:  # type: ignore[no-redef]

@@ -97,8 +97,9 @@ def main() -> None:
     p.add_argument("--appends", type=int, default=12, help="steady appends")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord, shardwrite, store
-    from logitcache.cache_format import writer as writer_mod
+    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord, store
+    from logitcache.cache_format import _shardwrite as shardwrite
+    from logitcache.cache_format import _writer as writer_mod
 
     pool = records_pool(16, a.length, a.k)
     manifest = Manifest(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .fastencode import harden_llvmlite
+from ._numba import harden_llvmlite
 
 harden_llvmlite()  # numba imported llvmlite: keep an in-process vLLM engine startable (see there)
 

@@ -1,4 +1,4 @@
-"""The numba kernels of :mod:`.fastdecode` (imported only by :func:`.fastdecode.ready`: numba is
+"""The numba kernels of :mod:`._fastdecode` (imported only by :func:`._fastdecode.ready`: numba is
 optional). Module-level functions, so that numba's on-disk cache (``cache=True``) finds them again
 in the next process; the C functions they call are arguments (``fns``: their addresses, an int64
 array), not globals (numba cannot cache code holding function pointers), called through the
@@ -14,8 +14,10 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .fastdecode import EMPTY, FALLBACK, NEED_BUFFER, NEED_SHARDS, OK
-from .fastencode import harden_llvmlite
+from ._numba import EMPTY as _EMPTY
+from ._numba import FALLBACK, NEED_BUFFER, NEED_SHARDS, OK, harden_llvmlite
+
+EMPTY = np.uint64(_EMPTY)
 
 harden_llvmlite()  # numba imported llvmlite: keep an in-process vLLM engine startable (see there)
 
@@ -146,7 +148,7 @@ def undelta(d: Any, out: Any, widen: bool) -> None:
     """The row-wise cumulative sum of unsigned ``d`` (uint16 or uint32) modulo 2^bits: in
     place, or (``widen``: float16 bits) as float32 into ``out`` (rows of both C-contiguous).
     uint16 rows go ``LANES`` values at a time through the vector scan (:func:`_scan_vector`:
-    2-2.5x the serial sum at k=100, issue #14), the rest of a row serially; the serial sum runs
+    2-2.5x the serial sum at k=100), the rest of a row serially; the serial sum runs
     in ``d``'s own type (wrapping), which LLVM keeps in narrow registers."""
     n, k = d.shape
     full = k // LANES * LANES if d.itemsize == 2 else 0

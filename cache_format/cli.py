@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from .reader import CacheReader
+    from ._reader import CacheReader
 
 app = typer.Typer(
     add_completion=False,
@@ -84,8 +84,8 @@ def _fail(url: str, err: BaseException) -> typer.Exit:
 
 
 def _reader(url: str, options: dict) -> CacheReader:
+    from ._reader import CacheReader
     from .errors import FormatError
-    from .reader import CacheReader
 
     try:
         return CacheReader(url, options)
@@ -98,12 +98,12 @@ def info(
     url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")
 ) -> None:
     """Print the manifest, sizes and compression ratio of the store at URL."""
-    from .manifest import IDENTITY_FIELDS
+    from ._manifest import IDENTITY_FIELDS
     from .stats import LOW_COVERAGE, store_stats, tail_summary
 
     reader = _reader(url, _options(option))
     m = reader.manifest
-    st = store_stats(reader._store, m)
+    st = store_stats(reader.store, m)
     tail = tail_summary(reader)  # coverage: 1 - mean tail mass (sampled on large caches)
     doc = {
         "url": url,
@@ -159,8 +159,8 @@ def info(
 @app.command("validate")
 def validate_cmd(url: str, option: OptionList = None) -> None:
     """Check every invariant; exit status 1 if any problem is found, 2 if there is no store."""
+    from ._validate import validate
     from .errors import StoreNotFoundError
-    from .validate import validate
 
     report = validate(url, _options(option))
     if report.codes() & {"no_store", "store_unreadable"}:
@@ -187,7 +187,7 @@ def export(
         n = export_peer(fmt, url, out, _options(option), limit)
         typer.echo(f"exported {n} sequences to {out}", err=True)
         return
-    from .wire import encode_records
+    from ._wire import encode_records
 
     reader = _reader(url, _options(option))
     n = reader.num_sequences if limit < 0 else min(limit, reader.num_sequences)

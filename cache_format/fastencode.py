@@ -1,7 +1,7 @@
 """A compiled pass for the writer's encode step: checks, float16 and row deltas in one loop over
-each record's rows (issue #19; the write side of the format, FORMAT.md W1 and 4.2).
+each record's rows (the write side of the format, FORMAT.md W1 and 4.2).
 
-:func:`~.writer.encode_batch` checks a batch with about fifteen numpy passes over its top-k
+:func:`~._writer.encode_batch` checks a batch with about fifteen numpy passes over its top-k
 arrays (ranges, a sort per row for distinct ids, finiteness, the order of each row) and encodes
 the logprobs with five more (clip, float16, row delta, copies), each pass writing a temporary as
 large as the batch: ~0.5 CPU-us per position at k=100. :func:`encode_rows`, compiled with numba,
@@ -17,8 +17,9 @@ The float32 -> float16 rounding is integer arithmetic on the bit patterns (no F1
 compiler runtime needed), exact for the clipped range ``[-65504, 0]``.
 
 Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere, ~10 MB with
-llvmlite's ~40 MB). Without it, with ``LOGITCACHE_FASTENCODE=0``, or if compiling or the
-self-check at the first use fails, :func:`ready` is ``False`` and the writer keeps its numpy path.
+llvmlite's ~40 MB; whether it is installed is decided once, :data:`._numba.AVAILABLE`). Without
+it, or if compiling or the self-check at the first use fails, :func:`ready` is ``False`` and the
+writer keeps its numpy path.
 The kernel compiles at the first append of a process (~1-2 s) unless numba's on-disk cache has it
 (``cache=True``: the package's ``__pycache__``, or numba's user cache directory), where the
 kernel module :mod:`._encodekernels` keeps its functions at module level so that it finds them.
@@ -27,13 +28,24 @@ kernel module :mod:`._encodekernels` keeps its functions at module level so that
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
+from . import _numba
+from ._numba import harden_llvmlite
+
+__all__ = [
+    "Outputs",
+    "StampTable",
+    "encode_rows",
+    "harden_llvmlite",
+    "outputs",
+    "ready",
+    "tail_rows",
+]
 
 #: Largest vocabulary the stamp table serves (int32 entries: 4 MiB); larger ones use numpy.
 MAX_VOCAB = 1 << 20
@@ -44,35 +56,6 @@ _tail: Any = (
 )
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
-
-
-def _wanted() -> bool:
-    mode = os.environ.get("LOGITCACHE_FASTENCODE", "auto").strip().lower()
-    return mode not in ("0", "false", "no", "off")
-
-
-def harden_llvmlite() -> None:
-    """Make llvmlite's library wrapper (``llvmlite.binding.ffi.lib``, imported with numba) answer
-    dunder lookups with AttributeError, once per process, if llvmlite is imported.
-
-    The wrapper turns any attribute it lacks into a C-function wrapper, ``__dict__`` included, so
-    code that scans every module's values (vLLM's CPU platform, ``register_kernels``, at each
-    engine start: ``vars(value).get(...)`` on whatever has a ``__dict__``) fails with
-    "'_lib_fn_wrapper' object has no attribute 'get'" in a process that imported numba first.
-    Its functions are named ``LLVMPY_*``: no dunder name is one of them."""
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    cls = getattr(ffi, "_lib_wrapper", None)
-    if cls is None or getattr(cls, "_dunders_refused", False):
-        return
-    original = cls.__getattr__
-
-    def __getattr__(self: Any, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return original(self, name)
-
-    cls.__getattr__ = __getattr__
-    cls._dunders_refused = True
 
 
 def _compile() -> Any:
@@ -90,8 +73,8 @@ def ready() -> bool:
         with _lock:
             if _state == "unknown":
                 try:
-                    if not _wanted():
-                        raise ImportError("LOGITCACHE_FASTENCODE=0")
+                    if not _numba.AVAILABLE:
+                        raise ImportError("numba is not installed")
                     _kernel = _compile()
                     _state = "ready" if _self_check() else "off"
                 except Exception:  # no numba, a failed compile: the numpy path
@@ -111,7 +94,7 @@ def ready() -> bool:
 def tail_rows(lp: np.ndarray) -> np.ndarray | None:
     """:func:`.records.tail_from_logprobs` of float32 ``lp`` ``[n, k]`` (rows each contiguous,
     :func:`parent_rows`), bit for bit, with two compiled passes around numpy's own ``exp``
-    (issue #19): the differences to each row's first value and their check in one pass, the row
+    : the differences to each row's first value and their check in one pass, the row
     sums as numpy's pairwise float32 sum. ``None`` when the kernels are not loaded (only
     :func:`ready`, which the job runner calls at its start, loads them: a reader computing a
     tail does not compile anything) or when a row is unsorted or not finite (the caller's
@@ -136,10 +119,10 @@ def tail_rows(lp: np.ndarray) -> np.ndarray | None:
 
 
 def _tail_check() -> bool:
-    """:func:`tail_rows` against numpy's formula (:func:`.records.tail_numpy`) on rows of
+    """:func:`tail_rows` against numpy's formula (:func:`._tail.tail_numpy`) on rows of
     every summation shape (under 8 values, up to 128, split halves), as C-ordered arrays and
     rows of a wider buffer, and its refusals (unsorted, NaN, a row of -inf)."""
-    from .records import tail_numpy
+    from ._tail import tail_numpy
 
     rng = np.random.default_rng(1)
     for k in (1, 2, 8, 9, 100, 129, 300):
@@ -211,7 +194,7 @@ KEEP_VALUES = 1 << 24
 
 
 class Outputs:
-    """The compiled encode's output arrays, kept from one append to the next (issue #19).
+    """The compiled encode's output arrays, kept from one append to the next.
 
     Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages: at 65K rows and
     k=100 (~40 MB) that is ~10K page faults, whose system time (~0.25 CPU-us per row on the
@@ -243,7 +226,7 @@ _outputs_lock = threading.Lock()
 
 @contextlib.contextmanager
 def outputs() -> Iterator[Outputs]:
-    """An :class:`Outputs` for one append (:meth:`.writer.CacheWriter.append`), returned to a
+    """An :class:`Outputs` for one append (:meth:`._writer.CacheWriter.append`), returned to a
     process-wide pool at its end; concurrent appends take one each."""
     with _outputs_lock:
         out = _outputs.pop() if _outputs else Outputs()

@@ -7,16 +7,13 @@ fingerprint, vocabulary size, temperature, logprob mode) plus :data:`TEACHER_EXT
 weights' content hash and the engine's dtype), which a manifest keeps under
 ``extra[TEACHER_EXTRA_KEY]``. :func:`teacher_diff` is the only comparison. ``k``, the logprob
 encoding and the target kind are not the teacher: they are the rest of a cache's identity
-(:data:`~.manifest.IDENTITY_FIELDS`, which starts with :data:`TEACHER_FIELDS`).
+(:data:`~._manifest.IDENTITY_FIELDS`, which starts with :data:`TEACHER_FIELDS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .manifest import Manifest
+from typing import Any, Protocol
 
 __all__ = [
     "TEACHER_FIELDS",
@@ -43,7 +40,13 @@ TEACHER_EXTRA_FIELDS: tuple[str, ...] = ("weights_hash", "dtype")
 TEACHER_EXTRA_KEY = "teacher"
 
 
-def teacher_of(manifest: Manifest) -> dict[str, Any]:
+class Described(Protocol):
+    """What :func:`teacher_of` reads of a manifest (:class:`~._manifest.Manifest`)."""
+
+    extra: dict[str, Any]
+
+
+def teacher_of(manifest: Described) -> dict[str, Any]:
     """The teacher identity (:data:`TEACHER_FIELDS` + :data:`TEACHER_EXTRA_FIELDS`) a manifest
     records; an extra field the manifest does not record is ``None``."""
     out = {f: getattr(manifest, f) for f in TEACHER_FIELDS}

@@ -11,13 +11,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import zarr
 import zarr.abc.store
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.group import GroupMetadata
-from zarr.core.sync import sync
 
 from . import spec
-from .codecs import compressors
-from .manifest import Manifest
+from ._codecs import compressors
+from ._manifest import Manifest
+from ._zarr_adapter import GroupMetadata, default_buffer_prototype, sync
 from .quant import STORED_DTYPE
 
 
@@ -209,7 +207,7 @@ def read_root_attrs(store: zarr.abc.store.Store) -> dict | None:
     """The root group's attributes, or ``None`` if the store has no root ``zarr.json``.
 
     A zarr v3 group's ``zarr.json`` is read and parsed directly (one ``get``: the commit point
-    is read on every append and job, issue #19: 15 us against zarr's ``open_group`` 430 us);
+    is read on every append and job, 15 us against zarr's ``open_group`` 430 us);
     anything else (no ``zarr.json``, another node type or format) goes through zarr's
     ``open_group``, which decides as before."""
     doc = _root_document(store)

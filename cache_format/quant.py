@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels
+from . import _kernels as kernels
 from .spec import LOGPROB_MAX, LOGPROB_STEP, QUANTISED_DTYPES, TOPK_LOGPROBS
 
 _QMAX = {"uint8": 255, "uint16": 65535}

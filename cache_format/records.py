@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ._tail import tail_float64, tail_numpy
 from .errors import RecordError
 
 
@@ -26,8 +27,8 @@ def content_key(input_ids: np.ndarray) -> str:
 def tail_from_logprobs(topk_logprobs: np.ndarray) -> np.ndarray:
     """``clip(1 - sum_k exp(logprob), 0, 1)`` per row, as float32.
 
-    Computed in float32 without cancellation (issue #19: the float64 form cost ~0.65 CPU-us per
-    position at k=100, this one ~0.25): with ``m`` the row's first (largest) logprob,
+    Computed in float32 without cancellation (the float64 form cost ~0.65 CPU-us per position at
+    k=100, this one ~0.25): with ``m`` the row's first (largest) logprob,
     ``tail = -expm1(m + log1p(sum_{j>0} exp(lp_j - m)))``. Every term is accurate relative to
     itself, so the absolute error is a few float32 ulps of ``|m|`` plus a few ulps of the tail
     (``tests/test_format_tail.py`` bounds it against the float64 sum): within what the float32
@@ -37,37 +38,19 @@ def tail_from_logprobs(topk_logprobs: np.ndarray) -> np.ndarray:
     """
     lp = np.asarray(topk_logprobs)
     if lp.dtype != np.float32 or lp.ndim == 0 or lp.shape[-1] == 0:
-        return _tail_float64(lp)
+        return tail_float64(lp)
     if (
         lp.ndim == 2
         and lp.strides[1] == 4
         and lp.strides[0] % 4 == 0
         and lp.strides[0] >= lp.shape[1] * 4
     ):
-        from . import fastencode  # compiled passes, the same bits (issue #19)
+        from . import fastencode  # compiled passes, the same bits
 
         got = fastencode.tail_rows(lp)
         if got is not None:
             return got
     return tail_numpy(lp)
-
-
-def tail_numpy(lp: np.ndarray) -> np.ndarray:
-    """:func:`tail_from_logprobs` of a float32 array with ``k >= 1``, in numpy alone."""
-    m = lp[..., 0]
-    with np.errstate(invalid="ignore"):  # -inf - -inf: NaN, sent to the float64 sum below
-        rest = lp[..., 1:] - m[..., None]
-    if rest.size and not bool((rest <= 0).all()):  # unsorted rows, or NaN (refused later)
-        return _tail_float64(lp)
-    np.exp(rest, out=rest)
-    tail = -np.expm1(m + np.log1p(rest.sum(axis=-1, dtype=np.float32)))
-    return np.clip(tail, 0.0, 1.0).astype(np.float32, copy=False)
-
-
-def _tail_float64(topk_logprobs: np.ndarray) -> np.ndarray:
-    """``clip(1 - sum_k exp(logprob), 0, 1)`` per row, summed in float64, as float32."""
-    s = np.exp(np.asarray(topk_logprobs, dtype=np.float64)).sum(axis=-1)
-    return np.clip(1.0 - s, 0.0, 1.0).astype(np.float32)
 
 
 def computed_tail(rows: Any) -> np.ndarray:
@@ -88,7 +71,7 @@ def known_tail(rows: Any) -> np.ndarray | None:
 def rows_array(value: Any, dtype: Any) -> np.ndarray:
     """``value`` as a ``dtype`` array: itself when it already is one whose rows each lie
     contiguous in memory (a 2-D array with unit inner stride and rows that do not overlap, such
-    as columns ``1..k`` of the vLLM hook's ``[n, k + 1]`` buffers: issue #19, no copy), else a
+    as columns ``1..k`` of the vLLM hook's ``[n, k + 1]`` buffers: no copy), else a
     C-ordered copy."""
     arr = np.asarray(value)
     if (
@@ -212,7 +195,7 @@ class SequenceRecord(TopkRows):
         """A record of arrays that already are what construction would make of them (a reader's
         decoded arrays: int32 ids, float32 or float16 logprobs, float32 tail, uint8 mask, shapes
         consistent by the store's layout), without the coercion and checks (~3 us of a ~150 us
-        ``sequence(i)``, issue #14). Anything else goes through the constructor."""
+        ``sequence(i)``). Anything else goes through the constructor."""
         rec = object.__new__(cls)
         rec.__dict__.update(  # the fields a frozen dataclass's __init__ would set
             key=key,
@@ -329,7 +312,7 @@ def rows_pass(
     all have the cache's ``k``, ``tails``: the given tail masses, or ``None`` if none is given).
 
     The same checks as :func:`check_record`'s, each made once over the whole batch instead of
-    once per record (issue #19: at 255 rows per record the per-call overheads of its ~15 numpy
+    once per record (at 255 rows per record the per-call overheads of its ~15 numpy
     calls were a third of its cost): every check is a test of single rows or an extremum, so it
     holds for the concatenation iff it holds for every record. ``False`` says only that some
     record fails; the caller runs :func:`check_record` per record for the error.

@@ -75,7 +75,7 @@ class Layout:
     """Tokens per ``input_ids`` (and ``seq_key_bytes``) shard object. 65,536 (was 1,048,576,
     which stores created before keep and append to): every append rewrites the partly filled
     shard whole (FORMAT.md W3), so a 1M-token shard was rewritten ~9 times per 65K-row append
-    and ~33 times per 16K-row one (issue #19, benchmarks/results/job_cpu_s5.md)."""
+    and ~33 times per 16K-row one (benchmarks/results/job_cpu_s5.md)."""
     seq_chunk: int = 16384
     seq_shard: int = 262144
     id_codec: str = "blosc-zstd1-bitshuffle"
@@ -122,7 +122,7 @@ chunk, and a chunk's CRC32C and row sums run while it is in the core's first-lev
 (``sequence(i)`` CPU 13-16% lower than with 128-row chunks, 1.15-1.2x from 256 to 128 rows;
 sessions 8 and 10, benchmarks/results/client.md). ``loss_mask`` keeps its own codec and
 ``seq_keys`` zstd. About 1.9x the bytes of ``random_access`` at k=100 (FORMAT.md 4.7): for
-``sequence(i)`` reads whose budget the decompression alone exceeds (issue #14). (Stores made
+``sequence(i)`` reads whose budget the decompression alone exceeds. (Stores made
 with the earlier 256- and 128-row versions read as any layout does: the chunking is in their
 ``zarr.json``.)"""
 

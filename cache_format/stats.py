@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zarr.abc.store import Store
-from zarr.core.sync import sync
 
 from . import spec
-from .manifest import Manifest
+from ._manifest import Manifest
+from ._zarr_adapter import sync
 
 if TYPE_CHECKING:
-    from .reader import CacheReader
+    from ._reader import CacheReader
     from .records import RowBlock
 
 ROW_FAMILY = (

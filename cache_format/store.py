@@ -35,11 +35,11 @@ from urllib.parse import urlparse
 
 import zarr.abc.store
 import zarr.storage
-from zarr.core.buffer import Buffer
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig
 
+from ._zarr_adapter import Buffer, sync
 from .errors import FormatError
 
 OBJECT_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss"})
@@ -71,21 +71,12 @@ DIRECT_IO_ALIGN = 4096
 #: The page-aligned bounce buffer (one per thread, kept) through which an object whose memory is
 #: not page-aligned, and the last partial page of any object, are written.
 DIRECT_IO_BUFFER = 4 << 20
-#: Environment variable: ``0``/``false``/``no``/``off`` turns ``O_DIRECT`` writes off for stores
-#: opened without an explicit ``direct_io`` argument.
-DIRECT_IO_ENV = "LOGITCACHE_DIRECT_IO"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _bounce = threading.local()
 
 
 def direct_io_default() -> bool:
-    """Whether stores use ``O_DIRECT`` when not told (:data:`DIRECT_IO_ENV`, default on; never
-    where the platform has no ``O_DIRECT``)."""
-    text = os.environ.get(DIRECT_IO_ENV, "1").strip().lower()
-    if text in ("0", "false", "no", "off"):
-        return False
-    if text not in ("", "1", "true", "yes", "on"):
-        raise ValueError(f"{DIRECT_IO_ENV} must be 1 or 0, got {text!r}")
+    """Whether stores use ``O_DIRECT`` when not told: wherever the platform has it."""
     return bool(_O_DIRECT)
 
 
@@ -154,17 +145,16 @@ class DurableLocalStore(zarr.storage.LocalStore):
     after the commit (FORMAT.md W3-W5).
 
     **O_DIRECT.** Objects of :data:`DIRECT_IO_MIN` bytes or more (the shards) are written to their
-    temporary file with ``O_DIRECT`` (issue #19): page-aligned memory straight from the caller's
+    temporary file with ``O_DIRECT``: page-aligned memory straight from the caller's
     buffer, the rest through a page-aligned bounce buffer, padded to a page and truncated back to
     the object's size, then fsynced and renamed as above: the same bytes and the same crash
     safety, without the copy into the page cache (on the 2-core VM that copy's system time came
     and went with fresh page-cache pages, 0.2-1.9 CPU-us/position at k=100). Smaller objects
     (``zarr.json``) go through the page cache. A filesystem that refuses ``O_DIRECT`` (``EINVAL``
     on open or on the first write: tmpfs, ``/dev/shm``, some FUSE mounts) gets the buffered write,
-    and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False``, or
-    ``LOGITCACHE_DIRECT_IO=0`` in the environment for a store opened without the argument, turns
-    it off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it
-    comes from the disk.
+    and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False`` turns it
+    off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it comes
+    from the disk.
     """
 
     def __init__(
@@ -352,8 +342,6 @@ def list_children(zstore: Any) -> list[str]:
     """Names of the entries directly under an opened store's root (through the store itself:
     the same client, options and credentials as its reads). Never from a stale listing: an
     fsspec store's listing cache is dropped first."""
-    from zarr.core.sync import sync
-
     fs = getattr(zstore, "fs", None)
     if fs is not None and hasattr(fs, "invalidate_cache"):
         fs.invalidate_cache()
@@ -377,7 +365,7 @@ def open_store(
     ``fsync=False`` writes a local store without fsync (zarr's plain LocalStore: faster, not
     durable against power loss; still atomic per object). ``direct_io``: whether a durable local
     store writes its large objects with ``O_DIRECT`` (:class:`DurableLocalStore`; ``None``: yes
-    unless ``LOGITCACHE_DIRECT_IO=0``).
+    where the platform has ``O_DIRECT``).
     """
     url = str(url)
     options = normalize_storage_options(url, storage_options)

@@ -254,15 +254,8 @@ class LocalSource:
             return self.point_reads
         if 2 * ranges < wanted:
             return False  # runs of neighbours (shuffle blocks): range reads decode them cheaper
-        from logitcache.cache_format import fastdecode
-
         reader = self.reader
-        return bool(
-            reader.point_reads
-            and reader._local_root is not None
-            and fastdecode.AVAILABLE
-            and fastdecode.ready()
-        )
+        return reader.local_root is not None and reader.decoder == "numba"
 
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
         """Read the wanted sequences with few range reads (each read has a fixed cost).

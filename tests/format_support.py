@@ -241,3 +241,73 @@ CASES = [
     {"id_remap": True},
     {"loss_mask": True},
 ]
+
+class ZarrReader:
+    """The reference for the reader's decoders: the same store read through stock zarr-python's
+    array API (``zarr.open_array(...)[a:b]``), decoded with the format's transforms (id order,
+    logprob encodings). The subset of ``CacheReader``'s API the comparisons use."""
+
+    def __init__(self, url, storage_options=None):
+        import zarr
+        from logitcache.cache_format.layout import parse_root, read_root_attrs
+        from logitcache.cache_format.store import open_store
+
+        self.store = open_store(url, storage_options, read_only=True).zstore
+        self.manifest = parse_root(read_root_attrs(self.store))
+        self._arrays: dict = {}
+        self._zarr = zarr
+        m = self.manifest
+        self.num_rows, self.num_tokens = m.num_rows, m.num_tokens
+        self.lengths = np.asarray(self._get("seq_lengths", 0, m.num_sequences), np.int64)
+        self.keys = [str(x) for x in self._get("seq_keys", 0, m.num_sequences)]
+        self.row_starts = np.concatenate([[0], np.cumsum(self.lengths - 1)[:-1]]).astype(int)
+        self.id_order = self._get("id_order", 0, m.vocab_size) if m.id_remap else None
+
+    def _get(self, name, a, b):
+        if name not in self._arrays:
+            self._arrays[name] = self._zarr.open_array(self.store, path=name, mode="r")
+        return np.asarray(self._arrays[name][a:b])
+
+    def __len__(self):
+        return len(self.keys)
+
+    def rows(self, a, b, *, logprob_dtype="float32"):
+        from logitcache.cache_format import RowBlock
+        from logitcache.cache_format.quant import QUANTISED_DTYPES, decode_logprobs
+
+        m = self.manifest
+        ids = self._get("topk_ids", a, b)
+        if self.id_order is not None:
+            ids = self.id_order[ids]
+        q = m.logprob_dtype in QUANTISED_DTYPES
+        lp = decode_logprobs(
+            self._get("topk_logprobs", a, b),
+            m.logprob_dtype,
+            self._get("logprob_max", a, b) if q else None,
+            self._get("logprob_step", a, b) if q else None,
+            out_dtype=logprob_dtype,
+        )
+        tail = self._get("tail_mass", a, b).astype(np.float32)
+        mask = self._get("loss_mask", a, b) if m.loss_mask else None
+        return RowBlock(a, ids.astype(np.int32), lp, tail, mask)
+
+    def tokens(self, a, b):
+        return self._get("input_ids", a, b)
+
+    def sequence(self, i, *, logprob_dtype="float32"):
+        from logitcache.cache_format import SequenceRecord
+
+        r0, n = int(self.row_starts[i]), int(self.lengths[i])
+        t0 = r0 + i
+        rows = self.rows(r0, r0 + n - 1, logprob_dtype=logprob_dtype)
+        return SequenceRecord.trusted(
+            self.keys[i],
+            self.tokens(t0, t0 + n),
+            rows.topk_ids,
+            rows.topk_logprobs,
+            rows.tail_mass,
+            rows.loss_mask,
+        )
+
+    def sequences(self, idx, *, logprob_dtype="float32"):
+        return [self.sequence(int(i), logprob_dtype=logprob_dtype) for i in idx]

@@ -22,6 +22,7 @@ from client_support import (
     same_stream,
     segments,
 )
+from format_support import ZarrReader
 from logitcache.cache_format import CacheWriter, tokenizer_fingerprint
 from logitcache.client import (
     CacheDataLoader,
@@ -378,21 +379,23 @@ def test_complete_shard_index_is_read_once_per_snapshot(
     read fewer per such array; the per-chunk path reads an incomplete shard's index again at
     every call, the compiled path keeps it with the shard's open descriptor (the version it
     opened: fastdecode._open); a new commit drops them."""
-    from logitcache.cache_format import CacheReader, fastdecode, shardread, spec
+    from logitcache.cache_format import CacheReader, spec
+    from logitcache.cache_format import _fastdecode as fastdecode
+    from logitcache.cache_format import _shardread as shardread
 
     url = str(tmp_path / "big")
     rng = np.random.default_rng(2)
     seqs = [rng.integers(0, VOCAB, size=1000).astype(np.int32) for _ in range(70)]
     build_cache(url, seqs[:69])  # 68,931 rows: row shard 0 (65,536 rows) is complete
     calls: list[int] = []  # one entry per shard index read and parsed (local pread or store get)
-    real = shardread._parse_index
+    real = shardread.parse_index
 
     def counting(raw: np.ndarray, n: int, where: str) -> np.ndarray:
         calls.append(n)
         return real(raw, n, where)
 
-    monkeypatch.setattr(shardread, "_parse_index", counting)
-    reader, ref = CacheReader(url), CacheReader(url, direct=False)
+    monkeypatch.setattr(shardread, "parse_index", counting)
+    reader, ref = CacheReader(url), ZarrReader(url)
     first = reader.sequence(3)
     n_first = len(calls)
     second = reader.sequence(5)
@@ -401,14 +404,14 @@ def test_complete_shard_index_is_read_once_per_snapshot(
     # kept by the compiled path
     again = 0 if fastdecode.AVAILABLE and fastdecode.ready() else n_first - 3
     assert n_first >= 4 and len(calls) - n_first == again
-    assert set(reader._direct[spec.TOPK_IDS].index_cache) == {0}
+    assert set(reader._opened.direct[spec.TOPK_IDS].index_cache) == {0}
     assert first.equals(ref.sequence(3)) and second.equals(ref.sequence(5))
     assert reader.sequence(68).equals(ref.sequence(68))  # in the incomplete shard 1
-    assert set(reader._direct[spec.TOPK_LOGPROBS].index_cache) == {0}
+    assert set(reader._opened.direct[spec.TOPK_LOGPROBS].index_cache) == {0}
     with CacheWriter.open(url, manifest()) as w:
         w.append([record_for(seqs[69], key="seq-69")])
     assert reader.refresh()
-    assert reader._direct[spec.TOPK_IDS].index_cache == {}  # new snapshot, new layouts
+    assert reader._opened.direct[spec.TOPK_IDS].index_cache == {}  # new snapshot, new layouts
     assert reader.sequence(3).equals(first)
 
 

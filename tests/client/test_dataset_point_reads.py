@@ -57,7 +57,7 @@ def test_the_default_reads_scattered_fetches_by_point_reads(tmp_path, monkeypatc
     per two of them) from a local directory store read by the compiled path is one point read,
     a fetch of neighbours (a shuffle block) range reads, and without the compiled path
     (``fastdecode`` off) range reads; the records are the range reads' every time."""
-    from logitcache.cache_format import fastdecode
+    from logitcache.cache_format import _fastdecode as fastdecode
 
     url = str(tmp_path / "c")
     write_small_cache(url, SMALL)

@@ -2,7 +2,7 @@
 ``sequence`` / ``sequences`` call in one compiled call per thread must return the per-chunk path's
 values bit for bit (every encoding it takes, id remap, loss mask, repeats, chunk and shard edges,
 threads), check every CRC32C (a flipped byte is the per-chunk path's typed error), hand back what
-it does not handle, leak no descriptors, and be optional (no numba, ``LOGITCACHE_FASTDECODE=0``).
+it does not handle, leak no descriptors, and be optional (no numba).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import CASES, SMALL, K, assert_same_record, make_records, write_small_cache
-from logitcache.cache_format import CacheReader, fastdecode, shardread
+from logitcache.cache_format import CacheReader
+from logitcache.cache_format import _fastdecode as fastdecode
+from logitcache.cache_format import _shardread as shardread
 from logitcache.cache_format.errors import ChecksumError, MissingDataError
 
 pytestmark = pytest.mark.skipif(not fastdecode.ready(), reason="numba or C symbols missing")
@@ -41,11 +43,7 @@ class Spy:
 def _per_chunk(url, **kw) -> CacheReader:
     """A reader whose point reads take the per-chunk path (pointread)."""
 
-    class PerChunk(CacheReader):
-        def _fetch_fast(self, *a, **k):
-            return None
-
-    return PerChunk(url, **kw)
+    return CacheReader(url, decoder="numpy", **kw)
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
@@ -75,7 +73,7 @@ def test_compiled_reads_equal_the_per_chunk_path(tmp_path, monkeypatch, kw, thre
 def test_a_flipped_byte_is_a_checksum_error(tmp_path, monkeypatch):
     """Every chunk's CRC32C is checked: a flipped byte in any array's chunk makes the compiled
     call hand back, and the per-chunk path raises its typed error (after the reader's retries)."""
-    monkeypatch.setattr("logitcache.cache_format.reader._RETRIES", 2)
+    monkeypatch.setattr("logitcache.cache_format._reader._RETRIES", 2)
     url = tmp_path / "c"
     write_small_cache(url, SMALL)
     spy = Spy(monkeypatch)
@@ -123,7 +121,9 @@ def test_descriptors_not_kept_are_closed(tmp_path, monkeypatch):
     got = r.sequences(range(len(recs)))
     assert all(np.array_equal(g.input_ids, w.input_ids) for g, w in zip(got, recs, strict=True))
     assert len(os.listdir("/proc/self/fd")) == before
-    assert all((t["tables"].fd < 0).all() for lay in r._direct.values() for t in [lay.fast] if t)
+    assert all(
+        (t["tables"].fd < 0).all() for lay in r._opened.direct.values() for t in [lay.fast] if t
+    )
 
 
 def test_pieces_cover_every_row_once_at_chunk_edges():
@@ -195,28 +195,26 @@ def test_wide_rows_read_like_the_per_chunk_path(tmp_path, monkeypatch):
 
 
 def test_optional(tmp_path):
-    """Without numba (or with LOGITCACHE_FASTDECODE=0) the reader takes the per-chunk path."""
+    """Without numba the reader takes the per-chunk path."""
     url = tmp_path / "c"
     recs = write_small_cache(url, SMALL)
     code = (
         "import sys\n"
         "if sys.argv[2] == 'nonumba': sys.modules['numba'] = None\n"
-        "from logitcache.cache_format import CacheReader, fastdecode\n"
+        "from logitcache.cache_format import CacheReader, _fastdecode as fastdecode\n"
         "r = CacheReader(sys.argv[1])\n"
         "print(r.sequence(3).topk_ids.sum(), fastdecode.ready(), fastdecode._kernels)\n"
     )
     want = str(int(recs[3].topk_ids.sum()))
     root = Path(__file__).resolve().parents[2]
-    for mode, env in (("nonumba", {}), ("off", {"LOGITCACHE_FASTDECODE": "0"})):
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(url), mode],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **env},
-            cwd=root,
-            check=True,
-        ).stdout.split()
-        assert out[:2] == [want, "False"], (mode, out)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(url), "nonumba"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=True,
+    ).stdout.split()
+    assert out[:2] == [want, "False"], out
 
 
 def test_a_kernel_failure_hands_the_reader_back(tmp_path, monkeypatch):
@@ -238,7 +236,7 @@ def test_compiled_kernels_are_cached_on_disk():
     """The kernels are module-level numba functions cached on disk (next to the module, or
     numba's user cache): a second process loads them instead of compiling (seconds each)."""
     code = (
-        "from logitcache.cache_format import fastdecode, _fastkernels as fk\n"
+        "from logitcache.cache_format import _fastdecode as fastdecode, _fastkernels as fk\n"
         "assert fastdecode.ready()\n"
         "st = fk.read_items.stats\n"
         "print(sum(st.cache_hits.values()), len(st.cache_misses))\n"
@@ -279,7 +277,7 @@ def test_an_engine_started_after_a_compiled_read_can_scan_the_modules(tmp_path):
     recs = write_small_cache(url, SMALL)
     code = (
         "import sys\n"
-        "from logitcache.cache_format import CacheReader, fastdecode\n"
+        "from logitcache.cache_format import CacheReader, _fastdecode as fastdecode\n"
         "assert fastdecode.ready()\n"
         "print(int(CacheReader(sys.argv[1]).sequence(2).topk_ids.sum()))\n"
         "for m in list(sys.modules.values()):\n"
@@ -308,7 +306,7 @@ def test_the_last_shard_stays_open_and_reads_its_version_after_the_writer_replac
     url = tmp_path / "c"
     recs = write_small_cache(url, SMALL)
     r = CacheReader(url)
-    lay = r._direct["topk_ids"]
+    lay = r._opened.direct["topk_ids"]
     assert lay.length % lay.shard_rows, "the store must end inside a shard"
     last = len(recs) - 1
     want = _per_chunk(url).sequence(last)

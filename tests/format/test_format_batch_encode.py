@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_record, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord, writer
+from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord
+from logitcache.cache_format import _encode as writer
 from logitcache.cache_format.errors import RecordError
 
 K, VOCAB = 6, 50
@@ -20,8 +21,8 @@ def _fast_encode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(writer, "FAST_ENCODE", request.param)
 
 
-def _one_by_one(recs: list[SequenceRecord], m) -> writer._Batch:
-    return writer._Batch.of([writer.encode_record(r, m, i) for i, r in enumerate(recs)])
+def _one_by_one(recs: list[SequenceRecord], m) -> writer.Batch:
+    return writer.Batch.of([writer.encode_record(r, m, i) for i, r in enumerate(recs)])
 
 
 @pytest.mark.parametrize(

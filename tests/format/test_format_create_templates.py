@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, validate, writer
+from logitcache.cache_format import CacheReader, CacheWriter, validate
+from logitcache.cache_format import _templates as templates
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, write_root_attrs
 from test_format_shardwrite import LAYOUT, RAW, files
 from test_format_writer_reopen import _spy_opens
@@ -45,7 +47,7 @@ def _make(url: Path, recs, cuts: list[int], *, k: int = K, layout=LAYOUT) -> Non
 
 @pytest.mark.parametrize("layout", [LAYOUT, RAW], ids=["blosc", "raw"])
 def test_a_store_made_from_templates_has_zarrs_bytes(tmp_path: Path, monkeypatch, layout) -> None:
-    monkeypatch.setattr(writer, "_CREATED", {})
+    monkeypatch.setattr(templates, "CREATED", {})
     recs = make_records(12, k=K, vocab=VOCAB, seed=21)
     cuts = [3, 7]
     monkeypatch.setattr(writer, "DIRECT_WRITES", False)  # the reference: zarr alone
@@ -54,7 +56,7 @@ def test_a_store_made_from_templates_has_zarrs_bytes(tmp_path: Path, monkeypatch
     made, opened = _spy_creates(monkeypatch), _spy_opens(monkeypatch)
     _make(tmp_path / "first", recs, cuts, layout=layout)
     assert len(made) >= 8 and not opened, (made, opened)  # zarr creates; nothing reopened
-    assert len(writer._CREATED) == len(made)  # every array's bytes became a template
+    assert len(templates.CREATED) == len(made)  # every array's bytes became a template
     made.clear()
     _make(tmp_path / "second", recs, cuts, layout=layout)
     assert made == [] and opened == [], (made, opened)  # no zarr at all for the second store
@@ -71,7 +73,7 @@ def test_a_store_made_from_templates_has_zarrs_bytes(tmp_path: Path, monkeypatch
 
 def test_templates_are_kept_per_k_and_layout(tmp_path: Path, monkeypatch) -> None:
     """Stores of other ``k`` and layouts made in turn each get zarr's own empty arrays."""
-    monkeypatch.setattr(writer, "_CREATED", {})
+    monkeypatch.setattr(templates, "CREATED", {})
     cases = [(8, LAYOUT), (16, LAYOUT), (8, RAW), (8, LAYOUT), (16, LAYOUT)]
     for i, (k, layout) in enumerate(cases):
         m = make_manifest(k=k, vocab_size=VOCAB)
@@ -85,7 +87,7 @@ def test_templates_are_kept_per_k_and_layout(tmp_path: Path, monkeypatch) -> Non
         with CacheWriter.open(tmp_path / f"tpl{i}", m) as w:
             assert w.append(recs) == 3
         assert validate(tmp_path / f"tpl{i}").ok
-    assert len({key[:2] for key in writer._CREATED}) == 2  # (version, k): two ks
+    assert len({key[:2] for key in templates.CREATED}) == 2  # (version, k): two ks
 
 
 def test_creation_over_an_incomplete_store_removes_what_lay_there(tmp_path: Path) -> None:
@@ -119,10 +121,10 @@ CHILD = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from format_support import make_manifest
-    from logitcache.cache_format import CacheWriter, writer
+    from logitcache.cache_format import CacheWriter, _templates as templates, _writer as writer
     m = make_manifest(k=8, vocab_size=1000)
     CacheWriter.open({warm!r}, m).close()  # the templates exist: the next creation uses them
-    assert writer._CREATED
+    assert templates.CREATED
     real, count = writer.CacheWriter._keep_direct, [0]
     def keep(self, name, direct):
         real(self, name, direct)
@@ -167,7 +169,7 @@ def test_stores_made_by_concurrent_writers_have_zarrs_bytes(tmp_path: Path, monk
     every store is zarr's bytes and reads back."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(writer, "_CREATED", {})
+    monkeypatch.setattr(templates, "CREATED", {})
     recs = make_records(6, k=K, vocab=VOCAB, seed=31)
     monkeypatch.setattr(writer, "DIRECT_WRITES", False)
     _make(tmp_path / "zarr", recs, [2])
@@ -179,4 +181,4 @@ def test_stores_made_by_concurrent_writers_have_zarrs_bytes(tmp_path: Path, monk
         got = files(tmp_path / f"t{i}")
         assert got.keys() == ref.keys() and [n for n in ref if ref[n] != got[n]] == [], i
         assert CacheReader(tmp_path / f"t{i}").keys == [x.key for x in recs]
-    assert writer._CREATED  # recorded once the first creations were read back
+    assert templates.CREATED  # recorded once the first creations were read back

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from logitcache.cache_format import kernels
+from logitcache.cache_format import _kernels as kernels
+from logitcache.cache_format._encode import _float16_row_delta
 from logitcache.cache_format.quant import encode_logprobs
 from logitcache.cache_format.spec import TOPK_LOGPROBS
-from logitcache.cache_format.writer import _float16_row_delta
 
 
 def _edge_values(rng: np.random.Generator, n: int) -> np.ndarray:

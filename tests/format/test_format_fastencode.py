@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import SequenceRecord, fastencode, writer
+from logitcache.cache_format import SequenceRecord, fastencode
+from logitcache.cache_format import _encode as encode
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.quant import encode_logprobs
 from logitcache.cache_format.records import rows_pass
 
@@ -161,14 +163,16 @@ def test_records_without_tails_get_the_computed_tail(spy: list[int]) -> None:
     assert got.arrays["tail_mass"].tobytes() == want.tobytes()
 
 
-def test_the_off_switch_and_a_failed_compile_leave_the_numpy_path(
+def test_no_numba_and_a_failed_compile_leave_the_numpy_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from logitcache.cache_format import _numba
+
     monkeypatch.setattr(fastencode, "_state", "unknown")
-    monkeypatch.setenv("LOGITCACHE_FASTENCODE", "0")
+    monkeypatch.setattr(_numba, "AVAILABLE", False)
     assert not fastencode.ready()
     monkeypatch.setattr(fastencode, "_state", "unknown")
-    monkeypatch.delenv("LOGITCACHE_FASTENCODE")
+    monkeypatch.setattr(_numba, "AVAILABLE", True)
 
     def broken() -> None:
         raise ImportError("no numba")
@@ -256,7 +260,7 @@ def test_the_writer_stores_row_views_as_their_copies() -> None:
     assert want is not None and slow is not None
     for name, a in want.arrays.items():
         assert slow.arrays[name].tobytes() == a.tobytes(), name
-    one = writer.encode_record(viewed[0], m)
+    one = encode.encode_record(viewed[0], m)
     assert one.arrays["topk_ids"].flags.c_contiguous
 
 

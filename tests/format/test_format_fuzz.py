@@ -21,7 +21,7 @@ from format_support import make_manifest, make_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logitcache.cache_format import CacheReader, CacheWriter, FormatError, Layout, validate
-from logitcache.cache_format import reader as reader_mod
+from logitcache.cache_format import _reader as reader_mod
 
 TINY = Layout(row_chunk=4, row_shard=16, token_chunk=8, token_shard=32, seq_chunk=2, seq_shard=8)
 CONFIGS = {
@@ -73,10 +73,10 @@ def _same(got, want) -> bool:
     )
 
 
-def _read_everything(path: Path, expected: list, direct: bool) -> bool:
+def _read_everything(path: Path, expected: list, decoder: str) -> bool:
     """Every read returns the written values or raises FormatError; True if any raised."""
     try:
-        r = CacheReader(path, direct=direct)
+        r = CacheReader(path, decoder=decoder)
     except FormatError:
         return True
     assert r.keys == [e.key for e in expected]
@@ -130,8 +130,8 @@ def test_damage_is_never_silent(caches, name, damage):
             if (path / key).exists():
                 _damage(path, key, action, where, mask)
         with mock.patch.object(reader_mod, "_RETRIES", 1):
-            failed = _read_everything(path, expected, True)
-            failed |= _read_everything(path, expected, False)
+            failed = _read_everything(path, expected, "numba")
+            failed |= _read_everything(path, expected, "numpy")
         report = validate(path)
         if failed:
             assert not report.ok, f"reads failed but validate passed: {damage}"

@@ -64,9 +64,8 @@ def test_reader_never_reads_past_committed_counts(tmp_path, delta):
         w.append(recs)
     m = CacheReader(url).manifest
     _set_counts(url, **{n: getattr(m, n) + d for n, d in delta.items()})
-    for direct in (True, False):
-        with pytest.raises(CorruptStoreError):
-            CacheReader(url, direct=direct)
+    with pytest.raises(CorruptStoreError):
+        CacheReader(url)
     assert not validate(url).ok
 
 
@@ -79,9 +78,9 @@ def test_direct_layout_is_bounded_by_the_commit(tmp_path):
         w.append(make_records(3, seed=4))
     r = CacheReader(url)
     n = r.num_rows
-    assert r._direct["topk_ids"].length == n
+    assert r._opened.direct["topk_ids"].length == n
     with pytest.raises(CorruptStoreError, match="past the committed"):
-        r._read([("topk_ids", slice(0, n + 1))])
+        r.read_spans([(slice(0, n + 1), None)])
     with pytest.raises(IndexError):
         r.rows(0, n + 1)
 
@@ -93,7 +92,7 @@ def test_stock_zarr_lists_a_closed_store_without_warnings(tmp_path):
     import warnings
 
     import zarr
-    from logitcache.cache_format.lock import LocalLock
+    from logitcache.cache_format._lock import LocalLock
 
     url = tmp_path / "c"
     with CacheWriter.open(url, make_manifest(), fsync=False) as w:
@@ -130,7 +129,7 @@ def test_bit_flip_in_index_arrays_is_a_finding_not_a_crash(tmp_path, name):
     ValueError; now it is an `unreadable` finding naming the array and entries, and the reader
     raises a typed error."""
     from logitcache.cache_format import FormatError, validate
-    from logitcache.cache_format import reader as reader_mod
+    from logitcache.cache_format import _reader as reader_mod
 
     url = tmp_path / "c"
     with CacheWriter.open(url, make_manifest(id_remap=True), fsync=False) as w:

@@ -9,18 +9,18 @@ import sys
 
 import numpy as np
 import pytest
-from logitcache.cache_format import kernels
+from logitcache.cache_format import _kernels as kernels
 
 
 @pytest.fixture
 def use_backend(monkeypatch):
     def select(name: str) -> None:
-        monkeypatch.setenv("LOGITCACHE_KERNELS", name)
-        kernels._torch.cache_clear()
+        monkeypatch.setattr(kernels, "TORCH", name == "torch")
+        kernels.torch_module.cache_clear()
         assert kernels.backend() == name
 
     yield select
-    kernels._torch.cache_clear()
+    kernels.torch_module.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
@@ -62,7 +62,8 @@ def test_kernel_arguments_checked():
 
 
 def test_store_reads_identically_under_both_backends(tmp_path):
-    """End to end in fresh processes (the backend is chosen once per process)."""
+    """End to end in fresh processes (the backend is chosen once per process: the numpy one
+    forced through the module's ``TORCH`` flag before the first read)."""
     from format_support import make_manifest, make_records
     from logitcache.cache_format import CacheWriter
 
@@ -71,7 +72,8 @@ def test_store_reads_identically_under_both_backends(tmp_path):
         w.append(make_records(20, k=7, seed=5))
     code = (
         "import sys, hashlib, numpy as np\n"
-        "from logitcache.cache_format import CacheReader, kernels\n"
+        "from logitcache.cache_format import CacheReader, _kernels as kernels\n"
+        "kernels.TORCH = sys.argv[2] == 'torch'\n"
         "r = CacheReader(sys.argv[1]); b = r.rows(0, r.num_rows)\n"
         "h = r.rows(0, r.num_rows, logprob_dtype='float16').topk_logprobs\n"
         "print(kernels.backend(), hashlib.sha256(b.topk_logprobs.tobytes() + h.tobytes())"
@@ -79,9 +81,8 @@ def test_store_reads_identically_under_both_backends(tmp_path):
     )
     seen = {}
     for name in ("numpy", "torch"):
-        env = {"LOGITCACHE_KERNELS": name, "PATH": "/usr/bin:/bin"}
         out = subprocess.run(
-            [sys.executable, "-c", code, str(url)], env=env, capture_output=True, text=True
+            [sys.executable, "-c", code, str(url), name], capture_output=True, text=True
         )
         assert out.returncode == 0, out.stderr
         backend, digest = out.stdout.split()

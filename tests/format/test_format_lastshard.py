@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheWriter, shardwrite, validate, writer
+from logitcache.cache_format import CacheWriter, validate
+from logitcache.cache_format import _shardwrite as shardwrite
+from logitcache.cache_format import _writer as writer
 from test_format_shardwrite import LAYOUT, VOCAB, K, files, write
 
 

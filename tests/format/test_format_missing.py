@@ -1,7 +1,7 @@
 """A lost object inside the committed range is never read as zeros (FORMAT.md R9, issue #11).
 
 For every array of a version-2 store, one shard object is deleted (locally and on the moto S3
-server); every read path that needs it (direct shard read and zarr fallback: ``sequence``,
+server); every read that needs it (with either decoder: ``sequence``,
 ``sequences``, ``get``, ``read_ranges``, ``rows``, ``tokens``, opening the reader for the index
 arrays) raises :class:`MissingDataError` naming the array, and ``validate`` reports
 ``object_missing`` with the array and the entry range. Reads that do not touch the lost object
@@ -51,20 +51,20 @@ def _shard0(name: str) -> str:
     return f"{name}/c/0/0" if name in ("topk_ids", "topk_logprobs") else f"{name}/c/0"
 
 
-def _check_lost(url, options, name: str, recs, directs: tuple[bool, ...]) -> None:
+def _check_lost(url, options, name: str, recs, decoders: tuple[str, ...]) -> None:
     """With shard 0 of ``name`` gone, every read that needs it raises MissingDataError."""
     if name in INDEX_ARRAYS:
-        for direct in directs:
+        for decoder in decoders:
             with pytest.raises(MissingDataError, match=name):
-                CacheReader(url, options, direct=direct)
+                CacheReader(url, options, decoder=decoder)
     else:
-        for direct in directs:
-            r = CacheReader(url, options, direct=direct)
+        for decoder in decoders:
+            r = CacheReader(url, options, decoder=decoder)
             if name in KEY_ARRAYS:  # the reader does not use them; they still read
                 assert r.sequence(0).key == recs[0].key
                 continue
             reads: list[tuple[str, tuple, dict]] = [("sequence", (0,), {})]
-            if len(directs) > 1:  # local: every method; S3: the same code over another store
+            if len(decoders) > 1:  # local: every method; S3: the same code over another store
                 reads += [
                     ("sequences", ([1, 0],), {}),
                     ("get", (recs[0].key,), {}),
@@ -89,7 +89,7 @@ def _check_lost(url, options, name: str, recs, directs: tuple[bool, ...]) -> Non
 
 
 def _run_all(
-    url, options, get: Callable, delete: Callable, put: Callable, recs, directs=(True, False)
+    url, options, get: Callable, delete: Callable, put: Callable, recs, decoders=("numba", "numpy")
 ) -> None:
     assert validate(url, options).ok
     for name in ALL:
@@ -97,7 +97,7 @@ def _run_all(
         data = get(key)
         delete(key)
         try:
-            _check_lost(url, options, name, recs, directs)
+            _check_lost(url, options, name, recs, decoders)
         finally:
             put(key, data)
     assert validate(url, options).ok  # restored: nothing else was touched
@@ -129,7 +129,7 @@ def test_lost_shard_of_every_array_s3(s3_store):
     def put(key: str, data: bytes) -> None:
         s3.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=data)
 
-    _run_all(url, opts, get, delete, put, recs, directs=(True,))  # zarr path: local test
+    _run_all(url, opts, get, delete, put, recs, decoders=("numba",))  # both decoders: local test
 
 
 def _empty_index_entry(path: Path, chunks_per_shard: int, chunk: int) -> None:
@@ -144,12 +144,12 @@ def _empty_index_entry(path: Path, chunks_per_shard: int, chunk: int) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_lost_chunk_inside_a_shard(tmp_path, direct):
+@pytest.mark.parametrize("decoder", ["numba", "numpy"])
+def test_lost_chunk_inside_a_shard(tmp_path, decoder):
     url = tmp_path / "c"
     recs = _write(url)
     _empty_index_entry(url / "topk_logprobs" / "c" / "0" / "0", 32 // 8, 1)  # rows 8..15
-    r = CacheReader(url, direct=direct)
+    r = CacheReader(url, decoder=decoder)
     assert np.array_equal(r.rows(0, 8).topk_ids, np.concatenate([x.topk_ids for x in recs])[:8])
     with pytest.raises(MissingDataError, match=r"topk_logprobs.*8:1[0-6]"):
         r.rows(6, 10)

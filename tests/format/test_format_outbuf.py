@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-from logitcache.cache_format import outbuf, shardread
+from logitcache.cache_format import _outbuf as outbuf
+from logitcache.cache_format import _shardread as shardread
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="madvise flags are Linux's")
 
@@ -44,7 +45,7 @@ def test_the_readers_blocks_come_from_here(tmp_path):
     from logitcache.cache_format import CacheReader
 
     write_small_cache(tmp_path / "c", SMALL)
-    lay = CacheReader(tmp_path / "c")._direct["topk_ids"]
+    lay = CacheReader(tmp_path / "c")._opened.direct["topk_ids"]
     assert isinstance(lay, shardread.DirectLayout)
     block = lay.empty(outbuf.HUGEPAGE_BYTES // 24 + 1)
     assert "nh" in _vm_flags(block.ctypes.data + block.nbytes // 2)

@@ -20,19 +20,14 @@ from format_support import (
     CASES,
     SMALL,
     K,
+    ZarrReader,
     assert_same_record,
     make_manifest,
     make_records,
     write_small_cache,
 )
-from logitcache.cache_format import (
-    CacheReader,
-    CacheWriter,
-    SequenceRecord,
-    pointread,
-    spec,
-    validate,
-)
+from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord, spec, validate
+from logitcache.cache_format import _pointread as pointread
 from logitcache.cache_format.errors import ChecksumError, CorruptStoreError
 
 s3_endpoint = format_support.s3_endpoint
@@ -44,8 +39,7 @@ def test_point_reads_equal_the_range_path(tmp_path, monkeypatch, kw, threads):
     monkeypatch.setattr(pointread, "PARALLEL_MIN_BYTES", 0)  # tiny chunks go to the threads too
     recs = write_small_cache(tmp_path / "c", SMALL, **kw)
     point = CacheReader(tmp_path / "c", decode_threads=threads)
-    ranged = CacheReader(tmp_path / "c")
-    ranged.point_reads = False
+    ranged = ZarrReader(tmp_path / "c")
     for i in range(len(recs)):
         assert_same_record(point.sequence(i), ranged.sequence(i))
         assert np.array_equal(point.sequence(i).topk_ids, recs[i].topk_ids)
@@ -71,9 +65,8 @@ def test_records_hold_the_dtypes_asked_for(tmp_path, kw):
     every array has the dtype and shape the constructor would give it, on both paths, and the
     logprobs are the ``logprob_dtype`` asked for (float16 stays float16)."""
     write_small_cache(tmp_path / "c", SMALL, **kw)
-    for point in (True, False):
-        r = CacheReader(tmp_path / "c")
-        r.point_reads = point
+    for decoder in ("numba", "numpy"):
+        r = CacheReader(tmp_path / "c", decoder=decoder)
         for dtype in ("float32", "float16"):
             for rec in r.sequences([3, 0, 39, 3], logprob_dtype=dtype):
                 checked = SequenceRecord(
@@ -93,8 +86,7 @@ def test_records_hold_the_dtypes_asked_for(tmp_path, kw):
 def test_point_reads_torch_output_and_float16_request(tmp_path):
     write_small_cache(tmp_path / "c", SMALL)
     r = CacheReader(tmp_path / "c", as_torch=True, decode_threads=2)
-    ranged = CacheReader(tmp_path / "c", as_torch=True)
-    ranged.point_reads = False
+    ranged = CacheReader(tmp_path / "c", as_torch=True, decoder="numpy")
     a, b = r.sequence(7, logprob_dtype="float16"), ranged.sequence(7, logprob_dtype="float16")
     assert set(a) == set(b)
     for name in a:
@@ -212,6 +204,6 @@ def test_point_read_never_reads_past_the_committed_count(tmp_path):
     r = CacheReader(tmp_path / "c")
     n = r.num_rows
     with pytest.raises(CorruptStoreError, match="past the committed"):
-        pointread.read(r._direct, [("topk_ids", n - 2, n + 1)])
-    (got,) = pointread.read(r._direct, [("topk_ids", n - 2, n)])
+        pointread.read(r._opened.direct, [("topk_ids", n - 2, n + 1)])
+    (got,) = pointread.read(r._opened.direct, [("topk_ids", n - 2, n)])
     assert np.array_equal(got, r.rows(n - 2, n).topk_ids)

@@ -161,7 +161,7 @@ def test_id_remap_roundtrip_resume_and_validate(tmp_path):
 
 def test_float16_tail_and_local_lock_timeout(tmp_path):
     from logitcache.cache_format import WriterLockedError
-    from logitcache.cache_format.lock import LocalLock
+    from logitcache.cache_format._lock import LocalLock
 
     recs = make_records(4, seed=8)
     url = tmp_path / "c"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from format_support import CHILD_K, CHILD_VOCAB, make_manifest, make_records, s3_client
 from logitcache.cache_format import CacheReader, CacheWriter, WriterLockedError, validate
-from logitcache.cache_format.lock import ObjectLock
+from logitcache.cache_format._lock import ObjectLock
 from logitcache.cache_format.store import open_store
 from test_format_crash import SUPPORT, check_prefix, expected, resume_and_check, run_child
 
@@ -117,9 +117,10 @@ def test_s3_store_made_from_creation_templates(s3_store, monkeypatch, backend):
     """issue #19: the second store of a layout in a process gets its arrays' ``zarr.json``
     written from templates (no zarr ``create_array``) on S3 too: the same objects as the first
     store, which zarr created, and both read back and validate."""
-    from logitcache.cache_format import writer
+    from logitcache.cache_format import _templates as templates
+    from logitcache.cache_format import _writer as writer
 
-    monkeypatch.setattr(writer, "_CREATED", {})
+    monkeypatch.setattr(templates, "CREATED", {})
     made: list[str] = []
     real = writer.create_array
     monkeypatch.setattr(writer, "create_array", lambda *a: made.append(a[1].name) or real(*a))

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, spec, validate, writer
+from logitcache.cache_format import CacheReader, CacheWriter, spec, validate
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.errors import ChecksumError, MissingDataError
 from logitcache.cache_format.spec import DEFAULT_LAYOUT
 

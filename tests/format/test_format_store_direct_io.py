@@ -1,7 +1,7 @@
 """O_DIRECT object writes of the durable local store (issue #19, FORMAT.md W5a): the same bytes as
 the buffered write, really written with O_DIRECT (its fd's flags, read at the fsync that still
 comes before the rename), a filesystem refusing O_DIRECT falling back to the buffered write and
-remembered, the opt-outs (argument, environment), and a writer killed mid-append while every
+remembered, the opt-out (the argument), and a writer killed mid-append while every
 object goes through O_DIRECT leaving its committed prefix readable."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import zarr.storage
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, shardwrite, store
+from logitcache.cache_format import CacheReader, CacheWriter, store
+from logitcache.cache_format import _shardwrite as shardwrite
 from logitcache.cache_format.store import DurableLocalStore, open_store
 from zarr.core.buffer import default_buffer_prototype
 
@@ -202,15 +203,7 @@ def test_opt_outs(tmp_path, monkeypatch):
     assert type(open_store(tmp_path / "b", read_only=False, fsync=False).zstore) is (
         zarr.storage.LocalStore
     )
-    monkeypatch.setenv(store.DIRECT_IO_ENV, "0")
-    assert not DurableLocalStore(tmp_path / "a").direct_io
-    assert DurableLocalStore(tmp_path / "a", direct_io=True).direct_io  # the argument wins
-    with CacheWriter.open(tmp_path / "c", make_manifest()) as w:
-        assert not w._store.direct_io
-    monkeypatch.setenv(store.DIRECT_IO_ENV, "maybe")
-    with pytest.raises(ValueError, match=store.DIRECT_IO_ENV):
-        DurableLocalStore(tmp_path / "a")
-    monkeypatch.delenv(store.DIRECT_IO_ENV)
+    assert DurableLocalStore(tmp_path / "a", direct_io=True).direct_io
     with CacheWriter.open(tmp_path / "d", make_manifest(), direct_io=False) as w:
         assert not w._store.direct_io
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from logitcache.cache_format.records import _tail_float64, tail_from_logprobs
+from logitcache.cache_format._tail import tail_float64 as _tail_float64
+from logitcache.cache_format.records import tail_from_logprobs
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -70,7 +71,7 @@ def test_the_compiled_tail_is_numpys_bit_for_bit(k: int, monkeypatch) -> None:
     gives numpy's formula's bits, for C-ordered rows and rows of a wider buffer (the vLLM
     hook's views), and tail_from_logprobs takes it once the kernels are loaded."""
     from logitcache.cache_format import fastencode
-    from logitcache.cache_format.records import tail_numpy
+    from logitcache.cache_format._tail import tail_numpy
 
     if not fastencode.ready() or fastencode._tail is None:
         pytest.skip("numba not available")

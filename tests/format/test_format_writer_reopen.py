@@ -14,7 +14,10 @@ from pathlib import Path
 import numpy as np
 import zarr.api.asynchronous
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, shardwrite, validate, writer
+from logitcache.cache_format import CacheReader, CacheWriter, validate
+from logitcache.cache_format import _shardwrite as shardwrite
+from logitcache.cache_format import _templates as templates
+from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.spec import DEFAULT_LAYOUT
 from test_format_shardwrite import LAYOUT, files
 
@@ -61,7 +64,7 @@ def _writers(url: Path, recs, groups: list[list[int]], *, forget: bool) -> None:
     done = 0
     for cuts in groups:
         if forget:
-            writer._TEMPLATES.clear()
+            templates.TEMPLATES.clear()
         with CacheWriter.open(url, m, layout=LAYOUT) as w:
             for c in cuts:
                 w.append(recs[done:c])
@@ -69,8 +72,8 @@ def _writers(url: Path, recs, groups: list[list[int]], *, forget: bool) -> None:
 
 
 def test_a_later_writer_takes_the_templates(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
-    monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
+    monkeypatch.setattr(templates, "TEMPLATES", templates.OrderedDict())
+    monkeypatch.setattr(templates, "LAST", templates.OrderedDict())
     monkeypatch.setattr(writer, "DIRECT_WRITES", True)
     recs = make_records(16, k=K, vocab=VOCAB, seed=11)
     groups = [[3, 5], [9], [10, 16]]  # the later writers start inside partly filled shards
@@ -93,17 +96,17 @@ def test_a_store_changed_under_the_template_is_opened_through_zarr(
 ) -> None:
     """The store is deleted and made again at the same URL with other chunks: its zarr.json
     differs from the template, so every array is opened through zarr; the rows read back."""
-    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
+    monkeypatch.setattr(templates, "TEMPLATES", templates.OrderedDict())
     url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
     recs = make_records(8, k=K, vocab=VOCAB, seed=12)
     with CacheWriter.open(url, m, layout=LAYOUT) as w:
         w.append(recs[:4])
-    stale = writer.OrderedDict(writer._TEMPLATES)
+    stale = templates.OrderedDict(templates.TEMPLATES)
     shutil.rmtree(url)
     other = replace(DEFAULT_LAYOUT, row_chunk=8, row_shard=32, token_chunk=16, token_shard=64)
     with CacheWriter.open(url, m, layout=other) as w:
         w.append(recs[:2])
-    monkeypatch.setattr(writer, "_TEMPLATES", stale)  # as if another process made it again
+    monkeypatch.setattr(templates, "TEMPLATES", stale)  # as if another process made it again
     opened = _spy_opens(monkeypatch)
     with CacheWriter.open(url, m) as w:
         w.append(recs[2:4])
@@ -118,7 +121,7 @@ def test_a_store_changed_under_the_template_is_opened_through_zarr(
 def test_rows_left_past_the_commit_are_opened_through_zarr(tmp_path: Path, monkeypatch) -> None:
     """A writer that died past the commit left arrays longer than the committed counts: their
     zarr.json is not the template at the committed length, so zarr opens (and shrinks) them."""
-    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
+    monkeypatch.setattr(templates, "TEMPLATES", templates.OrderedDict())
     url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
     recs = make_records(10, k=K, vocab=VOCAB, seed=13)
     with CacheWriter.open(url, m, layout=LAYOUT) as w:
@@ -137,18 +140,18 @@ def test_a_last_shard_replaced_since_is_read_back(tmp_path: Path, monkeypatch) -
     kept last shards are the old store's) with the same layout and the same counts: the
     zarr.json matches the template, but the shard files are not the ones the old writer wrote,
     so they are read back and the new store's rows are kept."""
-    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
-    monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
+    monkeypatch.setattr(templates, "TEMPLATES", templates.OrderedDict())
+    monkeypatch.setattr(templates, "LAST", templates.OrderedDict())
     url, m = tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)
     old = make_records(4, k=K, vocab=VOCAB, seed=14, min_len=20, max_len=20, prefix="o")
     new = make_records(8, k=K, vocab=VOCAB, seed=15, min_len=20, max_len=20)
     with CacheWriter.open(url, m, layout=LAYOUT) as w:
         w.append(old)
-    kept = dict(writer._LAST[str(url)])
+    kept = dict(templates.LAST[str(url)])
     shutil.rmtree(url)
     with CacheWriter.open(url, m, layout=LAYOUT) as w:  # "another process"
         w.append(new[:4])
-    writer._LAST[str(url)] = kept  # as this process left it
+    templates.LAST[str(url)] = kept  # as this process left it
     read_back = _spy_readbacks(monkeypatch)
     with CacheWriter.open(url, m) as w:
         w.append(new[4:])
@@ -157,15 +160,15 @@ def test_a_last_shard_replaced_since_is_read_back(tmp_path: Path, monkeypatch) -
 
 
 def test_kept_templates_and_last_shards_are_bounded(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(writer, "_LAST", writer.OrderedDict())
-    monkeypatch.setattr(writer, "_TEMPLATES", writer.OrderedDict())
-    monkeypatch.setattr(writer, "KEEP_TEMPLATES", 12)
+    monkeypatch.setattr(templates, "LAST", templates.OrderedDict())
+    monkeypatch.setattr(templates, "TEMPLATES", templates.OrderedDict())
+    monkeypatch.setattr(templates, "KEEP_TEMPLATES", 12)
     m = make_manifest(k=K, vocab_size=VOCAB)
-    for i in range(writer.KEEP_LAST_STORES + 2):
+    for i in range(templates.KEEP_LAST_STORES + 2):
         with CacheWriter.open(tmp_path / f"c{i}", m, layout=LAYOUT) as w:
             w.append(make_records(2, k=K, vocab=VOCAB, seed=i))
-    assert list(writer._LAST) == [
-        str(tmp_path / f"c{i + 2}") for i in range(writer.KEEP_LAST_STORES)
+    assert list(templates.LAST) == [
+        str(tmp_path / f"c{i + 2}") for i in range(templates.KEEP_LAST_STORES)
     ]
-    assert len(writer._TEMPLATES) == 12  # the most recent store's arrays come last
-    assert list(writer._TEMPLATES)[-1][0] == str(tmp_path / f"c{writer.KEEP_LAST_STORES + 1}")
+    assert len(templates.TEMPLATES) == 12  # the most recent store's arrays come last
+    assert list(templates.TEMPLATES)[-1][0] == str(tmp_path / f"c{templates.KEEP_LAST_STORES + 1}")

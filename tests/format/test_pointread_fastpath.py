@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, Layout, pointread, shardread
+from format_support import ZarrReader, make_manifest, make_records
+from logitcache.cache_format import CacheReader, CacheWriter, Layout
+from logitcache.cache_format import _pointread as pointread
+from logitcache.cache_format import _shardread as shardread
 from logitcache.cache_format.errors import ChecksumError
 
 # 8-row chunks, 32-row shards: the 40 sequences of 2..40 tokens span many shards of every array
@@ -50,13 +52,12 @@ def test_open_shards_are_capped_and_closed_with_the_layouts(tmp_path, monkeypatc
     url = tmp_path / "c"
     recs = _write(url)
     r = CacheReader(url)
-    ranged = CacheReader(url)
-    ranged.point_reads = False
+    ranged = ZarrReader(url)
     for i in range(len(recs)):  # every shard of every array, in order
         assert r.sequence(i).equals(ranged.sequence(i))
-    for lay in r._direct.values():
+    for lay in r._opened.direct.values():
         assert len(lay.fds.fds) <= 2
-    kept = r._direct["topk_ids"].fds.fds
+    kept = r._opened.direct["topk_ids"].fds.fds
     assert len(kept) == 2 and _open_under(url)
     del r, ranged, lay, kept
     gc.collect()
@@ -72,7 +73,7 @@ def test_open_files_of_all_readers_stay_within_the_process_budget(tmp_path, monk
     for r in readers:
         got = r.sequences(range(len(recs)))  # every shard of every array
         assert all(np.array_equal(g.topk_ids, x.topk_ids) for g, x in zip(got, recs, strict=True))
-    kept = sum(len(lay.fds.fds) for r in readers for lay in r._direct.values())
+    kept = sum(len(lay.fds.fds) for r in readers for lay in r._opened.direct.values())
     assert kept == 3 and shardread._kept[0] == before + 3
     del readers, r
     gc.collect()
@@ -111,8 +112,7 @@ def test_threaded_pieces_equal_the_serial_read(tmp_path, monkeypatch, min_bytes,
     recs = _write(url)
     threaded = CacheReader(url, decode_threads=threads)
     serial = CacheReader(url)
-    ranged = CacheReader(url)
-    ranged.point_reads = False
+    ranged = ZarrReader(url)
     idx = [5, 3, 5, 39, 0, 22, 21, 22, 38, 1]
     for a, b, c in zip(
         threaded.sequences(idx), serial.sequences(idx), ranged.sequences(idx), strict=True
@@ -158,11 +158,11 @@ def test_frame_checks_on_any_buffer():
     data = np.arange(64, dtype=np.int32)
     frame = numcodecs.blosc.compress(data, b"lz4", 5, numcodecs.blosc.SHUFFLE)
     stored = np.frombuffer(frame + google_crc32c.value(frame).to_bytes(4, "little"), np.uint8)
-    assert shardread._crc_ok(stored) and shardread._frame_error(stored, data.nbytes) is None
+    assert shardread.crc_ok(stored) and shardread._frame_error(stored, data.nbytes) is None
     assert shardread._frame_error(stored, data.nbytes + 4) == (
         f"blosc frame of {data.nbytes} bytes, expected {data.nbytes + 4}"
     )
     bad = stored.copy()
     bad[20] ^= 1
     assert shardread._frame_error(bad, data.nbytes) == "chunk fails its CRC32C"
-    assert not shardread._crc_ok(stored[:3])
+    assert not shardread.crc_ok(stored[:3])

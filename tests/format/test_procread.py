@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from format_support import SMALL, assert_same_record, write_small_cache
-from logitcache.cache_format import CacheReader, procread
+from format_support import SMALL, ZarrReader, assert_same_record, write_small_cache
+from logitcache.cache_format import CacheReader
+from logitcache.cache_format import _procread as procread
 from logitcache.cache_format.errors import ChecksumError
 
 
 def _spans(r, idx):
-    return [(a.start, a.stop, t.start, t.stop) for a, t in (r._span(i) for i in idx)]
+    return [(a.start, a.stop, t.start, t.stop) for a, t in (r.index.span(i) for i in idx)]
 
 
 def test_cut_covers_every_row_once_at_chunk_edges():
@@ -68,8 +69,7 @@ STORES = [
 def test_processes_equal_the_range_path(tmp_path, kw):
     url = tmp_path / "c"
     recs = write_small_cache(url, SMALL, **kw)
-    ranged = CacheReader(url)
-    ranged.point_reads = False
+    ranged = ZarrReader(url)
     with CacheReader(url, read_processes=1) as procs:
         idx = [5, 3, 5, 39, 0, 22, 21, 22, 38, 1]
         got = procs.sequences(idx)
@@ -86,7 +86,7 @@ def test_processes_equal_the_range_path(tmp_path, kw):
 
 
 def test_worker_checksum_error_reaches_the_caller(tmp_path, monkeypatch):
-    from logitcache.cache_format import reader as reader_mod
+    from logitcache.cache_format import _reader as reader_mod
 
     url = tmp_path / "c"
     write_small_cache(url, SMALL)
@@ -149,7 +149,6 @@ def test_a_reader_with_started_processes_pickles_as_its_configuration(tmp_path):
     url = tmp_path / "c"
     write_small_cache(url, SMALL)
     with CacheReader(url, read_processes=1, decode_threads=2) as r:
-        r.point_reads = True
         idx = [5, 3, 39, 0, 22]
         want = r.sequences(idx)
         assert r._procs is not None
@@ -162,6 +161,5 @@ def test_a_reader_with_started_processes_pickles_as_its_configuration(tmp_path):
             assert {p.pid for p in copy._procs.procs}.isdisjoint(p.pid for p in r._procs.procs)
             for g, w in zip(got, want, strict=True):
                 assert_same_record(g, w)
-        ranged = pickle.loads(pickle.dumps(CacheReader(url)))
-        ranged.point_reads = False
-        assert not pickle.loads(pickle.dumps(ranged)).point_reads
+        numpy = pickle.loads(pickle.dumps(CacheReader(url, decoder="numpy")))
+        assert numpy.decoder == "numpy"

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.fast
 _DIE_CREATING = r"""
 import os, signal, sys
 from logitcache.cache_format import CacheWriter, Manifest
-from logitcache.cache_format import writer as W
+from logitcache.cache_format import _writer as W
 
 url, after = sys.argv[1], int(sys.argv[2])
 made = 0

@@ -54,7 +54,7 @@ def summarize_cache(name: str, reader: CacheReader) -> CacheSummary:
     m = reader.manifest
     stored = bpp = None
     try:
-        st = store_stats(reader._store, m)
+        st = store_stats(reader.store, m)
         stored, bpp = st.total_bytes, st.bytes_per_position
     except Exception:  # sizes are best-effort (some stores cannot list sizes)
         pass

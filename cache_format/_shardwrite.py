@@ -2,10 +2,10 @@
 
 zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
 codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machinery cost about 4
-CPU-us per position in the job path, more than the compression itself (issue #19). This module
+CPU-us per position in the job path, more than the compression itself. This module
 writes the same bytes itself, through the same zarr ``Store`` (so a local store still writes each
 object atomically and fsyncs it, FORMAT.md W5), for arrays whose layout
-:func:`~.shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
+:func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
 chunks ``vlen-utf8`` -> ``zstd`` -> ``crc32c``); the writer falls back to zarr for the others.
 
 Per shard touched by rows ``[start, stop)`` (``start`` is the committed count, rule W3):
@@ -36,12 +36,18 @@ import numcodecs.blosc
 import numpy as np
 from numcodecs.vlen import VLenUTF8
 from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
-from zarr.core.buffer import default_buffer_prototype
 
-from . import outbuf
+from . import _outbuf as outbuf
+from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, parse_index
+from ._shardread import decode_chunk as shardread_decode_chunk
+from ._zarr_adapter import (
+    ArrayV3Metadata,
+    RegularChunkGrid,
+    blosc_codec,
+    default_buffer_prototype,
+    zstd_codec,
+)
 from .errors import ChecksumError, MissingDataError
-from .shardread import _EMPTY, DirectLayout, _as_bytes, _crc_ok, _parse_index
-from .shardread import _decode_chunk as shardread_decode_chunk
 from .store import DIRECT_IO_ALIGN
 
 #: The ``vlen-utf8`` encoding zarr applies to string chunks (``zarr.codecs.vlen_utf8``).
@@ -52,7 +58,7 @@ RAW = "none"
 
 
 def supported(lay: DirectLayout) -> bool:
-    """Whether this zarr exposes the array's numcodecs Blosc (``BloscCodec._blosc_codec``, what
+    """Whether this zarr exposes the array's numcodecs Blosc (:func:`._zarr_adapter.blosc_codec`:
     zarr itself encodes with), or its Zstd for a ``vlen-utf8`` array (:func:`keys_layout`), or
     the array has no compressor (``raw``: its little-endian bytes); if not, the writer uses
     zarr's ``setitem``."""
@@ -72,22 +78,20 @@ def _codec(lay: DirectLayout) -> Any:
     assert isinstance(sharding, ShardingCodec)  # direct layouts are of sharded arrays only
     inner = sharding.codecs[1]
     if isinstance(inner, BloscCodec):
-        return inner._blosc_codec
+        return blosc_codec(inner)
     assert isinstance(inner, ZstdCodec) and lay.dtype == np.dtype(object)
-    return inner._zstd_codec
+    return zstd_codec(inner)
 
 
 def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
-    """The :class:`~.shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
+    """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
     as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
     ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
-    inner chunks are written as zarr writes them (issue #19: zarr's ``setitem`` of one append's
+    inner chunks are written as zarr writes them (zarr's ``setitem`` of one append's
     keys cost ~5 ms of CPU, a quarter of an append's fixed cost)."""
     from zarr.codecs import BytesCodec, Crc32cCodec
     from zarr.codecs.sharding import ShardingCodecIndexLocation
     from zarr.codecs.vlen_utf8 import VLenUTF8Codec
-    from zarr.core.chunk_grids import RegularChunkGrid
-    from zarr.core.metadata.v3 import ArrayV3Metadata
 
     m = arr.metadata
     if not isinstance(m, ArrayV3Metadata) or len(m.shape) != 1 or m.storage_transformers:
@@ -144,7 +148,7 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
         out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
         shardread_decode_chunk(lay, frame, out, where)
         return out
-    if not _crc_ok(frame):
+    if not crc_ok(frame):
         raise ChecksumError(f"{where}: inner chunk fails its CRC32C")
     if lay.dtype == np.dtype(object):
         try:
@@ -165,7 +169,7 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
 def _aligned(size: int) -> np.ndarray:
     """``size`` uninitialised bytes starting on a page boundary, so that a store writing with
     ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
-    from them, with no copy through its bounce buffer. From :func:`.outbuf.empty` (malloc, no
+    from them, with no copy through its bounce buffer. From :func:`._outbuf.empty` (malloc, no
     huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing cost
     more than the copies saved, measured), not zero-filled (the caller writes every byte)."""
     raw = outbuf.empty(size + DIRECT_IO_ALIGN)
@@ -186,16 +190,16 @@ async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np
             raise MissingDataError(f"{where}: shard object missing below the committed count")
         head = np.full((part, *lay.inner), lay.fill_value, dtype=lay.dtype) if part else None
         return keep, head
-    data = _as_bytes(buf)
+    data = as_bytes(buf)
     index_size = 16 * n + 4
     if data.size < index_size:
         raise ChecksumError(f"{where}: shard shorter than its index")
-    table = _parse_index(data[-index_size:], n, where)
+    table = parse_index(data[-index_size:], n, where)
     body = data.size - index_size
 
     def frame(i: int) -> np.ndarray | None:
         off, nb = int(table[i, 0]), int(table[i, 1])
-        if off == _EMPTY:
+        if off == EMPTY:
             if lay.strict:
                 raise MissingDataError(f"{where}: chunk {i} missing below the committed count")
             return None
@@ -218,7 +222,7 @@ async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np
 @dataclass
 class LastShard:
     """What this process last wrote to an array's last shard: the chunk frames it holds and the
-    rows of its last chunk, as of row ``end`` of the shard (issue #19). The next append, when it
+    rows of its last chunk, as of row ``end`` of the shard. The next append, when it
     starts at that row of that shard, takes the committed chunks from here instead of reading
     the shard back and decoding its partial chunk: the same bytes (every object it writes is
     still the one :func:`_existing` would give), without the read. The caller keeps one per
@@ -242,7 +246,7 @@ async def _write_shard(
     committed chunks come from ``reuse`` (this shard as last written, ending at ``off``) or are
     read back; ``update`` then describes the shard as written.
 
-    The object is assembled in one buffer, each byte copied into it once (issue #19: joining
+    The object is assembled in one buffer, each byte copied into it once (joining
     ``bytes`` copied committed chunks twice and new ones three times, per append, for the whole
     partly filled shard); the chunks the object holds are then views of that buffer."""
     n, c = lay.chunks_per_shard, lay.chunk_rows
@@ -282,7 +286,7 @@ async def _write_shard(
     ]
     body = sum(sizes)
     payload = _aligned(body + 16 * n + 4)
-    table = np.full((n, 2), _EMPTY, dtype="<u8")
+    table = np.full((n, 2), EMPTY, dtype="<u8")
     pos = 0
     views: list[np.ndarray | None] = [None] * n
     for i, f in enumerate(frames):

@@ -18,10 +18,9 @@ or (``raw`` layouts, preset ``random_access_raw``) ``bytes(little-endian) -> crc
 chunk's bytes as they are followed by their CRC32C.
 In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
 lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
-Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`: without the GIL
-with ``LOGITCACHE_NOGIL=1``, :mod:`.cdecode`); a mismatch, an index pointing outside the object or a
-blosc frame of the wrong size raises :class:`~.errors.ChecksumError` (the reader retries it on a
-fresh snapshot, FORMAT.md R7).
+Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`); a mismatch, an index
+pointing outside the object or a blosc frame of the wrong size raises
+:class:`~.errors.ChecksumError` (the reader retries it on a fresh snapshot, FORMAT.md R7).
 
 A shard whose needed chunks are at least half of it is read with one ``get`` of the whole
 object; otherwise its index is read with a suffix request (once per complete shard and layout:
@@ -29,7 +28,7 @@ object; otherwise its index is read with a suffix request (once per complete sha
 All requests of a call are issued concurrently on zarr's event loop.
 
 Point reads (:func:`chunk_frames`, used by ``CacheReader.sequence`` / ``sequences`` through
-:mod:`.pointread`) fetch a set of inner chunks by number: on a local directory store with
+:mod:`._pointread`) fetch a set of inner chunks by number: on a local directory store with
 ``os.pread`` on the shard files (no event loop, no store object: one ``open``, an index read
 unless cached, and one read per run of consecutive chunks), on other stores with the requests
 above, all arrays' requests in one call into zarr's event loop.
@@ -53,16 +52,19 @@ import zarr
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 from zarr.codecs.sharding import ShardingCodecIndexLocation
-from zarr.core.buffer import Buffer, default_buffer_prototype
-from zarr.core.chunk_grids import RegularChunkGrid
-from zarr.core.metadata.v3 import ArrayV3Metadata
-from zarr.core.sync import sync
 from zarr.storage import LocalStore, StorePath
 
-from . import cdecode, outbuf
+from . import _outbuf as outbuf
+from ._zarr_adapter import (
+    ArrayV3Metadata,
+    Buffer,
+    RegularChunkGrid,
+    default_buffer_prototype,
+    sync,
+)
 from .errors import ChecksumError, MissingDataError
 
-_EMPTY = 2**64 - 1
+EMPTY = 2**64 - 1
 _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes (uint32 LE)
 _HEADER = struct.Struct("<III")  # nbytes, blocksize, cbytes: bytes 4..16 of a blosc frame
 _U32 = struct.Struct("<I")
@@ -161,7 +163,7 @@ class DirectLayout:
     )
     """Shard files :func:`chunk_frames` keeps open for this layout (local stores)."""
     fast: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    """:mod:`.fastdecode`'s tables for this layout (descriptors and indexes of kept shards)."""
+    """:mod:`._fastdecode`'s tables for this layout (descriptors and indexes of kept shards)."""
 
     @property
     def chunks_per_shard(self) -> int:
@@ -172,7 +174,7 @@ class DirectLayout:
         return math.prod(self.inner)
 
     def empty(self, rows: int) -> np.ndarray:
-        """An uninitialised output block of ``rows`` rows (:func:`.outbuf.empty`: no huge-page
+        """An uninitialised output block of ``rows`` rows (:func:`._outbuf.empty`: no huge-page
         request for large blocks)."""
         return outbuf.empty((rows, *self.inner), self.dtype)
 
@@ -272,7 +274,7 @@ def _buffer(a: np.ndarray) -> Any:
     return cast(Any, a)
 
 
-def _crc_ok(frame: np.ndarray) -> bool:
+def crc_ok(frame: np.ndarray) -> bool:
     """Whether the last 4 bytes of ``frame`` (uint8) are the CRC32C (uint32 LE) of the bytes
     before."""
     size = len(frame)
@@ -282,18 +284,18 @@ def _crc_ok(frame: np.ndarray) -> bool:
     return bool(google_crc32c.value(frame[:-4]) == stored)
 
 
-def _parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
+def parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
     """The ``[n, 2]`` (offset, nbytes) table of a shard index, checked (ChecksumError)."""
-    if raw.size != 16 * n + 4 or not _crc_ok(raw):
+    if raw.size != 16 * n + 4 or not crc_ok(raw):
         raise ChecksumError(f"{where}: shard index fails its CRC32C (or is truncated)")
     table = raw[:-4].view("<u8").reshape(n, 2).astype(np.uint64)
-    empty = table == _EMPTY
+    empty = table == EMPTY
     if np.any(empty[:, 0] != empty[:, 1]):
         raise ChecksumError(f"{where}: shard index has a half-empty entry")
     return table
 
 
-def _as_bytes(buf: Buffer) -> np.ndarray:
+def as_bytes(buf: Buffer) -> np.ndarray:
     return np.ascontiguousarray(buf.as_numpy_array()).view(np.uint8).reshape(-1)
 
 
@@ -309,10 +311,10 @@ async def _fetch_shard(lay: DirectLayout, shard: int, c0: int, c1: int) -> _Shar
         buf = await path.get(prototype=proto)
         if buf is None:
             return got
-        data = _as_bytes(buf)
+        data = as_bytes(buf)
         if data.size < 16 * n + 4:
             raise ChecksumError(f"{where}: object shorter than its index")
-        got.index = _parse_index(data[-(16 * n + 4) :], n, where)
+        got.index = parse_index(data[-(16 * n + 4) :], n, where)
         got.data = data
         if complete:
             lay.index_cache[shard] = got.index
@@ -322,44 +324,25 @@ async def _fetch_shard(lay: DirectLayout, shard: int, c0: int, c1: int) -> _Shar
         buf = await path.get(prototype=proto, byte_range=SuffixByteRequest(16 * n + 4))
         if buf is None:
             return got
-        index = _parse_index(_as_bytes(buf), n, where)
+        index = parse_index(as_bytes(buf), n, where)
         if complete:
             lay.index_cache[shard] = index
     got.index = index
     want = got.index[c0:c1]
-    want = want[want[:, 0] != _EMPTY]
+    want = want[want[:, 0] != EMPTY]
     if want.size:
         lo, hi = int(want[:, 0].min()), int((want[:, 0] + want[:, 1]).max())
         buf = await path.get(prototype=proto, byte_range=RangeByteRequest(lo, hi))
-        got.data = _as_bytes(buf) if buf is not None else np.zeros(0, np.uint8)
+        got.data = as_bytes(buf) if buf is not None else np.zeros(0, np.uint8)
         got.base = lo
     return got
-
-
-def plan(lay: DirectLayout, start: int, stop: int) -> list[tuple[int, int, int]]:
-    """``(shard, first chunk, end chunk)`` triples that hold rows ``[start, stop)``."""
-    if not 0 <= start <= stop <= lay.length:
-        raise IndexError(f"rows [{start}, {stop}) outside [0, {lay.length}) of {lay.name}")
-    out = []
-    cr, sr = lay.chunk_rows, lay.shard_rows
-    for s in range(start // sr, (stop - 1) // sr + 1 if stop > start else start // sr):
-        lo, hi = max(start, s * sr), min(stop, (s + 1) * sr)
-        out.append((s, (lo - s * sr) // cr, (hi - 1 - s * sr) // cr + 1))
-    return out
-
-
-async def fetch(lay: DirectLayout, start: int, stop: int) -> list[_Shard]:
-    """All I/O of a read of rows ``[start, stop)``: the needed shard bytes, concurrently."""
-    import asyncio
-
-    return list(await asyncio.gather(*(_fetch_shard(lay, *p) for p in plan(lay, start, stop))))
 
 
 # --------------------------------------------------------------------------- decoding (CPU)
 def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
     """Why ``frame`` (blosc frame + CRC32C, uint8) cannot decode to ``nbytes`` bytes, or
     ``None``."""
-    if not _crc_ok(frame):
+    if not crc_ok(frame):
         return "chunk fails its CRC32C"
     size = len(frame)
     if size < _BLOSC_HEADER + 4:
@@ -372,69 +355,27 @@ def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
 
 def check_decode(frame: np.ndarray, dest: np.ndarray, raw: bool = False) -> str | None:
     """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it
-    into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None``. Without
-    the GIL through :mod:`.cdecode` where it is enabled (``LOGITCACHE_NOGIL=1``), else through
-    the wrappers (same values, same checks). ``raw``: the chunk has no compressor (its bytes,
+    into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None`` (through
+    numcodecs' and google_crc32c's wrappers). ``raw``: the chunk has no compressor (its bytes,
     then their CRC32C), checked and copied."""
     if raw:
-        if not _crc_ok(frame):
+        if not crc_ok(frame):
             return "chunk fails its CRC32C"
         if frame.size - 4 != dest.nbytes:
             return f"raw chunk of {frame.size - 4} bytes, expected {dest.nbytes}"
         dest.reshape(-1).view(np.uint8)[...] = frame[:-4]
         return None
-    if cdecode.AVAILABLE:
-        return cdecode.decode(frame, dest)
     err = _frame_error(frame, dest.nbytes)
     if err is None:
         numcodecs.blosc.decompress(frame[:-4], dest)
     return err
 
 
-def _decode_chunk(lay: DirectLayout, frame: np.ndarray, dest: np.ndarray, where: str) -> None:
+def decode_chunk(lay: DirectLayout, frame: np.ndarray, dest: np.ndarray, where: str) -> None:
     """Verify the CRC32C of one inner chunk and blosc-decode it into ``dest`` (a full chunk)."""
     err = check_decode(frame, dest, lay.raw)
     if err is not None:
         raise ChecksumError(f"{where}: {err}")
-
-
-def decode(lay: DirectLayout, shards: list[_Shard], start: int, stop: int, out: np.ndarray) -> None:
-    """Decode the fetched bytes of rows ``[start, stop)`` into ``out`` (``[stop - start, *inner]``
-    of ``lay.dtype``, C-contiguous). Whole chunks inside the range decode in place; the partial
-    chunks at the ends go through a scratch chunk."""
-    if out.shape != (stop - start, *lay.inner) or out.dtype != lay.dtype:
-        raise ValueError(f"output block {out.shape} {out.dtype} does not fit rows of {lay.name}")
-    if not out.flags.c_contiguous:
-        raise ValueError("output block must be C-contiguous")
-    cr, sr = lay.chunk_rows, lay.shard_rows
-    scratch = None
-    for sh in shards:
-        for c in range(sh.c0, sh.c1):
-            r0 = sh.shard * sr + c * cr
-            lo, hi = max(r0, start), min(r0 + cr, stop)
-            target = out[lo - start : hi - start]
-            entry = None if sh.index is None else sh.index[c]
-            if entry is None or int(entry[0]) == _EMPTY:
-                if lay.strict:
-                    what = "shard object" if entry is None else f"chunk {c} of shard"
-                    raise MissingDataError(
-                        f"array {lay.name}: entries {lo}:{hi} not stored "
-                        f"({what} {sh.shard} missing)"
-                    )
-                target.fill(lay.fill_value)
-                continue
-            off, nb = int(entry[0]) - sh.base, int(entry[1])
-            if sh.data is None or off < 0 or off + nb > sh.data.size:
-                raise ChecksumError(f"{lay.name} shard {sh.shard}: chunk {c} outside the object")
-            where = f"{lay.name} shard {sh.shard} chunk {c}"
-            frame = sh.data[off : off + nb]
-            if lo == r0 and hi == r0 + cr:
-                _decode_chunk(lay, frame, target, where)
-            else:
-                if scratch is None:
-                    scratch = lay.empty(cr)
-                _decode_chunk(lay, frame, scratch, where)
-                target[...] = scratch[lo - r0 : hi - r0]
 
 
 # --------------------------------------------------------------------------- point reads
@@ -470,7 +411,7 @@ def _frames_of(lay: DirectLayout, sh: _Shard, out: list[Frame | None]) -> None:
         return
     size = 0 if sh.data is None else sh.data.size
     for c, (off, nb) in enumerate(sh.index[sh.c0 : sh.c1].tolist(), start=sh.c0):
-        if off == _EMPTY:
+        if off == EMPTY:
             out.append(None)
             continue
         off -= sh.base
@@ -489,7 +430,7 @@ def _local_index(lay: DirectLayout, fd: int, shard: int, where: str) -> np.ndarr
         if size < want:
             raise ChecksumError(f"{where}: object shorter than its index")
         raw = np.frombuffer(os.pread(fd, want, size - want), dtype=np.uint8)
-        index = _parse_index(raw, n, where)
+        index = parse_index(raw, n, where)
         if complete:
             lay.index_cache[shard] = index
     return index
@@ -546,7 +487,7 @@ def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame
                     m += 1
                 entries = index[c0 : c0 + m - k].tolist()
                 k = m
-                used = [(o, nb) for o, nb in entries if o != _EMPTY]
+                used = [(o, nb) for o, nb in entries if o != EMPTY]
                 if not used:
                     out += [None] * len(entries)
                     continue
@@ -556,7 +497,7 @@ def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame
                 if buf.size != hi - lo:
                     raise ChecksumError(f"{where}: chunks past the end of the object")
                 for off, nb in entries:
-                    out.append(None if off == _EMPTY else buf[off - lo : off - lo + nb])
+                    out.append(None if off == EMPTY else buf[off - lo : off - lo + nb])
         finally:
             if owned:
                 os.close(fd)

@@ -1,28 +1,25 @@
 """Point reads: whole sequences by index, the path of ``CacheReader.sequence`` / ``sequences``
-(FORMAT.md §6, D4), chunk by chunk in Python (the compiled path, :mod:`.fastdecode`, reads a call
+(FORMAT.md §6, D4), chunk by chunk in Python (the compiled path, :mod:`._fastdecode`, reads a call
 in one compiled call where numba is installed and hands back to this module what it does not
 handle).
 
 A random sequence needs a few inner chunks of each row array and of ``input_ids``. This module
-reads exactly those (:func:`.shardread.chunk_frames`: ``os.pread`` on a local store, shard files
+reads exactly those (:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files
 kept open per layout, no event loop), decodes every needed chunk once per call, straight into the
 output when the chunk lies inside one requested range (else into a scratch chunk copied to each
 range that uses it), and then decodes the logprobs (row-delta inverse, float16 -> float32) in row
 blocks.
 
-With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) the needed chunks of a call are
-cut into runs of consecutive chunks, about ``1/t`` of the bytes to decode each (``t`` at most
-:data:`MAX_SHARES`) but at least :data:`PARALLEL_MIN_BYTES`, and each thread reads (``pread``
-releases the GIL) and decodes its runs (``google_crc32c`` holds the GIL, ~3 us per 100 KB frame;
-with ``LOGITCACHE_NOGIL=1`` :mod:`.cdecode` checks and decompresses without it); the calling
-thread takes one share. With the reader's own Python about half of a call's CPU still holds the
-GIL, and on the 16-core H200 box (gVisor) a hand-off costs 23-34 us and threads raise the CPU
-per sequence 2-3x even with a GIL-free decode (benchmarks/results/client.md, session 6), so
-threads pay off for batches (``sequences``) and large chunks, not for one sequence of the
-``random_access`` preset. The row blocks go to the threads the same way. The values never
-depend on it.
+With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) a call's ranges are split by
+the read planner (:func:`._plan.split`: cut at chunk edges, about ``1/t`` of the bytes to decode
+each, ``t`` at most :data:`MAX_SHARES`, at least :data:`PARALLEL_MIN_BYTES`), and each thread
+reads (``pread`` releases the GIL) and decodes its share (``google_crc32c`` holds the GIL, ~3 us
+per 100 KB frame); the calling thread takes one share. About half of a call's CPU holds the GIL,
+and a thread hand-off costs tens of microseconds, so threads pay off for batches
+(``sequences``) and large chunks, not for one sequence of the ``random_access`` preset. The row
+blocks go to the threads the same way. The values never depend on it.
 
-The row-block kernels use torch (when :mod:`.kernels` selects it) on blocks of at most
+The row-block kernels use torch (when :mod:`._kernels` selects it) on blocks of at most
 :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
 the calling thread, vectorised (about 2x faster than numpy's cumulative sum along short rows and
 6x faster than its float16 cast, measured), with no thread start-up.
@@ -33,12 +30,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
-from . import kernels, shardread
+from . import _kernels as kernels
+from . import _plan
+from . import _shardread as shardread
+from ._shardread import DirectLayout
 from .errors import CorruptStoreError
-from .shardread import DirectLayout
 
 BLOCK_ELEMENTS = 32_000
 """Elements per row-block kernel call (below torch's intra-op grain size of 32,768)."""
@@ -54,6 +54,8 @@ MAX_SHARES = 4
 chunk, CRC32C, the reader's records), so more threads only queue on it. Measured on the 16-core
 H200 box (benchmarks/results/client.md, random access): ``sequences(32)`` on the preset 1,370-1,540
 seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
+
+_T = TypeVar("_T")
 
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
@@ -77,7 +79,7 @@ def _groups(cost: list[int], n: int) -> list[list[int]]:
 
 
 def _run_groups(
-    run: Callable[[list[int]], None], groups: list[list[int]], pool: ThreadPoolExecutor | None
+    run: Callable[[list[_T]], None], groups: list[list[_T]], pool: ThreadPoolExecutor | None
 ) -> None:
     """``run(group)`` for every group: the first in the calling thread, the others on ``pool``;
     every group finishes before this returns (or raises the first error)."""
@@ -143,15 +145,47 @@ def read(
     """Stored values of each ``array[start:stop]`` of ``jobs`` (every array in ``direct``),
     each needed inner chunk fetched and decoded once; ``into[j]``, where given and of the
     job's exact shape and stored dtype (C-contiguous), is the output of job ``j`` (else a new
-    array)."""
+    array). With a pool and ``threads > 1`` the jobs are split over up to ``threads`` (at most
+    :data:`MAX_SHARES`) threads by :func:`._plan.split`, each reading and decoding its share."""
     outs: list[np.ndarray] = []
-    per: dict[str, list[int]] = {}
     for j, (n, a, b) in enumerate(jobs):
         lay = direct[n]
         if not 0 <= a <= b <= lay.length:  # R6: never past the committed count
             raise CorruptStoreError(f"read of {n}[{a}:{b}] past the committed {lay.length} entries")
         given = into[j] if into is not None else None
         outs.append(given if given is not None and _fits(given, lay, b - a) else lay.empty(b - a))
+    if pool is not None and threads > 1:
+        lays = [direct[n] for n, _, _ in jobs]
+        items = [(j, a, b, 0) for j, (_, a, b) in enumerate(jobs) if b > a]
+        row_bytes = [lay.row_items * lay.dtype.itemsize for lay in lays]
+        n_threads = min(threads, MAX_SHARES)
+        groups = _plan.split(
+            items, [lay.chunk_rows for lay in lays], row_bytes, n_threads, PARALLEL_MIN_BYTES
+        )
+        if len(groups) > 1:  # each thread reads (pread releases the GIL) and decodes its share
+
+            def run(group: list[_plan.Item]) -> None:
+                sub = [(jobs[j][0], a, b) for j, a, b, _ in group]
+                _read_jobs(direct, sub, [outs[j][o : o + b - a] for j, a, b, o in group])
+
+            _run_groups(run, groups, pool)
+            return outs
+    _read_jobs(direct, jobs, outs)
+    return outs
+
+
+Plan = tuple[DirectLayout, list[int], list[list[int]]]
+"""The chunks one array needs (sorted global chunk numbers) and, per chunk, the jobs using it."""
+
+
+def _chunk_bytes(lay: DirectLayout) -> int:
+    return lay.chunk_rows * lay.row_items * lay.dtype.itemsize
+
+
+def _read_jobs(direct: dict[str, DirectLayout], jobs: list[Job], outs: list[np.ndarray]) -> None:
+    """Fetch and decode the chunks of ``jobs`` into ``outs`` in this thread, each chunk once."""
+    per: dict[str, list[int]] = {}
+    for j, (n, a, b) in enumerate(jobs):
         if b > a:
             per.setdefault(n, []).append(j)
     plans: list[Plan] = []
@@ -170,46 +204,7 @@ def read(
                 need.setdefault(g, []).append(j)
         chunks = sorted(need)
         plans.append((lay, chunks, [need[g] for g in chunks]))
-    threaded = pool is not None and threads > 1
-    if threaded and all(shardread.local_root(p[0]) is not None for p in plans):
-        pieces = _pieces(plans, threads)
-        groups = _groups([len(p[1]) * _chunk_bytes(p[0]) for p in pieces], threads)
-        if len(groups) > 1:  # each thread reads (pread releases the GIL) and decodes its pieces
-
-            def run(group: list[int]) -> None:
-                for i in group:
-                    _read_plans([pieces[i]], jobs, outs)
-
-            _run_groups(run, groups, pool)
-            return outs
-    if not threaded:
-        _read_plans(plans, jobs, outs)
-        return outs
-    items, cost = _items(plans, shardread.chunk_frames([p[:2] for p in plans]), jobs, outs)
-    _run_groups(lambda grp: _decode_items(items, grp), _groups(cost, threads), pool)
-    return outs
-
-
-Plan = tuple[DirectLayout, list[int], list[list[int]]]
-"""The chunks one array needs (sorted global chunk numbers) and, per chunk, the jobs using it."""
-
-
-def _chunk_bytes(lay: DirectLayout) -> int:
-    return lay.chunk_rows * lay.row_items * lay.dtype.itemsize
-
-
-def _pieces(plans: list[Plan], threads: int) -> list[Plan]:
-    """``plans`` cut into runs of consecutive needed chunks of about an equal share of the
-    bytes to decode (``threads`` shares, at most :data:`MAX_SHARES`, of at least
-    :data:`PARALLEL_MIN_BYTES`)."""
-    total = sum(len(p[1]) * _chunk_bytes(p[0]) for p in plans)
-    share = max(total / min(threads, MAX_SHARES), PARALLEL_MIN_BYTES, 1)
-    out: list[Plan] = []
-    for lay, chunks, users in plans:
-        step = max(1, round(share / _chunk_bytes(lay)))
-        for a in range(0, len(chunks), step):
-            out.append((lay, chunks[a : a + step], users[a : a + step]))
-    return out
+    _read_plans(plans, jobs, outs)
 
 
 def _read_plans(plans: list[Plan], jobs: list[Job], outs: list[np.ndarray]) -> None:
@@ -295,7 +290,7 @@ _SIGNED = {
 def undelta_block(d: np.ndarray) -> None:
     """In place: ``d[:, j] = d[:, 0] + ... + d[:, j]`` modulo ``2**bits`` (FORMAT.md 4.2) for a
     C-contiguous unsigned ``[m, k]`` block of at most :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels._torch()
+    torch = kernels.torch_module()
     if torch is None:
         np.cumsum(d, axis=1, dtype=d.dtype, out=d)
         return
@@ -305,7 +300,7 @@ def undelta_block(d: np.ndarray) -> None:
 def widen_block(h: np.ndarray, out: np.ndarray) -> None:
     """``out[...] = h`` (exact float16 -> float32) for a block of at most
     :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels._torch()
+    torch = kernels.torch_module()
     if torch is None:
         np.copyto(out, h, casting="same_kind")
         return

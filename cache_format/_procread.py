@@ -1,4 +1,4 @@
-"""Reader processes for point reads: ``CacheReader(read_processes=n)`` (issue #14, FORMAT.md D4).
+"""Reader processes for point reads: ``CacheReader(read_processes=n)`` (FORMAT.md D4).
 
 In one process, a point read is bound by the GIL: about half of its CPU is Python around each
 chunk (numcodecs' wrappers, ``google_crc32c``, which holds the GIL, the reader's bookkeeping), so
@@ -36,7 +36,7 @@ import sys
 import threading
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,8 +49,32 @@ Piece = tuple[int, int, int, int, int, int]
 row`` (and its token region from ``region token``)."""
 
 
+WORKER = __name__.rpartition(".")[0] + "._procworker"
+"""The module a reader process runs (``_main(fd)``: a :class:`CacheReader` serving
+:func:`serve` calls)."""
+
+
 class ReadProcessError(RuntimeError):
     """A reader process died or could not start (the store's own errors are raised as is)."""
+
+
+class SpanReader(Protocol):
+    """What :func:`serve` needs of a reader (:class:`~._reader.CacheReader`)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def refresh(self) -> bool: ...
+
+    def read_spans(
+        self,
+        spans: list[tuple[slice, slice | None]],
+        logprob_dtype: str = "float32",
+        into: list[dict[str, np.ndarray]] | None = None,
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]]: ...
 
 
 def _align(n: int) -> int:
@@ -130,59 +154,8 @@ class Regions:
         return ids, lp, tail, mask, tok
 
 
-def _main(fd: int) -> None:
-    """Entry point of a reader process (:class:`ReadProcesses`): ``fd`` is its socket."""
-    conn = Connection(fd)
-    try:
-        url, storage_options = conn.recv()
-    except (EOFError, OSError):
-        return
-    _worker(conn, url, storage_options)
-
-
-def _worker(conn: Connection, url: str, storage_options: dict | None) -> None:
-    """A reader process: serve point reads into the segments it is sent until told to stop
-    (segments stay mapped until the caller drops them: a reused segment costs no page faults)."""
-    try:
-        from .reader import CacheReader
-
-        reader = CacheReader(url, storage_options)
-    except BaseException as e:  # the caller raises it
-        conn.send(("error", e))
-        return
-    conn.send(("ready", os.getpid()))
-    maps: dict[int, mmap.mmap] = {}
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        seg, size, new, drop, need_rows, need_tokens, args, logprob_dtype, pieces = msg
-        for d in drop:
-            old = maps.pop(d, None)
-            if old is not None:
-                old.close()
-        try:
-            if new:
-                fd = reduction.recv_handle(conn)
-                try:
-                    maps[seg] = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
-            reg = Regions(*args)
-            _serve(reader, maps[seg], reg, need_rows, need_tokens, logprob_dtype, pieces)
-            conn.send(None)
-        except BaseException as e:
-            try:
-                conn.send(e)
-            except Exception:  # unpicklable error
-                conn.send(ReadProcessError(repr(e)))
-
-
-def _serve(
-    reader: Any,
+def serve(
+    reader: SpanReader,
     mm: mmap.mmap,
     reg: Regions,
     need_rows: int,
@@ -204,7 +177,7 @@ def _serve(
         if tb > ta:
             d["tokens"] = tok[to : to + tb - ta]
         into.append(d)
-    got = reader._retry(lambda: reader._fetch(spans, logprob_dtype, point=True, into=into))
+    got = reader.read_spans(spans, logprob_dtype, into)
     for d, (i, p, t, k, m) in zip(into, got, strict=True):  # what did not decode in place
         for key, x in (("ids", i), ("lp", p), ("tail", t), ("mask", m), ("tokens", k)):
             y = d.get(key)
@@ -265,7 +238,7 @@ class ReadProcesses:
     name, ``sys.path`` passed on), not ``multiprocessing``: spawn would re-run the caller's main
     module, and fork is unsafe in a process that may hold threads (torch, zarr's event loop)."""
 
-    def __init__(self, url: str, storage_options: dict | None, n: int):
+    def __init__(self, url: str, storage_options: dict | None, n: int, decoder: str | None = None):
         if n < 1:
             raise ValueError(f"read_processes must be >= 1, got {n}")
         self.n = n
@@ -287,7 +260,7 @@ class ReadProcesses:
                 try:
                     fd = child.fileno()
                     p = subprocess.Popen(
-                        [sys.executable, "-c", code, __name__, str(fd)],
+                        [sys.executable, "-c", code, WORKER, str(fd)],
                         pass_fds=(fd,),
                         env=env,
                         stdin=subprocess.DEVNULL,
@@ -298,7 +271,7 @@ class ReadProcesses:
                 conn = Connection(parent.detach())
                 self.conns.append(conn)
                 self.mapped.append(set())
-                conn.send((url, storage_options))
+                conn.send((url, storage_options, decoder))
             for c in self.conns:
                 kind, what = self._recv(c)
                 if kind != "ready":
@@ -371,7 +344,7 @@ class ReadProcesses:
             err: BaseException | None = None
             if mine:
                 try:  # the calling process's share, while the workers decode theirs
-                    _serve(local, seg.mm, reg, 0, 0, lp_dtype, mine)
+                    serve(local, seg.mm, reg, 0, 0, lp_dtype, mine)
                 except BaseException as e:
                     err = e
             for w in used:

@@ -16,13 +16,14 @@ import numpy as np
 import numpy.typing as npt
 import zarr
 from zarr.abc.store import Store
-from zarr.core.sync import sync
 
-from . import idmap, spec
+from . import _idmap as idmap
+from . import spec
+from ._integrity import checked_get, missing_ranges
+from ._manifest import Manifest
+from ._zarr_adapter import async_array, sync
 from .errors import FormatError, MissingDataError
-from .integrity import checked_get, missing_ranges
 from .layout import committed_lengths, parse_root, read_root_attrs, strict
-from .manifest import Manifest
 from .quant import STORED_DTYPE, decode_logprobs
 from .store import open_store
 
@@ -107,10 +108,10 @@ def _read(
     codec, truncated object), each naming the array and the entries."""
     unit = _unit(name)
     try:
-        return np.asarray(sync(checked_get(arrays[name]._async_array, name, a, b, strict(m))))
+        return np.asarray(sync(checked_get(async_array(arrays[name]), name, a, b, strict(m))))
     except MissingDataError:
         try:
-            gaps = sync(missing_ranges(arrays[name]._async_array, a, b))
+            gaps = sync(missing_ranges(async_array(arrays[name]), a, b))
         except Exception:
             gaps = [(a, b)]
         where = [f"{name} {unit} {x}:{y}" for x, y in gaps]

@@ -7,33 +7,31 @@ values about 4x faster (vectorised), so they are used when torch is installed (i
 first call, never at import time: the format does not depend on torch). Both backends give
 bit-identical results: the cumulative sum is modulo ``2**bits`` of the unsigned dtype (torch works
 on the same bits viewed as the signed type of that width, whose wrapping addition is the same
-operation), and float16 -> float32 is exact. ``LOGITCACHE_KERNELS=numpy`` forces numpy,
-``=torch`` requires torch, unset or ``auto`` picks torch when importable.
+operation), and float16 -> float32 is exact. Whether torch is importable is decided once, at
+import (:func:`backend` says which runs).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from functools import cache
 from types import ModuleType
 
 import numpy as np
 
-from . import outbuf
+from . import _outbuf as outbuf
 
 _SIGNED = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "int16", np.dtype(np.uint32): "int32"}
 
 
+TORCH = importlib.util.find_spec("torch") is not None
+"""Whether torch is installed (then the kernels use it; imported at their first call)."""
+
+
 @cache
-def _torch() -> ModuleType | None:
-    """The torch module if the torch backend is selected (and importable), else ``None``."""
-    mode = os.environ.get("LOGITCACHE_KERNELS", "auto").strip().lower() or "auto"
-    if mode == "numpy":
-        return None
-    if mode not in ("auto", "torch"):
-        raise ValueError(f"LOGITCACHE_KERNELS must be auto, torch or numpy, got {mode!r}")
-    if mode == "auto" and importlib.util.find_spec("torch") is None:
+def torch_module() -> ModuleType | None:
+    """The torch module where it is installed, else ``None``."""
+    if not TORCH:
         return None
     import torch
 
@@ -48,7 +46,7 @@ TORCH_MIN_ELEMENTS = 1 << 20
 
 def backend() -> str:
     """``"torch"`` or ``"numpy"``: the backend the kernels use in this process."""
-    return "numpy" if _torch() is None else "torch"
+    return "numpy" if torch_module() is None else "torch"
 
 
 def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -65,7 +63,7 @@ def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty_like(d)
     elif out.shape != d.shape or out.dtype != d.dtype or not out.flags.c_contiguous:
         raise ValueError("row_undelta: out must be a C-contiguous array like d")
-    torch = _torch()
+    torch = torch_module()
     if torch is None or d.size < TORCH_MIN_ELEMENTS:
         return np.cumsum(d, axis=1, dtype=d.dtype, out=out)
     signed = getattr(torch, _SIGNED[d.dtype])
@@ -89,7 +87,7 @@ def half_to_float(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = outbuf.empty(h.shape, np.float32)  # a read's output: no huge-page request
     elif out.shape != h.shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError("half_to_float: out must be a C-contiguous float32 array of h's shape")
-    torch = _torch()
+    torch = torch_module()
     if torch is None or h.size < TORCH_MIN_ELEMENTS:
         np.copyto(out, h, casting="same_kind")
         return out
@@ -107,10 +105,10 @@ def float_to_half(x: np.ndarray) -> np.ndarray:
     """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``.
 
     numpy converts one value at a time (~3.5 ns per value here: 0.35 CPU-us per position at
-    k=100 on the writer's path, issue #19); torch's vectorised cast is ~4x cheaper. It runs in
+    k=100 on the writer's path); torch's vectorised cast is ~4x cheaper. It runs in
     blocks of :data:`HALF_BLOCK` elements, each on the calling thread."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    torch = _torch()
+    torch = torch_module()
     if torch is None:
         return x.astype(np.float16)
     if not x.flags.writeable:  # torch.from_numpy warns on read-only arrays

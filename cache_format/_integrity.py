@@ -5,7 +5,7 @@ version-2 store every chunk of the committed range is stored, so within ``[0, co
 absent chunk is a lost object: :func:`missing_ranges` finds them (one suffix request per shard
 for its index, nothing else; no listing) and :func:`checked_get` raises
 :class:`~.errors.MissingDataError` naming the array and the rows instead of returning fill
-values. The direct shard reader (:mod:`.shardread`) applies the same rule to the indexes it reads
+values. The direct shard reader (:mod:`._shardread`) applies the same rule to the indexes it reads
 anyway.
 """
 
@@ -17,9 +17,8 @@ import math
 import numpy as np
 import zarr
 from zarr.codecs import ShardingCodec
-from zarr.core.chunk_grids import RegularChunkGrid
-from zarr.core.metadata.v3 import ArrayV3Metadata
 
+from ._zarr_adapter import ArrayV3Metadata, RegularChunkGrid, async_array, load_shard_index, sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
 
 _EMPTY = 2**64 - 1
@@ -63,7 +62,7 @@ async def missing_ranges(arr: zarr.AsyncArray, start: int, stop: int) -> list[tu
                     missing.append((lo, hi))
                 continue
             try:
-                index = await sharding._load_shard_index_maybe(path, cps)
+                index = await load_shard_index(sharding, path, cps)
             except Exception as e:  # CRC32C of the index, truncated object
                 raise ChecksumError(f"array {arr.path} shard {key}: index unreadable: {e}") from e
             if index is None:
@@ -99,3 +98,8 @@ async def checked_get(
         raise
     except Exception as e:  # CRC32C mismatch, codec failure, truncated object
         raise ChecksumError(f"array {name}: entries {start}:{stop} unreadable: {e}") from e
+
+
+def checked_read(arr: zarr.Array, name: str, start: int, stop: int, strict: bool) -> np.ndarray:
+    """:func:`checked_get` of a synchronous array, run on zarr's event loop."""
+    return np.asarray(sync(checked_get(async_array(arr), name, start, stop, strict)))

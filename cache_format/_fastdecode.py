@@ -1,9 +1,9 @@
 """Compiled point reads: the whole decode of a ``sequence`` / ``sequences`` call in one compiled
-call per thread (issue #14, FORMAT.md D4).
+call per thread (FORMAT.md D4).
 
-The per-chunk path (:mod:`.pointread`) spends a large part of a ``random_access``-preset
+The per-chunk path (:mod:`._pointread`) spends a large part of a ``random_access``-preset
 ``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
-row blocks, torch calls; benchmarks/results/client.md, session 7). Here one function compiled with
+row blocks, torch calls; benchmarks/results/client.md). Here one function compiled with
 numba (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output row) with the
 layouts' tables of open shard descriptors and parsed indexes, and does the rest without returning
 to Python: it groups each array's needed chunks into runs, reads each run with ``pread`` into a
@@ -14,15 +14,15 @@ rows are ``memcpy``'d to each range (a chunk without compressor, layout ``random
 read with ``preadv`` straight into the arena where one range uses it whole, else its rows
 ``memcpy``'d from the bytes read; its CRC32C and size checked either way); then it undoes the
 logprob row delta and widens float16 to float32 (LLVM ``fpext half``: exact, as numpy's and
-torch's casts). The C functions are those :mod:`.cdecode` finds in the installed wheels
+torch's casts). The C functions are those :mod:`._cdecode` finds in the installed wheels
 (``crc32c_value`` of google_crc32c's libcrc32c, ``blosc_decompress_ctx`` of numcodecs' blosc
 extension) and libc's ``pread``, ``preadv`` and ``memcpy``, passed to the compiled code as their
 addresses (:func:`_cfuncs`). With a decode pool (``decode_threads > 1``) a call is cut at chunk
 edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
 
-The values are those of :mod:`.pointread`, bit for bit, and every CRC32C is checked. What this
+The values are those of :mod:`._pointread`, bit for bit, and every CRC32C is checked. What this
 path does not handle it hands back (``None``: the caller reads the call through
-:mod:`.pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
+:mod:`._pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
 value or :class:`~.errors.MissingDataError`), a frame failing its checks or a short read (so the
 error raised is the per-chunk path's :class:`~.errors.ChecksumError`, after the reader's retries),
 quantised logprobs, float32 logprobs read as float16, output arrays given by the caller (reader
@@ -33,9 +33,9 @@ stay there, widened into a separate float32 array); the records of a ``sequences
 views of it (one record keeps its call's arena alive, as with reader processes).
 
 Optional: needs ``numba`` (in the ``client`` extra, or ``pip install 'logitcache[fast]'``);
-without it, with the C symbols missing, with ``LOGITCACHE_FASTDECODE=0``, if the self-check in
+without it, with the C symbols missing, if the self-check in
 :func:`ready` fails or a kernel raises, :data:`AVAILABLE` is ``False`` and the reader uses
-:mod:`.pointread`. The kernels compile at the first point read of a process (3.8 s on the 2-core
+:mod:`._pointread`. The kernels compile at the first point read of a process (3.8 s on the 2-core
 VM) and numba caches them on disk (next to the module, or in its user cache): later processes load
 them (0.4-0.7 s).
 """
@@ -51,27 +51,17 @@ from typing import Any
 
 import numpy as np
 
-from . import cdecode, outbuf, shardread
-from .shardread import DirectLayout
+from . import _cdecode as cdecode
+from . import _numba
+from . import _outbuf as outbuf
+from . import _shardread as shardread
+from ._numba import NEED_BUFFER, NEED_SHARDS, OK
+from ._plan import split
+from ._shardread import DirectLayout
 
-EMPTY = np.uint64(2**64 - 1)
-
-OK, NEED_BUFFER, FALLBACK, NEED_SHARDS = 0, 1, 2, 3
-"""Kernel status codes (``status[0]``): done; the read buffer is too small (``status[1]``
-bytes needed); hand the call back to the per-chunk path (empty chunk, short read, a frame
-failing its CRC32C / header / decompression: ``status[1]`` the global chunk); shards not open
-yet (``status[1]`` of them, ``(array, shard)`` pairs from ``status[2]`` on)."""
-
-
-def _wanted() -> bool:
-    mode = os.environ.get("LOGITCACHE_FASTDECODE", "auto").strip().lower()
-    return mode not in ("0", "false", "no", "off")
-
-
-AVAILABLE = _wanted() and cdecode.FOUND
-"""Whether the reader uses this module (numba importable, the C functions found, not disabled
-by ``LOGITCACHE_FASTDECODE=0``); set ``False`` by :func:`ready` if compiling or the self-check
-fails. Tests and benchmarks may set it to compare both paths."""
+AVAILABLE = _numba.AVAILABLE and cdecode.FOUND
+"""Whether the compiled decoder may run here (numba importable and the C functions found;
+decided at import); set ``False`` by :func:`ready` if compiling or the self-check fails."""
 
 _kernels: dict[str, Any] | None = None
 _lock = threading.Lock()
@@ -87,9 +77,9 @@ def _address(fn: Any) -> int:
 def _cfuncs() -> np.ndarray:
     """The addresses of ``(crc32c_value, blosc_decompress_ctx, pread, memcpy, preadv)``
     (int64; the kernels call them through :mod:`._fastkernels`' intrinsics with their C
-    signatures). The libraries stay loaded: :mod:`.cdecode` holds the first two, libc the rest."""
-    assert cdecode._FUNCS is not None
-    crc, dec = cdecode._FUNCS
+    signatures). The libraries stay loaded: :mod:`._cdecode` holds the first two, libc the rest."""
+    assert cdecode.FUNCS is not None
+    crc, dec = cdecode.FUNCS
     libc = ctypes.CDLL(None)
     fns = (crc, dec, libc.pread, libc.memcpy, libc.preadv)
     return np.array([_address(f) for f in fns], np.int64)
@@ -233,43 +223,16 @@ PARALLEL_MIN_BYTES = 512 * 1024
 """The least work (bytes decoded) one thread is given: a call with less than twice this runs in
 the calling thread alone. A hand-off costs 23-34 us on the H200 box; at 128 KiB a typical
 ``sequence(i)`` (~0.65 MB at k=100) was cut into ~5 pieces and ran at half its one-thread rate
-with 8 decode threads there (0.14x vs 0.28x of the ``.npy`` copy, session 8), and used 25% more
+with 8 decode threads there (0.14x vs 0.28x of the ``.npy`` copy), and used 25% more
 CPU with 2 threads on the 2-core VM."""
 
 
 def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) -> list[np.ndarray]:
-    """``items`` in at most ``n`` groups of about equal decoded bytes (at least
-    :data:`PARALLEL_MIN_BYTES` each), items cut at chunk edges where that balances them."""
-    cost = [
-        ((b - 1) // int(meta[a, 1]) - a0 // int(meta[a, 1]) + 1) * int(meta[a, 1] * meta[a, 2])
-        for a, a0, b, _ in [(i[0], i[1], i[2], i[3]) for i in items]
-    ]
-    total = sum(cost)
-    g = max(1, min(n, total // PARALLEL_MIN_BYTES))
-    if g <= 1:
-        return [np.array(items, np.int64).reshape(-1, 4)]
-    share = total / g
-    groups: list[list[tuple[int, int, int, int]]] = [[]]
-    load = 0.0
-    for (a, st, sp, out), c in zip(items, cost, strict=True):
-        cr = int(meta[a, 1])
-        per = int(meta[a, 1] * meta[a, 2])
-        while c > 0:
-            room = share - load
-            if room < per / 2 and len(groups) < g:
-                groups.append([])
-                load, room = 0.0, share
-            take = max(1, int(room // per)) * per if len(groups) < g else c
-            if take >= c:
-                groups[-1].append((a, st, sp, out))
-                load += c
-                break
-            cut = (st // cr + take // per) * cr  # a chunk edge inside (st, sp)
-            groups[-1].append((a, st, cut, out))
-            load += take
-            out += cut - st
-            st, c = cut, c - take
-    return [np.array(x, np.int64).reshape(-1, 4) for x in groups if x]
+    """``items`` in at most ``n`` groups (:func:`._plan.split`, at least
+    :data:`PARALLEL_MIN_BYTES` each), as the kernel takes them."""
+    cr, rb = meta[:, 1].tolist(), meta[:, 2].tolist()
+    groups = split(items, cr, rb, n, PARALLEL_MIN_BYTES)
+    return [np.array(x, np.int64).reshape(-1, 4) for x in groups]
 
 
 class _Plan:
@@ -320,7 +283,7 @@ def read_arrays(
 ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
     """For each array ``a`` (``lays[a]``), rows ``[start, stop)`` of every job in
     ``bounds[a]``, one after the other in one block (stored dtype; the blocks share one
-    allocation); or ``None``: read these through :mod:`.pointread` instead (see the module
+    allocation); or ``None``: read these through :mod:`._pointread` instead (see the module
     docstring). Rows must lie below each layout's ``length`` (the caller checks R6). ``lp =
     (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place, or if ``widen``
     (float16 bits) into the float32 array returned beside the blocks (array ``a``'s block is
@@ -330,7 +293,7 @@ def read_arrays(
     groups of at least :data:`PARALLEL_MIN_BYTES` decoded, the calling thread taking one (each
     group one compiled call without the GIL). A shard the kernel needs that is not open yet is
     opened here and the call made again; a shard whose descriptor cannot be kept
-    (:data:`.shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
+    (:data:`._shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
     its descriptor closed after it. (Plain Python on the few numbers of a call: a
     ``sequence(i)`` spends ~0.2 ms in all, and numpy's per-call cost on small arrays was a
     quarter of it.)"""

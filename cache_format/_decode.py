@@ -1,0 +1,393 @@
+"""The reader's decoders (FORMAT.md §6, D2-D4): what turns row and token spans of a snapshot's
+arrays into decoded arrays. One interface, two implementations chosen by name:
+
+- ``"numpy"``: the reference, always available. Arrays of the format's sharded layout are read
+  chunk by chunk (:mod:`._pointread`: only the needed inner chunks, each decoded once per call,
+  ``os.pread`` on a local store), then the logprobs (row-delta inverse, widening, id remap) in
+  row blocks; arrays of any other layout through zarr's array API.
+- ``"numba"``: the whole call in one compiled call per thread (:mod:`._fastdecode`) where it
+  applies (a local store, float16 or float32 logprobs read as stored or widened); anything else,
+  and anything the compiled code hands back (a missing shard, a frame failing its checks), goes
+  to the NumPy decoder, which raises the typed error.
+
+:func:`default_decoder` is the compiled one where numba is installed (decided at import). Both
+give the same values, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import zarr
+
+from . import _fastdecode as fastdecode
+from . import _pointread as pointread
+from . import spec
+from ._integrity import checked_read
+from ._manifest import Manifest
+from ._shardread import DirectLayout
+from .errors import CorruptStoreError
+from .quant import OUT_DTYPES, decode_logprobs
+
+Span = tuple[slice, slice | None]
+"""Rows ``[a, b)`` of the row arrays and, for a sequence span, tokens ``[ta, tb)``."""
+
+Fetched = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+"""Per span: top-k ids, logprobs, float32 tail, tokens (``None`` for a row-only span), loss
+mask (``None`` unless the store has one)."""
+
+
+@dataclass
+class OpenArrays:
+    """The arrays of one snapshot as the decoders read them: zarr's handles, the direct layouts
+    of those in the format's sharded layout, the committed entries of each (R6), the local
+    directory of a local store and the store's id order (FORMAT.md 4.3) if it has one."""
+
+    manifest: Manifest
+    arrays: dict[str, zarr.Array]
+    direct: dict[str, DirectLayout]
+    need: dict[str, int]
+    strict: bool
+    root: str | None
+    id_order: np.ndarray | None
+    plans: dict[tuple[str, bool], _FastPlan | None] = field(default_factory=dict)
+
+    def row_names(self) -> list[str]:
+        """The row arrays a read of top-k rows needs (FORMAT.md 4.1, 4.6)."""
+        m = self.manifest
+        names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
+        if m.logprob_dtype in spec.QUANTISED_DTYPES:
+            names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
+        if m.loss_mask:
+            names.append(spec.LOSS_MASK)
+        return names
+
+    def check(self, name: str, start: int, stop: int) -> None:
+        """R6: never past the committed count, whatever asked."""
+        if not 0 <= start <= stop <= self.need[name]:
+            raise CorruptStoreError(
+                f"read of {name}[{start}:{stop}] past the committed {self.need[name]} entries"
+            )
+
+
+class Decoder(Protocol):
+    """Decodes spans of one snapshot's arrays (see the module docstring)."""
+
+    name: str
+
+    def active(self) -> str:
+        """The name of the decoder that runs (the compiled one may find it cannot, at its
+        first use, and hand every call to the NumPy one)."""
+        ...
+
+    def fetch(
+        self,
+        arrays: OpenArrays,
+        spans: list[Span],
+        logprob_dtype: str,
+        pool: ThreadPoolExecutor | None,
+        threads: int,
+        into: list[dict[str, np.ndarray]] | None = None,
+    ) -> list[Fetched]:
+        """Per span ``(ids, logprobs as logprob_dtype, tail, tokens, mask)``. ``into``: per
+        span, output arrays to decode into where they fit (``"ids"``, ``"lp"``, ``"tail"``,
+        ``"mask"``, ``"tokens"``; the reader processes'); the arrays returned are those where
+        they were used."""
+        ...
+
+
+def _blockwise(stored: str, out: str) -> bool:
+    """Whether logprobs stored as ``stored`` are decoded into ``out`` in row blocks with no
+    dequantisation (float16 bits -> float16 or float32, float32 bits -> float32)."""
+    return stored == "float16" or (stored == "float32" and out == "float32")
+
+
+def stored_values(
+    arrays: OpenArrays, jobs: list[tuple[str, int, int]], pool: ThreadPoolExecutor | None = None
+) -> list[np.ndarray]:
+    """The stored values of ``name[a:b]`` for each job: direct arrays chunk by chunk, others
+    through zarr."""
+    for name, a, b in jobs:
+        arrays.check(name, a, b)
+    direct = [j for j in jobs if j[0] in arrays.direct]
+    got = iter(pointread.read(arrays.direct, direct, pool) if direct else [])
+    return [
+        next(got) if n in arrays.direct else checked_read(arrays.arrays[n], n, a, b, arrays.strict)
+        for n, a, b in jobs
+    ]
+
+
+class NumpyDecoder:
+    """The reference decoder (see the module docstring)."""
+
+    name = "numpy"
+
+    def active(self) -> str:
+        return self.name
+
+    def fetch(
+        self,
+        arrays: OpenArrays,
+        spans: list[Span],
+        logprob_dtype: str,
+        pool: ThreadPoolExecutor | None,
+        threads: int,
+        into: list[dict[str, np.ndarray]] | None = None,
+    ) -> list[Fetched]:
+        if logprob_dtype not in OUT_DTYPES:
+            raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
+        names = arrays.row_names()
+        wanted = [*names, *([spec.INPUT_IDS] if any(t for _, t in spans) else [])]
+        if all(n in arrays.direct for n in wanted):
+            return _fetch_point(arrays, spans, names, logprob_dtype, pool, threads, into)
+        jobs: list[tuple[str, int, int]] = []
+        for rows, toks in spans:
+            jobs += [(n, rows.start, rows.stop) for n in names]
+            if toks is not None:
+                jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
+        results = iter(stored_values(arrays, jobs))
+        out: list[Fetched] = []
+        for _rows, toks in spans:
+            got = {n: next(results) for n in names}
+            tokens = next(results) if toks is not None else None
+            ids = got[spec.TOPK_IDS]
+            if arrays.id_order is not None:
+                ids = arrays.id_order[ids]
+            lp = decode_logprobs(
+                got[spec.TOPK_LOGPROBS],
+                arrays.manifest.logprob_dtype,
+                got.get(spec.LOGPROB_MAX),
+                got.get(spec.LOGPROB_STEP),
+                out_dtype=logprob_dtype,
+                in_place=True,
+            )
+            tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
+            out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
+        return out
+
+
+def _fetch_point(
+    arrays: OpenArrays,
+    spans: list[Span],
+    names: list[str],
+    logprob_dtype: str,
+    pool: ThreadPoolExecutor | None,
+    threads: int,
+    into: list[dict[str, np.ndarray]] | None,
+) -> list[Fetched]:
+    """:meth:`NumpyDecoder.fetch` of direct arrays (FORMAT.md D4): each needed chunk decoded
+    once, then the logprobs (and id remap) in row blocks, on the pool if any."""
+    dtype = arrays.manifest.logprob_dtype
+    blockwise = _blockwise(dtype, logprob_dtype)
+    jobs: list[pointread.Job] = []
+    dest: list[np.ndarray | None] = []
+    slot = {spec.TOPK_IDS: "ids", spec.TAIL_MASS: "tail", spec.LOSS_MASK: "mask"}
+    for s, (rows, toks) in enumerate(spans):
+        jobs += [(n, rows.start, rows.stop) for n in names]
+        if toks is not None:
+            jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
+        if into is None:
+            continue
+        want = into[s]
+        for n in names:
+            x = want.get(slot.get(n, ""))
+            if n == spec.TOPK_LOGPROBS and blockwise and dtype == logprob_dtype:
+                x = want.get("lp")  # the stored bits, decoded in place
+                x = None if x is None else x.view(np.uint16 if dtype == "float16" else np.uint32)
+            dest.append(x)
+        if toks is not None:
+            dest.append(want.get("tokens"))
+    results = iter(pointread.read(arrays.direct, jobs, pool, threads, dest if into else None))
+    out: list[Fetched] = []
+    tasks: list[Callable[[], None]] = []
+    cost: list[int] = []
+    order = arrays.id_order
+    for s, (_rows, toks) in enumerate(spans):
+        got = {n: next(results) for n in names}
+        tokens = next(results) if toks is not None else None
+        ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
+        if blockwise:
+            lp = d.view(np.float16 if dtype == "float16" else np.float32)
+            if dtype == "float16" and logprob_dtype == "float32":
+                given = into[s].get("lp") if into is not None else None
+                if given is None or given.shape != d.shape or given.dtype != np.float32:
+                    given = np.empty(d.shape, dtype=np.float32)
+                lp = given
+            for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
+                tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
+                cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
+        else:
+            if order is not None:
+                ids = order[ids]
+            lp = decode_logprobs(
+                d,
+                dtype,
+                got.get(spec.LOGPROB_MAX),
+                got.get(spec.LOGPROB_STEP),
+                out_dtype=logprob_dtype,
+                in_place=True,
+            )
+        tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
+        out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
+    pointread.run_tasks(tasks, cost, pool, threads)
+    return out
+
+
+def _lp_task(
+    d: np.ndarray, lp: np.ndarray, ids: np.ndarray, order: np.ndarray | None
+) -> Callable[[], None]:
+    """One row block of a point read: the row-delta inverse of the stored logprob bits ``d``
+    (in place), widened into ``lp`` if that is a float32 view of other memory (float16 store),
+    and the id remap of ``ids`` (in place) when the store has one."""
+
+    def task() -> None:
+        pointread.undelta_block(d)
+        if lp.dtype == np.float32 and d.dtype == np.uint16:
+            pointread.widen_block(d.view(np.float16), lp)
+        if order is not None:
+            np.take(order, ids, out=ids)
+
+    return task
+
+
+class _FastPlan:
+    """What :class:`NumbaDecoder` passes to :func:`._fastdecode.read_arrays` for one
+    ``(logprob_dtype, tokens)``: the arrays' layouts in the order ``topk_ids, topk_logprobs,
+    tail_mass[, loss_mask][, input_ids]``."""
+
+    __slots__ = ("lays", "root", "stored", "widen", "mask", "tokens", "row_arrays")
+
+    def __init__(
+        self, names: list[str], lays: list[DirectLayout], root: str, stored: np.dtype, widen: bool
+    ):
+        self.lays, self.root, self.stored, self.widen = lays, root, stored, widen
+        self.mask = spec.LOSS_MASK in names
+        self.tokens = spec.INPUT_IDS in names
+        self.row_arrays = len(names) - self.tokens
+
+
+def _fast_plan(arrays: OpenArrays, logprob_dtype: str, tokens: bool) -> _FastPlan | None:
+    """The compiled read's arguments (made once per snapshot and key), or ``None`` where it
+    does not apply: a remote store, an array not in the sharded layout, quantised logprobs,
+    float32 stored read as float16."""
+    key = (logprob_dtype, tokens)
+    if key in arrays.plans:
+        return arrays.plans[key]
+    m = arrays.manifest
+    names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
+    if m.loss_mask:
+        names.append(spec.LOSS_MASK)
+    if tokens:
+        names.append(spec.INPUT_IDS)
+    plan = None
+    if (
+        arrays.root is not None
+        and _blockwise(m.logprob_dtype, logprob_dtype)
+        and all(n in arrays.direct for n in names)
+    ):
+        plan = _FastPlan(
+            names,
+            [arrays.direct[n] for n in names],
+            arrays.root,
+            np.dtype(m.logprob_dtype),
+            m.logprob_dtype == "float16" and logprob_dtype == "float32",
+        )
+    arrays.plans[key] = plan
+    return plan
+
+
+class NumbaDecoder:
+    """The compiled decoder (see the module docstring)."""
+
+    name = "numba"
+
+    def __init__(self, fallback: NumpyDecoder) -> None:
+        self.fallback = fallback
+
+    def active(self) -> str:
+        return self.name if fastdecode.AVAILABLE and fastdecode.ready() else self.fallback.name
+
+    def fetch(
+        self,
+        arrays: OpenArrays,
+        spans: list[Span],
+        logprob_dtype: str,
+        pool: ThreadPoolExecutor | None,
+        threads: int,
+        into: list[dict[str, np.ndarray]] | None = None,
+    ) -> list[Fetched]:
+        # The compiled read decodes into its own arena even when ``into`` is given: a reader
+        # process copies it out, which costs less than decoding in place chunk by chunk.
+        if fastdecode.AVAILABLE and logprob_dtype in OUT_DTYPES:
+            tokens = any(t is not None for _, t in spans)
+            plan = _fast_plan(arrays, logprob_dtype, tokens)
+            if plan is not None and fastdecode.ready():
+                got = _fetch_fast(arrays, spans, plan, pool, threads)
+                if got is not None:
+                    return got
+        return self.fallback.fetch(arrays, spans, logprob_dtype, pool, threads, into)
+
+
+def _fetch_fast(
+    arrays: OpenArrays,
+    spans: list[Span],
+    plan: _FastPlan,
+    pool: ThreadPoolExecutor | None,
+    threads: int,
+) -> list[Fetched] | None:
+    """One compiled read (the records are views of one block per array), or ``None``: the
+    NumPy decoder reads it (also every span past the committed count, R6, so that it raises)."""
+    rows = [(r.start, r.stop) for r, _ in spans]
+    bounds = [rows] * plan.row_arrays
+    if plan.tokens:
+        bounds.append([(0, 0) if t is None else (t.start, t.stop) for _, t in spans])
+    for jobs, lay in zip(bounds, plan.lays, strict=True):
+        for st, sp in jobs:
+            if st < 0 or sp < st or sp > lay.length:
+                return None
+    lp = (1, plan.widen)  # spec.TOPK_LOGPROBS is the plan's second array
+    got = fastdecode.read_arrays(plan.lays, plan.root, bounds, lp, pool, threads)
+    if got is None:
+        return None
+    blocks, widened = got
+    ids = blocks[0]
+    tail = np.asarray(blocks[2], dtype=np.float32)  # stored float16 in some caches
+    if arrays.id_order is not None:
+        np.take(arrays.id_order, ids, out=ids)
+    lp_all = widened if widened is not None else blocks[1].view(plan.stored)
+    mask = blocks[3] if plan.mask else None
+    tokens = blocks[-1] if plan.tokens else None
+    out: list[Fetched] = []
+    r = t = 0
+    for rs, ts in spans:
+        n = rs.stop - rs.start
+        tok = None
+        if ts is not None and tokens is not None:
+            tok = tokens[t : t + ts.stop - ts.start]
+            t += ts.stop - ts.start
+        m = None if mask is None else mask[r : r + n]
+        out.append((ids[r : r + n], lp_all[r : r + n], tail[r : r + n], tok, m))
+        r += n
+    return out
+
+
+_NUMPY = NumpyDecoder()
+DECODERS: dict[str, Decoder] = {"numpy": _NUMPY, "numba": NumbaDecoder(_NUMPY)}
+"""The decoders by name."""
+
+
+def default_decoder() -> str:
+    """``"numba"`` where numba and the C functions it calls are installed, else ``"numpy"``."""
+    return "numba" if fastdecode.AVAILABLE else "numpy"
+
+
+def get_decoder(name: str | None) -> Decoder:
+    """The decoder called ``name`` (``None``: :func:`default_decoder`)."""
+    key = default_decoder() if name is None else name
+    if key not in DECODERS:
+        raise ValueError(f"decoder must be one of {sorted(DECODERS)}, got {name!r}")
+    return DECODERS[key]

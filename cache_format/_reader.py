@@ -1,0 +1,522 @@
+"""Reading a cache: by sequence index, by key, by row range (FORMAT.md §6 "Reading").
+
+A reader works on a snapshot: the manifest (commit point) read at open or at :meth:`refresh`,
+and the sequence index of that commit (:class:`~._snapshot.IndexSnapshot`). It never reads past
+the snapshot's counts, so while a writer appends it sees a consistent committed prefix. Reads
+only touch the chunks that hold the requested rows. A read that races a writer's rewrite of a
+partly filled shard fails its CRC32C and is retried on a fresh snapshot; a failure that persists
+is a :class:`~.errors.CorruptStoreError` (a :class:`~.errors.ChecksumError` for bad bytes).
+
+Every read (:meth:`CacheReader.sequence`, :meth:`~CacheReader.sequences`,
+:meth:`~CacheReader.rows`, :meth:`~CacheReader.read_ranges`, the reader processes) goes through
+one decoder (:mod:`._decode`: the compiled one where numba is installed, else NumPy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, ShardingCodec
+
+from . import _idmap as idmap
+from . import _procread as procread
+from . import _shardread as shardread
+from . import spec
+from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
+from ._integrity import checked_get
+from ._manifest import Manifest
+from ._snapshot import IndexSnapshot
+from ._zarr_adapter import async_array, sync
+from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
+from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
+from .quant import OUT_DTYPES
+from .records import RowBlock, SequenceRecord
+from .store import open_store
+
+_T = TypeVar("_T")
+
+_RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
+
+
+def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
+    """Run ``fn``; retry a raced read (bad checksum or bytes, I/O error) with backoff.
+
+    Typed errors other than :class:`ChecksumError` are raised at once. Any other failure inside
+    ``fn`` is the store's (the callers check their arguments before): retried, and if it persists
+    a :class:`CorruptStoreError` (never an untyped exception).
+    """
+    for attempt in range(_RETRIES):
+        try:
+            return fn()
+        except ChecksumError as e:
+            err: Exception = e
+        except FormatError:
+            raise
+        except Exception as e:
+            err = e
+        if attempt < _RETRIES - 1:
+            time.sleep(0.01 * 2**attempt)
+            if on_retry is not None:
+                on_retry()
+    if isinstance(err, ChecksumError):
+        raise err
+    raise CorruptStoreError(f"unreadable after {_RETRIES} attempts: {err!r}") from err
+
+
+def _array_names(m: Manifest) -> list[str]:
+    return [d.name for d in array_defs(m)]
+
+
+def _open_arrays(zstore: Any, m: Manifest) -> dict[str, zarr.Array]:
+    try:
+        return {n: zarr.open_array(zstore, path=n, mode="r") for n in _array_names(m)}
+    except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as e:
+        raise CorruptStoreError(f"store is missing an array: {e}") from e
+    except Exception as e:  # damaged array metadata (zarr.json)
+        raise CorruptStoreError(f"array metadata unreadable: {e!r}") from e
+
+
+def _records(index: IndexSnapshot, idx: list[int], got: list[Fetched]) -> list[SequenceRecord]:
+    out = []
+    for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True):
+        assert tokens is not None  # sequence spans read their tokens
+        out.append(SequenceRecord.trusted(index.keys[i], tokens, ids, lp, tail, mask))
+    return out
+
+
+class CacheReader:
+    """Read-only view of the committed part of a cache.
+
+    ``as_torch=True`` makes :meth:`sequence`, :meth:`get`, :meth:`sequences` and :meth:`rows`
+    return dicts of torch tensors (``record.to_torch()``) instead of numpy records.
+    ``decode_threads > 1`` splits the decoding of one read call (e.g. the sequences of one
+    :meth:`sequences` call) over that many threads, cut at chunk edges (the values are the
+    same). ``read_processes > 0`` spreads the rows of each :meth:`sequence` /
+    :meth:`sequences` call over the calling process and that many reader processes
+    (:mod:`._procread`: started at the first such call, each with its own GIL, decoding into
+    shared memory the returned arrays are views of; same values); :meth:`close` (or ``with``)
+    stops them. ``decoder``: ``"numba"`` or ``"numpy"`` (:mod:`._decode`; default: the compiled
+    one where numba is installed); both give the same values.
+
+    Random access is fastest on a store written with the ``random_access`` layout preset
+    (``spec.LAYOUTS``, FORMAT.md 4.7), or ``random_access_raw`` (the same chunks uncompressed:
+    nothing to decompress, about twice the bytes); :attr:`layout_name` says which one a store has.
+    """
+
+    def __init__(
+        self,
+        url: str | Path,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        as_torch: bool = False,
+        decode_threads: int = 1,
+        read_processes: int = 0,
+        decoder: str | None = None,
+    ):
+        if decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
+        if read_processes < 0:
+            raise ValueError(f"read_processes must be >= 0, got {read_processes}")
+        self._decoder = get_decoder(decoder)
+        self.decode_threads = int(decode_threads)
+        self.read_processes = int(read_processes)
+        self.as_torch = as_torch
+        self._procs: procread.ReadProcesses | None = None
+        self._url, self._storage_options = str(url), storage_options
+        self._decode_pool: ThreadPoolExecutor | None = None
+        self._handle = open_store(url, storage_options, read_only=True)
+        self._index = IndexSnapshot.empty()
+        self._manifest: Manifest | None = None
+        self._open: OpenArrays | None = None
+        self._id_order: np.ndarray | None = None
+        self.refresh()
+
+    # ------------------------------------------------------------------ snapshot
+    def refresh(self) -> bool:
+        """Adopt the latest commit; returns True if it changed. The index grows incrementally.
+
+        A read that races a writer's shard rewrite (CRC32C mismatch, truncated object) is retried
+        on a freshly read commit.
+        """
+        return _with_retries(self._refresh_once)
+
+    def _refresh_once(self) -> bool:
+        zstore = self._handle.zstore
+        try:
+            attrs = read_root_attrs(zstore)
+        except Exception as e:  # store unreachable or unreadable
+            raise FormatError(f"cannot read store {self._handle.url!r}: {e}") from e
+        if attrs is None:
+            raise StoreNotFoundError(f"no logitcache store at {self._handle.url!r}")
+        m = parse_root(attrs)
+        old = self._manifest
+        if old is not None and m.generation == old.generation:
+            return False
+        known = len(self._index)
+        if old is not None and (m.generation < old.generation or m.num_sequences < known):
+            raise CorruptStoreError("store went backwards (generation or count decreased)")
+        arrays = _open_arrays(zstore, m)
+        need = committed_lengths(m)
+        for n, a in arrays.items():
+            if a.shape[0] < need[n]:
+                raise CorruptStoreError(
+                    f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
+                )
+        strict_ = strict(m)
+        s = m.num_sequences
+        jobs = []
+        if m.id_remap and m.num_rows and self._id_order is None:
+            jobs.append((spec.ID_ORDER, 0, m.vocab_size))
+        if s > known:
+            jobs += [(n, known, s) for n in spec.SEQ_ARRAYS]
+
+        async def gather() -> list[np.ndarray]:
+            return await asyncio.gather(
+                *(checked_get(async_array(arrays[n]), n, a, b, strict_) for n, a, b in jobs)
+            )
+
+        got = dict(zip([j[0] for j in jobs], sync(gather()), strict=True))
+        id_order = self._id_order
+        if spec.ID_ORDER in got:
+            id_order = np.asarray(got[spec.ID_ORDER])
+            if not idmap.is_permutation(id_order, m.vocab_size):
+                raise CorruptStoreError("id_order is not a permutation of the vocabulary")
+        empty = np.zeros(0, dtype=np.int64)
+        index = self._index.extended(  # checks the new entries (R8)
+            m,
+            [str(x) for x in got.get(spec.SEQ_KEYS, [])],
+            np.asarray(got.get(spec.SEQ_LENGTHS, empty)),
+            np.asarray(got.get(spec.SEQ_TOKEN_START, empty)),
+            np.asarray(got.get(spec.SEQ_ROW_START, empty)),
+        )
+        self._id_order = id_order  # every read done and checked: now adopt
+        self._open = self._adopt_arrays(arrays, need, strict_, m)
+        self._index = index
+        self._manifest = m
+        return True
+
+    def _adopt_arrays(
+        self, arrays: dict[str, zarr.Array], need: dict[str, int], st: bool, m: Manifest
+    ) -> OpenArrays:
+        direct = {}
+        for n, a in arrays.items():
+            lay = shardread.direct_layout(a, n, committed=need[n], strict=st)
+            if lay is not None:
+                direct[n] = lay
+        ids = direct.get(spec.TOPK_IDS)
+        root = None if ids is None else shardread.local_root(ids)
+        return OpenArrays(m, arrays, direct, need, st, root, self._id_order)
+
+    def _reopen_arrays(self) -> None:
+        o = self._opened
+        self._open = self._adopt_arrays(
+            _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest
+        )
+
+    @property
+    def _opened(self) -> OpenArrays:
+        assert self._open is not None
+        return self._open
+
+    @property
+    def manifest(self) -> Manifest:
+        assert self._manifest is not None
+        return self._manifest
+
+    @property
+    def index(self) -> IndexSnapshot:
+        """The sequence index of the adopted commit (frozen; replaced at each refresh that
+        adopts a new commit)."""
+        return self._index
+
+    @property
+    def url(self) -> str:
+        return self._handle.url
+
+    @property
+    def store(self) -> zarr.abc.store.Store:
+        """The zarr store the reader reads (read-only)."""
+        return self._handle.zstore
+
+    @property
+    def local_root(self) -> str | None:
+        """The directory of a local store whose row arrays are in the format's sharded layout
+        (the compiled decoder reads those), else ``None``."""
+        return self._opened.root
+
+    @property
+    def decoder(self) -> str:
+        """The name of the decoder this reader's reads run (``"numba"`` or ``"numpy"``: the
+        compiled one compiles, or loads from numba's cache, at the first call where it has
+        not yet)."""
+        return self._decoder.active()
+
+    @property
+    def layout_name(self) -> str:
+        """The store's layout preset (FORMAT.md 4.7): its ``logitcache_layout`` attribute, else
+        ``"default"`` if ``topk_ids`` has the default chunking and codecs, else ``"custom"``."""
+        opened = self._opened
+        arr = opened.arrays[spec.TOPK_IDS]
+        name = arr.attrs.get(spec.LAYOUT_ATTR)
+        if isinstance(name, str) and name:
+            return name
+        lay = opened.direct.get(spec.TOPK_IDS)
+        d = spec.DEFAULT_LAYOUT
+        if lay is None or (lay.chunk_rows, lay.shard_rows) != (d.row_chunk, d.row_shard):
+            return "custom"
+        sharding = lay.metadata.codecs[0]
+        comp = None
+        if isinstance(sharding, ShardingCodec):
+            comp = next((c for c in sharding.codecs if isinstance(c, BloscCodec)), None)
+        if comp is None or (comp.cname.value, comp.clevel) != ("zstd", 1):
+            return "custom"
+        return "default"
+
+    @property
+    def num_sequences(self) -> int:
+        return self.manifest.num_sequences
+
+    @property
+    def num_rows(self) -> int:
+        return self.manifest.num_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    @property
+    def keys(self) -> list[str]:
+        """Sequence keys in storage order (a copy)."""
+        return list(self._index.keys)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each)."""
+        return self._index.lengths.copy()
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        """First global row of each sequence."""
+        return self._index.row_starts.copy()
+
+    def __len__(self) -> int:
+        return self.num_sequences
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def index_of(self, key: str) -> int:
+        """Sequence index of ``key`` (KeyError if absent)."""
+        return self._index.index_of(key)
+
+    # ------------------------------------------------------------------ reading
+    def _retry(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``; on a checksum/decoding failure (raced rewrite) reopen the arrays, retry."""
+        return _with_retries(fn, self._reopen_arrays)
+
+    def _check_seq(self, i: int) -> int:
+        n = self.num_sequences
+        if not isinstance(i, int | np.integer):
+            raise TypeError(f"sequence index must be an int, got {type(i).__name__}")
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sequence index {i} out of range [0, {n})")
+        return i
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        if self.decode_threads <= 1:
+            return None
+        if self._decode_pool is None:
+            self._decode_pool = ThreadPoolExecutor(self.decode_threads, "logitcache-decode")
+        return self._decode_pool
+
+    def read_spans(
+        self,
+        spans: list[Span],
+        logprob_dtype: str = "float32",
+        into: list[dict[str, np.ndarray]] | None = None,
+    ) -> list[Fetched]:
+        """The decoded arrays of row (and token) spans of this snapshot, with the reader's
+        retries: per span ``(ids, logprobs, tail, tokens or None, mask or None)``. ``into``:
+        per span, output arrays to decode into where they fit (see :class:`._decode.Decoder`).
+        Spans past the committed counts are :class:`CorruptStoreError` (R6)."""
+        if logprob_dtype not in OUT_DTYPES:
+            raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
+
+        def read() -> list[Fetched]:
+            opened, threads = self._opened, self.decode_threads
+            return self._decoder.fetch(opened, spans, logprob_dtype, self._pool(), threads, into)
+
+        return self._retry(read)
+
+    def _out(self, rec: SequenceRecord | RowBlock) -> Any:
+        return rec.to_torch() if self.as_torch else rec
+
+    def sequence(self, i: int, *, logprob_dtype: str = "float32") -> SequenceRecord | dict:
+        """Sequence ``i`` (storage order) as a :class:`SequenceRecord`; ``logprob_dtype`` as in
+        :meth:`rows`."""
+        return self._out(self._sequences([self._check_seq(i)], logprob_dtype)[0])
+
+    def get(self, key: str) -> SequenceRecord | dict:
+        """The sequence stored under ``key`` (KeyError if absent)."""
+        return self.sequence(self._index.index_of(key))
+
+    def sequences(self, indices: Sequence[int], *, logprob_dtype: str = "float32") -> list:
+        """Several sequences (any order, repeats allowed) in one read: every inner chunk they
+        need is fetched and decoded once (point reads, FORMAT.md D4)."""
+        idx = [self._check_seq(i) for i in indices]
+        if not idx:
+            return []
+        return [self._out(rec) for rec in self._sequences(idx, logprob_dtype)]
+
+    def _sequences(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord]:
+        """Records of sequences ``idx`` (checked indices) in one read: over the reader processes
+        when there are any and the call splits, else in this process."""
+        index = self._index
+        if self.read_processes > 0 and spec.TOPK_IDS in self._opened.direct:
+            got = self._proc_records(index, idx, logprob_dtype)
+            if got is not None:
+                return got
+        return _records(index, idx, self.read_spans([index.span(i) for i in idx], logprob_dtype))
+
+    def _proc_records(
+        self, index: IndexSnapshot, idx: list[int], logprob_dtype: str
+    ) -> list[SequenceRecord] | None:
+        """Records of sequences ``idx`` read by the reader processes (:mod:`._procread`); ``None``
+        for a call that makes one piece (read in this process)."""
+        if logprob_dtype not in OUT_DTYPES:
+            raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
+        spans = []
+        for i in idx:
+            rows, toks = index.span(i)
+            spans.append((rows.start, rows.stop, toks.start, toks.stop))
+        cr = self._opened.direct[spec.TOPK_IDS].chunk_rows
+        groups = procread.cut(spans, self.read_processes + 1, cr)  # the caller takes a share
+        if len(groups) <= 1:
+            return None
+        if self._procs is not None and self._procs.pid != os.getpid():
+            self._procs = None  # a forked copy of the reader: the processes are the parent's
+        if self._procs is None:
+            self._procs = procread.ReadProcesses(
+                self._url, self._storage_options, self.read_processes, self._decoder.name
+            )
+        m = self.manifest
+        buf, reg = self._procs.read(
+            spans, m.k, m.num_rows, m.num_tokens, logprob_dtype, m.loss_mask, groups, self
+        )
+        ids, lp, tail, mask, tok = reg.views(buf)
+        out, r, t = [], 0, 0
+        for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
+            n, nt = b - a, tb - ta
+            rec = SequenceRecord.trusted(
+                index.keys[i],
+                tok[t : t + nt],
+                ids[r : r + n],
+                lp[r : r + n],
+                tail[r : r + n],
+                None if mask is None else mask[r : r + n],
+            )
+            out.append(rec)
+            r, t = r + n, t + nt
+        return out
+
+    def read_ranges(
+        self, ranges: Sequence[tuple[int, int]], *, logprob_dtype: str = "float32"
+    ) -> list[SequenceRecord]:
+        """Records of the sequences of every ``[a, b)`` in ``ranges``, range after range.
+
+        Sequences are stored back to back, so sequences ``[a, b)`` are exactly one row span and
+        one token span: one read per range however many sequences it holds, the records views
+        of the range's blocks (no copy). Empty ranges contribute nothing; ranges may overlap or
+        come in any order."""
+        index = self._index
+        todo = [(a, b) for a, b in index.check_ranges(ranges) if b > a]
+        if not todo:
+            return []
+        got = self.read_spans([index.range_span(a, b) for a, b in todo], logprob_dtype)
+        lengths, row_start = index.lengths, index.row_starts
+        out: list[SequenceRecord] = []
+        for (a, b), (ids, lp, tail, tokens, mask) in zip(todo, got, strict=True):
+            assert tokens is not None  # sequence spans read their tokens
+            r0 = int(row_start[a])
+            for i in range(a, b):
+                rs, n = int(row_start[i]) - r0, int(lengths[i])
+                ts = rs + i - a
+                out.append(
+                    SequenceRecord.trusted(
+                        index.keys[i],
+                        tokens[ts : ts + n],
+                        ids[rs : rs + n - 1],
+                        lp[rs : rs + n - 1],
+                        tail[rs : rs + n - 1],
+                        None if mask is None else mask[rs : rs + n - 1],
+                    )
+                )
+        return out
+
+    def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
+        """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).
+
+        ``logprob_dtype="float32"`` (default): logprobs decoded to float32 (FORMAT.md D3).
+        ``"float16"``: for a float16 store the stored values themselves (exact, no widening, the
+        fastest read); for other encodings the float32 values rounded to float16.
+        """
+        n = self.num_rows
+        if not (0 <= start <= stop <= n):
+            raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
+        ids, lp, tail, _, mask = self.read_spans([(slice(start, stop), None)], logprob_dtype)[0]
+        return self._out(RowBlock(start, ids, lp, tail, mask))
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Global input-token range ``[start, stop)`` of the flat ``input_ids`` array."""
+        if not (0 <= start <= stop <= self.num_tokens):
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+        job = [(spec.INPUT_IDS, start, stop)]
+        return self._retry(lambda: stored_values(self._opened, job)[0])
+
+    def __iter__(self) -> Iterator[SequenceRecord | dict]:
+        for i in range(self.num_sequences):
+            yield self.sequence(i)
+
+    # ------------------------------------------------------------------ lifetime
+    def __getstate__(self) -> dict[str, Any]:
+        """A reader pickles as its configuration (e.g. to reach a ``DataLoader`` worker): the
+        copy opens the store again (its latest commit at unpickling) and starts its own reader
+        processes at its first point read; the original's processes, decode pool and open
+        files stay the original's."""
+        return {
+            "url": self._url,
+            "storage_options": self._storage_options,
+            "as_torch": self.as_torch,
+            "decode_threads": self.decode_threads,
+            "read_processes": self.read_processes,
+            "decoder": self._decoder.name,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        url, options = state.pop("url"), state.pop("storage_options")
+        self.__init__(url, options, **state)  # type: ignore[misc]
+
+    def close(self) -> None:
+        """Stop the reader processes, if any (the reader stays usable: a later call starts
+        them again)."""
+        procs, self._procs = self._procs, None
+        if procs is not None and procs.pid == os.getpid():
+            procs.close()
+
+    def __enter__(self) -> CacheReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
