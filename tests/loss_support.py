@@ -116,8 +116,8 @@ def sample_targets(
 
 # ----------------------------------------------------------------------------- multi-process
 # Worker bodies for tests/loss/test_loss_vocab_parallel.py (gloo on CPU, started by fork). Each
-# worker builds the same float64 problem on every rank, runs the loss on its shard of the lm-head and
-# compares with the single-process result computed in the same process; a failed comparison
+# worker builds the same float64 problem on every rank, runs the loss on its shard of the lm-head
+# and compares with the single-process result computed in the same process; a failed comparison
 # raises, and torch.multiprocessing re-raises it in the test with the traceback.
 
 TOL = 1e-10  # float64: the only difference is the order of one logsumexp and one grad_h sum
