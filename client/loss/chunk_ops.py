@@ -11,11 +11,16 @@ the torch path upcasts to the working dtype (it is the CPU and reference-precisi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import torch
 
 from .row_math import RowCoefs, row_coefs
-from .spec import LossSpec
+from .spec import KERNELS, LossInputError, LossSpec
+
+#: Whether Triton is installed, decided once at import (``logitcache info --versions`` shows
+#: it): without it the full-vocabulary passes run in torch on every device.
+TRITON_AVAILABLE: bool = find_spec("triton") is not None
 
 
 @dataclass
@@ -44,20 +49,17 @@ class ChunkTargets:
         )
 
 
-#: "auto" (Triton on CUDA when importable), "torch" (never Triton: the benchmark's torch-path
-#: variant), or "triton" (always: tests run the kernels on CPU under ``TRITON_INTERPRET=1``).
-BACKEND = "auto"
-
-
-def use_triton_for(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve this tensor (CUDA, Triton importable, not disabled)."""
-    if BACKEND != "auto":
-        return BACKEND == "triton"
-    if not x.is_cuda:
-        return False
-    from . import triton_kernels
-
-    return triton_kernels.available()
+def use_triton(kernels: str, device: torch.device) -> bool:
+    """Whether the Triton kernels run the passes: ``kernels="auto"``: on CUDA when Triton is
+    installed; ``"torch"``: never; ``"triton"``: always (on the CPU too, under Triton's
+    interpreter ``TRITON_INTERPRET=1``; an error without Triton)."""
+    if kernels not in KERNELS:
+        raise LossInputError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "triton" and not TRITON_AVAILABLE:
+        raise LossInputError('kernels="triton" needs Triton installed')
+    if kernels == "auto":
+        return device.type == "cuda" and TRITON_AVAILABLE
+    return kernels == "triton"
 
 
 def stats_pass(

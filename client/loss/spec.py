@@ -17,6 +17,8 @@ REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 #: What the teacher columns hold: the teacher's top-k logprobs ("topk") or the log importance
 #: weights of a random-sampling KD row ("sampled", see :class:`LossSpec`).
 TARGET_KINDS: tuple[str, ...] = ("topk", "sampled")
+#: Which code runs the two full-vocabulary passes (see ``topk_distill_loss``'s ``kernels``).
+KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
 #: Where the lm-head gradient is accumulated chunk by chunk (see ``topk_distill_loss``).
 GRAD_WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "weight")
 IMPLS: tuple[str, ...] = (
