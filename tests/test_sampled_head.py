@@ -329,20 +329,18 @@ def test_service_refuses_bad_heads_and_writes_the_engines_head_rows(tmp_path: Pa
 def test_jobs_cli_head_flag_and_label() -> None:
     """``jobs submit --targets sampled --head M`` puts head in the job's sampling; --head without
     --targets sampled is refused; the list label names the head."""
-    import argparse
+    from logitcache.client.cli import CliError
+    from logitcache.client.cli.jobs import target_fields, targets_label
 
-    from logitcache.client.jobs_cli import CliError, target_fields, targets_label
+    def sampling(**kw: Any) -> dict[str, Any]:
+        return {"draws": None, "proposal_temperature": None, "seed": None, "head": None, **kw}
 
-    def args(**kw: Any) -> argparse.Namespace:
-        base = {"targets": None, "k": None, "draws": None, "proposal_temperature": None}
-        return argparse.Namespace(**{**base, "seed": None, "head": None, **kw})
-
-    assert target_fields(args(targets="sampled", head=8, draws=24)) == {
+    assert target_fields("sampled", None, sampling(head=8, draws=24)) == {
         "targets": "sampled",
         "sampling": {"draws": 24, "head": 8},
     }
     with pytest.raises(CliError, match="--head only apply"):
-        target_fields(args(head=8))
+        target_fields(None, None, sampling(head=8))
     job = {"targets": "sampled", "k": 32}
     s = {"draws": 24, "proposal_temperature": 1.0, "seed": 0}
     assert targets_label({**job, "sampling": {**s, "head": 8}}) == "sampled 24 head 8 tau 1 seed 0"

@@ -17,8 +17,7 @@ From a terminal:
 (JSONL, .jsonl.gz, Parquet, Arrow, or a directory of them); ``--records`` reads a local JSONL
 file (one ``{"text"|"input_ids"|"messages", "id"}`` object per line) and sends its records in the
 request (at most the server's ``max_inline_records``). It prints the job's line (``--json``: its
-status), and with ``--watch`` then draws the progress bar until the job ends. ``list`` follows
-``GET /v1/jobs``'s pages (``next_offset``) to the end.
+status), and with ``--watch`` then draws the progress bar until the job ends.
 
 ``--targets sampled`` asks for sampled targets instead of top-k rows (random-sampling KD,
 FORMAT.md 4.4): ``--draws`` per row, ``--proposal-temperature``, ``--seed`` and ``--head M``
@@ -29,81 +28,92 @@ sampling flag without ``--targets sampled``, or ``--k`` with it, is refused befo
 sent.
 
 The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
-``--api-key`` (default ``$LOGITCACHE_API_KEY``). Progress is in tokens (``tokens_done`` of
-``tokens_total``, what the job status reports); throughput and ETA are the server's.
+``--api-key`` (default ``$LOGITCACHE_API_KEY``), options of ``jobs`` itself
+(``logitcache jobs --url URL list``). Progress is in tokens (``tokens_done`` of
+``tokens_total``, what the job status reports); throughput and ETA are the server's. Requests go
+through :class:`~logitcache.client.TeacherClient` (its retries and typed errors).
 
 Exit status: 0 on success (``watch``: the job succeeded), 1 when a watched job ended failed or
 cancelled, 2 on a usage, connection or HTTP error, printed as one line
-``logitcache jobs: error: ...`` (no traceback). Only ``httpx`` (and ``tqdm`` for the bar) are
-needed: this is client-side code, like :class:`~logitcache.client.TeacherClient`.
+``logitcache: error: ...`` (no traceback).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
-from typing import Any, TextIO
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
+import typer
 from logitcache.protocol import TERMINAL_JOB_STATES
 
-PROG = "logitcache jobs"
+from .errors import CliError
+
+if TYPE_CHECKING:
+    from logitcache.client.http import TeacherClient
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Submit, list, watch and cancel batch jobs."
+)
 
-class CliError(Exception):
-    """A one-line error for the user (exit status 2)."""
+
+class Targets(StrEnum):
+    topk = "topk"
+    sampled = "sampled"
 
 
-class JobsClient:
-    """The few job routes of the service over httpx (``GET/DELETE /v1/jobs[/{id}]``)."""
+class Layout(StrEnum):
+    default = "default"
+    random_access = "random_access"
+    random_access_raw = "random_access_raw"
 
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0):
-        import httpx
 
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+class FileFormat(StrEnum):
+    jsonl = "jsonl"
+    parquet = "parquet"
+    arrow = "arrow"
 
-    def close(self) -> None:
-        self._http.close()
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
-        import httpx
+class OnLong(StrEnum):
+    reject = "reject"
+    truncate = "truncate"
+    split = "split"
+    skip = "skip"
 
-        try:
-            r = self._http.request(method, path, **kw)
-        except httpx.HTTPError as e:
-            raise CliError(f"cannot reach {self.url}: {e}") from None
-        if r.status_code >= 400:
-            try:
-                msg = r.json()["error"]["message"]
-            except Exception:
-                msg = r.text.strip()[:200] or r.reason_phrase
-            raise CliError(f"{method} {path}: HTTP {r.status_code}: {msg}")
-        return r.json()
 
-    def list(self) -> list[dict[str, Any]]:
-        """Every job, oldest first: the pages of ``GET /v1/jobs`` followed to the end."""
-        jobs: list[dict[str, Any]] = []
-        offset: int | None = 0
-        while offset is not None:
-            page = self._call("GET", "/v1/jobs", params={"offset": offset} if offset else None)
-            jobs += page["jobs"]
-            nxt = page.get("next_offset")
-            offset = nxt if isinstance(nxt, int) and nxt > offset else None
-        return jobs
+@app.callback()
+def connect(
+    ctx: typer.Context,
+    url: Annotated[str, typer.Option(envvar="LOGITCACHE_URL", help="the service")] = DEFAULT_URL,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LOGITCACHE_API_KEY", help="bearer key of the service")
+    ] = None,
+) -> None:
+    """Batch jobs of the teacher service (``POST/GET /v1/jobs``)."""
+    try:
+        from logitcache.client.http import TeacherClient
+    except ImportError as exc:
+        raise CliError(
+            f"jobs need the client extra (pip install 'logitcache[client]'): {exc}"
+        ) from None
+    client = TeacherClient(url, api_key=api_key, timeout=30.0, max_retries=2, progress=False)
+    ctx.obj = ctx.with_resource(client)
 
-    def submit(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/v1/jobs", json=body)
 
-    def get(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}")
+def _client(ctx: typer.Context) -> TeacherClient:
+    client: TeacherClient = ctx.obj
+    return client
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/v1/jobs/{job_id}")
+
+def _job(status: Any) -> dict[str, Any]:
+    """A ``JobStatus`` as the JSON the server sent."""
+    doc: dict[str, Any] = status.model_dump(mode="json")
+    return doc
 
 
 def _pct(job: dict[str, Any]) -> float:
@@ -155,29 +165,34 @@ def summary_line(job: dict[str, Any]) -> str:
     return "  ".join(parts + extra + ([note] if note else []))
 
 
-def cmd_list(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
-    jobs = client.list()
-    if args.json:
-        print(json.dumps(jobs, indent=2), file=out)
+@app.command("list")
+def list_cmd(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="print the statuses as JSON")] = False,
+) -> None:
+    """One line per job (every page, oldest first)."""
+    jobs = [_job(j) for j in _client(ctx).list_jobs()]
+    if as_json:
+        typer.echo(json.dumps(jobs, indent=2))
     elif not jobs:
-        print("no jobs", file=out)
-    for job in [] if args.json else jobs:
-        print(summary_line(job), file=out)
-    return 0
+        typer.echo("no jobs")
+    for job in [] if as_json else jobs:
+        typer.echo(summary_line(job))
 
 
-def cmd_show(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
-    print(json.dumps(client.get(args.job_id), indent=2), file=out)
-    return 0
+@app.command()
+def show(ctx: typer.Context, job_id: str) -> None:
+    """The job's full status (JSON)."""
+    typer.echo(json.dumps(_job(_client(ctx).get_job(job_id)), indent=2))
 
 
-def cmd_cancel(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
-    job = client.cancel(args.job_id)
-    print(f"cancel requested: {summary_line(job)}", file=out)
-    return 0
+@app.command()
+def cancel(ctx: typer.Context, job_id: str) -> None:
+    """Cancel a job (what it committed stays in the cache)."""
+    typer.echo(f"cancel requested: {summary_line(_job(_client(ctx).cancel_job(job_id)))}")
 
 
-def read_records(path: str) -> list[dict[str, Any]]:
+def read_records(path: Path) -> list[dict[str, Any]]:
     """The records of a local JSONL file (one JSON object per non-empty line)."""
     records = []
     try:
@@ -199,91 +214,137 @@ def read_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def job_body(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``POST /v1/jobs`` body of ``jobs submit``'s arguments (only what was given)."""
-    if (args.path is None) == (args.records is None):
-        raise CliError("give exactly one of PATH (on the server) or --records FILE (local)")
-    body: dict[str, Any] = {"cache": args.cache, "on_long": args.on_long}
-    if args.records is not None:
-        body["records"] = read_records(args.records)
-    else:
-        file: dict[str, Any] = {"path": args.path}
-        for field in ("format", "text_field", "ids_field", "id_field"):
-            if getattr(args, field) is not None:
-                file[field] = getattr(args, field)
-        body["file"] = file
-    body.update(target_fields(args))
-    if args.dataset is not None:
-        body["dataset"] = args.dataset
-    if args.layout is not None:
-        body["layout"] = args.layout
-    return body
-
-
-#: ``jobs submit`` flags of sampled targets -> the job's ``sampling`` fields.
-SAMPLING_FLAGS = {
-    "draws": "draws",
-    "proposal_temperature": "proposal_temperature",
-    "seed": "seed",
-    "head": "head",
-}
-
-
-def target_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """``k`` (top-k) or ``targets``/``sampling`` (sampled) of ``jobs submit``'s arguments;
-    :class:`CliError` for a contradiction (the server would answer 422)."""
-    sampling = {
-        field: getattr(args, flag)
-        for flag, field in SAMPLING_FLAGS.items()
-        if getattr(args, flag) is not None
-    }
+def target_fields(
+    targets: str | None, k: int | None, sampling: dict[str, int | float | None]
+) -> dict[str, Any]:
+    """``k`` (top-k) or ``targets``/``sampling`` (sampled) of ``jobs submit``'s flags
+    (``sampling``: draws, proposal_temperature, seed, head); :class:`CliError` for a
+    contradiction (the server would answer 422)."""
+    given = {name: value for name, value in sampling.items() if value is not None}
     out: dict[str, Any] = {}
-    if args.targets == "sampled":
-        if args.k is not None:
+    if targets == "sampled":
+        if k is not None:
             raise CliError("--k does not apply to --targets sampled (a row holds --draws slots)")
         out["targets"] = "sampled"
-        if sampling:
-            out["sampling"] = sampling
+        if given:
+            out["sampling"] = given
         return out
-    if sampling:
-        given = ", ".join("--" + f.replace("_", "-") for f in SAMPLING_FLAGS if f in sampling)
-        raise CliError(f"{given} only apply with --targets sampled")
-    if args.targets is not None:
-        out["targets"] = args.targets
-    if args.k is not None:
-        out["k"] = args.k
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sampling if name in given)
+        raise CliError(f"{flags} only apply with --targets sampled")
+    if targets is not None:
+        out["targets"] = targets
+    if k is not None:
+        out["k"] = k
     return out
 
 
-def cmd_submit(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
-    """Queue a job; print its line (or JSON status); with ``--watch`` follow it to the end."""
-    job = client.submit(job_body(args))
-    if args.json:
-        print(json.dumps(job, indent=2), file=out)
-    else:
-        print(f"submitted: {summary_line(job)}", file=out)
-    if not args.watch:
-        return 0
-    args.job_id = job["id"]
-    return cmd_watch(client, args, out)
+@app.command()
+def submit(
+    ctx: typer.Context,
+    cache: Annotated[str, typer.Argument(help="cache to write (created if absent)")],
+    path: Annotated[
+        str | None, typer.Argument(help="input file or folder, relative to the server's data dir")
+    ] = None,
+    records: Annotated[
+        Path | None, typer.Option(metavar="FILE", help="a local JSONL file, sent inline instead")
+    ] = None,
+    k: Annotated[int | None, typer.Option(help="default: the cache's k, else the server's")] = None,
+    targets: Annotated[
+        Targets | None,
+        typer.Option(help="top-k rows (default) or sampled targets (ids with importance weights)"),
+    ] = None,
+    draws: Annotated[
+        int | None, typer.Option(help="sampled: draws per row (default: the cache's, else 64)")
+    ] = None,
+    proposal_temperature: Annotated[
+        float | None,
+        typer.Option(
+            help="sampled: tau of the proposal q ~ p^(1/tau) (default: the cache's, else 1)"
+        ),
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(help="sampled: seed of every sequence's draws (default: the cache's, else 0)"),
+    ] = None,
+    head: Annotated[
+        int | None,
+        typer.Option(
+            help="sampled: keep the teacher's top HEAD ids exactly and draw from the rest "
+            "(a row holds head + draws slots; default: the cache's, else 0)"
+        ),
+    ] = None,
+    layout: Annotated[
+        Layout | None,
+        typer.Option(
+            help="layout preset of a new cache (FORMAT.md 4.7; random_access: cheaper "
+            "sequence(i) reads, ~25% larger; random_access_raw: no compression, cheapest "
+            "sequence(i) reads, ~2.3x larger); an existing cache keeps its own"
+        ),
+    ] = None,
+    fmt: Annotated[FileFormat | None, typer.Option("--format", help="default: by suffix")] = None,
+    text_field: Annotated[str | None, typer.Option(help="default: text")] = None,
+    ids_field: Annotated[str | None, typer.Option(help="default: input_ids")] = None,
+    id_field: Annotated[str | None, typer.Option(help="default: id")] = None,
+    on_long: Annotated[
+        OnLong, typer.Option(help="a sequence over the server's max length")
+    ] = OnLong.reject,
+    dataset: Annotated[
+        str | None, typer.Option(help="dataset description for a new cache's manifest")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the job's status as JSON")] = False,
+    watch_: Annotated[bool, typer.Option("--watch", help="then draw its progress bar")] = False,
+    interval: Annotated[float, typer.Option(help="seconds between polls")] = 1.0,
+) -> None:
+    """Queue a job (``POST /v1/jobs``); print its line (or JSON status); with ``--watch``
+    follow it to the end."""
+    if (path is None) == (records is None):
+        raise CliError("give exactly one of PATH (on the server) or --records FILE (local)")
+    sampling = {"draws": draws, "proposal_temperature": proposal_temperature}
+    fields = target_fields(targets and targets.value, k, sampling | {"seed": seed, "head": head})
+    file: dict[str, str] | None = None
+    if path is not None:
+        file = {"path": path, "format": fmt and fmt.value}
+        file |= {"text_field": text_field, "ids_field": ids_field, "id_field": id_field}
+        file = {name: value for name, value in file.items() if value is not None}
+    job = _job(
+        _client(ctx).submit_job(
+            cache,
+            records=None if records is None else read_records(records),
+            file=file,
+            dataset=dataset,
+            on_long=on_long.value,
+            layout=layout and layout.value,
+            **fields,
+        )
+    )
+    typer.echo(json.dumps(job, indent=2) if as_json else f"submitted: {summary_line(job)}")
+    if watch_:
+        watch(ctx, job["id"], interval)
 
 
-def cmd_watch(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
-    """Poll every ``--interval`` seconds and draw a tqdm bar (tokens) until a terminal state."""
+@app.command()
+def watch(
+    ctx: typer.Context,
+    job_id: Annotated[str | None, typer.Argument(help="default: the newest job")] = None,
+    interval: Annotated[float, typer.Option(help="seconds between polls")] = 1.0,
+) -> None:
+    """A progress bar (tokens) until the job ends; exit status 1 if it did not succeed."""
     from tqdm import tqdm
 
-    if args.job_id is None:
-        jobs = client.list()
+    client = _client(ctx)
+    if job_id is None:
+        jobs = client.list_jobs()
         if not jobs:
             raise CliError("no jobs to watch")
-        args.job_id = max(jobs, key=lambda j: j["created_at"])["id"]
-    job = client.get(args.job_id)
+        job_id = max(jobs, key=lambda j: j.created_at).id
+    job = _job(client.get_job(job_id))
     bar = tqdm(
         total=job["tokens_total"],
         unit="tok",
         unit_scale=True,
         desc=f"{job['id']} -> {job['cache']}",
-        file=out,
+        file=sys.stdout,
         dynamic_ncols=True,
         mininterval=0,
     )
@@ -298,109 +359,10 @@ def cmd_watch(client: JobsClient, args: argparse.Namespace, out: TextIO) -> int:
             )
             if job["state"] in TERMINAL_JOB_STATES:
                 break
-            time.sleep(args.interval)
-            job = client.get(args.job_id)
+            time.sleep(interval)
+            job = _job(client.get_job(job_id))
     finally:
         bar.close()
-    print(summary_line(job), file=out)
-    return 0 if job["state"] == "succeeded" else 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=os.environ.get("LOGITCACHE_URL", DEFAULT_URL))
-    p.add_argument("--api-key", default=os.environ.get("LOGITCACHE_API_KEY"))
-    sub = p.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("list", help="one line per job", allow_abbrev=False)
-    ls.add_argument("--json", action="store_true", help="print the statuses as JSON")
-    for name, helptext in (("show", "full status (JSON)"), ("cancel", "cancel a job")):
-        sp = sub.add_parser(name, help=helptext, allow_abbrev=False)
-        sp.add_argument("job_id")
-    w = sub.add_parser("watch", help="progress bar until the job ends", allow_abbrev=False)
-    w.add_argument("job_id", nargs="?", help="default: the newest job")
-    w.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
-    sm = sub.add_parser("submit", help="queue a job (POST /v1/jobs)", allow_abbrev=False)
-    sm.add_argument("cache", help="cache to write (created if absent)")
-    sm.add_argument(
-        "path", nargs="?", help="input file or folder, relative to the server's data dir"
-    )
-    sm.add_argument("--records", metavar="FILE", help="a local JSONL file, sent inline instead")
-    sm.add_argument("--k", type=int, help="default: the cache's k, else the server's")
-    sm.add_argument(
-        "--targets",
-        choices=("topk", "sampled"),
-        help="top-k rows (default) or sampled targets (ids with importance weights)",
-    )
-    sm.add_argument(
-        "--draws", type=int, help="sampled: draws per row (default: the cache's, else 64)"
-    )
-    sm.add_argument(
-        "--proposal-temperature",
-        type=float,
-        help="sampled: tau of the proposal q ~ p^(1/tau) (default: the cache's, else 1)",
-    )
-    sm.add_argument(
-        "--seed",
-        type=int,
-        help="sampled: seed of every sequence's draws (default: the cache's, else 0)",
-    )
-    sm.add_argument(
-        "--head",
-        type=int,
-        help="sampled: keep the teacher's top HEAD ids exactly and draw from the rest "
-        "(a row holds head + draws slots; default: the cache's, else 0)",
-    )
-    sm.add_argument(
-        "--layout",
-        choices=("default", "random_access", "random_access_raw"),
-        help="layout preset of a new cache (FORMAT.md 4.7; random_access: cheaper sequence(i) "
-        "reads, ~25%% larger; random_access_raw: no compression, cheapest sequence(i) reads, "
-        "~2.3x larger); an existing cache keeps its own (another is refused)",
-    )
-    sm.add_argument("--format", choices=("jsonl", "parquet", "arrow"), help="default: by suffix")
-    sm.add_argument("--text-field", help="default: text")
-    sm.add_argument("--ids-field", help="default: input_ids")
-    sm.add_argument("--id-field", help="default: id")
-    sm.add_argument(
-        "--on-long",
-        choices=("reject", "truncate", "split", "skip"),
-        default="reject",
-        help="a sequence over the server's max length (default: reject the job)",
-    )
-    sm.add_argument("--dataset", help="dataset description for a new cache's manifest")
-    sm.add_argument("--json", action="store_true", help="print the job's status as JSON")
-    sm.add_argument("--watch", action="store_true", help="then draw its progress bar")
-    sm.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
-    return p
-
-
-COMMANDS = {
-    "submit": cmd_submit,
-    "list": cmd_list,
-    "show": cmd_show,
-    "cancel": cmd_cancel,
-    "watch": cmd_watch,
-}
-
-
-def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    out = out or sys.stdout
-    try:
-        client = JobsClient(args.url, args.api_key)
-    except ImportError as e:
-        print(f"{PROG}: error: needs the client extra ({e})", file=sys.stderr)
-        return 2
-    try:
-        return COMMANDS[args.command](client, args, out)
-    except CliError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        client.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    typer.echo(summary_line(job))
+    if job["state"] != "succeeded":
+        raise typer.Exit(1)
