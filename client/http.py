@@ -530,7 +530,7 @@ class TeacherClient(_Endpoints):
                     time.sleep(step)
                     answer = None
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 class AsyncTeacherClient(_Endpoints):
@@ -581,7 +581,7 @@ class AsyncTeacherClient(_Endpoints):
                     await asyncio.sleep(step)
                     answer = None
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def _request(call: Call) -> dict[str, Any]:

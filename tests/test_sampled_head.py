@@ -419,8 +419,7 @@ def test_head_rows_read_trim_and_train_like_plain_rows(tmp_path: Path) -> None:
     """A head cache through CacheDataset(trim_sampled=True) drops only trailing padding, and
     the loss (targets="sampled", reduction "none") on it is each row's
     sum_i w_i (log w_i - log s_i) with w the stored weights (float64)."""
-    from client_support import VOCAB, make_sequences, manifest
-    from logitcache.client import CacheDataset
+    from client_support import VOCAB, make_dataset, make_sequences, manifest
     from logitcache.client.collate import IGNORE_INDEX
     from logitcache.client.loss import topk_distill_loss
 
@@ -438,8 +437,8 @@ def test_head_rows_read_trim_and_train_like_plain_rows(tmp_path: Path) -> None:
         w.append(records)
     assert validate(url).ok
     opts: dict[str, Any] = {"tokens_per_item": 32, "batch_size": 3, "seed": 1}
-    full = list(CacheDataset(url, trim_sampled=False, **opts))
-    trimmed = list(CacheDataset(url, **opts))
+    full = list(make_dataset(url, trim_sampled=False, **opts))
+    trimmed = list(make_dataset(url, **opts))
     assert len(full) == len(trimmed) > 2
     narrower = 0
     for f, t in zip(full, trimmed, strict=True):

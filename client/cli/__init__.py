@@ -47,7 +47,8 @@ class _OneLineErrors(TyperGroup):
     """The app's group: a :class:`CliError` or client error raised by any command is printed as
     one line ``logitcache: error: ...`` on stderr, exit status 2."""
 
-    def invoke(self, ctx: typer.Context) -> object:
+    # typer hands a typer.Context; the base class names its private click parent
+    def invoke(self, ctx: typer.Context) -> object:  # type: ignore[override]
         try:
             return super().invoke(ctx)
         except (CliError, ClientError) as exc:

@@ -82,7 +82,7 @@ class FileFormat(StrEnum):
 class OnLong(StrEnum):
     reject = "reject"
     truncate = "truncate"
-    split = "split"
+    split_ = "split"  # (not `split`: str.split)
     skip = "skip"
 
 
@@ -304,9 +304,9 @@ def submit(
     fields = target_fields(targets and targets.value, k, sampling | {"seed": seed, "head": head})
     file: dict[str, str] | None = None
     if path is not None:
-        file = {"path": path, "format": fmt and fmt.value}
-        file |= {"text_field": text_field, "ids_field": ids_field, "id_field": id_field}
-        file = {name: value for name, value in file.items() if value is not None}
+        given = {"format": fmt and fmt.value, "text_field": text_field}
+        given |= {"ids_field": ids_field, "id_field": id_field}
+        file = {"path": path} | {name: value for name, value in given.items() if value}
     job = _job(
         _client(ctx).submit_job(
             cache,
