@@ -1,4 +1,4 @@
-"""``decode_threads`` from the loader to the reader (issue #14): ``CacheDataset(decode_threads=n)``,
+"""``decode_threads`` from the loader to the reader (issue #14): ``ReadOptions(decode_threads=n)``,
 ``LocalSource(decode_threads=n)`` and ``HttpSource(decode_threads=n)`` (store transport) read
 through ``CacheReader(decode_threads=n)`` in the trainer process and in every DataLoader worker
 (the setting is pickled with the source); the stream is the one without; it is refused where no

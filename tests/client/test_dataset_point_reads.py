@@ -1,4 +1,4 @@
-"""``point_reads`` in the loader (issue #14): ``CacheDataset(point_reads=True)`` and
+"""``point_reads`` in the loader (issue #14): ``ReadOptions(point_reads=True)`` and
 ``LocalSource(point_reads=True)`` fetch with one point read (``CacheReader.sequences``) instead
 of merged range reads; the records and the stream are the same; the setting is pickled with the
 source and refused where the source is not a LocalSource."""

@@ -1,4 +1,4 @@
-"""``CacheDataset(read_processes=n)`` (issue #14): the dataset's reader gets ``n`` reader
+"""``ReadOptions(read_processes=n)`` (issue #14): the dataset's reader gets ``n`` reader
 processes and fetches with point reads over them; the stream is the one without; the setting
 survives pickling (DataLoader workers) and is refused where it cannot apply."""
 
