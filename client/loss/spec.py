@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+T = TypeVar("T")
 
 LossKind = Literal["forward_kl", "renormalized_kl", "reverse_kl", "jsd"]
 Reduction = Literal["mean", "sum", "none"]
@@ -37,6 +39,13 @@ LOG_FLOOR: float = math.log(1e-30)
 
 class LossInputError(ValueError):
     """Bad arguments to the distillation loss (shape, dtype, range, duplicate ids, option)."""
+
+
+def given(value: T | None, what: str) -> T:
+    """``value``, which validation guarantees when this is called; a typed error if missing."""
+    if value is None:
+        raise LossInputError(f"{what} missing where validation guarantees it")
+    return value
 
 
 @dataclass(frozen=True)
