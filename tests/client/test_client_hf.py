@@ -10,8 +10,8 @@ sequences of 2..40 tokens, vocab 97, k=4) and a tiny random Llama (same init on 
 
 Every rank records, per optimizer step, the documents it trained (token tuples, mapped back to
 cache sequences) and its share of the loss; the assertions below re-derive each claim from them.
-Run as a script (``python -m torch.distributed.run ... tests/client/test_client_hf.py worker ...``) this
-file is the worker.
+Run as a script (``python -m torch.distributed.run ... tests/client/test_client_hf.py worker
+...``) this file is the worker.
 """
 
 from __future__ import annotations
