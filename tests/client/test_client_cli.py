@@ -52,3 +52,14 @@ def test_console_script_runs() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert exe.returncode == 0 and "loss kernels" in exe.stdout, exe.stderr
+
+
+def test_the_cli_and_the_client_face_load_no_torch_or_httpx() -> None:
+    """The store commands run on the base install: importing the CLI (and the client's face)
+    loads neither torch nor httpx until a name that needs them is used."""
+    code = (
+        "import sys, logitcache.client, logitcache.client.cli\n"
+        "print(','.join(m for m in ('torch', 'httpx') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "", out.stderr
