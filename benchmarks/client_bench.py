@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from logitcache.client import ReadOptions, StreamConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -110,12 +111,14 @@ def time_loader(
 
     ds = CacheDataset(
         source,
-        tokens_per_item=args.budget,
-        mode="pack",
-        batch_size=args.batch,
-        seed=args.seed,
-        shuffle_block_size=block,
-        prefetch=4,
+        StreamConfig(
+            tokens_per_item=args.budget,
+            mode="pack",
+            batch_size=args.batch,
+            seed=args.seed,
+            shuffle_block_size=block,
+        ),
+        read=ReadOptions(prefetch=4),
     )
     loader = CacheDataLoader(ds, num_workers=workers, prefetch_factor=4 if workers else None)
     t0 = time.perf_counter()
@@ -204,7 +207,7 @@ def main() -> None:
         print("local with a simulated step", r, flush=True)
 
     if not args.no_http:
-        from logitcache.client import HttpSource
+        from logitcache.client.sources import HttpSource
         from logitcache.fixtures.tiny import build_tiny_models
         from server_support import ServerProcess
 

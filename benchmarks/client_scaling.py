@@ -174,10 +174,11 @@ def loader_rate(
 ) -> dict[str, Any]:
     """Steady positions/s delivered by ``CacheDataLoader`` (see the module docstring)."""
     import torch
-    from logitcache.client import CacheDataLoader, CacheDataset
+    from logitcache.client import CacheDataLoader, CacheDataset, ReadOptions, StreamConfig
 
-    settings = {**LOADER, **(SHUFFLE if shuffle else {}), **extra}
-    ds = CacheDataset(source, shuffle=shuffle, ids_dtype=torch.int32, seed=1, **settings)
+    settings = {**LOADER, **(SHUFFLE if shuffle else {})}
+    stream = StreamConfig(shuffle=shuffle, ids_dtype=torch.int32, seed=1, **settings)
+    ds = CacheDataset(source, stream, ReadOptions(**extra))
     kwargs: dict[str, Any] = {"num_workers": workers, "pin_memory": pin}
     if workers:
         kwargs["prefetch_factor"] = 4
@@ -203,7 +204,7 @@ def loader_rate(
     wall = time.perf_counter() - t0
     from logitcache.client.readahead import default_read_threads
 
-    threads = ds.read_threads or default_read_threads(workers, os.cpu_count())
+    threads = ds.read.read_threads or default_read_threads(workers, os.cpu_count())
     return {
         "workers": workers,
         "read_threads": threads,
@@ -281,7 +282,7 @@ def http_rates(
 ) -> list[dict[str, Any]]:
     """HttpSource (store transport) against a server process on loopback: one client process
     with each ``threads`` (``read_threads``), then each ``workers`` (> 0) count of workers."""
-    from logitcache.client import HttpSource
+    from logitcache.client.sources import HttpSource
 
     runs = [(0, t) for t in threads] if 0 in workers else []
     runs += [(w, t or None) for t in worker_threads for w in workers if w > 0]
@@ -429,7 +430,7 @@ def data_wait(
     import client_trainstep as ts
     import torch
     import torch.distributed as dist
-    from logitcache.client import CacheDataLoader, CacheDataset
+    from logitcache.client import CacheDataLoader, CacheDataset, StreamConfig
     from transformers import LlamaConfig, LlamaForCausalLM
 
     loss_fn = ts.load_loss()
@@ -483,7 +484,7 @@ def data_wait(
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    ds = CacheDataset(source, ids_dtype=torch.int32, seed=2, **LOADER, **SHUFFLE)
+    ds = CacheDataset(source, StreamConfig(ids_dtype=torch.int32, seed=2, **LOADER, **SHUFFLE))
     loader = CacheDataLoader(ds, num_workers=workers, pin_memory=True, prefetch_factor=4)
     it = iter(loader)
 
@@ -696,7 +697,7 @@ def main() -> None:
     )
 
     def datawait_http() -> dict[str, Any]:
-        from logitcache.client import HttpSource
+        from logitcache.client.sources import HttpSource
 
         with http_server(str(root)) as (http_url, pid):
             c0 = proc_cpu_s(pid)

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from logitcache.client import ReadOptions, StreamConfig
 
 #: Settings that keep NCCL / symmetric memory off NVLink multicast (NVLS) on GPU boxes.
 NVLS_OFF = {
@@ -386,14 +387,16 @@ def _open_parts(cfg: TrainConfig, rank: int, world: int, vocab: int) -> list[Par
     for r in ranks:
         ds = CacheDataset(
             cfg.cache,
-            tokens_per_item=cfg.tokens_per_item,
-            mode=cfg.mode,
-            batch_size=cfg.batch_items,
-            seed=cfg.seed,
-            rank=r,
-            world_size=n_parts,
+            StreamConfig(
+                tokens_per_item=cfg.tokens_per_item,
+                mode=cfg.mode,
+                batch_size=cfg.batch_items,
+                seed=cfg.seed,
+                rank=r,
+                world_size=n_parts,
+            ),
+            read=ReadOptions(prefetch=cfg.prefetch),
             vocab_size=vocab,
-            prefetch=cfg.prefetch,
         )
         parts.append(Part(ds, CacheDataLoader(ds, num_workers=cfg.workers)))
     return parts

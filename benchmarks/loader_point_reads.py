@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from logitcache.client import ReadOptions, StreamConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -58,7 +59,7 @@ def measure(fn: Any) -> dict[str, float]:
 
 
 def fetches(url: str, calls: list[list[int]], threads: int, point: bool) -> dict[str, float]:
-    from logitcache.client import LocalSource
+    from logitcache.client.sources import LocalSource
 
     src = LocalSource(url, decode_threads=threads, point_reads=point)
     src.fetch(calls[0])  # warm: the reader opened, kernels loaded
@@ -74,12 +75,8 @@ def loader(url: str, batches: int, threads: int, point: bool, seed: int) -> dict
 
     ds = CacheDataset(
         url,
-        tokens_per_item=2048,
-        batch_size=8,
-        seed=seed,
-        read_threads=1,
-        decode_threads=threads,
-        point_reads=point,
+        StreamConfig(tokens_per_item=2048, batch_size=8, seed=seed),
+        read=ReadOptions(read_threads=1, decode_threads=threads, point_reads=point),
     )
     it = iter(ds)
     for _ in range(2):  # warm: the reader opened, the first reads in flight

@@ -18,8 +18,8 @@ import os
 import resource
 
 import numpy as np
-from logitcache.client import CacheDataset
-from logitcache.client.dataset import TRAINER_SHUFFLE
+from logitcache.client import CacheDataset, ReadOptions, StreamConfig
+from logitcache.client.config import TRAINER_SHUFFLE
 
 
 def main() -> None:
@@ -34,11 +34,8 @@ def main() -> None:
     pr = None if a.point_reads == "auto" else a.point_reads == "true"
     ds = CacheDataset(
         a.store,
-        tokens_per_item=2048,
-        batch_size=8,
-        point_reads=pr,
-        read_threads=a.read_threads,
-        **TRAINER_SHUFFLE,
+        StreamConfig(tokens_per_item=2048, batch_size=8, **TRAINER_SHUFFLE),
+        ReadOptions(point_reads=pr, read_threads=a.read_threads),
     )
     n = 0
     for _ in ds:

@@ -76,11 +76,9 @@ def make_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0) 
 # ----------------------------------------------------------------------------- variants
 def ours(impl: str, backend: str = "auto", chunk: int | None = None) -> Callable:
     def fn(x: dict) -> torch.Tensor:
-        chunk_ops.BACKEND = backend
-        try:
-            return topk_distill_loss(x["h"], x["w"], x["ids"], x["lp"], impl=impl, chunk_size=chunk)
-        finally:
-            chunk_ops.BACKEND = "auto"
+        return topk_distill_loss(
+            x["h"], x["w"], x["ids"], x["lp"], impl=impl, chunk_size=chunk, kernels=backend
+        )
 
     return fn
 
@@ -249,19 +247,16 @@ def check(args: argparse.Namespace, device: str) -> dict:
 
         def mk(impl: str, backend: str, kw: dict = kw) -> Callable:
             def call(x: dict) -> torch.Tensor:
-                chunk_ops.BACKEND = backend
-                try:
-                    return topk_distill_loss(
-                        x["h"],
-                        x["w"],
-                        x["ids"],
-                        x["lp"],
-                        impl=impl,
-                        chunk_size=args.check_chunk,
-                        **kw,
-                    )
-                finally:
-                    chunk_ops.BACKEND = "auto"
+                return topk_distill_loss(
+                    x["h"],
+                    x["w"],
+                    x["ids"],
+                    x["lp"],
+                    impl=impl,
+                    chunk_size=args.check_chunk,
+                    kernels=backend,
+                    **kw,
+                )
 
             return call
 

@@ -168,7 +168,7 @@ def check_small(n: int, vocab: int, d: int, k: int) -> list[dict]:
                     rel_grad_h=rel(got[1], ref[1]),
                     rel_grad_w=rel(got[2], ref[2]),
                     finite=bool(torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all()),
-                    triton=chunk_ops.use_triton_for(x["h"]),
+                    triton=chunk_ops.use_triton("auto", x["h"].device),
                 )
                 out.append(row)
                 print(
@@ -230,11 +230,10 @@ def check_large(n: int, vocab: int, d: int, k: int) -> dict:
     x = make_inputs(n, d, vocab, k, DEVICE, seed=31)
     t0 = time.time()
     x64 = as64(x)
-    ref_fn = lambda z: topk_distill_loss(z["h"], z["w"], z["ids"], z["lp"], chunk_size=1024)  # noqa: E731
-    saved = chunk_ops.BACKEND
-    chunk_ops.BACKEND = "torch"
+    ref_fn = lambda z: topk_distill_loss(  # noqa: E731
+        z["h"], z["w"], z["ids"], z["lp"], chunk_size=1024, kernels="torch"
+    )
     ref = grads(ref_fn, x64)
-    chunk_ops.BACKEND = saved
     del x64
     free()
     out: dict[str, Any] = {"n": n, "vocab": vocab, "d": d, "ref_s": time.time() - t0}

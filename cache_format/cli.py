@@ -1,4 +1,6 @@
-"""``logitcache`` command line: ``info``, ``validate``, ``export`` (entry point ``app``).
+"""The format's commands of the ``logitcache`` CLI: ``info``, ``validate``, ``export`` to JSON
+lines or wire frames (the one typer app, with the jobs and import commands, is
+:mod:`logitcache.client.cli`).
 
 Storage options for object stores come from ``--option name=value`` (repeatable), e.g.
 ``--option endpoint_url=http://127.0.0.1:9000 --option key=... --option secret=...``.
@@ -7,7 +9,6 @@ Storage options for object stores come from ``--option name=value`` (repeatable)
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -16,23 +17,17 @@ import typer
 if TYPE_CHECKING:
     from ._reader import CacheReader
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="Inspect, validate and export logitcache stores.",
-)
-
 OptionList = Annotated[
     list[str] | None,
     typer.Option("--option", "-o", help="storage option name=value (repeatable)"),
 ]
 
 
-def _options(pairs: list[str] | None) -> dict:
+def storage_options(pairs: list[str] | None) -> dict[str, object]:
     """``name=value`` pairs as storage options; ``true``/``false`` (any case) are booleans and a
     value starting with ``{`` is a JSON object (``client_kwargs={...}``); the rest stay strings
     (so ``-o anon=false`` means anonymous access OFF)."""
-    out: dict = {}
+    out: dict[str, object] = {}
     for pair in pairs or []:
         if "=" not in pair:
             raise typer.BadParameter(f"expected name=value, got {pair!r}")
@@ -83,7 +78,7 @@ def _fail(url: str, err: BaseException) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _reader(url: str, options: dict) -> CacheReader:
+def _reader(url: str, options: dict[str, object]) -> CacheReader:
     from ._reader import CacheReader
     from .errors import FormatError
 
@@ -93,15 +88,12 @@ def _reader(url: str, options: dict) -> CacheReader:
         raise _fail(url, e) from None
 
 
-@app.command()
-def info(
-    url: str, option: OptionList = None, as_json: bool = typer.Option(False, "--json")
-) -> None:
+def info(url: str, option: OptionList = None, as_json: bool = False) -> None:
     """Print the manifest, sizes and compression ratio of the store at URL."""
     from ._manifest import IDENTITY_FIELDS
     from .stats import LOW_COVERAGE, store_stats, tail_summary
 
-    reader = _reader(url, _options(option))
+    reader = _reader(url, storage_options(option))
     m = reader.manifest
     st = store_stats(reader.store, m)
     tail = tail_summary(reader)  # coverage: 1 - mean tail mass (sampled on large caches)
@@ -156,43 +148,30 @@ def info(
             )
 
 
-@app.command("validate")
 def validate_cmd(url: str, option: OptionList = None) -> None:
     """Check every invariant; exit status 1 if any problem is found, 2 if there is no store."""
     from ._validate import validate
     from .errors import StoreNotFoundError
 
-    report = validate(url, _options(option))
+    report = validate(url, storage_options(option))
     if report.codes() & {"no_store", "store_unreadable"}:
         raise _fail(url, StoreNotFoundError(f"no logitcache store at {url!r}"))
     typer.echo(str(report))
     raise typer.Exit(0 if report.ok else 1)
 
 
-@app.command()
-def export(
-    url: str,
-    out: Path,
-    option: OptionList = None,
-    fmt: str = typer.Option(
-        "jsonl", "--format", help="jsonl | frames (wire codec) | parquet (axolotl) | distillkit"
-    ),
-    limit: int = typer.Option(-1, help="export the first N sequences only (-1: all)"),
-) -> None:
-    """Export sequences to JSON lines (one record per line) or wire-codec frames; or for a peer
-    trainer: ``parquet`` (axolotl's KD layout) or ``distillkit`` (a DistillKit logit directory)."""
-    if fmt in ("parquet", "axolotl", "distillkit"):  # lazy: needs the client extra and pyarrow
-        from logitcache.client.interop_cli import export_peer
-
-        n = export_peer(fmt, url, out, _options(option), limit)
-        typer.echo(f"exported {n} sequences to {out}", err=True)
-        return
+def export_records(
+    url: str, out: Path, options: dict[str, object], fmt: str, limit: int | None
+) -> int:
+    """Write the first ``limit`` (all: ``None``) sequences of the store at ``url`` to ``out`` as
+    JSON lines (``fmt="jsonl"``, one record per line) or wire-codec frames (``"frames"``);
+    return how many."""
     from ._wire import encode_records
 
-    reader = _reader(url, _options(option))
-    n = reader.num_sequences if limit < 0 else min(limit, reader.num_sequences)
     if fmt not in ("jsonl", "frames"):
-        raise typer.BadParameter("format must be jsonl, frames, parquet or distillkit")
+        raise typer.BadParameter(f"format must be jsonl or frames, got {fmt!r}")
+    reader = _reader(url, options)
+    n = reader.num_sequences if limit is None else min(limit, reader.num_sequences)
     mode = "w" if fmt == "jsonl" else "wb"
     with open(out, mode) as f:
         for start in range(0, n, 256):
@@ -213,37 +192,4 @@ def export(
                     )
                     + "\n"
                 )
-    typer.echo(f"exported {n} sequences to {out}", err=True)
-
-
-@app.command(
-    "jobs",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def jobs(ctx: typer.Context) -> None:
-    """Submit, list, show, watch (progress bar) or cancel jobs (client/jobs_cli.py)."""
-    from logitcache.client.jobs_cli import main as jobs_main  # lazy: needs the client extra
-
-    raise typer.Exit(jobs_main(list(ctx.args)))
-
-
-@app.command(
-    "import",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def import_cmd(ctx: typer.Context) -> None:
-    """Import a peer trainer's teacher top-k files (axolotl parquet, DistillKit) into a new cache
-    (client/interop_cli.py)."""
-    from logitcache.client.interop_cli import main as import_main  # lazy: needs pyarrow
-
-    raise typer.Exit(import_main(list(ctx.args)))
-
-
-def main() -> None:  # pragma: no cover - console entry convenience
-    app(sys.argv[1:])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
+    return n

@@ -1,31 +1,35 @@
 """logitcache.client: what a trainer imports.
 
 * :class:`TeacherClient` / :class:`AsyncTeacherClient`: the teacher service over HTTP (score on
-  demand, batch jobs with a progress bar, caches), with retries and typed errors.
+  demand, batch jobs with a progress bar, caches), with retries and typed errors
+  (:mod:`logitcache.client.errors`).
 * :class:`CacheDataset` (+ :class:`CacheDataLoader`): a torch ``IterableDataset`` of aligned
-  top-k items read from a cache store (local or ``s3://``) or over HTTP; deterministic shuffling,
-  rank/worker sharding, exact mid-epoch resume, background prefetch.
-* :func:`check_compatible`: the tokenizer / vocab guard the dataset applies.
-* The loss (``topk_distill_loss`` ...) is re-exported lazily from :mod:`logitcache.client.loss`.
+  top-k items read from a cache store (local or ``s3://``) or over HTTP, shaped by a
+  :class:`StreamConfig` (order, packing, sharding) and read as :class:`ReadOptions` say
+  (threads, processes, prefetch); deterministic shuffling, exact mid-epoch resume.
+* :func:`open_source`: a store location or server URL as a cache source.
+* The loss is :mod:`logitcache.client.loss` (``topk_distill_loss``, ``TopKDistillLoss``).
 * :mod:`~logitcache.client.packing`, :mod:`~logitcache.client.hf` (HF ``Trainer``, needs the
-  ``hf`` extra), :mod:`~logitcache.client.interop` (parquet for axolotl / DistillKit): imported
-  on demand, not by this package.
+  ``hf`` extra), :mod:`~logitcache.client.interop` (parquet for axolotl / DistillKit),
+  :mod:`~logitcache.client.cli` (the ``logitcache`` command): imported on demand.
 
-Never imports ``logitcache.server``, ``vllm`` or ``fastapi``.
+Names are loaded on first use, so importing this package (or its CLI) loads neither torch nor
+httpx. Never imports ``logitcache.server``, ``vllm`` or ``fastapi``.
 
 Quick start (the training loop is README's "In a trainer" block, executed by
 ``tests/test_client_hf_readme.py``)::
 
     import torch
-    from logitcache.client import CacheDataLoader, CacheDataset, TeacherClient
+    from logitcache.client import CacheDataLoader, CacheDataset, StreamConfig, TeacherClient
     from logitcache.client.loss import topk_distill_loss
     from logitcache.client.packing import packed_hidden_states
 
     with TeacherClient("http://127.0.0.1:8000", api_key=KEY) as teacher:
         teacher.run_job("corpus", texts=texts)          # tqdm bar over the job's tokens
 
-    ds = CacheDataset("s3://bucket/caches/corpus-k20", tokens_per_item=2048, mode="pack",
-                      batch_size=8, seed=0, tokenizer=student_tokenizer, vocab_size=student.config)
+    ds = CacheDataset("s3://bucket/caches/corpus-k20",
+                      StreamConfig(tokens_per_item=2048, mode="pack", batch_size=8, seed=0),
+                      tokenizer=student_tokenizer, vocab_size=student.config)
     model = student              # or torch.nn.parallel.DistributedDataParallel(student)
     opt = torch.optim.AdamW(student.parameters(), lr=3e-4)
     loader = CacheDataLoader(ds, num_workers=2)
@@ -54,76 +58,40 @@ CacheDistillTrainer` (README); as a ``datasets.IterableDataset``:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
-from .collate import IGNORE_INDEX, ITEM_FIELDS
-from .dataset import CacheDataLoader, CacheDataset
-from .errors import (
-    AuthError,
-    BadRequestError,
-    ClientError,
-    ConfigError,
-    ConflictError,
-    CutSequenceWarning,
-    IncompatibleCacheError,
-    JobFailedError,
-    JobTimeoutError,
-    NotFoundError,
-    PayloadTooLargeError,
-    RateLimitedError,
-    ServerError,
-    SourceError,
-    StateError,
-    TeacherHTTPError,
-    TransportError,
-)
-from .guards import check_compatible
-from .http import AsyncTeacherClient, TeacherClient
-from .sources import CacheSource, HttpSource, LocalSource, open_source
-from .state import LoaderState
+if TYPE_CHECKING:
+    from .config import ReadOptions, StreamConfig
+    from .dataset import CacheDataLoader, CacheDataset
+    from .http import AsyncTeacherClient, TeacherClient
+    from .sources import open_source
+
+#: Public name -> the module defining it (loaded on first use).
+_WHERE = {
+    "AsyncTeacherClient": "http",
+    "CacheDataLoader": "dataset",
+    "CacheDataset": "dataset",
+    "ReadOptions": "config",
+    "StreamConfig": "config",
+    "TeacherClient": "http",
+    "open_source": "sources",
+}
 
 __all__ = [
-    "IGNORE_INDEX",
-    "ITEM_FIELDS",
     "AsyncTeacherClient",
-    "AuthError",
-    "BadRequestError",
     "CacheDataLoader",
     "CacheDataset",
-    "CacheSource",
-    "ClientError",
-    "ConfigError",
-    "ConflictError",
-    "CutSequenceWarning",
-    "HttpSource",
-    "IncompatibleCacheError",
-    "JobFailedError",
-    "JobTimeoutError",
-    "LoaderState",
-    "LocalSource",
-    "NotFoundError",
-    "PayloadTooLargeError",
-    "RateLimitedError",
-    "ServerError",
-    "SourceError",
-    "StateError",
+    "ReadOptions",
+    "StreamConfig",
     "TeacherClient",
-    "TeacherHTTPError",
-    "TransportError",
-    "check_compatible",
     "open_source",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Lazy re-export of the loss package's public names (``from logitcache.client import
-    topk_distill_loss``) so that importing the client does not import the loss."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    try:
-        loss = importlib.import_module(f"{__name__}.loss")
-    except ImportError as exc:  # the loss package is optional for data-only users
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r} ({exc})") from exc
-    if name in getattr(loss, "__all__", ()):
-        return getattr(loss, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __getattr__(name: str) -> object:
+    """Load a public name from its module on first use."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

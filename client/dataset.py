@@ -34,15 +34,17 @@ process (``num_workers=0``) it counts itself; with DataLoader workers the copies
 cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
 counts the batches it handed out.
 
-A background thread per iterating process collates ``prefetch`` units ahead, from records that
+The stream is a :class:`~logitcache.client.config.StreamConfig`; how it is read, a
+:class:`~logitcache.client.config.ReadOptions`: a background thread per iterating process
+collates ``prefetch`` units ahead, from records that
 :class:`~logitcache.client.readahead.ReadAhead` reads ``read_threads`` store reads at a time, in
 the order the units first need them.
 
 Follow
 ------
-``follow=True``: :meth:`CacheDataset.set_epoch` adopts the sequences committed since (a job may
-still be filling the cache); every rank plans the epoch over the same count (the smallest any rank
-sees), and the state's ``num_sequences`` pins it for an exact resume.
+``StreamConfig(follow=True)``: :meth:`CacheDataset.set_epoch` adopts the sequences committed
+since (a job may still be filling the cache); every rank plans the epoch over the same count (the
+smallest any rank sees), and the state's ``num_sequences`` pins it for an exact resume.
 """
 
 from __future__ import annotations
@@ -62,13 +64,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .collate import (
     ItemPlan,
-    LongPolicy,
-    Mode,
     build_batch,
     cut_rows,
     plan_items,
     trim_padding_columns,
 )
+from .config import TRAINER_SHUFFLE, ReadOptions, StreamConfig
 from .errors import ConfigError, CutSequenceWarning, StateError
 from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
@@ -78,18 +79,9 @@ from .sources import CacheSource, HttpSource, LocalSource, open_source
 from .state import LoaderState
 from .world import agree_min, current_worker, distributed_world_size, resolve_ranks
 
-__all__ = ["CacheDataset", "CacheDataLoader", "TRAINER_SHUFFLE"]
+__all__ = ["CacheDataset", "CacheDataLoader", "ReadOptions", "StreamConfig", "TRAINER_SHUFFLE"]
 
 _DONE = object()
-
-#: The full shuffle measured on a 16-core trainer host (benchmarks/results/client.md): blocks of
-#: 64 sequences, windows of 4 blocks (a batch draws from 4 random regions of the cache), 24 lanes
-#: (so 1, 2, 3, 4, 6, 8, 12 or 24 DataLoader workers each decode only their own blocks). Holds
-#: about ``24 * 5`` blocks of decoded records per rank (~4.5 GB at 735 tokens per sequence, k=100),
-#: split among the workers. ``CacheDataset(url, **TRAINER_SHUFFLE, ids_dtype=torch.int32)``.
-#: In one process (no DataLoader workers) ``lanes=1`` starts faster: with 24 lanes every lane's
-#: first window is read before the 24th batch (1.6 s on that host with 4 read threads).
-TRAINER_SHUFFLE: dict[str, int] = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
 
 #: Items whose sequences one ``source.fetch`` call reads with a uniform full shuffle
 #: (``shuffle_block_size=1``): more give the source longer runs to merge and fewer calls, at the
@@ -100,26 +92,36 @@ _FETCH_ITEMS = 64
 _SEQUENTIAL_BLOCK = 64
 
 
-def _reader_source(
-    source: CacheSource, read_processes: int, decode_threads: int, point_reads: bool | None
-) -> CacheSource:
-    """A copy of ``source`` whose reader has ``read_processes`` reader processes and
-    ``decode_threads`` decode threads, and whose fetches are point reads or not as
-    ``point_reads`` says, where given (0, 1 and None: the source's own setting); the source
-    itself is left as it is.
-    ``read_processes`` and ``point_reads``: a :class:`~logitcache.client.sources.LocalSource`
-    only; ``decode_threads``: also an :class:`~logitcache.client.sources.HttpSource` of
+def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
+    """``source`` with ``read``'s reader settings (reader processes, decode threads, point
+    reads), as a copy; the source itself when they are its defaults. ``read_processes`` and
+    ``point_reads``: a :class:`~logitcache.client.sources.LocalSource` only;
+    ``decode_threads``: also an :class:`~logitcache.client.sources.HttpSource` of
     ``transport="store"`` (its reader is a LocalSource's). ConfigError elsewhere."""
+    point_reads = read.point_reads
+    if not (
+        read.read_processes
+        or read.decode_threads > 1
+        or point_reads is not None
+        and (point_reads or type(source) is LocalSource)
+    ):  # (point_reads=False: range reads, what every other source does anyway)
+        return source
     if type(source) is LocalSource:
         return LocalSource(
             source.url,
             source.storage_options,
             max_gap_tokens=source.max_gap_tokens,
-            read_processes=read_processes or source.read_processes,
-            decode_threads=decode_threads if decode_threads > 1 else source.decode_threads,
+            read_processes=read.read_processes or source.read_processes,
+            decode_threads=read.decode_threads
+            if read.decode_threads > 1
+            else source.decode_threads,
             point_reads=source.point_reads if point_reads is None else point_reads,
         )
-    local = [n for n, v in (("read_processes", read_processes), ("point_reads", point_reads)) if v]
+    local = [
+        name
+        for name, value in (("read_processes", read.read_processes), ("point_reads", point_reads))
+        if value
+    ]
     if local:
         raise ConfigError(
             f"{' and '.join(local)}: for local and object-store caches (a LocalSource) only, "
@@ -127,7 +129,7 @@ def _reader_source(
         )
     if type(source) is HttpSource and source.transport == "store":
         config = {name: getattr(source, name) for name in HttpSource._CONFIG}
-        return HttpSource(**{**config, "decode_threads": decode_threads})
+        return HttpSource(**{**config, "decode_threads": read.decode_threads})
     raise ConfigError(
         "decode_threads applies where this process reads the store: a LocalSource, or an "
         f"HttpSource with transport='store'; not to {source!r}"
@@ -137,220 +139,49 @@ def _reader_source(
 class CacheDataset(IterableDataset):
     """Stream aligned, fixed-budget items from a teacher cache (see the module docstring).
 
-    Parameters
-    ----------
-    source:
-        A :class:`~logitcache.client.sources.CacheSource`, a store location (local path,
-        ``s3://...``) or a server URL ``http(s)://host:port`` with ``cache=<name>``.
-    tokens_per_item:
-        Positions per item ``T``.
-    mode:
-        ``"pack"`` (several sequences per item, boundaries kept) or ``"pad"`` (one per item).
-    long_sequences:
-        ``"split"`` sequences longer than ``T`` into ``T``-token pieces, or ``"truncate"`` them.
-        Split pieces after a sequence's first are trained against rows the teacher scored with
-        the whole prefix in view, which the student does not see there: the dataset warns
-        (:class:`~logitcache.client.errors.CutSequenceWarning`, with the share of rows).
-    batch_size:
-        ``None``: yield single items (tensors ``[T, ...]``). An int ``B``: yield batches
-        ``[B, T, ...]`` of consecutive items (the last one may be smaller).
-    seed, shuffle, shuffle_block_size, shuffle_window:
-        Order of sequences per epoch (:func:`~logitcache.client.order.epoch_order`, whose
-        docstring states the randomness of each mode). The default ``shuffle_block_size=1`` is
-        a uniform full shuffle: one small store read per sequence, and each read has a fixed
-        cost. ``shuffle_block_size=b`` (e.g. 64) shuffles blocks of ``b`` contiguous sequences
-        and the sequences inside each block: one contiguous read per block, but a batch draws
-        from one or two blocks of neighbours. ``shuffle_window=w`` (with ``b > 1``) mixes the
-        sequences of ``w`` random blocks at a time: a batch draws from ``w`` distant regions,
-        reads stay one per block, and each iterating process holds about ``w + 1`` blocks of
-        records in memory. Measured rates: benchmarks/results/client.md.
-    lanes:
-        Cut this rank's epoch stream into ``lanes`` parts planned separately whose units
-        (batches) are interleaved, unit ``u`` from lane ``u mod lanes``
-        (:func:`~logitcache.client.order.lane_item_order`). With ``num_workers`` dividing
-        ``lanes``, each DataLoader worker reads only its own lanes' blocks, so workers do not
-        all decode the same shuffle window (without lanes every worker reads nearly every block
-        of the window its batches draw from). The stream depends on ``lanes``, not on
-        ``num_workers``. ``24`` suits 1, 2, 3, 4, 6, 8, 12 and 24 workers.
-    rank, world_size:
-        Explicit sharding; default ``torch.distributed``'s when initialised, else ``(0, 1)``.
-    even_ranks:
-        Cut every rank's epoch to the item count of the shortest rank (DDP steps must match);
-        drops at most a few items per epoch. Off by default: then ranks cover every sequence.
-    tokenizer, vocab_size, allow_mismatch:
-        Student guards (:func:`~logitcache.client.guards.check_compatible`): the student's
-        tokenizer (or its fingerprint) and vocab size (int, config or model). Mismatch raises
-        ``IncompatibleCacheError`` unless ``allow_mismatch=True``.
-    topk:
-        Keep the first ``topk <= k`` columns of each row (their dropped mass goes to the tail).
-    ids_dtype:
-        dtype of ``topk_ids`` (``torch.int64`` default, or ``torch.int32``).
-    pad_token_id:
-        ``input_ids`` value on padding.
-    prefetch:
-        Units prepared ahead by the background thread of each iterating process.
-    read_threads:
-        Store reads (``source.fetch`` calls) each iterating process runs at once, ahead of the
-        units that need them (:class:`~logitcache.client.readahead.ReadAhead`; decoding releases
-        the GIL, so one process decodes on several cores). ``None``:
-        :func:`~logitcache.client.readahead.default_read_threads` (4 in the trainer process of a
-        16-core host, 2 in each of 8 DataLoader workers). The stream does not depend on it.
-    trim_sampled:
-        For a ``targets="sampled"`` cache (FORMAT.md 4.4): cut each unit's ``topk_ids`` /
-        ``topk_logprobs`` to the columns some row of that unit uses, i.e. drop the trailing
-        columns that are weight-0 padding in every row
-        (:func:`~logitcache.client.collate.trim_padding_columns`). Rows hold only their
-        distinct draws (on the fixture teacher at 384 draws: 90 per row on average, a batch of
-        8 x 128 positions keeps ~180 columns), so the loss does less work (0.67x CPU time per
-        step there); its value and gradients are unchanged (a dropped column has weight 0).
-        The width then varies from unit to unit (at most ``k``); pass ``False`` for a fixed
-        ``[..., k]`` shape (``torch.compile`` without dynamic shapes, CUDA graphs, stacking
-        units). Top-k caches are never trimmed. The item stream (and the loader state) does
-        not depend on it.
-    read_processes:
-        ``0`` (default): each iterating process reads with its own reader alone. ``n > 0``
-        (local or object-store locations and :class:`~logitcache.client.sources.LocalSource`
-        only): its reader is ``CacheReader(read_processes=n)`` and each fetch reads the wanted
-        sequences with point reads (``CacheReader.sequences``, FORMAT.md D4), which that reader
-        spreads over the iterating process and ``n`` reader processes (started at its first
-        read, in every DataLoader worker that reads; ``cache_format/procread.py``). Pays where
-        idle cores exist (measured on a 16-core box: batches of 32 random sequences 0.3-0.7x an
-        uncompressed copy with 4-12 processes, benchmarks/results/client.md). The values and the
-        stream do not depend on it.
-    decode_threads:
-        ``1`` (default): each store read is decoded in the thread that issued it. ``n > 1``
-        (local and object-store locations, a :class:`~logitcache.client.sources.LocalSource`,
-        and server URLs / an :class:`~logitcache.client.sources.HttpSource` with the default
-        ``transport="store"``): the iterating process's reader is
-        ``CacheReader(decode_threads=n)``, which decodes the arrays of each fetch (its range
-        reads, or its point read with ``read_processes``) on ``n`` threads. It splits one
-        fetch, where ``read_threads`` runs several fetches at once: it pays when few fetches
-        are in flight (``read_threads=1``, large ``shuffle_block_size`` blocks) and cores are
-        idle. Every DataLoader worker's reader has it too (the setting is pickled with the
-        source). The values and the stream do not depend on it.
-    point_reads:
-        ``None`` (default): the source's choice; a
-        :class:`~logitcache.client.sources.LocalSource` makes point reads where its reader's
-        compiled path serves them (a local directory store, numba installed) and range reads
-        elsewhere. ``True`` (local and object-store locations and LocalSource only): each fetch
-        is one point read of the wanted sequences (``CacheReader.sequences``, FORMAT.md D4:
-        only their own chunks, one compiled call per decode thread on a local store with
-        numba), as with ``read_processes``. ``False``: each fetch merges the wanted sequences
-        into few sequence ranges and reads those (unwanted sequences between nearby wanted ones
-        are read and dropped). With a uniform full shuffle, measured on a 2-core VM, one
-        process: point reads gave 3-5x the positions per CPU-second of the range reads on the
-        default layout, 10-14x on the ``random_access`` layout
-        (benchmarks/results/loader_point_reads_s8.md). The values and the stream do not depend
-        on it.
-    follow:
-        Follow a cache that a running job is still filling: every :meth:`set_epoch` first
-        adopts the sequences committed since (:meth:`refresh`; under ``torch.distributed`` the
-        ranks agree on the smallest count any of them sees, so call ``set_epoch`` on every rank,
-        as DDP trainers do). Epoch ``e`` is planned over the sequences committed when it was
-        set, and the loader state records that count, so a resumed run replays exactly the
-        same remaining stream however much the cache grew meanwhile.
-    storage_options, cache, **http_options:
-        Passed to :func:`~logitcache.client.sources.open_source` when ``source`` is a location.
+    ``CacheDataset(source, config=StreamConfig(...), read=ReadOptions(...), tokenizer=...,
+    vocab_size=...)``:
+
+    * ``source``: a :class:`~logitcache.client.sources.CacheSource` or a store location (local
+      path, ``s3://...``); for a server URL, storage options or HTTP settings build the source
+      with :func:`~logitcache.client.sources.open_source` first.
+    * ``config``: the stream (:class:`~logitcache.client.config.StreamConfig`).
+    * ``read``: read tuning (:class:`~logitcache.client.config.ReadOptions`); the stream does
+      not depend on it.
+    * ``tokenizer``, ``vocab_size``, ``allow_mismatch``: student guards
+      (:func:`~logitcache.client.guards.check_compatible`): the student's tokenizer (or its
+      fingerprint) and vocab size (int, config or model). A mismatch raises
+      ``IncompatibleCacheError`` unless ``allow_mismatch=True``.
+
+    ``rank``, ``world_size`` (resolved from the config or ``torch.distributed``) and ``k`` (the
+    columns per row after ``topk``) are attributes.
     """
 
     def __init__(
         self,
         source: CacheSource | str | os.PathLike[str],
+        config: StreamConfig | None = None,
+        read: ReadOptions | None = None,
         *,
-        tokens_per_item: int = 2048,
-        mode: Mode = "pack",
-        long_sequences: LongPolicy = "split",
-        batch_size: int | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        shuffle_block_size: int = 1,
-        shuffle_window: int = 1,
-        lanes: int = 1,
-        rank: int | None = None,
-        world_size: int | None = None,
-        even_ranks: bool = False,
-        tokenizer: Any = None,
-        vocab_size: Any = None,
+        tokenizer: object = None,
+        vocab_size: object = None,
         allow_mismatch: bool = False,
-        topk: int | None = None,
-        ids_dtype: torch.dtype = torch.int64,
-        pad_token_id: int = 0,
-        prefetch: int = 4,
-        read_threads: int | None = None,
-        read_processes: int = 0,
-        decode_threads: int = 1,
-        point_reads: bool | None = None,
-        follow: bool = False,
-        trim_sampled: bool = True,
-        storage_options: dict[str, Any] | None = None,
-        cache: str | None = None,
-        **http_options: Any,
     ) -> None:
         super().__init__()
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1 or None, got {batch_size}")
-        if prefetch < 1:
-            raise ConfigError(f"prefetch must be >= 1, got {prefetch}")
-        if read_threads is not None and read_threads < 1:
-            raise ConfigError(f"read_threads must be >= 1 or None, got {read_threads}")
-        if lanes < 1:
-            raise ConfigError(f"lanes must be >= 1, got {lanes}")
-        if ids_dtype not in (torch.int64, torch.int32):
-            raise ConfigError(f"ids_dtype must be torch.int64 or torch.int32, got {ids_dtype}")
-        if seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {seed}")
-        if shuffle_block_size < 1 or shuffle_window < 1:
-            raise ConfigError(
-                "shuffle_block_size and shuffle_window must be >= 1, got "
-                f"{shuffle_block_size}, {shuffle_window}"
-            )
-        if read_processes < 0:
-            raise ConfigError(f"read_processes must be >= 0, got {read_processes}")
-        if decode_threads < 1:
-            raise ConfigError(f"decode_threads must be >= 1, got {decode_threads}")
-        self.source = open_source(
-            source, storage_options=storage_options, cache=cache, **http_options
-        )
-        if (
-            read_processes
-            or decode_threads > 1
-            or point_reads is not None
-            and (point_reads or type(self.source) is LocalSource)
-        ):  # (point_reads=False: range reads, what every other source does anyway)
-            self.source = _reader_source(
-                self.source,
-                int(read_processes),
-                int(decode_threads),
-                None if point_reads is None else bool(point_reads),
-            )
-        self.read_processes = int(read_processes)
-        self.decode_threads = int(decode_threads)
-        self.point_reads = point_reads
+        self.config = config = StreamConfig() if config is None else config
+        self.read = read = ReadOptions() if read is None else read
+        if not isinstance(config, StreamConfig) or not isinstance(read, ReadOptions):
+            raise ConfigError("config must be a StreamConfig and read a ReadOptions")
+        self.source = _tuned(open_source(source), read)
         manifest = self.source.manifest
         self.mismatches = check_compatible(
             manifest, tokenizer=tokenizer, vocab_size=vocab_size, allow_mismatch=allow_mismatch
         )
         k = int(manifest.k)
-        if topk is not None and not 1 <= topk <= k:
-            raise ConfigError(f"topk must be in [1, {k}] (the cache's k), got {topk}")
-        self.k = k if topk is None else int(topk)
-        self.tokens_per_item = int(tokens_per_item)
-        self.mode = mode
-        self.long_sequences = long_sequences
-        self.batch_size = batch_size
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.shuffle_block_size = int(shuffle_block_size)
-        self.shuffle_window = int(shuffle_window)
-        self.lanes = int(lanes)
-        self.rank, self.world_size = resolve_ranks(rank, world_size)
-        self.even_ranks = bool(even_ranks)
-        self.ids_dtype = ids_dtype
-        self.pad_token_id = int(pad_token_id)
-        self.prefetch = int(prefetch)
-        self.read_threads = None if read_threads is None else int(read_threads)
-        self.follow = bool(follow)
-        self.trim_sampled = bool(trim_sampled)
+        if config.topk is not None and config.topk > k:
+            raise ConfigError(f"topk must be in [1, {k}] (the cache's k), got {config.topk}")
+        self.k = k if config.topk is None else config.topk
+        self.rank, self.world_size = resolve_ranks(config.rank, config.world_size)
         self._manifest_identity = _identity(manifest)
         self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
         self.num_sequences = len(self._all_lengths)
@@ -363,21 +194,25 @@ class CacheDataset(IterableDataset):
         self._plans: dict[tuple[int, int], ItemPlan] = {}
         # validate budget, mode and policy now rather than in the first worker
         plan_items(
-            np.zeros(0, dtype=np.int64), self._all_lengths, tokens_per_item, mode, long_sequences
+            np.zeros(0, dtype=np.int64),
+            self._all_lengths,
+            config.tokens_per_item,
+            config.mode,
+            config.long_sequences,
         )
-        if long_sequences == "split":
+        if config.long_sequences == "split":
             self._warn_cut()
 
     def _warn_cut(self) -> None:
         """:class:`CutSequenceWarning` when ``"split"`` cuts sequences (rows trained against
         targets conditioned on a prefix the student does not see)."""
-        cut = cut_rows(self._all_lengths, self.tokens_per_item)
+        cut = cut_rows(self._all_lengths, self.config.tokens_per_item)
         if not cut:
             return
         rows = int(np.maximum(self._all_lengths - 1, 0).sum())
         longest = int(self._all_lengths.max())
         warnings.warn(
-            f"tokens_per_item={self.tokens_per_item} cuts sequences of this cache (longest "
+            f"tokens_per_item={self.config.tokens_per_item} cuts sequences of this cache (longest "
             f"{longest} tokens): {cut:,} of {rows:,} rows ({cut / rows:.1%}) fall in later "
             "pieces that restart at position 0, while their cached targets are the teacher's "
             "given the whole prefix. Train with tokens_per_item >= the longest sequence, score "
@@ -408,19 +243,7 @@ class CacheDataset(IterableDataset):
     def config_fingerprint(self, num_sequences: int | None = None) -> str:
         """sha256 of every setting that shapes the item stream, and of the planned lengths."""
         n = self.num_sequences if num_sequences is None else num_sequences
-        settings = {
-            "tokens_per_item": self.tokens_per_item,
-            "mode": self.mode,
-            "long_sequences": self.long_sequences,
-            "shuffle": self.shuffle,
-            "shuffle_block_size": self.shuffle_block_size,
-            "even_ranks": self.even_ranks,
-            "cache": self._manifest_identity,
-        }
-        if self.shuffle_window != 1:  # absent when 1: states saved before the window existed
-            settings["shuffle_window"] = self.shuffle_window
-        if self.lanes != 1:  # likewise
-            settings["lanes"] = self.lanes
+        settings = self.config.fingerprint_fields() | {"cache": self._manifest_identity}
         h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
         h.update(np.ascontiguousarray(self._all_lengths[:n], dtype="<i8").tobytes())
         return h.hexdigest()
@@ -446,7 +269,7 @@ class CacheDataset(IterableDataset):
         self.epoch = epoch
         self._start = 0
         self._consumed = 0
-        if self.follow:
+        if self.config.follow:
             self._follow()
 
     def _follow(self) -> None:
@@ -479,32 +302,42 @@ class CacheDataset(IterableDataset):
         key = (epoch, rank)
         if key not in self._plans:
             n = self.num_sequences
-            if self.shuffle:
+            if self.config.shuffle:
                 order = epoch_order(
-                    n, self.seed, epoch, self.shuffle_block_size, self.shuffle_window
+                    n,
+                    self.config.seed,
+                    epoch,
+                    self.config.shuffle_block_size,
+                    self.config.shuffle_window,
                 )
             else:
                 order = np.arange(n, dtype=np.int64)
             span = rank_partition(order, rank, self.world_size)
-            parts = np.array_split(span, self.lanes) if self.lanes > 1 else [span]
+            parts = np.array_split(span, self.config.lanes) if self.config.lanes > 1 else [span]
             plans = [
-                plan_items(p, self.lengths, self.tokens_per_item, self.mode, self.long_sequences)
+                plan_items(
+                    p,
+                    self.lengths,
+                    self.config.tokens_per_item,
+                    self.config.mode,
+                    self.config.long_sequences,
+                )
                 for p in parts
             ]
-            self._plans[key] = _interleave(plans, self.batch_size or 1)
+            self._plans[key] = _interleave(plans, self.config.batch_size or 1)
         return self._plans[key]
 
     def num_items(self, epoch: int | None = None) -> int:
         """Items this rank yields in ``epoch`` (after ``even_ranks``)."""
         count = self.plan(epoch).num_items
-        if self.even_ranks:
+        if self.config.even_ranks:
             count = min(self.plan(epoch, r).num_items for r in range(self.world_size))
         return count
 
     def __len__(self) -> int:
         """Units (items, or batches when ``batch_size`` is set) of this rank's current epoch."""
         n = self.num_items()
-        return n if self.batch_size is None else -(-n // self.batch_size)
+        return n if self.config.batch_size is None else -(-n // self.config.batch_size)
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -522,7 +355,7 @@ class CacheDataset(IterableDataset):
         return LoaderState(
             epoch=self.epoch,
             items_consumed=int(consumed),
-            seed=self.seed,
+            seed=self.config.seed,
             num_sequences=self.num_sequences,
             rank=self.rank,
             world_size=self.world_size,
@@ -537,8 +370,8 @@ class CacheDataset(IterableDataset):
                 f"state is for rank {st.rank} of {st.world_size}, this dataset is rank "
                 f"{self.rank} of {self.world_size} (elastic resume is not supported)"
             )
-        if st.seed != self.seed:
-            raise StateError(f"state has seed {st.seed}, this dataset seed {self.seed}")
+        if st.seed != self.config.seed:
+            raise StateError(f"state has seed {st.seed}, this dataset seed {self.config.seed}")
         if st.num_sequences > len(self._all_lengths):
             raise StateError(
                 f"state was planned over {st.num_sequences} sequences, the cache has only "
@@ -563,7 +396,7 @@ class CacheDataset(IterableDataset):
     def _units(self, worker: int, num_workers: int) -> list[np.ndarray]:
         """Item indices of each unit this worker yields, in order."""
         total = self.num_items()
-        step = self.batch_size or 1
+        step = self.config.batch_size or 1
         starts = np.arange(self._start, total, step, dtype=np.int64)
         mine = worker_units(len(starts), worker, num_workers)
         return [np.arange(s, min(s + step, total)) for s in starts[mine]]
@@ -575,23 +408,23 @@ class CacheDataset(IterableDataset):
             plan,
             items,
             records,
-            self.tokens_per_item,
+            self.config.tokens_per_item,
             self.k,
-            pad_token_id=self.pad_token_id,
-            ids_dtype=np.int64 if self.ids_dtype == torch.int64 else np.int32,
+            pad_token_id=self.config.pad_token_id,
+            ids_dtype=np.int64 if self.config.ids_dtype == torch.int64 else np.int32,
         )
         if trim and self.target_kind == "sampled":
             arrays = trim_padding_columns(arrays)
         unit: dict[str, Any] = {name: torch.from_numpy(v) for name, v in arrays.items()}
-        if self.batch_size is None:
+        if self.config.batch_size is None:
             unit = {name: value[0] for name, value in unit.items()}
         if self.target_kind != "topk":
             unit["target_kind"] = self.target_kind
         return unit
 
     def _read_threads(self, num_workers: int) -> int:
-        if self.read_threads is not None:
-            return self.read_threads
+        if self.read.read_threads is not None:
+            return self.read.read_threads
         return default_read_threads(num_workers, os.cpu_count())
 
     def _produce(
@@ -609,10 +442,10 @@ class CacheDataset(IterableDataset):
             reads = ReadAhead(
                 self.source,
                 [plan.sequences_of(items) for items in units],
-                block=self.shuffle_block_size if self.shuffle else _SEQUENTIAL_BLOCK,
+                block=self.config.shuffle_block_size if self.config.shuffle else _SEQUENTIAL_BLOCK,
                 num_sequences=self.num_sequences,
                 threads=self._read_threads(num_workers if get_worker_info() else 0),
-                group=max(1, _FETCH_ITEMS // (self.batch_size or 1)),
+                group=max(1, _FETCH_ITEMS // (self.config.batch_size or 1)),
             )
             for u, items in enumerate(units):
                 unit = self._make_unit(plan, items, reads.records(u), trim)
@@ -632,7 +465,7 @@ class CacheDataset(IterableDataset):
                 reads.close()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return self._iterate(trim=self.trim_sampled)
+        return self._iterate(trim=self.config.trim_sampled)
 
     def _iterate(self, trim: bool) -> Iterator[dict[str, torch.Tensor]]:
         """The units of :meth:`__iter__`; ``trim``: cut sampled units' padding columns."""
@@ -641,7 +474,7 @@ class CacheDataset(IterableDataset):
         worker, num_workers = current_worker()
         units = self._units(worker, num_workers)
         self._consumed = 0
-        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        out: queue.Queue = queue.Queue(maxsize=self.read.prefetch)
         stop = threading.Event()
         thread = threading.Thread(
             target=self._produce,
@@ -729,7 +562,7 @@ class CacheDataLoader(DataLoader):
         if ds._resume_mark is not None:  # at once, not when the first worker starts (the
             ds._resume_mark.clear()  # workers' copies clear the same shared mark then)
         for unit in super().__iter__():
-            self._yielded += int(unit["input_ids"].shape[0]) if ds.batch_size else 1
+            self._yielded += int(unit["input_ids"].shape[0]) if ds.config.batch_size else 1
             yield unit
 
     def state_dict(self) -> dict[str, Any]:

@@ -86,11 +86,11 @@ def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
     """Units (batches) ``rank`` yields in ``epoch``: ``len(ds)`` as rank ``rank`` of ``ds``'s
     world would see it in ``epoch`` (the dataset's own :meth:`CacheDataset.plan`, lengths only,
     no data read; plans of an epoch other than the current one are dropped at ``set_epoch``)."""
-    if ds.even_ranks:
+    if ds.config.even_ranks:
         count = min(ds.plan(epoch, r).num_items for r in range(ds.world_size))
     else:
         count = ds.plan(epoch, rank).num_items
-    return -(-count // (ds.batch_size or 1))
+    return -(-count // (ds.config.batch_size or 1))
 
 
 class RankEvenStream(IterableDataset):
@@ -118,15 +118,15 @@ class RankEvenStream(IterableDataset):
 
     def empty_unit(self) -> dict[str, torch.Tensor]:
         """One item of padding: no token, no row (adds 0 to every loss and to every count)."""
-        ds, T = self.dataset, self.dataset.tokens_per_item
+        ds, T = self.dataset, self.dataset.config.tokens_per_item
         zeros = torch.zeros(1, T, dtype=torch.int64)
         return {
-            "input_ids": torch.full((1, T), ds.pad_token_id, dtype=torch.int64),
+            "input_ids": torch.full((1, T), ds.config.pad_token_id, dtype=torch.int64),
             "labels": torch.full((1, T), IGNORE_INDEX, dtype=torch.int64),
             "attention_mask": zeros.clone(),
             "position_ids": zeros.clone(),
             "segment_ids": zeros.clone(),
-            "topk_ids": torch.zeros(1, T, ds.k, dtype=ds.ids_dtype),
+            "topk_ids": torch.zeros(1, T, ds.k, dtype=ds.config.ids_dtype),
             "topk_logprobs": torch.zeros(1, T, ds.k, dtype=torch.float32),
             "tail_mass": torch.zeros(1, T, dtype=torch.float32),
             "loss_mask": torch.zeros(1, T, dtype=torch.bool),
@@ -156,7 +156,7 @@ class RankEvenStream(IterableDataset):
 
 def _items_before(ds: CacheDataset, units: int) -> int:
     """Items in the first ``units`` units of the current epoch (all units but the last are full)."""
-    return min(units * (ds.batch_size or 1), ds.num_items())
+    return min(units * (ds.config.batch_size or 1), ds.num_items())
 
 
 class _EpochLoader(DataLoader):
@@ -253,9 +253,9 @@ class CacheDistillTrainer(Trainer):
     # -- data ------------------------------------------------------------------------------
     def _check_dataset(self, ds: CacheDataset) -> None:
         a = self.args
-        if ds.batch_size is None or ds.batch_size != a.per_device_train_batch_size:
+        if ds.config.batch_size is None or ds.config.batch_size != a.per_device_train_batch_size:
             raise ConfigError(
-                f"CacheDataset(batch_size={ds.batch_size}) must equal "
+                f"StreamConfig(batch_size={ds.config.batch_size}) must equal "
                 f"per_device_train_batch_size={a.per_device_train_batch_size}"
             )
         if (ds.rank, ds.world_size) != (a.process_index, a.world_size):
@@ -266,7 +266,7 @@ class CacheDistillTrainer(Trainer):
             )
         if a.dataloader_persistent_workers:
             raise ConfigError("dataloader_persistent_workers would keep a stale epoch; turn it off")
-        if ds.follow:
+        if ds.config.follow:
             raise ConfigError(
                 "CacheDistillTrainer needs follow=False: Trainer fixes the epoch length when "
                 "train() starts (its step schedule and its resume arithmetic assume it), so "
@@ -452,7 +452,7 @@ def hf_iterable(ds: CacheDataset) -> Any:
     """``ds`` as a ``datasets.IterableDataset`` (one example per item or batch ``ds`` yields,
     numpy arrays with declared features; ``.with_format("torch")`` gives tensors back)::
 
-        hf = hf_iterable(CacheDataset(url, tokens_per_item=2048, seed=0))
+        hf = hf_iterable(CacheDataset(url, StreamConfig(tokens_per_item=2048, seed=0)))
 
     It reads ``ds`` as configured (its rank partition, epoch and resume point) each time it is
     iterated; do not let a second layer shard it again (e.g. ``split_dataset_by_node``). Units
@@ -460,9 +460,9 @@ def hf_iterable(ds: CacheDataset) -> Any:
     ``trim_sampled``) and carry ``target_kind``."""
     import datasets
 
-    t, k = ds.tokens_per_item, ds.k
-    ids = "int64" if ds.ids_dtype == torch.int64 else "int32"
-    lead = () if ds.batch_size is None else (None,)
+    t, k = ds.config.tokens_per_item, ds.k
+    ids = "int64" if ds.config.ids_dtype == torch.int64 else "int32"
+    lead = () if ds.config.batch_size is None else (None,)
 
     def arr(dtype: str, *shape: int) -> Any:
         dims = (*lead, *shape)

@@ -4,10 +4,12 @@ Answers are typed: JSON bodies are parsed into the models of :mod:`logitcache.pr
 ones the server answers with: ``Health``, ``JobStatus``, ``CacheInfo``, ...), sequences into
 ``cache_format.SequenceRecord`` and lengths into a numpy array.
 
-Both clients share one definition of every endpoint (:class:`_Endpoints`): a method builds a
-:class:`Call` (method, path, query, JSON body, parser) and hands it to ``_send``, which the sync
-client runs at once and the async client returns as a coroutine, so ``client.get_job(id)`` and
-``await aclient.get_job(id)`` are the same code.
+One core, two drivers: every endpoint is written once in :class:`_Endpoints` as a generator of
+*steps* (a :class:`Call` to send, or seconds to sleep) that receives each call's outcome;
+:class:`TeacherClient` runs the steps with ``httpx.Client`` and ``time.sleep``,
+:class:`AsyncTeacherClient` with ``httpx.AsyncClient`` and ``asyncio.sleep``. So
+``client.get_job(id)`` and ``await aclient.get_job(id)`` are the same code, retries, polling and
+paging included.
 
 Errors and retries
 ------------------
@@ -26,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -102,10 +104,18 @@ class Call:
     method: str
     path: str
     params: dict[str, Any] | None = None
-    json: Any = None
+    json: object = None
     headers: dict[str, str] = field(default_factory=dict)
     parse: Callable[[httpx.Response], Any] = lambda r: r.json()
     idempotent: bool = True
+
+
+T = TypeVar("T")
+#: What a driver hands back for a sent :class:`Call`: the response, or the transport error.
+Outcome = tuple[httpx.Response | None, httpx.TransportError | None]
+#: A request's steps: yields a :class:`Call` (answered with its :data:`Outcome`) or seconds to
+#: sleep (answered with ``None``); returns the endpoint's value.
+Steps = Generator[Call | float, Outcome | None, T]
 
 
 def _model(cls: type[BaseModel]) -> Callable[[httpx.Response], Any]:
@@ -113,7 +123,7 @@ def _model(cls: type[BaseModel]) -> Callable[[httpx.Response], Any]:
     return lambda r: cls.model_validate_json(r.content)
 
 
-def _error_body(response: httpx.Response) -> Any:
+def _error_body(response: httpx.Response) -> object:
     try:
         return response.json()
     except ValueError:
@@ -159,10 +169,6 @@ def _parse_scores(response: httpx.Response) -> list[Any]:
     ]
 
 
-def _jobs(response: httpx.Response) -> list[JobStatus]:
-    return JobList.model_validate_json(response.content).jobs
-
-
 def _caches(response: httpx.Response) -> list[CacheInfo]:
     return CacheList.model_validate_json(response.content).caches
 
@@ -172,148 +178,16 @@ def _parse_lengths(response: httpx.Response) -> np.ndarray:
     return np.asarray(body.lengths, dtype=np.int64)
 
 
-class _Endpoints:
-    """Every endpoint of the service, defined once; ``_send`` runs (sync) or awaits (async)."""
-
-    def _send(self, call: Call) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def health(self) -> Any:
-        """``GET /health`` -> :class:`~logitcache.protocol.Health` (model, k, version)."""
-        return self._send(Call("GET", "/health", parse=_model(Health)))
-
-    def score(
-        self,
-        input_ids: Iterable[Iterable[int]] | None = None,
-        *,
-        texts: list[str] | None = None,
-        k: int | None = None,
-        cache: str | None = None,
-        keys: list[str] | None = None,
-    ) -> Any:
-        """``POST /v1/score``: teacher top-k for the given sequences, now.
-
-        Give token id sequences (each ``L >= 2``) or ``texts`` (tokenised by the teacher). Returns
-        one ``SequenceRecord`` per sequence (rows aligned as in DESIGN.md). With ``cache`` the
-        server also stores them in that cache.
-        """
-        body: dict[str, Any] = {"k": k, "cache": cache, "keys": keys}
-        if input_ids is not None:
-            body["input_ids"] = [[int(t) for t in seq] for seq in input_ids]
-        if texts is not None:
-            body["texts"] = list(texts)
-        body = {key: value for key, value in body.items() if value is not None}
-        accept = f"{FRAMES_MEDIA_TYPE}, {JSON_MEDIA_TYPE};q=0.5"
-        return self._send(
-            Call("POST", "/v1/score", json=body, headers={"accept": accept}, parse=_parse_scores)
-        )
-
-    def submit_job(
-        self,
-        cache: str,
-        *,
-        records: list[dict[str, Any]] | None = None,
-        texts: Iterable[str] | None = None,
-        input_ids: Iterable[Iterable[int]] | None = None,
-        file: str | dict[str, Any] | None = None,
-        k: int | None = None,
-        dataset: str | None = None,
-    ) -> Any:
-        """``POST /v1/jobs``: score a corpus into ``cache`` in the background; returns the job's
-        :class:`~logitcache.protocol.JobStatus`.
-
-        Give exactly one input: ``records`` (``{"id", "text" | "input_ids"}`` dicts), ``texts``,
-        ``input_ids``, or ``file`` (a path under the server's data directory, or an ``InputFile``
-        dict). Not retried on ambiguous failures (it is not idempotent).
-        """
-        given = [x is not None for x in (records, texts, input_ids, file)]
-        if sum(given) != 1:
-            raise ConfigError("give exactly one of records, texts, input_ids, file")
-        body: dict[str, Any] = {"cache": cache}
-        if texts is not None:
-            records = [{"text": str(t)} for t in texts]
-        if input_ids is not None:
-            records = [{"input_ids": [int(t) for t in seq]} for seq in input_ids]
-        if records is not None:
-            body["records"] = records
-        if file is not None:
-            body["file"] = {"path": file} if isinstance(file, str) else dict(file)
-        if k is not None:
-            body["k"] = k
-        if dataset is not None:
-            body["dataset"] = dataset
-        return self._send(
-            Call("POST", "/v1/jobs", json=body, parse=_model(JobStatus), idempotent=False)
-        )
-
-    def get_job(self, job_id: str) -> Any:
-        """``GET /v1/jobs/{id}`` -> :class:`~logitcache.protocol.JobStatus` (state,
-        sequences/tokens done, eta, errors)."""
-        return self._send(Call("GET", f"/v1/jobs/{job_id}", parse=_model(JobStatus)))
-
-    def list_jobs(self) -> Any:
-        """``GET /v1/jobs`` -> ``list[JobStatus]`` (the first page, newest first)."""
-        return self._send(Call("GET", "/v1/jobs", parse=_jobs))
-
-    def cancel_job(self, job_id: str) -> Any:
-        """``POST /v1/jobs/{id}/cancel`` -> the job's ``JobStatus``: stop a job (what it
-        committed stays in the cache)."""
-        return self._send(Call("POST", f"/v1/jobs/{job_id}/cancel", parse=_model(JobStatus)))
-
-    def list_caches(self) -> Any:
-        """``GET /v1/caches`` -> ``list[CacheInfo]`` (name, manifest, counts, status)."""
-        return self._send(Call("GET", "/v1/caches", parse=_caches))
-
-    def get_cache(self, name: str) -> Any:
-        """``GET /v1/caches/{name}`` -> :class:`~logitcache.protocol.CacheInfo`."""
-        return self._send(Call("GET", f"/v1/caches/{name}", parse=_model(CacheInfo)))
-
-    def cache_lengths(self, name: str, *, start: int = 0, stop: int | None = None) -> Any:
-        """``GET /v1/caches/{name}/lengths``: token count of sequences ``[start, stop)``."""
-        params = {"start": start} | ({} if stop is None else {"stop": stop})
-        return self._send(
-            Call("GET", f"/v1/caches/{name}/lengths", params=params, parse=_parse_lengths)
-        )
-
-    def read_sequences(self, name: str, start: int, stop: int, *, compression: str = "none") -> Any:
-        """``GET /v1/caches/{name}/sequences?start=&stop=``: records ``[start, stop)``.
-
-        ``compression="zstd"`` has the server compress each frame (less bytes, more CPU).
-        """
-        params: dict[str, Any] = {"start": start, "stop": stop}
-        if compression != "none":
-            params["compression"] = compression
-        return self._send(
-            Call(
-                "GET",
-                f"/v1/caches/{name}/sequences",
-                params=params,
-                headers={"accept": FRAMES_MEDIA_TYPE},
-                parse=_decode_frames,
-            )
-        )
-
-    def read_ranges(
-        self, name: str, ranges: Iterable[tuple[int, int]], *, compression: str = "none"
-    ) -> Any:
-        """``POST /v1/caches/{name}/sequences``: records of several ``[start, stop)`` ranges.
-
-        One request, answered range after range (each in storage order); the ranges' total is
-        at most the server's ``max_stream_sequences``. Idempotent (a read), so it is retried.
-        """
-        request = RangesRequest.model_validate(
-            {"ranges": [(int(a), int(b)) for a, b in ranges], "compression": compression}
-        )
-        body = request.model_dump(mode="json")
-        return self._send(
-            Call(
-                "POST",
-                f"/v1/caches/{name}/sequences",
-                json=body,
-                headers={"accept": FRAMES_MEDIA_TYPE},
-                parse=_decode_frames,
-            )
-        )
+def _send(call: Call, retry: RetryPolicy) -> Steps[Any]:
+    """The steps of one call: send, and on a transient failure sleep and send again."""
+    attempt = 0
+    while True:
+        response, error = (yield call) or (None, None)
+        delay = retry.next_delay(attempt, call, response, error)
+        if delay is None:
+            return _outcome(call, response, error)
+        yield delay
+        attempt += 1
 
 
 class _JobProgress:
@@ -342,17 +216,271 @@ class _JobProgress:
             self._bar.close()
 
 
-def _finished(job: JobStatus, raise_on_failure: bool) -> bool:
-    if not job.state.terminal:
-        return False
-    if raise_on_failure and job.state != "succeeded":
-        raise JobFailedError(job)
-    return True
-
-
 def _client_kwargs(base_url: str, api_key: str | None, timeout: float) -> dict[str, Any]:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     return {"base_url": base_url, "headers": headers, "timeout": timeout}
+
+
+class _Endpoints:
+    """Every endpoint of the service, defined once as steps; ``_run`` drives them (sync: returns
+    the value; async: returns a coroutine of it)."""
+
+    retry: RetryPolicy
+    progress: bool
+
+    def _run(self, steps: Steps[Any]) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _call(self, call: Call) -> Any:
+        return self._run(_send(call, self.retry))
+
+    def health(self) -> Any:
+        """``GET /health`` -> :class:`~logitcache.protocol.Health` (model, k, version)."""
+        return self._call(Call("GET", "/health", parse=_model(Health)))
+
+    def score(
+        self,
+        input_ids: Iterable[Iterable[int]] | None = None,
+        *,
+        texts: list[str] | None = None,
+        k: int | None = None,
+        cache: str | None = None,
+        keys: list[str] | None = None,
+    ) -> Any:
+        """``POST /v1/score``: teacher top-k for the given sequences, now.
+
+        Give token id sequences (each ``L >= 2``) or ``texts`` (tokenised by the teacher). Returns
+        one ``SequenceRecord`` per sequence (rows aligned as in DESIGN.md). With ``cache`` the
+        server also stores them in that cache.
+        """
+        body: dict[str, Any] = {"k": k, "cache": cache, "keys": keys}
+        if input_ids is not None:
+            body["input_ids"] = [[int(t) for t in seq] for seq in input_ids]
+        if texts is not None:
+            body["texts"] = list(texts)
+        body = {key: value for key, value in body.items() if value is not None}
+        accept = f"{FRAMES_MEDIA_TYPE}, {JSON_MEDIA_TYPE};q=0.5"
+        return self._call(
+            Call("POST", "/v1/score", json=body, headers={"accept": accept}, parse=_parse_scores)
+        )
+
+    def submit_job(
+        self,
+        cache: str,
+        *,
+        records: list[dict[str, Any]] | None = None,
+        texts: Iterable[str] | None = None,
+        input_ids: Iterable[Iterable[int]] | None = None,
+        file: str | dict[str, Any] | None = None,
+        k: int | None = None,
+        dataset: str | None = None,
+        **fields: object,
+    ) -> Any:
+        """``POST /v1/jobs``: score a corpus into ``cache`` in the background; returns the job's
+        :class:`~logitcache.protocol.JobStatus`.
+
+        Give exactly one input: ``records`` (``{"id", "text" | "input_ids"}`` dicts), ``texts``,
+        ``input_ids``, or ``file`` (a path under the server's data directory, or an ``InputFile``
+        dict). ``fields`` are further fields of the request (:class:`~logitcache.protocol.
+        JobCreate`: ``on_long``, ``targets``, ``sampling``, ``layout``, ...). Not retried on
+        ambiguous failures (it is not idempotent).
+        """
+        return self._call(
+            Call(
+                "POST",
+                "/v1/jobs",
+                json=_job_body(
+                    cache,
+                    records=records,
+                    texts=texts,
+                    input_ids=input_ids,
+                    file=file,
+                    k=k,
+                    dataset=dataset,
+                    **fields,
+                ),
+                parse=_model(JobStatus),
+                idempotent=False,
+            )
+        )
+
+    def get_job(self, job_id: str) -> Any:
+        """``GET /v1/jobs/{id}`` -> :class:`~logitcache.protocol.JobStatus` (state,
+        sequences/tokens done, eta, errors)."""
+        return self._call(Call("GET", f"/v1/jobs/{job_id}", parse=_model(JobStatus)))
+
+    def list_jobs(self) -> Any:
+        """``GET /v1/jobs`` -> ``list[JobStatus]``: every job, oldest first (the pages followed
+        to the end)."""
+        return self._run(self._list_jobs())
+
+    def _list_jobs(self) -> Steps[list[JobStatus]]:
+        jobs: list[JobStatus] = []
+        offset: int | None = 0
+        while offset is not None:
+            params = {"offset": offset} if offset else None
+            call = Call("GET", "/v1/jobs", params=params, parse=_model(JobList))
+            page: JobList = yield from _send(call, self.retry)
+            jobs += page.jobs
+            nxt = page.next_offset
+            offset = nxt if nxt is not None and nxt > offset else None
+        return jobs
+
+    def cancel_job(self, job_id: str) -> Any:
+        """``POST /v1/jobs/{id}/cancel`` -> the job's ``JobStatus``: stop a job (what it
+        committed stays in the cache)."""
+        return self._call(Call("POST", f"/v1/jobs/{job_id}/cancel", parse=_model(JobStatus)))
+
+    def wait_job(
+        self,
+        job_id: str,
+        *,
+        poll_interval: float = 1.0,
+        timeout: float | None = None,
+        raise_on_failure: bool = True,
+        progress: bool | None = None,
+    ) -> Any:
+        """Poll a job until it ends, with a tqdm bar over its tokens; return its last status.
+
+        Raises :class:`JobFailedError` if it failed or was cancelled (unless
+        ``raise_on_failure=False``) and :class:`JobTimeoutError` after ``timeout`` seconds.
+        """
+        return self._run(
+            self._wait_job(
+                job_id,
+                poll_interval=poll_interval,
+                timeout=timeout,
+                raise_on_failure=raise_on_failure,
+                progress=progress,
+            )
+        )
+
+    def _wait_job(
+        self,
+        job_id: str,
+        *,
+        poll_interval: float = 1.0,
+        timeout: float | None = None,
+        raise_on_failure: bool = True,
+        progress: bool | None = None,
+    ) -> Steps[JobStatus]:
+        bar = _JobProgress(self.progress if progress is None else progress, job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        call = Call("GET", f"/v1/jobs/{job_id}", parse=_model(JobStatus))
+        try:
+            while True:
+                job: JobStatus = yield from _send(call, self.retry)
+                bar.update(job)
+                if job.state.terminal:
+                    if raise_on_failure and job.state != "succeeded":
+                        raise JobFailedError(job)
+                    return job
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise JobTimeoutError(f"job {job_id} still {job.state} after {timeout}s")
+                yield poll_interval
+        finally:
+            bar.close()
+
+    def run_job(self, cache: str, **job: Any) -> Any:
+        """:meth:`submit_job` then :meth:`wait_job`; ``wait_*`` keywords go to the wait."""
+        wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
+        return self._run(self._run_job(cache, job, wait))
+
+    def _run_job(self, cache: str, job: dict[str, Any], wait: dict[str, Any]) -> Steps[JobStatus]:
+        submit = Call(
+            "POST",
+            "/v1/jobs",
+            json=_job_body(cache, **job),
+            parse=_model(JobStatus),
+            idempotent=False,
+        )
+        status: JobStatus = yield from _send(submit, self.retry)
+        return (yield from self._wait_job(status.id, **wait))
+
+    def list_caches(self) -> Any:
+        """``GET /v1/caches`` -> ``list[CacheInfo]`` (name, manifest, counts, status)."""
+        return self._call(Call("GET", "/v1/caches", parse=_caches))
+
+    def get_cache(self, name: str) -> Any:
+        """``GET /v1/caches/{name}`` -> :class:`~logitcache.protocol.CacheInfo`."""
+        return self._call(Call("GET", f"/v1/caches/{name}", parse=_model(CacheInfo)))
+
+    def cache_lengths(self, name: str, *, start: int = 0, stop: int | None = None) -> Any:
+        """``GET /v1/caches/{name}/lengths``: token count of sequences ``[start, stop)``."""
+        params = {"start": start} | ({} if stop is None else {"stop": stop})
+        return self._call(
+            Call("GET", f"/v1/caches/{name}/lengths", params=params, parse=_parse_lengths)
+        )
+
+    def read_sequences(self, name: str, start: int, stop: int, *, compression: str = "none") -> Any:
+        """``GET /v1/caches/{name}/sequences?start=&stop=``: records ``[start, stop)``.
+
+        ``compression="zstd"`` has the server compress each frame (less bytes, more CPU).
+        """
+        params: dict[str, Any] = {"start": start, "stop": stop}
+        if compression != "none":
+            params["compression"] = compression
+        return self._call(
+            Call(
+                "GET",
+                f"/v1/caches/{name}/sequences",
+                params=params,
+                headers={"accept": FRAMES_MEDIA_TYPE},
+                parse=_decode_frames,
+            )
+        )
+
+    def read_ranges(
+        self, name: str, ranges: Iterable[tuple[int, int]], *, compression: str = "none"
+    ) -> Any:
+        """``POST /v1/caches/{name}/sequences``: records of several ``[start, stop)`` ranges.
+
+        One request, answered range after range (each in storage order); the ranges' total is
+        at most the server's ``max_stream_sequences``. Idempotent (a read), so it is retried.
+        """
+        request = RangesRequest.model_validate(
+            {"ranges": [(int(a), int(b)) for a, b in ranges], "compression": compression}
+        )
+        return self._call(
+            Call(
+                "POST",
+                f"/v1/caches/{name}/sequences",
+                json=request.model_dump(mode="json"),
+                headers={"accept": FRAMES_MEDIA_TYPE},
+                parse=_decode_frames,
+            )
+        )
+
+
+def _job_body(
+    cache: str,
+    *,
+    records: list[dict[str, Any]] | None = None,
+    texts: Iterable[str] | None = None,
+    input_ids: Iterable[Iterable[int]] | None = None,
+    file: str | dict[str, Any] | None = None,
+    k: int | None = None,
+    dataset: str | None = None,
+    **fields: object,
+) -> dict[str, object]:
+    """The ``POST /v1/jobs`` body (:class:`~logitcache.protocol.JobCreate`) of one input."""
+    given = [x is not None for x in (records, texts, input_ids, file)]
+    if sum(given) != 1:
+        raise ConfigError("give exactly one of records, texts, input_ids, file")
+    body: dict[str, object] = {"cache": cache}
+    if texts is not None:
+        records = [{"text": str(t)} for t in texts]
+    if input_ids is not None:
+        records = [{"input_ids": [int(t) for t in seq]} for seq in input_ids]
+    if records is not None:
+        body["records"] = records
+    if file is not None:
+        body["file"] = {"path": file} if isinstance(file, str) else dict(file)
+    if k is not None:
+        body["k"] = k
+    if dataset is not None:
+        body["dataset"] = dataset
+    return body | {name: value for name, value in fields.items() if value is not None}
 
 
 class TeacherClient(_Endpoints):
@@ -388,54 +516,21 @@ class TeacherClient(_Endpoints):
         """Close the connection pool."""
         self.http.close()
 
-    def _send(self, call: Call) -> Any:
-        attempt = 0
-        while True:
-            response, error = None, None
-            try:
-                response = self.http.request(
-                    call.method, call.path, params=call.params, json=call.json, headers=call.headers
-                )
-            except httpx.TransportError as exc:
-                error = exc
-            delay = self.retry.next_delay(attempt, call, response, error)
-            if delay is None:
-                return _outcome(call, response, error)
-            time.sleep(delay)
-            attempt += 1
-
-    def wait_job(
-        self,
-        job_id: str,
-        *,
-        poll_interval: float = 1.0,
-        timeout: float | None = None,
-        raise_on_failure: bool = True,
-        progress: bool | None = None,
-    ) -> JobStatus:
-        """Poll a job until it ends, with a tqdm bar over its tokens; return its last status.
-
-        Raises :class:`JobFailedError` if it failed or was cancelled (unless
-        ``raise_on_failure=False``) and :class:`JobTimeoutError` after ``timeout`` seconds.
-        """
-        bar = _JobProgress(self.progress if progress is None else progress, job_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _run(self, steps: Steps[T]) -> T:
+        answer: Outcome | None = None
         try:
             while True:
-                job = self.get_job(job_id)
-                bar.update(job)
-                if _finished(job, raise_on_failure):
-                    return job
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise JobTimeoutError(f"job {job_id} still {job.state} after {timeout}s")
-                time.sleep(poll_interval)
-        finally:
-            bar.close()
-
-    def run_job(self, cache: str, **job: Any) -> JobStatus:
-        """:meth:`submit_job` then :meth:`wait_job`; ``wait_*`` keywords go to the wait."""
-        wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
-        return self.wait_job(self.submit_job(cache, **job).id, **wait)
+                step = steps.send(answer)
+                if isinstance(step, Call):
+                    try:
+                        answer = (self.http.request(**_request(step)), None)
+                    except httpx.TransportError as exc:
+                        answer = (None, exc)
+                else:
+                    time.sleep(step)
+                    answer = None
+        except StopIteration as done:
+            return done.value
 
 
 class AsyncTeacherClient(_Endpoints):
@@ -472,47 +567,29 @@ class AsyncTeacherClient(_Endpoints):
         """Close the connection pool."""
         await self.http.aclose()
 
-    async def _send(self, call: Call) -> Any:
-        attempt = 0
-        while True:
-            response, error = None, None
-            try:
-                response = await self.http.request(
-                    call.method, call.path, params=call.params, json=call.json, headers=call.headers
-                )
-            except httpx.TransportError as exc:
-                error = exc
-            delay = self.retry.next_delay(attempt, call, response, error)
-            if delay is None:
-                return _outcome(call, response, error)
-            await asyncio.sleep(delay)
-            attempt += 1
-
-    async def wait_job(
-        self,
-        job_id: str,
-        *,
-        poll_interval: float = 1.0,
-        timeout: float | None = None,
-        raise_on_failure: bool = True,
-        progress: bool | None = None,
-    ) -> JobStatus:
-        """Async :meth:`TeacherClient.wait_job`."""
-        bar = _JobProgress(self.progress if progress is None else progress, job_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+    async def _run(self, steps: Steps[T]) -> T:
+        answer: Outcome | None = None
         try:
             while True:
-                job = await self.get_job(job_id)
-                bar.update(job)
-                if _finished(job, raise_on_failure):
-                    return job
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise JobTimeoutError(f"job {job_id} still {job.state} after {timeout}s")
-                await asyncio.sleep(poll_interval)
-        finally:
-            bar.close()
+                step = steps.send(answer)
+                if isinstance(step, Call):
+                    try:
+                        answer = (await self.http.request(**_request(step)), None)
+                    except httpx.TransportError as exc:
+                        answer = (None, exc)
+                else:
+                    await asyncio.sleep(step)
+                    answer = None
+        except StopIteration as done:
+            return done.value
 
-    async def run_job(self, cache: str, **job: Any) -> JobStatus:
-        """Async :meth:`TeacherClient.run_job`."""
-        wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
-        return await self.wait_job((await self.submit_job(cache, **job)).id, **wait)
+
+def _request(call: Call) -> dict[str, Any]:
+    """``httpx`` request arguments of a call."""
+    return {
+        "method": call.method,
+        "url": call.path,
+        "params": call.params,
+        "json": call.json,
+        "headers": call.headers,
+    }

@@ -127,10 +127,7 @@ class LocalSource:
     wanted sequences) where the reader's compiled path serves them (a local directory store and
     :mod:`~logitcache.cache_format.fastdecode` available), else range reads (an object store
     answers few large range requests better than many chunk requests; runs of neighbours, as
-    shuffle blocks fetch, decode cheaper as ranges). The records are the same either way; a
-    uniform full shuffle read 3-14x the positions per CPU-second with point reads on a 2-core VM
-    (benchmarks/results/loader_point_reads_s8.md), while ``TRAINER_SHUFFLE``'s 64-sequence
-    blocks took 2-3x the CPU with them (benchmarks/results/client.md, session 8).
+    shuffle blocks fetch, decode cheaper as ranges). The records are the same either way.
     These settings are pickled with the source, so a DataLoader worker's reader (opened there)
     has them too. The reader's other settings stay its defaults (direct shard reads, numpy
     records).

@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan, _ = parse_args(argv)
     import torch
     from distill_caches import bytes_per_position
-    from logitcache.client import CacheDataset
+    from logitcache.client import CacheDataset, StreamConfig, open_source
     from logitcache.fixtures.tiny import build_tiny_models
     from transformers import LlamaForCausalLM
 
@@ -605,15 +605,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         def make_dataset(method: str) -> Any:
             url = where.get(method, {}).get("url", cache["url"])
-            source: dict[str, Any] = {"source": url}
+            source = url
             if plan.read_from == "http" and url == cache["url"]:
-                source = {"source": service.url, "cache": name}
+                source = open_source(service.url, cache=name)
             return CacheDataset(
-                **source,
-                tokens_per_item=plan.tokens_per_item,
-                mode="pack",
-                batch_size=plan.batch_items,
-                seed=plan.seed,
+                source,
+                StreamConfig(
+                    tokens_per_item=plan.tokens_per_item,
+                    mode="pack",
+                    batch_size=plan.batch_items,
+                    seed=plan.seed,
+                ),
                 tokenizer=tokenizer,
                 vocab_size=models.vocab_size,
             )

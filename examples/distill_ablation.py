@@ -48,14 +48,13 @@ def _packed(
 ) -> Any:
     """The comparison's ``CacheDataset`` over ``url`` (packed, batched as it trains), at
     ``epoch``."""
-    from logitcache.client import CacheDataset
+    from logitcache.client import CacheDataset, StreamConfig
 
     ds = CacheDataset(
-        source=url,
-        tokens_per_item=tokens_per_item,
-        mode="pack",
-        batch_size=batch_items,
-        seed=seed,
+        url,
+        StreamConfig(
+            tokens_per_item=tokens_per_item, mode="pack", batch_size=batch_items, seed=seed
+        ),
         tokenizer=tokenizer,
         vocab_size=vocab_size,
     )

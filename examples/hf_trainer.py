@@ -20,6 +20,8 @@ import os
 import time
 from pathlib import Path
 
+from logitcache.client import StreamConfig
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,12 +68,14 @@ def main(argv: list[str] | None = None) -> dict:
     student = AutoModelForCausalLM.from_pretrained(args.student)
     ds = CacheDataset(
         args.cache,
-        tokens_per_item=args.tokens_per_item,
-        mode="pack",
-        batch_size=args.batch_size,
-        seed=args.seed,
-        rank=targs.process_index,
-        world_size=targs.world_size,
+        StreamConfig(
+            tokens_per_item=args.tokens_per_item,
+            mode="pack",
+            batch_size=args.batch_size,
+            seed=args.seed,
+            rank=targs.process_index,
+            world_size=targs.world_size,
+        ),
         tokenizer=tokenizer,
         vocab_size=student.config,
     )

@@ -116,3 +116,23 @@ def tiny_llama() -> Any:
         head_dim=8,
     )
     return LlamaForCausalLM(cfg)
+
+
+def make_dataset(source: Any, **settings: Any) -> Any:
+    """``CacheDataset`` of flat keyword settings, split the way the API takes them: the
+    ``StreamConfig`` fields, the ``ReadOptions`` fields, the student guards, and the rest as
+    ``open_source`` options (``cache=``, ``storage_options=``, HTTP settings). For tests that
+    vary settings as one dict; the library itself has no flat form."""
+    from dataclasses import fields
+
+    from logitcache.client import CacheDataset, ReadOptions, StreamConfig, open_source
+
+    def take(names: set[str]) -> dict[str, Any]:
+        return {n: settings.pop(n) for n in list(settings) if n in names}
+
+    stream = StreamConfig(**take({f.name for f in fields(StreamConfig)}))
+    read = ReadOptions(**take({f.name for f in fields(ReadOptions)}))
+    guards = take({"tokenizer", "vocab_size", "allow_mismatch"})
+    if settings:
+        source = open_source(source, **settings)
+    return CacheDataset(source, stream, read, **guards)

@@ -12,6 +12,7 @@ path (``vocab_parallel=VocabParallel(group)`` or a ``Shard(0)`` DTensor weight);
 """
 
 from .api import topk_distill_loss
+from .chunk_ops import TRITON_AVAILABLE
 from .module import TopKDistillHead, TopKDistillLoss
 from .spec import LOSS_KINDS, TARGET_KINDS, LossInputError, LossSpec
 from .vocab_parallel import VocabParallel
@@ -21,6 +22,7 @@ __all__ = [
     "TARGET_KINDS",
     "LossInputError",
     "LossSpec",
+    "TRITON_AVAILABLE",
     "TopKDistillHead",
     "TopKDistillLoss",
     "VocabParallel",

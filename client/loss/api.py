@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from .chunk_ops import use_triton
 from .dispatch import (
     auto_chunk_size,
     check_chunk_size,
@@ -49,6 +50,7 @@ def topk_distill_loss(
     targets: str = "topk",
     grad_weight_dtype: str = "auto",
     vocab_parallel: VocabParallel | None = None,
+    kernels: str = "auto",
 ) -> torch.Tensor:
     r"""Distillation loss of a student lm-head against cached teacher top-k logprobs.
 
@@ -97,7 +99,7 @@ def topk_distill_loss(
       rows, logits never materialised; gradients computed in the forward pass (3 GEMMs). With
       ``reduction="none"`` it becomes ``"fused_chunked_recompute"`` (projection recomputed in
       backward, 4 GEMMs).
-      On CUDA with Triton the two full-vocabulary passes are Triton kernels; elsewhere torch.
+      The two full-vocabulary passes run in Triton or torch as ``kernels`` says.
     * ``"small_vocab"``: full logits of the counted rows (autograd GEMM), one exponential pass
       shared by forward and backward, the loss gathered at the ids (see :mod:`.small_vocab`);
       memory ``O(N V)``. ``"auto"`` takes it instead of ``"fused_chunked"`` on the CPU when
@@ -118,6 +120,11 @@ def topk_distill_loss(
     becomes ``weight.grad`` (``2 V d`` bytes: the memory floor; each chunk's fp32 GEMM result
     is rounded once into it, so the error grows with the number of chunks). ``"auto"``: the
     weight dtype when there are at most ``dispatch.AUTO_LOWP_MAX_CHUNKS`` chunks, else float32.
+
+    ``kernels`` (chunked impls): ``"auto"`` runs the two full-vocabulary passes as Triton
+    kernels on CUDA when Triton is installed (``chunk_ops.TRITON_AVAILABLE``, decided at import
+    and shown by ``logitcache info --versions``), else in torch; ``"torch"`` never uses Triton;
+    ``"triton"`` always does (an error without Triton; on the CPU under ``TRITON_INTERPRET=1``).
 
     ``vocab_parallel``: a :class:`VocabParallel` when ``weight``/``bias`` are this rank's rows of
     a lm-head split along the vocabulary over a process group (Megatron / ``ColwiseParallel``
@@ -148,6 +155,7 @@ def topk_distill_loss(
         raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_chunk_size(chunk_size)
     resolve_impl(impl, reduction)  # the option's check, before any other work
+    triton = use_triton(kernels, hidden.device)
     if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
         raise LossInputError(f"vocab_parallel must be a VocabParallel, got {vocab_parallel!r}")
     weight, bias, hidden, shard = from_dtensor(weight, bias, hidden)
@@ -200,12 +208,12 @@ def topk_distill_loss(
             grad_on and bias is not None and bias.requires_grad,
         )
         return FusedGradInForward.apply(
-            prep.hidden, weight, bias, spec, prep, chunk, scale, need, acc, shard
+            prep.hidden, weight, bias, spec, prep, chunk, scale, need, acc, shard, triton
         )
     if impl == "small_vocab":
         rows = small_vocab_rows(spec, prep, check_ids)
     else:
-        rows = _rows(impl, spec, prep, chunk, acc, shard)
+        rows = _rows(impl, spec, prep, chunk, acc, shard, triton)
     if reduction == "none":
         return rows.reshape(prep.lead_shape)
     total = rows.sum()
@@ -240,9 +248,12 @@ def _rows(
     chunk: int,
     acc: torch.dtype | None,
     shard: VocabShard | None,
+    triton: bool,
 ) -> torch.Tensor:
     if impl == "dense":
         return dense_row_losses(spec, prep)
     if impl == "forward_chunked":
-        return forward_chunked_rows(spec, prep, chunk)
-    return FusedRecompute.apply(prep.hidden, prep.weight, prep.bias, spec, prep, chunk, acc, shard)
+        return forward_chunked_rows(spec, prep, chunk, triton)
+    return FusedRecompute.apply(
+        prep.hidden, prep.weight, prep.bias, spec, prep, chunk, acc, shard, triton
+    )

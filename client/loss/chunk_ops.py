@@ -11,11 +11,16 @@ the torch path upcasts to the working dtype (it is the CPU and reference-precisi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import torch
 
 from .row_math import RowCoefs, row_coefs
-from .spec import LossSpec
+from .spec import KERNELS, LossInputError, LossSpec, given
+
+#: Whether Triton is installed, decided once at import (``logitcache info --versions`` shows
+#: it): without it the full-vocabulary passes run in torch on every device.
+TRITON_AVAILABLE: bool = find_spec("triton") is not None
 
 
 @dataclass
@@ -44,20 +49,17 @@ class ChunkTargets:
         )
 
 
-#: "auto" (Triton on CUDA when importable), "torch" (never Triton: the benchmark's torch-path
-#: variant), or "triton" (always: tests run the kernels on CPU under ``TRITON_INTERPRET=1``).
-BACKEND = "auto"
-
-
-def use_triton_for(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve this tensor (CUDA, Triton importable, not disabled)."""
-    if BACKEND != "auto":
-        return BACKEND == "triton"
-    if not x.is_cuda:
-        return False
-    from . import triton_kernels
-
-    return triton_kernels.available()
+def use_triton(kernels: str, device: torch.device) -> bool:
+    """Whether the Triton kernels run the passes: ``kernels="auto"``: on CUDA when Triton is
+    installed; ``"torch"``: never; ``"triton"``: always (on the CPU too, under Triton's
+    interpreter ``TRITON_INTERPRET=1``; an error without Triton)."""
+    if kernels not in KERNELS:
+        raise LossInputError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "triton" and not TRITON_AVAILABLE:
+        raise LossInputError('kernels="triton" needs Triton installed')
+    if kernels == "auto":
+        return device.type == "cuda" and TRITON_AVAILABLE
+    return kernels == "triton"
 
 
 def stats_pass(
@@ -78,8 +80,7 @@ def stats_pass(
     need_ce = spec.ce_weight > 0.0
     x_label = None
     if need_ce:
-        assert tgt.labels is not None  # ce_weight > 0: validation supplied labels
-        x_label = x.gather(1, tgt.labels[:, None]).squeeze(1).to(work_dtype)
+        x_label = x.gather(1, given(tgt.labels, "labels")[:, None]).squeeze(1).to(work_dtype)
     if triton:
         from . import triton_kernels
 
@@ -118,8 +119,7 @@ def dense_row_grad(
         zs = xf if s == 1.0 else xf * s
         g = (zs - coefs.lse[:, None]).exp_().mul_(coefs.c1[:, None])
         if coefs.c2 is not None:
-            assert coefs.lse1 is not None  # c2 and lse1 come together (separate CE softmax)
-            g += (xf - coefs.lse1[:, None]).exp_().mul_(coefs.c2[:, None])
+            g += (xf - given(coefs.lse1, "lse1")[:, None]).exp_().mul_(coefs.c2[:, None])
         out.copy_(g)
     return out
 
@@ -141,6 +141,7 @@ def grad_pass(
     dense_row_grad(spec, x, out, coefs, triton=triton)
     out.scatter_(1, tgt.ids, coefs.sparse.to(out.dtype))
     if coefs.label_add is not None:
-        assert tgt.labels is not None  # a label term exists only with labels
-        out.scatter_add_(1, tgt.labels[:, None], coefs.label_add[:, None].to(out.dtype))
+        out.scatter_add_(
+            1, given(tgt.labels, "labels")[:, None], coefs.label_add[:, None].to(out.dtype)
+        )
     return out

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .chunk_ops import ChunkTargets, grad_pass, stats_pass, use_triton_for
+from .chunk_ops import ChunkTargets, grad_pass, stats_pass
 from .row_math import RowCoefs
 from .spec import LossSpec
 from .validation import Prepared
@@ -52,8 +52,8 @@ class _ChunkedLossOnLogits(torch.autograd.Function):
         tgt: ChunkTargets,
         work_dtype: torch.dtype,
         chunk: int,
+        triton: bool,
     ) -> torch.Tensor:
-        triton = use_triton_for(logits)
         parts = []
         for start in range(0, logits.shape[0], chunk):
             rows = slice(start, start + chunk)
@@ -82,13 +82,16 @@ class _ChunkedLossOnLogits(torch.autograd.Function):
                 ctx.tgt.select(rows),
                 triton=ctx.triton,
             )
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
-def forward_chunked_rows(spec: LossSpec, prep: Prepared, chunk: int) -> torch.Tensor:
+def forward_chunked_rows(
+    spec: LossSpec, prep: Prepared, chunk: int, triton: bool = False
+) -> torch.Tensor:
     """Per-row losses (zero on rows that do not count), differentiable w.r.t. h, W and b."""
     logits = prep.hidden @ prep.weight.t()
     if prep.bias is not None:
         logits = logits + prep.bias
-    rows = _ChunkedLossOnLogits.apply(logits, spec, targets_of(prep), prep.work_dtype, chunk)
+    tgt = targets_of(prep)
+    rows = _ChunkedLossOnLogits.apply(logits, spec, tgt, prep.work_dtype, chunk, triton)
     return torch.where(prep.valid, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))

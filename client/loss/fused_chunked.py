@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .chunk_ops import ChunkTargets, grad_pass, stats_pass, use_triton_for
+from .chunk_ops import ChunkTargets, grad_pass, stats_pass
 from .forward_chunked import cat_coefs, slice_coefs, targets_of
 from .row_math import RowCoefs
 from .spec import LossSpec
@@ -196,8 +196,8 @@ class FusedGradInForward(torch.autograd.Function):
         need: tuple[bool, bool, bool],
         acc_dtype: torch.dtype | None = None,
         shard: VocabShard | None = None,
+        triton: bool = False,
     ) -> torch.Tensor:
-        triton = use_triton_for(hidden)
         tgt = targets_of(prep)
         grads = _Grads(prep, need, acc_dtype)
         total = torch.zeros((), dtype=prep.work_dtype, device=hidden.device)
@@ -220,7 +220,7 @@ class FusedGradInForward(torch.autograd.Function):
             raise RuntimeError("fused_chunked (gradient in forward) supports one backward only")
         out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
-        return (*out, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None)
 
 
 class FusedRecompute(torch.autograd.Function):
@@ -238,8 +238,8 @@ class FusedRecompute(torch.autograd.Function):
         chunk: int,
         acc_dtype: torch.dtype | None = None,
         shard: VocabShard | None = None,
+        triton: bool = False,
     ) -> torch.Tensor:
-        triton = use_triton_for(hidden)
         tgt = targets_of(prep)
         blocks = row_blocks(prep, chunk)
         parts = []
@@ -289,4 +289,4 @@ class FusedRecompute(torch.autograd.Function):
                 grad_pass(spec, x, x, c.scaled(w), tgt_c, triton=ctx.triton)
             grads.add(rows, x, h_c, prep.weight)
             del x
-        return (*grads.finish(prep, shard), None, None, None, None, None)
+        return (*grads.finish(prep, shard), None, None, None, None, None, None)

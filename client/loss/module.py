@@ -10,7 +10,7 @@ from torch import nn
 
 from .api import topk_distill_loss
 from .dispatch import check_chunk_size, resolve_impl
-from .spec import GRAD_WEIGHT_DTYPES, REDUCTIONS, LossInputError, LossSpec
+from .spec import GRAD_WEIGHT_DTYPES, KERNELS, REDUCTIONS, LossInputError, LossSpec
 from .vocab_parallel import VocabParallel
 
 
@@ -36,6 +36,7 @@ class TopKDistillLoss(nn.Module):
         targets: str = "topk",
         grad_weight_dtype: str = "auto",
         vocab_parallel: VocabParallel | None = None,
+        kernels: str = "auto",
     ) -> None:
         super().__init__()
         LossSpec(loss=loss, beta=beta, temperature=temperature, ce_weight=ce_weight)
@@ -45,6 +46,8 @@ class TopKDistillLoss(nn.Module):
             raise LossInputError(
                 f"grad_weight_dtype must be one of {GRAD_WEIGHT_DTYPES}, got {grad_weight_dtype!r}"
             )
+        if kernels not in KERNELS:
+            raise LossInputError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         resolve_impl(impl, reduction)
         check_chunk_size(chunk_size)
         self.options: dict[str, Any] = dict(
@@ -60,6 +63,7 @@ class TopKDistillLoss(nn.Module):
             targets=targets,
             grad_weight_dtype=grad_weight_dtype,
             vocab_parallel=vocab_parallel,
+            kernels=kernels,
         )
 
     def forward(

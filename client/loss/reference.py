@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .spec import LOG_FLOOR, LossSpec
+from .spec import LOG_FLOOR, LossSpec, given
 from .validation import Prepared
 
 
@@ -76,7 +76,7 @@ def dense_row_losses(spec: LossSpec, prep: Prepared) -> torch.Tensor:
             kd = b * _xlogy_diff(pc, log_pc, log_m) + (1 - b) * _xlogy_diff(qc, log_qc, log_m)
     rows = kd * spec.temperature**2
     if spec.ce_weight > 0.0:
-        assert prep.labels is not None and prep.has_label is not None  # validated with labels
-        ce = -torch.log_softmax(logits, dim=-1).gather(1, prep.labels[:, None]).squeeze(1)
-        rows = rows + spec.ce_weight * ce * prep.has_label.to(work)
+        labels, has_label = given(prep.labels, "labels"), given(prep.has_label, "has_label")
+        ce = -torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
+        rows = rows + spec.ce_weight * ce * has_label.to(work)
     return torch.where(prep.valid, rows, torch.zeros((), dtype=work, device=rows.device))

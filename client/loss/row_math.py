@@ -77,7 +77,7 @@ def exp_ftz(t: torch.Tensor) -> torch.Tensor:
     """``exp(t)``, except that results below ``e * tiny`` of the dtype (float32: 3.2e-38, the
     denormal range and a sliver above it) are exactly 0.
 
-    Bit-equal to ``t.exp()`` elsewhere. On the x86 CPUs measured (issue #12, session 7) torch's
+    Bit-equal to ``t.exp()`` elsewhere. On x86 CPUs torch's
     vectorised ``exp`` is 30-100x slower on inputs whose result is denormal or underflows, such
     as the ``-65504`` / ``-inf`` padding of sampled rows (about half the columns of a trimmed
     384-draw batch); clamping first keeps every lane on the fast path.

@@ -40,7 +40,7 @@ import torch
 from .chunk_ops import ChunkTargets
 from .forward_chunked import targets_of
 from .row_math import RowCoefs, row_coefs
-from .spec import LossInputError, LossSpec
+from .spec import LossInputError, LossSpec, given
 from .validation import DUPLICATE_IDS, Prepared
 
 
@@ -74,8 +74,7 @@ class _SmallVocabOnLogits(torch.autograd.Function):
         ctx.e, ctx.m, lse_out = _exp_outside(z, tgt.ids)
         x_label = lse1_out = ctx.e1 = ctx.m1 = None
         if spec.ce_weight > 0.0:
-            assert tgt.labels is not None  # ce_weight > 0: validation supplied labels
-            x_label = x.gather(1, tgt.labels[:, None]).squeeze(1)
+            x_label = x.gather(1, given(tgt.labels, "labels")[:, None]).squeeze(1)
         if spec.separate_ce_softmax:
             ctx.e1, ctx.m1, lse1_out = _exp_outside(x, tgt.ids)
         coefs = row_coefs(
@@ -97,8 +96,7 @@ class _SmallVocabOnLogits(torch.autograd.Function):
         c: RowCoefs = ctx.coefs.scaled(grad_rows.to(ctx.coefs.c1.dtype))
         grad = ctx.e * (c.c1 * (ctx.m - c.lse).exp())[:, None]
         if c.c2 is not None:
-            assert c.lse1 is not None  # c2 and lse1 come together (separate CE softmax)
-            grad += ctx.e1 * (c.c2 * (ctx.m1 - c.lse1).exp())[:, None]
+            grad += ctx.e1 * (c.c2 * (ctx.m1 - given(c.lse1, "lse1")).exp())[:, None]
         grad.scatter_(1, ctx.tgt.ids, c.sparse)
         if c.label_add is not None:
             grad.scatter_add_(1, ctx.tgt.labels[:, None], c.label_add[:, None])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+T = TypeVar("T")
 
 LossKind = Literal["forward_kl", "renormalized_kl", "reverse_kl", "jsd"]
 Reduction = Literal["mean", "sum", "none"]
@@ -17,6 +19,8 @@ REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 #: What the teacher columns hold: the teacher's top-k logprobs ("topk") or the log importance
 #: weights of a random-sampling KD row ("sampled", see :class:`LossSpec`).
 TARGET_KINDS: tuple[str, ...] = ("topk", "sampled")
+#: Which code runs the two full-vocabulary passes (see ``topk_distill_loss``'s ``kernels``).
+KERNELS: tuple[str, ...] = ("auto", "torch", "triton")
 #: Where the lm-head gradient is accumulated chunk by chunk (see ``topk_distill_loss``).
 GRAD_WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "weight")
 IMPLS: tuple[str, ...] = (
@@ -35,6 +39,13 @@ LOG_FLOOR: float = math.log(1e-30)
 
 class LossInputError(ValueError):
     """Bad arguments to the distillation loss (shape, dtype, range, duplicate ids, option)."""
+
+
+def given(value: T | None, what: str) -> T:
+    """``value``, which validation guarantees when this is called; a typed error if missing."""
+    if value is None:
+        raise LossInputError(f"{what} missing where validation guarantees it")
+    return value
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Triton kernels for the two full-vocabulary passes over a chunk of logits (GPU only).
 
-Triton is imported lazily: this module imports on machines without it, and :func:`available`
-says whether the kernels can run. Set ``LOGITCACHE_LOSS_TRITON=0`` to force the torch path.
-Both kernels run one program per row and stream the row in blocks, reading the logits in their
-storage dtype and computing in float32:
+Triton is imported on the first call (``chunk_ops.TRITON_AVAILABLE`` says whether it is
+installed; ``topk_distill_loss(kernels=...)`` chooses). Both kernels run one program per row
+and stream the row in blocks, reading the logits in their storage dtype and computing in
+float32:
 
 * ``row_lse``: ``lse1 = log sum_u exp(scale * x_u)`` (and ``lse2`` of ``x`` unscaled), with one
   running max and one exponential per element; rows that are all ``-inf`` give ``-inf``.
@@ -14,25 +14,12 @@ storage dtype and computing in float32:
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
 _BLOCK = 4096
 _WARPS = 8
-
-
-@functools.cache
-def available() -> bool:
-    """True when Triton imports and the kernels are not disabled by the environment."""
-    if os.environ.get("LOGITCACHE_LOSS_TRITON", "1") == "0":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache

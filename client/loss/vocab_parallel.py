@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .chunk_ops import ChunkTargets, dense_row_grad
 from .row_math import RowCoefs, row_coefs
-from .spec import LossInputError, LossSpec
+from .spec import LossInputError, LossSpec, given
 
 #: ``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` is deprecated there).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -218,9 +218,8 @@ def stats_pass_sharded(
     x_s = torch.where(loc.own, x.gather(1, loc.idx).to(work_dtype), zero)
     cols = [x_s]
     if need_ce:
-        assert loc.lab_idx is not None and loc.lab_own is not None  # located with labels
-        x_lab = x.gather(1, loc.lab_idx).squeeze(1).to(work_dtype)
-        cols.append(torch.where(loc.lab_own, x_lab, zero)[:, None])
+        x_lab = x.gather(1, given(loc.lab_idx, "lab_idx")).squeeze(1).to(work_dtype)
+        cols.append(torch.where(given(loc.lab_own, "lab_own"), x_lab, zero)[:, None])
     blank_owned(x, loc)
     if triton:
         from . import triton_kernels
@@ -275,9 +274,8 @@ def grad_pass_sharded(
     zero = torch.zeros((), dtype=coefs.sparse.dtype, device=x.device)
     x.scatter_add_(1, loc.idx, torch.where(loc.own, coefs.sparse, zero).to(x.dtype))
     if coefs.label_add is not None:
-        assert loc.lab_idx is not None and loc.lab_own is not None  # located with labels
-        add = torch.where(loc.lab_own, coefs.label_add, zero)[:, None].to(x.dtype)
-        x.scatter_add_(1, loc.lab_idx, add)
+        add = torch.where(given(loc.lab_own, "lab_own"), coefs.label_add, zero)[:, None]
+        x.scatter_add_(1, given(loc.lab_idx, "lab_idx"), add.to(x.dtype))
     return x
 
 

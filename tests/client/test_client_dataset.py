@@ -16,6 +16,7 @@ from client_support import (
     K,
     build_cache,
     collect,
+    make_dataset,
     make_sequences,
     manifest,
     record_for,
@@ -24,13 +25,8 @@ from client_support import (
 )
 from format_support import ZarrReader
 from logitcache.cache_format import CacheWriter, tokenizer_fingerprint
-from logitcache.client import (
-    CacheDataLoader,
-    CacheDataset,
-    ConfigError,
-    IncompatibleCacheError,
-    StateError,
-)
+from logitcache.client import CacheDataLoader, CacheDataset, StreamConfig
+from logitcache.client.errors import ConfigError, IncompatibleCacheError, StateError
 from logitcache.client.order import epoch_order, rank_partition, worker_units
 
 NUM_SEQ = 80
@@ -83,7 +79,9 @@ def test_alignment_is_exact(
     cache: tuple[str, list], mode: str, budget: int, long_sequences: str
 ) -> None:
     url, records = cache
-    ds = CacheDataset(url, tokens_per_item=budget, mode=mode, long_sequences=long_sequences, seed=1)
+    ds = CacheDataset(
+        url, StreamConfig(tokens_per_item=budget, mode=mode, long_sequences=long_sequences, seed=1)
+    )
     items = collect(ds)
     assert len(items) == len(ds) == ds.num_items()
     by_tokens = {tuple(r.input_ids.tolist()): r for r in records}
@@ -123,7 +121,7 @@ def test_alignment_is_exact(
 
 def test_split_pieces_reassemble_to_the_cached_sequences(cache: tuple[str, list]) -> None:
     url, records = cache
-    ds = CacheDataset(url, tokens_per_item=8, mode="pad", shuffle=False)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=8, mode="pad", shuffle=False))
     pieces = [seg for it in collect(ds) for seg in segments(it)]
     joined, rebuilt = [], []
     for r in records:
@@ -137,7 +135,9 @@ def test_split_pieces_reassemble_to_the_cached_sequences(cache: tuple[str, list]
 
 def test_batches_topk_truncation_and_int32_ids(cache: tuple[str, list]) -> None:
     url, _ = cache
-    ds = CacheDataset(url, tokens_per_item=32, batch_size=4, topk=2, ids_dtype=torch.int32, seed=2)
+    ds = CacheDataset(
+        url, StreamConfig(tokens_per_item=32, batch_size=4, topk=2, ids_dtype=torch.int32, seed=2)
+    )
     units = collect(ds)
     assert units[0]["topk_ids"].shape == (4, 32, 2) and units[0]["topk_ids"].dtype == np.int32
     assert sum(u["input_ids"].shape[0] for u in units) == ds.num_items()
@@ -145,7 +145,7 @@ def test_batches_topk_truncation_and_int32_ids(cache: tuple[str, list]) -> None:
     # the two dropped columns' mass moves to the tail
     np.testing.assert_allclose(units[0]["tail_mass"][m], 1 - PROBS[:2].sum(), rtol=1e-5)
     with pytest.raises(ConfigError):
-        CacheDataset(url, topk=K + 1)
+        CacheDataset(url, StreamConfig(topk=K + 1))
 
 
 # -- order, sharding, resume ---------------------------------------------------------------
@@ -153,10 +153,10 @@ def test_batches_topk_truncation_and_int32_ids(cache: tuple[str, list]) -> None:
 
 def test_shuffle_is_deterministic_per_seed_and_epoch(cache: tuple[str, list]) -> None:
     url, _ = cache
-    a = collect(CacheDataset(url, tokens_per_item=64, seed=7))
-    b = collect(CacheDataset(url, tokens_per_item=64, seed=7))
+    a = collect(CacheDataset(url, StreamConfig(tokens_per_item=64, seed=7)))
+    b = collect(CacheDataset(url, StreamConfig(tokens_per_item=64, seed=7)))
     assert same_stream(a, b)
-    ds = CacheDataset(url, tokens_per_item=64, seed=7)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=64, seed=7))
     ds.set_epoch(1)
     c = collect(ds)
     assert not same_stream(a, c)
@@ -169,7 +169,8 @@ def test_ranks_partition_the_sequences(cache: tuple[str, list], world_size: int)
     per_rank = []
     for rank in range(world_size):
         ds = CacheDataset(
-            url, tokens_per_item=64, mode="pack", seed=4, rank=rank, world_size=world_size
+            url,
+            StreamConfig(tokens_per_item=64, mode="pack", seed=4, rank=rank, world_size=world_size),
         )
         per_rank.append(Counter(s for u in collect(ds) for s in segments(u)))
     union = sum(per_rank, Counter())
@@ -182,7 +183,13 @@ def test_ranks_partition_the_sequences(cache: tuple[str, list], world_size: int)
 def test_even_ranks_equalises_item_counts(cache: tuple[str, list]) -> None:
     url, _ = cache
     counts = [
-        len(collect(CacheDataset(url, tokens_per_item=64, rank=r, world_size=3, even_ranks=True)))
+        len(
+            collect(
+                CacheDataset(
+                    url, StreamConfig(tokens_per_item=64, rank=r, world_size=3, even_ranks=True)
+                )
+            )
+        )
         for r in range(3)
     ]
     assert len(set(counts)) == 1 and counts[0] > 0
@@ -195,14 +202,18 @@ def test_resume_gives_the_identical_remaining_stream(
     url, _ = cache
 
     def loader() -> CacheDataLoader:
-        ds = CacheDataset(url, tokens_per_item=48, mode="pack", batch_size=batch_size, seed=11)
+        ds = CacheDataset(
+            url, StreamConfig(tokens_per_item=48, mode="pack", batch_size=batch_size, seed=11)
+        )
         ds.set_epoch(2)
         return CacheDataLoader(ds, num_workers=num_workers)
 
     full = collect(loader())
     assert len(full) > 6
     if num_workers:  # workers deal units round-robin: the trainer sees the in-process order
-        in_process = CacheDataset(url, tokens_per_item=48, batch_size=batch_size, seed=11)
+        in_process = CacheDataset(
+            url, StreamConfig(tokens_per_item=48, batch_size=batch_size, seed=11)
+        )
         in_process.set_epoch(2)
         assert same_stream(full, collect(in_process))
     stop = 5
@@ -227,19 +238,19 @@ def test_dataset_state_dict_counts_in_process_and_rejects_foreign_state(
     cache: tuple[str, list],
 ) -> None:
     url, _ = cache
-    ds = CacheDataset(url, tokens_per_item=48, seed=1)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=48, seed=1))
     it = iter(ds)
     taken = [next(it) for _ in range(3)]
     state = ds.state_dict()
     assert state["items_consumed"] == 3 and len(taken) == 3
     rest = collect(it)
-    again = CacheDataset(url, tokens_per_item=48, seed=1)
+    again = CacheDataset(url, StreamConfig(tokens_per_item=48, seed=1))
     again.load_state_dict(state)
     assert same_stream(collect(again), rest)
     for other in (
-        CacheDataset(url, tokens_per_item=32, seed=1),
-        CacheDataset(url, tokens_per_item=48, seed=2),
-        CacheDataset(url, tokens_per_item=48, seed=1, rank=1, world_size=2),
+        CacheDataset(url, StreamConfig(tokens_per_item=32, seed=1)),
+        CacheDataset(url, StreamConfig(tokens_per_item=48, seed=2)),
+        CacheDataset(url, StreamConfig(tokens_per_item=48, seed=1, rank=1, world_size=2)),
     ):
         with pytest.raises(StateError):
             other.load_state_dict(state)
@@ -253,7 +264,7 @@ def test_resume_survives_a_grown_cache(tmp_path: Path) -> None:
     url = str(tmp_path / "grow")
     seqs = make_sequences(30, seed=9)
     build_cache(url, seqs[:20])
-    ds = CacheDataset(url, tokens_per_item=32, seed=0)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=32, seed=0))
     it = iter(ds)
     for _ in range(4):
         next(it)
@@ -261,7 +272,7 @@ def test_resume_survives_a_grown_cache(tmp_path: Path) -> None:
     rest = collect(it)
     with CacheWriter.open(url, manifest()) as w:  # a job appends more sequences meanwhile
         w.append([record_for(s, key=f"seq-{i}") for i, s in enumerate(seqs[20:], start=20)])
-    grown = CacheDataset(url, tokens_per_item=32, seed=0)
+    grown = CacheDataset(url, StreamConfig(tokens_per_item=32, seed=0))
     assert grown.num_sequences == 30
     grown.load_state_dict(state)
     assert same_stream(collect(grown), rest)
@@ -312,7 +323,7 @@ def test_fingerprint_string_and_bad_arguments(cache: tuple[str, list]) -> None:
         {"long_sequences": "x"},
     ):
         with pytest.raises(ConfigError):
-            CacheDataset(url, **bad)
+            make_dataset(url, **bad)
     with pytest.raises(ConfigError):
         CacheDataLoader(CacheDataset(url), batch_size=4)
 
@@ -321,7 +332,9 @@ def test_items_feed_the_distillation_loss(cache: tuple[str, list]) -> None:
     from logitcache.client.loss import topk_distill_loss
 
     url, _ = cache
-    batch = next(iter(CacheDataLoader(CacheDataset(url, tokens_per_item=64, batch_size=4))))
+    batch = next(
+        iter(CacheDataLoader(CacheDataset(url, StreamConfig(tokens_per_item=64, batch_size=4))))
+    )
     torch.manual_seed(0)
     hidden = torch.randn(*batch["input_ids"].shape, 16, requires_grad=True)
     weight = torch.randn(VOCAB, 16, requires_grad=True)
@@ -340,7 +353,7 @@ def test_items_feed_the_distillation_loss(cache: tuple[str, list]) -> None:
 
 def test_read_ranges_equals_per_sequence_reads(cache) -> None:
     from logitcache.cache_format import CacheReader
-    from logitcache.client import LocalSource
+    from logitcache.client.sources import LocalSource
 
     url, records = cache
     reader = CacheReader(url)
@@ -462,7 +475,7 @@ def test_follow_adopts_sequences_a_concurrent_writer_commits_and_resumes_exactly
         [sys.executable, "-c", _WRITER, url, "12", str(total), "6", "0.05"], env=env
     )
     try:
-        ds = CacheDataset(url, tokens_per_item=32, seed=4, follow=True)
+        ds = CacheDataset(url, StreamConfig(tokens_per_item=32, seed=4, follow=True))
         counts, resumed_checks = [], 0
         deadline = time.monotonic() + 120
         epoch = 0
@@ -481,7 +494,7 @@ def test_follow_adopts_sequences_a_concurrent_writer_commits_and_resumes_exactly
                 m = u["loss_mask"].astype(bool)
                 assert np.array_equal(u["topk_ids"][..., 0][m], u["labels"][m])
             if 12 < n < total and resumed_checks < 1:  # the writer is still appending
-                again = CacheDataset(url, tokens_per_item=32, seed=4, follow=True)
+                again = CacheDataset(url, StreamConfig(tokens_per_item=32, seed=4, follow=True))
                 again.load_state_dict(state)
                 assert again.num_sequences == n
                 assert same_stream(collect(again), rest)
@@ -500,7 +513,7 @@ def test_follow_adopts_sequences_a_concurrent_writer_commits_and_resumes_exactly
 
 def test_follow_with_ranks_needs_a_process_group(cache: tuple[str, list]) -> None:
     url, _ = cache
-    ds = CacheDataset(url, tokens_per_item=48, follow=True, rank=0, world_size=2)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=48, follow=True, rank=0, world_size=2))
     with pytest.raises(ConfigError, match="torch.distributed"):
         ds.set_epoch(1)
 
@@ -508,7 +521,7 @@ def test_follow_with_ranks_needs_a_process_group(cache: tuple[str, list]) -> Non
 def _follow_rank(rank: int, url: str, limits: list[int], init: str, out: str) -> None:
     """One DDP rank (gloo) that sees only the first ``limits[rank]`` sequences of the cache."""
     import torch.distributed as dist
-    from logitcache.client import LocalSource
+    from logitcache.client.sources import LocalSource
 
     class Partial(LocalSource):
         """A store view lagging behind: a rank whose snapshot is older than the others'."""
@@ -519,7 +532,7 @@ def _follow_rank(rank: int, url: str, limits: list[int], init: str, out: str) ->
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        ds = CacheDataset(Partial(url), tokens_per_item=48, seed=3, follow=True)
+        ds = CacheDataset(Partial(url), StreamConfig(tokens_per_item=48, seed=3, follow=True))
         ds.set_epoch(1)
         seen = [t[0] * 97 + t[1] for u in collect(ds) for t in segments(u)]
         Path(out).write_text(json.dumps({"n": ds.num_sequences, "seen": seen}))

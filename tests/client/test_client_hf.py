@@ -10,8 +10,8 @@ sequences of 2..40 tokens, vocab 97, k=4) and a tiny random Llama (same init on 
 
 Every rank records, per optimizer step, the documents it trained (token tuples, mapped back to
 cache sequences) and its share of the loss; the assertions below re-derive each claim from them.
-Run as a script (``python -m torch.distributed.run ... tests/client/test_client_hf.py worker ...``)
-this file is the worker.
+Run as a script (``python -m torch.distributed.run ... tests/client/test_client_hf.py worker
+...``) this file is the worker.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from logitcache.client import StreamConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 T, B, NUM_SEQ = 48, 2, 44
@@ -84,7 +85,8 @@ def worker(argv: list[str]) -> None:
 
     def dataset(r: int, w: int) -> CacheDataset:
         return CacheDataset(
-            opts["cache"], tokens_per_item=T, batch_size=B, seed=5, rank=r, world_size=w
+            opts["cache"],
+            StreamConfig(tokens_per_item=T, batch_size=B, seed=5, rank=r, world_size=w),
         )
 
     log: list[dict[str, Any]] = []
@@ -197,7 +199,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cache = work / "cache"
     build_cache(cache, seqs)
     parts = [
-        CacheDataset(cache, tokens_per_item=T, batch_size=B, seed=5, rank=r, world_size=2)
+        CacheDataset(
+            cache, StreamConfig(tokens_per_item=T, batch_size=B, seed=5, rank=r, world_size=2)
+        )
         for r in (0, 1)
     ]
     units = {(e, r): planned_units(p, e, r) for e in (0, 1) for r, p in enumerate(parts)}

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from client_support import build_cache, make_sequences
+from logitcache.client import StreamConfig
 
 
 @pytest.mark.parametrize("batch_size", [None, 3])
@@ -17,7 +18,7 @@ def test_hf_iterable_yields_the_dataset_items(tmp_path: Path, batch_size: int | 
 
     url = tmp_path / "cache"
     build_cache(url, make_sequences(12, seed=1, max_len=30))
-    ds = CacheDataset(url, tokens_per_item=32, batch_size=batch_size, seed=3)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=32, batch_size=batch_size, seed=3))
     hf = hf_iterable(ds)
     assert isinstance(hf, datasets.IterableDataset)
     assert set(hf.features) == set(next(iter(ds)))

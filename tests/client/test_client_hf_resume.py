@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from client_support import build_cache, make_sequences, manifest, record_for, tiny_llama
+from logitcache.client import StreamConfig
 
 pytest.importorskip("transformers")
 
@@ -59,13 +60,13 @@ def test_resume_after_the_cache_grew_trains_the_same_stream(tmp_path: Path, work
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def run(out: Path, save: int, resume: str | None = None) -> list:
-        ds = CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1)
+        ds = CacheDataset(url, StreamConfig(tokens_per_item=T, batch_size=B, seed=1))
         log.clear()
         trainer = Recording(model=tiny_llama(), args=_args(out, save, workers), train_dataset=ds)
         trainer.train(resume_from_checkpoint=resume)
         return list(log)
 
-    per_epoch = len(CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1))
+    per_epoch = len(CacheDataset(url, StreamConfig(tokens_per_item=T, batch_size=B, seed=1)))
     save = per_epoch + 2  # mid-epoch 1
     full = run(tmp_path / "a", save)
     assert [s for s, _ in full] == list(range(2 * per_epoch))
@@ -75,7 +76,7 @@ def test_resume_after_the_cache_grew_trains_the_same_stream(tmp_path: Path, work
     assert data["loader"]["epoch"] == 1 and data["loader"]["num_sequences"] == 30
 
     _grow(url, make_sequences(25, seed=8, max_len=40), 30)  # a job appended meanwhile
-    grown = CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1)
+    grown = CacheDataset(url, StreamConfig(tokens_per_item=T, batch_size=B, seed=1))
     assert grown.num_sequences == 55 and len(grown) > per_epoch
     resumed = run(tmp_path / "b", save, resume=str(checkpoint))
     assert resumed == [e for e in full if e[0] >= save]
@@ -88,7 +89,7 @@ def test_resume_refuses_a_damaged_data_state(tmp_path: Path) -> None:
 
     url = tmp_path / "cache"
     build_cache(url, make_sequences(10, seed=3, max_len=30))
-    ds = CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=T, batch_size=B, seed=1))
     trainer = CacheDistillTrainer(
         model=tiny_llama(), args=_args(tmp_path / "o", 5, 0), train_dataset=ds
     )
@@ -125,7 +126,7 @@ def test_trainer_trains_a_sampled_cache_with_sampled_targets(tmp_path: Path) -> 
     m = manifest(k=16, targets="sampled", sampling=sampling_manifest(16, 1.0, 1))
     with CacheWriter.open(str(url), m) as writer:
         writer.append(records)
-    ds = CacheDataset(url, tokens_per_item=T, batch_size=B, seed=1)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=T, batch_size=B, seed=1))
     model = tiny_llama()
     trainer = CacheDistillTrainer(model=model, args=_args(tmp_path / "o", 5, 0), train_dataset=ds)
     batch = next(iter(ds))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from client_support import build_cache, make_sequences, tiny_llama
+from client_support import build_cache, make_dataset, make_sequences, tiny_llama
+from logitcache.client import StreamConfig
 
 
 @pytest.fixture(scope="module")
@@ -16,9 +17,8 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _ds(url: Path, rank: int, **kw: int) -> object:
-    from logitcache.client import CacheDataset
 
-    return CacheDataset(
+    return make_dataset(
         url, tokens_per_item=40, batch_size=2, seed=1, rank=rank, world_size=2, **kw
     )
 
@@ -79,7 +79,6 @@ def test_placeholders_stand_in_for_skipped_batches(url: Path) -> None:
 
 
 def test_trainer_refuses_a_dataset_it_would_shard_wrongly(url: Path, tmp_path: Path) -> None:
-    from logitcache.client import CacheDataset
     from logitcache.client.errors import ConfigError
     from logitcache.client.hf import CacheDistillTrainer
     from transformers import TrainingArguments
@@ -88,7 +87,7 @@ def test_trainer_refuses_a_dataset_it_would_shard_wrongly(url: Path, tmp_path: P
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, report_to=[])
 
     def trainer(**ds_kw: object) -> CacheDistillTrainer:
-        ds = CacheDataset(url, tokens_per_item=40, seed=1, **ds_kw)
+        ds = make_dataset(url, tokens_per_item=40, seed=1, **ds_kw)
         return CacheDistillTrainer(model=model, args=args, train_dataset=ds)
 
     with pytest.raises(ConfigError, match="batch_size"):
@@ -130,14 +129,14 @@ def test_trainer_resume_with_dataloader_workers(url: Path, tmp_path: Path) -> No
             disable_tqdm=True,
             seed=0,
         )
-        ds = CacheDataset(url, tokens_per_item=40, batch_size=2, seed=1)
+        ds = CacheDataset(url, StreamConfig(tokens_per_item=40, batch_size=2, seed=1))
         log.clear()
         Recording(model=tiny_llama(), args=args, train_dataset=ds).train(
             resume_from_checkpoint=resume
         )
         return list(log)
 
-    per_epoch = len(CacheDataset(url, tokens_per_item=40, batch_size=2, seed=1))
+    per_epoch = len(CacheDataset(url, StreamConfig(tokens_per_item=40, batch_size=2, seed=1)))
     save = per_epoch + 2
     full = run(tmp_path / "a", save)
     assert [s for s, _ in full] == list(range(2 * per_epoch))

@@ -13,22 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from client_support import collect, same_stream
+from client_support import collect, make_dataset, same_stream
 from logitcache.cache_format import tokenizer_fingerprint
-from logitcache.client import (
-    AsyncTeacherClient,
+from logitcache.client import AsyncTeacherClient, CacheDataLoader, CacheDataset, TeacherClient
+from logitcache.client.errors import (
     AuthError,
     BadRequestError,
-    CacheDataLoader,
-    CacheDataset,
     ConflictError,
-    HttpSource,
     IncompatibleCacheError,
-    LocalSource,
     NotFoundError,
-    TeacherClient,
     TransportError,
 )
+from logitcache.client.sources import HttpSource, LocalSource
 from server_support import ServerProcess, free_port
 
 pytestmark = pytest.mark.vllm
@@ -99,8 +95,8 @@ def test_http_source_gives_the_local_items(server, job, tiny) -> None:
         "tokenizer": tiny.load_tokenizer(),
         "vocab_size": AutoConfig.from_pretrained(tiny.student_dir),
     }
-    remote = CacheDataset(HttpSource(server.url, CACHE, api_key=KEY), **settings, **student)
-    local = CacheDataset(store(server), **settings, **student)
+    remote = make_dataset(HttpSource(server.url, CACHE, api_key=KEY), **settings, **student)
+    local = make_dataset(store(server), **settings, **student)
     assert np.array_equal(remote.lengths, local.lengths)
     expected = collect(local)
     assert len(expected) > 3
@@ -108,7 +104,7 @@ def test_http_source_gives_the_local_items(server, job, tiny) -> None:
     assert same_stream(collect(CacheDataLoader(remote, num_workers=2)), expected)
     # the frames transport (server decodes) gives the same stream as the store transport
     frames = HttpSource(server.url, CACHE, api_key=KEY, transport="frames")
-    assert same_stream(collect(CacheDataset(frames, **settings, **student)), expected)
+    assert same_stream(collect(make_dataset(frames, **settings, **student)), expected)
     # a student with another vocabulary is refused, with the reason
     with pytest.raises(IncompatibleCacheError, match="vocab size differs"):
         CacheDataset(HttpSource(server.url, CACHE, api_key=KEY), vocab_size=7)

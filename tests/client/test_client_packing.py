@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from logitcache.client import StreamConfig
 
 TOL = 1e-4
 IMPLS = ("eager", "sdpa")
@@ -29,7 +30,7 @@ def packed_batches(tiny: Any, heldout_sequences: list[list[int]], tmp_path_facto
     url = tmp_path_factory.mktemp("packing") / "cache"
     vocab = _student(tiny, "sdpa").config.vocab_size
     build_cache(url, [torch.tensor(s).numpy() for s in heldout_sequences], vocab_size=vocab)
-    ds = CacheDataset(url, tokens_per_item=256, mode="pack", batch_size=3, seed=1)
+    ds = CacheDataset(url, StreamConfig(tokens_per_item=256, mode="pack", batch_size=3, seed=1))
     batches = list(ds)
     assert max(int(b["segment_ids"].max()) for b in batches) >= 3, "items must hold several docs"
     assert any(bool((b["attention_mask"] == 0).any()) for b in batches), "need padding too"

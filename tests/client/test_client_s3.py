@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import format_support
 import pytest
-from client_support import build_cache, collect, make_sequences, same_stream
-from logitcache.client import CacheDataLoader, CacheDataset, LocalSource, SourceError
+from client_support import build_cache, collect, make_dataset, make_sequences, same_stream
+from logitcache.client import CacheDataLoader, CacheDataset, StreamConfig, open_source
+from logitcache.client.errors import SourceError
+from logitcache.client.sources import LocalSource
 from torch.utils.data import DataLoader
 
 s3_endpoint = format_support.s3_endpoint
@@ -18,8 +20,8 @@ def test_s3_items_equal_local_items_and_forked_obstore_fails_loudly(s3_store, tm
     build_cache(url, seqs, storage_options=options)
     build_cache(str(tmp_path / "local"), seqs)
     settings = {"tokens_per_item": 48, "mode": "pack", "seed": 3, "batch_size": 2}
-    remote = CacheDataset(url, storage_options=options, **settings)
-    local = CacheDataset(str(tmp_path / "local"), **settings)
+    remote = make_dataset(url, storage_options=options, **settings)
+    local = make_dataset(str(tmp_path / "local"), **settings)
     assert same_stream(collect(remote), collect(local))
     # obstore does not survive fork: a forked worker must raise, not hang
     assert not remote.source.fork_safe and LocalSource(str(tmp_path)).fork_safe
@@ -33,7 +35,10 @@ def test_s3_items_equal_local_items_and_forked_obstore_fails_loudly(s3_store, tm
 def test_s3_through_fsspec_survives_fork(s3_store) -> None:
     url, options = s3_store
     build_cache(url, make_sequences(12, seed=2), storage_options=options)
-    ds = CacheDataset(url, storage_options={**options, "backend": "fsspec"}, tokens_per_item=64)
+    ds = CacheDataset(
+        open_source(url, storage_options={**options, "backend": "fsspec"}),
+        StreamConfig(tokens_per_item=64),
+    )
     assert ds.source.fork_safe
     forked = collect(CacheDataLoader(ds, num_workers=2, multiprocessing_context="fork"))
     assert same_stream(forked, collect(ds))

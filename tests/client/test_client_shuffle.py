@@ -12,9 +12,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from client_support import K, build_cache, collect, make_sequences, same_stream, segments
-from logitcache.client import CacheDataLoader, CacheDataset, LocalSource, StateError
+from client_support import (
+    K,
+    build_cache,
+    collect,
+    make_dataset,
+    make_sequences,
+    same_stream,
+    segments,
+)
+from logitcache.client import CacheDataLoader, CacheDataset, ReadOptions, StreamConfig
+from logitcache.client.errors import StateError
 from logitcache.client.order import epoch_order, lane_item_order, rank_partition
+from logitcache.client.sources import LocalSource
 
 NUM_SEQ = 45
 
@@ -79,12 +89,14 @@ def test_windowed_ranks_cover_every_sequence_once(cache: tuple[str, list], world
     for rank in range(world_size):
         ds = CacheDataset(
             url,
-            tokens_per_item=64,
-            seed=2,
-            shuffle_block_size=4,
-            shuffle_window=3,
-            rank=rank,
-            world_size=world_size,
+            StreamConfig(
+                tokens_per_item=64,
+                seed=2,
+                shuffle_block_size=4,
+                shuffle_window=3,
+                rank=rank,
+                world_size=world_size,
+            ),
         )
         per_rank.append(Counter(s for u in collect(ds) for s in segments(u)))
     assert sum(per_rank, Counter()) == Counter(tuple(r.input_ids.tolist()) for r in records)
@@ -102,12 +114,14 @@ def test_resume_mid_epoch_with_workers(
     def loader(workers: int) -> CacheDataLoader:
         ds = CacheDataset(
             url,
-            tokens_per_item=40,
-            batch_size=2,
-            seed=8,
-            shuffle_block_size=block,
-            shuffle_window=window,
-            lanes=lanes,
+            StreamConfig(
+                tokens_per_item=40,
+                batch_size=2,
+                seed=8,
+                shuffle_block_size=block,
+                shuffle_window=window,
+                lanes=lanes,
+            ),
         )
         ds.set_epoch(1)
         return CacheDataLoader(ds, num_workers=workers)
@@ -129,12 +143,14 @@ def test_resume_mid_epoch_with_workers(
     # the window is part of the configuration a state belongs to
     other = CacheDataset(
         url,
-        tokens_per_item=40,
-        batch_size=2,
-        seed=8,
-        shuffle_block_size=block,
-        shuffle_window=window + 1,
-        lanes=lanes,
+        StreamConfig(
+            tokens_per_item=40,
+            batch_size=2,
+            seed=8,
+            shuffle_block_size=block,
+            shuffle_window=window + 1,
+            lanes=lanes,
+        ),
     )
     with pytest.raises(StateError):
         other.load_state_dict(state)
@@ -160,7 +176,8 @@ def test_block_and_window_modes_read_each_sequence_once(
     url, _ = cache
     source = _CountingSource(url)
     ds = CacheDataset(
-        source, tokens_per_item=48, seed=4, shuffle_block_size=block, shuffle_window=window
+        source,
+        StreamConfig(tokens_per_item=48, seed=4, shuffle_block_size=block, shuffle_window=window),
     )
     assert len(collect(ds)) == ds.num_items()
     assert source.asked == Counter(range(NUM_SEQ))
@@ -182,17 +199,17 @@ def test_read_threads_do_not_change_the_stream_and_read_once(
     streams = []
     for threads in (1, 3):
         source = _CountingSource(url)
-        ds = CacheDataset(source, tokens_per_item=48, seed=6, read_threads=threads, **settings)
+        ds = make_dataset(source, tokens_per_item=48, seed=6, read_threads=threads, **settings)
         streams.append(collect(ds))
         assert source.asked == Counter(range(NUM_SEQ)), threads
-    assert len(streams[0]) == len(CacheDataset(url, tokens_per_item=48, seed=6, **settings))
+    assert len(streams[0]) == len(make_dataset(url, tokens_per_item=48, seed=6, **settings))
     assert same_stream(streams[0], streams[1])
 
 
 def test_read_ahead_frees_each_read_after_its_last_unit_and_passes_errors(
     cache: tuple[str, list],
 ) -> None:
-    from logitcache.client import SourceError
+    from logitcache.client.errors import SourceError
     from logitcache.client.readahead import ReadAhead
 
     url, _ = cache
@@ -212,16 +229,18 @@ def test_read_ahead_frees_each_read_after_its_last_unit_and_passes_errors(
         def fetch(self, indices):  # noqa: ANN001, ANN201 - LocalSource.fetch's signature
             raise SourceError("store unreachable")
 
-    ds = CacheDataset(Broken(url), tokens_per_item=48, read_threads=2)
+    ds = CacheDataset(
+        Broken(url), StreamConfig(tokens_per_item=48), read=ReadOptions(read_threads=2)
+    )
     with pytest.raises(SourceError, match="unreachable"):
         collect(ds)
 
 
 def test_bad_window_is_refused(tmp_path: Path, cache: tuple[str, list]) -> None:
-    from logitcache.client import ConfigError
+    from logitcache.client.errors import ConfigError
 
     with pytest.raises(ConfigError, match="shuffle_window"):
-        CacheDataset(cache[0], shuffle_window=0)
+        CacheDataset(cache[0], StreamConfig(shuffle_window=0))
 
 
 def test_lane_item_order_interleaves_whole_units() -> None:
@@ -238,12 +257,14 @@ def test_lanes_cover_every_sequence_and_unit_u_reads_lane_u_mod_l(cache: tuple[s
     lanes, batch = 3, 2
     ds = CacheDataset(
         url,
-        tokens_per_item=48,
-        batch_size=batch,
-        seed=6,
-        shuffle_block_size=4,
-        shuffle_window=2,
-        lanes=lanes,
+        StreamConfig(
+            tokens_per_item=48,
+            batch_size=batch,
+            seed=6,
+            shuffle_block_size=4,
+            shuffle_window=2,
+            lanes=lanes,
+        ),
     )
     got = Counter(s for u in collect(ds) for s in segments(u))
     assert got == Counter(tuple(r.input_ids.tolist()) for r in records)
@@ -260,17 +281,15 @@ def test_lanes_cover_every_sequence_and_unit_u_reads_lane_u_mod_l(cache: tuple[s
         ds.config_fingerprint()
         != CacheDataset(
             url,
-            tokens_per_item=48,
-            batch_size=batch,
-            seed=6,
-            shuffle_block_size=4,
-            shuffle_window=2,
+            StreamConfig(
+                tokens_per_item=48, batch_size=batch, seed=6, shuffle_block_size=4, shuffle_window=2
+            ),
         ).config_fingerprint()
     )
-    from logitcache.client import ConfigError
+    from logitcache.client.errors import ConfigError
 
     with pytest.raises(ConfigError, match="lanes"):
-        CacheDataset(url, lanes=0)
+        CacheDataset(url, StreamConfig(lanes=0))
 
 
 def test_trainer_shuffle_settings_run_and_match_the_benchmark(cache: tuple[str, list]) -> None:
@@ -286,7 +305,7 @@ def test_trainer_shuffle_settings_run_and_match_the_benchmark(cache: tuple[str, 
     assert client_scaling.SHUFFLE == TRAINER_SHUFFLE
     url, records = cache
     # exactly the settings benchmarks/results/client.md tells users to copy
-    ds = CacheDataset(
+    ds = make_dataset(
         url, **TRAINER_SHUFFLE, ids_dtype=torch.int32, tokens_per_item=2048, batch_size=8
     )
     units = collect(CacheDataLoader(ds, num_workers=8, pin_memory=True, prefetch_factor=4))

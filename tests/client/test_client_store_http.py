@@ -13,10 +13,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from client_support import build_cache, collect, make_sequences, manifest, record_for, same_stream
+from client_support import (
+    build_cache,
+    collect,
+    make_dataset,
+    make_sequences,
+    manifest,
+    record_for,
+    same_stream,
+)
 from logitcache.cache_format import CacheWriter
 from logitcache.cache_format.errors import ChecksumError, CorruptStoreError, StoreNotFoundError
-from logitcache.client import CacheDataLoader, CacheDataset, HttpSource, LocalSource
+from logitcache.client import CacheDataLoader
+from logitcache.client.sources import HttpSource, LocalSource
 from server_support import StoreServer
 
 NUM_SEQ = 60
@@ -39,10 +48,10 @@ def test_http_store_source_equals_the_local_store(served) -> None:
     got = remote.fetch([0, 5, 6, 59])
     assert all(got[i].equals(records[i]) for i in (0, 5, 6, 59))
     settings = {"tokens_per_item": 64, "batch_size": 3, "seed": 4, "shuffle_block_size": 4}
-    expected = collect(CacheDataset(str(root / "c"), **settings))
-    assert same_stream(collect(CacheDataset(remote, **settings)), expected)
+    expected = collect(make_dataset(str(root / "c"), **settings))
+    assert same_stream(collect(make_dataset(remote, **settings)), expected)
     assert same_stream(
-        collect(CacheDataLoader(CacheDataset(remote, **settings), num_workers=2)), expected
+        collect(CacheDataLoader(make_dataset(remote, **settings), num_workers=2)), expected
     )
 
 

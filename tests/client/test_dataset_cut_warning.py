@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from client_support import build_cache
-from logitcache.client import CacheDataset, CutSequenceWarning
+from logitcache.client import CacheDataset, StreamConfig
 from logitcache.client.collate import cut_rows
+from logitcache.client.errors import CutSequenceWarning
 
 
 def test_cut_rows_counts_the_rows_after_each_first_piece() -> None:
@@ -27,10 +28,10 @@ def test_split_warns_with_the_share_of_cut_rows(tmp_path: Path) -> None:
     lengths = [100, 30, 61, 20]  # rows 99, 29, 60, 19 = 207; at T=32: 67 + 0 + 28 + 0 = 95 cut
     build_cache(url, [rng.integers(0, 50, size=n).astype(np.int32) for n in lengths])
     with pytest.warns(CutSequenceWarning) as got:
-        CacheDataset(url, tokens_per_item=32)
+        CacheDataset(url, StreamConfig(tokens_per_item=32))
     text = str(got[0].message)
     assert "95 of 207 rows (45.9%)" in text and "longest 100 tokens" in text
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing is cut: no warning
-        CacheDataset(url, tokens_per_item=100)
-        CacheDataset(url, tokens_per_item=32, long_sequences="truncate")
+        CacheDataset(url, StreamConfig(tokens_per_item=100))
+        CacheDataset(url, StreamConfig(tokens_per_item=32, long_sequences="truncate"))

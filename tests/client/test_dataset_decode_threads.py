@@ -1,4 +1,4 @@
-"""``decode_threads`` from the loader to the reader (issue #14): ``CacheDataset(decode_threads=n)``,
+"""``decode_threads`` from the loader to the reader (issue #14): ``ReadOptions(decode_threads=n)``,
 ``LocalSource(decode_threads=n)`` and ``HttpSource(decode_threads=n)`` (store transport) read
 through ``CacheReader(decode_threads=n)`` in the trainer process and in every DataLoader worker
 (the setting is pickled with the source); the stream is the one without; it is refused where no
@@ -11,11 +11,12 @@ import pickle
 
 import pytest
 import torch
-from client_support import collect, same_stream
+from client_support import collect, make_dataset, same_stream
 from format_support import SMALL, write_small_cache
 from logitcache.cache_format import CacheReader
-from logitcache.client import CacheDataLoader, CacheDataset, ConfigError, HttpSource, LocalSource
-from logitcache.client.errors import SourceError
+from logitcache.client import CacheDataLoader, CacheDataset, ReadOptions, open_source
+from logitcache.client.errors import ConfigError, SourceError
+from logitcache.client.sources import HttpSource, LocalSource
 from server_support import StoreServer
 from torch.utils.data import get_worker_info
 
@@ -38,27 +39,27 @@ def _probe(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_decode_threads_reach_the_reader_and_keep_the_stream(tmp_path) -> None:
     url = str(tmp_path / "c")
     write_small_cache(url, SMALL)
-    plain = collect(CacheDataset(url, **OPTS))
-    ds = CacheDataset(url, decode_threads=3, **OPTS)
-    assert ds.decode_threads == 3 and ds.source.decode_threads == 3
+    plain = collect(make_dataset(url, **OPTS))
+    ds = make_dataset(url, decode_threads=3, **OPTS)
+    assert ds.read.decode_threads == 3 and ds.source.decode_threads == 3
     assert same_stream(collect(ds), plain)
     reader = ds.source.reader
     assert reader.decode_threads == 3 and reader._decode_pool is not None  # the threads decoded
     copy = pickle.loads(pickle.dumps(ds))  # what a spawned DataLoader worker receives
-    assert copy.decode_threads == 3 and copy.source._reader is None
+    assert copy.read.decode_threads == 3 and copy.source._reader is None
     assert copy.source.reader.decode_threads == 3
     # with reader processes too: both settings reach the one reader
-    both = CacheDataset(url, read_processes=1, decode_threads=2, **OPTS)
+    both = make_dataset(url, read_processes=1, decode_threads=2, **OPTS)
     assert (both.source.reader.read_processes, both.source.reader.decode_threads) == (1, 2)
-    assert CacheDataset(url, **OPTS).source.reader.decode_threads == 1  # the default
+    assert make_dataset(url, **OPTS).source.reader.decode_threads == 1  # the default
 
 
 def test_decode_threads_reach_the_reader_of_a_spawned_worker(tmp_path) -> None:
     """A spawned worker unpickles the dataset: its own reader has the threads and used them."""
     url = str(tmp_path / "c")
     write_small_cache(url, SMALL)
-    plain = collect(CacheDataset(url, batch_size=2, **OPTS))
-    ds = CacheDataset(url, batch_size=2, decode_threads=3, **OPTS)
+    plain = collect(make_dataset(url, batch_size=2, **OPTS))
+    ds = make_dataset(url, batch_size=2, decode_threads=3, **OPTS)
     loader = CacheDataLoader(ds, num_workers=1, multiprocessing_context="spawn", collate_fn=_probe)
     got = collect(loader)
     assert got and all(int(u["probe_threads"]) == 3 and int(u["probe_pooled"]) for u in got)
@@ -82,9 +83,9 @@ def test_local_source_takes_decode_threads_itself(tmp_path) -> None:
     got, want = src.fetch([5, 2, 30]), LocalSource(url).fetch([5, 2, 30])
     assert sorted(got) == sorted(want) == [2, 5, 30]
     assert all(got[i].equals(want[i]) for i in want)
-    assert CacheDataset(src, **OPTS).source.reader.decode_threads == 2
+    assert make_dataset(src, **OPTS).source.reader.decode_threads == 2
     procs = LocalSource(url, read_processes=2)
-    ds = CacheDataset(procs, decode_threads=4, **OPTS)
+    ds = make_dataset(procs, decode_threads=4, **OPTS)
     assert (ds.source.read_processes, ds.source.decode_threads) == (2, 4)
     assert procs.decode_threads == 1  # the given source is left as it is
 
@@ -99,32 +100,35 @@ def test_decode_threads_over_the_http_store_transport(tmp_path) -> None:
         src = HttpSource(server.url, "c", decode_threads=2)
         assert src._store is not None and src._store.reader.decode_threads == 2
         copy = pickle.loads(pickle.dumps(src))
-        assert copy.decode_threads == 2 and copy._store.reader.decode_threads == 2
+        assert copy.read.decode_threads == 2 and copy._store.reader.decode_threads == 2
         got = src.fetch([0, 7, 39])
         want = CacheReader(url).sequences([0, 7, 39])
         assert all(got[i].equals(w) for i, w in zip([0, 7, 39], want, strict=True))
-        plain = collect(CacheDataset(str(url), **OPTS))
-        ds = CacheDataset(server.url, cache="c", decode_threads=3, **OPTS)
+        plain = collect(make_dataset(str(url), **OPTS))
+        ds = make_dataset(server.url, cache="c", decode_threads=3, **OPTS)
         assert ds.source._store.reader.decode_threads == 3
         assert same_stream(collect(ds), plain)
         given = HttpSource(server.url, "c", timeout=7.0)
-        ds = CacheDataset(given, decode_threads=2, **OPTS)
+        ds = make_dataset(given, decode_threads=2, **OPTS)
         assert ds.source.decode_threads == 2 and ds.source.timeout == 7.0
         assert ds.source._store.reader.decode_threads == 2 and given.decode_threads == 1
     with pytest.raises(SourceError, match="decode_threads"):
         HttpSource("http://127.0.0.1:9", "c", transport="frames", decode_threads=2)
     with pytest.raises(ConfigError, match="decode_threads"):  # refused before any request
-        CacheDataset("http://127.0.0.1:9", cache="c", transport="frames", decode_threads=2)
+        CacheDataset(
+            open_source("http://127.0.0.1:9", cache="c", transport="frames"),
+            read=ReadOptions(decode_threads=2),
+        )
 
 
 def test_decode_threads_are_checked(tmp_path) -> None:
     url = str(tmp_path / "c")
     write_small_cache(url, SMALL)
     with pytest.raises(ConfigError, match="decode_threads"):
-        CacheDataset(url, decode_threads=0)
+        CacheDataset(url, read=ReadOptions(decode_threads=0))
 
     class Other(LocalSource):  # a source of another type: its reader is not the dataset's to set
         pass
 
     with pytest.raises(ConfigError, match="decode_threads"):
-        CacheDataset(Other(url), decode_threads=2)
+        CacheDataset(Other(url), read=ReadOptions(decode_threads=2))

@@ -1,4 +1,4 @@
-"""``point_reads`` in the loader (issue #14): ``CacheDataset(point_reads=True)`` and
+"""``point_reads`` in the loader (issue #14): ``ReadOptions(point_reads=True)`` and
 ``LocalSource(point_reads=True)`` fetch with one point read (``CacheReader.sequences``) instead
 of merged range reads; the records and the stream are the same; the setting is pickled with the
 source and refused where the source is not a LocalSource."""
@@ -9,9 +9,11 @@ import pickle
 from typing import Any
 
 import pytest
-from client_support import collect, same_stream
+from client_support import collect, make_dataset, same_stream
 from format_support import SMALL, write_small_cache
-from logitcache.client import CacheDataLoader, CacheDataset, ConfigError, LocalSource
+from logitcache.client import CacheDataLoader, CacheDataset, ReadOptions, open_source
+from logitcache.client.errors import ConfigError
+from logitcache.client.sources import LocalSource
 
 OPTS = {"tokens_per_item": 48, "seed": 3, "read_threads": 1}
 
@@ -37,16 +39,16 @@ def _no_range_reads(source: LocalSource, monkeypatch: pytest.MonkeyPatch) -> lis
 def test_point_reads_fetch_by_point_reads_and_keep_the_stream(tmp_path, monkeypatch) -> None:
     url = str(tmp_path / "c")
     write_small_cache(url, SMALL)
-    plain = collect(CacheDataset(url, **OPTS))
-    ds = CacheDataset(url, point_reads=True, **OPTS)
-    assert ds.point_reads and ds.source.point_reads
+    plain = collect(make_dataset(url, **OPTS))
+    ds = make_dataset(url, point_reads=True, **OPTS)
+    assert ds.read.point_reads and ds.source.point_reads
     calls = _no_range_reads(ds.source, monkeypatch)
     assert same_stream(collect(ds), plain)
     assert sum(calls) >= 40  # every sequence came from a point read
     copy = pickle.loads(pickle.dumps(ds))  # what a spawned DataLoader worker receives
-    assert copy.point_reads and copy.source.point_reads and copy.source._reader is None
+    assert copy.read.point_reads and copy.source.point_reads and copy.source._reader is None
     # point_reads=False reads ranges (the patch above does catch them)
-    other = CacheDataset(url, point_reads=False, **OPTS)
+    other = make_dataset(url, point_reads=False, **OPTS)
     _no_range_reads(other.source, monkeypatch)
     with pytest.raises(AssertionError, match="a range read"):
         collect(other)
@@ -95,14 +97,16 @@ def test_local_source_takes_point_reads_itself(tmp_path, monkeypatch) -> None:
     got = src.fetch([31, 5, 2, 30])
     assert calls == [4] and sorted(got) == sorted(want) == [2, 5, 30, 31]
     assert all(got[i].equals(want[i]) for i in want)
-    assert CacheDataset(src, **OPTS).source.point_reads
-    ds = CacheDataset(src, decode_threads=2, **OPTS)
+    assert make_dataset(src, **OPTS).source.point_reads
+    ds = make_dataset(src, decode_threads=2, **OPTS)
     assert ds.source is not src and ds.source.point_reads and ds.source.decode_threads == 2
 
 
 def test_point_reads_need_a_local_source() -> None:
     with pytest.raises(ConfigError, match="point_reads"):  # refused before any request
-        CacheDataset("http://127.0.0.1:9", cache="c", point_reads=True)
+        CacheDataset(
+            open_source("http://127.0.0.1:9", cache="c"), read=ReadOptions(point_reads=True)
+        )
 
 
 def test_point_reads_in_forked_workers_after_the_parent_read(tmp_path) -> None:
@@ -111,8 +115,8 @@ def test_point_reads_in_forked_workers_after_the_parent_read(tmp_path) -> None:
     inherited) give the stream of the range reads, as does the parent again afterwards."""
     url = str(tmp_path / "c")
     write_small_cache(url, SMALL)
-    plain = collect(CacheDataset(url, batch_size=2, **OPTS))
-    ds = CacheDataset(url, batch_size=2, point_reads=True, **OPTS)
+    plain = collect(make_dataset(url, batch_size=2, **OPTS))
+    ds = make_dataset(url, batch_size=2, point_reads=True, **OPTS)
     assert same_stream(collect(ds), plain)  # the parent reads first
     loader = CacheDataLoader(ds, num_workers=2, multiprocessing_context="fork")
     assert same_stream(collect(loader), plain)

@@ -1,4 +1,4 @@
-"""``CacheDataset(read_processes=n)`` (issue #14): the dataset's reader gets ``n`` reader
+"""``ReadOptions(read_processes=n)`` (issue #14): the dataset's reader gets ``n`` reader
 processes and fetches with point reads over them; the stream is the one without; the setting
 survives pickling (DataLoader workers) and is refused where it cannot apply."""
 
@@ -11,7 +11,8 @@ import pytest
 from client_support import collect, same_stream
 from format_support import SMALL, write_small_cache
 from logitcache.cache_format import CacheReader
-from logitcache.client import CacheDataset, ConfigError
+from logitcache.client import CacheDataset, ReadOptions, StreamConfig
+from logitcache.client.errors import ConfigError
 
 
 def test_read_processes_reach_the_reader_and_keep_the_stream(tmp_path):
@@ -19,14 +20,22 @@ def test_read_processes_reach_the_reader_and_keep_the_stream(tmp_path):
     write_small_cache(
         url, SMALL
     )  # 8-row chunks: a fetch of several sequences splits over processes
-    plain = collect(CacheDataset(url, tokens_per_item=48, seed=3, read_threads=1))
-    ds = CacheDataset(url, tokens_per_item=48, seed=3, read_threads=1, read_processes=1)
+    plain = collect(
+        CacheDataset(
+            url, StreamConfig(tokens_per_item=48, seed=3), read=ReadOptions(read_threads=1)
+        )
+    )
+    ds = CacheDataset(
+        url,
+        StreamConfig(tokens_per_item=48, seed=3),
+        read=ReadOptions(read_threads=1, read_processes=1),
+    )
     try:
         assert same_stream(collect(ds), plain)
         reader = ds.source.reader
         assert reader.read_processes == 1 and reader._procs is not None  # processes were used
         copy = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker receives
-        assert copy.read_processes == 1 and copy.source.read_processes == 1
+        assert copy.read.read_processes == 1 and copy.source.read_processes == 1
         assert copy.source._reader is None  # opens its own reader (and processes) when read
         got = copy.source.fetch([39, 0, 7])
         want = CacheReader(url).sequences([0, 7, 39])
@@ -42,7 +51,7 @@ def test_read_processes_are_checked(tmp_path):
     url = str(tmp_path / "c")
     write_small_cache(url, SMALL)
     with pytest.raises(ConfigError, match="read_processes"):
-        CacheDataset(url, read_processes=-1)
+        CacheDataset(url, read=ReadOptions(read_processes=-1))
 
     class Other:  # a CacheSource that is not a LocalSource
         def __init__(self, reader: CacheReader) -> None:
@@ -56,7 +65,7 @@ def test_read_processes_are_checked(tmp_path):
             pass
 
     with pytest.raises(ConfigError, match="LocalSource"):
-        CacheDataset(Other(CacheReader(url)), read_processes=2)
+        CacheDataset(Other(CacheReader(url)), read=ReadOptions(read_processes=2))
 
 
 def test_local_source_takes_read_processes_itself(tmp_path):

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from client_support import build_cache, collect, manifest, record_for, same_stream, segments
+from client_support import (
+    build_cache,
+    collect,
+    make_dataset,
+    manifest,
+    record_for,
+    same_stream,
+    segments,
+)
 from logitcache.cache_format import CacheWriter
 from logitcache.client import CacheDataLoader, CacheDataset
 from logitcache.client.errors import ConfigError
@@ -49,7 +57,7 @@ def _head(units: object, stop: int) -> list[dict]:
 
 def _state_after(url: str, epoch: int, items: int) -> dict:
     """The dataset state after ``items`` items of ``epoch`` were iterated (num_workers=0)."""
-    ds = CacheDataset(url, **OPTS)
+    ds = make_dataset(url, **OPTS)
     ds.set_epoch(epoch)
     it = iter(ds)
     _ = [next(it) for _ in range(items)]
@@ -62,7 +70,7 @@ def test_set_epoch_of_the_restored_epoch_keeps_the_position(
 ) -> None:
     def loader() -> CacheDataLoader:
         return CacheDataLoader(
-            CacheDataset(url, batch_size=batch_size, **OPTS), num_workers=num_workers
+            make_dataset(url, batch_size=batch_size, **OPTS), num_workers=num_workers
         )
 
     first = loader()
@@ -89,11 +97,11 @@ def test_set_epoch_of_the_restored_epoch_keeps_the_position(
 
 
 def test_set_epoch_on_the_dataset_itself_after_load_state_dict(url: str) -> None:
-    ds = CacheDataset(url, **OPTS)
+    ds = make_dataset(url, **OPTS)
     ds.set_epoch(2)
     full = collect(ds)
     state = _state_after(url, 2, 5)
-    again = CacheDataset(url, **OPTS)
+    again = make_dataset(url, **OPTS)
     again.load_state_dict(state)
     again.set_epoch(2)
     assert again.resume_point == 5 and same_stream(collect(again), full[5:])
@@ -101,10 +109,10 @@ def test_set_epoch_on_the_dataset_itself_after_load_state_dict(url: str) -> None
 
 def test_set_epoch_of_another_epoch_starts_it_fresh(url: str) -> None:
     state = _state_after(url, 2, 3)
-    fresh = CacheDataset(url, **OPTS)
+    fresh = make_dataset(url, **OPTS)
     fresh.set_epoch(3)
     want = collect(fresh)
-    resumed = CacheDataset(url, **OPTS)
+    resumed = make_dataset(url, **OPTS)
     resumed.load_state_dict(state)
     resumed.set_epoch(3)
     assert resumed.resume_point == 0 and resumed.state_dict()["items_consumed"] == 0
@@ -119,7 +127,7 @@ def test_follow_resume_keeps_the_snapshot_of_a_grown_cache(url: str) -> None:
     next epoch adopts 55."""
 
     def ds() -> CacheDataset:
-        return CacheDataset(url, batch_size=2, follow=True, **OPTS)
+        return make_dataset(url, batch_size=2, follow=True, **OPTS)
 
     uninterrupted = ds()
     uninterrupted.set_epoch(1)
@@ -145,7 +153,7 @@ def test_follow_resume_keeps_the_snapshot_of_a_grown_cache(url: str) -> None:
 
 
 def test_set_epoch_refuses_bad_epochs(url: str) -> None:
-    ds = CacheDataset(url, **OPTS)
+    ds = make_dataset(url, **OPTS)
     for bad in (-1, "1", True, 1.0):
         with pytest.raises(ConfigError, match="epoch"):
             ds.set_epoch(bad)  # type: ignore[arg-type]
@@ -159,10 +167,10 @@ def test_plain_dataloader_workers_clear_the_restored_mark(url: str, context: str
     ``set_epoch(same)`` then yields the whole epoch, not the restored tail again."""
     from torch.utils.data import DataLoader
 
-    ds = CacheDataset(url, batch_size=2, **OPTS)
+    ds = make_dataset(url, batch_size=2, **OPTS)
     ds.set_epoch(1)
     full = collect(ds)
-    resumed = CacheDataset(url, batch_size=2, **OPTS)
+    resumed = make_dataset(url, batch_size=2, **OPTS)
     resumed.load_state_dict(_state_after_batches(url, 1, 3))
     resumed.set_epoch(1)
     loader = DataLoader(resumed, batch_size=None, num_workers=2, multiprocessing_context=context)
@@ -173,7 +181,7 @@ def test_plain_dataloader_workers_clear_the_restored_mark(url: str, context: str
 
 
 def _state_after_batches(url: str, epoch: int, batches: int) -> dict:
-    ds = CacheDataset(url, batch_size=2, **OPTS)
+    ds = make_dataset(url, batch_size=2, **OPTS)
     ds.set_epoch(epoch)
     it = iter(ds)
     _ = [next(it) for _ in range(batches)]
@@ -184,7 +192,7 @@ def test_a_pickled_dataset_carries_the_pending_mark(url: str) -> None:
     """Outside a worker start the mark travels by value: the copy keeps the resume."""
     import pickle
 
-    resumed = CacheDataset(url, **OPTS)
+    resumed = make_dataset(url, **OPTS)
     resumed.load_state_dict(_state_after(url, 2, 5))
     copy = pickle.loads(pickle.dumps(resumed))
     copy.set_epoch(2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from client_support import VOCAB, make_sequences, manifest, record_for
+from client_support import VOCAB, make_dataset, make_sequences, manifest, record_for
 from logitcache.cache_format import CacheWriter, SequenceRecord
 from logitcache.cache_format.sampling import (
     PAD_LOGPROB,
@@ -62,7 +62,7 @@ def collect(iterable: object) -> list[dict]:
 def _ds(url: str, **kw: object) -> CacheDataset:
     opts: dict = {"tokens_per_item": 32, "batch_size": 3, "seed": 1}
     opts.update(kw)
-    return CacheDataset(url, **opts)
+    return make_dataset(url, **opts)
 
 
 def test_trimmed_units_are_the_full_units_minus_trailing_padding(sampled_url: str) -> None:

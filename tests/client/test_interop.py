@@ -23,7 +23,7 @@ FP = "sha256:test-fingerprint"
 
 
 def _cli(*args: str) -> Any:
-    from logitcache.cache_format.cli import app
+    from logitcache.client.cli import app
 
     return CliRunner().invoke(app, list(args))
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from deploy_support import REPO, s3_bucket_fixture, s3_keys, s3_server_fixture  # noqa: F401
 from logitcache.cache_format import CacheReader, validate
-from logitcache.client import CacheDataset
+from logitcache.client import CacheDataset, StreamConfig, open_source
 from logitcache.client.http import TeacherClient
 from server_support import ServerProcess
 
@@ -85,7 +85,10 @@ def test_service_writes_to_s3_and_the_client_streams_from_it(tiny, s3_bucket, tm
     assert stored.manifest.k == K and stored.num_sequences == len(texts)
 
     # the trainer's side: stream padded items straight from S3, in cache (= input) order
-    ds = CacheDataset(url, storage_options=options, tokens_per_item=256, mode="pad", shuffle=False)
+    ds = CacheDataset(
+        open_source(url, storage_options=options),
+        StreamConfig(tokens_per_item=256, mode="pad", shuffle=False),
+    )
     items = list(ds)
     assert len(items) == len(texts)
     for i, (item, want) in enumerate(zip(items, direct, strict=True)):

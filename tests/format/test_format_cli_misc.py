@@ -9,8 +9,8 @@ import sys
 import numpy as np
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheWriter, tokenizer_fingerprint
-from logitcache.cache_format.cli import app
 from logitcache.cache_format.spec import layout_named
+from logitcache.client.cli import app
 from typer.testing import CliRunner
 
 

@@ -20,6 +20,7 @@ from logitcache.cache_format import (
     validate,
 )
 from logitcache.cache_format.errors import RecordError
+from logitcache.client import StreamConfig
 
 K, V = 4, 50
 
@@ -130,7 +131,9 @@ def test_cache_dataset_masks_prompt_rows(masked) -> None:
     from logitcache.client import CacheDataset
 
     url, recs = masked
-    ds = CacheDataset(str(url), tokens_per_item=32, mode="pad", shuffle=False, batch_size=None)
+    ds = CacheDataset(
+        str(url), StreamConfig(tokens_per_item=32, mode="pad", shuffle=False, batch_size=None)
+    )
     items = list(ds)
     assert len(items) == len(recs)
     for item, rec in zip(items, recs, strict=True):

@@ -140,8 +140,8 @@ def test_a_job_and_the_cli_accept_the_preset(tmp_path):
     import io
 
     from engine_support import FakeEngine, app_settings
-    from logitcache.cache_format.cli import app as format_cli
-    from logitcache.client.jobs_cli import main
+    from logitcache.client.cli import app as format_cli
+    from logitcache.client.cli import main
     from server_support import ThreadedServer
     from typer.testing import CliRunner
 
@@ -150,7 +150,7 @@ def test_a_job_and_the_cli_accept_the_preset(tmp_path):
     (tmp_path / "data" / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with ThreadedServer(settings, FakeEngine()) as srv:
         out = io.StringIO()
-        argv = ["--url", srv.url, "submit", "raw", "in.jsonl", "--k", "8"]
+        argv = ["jobs", "--url", srv.url, "submit", "raw", "in.jsonl", "--k", "8"]
         argv += ["--layout", "random_access_raw", "--watch", "--interval", "0.05"]
         rc = main(argv, out=out)
         assert rc == 0 and "succeeded" in out.getvalue().splitlines()[-1], out.getvalue()

@@ -15,7 +15,7 @@ import format_support
 import pytest
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheReader, CacheWriter, FormatError
-from logitcache.cache_format.cli import _options
+from logitcache.cache_format.cli import storage_options
 from logitcache.cache_format.store import _obstore_options, normalize_storage_options
 from logitcache.server.serving.caches import CacheRegistry
 
@@ -25,7 +25,9 @@ s3_store = format_support.s3_store
 
 @pytest.mark.fast
 def test_cli_option_values_are_typed() -> None:
-    opts = _options(["anon=false", "x=TRUE", 'client_kwargs={"region_name": "eu"}', "key=123"])
+    opts = storage_options(
+        ["anon=false", "x=TRUE", 'client_kwargs={"region_name": "eu"}', "key=123"]
+    )
     assert opts == {"anon": False, "x": True, "client_kwargs": {"region_name": "eu"}, "key": "123"}
 
 

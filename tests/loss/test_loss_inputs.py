@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 from logitcache.client.loss import LossInputError, TopKDistillLoss, topk_distill_loss
-from loss_support import make_problem
+from loss_support import make_problem, run
 
 
 def call(prob, **kw):
@@ -63,6 +63,7 @@ def test_garbage_in_rows_that_do_not_count_is_accepted():
         (dict(reduction="avg"), "reduction"),
         (dict(impl="cuda"), "impl"),
         (dict(chunk_size=0), "chunk_size"),
+        (dict(kernels="cuda"), "kernels must be"),
     ],
 )
 def test_bad_options(kw, match):
@@ -96,23 +97,36 @@ def test_module_checks_options_at_construction():
         TopKDistillLoss("forward_kl", reduction="bogus")
     with pytest.raises(LossInputError):
         TopKDistillLoss("jsd", beta=0.0)
+    with pytest.raises(LossInputError, match="kernels"):
+        TopKDistillLoss("forward_kl", kernels="fast")
+
+
+def test_kernels_torch_and_auto_agree_on_cpu():
+    """``kernels="torch"`` and ``"auto"`` run the same torch passes on the CPU (Triton is used
+    by "auto" on CUDA only); ``"triton"`` without Triton installed is a typed error."""
+    from logitcache.client.loss import TRITON_AVAILABLE
+
+    prob = make_problem(n=10, d=8, vocab=50, k=4, dtype=torch.float32)
+    a, ga = run(prob, impl="fused_chunked", kernels="auto", chunk_size=4)
+    b, gb = run(prob, impl="fused_chunked", kernels="torch", chunk_size=4)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
+    if not TRITON_AVAILABLE:
+        with pytest.raises(LossInputError, match="Triton"):
+            run(prob, impl="fused_chunked", kernels="triton")
 
 
 _TRITON_SCRIPT = textwrap.dedent(
     """
     import torch
     from loss_support import make_problem, rel_err, run
-    from logitcache.client.loss import chunk_ops
     prob = make_problem(n=20, d=16, vocab=300, k=7, dtype=torch.float32)
     kw = dict(labels=prob.labels, mask=prob.mask, tail_mass=prob.tail, ce_weight=0.2,
               temperature=2.0, chunk_size=8)
     cases = [("fused_chunked", "forward_kl"), ("fused_chunked", "jsd"),
              ("forward_chunked", "reverse_kl"), ("fused_chunked_recompute", "forward_kl")]
     for impl, kind in cases:
-        chunk_ops.BACKEND = "auto"
         r, rg = run(prob, impl="dense", loss=kind, **kw)
-        chunk_ops.BACKEND = "triton"
-        loss, grads = run(prob, impl=impl, loss=kind, **kw)
+        loss, grads = run(prob, impl=impl, loss=kind, kernels="triton", **kw)
         assert rel_err(loss, r) < 1e-5, (impl, kind)
         assert all(rel_err(g, x) < 1e-4 for g, x in zip(grads, rg)), (impl, kind)
     # sampled targets (random-sampling KD rows with -inf padding) through the same kernels
@@ -120,11 +134,11 @@ _TRITON_SCRIPT = textwrap.dedent(
     from logitcache.client.loss import topk_distill_loss
     h, w, ids, logw = _problem(n=12, d=8, vocab=300, draws=10, m=10, dtype=torch.float32)
     out = {}
-    for backend, impl in [("torch", "dense"), ("triton", "fused_chunked"),
+    for kernels, impl in [("torch", "dense"), ("triton", "fused_chunked"),
                           ("triton", "fused_chunked_recompute")]:
-        chunk_ops.BACKEND = backend
         h.grad = w.grad = None
-        loss = topk_distill_loss(h, w, ids, logw, targets="sampled", impl=impl, chunk_size=5)
+        loss = topk_distill_loss(h, w, ids, logw, targets="sampled", impl=impl, chunk_size=5,
+                                 kernels=kernels)
         loss.backward()
         out[impl] = (loss.detach(), h.grad.clone(), w.grad.clone())
     for impl in ("fused_chunked", "fused_chunked_recompute"):

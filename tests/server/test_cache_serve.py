@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 import pytest
+from logitcache.client import StreamConfig, open_source
 from server_support import ThreadedServer, server_settings
 
 pytestmark = pytest.mark.vllm
@@ -286,13 +287,8 @@ def test_chat_job_stores_the_assistant_loss_mask(server, client, tiny) -> None:
     c0 = reader.get("c0")
     for transport in ("store", "frames"):
         ds = CacheDataset(
-            server.url,
-            cache="chat-mask",
-            api_key=API_KEY,
-            transport=transport,
-            tokens_per_item=128,
-            mode="pad",
-            shuffle=False,
+            open_source(server.url, cache="chat-mask", api_key=API_KEY, transport=transport),
+            StreamConfig(tokens_per_item=128, mode="pad", shuffle=False),
         )
         item = next(i for i in ds if i["input_ids"][: c0.length].tolist() == c0.input_ids.tolist())
         n = c0.length - 1

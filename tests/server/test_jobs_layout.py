@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from engine_support import FakeEngine, app_settings
 from logitcache.cache_format import CacheReader, validate
-from logitcache.cache_format.cli import app as format_cli
+from logitcache.client.cli import app as format_cli
 from server_support import ThreadedServer
 from typer.testing import CliRunner
 
@@ -22,10 +22,10 @@ pytestmark = pytest.mark.fast
 
 
 def _cli(url: str, *argv: str) -> tuple[int, str]:
-    from logitcache.client.jobs_cli import main
+    from logitcache.client.cli import main
 
     out = io.StringIO()
-    rc = main(["--url", url, *argv], out=out)
+    rc = main(["jobs", "--url", url, *argv], out=out)
     return rc, out.getvalue()
 
 
@@ -69,9 +69,8 @@ def test_a_job_creates_its_cache_with_the_preset_it_names(tmp_path: Path) -> Non
             assert r.status_code == 201, r.text
             assert _wait(c, r.json()["id"])["state"] == "succeeded"
             assert len(c.get("/v1/jobs").json()["jobs"]) == jobs_before + 1
-        with pytest.raises(SystemExit) as exit_:  # refused by the CLI before anything is sent
-            _cli(srv.url, "submit", "y", "in.jsonl", "--layout", "nope")
-        assert exit_.value.code == 2
+        rc, _ = _cli(srv.url, "submit", "y", "in.jsonl", "--layout", "nope")
+        assert rc == 2  # refused by the CLI before anything is sent
     assert not (caches / "x").exists() and not (caches / "y").exists()
     ra, plain = CacheReader(caches / "ra"), CacheReader(caches / "plain")
     assert ra.layout_name == "random_access" and plain.layout_name == "default"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from engine_support import FakeEngine, app_settings, in_process
-from logitcache.client.jobs_cli import summary_line, targets_label
+from logitcache.client.cli.jobs import summary_line, targets_label
 from logitcache.protocol import JobStatus
 
 pytestmark = pytest.mark.fast

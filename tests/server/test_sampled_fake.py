@@ -98,10 +98,10 @@ def test_score_route_returns_the_fake_sampled_rows(tmp_path: Path) -> None:
 
 
 def _cli(url: str, *argv: str) -> tuple[int, str]:
-    from logitcache.client.jobs_cli import main
+    from logitcache.client.cli import main
 
     out = io.StringIO()
-    rc = main(["--url", url, *argv], out=out)
+    rc = main(["jobs", "--url", url, *argv], out=out)
     return rc, out.getvalue()
 
 

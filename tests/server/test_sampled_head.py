@@ -329,20 +329,18 @@ def test_service_refuses_bad_heads_and_writes_the_engines_head_rows(tmp_path: Pa
 def test_jobs_cli_head_flag_and_label() -> None:
     """``jobs submit --targets sampled --head M`` puts head in the job's sampling; --head without
     --targets sampled is refused; the list label names the head."""
-    import argparse
+    from logitcache.client.cli import CliError
+    from logitcache.client.cli.jobs import target_fields, targets_label
 
-    from logitcache.client.jobs_cli import CliError, target_fields, targets_label
+    def sampling(**kw: Any) -> dict[str, Any]:
+        return {"draws": None, "proposal_temperature": None, "seed": None, "head": None, **kw}
 
-    def args(**kw: Any) -> argparse.Namespace:
-        base = {"targets": None, "k": None, "draws": None, "proposal_temperature": None}
-        return argparse.Namespace(**{**base, "seed": None, "head": None, **kw})
-
-    assert target_fields(args(targets="sampled", head=8, draws=24)) == {
+    assert target_fields("sampled", None, sampling(head=8, draws=24)) == {
         "targets": "sampled",
         "sampling": {"draws": 24, "head": 8},
     }
     with pytest.raises(CliError, match="--head only apply"):
-        target_fields(args(head=8))
+        target_fields(None, None, sampling(head=8))
     job = {"targets": "sampled", "k": 32}
     s = {"draws": 24, "proposal_temperature": 1.0, "seed": 0}
     assert targets_label({**job, "sampling": {**s, "head": 8}}) == "sampled 24 head 8 tau 1 seed 0"
@@ -421,8 +419,7 @@ def test_head_rows_read_trim_and_train_like_plain_rows(tmp_path: Path) -> None:
     """A head cache through CacheDataset(trim_sampled=True) drops only trailing padding, and
     the loss (targets="sampled", reduction "none") on it is each row's
     sum_i w_i (log w_i - log s_i) with w the stored weights (float64)."""
-    from client_support import VOCAB, make_sequences, manifest
-    from logitcache.client import CacheDataset
+    from client_support import VOCAB, make_dataset, make_sequences, manifest
     from logitcache.client.collate import IGNORE_INDEX
     from logitcache.client.loss import topk_distill_loss
 
@@ -440,8 +437,8 @@ def test_head_rows_read_trim_and_train_like_plain_rows(tmp_path: Path) -> None:
         w.append(records)
     assert validate(url).ok
     opts: dict[str, Any] = {"tokens_per_item": 32, "batch_size": 3, "seed": 1}
-    full = list(CacheDataset(url, trim_sampled=False, **opts))
-    trimmed = list(CacheDataset(url, **opts))
+    full = list(make_dataset(url, trim_sampled=False, **opts))
+    trimmed = list(make_dataset(url, **opts))
     assert len(full) == len(trimmed) > 2
     narrower = 0
     for f, t in zip(full, trimmed, strict=True):

@@ -251,10 +251,10 @@ def test_operation_ids_are_unique_without_warnings(tmp_path: Path) -> None:
 
 
 def _cli(url: str, *argv: str) -> tuple[int, str]:
-    from logitcache.client.jobs_cli import main
+    from logitcache.client.cli import main
 
     out = io.StringIO()
-    rc = main(["--url", url, *argv], out=out)
+    rc = main(["jobs", "--url", url, *argv], out=out)
     return rc, out.getvalue()
 
 

@@ -154,9 +154,9 @@ def test_startup_banner(server: ServerProcess) -> None:
 
 
 def test_jobs_cli_list_watch_cancel(server: ServerProcess, tiny) -> None:
-    from logitcache.client.jobs_cli import main
+    from logitcache.client.cli import main
 
-    base = ["--url", server.url, "--api-key", KEY]
+    base = ["jobs", "--url", server.url, "--api-key", KEY]
     out = io.StringIO()
     assert main([*base, "list"], out=out) == 0
     assert re.search(r"succeeded\s+ui-k8\s+6/6 seqs\s+100.0%", out.getvalue()), out.getvalue()
@@ -184,13 +184,15 @@ def test_jobs_cli_list_watch_cancel(server: ServerProcess, tiny) -> None:
         assert c.get(f"/v1/jobs/{job['id']}").json()["state"] == "cancelled"
     out = io.StringIO()
     assert main([*base, "show", "nope"], out=out) == 2
-    assert main(["--url", server.url, "list"], out=io.StringIO()) == 2  # no key: 401, one line
+    assert (
+        main(["jobs", "--url", server.url, "list"], out=io.StringIO()) == 2
+    )  # no key: 401, one line
 
 
 def test_jobs_cli_errors_are_one_line(server: ServerProcess, capsys) -> None:
-    from logitcache.client.jobs_cli import main
+    from logitcache.client.cli import main
 
-    assert main(["--url", server.url, "--api-key", KEY, "show", "nope"]) == 2
+    assert main(["jobs", "--url", server.url, "--api-key", KEY, "show", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "HTTP 404" in err and "Traceback" not in err
 

@@ -1,4 +1,4 @@
-"""``logitcache import`` and the peer formats of ``logitcache export`` (see :mod:`.interop`).
+"""``logitcache import`` and the peer formats of ``logitcache export`` (see :mod:`..interop`).
 
 ::
 
@@ -14,35 +14,37 @@ Bad input prints one line (``error: ...``) and exits 2 without writing a cache.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from .interop import (
-    InteropError,
-    export_axolotl,
-    export_distillkit,
-    import_axolotl,
-    import_distillkit,
-)
+from .errors import CliError
 
-EXPORT_FORMATS = ("parquet", "axolotl", "distillkit")
-
-app = typer.Typer(add_completion=False, help="Import a peer trainer's teacher-logit files.")
+#: ``export --format`` values that write a peer trainer's files (the rest are the format's own).
+PEER_FORMATS = ("parquet", "axolotl", "distillkit")
 
 
-def export_peer(fmt: str, url: str, out: Path, options: dict[str, Any], limit: int) -> int:
+class ImportFormat(StrEnum):
+    axolotl = "axolotl"
+    parquet = "parquet"
+    distillkit = "distillkit"
+
+
+def export_peer(
+    fmt: str, url: str, out: Path, options: dict[str, object], limit: int | None
+) -> int:
     """``export --format parquet|axolotl`` (axolotl layout) or ``--format distillkit``."""
-    lim = None if limit < 0 else limit
-    if fmt == "distillkit":
-        return export_distillkit(url, out, storage_options=options or None, limit=lim)
-    return export_axolotl(url, out, storage_options=options or None, limit=lim)
+    from logitcache.client.interop import export_axolotl, export_distillkit
+
+    export = export_distillkit if fmt == "distillkit" else export_axolotl
+    return export(url, out, storage_options=options or None, limit=limit)
 
 
 def _fingerprint(tokenizer: str | None, fingerprint: str | None) -> str:
     if bool(tokenizer) == bool(fingerprint):
-        raise InteropError("pass exactly one of --tokenizer and --tokenizer-fingerprint")
+        raise CliError("pass exactly one of --tokenizer and --tokenizer-fingerprint")
     if fingerprint:
         return fingerprint
     from logitcache.cache_format import tokenizer_fingerprint
@@ -51,11 +53,10 @@ def _fingerprint(tokenizer: str | None, fingerprint: str | None) -> str:
     return tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer))
 
 
-@app.command("import")
 def import_cmd(
     src: Annotated[Path, typer.Argument(help="parquet file or directory")],
     url: Annotated[str, typer.Argument(help="new cache (local path or s3://...)")],
-    fmt: Annotated[str, typer.Option("--format", help="axolotl | distillkit")],
+    fmt: Annotated[ImportFormat, typer.Option("--format", help="axolotl | distillkit")],
     teacher_model: Annotated[str, typer.Option(help="teacher name recorded in the manifest")],
     tokenizer: Annotated[str | None, typer.Option(help="HF tokenizer (dir or name)")] = None,
     tokenizer_fingerprint: Annotated[str | None, typer.Option()] = None,
@@ -64,42 +65,29 @@ def import_cmd(
     config: Annotated[Path | None, typer.Option(help="DistillKit compression config")] = None,
     option: Annotated[list[str] | None, typer.Option("--option", "-o")] = None,
 ) -> None:
-    """Write a peer's teacher top-k file(s) into a new cache."""
+    """Write a peer trainer's teacher top-k files (axolotl parquet, DistillKit) into a new
+    cache."""
+    from logitcache.cache_format.cli import storage_options
+    from logitcache.client.interop import InteropError, import_axolotl, import_distillkit
+
+    options = storage_options(option) or None
+    fields: dict[str, object] = {
+        "teacher_model": teacher_model,
+        "tokenizer_fingerprint": _fingerprint(tokenizer, tokenizer_fingerprint),
+        "temperature": temperature,
+        "dataset": {"imported_from": fmt.value, "path": str(src)},
+    }
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
     try:
-        if fmt not in ("axolotl", "parquet", "distillkit"):
-            raise InteropError(f"--format must be axolotl or distillkit, got {fmt!r}")
-        options = dict(pair.split("=", 1) for pair in option or [] if "=" in pair) or None
-        fields: dict[str, Any] = {
-            "teacher_model": teacher_model,
-            "tokenizer_fingerprint": _fingerprint(tokenizer, tokenizer_fingerprint),
-            "temperature": temperature,
-            "dataset": {"imported_from": fmt, "path": str(src)},
-        }
-        if vocab_size is not None:
-            fields["vocab_size"] = vocab_size
-        if fmt == "distillkit":
+        if fmt == ImportFormat.distillkit:
             n = import_distillkit(
                 src, url, manifest_fields=fields, config=config, storage_options=options
             )
         else:
             if vocab_size is None:
-                raise InteropError("--vocab-size is required for the axolotl format")
+                raise CliError("--vocab-size is required for the axolotl format")
             n = import_axolotl(src, url, manifest_fields=fields, storage_options=options)
     except (InteropError, ValueError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise CliError(str(exc)) from None
     typer.echo(f"imported {n} sequences into {url}", err=True)
-
-
-def main(argv: list[str]) -> int:
-    """Run ``import`` with ``argv`` (its arguments); return the exit status."""
-    import click
-
-    try:
-        rv = app(list(argv), standalone_mode=False, prog_name="logitcache import")
-    except typer.Exit as exc:
-        return int(exc.exit_code)
-    except click.ClickException as exc:  # usage errors: one line
-        typer.echo(f"error: {exc.format_message()}", err=True)
-        return 2
-    return rv if isinstance(rv, int) else 0
