@@ -41,5 +41,8 @@ def versions_report() -> str:
     """One ``name  version`` line per library, then the optional paths chosen at import."""
     rows = [("python", platform.python_version())]
     rows += [(name, _version(name)) for name in DISTRIBUTIONS]
+    from logitcache.cache_format import kernels_in_use
+
+    rows += [(f"format {part}", path) for part, path in kernels_in_use().items()]
     rows.append(("loss kernels (CUDA)", loss_kernels()))
     return "\n".join(f"{name:<22} {value}" for name, value in rows)

@@ -23,6 +23,11 @@ def test_info_versions_names_the_loss_kernels(capsys: pytest.CaptureFixture[str]
     assert "numpy" in out.getvalue() and "zarr" in out.getvalue()
     kernels = [line for line in out.getvalue().splitlines() if line.startswith("loss kernels")]
     assert kernels and kernels[0].split()[3] == ("triton" if TRITON_AVAILABLE else "torch")
+    from logitcache.cache_format import kernels_in_use
+
+    for part, path in kernels_in_use().items():
+        line = next(x for x in out.getvalue().splitlines() if x.startswith(f"format {part} "))
+        assert line.split()[-1] == path
 
 
 def test_info_without_a_store_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
