@@ -199,7 +199,6 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace) -> dict:
     """The backend's engine in this process: device-only rate, then the engine's scoring call."""
     import torch
-
     from logitcache.server.engine import build_engine
 
     t0 = time.perf_counter()
@@ -243,8 +242,6 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
         }
         if name == "engine":
             out["rows"] = [(s.topk_ids.copy(), s.topk_logprobs.copy()) for s in res[:4]]
-    del engine
-    _free(device)
     return out
 
 
@@ -329,9 +326,8 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
             threads0, cpu0 = thread_cpu(proc.pid), proc_cpu(proc.pid)
             with GpuSampler() as gpu:
                 t1 = time.perf_counter()
-                r = c.post(
-                    "/v1/jobs", json={"cache": "bench", "file": {"path": "bench.jsonl"}, "k": args.k}
-                )
+                body = {"cache": "bench", "file": {"path": "bench.jsonl"}, "k": args.k}
+                r = c.post("/v1/jobs", json=body)
                 r.raise_for_status()
                 job_id = r.json()["id"]
                 while True:
@@ -419,6 +415,7 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
     print(f"[{name}] weights made and saved: {made}", flush=True)
     prompts = make_prompts(args.sequences, args.seq_len, shape.vocab, seed=1)
     b = bare(model, prompts[: args.bare_sequences], args.k, args)
+    _free(device)  # the bare engine is gone with bare()'s frame
     rows = b.pop("rows")
     print(f"[{name}] bare: {json.dumps(b)}", flush=True)
     j = job(model, prompts, work / f"job-{name}", args)
