@@ -246,22 +246,23 @@ def run_variant(
     """Every size of one variant; an OOM (or other failure) ends the variant."""
     out[name] = {}
     for tokens in sizes:
+        failed = None
         try:
             r = measure(make_step(tokens), opt, device, args.warmup, args.steps)
             r["tokens_per_s"] = tokens / r["step_s"]
             out[name][str(tokens)] = r
             print(f"[{name}] {tokens}: {json.dumps(r)}", flush=True)
         except Exception as e:  # OOM ends the variant; anything else is recorded too
-            opt.zero_grad(set_to_none=True)
-            out[name][str(tokens)] = {
-                "oom" if is_oom(e) else "error": f"{type(e).__name__}: {e}"[:300]
-            }
-            print(f"[{name}] {tokens}: {out[name][str(tokens)]}", flush=True)
-            _free(device)
-            break
-        _free(device)
+            failed = {"oom" if is_oom(e) else "error": f"{type(e).__name__}: {e}"[:300]}
+        opt.zero_grad(set_to_none=True)
+        _free(device)  # outside the except block: its traceback no longer holds the tensors
+        if failed is not None:
+            out[name][str(tokens)] = failed
+            print(f"[{name}] {tokens}: {failed}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(args.result, indent=1))
+        if failed is not None:
+            break
 
 
 def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]:
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     cache_dir = work / "caches" / "bench"
     result["cache"] = write_cache(teacher, tokens, args.k, cache_dir, batch=4)
     print(f"[cache] {result['cache']}", flush=True)
-    del teacher
+    teacher = None  # the offline variants run without it
     _free(device)
     result["memory_before_gib"]["student_only"] = (
         torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
