@@ -167,7 +167,7 @@ def make_liger() -> Callable[..., torch.Tensor]:
         with torch.no_grad():
             th = teacher.model(input_ids=ids).last_hidden_state.flatten(0, 1)
         sh = student_hidden(student, ids).flatten(0, 1)
-        return jsd(sh, student.lm_head.weight, th, teacher.lm_head.weight)
+        return jsd(sh, student.lm_head.weight, th, teacher.lm_head.weight, None)
 
     return online_liger
 
