@@ -1,123 +1,62 @@
-"""Cache-format benchmark: bytes/position and write / sequential / random read throughput.
+"""The cache format: bytes/position, write and read rates per layout, random access per preset.
 
-Synthetic but realistic top-k data (k=100, vocab 131072 = 128K):
+Modes (``python -m benchmarks.format <mode> --help``)::
 
-- ids: each row's k ids are successive draws without replacement from a Zipf(s=1.05) law over
-  the vocabulary (the first-appearance order of i.i.d. Zipf draws), so rank 0 tends to be a
-  frequent token. The map frequency-rank -> token id is "bpe-like": ids sorted by
-  ``log(rank) + N(0, 1.5)``, i.e. frequent tokens have small ids on average but not exactly (BPE
-  vocabularies assign early merges, which are frequent, small ids). ``--id-map random`` uses a
-  uniform random permutation instead (worst case for compression).
-- logprobs: ``lp_j = -s log(j+1) + noise`` sorted descending, per-row sharpness
-  ``s ~ LogNormal(log 1.2, 0.35)``, normalised so that the top-k mass is ``1 - tail`` with
-  ``tail ~ Beta(0.6, 6)``; stored as float16 unless the config says otherwise.
-- sequences of 1024 tokens (1023 rows each).
+    python -m benchmarks.format configs --positions 262144 --cores 1     # the page's main table
+    python -m benchmarks.format write --configs default,appends-of-4 --rounds 5
+    python -m benchmarks.format random --positions 2000000 --layouts default random_access
+    python -m benchmarks.format codecs --positions 262144
 
-Each config writes the same data through :class:`CacheWriter` (appends of 64 sequences, fsynced
-unless the config says otherwise), then reads it back sequentially (``rows()`` in blocks of one
-shard, float32 logprobs and, second column, ``logprob_dtype="float16"``) and randomly
-(``sequence(i)`` for random i), through the reader's direct shard path unless the config says
-``direct=False`` (zarr's array API). Baseline in the same run: the same arrays written/read as
-uncompressed ``.npy`` files (raw int32 ids + float16 logprobs + float32 tail). Throughputs are
-also given as ratios against it.
-
-Run (one core pinned, default configs)::
-
-    .venv/bin/python benchmarks/format_bench.py --rows 262144 --cores 1 \
-        --out benchmarks/results/format.json --md benchmarks/results/format.md
+* ``configs``: each configuration (:data:`CONFIGS`, a layout preset with some fields changed)
+  writes the same synthetic rows (:mod:`benchmarks.synthetic`, ``Teacher.fixed``: sequences of
+  1024 tokens, k=100, vocab 131072) through ``CacheWriter`` (appends of 64 sequences, fsync),
+  then reads them back sequentially (``rows()`` in blocks of one shard, float32 and float16
+  logprobs) and at random (``sequence(i)``, and ``sequences`` of 32). Baseline in the same run:
+  the same arrays as uncompressed ``.npy`` files (int32 ids, float16 logprobs, float32 tail).
+  Rates are per wall second and per CPU-second of the process (all threads: per core used).
+* ``write``: the write rate alone, the configurations alternating within each round (the load
+  drifts; adjacent runs are compared): median and best positions per CPU-second.
+* ``random``: ``Teacher.pooled`` sequences (median 490 tokens) written once per layout preset;
+  ``sequence(i)`` and ``sequences(32 indices)`` for each ``--threads`` value
+  (``CacheReader(decode_threads=t)``) against an uncompressed ``.npy`` copy of the same sequences
+  read right before, and the sequential reader on the same store. The point path is checked
+  bit for bit against the range path first.
+* ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw chunks
+  (numcodecs, one block per chunk, one thread).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
-import sys
-import tempfile
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-K = 100
-VOCAB = 131072
-SEQ_LEN = 1024
-RAW_BPP = K * 6  # int32 id + float16 logprob per entry: the issue's 600 B/position reference
+from benchmarks.harness import (
+    Recorder,
+    add_csv_option,
+    log,
+    machine_line,
+    md_table,
+    measure,
+    pin_cores,
+    scratch,
+)
+from benchmarks.synthetic import Data, Teacher, store_bytes
+
+RAW_BPP = 100 * 6  # int32 id + float16 logprob per entry at k=100: the 600 B/position reference
 
 
-# --------------------------------------------------------------------------- synthetic data
-def zipf_cdf(vocab: int, s: float) -> np.ndarray:
-    w = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** s
-    return np.cumsum(w) / w.sum()
-
-
-def id_map(vocab: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    """frequency rank -> token id."""
-    if kind == "random":
-        return rng.permutation(vocab).astype(np.int32)
-    if kind == "identity":
-        return np.arange(vocab, dtype=np.int32)
-    key = np.log1p(np.arange(vocab)) + rng.normal(0, 1.5, vocab)
-    order = np.argsort(key, kind="stable")  # order[i] = rank placed at id i
-    out = np.empty(vocab, dtype=np.int32)
-    out[order] = np.arange(vocab, dtype=np.int32)
-    return out
-
-
-def topk_ids(rows: int, rng: np.random.Generator, cdf: np.ndarray, rmap: np.ndarray) -> np.ndarray:
-    """Distinct ids per row in first-appearance order of i.i.d. Zipf draws."""
-    out = np.empty((rows, K), dtype=np.int32)
-    draws = 6 * K
-    for b0 in range(0, rows, 4096):
-        n = min(4096, rows - b0)
-        d = np.searchsorted(cdf, rng.random((n, draws))).astype(np.int64)
-        d = np.minimum(d, len(cdf) - 1)
-        srt = np.sort(d, axis=1)
-        order = np.argsort(d, axis=1, kind="stable")
-        first = np.ones_like(srt, dtype=bool)
-        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        keep = np.zeros_like(first)
-        np.put_along_axis(keep, order, first, axis=1)  # True at first appearance of each value
-        take = keep & (np.cumsum(keep, axis=1) <= K)
-        full = take.sum(axis=1) == K
-        block = np.zeros((n, K), dtype=np.int64)
-        block[full] = d[full][take[full]].reshape(-1, K)  # row-major: first K uniques in order
-        for i in np.flatnonzero(~full):  # rare: top up with unused ranks
-            u = d[i][take[i]]
-            extra = np.setdiff1d(np.arange(4 * K), u)[: K - u.size]
-            block[i] = np.concatenate([u, extra])
-        out[b0 : b0 + n] = rmap[block]
-    return out
-
-
-def logprobs(rows: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    s = np.exp(rng.normal(np.log(1.2), 0.35, size=(rows, 1)))
-    base = -s * np.log(np.arange(1, K + 1))[None, :] + rng.normal(0, 0.3, size=(rows, K))
-    base = -np.sort(-base, axis=1)
-    tail = rng.beta(0.6, 6.0, size=rows).clip(1e-6, 0.999)
-    lse = np.log(np.exp(base).sum(axis=1, keepdims=True))
-    lp = base - lse + np.log1p(-tail)[:, None]
-    return lp.astype(np.float32), tail.astype(np.float32)
-
-
-def make_data(rows_target: int, id_kind: str, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    n_seq = max(1, rows_target // (SEQ_LEN - 1))
-    rows = n_seq * (SEQ_LEN - 1)
-    cdf = zipf_cdf(VOCAB, 1.05)
-    rmap = id_map(VOCAB, id_kind, rng)
-    ids = topk_ids(rows, rng, cdf, rmap)
-    lp, tail = logprobs(rows, rng)
-    tokens = rmap[np.minimum(np.searchsorted(cdf, rng.random(n_seq * SEQ_LEN)), VOCAB - 1)]
-    return n_seq, tokens.astype(np.int32), ids, lp, tail
-
-
-# --------------------------------------------------------------------------- configs
 @dataclass(frozen=True)
 class Config:
+    """A layout preset (``spec.LAYOUTS``) with these fields, and how it is written."""
+
     name: str
     id_codec: str = "blosc-zstd1-bitshuffle"
     logprob_codec: str = "blosc-zstd1-shuffle"
@@ -125,12 +64,10 @@ class Config:
     row_chunk: int = 2048
     row_shard: int = 65536
     id_remap: bool = False
-    append_seqs: int = 64  # sequences per CacheWriter.append call
-    blosc_blocks: str = "chunk"  # Layout.blosc_blocks: one blosc block per chunk, or "auto"
-    fsync: bool = True  # CacheWriter.open(fsync=...)
-    direct: bool = True  # CacheReader(direct=...): direct shard reads, or zarr's array API
-    direct_writes: bool = True  # writer.DIRECT_WRITES: shardwrite.py, or zarr's setitem
-    layout: str = "default"  # spec.LAYOUTS preset the fields above are applied to
+    append_seqs: int = 64
+    blosc_blocks: str = "chunk"
+    fsync: bool = True
+    layout: str = "default"
 
 
 CONFIGS = {
@@ -150,20 +87,16 @@ CONFIGS = {
         Config("appends-of-4", append_seqs=4),
         Config("appends-of-4-shard16k", append_seqs=4, row_shard=16384),
         Config("blocks-auto", blosc_blocks="auto"),
-        Config("zarr-read-path", direct=False),
-        Config("blocks-auto-zarr-read-path", blosc_blocks="auto", direct=False),
         Config("no-fsync", fsync=False),
-        Config("zarr-writes", direct_writes=False),
-        Config("appends-of-4-zarr-writes", append_seqs=4, direct_writes=False),
         Config(
-            "random-access",  # the spec.LAYOUTS["random_access"] preset (FORMAT.md 4.7)
+            "random-access",
             id_codec="blosc-lz4-bitshuffle",
             logprob_codec="blosc-lz4-shuffle",
             row_chunk=256,
             layout="random_access",
         ),
         Config(
-            "random-access-raw",  # spec.LAYOUTS["random_access_raw"]: no compressor (4.7)
+            "random-access-raw",
             id_codec="none",
             logprob_codec="none",
             row_chunk=256,
@@ -173,89 +106,11 @@ CONFIGS = {
 }
 
 
-# --------------------------------------------------------------------------- measurements
-def timed(fn, repeats: int = 1) -> tuple[float, float]:
-    """Best (wall seconds, CPU seconds of the whole process, all threads) over ``repeats`` runs."""
-    best_w = best_c = float("inf")
-    for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        best_w = min(best_w, time.perf_counter() - w0)
-        best_c = min(best_c, time.process_time() - c0)
-    return best_w, best_c
+def writer_for(cfg: Config, data: Data, teacher: Teacher, url: Path) -> Any:
+    """A function writing every row of ``data`` to a fresh store at ``url`` with ``cfg``."""
+    from logitcache.cache_format import CacheWriter, spec
 
-
-def records(n_seq, tokens, ids, lp, tail, lo, hi):
-    from logitcache.cache_format import SequenceRecord
-
-    out = []
-    for i in range(lo, hi):
-        r0, t0 = i * (SEQ_LEN - 1), i * SEQ_LEN
-        out.append(
-            SequenceRecord(
-                f"seq{i}",
-                tokens[t0 : t0 + SEQ_LEN],
-                ids[r0 : r0 + SEQ_LEN - 1],
-                lp[r0 : r0 + SEQ_LEN - 1],
-                tail[r0 : r0 + SEQ_LEN - 1],
-            )
-        )
-    return out
-
-
-def rates(rows, random_reads, t_write, c_write, t_seq, c_seq, t_rand, c_rand) -> dict:
-    """Throughputs per wall second and per CPU second (= per core fully used)."""
-    return {
-        "write_pos_per_s": rows / t_write,
-        "write_pos_per_cpu_s": rows / c_write,
-        "seq_read_pos_per_s": rows / t_seq,
-        "seq_read_pos_per_cpu_s": rows / c_seq,
-        "seq_read_raw_mb_per_s": rows * RAW_BPP / t_seq / 1e6,
-        "random_read_seq_per_s": random_reads / t_rand,
-        "random_read_seq_per_cpu_s": random_reads / c_rand,
-        "random_read_pos_per_cpu_s": random_reads * (SEQ_LEN - 1) / c_rand,
-    }
-
-
-def write_rounds(configs: list[str], data, root: Path, rounds: int) -> dict:
-    """Write-only rate of each config, ``rounds`` times, the configs alternating within each
-    round (the load drifts; adjacent runs are compared): CPU seconds of the process per write
-    of all rows to a fresh store, and positions per CPU-second (median and max over rounds)."""
-    import statistics
-
-    out: dict[str, dict] = {n: {"pos_per_cpu_s": [], "load_avg_1min": []} for n in configs}
-    rows = data[2].shape[0]
-    for r in range(rounds):
-        for name in configs:
-            cfg = CONFIGS[name]
-            write, url = writer_for(cfg, data, root / f"{name}-{r}")
-            load = os.getloadavg()[0]
-            _, cpu = timed(write)
-            out[name]["pos_per_cpu_s"].append(rows / cpu)
-            out[name]["load_avg_1min"].append(round(load, 2))
-            shutil.rmtree(url, ignore_errors=True)
-            print(f"round {r} {name}: {rows / cpu:,.0f} pos/cpu-s (load {load:.1f})", flush=True)
-    for row in out.values():
-        row["median_pos_per_cpu_s"] = statistics.median(row["pos_per_cpu_s"])
-        row["max_pos_per_cpu_s"] = max(row["pos_per_cpu_s"])
-    return out
-
-
-def writer_for(cfg: Config, data, url: Path):
-    """``(write, url)``: a function writing every row of ``data`` to a fresh store at ``url``
-    with ``cfg`` (appends of ``cfg.append_seqs`` sequences)."""
-    from logitcache.cache_format import CacheWriter, Manifest, spec
-    from logitcache.cache_format import writer as writer_mod
-
-    n_seq = data[0]
-    m = Manifest(
-        teacher_model="synthetic",
-        tokenizer_fingerprint="sha256:0",
-        vocab_size=VOCAB,
-        k=K,
-        logprob_dtype=cfg.logprob_dtype,
-        id_remap=cfg.id_remap,
-    )
+    manifest = teacher.manifest("format", logprob_dtype=cfg.logprob_dtype, id_remap=cfg.id_remap)
     layout = replace(
         spec.layout_named(cfg.layout),
         id_codec=cfg.id_codec,
@@ -264,407 +119,419 @@ def writer_for(cfg: Config, data, url: Path):
         row_shard=cfg.row_shard,
         blosc_blocks=cfg.blosc_blocks,
     )
-    step = cfg.append_seqs
-    batches = [records(*data, lo, min(lo + step, n_seq)) for lo in range(0, n_seq, step)]
+    batches = list(data.batches(sequences=cfg.append_seqs))
 
-    def write():
-        writer_mod.DIRECT_WRITES = cfg.direct_writes
-        try:
-            with CacheWriter.open(url, m, layout=layout, fsync=cfg.fsync) as w:
-                for b in batches:
-                    w.append(b)
-        finally:
-            writer_mod.DIRECT_WRITES = True
+    def write() -> None:
+        shutil.rmtree(url, ignore_errors=True)
+        with CacheWriter.open(url, manifest, layout=layout, fsync=cfg.fsync) as w:
+            for b in batches:
+                w.append(b)
 
-    return write, url
+    return write
 
 
+# --------------------------------------------------------------------------- configs
 def bench_config(
-    cfg: Config, data, root: Path, random_reads: int, seed: int, repeats: int = 3
-) -> dict:
+    cfg: Config, data: Data, teacher: Teacher, root: Path, picks: np.ndarray, repeats: int
+) -> dict[str, float]:
     from logitcache.cache_format import CacheReader
-    from logitcache.cache_format.layout import read_root_attrs  # noqa: F401 - warm import
     from logitcache.cache_format.stats import store_stats
 
-    n_seq, tokens, ids, lp, tail = data
-    write, url = writer_for(cfg, data, root / cfg.name)
-    t_write, c_write = timed(write)
-    rows = n_seq * (SEQ_LEN - 1)
-
-    reader = CacheReader(url, direct=cfg.direct)
+    url = root / cfg.name
+    write = writer_for(cfg, data, teacher, url)
+    m_write = measure(write, 1)
+    rows = data.positions
+    reader = CacheReader(url)
     st = store_stats(reader._store, reader.manifest)
-    block = cfg.row_shard
 
-    def seq_read(logprob_dtype: str = "float32"):
-        for s in range(0, rows, block):
-            reader.rows(s, min(s + block, rows), logprob_dtype=logprob_dtype)
+    def seq_read(dtype: str = "float32") -> None:
+        for s in range(0, rows, cfg.row_shard):
+            reader.rows(s, min(s + cfg.row_shard, rows), logprob_dtype=dtype)
 
-    seq_read()  # warm-up: imports, first-call set-up
-    t_seq, c_seq = timed(seq_read, repeats)
-    t_seq16, c_seq16 = timed(lambda: seq_read("float16"), repeats)
-    picks = np.random.default_rng(seed).integers(0, n_seq, size=random_reads)
-
-    def rand_read():
-        for i in picks:
-            reader.sequence(int(i))
-
-    t_rand, c_rand = timed(rand_read, repeats)
-    batches_idx = [picks[i : i + 32] for i in range(0, len(picks), 32)]
-
-    def batch_read():
-        for b in batches_idx:
-            reader.sequences([int(i) for i in b])
-
-    t_batch, c_batch = timed(batch_read, repeats)
-
-    # exactness / error of what we read back (one block)
+    m_seq = measure(seq_read, repeats, warmup=1)
+    m_seq16 = measure(lambda: seq_read("float16"), repeats)
+    m_rand = measure(lambda: [reader.sequence(int(i)) for i in picks], repeats)
+    groups = [[int(i) for i in picks[j : j + 32]] for j in range(0, len(picks), 32)]
+    m_batch = measure(lambda: [reader.sequences(g) for g in groups], repeats)
     rb = reader.rows(0, min(rows, 8192))
-    assert np.array_equal(rb.topk_ids, ids[: rb.topk_ids.shape[0]])
-    err = float(np.abs(rb.topk_logprobs - lp[: rb.topk_ids.shape[0]]).max())
+    if not np.array_equal(rb.topk_ids, data.ids[: rb.topk_ids.shape[0]]):
+        raise AssertionError(f"{cfg.name}: ids read back differ")
+    lp_bytes = sum(
+        st.bytes_by_array.get(a, 0) for a in ("topk_logprobs", "logprob_max", "logprob_step")
+    )
+    shutil.rmtree(url, ignore_errors=True)
     return {
-        "config": asdict(cfg),
-        "rows": rows,
         "bytes_per_position": st.bytes_per_position,
-        "bytes_by_array": st.bytes_by_array,
         "id_bytes_per_position": st.bytes_by_array["topk_ids"] / rows,
-        "logprob_bytes_per_position": (
-            st.bytes_by_array["topk_logprobs"]
-            + st.bytes_by_array.get("logprob_max", 0)
-            + st.bytes_by_array.get("logprob_step", 0)
-        )
-        / rows,
-        "ratio_vs_raw": RAW_BPP / st.bytes_per_position,
-        **rates(rows, random_reads, t_write, c_write, t_seq, c_seq, t_rand, c_rand),
-        "seq_read_f16_pos_per_s": rows / t_seq16,
-        "seq_read_f16_pos_per_cpu_s": rows / c_seq16,
-        "random_batch32_seq_per_cpu_s": random_reads / c_batch,
-        "random_batch32_seq_per_s": random_reads / t_batch,
-        "max_abs_logprob_error_vs_float32_input": err,
+        "logprob_bytes_per_position": lp_bytes / rows,
+        "write_pos_per_cpu_s": m_write.rate(rows, cpu=True, best=True),
+        "write_pos_per_s": m_write.rate(rows, best=True),
+        "seq_read_pos_per_cpu_s": m_seq.rate(rows, cpu=True, best=True),
+        "seq_read_pos_per_s": m_seq.rate(rows, best=True),
+        "seq_read_f16_pos_per_cpu_s": m_seq16.rate(rows, cpu=True, best=True),
+        "random_read_seq_per_cpu_s": m_rand.rate(len(picks), cpu=True, best=True),
+        "random_batch32_seq_per_cpu_s": m_batch.rate(len(picks), cpu=True, best=True),
+        "max_abs_logprob_error": float(
+            np.abs(rb.topk_logprobs - data.logprobs[: rb.topk_ids.shape[0]]).max()
+        ),
     }
 
 
-def bench_baseline(data, root: Path, random_reads: int, seed: int) -> dict:
-    """Uncompressed .npy files: write with np.save, read sequential blocks and random sequences
-    from np.load(mmap_mode='r') with a copy (so the bytes are really read)."""
-    n_seq, tokens, ids, lp, tail = data
-    rows = ids.shape[0]
+def bench_npy(data: Data, root: Path, picks: np.ndarray, repeats: int) -> dict[str, float]:
+    """The baseline: uncompressed .npy files, written with fsync, read through ``mmap`` with a
+    copy (so the bytes are really read)."""
     d = root / "npy"
     d.mkdir()
-    lp16 = lp.astype(np.float16)
+    rows = data.positions
+    arrays = {
+        "ids": data.ids,
+        "lp": data.logprobs.astype(np.float16),
+        "tail": data.tail,
+        "tokens": data.tokens,
+    }
 
-    def write():
-        for name, a in (("ids", ids), ("lp", lp16), ("tail", tail), ("tokens", tokens)):
+    def write() -> None:
+        for name, a in arrays.items():
             np.save(d / f"{name}.npy", a)
             with open(d / f"{name}.npy", "rb+") as f:
                 os.fsync(f.fileno())
 
-    t_write, c_write = timed(write)
+    m_write = measure(write, 1)
     mi, ml, mt = (np.load(d / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail"))
 
-    def seq_read(widen: bool = True):
+    def seq_read(widen: bool = True) -> None:
         for s in range(0, rows, 65536):
-            lp_block = np.array(ml[s : s + 65536])
-            np.array(mi[s : s + 65536]), lp_block.astype(np.float32) if widen else lp_block
+            lp = np.array(ml[s : s + 65536])
+            np.array(mi[s : s + 65536]), lp.astype(np.float32) if widen else lp
             np.array(mt[s : s + 65536])
 
-    t_seq, c_seq = timed(seq_read, 3)
-    t_seq16, c_seq16 = timed(lambda: seq_read(False), 3)
-    picks = np.random.default_rng(seed).integers(0, n_seq, size=random_reads)
-
-    def rand_read():
+    def rand_read() -> None:
         for i in picks:
-            r0 = int(i) * (SEQ_LEN - 1)
-            np.array(mi[r0 : r0 + SEQ_LEN - 1])
-            np.array(ml[r0 : r0 + SEQ_LEN - 1]).astype(np.float32)
+            r0, _, n = data.bounds[int(i)]
+            np.array(mi[r0 : r0 + n - 1]), np.array(ml[r0 : r0 + n - 1]).astype(np.float32)
 
-    t_rand, c_rand = timed(rand_read, 3)
+    m_seq = measure(seq_read, repeats)
+    m_seq16 = measure(lambda: seq_read(False), repeats)
+    m_rand = measure(rand_read, repeats)
     return {
-        "config": {"name": "baseline-npy-uncompressed"},
-        "rows": rows,
-        "bytes_per_position": (ids.nbytes + lp16.nbytes + tail.nbytes) / rows,
-        **rates(rows, random_reads, t_write, c_write, t_seq, c_seq, t_rand, c_rand),
-        "seq_read_f16_pos_per_s": rows / t_seq16,
-        "seq_read_f16_pos_per_cpu_s": rows / c_seq16,
+        "bytes_per_position": sum(a.nbytes for k, a in arrays.items() if k != "tokens") / rows,
+        "write_pos_per_cpu_s": m_write.rate(rows, cpu=True, best=True),
+        "write_pos_per_s": m_write.rate(rows, best=True),
+        "seq_read_pos_per_cpu_s": m_seq.rate(rows, cpu=True, best=True),
+        "seq_read_pos_per_s": m_seq.rate(rows, best=True),
+        "seq_read_f16_pos_per_cpu_s": m_seq16.rate(rows, cpu=True, best=True),
+        "random_read_seq_per_cpu_s": m_rand.rate(len(picks), cpu=True, best=True),
     }
 
 
-# --------------------------------------------------------------------------- studies
-def codec_study(data, chunk: int = 2048) -> list[dict]:
-    """Bytes/position and encode/decode CPU of each transform x codec on raw chunks (numcodecs,
-    no zarr): what the format's choices (row-delta logprobs, optional id remap, shuffle mode,
-    zstd level) buy. Each chunk is one blosc block, as the layouts write them
-    (``blosc_blocks="chunk"``), in one thread, as the writer's I/O threads run blosc."""
+UNITS = {
+    "bytes_per_position": "B/pos",
+    "id_bytes_per_position": "B/pos",
+    "logprob_bytes_per_position": "B/pos",
+    "max_abs_logprob_error": "logprob",
+}
+
+
+def vs(r: dict[str, float], base: dict[str, float], key: str, fmt: str) -> str:
+    """``value (ratio to the baseline)``."""
+    return f"{r[key]:{fmt}} ({r[key] / base[key]:.2f})"
+
+
+def run_configs(args: argparse.Namespace) -> None:
+    teacher = Teacher(id_map=args.id_map, seed=args.seed)
+    data = teacher.fixed(args.positions)
+    picks = np.random.default_rng(args.seed).integers(0, data.sequences, size=args.random_reads)
+    rec = Recorder("format", "configs", csv_path=args.csv)
+    results: dict[str, dict[str, float]] = {}
+    with scratch("lc-format-") as root:
+        results["baseline (npy)"] = bench_npy(data, root, picks, args.repeats)
+        for name in args.configs.split(","):
+            results[name] = bench_config(CONFIGS[name], data, teacher, root, picks, args.repeats)
+            log(name, {k: round(v, 1) for k, v in results[name].items()})
+    for case, r in results.items():
+        cfg = asdict(CONFIGS[case]) if case in CONFIGS else {"name": case}
+        for metric, value in r.items():
+            rec.add(
+                case,
+                metric,
+                UNITS.get(metric, "pos/s" if "pos" in metric else "seq/s"),
+                value,
+                config=cfg | {"positions": data.positions, "cores": args.cores},
+            )
+    rec.save()
+    base = results["baseline (npy)"]
+    rows = [
+        [
+            case,
+            f"{r['bytes_per_position']:.1f}",
+            f"{RAW_BPP / r['bytes_per_position']:.2f}x",
+            f"{r['write_pos_per_cpu_s']:,.0f}",
+            vs(r, base, "seq_read_pos_per_cpu_s", ",.0f"),
+            vs(r, base, "seq_read_f16_pos_per_cpu_s", ",.0f"),
+            vs(r, base, "random_read_seq_per_cpu_s", ",.1f"),
+            f"{r.get('random_batch32_seq_per_cpu_s', float('nan')):,.1f}",
+            f"{r.get('max_abs_logprob_error', 0):.1e}",
+        ]
+        for case, r in results.items()
+    ]
+    print(f"\n{data.positions} positions, {args.cores} core(s); {machine_line(rec.machine)}\n")
+    print(
+        md_table(
+            [
+                "config",
+                "B/pos",
+                "vs raw 600",
+                "write pos/cpu-s",
+                "seq read pos/cpu-s (x npy)",
+                "f16 seq read pos/cpu-s (x npy)",
+                "random seq/cpu-s (x npy)",
+                "sequences(32) seq/cpu-s",
+                "max lp err",
+            ],
+            rows,
+        )
+    )
+
+
+# --------------------------------------------------------------------------- write
+def run_write(args: argparse.Namespace) -> None:
+    teacher = Teacher(seed=args.seed)
+    data = teacher.fixed(args.positions)
+    names = args.configs.split(",")
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    with scratch("lc-format-write-") as root:
+        for r in range(args.rounds):
+            for name in names:
+                write = writer_for(CONFIGS[name], data, teacher, root / name)
+                cpu = measure(write, 1).cpu[0]
+                rates[name].append(data.positions / cpu)
+                log(
+                    f"round {r} {name}: {rates[name][-1]:,.0f} pos/cpu-s "
+                    f"(load {os.getloadavg()[0]:.1f})"
+                )
+    rec = Recorder("format", "write", csv_path=args.csv)
+    table = []
+    for name, xs in rates.items():
+        rec.add(
+            name,
+            "write_pos_per_cpu_s",
+            "pos/cpu-s",
+            statistics.median(xs),
+            p20=min(xs),
+            p80=max(xs),
+            samples=len(xs),
+            config=asdict(CONFIGS[name]) | {"positions": data.positions},
+        )
+        table.append([name, f"{statistics.median(xs):,.0f}", f"{max(xs):,.0f}", len(xs)])
+    rec.save()
+    print(md_table(["config", "median pos/cpu-s", "best", "rounds"], table))
+
+
+# --------------------------------------------------------------------------- random
+def run_random(args: argparse.Namespace) -> None:
+    from logitcache.cache_format import CacheReader, spec
+    from logitcache.cache_format.writer import CacheWriter
+
+    teacher = Teacher(vocab=128_256, seed=args.seed)
+    data = teacher.pooled(args.positions, round_f16=True)
+    n_seq = data.sequences
+    rng = np.random.default_rng(args.seed + 1)
+    picks = rng.integers(0, n_seq, size=args.reads).tolist()
+    groups = rng.integers(0, n_seq, size=(max(1, args.reads // 32), 32)).tolist()
+    rec = Recorder("format", "random", csv_path=args.csv)
+    table = []
+    with scratch("lc-format-random-") as root:
+        d = root / "npy"
+        d.mkdir()
+        recs = data.records()
+        np.save(d / "ids.npy", np.concatenate([r.topk_ids for r in recs]))
+        np.save(d / "lp.npy", np.concatenate([r.topk_logprobs for r in recs]).astype(np.float16))
+        np.save(d / "tail.npy", np.concatenate([r.tail_mass for r in recs]))
+        np.save(d / "tok.npy", np.concatenate([r.input_ids for r in recs]))
+        lengths = np.array([n for _, _, n in data.bounds])
+        rs = np.concatenate([[0], np.cumsum(lengths - 1)])
+        ts = np.concatenate([[0], np.cumsum(lengths)])
+        mi, ml, mt, mk = (
+            np.load(d / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail", "tok")
+        )
+
+        def npy_one(i: int) -> tuple[np.ndarray, ...]:
+            a, b = int(rs[i]), int(rs[i + 1])
+            return (
+                np.array(mi[a:b]),
+                np.array(ml[a:b]),
+                np.array(mt[a:b]),
+                np.array(mk[int(ts[i]) : int(ts[i + 1])]),
+            )
+
+        for name in args.layouts:
+            url = root / name
+            t0 = time.process_time()
+            with CacheWriter.open(
+                url, teacher.manifest("random"), layout=spec.layout_named(name), fsync=False
+            ) as w:
+                for b in data.batches(positions=500_000):
+                    w.append(b)
+            write_cpu = time.process_time() - t0
+            bpp = store_bytes(url) / data.positions
+            ref = CacheReader(url)
+            ref.point_reads = False
+            check = CacheReader(url, decode_threads=max(args.threads))
+            for i in picks[:20]:
+                if not check.sequence(i).equals(ref.sequence(i)):
+                    raise AssertionError(f"{name}: point read of sequence {i} differs")
+            cfg = {"layout": name, "positions": data.positions, "reads": len(picks)}
+            rec.add(name, "bytes_per_position", "B/pos", bpp, config=cfg)
+            rec.add(
+                name, "write_pos_per_cpu_s", "pos/cpu-s", data.positions / write_cpu, config=cfg
+            )
+            for t in args.threads:
+                r = CacheReader(url, decode_threads=t)
+                for what, fn, n in (
+                    ("sequence", lambda r=r: [r.sequence(i) for i in picks], len(picks)),
+                    ("sequences32", lambda r=r: [r.sequences(g) for g in groups], 32 * len(groups)),
+                ):
+                    base = measure(lambda: [npy_one(i) for i in picks], 1, warmup=1)
+                    m = measure(fn, 1, warmup=1)
+                    per_cpu = m.rate(n, cpu=True)
+                    x_npy = per_cpu / base.rate(len(picks), cpu=True)
+                    c = cfg | {"decode_threads": t}
+                    rec.add(name, f"{what}_seq_per_cpu_s", "seq/cpu-s", per_cpu, config=c)
+                    rec.add(name, f"{what}_seq_per_s", "seq/s", m.rate(n), config=c)
+                    rec.add(name, f"{what}_x_npy_cpu", "ratio", x_npy, config=c)
+                    table.append(
+                        [
+                            name,
+                            f"{bpp:.1f}",
+                            t,
+                            what,
+                            f"{per_cpu:,.0f}",
+                            f"{m.rate(n):,.0f}",
+                            f"{x_npy:.2f}",
+                        ]
+                    )
+
+            def sequential(r: Any = ref) -> None:
+                for a in range(0, min(n_seq, 1024), 64):
+                    b = min(a + 64, n_seq)
+                    r.rows(int(rs[a]), int(rs[b]))
+                    r.tokens(int(ts[a]), int(ts[b]))
+
+            m = measure(sequential, 1, warmup=1)
+            pos = int(rs[min(n_seq, 1024)])
+            rec.add(
+                name, "sequential_pos_per_cpu_s", "pos/cpu-s", m.rate(pos, cpu=True), config=cfg
+            )
+            table.append(
+                [
+                    name,
+                    f"{bpp:.1f}",
+                    1,
+                    "sequential rows (pos)",
+                    f"{m.rate(pos, cpu=True):,.0f}",
+                    f"{m.rate(pos):,.0f}",
+                    "-",
+                ]
+            )
+            log(name, table[-1])
+    rec.save()
+    print(
+        f"\n{data.positions} positions, {n_seq} sequences (mean {lengths.mean():.0f} tokens); "
+        f"{machine_line(rec.machine)}\n"
+    )
+    print(
+        md_table(["layout", "B/pos", "threads", "read", "per CPU-s", "per s", "x npy (CPU)"], table)
+    )
+
+
+# --------------------------------------------------------------------------- codecs
+def run_codecs(args: argparse.Namespace) -> None:
     import numcodecs.blosc
-
-    threads, numcodecs.blosc.use_threads = numcodecs.blosc.use_threads, False
-    try:
-        return _codec_rows(data, chunk)
-    finally:
-        numcodecs.blosc.use_threads = threads
-
-
-def _codec_rows(data, chunk: int) -> list[dict]:
     from logitcache.cache_format.idmap import build_id_order, inverse
     from logitcache.cache_format.quant import row_delta
     from numcodecs import Blosc
 
-    _, _, ids, lp, _ = data
-    lp16 = np.minimum(lp, 0).astype(np.float16).view(np.uint16)
-    rank = inverse(build_id_order(ids[:8192], VOCAB))
+    teacher = Teacher(seed=args.seed)
+    data = teacher.fixed(args.positions)
+    lp16 = np.minimum(data.logprobs, 0).astype(np.float16).view(np.uint16)
+    rank = inverse(build_id_order(data.ids[:8192], teacher.vocab))
     inputs = {
-        "ids": ids,
-        "ids remapped": rank[ids],
+        "ids": data.ids,
+        "ids remapped": rank[data.ids],
         "logprobs float16": lp16,
         "logprobs float16 row-delta": row_delta(lp16),
     }
-    out = []
+    numcodecs.blosc.use_threads = False
+    rec = Recorder("format", "codecs", csv_path=args.csv)
+    table = []
+    chunk = 2048
     for name, arr in inputs.items():
+        chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
         for cname, level, shuffle in (
             ("zstd", 1, 1),
             ("zstd", 1, 2),
             ("zstd", 5, 1),
             ("zstd", 5, 2),
             ("lz4", 1, 2),
-            ("lz4", 5, 1),
             ("lz4", 5, 2),
         ):
             codec = Blosc(cname, level, shuffle, blocksize=chunk * arr[:1].nbytes)
-            chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
             enc = [codec.encode(c) for c in chunks]
-            _, c_enc = timed(lambda chunks=chunks, codec=codec: [codec.encode(c) for c in chunks])
-            _, c_dec = timed(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
-            out.append(
-                {
-                    "input": name,
-                    "codec": f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle",
-                    "bytes_per_position": sum(map(len, enc)) / len(arr),
-                    "encode_pos_per_cpu_s": len(arr) / c_enc,
-                    "decode_pos_per_cpu_s": len(arr) / c_dec,
-                }
+            m_enc = measure(lambda chunks=chunks, codec=codec: [codec.encode(c) for c in chunks])
+            m_dec = measure(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
+            label = f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle"
+            bpp = sum(map(len, enc)) / len(arr)
+            cfg = {"input": name, "codec": label, "chunk": chunk}
+            rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
+            rec.add(
+                f"{name} / {label}",
+                "decode_pos_per_cpu_s",
+                "pos/cpu-s",
+                m_dec.rate(len(arr), cpu=True),
+                config=cfg,
             )
-    return out
+            table.append(
+                [
+                    name,
+                    label,
+                    f"{bpp:.1f}",
+                    f"{m_enc.rate(len(arr), cpu=True):,.0f}",
+                    f"{m_dec.rate(len(arr), cpu=True):,.0f}",
+                ]
+            )
+    rec.save()
+    print(md_table(["input", "codec", "B/pos", "encode pos/cpu-s", "decode pos/cpu-s"], table))
 
 
-def read_profile(data, root: Path) -> dict:
-    """CPU seconds per step of one ``rows()`` block read with the default layout: zarr's array
-    API (``direct=False``) and the direct shard path, each step timed alone."""
-    from logitcache.cache_format import CacheReader, CacheWriter, Manifest, kernels, shardread
-    from logitcache.cache_format.quant import row_undelta
-    from zarr.core.sync import sync
-
-    n_seq = data[0]
-    url = root / "profile"
-    m = Manifest(teacher_model="s", tokenizer_fingerprint="x", vocab_size=VOCAB, k=K)
-    with CacheWriter.open(url, m) as w:
-        for lo in range(0, n_seq, 64):
-            w.append(records(*data, lo, min(lo + 64, n_seq)))
-    r = CacheReader(url)
-    n = min(65536, r.num_rows)
-    a, lays = r._arrays, r._direct
-    stored = a["topk_logprobs"][0:n]
-    summed = row_undelta(stored)
-    row_arrays = ("topk_ids", "topk_logprobs", "tail_mass")  # (the per-sequence arrays are short)
-    fetched = {name: sync(shardread.fetch(lays[name], 0, n)) for name in row_arrays}
-
-    def direct_decode(name):
-        shardread.decode(lays[name], fetched[name], 0, n, lays[name].empty(n))
-
-    r.rows(0, n)  # warm-up (imports the kernels' backend)
-    steps = {
-        "zarr API: topk_ids read+decode": lambda: a["topk_ids"][0:n],
-        "zarr API: topk_logprobs read+decode": lambda: a["topk_logprobs"][0:n],
-        "zarr API: tail_mass read+decode": lambda: a["tail_mass"][0:n],
-        "direct: topk_ids store get": lambda: sync(shardread.fetch(lays["topk_ids"], 0, n)),
-        "direct: topk_ids CRC32C+decode": lambda: direct_decode("topk_ids"),
-        "direct: topk_logprobs store get": lambda: sync(
-            shardread.fetch(lays["topk_logprobs"], 0, n)
-        ),
-        "direct: topk_logprobs CRC32C+decode": lambda: direct_decode("topk_logprobs"),
-        "direct: tail_mass get+decode": lambda: (
-            sync(shardread.fetch(lays["tail_mass"], 0, n)),
-            direct_decode("tail_mass"),
-        ),
-        f"row-delta cumsum ({kernels.backend()})": lambda: row_undelta(stored),
-        f"float16 -> float32 ({kernels.backend()})": lambda: kernels.half_to_float(
-            summed.view(np.float16)
-        ),
-        "rows() total, zarr API": lambda: CacheReader(url, direct=False).rows(0, n),
-        "rows() total, direct": lambda: r.rows(0, n),
-        "rows() total, direct, float16 out": lambda: r.rows(0, n, logprob_dtype="float16"),
-    }
-    return {name: timed(fn, 3)[1] for name, fn in steps.items()} | {"rows": n}
-
-
-# --------------------------------------------------------------------------- report
-def to_markdown(doc: dict) -> str:
-    base = doc["baseline"]
-    lines = [
-        "# Cache format benchmark",
-        "",
-        f"Machine: {doc['machine']}. Cores used: {doc['cores']} (pinned with sched_setaffinity). "
-        f"Load average at start: {doc['loadavg']}, at end: {doc.get('loadavg_end', '?')} "
-        "(machine shared with other jobs: timings are noisy; ratios are against the baseline "
-        "measured in the same run).",
-        f"Command: `{doc['command']}`",
-        f"Data: {doc['rows']} positions ({doc['rows'] // (SEQ_LEN - 1)} sequences x {SEQ_LEN} "
-        f"tokens), k={K}, vocab={VOCAB}, id map `{doc['id_map']}`, Zipf s=1.05. Raw reference "
-        f"{RAW_BPP} B/position (int32 ids + float16 logprobs).",
-        "Baseline: uncompressed .npy files (np.save + fsync; reads from np.load(mmap) with copy).",
-        f"Reader: direct shard path unless the config says zarr; logprob kernels: "
-        f"{doc.get('kernels', '?')}.",
-        "",
-        "Throughputs: best of 3 runs; `/cpu-s` = per CPU-second of the process (all threads), "
-        "i.e. per core fully used; wall figures suffer from the shared machine. Sequential reads: "
-        "`rows()` in blocks of one shard with float32 logprobs (default), and with "
-        "`logprob_dtype='float16'` (`f16`; baseline: no widening).",
-        "",
-        "Random reads: `sequence(i)` one at a time, and `sequences(32 indices)` batched; "
-        "1 sequence = 1023 positions.",
-        "",
-        "| config | B/pos | ids | lp | vs raw 600 | write pos/cpu-s | write pos/s wall "
-        "| seq read pos/cpu-s (x base) | seq read pos/s wall | f16 seq read pos/cpu-s (x base) "
-        "| f16 seq read pos/s wall | random seq/cpu-s (x base) | batched random seq/cpu-s "
-        "| max lp err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in doc["results"]:
-        c = r["config"]
-        lines.append(
-            f"| {c['name']} | {r['bytes_per_position']:.1f} | {r['id_bytes_per_position']:.1f} | "
-            f"{r['logprob_bytes_per_position']:.1f} | {r['ratio_vs_raw']:.2f}x | "
-            f"{r['write_pos_per_cpu_s']:,.0f} | {r['write_pos_per_s']:,.0f} | "
-            f"{r['seq_read_pos_per_cpu_s']:,.0f} "
-            f"({r['seq_read_pos_per_cpu_s'] / base['seq_read_pos_per_cpu_s']:.2f}) | "
-            f"{r['seq_read_pos_per_s']:,.0f} | {r['seq_read_f16_pos_per_cpu_s']:,.0f} "
-            f"({r['seq_read_f16_pos_per_cpu_s'] / base['seq_read_f16_pos_per_cpu_s']:.2f}) | "
-            f"{r['seq_read_f16_pos_per_s']:,.0f} | {r['random_read_seq_per_cpu_s']:,.1f} "
-            f"({r['random_read_seq_per_cpu_s'] / base['random_read_seq_per_cpu_s']:.2f}) | "
-            f"{r['random_batch32_seq_per_cpu_s']:,.1f} | "
-            f"{r['max_abs_logprob_error_vs_float32_input']:.2e} |"
-        )
-    lines.append(
-        f"| baseline (npy) | {base['bytes_per_position']:.1f} | 400.0 | 200.0 | - | "
-        f"{base['write_pos_per_cpu_s']:,.0f} | {base['write_pos_per_s']:,.0f} | "
-        f"{base['seq_read_pos_per_cpu_s']:,.0f} (1.00) | {base['seq_read_pos_per_s']:,.0f} | "
-        f"{base['seq_read_f16_pos_per_cpu_s']:,.0f} (1.00) | {base['seq_read_f16_pos_per_s']:,.0f} "
-        f"| {base['random_read_seq_per_cpu_s']:,.1f} (1.00) | - | - |"
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.format", description=__doc__.split("\n")[0]
     )
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=262144)
-    p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
-    p.add_argument("--cores", type=int, default=1)
-    p.add_argument("--random-reads", type=int, default=200)
-    p.add_argument("--out", type=Path)
-    p.add_argument("--md", type=Path)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--study",
-        action="store_true",
-        help="codec/transform size study and a read-path CPU profile instead",
-    )
-    p.add_argument("--profile", action="store_true", help="only the read-path CPU profile")
-    p.add_argument(
-        "--write-rounds",
-        type=int,
-        default=0,
-        help="only the write rate of --configs, this many alternating rounds (median, max)",
-    )
-    args = p.parse_args()
+    sub = p.add_subparsers(dest="mode", required=True)
+    modes = {"configs": run_configs, "write": run_write, "random": run_random, "codecs": run_codecs}
+    for name in modes:
+        s = sub.add_parser(name)
+        s.add_argument("--positions", type=float, default=2e6 if name == "random" else 262144)
+        s.add_argument("--cores", type=int, default=1, help="pin to this many cores (0: all)")
+        s.add_argument("--seed", type=int, default=0)
+        add_csv_option(s)
+        if name in ("configs", "write"):
+            s.add_argument("--configs", default="default" if name == "write" else ",".join(CONFIGS))
+        if name == "configs":
+            s.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
+            s.add_argument("--random-reads", type=int, default=200)
+            s.add_argument("--repeats", type=int, default=3)
+        if name == "write":
+            s.add_argument("--rounds", type=int, default=5)
+        if name == "random":
+            s.add_argument("--layouts", nargs="+", default=["default", "random_access"])
+            s.add_argument("--threads", type=int, nargs="+", default=[1, 8])
+            s.add_argument("--reads", type=int, default=320)
+    args = p.parse_args(argv)
+    args.positions = int(args.positions)
     if args.cores:
-        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[: args.cores]))
-        import numcodecs.blosc
-        import zarr
-
-        numcodecs.blosc.set_nthreads(args.cores)
-        zarr.config.set({"threading.max_workers": args.cores})
-    loadavg = open("/proc/loadavg").read().split()[:3]
-    t0 = time.perf_counter()
-    data = make_data(args.rows, args.id_map, args.seed)
-    print(f"data: {data[2].shape[0]} rows in {time.perf_counter() - t0:.1f} s", flush=True)
-    root = Path(tempfile.mkdtemp(prefix="lc-format-bench-"))
-    if args.write_rounds:
-        try:
-            doc = {
-                "command": "python benchmarks/format_bench.py " + " ".join(sys.argv[1:]),
-                "cores": args.cores,
-                "loadavg_start": " ".join(loadavg),
-                "rows": int(data[2].shape[0]),
-                "write": write_rounds(args.configs.split(","), data, root, args.write_rounds),
-            }
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        for name, row in doc["write"].items():
-            print(
-                f"{name}: write {row['median_pos_per_cpu_s']:,.0f} pos/cpu-s median "
-                f"(best {row['max_pos_per_cpu_s']:,.0f}) over {args.write_rounds} rounds, "
-                f"load {min(row['load_avg_1min'])}-{max(row['load_avg_1min'])}"
-            )
-        if args.out:
-            args.out.write_text(json.dumps(doc, indent=2))
-        return
-    if args.study or args.profile:
-        try:
-            doc = {"codec_study": codec_study(data)} if args.study else {"codec_study": []}
-            doc["read_profile_cpu_s"] = read_profile(data, root)
-            doc["loadavg"] = [" ".join(loadavg), open("/proc/loadavg").read().split()[:3]]
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        for row in doc["codec_study"]:
-            print(
-                f"{row['input']:28s} {row['codec']:26s} {row['bytes_per_position']:7.1f} B/pos "
-                f"encode {row['encode_pos_per_cpu_s']:,.0f} "
-                f"decode {row['decode_pos_per_cpu_s']:,.0f} pos/cpu-s"
-            )
-        prof = doc["read_profile_cpu_s"]
-        for name, sec in prof.items():
-            if name != "rows":
-                print(f"{name:34s} {sec * 1e3:8.1f} ms CPU for {prof['rows']} rows")
-        if args.out:
-            args.out.write_text(json.dumps(doc, indent=2))
-        return
-    try:
-        baseline = bench_baseline(data, root, args.random_reads, args.seed)
-        print(json.dumps(baseline), flush=True)
-        results = []
-        for name in args.configs.split(","):
-            r = bench_config(CONFIGS[name], data, root, args.random_reads, args.seed)
-            print(json.dumps({k: v for k, v in r.items() if k != "bytes_by_array"}), flush=True)
-            results.append(r)
-            shutil.rmtree(root / name)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    from logitcache.cache_format import kernels
-
-    flags = [
-        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-        for k, v in vars(args).items()
-        if v is not None and v is not False
-    ]
-    doc = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}",
-        "cores": args.cores,
-        "loadavg": " ".join(loadavg),
-        "loadavg_end": " ".join(open("/proc/loadavg").read().split()[:3]),
-        "kernels": kernels.backend(),
-        "command": "python benchmarks/format_bench.py " + " ".join(flags),
-        "rows": data[2].shape[0],
-        "id_map": args.id_map,
-        "baseline": baseline,
-        "results": results,
-    }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=2))
-    if args.md:
-        args.md.parent.mkdir(parents=True, exist_ok=True)
-        args.md.write_text(to_markdown(doc))
-    print(to_markdown(doc))
+        pin_cores(args.cores)
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ __all__ = [
     "CSV_PATH",
     "Measurement",
     "PeakRSS",
+    "add_csv_option",
     "Recorder",
     "ab",
     "cuda_measure",
@@ -407,6 +408,11 @@ class Recorder:
         if json_path is not None:
             json_path.write_text(json.dumps({"machine": self.machine, "rows": self.rows}, indent=1))
         return self.csv_path
+
+
+def add_csv_option(parser: argparse.ArgumentParser) -> None:
+    """``--csv PATH``: where a run appends its rows (default: the committed CSV)."""
+    parser.add_argument("--csv", type=Path, default=CSV_PATH, help="append the rows here")
 
 
 def read_rows(csv_path: Path = CSV_PATH, **match: str) -> list[dict[str, str]]:
