@@ -63,12 +63,15 @@ __all__ = [
     "cuda_measure",
     "cuda_peak_bytes",
     "line_plot",
+    "live_bytes",
     "log",
     "machine",
     "machine_line",
     "measure",
     "pin_cores",
     "quantiles",
+    "sync",
+    "time_call",
     "timed",
 ]
 
@@ -243,6 +246,30 @@ def cuda_measure(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> M
     return Measurement(wall)
 
 
+def sync(cuda: bool) -> None:
+    """Wait for the GPU's queued work (no-op on the CPU)."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_call(cuda: bool, fn: Callable[[], Any]) -> float:
+    """Seconds of one call of ``fn``: CUDA events on the GPU, ``perf_counter`` on the CPU."""
+    if cuda:
+        import torch
+
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 # --------------------------------------------------------------------------- memory
 def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
     """``(fn(), peak CUDA bytes allocated during the call above what was allocated before)``."""
@@ -295,6 +322,74 @@ class PeakRSS:
     @staticmethod
     def max_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def live_bytes(top: int = 12) -> Any:
+    """A ``TorchDispatchMode`` counting the storage bytes of every tensor an aten op creates
+    inside it, from creation until the storage is freed, keeping the ``top`` largest tensors
+    alive at the highest total (``.peak``, ``.report()``). Storages passed to ``.known(...)``
+    (inputs, parameters) are never counted. It cannot see memory that is no tensor (cuBLAS
+    workspaces, Triton scratch): on CUDA, ``max_memory_allocated`` minus its peak bounds that."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveBytes(TorchDispatchMode):
+        """Peak of the bytes held by tensors created inside the mode; see the module docstring."""
+
+        def __init__(self, top: int = 12) -> None:
+            super().__init__()
+            self.live = 0
+            self.peak = 0
+            self.top = top
+            self._alive: dict[int, tuple[int, str, tuple[int, ...], str]] = {}
+            self.at_peak: list[tuple[int, str, tuple[int, ...], str]] = []
+
+        def known(self, *tensors: torch.Tensor | None) -> LiveBytes:
+            """Storages that existed before (inputs): never counted."""
+            for t in tensors:
+                if t is not None:
+                    self._alive[t.untyped_storage().data_ptr()] = (0, "input", tuple(t.shape), "")
+            return self
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._count(t, str(func))
+            return out
+
+        def _count(self, t: torch.Tensor, op: str) -> None:
+            st = t.untyped_storage()
+            key, n = st.data_ptr(), st.nbytes()
+            if n == 0 or key in self._alive:
+                return
+            self._alive[key] = (n, op, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+            self.live += n
+
+            def gone(key: int = key, n: int = n) -> None:
+                self.live -= n
+                self._alive.pop(key, None)
+
+            weakref.finalize(st, gone)
+            if self.live > self.peak:
+                self.peak = self.live
+                self.at_peak = sorted(self._alive.values(), key=lambda v: -v[0])[: self.top]
+
+        def report(self) -> dict:
+            """The peak and the largest tensors alive at it (bytes, op, shape, dtype)."""
+            return {
+                "tracked_peak_bytes": self.peak,
+                "alive_at_peak": [
+                    {"bytes": n, "op": op, "shape": list(shape), "dtype": dt}
+                    for n, op, shape, dt in self.at_peak
+                    if n
+                ],
+            }
+
+    return LiveBytes(top)
 
 
 # --------------------------------------------------------------------------- the CSV

@@ -1,20 +1,31 @@
-"""Isolated lm-head sweep for the top-k distillation loss (the paper's toy benchmark).
+"""The top-k distillation loss in isolation: peak memory and time vs positions, the memory floor.
 
-For each vocabulary V and number of positions N: student hidden ``h [N, d]`` and lm-head
+For each ``(V, d)`` config and number of positions N: student hidden ``h [N, d]`` and lm-head
 ``W [V, d]`` in bf16 with ``requires_grad``, teacher top-k ids (distinct per row) and logprobs
 ``log_softmax(sorted N(0, 2^2)) + log M`` with ``M ~ U(0.85, 0.95)``, ``W ~ N(0, (2/sqrt d)^2)``.
-One step = forward + backward of the mean forward KL (the Multiverse objective,
-``sum_S p (log p - log q)``); grads are set to None before each step. Reported per cell:
-peak ``torch.cuda.max_memory_allocated`` over the timed steps (inputs and one set of grads
-included), ``delta`` = peak minus the memory held before the step, the median step time over
-CUDA events, and TFLOP/s counting ``6 N d V``. The bf16 GEMM rate of the lm-head shape
-(``[8192 x d] @ [d x V]``) is measured in the same run as the ratio baseline.
+One step = forward + backward of the mean forward KL (``sum_S p (log p - log q)``); grads are
+set to None before each step. Per cell: peak ``torch.cuda.max_memory_allocated`` over the timed
+steps (inputs and one set of grads included), ``delta`` = peak minus the memory held before the
+step, the median step time over CUDA events, TFLOP/s counting ``6 N d V``. The bf16 GEMM rate
+of the lm-head shape (``[8192 x d] @ [d x V]``) is measured in the same run as the baseline.
 
-Phase 1 (``--check``) compares every variant with a float64 dense reference at a small N on the
-GPU, and the bf16 fused grad_W with a float32 computation at a large N.
+Variants: ours (``dense``, ``forward_chunked``, ``fused_chunked``, ``fused_chunked_recompute``,
+the torch path and a larger chunk of the fused one, and the memory-floor settings
+:data:`FLOOR`), plain torch (``torch_dense_gather``) and Liger-Kernel's fused linear KL on a
+dense target when ``liger_kernel`` is installed.
 
-    python benchmarks/loss_bench.py --check --out results.json          # the H200 run
-    python benchmarks/loss_bench.py --device cpu --sizes 64 --vocabs 500 --dim 32 --k 8 --check
+Modes::
+
+    python -m benchmarks.loss sweep --check --out benchmarks/results/loss.json      # CUDA GPU
+    python -m benchmarks.loss sweep --variants fp32acc,bf16acc,floor \\
+        --configs 128256x4096,201088x4096,128256x8192
+    python -m benchmarks.loss sweep --device cpu --sizes 64 --configs 500x32 --k 8 --check
+    python -m benchmarks.loss anatomy floor --n 262144       # tensors alive at the peak
+    python -m benchmarks.loss plot benchmarks/results/loss.json benchmarks/results
+
+``--check`` first compares every variant with a float64 dense reference at a small N, and the
+bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
+and ``loss_time.png`` (every variant vs positions at V=128256, d=4096) from a committed result.
 """
 
 from __future__ import annotations
@@ -23,37 +34,37 @@ import argparse
 import gc
 import json
 import math
-import platform
 import statistics
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from logitcache.client.loss import chunk_ops, fused_chunked, topk_distill_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-try:
-    from logitcache.client.loss import chunk_ops, fused_chunked, topk_distill_loss
-except ImportError:  # run from a bare checkout (the GPU box has no editable install)
-    import importlib
-    import types
-
-    root = Path(__file__).resolve().parents[1]
-    pkg = types.ModuleType("logitcache")
-    pkg.__path__ = []  # namespace stand-in
-    sys.modules["logitcache"] = pkg
-    client = types.ModuleType("logitcache.client")
-    client.__path__ = [str(root / "client")]
-    sys.modules["logitcache.client"] = client
-    loss_pkg = importlib.import_module("logitcache.client.loss")
-    chunk_ops = importlib.import_module("logitcache.client.loss.chunk_ops")
-    fused_chunked = importlib.import_module("logitcache.client.loss.fused_chunked")
-    topk_distill_loss = loss_pkg.topk_distill_loss
+from benchmarks.harness import (
+    Point,
+    Recorder,
+    add_csv_option,
+    line_plot,
+    live_bytes,
+    machine_line,
+    sync,
+    time_call,
+)
 
 GIB = 1 << 30
+DEFAULT_VARIANTS = [
+    "fused_chunked",
+    "fused_chunked_recompute",
+    "forward_chunked",
+    "torch_dense_gather",
+    "dense",
+    "liger_kl_dense_target",
+    "fused_chunked_torchpath",
+    "fused_chunked_c8192",
+]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -81,6 +92,34 @@ def ours(impl: str, backend: str = "auto", chunk: int | None = None) -> Callable
             return topk_distill_loss(x["h"], x["w"], x["ids"], x["lp"], impl=impl, chunk_size=chunk)
         finally:
             chunk_ops.BACKEND = "auto"
+
+    return fn
+
+
+#: The memory-floor variants (``impl="fused_chunked"``): grad_W accumulated in fp32 or straight
+#: into the bf16 grad buffer, and the logits chunk as a byte budget or a row count.
+FLOOR = {
+    "fp32acc": {"grad_weight_dtype": "float32", "budget": 1 << 30},
+    "bf16acc": {"grad_weight_dtype": "weight", "budget": 1 << 30},
+    "floor": {"grad_weight_dtype": "weight", "budget": 1 << 29},
+    "floor_c1792": {"grad_weight_dtype": "weight", "rows": 1792},
+}
+
+
+def floor_variant(name: str) -> Callable:
+    opts = FLOOR[name]
+
+    def fn(x: dict) -> torch.Tensor:
+        vocab = x["w"].shape[0]
+        rows = opts.get("rows") or max(256, opts["budget"] // (2 * vocab) // 256 * 256)
+        return topk_distill_loss(
+            x["h"],
+            x["w"],
+            x["ids"],
+            x["lp"],
+            chunk_size=rows,
+            grad_weight_dtype=opts["grad_weight_dtype"],
+        )
 
     return fn
 
@@ -113,6 +152,7 @@ def variants(device: str) -> dict[str, Callable]:
         "fused_chunked_recompute": ours("fused_chunked_recompute"),
         "fused_chunked_torchpath": ours("fused_chunked", backend="torch"),
         "fused_chunked_c8192": ours("fused_chunked", chunk=8192),
+        **{name: floor_variant(name) for name in FLOOR},
     }
     try:
         import liger_kernel  # noqa: F401
@@ -125,35 +165,13 @@ def variants(device: str) -> dict[str, Callable]:
 
 
 # ----------------------------------------------------------------------------- timing
-class Timer:
-    def __init__(self, device: str) -> None:
-        self.cuda = device == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def run(self, f: Callable[[], Any]) -> float:
-        """Seconds of one call of ``f``."""
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            f()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        t0 = time.perf_counter()
-        f()
-        return time.perf_counter() - t0
-
-
 def free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def gemm_rate(n: int, d: int, vocab: int, device: str, timer: Timer) -> float:
+def gemm_rate(n: int, d: int, vocab: int, device: str, cuda: bool) -> float:
     """bf16 TFLOP/s of ``[n, d] @ [d, vocab]`` (median of 10 after 3 warm-ups)."""
     a = torch.randn(n, d, device=device, dtype=torch.bfloat16)
     b = torch.randn(vocab, d, device=device, dtype=torch.bfloat16)
@@ -163,14 +181,14 @@ def gemm_rate(n: int, d: int, vocab: int, device: str, timer: Timer) -> float:
 
     for _ in range(3):
         mm()
-    timer.sync()
-    ts = [timer.run(mm) for _ in range(10)]
+    sync(cuda)
+    ts = [time_call(cuda, mm) for _ in range(10)]
     free()
     return 2 * n * d * vocab / statistics.median(ts) / 1e12
 
 
-def time_cell(fn: Callable, x: dict, timer: Timer, reps: int, cap_s: float) -> dict:
-    device_cuda = timer.cuda
+def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dict:
+    device_cuda = cuda
 
     def step() -> None:
         x["h"].grad = None
@@ -180,11 +198,11 @@ def time_cell(fn: Callable, x: dict, timer: Timer, reps: int, cap_s: float) -> d
     if device_cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-    first = timer.run(step)  # warm-up 1 (kernel compile, allocator)
+    first = time_call(cuda, step)  # warm-up 1 (kernel compile, allocator)
     x["h"].grad = x["w"].grad = None
     n_warm = 1 if first > cap_s / 4 else 2
     for _ in range(n_warm - 1):
-        timer.run(step)
+        time_call(cuda, step)
         x["h"].grad = x["w"].grad = None
     if device_cuda:
         torch.cuda.synchronize()
@@ -193,7 +211,7 @@ def time_cell(fn: Callable, x: dict, timer: Timer, reps: int, cap_s: float) -> d
     n_reps = max(2, min(reps, int(cap_s / max(first, 1e-6))))
     ts = []
     for _ in range(n_reps):
-        ts.append(timer.run(step))
+        ts.append(time_call(cuda, step))
         x["h"].grad = x["w"].grad = None
     res = {"ms": statistics.median(ts) * 1e3, "ms_all": [round(t * 1e3, 2) for t in ts]}
     if device_cuda:
@@ -220,8 +238,8 @@ def grads_of(fn: Callable, x: dict) -> tuple[float, torch.Tensor, torch.Tensor]:
 def check(args: argparse.Namespace, device: str) -> dict:
     """Every variant vs a float64 dense reference (small N); bf16 grad_W vs fp32 (large N)."""
     out: dict[str, Any] = {"small": [], "large": {}}
-    vocab = args.vocabs[0]
-    x = make_inputs(args.check_n, args.dim, vocab, args.k, device, seed=1)
+    vocab, dim = args.configs[0]
+    x = make_inputs(args.check_n, dim, vocab, args.k, device, seed=1)
     x64 = {
         "h": x["h"].detach().double().requires_grad_(),
         "w": x["w"].detach().double().requires_grad_(),
@@ -299,7 +317,7 @@ def check(args: argparse.Namespace, device: str) -> dict:
     del x, x64
     free()
     if args.check_large_n:
-        xl = make_inputs(args.check_large_n, args.dim, vocab, args.k, device, seed=2)
+        xl = make_inputs(args.check_large_n, dim, vocab, args.k, device, seed=2)
         x32 = {
             "h": xl["h"].detach().float().requires_grad_(),
             "w": xl["w"].detach().float().requires_grad_(),
@@ -327,18 +345,19 @@ def check(args: argparse.Namespace, device: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- sweep
-def sweep(args: argparse.Namespace, device: str, timer: Timer, t_end: float) -> list[dict]:
+def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
+    cuda = device == "cuda"
     table: list[dict] = []
     fns = variants(device)
     chosen = [v for v in args.variants if v in fns]
     limits = {"fused_chunked_torchpath": args.torchpath_max_n, "dense": args.dense_max_n}
-    for vocab in args.vocabs:
+    for vocab, dim in args.configs:
         oomed: set[str] = set()
         for n in args.sizes:
-            flops = 6 * n * args.dim * vocab
+            flops = 6 * n * dim * vocab
             x = None
             for name in chosen:
-                row = dict(variant=name, n=n, vocab=vocab, d=args.dim, k=args.k)
+                row = dict(variant=name, n=n, vocab=vocab, d=dim, k=args.k)
                 if name == "fused_chunked_c8192" and n not in args.c8192_sizes:
                     continue
                 if n > limits.get(name, n):
@@ -351,8 +370,8 @@ def sweep(args: argparse.Namespace, device: str, timer: Timer, t_end: float) -> 
                     continue
                 try:
                     if x is None:
-                        x = make_inputs(n, args.dim, vocab, args.k, device)
-                    res = time_cell(fns[name], x, timer, args.reps, args.cell_cap_s)
+                        x = make_inputs(n, dim, vocab, args.k, device)
+                    res = time_cell(fns[name], x, cuda, args.reps, args.cell_cap_s)
                     res["tflops"] = flops / (res["ms"] / 1e3) / 1e12
                     table.append({**row, "status": "ok", **res})
                     print(
@@ -374,86 +393,152 @@ def sweep(args: argparse.Namespace, device: str, timer: Timer, t_end: float) -> 
     return table
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--sizes",
-        type=lambda s: [int(v) for v in s.split(",")],
-        default=[4096, 8192, 16384, 32768, 65536, 131072, 262144],
-    )
-    ap.add_argument(
-        "--vocabs", type=lambda s: [int(v) for v in s.split(",")], default=[128256, 201088]
-    )
-    ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--k", type=int, default=100)
-    ap.add_argument(
-        "--variants",
-        type=lambda s: s.split(","),
-        default=[
-            "fused_chunked",
-            "fused_chunked_recompute",
-            "forward_chunked",
-            "torch_dense_gather",
-            "dense",
-            "liger_kl_dense_target",
-            "fused_chunked_torchpath",
-            "fused_chunked_c8192",
-        ],
-    )
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting cells after")
-    ap.add_argument("--torchpath-max-n", type=int, default=32768)
-    ap.add_argument("--dense-max-n", type=int, default=32768)
-    ap.add_argument(
-        "--c8192-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[32768, 262144]
-    )
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--check-n", type=int, default=2048)
-    ap.add_argument("--check-chunk", type=int, default=512)
-    ap.add_argument("--check-large-n", type=int, default=32768)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+def anatomy(name: str, n: int, vocab: int, d: int, k: int, device: str) -> dict:
+    """One fwd+bwd step of ``name`` at ``n`` under :func:`~benchmarks.harness.live_bytes`
+    (after one warm-up step)."""
+    x = make_inputs(n, d, vocab, k, device, seed=41)
+    fn = variants(device)[name]
+    grads_of(fn, x)  # warm-up: kernels compiled, cuBLAS workspaces allocated
+    free()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    mode = live_bytes().known(*x.values())
+    with mode:
+        loss = fn(x)
+        loss.backward()
+    out: dict[str, Any] = {"variant": name, "n": n, "vocab": vocab, "d": d}
+    out.update(mode.report())
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        out.update(
+            base_bytes=base,
+            allocator_peak_bytes=peak,
+            allocator_over_base_bytes=peak - base,
+            not_tensors_bytes=peak - base - mode.peak,
+        )
+    x["h"].grad = x["w"].grad = None
+    del x, loss
+    free()
+    print("anatomy", json.dumps(out), flush=True)
+    return out
 
+
+# ----------------------------------------------------------------------------- plots
+def loss_series(
+    result: Mapping, field: str, vocab: int = 128256, d: int = 4096
+) -> dict[str, list[Point]]:
+    """``field`` (``peak_gib`` or ``ms``) vs positions per loss variant of a ``loss_bench``
+    result (``benchmarks/results/loss.json``: ``sweep = [{"variant", "n", "vocab", "d",
+    "status", "peak_gib", "ms"}]``) at one (vocab, d); runs that did not finish ("OOM") are left
+    out."""
+    series: dict[str, list[Point]] = {}
+    for r in result["sweep"]:
+        if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok":
+            series.setdefault(r["variant"], []).append((float(r["n"]), float(r[field])))
+    return series
+
+
+def loss_plots(result_json: str | Path, out_dir: str | Path, vocab: int = 128256) -> list[Path]:
+    """``loss_memory.png`` and ``loss_time.png`` (every variant vs positions) in ``out_dir``."""
+    result = json.loads(Path(result_json).read_text())
+    meta = result.get("meta", {})
+    note = (
+        f"{Path(result_json).name}: {meta.get('device', '')}, torch {meta.get('torch', '')}; "
+        f"V={vocab}, d=4096, k=100, fwd+bwd; a variant's line ends where it ran out of memory"
+    )
+    common = dict(xlabel="positions N", logx=True, logy=True, note=note, size=(7.2, 4.4))
+    return [
+        line_plot(
+            Path(out_dir) / "loss_memory.png",
+            loss_series(result, "peak_gib", vocab),
+            title="distillation loss: peak memory vs positions, every variant",
+            ylabel="peak GiB",
+            **common,  # type: ignore[arg-type]
+        ),
+        line_plot(
+            Path(out_dir) / "loss_time.png",
+            loss_series(result, "ms", vocab),
+            title="distillation loss: fwd+bwd time vs positions, every variant",
+            ylabel="ms",
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.loss", description=__doc__.split("\n")[0]
+    )
+    sub = ap.add_subparsers(dest="mode", required=True)
+    pl = sub.add_parser("plot", help="loss_memory.png and loss_time.png from a result JSON")
+    pl.add_argument("result", type=Path)
+    pl.add_argument("out_dir", type=Path)
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    configs = lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")]  # noqa: E731
+    sw = sub.add_parser("sweep", help="every variant x N x config: memory and time")
+    an = sub.add_parser("anatomy", help="the tensors alive at one variant's peak")
+    an.add_argument("variant")
+    an.add_argument("--n", type=int, default=262144)
+    for s in (sw, an):
+        s.add_argument("--device", default=None)
+        s.add_argument("--configs", type=configs, default=[(128256, 4096), (201088, 4096)])
+        s.add_argument("--k", type=int, default=100)
+        add_csv_option(s)
+    sw.add_argument("--sizes", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
+    sw.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS)
+    sw.add_argument("--reps", type=int, default=5)
+    sw.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
+    sw.add_argument("--budget-s", type=float, default=420.0, help="stop starting cells after")
+    sw.add_argument("--torchpath-max-n", type=int, default=32768)
+    sw.add_argument("--dense-max-n", type=int, default=32768)
+    sw.add_argument("--c8192-sizes", type=ints, default=[32768, 262144])
+    sw.add_argument("--check", action="store_true")
+    sw.add_argument("--check-n", type=int, default=2048)
+    sw.add_argument("--check-chunk", type=int, default=512)
+    sw.add_argument("--check-large-n", type=int, default=32768)
+    sw.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.mode == "plot":
+        print(*loss_plots(args.result, args.out_dir), sep="\n")
+        return
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rec = Recorder("loss", args.mode, csv_path=args.csv)
+    if args.mode == "anatomy":
+        vocab, d = args.configs[0]
+        out = anatomy(args.variant, args.n, vocab, d, args.k, device)
+        rec.add(
+            args.variant,
+            "tracked_peak_bytes",
+            "B",
+            out["tracked_peak_bytes"],
+            config={"n": args.n, "vocab": vocab, "d": d, "k": args.k},
+        )
+        rec.save()
+        return
     t0 = time.time()
-    device = args.device
-    timer = Timer(device)
-    meta: dict[str, Any] = {
-        "argv": sys.argv,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-    }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        meta["triton"] = None
-    try:
-        from importlib.metadata import version
-
-        import liger_kernel  # noqa: F401
-
-        meta["liger_kernel"] = version("liger-kernel")
-    except Exception:  # noqa: BLE001 - optional peer
-        meta["liger_kernel"] = None
-    print(meta, flush=True)
-    result: dict[str, Any] = {"meta": meta}
+    result: dict[str, Any] = {"meta": rec.machine | {"line": machine_line(rec.machine)}}
+    print(result["meta"]["line"], flush=True)
     if device == "cuda":
         result["gemm_tflops"] = {
-            str(v): gemm_rate(8192, args.dim, v, device, timer) for v in args.vocabs
+            f"{v}x{d}": gemm_rate(8192, d, v, device, True) for v, d in args.configs
         }
-        result["gemm_tflops_8192cube"] = gemm_rate(8192, 8192, 8192, device, timer)
-        print("bf16 GEMM TFLOP/s", result["gemm_tflops"], result["gemm_tflops_8192cube"])
+        print("bf16 lm-head GEMM TFLOP/s", result["gemm_tflops"], flush=True)
     if args.check:
         result["check"] = check(args, device)
         print(f"check done at {time.time() - t0:.0f} s", flush=True)
-    result["sweep"] = sweep(args, device, timer, t0 + args.budget_s)
-    result["fp32_epilogue"] = fused_chunked.addmm_fp32_epilogue_used(
-        torch.device(device), torch.bfloat16
-    )
+    result["sweep"] = sweep(args, device, t0 + args.budget_s)
+    for r in result["sweep"]:
+        if r["status"] != "ok":
+            continue
+        cfg = {k: r[k] for k in ("n", "vocab", "d", "k")}
+        rec.add(r["variant"], "ms", "ms", r["ms"], samples=len(r["ms_all"]), config=cfg)
+        if "peak_gib" in r:
+            rec.add(r["variant"], "peak_gib", "GiB", r["peak_gib"], config=cfg)
+    rec.save()
     result["wall_s"] = time.time() - t0
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
