@@ -2,8 +2,8 @@
 
 Usage (from the repository root; the vLLM env is set by the script)::
 
-    .venv/bin/python benchmarks/cache_serve_bench.py [--sequences 256] [--length 128] [--batch 16]
-        [--k 8] [--epochs 3] [--logprob-dtype float32] [--json benchmarks/results/cache_serve.json]
+    python -m benchmarks.service cache [--sequences 256] [--length 128] [--batch 16] [--k 8]
+        [--epochs 3] [--logprob-dtype float32] [--json OUT.json]
 
 One real service (``python -m logitcache.server`` subprocess, vLLM engine on the tiny teacher)
 and ``--sequences`` windows of ``--length`` tokens cut from the tiny fixture's training split,
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -37,10 +35,8 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from server_support import ServerProcess  # noqa: E402
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from tests.server_support import ServerProcess
 
 API_KEY = "cache-serve-bench"
 
@@ -73,7 +69,7 @@ def rows_of_completion(choice: dict) -> list[tuple[list[int], list[float]]]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--length", type=int, default=128)
@@ -82,7 +78,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--logprob-dtype", default="float32")
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    add_csv_option(ap)
+    args = ap.parse_args(argv)
 
     from logitcache.fixtures.tiny import build_tiny_models
 
@@ -162,7 +159,7 @@ def main() -> None:
     e1 = epochs[0]["engine_s"]
     result = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
+        "machine": machine_line(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "tokens_per_epoch": tokens,
         "server_startup_s": startup_s,
@@ -180,6 +177,12 @@ def main() -> None:
     }
     text = json.dumps(result, indent=2)
     print(text)
+    rec = Recorder("service", "cache", csv_path=args.csv)
+    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
+    for i, ratio in enumerate(result["later_over_first_engine_s"], start=2):
+        rec.add(f"epoch {i}", "engine_s_over_epoch_1", "ratio", ratio or 0.0, config=cfg)
+    rec.add_flat("epoch 1", result["served_epochs"][0], config=cfg)
+    rec.save()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")

@@ -1,4 +1,4 @@
-"""CPU cost per position of the batch-job path outside the engine (issue #19).
+"""CPU cost per position of the batch-job path outside the engine.
 
 What a GPU engine does not pay for: after the engine produced a request's prompt logprobs, the
 job path converts vLLM's output to arrays (``rows_from_flat`` + tail mass), pairs them with the
@@ -12,8 +12,7 @@ scores_from_output``) turns them into rows. So every CPU-second counted is job-p
 the model's.
 
 Measured in CPU time, not wall time (the box is shared; wall-clock ratios drift with the load):
-``getrusage`` user+sys of this process over the job (microsecond resolution; ``os.times()``, used
-before session 6, counts 10 ms ticks: 0.077 us/position steps at 130K positions), divided by the
+``getrusage`` user+sys of this process over the job (microsecond resolution), divided by the
 positions scored (``L - 1`` per sequence). The breakdown is by thread and by stage, every figure
 measured in the thread that spends it (``time.thread_time()`` around a stage; a thread's own CPU
 from ``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as
@@ -36,24 +35,21 @@ never walks millions of them. The load average is recorded beside every figure.
 
 Usage::
 
-    .venv/bin/python benchmarks/job_cpu_bench.py --k 20 100 --sequences 256 --length 256 \\
-        --repeats 3 --json benchmarks/results/job_cpu.json
+    python -m benchmarks.service cpu --k 20 100 --sequences 256 --length 256 --repeats 3 \\
+        --ids zipf --json benchmarks/results/job_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import gc
 import json
 import os
-import pstats
 import resource
 import shutil
 import sqlite3
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -63,30 +59,29 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.synthetic import Teacher
+
 VOCAB = 4096  # the replay engine's vocabulary (no real teacher runs here); --ids zipf: 131072
-ZIPF_POOL_ROWS = 65536  # --ids zipf: rows generated once (format_bench's model), dealt out in turn
+ZIPF_POOL_ROWS = 65536  # --ids zipf: rows generated once (the synthetic teacher), dealt out in turn
 
 
 class ZipfRows:
-    """``--ids zipf``: top-k rows from format_bench.py's model of a teacher (ids: the first k
-    distinct of i.i.d. Zipf(1.05) draws over a 131,072-token vocabulary with a BPE-like id
-    placement, ``--id-map bpe``; logprobs: a noisy power law with a Beta tail mass), the data the
-    format's <= 260 B/position goal is measured on. The bench's own ``stride`` ids (arithmetic
+    """``--ids zipf``: top-k rows from the synthetic teacher (ids: the first k distinct of
+    i.i.d. Zipf(1.05) draws over a 131,072-token vocabulary with a BPE-like id placement;
+    logprobs: a noisy power law with a Beta tail mass), the data the format's <= 260 B/position goal is measured on. The bench's own ``stride`` ids (arithmetic
     progressions modulo 4,096) compress to ~57 B/position at k=100 but cost zstd more CPU than
     these (0.53 vs 0.36 CPU-us/position, numcodecs alone). A pool of
     :data:`ZIPF_POOL_ROWS` rows is made once and dealt out in a shuffled order, each row once per
     pass, so no inner chunk (2,048 rows) repeats a row unless the pass wraps inside it."""
 
     def __init__(self, seed: int = 0) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import format_bench as fb
-
+        teacher = Teacher(seed=seed)
         rng = np.random.default_rng(seed)
-        cdf = fb.zipf_cdf(fb.VOCAB, 1.05)
-        self.ids = fb.topk_ids(ZIPF_POOL_ROWS, rng, cdf, fb.id_map(fb.VOCAB, "bpe", rng))
-        self.logprobs = fb.logprobs(ZIPF_POOL_ROWS, rng)[0]
-        self.k_max = fb.K
+        cdf = teacher.cdf()
+        self.ids = teacher.topk_ids(ZIPF_POOL_ROWS, rng, cdf, teacher.rank_to_id(rng))
+        self.logprobs = teacher.logprobs(ZIPF_POOL_ROWS, rng)[0]
+        self.k_max = teacher.k
         self.order = rng.permutation(ZIPF_POOL_ROWS)
         self.cursor = 0
 
@@ -100,14 +95,12 @@ class ZipfRows:
 
 
 ZIPF: ZipfRows | None = None  # set by --ids zipf
-PROFILE = False  # --profile: cProfile of the event-loop thread during the job
 
 
 def tensor_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
     """The engine core's prompt-logprob tensors for ``ids`` (what vLLM 0.32 hands its output
     processor: one buffer per request, ``LogprobsTensors.empty_cpu``): ``(token_ids [L-1, k+1]
-    int32, logprobs [L-1, k+1] float32)``. (Before session 8 the token ids were int64, as
-    earlier vLLM releases gave them.)"""
+    int32, logprobs [L-1, k+1] float32)``."""
     import torch
 
     flat = flat_output(ids, k, rng).prompt_logprobs
@@ -315,23 +308,15 @@ async def run_job(
                     await _wait(c, settings.job_db_path, r.json()["id"])
                     clock.cpu.clear()
                     clock.appends.clear()
-                prof = cProfile.Profile() if PROFILE else None
-                if prof is not None:
-                    prof.enable()
                 ENDED.clear()
                 threads0 = thread_cpu()
-                perf_ctl("enable")
                 cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
                 r.raise_for_status()
                 job_id = r.json()["id"]
                 await _wait(c, settings.job_db_path, job_id)
                 cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-                perf_ctl("disable")
                 threads1 = thread_cpu()
-                if prof is not None:
-                    prof.disable()
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
                 job = (await c.get(f"/v1/jobs/{job_id}")).json()
     finally:
         for obj, name, fn in saved:
@@ -351,23 +336,6 @@ async def run_job(
         "job": job,
         "threads": per_thread,
     }
-
-
-#: ``--perf-ctl``: perf's control FIFO and its acknowledgement FIFO (``None``: no perf).
-PERF_CTL: tuple[str, str] | None = None
-
-
-def perf_ctl(command: str) -> None:
-    """Tell a ``perf record -D -1 --control fifo:CTL,ACK`` parent to start or stop sampling, so
-    its profile holds the timed jobs only (not the replay engine's set-up); waits for perf's
-    ``ack`` so no sample of the other side of the boundary slips in."""
-    if PERF_CTL is None:
-        return
-    ctl, ack = PERF_CTL
-    with open(ctl, "w") as f:
-        f.write(command + "\n")
-    with open(ack) as f:
-        f.readline()
 
 
 def thread_cpu() -> dict[str, float]:
@@ -434,52 +402,6 @@ def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: floa
 DIRECT_IO_MIN = 1 << 16
 
 
-def direct_io_put(original: Any) -> Any:
-    """A prototype ``DurableLocalStore._put_durable`` (``--direct-io``, not the store's code):
-    an object of :data:`DIRECT_IO_MIN` bytes or more is copied into a page-aligned buffer (one
-    per thread, kept) and written to its temporary file with ``O_DIRECT`` (padded to 4 KiB, then
-    truncated to its size), fsynced and renamed over the key as the store does: the same bytes
-    and the same crash safety, without the page-cache copy (``copy_folio_from_iter_atomic``), whose
-    system time on this VM came and went with fresh page-cache pages (0.2-1.9 CPU-us/position
-    at k=100). Smaller objects, new directories, exclusive writes and a filesystem refusing
-    ``O_DIRECT`` take the store's own path."""
-    import mmap
-    import uuid
-
-    local = threading.local()
-
-    def put(self: Any, path: Path, value: Any, exclusive: bool) -> None:
-        data = memoryview(value.as_buffer_like()).cast("B")
-        n = len(data)
-        if n < DIRECT_IO_MIN or exclusive or not path.parent.is_dir():
-            return original(self, path, value, exclusive)
-        size = (n + 4095) & ~4095
-        buf = getattr(local, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = local.buf = mmap.mmap(-1, max(size, 32 << 20))
-        buf[:n] = data
-        tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-        except OSError:  # no O_DIRECT here
-            return original(self, path, value, exclusive)
-        try:
-            try:
-                os.write(fd, memoryview(buf)[:size])
-                os.ftruncate(fd, n)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            tmp.replace(path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        with self._dirty_lock:
-            self._dirty.add(path.parent)
-
-    return put
-
-
 def _wrap_gen(clock: StageClock, gen_fn: Any) -> Any:
     """Time a generator method's own work (each ``next``) as ``read``."""
 
@@ -496,37 +418,6 @@ def _wrap_gen(clock: StageClock, gen_fn: Any) -> Any:
             yield item
 
     return wrapped
-
-
-def vllm_list_building_us(k: int, positions: int = 255, repeats: int = 5) -> float:
-    """CPU-us per position (best of ``repeats``) of vLLM's own output processor turning the
-    engine core's prompt-logprob tensors ``[positions, k+1]`` into ``FlatLogprobs`` lists
-    (``LogprobsProcessor._update_prompt_logprobs``): API-process work that ``LLM.generate``
-    pays too, so it is not part of the job path's own cost, but it is CPU beside the engine."""
-    import torch
-    from vllm.logprobs import create_prompt_logprobs
-    from vllm.v1.engine.logprobs import LogprobsProcessor
-    from vllm.v1.outputs import LogprobsTensors
-
-    best = float("inf")
-    for _ in range(repeats):
-        proc = LogprobsProcessor(
-            tokenizer=None,
-            logprobs=None,
-            prompt_logprobs=create_prompt_logprobs(True),
-            cumulative_logprob=None,
-            num_logprobs=None,
-            num_prompt_logprobs=k,
-        )
-        tensors = LogprobsTensors(
-            torch.randint(0, VOCAB, (positions, k + 1)),
-            -torch.rand(positions, k + 1) * 5,
-            torch.randint(1, 100, (positions,)),
-        )
-        t0 = time.thread_time()
-        proc._update_prompt_logprobs(tensors)
-        best = min(best, time.thread_time() - t0)
-    return best / positions * 1e6
 
 
 def one_run(
@@ -583,8 +474,10 @@ def one_run(
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service cpu", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--k", type=int, nargs="+", default=[20, 100])
     p.add_argument("--sequences", type=int, default=256)
     p.add_argument("--length", type=int, default=256)
@@ -593,7 +486,7 @@ def main() -> None:
         "--warmup",
         type=int,
         default=1,
-        help="untimed jobs of 16 sequences per k first (imports, first-call costs; 0: none)",
+        help="untimed jobs of 16 sequences per k first (imports, first calls; 0: none)",
     )
     p.add_argument("--batch-sequences", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=16384)
@@ -603,118 +496,32 @@ def main() -> None:
         "--form",
         choices=["arrays", "lists"],
         default="arrays",
-        help="vLLM output form: the service's array hook (default) or vLLM's FlatLogprobs lists",
+        help="vLLM output form: the service's array hook or vLLM's FlatLogprobs lists",
     )
-    p.add_argument("--blosc-threads", type=int, default=None, help="numcodecs blosc threads")
-    p.add_argument(
-        "--vllm-lists-only", action="store_true", help="only time vLLM's own list building"
-    )
-    p.add_argument("--profile", action="store_true", help="print the event loop's cProfile")
     p.add_argument(
         "--prefill",
         type=int,
         default=0,
-        help="sequences written (untimed) into the cache before the timed job, e.g. 1600 "
-        "(408K rows): the timed appends then rewrite partly filled shards as a long job's do",
-    )
-    p.add_argument(
-        "--merge-values",
-        type=int,
-        default=None,
-        help="jobs.MERGE_VALUES for this run (top-k entries a merged write group may hold)",
-    )
-    p.add_argument(
-        "--merge-rows",
-        type=int,
-        default=None,
-        help="jobs.MERGE_ROWS for this run (rows a merged write group may hold)",
-    )
-    p.add_argument(
-        "--linger",
-        type=float,
-        default=None,
-        help="jobs.WRITE_LINGER_S for this run (seconds the job writer waits for more batches)",
-    )
-    p.add_argument(
-        "--zarr-writes",
-        action="store_true",
-        help="write every array through zarr's setitem (writer.DIRECT_WRITES = False): the "
-        "write path before cache_format/shardwrite.py, for an A/B in the same checkout",
-    )
-    p.add_argument(
-        "--direct-io",
-        action="store_true",
-        help="write objects of 64 KiB or more with O_DIRECT through direct_io_put, session 8's "
-        "prototype: for trees before session 9, whose store writes through the page cache (since "
-        "then DurableLocalStore does this itself; LOGITCACHE_DIRECT_IO=0 turns it off)",
+        help="sequences written (untimed) into the cache before the timed job, e.g. "
+        "1600: the timed appends then rewrite partly filled shards as a long job's do",
     )
     p.add_argument(
         "--ids",
         choices=["stride", "zipf"],
         default="stride",
-        help="top-k rows: 'stride' (arithmetic progressions modulo a 4,096-token vocabulary, "
-        "the bench's own) or 'zipf' (format_bench.py's teacher model over 131,072 tokens, "
-        "what the format's bytes/position goal is measured on; ~8 s to make)",
+        help="top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens) or "
+        "'zipf' (the synthetic teacher over 131,072 tokens, what the format's "
+        "bytes/position goal is measured on; ~8 s to make)",
     )
-    p.add_argument(
-        "--perf-ctl",
-        nargs=2,
-        metavar=("CTL", "ACK"),
-        default=None,
-        help="perf's control and ack FIFOs: sample only the timed jobs, e.g. mkfifo ctl ack; "
-        "perf record -D -1 --control fifo:ctl,ack -g -- python job_cpu_bench.py --perf-ctl ctl ack",
-    )
-    args = p.parse_args()
-    global ZIPF, VOCAB, PROFILE, PERF_CTL
-    PERF_CTL = tuple(args.perf_ctl) if args.perf_ctl else None
+    add_csv_option(p)
+    args = p.parse_args(argv)
+    global ZIPF, VOCAB
     if args.ids == "zipf":
         ZIPF = ZipfRows()
         VOCAB = 131072
-    if args.direct_io:
-        from logitcache.cache_format import store
-
-        cls = store.DurableLocalStore
-        cls._put_durable = direct_io_put(cls._put_durable)  # type: ignore[method-assign]
-    PROFILE = args.profile
     _track_thread_ends()
-    if args.zarr_writes:
-        from logitcache.cache_format import writer
-
-        writer.DIRECT_WRITES = False
-    from logitcache.server import jobs
-
-    if args.merge_values is not None:
-        jobs.MERGE_VALUES = args.merge_values
-    if args.merge_rows is not None:
-        jobs.MERGE_ROWS = args.merge_rows
-    if args.linger is not None:
-        jobs.WRITE_LINGER_S = args.linger
-    if args.blosc_threads is not None:
-        import numcodecs.blosc
-
-        numcodecs.blosc.set_nthreads(args.blosc_threads)
     if args.sequences < 1 or args.length < 2 or args.repeats < 1:
         p.error("--sequences >= 1, --length >= 2 and --repeats >= 1 are needed")
-    if args.vllm_lists_only:
-        lists = {str(k): vllm_list_building_us(k) for k in args.k}
-        for k, us in lists.items():
-            print(f"k={k}: vLLM list building {us:.2f} CPU-us/position (best of 5)")
-        if args.json:
-            args.json.write_text(
-                json.dumps(
-                    {
-                        "command": " ".join(
-                            ["python", "benchmarks/job_cpu_bench.py", *sys.argv[1:]]
-                        ),
-                        "machine": f"{os.cpu_count()} CPU cores (shared), no GPU",
-                        "load_avg_1min": os.getloadavg()[0],
-                        "vllm_list_building_us_per_position": lists,
-                    },
-                    indent=2,
-                )
-                + "\n"
-            )
-        return
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB, args.length).tolist() for _ in range(args.sequences)]
     settings_kw = {
@@ -724,6 +531,7 @@ def main() -> None:
         "job_batch_tokens": args.batch_tokens,
         "log_level": "warning",
     }
+    rec = Recorder("service", "cpu", csv_path=args.csv)
     for _ in range(args.warmup):  # the first job in a process pays imports and first calls
         for k in args.k:
             one_run(k, prompts[:16], settings_kw, seed=0, form=args.form)
@@ -735,47 +543,48 @@ def main() -> None:
             st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
             print(
                 f"k={k} rep {rep}: {r['us_per_position']:.2f} CPU-us/position "
-                f"(sys {r['sys_us_per_position']:.2f}) "
-                f"({st}); {r['appends']} appends; wall {r['wall_s']:.1f} s, "
-                f"load {r['load_avg_1min_before']:.1f}",
+                f"(sys {r['sys_us_per_position']:.2f}) ({st}); {r['appends']} appends; "
+                f"wall {r['wall_s']:.1f} s, load {r['load_avg_1min_before']:.1f}",
                 flush=True,
             )
     summary = {}
+    inputs = {"sequences": args.sequences, "length": args.length, "vocab": VOCAB, "ids": args.ids}
     for k in args.k:
-        xs = [r for r in runs if r["k"] == k]
+        xs = [r["us_per_position"] for r in runs if r["k"] == k]
         summary[str(k)] = {
-            "median_us_per_position": statistics.median(r["us_per_position"] for r in xs),
-            "min_us_per_position": min(r["us_per_position"] for r in xs),
-            "median_stage_us_per_position": {
-                n: statistics.median(r["stage_us_per_position"][n] for r in xs)
-                for n in xs[0]["stage_us_per_position"]
-            },
+            "median_us_per_position": statistics.median(xs),
+            "min_us_per_position": min(xs),
         }
-        print(f"k={k}: median {summary[str(k)]['median_us_per_position']:.2f} CPU-us/position")
-    result = {
-        "machine": f"{os.cpu_count()} CPU cores (shared with other benchmarks), no GPU",
-        "command": " ".join(["python", "benchmarks/job_cpu_bench.py", *sys.argv[1:]]),
-        "inputs": {
-            "sequences": args.sequences,
-            "length": args.length,
-            "vocab": VOCAB,
-            "ids": args.ids,
-        },
-        "settings": settings_kw,
-        "form": args.form,
-        "warmup_jobs_per_k": args.warmup,
-        "direct_shard_writes": not args.zarr_writes,
-        "direct_io_prototype": args.direct_io,
-        "prefill_sequences": args.prefill,
-        "merge_values": args.merge_values,
-        "merge_rows": getattr(jobs, "MERGE_ROWS", None),
-        "write_linger_s": getattr(jobs, "WRITE_LINGER_S", None),
-        "runs": runs,
-        "summary": summary,
-    }
+        rec.add(
+            f"job path k={k}",
+            "cpu_us_per_position",
+            "us/pos",
+            statistics.median(xs),
+            p20=min(xs),
+            p80=max(xs),
+            samples=len(xs),
+            config=settings_kw | inputs | {"k": k, "form": args.form, "prefill": args.prefill},
+        )
+        print(f"k={k}: median {statistics.median(xs):.2f} CPU-us/position")
+    rec.save()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine_line(rec.machine),
+                    "command": rec.command,
+                    "inputs": inputs,
+                    "settings": settings_kw,
+                    "form": args.form,
+                    "prefill_sequences": args.prefill,
+                    "runs": runs,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

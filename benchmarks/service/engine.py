@@ -4,7 +4,7 @@ Run (2-core CPU box; the tiny fixture is built first if needed):
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \\
-    .venv/bin/python benchmarks/engine_bench.py --prompts 64 --length 256 --ks 20 100
+    python -m benchmarks.service engine --prompts 64 --length 256 --ks 20 100
 
 For each k, on the same prompts (windows of the held-out token stream) and in the same process:
 
@@ -16,7 +16,7 @@ For each k, on the same prompts (windows of the held-out token stream) and in th
   ``detokenize=True``) plus the per-position conversion: what the flags save;
 * ``transformers``: the plain-transformers backend on the same prompts (chunked lm-head top-k).
 
-Writes ``benchmarks/results/engine.md`` and ``engine.json``.
+Writes ``engine.json`` and ``engine.md`` under ``--out`` (default: a temporary folder).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
 
 for _k, _v in {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -39,7 +40,7 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("/tmp/lc-engine-bench")
 
 
 def _windows(tiny: Any, n: int, length: int) -> list[list[int]]:
@@ -198,7 +199,7 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--render", type=Path, help="only re-render an engine.json to markdown")
     p.add_argument("--prompts", type=int, default=64)
@@ -206,7 +207,8 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[20, 100])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
-    a = p.parse_args()
+    add_csv_option(p)
+    a = p.parse_args(argv)
     if a.render:
         res = json.loads(a.render.read_text())
         (a.render.parent / "engine.md").write_text(render(res))
@@ -228,8 +230,8 @@ def main() -> None:
         asyncio.run(vllm.aclose())
         asyncio.run(hf.aclose())
     res = {
-        "machine": f"{platform.machine()} {os.cpu_count()} cores ({platform.processor() or 'cpu'})",
-        "command": "python benchmarks/engine_bench.py "
+        "machine": machine_line(),
+        "command": "python -m benchmarks.service engine "
         + f"--prompts {a.prompts} --length {a.length} --ks {' '.join(map(str, a.ks))} "
         + f"--repeats {a.repeats}",
         "teacher": f"{tiny.summary['params']['teacher']:,} params, vocab {tiny.vocab_size}",
@@ -246,6 +248,10 @@ def main() -> None:
     (a.out / "engine.json").write_text(json.dumps(res, indent=2) + "\n")
     (a.out / "engine.md").write_text(render(res))
     print(render(res))
+    rec = Recorder("service", "engine", csv_path=a.csv)
+    for run in runs:
+        rec.add_flat(f"k={run.get('k')}", run, config={"prompts": a.prompts, "length": a.length})
+    rec.save()
 
 
 if __name__ == "__main__":

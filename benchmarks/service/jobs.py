@@ -2,14 +2,14 @@
 
 Usage (from the repository root, vLLM env set by the script)::
 
-    .venv/bin/python benchmarks/server_bench.py [--sequences 512] [--length 256] [--k 8 ...]
-        [--modes inproc async] [--repeats 2] [--clients 16] [--json benchmarks/results/server.json]
+    python -m benchmarks.service jobs [--sequences 512] [--length 256] [--k 8 ...]
+        [--modes inproc async] [--repeats 2] [--clients 16] [--json OUT.json]
 
 The idle-machine job/direct ratio of issue #19 (5 alternating pairs, k=20 and k=100, both engine
 modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
 
-    .venv/bin/python benchmarks/server_bench.py --sequences 256 --length 256 --k 20 100 \
-        --modes inproc async --repeats 5 --clients 0 --json benchmarks/results/server_idle.json
+    python -m benchmarks.service jobs --sequences 256 --length 256 --k 20 100 \
+        --modes inproc async --repeats 5 --clients 0 --json benchmarks/results/server.json
 
 Phases, all in one run on the same inputs (``--sequences`` windows of ``--length`` tokens cut
 from the tiny fixture's training split):
@@ -34,7 +34,7 @@ from the tiny fixture's training split):
    (4 sequences of 64 tokens each) back to back; every answer must be 200; latency p50/p90/p99.
    ``--clients 0`` skips this phase (``"concurrent": null`` in the JSON).
 
-The CPU cost per position of the job path outside the engine is ``benchmarks/job_cpu_bench.py``.
+The CPU cost per position of the job path outside the engine: ``python -m benchmarks.service cpu``.
 """
 
 from __future__ import annotations
@@ -51,10 +51,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from server_support import VLLM_ENV, ServerProcess, wait_job  # noqa: E402
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from tests.server_support import VLLM_ENV, ServerProcess, wait_job
 
 
 def direct_engine_kwargs(settings: dict) -> dict:
@@ -142,7 +140,8 @@ class DirectWorker:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "benchmarks.service.jobs",
             "--direct-worker",
             "--model",
             model,
@@ -306,8 +305,10 @@ def run_pairs(
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service jobs", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--sequences", type=int, default=512)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--k", type=int, nargs="+", default=[8], help="one or more k (pairs per k)")
@@ -337,12 +338,13 @@ def main() -> None:
         default=default["job_inflight_batches"],
         help="server job_inflight_batches (default: the service's)",
     )
-    p.add_argument("--json", type=Path, default=REPO / "benchmarks/results/server.json")
+    p.add_argument("--json", type=Path, default=None)
+    add_csv_option(p)
     p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.direct_worker:
         args.k = args.k[0]
         direct_worker(args)
@@ -359,6 +361,7 @@ def main() -> None:
     from logitcache.fixtures.tiny import build_tiny_models
 
     t_start = time.perf_counter()
+    rec = Recorder("service", "jobs", csv_path=args.csv)
     tiny = build_tiny_models()
     prompts = make_inputs(args.length, args.sequences)
     work = Path(tempfile.mkdtemp(prefix="server-bench-"))
@@ -414,8 +417,8 @@ def main() -> None:
     d_med = statistics.median(x["tokens_per_s"] for x in direct)
     j_med = statistics.median(x["tokens_per_s"] for x in jobs)
     result = {
-        "machine": f"{os.cpu_count()} CPU cores (shared), no GPU",
-        "command": " ".join(["python", "benchmarks/server_bench.py", *sys.argv[1:]]),
+        "machine": machine_line(rec.machine),
+        "command": rec.command,
         "inputs": {"sequences": args.sequences, "length": args.length, "k": args.k},
         "modes": modes,
         "settings": settings,
@@ -449,8 +452,38 @@ def main() -> None:
     elif conc is not None:
         print("concurrent: no request finished while the job ran")
     print(f"wall {result['wall_s']:.0f} s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    for mode, per_k in modes.items():
+        for k, row in per_k.items():
+            cfg = result["inputs"] | {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
+            ratios = [p["ratio"] for p in row["pairs"]]
+            rec.add(
+                f"{mode} k={k}",
+                "job_over_direct",
+                "ratio",
+                row["median_ratio"],
+                p20=min(ratios),
+                p80=max(ratios),
+                samples=len(ratios),
+                config=cfg,
+            )
+            rec.add(
+                f"{mode} k={k}",
+                "direct_tokens_per_s",
+                "tok/s",
+                row["direct_median_tokens_per_s"],
+                config=cfg,
+            )
+            rec.add(
+                f"{mode} k={k}",
+                "job_tokens_per_s",
+                "tok/s",
+                row["job_median_tokens_per_s"],
+                config=cfg,
+            )
+    rec.save()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

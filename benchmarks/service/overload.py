@@ -3,8 +3,7 @@ without a job, ``/health`` latency and memory under load (issue #18).
 
 Usage (from the repository root; the vLLM-on-CPU environment is set by the script)::
 
-    .venv/bin/python benchmarks/load_bench.py [--overload-s 30] [--steady-s 20]
-        [--json benchmarks/results/load.json] [--md benchmarks/results/load.md]
+    python -m benchmarks.service overload [--overload-s 30] [--steady-s 20] [--json OUT.json]
 
 The real service (``python -m logitcache.server`` subprocess, tiny fixture teacher, vLLM on CPU,
 ``--max-seq-len 1000``) is started twice on the same inputs:
@@ -51,11 +50,9 @@ from typing import Any
 import httpx
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-import server_support  # noqa: E402
-from server_support import ServerProcess  # noqa: E402
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from tests import server_support
+from tests.server_support import ServerProcess
 
 KEY = "load-bench-key"
 SEQ_LEN = 1000
@@ -531,15 +528,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.with_suffix(".partial.json").write_text(json.dumps(modes, indent=2))
     return {
-        "command": "python " + " ".join(sys.argv),
-        "machine": f"{os.cpu_count()} CPUs, {round(psutil.virtual_memory().total / 2**30)} GiB",
+        "command": "python -m benchmarks.service overload " + " ".join(sys.argv[1:]),
+        "machine": machine_line(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "engine": args.engine,
         "modes": modes,
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--overload-s", type=float, default=30.0)
@@ -555,8 +552,9 @@ def main() -> None:
         help="vLLM engine core in the server process (inproc) or its own process (async: "
         "the README's start mode)",
     )
-    p.add_argument("--json", type=Path, default=REPO / "benchmarks/results/load.json")
-    p.add_argument("--md", type=Path, default=REPO / "benchmarks/results/load.md")
+    p.add_argument("--json", type=Path, default=Path("/tmp/lc-overload.json"))
+    p.add_argument("--md", type=Path, default=None)
+    add_csv_option(p)
     p.add_argument("--append", action="store_true", help="append to --md instead of replacing")
     p.add_argument(
         "--render",
@@ -564,7 +562,7 @@ def main() -> None:
         nargs="+",
         help="only write --md from these saved --json results (one section each), then exit",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.render:
         results = [json.loads(f.read_text()) for f in args.render]
         for r in results:
@@ -575,10 +573,17 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     text = to_markdown(result)
-    if args.append and args.md.exists():
+    if args.md and args.append and args.md.exists():
         text = args.md.read_text() + "\n" + text
-    args.md.write_text(text)
+    if args.md:
+        args.md.write_text(text)
     print(to_markdown(result))
+    rec = Recorder("service", "overload", csv_path=args.csv)
+    for m in result["modes"]:
+        rec.add_flat(
+            str(m.get("mode", "?")), m, config={"engine": args.engine, "clients": args.clients}
+        )
+    rec.save()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Ray batch scoring: the same input with 1 and with 2 teacher replicas (tiny teacher, vLLM CPU).
 
-    .venv/bin/python benchmarks/deploy_ray_bench.py --sequences 256 \\
-        --json benchmarks/results/deploy_ray.json
+    python -m benchmarks.service ray --sequences 256 --json benchmarks/results/deploy_ray.json
 
 Both runs use the same local Ray cluster (2 CPUs, 127.0.0.1), the same two started replicas
 (engines loaded once; the 1-replica run uses the first), the same shards and batches, and one CPU
@@ -17,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
 
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -58,14 +58,15 @@ def same_cache(a_url: str, b_url: str) -> bool:
     return True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sequences", type=int, default=256)
     p.add_argument("--chars", type=int, default=600)
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    add_csv_option(p)
+    args = p.parse_args(argv)
     os.environ.update(VLLM_ENV)
 
     from logitcache.fixtures.tiny import build_tiny_models
@@ -121,8 +122,7 @@ def main() -> None:
         )
     speedup = rows[1]["score_tok_per_s"] / rows[0]["score_tok_per_s"]
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), "
-        f"Python {platform.python_version()}",
+        "machine": machine_line(),
         "ray_init_s": round(ray_start, 2),
         "engines_start_s (2 in parallel)": round(start_s, 2),
         "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
@@ -132,6 +132,23 @@ def main() -> None:
         "caches_byte_equal": equal,
     }
     print(json.dumps(result, indent=2))
+    rec = Recorder("service", "ray", csv_path=args.csv)
+    for row in rows:
+        rec.add(
+            f"{row['replicas']} replica(s)",
+            "score_tok_per_s",
+            "tok/s",
+            row["score_tok_per_s"],
+            config={"sequences": args.sequences, "k": args.k},
+        )
+    rec.add(
+        "2 vs 1 replicas",
+        "score_speedup",
+        "ratio",
+        speedup,
+        config={"sequences": args.sequences, "k": args.k},
+    )
+    rec.save()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
