@@ -69,9 +69,10 @@ ZIPF_POOL_ROWS = 65536  # --ids zipf: rows generated once (the synthetic teacher
 class ZipfRows:
     """``--ids zipf``: top-k rows from the synthetic teacher (ids: the first k distinct of
     i.i.d. Zipf(1.05) draws over a 131,072-token vocabulary with a BPE-like id placement;
-    logprobs: a noisy power law with a Beta tail mass), the data the format's <= 260 B/position goal is measured on. The bench's own ``stride`` ids (arithmetic
-    progressions modulo 4,096) compress to ~57 B/position at k=100 but cost zstd more CPU than
-    these (0.53 vs 0.36 CPU-us/position, numcodecs alone). A pool of
+    logprobs: a noisy power law with a Beta tail mass), the data the format's <= 260
+    B/position goal is measured on. The bench's own ``stride`` ids (arithmetic progressions
+    modulo 4,096) compress to ~57 B/position at k=100 but cost zstd more CPU than these (0.53
+    vs 0.36 CPU-us/position, numcodecs alone). A pool of
     :data:`ZIPF_POOL_ROWS` rows is made once and dealt out in a shuffled order, each row once per
     pass, so no inner chunk (2,048 rows) repeats a row unless the pass wraps inside it."""
 
