@@ -27,19 +27,22 @@ Subcommands
 
 CPU (the test suite, gloo)::
 
-    python benchmarks/ddp_distill.py report --workdir runs/ddp --nproc 2 --backend gloo
+    python -m benchmarks.ddp report --workdir runs/ddp --nproc 2 --backend gloo
 
 GPU box (NCCL, one process per GPU; NVLink multicast is switched off by this script). Make the
 cache once (vocab 128256, k 100, 20480 x 1024 = 20.97M positions), then run the report on it::
 
-    python benchmarks/ddp_distill.py make-cache --url /scratch/ddp/cache --vocab 128256 --k 100 \
+    python -m benchmarks.ddp make-cache --url /scratch/ddp/cache --vocab 128256 --k 100 \
         --num-sequences 20480 --min-len 1025 --max-len 1025
-    python benchmarks/ddp_distill.py report --cache /scratch/ddp/cache --workdir /scratch/ddp \
+    python -m benchmarks.ddp report --cache /scratch/ddp/cache --workdir /scratch/ddp \
         --nproc 2 --backend nccl --tokens-per-item 1024 --batch-items 8 --hidden 1024 --layers 4 \
         --heads 8 --dtype bfloat16 --workers 4 --json ddp_gpu.json --md ddp_gpu.md
 
-Under ``torchrun --nproc-per-node 2 benchmarks/ddp_distill.py train ...`` the ``train`` command
-takes rank and world size from the environment instead of spawning.
+Under ``torchrun --nproc-per-node 2 -m benchmarks.ddp train ...`` the ``train`` command takes rank
+and world size from the environment instead of spawning. A one-GPU run checkpointing at step N
+and its resumed run are summarised (coverage, throughput, memory, resume) by::
+
+    python -m benchmarks.ddp summary --full full.json --resumed resumed.json --num-sequences 20480
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from benchmarks.harness import ROOT, Recorder, add_csv_option
 
 #: Settings that keep NCCL / symmetric memory off NVLink multicast (NVLS) on GPU boxes.
 NVLS_OFF = {
@@ -739,10 +744,32 @@ def loss_agreement(one: dict[str, Any], ddp: dict[str, Any]) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------- report
 
 
+def summary(
+    full: dict[str, Any], resumed: dict[str, Any], num_sequences: int, warmup: int
+) -> dict[str, Any]:
+    """Coverage, throughput, data-wait share, memory and resume checks of a ``train`` run that
+    checkpointed at step N and of the run resumed from that checkpoint."""
+    at = int(full["config"]["checkpoint_at"])
+    log = full["ranks"][0]["log"]
+    shares = [e["data_s"] / e["step_s"] for e in log[warmup:]]
+    a = {e["step"]: e["loss"] for e in log}
+    diffs = [abs(a[e["step"]] - e["loss"]) for e in resumed["ranks"][0]["log"]]
+    return {
+        "steps": len(log),
+        "coverage": coverage(full, num_sequences),
+        "throughput": throughput(full, warmup),
+        "throughput_resumed": throughput(resumed, min(warmup, len(diffs) // 2)),
+        "data_wait_share_max_step": max(shares),
+        "memory": full["ranks"][0]["memory"],
+        "resume": resume_check(full, resumed, at),
+        "resume_loss_diff_first_max": [diffs[0], max(diffs)],
+    }
+
+
 def _train_subprocess(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``train`` in fresh processes (as a restart would) and load its JSON."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "train", *_dataclass_argv(cfg)]
-    proc = subprocess.run(cmd, check=False)
+    cmd = [sys.executable, "-m", "benchmarks.ddp", "train", *_dataclass_argv(cfg)]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"train run failed (exit {proc.returncode}): {' '.join(cmd)}")
     return json.loads(Path(cfg.out).read_text())
@@ -881,8 +908,18 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
     rp.add_argument("--json", default="", help="write the report JSON here")
     rp.add_argument("--md", default="", help="write the markdown table here")
+    add_csv_option(rp)
+    sm = sub.add_parser("summary", help="a train run and its resumed run (one GPU)")
+    sm.add_argument("--full", type=Path, required=True)
+    sm.add_argument("--resumed", type=Path, required=True)
+    sm.add_argument("--num-sequences", type=int, required=True)
+    sm.add_argument("--warmup", type=int, default=20)
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "summary":
+        full, resumed = (json.loads(args[k].read_text()) for k in ("full", "resumed"))
+        print(json.dumps(summary(full, resumed, args["num_sequences"], args["warmup"]), indent=1))
+        return 0
     if command == "make-cache":
         url = args.pop("url")
         print(json.dumps(make_cache(url, CacheSpec(**args))))
@@ -893,11 +930,18 @@ def main(argv: list[str] | None = None) -> int:
     spec_names = {f.name for f in fields(CacheSpec)} - {"seed"}
     spec = CacheSpec(seed=args["seed"], **{k: args.pop(k) for k in list(args) if k in spec_names})
     workdir, warmup = Path(args.pop("workdir")), args.pop("warmup")
-    json_out, md_out = args.pop("json"), args.pop("md")
+    json_out, md_out, csv_path = args.pop("json"), args.pop("md"), args.pop("csv")
     workdir.mkdir(parents=True, exist_ok=True)
     rep = report(TrainConfig(**args), spec, workdir, warmup)
-    command_line = "python benchmarks/ddp_distill.py " + " ".join(argv or sys.argv[1:])
+    command_line = "python -m benchmarks.ddp " + " ".join(argv or sys.argv[1:])
     rep["command"] = command_line
+    rec = Recorder("ddp", "report", csv_path=csv_path, command=command_line)
+    rec.add_flat(
+        f"{args['nproc']} ranks {args['backend']}",
+        rep.get("throughput", {}),
+        config={k: v for k, v in args.items() if isinstance(v, int | float | str)},
+    )
+    rec.save()
     text = markdown(rep, command_line)
     print(text)
     if json_out:

@@ -1,13 +1,16 @@
-"""The distillation comparison of issue #12 over two seeds; writes the committed results pages.
+"""The distillation comparison over paired seeds; writes the committed results pages.
 
-    .venv/bin/python benchmarks/distill_bench.py            # seeds 0 and 1, default plan
-    .venv/bin/python benchmarks/distill_bench.py --parallel -- --steps 60 --reuse-cache
+    python -m experiments.distill plot experiments/results/distill_t128_24seeds.json \\
+        experiments/results/distill_kl_bytes.png      # the chart the README links
+
+    python -m experiments.distill            # seeds 0 and 1, default plan
+    python -m experiments.distill --parallel -- --steps 60 --reuse-cache
                                      # seeds as concurrent processes; args after -- go on
 
 Runs ``examples/distill.py`` once per seed (the seed sets the data order of every method and
 the sampled targets' draws; the student init and the scored cache are shared), each run writing
 its own report under ``--workdir`` (default ``runs/distill-bench``), then combines them into
-``benchmarks/results/distill.json`` and ``distill.md``: per method the mean over seeds of the
+``experiments/results/distill.json`` and ``distill.md``: per method the mean over seeds of the
 held-out KL(teacher || student), ppl, top-1 ECE, step time and bytes/position, the per-seed KL,
 and the goals judged on the seed means (and per seed). This command is the only writer of those
 pages; the demo writes under ``runs/``.
@@ -20,16 +23,15 @@ import json
 import shlex
 import statistics
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from benchmarks.harness import ROOT, Point, line_plot
+from examples.distill_report import add_ratios, goal_lines, goals, label
 
-from distill_report import add_ratios, goal_lines, goals, label  # noqa: E402
-
-OUT_JSON = ROOT / "benchmarks/results/distill.json"
-OUT_MD = ROOT / "benchmarks/results/distill.md"
+OUT_JSON = ROOT / "experiments/results/distill.json"
+OUT_MD = ROOT / "experiments/results/distill.md"
 AVERAGED = (
     "kl",
     "ppl",
@@ -131,7 +133,7 @@ def paired_stats(gaps: list[float]) -> dict[str, float]:
 
 
 def rule_verdict(st: dict[str, float]) -> str:
-    """The goal-2 rule declared before the 24-seed runs (benchmarks/results/
+    """The goal-2 rule declared before the 24-seed runs (experiments/results/
     distill_t128_plan2.txt), on the paired gap sampled / top-k+tail - 1: mean <= 0 -> met;
     mean > 0 with the 95% interval reaching 0 -> met only as "no worse within the noise";
     interval wholly above 0 -> NOT met."""
@@ -313,7 +315,7 @@ def markdown(
     lines = [
         "# Distillation from the cache vs online KD (tiny local teacher, issue #12)",
         "",
-        f"- command: `python benchmarks/distill_bench.py {shown_args(sys.argv[1:])}` "
+        f"- command: `python -m experiments.distill {shown_args(sys.argv[1:])}` "
         + command_note(reports),
         f"- machine: {r0['machine']} (shared with other jobs: step times are medians of "
         "interleaved steps, so every method is slowed alike)",
@@ -369,7 +371,7 @@ def markdown(
         lines += ["", *previous_lines(methods, previous, previous_tag)]
     lines += ["", "Per seed:", ""]
     for rep in reports:
-        lines += [f"- seed {rep['train']['seed']}: " + " ".join(goal_lines(rep["goals"]))]
+        lines += [f"- seed {rep['train']['seed']}: " + " ".join(goal_lines(goals(rep["methods"])))]
     lines += ["", *[f"- {n}" for n in r0["notes"]], *[f"- {n}" for n in spread_notes(methods)]]
     lines.append(f"- {OLD_PAGES_NOTE}")
     return "\n".join(lines) + "\n"
@@ -401,7 +403,52 @@ def spread_notes(methods: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
+def distill_series(result: Mapping) -> tuple[dict[str, list[Point]], float]:
+    """Held-out KL vs bytes/position per offline method family of a ``distill_bench`` result
+    (``experiments/results/distill.json``: ``mean[method] = {"kl", "bytes_per_position"}``,
+    methods ``<family>@<size>``), and online KD's KL (the reference line)."""
+    mean = result["mean"]
+    series: dict[str, list[Point]] = {}
+    for method, row in mean.items():
+        if "@" not in method or row.get("bytes_per_position") is None:
+            continue
+        base, _, size = method.partition("@")
+        _, mark, tau = size.partition("~tau")  # a sampled variant at its own proposal tau
+        family = base.removeprefix("offline_") + (f" tau={tau}" if mark else "")
+        series.setdefault(family, []).append((float(row["bytes_per_position"]), float(row["kl"])))
+    return series, float(mean["online_kd"]["kl"])
+
+
+def distill_plot(result_json: str | Path, out: str | Path) -> Path:
+    """The distillation chart (held-out KL vs stored bytes/position) from a committed result."""
+    result = json.loads(Path(result_json).read_text())
+    series, online = distill_series(result)
+    seeds = result.get("seeds") or [result]
+    first = seeds[0] if isinstance(seeds, list) else result
+    note = f"{Path(result_json).name}, mean of {len(seeds)} seed(s); {first.get('machine', '')}"
+    if "models" in first and "train" in first:
+        note += (
+            f"; teacher vocab {first['models']['vocab_size']}, "
+            f"{first['train']['steps']} steps x {first['train']['batch_items']} x "
+            f"{first['train']['tokens_per_item']} tokens"
+        )
+    return line_plot(
+        out,
+        series,
+        title="distillation: held-out KL vs bytes stored per position",
+        xlabel="bytes / position (whole store on disk)",
+        ylabel="held-out KL (teacher || student)",
+        hline=online,
+        hline_label="online KD (no cache)",
+        note=note,
+    )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["plot"]:  # python -m experiments.distill plot RESULT.json OUT.png
+        print(distill_plot(args_in[1], args_in[2]))
+        return {}
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs/distill-bench")
@@ -614,7 +661,7 @@ def ablation(args: argparse.Namespace, seeds: list[int]) -> dict[str, Any]:
     text = ablation_markdown(
         configs,
         checks,
-        command=f"python benchmarks/distill_bench.py {shown_args(sys.argv[1:])}",
+        command=f"python -m experiments.distill {shown_args(sys.argv[1:])}",
         intro=args.intro,
         label=label,
         verdicts={name: goal_lines(goals(combine(reps))) for name, reps in configs.items()},

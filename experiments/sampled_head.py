@@ -1,6 +1,6 @@
 """Head + residual sampled targets vs plain RS-KD at equal bytes (issue #12, FORMAT.md 4.4).
 
-    .venv/bin/python benchmarks/sampled_head_bench.py
+    python -m experiments.sampled_head
 
 On the live fixture teacher (``fixtures/tiny.py``, temperature 1) and its held-out sequences:
 
@@ -18,14 +18,14 @@ On the live fixture teacher (``fixtures/tiny.py``, temperature 1) and its held-o
   the nearest plain cache is listed too);
 * the CPU time of ``sample_rows`` per position, head vs plain, side by side.
 
-Writes ``benchmarks/results/sampled_head.json`` and ``.md`` (command, machine, load average).
+Writes ``experiments/results/sampled_head.json`` and ``.md`` (command, machine, load average).
 
 ``--taus 0.8,1,1.25`` instead picks the **proposal temperature** of plain RS-KD (issue #12):
 per tau and number of draws the cache's bytes/position on disk, the first-order variance
 ``(1/N) sum_j p_j^2 / q_j (1 - 2 p_j + sum p^2)`` of the self-normalised estimator (exact at
 tau = 1) and its Monte Carlo value on the same uniforms for every tau; each tau's variance
 interpolated (log-log over draws) at the bytes of tau = 1 with ``--tau-draws`` draws, as a
-fraction of tau = 1's. Writes ``--out`` (default ``benchmarks/results/distill_t128_tau.json``)
+fraction of tau = 1's. Writes ``--out`` (default ``experiments/results/distill_t128_tau.json``)
 and ``.md``.
 """
 
@@ -44,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import ROOT
+
 PLAIN = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768)
 HEADS = (4, 8, 16, 32, 64, 128)
 DRAWS = (8, 16, 32, 64, 128, 256, 384)
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.out is None:
         name = "distill_t128_tau.json" if args.taus else "sampled_head.json"
-        args.out = ROOT / "benchmarks/results" / name
+        args.out = ROOT / "experiments/results" / name
     import torch
     from logitcache.fixtures.tiny import build_tiny_models
 

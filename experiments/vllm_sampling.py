@@ -1,7 +1,7 @@
 """Cost of sampled targets in the vLLM backend, against top-k scoring, in one run.
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \\
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python benchmarks/distill_vllm_sampling.py
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m experiments.vllm_sampling
 
 One in-process :class:`~logitcache.server.engine.vllm.VllmEngine` (the service's engine, on the
 tiny teacher, float32, ``max_k = V`` so that the full-vocabulary baseline is allowed) scores the
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import ROOT
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--draws", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/distill_vllm.json")
+    p.add_argument("--out", type=Path, default=ROOT / "experiments/results/distill_vllm.json")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = tokens - len(seqs)
     med = {m: statistics.median(t) for m, t in times.items()}
     result = {
-        "command": "python benchmarks/distill_vllm_sampling.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m experiments.vllm_sampling " + " ".join(argv or sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} CPU cores (shared), vLLM CPU",
         "load_average": os.getloadavg(),
         "sequences": len(seqs),
