@@ -1,9 +1,10 @@
 """Two CPU ranks (gloo) train from one cache: disjoint coverage, loss agreement, exact resume.
 
 The ``ddp`` suite's smoke test: runs ``benchmarks/ddp.py``'s report on a small synthetic cache
-written through the format library: the one-process reference (reading both rank partitions) in this process, then a real
-2-process DDP run that checkpoints half way, then 2 fresh processes resuming from that
-checkpoint. The assertions below re-derive every claim from the raw per-step logs of the runs.
+written through the format library: the one-process reference (reading both rank partitions)
+in this process, then a real 2-process DDP run that checkpoints half way, then 2 fresh processes
+resuming from that checkpoint. The assertions below re-derive every claim from the raw per-step
+logs of the runs.
 """
 
 from __future__ import annotations
