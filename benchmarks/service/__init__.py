@@ -5,8 +5,7 @@ Modes (:data:`benchmarks.service.__main__.MODES`):
 - ``jobs``: a batch job through the real service vs vLLM called directly on the same prompts
   (alternating pairs, job/direct ratio), and concurrent ``/v1/score`` clients during a job;
 - ``cpu``: CPU-us per position of the job path outside the engine (a replay engine, the real
-  pipeline and writer), by thread and by stage;
-- ``engine``: the engine's time vs the conversion of vLLM's output to arrays;
+  pipeline and writer), by thread and by stage (``convert``: vLLM's output to arrays);
 - ``overload``: admission control under overload, ``/health`` latency, memory under load;
 - ``cache``: online-KD traffic served from the cache (epochs 2..n vs epoch 1);
 - ``ray``: Ray batch scoring with 1 and 2 teacher replicas.

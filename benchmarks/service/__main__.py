@@ -9,7 +9,6 @@ import sys
 MODES = {
     "jobs": "jobs",
     "cpu": "cpu",
-    "engine": "engine",
     "overload": "overload",
     "cache": "cache",
     "ray": "replicas",
