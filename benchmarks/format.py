@@ -122,7 +122,6 @@ def writer_for(cfg: Config, data: Data, teacher: Teacher, url: Path) -> Any:
     batches = list(data.batches(sequences=cfg.append_seqs))
 
     def write() -> None:
-        shutil.rmtree(url, ignore_errors=True)
         with CacheWriter.open(url, manifest, layout=layout, fsync=cfg.fsync) as w:
             for b in batches:
                 w.append(b)
@@ -304,6 +303,7 @@ def run_write(args: argparse.Namespace) -> None:
             for name in names:
                 write = writer_for(CONFIGS[name], data, teacher, root / name)
                 cpu = measure(write, 1).cpu[0]
+                shutil.rmtree(root / name)
                 rates[name].append(data.positions / cpu)
                 log(
                     f"round {r} {name}: {rates[name][-1]:,.0f} pos/cpu-s "

@@ -102,7 +102,7 @@ FLOOR = {
     "fp32acc": {"grad_weight_dtype": "float32", "budget": 1 << 30},
     "bf16acc": {"grad_weight_dtype": "weight", "budget": 1 << 30},
     "floor": {"grad_weight_dtype": "weight", "budget": 1 << 29},
-    "floor_c1792": {"grad_weight_dtype": "weight", "rows": 1792},
+    "floor_c1920": {"grad_weight_dtype": "weight", "rows": 1920},
 }
 
 
