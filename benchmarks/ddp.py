@@ -894,7 +894,9 @@ def _pct(xs: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.ddp", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     mk = sub.add_parser("make-cache", help="write a synthetic cache")
     mk.add_argument("--url", required=True)

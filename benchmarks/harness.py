@@ -72,7 +72,6 @@ __all__ = [
     "quantiles",
     "sync",
     "time_call",
-    "timed",
 ]
 
 
@@ -218,12 +217,6 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Measure
         wall.append(time.perf_counter() - w0)
         cpu.append(time.process_time() - c0)
     return Measurement(wall, cpu)
-
-
-def timed(fn: Callable[[], Any], repeats: int = 1) -> tuple[float, float]:
-    """Best (wall seconds, process CPU seconds) of ``fn`` over ``repeats`` calls."""
-    m = measure(fn, repeats)
-    return m.best, m.cpu_best
 
 
 def cuda_measure(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> Measurement:
@@ -524,14 +517,6 @@ class Recorder:
 def add_csv_option(parser: argparse.ArgumentParser) -> None:
     """``--csv PATH``: where a run appends its rows (default: the committed CSV)."""
     parser.add_argument("--csv", type=Path, default=CSV_PATH, help="append the rows here")
-
-
-def read_rows(csv_path: Path = CSV_PATH, **match: str) -> list[dict[str, str]]:
-    """Rows of the CSV whose columns equal ``match`` (e.g. ``suite="format"``)."""
-    if not csv_path.exists():
-        return []
-    with csv_path.open(newline="") as f:
-        return [r for r in csv.DictReader(f) if all(r.get(k) == v for k, v in match.items())]
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -225,4 +225,3 @@ def write_cache(
 def store_bytes(root: str | Path) -> int:
     """Bytes of every file under ``root``."""
     return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
-

@@ -70,7 +70,9 @@ def rows_of_completion(choice: dict) -> list[tuple[list[int], list[float]]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.service cache", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)

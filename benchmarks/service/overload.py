@@ -374,143 +374,6 @@ async def run_mode(mode: str, args: argparse.Namespace, teacher: str) -> dict[st
     return out
 
 
-def _fmt(x: Any) -> str:
-    return "-" if x is None else str(x)
-
-
-#: What the figures show (appended to the page by ``--render``).
-NOTES = """
-## Reading the figures
-
-Sections in order: (1) engine in-process and (2) engine in its own process, both modes,
-2026-12-03 21:50-22:15 UTC at load 10-23, on a private checkout of 41c0b2d with this session's
-service commits (e0f6450, cdfd74a) applied (the shared tree was mid-refactor); then, once the box
-had quietened (load 3-5), on a checkout of 14d3269 (also the job runner's table calls off the loop),
-admission control on: (3) engine in its own process, (4) the same with
-``VLLM_CPU_OMP_THREADS_BIND=0`` (the engine core's OpenMP threads on core 0 only; that variable is
-the only difference of the command), (5) engine in-process. The machine was shared: the load
-average of every phase is beside it.
-
-* **Goal "small request after overload < 2 s": met** in all runs (0.02-0.77 s), with and
-  without admission control: a client that times out disconnects, its request is cancelled and
-  its sequences are aborted in the engine, so nothing abandoned stays queued. Admission control
-  turns the overload into immediate ``429`` answers with ``Retry-After`` (60 x 429, 0-7 client
-  timeouts) instead of client timeouts (188 without it).
-* **Goal "/health < 100 ms at p99 under every probe"**, admission control on (the default):
-  * **quiet box (load 3-5, sections 3 and 5): met in both engine modes**: engine in its own
-    process p99 17-56 ms in all 5 probes (single answers still reach 0.65-0.73 s: 1 of 133-178
-    probes in 2 phases); engine in-process p99 14-37 ms (max 89 ms: no probe over 100 ms).
-  * **loaded box (load 10-23, sections 1 and 2): missed**: in-process p99 41-120 ms (4 of 5 probes
-    under 100 ms; the miss: 16 clients without a job at load 20, 4 of 117 probes over 100 ms);
-    engine in its own process 73-393 ms (4 of 5 missed). Without admission control 60-798 /
-    80-621 ms. Before this session's changes the in-process figures were p99 168-512 ms (max
-    1.15 s) at load 6-15 (``load_before_inproc.json``, ``--modes shedding --overload-s 20
-    --steady-s 15``, the shared tree at 21:08 UTC).
-  * The machine's own floor, probed with no client load just before each run, was p99 6-42 ms,
-    once 116 ms (max 276 ms) at load 15.
-* What was ours, found with py-spy (``--gil``, in-process engine, 16 clients + job): the event
-  loop thread held the GIL in 47% of the samples and the engine thread in 47%, and on the loop
-  ran: sending streamed JSON one sequence per worker-thread hop, ``importlib.metadata.version()``
-  parsing the package METADATA on every ``/health``, a plain ``def`` dependency (one worker-thread
-  hop per request, queued behind the streaming iterators), job-table reads whose lock the job
-  writer holds through each fsync'd commit (in the routes and in the job runner), and FastAPI's
-  ``json.loads`` of request bodies (1-7 ms for one 46 KB overload body, 64 at once). All of it now
-  runs off the loop or once.
-* What is left is the machine: py-spy (``--idle``) of the API process (engine in its own
-  process, 64 clients + a job, load 14) shows its event loop idle in epoll in 68% of the samples,
-  and the same code meets the goal at load 3-5 and misses it at load 10-23. Pinning the engine
-  core's OpenMP threads to one core (section 4) changed nothing measurable at load 4 (p99 38-56
-  ms) and cost 28% of the 64-client throughput (14.6 vs 20.3 requests/s), so it is not the
-  default.
-* Steady load with a job running is slow on this CPU teacher (p50 4-24 s): a job batch of up to
-  8,192 tokens occupies the engine for seconds and on-demand requests wait behind it.
-  Differences between the shedding and baseline steady rows are machine noise: at 256 tokens a
-  request, 64 clients stay under the 32,768-token budget, so nothing is shed there.
-* RSS: the server process and its children (psutil; with ``--engine async`` the engine core is a
-  child process), sampled every 0.5 s; the "idle / after" line is the server process alone.
-"""
-
-
-def _r3(x: float | None) -> str:
-    return "-" if x is None else str(round(x, 3))
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    lines = [
-        f"# Load benchmark (issue #18), engine core {result['engine']}",
-        "",
-        f"Command: `{result['command']}`  ",
-        f"Machine: {result['machine']}; measured {result['date']}.  ",
-        f"Teacher: the tiny fixture (vLLM on CPU, engine core {result['engine']}: "
-        f"{'in the server process' if result['engine'] == 'inproc' else 'its own process'}, "
-        "float32, k=8); context 1024, "
-        f"so an 8k-token request is {BIG_SEQS} sequences x {SEQ_LEN} tokens.",
-        "The machine is shared with other work: the 1-minute load average at the start and end "
-        "of each phase is listed (2 cores).",
-        "",
-        "## Overload: 64 clients x 8,000-token requests, 10 s client timeout, then one small "
-        "request",
-        "",
-        "| mode | answers | small request after (s) | goal < 2 s | /health p50 / p99 / max (ms), "
-        "n > 100 ms "
-        "| peak RSS (MiB) | load |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for m in result["modes"]:
-        o = m["overload"]
-        lines.append(
-            f"| {m['mode']} (max_queued_tokens={m['max_queued_tokens']}) | {o['answers']} | "
-            f"{o['small_after_s']} (status {o['small_after_status']}) | "
-            f"{'met' if o['small_after_goal_met'] else 'MISSED'} | {_fmt(o['health_p50_ms'])} / "
-            f"{_fmt(o['health_p99_ms'])} / {_fmt(o['health_max_ms'])}, "
-            f"{o['health_over_100ms']}/{o['health_n']} | {_fmt(o['rss_peak_mib'])} "
-            f"| {o['load_start']} -> {o['load_end']} |"
-        )
-    lines += [
-        "",
-        "/health with no client load (the machine's floor at that moment), p50 / p99 / max "
-        "(ms), n > 100 ms: "
-        + ", ".join(
-            f"{m['mode']} {_fmt(i['health_p50_ms'])} / {_fmt(i['health_p99_ms'])} / "
-            f"{_fmt(i['health_max_ms'])}, {i['health_over_100ms']}/{i['health_n']} "
-            f"(load {i['load_start']} -> {i['load_end']})"
-            for m in result["modes"]
-            if (i := m.get("idle"))
-        )
-        + ".",
-        "",
-        "Idle small-request latency (baseline of the same run): "
-        + ", ".join(f"{m['mode']} {m['idle_small_p50_s']} s" for m in result["modes"])
-        + ".",
-        "",
-        "## Steady load: 4 x 64-token requests back to back",
-        "",
-        "| mode | clients | job running | answers | ok | p50 (s) | p99 (s) | req/s "
-        "| /health p50 / p99 / max (ms), n > 100 ms | peak RSS (MiB) | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for m in result["modes"]:
-        for s in m["steady"]:
-            lines.append(
-                f"| {m['mode']} | {s['clients']} | {'yes' if s['with_job'] else 'no'} | "
-                f"{s['answers']} | {s['ok_fraction']} | {_r3(s['p50_s'])} "
-                f"| {_r3(s['p99_s'])} | {s['requests_per_s']} | "
-                f"{_fmt(s['health_p50_ms'])} / {_fmt(s['health_p99_ms'])} / "
-                f"{_fmt(s['health_max_ms'])}, {s['health_over_100ms']}/{s['health_n']} | "
-                f"{_fmt(s['rss_peak_mib'])} | {s['load_start']} -> {s['load_end']} |"
-            )
-    lines += [
-        "",
-        "RSS: the server process and its children (psutil), idle / after: "
-        + ", ".join(
-            f"{m['mode']} {m['rss_idle_mib']} / {m['rss_after_mib']} MiB" for m in result["modes"]
-        )
-        + ".",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from logitcache.fixtures.tiny import build_tiny_models
 
@@ -537,7 +400,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service overload", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--overload-s", type=float, default=30.0)
     p.add_argument("--steady-s", type=float, default=20.0)
@@ -553,31 +418,12 @@ def main(argv: list[str] | None = None) -> None:
         "the README's start mode)",
     )
     p.add_argument("--json", type=Path, default=Path("/tmp/lc-overload.json"))
-    p.add_argument("--md", type=Path, default=None)
     add_csv_option(p)
-    p.add_argument("--append", action="store_true", help="append to --md instead of replacing")
-    p.add_argument(
-        "--render",
-        type=Path,
-        nargs="+",
-        help="only write --md from these saved --json results (one section each), then exit",
-    )
     args = p.parse_args(argv)
-    if args.render:
-        results = [json.loads(f.read_text()) for f in args.render]
-        for r in results:
-            r.setdefault("engine", "inproc")  # results saved before --engine existed
-        args.md.write_text("\n".join(to_markdown(r) for r in results) + NOTES)
-        return
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    text = to_markdown(result)
-    if args.md and args.append and args.md.exists():
-        text = args.md.read_text() + "\n" + text
-    if args.md:
-        args.md.write_text(text)
-    print(to_markdown(result))
+    print(json.dumps(result, indent=1)[:8000])
     rec = Recorder("service", "overload", csv_path=args.csv)
     for m in result["modes"]:
         rec.add_flat(

@@ -59,7 +59,9 @@ def same_cache(a_url: str, b_url: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service ray", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--sequences", type=int, default=256)
     p.add_argument("--chars", type=int, default=600)
     p.add_argument("--shard-size", type=int, default=32)
