@@ -410,12 +410,6 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()
             if worker.proc.poll() is None:
                 worker.proc.kill()
-    first = modes[args.modes[0]][str(args.k[0])]
-    direct = [p["direct"] for p in first["pairs"]]
-    jobs = [p["job"] for p in first["pairs"]]
-    pair_ratios = [p["ratio"] for p in first["pairs"]]
-    d_med = statistics.median(x["tokens_per_s"] for x in direct)
-    j_med = statistics.median(x["tokens_per_s"] for x in jobs)
     result = {
         "machine": machine_line(rec.machine),
         "command": rec.command,
@@ -423,14 +417,6 @@ def main(argv: list[str] | None = None) -> None:
         "modes": modes,
         "settings": settings,
         "engine_kwargs": engine_kwargs,
-        # the first mode and k, flat (the layout of earlier results)
-        "direct": direct,
-        "job": jobs,
-        "direct_median_tokens_per_s": d_med,
-        "job_median_tokens_per_s": j_med,
-        "ratio_job_over_direct": j_med / d_med,
-        "pair_ratios": pair_ratios,
-        "median_pair_ratio": statistics.median(pair_ratios),
         "concurrent": conc,
         "wall_s": time.perf_counter() - t_start,
     }
