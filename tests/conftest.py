@@ -40,6 +40,15 @@ VLLM_ENV: dict[str, str] = {
 for _k, _v in VLLM_ENV.items():
     os.environ.setdefault(_k, _v)
 
+# Tests live in one folder per room (tests/format, tests/server, ...) and share the support
+# modules at tests/ (engine_support, format_support, ...): pytest finds them through
+# ``pythonpath`` in pyproject.toml, and subprocesses the tests start through PYTHONPATH.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p
+    )
+
 #: ``max_k`` of the shared engines.
 ENGINE_MAX_K = 20
 

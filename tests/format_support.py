@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from logitcache.cache_format import Manifest, SequenceRecord
+from logitcache.cache_format import CacheWriter, Layout, Manifest, SequenceRecord
 from moto_support import moto_server
 
 
@@ -205,3 +206,38 @@ if __name__ == "__main__":
     import sys
 
     {"append": child_append, "read": child_read}[sys.argv[1]](sys.argv[2:])
+
+
+# --- a small multi-chunk cache (random access, point reads, reader processes) -------------
+# chunks of 8 rows / 16 tokens, shards of 32 rows / 64 tokens: sequences of 2..40 tokens cross
+# chunk and shard edges everywhere
+SMALL = Layout(row_chunk=8, row_shard=32, token_chunk=16, token_shard=64, seq_chunk=4, seq_shard=8)
+K = 6
+
+
+def write_small_cache(url, layout: Layout, options=None, **manifest_kw) -> list:
+    recs = make_records(40, k=K, vocab=300, seed=11, min_len=2, max_len=40)
+    if manifest_kw.get("loss_mask"):
+        rng = np.random.default_rng(3)
+        recs = [
+            replace(r, loss_mask=rng.integers(0, 2, r.length - 1).astype(np.uint8)) for r in recs
+        ]
+    m = make_manifest(k=K, vocab_size=300, **manifest_kw)
+    with CacheWriter.open(url, m, options, layout=layout) as w:
+        w.append(recs[:17])
+        w.append(recs[17:])
+    return recs
+
+
+def assert_same_record(a, b) -> None:
+    assert a.equals(b), (a.key, b.key)
+    assert a.topk_logprobs.dtype == b.topk_logprobs.dtype == np.float32
+
+
+CASES = [
+    {},
+    {"logprob_dtype": "float32"},
+    {"logprob_dtype": "uint8"},
+    {"id_remap": True},
+    {"loss_mask": True},
+]

@@ -115,7 +115,7 @@ def sample_targets(
 
 
 # ----------------------------------------------------------------------------- multi-process
-# Worker bodies for tests/test_loss_vocab_parallel.py (gloo on CPU, started by fork). Each worker
+# Worker bodies for tests/loss/test_loss_vocab_parallel.py (gloo on CPU, started by fork). Each worker
 # builds the same float64 problem on every rank, runs the loss on its shard of the lm-head and
 # compares with the single-process result computed in the same process; a failed comparison
 # raises, and torch.multiprocessing re-raises it in the test with the traceback.

@@ -12,8 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -262,3 +264,40 @@ def server_settings(workdir: Path, model: str, **overrides: Any) -> Any:
         "max_seq_len": 1000,
     }
     return ServerSettings(**{**base, **overrides})
+
+
+class StoreServer:
+    """``routes_store`` under uvicorn in a thread (the service's app minus the engine)."""
+
+    def __init__(self, root: Path) -> None:
+        import uvicorn
+        from fastapi import FastAPI
+        from logitcache.server import routes_store
+        from logitcache.server.caches import CacheRegistry
+        from logitcache.server.errors import install_error_handlers
+
+        app = FastAPI()
+        app.include_router(routes_store.router)
+        install_error_handlers(app)
+        app.state.services = SimpleNamespace(caches=CacheRegistry(str(root)))
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> StoreServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -3,7 +3,7 @@
 It imports nothing from the project and nothing from zarr: JSON metadata, the shard layout
 (FORMAT.md 4.5), the codecs named in the array table (section 4), the transforms (4.1-4.3) and the
 commit point (R6, R8, R9) are decoded here by hand, each line citing the rule it implements.
-``tests/test_format_spec_reader.py`` requires it to agree with the project's reader on every
+``tests/format/test_format_spec_reader.py`` requires it to agree with the project's reader on every
 array of every encoding, so the text and the bytes cannot drift apart.
 
 Third-party decoders used: ``numcodecs.blosc`` (blosc1 frames), ``numcodecs.zstd`` (zstd frames)

@@ -3,7 +3,7 @@
 Each cache is written by the library's own writer at the format version current when this
 script ran, and beside it ``<name>.expected.npz`` holds what the reader returned then: per
 sequence the key, tokens, ids, float32 logprobs and tail mass (concatenated, with lengths).
-``tests/test_format_golden.py`` reads every committed golden cache with today's reader and
+``tests/format/test_format_golden.py`` reads every committed golden cache with today's reader and
 requires exactly these values: a later format version must keep reading old stores.
 
 Usage (from the repo root): ``.venv/bin/python tests/golden/make_golden.py`` (refuses to
@@ -126,7 +126,7 @@ def main() -> int:
         f"Golden caches of format version {FORMAT_VERSION}, written by "
         f"`tests/golden/make_golden.py` with the format code `{FMT.__name__}`; never edit or "
         "rebuild them: "
-        "`tests/test_format_golden.py` requires every later version "
+        "`tests/format/test_format_golden.py` requires every later version "
         "to read them to the values in `*.expected.npz`.\n"
     )
     print(json.dumps({n: m["num_sequences"] for n, m in made.items()}))
