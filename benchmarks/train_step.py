@@ -30,15 +30,16 @@ Per variant and size: ``--warmup`` steps, then ``--steps`` timed steps, each clo
 online variants); a size that runs out of memory is recorded as ``oom`` and the variant's larger
 sizes are skipped.
 
-Usage (GPU box)::
+Modes::
 
-    python benchmarks/train_step.py --tokens 8192 32768 65536 131072 \\
-        --json benchmarks/results/train_step.json
-
-CPU smoke (tests/test_bench_train_step.py)::
-
-    python benchmarks/train_step.py --student tiny --teacher tiny --seq-len 32 --tokens 64 128 \\
-        --k 8 --variants online_dense offline_local --json /tmp/ts.json
+    # GPU box, through the harness's device runner (wheels: liger-kernel and the service's deps)
+    python -m benchmarks.harness device WHEELS -- -m benchmarks.train_step run \\
+        --tokens 8192 32768 65536 131072 --json benchmarks/results/train_step.json
+    # CPU smoke (tests/repo/test_bench_gpu_suites.py)
+    python -m benchmarks.train_step run --student tiny --teacher tiny --seq-len 32 \\
+        --tokens 64 128 --k 8 --variants online_dense offline_local --json /tmp/ts.json
+    # train_step.png (step time and peak memory vs tokens per step) from a result
+    python -m benchmarks.train_step plot benchmarks/results/train_step.json benchmarks/results
 """
 
 from __future__ import annotations
@@ -56,9 +57,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from teacher_job import SHAPES, GpuSampler, machine, word_tokenizer  # noqa: E402
+from benchmarks.harness import Recorder, add_csv_option, line_plot, machine
+from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, free_port, word_tokenizer
 
 VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http")
 
@@ -270,7 +270,6 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     import subprocess
 
     import httpx
-    from teacher_job import Shape, _free_port
 
     model_dir = work / "stand-in"
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -278,7 +277,7 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     shape = Shape(64, 1, 4, 2, 128, vocab, tied=True)
     m = make_model_from(shape, "cpu")
     m.save_pretrained(model_dir)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "logitcache.server", "--backend", "hf", "--model", str(model_dir)]
     cmd += ["--store-root", str(store_root), "--data-dir", str(work / "data")]
     cmd += ["--state-dir", str(work / "state"), "--port", str(port), "--log-level", "warning"]
@@ -312,25 +311,43 @@ def make_model_from(shape: Any, device: str) -> Any:
         torch.set_default_dtype(default)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--student", default="1b", choices=sorted(SHAPES))
-    p.add_argument("--teacher", default="8b", choices=sorted(SHAPES))
-    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--k", type=int, default=100)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--work", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    work = args.work or Path(tempfile.mkdtemp(prefix="train-step-"))
+def main(argv: list[str] | None = None) -> dict | None:
+    given = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.train_step", description=__doc__.split("\n")[0]
+    )
+    sub = p.add_subparsers(dest="mode", required=True)
+    pl = sub.add_parser("plot", help="train_step.png from a result JSON")
+    pl.add_argument("result", type=Path)
+    pl.add_argument("out_dir", type=Path)
+    r = sub.add_parser("run", help="every variant x tokens per step")
+    r.add_argument("--student", default="1b", choices=sorted(SHAPES))
+    r.add_argument("--teacher", default="8b", choices=sorted(SHAPES))
+    r.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    r.add_argument("--seq-len", type=int, default=2048)
+    r.add_argument("--k", type=int, default=100)
+    r.add_argument("--warmup", type=int, default=1)
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    r.add_argument("--work", type=Path, default=None)
+    r.add_argument("--json", type=Path, default=None)
+    add_csv_option(r)
+    args = p.parse_args(given)
+    if args.mode == "plot":
+        print(plot(args.result, args.out_dir))
+        return None
     if any(t % args.seq_len for t in args.tokens):
         p.error("every --tokens must be a multiple of --seq-len")
+    command = " ".join(["python -m benchmarks.train_step", *given])
+    return run(args, Recorder("train_step", "run", csv_path=args.csv, command=command))
+
+
+def run(args: argparse.Namespace, rec: Recorder) -> dict:
+    """Online variants, the cache, offline variants; the result (also in ``--json``)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    work = args.work or Path(tempfile.mkdtemp(prefix="train-step-"))
     result: dict[str, Any] = {
-        "command": " ".join(["python", "benchmarks/train_step.py", *(argv or sys.argv[1:])]),
+        "command": rec.command,
         "machine": machine(),
         "student": args.student,
         "teacher": args.teacher,
@@ -427,7 +444,42 @@ def main(argv: list[str] | None = None) -> dict:
     summarize(result, sizes)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    config = {"student": args.student, "teacher": args.teacher, "seq_len": args.seq_len}
+    for name, runs in result["variants"].items():
+        for t, r in runs.items():
+            if isinstance(r, dict) and "step_s" in r:
+                case = f"{name}/{t}"
+                rec.add(case, "step_time", "s", r["step_s"], samples=args.steps, config=config)
+                rec.add(case, "tokens_per_s", "tok/s", r["tokens_per_s"], config=config)
+                if r["peak_gib"] is not None:
+                    rec.add(case, "peak_memory", "GiB", r["peak_gib"], config=config)
+    rec.save()
     return result
+
+
+def plot(result_json: Path, out_dir: Path) -> Path:
+    """``train_step.png``: step time and peak memory of every variant vs tokens per step."""
+    result = json.loads(Path(result_json).read_text())
+    time_s: dict[str, list[tuple[float, float]]] = {}
+    for name, runs in result["variants"].items():
+        for t, r in runs.items():
+            if isinstance(r, dict) and "step_s" in r:
+                time_s.setdefault(f"{name} (s)", []).append((int(t), r["step_s"]))
+                if r.get("peak_gib") is not None:
+                    time_s.setdefault(f"{name} peak (GiB/10)", []).append(
+                        (int(t), r["peak_gib"] / 10)
+                    )
+    m = result["machine"]
+    return line_plot(
+        Path(out_dir) / "train_step.png",
+        time_s,
+        title=f"1B student step, {result['teacher']} teacher online vs cache (k={result['k']})",
+        xlabel="tokens per step",
+        ylabel="step time (s); peak memory (GiB / 10)",
+        logx=True,
+        note=f"{result['command'][:110]} | {m.get('gpu', '')} torch {m.get('torch', '')}",
+        size=(7.5, 4.8),
+    )
 
 
 def summarize(result: dict, sizes: list[int]) -> None:

@@ -12,6 +12,7 @@ MODES = {
     "overload": "overload",
     "cache": "cache",
     "ray": "replicas",
+    "gpu": "gpu",
 }
 
 

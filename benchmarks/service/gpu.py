@@ -22,15 +22,22 @@ the CPU test) this suite
 
 GPU utilisation is sampled through NVML every 0.2 s during each timed phase when available.
 
-Usage (GPU box; the printed ``command`` in the JSON repeats it)::
+Host CPU of the job path: the bare engine's thread keeps about one core busy for as long as
+the device works (it waits on the launch queue and the copies), so the engine's share of the
+server's CPU is the bare run's cores times the job's wall time; the rest is the job path's
+(``job_path_cpu_us_per_position``). The per-position subtraction (bare CPU per position times the
+job's positions) is reported beside it (``..._per_position_subtraction``). The server's busiest
+threads are listed by CPU seconds.
 
-    python benchmarks/teacher_job.py --shapes 1b 8b --sequences 1000 --seq-len 2048 --k 100 \\
-        --json benchmarks/results/teacher_job.json
+Usage (GPU box, through the harness's device runner; wheels as in benchmarks/results/service.md)::
 
-CPU smoke (tests/test_bench_teacher_job.py)::
+    python -m benchmarks.harness device WHEELS -- -m benchmarks.service gpu --shapes 1b 8b \\
+        --sequences 1000 --seq-len 2048 --k 100 --json benchmarks/results/service_gpu.json
 
-    python benchmarks/teacher_job.py --shapes tiny --sequences 6 --seq-len 64 --k 8 \\
-        --bare-sequences 2 --json /tmp/tj.json
+CPU smoke (tests/repo/test_bench_gpu_suites.py)::
+
+    python -m benchmarks.service gpu --shapes tiny --sequences 6 --seq-len 64 --k 8 \\
+        --bare-sequences 2 --json /tmp/tj.json --csv /tmp/rows.csv
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.harness import Recorder, add_csv_option, machine
 
 
 @dataclass(frozen=True)
@@ -248,7 +257,7 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
 # -------------------------------------------------------------------------------------- job
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -284,7 +293,7 @@ def proc_cpu(pid: int) -> float:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name of process ``pid`` (threads of one name summed)."""
+    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -293,7 +302,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -305,7 +314,7 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
     with (work / "data" / "bench.jsonl").open("w") as f:
         for i, p in enumerate(prompts):
             f.write(json.dumps({"id": f"s{i:06d}", "input_ids": p}) + "\n")
-    port = _free_port()
+    port = free_port()
     cmd = server_command(model, work, port, args)
     log = (work / "server.log").open("wb")
     t0 = time.perf_counter()
@@ -364,7 +373,8 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
         "server_cpu_s": cpu,
         "server_cpu_us_per_position": 1e6 * cpu / positions,
         "server_cores": cpu / wall,
-        "threads_cpu_s": {n: v for n, v in sorted(per_thread.items(), key=lambda x: -x[1]) if v},
+        "busiest_threads_cpu_s": dict(sorted(per_thread.items(), key=lambda x: -x[1])[:6]),
+        "threads_seen": len(per_thread),
         "gpu_util": gpu.summary(),
     }
 
@@ -421,7 +431,9 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
     j = job(model, prompts, work / f"job-{name}", args)
     print(f"[{name}] job: {json.dumps({x: y for x, y in j.items() if x != 'command'})}", flush=True)
     stats = cache_stats(work / f"job-{name}" / "caches" / "bench", rows, args.tail_sequences)
-    eng_cpu = b["engine"]["host_cpu_us_per_position"]
+    eng = b["engine"]
+    eng_cores = eng["host_cpu_s"] / eng["wall_s"]
+    engine_share_s = eng_cores * j["client_wall_s"]
     result = {
         "shape": shape.__dict__,
         "made": made,
@@ -430,25 +442,15 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
         "cache": stats,
         "ratio_job_vs_bare_device": j["tokens_per_s"] / b["device"]["tokens_per_s"],
         "ratio_job_vs_bare_engine": j["tokens_per_s"] / b["engine"]["tokens_per_s"],
-        "job_path_cpu_us_per_position": j["server_cpu_us_per_position"] - eng_cpu,
+        "bare_engine_cores": eng_cores,
+        "job_path_cpu_us_per_position": 1e6 * (j["server_cpu_s"] - engine_share_s) / j["positions"],
+        "job_path_cpu_us_per_position_per_position_subtraction": (
+            j["server_cpu_us_per_position"] - eng["host_cpu_us_per_position"]
+        ),
+        "job_path_cores": (j["server_cpu_s"] - engine_share_s) / j["client_wall_s"],
     }
     shutil.rmtree(model, ignore_errors=True)
     return result
-
-
-def machine() -> dict:
-    import torch
-    import transformers
-
-    out = {
-        "cpu_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": sys.version.split()[0],
-    }
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name(0)
-    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -464,17 +466,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-options", type=json.loads, default={}, help="JSON, as the server's")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     p.add_argument("--json", type=Path, default=None)
+    add_csv_option(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="teacher-job-"))
-    result: dict[str, Any] = {
-        "command": " ".join(["python", "benchmarks/teacher_job.py", *(argv or sys.argv[1:])]),
-        "machine": machine(),
-        "shapes": {},
-    }
+    given = sys.argv[1:] if argv is None else ["gpu", *argv]
+    command = " ".join(["python -m benchmarks.service", *given])
+    rec = Recorder("service", "gpu", csv_path=args.csv, command=command)
+    result: dict[str, Any] = {"command": rec.command, "machine": machine(), "shapes": {}}
     for name in args.shapes:
         result["shapes"][name] = run_shape(name, args, work)
         if args.json:
@@ -490,9 +492,39 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['cache']['bytes_per_position']:>6.0f} "
             f"{r['cache']['tail_mass']['quantiles']['0.5']:>8.4f}"
         )
+    for name, r in result["shapes"].items():
+        record(rec, name, r, args)
+    rec.save()
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def record(rec: Recorder, name: str, r: dict, args: argparse.Namespace) -> None:
+    """The CSV rows of one teacher shape."""
+    config = {"shape": name, "k": args.k, "seq_len": args.seq_len, "sequences": args.sequences}
+    rec.add(
+        name,
+        "bare_device_tokens_per_s",
+        "tok/s",
+        r["bare"]["device"]["tokens_per_s"],
+        config=config,
+    )
+    rec.add(
+        name,
+        "bare_engine_tokens_per_s",
+        "tok/s",
+        r["bare"]["engine"]["tokens_per_s"],
+        config=config,
+    )
+    rec.add(name, "job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config=config)
+    rec.add(name, "job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config=config)
+    rec.add(
+        name, "job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], config=config
+    )
+    rec.add(name, "server_cores", "cores", r["job"]["server_cores"], config=config)
+    rec.add(name, "bytes_per_position", "B", r["cache"]["bytes_per_position"], config=config)
+    rec.add(name, "tail_mass_p50", "", r["cache"]["tail_mass"]["quantiles"]["0.5"], config=config)
 
 
 if __name__ == "__main__":
