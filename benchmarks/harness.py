@@ -633,7 +633,7 @@ def device_env(
             check=True,
         )
     (pkg / "logitcache").mkdir(parents=True, exist_ok=True)
-    for name in (*PACKAGES, "fixtures"):
+    for name in (*PACKAGES, "protocol", "fixtures"):
         link = pkg / "logitcache" / name
         if not link.exists() and (ROOT / name).is_dir():
             link.symlink_to(ROOT / name)
