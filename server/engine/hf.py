@@ -18,7 +18,9 @@ The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the
 free and forwards are serialised. On a GPU the top-k of a decoder batch stays on the device and
 reaches the host by an asynchronous copy into pinned memory; the host converts one batch while the
 device runs the next, and a call's last batch is converted after the lock is released, so the
-next call's forward is already queued (benchmarks/results/service_gpu.md). Models whose head does more than a linear map (logit soft-capping
+next call's forward is already queued (benchmarks/results/service_gpu.md).
+
+Models whose head does more than a linear map (logit soft-capping
 or scaling in the config) are refused, since the chunked head would silently differ.
 """
 
