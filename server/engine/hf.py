@@ -20,8 +20,8 @@ reaches the host by an asynchronous copy into pinned memory; the host converts o
 device runs the next, and a call's last batch is converted after the lock is released, so the
 next call's forward is already queued (benchmarks/results/service_gpu.md).
 
-Models whose head does more than a linear map (logit soft-capping
-or scaling in the config) are refused, since the chunked head would silently differ.
+Models whose head does more than a linear map (logit soft-capping or scaling in the config) are
+refused, since the chunked head would silently differ.
 """
 
 from __future__ import annotations
