@@ -8,7 +8,7 @@
   layout (``tokens_per_item`` x ``batch_items``), with the share of rows that differ and the
   top-1 agreement: how far the cache's targets are from what the teacher would say given the
   context the student actually sees;
-* :func:`ablation_markdown`: the results page (``benchmarks/distill_bench.py --ablation``) from
+* :func:`ablation_markdown`: the results page (``python -m experiments.distill --ablation``) from
   the per-seed reports of each configuration and the row checks.
 """
 

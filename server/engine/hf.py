@@ -15,8 +15,13 @@ equal those of one pass over the whole ``[L-1, V]`` block without ever building 
 (:class:`~.protocol.SampledTargets`) is the chunk's ``torch.topk`` plus the residual draws.
 
 The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the event loop stays
-free and calls are serialised. Models whose head does more than a linear map (logit soft-capping
-or scaling in the config) are refused, since the chunked head would silently differ.
+free and forwards are serialised. On a GPU the top-k of a decoder batch stays on the device and
+reaches the host by an asynchronous copy into pinned memory; the host converts one batch while the
+device runs the next, and a call's last batch is converted after the lock is released, so the
+next call's forward is already queued (benchmarks/results/service_gpu.md).
+
+Models whose head does more than a linear map (logit soft-capping or scaling in the config) are
+refused, since the chunked head would silently differ.
 """
 
 from __future__ import annotations
@@ -112,7 +117,9 @@ class TransformersEngine(BaseEngine):
     # --- compute ----------------------------------------------------------------------------
 
     def _topk_rows(self, hidden: Any, k: int) -> tuple[Any, Any]:
-        """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk."""
+        """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk, on
+        the device and without a host sync: per chunk ``torch.topk`` of the logits, minus their
+        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer)."""
         import torch
 
         ids_out, lps_out = [], []
@@ -121,11 +128,11 @@ class TransformersEngine(BaseEngine):
             z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
             if inv_t != 1.0:
                 z.mul_(inv_t)
-            lp = torch.log_softmax(z, dim=-1)
-            v, i = torch.topk(lp, k, dim=-1, sorted=True)
+            v, i = torch.topk(z, k, dim=-1, sorted=True)
+            v.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
             ids_out.append(i.to(torch.int32))
             lps_out.append(v)
-            del z, lp
+            del z
         return torch.cat(ids_out), torch.cat(lps_out)
 
     def _sampled_rows(self, hidden: Any, key: str, targets: SampledTargets) -> TeacherScores:
@@ -161,12 +168,58 @@ class TransformersEngine(BaseEngine):
             batches.append(cur)
         return batches
 
-    def _score_sync(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
-        def topk(i: int, hidden: Any) -> TeacherScores:
-            tid, tlp = self._topk_rows(hidden, k)
-            return make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
+    def _hidden(self, seqs: list[list[int]]) -> Any:
+        """The decoder's last hidden states ``[B, width, d]`` of right-padded ``seqs``. Inputs go
+        up through pinned memory without a host sync; a batch of equal lengths has no padding
+        mask (the causal mask alone, which needs no check of the mask's values on the host)."""
+        import torch
 
-        return self._forward_rows(prompts, topk)
+        width = max(len(s) for s in seqs)
+        pin = self.device.type == "cuda"
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, pin_memory=pin)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        kwargs: dict[str, Any] = {"input_ids": ids.to(self.device, non_blocking=True)}
+        if any(len(s) != width for s in seqs):
+            mask = torch.zeros((len(seqs), width), dtype=torch.long, pin_memory=pin)
+            for r, s in enumerate(seqs):
+                mask[r, : len(s)] = 1
+            kwargs["attention_mask"] = mask.to(self.device, non_blocking=True)
+        return self.decoder(**kwargs).last_hidden_state
+
+    def _score_sync(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+        """Top-k rows of every prompt. Each decoder batch's top-k stays on the device and is
+        copied to the host asynchronously; the host converts batch ``i`` while the device runs
+        batch ``i + 1``, and the last batch is collected after the lock is released, so the
+        next call's forward is queued behind it (the device is not idle while rows are
+        converted). Waits block the thread instead of spinning a core."""
+        import torch
+
+        out: list[TeacherScores | None] = [None] * len(prompts)
+        pending: list[_Pending] = []
+
+        def collect(p: _Pending) -> None:
+            if p.event is not None:
+                p.event.synchronize()
+            ids, lps = p.ids.numpy(), p.lps.numpy()
+            start = 0
+            for i in p.members:
+                n = len(prompts[i]) - 1
+                out[i] = make_scores(ids[start : start + n], lps[start : start + n])
+                start += n
+
+        with self._lock, torch.inference_mode():
+            for batch in self._batches(prompts):
+                hidden = self._hidden([prompts[i] for i in batch])
+                rows = torch.cat([hidden[r, : len(prompts[i]) - 1] for r, i in enumerate(batch)])
+                tid, tlp = self._topk_rows(rows, k)
+                del hidden, rows
+                pending.append(_Pending.start(batch, tid, tlp, self.device))
+                if len(pending) > 1:
+                    collect(pending.pop(0))
+        for p in pending:
+            collect(p)
+        return [s for s in out if s is not None]
 
     def _forward_rows(self, prompts: list[list[int]], rows: Any) -> list[TeacherScores]:
         """``rows(i, hidden [L_i - 1, d])`` of every prompt after batched decoder forwards."""
@@ -175,16 +228,7 @@ class TransformersEngine(BaseEngine):
         out: list[TeacherScores | None] = [None] * len(prompts)
         with self._lock, torch.inference_mode():
             for batch in self._batches(prompts):
-                width = max(len(prompts[i]) for i in batch)
-                ids = torch.zeros((len(batch), width), dtype=torch.long)
-                mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for r, i in enumerate(batch):
-                    n = len(prompts[i])
-                    ids[r, :n] = torch.tensor(prompts[i])
-                    mask[r, :n] = 1
-                hidden = self.decoder(
-                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
-                ).last_hidden_state
+                hidden = self._hidden([prompts[i] for i in batch])
                 for r, i in enumerate(batch):
                     out[i] = rows(i, hidden[r, : len(prompts[i]) - 1])
         return [s for s in out if s is not None]
@@ -212,3 +256,25 @@ def _is_dir(path: str) -> bool:
     from pathlib import Path
 
     return Path(path).is_dir()
+
+
+class _Pending:
+    """One decoder batch's top-k on its way to the host: pinned host tensors filled by an
+    asynchronous copy, and the event that marks the copy done (``None`` on the CPU)."""
+
+    def __init__(self, members: list[int], ids: Any, lps: Any, event: Any) -> None:
+        self.members, self.ids, self.lps, self.event = members, ids, lps, event
+
+    @classmethod
+    def start(cls, members: list[int], ids: Any, lps: Any, device: Any) -> _Pending:
+        import torch
+
+        if device.type != "cuda":
+            return cls(members, ids, lps, None)
+        host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host_lps = torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True)
+        host_ids.copy_(ids, non_blocking=True)
+        host_lps.copy_(lps, non_blocking=True)
+        event = torch.cuda.Event(blocking=True)
+        event.record()
+        return cls(members, host_ids, host_lps, event)

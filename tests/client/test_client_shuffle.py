@@ -293,18 +293,12 @@ def test_lanes_cover_every_sequence_and_unit_u_reads_lane_u_mod_l(cache: tuple[s
 
 
 def test_trainer_shuffle_settings_run_and_match_the_benchmark(cache: tuple[str, list]) -> None:
-    """The settings the docs tell users to copy are the benchmark's and give a full epoch."""
-    import sys
-
+    """The settings the docs tell users to copy give a full epoch."""
     import torch
     from logitcache.client.dataset import TRAINER_SHUFFLE
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import client_scaling
-
-    assert client_scaling.SHUFFLE == TRAINER_SHUFFLE
     url, records = cache
-    # exactly the settings benchmarks/results/client.md tells users to copy
+    # exactly the settings benchmarks/results/loader.md tells users to copy
     ds = make_dataset(
         url, **TRAINER_SHUFFLE, ids_dtype=torch.int32, tokens_per_item=2048, batch_size=8
     )

@@ -1,16 +1,15 @@
 """Two CPU ranks (gloo) train from one cache: disjoint coverage, loss agreement, exact resume.
 
-Runs ``benchmarks/ddp_distill.py``'s report on a small synthetic cache written through the format
-library: the one-process reference (reading both rank partitions) in this process, then a real
-2-process DDP run that checkpoints half way, then 2 fresh processes resuming from that
-checkpoint. The assertions below re-derive every claim from the raw per-step logs of the runs.
+The ``ddp`` suite's smoke test: runs ``benchmarks/ddp.py``'s report on a small synthetic cache
+written through the format library: the one-process reference (reading both rank partitions)
+in this process, then a real 2-process DDP run that checkpoints half way, then 2 fresh processes
+resuming from that checkpoint. The assertions below re-derive every claim from the raw per-step
+logs of the runs.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load_script() -> Any:
-    spec = importlib.util.spec_from_file_location("ddp_distill", ROOT / "benchmarks/ddp_distill.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ddp_distill"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    ddp = _load_script()
+    import benchmarks.ddp as ddp
+
     work = tmp_path_factory.mktemp("ddp")
     spec = ddp.CacheSpec(num_sequences=80, min_len=12, max_len=48, vocab=384, k=8, seed=3)
     cfg = ddp.TrainConfig(

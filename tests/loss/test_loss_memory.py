@@ -1,6 +1,6 @@
 """The fused loss holds one chunk at a time: its peak does not grow with the number of chunks.
 
-Measured on the CPU with ``benchmarks/loss_memory.py::LiveBytes`` (a dispatch mode counting the
+Measured on the CPU with ``benchmarks.harness.live_bytes`` (a dispatch mode counting the
 bytes of every tensor the loss creates, until freed). A buffer of one chunk that outlived its
 chunk (the logits, the ``[C, k]`` row terms, a float32 ``grad_W`` accumulator) would make the
 peak grow with N beyond the ``grad_h`` rows, or exceed the bound below.
@@ -8,14 +8,10 @@ peak grow with N beyond the ``grad_h`` rows, or exceed the bound below.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 from logitcache.client.loss import topk_distill_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from loss_memory import LiveBytes  # noqa: E402
+from benchmarks.harness import live_bytes
 
 D, V, K, C = 16, 512, 8, 64
 
@@ -26,7 +22,7 @@ def peak_bytes(n: int, grad_weight_dtype: str = "weight") -> int:
     w = (torch.randn(V, D, generator=g) * 0.3).requires_grad_()
     ids = torch.rand(n, V, generator=g).topk(K, dim=1).indices
     lp = torch.log_softmax(torch.randn(n, K, generator=g).sort(1, descending=True).values, -1)
-    mode = LiveBytes().known(h, w, ids, lp)
+    mode = live_bytes().known(h, w, ids, lp)
     with mode:
         topk_distill_loss(
             h, w, ids, lp - 0.1, chunk_size=C, grad_weight_dtype=grad_weight_dtype, check_ids=False

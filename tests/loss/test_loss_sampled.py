@@ -108,4 +108,4 @@ def test_sampled_input_checks():
 
 # The Triton kernels on sampled rows: under Triton's CPU interpreter in
 # test_loss_inputs.py::test_triton_kernels_under_interpreter, on the H200 in
-# benchmarks/loss_floor_bench.py (benchmarks/results/loss.md).
+# python -m benchmarks.loss sweep --variants floor (benchmarks/results/loss.md).

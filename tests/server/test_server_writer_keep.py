@@ -196,25 +196,19 @@ def test_uses_after_close_are_not_kept(tmp_path) -> None:
 
 
 def test_jobs_share_the_kept_writer_and_the_shutdown_closes_it(tmp_path) -> None:
-    """Two jobs into one cache through the app (replay engine of benchmarks/job_cpu_bench.py):
-    the second reuses the first's writer, skips the keys another writer committed in between
-    (the engine scores only the rest), and the app's shutdown closes the kept writer."""
-    pytest.importorskip("vllm")
+    """Two jobs into one cache through the app (the fake engine): the second reuses the first's
+    writer, skips the keys another writer committed in between (the engine scores only the
+    rest), and the app's shutdown closes the kept writer."""
     import asyncio
-    import importlib.util
 
     import httpx
+    from engine_support import FakeEngine, app_settings, fake_logprobs
+    from logitcache.protocol import TERMINAL_JOB_STATES
     from logitcache.server.app import create_app
-    from logitcache.server.settings import ServerSettings
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "job_cpu_bench.py"
-    spec = importlib.util.spec_from_file_location("job_cpu_bench_keep", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     k, rng = 8, np.random.default_rng(0)
-    prompts = [rng.integers(0, bench.VOCAB, 24).tolist() for _ in range(30)]
-    engine = bench.build_engine(prompts, k, seed=0)
+    engine = FakeEngine(vocab_size=300, max_k=k)
+    prompts = [rng.integers(0, 300, 24).tolist() for _ in range(30)]
     scored: list[int] = []
     generate = engine._generate
 
@@ -223,27 +217,21 @@ def test_jobs_share_the_kept_writer_and_the_shutdown_closes_it(tmp_path) -> None
         return await generate(ps, kk)
 
     engine._generate = counted
-    (tmp_path / "data").mkdir()
+    settings = app_settings(tmp_path, k=k, job_batch_sequences=4, log_level="warning")
     for name, ids in (("one", range(10)), ("two", range(30))):
         lines = [json.dumps({"id": f"s{i}", "input_ids": prompts[i]}) for i in ids]
         (tmp_path / "data" / f"{name}.jsonl").write_text("\n".join(lines))
-    settings = ServerSettings(
-        model="replay",
-        store_root=str(tmp_path / "caches"),
-        data_dir=tmp_path / "data",
-        state_dir=tmp_path / "state",
-        k=k,
-        job_batch_sequences=4,
-        log_level="warning",
-    )
     url = tmp_path / "caches" / "c"
     app = create_app(settings, engine=engine)
 
     async def job(c: httpx.AsyncClient, file: str) -> None:
         r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": file}})
         assert r.status_code == 201, r.text
-        await bench._wait(c, settings.job_db_path, r.json()["id"])
-        assert (await c.get(f"/v1/jobs/{r.json()['id']}")).json()["state"] == "succeeded"
+        state = r.json()["state"]
+        while state not in TERMINAL_JOB_STATES:
+            await asyncio.sleep(0.02)
+            state = (await c.get(f"/v1/jobs/{r.json()['id']}")).json()["state"]
+        assert state == "succeeded"
 
     async def run() -> CacheWriter:
         async with app.router.lifespan_context(app):
@@ -254,8 +242,12 @@ def test_jobs_share_the_kept_writer_and_the_shutdown_closes_it(tmp_path) -> None
                 assert caches.open_writers() == {"c": 0}
                 kept = caches._writers["c"].writer
                 other = CacheWriter.open(url, CacheReader(url).manifest)  # s10..s19, its own rows
-                mine = {i: bench.flat_output(prompts[i], k, rng) for i in range(10, 20)}
-                other.append([_record(f"s{i}", prompts[i], mine[i], k) for i in mine])
+                other.append(
+                    [
+                        _record(f"s{i}", prompts[i], fake_logprobs(prompts[i], 300), k)
+                        for i in range(10, 20)
+                    ]
+                )
                 other.close()
                 scored.clear()
                 await job(c, "two.jsonl")
@@ -269,15 +261,13 @@ def test_jobs_share_the_kept_writer_and_the_shutdown_closes_it(tmp_path) -> None
     assert validate(url).ok
 
 
-def _record(key: str, ids: list[int], flat, k: int):
-    """The record of a ``flat_output`` (vLLM's FlatLogprobs lists: per position the actual
-    token, then the top-k), keyed ``key``."""
+def _record(key: str, ids: list[int], lp: np.ndarray, k: int):
+    """The record of ``ids`` whose rows are the top-``k`` of ``lp`` ([L-1, V] logprobs)."""
     from logitcache.cache_format import SequenceRecord
 
-    lp = flat.prompt_logprobs
-    tok = np.asarray(lp.token_ids, np.int32).reshape(-1, k + 1)[:, 1:]
-    val = np.asarray(lp.logprobs, np.float32).reshape(-1, k + 1)[:, 1:]
-    return SequenceRecord(key, np.asarray(ids, np.int32), tok, val)
+    top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+    val = np.take_along_axis(lp, top, axis=1).astype(np.float32)
+    return SequenceRecord(key, np.asarray(ids, np.int32), top.astype(np.int32), val)
 
 
 # --------------------------------------------------------------------------- SIGKILL

@@ -1,0 +1,541 @@
+"""The cache format: bytes/position, write and read rates per layout, random access per preset.
+
+Modes (``python -m benchmarks.format <mode> --help``)::
+
+    python -m benchmarks.format configs --positions 262144 --cores 1     # the page's main table
+    python -m benchmarks.format write --configs default,appends-of-4 --rounds 5
+    python -m benchmarks.format random --positions 2000000 --layouts default random_access
+    python -m benchmarks.format codecs --positions 262144
+
+* ``configs``: each configuration (:data:`CONFIGS`, a layout preset with some fields changed)
+  writes the same synthetic rows (:mod:`benchmarks.synthetic`, ``Teacher.fixed``: sequences of
+  1024 tokens, k=100, vocab 131072) through ``CacheWriter`` (appends of 64 sequences, fsync),
+  then reads them back sequentially (``rows()`` in blocks of one shard, float32 and float16
+  logprobs) and at random (``sequence(i)``, and ``sequences`` of 32). Baseline in the same run:
+  the same arrays as uncompressed ``.npy`` files (int32 ids, float16 logprobs, float32 tail).
+  Rates are per wall second and per CPU-second of the process (all threads: per core used).
+* ``write``: the write rate alone, the configurations alternating within each round (the load
+  drifts; adjacent runs are compared): median and best positions per CPU-second.
+* ``random``: ``Teacher.pooled`` sequences (median 490 tokens) written once per layout preset;
+  ``sequence(i)`` and ``sequences(32 indices)`` for each ``--threads`` value
+  (``CacheReader(decode_threads=t)``) against an uncompressed ``.npy`` copy of the same sequences
+  read right before, and the sequential reader on the same store. The values read are checked
+  against the ``.npy`` copy first.
+* ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw chunks
+  (numcodecs, one block per chunk, one thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness import (
+    Recorder,
+    add_csv_option,
+    log,
+    machine_line,
+    md_table,
+    measure,
+    pin_cores,
+    scratch,
+)
+from benchmarks.synthetic import Data, Teacher, store_bytes
+
+RAW_BPP = 100 * 6  # int32 id + float16 logprob per entry at k=100: the 600 B/position reference
+
+
+@dataclass(frozen=True)
+class Config:
+    """A layout preset (``spec.LAYOUTS``) with these fields, and how it is written."""
+
+    name: str
+    id_codec: str = "blosc-zstd1-bitshuffle"
+    logprob_codec: str = "blosc-zstd1-shuffle"
+    logprob_dtype: str = "float16"
+    row_chunk: int = 2048
+    row_shard: int = 65536
+    id_remap: bool = False
+    append_seqs: int = 64
+    blosc_blocks: str = "chunk"
+    fsync: bool = True
+    layout: str = "default"
+
+
+CONFIGS = {
+    c.name: c
+    for c in [
+        Config("default"),
+        Config("id-remap", id_remap=True),
+        Config("zstd5", id_codec="blosc-zstd5-bitshuffle", logprob_codec="blosc-zstd5-shuffle"),
+        Config("lz4", id_codec="blosc-lz4-bitshuffle", logprob_codec="blosc-lz4-shuffle"),
+        Config("zstd3-noshuffle", id_codec="zstd3", logprob_codec="zstd3"),
+        Config("chunk512", row_chunk=512),
+        Config("chunk8192", row_chunk=8192),
+        Config("shard16k", row_shard=16384),
+        Config("uint8-lossy", logprob_dtype="uint8"),
+        Config("uint16-lossy", logprob_dtype="uint16"),
+        Config("float32", logprob_dtype="float32"),
+        Config("appends-of-4", append_seqs=4),
+        Config("appends-of-4-shard16k", append_seqs=4, row_shard=16384),
+        Config("blocks-auto", blosc_blocks="auto"),
+        Config("no-fsync", fsync=False),
+        Config(
+            "random-access",
+            id_codec="blosc-lz4-bitshuffle",
+            logprob_codec="blosc-lz4-shuffle",
+            row_chunk=256,
+            layout="random_access",
+        ),
+        Config(
+            "random-access-raw",
+            id_codec="none",
+            logprob_codec="none",
+            row_chunk=256,
+            layout="random_access_raw",
+        ),
+    ]
+}
+
+
+def writer_for(cfg: Config, data: Data, teacher: Teacher, url: Path) -> Any:
+    """A function writing every row of ``data`` to a fresh store at ``url`` with ``cfg``."""
+    from logitcache.cache_format import CacheWriter, spec
+
+    manifest = teacher.manifest("format", logprob_dtype=cfg.logprob_dtype, id_remap=cfg.id_remap)
+    layout = replace(
+        spec.layout_named(cfg.layout),
+        id_codec=cfg.id_codec,
+        logprob_codec=cfg.logprob_codec,
+        row_chunk=cfg.row_chunk,
+        row_shard=cfg.row_shard,
+        blosc_blocks=cfg.blosc_blocks,
+    )
+    batches = list(data.batches(sequences=cfg.append_seqs))
+
+    def write() -> None:
+        with CacheWriter.open(url, manifest, layout=layout, fsync=cfg.fsync) as w:
+            for b in batches:
+                w.append(b)
+
+    return write
+
+
+# --------------------------------------------------------------------------- configs
+def bench_config(
+    cfg: Config, data: Data, teacher: Teacher, root: Path, picks: np.ndarray, repeats: int
+) -> dict[str, float]:
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format.stats import store_stats
+
+    url = root / cfg.name
+    write = writer_for(cfg, data, teacher, url)
+    m_write = measure(write, 1)
+    rows = data.positions
+    reader = CacheReader(url)
+    st = store_stats(reader.store, reader.manifest)
+
+    def seq_read(dtype: str = "float32") -> None:
+        for s in range(0, rows, cfg.row_shard):
+            reader.rows(s, min(s + cfg.row_shard, rows), logprob_dtype=dtype)
+
+    m_seq = measure(seq_read, repeats, warmup=1)
+    m_seq16 = measure(lambda: seq_read("float16"), repeats)
+    m_rand = measure(lambda: [reader.sequence(int(i)) for i in picks], repeats)
+    groups = [[int(i) for i in picks[j : j + 32]] for j in range(0, len(picks), 32)]
+    m_batch = measure(lambda: [reader.sequences(g) for g in groups], repeats)
+    rb = reader.rows(0, min(rows, 8192))
+    if not np.array_equal(rb.topk_ids, data.ids[: rb.topk_ids.shape[0]]):
+        raise AssertionError(f"{cfg.name}: ids read back differ")
+    lp_bytes = sum(
+        st.bytes_by_array.get(a, 0) for a in ("topk_logprobs", "logprob_max", "logprob_step")
+    )
+    shutil.rmtree(url, ignore_errors=True)
+    return {
+        "bytes_per_position": st.bytes_per_position,
+        "id_bytes_per_position": st.bytes_by_array["topk_ids"] / rows,
+        "logprob_bytes_per_position": lp_bytes / rows,
+        "write_pos_per_cpu_s": m_write.rate(rows, cpu=True, best=True),
+        "write_pos_per_s": m_write.rate(rows, best=True),
+        "seq_read_pos_per_cpu_s": m_seq.rate(rows, cpu=True, best=True),
+        "seq_read_pos_per_s": m_seq.rate(rows, best=True),
+        "seq_read_f16_pos_per_cpu_s": m_seq16.rate(rows, cpu=True, best=True),
+        "random_read_seq_per_cpu_s": m_rand.rate(len(picks), cpu=True, best=True),
+        "random_batch32_seq_per_cpu_s": m_batch.rate(len(picks), cpu=True, best=True),
+        "max_abs_logprob_error": float(
+            np.abs(rb.topk_logprobs - data.logprobs[: rb.topk_ids.shape[0]]).max()
+        ),
+    }
+
+
+def bench_npy(data: Data, root: Path, picks: np.ndarray, repeats: int) -> dict[str, float]:
+    """The baseline: uncompressed .npy files, written with fsync, read through ``mmap`` with a
+    copy (so the bytes are really read)."""
+    d = root / "npy"
+    d.mkdir()
+    rows = data.positions
+    arrays = {
+        "ids": data.ids,
+        "lp": data.logprobs.astype(np.float16),
+        "tail": data.tail,
+        "tokens": data.tokens,
+    }
+
+    def write() -> None:
+        for name, a in arrays.items():
+            np.save(d / f"{name}.npy", a)
+            with open(d / f"{name}.npy", "rb+") as f:
+                os.fsync(f.fileno())
+
+    m_write = measure(write, 1)
+    mi, ml, mt = (np.load(d / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail"))
+
+    def seq_read(widen: bool = True) -> None:
+        for s in range(0, rows, 65536):
+            lp = np.array(ml[s : s + 65536])
+            np.array(mi[s : s + 65536]), lp.astype(np.float32) if widen else lp
+            np.array(mt[s : s + 65536])
+
+    def rand_read() -> None:
+        for i in picks:
+            r0, _, n = data.bounds[int(i)]
+            np.array(mi[r0 : r0 + n - 1]), np.array(ml[r0 : r0 + n - 1]).astype(np.float32)
+
+    m_seq = measure(seq_read, repeats)
+    m_seq16 = measure(lambda: seq_read(False), repeats)
+    m_rand = measure(rand_read, repeats)
+    return {
+        "bytes_per_position": sum(a.nbytes for k, a in arrays.items() if k != "tokens") / rows,
+        "write_pos_per_cpu_s": m_write.rate(rows, cpu=True, best=True),
+        "write_pos_per_s": m_write.rate(rows, best=True),
+        "seq_read_pos_per_cpu_s": m_seq.rate(rows, cpu=True, best=True),
+        "seq_read_pos_per_s": m_seq.rate(rows, best=True),
+        "seq_read_f16_pos_per_cpu_s": m_seq16.rate(rows, cpu=True, best=True),
+        "random_read_seq_per_cpu_s": m_rand.rate(len(picks), cpu=True, best=True),
+    }
+
+
+UNITS = {
+    "bytes_per_position": "B/pos",
+    "id_bytes_per_position": "B/pos",
+    "logprob_bytes_per_position": "B/pos",
+    "max_abs_logprob_error": "logprob",
+}
+
+
+def vs(r: dict[str, float], base: dict[str, float], key: str, fmt: str) -> str:
+    """``value (ratio to the baseline)``."""
+    return f"{r[key]:{fmt}} ({r[key] / base[key]:.2f})"
+
+
+def run_configs(args: argparse.Namespace) -> None:
+    teacher = Teacher(id_map=args.id_map, seed=args.seed)
+    data = teacher.fixed(args.positions)
+    picks = np.random.default_rng(args.seed).integers(0, data.sequences, size=args.random_reads)
+    rec = Recorder("format", "configs", csv_path=args.csv)
+    results: dict[str, dict[str, float]] = {}
+    with scratch("lc-format-") as root:
+        results["baseline (npy)"] = bench_npy(data, root, picks, args.repeats)
+        for name in args.configs.split(","):
+            results[name] = bench_config(CONFIGS[name], data, teacher, root, picks, args.repeats)
+            log(name, {k: round(v, 1) for k, v in results[name].items()})
+    for case, r in results.items():
+        cfg = asdict(CONFIGS[case]) if case in CONFIGS else {"name": case}
+        for metric, value in r.items():
+            rec.add(
+                case,
+                metric,
+                UNITS.get(metric, "pos/s" if "pos" in metric else "seq/s"),
+                value,
+                config=cfg | {"positions": data.positions, "cores": args.cores},
+            )
+    rec.save()
+    base = results["baseline (npy)"]
+    rows = [
+        [
+            case,
+            f"{r['bytes_per_position']:.1f}",
+            f"{RAW_BPP / r['bytes_per_position']:.2f}x",
+            f"{r['write_pos_per_cpu_s']:,.0f}",
+            vs(r, base, "seq_read_pos_per_cpu_s", ",.0f"),
+            vs(r, base, "seq_read_f16_pos_per_cpu_s", ",.0f"),
+            vs(r, base, "random_read_seq_per_cpu_s", ",.1f"),
+            f"{r.get('random_batch32_seq_per_cpu_s', float('nan')):,.1f}",
+            f"{r.get('max_abs_logprob_error', 0):.1e}",
+        ]
+        for case, r in results.items()
+    ]
+    print(f"\n{data.positions} positions, {args.cores} core(s); {machine_line(rec.machine)}\n")
+    print(
+        md_table(
+            [
+                "config",
+                "B/pos",
+                "vs raw 600",
+                "write pos/cpu-s",
+                "seq read pos/cpu-s (x npy)",
+                "f16 seq read pos/cpu-s (x npy)",
+                "random seq/cpu-s (x npy)",
+                "sequences(32) seq/cpu-s",
+                "max lp err",
+            ],
+            rows,
+        )
+    )
+
+
+# --------------------------------------------------------------------------- write
+def run_write(args: argparse.Namespace) -> None:
+    teacher = Teacher(seed=args.seed)
+    data = teacher.fixed(args.positions)
+    names = args.configs.split(",")
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    with scratch("lc-format-write-") as root:
+        for r in range(args.rounds):
+            for name in names:
+                write = writer_for(CONFIGS[name], data, teacher, root / name)
+                cpu = measure(write, 1).cpu[0]
+                shutil.rmtree(root / name)
+                rates[name].append(data.positions / cpu)
+                log(
+                    f"round {r} {name}: {rates[name][-1]:,.0f} pos/cpu-s "
+                    f"(load {os.getloadavg()[0]:.1f})"
+                )
+    rec = Recorder("format", "write", csv_path=args.csv)
+    table = []
+    for name, xs in rates.items():
+        rec.add(
+            name,
+            "write_pos_per_cpu_s",
+            "pos/cpu-s",
+            statistics.median(xs),
+            p20=min(xs),
+            p80=max(xs),
+            samples=len(xs),
+            config=asdict(CONFIGS[name]) | {"positions": data.positions},
+        )
+        table.append([name, f"{statistics.median(xs):,.0f}", f"{max(xs):,.0f}", len(xs)])
+    rec.save()
+    print(md_table(["config", "median pos/cpu-s", "best", "rounds"], table))
+
+
+# --------------------------------------------------------------------------- random
+def run_random(args: argparse.Namespace) -> None:
+    from logitcache.cache_format import CacheReader, spec
+    from logitcache.cache_format.writer import CacheWriter
+
+    teacher = Teacher(vocab=128_256, seed=args.seed)
+    data = teacher.pooled(args.positions, round_f16=True)
+    n_seq = data.sequences
+    rng = np.random.default_rng(args.seed + 1)
+    picks = rng.integers(0, n_seq, size=args.reads).tolist()
+    groups = rng.integers(0, n_seq, size=(max(1, args.reads // 32), 32)).tolist()
+    rec = Recorder("format", "random", csv_path=args.csv)
+    table = []
+    with scratch("lc-format-random-") as root:
+        d = root / "npy"
+        d.mkdir()
+        recs = data.records()
+        np.save(d / "ids.npy", np.concatenate([r.topk_ids for r in recs]))
+        np.save(d / "lp.npy", np.concatenate([r.topk_logprobs for r in recs]).astype(np.float16))
+        np.save(d / "tail.npy", np.concatenate([r.tail_mass for r in recs]))
+        np.save(d / "tok.npy", np.concatenate([r.input_ids for r in recs]))
+        lengths = np.array([n for _, _, n in data.bounds])
+        rs = np.concatenate([[0], np.cumsum(lengths - 1)])
+        ts = np.concatenate([[0], np.cumsum(lengths)])
+        mi, ml, mt, mk = (
+            np.load(d / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail", "tok")
+        )
+
+        def npy_one(i: int) -> tuple[np.ndarray, ...]:
+            a, b = int(rs[i]), int(rs[i + 1])
+            return (
+                np.array(mi[a:b]),
+                np.array(ml[a:b]),
+                np.array(mt[a:b]),
+                np.array(mk[int(ts[i]) : int(ts[i + 1])]),
+            )
+
+        for name in args.layouts:
+            url = root / name
+            t0 = time.process_time()
+            with CacheWriter.open(
+                url, teacher.manifest("random"), layout=spec.layout_named(name), fsync=False
+            ) as w:
+                for b in data.batches(positions=500_000):
+                    w.append(b)
+            write_cpu = time.process_time() - t0
+            bpp = store_bytes(url) / data.positions
+            ref = CacheReader(url)
+            check = CacheReader(url, decode_threads=max(args.threads))
+            for i in picks[:20]:  # the values read equal the uncompressed copy's
+                got, want = check.sequence(i), npy_one(i)
+                if not (
+                    np.array_equal(got.topk_ids, want[0])
+                    and np.array_equal(got.topk_logprobs, want[1].astype(np.float32))
+                ):
+                    raise AssertionError(f"{name}: sequence {i} differs from the .npy copy")
+            cfg = {"layout": name, "positions": data.positions, "reads": len(picks)}
+            rec.add(name, "bytes_per_position", "B/pos", bpp, config=cfg)
+            rec.add(
+                name, "write_pos_per_cpu_s", "pos/cpu-s", data.positions / write_cpu, config=cfg
+            )
+            for t in args.threads:
+                r = CacheReader(url, decode_threads=t)
+                for what, fn, n in (
+                    ("sequence", lambda r=r: [r.sequence(i) for i in picks], len(picks)),
+                    ("sequences32", lambda r=r: [r.sequences(g) for g in groups], 32 * len(groups)),
+                ):
+                    base = measure(lambda: [npy_one(i) for i in picks], 1, warmup=1)
+                    m = measure(fn, 1, warmup=1)
+                    per_cpu = m.rate(n, cpu=True)
+                    x_npy = per_cpu / base.rate(len(picks), cpu=True)
+                    c = cfg | {"decode_threads": t}
+                    rec.add(name, f"{what}_seq_per_cpu_s", "seq/cpu-s", per_cpu, config=c)
+                    rec.add(name, f"{what}_seq_per_s", "seq/s", m.rate(n), config=c)
+                    rec.add(name, f"{what}_x_npy_cpu", "ratio", x_npy, config=c)
+                    table.append(
+                        [
+                            name,
+                            f"{bpp:.1f}",
+                            t,
+                            what,
+                            f"{per_cpu:,.0f}",
+                            f"{m.rate(n):,.0f}",
+                            f"{x_npy:.2f}",
+                        ]
+                    )
+
+            def sequential(r: Any = ref) -> None:
+                for a in range(0, min(n_seq, 1024), 64):
+                    b = min(a + 64, n_seq)
+                    r.rows(int(rs[a]), int(rs[b]))
+                    r.tokens(int(ts[a]), int(ts[b]))
+
+            m = measure(sequential, 1, warmup=1)
+            pos = int(rs[min(n_seq, 1024)])
+            rec.add(
+                name, "sequential_pos_per_cpu_s", "pos/cpu-s", m.rate(pos, cpu=True), config=cfg
+            )
+            table.append(
+                [
+                    name,
+                    f"{bpp:.1f}",
+                    1,
+                    "sequential rows (pos)",
+                    f"{m.rate(pos, cpu=True):,.0f}",
+                    f"{m.rate(pos):,.0f}",
+                    "-",
+                ]
+            )
+            log(name, table[-1])
+    rec.save()
+    print(
+        f"\n{data.positions} positions, {n_seq} sequences (mean {lengths.mean():.0f} tokens); "
+        f"{machine_line(rec.machine)}\n"
+    )
+    print(
+        md_table(["layout", "B/pos", "threads", "read", "per CPU-s", "per s", "x npy (CPU)"], table)
+    )
+
+
+# --------------------------------------------------------------------------- codecs
+def run_codecs(args: argparse.Namespace) -> None:
+    import numcodecs.blosc
+    from logitcache.cache_format.idmap import build_id_order, inverse
+    from logitcache.cache_format.quant import row_delta
+    from numcodecs import Blosc
+
+    teacher = Teacher(seed=args.seed)
+    data = teacher.fixed(args.positions)
+    lp16 = np.minimum(data.logprobs, 0).astype(np.float16).view(np.uint16)
+    rank = inverse(build_id_order(data.ids[:8192], teacher.vocab))
+    inputs = {
+        "ids": data.ids,
+        "ids remapped": rank[data.ids],
+        "logprobs float16": lp16,
+        "logprobs float16 row-delta": row_delta(lp16),
+    }
+    numcodecs.blosc.use_threads = False
+    rec = Recorder("format", "codecs", csv_path=args.csv)
+    table = []
+    chunk = 2048
+    for name, arr in inputs.items():
+        chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
+        for cname, level, shuffle in (
+            ("zstd", 1, 1),
+            ("zstd", 1, 2),
+            ("zstd", 5, 1),
+            ("zstd", 5, 2),
+            ("lz4", 1, 2),
+            ("lz4", 5, 2),
+        ):
+            codec = Blosc(cname, level, shuffle, blocksize=chunk * arr[:1].nbytes)
+            enc = [codec.encode(c) for c in chunks]
+            m_enc = measure(lambda chunks=chunks, codec=codec: [codec.encode(c) for c in chunks])
+            m_dec = measure(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
+            label = f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle"
+            bpp = sum(map(len, enc)) / len(arr)
+            cfg = {"input": name, "codec": label, "chunk": chunk}
+            rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
+            rec.add(
+                f"{name} / {label}",
+                "decode_pos_per_cpu_s",
+                "pos/cpu-s",
+                m_dec.rate(len(arr), cpu=True),
+                config=cfg,
+            )
+            table.append(
+                [
+                    name,
+                    label,
+                    f"{bpp:.1f}",
+                    f"{m_enc.rate(len(arr), cpu=True):,.0f}",
+                    f"{m_dec.rate(len(arr), cpu=True):,.0f}",
+                ]
+            )
+    rec.save()
+    print(md_table(["input", "codec", "B/pos", "encode pos/cpu-s", "decode pos/cpu-s"], table))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.format", description=__doc__.split("\n")[0]
+    )
+    sub = p.add_subparsers(dest="mode", required=True)
+    modes = {"configs": run_configs, "write": run_write, "random": run_random, "codecs": run_codecs}
+    for name in modes:
+        s = sub.add_parser(name)
+        s.add_argument("--positions", type=float, default=2e6 if name == "random" else 262144)
+        s.add_argument("--cores", type=int, default=1, help="pin to this many cores (0: all)")
+        s.add_argument("--seed", type=int, default=0)
+        add_csv_option(s)
+        if name in ("configs", "write"):
+            s.add_argument("--configs", default="default" if name == "write" else ",".join(CONFIGS))
+        if name == "configs":
+            s.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
+            s.add_argument("--random-reads", type=int, default=200)
+            s.add_argument("--repeats", type=int, default=3)
+        if name == "write":
+            s.add_argument("--rounds", type=int, default=5)
+        if name == "random":
+            s.add_argument("--layouts", nargs="+", default=["default", "random_access"])
+            s.add_argument("--threads", type=int, nargs="+", default=[1, 8])
+            s.add_argument("--reads", type=int, default=320)
+    args = p.parse_args(argv)
+    args.positions = int(args.positions)
+    if args.cores:
+        pin_cores(args.cores)
+    modes[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,753 @@
+"""The benchmarks' one harness: machine row, timers, quantiles, peak memory, the results CSV, A/B
+runs of two trees, the device runner and plots. A suite states *what* it sets up and measures;
+this module owns *how* it is timed and recorded.
+
+Rows go to one CSV, ``benchmarks/results/all_benchmark_data.csv`` (Liger's
+``all_benchmark_data.csv`` is the model): one measured value per row, with its quantiles, the
+suite/mode/case that produced it, the configuration as JSON and the machine row (git sha, load
+average, CPUs, torch/CUDA versions, GPU name). A suite's page (``benchmarks/results/<suite>.md``)
+shows its current figures; the CSV keeps every run.
+
+Command line::
+
+    python -m benchmarks.harness machine                   # the machine row, as JSON
+    python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format write --rows 65536
+    python -m benchmarks.harness with-tree TREE -- -m benchmarks.format write --rows 65536
+    python -m benchmarks.harness device WHEELS -- -m benchmarks.loader scaling --positions 1e8
+
+``ab`` exports both revisions with ``git archive`` and runs the command under each tree in turn
+(``--rounds`` alternations, the load drifts), so the two are measured in one session on one
+machine. ``with-tree`` runs one command with the project's packages taken from another tree (the
+editable install's module map is pointed there before anything is imported). ``device`` runs a
+suite on a box where the project is not installed: wheels from ``WHEELS`` go to ``/tmp/site``
+and ``logitcache`` is a folder of links to this checkout's packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import glob
+import importlib
+import json
+import os
+import platform
+import resource
+import runpy
+import shlex
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+CSV_PATH = RESULTS / "all_benchmark_data.csv"
+PACKAGES = ("cache_format", "client", "server")
+
+__all__ = [
+    "CSV_PATH",
+    "Measurement",
+    "PeakRSS",
+    "add_csv_option",
+    "Recorder",
+    "ab",
+    "cuda_measure",
+    "cuda_peak_bytes",
+    "line_plot",
+    "live_bytes",
+    "log",
+    "machine",
+    "machine_line",
+    "measure",
+    "pin_cores",
+    "quantiles",
+    "sync",
+    "time_call",
+]
+
+
+def log(*parts: Any) -> None:
+    """A timestamped progress line on stdout."""
+    print(f"[{time.strftime('%H:%M:%S')}]", *parts, flush=True)
+
+
+# --------------------------------------------------------------------------- machine row
+def _git_sha(root: Path = ROOT) -> str:
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """Where and on what a figure was measured: git sha (``+dirty`` with uncommitted changes),
+    host CPU, usable CPUs, load average, Python, torch, CUDA, GPU name (torch is imported only if
+    it is installed; no GPU gives ``gpu=""``)."""
+    row: dict[str, Any] = {
+        "git_sha": _git_sha(),
+        "cpu": _cpu_name(),
+        "cpu_count": len(os.sched_getaffinity(0)),
+        "load_avg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": "",
+        "cuda": "",
+        "gpu": "",
+    }
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        row["torch"] = torch.__version__
+        row["cuda"] = torch.version.cuda or ""
+        if torch.cuda.is_available():
+            row["gpu"] = torch.cuda.get_device_name(0)
+            row["gpu_count"] = torch.cuda.device_count()
+    return row
+
+
+def machine_line(row: Mapping[str, Any] | None = None) -> str:
+    """The machine row as one line for a page."""
+    m = dict(row or machine())
+    gpu = f", {m['gpu']}" if m.get("gpu") else ", no GPU"
+    torch = f", torch {m['torch']}" + (f" (CUDA {m['cuda']})" if m.get("cuda") else "")
+    return (
+        f"{m['cpu']}, {m['cpu_count']} CPUs{gpu}, Python {m['python']}"
+        f"{torch if m.get('torch') else ''}, load {m['load_avg']}, git {m['git_sha']}"
+    )
+
+
+def pin_cores(n: int) -> None:
+    """Run this process (and blosc's/zarr's threads) on its first ``n`` usable cores."""
+    os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:n]))
+    with contextlib.suppress(ImportError):
+        import numcodecs.blosc
+        import zarr
+
+        numcodecs.blosc.set_nthreads(n)
+        zarr.config.set({"threading.max_workers": n})
+
+
+# --------------------------------------------------------------------------- timing
+def quantiles(samples: Sequence[float], qs: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
+    """The ``qs`` quantiles of ``samples`` (linear interpolation; Liger reports 0.5/0.2/0.8)."""
+    if not samples:
+        raise ValueError("no samples")
+    s = sorted(samples)
+    out = []
+    for q in qs:
+        pos = q * (len(s) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(s) - 1)
+        out.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+    return out
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Seconds per call: ``wall`` and ``cpu`` (process CPU, all threads) samples, one per
+    repeat."""
+
+    wall: list[float]
+    cpu: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.wall)
+
+    @property
+    def best(self) -> float:
+        return min(self.wall)
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(self.cpu) if self.cpu else float("nan")
+
+    @property
+    def cpu_best(self) -> float:
+        return min(self.cpu) if self.cpu else float("nan")
+
+    def rate(self, work: float, cpu: bool = False, best: bool = False) -> float:
+        """``work`` per second (per CPU-second with ``cpu``), at the median or the best."""
+        if cpu:
+            return work / (self.cpu_best if best else self.cpu_median)
+        return work / (self.best if best else self.median)
+
+    def q(self, qs: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
+        return quantiles(self.wall, qs)
+
+
+def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Measurement:
+    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times, timing wall and process CPU
+    seconds of each call."""
+    for _ in range(warmup):
+        fn()
+    wall, cpu = [], []
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    return Measurement(wall, cpu)
+
+
+def cuda_measure(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> Measurement:
+    """Seconds per call of ``fn`` on the current CUDA stream, timed by CUDA events (so kernel
+    time, not launch time); the caches are not flushed between calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    wall = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        wall.append(start.elapsed_time(end) / 1e3)
+    return Measurement(wall)
+
+
+def sync(cuda: bool) -> None:
+    """Wait for the GPU's queued work (no-op on the CPU)."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_call(cuda: bool, fn: Callable[[], Any]) -> float:
+    """Seconds of one call of ``fn``: CUDA events on the GPU, ``perf_counter`` on the CPU."""
+    if cuda:
+        import torch
+
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- memory
+def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``(fn(), peak CUDA bytes allocated during the call above what was allocated before)``."""
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Peak resident bytes of this process while the ``with`` block runs, sampled every
+    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``); ``max_rss`` is the
+    kernel's lifetime high-water mark (children excluded)."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __enter__(self) -> PeakRSS:
+        self.start = self.peak = _rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+    @staticmethod
+    def max_rss() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def live_bytes(top: int = 12) -> Any:
+    """A ``TorchDispatchMode`` counting the storage bytes of every tensor an aten op creates
+    inside it, from creation until the storage is freed, keeping the ``top`` largest tensors
+    alive at the highest total (``.peak``, ``.report()``). Storages passed to ``.known(...)``
+    (inputs, parameters) are never counted. It cannot see memory that is no tensor (cuBLAS
+    workspaces, Triton scratch): on CUDA, ``max_memory_allocated`` minus its peak bounds that."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveBytes(TorchDispatchMode):
+        """Peak of the bytes held by tensors created inside the mode; see the module docstring."""
+
+        def __init__(self, top: int = 12) -> None:
+            super().__init__()
+            self.live = 0
+            self.peak = 0
+            self.top = top
+            self._alive: dict[int, tuple[int, str, tuple[int, ...], str]] = {}
+            self.at_peak: list[tuple[int, str, tuple[int, ...], str]] = []
+
+        def known(self, *tensors: torch.Tensor | None) -> LiveBytes:
+            """Storages that existed before (inputs): never counted."""
+            for t in tensors:
+                if t is not None:
+                    self._alive[t.untyped_storage().data_ptr()] = (0, "input", tuple(t.shape), "")
+            return self
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._count(t, str(func))
+            return out
+
+        def _count(self, t: torch.Tensor, op: str) -> None:
+            st = t.untyped_storage()
+            key, n = st.data_ptr(), st.nbytes()
+            if n == 0 or key in self._alive:
+                return
+            self._alive[key] = (n, op, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+            self.live += n
+
+            def gone(key: int = key, n: int = n) -> None:
+                self.live -= n
+                self._alive.pop(key, None)
+
+            weakref.finalize(st, gone)
+            if self.live > self.peak:
+                self.peak = self.live
+                self.at_peak = sorted(self._alive.values(), key=lambda v: -v[0])[: self.top]
+
+        def report(self) -> dict:
+            """The peak and the largest tensors alive at it (bytes, op, shape, dtype)."""
+            return {
+                "tracked_peak_bytes": self.peak,
+                "alive_at_peak": [
+                    {"bytes": n, "op": op, "shape": list(shape), "dtype": dt}
+                    for n, op, shape, dt in self.at_peak
+                    if n
+                ],
+            }
+
+    return LiveBytes(top)
+
+
+# --------------------------------------------------------------------------- the CSV
+COLUMNS = [
+    "timestamp",
+    "suite",
+    "mode",
+    "case",
+    "metric",
+    "unit",
+    "value",
+    "p20",
+    "p80",
+    "samples",
+    "config",
+    "git_sha",
+    "cpu",
+    "cpu_count",
+    "load_avg",
+    "torch",
+    "cuda",
+    "gpu",
+    "command",
+]
+
+
+class Recorder:
+    """Collects one run's rows and appends them to the CSV (and to a JSON file if asked).
+
+    ``rec = Recorder("format", "write")``; ``rec.add(case, metric, unit, value, ...)``;
+    ``rec.save()``. The machine row is taken once, when the recorder is made."""
+
+    def __init__(
+        self, suite: str, mode: str, *, csv_path: Path | None = None, command: str = ""
+    ) -> None:
+        self.suite, self.mode = suite, mode
+        self.csv_path = CSV_PATH if csv_path is None else csv_path
+        self.machine = machine()
+        self.command = command or "python -m " + " ".join(
+            [f"benchmarks.{suite}", *map(shlex.quote, sys.argv[1:])]
+        )
+        self.rows: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        case: str,
+        metric: str,
+        unit: str,
+        value: float,
+        *,
+        p20: float | None = None,
+        p80: float | None = None,
+        samples: int = 1,
+        config: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        row = {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "suite": self.suite,
+            "mode": self.mode,
+            "case": case,
+            "metric": metric,
+            "unit": unit,
+            "value": float(value),
+            "p20": "" if p20 is None else float(p20),
+            "p80": "" if p80 is None else float(p80),
+            "samples": samples,
+            "config": json.dumps(dict(config or {}), sort_keys=True, default=str),
+            **{k: self.machine.get(k, "") for k in COLUMNS[11:18]},
+            "command": self.command,
+        }
+        self.rows.append(row)
+        return row
+
+    def add_measurement(
+        self,
+        case: str,
+        metric: str,
+        m: Measurement,
+        *,
+        work: float = 1.0,
+        unit: str = "s",
+        config: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A timing as seconds per call (``work=1``) or as ``work`` per second (quantiles
+        inverted accordingly)."""
+        q50, q20, q80 = m.q()
+        if work == 1.0 and unit == "s":
+            return self.add(
+                case, metric, unit, q50, p20=q20, p80=q80, samples=len(m.wall), config=config
+            )
+        return self.add(
+            case,
+            metric,
+            unit,
+            work / q50,
+            p20=work / q80,
+            p80=work / q20,
+            samples=len(m.wall),
+            config=config,
+        )
+
+    def add_flat(
+        self,
+        case: str,
+        values: Mapping[str, Any],
+        *,
+        prefix: str = "",
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """One row per number in ``values`` (nested mappings flattened as ``a.b``; the unit is
+        left to the metric's name)."""
+        for key, v in values.items():
+            if isinstance(v, Mapping):
+                self.add_flat(case, v, prefix=f"{prefix}{key}.", config=config)
+            elif isinstance(v, int | float) and not isinstance(v, bool):
+                self.add(case, f"{prefix}{key}", "", v, config=config)
+
+    def save(self, json_path: Path | None = None) -> Path:
+        """Append the rows to the CSV (header written if the file is new)."""
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
+        with self.csv_path.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            if new:
+                w.writeheader()
+            w.writerows(self.rows)
+        if json_path is not None:
+            json_path.write_text(json.dumps({"machine": self.machine, "rows": self.rows}, indent=1))
+        return self.csv_path
+
+
+def add_csv_option(parser: argparse.ArgumentParser) -> None:
+    """``--csv PATH``: where a run appends its rows (default: the committed CSV)."""
+    parser.add_argument("--csv", type=Path, default=CSV_PATH, help="append the rows here")
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- two trees
+def _editable_finder() -> Any:
+    site = sysconfig.get_paths()["purelib"]
+    finders = glob.glob(os.path.join(site, "__editable___logitcache_*_finder.py"))
+    if not finders:
+        raise SystemExit("no editable install of logitcache in this environment")
+    return importlib.import_module(os.path.basename(finders[0])[:-3])
+
+
+def use_tree(tree: str | Path) -> list[str]:
+    """Point this process's ``logitcache.*`` packages at ``tree`` (a tree's root as
+    ``git archive <rev> | tar -x`` makes it, or a ``cache_format`` folder); the names of the
+    packages moved. Call before anything imports ``logitcache``."""
+    finder = _editable_finder()
+    tree = Path(tree).resolve()
+    moved = []
+    if (tree / "cache_format").is_dir():
+        for name, path in list(finder.MAPPING.items()):
+            package = tree / Path(path.rstrip("/")).name
+            if package.is_dir():
+                finder.MAPPING[name] = str(package)
+                moved.append(name)
+    else:
+        finder.MAPPING["logitcache.cache_format"] = str(tree)
+        moved.append("logitcache.cache_format")
+    import logitcache.cache_format as taken
+
+    if not str(taken.__path__[0]).startswith(str(tree)):
+        raise RuntimeError(f"logitcache.cache_format still comes from {taken.__path__[0]}")
+    return moved
+
+
+def _run_target(target: Sequence[str]) -> None:
+    """Run ``-m module args...`` or ``script.py args...`` in this process."""
+    if target[0] == "-m":
+        sys.argv = [target[1], *target[2:]]
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(target)
+        runpy.run_path(target[0], run_name="__main__")
+
+
+def export_tree(rev: str, dest: Path) -> Path:
+    """``git archive rev`` of the project's packages under ``dest``; ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, *PACKAGES], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def ab(
+    rev_a: str, rev_b: str, target: Sequence[str], rounds: int = 2
+) -> list[tuple[str, int, int]]:
+    """Run ``target`` (``-m module args...``) under the packages of ``rev_a`` and ``rev_b``,
+    alternating, ``rounds`` times each; each run's output streams through. Returns
+    ``(rev, round, returncode)`` per run. The target's own rows carry the label in its
+    ``--label`` argument if it has one; the tree in use is in ``LOGITCACHE_BENCH_TREE``."""
+    out = []
+    with tempfile.TemporaryDirectory(prefix="lc-ab-") as tmp:
+        trees = {rev: export_tree(rev, Path(tmp) / rev.replace("/", "_")) for rev in (rev_a, rev_b)}
+        for r in range(rounds):
+            for rev, tree in trees.items():
+                log(f"round {r}: {rev}")
+                env = dict(os.environ, LOGITCACHE_BENCH_TREE=rev)
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.harness",
+                    "with-tree",
+                    str(tree),
+                    "--",
+                    *target,
+                ]
+                out.append((rev, r, subprocess.run(cmd, cwd=ROOT, env=env).returncode))
+    return out
+
+
+# --------------------------------------------------------------------------- device runner
+def device_env(
+    wheels: Path, site: Path = Path("/tmp/site"), pkg: Path = Path("/tmp/lcpkg")
+) -> dict[str, str]:
+    """Make the project importable on a box where it is not installed: the wheels in
+    ``wheels`` go to ``site``; ``pkg/logitcache/<package>`` link to this checkout's packages.
+    Returns the environment to run a suite in."""
+    whls = sorted(glob.glob(str(wheels / "*.whl")))
+    if whls:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-cache-dir",
+                "--upgrade",
+                "--target",
+                str(site),
+                *whls,
+            ],
+            check=True,
+        )
+    (pkg / "logitcache").mkdir(parents=True, exist_ok=True)
+    for name in (*PACKAGES, "protocol", "fixtures"):
+        link = pkg / "logitcache" / name
+        if not link.exists() and (ROOT / name).is_dir():
+            link.symlink_to(ROOT / name)
+    path = os.pathsep.join([str(site), str(pkg), str(ROOT)])
+    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
+
+
+# --------------------------------------------------------------------------- plots
+Point = tuple[float, float]
+
+
+def line_plot(
+    out: str | Path,
+    series: Mapping[str, Sequence[Point]],
+    *,
+    title: str = "",
+    xlabel: str = "",
+    ylabel: str = "",
+    logx: bool = False,
+    logy: bool = False,
+    hline: float | None = None,
+    hline_label: str = "",
+    note: str = "",
+    size: tuple[float, float] = (6.4, 4.0),
+) -> Path:
+    """Write a line chart of ``series`` (name -> [(x, y), ...]) to ``out`` (PNG); its path.
+
+    Headless (Agg), deterministic bytes (no timestamp in the PNG metadata), one colour per series
+    in insertion order; ``hline`` draws a dashed reference (a goal), ``note`` a caption under the
+    axes (the command and machine behind the numbers). Needs ``matplotlib`` (the ``dev`` extra).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not series:
+        raise ValueError("nothing to plot: series is empty")
+    fig, ax = plt.subplots(figsize=size, dpi=120)
+    try:
+        for name, pts in series.items():
+            if not pts:
+                continue
+            xs, ys = zip(*sorted(pts), strict=True)
+            ax.plot(xs, ys, marker="o", markersize=3.5, linewidth=1.5, label=name)
+        if hline is not None:
+            ax.axhline(hline, linestyle="--", color="grey", linewidth=1, label=hline_label or None)
+        if logx:
+            ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+        if note:
+            fig.text(0.01, 0.01, note, fontsize=6, color="dimgrey")
+        fig.tight_layout(rect=(0, 0.03 if note else 0, 1, 1))
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png", metadata={"Software": None})
+    finally:
+        plt.close(fig)
+    return out
+
+
+# --------------------------------------------------------------------------- command line
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        raise SystemExit("give the command to run after --, e.g. -- -m benchmarks.format write")
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, target = _split(argv) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.harness", description=__doc__.split("\n")[0]
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("machine", help="print the machine row as JSON")
+    a = sub.add_parser("ab", help="run a command under two revisions' packages, alternating")
+    a.add_argument("rev_a")
+    a.add_argument("rev_b")
+    a.add_argument("--rounds", type=int, default=2)
+    t = sub.add_parser("with-tree", help="run a command with the packages of another tree")
+    t.add_argument("tree", type=Path)
+    d = sub.add_parser("device", help="run a command where the project is not installed")
+    d.add_argument("wheels", type=Path)
+    args = p.parse_args(own)
+    if args.cmd == "machine":
+        print(json.dumps(machine(), indent=1))
+        return 0
+    if not target:
+        raise SystemExit("give the command to run after --")
+    if args.cmd == "ab":
+        runs = ab(args.rev_a, args.rev_b, target, args.rounds)
+        return max(rc for _, _, rc in runs)
+    if args.cmd == "with-tree":
+        use_tree(args.tree)
+        _run_target(target)
+        return 0
+    env = device_env(args.wheels)
+    return subprocess.run([sys.executable, *target], cwd=ROOT, env=env).returncode
+
+
+@contextlib.contextmanager
+def scratch(prefix: str = "lc-bench-") -> Iterator[Path]:
+    """A temporary folder removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        yield Path(d)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,545 @@
+"""The top-k distillation loss in isolation: peak memory and time vs positions, the memory floor.
+
+For each ``(V, d)`` config and number of positions N: student hidden ``h [N, d]`` and lm-head
+``W [V, d]`` in bf16 with ``requires_grad``, teacher top-k ids (distinct per row) and logprobs
+``log_softmax(sorted N(0, 2^2)) + log M`` with ``M ~ U(0.85, 0.95)``, ``W ~ N(0, (2/sqrt d)^2)``.
+One step = forward + backward of the mean forward KL (``sum_S p (log p - log q)``); grads are
+set to None before each step. Per cell: peak ``torch.cuda.max_memory_allocated`` over the timed
+steps (inputs and one set of grads included), ``delta`` = peak minus the memory held before the
+step, the median step time over CUDA events, TFLOP/s counting ``6 N d V``. The bf16 GEMM rate
+of the lm-head shape (``[8192 x d] @ [d x V]``) is measured in the same run as the baseline.
+
+Variants: ours (``dense``, ``forward_chunked``, ``fused_chunked``, ``fused_chunked_recompute``,
+the torch path and a larger chunk of the fused one, and the memory-floor settings
+:data:`FLOOR`), plain torch (``torch_dense_gather``) and Liger-Kernel's fused linear KL on a
+dense target when ``liger_kernel`` is installed.
+
+Modes::
+
+    python -m benchmarks.loss sweep --check --out benchmarks/results/loss.json      # CUDA GPU
+    python -m benchmarks.loss sweep --variants fp32acc,bf16acc,floor \\
+        --configs 128256x4096,201088x4096,128256x8192
+    python -m benchmarks.loss sweep --device cpu --sizes 64 --configs 500x32 --k 8 --check
+    python -m benchmarks.loss anatomy floor --n 262144       # tensors alive at the peak
+    python -m benchmarks.loss plot benchmarks/results/loss.json benchmarks/results
+
+``--check`` first compares every variant with a float64 dense reference at a small N, and the
+bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
+and ``loss_time.png`` (every variant vs positions at V=128256, d=4096) from a committed result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from logitcache.client.loss import fused_chunked, topk_distill_loss
+
+from benchmarks.harness import (
+    Point,
+    Recorder,
+    add_csv_option,
+    line_plot,
+    live_bytes,
+    machine_line,
+    sync,
+    time_call,
+)
+
+GIB = 1 << 30
+DEFAULT_VARIANTS = [
+    "fused_chunked",
+    "fused_chunked_recompute",
+    "forward_chunked",
+    "torch_dense_gather",
+    "dense",
+    "liger_kl_dense_target",
+    "fused_chunked_torchpath",
+    "fused_chunked_c8192",
+]
+
+
+# ----------------------------------------------------------------------------- inputs
+def make_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    bf = torch.bfloat16
+    h = torch.randn(n, d, generator=g, device=device, dtype=torch.float32).to(bf)
+    w = (torch.randn(vocab, d, generator=g, device=device) * (2 / math.sqrt(d))).to(bf)
+    ids = torch.empty(n, k, dtype=torch.long, device=device)
+    step = max(1, (1 << 28) // vocab)
+    for s in range(0, n, step):  # distinct ids per row: top-k of random scores, in slices
+        e = min(n, s + step)
+        ids[s:e] = torch.rand(e - s, vocab, generator=g, device=device).topk(k, dim=1).indices
+    raw = torch.randn(n, k, generator=g, device=device) * 2
+    mass = torch.rand(n, 1, generator=g, device=device) * 0.1 + 0.85
+    lp = torch.log_softmax(raw.sort(dim=1, descending=True).values, -1) + mass.log()
+    return {"h": h.requires_grad_(), "w": w.requires_grad_(), "ids": ids, "lp": lp}
+
+
+# ----------------------------------------------------------------------------- variants
+def ours(impl: str, backend: str = "auto", chunk: int | None = None) -> Callable:
+    def fn(x: dict) -> torch.Tensor:
+        return topk_distill_loss(
+            x["h"], x["w"], x["ids"], x["lp"], impl=impl, chunk_size=chunk, kernels=backend
+        )
+
+    return fn
+
+
+#: The memory-floor variants (``impl="fused_chunked"``): grad_W accumulated in fp32 or straight
+#: into the bf16 grad buffer, and the logits chunk as a byte budget or a row count.
+FLOOR = {
+    "fp32acc": {"grad_weight_dtype": "float32", "budget": 1 << 30},
+    "bf16acc": {"grad_weight_dtype": "weight", "budget": 1 << 30},
+    "floor": {"grad_weight_dtype": "weight", "budget": 1 << 29},
+    "floor_c1920": {"grad_weight_dtype": "weight", "rows": 1920},
+}
+
+
+def floor_variant(name: str) -> Callable:
+    opts = FLOOR[name]
+
+    def fn(x: dict) -> torch.Tensor:
+        vocab = x["w"].shape[0]
+        rows = opts.get("rows") or max(256, opts["budget"] // (2 * vocab) // 256 * 256)
+        return topk_distill_loss(
+            x["h"],
+            x["w"],
+            x["ids"],
+            x["lp"],
+            chunk_size=rows,
+            grad_weight_dtype=opts["grad_weight_dtype"],
+        )
+
+    return fn
+
+
+def torch_dense_gather(x: dict) -> torch.Tensor:
+    """Plain torch: bf16 logits, fp32 log_softmax, gather, the formula; autograd."""
+    logq = torch.log_softmax((x["h"] @ x["w"].t()).float(), dim=-1).gather(1, x["ids"])
+    p = x["lp"].exp()
+    return (p * (x["lp"] - logq)).sum(-1).mean()
+
+
+def liger_kl_dense_target(x: dict) -> torch.Tensor:
+    """Liger-Kernel LigerFusedLinearKLDivLoss on a dense fp32 target built from the top-k."""
+    from liger_kernel.ops import LigerFusedLinearKLDivFunction
+
+    n, vocab = x["h"].shape[0], x["w"].shape[0]
+    target = torch.zeros(n, vocab, device=x["h"].device).scatter_(1, x["ids"], x["lp"].exp())
+    # (input, weight, target, shift_labels, reduction, ignore_index, temperature, eps, accum)
+    return LigerFusedLinearKLDivFunction.apply(
+        x["h"], x["w"], target, None, "batchmean", -100, 1.0, 1e-10, None
+    )
+
+
+def variants(device: str) -> dict[str, Callable]:
+    out = {
+        "dense": ours("dense"),
+        "torch_dense_gather": torch_dense_gather,
+        "forward_chunked": ours("forward_chunked"),
+        "fused_chunked": ours("fused_chunked"),
+        "fused_chunked_recompute": ours("fused_chunked_recompute"),
+        "fused_chunked_torchpath": ours("fused_chunked", backend="torch"),
+        "fused_chunked_c8192": ours("fused_chunked", chunk=8192),
+        **{name: floor_variant(name) for name in FLOOR},
+    }
+    try:
+        import liger_kernel  # noqa: F401
+
+        if device == "cuda":
+            out["liger_kl_dense_target"] = liger_kl_dense_target
+    except ImportError:
+        pass
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def gemm_rate(n: int, d: int, vocab: int, device: str, cuda: bool) -> float:
+    """bf16 TFLOP/s of ``[n, d] @ [d, vocab]`` (median of 10 after 3 warm-ups)."""
+    a = torch.randn(n, d, device=device, dtype=torch.bfloat16)
+    b = torch.randn(vocab, d, device=device, dtype=torch.bfloat16)
+
+    def mm() -> torch.Tensor:
+        return a @ b.t()
+
+    for _ in range(3):
+        mm()
+    sync(cuda)
+    ts = [time_call(cuda, mm) for _ in range(10)]
+    free()
+    return 2 * n * d * vocab / statistics.median(ts) / 1e12
+
+
+def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dict:
+    device_cuda = cuda
+
+    def step() -> None:
+        x["h"].grad = None
+        x["w"].grad = None
+        fn(x).backward()
+
+    if device_cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+    first = time_call(cuda, step)  # warm-up 1 (kernel compile, allocator)
+    x["h"].grad = x["w"].grad = None
+    n_warm = 1 if first > cap_s / 4 else 2
+    for _ in range(n_warm - 1):
+        time_call(cuda, step)
+        x["h"].grad = x["w"].grad = None
+    if device_cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    n_reps = max(2, min(reps, int(cap_s / max(first, 1e-6))))
+    ts = []
+    for _ in range(n_reps):
+        ts.append(time_call(cuda, step))
+        x["h"].grad = x["w"].grad = None
+    res = {"ms": statistics.median(ts) * 1e3, "ms_all": [round(t * 1e3, 2) for t in ts]}
+    if device_cuda:
+        peak = torch.cuda.max_memory_allocated()
+        res.update(peak_gib=peak / GIB, delta_gib=(peak - base) / GIB, input_gib=base / GIB)
+    return res
+
+
+# ----------------------------------------------------------------------------- checks
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def grads_of(fn: Callable, x: dict) -> tuple[float, torch.Tensor, torch.Tensor]:
+    x["h"].grad = x["w"].grad = None
+    loss = fn(x)
+    loss.backward()
+    out = (loss.item(), x["h"].grad.detach().clone(), x["w"].grad.detach().clone())
+    x["h"].grad = x["w"].grad = None
+    return out
+
+
+def check(args: argparse.Namespace, device: str) -> dict:
+    """Every variant vs a float64 dense reference (small N); bf16 grad_W vs fp32 (large N)."""
+    out: dict[str, Any] = {"small": [], "large": {}}
+    vocab, dim = args.configs[0]
+    x = make_inputs(args.check_n, dim, vocab, args.k, device, seed=1)
+    x64 = {
+        "h": x["h"].detach().double().requires_grad_(),
+        "w": x["w"].detach().double().requires_grad_(),
+        "ids": x["ids"],
+        "lp": x["lp"],
+    }
+    tail = (1 - x["lp"].exp().sum(-1)).clamp(0, 1)
+    labels = torch.randint(0, vocab, (args.check_n,), device=device)
+    configs = {
+        "forward_kl": {},
+        "forward_kl+tail+ce0.2+T2": dict(
+            tail_mass=tail, labels=labels, ce_weight=0.2, temperature=2.0
+        ),
+        "jsd+tail": dict(loss="jsd", tail_mass=tail),
+        "reverse_kl": dict(loss="reverse_kl"),
+        "renormalized_kl": dict(loss="renormalized_kl"),
+    }
+    impls = [
+        ("forward_chunked", "auto"),
+        ("fused_chunked", "auto"),
+        ("fused_chunked_recompute", "auto"),
+        ("fused_chunked", "torch"),
+    ]
+    for cname, kw in configs.items():
+
+        def mk(impl: str, backend: str, kw: dict = kw) -> Callable:
+            def call(x: dict) -> torch.Tensor:
+                return topk_distill_loss(
+                    x["h"],
+                    x["w"],
+                    x["ids"],
+                    x["lp"],
+                    impl=impl,
+                    chunk_size=args.check_chunk,
+                    kernels=backend,
+                    **kw,
+                )
+
+            return call
+
+        ref = grads_of(mk("dense", "torch"), x64)
+        free()
+        rows = [("dense_bf16", mk("dense", "torch"))] + [
+            (f"{i}" + ("" if b == "auto" else "_torchpath"), mk(i, b)) for i, b in impls
+        ]
+        if cname == "forward_kl":
+            rows.append(("torch_dense_gather", torch_dense_gather))
+            if "liger_kl_dense_target" in variants(device):
+                rows.append(("liger_kl_dense_target", liger_kl_dense_target))
+        for name, fn in rows:
+            got = grads_of(fn, x)
+            errs = dict(
+                config=cname,
+                variant=name,
+                loss=got[0],
+                loss_ref=ref[0],
+                rel_loss=abs(got[0] - ref[0]) / abs(ref[0]),
+                rel_grad_h=rel(got[1], ref[1]),
+                rel_grad_w=rel(got[2], ref[2]),
+                finite=bool(torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all()),
+            )
+            out["small"].append(errs)
+            print(
+                f"check {cname:26s} {name:30s} loss {got[0]:+.6f} (ref {ref[0]:+.6f}) "
+                f"rel loss {errs['rel_loss']:.1e} grad_h {errs['rel_grad_h']:.1e} "
+                f"grad_W {errs['rel_grad_w']:.1e}",
+                flush=True,
+            )
+            free()
+        del ref
+        free()
+    del x, x64
+    free()
+    if args.check_large_n:
+        xl = make_inputs(args.check_large_n, dim, vocab, args.k, device, seed=2)
+        x32 = {
+            "h": xl["h"].detach().float().requires_grad_(),
+            "w": xl["w"].detach().float().requires_grad_(),
+            "ids": xl["ids"],
+            "lp": xl["lp"],
+        }
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ref = grads_of(ours("fused_chunked", "torch", 2048), x32)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        del x32
+        free()
+        got = grads_of(ours("fused_chunked"), xl)
+        out["large"] = dict(
+            n=args.check_large_n,
+            rel_loss=abs(got[0] - ref[0]) / abs(ref[0]),
+            rel_grad_h=rel(got[1], ref[1]),
+            rel_grad_w=rel(got[2], ref[2]),
+            fp32_epilogue=fused_chunked.addmm_fp32_epilogue_used(xl["h"].device, torch.bfloat16),
+        )
+        print(f"check large N={args.check_large_n}: fused bf16 vs fp32 {out['large']}", flush=True)
+        del xl, ref, got
+        free()
+    return out
+
+
+# ----------------------------------------------------------------------------- sweep
+def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
+    cuda = device == "cuda"
+    table: list[dict] = []
+    fns = variants(device)
+    chosen = [v for v in args.variants if v in fns]
+    limits = {"fused_chunked_torchpath": args.torchpath_max_n, "dense": args.dense_max_n}
+    for vocab, dim in args.configs:
+        oomed: set[str] = set()
+        for n in args.sizes:
+            flops = 6 * n * dim * vocab
+            x = None
+            for name in chosen:
+                row = dict(variant=name, n=n, vocab=vocab, d=dim, k=args.k)
+                if name == "fused_chunked_c8192" and n not in args.c8192_sizes:
+                    continue
+                if n > limits.get(name, n):
+                    continue
+                if name in oomed:
+                    table.append({**row, "status": "OOM (at a smaller N)"})
+                    continue
+                if time.time() > t_end:
+                    table.append({**row, "status": "not run (time cap)"})
+                    continue
+                try:
+                    if x is None:
+                        x = make_inputs(n, dim, vocab, args.k, device)
+                    res = time_cell(fns[name], x, cuda, args.reps, args.cell_cap_s)
+                    res["tflops"] = flops / (res["ms"] / 1e3) / 1e12
+                    table.append({**row, "status": "ok", **res})
+                    print(
+                        f"{name:26s} V={vocab} N={n:7d} {res['ms']:9.1f} ms "
+                        f"{res['tflops']:6.1f} TF/s peak {res.get('peak_gib', 0):6.2f} GiB "
+                        f"delta {res.get('delta_gib', 0):6.2f}",
+                        flush=True,
+                    )
+                except torch.OutOfMemoryError:
+                    oomed.add(name)
+                    table.append({**row, "status": "OOM"})
+                    print(f"{name:26s} V={vocab} N={n:7d} OOM", flush=True)
+                finally:
+                    if x is not None:
+                        x["h"].grad = x["w"].grad = None
+                    free()
+            del x
+            free()
+    return table
+
+
+def anatomy(name: str, n: int, vocab: int, d: int, k: int, device: str) -> dict:
+    """One fwd+bwd step of ``name`` at ``n`` under :func:`~benchmarks.harness.live_bytes`
+    (after one warm-up step)."""
+    x = make_inputs(n, d, vocab, k, device, seed=41)
+    fn = variants(device)[name]
+    grads_of(fn, x)  # warm-up: kernels compiled, cuBLAS workspaces allocated
+    free()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    mode = live_bytes().known(*x.values())
+    with mode:
+        loss = fn(x)
+        loss.backward()
+    out: dict[str, Any] = {"variant": name, "n": n, "vocab": vocab, "d": d}
+    out.update(mode.report())
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        out.update(
+            base_bytes=base,
+            allocator_peak_bytes=peak,
+            allocator_over_base_bytes=peak - base,
+            not_tensors_bytes=peak - base - mode.peak,
+        )
+    x["h"].grad = x["w"].grad = None
+    del x, loss
+    free()
+    print("anatomy", json.dumps(out), flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- plots
+def loss_series(
+    result: Mapping, field: str, vocab: int = 128256, d: int = 4096
+) -> dict[str, list[Point]]:
+    """``field`` (``peak_gib`` or ``ms``) vs positions per loss variant of a ``loss_bench``
+    result (``benchmarks/results/loss.json``: ``sweep = [{"variant", "n", "vocab", "d",
+    "status", "peak_gib", "ms"}]``) at one (vocab, d); runs that did not finish ("OOM") are left
+    out."""
+    series: dict[str, list[Point]] = {}
+    for r in result["sweep"]:
+        if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok":
+            series.setdefault(r["variant"], []).append((float(r["n"]), float(r[field])))
+    return series
+
+
+def loss_plots(result_json: str | Path, out_dir: str | Path, vocab: int = 128256) -> list[Path]:
+    """``loss_memory.png`` and ``loss_time.png`` (every variant vs positions) in ``out_dir``."""
+    result = json.loads(Path(result_json).read_text())
+    meta = result.get("meta", {})
+    note = (
+        f"{Path(result_json).name}: {meta.get('device', '')}, torch {meta.get('torch', '')}; "
+        f"V={vocab}, d=4096, k=100, fwd+bwd; a variant's line ends where it ran out of memory"
+    )
+    common = dict(xlabel="positions N", logx=True, logy=True, note=note, size=(7.2, 4.4))
+    return [
+        line_plot(
+            Path(out_dir) / "loss_memory.png",
+            loss_series(result, "peak_gib", vocab),
+            title="distillation loss: peak memory vs positions, every variant",
+            ylabel="peak GiB",
+            **common,  # type: ignore[arg-type]
+        ),
+        line_plot(
+            Path(out_dir) / "loss_time.png",
+            loss_series(result, "ms", vocab),
+            title="distillation loss: fwd+bwd time vs positions, every variant",
+            ylabel="ms",
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.loss", description=__doc__.split("\n")[0]
+    )
+    sub = ap.add_subparsers(dest="mode", required=True)
+    pl = sub.add_parser("plot", help="loss_memory.png and loss_time.png from a result JSON")
+    pl.add_argument("result", type=Path)
+    pl.add_argument("out_dir", type=Path)
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    configs = lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")]  # noqa: E731
+    sw = sub.add_parser("sweep", help="every variant x N x config: memory and time")
+    an = sub.add_parser("anatomy", help="the tensors alive at one variant's peak")
+    an.add_argument("variant")
+    an.add_argument("--n", type=int, default=262144)
+    for s in (sw, an):
+        s.add_argument("--device", default=None)
+        s.add_argument("--configs", type=configs, default=[(128256, 4096), (201088, 4096)])
+        s.add_argument("--k", type=int, default=100)
+        add_csv_option(s)
+    sw.add_argument("--sizes", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
+    sw.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS)
+    sw.add_argument("--reps", type=int, default=5)
+    sw.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
+    sw.add_argument("--budget-s", type=float, default=420.0, help="stop starting cells after")
+    sw.add_argument("--torchpath-max-n", type=int, default=32768)
+    sw.add_argument("--dense-max-n", type=int, default=32768)
+    sw.add_argument("--c8192-sizes", type=ints, default=[32768, 262144])
+    sw.add_argument("--check", action="store_true")
+    sw.add_argument("--check-n", type=int, default=2048)
+    sw.add_argument("--check-chunk", type=int, default=512)
+    sw.add_argument("--check-large-n", type=int, default=32768)
+    sw.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.mode == "plot":
+        print(*loss_plots(args.result, args.out_dir), sep="\n")
+        return
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rec = Recorder("loss", args.mode, csv_path=args.csv)
+    if args.mode == "anatomy":
+        vocab, d = args.configs[0]
+        out = anatomy(args.variant, args.n, vocab, d, args.k, device)
+        rec.add(
+            args.variant,
+            "tracked_peak_bytes",
+            "B",
+            out["tracked_peak_bytes"],
+            config={"n": args.n, "vocab": vocab, "d": d, "k": args.k},
+        )
+        rec.save()
+        return
+    t0 = time.time()
+    result: dict[str, Any] = {"meta": rec.machine | {"line": machine_line(rec.machine)}}
+    print(result["meta"]["line"], flush=True)
+    if device == "cuda":
+        result["gemm_tflops"] = {
+            f"{v}x{d}": gemm_rate(8192, d, v, device, True) for v, d in args.configs
+        }
+        print("bf16 lm-head GEMM TFLOP/s", result["gemm_tflops"], flush=True)
+    if args.check:
+        result["check"] = check(args, device)
+        print(f"check done at {time.time() - t0:.0f} s", flush=True)
+    result["sweep"] = sweep(args, device, t0 + args.budget_s)
+    for r in result["sweep"]:
+        if r["status"] != "ok":
+            continue
+        cfg = {k: r[k] for k in ("n", "vocab", "d", "k")}
+        rec.add(r["variant"], "ms", "ms", r["ms"], samples=len(r["ms_all"]), config=cfg)
+        if "peak_gib" in r:
+            rec.add(r["variant"], "peak_gib", "GiB", r["peak_gib"], config=cfg)
+    rec.save()
+    result["wall_s"] = time.time() - t0
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    print(f"done in {result['wall_s']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Online-KD teacher traffic against the cache-serving endpoint: 3 epochs of the same requests.
+
+Usage (from the repository root; the vLLM env is set by the script)::
+
+    python -m benchmarks.service cache [--sequences 256] [--length 128] [--batch 16] [--k 8]
+        [--epochs 3] [--logprob-dtype float32] [--json OUT.json]
+
+One real service (``python -m logitcache.server`` subprocess, vLLM engine on the tiny teacher)
+and ``--sequences`` windows of ``--length`` tokens cut from the tiny fixture's training split,
+sent in requests of ``--batch`` prompts:
+
+1. **direct** (baseline): one epoch of ``POST /v1/score`` without a cache (every request is
+   scored by the engine: what a trainer calling a plain teacher pays every epoch).
+2. **served**: ``--epochs`` epochs of vLLM-shaped ``POST /v1/completions`` (``prompt_logprobs=k``,
+   ``max_tokens=0``) through the cache (``server/serving/cache_hits.py``): epoch 1 misses and
+   stores, later epochs should hit.
+
+Per epoch: engine seconds (``logitcache_engine_seconds_sum{source="score"}`` delta from
+``/metrics``: time inside engine calls), tokens the engine scored, cache hits, and wall seconds.
+Goal (issue #17): engine time of epochs 2..n < 5% of epoch 1. Identity: every later epoch's
+``prompt_logprobs`` equal epoch 1's exactly, and epoch 1's top-k ids/logprobs compared with the
+direct scores (exact with ``--logprob-dtype float32``; float16 storage rounds logprobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from tests.server_support import ServerProcess
+
+API_KEY = "cache-serve-bench"
+
+
+def scrape(client: Any) -> dict[str, float]:
+    """Engine seconds, engine tokens and cache hits/misses from ``/metrics``."""
+    text = client.get("/metrics").text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return {
+        "engine_s": value('logitcache_engine_seconds_sum{source="score"}'),
+        "engine_tokens": value('logitcache_tokens_scored_total{source="score"}'),
+        "hits": value("logitcache_cache_hits_total"),
+        "misses": value("logitcache_cache_misses_total"),
+    }
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def rows_of_completion(choice: dict) -> list[tuple[list[int], list[float]]]:
+    """(top-k ids, logprobs) per row of a vLLM ``prompt_logprobs`` list (``None`` first)."""
+    return [
+        ([int(t) for t in pos], [v["logprob"] for v in pos.values()])
+        for pos in choice["prompt_logprobs"][1:]
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.service cache", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--sequences", type=int, default=256)
+    ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--logprob-dtype", default="float32")
+    ap.add_argument("--json", type=Path, default=None)
+    add_csv_option(ap)
+    args = ap.parse_args(argv)
+
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    tiny = build_tiny_models()
+    seqs = tiny.token_sequences(
+        "train", max_len=args.length, min_len=args.length, limit=args.sequences + 1
+    )
+    warm, seqs = seqs[0], seqs[1:]
+    if len(seqs) < args.sequences:
+        raise SystemExit(f"only {len(seqs)} windows of {args.length} tokens in the fixture")
+    batches = [seqs[i : i + args.batch] for i in range(0, len(seqs), args.batch)]
+    tokens = sum(len(s) for s in seqs)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(
+            Path(tmp),
+            api_key=API_KEY,
+            model=str(tiny.teacher_dir),
+            k=args.k,
+            dtype="float32",
+            max_seq_len=max(256, args.length),
+            logprob_dtype=args.logprob_dtype,
+        )
+        t_start = time.perf_counter()
+        with (
+            server,
+            httpx.Client(base_url=server.url, headers=server.headers(), timeout=300.0) as client,
+        ):
+            startup_s = time.perf_counter() - t_start
+            r = client.post("/v1/score", json={"input_ids": [warm], "k": args.k})
+            r.raise_for_status()  # warm-up, not counted
+
+            # 1. direct: every request scored by the engine
+            m0, t0 = scrape(client), time.perf_counter()
+            direct: list[list[tuple[list[int], list[float]]]] = []
+            for b in batches:
+                r = client.post("/v1/score", json={"input_ids": b, "k": args.k})
+                r.raise_for_status()
+                for s in r.json()["sequences"]:
+                    direct.append(list(zip(s["topk_ids"], s["topk_logprobs"], strict=True)))
+            direct_epoch = {**delta(scrape(client), m0), "wall_s": time.perf_counter() - t0}
+
+            # 2. served: epochs through the cache
+            epochs = []
+            answers: list[list[dict]] = []
+            for _ in range(args.epochs):
+                m0, t0 = scrape(client), time.perf_counter()
+                got: list[dict] = []
+                for b in batches:
+                    r = client.post(
+                        "/v1/completions",
+                        json={
+                            "prompt": b,
+                            "prompt_logprobs": args.k,
+                            "max_tokens": 0,
+                            "cache": "bench",
+                        },
+                    )
+                    r.raise_for_status()
+                    got.extend(r.json()["choices"])
+                epochs.append({**delta(scrape(client), m0), "wall_s": time.perf_counter() - t0})
+                answers.append(got)
+
+    first = answers[0]
+    later_identical = all(
+        [c["prompt_logprobs"] for c in a] == [c["prompt_logprobs"] for c in first]
+        for a in answers[1:]
+    )
+    ids_equal = rows = rows_exact = 0
+    max_abs = 0.0
+    for choice, want in zip(first, direct, strict=True):
+        for (ids, lps), (wids, wlps) in zip(rows_of_completion(choice), want, strict=True):
+            rows += 1
+            ids_equal += ids == wids
+            rows_exact += ids == wids and lps == wlps
+            max_abs = max(max_abs, max(abs(a - b) for a, b in zip(lps, wlps, strict=True)))
+    e1 = epochs[0]["engine_s"]
+    result = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_line(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "tokens_per_epoch": tokens,
+        "server_startup_s": startup_s,
+        "direct_epoch": direct_epoch,
+        "served_epochs": epochs,
+        "later_over_first_engine_s": [e["engine_s"] / e1 if e1 else None for e in epochs[1:]],
+        "goal_met": all(e["engine_s"] < 0.05 * e1 for e in epochs[1:]),
+        "later_epochs_identical": later_identical,
+        "vs_direct": {
+            "rows": rows,
+            "rows_ids_equal": ids_equal,
+            "rows_exact": rows_exact,
+            "max_abs_logprob_diff": max_abs,
+        },
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    rec = Recorder("service", "cache", csv_path=args.csv)
+    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
+    for i, ratio in enumerate(result["later_over_first_engine_s"], start=2):
+        rec.add(f"epoch {i}", "engine_s_over_epoch_1", "ratio", ratio or 0.0, config=cfg)
+    rec.add_flat("epoch 1", result["served_epochs"][0], config=cfg)
+    rec.save()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,594 @@
+"""CPU cost per position of the batch-job path outside the engine.
+
+What a GPU engine does not pay for: after the engine produced a request's prompt logprobs, the
+job path converts vLLM's output to arrays (``rows_from_flat`` + tail mass), pairs them with the
+sequences, compresses, checksums and writes them to the Zarr cache (one commit per batch), records
+progress in SQLite, and runs the asyncio/thread plumbing around all that. This bench runs the
+**real** job pipeline in-process (``create_app`` + ``httpx.ASGITransport``, ``POST /v1/jobs`` over
+a JSONL file, real ``CacheWriter`` on local disk, real SQLite job table) behind a *replay* engine:
+``score`` returns vLLM ``RequestOutput``-like objects holding real ``vllm.logprobs.FlatLogprobs``
+prepared before the clock starts, and the real conversion (``engine/vllm.py::
+scores_from_output``) turns them into rows. So every CPU-second counted is job-path work, none is
+the model's.
+
+Measured in CPU time, not wall time (the box is shared; wall-clock ratios drift with the load):
+``getrusage`` user+sys of this process over the job (microsecond resolution), divided by the
+positions scored (``L - 1`` per sequence). The breakdown is by thread and by stage, every figure
+measured in the thread that spends it (``time.thread_time()`` around a stage; a thread's own CPU
+from ``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as
+the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the replay engine's
+call: the service's vLLM hook, which keeps vLLM 0.32's buffers or copies them, on the event loop),
+``convert`` (rows + tail mass, on the event loop), ``pair`` (``to_records``), ``encode``
+(``writer.encode_batch``: checks, float16, row deltas, in the job writer thread), ``compress``
+(``shardwrite.encode_chunk``: blosc + CRC32C, in
+zarr's IO thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
+writes, fsyncs and renames in its ``to_thread`` workers; and the rest of ``CacheWriter.append`` in
+the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress rows), ``read``
+(input -> batches, missing-key checks), ``submit`` (the whole input checked before the job exists),
+``bookkeeping`` (the job writer thread's other work: progress, coverage, its queue), ``event_loop``
+(the event loop thread's CPU outside ``engine`` and ``convert``: HTTP, tasks, futures), ``handoffs``
+(the ``asyncio.to_thread`` workers' CPU outside the stages they run); ``other`` is what no thread or
+stage accounts for (threads ended before being seen, and the difference between the clocks). The
+replayed outputs are built before the clock starts and moved out of the garbage collector's sight
+(``gc.freeze``): in the service an output lives only until its batch is converted, so the collector
+never walks millions of them. The load average is recorded beside every figure.
+
+Usage::
+
+    python -m benchmarks.service cpu --k 20 100 --sequences 256 --length 256 --repeats 3 \\
+        --ids zipf --json benchmarks/results/job_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import resource
+import shutil
+import sqlite3
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.synthetic import Teacher
+
+VOCAB = 4096  # the replay engine's vocabulary (no real teacher runs here); --ids zipf: 131072
+ZIPF_POOL_ROWS = 65536  # --ids zipf: rows generated once (the synthetic teacher), dealt out in turn
+
+
+class ZipfRows:
+    """``--ids zipf``: top-k rows from the synthetic teacher (ids: the first k distinct of
+    i.i.d. Zipf(1.05) draws over a 131,072-token vocabulary with a BPE-like id placement;
+    logprobs: a noisy power law with a Beta tail mass), the data the format's <= 260
+    B/position goal is measured on. The bench's own ``stride`` ids (arithmetic progressions
+    modulo 4,096) compress to ~57 B/position at k=100 but cost zstd more CPU than these (0.53
+    vs 0.36 CPU-us/position, numcodecs alone). A pool of
+    :data:`ZIPF_POOL_ROWS` rows is made once and dealt out in a shuffled order, each row once per
+    pass, so no inner chunk (2,048 rows) repeats a row unless the pass wraps inside it."""
+
+    def __init__(self, seed: int = 0) -> None:
+        teacher = Teacher(seed=seed)
+        rng = np.random.default_rng(seed)
+        cdf = teacher.cdf()
+        self.ids = teacher.topk_ids(ZIPF_POOL_ROWS, rng, cdf, teacher.rank_to_id(rng))
+        self.logprobs = teacher.logprobs(ZIPF_POOL_ROWS, rng)[0]
+        self.k_max = teacher.k
+        self.order = rng.permutation(ZIPF_POOL_ROWS)
+        self.cursor = 0
+
+    def take(self, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next ``m`` rows' top-``k`` ids and logprobs (k <= 100)."""
+        if k > self.k_max:
+            raise SystemExit(f"--ids zipf has rows of k <= {self.k_max}, not {k}")
+        idx = self.order[(self.cursor + np.arange(m)) % ZIPF_POOL_ROWS]
+        self.cursor = (self.cursor + m) % ZIPF_POOL_ROWS
+        return self.ids[idx, :k], self.logprobs[idx, :k].astype(np.float64)
+
+
+ZIPF: ZipfRows | None = None  # set by --ids zipf
+
+
+def tensor_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
+    """The engine core's prompt-logprob tensors for ``ids`` (what vLLM 0.32 hands its output
+    processor: one buffer per request, ``LogprobsTensors.empty_cpu``): ``(token_ids [L-1, k+1]
+    int32, logprobs [L-1, k+1] float32)``."""
+    import torch
+
+    flat = flat_output(ids, k, rng).prompt_logprobs
+    m, w = len(ids) - 1, k + 1
+    tok = torch.tensor(flat.token_ids, dtype=torch.int32).reshape(m, w)
+    lp = torch.tensor(flat.logprobs, dtype=torch.float32).reshape(m, w)
+    return tok, lp
+
+
+def flat_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
+    """A ``RequestOutput``-like object with vLLM 0.32's FlatLogprobs layout for ``ids``:
+    position 0 empty, then per position the actual token followed by the top-k."""
+    from vllm.logprobs import FlatLogprobs
+
+    m, w = len(ids) - 1, k + 1
+    if ZIPF is not None:
+        top, lps = ZIPF.take(m, k)
+    else:
+        # k distinct ids per row: a random start and a random odd stride modulo the 2^12 vocab
+        start = rng.integers(0, VOCAB, (m, 1))
+        stride = 2 * rng.integers(0, VOCAB // 2, (m, 1)) + 1
+        top = (start + stride * np.arange(k)[None, :]) % VOCAB
+        g = rng.gamma(0.3, size=(m, k + 64))  # a peaked distribution; the top k of it
+        lps = np.log(-np.sort(-(g / g.sum(axis=1, keepdims=True)), axis=1)[:, :k])
+    tok = np.empty((m, w), dtype=np.int64)
+    tok[:, 0], tok[:, 1:] = ids[1:], top
+    lp = np.empty((m, w), dtype=np.float64)
+    lp[:, 0], lp[:, 1:] = -7.0, lps
+    flat = FlatLogprobs()
+    flat.start_indices = [0, *range(0, m * w, w)]
+    flat.end_indices = [0, *range(w, m * w + 1, w)]
+    flat.token_ids = tok.ravel().tolist()
+    flat.logprobs = lp.ravel().tolist()
+    flat.ranks = [1] * (m * w)
+    flat.decoded_tokens = [None] * (m * w)
+    return SimpleNamespace(prompt_logprobs=flat)
+
+
+class StageClock:
+    """Thread-CPU seconds per stage (each stage runs in one thread at a time), and the rows of
+    every append (how the job's writer grouped the scored batches: per-append costs, and the
+    rewrites of partly filled shards, FORMAT.md W3, depend on it)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.appends: list[int] = []
+
+    def count_append(self, fn: Any) -> Any:
+        def counted(handle: Any, records: Any) -> Any:
+            records = list(records)
+            self.appends.append(sum(r.num_rows for r in records))
+            return fn(handle, records)
+
+        return counted
+
+    def add(self, name: str, seconds: float) -> None:
+        self.cpu[name] = self.cpu.get(name, 0.0) + seconds
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.add(name, time.thread_time() - t0)
+
+        return timed
+
+    def wrap_async(self, name: str, fn: Any) -> Any:
+        """Time a coroutine function that never suspends (its whole body runs in one step)."""
+
+        async def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return await fn(*a, **kw)
+            finally:
+                self.add(name, time.thread_time() - t0)
+
+        return timed
+
+
+#: Threads that ended while a job ran: ``tid -> (name, CPU seconds of the thread's whole life)``
+#: (a thread's /proc entry is gone once it ends, e.g. the job's writer thread).
+ENDED: dict[int, tuple[str, float]] = {}
+
+
+def _track_thread_ends() -> None:
+    """Record every thread's CPU time as it ends (``threading.Thread.run`` wrapped once)."""
+    if getattr(threading.Thread.run, "_tracked", False):
+        return
+    original = threading.Thread.run
+
+    def run(self: threading.Thread) -> None:
+        try:
+            original(self)
+        finally:
+            ENDED[threading.get_native_id()] = (self.name, time.thread_time())
+
+    run._tracked = True  # type: ignore[attr-defined]
+    threading.Thread.run = run  # type: ignore[method-assign]
+
+
+def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "arrays") -> Any:
+    """A replay engine. ``form="arrays"``: each call wraps the prepared tensors the way the
+    service's vLLM hook does (``vllm_logprobs.TensorPromptLogprobs.add``: views of vLLM 0.32's
+    buffers, copies otherwise, on the clock); ``"lists"``: vLLM's ``FlatLogprobs`` lists (built
+    before the clock)."""
+    from logitcache.server.engine import BaseEngine, EngineInfo
+    from logitcache.server.engine.vllm import scores_from_output
+    from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
+
+    rng = np.random.default_rng(seed)
+    make = tensor_output if form == "arrays" else flat_output
+    outputs = {tuple(p): make(p, k, rng) for p in prompts}
+    gc.collect()
+    gc.freeze()
+
+    class ReplayEngine(BaseEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokenizer = None
+            self.info = EngineInfo(
+                model_id="replay",
+                revision="bench",
+                vocab_size=VOCAB,
+                max_k=k,
+                tokenizer_fingerprint="replay",
+                max_seq_len=4096,
+                weights_hash="sha256:replay",
+            )
+
+        async def _generate(self, ps: list[list[int]], kk: int) -> list[Any]:
+            if form == "lists":
+                return [outputs[tuple(p)] for p in ps]
+            out = []
+            for p in ps:
+                arrays = TensorPromptLogprobs()
+                arrays.add(*outputs[tuple(p)])
+                out.append(SimpleNamespace(prompt_logprobs=arrays))
+            return out
+
+        def _convert(self, raw: Any, length: int, kk: int) -> Any:
+            return scores_from_output(raw, kk, length)
+
+    return ReplayEngine()
+
+
+async def _wait(c: Any, db_path: Path, job_id: str) -> None:
+    """Until the job ends (read from the job table directly: an HTTP poll costs ms of CPU)."""
+    db = sqlite3.connect(db_path)
+    try:
+        while db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[0] not in (
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
+            await asyncio.sleep(0.05)
+    finally:
+        db.close()
+
+
+async def run_job(
+    work: Path, engine: Any, settings_kw: dict, clock: StageClock, prefill: bool = False
+) -> dict:
+    import httpx
+    from logitcache.server.app import create_app
+    from logitcache.server.batch import job_store, jobs, pipeline
+    from logitcache.server.serving.caches import WriterHandle
+    from logitcache.server.settings import ServerSettings
+
+    settings = ServerSettings(
+        model="replay",
+        store_root=str(work / "caches"),
+        data_dir=work / "data",
+        state_dir=work / "state",
+        **settings_kw,
+    )
+    from logitcache.cache_format import _shardwrite as shardwrite
+    from logitcache.cache_format import _writer as writer
+    from logitcache.cache_format import store
+
+    put_durable = store.DurableLocalStore._put_durable
+
+    engine._convert = clock.wrap("convert", engine._convert)
+    engine._generate = clock.wrap_async("engine", engine._generate)
+    patches = [
+        (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
+        (WriterHandle, "append", clock.wrap("append", clock.count_append(WriterHandle.append))),
+        (writer, "encode_batch", clock.wrap("encode", writer.encode_batch)),
+        (shardwrite, "encode_chunk", clock.wrap("compress", shardwrite.encode_chunk)),
+        (store.DurableLocalStore, "_put_durable", clock.wrap("put", put_durable)),
+        (job_store.JobStore, "progress", clock.wrap("sqlite", job_store.JobStore.progress)),
+        (jobs.JobRunner, "_batches", _wrap_gen(clock, jobs.JobRunner._batches)),
+        (jobs.JobRunner, "_scan", clock.wrap("submit", jobs.JobRunner._scan)),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    try:
+        app = create_app(settings, engine=engine)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                if prefill:  # untimed: the cache already holds rows, as in a long job
+                    r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "pre.jsonl"}})
+                    r.raise_for_status()
+                    await _wait(c, settings.job_db_path, r.json()["id"])
+                    clock.cpu.clear()
+                    clock.appends.clear()
+                ENDED.clear()
+                threads0 = thread_cpu()
+                cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
+                r.raise_for_status()
+                job_id = r.json()["id"]
+                await _wait(c, settings.job_db_path, job_id)
+                cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                threads1 = thread_cpu()
+                job = (await c.get(f"/v1/jobs/{job_id}")).json()
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    if job["state"] != "succeeded":
+        raise SystemExit(f"job failed: {job}")
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    sys_s = cpu1.ru_stime - cpu0.ru_stime
+    for tid, (name, cpu_s) in ENDED.items():  # ended inside the job: its whole life's CPU
+        threads1.setdefault(f"{tid}:{name}", cpu_s)
+    per_thread = {n: v - threads0.get(n, 0.0) for n, v in threads1.items()}
+    per_thread = {n: v for n, v in per_thread.items() if v > 0}
+    return {
+        "cpu_s": cpu,
+        "sys_s": sys_s,
+        "wall_s": wall1 - wall0,
+        "job": job,
+        "threads": per_thread,
+    }
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread of this process, by ``tid:name`` (``/proc/self/task``: the
+    scheduler's ns count, ``schedstat``, else the ``stat`` ticks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            raw = (task / "stat").read_text()
+            ns = (task / "schedstat").read_text().split()[0]
+        except (OSError, IndexError):
+            continue
+        name = names.get(int(task.name)) or raw[raw.index("(") + 1 : raw.rindex(")")]
+        f = raw[raw.rindex(")") + 2 :].split()
+        ticks = (int(f[11]) + int(f[12])) / tick
+        out[f"{task.name}:{name}"] = int(ns) / 1e9 if ns.isdigit() else ticks
+    return out
+
+
+def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
+    """Per-thread CPU summed by role: ``event_loop`` (the main thread), ``workers``
+    (``asyncio.to_thread``), ``job_writer``, ``zarr_io`` (zarr's own event loop thread),
+    ``other_threads``."""
+    out = dict.fromkeys(("event_loop", "workers", "job_writer", "zarr_io", "other_threads"), 0.0)
+    for key, v in per_thread.items():
+        name = key.split(":", 1)[1]
+        role = (
+            "event_loop"
+            if name == "MainThread"
+            else "workers"
+            if name.startswith("asyncio_")
+            else "job_writer"
+            if name.startswith("job-writer")
+            else "zarr_io"
+            if name.startswith("zarr_io")
+            else "other_threads"
+        )
+        out[role] += v
+    return out
+
+
+def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: float) -> dict:
+    """Seconds per stage, each thread's CPU split into the stages it ran (see the module
+    docstring); ``other``: the total less every thread's and stage's share."""
+    g = stage_s.get
+    out = {n: g(n, 0.0) for n in ("engine", "convert", "pair", "encode", "compress", "sqlite")}
+    out["read"], out["submit"] = g("read", 0.0), g("submit", 0.0)
+    append = g("append", 0.0)
+    put = g("put", 0.0)  # object files: write, fsync, rename (zarr's to_thread workers)
+    out["write"] = (
+        max(groups["zarr_io"] - g("compress", 0.0), 0.0) + append - g("encode", 0.0) + put
+    )
+    out["bookkeeping"] = max(groups["job_writer"] - append - g("sqlite", 0.0), 0.0)
+    out["event_loop"] = max(groups["event_loop"] - g("engine", 0.0) - g("convert", 0.0), 0.0)
+    in_workers = g("read", 0.0) + g("submit", 0.0) + g("pair", 0.0) + put
+    out["handoffs"] = max(groups["workers"] - in_workers, 0.0) + groups["other_threads"]
+    out["other"] = total_s - sum(out.values())
+    return out
+
+
+#: Objects at least this large go through O_DIRECT under ``--direct-io``.
+DIRECT_IO_MIN = 1 << 16
+
+
+def _wrap_gen(clock: StageClock, gen_fn: Any) -> Any:
+    """Time a generator method's own work (each ``next``) as ``read``."""
+
+    def wrapped(*a: Any, **kw: Any) -> Any:
+        it = gen_fn(*a, **kw)
+        while True:
+            t0 = time.thread_time()
+            try:
+                item = next(it)
+            except StopIteration:
+                clock.cpu["read"] = clock.cpu.get("read", 0.0) + time.thread_time() - t0
+                return
+            clock.cpu["read"] = clock.cpu.get("read", 0.0) + time.thread_time() - t0
+            yield item
+
+    return wrapped
+
+
+def one_run(
+    k: int,
+    prompts: list[list[int]],
+    settings_kw: dict,
+    seed: int,
+    form: str = "arrays",
+    prefill: int = 0,
+) -> dict:
+    """One timed job over ``prompts``; with ``prefill``, an untimed job of that many sequences
+    (the same prompts again, other ids) fills the cache first, so the timed appends land where a
+    long job's do: inside partly filled shards of every array (the whole-object rewrites of
+    FORMAT.md W3 grow with how full a shard already is)."""
+    work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
+    (work / "data").mkdir()
+    (work / "data" / "in.jsonl").write_text(
+        "\n".join(json.dumps({"id": f"s{i}", "input_ids": p}) for i, p in enumerate(prompts))
+    )
+    if prefill:
+        (work / "data" / "pre.jsonl").write_text(
+            "\n".join(
+                json.dumps({"id": f"p{i}", "input_ids": prompts[i % len(prompts)]})
+                for i in range(prefill)
+            )
+        )
+    engine = build_engine(prompts, k, seed, form)
+    clock = StageClock()
+    load = os.getloadavg()[0]
+    res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
+    shutil.rmtree(work, ignore_errors=True)
+    positions = sum(len(p) - 1 for p in prompts)
+    groups = thread_groups(res["threads"])
+    split = breakdown(clock.cpu, groups, res["cpu_s"])
+    stages = {n: v / positions * 1e6 for n, v in split.items()}
+    total_us = res["cpu_s"] / positions * 1e6
+    return {
+        "k": k,
+        "form": form,
+        "positions": positions,
+        "cpu_s": res["cpu_s"],
+        "wall_s": res["wall_s"],
+        "us_per_position": total_us,
+        "sys_us_per_position": res["sys_s"] / positions * 1e6,
+        "appends": len(clock.appends),
+        "rows_per_append": clock.appends,
+        "prefill_sequences": prefill,
+        "stage_us_per_position": stages,
+        "stage_clock_us_per_position": {n: v / positions * 1e6 for n, v in clock.cpu.items()},
+        "load_avg_1min_before": load,
+        "load_avg_1min_after": os.getloadavg()[0],
+        "thread_cpu_s": res["threads"],
+        "thread_group_us_per_position": {n: v / positions * 1e6 for n, v in groups.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service cpu", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--k", type=int, nargs="+", default=[20, 100])
+    p.add_argument("--sequences", type=int, default=256)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed jobs of 16 sequences per k first (imports, first calls; 0: none)",
+    )
+    p.add_argument("--batch-sequences", type=int, default=64)
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--logprob-dtype", default="float16")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--form",
+        choices=["arrays", "lists"],
+        default="arrays",
+        help="vLLM output form: the service's array hook or vLLM's FlatLogprobs lists",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="sequences written (untimed) into the cache before the timed job, e.g. "
+        "1600: the timed appends then rewrite partly filled shards as a long job's do",
+    )
+    p.add_argument(
+        "--ids",
+        choices=["stride", "zipf"],
+        default="stride",
+        help="top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens) or "
+        "'zipf' (the synthetic teacher over 131,072 tokens, what the format's "
+        "bytes/position goal is measured on; ~8 s to make)",
+    )
+    add_csv_option(p)
+    args = p.parse_args(argv)
+    global ZIPF, VOCAB
+    if args.ids == "zipf":
+        ZIPF = ZipfRows()
+        VOCAB = 131072
+    _track_thread_ends()
+    if args.sequences < 1 or args.length < 2 or args.repeats < 1:
+        p.error("--sequences >= 1, --length >= 2 and --repeats >= 1 are needed")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, args.length).tolist() for _ in range(args.sequences)]
+    settings_kw = {
+        "k": max(args.k),
+        "logprob_dtype": args.logprob_dtype,
+        "job_batch_sequences": args.batch_sequences,
+        "job_batch_tokens": args.batch_tokens,
+        "log_level": "warning",
+    }
+    rec = Recorder("service", "cpu", csv_path=args.csv)
+    for _ in range(args.warmup):  # the first job in a process pays imports and first calls
+        for k in args.k:
+            one_run(k, prompts[:16], settings_kw, seed=0, form=args.form)
+    runs = []
+    for rep in range(args.repeats):
+        for k in args.k:
+            r = one_run(k, prompts, settings_kw, seed=rep, form=args.form, prefill=args.prefill)
+            runs.append(r)
+            st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
+            print(
+                f"k={k} rep {rep}: {r['us_per_position']:.2f} CPU-us/position "
+                f"(sys {r['sys_us_per_position']:.2f}) ({st}); {r['appends']} appends; "
+                f"wall {r['wall_s']:.1f} s, load {r['load_avg_1min_before']:.1f}",
+                flush=True,
+            )
+    summary = {}
+    inputs = {"sequences": args.sequences, "length": args.length, "vocab": VOCAB, "ids": args.ids}
+    for k in args.k:
+        xs = [r["us_per_position"] for r in runs if r["k"] == k]
+        summary[str(k)] = {
+            "median_us_per_position": statistics.median(xs),
+            "min_us_per_position": min(xs),
+        }
+        rec.add(
+            f"job path k={k}",
+            "cpu_us_per_position",
+            "us/pos",
+            statistics.median(xs),
+            p20=min(xs),
+            p80=max(xs),
+            samples=len(xs),
+            config=settings_kw | inputs | {"k": k, "form": args.form, "prefill": args.prefill},
+        )
+        print(f"k={k}: median {statistics.median(xs):.2f} CPU-us/position")
+    rec.save()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine_line(rec.machine),
+                    "command": rec.command,
+                    "inputs": inputs,
+                    "settings": settings_kw,
+                    "form": args.form,
+                    "prefill_sequences": args.prefill,
+                    "runs": runs,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

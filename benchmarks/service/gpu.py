@@ -1,0 +1,531 @@
+"""A teacher job on one GPU with the transformers backend, against the bare model in the same run.
+
+For each teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for
+the CPU test) this suite
+
+1. writes a model directory a user could point the service at: ``config.json``, a word-level
+   tokenizer of ``V`` tokens and random bf16 weights made on the device (``safetensors``; the
+   time to make and save them is reported apart, nothing is downloaded);
+2. **bare**: in this process, the backend's own engine (``server/engine/hf.py``) loaded from that
+   directory runs ``--bare-sequences`` of the job's sequences twice over: ``device`` (decoder
+   forward + chunked lm-head top-k, results left on the device, one sync at the end: the rate
+   the GPU allows) and ``engine`` (the engine's scoring call: the same plus the copies to the host
+   and the per-sequence arrays). Host CPU is this process's CPU time over each;
+3. **job**: the service started as a user would (``logitcache-server --backend hf ...``, a
+   subprocess) scores all ``--sequences`` x ``--seq-len`` random token ids of a JSONL file into a
+   cache on local disk through ``POST /v1/jobs``. The rate is the job's own
+   ``tokens_total / (finished_at - started_at)``; the server's CPU time (all its threads,
+   ``/proc/<pid>/stat``, from submit to the end) per position, minus the engine's own host CPU
+   per position measured in (2), is the job path's (encode, compress, write, bookkeeping);
+4. reads the cache back: bytes on disk per position, the tail-mass distribution, and the share
+   of top-k ids equal to the bare engine's on the sequences both scored.
+
+GPU utilisation is sampled through NVML every 0.2 s during each timed phase when available.
+
+Host CPU of the job path: the bare engine's thread keeps about one core busy for as long as
+the device works (it waits on the launch queue and the copies), so the engine's share of the
+server's CPU is the bare run's cores times the job's wall time; the rest is the job path's
+(``job_path_cpu_us_per_position``). The per-position subtraction (bare CPU per position times the
+job's positions) is reported beside it (``..._per_position_subtraction``). The server's busiest
+threads are listed by CPU seconds.
+
+Usage (GPU box, through the harness's device runner; wheels as in benchmarks/results/service.md)::
+
+    python -m benchmarks.harness device WHEELS -- -m benchmarks.service gpu --shapes 1b 8b \\
+        --sequences 1000 --seq-len 2048 --k 100 --json benchmarks/results/service_gpu.json
+
+CPU smoke (tests/repo/test_bench_gpu_suites.py)::
+
+    python -m benchmarks.service gpu --shapes tiny --sequences 6 --seq-len 64 --k 8 \\
+        --bare-sequences 2 --json /tmp/tj.json --csv /tmp/rows.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness import Recorder, add_csv_option, machine
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-style decoder's shape."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+
+    def config(self, max_len: int) -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            intermediate_size=self.ffn,
+            vocab_size=self.vocab,
+            tie_word_embeddings=self.tied,
+            max_position_embeddings=max_len,
+            rope_theta=500000.0,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=None,
+            dtype="bfloat16",
+        )
+
+
+SHAPES = {
+    "8b": Shape(4096, 32, 32, 8, 14336, 128256, tied=False),  # Llama-3-8B
+    "1b": Shape(2048, 16, 32, 8, 8192, 128256, tied=True),  # Llama-3.2-1B
+    "tiny": Shape(64, 2, 4, 2, 128, 512, tied=False),
+}
+
+
+def word_tokenizer(vocab: int) -> Any:
+    """A word-level tokenizer of exactly ``vocab`` tokens ``<t0> .. <t{vocab-1}>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab)}, unk_token="<t2>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<t0>", eos_token="<t1>", unk_token="<t2>"
+    )
+
+
+def make_model_dir(shape: Shape, path: Path, device: str, max_len: int, seed: int = 0) -> dict:
+    """config.json + tokenizer + random bf16 weights made on ``device`` (timed)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    word_tokenizer(shape.vocab).save_pretrained(path)
+    config = shape.config(max_len)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    _sync(device)
+    t1 = time.perf_counter()
+    model.save_pretrained(path)
+    t2 = time.perf_counter()
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    _free(device)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return {"params": params, "init_s": t1 - t0, "save_s": t2 - t1, "weights_bytes": size}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+class GpuSampler:
+    """GPU utilisation (%) sampled through NVML every ``interval`` s while active."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.samples: list[int] = []
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle: Any = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml: Any = pynvml
+        except Exception:
+            self._handle = None
+
+    def __enter__(self) -> GpuSampler:
+        if self._handle is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+        return {"mean_pct": float(np.mean(self.samples)), "samples": len(self.samples)}
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` sequences of ``length`` uniform random token ids (ids 0..2 are special)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, size=(n, length)).tolist()
+
+
+# ------------------------------------------------------------------------------------- bare
+
+
+def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace) -> dict:
+    """The backend's engine in this process: device-only rate, then the engine's scoring call."""
+    import torch
+    from logitcache.server.engine import build_engine
+
+    t0 = time.perf_counter()
+    engine: Any = build_engine(
+        model=str(model),
+        backend="hf",
+        max_k=k,
+        dtype="bfloat16",
+        max_seq_len=args.seq_len,
+        options=dict(args.engine_options),
+    )
+    load_s = time.perf_counter() - t0
+    positions = sum(len(p) - 1 for p in prompts)
+    device = str(engine.device)
+
+    def device_only(ps: list[list[int]]) -> None:
+        with torch.inference_mode():
+            for batch in engine._batches(ps):
+                hidden = engine._hidden([ps[i] for i in batch])
+                rows = torch.cat([hidden[r, : len(ps[i]) - 1] for r, i in enumerate(batch)])
+                engine._topk_rows(rows, k)
+        _sync(device)
+
+    out: dict[str, Any] = {"load_s": load_s, "positions": positions, "device": device}
+    warm = prompts[: max(1, args.batch_sequences)]
+    device_only(warm)
+    engine._score_sync(warm, k)
+    for name, fn in (("device", device_only), ("engine", lambda ps: engine._score_sync(ps, k))):
+        with GpuSampler() as gpu:
+            c0, t0 = time.process_time(), time.perf_counter()
+            res = fn(prompts)
+            _sync(device)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        out[name] = {
+            "wall_s": wall,
+            "tokens_per_s": sum(len(p) for p in prompts) / wall,
+            "positions_per_s": positions / wall,
+            "host_cpu_s": cpu,
+            "host_cpu_us_per_position": 1e6 * cpu / positions,
+            "gpu_util": gpu.summary(),
+        }
+        if name == "engine":
+            out["rows"] = [(s.topk_ids.copy(), s.topk_logprobs.copy()) for s in res[:4]]
+    return out
+
+
+# -------------------------------------------------------------------------------------- job
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(model: Path, work: Path, port: int, args: argparse.Namespace) -> list[str]:
+    """``logitcache-server --backend hf ...`` as a user would start it."""
+    exe = shutil.which("logitcache-server")
+    head = [exe] if exe else [sys.executable, "-m", "logitcache.server"]
+    return [
+        *head,
+        "--backend", "hf",
+        "--model", str(model),
+        "--dtype", "bfloat16",
+        "-k", str(args.k),
+        "--max-seq-len", str(args.seq_len),
+        "--store-root", str(work / "caches"),
+        "--data-dir", str(work / "data"),
+        "--state-dir", str(work / "state"),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--log-level", "warning",
+        "--job-batch-tokens", str(args.job_batch_tokens),
+        "--job-batch-sequences", str(args.batch_sequences),
+        "--engine-options", json.dumps(args.engine_options),
+    ]  # fmt: skip
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namespace) -> dict:
+    """The service in a subprocess runs one job over ``prompts``; its rate and host CPU."""
+    import httpx
+
+    (work / "data").mkdir(parents=True, exist_ok=True)
+    with (work / "data" / "bench.jsonl").open("w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"id": f"s{i:06d}", "input_ids": p}) + "\n")
+    port = free_port()
+    cmd = server_command(model, work, port, args)
+    log = (work / "server.log").open("wb")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=60.0) as c:
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"server exited: {(work / 'server.log').read_text()[-3000:]}")
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.25)
+            start_s = time.perf_counter() - t0
+            threads0, cpu0 = thread_cpu(proc.pid), proc_cpu(proc.pid)
+            with GpuSampler() as gpu:
+                t1 = time.perf_counter()
+                body = {"cache": "bench", "file": {"path": "bench.jsonl"}, "k": args.k}
+                r = c.post("/v1/jobs", json=body)
+                r.raise_for_status()
+                job_id = r.json()["id"]
+                while True:
+                    st = c.get(f"/v1/jobs/{job_id}").raise_for_status().json()
+                    if st["state"] in ("succeeded", "failed", "cancelled"):
+                        break
+                    time.sleep(0.5)
+                wall = time.perf_counter() - t1
+            cpu1, threads1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    if st["state"] != "succeeded":
+        raise SystemExit(f"job {st['state']}: {st}")
+    job_s = (
+        datetime.fromisoformat(st["finished_at"]) - datetime.fromisoformat(st["started_at"])
+    ).total_seconds()
+    positions = sum(len(p) - 1 for p in prompts)
+    cpu = cpu1 - cpu0
+    per_thread = {n: round(v - threads0.get(n, 0.0), 3) for n, v in threads1.items()}
+    return {
+        "command": " ".join(cmd),
+        "server_start_s": start_s,
+        "tokens": st["tokens_total"],
+        "positions": positions,
+        "job_s": job_s,
+        "client_wall_s": wall,
+        "tokens_per_s": st["tokens_total"] / job_s,
+        "positions_per_s": positions / job_s,
+        "server_cpu_s": cpu,
+        "server_cpu_us_per_position": 1e6 * cpu / positions,
+        "server_cores": cpu / wall,
+        "busiest_threads_cpu_s": dict(sorted(per_thread.items(), key=lambda x: -x[1])[:6]),
+        "threads_seen": len(per_thread),
+        "gpu_util": gpu.summary(),
+    }
+
+
+def cache_stats(root: Path, bare_rows: list, sample: int) -> dict:
+    """Bytes per position on disk, tail-mass quantiles, agreement with the bare engine's ids."""
+    from logitcache.cache_format import CacheReader
+
+    reader = CacheReader(str(root))
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    tails = []
+    keys = sorted(reader.keys)
+    for key in keys[:sample]:
+        rec = reader.get(key)
+        tails.append(1.0 - np.exp(rec.topk_logprobs.astype(np.float64)).sum(axis=1))
+    tail = np.concatenate(tails)
+    same, total, lp_err = 0, 0, 0.0
+    for i, (ids, lps) in enumerate(bare_rows):
+        rec = reader.get(f"s{i:06d}")
+        same += int((rec.topk_ids[:, :10] == ids[:, :10]).sum())
+        total += ids[:, :10].size
+        lp_err = max(lp_err, float(np.abs(rec.topk_logprobs[:, 0] - lps[:, 0]).max()))
+    q = [0.0, 0.01, 0.1, 0.5, 0.9, 0.99, 1.0]
+    return {
+        "rows": int(reader.num_rows),
+        "bytes_on_disk": size,
+        "bytes_per_position": size / max(1, reader.num_rows),
+        "tail_mass": {
+            "rows_read": int(tail.size),
+            "mean": float(tail.mean()),
+            "quantiles": {str(x): float(np.quantile(tail, x)) for x in q},
+        },
+        "top10_ids_equal_to_bare": same / max(1, total),
+        "top1_logprob_max_abs_diff_vs_bare": lp_err,
+    }
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
+    import torch
+
+    shape = SHAPES[name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = work / f"model-{name}"
+    made = make_model_dir(shape, model, device, max(args.seq_len, 2048))
+    print(f"[{name}] weights made and saved: {made}", flush=True)
+    prompts = make_prompts(args.sequences, args.seq_len, shape.vocab, seed=1)
+    b = bare(model, prompts[: args.bare_sequences], args.k, args)
+    _free(device)  # the bare engine is gone with bare()'s frame
+    rows = b.pop("rows")
+    print(f"[{name}] bare: {json.dumps(b)}", flush=True)
+    j = job(model, prompts, work / f"job-{name}", args)
+    print(f"[{name}] job: {json.dumps({x: y for x, y in j.items() if x != 'command'})}", flush=True)
+    stats = cache_stats(work / f"job-{name}" / "caches" / "bench", rows, args.tail_sequences)
+    eng = b["engine"]
+    eng_cores = eng["host_cpu_s"] / eng["wall_s"]
+    engine_share_s = eng_cores * j["client_wall_s"]
+    result = {
+        "shape": shape.__dict__,
+        "made": made,
+        "bare": b,
+        "job": j,
+        "cache": stats,
+        "ratio_job_vs_bare_device": j["tokens_per_s"] / b["device"]["tokens_per_s"],
+        "ratio_job_vs_bare_engine": j["tokens_per_s"] / b["engine"]["tokens_per_s"],
+        "bare_engine_cores": eng_cores,
+        "job_path_cpu_us_per_position": 1e6 * (j["server_cpu_s"] - engine_share_s) / j["positions"],
+        "job_path_cpu_us_per_position_per_position_subtraction": (
+            j["server_cpu_us_per_position"] - eng["host_cpu_us_per_position"]
+        ),
+        "job_path_cores": (j["server_cpu_s"] - engine_share_s) / j["client_wall_s"],
+    }
+    shutil.rmtree(model, ignore_errors=True)
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
+    p.add_argument("--sequences", type=int, default=1000)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--k", type=int, default=100)
+    p.add_argument("--bare-sequences", type=int, default=128)
+    p.add_argument("--tail-sequences", type=int, default=64, help="sequences read for tail mass")
+    p.add_argument("--batch-sequences", type=int, default=64, help="job batch sequences")
+    p.add_argument("--job-batch-tokens", type=int, default=16384)
+    p.add_argument("--engine-options", type=json.loads, default={}, help="JSON, as the server's")
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument("--json", type=Path, default=None)
+    add_csv_option(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="teacher-job-"))
+    given = sys.argv[1:] if argv is None else ["gpu", *argv]
+    command = " ".join(["python -m benchmarks.service", *given])
+    rec = Recorder("service", "gpu", csv_path=args.csv, command=command)
+    result: dict[str, Any] = {"command": rec.command, "machine": machine(), "shapes": {}}
+    for name in args.shapes:
+        result["shapes"][name] = run_shape(name, args, work)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1))
+    print(f"{'shape':>5} {'bare tok/s':>11} {'job tok/s':>10} {'ratio':>6} {'job us/pos':>10} "
+          f"{'cores':>5} {'B/pos':>6} {'tail p50':>8}")  # fmt: skip
+    for name, r in result["shapes"].items():
+        print(
+            f"{name:>5} {r['bare']['device']['tokens_per_s']:>11.0f} "
+            f"{r['job']['tokens_per_s']:>10.0f} {r['ratio_job_vs_bare_device']:>6.3f} "
+            f"{r['job_path_cpu_us_per_position']:>10.2f} {r['job']['server_cores']:>5.2f} "
+            f"{r['cache']['bytes_per_position']:>6.0f} "
+            f"{r['cache']['tail_mass']['quantiles']['0.5']:>8.4f}"
+        )
+    for name, r in result["shapes"].items():
+        record(rec, name, r, args)
+    rec.save()
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def record(rec: Recorder, name: str, r: dict, args: argparse.Namespace) -> None:
+    """The CSV rows of one teacher shape."""
+    config = {"shape": name, "k": args.k, "seq_len": args.seq_len, "sequences": args.sequences}
+    rec.add(
+        name,
+        "bare_device_tokens_per_s",
+        "tok/s",
+        r["bare"]["device"]["tokens_per_s"],
+        config=config,
+    )
+    rec.add(
+        name,
+        "bare_engine_tokens_per_s",
+        "tok/s",
+        r["bare"]["engine"]["tokens_per_s"],
+        config=config,
+    )
+    rec.add(name, "job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config=config)
+    rec.add(name, "job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config=config)
+    rec.add(
+        name, "job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], config=config
+    )
+    rec.add(name, "server_cores", "cores", r["job"]["server_cores"], config=config)
+    rec.add(name, "bytes_per_position", "B", r["cache"]["bytes_per_position"], config=config)
+    rec.add(name, "tail_mass_p50", "", r["cache"]["tail_mass"]["quantiles"]["0.5"], config=config)
+
+
+if __name__ == "__main__":
+    main()

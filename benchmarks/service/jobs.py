@@ -1,0 +1,476 @@
+"""Teacher-service benchmark: the batch-job path versus vLLM called directly, plus concurrency.
+
+Usage (from the repository root, vLLM env set by the script)::
+
+    python -m benchmarks.service jobs [--sequences 512] [--length 256] [--k 8 ...]
+        [--modes inproc async] [--repeats 2] [--clients 16] [--json OUT.json]
+
+The idle-machine job/direct ratio of issue #19 (5 alternating pairs, k=20 and k=100, both engine
+modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
+
+    python -m benchmarks.service jobs --sequences 256 --length 256 --k 20 100 \
+        --modes inproc async --repeats 5 --clients 0 --json benchmarks/results/server.json
+
+Phases, all in one run on the same inputs (``--sequences`` windows of ``--length`` tokens cut
+from the tiny fixture's training split):
+
+1. **direct** (baseline): a separate long-lived process builds ``vllm.LLM`` once with the engine
+   settings the service uses and, per repeat, times one ``LLM.generate(prompts,
+   SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True))`` over
+   every prompt (after a warm-up call). Nothing is converted or stored: this is the cheapest way
+   vLLM gives prompt logprobs. It sits idle (blocked on stdin) while the job runs.
+2. **job**: the real service (``python -m logitcache.server`` subprocess) runs a batch job over the
+   same prompts written as JSONL, converting to arrays and writing a Zarr cache; throughput is
+   ``tokens_total / (finished_at - started_at)`` from the job's own timestamps.
+   Phases 1 and 2 form ``--repeats`` pairs per ``k`` (the machine's load drifts: adjacent runs
+   are compared, and the pair's order alternates: direct first in even pairs, job first in odd
+   ones); per ``k``, the median and the minimum of the paired ratios job/direct are printed, each
+   figure with the 1-minute load average read just before it.
+   ``--modes``: the engine driver, one server (and one direct process) per mode: ``inproc``
+   (vLLM's engine core in the server process; direct ``LLM`` with
+   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``async`` (``AsyncLLM``, engine core in its own
+   process; direct ``LLM`` with multiprocessing on).
+3. **concurrent**: while one more job runs, ``--clients`` threads send ``POST /v1/score`` requests
+   (4 sequences of 64 tokens each) back to back; every answer must be 200; latency p50/p90/p99.
+   ``--clients 0`` skips this phase (``"concurrent": null`` in the JSON).
+
+The CPU cost per position of the job path outside the engine: ``python -m benchmarks.service cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from tests.server_support import VLLM_ENV, ServerProcess, wait_job
+
+
+def direct_engine_kwargs(settings: dict) -> dict:
+    """``vllm.LLM`` arguments equal to what the service's ``VllmEngine`` passes to ``EngineArgs``
+    for these settings (see ``server/engine/vllm.py::VllmEngine._engine_args``)."""
+    from logitcache.server.engine import engine_config, model_max_len
+    from logitcache.server.engine.vllm import resolve_seq_len
+
+    cfg = engine_config(
+        None,
+        **{
+            "model": settings["model"],
+            "max_k": settings["k"],
+            "dtype": settings["dtype"],
+            "max_seq_len": settings["max_seq_len"],
+        },
+    )
+    _, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
+    return dict(
+        dtype=cfg.dtype,
+        max_model_len=engine_len,
+        logprobs_mode="raw_logprobs",
+        enable_prefix_caching=False,
+        gpu_memory_utilization=cfg.memory_share,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed,
+        enforce_eager=True,
+        disable_log_stats=True,
+    )
+
+
+def make_inputs(length: int, count: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the fixture's training token stream."""
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    tiny = build_tiny_models()
+    tok = tiny.load_tokenizer()
+    stream: list[int] = []
+    for text in tiny.texts("train"):
+        stream.extend(tok(text)["input_ids"])
+        if len(stream) >= length * count:
+            break
+    if len(stream) < length * count:
+        raise SystemExit(f"corpus too small for {count} x {length} tokens")
+    return [stream[i * length : (i + 1) * length] for i in range(count)]
+
+
+def direct_worker(args: argparse.Namespace) -> None:
+    """Phase 1 in its own long-lived process: build ``vllm.LLM`` once, then for every ``run``
+    line on stdin time one ``LLM.generate`` over all prompts and print a JSON line."""
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    engine_kwargs = json.loads(args.engine_kwargs)
+    llm = LLM(model=args.model, max_logprobs=args.k, **engine_kwargs)
+
+    def params(k: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True, temperature=1.0
+        )
+
+    as_inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(as_inputs[:8], params(args.k), use_tqdm=False)  # warm-up
+    tokens = sum(len(p) for p in prompts)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words or words[0] != "run":
+            break
+        sp = params(int(words[1]) if len(words) > 1 else args.k)
+        t0 = time.perf_counter()
+        outs = llm.generate(as_inputs, sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts, strict=True))
+        print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+
+
+class DirectWorker:
+    """The baseline process (see :func:`direct_worker`); idle (blocked on stdin) between runs."""
+
+    def __init__(
+        self, model: str, prompts_file: Path, k: int, engine_kwargs: dict, mode: str = "inproc"
+    ):
+        env = {**os.environ, **VLLM_ENV}
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.service.jobs",
+            "--direct-worker",
+            "--model",
+            model,
+            "--prompts",
+            str(prompts_file),
+            "--k",
+            str(k),
+            "--engine-kwargs",
+            json.dumps(engine_kwargs),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self._read_until("READY")
+
+    def _read_until(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line
+        raise SystemExit(f"direct worker exited with {self.proc.wait()}")
+
+    def run(self, k: int) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"run {k}\n")
+        self.proc.stdin.flush()
+        res = json.loads(self._read_until("{"))
+        res["tokens_per_s"] = res["tokens"] / res["seconds"]
+        return res
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(120)
+
+
+def job_rate(job: dict) -> float:
+    started = datetime.fromisoformat(job["started_at"])
+    finished = datetime.fromisoformat(job["finished_at"])
+    return job["tokens_total"] / (finished - started).total_seconds()
+
+
+def run_job(client, cache: str, k: int | None = None) -> dict:
+    t0 = time.perf_counter()
+    body: dict = {"cache": cache, "file": {"path": "bench.jsonl"}}
+    if k is not None:
+        body["k"] = k
+    r = client.post("/v1/jobs", json=body)
+    r.raise_for_status()
+    job = wait_job(client, r.json()["id"], timeout=3600, interval=0.5)
+    wall = time.perf_counter() - t0
+    if job["state"] != "succeeded":
+        raise SystemExit(f"job failed: {job}")
+    return {"tokens": job["tokens_total"], "tokens_per_s": job_rate(job), "client_wall_s": wall}
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``xs``; None for no values."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def run_concurrent(server: ServerProcess, prompts: list[list[int]], k: int, clients: int) -> dict:
+    import httpx
+
+    stop = threading.Event()
+    lat: list[float] = []
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as c:
+            i = w
+            while not stop.is_set():
+                batch = [prompts[(i + j) % len(prompts)][:64] for j in range(4)]
+                i += clients
+                t0 = time.perf_counter()
+                r = c.post("/v1/score", json={"input_ids": batch, "k": k})
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+                    statuses.append(r.status_code)
+
+    with server.client() as c:
+        r = c.post("/v1/jobs", json={"cache": "bench-concurrent", "file": {"path": "bench.jsonl"}})
+        r.raise_for_status()
+        job_id = r.json()["id"]
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(clients)]
+        for t in threads:
+            t.start()
+        job = wait_job(c, job_id, timeout=3600, interval=0.5)
+        stop.set()
+        for t in threads:
+            t.join()
+    ok = sum(s == 200 for s in statuses)
+    return {
+        "clients": clients,
+        "requests": len(statuses),
+        "ok": ok,
+        "failed": len(statuses) - ok,
+        "p50_s": percentile(lat, 50),
+        "p90_s": percentile(lat, 90),
+        "p99_s": percentile(lat, 99),
+        "max_s": max(lat) if lat else None,
+        "job_state": job["state"],
+        "job_tokens_per_s_under_load": job_rate(job) if job["state"] == "succeeded" else None,
+    }
+
+
+def load() -> float:
+    """The 1-minute load average now."""
+    return round(os.getloadavg()[0], 2)
+
+
+def run_pairs(
+    worker: DirectWorker, server: ServerProcess, ks: list[int], repeats: int, mode: str
+) -> dict:
+    """``repeats`` pairs (direct, job) per ``k``, order alternating; per ``k``: the pairs and
+    the median and minimum paired ratio job/direct."""
+    out: dict[str, dict] = {}
+    with server.client() as c:
+        c.post("/v1/score", json={"input_ids": [[1, 2, 3, 4]], "k": ks[0]}).raise_for_status()
+        for rep in range(repeats):
+            for k in ks:
+                order = ("direct", "job") if rep % 2 == 0 else ("job", "direct")
+                got: dict[str, dict] = {}
+                for what in order:
+                    before = load()
+                    res = (
+                        worker.run(k) if what == "direct" else run_job(c, f"b-{mode}-{k}-{rep}", k)
+                    )
+                    got[what] = {**res, "load_avg_1min_before": before}
+                ratio = got["job"]["tokens_per_s"] / got["direct"]["tokens_per_s"]
+                pair = {"k": k, "order": list(order), **got, "ratio": ratio}
+                out.setdefault(str(k), {"pairs": []})["pairs"].append(pair)
+                print(
+                    f"{mode} k={k} pair {rep} ({order[0]} first): direct "
+                    f"{got['direct']['tokens_per_s']:,.0f} tok/s (load "
+                    f"{got['direct']['load_avg_1min_before']}), job "
+                    f"{got['job']['tokens_per_s']:,.0f} tok/s (load "
+                    f"{got['job']['load_avg_1min_before']}), job/direct {ratio:.3f}",
+                    flush=True,
+                )
+    for row in out.values():
+        ratios = [p["ratio"] for p in row["pairs"]]
+        loads = [p[w]["load_avg_1min_before"] for p in row["pairs"] for w in ("direct", "job")]
+        row.update(
+            median_ratio=statistics.median(ratios),
+            min_ratio=min(ratios),
+            direct_median_tokens_per_s=statistics.median(
+                p["direct"]["tokens_per_s"] for p in row["pairs"]
+            ),
+            job_median_tokens_per_s=statistics.median(
+                p["job"]["tokens_per_s"] for p in row["pairs"]
+            ),
+            load_avg_1min_range=[min(loads), max(loads)],
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service jobs", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--sequences", type=int, default=512)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--k", type=int, nargs="+", default=[8], help="one or more k (pairs per k)")
+    p.add_argument(
+        "--modes", nargs="+", default=["inproc"], choices=["inproc", "async"], help="engine driver"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="pairs (direct, job) per k and mode")
+    p.add_argument("--clients", type=int, default=16)
+    from logitcache.server.settings import ServerSettings
+
+    default = {n: f.default for n, f in ServerSettings.model_fields.items()}
+    p.add_argument(
+        "--batch-sequences",
+        type=int,
+        default=default["job_batch_sequences"],
+        help="server job_batch_sequences (default: the service's)",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=default["job_batch_tokens"],
+        help="server job_batch_tokens (default: the service's)",
+    )
+    p.add_argument(
+        "--inflight",
+        type=int,
+        default=default["job_inflight_batches"],
+        help="server job_inflight_batches (default: the service's)",
+    )
+    p.add_argument("--json", type=Path, default=None)
+    add_csv_option(p)
+    p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", help=argparse.SUPPRESS)
+    p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.direct_worker:
+        args.k = args.k[0]
+        direct_worker(args)
+        return
+    if (
+        args.sequences < 1
+        or args.length < 2
+        or args.repeats < 1
+        or args.clients < 0
+        or min(args.k) < 1
+    ):
+        p.error("need --sequences >= 1, --length >= 2, --repeats >= 1, --clients >= 0 and --k >= 1")
+
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    t_start = time.perf_counter()
+    rec = Recorder("service", "jobs", csv_path=args.csv)
+    tiny = build_tiny_models()
+    prompts = make_inputs(args.length, args.sequences)
+    work = Path(tempfile.mkdtemp(prefix="server-bench-"))
+    (work / "data").mkdir()
+    (work / "data" / "bench.jsonl").write_text(
+        "\n".join(json.dumps({"id": f"w{i}", "input_ids": x}) for i, x in enumerate(prompts))
+    )
+    prompts_file = work / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    kmax = max(args.k)
+    settings = dict(
+        model=str(tiny.teacher_dir),
+        k=kmax,
+        dtype="float32",
+        max_seq_len=max(args.length, 512),
+        job_batch_sequences=args.batch_sequences,
+        job_batch_tokens=args.batch_tokens,
+        job_inflight_batches=args.inflight,
+    )
+    engine_kwargs = direct_engine_kwargs(settings)
+    print(
+        f"inputs: {args.sequences} x {args.length} tokens, k={args.k}, modes {args.modes}; "
+        f"engine {engine_kwargs}; load {load()}",
+        flush=True,
+    )
+
+    modes: dict[str, dict] = {}
+    conc = None
+    for m_i, mode in enumerate(args.modes):
+        worker = DirectWorker(str(tiny.teacher_dir), prompts_file, kmax, engine_kwargs, mode)
+        server = ServerProcess(
+            work / mode, **settings, engine_options=json.dumps({"vllm_mode": mode})
+        )
+        (work / mode / "data").mkdir(parents=True, exist_ok=True)
+        (work / mode / "data" / "bench.jsonl").write_text(
+            (work / "data" / "bench.jsonl").read_text()
+        )
+        server.start()
+        try:
+            modes[mode] = run_pairs(worker, server, args.k, args.repeats, mode)
+            worker.close()
+            # --clients 0: no concurrency phase (it used to crash on an empty latency list)
+            if args.clients and m_i == 0:
+                conc = run_concurrent(server, prompts, kmax, args.clients)
+        finally:
+            server.stop()
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+    result = {
+        "machine": machine_line(rec.machine),
+        "command": rec.command,
+        "inputs": {"sequences": args.sequences, "length": args.length, "k": args.k},
+        "modes": modes,
+        "settings": settings,
+        "engine_kwargs": engine_kwargs,
+        "concurrent": conc,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    for mode, per_k in modes.items():
+        for k, row in per_k.items():
+            print(
+                f"{mode} k={k}: job/direct median {row['median_ratio']:.3f}, min "
+                f"{row['min_ratio']:.3f} over {len(row['pairs'])} pairs (direct median "
+                f"{row['direct_median_tokens_per_s']:,.0f} tok/s, job median "
+                f"{row['job_median_tokens_per_s']:,.0f}); load average "
+                f"{row['load_avg_1min_range'][0]}-{row['load_avg_1min_range'][1]}"
+            )
+    if conc is not None and conc["requests"]:
+        print(
+            f"concurrent: {conc['ok']}/{conc['requests']} ok, p50 {conc['p50_s'] * 1000:.0f} ms, "
+            f"p90 {conc['p90_s'] * 1000:.0f} ms, p99 {conc['p99_s'] * 1000:.0f} ms; "
+            f"job under load {conc['job_tokens_per_s_under_load'] or 0:,.0f} tok/s"
+        )
+    elif conc is not None:
+        print("concurrent: no request finished while the job ran")
+    print(f"wall {result['wall_s']:.0f} s")
+    for mode, per_k in modes.items():
+        for k, row in per_k.items():
+            cfg = result["inputs"] | {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
+            ratios = [p["ratio"] for p in row["pairs"]]
+            rec.add(
+                f"{mode} k={k}",
+                "job_over_direct",
+                "ratio",
+                row["median_ratio"],
+                p20=min(ratios),
+                p80=max(ratios),
+                samples=len(ratios),
+                config=cfg,
+            )
+            rec.add(
+                f"{mode} k={k}",
+                "direct_tokens_per_s",
+                "tok/s",
+                row["direct_median_tokens_per_s"],
+                config=cfg,
+            )
+            rec.add(
+                f"{mode} k={k}",
+                "job_tokens_per_s",
+                "tok/s",
+                row["job_median_tokens_per_s"],
+                config=cfg,
+            )
+    rec.save()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

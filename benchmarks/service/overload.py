@@ -1,0 +1,436 @@
+"""Load benchmark of the teacher service: overload with client timeouts, concurrency with and
+without a job, ``/health`` latency and memory under load (issue #18).
+
+Usage (from the repository root; the vLLM-on-CPU environment is set by the script)::
+
+    python -m benchmarks.service overload [--overload-s 30] [--steady-s 20] [--json OUT.json]
+
+The real service (``python -m logitcache.server`` subprocess, tiny fixture teacher, vLLM on CPU,
+``--max-seq-len 1000``) is started twice on the same inputs:
+
+* **shedding** (the defaults under test: ``--max-queued-tokens 32768``, abort on disconnect),
+* **baseline** (admission control off: ``--max-queued-tokens`` = 10^9; disconnects still abort).
+
+In each run:
+
+1. **idle**: 10 small requests (1 sequence of 16 tokens) one after another: median latency.
+2. **overload**: ``--clients`` (64) clients each send requests of 8 sequences x 1000 tokens
+   (8,000 tokens: the tiny teacher's context is 1024 tokens, so the issue's "8k-token request"
+   is 8 sequences of 1000) with a 10 s client timeout, back to back for ``--overload-s``; a 429
+   is retried after its ``Retry-After``. Then every client stops and one small request is timed
+   (goal: answered in < 2 s). Counts of 200 / 429 / 503 / client timeouts.
+3. **steady**: 16 and 64 clients sending 4 x 64-token requests back to back for ``--steady-s``,
+   without and with a batch job running (64-sequence x 1000-token JSONL, re-submitted as needed):
+   answers per status, p50/p99 latency, requests/s.
+
+Before 2, ``/health`` is probed for ``--idle-s`` with no client load: the latency floor the
+(shared) machine sets at that moment. During 2 and 3 a prober in its own process sends
+``GET /health`` every 100 ms (p50/p99/max
+latency and how many took over 100 ms; goal < 100 ms) and the server process's RSS is sampled
+every 0.5 s (``psutil``; peak and after). The machine is
+shared: the 1-minute load average is recorded at start and end of every phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from tests import server_support
+from tests.server_support import ServerProcess
+
+KEY = "load-bench-key"
+SEQ_LEN = 1000
+BIG_SEQS = 8
+VOCAB = 1024  # replaced by the fixture teacher's vocabulary in main_async
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, VOCAB) for _ in range(n)]
+
+
+#: The ``/health`` prober, run in its own process (a probe inside the load generator's event
+#: loop would time the generator's own stalls, not the server's).
+_PROBER = r"""
+import json, sys, time, os, httpx
+url, out, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+lat, errors = [], 0
+with httpx.Client(timeout=30) as c:
+    while not os.path.exists(stop):
+        t0 = time.perf_counter()
+        try:
+            ok = c.get(url + "/health").status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            lat.append(time.perf_counter() - t0)
+        else:
+            errors += 1
+        time.sleep(0.1)
+json.dump({"lat": lat, "errors": errors}, open(out, "w"))
+"""
+
+
+class Probe:
+    """``GET /health`` every 100 ms from a separate process, and the server's RSS (its process
+    and children) every 0.5 s, while running."""
+
+    def __init__(self, url: str, pid: int):
+        self.url, self.pid = url, pid
+        self.health: list[float] = []
+        self.health_errors = 0
+        self.rss: list[int] = []
+        self._stop = asyncio.Event()
+        self._dir = Path(tempfile.mkdtemp(prefix="probe-"))
+
+    def _rss(self) -> int:
+        try:
+            p = psutil.Process(self.pid)
+            return p.memory_info().rss + sum(
+                c.memory_info().rss for c in p.children(recursive=True)
+            )
+        except psutil.Error:
+            return 0
+
+    async def run(self) -> None:
+        out, stop = self._dir / "health.json", self._dir / "stop"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _PROBER, self.url, str(out), str(stop)
+        )
+        while not self._stop.is_set():
+            self.rss.append(await asyncio.to_thread(self._rss))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 0.5)
+        stop.touch()
+        await proc.wait()
+        data = json.loads(out.read_text())
+        self.health, self.health_errors = data["lat"], data["errors"]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "health_n": len(self.health),
+            "health_errors": self.health_errors,
+            "health_p50_ms": _ms(_pct(self.health, 50)),
+            "health_p99_ms": _ms(_pct(self.health, 99)),
+            "health_max_ms": _ms(max(self.health) if self.health else None),
+            "health_over_100ms": sum(x > 0.1 for x in self.health),
+            "rss_peak_mib": round(max(self.rss) / 2**20, 1) if self.rss else None,
+        }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 1)
+
+
+async def small_request(c: httpx.AsyncClient, rng: random.Random) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    r = await c.post("/v1/score", json={"input_ids": [_ids(rng, 16)]}, timeout=120)
+    return r.status_code, time.perf_counter() - t0
+
+
+async def overload(url: str, clients: int, seconds: float, probe: Probe) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    lat_ok: list[float] = []
+    stop = time.monotonic() + seconds
+    headers = {"authorization": f"Bearer {KEY}"}
+    limits = httpx.Limits(max_connections=clients + 4)
+
+    # bodies built once (the load generator's own CPU must not be the bottleneck)
+    rng = random.Random(0)
+    bodies = [
+        json.dumps({"input_ids": [_ids(rng, SEQ_LEN) for _ in range(BIG_SEQS)]}).encode()
+        for _ in range(16)
+    ]
+    jheaders = {**headers, "content-type": "application/json"}
+
+    async def client(i: int) -> None:
+        async with httpx.AsyncClient(
+            base_url=url, headers=jheaders, timeout=10.0, limits=limits
+        ) as c:
+            n = i
+            while time.monotonic() < stop:
+                body = bodies[n % len(bodies)]
+                n += 1
+                t0 = time.perf_counter()
+                try:
+                    r = await c.post("/v1/score", content=body)
+                except httpx.TimeoutException:
+                    counts["timeout"] = counts.get("timeout", 0) + 1
+                    continue
+                except httpx.HTTPError:
+                    counts["conn_error"] = counts.get("conn_error", 0) + 1
+                    await asyncio.sleep(0.5)
+                    continue
+                counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
+                if r.status_code == 200:
+                    lat_ok.append(time.perf_counter() - t0)
+                elif r.status_code in (429, 503):
+                    wait = float(r.headers.get("retry-after", "1"))
+                    await asyncio.sleep(min(wait, max(0.0, stop - time.monotonic())))
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    async with httpx.AsyncClient(base_url=url, headers=headers) as c:
+        status, after = await small_request(c, random.Random(99))
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "request_tokens": SEQ_LEN * BIG_SEQS,
+        "answers": counts,
+        "ok_p50_s": _pct(lat_ok, 50),
+        "small_after_status": status,
+        "small_after_s": round(after, 3),
+        "small_after_goal_met": status == 200 and after < 2.0,
+    }
+
+
+async def steady(url: str, clients: int, seconds: float) -> dict[str, Any]:
+    counts: dict[str, int] = {}
+    lat: list[float] = []
+    stop = time.monotonic() + seconds
+    headers = {"authorization": f"Bearer {KEY}"}
+
+    rng = random.Random(1)
+    bodies = [
+        json.dumps({"input_ids": [_ids(rng, 64) for _ in range(4)]}).encode() for _ in range(64)
+    ]
+    jheaders = {**headers, "content-type": "application/json"}
+
+    async def client(i: int) -> None:
+        async with httpx.AsyncClient(base_url=url, headers=jheaders, timeout=120) as c:
+            n = i
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                n += 1
+                try:
+                    r = await c.post("/v1/score", content=bodies[n % len(bodies)])
+                except httpx.HTTPError:
+                    counts["error"] = counts.get("error", 0) + 1
+                    continue
+                counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
+                if r.status_code == 200:
+                    lat.append(time.perf_counter() - t0)
+                else:
+                    await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    wall = time.monotonic() - t0
+    return {
+        "clients": clients,
+        "answers": counts,
+        "ok_fraction": round(counts.get("200", 0) / max(1, sum(counts.values())), 4),
+        "p50_s": _pct(lat, 50),
+        "p99_s": _pct(lat, 99),
+        "requests_per_s": round(counts.get("200", 0) / wall, 2),
+    }
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+async def _phase(name: str, url: str, pid: int, coro_fn: Any) -> dict[str, Any]:
+    probe = Probe(url, pid)
+    task = asyncio.create_task(probe.run())
+    load0 = _load()
+    try:
+        result = await coro_fn(probe)
+    finally:
+        probe.stop()
+        await task
+    print(f"  {name}: done", flush=True)
+    return {**result, **probe.summary(), "load_start": load0, "load_end": _load()}
+
+
+def _job_file(data: Path) -> None:
+    rng = random.Random(7)
+    with (data / "load.jsonl").open("w") as f:
+        for i in range(64):
+            f.write(json.dumps({"id": f"s{i}", "input_ids": _ids(rng, SEQ_LEN)}) + "\n")
+
+
+async def _keep_job(url: str, stop: asyncio.Event) -> int:
+    """Keep one job running (a new cache each time) until ``stop``; returns jobs started."""
+    headers = {"authorization": f"Bearer {KEY}"}
+    n = 0
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as c:
+        while not stop.is_set():
+            try:
+                r = await c.post(
+                    "/v1/jobs", json={"cache": f"load-job-{n}", "file": {"path": "load.jsonl"}}
+                )
+            except httpx.HTTPError:
+                await asyncio.sleep(0.2)
+                continue
+            r.raise_for_status()
+            job = r.json()["id"]
+            n += 1
+            while not stop.is_set():
+                try:  # a keep-alive connection closed under us is retried, not fatal
+                    state = (await c.get(f"/v1/jobs/{job}")).json()["state"]
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.2)
+                    continue
+                if state in ("succeeded", "failed", "cancelled"):
+                    break
+                await asyncio.sleep(0.2)
+            if stop.is_set():
+                for _ in range(5):
+                    try:
+                        await c.delete(f"/v1/jobs/{job}")
+                        break
+                    except httpx.HTTPError:
+                        await asyncio.sleep(0.2)
+    return n
+
+
+async def run_mode(mode: str, args: argparse.Namespace, teacher: str) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix=f"load-{mode}-"))
+    (work / "data").mkdir()
+    _job_file(work / "data")
+    queued = 32768 if mode == "shedding" else 10**9
+    server = ServerProcess(
+        work,
+        api_key=KEY,
+        model=teacher,
+        k=8,
+        dtype="float32",
+        max_seq_len=SEQ_LEN,
+        max_queued_tokens=queued,
+    )
+    print(f"[{mode}] starting the server", flush=True)
+    server.start()
+    assert server.proc is not None
+    pid = server.proc.pid
+    out: dict[str, Any] = {"mode": mode, "max_queued_tokens": queued}
+    try:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"authorization": f"Bearer {KEY}"}
+        ) as c:
+            rng = random.Random(5)
+            await small_request(c, rng)  # warm-up
+            idle = [(await small_request(c, rng))[1] for _ in range(10)]
+        out["idle_small_p50_s"] = round(statistics.median(idle), 4)
+        out["rss_idle_mib"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+
+        async def quiet(_p: Probe) -> dict[str, Any]:
+            await asyncio.sleep(args.idle_s)
+            return {"seconds": args.idle_s}
+
+        # /health with no client load: the floor this (shared) machine sets at this moment
+        out["idle"] = await _phase("idle", server.url, pid, quiet)
+        out["overload"] = await _phase(
+            "overload",
+            server.url,
+            pid,
+            lambda p: overload(server.url, args.clients, args.overload_s, p),
+        )
+        await asyncio.sleep(2)
+        steady_runs = []
+        for with_job in (False, True):
+            for clients in (16, 64):
+                stop = asyncio.Event()
+                job_task = asyncio.create_task(_keep_job(server.url, stop)) if with_job else None
+                if with_job:
+                    await asyncio.sleep(2)
+
+                async def go(_p: Probe, n: int = clients) -> dict[str, Any]:
+                    return await steady(server.url, n, args.steady_s)
+
+                res = await _phase(f"steady {clients} job={with_job}", server.url, pid, go)
+                stop.set()
+                if job_task is not None:
+                    res["jobs_started"] = await job_task
+                steady_runs.append({"with_job": with_job, **res})
+        out["steady"] = steady_runs
+        out["rss_after_mib"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    finally:
+        server.stop()
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from logitcache.fixtures.tiny import build_tiny_models
+
+    # ServerProcess applies VLLM_ENV over the environment: "1" lets vLLM run its engine core in
+    # a separate process (AsyncLLM), as a server started by the README does
+    multiprocessing = "1" if args.engine == "async" else "0"
+    server_support.VLLM_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+
+    global VOCAB
+    tiny = build_tiny_models()
+    teacher, VOCAB = str(tiny.teacher_dir), tiny.vocab_size  # ids the teacher accepts
+    modes = []
+    for m in args.modes.split(","):
+        modes.append(await run_mode(m, args, teacher))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.with_suffix(".partial.json").write_text(json.dumps(modes, indent=2))
+    return {
+        "command": "python -m benchmarks.service overload " + " ".join(sys.argv[1:]),
+        "machine": machine_line(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "engine": args.engine,
+        "modes": modes,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service overload", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--overload-s", type=float, default=30.0)
+    p.add_argument("--steady-s", type=float, default=20.0)
+    p.add_argument("--modes", default="shedding,baseline")
+    p.add_argument(
+        "--idle-s", type=float, default=10.0, help="/health probed with no client load first"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("inproc", "async"),
+        default="inproc",
+        help="vLLM engine core in the server process (inproc) or its own process (async: "
+        "the README's start mode)",
+    )
+    p.add_argument("--json", type=Path, default=Path("/tmp/lc-overload.json"))
+    add_csv_option(p)
+    args = p.parse_args(argv)
+    result = asyncio.run(main_async(args))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=1)[:8000])
+    rec = Recorder("service", "overload", csv_path=args.csv)
+    for m in result["modes"]:
+        rec.add_flat(
+            str(m.get("mode", "?")), m, config={"engine": args.engine, "clients": args.clients}
+        )
+    rec.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Ray batch scoring: the same input with 1 and with 2 teacher replicas (tiny teacher, vLLM CPU).
+
+    python -m benchmarks.service ray --sequences 256 --json benchmarks/results/deploy_ray.json
+
+Both runs use the same local Ray cluster (2 CPUs, 127.0.0.1), the same two started replicas
+(engines loaded once; the 1-replica run uses the first), the same shards and batches, and one CPU
+(one torch thread, Ray's OMP_NUM_THREADS) per replica, so the ratio is what a second replica
+buys. The machine's load average is recorded: on a shared machine the ratio is noisy. The caches
+of the two runs are compared array for array (the run fails if they differ). Reported per run:
+wall seconds of each phase (check, score, commit) and scored tokens per second over the score
+phase. The baseline is the 1-replica run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def corpus(tiny, n: int, chars: int) -> list[dict]:
+    """``n`` records of about ``chars`` characters cut from the tiny corpus's training docs."""
+    out: list[dict] = []
+    for doc in tiny.docs("train"):
+        for start in range(0, len(doc.text) - chars // 2, chars):
+            out.append({"id": f"r{len(out):05d}", "text": doc.text[start : start + chars]})
+            if len(out) == n:
+                return out
+    raise SystemExit(f"the corpus holds only {len(out)} pieces of {chars} characters")
+
+
+def same_cache(a_url: str, b_url: str) -> bool:
+    from logitcache.cache_format import CacheReader
+
+    a, b = CacheReader(a_url), CacheReader(b_url)
+    if a.keys != b.keys:
+        return False
+    for i in range(a.num_sequences):
+        x, y = a.sequence(i), b.sequence(i)
+        for name in ("input_ids", "topk_ids", "topk_logprobs", "tail_mass"):
+            if getattr(x, name).tobytes() != getattr(y, name).tobytes():
+                return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.service ray", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--sequences", type=int, default=256)
+    p.add_argument("--chars", type=int, default=600)
+    p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--k", type=int, default=20)
+    p.add_argument("--json", type=Path, default=None)
+    add_csv_option(p)
+    args = p.parse_args(argv)
+    os.environ.update(VLLM_ENV)
+
+    from logitcache.fixtures.tiny import build_tiny_models
+    from logitcache.server.batch.distributed import Plan, Replicas, init_local_ray, run_distributed
+    from logitcache.server.inputs.records import RawRecord
+    from logitcache.server.settings import ServerSettings
+
+    tiny = build_tiny_models()
+    records = corpus(tiny, args.sequences, args.chars)
+    raws = [RawRecord(where=f"r{i}", id=r["id"], text=r["text"], input_ids=None)
+            for i, r in enumerate(records)]  # fmt: skip
+    settings = ServerSettings(
+        _env_file=None,  # type: ignore[call-arg]
+        model=str(tiny.teacher_dir),
+        k=args.k,
+        max_seq_len=1024,
+        backend="vllm",
+    )
+    t = time.perf_counter()
+    init_local_ray(num_cpus=2)
+    ray_start = time.perf_counter() - t
+    runs = {}
+    load_before = os.getloadavg()
+    plan = Plan(shard_size=args.shard_size, cpus_per_replica=1.0)
+    with tempfile.TemporaryDirectory() as tmp, Replicas(settings, 2, plan) as started:
+        print(f"2 engines up in {started.start_seconds:.1f} s")
+        for replicas in (1, 2):
+            url = f"{tmp}/r{replicas}"
+            run_plan = Plan(replicas=replicas, shard_size=args.shard_size)
+            report = run_distributed(raws, url, settings, run_plan, replicas=started)
+            runs[replicas] = report
+            print(f"replicas={replicas}: {report.phases} tokens={report.scored_tokens}")
+        equal = same_cache(f"{tmp}/r1", f"{tmp}/r2")
+        start_s = started.start_seconds
+    load_after = os.getloadavg()
+    import ray
+
+    ray.shutdown()
+    if not equal:
+        raise SystemExit("the 1- and 2-replica caches differ")
+    rows = []
+    for replicas, r in runs.items():
+        rows.append(
+            {
+                "replicas": replicas,
+                "shards": r.shards,
+                "sequences": r.sequences,
+                "tokens": r.scored_tokens,
+                "wall_s": round(r.seconds, 2),
+                **{f"{k}_s": v for k, v in r.phases.items()},
+                "score_tok_per_s": round(r.scored_tokens / r.phases["score"], 1),
+            }
+        )
+    speedup = rows[1]["score_tok_per_s"] / rows[0]["score_tok_per_s"]
+    result = {
+        "machine": machine_line(),
+        "ray_init_s": round(ray_start, 2),
+        "engines_start_s (2 in parallel)": round(start_s, 2),
+        "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
+        "k": args.k,
+        "runs": rows,
+        "score_speedup_2_vs_1": round(speedup, 3),
+        "caches_byte_equal": equal,
+    }
+    print(json.dumps(result, indent=2))
+    rec = Recorder("service", "ray", csv_path=args.csv)
+    for row in rows:
+        rec.add(
+            f"{row['replicas']} replica(s)",
+            "score_tok_per_s",
+            "tok/s",
+            row["score_tok_per_s"],
+            config={"sequences": args.sequences, "k": args.k},
+        )
+    rec.add(
+        "2 vs 1 replicas",
+        "score_speedup",
+        "ratio",
+        speedup,
+        config={"sequences": args.sequences, "k": args.k},
+    )
+    rec.save()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

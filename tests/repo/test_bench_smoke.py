@@ -1,0 +1,187 @@
+"""One smoke test per benchmark suite (``python -m benchmarks.<suite>``), the harness and the
+distillation study: each runs at a tiny size, from the repository root, and writes real rows to
+a temporary CSV. The ``ddp`` suite's smoke test is ``test_ddp_gloo.py``; the demo's is
+``test_e2e_distill.py``."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_harness_runs_a_command_on_another_tree_and_appends_csv_rows(tmp_path: Path) -> None:
+    """``with-tree``: every package found in the tree is taken from it, the others from this
+    checkout; a Recorder's rows carry the machine row and the quantiles."""
+    from benchmarks.harness import Recorder, measure, quantiles
+
+    tree = tmp_path / "tree"
+    for package in ("cache_format", "client"):
+        shutil.copytree(
+            ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+        (tree / package / "marker.py").write_text(f"WHERE = 'tree {package}'\n")
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys\n"
+        "from logitcache.cache_format import marker as a\n"
+        "from logitcache.client import marker as b\n"
+        "from logitcache import server\n"
+        "print(a.WHERE, '|', b.WHERE, '|', server.__path__[0], sys.argv[1:])\n"
+    )
+    out = _run("-m", "benchmarks.harness", "with-tree", str(tree), "--", str(probe), "--x", "1")
+    assert out.strip() == f"tree cache_format | tree client | {ROOT / 'server'} ['--x', '1']"
+    assert quantiles([4.0, 1.0, 3.0, 2.0, 5.0]) == [3.0, 1.8, 4.2]
+    rec = Recorder("selftest", "mode", csv_path=tmp_path / "rows.csv")
+    rec.add_measurement("case", "calls", measure(lambda: None, 5), work=10.0, unit="1/s")
+    rec.save()
+    rec.save()  # appends; one header
+    rows = _rows(tmp_path / "rows.csv")
+    assert len(rows) == 2 and rows[0]["suite"] == "selftest" and rows[0]["samples"] == "5"
+    assert float(rows[0]["p20"]) <= float(rows[0]["value"]) <= float(rows[0]["p80"])
+    assert rows[0]["git_sha"] and rows[0]["cpu_count"] and rows[0]["load_avg"]
+
+
+def test_format_suite(tmp_path: Path) -> None:
+    csv_path = tmp_path / "rows.csv"
+    out = _run(
+        "-m",
+        "benchmarks.format",
+        "configs",
+        "--positions",
+        "4092",
+        "--configs",
+        "default,random-access",
+        "--random-reads",
+        "4",
+        "--repeats",
+        "1",
+        "--csv",
+        str(csv_path),
+    )
+    assert "| default |" in out and "| baseline (npy) |" in out
+    bpp = {
+        r["case"]: float(r["value"]) for r in _rows(csv_path) if r["metric"] == "bytes_per_position"
+    }
+    assert 150 < bpp["default"] < bpp["random-access"] < bpp["baseline (npy)"] < 700
+
+
+def test_loader_suite(tmp_path: Path) -> None:
+    from benchmarks import loader
+
+    url = str(tmp_path / "bench")
+    built = loader.build(url, 100_000)
+    assert built["positions"] >= 100_000 and 150 < built["bytes_per_position"] < 700
+    assert loader.reader_rate(url, 0.2)["pos_per_s"] > 0
+    r = loader.loader_rate(url, 0, 0.3, pin=False, shuffle=False, warm=1)
+    assert r["positions"] > 0 and r["pos_per_s"] > 0
+
+
+def test_loss_suite(tmp_path: Path) -> None:
+    csv_path = tmp_path / "rows.csv"
+    _run(
+        "-m",
+        "benchmarks.loss",
+        "sweep",
+        "--device",
+        "cpu",
+        "--sizes",
+        "64",
+        "--configs",
+        "500x32",
+        "--k",
+        "8",
+        "--variants",
+        "fused_chunked,floor,torch_dense_gather",
+        "--reps",
+        "2",
+        "--csv",
+        str(csv_path),
+    )
+    ms = {r["case"] for r in _rows(csv_path) if r["metric"] == "ms"}
+    assert ms == {"fused_chunked", "floor", "torch_dense_gather"}
+
+
+def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
+    """``service cpu``: the job writer thread (which ends inside the job) and zarr's IO threads
+    are split into stages that add up to the process's CPU."""
+    pytest.importorskip("vllm")
+    import numpy as np
+
+    from benchmarks.service import cpu
+
+    cpu._track_thread_ends()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cpu.VOCAB, 64).tolist() for _ in range(24)]
+    r = cpu.one_run(8, prompts, {"k": 8, "job_batch_sequences": 8, "log_level": "warning"}, 0)
+    groups = r["thread_group_us_per_position"]
+    assert groups["job_writer"] > 0 and groups["zarr_io"] > 0
+    st = r["stage_us_per_position"]
+    assert st["encode"] > 0 and st["compress"] > 0 and st["write"] > 0
+    assert sum(st.values()) == pytest.approx(r["us_per_position"])
+    assert abs(st["other"]) < 0.25 * r["us_per_position"], st
+
+
+def _report(seed: int, kls: dict[str, float]) -> dict[str, Any]:
+    methods: dict[str, dict[str, Any]] = {}
+    for m, kl in kls.items():
+        methods[m] = {"kl": kl, "ppl": 80.0, "ece": 0.02, "step_ms_median": 500.0}
+        if m != "online_kd":
+            methods[m].update(bytes_per_position=100.0, budget=100.0, step_ms_median=300.0)
+    return {
+        "command": "python examples/distill.py --steps 3",
+        "machine": "test box",
+        "models": {"teacher_params": 10, "student_params": 5, "vocab_size": 1024},
+        "plan": {"teacher_temperature": 1.0, "budgets": [100.0]},
+        "heldout": {"teacher_ppl": 28.0, "positions": 100},
+        "cache": {
+            "num_sequences": 2,
+            "num_rows": 10,
+            "k": 8,
+            "mean_topk_mass": 0.9,
+            "bytes_per_position": 40.0,
+        },
+        "train": {"steps": 3, "batch_items": 2, "tokens_per_item": 4, "lr": 0.1, "seed": seed},
+        "methods": methods,
+        "notes": ["a note"],
+    }
+
+
+def test_distill_study_pairs_each_seed_with_its_own_online_run() -> None:
+    from experiments import distill
+
+    reports = [
+        _report(0, {"online_kd": 1.0, "offline_topk_tail@8": 1.10, "offline_sampled@16": 1.05}),
+        _report(1, {"online_kd": 2.0, "offline_topk_tail@8": 2.02, "offline_sampled@16": 2.2}),
+    ]
+    methods = distill.combine(reports)
+    tail = methods["offline_topk_tail@8"]
+    assert tail["kl_by_seed"] == [1.10, 2.02]
+    assert tail["kl_vs_online_by_seed"] == pytest.approx([0.10, 0.01])
+    assert tail["kl_vs_online"] == pytest.approx(1.56 / 1.5 - 1)  # on the seed means
+    text = distill.markdown(reports, methods)
+    assert "| +10.0%, +1.0% |" in text
