@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import socket
@@ -66,6 +65,13 @@ import torch
 from logitcache.client import ReadOptions, StreamConfig
 
 from benchmarks.harness import ROOT, Recorder, add_csv_option
+from benchmarks.synthetic import (
+    CacheSpec,
+    bigram_teacher,
+    decode_index,
+    header_digits,
+    synthetic_records,
+)
 
 #: Settings that keep NCCL / symmetric memory off NVLink multicast (NVLS) on GPU boxes.
 NVLS_OFF = {
@@ -78,110 +84,6 @@ SYNTHETIC_TOKENIZER = "synthetic-bigram-v1"
 
 
 # ------------------------------------------------------------------------------ synthetic cache
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """Shape of a synthetic cache (every field is a CLI flag of ``make-cache``)."""
-
-    num_sequences: int = 96
-    min_len: int = 17
-    max_len: int = 64
-    vocab: int = 512
-    k: int = 8
-    seed: int = 0
-    logprob_dtype: str = "float16"
-
-
-def header_digits(num_sequences: int, vocab: int) -> int:
-    """Tokens needed to write any index ``< num_sequences`` in base ``vocab`` (at least 1)."""
-    return max(1, math.ceil(math.log(max(num_sequences, 2), vocab)))
-
-
-def encode_index(index: np.ndarray, digits: int, vocab: int) -> np.ndarray:
-    """``[n, digits]`` base-``vocab`` digits of ``index``, most significant first."""
-    out = np.empty((len(index), digits), dtype=np.int64)
-    rest = np.asarray(index, dtype=np.int64).copy()
-    for d in range(digits - 1, -1, -1):
-        out[:, d] = rest % vocab
-        rest //= vocab
-    return out
-
-
-def decode_index(tokens: np.ndarray, vocab: int) -> int:
-    """Inverse of :func:`encode_index` for one header."""
-    value = 0
-    for t in np.asarray(tokens).tolist():
-        value = value * vocab + int(t)
-    return value
-
-
-def bigram_teacher(vocab: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A random "bigram" teacher: for each previous token ``v``, ``k`` distinct next-token ids
-    ``ids[v]`` with sorted logprobs ``lp[v]`` (descending) of total mass ``M_v ~ U(0.85, 0.95)``.
-
-    Distinct ids without a per-row shuffle: ``ids = (start + cumsum(gaps)) % vocab`` with gaps in
-    ``[1, vocab // k]``, so the ``k`` offsets are increasing and below ``vocab``. The logprobs are
-    ``log_softmax`` of ``k`` sorted ``N(0, 2^2)`` scores plus ``log M_v``.
-    """
-    if vocab // k < 1:
-        raise ValueError(f"need vocab >= k, got vocab={vocab}, k={k}")
-    rng = np.random.default_rng([seed, 1])
-    gaps = rng.integers(1, vocab // k + 1, size=(vocab, k))
-    start = rng.integers(0, vocab, size=(vocab, 1))
-    ids = ((start + np.cumsum(gaps, axis=1) - gaps[:, :1]) % vocab).astype(np.int32)
-    perm = rng.permuted(np.tile(np.arange(k), (vocab, 1)), axis=1)
-    ids = np.take_along_axis(ids, perm, axis=1)  # the order of ids inside a row is random
-    scores = -np.sort(-rng.normal(0.0, 2.0, size=(vocab, k)), axis=1)
-    scores -= scores.max(axis=1, keepdims=True)
-    log_z = np.log(np.exp(scores).sum(axis=1, keepdims=True))
-    mass = rng.uniform(0.85, 0.95, size=(vocab, 1))
-    lp = (scores - log_z + np.log(mass)).astype(np.float32)
-    return ids, lp
-
-
-def synthetic_records(
-    spec: CacheSpec, first: int, count: int, teacher: tuple[np.ndarray, np.ndarray]
-) -> list[Any]:
-    """Sequences ``first .. first+count-1`` of the synthetic cache, as ``SequenceRecord``s.
-
-    Sequence ``i`` has ``L_i ~ U[min_len, max_len]`` tokens: a header (``i`` in base ``vocab``),
-    then a walk of the bigram teacher (``x_{j+1}`` drawn from row ``x_j``; with the tail mass
-    ``1 - M`` a uniform token). Row ``j`` is the teacher's distribution given ``x_j``, which makes
-    the cache exactly what the teacher would have written for these tokens.
-    """
-    from logitcache.cache_format import SequenceRecord
-
-    ids_t, lp_t = teacher
-    cdf = np.cumsum(np.exp(lp_t.astype(np.float64)), axis=1)
-    rng = np.random.default_rng([spec.seed, 2, first])
-    digits = header_digits(spec.num_sequences, spec.vocab)
-    lengths = rng.integers(spec.min_len, spec.max_len + 1, size=count)
-    L = int(lengths.max())
-    x = np.empty((count, L), dtype=np.int64)
-    x[:, :digits] = encode_index(np.arange(first, first + count), digits, spec.vocab)
-    for j in range(digits - 1, L - 1):
-        prev = x[:, j]
-        u = rng.random(count)
-        pick = (cdf[prev] < u[:, None]).sum(axis=1)
-        inside = pick < spec.k
-        nxt = rng.integers(0, spec.vocab, size=count)
-        nxt[inside] = ids_t[prev[inside], pick[inside]]
-        x[:, j + 1] = nxt
-    records = []
-    for i in range(count):
-        n = int(lengths[i])
-        prev = x[i, : n - 1]
-        records.append(
-            SequenceRecord(
-                key=f"seq-{first + i:09d}",
-                input_ids=x[i, :n],
-                topk_ids=ids_t[prev],
-                topk_logprobs=lp_t[prev],
-                tail_mass=None,
-            )
-        )
-    return records
 
 
 def make_cache(url: str, spec: CacheSpec, *, batch: int = 512, log: bool = True) -> dict[str, Any]:

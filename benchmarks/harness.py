@@ -11,8 +11,8 @@ shows its current figures; the CSV keeps every run.
 Command line::
 
     python -m benchmarks.harness machine                   # the machine row, as JSON
-    python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format write --rows 65536
-    python -m benchmarks.harness with-tree TREE -- -m benchmarks.format write --rows 65536
+    python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format write --positions 65536
+    python -m benchmarks.harness with-tree TREE -- -m benchmarks.format write --positions 65536
     python -m benchmarks.harness device WHEELS -- -m benchmarks.loader scaling --positions 1e8
 
 ``ab`` exports both revisions with ``git archive`` and runs the command under each tree in turn
@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CSV_PATH = RESULTS / "all_benchmark_data.csv"
 PACKAGES = ("cache_format", "client", "server")
+#: The revision whose packages this process runs under ``ab`` (recorded in each row's config).
+TREE = os.environ.get("BENCH_TREE", "")
 
 __all__ = [
     "CSV_PATH",
@@ -449,7 +451,9 @@ class Recorder:
             "p20": "" if p20 is None else float(p20),
             "p80": "" if p80 is None else float(p80),
             "samples": samples,
-            "config": json.dumps(dict(config or {}), sort_keys=True, default=str),
+            "config": json.dumps(
+                dict(config or {}) | ({"tree": TREE} if TREE else {}), sort_keys=True, default=str
+            ),
             **{k: self.machine.get(k, "") for k in COLUMNS[11:18]},
             "command": self.command,
         }
@@ -584,14 +588,14 @@ def ab(
     """Run ``target`` (``-m module args...``) under the packages of ``rev_a`` and ``rev_b``,
     alternating, ``rounds`` times each; each run's output streams through. Returns
     ``(rev, round, returncode)`` per run. The target's own rows carry the label in its
-    ``--label`` argument if it has one; the tree in use is in ``LOGITCACHE_BENCH_TREE``."""
+    ``--label`` argument if it has one; the tree in use is in ``BENCH_TREE``."""
     out = []
     with tempfile.TemporaryDirectory(prefix="lc-ab-") as tmp:
         trees = {rev: export_tree(rev, Path(tmp) / rev.replace("/", "_")) for rev in (rev_a, rev_b)}
         for r in range(rounds):
             for rev, tree in trees.items():
                 log(f"round {r}: {rev}")
-                env = dict(os.environ, LOGITCACHE_BENCH_TREE=rev)
+                env = dict(os.environ, BENCH_TREE=rev)
                 cmd = [
                     sys.executable,
                     "-m",

@@ -3,13 +3,13 @@
 Usage (from the repository root, vLLM env set by the script)::
 
     python -m benchmarks.service jobs [--sequences 512] [--length 256] [--k 8 ...]
-        [--modes inproc async] [--repeats 2] [--clients 16] [--json OUT.json]
+        [--modes inproc async] [--repeats 2] [--json OUT.json]
 
 The idle-machine job/direct ratio of issue #19 (5 alternating pairs, k=20 and k=100, both engine
 modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
 
     python -m benchmarks.service jobs --sequences 256 --length 256 --k 20 100 \
-        --modes inproc async --repeats 5 --clients 0 --json benchmarks/results/server.json
+        --modes inproc async --repeats 5 --json benchmarks/results/service_jobs.json
 
 Phases, all in one run on the same inputs (``--sequences`` windows of ``--length`` tokens cut
 from the tiny fixture's training split):
@@ -30,11 +30,8 @@ from the tiny fixture's training split):
    (vLLM's engine core in the server process; direct ``LLM`` with
    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``async`` (``AsyncLLM``, engine core in its own
    process; direct ``LLM`` with multiprocessing on).
-3. **concurrent**: while one more job runs, ``--clients`` threads send ``POST /v1/score`` requests
-   (4 sequences of 64 tokens each) back to back; every answer must be 200; latency p50/p90/p99.
-   ``--clients 0`` skips this phase (``"concurrent": null`` in the JSON).
-
-The CPU cost per position of the job path outside the engine: ``python -m benchmarks.service cpu``.
+On-demand clients during a job: the ``overload`` mode's steady phase. The CPU cost per position
+of the job path outside the engine: ``python -m benchmarks.service cpu``.
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -198,62 +194,6 @@ def run_job(client, cache: str, k: int | None = None) -> dict:
     return {"tokens": job["tokens_total"], "tokens_per_s": job_rate(job), "client_wall_s": wall}
 
 
-def percentile(xs: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank) of ``xs``; None for no values."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
-    return xs[i]
-
-
-def run_concurrent(server: ServerProcess, prompts: list[list[int]], k: int, clients: int) -> dict:
-    import httpx
-
-    stop = threading.Event()
-    lat: list[float] = []
-    statuses: list[int] = []
-    lock = threading.Lock()
-
-    def worker(w: int) -> None:
-        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as c:
-            i = w
-            while not stop.is_set():
-                batch = [prompts[(i + j) % len(prompts)][:64] for j in range(4)]
-                i += clients
-                t0 = time.perf_counter()
-                r = c.post("/v1/score", json={"input_ids": batch, "k": k})
-                dt = time.perf_counter() - t0
-                with lock:
-                    lat.append(dt)
-                    statuses.append(r.status_code)
-
-    with server.client() as c:
-        r = c.post("/v1/jobs", json={"cache": "bench-concurrent", "file": {"path": "bench.jsonl"}})
-        r.raise_for_status()
-        job_id = r.json()["id"]
-        threads = [threading.Thread(target=worker, args=(w,)) for w in range(clients)]
-        for t in threads:
-            t.start()
-        job = wait_job(c, job_id, timeout=3600, interval=0.5)
-        stop.set()
-        for t in threads:
-            t.join()
-    ok = sum(s == 200 for s in statuses)
-    return {
-        "clients": clients,
-        "requests": len(statuses),
-        "ok": ok,
-        "failed": len(statuses) - ok,
-        "p50_s": percentile(lat, 50),
-        "p90_s": percentile(lat, 90),
-        "p99_s": percentile(lat, 99),
-        "max_s": max(lat) if lat else None,
-        "job_state": job["state"],
-        "job_tokens_per_s_under_load": job_rate(job) if job["state"] == "succeeded" else None,
-    }
-
-
 def load() -> float:
     """The 1-minute load average now."""
     return round(os.getloadavg()[0], 2)
@@ -316,7 +256,6 @@ def main(argv: list[str] | None = None) -> None:
         "--modes", nargs="+", default=["inproc"], choices=["inproc", "async"], help="engine driver"
     )
     p.add_argument("--repeats", type=int, default=2, help="pairs (direct, job) per k and mode")
-    p.add_argument("--clients", type=int, default=16)
     from logitcache.server.settings import ServerSettings
 
     default = {n: f.default for n, f in ServerSettings.model_fields.items()}
@@ -349,14 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         args.k = args.k[0]
         direct_worker(args)
         return
-    if (
-        args.sequences < 1
-        or args.length < 2
-        or args.repeats < 1
-        or args.clients < 0
-        or min(args.k) < 1
-    ):
-        p.error("need --sequences >= 1, --length >= 2, --repeats >= 1, --clients >= 0 and --k >= 1")
+    if args.sequences < 1 or args.length < 2 or args.repeats < 1 or min(args.k) < 1:
+        p.error("need --sequences >= 1, --length >= 2, --repeats >= 1 and --k >= 1")
 
     from logitcache.fixtures.tiny import build_tiny_models
 
@@ -389,8 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     modes: dict[str, dict] = {}
-    conc = None
-    for m_i, mode in enumerate(args.modes):
+    for mode in args.modes:
         worker = DirectWorker(str(tiny.teacher_dir), prompts_file, kmax, engine_kwargs, mode)
         server = ServerProcess(
             work / mode, **settings, engine_options=json.dumps({"vllm_mode": mode})
@@ -403,9 +335,6 @@ def main(argv: list[str] | None = None) -> None:
         try:
             modes[mode] = run_pairs(worker, server, args.k, args.repeats, mode)
             worker.close()
-            # --clients 0: no concurrency phase (it used to crash on an empty latency list)
-            if args.clients and m_i == 0:
-                conc = run_concurrent(server, prompts, kmax, args.clients)
         finally:
             server.stop()
             if worker.proc.poll() is None:
@@ -417,7 +346,6 @@ def main(argv: list[str] | None = None) -> None:
         "modes": modes,
         "settings": settings,
         "engine_kwargs": engine_kwargs,
-        "concurrent": conc,
         "wall_s": time.perf_counter() - t_start,
     }
     for mode, per_k in modes.items():
@@ -429,14 +357,6 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['job_median_tokens_per_s']:,.0f}); load average "
                 f"{row['load_avg_1min_range'][0]}-{row['load_avg_1min_range'][1]}"
             )
-    if conc is not None and conc["requests"]:
-        print(
-            f"concurrent: {conc['ok']}/{conc['requests']} ok, p50 {conc['p50_s'] * 1000:.0f} ms, "
-            f"p90 {conc['p90_s'] * 1000:.0f} ms, p99 {conc['p99_s'] * 1000:.0f} ms; "
-            f"job under load {conc['job_tokens_per_s_under_load'] or 0:,.0f} tok/s"
-        )
-    elif conc is not None:
-        print("concurrent: no request finished while the job ran")
     print(f"wall {result['wall_s']:.0f} s")
     for mode, per_k in modes.items():
         for k, row in per_k.items():
