@@ -1,5 +1,5 @@
 """Every use of zarr-python's private API by the format, in one place (pinned ``zarr>=3.1,<3.2``;
-``tests/test_format_zarr_adapter.py`` checks each name against the installed zarr).
+``tests/format/test_format_zarr_adapter.py`` checks each name against the installed zarr).
 
 zarr's public API (``zarr.open_array``, ``zarr.abc.store``, ``zarr.codecs``, ``zarr.storage``)
 covers most of the format. What it does not, and why the format needs it:

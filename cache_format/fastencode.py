@@ -10,7 +10,7 @@ place: the same checks (:func:`.records.rows_pass`: ids in ``[0, vocab)`` and di
 logprobs finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along the row) and the same bytes
 (:func:`.quant.encode_logprobs` for ``float16``: ``min(x, 0)``, ``max(., -65504)``, rounded to the
 nearest-even half, row deltas of the bit patterns modulo ``2**16``), bit for bit
-(``tests/test_format_fastencode.py`` compares them over every float16 rounding boundary and
+(``tests/format/test_format_fastencode.py`` compares them over every float16 rounding boundary and
 random batches). Distinct ids are checked with a per-vocabulary stamp table instead of a sort.
 
 The float32 -> float16 rounding is integer arithmetic on the bit patterns (no F16C instruction or

@@ -17,7 +17,7 @@ Names are loaded on first use, so importing this package (or its CLI) loads neit
 httpx. Never imports ``logitcache.server``, ``vllm`` or ``fastapi``.
 
 Quick start (the training loop is README's "In a trainer" block, executed by
-``tests/test_client_hf_readme.py``)::
+``tests/client/test_client_hf_readme.py``)::
 
     import torch
     from logitcache.client import CacheDataLoader, CacheDataset, StreamConfig, TeacherClient

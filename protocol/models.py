@@ -26,7 +26,7 @@ from pydantic import (
 #: Media type of the compact binary responses: the body is one or more frames of
 #: ``logitcache.cache_format.encode_records``; decode with ``decode_records`` or ``iter_decode``.
 #: It is the name cache_format/FORMAT.md section 8 gives the wire codec (``cache_format.
-#: CONTENT_TYPE``; tests/test_packaging.py checks they agree). Written here, not imported, so
+#: CONTENT_TYPE``; tests/repo/test_packaging.py checks they agree). Written here, not imported, so
 #: that this package needs pydantic only.
 FRAMES_MEDIA_TYPE = "application/x-logitcache-frames"
 #: Media type of every JSON body (answers, errors included).

@@ -15,7 +15,7 @@ PY=${PYTHON:-python3}
 if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null 2>&1 || echo "docker-compose not installed (optional)"
 fi
-# Debian's chromium drives the status-page browser test (tests/test_ui.py, through playwright's
+# Debian's chromium drives the status-page browser test (tests/server/test_ui.py, through playwright's
 # executable_path; no browser download); optional: the test is skipped without it.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || echo "chromium not installed (optional)"

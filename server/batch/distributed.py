@@ -26,7 +26,7 @@ several GPUs per replica with vLLM's own parallelism (``--tensor-parallel-size``
 4. the driver commits the staging caches into the final cache in shard order, then deletes them.
 
 The final cache does not depend on the number of replicas: it equals a one-replica run,
-array for array, in the same order (tests/test_deploy_ray.py). Re-running an interrupted command
+array for array, in the same order (tests/e2e/test_deploy_ray.py). Re-running an interrupted command
 resumes it. Scaling to many nodes: docs/SCALING.md.
 
 Sampled targets (FORMAT.md 4.4): ``--targets sampled`` with ``--draws``,

@@ -1,6 +1,6 @@
 """The teacher engine: one contract, two backends.
 
-Modules (arrows are the only imports allowed inside the package; tests/test_packaging.py):
+Modules (arrows are the only imports allowed inside the package; tests/repo/test_packaging.py):
 
 * :mod:`.protocol` — the contract (:class:`TeacherEngine`, :class:`EngineInfo`,
   :class:`TeacherScores`, errors, the input checks); imports no backend.
