@@ -72,7 +72,8 @@ class DirectArray:
     re-encoded the metadata through its Python JSON encoder on every append (~1.2 ms per array,
     ~0.7 CPU-us/position at 16K rows per append); here the new ``zarr.json`` is those bytes with
     the new length in between, bit-identical to zarr's
-    (tests/format/test_format_shardwrite.py compares every object with zarr's own writes), written through the same store (atomic, fsynced)."""
+    (tests/format/test_format_shardwrite.py compares every object with zarr's own writes),
+    written through the same store (atomic, fsynced)."""
 
     lay: Any  # shardread.DirectLayout
     meta_path: Any  # zarr StorePath of the array's zarr.json

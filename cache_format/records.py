@@ -32,7 +32,8 @@ def tail_from_logprobs(topk_logprobs: np.ndarray) -> np.ndarray:
     ``tail = -expm1(m + log1p(sum_{j>0} exp(lp_j - m)))``. Every term is accurate relative to
     itself, so the absolute error is a few float32 ulps of ``|m|`` plus a few ulps of the tail
     (``tests/format/test_format_tail.py`` bounds it against the float64 sum): within what the
-    float32 input itself fixes, where ``1 - sum exp`` summed in float32 would lose tails below ~1e-7.
+    float32 input itself fixes, where ``1 - sum exp`` summed in float32 would lose tails below
+    ~1e-7.
     Rows whose first entry is not their largest (unsorted: refused by :func:`check_record`)
     and non-float32 input use the float64 sum.
     """
