@@ -329,8 +329,7 @@ def run_write(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- random
 def run_random(args: argparse.Namespace) -> None:
-    from logitcache.cache_format import CacheReader, spec
-    from logitcache.cache_format.writer import CacheWriter
+    from logitcache.cache_format import CacheReader, CacheWriter, spec
 
     teacher = Teacher(vocab=128_256, seed=args.seed)
     data = teacher.pooled(args.positions, round_f16=True)
@@ -450,7 +449,7 @@ def run_random(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- codecs
 def run_codecs(args: argparse.Namespace) -> None:
     import numcodecs.blosc
-    from logitcache.cache_format.idmap import build_id_order, inverse
+    from logitcache.cache_format._idmap import build_id_order, inverse
     from logitcache.cache_format.quant import row_delta
     from numcodecs import Blosc
 

@@ -14,6 +14,7 @@ Importing this package does not import torch.
 - the :class:`FormatError` family (also in :mod:`.errors`).
 """
 
+from ._encode import encode_record
 from ._fingerprint import tokenizer_fingerprint
 from ._info import kernels_in_use
 from ._manifest import IDENTITY_FIELDS, Manifest
@@ -97,6 +98,7 @@ __all__ = [
     "decode_logprobs",
     "decode_records",
     "encode_logprobs",
+    "encode_record",
     "encode_records",
     "iter_decode",
     "kernels_in_use",

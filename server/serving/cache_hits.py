@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from logitcache.cache_format import Manifest, SequenceRecord
+from logitcache.cache_format import Manifest, SequenceRecord, encode_record
 from logitcache.cache_format.quant import decode_logprobs, encode_logprobs
 from logitcache.cache_format.spec import LOGPROB_MAX, LOGPROB_STEP, TOPK_LOGPROBS
-from logitcache.cache_format.writer import encode_record
 
 from ..batch import pipeline
 from ..errors import NotFoundError
