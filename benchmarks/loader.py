@@ -146,7 +146,7 @@ def loader_rate(
     wall = time.perf_counter() - t0
     from logitcache.client.readahead import default_read_threads
 
-    threads = ds.read_threads or default_read_threads(workers, os.cpu_count())
+    threads = ds.read.read_threads or default_read_threads(workers, os.cpu_count())
     return {
         "workers": workers,
         "read_threads": threads,

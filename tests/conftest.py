@@ -102,3 +102,67 @@ def vllm_engine(tiny: Any, vllm_env: dict[str, str]) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def hf_engine(tiny: Any) -> Iterator[Any]:
     yield from _engine(tiny, "transformers")
+
+
+# ----------------------------------------------------------------------------- the fast tier
+#: Marks that put a test outside the fast tier.
+_NOT_FAST_MARKS = ("slow", "vllm", "gpu", "container")
+#: Fixtures that start a real engine, build or load the tiny models, or start an S3 server.
+_NOT_FAST_FIXTURES = frozenset(
+    {
+        "vllm_env",
+        "tiny",
+        "tiny_models",
+        "tiny_tokenizer",
+        "heldout_sequences",
+        "vllm_engine",
+        "hf_engine",
+        "s3_endpoint",
+        "s3_store",
+        "s3_server",
+        "s3_bucket",
+    }
+)
+#: Folders whose tests run whole programs (the demo, containers, Ray, the README's commands).
+_NOT_FAST_FOLDERS = frozenset({"e2e"})
+#: Modules that start subprocesses or servers without one of the fixtures above (SIGKILL
+#: children, DDP ranks, real uvicorn): correct, but seconds each.
+_NOT_FAST_MODULES = frozenset(
+    {
+        "test_format_crash",
+        "test_format_s3",
+        "test_format_store_direct_io",
+        "test_client_hf",
+        "test_client_hf_readme",
+        "test_ddp_gloo",
+        "test_loss_vocab_parallel",
+        "test_fixtures_tiny",
+        "test_engine_typing",
+        "test_bench_smoke",
+        "test_bench_gpu_suites",
+        "test_server_job_cpu",
+        "test_engine_threads",
+        "test_engine_async_temperature",
+        "test_fastdecode",
+        "test_format_random_access",
+        "test_procread",
+        "test_server_writer_keep",
+        "test_engine_reaper",
+        "test_engine_reaper_startup",
+        "test_engine_supervisor_vllm",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``-m fast``: every test that runs in-process with the fake engine or none (no real
+    engine, no tiny-model build, no S3 server, no child programs); ``pytest -m fast`` runs in
+    about a minute on 2 cores and is the tier to run while editing."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in _NOT_FAST_MARKS):
+            continue
+        if _NOT_FAST_FIXTURES & set(getattr(item, "fixturenames", ())):
+            continue
+        if item.path.parent.name in _NOT_FAST_FOLDERS or item.path.stem in _NOT_FAST_MODULES:
+            continue
+        item.add_marker(pytest.mark.fast)

@@ -100,7 +100,7 @@ def test_decode_threads_over_the_http_store_transport(tmp_path) -> None:
         src = HttpSource(server.url, "c", decode_threads=2)
         assert src._store is not None and src._store.reader.decode_threads == 2
         copy = pickle.loads(pickle.dumps(src))
-        assert copy.read.decode_threads == 2 and copy._store.reader.decode_threads == 2
+        assert copy.decode_threads == 2 and copy._store.reader.decode_threads == 2
         got = src.fetch([0, 7, 39])
         want = CacheReader(url).sequences([0, 7, 39])
         assert all(got[i].equals(w) for i, w in zip([0, 7, 39], want, strict=True))

@@ -157,7 +157,7 @@ def test_default_recipe_is_the_named_1024_token_one_and_v2_keeps_4096() -> None:
 _BUILD = """
 import json, sys
 from logitcache.fixtures.tiny import build_tiny_models
-from tests.test_fixtures_tiny import MICRO
+from tests.repo.test_fixtures_tiny import MICRO
 m = build_tiny_models(MICRO, base=sys.argv[1])
 print(json.dumps({"root": str(m.root), "built_at": m.summary["build_seconds"]["total"]}))
 """
