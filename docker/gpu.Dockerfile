@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # logitcache teacher service, GPU image: built on vLLM's own CUDA image (vLLM's CUDA wheels,
 # torch, NCCL and the CUDA runtime, as the vLLM project ships them). The project is installed
 # on top with the `server,gpu,s3` extras; `gpu` (vllm) is already satisfied by the base.
@@ -21,25 +20,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/logitcache
 
-# Layer 1: dependencies, resolved from pyproject.toml alone with empty package folders. pip keeps
-# the base image's vllm/torch (they satisfy the extras) and adds what the service needs.
-COPY pyproject.toml README.md ./
-RUN mkdir -p cache_format client/loss server fixtures \
- && touch cache_format/__init__.py client/__init__.py client/loss/__init__.py \
-          server/__init__.py fixtures/__init__.py \
- && python3 -m pip install ".[${EXTRAS}]" \
- && python3 -m pip uninstall -y logitcache \
- && rm -rf cache_format client server fixtures
-
-# Layer 2: the project.
-COPY cache_format cache_format
-COPY client client
-COPY server server
-COPY fixtures fixtures
-RUN python3 -m pip install --no-deps . \
- && python3 -c "import logitcache.server, logitcache.cache_format, transformers, vllm"
-
-COPY docker/healthcheck.py /opt/logitcache/healthcheck.py
+# Dependencies, from pyproject.toml alone (docker/requirements.py): pip keeps the base image's
+# vllm/torch (they satisfy the extras) and adds what the service needs.
+COPY pyproject.toml docker/requirements.py ./
+RUN python3 requirements.py pyproject.toml "${EXTRAS}" > requirements.txt \
+ && python3 -m pip install -r requirements.txt \
+ && python3 -c "import torch, transformers, vllm"
 
 # Named volumes mounted on these paths start as copies of them (owner included), so they are
 # created here, owned by the service user.
@@ -47,6 +33,15 @@ RUN useradd --create-home --uid "${UID}" --shell /usr/sbin/nologin logitcache \
  && mkdir -p /data/caches /data/state /data/inputs /models \
           /home/logitcache/.cache/huggingface /home/logitcache/.cache/logitcache \
  && chown -R logitcache:logitcache /data /home/logitcache/.cache
+
+COPY docker/healthcheck.py /opt/logitcache/healthcheck.py
+
+# The project: the whole source tree (every package folder pyproject.toml lists comes along;
+# .dockerignore leaves the rest out), installed last so a code change rebuilds only this layer.
+COPY . /opt/logitcache/src
+RUN python3 -m pip install --no-deps --no-build-isolation /opt/logitcache/src \
+ && rm -rf /opt/logitcache/src/build \
+ && python3 -c "import logitcache.server.app, logitcache.cache_format"
 
 USER logitcache
 WORKDIR /data
