@@ -93,3 +93,18 @@ def vllm_engine(tiny: Any, vllm_env: dict[str, str]) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def hf_engine(tiny: Any) -> Iterator[Any]:
     yield from _engine(tiny, "transformers")
+
+
+#: How `.ci/run` runs the container tests, in a step of its own after the README's test command.
+CONTAINER_COMMAND = ".venv/bin/python -m pytest -q -n 0 -m container tests/test_docker_compose_up.py"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``container`` build and run the Docker image (~10 minutes warm, more cold):
+    they run only when a ``-m`` expression names them, not in the README's test command."""
+    if "container" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason=f"container test; run by .ci/run: {CONTAINER_COMMAND}")
+    for item in items:
+        if item.get_closest_marker("container"):
+            item.add_marker(skip)
