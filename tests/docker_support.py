@@ -10,7 +10,8 @@ package mirror the machine's apt uses, the package registry (PyPI) and local dis
   storage, or ``vfs`` where overlay mounts are refused (vfs copies the whole image for every
   build step: minutes per step for this image); stopped after;
 * :func:`python_base_image`: Debian bookworm (``debootstrap --variant=minbase`` with python3,
-  python3-venv) imported as ``logitcache-test/python:bookworm``, the ``PYTHON_IMAGE`` of the CPU
+  python3-venv and the Python headers, as in python:3.11-slim) imported as
+  ``logitcache-test/python:bookworm-<hash of the package list>``, the ``PYTHON_IMAGE`` of the CPU
   Dockerfile in place of ``python:3.11-slim-bookworm``. It carries the machine's CA bundle (a
   TLS-inspecting proxy's CA, if any, is in it) so that pip inside the build reaches PyPI;
 * :func:`torch_index`: the torch wheel of this venv (``pip download``: the machine's pip
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import http.server
 import json
 import os
@@ -46,9 +48,14 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 DOCKERD_ARGS = ["--iptables=false", "--bridge=none"]
 STORAGE_DRIVERS = ("overlay2", "vfs")
-BASE_IMAGE = "logitcache-test/python:bookworm"
-CPU_IMAGE = "logitcache/teacher-cpu:test"
 SUITE = "bookworm"
+#: What the base adds to debootstrap's minimal system; python:3.11-slim carries its Python's
+#: headers too (torch.compile's C++ kernels include them).
+BASE_PACKAGES = "python3,python3-venv,libpython3.11-dev,ca-certificates"
+BASE_IMAGE = (
+    f"logitcache-test/python:{SUITE}-{hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:8]}"
+)
+CPU_IMAGE = "logitcache/teacher-cpu:test"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 #: The image's service user (docker/cpu.Dockerfile's UID).
 SERVICE_UID = 10001
@@ -139,12 +146,12 @@ def debian_mirror() -> str:
 
 
 def python_base_image(workdir: Path) -> str:
-    """``logitcache-test/python:bookworm``, made with debootstrap unless the engine has it."""
+    """:data:`BASE_IMAGE`, made with debootstrap unless the engine has it."""
     if image_exists(BASE_IMAGE):
         return BASE_IMAGE
     ensure_debian_packages({"debootstrap": "debootstrap"})
     root = workdir / "rootfs"
-    include = "--include=python3,python3-venv,ca-certificates"
+    include = f"--include={BASE_PACKAGES}"
     argv = ["debootstrap", "--variant=minbase", include, SUITE, str(root), debian_mirror()]
     run(["nice", "-n", "10", *argv], timeout=1200)
     try:

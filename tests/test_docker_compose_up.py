@@ -346,7 +346,7 @@ def test_down_then_up_keeps_the_caches(stack: Service) -> None:
 
 
 @pytest.fixture(scope="module")
-def s3_stack(stack: Service, project: dict[str, Any]) -> Iterator[tuple[Service, dict[str, Any]]]:
+def s3_stack(project: dict[str, Any]) -> Iterator[tuple[Service, dict[str, Any]]]:
     """The `s3` profile's teacher on moto (built here), key from LOGITCACHE_API_KEY."""
     build_image("tests/docker_moto.Dockerfile", MOTO_IMAGE, project["workdir"] / "build.log",
                 PYTHON_IMAGE=BASE_IMAGE)  # fmt: skip
@@ -356,7 +356,7 @@ def s3_stack(stack: Service, project: dict[str, Any]) -> Iterator[tuple[Service,
         "LOGITCACHE_API_KEY": S3_API_KEY,
         "MINIO_ROOT_USER": "lctest",
         "MINIO_ROOT_PASSWORD": "lctest-secret",
-        "LOGITCACHE_S3_BUCKET": "kd",
+        "LOGITCACHE_S3_BUCKET": "lc-test",
     }
     files = [
         REPO / "docker-compose.yml",
@@ -384,7 +384,7 @@ def s3_stack(stack: Service, project: dict[str, Any]) -> Iterator[tuple[Service,
 
 
 def test_s3_profile_writes_into_the_bucket_and_resumes_after_sigkill(
-    s3_stack: tuple[Service, dict[str, Any]], stack: Service, project: dict[str, Any]
+    s3_stack: tuple[Service, dict[str, Any]],
 ) -> None:
     service, options = s3_stack
     info = service.compose.inspect("teacher-s3")
@@ -395,7 +395,10 @@ def test_s3_profile_writes_into_the_bucket_and_resumes_after_sigkill(
     service.up()
     job = service.wait_job(job_id)
     assert job["state"] == "succeeded" and job["sequences_done"] == total, job
-    url = "s3://kd/caches/s3-killed"
-    assert validate(url, options).ok
-    one_go = cache_arrays(str(stack.compose.volume_dir("caches") / "one-go"))
-    assert_same_bytes(cache_arrays(url, options), one_go)
+    ref = service.wait_job(service.submit("s3-one-go")["id"])
+    assert ref["state"] == "succeeded", ref
+    killed, one_go = "s3://lc-test/caches/s3-killed", "s3://lc-test/caches/s3-one-go"
+    for url in (killed, one_go):
+        report = validate(url, options)
+        assert report.ok, report
+    assert_same_bytes(cache_arrays(killed, options), cache_arrays(one_go, options))
