@@ -96,7 +96,9 @@ def hf_engine(tiny: Any) -> Iterator[Any]:
 
 
 #: How `.ci/run` runs the container tests, in a step of its own after the README's test command.
-CONTAINER_COMMAND = ".venv/bin/python -m pytest -q -n 0 -m container tests/test_docker_compose_up.py"
+CONTAINER_COMMAND = (
+    ".venv/bin/python -m pytest -q -n 0 -m container tests/test_docker_compose_up.py"
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
