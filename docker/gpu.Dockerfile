@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # logitcache teacher service, GPU image: built on vLLM's own CUDA image (vLLM's CUDA wheels,
 # torch, NCCL and the CUDA runtime, as the vLLM project ships them). The project is installed
 # on top with the `server,gpu,s3` extras; `gpu` (vllm) is already satisfied by the base.
@@ -19,37 +18,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1
 
-WORKDIR /opt/logitcache
-
-# Layer 1: dependencies, resolved from pyproject.toml alone with empty package folders. pip keeps
-# the base image's vllm/torch (they satisfy the extras) and adds what the service needs.
-COPY pyproject.toml README.md ./
-RUN mkdir -p cache_format client/loss server fixtures \
- && touch cache_format/__init__.py client/__init__.py client/loss/__init__.py \
-          server/__init__.py fixtures/__init__.py \
- && python3 -m pip install ".[${EXTRAS}]" \
- && python3 -m pip uninstall -y logitcache \
- && rm -rf cache_format client server fixtures
-
-# Layer 2: the project.
-COPY cache_format cache_format
-COPY client client
-COPY server server
-COPY fixtures fixtures
-RUN python3 -m pip install --no-deps . \
- && python3 -c "import logitcache.server, logitcache.cache_format, transformers, vllm"
-
-COPY docker/healthcheck.py /opt/logitcache/healthcheck.py
-
-# Named volumes mounted on these paths start as copies of them (owner included), so they are
-# created here, owned by the service user.
+# Named volumes mounted on /data/* start as copies of these folders (owner included), so they
+# are made here, owned by the service user.
 RUN useradd --create-home --uid "${UID}" --shell /usr/sbin/nologin logitcache \
  && mkdir -p /data/caches /data/state /data/inputs /models \
           /home/logitcache/.cache/huggingface /home/logitcache/.cache/logitcache \
  && chown -R logitcache:logitcache /data /home/logitcache/.cache
-
-USER logitcache
-WORKDIR /data
 
 # Configuration is by environment: every LOGITCACHE_* variable maps to a ServerSettings field
 # (server/settings.py); see .env.example. Large teachers: LOGITCACHE_TENSOR_PARALLEL_SIZE and
@@ -66,10 +40,27 @@ ENV LOGITCACHE_HOST=0.0.0.0 \
 
 EXPOSE 8000
 VOLUME ["/data/caches", "/data/state"]
-
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=4 \
   CMD ["python3", "/opt/logitcache/healthcheck.py"]
-
 # The base image's entrypoint is `vllm serve`; this image runs the logitcache service instead.
 ENTRYPOINT []
 CMD ["logitcache-server"]
+WORKDIR /data
+
+# Dependencies, from pyproject.toml alone (docker/requirements.py): pip keeps the base image's
+# vllm/torch (they satisfy the extras) and adds what the service needs.
+COPY pyproject.toml docker/requirements.py /opt/logitcache/
+RUN python3 /opt/logitcache/requirements.py /opt/logitcache/pyproject.toml "${EXTRAS}" \
+      > /opt/logitcache/requirements.txt \
+ && python3 -m pip install -r /opt/logitcache/requirements.txt \
+ && python3 -c "import torch, transformers, vllm"
+
+# The project: the whole source tree (every package folder pyproject.toml lists comes along;
+# .dockerignore leaves the rest out), and the health probe from it.
+COPY . /opt/logitcache/src
+RUN python3 -m pip install --no-deps --no-build-isolation /opt/logitcache/src \
+ && rm -rf /opt/logitcache/src/build \
+ && cp /opt/logitcache/src/docker/healthcheck.py /opt/logitcache/healthcheck.py \
+ && python3 -c "import logitcache.server.app, logitcache.cache_format"
+
+USER logitcache

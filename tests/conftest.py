@@ -152,13 +152,25 @@ _NOT_FAST_MODULES = frozenset(
         "test_engine_supervisor_vllm",
     }
 )
+#: How `.ci/run` runs the container tests, in a step of its own after the README's test command.
+CONTAINER_COMMAND = (
+    ".venv/bin/python -m pytest -q -n 0 -m container tests/e2e/test_docker_compose_up.py"
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``-m fast``: every test that runs in-process with the fake engine or none (no real
-    engine, no tiny-model build, no S3 server, no child programs); ``pytest -m fast`` runs in
-    about a minute on 2 cores and is the tier to run while editing."""
+    """Two tiers beside the whole suite.
+
+    ``-m fast``: every test that runs in-process with the fake engine or none (no real engine,
+    no tiny-model build, no S3 server, no child programs); the tier to run while editing.
+
+    Tests marked ``container`` build and run the Docker image (~10 minutes warm, more cold):
+    they run only when a ``-m`` expression names them, not in the README's test command."""
+    run_containers = "container" in (config.getoption("markexpr") or "")
+    skip = pytest.mark.skip(reason=f"container test; run by .ci/run: {CONTAINER_COMMAND}")
     for item in items:
+        if item.get_closest_marker("container") and not run_containers:
+            item.add_marker(skip)
         if any(item.get_closest_marker(m) for m in _NOT_FAST_MARKS):
             continue
         if _NOT_FAST_FIXTURES & set(getattr(item, "fixturenames", ())):

@@ -152,9 +152,10 @@ def test_env_example_is_complete_and_used(env_file):
     example = (REPO / ".env.example").read_text()
     names = re.findall(r"^([A-Z][A-Z0-9_]*)=", example, flags=re.M)
     assert len(names) == len(set(names)), "duplicate names in .env.example"
-    sources = (REPO / "docker-compose.yml").read_text() + (
-        REPO / "docker" / "compose.gpu.yml"
-    ).read_text()
+    sources = "".join(
+        (REPO / f).read_text()
+        for f in ("docker-compose.yml", "docker/compose.gpu.yml", "docker/compose.api-key-file.yml")
+    )
     used = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", sources))
     assert set(names) == used, {
         "in .env.example, never substituted": sorted(set(names) - used),
@@ -196,3 +197,19 @@ def test_volume_mount_points_exist_in_the_image_owned_by_the_service_user(varian
             assert any(target == r or target.startswith(r + "/") for r in owned_roots), (
                 f"{name}: {target} is not owned by the service user"
             )
+
+
+def test_api_key_file_override_gives_each_teacher_the_secret_not_the_key(env_file, tmp_path):
+    key = tmp_path / "api_key"
+    key.write_text("k-123\n")
+    args = ("-f", "docker-compose.yml", "-f", "docker/compose.api-key-file.yml", "--profile", "s3")
+    cfg = config(*args, *env_file(LOGITCACHE_API_KEY_SECRET=str(key)))
+    assert cfg["secrets"]["logitcache_api_key"]["file"] == str(key)
+    for name in TEACHERS:
+        t = cfg["services"][name]
+        env = t["environment"]
+        assert env["LOGITCACHE_API_KEY_FILE"] == "/run/secrets/logitcache_api_key"
+        assert env["LOGITCACHE_STORE_ROOT"], "the override adds to the base environment"
+        secrets = [s if isinstance(s, str) else s["source"] for s in t["secrets"]]
+        assert secrets == ["logitcache_api_key"]
+        assert "k-123" not in json.dumps(t), "the key itself must not be in the service"
