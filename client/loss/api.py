@@ -175,7 +175,7 @@ def topk_distill_loss(
     )
     if shard is not None and impl not in ("fused_chunked", "fused_chunked_recompute"):
         raise LossInputError(f"a vocab-parallel lm-head needs a fused impl, got impl={impl!r}")
-    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     prep = prepare(
         hidden,
         weight,
@@ -227,7 +227,7 @@ def _n_rows(hidden: torch.Tensor) -> int | None:
     return hidden.numel() // hidden.shape[-1]
 
 
-def _autocast_inputs(
+def autocast_inputs(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Under autocast, run the projection in the autocast dtype, as ``torch.mm`` would.
