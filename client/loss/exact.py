@@ -1,0 +1,343 @@
+r"""``exact_distill_loss``: distillation against the teacher's full distribution, rebuilt from
+its final hidden states and its output head, chunk by chunk.
+
+Per chunk of counted rows: teacher logits ``y = h_T W_T^T (+ b_T)`` (no gradient; times
+``teacher_logit_scale``, then ``c tanh(y / c)`` with ``c = teacher_softcap``), student logits
+``x = h_S W_S^T (+ b_S)``, both divided by the temperature, both log-softmaxed over the full
+vocabulary; the divergence and its logits gradient are computed in the working dtype (float32,
+float64 for float64 inputs) and pushed through the student head right away. Neither logits
+table ever exists for more than one chunk of rows: the largest intermediates are a few
+``[chunk, V]`` buffers (see :data:`CHUNK_BUFFERS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .api import autocast_inputs
+from .dispatch import auto_chunk_size, check_chunk_size
+from .fused_chunked import ChunkGrads, Rows, no_autocast, project, row_blocks, take_rows
+from .spec import REDUCTIONS, LossInputError, LossSpec
+from .validation import check_head, counted_rows
+
+#: The objectives of the exact loss.
+EXACT_LOSS_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
+#: Float32 ``[chunk, V]`` buffers alive at once (JSD; the KLs need fewer). The default chunk is
+#: the top-k loss's automatic chunk for a vocabulary this many times larger.
+CHUNK_BUFFERS = 6
+
+_STUDENT = ("student_hidden", "student_weight", "student_bias")
+_TEACHER = ("teacher_hidden", "teacher_weight", "teacher_bias")
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """The teacher's output head as the architecture applies it: ``W_T [V, d_T]``, ``b_T [V]``
+    and the logit transform ``c tanh(s y / c)`` (``s`` = ``logit_scale``, ``c`` = ``softcap``,
+    no tanh when ``None``)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def logits(self, hidden: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+        """Teacher logits of ``hidden [C, d_T]`` in the working dtype (a new buffer)."""
+        y = project(hidden, self.weight, self.bias).to(work)
+        if self.logit_scale != 1.0:
+            y.mul_(self.logit_scale)
+        if self.softcap is not None:
+            y.div_(self.softcap).tanh_().mul_(self.softcap)
+        return y
+
+
+@dataclass
+class ExactInputs:
+    """Checked, flattened inputs: ``N`` rows, student ``[N, d_S]``, teacher ``[N, d_T]``."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    teacher_hidden: torch.Tensor
+    teacher: TeacherHead
+    spec: LossSpec
+    valid: torch.Tensor  # [N] bool
+    n_valid: int
+    lead_shape: tuple[int, ...]
+
+    @property
+    def work_dtype(self) -> torch.dtype:
+        return torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+
+    @property
+    def all_valid(self) -> bool:
+        return self.n_valid == self.valid.numel()
+
+
+def exact_distill_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    labels: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    loss: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    r"""Exact distillation loss of a student lm-head against the teacher's full distribution.
+
+    Shapes: ``student_hidden [..., d_S]``, ``student_weight [V, d_S]``, ``student_bias [V]``,
+    ``teacher_hidden [..., d_T]`` (the teacher's final hidden states after its final norm, same
+    leading shape), ``teacher_weight [V, d_T]``, ``teacher_bias [V]``, ``labels``/``mask``
+    ``[...]``. A row counts when ``mask`` is true (default all) and ``labels != ignore_index``
+    (labels only select rows here: there is no hard-label term); other rows give 0 and no
+    gradient. Gradients flow to ``student_hidden``, ``student_weight`` and ``student_bias``
+    only, never to the teacher's tensors. The teacher may have its own dtype and width.
+
+    Per row: teacher logits ``y = c tanh(s (W_T h_T + b_T) / c)`` (``s`` =
+    ``teacher_logit_scale``; ``c`` = ``teacher_softcap``, no tanh when ``None``), student
+    logits ``x = W_S h_S + b_S``; at temperature ``T``: ``p = softmax(y / T)``, ``q =
+    softmax(x / T)`` over all ``V`` ids. ``loss=``
+
+    * ``"forward_kl"``: ``KD = sum_v p_v log(p_v / q_v)``; ``dKD/dz = q - p``.
+    * ``"reverse_kl"``: ``KD = sum_v q_v log(q_v / p_v)``;
+      ``dKD/dz_v = q_v (log(q_v / p_v) - KD)``.
+    * ``"jsd"``: generalised Jensen-Shannon with ``m = beta p + (1 - beta) q``:
+      ``KD = beta sum p log(p / m) + (1 - beta) sum q log(q / m)``, ``0 < beta < 1`` (the
+      TRL/Liger convention, as in ``topk_distill_loss``); ``dKD/dz_v = q_v (a_v - sum q a)``
+      with ``a = (1 - beta) log(q / m)``.
+
+    Row loss ``L = T**2 * KD``. ``reduction``: ``"mean"`` (sum over counted rows / their
+    number, 0 if none), ``"sum"``, or ``"none"`` (shape ``[...]``, 0 on rows that do not
+    count).
+
+    Computation: chunks of ``chunk_size`` counted rows (default: the top-k loss's automatic
+    chunk for a vocabulary :data:`CHUNK_BUFFERS` times larger, so that the float32 ``[chunk,
+    V]`` buffers of one chunk stay within its budget). With ``"mean"``/``"sum"`` the gradients
+    are computed in the forward pass (teacher GEMM + 3 student GEMMs per chunk, ``8 N d V``
+    FLOPs at ``d_S = d_T = d``); with ``"none"`` the backward pass projects each chunk again.
+    The passes run in torch on every device (no Triton kernels; no vocab-parallel heads).
+    Under ``torch.autocast`` with float32 student tensors, they are cast to the autocast dtype
+    first (as in ``topk_distill_loss``). Raises :class:`LossInputError` for any bad argument.
+    """
+    inp = prepare_exact(
+        student_hidden,
+        student_weight,
+        student_bias,
+        teacher_hidden,
+        TeacherHead(teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap),
+        labels,
+        mask,
+        ignore_index,
+        LossSpec(loss="forward_kl", beta=beta, temperature=temperature),
+        loss,
+    )
+    if reduction not in REDUCTIONS:
+        raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_chunk_size(chunk_size)
+    vocab = inp.weight.shape[0]
+    chunk = chunk_size or auto_chunk_size(
+        max(inp.n_valid, 1), vocab * CHUNK_BUFFERS, inp.weight.dtype, inp.hidden.device
+    )
+    if reduction == "none":
+        rows = ExactRecompute.apply(inp.hidden, inp.weight, inp.bias, inp, chunk)
+        return rows.reshape(inp.lead_shape)
+    scale = 1.0 if reduction == "sum" else 1.0 / max(inp.n_valid, 1)
+    on = torch.is_grad_enabled()
+    need = (
+        on and inp.hidden.requires_grad,
+        on and inp.weight.requires_grad,
+        on and inp.bias is not None and inp.bias.requires_grad,
+    )
+    total: torch.Tensor = ExactGradInForward.apply(
+        inp.hidden, inp.weight, inp.bias, inp, chunk, scale, need
+    )
+    return total
+
+
+def prepare_exact(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher_hidden: torch.Tensor,
+    teacher: TeacherHead,
+    labels: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    ignore_index: int,
+    spec: LossSpec,
+    loss: str,
+) -> ExactInputs:
+    """Check every argument and flatten the rows; raise :class:`LossInputError` on a problem."""
+    if loss not in EXACT_LOSS_KINDS:
+        raise LossInputError(f"loss must be one of {EXACT_LOSS_KINDS}, got {loss!r}")
+    spec = LossSpec(loss=loss, beta=spec.beta, temperature=spec.temperature)
+    check_head(hidden, weight, bias, _STUDENT)
+    check_head(teacher_hidden, teacher.weight, teacher.bias, _TEACHER)
+    lead = tuple(hidden.shape[:-1])
+    if tuple(teacher_hidden.shape[:-1]) != lead:
+        raise LossInputError(
+            f"teacher_hidden must have the leading shape {lead} of student_hidden, "
+            f"got {tuple(teacher_hidden.shape)}"
+        )
+    if teacher.weight.shape[0] != weight.shape[0]:
+        raise LossInputError(
+            f"teacher_weight has V={teacher.weight.shape[0]} rows, student_weight "
+            f"V={weight.shape[0]}: the two heads must share one vocabulary"
+        )
+    if teacher_hidden.device != hidden.device:
+        raise LossInputError(
+            f"teacher_hidden is on {teacher_hidden.device}, student_hidden on {hidden.device}"
+        )
+    if not (math.isfinite(teacher.logit_scale) and teacher.logit_scale > 0.0):
+        raise LossInputError(
+            f"teacher_logit_scale must be finite and > 0, got {teacher.logit_scale}"
+        )
+    cap = teacher.softcap
+    if cap is not None and not (math.isfinite(cap) and cap > 0.0):
+        raise LossInputError(f"teacher_softcap must be None or finite and > 0, got {cap}")
+    valid, _ = counted_rows(lead, labels, mask, ignore_index, hidden.device)
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    n = valid.numel()
+    return ExactInputs(
+        hidden=hidden.reshape(n, hidden.shape[-1]),
+        weight=weight,
+        bias=bias,
+        teacher_hidden=teacher_hidden.reshape(n, teacher_hidden.shape[-1]),
+        teacher=teacher,
+        spec=spec,
+        valid=valid,
+        n_valid=int(valid.sum().item()),
+        lead_shape=lead,
+    )
+
+
+def _vdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``sum_v a_v b_v`` of two ``[C, V]`` tensors."""
+    return torch.linalg.vecdot(a, b, dim=1)
+
+
+def chunk_terms(
+    inp: ExactInputs, rows: Rows, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row losses ``T**2 KD [C]`` of one chunk and (``with_grad``) their gradient with respect
+    to the raw student logits ``[C, V]``, in the working dtype."""
+    spec, work = inp.spec, inp.work_dtype
+    t = spec.temperature
+    lp = inp.teacher.logits(take_rows(inp.teacher_hidden, rows), work)
+    lq = project(take_rows(inp.hidden, rows), inp.weight, inp.bias).to(work)
+    for z in (lp, lq):  # log-softmax at temperature T, in place
+        if t != 1.0:
+            z.mul_(spec.inv_temperature)
+        z.sub_(torch.logsumexp(z, dim=1, keepdim=True))
+    g: torch.Tensor | None = None
+    if spec.loss == "forward_kl":
+        p = lp.exp()
+        kd = _vdot(p, lp.sub_(lq))
+        if with_grad:
+            g = lq.exp_().sub_(p)
+    elif spec.loss == "reverse_kl":
+        q = lq.exp()
+        d = lq.sub_(lp)
+        kd = _vdot(q, d)
+        if with_grad:
+            g = d.sub_(kd[:, None]).mul_(q)
+    else:
+        b = spec.beta
+        logm = torch.logaddexp(lp + math.log(b), lq + math.log1p(-b))
+        p, q = lp.exp(), lq.exp()
+        tp, tq = _vdot(p, lp.sub_(logm)), _vdot(q, lq.sub_(logm))
+        kd = b * tp + (1.0 - b) * tq
+        if with_grad:  # a = (1 - b) log(q / m), held in lq
+            g = lq.mul_(1.0 - b).sub_((1.0 - b) * tq[:, None]).mul_(q)
+    if g is not None:
+        g.mul_(t)  # d(T^2 KD)/dx = T dKD/dz
+    return kd * (t * t), g
+
+
+class ExactGradInForward(torch.autograd.Function):
+    """Scalar ``scale * sum(row losses)``; the student's gradients are computed in forward."""
+
+    @staticmethod
+    @no_autocast
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        inp: ExactInputs,
+        chunk: int,
+        scale: float,
+        need: tuple[bool, bool, bool],
+    ) -> torch.Tensor:
+        grads = ChunkGrads(hidden, weight, bias, inp.all_valid, need, None)
+        total = torch.zeros((), dtype=inp.work_dtype, device=hidden.device)
+        for rows in row_blocks(inp.valid, inp.all_valid, chunk):
+            loss, g = chunk_terms(inp, rows, any(need))
+            total += loss.sum()
+            if g is not None:
+                grads.add(rows, g.mul_(scale).to(weight.dtype), take_rows(hidden, rows), weight)
+            del g
+        ctx.grads = grads.finish()
+        return total * scale
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.grads is None:
+            raise RuntimeError("exact_distill_loss supports one backward only")
+        out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
+        ctx.grads = None
+        return (*out, None, None, None, None)
+
+
+class ExactRecompute(torch.autograd.Function):
+    """Per-row losses ``[N]``; backward computes each chunk's logits again."""
+
+    @staticmethod
+    @no_autocast
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        inp: ExactInputs,
+        chunk: int,
+    ) -> torch.Tensor:
+        out = torch.zeros(inp.valid.numel(), dtype=inp.work_dtype, device=hidden.device)
+        blocks = row_blocks(inp.valid, inp.all_valid, chunk)
+        for rows in blocks:
+            out[rows] = chunk_terms(inp, rows, False)[0]
+        ctx.inp, ctx.blocks = inp, blocks
+        ctx.need = (
+            hidden.requires_grad,
+            weight.requires_grad,
+            bias is not None and bias.requires_grad,
+        )
+        return out
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inp: ExactInputs = ctx.inp
+        grads = ChunkGrads(inp.hidden, inp.weight, inp.bias, inp.all_valid, ctx.need, None)
+        for rows in ctx.blocks:
+            g = chunk_terms(inp, rows, True)[1]
+            if g is None:
+                raise RuntimeError("chunk_terms returned no gradient")
+            g.mul_(take_rows(grad_rows, rows).to(g.dtype)[:, None])
+            grads.add(rows, g.to(inp.weight.dtype), take_rows(inp.hidden, rows), inp.weight)
+            del g
+        return (*grads.finish(), None, None)
