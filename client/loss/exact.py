@@ -230,10 +230,11 @@ def _vdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_terms(
-    inp: ExactInputs, rows: Rows, with_grad: bool
+    inp: ExactInputs, rows: Rows, row_weight: float | torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Row losses ``T**2 KD [C]`` of one chunk and (``with_grad``) their gradient with respect
-    to the raw student logits ``[C, V]``, in the working dtype."""
+    """Row losses ``T**2 KD [C]`` of one chunk and (unless ``row_weight`` is ``None``) the
+    gradient of ``sum(row_weight * loss)`` with respect to the raw student logits ``[C, V]``
+    (``row_weight``: one scalar, or ``[C, 1]``), in the working dtype."""
     spec, work = inp.spec, inp.work_dtype
     t = spec.temperature
     lp = inp.teacher.logits(take_rows(inp.teacher_hidden, rows), work)
@@ -242,6 +243,7 @@ def chunk_terms(
         if t != 1.0:
             z.mul_(spec.inv_temperature)
         z.sub_(torch.logsumexp(z, dim=1, keepdim=True))
+    with_grad = row_weight is not None
     g: torch.Tensor | None = None
     if spec.loss == "forward_kl":
         p = lp.exp()
@@ -262,8 +264,8 @@ def chunk_terms(
         kd = b * tp + (1.0 - b) * tq
         if with_grad:  # a = (1 - b) log(q / m), held in lq
             g = lq.mul_(1.0 - b).sub_((1.0 - b) * tq[:, None]).mul_(q)
-    if g is not None:
-        g.mul_(t)  # d(T^2 KD)/dx = T dKD/dz
+    if g is not None and row_weight is not None:
+        g.mul_(row_weight * t)  # d(T^2 KD)/dx = T dKD/dz
     return kd * (t * t), g
 
 
@@ -285,10 +287,10 @@ class ExactGradInForward(torch.autograd.Function):
         grads = ChunkGrads(hidden, weight, bias, inp.all_valid, need, None)
         total = torch.zeros((), dtype=inp.work_dtype, device=hidden.device)
         for rows in row_blocks(inp.valid, inp.all_valid, chunk):
-            loss, g = chunk_terms(inp, rows, any(need))
+            loss, g = chunk_terms(inp, rows, scale if any(need) else None)
             total += loss.sum()
             if g is not None:
-                grads.add(rows, g.mul_(scale).to(weight.dtype), take_rows(hidden, rows), weight)
+                grads.add(rows, g.to(weight.dtype), take_rows(hidden, rows), weight)
             del g
         ctx.grads = grads.finish()
         return total * scale
@@ -319,7 +321,7 @@ class ExactRecompute(torch.autograd.Function):
         out = torch.zeros(inp.valid.numel(), dtype=inp.work_dtype, device=hidden.device)
         blocks = row_blocks(inp.valid, inp.all_valid, chunk)
         for rows in blocks:
-            out[rows] = chunk_terms(inp, rows, False)[0]
+            out[rows] = chunk_terms(inp, rows, None)[0]
         ctx.inp, ctx.blocks = inp, blocks
         ctx.need = (
             hidden.requires_grad,
@@ -334,10 +336,10 @@ class ExactRecompute(torch.autograd.Function):
         inp: ExactInputs = ctx.inp
         grads = ChunkGrads(inp.hidden, inp.weight, inp.bias, inp.all_valid, ctx.need, None)
         for rows in ctx.blocks:
-            g = chunk_terms(inp, rows, True)[1]
+            weight = take_rows(grad_rows, rows).to(inp.work_dtype)[:, None]
+            g = chunk_terms(inp, rows, weight)[1]
             if g is None:
                 raise RuntimeError("chunk_terms returned no gradient")
-            g.mul_(take_rows(grad_rows, rows).to(g.dtype)[:, None])
             grads.add(rows, g.to(inp.weight.dtype), take_rows(inp.hidden, rows), inp.weight)
             del g
         return (*grads.finish(), None, None)
