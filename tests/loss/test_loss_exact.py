@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +224,31 @@ def test_bad_input_is_a_typed_error(change, match):
     args.update(change)
     with pytest.raises(LossInputError, match=match):
         exact_distill_loss(**args)
+
+
+def test_readme_example_runs():
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    pattern = r"<!-- exact-loss:start -->\s*```python\n(.*?)```\s*<!-- exact-loss:end -->"
+    m = re.search(pattern, text, re.S)
+    assert m, "README has no exact-loss block"
+    ns: dict = {}
+    exec(compile(m.group(1), "README:exact-loss", "exec"), ns)
+    assert ns["loss"].item() > 0
+    assert ns["lm_head"].weight.grad is not None and ns["h"].grad.abs().sum() > 0
+
+
+def test_benchmark_mode_runs(tmp_path):
+    from benchmarks.loss import main
+
+    csv = tmp_path / "rows.csv"
+    out = tmp_path / "exact.json"
+    main(["exact", "--device", "cpu", "--n", "64", "--configs", "256x16", "--k", "8",
+          "--reps", "2", "--chunk", "16", "--csv", str(csv), "--out", str(out)])  # fmt: skip
+    import json
+
+    rows = json.loads(out.read_text())["exact"]
+    assert {r["variant"] for r in rows} == {
+        "topk_fused_chunked", "exact_forward_kl", "exact_reverse_kl", "exact_jsd",
+    }  # fmt: skip
+    assert all(r["ms"] > 0 and r["tracked_peak_mib"] > 0 for r in rows)
+    assert "exact_jsd" in csv.read_text()
