@@ -14,7 +14,7 @@ from .dispatch import (
     resolve_impl,
 )
 from .forward_chunked import forward_chunked_rows
-from .fused_chunked import FusedGradInForward, FusedRecompute
+from .fused_chunked import FusedGradInForward, FusedRecompute, needs_grad
 from .reference import dense_row_losses
 from .small_vocab import small_vocab_rows
 from .spec import REDUCTIONS, LossInputError, LossSpec
@@ -201,12 +201,7 @@ def topk_distill_loss(
 
     if impl == "fused_chunked":
         scale = 1.0 if reduction == "sum" else 1.0 / max(prep.n_valid, 1)
-        grad_on = torch.is_grad_enabled()
-        need = (
-            grad_on and prep.hidden.requires_grad,
-            grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad,
-        )
+        need = needs_grad(prep.hidden, weight, bias, torch.is_grad_enabled())
         return FusedGradInForward.apply(
             prep.hidden, weight, bias, spec, prep, chunk, scale, need, acc, shard, triton
         )

@@ -20,9 +20,19 @@ import torch
 
 from .api import autocast_inputs
 from .dispatch import auto_chunk_size, check_chunk_size
-from .fused_chunked import ChunkGrads, Rows, no_autocast, project, row_blocks, take_rows
+from .fused_chunked import (
+    ChunkGrads,
+    Rows,
+    needs_grad,
+    no_autocast,
+    project,
+    row_blocks,
+    scaled_once,
+    take_rows,
+)
 from .spec import REDUCTIONS, LossInputError, LossSpec
 from .validation import check_head, counted_rows
+from .vocab_parallel import VocabParallel, VocabShard, exchange, resolve_shard
 
 #: The objectives of the exact loss.
 EXACT_LOSS_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
@@ -68,6 +78,7 @@ class ExactInputs:
     valid: torch.Tensor  # [N] bool
     n_valid: int
     lead_shape: tuple[int, ...]
+    shard: VocabShard | None = None
 
     @property
     def work_dtype(self) -> torch.dtype:
@@ -96,6 +107,7 @@ def exact_distill_loss(
     temperature: float = 1.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    vocab_parallel: VocabParallel | None = None,
 ) -> torch.Tensor:
     r"""Exact distillation loss of a student lm-head against the teacher's full distribution.
 
@@ -129,7 +141,13 @@ def exact_distill_loss(
     V]`` buffers of one chunk stay within its budget). With ``"mean"``/``"sum"`` the gradients
     are computed in the forward pass (teacher GEMM + 3 student GEMMs per chunk, ``8 N d V``
     FLOPs at ``d_S = d_T = d``); with ``"none"`` the backward pass projects each chunk again.
-    The passes run in torch on every device (no Triton kernels; no vocab-parallel heads).
+    The passes run in torch on every device (no Triton kernels).
+
+    ``vocab_parallel``: a :class:`VocabParallel` when ``student_weight``/``student_bias`` *and*
+    ``teacher_weight``/``teacher_bias`` are this rank's rows of heads split along the same
+    vocabulary over a process group (see :mod:`.vocab_parallel`). Every rank passes the same
+    hidden rows and gets the same loss; per chunk, one all-gather of the two row log-sum-exps
+    and one of the row sums; ``grad_h`` is all-reduced (unless ``reduce_grad_hidden=False``).
     Under ``torch.autocast`` with float32 student tensors, they are cast to the autocast dtype
     first (as in ``topk_distill_loss``). Raises :class:`LossInputError` for any bad argument.
     """
@@ -148,20 +166,19 @@ def exact_distill_loss(
     if reduction not in REDUCTIONS:
         raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_chunk_size(chunk_size)
-    vocab = inp.weight.shape[0]
+    if vocab_parallel is not None:
+        if not isinstance(vocab_parallel, VocabParallel):
+            raise LossInputError(f"vocab_parallel must be a VocabParallel, got {vocab_parallel!r}")
+        inp.shard = resolve_shard(vocab_parallel, inp.weight.shape[0], inp.hidden.device)
+    cols = inp.weight.shape[0] if inp.shard is None else -(-inp.shard.vocab // inp.shard.world)
     chunk = chunk_size or auto_chunk_size(
-        max(inp.n_valid, 1), vocab * CHUNK_BUFFERS, inp.weight.dtype, inp.hidden.device
+        max(inp.n_valid, 1), cols * CHUNK_BUFFERS, inp.weight.dtype, inp.hidden.device
     )
     if reduction == "none":
         rows = ExactRecompute.apply(inp.hidden, inp.weight, inp.bias, inp, chunk)
         return rows.reshape(inp.lead_shape)
     scale = 1.0 if reduction == "sum" else 1.0 / max(inp.n_valid, 1)
-    on = torch.is_grad_enabled()
-    need = (
-        on and inp.hidden.requires_grad,
-        on and inp.weight.requires_grad,
-        on and inp.bias is not None and inp.bias.requires_grad,
-    )
+    need = needs_grad(inp.hidden, inp.weight, inp.bias, torch.is_grad_enabled())
     total: torch.Tensor = ExactGradInForward.apply(
         inp.hidden, inp.weight, inp.bias, inp, chunk, scale, need
     )
@@ -229,6 +246,12 @@ def _vdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vecdot(a, b, dim=1)
 
 
+def _total(t: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:
+    """Row sums ``t [C, ...]`` of this shard's columns summed over the group (rank order, so
+    every rank gets the same bits)."""
+    return t if shard is None else exchange(t.reshape(t.shape[0], -1), shard).sum(0).view_as(t)
+
+
 def chunk_terms(
     inp: ExactInputs, rows: Rows, row_weight: float | torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -239,28 +262,33 @@ def chunk_terms(
     t = spec.temperature
     lp = inp.teacher.logits(take_rows(inp.teacher_hidden, rows), work)
     lq = project(take_rows(inp.hidden, rows), inp.weight, inp.bias).to(work)
-    for z in (lp, lq):  # log-softmax at temperature T, in place
-        if t != 1.0:
-            z.mul_(spec.inv_temperature)
-        z.sub_(torch.logsumexp(z, dim=1, keepdim=True))
+    if t != 1.0:
+        lp.mul_(spec.inv_temperature)
+        lq.mul_(spec.inv_temperature)
+    lse = torch.stack([torch.logsumexp(lp, dim=1), torch.logsumexp(lq, dim=1)], dim=1)
+    if inp.shard is not None:  # the full-vocabulary log-sum-exps from every shard's
+        lse = torch.logsumexp(exchange(lse, inp.shard), dim=0)
+    lp.sub_(lse[:, :1])  # log-softmax at temperature T, in place
+    lq.sub_(lse[:, 1:])
     with_grad = row_weight is not None
     g: torch.Tensor | None = None
     if spec.loss == "forward_kl":
         p = lp.exp()
-        kd = _vdot(p, lp.sub_(lq))
+        kd = _total(_vdot(p, lp.sub_(lq)), inp.shard)
         if with_grad:
             g = lq.exp_().sub_(p)
     elif spec.loss == "reverse_kl":
         q = lq.exp()
         d = lq.sub_(lp)
-        kd = _vdot(q, d)
+        kd = _total(_vdot(q, d), inp.shard)
         if with_grad:
             g = d.sub_(kd[:, None]).mul_(q)
     else:
         b = spec.beta
         logm = torch.logaddexp(lp + math.log(b), lq + math.log1p(-b))
         p, q = lp.exp(), lq.exp()
-        tp, tq = _vdot(p, lp.sub_(logm)), _vdot(q, lq.sub_(logm))
+        sums = torch.stack([_vdot(p, lp.sub_(logm)), _vdot(q, lq.sub_(logm))], dim=1)
+        tp, tq = _total(sums, inp.shard).unbind(1)
         kd = b * tp + (1.0 - b) * tq
         if with_grad:  # a = (1 - b) log(q / m), held in lq
             g = lq.mul_(1.0 - b).sub_((1.0 - b) * tq[:, None]).mul_(q)
@@ -292,16 +320,13 @@ class ExactGradInForward(torch.autograd.Function):
             if g is not None:
                 grads.add(rows, g.to(weight.dtype), take_rows(hidden, rows), weight)
             del g
-        ctx.grads = grads.finish()
+        ctx.grads = grads.finish(inp.shard)
         return total * scale
 
     @staticmethod
     @no_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.grads is None:
-            raise RuntimeError("exact_distill_loss supports one backward only")
-        out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
-        ctx.grads = None
+        out = scaled_once(ctx, grad_out, "exact_distill_loss")
         return (*out, None, None, None, None)
 
 
@@ -323,11 +348,7 @@ class ExactRecompute(torch.autograd.Function):
         for rows in blocks:
             out[rows] = chunk_terms(inp, rows, None)[0]
         ctx.inp, ctx.blocks = inp, blocks
-        ctx.need = (
-            hidden.requires_grad,
-            weight.requires_grad,
-            bias is not None and bias.requires_grad,
-        )
+        ctx.need = needs_grad(hidden, weight, bias)
         return out
 
     @staticmethod
@@ -342,4 +363,4 @@ class ExactRecompute(torch.autograd.Function):
                 raise RuntimeError("chunk_terms returned no gradient")
             grads.add(rows, g.to(inp.weight.dtype), take_rows(inp.hidden, rows), inp.weight)
             del g
-        return (*grads.finish(), None, None)
+        return (*grads.finish(inp.shard), None, None)

@@ -109,6 +109,27 @@ def addmm_fp32_epilogue_used(device: torch.device, dtype: torch.dtype) -> bool |
     return _ADDMM_OUT_DTYPE_OK.get(f"{device.type}:{dtype}")
 
 
+def needs_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grad_on: bool = True
+) -> tuple[bool, bool, bool]:
+    """Which of ``hidden``, ``weight``, ``bias`` get a gradient (``grad_on``: grad mode)."""
+    return (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+
+
+def scaled_once(ctx: Any, grad_out: torch.Tensor, what: str) -> tuple[torch.Tensor | None, ...]:
+    """The gradients stored in ``ctx.grads`` during forward, times ``grad_out``, released (a
+    second backward is an error: the buffers are handed to autograd)."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{what} supports one backward only")
+    out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
+    ctx.grads = None
+    return out
+
+
 class ChunkGrads:
     """Gradient buffers of ``hidden [N, d]``, ``weight [V, d]``, ``bias [V]``, filled chunk by
     chunk (``all_valid``: every row gets a gradient written, so ``grad_h`` needs no zeroing)."""
@@ -225,10 +246,7 @@ class FusedGradInForward(torch.autograd.Function):
     @staticmethod
     @no_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.grads is None:
-            raise RuntimeError("fused_chunked (gradient in forward) supports one backward only")
-        out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
-        ctx.grads = None
+        out = scaled_once(ctx, grad_out, "fused_chunked (gradient in forward)")
         return (*out, None, None, None, None, None, None, None, None)
 
 
@@ -268,11 +286,7 @@ class FusedRecompute(torch.autograd.Function):
         ctx.prep, ctx.spec, ctx.blocks, ctx.coefs = prep, spec, blocks, all_coefs
         ctx.triton = triton
         ctx.acc_dtype, ctx.shard = acc_dtype, shard
-        ctx.need = (
-            hidden.requires_grad,
-            weight.requires_grad,
-            bias is not None and bias.requires_grad,
-        )
+        ctx.need = needs_grad(hidden, weight, bias)
         return out
 
     @staticmethod

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from logitcache.client.loss import LossInputError, exact_distill_loss
+from logitcache.client.loss import LossInputError, VocabParallel, exact_distill_loss
 from logitcache.client.loss.exact import CHUNK_BUFFERS
+from loss_support import spawn_workers
 
 from benchmarks.harness import live_bytes
 
@@ -213,6 +214,8 @@ def test_peak_is_a_few_chunks_whatever_the_number_of_chunks(loss):
         (dict(teacher_logit_scale=math.inf), "teacher_logit_scale"),
         (dict(mask=torch.ones(11, dtype=torch.bool)), "mask must"),
         (dict(labels=torch.zeros(12)), "labels must be an integer"),
+        (dict(vocab_parallel="tp"), "must be a VocabParallel"),
+        (dict(vocab_parallel=VocabParallel()), "initialised torch.distributed"),
     ],
 )
 def test_bad_input_is_a_typed_error(change, match):
@@ -252,3 +255,10 @@ def test_benchmark_mode_runs(tmp_path):
     }  # fmt: skip
     assert all(r["ms"] > 0 and r["tracked_peak_mib"] > 0 for r in rows)
     assert "exact_jsd" in csv.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_vocab_parallel_heads_equal_one_process():
+    """Both heads split unevenly over 2 gloo ranks (V=41: 21 + 20): loss and student grads
+    equal the single-process run within 1e-10 (float64), for the 3 objectives and "none"."""
+    spawn_workers("exact_vocab_parallel_worker", 2)
