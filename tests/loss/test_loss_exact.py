@@ -262,3 +262,21 @@ def test_vocab_parallel_heads_equal_one_process():
     """Both heads split unevenly over 2 gloo ranks (V=41: 21 + 20): loss and student grads
     equal the single-process run within 1e-10 (float64), for the 3 objectives and "none"."""
     spawn_workers("exact_vocab_parallel_worker", 2)
+
+
+def test_no_counted_row_gives_zero_and_zero_gradients():
+    student, teacher, labels, _ = problem(seed=8)
+    none = torch.zeros(12, dtype=torch.bool)
+    out = exact(student, teacher, labels, none, "reverse_kl", 1.0, "mean", 4)
+    grads = torch.autograd.grad(out, student)
+    assert out.item() == 0.0 and all((g == 0).all() for g in grads)
+
+
+def test_autocast_runs_the_student_projection_in_bfloat16():
+    student, teacher, labels, mask = problem(seed=9, dtype=torch.float32)
+    full = exact(student, teacher, labels, mask, "forward_kl", 1.0, "mean", 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = exact(student, teacher, labels, mask, "forward_kl", 1.0, "mean", 4)
+    grads = torch.autograd.grad(low, student)
+    assert low.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    assert low.item() != full.item() and abs(low.item() - full.item()) < 5e-2 * full.item()
