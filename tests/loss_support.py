@@ -287,8 +287,8 @@ def fsdp_worker(rank: int, world: int, port: int) -> None:
 EXACT_CONFIGS: list[dict] = [
     dict(loss="forward_kl"),
     dict(loss="reverse_kl", temperature=2.0),
-    dict(loss="jsd", beta=0.3, temperature=0.5),
-    dict(loss="forward_kl", temperature=1.5, reduction="none"),
+    dict(loss="jsd", beta=0.3, temperature=0.5, ce_weight=0.4),
+    dict(loss="forward_kl", temperature=1.5, reduction="none", ce_weight=0.2),
 ]
 
 

@@ -78,6 +78,8 @@ class ExactInputs:
     valid: torch.Tensor  # [N] bool
     n_valid: int
     lead_shape: tuple[int, ...]
+    labels: torch.Tensor | None = None  # [N] int64 (0 on rows that do not count)
+    ce_weight: float = 0.0
     shard: VocabShard | None = None
 
     @property
@@ -105,6 +107,7 @@ def exact_distill_loss(
     loss: str = "forward_kl",
     beta: float = 0.5,
     temperature: float = 1.0,
+    ce_weight: float = 0.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
     vocab_parallel: VocabParallel | None = None,
@@ -115,9 +118,9 @@ def exact_distill_loss(
     ``teacher_hidden [..., d_T]`` (the teacher's final hidden states after its final norm, same
     leading shape), ``teacher_weight [V, d_T]``, ``teacher_bias [V]``, ``labels``/``mask``
     ``[...]``. A row counts when ``mask`` is true (default all) and ``labels != ignore_index``
-    (labels only select rows here: there is no hard-label term); other rows give 0 and no
-    gradient. Gradients flow to ``student_hidden``, ``student_weight`` and ``student_bias``
-    only, never to the teacher's tensors. The teacher may have its own dtype and width.
+    (the labels of counted rows must be in ``[0, V)``); other rows give 0 and no gradient.
+    Gradients flow to ``student_hidden``, ``student_weight`` and ``student_bias`` only, never
+    to the teacher's tensors. The teacher may have its own dtype and width.
 
     Per row: teacher logits ``y = c tanh(s (W_T h_T + b_T) / c)`` (``s`` =
     ``teacher_logit_scale``; ``c`` = ``teacher_softcap``, no tanh when ``None``), student
@@ -132,9 +135,11 @@ def exact_distill_loss(
       TRL/Liger convention, as in ``topk_distill_loss``); ``dKD/dz_v = q_v (a_v - sum q a)``
       with ``a = (1 - beta) log(q / m)``.
 
-    Row loss ``L = T**2 * KD``. ``reduction``: ``"mean"`` (sum over counted rows / their
-    number, 0 if none), ``"sum"``, or ``"none"`` (shape ``[...]``, 0 on rows that do not
-    count).
+    Row loss ``L = T**2 * KD + ce_weight * CE`` with the hard-label cross-entropy ``CE =
+    -log softmax(x)_label`` on the un-tempered student logits (``ce_weight > 0`` needs
+    ``labels``; one more ``[chunk, V]`` buffer). ``reduction``: ``"mean"`` (sum over counted
+    rows / their number, 0 if none), ``"sum"``, or ``"none"`` (shape ``[...]``, 0 on rows
+    that do not count).
 
     Computation: chunks of ``chunk_size`` counted rows (default: the top-k loss's automatic
     chunk for a vocabulary :data:`CHUNK_BUFFERS` times larger, so that the float32 ``[chunk,
@@ -151,6 +156,13 @@ def exact_distill_loss(
     Under ``torch.autocast`` with float32 student tensors, they are cast to the autocast dtype
     first (as in ``topk_distill_loss``). Raises :class:`LossInputError` for any bad argument.
     """
+    shard = None
+    if vocab_parallel is not None:
+        if not isinstance(vocab_parallel, VocabParallel):
+            raise LossInputError(f"vocab_parallel must be a VocabParallel, got {vocab_parallel!r}")
+        if not isinstance(student_weight, torch.Tensor) or student_weight.dim() != 2:
+            raise LossInputError("student_weight must be a [V, d] tensor")
+        shard = resolve_shard(vocab_parallel, student_weight.shape[0], student_weight.device)
     inp = prepare_exact(
         student_hidden,
         student_weight,
@@ -160,16 +172,14 @@ def exact_distill_loss(
         labels,
         mask,
         ignore_index,
-        LossSpec(loss="forward_kl", beta=beta, temperature=temperature),
+        LossSpec(loss="forward_kl", beta=beta, temperature=temperature, ce_weight=ce_weight),
         loss,
+        None if shard is None else shard.vocab,
     )
+    inp.shard = shard
     if reduction not in REDUCTIONS:
         raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_chunk_size(chunk_size)
-    if vocab_parallel is not None:
-        if not isinstance(vocab_parallel, VocabParallel):
-            raise LossInputError(f"vocab_parallel must be a VocabParallel, got {vocab_parallel!r}")
-        inp.shard = resolve_shard(vocab_parallel, inp.weight.shape[0], inp.hidden.device)
     cols = inp.weight.shape[0] if inp.shard is None else -(-inp.shard.vocab // inp.shard.world)
     chunk = chunk_size or auto_chunk_size(
         max(inp.n_valid, 1), cols * CHUNK_BUFFERS, inp.weight.dtype, inp.hidden.device
@@ -196,11 +206,16 @@ def prepare_exact(
     ignore_index: int,
     spec: LossSpec,
     loss: str,
+    vocab_global: int | None = None,
 ) -> ExactInputs:
     """Check every argument and flatten the rows; raise :class:`LossInputError` on a problem."""
     if loss not in EXACT_LOSS_KINDS:
         raise LossInputError(f"loss must be one of {EXACT_LOSS_KINDS}, got {loss!r}")
-    spec = LossSpec(loss=loss, beta=spec.beta, temperature=spec.temperature)
+    spec = LossSpec(
+        loss=loss, beta=spec.beta, temperature=spec.temperature, ce_weight=spec.ce_weight
+    )
+    if spec.ce_weight > 0.0 and labels is None:
+        raise LossInputError("ce_weight > 0 needs labels")
     check_head(hidden, weight, bias, _STUDENT)
     check_head(teacher_hidden, teacher.weight, teacher.bias, _TEACHER)
     lead = tuple(hidden.shape[:-1])
@@ -225,7 +240,12 @@ def prepare_exact(
     cap = teacher.softcap
     if cap is not None and not (math.isfinite(cap) and cap > 0.0):
         raise LossInputError(f"teacher_softcap must be None or finite and > 0, got {cap}")
-    valid, _ = counted_rows(lead, labels, mask, ignore_index, hidden.device)
+    valid, flat = counted_rows(lead, labels, mask, ignore_index, hidden.device)
+    vocab = weight.shape[0] if vocab_global is None else vocab_global
+    if flat is not None:
+        if bool((valid & ((flat < 0) | (flat >= vocab))).any()):
+            raise LossInputError(f"labels out of range [0, {vocab})")
+        flat = torch.where(valid, flat, torch.zeros_like(flat))
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     n = valid.numel()
     return ExactInputs(
@@ -238,6 +258,8 @@ def prepare_exact(
         valid=valid,
         n_valid=int(valid.sum().item()),
         lead_shape=lead,
+        labels=flat,
+        ce_weight=spec.ce_weight,
     )
 
 
@@ -262,6 +284,7 @@ def chunk_terms(
     t = spec.temperature
     lp = inp.teacher.logits(take_rows(inp.teacher_hidden, rows), work)
     lq = project(take_rows(inp.hidden, rows), inp.weight, inp.bias).to(work)
+    raw = lq.clone() if inp.ce_weight > 0.0 else None  # the un-tempered logits, for CE
     if t != 1.0:
         lp.mul_(spec.inv_temperature)
         lq.mul_(spec.inv_temperature)
@@ -292,9 +315,46 @@ def chunk_terms(
         kd = b * tp + (1.0 - b) * tq
         if with_grad:  # a = (1 - b) log(q / m), held in lq
             g = lq.mul_(1.0 - b).sub_((1.0 - b) * tq[:, None]).mul_(q)
+    loss = kd * (t * t)
+    if raw is None:
+        if g is not None and row_weight is not None:
+            g.mul_(row_weight * t)  # d(T^2 KD)/dx = T dKD/dz
+        return loss, g
+    if g is not None:
+        g.mul_(t)
+    return _add_ce(inp, rows, raw, loss, g, row_weight)
+
+
+def _add_ce(
+    inp: ExactInputs,
+    rows: Rows,
+    raw: torch.Tensor,
+    loss: torch.Tensor,
+    g: torch.Tensor | None,
+    row_weight: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Add ``ce_weight * CE`` to the row losses and (``g``) its gradient ``ce_weight *
+    (softmax(x) - onehot(label))``, then apply ``row_weight``; ``raw`` (the chunk's raw logits,
+    this shard's columns) is overwritten."""
+    if inp.labels is None:
+        raise LossInputError("ce_weight > 0 needs labels")
+    shard, ce = inp.shard, inp.ce_weight
+    lab = take_rows(inp.labels, rows)
+    if shard is not None:
+        lab = lab - shard.start
+    own = (lab >= 0) & (lab < raw.shape[1])
+    idx = torch.where(own, lab, torch.zeros_like(lab))[:, None]
+    zero = torch.zeros((), dtype=raw.dtype, device=raw.device)
+    x_lab = _total(torch.where(own, raw.gather(1, idx).squeeze(1), zero), shard)
+    lse1 = torch.logsumexp(raw, dim=1)
+    if shard is not None:
+        lse1 = torch.logsumexp(exchange(lse1[:, None], shard), dim=0).squeeze(1)
+    loss = loss + ce * (lse1 - x_lab)
     if g is not None and row_weight is not None:
-        g.mul_(row_weight * t)  # d(T^2 KD)/dx = T dKD/dz
-    return kd * (t * t), g
+        g.add_(raw.sub_(lse1[:, None]).exp_().mul_(ce))
+        g.scatter_add_(1, idx, torch.where(own, -ce * torch.ones_like(x_lab), zero)[:, None])
+        g.mul_(row_weight)
+    return loss, g
 
 
 class ExactGradInForward(torch.autograd.Function):

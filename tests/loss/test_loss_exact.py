@@ -33,7 +33,7 @@ def problem(n=12, ds=8, dt=6, vocab=37, seed=0, dtype=torch.float64):
     return student, teacher, labels, mask
 
 
-def dense_rows(hs, ws, bs, ht, wt, bt, loss, t, beta=0.5, scale=1.0, cap=None):
+def dense_rows(hs, ws, bs, ht, wt, bt, loss, t, beta=0.5, scale=1.0, cap=None, ce=0.0, labels=None):
     """Full [N, V] logits, full softmax, plain autograd (float64)."""
     y = ht @ wt.T + (0 if bt is None else bt)
     y = y * scale
@@ -49,11 +49,15 @@ def dense_rows(hs, ws, bs, ht, wt, bt, loss, t, beta=0.5, scale=1.0, cap=None):
     else:
         m = beta * p + (1 - beta) * q
         kd = beta * (p * (lp - m.log())).sum(-1) + (1 - beta) * (q * (lq - m.log())).sum(-1)
-    return kd * t * t
+    out = kd * t * t
+    if ce:
+        lab = labels.clamp_min(0)
+        out = out - ce * torch.log_softmax(x, -1).gather(1, lab[:, None]).squeeze(1)
+    return out
 
 
 def reference(student, teacher, labels, mask, loss, t, reduction, **kw):
-    rows = dense_rows(*student, *teacher, loss, t, **kw)
+    rows = dense_rows(*student, *teacher, loss, t, labels=labels, **kw)
     valid = mask & (labels != -100)
     rows = torch.where(valid, rows, torch.zeros_like(rows))
     if reduction == "none":
@@ -78,12 +82,13 @@ def grads_of(out, student):
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("t", [0.5, 1.0, 2.0])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_equals_the_dense_float64_reference(loss, t, reduction):
+@pytest.mark.parametrize("ce", [0.0, 0.4])
+def test_equals_the_dense_float64_reference(loss, t, reduction, ce):
     student, teacher, labels, mask = problem(seed=int(t * 10))
-    ref = reference(student, teacher, labels, mask, loss, t, reduction)
+    ref = reference(student, teacher, labels, mask, loss, t, reduction, ce=ce)
     ref_g = grads_of(ref, student)
     for chunk in (3, 5, None):
-        out = exact(student, teacher, labels, mask, loss, t, reduction, chunk)
+        out = exact(student, teacher, labels, mask, loss, t, reduction, chunk, ce_weight=ce)
         assert out.shape == ref.shape
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
         for a, b in zip(grads_of(out, student), ref_g, strict=True):
@@ -109,6 +114,7 @@ def test_logit_scale_and_softcap_of_the_teacher_head(loss):
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("reduction", ["none", "mean_of_rows"])
 def test_gradcheck(loss, reduction):
+    ce = 0.3 if loss == "jsd" else 0.0
     """The recompute path (``"none"``); the gradient-in-forward path allows one backward only
     (as the top-k loss's), so it is held to the float64 reference above instead."""
     student, teacher, labels, mask = problem(n=5, ds=3, dt=4, vocab=7, seed=11)
@@ -116,7 +122,8 @@ def test_gradcheck(loss, reduction):
     def fn(hs, ws, bs):
         out = exact_distill_loss(
             hs, ws, teacher[0], teacher[1], student_bias=bs, teacher_bias=teacher[2],
-            mask=mask, loss=loss, beta=0.3, temperature=1.7, reduction="none", chunk_size=2,
+            labels=labels, mask=mask, loss=loss, beta=0.3, temperature=1.7, reduction="none",
+            chunk_size=2, ce_weight=ce,
         )  # fmt: skip
         return out.mean() if reduction == "mean_of_rows" else out
 
@@ -215,6 +222,9 @@ def test_peak_is_a_few_chunks_whatever_the_number_of_chunks(loss):
         (dict(mask=torch.ones(11, dtype=torch.bool)), "mask must"),
         (dict(labels=torch.zeros(12)), "labels must be an integer"),
         (dict(vocab_parallel="tp"), "must be a VocabParallel"),
+        (dict(ce_weight=0.5), "needs labels"),
+        (dict(ce_weight=-1.0), "ce_weight"),
+        (dict(labels=torch.full((12,), 37)), r"labels out of range \[0, 37\)"),
         (dict(vocab_parallel=VocabParallel()), "initialised torch.distributed"),
     ],
 )
