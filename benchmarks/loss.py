@@ -22,6 +22,12 @@ Modes::
     python -m benchmarks.loss sweep --device cpu --sizes 64 --configs 500x32 --k 8 --check
     python -m benchmarks.loss anatomy floor --n 262144       # tensors alive at the peak
     python -m benchmarks.loss plot benchmarks/results/loss.json benchmarks/results
+    python -m benchmarks.loss exact --device cpu --n 2048 --configs 8192x256   # exact vs top-k
+
+``exact``: the exact loss (``exact_distill_loss``: teacher hidden states ``[N, d]`` + teacher
+head ``[V, d]``, forward KL / reverse KL / JSD) beside the fused top-k loss on the top-k of the
+same teacher's logits, in float32 (CPU) or bf16 (CUDA): median fwd+bwd time and the peak bytes
+of the tensors each creates (``live_bytes``; on CUDA also ``max_memory_allocated``).
 
 ``--check`` first compares every variant with a float64 dense reference at a small N, and the
 bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
@@ -41,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from logitcache.client.loss import fused_chunked, topk_distill_loss
+from logitcache.client.loss import exact_distill_loss, fused_chunked, topk_distill_loss
 
 from benchmarks.harness import (
     Point,
@@ -422,6 +428,74 @@ def anatomy(name: str, n: int, vocab: int, d: int, k: int, device: str) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- exact
+EXACT_VARIANTS = ["topk_fused_chunked", "exact_forward_kl", "exact_reverse_kl", "exact_jsd"]
+
+
+def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0) -> dict:
+    """Student and teacher of width ``d`` sharing one vocabulary; the top-k targets are the
+    teacher's own top-k logprobs (with their tail mass)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def r(*shape: int, s: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device) * s).to(dt)
+
+    x = dict(h=r(n, d).requires_grad_(), w=r(vocab, d, s=2 / math.sqrt(d)).requires_grad_())
+    x.update(ht=r(n, d), wt=r(vocab, d, s=2 / math.sqrt(d)))
+    with torch.no_grad():
+        lp, ids = torch.log_softmax((x["ht"] @ x["wt"].t()).float(), -1).topk(k, dim=1)
+    x.update(ids=ids, lp=lp, tail=(1 - lp.exp().sum(1)).clamp(0, 1))
+    return x
+
+
+def exact_variant(name: str, chunk: int | None) -> Callable:
+    def fn(x: dict) -> torch.Tensor:
+        if name == "topk_fused_chunked":
+            return topk_distill_loss(
+                x["h"], x["w"], x["ids"], x["lp"], x["tail"], impl="fused_chunked", chunk_size=chunk
+            )
+        loss = name[len("exact_") :]
+        return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], loss=loss, chunk_size=chunk)
+
+    return fn
+
+
+def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> list[dict]:
+    cuda = device == "cuda"
+    table = []
+    for vocab, d in args.configs:
+        x = exact_inputs(args.n, d, vocab, args.k, device)
+        for name in EXACT_VARIANTS:
+            fn = exact_variant(name, args.chunk)
+            res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
+            mode = live_bytes().known(*x.values())
+            with mode:
+                fn(x).backward()
+            x["h"].grad = x["w"].grad = None
+            free()
+            row = dict(variant=name, n=args.n, vocab=vocab, d=d, k=args.k, chunk=args.chunk, **res)
+            row["tracked_peak_mib"] = mode.peak / (1 << 20)
+            table.append(row)
+            cfg = {"n": args.n, "vocab": vocab, "d": d, "k": args.k, "chunk": args.chunk}
+            rec.add(name, "ms", "ms", res["ms"], samples=len(res["ms_all"]), config=cfg)
+            rec.add(name, "tracked_peak_bytes", "B", mode.peak, config=cfg)
+            print(
+                f"{name:20s} V={vocab} d={d} N={args.n} {res['ms']:9.1f} ms "
+                f"tracked peak {row['tracked_peak_mib']:8.1f} MiB "
+                f"peak {res.get('peak_gib', 0):6.2f} GiB",
+                flush=True,
+            )
+        mine = [r for r in table if r["vocab"] == vocab and r["d"] == d]
+        base = next(r for r in mine if r["variant"] == "topk_fused_chunked")
+        for r in mine:
+            r["ms_vs_topk"] = r["ms"] / base["ms"]
+            r["peak_vs_topk"] = r["tracked_peak_mib"] / base["tracked_peak_mib"]
+        del x
+        free()
+    return table
+
+
 # ----------------------------------------------------------------------------- plots
 def loss_series(
     result: Mapping, field: str, vocab: int = 128256, d: int = 4096
@@ -476,9 +550,15 @@ def main(argv: list[str] | None = None) -> None:
     configs = lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")]  # noqa: E731
     sw = sub.add_parser("sweep", help="every variant x N x config: memory and time")
     an = sub.add_parser("anatomy", help="the tensors alive at one variant's peak")
+    ex = sub.add_parser("exact", help="exact loss (teacher hidden + head) vs the top-k loss")
+    ex.add_argument("--n", type=int, default=2048)
+    ex.add_argument("--reps", type=int, default=3)
+    ex.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: each's)")
+    ex.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
+    ex.add_argument("--out", type=Path, default=None)
     an.add_argument("variant")
     an.add_argument("--n", type=int, default=262144)
-    for s in (sw, an):
+    for s in (sw, an, ex):
         s.add_argument("--device", default=None)
         s.add_argument("--configs", type=configs, default=[(128256, 4096), (201088, 4096)])
         s.add_argument("--k", type=int, default=100)
@@ -517,6 +597,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     result: dict[str, Any] = {"meta": rec.machine | {"line": machine_line(rec.machine)}}
     print(result["meta"]["line"], flush=True)
+    if args.mode == "exact":
+        result["exact"] = exact_mode(args, device, rec)
+        rec.save()
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+        return
     if device == "cuda":
         result["gemm_tflops"] = {
             f"{v}x{d}": gemm_rate(8192, d, v, device, True) for v, d in args.configs

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -279,3 +282,86 @@ def fsdp_worker(rank: int, world: int, port: int) -> None:
             assert rel_err(got, want) < TOL, (name, rel_err(got, want))
     finally:
         dist.destroy_process_group()
+
+
+EXACT_CONFIGS: list[dict] = [
+    dict(loss="forward_kl"),
+    dict(loss="reverse_kl", temperature=2.0),
+    dict(loss="jsd", beta=0.3, temperature=0.5, ce_weight=0.4),
+    dict(loss="forward_kl", temperature=1.5, reduction="none", ce_weight=0.2),
+]
+
+
+def exact_vocab_parallel_worker(rank: int, world: int, port: int) -> None:
+    """``exact_distill_loss`` with both heads split along the vocabulary equals one process."""
+    from logitcache.client.loss import VocabParallel, exact_distill_loss
+
+    _init(rank, world, port)
+    try:
+        vocab, n = 41, 23
+        lo, hi = _bounds(vocab, world, rank)
+        for i, cfg in enumerate(EXACT_CONFIGS):
+            g = torch.Generator().manual_seed(20 + i)
+            shapes = [(n, 8), (vocab, 8), (vocab,), (n, 6), (vocab, 6), (vocab,)]
+            hs, ws, bs, ht, wt, bt = (
+                torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes
+            )
+            labels = torch.randint(0, vocab, (n,), generator=g)
+            labels[1] = -100
+            mask = torch.rand(n, generator=g) > 0.2
+            weights = torch.rand(n, generator=g, dtype=torch.float64)
+            outs = []
+            for part in (slice(0, vocab), slice(lo, hi)):
+                leaves = [t.clone().requires_grad_() for t in (hs, ws[part], bs[part])]
+                out = exact_distill_loss(
+                    leaves[0],
+                    leaves[1],
+                    ht,
+                    wt[part],
+                    student_bias=leaves[2],
+                    teacher_bias=bt[part],
+                    labels=labels,
+                    mask=mask,
+                    chunk_size=5,
+                    vocab_parallel=None if part.stop - part.start == vocab else VocabParallel(),
+                    **cfg,
+                )
+                (out * weights if out.dim() else out).sum().backward()
+                outs.append((out.detach(), [t.grad for t in leaves]))
+            (ref, ref_g), (got, got_g) = outs
+            assert rel_err(got, ref) < TOL, (cfg, got, ref)
+            assert rel_err(got_g[0], ref_g[0]) < TOL, cfg
+            assert rel_err(got_g[1], ref_g[1][lo:hi]) < TOL, cfg
+            assert rel_err(got_g[2], ref_g[2][lo:hi]) < TOL, cfg
+    finally:
+        dist.destroy_process_group()
+
+
+# The ranks fork from a fresh interpreter that has imported only torch and the workers: forking
+# the pytest process itself hangs once an earlier test file on the same xdist worker has started
+# threads (the in-process vLLM engine, OpenMP pools), and would inherit any process group left
+# initialised there. spawn would re-import torch in every rank (~10 s each on 2 cores).
+_LAUNCH = """
+import socket, sys
+import torch.multiprocessing as mp
+import loss_support
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+fn, world = getattr(loss_support, sys.argv[1]), int(sys.argv[2])
+mp.start_processes(fn, args=(world, port), nprocs=world, start_method="fork", join=True)
+"""
+
+
+def spawn_workers(worker: str, world: int) -> None:
+    """Run ``loss_support.<worker>(rank, world, port)`` in ``world`` gloo processes; a failed
+    assertion in any rank fails the caller with its traceback."""
+    run = subprocess.run(
+        [sys.executable, "-c", _LAUNCH, worker, str(world)],
+        cwd=Path(__file__).resolve().parent,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]

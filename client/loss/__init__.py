@@ -9,15 +9,20 @@ default on the CPU when ``N x V`` is small (about 1K vocabulary entries). See
 A lm-head split along the vocabulary over a tensor-parallel group runs through the same fused
 path (``vocab_parallel=VocabParallel(group)`` or a ``Shard(0)`` DTensor weight);
 ``TopKDistillHead`` computes the loss inside a module that owns the lm-head (for FSDP2).
+``exact_distill_loss`` is the exact objective: the teacher's full distribution rebuilt chunk by
+chunk from its final hidden states and its output head (forward/reverse KL, JSD at any
+temperature), with the same chunking and errors.
 """
 
 from .api import topk_distill_loss
 from .chunk_ops import TRITON_AVAILABLE
+from .exact import EXACT_LOSS_KINDS, exact_distill_loss
 from .module import TopKDistillHead, TopKDistillLoss
 from .spec import LOSS_KINDS, TARGET_KINDS, LossInputError, LossSpec
 from .vocab_parallel import VocabParallel
 
 __all__ = [
+    "EXACT_LOSS_KINDS",
     "LOSS_KINDS",
     "TARGET_KINDS",
     "LossInputError",
@@ -26,5 +31,6 @@ __all__ = [
     "TopKDistillHead",
     "TopKDistillLoss",
     "VocabParallel",
+    "exact_distill_loss",
     "topk_distill_loss",
 ]

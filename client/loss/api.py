@@ -14,7 +14,7 @@ from .dispatch import (
     resolve_impl,
 )
 from .forward_chunked import forward_chunked_rows
-from .fused_chunked import FusedGradInForward, FusedRecompute
+from .fused_chunked import FusedGradInForward, FusedRecompute, needs_grad
 from .reference import dense_row_losses
 from .small_vocab import small_vocab_rows
 from .spec import REDUCTIONS, LossInputError, LossSpec
@@ -175,7 +175,7 @@ def topk_distill_loss(
     )
     if shard is not None and impl not in ("fused_chunked", "fused_chunked_recompute"):
         raise LossInputError(f"a vocab-parallel lm-head needs a fused impl, got impl={impl!r}")
-    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     prep = prepare(
         hidden,
         weight,
@@ -201,12 +201,7 @@ def topk_distill_loss(
 
     if impl == "fused_chunked":
         scale = 1.0 if reduction == "sum" else 1.0 / max(prep.n_valid, 1)
-        grad_on = torch.is_grad_enabled()
-        need = (
-            grad_on and prep.hidden.requires_grad,
-            grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad,
-        )
+        need = needs_grad(prep.hidden, weight, bias, torch.is_grad_enabled())
         return FusedGradInForward.apply(
             prep.hidden, weight, bias, spec, prep, chunk, scale, need, acc, shard, triton
         )
@@ -227,7 +222,7 @@ def _n_rows(hidden: torch.Tensor) -> int | None:
     return hidden.numel() // hidden.shape[-1]
 
 
-def _autocast_inputs(
+def autocast_inputs(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Under autocast, run the projection in the autocast dtype, as ``torch.mm`` would.

@@ -48,7 +48,7 @@ from .vocab_parallel import (
 Rows = slice | torch.Tensor
 
 
-def _no_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+def no_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``fn`` with autocast off: the loss computes in the dtype of ``hidden``/``weight``
     (autocast would turn the chunk GEMMs into bf16 while the gradient buffers stay fp32)."""
 
@@ -64,20 +64,23 @@ def _no_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
 _ADDMM_OUT_DTYPE_OK: dict[str, bool] = {}
 
 
-def row_blocks(prep: Prepared, chunk: int) -> list[Rows]:
-    """Chunks of the counted rows: slices when every row counts, else index tensors."""
-    n = prep.valid.numel()
-    if prep.all_valid:
+def row_blocks(valid: torch.Tensor, all_valid: bool, chunk: int) -> list[Rows]:
+    """Chunks of the counted rows (``valid [N]``): slices when every row counts (``all_valid``),
+    else index tensors."""
+    n = valid.numel()
+    if all_valid:
         return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
-    idx = prep.valid.nonzero().squeeze(1)
+    idx = valid.nonzero().squeeze(1)
     return list(idx.split(chunk))
 
 
-def _take(t: torch.Tensor, rows: Rows) -> torch.Tensor:
+def take_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The rows ``rows`` (a slice or an index tensor) of ``t``."""
     return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
-def _project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Logits ``h W^T (+ b)``."""
     return torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
 
 
@@ -106,20 +109,49 @@ def addmm_fp32_epilogue_used(device: torch.device, dtype: torch.dtype) -> bool |
     return _ADDMM_OUT_DTYPE_OK.get(f"{device.type}:{dtype}")
 
 
-class _Grads:
-    """Gradient buffers filled chunk by chunk."""
+def needs_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grad_on: bool = True
+) -> tuple[bool, bool, bool]:
+    """Which of ``hidden``, ``weight``, ``bias`` get a gradient (``grad_on``: grad mode)."""
+    return (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+
+
+def scaled_once(ctx: Any, grad_out: torch.Tensor, what: str) -> tuple[torch.Tensor | None, ...]:
+    """The gradients stored in ``ctx.grads`` during forward, times ``grad_out``, released (a
+    second backward is an error: the buffers are handed to autograd)."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{what} supports one backward only")
+    out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
+    ctx.grads = None
+    return out
+
+
+class ChunkGrads:
+    """Gradient buffers of ``hidden [N, d]``, ``weight [V, d]``, ``bias [V]``, filled chunk by
+    chunk (``all_valid``: every row gets a gradient written, so ``grad_h`` needs no zeroing)."""
 
     def __init__(
-        self, prep: Prepared, need: tuple[bool, bool, bool], acc_dtype: torch.dtype | None
+        self,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        all_valid: bool,
+        need: tuple[bool, bool, bool],
+        acc_dtype: torch.dtype | None,
     ) -> None:
-        h, w, b = prep.hidden, prep.weight, prep.bias
+        self.w_dtype = w.dtype
+        self.b_dtype = None if b is None else b.dtype
         self.need_h, self.need_w, self.need_b = need
         acc = torch.float32 if w.dtype in (torch.bfloat16, torch.float16) else w.dtype
         if acc_dtype is not None:
             acc = acc_dtype
         self.h = None
         if self.need_h:
-            self.h = torch.empty_like(h) if prep.all_valid else torch.zeros_like(h)
+            self.h = torch.empty_like(h) if all_valid else torch.zeros_like(h)
         self.w = torch.zeros(w.shape, dtype=acc, device=w.device) if self.need_w else None
         self.b = None
         if self.need_b and b is not None:
@@ -136,12 +168,10 @@ class _Grads:
         if self.b is not None:
             self.b += g.sum(0, dtype=self.b.dtype)
 
-    def finish(
-        self, prep: Prepared, shard: VocabShard | None = None
-    ) -> tuple[torch.Tensor | None, ...]:
+    def finish(self, shard: VocabShard | None = None) -> tuple[torch.Tensor | None, ...]:
         reduce_grad_hidden(self.h, shard)
-        w = None if self.w is None else self.w.to(prep.weight.dtype)  # no copy if same dtype
-        b = None if self.b is None or prep.bias is None else self.b.to(prep.bias.dtype)
+        w = None if self.w is None else self.w.to(self.w_dtype)  # no copy if same dtype
+        b = None if self.b is None or self.b_dtype is None else self.b.to(self.b_dtype)
         self.w = self.b = None
         return self.h, w, b
 
@@ -155,8 +185,8 @@ def _chunk_pass(
     shard: VocabShard | None,
 ) -> tuple[torch.Tensor, torch.Tensor, RowCoefs, ChunkTargets | LocalTargets]:
     """Project one chunk and take its statistics; ``x`` keeps ``-inf`` at the target columns."""
-    h_c = _take(prep.hidden, rows)
-    x = _project(h_c, prep.weight, prep.bias)
+    h_c = take_rows(prep.hidden, rows)
+    x = project(h_c, prep.weight, prep.bias)
     tgt_c = tgt.select(rows)
     if shard is not None:
         coefs, loc = stats_pass_sharded(spec, x, tgt_c, prep.work_dtype, shard, triton=triton)
@@ -183,7 +213,7 @@ class FusedGradInForward(torch.autograd.Function):
     """Scalar ``scale * sum(row losses)``; all gradients are computed during forward."""
 
     @staticmethod
-    @_no_autocast
+    @no_autocast
     def forward(
         ctx: Any,
         hidden: torch.Tensor,
@@ -199,9 +229,9 @@ class FusedGradInForward(torch.autograd.Function):
         triton: bool = False,
     ) -> torch.Tensor:
         tgt = targets_of(prep)
-        grads = _Grads(prep, need, acc_dtype)
+        grads = ChunkGrads(prep.hidden, prep.weight, prep.bias, prep.all_valid, need, acc_dtype)
         total = torch.zeros((), dtype=prep.work_dtype, device=hidden.device)
-        for rows in row_blocks(prep, chunk):
+        for rows in row_blocks(prep.valid, prep.all_valid, chunk):
             h_c, x, coefs, tgt_c = _chunk_pass(spec, prep, tgt, rows, triton, shard)
             total += coefs.loss.sum()
             if any(need):
@@ -210,16 +240,13 @@ class FusedGradInForward(torch.autograd.Function):
             if any(need):
                 grads.add(rows, x, h_c, prep.weight)
             del x, h_c, tgt_c
-        ctx.grads = grads.finish(prep, shard)
+        ctx.grads = grads.finish(shard)
         return total * scale
 
     @staticmethod
-    @_no_autocast
+    @no_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.grads is None:
-            raise RuntimeError("fused_chunked (gradient in forward) supports one backward only")
-        out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
-        ctx.grads = None
+        out = scaled_once(ctx, grad_out, "fused_chunked (gradient in forward)")
         return (*out, None, None, None, None, None, None, None, None)
 
 
@@ -227,7 +254,7 @@ class FusedRecompute(torch.autograd.Function):
     """Per-row losses ``[N]``; backward recomputes each chunk's projection."""
 
     @staticmethod
-    @_no_autocast
+    @no_autocast
     def forward(
         ctx: Any,
         hidden: torch.Tensor,
@@ -241,7 +268,7 @@ class FusedRecompute(torch.autograd.Function):
         triton: bool = False,
     ) -> torch.Tensor:
         tgt = targets_of(prep)
-        blocks = row_blocks(prep, chunk)
+        blocks = row_blocks(prep.valid, prep.all_valid, chunk)
         parts = []
         for rows in blocks:
             _, x, coefs, _ = _chunk_pass(spec, prep, tgt, rows, triton, shard)
@@ -259,28 +286,26 @@ class FusedRecompute(torch.autograd.Function):
         ctx.prep, ctx.spec, ctx.blocks, ctx.coefs = prep, spec, blocks, all_coefs
         ctx.triton = triton
         ctx.acc_dtype, ctx.shard = acc_dtype, shard
-        ctx.need = (
-            hidden.requires_grad,
-            weight.requires_grad,
-            bias is not None and bias.requires_grad,
-        )
+        ctx.need = needs_grad(hidden, weight, bias)
         return out
 
     @staticmethod
-    @_no_autocast
+    @no_autocast
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         prep, spec = ctx.prep, ctx.spec
         shard = ctx.shard
-        grads = _Grads(prep, ctx.need, ctx.acc_dtype)
+        grads = ChunkGrads(
+            prep.hidden, prep.weight, prep.bias, prep.all_valid, ctx.need, ctx.acc_dtype
+        )
         tgt = targets_of(prep)
         start = 0
         for rows in ctx.blocks:
-            h_c = _take(prep.hidden, rows)
-            x = _project(h_c, prep.weight, prep.bias)
+            h_c = take_rows(prep.hidden, rows)
+            x = project(h_c, prep.weight, prep.bias)
             tgt_c = tgt.select(rows)
             c = slice_coefs(ctx.coefs, slice(start, start + x.shape[0]))
             start += x.shape[0]
-            w = _take(grad_rows, rows).to(c.c1.dtype)
+            w = take_rows(grad_rows, rows).to(c.c1.dtype)
             if shard is not None:
                 loc = locate(tgt_c, shard, spec.ce_weight > 0.0)
                 blank_owned(x, loc)
@@ -289,4 +314,4 @@ class FusedRecompute(torch.autograd.Function):
                 grad_pass(spec, x, x, c.scaled(w), tgt_c, triton=ctx.triton)
             grads.add(rows, x, h_c, prep.weight)
             del x
-        return (*grads.finish(prep, shard), None, None, None, None, None, None)
+        return (*grads.finish(shard), None, None, None, None, None, None)

@@ -58,6 +58,61 @@ def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise LossInputError(f"{name} is on {t.device}, hidden is on {device}")
 
 
+def check_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    names: tuple[str, str, str] = ("hidden", "weight", "bias"),
+) -> None:
+    """Check ``hidden [..., d]``, ``weight [V, d]`` and ``bias [V]`` (same dtype and device);
+    ``names`` name the three arguments in the errors."""
+    nh, nw, nb = names
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        raise LossInputError(f"{nh} must be a tensor of shape [..., d] with at least 2 dims")
+    if not hidden.is_floating_point():
+        raise LossInputError(f"{nh} must be floating point, got {hidden.dtype}")
+    d = hidden.shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != d:
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)
+        raise LossInputError(f"{nw} must be [V, {d}], got {shape}")
+    if weight.dtype != hidden.dtype:
+        raise LossInputError(f"{nw} dtype {weight.dtype} != {nh} dtype {hidden.dtype}")
+    _same_device(nw, weight, hidden.device)
+    if bias is not None:
+        _lead(nb, bias, (weight.shape[0],))
+        if bias.dtype != hidden.dtype:
+            raise LossInputError(f"{nb} dtype {bias.dtype} != {nh} dtype {hidden.dtype}")
+        _same_device(nb, bias, hidden.device)
+
+
+def counted_rows(
+    lead: tuple[int, ...],
+    labels: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    ignore_index: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``valid [N]`` (the row counts: ``mask`` true and ``labels != ignore_index``) and the
+    flattened int64 labels, after checking the shapes and devices of ``labels`` and ``mask``."""
+    n = 1
+    for s in lead:
+        n *= s
+    valid = torch.ones(n, dtype=torch.bool, device=device)
+    flat_labels = None
+    if labels is not None:
+        _lead("labels", labels, lead)
+        if labels.is_floating_point():
+            raise LossInputError("labels must be an integer tensor")
+        _same_device("labels", labels, device)
+        flat_labels = labels.reshape(n).long()
+        valid &= flat_labels != ignore_index
+    if mask is not None:
+        _lead("mask", mask, lead)
+        _same_device("mask", mask, device)
+        valid &= mask.reshape(n).bool()
+    return valid, flat_labels
+
+
 def prepare(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -83,25 +138,12 @@ def prepare(
     leaves the duplicate-id part of ``check_ids`` to the caller (the small-vocabulary impl
     counts its ``[N, V]`` support mask instead of sorting the ids).
     """
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-        raise LossInputError("hidden must be a tensor of shape [..., d] with at least 2 dims")
-    if not hidden.is_floating_point():
-        raise LossInputError(f"hidden must be floating point, got {hidden.dtype}")
+    check_head(hidden, weight, bias)
     device = hidden.device
     lead = tuple(hidden.shape[:-1])
     d = hidden.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != d:
-        raise LossInputError(f"weight must be [V, {d}], got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise LossInputError(f"weight dtype {weight.dtype} != hidden dtype {hidden.dtype}")
-    _same_device("weight", weight, device)
     vocab_local = weight.shape[0]
     vocab = vocab_local if vocab_global is None else vocab_global
-    if bias is not None:
-        _lead("bias", bias, (vocab_local,))
-        if bias.dtype != hidden.dtype:
-            raise LossInputError(f"bias dtype {bias.dtype} != hidden dtype {hidden.dtype}")
-        _same_device("bias", bias, device)
     if topk_ids.dim() != len(lead) + 1 or topk_ids.is_floating_point() or topk_ids.is_complex():
         raise LossInputError(f"topk_ids must be an integer tensor [{lead}, k]")
     k = topk_ids.shape[-1]
@@ -116,28 +158,15 @@ def prepare(
     if tail_mass is not None:
         _lead("tail_mass", tail_mass, lead)
         _same_device("tail_mass", tail_mass, device)
-    if labels is not None:
-        _lead("labels", labels, lead)
-        if labels.is_floating_point():
-            raise LossInputError("labels must be an integer tensor")
-        _same_device("labels", labels, device)
     if ce_weight > 0.0 and labels is None:
         raise LossInputError("ce_weight > 0 needs labels")
-    if mask is not None:
-        _lead("mask", mask, lead)
-        _same_device("mask", mask, device)
 
     work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     n = hidden.numel() // d
     ids = topk_ids.reshape(n, k).long()
     logprobs = topk_logprobs.reshape(n, k).to(work)
-    valid = torch.ones(n, dtype=torch.bool, device=device)
-    if mask is not None:
-        valid &= mask.reshape(n).bool()
-    flat_labels = has_label = None
-    if labels is not None:
-        flat_labels = labels.reshape(n).long()
-        valid &= flat_labels != ignore_index
+    valid, flat_labels = counted_rows(lead, labels, mask, ignore_index, device)
+    has_label = None
     tail = None if tail_mass is None else tail_mass.reshape(n).to(work)
 
     problems = _find_problems(
