@@ -146,19 +146,19 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
     seqs_in, batch = _check(req)
     top = _one(req.top_logprobs_num, "top_logprobs_num")
     start = _one(req.logprob_start_len, "logprob_start_len")
-    k = scoring.resolve_k(top or None)
+    top = scoring.check_k(top or None) or 0
     cache = check_name(req.cache or DEFAULT_CACHE)
     raws = [
         RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
         for i, s in enumerate(seqs_in)
     ]
     seqs = await asyncio.to_thread(scoring.checked, raws, len(raws), "input_ids")
-    scoring.check_answer_size(seqs, k, "generate")
+    scoring.check_answer_size(seqs, max(top, 1), "generate")
     manifest = await asyncio.to_thread(scoring.target_manifest, cache, None)
-    if k <= manifest.k:
-        served = await services.serving.serve(cache, seqs, k, manifest)
+    if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
+        served = await services.serving.serve(cache, seqs, manifest.k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
-        served = await services.serving.above(seqs, k)
+        served = await services.serving.above(seqs, top)
     tokenizer = getattr(services.engine, "tokenizer", None)
     memo: dict[int, str | None] = {}
 
