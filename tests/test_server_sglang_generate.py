@@ -130,6 +130,7 @@ def test_single_sequence_and_start_len(app: App) -> None:
         ({"sampling_params": {}}, "max_new_tokens"),
         ({"sampling_params": {"max_new_tokens": 0, "temperature": 0.7}}, "temperature"),
         ({"token_ids_logprob": [[1, 2]]}, "token_ids_logprob"),
+        ({"token_ids_logprob": ["1"]}, ""),
         ({"return_logprob": False}, "return_logprob"),
         ({"stream": True}, "stream"),
         ({"input_ids": None, "text": "hello"}, "input_ids"),
@@ -141,5 +142,20 @@ def test_refused_with_a_422_and_nothing_written(app: App, over: dict, needle: st
     r = app.post("/generate", {**body(SEQS[0]), **over})
     assert r.status == 422, r.text
     assert needle in r.text
-    if needle != "logprob_start_len":
+    if needle not in ("logprob_start_len", "token_ids_logprob"):
         assert app.engine.calls == []
+
+
+def test_token_ids_logprob_from_the_cached_row_or_refused(app: App) -> None:
+    seq = SEQS[0][:2]  # one scored position
+    row = app.post("/v1/score", {"input_ids": [seq], "cache": "sg"}).json()["sequences"][0]
+    ids, lps = row["topk_ids"][0], row["topk_logprobs"][0]
+    asked = [ids[2], ids[0]]  # any order, answered in the asked order
+    r = app.post("/generate", {**body(seq), "token_ids_logprob": asked})
+    assert r.status == 200, r.text
+    at = r.json()["meta_info"]["input_token_ids_logprobs"]
+    assert at[0] is None and [e[1] for e in at[1]] == asked
+    assert [e[0] for e in at[1]] == pytest.approx([lps[2], lps[0]])
+    outside = next(i for i in range(1000) if i not in ids)
+    bad = app.post("/generate", {**body(seq), "token_ids_logprob": [ids[0], outside]})
+    assert bad.status == 422 and "outside the cached top" in bad.text, bad.text

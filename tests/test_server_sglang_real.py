@@ -40,12 +40,19 @@ def test_generate_matches_a_transformers_forward(hf_engine, tiny, heldout_sequen
         first = c.post("/generate", json=body)
         assert first.status_code == 200, first.text
         second = c.post("/generate", json=body).json()
+        short = seq[:2]  # logprobs at chosen ids (here the reference's 3rd and 1st best)
+        asked = _reference(tiny, short)[0].topk(3).indices.tolist()[::-2]
+        chosen = c.post("/generate", json={**body, "input_ids": short, "token_ids_logprob": asked})
+        assert chosen.status_code == 200, chosen.text
     a = first.json()
     assert a["meta_info"]["cached"] is False and second["meta_info"]["cached"] is True
     assert second["meta_info"]["input_top_logprobs"] == a["meta_info"]["input_top_logprobs"]
     ref = _reference(tiny, seq)
     tok, top = a["meta_info"]["input_token_logprobs"], a["meta_info"]["input_top_logprobs"]
     assert len(tok) == len(top) == len(seq) and tok[0][0] is None and top[0] is None
+    at = chosen.json()["meta_info"]["input_token_ids_logprobs"][1]
+    assert [e[1] for e in at] == asked
+    assert [e[0] for e in at] == pytest.approx(ref[0][asked].tolist(), abs=2e-2)
     tokenizer = tiny.load_tokenizer()
     for t in range(1, len(seq)):
         want_lp, want_ids = ref[t - 1].topk(TOP)

@@ -15,11 +15,14 @@ Every sequence is served through the cache exactly as ``/v1/completions`` is
 The cache is ``cache`` (an extra body field), else :data:`DEFAULT_CACHE`.
 
 Limits, by design of a top-k cache: ``input_token_logprobs[t][0]`` is the teacher's logprob of
-the actual token when it is in the top-``k`` row, else ``None`` (never an estimate). Not served
-(422): ``token_ids_logprob`` (logprobs at caller-chosen ids), ``max_new_tokens`` other than 0,
-``text`` prompts, ``stream``, and ``temperature`` other than 1 (the teacher is scored at
-temperature 1; a cache's temperature is part of its identity, so no other is ever answered from
-it). ``meta_info.cached`` (bool) is a logitcache extension.
+the actual token when it is in the top-``k`` row, else ``None`` (never an estimate).
+``token_ids_logprob`` (one list of ids, or one per sequence) is answered in
+``meta_info.input_token_ids_logprobs`` (per position ``None`` or ``[[logprob, id, text], ...]``
+in the asked order) from the cached top-``k`` rows when every asked id is in them, otherwise a
+422 (logprobs outside the top-``k`` are never estimated). Not served (422): ``max_new_tokens``
+other than 0, ``text`` prompts, ``stream``, and ``temperature`` other than 1 (the teacher is
+scored at temperature 1; a cache's temperature is part of its identity, so no other is ever
+answered from it). ``meta_info.cached`` (bool) is a logitcache extension.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class GenerateRequest(BaseModel):
     return_logprob: bool | list[bool] = False
     logprob_start_len: Int | list[Int] = -1
     top_logprobs_num: Int | list[Int] = 0
-    token_ids_logprob: list[Any] | None = None
+    token_ids_logprob: list[TokenId] | list[list[TokenId]] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
@@ -80,8 +83,6 @@ def _check(req: GenerateRequest) -> tuple[list[list[int]], bool]:
         raise InvalidInputError("input_ids is required (text prompts are not served)")
     if req.stream:
         raise InvalidInputError("stream is not supported")
-    if req.token_ids_logprob is not None:
-        raise InvalidInputError("token_ids_logprob (logprobs at chosen ids) is not served")
     if not _one(req.return_logprob, "return_logprob"):
         raise InvalidInputError("return_logprob must be true: this teacher only scores")
     params = _one(req.sampling_params or {}, "sampling_params")
@@ -103,20 +104,42 @@ def _check(req: GenerateRequest) -> tuple[list[list[int]], bool]:
     return [list(s) for s in ids], True
 
 
-def _meta(rec: SequenceRecord, start: int, top: int, decode: Any, cached: bool) -> dict[str, Any]:
-    """SGLang's ``meta_info`` of one scored sequence."""
+def _chosen(ids: list[Any] | None, i: int, batch: bool) -> list[int] | None:
+    """Sequence ``i``'s ``token_ids_logprob``: one list for all, or one list per sequence."""
+    if ids is None or not ids or isinstance(ids[0], int):
+        return ids
+    if not batch or i >= len(ids):
+        raise InvalidInputError("token_ids_logprob: one list of ids, or one per sequence")
+    return list(ids[i])
+
+
+def _meta(
+    rec: SequenceRecord, start: int, top: int, chosen: list[int] | None, decode: Any, cached: bool
+) -> dict[str, Any]:
+    """SGLang's ``meta_info`` of one scored sequence; ``chosen``: the ``token_ids_logprob``."""
     ids = rec.input_ids.tolist()
     rows_ids = rec.topk_ids.tolist()
     rows_lps = rec.topk_logprobs.tolist()
     token: list[list[Any]] = []
     tops: list[list[list[Any]] | None] = []
+    at_ids: list[list[list[Any]] | None] = []
     for t in range(start, len(ids)):
         x = ids[t]
         if t == 0:
             token.append([None, x, decode(x)])
             tops.append(None)
+            at_ids.append(None)
             continue
         row = dict(zip(rows_ids[t - 1], rows_lps[t - 1], strict=True))
+        if chosen is not None:
+            missing = [i for i in chosen if i not in row]
+            if missing:
+                raise InvalidInputError(
+                    f"token_ids_logprob: ids {missing[:8]} are outside the cached top-"
+                    f"{len(rows_ids[t - 1])} at position {t}; logprobs at ids outside the top-k "
+                    "are not served (never estimated)"
+                )
+            at_ids.append([[row[i], i, decode(i)] for i in chosen])
         token.append([row.get(x), x, decode(x)])
         tops.append(
             [
@@ -134,6 +157,7 @@ def _meta(rec: SequenceRecord, start: int, top: int, decode: Any, cached: bool) 
         "cached_tokens": len(ids) if cached else 0,
         "input_token_logprobs": token,
         "input_top_logprobs": tops,
+        **({"input_token_ids_logprobs": at_ids} if chosen is not None else {}),
         "output_token_logprobs": [],
         "output_top_logprobs": [],
         "cached": cached,
@@ -176,7 +200,7 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
         if first >= n:
             raise InvalidInputError(f"logprob_start_len {start} is not below the length {n}")
         cached = served.hits is not None and served.hits[i]
-        meta = _meta(rec, first, top, decode, cached)
+        meta = _meta(rec, first, top, _chosen(req.token_ids_logprob, i, batch), decode, cached)
         out.append({"text": "", "output_ids": [], "meta_info": meta})
     return out if batch else out[0]
 
