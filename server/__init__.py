@@ -23,6 +23,7 @@ client).
 ``api.connections``            uvicorn's options: request-head deadline, connection limit
 ``api.score``                  ``POST /v1/score``
 ``api.openai``                 vLLM-compatible ``/v1/completions`` and ``/v1/models``
+``api.sglang``                 SGLang-compatible ``/generate`` (input logprobs)
 ``api.jobs``                   ``/v1/jobs``: submit, list, status, cancel
 ``api.caches``                 ``/v1/caches``: list, describe, stream blocks
 ``api.store``                  ``/v1/caches/{name}/store/{key}``: the stored objects, read-only

@@ -26,6 +26,7 @@ from .api import jobs as routes_jobs
 from .api import openai as routes_openai
 from .api import ops as routes_ops
 from .api import score as routes_score
+from .api import sglang as routes_sglang
 from .api import store as routes_store
 from .api import ui
 from .api.deps import Services
@@ -211,6 +212,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
     for module in (routes_ops, routes_score, routes_jobs, routes_caches, routes_store):
         app.include_router(module.router)
     app.include_router(routes_openai.router)  # vLLM-compatible /v1/completions, /v1/models
+    app.include_router(routes_sglang.router)  # SGLang-compatible /generate
     ui.install(app, settings)  # status page at /, login form, /docs, Bearer scheme
     install_error_handlers(app)
     declare_common_errors(app, keyed=settings.api_key is not None)

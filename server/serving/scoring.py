@@ -42,6 +42,7 @@ ANSWER_BYTES: dict[str, tuple[int, int, int, int]] = {
     "json": (34, 30, 12, 200),
     "frames": (8, 4, 12, 200),
     "completions": (80, 0, 0, 200),
+    "generate": (40, 40, 0, 400),
 }
 #: What to change when an answer would be over ``max_response_bytes``, per format.
 SMALLER_ANSWER = {
@@ -50,6 +51,7 @@ SMALLER_ANSWER = {
     "frames": "send fewer or shorter sequences, a smaller k, or ask for frames "
     "(Accept: application/x-logitcache-frames)",
     "completions": "send fewer or shorter prompts or a smaller prompt_logprobs",
+    "generate": "send fewer or shorter sequences or a smaller top_logprobs_num",
 }
 
 

@@ -1,0 +1,216 @@
+"""SGLang-compatible ``POST /generate`` for teacher logprobs (on-policy distillation clients).
+
+The request shape of SGLang's ``GenerateReqInput`` (``python/sglang/srt/managers/io_struct.py``)
+for scoring: ``input_ids`` (one list of token ids, or a list of them), ``return_logprob: true``,
+``logprob_start_len``, ``top_logprobs_num``, ``sampling_params`` with ``max_new_tokens: 0``. The
+answer is SGLang's: ``{"text", "output_ids", "meta_info"}`` per sequence (one object for one
+sequence, a list for a batch), with ``meta_info.input_token_logprobs`` (``[logprob, token_id,
+text]`` for each input position from ``logprob_start_len``; the first input token has no
+prediction, so ``None``) and ``meta_info.input_top_logprobs`` (per position ``None`` or the
+``top_logprobs_num`` best ``[logprob, token_id, text]``, descending). ``text`` is the decoded
+token when ``return_text_in_logprobs``, else ``None``.
+
+Every sequence is served through the cache exactly as ``/v1/completions`` is
+(``server/serving/cache_hits.py``): hits cost no engine work, misses are scored, stored, answered.
+The cache is ``cache`` (an extra body field), else :data:`DEFAULT_CACHE`.
+
+Limits, by design of a top-k cache: ``input_token_logprobs[t][0]`` is the teacher's logprob of
+the actual token when it is in the top-``k`` row, else ``None`` (never an estimate).
+``token_ids_logprob`` (one list of ids, or one per sequence) is answered in
+``meta_info.input_token_ids_logprobs`` (per position ``None`` or ``[[logprob, id, text], ...]``
+in the asked order) from the cached top-``k`` rows when every asked id is in them, otherwise a
+422 (logprobs outside the top-``k`` are never estimated). Not served (422): ``max_new_tokens``
+other than 0, ``text`` prompts, ``stream``, and ``temperature`` other than 1 (the teacher is
+scored at temperature 1; a cache's temperature is part of its identity, so no other is ever
+answered from it). ``meta_info.cached`` (bool) is a logitcache extension.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from logitcache.cache_format import SequenceRecord
+from logitcache.protocol import TokenId
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import InvalidInputError
+from ..inputs.records import RawRecord
+from ..serving.caches import check_name
+from .deps import ERRORS, Services, ServicesDep, run_for_client
+
+router = APIRouter(tags=["sglang"])
+
+#: The cache ``/generate`` serves from when the request names none.
+DEFAULT_CACHE = "sglang-generate"
+
+Int = Annotated[int, Field(strict=True)]
+
+
+class GenerateRequest(BaseModel):
+    """The fields of SGLang's ``GenerateReqInput`` this route reads (others are accepted and
+    ignored). Integers are strict, as in ``/v1/score``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: Int | list[Int] = -1
+    top_logprobs_num: Int | list[Int] = 0
+    token_ids_logprob: list[TokenId] | list[list[TokenId]] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
+
+
+def _one(value: Any, name: str) -> Any:
+    """A per-request field that SGLang also takes per sequence: one value for the batch only."""
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise InvalidInputError(f"{name} must be the same for every sequence")
+        return value[0]
+    return value
+
+
+def _check(req: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """The sequences and whether the request was a batch; 422 for what is not served."""
+    if req.text is not None or req.input_ids is None:
+        raise InvalidInputError("input_ids is required (text prompts are not served)")
+    if req.stream:
+        raise InvalidInputError("stream is not supported")
+    if not _one(req.return_logprob, "return_logprob"):
+        raise InvalidInputError("return_logprob must be true: this teacher only scores")
+    params = _one(req.sampling_params or {}, "sampling_params")
+    if params.get("max_new_tokens") != 0:
+        raise InvalidInputError(
+            "sampling_params.max_new_tokens must be 0: this teacher scores, it does not generate"
+        )
+    temperature = params.get("temperature", 1.0)
+    if temperature != 1.0:
+        raise InvalidInputError(
+            f"temperature {temperature} is not served: the teacher is scored at temperature 1 "
+            "(a cache's temperature is part of its identity)"
+        )
+    ids = req.input_ids
+    if not ids:
+        raise InvalidInputError("input_ids holds no sequence")
+    if isinstance(ids[0], int):
+        return [list(ids)], False
+    return [list(s) for s in ids], True
+
+
+def _chosen(ids: list[Any] | None, i: int, batch: bool) -> list[int] | None:
+    """Sequence ``i``'s ``token_ids_logprob``: one list for all, or one list per sequence."""
+    if ids is None or not ids or isinstance(ids[0], int):
+        return ids
+    if not batch or i >= len(ids):
+        raise InvalidInputError("token_ids_logprob: one list of ids, or one per sequence")
+    return list(ids[i])
+
+
+def _meta(
+    rec: SequenceRecord, start: int, top: int, chosen: list[int] | None, decode: Any, cached: bool
+) -> dict[str, Any]:
+    """SGLang's ``meta_info`` of one scored sequence; ``chosen``: the ``token_ids_logprob``."""
+    ids = rec.input_ids.tolist()
+    rows_ids = rec.topk_ids.tolist()
+    rows_lps = rec.topk_logprobs.tolist()
+    token: list[list[Any]] = []
+    tops: list[list[list[Any]] | None] = []
+    at_ids: list[list[list[Any]] | None] = []
+    for t in range(start, len(ids)):
+        x = ids[t]
+        if t == 0:
+            token.append([None, x, decode(x)])
+            tops.append(None)
+            at_ids.append(None)
+            continue
+        row = dict(zip(rows_ids[t - 1], rows_lps[t - 1], strict=True))
+        if chosen is not None:
+            missing = [i for i in chosen if i not in row]
+            if missing:
+                raise InvalidInputError(
+                    f"token_ids_logprob: ids {missing[:8]} are outside the cached top-"
+                    f"{len(rows_ids[t - 1])} at position {t}; logprobs at ids outside the top-k "
+                    "are not served (never estimated)"
+                )
+            at_ids.append([[row[i], i, decode(i)] for i in chosen])
+        token.append([row.get(x), x, decode(x)])
+        tops.append(
+            [
+                [lp, tid, decode(tid)]
+                for tid, lp in zip(rows_ids[t - 1][:top], rows_lps[t - 1][:top], strict=True)
+            ]
+            if top
+            else None
+        )
+    return {
+        "id": uuid.uuid4().hex,
+        "finish_reason": {"type": "length", "length": 0},
+        "prompt_tokens": len(ids),
+        "completion_tokens": 0,
+        "cached_tokens": len(ids) if cached else 0,
+        "input_token_logprobs": token,
+        "input_top_logprobs": tops,
+        **({"input_token_ids_logprobs": at_ids} if chosen is not None else {}),
+        "output_token_logprobs": [],
+        "output_top_logprobs": [],
+        "cached": cached,
+    }
+
+
+async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] | list[Any]:
+    """Check, serve through the cache, and build SGLang's answer."""
+    scoring = services.scoring
+    seqs_in, batch = _check(req)
+    top = _one(req.top_logprobs_num, "top_logprobs_num")
+    start = _one(req.logprob_start_len, "logprob_start_len")
+    top = scoring.check_k(top or None) or 0
+    cache = check_name(req.cache or DEFAULT_CACHE)
+    raws = [
+        RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
+        for i, s in enumerate(seqs_in)
+    ]
+    seqs = await asyncio.to_thread(scoring.checked, raws, len(raws), "input_ids")
+    scoring.check_answer_size(seqs, max(top, 1), "generate")
+    manifest = await asyncio.to_thread(scoring.target_manifest, cache, None)
+    if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
+        served = await services.serving.serve(cache, seqs, manifest.k, manifest)
+    else:  # the cache cannot hold this k: scored, not stored
+        served = await services.serving.above(seqs, top)
+    tokenizer = getattr(services.engine, "tokenizer", None)
+    memo: dict[int, str | None] = {}
+
+    def decode(tid: int) -> str | None:
+        if not req.return_text_in_logprobs or tokenizer is None:
+            return None
+        if tid not in memo:
+            memo[tid] = tokenizer.decode([tid])
+        return memo[tid]
+
+    out = []
+    for i, rec in enumerate(served.records):
+        n = int(rec.input_ids.shape[0])
+        first = n - 1 if start < 0 else start
+        if first >= n:
+            raise InvalidInputError(f"logprob_start_len {start} is not below the length {n}")
+        cached = served.hits is not None and served.hits[i]
+        meta = _meta(rec, first, top, _chosen(req.token_ids_logprob, i, batch), decode, cached)
+        out.append({"text": "", "output_ids": [], "meta_info": meta})
+    return out if batch else out[0]
+
+
+@router.post("/generate", responses=ERRORS, summary="SGLang-compatible input logprobs (cached)")
+async def generate_route(
+    body: GenerateRequest, request: Request, services: ServicesDep
+) -> JSONResponse:
+    """SGLang's ``/generate`` with ``return_logprob`` and ``max_new_tokens: 0`` (module doc)."""
+    answer = await run_for_client(
+        request, generate(services, body), services.settings.request_timeout_s
+    )
+    return JSONResponse(answer)
