@@ -526,11 +526,13 @@ class CacheWriter:
 
 
 async def _first_data_key(store: zarr.abc.store.Store) -> str | None:
-    """The first object of ``store`` that is neither a ``zarr.json`` nor the writer lock: a
-    chunk or shard, which only an append writes (creation writes metadata only)."""
+    """The first object of ``store`` that is neither a ``zarr.json`` (nor a local write's
+    temporary ``zarr.<tag>.partial`` of one) nor the writer lock: a chunk or shard, which only
+    an append writes (creation writes metadata only)."""
     async for key in store.list():
         name = key.rsplit("/", 1)[-1]
-        if name != "zarr.json" and name != spec.LOCK_NAME:
+        metadata = name == "zarr.json" or (name.startswith("zarr.") and name.endswith(".partial"))
+        if not metadata and name != spec.LOCK_NAME:
             return key
     return None
 

@@ -16,8 +16,16 @@ from pathlib import Path
 import format_support
 import pytest
 from format_support import make_manifest, make_records, s3_client
-from logitcache.cache_format import CacheReader, CacheWriter, StoreNeedsRepairError, validate
+from logitcache.cache_format import (
+    FORMAT_VERSION,
+    CacheReader,
+    CacheWriter,
+    ChecksumError,
+    StoreNeedsRepairError,
+    validate,
+)
 from logitcache.cache_format.layout import INCOMPLETE_ATTR
+from spec_reader import SpecError, SpecStore
 
 s3_endpoint = format_support.s3_endpoint
 s3_store = format_support.s3_store
@@ -136,3 +144,57 @@ def test_store_without_rows_is_recreated(request, tmp_path, where, edit):
     with CacheWriter.open(url, make_manifest(K, VOCAB), opts) as w:
         w.append(recs)
     assert CacheReader(url, opts).keys == [r.key for r in recs]
+
+
+def _flip_char(s: str) -> str:
+    return s[:3] + ("x" if s[3] != "x" else "y") + s[4:]
+
+
+MANIFEST_EDITS: dict[str, Callable[[dict], None]] = {
+    "tokenizer_fingerprint": lambda m: m.update(
+        tokenizer_fingerprint=_flip_char(m["tokenizer_fingerprint"])
+    ),
+    "id_remap": lambda m: m.update(id_remap=not m["id_remap"]),
+    "loss_mask": lambda m: m.update(loss_mask=not m.get("loss_mask", False)),
+    "temperature": lambda m: m.update(temperature=m["temperature"] * 2),
+    "teacher_model": lambda m: m.update(teacher_model=m["teacher_model"] + "-other"),
+    "num_sequences": lambda m: m.update(num_sequences=m["num_sequences"] - 1),
+}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("field", sorted(MANIFEST_EDITS))
+def test_manifest_edit_fails_its_digest(request, tmp_path, where, field):
+    """FORMAT.md 2.2: every reader, writer and ``validate`` checks the root digest (version 3)."""
+    url, opts = _where(request, tmp_path, where)
+    with CacheWriter.open(url, make_manifest(K, VOCAB), opts) as w:
+        w.append(make_records(3, k=K, vocab=VOCAB, seed=1))
+    objs = _Objects(url, opts)
+    doc = json.loads(objs.get("zarr.json") or b"")
+    assert doc["attributes"]["format_version"] == FORMAT_VERSION == 3
+    MANIFEST_EDITS[field](doc["attributes"]["logitcache"])
+    objs.put("zarr.json", json.dumps(doc).encode())
+    with pytest.raises(ChecksumError, match="digest"):
+        CacheReader(url, opts)
+    with pytest.raises(ChecksumError, match="digest"):
+        CacheWriter.open(url, make_manifest(K, VOCAB), opts)
+    report = validate(url, opts)
+    assert not report.ok and "digest" in str(report.problems)
+    if where == "local":
+        with pytest.raises(SpecError, match="2.2"):
+            SpecStore(url)
+
+
+def test_version_2_store_without_digest_still_reads(tmp_path):
+    """A version-2 store has no digest (its manifest is not covered) and keeps reading and
+    appending at version 2."""
+    url = str(tmp_path / "c")
+    recs = make_records(4, k=K, vocab=VOCAB, seed=3)
+    with CacheWriter.open(url, make_manifest(K, VOCAB, format_version=2)) as w:
+        w.append(recs[:2])
+    with CacheWriter.open(url, make_manifest(K, VOCAB, format_version=2)) as w:
+        w.append(recs[2:])
+    doc = json.loads((Path(url) / "zarr.json").read_bytes())
+    assert doc["attributes"]["format_version"] == 2 and "logitcache_digest" not in doc["attributes"]
+    assert CacheReader(url).keys == [r.key for r in recs]
+    assert validate(url).ok
