@@ -39,7 +39,7 @@ from ._lock import make_lock
 from ._manifest import Manifest, utcnow
 from ._shardread import DirectLayout
 from ._zarr_adapter import async_array, default_buffer_prototype, sync
-from .errors import FormatError, ManifestError
+from .errors import FormatError, ManifestError, StoreNeedsRepairError
 from .layout import (
     INCOMPLETE_ATTR,
     ArrayDef,
@@ -130,8 +130,14 @@ class CacheWriter:
         )
         self._lock.acquire(lock_timeout)
         try:
-            attrs = read_root_attrs(self._store)
+            try:
+                attrs = read_root_attrs(self._store)
+            except ValueError as e:  # a root zarr.json that is not JSON (or not a zarr document)
+                attrs, unreadable = None, f"unreadable ({type(e).__name__}: {e})"
+            else:
+                unreadable = "missing" if attrs is None else "only the creation marker"
             if attrs is None or (spec.ROOT_ATTR not in attrs and INCOMPLETE_ATTR in attrs):
+                _refuse_if_holding_data(self._store, url, unreadable)
                 self._create()
             elif spec.ROOT_ATTR not in attrs:
                 raise FormatError(f"{url!s} holds a zarr group that is not a logitcache store")
@@ -517,3 +523,29 @@ class CacheWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _first_data_key(store: zarr.abc.store.Store) -> str | None:
+    """The first object of ``store`` that is neither a ``zarr.json`` (nor a local write's
+    temporary ``zarr.<tag>.partial`` of one) nor the writer lock: a chunk or shard, which only
+    an append writes (creation writes metadata only)."""
+    async for key in store.list():
+        name = key.rsplit("/", 1)[-1]
+        metadata = name == "zarr.json" or (name.startswith("zarr.") and name.endswith(".partial"))
+        if not metadata and name != spec.LOCK_NAME:
+            return key
+    return None
+
+
+def _refuse_if_holding_data(store: zarr.abc.store.Store, url: str | Path, root: str) -> None:
+    """Raise :class:`StoreNeedsRepairError` when the store's root is ``root`` (missing,
+    unreadable, the creation marker) but an array holds data: recreating it would delete rows
+    that were committed under a manifest this writer cannot account for."""
+    found = sync(_first_data_key(store))
+    if found is not None:
+        raise StoreNeedsRepairError(
+            f"{url!s}: the root zarr.json (the manifest) is {root}, but the arrays hold data "
+            f"(e.g. {found!r}); refusing to recreate the store over them. The manifest's "
+            "identity fields exist only in the root, so it cannot be rebuilt from the arrays: "
+            "restore the root zarr.json from a backup or copy of the store, then reopen"
+        )

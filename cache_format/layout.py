@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
+import google_crc32c
 import numpy as np
 import zarr
 import zarr.abc.store
@@ -267,6 +268,8 @@ def parse_root(attrs: dict) -> Manifest:
             f"format_version {version!r} not supported (this library reads "
             f"{sorted(spec.SUPPORTED_VERSIONS)})"
         )
+    if version >= 3:
+        check_root_digest(attrs)
     m = Manifest.from_attrs(attrs[spec.ROOT_ATTR])
     if m.format_version != version:
         from .errors import ManifestError
@@ -278,5 +281,29 @@ def parse_root(attrs: dict) -> Manifest:
 
 
 def root_attrs_for(manifest: Manifest) -> dict:
-    """Root attributes that commit ``manifest`` (at the store's own version)."""
-    return {"format_version": manifest.format_version, spec.ROOT_ATTR: manifest.to_attrs()}
+    """Root attributes that commit ``manifest`` (at the store's own version; from version 3 with
+    the digest of the others, FORMAT.md 2.2)."""
+    attrs = {"format_version": manifest.format_version, spec.ROOT_ATTR: manifest.to_attrs()}
+    if manifest.format_version >= 3:
+        attrs[spec.DIGEST_ATTR] = root_digest(attrs)
+    return attrs
+
+
+def root_digest(attrs: dict) -> str:
+    """CRC32C (8 lowercase hex digits) of the root attributes other than the digest, as canonical
+    JSON: keys sorted, separators ``,`` and ``:``, ASCII only (FORMAT.md 2.2)."""
+    body = {k: v for k, v in attrs.items() if k != spec.DIGEST_ATTR}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{google_crc32c.value(text.encode('ascii')):08x}"
+
+
+def check_root_digest(attrs: dict) -> None:
+    """Raise :class:`~.errors.ChecksumError` unless ``attrs`` carry their own digest."""
+    from .errors import ChecksumError
+
+    stored = attrs.get(spec.DIGEST_ATTR)
+    if stored != root_digest(attrs):
+        raise ChecksumError(
+            f"root zarr.json: manifest digest {spec.DIGEST_ATTR} is {stored!r}, the attributes "
+            f"hash to {root_digest(attrs)!r}: the manifest was changed or damaged"
+        )

@@ -9,19 +9,24 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Integer version of the on-disk layout written by this library, stored as root attribute
-``format_version``. Version 2 (FORMAT.md): every chunk of the committed range is stored (an
-absent object there is data loss, :class:`~.errors.MissingDataError`), keys also as bytes
+``format_version``. Version 3: version 2 plus the root attribute ``logitcache_digest`` (CRC32C
+of the other root attributes, checked on every open). Version 2 (FORMAT.md): every chunk of the
+committed range is stored (an absent object there is data loss,
+:class:`~.errors.MissingDataError`), keys also as bytes
 (``seq_key_bytes`` + ``seq_key_end``), arrays carry an ``encoding`` attribute."""
 
-SUPPORTED_VERSIONS = frozenset({1, 2})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 """Versions this library reads (and appends to, keeping their version)."""
 
 ROOT_ATTR = "logitcache"
 """Root group attribute holding the manifest (and with it the commit point: counts, generation)."""
 
 LOCK_NAME = ".logitcache.lock"
+
+DIGEST_ATTR = "logitcache_digest"
+"""Root attribute (version >= 3): CRC32C of the other root attributes (FORMAT.md 2.2)."""
 """Object/file next to the root ``zarr.json`` used as the writer lock (not a zarr node)."""
 
 LogprobDtype = Literal["float16", "float32", "uint8", "uint16"]

@@ -74,8 +74,13 @@ class SpecStore:
         self.root = Path(root)
         attrs = json.loads((self.root / "zarr.json").read_text())["attributes"]
         self.version = attrs["format_version"]  # 2.1
-        if self.version not in (1, 2):
+        if self.version not in (1, 2, 3):
             raise SpecError(f"2.1: format_version {self.version} unknown")
+        if self.version >= 3:  # 2.2: digest of the other root attributes
+            body = {k: v for k, v in attrs.items() if k != "logitcache_digest"}
+            text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+            if attrs.get("logitcache_digest") != f"{google_crc32c.value(text.encode()):08x}":
+                raise SpecError("2.2: root attributes fail their digest")
         self.manifest = attrs["logitcache"]  # section 3
         if self.manifest["format_version"] != self.version:
             raise SpecError("3: manifest format_version differs from the root's")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, validate
+from logitcache.cache_format import CacheReader, CacheWriter, StoreNeedsRepairError, validate
 from logitcache.cache_format import _templates as templates
 from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, write_root_attrs
@@ -91,8 +91,8 @@ def test_templates_are_kept_per_k_and_layout(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_creation_over_an_incomplete_store_removes_what_lay_there(tmp_path: Path) -> None:
-    """A creation that died left arrays and stray chunk objects: remade from templates, the
-    arrays hold nothing of them (zarr's ``create_array(overwrite=True)`` removes them too)."""
+    """A creation that died left arrays (one damaged): remade from templates. A chunk object
+    under the creation marker is data no commit accounts for: the writer refuses to wipe it."""
     m = make_manifest(k=K, vocab_size=VOCAB)
     CacheWriter.open(tmp_path / "warm", m, layout=LAYOUT).close()  # the templates exist
     url = tmp_path / "c"
@@ -106,10 +106,13 @@ def test_creation_over_an_incomplete_store_removes_what_lay_there(tmp_path: Path
     (url / "tail_mass" / "zarr.json").write_text("{}")  # a damaged array document
     with pytest.raises(Exception, match="no committed logitcache manifest"):
         CacheReader(url)
+    with pytest.raises(StoreNeedsRepairError, match="topk_ids/c/9/0"):  # data: never wiped
+        CacheWriter.open(url, m, layout=LAYOUT)
+    assert stray.read_bytes() == b"junk from a dead writer"
+    stray.unlink()  # metadata only now: a creation that died, remade
     recs = make_records(5, k=K, vocab=VOCAB, seed=5, min_len=3, max_len=4)
     with CacheWriter.open(url, m, layout=LAYOUT) as w:
         assert w.append(recs) == 5
-    assert not stray.exists()
     r = CacheReader(url)
     for seq, want in zip(r.sequences(range(5)), recs, strict=True):
         assert np.array_equal(seq.topk_ids, want.topk_ids)
