@@ -5,8 +5,8 @@ Marker ``container`` (skipped by the README's test command; `.ci/run` runs this 
 of its own: ``pytest -m container -n 0 tests/e2e/test_docker_compose_up.py``). The engine, the
 Python base image and the torch index are made here (tests/docker_support.py); the compose
 project is the repository's file plus docker/compose.api-key-file.yml (the key from a secret
-file) and the small test override tests/docker_compose.test.yml (the image built here, the tiny teacher from a
-mounted models folder, quick health probes). Through the published port:
+file) and the small test override tests/docker_compose.test.yml (the image built here, the tiny
+teacher from a mounted models folder, quick health probes). Through the published port:
 
 * the healthcheck turns healthy; ``/health``, the status page and ``/docs`` answer;
 * a job over a file in the inputs mount writes a cache into the named volume ``caches``; the host
