@@ -10,7 +10,8 @@ Importing this package does not import torch.
   :func:`encode_records` / :func:`decode_records`;
 - the manifest and the teacher identity: :class:`Manifest`, :data:`TEACHER_FIELDS`,
   :func:`teacher_diff`, :func:`tokenizer_fingerprint`;
-- stores: :func:`open_store`, :func:`read_root_attrs`, :func:`parse_root`, :func:`store_stats`;
+- stores: :func:`open_store`, :func:`read_root_attrs`, :func:`parse_root`, :func:`store_stats`,
+  :func:`resealed_root_attrs` (root attributes edited for serving, digest recomputed);
 - the :class:`FormatError` family (also in :mod:`.errors`).
 """
 
@@ -45,7 +46,7 @@ from .identity import (
     teacher_extra,
     teacher_of,
 )
-from .layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
+from .layout import INCOMPLETE_ATTR, parse_root, read_root_attrs, resealed_root_attrs
 from .quant import decode_logprobs, encode_logprobs
 from .records import (
     RowBlock,
@@ -110,6 +111,7 @@ __all__ = [
     "open_store",
     "parse_root",
     "read_root_attrs",
+    "resealed_root_attrs",
     "rows_array",
     "store_stats",
     "tail_from_logprobs",

@@ -297,6 +297,16 @@ def root_digest(attrs: dict) -> str:
     return f"{google_crc32c.value(text.encode('ascii')):08x}"
 
 
+def resealed_root_attrs(stored: dict, edited: dict) -> dict:
+    """``edited`` (root attributes derived from ``stored``, e.g. with server paths cut) carrying
+    a digest of its own when ``stored`` carried a valid one; when ``stored``'s digest is absent
+    or wrong, ``edited`` keeps it as it was, so a reader still sees the damage."""
+    digest = stored.get(spec.DIGEST_ATTR)
+    if digest is None or digest != root_digest(stored):
+        return edited
+    return {**edited, spec.DIGEST_ATTR: root_digest(edited)}
+
+
 def check_root_digest(attrs: dict) -> None:
     """Raise :class:`~.errors.ChecksumError` unless ``attrs`` carry their own digest."""
     from .errors import ChecksumError

@@ -19,6 +19,7 @@ from logitcache.cache_format.errors import (
     ManifestError,
     ManifestMismatchError,
     RecordError,
+    StoreNeedsRepairError,
     StoreNotFoundError,
     UnsupportedVersionError,
     WireFormatError,
@@ -185,6 +186,8 @@ def format_error_status(exc: FormatError) -> tuple[int, str]:
         return 422, "invalid_record"
     if isinstance(exc, UnsupportedVersionError):
         return 409, "unsupported_version"
+    if isinstance(exc, StoreNeedsRepairError):
+        return 409, "cache_needs_repair"
     return 500, "store_error"
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
+from logitcache.cache_format import resealed_root_attrs
 from logitcache.protocol import ErrorResponse
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
@@ -77,8 +78,9 @@ def parse_range(header: str | None) -> Any:
 def public_metadata(raw: bytes) -> bytes:
     """A ``zarr.json`` document as served: its attributes through
     :func:`~logitcache.server.errors.public_value`, so no absolute server path (the manifest's
-    ``teacher_model`` when the teacher was given as a folder) leaves the server; the stored
-    bytes unchanged when nothing needed it."""
+    ``teacher_model`` when the teacher was given as a folder) leaves the server, and the root's
+    manifest digest recomputed over what is served when the stored one was valid (a damaged
+    manifest stays detectably damaged); the stored bytes unchanged when nothing needed it."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -88,6 +90,7 @@ def public_metadata(raw: bytes) -> bytes:
     public = public_value(doc["attributes"])
     if public == doc["attributes"]:
         return raw
+    public = resealed_root_attrs(doc["attributes"], public)
     return json.dumps({**doc, "attributes": public}, indent=2).encode()
 
 

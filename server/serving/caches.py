@@ -29,7 +29,7 @@ from logitcache.cache_format import CacheReader, CacheWriter, Manifest, Sequence
 from logitcache.cache_format.errors import FormatError, ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
-from logitcache.cache_format.spec import ROOT_ATTR, layout_named
+from logitcache.cache_format.spec import LOCK_NAME, ROOT_ATTR, layout_named
 
 from .. import paths
 from ..engine.identity import teacher_identity
@@ -260,6 +260,8 @@ class CacheRegistry:
             d = Path(self.root) / name
             try:
                 if not d.is_dir():
+                    return None
+                if _holds_chunks(d):  # committed rows without a usable root: needs repair
                     return None
                 if not (d / "zarr.json").exists():
                     return NO_ROOT if any(d.iterdir()) else None
@@ -520,6 +522,17 @@ class RangeReader:
     def read(self, start: int, stop: int) -> list[SequenceRecord]:
         """Records of sequences ``[start, stop)`` (``0 <= start <= stop <= num_sequences``)."""
         return self.reader.read_ranges([(start, stop)], logprob_dtype=self.logprob_dtype)
+
+
+def _holds_chunks(folder: Path) -> bool:
+    """Whether a local store holds a chunk or shard (any object but metadata, a local write's
+    ``*.partial`` and the writer lock): only an append writes one, so such a store is not one
+    whose creation was interrupted."""
+    for _, _, files in os.walk(folder):
+        for f in files:
+            if f != "zarr.json" and f != LOCK_NAME and not f.endswith(".partial"):
+                return True
+    return False
 
 
 def broken(name: str, e: BaseException) -> CacheBrokenError:

@@ -184,10 +184,12 @@ def test_broken_and_incomplete_caches_are_listed_not_fatal(srv, client) -> None:
     broken = root / "broken"
     broken.mkdir()
     (broken / "zarr.json").write_text("{not json")
-    incomplete = root / "incomplete"
+    incomplete = root / "incomplete"  # killed before its root was written: the lock only
     incomplete.mkdir()
-    (incomplete / "c").mkdir()
-    (incomplete / "c" / "chunk").write_bytes(b"x")
+    (incomplete / ".logitcache.lock").write_bytes(b"")
+    lost_root = root / "lost-root"  # rows on disk, the root gone: repaired by hand only
+    (lost_root / "c").mkdir(parents=True)
+    (lost_root / "c" / "chunk").write_bytes(b"x")
     r = client.get("/v1/caches")
     assert r.status_code == 200, r.text
     by_name = {c["name"]: c for c in r.json()["caches"]}
@@ -202,6 +204,9 @@ def test_broken_and_incomplete_caches_are_listed_not_fatal(srv, client) -> None:
     _assert_error(r, 409, "cache_broken")
     _assert_error(client.get("/v1/caches/incomplete"), 409, "cache_incomplete")
     _assert_error(client.get("/v1/caches/absent"), 404, "not_found")
+    r = client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "cache": "lost-root"})
+    _assert_error(r, 409, "cache_needs_repair")
+    assert (lost_root / "c" / "chunk").read_bytes() == b"x"  # nothing recreated over it
     # repaired by writing it again (what re-submitting the interrupted job does)
     r = client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "cache": "incomplete"})
     assert r.status_code == 200 and r.json()["stored"] == 1, r.text
