@@ -427,9 +427,3 @@ def _open(
                 if fds[a] is not tab.fd:
                     fds[a][s], idxs[a][s] = fd, index
     return tuple(fds), tuple(idxs)
-
-
-def undelta_widen(d: np.ndarray, out: np.ndarray) -> None:
-    """``out`` = float32 logprobs of float16 row-delta bits ``d`` (benchmarks' stage timing)."""
-    assert _kernels is not None
-    _kernels["undelta"](d, out, True)

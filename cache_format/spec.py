@@ -31,7 +31,6 @@ DIGEST_ATTR = "logitcache_digest"
 
 LogprobDtype = Literal["float16", "float32", "uint8", "uint16"]
 TailDtype = Literal["float16", "float32"]
-LOGPROB_DTYPES: tuple[str, ...] = ("float16", "float32", "uint8", "uint16")
 QUANTISED_DTYPES: frozenset[str] = frozenset({"uint8", "uint16"})
 
 LOGPROB_TOLERANCE = 1e-3
@@ -56,7 +55,6 @@ SEQ_ROW_START = "seq_row_start"  # [S] int64, offset of sequence i in the row ar
 SEQ_KEY_BYTES = "seq_key_bytes"  # [B] uint8, v2: UTF-8 bytes of every key, concatenated
 SEQ_KEY_END = "seq_key_end"  # [S] int64, v2: end of key i in seq_key_bytes (start: end[i-1] or 0)
 
-ROW_ARRAYS_2D = (TOPK_IDS, TOPK_LOGPROBS)
 SEQ_ARRAYS = (SEQ_KEYS, SEQ_LENGTHS, SEQ_TOKEN_START, SEQ_ROW_START)
 KEY_BYTES_ARRAYS = (SEQ_KEY_END, SEQ_KEY_BYTES)  # v2 only
 
