@@ -65,26 +65,17 @@ from benchmarks.harness import (
     machine,
     sync,
 )
-from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, word_tokenizer
+from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, bf16_llama, make_model_dir
 
 VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http")
 
 
 def make_model(shape_name: str, device: torch.device, seq_len: int, seed: int) -> Any:
     """A random bf16 Llama-style model of ``SHAPES[shape_name]`` made on ``device``."""
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
     config = SHAPES[shape_name].config(max(seq_len, 2048))
     config._attn_implementation = "sdpa"
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    return model
+    return bf16_llama(config, device)
 
 
 # ------------------------------------------------------------------------------------ cache
@@ -270,11 +261,7 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     import httpx
 
     model_dir = work / "stand-in"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    word_tokenizer(vocab).save_pretrained(model_dir)
-    shape = Shape(64, 1, 4, 2, 128, vocab, tied=True)
-    m = make_model_from(shape, "cpu")
-    m.save_pretrained(model_dir)
+    make_model_dir(Shape(64, 1, 4, 2, 128, vocab, tied=True), model_dir, "cpu", 2048)
     port = free_port()
     cmd = [sys.executable, "-m", "logitcache.server", "--backend", "hf", "--model", str(model_dir)]
     cmd += ["--store-root", str(store_root), "--data-dir", str(work / "data")]
@@ -295,18 +282,6 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
         time.sleep(0.25)
     proc.kill()
     raise RuntimeError("stand-in server did not start")
-
-
-def make_model_from(shape: Any, device: str) -> Any:
-    from transformers import LlamaForCausalLM
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            return LlamaForCausalLM(shape.config(2048))
-    finally:
-        torch.set_default_dtype(default)
 
 
 def main(argv: list[str] | None = None) -> dict | None:

@@ -112,23 +112,30 @@ def word_tokenizer(vocab: int) -> Any:
     )
 
 
+def bf16_llama(config: Any, device: Any) -> Any:
+    """A ``LlamaForCausalLM`` of ``config`` with random bf16 weights made on ``device``."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def make_model_dir(shape: Shape, path: Path, device: str, max_len: int, seed: int = 0) -> dict:
     """config.json + tokenizer + random bf16 weights made on ``device`` (timed)."""
     import torch
-    from transformers import LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     word_tokenizer(shape.vocab).save_pretrained(path)
     config = shape.config(max_len)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = bf16_llama(config, device)
     sync(device.startswith("cuda"))
     t1 = time.perf_counter()
     model.save_pretrained(path)

@@ -5,7 +5,7 @@ Usage (from the repository root, vLLM env set by the script)::
     python -m benchmarks.service jobs [--sequences 512] [--length 256] [--k 8 ...]
         [--modes inproc async] [--repeats 2] [--json OUT.json]
 
-The idle-machine job/direct ratio of issue #19 (5 alternating pairs, k=20 and k=100, both engine
+The idle-machine job/direct ratio (5 alternating pairs, k=20 and k=100, both engine
 modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
 
     python -m benchmarks.service jobs --sequences 256 --length 256 --k 20 100 \

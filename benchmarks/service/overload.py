@@ -1,5 +1,5 @@
 """Load benchmark of the teacher service: overload with client timeouts, concurrency with and
-without a job, ``/health`` latency and memory under load (issue #18).
+without a job, ``/health`` latency and memory under load.
 
 Usage (from the repository root; the vLLM-on-CPU environment is set by the script)::
 
