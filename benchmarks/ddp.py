@@ -51,7 +51,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -64,7 +63,7 @@ import numpy as np
 import torch
 from logitcache.client import ReadOptions, StreamConfig
 
-from benchmarks.harness import ROOT, Recorder, add_csv_option
+from benchmarks.harness import ROOT, Recorder, add_csv_option, free_port
 from benchmarks.synthetic import (
     CacheSpec,
     bigram_teacher,
@@ -169,12 +168,6 @@ def _dataclass_argv(obj: Any) -> list[str]:
     for f in fields(obj):
         argv += ["--" + f.name.replace("_", "-"), str(getattr(obj, f.name))]
     return argv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ----------------------------------------------------------------------------------- the student
@@ -516,7 +509,7 @@ def launch(cfg: TrainConfig) -> None:
         local = int(os.environ.get("LOCAL_RANK", 0))
         _run_process(int(os.environ["RANK"]), world, local, cfg, "env://")
         return
-    init = f"tcp://127.0.0.1:{cfg.port or _free_port()}"
+    init = f"tcp://127.0.0.1:{cfg.port or free_port()}"
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

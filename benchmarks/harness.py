@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import glob
 import importlib
 import json
@@ -36,6 +37,7 @@ import platform
 import resource
 import runpy
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -64,8 +66,11 @@ __all__ = [
     "ab",
     "cuda_measure",
     "cuda_peak_bytes",
+    "free_memory",
+    "free_port",
     "line_plot",
     "live_bytes",
+    "load1",
     "log",
     "machine",
     "machine_line",
@@ -265,7 +270,29 @@ def time_call(cuda: bool, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+# --------------------------------------------------------------------------- processes
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load1() -> float:
+    """The 1-minute load average now."""
+    return round(os.getloadavg()[0], 2)
+
+
 # --------------------------------------------------------------------------- memory
+def free_memory(cuda: bool) -> None:
+    """Collect garbage; on the GPU also hand the CUDA cache's free blocks back."""
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
     """``(fn(), peak CUDA bytes allocated during the call above what was allocated before)``."""
     import torch

@@ -45,7 +45,6 @@ Modes::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -57,38 +56,26 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Recorder, add_csv_option, line_plot, machine
-from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, free_port, word_tokenizer
+from benchmarks.harness import (
+    Recorder,
+    add_csv_option,
+    free_memory,
+    free_port,
+    line_plot,
+    machine,
+    sync,
+)
+from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, bf16_llama, make_model_dir
 
 VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http")
 
 
 def make_model(shape_name: str, device: torch.device, seq_len: int, seed: int) -> Any:
     """A random bf16 Llama-style model of ``SHAPES[shape_name]`` made on ``device``."""
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
     config = SHAPES[shape_name].config(max(seq_len, 2048))
     config._attn_implementation = "sdpa"
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    return model
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    return bf16_llama(config, device)
 
 
 # ------------------------------------------------------------------------------------ cache
@@ -211,7 +198,7 @@ def measure(
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device.type == "cuda")
         if not torch.isfinite(loss.detach()).item():
             raise FloatingPointError(f"loss {loss.item()}")
         return time.perf_counter() - t0
@@ -256,7 +243,8 @@ def run_variant(
         except Exception as e:  # OOM ends the variant; anything else is recorded too
             failed = {"oom" if is_oom(e) else "error": f"{type(e).__name__}: {e}"[:300]}
         opt.zero_grad(set_to_none=True)
-        _free(device)  # outside the except block: its traceback no longer holds the tensors
+        # outside the except block: its traceback no longer holds the tensors
+        free_memory(device.type == "cuda")
         if failed is not None:
             out[name][str(tokens)] = failed
             print(f"[{name}] {tokens}: {failed}", flush=True)
@@ -273,11 +261,7 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     import httpx
 
     model_dir = work / "stand-in"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    word_tokenizer(vocab).save_pretrained(model_dir)
-    shape = Shape(64, 1, 4, 2, 128, vocab, tied=True)
-    m = make_model_from(shape, "cpu")
-    m.save_pretrained(model_dir)
+    make_model_dir(Shape(64, 1, 4, 2, 128, vocab, tied=True), model_dir, "cpu", 2048)
     port = free_port()
     cmd = [sys.executable, "-m", "logitcache.server", "--backend", "hf", "--model", str(model_dir)]
     cmd += ["--store-root", str(store_root), "--data-dir", str(work / "data")]
@@ -298,18 +282,6 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
         time.sleep(0.25)
     proc.kill()
     raise RuntimeError("stand-in server did not start")
-
-
-def make_model_from(shape: Any, device: str) -> Any:
-    from transformers import LlamaForCausalLM
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            return LlamaForCausalLM(shape.config(2048))
-    finally:
-        torch.set_default_dtype(default)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -374,7 +346,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5, fused=fused)
     teacher = make_model(args.teacher, device, args.seq_len, seed=1).eval()
     teacher.requires_grad_(False)
-    _sync(device)
+    sync(device.type == "cuda")
     base = torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
     result["memory_before_gib"] = {"student_and_teacher_weights": base}
 
@@ -408,7 +380,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
     result["cache"] = write_cache(teacher, tokens, args.k, cache_dir, batch=4)
     print(f"[cache] {result['cache']}", flush=True)
     teacher = None  # the offline variants run without it
-    _free(device)
+    free_memory(device.type == "cuda")
     result["memory_before_gib"]["student_only"] = (
         torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
     )

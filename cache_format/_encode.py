@@ -26,10 +26,6 @@ class Encoded:
     input_ids: np.ndarray
     arrays: dict[str, np.ndarray]  # row arrays by name
 
-    @property
-    def key_bytes(self) -> bytes:
-        return self.key.encode("utf-8")
-
 
 def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = None) -> Encoded:
     """Validate ``rec`` against ``manifest`` and convert to the stored dtypes (RecordError)."""

@@ -3,7 +3,7 @@ call per thread (FORMAT.md D4).
 
 The per-chunk path (:mod:`._pointread`) spends a large part of a ``random_access``-preset
 ``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
-row blocks, torch calls; benchmarks/results/client.md). Here one function compiled with
+row blocks, torch calls; benchmarks/results/format.md). Here one function compiled with
 numba (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output row) with the
 layouts' tables of open shard descriptors and parsed indexes, and does the rest without returning
 to Python: it groups each array's needed chunks into runs, reads each run with ``pread`` into a
@@ -427,9 +427,3 @@ def _open(
                 if fds[a] is not tab.fd:
                     fds[a][s], idxs[a][s] = fd, index
     return tuple(fds), tuple(idxs)
-
-
-def undelta_widen(d: np.ndarray, out: np.ndarray) -> None:
-    """``out`` = float32 logprobs of float16 row-delta bits ``d`` (benchmarks' stage timing)."""
-    assert _kernels is not None
-    _kernels["undelta"](d, out, True)

@@ -40,7 +40,7 @@ def torch_module() -> ModuleType | None:
 
 #: Arrays smaller than this (elements) use numpy even when torch is selected: torch's
 #: intra-op thread start-up costs more than the work on one sequence's rows (measured:
-#: benchmarks/results/client.md, random access).
+#: benchmarks/results/format.md, random access).
 TORCH_MIN_ELEMENTS = 1 << 20
 
 

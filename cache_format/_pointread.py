@@ -46,13 +46,13 @@ BLOCK_ELEMENTS = 32_000
 PARALLEL_MIN_BYTES = 192 * 1024
 """The least work (bytes decoded, or read + written by a row block) one decode thread is given:
 a call with less than twice this runs in the calling thread alone (a hand-off costs tens of
-microseconds; benchmarks/results/client.md, random access)."""
+microseconds; benchmarks/results/format.md, random access)."""
 
 MAX_SHARES = 4
 """A call's work goes to at most this many threads (the calling thread included), whatever
 ``decode_threads``: about half of a point read's CPU holds the GIL (the Python around each
 chunk, CRC32C, the reader's records), so more threads only queue on it. Measured on the 16-core
-H200 box (benchmarks/results/client.md, random access): ``sequences(32)`` on the preset 1,370-1,540
+H200 box (benchmarks/results/format.md, random access): ``sequences(32)`` on the preset 1,370-1,540
 seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
 
 _T = TypeVar("_T")

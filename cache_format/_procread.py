@@ -2,7 +2,7 @@
 
 In one process, a point read is bound by the GIL: about half of its CPU is Python around each
 chunk (numcodecs' wrappers, ``google_crc32c``, which holds the GIL, the reader's bookkeeping), so
-decode threads stop scaling near 2x (benchmarks/results/client.md, random access). This module
+decode threads stop scaling near 2x (benchmarks/results/format.md, random access). This module
 spreads the rows of one :meth:`CacheReader.sequence` / :meth:`CacheReader.sequences` call over
 the calling process and ``n`` reader processes (``read_processes=n``), each with its own
 :class:`CacheReader` (its own GIL), which decode straight into one shared-memory segment
@@ -19,7 +19,7 @@ hand-off). The values are those of the in-process path, bit for bit (each proces
 point read, with every CRC32C checked); a worker's error (a :class:`~.errors.ChecksumError`
 after its retries, say) is raised in the caller as is.
 
-Cost (stated in benchmarks/results/client.md): start-up of ``n`` Python processes (each
+Cost (stated in benchmarks/results/format.md): start-up of ``n`` Python processes (each
 imports the package and opens the store: about a second, in parallel, at the first point read),
 each process's memory (the interpreter, numpy, zarr, torch when installed), and per call one
 message and one descriptor passed to each worker used.

@@ -31,7 +31,6 @@ DIGEST_ATTR = "logitcache_digest"
 
 LogprobDtype = Literal["float16", "float32", "uint8", "uint16"]
 TailDtype = Literal["float16", "float32"]
-LOGPROB_DTYPES: tuple[str, ...] = ("float16", "float32", "uint8", "uint16")
 QUANTISED_DTYPES: frozenset[str] = frozenset({"uint8", "uint16"})
 
 LOGPROB_TOLERANCE = 1e-3
@@ -56,7 +55,6 @@ SEQ_ROW_START = "seq_row_start"  # [S] int64, offset of sequence i in the row ar
 SEQ_KEY_BYTES = "seq_key_bytes"  # [B] uint8, v2: UTF-8 bytes of every key, concatenated
 SEQ_KEY_END = "seq_key_end"  # [S] int64, v2: end of key i in seq_key_bytes (start: end[i-1] or 0)
 
-ROW_ARRAYS_2D = (TOPK_IDS, TOPK_LOGPROBS)
 SEQ_ARRAYS = (SEQ_KEYS, SEQ_LENGTHS, SEQ_TOKEN_START, SEQ_ROW_START)
 KEY_BYTES_ARRAYS = (SEQ_KEY_END, SEQ_KEY_BYTES)  # v2 only
 
@@ -67,7 +65,7 @@ class Layout:
 
     Rows: ``row_chunk`` rows per inner chunk, ``row_shard`` rows per shard object.
     Tokens (input_ids) and per-sequence arrays have their own lengths.
-    Chosen by benchmarks/format_bench.py (see benchmarks/results/format.md). Named presets:
+    Chosen by ``python -m benchmarks.format`` (see benchmarks/results/format.md). Named presets:
     :data:`LAYOUTS` (FORMAT.md 4.7); a store records its layout in each array's ``zarr.json``
     (and a preset's name in the array attribute ``logitcache_layout``), so readers and later
     writers use the store's own, whatever layout they were given.
@@ -77,10 +75,10 @@ class Layout:
     row_shard: int = 65536
     token_chunk: int = 8192
     token_shard: int = 65536
-    """Tokens per ``input_ids`` (and ``seq_key_bytes``) shard object. 65,536 (was 1,048,576,
-    which stores created before keep and append to): every append rewrites the partly filled
-    shard whole (FORMAT.md W3), so a 1M-token shard was rewritten ~9 times per 65K-row append
-    and ~33 times per 16K-row one (benchmarks/results/job_cpu_s5.md)."""
+    """Tokens per ``input_ids`` (and ``seq_key_bytes``) shard object. Every append rewrites the
+    partly filled shard whole (FORMAT.md W3), so a 1M-token shard would be rewritten ~9 times per
+    65K-row append and ~33 times per 16K-row one; stores made with 1,048,576 keep it when
+    appended to (the chunking is in their ``zarr.json``)."""
     seq_chunk: int = 16384
     seq_shard: int = 262144
     id_codec: str = "blosc-zstd1-bitshuffle"
@@ -108,7 +106,7 @@ RANDOM_ACCESS_LAYOUT = Layout(
 )
 """Random-access preset: 256-row chunks and lz4 (about 2.5-3x cheaper to decode per row than
 zstd at this chunk size) for ``sequence(i)`` / ``sequences(idx)`` reads; about 320 B/position
-at k=100 instead of about 258 (benchmarks/results/client.md, random access)."""
+at k=100 instead of about 258 (benchmarks/results/format.md, random access)."""
 
 RANDOM_ACCESS_RAW_LAYOUT = replace(
     RANDOM_ACCESS_LAYOUT,
@@ -125,7 +123,7 @@ part of the encoding), in 64-row chunks (512-token ``input_ids`` chunks): a poin
 reads whole chunks, so smaller chunks cut the extra bytes of a random sequence's first and last
 chunk, and a chunk's CRC32C and row sums run while it is in the core's first-level cache
 (``sequence(i)`` CPU 13-16% lower than with 128-row chunks, 1.15-1.2x from 256 to 128 rows;
-sessions 8 and 10, benchmarks/results/client.md). ``loss_mask`` keeps its own codec and
+benchmarks/results/format.md). ``loss_mask`` keeps its own codec and
 ``seq_keys`` zstd. About 1.9x the bytes of ``random_access`` at k=100 (FORMAT.md 4.7): for
 ``sequence(i)`` reads whose budget the decompression alone exceeds. (Stores made
 with the earlier 256- and 128-row versions read as any layout does: the chunking is in their

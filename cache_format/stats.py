@@ -1,6 +1,6 @@
 """Size accounting of a store: bytes stored per array versus the raw (uncompressed) layout.
 
-Raw reference (the issue's): ``k * (4 + 2)`` bytes per position (int32 ids + float16 logprobs),
+Raw reference: ``k * (4 + 2)`` bytes per position (int32 ids + float16 logprobs),
 i.e. 600 B at k=100. ``bytes_per_position`` counts every stored byte of the row arrays (ids,
 logprobs, quantisation parameters, tail mass) divided by the committed rows.
 """

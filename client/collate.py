@@ -121,10 +121,6 @@ class ItemPlan:
         parts = [self.piece_seq[self.item_pieces(int(i))] for i in items]
         return np.unique(np.concatenate(parts))
 
-    def rows_of(self, items: Sequence[int] | np.ndarray) -> int:
-        """Supervised positions (teacher rows) in the given items."""
-        return int(sum(int(self.piece_rows[self.item_pieces(int(i))].sum()) for i in items))
-
     @property
     def num_rows(self) -> int:
         """Supervised positions (teacher rows) in the whole plan."""

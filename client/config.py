@@ -24,7 +24,7 @@ from .errors import ConfigError
 
 __all__ = ["ReadOptions", "StreamConfig", "TRAINER_SHUFFLE"]
 
-#: The full shuffle measured on a 16-core trainer host (benchmarks/results/client.md): blocks of
+#: The full shuffle measured on a 16-core trainer host (benchmarks/results/loader.md): blocks of
 #: 64 sequences, windows of 4 blocks (a batch draws from 4 random regions of the cache), 24 lanes
 #: (so 1, 2, 3, 4, 6, 8, 12 or 24 DataLoader workers each decode only their own blocks). Holds
 #: about ``24 * 5`` blocks of decoded records per rank (~4.5 GB at 735 tokens per sequence, k=100),
@@ -61,7 +61,7 @@ class StreamConfig:
         from one or two blocks of neighbours. ``shuffle_window=w`` (with ``b > 1``) mixes the
         sequences of ``w`` random blocks at a time: a batch draws from ``w`` distant regions,
         reads stay one per block, and each iterating process holds about ``w + 1`` blocks of
-        records in memory. Measured rates: benchmarks/results/client.md.
+        records in memory. Measured rates: benchmarks/results/loader.md.
     lanes:
         Cut this rank's epoch stream into ``lanes`` parts planned separately whose units
         (batches) are interleaved, unit ``u`` from lane ``u mod lanes``
@@ -165,7 +165,7 @@ class ReadOptions:
         (a :class:`~logitcache.client.sources.LocalSource` only): its reader is
         ``CacheReader(read_processes=n)`` and each fetch is a point read spread over the
         iterating process and ``n`` reader processes. Pays where idle cores exist
-        (benchmarks/results/client.md).
+        (benchmarks/results/loader.md).
     decode_threads:
         ``1`` (default): each store read is decoded in the thread that issued it. ``n > 1``
         (a LocalSource, or an :class:`~logitcache.client.sources.HttpSource` with
@@ -175,7 +175,7 @@ class ReadOptions:
         ``None`` (default): the source's choice (a LocalSource makes point reads where its
         reader's compiled path serves them, range reads elsewhere). ``True`` (LocalSource
         only): each fetch is one point read of the wanted sequences. ``False``: each fetch
-        reads merged sequence ranges (benchmarks/results/loader_point_reads_s8.md).
+        reads merged sequence ranges (benchmarks/results/loader.md).
     """
 
     prefetch: int = 4

@@ -412,24 +412,6 @@ class _Endpoints:
             Call("GET", f"/v1/caches/{name}/lengths", params=params, parse=_parse_lengths)
         )
 
-    def read_sequences(self, name: str, start: int, stop: int, *, compression: str = "none") -> Any:
-        """``GET /v1/caches/{name}/sequences?start=&stop=``: records ``[start, stop)``.
-
-        ``compression="zstd"`` has the server compress each frame (less bytes, more CPU).
-        """
-        params: dict[str, Any] = {"start": start, "stop": stop}
-        if compression != "none":
-            params["compression"] = compression
-        return self._call(
-            Call(
-                "GET",
-                f"/v1/caches/{name}/sequences",
-                params=params,
-                headers={"accept": FRAMES_MEDIA_TYPE},
-                parse=_decode_frames,
-            )
-        )
-
     def read_ranges(
         self, name: str, ranges: Iterable[tuple[int, int]], *, compression: str = "none"
     ) -> Any:

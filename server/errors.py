@@ -87,10 +87,6 @@ class ConflictError(ServiceError, status=409, code="conflict"):
     """The request contradicts existing state (a cache of another teacher, tokenizer or k)."""
 
 
-class NotAcceptableError(ServiceError, status=406, code="not_acceptable"):
-    """The ``Accept`` header names no media type this endpoint can produce."""
-
-
 class UnavailableError(ServiceError, status=503, code="unavailable"):
     """The engine is not ready or has died (``Retry-After`` when a wait is known to help)."""
 
@@ -134,10 +130,6 @@ class CacheIncompleteError(ConflictError, code="cache_incomplete"):
 
 class ClientClosedError(ServiceError, status=499, code="client_closed"):
     """The client disconnected before the answer (nginx's 499; nobody reads this body)."""
-
-
-class RequestTimeoutError(ServiceError, status=408, code="request_timeout"):
-    """The client sent its request body too slowly (``body_timeout_s``)."""
 
 
 #: An absolute local path inside a message: a ``/`` not preceded by a word char, ``:`` or ``/``,

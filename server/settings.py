@@ -117,7 +117,7 @@ class ServerSettings(BaseSettings):
     """A job batch also closes once it holds this many tokens. With two batches in flight the
     in-process CPU engine (4,096 tokens per step) ran a 256 x 256-token job at 24.7-26.3K
     tokens/s with 8,192, 27.6-28.9K with 16,384 and 28.6-29.2K with 32,768
-    (benchmarks/results/server.md). A larger batch also makes an on-demand request wait longer
+    (benchmarks/results/service.md). A larger batch also makes an on-demand request wait longer
     behind the one job batch kept in the engine meanwhile."""
     job_inflight_batches: int = Field(2, ge=1)
     """Job batches handed to the engine before the oldest is awaited (keeps the engine busy);

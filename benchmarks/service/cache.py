@@ -17,7 +17,7 @@ sent in requests of ``--batch`` prompts:
 
 Per epoch: engine seconds (``logitcache_engine_seconds_sum{source="score"}`` delta from
 ``/metrics``: time inside engine calls), tokens the engine scored, cache hits, and wall seconds.
-Goal (issue #17): engine time of epochs 2..n < 5% of epoch 1. Identity: every later epoch's
+Goal: engine time of epochs 2..n < 5% of epoch 1. Identity: every later epoch's
 ``prompt_logprobs`` equal epoch 1's exactly, and epoch 1's top-k ids/logprobs compared with the
 direct scores (exact with ``--logprob-dtype float32``; float16 storage rounds logprobs).
 """

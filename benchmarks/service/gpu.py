@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, add_csv_option, machine
+from benchmarks.harness import Recorder, add_csv_option, free_memory, free_port, machine, sync
 
 
 @dataclass(frozen=True)
@@ -113,49 +112,39 @@ def word_tokenizer(vocab: int) -> Any:
     )
 
 
+def bf16_llama(config: Any, device: Any) -> Any:
+    """A ``LlamaForCausalLM`` of ``config`` with random bf16 weights made on ``device``."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def make_model_dir(shape: Shape, path: Path, device: str, max_len: int, seed: int = 0) -> dict:
     """config.json + tokenizer + random bf16 weights made on ``device`` (timed)."""
     import torch
-    from transformers import LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     word_tokenizer(shape.vocab).save_pretrained(path)
     config = shape.config(max_len)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    _sync(device)
+    model = bf16_llama(config, device)
+    sync(device.startswith("cuda"))
     t1 = time.perf_counter()
     model.save_pretrained(path)
     t2 = time.perf_counter()
     params = sum(p.numel() for p in model.parameters())
     del model
-    _free(device)
+    free_memory(device.startswith("cuda"))
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return {"params": params, "init_s": t1 - t0, "save_s": t2 - t1, "weights_bytes": size}
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _free(device: str) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 class GpuSampler:
@@ -229,7 +218,7 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
                 hidden = engine._hidden([ps[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(ps[i]) - 1] for r, i in enumerate(batch)])
                 engine._topk_rows(rows, k)
-        _sync(device)
+        sync(device.startswith("cuda"))
 
     out: dict[str, Any] = {"load_s": load_s, "positions": positions, "device": device}
     warm = prompts[: max(1, args.batch_sequences)]
@@ -239,7 +228,7 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
         with GpuSampler() as gpu:
             c0, t0 = time.process_time(), time.perf_counter()
             res = fn(prompts)
-            _sync(device)
+            sync(device.startswith("cuda"))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         out[name] = {
             "wall_s": wall,
@@ -255,12 +244,6 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
 
 
 # -------------------------------------------------------------------------------------- job
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_command(model: Path, work: Path, port: int, args: argparse.Namespace) -> list[str]:
@@ -425,7 +408,7 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
     print(f"[{name}] weights made and saved: {made}", flush=True)
     prompts = make_prompts(args.sequences, args.seq_len, shape.vocab, seed=1)
     b = bare(model, prompts[: args.bare_sequences], args.k, args)
-    _free(device)  # the bare engine is gone with bare()'s frame
+    free_memory(device.startswith("cuda"))  # the bare engine is gone with bare()'s frame
     rows = b.pop("rows")
     print(f"[{name}] bare: {json.dumps(b)}", flush=True)
     j = job(model, prompts, work / f"job-{name}", args)

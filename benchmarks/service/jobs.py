@@ -5,7 +5,7 @@ Usage (from the repository root, vLLM env set by the script)::
     python -m benchmarks.service jobs [--sequences 512] [--length 256] [--k 8 ...]
         [--modes inproc async] [--repeats 2] [--json OUT.json]
 
-The idle-machine job/direct ratio of issue #19 (5 alternating pairs, k=20 and k=100, both engine
+The idle-machine job/direct ratio (5 alternating pairs, k=20 and k=100, both engine
 modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
 
     python -m benchmarks.service jobs --sequences 256 --length 256 --k 20 100 \
@@ -47,7 +47,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.harness import Recorder, add_csv_option, load1, machine_line
 from tests.server_support import VLLM_ENV, ServerProcess, wait_job
 
 
@@ -194,11 +194,6 @@ def run_job(client, cache: str, k: int | None = None) -> dict:
     return {"tokens": job["tokens_total"], "tokens_per_s": job_rate(job), "client_wall_s": wall}
 
 
-def load() -> float:
-    """The 1-minute load average now."""
-    return round(os.getloadavg()[0], 2)
-
-
 def run_pairs(
     worker: DirectWorker, server: ServerProcess, ks: list[int], repeats: int, mode: str
 ) -> dict:
@@ -212,7 +207,7 @@ def run_pairs(
                 order = ("direct", "job") if rep % 2 == 0 else ("job", "direct")
                 got: dict[str, dict] = {}
                 for what in order:
-                    before = load()
+                    before = load1()
                     res = (
                         worker.run(k) if what == "direct" else run_job(c, f"b-{mode}-{k}-{rep}", k)
                     )
@@ -317,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     engine_kwargs = direct_engine_kwargs(settings)
     print(
         f"inputs: {args.sequences} x {args.length} tokens, k={args.k}, modes {args.modes}; "
-        f"engine {engine_kwargs}; load {load()}",
+        f"engine {engine_kwargs}; load {load1()}",
         flush=True,
     )
 

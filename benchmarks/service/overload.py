@@ -1,5 +1,5 @@
 """Load benchmark of the teacher service: overload with client timeouts, concurrency with and
-without a job, ``/health`` latency and memory under load (issue #18).
+without a job, ``/health`` latency and memory under load.
 
 Usage (from the repository root; the vLLM-on-CPU environment is set by the script)::
 
@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -50,7 +49,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.harness import Recorder, add_csv_option, load1, machine_line
 from tests import server_support
 from tests.server_support import ServerProcess
 
@@ -250,21 +249,17 @@ async def steady(url: str, clients: int, seconds: float) -> dict[str, Any]:
     }
 
 
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
 async def _phase(name: str, url: str, pid: int, coro_fn: Any) -> dict[str, Any]:
     probe = Probe(url, pid)
     task = asyncio.create_task(probe.run())
-    load0 = _load()
+    load0 = load1()
     try:
         result = await coro_fn(probe)
     finally:
         probe.stop()
         await task
     print(f"  {name}: done", flush=True)
-    return {**result, **probe.summary(), "load_start": load0, "load_end": _load()}
+    return {**result, **probe.summary(), "load_start": load0, "load_end": load1()}
 
 
 def _job_file(data: Path) -> None:

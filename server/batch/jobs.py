@@ -84,7 +84,7 @@ def numpy_hugepages_off() -> bool:
     stored forms, shard objects); with the kernel's THP ``defrag=madvise`` setting a fault on such
     an array may compact memory for a 2 MiB page first (``compact_stall``), and each huge page is
     zeroed whole: system time that came and went with the rest of the machine's memory use,
-    0.2-4 CPU-us/position at k=100 (benchmarks/results/job_cpu_s7.md). The arrays
+    0.2-4 CPU-us/position at k=100 (benchmarks/results/service.md). The arrays
     are written and read once, sequentially: 4 KiB pages cost them nothing measurable."""
     import os
 

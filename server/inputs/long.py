@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 OnLong = Literal["reject", "truncate", "split", "skip"]
-ON_LONG_CHOICES: tuple[str, ...] = ("reject", "truncate", "split", "skip")
 
 
 def windows(n: int, max_seq_len: int, overlap: int = 1) -> list[tuple[int, int]]:

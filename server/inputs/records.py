@@ -85,8 +85,8 @@ def check_ids(ids: object, limits: Limits, where: str) -> np.ndarray:
         arr = ids
     elif isinstance(ids, list | tuple):
         # plain ints only (what JSON gives; no bool, whose type is not int) are checked by one
-        # C-level pass and converted straight to int32 instead of a Python check per token (issue
-        # #19: ~0.3 CPU-us/position, paid at submit and again at run). A value outside int32 is
+        # C-level pass and converted straight to int32 instead of a Python check per token
+        # (~0.3 CPU-us/position, paid at submit and again at run). A value outside int32 is
         # outside every vocabulary.
         plain = set(map(type, ids)) <= {int}
         if not plain and not all(
