@@ -22,7 +22,7 @@ Modes::
     python -m benchmarks.loss sweep --device cpu --sizes 64 --configs 500x32 --k 8 --check
     python -m benchmarks.loss anatomy floor --n 262144       # tensors alive at the peak
     python -m benchmarks.loss plot benchmarks/results/loss.json benchmarks/results
-    python -m benchmarks.loss exact --check --configs 128256x4096 --out benchmarks/results/exact_gpu.json
+    python -m benchmarks.loss exact --check --configs 128256x4096 --out exact_gpu.json
     python -m benchmarks.loss exact --device cpu --sizes 2048 --configs 8192x256 --gemm-chunks 512
 
 ``exact``: the exact loss (``exact_distill_loss``: teacher hidden states ``[N, d]`` + teacher
@@ -510,8 +510,10 @@ def gemm_chunk_ms(c: int, d: int, vocab: int, device: str, cuda: bool) -> float:
     teacher and student ``[c, d] @ [d, V]``, ``grad_h = [c, V] @ [V, d]``, ``grad_W += [V, c]
     @ [c, d]`` (into a buffer of the weight's dtype)."""
     dt = torch.bfloat16 if cuda else torch.float32
-    h, ht = (torch.randn(c, d, device=device, dtype=dt) for _ in range(2))
-    w, wt = (torch.randn(vocab, d, device=device, dtype=dt) * 0.03 for _ in range(2))
+    h = torch.randn(c, d, device=device, dtype=dt)
+    ht = torch.randn(c, d, device=device, dtype=dt)
+    w = torch.randn(vocab, d, device=device, dtype=dt) * 0.03
+    wt = torch.randn(vocab, d, device=device, dtype=dt) * 0.03
     gw = torch.zeros(vocab, d, device=device, dtype=dt)
 
     def four() -> None:
@@ -551,9 +553,9 @@ def exact_check(device: str) -> list[dict]:
             res[f"{kernels}_{str(dt)[6:]}"] = (val.double(), a.grad.double(), b.grad.double())
         ref = res.pop("torch_float64")
         for key, got in res.items():
-            row = dict(loss=loss, variant=key, **{
-                f"rel_{what}": rel(x, y) for what, x, y in zip(("loss", "grad_h", "grad_w"), got, ref)
-            })  # fmt: skip
+            names = ("rel_loss", "rel_grad_h", "rel_grad_w")
+            row = dict(loss=loss, variant=key)
+            row.update({k: rel(a, b) for k, a, b in zip(names, got, ref, strict=True)})
             out.append(row)
             print("check", json.dumps(row), flush=True)
     return out
@@ -598,7 +600,8 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
                     print(
                         f"{name:28s} V={vocab} N={n:7d} {row['ms']:9.1f} ms "
                         f"{row['tflops']:6.1f} TF/s ({row.get('of_lm_head_gemm', 0):.3f} of GEMM) "
-                        f"peak {row.get('peak_gib', 0):6.2f} delta {row.get('delta_gib', 0):6.2f} GiB",
+                        f"peak {row.get('peak_gib', 0):6.2f} "
+                        f"delta {row.get('delta_gib', 0):6.2f} GiB",
                         flush=True,
                     )
                 finally:
@@ -627,10 +630,8 @@ def add_exact_ratios(rows: list[dict]) -> None:
     for r in rows:
         if r.get("status") != "ok":
             continue
-        mates = [
-            m for m in rows
-            if m.get("status") == "ok" and (m["vocab"], m["d"], m["n"]) == (r["vocab"], r["d"], r["n"])
-        ]  # fmt: skip
+        cell = (r["vocab"], r["d"], r["n"])
+        mates = [m for m in rows if m.get("status") == "ok" and (m["vocab"], m["d"], m["n"]) == cell]
         for base in ("topk_fused_chunked", "topk_floor"):
             b = next((m for m in mates if m["variant"] == base), None)
             if b is None:
