@@ -526,7 +526,6 @@ def gemm_chunk_ms(c: int, d: int, vocab: int, device: str, cuda: bool) -> float:
         four()
     sync(cuda)
     ts = [time_call(cuda, four) for _ in range(10)]
-    del h, ht, w, wt, gw
     free()
     return statistics.median(ts) * 1e3
 
@@ -550,11 +549,12 @@ def exact_check(device: str) -> list[dict]:
             b = ws.to(dt).clone().requires_grad_()
             val = exact_distill_loss(a, b, ht.to(dt), wt.to(dt), kernels=kernels, **kw)
             val.backward()
+            assert a.grad is not None and b.grad is not None
             res[f"{kernels}_{str(dt)[6:]}"] = (val.double(), a.grad.double(), b.grad.double())
         ref = res.pop("torch_float64")
         for key, got in res.items():
             names = ("rel_loss", "rel_grad_h", "rel_grad_w")
-            row = dict(loss=loss, variant=key)
+            row: dict[str, Any] = dict(loss=loss, variant=key)
             row.update({k: rel(a, b) for k, a, b in zip(names, got, ref, strict=True)})
             out.append(row)
             print("check", json.dumps(row), flush=True)
@@ -631,7 +631,9 @@ def add_exact_ratios(rows: list[dict]) -> None:
         if r.get("status") != "ok":
             continue
         cell = (r["vocab"], r["d"], r["n"])
-        mates = [m for m in rows if m.get("status") == "ok" and (m["vocab"], m["d"], m["n"]) == cell]
+        mates = [
+            m for m in rows if m.get("status") == "ok" and (m["vocab"], m["d"], m["n"]) == cell
+        ]
         for base in ("topk_fused_chunked", "topk_floor"):
             b = next((m for m in mates if m["variant"] == base), None)
             if b is None:

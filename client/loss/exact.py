@@ -40,6 +40,10 @@ EXACT_LOSS_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 #: Float32 ``[chunk, V]`` buffers alive at once (JSD; the KLs need fewer). The default chunk is
 #: the top-k loss's automatic chunk for a vocabulary this many times larger.
 CHUNK_BUFFERS = 6
+#: ``[chunk, V]`` buffers in the logits dtype that the Triton passes hold (teacher and student
+#: logits; the gradient is written over the student's): the default chunk puts both in the top-k
+#: loss's one-chunk budget (2048 rows at V=128256 in bf16).
+TRITON_CHUNK_BUFFERS = 2
 
 _STUDENT = ("student_hidden", "student_weight", "student_bias")
 _TEACHER = ("teacher_hidden", "teacher_weight", "teacher_bias")
@@ -152,9 +156,10 @@ def exact_distill_loss(
     CUDA when Triton is installed (as in ``topk_distill_loss``), ``"torch"`` in torch,
     ``"triton"`` forces the kernels. The kernels read the two chunk logits tables in the GEMMs'
     dtype and write the gradient over the student's, so a chunk holds two ``[chunk, V]``
-    buffers in that dtype (default chunk: the top-k loss's automatic chunk, 4096 rows at
-    V=128256 in bf16); the torch passes hold up to :data:`CHUNK_BUFFERS` float32 ones (default
-    chunk: the top-k loss's for a vocabulary that many times larger). The kernels do not
+    buffers in that dtype (default chunk: both within the top-k loss's automatic chunk
+    budget, 2048 rows at V=128256 in bf16); the torch passes hold up to
+    :data:`CHUNK_BUFFERS` float32 ones (default chunk: the top-k loss's for a vocabulary that
+    many times larger). The kernels do not
     cover ``ce_weight > 0`` or ``vocab_parallel`` (those run the torch passes; ``"triton"``
     with them is an error). ``grad_weight_dtype``: where ``grad_W`` is accumulated, as in
     ``topk_distill_loss`` (``"auto"``, ``"float32"``, ``"weight"``).
@@ -198,7 +203,7 @@ def exact_distill_loss(
     cols = inp.weight.shape[0] if inp.shard is None else -(-inp.shard.vocab // inp.shard.world)
     chunk = chunk_size or auto_chunk_size(
         max(inp.n_valid, 1),
-        cols if inp.triton else cols * CHUNK_BUFFERS,
+        cols * (TRITON_CHUNK_BUFFERS if inp.triton else CHUNK_BUFFERS),
         inp.weight.dtype,
         inp.hidden.device,
     )
