@@ -330,7 +330,7 @@ def test_triton_passes_under_interpreter():
     proc = subprocess.run(
         [sys.executable, "-c", _TRITON_EXACT],
         cwd=here,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{here.parent}:{here.parents[1]}"),
         capture_output=True,
         text=True,
         timeout=300,
