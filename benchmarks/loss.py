@@ -22,12 +22,19 @@ Modes::
     python -m benchmarks.loss sweep --device cpu --sizes 64 --configs 500x32 --k 8 --check
     python -m benchmarks.loss anatomy floor --n 262144       # tensors alive at the peak
     python -m benchmarks.loss plot benchmarks/results/loss.json benchmarks/results
-    python -m benchmarks.loss exact --device cpu --n 2048 --configs 8192x256   # exact vs top-k
+    python -m benchmarks.loss exact --check --configs 128256x4096 --out exact_gpu.json
+    python -m benchmarks.loss exact --device cpu --sizes 2048 --configs 8192x256 --gemm-chunks 512
 
 ``exact``: the exact loss (``exact_distill_loss``: teacher hidden states ``[N, d]`` + teacher
-head ``[V, d]``, forward KL / reverse KL / JSD) beside the fused top-k loss on the top-k of the
-same teacher's logits, in float32 (CPU) or bf16 (CUDA): median fwd+bwd time and the peak bytes
-of the tensors each creates (``live_bytes``; on CUDA also ``max_memory_allocated``).
+head ``[V, d]``; variants ``exact_<loss>[_torch][_c<rows>][_bf16acc]``: the torch passes, a
+chunk of that many rows, grad_W accumulated in bf16) beside the fused top-k loss (default and
+the memory-floor setting) on the top-k of the same teacher's logits, in float32 (CPU) or bf16
+(CUDA), per N: median fwd+bwd time, ``max_memory_allocated`` and its growth over the inputs
+(CPU: the peak bytes of the tensors the step creates), TFLOP/s counting ``8 N d V`` (top-k:
+``6 N d V``) as a fraction of the lm-head GEMM rate of the same run, and the time of one
+chunk's four bare GEMMs (teacher and student products, grad_h, grad_W) at each
+``--gemm-chunks`` size. ``--check`` first compares the Triton passes and the torch passes with
+float64.
 
 ``--check`` first compares every variant with a float64 dense reference at a small N, and the
 bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
@@ -429,12 +436,18 @@ def anatomy(name: str, n: int, vocab: int, d: int, k: int, device: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- exact
-EXACT_VARIANTS = ["topk_fused_chunked", "exact_forward_kl", "exact_reverse_kl", "exact_jsd"]
+EXACT_VARIANTS = [
+    "topk_fused_chunked",
+    "topk_floor",
+    "exact_forward_kl",
+    "exact_reverse_kl",
+    "exact_jsd",
+]
 
 
 def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0) -> dict:
     """Student and teacher of width ``d`` sharing one vocabulary; the top-k targets are the
-    teacher's own top-k logprobs (with their tail mass)."""
+    teacher's own top-k logprobs (with their tail mass), computed 4096 rows at a time."""
     g = torch.Generator(device=device).manual_seed(seed)
     dt = torch.bfloat16 if device == "cuda" else torch.float32
 
@@ -443,57 +456,191 @@ def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0)
 
     x = dict(h=r(n, d).requires_grad_(), w=r(vocab, d, s=2 / math.sqrt(d)).requires_grad_())
     x.update(ht=r(n, d), wt=r(vocab, d, s=2 / math.sqrt(d)))
+    lp = torch.empty(n, k, device=device)
+    ids = torch.empty(n, k, dtype=torch.long, device=device)
     with torch.no_grad():
-        lp, ids = torch.log_softmax((x["ht"] @ x["wt"].t()).float(), -1).topk(k, dim=1)
+        for s in range(0, n, 4096):
+            y = torch.log_softmax((x["ht"][s : s + 4096] @ x["wt"].t()).float(), -1)
+            lp[s : s + 4096], ids[s : s + 4096] = y.topk(k, dim=1)
+            del y
     x.update(ids=ids, lp=lp, tail=(1 - lp.exp().sum(1)).clamp(0, 1))
     return x
 
 
+def parse_exact(name: str) -> dict[str, Any]:
+    """``exact_<loss>[_torch][_c<rows>][_bf16acc]`` -> the call's options."""
+    parts = name[len("exact_") :].split("_")
+    opts: dict[str, Any] = {"kernels": "auto", "chunk_size": None, "grad_weight_dtype": "auto"}
+    loss = []
+    for part in parts:
+        if part == "torch":
+            opts["kernels"] = "torch"
+        elif part == "bf16acc":
+            opts["grad_weight_dtype"] = "weight"
+        elif part.startswith("c") and part[1:].isdigit():
+            opts["chunk_size"] = int(part[1:])
+        else:
+            loss.append(part)
+    opts["loss"] = "_".join(loss)
+    return opts
+
+
 def exact_variant(name: str, chunk: int | None) -> Callable:
-    def fn(x: dict) -> torch.Tensor:
-        if name == "topk_fused_chunked":
+    if name == "topk_floor":
+        return floor_variant("floor")
+    if name == "topk_fused_chunked":
+
+        def topk(x: dict) -> torch.Tensor:
             return topk_distill_loss(
                 x["h"], x["w"], x["ids"], x["lp"], x["tail"], impl="fused_chunked", chunk_size=chunk
             )
-        loss = name[len("exact_") :]
-        return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], loss=loss, chunk_size=chunk)
+
+        return topk
+    opts = parse_exact(name)
+    opts["chunk_size"] = opts["chunk_size"] or chunk
+
+    def fn(x: dict) -> torch.Tensor:
+        return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
 
     return fn
 
 
-def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> list[dict]:
+def gemm_chunk_ms(c: int, d: int, vocab: int, device: str, cuda: bool) -> float:
+    """Median ms of one chunk's four bare GEMMs of the exact loss at ``c`` rows (bf16 on CUDA):
+    teacher and student ``[c, d] @ [d, V]``, ``grad_h = [c, V] @ [V, d]``, ``grad_W += [V, c]
+    @ [c, d]`` (into a buffer of the weight's dtype)."""
+    dt = torch.bfloat16 if cuda else torch.float32
+    h = torch.randn(c, d, device=device, dtype=dt)
+    ht = torch.randn(c, d, device=device, dtype=dt)
+    w = torch.randn(vocab, d, device=device, dtype=dt) * 0.03
+    wt = torch.randn(vocab, d, device=device, dtype=dt) * 0.03
+    gw = torch.zeros(vocab, d, device=device, dtype=dt)
+
+    def four() -> None:
+        torch.mm(ht, wt.t())
+        g = torch.mm(h, w.t())
+        torch.mm(g, w)
+        gw.addmm_(g.t(), h)
+
+    for _ in range(2):
+        four()
+    sync(cuda)
+    ts = [time_call(cuda, four) for _ in range(10)]
+    free()
+    return statistics.median(ts) * 1e3
+
+
+def exact_check(device: str) -> list[dict]:
+    """Kernels vs torch passes vs a float64 dense reference (every objective, T=2, soft-cap)."""
+    out = []
+    g = torch.Generator(device=device).manual_seed(7)
+    n, d, vocab = 512, 64, 8192
+    f64 = torch.float64
+    hs = torch.randn(n, d, generator=g, device=device, dtype=f64)
+    ws = torch.randn(vocab, d, generator=g, device=device, dtype=f64) * 0.3
+    ht = torch.randn(n, d, generator=g, device=device, dtype=f64)
+    wt = torch.randn(vocab, d, generator=g, device=device, dtype=f64) * 0.3
+    for loss in ("forward_kl", "reverse_kl", "jsd"):
+        kw = dict(loss=loss, temperature=2.0, teacher_softcap=5.0, chunk_size=200)
+        res = {}
+        runs = [("triton", f64), ("triton", torch.bfloat16)] if device == "cuda" else []
+        for kernels, dt in [("torch", f64), *runs, ("torch", torch.float32)]:
+            a = hs.to(dt).clone().requires_grad_()
+            b = ws.to(dt).clone().requires_grad_()
+            val = exact_distill_loss(a, b, ht.to(dt), wt.to(dt), kernels=kernels, **kw)
+            val.backward()
+            assert a.grad is not None and b.grad is not None
+            res[f"{kernels}_{str(dt)[6:]}"] = (val.double(), a.grad.double(), b.grad.double())
+        ref = res.pop("torch_float64")
+        for key, got in res.items():
+            names = ("rel_loss", "rel_grad_h", "rel_grad_w")
+            row: dict[str, Any] = dict(loss=loss, variant=key)
+            row.update({k: rel(a, b) for k, a, b in zip(names, got, ref, strict=True)})
+            out.append(row)
+            print("check", json.dumps(row), flush=True)
+    return out
+
+
+def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str, Any]:
+    """Per config and size: every variant's fwd+bwd time and memory, the bare GEMMs of the same
+    shapes, and the exact loss's rate as a fraction of the lm-head GEMM rate."""
     cuda = device == "cuda"
-    table = []
+    out: dict[str, Any] = {"rows": [], "gemm": {}}
+    if args.check:
+        out["check"] = exact_check(device)
     for vocab, d in args.configs:
-        x = exact_inputs(args.n, d, vocab, args.k, device)
-        for name in EXACT_VARIANTS:
-            fn = exact_variant(name, args.chunk)
-            res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
-            mode = live_bytes().known(*x.values())
-            with mode:
-                fn(x).backward()
-            x["h"].grad = x["w"].grad = None
+        key = f"{vocab}x{d}"
+        gemm = dict(lm_head_tflops=gemm_rate(8192, d, vocab, device, cuda) if cuda else None)
+        for c in sorted(set(args.gemm_chunks)):
+            gemm[f"four_gemms_ms_c{c}"] = gemm_chunk_ms(c, d, vocab, device, cuda)
+        out["gemm"][key] = gemm
+        print("bare GEMMs", key, json.dumps(gemm), flush=True)
+        for n in args.sizes:
+            try:
+                x = exact_inputs(n, d, vocab, args.k, device)
+            except torch.OutOfMemoryError:
+                out["rows"].append(dict(n=n, vocab=vocab, d=d, status="OOM (inputs)"))
+                free()
+                continue
+            for name in args.variants:
+                row: dict[str, Any] = dict(variant=name, n=n, vocab=vocab, d=d, k=args.k)
+                try:
+                    res = exact_cell(name, x, args, cuda)
+                except torch.OutOfMemoryError:
+                    row["status"] = "OOM"
+                    print(f"{name:28s} N={n:7d} OOM", flush=True)
+                else:
+                    row.update(status="ok", **res)
+                    flops = (8 if name.startswith("exact") else 6) * n * d * vocab
+                    row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
+                    if gemm["lm_head_tflops"]:
+                        row["of_lm_head_gemm"] = row["tflops"] / gemm["lm_head_tflops"]
+                    cfg = {"n": n, "vocab": vocab, "d": d, "k": args.k}
+                    rec.add(name, "ms", "ms", row["ms"], samples=len(row["ms_all"]), config=cfg)
+                    print(
+                        f"{name:28s} V={vocab} N={n:7d} {row['ms']:9.1f} ms "
+                        f"{row['tflops']:6.1f} TF/s ({row.get('of_lm_head_gemm', 0):.3f} of GEMM) "
+                        f"peak {row.get('peak_gib', 0):6.2f} "
+                        f"delta {row.get('delta_gib', 0):6.2f} GiB",
+                        flush=True,
+                    )
+                finally:
+                    x["h"].grad = x["w"].grad = None
+                    free()
+                out["rows"].append(row)
+            del x
             free()
-            row = dict(variant=name, n=args.n, vocab=vocab, d=d, k=args.k, chunk=args.chunk, **res)
-            row["tracked_peak_mib"] = mode.peak / (1 << 20)
-            table.append(row)
-            cfg = {"n": args.n, "vocab": vocab, "d": d, "k": args.k, "chunk": args.chunk}
-            rec.add(name, "ms", "ms", res["ms"], samples=len(res["ms_all"]), config=cfg)
-            rec.add(name, "tracked_peak_bytes", "B", mode.peak, config=cfg)
-            print(
-                f"{name:20s} V={vocab} d={d} N={args.n} {res['ms']:9.1f} ms "
-                f"tracked peak {row['tracked_peak_mib']:8.1f} MiB "
-                f"peak {res.get('peak_gib', 0):6.2f} GiB",
-                flush=True,
-            )
-        mine = [r for r in table if r["vocab"] == vocab and r["d"] == d]
-        base = next(r for r in mine if r["variant"] == "topk_fused_chunked")
-        for r in mine:
-            r["ms_vs_topk"] = r["ms"] / base["ms"]
-            r["peak_vs_topk"] = r["tracked_peak_mib"] / base["tracked_peak_mib"]
-        del x
-        free()
-    return table
+    add_exact_ratios(out["rows"])
+    return out
+
+
+def exact_cell(name: str, x: dict, args: argparse.Namespace, cuda: bool) -> dict:
+    fn = exact_variant(name, args.chunk)
+    res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
+    if not cuda:  # the CPU has no allocator peak: count the tensors the step creates
+        mode = live_bytes().known(*x.values())
+        with mode:
+            fn(x).backward()
+        res["tracked_peak_mib"] = mode.peak / (1 << 20)
+    return res
+
+
+def add_exact_ratios(rows: list[dict]) -> None:
+    """Per (config, N): time and memory of every row against the top-k loss of the same run."""
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        cell = (r["vocab"], r["d"], r["n"])
+        mates = [
+            m for m in rows if m.get("status") == "ok" and (m["vocab"], m["d"], m["n"]) == cell
+        ]
+        for base in ("topk_fused_chunked", "topk_floor"):
+            b = next((m for m in mates if m["variant"] == base), None)
+            if b is None:
+                continue
+            r[f"ms_vs_{base}"] = r["ms"] / b["ms"]
+            if "delta_gib" in r:
+                r[f"delta_minus_{base}_gib"] = r["delta_gib"] - b["delta_gib"]
 
 
 # ----------------------------------------------------------------------------- plots
@@ -551,7 +698,10 @@ def main(argv: list[str] | None = None) -> None:
     sw = sub.add_parser("sweep", help="every variant x N x config: memory and time")
     an = sub.add_parser("anatomy", help="the tensors alive at one variant's peak")
     ex = sub.add_parser("exact", help="exact loss (teacher hidden + head) vs the top-k loss")
-    ex.add_argument("--n", type=int, default=2048)
+    ex.add_argument("--sizes", type=ints, default=[32768, 65536, 131072, 262144])
+    ex.add_argument("--variants", type=lambda s: s.split(","), default=EXACT_VARIANTS)
+    ex.add_argument("--gemm-chunks", type=ints, default=[2048, 4096])
+    ex.add_argument("--check", action="store_true", help="kernels vs float64 first")
     ex.add_argument("--reps", type=int, default=3)
     ex.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: each's)")
     ex.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")

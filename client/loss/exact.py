@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from .api import autocast_inputs
-from .dispatch import auto_chunk_size, check_chunk_size
+from .chunk_ops import use_triton
+from .dispatch import auto_chunk_size, check_chunk_size, resolve_grad_weight_dtype
 from .fused_chunked import (
     ChunkGrads,
     Rows,
@@ -39,6 +40,10 @@ EXACT_LOSS_KINDS: tuple[str, ...] = ("forward_kl", "reverse_kl", "jsd")
 #: Float32 ``[chunk, V]`` buffers alive at once (JSD; the KLs need fewer). The default chunk is
 #: the top-k loss's automatic chunk for a vocabulary this many times larger.
 CHUNK_BUFFERS = 6
+#: ``[chunk, V]`` buffers in the logits dtype that the Triton passes hold (teacher and student
+#: logits; the gradient is written over the student's): the default chunk puts both in the top-k
+#: loss's one-chunk budget (2048 rows at V=128256 in bf16).
+TRITON_CHUNK_BUFFERS = 2
 
 _STUDENT = ("student_hidden", "student_weight", "student_bias")
 _TEACHER = ("teacher_hidden", "teacher_weight", "teacher_bias")
@@ -81,6 +86,7 @@ class ExactInputs:
     labels: torch.Tensor | None = None  # [N] int64 (0 on rows that do not count)
     ce_weight: float = 0.0
     shard: VocabShard | None = None
+    triton: bool = False
 
     @property
     def work_dtype(self) -> torch.dtype:
@@ -110,6 +116,8 @@ def exact_distill_loss(
     ce_weight: float = 0.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    grad_weight_dtype: str = "auto",
+    kernels: str = "auto",
     vocab_parallel: VocabParallel | None = None,
 ) -> torch.Tensor:
     r"""Exact distillation loss of a student lm-head against the teacher's full distribution.
@@ -141,12 +149,20 @@ def exact_distill_loss(
     rows / their number, 0 if none), ``"sum"``, or ``"none"`` (shape ``[...]``, 0 on rows
     that do not count).
 
-    Computation: chunks of ``chunk_size`` counted rows (default: the top-k loss's automatic
-    chunk for a vocabulary :data:`CHUNK_BUFFERS` times larger, so that the float32 ``[chunk,
-    V]`` buffers of one chunk stay within its budget). With ``"mean"``/``"sum"`` the gradients
-    are computed in the forward pass (teacher GEMM + 3 student GEMMs per chunk, ``8 N d V``
-    FLOPs at ``d_S = d_T = d``); with ``"none"`` the backward pass projects each chunk again.
-    The passes run in torch on every device (no Triton kernels).
+    Computation: chunks of ``chunk_size`` counted rows. With ``"mean"``/``"sum"`` the
+    gradients are computed in the forward pass (teacher GEMM + 3 student GEMMs per chunk,
+    ``8 N d V`` FLOPs at ``d_S = d_T = d``); with ``"none"`` the backward pass projects each
+    chunk again. ``kernels``: ``"auto"`` runs the full-vocabulary passes as Triton kernels on
+    CUDA when Triton is installed (as in ``topk_distill_loss``), ``"torch"`` in torch,
+    ``"triton"`` forces the kernels. The kernels read the two chunk logits tables in the GEMMs'
+    dtype and write the gradient over the student's, so a chunk holds two ``[chunk, V]``
+    buffers in that dtype (default chunk: both within the top-k loss's automatic chunk
+    budget, 2048 rows at V=128256 in bf16); the torch passes hold up to
+    :data:`CHUNK_BUFFERS` float32 ones (default chunk: the top-k loss's for a vocabulary that
+    many times larger). The kernels do not
+    cover ``ce_weight > 0`` or ``vocab_parallel`` (those run the torch passes; ``"triton"``
+    with them is an error). ``grad_weight_dtype``: where ``grad_W`` is accumulated, as in
+    ``topk_distill_loss`` (``"auto"``, ``"float32"``, ``"weight"``).
 
     ``vocab_parallel``: a :class:`VocabParallel` when ``student_weight``/``student_bias`` *and*
     ``teacher_weight``/``teacher_bias`` are this rank's rows of heads split along the same
@@ -177,20 +193,28 @@ def exact_distill_loss(
         None if shard is None else shard.vocab,
     )
     inp.shard = shard
+    triton = use_triton(kernels, inp.hidden.device)
+    if triton and kernels == "triton" and (shard is not None or ce_weight > 0.0):
+        raise LossInputError('kernels="triton" does not cover ce_weight > 0 or vocab_parallel')
+    inp.triton = triton and shard is None and ce_weight == 0.0
     if reduction not in REDUCTIONS:
         raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_chunk_size(chunk_size)
     cols = inp.weight.shape[0] if inp.shard is None else -(-inp.shard.vocab // inp.shard.world)
     chunk = chunk_size or auto_chunk_size(
-        max(inp.n_valid, 1), cols * CHUNK_BUFFERS, inp.weight.dtype, inp.hidden.device
+        max(inp.n_valid, 1),
+        cols * (TRITON_CHUNK_BUFFERS if inp.triton else CHUNK_BUFFERS),
+        inp.weight.dtype,
+        inp.hidden.device,
     )
+    acc = resolve_grad_weight_dtype(grad_weight_dtype, inp.weight.dtype, inp.n_valid, chunk)
     if reduction == "none":
-        rows = ExactRecompute.apply(inp.hidden, inp.weight, inp.bias, inp, chunk)
+        rows = ExactRecompute.apply(inp.hidden, inp.weight, inp.bias, inp, chunk, acc)
         return rows.reshape(inp.lead_shape)
     scale = 1.0 if reduction == "sum" else 1.0 / max(inp.n_valid, 1)
     need = needs_grad(inp.hidden, inp.weight, inp.bias, torch.is_grad_enabled())
     total: torch.Tensor = ExactGradInForward.apply(
-        inp.hidden, inp.weight, inp.bias, inp, chunk, scale, need
+        inp.hidden, inp.weight, inp.bias, inp, chunk, scale, need, acc
     )
     return total
 
@@ -279,7 +303,10 @@ def chunk_terms(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Row losses ``T**2 KD [C]`` of one chunk and (unless ``row_weight`` is ``None``) the
     gradient of ``sum(row_weight * loss)`` with respect to the raw student logits ``[C, V]``
-    (``row_weight``: one scalar, or ``[C, 1]``), in the working dtype."""
+    (``row_weight``: one scalar, or ``[C, 1]``), in the working dtype (Triton passes: in the
+    student logits' dtype, written over them)."""
+    if inp.triton:
+        return _chunk_terms_triton(inp, rows, row_weight)
     spec, work = inp.spec, inp.work_dtype
     t = spec.temperature
     lp = inp.teacher.logits(take_rows(inp.teacher_hidden, rows), work)
@@ -323,6 +350,35 @@ def chunk_terms(
     if g is not None:
         g.mul_(t)
     return _add_ce(inp, rows, raw, loss, g, row_weight)
+
+
+def _chunk_terms_triton(
+    inp: ExactInputs, rows: Rows, row_weight: float | torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_terms` through the kernels of :mod:`.exact_kernels` (no shard, no CE)."""
+    from . import exact_kernels as ek
+
+    spec, head = inp.spec, inp.teacher
+    t = spec.temperature
+    tf = ek.Transform(head.logit_scale, head.softcap, spec.inv_temperature, spec.beta)
+    y = project(take_rows(inp.teacher_hidden, rows), head.weight, head.bias)
+    x = project(take_rows(inp.hidden, rows), inp.weight, inp.bias)
+    stats = ek.row_stats(y, x, tf)
+    lse_a, lse_b, fw, rv = stats.unbind(1)
+    term = stats[:, 0]  # unused by the forward-KL gradient
+    if spec.loss == "forward_kl":
+        kd = fw - lse_a + lse_b
+    elif spec.loss == "reverse_kl":
+        kd = term = rv - lse_b + lse_a
+    else:
+        tp, tq = ek.jsd_sums(y, x, tf, stats).unbind(1)
+        kd = spec.beta * tp + (1.0 - spec.beta) * tq
+        term = tq
+    loss = kd.to(inp.work_dtype) * (t * t)
+    if row_weight is None:
+        return loss, None
+    coef = torch.as_tensor(row_weight, dtype=torch.float32, device=x.device).reshape(-1) * t
+    return loss, ek.row_grad(y, x, tf, spec.loss, stats, term, coef)
 
 
 def _add_ce(
@@ -371,8 +427,9 @@ class ExactGradInForward(torch.autograd.Function):
         chunk: int,
         scale: float,
         need: tuple[bool, bool, bool],
+        acc: torch.dtype | None = None,
     ) -> torch.Tensor:
-        grads = ChunkGrads(hidden, weight, bias, inp.all_valid, need, None)
+        grads = ChunkGrads(hidden, weight, bias, inp.all_valid, need, acc)
         total = torch.zeros((), dtype=inp.work_dtype, device=hidden.device)
         for rows in row_blocks(inp.valid, inp.all_valid, chunk):
             loss, g = chunk_terms(inp, rows, scale if any(need) else None)
@@ -387,7 +444,7 @@ class ExactGradInForward(torch.autograd.Function):
     @no_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out = scaled_once(ctx, grad_out, "exact_distill_loss")
-        return (*out, None, None, None, None)
+        return (*out, None, None, None, None, None)
 
 
 class ExactRecompute(torch.autograd.Function):
@@ -402,12 +459,13 @@ class ExactRecompute(torch.autograd.Function):
         bias: torch.Tensor | None,
         inp: ExactInputs,
         chunk: int,
+        acc: torch.dtype | None = None,
     ) -> torch.Tensor:
         out = torch.zeros(inp.valid.numel(), dtype=inp.work_dtype, device=hidden.device)
         blocks = row_blocks(inp.valid, inp.all_valid, chunk)
         for rows in blocks:
             out[rows] = chunk_terms(inp, rows, None)[0]
-        ctx.inp, ctx.blocks = inp, blocks
+        ctx.inp, ctx.blocks, ctx.acc = inp, blocks, acc
         ctx.need = needs_grad(hidden, weight, bias)
         return out
 
@@ -415,7 +473,7 @@ class ExactRecompute(torch.autograd.Function):
     @no_autocast
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inp: ExactInputs = ctx.inp
-        grads = ChunkGrads(inp.hidden, inp.weight, inp.bias, inp.all_valid, ctx.need, None)
+        grads = ChunkGrads(inp.hidden, inp.weight, inp.bias, inp.all_valid, ctx.need, ctx.acc)
         for rows in ctx.blocks:
             weight = take_rows(grad_rows, rows).to(inp.work_dtype)[:, None]
             g = chunk_terms(inp, rows, weight)[1]
@@ -423,4 +481,4 @@ class ExactRecompute(torch.autograd.Function):
                 raise RuntimeError("chunk_terms returned no gradient")
             grads.add(rows, g.to(inp.weight.dtype), take_rows(inp.hidden, rows), inp.weight)
             del g
-        return (*grads.finish(inp.shard), None, None)
+        return (*grads.finish(inp.shard), None, None, None)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -255,16 +258,23 @@ def test_benchmark_mode_runs(tmp_path):
 
     csv = tmp_path / "rows.csv"
     out = tmp_path / "exact.json"
-    main(["exact", "--device", "cpu", "--n", "64", "--configs", "256x16", "--k", "8",
-          "--reps", "2", "--chunk", "16", "--csv", str(csv), "--out", str(out)])  # fmt: skip
+    variants = "topk_fused_chunked,topk_floor,exact_forward_kl,exact_jsd_torch_c32,exact_reverse_kl"
+    main(["exact", "--device", "cpu", "--sizes", "64,128", "--configs", "256x16", "--k", "8",
+          "--reps", "2", "--chunk", "16", "--gemm-chunks", "16", "--check", "--variants", variants,
+          "--csv", str(csv), "--out", str(out)])  # fmt: skip
     import json
 
-    rows = json.loads(out.read_text())["exact"]
-    assert {r["variant"] for r in rows} == {
-        "topk_fused_chunked", "exact_forward_kl", "exact_reverse_kl", "exact_jsd",
-    }  # fmt: skip
-    assert all(r["ms"] > 0 and r["tracked_peak_mib"] > 0 for r in rows)
-    assert "exact_jsd" in csv.read_text()
+    result = json.loads(out.read_text())["exact"]
+    rows = result["rows"]
+    assert {r["variant"] for r in rows} == set(variants.split(","))
+    assert {r["n"] for r in rows} == {64, 128}
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["tracked_peak_mib"] > 0 for r in rows)
+    assert all(r["ms_vs_topk_fused_chunked"] > 0 for r in rows)
+    assert result["gemm"]["256x16"]["four_gemms_ms_c16"] > 0
+    # the float32 torch passes against float64, every objective
+    assert {c["loss"] for c in result["check"]} == {"forward_kl", "reverse_kl", "jsd"}
+    assert all(c["rel_grad_w"] < 1e-4 for c in result["check"])
+    assert "exact_jsd_torch_c32" in csv.read_text()
 
 
 @pytest.mark.timeout(120)
@@ -290,3 +300,49 @@ def test_autocast_runs_the_student_projection_in_bfloat16():
     grads = torch.autograd.grad(low, student)
     assert low.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
     assert low.item() != full.item() and abs(low.item() - full.item()) < 5e-2 * full.item()
+
+
+_TRITON_EXACT = """
+import torch
+from test_loss_exact import LOSSES, exact, grads_of, problem, reference
+
+for loss in LOSSES:
+    for t, reduction, kw in [(1.0, "mean", {}), (2.0, "none", {}),
+                             (0.5, "sum", dict(scale=1.3, cap=3.0))]:
+        student, teacher, labels, mask = problem(seed=3)
+        ref = reference(student, teacher, labels, mask, loss, t, reduction, **kw)
+        head = dict(teacher_logit_scale=kw.get("scale", 1.0), teacher_softcap=kw.get("cap"))
+        out = exact(student, teacher, labels, mask, loss, t, reduction, 5, kernels="triton",
+                    **head)
+        # the kernels compute in float32 whatever the inputs' dtype
+        assert float((out - ref).norm() / ref.norm()) < 1e-5, (loss, t)
+        for a, b in zip(grads_of(out, student), grads_of(ref, student), strict=True):
+            assert float((a - b).norm() / b.norm()) < 1e-5, (loss, t)
+print("ok")
+"""
+
+
+def test_triton_passes_under_interpreter():
+    """The Triton passes (Triton's CPU interpreter) equal the float64 reference to float32
+    rounding, every objective, with temperature, logit scale and soft-cap, all reductions."""
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRITON_EXACT],
+        cwd=here,
+        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{here.parent}:{here.parents[1]}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_triton_kernels_refuse_what_they_do_not_cover():
+    pytest.importorskip("triton")
+    (hs, ws, _), (ht, wt, _), labels, _ = problem()
+    with pytest.raises(LossInputError, match="does not cover"):
+        exact_distill_loss(hs, ws, ht, wt, labels=labels, ce_weight=0.5, kernels="triton")
+    with pytest.raises(LossInputError, match="kernels must be one of"):
+        exact_distill_loss(hs, ws, ht, wt, kernels="cuda")
