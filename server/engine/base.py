@@ -1,10 +1,11 @@
 """The path every backend shares: check, score, convert, time (written once).
 
-A backend subclasses :class:`BaseEngine` and supplies ``_generate(prompts, k)`` (the model's
-work on checked prompts; returns one raw output per prompt) and, if its raw outputs are not
-already :class:`~.protocol.TeacherScores`, ``_convert(raw, length, k)``. :meth:`BaseEngine.score`
-refuses a closed engine, range-checks ``k`` and the prompts against ``info`` (nothing is computed
-for bad input), runs ``_generate``, converts, and adds the phases to ``timings``.
+A backend subclasses :class:`BaseEngine` and supplies ``_generate(prompts, k, temperature)`` (the
+model's work on checked prompts: rows of ``log_softmax(z / temperature)``; returns one raw output
+per prompt) and, if its raw outputs are not already :class:`~.protocol.TeacherScores`,
+``_convert(raw, length, k)``. :meth:`BaseEngine.score` refuses a closed engine, range-checks
+``k``, the temperature (``None``: ``info.temperature``) and the prompts against ``info`` (nothing
+is computed for bad input), runs ``_generate``, converts, and adds the phases to ``timings``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .protocol import (
     check_keys,
     check_prompts,
     check_sampled,
+    check_temperature,
 )
 
 
@@ -38,8 +40,8 @@ class BaseEngine:
 
     # --- to implement -----------------------------------------------------------------------
 
-    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
-        """One raw output per (checked) prompt, in order."""
+    async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
+        """One raw output per (checked) prompt, in order, at ``temperature``."""
         raise NotImplementedError
 
     def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
@@ -47,7 +49,7 @@ class BaseEngine:
         return cast(TeacherScores, raw)
 
     async def _generate_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float
     ) -> list[Any]:
         """One raw sampled output per (checked) prompt, in order (default: not supported)."""
         raise EngineInputError(
@@ -74,14 +76,18 @@ class BaseEngine:
             raise EngineInputError(f"text must be a string, got {type(text).__name__}")
         return list(self.tokenizer(text)["input_ids"])
 
-    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
-        """Top-``k`` rows of every prompt, in order (the contract of :mod:`.protocol`)."""
+    async def score(
+        self, prompts: list[list[int]], k: int, temperature: float | None = None
+    ) -> list[TeacherScores]:
+        """Top-``k`` rows of every prompt at ``temperature`` (``None``: ``info.temperature``),
+        in order (the contract of :mod:`.protocol`)."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         k = check_k(k, self.info.max_k, self.info.vocab_size)
+        t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info)
         t0 = time.perf_counter()
-        raw = await self._generate(checked, k)
+        raw = await self._generate(checked, k, t)
         t1 = time.perf_counter()
         scores = [self._convert(r, len(ids), k) for r, ids in zip(raw, checked, strict=True)]
         t2 = time.perf_counter()
@@ -89,17 +95,23 @@ class BaseEngine:
         return scores
 
     async def score_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self,
+        prompts: list[list[int]],
+        keys: list[str],
+        targets: SampledTargets,
+        temperature: float | None = None,
     ) -> list[TeacherScores]:
-        """Sampled rows of every prompt, in order (the contract of :mod:`.protocol`); all
-        checks (closed, parameters, keys, prompts) run before any work."""
+        """Sampled rows of every prompt, drawn from ``log_softmax(z / temperature)``
+        (``None``: ``info.temperature``), in order (the contract of :mod:`.protocol`); all
+        checks (closed, parameters, temperature, keys, prompts) run before any work."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         targets = check_sampled(targets, self.info.vocab_size)
+        t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info)
         keys = check_keys(keys, len(checked))
         t0 = time.perf_counter()
-        raw = await self._generate_sampled(checked, keys, targets)
+        raw = await self._generate_sampled(checked, keys, targets, t)
         t1 = time.perf_counter()
         scores = [
             self._convert_sampled(r, len(ids), targets) for r, ids in zip(raw, checked, strict=True)

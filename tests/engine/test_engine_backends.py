@@ -15,7 +15,7 @@ from logitcache.server.engine import (
     build_engine,
     engine_config,
 )
-from logitcache.server.engine.vllm import rows_from_dicts, rows_from_flat, scores_from_output
+from logitcache.server.engine.vllm_rows import rows_from_dicts, rows_from_flat, scores_from_output
 
 K = 20
 #: fp32 on both sides; research measured |vLLM - HF| <= 2e-6 on CPU.
