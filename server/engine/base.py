@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
+import numpy as np
+
 from .protocol import (
     EngineClosedError,
     EngineInfo,
@@ -25,6 +27,7 @@ from .protocol import (
     check_prompts,
     check_sampled,
     check_temperature,
+    check_token_ids,
 )
 
 
@@ -59,6 +62,12 @@ class BaseEngine:
     def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
         """A raw sampled output of a ``length``-token prompt as rows (default: already rows)."""
         return cast(TeacherScores, raw)
+
+    async def _generate_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+    ) -> list[np.ndarray]:
+        """Per (checked) prompt the ``[L - 1, len(ids[i])]`` logprobs at ``ids[i]``."""
+        raise EngineInputError(f"the {self.info.backend} backend cannot score chosen token ids")
 
     async def _close(self) -> None:
         """Release the backend's resources (called once)."""
@@ -119,6 +128,30 @@ class BaseEngine:
         t2 = time.perf_counter()
         self._account(checked, scores, t0, t1, t2)
         return scores
+
+    async def score_ids(
+        self,
+        prompts: list[list[int]],
+        ids: list[list[int]],
+        temperature: float | None = None,
+    ) -> list[np.ndarray]:
+        """The teacher's exact logprobs at caller-chosen token ids: per prompt ``i`` a float32
+        ``[L_i - 1, len(ids[i])]`` array, row ``j`` holding ``log_softmax(z_j / T)`` at
+        ``ids[i]`` in the given order (``T``: ``temperature``, ``None``: ``info.temperature``);
+        every check runs before any work."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        t = check_temperature(temperature, self.info.temperature)
+        checked = check_prompts(prompts, self.info)
+        chosen = check_token_ids(ids, len(checked), self.info.vocab_size)
+        t0 = time.perf_counter()
+        out = await self._generate_ids(checked, chosen, t)
+        t1 = time.perf_counter()
+        self.timings.engine += t1 - t0
+        self.timings.calls += 1
+        self.timings.prompts += len(checked)
+        self.timings.rows += sum(len(p) - 1 for p in checked)
+        return out
 
     def _account(
         self, checked: list[list[int]], scores: list[TeacherScores], t0: float, t1: float, t2: float

@@ -154,6 +154,20 @@ class TransformersEngine(BaseEngine):
         )
         return make_scores(ids, lw)
 
+    def _id_rows(self, hidden: Any, ids: list[int], temperature: float) -> Any:
+        """``log_softmax((h W^T + b) / T)`` at ``ids`` for ``hidden [n, d]``, chunk by chunk
+        (float32 numpy ``[n, len(ids)]``)."""
+        import torch
+
+        idx = torch.as_tensor(ids, dtype=torch.long, device=hidden.device)
+        out = []
+        for h in hidden.split(self.chunk_rows):
+            z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            out.append((z[:, idx] - torch.logsumexp(z, dim=-1, keepdim=True)).cpu())
+        return torch.cat(out).numpy()
+
     def _batches(self, prompts: list[list[int]]) -> list[list[int]]:
         """Prompt indices grouped by length (longest first) so padded tokens stay under
         ``batch_tokens`` (a longer prompt gets a batch of its own)."""
@@ -225,11 +239,11 @@ class TransformersEngine(BaseEngine):
             collect(p)
         return [s for s in out if s is not None]
 
-    def _forward_rows(self, prompts: list[list[int]], rows: Any) -> list[TeacherScores]:
+    def _forward_rows(self, prompts: list[list[int]], rows: Any) -> list[Any]:
         """``rows(i, hidden [L_i - 1, d])`` of every prompt after batched decoder forwards."""
         import torch
 
-        out: list[TeacherScores | None] = [None] * len(prompts)
+        out: list[Any] = [None] * len(prompts)
         with self._lock, torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
@@ -252,6 +266,16 @@ class TransformersEngine(BaseEngine):
             return self._sampled_rows(hidden, keys[i], targets, temperature)
 
         return await asyncio.to_thread(self._forward_rows, prompts, sampled)
+
+    async def _generate_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+    ) -> list[Any]:
+        """Logprobs at the chosen ids from the chunked lm-head pass, in a worker thread."""
+
+        def at_ids(i: int, hidden: Any) -> Any:
+            return self._id_rows(hidden, ids[i], temperature)
+
+        return await asyncio.to_thread(self._forward_rows, prompts, at_ids)
 
     async def _close(self) -> None:
         """Drop the model."""

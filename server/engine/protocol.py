@@ -288,6 +288,24 @@ def check_temperature(temperature: float | None, default: float) -> float:
     return t
 
 
+def check_token_ids(ids: Sequence[Sequence[int]], n: int, vocab_size: int) -> list[list[int]]:
+    """One list of distinct token ids per prompt (``1..MAX_DRAWS`` ids, each in ``[0,
+    vocab_size)``): the ids :meth:`BaseEngine.score_ids` gives the logprobs of."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or len(ids) != n:
+        raise EngineInputError(f"token ids: one list of ids per prompt ({n}) expected")
+    out: list[list[int]] = []
+    for i, row in enumerate(ids):
+        arr = np.asarray(row)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or not 1 <= arr.shape[0] <= MAX_DRAWS:
+            raise EngineInputError(f"token ids {i}: 1 to {MAX_DRAWS} integer ids expected")
+        if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
+            raise EngineInputError(f"token ids {i}: an id outside the vocabulary [0, {vocab_size})")
+        if len(np.unique(arr)) != arr.shape[0]:
+            raise EngineInputError(f"token ids {i}: an id is repeated")
+        out.append(arr.tolist())
+    return out
+
+
 def check_k(k: int, max_k: int, vocab_size: int) -> int:
     """``k`` as an int in ``[1, min(max_k, vocab_size)]``; :class:`EngineInputError` otherwise."""
     if isinstance(k, bool) or not isinstance(k, int | np.integer):

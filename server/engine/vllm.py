@@ -57,6 +57,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from logitcache.cache_format import fastencode
 
 from . import reaper, vllm_logprobs
@@ -424,8 +425,6 @@ class VllmEngine(BaseEngine):
         """``SamplingParams`` of a scoring request; ``arrays`` (default: when the hook is
         installed) asks for the array form of :mod:`.vllm_logprobs`; a ``temperature`` other
         than 1 is the worker hook's (:mod:`.vllm_sampling`; needs the array form)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         from . import vllm_sampling
 
@@ -435,10 +434,18 @@ class VllmEngine(BaseEngine):
         if temperature != 1.0:
             self._need_arrays(f"temperature {temperature}")
             extra[vllm_sampling.TEMPERATURE] = temperature
+        return self._request(k, extra)
+
+    @staticmethod
+    def _request(prompt_logprobs: int, extra: dict[str, Any] | None) -> Any:
+        """``SamplingParams`` of one scoring request (one token, no text, final output only)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
         return SamplingParams(
             max_tokens=1,
             temperature=0.0,
-            prompt_logprobs=k,
+            prompt_logprobs=prompt_logprobs,
             detokenize=False,
             flat_logprobs=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -493,8 +500,6 @@ class VllmEngine(BaseEngine):
     def _sampled_params(self, key: str, targets: SampledTargets, temperature: float) -> Any:
         """``SamplingParams`` of one sampled request (the hook's spec in ``extra_args``)."""
         from logitcache.cache_format.sampling import sequence_seed
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         from . import vllm_sampling
 
@@ -504,19 +509,12 @@ class VllmEngine(BaseEngine):
             "tau": targets.proposal_temperature,
             "head": targets.head,
         }
-        return SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            prompt_logprobs=vllm_sampling.PROMPT_LOGPROBS,
-            detokenize=False,
-            flat_logprobs=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args={
-                vllm_logprobs.FLAG: True,
-                vllm_sampling.FLAG: spec,
-                vllm_sampling.TEMPERATURE: temperature,
-            },
-        )
+        extra = {
+            vllm_logprobs.FLAG: True,
+            vllm_sampling.FLAG: spec,
+            vllm_sampling.TEMPERATURE: temperature,
+        }
+        return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
 
     async def _generate_sampled(
         self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float
@@ -532,6 +530,31 @@ class VllmEngine(BaseEngine):
 
     def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
         return hooked_from_output(raw, length, targets.slots)
+
+    async def _generate_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+    ) -> list[Any]:
+        """Logprobs at each prompt's chosen ids, gathered by the worker hook."""
+
+        from . import vllm_sampling
+
+        self._need_arrays("logprobs at chosen token ids")
+        one = self._one_inproc if self.mode == "inproc" else self._one_async
+
+        def params(chosen: list[int]) -> Any:
+            extra = {vllm_logprobs.FLAG: True, vllm_sampling.TOKEN_IDS: chosen}
+            extra[vllm_sampling.TEMPERATURE] = temperature
+            return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
+
+        outs = await asyncio.gather(*(one(p, params(c)) for p, c in zip(prompts, ids, strict=True)))
+        rows = [
+            hooked_from_output(out, len(p), len(c))
+            for out, p, c in zip(outs, prompts, ids, strict=True)
+        ]
+        for r, c in zip(rows, ids, strict=True):
+            if not (r.topk_ids == np.asarray(c, np.int32)).all():
+                raise EngineError("vLLM's worker hook answered other ids than the ones asked")
+        return [r.topk_logprobs for r in rows]
 
     async def _close(self) -> None:
         if self._driver is not None:

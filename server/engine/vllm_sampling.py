@@ -20,7 +20,9 @@ scoring, ``benchmarks/distill_vllm_sampling.py``).
   ``[start, start + n)`` of :func:`~logitcache.cache_format.sampling.seeded_uniforms` of the
   request's sequence seed, so a chunked prefill draws exactly what one pass would;
   ``head + draws`` entries per row;
-* without, the top ``k`` (the request's ``prompt_logprobs``) of ``lp`` by descending logprob:
+* with :data:`TOKEN_IDS` (a list of ids), ``lp`` at those ids, in their order: the exact
+  logprobs of caller-chosen ids (e.g. a student's top-k);
+* otherwise the top ``k`` (the request's ``prompt_logprobs``) of ``lp`` by descending logprob:
   exactly ``log_softmax(z / T)`` of the teacher's final logits ``z``.
 
 The request's prompt-logprob tensors then hold ``[L - 1, width + 1]``: column 0 the marker id
@@ -46,6 +48,8 @@ from .patching import patch_once
 FLAG = "logitcache_sampled_targets"
 #: ``SamplingParams.extra_args`` key of the temperature ``T`` a request's logits are divided by.
 TEMPERATURE = "logitcache_temperature"
+#: ``SamplingParams.extra_args`` key of the token ids whose logprobs a request asks for.
+TOKEN_IDS = "logitcache_token_ids"
 #: Id written in column 0 of a sampled request's rows (vLLM writes the prompt token there).
 MARK = -1
 #: ``SamplingParams.prompt_logprobs`` of a sampled request (the runner's own top-n is not used).
@@ -63,6 +67,9 @@ def _spec(request: Any) -> dict[str, Any] | None:
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
     sampled = extra.get(FLAG)
     t = float(extra.get(TEMPERATURE, 1.0))
+    ids = extra.get(TOKEN_IDS)
+    if ids is not None:
+        return {"ids": list(ids), "T": t}
     if not isinstance(sampled, dict) and t == 1.0:
         return None
     return {**(sampled if isinstance(sampled, dict) else {}), "T": t}
@@ -78,6 +85,10 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
     if spec["T"] != 1.0:
         logits = logits.to(torch.float32) / spec["T"]
     lp = runner.sampler.compute_logprobs(logits)
+    if "ids" in spec:
+        idx = torch.as_tensor(spec["ids"], dtype=torch.long, device=lp.device)
+        chosen = idx.to("cpu", torch.int32).expand(lp.shape[0], -1)
+        return chosen, lp[:, idx].to("cpu", torch.float32)
     if "draws" not in spec:
         values, ids = torch.topk(lp, width, dim=-1)
         return ids.to("cpu", torch.int32), values.to("cpu", torch.float32)
@@ -88,7 +99,10 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
 
 
 def _width(spec: dict[str, Any], k: int) -> int:
-    """Entries per row: ``head + draws`` of a sampled request, else its ``prompt_logprobs``."""
+    """Entries per row: the chosen ids, ``head + draws`` of a sampled request, else its
+    ``prompt_logprobs``."""
+    if "ids" in spec:
+        return len(spec["ids"])
     if "draws" in spec:
         return int(spec.get("head", 0)) + int(spec["draws"])
     return k

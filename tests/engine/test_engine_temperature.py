@@ -89,3 +89,24 @@ def test_a_temperature_out_of_range_is_refused_before_any_work(bad: Any, hf_engi
     with pytest.raises(EngineInputError, match="temperature"):
         asyncio.run(hf_engine.score([[1, 2, 3]], K, bad))
     assert hf_engine.timings.calls == calls
+
+
+@pytest.mark.parametrize("backend", ["hf_engine", "vllm_engine"])
+def test_logprobs_at_chosen_ids_are_exact(
+    backend: str, request: pytest.FixtureRequest, tiny: Any
+) -> None:
+    """``score_ids``: the logprobs of caller-chosen ids (here mostly outside the teacher's top-k,
+    in no particular order), ``log_softmax(z / T)`` of a plain forward at those ids."""
+    engine = request.getfixturevalue(backend)
+    prompts = tiny.token_sequences("heldout", max_len=90, min_len=30, limit=2)
+    rng = np.random.default_rng(5)
+    chosen = [rng.choice(tiny.vocab_size, size=m, replace=False).tolist() for m in (7, 33)]
+    for t in (1.0, 0.7):
+        got = asyncio.run(engine.score_ids(prompts, chosen, t))
+        for ids, c, lp in zip(prompts, chosen, got, strict=True):
+            full = full_forward_logprobs(str(tiny.teacher_dir), ids, temperature=t)[:-1]
+            assert lp.shape == (len(ids) - 1, len(c)) and lp.dtype == np.float32
+            np.testing.assert_allclose(lp, full[:, c], atol=ATOL)
+    for bad in ([[1, 1], [2]], [[tiny.vocab_size], [2]], [[], [2]], [[1]]):
+        with pytest.raises(EngineInputError, match="token ids"):
+            asyncio.run(engine.score_ids(prompts, bad))
