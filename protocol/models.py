@@ -42,6 +42,10 @@ MAX_K = 4096
 #: (a subnormal tau made it infinite, and the answer NaN).
 MIN_PROPOSAL_TEMPERATURE = 1e-3
 MAX_PROPOSAL_TEMPERATURE = 1e3
+#: Range of a request's teacher ``temperature`` (the engine's ``MIN_TEMPERATURE`` /
+#: ``MAX_TEMPERATURE``): ``z / T`` stays finite in float32.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e3
 #: Longest sequence key / record id, in characters.
 MAX_KEY_CHARS = 512
 #: Longest cache name (see ``caches.NAME_PATTERN``).
@@ -71,6 +75,8 @@ def _no_nul(value: str) -> str:
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 #: A JSON integer ``k`` in ``[1, MAX_K]``.
 TopK = Annotated[int, Field(strict=True, ge=1, le=MAX_K)]
+#: A teacher temperature: the logprobs are ``log_softmax(logits / T)``.
+Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 #: Text: any valid Unicode string (lone surrogates are refused).
 Text = Annotated[str, Field(strict=True), AfterValidator(_utf8)]
 #: A sequence key or record id: 1-512 characters of valid Unicode, no NUL.
@@ -196,6 +202,11 @@ class ScoreRequest(ApiModel):
         None,
         description='targets="sampled" only; default: the cache\'s own, else 64 draws, tau 1, '
         "seed 0",
+    )
+    temperature: Temperature | None = Field(
+        None,
+        description="the teacher's temperature T: logprobs of log_softmax(logits / T) (default: "
+        "the cache's own, else the server's); a cache made at another T is a 409",
     )
 
     @model_validator(mode="after")

@@ -38,8 +38,9 @@ class ServerSettings(BaseSettings):
     """Engine: vLLM, or plain transformers (``hf``; chunked lm-head top-k) where vLLM cannot run."""
     k: int = Field(20, ge=1, le=4096)
     """Largest top-k the engine is built for (vLLM ``max_logprobs``) and the default request k."""
-    temperature: float = Field(1.0, gt=0)
-    """Temperature applied to the teacher's logits before the log-softmax."""
+    temperature: float = Field(1.0, ge=1e-3, le=1e3)
+    """Temperature applied to the teacher's logits before the log-softmax, for requests and
+    jobs that name none (a request's own ``temperature`` is applied exactly, per request)."""
     dtype: str = "auto"
     """Engine dtype (auto, float32, bfloat16, float16)."""
     max_seq_len: int = Field(2048, ge=2)

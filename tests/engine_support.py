@@ -115,28 +115,37 @@ class FakeEngine(BaseEngine):
             weights_hash=weights_hash,
         )
         self.calls: list[int] = []  # prompts per engine call
+        self.temperatures: list[float] = []  # the temperature of each engine call
 
-    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
+    async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
         self.calls.append(len(prompts))
+        self.temperatures.append(temperature)
         out = []
         for ids in prompts:
-            lp = fake_logprobs(ids, self.info.vocab_size, self.info.temperature)
+            lp = fake_logprobs(ids, self.info.vocab_size, temperature)
             top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
             out.append(make_scores(top, np.take_along_axis(lp, top, axis=1)))
         return out
 
     async def _generate_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float
     ) -> list[Any]:
         """Sampled rows (FORMAT.md 4.4) of :func:`fake_logprobs`: :func:`fake_sampled`."""
         self.calls.append(len(prompts))
+        self.temperatures.append(temperature)
         return [
-            fake_sampled(ids, key, targets, self.info)
+            fake_sampled(ids, key, targets, self.info, temperature)
             for ids, key in zip(prompts, keys, strict=True)
         ]
 
 
-def fake_sampled(ids: list[int], key: str, targets: SampledTargets, info: EngineInfo) -> Any:
+def fake_sampled(
+    ids: list[int],
+    key: str,
+    targets: SampledTargets,
+    info: EngineInfo,
+    temperature: float | None = None,
+) -> Any:
     """The fake teacher's sampled rows of one prompt: the format's estimator
     (:func:`~logitcache.cache_format.sampling.sample_rows`) on :func:`fake_logprobs` with the
     uniforms of ``(targets.seed, key)``, exactly what the real backends do with their own
@@ -144,7 +153,8 @@ def fake_sampled(ids: list[int], key: str, targets: SampledTargets, info: Engine
     import torch
     from logitcache.cache_format.sampling import sample_rows, uniforms
 
-    lp = torch.from_numpy(fake_logprobs(ids, info.vocab_size, info.temperature))
+    t = info.temperature if temperature is None else temperature
+    lp = torch.from_numpy(fake_logprobs(ids, info.vocab_size, t))
     u = uniforms(targets.seed, key, lp.shape[0], targets.draws)
     sampled_ids, log_w = sample_rows(
         lp, u, targets.proposal_temperature, k=targets.slots, head=targets.head

@@ -210,8 +210,8 @@ def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "array
     buffers, copies otherwise, on the clock); ``"lists"``: vLLM's ``FlatLogprobs`` lists (built
     before the clock)."""
     from logitcache.server.engine import BaseEngine, EngineInfo
-    from logitcache.server.engine.vllm import scores_from_output
     from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
+    from logitcache.server.engine.vllm_rows import scores_from_output
 
     rng = np.random.default_rng(seed)
     make = tensor_output if form == "arrays" else flat_output
@@ -233,7 +233,7 @@ def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "array
                 weights_hash="sha256:replay",
             )
 
-        async def _generate(self, ps: list[list[int]], kk: int) -> list[Any]:
+        async def _generate(self, ps: list[list[int]], kk: int, t: float) -> list[Any]:
             if form == "lists":
                 return [outputs[tuple(p)] for p in ps]
             out = []

@@ -17,8 +17,12 @@ actual prompt token ``x_t`` with its rank when it is outside the top-k, and this
 accepted and answered with no completion tokens, ``finish_reason: "length"``); ``logprobs``,
 ``stream``, ``n > 1`` and ``prompt_logprobs`` outside ``[1, max_k]`` are a 422.
 
+``temperature`` is the teacher's: the answer is ``log_softmax(logits / T)`` exactly (vLLM itself
+ignores it for prompt logprobs); without one, the server's temperature (or a named cache's).
 The cache is ``cache`` (an extra body field, e.g. the ``openai`` client's ``extra_body``), else
-:data:`DEFAULT_CACHE`; a new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below
+:data:`DEFAULT_CACHE` at the server's temperature and ``DEFAULT_CACHE-t<T>`` at another
+(:func:`~..serving.scoring.default_cache`); a named cache made at another temperature is a 409.
+A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below
 the cache's k is served from it (tail folded, ``cache_hits.fold_k``); above it, the prompts are
 scored by the engine and not stored. ``choices[i]`` carries the extra field ``cached`` (bool).
 """
@@ -34,14 +38,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from logitcache.cache_format import SequenceRecord
-from logitcache.protocol import TokenId
+from logitcache.protocol import Temperature, TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidInputError, NotFoundError
 from ..inputs.records import RawRecord
 from ..serving.cache_hits import Served
 from ..serving.caches import check_name
-from ..serving.scoring import ScoringService
+from ..serving.scoring import ScoringService, default_cache
 from .deps import ERRORS, Services, ServicesDep, public_model, run_for_client
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -60,8 +64,8 @@ Int = Annotated[int, Field(strict=True)]
 
 class CompletionRequest(BaseModel):
     """The fields of vLLM's ``CompletionRequest`` this route reads; others are accepted and
-    ignored (sampling parameters do not change prompt logprobs). Integers are strict, as in
-    ``/v1/score``: ``2.0``, ``"2"`` and ``true`` are a 422."""
+    ignored (the other sampling parameters do not change prompt logprobs; ``temperature``
+    does). Integers are strict, as in ``/v1/score``: ``2.0``, ``"2"`` and ``true`` are a 422."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -74,6 +78,9 @@ class CompletionRequest(BaseModel):
     n: Int = 1
     stream: bool | None = False
     return_token_ids: bool | None = False
+    temperature: Temperature | None = Field(
+        None, description="the teacher's temperature: logprobs of log_softmax(logits / T)"
+    )
     cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
 
 
@@ -199,15 +206,16 @@ async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]
     if req.model is not None and req.model not in (public_model(info.model_id), info.model_id):
         raise NotFoundError(f"The model `{req.model}` does not exist.")
     k = _check(req, scoring)
-    cache = check_name(req.cache or DEFAULT_CACHE)
+    t = scoring.check_temperature(req.temperature)
+    cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))
     prompts = _prompts(req)
     seqs = await asyncio.to_thread(scoring.checked, _raws(prompts), len(prompts), "prompts")
     scoring.check_answer_size(seqs, k, "completions")
-    manifest = await asyncio.to_thread(scoring.target_manifest, cache, None)
+    manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
     if k <= manifest.k:
         served = await services.serving.serve(cache, seqs, k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
-        served = await services.serving.above(seqs, k)
+        served = await services.serving.above(seqs, k, manifest.temperature)
     return await asyncio.to_thread(_body, services, req, prompts, served)
 
 

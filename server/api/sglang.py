@@ -19,10 +19,11 @@ the actual token when it is in the top-``k`` row, else ``None`` (never an estima
 ``token_ids_logprob`` (one list of ids, or one per sequence) is answered in
 ``meta_info.input_token_ids_logprobs`` (per position ``None`` or ``[[logprob, id, text], ...]``
 in the asked order) from the cached top-``k`` rows when every asked id is in them, otherwise a
-422 (logprobs outside the top-``k`` are never estimated). Not served (422): ``max_new_tokens``
-other than 0, ``text`` prompts, ``stream``, and ``temperature`` other than 1 (the teacher is
-scored at temperature 1; a cache's temperature is part of its identity, so no other is ever
-answered from it). ``meta_info.cached`` (bool) is a logitcache extension.
+422 (logprobs outside the top-``k`` are never estimated). ``sampling_params.temperature`` is the
+teacher's: logprobs of ``log_softmax(logits / T)`` exactly, from :data:`DEFAULT_CACHE` at the
+server's temperature and ``DEFAULT_CACHE-t<T>`` at another; a named cache made at another
+temperature is a 409. Not served (422): ``max_new_tokens`` other than 0, ``text`` prompts,
+``stream``. ``meta_info.cached`` (bool) is a logitcache extension.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.caches import check_name
+from ..serving.scoring import default_cache
 from .deps import ERRORS, Services, ServicesDep, run_for_client
 
 router = APIRouter(tags=["sglang"])
@@ -77,8 +79,9 @@ def _one(value: Any, name: str) -> Any:
     return value
 
 
-def _check(req: GenerateRequest) -> tuple[list[list[int]], bool]:
-    """The sequences and whether the request was a batch; 422 for what is not served."""
+def _check(req: GenerateRequest) -> tuple[list[list[int]], bool, Any]:
+    """The sequences, whether the request was a batch, and its temperature (unchecked; ``None``
+    when absent); 422 for what is not served."""
     if req.text is not None or req.input_ids is None:
         raise InvalidInputError("input_ids is required (text prompts are not served)")
     if req.stream:
@@ -90,18 +93,13 @@ def _check(req: GenerateRequest) -> tuple[list[list[int]], bool]:
         raise InvalidInputError(
             "sampling_params.max_new_tokens must be 0: this teacher scores, it does not generate"
         )
-    temperature = params.get("temperature", 1.0)
-    if temperature != 1.0:
-        raise InvalidInputError(
-            f"temperature {temperature} is not served: the teacher is scored at temperature 1 "
-            "(a cache's temperature is part of its identity)"
-        )
+    temperature = params.get("temperature")
     ids = req.input_ids
     if not ids:
         raise InvalidInputError("input_ids holds no sequence")
     if isinstance(ids[0], int):
-        return [list(ids)], False
-    return [list(s) for s in ids], True
+        return [list(ids)], False, temperature
+    return [list(s) for s in ids], True, temperature
 
 
 def _chosen(ids: list[Any] | None, i: int, batch: bool) -> list[int] | None:
@@ -167,22 +165,24 @@ def _meta(
 async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] | list[Any]:
     """Check, serve through the cache, and build SGLang's answer."""
     scoring = services.scoring
-    seqs_in, batch = _check(req)
+    seqs_in, batch, asked_t = _check(req)
     top = _one(req.top_logprobs_num, "top_logprobs_num")
     start = _one(req.logprob_start_len, "logprob_start_len")
     top = scoring.check_k(top or None) or 0
-    cache = check_name(req.cache or DEFAULT_CACHE)
+    t = scoring.check_temperature(asked_t)
+    info = services.engine.info
+    cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))
     raws = [
         RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
         for i, s in enumerate(seqs_in)
     ]
     seqs = await asyncio.to_thread(scoring.checked, raws, len(raws), "input_ids")
     scoring.check_answer_size(seqs, max(top, 1), "generate")
-    manifest = await asyncio.to_thread(scoring.target_manifest, cache, None)
+    manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
         served = await services.serving.serve(cache, seqs, manifest.k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
-        served = await services.serving.above(seqs, top)
+        served = await services.serving.above(seqs, top, manifest.temperature)
     tokenizer = getattr(services.engine, "tokenizer", None)
     memo: dict[int, str | None] = {}
 

@@ -115,16 +115,21 @@ def to_records(
 
 
 async def call_engine(
-    engine: TeacherEngine, seqs: Seq[inputs.Sequence], k: int, targets: SampledTargets | None
+    engine: TeacherEngine,
+    seqs: Seq[inputs.Sequence],
+    k: int,
+    targets: SampledTargets | None,
+    temperature: float | None = None,
 ) -> list[TeacherScores]:
-    """One engine call: top-``k`` rows, or sampled rows seeded by each sequence's key."""
+    """One engine call: top-``k`` rows, or sampled rows seeded by each sequence's key, at
+    ``temperature`` (``None``: the engine's own)."""
     prompts = [s.input_ids for s in seqs]  # int32 arrays: check_prompts makes the lists once
     if targets is None:
-        return await engine.score(prompts, k)
+        return await engine.score(prompts, k, temperature)
     sample = getattr(engine, "score_sampled", None)
     if sample is None:
         raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
-    scores: list[TeacherScores] = await sample(prompts, [s.key for s in seqs], targets)
+    scores: list[TeacherScores] = await sample(prompts, [s.key for s in seqs], targets, temperature)
     return scores
 
 
@@ -137,16 +142,17 @@ async def engine_records(
     source: str = "job",
     targets: SampledTargets | None = None,
     lazy_tail: bool = False,
+    temperature: float | None = None,
 ) -> list[SequenceRecord]:
     """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
     the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
     With ``metrics``, the engine call's time is recorded under ``source``. With ``targets``,
     sampled rows instead (:func:`call_engine`: seeded by each sequence's key). With
     ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
-    (:func:`to_records`).
+    (:func:`to_records`). ``temperature``: the engine's ``T`` for these rows (``None``: its own).
     """
     t0 = time.perf_counter()
-    scores = await call_engine(engine, seqs, k, targets)
+    scores = await call_engine(engine, seqs, k, targets, temperature)
     if metrics is not None:
         metrics.scored(
             source,

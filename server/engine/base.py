@@ -1,16 +1,19 @@
 """The path every backend shares: check, score, convert, time (written once).
 
-A backend subclasses :class:`BaseEngine` and supplies ``_generate(prompts, k)`` (the model's
-work on checked prompts; returns one raw output per prompt) and, if its raw outputs are not
-already :class:`~.protocol.TeacherScores`, ``_convert(raw, length, k)``. :meth:`BaseEngine.score`
-refuses a closed engine, range-checks ``k`` and the prompts against ``info`` (nothing is computed
-for bad input), runs ``_generate``, converts, and adds the phases to ``timings``.
+A backend subclasses :class:`BaseEngine` and supplies ``_generate(prompts, k, temperature)`` (the
+model's work on checked prompts: rows of ``log_softmax(z / temperature)``; returns one raw output
+per prompt) and, if its raw outputs are not already :class:`~.protocol.TeacherScores`,
+``_convert(raw, length, k)``. :meth:`BaseEngine.score` refuses a closed engine, range-checks
+``k``, the temperature (``None``: ``info.temperature``) and the prompts against ``info`` (nothing
+is computed for bad input), runs ``_generate``, converts, and adds the phases to ``timings``.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any, cast
+
+import numpy as np
 
 from .protocol import (
     EngineClosedError,
@@ -23,6 +26,8 @@ from .protocol import (
     check_keys,
     check_prompts,
     check_sampled,
+    check_temperature,
+    check_token_ids,
 )
 
 
@@ -38,8 +43,8 @@ class BaseEngine:
 
     # --- to implement -----------------------------------------------------------------------
 
-    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
-        """One raw output per (checked) prompt, in order."""
+    async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
+        """One raw output per (checked) prompt, in order, at ``temperature``."""
         raise NotImplementedError
 
     def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
@@ -47,7 +52,7 @@ class BaseEngine:
         return cast(TeacherScores, raw)
 
     async def _generate_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float
     ) -> list[Any]:
         """One raw sampled output per (checked) prompt, in order (default: not supported)."""
         raise EngineInputError(
@@ -57,6 +62,12 @@ class BaseEngine:
     def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
         """A raw sampled output of a ``length``-token prompt as rows (default: already rows)."""
         return cast(TeacherScores, raw)
+
+    async def _generate_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+    ) -> list[np.ndarray]:
+        """Per (checked) prompt the ``[L - 1, len(ids[i])]`` logprobs at ``ids[i]``."""
+        raise EngineInputError(f"the {self.info.backend} backend cannot score chosen token ids")
 
     async def _close(self) -> None:
         """Release the backend's resources (called once)."""
@@ -74,14 +85,18 @@ class BaseEngine:
             raise EngineInputError(f"text must be a string, got {type(text).__name__}")
         return list(self.tokenizer(text)["input_ids"])
 
-    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
-        """Top-``k`` rows of every prompt, in order (the contract of :mod:`.protocol`)."""
+    async def score(
+        self, prompts: list[list[int]], k: int, temperature: float | None = None
+    ) -> list[TeacherScores]:
+        """Top-``k`` rows of every prompt at ``temperature`` (``None``: ``info.temperature``),
+        in order (the contract of :mod:`.protocol`)."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         k = check_k(k, self.info.max_k, self.info.vocab_size)
+        t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info)
         t0 = time.perf_counter()
-        raw = await self._generate(checked, k)
+        raw = await self._generate(checked, k, t)
         t1 = time.perf_counter()
         scores = [self._convert(r, len(ids), k) for r, ids in zip(raw, checked, strict=True)]
         t2 = time.perf_counter()
@@ -89,17 +104,23 @@ class BaseEngine:
         return scores
 
     async def score_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self,
+        prompts: list[list[int]],
+        keys: list[str],
+        targets: SampledTargets,
+        temperature: float | None = None,
     ) -> list[TeacherScores]:
-        """Sampled rows of every prompt, in order (the contract of :mod:`.protocol`); all
-        checks (closed, parameters, keys, prompts) run before any work."""
+        """Sampled rows of every prompt, drawn from ``log_softmax(z / temperature)``
+        (``None``: ``info.temperature``), in order (the contract of :mod:`.protocol`); all
+        checks (closed, parameters, temperature, keys, prompts) run before any work."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         targets = check_sampled(targets, self.info.vocab_size)
+        t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info)
         keys = check_keys(keys, len(checked))
         t0 = time.perf_counter()
-        raw = await self._generate_sampled(checked, keys, targets)
+        raw = await self._generate_sampled(checked, keys, targets, t)
         t1 = time.perf_counter()
         scores = [
             self._convert_sampled(r, len(ids), targets) for r, ids in zip(raw, checked, strict=True)
@@ -107,6 +128,30 @@ class BaseEngine:
         t2 = time.perf_counter()
         self._account(checked, scores, t0, t1, t2)
         return scores
+
+    async def score_ids(
+        self,
+        prompts: list[list[int]],
+        ids: list[list[int]],
+        temperature: float | None = None,
+    ) -> list[np.ndarray]:
+        """The teacher's exact logprobs at caller-chosen token ids: per prompt ``i`` a float32
+        ``[L_i - 1, len(ids[i])]`` array, row ``j`` holding ``log_softmax(z_j / T)`` at
+        ``ids[i]`` in the given order (``T``: ``temperature``, ``None``: ``info.temperature``);
+        every check runs before any work."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        t = check_temperature(temperature, self.info.temperature)
+        checked = check_prompts(prompts, self.info)
+        chosen = check_token_ids(ids, len(checked), self.info.vocab_size)
+        t0 = time.perf_counter()
+        out = await self._generate_ids(checked, chosen, t)
+        t1 = time.perf_counter()
+        self.timings.engine += t1 - t0
+        self.timings.calls += 1
+        self.timings.prompts += len(checked)
+        self.timings.rows += sum(len(p) - 1 for p in checked)
+        return out
 
     def _account(
         self, checked: list[list[int]], scores: list[TeacherScores], t0: float, t1: float, t2: float

@@ -17,7 +17,14 @@ from typing import Any, Literal
 from logitcache.cache_format import tokenizer_fingerprint
 
 from .identity import local_revision, weights_hash
-from .protocol import LOGPROB_MODE, Backend, EngineConfigError, EngineInfo
+from .protocol import (
+    LOGPROB_MODE,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    Backend,
+    EngineConfigError,
+    EngineInfo,
+)
 
 #: Accepted spellings of the backends (``hf`` is the server settings' name).
 BACKEND_ALIASES: dict[str, Backend] = {
@@ -125,8 +132,11 @@ class EngineConfig:
             raise EngineConfigError("no teacher model given")
         if self.max_k < 1:
             raise EngineConfigError(f"max_k must be >= 1, got {self.max_k}")
-        if not self.temperature > 0:
-            raise EngineConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise EngineConfigError(
+                f"temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                f"got {self.temperature}"
+            )
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise EngineConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 

@@ -2,7 +2,8 @@
 
 For a batch of prompts (right-padded, grouped by length under a token budget) the decoder's last
 hidden states ``h [B, T, d]`` are computed once; then, ``chunk_rows`` positions at a time,
-``z = h_chunk W^T (+ b)``, ``lp = log_softmax(z / T)`` and ``torch.topk(lp, k)``. Peak extra
+``z = h_chunk W^T (+ b)``, ``lp = log_softmax(z / T)`` and ``torch.topk(lp, k)``, with ``T`` the
+call's temperature (the engine's ``cfg.temperature`` when the call names none). Peak extra
 memory is ``chunk_rows x V`` floats, never the full ``[L, V]`` logits. Rows are aligned as in
 ``protocol.py`` (position ``j``'s distribution predicts token ``j + 1``; the last position is not
 scored).
@@ -116,18 +117,17 @@ class TransformersEngine(BaseEngine):
 
     # --- compute ----------------------------------------------------------------------------
 
-    def _topk_rows(self, hidden: Any, k: int) -> tuple[Any, Any]:
+    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any]:
         """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk, on
         the device and without a host sync: per chunk ``torch.topk`` of the logits, minus their
         ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer)."""
         import torch
 
         ids_out, lps_out = [], []
-        inv_t = 1.0 / self.cfg.temperature
         for h in hidden.split(self.chunk_rows):
             z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
-            if inv_t != 1.0:
-                z.mul_(inv_t)
+            if temperature != 1.0:
+                z.div_(temperature)
             v, i = torch.topk(z, k, dim=-1, sorted=True)
             v.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
             ids_out.append(i.to(torch.int32))
@@ -135,7 +135,9 @@ class TransformersEngine(BaseEngine):
             del z
         return torch.cat(ids_out), torch.cat(lps_out)
 
-    def _sampled_rows(self, hidden: Any, key: str, targets: SampledTargets) -> TeacherScores:
+    def _sampled_rows(
+        self, hidden: Any, key: str, targets: SampledTargets, temperature: float
+    ) -> TeacherScores:
         """Sampled rows (FORMAT.md 4.4) of ``hidden [n, d]``, ``chunk_rows`` rows at a time."""
         from logitcache.cache_format.sampling import sample_from_hidden, uniforms
 
@@ -145,12 +147,26 @@ class TransformersEngine(BaseEngine):
             self.head_weight,
             u,
             bias=self.head_bias,
-            temperature=self.cfg.temperature,
+            temperature=temperature,
             proposal_temperature=targets.proposal_temperature,
             chunk_rows=self.chunk_rows,
             head=targets.head,
         )
         return make_scores(ids, lw)
+
+    def _id_rows(self, hidden: Any, ids: list[int], temperature: float) -> Any:
+        """``log_softmax((h W^T + b) / T)`` at ``ids`` for ``hidden [n, d]``, chunk by chunk
+        (float32 numpy ``[n, len(ids)]``)."""
+        import torch
+
+        idx = torch.as_tensor(ids, dtype=torch.long, device=hidden.device)
+        out = []
+        for h in hidden.split(self.chunk_rows):
+            z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
+            if temperature != 1.0:
+                z.div_(temperature)
+            out.append((z[:, idx] - torch.logsumexp(z, dim=-1, keepdim=True)).cpu())
+        return torch.cat(out).numpy()
 
     def _batches(self, prompts: list[list[int]]) -> list[list[int]]:
         """Prompt indices grouped by length (longest first) so padded tokens stay under
@@ -187,7 +203,9 @@ class TransformersEngine(BaseEngine):
             kwargs["attention_mask"] = mask.to(self.device, non_blocking=True)
         return self.decoder(**kwargs).last_hidden_state
 
-    def _score_sync(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+    def _score_sync(
+        self, prompts: list[list[int]], k: int, temperature: float
+    ) -> list[TeacherScores]:
         """Top-k rows of every prompt. Each decoder batch's top-k stays on the device and is
         copied to the host asynchronously; the host converts batch ``i`` while the device runs
         batch ``i + 1``, and the last batch is collected after the lock is released, so the
@@ -212,7 +230,7 @@ class TransformersEngine(BaseEngine):
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(prompts[i]) - 1] for r, i in enumerate(batch)])
-                tid, tlp = self._topk_rows(rows, k)
+                tid, tlp = self._topk_rows(rows, k, temperature)
                 del hidden, rows
                 pending.append(_Pending.start(batch, tid, tlp, self.device))
                 if len(pending) > 1:
@@ -221,11 +239,11 @@ class TransformersEngine(BaseEngine):
             collect(p)
         return [s for s in out if s is not None]
 
-    def _forward_rows(self, prompts: list[list[int]], rows: Any) -> list[TeacherScores]:
+    def _forward_rows(self, prompts: list[list[int]], rows: Any) -> list[Any]:
         """``rows(i, hidden [L_i - 1, d])`` of every prompt after batched decoder forwards."""
         import torch
 
-        out: list[TeacherScores | None] = [None] * len(prompts)
+        out: list[Any] = [None] * len(prompts)
         with self._lock, torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
@@ -233,19 +251,31 @@ class TransformersEngine(BaseEngine):
                     out[i] = rows(i, hidden[r, : len(prompts[i]) - 1])
         return [s for s in out if s is not None]
 
-    async def _generate(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+    async def _generate(
+        self, prompts: list[list[int]], k: int, temperature: float
+    ) -> list[TeacherScores]:
         """The forward in a worker thread (calls are serialised by a lock)."""
-        return await asyncio.to_thread(self._score_sync, prompts, k)
+        return await asyncio.to_thread(self._score_sync, prompts, k, temperature)
 
     async def _generate_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float
     ) -> list[TeacherScores]:
         """Sampled rows from the chunked lm-head pass, in a worker thread."""
 
         def sampled(i: int, hidden: Any) -> TeacherScores:
-            return self._sampled_rows(hidden, keys[i], targets)
+            return self._sampled_rows(hidden, keys[i], targets, temperature)
 
         return await asyncio.to_thread(self._forward_rows, prompts, sampled)
+
+    async def _generate_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+    ) -> list[Any]:
+        """Logprobs at the chosen ids from the chunked lm-head pass, in a worker thread."""
+
+        def at_ids(i: int, hidden: Any) -> Any:
+            return self._id_rows(hidden, ids[i], temperature)
+
+        return await asyncio.to_thread(self._forward_rows, prompts, at_ids)
 
     async def _close(self) -> None:
         """Drop the model."""

@@ -6,13 +6,15 @@ describes the teacher's distribution of token ``x_{j+1}`` given ``x_0 .. x_j`` (
 
 * ``topk_ids[j]``: the ``k`` most likely ids, distinct, by descending logprob (int32);
 * ``topk_logprobs[j]``: their log-probabilities ``log_softmax(z_j / T)`` where ``z_j`` are the
-  teacher's logits and ``T`` the engine's temperature (float32, ``<= 0``, non-increasing);
+  teacher's logits and ``T`` the call's ``temperature`` (``None``: the engine's own,
+  ``info.temperature``; float32, ``<= 0``, non-increasing);
 * ``tail_mass[j] = clip(1 - sum(exp(topk_logprobs[j])), 0, 1)`` (float32): the probability
   mass outside the top-k.
 
 Bad input raises :class:`EngineInputError` (a ``ValueError``; the server maps it to 4xx) before
 any work is done: an empty batch or prompt, a prompt shorter than 2 tokens or longer than
-``info.max_seq_len``, token ids outside ``[0, vocab_size)``, ``k`` outside ``[1, max_k]``.
+``info.max_seq_len``, token ids outside ``[0, vocab_size)``, ``k`` outside ``[1, max_k]``, a
+temperature outside ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
 Engine configuration problems raise :class:`EngineConfigError`; failures inside a running engine
 raise :class:`EngineError`, and :class:`EngineUnavailableError` when the engine itself is gone (its
 process died) or restarting.
@@ -226,8 +228,11 @@ class TeacherEngine(Protocol):
         """The teacher tokenizer's ids for ``text`` (special tokens such as BOS included)."""
         ...
 
-    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
-        """Top-``k`` rows for every prompt, in order."""
+    async def score(
+        self, prompts: list[list[int]], k: int, temperature: float | None = None
+    ) -> list[TeacherScores]:
+        """Top-``k`` rows of ``log_softmax(z / temperature)`` for every prompt, in order
+        (``None``: the engine's ``info.temperature``)."""
         ...
 
     async def aclose(self) -> None:
@@ -240,7 +245,11 @@ class SamplingTeacherEngine(TeacherEngine, Protocol):
     """A teacher that also produces sampled targets (both backends; see the module docstring)."""
 
     async def score_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self,
+        prompts: list[list[int]],
+        keys: list[str],
+        targets: SampledTargets,
+        temperature: float | None = None,
     ) -> list[TeacherScores]:
         """Sampled rows (``[L-1, draws]``) for every prompt, in order; ``keys[i]`` seeds
         prompt ``i``'s draws."""
@@ -258,6 +267,43 @@ def make_scores(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> TeacherScore
     ids = rows_array(topk_ids, np.int32)
     lps = rows_array(topk_logprobs, np.float32)
     return TeacherScores(topk_ids=ids, topk_logprobs=lps)
+
+
+#: Range of a call's temperature: ``z / T`` stays finite in float32 for any finite logit.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e3
+
+
+def check_temperature(temperature: float | None, default: float) -> float:
+    """``temperature`` (``None``: ``default``) as a float in ``[MIN_TEMPERATURE,
+    MAX_TEMPERATURE]``; :class:`EngineInputError` otherwise."""
+    t = default if temperature is None else temperature
+    if isinstance(t, bool) or not isinstance(t, int | float | np.floating | np.integer):
+        raise EngineInputError(f"temperature must be a number, got {type(t).__name__}")
+    t = float(t)
+    if not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise EngineInputError(
+            f"temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t!r}"
+        )
+    return t
+
+
+def check_token_ids(ids: Sequence[Sequence[int]], n: int, vocab_size: int) -> list[list[int]]:
+    """One list of distinct token ids per prompt (``1..MAX_DRAWS`` ids, each in ``[0,
+    vocab_size)``): the ids :meth:`BaseEngine.score_ids` gives the logprobs of."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or len(ids) != n:
+        raise EngineInputError(f"token ids: one list of ids per prompt ({n}) expected")
+    out: list[list[int]] = []
+    for i, row in enumerate(ids):
+        arr = np.asarray(row)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or not 1 <= arr.shape[0] <= MAX_DRAWS:
+            raise EngineInputError(f"token ids {i}: 1 to {MAX_DRAWS} integer ids expected")
+        if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
+            raise EngineInputError(f"token ids {i}: an id outside the vocabulary [0, {vocab_size})")
+        if len(np.unique(arr)) != arr.shape[0]:
+            raise EngineInputError(f"token ids {i}: an id is repeated")
+        out.append(arr.tolist())
+    return out
 
 
 def check_k(k: int, max_k: int, vocab_size: int) -> int:

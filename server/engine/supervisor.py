@@ -190,21 +190,27 @@ class SupervisedEngine:
     def tokenize(self, text: str) -> list[int]:
         return self._engine.tokenize(text)
 
-    async def score(self, prompts: list[list[int]], k: int) -> list[TeacherScores]:
+    async def score(
+        self, prompts: list[list[int]], k: int, temperature: float | None = None
+    ) -> list[TeacherScores]:
         engine = self._current()
         try:
-            return await engine.score(prompts, k)
+            return await engine.score(prompts, k, temperature)
         except EngineError as e:
             raise self._failed(engine, e) from e
 
     async def score_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self,
+        prompts: list[list[int]],
+        keys: list[str],
+        targets: SampledTargets,
+        temperature: float | None = None,
     ) -> list[TeacherScores]:
         engine = self._current()
         sample = getattr(engine, "score_sampled", None)
         if sample is None:
             raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
         try:
-            return await sample(prompts, keys, targets)
+            return await sample(prompts, keys, targets, temperature)
         except EngineError as e:
             raise self._failed(engine, e) from e

@@ -5,32 +5,26 @@ detokenize=False, flat_logprobs=True)`` on an engine built with ``max_logprobs=m
 ``logprobs_mode="raw_logprobs"`` and prefix caching off (prompt logprobs under prefix caching
 depend on request order, vllm#42019).
 
-Output layout (read from ``vllm/v1/sample/sampler.py::gather_logprobs`` and
-``vllm/logprobs.py::append_logprobs_for_next_position`` of 0.32): ``prompt_logprobs`` is a
-``FlatLogprobs`` with one entry per prompt position; position 0 is empty; every later position
-``i`` holds exactly ``k + 1`` entries: first the actual token ``x_i`` (with its true rank), then
-the top-k by descending logprob (ranks ``1..k``), duplicates included. So the flat lists reshape to
-``[L - 1, k + 1]`` and column 0 is dropped: row ``j`` (= position ``j + 1``) is the top-k of the
-distribution of ``x_{j+1}``. That conversion is a handful of numpy calls per prompt (no
-per-position Python loop); other layouts (the dict form) go through a per-position fallback that
-keeps the ``k`` best entries by rank. Normally neither runs: :mod:`.vllm_logprobs` has vLLM keep
-this engine's prompt logprobs as the engine core's ``[L - 1, k + 1]`` arrays (same layout), so no
-Python list is built at all.
+The rows of a ``RequestOutput`` are read by :mod:`.vllm_rows` (layout, fast paths); normally
+:mod:`.vllm_logprobs` has vLLM keep this engine's prompt logprobs as the engine core's
+``[L - 1, k + 1]`` arrays, so no Python list is built at all.
 
-Temperature: vLLM never applies sampling processors (temperature included) to prompt positions,
-in any ``logprobs_mode``. A temperature ``T != 1`` is therefore applied by scaling the logits in
-the model itself: ``hf_overrides={"logit_scale": scale / T}``, which vLLM's Llama-family models
-multiply into the logits before the log-softmax (``LogitsProcessor(scale=config.logit_scale)``),
-so the returned values are exactly ``log_softmax(z / T)``. Architectures whose vLLM
-implementation ignores ``logit_scale`` are refused for ``T != 1`` (:data:`LOGIT_SCALE_ARCHS`).
+Temperature: vLLM 0.32 never applies sampling processors (temperature included) to prompt
+positions, in any ``logprobs_mode`` (``GPUModelRunner._get_prompt_logprobs_dict`` takes
+``compute_logprobs(compute_logits(h))`` of the prompt's hidden states as they are). A call at a
+temperature ``T != 1`` (the call's own, else the engine's ``cfg.temperature``) is therefore
+answered by the worker hook of :mod:`.vllm_sampling`: the request carries ``T`` in
+``extra_args``, and the hook computes ``log_softmax(logits / T)`` of each prompt chunk where
+vLLM's loop would, keeps its top-k, and marks column 0 (checked: a worker without the hook is an
+error, never rows at temperature 1). Any architecture works (the division is of the final
+logits, after the model's own scaling or capping). Requests at ``T = 1`` take vLLM's own path.
 
-Sampled targets (:meth:`VllmEngine.score_sampled`, protocol.py) are drawn inside vLLM's worker,
-where the full ``[n, V]`` log-softmax of a prompt chunk exists (:mod:`.vllm_sampling`; vLLM's
-logits processors never see prompt positions): a request carries its sequence seed, ``draws``
-and proposal temperature in ``extra_args`` and comes back, through the array form of
-:mod:`.vllm_logprobs`, as ``[L - 1, draws + 1]`` arrays whose column 0 is the marker
-``vllm_sampling.MARK`` (checked: a worker without the hook is an error) and whose other columns
-are the sampled ids and log-weights. The engine names
+Sampled targets (:meth:`VllmEngine.score_sampled`, protocol.py) are drawn by the same hook,
+where the full ``[n, V]`` log-softmax of a prompt chunk exists (vLLM's logits processors never
+see prompt positions): a request carries its sequence seed, ``draws`` and proposal temperature
+in ``extra_args`` and comes back, through the array form of :mod:`.vllm_logprobs`, as
+``[L - 1, draws + 1]`` arrays whose column 0 is the marker ``vllm_sampling.MARK`` and whose other
+columns are the sampled ids and log-weights. The engine names
 ``vllm_sampling.SamplingWorkerExtension`` as vLLM's ``worker_extension_cls`` so that every
 worker process installs the hook, whether in-process or started by vLLM.
 
@@ -53,14 +47,12 @@ vLLM's ``EngineArgs`` as is (:class:`~.config.VllmOptions`).
 
 from __future__ import annotations
 
-import array
 import asyncio
 import itertools
 import os
 import queue
 import threading
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -87,13 +79,8 @@ from .protocol import (
     EngineUnavailableError,
     SampledTargets,
     TeacherScores,
-    make_scores,
 )
-from .vllm_logprobs import TensorPromptLogprobs
-
-#: Architectures whose vLLM 0.32 model multiplies ``config.logit_scale`` into the logits
-#: (checked in ``vllm/model_executor/models/llama.py``; Mistral-style checkpoints map to it).
-LOGIT_SCALE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
+from .vllm_rows import hooked_from_output, scores_from_output
 
 _DEFAULT_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
 
@@ -104,118 +91,7 @@ WARM_UP_LENGTHS = (64, 2, 3, 4)
 WORKER_EXTENSION = "logitcache.server.engine.vllm_sampling.SamplingWorkerExtension"
 
 
-# ------------------------------------------------------------------------------- conversion
-
-
-def rows_from_flat(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(topk_ids [L-1, k] int32, topk_logprobs [L-1, k] float32)`` from a ``FlatLogprobs``.
-
-    Fast path (vLLM 0.32's layout, see the module docstring): reshape the flat lists to
-    ``[L-1, k+1]`` and drop column 0. Anything else goes through :func:`rows_from_dicts`.
-    """
-    starts = flat.start_indices
-    n = len(starts)
-    if n != length:
-        raise EngineError(f"vLLM returned {n} prompt positions for a {length}-token prompt")
-    w = k + 1
-    m = length - 1
-    total = len(flat.token_ids)
-    regular = (
-        total == m * w
-        and flat.end_indices[0] == starts[0] == 0
-        and (m == 0 or (starts[1] == 0 and flat.end_indices[-1] == total))
-    )
-    if regular and m > 0:
-        st = np.asarray(starts, dtype=np.int64)
-        en = np.asarray(flat.end_indices, dtype=np.int64)
-        regular = bool(np.all(en[1:] - st[1:] == w)) and bool(np.all(st[2:] == en[1:-1]))
-    if not regular:
-        return rows_from_dicts(list(flat), k, length)
-    # array.array reads a list of Python ints/floats ~20% faster than np.asarray (no per-item
-    # type dispatch); the [:, 1:] slices are copied to contiguous int32/float32 by make_scores
-    ids = np.frombuffer(array.array("q", flat.token_ids), dtype=np.int64).reshape(m, w)[:, 1:]
-    lps = np.frombuffer(array.array("d", flat.logprobs), dtype=np.float64).reshape(m, w)[:, 1:]
-    return ids, lps
-
-
-def rows_from_dicts(
-    positions: Sequence[dict[int, Any] | None], k: int, length: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Fallback for ``list[dict[token_id, Logprob] | None]``: per position the ``k`` entries of
-    best rank (the actual token, added with a rank ``> k`` when outside the top-k, is dropped),
-    ordered by descending logprob."""
-    if len(positions) != length:
-        raise EngineError(f"vLLM returned {len(positions)} prompt positions for {length} tokens")
-    ids = np.empty((length - 1, k), dtype=np.int32)
-    lps = np.empty((length - 1, k), dtype=np.float32)
-    for j, pos in enumerate(positions[1:]):
-        if not pos:
-            raise EngineError(f"vLLM returned no logprobs for prompt position {j + 1}")
-        ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank, -kv[1].logprob))[:k]
-        if len(ranked) < k:
-            raise EngineError(f"vLLM returned {len(ranked)} < k={k} logprobs at position {j + 1}")
-        ranked.sort(key=lambda kv: -kv[1].logprob)
-        ids[j] = [t for t, _ in ranked]
-        lps[j] = [lp.logprob for _, lp in ranked]
-    return ids, lps
-
-
-def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
-    """A :class:`TeacherScores` from one vLLM ``RequestOutput``."""
-    pl = output.prompt_logprobs
-    if pl is None:
-        raise EngineError("vLLM returned no prompt_logprobs (was prompt_logprobs set?)")
-    if isinstance(pl, TensorPromptLogprobs):  # the array form (vllm_logprobs.py)
-        ids, lps = pl.rows(k)
-        if ids.shape != (length - 1, k):
-            raise EngineError(
-                f"vLLM returned prompt logprobs of shape {ids.shape} for a {length}-token "
-                f"prompt at k={k}"
-            )
-        return make_scores(ids, lps)
-    if hasattr(pl, "start_indices"):
-        ids, lps = rows_from_flat(pl, k, length)
-    else:
-        ids, lps = rows_from_dicts(pl, k, length)
-    return make_scores(ids, lps)
-
-
-def sampled_from_output(output: Any, length: int, draws: int) -> TeacherScores:
-    """The sampled rows of one vLLM ``RequestOutput`` of a sampled request (see the module
-    docstring): ``[L - 1, draws + 1]`` arrays, column 0 the hook's marker, dropped."""
-    from .vllm_sampling import MARK
-
-    pl = output.prompt_logprobs
-    if not isinstance(pl, TensorPromptLogprobs):
-        raise EngineError("vLLM returned no prompt-logprob arrays for a sampled request")
-    if not pl.token_ids:
-        raise EngineError(f"vLLM returned no rows for a {length}-token prompt")
-    ids, lps = pl.rows(draws)  # column 0 (the marker) is kept apart: pl.column0()
-    width = pl.width
-    if ids.shape != (length - 1, draws) or width != draws + 1 or not (pl.column0() == MARK).all():
-        raise EngineError(
-            f"vLLM returned prompt rows of shape {(ids.shape[0], width)} without the sampling "
-            f"marker for a {length}-token prompt at draws={draws}: the sampling hook did not run "
-            "in vLLM's worker (is worker_extension_cls overridden?)"
-        )
-    return make_scores(ids, lps)
-
-
 # ----------------------------------------------------------------------------- engine set-up
-
-
-def _temperature_overrides(config: dict[str, Any], temperature: float) -> dict[str, Any]:
-    """``hf_overrides`` that make vLLM's logits ``z / T`` (see the module docstring)."""
-    if temperature == 1.0:
-        return {}
-    archs = set(config.get("architectures") or [])
-    if not archs & LOGIT_SCALE_ARCHS:
-        raise EngineConfigError(
-            f"temperature={temperature} needs a model whose vLLM implementation applies "
-            f"config.logit_scale ({sorted(LOGIT_SCALE_ARCHS)}); got {sorted(archs)}. "
-            "Use temperature 1 or the transformers backend."
-        )
-    return {"logit_scale": float(config.get("logit_scale", 1.0)) / temperature}
 
 
 def resolve_seq_len(requested: int | None, model_max: int | None) -> tuple[int, int]:
@@ -449,7 +325,7 @@ class VllmEngine(BaseEngine):
             dtype=cfg.dtype,
         )
         self._ids = itertools.count()
-        args = self._engine_args(config, engine_len)
+        args = self._engine_args(engine_len)
         try:
             self._start(args)
         except (ValueError, TypeError) as e:
@@ -462,7 +338,7 @@ class VllmEngine(BaseEngine):
         dtype = getattr(getattr(core, "model_config", None), "dtype", None)
         return str(dtype).removeprefix("torch.") if dtype is not None else self.cfg.dtype
 
-    def _engine_args(self, config: dict[str, Any], engine_len: int) -> dict[str, Any]:
+    def _engine_args(self, engine_len: int) -> dict[str, Any]:
         cfg = self.cfg
         args: dict[str, Any] = dict(
             model=cfg.model,
@@ -484,11 +360,9 @@ class VllmEngine(BaseEngine):
             args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         if not Path(cfg.model).is_dir() and cfg.revision:
             args["revision"] = cfg.revision
-        # sampled targets: vLLM imports this class in every worker, which installs the hook
+        # sampled targets and temperature: vLLM imports this class in every worker, which
+        # installs the hook there
         args["worker_extension_cls"] = WORKER_EXTENSION
-        overrides = _temperature_overrides(config, cfg.temperature)
-        if overrides:
-            args["hf_overrides"] = overrides
         args.update(self.options.engine_args)
         return args
 
@@ -527,7 +401,7 @@ class VllmEngine(BaseEngine):
         (SIGILL, taking the whole process) when its very first prompt is 3-4 tokens long and
         not after a longer one, so the long prompt goes first and the short ones follow."""
         vocab, longest = self.info.vocab_size, self.info.max_seq_len
-        params = self._params(1, arrays=False)
+        params = self._params(1, 1.0, arrays=False)
         for i, length in enumerate(WARM_UP_LENGTHS):
             rid = f"lc-warm-up-{i}"
             ids = [t % vocab for t in range(min(length, longest))]
@@ -547,23 +421,43 @@ class VllmEngine(BaseEngine):
 
     # --- BaseEngine -------------------------------------------------------------------------
 
-    def _params(self, k: int, *, arrays: bool | None = None) -> Any:
+    def _params(self, k: int, temperature: float, *, arrays: bool | None = None) -> Any:
         """``SamplingParams`` of a scoring request; ``arrays`` (default: when the hook is
-        installed) asks for the array form of :mod:`.vllm_logprobs`."""
+        installed) asks for the array form of :mod:`.vllm_logprobs`; a ``temperature`` other
+        than 1 is the worker hook's (:mod:`.vllm_sampling`; needs the array form)."""
+
+        from . import vllm_sampling
+
+        extra: dict[str, Any] = {}
+        if self._arrays if arrays is None else arrays:
+            extra[vllm_logprobs.FLAG] = True
+        if temperature != 1.0:
+            self._need_arrays(f"temperature {temperature}")
+            extra[vllm_sampling.TEMPERATURE] = temperature
+        return self._request(k, extra)
+
+    @staticmethod
+    def _request(prompt_logprobs: int, extra: dict[str, Any] | None) -> Any:
+        """``SamplingParams`` of one scoring request (one token, no text, final output only)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             max_tokens=1,
             temperature=0.0,
-            prompt_logprobs=k,
+            prompt_logprobs=prompt_logprobs,
             detokenize=False,
             flat_logprobs=True,
             output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args={vllm_logprobs.FLAG: True}
-            if (self._arrays if arrays is None else arrays)
-            else None,
+            extra_args=extra or None,
         )
+
+    def _need_arrays(self, what: str) -> None:
+        if not self._arrays:
+            raise EngineInputError(
+                f"this vLLM cannot return prompt logprobs as arrays: {what} needs vLLM 0.32's "
+                "LogprobsProcessor (see vllm_logprobs.py)"
+            )
 
     async def _one_async(self, ids: list[int], params: Any) -> Any:
         from vllm import TokensPrompt
@@ -591,20 +485,21 @@ class VllmEngine(BaseEngine):
         self._driver.submit(_Pending(rid, ids, params, fut, loop))
         return await fut
 
-    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
-        """Every prompt in flight at once; one final ``RequestOutput`` each."""
-        params = self._params(k)
+    async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
+        """Every prompt in flight at once; one final ``RequestOutput`` each (with whether the
+        worker hook answered it: a temperature other than 1)."""
+        params = self._params(k, temperature)
         one = self._one_inproc if self.mode == "inproc" else self._one_async
-        return list(await asyncio.gather(*(one(ids, params) for ids in prompts)))
+        outs = await asyncio.gather(*(one(ids, params) for ids in prompts))
+        return [(out, temperature != 1.0) for out in outs]
 
     def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
-        return scores_from_output(raw, k, length)
+        out, hooked = raw
+        return hooked_from_output(out, length, k) if hooked else scores_from_output(out, k, length)
 
-    def _sampled_params(self, key: str, targets: SampledTargets) -> Any:
+    def _sampled_params(self, key: str, targets: SampledTargets, temperature: float) -> Any:
         """``SamplingParams`` of one sampled request (the hook's spec in ``extra_args``)."""
         from logitcache.cache_format.sampling import sequence_seed
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         from . import vllm_sampling
 
@@ -614,34 +509,52 @@ class VllmEngine(BaseEngine):
             "tau": targets.proposal_temperature,
             "head": targets.head,
         }
-        return SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            prompt_logprobs=vllm_sampling.PROMPT_LOGPROBS,
-            detokenize=False,
-            flat_logprobs=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args={vllm_logprobs.FLAG: True, vllm_sampling.FLAG: spec},
-        )
+        extra = {
+            vllm_logprobs.FLAG: True,
+            vllm_sampling.FLAG: spec,
+            vllm_sampling.TEMPERATURE: temperature,
+        }
+        return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
 
     async def _generate_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets
+        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float
     ) -> list[Any]:
         """Every prompt in flight at once, each with its own sequence seed."""
-        if not self._arrays:
-            raise EngineInputError(
-                "this vLLM cannot return prompt logprobs as arrays: sampled targets need "
-                "vLLM 0.32's LogprobsProcessor (see vllm_logprobs.py)"
-            )
+        self._need_arrays("sampled targets")
         one = self._one_inproc if self.mode == "inproc" else self._one_async
         calls = [
-            one(ids, self._sampled_params(key, targets))
+            one(ids, self._sampled_params(key, targets, temperature))
             for ids, key in zip(prompts, keys, strict=True)
         ]
         return list(await asyncio.gather(*calls))
 
     def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
-        return sampled_from_output(raw, length, targets.slots)
+        return hooked_from_output(raw, length, targets.slots)
+
+    async def _generate_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+    ) -> list[Any]:
+        """Logprobs at each prompt's chosen ids, gathered by the worker hook."""
+
+        from . import vllm_sampling
+
+        self._need_arrays("logprobs at chosen token ids")
+        one = self._one_inproc if self.mode == "inproc" else self._one_async
+
+        def params(chosen: list[int]) -> Any:
+            extra = {vllm_logprobs.FLAG: True, vllm_sampling.TOKEN_IDS: chosen}
+            extra[vllm_sampling.TEMPERATURE] = temperature
+            return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
+
+        outs = await asyncio.gather(*(one(p, params(c)) for p, c in zip(prompts, ids, strict=True)))
+        rows = [
+            hooked_from_output(out, len(p), len(c))
+            for out, p, c in zip(outs, prompts, ids, strict=True)
+        ]
+        for r, c in zip(rows, ids, strict=True):
+            if not (r.topk_ids == np.asarray(c, np.int32)).all():
+                raise EngineError("vLLM's worker hook answered other ids than the ones asked")
+        return [r.topk_logprobs for r in rows]
 
     async def _close(self) -> None:
         if self._driver is not None:

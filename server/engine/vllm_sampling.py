@@ -1,33 +1,41 @@
-"""Sampled targets inside vLLM's worker: draws from the full distribution at prompt positions.
+"""The worker hook: rows vLLM's own prompt-logprob pass cannot give, computed where it runs.
 
 vLLM 0.32 computes prompt logprobs in the model runner
 (``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_prompt_logprobs_dict``, also used by
 the CPU runner): per request and prefill chunk it takes the chunk's hidden states, computes the
-full ``[n, V]`` logits and log-softmax, and keeps the top ``prompt_logprobs`` of each row
-(``Sampler.gather_logprobs``). Its logits processors (``vllm.v1.sample.logits_processor``) only
-see the positions being *generated*, never prompt positions, so no public hook reaches the whole
-distribution of a prompt position; asking for ``prompt_logprobs = V`` does, but ships ``V``
-values per position out of the engine (measured 14.8x the time of top-k scoring,
-``benchmarks/distill_vllm_sampling.py``).
+full ``[n, V]`` logits and ``log_softmax(logits)``, and keeps the top ``prompt_logprobs`` of each
+row (``Sampler.gather_logprobs``). Neither the request's temperature nor its logits processors
+(``vllm.v1.sample.logits_processor``) ever reach prompt positions, so no public hook can change
+the distribution of a prompt position or see all of it; asking for ``prompt_logprobs = V`` does
+see it, but ships ``V`` values per position out of the engine (measured 14.8x the time of top-k
+scoring, ``benchmarks/distill_vllm_sampling.py``).
 
-:func:`install` wraps ``_get_prompt_logprobs_dict`` (once per process) so that for a request
-whose ``SamplingParams.extra_args`` carry :data:`FLAG` = ``{"seed", "draws", "tau", "head"}`` it
-samples right where the ``[n, V]`` block exists:
-``sample_rows(log_softmax(logits), u, tau, head=head)`` (``head`` absent: 0)
-of :mod:`logitcache.cache_format.sampling` (FORMAT.md 4.4), with ``u`` the rows
-``[start, start + n)`` of :func:`~logitcache.cache_format.sampling.seeded_uniforms` of the
-request's sequence seed, so a chunked prefill draws exactly what one pass would. The request's
-prompt-logprob tensors then hold ``[L - 1, head + draws + 1]``: column 0 the marker id
-:data:`MARK` (``-1``; vLLM puts the prompt token there), columns ``1..head + draws`` the row's ids
-and their log-weights. Every other request takes vLLM's own code unchanged. Only
-``head + draws + 1`` values per position leave the worker, like top-k scoring at
-``k = head + draws``.
+:func:`install` wraps ``_get_prompt_logprobs_dict`` (once per process) so that a request whose
+``SamplingParams.extra_args`` carry :data:`TEMPERATURE` = ``T`` and/or :data:`FLAG` =
+``{"seed", "draws", "tau", "head"}`` is answered right where the ``[n, V]`` block exists, from
+``lp = log_softmax(logits / T)`` (``T`` absent: 1):
+
+* with :data:`FLAG`, sampled targets: ``sample_rows(lp, u, tau, head=head)`` (``head`` absent:
+  0) of :mod:`logitcache.cache_format.sampling` (FORMAT.md 4.4), with ``u`` the rows
+  ``[start, start + n)`` of :func:`~logitcache.cache_format.sampling.seeded_uniforms` of the
+  request's sequence seed, so a chunked prefill draws exactly what one pass would;
+  ``head + draws`` entries per row;
+* with :data:`TOKEN_IDS` (a list of ids), ``lp`` at those ids, in their order: the exact
+  logprobs of caller-chosen ids (e.g. a student's top-k);
+* otherwise the top ``k`` (the request's ``prompt_logprobs``) of ``lp`` by descending logprob:
+  exactly ``log_softmax(z / T)`` of the teacher's final logits ``z``.
+
+The request's prompt-logprob tensors then hold ``[L - 1, width + 1]``: column 0 the marker id
+:data:`MARK` (``-1``; vLLM puts the prompt token there), columns ``1..width`` the row's ids and
+their logprobs (log-weights for samples). Every other request takes vLLM's own code unchanged.
+Only ``width + 1`` values per position leave the worker, as in vLLM's own top-k.
 
 The wrapper must be installed in the process that runs the model runner. The engine names
 :class:`SamplingWorkerExtension` as vLLM's ``worker_extension_cls``; vLLM imports it in every
 worker process it starts (``WorkerWrapperBase.init_worker``), and importing this module
-installs the wrapper there. The service checks the marker column of every answer, so a worker
-without the wrapper is an :class:`~.protocol.EngineError`, never top-k rows taken for samples.
+installs the wrapper there. The service checks the marker column of every hooked answer
+(:func:`.vllm_rows.hooked_from_output`), so a worker without the wrapper is an
+:class:`~.protocol.EngineError`, never rows of another distribution taken for these.
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ from .patching import patch_once
 
 #: ``SamplingParams.extra_args`` key of a sampled request: ``{"seed", "draws", "tau", "head"}``.
 FLAG = "logitcache_sampled_targets"
+#: ``SamplingParams.extra_args`` key of the temperature ``T`` a request's logits are divided by.
+TEMPERATURE = "logitcache_temperature"
+#: ``SamplingParams.extra_args`` key of the token ids whose logprobs a request asks for.
+TOKEN_IDS = "logitcache_token_ids"
 #: Id written in column 0 of a sampled request's rows (vLLM writes the prompt token there).
 MARK = -1
 #: ``SamplingParams.prompt_logprobs`` of a sampled request (the runner's own top-n is not used).
@@ -50,18 +62,61 @@ class SamplingWorkerExtension:
 
 
 def _spec(request: Any) -> dict[str, Any] | None:
+    """The hook's part of a request: its sampling spec (``{}`` for top-k) with ``"T"``; ``None``
+    for a request vLLM answers itself (neither key, or top-k at ``T = 1``)."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
-    spec = extra.get(FLAG)
-    return spec if isinstance(spec, dict) else None
+    sampled = extra.get(FLAG)
+    t = float(extra.get(TEMPERATURE, 1.0))
+    ids = extra.get(TOKEN_IDS)
+    if ids is not None:
+        return {"ids": list(ids), "T": t}
+    if not isinstance(sampled, dict) and t == 1.0:
+        return None
+    return {**(sampled if isinstance(sampled, dict) else {}), "T": t}
 
 
-def _sampled_chunks(
-    runner: Any, specs: dict[str, dict[str, Any]], hidden_states: Any, scheduled: dict[str, int]
-) -> tuple[dict[str, Any], list[str]]:
-    """Sampled rows of this step's chunk of every flagged request (mirrors vLLM's loop):
-    ``(finished request -> LogprobsTensors, finished ids)``."""
+def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int) -> Any:
+    """``(ids, logprobs)`` ``[n, width]`` CPU tensors of one chunk's hidden states (see the
+    module docstring: sampled rows with ``draws`` in ``spec``, else the top ``width``)."""
     import torch
     from logitcache.cache_format.sampling import sample_rows, seeded_uniforms
+
+    logits = runner.model.compute_logits(hidden)
+    if spec["T"] != 1.0:
+        logits = logits.to(torch.float32) / spec["T"]
+    lp = runner.sampler.compute_logprobs(logits)
+    if "ids" in spec:
+        idx = torch.as_tensor(spec["ids"], dtype=torch.long, device=lp.device)
+        chosen = idx.to("cpu", torch.int32).expand(lp.shape[0], -1)
+        return chosen, lp[:, idx].to("cpu", torch.float32)
+    if "draws" not in spec:
+        values, ids = torch.topk(lp, width, dim=-1)
+        return ids.to("cpu", torch.int32), values.to("cpu", torch.float32)
+    draws = int(spec["draws"])
+    u = seeded_uniforms(int(spec["seed"]), start + int(hidden.shape[0]), draws)[start:]
+    ids_np, lw = sample_rows(lp, u, float(spec["tau"]), k=width, head=int(spec.get("head", 0)))
+    return torch.from_numpy(ids_np), torch.from_numpy(lw)
+
+
+def _width(spec: dict[str, Any], k: int) -> int:
+    """Entries per row: the chosen ids, ``head + draws`` of a sampled request, else its
+    ``prompt_logprobs``."""
+    if "ids" in spec:
+        return len(spec["ids"])
+    if "draws" in spec:
+        return int(spec.get("head", 0)) + int(spec["draws"])
+    return k
+
+
+def _hooked_chunks(
+    runner: Any,
+    specs: dict[str, dict[str, Any]],
+    ks: dict[str, int],
+    hidden_states: Any,
+    scheduled: dict[str, int],
+) -> tuple[dict[str, Any], list[str]]:
+    """The rows of this step's chunk of every hooked request (mirrors vLLM's loop; ``ks``: their
+    ``prompt_logprobs``): ``(finished request -> LogprobsTensors, finished ids)``."""
     from vllm.v1.outputs import LogprobsTensors
 
     out: dict[str, Any] = {}
@@ -73,12 +128,11 @@ def _sampled_chunks(
         request = runner.requests[req_id]
         if request.prompt_token_ids is None:
             continue
-        draws = int(spec["draws"])
-        head = int(spec.get("head", 0))
+        width = _width(spec, ks[req_id])
         rows = len(request.prompt_token_ids) - 1
         tensors = request.in_progress_prompt_logprobs_cpu
         if tensors is None:
-            tensors = LogprobsTensors.empty_cpu(rows, head + draws + 1)
+            tensors = LogprobsTensors.empty_cpu(rows, width + 1)
             request.in_progress_prompt_logprobs_cpu = tensors
         start = request.num_computed_tokens
         remaining = rows - start
@@ -91,15 +145,12 @@ def _sampled_chunks(
         if n <= 0:
             continue
         offset = runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]].item()
-        logits = runner.model.compute_logits(hidden_states[offset : offset + n])
-        lp = runner.sampler.compute_logprobs(logits)
-        u = seeded_uniforms(int(spec["seed"]), start + n, draws)[start:]
-        ids, lw = sample_rows(lp, u, float(spec["tau"]), k=head + draws, head=head)
+        ids, lps = _rows(runner, spec, hidden_states[offset : offset + n], start, width)
         part = slice(start, start + n)
         tensors.logprob_token_ids[part, 0] = MARK
-        tensors.logprob_token_ids[part, 1:] = torch.from_numpy(ids)
+        tensors.logprob_token_ids[part, 1:] = ids
         tensors.logprobs[part, 0] = 0.0
-        tensors.logprobs[part, 1:] = torch.from_numpy(lw)
+        tensors.logprobs[part, 1:] = lps
         tensors.selected_token_ranks[part] = 0
     return out, finished
 
@@ -126,7 +177,9 @@ def install() -> None:
         kept = {rid: pending.pop(rid) for rid in specs}
         try:
             result = original(self, hidden_states, num_scheduled_tokens)
-            sampled, finished = _sampled_chunks(self, specs, hidden_states, num_scheduled_tokens)
+            sampled, finished = _hooked_chunks(
+                self, specs, kept, hidden_states, num_scheduled_tokens
+            )
         finally:
             pending.update(kept)
         for rid in finished:

@@ -16,6 +16,9 @@ Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
   **miss**, scored by the engine at ``k'``, answered as the engine returned it and **not stored**
   (the cache keeps its k; :meth:`CacheServing.above`). This holds for ``/v1/score`` and
   ``/v1/completions`` alike; the cache's teacher identity is still checked (409 if another).
+* A cache holds rows at one **temperature** (its manifest's): a request at another is a 409,
+  like another teacher; a request naming none is answered at the cache's; misses are scored at
+  the cache's temperature.
 * A **sampled** cache (``targets="sampled"``, FORMAT.md 4.4) is served only to requests with
   ``targets="sampled"`` and its sampling parameters (or none: the cache's own); any other kind
   or parameters is a 409. Rows are answered whole (``k`` = the draws, no folding); misses are
@@ -116,35 +119,39 @@ class CacheServing:
         if req.cache is None:
             sampled = scoring.sampled_targets(asked)
             k = scoring.resolve_k(req.k) if sampled is None else sampled.slots
+            t = scoring.check_temperature(req.temperature)
             seqs = await asyncio.to_thread(scoring.sequences_of, req)
             scoring.check_answer_size(seqs, k, fmt)
-            records = await scoring.admitted(seqs, k, targets=sampled)
+            records = await scoring.admitted(seqs, k, targets=sampled, temperature=t)
             return Served(records=records, k=k, hits=None, stored=0)
         cache = req.cache
+        t = await asyncio.to_thread(scoring.request_temperature, cache, req.temperature)
         if asked is None:
-            manifest, k = await asyncio.to_thread(self._cache_manifest, cache, req.k)
+            manifest, k = await asyncio.to_thread(self._cache_manifest, cache, req.k, t)
         else:  # sampled: the cache's kind and parameters must match (409), k is the draws
-            manifest = await asyncio.to_thread(scoring.target_manifest, cache, None, "", asked)
+            manifest = await asyncio.to_thread(scoring.target_manifest, cache, None, "", asked, t)
             k = manifest.k
         seqs = await asyncio.to_thread(scoring.sequences_of, req)
         scoring.check_answer_size(seqs, k, fmt)
         if k > manifest.k:
-            return await self.above(seqs, k)
+            return await self.above(seqs, k, manifest.temperature)
         return await self.serve(cache, seqs, k, manifest)
 
-    def _cache_manifest(self, cache: str, k: int | None) -> tuple[Manifest, int]:
+    def _cache_manifest(
+        self, cache: str, k: int | None, temperature: float | None = None
+    ) -> tuple[Manifest, int]:
         """The cache's manifest (checked against the engine) and the checked k to answer at.
 
         A ``k`` other than an existing cache's k is answered at ``k`` (below: folded from the
         cache; above: :meth:`above`); the cache's teacher identity is checked either way
-        (:meth:`ScoringService.target_manifest`: 409 if another teacher).
+        (:meth:`ScoringService.target_manifest`: 409 if another teacher or ``temperature``).
         """
         scoring = self.scoring
         k = scoring.check_k(k)
         stored = scoring.stored_manifest(cache)
         if stored is not None and k is not None and k != stored.k:
-            return scoring.target_manifest(cache, None), k
-        manifest = scoring.target_manifest(cache, k)
+            return scoring.target_manifest(cache, None, temperature=temperature), k
+        manifest = scoring.target_manifest(cache, k, temperature=temperature)
         return manifest, manifest.k
 
     def lookup(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
@@ -165,10 +172,13 @@ class CacheServing:
             if np.array_equal(rec.input_ids, seqs[i].input_ids)
         }
 
-    async def above(self, seqs: Seq[Sequence], k: int) -> Served:
-        """Answer ``seqs`` at a ``k`` above the cache's: all misses, engine-scored at ``k``,
-        returned as scored and not stored (the cache cannot hold a larger k)."""
-        records = await pipeline.one_batch(list(seqs), score=lambda s: self.scoring.admitted(s, k))
+    async def above(self, seqs: Seq[Sequence], k: int, temperature: float | None = None) -> Served:
+        """Answer ``seqs`` at a ``k`` above the cache's: all misses, engine-scored at ``k`` and
+        the cache's ``temperature``, returned as scored and not stored (the cache cannot hold a
+        larger k)."""
+        records = await pipeline.one_batch(
+            list(seqs), score=lambda s: self.scoring.admitted(s, k, temperature=temperature)
+        )
         self.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
         return Served(records=records, k=k, hits=[False] * len(seqs), stored=0)
 
@@ -195,7 +205,9 @@ class CacheServing:
         sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
         scored = await pipeline.one_batch(
             [seqs[i] for i in miss_idx],
-            score=lambda s: self.scoring.admitted(s, manifest.k, targets=sampled),
+            score=lambda s: self.scoring.admitted(
+                s, manifest.k, targets=sampled, temperature=manifest.temperature
+            ),
             write=append if store else None,
         )
         out: list[SequenceRecord | None] = [None] * len(seqs)

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from logitcache.cache_format import Manifest, SequenceRecord
 
 from ..admission import TokenGate
 from ..batch import pipeline
-from ..engine.protocol import EngineInputError, SampledTargets, check_k, check_sampled
+from ..engine.protocol import (
+    EngineInputError,
+    SampledTargets,
+    check_k,
+    check_sampled,
+    check_temperature,
+)
 from ..errors import (
     InvalidInputError,
     OverloadedError,
@@ -53,6 +60,16 @@ SMALLER_ANSWER = {
     "completions": "send fewer or shorter prompts or a smaller prompt_logprobs",
     "generate": "send fewer or shorter sequences or a smaller top_logprobs_num",
 }
+
+
+def default_cache(base: str, temperature: float | None, engine_temperature: float) -> str:
+    """The cache a protocol route (``/v1/completions``, ``/generate``) serves from when the
+    request names none: ``base`` at the engine's temperature, ``f"{base}-t{T}"`` (``T`` as
+    Python's shortest ``repr``, e.g. ``openai-completions-t0.7``) at another, so each
+    temperature a trainer sends gets a cache of its own and none answers another's."""
+    if temperature is None or temperature == engine_temperature:
+        return base
+    return f"{base}-t{float(temperature)!r}"
 
 
 class ScoringService:
@@ -104,10 +121,34 @@ class ScoringService:
         checked = self.check_k(k)
         return self.default_k if checked is None else checked
 
-    def expected_manifest(self, k: int, dataset: str = "") -> Manifest:
-        """The manifest of a new cache written by this server's engine at a checked ``k``."""
+    def check_temperature(self, temperature: float | None) -> float | None:
+        """A request's temperature, range-checked (422); ``None`` stays ``None``."""
+        if temperature is None:
+            return None
+        try:
+            return check_temperature(temperature, self.engine.info.temperature)
+        except EngineInputError as e:
+            raise InvalidInputError(str(e)) from None
+
+    def request_temperature(self, cache: str | None, temperature: float | None) -> float:
+        """The temperature an on-demand request is scored at: its own, else an existing
+        ``cache``'s (as its k and sampling parameters are), else the engine's."""
+        checked = self.check_temperature(temperature)
+        if checked is not None:
+            return checked
+        stored = None if cache is None else self.stored_manifest(cache)
+        return self.engine.info.temperature if stored is None else stored.temperature
+
+    def expected_manifest(
+        self, k: int, dataset: str = "", temperature: float | None = None
+    ) -> Manifest:
+        """The manifest of a new cache written by this server's engine at a checked ``k`` and
+        ``temperature`` (``None``: the engine's)."""
+        info = self.engine.info
+        if temperature is not None:
+            info = replace(info, temperature=temperature)
         return expected_manifest(
-            self.engine.info, k=k, logprob_dtype=self.settings.logprob_dtype, dataset=dataset
+            info, k=k, logprob_dtype=self.settings.logprob_dtype, dataset=dataset
         )
 
     def target_manifest(
@@ -116,9 +157,11 @@ class ScoringService:
         k: int | None,
         dataset: str = "",
         asked: SampledTargets | str | None = None,
+        temperature: float | None = None,
     ) -> Manifest:
-        """The manifest to write ``cache`` with for a checked ``k`` (:meth:`check_k`) and the
-        asked target kind (:func:`.targets.of_request`).
+        """The manifest to write ``cache`` with for a checked ``k`` (:meth:`check_k`), the
+        asked target kind (:func:`.targets.of_request`) and a checked ``temperature``
+        (``None``: the engine's; a cache made at another is a 409 like another teacher).
 
         Top-k: an existing cache's own (its k when ``k`` is None), else a new one at ``k`` (or
         :attr:`default_k`). Sampled: the parameters (:func:`.targets.resolve`, checked against
@@ -128,14 +171,21 @@ class ScoringService:
         name = check_name(cache)
         if asked is not None:
             chosen = self._sampled(resolve(asked, self.stored_manifest(name)))
-            expected = with_targets(self.expected_manifest(self.default_k, dataset), chosen)
-            return self.caches.target_manifest(name, expected, k=None)
-        expected = self.expected_manifest(self.default_k if k is None else k, dataset)
+            new = self.expected_manifest(self.default_k, dataset, temperature)
+            return self.caches.target_manifest(name, with_targets(new, chosen), k=None)
+        expected = self.expected_manifest(self.default_k if k is None else k, dataset, temperature)
         with broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
             self.check_k(manifest.k)
         return manifest
+
+    def route_manifest(self, cache: str, temperature: float | None) -> Manifest:
+        """The top-k manifest of a protocol route's ``cache`` (at its own k) at a checked
+        ``temperature`` (``None``: an existing cache's, else the engine's); 409 if the cache
+        was made at another temperature or by another teacher."""
+        t = self.request_temperature(cache, temperature)
+        return self.target_manifest(cache, None, temperature=t)
 
     def stored_manifest(self, cache: str) -> Manifest | None:
         """Cache ``cache``'s committed manifest (None if absent); 409 ``cache_broken`` if its
@@ -212,11 +262,17 @@ class ScoringService:
             )
 
     async def admitted(
-        self, seqs: Seq[Sequence], k: int, *, targets: SampledTargets | None = None
+        self,
+        seqs: Seq[Sequence],
+        k: int,
+        *,
+        targets: SampledTargets | None = None,
+        temperature: float | None = None,
     ) -> list[SequenceRecord]:
-        """Engine records of ``seqs`` at ``k`` (or sampled rows with ``targets``) under the
-        on-demand admission budget (429 when full); the budget's token rate learns only from
-        requests that finished. Cancelling the awaiting task aborts the engine work."""
+        """Engine records of ``seqs`` at ``k`` (or sampled rows with ``targets``) at
+        ``temperature`` (``None``: the engine's) under the on-demand admission budget (429 when
+        full); the budget's token rate learns only from requests that finished. Cancelling the
+        awaiting task aborts the engine work."""
         tokens = sum(s.length for s in seqs)
         self.admit(tokens)
         self.active += 1
@@ -224,7 +280,13 @@ class ScoringService:
         finished = False
         try:
             records = await pipeline.engine_records(
-                self.engine, seqs, k, metrics=self.metrics, source="score", targets=targets
+                self.engine,
+                seqs,
+                k,
+                metrics=self.metrics,
+                source="score",
+                targets=targets,
+                temperature=temperature,
             )
             finished = True
         finally:

@@ -15,7 +15,7 @@ from logitcache.server.engine import (
     build_engine,
     engine_config,
 )
-from logitcache.server.engine.vllm import rows_from_dicts, rows_from_flat, scores_from_output
+from logitcache.server.engine.vllm_rows import rows_from_dicts, rows_from_flat, scores_from_output
 
 K = 20
 #: fp32 on both sides; research measured |vLLM - HF| <= 2e-6 on CPU.
@@ -96,14 +96,14 @@ def test_array_form_equals_flat_fast_path_and_rank_fallback(vllm_engine, heldout
 
     assert vllm_engine._arrays, "the array hook should install on vLLM 0.32"
     for ids in heldout_sequences[:4]:
-        out = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5, arrays=False)))
+        out = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5, 1.0, arrays=False)))
         flat = out.prompt_logprobs
         assert len(flat) == len(ids) and len(flat.token_ids) == (len(ids) - 1) * 6
         fast = rows_from_flat(flat, 5, len(ids))
         slow = rows_from_dicts(list(flat), 5, len(ids))
         np.testing.assert_array_equal(fast[0], slow[0])
         np.testing.assert_array_equal(fast[1], slow[1])
-        arrays = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5)))
+        arrays = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5, 1.0)))
         pl = arrays.prompt_logprobs
         assert isinstance(pl, TensorPromptLogprobs) and len(pl) == len(ids)
         got = scores_from_output(arrays, 5, len(ids))

@@ -113,9 +113,9 @@ def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
     got: list[list[int]] = []
     original = engine._generate
 
-    async def generate(prompts: list[list[int]], k: int) -> list[Any]:
+    async def generate(prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
         got.extend(prompts)
-        return await original(prompts, k)
+        return await original(prompts, k, temperature)
 
     monkeypatch.setattr(engine, "_generate", generate)
     records = asyncio.run(pipeline.engine_records(engine, seqs, K))

@@ -36,12 +36,12 @@ class MortalEngine(FakeEngine):
     def alive(self) -> bool:
         return not self.dead and not self._closed
 
-    async def _generate(self, prompts: list[list[int]], k: int) -> list[Any]:
+    async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
         if self.die_after is not None and len(self.calls) >= self.die_after:
             self.dead = True
         if self.dead:
             raise EngineUnavailableError("the engine process died")
-        return await super()._generate(prompts, k)
+        return await super()._generate(prompts, k, temperature)
 
 
 class Builds:

@@ -207,8 +207,10 @@ def test_stored_metadata_is_served_without_server_paths(tmp_path: Path) -> None:
 class _BadRows(FakeEngine):
     """Sampled rows with a NaN weight: what the writer refuses (``invalid_record``)."""
 
-    async def _generate_sampled(self, prompts: Any, keys: Any, targets: Any) -> list[Any]:
-        out = await super()._generate_sampled(prompts, keys, targets)
+    async def _generate_sampled(
+        self, prompts: Any, keys: Any, targets: Any, temperature: float
+    ) -> list[Any]:
+        out = await super()._generate_sampled(prompts, keys, targets, temperature)
         for s in out:
             s.topk_logprobs[0, 0] = np.nan
         return out

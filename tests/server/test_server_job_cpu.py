@@ -72,8 +72,8 @@ def test_prompt_logprob_arrays_drop_column_0_as_int32(splits: list[int]) -> None
     """The hook's chunks become the rows vLLM's lists would give (columns 1..k), in the stored
     dtypes, for prompts that arrive in one or several prefill chunks. int64 ids (not the buffers
     of a vLLM whose buffers may be kept) are copied at once."""
-    from logitcache.server.engine.vllm import scores_from_output
     from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
+    from logitcache.server.engine.vllm_rows import scores_from_output
 
     rng = np.random.default_rng(0)
     pl = TensorPromptLogprobs()
@@ -105,7 +105,7 @@ def test_vllm_032_buffers_are_kept_as_views(views: bool, monkeypatch: pytest.Mon
     tail mass of a copy bit for bit; another vLLM series copies."""
     from logitcache.cache_format.records import tail_from_logprobs
     from logitcache.server.engine import vllm_logprobs
-    from logitcache.server.engine.vllm import scores_from_output
+    from logitcache.server.engine.vllm_rows import scores_from_output
 
     monkeypatch.setattr(vllm_logprobs, "_views", [])
     if views:
@@ -127,22 +127,22 @@ def test_vllm_032_buffers_are_kept_as_views(views: bool, monkeypatch: pytest.Mon
 
 def test_sampled_rows_need_the_marker_in_column_0() -> None:
     from logitcache.server.engine.protocol import EngineError
-    from logitcache.server.engine.vllm import sampled_from_output
     from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
+    from logitcache.server.engine.vllm_rows import hooked_from_output
     from logitcache.server.engine.vllm_sampling import MARK
 
     rng = np.random.default_rng(1)
     marked = TensorPromptLogprobs()
     for n in (2, 3):
         marked.add(*_chunks(rng, n, 4, first=MARK))
-    got = sampled_from_output(SimpleNamespace(prompt_logprobs=marked), 6, 4)
+    got = hooked_from_output(SimpleNamespace(prompt_logprobs=marked), 6, 4)
     assert got.topk_ids.shape == (5, 4) and got.topk_ids.dtype == np.int32
     plain = TensorPromptLogprobs()
     plain.add(*_chunks(rng, 5, 4))  # column 0: prompt tokens, not the marker
-    with pytest.raises(EngineError, match="sampling marker"):
-        sampled_from_output(SimpleNamespace(prompt_logprobs=plain), 6, 4)
-    with pytest.raises(EngineError, match="sampling marker"):  # wrong draws
-        sampled_from_output(SimpleNamespace(prompt_logprobs=marked), 6, 3)
+    with pytest.raises(EngineError, match="hook.s marker"):
+        hooked_from_output(SimpleNamespace(prompt_logprobs=plain), 6, 4)
+    with pytest.raises(EngineError, match="hook.s marker"):  # wrong draws
+        hooked_from_output(SimpleNamespace(prompt_logprobs=marked), 6, 3)
 
 
 @pytest.mark.timeout(300)

@@ -128,7 +128,7 @@ def test_single_sequence_and_start_len(app: App) -> None:
     [
         ({"sampling_params": {"max_new_tokens": 8}}, "max_new_tokens"),
         ({"sampling_params": {}}, "max_new_tokens"),
-        ({"sampling_params": {"max_new_tokens": 0, "temperature": 0.7}}, "temperature"),
+        ({"sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, "temperature"),
         ({"token_ids_logprob": [[1, 2]]}, "token_ids_logprob"),
         ({"token_ids_logprob": ["1"]}, ""),
         ({"return_logprob": False}, "return_logprob"),

@@ -212,9 +212,9 @@ def test_jobs_share_the_kept_writer_and_the_shutdown_closes_it(tmp_path) -> None
     scored: list[int] = []
     generate = engine._generate
 
-    async def counted(ps, kk):
+    async def counted(ps, kk, t):
         scored.extend(prompts.index(list(p)) for p in ps)
-        return await generate(ps, kk)
+        return await generate(ps, kk, t)
 
     engine._generate = counted
     settings = app_settings(tmp_path, k=k, job_batch_sequences=4, log_level="warning")

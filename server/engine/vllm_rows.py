@@ -1,0 +1,125 @@
+"""vLLM's prompt logprobs as rows: the conversions of one ``RequestOutput`` (no engine here).
+
+Output layout (read from ``vllm/v1/sample/sampler.py::gather_logprobs`` and
+``vllm/logprobs.py::append_logprobs_for_next_position`` of 0.32): ``prompt_logprobs`` is a
+``FlatLogprobs`` with one entry per prompt position; position 0 is empty; every later position
+``i`` holds exactly ``k + 1`` entries: first the actual token ``x_i`` (with its true rank), then
+the top-k by descending logprob (ranks ``1..k``), duplicates included. So the flat lists reshape to
+``[L - 1, k + 1]`` and column 0 is dropped: row ``j`` (= position ``j + 1``) is the top-k of the
+distribution of ``x_{j+1}``. That conversion is a handful of numpy calls per prompt (no
+per-position Python loop); other layouts (the dict form) go through a per-position fallback that
+keeps the ``k`` best entries by rank. Normally neither runs: :mod:`.vllm_logprobs` has vLLM keep
+the engine's prompt logprobs as the engine core's ``[L - 1, k + 1]`` arrays (same layout), so no
+Python list is built at all.
+
+Rows computed by the worker hook (:mod:`.vllm_sampling`: sampled targets, and top-k rows at a
+temperature other than 1) come in that array form with column 0 the hook's marker
+``vllm_sampling.MARK``; :func:`hooked_from_output` checks it, so a worker without the hook is an
+:class:`~.protocol.EngineError`, never rows of another distribution.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .protocol import EngineError, TeacherScores, make_scores
+from .vllm_logprobs import TensorPromptLogprobs
+
+
+def rows_from_flat(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(topk_ids [L-1, k] int32, topk_logprobs [L-1, k] float32)`` from a ``FlatLogprobs``.
+
+    Fast path (vLLM 0.32's layout, see the module docstring): reshape the flat lists to
+    ``[L-1, k+1]`` and drop column 0. Anything else goes through :func:`rows_from_dicts`.
+    """
+    starts = flat.start_indices
+    n = len(starts)
+    if n != length:
+        raise EngineError(f"vLLM returned {n} prompt positions for a {length}-token prompt")
+    w = k + 1
+    m = length - 1
+    total = len(flat.token_ids)
+    regular = (
+        total == m * w
+        and flat.end_indices[0] == starts[0] == 0
+        and (m == 0 or (starts[1] == 0 and flat.end_indices[-1] == total))
+    )
+    if regular and m > 0:
+        st = np.asarray(starts, dtype=np.int64)
+        en = np.asarray(flat.end_indices, dtype=np.int64)
+        regular = bool(np.all(en[1:] - st[1:] == w)) and bool(np.all(st[2:] == en[1:-1]))
+    if not regular:
+        return rows_from_dicts(list(flat), k, length)
+    # array.array reads a list of Python ints/floats ~20% faster than np.asarray (no per-item
+    # type dispatch); the [:, 1:] slices are copied to contiguous int32/float32 by make_scores
+    ids = np.frombuffer(array.array("q", flat.token_ids), dtype=np.int64).reshape(m, w)[:, 1:]
+    lps = np.frombuffer(array.array("d", flat.logprobs), dtype=np.float64).reshape(m, w)[:, 1:]
+    return ids, lps
+
+
+def rows_from_dicts(
+    positions: Sequence[dict[int, Any] | None], k: int, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fallback for ``list[dict[token_id, Logprob] | None]``: per position the ``k`` entries of
+    best rank (the actual token, added with a rank ``> k`` when outside the top-k, is dropped),
+    ordered by descending logprob."""
+    if len(positions) != length:
+        raise EngineError(f"vLLM returned {len(positions)} prompt positions for {length} tokens")
+    ids = np.empty((length - 1, k), dtype=np.int32)
+    lps = np.empty((length - 1, k), dtype=np.float32)
+    for j, pos in enumerate(positions[1:]):
+        if not pos:
+            raise EngineError(f"vLLM returned no logprobs for prompt position {j + 1}")
+        ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank, -kv[1].logprob))[:k]
+        if len(ranked) < k:
+            raise EngineError(f"vLLM returned {len(ranked)} < k={k} logprobs at position {j + 1}")
+        ranked.sort(key=lambda kv: -kv[1].logprob)
+        ids[j] = [t for t, _ in ranked]
+        lps[j] = [lp.logprob for _, lp in ranked]
+    return ids, lps
+
+
+def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
+    """A :class:`TeacherScores` from one vLLM ``RequestOutput``."""
+    pl = output.prompt_logprobs
+    if pl is None:
+        raise EngineError("vLLM returned no prompt_logprobs (was prompt_logprobs set?)")
+    if isinstance(pl, TensorPromptLogprobs):  # the array form (vllm_logprobs.py)
+        ids, lps = pl.rows(k)
+        if ids.shape != (length - 1, k):
+            raise EngineError(
+                f"vLLM returned prompt logprobs of shape {ids.shape} for a {length}-token "
+                f"prompt at k={k}"
+            )
+        return make_scores(ids, lps)
+    if hasattr(pl, "start_indices"):
+        ids, lps = rows_from_flat(pl, k, length)
+    else:
+        ids, lps = rows_from_dicts(pl, k, length)
+    return make_scores(ids, lps)
+
+
+def hooked_from_output(output: Any, length: int, width: int) -> TeacherScores:
+    """The rows of one vLLM ``RequestOutput`` of a request the worker hook answered (sampled
+    targets, or top-k at a temperature other than 1; :mod:`.vllm_sampling`): ``[L - 1, width
+    + 1]`` arrays, column 0 the hook's marker, checked and dropped."""
+    from .vllm_sampling import MARK
+
+    pl = output.prompt_logprobs
+    if not isinstance(pl, TensorPromptLogprobs):
+        raise EngineError("vLLM returned no prompt-logprob arrays for a hooked request")
+    if not pl.token_ids:
+        raise EngineError(f"vLLM returned no rows for a {length}-token prompt")
+    ids, lps = pl.rows(width)  # column 0 (the marker) is kept apart: pl.column0()
+    have = pl.width
+    if ids.shape != (length - 1, width) or have != width + 1 or not (pl.column0() == MARK).all():
+        raise EngineError(
+            f"vLLM returned prompt rows of shape {(ids.shape[0], have)} without the hook's "
+            f"marker for a {length}-token prompt at width {width}: the worker hook did not run "
+            "in vLLM's worker (is worker_extension_cls overridden?)"
+        )
+    return make_scores(ids, lps)
