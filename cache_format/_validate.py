@@ -21,8 +21,9 @@ from . import _idmap as idmap
 from . import spec
 from ._integrity import checked_get, missing_ranges
 from ._manifest import Manifest
+from ._seal import sealed
 from ._zarr_adapter import async_array, sync
-from .errors import FormatError, MissingDataError
+from .errors import FormatError, MissingDataError, PlacementError
 from .layout import committed_lengths, parse_root, read_root_attrs, strict
 from .quant import STORED_DTYPE, decode_logprobs
 from .store import open_store
@@ -108,7 +109,11 @@ def _read(
     codec, truncated object), each naming the array and the entries."""
     unit = _unit(name)
     try:
-        return np.asarray(sync(checked_get(async_array(arrays[name]), name, a, b, strict(m))))
+        seal = sealed(m.format_version)
+        got = checked_get(async_array(arrays[name]), name, a, b, strict(m), seal)
+        return np.asarray(sync(got))
+    except PlacementError as e:
+        report.add("placement", f"object not where it belongs: {e}", [f"{name} {unit} {a}:{b}"])
     except MissingDataError:
         try:
             gaps = sync(missing_ranges(async_array(arrays[name]), a, b))
