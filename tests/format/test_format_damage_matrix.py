@@ -1,9 +1,9 @@
 """``validate`` never crashes and never says OK on damaged bytes (FORMAT.md R7, R9, R10).
 
-A small store of each encoding (random_access_raw preset, several shards per array, id remap on)
-is copied and one object damaged: deleted, one bit flipped, truncated to half, or two
-shard objects of equal shape swapped between arrays (a misplaced copy); plus a hypothesis test flipping any bit
-of any chunk object or of the root ``zarr.json``. Every case is a finding, none a crash.
+A small store of each encoding (random_access_raw preset, id remap on) is copied and one object
+damaged: deleted, one bit flipped, truncated to half, or two shard objects of equal shape swapped
+between arrays (a misplaced copy); plus a hypothesis test flipping any bit of any chunk object
+or of the root ``zarr.json``. Every case is a finding, none a crash.
 """
 
 from __future__ import annotations
