@@ -322,6 +322,6 @@ def reseal(url, name: str) -> None:
     from logitcache.cache_format._seal import seal_written
     from logitcache.cache_format._zarr_adapter import async_array, sync
 
-    arr = zarr.open_array(zarr.storage.LocalStore(url), path=name, mode="r")
+    arr = zarr.open_array(zarr.storage.LocalStore(str(url)), path=name, mode="r+")
     assert arr.shape[0] <= arr.metadata.chunk_grid.chunk_shape[0]  # one shard
     sync(seal_written(async_array(arr), name, 0, arr.shape[0]))
