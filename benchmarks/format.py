@@ -5,6 +5,7 @@ Modes (``python -m benchmarks.format <mode> --help``)::
     python -m benchmarks.format configs --positions 262144 --cores 1     # the page's main table
     python -m benchmarks.format write --configs default,appends-of-4 --rounds 5
     python -m benchmarks.format random --positions 2000000 --layouts default random_access
+    python -m benchmarks.format validate --positions 1048576 --configs default --sample 0.01 0.1
     python -m benchmarks.format codecs --positions 262144
 
 * ``configs``: each configuration (:data:`CONFIGS`, a layout preset with some fields changed)
@@ -21,6 +22,9 @@ Modes (``python -m benchmarks.format <mode> --help``)::
   (``CacheReader(decode_threads=t)``) against an uncompressed ``.npy`` copy of the same sequences
   read right before, and the sequential reader on the same store. The values read are checked
   against the ``.npy`` copy first.
+* ``validate``: ``validate()`` of a store of ``--configs`` (written once each), whole and with
+  ``--sample`` (fractions of the sequences, seed 0): wall and CPU seconds per million committed
+  rows (for a sample: per million rows of the store, the figure a multi-TB cache's check costs).
 * ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw chunks
   (numcodecs, one block per chunk, one thread).
 """
@@ -28,6 +32,7 @@ Modes (``python -m benchmarks.format <mode> --help``)::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -505,20 +510,71 @@ def run_codecs(args: argparse.Namespace) -> None:
     print(md_table(["input", "codec", "B/pos", "encode pos/cpu-s", "decode pos/cpu-s"], table))
 
 
+# --------------------------------------------------------------------------- validate
+def run_validate(args: argparse.Namespace) -> None:
+    from logitcache.cache_format import validate
+
+    teacher = Teacher(seed=args.seed)
+    data = teacher.fixed(args.positions)
+    rec = Recorder("format", "validate", csv_path=args.csv)
+    table = []
+    with scratch("lc-format-validate-") as root:
+        for name in args.configs.split(","):
+            url = root / name
+            writer_for(CONFIGS[name], data, teacher, url)()
+            for sample in [None, *args.sample]:
+                got = measure(functools.partial(validate, str(url), sample=sample), args.repeats)
+                report = validate(str(url), sample=sample)
+                assert report.ok, str(report)
+                rows = report.manifest.num_rows if report.manifest else 0
+                wall, cpu = (min(x) * 1e6 / rows for x in (got.wall, got.cpu))
+                case = f"{name} sample={sample or 'all'}"
+                log(f"{case}: {wall:.2f} s/M rows wall, {cpu:.2f} CPU-s/M rows")
+                for metric, v in (
+                    ("validate_wall_s_per_m_rows", wall),
+                    ("validate_cpu_s_per_m_rows", cpu),
+                ):
+                    rec.add(
+                        case,
+                        metric,
+                        "s/M rows",
+                        v,
+                        config={"positions": data.positions, "sample": sample},
+                    )
+                table.append(
+                    [case, f"{rows:,}", f"{report.checked_rows:,}", f"{wall:.2f}", f"{cpu:.2f}"]
+                )
+            shutil.rmtree(url)
+    rec.save()
+    print(
+        md_table(["store, sample", "rows", "rows checked", "wall s/M rows", "CPU-s/M rows"], table)
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.format", description=__doc__.split("\n")[0]
     )
     sub = p.add_subparsers(dest="mode", required=True)
-    modes = {"configs": run_configs, "write": run_write, "random": run_random, "codecs": run_codecs}
+    modes = {
+        "configs": run_configs,
+        "write": run_write,
+        "random": run_random,
+        "codecs": run_codecs,
+        "validate": run_validate,
+    }
     for name in modes:
         s = sub.add_parser(name)
         s.add_argument("--positions", type=float, default=2e6 if name == "random" else 262144)
         s.add_argument("--cores", type=int, default=1, help="pin to this many cores (0: all)")
         s.add_argument("--seed", type=int, default=0)
         add_csv_option(s)
-        if name in ("configs", "write"):
-            s.add_argument("--configs", default="default" if name == "write" else ",".join(CONFIGS))
+        if name in ("configs", "write", "validate"):
+            every = ",".join(CONFIGS) if name == "configs" else "default"
+            s.add_argument("--configs", default=every)
+        if name == "validate":
+            s.add_argument("--sample", type=float, nargs="*", default=[0.01])
+            s.add_argument("--repeats", type=int, default=2)
         if name == "configs":
             s.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
             s.add_argument("--random-reads", type=int, default=200)

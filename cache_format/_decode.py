@@ -29,6 +29,7 @@ from . import _pointread as pointread
 from . import spec
 from ._integrity import checked_read
 from ._manifest import Manifest
+from ._seal import sealed
 from ._shardread import DirectLayout
 from .errors import CorruptStoreError
 from .quant import OUT_DTYPES, decode_logprobs
@@ -116,7 +117,11 @@ def stored_values(
     direct = [j for j in jobs if j[0] in arrays.direct]
     got = iter(pointread.read(arrays.direct, direct, pool) if direct else [])
     return [
-        next(got) if n in arrays.direct else checked_read(arrays.arrays[n], n, a, b, arrays.strict)
+        next(got)
+        if n in arrays.direct
+        else checked_read(
+            arrays.arrays[n], n, a, b, arrays.strict, sealed(arrays.manifest.format_version)
+        )
         for n, a, b in jobs
     ]
 

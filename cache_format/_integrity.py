@@ -13,12 +13,23 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import zarr
+from zarr.abc.store import SuffixByteRequest
 from zarr.codecs import ShardingCodec
 
-from ._zarr_adapter import ArrayV3Metadata, RegularChunkGrid, async_array, load_shard_index, sync
+from ._seal import SEAL_SIZE, check_seal
+from ._shardread import as_bytes, parse_index
+from ._zarr_adapter import (
+    ArrayV3Metadata,
+    RegularChunkGrid,
+    async_array,
+    default_buffer_prototype,
+    load_shard_index,
+    sync,
+)
 from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
 
 _EMPTY = 2**64 - 1
@@ -34,9 +45,29 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-async def missing_ranges(arr: zarr.AsyncArray, start: int, stop: int) -> list[tuple[int, int]]:
+async def _sealed_index(
+    arr: zarr.AsyncArray, path: Any, shard: int, n: int, need: int, shard_rows: int
+) -> np.ndarray | None:
+    """The index table ``[n, 2]`` of a sealed shard object (FORMAT.md 4.8), its seal checked;
+    ``None`` if the object is absent."""
+    where = f"array {arr.path} shard {shard}"
+    size = SEAL_SIZE + 16 * n + 4
+    buf = await path.get(prototype=default_buffer_prototype(), byte_range=SuffixByteRequest(size))
+    if buf is None:
+        return None
+    tail = as_bytes(buf)
+    if tail.size != size:
+        raise ChecksumError(f"{where}: object shorter than its index")
+    check_seal(tail, arr.path.rsplit("/", 1)[-1], shard, need, shard_rows, where)
+    return parse_index(tail[SEAL_SIZE:], n, where)
+
+
+async def missing_ranges(
+    arr: zarr.AsyncArray, start: int, stop: int, *, sealed: bool = False
+) -> list[tuple[int, int]]:
     """Entry ranges ``[a, b)`` (axis 0, clipped to ``[start, stop)``) of chunks that hold part of
-    ``[start, stop)`` but are not stored (absent object or empty shard-index entry)."""
+    ``[start, stop)`` but are not stored (absent object or empty shard-index entry). ``sealed``
+    (version >= 4): each shard's seal is checked too (:class:`PlacementError`)."""
     m = arr.metadata
     if stop <= start:
         return []
@@ -61,14 +92,23 @@ async def missing_ranges(arr: zarr.AsyncArray, start: int, stop: int) -> list[tu
                 if not await path.exists():
                     missing.append((lo, hi))
                 continue
-            try:
-                index = await load_shard_index(sharding, path, cps)
-            except Exception as e:  # CRC32C of the index, truncated object
-                raise ChecksumError(f"array {arr.path} shard {key}: index unreadable: {e}") from e
-            if index is None:
+            table: np.ndarray | None
+            if sealed:
+                n = math.prod(cps)
+                table = await _sealed_index(arr, path, s, n, hi - s * outer[0], outer[0])
+                if table is not None:
+                    table = table.reshape(*cps, 2)
+            else:
+                try:
+                    index = await load_shard_index(sharding, path, cps)
+                except Exception as e:  # CRC32C of the index, truncated object
+                    raise ChecksumError(
+                        f"array {arr.path} shard {key}: index unreadable: {e}"
+                    ) from e
+                table = None if index is None else np.asarray(index.offsets_and_lengths)
+            if table is None:
                 missing.append((lo, hi))
                 continue
-            table = np.asarray(index.offsets_and_lengths)
             c0, c1 = (lo - s * outer[0]) // inner0, (hi - 1 - s * outer[0]) // inner0 + 1
             empty = (table[c0:c1, ..., 0] == _EMPTY).reshape(c1 - c0, -1).any(axis=1)
             for c in np.flatnonzero(empty):
@@ -83,13 +123,13 @@ def describe(name: str, ranges: list[tuple[int, int]], unit: str = "entries") ->
 
 
 async def checked_get(
-    arr: zarr.AsyncArray, name: str, start: int, stop: int, strict: bool
+    arr: zarr.AsyncArray, name: str, start: int, stop: int, strict: bool, sealed: bool = False
 ) -> np.ndarray:
     """``arr[start:stop]`` through zarr; with ``strict`` first :func:`missing_ranges` (raises
-    :class:`MissingDataError`). Any failure of zarr's decoding becomes a :class:`ChecksumError`
-    naming the array and range."""
-    if strict:
-        gaps = await missing_ranges(arr, start, stop)
+    :class:`MissingDataError`; with ``sealed`` also :class:`PlacementError`). Any failure of
+    zarr's decoding becomes a :class:`ChecksumError` naming the array and range."""
+    if strict or sealed:
+        gaps = await missing_ranges(arr, start, stop, sealed=sealed)
         if gaps:
             raise MissingDataError(describe(name, gaps))
     try:
@@ -100,6 +140,8 @@ async def checked_get(
         raise ChecksumError(f"array {name}: entries {start}:{stop} unreadable: {e}") from e
 
 
-def checked_read(arr: zarr.Array, name: str, start: int, stop: int, strict: bool) -> np.ndarray:
+def checked_read(
+    arr: zarr.Array, name: str, start: int, stop: int, strict: bool, sealed: bool = False
+) -> np.ndarray:
     """:func:`checked_get` of a synchronous array, run on zarr's event loop."""
-    return np.asarray(sync(checked_get(async_array(arr), name, start, stop, strict)))
+    return np.asarray(sync(checked_get(async_array(arr), name, start, stop, strict, sealed)))

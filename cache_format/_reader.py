@@ -33,6 +33,7 @@ from . import spec
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
 from ._integrity import checked_get
 from ._manifest import Manifest
+from ._seal import sealed
 from ._snapshot import IndexSnapshot
 from ._zarr_adapter import async_array, sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
@@ -170,7 +171,7 @@ class CacheReader:
                 raise CorruptStoreError(
                     f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
                 )
-        strict_ = strict(m)
+        strict_, seal = strict(m), sealed(m.format_version)
         s = m.num_sequences
         jobs = []
         if m.id_remap and m.num_rows and self._id_order is None:
@@ -180,7 +181,7 @@ class CacheReader:
 
         async def gather() -> list[np.ndarray]:
             return await asyncio.gather(
-                *(checked_get(async_array(arrays[n]), n, a, b, strict_) for n, a, b in jobs)
+                *(checked_get(async_array(arrays[n]), n, a, b, strict_, seal) for n, a, b in jobs)
             )
 
         got = dict(zip([j[0] for j in jobs], sync(gather()), strict=True))
@@ -208,7 +209,9 @@ class CacheReader:
     ) -> OpenArrays:
         direct = {}
         for n, a in arrays.items():
-            lay = shardread.direct_layout(a, n, committed=need[n], strict=st)
+            lay = shardread.direct_layout(
+                a, n, committed=need[n], strict=st, sealed=sealed(m.format_version)
+            )
             if lay is not None:
                 direct[n] = lay
         ids = direct.get(spec.TOPK_IDS)

@@ -55,6 +55,7 @@ from zarr.codecs.sharding import ShardingCodecIndexLocation
 from zarr.storage import LocalStore, StorePath
 
 from . import _outbuf as outbuf
+from ._seal import SEAL_SIZE, check_seal, need_of
 from ._zarr_adapter import (
     ArrayV3Metadata,
     Buffer,
@@ -146,6 +147,9 @@ class DirectLayout:
     strict: bool = False
     """Version >= 2 (FORMAT.md R9): an absent shard or chunk is :class:`MissingDataError`, not
     fill value (``length`` is then the committed count: nothing past it is read)."""
+    sealed: bool = False
+    """Version >= 4 (FORMAT.md 4.8): every shard object carries a seal before its index, checked
+    with it (:mod:`._seal`; ``name`` must then be the array's name)."""
     raw: bool = False
     """Inner chunks have no compressor (codecs ``bytes`` LE + ``crc32c``): a chunk's stored bytes
     are its little-endian bytes followed by their CRC32C (FORMAT.md 4.7, ``random_access_raw``)."""
@@ -168,6 +172,12 @@ class DirectLayout:
     @property
     def chunks_per_shard(self) -> int:
         return self.shard_rows // self.chunk_rows
+
+    @property
+    def tail_size(self) -> int:
+        """Bytes at the end of a shard object read to get its index: the index and its CRC32C,
+        after the seal in a sealed store."""
+        return 16 * self.chunks_per_shard + 4 + (SEAL_SIZE if self.sealed else 0)
 
     @property
     def row_items(self) -> int:
@@ -196,6 +206,7 @@ def direct_layout(
     *,
     committed: int | None = None,
     strict: bool = False,
+    sealed: bool = False,
 ) -> DirectLayout | None:
     """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it.
 
@@ -204,8 +215,8 @@ def direct_layout(
     + ``crc32c``), inner codecs ``bytes`` little + ``blosc`` + ``crc32c`` (or ``bytes`` little +
     ``crc32c``: :attr:`DirectLayout.raw`), inner chunks spanning
     the trailing dimensions, a fixed-size numeric dtype, and a little-endian host.
-    ``committed``: the entries readers may use (default: the array's length); ``strict``: see
-    :class:`DirectLayout`.
+    ``committed``: the entries readers may use (default: the array's length); ``strict``,
+    ``sealed``: see :class:`DirectLayout`.
     """
     m = arr.metadata
     if sys.byteorder != "little" or not isinstance(m, ArrayV3Metadata) or m.storage_transformers:
@@ -251,6 +262,7 @@ def direct_layout(
         shard_rows=int(shard_shape[0]),
         chunk_rows=int(chunk_shape[0]),
         strict=strict,
+        sealed=sealed,
         raw=len(codecs) == 2,
     )
 
@@ -295,6 +307,23 @@ def parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
     return table
 
 
+def read_index(
+    lay: DirectLayout, tail: np.ndarray, shard: int, where: str, need: int | None = None
+) -> np.ndarray:
+    """The checked index table of shard ``shard`` from ``tail``, the object's last
+    :attr:`DirectLayout.tail_size` bytes; in a sealed store its seal is checked first
+    (:func:`._seal.check_seal`: the shard must hold ``need`` entries, by default those below
+    ``lay.length``)."""
+    n = lay.chunks_per_shard
+    if tail.size != lay.tail_size:
+        raise ChecksumError(f"{where}: object shorter than its index")
+    if lay.sealed:
+        if need is None:
+            need = need_of(lay.length, shard, lay.shard_rows)
+        check_seal(tail, lay.name, shard, need, lay.shard_rows, where)
+    return parse_index(tail[-(16 * n + 4) :], n, where)
+
+
 def as_bytes(buf: Buffer) -> np.ndarray:
     return np.ascontiguousarray(buf.as_numpy_array()).view(np.uint8).reshape(-1)
 
@@ -312,19 +341,19 @@ async def _fetch_shard(lay: DirectLayout, shard: int, c0: int, c1: int) -> _Shar
         if buf is None:
             return got
         data = as_bytes(buf)
-        if data.size < 16 * n + 4:
+        if data.size < lay.tail_size:
             raise ChecksumError(f"{where}: object shorter than its index")
-        got.index = parse_index(data[-(16 * n + 4) :], n, where)
+        got.index = read_index(lay, data[-lay.tail_size :], shard, where)
         got.data = data
         if complete:
             lay.index_cache[shard] = got.index
         return got
     index = lay.index_cache.get(shard) if complete else None
     if index is None:
-        buf = await path.get(prototype=proto, byte_range=SuffixByteRequest(16 * n + 4))
+        buf = await path.get(prototype=proto, byte_range=SuffixByteRequest(lay.tail_size))
         if buf is None:
             return got
-        index = parse_index(as_bytes(buf), n, where)
+        index = read_index(lay, as_bytes(buf), shard, where)
         if complete:
             lay.index_cache[shard] = index
     got.index = index
@@ -425,12 +454,11 @@ def _local_index(lay: DirectLayout, fd: int, shard: int, where: str) -> np.ndarr
     complete = (shard + 1) * lay.shard_rows <= lay.length
     index = lay.index_cache.get(shard) if complete else None
     if index is None:
-        n = lay.chunks_per_shard
-        size, want = os.fstat(fd).st_size, 16 * n + 4
+        size, want = os.fstat(fd).st_size, lay.tail_size
         if size < want:
             raise ChecksumError(f"{where}: object shorter than its index")
         raw = np.frombuffer(os.pread(fd, want, size - want), dtype=np.uint8)
-        index = parse_index(raw, n, where)
+        index = read_index(lay, raw, shard, where)
         if complete:
             lay.index_cache[shard] = index
     return index

@@ -18,8 +18,9 @@ Per shard touched by rows ``[start, stop)`` (``start`` is the committed count, r
   ``vlen-utf8`` -> its ``ZstdCodec`` settings -> CRC32C of the frame, uint32 LE), the last one
   padded with the fill value;
 * chunks past the new rows are left empty (``offset = nbytes = 2**64 - 1``: nothing past the
-  new count is committed), and the shard object is written once: chunks in order, then the
-  index ``n x (offset, nbytes)`` uint64 LE and its CRC32C.
+  new count is committed), and the shard object is written once: chunks in order, then (in a
+  version-4 store) the shard's seal (:mod:`._seal`), then the index ``n x (offset, nbytes)``
+  uint64 LE and its CRC32C.
 
 A lost shard below ``start`` in a version-2 store is :class:`~.errors.MissingDataError` (R9), as
 on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
@@ -38,7 +39,8 @@ from numcodecs.vlen import VLenUTF8
 from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
 
 from . import _outbuf as outbuf
-from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, parse_index
+from ._seal import SEAL_SIZE, make_seal
+from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, read_index
 from ._shardread import decode_chunk as shardread_decode_chunk
 from ._zarr_adapter import (
     ArrayV3Metadata,
@@ -83,7 +85,7 @@ def _codec(lay: DirectLayout) -> Any:
     return zstd_codec(inner)
 
 
-def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
+def keys_layout(arr: Any, name: str, *, strict: bool, sealed: bool = False) -> DirectLayout | None:
     """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
     as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
     ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
@@ -125,6 +127,7 @@ def keys_layout(arr: Any, name: str, *, strict: bool) -> DirectLayout | None:
         shard_rows=shard,
         chunk_rows=chunk,
         strict=strict,
+        sealed=sealed,
     )
 
 
@@ -191,11 +194,10 @@ async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np
         head = np.full((part, *lay.inner), lay.fill_value, dtype=lay.dtype) if part else None
         return keep, head
     data = as_bytes(buf)
-    index_size = 16 * n + 4
-    if data.size < index_size:
+    if data.size < lay.tail_size:
         raise ChecksumError(f"{where}: shard shorter than its index")
-    table = parse_index(data[-index_size:], n, where)
-    body = data.size - index_size
+    table = read_index(lay, data[-lay.tail_size :], shard, where, need=below)
+    body = data.size - lay.tail_size
 
     def frame(i: int) -> np.ndarray | None:
         off, nb = int(table[i, 0]), int(table[i, 1])
@@ -285,7 +287,8 @@ async def _write_shard(
         for f in frames
     ]
     body = sum(sizes)
-    payload = _aligned(body + 16 * n + 4)
+    seal = SEAL_SIZE if lay.sealed else 0
+    payload = _aligned(body + seal + 16 * n + 4)
     table = np.full((n, 2), EMPTY, dtype="<u8")
     pos = 0
     views: list[np.ndarray | None] = [None] * n
@@ -303,10 +306,11 @@ async def _write_shard(
         views[i] = payload[pos : pos + size]
         pos += size
     index = table.tobytes()
-    payload[body : body + 16 * n] = np.frombuffer(index, dtype=np.uint8)
-    payload[body + 16 * n :] = np.frombuffer(
-        google_crc32c.value(index).to_bytes(4, "little"), dtype=np.uint8
-    )
+    index += google_crc32c.value(index).to_bytes(4, "little")
+    payload[body + seal :] = np.frombuffer(index, dtype=np.uint8)
+    if seal:  # FORMAT.md 4.8: this object's array, place and fill, bound to its index
+        sealed_by = make_seal(lay.name, shard, off + rows.shape[0], index)
+        payload[body : body + seal] = np.frombuffer(sealed_by, dtype=np.uint8)
     await lay.shard_path(shard).set(default_buffer_prototype().buffer.from_array_like(payload))
     if update is not None:  # as this shard now stands (only once its write has returned)
         end = off + rows.shape[0]

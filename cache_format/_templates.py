@@ -20,6 +20,7 @@ from zarr.storage import StorePath
 
 from . import _shardwrite as shardwrite
 from . import spec
+from ._seal import sealed
 from ._shardread import DirectLayout, OpenShards, direct_layout
 from ._zarr_adapter import ArrayV3Metadata, default_buffer_prototype
 from .layout import ArrayDef
@@ -114,9 +115,10 @@ def direct_layout_of(arr: Any, name: str, version: int, direct: bool) -> DirectL
     always where ``direct`` is off)."""
     if not direct or version < 2:
         return None
-    lay = direct_layout(arr, name, strict=True)
+    seal = sealed(version)
+    lay = direct_layout(arr, name, strict=True, sealed=seal)
     if lay is None and name == spec.SEQ_KEYS:  # vlen-utf8 strings
-        lay = shardwrite.keys_layout(arr, name, strict=True)
+        lay = shardwrite.keys_layout(arr, name, strict=True, sealed=seal)
     return lay if lay is not None and shardwrite.supported(lay) else None
 
 

@@ -21,8 +21,9 @@ from . import _idmap as idmap
 from . import spec
 from ._integrity import checked_get, missing_ranges
 from ._manifest import Manifest
+from ._seal import sealed
 from ._zarr_adapter import async_array, sync
-from .errors import FormatError, MissingDataError
+from .errors import FormatError, MissingDataError, PlacementError
 from .layout import committed_lengths, parse_root, read_root_attrs, strict
 from .quant import STORED_DTYPE, decode_logprobs
 from .store import open_store
@@ -108,7 +109,11 @@ def _read(
     codec, truncated object), each naming the array and the entries."""
     unit = _unit(name)
     try:
-        return np.asarray(sync(checked_get(async_array(arrays[name]), name, a, b, strict(m))))
+        seal = sealed(m.format_version)
+        got = checked_get(async_array(arrays[name]), name, a, b, strict(m), seal)
+        return np.asarray(sync(got))
+    except PlacementError as e:
+        report.add("placement", f"object not where it belongs: {e}", [f"{name} {unit} {a}:{b}"])
     except MissingDataError:
         try:
             gaps = sync(missing_ranges(async_array(arrays[name]), a, b))
@@ -177,17 +182,18 @@ def _open_arrays(store: Store, m: Manifest, report: ValidationReport) -> dict[st
     return arrays
 
 
-def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> np.ndarray | None:
+    """R3, R8 over the whole sequence index; the checked lengths (``None``: not readable)."""
     s = m.num_sequences
     if not all(n in arrays for n in spec.SEQ_ARRAYS):
-        return
+        return None
     read = {n: _read(arrays, m, report, n, 0, s) for n in spec.SEQ_ARRAYS}
     keys = read[spec.SEQ_KEYS]
     if keys is not None:
         _check_keys([str(x) for x in keys], arrays, m, report)
     got = {n: v for n, v in read.items() if v is not None}
     if any(n not in got for n in spec.SEQ_ARRAYS[1:]):
-        return
+        return None
     lengths = got[spec.SEQ_LENGTHS].astype(np.int64)
     tok = got[spec.SEQ_TOKEN_START]
     row = got[spec.SEQ_ROW_START]
@@ -220,6 +226,9 @@ def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> None:
             "count_rows",
             f"sum of lengths - 1 = {int((lengths - 1).sum())} != num_rows {m.num_rows}",
         )
+        return None
+    tiles = (lengths >= 2).all() and (tok == exp_tok).all() and (row == exp_row).all()
+    return lengths if tiles and int(lengths.sum()) == m.num_tokens else None
 
 
 def _check_keys(keys: list[str], arrays: dict, m: Manifest, report: ValidationReport) -> None:
@@ -256,7 +265,23 @@ def _check_keys(keys: list[str], arrays: dict, m: Manifest, report: ValidationRe
         report.add("key_bytes", "seq_key_bytes differ from seq_keys", bad, len(bad))
 
 
-def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+def _blocks(stop: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, stop)) for a in range(0, stop, size)]
+
+
+def _split(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """``spans`` (sorted, disjoint) merged where they touch and cut into pieces of ``size``."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a and out[-1][1] - out[-1][0] < size:
+            a = out.pop()[0]
+        out += [(x, min(x + size, b)) for x in range(a, b, size)]
+    return out
+
+
+def _check_rows(
+    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
+) -> None:
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
     quant = m.logprob_dtype in spec.QUANTISED_DTYPES
     if quant:
@@ -273,8 +298,7 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
         if not idmap.is_permutation(order, m.vocab_size):
             report.add("id_order", "id_order is not a permutation of [0, vocab_size)")
             return
-    for b0 in range(0, m.num_rows, BLOCK_ROWS):
-        b1 = min(b0 + BLOCK_ROWS, m.num_rows)
+    for b0, b1 in spans:
         read = {n: _read(arrays, m, report, n, b0, b1) for n in names}
         block = {n: v for n, v in read.items() if v is not None}
         if len(block) < len(read):
@@ -354,25 +378,27 @@ def _check_rows(arrays: dict, m: Manifest, report: ValidationReport) -> None:
             b0,
             "row",
         )
-        report.checked_rows = b1
+        report.checked_rows += b1 - b0
 
 
-def _check_loss_mask(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+def _check_loss_mask(
+    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
+) -> None:
     """FORMAT.md 4.6: every committed ``loss_mask`` entry is 0 or 1 (``loss_mask_value``)."""
     if not m.loss_mask or spec.LOSS_MASK not in arrays:
         return
-    for b0 in range(0, m.num_rows, BLOCK_ROWS * 16):
-        b1 = min(b0 + BLOCK_ROWS * 16, m.num_rows)
+    for b0, b1 in spans:
         mask = _read(arrays, m, report, spec.LOSS_MASK, b0, b1)
         if mask is not None:
             _flag(report, "loss_mask_value", "loss_mask entry not 0 or 1", mask > 1, b0, "row")
 
 
-def _check_tokens(arrays: dict, m: Manifest, report: ValidationReport) -> None:
+def _check_tokens(
+    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
+) -> None:
     if spec.INPUT_IDS not in arrays:
         return
-    for b0 in range(0, m.num_tokens, BLOCK_ROWS * 16):
-        b1 = min(b0 + BLOCK_ROWS * 16, m.num_tokens)
+    for b0, b1 in spans:
         tok = _read(arrays, m, report, spec.INPUT_IDS, b0, b1)
         if tok is None:
             continue
@@ -386,8 +412,36 @@ def _check_tokens(arrays: dict, m: Manifest, report: ValidationReport) -> None:
         )
 
 
-def validate(url: str | Path, storage_options: dict[str, Any] | None = None) -> ValidationReport:
-    """Check every FORMAT.md invariant of the committed part of the store at ``url``."""
+def _sample(
+    lengths: np.ndarray, sample: float, seed: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The row and token spans of a seeded sample of sequences: ``sample < 1`` a fraction of
+    them, else a count (at least one sequence of a non-empty store)."""
+    s = lengths.size
+    n = min(s, max(1, round(sample * s)) if sample < 1 else int(sample)) if s else 0
+    pick = np.sort(np.random.default_rng(seed).choice(s, size=n, replace=False))
+    tok = np.concatenate([[0], np.cumsum(lengths)])
+    row = tok - np.arange(s + 1)
+    rows = [(int(row[i]), int(row[i + 1])) for i in pick]
+    return _split(rows, BLOCK_ROWS), _split(
+        [(int(tok[i]), int(tok[i + 1])) for i in pick], BLOCK_ROWS * 16
+    )
+
+
+def validate(
+    url: str | Path,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    sample: float | None = None,
+    seed: int = 0,
+) -> ValidationReport:
+    """Check every FORMAT.md invariant of the committed part of the store at ``url``.
+
+    ``sample``: check the rows and tokens of a seeded sample of the sequences only (a fraction
+    if below 1, else a count; ``seed`` picks them); the manifest, the arrays' metadata and the
+    whole sequence index are always checked. Without it every committed entry is read."""
+    if sample is not None and not sample > 0:
+        raise ValueError(f"sample must be > 0 (a fraction below 1 or a count), got {sample}")
     report = ValidationReport(url=str(url))
     try:
         handle = open_store(url, storage_options, read_only=True)
@@ -405,10 +459,22 @@ def validate(url: str | Path, storage_options: dict[str, Any] | None = None) -> 
         return report
     report.manifest = m
     arrays = _open_arrays(handle.zstore, m, report)
-    checks: list[Callable] = [_check_index, _check_rows, _check_loss_mask, _check_tokens]
-    for check in checks:
-        try:
-            check(arrays, m, report)
-        except Exception as e:  # a safety net: every check reports, none may crash validate
-            report.add("unreadable", f"{check.__name__} failed on damaged data: {e!r}")
+    lengths = _guard(report, _check_index, arrays, m, report)
+    rows, tokens = _blocks(m.num_rows, BLOCK_ROWS), _blocks(m.num_tokens, BLOCK_ROWS * 16)
+    masks = _blocks(m.num_rows, BLOCK_ROWS * 16)
+    if sample is not None and lengths is not None:
+        rows, tokens = _sample(lengths, sample, seed)
+        masks = rows
+    _guard(report, _check_rows, arrays, m, report, rows)
+    _guard(report, _check_loss_mask, arrays, m, report, masks)
+    _guard(report, _check_tokens, arrays, m, report, tokens)
     return report
+
+
+def _guard(report: ValidationReport, check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)``; a safety net: every check reports, none may crash validate."""
+    try:
+        return check(*args)
+    except Exception as e:
+        report.add("unreadable", f"{check.__name__} failed on damaged data: {e!r}")
+        return None

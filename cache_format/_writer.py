@@ -37,6 +37,7 @@ from ._encode import Batch, encode_batch
 from ._integrity import checked_get
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
+from ._seal import seal_written, sealed
 from ._shardread import DirectLayout
 from ._zarr_adapter import async_array, default_buffer_prototype, sync
 from .errors import FormatError, ManifestError, StoreNeedsRepairError
@@ -256,7 +257,14 @@ class CacheWriter:
         if n > self._known:
             arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
             got = sync(
-                checked_get(async_array(arr), spec.SEQ_KEYS, self._known, n, strict(self._manifest))
+                checked_get(
+                    async_array(arr),
+                    spec.SEQ_KEYS,
+                    self._known,
+                    n,
+                    strict(self._manifest),
+                    sealed(self._manifest.format_version),
+                )
             )  # a lost keys shard is MissingDataError, not "" keys that let duplicates in
             self._keys.update(str(x) for x in got)
             self._known = n
@@ -462,6 +470,8 @@ class CacheWriter:
         last = shardwrite.LastShard()
         if lay is None:
             await arr.setitem(slice(start, stop), data)
+            if sealed(self._manifest.format_version):  # zarr writes no seal (FORMAT.md 4.8)
+                await seal_written(arr, name, start, stop)
         else:  # the same bytes as zarr's setitem, without its per-chunk machinery
             await shardwrite.write_rows(lay, start, data, last)
         # kept for the next append (its metadata now says ``stop``): reused only if the array

@@ -148,12 +148,26 @@ def info(url: str, option: OptionList = None, as_json: bool = False) -> None:
             )
 
 
-def validate_cmd(url: str, option: OptionList = None) -> None:
-    """Check every invariant; exit status 1 if any problem is found, 2 if there is no store."""
+def validate_cmd(
+    url: str,
+    option: OptionList = None,
+    sample: Annotated[
+        float | None,
+        typer.Option(
+            help="check a seeded sample of sequences: a fraction (<1) or count"
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="seed of --sample")] = 0,
+) -> None:
+    """Check every invariant; exit status 1 if any problem is found, 2 if there is no store.
+    ``--sample``: the rows and tokens of a seeded sample of sequences only (the manifest, the
+    arrays' metadata and the whole sequence index are always checked)."""
     from ._validate import validate
     from .errors import StoreNotFoundError
 
-    report = validate(url, storage_options(option))
+    if sample is not None and not sample > 0:
+        raise typer.BadParameter("--sample must be > 0")
+    report = validate(url, storage_options(option), sample=sample, seed=seed)
     if report.codes() & {"no_store", "store_unreadable"}:
         raise _fail(url, StoreNotFoundError(f"no logitcache store at {url!r}"))
     typer.echo(str(report))

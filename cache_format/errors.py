@@ -74,6 +74,12 @@ class MissingDataError(CorruptStoreError):
     The message names the array and the rows (entries) it would have held."""
 
 
+class PlacementError(CorruptStoreError):
+    """An intact shard object is not the one its place needs (FORMAT.md 4.8): its seal names
+    another array or shard, or it holds fewer entries than the committed count (a misplaced or
+    stale copy)."""
+
+
 class StoreNeedsRepairError(CorruptStoreError):
     """The store's root ``zarr.json`` (the manifest, the commit point) is missing, unreadable or
     only the creation marker, yet its arrays hold data: a writer refuses to open it (it would

@@ -9,15 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Integer version of the on-disk layout written by this library, stored as root attribute
-``format_version``. Version 3: version 2 plus the root attribute ``logitcache_digest`` (CRC32C
-of the other root attributes, checked on every open). Version 2 (FORMAT.md): every chunk of the
+``format_version``. Version 4: version 3 plus a seal in every shard object binding it to its
+array, its shard coordinate and its filled entries (FORMAT.md 4.8). Version 3: version 2 plus
+the root attribute ``logitcache_digest`` (CRC32C of the other root attributes, checked on every
+open). Version 2 (FORMAT.md): every chunk of the
 committed range is stored (an absent object there is data loss,
 :class:`~.errors.MissingDataError`), keys also as bytes
 (``seq_key_bytes`` + ``seq_key_end``), arrays carry an ``encoding`` attribute."""
 
-SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
 """Versions this library reads (and appends to, keeping their version)."""
 
 ROOT_ATTR = "logitcache"

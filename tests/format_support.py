@@ -242,6 +242,7 @@ CASES = [
     {"loss_mask": True},
 ]
 
+
 class ZarrReader:
     """The reference for the reader's decoders: the same store read through stock zarr-python's
     array API (``zarr.open_array(...)[a:b]``), decoded with the format's transforms (id order,
@@ -311,3 +312,16 @@ class ZarrReader:
 
     def sequences(self, idx, *, logprob_dtype="float32"):
         return [self.sequence(int(i), logprob_dtype=logprob_dtype) for i in idx]
+
+
+def reseal(url, name: str) -> None:
+    """Re-seal the shard objects of array ``name`` (one shard) after a test edited its values
+    through stock zarr (which writes no seal, FORMAT.md 4.8): the damage a buggy writer would
+    leave, values wrong but every object sealed in its place."""
+    import zarr
+    from logitcache.cache_format._seal import seal_written
+    from logitcache.cache_format._zarr_adapter import async_array, sync
+
+    arr = zarr.open_array(zarr.storage.LocalStore(str(url)), path=name, mode="r+")
+    assert arr.shape[0] <= arr.metadata.chunk_grid.chunk_shape[0]  # one shard
+    sync(seal_written(async_array(arr), name, 0, arr.shape[0]))

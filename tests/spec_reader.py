@@ -74,7 +74,7 @@ class SpecStore:
         self.root = Path(root)
         attrs = json.loads((self.root / "zarr.json").read_text())["attributes"]
         self.version = attrs["format_version"]  # 2.1
-        if self.version not in (1, 2, 3):
+        if self.version not in (1, 2, 3, 4):
             raise SpecError(f"2.1: format_version {self.version} unknown")
         if self.version >= 3:  # 2.2: digest of the other root attributes
             body = {k: v for k, v in attrs.items() if k != "logitcache_digest"}
@@ -120,6 +120,8 @@ class SpecStore:
                 if len(index) != 16 * n_chunks + 4 or not _crc_ok(index):
                     raise SpecError(f"R7: {name} {key} index fails its CRC32C")
                 table = np.frombuffer(index[:-4], "<u8").reshape(n_chunks, 2)
+                if self.version >= 4:  # 4.8: the seal before the index
+                    self._check_seal(data, name, s, min(count - s * shard_rows, shard_rows), index)
             for c in range(n_chunks):
                 first = s * shard_rows + c * chunk_rows
                 if first >= count:
@@ -138,7 +140,11 @@ class SpecStore:
                 if names == ["vlen-utf8", "zstd", "crc32c"]:
                     out.append(_vlen_utf8(Zstd().decode(body))[:take])
                     continue
-                if names == ["bytes", "blosc", "crc32c"]:
+                if names == ["bytes", "crc32c"]:  # 4: no compressor
+                    if len(body) != chunk_rows * math.prod(inner) * dtype.itemsize:
+                        raise SpecError(f"4: {name} chunk {c} of shard {s} has the wrong size")
+                    buf = body
+                elif names == ["bytes", "blosc", "crc32c"]:
                     buf = blosc.decompress(body)
                 elif names == ["bytes", "zstd", "crc32c"]:
                     buf = Zstd().decode(body)
@@ -151,6 +157,22 @@ class SpecStore:
         if not out:
             return np.zeros((0, *inner), dtype)
         return np.concatenate(out)
+
+    @staticmethod
+    def _check_seal(data: bytes, name: str, shard: int, need: int, index: bytes) -> None:
+        """4.8: the 28 bytes before the index: magic, CRC32C of the name, shard, entries, and
+        the CRC32C of those 24 bytes followed by the index (with its CRC32C)."""
+        seal = data[-len(index) - 28 : -len(index)]
+        if len(seal) != 28 or seal[:4] != b"LCS1":
+            raise SpecError(f"4.8: {name} shard {shard} has no seal")
+        if google_crc32c.value(seal[:24] + index) != int.from_bytes(seal[24:], "little"):
+            raise SpecError(f"4.8: {name} shard {shard} seal fails its CRC32C")
+        ncrc = int.from_bytes(seal[4:8], "little")
+        at, entries = int.from_bytes(seal[8:16], "little"), int.from_bytes(seal[16:24], "little")
+        if ncrc != google_crc32c.value(name.encode()) or at != shard:
+            raise SpecError(f"4.8: {name} shard {shard} object belongs elsewhere")
+        if entries < need:
+            raise SpecError(f"4.8: {name} shard {shard} holds {entries} entries, needs {need}")
 
     # ----------------------------------------------------------------- decoded store
     def decode(self) -> dict:

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import zarr
-from format_support import make_manifest, make_records
+from format_support import make_manifest, make_records, reseal
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
@@ -119,6 +119,7 @@ def test_validate_reports_bad_mask_values_and_a_missing_array(masked) -> None:
     url, _ = masked
     arr = zarr.open_array(str(url), path="loss_mask", mode="r+")
     arr[3] = 7
+    reseal(url, "loss_mask")
     rep = validate(url)
     assert "loss_mask_value" in rep.codes() and "row 3" in str(rep)
     import shutil

@@ -33,6 +33,7 @@ from logitcache.cache_format.errors import ChecksumError, CorruptStoreError
 s3_endpoint = format_support.s3_endpoint
 s3_store = format_support.s3_store
 
+
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")
 @pytest.mark.parametrize("threads", [1, 3])
 def test_point_reads_equal_the_range_path(tmp_path, monkeypatch, kw, threads):

@@ -171,7 +171,7 @@ def test_manifest_edit_fails_its_digest(request, tmp_path, where, field):
         w.append(make_records(3, k=K, vocab=VOCAB, seed=1))
     objs = _Objects(url, opts)
     doc = json.loads(objs.get("zarr.json") or b"")
-    assert doc["attributes"]["format_version"] == FORMAT_VERSION == 3
+    assert doc["attributes"]["format_version"] == FORMAT_VERSION == 4
     MANIFEST_EDITS[field](doc["attributes"]["logitcache"])
     objs.put("zarr.json", json.dumps(doc).encode())
     with pytest.raises(ChecksumError, match="digest"):

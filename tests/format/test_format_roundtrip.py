@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from format_support import make_manifest, make_records
+from format_support import make_manifest, make_records, reseal
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
@@ -156,6 +156,7 @@ def test_id_remap_roundtrip_resume_and_validate(tmp_path):
     assert validate(url).ok
     arr = zarr.open_array(zarr.storage.LocalStore(url), path="id_order", mode="r+")
     arr[0] = arr[1]
+    reseal(url, "id_order")
     assert "id_order" in validate(url).codes()
 
 
