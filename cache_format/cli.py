@@ -153,9 +153,7 @@ def validate_cmd(
     option: OptionList = None,
     sample: Annotated[
         float | None,
-        typer.Option(
-            help="check a seeded sample of sequences: a fraction (<1) or count"
-        ),
+        typer.Option(help="check a seeded sample of sequences: a fraction (<1) or count"),
     ] = None,
     seed: Annotated[int, typer.Option(help="seed of --sample")] = 0,
 ) -> None:
