@@ -217,14 +217,17 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
             for batch in engine._batches(ps):
                 hidden = engine._hidden([ps[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(ps[i]) - 1] for r, i in enumerate(batch)])
-                engine._topk_rows(rows, k)
+                engine._topk_rows(rows, k, 1.0)
         sync(device.startswith("cuda"))
 
     out: dict[str, Any] = {"load_s": load_s, "positions": positions, "device": device}
     warm = prompts[: max(1, args.batch_sequences)]
     device_only(warm)
-    engine._score_sync(warm, k)
-    for name, fn in (("device", device_only), ("engine", lambda ps: engine._score_sync(ps, k))):
+    engine._score_sync(warm, k, 1.0)
+    for name, fn in (
+        ("device", device_only),
+        ("engine", lambda ps: engine._score_sync(ps, k, 1.0)),
+    ):
         with GpuSampler() as gpu:
             c0, t0 = time.process_time(), time.perf_counter()
             res = fn(prompts)
