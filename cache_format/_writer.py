@@ -131,6 +131,7 @@ class CacheWriter:
         )
         self._lock.acquire(lock_timeout)
         try:
+            handle.remove_partials()
             try:
                 attrs = read_root_attrs(self._store)
             except ValueError as e:  # a root zarr.json that is not JSON (or not a zarr document)

@@ -266,6 +266,22 @@ class StoreHandle:
         if isinstance(self.zstore, DurableLocalStore):
             self.zstore.sync_dirs()
 
+    def remove_partials(self) -> int:
+        """Delete the ``*.partial`` temporary files under a local store (left by a writer killed
+        mid-write; never part of the store) and return how many. Call it only while holding the
+        writer lock: then no write of this store is in flight. Other stores: 0 (an object-store
+        PUT leaves no temporary)."""
+        if self.local_path is None:
+            return 0
+        n = 0
+        for p in self.local_path.rglob("*.partial"):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                continue
+            n += 1
+        return n
+
 
 def _scheme(url: str) -> str:
     if "://" not in url:

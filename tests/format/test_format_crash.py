@@ -57,6 +57,8 @@ def check_prefix(url, recs, options=None) -> int:
 def resume_and_check(url, recs, committed: int, options=None, **open_kw) -> None:
     m = make_manifest(k=CHILD_K, vocab_size=CHILD_VOCAB)
     with CacheWriter.open(url, m, options, **open_kw) as w:
+        if not str(url).startswith("s3://"):  # the killed writer's temporaries are gone
+            assert not list(Path(url).rglob("*.partial"))
         assert w.num_sequences == committed
         assert w.append(recs) == len(recs) - committed  # no duplicates
     assert check_prefix(url, recs, options) == len(recs)  # no holes
@@ -91,6 +93,27 @@ def test_sigkill_at_random_times(tmp_path):
         committed = check_prefix(url, recs)
         assert committed >= seen
         resume_and_check(url, recs, committed)
+
+
+def test_reopening_for_writing_removes_a_killed_writers_temporaries(tmp_path):
+    """``*.partial`` files (a write killed between its temporary file and the rename) are
+    deleted when the store is next opened for writing; readers leave them alone."""
+    url = tmp_path / "c"
+    recs = expected()
+    m = make_manifest(k=CHILD_K, vocab_size=CHILD_VOCAB)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[:10])
+    leftovers = [
+        url / "topk_ids" / "c" / "1.0.1a2b3c4d5e6f7.partial",
+        url / "zarr.9f8e7d6c5b4.partial",
+    ]
+    for p in leftovers:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"half an object")
+    assert check_prefix(url, recs) == 10
+    assert all(p.exists() for p in leftovers)  # reading deletes nothing
+    resume_and_check(url, recs, 10)
+    assert not any(p.exists() for p in leftovers)
 
 
 def test_interrupted_creation_is_recreated(tmp_path):
