@@ -13,8 +13,10 @@ what is measured is the service's own cost per request, the cache's read-through
 ``POST /v1/score`` of one sequence of ``--min-len``..``--max-len`` random ids with
 ``cache="bench"``: every request is a miss, scored, stored and answered. A warm-up of a few
 requests creates the cache first. Per run: requests/s (answered 200 over the wall time), p50 and
-p99 latency, and the check that every answered ``stored`` count is in the cache afterwards (the
-cache's sequences read by :class:`CacheReader` after the server has stopped).
+p99 latency, the server process's CPU-ms per request (psutil; the machine is shared, so
+requests/s follows its load, CPU per request much less), and the check that every answered
+``stored`` count is in the cache afterwards (its sequences read by :class:`CacheReader` after
+the server has stopped).
 
 With ``--baseline REV`` the same load runs against the packages of revision ``REV`` too
 (``git archive``, :func:`benchmarks.harness.export_tree`), alternating with this checkout for
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from benchmarks.harness import ROOT, Recorder, add_csv_option, export_tree, machine_line
 from tests.server_support import free_port
@@ -94,8 +97,11 @@ def _body(rng: random.Random, lo: int, hi: int, k: int) -> dict[str, Any]:
     return {"input_ids": [ids], "k": k, "cache": CACHE}
 
 
-async def _load(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """``args.requests`` requests from ``args.concurrency`` clients; latencies and counts."""
+async def _load(
+    url: str, args: argparse.Namespace, seed: int, pid: int | None = None
+) -> dict[str, Any]:
+    """``args.requests`` requests from ``args.concurrency`` clients; latencies, counts and (with
+    ``pid``) the server process's CPU seconds per request."""
     rng = random.Random(seed)
     bodies = [_body(rng, args.min_len, args.max_len, args.k) for _ in range(args.requests)]
     todo = iter(bodies)
@@ -115,10 +121,14 @@ async def _load(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]
                     lat.append(dt)
                     stored += r.json()["stored"]
 
+    proc = psutil.Process(pid) if pid is not None else None
+    cpu0 = sum(proc.cpu_times()[:2]) if proc is not None else 0.0
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     wall = time.perf_counter() - t0
+    cpu = sum(proc.cpu_times()[:2]) - cpu0 if proc is not None else 0.0
     return {
+        "server_cpu_ms_per_request": 1e3 * cpu / max(len(lat), 1),
         "wall_s": wall,
         "status": status,
         "requests_per_s": len(lat) / wall,
@@ -137,7 +147,7 @@ def one_run(tree: Path | None, args: argparse.Namespace, seed: int) -> dict[str,
         try:
             warm_args = argparse.Namespace(**{**vars(args), "requests": 8, "concurrency": 2})
             warm = asyncio.run(_load(server.url, warm_args, seed + 1))  # creates the cache
-            out = asyncio.run(_load(server.url, args, seed))
+            out = asyncio.run(_load(server.url, args, seed, server.proc.pid))
         finally:
             server.stop()
         held = CacheReader(Path(tmp) / "caches" / CACHE).num_sequences
@@ -177,12 +187,19 @@ def main(argv: list[str] | None = None) -> None:
         return statistics.median(x[key] for x in runs[label])
 
     summary = {
-        label: {m: median(label, m) for m in ("requests_per_s", "p50_ms", "p99_ms")}
+        label: {
+            m: median(label, m)
+            for m in ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request")
+        }
         for label in runs
     }
     if "baseline" in runs:
         summary["head_over_baseline_requests_per_s"] = (
             summary["head"]["requests_per_s"] / summary["baseline"]["requests_per_s"]
+        )
+        summary["baseline_over_head_server_cpu_per_request"] = (
+            summary["baseline"]["server_cpu_ms_per_request"]
+            / summary["head"]["server_cpu_ms_per_request"]
         )
     result = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),

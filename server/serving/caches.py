@@ -138,6 +138,27 @@ class WriterHandle:
         with self._entry.lock, not_writable_as_409(self.name):
             return self._entry.writer.append(list(records))
 
+    def append_parts(self, parts: Sequence[Sequence[SequenceRecord]]) -> list[int]:
+        """Append (and commit) the records of every part in one append; returns how many of
+        each part's records were newly stored. A key is counted for the first part that holds
+        it when it was not committed before; should another process commit some of those keys
+        in between (the total falls short), the shortfall is taken from the last parts' counts
+        (their keys are committed either way)."""
+        with self._entry.lock, not_writable_as_409(self.name):
+            w = self._entry.writer
+            seen: set[str] = set()
+            counts = []
+            for part in parts:
+                fresh = {r.key for r in part if r.key not in seen and not w.contains(r.key)}
+                seen |= fresh
+                counts.append(len(fresh))
+            short = sum(counts) - w.append([r for part in parts for r in part])
+        for i in reversed(range(len(counts))):
+            cut = min(short, counts[i])
+            counts[i] -= cut
+            short -= cut
+        return counts
+
     def contains(self, key: str) -> bool:
         """Whether ``key`` is committed; does not wait for an append in progress (a key being
         committed right now may read as absent: re-appending it is a no-op)."""
