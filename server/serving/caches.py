@@ -139,15 +139,13 @@ class WriterHandle:
             return self._entry.writer.append(list(records))
 
     def append_parts(self, parts: Sequence[Sequence[SequenceRecord]]) -> list[int]:
-        """Append (and commit) the records of every part in one append; returns how many of
-        each part's records were newly stored. A key is counted for the first part that holds
-        it when it was not committed before; should another process commit some of those keys
-        in between (the total falls short), the shortfall is taken from the last parts' counts
-        (their keys are committed either way)."""
+        """One append (one commit) of every part's records; the new records of each part (a
+        key counts for its first part; a shortfall from another process's commits of the same
+        keys meanwhile is taken from the last parts, whose keys are committed either way)."""
         with self._entry.lock, not_writable_as_409(self.name):
             w = self._entry.writer
             seen: set[str] = set()
-            counts = []
+            counts: list[int] = []
             for part in parts:
                 fresh = {r.key for r in part if r.key not in seen and not w.contains(r.key)}
                 seen |= fresh
