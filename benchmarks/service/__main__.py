@@ -11,6 +11,7 @@ MODES = {
     "cpu": "cpu",
     "overload": "overload",
     "cache": "cache",
+    "appends": "appends",
     "ray": "replicas",
     "gpu": "gpu",
 }

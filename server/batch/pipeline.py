@@ -5,11 +5,12 @@ Used by every path that writes scored rows to a cache:
 * jobs (:mod:`.jobs`): a whole input, ``job_inflight_batches`` batches in the engine at once
   (one while on-demand requests are scored), progress advanced after each commit;
 * on-demand scoring with a cache (:mod:`~logitcache.server.serving.cache_hits`): the misses of
-  one request are one batch (:func:`one_batch`), scored under the admission budget, appended,
-  and answered as stored;
+  one request are one batch (:func:`one_batch`), scored under the admission budget, then
+  appended with those of concurrent requests (one commit per group:
+  :mod:`~logitcache.server.serving.appends`) and answered as stored;
 * the Ray shards (:mod:`.shards`): a shard's sequences into its staging cache.
 
-Contract (the same for all three):
+Contract of :func:`run` (jobs and shards; an on-demand batch is scored by step 2 alone):
 
 1. :func:`plan` cuts the sequences into consecutive batches (:func:`.records.batches`: a pure
    function of the sequences and the batch limits, so a restarted run forms the same batches)
@@ -319,19 +320,11 @@ async def run(
         await asyncio.to_thread(writer.join)
 
 
-async def one_batch(
-    seqs: list[inputs.Sequence], *, score: ScoreFn, write: WriteFn | None = None
-) -> list[SequenceRecord]:
-    """The pipeline for one batch (an on-demand request's misses): score ``seqs`` and, with
-    ``write``, append them before returning; returns the scored records (input order)."""
+async def one_batch(seqs: list[inputs.Sequence], *, score: ScoreFn) -> list[SequenceRecord]:
+    """The pipeline for one batch (an on-demand request's misses): the scored records of
+    ``seqs`` (input order). Storing them is the cache's group committer's
+    (:mod:`~logitcache.server.serving.appends`), which commits the misses of concurrent
+    requests together."""
     if not seqs:
         return []
-    got: list[SequenceRecord] = []
-
-    def keep(batch: Batch, records: list[SequenceRecord] | None) -> None:
-        got.extend(records or [])
-        if write is not None:
-            write(batch, records)
-
-    await run(iter([Batch(seqs)]), score=score, write=keep, name="score-writer")
-    return got
+    return await score(seqs)

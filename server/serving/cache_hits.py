@@ -41,6 +41,7 @@ from ..batch import pipeline
 from ..errors import NotFoundError
 from ..inputs.records import Sequence
 from . import targets
+from .appends import GroupCommitter, Ticket
 from .caches import check_name
 from .scoring import ScoringService
 
@@ -69,6 +70,17 @@ def as_stored(rec: SequenceRecord, manifest: Manifest) -> SequenceRecord:
     return SequenceRecord(
         rec.key, rec.input_ids, rec.topk_ids, np.asarray(lp, np.float32), tail.astype(np.float32)
     )
+
+
+def checked_as_stored(
+    records: Seq[SequenceRecord], manifest: Manifest, check: bool = True
+) -> list[SequenceRecord]:
+    """``records`` as stored (:func:`as_stored`); with ``check``, after the writer's own checks
+    of each (``encode_record``: a bad record raises before anything is queued for the cache, so
+    a rejected request fails no other request's commit and creates no cache)."""
+    for i, rec in enumerate(records if check else ()):
+        encode_record(rec, manifest, i)
+    return [as_stored(rec, manifest) for rec in records]
 
 
 def fold_k(rec: SequenceRecord, k: int) -> SequenceRecord:
@@ -107,6 +119,14 @@ class CacheServing:
         self.scoring = scoring
         self.caches = scoring.caches
         self.metrics = scoring.metrics
+        self.commits = GroupCommitter(
+            scoring.caches, window_s=scoring.settings.cache_append_window_s
+        )
+        """Stores the misses: one commit per group of concurrent requests into a cache."""
+
+    async def aclose(self) -> None:
+        """Commit the queued misses and refuse more (shutdown, before the writers close)."""
+        await self.commits.aclose()
 
     async def answer(self, req: ScoreRequest, *, frames: bool = False) -> Served:
         """``/v1/score``: check, then serve from ``req.cache`` or score without one.
@@ -187,34 +207,36 @@ class CacheServing:
     ) -> Served:
         """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache``: hits read, misses scored
         at ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``."""
+        with self.commits.ticket(cache) as ticket:
+            return await self._serve(cache, seqs, k, manifest, store, ticket)
+
+    async def _serve(
+        self,
+        cache: str,
+        seqs: Seq[Sequence],
+        k: int,
+        manifest: Manifest,
+        store: bool,
+        ticket: Ticket,
+    ) -> Served:
         found = await asyncio.to_thread(self.lookup, cache, seqs)
         miss_idx = [i for i in range(len(seqs)) if i not in found]
         if store and miss_idx:  # a read-only store still serves its hits
             await asyncio.to_thread(self.caches.check_writable, cache)
-        stored = 0
-
-        def append(_batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
-            nonlocal stored
-            if not records:
-                return
-            for i, rec in enumerate(records):  # the writer's own checks, before a cache is
-                encode_record(rec, manifest, i)  # created: a rejected request leaves none
-            with self.caches.writer(cache, manifest) as w:
-                stored += w.append(records)
-
         sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
         scored = await pipeline.one_batch(
             [seqs[i] for i in miss_idx],
             score=lambda s: self.scoring.admitted(
                 s, manifest.k, targets=sampled, temperature=manifest.temperature
             ),
-            write=append if store else None,
         )
+        as_kept = await asyncio.to_thread(checked_as_stored, scored, manifest, store)
+        stored = await self.commits.append(ticket, manifest, scored if store else [])
         out: list[SequenceRecord | None] = [None] * len(seqs)
         for i, rec in found.items():
             out[i] = fold_k(rec, k)
-        for i, rec in zip(miss_idx, scored, strict=True):
-            out[i] = fold_k(as_stored(rec, manifest), k)
+        for i, rec in zip(miss_idx, as_kept, strict=True):
+            out[i] = fold_k(rec, k)
         records = [r for r in out if r is not None]
         hits = [i in found for i in range(len(seqs))]
         self.metrics.cache_served(

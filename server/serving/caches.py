@@ -138,6 +138,25 @@ class WriterHandle:
         with self._entry.lock, not_writable_as_409(self.name):
             return self._entry.writer.append(list(records))
 
+    def append_parts(self, parts: Sequence[Sequence[SequenceRecord]]) -> list[int]:
+        """One append (one commit) of every part's records; the new records of each part (a
+        key counts for its first part; a shortfall from another process's commits of the same
+        keys meanwhile is taken from the last parts, whose keys are committed either way)."""
+        with self._entry.lock, not_writable_as_409(self.name):
+            w = self._entry.writer
+            seen: set[str] = set()
+            counts: list[int] = []
+            for part in parts:
+                fresh = {r.key for r in part if r.key not in seen and not w.contains(r.key)}
+                seen |= fresh
+                counts.append(len(fresh))
+            short = sum(counts) - w.append([r for part in parts for r in part])
+        for i in reversed(range(len(counts))):
+            cut = min(short, counts[i])
+            counts[i] -= cut
+            short -= cut
+        return counts
+
     def contains(self, key: str) -> bool:
         """Whether ``key`` is committed; does not wait for an append in progress (a key being
         committed right now may read as absent: re-appending it is a no-op)."""

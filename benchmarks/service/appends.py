@@ -1,0 +1,230 @@
+"""Small on-demand scoring requests into one cache: requests/s and latency with caching on.
+
+Usage (from the repository root)::
+
+    python -m benchmarks.service appends [--requests 600] [--concurrency 32] [--min-len 8]
+        [--max-len 64] [--k 20] [--rounds 2] [--baseline REV] [--json OUT.json]
+
+The server is the real app under uvicorn in its own process with the fake teacher
+(``tests/fake_server.py``: :class:`engine_support.FakeEngine`, ~0.1 ms of numpy per sequence), so
+what is measured is the service's own cost per request, the cache's read-through path
+(lookup, store, commit) above all, not the engine's. ``--concurrency`` clients (one
+``httpx.AsyncClient`` each, in this process) send ``--requests`` requests in all, each one
+``POST /v1/score`` of one sequence of ``--min-len``..``--max-len`` random ids with
+``cache="bench"``: every request is a miss, scored, stored and answered. A warm-up of a few
+requests creates the cache first. Per run: requests/s (answered 200 over the wall time), p50 and
+p99 latency, the server process's CPU-ms per request (psutil; the machine is shared, so
+requests/s follows its load, CPU per request much less), and the check that every answered
+``stored`` count is in the cache afterwards (its sequences read by :class:`CacheReader` after
+the server has stopped).
+
+With ``--baseline REV`` the same load runs against the packages of revision ``REV`` too
+(``git archive``, :func:`benchmarks.harness.export_tree`), alternating with this checkout for
+``--rounds`` rounds, so both are measured in one session (the machine is shared: load drifts).
+Goal (issue #38): >= 100 requests/s into one cache on the 2-core VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from benchmarks.harness import ROOT, Recorder, add_csv_option, export_tree, machine_line
+from tests.server_support import free_port
+
+FAKE_SERVER = ROOT / "tests" / "fake_server.py"
+VOCAB = 300  # the fake teacher's vocabulary
+CACHE = "bench"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+class FakeServer:
+    """``tests/fake_server.py`` in a subprocess, with this checkout's packages or ``tree``'s."""
+
+    def __init__(self, workdir: Path, tree: Path | None, k: int):
+        self.workdir, self.port = workdir, free_port()
+        settings = json.dumps({"k": k, "max_seq_len": 512})
+        script = [str(FAKE_SERVER), str(workdir), str(self.port), settings]
+        if tree is not None:
+            script = ["-m", "benchmarks.harness", "with-tree", str(tree), "--", *script]
+        self.log = (workdir / "server.log").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, *script], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError((workdir / "server.log").read_text()[-4000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the fake server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+def _body(rng: random.Random, lo: int, hi: int, k: int) -> dict[str, Any]:
+    ids = [rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))]
+    return {"input_ids": [ids], "k": k, "cache": CACHE}
+
+
+async def _load(
+    url: str, args: argparse.Namespace, seed: int, pid: int | None = None
+) -> dict[str, Any]:
+    """``args.requests`` requests from ``args.concurrency`` clients; latencies, counts and (with
+    ``pid``) the server process's CPU seconds per request."""
+    rng = random.Random(seed)
+    bodies = [_body(rng, args.min_len, args.max_len, args.k) for _ in range(args.requests)]
+    todo = iter(bodies)
+    lat: list[float] = []
+    status: dict[str, int] = {}
+    stored = 0
+
+    async def client() -> None:
+        nonlocal stored
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            for body in todo:
+                t0 = time.perf_counter()
+                r = await c.post("/v1/score", json=body)
+                dt = time.perf_counter() - t0
+                status[str(r.status_code)] = status.get(str(r.status_code), 0) + 1
+                if r.status_code == 200:
+                    lat.append(dt)
+                    stored += r.json()["stored"]
+
+    proc = psutil.Process(pid) if pid is not None else None
+    cpu0 = sum(proc.cpu_times()[:2]) if proc is not None else 0.0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - t0
+    cpu = sum(proc.cpu_times()[:2]) - cpu0 if proc is not None else 0.0
+    return {
+        "server_cpu_ms_per_request": 1e3 * cpu / max(len(lat), 1),
+        "wall_s": wall,
+        "status": status,
+        "requests_per_s": len(lat) / wall,
+        "p50_ms": 1e3 * _pct(lat, 50),
+        "p99_ms": 1e3 * _pct(lat, 99),
+        "mean_ms": 1e3 * statistics.fmean(lat),
+        "stored": stored,
+    }
+
+
+def one_run(tree: Path | None, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    from logitcache.cache_format import CacheReader
+
+    with tempfile.TemporaryDirectory(prefix="lc-appends-") as tmp:
+        server = FakeServer(Path(tmp), tree, args.k)
+        try:
+            warm_args = argparse.Namespace(**{**vars(args), "requests": 8, "concurrency": 2})
+            warm = asyncio.run(_load(server.url, warm_args, seed + 1))  # creates the cache
+            out = asyncio.run(_load(server.url, args, seed, server.proc.pid))
+        finally:
+            server.stop()
+        held = CacheReader(Path(tmp) / "caches" / CACHE).num_sequences
+    out["cache_sequences"] = held
+    out["all_stored_readable"] = held == out["stored"] + warm["stored"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.service appends", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--min-len", type=int, default=8)
+    ap.add_argument("--max-len", type=int, default=64)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline", default=None, help="a git revision to measure beside")
+    ap.add_argument("--json", type=Path, default=None)
+    add_csv_option(ap)
+    args = ap.parse_args(argv)
+
+    runs: dict[str, list[dict[str, Any]]] = {"head": []}
+    with tempfile.TemporaryDirectory(prefix="lc-appends-tree-") as tmp:
+        trees: dict[str, Path | None] = {"head": None}
+        if args.baseline:
+            trees = {"baseline": export_tree(args.baseline, Path(tmp) / "base"), "head": None}
+            runs["baseline"] = []
+        for r in range(args.rounds):
+            for label, tree in trees.items():
+                res = one_run(tree, args, seed=1000 * r)
+                print(label, json.dumps(res), flush=True)
+                runs[label].append(res)
+
+    def median(label: str, key: str) -> float:
+        return statistics.median(x[key] for x in runs[label])
+
+    summary = {
+        label: {
+            m: median(label, m)
+            for m in ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request")
+        }
+        for label in runs
+    }
+    if "baseline" in runs:
+        summary["head_over_baseline_requests_per_s"] = (
+            summary["head"]["requests_per_s"] / summary["baseline"]["requests_per_s"]
+        )
+        summary["baseline_over_head_server_cpu_per_request"] = (
+            summary["baseline"]["server_cpu_ms_per_request"]
+            / summary["head"]["server_cpu_ms_per_request"]
+        )
+    result = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_line(),
+        "engine": "fake (tests/engine_support.FakeEngine) in the server process",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "runs": runs,
+        "summary": summary,
+        "all_stored_readable": all(x["all_stored_readable"] for v in runs.values() for x in v),
+        "goal_met": summary["head"]["requests_per_s"] >= 100,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    rec = Recorder("service", "appends", csv_path=args.csv)
+    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
+    for label, values in summary.items():
+        if isinstance(values, dict):
+            rec.add_flat(label, values, config=cfg)
+        else:
+            rec.add("head vs baseline", label, "ratio", values, config=cfg)
+    rec.save()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

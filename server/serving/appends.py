@@ -1,0 +1,221 @@
+"""Group commit of on-demand appends: the scored misses of concurrent requests into one cache
+share one writer append (one commit).
+
+An append costs about the same whatever its size (one object and one metadata write per array,
+the partly filled last chunk of each rewritten, the fsyncs, the commit: ~20 ms of CPU), so one
+append per small request caps a cache at a few tens of requests per second. :class:`GroupCommitter`
+keeps one queue per cache on the event loop. A request takes a :class:`Ticket` before its lookup;
+its scored misses join the queue; a group goes once every ticket holder has queued its records (or
+left without any), or when the oldest has waited ``window_s``, or at ``max_rows`` rows, and is
+committed by one :meth:`~.caches.WriterHandle.append_parts` in a worker thread. Records that
+arrive while a commit runs form the next group. So a lone request is committed at once and a busy
+cache commits the misses of all its concurrent requests together.
+
+Promise (the same as one append per request): :meth:`GroupCommitter.append` returns only after
+the commit holding the request's records has returned, with how many of them it newly stored; if
+that commit fails, every request of the group gets its error (the typed error of the writer or the
+store, mapped to HTTP as usual) and the answer says nothing was stored. A request whose client
+has gone still has its records committed with its group. Records of one group share the
+manifest of the group's first request; a request with another manifest waits for the next group
+(where the registry's identity check answers it). Records are checked by the caller before they
+are queued, so one bad request cannot fail the others.
+
+:meth:`GroupCommitter.aclose` (the app's shutdown) refuses new appends, commits what is queued and
+waits for the queues' tasks; the commits run in the event loop's default executor (no thread of
+their own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from logitcache.cache_format import Manifest, SequenceRecord
+
+from ..errors import UnavailableError
+from .caches import CacheRegistry
+
+#: Rows one group commit holds at most (a request over it is committed alone): bounds the memory
+#: of a group and the time its first request waits behind the encoding of the others.
+MAX_GROUP_ROWS = 1 << 16
+
+
+def _rows(records: Sequence[SequenceRecord]) -> int:
+    return sum(len(r.input_ids) - 1 for r in records)
+
+
+@dataclass
+class _Item:
+    records: list[SequenceRecord]
+    manifest: Manifest
+    done: asyncio.Future[int]
+    rows: int
+    ticket: Ticket
+
+
+@dataclass
+class _Queue:
+    items: deque[_Item] = field(default_factory=deque)
+    rows: int = 0
+    announced: int = 0  # tickets not yet left: requests that may still queue records
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    def settled(self, max_rows: int) -> bool:
+        """Whether the group can go without waiting: full, or every announced request has
+        queued its records."""
+        return self.rows >= max_rows or self.announced <= len(self.items)
+
+
+class Ticket:
+    """One request's place in a cache's queue, from before its lookup until its records are
+    committed or it leaves without any: a group waits (up to the window) for the records of
+    the requests holding tickets."""
+
+    def __init__(self, committer: GroupCommitter, name: str, q: _Queue) -> None:
+        self._committer, self.name, self._q = committer, name, q
+        self._open = True
+        q.announced += 1
+
+    def leave(self) -> None:
+        """No more records will come from this request (idempotent)."""
+        if self._open:
+            self._open = False
+            self._q.announced -= 1
+            self._q.changed.set()
+            self._committer._forget_if_idle(self.name, self._q)
+
+
+def _retrieve(fut: asyncio.Future[int]) -> None:
+    """Mark a finished future's error as seen (its request may be gone)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+class GroupCommitter:
+    """One group-commit queue per cache (see the module doc); used from one event loop."""
+
+    def __init__(
+        self, caches: CacheRegistry, *, window_s: float, max_rows: int = MAX_GROUP_ROWS
+    ) -> None:
+        self.caches = caches
+        self.window_s = window_s
+        self.max_rows = max_rows
+        self._queues: dict[str, _Queue] = {}
+        self._closed = False
+
+    @contextlib.contextmanager
+    def ticket(self, name: str) -> Iterator[Ticket]:
+        """A :class:`Ticket` for cache ``name``, left when the block ends at the latest."""
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = _Queue()
+        t = Ticket(self, name, q)
+        try:
+            yield t
+        finally:
+            t.leave()
+
+    async def append(
+        self, ticket: Ticket, manifest: Manifest, records: Sequence[SequenceRecord]
+    ) -> int:
+        """Commit ``records`` (checked, at ``manifest``) into the ticket's cache with whatever
+        else is queued for it; returns how many of them were newly stored, once committed."""
+        if not records:
+            ticket.leave()
+            return 0
+        if self._closed:
+            raise UnavailableError("the server is stopping; the records were not stored")
+        loop = asyncio.get_running_loop()
+        q = ticket._q
+        item = _Item(list(records), manifest, loop.create_future(), _rows(records), ticket)
+        item.done.add_done_callback(_retrieve)
+        q.items.append(item)
+        q.rows += item.rows
+        q.changed.set()
+        if q.task is None:
+            q.task = loop.create_task(self._run(ticket.name, q), name=f"commit-{ticket.name}")
+        return await asyncio.shield(item.done)
+
+    async def _wait(self, q: _Queue) -> None:
+        """Wait up to the window for the group to settle (:meth:`_Queue.settled`)."""
+        deadline = asyncio.get_running_loop().time() + self.window_s
+        while not q.settled(self.max_rows) and not self._closed:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            q.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(q.changed.wait(), left)
+
+    async def _run(self, name: str, q: _Queue) -> None:
+        """Commit ``q``'s groups until it is empty."""
+        try:
+            while q.items:
+                await self._wait(q)
+                group = self._take(q)
+                try:
+                    counts = await asyncio.to_thread(self._commit, name, group)
+                except Exception as e:  # noqa: BLE001 - every request of the group gets it
+                    for item in group:
+                        item.ticket.leave()
+                        if not item.done.done():
+                            item.done.set_exception(e)
+                except BaseException:  # cancelled: whether it committed is unknown
+                    for item in group:
+                        item.ticket.leave()
+                        item.done.cancel()
+                    raise
+                else:
+                    for item, n in zip(group, counts, strict=True):
+                        item.ticket.leave()
+                        if not item.done.done():
+                            item.done.set_result(n)
+        finally:
+            q.task = None
+            for item in q.items:  # only when cancelled: never committed
+                item.ticket.leave()
+                if not item.done.done():
+                    item.done.set_exception(UnavailableError("the records were not stored"))
+            q.items.clear()
+            self._forget_if_idle(name, q)
+
+    def _forget_if_idle(self, name: str, q: _Queue) -> None:
+        if q.task is None and not q.items and q.announced == 0 and self._queues.get(name) is q:
+            del self._queues[name]
+
+    def _take(self, q: _Queue) -> list[_Item]:
+        """The next group: queued items with the first one's manifest, up to ``max_rows`` rows
+        (at least one item); the others keep their order for the next group."""
+        first = q.items[0].manifest.identity()
+        group: list[_Item] = []
+        rest: deque[_Item] = deque()
+        rows = 0
+        while q.items:
+            item = q.items.popleft()
+            fits = not group or rows + item.rows <= self.max_rows
+            if fits and item.manifest.identity() == first:
+                group.append(item)
+                rows += item.rows
+            else:
+                rest.append(item)
+        q.items = rest
+        q.rows -= rows
+        return group
+
+    def _commit(self, name: str, group: list[_Item]) -> list[int]:
+        """One append of the group's records (worker thread); new records per item."""
+        with self.caches.writer(name, group[0].manifest) as w:
+            return w.append_parts([item.records for item in group])
+
+    async def aclose(self) -> None:
+        """Refuse new appends, commit the queued ones and wait for every queue's task."""
+        self._closed = True
+        for q in self._queues.values():
+            q.changed.set()
+        tasks = [q.task for q in self._queues.values() if q.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
