@@ -82,16 +82,20 @@ def dataset(tiny, tmp_path_factory) -> tuple[Path, list[str]]:
     return path, records
 
 
+# One job batch in the engine at a time: vLLM merges the batches in flight into one step as they
+# arrive, and the CPU kernels' rounding depends on the step's batch; with one in flight every
+# step holds one input batch, so runs over different replicas give comparable bytes.
 def _settings_kw(tiny) -> dict:
     """The settings of :func:`_server_flags` as ``ServerSettings`` keywords."""
     return dict(model=str(tiny.teacher_dir), k=K, max_seq_len=256, job_batch_sequences=3,
-                logprob_dtype="float16", backend="vllm")  # fmt: skip
+                job_inflight_batches=1, logprob_dtype="float16", backend="vllm")  # fmt: skip
 
 
 def _server_flags(tiny) -> list[str]:
     return [
         "--model", str(tiny.teacher_dir), "-k", str(K), "--max-seq-len", "256",
-        "--job-batch-sequences", "3", "--logprob-dtype", "float16", "--backend", "vllm",
+        "--job-batch-sequences", "3", "--job-inflight-batches", "1",
+        "--logprob-dtype", "float16", "--backend", "vllm",
     ]  # fmt: skip
 
 
@@ -124,6 +128,7 @@ def settings(tiny, vllm_env) -> ServerSettings:
         k=K,
         max_seq_len=256,
         job_batch_sequences=3,
+        job_inflight_batches=1,
         logprob_dtype="float16",
         backend="vllm",
     )
