@@ -8,11 +8,14 @@ neither costs engine time nor writes anything.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 from logitcache.cache_format import Manifest, SequenceRecord
 
 from ..admission import TokenGate
@@ -261,6 +264,21 @@ class ScoringService:
                 retry_after=self.gate.retry_after(),
             )
 
+    @contextlib.asynccontextmanager
+    async def _admission(self, tokens: int) -> AsyncIterator[None]:
+        """Hold ``tokens`` of the on-demand budget around engine work (429 when full); the
+        budget's token rate learns only from work that finished."""
+        self.admit(tokens)
+        self.active += 1
+        t0 = time.perf_counter()
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            self.active -= 1
+            self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
+
     async def admitted(
         self,
         seqs: Seq[Sequence],
@@ -271,15 +289,9 @@ class ScoringService:
     ) -> list[SequenceRecord]:
         """Engine records of ``seqs`` at ``k`` (or sampled rows with ``targets``) at
         ``temperature`` (``None``: the engine's) under the on-demand admission budget (429 when
-        full); the budget's token rate learns only from requests that finished. Cancelling the
-        awaiting task aborts the engine work."""
-        tokens = sum(s.length for s in seqs)
-        self.admit(tokens)
-        self.active += 1
-        t0 = time.perf_counter()
-        finished = False
-        try:
-            records = await pipeline.engine_records(
+        full). Cancelling the awaiting task aborts the engine work."""
+        async with self._admission(sum(s.length for s in seqs)):
+            return await pipeline.engine_records(
                 self.engine,
                 seqs,
                 k,
@@ -288,8 +300,28 @@ class ScoringService:
                 targets=targets,
                 temperature=temperature,
             )
-            finished = True
-        finally:
-            self.active -= 1
-            self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
-        return records
+
+    async def admitted_ids(
+        self, seqs: Seq[Sequence], ids: Seq[Seq[int]], temperature: float | None = None
+    ) -> list[np.ndarray]:
+        """The engine's exact logprobs at chosen ids (``score_ids``: per sequence ``i`` a float32
+        ``[L_i - 1, len(ids[i])]`` array) at ``temperature`` under the on-demand admission
+        budget; an id list the engine refuses is a 422."""
+        async with self._admission(sum(s.length for s in seqs)):
+            at_ids = getattr(self.engine, "score_ids", None)
+            if at_ids is None:
+                raise InvalidInputError("this engine cannot score chosen token ids")
+            t0 = time.perf_counter()
+            try:
+                out: list[np.ndarray] = await at_ids(
+                    [s.input_ids for s in seqs], [list(c) for c in ids], temperature
+                )
+            except EngineInputError as e:
+                raise InvalidInputError(str(e)) from None
+            self.metrics.scored(
+                "score",
+                sequences=len(seqs),
+                tokens=sum(s.length for s in seqs),
+                seconds=time.perf_counter() - t0,
+            )
+            return out
