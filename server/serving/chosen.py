@@ -49,7 +49,9 @@ def check_asked(asked: np.ndarray, first: int, length: int, vocab_size: int, whe
             f"{length - 1} scored rows"
         )
     if asked.size and (int(asked.min()) < -1 or int(asked.max()) >= vocab_size):
-        raise InvalidInputError(f"{where}: token ids must be in [0, {vocab_size}) (-1 pads a row)")
+        raise InvalidInputError(
+            f"{where}: token ids must be in the vocabulary [0, {vocab_size}) (-1 pads a row)"
+        )
 
 
 def from_rows(rec: SequenceRecord, asked: np.ndarray, first: int) -> np.ndarray | None:

@@ -47,12 +47,13 @@ if TYPE_CHECKING:
 #: Upper-bound bytes of an answer, per format: per top-k value, per row, per token and per
 #: sequence. JSON: an id of up to 10 digits and a float of up to 22 characters with separators,
 #: the tail per row, ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions:
-#: vLLM's per-id dict (logprob, rank, decoded token) for every value.
+#: vLLM's per-id dict (logprob, rank, decoded token) for every value; npy: a base64 float32.
 ANSWER_BYTES: dict[str, tuple[int, int, int, int]] = {
     "json": (34, 30, 12, 200),
     "frames": (8, 4, 12, 200),
     "completions": (80, 0, 0, 200),
     "generate": (40, 40, 0, 400),
+    "npy": (6, 0, 0, 600),
 }
 #: What to change when an answer would be over ``max_response_bytes``, per format.
 SMALLER_ANSWER = {
@@ -62,6 +63,7 @@ SMALLER_ANSWER = {
     "(Accept: application/x-logitcache-frames)",
     "completions": "send fewer or shorter prompts or a smaller prompt_logprobs",
     "generate": "send fewer or shorter sequences or a smaller top_logprobs_num",
+    "npy": "send a shorter sequence or fewer candidate ids per row",
 }
 
 
