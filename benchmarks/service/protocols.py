@@ -17,13 +17,17 @@ turn:
 1. **direct ids**: ``engine.score_ids`` for the row's candidates (what a bare teacher computes);
 2. **direct ids + top-k**: ``engine.score`` at ``k`` then ``engine.score_ids``: the engine work a
    read-through miss does (the top-k rows are stored so that later epochs hit);
-3. **vLLM route**: ``POST /inference/v1/generate`` with ``prompt_logprob_token_ids`` (per-row
+3. **score route**: ``POST /v1/score`` with a cache (``bench-score``): the read-through miss
+   every route shares (lookup, top-k scored, stored in a group commit, answered), no chosen ids;
+4. **vLLM route**: ``POST /inference/v1/generate`` with ``prompt_logprob_token_ids`` (per-row
    candidates), into cache ``bench-vllm``;
-4. **SGLang route**: ``POST /generate`` with ``token_ids_logprob`` (one list for every row, as
+5. **SGLang route**: ``POST /generate`` with ``token_ids_logprob`` (one list for every row, as
    SGLang defines it) and ``top_logprobs_num: 0``, into cache ``bench-sglang``.
 
-Figures: median wall seconds per sequence of each, the routes' ratios to (1) and to (2), and the
-answer bytes per position of the two routes (the whole HTTP body, over the scored positions).
+Figures: median wall seconds per sequence of each, the routes' ratios to (1), (2) and (3), their
+milliseconds above (2) (the service's own cost per miss: HTTP, checks, lookup, store), and
+the answer bytes per position of the two routes (the whole HTTP body, over the scored positions;
+the SGLang answer also carries the actual token's entry at each position).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: i
     asyncio.run(engine.score([seq], k))
     asyncio.run(engine.score_ids([seq], [union]))
     out["direct_ids_topk"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    r = client.post("/v1/score", json={"input_ids": [seq], "k": k, "cache": "bench-score"})
+    out["score_route"] = time.perf_counter() - t0
+    r.raise_for_status()
     body = {
         "token_ids": seq,
         "sampling_params": {"max_tokens": 1, "prompt_logprob_token_ids": rows},
@@ -144,6 +152,12 @@ def main(argv: list[str] | None = None) -> None:
         "vllm_over_direct_ids_topk": med["vllm_route"] / med["direct_ids_topk"],
         "sglang_over_direct_ids": med["sglang_route"] / med["direct_ids"],
         "sglang_over_direct_ids_topk": med["sglang_route"] / med["direct_ids_topk"],
+        "vllm_over_score_route": med["vllm_route"] / med["score_route"],
+        "sglang_over_score_route": med["sglang_route"] / med["score_route"],
+        "extra_ms_over_direct_ids_topk": {
+            key: 1e3 * (med[key] - med["direct_ids_topk"])
+            for key in ("score_route", "vllm_route", "sglang_route")
+        },
         "bytes_per_position": {
             "vllm_npy_base64": med["vllm_bytes"] / positions,
             "sglang_json": med["sglang_bytes"] / positions,
@@ -158,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder("service", "protocols", csv_path=args.csv)
     cfg = {k: v for k, v in result["args"].items() if k != "csv"}
     for key in ("vllm", "sglang"):
-        for base in ("direct_ids", "direct_ids_topk"):
+        for base in ("direct_ids", "direct_ids_topk", "score_route"):
             rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"], config=cfg)
     for key, value in result["bytes_per_position"].items():
         rec.add(key, "bytes_per_position", "B", value, config=cfg)
