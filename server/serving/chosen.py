@@ -56,16 +56,22 @@ def check_asked(asked: np.ndarray, first: int, length: int, vocab_size: int, whe
 
 def from_rows(rec: SequenceRecord, asked: np.ndarray, first: int) -> np.ndarray | None:
     """The logprobs at ``asked`` from ``rec``'s top-k rows ``first ..``, or ``None`` when an
-    asked id is outside its row's top-k."""
-    rows = rec.topk_ids[first : first + asked.shape[0]]
-    match = rows[:, None, :] == asked[:, :, None]  # [R, m, k]
-    found = match.any(axis=2)
-    pad = asked < 0
+    asked id is outside its row's top-k. One sorted search over ``(row, id)`` keys: memory
+    ``O(rows * (k + ids))``."""
+    n = asked.shape[0]
+    rows = rec.topk_ids[first : first + n].astype(np.int64)
+    row_of = np.arange(n, dtype=np.int64)[:, None] << 32
+    keys = (row_of + rows).ravel()
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    query = (row_of + np.maximum(asked, 0)).ravel()
+    pos = np.minimum(np.searchsorted(sorted_keys, query), max(keys.size - 1, 0))
+    pad = (asked < 0).ravel()
+    found = (sorted_keys[pos] == query) if keys.size else np.zeros(query.shape, bool)
     if not (found | pad).all():
         return None
-    lps = rec.topk_logprobs[first : first + asked.shape[0]]
-    at = np.take_along_axis(lps, match.argmax(axis=2), axis=1)
-    return np.where(pad, -np.inf, at).astype(np.float32)
+    lps = rec.topk_logprobs[first : first + n].ravel()[order[pos]] if keys.size else query * 0.0
+    return np.where(pad, -np.inf, lps).reshape(asked.shape).astype(np.float32)
 
 
 def _union_chunks(asked: np.ndarray) -> list[np.ndarray]:

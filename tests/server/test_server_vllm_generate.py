@@ -147,3 +147,21 @@ def test_refused_requests(app: App, over: dict, code: int) -> None:
     status, out = app.post({**body([[1]] * 5), **over})
     assert status == code, out
     assert app.engine.calls == [] and not (app.root / "caches" / "vg").exists()
+
+
+def test_a_union_of_candidates_above_one_engine_call_is_split(
+    app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More distinct candidates in a sequence than one ``score_ids`` call takes: several calls,
+    the same exact matrix."""
+    from logitcache.server.serving import chosen
+
+    monkeypatch.setattr(chosen, "IDS_PER_CALL", 4)
+    rows = [[290 - 3 * r, 7 + r, 100 + r] for r in range(5)]  # 15 distinct ids
+    status, out = app.post(body(rows))
+    assert status == 200, out
+    assert app.engine.id_calls == [4]  # one call, four prompt copies of 4, 4, 4, 3 ids
+    m = decode(out["prompt_token_id_logprobs"])
+    ref = fake_logprobs(SEQ, 300)
+    for r, row in enumerate(rows):
+        assert m[r].tolist() == pytest.approx(ref[r, row].tolist(), abs=1e-5)
