@@ -43,7 +43,7 @@ from logitcache.protocol import SglangGenerateRequest
 from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.caches import check_name
-from ..serving.chosen import at_chosen_ids, check_asked
+from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.scoring import default_cache
 from .deps import ERRORS, Services, ServicesDep, run_for_client
 
@@ -194,20 +194,23 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
     width = max((len(c) for c in chosen if c is not None), default=0)
     scoring.check_answer_size(seqs, max(top, 1) + width, "generate")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
+    todo = [i for i, a in enumerate(asks) if a is not None]
+    asked = [a for a in asks if a is not None]
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
-        served = await services.serving.serve(cache, seqs, manifest.k, manifest)
+        ids = one_call_ids(asked) if len(todo) == len(seqs) else None  # misses: one engine call
+        served = await services.serving.serve(cache, seqs, manifest.k, manifest, ids=ids)
     else:  # the cache cannot hold this k: scored, not stored
         served = await services.serving.above(seqs, top, manifest.temperature)
     at: list[tuple[list[int], np.ndarray, bool] | None] = [None] * len(seqs)
-    todo = [i for i, a in enumerate(asks) if a is not None]
     if todo:
         got = await at_chosen_ids(
             scoring,
             [seqs[i] for i in todo],
             [served.records[i] for i in todo],
-            [a for a in asks if a is not None],
+            asked,
             [max(firsts[i], 1) - 1 for i in todo],
             manifest.temperature,
+            {j: served.at_ids[i] for j, i in enumerate(todo) if i in served.at_ids},
         )
         for j, i in enumerate(todo):
             at[i] = (chosen[i] or [], got.logprobs[j], got.exact[j])

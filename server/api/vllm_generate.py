@@ -11,7 +11,8 @@ The request and answer are vLLM's (0.32.0, typed in ``logitcache.protocol.vllm_g
 The sequence is served through the cache ``cache`` (default :data:`DEFAULT_CACHE`, one per
 temperature) as ``/v1/score`` serves it: a hit costs no engine work for its top-k rows, a miss is
 scored, stored and answered. The matrix comes from those rows when every candidate is in them,
-else exactly from the engine (``server/serving/chosen.py``); ``exact`` says which.
+else exactly from the engine (``server/serving/chosen.py``; a miss's rows and candidates come from
+one engine call); ``exact`` says which.
 ``sampling_params.temperature`` is applied exactly (vLLM ignores it for prompt logprobs). Not
 served (422): ``stream``, ``max_tokens`` above 1, ``prompt_logprobs`` (``/v1/completions`` serves
 them), a request without ``prompt_logprob_token_ids``.
@@ -38,7 +39,7 @@ from logitcache.protocol import (
 from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.caches import check_name
-from ..serving.chosen import at_chosen_ids, check_asked
+from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.scoring import default_cache
 from .deps import ERRORS, Services, ServicesDep, check_model, public_model, run_for_client
 
@@ -108,8 +109,12 @@ async def generate(services: Services, req: VllmGenerateRequest) -> VllmGenerate
     seqs = await asyncio.to_thread(scoring.checked, [raw], 1, "token_ids")
     scoring.check_answer_size(seqs, asked.shape[1], "npy")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
-    served = await services.serving.serve(cache, seqs, manifest.k, manifest)
-    got = await at_chosen_ids(scoring, seqs, served.records, [asked], [start], manifest.temperature)
+    served = await services.serving.serve(
+        cache, seqs, manifest.k, manifest, ids=one_call_ids([asked])
+    )
+    got = await at_chosen_ids(
+        scoring, seqs, served.records, [asked], [start], manifest.temperature, served.at_ids
+    )
     n = len(req.token_ids)
     return VllmGenerateResponse(
         request_id=f"generate-tokens-{req.request_id or uuid.uuid4().hex}",

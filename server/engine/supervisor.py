@@ -1,13 +1,14 @@
 """A teacher engine that is restarted when it dies: :class:`SupervisedEngine`.
 
 It wraps the engine a ``build`` function returns and is itself a :class:`~.protocol.TeacherEngine`
-(``info``, ``tokenizer``, ``tokenize``, ``score``, ``score_sampled``, ``score_ids``, ``aclose``). A
-monitor task (:meth:`SupervisedEngine.start`) checks the engine's ``alive`` every :data:`CHECK_S`
-seconds; a call that fails with :class:`~.protocol.EngineUnavailableError`, or any engine error
-once the engine is no longer alive, also marks it dead. A dead engine is closed (its processes
-ended) and built again in a worker thread, with a growing pause between failed builds; meanwhile
-``alive`` is false and every call raises :class:`~.protocol.EngineUnavailableError` at once, with a
-``retry_after`` estimated from how long the engine took to start.
+(``info``, ``tokenizer``, ``tokenize``, ``score``, ``score_sampled``, ``score_ids``,
+``score_with_ids``, ``aclose``). A monitor task (:meth:`SupervisedEngine.start`) checks the
+engine's ``alive`` every :data:`CHECK_S` seconds; a call that fails with
+:class:`~.protocol.EngineUnavailableError`, or any engine error once the engine is no longer alive,
+also marks it dead. A dead engine is closed (its processes ended) and built again in a worker
+thread, with a growing pause between failed builds; meanwhile ``alive`` is false and every call
+raises :class:`~.protocol.EngineUnavailableError` at once, with a ``retry_after`` estimated from
+how long the engine took to start.
 
 Only a separate engine process can be restarted: an in-process engine that crashes the process
 takes the server with it (:mod:`.vllm` warms such an engine up so the known crash cannot be
@@ -211,6 +212,23 @@ class SupervisedEngine:
             raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
         try:
             return await sample(prompts, keys, targets, temperature)
+        except EngineError as e:
+            raise self._failed(engine, e) from e
+
+    async def score_with_ids(
+        self,
+        prompts: list[list[int]],
+        k: int,
+        ids: list[list[int]],
+        temperature: float | None = None,
+    ) -> tuple[list[TeacherScores], list[Any]]:
+        engine = self._current()
+        both = getattr(engine, "score_with_ids", None)
+        if both is None:
+            raise EngineInputError("this engine cannot score chosen token ids")
+        try:
+            out: tuple[list[TeacherScores], list[Any]] = await both(prompts, k, ids, temperature)
+            return out
         except EngineError as e:
             raise self._failed(engine, e) from e
 

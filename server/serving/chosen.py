@@ -8,12 +8,14 @@ vLLM does). The answer is a float32 matrix of the same shape per sequence:
 * from the sequence's top-k rows as served (a cache hit, or a miss just scored and stored at
   the cache's k: :class:`~.cache_hits.CacheServing`), when every asked id of every asked row is
   in its row's top-k;
-* otherwise exact from the engine (``score_ids``, at the request's temperature: the union of the
-  sequence's asked ids, at most :data:`IDS_PER_CALL` per engine call), never an estimate.
+* otherwise exact from the engine at the request's temperature, never an estimate: for a miss
+  scored with its ids (:func:`one_call_ids`), from that same engine call; else by ``score_ids``
+  on the union of the sequence's asked ids (at most :data:`IDS_PER_CALL` per engine call).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -74,10 +76,25 @@ def from_rows(rec: SequenceRecord, asked: np.ndarray, first: int) -> np.ndarray 
     return np.where(pad, -np.inf, lps).reshape(asked.shape).astype(np.float32)
 
 
-def _union_chunks(asked: np.ndarray) -> list[np.ndarray]:
+def union(asked: np.ndarray) -> np.ndarray:
+    """The sorted distinct ids of ``asked`` (padding dropped; one id when there are none, which
+    keeps an engine call well-formed)."""
     ids = np.unique(asked[asked >= 0])
-    if ids.size == 0:  # only padding: one id keeps the engine call well-formed
-        ids = np.zeros(1, dtype=asked.dtype)
+    return ids if ids.size else np.zeros(1, dtype=asked.dtype)
+
+
+def one_call_ids(asked: Seq[np.ndarray]) -> list[list[int]] | None:
+    """Per sequence the :func:`union` of its asks for :meth:`~.cache_hits.CacheServing.serve`'s
+    ``ids`` (misses then score their top-k rows and these ids in one engine call), or ``None``
+    when a union is over :data:`IDS_PER_CALL`."""
+    unions = [union(a) for a in asked]
+    if any(u.size > IDS_PER_CALL for u in unions):
+        return None
+    return [u.tolist() for u in unions]
+
+
+def _union_chunks(asked: np.ndarray) -> list[np.ndarray]:
+    ids = union(asked)
     return [ids[i : i + IDS_PER_CALL] for i in range(0, ids.size, IDS_PER_CALL)]
 
 
@@ -96,15 +113,24 @@ async def at_chosen_ids(
     asked: Seq[np.ndarray],
     first: Seq[int],
     temperature: float | None,
+    known: Mapping[int, np.ndarray] | None = None,
 ) -> Chosen:
     """The logprobs at ``asked[i]`` (rows ``first[i] ..``) of each sequence: from its
-    ``records[i]`` when they hold every asked id, else exact from the engine at
-    ``temperature`` (module doc). The asks are checked (:func:`check_asked`) by the caller."""
+    ``records[i]`` when they hold every asked id, else exact: from ``known[i]`` (the engine's
+    ``[L - 1, len(union(asked[i]))]`` logprobs at :func:`union` ``(asked[i])``, scored with
+    the sequence's rows) when given, else from the engine at ``temperature`` (module doc). The
+    asks are checked (:func:`check_asked`) by the caller."""
+    known = known or {}
     out: list[np.ndarray | None] = [
         from_rows(rec, a, f) for rec, a, f in zip(records, asked, first, strict=True)
     ]
     todo = [i for i, o in enumerate(out) if o is None]
-    calls: list[tuple[int, np.ndarray]] = [(i, u) for i in todo for u in _union_chunks(asked[i])]
+    for i in todo:
+        if i in known:
+            out[i] = _gather(known[i], union(asked[i]), asked[i], first[i])
+    calls: list[tuple[int, np.ndarray]] = [
+        (i, u) for i in todo if i not in known for u in _union_chunks(asked[i])
+    ]
     if calls:
         full = await scoring.admitted_ids(
             [seqs[i] for i, _ in calls], [u.tolist() for _, u in calls], temperature
@@ -114,7 +140,7 @@ async def at_chosen_ids(
         for (i, u), lp in zip(calls, full, strict=True):
             parts.setdefault(i, []).append(lp)
             unions.setdefault(i, []).append(u)
-        for i in todo:
+        for i in parts:
             out[i] = _gather(
                 np.concatenate(parts[i], axis=1), np.concatenate(unions[i]), asked[i], first[i]
             )

@@ -8,12 +8,13 @@ neither costs engine time nor writes anything.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from logitcache.cache_format import Manifest, SequenceRecord
@@ -309,15 +310,41 @@ class ScoringService:
         """The engine's exact logprobs at chosen ids (``score_ids``: per sequence ``i`` a float32
         ``[L_i - 1, len(ids[i])]`` array) at ``temperature`` under the on-demand admission
         budget; an id list the engine refuses is a 422."""
+        out: list[np.ndarray] = await self._ids_call("score_ids", seqs, ids, temperature)
+        return out
+
+    async def admitted_with_ids(
+        self, seqs: Seq[Sequence], k: int, ids: Seq[Seq[int]], temperature: float | None = None
+    ) -> tuple[list[SequenceRecord], list[np.ndarray]]:
+        """Engine records of ``seqs`` at ``k`` and the exact logprobs at ``ids`` (as
+        :meth:`admitted_ids`) from one engine call (``score_with_ids``)."""
+        scores, at_ids = await self._ids_call("score_with_ids", seqs, ids, temperature, k=k)
+        return await asyncio.to_thread(pipeline.to_records, seqs, scores), at_ids
+
+    async def _ids_call(
+        self,
+        method: str,
+        seqs: Seq[Sequence],
+        ids: Seq[Seq[int]],
+        temperature: float | None,
+        k: int | None = None,
+    ) -> Any:
+        """The engine's ``method`` (``score_ids`` or ``score_with_ids``) on ``seqs`` under the
+        admission budget, timed as on-demand scoring; an engine without it or ids it refuses
+        are a 422."""
+        call = getattr(self.engine, method, None)
+        if call is None:
+            raise InvalidInputError("this engine cannot score chosen token ids")
         async with self._admission(sum(s.length for s in seqs)):
-            at_ids = getattr(self.engine, "score_ids", None)
-            if at_ids is None:
-                raise InvalidInputError("this engine cannot score chosen token ids")
             t0 = time.perf_counter()
+            chosen = [list(c) for c in ids]
+            args = (
+                ([s.input_ids for s in seqs], chosen)
+                if k is None
+                else ([s.input_ids for s in seqs], k, chosen)
+            )
             try:
-                out: list[np.ndarray] = await at_ids(
-                    [s.input_ids for s in seqs], [list(c) for c in ids], temperature
-                )
+                out = await call(*args, temperature)
             except EngineInputError as e:
                 raise InvalidInputError(str(e)) from None
             self.metrics.scored(

@@ -31,9 +31,10 @@ def _matrix(answer: dict[str, Any]) -> np.ndarray:
 def test_student_candidates_match_a_transformers_forward(
     hf_engine: Any, tiny: Any, heldout_sequences: Any, tmp_path: Any
 ) -> None:
-    """A miss (scored, stored) then a hit (no engine top-k work) at T = 0.7 and the server's
-    T: candidates per row, as a student's top-k would be (some in the teacher's top-k, most not;
-    rows of different lengths), exact against ``log_softmax(z / T)`` of a plain forward."""
+    """A miss (scored and stored, the top-k rows and the candidates from one forward) then a
+    hit (no engine top-k work) at T = 0.7 and the server's T: candidates per row, as a
+    student's top-k would be (some in the teacher's top-k, most not; rows of different
+    lengths), exact against ``log_softmax(z / T)`` of a plain forward."""
     seq = heldout_sequences[3][:36]
     prompt_len = 10
     rng = np.random.default_rng(11)
@@ -52,8 +53,12 @@ def test_student_candidates_match_a_transformers_forward(
             if t is not None:
                 sp["temperature"] = t
             body = {"token_ids": seq, "sampling_params": sp, "model": None}
+            calls, rows_at = hf_engine.timings.calls, hf_engine.timings.rows
             first = c.post(URL, json=body)
             assert first.status_code == 200, first.text
+            # the miss: its top-k rows and its candidates from one forward
+            assert hf_engine.timings.calls - calls == 1
+            assert hf_engine.timings.rows - rows_at == len(seq) - 1
             rows_before = hf_engine.timings.rows
             second = c.post(URL, json=body)
             assert second.status_code == 200, second.text
