@@ -15,8 +15,9 @@ teacher's top-``k``, so the matrix comes from the engine's ``score_ids``). Per s
 turn:
 
 1. **direct ids**: ``engine.score_ids`` for the row's candidates (what a bare teacher computes);
-2. **direct ids + top-k**: ``engine.score`` at ``k`` then ``engine.score_ids``: the engine work a
-   read-through miss does (the top-k rows are stored so that later epochs hit);
+2. **direct ids + top-k**: ``engine.score_with_ids`` at ``k`` (one forward on the transformers
+   backend): the engine work a read-through miss does (its top-k rows are stored so that later
+   epochs hit);
 3. **score route**: ``POST /v1/score`` with a cache (``bench-score``): the read-through miss
    every route shares (lookup, top-k scored, stored in a group commit, answered), no chosen ids;
 4. **vLLM route**: ``POST /inference/v1/generate`` with ``prompt_logprob_token_ids`` (per-row
@@ -56,8 +57,7 @@ def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: i
     asyncio.run(engine.score_ids([seq], [union]))
     out["direct_ids"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    asyncio.run(engine.score([seq], k))
-    asyncio.run(engine.score_ids([seq], [union]))
+    asyncio.run(engine.score_with_ids([seq], k, [union]))
     out["direct_ids_topk"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     r = client.post("/v1/score", json={"input_ids": [seq], "k": k, "cache": "bench-score"})
