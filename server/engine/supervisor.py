@@ -199,6 +199,18 @@ class SupervisedEngine:
         except EngineError as e:
             raise self._failed(engine, e) from e
 
+    async def _optional(self, method: str, cannot: str, *args: Any) -> Any:
+        """The current engine's ``method`` (one the protocol does not require) on ``args``;
+        :class:`EngineInputError` ("this engine cannot ...") if it has none."""
+        engine = self._current()
+        call = getattr(engine, method, None)
+        if call is None:
+            raise EngineInputError(f"this engine cannot {cannot}")
+        try:
+            return await call(*args)
+        except EngineError as e:
+            raise self._failed(engine, e) from e
+
     async def score_sampled(
         self,
         prompts: list[list[int]],
@@ -206,14 +218,15 @@ class SupervisedEngine:
         targets: SampledTargets,
         temperature: float | None = None,
     ) -> list[TeacherScores]:
-        engine = self._current()
-        sample = getattr(engine, "score_sampled", None)
-        if sample is None:
-            raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
-        try:
-            return await sample(prompts, keys, targets, temperature)
-        except EngineError as e:
-            raise self._failed(engine, e) from e
+        out: list[TeacherScores] = await self._optional(
+            "score_sampled",
+            "produce sampled targets (targets='sampled')",
+            prompts,
+            keys,
+            targets,
+            temperature,
+        )
+        return out
 
     async def score_with_ids(
         self,
@@ -222,25 +235,15 @@ class SupervisedEngine:
         ids: list[list[int]],
         temperature: float | None = None,
     ) -> tuple[list[TeacherScores], list[Any]]:
-        engine = self._current()
-        both = getattr(engine, "score_with_ids", None)
-        if both is None:
-            raise EngineInputError("this engine cannot score chosen token ids")
-        try:
-            out: tuple[list[TeacherScores], list[Any]] = await both(prompts, k, ids, temperature)
-            return out
-        except EngineError as e:
-            raise self._failed(engine, e) from e
+        out: tuple[list[TeacherScores], list[Any]] = await self._optional(
+            "score_with_ids", "score chosen token ids", prompts, k, ids, temperature
+        )
+        return out
 
     async def score_ids(
         self, prompts: list[list[int]], ids: list[list[int]], temperature: float | None = None
     ) -> list[Any]:
-        engine = self._current()
-        at_ids = getattr(engine, "score_ids", None)
-        if at_ids is None:
-            raise EngineInputError("this engine cannot score chosen token ids")
-        try:
-            out: list[Any] = await at_ids(prompts, ids, temperature)
-            return out
-        except EngineError as e:
-            raise self._failed(engine, e) from e
+        out: list[Any] = await self._optional(
+            "score_ids", "score chosen token ids", prompts, ids, temperature
+        )
+        return out
