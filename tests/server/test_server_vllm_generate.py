@@ -165,3 +165,25 @@ def test_a_union_of_candidates_above_one_engine_call_is_split(
     ref = fake_logprobs(SEQ, 300)
     for r, row in enumerate(rows):
         assert m[r].tolist() == pytest.approx(ref[r, row].tolist(), abs=1e-5)
+
+
+def test_served_through_the_supervised_engine(tmp_path: Path) -> None:
+    """The server's engine is a :class:`SupervisedEngine`: a miss (one ``score_with_ids``) and
+    candidates outside a cached row (``score_ids``) reach the engine through it."""
+    from logitcache.server.engine.supervisor import SupervisedEngine
+
+    fake = FakeEngine()
+    app = LiveApp(app_settings(tmp_path), SupervisedEngine(lambda: fake))
+    try:
+        rows = [[299, 0], [1, 2], [250, 3], [8, 9], [-1, 42]]
+        for _ in range(2):  # a miss, then a hit whose candidates are outside its rows
+            status, _h, data = app.request(
+                "POST", URL, JSON, json.dumps({**body(rows), "cache": None}).encode()
+            )
+            assert status == 200, data
+            m = decode(json.loads(data)["prompt_token_id_logprobs"])
+            ref = fake_logprobs(SEQ, 300)
+            assert m[0].tolist() == pytest.approx(ref[0, [299, 0]].tolist(), abs=1e-5)
+        assert fake.id_calls == [1, 1]  # score_with_ids on the miss, score_ids on the hit
+    finally:
+        app.close()
