@@ -18,6 +18,7 @@ import io
 from typing import Any
 
 import numpy as np
+import pytest
 from engine_support import full_forward_logprobs
 from server_support import ThreadedServer, server_settings
 
@@ -28,12 +29,19 @@ def _matrix(answer: dict[str, Any]) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(answer["prompt_token_id_logprobs"])))
 
 
+@pytest.mark.parametrize(
+    "backend", ["hf_engine", pytest.param("vllm_engine", marks=pytest.mark.vllm)]
+)
 def test_student_candidates_match_a_transformers_forward(
-    hf_engine: Any, tiny: Any, heldout_sequences: Any, tmp_path: Any
+    backend: str,
+    request: pytest.FixtureRequest,
+    tiny: Any,
+    heldout_sequences: Any,
+    tmp_path: Any,
 ) -> None:
-    """A miss (scored and stored, the top-k rows and the candidates from one forward) then a
-    hit (no engine top-k work) at T = 0.7 and the server's T: candidates per row, as a
-    student's top-k would be (some in the teacher's top-k, most not; rows of different
+    """Both backends: a miss (scored and stored, the top-k rows and the candidates from one
+    engine call) then a hit (no engine top-k work) at T = 0.7 and the server's T: candidates
+    per row, as a student's top-k would be (some in the teacher's top-k, most not; rows of different
     lengths), exact against ``log_softmax(z / T)`` of a plain forward."""
     seq = heldout_sequences[3][:36]
     prompt_len = 10
@@ -43,7 +51,8 @@ def test_student_candidates_match_a_transformers_forward(
         for _ in range(len(seq) - prompt_len)
     ]
     settings = server_settings(tmp_path, str(tiny.teacher_dir), k=8)
-    with ThreadedServer(settings, hf_engine) as srv, srv.client() as c:
+    engine = request.getfixturevalue(backend)
+    with ThreadedServer(settings, engine) as srv, srv.client() as c:
         for t in (0.7, None):
             sp: dict[str, Any] = {
                 "max_tokens": 1,
@@ -53,13 +62,13 @@ def test_student_candidates_match_a_transformers_forward(
             if t is not None:
                 sp["temperature"] = t
             body = {"token_ids": seq, "sampling_params": sp, "model": None}
-            calls, rows_at = hf_engine.timings.calls, hf_engine.timings.rows
+            calls, rows_at = engine.timings.calls, engine.timings.rows
             first = c.post(URL, json=body)
             assert first.status_code == 200, first.text
             # the miss: its top-k rows and its candidates from one forward
-            assert hf_engine.timings.calls - calls == 1
-            assert hf_engine.timings.rows - rows_at == len(seq) - 1
-            rows_before = hf_engine.timings.rows
+            assert engine.timings.calls - calls == 1
+            assert engine.timings.rows - rows_at == len(seq) - 1
+            rows_before = engine.timings.rows
             second = c.post(URL, json=body)
             assert second.status_code == 200, second.text
             a, b = first.json(), second.json()
@@ -75,7 +84,7 @@ def test_student_candidates_match_a_transformers_forward(
                     np.testing.assert_allclose(m[i, : len(row)], want, atol=2e-4)
                     assert (m[i, len(row) :] == -np.inf).all()
             # the hit read its top-k rows from the cache: only the chosen ids were scored
-            assert hf_engine.timings.rows - rows_before == len(seq) - 1
+            assert engine.timings.rows - rows_before == len(seq) - 1
 
 
 def test_candidates_in_the_cached_top_k_cost_no_engine_work(
