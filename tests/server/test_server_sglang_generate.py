@@ -192,10 +192,13 @@ def test_token_ids_logprob_from_the_cached_row_or_exact_from_the_engine(app: App
 
 def test_token_ids_logprob_per_sequence_on_a_miss_is_exact_and_stored(app: App) -> None:
     from engine_support import fake_logprobs
+    from logitcache.protocol import SglangMetaInfo
 
     asked = [[7, 250], [3, 299, 0]]
     r = app.post("/generate", body(SEQS, cache="fresh", token_ids_logprob=asked))
     assert r.status == 200, r.text
+    metas = [SglangMetaInfo.model_validate(x["meta_info"]) for x in r.json()]  # typed answer
+    assert all(m.exact_token_ids for m in metas) and app.engine.id_calls == [2]  # one call
     assert [x["meta_info"]["cached"] for x in r.json()] == [False, False]
     for out, seq, ids in zip(r.json(), SEQS, asked, strict=True):
         ref = fake_logprobs(seq, 300)
