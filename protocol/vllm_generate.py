@@ -60,9 +60,11 @@ class VllmUsage(BaseModel):
 
 
 class VllmGenerateChoice(BaseModel):
-    """One choice: no token is generated (``token_ids`` empty, ``finish_reason`` ``length``)."""
+    """One choice: no token is generated (``token_ids`` empty, ``finish_reason`` ``length``;
+    ``text`` ``""`` with ``output_mode: "text"``, as vLLM's ``GenerateTextChoice``)."""
 
     index: int
+    text: str | None = None
     logprobs: Any | None = None
     finish_reason: str | None = "length"
     stop_reason: int | str | None = None

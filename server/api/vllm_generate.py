@@ -124,7 +124,14 @@ async def generate(services: Services, req: VllmGenerateRequest) -> VllmGenerate
         prompt_token_id_logprobs=await asyncio.to_thread(npy_base64, got.logprobs[0]),
         prompt_token_ids=list(req.token_ids) if req.return_token_ids else None,
         output_mode=req.output_mode,
-        choices=[VllmGenerateChoice(index=0, token_ids=[], finish_reason="length")],
+        choices=[
+            VllmGenerateChoice(
+                index=0,
+                text="" if req.output_mode == "text" else None,
+                token_ids=[],
+                finish_reason="length",
+            )
+        ],
         cached=bool(served.hits and served.hits[0]),
         exact=got.exact[0],
     )

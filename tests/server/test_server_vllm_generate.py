@@ -75,6 +75,7 @@ def test_rows_in_the_cached_top_k_come_from_the_cache(app: App) -> None:
     assert out["choices"] == [
         {
             "index": 0,
+            "text": None,
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,
@@ -187,3 +188,10 @@ def test_served_through_the_supervised_engine(tmp_path: Path) -> None:
         assert fake.id_calls == [1, 1]  # score_with_ids on the miss, score_ids on the hit
     finally:
         app.close()
+
+
+def test_text_output_mode_and_token_ids_echo(app: App) -> None:
+    status, out = app.post({**body([[1]] * 5), "output_mode": "text", "return_token_ids": True})
+    assert status == 200, out
+    assert out["output_mode"] == "text" and out["choices"][0]["text"] == ""
+    assert out["prompt_token_ids"] == SEQ
