@@ -3,7 +3,9 @@
 One definition of every request and response body (pydantic models), of the media types
 (``FRAMES_MEDIA_TYPE`` for binary wire frames, ``JSON_MEDIA_TYPE``), of the job states
 (``JobState``; ``JobState.terminal`` / ``TERMINAL_JOB_STATES``) and of the request limits
-(``MAX_K``, ``MAX_TOKEN_ID``, key and name rules). The server (``logitcache.server``) validates
+(``MAX_K``, ``MAX_TOKEN_ID``, key and name rules), and the engines' own protocols a teacher
+answers (:mod:`.sglang`: SGLang's ``/generate``; :mod:`.vllm_generate`: vLLM's
+``/inference/v1/generate``). The server (``logitcache.server``) validates
 and answers with them; the client (``logitcache.client.TeacherClient``) returns them. Importing
 it needs pydantic only (no other room of ours, no FastAPI, vLLM, httpx or zarr); the HTTP
 semantics are in ``server/API.md``.
@@ -50,6 +52,14 @@ from .models import (
     TokenId,
     TopK,
 )
+from .sglang import SglangGenerateRequest, SglangMetaInfo
+from .vllm_generate import (
+    VllmGenerateChoice,
+    VllmGenerateRequest,
+    VllmGenerateResponse,
+    VllmSamplingParams,
+    VllmUsage,
+)
 
 __all__ = [
     "ApiModel",
@@ -91,4 +101,11 @@ __all__ = [
     "Text",
     "TokenId",
     "TopK",
+    "SglangGenerateRequest",
+    "SglangMetaInfo",
+    "VllmGenerateChoice",
+    "VllmGenerateRequest",
+    "VllmGenerateResponse",
+    "VllmSamplingParams",
+    "VllmUsage",
 ]

@@ -29,6 +29,7 @@ from .api import score as routes_score
 from .api import sglang as routes_sglang
 from .api import store as routes_store
 from .api import ui
+from .api import vllm_generate as routes_vllm_generate
 from .api.deps import Services
 from .api.middleware import (
     ApiKeyMiddleware,
@@ -215,6 +216,7 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         app.include_router(module.router)
     app.include_router(routes_openai.router)  # vLLM-compatible /v1/completions, /v1/models
     app.include_router(routes_sglang.router)  # SGLang-compatible /generate
+    app.include_router(routes_vllm_generate.router)  # vLLM's /inference/v1/generate
     ui.install(app, settings)  # status page at /, login form, /docs, Bearer scheme
     install_error_handlers(app)
     declare_common_errors(app, keyed=settings.api_key is not None)

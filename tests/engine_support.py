@@ -116,6 +116,7 @@ class FakeEngine(BaseEngine):
         )
         self.calls: list[int] = []  # prompts per engine call
         self.temperatures: list[float] = []  # the temperature of each engine call
+        self.id_calls: list[int] = []  # prompts per score_ids call
 
     async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
         self.calls.append(len(prompts))
@@ -126,6 +127,17 @@ class FakeEngine(BaseEngine):
             top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
             out.append(make_scores(top, np.take_along_axis(lp, top, axis=1)))
         return out
+
+    async def _generate_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+    ) -> list[np.ndarray]:
+        """:func:`fake_logprobs` at the chosen ids (``id_calls``: prompts per call)."""
+        self.id_calls.append(len(prompts))
+        self.temperatures.append(temperature)
+        return [
+            fake_logprobs(p, self.info.vocab_size, temperature)[:, c].astype(np.float32)
+            for p, c in zip(prompts, ids, strict=True)
+        ]
 
     async def _generate_sampled(
         self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float

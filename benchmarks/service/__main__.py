@@ -14,6 +14,7 @@ MODES = {
     "appends": "appends",
     "ray": "replicas",
     "gpu": "gpu",
+    "protocols": "protocols",
 }
 
 

@@ -19,6 +19,7 @@ from logitcache.protocol import ErrorResponse, JobStatus
 from ..errors import (
     ClientClosedError,
     DeadlineExceededError,
+    NotFoundError,
     UnavailableError,
     public_message,
     public_name,
@@ -109,6 +110,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 def public_model(model_id: str) -> str:
     """The teacher's name for public bodies: an absolute local path shows only its last part."""
     return public_name(model_id)
+
+
+def check_model(model: str | None, model_id: str) -> None:
+    """404 when a protocol request names a ``model`` other than the teacher (by its public
+    name or its id); ``None`` names the teacher."""
+    if model is not None and model not in (public_model(model_id), model_id):
+        raise NotFoundError(f"The model `{model}` does not exist.")
 
 
 def public_status(job: JobStatus) -> JobStatus:

@@ -41,12 +41,12 @@ from logitcache.cache_format import SequenceRecord
 from logitcache.protocol import Temperature, TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInputError, NotFoundError
+from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.cache_hits import Served
 from ..serving.caches import check_name
 from ..serving.scoring import ScoringService, default_cache
-from .deps import ERRORS, Services, ServicesDep, public_model, run_for_client
+from .deps import ERRORS, Services, ServicesDep, check_model, public_model, run_for_client
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -203,8 +203,7 @@ async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]
     """Check, serve through the cache (or score above its k), and build the vLLM answer."""
     scoring = services.scoring
     info = services.engine.info
-    if req.model is not None and req.model not in (public_model(info.model_id), info.model_id):
-        raise NotFoundError(f"The model `{req.model}` does not exist.")
+    check_model(req.model, info.model_id)
     k = _check(req, scoring)
     t = scoring.check_temperature(req.temperature)
     cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))

@@ -18,29 +18,32 @@ Limits, by design of a top-k cache: ``input_token_logprobs[t][0]`` is the teache
 the actual token when it is in the top-``k`` row, else ``None`` (never an estimate).
 ``token_ids_logprob`` (one list of ids, or one per sequence) is answered in
 ``meta_info.input_token_ids_logprobs`` (per position ``None`` or ``[[logprob, id, text], ...]``
-in the asked order) from the cached top-``k`` rows when every asked id is in them, otherwise a
-422 (logprobs outside the top-``k`` are never estimated). ``sampling_params.temperature`` is the
+in the asked order) from the sequence's top-``k`` rows when every asked id is in them, else
+exactly from the engine at the request's temperature (``server/serving/chosen.py``;
+``meta_info.exact_token_ids`` says which). ``sampling_params.temperature`` is the
 teacher's: logprobs of ``log_softmax(logits / T)`` exactly, from :data:`DEFAULT_CACHE` at the
 server's temperature and ``DEFAULT_CACHE-t<T>`` at another; a named cache made at another
 temperature is a 409. Not served (422): ``max_new_tokens`` other than 0, ``text`` prompts,
-``stream``. ``meta_info.cached`` (bool) is a logitcache extension.
+``stream``. ``meta_info.cached`` (bool) is a logitcache extension. Request and ``meta_info`` are
+typed in ``logitcache.protocol.sglang``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from logitcache.cache_format import SequenceRecord
-from logitcache.protocol import TokenId
-from pydantic import BaseModel, ConfigDict, Field
+from logitcache.protocol import SglangGenerateRequest
 
 from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.caches import check_name
+from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.scoring import default_cache
 from .deps import ERRORS, Services, ServicesDep, run_for_client
 
@@ -49,25 +52,7 @@ router = APIRouter(tags=["sglang"])
 #: The cache ``/generate`` serves from when the request names none.
 DEFAULT_CACHE = "sglang-generate"
 
-Int = Annotated[int, Field(strict=True)]
-
-
-class GenerateRequest(BaseModel):
-    """The fields of SGLang's ``GenerateReqInput`` this route reads (others are accepted and
-    ignored). Integers are strict, as in ``/v1/score``."""
-
-    model_config = ConfigDict(extra="allow")
-
-    input_ids: list[TokenId] | list[list[TokenId]] | None = None
-    text: str | list[str] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: Int | list[Int] = -1
-    top_logprobs_num: Int | list[Int] = 0
-    token_ids_logprob: list[TokenId] | list[list[TokenId]] | None = None
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
+GenerateRequest = SglangGenerateRequest
 
 
 def _one(value: Any, name: str) -> Any:
@@ -102,22 +87,48 @@ def _check(req: GenerateRequest) -> tuple[list[list[int]], bool, Any]:
     return [list(s) for s in ids], True, temperature
 
 
-def _chosen(ids: list[Any] | None, i: int, batch: bool) -> list[int] | None:
-    """Sequence ``i``'s ``token_ids_logprob``: one list for all, or one list per sequence."""
+def _chosen(ids: list[Any] | None, i: int, n: int, batch: bool) -> list[int] | None:
+    """Sequence ``i``'s ``token_ids_logprob``: one list for all, or one list per sequence (of
+    ``n``)."""
     if ids is None or not ids or isinstance(ids[0], int):
         return ids
-    if not batch or i >= len(ids):
+    if not batch or len(ids) != n:
         raise InvalidInputError("token_ids_logprob: one list of ids, or one per sequence")
     return list(ids[i])
 
 
+def _first(start: int, n: int) -> int:
+    """The first answered position of an ``n``-token sequence (``-1``: the last one)."""
+    first = n - 1 if start < 0 else start
+    if first >= n:
+        raise InvalidInputError(f"logprob_start_len {start} is not below the length {n}")
+    return first
+
+
+def _asked(chosen: list[int], first: int, n: int, vocab_size: int, where: str) -> np.ndarray:
+    """The ``[rows, len(chosen)]`` ids asked at rows ``max(first, 1) - 1 .. n - 2`` (position
+    ``t`` is predicted by row ``t - 1``; position 0 by none)."""
+    row0 = max(first, 1) - 1
+    asked = np.tile(np.asarray(chosen, dtype=np.int64), (n - 1 - row0, 1))
+    check_asked(asked, row0, n, vocab_size, where)
+    return asked
+
+
 def _meta(
-    rec: SequenceRecord, start: int, top: int, chosen: list[int] | None, decode: Any, cached: bool
+    rec: SequenceRecord,
+    start: int,
+    top: int,
+    at: tuple[list[int], np.ndarray, bool] | None,
+    decode: Any,
+    cached: bool,
 ) -> dict[str, Any]:
-    """SGLang's ``meta_info`` of one scored sequence; ``chosen``: the ``token_ids_logprob``."""
+    """SGLang's ``meta_info`` of one scored sequence; ``at``: the ``token_ids_logprob`` ids,
+    their logprobs at rows ``max(start, 1) - 1 ..`` and whether these came from the engine."""
     ids = rec.input_ids.tolist()
     rows_ids = rec.topk_ids.tolist()
     rows_lps = rec.topk_logprobs.tolist()
+    at_lps = at[1].tolist() if at is not None else []
+    row0 = max(start, 1) - 1
     token: list[list[Any]] = []
     tops: list[list[list[Any]] | None] = []
     at_ids: list[list[list[Any]] | None] = []
@@ -129,15 +140,10 @@ def _meta(
             at_ids.append(None)
             continue
         row = dict(zip(rows_ids[t - 1], rows_lps[t - 1], strict=True))
-        if chosen is not None:
-            missing = [i for i in chosen if i not in row]
-            if missing:
-                raise InvalidInputError(
-                    f"token_ids_logprob: ids {missing[:8]} are outside the cached top-"
-                    f"{len(rows_ids[t - 1])} at position {t}; logprobs at ids outside the top-k "
-                    "are not served (never estimated)"
-                )
-            at_ids.append([[row[i], i, decode(i)] for i in chosen])
+        if at is not None:
+            at_ids.append(
+                [[lp, i, decode(i)] for i, lp in zip(at[0], at_lps[t - 1 - row0], strict=True)]
+            )
         token.append([row.get(x), x, decode(x)])
         tops.append(
             [
@@ -147,6 +153,7 @@ def _meta(
             if top
             else None
         )
+    chosen = {"input_token_ids_logprobs": at_ids, "exact_token_ids": at[2]} if at else {}
     return {
         "id": uuid.uuid4().hex,
         "finish_reason": {"type": "length", "length": 0},
@@ -155,7 +162,7 @@ def _meta(
         "cached_tokens": len(ids) if cached else 0,
         "input_token_logprobs": token,
         "input_top_logprobs": tops,
-        **({"input_token_ids_logprobs": at_ids} if chosen is not None else {}),
+        **chosen,
         "output_token_logprobs": [],
         "output_top_logprobs": [],
         "cached": cached,
@@ -163,7 +170,8 @@ def _meta(
 
 
 async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] | list[Any]:
-    """Check, serve through the cache, and build SGLang's answer."""
+    """Check, serve through the cache, and build SGLang's answer (every check before any
+    engine work or write)."""
     scoring = services.scoring
     seqs_in, batch, asked_t = _check(req)
     top = _one(req.top_logprobs_num, "top_logprobs_num")
@@ -177,12 +185,35 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
         for i, s in enumerate(seqs_in)
     ]
     seqs = await asyncio.to_thread(scoring.checked, raws, len(raws), "input_ids")
-    scoring.check_answer_size(seqs, max(top, 1), "generate")
+    firsts = [_first(start, s.length) for s in seqs]
+    chosen = [_chosen(req.token_ids_logprob, i, len(seqs), batch) for i in range(len(seqs))]
+    asks = [
+        None if c is None else _asked(c, f, s.length, info.vocab_size, "token_ids_logprob")
+        for c, f, s in zip(chosen, firsts, seqs, strict=True)
+    ]
+    width = max((len(c) for c in chosen if c is not None), default=0)
+    scoring.check_answer_size(seqs, max(top, 1) + width, "generate")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
+    todo = [i for i, a in enumerate(asks) if a is not None]
+    asked = [a for a in asks if a is not None]
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
-        served = await services.serving.serve(cache, seqs, manifest.k, manifest)
+        ids = one_call_ids(asked) if len(todo) == len(seqs) else None  # misses: one engine call
+        served = await services.serving.serve(cache, seqs, manifest.k, manifest, ids=ids)
     else:  # the cache cannot hold this k: scored, not stored
         served = await services.serving.above(seqs, top, manifest.temperature)
+    at: list[tuple[list[int], np.ndarray, bool] | None] = [None] * len(seqs)
+    if todo:
+        got = await at_chosen_ids(
+            scoring,
+            [seqs[i] for i in todo],
+            [served.records[i] for i in todo],
+            asked,
+            [max(firsts[i], 1) - 1 for i in todo],
+            manifest.temperature,
+            {j: served.at_ids[i] for j, i in enumerate(todo) if i in served.at_ids},
+        )
+        for j, i in enumerate(todo):
+            at[i] = (chosen[i] or [], got.logprobs[j], got.exact[j])
     tokenizer = getattr(services.engine, "tokenizer", None)
     memo: dict[int, str | None] = {}
 
@@ -195,12 +226,8 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
 
     out = []
     for i, rec in enumerate(served.records):
-        n = int(rec.input_ids.shape[0])
-        first = n - 1 if start < 0 else start
-        if first >= n:
-            raise InvalidInputError(f"logprob_start_len {start} is not below the length {n}")
         cached = served.hits is not None and served.hits[i]
-        meta = _meta(rec, first, top, _chosen(req.token_ids_logprob, i, batch), decode, cached)
+        meta = _meta(rec, firsts[i], top, at[i], decode, cached)
         out.append({"text": "", "output_ids": [], "meta_info": meta})
     return out if batch else out[0]
 

@@ -69,6 +69,15 @@ class BaseEngine:
         """Per (checked) prompt the ``[L - 1, len(ids[i])]`` logprobs at ``ids[i]``."""
         raise EngineInputError(f"the {self.info.backend} backend cannot score chosen token ids")
 
+    async def _generate_with_ids(
+        self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
+    ) -> tuple[list[TeacherScores], list[np.ndarray]]:
+        """Top-``k`` rows and the logprobs at ``ids[i]`` of every (checked) prompt (default: two
+        calls; a backend with one pass for both overrides it)."""
+        raw = await self._generate(prompts, k, temperature)
+        scores = [self._convert(r, len(p), k) for r, p in zip(raw, prompts, strict=True)]
+        return scores, await self._generate_ids(prompts, ids, temperature)
+
     async def _close(self) -> None:
         """Release the backend's resources (called once)."""
 
@@ -152,6 +161,27 @@ class BaseEngine:
         self.timings.prompts += len(checked)
         self.timings.rows += sum(len(p) - 1 for p in checked)
         return out
+
+    async def score_with_ids(
+        self,
+        prompts: list[list[int]],
+        k: int,
+        ids: list[list[int]],
+        temperature: float | None = None,
+    ) -> tuple[list[TeacherScores], list[np.ndarray]]:
+        """:meth:`score` and :meth:`score_ids` of the same prompts in one call (the
+        transformers backend: one forward for both); every check runs before any work."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        k = check_k(k, self.info.max_k, self.info.vocab_size)
+        t = check_temperature(temperature, self.info.temperature)
+        checked = check_prompts(prompts, self.info)
+        chosen = check_token_ids(ids, len(checked), self.info.vocab_size)
+        t0 = time.perf_counter()
+        scores, at_ids = await self._generate_with_ids(checked, k, chosen, t)
+        t1 = time.perf_counter()
+        self._account(checked, scores, t0, t1, t1)
+        return scores, at_ids
 
     def _account(
         self, checked: list[list[int]], scores: list[TeacherScores], t0: float, t1: float, t2: float

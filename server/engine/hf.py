@@ -277,6 +277,19 @@ class TransformersEngine(BaseEngine):
 
         return await asyncio.to_thread(self._forward_rows, prompts, at_ids)
 
+    async def _generate_with_ids(
+        self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
+    ) -> tuple[list[TeacherScores], list[Any]]:
+        """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
+
+        def both(i: int, hidden: Any) -> tuple[TeacherScores, Any]:
+            tid, tlp = self._topk_rows(hidden, k, temperature)
+            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
+            return rows, self._id_rows(hidden, ids[i], temperature)
+
+        out = await asyncio.to_thread(self._forward_rows, prompts, both)
+        return [r for r, _ in out], [a for _, a in out]
+
     async def _close(self) -> None:
         """Drop the model."""
         self.model = self.decoder = self.head_weight = self.head_bias = None

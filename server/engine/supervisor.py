@@ -1,14 +1,14 @@
 """A teacher engine that is restarted when it dies: :class:`SupervisedEngine`.
 
-It wraps the engine a ``build`` function returns and is itself a
-:class:`~.protocol.TeacherEngine` (``info``, ``tokenizer``, ``tokenize``, ``score``,
-``score_sampled``, ``aclose``). A monitor task (:meth:`SupervisedEngine.start`) checks the
+It wraps the engine a ``build`` function returns and is itself a :class:`~.protocol.TeacherEngine`
+(``info``, ``tokenizer``, ``tokenize``, ``score``, ``score_sampled``, ``score_ids``,
+``score_with_ids``, ``aclose``). A monitor task (:meth:`SupervisedEngine.start`) checks the
 engine's ``alive`` every :data:`CHECK_S` seconds; a call that fails with
-:class:`~.protocol.EngineUnavailableError`, or any engine error once the engine is no longer
-alive, also marks it dead. A dead engine is closed (its processes ended) and built again in a
-worker thread, with a growing pause between failed builds; meanwhile ``alive`` is false and every
-call raises :class:`~.protocol.EngineUnavailableError` at once, with a ``retry_after`` estimated
-from how long the engine took to start.
+:class:`~.protocol.EngineUnavailableError`, or any engine error once the engine is no longer alive,
+also marks it dead. A dead engine is closed (its processes ended) and built again in a worker
+thread, with a growing pause between failed builds; meanwhile ``alive`` is false and every call
+raises :class:`~.protocol.EngineUnavailableError` at once, with a ``retry_after`` estimated from
+how long the engine took to start.
 
 Only a separate engine process can be restarted: an in-process engine that crashes the process
 takes the server with it (:mod:`.vllm` warms such an engine up so the known crash cannot be
@@ -199,6 +199,18 @@ class SupervisedEngine:
         except EngineError as e:
             raise self._failed(engine, e) from e
 
+    async def _optional(self, method: str, cannot: str, *args: Any) -> Any:
+        """The current engine's ``method`` (one the protocol does not require) on ``args``;
+        :class:`EngineInputError` ("this engine cannot ...") if it has none."""
+        engine = self._current()
+        call = getattr(engine, method, None)
+        if call is None:
+            raise EngineInputError(f"this engine cannot {cannot}")
+        try:
+            return await call(*args)
+        except EngineError as e:
+            raise self._failed(engine, e) from e
+
     async def score_sampled(
         self,
         prompts: list[list[int]],
@@ -206,11 +218,32 @@ class SupervisedEngine:
         targets: SampledTargets,
         temperature: float | None = None,
     ) -> list[TeacherScores]:
-        engine = self._current()
-        sample = getattr(engine, "score_sampled", None)
-        if sample is None:
-            raise EngineInputError("this engine cannot produce sampled targets (targets='sampled')")
-        try:
-            return await sample(prompts, keys, targets, temperature)
-        except EngineError as e:
-            raise self._failed(engine, e) from e
+        out: list[TeacherScores] = await self._optional(
+            "score_sampled",
+            "produce sampled targets (targets='sampled')",
+            prompts,
+            keys,
+            targets,
+            temperature,
+        )
+        return out
+
+    async def score_with_ids(
+        self,
+        prompts: list[list[int]],
+        k: int,
+        ids: list[list[int]],
+        temperature: float | None = None,
+    ) -> tuple[list[TeacherScores], list[Any]]:
+        out: tuple[list[TeacherScores], list[Any]] = await self._optional(
+            "score_with_ids", "score chosen token ids", prompts, k, ids, temperature
+        )
+        return out
+
+    async def score_ids(
+        self, prompts: list[list[int]], ids: list[list[int]], temperature: float | None = None
+    ) -> list[Any]:
+        out: list[Any] = await self._optional(
+            "score_ids", "score chosen token ids", prompts, ids, temperature
+        )
+        return out

@@ -79,6 +79,7 @@ from .protocol import (
     EngineUnavailableError,
     SampledTargets,
     TeacherScores,
+    make_scores,
 )
 from .vllm_rows import hooked_from_output, scores_from_output
 
@@ -535,7 +536,19 @@ class VllmEngine(BaseEngine):
         self, prompts: list[list[int]], ids: list[list[int]], temperature: float
     ) -> list[Any]:
         """Logprobs at each prompt's chosen ids, gathered by the worker hook."""
+        _, at_ids = await self._hooked_ids(prompts, 0, ids, temperature)
+        return at_ids
 
+    async def _generate_with_ids(
+        self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
+    ) -> tuple[list[TeacherScores], list[np.ndarray]]:
+        """Top-k rows and the chosen ids' logprobs from one pass of the worker hook."""
+        return await self._hooked_ids(prompts, k, ids, temperature)
+
+    async def _hooked_ids(
+        self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
+    ) -> tuple[list[TeacherScores], list[np.ndarray]]:
+        """The worker hook's top ``k`` (``0``: none) and chosen-id columns of every prompt."""
         from . import vllm_sampling
 
         self._need_arrays("logprobs at chosen token ids")
@@ -544,17 +557,19 @@ class VllmEngine(BaseEngine):
         def params(chosen: list[int]) -> Any:
             extra = {vllm_logprobs.FLAG: True, vllm_sampling.TOKEN_IDS: chosen}
             extra[vllm_sampling.TEMPERATURE] = temperature
+            extra[vllm_sampling.TOPK] = k
             return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
 
         outs = await asyncio.gather(*(one(p, params(c)) for p, c in zip(prompts, ids, strict=True)))
         rows = [
-            hooked_from_output(out, len(p), len(c))
+            hooked_from_output(out, len(p), k + len(c))
             for out, p, c in zip(outs, prompts, ids, strict=True)
         ]
         for r, c in zip(rows, ids, strict=True):
-            if not (r.topk_ids == np.asarray(c, np.int32)).all():
+            if not (r.topk_ids[:, k:] == np.asarray(c, np.int32)).all():
                 raise EngineError("vLLM's worker hook answered other ids than the ones asked")
-        return [r.topk_logprobs for r in rows]
+        top = [make_scores(r.topk_ids[:, :k], r.topk_logprobs[:, :k]) for r in rows] if k else []
+        return top, [np.ascontiguousarray(r.topk_logprobs[:, k:]) for r in rows]
 
     async def _close(self) -> None:
         if self._driver is not None:

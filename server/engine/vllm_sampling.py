@@ -21,7 +21,8 @@ scoring, ``benchmarks/distill_vllm_sampling.py``).
   request's sequence seed, so a chunked prefill draws exactly what one pass would;
   ``head + draws`` entries per row;
 * with :data:`TOKEN_IDS` (a list of ids), ``lp`` at those ids, in their order: the exact
-  logprobs of caller-chosen ids (e.g. a student's top-k);
+  logprobs of caller-chosen ids (e.g. a student's top-k); with :data:`TOPK` = ``k`` as well,
+  the top ``k`` of ``lp`` first (as below), then those ids: both from one pass;
 * otherwise the top ``k`` (the request's ``prompt_logprobs``) of ``lp`` by descending logprob:
   exactly ``log_softmax(z / T)`` of the teacher's final logits ``z``.
 
@@ -50,6 +51,8 @@ FLAG = "logitcache_sampled_targets"
 TEMPERATURE = "logitcache_temperature"
 #: ``SamplingParams.extra_args`` key of the token ids whose logprobs a request asks for.
 TOKEN_IDS = "logitcache_token_ids"
+#: ``SamplingParams.extra_args`` key of the top-k width asked beside :data:`TOKEN_IDS`.
+TOPK = "logitcache_topk"
 #: Id written in column 0 of a sampled request's rows (vLLM writes the prompt token there).
 MARK = -1
 #: ``SamplingParams.prompt_logprobs`` of a sampled request (the runner's own top-n is not used).
@@ -69,7 +72,7 @@ def _spec(request: Any) -> dict[str, Any] | None:
     t = float(extra.get(TEMPERATURE, 1.0))
     ids = extra.get(TOKEN_IDS)
     if ids is not None:
-        return {"ids": list(ids), "T": t}
+        return {"ids": list(ids), "k": int(extra.get(TOPK, 0)), "T": t}
     if not isinstance(sampled, dict) and t == 1.0:
         return None
     return {**(sampled if isinstance(sampled, dict) else {}), "T": t}
@@ -87,8 +90,12 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
     lp = runner.sampler.compute_logprobs(logits)
     if "ids" in spec:
         idx = torch.as_tensor(spec["ids"], dtype=torch.long, device=lp.device)
-        chosen = idx.to("cpu", torch.int32).expand(lp.shape[0], -1)
-        return chosen, lp[:, idx].to("cpu", torch.float32)
+        ids_out = idx.expand(lp.shape[0], -1)
+        lps_out = lp[:, idx]
+        if spec["k"]:  # the top k first, then the chosen ids
+            values, top = torch.topk(lp, spec["k"], dim=-1)
+            ids_out, lps_out = torch.cat([top, ids_out], 1), torch.cat([values, lps_out], 1)
+        return ids_out.to("cpu", torch.int32), lps_out.to("cpu", torch.float32)
     if "draws" not in spec:
         values, ids = torch.topk(lp, width, dim=-1)
         return ids.to("cpu", torch.int32), values.to("cpu", torch.float32)
@@ -99,10 +106,10 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
 
 
 def _width(spec: dict[str, Any], k: int) -> int:
-    """Entries per row: the chosen ids, ``head + draws`` of a sampled request, else its
-    ``prompt_logprobs``."""
+    """Entries per row: the chosen ids (after the top ``k`` if asked), ``head + draws`` of a
+    sampled request, else its ``prompt_logprobs``."""
     if "ids" in spec:
-        return len(spec["ids"])
+        return int(spec["k"]) + len(spec["ids"])
     if "draws" in spec:
         return int(spec.get("head", 0)) + int(spec["draws"])
     return k

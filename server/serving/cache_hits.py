@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,12 +52,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Served:
     """Records in request order, the k they were answered at, how many were newly committed
-    to the request's cache, and (with a cache) which came from it (``hits``)."""
+    to the request's cache, (with a cache) which came from it (``hits``), and for misses
+    scored with chosen ids (:meth:`CacheServing.serve` ``ids``) their exact logprobs at those
+    ids (index -> ``[L - 1, len(ids[index])]``)."""
 
     records: list[SequenceRecord]
     k: int
     hits: list[bool] | None
     stored: int
+    at_ids: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 def as_stored(rec: SequenceRecord, manifest: Manifest) -> SequenceRecord:
@@ -203,12 +206,21 @@ class CacheServing:
         return Served(records=records, k=k, hits=[False] * len(seqs), stored=0)
 
     async def serve(
-        self, cache: str, seqs: Seq[Sequence], k: int, manifest: Manifest, *, store: bool = True
+        self,
+        cache: str,
+        seqs: Seq[Sequence],
+        k: int,
+        manifest: Manifest,
+        *,
+        store: bool = True,
+        ids: Seq[list[int]] | None = None,
     ) -> Served:
         """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache``: hits read, misses scored
-        at ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``."""
+        at ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``.
+        With ``ids`` (per sequence, a top-k cache), the misses' logprobs at their ids come from
+        the same engine call (``Served.at_ids``)."""
         with self.commits.ticket(cache) as ticket:
-            return await self._serve(cache, seqs, k, manifest, store, ticket)
+            return await self._serve(cache, seqs, k, manifest, store, ticket, ids)
 
     async def _serve(
         self,
@@ -218,18 +230,27 @@ class CacheServing:
         manifest: Manifest,
         store: bool,
         ticket: Ticket,
+        ids: Seq[list[int]] | None,
     ) -> Served:
         found = await asyncio.to_thread(self.lookup, cache, seqs)
         miss_idx = [i for i in range(len(seqs)) if i not in found]
         if store and miss_idx:  # a read-only store still serves its hits
             await asyncio.to_thread(self.caches.check_writable, cache)
         sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
-        scored = await pipeline.one_batch(
-            [seqs[i] for i in miss_idx],
-            score=lambda s: self.scoring.admitted(
-                s, manifest.k, targets=sampled, temperature=manifest.temperature
-            ),
-        )
+        misses = [seqs[i] for i in miss_idx]
+        at_ids: dict[int, np.ndarray] = {}
+        if ids is not None and misses and sampled is None:
+            scored, exact = await self.scoring.admitted_with_ids(
+                misses, manifest.k, [ids[i] for i in miss_idx], manifest.temperature
+            )
+            at_ids = dict(zip(miss_idx, exact, strict=True))
+        else:
+            scored = await pipeline.one_batch(
+                misses,
+                score=lambda s: self.scoring.admitted(
+                    s, manifest.k, targets=sampled, temperature=manifest.temperature
+                ),
+            )
         as_kept = await asyncio.to_thread(checked_as_stored, scored, manifest, store)
         stored = await self.commits.append(ticket, manifest, scored if store else [])
         out: list[SequenceRecord | None] = [None] * len(seqs)
@@ -245,4 +266,4 @@ class CacheServing:
             tokens_saved=sum(seqs[i].length for i in found),
             bytes_served=sum(record_bytes(records[i]) for i in found),
         )
-        return Served(records=records, k=k, hits=hits, stored=stored)
+        return Served(records=records, k=k, hits=hits, stored=stored, at_ids=at_ids)

@@ -8,11 +8,15 @@ neither costs engine time nor writes anything.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from logitcache.cache_format import Manifest, SequenceRecord
 
 from ..admission import TokenGate
@@ -44,12 +48,13 @@ if TYPE_CHECKING:
 #: Upper-bound bytes of an answer, per format: per top-k value, per row, per token and per
 #: sequence. JSON: an id of up to 10 digits and a float of up to 22 characters with separators,
 #: the tail per row, ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions:
-#: vLLM's per-id dict (logprob, rank, decoded token) for every value.
+#: vLLM's per-id dict (logprob, rank, decoded token) for every value; npy: a base64 float32.
 ANSWER_BYTES: dict[str, tuple[int, int, int, int]] = {
     "json": (34, 30, 12, 200),
     "frames": (8, 4, 12, 200),
     "completions": (80, 0, 0, 200),
     "generate": (40, 40, 0, 400),
+    "npy": (6, 0, 0, 600),
 }
 #: What to change when an answer would be over ``max_response_bytes``, per format.
 SMALLER_ANSWER = {
@@ -59,6 +64,7 @@ SMALLER_ANSWER = {
     "(Accept: application/x-logitcache-frames)",
     "completions": "send fewer or shorter prompts or a smaller prompt_logprobs",
     "generate": "send fewer or shorter sequences or a smaller top_logprobs_num",
+    "npy": "send a shorter sequence or fewer candidate ids per row",
 }
 
 
@@ -261,6 +267,21 @@ class ScoringService:
                 retry_after=self.gate.retry_after(),
             )
 
+    @contextlib.asynccontextmanager
+    async def _admission(self, tokens: int) -> AsyncIterator[None]:
+        """Hold ``tokens`` of the on-demand budget around engine work (429 when full); the
+        budget's token rate learns only from work that finished."""
+        self.admit(tokens)
+        self.active += 1
+        t0 = time.perf_counter()
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            self.active -= 1
+            self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
+
     async def admitted(
         self,
         seqs: Seq[Sequence],
@@ -271,15 +292,9 @@ class ScoringService:
     ) -> list[SequenceRecord]:
         """Engine records of ``seqs`` at ``k`` (or sampled rows with ``targets``) at
         ``temperature`` (``None``: the engine's) under the on-demand admission budget (429 when
-        full); the budget's token rate learns only from requests that finished. Cancelling the
-        awaiting task aborts the engine work."""
-        tokens = sum(s.length for s in seqs)
-        self.admit(tokens)
-        self.active += 1
-        t0 = time.perf_counter()
-        finished = False
-        try:
-            records = await pipeline.engine_records(
+        full). Cancelling the awaiting task aborts the engine work."""
+        async with self._admission(sum(s.length for s in seqs)):
+            return await pipeline.engine_records(
                 self.engine,
                 seqs,
                 k,
@@ -288,8 +303,54 @@ class ScoringService:
                 targets=targets,
                 temperature=temperature,
             )
-            finished = True
-        finally:
-            self.active -= 1
-            self.gate.release(tokens, time.perf_counter() - t0 if finished else None)
-        return records
+
+    async def admitted_ids(
+        self, seqs: Seq[Sequence], ids: Seq[Seq[int]], temperature: float | None = None
+    ) -> list[np.ndarray]:
+        """The engine's exact logprobs at chosen ids (``score_ids``: per sequence ``i`` a float32
+        ``[L_i - 1, len(ids[i])]`` array) at ``temperature`` under the on-demand admission
+        budget; an id list the engine refuses is a 422."""
+        out: list[np.ndarray] = await self._ids_call("score_ids", seqs, ids, temperature)
+        return out
+
+    async def admitted_with_ids(
+        self, seqs: Seq[Sequence], k: int, ids: Seq[Seq[int]], temperature: float | None = None
+    ) -> tuple[list[SequenceRecord], list[np.ndarray]]:
+        """Engine records of ``seqs`` at ``k`` and the exact logprobs at ``ids`` (as
+        :meth:`admitted_ids`) from one engine call (``score_with_ids``)."""
+        scores, at_ids = await self._ids_call("score_with_ids", seqs, ids, temperature, k=k)
+        return await asyncio.to_thread(pipeline.to_records, seqs, scores), at_ids
+
+    async def _ids_call(
+        self,
+        method: str,
+        seqs: Seq[Sequence],
+        ids: Seq[Seq[int]],
+        temperature: float | None,
+        k: int | None = None,
+    ) -> Any:
+        """The engine's ``method`` (``score_ids`` or ``score_with_ids``) on ``seqs`` under the
+        admission budget, timed as on-demand scoring; an engine without it or ids it refuses
+        are a 422."""
+        call = getattr(self.engine, method, None)
+        if call is None:
+            raise InvalidInputError("this engine cannot score chosen token ids")
+        async with self._admission(sum(s.length for s in seqs)):
+            t0 = time.perf_counter()
+            chosen = [list(c) for c in ids]
+            args = (
+                ([s.input_ids for s in seqs], chosen)
+                if k is None
+                else ([s.input_ids for s in seqs], k, chosen)
+            )
+            try:
+                out = await call(*args, temperature)
+            except EngineInputError as e:
+                raise InvalidInputError(str(e)) from None
+            self.metrics.scored(
+                "score",
+                sequences=len(seqs),
+                tokens=sum(s.length for s in seqs),
+                seconds=time.perf_counter() - t0,
+            )
+            return out

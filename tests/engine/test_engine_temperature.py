@@ -96,17 +96,23 @@ def test_logprobs_at_chosen_ids_are_exact(
     backend: str, request: pytest.FixtureRequest, tiny: Any
 ) -> None:
     """``score_ids``: the logprobs of caller-chosen ids (here mostly outside the teacher's top-k,
-    in no particular order), ``log_softmax(z / T)`` of a plain forward at those ids."""
+    in no particular order), ``log_softmax(z / T)`` of a plain forward at those ids; the same
+    from ``score_with_ids`` with the top-k rows of that call."""
     engine = request.getfixturevalue(backend)
     prompts = tiny.token_sequences("heldout", max_len=90, min_len=30, limit=2)
     rng = np.random.default_rng(5)
     chosen = [rng.choice(tiny.vocab_size, size=m, replace=False).tolist() for m in (7, 33)]
     for t in (1.0, 0.7):
         got = asyncio.run(engine.score_ids(prompts, chosen, t))
-        for ids, c, lp in zip(prompts, chosen, got, strict=True):
+        rows, both = asyncio.run(engine.score_with_ids(prompts, K, chosen, t))  # one call
+        for ids, c, lp, lp2, sc in zip(prompts, chosen, got, both, rows, strict=True):
             full = full_forward_logprobs(str(tiny.teacher_dir), ids, temperature=t)[:-1]
             assert lp.shape == (len(ids) - 1, len(c)) and lp.dtype == np.float32
             np.testing.assert_allclose(lp, full[:, c], atol=ATOL)
+            np.testing.assert_allclose(lp2, full[:, c], atol=ATOL)
+            want = np.take_along_axis(full, sc.topk_ids.astype(np.int64), axis=1)
+            np.testing.assert_allclose(sc.topk_logprobs, want, atol=ATOL)
+            assert (np.argsort(-full, axis=1)[:, 0] == sc.topk_ids[:, 0]).mean() > 0.95
     for bad in ([[1, 1], [2]], [[tiny.vocab_size], [2]], [[], [2]], [[1]]):
         with pytest.raises(EngineInputError, match="token ids"):
             asyncio.run(engine.score_ids(prompts, bad))

@@ -130,6 +130,7 @@ def test_single_sequence_and_start_len(app: App) -> None:
         ({"sampling_params": {}}, "max_new_tokens"),
         ({"sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, "temperature"),
         ({"token_ids_logprob": [[1, 2]]}, "token_ids_logprob"),
+        ({"token_ids_logprob": [1, 300]}, "token_ids_logprob"),
         ({"token_ids_logprob": ["1"]}, ""),
         ({"return_logprob": False}, "return_logprob"),
         ({"stream": True}, "stream"),
@@ -142,20 +143,88 @@ def test_refused_with_a_422_and_nothing_written(app: App, over: dict, needle: st
     r = app.post("/generate", {**body(SEQS[0]), **over})
     assert r.status == 422, r.text
     assert needle in r.text
-    if needle not in ("logprob_start_len", "token_ids_logprob"):
-        assert app.engine.calls == []
+    assert app.engine.calls == [] and app.engine.id_calls == []
 
 
-def test_token_ids_logprob_from_the_cached_row_or_refused(app: App) -> None:
-    seq = SEQS[0][:2]  # one scored position
+def test_token_ids_logprob_from_the_cached_row_or_exact_from_the_engine(app: App) -> None:
+    """Asked ids all in the cached top-k: read from the row, no engine work; an id outside it,
+    or a sequence not cached: exact ``log_softmax(z / T)`` from the engine's ``score_ids``."""
+    from engine_support import fake_logprobs
+
+    seq = SEQS[0][:3]  # two scored positions
     row = app.post("/v1/score", {"input_ids": [seq], "cache": "sg"}).json()["sequences"][0]
-    ids, lps = row["topk_ids"][0], row["topk_logprobs"][0]
-    asked = [ids[2], ids[0]]  # any order, answered in the asked order
-    r = app.post("/generate", {**body(seq), "token_ids_logprob": asked})
+    ids, lps = row["topk_ids"], row["topk_logprobs"]
+    common = [i for i in ids[0] if i in ids[1]][:2] or None
+    asked = common or [ids[0][2], ids[0][0]]
+    if common is None:  # the rows share no id: ask at the last position only
+        r = app.post("/generate", {**body(seq), "logprob_start_len": 1, "token_ids_logprob": asked})
+    else:
+        r = app.post("/generate", {**body(seq), "token_ids_logprob": asked})
     assert r.status == 200, r.text
-    at = r.json()["meta_info"]["input_token_ids_logprobs"]
-    assert at[0] is None and [e[1] for e in at[1]] == asked
-    assert [e[0] for e in at[1]] == pytest.approx([lps[2], lps[0]])
-    outside = next(i for i in range(1000) if i not in ids)
-    bad = app.post("/generate", {**body(seq), "token_ids_logprob": [ids[0], outside]})
-    assert bad.status == 422 and "outside the cached top" in bad.text, bad.text
+    meta = r.json()["meta_info"]
+    assert meta["exact_token_ids"] is False and app.engine.id_calls == []
+    at = meta["input_token_ids_logprobs"]
+    last = at[-1]
+    assert [e[1] for e in last] == asked  # any order, answered in the asked order
+    want = dict(zip(ids[-1], lps[-1], strict=True))
+    assert [e[0] for e in last] == pytest.approx([want[i] for i in asked])
+
+    outside = [i for i in range(300) if i not in ids[0] and i not in ids[1]][:3]
+    for t in (None, 0.7):
+        params = {"max_new_tokens": 0, **({} if t is None else {"temperature": t})}
+        asked = [outside[0], ids[1][0], outside[2]]
+        cache = {} if t is None else {"cache": None}  # T = 0.7: a cache of its own (a miss)
+        r = app.post(
+            "/generate",
+            {**body(seq), "sampling_params": params, "token_ids_logprob": asked, **cache},
+        )
+        assert r.status == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["exact_token_ids"] is True
+        assert app.engine.temperatures[-1] == (1.0 if t is None else t)
+        ref = fake_logprobs(seq, 300, 1.0 if t is None else t)
+        at = meta["input_token_ids_logprobs"]
+        assert at[0] is None and len(at) == len(seq)
+        for pos in (1, 2):
+            assert [e[1] for e in at[pos]] == asked
+            assert [e[0] for e in at[pos]] == pytest.approx(ref[pos - 1][asked].tolist(), abs=1e-5)
+
+
+def test_token_ids_logprob_per_sequence_on_a_miss_is_exact_and_stored(app: App) -> None:
+    from engine_support import fake_logprobs
+    from logitcache.protocol import SglangMetaInfo
+
+    asked = [[7, 250], [3, 299, 0]]
+    r = app.post("/generate", body(SEQS, cache="fresh", token_ids_logprob=asked))
+    assert r.status == 200, r.text
+    metas = [SglangMetaInfo.model_validate(x["meta_info"]) for x in r.json()]  # typed answer
+    assert all(m.exact_token_ids for m in metas) and app.engine.id_calls == [2]  # one call
+    assert [x["meta_info"]["cached"] for x in r.json()] == [False, False]
+    for out, seq, ids in zip(r.json(), SEQS, asked, strict=True):
+        ref = fake_logprobs(seq, 300)
+        for pos, entry in enumerate(out["meta_info"]["input_token_ids_logprobs"][1:], start=1):
+            assert [e[1] for e in entry] == ids
+            assert [e[0] for e in entry] == pytest.approx(ref[pos - 1][ids].tolist(), abs=1e-5)
+    again = app.post("/v1/score", {"input_ids": SEQS, "cache": "fresh"}).json()
+    assert again["hits"] == 2  # the miss was stored
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"token_ids_logprob": [300]},  # outside the fake vocabulary
+        {"token_ids_logprob": [1, 2], "input_ids": [SEQS[0], SEQS[1]]},
+        {"token_ids_logprob": [[1], [2], [3]], "input_ids": [SEQS[0]]},
+    ],
+)
+def test_bad_token_ids_logprob_is_a_422_and_writes_nothing(
+    app: App, over: dict, tmp_path: Path
+) -> None:
+    b = {**body(SEQS[0]), "cache": "never", **over}
+    if over.get("token_ids_logprob") == [1, 2]:  # valid: the control case
+        assert app.post("/generate", b).status == 200
+        return
+    r = app.post("/generate", b)
+    assert r.status == 422, r.text
+    assert app.engine.calls == [] and app.engine.id_calls == []
+    assert not (tmp_path / "caches" / "never").exists()

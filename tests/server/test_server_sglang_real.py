@@ -64,3 +64,41 @@ def test_generate_matches_a_transformers_forward(hf_engine, tiny, heldout_sequen
             assert tok[t][0] == pytest.approx(float(ref[t - 1][seq[t]]), abs=2e-2)
         else:
             assert seq[t] not in ref[t - 1].topk(8).indices.tolist()
+
+
+def test_token_ids_logprob_outside_the_cached_top_k_is_exact(
+    hf_engine, tiny, heldout_sequences, tmp_path
+):  # noqa: ANN001
+    """``token_ids_logprob`` with ids outside the cached top-k (here mostly far outside), at
+    T = 0.7 and 2: exact ``log_softmax(z / T)`` of a plain transformers forward at those ids,
+    for a cached sequence and a new one alike (no 422, no estimate)."""
+    import numpy as np
+    from engine_support import full_forward_logprobs
+
+    seqs = [heldout_sequences[1][:30], heldout_sequences[2][:25]]
+    settings = server_settings(tmp_path, str(tiny.teacher_dir), k=8)
+    rng = np.random.default_rng(3)
+    asked = rng.choice(tiny.vocab_size, size=6, replace=False).tolist()
+    for t in (0.7, 2.0):
+        body = {
+            "input_ids": seqs,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "token_ids_logprob": asked,
+            "sampling_params": {"max_new_tokens": 0, "temperature": t},
+        }
+        with ThreadedServer(settings, hf_engine) as srv, srv.client() as c:
+            warm = {**body, "input_ids": seqs[:1], "token_ids_logprob": None}
+            assert c.post("/generate", json=warm).status_code == 200  # seqs[0] cached
+            r = c.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+        out = r.json()
+        assert [o["meta_info"]["cached"] for o in out] == [True, False]
+        for o, seq in zip(out, seqs, strict=True):
+            assert o["meta_info"]["exact_token_ids"] is True
+            ref = full_forward_logprobs(str(tiny.teacher_dir), seq, temperature=t)
+            at = o["meta_info"]["input_token_ids_logprobs"]
+            assert at[0] is None and len(at) == len(seq)
+            got = np.array([[e[0] for e in row] for row in at[1:]])
+            assert [e[1] for e in at[1]] == asked
+            np.testing.assert_allclose(got, ref[: len(seq) - 1][:, asked], atol=2e-4)

@@ -1,0 +1,186 @@
+"""The engines' protocol routes on a miss: overhead vs calling the engine directly, and bytes on
+the wire per position (JSON vs the base64 ``.npy`` matrix).
+
+Usage (from the repository root)::
+
+    python -m benchmarks.service protocols [--sequences 24] [--length 128] [--ids 8] [--k 8]
+        [--backend transformers] [--json OUT.json]
+
+One engine on the tiny teacher in this process, served by the real app under uvicorn in a
+thread (``tests/server_support.ThreadedServer``), so the routes and the direct calls share the
+engine and the run. ``--sequences`` windows of ``--length`` tokens, each asked once per path
+(every route request is a miss: a sequence its cache has not seen), with ``--ids`` candidate ids
+per row drawn at random from the vocabulary (as a student's top-k mostly is: outside the
+teacher's top-``k``, so the matrix comes from the engine's ``score_ids``). Per sequence, in
+turn:
+
+1. **direct ids**: ``engine.score_ids`` for the row's candidates (what a bare teacher computes);
+2. **direct ids + top-k**: ``engine.score_with_ids`` at ``k`` (one forward on the transformers
+   backend): the engine work a read-through miss does (its top-k rows are stored so that later
+   epochs hit);
+3. **score route**: ``POST /v1/score`` with a cache (``bench-score``): the read-through miss
+   every route shares (lookup, top-k scored, stored in a group commit, answered), no chosen ids;
+4. **vLLM route**: ``POST /inference/v1/generate`` with ``prompt_logprob_token_ids`` (per-row
+   candidates), into cache ``bench-vllm``;
+5. **SGLang route**: ``POST /generate`` with ``token_ids_logprob`` (one list for every row, as
+   SGLang defines it) and ``top_logprobs_num: 0``, into cache ``bench-sglang``.
+
+Figures: median wall seconds per sequence of each, the routes' ratios to (1), (2) and (3), their
+milliseconds above (2) (the service's own cost per miss: HTTP, checks, lookup, store), and
+the answer bytes per position of the two routes (the whole HTTP body, over the scored positions;
+the SGLang answer also carries the actual token's entry at each position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.harness import Recorder, add_csv_option, machine_line
+from tests.server_support import ThreadedServer, server_settings
+
+
+def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: int) -> dict:
+    """Wall seconds and answer bytes of the four paths for one sequence."""
+    union = sorted({i for r in rows for i in r})
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    asyncio.run(engine.score_ids([seq], [union]))
+    out["direct_ids"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    asyncio.run(engine.score_with_ids([seq], k, [union]))
+    out["direct_ids_topk"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    r = client.post("/v1/score", json={"input_ids": [seq], "k": k, "cache": "bench-score"})
+    out["score_route"] = time.perf_counter() - t0
+    r.raise_for_status()
+    body = {
+        "token_ids": seq,
+        "sampling_params": {"max_tokens": 1, "prompt_logprob_token_ids": rows},
+        "cache": "bench-vllm",
+    }
+    t0 = time.perf_counter()
+    r = client.post("/inference/v1/generate", json=body)
+    out["vllm_route"] = time.perf_counter() - t0
+    r.raise_for_status()
+    assert r.json()["cached"] is False, "every route request must be a miss"
+    out["vllm_bytes"] = len(r.content)
+    body = {
+        "input_ids": seq,
+        "return_logprob": True,
+        "logprob_start_len": 1,
+        "top_logprobs_num": 0,
+        "token_ids_logprob": rows[0],
+        "sampling_params": {"max_new_tokens": 0},
+        "cache": "bench-sglang",
+    }
+    t0 = time.perf_counter()
+    r = client.post("/generate", json=body)
+    out["sglang_route"] = time.perf_counter() - t0
+    r.raise_for_status()
+    out["sglang_bytes"] = len(r.content)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.service protocols", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--sequences", type=int, default=24)
+    ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--ids", type=int, default=8, help="candidate ids per row")
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    ap.add_argument("--json", type=Path, default=None)
+    add_csv_option(ap)
+    args = ap.parse_args(argv)
+
+    from logitcache.fixtures.tiny import build_tiny_models
+    from logitcache.server.engine import build_engine
+
+    tiny = build_tiny_models()
+    seqs = tiny.token_sequences(
+        "train", max_len=args.length, min_len=args.length, limit=args.sequences + 1
+    )
+    if len(seqs) < args.sequences + 1:
+        raise SystemExit(f"only {len(seqs)} windows of {args.length} tokens in the fixture")
+    rng = np.random.default_rng(0)
+
+    def candidates(seq: list[int]) -> list[list[int]]:
+        return [
+            rng.choice(tiny.vocab_size, size=args.ids, replace=False).tolist()
+            for _ in range(len(seq) - 1)
+        ]
+
+    engine = build_engine(
+        model=str(tiny.teacher_dir),
+        backend=args.backend,
+        max_k=max(args.k, 20),
+        dtype="float32",
+        options={"vllm_mode": "inproc"} if args.backend == "vllm" else {},
+    )
+    runs: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            settings = server_settings(
+                Path(tmp), str(tiny.teacher_dir), k=args.k, logprob_dtype="float32"
+            )
+            with ThreadedServer(settings, engine) as srv, srv.client() as client:
+                _paths(engine, client, seqs[0], candidates(seqs[0]), args.k)  # warm-up
+                for seq in seqs[1:]:
+                    runs.append(_paths(engine, client, seq, candidates(seq), args.k))
+    finally:
+        asyncio.run(engine.aclose())
+
+    med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    positions = args.length - 1
+    result = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_line(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "median_s": {k: v for k, v in med.items() if not k.endswith("bytes")},
+        "vllm_over_direct_ids": med["vllm_route"] / med["direct_ids"],
+        "vllm_over_direct_ids_topk": med["vllm_route"] / med["direct_ids_topk"],
+        "sglang_over_direct_ids": med["sglang_route"] / med["direct_ids"],
+        "sglang_over_direct_ids_topk": med["sglang_route"] / med["direct_ids_topk"],
+        "vllm_over_score_route": med["vllm_route"] / med["score_route"],
+        "sglang_over_score_route": med["sglang_route"] / med["score_route"],
+        "extra_ms_over_direct_ids_topk": {
+            key: 1e3 * (med[key] - med["direct_ids_topk"])
+            for key in ("score_route", "vllm_route", "sglang_route")
+        },
+        "bytes_per_position": {
+            "vllm_npy_base64": med["vllm_bytes"] / positions,
+            "sglang_json": med["sglang_bytes"] / positions,
+        },
+        "bytes_per_value": {
+            "vllm_npy_base64": med["vllm_bytes"] / positions / args.ids,
+            "sglang_json": med["sglang_bytes"] / positions / args.ids,
+        },
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    rec = Recorder("service", "protocols", csv_path=args.csv)
+    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
+    for key in ("vllm", "sglang"):
+        for base in ("direct_ids", "direct_ids_topk", "score_route"):
+            rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"], config=cfg)
+    for key, value in result["bytes_per_position"].items():
+        rec.add(key, "bytes_per_position", "B", value, config=cfg)
+    rec.save()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""vLLM-compatible ``POST /inference/v1/generate`` for logprobs at caller-chosen token ids.
+
+The request and answer are vLLM's (0.32.0, typed in ``logitcache.protocol.vllm_generate``):
+``{"token_ids": [...], "sampling_params": {"prompt_logprob_token_ids": [[ids of row 0], ...],
+"prompt_logprob_start"?: s, "max_tokens"?: 0 | 1, "temperature"?: T}}`` -> ``{"request_id",
+"model", "created", "usage", "prompt_token_id_logprobs": <base64 .npy float32 [rows, width]>,
+"output_mode": "tokens", "choices": [{"index": 0, "token_ids": [], "finish_reason":
+"length"}]}``; row ``i`` holds the logprobs of its candidates as predictions of token ``s + i +
+1`` (``-1`` pads a row and scores ``-inf``).
+
+The sequence is served through the cache ``cache`` (default :data:`DEFAULT_CACHE`, one per
+temperature) as ``/v1/score`` serves it: a hit costs no engine work for its top-k rows, a miss is
+scored, stored and answered. The matrix comes from those rows when every candidate is in them,
+else exactly from the engine (``server/serving/chosen.py``; a miss's rows and candidates come from
+one engine call); ``exact`` says which.
+``sampling_params.temperature`` is applied exactly (vLLM ignores it for prompt logprobs). Not
+served (422): ``stream``, ``max_tokens`` above 1, ``prompt_logprobs`` (``/v1/completions`` serves
+them), a request without ``prompt_logprob_token_ids``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+import uuid
+
+import numpy as np
+from fastapi import APIRouter, Request
+from logitcache.protocol import (
+    MAX_K,
+    VllmGenerateChoice,
+    VllmGenerateRequest,
+    VllmGenerateResponse,
+    VllmUsage,
+)
+
+from ..errors import InvalidInputError
+from ..inputs.records import RawRecord
+from ..serving.caches import check_name
+from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
+from ..serving.scoring import default_cache
+from .deps import ERRORS, Services, ServicesDep, check_model, public_model, run_for_client
+
+router = APIRouter(tags=["vllm"])
+
+#: The cache ``/inference/v1/generate`` reads through when the request names none.
+DEFAULT_CACHE = "vllm-generate"
+
+
+def npy_base64(matrix: np.ndarray) -> str:
+    """``matrix`` as vLLM sends it: its ``.npy`` bytes (no pickle), base64-encoded."""
+    buf = io.BytesIO()
+    np.save(buf, matrix, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def asked_matrix(req: VllmGenerateRequest, vocab_size: int) -> tuple[np.ndarray, int]:
+    """The candidates as a ``[rows, width]`` matrix padded with ``-1`` and the first row
+    (``prompt_logprob_start``); 422 for what vLLM refuses or this route does not serve."""
+    sp = req.sampling_params
+    if req.stream:
+        raise InvalidInputError("prompt_logprob_token_ids are not available when stream=true.")
+    if sp.max_tokens is not None and sp.max_tokens not in (0, 1):
+        raise InvalidInputError(
+            "sampling_params.max_tokens must be 0 or 1: this teacher scores, it does not generate"
+        )
+    if sp.prompt_logprobs is not None:
+        raise InvalidInputError(
+            "sampling_params.prompt_logprobs is not served here: use /v1/completions"
+        )
+    rows = sp.prompt_logprob_token_ids
+    if rows is None:
+        if sp.prompt_logprob_start is not None:
+            raise InvalidInputError("prompt_logprob_start requires prompt_logprob_token_ids.")
+        raise InvalidInputError("sampling_params.prompt_logprob_token_ids is required")
+    width = max(map(len, rows), default=0)
+    if width == 0:
+        raise InvalidInputError(
+            "prompt_logprob_token_ids must be a non-empty integer array of shape "
+            "[num_rows, num_ids]."
+        )
+    if width > MAX_K:
+        raise InvalidInputError(f"prompt_logprob_token_ids: rows of at most {MAX_K} ids")
+    start = sp.prompt_logprob_start or 0
+    expected = len(req.token_ids) - 1 - start
+    if len(rows) != expected:
+        raise InvalidInputError(
+            f"prompt_logprob_token_ids has {len(rows)} rows, but the prompt has {expected} "
+            "scored rows (prompt_len - 1 - prompt_logprob_start)."
+        )
+    asked = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        asked[i, : len(row)] = row
+    check_asked(asked, start, len(req.token_ids), vocab_size, "prompt_logprob_token_ids")
+    return asked, start
+
+
+async def generate(services: Services, req: VllmGenerateRequest) -> VllmGenerateResponse:
+    """Check (everything before any engine work or write), read through the cache, answer."""
+    scoring = services.scoring
+    info = services.engine.info
+    check_model(req.model, info.model_id)
+    asked, start = asked_matrix(req, info.vocab_size)
+    t = scoring.check_temperature(req.sampling_params.temperature)
+    cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))
+    raw = RawRecord(where="token_ids", id=None, text=None, input_ids=req.token_ids)
+    seqs = await asyncio.to_thread(scoring.checked, [raw], 1, "token_ids")
+    scoring.check_answer_size(seqs, asked.shape[1], "npy")
+    manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
+    served = await services.serving.serve(
+        cache, seqs, manifest.k, manifest, ids=one_call_ids([asked])
+    )
+    got = await at_chosen_ids(
+        scoring, seqs, served.records, [asked], [start], manifest.temperature, served.at_ids
+    )
+    n = len(req.token_ids)
+    return VllmGenerateResponse(
+        request_id=f"generate-tokens-{req.request_id or uuid.uuid4().hex}",
+        model=public_model(info.model_id),
+        created=int(time.time()),
+        usage=VllmUsage(prompt_tokens=n, completion_tokens=0, total_tokens=n),
+        prompt_token_id_logprobs=await asyncio.to_thread(npy_base64, got.logprobs[0]),
+        prompt_token_ids=list(req.token_ids) if req.return_token_ids else None,
+        output_mode=req.output_mode,
+        choices=[
+            VllmGenerateChoice(
+                index=0,
+                text="" if req.output_mode == "text" else None,
+                token_ids=[],
+                finish_reason="length",
+            )
+        ],
+        cached=bool(served.hits and served.hits[0]),
+        exact=got.exact[0],
+    )
+
+
+@router.post(
+    "/inference/v1/generate",
+    response_model=VllmGenerateResponse,
+    responses={**ERRORS, 404: {**ERRORS[401], "description": "unknown model"}},
+    summary="vLLM-compatible logprobs at chosen token ids (cached)",
+)
+async def generate_route(
+    body: VllmGenerateRequest, request: Request, services: ServicesDep
+) -> VllmGenerateResponse:
+    """vLLM's ``/inference/v1/generate`` with ``prompt_logprob_token_ids`` (module doc)."""
+    return await run_for_client(
+        request, generate(services, body), services.settings.request_timeout_s
+    )
