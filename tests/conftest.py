@@ -159,11 +159,13 @@ CONTAINER_COMMAND = (
 
 
 #: The files that take longest (seconds of the file in a full run of the README's test command on
-#: 2 loaded cores). They start first, so the two xdist workers (``--dist loadfile`` takes whole
-#: files, ``--no-loadscope-reorder`` keeps this order) end together instead of one of them running
-#: a two-minute file alone at the end; then the other files that start programs or engines, then
-#: the fast tier. Files not listed here keep their folder order. A checkout that ran the whole
-#: suite before orders by that run's own figures instead (pytest's cache, ``FILE_SECONDS_KEY``).
+#: 2 loaded cores; Ray: its 74 s set-up plus its runs, estimated; mypy: a cold run on 2 cores, as
+#: pyproject's mypy section says). They start first, so the two xdist workers (``--dist loadfile``
+#: takes whole files, ``--no-loadscope-reorder`` keeps this order) end together instead of one of
+#: them running a two-minute file alone at the end; then the other files that start programs or
+#: engines, then the fast tier. Files not listed here keep their folder order. A checkout that ran
+#: the whole suite before orders by that run's own figures instead (pytest's cache,
+#: ``FILE_SECONDS_KEY``).
 LONGEST_FILES: dict[str, float] = {
     "test_e2e_distill": 240,
     "test_deploy_ray": 150,
@@ -172,6 +174,7 @@ LONGEST_FILES: dict[str, float] = {
     "test_server_restart": 85,
     "test_sampled_restart": 85,
     "test_server_schemathesis": 80,
+    "test_engine_typing": 41,
 }
 
 
