@@ -208,6 +208,17 @@ def pytest_collection_modifyitems(
     seconds = {**LONGEST_FILES, **_cached_file_seconds(config)}
     slow_files = {item.path for item in items if not item.get_closest_marker("fast")}
     items.sort(key=lambda it: (-seconds.get(it.path.stem, 0.0), it.path not in slow_files))
+    if items and not _tiny_models_built():
+        # The first file builds the tiny models (about 75 s on one core) and every other slow
+        # file waits for them: the other worker runs the fast tier meanwhile.
+        head = items[0].path
+        items[:] = sorted(items, key=lambda it: (it.path != head, it.path in slow_files))
+
+
+def _tiny_models_built() -> bool:
+    from logitcache.fixtures.tiny import SUMMARY_FILE, Recipe, fixtures_base
+
+    return (fixtures_base() / Recipe().cache_key() / SUMMARY_FILE).is_file()
 
 
 # ----------------------------------------------------------------------------- file durations
