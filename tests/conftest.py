@@ -158,8 +158,33 @@ CONTAINER_COMMAND = (
 )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Two tiers beside the whole suite.
+#: The files that take longest (seconds of the file in a full run of the README's test command on
+#: 2 loaded cores; Ray: its 74 s set-up plus its runs, estimated; mypy: a cold run on 2 cores, as
+#: pyproject's mypy section says). They start first, so the two xdist workers (``--dist loadfile``
+#: takes whole files, ``--no-loadscope-reorder`` keeps this order) end together instead of one of
+#: them running a two-minute file alone at the end; then the other files that start programs or
+#: engines, then the fast tier. Files not listed here keep their folder order. A checkout that ran
+#: the whole suite before orders by that run's own figures instead (pytest's cache,
+#: ``FILE_SECONDS_KEY``).
+LONGEST_FILES: dict[str, float] = {
+    "test_e2e_distill": 240,
+    "test_deploy_ray": 150,
+    "test_readme": 124,
+    "test_engine_supervisor_vllm": 115,
+    "test_server_restart": 85,
+    "test_sampled_restart": 85,
+    "test_server_schemathesis": 80,
+    "test_engine_typing": 41,
+}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> Iterator[None]:
+    """Two tiers beside the whole suite, and the order the files start in.
+
+    Before the other hooks (so that ``-m fast`` sees the mark), the tiers:
 
     ``-m fast``: every test that runs in-process with the fake engine or none (no real engine,
     no tiny-model build, no S3 server, no child programs); the tier to run while editing.
@@ -178,3 +203,55 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.parent.name in _NOT_FAST_FOLDERS or item.path.stem in _NOT_FAST_MODULES:
             continue
         item.add_marker(pytest.mark.fast)
+    yield
+    # after the other hooks (fixture grouping, deselection): longest files first, fast files last
+    seconds = {**LONGEST_FILES, **_cached_file_seconds(config)}
+    slow_files = {item.path for item in items if not item.get_closest_marker("fast")}
+    items.sort(key=lambda it: (-seconds.get(it.path.stem, 0.0), it.path not in slow_files))
+    if items and not _tiny_models_built():
+        # The first file builds the tiny models (about 75 s on one core) and every other slow
+        # file waits for them: the other worker runs the fast tier meanwhile.
+        head = items[0].path
+        items[:] = sorted(items, key=lambda it: (it.path != head, it.path in slow_files))
+
+
+def _tiny_models_built() -> bool:
+    from logitcache.fixtures.tiny import SUMMARY_FILE, Recipe, fixtures_base
+
+    return (fixtures_base() / Recipe().cache_key() / SUMMARY_FILE).is_file()
+
+
+# ----------------------------------------------------------------------------- file durations
+#: pytest's cache key (``.pytest_cache/v/logitcache/file_seconds``): seconds per test file
+#: (setup, call and teardown of its tests), written by each run of the whole suite.
+FILE_SECONDS_KEY = "logitcache/file_seconds"
+_file_seconds: dict[str, float] = {}
+
+
+def _cached_file_seconds(config: pytest.Config) -> dict[str, float]:
+    cache = getattr(config, "cache", None)
+    return dict(cache.get(FILE_SECONDS_KEY, {})) if cache is not None else {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    stem = os.path.splitext(os.path.basename(report.nodeid.split("::")[0]))[0]
+    _file_seconds[stem] = _file_seconds.get(stem, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Keep each file's seconds, from a finished run of the whole suite only (no paths, ``-k``,
+    ``-m`` or ``--lf``: a partial run's figure for a file would be a part of it), in the main
+    process."""
+    config = session.config
+    cache = getattr(config, "cache", None)
+    whole = (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+        and not config.getoption("keyword")
+        and not config.getoption("markexpr")
+        and not config.getoption("lf", False)
+        and not config.getoption("collectonly")
+    )
+    if cache is None or hasattr(config, "workerinput") or not whole or not _file_seconds:
+        return
+    cache.set(FILE_SECONDS_KEY, {k: round(v, 1) for k, v in sorted(_file_seconds.items())})

@@ -37,7 +37,7 @@ def write_input(tiny, path: Path) -> int:
             window = ids[j : j + MAX_LEN]
             if len(window) >= 2:
                 rows.append({"id": f"d{i}w{j}", "input_ids": window})
-        if len(rows) >= 360:
+        if len(rows) >= 120:
             break
     for text in tiny.texts("heldout")[:40]:
         if 2 <= len(tok(text)["input_ids"]) <= MAX_LEN:
