@@ -24,6 +24,7 @@ client).
 ``api.score``                  ``POST /v1/score``
 ``api.openai``                 vLLM-compatible ``/v1/completions`` and ``/v1/models``
 ``api.sglang``                 SGLang-compatible ``/generate`` (input logprobs)
+``api.vllm_generate``          vLLM-compatible ``/inference/v1/generate`` (logprobs at chosen ids)
 ``api.jobs``                   ``/v1/jobs``: submit, list, status, cancel
 ``api.caches``                 ``/v1/caches``: list, describe, stream blocks
 ``api.store``                  ``/v1/caches/{name}/store/{key}``: the stored objects, read-only
@@ -32,6 +33,7 @@ client).
 ``serving.scoring``            ``ScoringService``: on-demand scoring (+ optional store)
 ``serving.cache_hits``         serving scores from a named cache (hits read, misses scored)
 ``serving.targets``            the target kind of a request or job (top-k or sampled)
+``serving.chosen``             logprobs at caller-chosen ids: from the cache, or exact from the engine
 ``serving.caches``             ``CacheRegistry``: named caches, identity checks, shared writers
 ``serving.appends``            ``GroupCommitter``: concurrent requests' misses, one commit per group
 ``inputs.records``             reading, tokenising, checking, keying and batching input sequences

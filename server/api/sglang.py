@@ -31,6 +31,7 @@ typed in ``logitcache.protocol.sglang``.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from typing import Any
 
@@ -114,6 +115,12 @@ def _asked(chosen: list[int], first: int, n: int, vocab_size: int, where: str) -
     return asked
 
 
+def _json_lp(lp: float | None) -> float | None:
+    """A logprob as SGLang's JSON carries it: ``-inf`` (a token the teacher rules out) becomes
+    ``null``, as SGLang's orjson answers write it."""
+    return lp if lp is None or math.isfinite(lp) else None
+
+
 def _meta(
     rec: SequenceRecord,
     start: int,
@@ -142,12 +149,15 @@ def _meta(
         row = dict(zip(rows_ids[t - 1], rows_lps[t - 1], strict=True))
         if at is not None:
             at_ids.append(
-                [[lp, i, decode(i)] for i, lp in zip(at[0], at_lps[t - 1 - row0], strict=True)]
+                [
+                    [_json_lp(lp), i, decode(i)]
+                    for i, lp in zip(at[0], at_lps[t - 1 - row0], strict=True)
+                ]
             )
-        token.append([row.get(x), x, decode(x)])
+        token.append([_json_lp(row.get(x)), x, decode(x)])
         tops.append(
             [
-                [lp, tid, decode(tid)]
+                [_json_lp(lp), tid, decode(tid)]
                 for tid, lp in zip(rows_ids[t - 1][:top], rows_lps[t - 1][:top], strict=True)
             ]
             if top

@@ -548,7 +548,9 @@ def test_follow_ranks_agree_on_the_smallest_committed_count(tmp_path: Path) -> N
     url = str(tmp_path / "ranks")
     build_cache(url, [np.array([i // 97, i % 97, 7, 8, 9], dtype=np.int32) for i in range(30)])
     limits = [30, 21]  # rank 1 lags behind
-    ctx = mp.get_context("fork")  # as DataLoader workers: the children reopen the store
+    # spawned, not forked: a forked child would inherit this process's default process group
+    # (an in-process vLLM engine of an earlier test makes one); each child opens the store
+    ctx = mp.get_context("spawn")
     init = f"file://{tmp_path / 'pg'}"
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
     procs = [ctx.Process(target=_follow_rank, args=(r, url, limits, init, outs[r])) for r in (0, 1)]

@@ -228,3 +228,27 @@ def test_bad_token_ids_logprob_is_a_422_and_writes_nothing(
     assert r.status == 422, r.text
     assert app.engine.calls == [] and app.engine.id_calls == []
     assert not (tmp_path / "caches" / "never").exists()
+
+
+def test_a_ruled_out_token_is_null_in_the_json_answer() -> None:
+    """A ``-inf`` logprob (the teacher rules a token out: a padded vocabulary row, an asked id)
+    is ``null`` in SGLang's answer, as orjson writes it, never invalid JSON or a 500."""
+    import numpy as np
+    from logitcache.cache_format import SequenceRecord
+    from logitcache.server.api.sglang import _meta
+
+    inf = float("-inf")
+    rec = SequenceRecord(
+        key="k",
+        input_ids=np.array([1, 2, 3], dtype=np.int32),
+        topk_ids=np.array([[2, 5], [3, 6]], dtype=np.int32),
+        topk_logprobs=np.array([[-0.1, inf], [inf, -0.2]], dtype=np.float32),
+    )
+    at = ([6], np.array([[inf], [-0.2]], dtype=np.float32), True)
+    meta = _meta(rec, 0, 2, at, str, cached=False)
+    text = json.dumps(meta, allow_nan=False)  # raises on -inf
+    back = json.loads(text)
+    assert back["input_token_logprobs"][2][0] is None  # token 3: -inf at row 1
+    assert back["input_top_logprobs"][1][1][0] is None
+    assert back["input_token_ids_logprobs"][1][0][0] is None
+    assert back["input_token_ids_logprobs"][2][0][0] == pytest.approx(-0.2)
