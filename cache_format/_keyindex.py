@@ -1,0 +1,123 @@
+"""The keys of a store's committed sequences, read on demand (FORMAT.md §6, R3).
+
+A reader or writer of a store of ``S`` sequences holds no Python string per sequence:
+
+* :meth:`KeyTable.key` reads the ``seq_keys`` block that holds key ``i`` (a few recent blocks
+  are kept);
+* :meth:`KeyTable.find` and :meth:`KeyTable.find_many` look keys up in a sorted array of 64-bit
+  hashes (Python's ``hash`` of the key: 8 bytes, plus 4 or 8 for the sequence index, per key),
+  built from ``seq_keys`` at the first lookup and grown by the keys committed since; a candidate
+  whose hash matches is confirmed against the stored key.
+
+Keys are committed once and never change (FORMAT.md W1-W6), so nothing read here goes stale; a
+block read before its last entries were committed is read again when one of those is asked for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+#: ``read(a, b)``: the stored keys ``[a, b)`` (committed): an array of strings.
+ReadKeys = Callable[[int, int], np.ndarray]
+
+BLOCK = 16384  # keys per cached block: the default seq_keys inner chunk (FORMAT.md 4)
+KEEP_BLOCKS = 8  # blocks kept for key(i): about 8 x 16384 strings
+HASH_BLOCK = 262144  # keys read per step while hashing: the default seq_keys shard
+
+
+def _hashes(keys: Sequence[str] | np.ndarray) -> np.ndarray:
+    return np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys))
+
+
+class KeyTable:
+    """Keys ``[0, n)`` of a store, read by ``read`` on demand; thread-safe. Callers pass the
+    count of their snapshot, which may be below what the table has hashed (a newer snapshot
+    shares it)."""
+
+    def __init__(self, read: ReadKeys) -> None:
+        self._read = read
+        self._lock = threading.RLock()
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._hashed = 0  # keys [0, _hashed) are in the sorted arrays
+        self._sorted = np.zeros(0, np.int64)  # hashes, ascending
+        self._where = np.zeros(0, np.int64)  # the sequence of each hash (ascending among equals)
+
+    @property
+    def hashed(self) -> int:
+        """How many keys the lookup arrays hold (0 until the first lookup)."""
+        return self._hashed
+
+    def key(self, i: int, n: int) -> str:
+        """Key ``i`` of a snapshot of ``n`` committed keys (``0 <= i < n``)."""
+        a = i - i % BLOCK
+        with self._lock:
+            block = self._blocks.get(a)
+            if block is None or i - a >= len(block):
+                block = self._read(a, min(n, a + BLOCK))
+                self._blocks[a] = block
+                while len(self._blocks) > KEEP_BLOCKS:
+                    self._blocks.popitem(last=False)
+            self._blocks.move_to_end(a)
+            return str(block[i - a])
+
+    def keys(self, n: int) -> Iterator[str]:
+        """Keys ``[0, n)`` in order, read block by block (none kept)."""
+        for a in range(0, n, HASH_BLOCK):
+            yield from (str(k) for k in self._read(a, min(n, a + HASH_BLOCK)))
+
+    def grow(self, n: int) -> None:
+        """Hash keys ``[hashed, n)`` into the lookup arrays (read block by block)."""
+        with self._lock:
+            a = self._hashed
+            parts = [
+                _hashes(self._read(b, min(n, b + HASH_BLOCK))) for b in range(a, n, HASH_BLOCK)
+            ]
+            if parts:
+                self._merge(np.concatenate(parts), a)
+
+    def add(self, keys: Sequence[str] | np.ndarray, start: int) -> None:
+        """Hash ``keys``, the committed keys ``[start, start + len(keys))``, into the lookup
+        arrays when they hold keys ``[0, start)`` (else the keys are hashed at the next lookup,
+        read from the store)."""
+        with self._lock:
+            if start == self._hashed:
+                self._merge(_hashes(keys), start)
+
+    def _merge(self, h: np.ndarray, start: int) -> None:
+        order = np.argsort(h, kind="stable")
+        h = h[order]
+        at = np.searchsorted(self._sorted, h, side="right")  # after equal, older hashes
+        self._sorted = np.insert(self._sorted, at, h)
+        self._where = np.insert(self._where, at, order.astype(self._where.dtype) + start)
+        self._hashed = start + len(h)
+
+    def _confirmed(self, key: str, lo: int, hi: int, n: int) -> int | None:
+        for i in self._where[lo:hi].tolist():  # ascending: the first sequence first
+            if i < n and self.key(i, n) == key:
+                return int(i)
+        return None
+
+    def find(self, key: str, n: int) -> int | None:
+        """The first of sequences ``[0, n)`` stored under ``key``, or ``None``."""
+        with self._lock:
+            self.grow(n)
+            h = hash(key)
+            lo = int(np.searchsorted(self._sorted, h, side="left"))
+            hi = int(np.searchsorted(self._sorted, h, side="right"))
+            return None if lo == hi else self._confirmed(key, lo, hi, n)
+
+    def find_many(self, keys: Sequence[str], n: int) -> np.ndarray:
+        """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array)."""
+        with self._lock:
+            self.grow(n)
+            h = _hashes(keys)
+            lo = np.searchsorted(self._sorted, h, side="left")
+            hi = np.searchsorted(self._sorted, h, side="right")
+            out = np.zeros(len(keys), dtype=bool)
+            for j in np.flatnonzero(hi > lo).tolist():  # hash seen: confirm against the store
+                out[j] = self._confirmed(keys[j], int(lo[j]), int(hi[j]), n) is not None
+            return out
