@@ -5,7 +5,7 @@ A reader or writer of a store of ``S`` sequences holds no Python string per sequ
 * :meth:`KeyTable.key` reads the ``seq_keys`` block that holds key ``i`` (a few recent blocks
   are kept);
 * :meth:`KeyTable.find` and :meth:`KeyTable.find_many` look keys up in a sorted array of 64-bit
-  hashes (Python's ``hash`` of the key: 8 bytes, plus 4 or 8 for the sequence index, per key),
+  hashes (Python's ``hash`` of the key: 8 bytes, plus 4 for the sequence index, per key),
   built from ``seq_keys`` at the first lookup and grown by the keys committed since; a candidate
   whose hash matches is confirmed against the stored key.
 
@@ -29,8 +29,12 @@ KEEP_BLOCKS = 8  # blocks kept for key(i): about 8 x 16384 strings
 HASH_BLOCK = 262144  # keys read per step while hashing: the default seq_keys shard
 
 
+#: The 64-bit hash of a key: Python's (per process; the table lives in one process).
+key_hash: Callable[[str], int] = hash
+
+
 def _hashes(keys: Sequence[str] | np.ndarray) -> np.ndarray:
-    return np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys))
+    return np.fromiter(map(key_hash, keys), dtype=np.int64, count=len(keys))
 
 
 class KeyTable:
@@ -44,7 +48,7 @@ class KeyTable:
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._hashed = 0  # keys [0, _hashed) are in the sorted arrays
         self._sorted = np.zeros(0, np.int64)  # hashes, ascending
-        self._where = np.zeros(0, np.int64)  # the sequence of each hash (ascending among equals)
+        self._where = np.zeros(0, np.uint32)  # the sequence of each hash (ascending among equals)
 
     @property
     def hashed(self) -> int:
@@ -91,6 +95,8 @@ class KeyTable:
         order = np.argsort(h, kind="stable")
         h = h[order]
         at = np.searchsorted(self._sorted, h, side="right")  # after equal, older hashes
+        if start + len(h) > np.iinfo(self._where.dtype).max:
+            self._where = self._where.astype(np.int64)
         self._sorted = np.insert(self._sorted, at, h)
         self._where = np.insert(self._where, at, order.astype(self._where.dtype) + start)
         self._hashed = start + len(h)
@@ -105,7 +111,7 @@ class KeyTable:
         """The first of sequences ``[0, n)`` stored under ``key``, or ``None``."""
         with self._lock:
             self.grow(n)
-            h = hash(key)
+            h = key_hash(key)
             lo = int(np.searchsorted(self._sorted, h, side="left"))
             hi = int(np.searchsorted(self._sorted, h, side="right"))
             return None if lo == hi else self._confirmed(key, lo, hi, n)
