@@ -27,6 +27,7 @@ ReadKeys = Callable[[int, int], np.ndarray]
 BLOCK = 16384  # keys per cached block: the default seq_keys inner chunk (FORMAT.md 4)
 KEEP_BLOCKS = 8  # blocks kept for key(i): about 8 x 16384 strings
 HASH_BLOCK = 262144  # keys read per step while hashing: the default seq_keys shard
+RECENT = 65536  # keys added by add() kept in a dict until merged into the sorted arrays
 
 
 #: The 64-bit hash of a key: Python's (per process; the table lives in one process).
@@ -49,6 +50,7 @@ class KeyTable:
         self._hashed = 0  # keys [0, _hashed) are in the sorted arrays
         self._sorted = np.zeros(0, np.int64)  # hashes, ascending
         self._where = np.zeros(0, np.uint32)  # the sequence of each hash (ascending among equals)
+        self._recent: dict[str, int] = {}  # added keys [_hashed - len, _hashed), not yet merged
 
     @property
     def hashed(self) -> int:
@@ -81,25 +83,45 @@ class KeyTable:
                 _hashes(self._read(b, min(n, b + HASH_BLOCK))) for b in range(a, n, HASH_BLOCK)
             ]
             if parts:
+                self._flush()
                 self._merge(np.concatenate(parts), a)
 
     def add(self, keys: Sequence[str] | np.ndarray, start: int) -> None:
         """Hash ``keys``, the committed keys ``[start, start + len(keys))``, into the lookup
         arrays when they hold keys ``[0, start)`` (else the keys are hashed at the next lookup,
-        read from the store)."""
+        read from the store). Small additions wait in a dict (merged every :data:`RECENT`
+        keys: a writer's append costs O(batch), not O(sequences))."""
         with self._lock:
-            if start == self._hashed:
-                self._merge(_hashes(keys), start)
+            if start != self._hashed:
+                return
+            for i, key in enumerate(keys, start):
+                self._recent.setdefault(str(key), i)
+            self._hashed = start + len(keys)
+            if len(self._recent) > RECENT:
+                self._flush()
 
-    def _merge(self, h: np.ndarray, start: int) -> None:
+    def _flush(self) -> None:
+        """Merge the dict of added keys into the sorted arrays."""
+        if self._recent:
+            recent, end = self._recent, self._hashed
+            self._recent = {}
+            self._merge(_hashes(list(recent)), np.fromiter(recent.values(), np.int64), end)
+
+    def _merge(self, h: np.ndarray, where: np.ndarray | int, end: int | None = None) -> None:
+        """Merge hashes ``h`` of sequences ``where`` (an array, ascending; or the first of
+        consecutive ones) into the sorted arrays, which then hold keys ``[0, end)``."""
+        if isinstance(where, int):
+            end = where + len(h)
+            where = np.arange(where, end, dtype=np.int64)
+        assert end is not None
         order = np.argsort(h, kind="stable")
         h = h[order]
         at = np.searchsorted(self._sorted, h, side="right")  # after equal, older hashes
-        if start + len(h) > np.iinfo(self._where.dtype).max:
+        if end > np.iinfo(self._where.dtype).max:
             self._where = self._where.astype(np.int64)
         self._sorted = np.insert(self._sorted, at, h)
-        self._where = np.insert(self._where, at, order.astype(self._where.dtype) + start)
-        self._hashed = start + len(h)
+        self._where = np.insert(self._where, at, where[order].astype(self._where.dtype))
+        self._hashed = end
 
     def _confirmed(self, key: str, lo: int, hi: int, n: int) -> int | None:
         for i in self._where[lo:hi].tolist():  # ascending: the first sequence first
@@ -114,7 +136,11 @@ class KeyTable:
             h = key_hash(key)
             lo = int(np.searchsorted(self._sorted, h, side="left"))
             hi = int(np.searchsorted(self._sorted, h, side="right"))
-            return None if lo == hi else self._confirmed(key, lo, hi, n)
+            got = None if lo == hi else self._confirmed(key, lo, hi, n)
+            if got is None:  # added later than every key of the arrays
+                i = self._recent.get(key)
+                got = i if i is not None and i < n else None
+            return got
 
     def find_many(self, keys: Sequence[str], n: int) -> np.ndarray:
         """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array)."""
@@ -126,4 +152,8 @@ class KeyTable:
             out = np.zeros(len(keys), dtype=bool)
             for j in np.flatnonzero(hi > lo).tolist():  # hash seen: confirm against the store
                 out[j] = self._confirmed(keys[j], int(lo[j]), int(hi[j]), n) is not None
+            if self._recent:
+                recent = self._recent
+                for j, key in enumerate(keys):
+                    out[j] = out[j] or recent.get(key, n) < n
             return out

@@ -53,14 +53,20 @@ def test_lookups_are_exact(monkeypatch, collide):
     assert list(table.keys(60)) == keys
 
 
-def test_added_keys_are_found_without_a_read(monkeypatch):
+@pytest.mark.parametrize("recent", [3, 1000])  # merged into the arrays, or still in the dict
+def test_added_keys_are_found_without_a_read(monkeypatch, recent):
+    monkeypatch.setattr(keyindex, "RECENT", recent)
     keys = [f"a{i}" for i in range(20)]
     table, reads = _table(keys)
     assert table.find("a3", 10) == 3
     before = len(reads)
-    table.add(keys[10:20], 10)
+    table.add(keys[10:14], 10)
+    table.add(keys[14:20], 14)
     assert table.hashed == 20
-    assert table.find_many(["a15", "a3", "zz"], 20).tolist() == [True, True, False]
+    assert table.find_many(["a15", "a3", "zz", "a19"], 20).tolist() == [True, True, False, True]
+    assert table.find_many(["a15", "a3"], 15).tolist() == [False, True]  # an older snapshot
+    assert [table.find(k, 20) for k in ("a11", "a19", "zz")] == [11, 19, None]
+    assert table.find("a11", 11) is None
     assert (10, 20) not in reads[before:]  # confirmations read blocks; nothing is hashed again
     table.add(["late"], 5)  # not where the table ends: ignored, hashed at the next lookup
     assert table.hashed == 20
