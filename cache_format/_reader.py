@@ -46,7 +46,7 @@ from .store import open_store
 _T = TypeVar("_T")
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
-INDEX_BLOCK = 1 << 20  # sequence index entries read and checked per step at open and refresh
+INDEX_BLOCK = 1 << 18  # sequence index entries read and checked per step at open and refresh
 _INDEX = (spec.SEQ_LENGTHS, spec.SEQ_TOKEN_START, spec.SEQ_ROW_START)
 
 
@@ -354,8 +354,8 @@ class CacheReader:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a copy)."""
-        return self._index.lengths.copy()
+        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a new int32 array)."""
+        return self._index.lengths.astype(np.int32)
 
     @property
     def row_starts(self) -> np.ndarray:

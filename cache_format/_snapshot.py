@@ -2,8 +2,9 @@
 the length and first row and token of every sequence, made at open and at each refresh that
 adopts a new commit, and a view of the keys (read on demand, :mod:`._keyindex`).
 
-Per sequence it holds the length (int32, 4 bytes) and, every :data:`STEP` sequences, the first
-row (int64): first rows and tokens are running sums of the lengths (R8), checked when read."""
+Per sequence it holds the length (uint16 while every length fits, else int32: 2 or 4 bytes) and,
+every :data:`STEP` sequences, the first row (int64): first rows and tokens are running sums of
+the lengths (R8), checked when read."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ class SnapshotKeys(Sequence[str]):
 class IndexSnapshot:
     """The sequence index of one commit: sequence ``i`` is ``keys[i]``, ``lengths[i]`` tokens
     from token :meth:`token_start` and ``lengths[i] - 1`` rows from :meth:`row_start`
-    (``lengths``: a read-only int32 array). ``checkpoints[j]`` is the first row of sequence
-    ``j * STEP``. Keys are looked up in ``table``, shared with later snapshots (it may know
+    (``lengths``: a read-only uint16 or int32 array). ``checkpoints[j]`` is the first row of
+    sequence ``j * STEP``. Keys are looked up in ``table``, shared with later snapshots (it may know
     keys of a later one: lookups pass this snapshot's count)."""
 
     lengths: np.ndarray
@@ -67,7 +68,7 @@ class IndexSnapshot:
 
     @classmethod
     def empty(cls, table: KeyTable) -> IndexSnapshot:
-        return cls(_frozen(np.zeros(0, np.int32)), _frozen(np.zeros(0, np.int64)), 0, 0, table)
+        return cls(_frozen(np.zeros(0, np.uint16)), _frozen(np.zeros(0, np.int64)), 0, 0, table)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -150,8 +151,9 @@ class IndexSnapshot:
                 f"sequence index ends at token {t0}, row {r0}; the commit counts "
                 f"{m.num_tokens} tokens, {m.num_rows} rows"
             )
+        narrow = all(part.dtype == np.uint16 for part in lengths)
         return IndexSnapshot(
-            _frozen(np.concatenate(lengths).astype(np.int32, copy=False)),
+            _frozen(np.concatenate(lengths).astype(np.uint16 if narrow else np.int32, copy=False)),
             _frozen(np.concatenate(checkpoints)),
             m.num_rows,
             m.num_tokens,
@@ -165,7 +167,8 @@ def check_index(
     """The sequence index entries from ``known`` must tile the tokens and rows from ``(t0, r0)``
     (the end of the entries before them) exactly (R8): ``L_i >= 2`` and starts are running
     sums. So no read can reach past the committed counts (R6), whatever the index says (the
-    caller checks the end). Returns the lengths (int32) and the expected row starts (int64)."""
+    caller checks the end). Returns the lengths (uint16 if they fit, else int32) and the
+    expected row starts (int64)."""
     wide = lengths.astype(np.int64)
     if wide.size and int(wide.min()) < 2:
         raise CorruptStoreError("sequence index: a sequence length < 2")
@@ -178,4 +181,5 @@ def check_index(
     if not (np.array_equal(tok, exp_tok) and np.array_equal(row, exp_row)):
         bad = known + int(np.flatnonzero((tok != exp_tok) | (row != exp_row))[0])
         raise CorruptStoreError(f"sequence index: offsets of sequence {bad} break R8")
-    return lengths.astype(np.int32, copy=False), exp_row
+    narrow = not wide.size or int(wide.max()) <= np.iinfo(np.uint16).max
+    return wide.astype(np.uint16 if narrow else np.int32), exp_row

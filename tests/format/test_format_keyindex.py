@@ -126,3 +126,47 @@ def test_writer_skips_known_keys_when_hashes_collide(tmp_path, monkeypatch):
         assert w.append(recs) == 5
     r = CacheReader(url)
     assert r.keys == [x.key for x in recs]
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_snapshot_spans_from_lengths(long):
+    """The snapshot keeps lengths (uint16 while they fit) and a row start every STEP sequences;
+    every span equals the running sums, across blocks and extensions; R8 breaks are refused."""
+    from logitcache.cache_format import CorruptStoreError, IndexSnapshot
+    from logitcache.cache_format import _snapshot as snap
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2, 50, 500).astype(np.int32)
+    if long:
+        lengths[300] = 70_000
+    rows = np.concatenate([[0], np.cumsum(lengths - 1)]).astype(np.int64)
+    toks = rows + np.arange(len(rows))
+    table = keyindex.KeyTable(lambda a, b: np.array([], dtype=object))
+
+    def blocks(a: int, b: int, step: int):
+        return [
+            (lengths[x : min(b, x + step)], toks[x : min(b, x + step)], rows[x : min(b, x + step)])
+            for x in range(a, b, step)
+        ]
+
+    def manifest(n: int):
+        return make_manifest().model_copy(
+            update=dict(num_sequences=n, num_rows=int(rows[n]), num_tokens=int(toks[n]))
+        )
+
+    first = IndexSnapshot.empty(table).extended(manifest(130), blocks(0, 130, 37))
+    full = first.extended(manifest(500), blocks(130, 500, 101))
+    assert full.lengths.dtype == (np.int32 if long else np.uint16)
+    assert np.array_equal(full.row_starts, rows[:-1]) and np.array_equal(
+        full.token_starts, toks[:-1]
+    )
+    for i in range(500):
+        assert full.span(i) == (slice(rows[i], rows[i + 1]), slice(toks[i], toks[i + 1]))
+    assert full.range_span(7, 450) == (slice(rows[7], rows[450]), slice(toks[7], toks[450]))
+    assert len(full.checkpoints) == -(-500 // snap.STEP)
+    bad = blocks(0, 130, 50)
+    bad[1] = (bad[1][0], bad[1][1] + 1, bad[1][2])
+    with pytest.raises(CorruptStoreError, match="sequence 50"):
+        IndexSnapshot.empty(table).extended(manifest(130), bad)
+    with pytest.raises(CorruptStoreError, match="commit counts"):
+        IndexSnapshot.empty(table).extended(manifest(131), blocks(0, 130, 50))
