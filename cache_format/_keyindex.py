@@ -5,9 +5,10 @@ A reader or writer of a store of ``S`` sequences holds no Python string per sequ
 * :meth:`KeyTable.key` reads the ``seq_keys`` block that holds key ``i`` (a few recent blocks
   are kept);
 * :meth:`KeyTable.find` and :meth:`KeyTable.find_many` look keys up in a sorted array of 64-bit
-  hashes (Python's ``hash`` of the key: 8 bytes, plus 4 for the sequence index, per key),
-  built from ``seq_keys`` at the first lookup and grown by the keys committed since; a candidate
-  whose hash matches is confirmed against the stored key.
+  hashes of the keys' UTF-8 bytes (:func:`byte_hashes`: 8 bytes, plus 4 for the sequence index,
+  per key), built at the first lookup from ``seq_key_bytes`` and ``seq_key_end`` (version 2 and
+  later: no string is made) or ``seq_keys``, and grown by the keys committed since; a candidate
+  whose hash matches is confirmed against the stored key (``seq_keys``).
 
 Keys are committed once and never change (FORMAT.md W1-W6), so nothing read here goes stale; a
 block read before its last entries were committed is read again when one of those is asked for.
@@ -20,9 +21,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+import zarr
+
+from . import spec
+from ._integrity import checked_get
+from .errors import CorruptStoreError
 
 #: ``read(a, b)``: the stored keys ``[a, b)`` (committed): an array of strings.
 ReadKeys = Callable[[int, int], np.ndarray]
+#: ``read_bytes(a, b)``: the UTF-8 bytes of stored keys ``[a, b)`` back to back (uint8) and
+#: where each ends in them (int64); ``None`` where the store keeps no key bytes (version 1).
+ReadKeyBytes = Callable[[int, int], tuple[np.ndarray, np.ndarray] | None]
 
 BLOCK = 16384  # keys per cached block: the default seq_keys inner chunk (FORMAT.md 4)
 KEEP_BLOCKS = 8  # blocks kept for key(i): about 8 x 16384 strings
@@ -30,12 +39,65 @@ HASH_BLOCK = 262144  # keys read per step while hashing: the default seq_keys sh
 RECENT = 65536  # keys added by add() kept in a dict until merged into the sorted arrays
 
 
-#: The 64-bit hash of a key: Python's (per process; the table lives in one process).
-key_hash: Callable[[str], int] = hash
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_SEED = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64 (wrapping)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def byte_hashes(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """64-bit hashes (int64) of the non-empty byte strings ``buf[ends[i-1]:ends[i]]``: each
+    byte plus one times an odd weight drawn for its position in the key, summed, mixed with the
+    length. Vectorised: no Python object per key."""
+    if not len(ends):
+        return np.zeros(0, np.int64)
+    starts = np.zeros(len(ends), np.int64)
+    starts[1:] = ends[:-1]
+    lens = ends - starts
+    weights = _mix(np.arange(int(lens.max()), dtype=np.uint64) + _SEED) | np.uint64(1)
+    pos = np.arange(len(buf), dtype=np.int64) - np.repeat(starts, lens)
+    sums = np.add.reduceat((buf.astype(np.uint64) + np.uint64(1)) * weights[pos], starts)
+    return _mix(sums ^ (lens.astype(np.uint64) * _SEED)).view(np.int64)
 
 
 def _hashes(keys: Sequence[str] | np.ndarray) -> np.ndarray:
-    return np.fromiter(map(key_hash, keys), dtype=np.int64, count=len(keys))
+    """:func:`byte_hashes` of ``keys``' UTF-8 bytes (an empty key, which no store holds, hashes
+    as one zero byte)."""
+    raw = [str(k).encode("utf-8", "surrogatepass") or b"\0" for k in keys]
+    ends = np.cumsum([len(r) for r in raw], dtype=np.int64)
+    return byte_hashes(np.frombuffer(b"".join(raw), np.uint8), ends)
+
+
+async def stored_key_bytes(
+    ends_arr: zarr.AsyncArray,
+    bytes_arr: zarr.AsyncArray,
+    a: int,
+    b: int,
+    committed_bytes: int,
+    strict: bool,
+    sealed: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The UTF-8 bytes of committed keys ``[a, b)`` from ``seq_key_bytes`` and ``seq_key_end``
+    (FORMAT.md 4, "Keys as bytes"; ``a < b``) and where each ends in them (checked: increasing,
+    within the ``committed_bytes``)."""
+    lo = max(a - 1, 0)
+    ends = (await checked_get(ends_arr, spec.SEQ_KEY_END, lo, b, strict, sealed)).astype(np.int64)
+    b0 = int(ends[0]) if a > 0 else 0
+    ends = ends[1:] if a > 0 else ends
+    if int(ends[-1]) > committed_bytes or bool(np.any(np.diff(ends) <= 0)) or int(ends[0]) <= b0:
+        raise CorruptStoreError(
+            f"seq_key_end[{a}:{b}] is not increasing within the {committed_bytes} committed key "
+            "bytes"
+        )
+    buf = await checked_get(bytes_arr, spec.SEQ_KEY_BYTES, b0, int(ends[-1]), strict, sealed)
+    return buf.astype(np.uint8, copy=False), ends - b0
 
 
 class KeyTable:
@@ -43,8 +105,8 @@ class KeyTable:
     count of their snapshot, which may be below what the table has hashed (a newer snapshot
     shares it)."""
 
-    def __init__(self, read: ReadKeys) -> None:
-        self._read = read
+    def __init__(self, read: ReadKeys, read_bytes: ReadKeyBytes | None = None) -> None:
+        self._read, self._read_bytes = read, read_bytes
         self._lock = threading.RLock()
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._hashed = 0  # keys [0, _hashed) are in the sorted arrays
@@ -80,11 +142,15 @@ class KeyTable:
         with self._lock:
             a = self._hashed
             parts = [
-                _hashes(self._read(b, min(n, b + HASH_BLOCK))) for b in range(a, n, HASH_BLOCK)
+                self._stored_hashes(b, min(n, b + HASH_BLOCK)) for b in range(a, n, HASH_BLOCK)
             ]
             if parts:
                 self._flush()
                 self._merge(np.concatenate(parts), a)
+
+    def _stored_hashes(self, a: int, b: int) -> np.ndarray:
+        got = None if self._read_bytes is None else self._read_bytes(a, b)
+        return _hashes(self._read(a, b)) if got is None else byte_hashes(*got)
 
     def add(self, keys: Sequence[str] | np.ndarray, start: int) -> None:
         """Hash ``keys``, the committed keys ``[start, start + len(keys))``, into the lookup
@@ -133,7 +199,7 @@ class KeyTable:
         """The first of sequences ``[0, n)`` stored under ``key``, or ``None``."""
         with self._lock:
             self.grow(n)
-            h = key_hash(key)
+            h = int(_hashes([key])[0])
             lo = int(np.searchsorted(self._sorted, h, side="left"))
             hi = int(np.searchsorted(self._sorted, h, side="right"))
             got = None if lo == hi else self._confirmed(key, lo, hi, n)

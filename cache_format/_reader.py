@@ -32,7 +32,7 @@ from . import _shardread as shardread
 from . import spec
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
 from ._integrity import checked_get
-from ._keyindex import KeyTable
+from ._keyindex import KeyTable, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
 from ._snapshot import IndexSnapshot, SnapshotKeys
@@ -176,7 +176,7 @@ class CacheReader:
         self._url, self._storage_options = str(url), storage_options
         self._decode_pool: ThreadPoolExecutor | None = None
         self._handle = open_store(url, storage_options, read_only=True)
-        self._index = IndexSnapshot.empty(KeyTable(self._read_keys))
+        self._index = IndexSnapshot.empty(KeyTable(self._read_keys, self._read_key_bytes))
         self._manifest: Manifest | None = None
         self._open: OpenArrays | None = None
         self._id_order: np.ndarray | None = None
@@ -272,6 +272,21 @@ class CacheReader:
             arr = async_array(o.arrays[spec.SEQ_KEYS])
             seal = sealed(o.manifest.format_version)
             return np.asarray(sync(checked_get(arr, spec.SEQ_KEYS, a, b, o.strict, seal)))
+
+        return self._retry(read)
+
+    def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """UTF-8 bytes of committed keys ``[a, b)`` and their ends (:func:`stored_key_bytes`);
+        ``None`` for a version-1 store (it has none)."""
+
+        def read() -> tuple[np.ndarray, np.ndarray] | None:
+            o = self._opened
+            m = o.manifest
+            if m.format_version < 2:
+                return None
+            ends, raw = (async_array(o.arrays[n]) for n in (spec.SEQ_KEY_END, spec.SEQ_KEY_BYTES))
+            seal = sealed(m.format_version)
+            return sync(stored_key_bytes(ends, raw, a, b, m.num_key_bytes, o.strict, seal))
 
         return self._retry(read)
 

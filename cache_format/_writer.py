@@ -35,7 +35,7 @@ from . import _templates as templates
 from . import fastencode, spec
 from ._encode import Batch, encode_batch
 from ._integrity import checked_get
-from ._keyindex import KeyTable
+from ._keyindex import KeyTable, stored_key_bytes
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
 from ._seal import seal_written, sealed
@@ -85,7 +85,7 @@ class CacheWriter:
         self._layout = layout
         self._lock = make_lock(handle, ttl=lock_ttl)
         self._lock_timeout = lock_timeout
-        self._keys = KeyTable(self._read_keys)  # committed keys, hashed at the first lookup
+        self._keys = KeyTable(self._read_keys, self._read_key_bytes)  # hashed at the first lookup
         self._rank: np.ndarray | None = None  # id -> stored id (frequency-rank remap)
         self._pending_rank: np.ndarray | None = None
         self._closed = False
@@ -258,6 +258,19 @@ class CacheWriter:
         arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
         seal = sealed(m.format_version)
         return np.asarray(sync(checked_get(async_array(arr), spec.SEQ_KEYS, a, b, strict(m), seal)))
+
+    def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """UTF-8 bytes of committed keys ``[a, b)`` and their ends (``None``: a version-1
+        store has none)."""
+        m = self._manifest
+        if m.format_version < 2:
+            return None
+        ends, raw = (
+            async_array(zarr.open_array(self._store, path=n, mode="r"))
+            for n in (spec.SEQ_KEY_END, spec.SEQ_KEY_BYTES)
+        )
+        seal = sealed(m.format_version)
+        return sync(stored_key_bytes(ends, raw, a, b, m.num_key_bytes, strict(m), seal))
 
     def refresh(self) -> bool:
         """Catch up with what other writers committed since this writer's last transaction:

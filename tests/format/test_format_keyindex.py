@@ -16,26 +16,50 @@ from logitcache.cache_format import _keyindex as keyindex
 SMALL = Layout(row_chunk=8, row_shard=32, token_chunk=16, token_shard=64, seq_chunk=4, seq_shard=8)
 
 
-def _table(keys: list[str]) -> tuple[keyindex.KeyTable, list[tuple[int, int]]]:
+def _table(
+    keys: list[str], as_bytes: bool = False
+) -> tuple[keyindex.KeyTable, list[tuple[int, int]]]:
     reads: list[tuple[int, int]] = []
 
     def read(a: int, b: int) -> np.ndarray:
         reads.append((a, b))
         return np.array(keys[a:b], dtype=object)
 
-    return keyindex.KeyTable(read), reads
+    def read_bytes(a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        raw = [k.encode() for k in keys[a:b]]
+        return np.frombuffer(b"".join(raw), np.uint8), np.cumsum([len(r) for r in raw])
+
+    return keyindex.KeyTable(read, read_bytes if as_bytes else None), reads
 
 
+def _collide(monkeypatch) -> None:
+    """Three hash values for every key: each lookup confirms against stored keys."""
+    monkeypatch.setattr(
+        keyindex, "byte_hashes", lambda buf, ends: (np.diff(ends, prepend=0) % 3).astype(np.int64)
+    )
+
+
+def test_hashes_of_stored_bytes_and_of_keys_agree():
+    keys = ["a", "ab", "ba", "doc-0000000001", "doc-0000000010", "ключ", "键🙂", "x" * 300]
+    raw = [k.encode() for k in keys]
+    stored = keyindex.byte_hashes(
+        np.frombuffer(b"".join(raw), np.uint8), np.cumsum([len(r) for r in raw])
+    )
+    assert np.array_equal(stored, keyindex._hashes(keys))
+    assert len(set(stored.tolist())) == len(keys)
+
+
+@pytest.mark.parametrize("as_bytes", [False, True])
 @pytest.mark.parametrize("collide", [False, True])
-def test_lookups_are_exact(monkeypatch, collide):
-    if collide:  # three hash values for every key: each lookup confirms against stored keys
-        monkeypatch.setattr(keyindex, "key_hash", lambda k: len(k) % 3)
+def test_lookups_are_exact(monkeypatch, collide, as_bytes):
+    if collide:
+        _collide(monkeypatch)
     monkeypatch.setattr(keyindex, "BLOCK", 5)
     monkeypatch.setattr(keyindex, "HASH_BLOCK", 7)
     rng = np.random.default_rng(0)
     keys = [f"k{int(x)}" for x in rng.integers(0, 10**6, 60)]
     keys[40] = keys[3]  # a repeated key: the first sequence is found
-    table, reads = _table(keys)
+    table, reads = _table(keys, as_bytes)
     assert table.hashed == 0 and reads == []
     first = {}
     for i, k in enumerate(keys):
@@ -114,7 +138,7 @@ def test_a_snapshot_sees_only_its_keys(tmp_path):
 
 
 def test_writer_skips_known_keys_when_hashes_collide(tmp_path, monkeypatch):
-    monkeypatch.setattr(keyindex, "key_hash", lambda k: len(k) % 2)
+    _collide(monkeypatch)
     url = tmp_path / "c"
     recs = make_records(20, k=4, vocab=200, seed=5, min_len=2, max_len=6)
     m = make_manifest(k=4, vocab_size=200)
