@@ -21,10 +21,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
-import zarr
 
 from . import spec
-from ._integrity import checked_get
 from .errors import CorruptStoreError
 
 #: ``read(a, b)``: the stored keys ``[a, b)`` (committed): an array of strings.
@@ -75,20 +73,18 @@ def _hashes(keys: Sequence[str] | np.ndarray) -> np.ndarray:
     return byte_hashes(np.frombuffer(b"".join(raw), np.uint8), ends)
 
 
-async def stored_key_bytes(
-    ends_arr: zarr.AsyncArray,
-    bytes_arr: zarr.AsyncArray,
-    a: int,
-    b: int,
-    committed_bytes: int,
-    strict: bool,
-    sealed: bool,
+#: ``fetch(jobs)``: the stored values of ``name[a:b]`` for each ``(name, a, b)`` (committed).
+Fetch = Callable[[list[tuple[str, int, int]]], list[np.ndarray]]
+
+
+def stored_key_bytes(
+    fetch: Fetch, a: int, b: int, committed_bytes: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The UTF-8 bytes of committed keys ``[a, b)`` from ``seq_key_bytes`` and ``seq_key_end``
     (FORMAT.md 4, "Keys as bytes"; ``a < b``) and where each ends in them (checked: increasing,
     within the ``committed_bytes``)."""
     lo = max(a - 1, 0)
-    ends = (await checked_get(ends_arr, spec.SEQ_KEY_END, lo, b, strict, sealed)).astype(np.int64)
+    ends = fetch([(spec.SEQ_KEY_END, lo, b)])[0].astype(np.int64)
     b0 = int(ends[0]) if a > 0 else 0
     ends = ends[1:] if a > 0 else ends
     if int(ends[-1]) > committed_bytes or bool(np.any(np.diff(ends) <= 0)) or int(ends[0]) <= b0:
@@ -96,7 +92,7 @@ async def stored_key_bytes(
             f"seq_key_end[{a}:{b}] is not increasing within the {committed_bytes} committed key "
             "bytes"
         )
-    buf = await checked_get(bytes_arr, spec.SEQ_KEY_BYTES, b0, int(ends[-1]), strict, sealed)
+    buf = fetch([(spec.SEQ_KEY_BYTES, b0, int(ends[-1]))])[0]
     return buf.astype(np.uint8, copy=False), ends - b0
 
 
@@ -111,7 +107,7 @@ class KeyTable:
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._hashed = 0  # keys [0, _hashed) are in the sorted arrays
         self._sorted = np.zeros(0, np.int64)  # hashes, ascending
-        self._where = np.zeros(0, np.uint32)  # the sequence of each hash (ascending among equals)
+        self._where = np.zeros(0, np.uint32)  # the sequence of each hash
         self._recent: dict[str, int] = {}  # added keys [_hashed - len, _hashed), not yet merged
 
     @property
@@ -180,7 +176,7 @@ class KeyTable:
             end = where + len(h)
             where = np.arange(where, end, dtype=np.int64)
         assert end is not None
-        order = np.argsort(h, kind="stable")
+        order = np.argsort(h)
         h = h[order]
         at = np.searchsorted(self._sorted, h, side="right")  # after equal, older hashes
         if end > np.iinfo(self._where.dtype).max:
@@ -190,7 +186,7 @@ class KeyTable:
         self._hashed = end
 
     def _confirmed(self, key: str, lo: int, hi: int, n: int) -> int | None:
-        for i in self._where[lo:hi].tolist():  # ascending: the first sequence first
+        for i in sorted(self._where[lo:hi].tolist()):  # the first sequence first
             if i < n and self.key(i, n) == key:
                 return int(i)
         return None

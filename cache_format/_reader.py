@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -284,9 +285,7 @@ class CacheReader:
             m = o.manifest
             if m.format_version < 2:
                 return None
-            ends, raw = (async_array(o.arrays[n]) for n in (spec.SEQ_KEY_END, spec.SEQ_KEY_BYTES))
-            seal = sealed(m.format_version)
-            return sync(stored_key_bytes(ends, raw, a, b, m.num_key_bytes, o.strict, seal))
+            return stored_key_bytes(partial(stored_values, o), a, b, m.num_key_bytes)
 
         return self._retry(read)
 

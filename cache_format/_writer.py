@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,11 @@ import zarr.api.asynchronous
 from zarr.storage import StorePath
 
 from . import _idmap as idmap
+from . import _shardread as shardread
 from . import _shardwrite as shardwrite
 from . import _templates as templates
 from . import fastencode, spec
+from ._decode import OpenArrays, stored_values
 from ._encode import Batch, encode_batch
 from ._integrity import checked_get
 from ._keyindex import KeyTable, stored_key_bytes
@@ -46,6 +49,7 @@ from .layout import (
     INCOMPLETE_ATTR,
     ArrayDef,
     array_defs,
+    committed_lengths,
     create_array,
     parse_root,
     read_root_attrs,
@@ -265,12 +269,15 @@ class CacheWriter:
         m = self._manifest
         if m.format_version < 2:
             return None
-        ends, raw = (
-            async_array(zarr.open_array(self._store, path=n, mode="r"))
-            for n in (spec.SEQ_KEY_END, spec.SEQ_KEY_BYTES)
-        )
-        seal = sealed(m.format_version)
-        return sync(stored_key_bytes(ends, raw, a, b, m.num_key_bytes, strict(m), seal))
+        st, seal, need = strict(m), sealed(m.format_version), committed_lengths(m)
+        arrays, direct = {}, {}
+        for n in (spec.SEQ_KEY_END, spec.SEQ_KEY_BYTES):  # read as a reader reads them
+            arrays[n] = arr = zarr.open_array(self._store, path=n, mode="r")
+            lay = shardread.direct_layout(arr, n, committed=need[n], strict=st, sealed=seal)
+            if lay is not None:
+                direct[n] = lay
+        opened = OpenArrays(m, arrays, direct, need, st, None, None)
+        return stored_key_bytes(partial(stored_values, opened), a, b, m.num_key_bytes)
 
     def refresh(self) -> bool:
         """Catch up with what other writers committed since this writer's last transaction:
