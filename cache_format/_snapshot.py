@@ -139,25 +139,32 @@ class IndexSnapshot:
         i = known = len(self)
         r0 = self.row_start(known - 1) + int(self.lengths[-1]) - 1 if known else 0
         t0 = r0 + known  # one token more than rows per sequence
-        lengths, checkpoints = [self.lengths], [self.checkpoints]
+        n = m.num_sequences
+        # filled in place (no list of blocks): what an open leaves behind is this and no more
+        lengths = np.empty(max(n, known), self.lengths.dtype)
+        lengths[:known] = self.lengths
+        checkpoints = np.empty(-(-max(n, known) // STEP), np.int64)
+        checkpoints[: len(self.checkpoints)] = self.checkpoints
         for block in blocks:
             ln, rows = check_index(i, *block, t0, r0)
-            lengths.append(ln)
-            checkpoints.append(rows[(-i) % STEP :: STEP])  # entries at multiples of STEP
+            if i + len(ln) > n:
+                raise CorruptStoreError(f"sequence index: more than the {n} committed entries")
+            if ln.dtype != lengths.dtype:
+                lengths = lengths.astype(np.int32)
+            lengths[i : i + len(ln)] = ln
+            first = (-i) % STEP  # entries at multiples of STEP
+            cps = rows[first::STEP]
+            c0 = (i + first) // STEP
+            checkpoints[c0 : c0 + len(cps)] = cps
             total = int(ln.sum(dtype=np.int64))
             i, t0, r0 = i + len(ln), t0 + total, r0 + total - len(ln)
-        if (t0, r0) != (m.num_tokens, m.num_rows) or i != m.num_sequences:
+        if (t0, r0) != (m.num_tokens, m.num_rows) or i != n:
             raise CorruptStoreError(
                 f"sequence index ends at token {t0}, row {r0}; the commit counts "
                 f"{m.num_tokens} tokens, {m.num_rows} rows"
             )
-        narrow = all(part.dtype == np.uint16 for part in lengths)
         return IndexSnapshot(
-            _frozen(np.concatenate(lengths).astype(np.uint16 if narrow else np.int32, copy=False)),
-            _frozen(np.concatenate(checkpoints)),
-            m.num_rows,
-            m.num_tokens,
-            self.table,
+            _frozen(lengths), _frozen(checkpoints), m.num_rows, m.num_tokens, self.table
         )
 
 
