@@ -47,8 +47,7 @@ from .store import open_store
 _T = TypeVar("_T")
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
-INDEX_BLOCK = 1 << 16  # index entries read and checked per step at open and refresh (small
-# steps keep the heap that an open leaves behind small: ~35 MB at 10M sequences, ~60 at 1 << 18)
+INDEX_BLOCK = 1 << 16  # index entries read per step at open (small: little heap left behind)
 _INDEX = (spec.SEQ_LENGTHS, spec.SEQ_TOKEN_START, spec.SEQ_ROW_START)
 
 
@@ -231,7 +230,7 @@ class CacheReader:
         def blocks() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
             for a in range(known, m.num_sequences, INDEX_BLOCK):
                 b = min(m.num_sequences, a + INDEX_BLOCK)
-                ln, tok, row = read([(n, a, b) for n in _INDEX])
+                ln, tok, row = stored_values(opened, [(n, a, b) for n in _INDEX])
                 yield ln, tok, row
 
         id_order = self._id_order
@@ -239,15 +238,21 @@ class CacheReader:
             id_order = read([(spec.ID_ORDER, 0, m.vocab_size)])[0]
             if not idmap.is_permutation(id_order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
+        opened = self._adopt_arrays(arrays, need, strict_, m, id_order)
         index = self._index.extended(m, blocks())  # checks the new entries (R8)
         self._id_order = id_order  # every read done and checked: now adopt
-        self._open = self._adopt_arrays(arrays, need, strict_, m)
+        self._open = opened
         self._index = index
         self._manifest = m
         return True
 
     def _adopt_arrays(
-        self, arrays: dict[str, zarr.Array], need: dict[str, int], st: bool, m: Manifest
+        self,
+        arrays: dict[str, zarr.Array],
+        need: dict[str, int],
+        st: bool,
+        m: Manifest,
+        id_order: np.ndarray | None,
     ) -> OpenArrays:
         direct = {}
         for n, a in arrays.items():
@@ -258,12 +263,12 @@ class CacheReader:
                 direct[n] = lay
         ids = direct.get(spec.TOPK_IDS)
         root = None if ids is None else shardread.local_root(ids)
-        return OpenArrays(m, arrays, direct, need, st, root, self._id_order)
+        return OpenArrays(m, arrays, direct, need, st, root, id_order)
 
     def _reopen_arrays(self) -> None:
         o = self._opened
         self._open = self._adopt_arrays(
-            _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest
+            _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest, o.id_order
         )
 
     def _read_keys(self, a: int, b: int) -> np.ndarray:
