@@ -106,8 +106,8 @@ class KeyTable:
         self._lock = threading.RLock()
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._hashed = 0  # keys [0, _hashed) are in the sorted arrays
-        self._sorted = np.zeros(0, np.int64)  # hashes, ascending
-        self._where = np.zeros(0, np.uint32)  # the sequence of each hash
+        self._sorted: np.ndarray = np.zeros(0, np.int64)  # hashes, ascending
+        self._where: np.ndarray = np.zeros(0, np.uint32)  # the sequence of each hash
         self._recent: dict[str, int] = {}  # added keys [_hashed - len, _hashed), not yet merged
 
     @property
@@ -170,19 +170,22 @@ class KeyTable:
             self._merge(_hashes(list(recent)), np.fromiter(recent.values(), np.int64), end)
 
     def _merge(self, h: np.ndarray, where: np.ndarray | int, end: int | None = None) -> None:
-        """Merge hashes ``h`` of sequences ``where`` (an array, ascending; or the first of
-        consecutive ones) into the sorted arrays, which then hold keys ``[0, end)``."""
-        if isinstance(where, int):
-            end = where + len(h)
-            where = np.arange(where, end, dtype=np.int64)
-        assert end is not None
+        """Merge hashes ``h`` of sequences ``where`` (an array; or the first of consecutive
+        ones) into the sorted arrays, which then hold keys ``[0, end)``."""
         order = np.argsort(h)
-        h = h[order]
-        at = np.searchsorted(self._sorted, h, side="right")  # after equal, older hashes
-        if end > np.iinfo(self._where.dtype).max:
-            self._where = self._where.astype(np.int64)
-        self._sorted = np.insert(self._sorted, at, h)
-        self._where = np.insert(self._where, at, where[order].astype(self._where.dtype))
+        if isinstance(where, int):
+            end, at = where + len(h), order + where
+        else:
+            at = where[order]
+        assert end is not None
+        dtype = self._where.dtype if end <= np.iinfo(np.uint32).max else np.dtype(np.int64)
+        h, at = h[order], at.astype(dtype)
+        if not len(self._sorted):  # the first build: nothing to merge into
+            self._sorted, self._where = h, at
+        else:
+            pos = np.searchsorted(self._sorted, h)
+            self._sorted = np.insert(self._sorted, pos, h)
+            self._where = np.insert(self._where.astype(dtype, copy=False), pos, at)
         self._hashed = end
 
     def _confirmed(self, key: str, lo: int, hi: int, n: int) -> int | None:
