@@ -7,6 +7,7 @@ Modes (``python -m benchmarks.format <mode> --help``)::
     python -m benchmarks.format random --positions 2000000 --layouts default random_access
     python -m benchmarks.format validate --positions 1048576 --configs default --sample 0.01 0.1
     python -m benchmarks.format codecs --positions 262144
+    python -m benchmarks.format index --sequences 1000 100000 1000000 --store-dir /tmp/lc-index
 
 * ``configs``: each configuration (:data:`CONFIGS`, a layout preset with some fields changed)
   writes the same synthetic rows (:mod:`benchmarks.synthetic`, ``Teacher.fixed``: sequences of
@@ -27,6 +28,8 @@ Modes (``python -m benchmarks.format <mode> --help``)::
   rows (for a sample: per million rows of the store, the figure a multi-TB cache's check costs).
 * ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw chunks
   (numcodecs, one block per chunk, one thread).
+* ``index``: what opening a cache of many short sequences costs a reader and a writer (seconds,
+  RSS), each in a fresh process (:mod:`benchmarks.format_index`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.format_index import add_options as index_options
+from benchmarks.format_index import run_index
 from benchmarks.harness import (
     Recorder,
     add_csv_option,
@@ -562,6 +567,7 @@ def main(argv: list[str] | None = None) -> None:
         "random": run_random,
         "codecs": run_codecs,
         "validate": run_validate,
+        "index": run_index,
     }
     for name in modes:
         s = sub.add_parser(name)
@@ -581,6 +587,8 @@ def main(argv: list[str] | None = None) -> None:
             s.add_argument("--repeats", type=int, default=3)
         if name == "write":
             s.add_argument("--rounds", type=int, default=5)
+        if name == "index":
+            index_options(s)
         if name == "random":
             s.add_argument("--layouts", nargs="+", default=["default", "random_access"])
             s.add_argument("--threads", type=int, nargs="+", default=[1, 8])

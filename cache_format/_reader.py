@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,9 +33,10 @@ from . import _shardread as shardread
 from . import spec
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
 from ._integrity import checked_get
+from ._keyindex import KeyTable, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
-from ._snapshot import IndexSnapshot
+from ._snapshot import IndexSnapshot, SnapshotKeys
 from ._zarr_adapter import async_array, sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
 from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
@@ -45,6 +47,8 @@ from .store import open_store
 _T = TypeVar("_T")
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
+INDEX_BLOCK = 1 << 16  # index entries read per step at open (small: little heap left behind)
+_INDEX = (spec.SEQ_LENGTHS, spec.SEQ_TOKEN_START, spec.SEQ_ROW_START)
 
 
 def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
@@ -85,11 +89,50 @@ def _open_arrays(zstore: Any, m: Manifest) -> dict[str, zarr.Array]:
         raise CorruptStoreError(f"array metadata unreadable: {e!r}") from e
 
 
+class StoredRecord(SequenceRecord):
+    """A reader's :class:`SequenceRecord`: its ``key`` is read from the store when first used
+    (a training loop never asks for it; reading it may raise what a read of ``seq_keys``
+    raises). Pickles and copies as a plain :class:`SequenceRecord`."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "key" or "_keys" not in self.__dict__:
+            raise AttributeError(name)
+        keys, i = self.__dict__["_keys"]
+        key = self.__dict__["key"] = keys[i]
+        return key
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return SequenceRecord.trusted, (
+            self.key,
+            self.input_ids,
+            self.topk_ids,
+            self.topk_logprobs,
+            self.tail_mass,
+            self.loss_mask,
+        )
+
+
+def _stored(keys: SnapshotKeys, i: int, *arrays: np.ndarray | None) -> SequenceRecord:
+    """:meth:`SequenceRecord.trusted` of a reader's arrays ``(tokens, ids, logprobs, tail,
+    mask)`` for sequence ``i``, its key left in the store until used."""
+    rec = object.__new__(StoredRecord)
+    tokens, ids, lp, tail, mask = arrays
+    rec.__dict__.update(
+        _keys=(keys, i),
+        input_ids=tokens,
+        topk_ids=ids,
+        topk_logprobs=lp,
+        tail_mass=tail,
+        loss_mask=mask,
+    )
+    return rec
+
+
 def _records(index: IndexSnapshot, idx: list[int], got: list[Fetched]) -> list[SequenceRecord]:
-    out = []
+    out, keys = [], index.keys
     for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True):
         assert tokens is not None  # sequence spans read their tokens
-        out.append(SequenceRecord.trusted(index.keys[i], tokens, ids, lp, tail, mask))
+        out.append(_stored(keys, i, tokens, ids, lp, tail, mask))
     return out
 
 
@@ -134,7 +177,7 @@ class CacheReader:
         self._url, self._storage_options = str(url), storage_options
         self._decode_pool: ThreadPoolExecutor | None = None
         self._handle = open_store(url, storage_options, read_only=True)
-        self._index = IndexSnapshot.empty()
+        self._index = IndexSnapshot.empty(KeyTable(self._read_keys, self._read_key_bytes))
         self._manifest: Manifest | None = None
         self._open: OpenArrays | None = None
         self._id_order: np.ndarray | None = None
@@ -172,40 +215,44 @@ class CacheReader:
                     f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
                 )
         strict_, seal = strict(m), sealed(m.format_version)
-        s = m.num_sequences
-        jobs = []
-        if m.id_remap and m.num_rows and self._id_order is None:
-            jobs.append((spec.ID_ORDER, 0, m.vocab_size))
-        if s > known:
-            jobs += [(n, known, s) for n in spec.SEQ_ARRAYS]
 
-        async def gather() -> list[np.ndarray]:
-            return await asyncio.gather(
-                *(checked_get(async_array(arrays[n]), n, a, b, strict_, seal) for n, a, b in jobs)
-            )
+        def read(jobs: list[tuple[str, int, int]]) -> list[np.ndarray]:
+            async def gather() -> list[np.ndarray]:
+                return await asyncio.gather(
+                    *(
+                        checked_get(async_array(arrays[n]), n, a, b, strict_, seal)
+                        for n, a, b in jobs
+                    )
+                )
 
-        got = dict(zip([j[0] for j in jobs], sync(gather()), strict=True))
+            return [np.asarray(x) for x in sync(gather())]
+
+        def blocks() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+            for a in range(known, m.num_sequences, INDEX_BLOCK):
+                b = min(m.num_sequences, a + INDEX_BLOCK)
+                ln, tok, row = stored_values(opened, [(n, a, b) for n in _INDEX])
+                yield ln, tok, row
+
         id_order = self._id_order
-        if spec.ID_ORDER in got:
-            id_order = np.asarray(got[spec.ID_ORDER])
+        if m.id_remap and m.num_rows and id_order is None:
+            id_order = read([(spec.ID_ORDER, 0, m.vocab_size)])[0]
             if not idmap.is_permutation(id_order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
-        empty = np.zeros(0, dtype=np.int64)
-        index = self._index.extended(  # checks the new entries (R8)
-            m,
-            [str(x) for x in got.get(spec.SEQ_KEYS, [])],
-            np.asarray(got.get(spec.SEQ_LENGTHS, empty)),
-            np.asarray(got.get(spec.SEQ_TOKEN_START, empty)),
-            np.asarray(got.get(spec.SEQ_ROW_START, empty)),
-        )
+        opened = self._adopt_arrays(arrays, need, strict_, m, id_order)
+        index = self._index.extended(m, blocks())  # checks the new entries (R8)
         self._id_order = id_order  # every read done and checked: now adopt
-        self._open = self._adopt_arrays(arrays, need, strict_, m)
+        self._open = opened
         self._index = index
         self._manifest = m
         return True
 
     def _adopt_arrays(
-        self, arrays: dict[str, zarr.Array], need: dict[str, int], st: bool, m: Manifest
+        self,
+        arrays: dict[str, zarr.Array],
+        need: dict[str, int],
+        st: bool,
+        m: Manifest,
+        id_order: np.ndarray | None,
     ) -> OpenArrays:
         direct = {}
         for n, a in arrays.items():
@@ -216,13 +263,37 @@ class CacheReader:
                 direct[n] = lay
         ids = direct.get(spec.TOPK_IDS)
         root = None if ids is None else shardread.local_root(ids)
-        return OpenArrays(m, arrays, direct, need, st, root, self._id_order)
+        return OpenArrays(m, arrays, direct, need, st, root, id_order)
 
     def _reopen_arrays(self) -> None:
         o = self._opened
         self._open = self._adopt_arrays(
-            _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest
+            _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest, o.id_order
         )
+
+    def _read_keys(self, a: int, b: int) -> np.ndarray:
+        """Stored keys ``[a, b)`` (committed), with the reader's retries."""
+
+        def read() -> np.ndarray:
+            o = self._opened
+            arr = async_array(o.arrays[spec.SEQ_KEYS])
+            seal = sealed(o.manifest.format_version)
+            return np.asarray(sync(checked_get(arr, spec.SEQ_KEYS, a, b, o.strict, seal)))
+
+        return self._retry(read)
+
+    def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """UTF-8 bytes of committed keys ``[a, b)`` and their ends (:func:`stored_key_bytes`);
+        ``None`` for a version-1 store (it has none)."""
+
+        def read() -> tuple[np.ndarray, np.ndarray] | None:
+            o = self._opened
+            m = o.manifest
+            if m.format_version < 2:
+                return None
+            return stored_key_bytes(partial(stored_values, o), a, b, m.num_key_bytes)
+
+        return self._retry(read)
 
     @property
     def _opened(self) -> OpenArrays:
@@ -297,18 +368,19 @@ class CacheReader:
 
     @property
     def keys(self) -> list[str]:
-        """Sequence keys in storage order (a copy)."""
+        """Sequence keys in storage order (a new list, read from the store: the reader keeps
+        no key per sequence)."""
         return list(self._index.keys)
 
     @property
     def lengths(self) -> np.ndarray:
-        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each)."""
-        return self._index.lengths.copy()
+        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a new int32 array)."""
+        return self._index.lengths.astype(np.int32)
 
     @property
     def row_starts(self) -> np.ndarray:
-        """First global row of each sequence."""
-        return self._index.row_starts.copy()
+        """First global row of each sequence (computed from the lengths: a new array)."""
+        return self._index.row_starts
 
     def __len__(self) -> int:
         return self.num_sequences
@@ -317,7 +389,8 @@ class CacheReader:
         return key in self._index
 
     def index_of(self, key: str) -> int:
-        """Sequence index of ``key`` (KeyError if absent)."""
+        """Sequence index of ``key`` (KeyError if absent). The first lookup of a reader hashes
+        every committed key (:mod:`._keyindex`: about 12 bytes per sequence are kept)."""
         return self._index.index_of(key)
 
     # ------------------------------------------------------------------ reading
@@ -418,11 +491,12 @@ class CacheReader:
             spans, m.k, m.num_rows, m.num_tokens, logprob_dtype, m.loss_mask, groups, self
         )
         ids, lp, tail, mask, tok = reg.views(buf)
-        out, r, t = [], 0, 0
+        out, r, t, keys = [], 0, 0, index.keys
         for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
             n, nt = b - a, tb - ta
-            rec = SequenceRecord.trusted(
-                index.keys[i],
+            rec = _stored(
+                keys,
+                i,
                 tok[t : t + nt],
                 ids[r : r + n],
                 lp[r : r + n],
@@ -447,17 +521,17 @@ class CacheReader:
         if not todo:
             return []
         got = self.read_spans([index.range_span(a, b) for a, b in todo], logprob_dtype)
-        lengths, row_start = index.lengths, index.row_starts
-        out: list[SequenceRecord] = []
+        keys, out = index.keys, []
         for (a, b), (ids, lp, tail, tokens, mask) in zip(todo, got, strict=True):
             assert tokens is not None  # sequence spans read their tokens
-            r0 = int(row_start[a])
-            for i in range(a, b):
-                rs, n = int(row_start[i]) - r0, int(lengths[i])
+            lengths = index.lengths[a:b].tolist()
+            rs = 0
+            for i, n in zip(range(a, b), lengths, strict=True):
                 ts = rs + i - a
                 out.append(
-                    SequenceRecord.trusted(
-                        index.keys[i],
+                    _stored(
+                        keys,
+                        i,
                         tokens[ts : ts + n],
                         ids[rs : rs + n - 1],
                         lp[rs : rs + n - 1],
@@ -465,6 +539,7 @@ class CacheReader:
                         None if mask is None else mask[rs : rs + n - 1],
                     )
                 )
+                rs += n - 1
         return out
 
     def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:

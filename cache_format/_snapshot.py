@@ -1,16 +1,24 @@
 """The committed sequence index a reader works on (FORMAT.md §6, R6, R8): a frozen snapshot of
-the keys, lengths and first row and token of every sequence, made at open and at each refresh
-that adopts a new commit."""
+the length and first row and token of every sequence, made at open and at each refresh that
+adopts a new commit, and a view of the keys (read on demand, :mod:`._keyindex`).
+
+Per sequence it holds the length (uint16 while every length fits, else int32: 2 or 4 bytes) and,
+every :data:`STEP` sequences, the first row (int64): first rows and tokens are running sums of
+the lengths (R8), checked when read."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
+from ._keyindex import KeyTable
 from ._manifest import Manifest
 from .errors import CorruptStoreError
+
+STEP = 64  # sequences per kept first row (row starts in between are summed from the lengths)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -18,55 +26,103 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+class SnapshotKeys(Sequence[str]):
+    """The keys of a snapshot's ``n`` sequences, read from the store when asked for (a key by
+    index reads its block; iterating reads them all, block by block, keeping none)."""
+
+    def __init__(self, table: KeyTable, n: int) -> None:
+        self._table, self._n = table, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        j = int(i) + self._n if int(i) < 0 else int(i)
+        if not 0 <= j < self._n:
+            raise IndexError(f"key index {i} out of range [0, {self._n})")
+        return self._table.key(j, self._n)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._table.keys(self._n)
+
+
 @dataclass(frozen=True)
 class IndexSnapshot:
     """The sequence index of one commit: sequence ``i`` is ``keys[i]``, ``lengths[i]`` tokens
-    from token ``token_starts[i]`` and ``lengths[i] - 1`` rows from row ``row_starts[i]``
-    (read-only arrays). ``positions`` maps a key to its first sequence (it may know keys of a
-    later snapshot: :meth:`index_of` checks)."""
+    from token :meth:`token_start` and ``lengths[i] - 1`` rows from :meth:`row_start`
+    (``lengths``: a read-only uint16 or int32 array). ``checkpoints[j]`` is the first row of
+    sequence ``j * STEP``. Keys are looked up in ``table``, shared with later snapshots (it may know
+    keys of a later one: lookups pass this snapshot's count)."""
 
-    keys: tuple[str, ...]
     lengths: np.ndarray
-    token_starts: np.ndarray
-    row_starts: np.ndarray
+    checkpoints: np.ndarray
     num_rows: int
     num_tokens: int
-    positions: Mapping[str, int]
+    table: KeyTable
 
     @classmethod
-    def empty(cls) -> IndexSnapshot:
-        none = _frozen(np.zeros(0, np.int64))
-        return cls((), _frozen(np.zeros(0, np.int32)), none, none, 0, 0, {})
+    def empty(cls, table: KeyTable) -> IndexSnapshot:
+        return cls(_frozen(np.zeros(0, np.uint16)), _frozen(np.zeros(0, np.int64)), 0, 0, table)
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.lengths)
+
+    @property
+    def keys(self) -> SnapshotKeys:
+        return SnapshotKeys(self.table, len(self))
 
     def index_of(self, key: str) -> int:
         """The first sequence stored under ``key`` (KeyError if absent)."""
-        i = self.positions.get(key)
-        if i is None or i >= len(self.keys):
+        i = self.table.find(key, len(self)) if isinstance(key, str) else None
+        if i is None:
             raise KeyError(key)
         return i
 
     def __contains__(self, key: object) -> bool:
-        i = self.positions.get(key) if isinstance(key, str) else None
-        return i is not None and i < len(self.keys)
+        return isinstance(key, str) and self.table.find(key, len(self)) is not None
+
+    def row_start(self, i: int) -> int:
+        """First global row of sequence ``i``."""
+        j = i - i % STEP
+        return int(self.checkpoints[i // STEP]) + int(self.lengths[j:i].sum()) - (i - j)
+
+    def token_start(self, i: int) -> int:
+        """First global token of sequence ``i`` (its rows before it, plus one per sequence)."""
+        return self.row_start(i) + i
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        """First global row of every sequence (computed: a new int64 array)."""
+        rows = self.lengths.astype(np.int64) - 1
+        out = np.zeros(len(rows), np.int64)
+        np.cumsum(rows[:-1], out=out[1:])
+        return out
+
+    @property
+    def token_starts(self) -> np.ndarray:
+        """First global token of every sequence (computed: a new int64 array)."""
+        return self.row_starts + np.arange(len(self), dtype=np.int64)
 
     def span(self, i: int) -> tuple[slice, slice]:
         """Rows and tokens of sequence ``i``."""
-        t0, r0, n = int(self.token_starts[i]), int(self.row_starts[i]), int(self.lengths[i])
-        return slice(r0, r0 + n - 1), slice(t0, t0 + n)
+        r0, n = self.row_start(i), int(self.lengths[i])
+        return slice(r0, r0 + n - 1), slice(r0 + i, r0 + i + n)
 
     def range_span(self, a: int, b: int) -> tuple[slice, slice]:
         """Rows and tokens of sequences ``[a, b)`` (stored back to back), ``a < b``."""
-        last = b - 1
-        r1 = int(self.row_starts[last]) + int(self.lengths[last]) - 1
-        t1 = int(self.token_starts[last]) + int(self.lengths[last])
-        return slice(int(self.row_starts[a]), r1), slice(int(self.token_starts[a]), t1)
+        r0 = self.row_start(a)
+        r1 = r0 + int(self.lengths[a:b].sum()) - (b - a)
+        return slice(r0, r1), slice(r0 + a, r1 + b)
 
     def check_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` as int pairs; ``IndexError`` unless ``0 <= a <= b <= len(self)``."""
-        n, out = len(self.keys), []
+        n, out = len(self), []
         for r in ranges:
             a, b = (int(x) for x in r)
             if not 0 <= a <= b <= n:
@@ -75,52 +131,62 @@ class IndexSnapshot:
         return out
 
     def extended(
-        self,
-        m: Manifest,
-        keys: list[str],
-        lengths: np.ndarray,
-        token_starts: np.ndarray,
-        row_starts: np.ndarray,
+        self, m: Manifest, blocks: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]
     ) -> IndexSnapshot:
-        """This snapshot with the index entries ``[len(self), m.num_sequences)`` appended, after
-        checking them (:func:`check_index`). ``positions`` is shared and grown in place."""
-        known = len(self.keys)
-        t0 = int(self.token_starts[-1] + self.lengths[-1]) if known else 0
-        r0 = int(self.row_starts[-1] + self.lengths[-1] - 1) if known else 0
-        check_index(m, known, lengths, token_starts, row_starts, t0, r0)
-        positions = self.positions
-        assert isinstance(positions, dict)
-        for i, key in enumerate(keys, start=known):  # every read done: now grow
-            positions.setdefault(key, i)
+        """This snapshot with the index entries ``[len(self), m.num_sequences)`` appended, given
+        as consecutive blocks of ``(lengths, token_starts, row_starts)``, after checking them
+        (:func:`check_index`)."""
+        i = known = len(self)
+        r0 = self.row_start(known - 1) + int(self.lengths[-1]) - 1 if known else 0
+        t0 = r0 + known  # one token more than rows per sequence
+        n = m.num_sequences
+        # filled in place (no list of blocks): what an open leaves behind is this and no more
+        lengths = np.empty(max(n, known), self.lengths.dtype)
+        lengths[:known] = self.lengths
+        checkpoints = np.empty(-(-max(n, known) // STEP), np.int64)
+        checkpoints[: len(self.checkpoints)] = self.checkpoints
+        for block in blocks:
+            ln, rows = check_index(i, *block, t0, r0)
+            if i + len(ln) > n:
+                raise CorruptStoreError(f"sequence index: more than the {n} committed entries")
+            if ln.dtype != lengths.dtype:
+                lengths = lengths.astype(np.int32)
+            lengths[i : i + len(ln)] = ln
+            first = (-i) % STEP  # entries at multiples of STEP
+            cps = rows[first::STEP]
+            c0 = (i + first) // STEP
+            checkpoints[c0 : c0 + len(cps)] = cps
+            total = int(ln.sum(dtype=np.int64))
+            i, t0, r0 = i + len(ln), t0 + total, r0 + total - len(ln)
+        if (t0, r0) != (m.num_tokens, m.num_rows) or i != n:
+            raise CorruptStoreError(
+                f"sequence index ends at token {t0}, row {r0}; the commit counts "
+                f"{m.num_tokens} tokens, {m.num_rows} rows"
+            )
         return IndexSnapshot(
-            self.keys + tuple(keys),
-            _frozen(np.concatenate([self.lengths, lengths])),
-            _frozen(np.concatenate([self.token_starts, token_starts])),
-            _frozen(np.concatenate([self.row_starts, row_starts])),
-            m.num_rows,
-            m.num_tokens,
-            positions,
+            _frozen(lengths), _frozen(checkpoints), m.num_rows, m.num_tokens, self.table
         )
 
 
 def check_index(
-    m: Manifest, known: int, lengths: np.ndarray, tok: np.ndarray, row: np.ndarray, t0: int, r0: int
-) -> None:
-    """The sequence index entries ``[known, S)`` must tile the committed tokens and rows exactly
-    (R8): ``L_i >= 2``, starts are running sums from ``(t0, r0)`` (the end of the entries already
-    loaded), the last sequence ends at ``num_tokens`` / ``num_rows``. So no read can reach past
-    the committed counts (R6), whatever the index says."""
-    lengths = lengths.astype(np.int64)
-    if lengths.size and int(lengths.min()) < 2:
+    known: int, lengths: np.ndarray, tok: np.ndarray, row: np.ndarray, t0: int, r0: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sequence index entries from ``known`` must tile the tokens and rows from ``(t0, r0)``
+    (the end of the entries before them) exactly (R8): ``L_i >= 2`` and starts are running
+    sums. So no read can reach past the committed counts (R6), whatever the index says (the
+    caller checks the end). Returns the lengths (uint16 if they fit, else int32) and the
+    expected row starts (int64)."""
+    wide = lengths.astype(np.int64)
+    if wide.size and int(wide.min()) < 2:
         raise CorruptStoreError("sequence index: a sequence length < 2")
-    exp_tok = t0 + np.concatenate([[0], np.cumsum(lengths)[:-1]]) if lengths.size else lengths
-    exp_row = r0 + np.concatenate([[0], np.cumsum(lengths - 1)[:-1]]) if lengths.size else lengths
+    if len(tok) != len(wide) or len(row) != len(wide):
+        raise CorruptStoreError("sequence index: arrays of different lengths")
+    exp_row = np.zeros(len(wide), np.int64)
+    np.cumsum(wide[:-1] - 1, out=exp_row[1:])
+    exp_row += r0
+    exp_tok = exp_row + np.arange(t0 - r0, t0 - r0 + len(wide), dtype=np.int64)
     if not (np.array_equal(tok, exp_tok) and np.array_equal(row, exp_row)):
         bad = known + int(np.flatnonzero((tok != exp_tok) | (row != exp_row))[0])
         raise CorruptStoreError(f"sequence index: offsets of sequence {bad} break R8")
-    end_t, end_r = t0 + int(lengths.sum()), r0 + int((lengths - 1).sum())
-    if (end_t, end_r) != (m.num_tokens, m.num_rows):
-        raise CorruptStoreError(
-            f"sequence index ends at token {end_t}, row {end_r}; the commit counts "
-            f"{m.num_tokens} tokens, {m.num_rows} rows"
-        )
+    narrow = not wide.size or int(wide.max()) <= np.iinfo(np.uint16).max
+    return wide.astype(np.uint16 if narrow else np.int32), exp_row

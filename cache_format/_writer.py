@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,14 @@ import zarr.api.asynchronous
 from zarr.storage import StorePath
 
 from . import _idmap as idmap
+from . import _shardread as shardread
 from . import _shardwrite as shardwrite
 from . import _templates as templates
 from . import fastencode, spec
+from ._decode import OpenArrays, stored_values
 from ._encode import Batch, encode_batch
 from ._integrity import checked_get
+from ._keyindex import KeyTable, stored_key_bytes
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
 from ._seal import seal_written, sealed
@@ -45,6 +49,7 @@ from .layout import (
     INCOMPLETE_ATTR,
     ArrayDef,
     array_defs,
+    committed_lengths,
     create_array,
     parse_root,
     read_root_attrs,
@@ -84,8 +89,7 @@ class CacheWriter:
         self._layout = layout
         self._lock = make_lock(handle, ttl=lock_ttl)
         self._lock_timeout = lock_timeout
-        self._keys: set[str] = set()
-        self._known = 0  # number of committed sequences whose keys are in self._keys
+        self._keys = KeyTable(self._read_keys, self._read_key_bytes)  # hashed at the first lookup
         self._rank: np.ndarray | None = None  # id -> stored id (frequency-rank remap)
         self._pending_rank: np.ndarray | None = None
         self._closed = False
@@ -147,7 +151,6 @@ class CacheWriter:
                 stored = parse_root(attrs)
                 stored.check_compatible(manifest)
                 self._manifest = stored
-            self._sync_keys()
         finally:
             self._lock.release()
         return self
@@ -252,37 +255,42 @@ class CacheWriter:
         self._manifest = m
         return m
 
-    def _sync_keys(self) -> None:
-        """Load keys of sequences committed since the last sync (by any writer)."""
-        n = self._manifest.num_sequences
-        if n > self._known:
-            arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
-            got = sync(
-                checked_get(
-                    async_array(arr),
-                    spec.SEQ_KEYS,
-                    self._known,
-                    n,
-                    strict(self._manifest),
-                    sealed(self._manifest.format_version),
-                )
-            )  # a lost keys shard is MissingDataError, not "" keys that let duplicates in
-            self._keys.update(str(x) for x in got)
-            self._known = n
+    def _read_keys(self, a: int, b: int) -> np.ndarray:
+        """Committed keys ``[a, b)`` (a lost keys shard is :class:`MissingDataError`, not ``""``
+        keys that would let duplicates in)."""
+        m = self._manifest
+        arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
+        seal = sealed(m.format_version)
+        return np.asarray(sync(checked_get(async_array(arr), spec.SEQ_KEYS, a, b, strict(m), seal)))
+
+    def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """UTF-8 bytes of committed keys ``[a, b)`` and their ends (``None``: a version-1
+        store has none)."""
+        m = self._manifest
+        if m.format_version < 2:
+            return None
+        st, seal, need = strict(m), sealed(m.format_version), committed_lengths(m)
+        arrays, direct = {}, {}
+        for n in (spec.SEQ_KEY_END, spec.SEQ_KEY_BYTES):  # read as a reader reads them
+            arrays[n] = arr = zarr.open_array(self._store, path=n, mode="r")
+            lay = shardread.direct_layout(arr, n, committed=need[n], strict=st, sealed=seal)
+            if lay is not None:
+                direct[n] = lay
+        opened = OpenArrays(m, arrays, direct, need, st, None, None)
+        return stored_key_bytes(partial(stored_values, opened), a, b, m.num_key_bytes)
 
     def refresh(self) -> bool:
         """Catch up with what other writers committed since this writer's last transaction:
-        re-read the committed manifest and load only the keys committed since (so
-        :meth:`contains` sees them). For a writer kept open between jobs (the server's
+        re-read the committed manifest (the keys committed since are hashed at the next
+        :meth:`contains` or append). For a writer kept open between jobs (the server's
         ``CacheRegistry``): its next job plans against the cache as it is, without a new
-        writer reading every committed key again (O(sequences) per open).
+        writer hashing every committed key again (O(sequences) per writer).
 
         Returns ``False``, changing nothing, when the store is no longer the one this writer
         has been appending to (root gone, or made again: another ``created`` time, fewer
         sequences or an older generation than this writer saw, other identity fields): the
         caller then closes this writer and opens a new one. Reads only committed state, so it
-        takes no lock (as readers do). An unreadable key range raises
-        (:class:`~.errors.MissingDataError`), as :meth:`open` would.
+        takes no lock (as readers do).
         """
         if self._closed:
             raise FormatError("writer is closed")
@@ -293,13 +301,12 @@ class CacheWriter:
         old = self._manifest
         if (
             m.created != old.created
-            or m.num_sequences < self._known
+            or m.num_sequences < old.num_sequences
             or m.generation < old.generation
             or m.identity() != old.identity()
         ):
             return False
         self._manifest = m
-        self._sync_keys()
         return True
 
     @property
@@ -316,8 +323,10 @@ class CacheWriter:
         return self._handle.url
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is committed (as of this writer's last transaction)."""
-        return key in self._keys
+        """Whether ``key`` is committed (as of this writer's last transaction or refresh). The
+        first lookup of a writer hashes every committed key (:mod:`._keyindex`: 12 bytes per
+        sequence are kept); an unreadable key range raises :class:`~.errors.MissingDataError`."""
+        return self._keys.find(key, self._manifest.num_sequences) is not None
 
     # ------------------------------------------------------------------ appending
     def append(self, records: Iterable[SequenceRecord]) -> int:
@@ -339,12 +348,12 @@ class CacheWriter:
         self._lock.acquire(self._lock_timeout)
         try:
             m = self._refresh_manifest()
-            self._sync_keys()
             self._load_id_map(m)
+            stored = self._keys.find_many(encoded.keys, m.num_sequences)
             keep: list[int] = []
             seen: set[str] = set()
             for i, key in enumerate(encoded.keys):
-                if key not in self._keys and key not in seen:
+                if not stored[i] and key not in seen:
                     seen.add(key)
                     keep.append(i)
             if not keep:
@@ -370,8 +379,7 @@ class CacheWriter:
             self._manifest = new
             if self._pending_rank is not None:
                 self._rank, self._pending_rank = self._pending_rank, None
-            self._keys.update(seen)
-            self._known = new.num_sequences
+            self._keys.add([encoded.keys[i] for i in keep], m.num_sequences)
             return len(keep)
         finally:
             self._lock.release()

@@ -162,7 +162,7 @@ class LocalSource:
         self.point_reads = None if point_reads is None else bool(point_reads)
         self._reader: Any = None
         self._pid: int | None = None
-        self._offsets: tuple[np.ndarray, np.ndarray, list[str]] | None = None
+        self._lengths: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -218,7 +218,7 @@ class LocalSource:
                 decode_threads=self.decode_threads,
             )
             self._pid = os.getpid()
-            self._offsets = None
+            self._lengths = None
         return self._reader
 
     @property
@@ -233,14 +233,13 @@ class LocalSource:
     def lengths(self) -> np.ndarray:
         return np.asarray(self.reader.lengths, dtype=np.int64)
 
-    def _index(self) -> tuple[np.ndarray, np.ndarray, list[str]]:
-        """Token starts, lengths and keys of the reader's snapshot (cached until refresh)."""
+    def _snapshot_lengths(self) -> np.ndarray:
+        """Lengths of the reader's snapshot (cached until refresh; no keys: the reader reads
+        those only when asked)."""
         reader = self.reader
-        if self._offsets is None or len(self._offsets[1]) != reader.num_sequences:
-            lengths = np.asarray(reader.lengths, dtype=np.int64)
-            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-            self._offsets = (starts, lengths, reader.keys)
-        return self._offsets
+        if self._lengths is None or len(self._lengths) != reader.num_sequences:
+            self._lengths = np.asarray(reader.lengths, dtype=np.int64)
+        return self._lengths
 
     def _point_reads(self, wanted: int, ranges: int) -> bool:
         """Whether :meth:`fetch` reads ``wanted`` sequences, which merge into ``ranges`` sequence
@@ -265,7 +264,7 @@ class LocalSource:
         path) or ``read_processes`` the wanted sequences are read with one point read
         (``CacheReader.sequences``) instead.
         """
-        _, lengths, _ = self._index()
+        lengths = self._snapshot_lengths()
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
@@ -280,7 +279,7 @@ class LocalSource:
 
     def refresh(self) -> None:
         self.reader.refresh()
-        self._offsets = None
+        self._lengths = None
 
 
 class HttpSource:

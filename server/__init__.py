@@ -33,7 +33,7 @@ client).
 ``serving.scoring``            ``ScoringService``: on-demand scoring (+ optional store)
 ``serving.cache_hits``         serving scores from a named cache (hits read, misses scored)
 ``serving.targets``            the target kind of a request or job (top-k or sampled)
-``serving.chosen``             logprobs at caller-chosen ids: from the cache, or exact from the engine
+``serving.chosen``             logprobs at caller-chosen ids: cached, or exact from the engine
 ``serving.caches``             ``CacheRegistry``: named caches, identity checks, shared writers
 ``serving.appends``            ``GroupCommitter``: concurrent requests' misses, one commit per group
 ``inputs.records``             reading, tokenising, checking, keying and batching input sequences

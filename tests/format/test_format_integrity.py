@@ -145,4 +145,7 @@ def test_bit_flip_in_index_arrays_is_a_finding_not_a_crash(tmp_path, name):
     import unittest.mock as mock
 
     with mock.patch.object(reader_mod, "_RETRIES", 1), pytest.raises(FormatError):
-        CacheReader(url)
+        if name == "seq_keys":  # keys are read when used
+            _ = CacheReader(url).keys
+        else:
+            CacheReader(url)

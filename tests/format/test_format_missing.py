@@ -53,7 +53,29 @@ def _shard0(name: str) -> str:
 
 def _check_lost(url, options, name: str, recs, decoders: tuple[str, ...]) -> None:
     """With shard 0 of ``name`` gone, every read that needs it raises MissingDataError."""
-    if name in INDEX_ARRAYS:
+    if name == "seq_keys":  # keys are read when used: the reader opens, every key read fails
+        for decoder in decoders:
+            r = CacheReader(url, options, decoder=decoder)
+            key_reads = [
+                lambda r=r: r.keys,
+                lambda r=r: r.index_of(recs[0].key),
+                lambda r=r: recs[0].key in r,
+                lambda r=r: r.sequence(0).key,
+                lambda r=r: r.get(recs[0].key),
+            ]
+            for read in key_reads:
+                with pytest.raises(MissingDataError, match=name):
+                    read()
+            assert np.array_equal(r.sequence(0).topk_ids, recs[0].topk_ids)  # rows still read
+        with pytest.raises(MissingDataError, match=name):  # a writer's duplicate check
+            with CacheWriter.open(
+                url,
+                make_manifest(k=K, vocab_size=200, logprob_dtype="uint8", id_remap=True),
+                options,
+                layout=SMALL,
+            ) as w:
+                w.contains(recs[0].key)
+    elif name in INDEX_ARRAYS:
         for decoder in decoders:
             with pytest.raises(MissingDataError, match=name):
                 CacheReader(url, options, decoder=decoder)

@@ -49,6 +49,7 @@ def _shards(root: Path, name: str) -> list[Path]:
 
 def _read_all(url: Path, **kw) -> None:
     r = CacheReader(str(url), **kw)
+    r.keys  # noqa: B018 (keys are read when used)
     r.sequences(range(r.num_sequences))
     r.rows(0, r.num_rows)
     r.tokens(0, r.num_tokens)

@@ -90,6 +90,20 @@ def test_format_suite(tmp_path: Path) -> None:
     assert 150 < bpp["default"] < bpp["random-access"] < bpp["baseline (npy)"] < 700
 
 
+def test_format_index_mode(tmp_path: Path) -> None:
+    """The ``index`` mode builds its caches, probes reader and writer in fresh processes and
+    reports every figure."""
+    csv_path = tmp_path / "rows.csv"
+    args = ["--sequences", "300", "--repeats", "1", "--store-dir", str(tmp_path / "stores")]
+    out = _run("-m", "benchmarks.format", "index", *args, "--csv", str(csv_path))
+    assert "| this tree | 300 |" in out
+    got = {r["metric"]: float(r["value"]) for r in _rows(csv_path)}
+    for role, metric in [("reader", "first_index_of_s"), ("writer", "first_contains_s")]:
+        assert got[f"{role}_open_s"] > 0 and got[f"{role}_{metric}"] > 0
+        assert got[f"{role}_rss_after_key"] >= 0
+    assert (tmp_path / "stores" / "n300.json").exists()
+
+
 def test_loader_suite(tmp_path: Path) -> None:
     from benchmarks import loader
 
