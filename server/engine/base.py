@@ -109,7 +109,7 @@ class BaseEngine:
         t1 = time.perf_counter()
         scores = [self._convert(r, len(ids), k) for r, ids in zip(raw, checked, strict=True)]
         t2 = time.perf_counter()
-        self._account(checked, scores, t0, t1, t2)
+        self._account(checked, sum(s.num_rows for s in scores), t0, t1, t2)
         return scores
 
     async def score_sampled(
@@ -135,7 +135,7 @@ class BaseEngine:
             self._convert_sampled(r, len(ids), targets) for r, ids in zip(raw, checked, strict=True)
         ]
         t2 = time.perf_counter()
-        self._account(checked, scores, t0, t1, t2)
+        self._account(checked, sum(s.num_rows for s in scores), t0, t1, t2)
         return scores
 
     async def score_ids(
@@ -156,10 +156,7 @@ class BaseEngine:
         t0 = time.perf_counter()
         out = await self._generate_ids(checked, chosen, t)
         t1 = time.perf_counter()
-        self.timings.engine += t1 - t0
-        self.timings.calls += 1
-        self.timings.prompts += len(checked)
-        self.timings.rows += sum(len(p) - 1 for p in checked)
+        self._account(checked, sum(len(p) - 1 for p in checked), t0, t1, t1)
         return out
 
     async def score_with_ids(
@@ -180,18 +177,19 @@ class BaseEngine:
         t0 = time.perf_counter()
         scores, at_ids = await self._generate_with_ids(checked, k, chosen, t)
         t1 = time.perf_counter()
-        self._account(checked, scores, t0, t1, t1)
+        self._account(checked, sum(s.num_rows for s in scores), t0, t1, t1)
         return scores, at_ids
 
     def _account(
-        self, checked: list[list[int]], scores: list[TeacherScores], t0: float, t1: float, t2: float
+        self, checked: list[list[int]], rows: int, t0: float, t1: float, t2: float
     ) -> None:
+        """One engine call in :attr:`timings`: engine time ``t1 - t0``, conversion ``t2 - t1``."""
         tm = self.timings
         tm.engine += t1 - t0
         tm.convert += t2 - t1
         tm.calls += 1
         tm.prompts += len(checked)
-        tm.rows += sum(s.num_rows for s in scores)
+        tm.rows += rows
 
     async def aclose(self) -> None:
         """Release the engine (idempotent); later ``score`` calls raise EngineClosedError."""
