@@ -255,3 +255,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if cache is None or hasattr(config, "workerinput") or not whole or not _file_seconds:
         return
     cache.set(FILE_SECONDS_KEY, {k: round(v, 1) for k, v in sorted(_file_seconds.items())})
+
+
+@pytest.fixture(autouse=True)
+def _room_in_the_open_file_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets the whole process budget of kept-open shard files
+    (``_shardread.FD_BUDGET``) beyond those still held by earlier tests' readers, so a test's
+    reads do not depend on which tests ran before it in the same worker."""
+    from logitcache.cache_format import _shardread
+
+    monkeypatch.setattr(_shardread, "FD_BUDGET", _shardread._kept[0] + _shardread.FD_BUDGET)

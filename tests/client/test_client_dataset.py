@@ -408,9 +408,6 @@ def test_complete_shard_index_is_read_once_per_snapshot(
         return real(raw, n, where)
 
     monkeypatch.setattr(shardread, "parse_index", counting)
-    # room in the process's open-file budget (readers of earlier tests may still hold some): the
-    # compiled path keeps a shard's descriptor, with its index, only within that budget
-    monkeypatch.setattr(shardread, "FD_BUDGET", shardread._kept[0] + 64)
     reader, ref = CacheReader(url), ZarrReader(url)
     first = reader.sequence(3)
     n_first = len(calls)
