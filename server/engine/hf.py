@@ -128,7 +128,6 @@ class TransformersEngine(BaseEngine):
         The third tensor: with ``cfg.entropy`` each row's entropy (:func:`row_entropy` of the
         chunk's full ``log_softmax``, the logits shifted in place), else ``None``."""
         import torch
-
         from logitcache.cache_format.sampling import row_entropy
 
         ids_out, lps_out, ent_out = [], [], []
