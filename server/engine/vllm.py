@@ -305,6 +305,11 @@ class VllmEngine(BaseEngine):
 
     def __init__(self, cfg: EngineConfig):
         super().__init__()
+        if cfg.entropy:
+            raise EngineConfigError(
+                "per-row teacher entropy (EngineConfig.entropy) is computed by the transformers "
+                "backend only"
+            )
         self.options = VllmOptions.parse(cfg.options)
         for key, value in _DEFAULT_ENV.items():
             os.environ.setdefault(key, value)

@@ -1,0 +1,68 @@
+"""The service with ``entropy`` on (FORMAT.md 4.9), transformers backend on the tiny teacher:
+a job and a ``/v1/score`` into a cache store each row's teacher entropy (equal to the engine's,
+float16-rounded); a cache whose flag differs is a 409 with nothing written; the vLLM backend is
+refused before it loads."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from logitcache.cache_format import CacheReader, CacheWriter, validate
+from server_support import ThreadedServer, server_settings, tree_snapshot, wait_job
+
+
+@pytest.fixture(scope="module")
+def entropy_engine(tiny: Any) -> Iterator[Any]:
+    from logitcache.server.engine import build_engine
+
+    engine = build_engine(
+        model=str(tiny.teacher_dir), backend="transformers", max_k=16, dtype="float32", entropy=True
+    )
+    yield engine
+    asyncio.run(engine.aclose())
+
+
+def test_jobs_and_score_store_the_entropy(tmp_path, tiny, entropy_engine) -> None:
+    seqs = tiny.token_sequences("heldout", max_len=40, min_len=10, limit=6)
+    records = [{"id": f"r{i}", "input_ids": s} for i, s in enumerate(seqs)]
+    settings = server_settings(tmp_path, str(tiny.teacher_dir), backend="hf", entropy=True)
+    caches = tmp_path / "caches"
+    want = asyncio.run(entropy_engine.score(seqs, 8))
+    with ThreadedServer(settings, entropy_engine) as srv, srv.client() as c:
+        r = c.post("/v1/jobs", json={"cache": "a", "k": 8, "records": records})
+        assert r.status_code == 201, r.text
+        assert wait_job(c, r.json()["id"], timeout=120)["state"] == "succeeded"
+        reader = CacheReader(caches / "a")
+        assert reader.manifest.entropy is True and validate(caches / "a").ok
+        for i, w in enumerate(want):
+            got = reader.get(f"r{i}").entropy
+            assert np.array_equal(got, w.entropy.astype(np.float16))
+        r = c.post("/v1/score", json={"input_ids": seqs[:2], "cache": "s"})
+        assert r.status_code == 200, r.text
+        stored = list(CacheReader(caches / "s"))
+        assert len(stored) == 2 and all(s.entropy is not None for s in stored)
+        np.testing.assert_array_equal(stored[0].entropy, want[0].entropy.astype(np.float16))
+        # a cache made without entropy: 409, nothing written
+        plain = CacheReader(caches / "a").manifest.model_copy(
+            update={"entropy": False, "num_sequences": 0, "num_rows": 0, "num_tokens": 0}
+        )
+        with CacheWriter.open(caches / "old", plain):
+            pass
+        before = tree_snapshot(caches / "old")
+        r = c.post("/v1/jobs", json={"cache": "old", "k": 8, "records": records})
+        assert r.status_code == 409 and "entropy" in r.text, r.text
+        r = c.post("/v1/score", json={"input_ids": seqs[:1], "cache": "old"})
+        assert r.status_code == 409 and "entropy" in r.text, r.text
+        assert tree_snapshot(caches / "old") == before
+
+
+def test_vllm_backend_with_entropy_is_refused_at_preflight(tmp_path, tiny) -> None:
+    from logitcache.server import preflight
+
+    settings = server_settings(tmp_path, str(tiny.teacher_dir), backend="vllm", entropy=True)
+    with pytest.raises(preflight.PreflightError, match="--backend hf"):
+        preflight.check(settings)
