@@ -496,9 +496,9 @@ class CacheReader:
         out, r, t, keys = [], 0, 0, index.keys
         for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
             n, nt = b - a, tb - ta
-            rows = (ids[r : r + n], lp[r : r + n], tail[r : r + n])
+            parts = (ids[r : r + n], lp[r : r + n], tail[r : r + n])
             row_mask = None if mask is None else mask[r : r + n]
-            out.append(_stored(keys, i, tok[t : t + nt], *rows, row_mask))
+            out.append(_stored(keys, i, tok[t : t + nt], *parts, row_mask))
             r, t = r + n, t + nt
         return out
 

@@ -340,7 +340,7 @@ class _Pending:
 
         if device.type != "cuda":
             return cls(members, ids, lps, ent, None)
-        host = []
+        host: list[Any] = []
         for t in (ids, lps, ent):
             if t is None:
                 host.append(None)
