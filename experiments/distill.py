@@ -41,6 +41,7 @@ AVERAGED = (
     "bytes_per_position",
     "mean_distinct_ids",
     "mean_batch_columns",
+    "selected_share",
 )
 
 
