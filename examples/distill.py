@@ -78,7 +78,7 @@ DRAW_CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 TAU_MARK = "~tau"
 #: ``offline_topk_tail@32~sel0.2``: the same method trained on the top 20% teacher-entropy rows
 #: of each sequence only (``StreamConfig(entropy_top_fraction=0.2)``, client/selection.py), from
-#: its cache with per-row entropy (the service scores with ``--entropy``, transformers backend).
+#: its cache with per-row entropy (the service scores with ``--entropy``).
 SEL_MARK = "~sel"
 
 
@@ -274,8 +274,6 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     if not (math.isfinite(tau) and tau > 0):
         p.error(f"--proposal-temperature must be finite and > 0, got {tau}")
     plan = replace(plan, **given)
-    if plan.entropy and plan.backend != "hf":
-        p.error("methods with ~sel need the cache's per-row entropy: pass --backend hf")
     if plan.out_json is None:
         plan = replace(plan, out_json=plan.workdir / "distill.json")
     if plan.out_md is None:

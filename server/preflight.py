@@ -118,18 +118,9 @@ def check_port(host: str, port: int) -> None:
             raise PreflightError(f"cannot bind {host}:{port} ({e.strerror or e})") from e
 
 
-#: Why ``--entropy`` is refused with the vLLM backend.
-ENTROPY_BACKEND = (
-    "--entropy (per-row teacher entropy, FORMAT.md 4.9) is computed by the transformers backend "
-    "only: pass --backend hf"
-)
-
-
 def check(settings: ServerSettings) -> None:
     """Every start-up check, cheapest first; raises :class:`PreflightError` on the first failure."""
     check_model(settings.model)
-    if settings.entropy and settings.backend == "vllm":
-        raise PreflightError(ENTROPY_BACKEND)
     if settings.tokenizer:
         check_model(settings.tokenizer, what="tokenizer", flag="--tokenizer")
     if not _is_remote(settings.store_root):

@@ -62,8 +62,8 @@ class ServerSettings(BaseSettings):
     """Extra keyword arguments for the engine backend (JSON object)."""
     entropy: bool = False
     """Store each row's teacher entropy (nats, from the full logits at the cache's temperature;
-    FORMAT.md 4.9) in the caches the service creates; transformers backend only. A cache whose
-    flag differs is refused (409)."""
+    FORMAT.md 4.9) in the caches the service creates (both backends). A cache whose flag
+    differs is refused (409)."""
 
     # --- storage ----------------------------------------------------------------------------
     store_root: str = "caches"

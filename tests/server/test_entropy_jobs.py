@@ -1,7 +1,6 @@
 """The service with ``entropy`` on (FORMAT.md 4.9), transformers backend on the tiny teacher:
 a job and a ``/v1/score`` into a cache store each row's teacher entropy (equal to the engine's,
-float16-rounded); a cache whose flag differs is a 409 with nothing written; the vLLM backend is
-refused before it loads."""
+float16-rounded); a cache whose flag differs is a 409 with nothing written."""
 
 from __future__ import annotations
 
@@ -58,11 +57,3 @@ def test_jobs_and_score_store_the_entropy(tmp_path, tiny, entropy_engine) -> Non
         r = c.post("/v1/score", json={"input_ids": seqs[:1], "cache": "old"})
         assert r.status_code == 409 and "entropy" in r.text, r.text
         assert tree_snapshot(caches / "old") == before
-
-
-def test_vllm_backend_with_entropy_is_refused_at_preflight(tmp_path, tiny) -> None:
-    from logitcache.server import preflight
-
-    settings = server_settings(tmp_path, str(tiny.teacher_dir), backend="vllm", entropy=True)
-    with pytest.raises(preflight.PreflightError, match="--backend hf"):
-        preflight.check(settings)
