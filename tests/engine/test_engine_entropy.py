@@ -89,3 +89,15 @@ def test_sampled_rows_carry_it_too(backend: str, tiny: Any, request: pytest.Fixt
 def test_a_bad_entropy_setting_is_refused(tiny: Any) -> None:
     with pytest.raises(EngineConfigError, match="entropy"):
         build_engine(model=str(tiny.teacher_dir), backend="transformers", entropy="yes")
+
+
+@pytest.mark.parametrize("backend", ["entropy_engine", "vllm_entropy"])
+def test_rows_scored_beside_chosen_ids_carry_it(
+    backend: str, tiny: Any, request: pytest.FixtureRequest
+) -> None:
+    engine = request.getfixturevalue(backend)
+    prompts = tiny.token_sequences("heldout", max_len=40, min_len=20, limit=2)
+    rows, at_ids = asyncio.run(engine.score_with_ids(prompts, K, [[3, 5], [7]], 1.3))
+    for ids, r, a in zip(prompts, rows, at_ids, strict=True):
+        _assert_f16_close(r.entropy, _reference(tiny, ids, 1.3))
+        assert a.shape[0] == len(ids) - 1
