@@ -57,3 +57,26 @@ def test_jobs_and_score_store_the_entropy(tmp_path, tiny, entropy_engine) -> Non
         r = c.post("/v1/score", json={"input_ids": seqs[:1], "cache": "old"})
         assert r.status_code == 409 and "entropy" in r.text, r.text
         assert tree_snapshot(caches / "old") == before
+
+
+def test_distributed_targets_keep_the_entropy_flag(tmp_path, tiny) -> None:
+    """``logitcache-distributed``: the final manifest keeps entropy with the setting, and an
+    existing cache with the other flag is refused before anything is scored."""
+    from format_support import make_manifest
+    from logitcache.cache_format.errors import ManifestMismatchError
+    from logitcache.server.batch import shards
+    from logitcache.server.batch.distributed import _final_manifest
+    from logitcache.server.engine.config import engine_config, planned_info
+
+    for on in (True, False):
+        settings = server_settings(tmp_path, str(tiny.teacher_dir), backend="hf", entropy=on)
+        info = planned_info(engine_config(settings))
+        assert _final_manifest(info, settings, "d").entropy is on
+
+    url = str(tmp_path / "c")
+    with CacheWriter.open(url, make_manifest(k=4, vocab_size=50)):
+        pass
+    plain = CacheReader(url).manifest
+    assert shards.check_target(url, plain, None) == frozenset()
+    with pytest.raises(ManifestMismatchError, match="entropy"):
+        shards.check_target(url, plain.model_copy(update={"entropy": True}), None)
