@@ -1,6 +1,7 @@
 """The service with ``entropy`` on (FORMAT.md 4.9), transformers backend on the tiny teacher:
 a job and a ``/v1/score`` into a cache store each row's teacher entropy (equal to the engine's,
-float16-rounded); a cache whose flag differs is a 409 with nothing written."""
+float16-rounded), the answers of ``/v1/score`` (JSON and frames) carry it; a cache whose flag
+differs is a 409 with nothing written."""
 
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def test_jobs_and_score_store_the_entropy(tmp_path, tiny, entropy_engine) -> Non
             assert np.array_equal(got, w.entropy.astype(np.float16))
         r = c.post("/v1/score", json={"input_ids": seqs[:2], "cache": "s"})
         assert r.status_code == 200, r.text
+        answered = r.json()["sequences"][0]["entropy"]  # the JSON answer carries it (as stored)
+        np.testing.assert_array_equal(answered, want[0].entropy.astype(np.float16))
+        from logitcache.client import TeacherClient
+        from logitcache.client.http import _parse_scores
+
+        with TeacherClient(srv.url) as tc:  # the client's records (frames) carry it
+            got = tc.score(input_ids=seqs[:1])
+        np.testing.assert_allclose(got[0].entropy, want[0].entropy, rtol=1e-3)
+        as_json = c.post(
+            "/v1/score", json={"input_ids": seqs[:1]}, headers={"accept": "application/json"}
+        )
+        np.testing.assert_allclose(_parse_scores(as_json)[0].entropy, want[0].entropy, rtol=1e-6)
         stored = list(CacheReader(caches / "s"))
         assert len(stored) == 2 and all(s.entropy is not None for s in stored)
         np.testing.assert_array_equal(stored[0].entropy, want[0].entropy.astype(np.float16))
