@@ -41,6 +41,14 @@ def test_jobs_and_score_store_the_entropy(tmp_path, tiny, entropy_engine) -> Non
         for i, w in enumerate(want):
             got = reader.get(f"r{i}").entropy
             assert np.array_equal(got, w.entropy.astype(np.float16))
+        # the loader selects the same rows over HTTP (frames) as from the store
+        from logitcache.client import CacheDataset, StreamConfig, open_source
+
+        cfg = StreamConfig(tokens_per_item=48, mode="pad", shuffle=False, entropy_top_fraction=0.5)
+        local = [x["loss_mask"].tolist() for x in CacheDataset(str(caches / "a"), cfg)]
+        remote = CacheDataset(open_source(srv.url, cache="a"), cfg)
+        assert [x["loss_mask"].tolist() for x in remote] == local
+        assert 0 < sum(map(sum, local)) < sum(len(s) - 1 for s in seqs)
         r = c.post("/v1/score", json={"input_ids": seqs[:2], "cache": "s"})
         assert r.status_code == 200, r.text
         answered = r.json()["sequences"][0]["entropy"]  # the JSON answer carries it (as stored)
