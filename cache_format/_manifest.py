@@ -80,6 +80,9 @@ class Manifest(BaseModel):
     is dropped, so both spellings are one identity)."""
     loss_mask: bool = False
     """The store has the row-aligned ``loss_mask`` array (FORMAT.md 4.6); set at creation."""
+    entropy: bool = False
+    """The store has the row-aligned ``entropy`` array, the teacher's entropy per row in nats
+    (FORMAT.md 4.9); set at creation."""
 
     @model_validator(mode="after")
     def _sampling_matches_targets(self) -> Manifest:
@@ -146,6 +149,8 @@ class Manifest(BaseModel):
             doc.pop("num_key_bytes", None)
         if not self.loss_mask:  # stores without a mask keep their exact manifest
             doc.pop("loss_mask", None)
+        if not self.entropy:  # stores without entropy keep their exact manifest
+            doc.pop("entropy", None)
         return doc
 
     def identity(self) -> dict[str, Any]:

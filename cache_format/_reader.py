@@ -27,10 +27,10 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ShardingCodec
 
+from . import _entropy, spec
 from . import _idmap as idmap
 from . import _procread as procread
 from . import _shardread as shardread
-from . import spec
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
 from ._integrity import checked_get
 from ._keyindex import KeyTable, stored_key_bytes
@@ -109,6 +109,7 @@ class StoredRecord(SequenceRecord):
             self.topk_logprobs,
             self.tail_mass,
             self.loss_mask,
+            self.entropy,
         )
 
 
@@ -458,12 +459,13 @@ class CacheReader:
     def _sequences(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord]:
         """Records of sequences ``idx`` (checked indices) in one read: over the reader processes
         when there are any and the call splits, else in this process."""
-        index = self._index
+        index, got = self._index, None
         if self.read_processes > 0 and spec.TOPK_IDS in self._opened.direct:
             got = self._proc_records(index, idx, logprob_dtype)
-            if got is not None:
-                return got
-        return _records(index, idx, self.read_spans([index.span(i) for i in idx], logprob_dtype))
+        if got is None:
+            got = _records(index, idx, self.read_spans([index.span(i) for i in idx], logprob_dtype))
+        ent = _entropy.read(self._opened, self._retry, [index.span(i)[0] for i in idx])
+        return _entropy.attach(got, ent)
 
     def _proc_records(
         self, index: IndexSnapshot, idx: list[int], logprob_dtype: str
@@ -494,16 +496,9 @@ class CacheReader:
         out, r, t, keys = [], 0, 0, index.keys
         for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
             n, nt = b - a, tb - ta
-            rec = _stored(
-                keys,
-                i,
-                tok[t : t + nt],
-                ids[r : r + n],
-                lp[r : r + n],
-                tail[r : r + n],
-                None if mask is None else mask[r : r + n],
-            )
-            out.append(rec)
+            parts = (ids[r : r + n], lp[r : r + n], tail[r : r + n])
+            row_mask = None if mask is None else mask[r : r + n]
+            out.append(_stored(keys, i, tok[t : t + nt], *parts, row_mask))
             r, t = r + n, t + nt
         return out
 
@@ -540,7 +535,8 @@ class CacheReader:
                     )
                 )
                 rs += n - 1
-        return out
+        spans = [index.range_span(a, b)[0] for a, b in todo]
+        return _entropy.attach(out, _entropy.read(self._opened, self._retry, spans))
 
     def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
         """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).
@@ -553,7 +549,8 @@ class CacheReader:
         if not (0 <= start <= stop <= n):
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
         ids, lp, tail, _, mask = self.read_spans([(slice(start, stop), None)], logprob_dtype)[0]
-        return self._out(RowBlock(start, ids, lp, tail, mask))
+        ent = _entropy.read(self._opened, self._retry, [slice(start, stop)])
+        return self._out(RowBlock(start, ids, lp, tail, mask, None if ent is None else ent[0]))
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Global input-token range ``[start, stop)`` of the flat ``input_ids`` array."""

@@ -144,6 +144,8 @@ def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
         d[spec.ID_ORDER] = ("int32", False)
     if m.loss_mask:
         d[spec.LOSS_MASK] = ("uint8", False)
+    if m.entropy:
+        d[spec.ENTROPY] = ("float16", False)
     if m.format_version >= 2:
         d[spec.SEQ_KEY_END] = ("int64", False)
         d[spec.SEQ_KEY_BYTES] = ("uint8", False)
@@ -393,6 +395,24 @@ def _check_loss_mask(
             _flag(report, "loss_mask_value", "loss_mask entry not 0 or 1", mask > 1, b0, "row")
 
 
+def _check_entropy(
+    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
+) -> None:
+    """FORMAT.md 4.9: every committed ``entropy`` entry is finite and in ``[0, log V]`` (up to
+    float16 rounding; ``entropy_value``)."""
+    if not m.entropy or spec.ENTROPY not in arrays:
+        return
+    top = float(np.log(m.vocab_size)) * (1 + 2.0**-10) + 2.0**-10
+    for b0, b1 in spans:
+        ent = _read(arrays, m, report, spec.ENTROPY, b0, b1)
+        if ent is not None:
+            e = np.asarray(ent, dtype=np.float32)
+            bad = ~np.isfinite(e) | (e < 0) | (e > top)
+            _flag(
+                report, "entropy_value", "entropy not finite or outside [0, log V]", bad, b0, "row"
+            )
+
+
 def _check_tokens(
     arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
 ) -> None:
@@ -467,6 +487,7 @@ def validate(
         masks = rows
     _guard(report, _check_rows, arrays, m, report, rows)
     _guard(report, _check_loss_mask, arrays, m, report, masks)
+    _guard(report, _check_entropy, arrays, m, report, masks)
     _guard(report, _check_tokens, arrays, m, report, tokens)
     return report
 

@@ -16,7 +16,9 @@ concatenation of frames; each frame is independent::
 
 Arrays: ``input_ids`` ``<i4 [T]``, ``topk_ids`` ``<i4 [R, k]``, ``topk_logprobs`` ``<f4`` or
 ``<f2 [R, k]``, optional ``tail_mass`` ``<f4 [R]``, optional ``loss_mask`` ``|u1 [R]`` (FORMAT.md
-4.6; sent when any record has one, the others as all 1); ``T = sum(lengths)``, ``R = T - n``.
+4.6; sent when any record has one, the others as all 1), optional ``entropy`` ``<f2 [R]`` (FORMAT.md
+4.9; sent when every record has it, a frame mixing records with and without is refused);
+``T = sum(lengths)``, ``R = T - n``.
 Record ``i`` owns the ``lengths[i]`` tokens and ``lengths[i] - 1`` rows after those of records
 ``0..i-1``. Decoding returns float32 logprobs.
 """
@@ -46,6 +48,7 @@ _ALLOWED = {
     "topk_logprobs": {"<f4", "<f2"},
     "tail_mass": {"<f4"},
     "loss_mask": {"|u1"},
+    "entropy": {"<f2"},
 }
 
 
@@ -87,6 +90,11 @@ def encode_records(
                 np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in recs
             ]
             parts.append(("loss_mask", np.concatenate(masks).astype(np.uint8)))
+        with_entropy = sum(r.entropy is not None for r in recs)
+        if with_entropy not in (0, len(recs)):
+            raise WireFormatError("records in one frame must all have entropy or none")
+        if with_entropy:
+            parts.append(("entropy", np.concatenate([r.entropy for r in recs]).astype("<f2")))
     payload = b"".join(np.ascontiguousarray(a).tobytes() for _, a in parts)
     raw_len = len(payload)
     flags = 0
@@ -171,8 +179,8 @@ def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
         raise WireFormatError("frame array shapes disagree with lengths")
     lp = arrays["topk_logprobs"].astype(np.float32)
     tail = arrays.get("tail_mass")
-    mask = arrays.get("loss_mask")
-    for name in ("tail_mass", "loss_mask"):
+    mask, ent = arrays.get("loss_mask"), arrays.get("entropy")
+    for name in ("tail_mass", "loss_mask", "entropy"):
         if name in arrays and arrays[name].shape != (total - n,):
             raise WireFormatError(f"frame array {name} shape disagrees with lengths")
     out, t, r = [], 0, 0
@@ -186,6 +194,7 @@ def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
                 lp[r : r + L - 1].copy(),
                 None if tail is None else tail[r : r + L - 1].copy(),
                 None if mask is None else mask[r : r + L - 1].copy(),
+                None if ent is None else ent[r : r + L - 1].astype(np.float32),
             )
         )
         t, r = t + L, r + L - 1

@@ -111,6 +111,11 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
             if manifest.loss_mask
             else []
         ),
+        *(
+            [rows(spec.ENTROPY, "float16", layout.other_codec, "float16")]
+            if manifest.entropy
+            else []
+        ),
         per_seq(spec.SEQ_KEYS, "str", "utf8"),
         per_seq(spec.SEQ_LENGTHS, "int32", "int32"),
         per_seq(spec.SEQ_TOKEN_START, "int64", "int64"),
@@ -150,6 +155,7 @@ def committed_lengths(m: Manifest) -> dict[str, int]:
         spec.LOGPROB_STEP: m.num_rows,
         spec.TAIL_MASS: m.num_rows,
         spec.LOSS_MASK: m.num_rows,
+        spec.ENTROPY: m.num_rows,
         spec.INPUT_IDS: m.num_tokens,
         spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
         spec.SEQ_KEY_BYTES: m.num_key_bytes,

@@ -116,6 +116,17 @@ def _as_mask(value: Any, rows: int, key: str | None) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint8)
 
 
+def _as_entropy(value: Any, rows: int, key: str | None) -> np.ndarray:
+    """Per-row teacher entropy as float32 ``[rows]``, finite and ``>= 0`` nats (else
+    RecordError); the store keeps it as float16 (FORMAT.md 4.9)."""
+    arr = _as_float32("entropy", value, key)
+    if arr.shape != (rows,):
+        raise RecordError(f"entropy must be [L-1={rows}], got {arr.shape}", key=key)
+    if arr.size and not (np.isfinite(arr).all() and float(arr.min()) >= 0.0):
+        raise RecordError("entropy values must be finite and >= 0 (nats)", key=key)
+    return arr
+
+
 class TopkRows:
     """Sizes derived from a ``topk_ids [rows, k]`` array (shared by every holder of rows, e.g.
     :class:`SequenceRecord` and the server's ``TeacherScores``)."""
@@ -142,8 +153,10 @@ class SequenceRecord(TopkRows):
     float32 (float16 in a reader's record asked for ``logprob_dtype="float16"``), ``tail_mass``
     ``[L-1]`` float32 or ``None`` (then computed from the logprobs), ``loss_mask`` ``[L-1]``
     uint8 of 0/1 or ``None`` (row ``j`` is trained on iff 1; ``None``: every row is, FORMAT.md
-    4.6). Construction coerces dtypes and checks shapes (:class:`RecordError`); value checks
-    against a manifest (vocab, k, order, NaN) are :func:`check_record`'s job.
+    4.6), ``entropy`` ``[L-1]`` float32 nats or ``None`` (the teacher's entropy per row, FORMAT.md
+    4.9; a reader's record of an ``entropy`` store has it as float16). Construction coerces
+    dtypes and checks shapes (:class:`RecordError`); value checks against a manifest (vocab, k,
+    order, NaN) are :func:`check_record`'s job.
     """
 
     key: str | None
@@ -152,6 +165,7 @@ class SequenceRecord(TopkRows):
     topk_logprobs: np.ndarray
     tail_mass: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
+    entropy: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         key = self.key
@@ -176,6 +190,8 @@ class SequenceRecord(TopkRows):
                 raise RecordError(f"tail_mass must be [L-1={rows}], got {tail.shape}", key=key)
         if self.loss_mask is not None:
             object.__setattr__(self, "loss_mask", _as_mask(self.loss_mask, rows, key))
+        if self.entropy is not None:
+            object.__setattr__(self, "entropy", _as_entropy(self.entropy, rows, key))
         object.__setattr__(self, "input_ids", ids)
         object.__setattr__(self, "topk_ids", topk)
         object.__setattr__(self, "topk_logprobs", lp)
@@ -192,6 +208,7 @@ class SequenceRecord(TopkRows):
         topk_logprobs: np.ndarray,
         tail_mass: np.ndarray | None,
         loss_mask: np.ndarray | None,
+        entropy: np.ndarray | None = None,
     ) -> SequenceRecord:
         """A record of arrays that already are what construction would make of them (a reader's
         decoded arrays: int32 ids, float32 or float16 logprobs, float32 tail, uint8 mask, shapes
@@ -205,6 +222,7 @@ class SequenceRecord(TopkRows):
             topk_logprobs=topk_logprobs,
             tail_mass=tail_mass,
             loss_mask=loss_mask,
+            entropy=entropy,
         )
         return rec
 
@@ -234,7 +252,11 @@ class SequenceRecord(TopkRows):
             (self.topk_ids, other.topk_ids),
             (self.topk_logprobs, other.topk_logprobs),
         ]
-        for mine, theirs in ((self.tail_mass, other.tail_mass), (self.loss_mask, other.loss_mask)):
+        for mine, theirs in (
+            (self.tail_mass, other.tail_mass),
+            (self.loss_mask, other.loss_mask),
+            (self.entropy, other.entropy),
+        ):
             if (mine is None) != (theirs is None):
                 return False
             if mine is not None and theirs is not None:
@@ -243,7 +265,8 @@ class SequenceRecord(TopkRows):
 
     def to_torch(self) -> dict[str, Any]:
         """Tensors: input_ids, labels, topk_ids, topk_logprobs, tail_mass (and the key), plus
-        ``loss_mask`` (bool ``[L-1]``) when the record has one.
+        ``loss_mask`` (bool ``[L-1]``) and ``entropy`` (float32 ``[L-1]``) when the record has
+        them.
 
         Imports torch lazily; ids become int64 (what embedding/gather ops expect).
         """
@@ -259,6 +282,8 @@ class SequenceRecord(TopkRows):
         }
         if self.loss_mask is not None:
             out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
+        if self.entropy is not None:
+            out["entropy"] = torch.from_numpy(self.entropy.astype(np.float32))
         return out
 
 
@@ -271,6 +296,7 @@ class RowBlock:
     topk_logprobs: np.ndarray  # [n, k] float32
     tail_mass: np.ndarray  # [n] float32
     loss_mask: np.ndarray | None = None  # [n] uint8 0/1, loss_mask stores only (FORMAT.md 4.6)
+    entropy: np.ndarray | None = None  # [n] float16 nats, entropy stores only (FORMAT.md 4.9)
 
     @property
     def stop(self) -> int:
@@ -287,6 +313,8 @@ class RowBlock:
         }
         if self.loss_mask is not None:
             out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
+        if self.entropy is not None:
+            out["entropy"] = torch.from_numpy(self.entropy.astype(np.float32))
         return out
 
 

@@ -247,6 +247,7 @@ def sample_from_hidden(
     chunk_rows: int = 256,
     k: int | None = None,
     head: int = 0,
+    entropy: list[Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sampled targets straight from a teacher's final hidden states, chunk by chunk: for
     ``chunk_rows`` positions at a time ``lp = log_softmax((h W^T + b) / temperature)`` and
@@ -254,7 +255,7 @@ def sample_from_hidden(
     ``[L, V]`` block of the whole sequence). ``hidden [n, d]``, ``weight [V, d]``, ``u [n, N]``
     (:func:`uniforms` of the sequence); ``head``: the top ids kept exactly (:func:`sample_rows`).
     Equal to :func:`sample_rows` on the full block, whatever ``chunk_rows`` is (the uniforms are
-    per row)."""
+    per row). ``entropy``: a list that receives, per chunk, the rows' :func:`row_entropy`."""
     import torch
 
     if chunk_rows < 1:
@@ -268,12 +269,23 @@ def sample_from_hidden(
                 z = z + bias.float()
             lp = torch.log_softmax(z / temperature, -1)
             i, w = sample_rows(lp, u[s : s + chunk_rows], proposal_temperature, k, head)
+            if entropy is not None:
+                entropy.append(row_entropy(lp).cpu().numpy())
             ids.append(i)
             lws.append(w)
     n = head + int(u.shape[1]) if k is None else int(k)
     if not ids:
         return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
     return np.concatenate(ids), np.concatenate(lws)
+
+
+def row_entropy(lp: Any) -> Any:
+    """The entropy in nats, ``-sum_v p_v log p_v``, of each row of log-probabilities ``lp``
+    ``[n, V]`` (a full ``log_softmax`` row, float32 torch): float32 ``[n]``, ``>= 0`` (FORMAT.md
+    4.9). Terms with ``p_v = 0`` count 0."""
+    import torch
+
+    return torch.special.entr(lp.exp()).sum(-1).clamp_min_(0.0)
 
 
 def sampling_manifest(

@@ -49,6 +49,7 @@ LOGPROB_MAX = "logprob_max"  # [R] float32, quantised dtypes only: the row max (
 LOGPROB_STEP = "logprob_step"  # [R] float32, quantised dtypes only: quantisation step of the row
 TAIL_MASS = "tail_mass"  # [R] float32 | float16
 LOSS_MASK = "loss_mask"  # [R] uint8 0/1, when manifest.loss_mask: row trained on (FORMAT.md 4.6)
+ENTROPY = "entropy"  # [R] float16 nats, when manifest.entropy: teacher entropy (FORMAT.md 4.9)
 ID_ORDER = "id_order"  # [vocab] int32 permutation (frequency-rank remap), when manifest.id_remap
 SEQ_KEYS = "seq_keys"  # [S] string (UTF-8)
 SEQ_LENGTHS = "seq_lengths"  # [S] int32, L_i >= 2 tokens

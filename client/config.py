@@ -21,6 +21,7 @@ import torch
 
 from .collate import LongPolicy, Mode
 from .errors import ConfigError
+from .selection import check_fraction
 
 __all__ = ["ReadOptions", "StreamConfig", "TRAINER_SHUFFLE"]
 
@@ -91,6 +92,11 @@ class StreamConfig:
         sequences committed since (under ``torch.distributed`` the ranks agree on the smallest
         count any of them sees, so call ``set_epoch`` on every rank). Epoch ``e`` is planned over
         the sequences committed when it was set, and the loader state records that count.
+    entropy_top_fraction:
+        ``x`` in ``(0, 1]``: train on the ``ceil(x n)`` highest teacher-entropy rows of each
+        sequence only (``loss_mask`` false on the others; the rule:
+        :mod:`logitcache.client.selection`). Needs a cache with per-row entropy (FORMAT.md 4.9).
+        ``None`` (default): every row.
     """
 
     tokens_per_item: int = 2048
@@ -110,8 +116,10 @@ class StreamConfig:
     pad_token_id: int = 0
     trim_sampled: bool = True
     follow: bool = False
+    entropy_top_fraction: float | None = None
 
     def __post_init__(self) -> None:
+        check_fraction(self.entropy_top_fraction)
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1 or None, got {self.batch_size}")
         if self.lanes < 1:
@@ -144,6 +152,8 @@ class StreamConfig:
             fields["shuffle_window"] = self.shuffle_window
         if self.lanes != 1:
             fields["lanes"] = self.lanes
+        if self.entropy_top_fraction is not None:
+            fields["entropy_top_fraction"] = self.entropy_top_fraction
         return fields
 
 

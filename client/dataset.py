@@ -62,6 +62,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from . import selection
 from .collate import (
     ItemPlan,
     build_batch,
@@ -177,6 +178,7 @@ class CacheDataset(IterableDataset):
         self.mismatches = check_compatible(
             manifest, tokenizer=tokenizer, vocab_size=vocab_size, allow_mismatch=allow_mismatch
         )
+        selection.check_cache(manifest, config.entropy_top_fraction)
         k = int(manifest.k)
         if config.topk is not None and config.topk > k:
             raise ConfigError(f"topk must be in [1, {k}] (the cache's k), got {config.topk}")
@@ -407,7 +409,7 @@ class CacheDataset(IterableDataset):
         arrays = build_batch(
             plan,
             items,
-            records,
+            selection.select(records, self.config.entropy_top_fraction),
             self.config.tokens_per_item,
             self.k,
             pad_token_id=self.config.pad_token_id,

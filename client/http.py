@@ -164,6 +164,7 @@ def _parse_scores(response: httpx.Response) -> list[Any]:
             topk_ids=np.asarray(s.topk_ids, dtype=np.int32),
             topk_logprobs=np.asarray(s.topk_logprobs, dtype=np.float32),
             tail_mass=np.asarray(s.tail_mass, dtype=np.float32),
+            entropy=None if s.entropy is None else np.asarray(s.entropy, dtype=np.float32),
         )
         for s in body.sequences
     ]

@@ -76,6 +76,10 @@ DRAW_CANDIDATES = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 #: ``offline_sampled@384~tau0.8``: a sampled method whose cache is drawn at its own proposal
 #: temperature (``--proposal-temperature`` for the others), beside the plain ``@384`` one.
 TAU_MARK = "~tau"
+#: ``offline_topk_tail@32~sel0.2``: the same method trained on the top 20% teacher-entropy rows
+#: of each sequence only (``StreamConfig(entropy_top_fraction=0.2)``, client/selection.py), from
+#: its cache with per-row entropy (the service scores with ``--entropy``).
+SEL_MARK = "~sel"
 
 
 def split_tau(spec: str) -> tuple[str, float | None]:
@@ -94,6 +98,28 @@ def split_tau(spec: str) -> tuple[str, float | None]:
     if not (spec_.startswith("offline_sampled") and "@" in spec_):
         raise ValueError(f"bad method {spec!r}: only offline_sampled@n methods take ~tau")
     return spec_, tau
+
+
+def split_sel(spec: str) -> tuple[str, float | None]:
+    """``"offline_topk_tail@32~sel0.2"`` -> ``("offline_topk_tail@32", 0.2)``; a spec without
+    ``~sel`` -> ``(spec, None)``. Only offline methods take one; the fraction is in ``(0, 1]``."""
+    spec_, mark, x = spec.partition(SEL_MARK)
+    if not mark:
+        return spec, None
+    try:
+        frac = float(x)
+    except ValueError:
+        frac = float("nan")
+    if not 0 < frac <= 1:
+        raise ValueError(f"bad method {spec!r}: ~sel needs a fraction in (0, 1]")
+    if not spec_.startswith("offline"):
+        raise ValueError(f"bad method {spec!r}: only offline methods take ~sel")
+    return spec_, frac
+
+
+def plain_spec(spec: str) -> tuple[str, float | None]:
+    """The method spec without its ``~sel`` and ``~tau`` marks, and its ``~tau``."""
+    return split_tau(split_sel(spec)[0])
 
 
 @dataclass(frozen=True)
@@ -124,6 +150,12 @@ class Plan:
     loss_impl: str = "auto"
     out_json: Path | None = None
     out_md: Path | None = None
+
+    @property
+    def entropy(self) -> bool:
+        """Whether a method selects rows by entropy (``~sel``): the service then scores with
+        ``--entropy``."""
+        return any(split_sel(m)[1] is not None for m in self.methods)
 
     @property
     def temperature_tag(self) -> str:
@@ -216,7 +248,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
         given["methods"] = tuple(m.strip() for m in given["methods"].split(",") if m.strip())
         for m in given["methods"]:
             try:
-                parse_method(split_tau(m)[0])
+                parse_method(plain_spec(m)[0])
             except ValueError as e:
                 if m not in BUDGETED:
                     p.error(str(e))
@@ -255,9 +287,11 @@ class TemperedTeacherService(TeacherService):
     cached rows are the top-k of ``log_softmax(z / T)``)."""
 
     temperature: float = 1.0
+    entropy: bool = False
 
     def command(self) -> list[str]:
-        return [*super().command(), "--temperature", repr(float(self.temperature))]
+        extra = ["--entropy"] if self.entropy else []
+        return [*super().command(), "--temperature", repr(float(self.temperature)), *extra]
 
 
 class ScaledHead(torch.nn.Module):
@@ -412,7 +446,7 @@ def resolve_methods(
     for m in plan.methods:
         if m not in BUDGETED:
             specs.append(m)
-            plain, tau = split_tau(m)
+            plain, tau = plain_spec(m)
             base, n = parse_method(plain)
             if n is not None and base.startswith("offline"):  # online ablations: no cache
                 where[m] = {"n": n, "budget": None}
@@ -439,6 +473,7 @@ def build_caches(
         derive_topk_cache,
         mean_distinct,
         sampled_caches,
+        selected_share,
     )
 
     src_k = committed_k(src)
@@ -447,7 +482,7 @@ def build_caches(
     for spec, info in where.items():
         if spec.startswith("_"):
             continue
-        plain, _ = split_tau(spec)
+        plain, _ = plain_spec(spec)
         tau = info.get("proposal_temperature", plan.proposal_temperature)
         base, n = parse_method(plain)
         if base == "offline_sampled_head":
@@ -475,6 +510,10 @@ def build_caches(
         if spec.startswith("_"):
             continue
         info["bytes_per_position"] = bytes_per_position(info["url"])
+        frac = split_sel(spec)[1]
+        if frac is not None:
+            info["entropy_top_fraction"] = frac
+            info["selected_share"] = selected_share(info["url"], frac)
         if spec.startswith("offline_sampled"):
             info["mean_distinct_ids"] = mean_distinct(info["url"])
 
@@ -517,7 +556,7 @@ def split_note(url: str, tokens_per_item: int) -> str:
 def spec_run(spec: str, load_student: Any, make_dataset: Any, teacher: Any, settings: Any) -> Any:
     """:func:`make_run` for a spec that may carry ``~tau``: the loss is the plain method's (the
     stored importance weights already hold the proposal), the stream is the spec's own cache."""
-    plain, _ = split_tau(spec)
+    plain, _ = plain_spec(spec)
     run = make_run(plain, load_student, lambda _m: make_dataset(spec), teacher, settings)
     run.method = spec
     return run
@@ -545,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train", max_len=plan.seq_len, min_len=8, limit=plan.train_seqs or None
     )
     name = f"tiny-{models.root.name[:8]}-k{plan.k}-L{plan.seq_len}-n{len(sequences)}"
-    name += plan.temperature_tag.replace("_", "-")
+    name += plan.temperature_tag.replace("_", "-") + ("-ent" if plan.entropy else "")
     service = TemperedTeacherService(
         models.teacher_dir,
         plan.workdir / "service",
@@ -553,6 +592,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_seq_len=max(256, plan.seq_len),
         backend=plan.backend,
         temperature=plan.teacher_temperature,
+        entropy=plan.entropy,
     )
     reuse = (
         plan.reuse_cache
@@ -615,6 +655,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     mode="pack",
                     batch_size=plan.batch_items,
                     seed=plan.seed,
+                    entropy_top_fraction=split_sel(method)[1],
                 ),
                 tokenizer=tokenizer,
                 vocab_size=models.vocab_size,

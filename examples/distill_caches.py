@@ -61,7 +61,13 @@ def derive_topk_cache(src: str, dst: str, k: int, limit: int | None = None) -> s
                 if w.contains(r.key):
                     continue
                 recs.append(
-                    SequenceRecord(r.key, r.input_ids, r.topk_ids[:, :k], r.topk_logprobs[:, :k])
+                    SequenceRecord(
+                        r.key,
+                        r.input_ids,
+                        r.topk_ids[:, :k],
+                        r.topk_logprobs[:, :k],
+                        entropy=r.entropy,  # a source with per-row entropy keeps it
+                    )
                 )
             if recs:
                 w.append(recs)
@@ -130,6 +136,17 @@ def sampled_caches(
     return dsts
 
 
+def selected_share(url: str, fraction: float) -> float:
+    """Share of a cache's rows that ``StreamConfig(entropy_top_fraction=fraction)`` trains on
+    (:func:`logitcache.client.selection.selected_rows` per sequence)."""
+    from logitcache.cache_format import CacheReader
+    from logitcache.client.selection import selected_rows
+
+    reader = CacheReader(url)
+    kept = sum(int(selected_rows(r.entropy, fraction, r.loss_mask).sum()) for r in reader)
+    return kept / max(1, reader.num_rows)
+
+
 def mean_distinct(url: str, rows: int = 50_000) -> float:
     """Mean number of distinct ids (weight > 0) per row of a sampled cache (first ``rows``)."""
     from logitcache.cache_format import CacheReader
@@ -157,5 +174,6 @@ __all__ = [
     "mean_distinct",
     "pick_for_budget",
     "sampled_caches",
+    "selected_share",
     "store_bytes",
 ]

@@ -27,7 +27,11 @@ STEP_TIME_LIMIT = 0.6
 
 
 def label(method: str) -> str:
-    """Human name of a method spec (``offline_topk_tail@16``, ``offline_sampled@24``)."""
+    """Human name of a method spec (``offline_topk_tail@16``, ``offline_sampled@24``; a ``~sel``
+    mark: trained on that share of each sequence's rows, highest teacher entropy first)."""
+    method, sel, frac = method.partition("~sel")
+    if sel:
+        return label(method) + f", top {float(frac):.0%} entropy rows"
     base, _, k = method.partition("@")
     if not k:
         return LABELS[base]

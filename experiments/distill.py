@@ -41,6 +41,7 @@ AVERAGED = (
     "bytes_per_position",
     "mean_distinct_ids",
     "mean_batch_columns",
+    "selected_share",
 )
 
 
@@ -538,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if any(codes):
             raise SystemExit(f"a seed run failed: exit codes {codes}")
     else:
-        import distill
+        from examples import distill
 
         for seed in seeds:
             distill.main(seed_args(seed))

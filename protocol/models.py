@@ -234,6 +234,11 @@ class ScoredSequence(ApiModel):
     )
     topk_logprobs: list[list[float]] = Field(description="[L-1][k] their logprobs")
     tail_mass: list[float] = Field(description="[L-1] 1 - sum(exp(topk_logprobs)) per row")
+    entropy: list[float] | None = Field(
+        None,
+        description="[L-1] the teacher's entropy per row in nats, from its full distribution "
+        "(a server run with entropy on; FORMAT.md 4.9); absent otherwise",
+    )
     cached: bool | None = Field(
         None, description="with a cache: whether this sequence was read from it (no engine work)"
     )

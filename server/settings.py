@@ -60,6 +60,10 @@ class ServerSettings(BaseSettings):
     """Engine seed."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for the engine backend (JSON object)."""
+    entropy: bool = False
+    """Store each row's teacher entropy (nats, from the full logits at the cache's temperature;
+    FORMAT.md 4.9) in the caches the service creates (both backends). A cache whose flag
+    differs is refused (409)."""
 
     # --- storage ----------------------------------------------------------------------------
     store_root: str = "caches"

@@ -210,6 +210,8 @@ class SpecStore:
             lp = (mx[:, None] - prod).astype(np.float32)
         out["topk_logprobs"] = lp
         out["tail_mass"] = self.raw("tail_mass", R).astype(np.float32)
+        if m.get("entropy"):  # 4.9: float16 nats per row
+            out["entropy"] = self.raw("entropy", R).astype(np.float16)
         if self.version >= 2:  # 4: keys as bytes
             ends = self.raw("seq_key_end", S)
             data = self.raw("seq_key_bytes", m["num_key_bytes"]).tobytes()

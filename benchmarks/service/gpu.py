@@ -9,8 +9,11 @@ the CPU test) this suite
 2. **bare**: in this process, the backend's own engine (``server/engine/hf.py``) loaded from that
    directory runs ``--bare-sequences`` of the job's sequences twice over: ``device`` (decoder
    forward + chunked lm-head top-k, results left on the device, one sync at the end: the rate
-   the GPU allows) and ``engine`` (the engine's scoring call: the same plus the copies to the host
-   and the per-sequence arrays). Host CPU is this process's CPU time over each;
+   the GPU allows), ``device_entropy`` (the same with the engine's ``entropy`` on: each row's
+   teacher entropy computed in the chunked lm-head pass, FORMAT.md 4.9; its cost is
+   ``ratio_entropy_vs_device``) and ``engine`` (the engine's scoring call: the same as
+   ``device`` plus the copies to the host and the per-sequence arrays). Host CPU is this
+   process's CPU time over each;
 3. **job**: the service started as a user would (``logitcache-server --backend hf ...``, a
    subprocess) scores all ``--sequences`` x ``--seq-len`` random token ids of a JSONL file into a
    cache on local disk through ``POST /v1/jobs``. The rate is the job's own
@@ -51,7 +54,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -212,6 +215,14 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
     positions = sum(len(p) - 1 for p in prompts)
     device = str(engine.device)
 
+    def with_entropy(ps: list[list[int]]) -> None:
+        plain = engine.cfg
+        engine.cfg = replace(plain, entropy=True)
+        try:
+            device_only(ps)
+        finally:
+            engine.cfg = plain
+
     def device_only(ps: list[list[int]]) -> None:
         with torch.inference_mode():
             for batch in engine._batches(ps):
@@ -223,9 +234,11 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
     out: dict[str, Any] = {"load_s": load_s, "positions": positions, "device": device}
     warm = prompts[: max(1, args.batch_sequences)]
     device_only(warm)
+    with_entropy(warm)
     engine._score_sync(warm, k, 1.0)
     for name, fn in (
         ("device", device_only),
+        ("device_entropy", with_entropy),
         ("engine", lambda ps: engine._score_sync(ps, k, 1.0)),
     ):
         with GpuSampler() as gpu:
@@ -428,6 +441,8 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
         "cache": stats,
         "ratio_job_vs_bare_device": j["tokens_per_s"] / b["device"]["tokens_per_s"],
         "ratio_job_vs_bare_engine": j["tokens_per_s"] / b["engine"]["tokens_per_s"],
+        "ratio_entropy_vs_device": b["device_entropy"]["tokens_per_s"]
+        / b["device"]["tokens_per_s"],
         "bare_engine_cores": eng_cores,
         "job_path_cpu_us_per_position": 1e6 * (j["server_cpu_s"] - engine_share_s) / j["positions"],
         "job_path_cpu_us_per_position_per_position_subtraction": (
@@ -504,6 +519,7 @@ def record(rec: Recorder, name: str, r: dict, args: argparse.Namespace) -> None:
         config=config,
     )
     rec.add(name, "job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config=config)
+    rec.add(name, "entropy_vs_device", "x", r["ratio_entropy_vs_device"], config=config)
     rec.add(name, "job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config=config)
     rec.add(
         name, "job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], config=config

@@ -69,6 +69,8 @@ def json_chunks(
             "topk_logprobs": np.maximum(r.topk_logprobs, _F32_MIN).tolist(),
             "tail_mass": np.nan_to_num(r.tail_or_computed(), nan=0.0).tolist(),
         }
+        if r.entropy is not None:
+            seq["entropy"] = r.entropy.astype(np.float64).tolist()
         if hits is not None:
             seq["cached"] = hits[i]
         text = json.dumps(seq, separators=(",", ":"), allow_nan=False).encode()

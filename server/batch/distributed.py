@@ -488,10 +488,13 @@ def _final_manifest(
 ) -> Manifest:
     """The final cache's manifest: the engine's teacher at its ``max_k`` (the server's ``-k``,
     within the vocabulary: the engine applied the range check once, at its configuration); for
-    sampled targets ``k = draws`` and the ``sampling`` object (:func:`.targets.with_targets`)."""
+    sampled targets ``k = draws`` and the ``sampling`` object (:func:`.targets.with_targets`);
+    with the ``entropy`` setting, the rows' entropy (FORMAT.md 4.9)."""
     top = expected_manifest(
         info, k=info.max_k, logprob_dtype=settings.logprob_dtype, dataset=dataset
     )
+    if settings.entropy:
+        top = top.model_copy(update={"entropy": True})
     return with_targets(top, targets)
 
 

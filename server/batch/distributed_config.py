@@ -216,6 +216,7 @@ def check_target_early(
     run: dict[str, Any] = {"targets": "topk", "sampling": None, "k": info.max_k}
     if chosen is not None:
         run = {"targets": "sampled", "sampling": chosen.manifest(), "k": chosen.slots}
+    run["entropy"] = settings.entropy  # the rows' entropy (FORMAT.md 4.9): kept or not
     for f, value in run.items():
         if getattr(stored, f) != value:
             diff[f] = f"cache {getattr(stored, f)!r}, this run {value!r}"

@@ -110,6 +110,7 @@ def to_records(
             topk_logprobs=sc.topk_logprobs,
             tail_mass=sc.known_tail() if lazy_tail and hasattr(sc, "known_tail") else sc.tail_mass,
             loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/inputs/chat.py)
+            entropy=getattr(sc, "entropy", None),  # an engine built with entropy (FORMAT.md 4.9)
         )
         for s, sc in zip(seqs, scores, strict=True)
     ]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
-from logitcache.cache_format.errors import StoreNotFoundError
+from logitcache.cache_format.errors import ManifestMismatchError, StoreNotFoundError
 
 from ..errors import InvalidInputError
 from ..inputs import records as inputs
@@ -258,13 +258,16 @@ def check_target(
     """The keys already committed to the cache at ``url`` (empty if there is none).
 
     Raises ManifestMismatchError if that cache exists with another identity (teacher, ``k``,
-    target kind or sampling parameters).
+    target kind or sampling parameters) or keeps per-row entropy (FORMAT.md 4.9) where this run
+    does not, or the reverse.
     """
     try:
         reader = CacheReader(url, storage_options=storage_options)
     except (StoreNotFoundError, FileNotFoundError):
         return frozenset()
     reader.manifest.check_compatible(manifest)
+    if reader.manifest.entropy != manifest.entropy:
+        raise ManifestMismatchError({"entropy": (reader.manifest.entropy, manifest.entropy)})
     return frozenset(reader.keys)
 
 

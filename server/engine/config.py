@@ -126,6 +126,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    entropy: bool = False
+    """Compute each row's teacher entropy (FORMAT.md 4.9) in the scoring pass (``TeacherScores
+    .entropy``); caches the service creates then keep it."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -137,6 +140,8 @@ class EngineConfig:
                 f"temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
                 f"got {self.temperature}"
             )
+        if not isinstance(self.entropy, bool):
+            raise EngineConfigError(f"entropy must be true or false, got {self.entropy!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise EngineConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
 
@@ -206,6 +211,7 @@ _SETTINGS_FIELDS = {
     "pipeline_parallel_size": "pipeline_parallel_size",
     "seed": "seed",
     "engine_options": "options",
+    "entropy": "entropy",
 }
 
 

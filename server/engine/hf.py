@@ -21,6 +21,10 @@ reaches the host by an asynchronous copy into pinned memory; the host converts o
 device runs the next, and a call's last batch is converted after the lock is released, so the
 next call's forward is already queued (benchmarks/results/service_gpu.md).
 
+With ``EngineConfig.entropy`` every row also gets the entropy of its full distribution
+(:func:`~logitcache.cache_format.sampling.row_entropy` of the chunk's ``log_softmax``, FORMAT.md
+4.9), computed in the same chunk while its ``[chunk_rows, V]`` logits exist.
+
 Models whose head does more than a linear map (logit soft-capping or scaling in the config) are
 refused, since the chunked head would silently differ.
 """
@@ -117,23 +121,30 @@ class TransformersEngine(BaseEngine):
 
     # --- compute ----------------------------------------------------------------------------
 
-    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any]:
+    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any, Any]:
         """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk, on
         the device and without a host sync: per chunk ``torch.topk`` of the logits, minus their
-        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer)."""
+        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer).
+        The third tensor: with ``cfg.entropy`` each row's entropy (:func:`row_entropy` of the
+        chunk's full ``log_softmax``, the logits shifted in place), else ``None``."""
         import torch
+        from logitcache.cache_format.sampling import row_entropy
 
-        ids_out, lps_out = [], []
+        ids_out, lps_out, ent_out = [], [], []
         for h in hidden.split(self.chunk_rows):
             z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
             if temperature != 1.0:
                 z.div_(temperature)
             v, i = torch.topk(z, k, dim=-1, sorted=True)
-            v.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+            lse = torch.logsumexp(z, dim=-1, keepdim=True)
+            v.sub_(lse)
+            if self.cfg.entropy:
+                ent_out.append(row_entropy(z.sub_(lse)))
             ids_out.append(i.to(torch.int32))
             lps_out.append(v)
             del z
-        return torch.cat(ids_out), torch.cat(lps_out)
+        ent = torch.cat(ent_out) if ent_out else None
+        return torch.cat(ids_out), torch.cat(lps_out), ent
 
     def _sampled_rows(
         self, hidden: Any, key: str, targets: SampledTargets, temperature: float
@@ -142,6 +153,7 @@ class TransformersEngine(BaseEngine):
         from logitcache.cache_format.sampling import sample_from_hidden, uniforms
 
         u = uniforms(targets.seed, key, int(hidden.shape[0]), targets.draws)
+        ent: list[Any] | None = [] if self.cfg.entropy else None
         ids, lw = sample_from_hidden(
             hidden,
             self.head_weight,
@@ -151,8 +163,9 @@ class TransformersEngine(BaseEngine):
             proposal_temperature=targets.proposal_temperature,
             chunk_rows=self.chunk_rows,
             head=targets.head,
+            entropy=ent,
         )
-        return make_scores(ids, lw)
+        return make_scores(ids, lw, _joined(ent))
 
     def _id_rows(self, hidden: Any, ids: list[int], temperature: float) -> Any:
         """``log_softmax((h W^T + b) / T)`` at ``ids`` for ``hidden [n, d]``, chunk by chunk
@@ -220,19 +233,21 @@ class TransformersEngine(BaseEngine):
             if p.event is not None:
                 p.event.synchronize()
             ids, lps = p.ids.numpy(), p.lps.numpy()
+            ent = None if p.ent is None else p.ent.numpy()
             start = 0
             for i in p.members:
                 n = len(prompts[i]) - 1
-                out[i] = make_scores(ids[start : start + n], lps[start : start + n])
+                e = None if ent is None else ent[start : start + n]
+                out[i] = make_scores(ids[start : start + n], lps[start : start + n], e)
                 start += n
 
         with self._lock, torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(prompts[i]) - 1] for r, i in enumerate(batch)])
-                tid, tlp = self._topk_rows(rows, k, temperature)
+                tid, tlp, tent = self._topk_rows(rows, k, temperature)
                 del hidden, rows
-                pending.append(_Pending.start(batch, tid, tlp, self.device))
+                pending.append(_Pending.start(batch, tid, tlp, tent, self.device))
                 if len(pending) > 1:
                     collect(pending.pop(0))
         for p in pending:
@@ -283,8 +298,9 @@ class TransformersEngine(BaseEngine):
         """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
 
         def both(i: int, hidden: Any) -> tuple[TeacherScores, Any]:
-            tid, tlp = self._topk_rows(hidden, k, temperature)
-            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
+            tid, tlp, tent = self._topk_rows(hidden, k, temperature)
+            ent = None if tent is None else tent.cpu().numpy()
+            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy(), ent)
             return rows, self._id_rows(hidden, ids[i], temperature)
 
         out = await asyncio.to_thread(self._forward_rows, prompts, both)
@@ -295,6 +311,15 @@ class TransformersEngine(BaseEngine):
         self.model = self.decoder = self.head_weight = self.head_bias = None
 
 
+def _joined(parts: list[Any] | None) -> Any:
+    """The per-chunk arrays of ``parts`` joined (``None`` stays ``None``)."""
+    import numpy as np
+
+    if parts is None:
+        return None
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
 def _is_dir(path: str) -> bool:
     from pathlib import Path
 
@@ -302,22 +327,27 @@ def _is_dir(path: str) -> bool:
 
 
 class _Pending:
-    """One decoder batch's top-k on its way to the host: pinned host tensors filled by an
-    asynchronous copy, and the event that marks the copy done (``None`` on the CPU)."""
+    """One decoder batch's top-k (and entropy, or ``None``) on its way to the host: pinned host
+    tensors filled by an asynchronous copy, and the event that marks the copy done (``None`` on
+    the CPU)."""
 
-    def __init__(self, members: list[int], ids: Any, lps: Any, event: Any) -> None:
-        self.members, self.ids, self.lps, self.event = members, ids, lps, event
+    def __init__(self, members: list[int], ids: Any, lps: Any, ent: Any, event: Any) -> None:
+        self.members, self.ids, self.lps, self.ent, self.event = members, ids, lps, ent, event
 
     @classmethod
-    def start(cls, members: list[int], ids: Any, lps: Any, device: Any) -> _Pending:
+    def start(cls, members: list[int], ids: Any, lps: Any, ent: Any, device: Any) -> _Pending:
         import torch
 
         if device.type != "cuda":
-            return cls(members, ids, lps, None)
-        host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host_lps = torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True)
-        host_ids.copy_(ids, non_blocking=True)
-        host_lps.copy_(lps, non_blocking=True)
+            return cls(members, ids, lps, ent, None)
+        host: list[Any] = []
+        for t in (ids, lps, ent):
+            if t is None:
+                host.append(None)
+                continue
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
         event = torch.cuda.Event(blocking=True)
         event.record()
-        return cls(members, host_ids, host_lps, event)
+        return cls(members, host[0], host[1], host[2], event)

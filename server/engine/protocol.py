@@ -112,6 +112,9 @@ class TeacherScores(TopkRows):
 
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
+    entropy: np.ndarray | None = None
+    """``[L-1]`` float32: the entropy in nats of each row's full distribution at the call's
+    temperature, from an engine built with ``EngineConfig.entropy`` (else ``None``)."""
 
     @property
     def tail_mass(self) -> np.ndarray:
@@ -259,14 +262,17 @@ class SamplingTeacherEngine(TeacherEngine, Protocol):
 # ------------------------------------------------------------------------------------- checks
 
 
-def make_scores(topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> TeacherScores:
+def make_scores(
+    topk_ids: np.ndarray, topk_logprobs: np.ndarray, entropy: np.ndarray | None = None
+) -> TeacherScores:
     """Wrap ``[rows, k]`` arrays (cast to int32/float32; rows contiguous, as
     :func:`~logitcache.cache_format.records.rows_array` keeps them) and add the tail mass
     (:func:`~logitcache.cache_format.records.tail_from_logprobs`: the format's own formula, at
-    its first use)."""
+    its first use); ``entropy``: the rows' entropy (float32 ``[rows]``), if computed."""
     ids = rows_array(topk_ids, np.int32)
     lps = rows_array(topk_logprobs, np.float32)
-    return TeacherScores(topk_ids=ids, topk_logprobs=lps)
+    ent = None if entropy is None else np.ascontiguousarray(entropy, dtype=np.float32)
+    return TeacherScores(topk_ids=ids, topk_logprobs=lps, entropy=ent)
 
 
 #: Range of a call's temperature: ``z / T`` stays finite in float32 for any finite logit.

@@ -435,6 +435,9 @@ class VllmEngine(BaseEngine):
         if temperature != 1.0:
             self._need_arrays(f"temperature {temperature}")
             extra[vllm_sampling.TEMPERATURE] = temperature
+        if self.cfg.entropy:
+            self._need_arrays("per-row entropy")
+            extra[vllm_sampling.ENTROPY] = True
         return self._request(k, extra)
 
     @staticmethod
@@ -488,15 +491,17 @@ class VllmEngine(BaseEngine):
 
     async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
         """Every prompt in flight at once; one final ``RequestOutput`` each (with whether the
-        worker hook answered it: a temperature other than 1)."""
+        worker hook answered it: a temperature other than 1, or entropy)."""
         params = self._params(k, temperature)
         one = self._one_inproc if self.mode == "inproc" else self._one_async
         outs = await asyncio.gather(*(one(ids, params) for ids in prompts))
-        return [(out, temperature != 1.0) for out in outs]
+        return [(out, temperature != 1.0 or self.cfg.entropy) for out in outs]
 
     def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
         out, hooked = raw
-        return hooked_from_output(out, length, k) if hooked else scores_from_output(out, k, length)
+        if hooked:
+            return hooked_from_output(out, length, k, self.cfg.entropy)
+        return scores_from_output(out, k, length)
 
     def _sampled_params(self, key: str, targets: SampledTargets, temperature: float) -> Any:
         """``SamplingParams`` of one sampled request (the hook's spec in ``extra_args``)."""
@@ -514,6 +519,7 @@ class VllmEngine(BaseEngine):
             vllm_logprobs.FLAG: True,
             vllm_sampling.FLAG: spec,
             vllm_sampling.TEMPERATURE: temperature,
+            vllm_sampling.ENTROPY: self.cfg.entropy,
         }
         return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
 
@@ -530,7 +536,7 @@ class VllmEngine(BaseEngine):
         return list(await asyncio.gather(*calls))
 
     def _convert_sampled(self, raw: Any, length: int, targets: SampledTargets) -> TeacherScores:
-        return hooked_from_output(raw, length, targets.slots)
+        return hooked_from_output(raw, length, targets.slots, self.cfg.entropy)
 
     async def _generate_ids(
         self, prompts: list[list[int]], ids: list[list[int]], temperature: float
@@ -558,17 +564,20 @@ class VllmEngine(BaseEngine):
             extra = {vllm_logprobs.FLAG: True, vllm_sampling.TOKEN_IDS: chosen}
             extra[vllm_sampling.TEMPERATURE] = temperature
             extra[vllm_sampling.TOPK] = k
+            extra[vllm_sampling.ENTROPY] = bool(k) and self.cfg.entropy  # top rows only
             return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
 
         outs = await asyncio.gather(*(one(p, params(c)) for p, c in zip(prompts, ids, strict=True)))
+        ent = bool(k) and self.cfg.entropy
         rows = [
-            hooked_from_output(out, len(p), k + len(c))
+            hooked_from_output(out, len(p), k + len(c), ent)
             for out, p, c in zip(outs, prompts, ids, strict=True)
         ]
         for r, c in zip(rows, ids, strict=True):
             if not (r.topk_ids[:, k:] == np.asarray(c, np.int32)).all():
                 raise EngineError("vLLM's worker hook answered other ids than the ones asked")
-        top = [make_scores(r.topk_ids[:, :k], r.topk_logprobs[:, :k]) for r in rows] if k else []
+        top = [make_scores(r.topk_ids[:, :k], r.topk_logprobs[:, :k], r.entropy) for r in rows]
+        top = top if k else []
         return top, [np.ascontiguousarray(r.topk_logprobs[:, k:]) for r in rows]
 
     async def _close(self) -> None:

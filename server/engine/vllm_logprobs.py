@@ -104,6 +104,13 @@ class TensorPromptLogprobs:
         ids = np.concatenate([c[:, 1 : k + 1] for c in self.token_ids])
         return ids, np.concatenate([c[:, 1 : k + 1] for c in self.logprobs])
 
+    def last_column(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids (int64) and values (float32) of every row's last column, ``[L-1]`` each."""
+        if not self.token_ids:
+            return np.empty(0, np.int64), np.empty(0, np.float32)
+        ids = np.concatenate([c[:, -1] for c in self.token_ids], dtype=np.int64)
+        return ids, np.concatenate([c[:, -1] for c in self.logprobs], dtype=np.float32)
+
     def column0(self) -> np.ndarray:
         """The engine core's column 0 of every row (int64 ``[L-1]``)."""
         if not self.token_ids:

@@ -103,10 +103,13 @@ def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
     return make_scores(ids, lps)
 
 
-def hooked_from_output(output: Any, length: int, width: int) -> TeacherScores:
+def hooked_from_output(
+    output: Any, length: int, width: int, entropy: bool = False
+) -> TeacherScores:
     """The rows of one vLLM ``RequestOutput`` of a request the worker hook answered (sampled
-    targets, or top-k at a temperature other than 1; :mod:`.vllm_sampling`): ``[L - 1, width
-    + 1]`` arrays, column 0 the hook's marker, checked and dropped."""
+    targets, or top-k at a temperature other than 1 or with entropy; :mod:`.vllm_sampling`):
+    ``[L - 1, width + 1]`` arrays, column 0 the hook's marker, checked and dropped; with
+    ``entropy`` one more column (marker id, the row's entropy as value)."""
     from .vllm_sampling import MARK
 
     pl = output.prompt_logprobs
@@ -116,10 +119,16 @@ def hooked_from_output(output: Any, length: int, width: int) -> TeacherScores:
         raise EngineError(f"vLLM returned no rows for a {length}-token prompt")
     ids, lps = pl.rows(width)  # column 0 (the marker) is kept apart: pl.column0()
     have = pl.width
-    if ids.shape != (length - 1, width) or have != width + 1 or not (pl.column0() == MARK).all():
+    ent_ids, ent = pl.last_column() if entropy else (np.full(1, MARK), None)
+    if (
+        ids.shape != (length - 1, width)
+        or have != width + 1 + int(entropy)
+        or not (pl.column0() == MARK).all()
+        or not (ent_ids == MARK).all()
+    ):
         raise EngineError(
             f"vLLM returned prompt rows of shape {(ids.shape[0], have)} without the hook's "
             f"marker for a {length}-token prompt at width {width}: the worker hook did not run "
             "in vLLM's worker (is worker_extension_cls overridden?)"
         )
-    return make_scores(ids, lps)
+    return make_scores(ids, lps, ent)

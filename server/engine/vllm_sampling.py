@@ -24,7 +24,10 @@ scoring, ``benchmarks/distill_vllm_sampling.py``).
   logprobs of caller-chosen ids (e.g. a student's top-k); with :data:`TOPK` = ``k`` as well,
   the top ``k`` of ``lp`` first (as below), then those ids: both from one pass;
 * otherwise the top ``k`` (the request's ``prompt_logprobs``) of ``lp`` by descending logprob:
-  exactly ``log_softmax(z / T)`` of the teacher's final logits ``z``.
+  exactly ``log_softmax(z / T)`` of the teacher's final logits ``z``;
+* with :data:`ENTROPY` (any of the above, also top-k at ``T = 1``), one more column after the
+  row's: id :data:`MARK`, value the row's entropy ``-sum_v p_v log p_v`` of the full ``lp``
+  (:func:`~logitcache.cache_format.sampling.row_entropy`, FORMAT.md 4.9).
 
 The request's prompt-logprob tensors then hold ``[L - 1, width + 1]``: column 0 the marker id
 :data:`MARK` (``-1``; vLLM puts the prompt token there), columns ``1..width`` the row's ids and
@@ -53,6 +56,8 @@ TEMPERATURE = "logitcache_temperature"
 TOKEN_IDS = "logitcache_token_ids"
 #: ``SamplingParams.extra_args`` key of the top-k width asked beside :data:`TOKEN_IDS`.
 TOPK = "logitcache_topk"
+#: ``SamplingParams.extra_args`` key asking for each row's entropy in a last column.
+ENTROPY = "logitcache_entropy"
 #: Id written in column 0 of a sampled request's rows (vLLM writes the prompt token there).
 MARK = -1
 #: ``SamplingParams.prompt_logprobs`` of a sampled request (the runner's own top-n is not used).
@@ -65,22 +70,35 @@ class SamplingWorkerExtension:
 
 
 def _spec(request: Any) -> dict[str, Any] | None:
-    """The hook's part of a request: its sampling spec (``{}`` for top-k) with ``"T"``; ``None``
-    for a request vLLM answers itself (neither key, or top-k at ``T = 1``)."""
+    """The hook's part of a request: its sampling spec (``{}`` for top-k) with ``"T"`` and
+    ``"entropy"``; ``None`` for a request vLLM answers itself (no key, or top-k at ``T = 1``
+    without entropy)."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
     sampled = extra.get(FLAG)
     t = float(extra.get(TEMPERATURE, 1.0))
+    ent = bool(extra.get(ENTROPY, False))
     ids = extra.get(TOKEN_IDS)
     if ids is not None:
-        return {"ids": list(ids), "k": int(extra.get(TOPK, 0)), "T": t}
-    if not isinstance(sampled, dict) and t == 1.0:
+        return {"ids": list(ids), "k": int(extra.get(TOPK, 0)), "T": t, "entropy": ent}
+    if not isinstance(sampled, dict) and t == 1.0 and not ent:
         return None
-    return {**(sampled if isinstance(sampled, dict) else {}), "T": t}
+    return {**(sampled if isinstance(sampled, dict) else {}), "T": t, "entropy": ent}
 
 
 def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int) -> Any:
-    """``(ids, logprobs)`` ``[n, width]`` CPU tensors of one chunk's hidden states (see the
-    module docstring: sampled rows with ``draws`` in ``spec``, else the top ``width``)."""
+    """``(ids, logprobs, entropy)`` CPU tensors of one chunk's hidden states: ``[n, width]``
+    (see the module docstring: sampled rows with ``draws`` in ``spec``, else the top
+    ``width``) and, when ``spec`` asks for it, the rows' entropy ``[n]`` (else ``None``)."""
+    ids, lps, lp = _values(runner, spec, hidden, start, width)
+    if not spec.get("entropy"):
+        return ids, lps, None
+    from logitcache.cache_format.sampling import row_entropy
+
+    return ids, lps, row_entropy(lp.float()).to("cpu")
+
+
+def _values(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int) -> Any:
+    """``(ids, logprobs)`` of :func:`_rows` and the chunk's full ``lp``."""
     import torch
     from logitcache.cache_format.sampling import sample_rows, seeded_uniforms
 
@@ -95,14 +113,14 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
         if spec["k"]:  # the top k first, then the chosen ids
             values, top = torch.topk(lp, spec["k"], dim=-1)
             ids_out, lps_out = torch.cat([top, ids_out], 1), torch.cat([values, lps_out], 1)
-        return ids_out.to("cpu", torch.int32), lps_out.to("cpu", torch.float32)
+        return ids_out.to("cpu", torch.int32), lps_out.to("cpu", torch.float32), lp
     if "draws" not in spec:
         values, ids = torch.topk(lp, width, dim=-1)
-        return ids.to("cpu", torch.int32), values.to("cpu", torch.float32)
+        return ids.to("cpu", torch.int32), values.to("cpu", torch.float32), lp
     draws = int(spec["draws"])
     u = seeded_uniforms(int(spec["seed"]), start + int(hidden.shape[0]), draws)[start:]
     ids_np, lw = sample_rows(lp, u, float(spec["tau"]), k=width, head=int(spec.get("head", 0)))
-    return torch.from_numpy(ids_np), torch.from_numpy(lw)
+    return torch.from_numpy(ids_np), torch.from_numpy(lw), lp
 
 
 def _width(spec: dict[str, Any], k: int) -> int:
@@ -138,8 +156,8 @@ def _hooked_chunks(
         width = _width(spec, ks[req_id])
         rows = len(request.prompt_token_ids) - 1
         tensors = request.in_progress_prompt_logprobs_cpu
-        if tensors is None:
-            tensors = LogprobsTensors.empty_cpu(rows, width + 1)
+        if tensors is None:  # the marker, the row, the entropy if asked
+            tensors = LogprobsTensors.empty_cpu(rows, width + 1 + int(bool(spec.get("entropy"))))
             request.in_progress_prompt_logprobs_cpu = tensors
         start = request.num_computed_tokens
         remaining = rows - start
@@ -152,12 +170,15 @@ def _hooked_chunks(
         if n <= 0:
             continue
         offset = runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]].item()
-        ids, lps = _rows(runner, spec, hidden_states[offset : offset + n], start, width)
+        ids, lps, ent = _rows(runner, spec, hidden_states[offset : offset + n], start, width)
         part = slice(start, start + n)
         tensors.logprob_token_ids[part, 0] = MARK
-        tensors.logprob_token_ids[part, 1:] = ids
+        tensors.logprob_token_ids[part, 1 : width + 1] = ids
         tensors.logprobs[part, 0] = 0.0
-        tensors.logprobs[part, 1:] = lps
+        tensors.logprobs[part, 1 : width + 1] = lps
+        if ent is not None:
+            tensors.logprob_token_ids[part, width + 1] = MARK
+            tensors.logprobs[part, width + 1] = ent
         tensors.selected_token_ranks[part] = 0
     return out, finished
 

@@ -70,8 +70,14 @@ def as_stored(rec: SequenceRecord, manifest: Manifest) -> SequenceRecord:
         enc[TOPK_LOGPROBS], manifest.logprob_dtype, enc.get(LOGPROB_MAX), enc.get(LOGPROB_STEP)
     )
     tail = rec.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
+    ent = rec.entropy  # stored as float16 (FORMAT.md 4.9)
     return SequenceRecord(
-        rec.key, rec.input_ids, rec.topk_ids, np.asarray(lp, np.float32), tail.astype(np.float32)
+        rec.key,
+        rec.input_ids,
+        rec.topk_ids,
+        np.asarray(lp, np.float32),
+        tail.astype(np.float32),
+        entropy=None if ent is None else ent.astype(np.float16),
     )
 
 
@@ -103,6 +109,7 @@ def fold_k(rec: SequenceRecord, k: int) -> SequenceRecord:
         np.ascontiguousarray(rec.topk_ids[:, :k]),
         np.ascontiguousarray(rec.topk_logprobs[:, :k]),
         tail.astype(np.float32),
+        entropy=rec.entropy,  # of the full distribution: no k changes it
     )
 
 

@@ -29,6 +29,7 @@ from ..engine.protocol import (
     check_temperature,
 )
 from ..errors import (
+    ConflictError,
     InvalidInputError,
     OverloadedError,
     PayloadTooLargeError,
@@ -153,9 +154,8 @@ class ScoringService:
         info = self.engine.info
         if temperature is not None:
             info = replace(info, temperature=temperature)
-        return expected_manifest(
-            info, k=k, logprob_dtype=self.settings.logprob_dtype, dataset=dataset
-        )
+        m = expected_manifest(info, k=k, logprob_dtype=self.settings.logprob_dtype, dataset=dataset)
+        return m.model_copy(update={"entropy": True}) if self.settings.entropy else m
 
     def target_manifest(
         self,
@@ -178,12 +178,27 @@ class ScoringService:
         if asked is not None:
             chosen = self._sampled(resolve(asked, self.stored_manifest(name)))
             new = self.expected_manifest(self.default_k, dataset, temperature)
-            return self.caches.target_manifest(name, with_targets(new, chosen), k=None)
+            return self._same_entropy(
+                self.caches.target_manifest(name, with_targets(new, chosen), k=None)
+            )
         expected = self.expected_manifest(self.default_k if k is None else k, dataset, temperature)
         with broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
             self.check_k(manifest.k)
+        return self._same_entropy(manifest)
+
+    def _same_entropy(self, manifest: Manifest) -> Manifest:
+        """``manifest`` if its cache keeps per-row entropy (FORMAT.md 4.9) exactly when this
+        server computes it (setting ``entropy``), else a :class:`ConflictError` (nothing is
+        scored or written: the rows would lack it, or it would be lost)."""
+        if manifest.entropy != self.settings.entropy:
+            have = "keeps" if manifest.entropy else "does not keep"
+            raise ConflictError(
+                f"the cache {have} per-row teacher entropy and this server runs with "
+                f"entropy={str(self.settings.entropy).lower()}: write to a new cache, or run "
+                f"the server with entropy={str(manifest.entropy).lower()}"
+            )
         return manifest
 
     def route_manifest(self, cache: str, temperature: float | None) -> Manifest:

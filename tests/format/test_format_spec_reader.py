@@ -5,6 +5,7 @@ version-2 store with a lost shard."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ CASES = {
     "float32-tiny": (dict(logprob_dtype="float32", tail_mass_dtype="float16"), TINY),
     "uint8-remap-tiny": (dict(logprob_dtype="uint8", id_remap=True), TINY),
     "uint16-tiny": (dict(logprob_dtype="uint16"), TINY),
+    "float16-entropy-tiny": (dict(entropy=True), TINY),
 }
 
 
@@ -47,6 +49,8 @@ def _compare(path: Path) -> dict:
         spec["topk_logprobs"].view(np.uint32), block.topk_logprobs.view(np.uint32)
     )
     assert np.array_equal(spec["tail_mass"].view(np.uint32), block.tail_mass.view(np.uint32))
+    if block.entropy is not None:  # FORMAT.md 4.9
+        assert np.array_equal(spec["entropy"].view(np.uint16), block.entropy.view(np.uint16))
     assert np.array_equal(spec["input_ids"], r.tokens(0, r.num_tokens))
     for i in (0, r.num_sequences - 1):
         s = r.sequence(i)
@@ -60,6 +64,9 @@ def test_spec_reader_matches_project_reader(tmp_path, case):
     over, layout = CASES[case]
     url = tmp_path / "c"
     recs = _records()
+    if over.get("entropy"):
+        rng = np.random.default_rng(3)
+        recs = [replace(r, entropy=rng.uniform(0, 5, r.num_rows)) for r in recs]
     with CacheWriter.open(url, make_manifest(k=5, vocab_size=300, **over), layout=layout) as w:
         w.append(recs[:6])
         w.append(recs[6:])

@@ -52,6 +52,8 @@ def test_service_gpu_mode_scores_a_job_that_matches_the_bare_engine(tmp_path: Pa
     m = _metrics(rows)
     assert m[("tiny", "job_tokens_per_s")] == pytest.approx(r["job"]["tokens_per_s"])
     assert m[("tiny", "job_vs_bare_device")] == pytest.approx(r["ratio_job_vs_bare_device"])
+    assert m[("tiny", "entropy_vs_device")] == pytest.approx(r["ratio_entropy_vs_device"])
+    assert r["bare"]["device_entropy"]["positions_per_s"] > 0
     assert not (tmp_path / "work" / "model-tiny").exists()  # the weights are removed
 
 
