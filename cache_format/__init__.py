@@ -35,10 +35,12 @@ from .errors import (
     RecordError,
     StoreNeedsRepairError,
     StoreNotFoundError,
+    TargetKindError,
     UnsupportedVersionError,
     WireFormatError,
     WriterLockedError,
 )
+from .hidden import HiddenRecord, HiddenRows, TeacherHead
 from .identity import (
     TEACHER_EXTRA_FIELDS,
     TEACHER_EXTRA_KEY,
@@ -79,6 +81,8 @@ __all__ = [
     "CorruptStoreError",
     "FormatError",
     "FrameDecoder",
+    "HiddenRecord",
+    "HiddenRows",
     "IndexSnapshot",
     "Layout",
     "Manifest",
@@ -92,6 +96,8 @@ __all__ = [
     "SequenceRecord",
     "StoreNeedsRepairError",
     "StoreNotFoundError",
+    "TargetKindError",
+    "TeacherHead",
     "TopkRows",
     "UnsupportedVersionError",
     "ValidationReport",
