@@ -22,7 +22,14 @@ from ._manifest import IDENTITY_FIELDS, Manifest
 from ._reader import CacheReader
 from ._snapshot import IndexSnapshot
 from ._validate import Problem, ValidationReport, validate
-from ._wire import CONTENT_TYPE, FrameDecoder, decode_records, encode_records, iter_decode
+from ._wire import (
+    CONTENT_TYPE,
+    FrameDecoder,
+    decode_records,
+    encode_records,
+    exact_frame_dtype,
+    iter_decode,
+)
 from ._writer import CacheWriter
 from .errors import (
     ChecksumError,
@@ -111,6 +118,7 @@ __all__ = [
     "encode_logprobs",
     "encode_record",
     "encode_records",
+    "exact_frame_dtype",
     "iter_decode",
     "kernels_in_use",
     "known_tail",

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ._manifest import Manifest
 from .errors import WireFormatError
 from .hidden import HiddenRecord, from_bf16_bits, to_bf16_bits
 from .records import SequenceRecord
@@ -53,6 +54,14 @@ _ALLOWED = {
     "hidden": {"<f4"},
     "hidden_bf16": {"<u2"},
 }
+
+
+def exact_frame_dtype(manifest: Manifest) -> str:
+    """The ``logprob_dtype`` in which a store's rows are read and sent as stored: ``bfloat16``
+    for a hidden store (4.9), ``float16`` for a float16 one, else ``float32``."""
+    if manifest.hidden is not None:
+        return "bfloat16"
+    return "float16" if manifest.logprob_dtype == "float16" else "float32"
 
 
 def _mask_part(recs: Sequence[Any]) -> list[tuple[str, np.ndarray]]:

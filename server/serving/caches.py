@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
+from logitcache.cache_format._wire import exact_frame_dtype
 from logitcache.cache_format.errors import FormatError, ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
@@ -525,18 +526,15 @@ class CacheRegistry:
 
 class RangeReader:
     """Read whole sequence ranges of one reader with two contiguous reads each
-    (``CacheReader.read_ranges``: the same code the client's ``LocalSource`` reads with).
-
-    Sequences ``[a, b)`` are rows ``[row_start(a), row_start(b))`` and tokens
-    ``[row_start(a) + a, row_start(b) + b)`` (FORMAT.md): one row read and one token read,
-    however many sequences, instead of one read per sequence. The committed prefix never
-    changes, so ranges checked against an earlier snapshot stay valid while the reader refreshes.
-    """
+    (``CacheReader.read_ranges``, as the client's ``LocalSource`` reads): sequences ``[a, b)``
+    are rows ``[row_start(a), row_start(b))`` and tokens ``[row_start(a) + a, row_start(b) +
+    b)`` (FORMAT.md). The committed prefix never changes, so ranges checked against an earlier
+    snapshot stay valid while the reader refreshes."""
 
     def __init__(self, reader: CacheReader) -> None:
         self.reader = reader
-        # a float16 cache is read (and sent) as its stored float16 values: exact, less work
-        self.logprob_dtype = "float16" if reader.manifest.logprob_dtype == "float16" else "float32"
+        # float16 and hidden caches are read (and sent) as stored: exact, less work
+        self.logprob_dtype = exact_frame_dtype(reader.manifest)
 
     def read(self, start: int, stop: int) -> list[SequenceRecord]:
         """Records of sequences ``[start, stop)`` (``0 <= start <= stop <= num_sequences``)."""
