@@ -140,6 +140,8 @@ def targets_label(job: dict[str, Any]) -> str:
         return f"sampled {s['draws']}{head} tau {s['proposal_temperature']:g} seed {s['seed']}"
     if kind == "topk":
         return f"top-{job.get('k')}"
+    if kind == "hidden":  # FORMAT.md 4.9
+        return "hidden states"
     return f"k={job.get('k')}"
 
 

@@ -301,10 +301,13 @@ class TransformersEngine(BaseEngine):
         return await asyncio.to_thread(self._forward_rows, prompts, states)
 
     def teacher_head(self) -> Any:
-        """The lm head as a :class:`~logitcache.cache_format.TeacherHead` (FORMAT.md 4.9)."""
+        """The lm head as a :class:`~logitcache.cache_format.TeacherHead` (FORMAT.md 4.9), made
+        once (its digest hashes the whole weight)."""
         from .hidden import head_of
 
-        return head_of(self.head_weight, self.head_bias, self.model_config)
+        if getattr(self, "_teacher_head", None) is None:
+            self._teacher_head = head_of(self.head_weight, self.head_bias, self.model_config)
+        return self._teacher_head
 
     async def _close(self) -> None:
         """Drop the model."""

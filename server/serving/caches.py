@@ -403,7 +403,7 @@ class CacheRegistry:
 
     @contextmanager
     def writer(
-        self, name: str, manifest: Manifest, layout: str | None = None
+        self, name: str, manifest: Manifest, layout: str | None = None, head: Any = None
     ) -> Iterator[WriterHandle]:
         """Use the process's writer of cache ``name``: opened on first use, shared by its
         concurrent users, and kept open for ``idle_s`` after the last one leaves (at most
@@ -411,15 +411,16 @@ class CacheRegistry:
         taken up again first catches up with other processes' commits
         (:meth:`CacheWriter.refresh`; a store removed or made again meanwhile gets a new writer,
         as a fresh open would). ``layout``: the preset a cache created here gets
-        (``spec.LAYOUTS``; an existing cache keeps its own, FORMAT.md 4.7)."""
+        (``spec.LAYOUTS``; an existing cache keeps its own, FORMAT.md 4.7). ``head``: the
+        teacher head of a hidden cache (``CacheWriter.open``'s, FORMAT.md 4.9)."""
         with self._lock:
-            entry = self._take(name, manifest, layout)
+            entry = self._take(name, manifest, layout, head)
         try:
             yield WriterHandle(name, entry)
         finally:
             self._release(name, entry)
 
-    def _take(self, name: str, manifest: Manifest, layout: str | None) -> _OpenWriter:
+    def _take(self, name: str, manifest: Manifest, layout: str | None, head: Any) -> _OpenWriter:
         """The entry of ``name``'s writer with one more user (under ``self._lock``)."""
         entry = self._writers.get(name)
         if entry is not None and entry.users == 0 and not self._revive(entry, manifest):
@@ -432,6 +433,7 @@ class CacheRegistry:
                     manifest,
                     storage_options=self.storage_options,
                     layout=None if layout is None else layout_named(layout),
+                    head=head,
                 )
             entry = _OpenWriter(writer=w, manifest=manifest)
             self._writers[name] = entry

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,3 +96,57 @@ def test_head_of_reads_softcap_and_logit_scale() -> None:
     plain = head_of(w.float(), torch.ones(40), SimpleNamespace())
     assert plain.dtype == "float32" and plain.softcap is None and plain.logit_scale == 1.0
     assert plain.bias is not None and plain.spec()["bias"] is True
+
+
+def test_hidden_job_over_http_rebuilds_the_engine_rows(hf_engine, captured, tmp_path) -> None:
+    """A ``targets="hidden"`` job on the real server (uvicorn, the tiny teacher): the cache's
+    rows and head rebuild the engine's own top-k rows; status says what the job wrote."""
+    from engine_support import app_settings
+    from logitcache.client.cli.jobs import targets_label
+    from server_support import ThreadedServer, tree_snapshot, wait_job
+
+    prompts, _hidden, rows, head = captured
+    settings = app_settings(tmp_path, k=8)
+    records = [{"id": f"r{i}", "input_ids": list(map(int, p))} for i, p in enumerate(prompts)]
+    caches = tmp_path / "caches"
+    with ThreadedServer(settings, hf_engine) as server, server.client() as c:
+        bad = [
+            ("/v1/jobs", {"cache": "h", "records": records, "targets": "hidden", "k": 5}),
+            ("/v1/score", {"input_ids": [prompts[0]], "targets": "hidden"}),
+            ("/v1/score", {"input_ids": [prompts[0]], "targets": "hidden", "cache": "h"}),
+        ]
+        for path, body in bad:
+            r = c.post(path, json=body)
+            assert r.status_code == 422, r.text
+        assert "written by jobs" in r.json()["error"]["message"]
+        assert tree_snapshot(caches) == {}
+        r = c.post("/v1/jobs", json={"cache": "h", "records": records, "targets": "hidden"})
+        assert r.status_code == 201, r.text
+        job = wait_job(c, r.json()["id"])
+        assert job["state"] == "succeeded", job
+        assert job["targets"] == "hidden" and targets_label(job) == "hidden states"
+        r = c.post("/v1/jobs", json={"cache": "h", "records": records[:1], "k": 4})
+        assert r.status_code == 409, r.text  # one cache, one kind
+    reader = CacheReader(caches / "h")
+    assert reader.manifest.hidden == head.spec("bfloat16") and validate(caches / "h").ok
+    stored = reader.head()
+    for i, r in enumerate(rows):
+        rec = reader.get(f"r{i}")
+        lp = stored.logprobs(rec.hidden)
+        assert (lp.argmax(axis=1) == r.topk_ids[:, 0]).mean() >= 0.99
+        got = np.take_along_axis(lp, r.topk_ids[:, :5].astype(np.int64), axis=1)
+        assert np.abs(got - r.topk_logprobs[:, :5]).max() <= 0.03
+
+
+def test_hidden_job_on_an_engine_without_capture_is_refused(tmp_path) -> None:
+    from engine_support import app_settings, in_process
+    from server_support import tree_snapshot
+
+    async def submit() -> Any:
+        async with in_process(app_settings(tmp_path), FakeEngine()) as c:
+            body = {"cache": "h", "records": [{"input_ids": [1, 2, 3]}], "targets": "hidden"}
+            return await c.post("/v1/jobs", json=body)
+
+    r = asyncio.run(submit())
+    assert r.status_code == 422 and "does not capture hidden states yet" in r.text
+    assert tree_snapshot(tmp_path / "caches") == {}
