@@ -138,6 +138,15 @@ def test_hidden_job_over_http_rebuilds_the_engine_rows(hf_engine, captured, tmp_
         assert np.abs(got - r.topk_logprobs[:, :5]).max() <= 0.03
 
 
+def test_cli_target_fields_of_hidden() -> None:
+    from logitcache.client.cli.jobs import CliError, target_fields
+
+    none = {"draws": None, "proposal_temperature": None, "seed": None, "head": None}
+    assert target_fields("hidden", None, none) == {"targets": "hidden"}
+    with pytest.raises(CliError, match="do not apply to --targets hidden"):
+        target_fields("hidden", 5, none)
+
+
 def test_hidden_job_on_an_engine_without_capture_is_refused(tmp_path) -> None:
     from engine_support import app_settings, in_process
     from server_support import tree_snapshot
