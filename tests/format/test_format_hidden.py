@@ -209,3 +209,17 @@ def test_wire_round_trip(store) -> None:
         encode_records([got[0], make_records(1, k=4, vocab=V)[0]])
     with pytest.raises(WireFormatError, match="one of"):
         encode_records(got, logprob_dtype="float16")
+
+
+def test_spec_reader_decodes_hidden_stores(store) -> None:
+    """``tests/spec_reader.py`` (written from FORMAT.md alone) decodes the hidden rows and the
+    head to the project reader's values and recomputes the head digest."""
+    from spec_reader import SpecStore
+
+    url, _recs, head, dtype = store
+    spec = SpecStore(url).decode()
+    r = CacheReader(url)
+    assert np.array_equal(spec["hidden"], r.rows(0, r.num_rows).hidden)
+    assert np.array_equal(spec["head_weight"], head.weight)
+    assert np.array_equal(spec["head_bias"], head.bias)
+    assert spec["encodings"]["hidden"] == dtype and "topk_ids" not in spec
