@@ -223,3 +223,23 @@ def test_spec_reader_decodes_hidden_stores(store) -> None:
     assert np.array_equal(spec["head_weight"], head.weight)
     assert np.array_equal(spec["head_bias"], head.bias)
     assert spec["encodings"]["hidden"] == dtype and "topk_ids" not in spec
+
+
+def test_info_command_reports_a_hidden_store(store) -> None:
+    """``logitcache info`` (``cache_format/cli.py``) on a hidden store: row bytes are
+    the ``hidden`` array's, raw bytes per position FORMAT.md 4.9's, no tail summary."""
+    import json as _json
+
+    from logitcache.client.cli import app
+    from typer.testing import CliRunner
+
+    url, _recs, _head, dtype = store
+    out = CliRunner().invoke(app, ["info", str(url), "--json"])
+    assert out.exit_code == 0, out.output
+    doc = _json.loads(out.output)
+    assert doc["raw_bytes_per_position"] == (2 * D if dtype == "bfloat16" else D + 4)
+    assert doc["tail_mass"] is None and "head_weight" in doc["bytes_by_array"]
+    hidden_bytes = doc["bytes_by_array"]["hidden"] + doc["bytes_by_array"].get("hidden_scale", 0)
+    assert doc["bytes_per_position"] * CacheReader(url).num_rows == pytest.approx(
+        hidden_bytes, 1e-3
+    )
