@@ -388,7 +388,7 @@ class CacheRegistry:
         }
         if k is not None and k != stored.k:
             diff["k"] = {"cache": stored.k, "request": k}
-        for f in ("targets", "sampling"):  # one cache holds one kind of rows (FORMAT.md 4.4)
+        for f in ("targets", "sampling", "hidden"):  # one cache, one kind of rows (FORMAT.md 4.4)
             if getattr(stored, f) != getattr(expected, f):
                 diff[f] = {"cache": getattr(stored, f), "request": getattr(expected, f)}
         if diff:

@@ -243,3 +243,45 @@ def test_info_command_reports_a_hidden_store(store) -> None:
     assert doc["bytes_per_position"] * CacheReader(url).num_rows == pytest.approx(
         hidden_bytes, 1e-3
     )
+
+
+@pytest.mark.parametrize("fail", ["head_weight", "hidden"])
+def test_a_failed_append_loses_nothing_committed(tmp_path, monkeypatch, fail) -> None:
+    """W3-W5 for hidden stores: an append whose array writes fail (the head's, at the first
+    commit, or the rows') commits nothing; the committed rows read back bit-exact and the next
+    writer appends as if the failed append never happened."""
+    from logitcache.cache_format import _writer
+
+    head = make_head(V, D)
+    recs = make_hidden_records(8, V, D, seed=9)
+    url = tmp_path / "h.zarr"
+    first = recs[:3] if fail == "hidden" else []
+    with CacheWriter.open(url, hidden_manifest(head), head=head) as w:
+        if first:
+            w.append(first)
+    before = [r.hidden.copy() for r in CacheReader(url).sequences(list(range(len(first))))]
+    real = _writer.CacheWriter._write_array
+
+    async def broken(self, name, start, data):
+        await real(self, name, start, data)
+        if name == fail:  # written past the commit, then the append dies
+            raise OSError("disk gone")
+
+    monkeypatch.setattr(_writer.CacheWriter, "_write_array", broken)
+    with CacheWriter.open(url, hidden_manifest(head), head=head) as w, pytest.raises(OSError):
+        w.append(recs[3:])
+    monkeypatch.undo()
+    r = CacheReader(url)
+    assert r.num_sequences == len(first)
+    assert all(
+        np.array_equal(a.hidden, b)
+        for a, b in zip(r.sequences(list(range(len(first)))), before, strict=True)
+    )
+    with CacheWriter.open(url, hidden_manifest(head), head=head) as w:
+        assert w.append(recs[3:]) == 5
+    r = CacheReader(url)
+    assert r.num_sequences == len(first) + 5 and validate(url).ok
+    assert r.head().digest() == head.digest()
+    want = [_expected(x, "bfloat16") for x in [*first, *recs[3:]]]
+    got = r.sequences(list(range(r.num_sequences)))
+    assert all(np.array_equal(g.hidden, w_) for g, w_ in zip(got, want, strict=True))
