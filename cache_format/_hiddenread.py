@@ -13,6 +13,7 @@ import numpy as np
 from . import spec
 from ._decode import OpenArrays, Span, stored_values
 from ._snapshot import IndexSnapshot, SnapshotKeys
+from ._stored import LazyKey
 from .hidden import HiddenRecord, HiddenRows, TeacherHead, decode_rows, to_bf16_bits
 
 HIDDEN_OUT = ("float32", "bfloat16")
@@ -56,15 +57,8 @@ def fetch(opened: OpenArrays, spans: Sequence[Span], out: str) -> list[Got]:
     return result
 
 
-class StoredHiddenRecord(HiddenRecord):
-    """A reader's :class:`HiddenRecord`: its key is read when first used."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name != "key" or "_keys" not in self.__dict__:
-            raise AttributeError(name)
-        keys, i = self.__dict__["_keys"]
-        key = self.__dict__["key"] = keys[i]
-        return key
+class StoredHiddenRecord(LazyKey, HiddenRecord):
+    """A reader's :class:`HiddenRecord` (its key read when first used, :class:`LazyKey`)."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return HiddenRecord.trusted, (self.key, self.input_ids, self.hidden, self.loss_mask)

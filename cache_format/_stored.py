@@ -12,10 +12,10 @@ from ._snapshot import IndexSnapshot, SnapshotKeys
 from .records import SequenceRecord
 
 
-class StoredRecord(SequenceRecord):
-    """A reader's :class:`SequenceRecord`: its ``key`` is read from the store when first used
-    (a training loop never asks for it; reading it may raise what a read of ``seq_keys``
-    raises). Pickles and copies as a plain :class:`SequenceRecord`."""
+class LazyKey:
+    """A reader's record whose ``key`` is read from the store when first used (a training loop
+    never asks for it; reading it may raise what a read of ``seq_keys`` raises): the record's
+    ``__dict__`` holds ``_keys = (SnapshotKeys, index)`` until then."""
 
     def __getattr__(self, name: str) -> Any:
         if name != "key" or "_keys" not in self.__dict__:
@@ -23,6 +23,11 @@ class StoredRecord(SequenceRecord):
         keys, i = self.__dict__["_keys"]
         key = self.__dict__["key"] = keys[i]
         return key
+
+
+class StoredRecord(LazyKey, SequenceRecord):
+    """A reader's :class:`SequenceRecord` (its key read when first used, :class:`LazyKey`).
+    Pickles and copies as a plain :class:`SequenceRecord`."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return SequenceRecord.trusted, (
