@@ -1,8 +1,10 @@
 """Hidden-state capture (FORMAT.md 4.9): what an engine gives for ``targets="hidden"`` — the
 teacher's final-norm output per row (the input of its head) and its head, stored once per cache.
 
-The transformers backend captures both (:class:`~.hf.TransformersEngine`); the vLLM backends do
-not yet, and say so with a typed :class:`~.protocol.EngineInputError` (:data:`NOT_CAPTURED`).
+Both backends capture them: transformers in its forward (:class:`~.hf.TransformersEngine`),
+vLLM through its worker hook and the checkpoint's head tensors (:mod:`.vllm_hidden`). A
+backend without capture says so with a typed :class:`~.protocol.EngineInputError`
+(:data:`NOT_CAPTURED`, :class:`~.base.BaseEngine`'s default).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from logitcache.cache_format import TeacherHead
 
 NOT_CAPTURED = (
     "the {backend} backend does not capture hidden states yet (targets='hidden'): "
-    "serve the teacher with the transformers backend for hidden-state caches"
+    "serve the teacher with the transformers or vLLM backend for hidden-state caches"
 )
 
 #: Model-config attributes of the head's logit soft-capping and multiplier (Gemma 2, Cohere).

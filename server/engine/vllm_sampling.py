@@ -53,6 +53,9 @@ TEMPERATURE = "logitcache_temperature"
 TOKEN_IDS = "logitcache_token_ids"
 #: ``SamplingParams.extra_args`` key of the top-k width asked beside :data:`TOKEN_IDS`.
 TOPK = "logitcache_topk"
+#: ``SamplingParams.extra_args`` key of a hidden-state request (FORMAT.md 4.9): the hidden size
+#: ``d``; the rows are the chunk's hidden states themselves (ids ``0..d-1``).
+HIDDEN = "logitcache_hidden"
 #: Id written in column 0 of a sampled request's rows (vLLM writes the prompt token there).
 MARK = -1
 #: ``SamplingParams.prompt_logprobs`` of a sampled request (the runner's own top-n is not used).
@@ -68,6 +71,8 @@ def _spec(request: Any) -> dict[str, Any] | None:
     """The hook's part of a request: its sampling spec (``{}`` for top-k) with ``"T"``; ``None``
     for a request vLLM answers itself (neither key, or top-k at ``T = 1``)."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    if extra.get(HIDDEN):
+        return {"hidden": int(extra[HIDDEN]), "T": 1.0}
     sampled = extra.get(FLAG)
     t = float(extra.get(TEMPERATURE, 1.0))
     ids = extra.get(TOKEN_IDS)
@@ -84,6 +89,10 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
     import torch
     from logitcache.cache_format.sampling import sample_rows, seeded_uniforms
 
+    if "hidden" in spec:  # the states the head turns into logits (FORMAT.md 4.9)
+        d = int(hidden.shape[1])
+        ids = torch.arange(d, dtype=torch.int32).expand(int(hidden.shape[0]), d)
+        return ids, hidden.to("cpu", torch.float32)
     logits = runner.model.compute_logits(hidden)
     if spec["T"] != 1.0:
         logits = logits.to(torch.float32) / spec["T"]
@@ -108,6 +117,8 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
 def _width(spec: dict[str, Any], k: int) -> int:
     """Entries per row: the chosen ids (after the top ``k`` if asked), ``head + draws`` of a
     sampled request, else its ``prompt_logprobs``."""
+    if "hidden" in spec:
+        return int(spec["hidden"])
     if "ids" in spec:
         return int(spec["k"]) + len(spec["ids"])
     if "draws" in spec:

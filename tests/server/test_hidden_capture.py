@@ -74,10 +74,8 @@ def test_stored_hidden_states_error(tmp_path, captured) -> None:
 
 
 def test_backends_without_capture_say_so() -> None:
-    from logitcache.server.engine.vllm import VllmEngine
-
-    assert VllmEngine._generate_hidden is BaseEngine._generate_hidden  # the vLLM backend's answer
-    engine = FakeEngine()
+    engine = FakeEngine()  # BaseEngine's answer (both real backends capture)
+    assert type(engine)._generate_hidden is BaseEngine._generate_hidden
     with pytest.raises(EngineInputError, match="does not capture hidden states yet"):
         asyncio.run(engine.score_hidden([[1, 2, 3]]))
     with pytest.raises(EngineInputError, match="does not capture hidden states yet"):
@@ -159,3 +157,18 @@ def test_hidden_job_on_an_engine_without_capture_is_refused(tmp_path) -> None:
     r = asyncio.run(submit())
     assert r.status_code == 422 and "does not capture hidden states yet" in r.text
     assert tree_snapshot(tmp_path / "caches") == {}
+
+
+@pytest.mark.vllm
+def test_vllm_captures_hidden_states(vllm_engine, captured) -> None:
+    """The vLLM backend's worker hook gives the hidden states its own top-k pass turns into
+    logits, and its head (read from the checkpoint) is the transformers engine's."""
+    from engine_support import assert_rows_close
+
+    prompts, _hidden, _rows, head = captured
+    assert vllm_engine.teacher_head().digest() == head.digest()
+    states = asyncio.run(vllm_engine.score_hidden(prompts))
+    rows = asyncio.run(vllm_engine.score(prompts, K))
+    for p, h, r in zip(prompts, states, rows, strict=True):
+        assert h.dtype == np.float32 and h.shape == (len(p) - 1, head.dim)
+        assert_rows_close(_top(head.logprobs(h), K), r, atol=1e-3)
