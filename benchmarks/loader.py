@@ -30,7 +30,8 @@ chunk compresses like the format suite's data.
   prefilled queues are drained, beside the pure step time on one batch kept on the GPU.
 * ``hidden``: the same loader over a ``targets="hidden"`` cache of bfloat16 final hidden states
   (``--dim``; :mod:`benchmarks.loader_hidden`), one process then ``--workers``; ``--quick``:
-  d=256, 30K positions, workers 0 and 1, 1 s each (a smoke run).
+  d=256, 200K positions, workers 0 and 1, 1 s each (a smoke run: its epoch is a dozen batches,
+  so its rates are no measurement).
 
 Loader rates are steady-state: positions with ``loss_mask`` over ``--seconds`` after the first
 ``2 * max(1, w)`` batches (start-up reported apart).
@@ -521,7 +522,7 @@ def _hidden(args: argparse.Namespace, root: Path, rec: Recorder) -> None:
     from benchmarks import loader_hidden as lh
 
     if args.quick:
-        args.dim, args.positions, args.workers, args.seconds = 256, 30e3, [0, 1], 1.0
+        args.dim, args.positions, args.workers, args.seconds = 256, 2e5, [0, 1], 1.0
     positions = int(args.positions)
     url = lh.cache_url(root, args.dim, positions)
     doc: dict[str, Any] = {"machine_line": machine_line(rec.machine)}

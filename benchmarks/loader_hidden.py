@@ -4,8 +4,9 @@ rows of ``--dim`` values (8 KB per position at d=4096), for each ``--workers``.
 
 The cache (built once under ``--root``): ``--positions`` rows in sequences of LogNormal(log 490,
 0.9) tokens (16..8192, as the top-k cache of the other modes), each a slice of one pool of
-65,536 rows of standard-normal states (random bits: the bytes of a real teacher's states within
-a few percent after compression), stored in bfloat16 with the format's default layout; a
+65,536 rows of standard-normal states stored in bfloat16 with the format's default layout
+(they compress to about 0.72 of ``2 d`` bytes, the tiny teacher's real states to 0.66,
+FORMAT.md 4.9: the loader reads about as many bytes as from a real cache); a
 vocabulary of :data:`VOCAB` (the head is stored once and not read by the loader, so its size
 does not change the rates). Figures: positions/s and MB/s of hidden rows delivered to the main
 process after ``2 * max(1, w)`` warm-up batches, full shuffle (``loader.SHUFFLE``) and
