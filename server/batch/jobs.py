@@ -132,6 +132,11 @@ def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingO
 MAX_ENGINE_DEATHS = 3
 
 
+def _row_width(manifest: Any) -> int:
+    """Values per row a job's writer holds: ``k``, or a hidden cache's ``d`` (FORMAT.md 4.9)."""
+    return int(manifest.hidden["dim"]) if manifest.hidden is not None else int(manifest.k)
+
+
 class JobRunner:
     """Owns the job loop: submit, list, status, cancel; runs queued jobs in the background."""
 
@@ -499,7 +504,7 @@ class JobRunner:
             score=score,
             write=progress.write,
             write_many=progress.write_many,
-            merge_rows=min(MERGE_ROWS, MERGE_VALUES // max(job.k, 1)),
+            merge_rows=min(MERGE_ROWS, MERGE_VALUES // max(_row_width(handle.manifest), 1)),
             linger=WRITE_LINGER_S,
             depth=lambda: 1 if self.scoring.active else depth,
             stop=self._cancel.is_set,
