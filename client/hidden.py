@@ -3,13 +3,17 @@ as the keyword arguments of :func:`logitcache.client.loss.exact_distill_loss`.
 
 A :class:`~logitcache.client.CacheDataset` over a ``targets="hidden"`` cache yields units with
 ``hidden [.., T, d]`` (bfloat16: the teacher's final hidden states) in place of the top-k
-arrays; :func:`load_head` gives the rest of the teacher::
+arrays; :func:`load_head` gives the rest of the teacher (``device="cuda"`` on a GPU, with the
+batch moved there too)::
 
-    head = load_head(ds.source, device="cuda")
+    head = load_head(ds.source)
     for batch in loader:
         h = packed_hidden_states(model, batch)
-        loss = exact_distill_loss(h, student.lm_head.weight, batch["hidden"].to("cuda"),
-                                  mask=batch["loss_mask"].to("cuda"), **head)
+        loss = exact_distill_loss(h, student.lm_head.weight, batch["hidden"],
+                                  mask=batch["loss_mask"], **head)
+        loss.backward()
+
+(executed by ``tests/client/test_hidden_loader.py``).
 """
 
 from __future__ import annotations
