@@ -226,8 +226,9 @@ def test_spec_reader_decodes_hidden_stores(store) -> None:
 
 
 def test_info_command_reports_a_hidden_store(store) -> None:
-    """``logitcache info`` (``cache_format/cli.py``) on a hidden store: row bytes are
-    the ``hidden`` array's, raw bytes per position FORMAT.md 4.9's, no tail summary."""
+    """``logitcache info`` and ``export`` (``cache_format/cli.py``) on a hidden store: row bytes
+    are the ``hidden`` array's, raw bytes per position FORMAT.md 4.9's, no tail summary; JSON
+    lines carry the hidden rows."""
     import json as _json
 
     from logitcache.client.cli import app
