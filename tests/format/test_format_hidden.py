@@ -286,3 +286,10 @@ def test_a_failed_append_loses_nothing_committed(tmp_path, monkeypatch, fail) ->
     want = [_expected(x, "bfloat16") for x in [*first, *recs[3:]]]
     got = r.sequences(list(range(r.num_sequences)))
     assert all(np.array_equal(g.hidden, w_) for g, w_ in zip(got, want, strict=True))
+
+
+def test_peer_format_export_refuses_a_hidden_cache(store, tmp_path) -> None:
+    from logitcache.client.interop import InteropError, export_axolotl
+
+    with pytest.raises(InteropError, match="holds hidden rows"):
+        export_axolotl(str(store[0]), tmp_path / "out")
