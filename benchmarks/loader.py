@@ -7,6 +7,8 @@ Modes (``python -m benchmarks.loader <mode> --help``; every figure of
     python -m benchmarks.loader scaling --positions 20e6 --workers 1 2 4 8 12 --plot
     python -m benchmarks.loader http --positions 20e6 --http-workers 0 8
     python -m benchmarks.loader datawait --positions 20e6 --ddp       # on a CUDA GPU
+    python -m benchmarks.loader hidden --positions 4e6 --dim 4096 --workers 1 2 4 8 12
+    python -m benchmarks.loader hidden --quick                        # smoke size
 
 The cache (built once under ``--root``, reused after): ``--positions`` supervised positions,
 k=100, vocab 128,256, float16 logprobs (the format's defaults), sequences of log-normal length
@@ -26,6 +28,10 @@ chunk compresses like the format suite's data.
   copies; ``--ddp``: inside ``DistributedDataParallel`` in a one-process NCCL group), from the
   local store and over HTTP: the share of step time spent in ``next()`` after the workers'
   prefilled queues are drained, beside the pure step time on one batch kept on the GPU.
+* ``hidden``: the same loader over a ``targets="hidden"`` cache of bfloat16 final hidden states
+  (``--dim``; :mod:`benchmarks.loader_hidden`), one process then ``--workers``; ``--quick``:
+  d=256, 200K positions, workers 0 and 1, 1 s each (a smoke run: its epoch is a dozen batches,
+  so its rates are no measurement).
 
 Loader rates are steady-state: positions with ``loss_mask`` over ``--seconds`` after the first
 ``2 * max(1, w)`` batches (start-up reported apart).
@@ -138,7 +144,7 @@ def loader_rate(
         if t0 is None:
             continue
         pos += int(unit["loss_mask"].sum())
-        pinned = pinned and (not pin or unit["topk_ids"].is_pinned())
+        pinned = pinned and (not pin or unit.get("hidden", unit.get("topk_ids")).is_pinned())
         if time.perf_counter() - t0 >= seconds:
             break
     if t0 is None:
@@ -413,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     srv = sub.add_parser("serve", help="(internal) the HTTP mode's server process")
     srv.add_argument("--root", required=True)
     srv.add_argument("--port", type=int, required=True)
-    for name in ("scaling", "http", "datawait"):
+    for name in ("scaling", "http", "datawait", "hidden"):
         s = sub.add_parser(name)
         s.add_argument("--root", default="/tmp/lc-loader-bench", help="the cache is kept here")
         s.add_argument("--positions", type=float, default=20e6)
@@ -432,6 +438,10 @@ def main(argv: list[str] | None = None) -> None:
             s.add_argument("--steps", type=int, default=40)
             s.add_argument("--fed-steps", type=int, default=120)
             s.add_argument("--ddp", action="store_true", help="under a world-1 NCCL DDP")
+        if name == "hidden":
+            s.add_argument("--dim", type=int, default=4096)
+            s.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 12])
+            s.add_argument("--quick", action="store_true", help="smoke size (see the docstring)")
     args = p.parse_args(argv)
     if args.mode == "serve":
         serve(args.root, args.port)
@@ -439,6 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.root)
     url = str(root / CACHE)
     rec = Recorder("loader", args.mode, csv_path=args.csv)
+    if args.mode == "hidden":
+        return _hidden(args, root, rec)
     doc: dict[str, Any] = {"machine_line": machine_line(rec.machine)}
     cfg = {"positions": int(args.positions), "k": K, "vocab": VOCAB, **LOADER}
     if not (root / CACHE / "zarr.json").exists():
@@ -503,6 +515,25 @@ def main(argv: list[str] | None = None) -> None:
             rec.add(case, "pure_step_s", "s", d["pure_step_s_median"], config=c)
     rec.save()
     print(json.dumps({k: v for k, v in doc.items()}, indent=1, default=str)[:6000])
+
+
+def _hidden(args: argparse.Namespace, root: Path, rec: Recorder) -> None:
+    """The ``hidden`` mode (:mod:`benchmarks.loader_hidden`)."""
+    from benchmarks import loader_hidden as lh
+
+    if args.quick:
+        args.dim, args.positions, args.workers, args.seconds = 256, 2e5, [0, 1], 1.0
+    positions = int(args.positions)
+    url = lh.cache_url(root, args.dim, positions)
+    doc: dict[str, Any] = {"machine_line": machine_line(rec.machine)}
+    if not (Path(url) / "zarr.json").exists():
+        doc["build"] = lh.build(url, positions, args.dim)
+        log("build", doc["build"])
+    doc |= lh.run(url, args.workers, args.seconds, warm=2)
+    cfg = {"positions": positions, "dim": args.dim, "vocab": lh.VOCAB, **LOADER}
+    lh.record(rec, doc, cfg, args.dim, url)
+    rec.save()
+    print(json.dumps(doc, indent=1, default=str)[:6000])
 
 
 if __name__ == "__main__":

@@ -22,7 +22,14 @@ from ._manifest import IDENTITY_FIELDS, Manifest
 from ._reader import CacheReader
 from ._snapshot import IndexSnapshot
 from ._validate import Problem, ValidationReport, validate
-from ._wire import CONTENT_TYPE, FrameDecoder, decode_records, encode_records, iter_decode
+from ._wire import (
+    CONTENT_TYPE,
+    FrameDecoder,
+    decode_records,
+    encode_records,
+    exact_frame_dtype,
+    iter_decode,
+)
 from ._writer import CacheWriter
 from .errors import (
     ChecksumError,
@@ -35,10 +42,12 @@ from .errors import (
     RecordError,
     StoreNeedsRepairError,
     StoreNotFoundError,
+    TargetKindError,
     UnsupportedVersionError,
     WireFormatError,
     WriterLockedError,
 )
+from .hidden import HiddenRecord, HiddenRows, TeacherHead
 from .identity import (
     TEACHER_EXTRA_FIELDS,
     TEACHER_EXTRA_KEY,
@@ -79,6 +88,8 @@ __all__ = [
     "CorruptStoreError",
     "FormatError",
     "FrameDecoder",
+    "HiddenRecord",
+    "HiddenRows",
     "IndexSnapshot",
     "Layout",
     "Manifest",
@@ -92,6 +103,8 @@ __all__ = [
     "SequenceRecord",
     "StoreNeedsRepairError",
     "StoreNotFoundError",
+    "TargetKindError",
+    "TeacherHead",
     "TopkRows",
     "UnsupportedVersionError",
     "ValidationReport",
@@ -105,6 +118,7 @@ __all__ = [
     "encode_logprobs",
     "encode_record",
     "encode_records",
+    "exact_frame_dtype",
     "iter_decode",
     "kernels_in_use",
     "known_tail",

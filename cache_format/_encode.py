@@ -127,6 +127,13 @@ def encode_batch(
     """
     if not records:
         return None
+    if manifest.hidden is not None:  # FORMAT.md 4.10: hidden rows, no top-k entries
+        from .hidden import encode_rows
+
+        arrays = encode_rows(records, manifest.hidden, manifest.vocab_size, manifest.loss_mask)
+        inp = arrays.pop("input_ids")
+        lengths = np.array([r.length for r in records], dtype=np.int64)
+        return Batch([r.key for r in records], lengths, inp, arrays)
     k, mask = manifest.k, manifest.loss_mask
     got = None
     if all(

@@ -30,6 +30,7 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "tail_mass_dtype",
     "targets",
     "sampling",
+    "hidden",
 )
 """Fields that must match between a resuming writer and the store (else ManifestMismatchError):
 the teacher (:data:`~.identity.TEACHER_FIELDS`) and what of its distribution is stored."""
@@ -71,13 +72,17 @@ class Manifest(BaseModel):
     num_tokens: int = Field(default=0, ge=0)
     num_key_bytes: int = Field(default=0, ge=0)
     generation: int = Field(default=0, ge=0)
-    targets: Literal["topk", "sampled"] = "topk"
-    """What the rows hold: the teacher's top-k logprobs, or sampled ids with log importance
-    weights (FORMAT.md "Sampled targets"); a cache holds one kind."""
+    targets: Literal["topk", "sampled", "hidden"] = "topk"
+    """What the rows hold: the teacher's top-k logprobs, sampled ids with log importance
+    weights (FORMAT.md "Sampled targets"), or the teacher's final hidden states plus its output
+    head stored once (FORMAT.md 4.10); a cache holds one kind."""
     sampling: dict[str, Any] | None = None
     """``targets="sampled"`` only: ``{"method", "draws", "proposal_temperature", "seed"}`` and,
     for the head + residual estimator, ``"head"`` (``> 0``; absent means 0, and a ``head`` of 0
     is dropped, so both spellings are one identity)."""
+    hidden: dict[str, Any] | None = None
+    """``targets="hidden"`` only: ``{"dim", "dtype", "head_dtype", "head_digest", "bias",
+    "logit_scale", "softcap"}`` (FORMAT.md 4.10, checked by :func:`._hidden.check_spec`)."""
     loss_mask: bool = False
     """The store has the row-aligned ``loss_mask`` array (FORMAT.md 4.6); set at creation."""
     entropy: bool = False
@@ -87,8 +92,16 @@ class Manifest(BaseModel):
     @model_validator(mode="after")
     def _sampling_matches_targets(self) -> Manifest:
         targets, v = self.targets, self.sampling
-        if targets == "topk" and v is not None:
+        if targets != "sampled" and v is not None:
             raise ValueError('sampling is only allowed with targets="sampled"')
+        if (targets == "hidden") != (self.hidden is not None):
+            raise ValueError('targets="hidden" and the hidden description go together')
+        if targets == "hidden":
+            from .hidden import check_spec
+
+            check_spec(self.hidden, self.k)
+            if self.entropy:  # the rows rebuild the full distribution: nothing to store beside
+                raise ValueError('entropy is for targets "topk" and "sampled", not "hidden"')
         if targets == "sampled":
             need = {"method", "draws", "proposal_temperature", "seed"}
             if not isinstance(v, dict) or not need <= set(v) <= need | {"head"}:
@@ -145,6 +158,8 @@ class Manifest(BaseModel):
         if self.targets == "topk":  # top-k stores keep the exact manifest they always had
             doc.pop("targets", None)
             doc.pop("sampling", None)
+        if self.hidden is None:  # only hidden stores write it
+            doc.pop("hidden", None)
         if self.format_version < 2:
             doc.pop("num_key_bytes", None)
         if not self.loss_mask:  # stores without a mask keep their exact manifest

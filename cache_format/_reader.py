@@ -28,6 +28,7 @@ import zarr
 from zarr.codecs import BloscCodec, ShardingCodec
 
 from . import _entropy, spec
+from . import _hiddenread as hiddenread
 from . import _idmap as idmap
 from . import _procread as procread
 from . import _shardread as shardread
@@ -36,9 +37,17 @@ from ._integrity import checked_get
 from ._keyindex import KeyTable, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
-from ._snapshot import IndexSnapshot, SnapshotKeys
+from ._snapshot import IndexSnapshot
+from ._stored import records_of, stored_record
 from ._zarr_adapter import async_array, sync
-from .errors import ChecksumError, CorruptStoreError, FormatError, StoreNotFoundError
+from .errors import (
+    ChecksumError,
+    CorruptStoreError,
+    FormatError,
+    StoreNotFoundError,
+    TargetKindError,
+)
+from .hidden import TeacherHead
 from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
 from .quant import OUT_DTYPES
 from .records import RowBlock, SequenceRecord
@@ -87,54 +96,6 @@ def _open_arrays(zstore: Any, m: Manifest) -> dict[str, zarr.Array]:
         raise CorruptStoreError(f"store is missing an array: {e}") from e
     except Exception as e:  # damaged array metadata (zarr.json)
         raise CorruptStoreError(f"array metadata unreadable: {e!r}") from e
-
-
-class StoredRecord(SequenceRecord):
-    """A reader's :class:`SequenceRecord`: its ``key`` is read from the store when first used
-    (a training loop never asks for it; reading it may raise what a read of ``seq_keys``
-    raises). Pickles and copies as a plain :class:`SequenceRecord`."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name != "key" or "_keys" not in self.__dict__:
-            raise AttributeError(name)
-        keys, i = self.__dict__["_keys"]
-        key = self.__dict__["key"] = keys[i]
-        return key
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return SequenceRecord.trusted, (
-            self.key,
-            self.input_ids,
-            self.topk_ids,
-            self.topk_logprobs,
-            self.tail_mass,
-            self.loss_mask,
-            self.entropy,
-        )
-
-
-def _stored(keys: SnapshotKeys, i: int, *arrays: np.ndarray | None) -> SequenceRecord:
-    """:meth:`SequenceRecord.trusted` of a reader's arrays ``(tokens, ids, logprobs, tail,
-    mask)`` for sequence ``i``, its key left in the store until used."""
-    rec = object.__new__(StoredRecord)
-    tokens, ids, lp, tail, mask = arrays
-    rec.__dict__.update(
-        _keys=(keys, i),
-        input_ids=tokens,
-        topk_ids=ids,
-        topk_logprobs=lp,
-        tail_mass=tail,
-        loss_mask=mask,
-    )
-    return rec
-
-
-def _records(index: IndexSnapshot, idx: list[int], got: list[Fetched]) -> list[SequenceRecord]:
-    out, keys = [], index.keys
-    for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True):
-        assert tokens is not None  # sequence spans read their tokens
-        out.append(_stored(keys, i, tokens, ids, lp, tail, mask))
-    return out
 
 
 class CacheReader:
@@ -301,6 +262,14 @@ class CacheReader:
         assert self._open is not None
         return self._open
 
+    def _get_open(self) -> OpenArrays:
+        return self._opened
+
+    def head(self) -> TeacherHead:
+        """The teacher head of a ``targets="hidden"`` store (FORMAT.md 4.10), checked against
+        the manifest's ``head_digest`` (:class:`FormatError` for any other store)."""
+        return self._retry(lambda: hiddenread.read_head(self._opened))
+
     @property
     def manifest(self) -> Manifest:
         assert self._manifest is not None
@@ -339,11 +308,14 @@ class CacheReader:
         """The store's layout preset (FORMAT.md 4.7): its ``logitcache_layout`` attribute, else
         ``"default"`` if ``topk_ids`` has the default chunking and codecs, else ``"custom"``."""
         opened = self._opened
-        arr = opened.arrays[spec.TOPK_IDS]
+        row = spec.HIDDEN if opened.manifest.hidden is not None else spec.TOPK_IDS
+        arr = opened.arrays[row]
         name = arr.attrs.get(spec.LAYOUT_ATTR)
         if isinstance(name, str) and name:
             return name
-        lay = opened.direct.get(spec.TOPK_IDS)
+        if row == spec.HIDDEN:  # its chunking follows d (FORMAT.md 4.10)
+            return "default"
+        lay = opened.direct.get(row)
         d = spec.DEFAULT_LAYOUT
         if lay is None or (lay.chunk_rows, lay.shard_rows) != (d.row_chunk, d.row_shard):
             return "custom"
@@ -429,6 +401,8 @@ class CacheReader:
         Spans past the committed counts are :class:`CorruptStoreError` (R6)."""
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
+        if self._opened.manifest.hidden is not None:
+            raise TargetKindError('a targets="hidden" store has no top-k rows (FORMAT.md 4.10)')
 
         def read() -> list[Fetched]:
             opened, threads = self._opened, self.decode_threads
@@ -436,7 +410,7 @@ class CacheReader:
 
         return self._retry(read)
 
-    def _out(self, rec: SequenceRecord | RowBlock) -> Any:
+    def _out(self, rec: Any) -> Any:
         return rec.to_torch() if self.as_torch else rec
 
     def sequence(self, i: int, *, logprob_dtype: str = "float32") -> SequenceRecord | dict:
@@ -456,14 +430,18 @@ class CacheReader:
             return []
         return [self._out(rec) for rec in self._sequences(idx, logprob_dtype)]
 
-    def _sequences(self, idx: list[int], logprob_dtype: str) -> list[SequenceRecord]:
+    def _sequences(self, idx: list[int], logprob_dtype: str) -> list[Any]:
         """Records of sequences ``idx`` (checked indices) in one read: over the reader processes
         when there are any and the call splits, else in this process."""
-        index, got = self._index, None
+        index = self._index
+        if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
+            return hiddenread.sequences(self._get_open, self._retry, index, idx, logprob_dtype)
+        got = None
         if self.read_processes > 0 and spec.TOPK_IDS in self._opened.direct:
             got = self._proc_records(index, idx, logprob_dtype)
         if got is None:
-            got = _records(index, idx, self.read_spans([index.span(i) for i in idx], logprob_dtype))
+            spans = self.read_spans([index.span(i) for i in idx], logprob_dtype)
+            got = records_of(index, idx, spans)
         ent = _entropy.read(self._opened, self._retry, [index.span(i)[0] for i in idx])
         return _entropy.attach(got, ent)
 
@@ -496,15 +474,22 @@ class CacheReader:
         out, r, t, keys = [], 0, 0, index.keys
         for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
             n, nt = b - a, tb - ta
-            parts = (ids[r : r + n], lp[r : r + n], tail[r : r + n])
-            row_mask = None if mask is None else mask[r : r + n]
-            out.append(_stored(keys, i, tok[t : t + nt], *parts, row_mask))
+            rec = stored_record(
+                keys,
+                i,
+                tok[t : t + nt],
+                ids[r : r + n],
+                lp[r : r + n],
+                tail[r : r + n],
+                None if mask is None else mask[r : r + n],
+            )
+            out.append(rec)
             r, t = r + n, t + nt
         return out
 
     def read_ranges(
         self, ranges: Sequence[tuple[int, int]], *, logprob_dtype: str = "float32"
-    ) -> list[SequenceRecord]:
+    ) -> list[Any]:
         """Records of the sequences of every ``[a, b)`` in ``ranges``, range after range.
 
         Sequences are stored back to back, so sequences ``[a, b)`` are exactly one row span and
@@ -512,6 +497,8 @@ class CacheReader:
         of the range's blocks (no copy). Empty ranges contribute nothing; ranges may overlap or
         come in any order."""
         index = self._index
+        if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
+            return hiddenread.read_ranges(self._get_open, self._retry, index, ranges, logprob_dtype)
         todo = [(a, b) for a, b in index.check_ranges(ranges) if b > a]
         if not todo:
             return []
@@ -524,7 +511,7 @@ class CacheReader:
             for i, n in zip(range(a, b), lengths, strict=True):
                 ts = rs + i - a
                 out.append(
-                    _stored(
+                    stored_record(
                         keys,
                         i,
                         tokens[ts : ts + n],
@@ -548,6 +535,9 @@ class CacheReader:
         n = self.num_rows
         if not (0 <= start <= stop <= n):
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
+        if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
+            got = hiddenread.rows(self._get_open, self._retry, start, stop, logprob_dtype)
+            return self._out(got)
         ids, lp, tail, _, mask = self.read_spans([(slice(start, stop), None)], logprob_dtype)[0]
         ent = _entropy.read(self._opened, self._retry, [slice(start, stop)])
         return self._out(RowBlock(start, ids, lp, tail, mask, None if ent is None else ent[0]))

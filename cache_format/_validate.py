@@ -18,7 +18,7 @@ import zarr
 from zarr.abc.store import Store
 
 from . import _idmap as idmap
-from . import spec
+from . import hidden, spec
 from ._integrity import checked_get, missing_ranges
 from ._manifest import Manifest
 from ._seal import sealed
@@ -127,17 +127,17 @@ def _read(
 
 
 def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
-    d = {
-        spec.TOPK_IDS: ("int32", True),
-        spec.TOPK_LOGPROBS: (STORED_DTYPE[m.logprob_dtype], True),
-        spec.TAIL_MASS: (m.tail_mass_dtype, False),
-        spec.INPUT_IDS: ("int32", False),
-        spec.SEQ_KEYS: ("str", False),
-        spec.SEQ_LENGTHS: ("int32", False),
-        spec.SEQ_TOKEN_START: ("int64", False),
-        spec.SEQ_ROW_START: ("int64", False),
-    }
-    if m.logprob_dtype in spec.QUANTISED_DTYPES:
+    d = _row_dtypes(m)
+    d.update(
+        {
+            spec.INPUT_IDS: ("int32", False),
+            spec.SEQ_KEYS: ("str", False),
+            spec.SEQ_LENGTHS: ("int32", False),
+            spec.SEQ_TOKEN_START: ("int64", False),
+            spec.SEQ_ROW_START: ("int64", False),
+        }
+    )
+    if m.hidden is None and m.logprob_dtype in spec.QUANTISED_DTYPES:
         d[spec.LOGPROB_MAX] = ("float32", False)
         d[spec.LOGPROB_STEP] = ("float32", False)
     if m.id_remap:
@@ -149,6 +149,26 @@ def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
     if m.format_version >= 2:
         d[spec.SEQ_KEY_END] = ("int64", False)
         d[spec.SEQ_KEY_BYTES] = ("uint8", False)
+    return d
+
+
+def _row_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
+    """The row arrays (and, for a hidden store, the head) with their dtypes."""
+    h = m.hidden
+    if h is None:
+        return {
+            spec.TOPK_IDS: ("int32", True),
+            spec.TOPK_LOGPROBS: (STORED_DTYPE[m.logprob_dtype], True),
+            spec.TAIL_MASS: (m.tail_mass_dtype, False),
+        }
+    d = {
+        spec.HIDDEN: (hidden.STORED[h["dtype"]], True),
+        spec.HEAD_WEIGHT: (hidden.STORED[h["head_dtype"]], True),
+    }
+    if h["dtype"] == "float8_e4m3":
+        d[spec.HIDDEN_SCALE] = ("float32", False)
+    if h["bias"]:
+        d[spec.HEAD_BIAS] = ("float32", False)
     return d
 
 
@@ -166,11 +186,12 @@ def _open_arrays(store: Store, m: Manifest, report: ValidationReport) -> dict[st
             report.add("array_dtype", f"array {name} has dtype {a.dtype}, expected {dtype}", [name])
             continue
         want_ndim = 2 if k_axis else 1
-        if a.ndim != want_ndim or (k_axis and a.shape[1] != m.k):
+        width = m.k if m.hidden is None else m.hidden["dim"]
+        if a.ndim != want_ndim or (k_axis and a.shape[1] != width):
             report.add(
                 "array_shape",
                 f"array {name} has shape {a.shape}, expected "
-                f"{'[n, ' + str(m.k) + ']' if k_axis else '[n]'}",
+                f"{'[n, ' + str(width) + ']' if k_axis else '[n]'}",
                 [name],
             )
             continue
@@ -284,6 +305,9 @@ def _split(spans: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
 def _check_rows(
     arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
 ) -> None:
+    if m.hidden is not None:
+        _check_hidden(arrays, m, report, spans)
+        return
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
     quant = m.logprob_dtype in spec.QUANTISED_DTYPES
     if quant:
@@ -380,6 +404,40 @@ def _check_rows(
             b0,
             "row",
         )
+        report.checked_rows += b1 - b0
+
+
+def _check_hidden(
+    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
+) -> None:
+    """FORMAT.md 4.10: hidden rows finite (``hidden_nonfinite``), e4m3 scales finite and
+    ``> 0`` (``hidden_scale``), the head's bytes hashing to ``head_digest`` (``head_digest``)."""
+    h = m.hidden
+    assert h is not None
+    names = [n for n in (spec.HIDDEN, spec.HIDDEN_SCALE) if n in _row_dtypes(m)]
+    if not all(n in arrays for n in names):
+        return
+    if m.num_rows and all(n in arrays for n in (spec.HEAD_WEIGHT, spec.HEAD_BIAS)[: 1 + h["bias"]]):
+        w = _read(arrays, m, report, spec.HEAD_WEIGHT, 0, m.vocab_size)
+        b = _read(arrays, m, report, spec.HEAD_BIAS, 0, m.vocab_size) if h["bias"] else None
+        if w is not None and (b is not None or not h["bias"]):
+            got = hidden.TeacherHead(w, b, dtype=h["head_dtype"]).digest()
+            if got != h["head_digest"]:
+                report.add("head_digest", f"head bytes hash to {got}, manifest has another")
+    for b0, b1 in spans:
+        read = {n: _read(arrays, m, report, n, b0, b1) for n in names}
+        block = {n: v for n, v in read.items() if v is not None}
+        if len(block) < len(read):
+            continue
+        scale = block.get(spec.HIDDEN_SCALE)
+        if scale is not None:
+            bad = ~np.isfinite(scale) | (scale <= 0)
+            _flag(report, "hidden_scale", "e4m3 row scale not finite > 0", bad, b0, "row")
+            scale = np.where(bad, 1, scale)
+        with np.errstate(all="ignore"):
+            rows = hidden.decode_rows(block[spec.HIDDEN], h["dtype"], scale)
+        bad = ~np.isfinite(rows).all(axis=1)
+        _flag(report, "hidden_nonfinite", "hidden state NaN or inf", bad, b0, "row")
         report.checked_rows += b1 - b0
 
 

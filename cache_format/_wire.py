@@ -20,7 +20,9 @@ Arrays: ``input_ids`` ``<i4 [T]``, ``topk_ids`` ``<i4 [R, k]``, ``topk_logprobs`
 4.9; sent when every record has it, a frame mixing records with and without is refused);
 ``T = sum(lengths)``, ``R = T - n``.
 Record ``i`` owns the ``lengths[i]`` tokens and ``lengths[i] - 1`` rows after those of records
-``0..i-1``. Decoding returns float32 logprobs.
+``0..i-1``. Decoding returns float32 logprobs. A frame of hidden records (FORMAT.md 4.10) has
+``input_ids``, ``hidden`` ``<f4 [R, d]`` or ``hidden_bf16`` ``<u2 [R, d]`` (bfloat16 bit
+patterns, decoded as such), optional ``loss_mask``, and ``k = 0``.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ import json
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
+from ._manifest import Manifest
 from .errors import WireFormatError
+from .hidden import HiddenRecord, from_bf16_bits, to_bf16_bits
 from .records import SequenceRecord
 
 MAGIC = b"LCWF"
@@ -49,7 +54,40 @@ _ALLOWED = {
     "tail_mass": {"<f4"},
     "loss_mask": {"|u1"},
     "entropy": {"<f2"},
+    "hidden": {"<f4"},
+    "hidden_bf16": {"<u2"},
 }
+
+
+def exact_frame_dtype(manifest: Manifest) -> str:
+    """The ``logprob_dtype`` in which a store's rows are read and sent as stored: ``bfloat16``
+    for a hidden store (4.10), ``float16`` for a float16 one, else ``float32``."""
+    if manifest.hidden is not None:
+        return "bfloat16"
+    return "float16" if manifest.logprob_dtype == "float16" else "float32"
+
+
+def _mask_part(recs: Sequence[Any]) -> list[tuple[str, np.ndarray]]:
+    if not any(r.loss_mask is not None for r in recs):
+        return []
+    masks = [np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in recs]
+    return [("loss_mask", np.concatenate(masks).astype(np.uint8))]
+
+
+def _hidden_parts(recs: Sequence[Any], dtype: str) -> list[tuple[str, np.ndarray]]:
+    """The arrays of a frame of hidden records: float32, or bfloat16 bit patterns for
+    ``dtype="bfloat16"`` (records holding bit patterns are sent as they are)."""
+    if any(not isinstance(r, HiddenRecord) for r in recs):
+        raise WireFormatError("a frame holds hidden records or top-k records, not both")
+    if len({r.hidden.shape[1] for r in recs}) > 1:
+        raise WireFormatError("hidden records in one frame must share d")
+    h = np.concatenate([r.hidden for r in recs])
+    if dtype == "bfloat16":
+        part = ("hidden_bf16", h if h.dtype == np.uint16 else to_bf16_bits(h))
+    else:
+        part = ("hidden", from_bf16_bits(h) if h.dtype == np.uint16 else h.astype("<f4"))
+    inp = np.concatenate([r.input_ids for r in recs]).astype("<i4")
+    return [("input_ids", inp), part, *_mask_part(recs)]
 
 
 def encode_records(
@@ -65,17 +103,21 @@ def encode_records(
     has one, or computed for those without when some do.
     """
     recs = list(records)
-    if logprob_dtype not in ("float32", "float16"):
-        raise WireFormatError(f"logprob_dtype must be float32 or float16, not {logprob_dtype!r}")
+    hidden = bool(recs) and isinstance(recs[0], HiddenRecord)
+    allowed = ("float32", "bfloat16") if hidden else ("float32", "float16")
+    if logprob_dtype not in allowed:
+        raise WireFormatError(f"logprob_dtype must be one of {allowed}, not {logprob_dtype!r}")
     if compression not in ("none", "zstd"):
         raise WireFormatError(f"compression must be 'none' or 'zstd', not {compression!r}")
-    ks = {r.k for r in recs}
+    ks = {0} if hidden else {getattr(r, "k", 0) for r in recs}
     if len(ks) > 1:
         raise WireFormatError(f"records in one frame must share k, got {sorted(ks)}")
     k = ks.pop() if ks else 0
     lp_dt = "<f4" if logprob_dtype == "float32" else "<f2"
     parts: list[tuple[str, np.ndarray]] = []
-    if recs:
+    if hidden:
+        parts = _hidden_parts(recs, logprob_dtype)
+    elif recs:
         parts = [
             ("input_ids", np.concatenate([r.input_ids for r in recs]).astype("<i4")),
             ("topk_ids", np.concatenate([r.topk_ids for r in recs]).astype("<i4")),
@@ -85,11 +127,7 @@ def encode_records(
             parts.append(
                 ("tail_mass", np.concatenate([r.tail_or_computed() for r in recs]).astype("<f4"))
             )
-        if any(r.loss_mask is not None for r in recs):
-            masks = [
-                np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in recs
-            ]
-            parts.append(("loss_mask", np.concatenate(masks).astype(np.uint8)))
+        parts += _mask_part(recs)
         with_entropy = sum(r.entropy is not None for r in recs)
         if with_entropy not in (0, len(recs)):
             raise WireFormatError("records in one frame must all have entropy or none")
@@ -136,7 +174,7 @@ def _frame_size(buf: memoryview, pos: int) -> int | None:
     return _PREFIX.size + hlen + plen + _CRC.size
 
 
-def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
+def _decode_frame(frame: memoryview) -> list[Any]:
     _magic, _version, flags, hlen, plen = _PREFIX.unpack_from(frame, 0)
     body = frame[_PREFIX.size : _PREFIX.size + hlen + plen]
     (crc,) = _CRC.unpack_from(frame, _PREFIX.size + hlen + plen)
@@ -171,6 +209,8 @@ def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
         pos += nbytes
     if n == 0:
         return []
+    if "hidden" in arrays or "hidden_bf16" in arrays:
+        return _hidden_records(arrays, keys, lengths)
     need = {"input_ids", "topk_ids", "topk_logprobs"}
     if not need <= arrays.keys():
         raise WireFormatError(f"frame lacks arrays {sorted(need - arrays.keys())}")
@@ -197,6 +237,34 @@ def _decode_frame(frame: memoryview) -> list[SequenceRecord]:
                 None if ent is None else ent[r : r + L - 1].astype(np.float32),
             )
         )
+        t, r = t + L, r + L - 1
+    return out
+
+
+def _hidden_records(arrays: dict[str, np.ndarray], keys: list, lengths: list) -> list[Any]:
+    """The :class:`HiddenRecord` of a hidden frame (its arrays checked against ``lengths``)."""
+    total, n = int(sum(lengths)), len(lengths)
+    h = arrays.get("hidden", arrays.get("hidden_bf16"))
+    assert h is not None
+    mask = arrays.get("loss_mask")
+    if (
+        "input_ids" not in arrays
+        or arrays["input_ids"].shape != (total,)
+        or h.ndim != 2
+        or h.shape[0] != total - n
+        or (mask is not None and mask.shape != (total - n,))
+        or not {"topk_ids", "topk_logprobs", "tail_mass"}.isdisjoint(arrays)
+    ):
+        raise WireFormatError("hidden frame's arrays disagree with its lengths")
+    out: list[Any] = []
+    t = r = 0
+    for key, L in zip(keys, lengths, strict=True):
+        L = int(L)
+        if not isinstance(key, str) or not key or L < 2:
+            raise WireFormatError(f"bad record in hidden frame: key {key!r}, length {L}")
+        m = None if mask is None else mask[r : r + L - 1].copy()
+        ids = arrays["input_ids"][t : t + L].astype(np.int32)
+        out.append(HiddenRecord.trusted(key, ids, h[r : r + L - 1].copy(), m))
         t, r = t + L, r + L - 1
     return out
 

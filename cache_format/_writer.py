@@ -45,6 +45,7 @@ from ._seal import seal_written, sealed
 from ._shardread import DirectLayout
 from ._zarr_adapter import async_array, default_buffer_prototype, sync
 from .errors import FormatError, ManifestError, StoreNeedsRepairError
+from .hidden import check_head, head_columns
 from .layout import (
     INCOMPLETE_ATTR,
     ArrayDef,
@@ -92,6 +93,7 @@ class CacheWriter:
         self._keys = KeyTable(self._read_keys, self._read_key_bytes)  # hashed at the first lookup
         self._rank: np.ndarray | None = None  # id -> stored id (frequency-rank remap)
         self._pending_rank: np.ndarray | None = None
+        self._head: Any = None  # the TeacherHead of a hidden store (FORMAT.md 4.10)
         self._closed = False
         self._opened: dict[str, Any] = {}  # arrays as this writer's last append left them
         self._direct: dict[str, templates.DirectArray] = {}  # the same, for arrays written directly
@@ -109,6 +111,7 @@ class CacheWriter:
         lock_ttl: float = 60.0,
         fsync: bool = True,
         direct_io: bool | None = None,
+        head: Any = None,
     ) -> CacheWriter:
         """Create the cache at ``url`` or resume it.
 
@@ -121,10 +124,14 @@ class CacheWriter:
         ``False`` skips the fsyncs (faster, still crash-safe against the process dying).
         ``direct_io`` (local stores with ``fsync``): write the shards with ``O_DIRECT``, not
         through the page cache (``None``: yes where the platform has it; see
-        :class:`.store.DurableLocalStore`).
+        :class:`.store.DurableLocalStore`). ``head``: the teacher's
+        :class:`~.hidden.TeacherHead` of a ``targets="hidden"`` store (FORMAT.md 4.10), checked
+        against the manifest's ``hidden`` here and written by the first commit.
         """
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"expected Manifest, got {type(manifest).__name__}")
+        if head is not None and manifest.hidden is not None:
+            check_head(head, manifest.hidden, manifest.vocab_size)
         handle = open_store(url, storage_options, read_only=False, fsync=fsync, direct_io=direct_io)
         self = cls(
             handle,
@@ -133,6 +140,7 @@ class CacheWriter:
             lock_timeout=lock_timeout,
             lock_ttl=lock_ttl,
         )
+        self._head = head
         self._lock.acquire(lock_timeout)
         try:
             handle.remove_partials()
@@ -421,6 +429,8 @@ class CacheWriter:
             ends = m.num_key_bytes + np.cumsum([len(b) for b in raw])
             cols[spec.SEQ_KEY_END] = ends.astype(np.int64)
         self._remap_ids(m, cols)
+        if m.hidden is not None and m.num_rows == 0:  # the head, once (FORMAT.md 4.10)
+            cols.update(head_columns(check_head(self._head, m.hidden, m.vocab_size)))
         return cols
 
     def _write(self, m: Manifest, fresh: Batch) -> None:
@@ -433,6 +443,8 @@ class CacheWriter:
         base = {
             spec.INPUT_IDS: m.num_tokens,
             spec.ID_ORDER: 0,
+            spec.HEAD_WEIGHT: 0,
+            spec.HEAD_BIAS: 0,
             spec.SEQ_KEY_BYTES: m.num_key_bytes,
             **{n: m.num_sequences for n in (*spec.SEQ_ARRAYS, spec.SEQ_KEY_END)},
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -192,16 +192,19 @@ def export_records(
                 f.write(encode_records(recs))
                 continue
             for r in recs:
-                f.write(
-                    json.dumps(
-                        {
-                            "key": r.key,
-                            "input_ids": r.input_ids.tolist(),
-                            "topk_ids": r.topk_ids.tolist(),
-                            "topk_logprobs": r.topk_logprobs.tolist(),
-                            "tail_mass": r.tail_or_computed().tolist(),
-                        }
-                    )
-                    + "\n"
-                )
+                f.write(json.dumps(_json_record(r)) + "\n")
     return n
+
+
+def _json_record(r: Any) -> dict[str, Any]:
+    """A record as :func:`export_records` writes a JSON line: its top-k arrays, or a hidden
+    record's ``hidden`` rows (float32, FORMAT.md 4.10)."""
+    out = {"key": r.key, "input_ids": r.input_ids.tolist()}
+    if hasattr(r, "hidden"):
+        return {**out, "hidden": r.hidden.tolist()}
+    return {
+        **out,
+        "topk_ids": r.topk_ids.tolist(),
+        "topk_logprobs": r.topk_logprobs.tolist(),
+        "tail_mass": r.tail_or_computed().tolist(),
+    }

@@ -91,3 +91,8 @@ class StoreNeedsRepairError(CorruptStoreError):
 
 class WireFormatError(FormatError):
     """Bytes given to the wire decoder are not a valid (or complete) logitcache frame."""
+
+
+class TargetKindError(FormatError):
+    """A cache asked for rows of a kind it does not hold: top-k rows of a ``targets="hidden"``
+    store, or hidden rows or the teacher head of a top-k or sampled one (FORMAT.md 4.10)."""

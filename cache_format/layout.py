@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -38,6 +39,9 @@ class ArrayDef:
     whole_blocks: bool = False
     encoding: str = ""
     """Value of the array attribute ``logitcache_encoding`` (FORMAT.md §4, version >= 2)."""
+    width: int = 0
+    """Length of axis 1 of a ``[n, width]`` array other than ``k`` (``hidden`` and the head,
+    FORMAT.md 4.10); 0: ``k``."""
     layout: str = "default"
     """Name of the :class:`~.spec.Layout` preset; recorded as the array attribute
     ``logitcache_layout`` (version >= 2) unless ``"default"`` (FORMAT.md 4.7)."""
@@ -59,42 +63,11 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
             name, dtype, False, layout.seq_chunk, layout.seq_shard, codec, ("sequence",), whole, enc
         )
 
-    lp_dtype = manifest.logprob_dtype
-    dims2 = ("row", "rank")
-    id_enc = "id_rank" if manifest.id_remap else "id"
-    defs = [
-        ArrayDef(
-            spec.TOPK_IDS,
-            "int32",
-            True,
-            row_chunk,
-            row_shard,
-            layout.id_codec,
-            dims2,
-            whole,
-            id_enc,
-        ),
-        ArrayDef(
-            spec.TOPK_LOGPROBS,
-            STORED_DTYPE[lp_dtype],
-            True,
-            row_chunk,
-            row_shard,
-            layout.logprob_codec,
-            dims2,
-            whole,
-            f"{lp_dtype}_row_delta",
-        ),
-    ]
-    if lp_dtype in spec.QUANTISED_DTYPES:
-        defs += [
-            rows(n, "float32", layout.other_codec, "float32")
-            for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
-        ]
+    if manifest.targets == "hidden":
+        defs = _hidden_defs(manifest, layout, rows)
+    else:
+        defs = _topk_defs(manifest, layout, rows)
     defs += [
-        rows(
-            spec.TAIL_MASS, manifest.tail_mass_dtype, layout.other_codec, manifest.tail_mass_dtype
-        ),
         ArrayDef(
             spec.INPUT_IDS,
             "int32",
@@ -141,8 +114,122 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
         defs.append(
             ArrayDef(spec.ID_ORDER, "int32", False, vocab, vocab, "zstd3", ("vocab",), False, "id")
         )
+    if manifest.targets == "hidden":
+        defs += _head_defs(manifest, layout)
     if layout.name != "default":
         defs = [replace(d, layout=layout.name) for d in defs]
+    return defs
+
+
+def _topk_defs(manifest: Manifest, layout: spec.Layout, rows: Any) -> list[ArrayDef]:
+    """The row arrays of a top-k or sampled store (FORMAT.md 4, 4.1)."""
+    whole = layout.blosc_blocks == "chunk"
+    row_chunk, row_shard = layout.row_chunk, layout.row_shard
+    lp_dtype = manifest.logprob_dtype
+    dims2 = ("row", "rank")
+    id_enc = "id_rank" if manifest.id_remap else "id"
+    defs = [
+        ArrayDef(
+            spec.TOPK_IDS,
+            "int32",
+            True,
+            row_chunk,
+            row_shard,
+            layout.id_codec,
+            dims2,
+            whole,
+            id_enc,
+        ),
+        ArrayDef(
+            spec.TOPK_LOGPROBS,
+            STORED_DTYPE[lp_dtype],
+            True,
+            row_chunk,
+            row_shard,
+            layout.logprob_codec,
+            dims2,
+            whole,
+            f"{lp_dtype}_row_delta",
+        ),
+    ]
+    if lp_dtype in spec.QUANTISED_DTYPES:
+        defs += [
+            rows(n, "float32", layout.other_codec, "float32")
+            for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
+        ]
+    defs.append(
+        rows(spec.TAIL_MASS, manifest.tail_mass_dtype, layout.other_codec, manifest.tail_mass_dtype)
+    )
+    return defs
+
+
+HIDDEN_CHUNK_BYTES = 1 << 20
+"""Target size of an inner chunk of ``hidden`` and the head before compression (1 MiB: 128 rows
+at d=4096 in bfloat16); rounded down to a power of two of rows, at least 1."""
+
+
+def _rows_for(width: int, itemsize: int) -> int:
+    n = max(1, HIDDEN_CHUNK_BYTES // (width * itemsize))
+    return 1 << (n.bit_length() - 1)
+
+
+def _hidden_defs(manifest: Manifest, layout: spec.Layout, rows: Any) -> list[ArrayDef]:
+    """The row arrays of a hidden store (FORMAT.md 4.10): ``hidden`` ``[n, d]`` in inner chunks
+    of about 1 MiB and shards of 64 chunks, plus ``hidden_scale`` for e4m3."""
+    from .hidden import STORED
+
+    h = manifest.hidden
+    assert h is not None
+    stored = STORED[h["dtype"]]
+    chunk = _rows_for(h["dim"], np.dtype(stored).itemsize)
+    defs = [
+        ArrayDef(
+            spec.HIDDEN,
+            stored,
+            True,
+            chunk,
+            chunk * 64,
+            layout.logprob_codec,
+            ("row", "hidden"),
+            layout.blosc_blocks == "chunk",
+            h["dtype"],
+            width=h["dim"],
+        )
+    ]
+    if h["dtype"] == "float8_e4m3":
+        defs.append(rows(spec.HIDDEN_SCALE, "float32", layout.other_codec, "float32"))
+    return defs
+
+
+def _head_defs(manifest: Manifest, layout: spec.Layout) -> list[ArrayDef]:
+    """The teacher head (FORMAT.md 4.10): ``head_weight`` ``[V, d]`` and, with a bias,
+    ``head_bias`` ``[V]``; written once, by the first commit."""
+    from .hidden import STORED
+
+    h = manifest.hidden
+    assert h is not None
+    stored = STORED[h["head_dtype"]]
+    chunk = _rows_for(h["dim"], np.dtype(stored).itemsize)
+    whole = layout.blosc_blocks == "chunk"
+    defs = [
+        ArrayDef(
+            spec.HEAD_WEIGHT,
+            stored,
+            True,
+            chunk,
+            chunk * 64,
+            "blosc-zstd1-shuffle",
+            ("vocab", "hidden"),
+            whole,
+            h["head_dtype"],
+            width=h["dim"],
+        )
+    ]
+    if h["bias"]:
+        v = manifest.vocab_size
+        defs.append(
+            ArrayDef(spec.HEAD_BIAS, "float32", False, v, v, "zstd3", ("vocab",), False, "float32")
+        )
     return defs
 
 
@@ -158,6 +245,10 @@ def committed_lengths(m: Manifest) -> dict[str, int]:
         spec.ENTROPY: m.num_rows,
         spec.INPUT_IDS: m.num_tokens,
         spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
+        spec.HIDDEN: m.num_rows,
+        spec.HIDDEN_SCALE: m.num_rows,
+        spec.HEAD_WEIGHT: m.vocab_size if m.num_rows else 0,
+        spec.HEAD_BIAS: m.vocab_size if m.num_rows else 0,
         spec.SEQ_KEY_BYTES: m.num_key_bytes,
         **{n: m.num_sequences for n in (*spec.SEQ_ARRAYS, spec.SEQ_KEY_END)},
     }
@@ -178,6 +269,7 @@ def create_array(
     store: zarr.abc.store.Store, d: ArrayDef, k: int, version: int = spec.FORMAT_VERSION
 ) -> zarr.Array:
     """Create (overwriting) an empty array for ``d`` in ``store`` (of a store of ``version``)."""
+    k = d.width or k
     shape = (0, k) if d.k_axis else (0,)
     chunks = (d.chunk, k) if d.k_axis else (d.chunk,)
     shards = (d.shard, k) if d.k_axis else (d.shard,)

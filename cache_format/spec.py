@@ -58,6 +58,11 @@ SEQ_ROW_START = "seq_row_start"  # [S] int64, offset of sequence i in the row ar
 SEQ_KEY_BYTES = "seq_key_bytes"  # [B] uint8, v2: UTF-8 bytes of every key, concatenated
 SEQ_KEY_END = "seq_key_end"  # [S] int64, v2: end of key i in seq_key_bytes (start: end[i-1] or 0)
 
+HIDDEN = "hidden"  # [R, d] uint16 (bfloat16 bits) | uint8 (e4m3 bits), targets="hidden" (4.10)
+HIDDEN_SCALE = "hidden_scale"  # [R] float32, hidden.dtype="float8_e4m3" only: per-row scale
+HEAD_WEIGHT = "head_weight"  # [V, d] uint16 (bfloat16 bits) | float32, targets="hidden" only
+HEAD_BIAS = "head_bias"  # [V] float32, targets="hidden" with hidden.bias only
+
 SEQ_ARRAYS = (SEQ_KEYS, SEQ_LENGTHS, SEQ_TOKEN_START, SEQ_ROW_START)
 KEY_BYTES_ARRAYS = (SEQ_KEY_END, SEQ_KEY_BYTES)  # v2 only
 

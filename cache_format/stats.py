@@ -15,6 +15,7 @@ from zarr.abc.store import Store
 from . import spec
 from ._manifest import Manifest
 from ._zarr_adapter import sync
+from .hidden import bytes_per_position
 
 if TYPE_CHECKING:
     from ._reader import CacheReader
@@ -26,6 +27,8 @@ ROW_FAMILY = (
     spec.LOGPROB_MAX,
     spec.LOGPROB_STEP,
     spec.TAIL_MASS,
+    spec.HIDDEN,
+    spec.HIDDEN_SCALE,
 )
 
 
@@ -34,6 +37,8 @@ class StoreStats:
     bytes_by_array: dict[str, int]
     num_rows: int
     k: int
+    raw_per_position: int | None = None
+    """Raw row bytes per position when not ``k * 6`` (a hidden store: 4.10's bytes per row)."""
 
     @property
     def total_bytes(self) -> int:
@@ -49,7 +54,7 @@ class StoreStats:
 
     @property
     def raw_bytes_per_position(self) -> int:
-        return self.k * 6
+        return self.k * 6 if self.raw_per_position is None else self.raw_per_position
 
     @property
     def compression_ratio(self) -> float:
@@ -60,12 +65,16 @@ class StoreStats:
 def store_stats(zstore: Store, manifest: Manifest) -> StoreStats:
     """Stored bytes of every array of the store (all objects under each array's prefix)."""
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
-    if manifest.logprob_dtype in spec.QUANTISED_DTYPES:
+    h, raw = manifest.hidden, None
+    if h is not None:  # FORMAT.md 4.10: hidden rows (and the head) instead of top-k arrays
+        names = [spec.HIDDEN, spec.HIDDEN_SCALE, spec.HEAD_WEIGHT, spec.HEAD_BIAS, *names[3:]]
+        raw = bytes_per_position(h["dim"], h["dtype"])
+    elif manifest.logprob_dtype in spec.QUANTISED_DTYPES:
         names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
     if manifest.format_version >= 2:
         names += list(spec.KEY_BYTES_ARRAYS)
     sizes = {n: int(sync(zstore.getsize_prefix(n + "/"))) for n in names}
-    return StoreStats(sizes, manifest.num_rows, manifest.k)
+    return StoreStats(sizes, manifest.num_rows, manifest.k, raw)
 
 
 #: Windows sampled by :func:`tail_summary`, and rows per window.

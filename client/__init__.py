@@ -8,7 +8,8 @@
   :class:`StreamConfig` (order, packing, sharding) and read as :class:`ReadOptions` say
   (threads, processes, prefetch); deterministic shuffling, exact mid-epoch resume.
 * :func:`open_source`: a store location or server URL as a cache source.
-* The loss is :mod:`logitcache.client.loss` (``topk_distill_loss``, ``TopKDistillLoss``).
+* The loss is :mod:`logitcache.client.loss` (``topk_distill_loss``, ``TopKDistillLoss``;
+  ``exact_distill_loss`` with :func:`load_head` for a hidden cache, :mod:`.hidden`).
 * :mod:`~logitcache.client.packing`, :mod:`~logitcache.client.hf` (HF ``Trainer``, needs the
   ``hf`` extra), :mod:`~logitcache.client.interop` (parquet for axolotl / DistillKit),
   :mod:`~logitcache.client.cli` (the ``logitcache`` command): imported on demand.
@@ -63,6 +64,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .config import ReadOptions, StreamConfig
     from .dataset import CacheDataLoader, CacheDataset
+    from .hidden import load_head
     from .http import AsyncTeacherClient, TeacherClient
     from .sources import open_source
 
@@ -74,6 +76,7 @@ _WHERE = {
     "ReadOptions": "config",
     "StreamConfig": "config",
     "TeacherClient": "http",
+    "load_head": "hidden",
     "open_source": "sources",
 }
 
@@ -84,6 +87,7 @@ __all__ = [
     "ReadOptions",
     "StreamConfig",
     "TeacherClient",
+    "load_head",
     "open_source",
 ]
 

@@ -198,6 +198,7 @@ def build_batch(
     *,
     pad_token_id: int = 0,
     ids_dtype: Any = np.int64,
+    hidden_dim: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Assemble ``items`` of ``plan`` into arrays with a leading batch dimension ``B = len(items)``.
 
@@ -207,6 +208,10 @@ def build_batch(
     logprob) and the dropped columns' mass moves to the tail: ``tail' = tail + sum exp(dropped)``.
     A missing ``tail_mass`` is derived as ``clip(1 - sum(exp(topk_logprobs)), 0, 1)``, its
     definition.
+
+    ``hidden_dim``: records of a hidden cache (FORMAT.md 4.10, ``hidden [L-1, d]`` as bfloat16
+    bit patterns): the batch has ``hidden`` ``[B, T, d]`` uint16 (zeros where there is no
+    row) in place of the top-k arrays.
     """
     B, T = len(items), int(tokens_per_item)
     out = {
@@ -215,10 +220,13 @@ def build_batch(
         "attention_mask": np.zeros((B, T), dtype=np.int64),
         "position_ids": np.zeros((B, T), dtype=np.int64),
         "segment_ids": np.zeros((B, T), dtype=np.int64),
-        "topk_ids": np.zeros((B, T, k), dtype=ids_dtype),
-        "topk_logprobs": np.zeros((B, T, k), dtype=np.float32),
-        "tail_mass": np.zeros((B, T), dtype=np.float32),
     }
+    if hidden_dim is None:
+        out["topk_ids"] = np.zeros((B, T, k), dtype=ids_dtype)
+        out["topk_logprobs"] = np.zeros((B, T, k), dtype=np.float32)
+        out["tail_mass"] = np.zeros((B, T), dtype=np.float32)
+    else:
+        out["hidden"] = np.zeros((B, T, hidden_dim), dtype=np.uint16)
     keep = np.ones((B, T), dtype=bool)  # False on rows a record's stored loss mask excludes
     for b, item in enumerate(items):
         offset = 0
@@ -262,6 +270,19 @@ def _place(
         raise SourceError(f"sequence {record.key!r} has {len(ids)} tokens, plan needs {stop}")
     row_stop = min(stop, len(ids) - 1)
     n_rows = row_stop - start
+    sl = slice(offset, offset + n_tok)
+    rl = slice(offset, offset + n_rows)
+    out["input_ids"][b, sl] = ids[start:stop]
+    out["attention_mask"][b, sl] = 1
+    out["position_ids"][b, sl] = np.arange(n_tok)
+    out["segment_ids"][b, sl] = segment
+    out["labels"][b, rl] = ids[start + 1 : row_stop + 1]
+    if "hidden" in out:  # a hidden cache's rows (FORMAT.md 4.10)
+        h = np.asarray(record.hidden)
+        if h.dtype != np.uint16 or h.shape[0] != len(ids) - 1:
+            raise SourceError(f"sequence {record.key!r}: hidden rows {h.dtype} {h.shape}")
+        out["hidden"][b, rl] = h[start:row_stop]
+        return
     topk_ids = np.asarray(record.topk_ids)
     topk_lp = np.asarray(record.topk_logprobs)
     if topk_ids.shape[0] != len(ids) - 1 or topk_lp.shape != topk_ids.shape:
@@ -271,13 +292,6 @@ def _place(
         )
     if topk_ids.shape[1] < k:
         raise SourceError(f"sequence {record.key!r} has k={topk_ids.shape[1]} < requested {k}")
-    sl = slice(offset, offset + n_tok)
-    rl = slice(offset, offset + n_rows)
-    out["input_ids"][b, sl] = ids[start:stop]
-    out["attention_mask"][b, sl] = 1
-    out["position_ids"][b, sl] = np.arange(n_tok)
-    out["segment_ids"][b, sl] = segment
-    out["labels"][b, rl] = ids[start + 1 : row_stop + 1]
     lp = topk_lp[start:row_stop]
     out["topk_ids"][b, rl] = topk_ids[start:row_stop, :k]
     out["topk_logprobs"][b, rl] = lp[:, :k]

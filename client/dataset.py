@@ -180,6 +180,10 @@ class CacheDataset(IterableDataset):
         )
         selection.check_cache(manifest, config.entropy_top_fraction)
         k = int(manifest.k)
+        hidden = getattr(manifest, "hidden", None)  # FORMAT.md 4.10: no top-k columns
+        self.hidden_dim = None if hidden is None else int(hidden["dim"])
+        if hidden and config.topk is not None:
+            raise ConfigError('topk does not apply to a targets="hidden" cache (no top-k rows)')
         if config.topk is not None and config.topk > k:
             raise ConfigError(f"topk must be in [1, {k}] (the cache's k), got {config.topk}")
         self.k = k if config.topk is None else config.topk
@@ -232,9 +236,10 @@ class CacheDataset(IterableDataset):
 
     @property
     def target_kind(self) -> str:
-        """``"topk"`` or ``"sampled"`` (the manifest's ``targets``; FORMAT.md 4.4). Units of a
-        sampled cache carry it as the key ``"target_kind"`` too (the value for the loss's
-        ``targets=``); top-k units keep exactly their tensor keys."""
+        """``"topk"``, ``"sampled"`` or ``"hidden"`` (the manifest's ``targets``; FORMAT.md
+        4.4, 4.10). Units of a sampled or hidden cache carry it as the key ``"target_kind"`` too;
+        top-k units keep exactly their tensor keys. Hidden units hold ``hidden [.., T, d]``
+        bfloat16 instead of ``topk_*``/``tail_mass`` (:mod:`logitcache.client.hidden`)."""
         return str(getattr(self.source.manifest, "targets", "topk"))
 
     @property
@@ -414,10 +419,13 @@ class CacheDataset(IterableDataset):
             self.k,
             pad_token_id=self.config.pad_token_id,
             ids_dtype=np.int64 if self.config.ids_dtype == torch.int64 else np.int32,
+            hidden_dim=self.hidden_dim,
         )
         if trim and self.target_kind == "sampled":
             arrays = trim_padding_columns(arrays)
         unit: dict[str, Any] = {name: torch.from_numpy(v) for name, v in arrays.items()}
+        if "hidden" in unit:  # bfloat16 bit patterns, viewed as such (no copy)
+            unit["hidden"] = unit["hidden"].view(torch.bfloat16)
         if self.config.batch_size is None:
             unit = {name: value[0] for name, value in unit.items()}
         if self.target_kind != "topk":

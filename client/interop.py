@@ -77,8 +77,9 @@ def _records(url: str, storage_options: dict | None, limit: int | None) -> Itera
     from logitcache.cache_format import CacheReader
 
     reader = CacheReader(url, storage_options)
-    if getattr(reader.manifest, "targets", "topk") != "topk":
-        raise InteropError("only top-k caches export to peer formats (this one holds sampled ids)")
+    kind = getattr(reader.manifest, "targets", "topk")
+    if kind != "topk":
+        raise InteropError(f"only top-k caches export to peer formats (this one holds {kind} rows)")
     n = reader.num_sequences if limit is None or limit < 0 else min(limit, reader.num_sequences)
     for start in range(0, n, _BATCH):
         yield from reader.sequences(range(start, min(start + _BATCH, n)))

@@ -269,10 +269,12 @@ class LocalSource:
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
         ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)
+        dt = "bfloat16" if self.reader.manifest.hidden is not None else "float32"  # FORMAT 4.10
         if self.read_processes or self._point_reads(len(wanted), len(ranges)):
             picked = wanted.tolist()
-            return dict(zip(picked, self.reader.sequences(picked), strict=True))
-        records = self.reader.read_ranges(ranges)
+            got = self.reader.sequences(picked, logprob_dtype=dt)
+            return dict(zip(picked, got, strict=True))
+        records = self.reader.read_ranges(ranges, logprob_dtype=dt)
         sent = np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else wanted
         keep = np.isin(sent, wanted)
         return {int(i): r for i, r, k in zip(sent.tolist(), records, keep, strict=True) if k}
@@ -345,13 +347,19 @@ class HttpSource:
         self._lengths: np.ndarray | None = None
         self._store: LocalSource | None = None
         if transport == "store":
-            headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-            self._store = LocalSource(
-                f"{base_url.rstrip('/')}/v1/caches/{cache}/store",
-                {"headers": headers} if headers else None,
-                max_gap_tokens=max_gap_tokens,
-                decode_threads=decode_threads,
-            )
+            self._store = self.store_source()
+
+    def store_source(self) -> LocalSource:
+        """A :class:`LocalSource` reading this cache's stored objects over HTTP (what
+        ``transport="store"`` reads through; any transport may use it, e.g. for the teacher
+        head of a hidden cache)."""
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return LocalSource(
+            f"{self.base_url.rstrip('/')}/v1/caches/{self.cache}/store",
+            {"headers": headers} if headers else None,
+            max_gap_tokens=self.max_gap_tokens,
+            decode_threads=self.decode_threads,
+        )
 
     _CONFIG = (
         "base_url",

@@ -119,8 +119,9 @@ class ErrorResponse(ApiModel):
 
 # --- target kind ---------------------------------------------------------------------------
 
-#: What a cache's rows hold (FORMAT.md 4.4): the teacher's top-k, or sampled targets.
-TargetKind = Literal["topk", "sampled"]
+#: What a cache's rows hold (FORMAT.md 4.4, 4.10): the teacher's top-k, sampled targets, or its
+#: final hidden states (with its head stored once; jobs only).
+TargetKind = Literal["topk", "sampled", "hidden"]
 
 
 class SamplingOptions(ApiModel):
@@ -176,6 +177,8 @@ def _check_targets(targets: str, sampling: SamplingOptions | None, k: int | None
         raise ValueError('sampling is only allowed with targets="sampled"')
     if targets == "sampled" and k is not None:
         raise ValueError('k does not apply to targets="sampled" (use sampling.draws)')
+    if targets == "hidden" and (k is not None or sampling is not None):
+        raise ValueError('k and sampling do not apply to targets="hidden" (rows are states)')
 
 
 # --- scoring -------------------------------------------------------------------------------
@@ -342,8 +345,9 @@ class JobCreate(ApiModel):
     )
     targets: TargetKind = Field(
         "topk",
-        description="what the cache holds: topk rows, or sampled targets (one cache, one kind: "
-        "another kind than an existing cache's is a 409)",
+        description="what the cache holds: topk rows, sampled targets, or the teacher's final "
+        "hidden states and head (FORMAT.md 4.10; one cache, one kind: another kind than an "
+        "existing cache's is a 409)",
     )
     sampling: SamplingOptions | None = Field(
         None,

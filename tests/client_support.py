@@ -71,8 +71,19 @@ def build_cache(
 
 
 def collect(iterable: Any) -> list[dict[str, np.ndarray]]:
-    """Materialise an iterator of tensor dicts as numpy dicts (copies)."""
-    return [{name: value.numpy().copy() for name, value in unit.items()} for unit in iterable]
+    """Materialise an iterator of tensor dicts as numpy dicts (copies; bfloat16 tensors as
+    their int16 bit patterns, other values such as ``target_kind`` as they are)."""
+    return [{name: _as_numpy(value) for name, value in unit.items()} for unit in iterable]
+
+
+def _as_numpy(value: Any) -> Any:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dtype == torch.bfloat16:
+        value = value.view(torch.int16)
+    return value.numpy().copy()
 
 
 def same_stream(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> bool:

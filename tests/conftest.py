@@ -139,6 +139,7 @@ _NOT_FAST_MODULES = frozenset(
         "test_fixtures_tiny",
         "test_engine_typing",
         "test_bench_smoke",
+        "test_bench_loader_hidden",
         "test_bench_gpu_suites",
         "test_server_job_cpu",
         "test_engine_threads",

@@ -325,3 +325,36 @@ def reseal(url, name: str) -> None:
     arr = zarr.open_array(zarr.storage.LocalStore(str(url)), path=name, mode="r+")
     assert arr.shape[0] <= arr.metadata.chunk_grid.chunk_shape[0]  # one shard
     sync(seal_written(async_array(arr), name, 0, arr.shape[0]))
+
+
+# --------------------------------------------------------------------------- hidden targets (4.10)
+
+
+def make_head(vocab: int = 50, dim: int = 16, seed: int = 0, bias: bool = True, **kw):
+    """A random float32 :class:`TeacherHead` ``[vocab, dim]`` (with a bias unless told)."""
+    from logitcache.cache_format import TeacherHead
+
+    rng = np.random.default_rng(seed)
+    b = rng.standard_normal(vocab).astype(np.float32) if bias else None
+    return TeacherHead(rng.standard_normal((vocab, dim)).astype(np.float32), b, **kw)
+
+
+def hidden_manifest(head, dtype: str = "bfloat16", **kw) -> Manifest:
+    """A ``targets="hidden"`` manifest for ``head``."""
+    return make_manifest(
+        k=1, vocab_size=head.vocab_size, targets="hidden", hidden=head.spec(dtype), **kw
+    )
+
+
+def make_hidden_records(n: int, vocab: int, dim: int, seed: int = 0, max_len: int = 40) -> list:
+    """``n`` :class:`HiddenRecord` with keys ``h0..``, random lengths ``2..max_len``."""
+    from logitcache.cache_format import HiddenRecord
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(2, max_len + 1))
+        ids = rng.integers(0, vocab, size=length, dtype=np.int32)
+        h = (rng.standard_normal((length - 1, dim)) * 3).astype(np.float32)
+        out.append(HiddenRecord(f"h{i}", ids, h))
+    return out

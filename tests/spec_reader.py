@@ -12,6 +12,7 @@ and ``google_crc32c`` (CRC32C).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -192,6 +193,9 @@ class SpecStore:
             raise SpecError("R8: the sequence index does not tile the committed counts")
         out.update(lengths=lengths, token_start=tok, row_start=row)
         out["input_ids"] = self.raw("input_ids", T)
+        if m.get("targets") == "hidden":  # 4.10: hidden rows and the head, no top-k arrays
+            out.update(self._hidden(m["hidden"], R, m["vocab_size"]))
+            return self._key_bytes(out, S)
         ids = self.raw("topk_ids", R)
         if m.get("id_remap"):  # 4.3
             ids = self.raw("id_order", m["vocab_size"])[ids]
@@ -212,6 +216,11 @@ class SpecStore:
         out["tail_mass"] = self.raw("tail_mass", R).astype(np.float32)
         if m.get("entropy"):  # 4.9: float16 nats per row
             out["entropy"] = self.raw("entropy", R).astype(np.float16)
+        return self._key_bytes(out, S)
+
+    def _key_bytes(self, out: dict, S: int) -> dict:
+        """Keys as bytes and each array's encoding attribute (4, version >= 2)."""
+        m = self.manifest
         if self.version >= 2:  # 4: keys as bytes
             ends = self.raw("seq_key_end", S)
             data = self.raw("seq_key_bytes", m["num_key_bytes"]).tobytes()
@@ -224,3 +233,24 @@ class SpecStore:
                 for p in self.root.glob("*/zarr.json")
             }
         return out
+
+    def _hidden(self, h: dict, R: int, V: int) -> dict:
+        """4.10: ``hidden`` decoded to float32 (bfloat16: the upper half of a float32 pattern;
+        e4m3: bias 7, 3 mantissa bits, subnormals ``m/8 * 2^-6``, times the row's scale), the
+        head as stored, and the head digest recomputed (sha256 of weight then bias bytes)."""
+        bits = self.raw("hidden", R)
+        if h["dtype"] == "bfloat16":
+            rows = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            e, man = (bits >> 3) & 0xF, (bits & 7).astype(np.float64)
+            mag = np.where(e == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (e.astype(float) - 7))
+            value = np.where(bits & 0x80, -mag, mag).astype(np.float32)
+            rows = value * self.raw("hidden_scale", R).astype(np.float32)[:, None]
+        weight = self.raw("head_weight", V if R else 0)
+        digest = hashlib.sha256(np.ascontiguousarray(weight).tobytes())
+        bias = self.raw("head_bias", V if R else 0) if h["bias"] else None
+        if bias is not None:
+            digest.update(np.ascontiguousarray(bias).tobytes())
+        if R and "sha256:" + digest.hexdigest() != h["head_digest"]:
+            raise SpecError("4.10: the head does not hash to head_digest")
+        return {"hidden": rows, "head_weight": weight, "head_bias": bias}

@@ -65,6 +65,7 @@ app = typer.Typer(
 class Targets(StrEnum):
     topk = "topk"
     sampled = "sampled"
+    hidden = "hidden"
 
 
 class Layout(StrEnum):
@@ -140,6 +141,8 @@ def targets_label(job: dict[str, Any]) -> str:
         return f"sampled {s['draws']}{head} tau {s['proposal_temperature']:g} seed {s['seed']}"
     if kind == "topk":
         return f"top-{job.get('k')}"
+    if kind == "hidden":  # FORMAT.md 4.10
+        return "hidden states"
     return f"k={job.get('k')}"
 
 
@@ -222,6 +225,8 @@ def target_fields(
     contradiction (the server would answer 422)."""
     given = {name: value for name, value in sampling.items() if value is not None}
     out: dict[str, Any] = {}
+    if targets == "hidden" and (k is not None or given):  # FORMAT.md 4.10: rows are states
+        raise CliError("--k and the sampling flags do not apply to --targets hidden")
     if targets == "sampled":
         if k is not None:
             raise CliError("--k does not apply to --targets sampled (a row holds --draws slots)")

@@ -120,6 +120,8 @@ class _RunStats:
 
 def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingOptions | None]:
     """``(targets, sampling)`` of a job from a manifest's ``targets`` and ``sampling`` object."""
+    if kind == "hidden":  # FORMAT.md 4.10
+        return "hidden", None
     if kind != "sampled" or sampling is None:
         return "topk", None
     return "sampled", SamplingOptions.from_manifest(sampling)
@@ -128,6 +130,11 @@ def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingO
 #: Engine deaths in a row without a committed sequence after which a job fails (the engine
 #: crashes on its input) instead of waiting for the restarted engine again.
 MAX_ENGINE_DEATHS = 3
+
+
+def _row_width(manifest: Any) -> int:
+    """Values per row a job's writer holds: ``k``, or a hidden cache's ``d`` (FORMAT.md 4.10)."""
+    return int(manifest.hidden["dim"]) if manifest.hidden is not None else int(manifest.k)
 
 
 class JobRunner:
@@ -432,7 +439,8 @@ class JobRunner:
             if digest != job.input_digest:
                 raise ServiceError("the input file changed since the job was submitted")
         manifest = await asyncio.to_thread(self._manifest, job.cache, spec, job.k)
-        cm = self.caches.writer(job.cache, manifest, spec.layout)  # a new cache gets the preset
+        head = self.scoring.teacher_head() if manifest.hidden is not None else None
+        cm = self.caches.writer(job.cache, manifest, spec.layout, head)  # new: the preset
         handle = await asyncio.to_thread(cm.__enter__)
         try:
             await self._stream(job, spec, handle, stats, None if kept is None else kept[1])
@@ -477,9 +485,11 @@ class JobRunner:
         progress = _Progress(job, handle, self.store, self.metrics, stats)
         depth = self.settings.job_inflight_batches
         sampled = targets.targets_of(handle.manifest)  # None: top-k rows
-        await pipeline.run(
-            self._batches(spec, handle, kept),
-            score=lambda seqs: pipeline.engine_records(
+
+        def score(seqs: list[inputs.Sequence]) -> Any:
+            if handle.manifest.hidden is not None:  # FORMAT.md 4.10
+                return pipeline.hidden_records(self.scoring.engine, seqs, metrics=self.metrics)
+            return pipeline.engine_records(
                 self.scoring.engine,
                 seqs,
                 job.k,
@@ -487,10 +497,14 @@ class JobRunner:
                 source="job",
                 targets=sampled,
                 lazy_tail=True,  # the writer computes it (pipeline.to_records)
-            ),
+            )
+
+        await pipeline.run(
+            self._batches(spec, handle, kept),
+            score=score,
             write=progress.write,
             write_many=progress.write_many,
-            merge_rows=min(MERGE_ROWS, MERGE_VALUES // max(job.k, 1)),
+            merge_rows=min(MERGE_ROWS, MERGE_VALUES // max(_row_width(handle.manifest), 1)),
             linger=WRITE_LINGER_S,
             depth=lambda: 1 if self.scoring.active else depth,
             stop=self._cancel.is_set,
@@ -527,7 +541,9 @@ class _Progress:
         scored = [r for _, records in items if records is not None for r in records]
         if scored:
             self.writer.append(scored)
-            for r in scored:  # live coverage (status page, job status)
+            for r in scored:  # live coverage (status page, job status; hidden rows have none)
+                if not hasattr(r, "tail_or_computed"):
+                    continue
                 tail = r.tail_or_computed()
                 self.stats.tail_sum += float(tail.sum(dtype="float64"))
                 self.stats.tail_rows += int(tail.shape[0])

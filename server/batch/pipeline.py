@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from logitcache.cache_format import SequenceRecord
 
@@ -163,6 +163,32 @@ async def engine_records(
             seconds=time.perf_counter() - t0,
         )
     return await asyncio.to_thread(to_records, seqs, scores, lazy_tail)
+
+
+async def hidden_records(
+    engine: TeacherEngine,
+    seqs: Seq[inputs.Sequence],
+    *,
+    metrics: Metrics | None = None,
+    source: str = "job",
+) -> list[Any]:
+    """The :class:`~logitcache.cache_format.HiddenRecord` of ``seqs`` (FORMAT.md 4.10): one
+    ``score_hidden`` call (the engine checks the ids; a backend without hidden-state capture
+    raises its :class:`EngineInputError`), its time recorded under ``source``."""
+    from logitcache.cache_format import HiddenRecord
+
+    call = getattr(engine, "score_hidden", None)
+    if call is None:
+        raise EngineInputError("this engine cannot capture hidden states (targets='hidden')")
+    t0 = time.perf_counter()
+    hidden = await call([s.input_ids for s in seqs])
+    if metrics is not None:
+        seconds = time.perf_counter() - t0
+        tokens = sum(s.length for s in seqs)
+        metrics.scored(source, sequences=len(seqs), tokens=tokens, seconds=seconds)
+    return [
+        HiddenRecord(s.key, s.input_ids, h, s.loss_mask) for s, h in zip(seqs, hidden, strict=True)
+    ]
 
 
 #: Writes several scored batches at once (one append, one commit), in order: ``(batch,

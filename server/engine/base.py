@@ -14,7 +14,9 @@ import time
 from typing import Any, cast
 
 import numpy as np
+from logitcache.cache_format import TeacherHead
 
+from .hidden import NOT_CAPTURED
 from .protocol import (
     EngineClosedError,
     EngineInfo,
@@ -77,6 +79,16 @@ class BaseEngine:
         raw = await self._generate(prompts, k, temperature)
         scores = [self._convert(r, len(p), k) for r, p in zip(raw, prompts, strict=True)]
         return scores, await self._generate_ids(prompts, ids, temperature)
+
+    async def _generate_hidden(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Per (checked) prompt its float32 ``[L - 1, d]`` final hidden states (FORMAT.md 4.10;
+        default: not captured by this backend)."""
+        raise EngineInputError(NOT_CAPTURED.format(backend=self.info.backend))
+
+    def teacher_head(self) -> TeacherHead:
+        """The teacher's output head that turns :meth:`score_hidden`'s rows into its logits
+        (default: not captured by this backend)."""
+        raise EngineInputError(NOT_CAPTURED.format(backend=self.info.backend))
 
     async def _close(self) -> None:
         """Release the backend's resources (called once)."""
@@ -179,6 +191,19 @@ class BaseEngine:
         t1 = time.perf_counter()
         self._account(checked, sum(s.num_rows for s in scores), t0, t1, t1)
         return scores, at_ids
+
+    async def score_hidden(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """The teacher's final hidden states (its final norm's output, the head's input) of
+        every prompt: float32 ``[L_i - 1, d]`` per prompt, row ``j`` the state whose head output
+        predicts token ``j + 1`` (FORMAT.md 4.10); every check runs before any work."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        checked = check_prompts(prompts, self.info)
+        t0 = time.perf_counter()
+        out = await self._generate_hidden(checked)
+        t1 = time.perf_counter()
+        self._account(checked, sum(len(p) - 1 for p in checked), t0, t1, t1)
+        return out
 
     def _account(
         self, checked: list[list[int]], rows: int, t0: float, t1: float, t2: float

@@ -103,6 +103,7 @@ class TransformersEngine(BaseEngine):
             raise EngineConfigError("the model has no output embedding (lm head)")
         self.head_weight = head.weight
         self.head_bias = getattr(head, "bias", None)
+        self.model_config = config
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         vocab = int(self.head_weight.shape[0])
         model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or None
@@ -305,6 +306,24 @@ class TransformersEngine(BaseEngine):
 
         out = await asyncio.to_thread(self._forward_rows, prompts, both)
         return [r for r, _ in out], [a for _, a in out]
+
+    async def _generate_hidden(self, prompts: list[list[int]]) -> list[Any]:
+        """The decoder's last hidden states (after its final norm: the lm head's input) of
+        every prompt's first ``L - 1`` positions, float32 on the host, in a worker thread."""
+
+        def states(i: int, hidden: Any) -> Any:
+            return hidden.float().cpu().numpy()
+
+        return await asyncio.to_thread(self._forward_rows, prompts, states)
+
+    def teacher_head(self) -> Any:
+        """The lm head as a :class:`~logitcache.cache_format.TeacherHead` (FORMAT.md 4.10), made
+        once (its digest hashes the whole weight)."""
+        from .hidden import head_of
+
+        if getattr(self, "_teacher_head", None) is None:
+            self._teacher_head = head_of(self.head_weight, self.head_bias, self.model_config)
+        return self._teacher_head
 
     async def _close(self) -> None:
         """Drop the model."""

@@ -240,6 +240,19 @@ class SupervisedEngine:
         )
         return out
 
+    async def score_hidden(self, prompts: list[list[int]]) -> list[Any]:
+        out: list[Any] = await self._optional(
+            "score_hidden", "capture hidden states (targets='hidden')", prompts
+        )
+        return out
+
+    def teacher_head(self) -> Any:
+        """The current engine's teacher head (FORMAT.md 4.10)."""
+        call = getattr(self._current(), "teacher_head", None)
+        if call is None:
+            raise EngineInputError("this engine cannot capture hidden states (targets='hidden')")
+        return call()
+
     async def score_ids(
         self, prompts: list[list[int]], ids: list[list[int]], temperature: float | None = None
     ) -> list[Any]:

@@ -580,6 +580,26 @@ class VllmEngine(BaseEngine):
         top = top if k else []
         return top, [np.ascontiguousarray(r.topk_logprobs[:, k:]) for r in rows]
 
+    async def _generate_hidden(self, prompts: list[list[int]]) -> list[Any]:
+        """Final hidden states from the worker hook (:mod:`.vllm_hidden`, FORMAT.md 4.10)."""
+        from . import vllm_hidden, vllm_sampling
+
+        self._need_arrays("hidden states (targets='hidden')")
+        d = vllm_hidden.hidden_size(read_model_config(self.cfg.model))
+        extra = {vllm_logprobs.FLAG: True, vllm_sampling.HIDDEN: d}
+        one = self._one_inproc if self.mode == "inproc" else self._one_async
+        calls = [one(p, self._request(vllm_sampling.PROMPT_LOGPROBS, extra)) for p in prompts]
+        return vllm_hidden.rows_of(list(await asyncio.gather(*calls)), prompts, d)
+
+    def teacher_head(self) -> Any:
+        """The checkpoint's head in the engine's dtype (:mod:`.vllm_hidden`), made once."""
+        from .vllm_hidden import checkpoint_head
+
+        if getattr(self, "_teacher_head", None) is None:
+            config = read_model_config(self.cfg.model)
+            self._teacher_head = checkpoint_head(self.cfg.model, config, self.info.dtype)
+        return self._teacher_head
+
     async def _close(self) -> None:
         if self._driver is not None:
             await asyncio.to_thread(self._driver.close)

@@ -58,6 +58,9 @@ TOKEN_IDS = "logitcache_token_ids"
 TOPK = "logitcache_topk"
 #: ``SamplingParams.extra_args`` key asking for each row's entropy in a last column.
 ENTROPY = "logitcache_entropy"
+#: ``SamplingParams.extra_args`` key of a hidden-state request (FORMAT.md 4.10): the hidden size
+#: ``d``; the rows are the chunk's hidden states themselves (ids ``0..d-1``).
+HIDDEN = "logitcache_hidden"
 #: Id written in column 0 of a sampled request's rows (vLLM writes the prompt token there).
 MARK = -1
 #: ``SamplingParams.prompt_logprobs`` of a sampled request (the runner's own top-n is not used).
@@ -74,6 +77,8 @@ def _spec(request: Any) -> dict[str, Any] | None:
     ``"entropy"``; ``None`` for a request vLLM answers itself (no key, or top-k at ``T = 1``
     without entropy)."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    if extra.get(HIDDEN):
+        return {"hidden": int(extra[HIDDEN]), "T": 1.0}
     sampled = extra.get(FLAG)
     t = float(extra.get(TEMPERATURE, 1.0))
     ent = bool(extra.get(ENTROPY, False))
@@ -90,7 +95,7 @@ def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int
     (see the module docstring: sampled rows with ``draws`` in ``spec``, else the top
     ``width``) and, when ``spec`` asks for it, the rows' entropy ``[n]`` (else ``None``)."""
     ids, lps, lp = _values(runner, spec, hidden, start, width)
-    if not spec.get("entropy"):
+    if not spec.get("entropy") or lp is None:
         return ids, lps, None
     from logitcache.cache_format.sampling import row_entropy
 
@@ -102,6 +107,10 @@ def _values(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: i
     import torch
     from logitcache.cache_format.sampling import sample_rows, seeded_uniforms
 
+    if "hidden" in spec:  # the states the head turns into logits (FORMAT.md 4.10)
+        d = int(hidden.shape[1])
+        ids = torch.arange(d, dtype=torch.int32).expand(int(hidden.shape[0]), d)
+        return ids, hidden.to("cpu", torch.float32), None
     logits = runner.model.compute_logits(hidden)
     if spec["T"] != 1.0:
         logits = logits.to(torch.float32) / spec["T"]
@@ -126,6 +135,8 @@ def _values(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: i
 def _width(spec: dict[str, Any], k: int) -> int:
     """Entries per row: the chosen ids (after the top ``k`` if asked), ``head + draws`` of a
     sampled request, else its ``prompt_logprobs``."""
+    if "hidden" in spec:
+        return int(spec["hidden"])
     if "ids" in spec:
         return int(spec["k"]) + len(spec["ids"])
     if "draws" in spec:

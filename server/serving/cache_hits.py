@@ -38,7 +38,7 @@ from logitcache.cache_format.quant import decode_logprobs, encode_logprobs
 from logitcache.cache_format.spec import LOGPROB_MAX, LOGPROB_STEP, TOPK_LOGPROBS
 
 from ..batch import pipeline
-from ..errors import NotFoundError
+from ..errors import InvalidInputError, NotFoundError
 from ..inputs.records import Sequence
 from . import targets
 from .appends import GroupCommitter, Ticket
@@ -146,6 +146,8 @@ class CacheServing:
         scoring = self.scoring
         fmt = "frames" if frames else "json"
         asked = targets.of_request(req)
+        if asked == "hidden":  # FORMAT.md 4.10: written by jobs, never answered here
+            raise InvalidInputError(targets.HIDDEN_JOBS_ONLY)
         if req.cache is None:
             sampled = scoring.sampled_targets(asked)
             k = scoring.resolve_k(req.k) if sampled is None else sampled.slots

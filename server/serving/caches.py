@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
+from logitcache.cache_format._wire import exact_frame_dtype
 from logitcache.cache_format.errors import FormatError, ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
@@ -387,7 +388,7 @@ class CacheRegistry:
         }
         if k is not None and k != stored.k:
             diff["k"] = {"cache": stored.k, "request": k}
-        for f in ("targets", "sampling"):  # one cache holds one kind of rows (FORMAT.md 4.4)
+        for f in ("targets", "sampling", "hidden"):  # one cache, one kind of rows (FORMAT.md 4.4)
             if getattr(stored, f) != getattr(expected, f):
                 diff[f] = {"cache": getattr(stored, f), "request": getattr(expected, f)}
         if diff:
@@ -402,7 +403,7 @@ class CacheRegistry:
 
     @contextmanager
     def writer(
-        self, name: str, manifest: Manifest, layout: str | None = None
+        self, name: str, manifest: Manifest, layout: str | None = None, head: Any = None
     ) -> Iterator[WriterHandle]:
         """Use the process's writer of cache ``name``: opened on first use, shared by its
         concurrent users, and kept open for ``idle_s`` after the last one leaves (at most
@@ -410,15 +411,16 @@ class CacheRegistry:
         taken up again first catches up with other processes' commits
         (:meth:`CacheWriter.refresh`; a store removed or made again meanwhile gets a new writer,
         as a fresh open would). ``layout``: the preset a cache created here gets
-        (``spec.LAYOUTS``; an existing cache keeps its own, FORMAT.md 4.7)."""
+        (``spec.LAYOUTS``; an existing cache keeps its own, FORMAT.md 4.7). ``head``: the
+        teacher head of a hidden cache (``CacheWriter.open``'s, FORMAT.md 4.10)."""
         with self._lock:
-            entry = self._take(name, manifest, layout)
+            entry = self._take(name, manifest, layout, head)
         try:
             yield WriterHandle(name, entry)
         finally:
             self._release(name, entry)
 
-    def _take(self, name: str, manifest: Manifest, layout: str | None) -> _OpenWriter:
+    def _take(self, name: str, manifest: Manifest, layout: str | None, head: Any) -> _OpenWriter:
         """The entry of ``name``'s writer with one more user (under ``self._lock``)."""
         entry = self._writers.get(name)
         if entry is not None and entry.users == 0 and not self._revive(entry, manifest):
@@ -431,6 +433,7 @@ class CacheRegistry:
                     manifest,
                     storage_options=self.storage_options,
                     layout=None if layout is None else layout_named(layout),
+                    head=head,
                 )
             entry = _OpenWriter(writer=w, manifest=manifest)
             self._writers[name] = entry
@@ -525,18 +528,15 @@ class CacheRegistry:
 
 class RangeReader:
     """Read whole sequence ranges of one reader with two contiguous reads each
-    (``CacheReader.read_ranges``: the same code the client's ``LocalSource`` reads with).
-
-    Sequences ``[a, b)`` are rows ``[row_start(a), row_start(b))`` and tokens
-    ``[row_start(a) + a, row_start(b) + b)`` (FORMAT.md): one row read and one token read,
-    however many sequences, instead of one read per sequence. The committed prefix never
-    changes, so ranges checked against an earlier snapshot stay valid while the reader refreshes.
-    """
+    (``CacheReader.read_ranges``, as the client's ``LocalSource`` reads): sequences ``[a, b)``
+    are rows ``[row_start(a), row_start(b))`` and tokens ``[row_start(a) + a, row_start(b) +
+    b)`` (FORMAT.md). The committed prefix never changes, so ranges checked against an earlier
+    snapshot stay valid while the reader refreshes."""
 
     def __init__(self, reader: CacheReader) -> None:
         self.reader = reader
-        # a float16 cache is read (and sent) as its stored float16 values: exact, less work
-        self.logprob_dtype = "float16" if reader.manifest.logprob_dtype == "float16" else "float32"
+        # float16 and hidden caches are read (and sent) as stored: exact, less work
+        self.logprob_dtype = exact_frame_dtype(reader.manifest)
 
     def read(self, start: int, stop: int) -> list[SequenceRecord]:
         """Records of sequences ``[start, stop)`` (``0 <= start <= stop <= num_sequences``)."""

@@ -175,6 +175,9 @@ class ScoringService:
         :class:`ConflictError` if the cache holds another teacher, kind, k or sampling
         parameters, and 422 if an existing cache's k is beyond this engine's."""
         name = check_name(cache)
+        if asked == "hidden":  # FORMAT.md 4.10: k = 1, the engine's head in the manifest
+            new = self.hidden_manifest(dataset, temperature)
+            return self.caches.target_manifest(name, new, k=None)
         if asked is not None:
             chosen = self._sampled(resolve(asked, self.stored_manifest(name)))
             new = self.expected_manifest(self.default_k, dataset, temperature)
@@ -200,6 +203,24 @@ class ScoringService:
                 f"the server with entropy={str(manifest.entropy).lower()}"
             )
         return manifest
+
+    def hidden_manifest(self, dataset: str = "", temperature: float | None = None) -> Manifest:
+        """The manifest of a new ``targets="hidden"`` cache of this engine (FORMAT.md 4.10):
+        bfloat16 rows, the engine's head described (and content-hashed) in ``hidden``; 422 if
+        the engine does not capture hidden states."""
+        doc = self.expected_manifest(1, dataset, temperature).model_dump()
+        doc.update(targets="hidden", hidden=self.teacher_head().spec("bfloat16"))
+        return Manifest(**doc)
+
+    def teacher_head(self) -> Any:
+        """The engine's :class:`~logitcache.cache_format.TeacherHead` (422 if it has none)."""
+        head = getattr(self.engine, "teacher_head", None)
+        if head is None:
+            raise InvalidInputError("this engine does not capture hidden states (targets='hidden')")
+        try:
+            return head()
+        except EngineInputError as e:
+            raise InvalidInputError(str(e)) from None
 
     def route_manifest(self, cache: str, temperature: float | None) -> Manifest:
         """The top-k manifest of a protocol route's ``cache`` (at its own k) at a checked

@@ -29,6 +29,11 @@ from ..errors import InvalidInputError
 #: Draws per row of a sampled request that names none (and no existing cache gives them).
 DEFAULT_DRAWS = 64
 
+HIDDEN_JOBS_ONLY = (
+    'targets="hidden" caches are written by jobs (POST /v1/jobs); /v1/score and the protocol '
+    "routes answer with top-k or sampled rows"
+)
+
 
 def requested(
     targets: str | None, sampling: SamplingOptions | None, k: int | None
@@ -36,6 +41,8 @@ def requested(
     """What a request asks for: ``None`` (top-k), ``"sampled"`` (sampled, parameters from the
     cache or the defaults) or a :class:`SampledTargets`. 422 on a contradiction."""
     kind = targets or "topk"
+    if kind == "hidden":  # FORMAT.md 4.10 (jobs only; ScoringService.target_manifest)
+        return "hidden"
     if kind == "topk":
         if sampling is not None:
             raise InvalidInputError('sampling is only allowed with targets="sampled"')
@@ -55,7 +62,10 @@ def requested(
 
 
 def resolve(asked: SampledTargets | str | None, stored: Manifest | None) -> SampledTargets | None:
-    """The parameters to use: ``"sampled"`` takes a sampled cache's own, else the defaults."""
+    """The parameters to use: ``"sampled"`` takes a sampled cache's own, else the defaults
+    (``"hidden"`` has none: a :class:`InvalidInputError` where sampled parameters are asked)."""
+    if asked == "hidden":
+        raise InvalidInputError(HIDDEN_JOBS_ONLY)
     if asked != "sampled":
         return asked if isinstance(asked, SampledTargets) else None
     return cache_or_default(stored)

@@ -1,0 +1,151 @@
+"""Reads of a hidden store (FORMAT.md 4.10): the :class:`~.CacheReader` calls that give rows
+(``sequence``, ``sequences``, ``get``, ``read_ranges``, ``rows``) answer with
+:class:`~.hidden.HiddenRecord` / :class:`~.hidden.HiddenRows`, through the same checked reads
+as every array (:func:`._decode.stored_values`: R6, R7, R9 and the seals of 4.8)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import spec
+from ._decode import OpenArrays, Span, stored_values
+from ._snapshot import IndexSnapshot, SnapshotKeys
+from ._stored import LazyKey
+from .hidden import HiddenRecord, HiddenRows, TeacherHead, decode_rows, to_bf16_bits
+
+HIDDEN_OUT = ("float32", "bfloat16")
+"""What a hidden store's rows decode to (the readers' ``logprob_dtype`` argument): float32, or
+bfloat16 bit patterns (uint16; a bfloat16 store's stored values, no conversion)."""
+
+Got = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+"""Per span: hidden rows, tokens (``None`` for a row-only span), loss mask (or ``None``)."""
+
+
+def fetch(opened: OpenArrays, spans: Sequence[Span], out: str) -> list[Got]:
+    """The decoded hidden rows (and tokens, mask) of ``spans``."""
+    if out not in HIDDEN_OUT:
+        raise ValueError(f"a hidden store's rows decode to one of {HIDDEN_OUT}, got {out!r}")
+    m = opened.manifest
+    h = m.hidden
+    assert h is not None
+    names = [spec.HIDDEN]
+    if h["dtype"] == "float8_e4m3":
+        names.append(spec.HIDDEN_SCALE)
+    if m.loss_mask:
+        names.append(spec.LOSS_MASK)
+    jobs: list[tuple[str, int, int]] = []
+    for rows, toks in spans:
+        jobs += [(n, rows.start, rows.stop) for n in names]
+        if toks is not None:
+            jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
+    vals = iter(stored_values(opened, jobs))
+    result: list[Got] = []
+    for _rows, toks in spans:
+        got = {n: next(vals) for n in names}
+        tokens = next(vals) if toks is not None else None
+        stored = got[spec.HIDDEN]
+        if h["dtype"] == "bfloat16" and out == "bfloat16":
+            hidden = stored
+        else:
+            hidden = decode_rows(stored, h["dtype"], got.get(spec.HIDDEN_SCALE))
+            if out == "bfloat16":
+                hidden = to_bf16_bits(hidden)
+        result.append((hidden, tokens, got.get(spec.LOSS_MASK)))
+    return result
+
+
+class StoredHiddenRecord(LazyKey, HiddenRecord):
+    """A reader's :class:`HiddenRecord` (its key read when first used, :class:`LazyKey`)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return HiddenRecord.trusted, (self.key, self.input_ids, self.hidden, self.loss_mask)
+
+
+def _stored(
+    keys: SnapshotKeys, i: int, tokens: np.ndarray, hidden: np.ndarray, mask: np.ndarray | None
+) -> HiddenRecord:
+    rec = object.__new__(StoredHiddenRecord)
+    rec.__dict__.update(_keys=(keys, i), input_ids=tokens, hidden=hidden, loss_mask=mask)
+    return rec
+
+
+Retry = Callable[[Callable[[], Any]], Any]
+
+
+def sequences(
+    opened: Callable[[], OpenArrays], retry: Retry, index: IndexSnapshot, idx: list[int], out: str
+) -> list[HiddenRecord]:
+    """Records of sequences ``idx`` (checked indices), in one read."""
+    spans = [index.span(i) for i in idx]
+    got = retry(lambda: fetch(opened(), spans, out))
+    recs = []
+    for i, (hidden, tokens, mask) in zip(idx, got, strict=True):
+        assert tokens is not None
+        recs.append(_stored(index.keys, i, tokens, hidden, mask))
+    return recs
+
+
+def read_ranges(
+    opened: Callable[[], OpenArrays],
+    retry: Retry,
+    index: IndexSnapshot,
+    ranges: Sequence[tuple[int, int]],
+    out: str,
+) -> list[HiddenRecord]:
+    """Records of the sequences of every ``[a, b)`` of ``ranges``: one read per range, the
+    records views of its blocks."""
+    todo = [(a, b) for a, b in index.check_ranges(ranges) if b > a]
+    if not todo:
+        return []
+    spans = [index.range_span(a, b) for a, b in todo]
+    got = retry(lambda: fetch(opened(), spans, out))
+    recs: list[HiddenRecord] = []
+    for (a, b), (hidden, tokens, mask) in zip(todo, got, strict=True):
+        assert tokens is not None
+        rs = 0
+        for i, n in zip(range(a, b), index.lengths[a:b].tolist(), strict=True):
+            ts = rs + i - a
+            m = None if mask is None else mask[rs : rs + n - 1]
+            recs.append(_stored(index.keys, i, tokens[ts : ts + n], hidden[rs : rs + n - 1], m))
+            rs += n - 1
+    return recs
+
+
+def rows(
+    opened: Callable[[], OpenArrays], retry: Retry, start: int, stop: int, out: str
+) -> HiddenRows:
+    """Global rows ``[start, stop)`` (checked)."""
+    hidden, _, mask = retry(lambda: fetch(opened(), [(slice(start, stop), None)], out))[0]
+    return HiddenRows(start, hidden, mask)
+
+
+def read_head(opened: OpenArrays) -> TeacherHead:
+    """The stored teacher head (FORMAT.md 4.10) of a store with rows; :class:`~.errors.
+    CorruptStoreError` if its bytes do not hash to the manifest's ``head_digest``."""
+    from .errors import CorruptStoreError, FormatError, TargetKindError
+
+    m = opened.manifest
+    h = m.hidden
+    if h is None:
+        raise TargetKindError(f'store holds targets="{m.targets}", not "hidden": it has no head')
+    if m.num_rows == 0:
+        raise FormatError("the store has no rows yet: its head is written by the first commit")
+    jobs = [(spec.HEAD_WEIGHT, 0, m.vocab_size)]
+    if h["bias"]:
+        jobs.append((spec.HEAD_BIAS, 0, m.vocab_size))
+    got = stored_values(opened, jobs)
+    head = TeacherHead(
+        got[0],
+        got[1] if h["bias"] else None,
+        logit_scale=h["logit_scale"],
+        softcap=h["softcap"],
+        dtype=h["head_dtype"],
+    )
+    if head.digest() != h["head_digest"]:
+        raise CorruptStoreError(
+            f"head_weight/head_bias hash to {head.digest()}, the manifest says {h['head_digest']}"
+        )
+    return head
