@@ -1,27 +1,29 @@
 """CPU cost per position of the batch-job path outside the engine.
 
-What a GPU engine does not pay for: after the engine produced a request's prompt logprobs, the
-job path converts vLLM's output to arrays (``rows_from_flat`` + tail mass), pairs them with the
-sequences, compresses, checksums and writes them to the Zarr cache (one commit per batch), records
-progress in SQLite, and runs the asyncio/thread plumbing around all that. This bench runs the
-**real** job pipeline in-process (``create_app`` + ``httpx.ASGITransport``, ``POST /v1/jobs`` over
-a JSONL file, real ``CacheWriter`` on local disk, real SQLite job table) behind a *replay* engine:
-``score`` returns vLLM ``RequestOutput``-like objects holding real ``vllm.logprobs.FlatLogprobs``
-prepared before the clock starts, and the real conversion (``engine/vllm.py::
-scores_from_output``) turns them into rows. So every CPU-second counted is job-path work, none is
-the model's.
+What a GPU engine does not pay for: after the engine produced a request's top-k rows, the job
+path converts the engine's output to arrays, pairs them with the sequences, compresses,
+checksums and writes them to the Zarr cache (one commit per batch), records progress in SQLite,
+and runs the asyncio/thread plumbing around all that. This bench runs the **real** job pipeline
+in-process (``create_app`` + ``httpx.ASGITransport``, ``POST /v1/jobs`` over a JSONL file, real
+``CacheWriter`` on local disk, real SQLite job table) behind a *replay* engine
+(:mod:`benchmarks.service.replay`; ``--form``: vLLM 0.32's output through the service's vLLM hook
+and conversion, ``engine/vllm_rows.py``, or the transformers backend's own code with its decoder
+and lm-head replaced, ``hf``; ``--ids``: which rows). So every CPU-second counted is job-path
+work, none is the model's.
 
 Measured in CPU time, not wall time (the box is shared; wall-clock ratios drift with the load):
 ``getrusage`` user+sys of this process over the job (microsecond resolution), divided by the
 positions scored (``L - 1`` per sequence). The breakdown is by thread and by stage, every figure
 measured in the thread that spends it (``time.thread_time()`` around a stage; a thread's own CPU
 from ``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as
-the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the replay engine's
-call: the service's vLLM hook, which keeps vLLM 0.32's buffers or copies them, on the event loop),
-``convert`` (rows + tail mass, on the event loop), ``pair`` (``to_records``), ``encode``
-(``writer.encode_batch``: checks, float16, row deltas, in the job writer thread), ``compress``
-(``shardwrite.encode_chunk``: blosc + CRC32C, in
-zarr's IO thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
+the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the engine's
+host work: the service's vLLM hook, which keeps vLLM 0.32's buffers or copies them, on the event
+loop; or the transformers backend's batching, hand-over of each decoder batch's top-k and
+per-sequence rows, in its worker thread, less the replayed rows' own making, ``replay``, which is
+reported apart and not counted), ``convert`` (the engine output's rows, on the event loop),
+``pair`` (``to_records``), ``encode`` (``writer.encode_batch``: checks, float16, row deltas, in
+the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C, in zarr's IO
+thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
 writes, fsyncs and renames in its ``to_thread`` workers; and the rest of ``CacheWriter.append`` in
 the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress rows), ``read``
 (input -> batches, missing-key checks), ``submit`` (the whole input checked before the job exists),
@@ -31,19 +33,21 @@ the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress 
 stage accounts for (threads ended before being seen, and the difference between the clocks). The
 replayed outputs are built before the clock starts and moved out of the garbage collector's sight
 (``gc.freeze``): in the service an output lives only until its batch is converted, so the collector
-never walks millions of them. The load average is recorded beside every figure.
+never walks millions of them; the ``hf`` form's rows are copied from a pool as a device's
+output arrives in fresh memory. The load average is recorded beside every figure.
 
 Usage::
 
     python -m benchmarks.service cpu --k 20 100 --sequences 256 --length 256 --repeats 3 \\
         --ids zipf --json benchmarks/results/job_cpu.json
+    python -m benchmarks.service cpu --form hf --ids random --k 100 --sequences 128 \\
+        --length 2048 --repeats 3    # the GPU mode's job: 2,048-token sequences, 128,256 ids
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import resource
@@ -54,90 +58,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from benchmarks.harness import Recorder, add_csv_option, machine_line
-from benchmarks.synthetic import Teacher
-
-VOCAB = 4096  # the replay engine's vocabulary (no real teacher runs here); --ids zipf: 131072
-ZIPF_POOL_ROWS = 65536  # --ids zipf: rows generated once (the synthetic teacher), dealt out in turn
-
-
-class ZipfRows:
-    """``--ids zipf``: top-k rows from the synthetic teacher (ids: the first k distinct of
-    i.i.d. Zipf(1.05) draws over a 131,072-token vocabulary with a BPE-like id placement;
-    logprobs: a noisy power law with a Beta tail mass), the data the format's <= 260
-    B/position goal is measured on. The bench's own ``stride`` ids (arithmetic progressions
-    modulo 4,096) compress to ~57 B/position at k=100 but cost zstd more CPU than these (0.53
-    vs 0.36 CPU-us/position, numcodecs alone). A pool of
-    :data:`ZIPF_POOL_ROWS` rows is made once and dealt out in a shuffled order, each row once per
-    pass, so no inner chunk (2,048 rows) repeats a row unless the pass wraps inside it."""
-
-    def __init__(self, seed: int = 0) -> None:
-        teacher = Teacher(seed=seed)
-        rng = np.random.default_rng(seed)
-        cdf = teacher.cdf()
-        self.ids = teacher.topk_ids(ZIPF_POOL_ROWS, rng, cdf, teacher.rank_to_id(rng))
-        self.logprobs = teacher.logprobs(ZIPF_POOL_ROWS, rng)[0]
-        self.k_max = teacher.k
-        self.order = rng.permutation(ZIPF_POOL_ROWS)
-        self.cursor = 0
-
-    def take(self, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``m`` rows' top-``k`` ids and logprobs (k <= 100)."""
-        if k > self.k_max:
-            raise SystemExit(f"--ids zipf has rows of k <= {self.k_max}, not {k}")
-        idx = self.order[(self.cursor + np.arange(m)) % ZIPF_POOL_ROWS]
-        self.cursor = (self.cursor + m) % ZIPF_POOL_ROWS
-        return self.ids[idx, :k], self.logprobs[idx, :k].astype(np.float64)
-
-
-ZIPF: ZipfRows | None = None  # set by --ids zipf
-
-
-def tensor_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
-    """The engine core's prompt-logprob tensors for ``ids`` (what vLLM 0.32 hands its output
-    processor: one buffer per request, ``LogprobsTensors.empty_cpu``): ``(token_ids [L-1, k+1]
-    int32, logprobs [L-1, k+1] float32)``."""
-    import torch
-
-    flat = flat_output(ids, k, rng).prompt_logprobs
-    m, w = len(ids) - 1, k + 1
-    tok = torch.tensor(flat.token_ids, dtype=torch.int32).reshape(m, w)
-    lp = torch.tensor(flat.logprobs, dtype=torch.float32).reshape(m, w)
-    return tok, lp
-
-
-def flat_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
-    """A ``RequestOutput``-like object with vLLM 0.32's FlatLogprobs layout for ``ids``:
-    position 0 empty, then per position the actual token followed by the top-k."""
-    from vllm.logprobs import FlatLogprobs
-
-    m, w = len(ids) - 1, k + 1
-    if ZIPF is not None:
-        top, lps = ZIPF.take(m, k)
-    else:
-        # k distinct ids per row: a random start and a random odd stride modulo the 2^12 vocab
-        start = rng.integers(0, VOCAB, (m, 1))
-        stride = 2 * rng.integers(0, VOCAB // 2, (m, 1)) + 1
-        top = (start + stride * np.arange(k)[None, :]) % VOCAB
-        g = rng.gamma(0.3, size=(m, k + 64))  # a peaked distribution; the top k of it
-        lps = np.log(-np.sort(-(g / g.sum(axis=1, keepdims=True)), axis=1)[:, :k])
-    tok = np.empty((m, w), dtype=np.int64)
-    tok[:, 0], tok[:, 1:] = ids[1:], top
-    lp = np.empty((m, w), dtype=np.float64)
-    lp[:, 0], lp[:, 1:] = -7.0, lps
-    flat = FlatLogprobs()
-    flat.start_indices = [0, *range(0, m * w, w)]
-    flat.end_indices = [0, *range(w, m * w + 1, w)]
-    flat.token_ids = tok.ravel().tolist()
-    flat.logprobs = lp.ravel().tolist()
-    flat.ranks = [1] * (m * w)
-    flat.decoded_tokens = [None] * (m * w)
-    return SimpleNamespace(prompt_logprobs=flat)
+from benchmarks.service.replay import ROWS, RandomTeacherRows, StrideRows, ZipfRows, build_engine
 
 
 class StageClock:
@@ -204,51 +130,6 @@ def _track_thread_ends() -> None:
     threading.Thread.run = run  # type: ignore[method-assign]
 
 
-def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "arrays") -> Any:
-    """A replay engine. ``form="arrays"``: each call wraps the prepared tensors the way the
-    service's vLLM hook does (``vllm_logprobs.TensorPromptLogprobs.add``: views of vLLM 0.32's
-    buffers, copies otherwise, on the clock); ``"lists"``: vLLM's ``FlatLogprobs`` lists (built
-    before the clock)."""
-    from logitcache.server.engine import BaseEngine, EngineInfo
-    from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
-    from logitcache.server.engine.vllm_rows import scores_from_output
-
-    rng = np.random.default_rng(seed)
-    make = tensor_output if form == "arrays" else flat_output
-    outputs = {tuple(p): make(p, k, rng) for p in prompts}
-    gc.collect()
-    gc.freeze()
-
-    class ReplayEngine(BaseEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokenizer = None
-            self.info = EngineInfo(
-                model_id="replay",
-                revision="bench",
-                vocab_size=VOCAB,
-                max_k=k,
-                tokenizer_fingerprint="replay",
-                max_seq_len=4096,
-                weights_hash="sha256:replay",
-            )
-
-        async def _generate(self, ps: list[list[int]], kk: int, t: float) -> list[Any]:
-            if form == "lists":
-                return [outputs[tuple(p)] for p in ps]
-            out = []
-            for p in ps:
-                arrays = TensorPromptLogprobs()
-                arrays.add(*outputs[tuple(p)])
-                out.append(SimpleNamespace(prompt_logprobs=arrays))
-            return out
-
-        def _convert(self, raw: Any, length: int, kk: int) -> Any:
-            return scores_from_output(raw, kk, length)
-
-    return ReplayEngine()
-
-
 async def _wait(c: Any, db_path: Path, job_id: str) -> None:
     """Until the job ends (read from the job table directly: an HTTP poll costs ms of CPU)."""
     db = sqlite3.connect(db_path)
@@ -286,7 +167,11 @@ async def run_job(
     put_durable = store.DurableLocalStore._put_durable
 
     engine._convert = clock.wrap("convert", engine._convert)
-    engine._generate = clock.wrap_async("engine", engine._generate)
+    if hasattr(engine, "_score_sync"):  # the transformers backend: its worker thread's work
+        engine._score_sync = clock.wrap("engine", engine._score_sync)
+        engine._topk_rows = clock.wrap("replay", engine._topk_rows)  # the rows' own making
+    else:
+        engine._generate = clock.wrap_async("engine", engine._generate)
     patches = [
         (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
         (WriterHandle, "append", clock.wrap("append", clock.count_append(WriterHandle.append))),
@@ -384,9 +269,13 @@ def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
 
 def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: float) -> dict:
     """Seconds per stage, each thread's CPU split into the stages it ran (see the module
-    docstring); ``other``: the total less every thread's and stage's share."""
+    docstring); ``other``: the total (less the replayed rows' making) less every thread's and
+    stage's share. The transformers backend's ``engine`` stage runs in a worker thread."""
     g = stage_s.get
+    replay = g("replay", 0.0)
     out = {n: g(n, 0.0) for n in ("engine", "convert", "pair", "encode", "compress", "sqlite")}
+    out["engine"] -= replay
+    in_loop = 0.0 if replay else out["engine"]
     out["read"], out["submit"] = g("read", 0.0), g("submit", 0.0)
     append = g("append", 0.0)
     put = g("put", 0.0)  # object files: write, fsync, rename (zarr's to_thread workers)
@@ -394,10 +283,11 @@ def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: floa
         max(groups["zarr_io"] - g("compress", 0.0), 0.0) + append - g("encode", 0.0) + put
     )
     out["bookkeeping"] = max(groups["job_writer"] - append - g("sqlite", 0.0), 0.0)
-    out["event_loop"] = max(groups["event_loop"] - g("engine", 0.0) - g("convert", 0.0), 0.0)
+    out["event_loop"] = max(groups["event_loop"] - in_loop - g("convert", 0.0), 0.0)
     in_workers = g("read", 0.0) + g("submit", 0.0) + g("pair", 0.0) + put
+    in_workers += g("engine", 0.0) if replay else 0.0
     out["handoffs"] = max(groups["workers"] - in_workers, 0.0) + groups["other_threads"]
-    out["other"] = total_s - sum(out.values())
+    out["other"] = total_s - replay - sum(out.values())
     return out
 
 
@@ -427,14 +317,15 @@ def one_run(
     k: int,
     prompts: list[list[int]],
     settings_kw: dict,
-    seed: int,
+    rows: Any,
     form: str = "arrays",
     prefill: int = 0,
 ) -> dict:
     """One timed job over ``prompts``; with ``prefill``, an untimed job of that many sequences
     (the same prompts again, other ids) fills the cache first, so the timed appends land where a
     long job's do: inside partly filled shards of every array (the whole-object rewrites of
-    FORMAT.md W3 grow with how full a shard already is)."""
+    FORMAT.md W3 grow with how full a shard already is). ``rows``: the replayed rows
+    (:data:`~benchmarks.service.replay.ROWS`)."""
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
     (work / "data").mkdir()
     (work / "data" / "in.jsonl").write_text(
@@ -447,7 +338,7 @@ def one_run(
                 for i in range(prefill)
             )
         )
-    engine = build_engine(prompts, k, seed, form)
+    engine = build_engine(prompts, k, rows, form)
     clock = StageClock()
     load = os.getloadavg()[0]
     res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
@@ -456,7 +347,8 @@ def one_run(
     groups = thread_groups(res["threads"])
     split = breakdown(clock.cpu, groups, res["cpu_s"])
     stages = {n: v / positions * 1e6 for n, v in split.items()}
-    total_us = res["cpu_s"] / positions * 1e6
+    replay = clock.cpu.get("replay", 0.0)
+    total_us = (res["cpu_s"] - replay) / positions * 1e6
     return {
         "k": k,
         "form": form,
@@ -464,6 +356,7 @@ def one_run(
         "cpu_s": res["cpu_s"],
         "wall_s": res["wall_s"],
         "us_per_position": total_us,
+        "replay_us_per_position": replay / positions * 1e6,
         "sys_us_per_position": res["sys_s"] / positions * 1e6,
         "appends": len(clock.appends),
         "rows_per_append": clock.appends,
@@ -497,9 +390,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
         "--form",
-        choices=["arrays", "lists"],
+        choices=["arrays", "lists", "hf"],
         default="arrays",
-        help="vLLM output form: the service's array hook or vLLM's FlatLogprobs lists",
+        help="engine output: vLLM's through the service's array hook, vLLM's FlatLogprobs "
+        "lists, or the transformers backend's (its own code, the device work replayed)",
     )
     p.add_argument(
         "--prefill",
@@ -510,23 +404,36 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--ids",
-        choices=["stride", "zipf"],
+        choices=sorted(ROWS),
         default="stride",
-        help="top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens) or "
+        help="top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens), "
         "'zipf' (the synthetic teacher over 131,072 tokens, what the format's "
-        "bytes/position goal is measured on; ~8 s to make)",
+        "bytes/position goal is measured on; ~8 s to make) or 'random' (a random-weights "
+        "teacher over 128,256 tokens, as the GPU mode scores; ~2 s to make)",
+    )
+    p.add_argument(
+        "--sigma",
+        type=float,
+        default=0.9,
+        help="--ids random: the logits' spread (0.9: the 1B shape, 1.3: 8B)",
     )
     add_csv_option(p)
     args = p.parse_args(argv)
-    global ZIPF, VOCAB
+    shared: Any = None  # the pooled rows are made once
     if args.ids == "zipf":
-        ZIPF = ZipfRows()
-        VOCAB = 131072
+        shared = ZipfRows()
+    elif args.ids == "random":
+        shared = RandomTeacherRows(sigma=args.sigma)
+
+    def rows(seed: int) -> Any:  # the stride rows are made per run, from the run's seed
+        return shared if shared is not None else StrideRows(seed)
+
+    vocab = rows(0).vocab
     _track_thread_ends()
     if args.sequences < 1 or args.length < 2 or args.repeats < 1:
         p.error("--sequences >= 1, --length >= 2 and --repeats >= 1 are needed")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, args.length).tolist() for _ in range(args.sequences)]
+    prompts = [rng.integers(0, vocab, args.length).tolist() for _ in range(args.sequences)]
     settings_kw = {
         "k": max(args.k),
         "logprob_dtype": args.logprob_dtype,
@@ -537,11 +444,11 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder("service", "cpu", csv_path=args.csv)
     for _ in range(args.warmup):  # the first job in a process pays imports and first calls
         for k in args.k:
-            one_run(k, prompts[:16], settings_kw, seed=0, form=args.form)
+            one_run(k, prompts[:16], settings_kw, rows(0), form=args.form)
     runs = []
     for rep in range(args.repeats):
         for k in args.k:
-            r = one_run(k, prompts, settings_kw, seed=rep, form=args.form, prefill=args.prefill)
+            r = one_run(k, prompts, settings_kw, rows(rep), args.form, args.prefill)
             runs.append(r)
             st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
             print(
@@ -551,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     summary = {}
-    inputs = {"sequences": args.sequences, "length": args.length, "vocab": VOCAB, "ids": args.ids}
+    inputs = {"sequences": args.sequences, "length": args.length, "vocab": vocab, "ids": args.ids}
     for k in args.k:
         xs = [r["us_per_position"] for r in runs if r["k"] == k]
         summary[str(k)] = {
