@@ -320,12 +320,14 @@ def one_run(
     rows: Any,
     form: str = "arrays",
     prefill: int = 0,
+    rate: float = 0.0,
 ) -> dict:
     """One timed job over ``prompts``; with ``prefill``, an untimed job of that many sequences
     (the same prompts again, other ids) fills the cache first, so the timed appends land where a
     long job's do: inside partly filled shards of every array (the whole-object rewrites of
     FORMAT.md W3 grow with how full a shard already is). ``rows``: the replayed rows
-    (:data:`~benchmarks.service.replay.ROWS`)."""
+    (:data:`~benchmarks.service.replay.ROWS`); ``rate``: the ``hf`` form's device pace in
+    tokens/s (0: rows at once)."""
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
     (work / "data").mkdir()
     (work / "data" / "in.jsonl").write_text(
@@ -338,7 +340,7 @@ def one_run(
                 for i in range(prefill)
             )
         )
-    engine = build_engine(prompts, k, rows, form)
+    engine = build_engine(prompts, k, rows, form, rate)
     clock = StageClock()
     load = os.getloadavg()[0]
     res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
@@ -352,6 +354,7 @@ def one_run(
     return {
         "k": k,
         "form": form,
+        "rate_tokens_per_s": rate,
         "positions": positions,
         "cpu_s": res["cpu_s"],
         "wall_s": res["wall_s"],
@@ -412,6 +415,13 @@ def main(argv: list[str] | None = None) -> None:
         "teacher over 128,256 tokens, as the GPU mode scores; ~2 s to make)",
     )
     p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="--form hf: the replayed device's pace in tokens/s, e.g. 105000 (the 1B shape on "
+        "an H100) or 29000 (8B); 0: rows at once",
+    )
+    p.add_argument(
         "--sigma",
         type=float,
         default=0.9,
@@ -448,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     for rep in range(args.repeats):
         for k in args.k:
-            r = one_run(k, prompts, settings_kw, rows(rep), args.form, args.prefill)
+            r = one_run(k, prompts, settings_kw, rows(rep), args.form, args.prefill, args.rate)
             runs.append(r)
             st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
             print(
@@ -473,7 +483,9 @@ def main(argv: list[str] | None = None) -> None:
             p20=min(xs),
             p80=max(xs),
             samples=len(xs),
-            config=settings_kw | inputs | {"k": k, "form": args.form, "prefill": args.prefill},
+            config=settings_kw
+            | inputs
+            | {"k": k, "form": args.form, "prefill": args.prefill, "rate": args.rate},
         )
         print(f"k={k}: median {statistics.median(xs):.2f} CPU-us/position")
     rec.save()

@@ -23,7 +23,9 @@ Forms (``--form``), what the engine hands the job path:
 from __future__ import annotations
 
 import gc
+import inspect
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -165,12 +167,15 @@ def _info(vocab: int, k: int, backend: str) -> Any:
     )
 
 
-def build_engine(prompts: list[list[int]], k: int, rows: Any, form: str = "arrays") -> Any:
+def build_engine(
+    prompts: list[list[int]], k: int, rows: Any, form: str = "arrays", rate: float = 0.0
+) -> Any:
     """A replay engine of ``form`` (see the module docstring) over ``rows``; the vLLM forms'
     outputs are built before the clock and moved out of the collector's sight (``gc.freeze``:
-    in the service an output lives only until its batch is converted)."""
+    in the service an output lives only until its batch is converted). ``rate``: the ``hf``
+    form's device pace (:func:`hf_engine`)."""
     if form == "hf":
-        return hf_engine(k, rows)
+        return hf_engine(k, rows, rate=rate)
     from logitcache.server.engine import BaseEngine
     from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
     from logitcache.server.engine.vllm_rows import scores_from_output
@@ -202,13 +207,20 @@ def build_engine(prompts: list[list[int]], k: int, rows: Any, form: str = "array
     return ReplayEngine()
 
 
-def hf_engine(k: int, rows: Any, batch_tokens: int = 8192) -> Any:
+def hf_engine(k: int, rows: Any, batch_tokens: int = 8192, rate: float = 0.0) -> Any:
     """The transformers backend with its device work replaced: ``_hidden`` is an empty
-    ``[B, width, 0]`` tensor, ``_topk_rows`` the next rows of ``rows`` (copied, as a device's
-    output is fresh memory). Everything else is ``server/engine/hf.py``'s code."""
+    ``[B, width, 0]`` tensor, ``_topk_rows`` the next rows of ``rows`` and their tail mass
+    (copied, as a device's output is fresh memory). With ``rate`` (tokens/s), a decoder batch
+    is ready no sooner than its tokens take at that rate after the previous one (the thread
+    sleeps, as it waits for a device: the job path then sees a GPU's pace, batch by batch).
+    Everything else is ``server/engine/hf.py``'s code."""
     import torch
-    from logitcache.server.engine import BaseEngine
+    from logitcache.cache_format.records import tail_from_logprobs
+    from logitcache.server.engine import BaseEngine, hf
     from logitcache.server.engine.hf import TransformersEngine
+
+    # a tree whose backend hands over no tail mass (an A/B baseline) takes ids and logprobs
+    with_tail = "tail" in inspect.signature(hf._Pending.start).parameters
 
     class HfReplay(TransformersEngine):
         def __init__(self) -> None:
@@ -219,11 +231,22 @@ def hf_engine(k: int, rows: Any, batch_tokens: int = 8192) -> Any:
             self.device = torch.device("cpu")
             self._lock = threading.Lock()
 
-        def _hidden(self, seqs: list[list[int]]) -> Any:
-            return torch.empty((len(seqs), max(len(s) for s in seqs), 0))
+        ready = 0.0  # when the replayed device finishes its last batch (perf_counter)
 
-        def _topk_rows(self, hidden: Any, kk: int, temperature: float) -> tuple[Any, Any]:
+        def _hidden(self, seqs: list[list[int]]) -> Any:
+            width = max(len(s) for s in seqs)
+            if rate:
+                now = time.perf_counter()
+                self.ready = max(now, self.ready) + len(seqs) * width / rate
+                time.sleep(self.ready - now)
+            return torch.empty((len(seqs), width, 0))
+
+        def _topk_rows(self, hidden: Any, kk: int, temperature: float) -> tuple[Any, ...]:
             ids, lps = rows.take(int(hidden.shape[0]), kk)
-            return torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(lps.astype(np.float32))
+            lp32 = lps.astype(np.float32)
+            out = [ids.astype(np.int32), lp32]
+            if with_tail:
+                out.append(tail_from_logprobs(lp32))  # the device's tail mass, the same formula
+            return tuple(torch.from_numpy(a) for a in out)
 
     return HfReplay()

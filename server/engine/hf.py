@@ -117,13 +117,15 @@ class TransformersEngine(BaseEngine):
 
     # --- compute ----------------------------------------------------------------------------
 
-    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any]:
+    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any, Any]:
         """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk, on
         the device and without a host sync: per chunk ``torch.topk`` of the logits, minus their
-        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer)."""
+        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer),
+        and the rows' tail mass (:func:`_tail`). Returns ``(ids int32, logprobs float32, tail
+        float32)``."""
         import torch
 
-        ids_out, lps_out = [], []
+        ids_out, lps_out, tails = [], [], []
         for h in hidden.split(self.chunk_rows):
             z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
             if temperature != 1.0:
@@ -132,8 +134,9 @@ class TransformersEngine(BaseEngine):
             v.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
             ids_out.append(i.to(torch.int32))
             lps_out.append(v)
+            tails.append(_tail(v))
             del z
-        return torch.cat(ids_out), torch.cat(lps_out)
+        return torch.cat(ids_out), torch.cat(lps_out), torch.cat(tails)
 
     def _sampled_rows(
         self, hidden: Any, key: str, targets: SampledTargets, temperature: float
@@ -219,20 +222,20 @@ class TransformersEngine(BaseEngine):
         def collect(p: _Pending) -> None:
             if p.event is not None:
                 p.event.synchronize()
-            ids, lps = p.ids.numpy(), p.lps.numpy()
+            ids, lps, tail = p.ids.numpy(), p.lps.numpy(), p.tail.numpy()
             start = 0
             for i in p.members:
-                n = len(prompts[i]) - 1
-                out[i] = make_scores(ids[start : start + n], lps[start : start + n])
-                start += n
+                end = start + len(prompts[i]) - 1
+                out[i] = make_scores(ids[start:end], lps[start:end], tail[start:end])
+                start = end
 
         with self._lock, torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(prompts[i]) - 1] for r, i in enumerate(batch)])
-                tid, tlp = self._topk_rows(rows, k, temperature)
+                top = self._topk_rows(rows, k, temperature)
                 del hidden, rows
-                pending.append(_Pending.start(batch, tid, tlp, self.device))
+                pending.append(_Pending.start(batch, *top, device=self.device))
                 if len(pending) > 1:
                     collect(pending.pop(0))
         for p in pending:
@@ -283,8 +286,8 @@ class TransformersEngine(BaseEngine):
         """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
 
         def both(i: int, hidden: Any) -> tuple[TeacherScores, Any]:
-            tid, tlp = self._topk_rows(hidden, k, temperature)
-            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy())
+            tid, tlp, tail = self._topk_rows(hidden, k, temperature)
+            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy(), tail.cpu().numpy())
             return rows, self._id_rows(hidden, ids[i], temperature)
 
         out = await asyncio.to_thread(self._forward_rows, prompts, both)
@@ -301,23 +304,36 @@ def _is_dir(path: str) -> bool:
     return Path(path).is_dir()
 
 
-class _Pending:
-    """One decoder batch's top-k on its way to the host: pinned host tensors filled by an
-    asynchronous copy, and the event that marks the copy done (``None`` on the CPU)."""
+def _tail(lp: Any) -> Any:
+    """``clip(1 - sum_k exp(lp), 0, 1)`` per row of sorted float32 logprobs ``lp [n, k]``, on
+    their device, as the format computes it
+    (:func:`~logitcache.cache_format.records.tail_from_logprobs`: with ``m`` the row's first
+    logprob, ``-expm1(m + log1p(sum_{j>0} exp(lp_j - m)))``, no cancellation)."""
+    import torch
 
-    def __init__(self, members: list[int], ids: Any, lps: Any, event: Any) -> None:
-        self.members, self.ids, self.lps, self.event = members, ids, lps, event
+    m = lp[:, :1]
+    rest = torch.exp(lp[:, 1:] - m).sum(dim=-1)
+    return (-torch.expm1(m[:, 0] + torch.log1p(rest))).clamp_(0.0, 1.0)
+
+
+class _Pending:
+    """One decoder batch's top-k rows on their way to the host: pinned host tensors filled by
+    an asynchronous copy, and the event that marks the copy done (``None`` on the CPU)."""
+
+    def __init__(self, members: list[int], ids: Any, lps: Any, tail: Any, event: Any) -> None:
+        self.members, self.ids, self.lps, self.tail, self.event = members, ids, lps, tail, event
 
     @classmethod
-    def start(cls, members: list[int], ids: Any, lps: Any, device: Any) -> _Pending:
+    def start(cls, members: list[int], ids: Any, lps: Any, tail: Any, device: Any) -> _Pending:
         import torch
 
         if device.type != "cuda":
-            return cls(members, ids, lps, None)
-        host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host_lps = torch.empty(lps.shape, dtype=lps.dtype, pin_memory=True)
-        host_ids.copy_(ids, non_blocking=True)
-        host_lps.copy_(lps, non_blocking=True)
+            return cls(members, ids, lps, tail, None)
+
+        def pinned(t: Any) -> Any:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        host_ids, host_lps, host_tail = pinned(ids), pinned(lps), pinned(tail)
         event = torch.cuda.Event(blocking=True)
         event.record()
-        return cls(members, host_ids, host_lps, event)
+        return cls(members, host_ids, host_lps, host_tail, event)
