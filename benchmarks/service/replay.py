@@ -100,13 +100,20 @@ class RandomTeacherRows(_Pool):
     top uniform order statistics (``1 - U_(j) ~ Gamma_j / vocab``, exponential spacings), the
     log-normaliser is ``log(vocab) + sigma^2 / 2``; ids are ``k`` distinct uniform ids per row."""
 
-    def __init__(self, seed: int = 0, vocab: int = 128256, sigma: float = 0.9, k: int = 100):
+    def __init__(
+        self,
+        seed: int = 0,
+        vocab: int = 128256,
+        sigma: float = 0.9,
+        k: int = 100,
+        pool: int = POOL_ROWS,
+    ):
         import torch
 
         self.vocab = vocab
         rng = np.random.default_rng(seed)
-        ids = np.stack([rng.choice(vocab, k, replace=False) for _ in range(POOL_ROWS)])
-        u = rng.exponential(size=(POOL_ROWS, k)).cumsum(axis=1) / vocab
+        ids = np.stack([rng.choice(vocab, k, replace=False) for _ in range(pool)])
+        u = rng.exponential(size=(pool, k)).cumsum(axis=1) / vocab
         z = -sigma * torch.special.ndtri(torch.from_numpy(u)).numpy()
         super().__init__(ids.astype(np.int32), z - (np.log(vocab) + sigma * sigma / 2), rng)
 
