@@ -19,8 +19,9 @@ from ``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends insi
 the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the engine's
 host work: the service's vLLM hook, which keeps vLLM 0.32's buffers or copies them, on the event
 loop; or the transformers backend's batching, hand-over of each decoder batch's top-k and
-per-sequence rows, in its worker thread, less the replayed rows' own making, ``replay``, which is
-reported apart and not counted), ``convert`` (the engine output's rows, on the event loop),
+per-sequence rows, in its worker thread, less its ``device`` stage: the replayed rows' making,
+or on a GPU the decoder's and lm-head's launches, ``_hidden`` and ``_topk_rows``, reported apart
+and not counted), ``convert`` (the engine output's rows, on the event loop),
 ``pair`` (``to_records``), ``encode`` (``writer.encode_batch``: checks, float16, row deltas, in
 the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C, in zarr's IO
 thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
@@ -166,12 +167,15 @@ async def run_job(
 
     put_durable = store.DurableLocalStore._put_durable
 
-    engine._convert = clock.wrap("convert", engine._convert)
+    own = {"_convert": clock.wrap("convert", engine._convert)}
     if hasattr(engine, "_score_sync"):  # the transformers backend: its worker thread's work
-        engine._score_sync = clock.wrap("engine", engine._score_sync)
-        engine._topk_rows = clock.wrap("replay", engine._topk_rows)  # the rows' own making
+        own["_score_sync"] = clock.wrap("engine", engine._score_sync)
+        own["_hidden"] = clock.wrap("device", engine._hidden)  # the device's work (or replay)
+        own["_topk_rows"] = clock.wrap("device", engine._topk_rows)
     else:
-        engine._generate = clock.wrap_async("engine", engine._generate)
+        own["_generate"] = clock.wrap_async("engine", engine._generate)
+    for name, fn in own.items():  # on this engine object only, until the job ends
+        setattr(engine, name, fn)
     patches = [
         (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
         (WriterHandle, "append", clock.wrap("append", clock.count_append(WriterHandle.append))),
@@ -209,6 +213,8 @@ async def run_job(
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
+        for name in own:
+            delattr(engine, name)
     if job["state"] != "succeeded":
         raise SystemExit(f"job failed: {job}")
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
@@ -269,13 +275,14 @@ def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
 
 def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: float) -> dict:
     """Seconds per stage, each thread's CPU split into the stages it ran (see the module
-    docstring); ``other``: the total (less the replayed rows' making) less every thread's and
-    stage's share. The transformers backend's ``engine`` stage runs in a worker thread."""
+    docstring); ``other``: the total (less the ``device`` stage) less every thread's and
+    stage's share. The transformers backend's ``engine`` stage runs in a worker thread (it has a
+    ``device`` stage), vLLM's hook on the event loop."""
     g = stage_s.get
-    replay = g("replay", 0.0)
+    device = g("device", 0.0)
     out = {n: g(n, 0.0) for n in ("engine", "convert", "pair", "encode", "compress", "sqlite")}
-    out["engine"] -= replay
-    in_loop = 0.0 if replay else out["engine"]
+    out["engine"] -= device
+    in_loop = 0.0 if "device" in stage_s else out["engine"]
     out["read"], out["submit"] = g("read", 0.0), g("submit", 0.0)
     append = g("append", 0.0)
     put = g("put", 0.0)  # object files: write, fsync, rename (zarr's to_thread workers)
@@ -285,9 +292,9 @@ def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: floa
     out["bookkeeping"] = max(groups["job_writer"] - append - g("sqlite", 0.0), 0.0)
     out["event_loop"] = max(groups["event_loop"] - in_loop - g("convert", 0.0), 0.0)
     in_workers = g("read", 0.0) + g("submit", 0.0) + g("pair", 0.0) + put
-    in_workers += g("engine", 0.0) if replay else 0.0
+    in_workers += g("engine", 0.0) if "device" in stage_s else 0.0
     out["handoffs"] = max(groups["workers"] - in_workers, 0.0) + groups["other_threads"]
-    out["other"] = total_s - replay - sum(out.values())
+    out["other"] = total_s - device - sum(out.values())
     return out
 
 
@@ -322,12 +329,23 @@ def one_run(
     prefill: int = 0,
     rate: float = 0.0,
 ) -> dict:
-    """One timed job over ``prompts``; with ``prefill``, an untimed job of that many sequences
-    (the same prompts again, other ids) fills the cache first, so the timed appends land where a
-    long job's do: inside partly filled shards of every array (the whole-object rewrites of
-    FORMAT.md W3 grow with how full a shard already is). ``rows``: the replayed rows
-    (:data:`~benchmarks.service.replay.ROWS`); ``rate``: the ``hf`` form's device pace in
-    tokens/s (0: rows at once)."""
+    """One timed job over ``prompts`` behind a replay engine of ``form`` over ``rows``
+    (:mod:`benchmarks.service.replay`; ``rate``: the ``hf`` form's device pace in tokens/s, 0:
+    rows at once): :func:`job_run`."""
+    engine = build_engine(prompts, k, rows, form, rate)
+    return {"form": form, "rate_tokens_per_s": rate} | job_run(
+        k, prompts, settings_kw, engine, prefill
+    )
+
+
+def job_run(
+    k: int, prompts: list[list[int]], settings_kw: dict, engine: Any, prefill: int = 0
+) -> dict:
+    """One timed job over ``prompts`` through the service in this process, behind ``engine``;
+    its CPU per position, by stage and by thread (see the module docstring). With ``prefill``,
+    an untimed job of that many sequences (the same prompts again, other ids) fills the cache
+    first, so the timed appends land where a long job's do: inside partly filled shards of every
+    array (the whole-object rewrites of FORMAT.md W3 grow with how full a shard already is)."""
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
     (work / "data").mkdir()
     (work / "data" / "in.jsonl").write_text(
@@ -340,7 +358,6 @@ def one_run(
                 for i in range(prefill)
             )
         )
-    engine = build_engine(prompts, k, rows, form, rate)
     clock = StageClock()
     load = os.getloadavg()[0]
     res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
@@ -349,17 +366,15 @@ def one_run(
     groups = thread_groups(res["threads"])
     split = breakdown(clock.cpu, groups, res["cpu_s"])
     stages = {n: v / positions * 1e6 for n, v in split.items()}
-    replay = clock.cpu.get("replay", 0.0)
-    total_us = (res["cpu_s"] - replay) / positions * 1e6
+    device = clock.cpu.get("device", 0.0)
     return {
         "k": k,
-        "form": form,
-        "rate_tokens_per_s": rate,
         "positions": positions,
         "cpu_s": res["cpu_s"],
         "wall_s": res["wall_s"],
-        "us_per_position": total_us,
-        "replay_us_per_position": replay / positions * 1e6,
+        "positions_per_s": positions / res["wall_s"],
+        "us_per_position": (res["cpu_s"] - device) / positions * 1e6,
+        "device_us_per_position": device / positions * 1e6,
         "sys_us_per_position": res["sys_s"] / positions * 1e6,
         "appends": len(clock.appends),
         "rows_per_append": clock.appends,

@@ -147,7 +147,6 @@ def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
     import numpy as np
 
     from benchmarks.service import cpu
-
     from benchmarks.service.replay import StrideRows
 
     cpu._track_thread_ends()
@@ -166,8 +165,8 @@ def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
 def test_service_suite_replays_the_transformers_backend_at_a_gpus_pace() -> None:
     """``service cpu --form hf``: the transformers backend's own code behind replayed device
     work (random-teacher rows, paced at ``rate`` tokens/s): its worker thread's host work is
-    the ``engine`` stage, the replayed rows' making is reported apart and not counted, the
-    stages add up to the job path's CPU, and the cache holds the replayed rows."""
+    the ``engine`` stage, the replayed rows' making (the ``device`` stage) is reported apart and
+    not counted, and the stages add up to the job path's CPU."""
     import numpy as np
 
     from benchmarks.service import cpu
@@ -183,7 +182,7 @@ def test_service_suite_replays_the_transformers_backend_at_a_gpus_pace() -> None
     assert r["wall_s"] >= 16 * 256 / 20000.0  # the replayed device's pace held the job back
     st = r["stage_us_per_position"]
     assert st["engine"] > 0 and st["encode"] > 0 and st["compress"] > 0
-    assert r["replay_us_per_position"] > 0 and "replay" not in st
+    assert r["device_us_per_position"] > 0 and "device" not in st
     assert sum(st.values()) == pytest.approx(r["us_per_position"])
     assert abs(st["other"]) < 0.25 * r["us_per_position"], st
 
