@@ -354,7 +354,10 @@ def job_run(
     its CPU per position, by stage and by thread (see the module docstring). With ``prefill``,
     an untimed job of that many sequences (the same prompts again, other ids) fills the cache
     first, so the timed appends land where a long job's do: inside partly filled shards of every
-    array (the whole-object rewrites of FORMAT.md W3 grow with how full a shard already is)."""
+    array (the whole-object rewrites of FORMAT.md W3 grow with how full a shard already is).
+    ``us_per_position``: the process's CPU less the ``device`` stage;
+    ``outside_engine_us_per_position``: less the ``engine`` stage too (the engine's own host
+    work, and on a GPU whatever its worker thread spends waiting outside ``device``)."""
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
     (work / "data").mkdir()
     (work / "data" / "in.jsonl").write_text(
@@ -383,6 +386,9 @@ def job_run(
         "wall_s": res["wall_s"],
         "positions_per_s": positions / res["wall_s"],
         "us_per_position": (res["cpu_s"] - device) / positions * 1e6,
+        "outside_engine_us_per_position": (res["cpu_s"] - device - split["engine"])
+        / positions
+        * 1e6,
         "device_us_per_position": device / positions * 1e6,
         "sys_us_per_position": res["sys_s"] / positions * 1e6,
         "appends": len(clock.appends),
