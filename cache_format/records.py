@@ -69,6 +69,12 @@ def known_tail(rows: Any) -> np.ndarray | None:
     return rows.__dict__.get("_computed_tail")
 
 
+def keep_tail(rows: Any, tail: np.ndarray) -> None:
+    """Give ``rows`` its tail mass computed elsewhere (the same formula, e.g. on the device
+    that made the rows): :func:`computed_tail` then returns it."""
+    object.__setattr__(rows, "_computed_tail", tail)
+
+
 def rows_array(value: Any, dtype: Any) -> np.ndarray:
     """``value`` as a ``dtype`` array: itself when it already is one whose rows each lie
     contiguous in memory (a 2-D array with unit inner stride and rows that do not overlap, such

@@ -1,27 +1,30 @@
 """CPU cost per position of the batch-job path outside the engine.
 
-What a GPU engine does not pay for: after the engine produced a request's prompt logprobs, the
-job path converts vLLM's output to arrays (``rows_from_flat`` + tail mass), pairs them with the
-sequences, compresses, checksums and writes them to the Zarr cache (one commit per batch), records
-progress in SQLite, and runs the asyncio/thread plumbing around all that. This bench runs the
-**real** job pipeline in-process (``create_app`` + ``httpx.ASGITransport``, ``POST /v1/jobs`` over
-a JSONL file, real ``CacheWriter`` on local disk, real SQLite job table) behind a *replay* engine:
-``score`` returns vLLM ``RequestOutput``-like objects holding real ``vllm.logprobs.FlatLogprobs``
-prepared before the clock starts, and the real conversion (``engine/vllm.py::
-scores_from_output``) turns them into rows. So every CPU-second counted is job-path work, none is
-the model's.
+What a GPU engine does not pay for: after the engine produced a request's top-k rows, the job
+path converts the engine's output to arrays, pairs them with the sequences, compresses,
+checksums and writes them to the Zarr cache (one commit per batch), records progress in SQLite,
+and runs the asyncio/thread plumbing around all that. This bench runs the **real** job pipeline
+in-process (``create_app`` + ``httpx.ASGITransport``, ``POST /v1/jobs`` over a JSONL file, real
+``CacheWriter`` on local disk, real SQLite job table) behind a *replay* engine
+(:mod:`benchmarks.service.replay`; ``--form``: vLLM 0.32's output through the service's vLLM hook
+and conversion, ``engine/vllm_rows.py``, or the transformers backend's own code with its decoder
+and lm-head replaced, ``hf``; ``--ids``: which rows). So every CPU-second counted is job-path
+work, none is the model's.
 
 Measured in CPU time, not wall time (the box is shared; wall-clock ratios drift with the load):
 ``getrusage`` user+sys of this process over the job (microsecond resolution), divided by the
 positions scored (``L - 1`` per sequence). The breakdown is by thread and by stage, every figure
 measured in the thread that spends it (``time.thread_time()`` around a stage; a thread's own CPU
 from ``/proc/self/task/<tid>/schedstat``, in ns, and for a thread that ends inside the job, such as
-the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the replay engine's
-call: the service's vLLM hook, which keeps vLLM 0.32's buffers or copies them, on the event loop),
-``convert`` (rows + tail mass, on the event loop), ``pair`` (``to_records``), ``encode``
-(``writer.encode_batch``: checks, float16, row deltas, in the job writer thread), ``compress``
-(``shardwrite.encode_chunk``: blosc + CRC32C, in
-zarr's IO thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
+the job's writer thread, its ``thread_time()`` at its end). Stages: ``engine`` (the engine's
+host work: the service's vLLM hook, which keeps vLLM 0.32's buffers or copies them, on the event
+loop; or the transformers backend's batching, hand-over of each decoder batch's top-k and
+per-sequence rows, in its worker thread, less its ``device`` stage: the replayed rows' making,
+or on a GPU the decoder's and lm-head's launches, ``_hidden`` and ``_topk_rows``, reported apart
+and not counted), ``convert`` (the engine output's rows, on the event loop),
+``pair`` (``to_records``), ``encode`` (``writer.encode_batch``: checks, float16, row deltas, in
+the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C, in zarr's IO
+thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
 writes, fsyncs and renames in its ``to_thread`` workers; and the rest of ``CacheWriter.append`` in
 the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress rows), ``read``
 (input -> batches, missing-key checks), ``submit`` (the whole input checked before the job exists),
@@ -31,113 +34,39 @@ the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress 
 stage accounts for (threads ended before being seen, and the difference between the clocks). The
 replayed outputs are built before the clock starts and moved out of the garbage collector's sight
 (``gc.freeze``): in the service an output lives only until its batch is converted, so the collector
-never walks millions of them. The load average is recorded beside every figure.
+never walks millions of them; the ``hf`` form's rows are copied from a pool as a device's
+output arrives in fresh memory. The load average is recorded beside every figure.
 
 Usage::
 
     python -m benchmarks.service cpu --k 20 100 --sequences 256 --length 256 --repeats 3 \\
         --ids zipf --json benchmarks/results/job_cpu.json
+    python -m benchmarks.service cpu --form hf --ids random --k 100 --sequences 128 \\
+        --length 2048 --repeats 3 --rate 105000
+
+The second is the GPU mode's job (2,048-token sequences, rows over 128,256 ids) at the pace the
+1B shape ran on an H100 (``--rate 29000 --sigma 1.3``: the 8B shape).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import resource
 import shutil
-import sqlite3
 import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from benchmarks.harness import Recorder, add_csv_option, machine_line
-from benchmarks.synthetic import Teacher
-
-VOCAB = 4096  # the replay engine's vocabulary (no real teacher runs here); --ids zipf: 131072
-ZIPF_POOL_ROWS = 65536  # --ids zipf: rows generated once (the synthetic teacher), dealt out in turn
-
-
-class ZipfRows:
-    """``--ids zipf``: top-k rows from the synthetic teacher (ids: the first k distinct of
-    i.i.d. Zipf(1.05) draws over a 131,072-token vocabulary with a BPE-like id placement;
-    logprobs: a noisy power law with a Beta tail mass), the data the format's <= 260
-    B/position goal is measured on. The bench's own ``stride`` ids (arithmetic progressions
-    modulo 4,096) compress to ~57 B/position at k=100 but cost zstd more CPU than these (0.53
-    vs 0.36 CPU-us/position, numcodecs alone). A pool of
-    :data:`ZIPF_POOL_ROWS` rows is made once and dealt out in a shuffled order, each row once per
-    pass, so no inner chunk (2,048 rows) repeats a row unless the pass wraps inside it."""
-
-    def __init__(self, seed: int = 0) -> None:
-        teacher = Teacher(seed=seed)
-        rng = np.random.default_rng(seed)
-        cdf = teacher.cdf()
-        self.ids = teacher.topk_ids(ZIPF_POOL_ROWS, rng, cdf, teacher.rank_to_id(rng))
-        self.logprobs = teacher.logprobs(ZIPF_POOL_ROWS, rng)[0]
-        self.k_max = teacher.k
-        self.order = rng.permutation(ZIPF_POOL_ROWS)
-        self.cursor = 0
-
-    def take(self, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next ``m`` rows' top-``k`` ids and logprobs (k <= 100)."""
-        if k > self.k_max:
-            raise SystemExit(f"--ids zipf has rows of k <= {self.k_max}, not {k}")
-        idx = self.order[(self.cursor + np.arange(m)) % ZIPF_POOL_ROWS]
-        self.cursor = (self.cursor + m) % ZIPF_POOL_ROWS
-        return self.ids[idx, :k], self.logprobs[idx, :k].astype(np.float64)
-
-
-ZIPF: ZipfRows | None = None  # set by --ids zipf
-
-
-def tensor_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
-    """The engine core's prompt-logprob tensors for ``ids`` (what vLLM 0.32 hands its output
-    processor: one buffer per request, ``LogprobsTensors.empty_cpu``): ``(token_ids [L-1, k+1]
-    int32, logprobs [L-1, k+1] float32)``."""
-    import torch
-
-    flat = flat_output(ids, k, rng).prompt_logprobs
-    m, w = len(ids) - 1, k + 1
-    tok = torch.tensor(flat.token_ids, dtype=torch.int32).reshape(m, w)
-    lp = torch.tensor(flat.logprobs, dtype=torch.float32).reshape(m, w)
-    return tok, lp
-
-
-def flat_output(ids: list[int], k: int, rng: np.random.Generator) -> Any:
-    """A ``RequestOutput``-like object with vLLM 0.32's FlatLogprobs layout for ``ids``:
-    position 0 empty, then per position the actual token followed by the top-k."""
-    from vllm.logprobs import FlatLogprobs
-
-    m, w = len(ids) - 1, k + 1
-    if ZIPF is not None:
-        top, lps = ZIPF.take(m, k)
-    else:
-        # k distinct ids per row: a random start and a random odd stride modulo the 2^12 vocab
-        start = rng.integers(0, VOCAB, (m, 1))
-        stride = 2 * rng.integers(0, VOCAB // 2, (m, 1)) + 1
-        top = (start + stride * np.arange(k)[None, :]) % VOCAB
-        g = rng.gamma(0.3, size=(m, k + 64))  # a peaked distribution; the top k of it
-        lps = np.log(-np.sort(-(g / g.sum(axis=1, keepdims=True)), axis=1)[:, :k])
-    tok = np.empty((m, w), dtype=np.int64)
-    tok[:, 0], tok[:, 1:] = ids[1:], top
-    lp = np.empty((m, w), dtype=np.float64)
-    lp[:, 0], lp[:, 1:] = -7.0, lps
-    flat = FlatLogprobs()
-    flat.start_indices = [0, *range(0, m * w, w)]
-    flat.end_indices = [0, *range(w, m * w + 1, w)]
-    flat.token_ids = tok.ravel().tolist()
-    flat.logprobs = lp.ravel().tolist()
-    flat.ranks = [1] * (m * w)
-    flat.decoded_tokens = [None] * (m * w)
-    return SimpleNamespace(prompt_logprobs=flat)
+from benchmarks.service.replay import ROWS, RandomTeacherRows, StrideRows, ZipfRows, build_engine
 
 
 class StageClock:
@@ -204,63 +133,23 @@ def _track_thread_ends() -> None:
     threading.Thread.run = run  # type: ignore[method-assign]
 
 
-def build_engine(prompts: list[list[int]], k: int, seed: int, form: str = "arrays") -> Any:
-    """A replay engine. ``form="arrays"``: each call wraps the prepared tensors the way the
-    service's vLLM hook does (``vllm_logprobs.TensorPromptLogprobs.add``: views of vLLM 0.32's
-    buffers, copies otherwise, on the clock); ``"lists"``: vLLM's ``FlatLogprobs`` lists (built
-    before the clock)."""
-    from logitcache.server.engine import BaseEngine, EngineInfo
-    from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
-    from logitcache.server.engine.vllm_rows import scores_from_output
+def _signal_finish(finish: Any, ended: threading.Event) -> Any:
+    """``JobStore.finish`` that also sets ``ended`` (the job table's last write of a job)."""
 
-    rng = np.random.default_rng(seed)
-    make = tensor_output if form == "arrays" else flat_output
-    outputs = {tuple(p): make(p, k, rng) for p in prompts}
-    gc.collect()
-    gc.freeze()
+    def finished(*a: Any, **kw: Any) -> Any:
+        try:
+            return finish(*a, **kw)
+        finally:
+            ended.set()
 
-    class ReplayEngine(BaseEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokenizer = None
-            self.info = EngineInfo(
-                model_id="replay",
-                revision="bench",
-                vocab_size=VOCAB,
-                max_k=k,
-                tokenizer_fingerprint="replay",
-                max_seq_len=4096,
-                weights_hash="sha256:replay",
-            )
-
-        async def _generate(self, ps: list[list[int]], kk: int, t: float) -> list[Any]:
-            if form == "lists":
-                return [outputs[tuple(p)] for p in ps]
-            out = []
-            for p in ps:
-                arrays = TensorPromptLogprobs()
-                arrays.add(*outputs[tuple(p)])
-                out.append(SimpleNamespace(prompt_logprobs=arrays))
-            return out
-
-        def _convert(self, raw: Any, length: int, kk: int) -> Any:
-            return scores_from_output(raw, kk, length)
-
-    return ReplayEngine()
+    return finished
 
 
-async def _wait(c: Any, db_path: Path, job_id: str) -> None:
-    """Until the job ends (read from the job table directly: an HTTP poll costs ms of CPU)."""
-    db = sqlite3.connect(db_path)
-    try:
-        while db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[0] not in (
-            "succeeded",
-            "failed",
-            "cancelled",
-        ):
-            await asyncio.sleep(0.05)
-    finally:
-        db.close()
+async def _wait(ended: threading.Event) -> None:
+    """Until the job ends, without polling (a poll of the job table every 50 ms cost ~0.15
+    CPU-us/position of event-loop time at 29K positions/s: the bench's, not the job's)."""
+    await asyncio.to_thread(ended.wait)
+    ended.clear()
 
 
 async def run_job(
@@ -284,9 +173,17 @@ async def run_job(
     from logitcache.cache_format import store
 
     put_durable = store.DurableLocalStore._put_durable
+    ended = threading.Event()
 
-    engine._convert = clock.wrap("convert", engine._convert)
-    engine._generate = clock.wrap_async("engine", engine._generate)
+    own = {"_convert": clock.wrap("convert", engine._convert)}
+    if hasattr(engine, "_score_sync"):  # the transformers backend: its worker thread's work
+        own["_score_sync"] = clock.wrap("engine", engine._score_sync)
+        own["_hidden"] = clock.wrap("device", engine._hidden)  # the device's work (or replay)
+        own["_topk_rows"] = clock.wrap("device", engine._topk_rows)
+    else:
+        own["_generate"] = clock.wrap_async("engine", engine._generate)
+    for name, fn in own.items():  # on this engine object only, until the job ends
+        setattr(engine, name, fn)
     patches = [
         (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
         (WriterHandle, "append", clock.wrap("append", clock.count_append(WriterHandle.append))),
@@ -296,6 +193,7 @@ async def run_job(
         (job_store.JobStore, "progress", clock.wrap("sqlite", job_store.JobStore.progress)),
         (jobs.JobRunner, "_batches", _wrap_gen(clock, jobs.JobRunner._batches)),
         (jobs.JobRunner, "_scan", clock.wrap("submit", jobs.JobRunner._scan)),
+        (job_store.JobStore, "finish", _signal_finish(job_store.JobStore.finish, ended)),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, fn in patches:
@@ -308,7 +206,7 @@ async def run_job(
                 if prefill:  # untimed: the cache already holds rows, as in a long job
                     r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "pre.jsonl"}})
                     r.raise_for_status()
-                    await _wait(c, settings.job_db_path, r.json()["id"])
+                    await _wait(ended)
                     clock.cpu.clear()
                     clock.appends.clear()
                 ENDED.clear()
@@ -317,13 +215,15 @@ async def run_job(
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "in.jsonl"}})
                 r.raise_for_status()
                 job_id = r.json()["id"]
-                await _wait(c, settings.job_db_path, job_id)
+                await _wait(ended)
                 cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                 threads1 = thread_cpu()
                 job = (await c.get(f"/v1/jobs/{job_id}")).json()
     finally:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
+        for name in own:
+            delattr(engine, name)
     if job["state"] != "succeeded":
         raise SystemExit(f"job failed: {job}")
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
@@ -384,9 +284,14 @@ def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
 
 def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: float) -> dict:
     """Seconds per stage, each thread's CPU split into the stages it ran (see the module
-    docstring); ``other``: the total less every thread's and stage's share."""
+    docstring); ``other``: the total (less the ``device`` stage) less every thread's and
+    stage's share. The transformers backend's ``engine`` stage runs in a worker thread (it has a
+    ``device`` stage), vLLM's hook on the event loop."""
     g = stage_s.get
+    device = g("device", 0.0)
     out = {n: g(n, 0.0) for n in ("engine", "convert", "pair", "encode", "compress", "sqlite")}
+    out["engine"] -= device
+    in_loop = 0.0 if "device" in stage_s else out["engine"]
     out["read"], out["submit"] = g("read", 0.0), g("submit", 0.0)
     append = g("append", 0.0)
     put = g("put", 0.0)  # object files: write, fsync, rename (zarr's to_thread workers)
@@ -394,10 +299,11 @@ def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: floa
         max(groups["zarr_io"] - g("compress", 0.0), 0.0) + append - g("encode", 0.0) + put
     )
     out["bookkeeping"] = max(groups["job_writer"] - append - g("sqlite", 0.0), 0.0)
-    out["event_loop"] = max(groups["event_loop"] - g("engine", 0.0) - g("convert", 0.0), 0.0)
+    out["event_loop"] = max(groups["event_loop"] - in_loop - g("convert", 0.0), 0.0)
     in_workers = g("read", 0.0) + g("submit", 0.0) + g("pair", 0.0) + put
+    in_workers += g("engine", 0.0) if "device" in stage_s else 0.0
     out["handoffs"] = max(groups["workers"] - in_workers, 0.0) + groups["other_threads"]
-    out["other"] = total_s - sum(out.values())
+    out["other"] = total_s - device - sum(out.values())
     return out
 
 
@@ -427,14 +333,31 @@ def one_run(
     k: int,
     prompts: list[list[int]],
     settings_kw: dict,
-    seed: int,
+    rows: Any,
     form: str = "arrays",
     prefill: int = 0,
+    rate: float = 0.0,
 ) -> dict:
-    """One timed job over ``prompts``; with ``prefill``, an untimed job of that many sequences
-    (the same prompts again, other ids) fills the cache first, so the timed appends land where a
-    long job's do: inside partly filled shards of every array (the whole-object rewrites of
-    FORMAT.md W3 grow with how full a shard already is)."""
+    """One timed job over ``prompts`` behind a replay engine of ``form`` over ``rows``
+    (:mod:`benchmarks.service.replay`; ``rate``: the ``hf`` form's device pace in tokens/s, 0:
+    rows at once): :func:`job_run`."""
+    engine = build_engine(prompts, k, rows, form, rate)
+    return {"form": form, "rate_tokens_per_s": rate} | job_run(
+        k, prompts, settings_kw, engine, prefill
+    )
+
+
+def job_run(
+    k: int, prompts: list[list[int]], settings_kw: dict, engine: Any, prefill: int = 0
+) -> dict:
+    """One timed job over ``prompts`` through the service in this process, behind ``engine``;
+    its CPU per position, by stage and by thread (see the module docstring). With ``prefill``,
+    an untimed job of that many sequences (the same prompts again, other ids) fills the cache
+    first, so the timed appends land where a long job's do: inside partly filled shards of every
+    array (the whole-object rewrites of FORMAT.md W3 grow with how full a shard already is).
+    ``us_per_position``: the process's CPU less the ``device`` stage;
+    ``outside_engine_us_per_position``: less the ``engine`` stage too (the engine's own host
+    work, and on a GPU whatever its worker thread spends waiting outside ``device``)."""
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
     (work / "data").mkdir()
     (work / "data" / "in.jsonl").write_text(
@@ -447,7 +370,6 @@ def one_run(
                 for i in range(prefill)
             )
         )
-    engine = build_engine(prompts, k, seed, form)
     clock = StageClock()
     load = os.getloadavg()[0]
     res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
@@ -456,14 +378,18 @@ def one_run(
     groups = thread_groups(res["threads"])
     split = breakdown(clock.cpu, groups, res["cpu_s"])
     stages = {n: v / positions * 1e6 for n, v in split.items()}
-    total_us = res["cpu_s"] / positions * 1e6
+    device = clock.cpu.get("device", 0.0)
     return {
         "k": k,
-        "form": form,
         "positions": positions,
         "cpu_s": res["cpu_s"],
         "wall_s": res["wall_s"],
-        "us_per_position": total_us,
+        "positions_per_s": positions / res["wall_s"],
+        "us_per_position": (res["cpu_s"] - device) / positions * 1e6,
+        "outside_engine_us_per_position": (res["cpu_s"] - device - split["engine"])
+        / positions
+        * 1e6,
+        "device_us_per_position": device / positions * 1e6,
         "sys_us_per_position": res["sys_s"] / positions * 1e6,
         "appends": len(clock.appends),
         "rows_per_append": clock.appends,
@@ -497,9 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument(
         "--form",
-        choices=["arrays", "lists"],
+        choices=["arrays", "lists", "hf"],
         default="arrays",
-        help="vLLM output form: the service's array hook or vLLM's FlatLogprobs lists",
+        help="engine output: vLLM's through the service's array hook, vLLM's FlatLogprobs "
+        "lists, or the transformers backend's (its own code, the device work replayed)",
     )
     p.add_argument(
         "--prefill",
@@ -510,23 +437,43 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--ids",
-        choices=["stride", "zipf"],
+        choices=sorted(ROWS),
         default="stride",
-        help="top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens) or "
+        help="top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens), "
         "'zipf' (the synthetic teacher over 131,072 tokens, what the format's "
-        "bytes/position goal is measured on; ~8 s to make)",
+        "bytes/position goal is measured on; ~8 s to make) or 'random' (a random-weights "
+        "teacher over 128,256 tokens, as the GPU mode scores; ~2 s to make)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="--form hf: the replayed device's pace in tokens/s, e.g. 105000 (the 1B shape on "
+        "an H100) or 29000 (8B); 0: rows at once",
+    )
+    p.add_argument(
+        "--sigma",
+        type=float,
+        default=0.9,
+        help="--ids random: the logits' spread (0.9: the 1B shape, 1.3: 8B)",
     )
     add_csv_option(p)
     args = p.parse_args(argv)
-    global ZIPF, VOCAB
+    shared: Any = None  # the pooled rows are made once
     if args.ids == "zipf":
-        ZIPF = ZipfRows()
-        VOCAB = 131072
+        shared = ZipfRows()
+    elif args.ids == "random":
+        shared = RandomTeacherRows(sigma=args.sigma)
+
+    def rows(seed: int) -> Any:  # the stride rows are made per run, from the run's seed
+        return shared if shared is not None else StrideRows(seed)
+
+    vocab = rows(0).vocab
     _track_thread_ends()
     if args.sequences < 1 or args.length < 2 or args.repeats < 1:
         p.error("--sequences >= 1, --length >= 2 and --repeats >= 1 are needed")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, args.length).tolist() for _ in range(args.sequences)]
+    prompts = [rng.integers(0, vocab, args.length).tolist() for _ in range(args.sequences)]
     settings_kw = {
         "k": max(args.k),
         "logprob_dtype": args.logprob_dtype,
@@ -537,11 +484,11 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder("service", "cpu", csv_path=args.csv)
     for _ in range(args.warmup):  # the first job in a process pays imports and first calls
         for k in args.k:
-            one_run(k, prompts[:16], settings_kw, seed=0, form=args.form)
+            one_run(k, prompts[:16], settings_kw, rows(0), form=args.form)
     runs = []
     for rep in range(args.repeats):
         for k in args.k:
-            r = one_run(k, prompts, settings_kw, seed=rep, form=args.form, prefill=args.prefill)
+            r = one_run(k, prompts, settings_kw, rows(rep), args.form, args.prefill, args.rate)
             runs.append(r)
             st = ", ".join(f"{n} {v:.2f}" for n, v in r["stage_us_per_position"].items())
             print(
@@ -551,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     summary = {}
-    inputs = {"sequences": args.sequences, "length": args.length, "vocab": VOCAB, "ids": args.ids}
+    inputs = {"sequences": args.sequences, "length": args.length, "vocab": vocab, "ids": args.ids}
     for k in args.k:
         xs = [r["us_per_position"] for r in runs if r["k"] == k]
         summary[str(k)] = {
@@ -566,7 +513,9 @@ def main(argv: list[str] | None = None) -> None:
             p20=min(xs),
             p80=max(xs),
             samples=len(xs),
-            config=settings_kw | inputs | {"k": k, "form": args.form, "prefill": args.prefill},
+            config=settings_kw
+            | inputs
+            | {"k": k, "form": args.form, "prefill": args.prefill, "rate": args.rate},
         )
         print(f"k={k}: median {statistics.median(xs):.2f} CPU-us/position")
     rec.save()

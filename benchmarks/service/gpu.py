@@ -14,23 +14,33 @@ the CPU test) this suite
    ``ratio_entropy_vs_device``) and ``engine`` (the engine's scoring call: the same as
    ``device`` plus the copies to the host and the per-sequence arrays). Host CPU is this
    process's CPU time over each;
-3. **job**: the service started as a user would (``logitcache-server --backend hf ...``, a
+3. **inproc**: the same engine object scores the first ``--inproc-sequences`` of the job's
+   sequences through the service in this process (``create_app`` + ``POST /v1/jobs``, a cache on
+   local disk), measured exactly as ``python -m benchmarks.service cpu`` measures the job path
+   on the CPU (:func:`benchmarks.service.cpu.job_run`): each thread's CPU and each stage's, in
+   the thread that spends it. The engine's ``device`` stage (``_hidden`` + ``_topk_rows``: the
+   launches of the decoder's and lm-head's work, and whatever waits on the device inside them)
+   and its ``engine`` stage (the rest of its worker thread: batching, the hand-over of each
+   batch's top-k, per-sequence rows, and any wait on the device there) are apart; the job path
+   is the process's CPU less both (``job_path_cpu_us_per_position``; less ``device`` alone, the
+   ``cpu`` mode's headline, it is ``job_path_cpu_us_per_position_with_engine_host``);
+4. **job**: the service started as a user would (``logitcache-server --backend hf ...``, a
    subprocess) scores all ``--sequences`` x ``--seq-len`` random token ids of a JSONL file into a
    cache on local disk through ``POST /v1/jobs``. The rate is the job's own
    ``tokens_total / (finished_at - started_at)``; the server's CPU time (all its threads,
-   ``/proc/<pid>/stat``, from submit to the end) per position, minus the engine's own host CPU
-   per position measured in (2), is the job path's (encode, compress, write, bookkeeping);
-4. reads the cache back: bytes on disk per position, the tail-mass distribution, and the share
+   ``/proc/<pid>/stat``, from submit to the end), less the engine's share estimated from (2),
+   is a second estimate of the job path's (``..._subtraction``);
+5. reads the cache back: bytes on disk per position, the tail-mass distribution, and the share
    of top-k ids equal to the bare engine's on the sequences both scored.
 
 GPU utilisation is sampled through NVML every 0.2 s during each timed phase when available.
 
-Host CPU of the job path: the bare engine's thread keeps about one core busy for as long as
-the device works (it waits on the launch queue and the copies), so the engine's share of the
-server's CPU is the bare run's cores times the job's wall time; the rest is the job path's
-(``job_path_cpu_us_per_position``). The per-position subtraction (bare CPU per position times the
-job's positions) is reported beside it (``..._per_position_subtraction``). The server's busiest
-threads are listed by CPU seconds.
+Host CPU of the subprocess job, estimated: the bare engine's thread keeps about one core busy
+for as long as the device works, so the engine's share of the server's CPU is the bare run's
+cores times the job's own time (started to finished); the rest is the job path's
+(``job_path_cpu_us_per_position_subtraction``); the per-position subtraction (bare CPU per
+position times the job's positions) is beside it. The server's busiest threads are listed by CPU
+seconds. The in-process figure (3) needs no such estimate.
 
 Usage (GPU box, through the harness's device runner; wheels as in benchmarks/results/service.md)::
 
@@ -40,7 +50,7 @@ Usage (GPU box, through the harness's device runner; wheels as in benchmarks/res
 CPU smoke (tests/repo/test_bench_gpu_suites.py)::
 
     python -m benchmarks.service gpu --shapes tiny --sequences 6 --seq-len 64 --k 8 \\
-        --bare-sequences 2 --json /tmp/tj.json --csv /tmp/rows.csv
+        --bare-sequences 2 --inproc-sequences 4 --json /tmp/tj.json --csv /tmp/rows.csv
 """
 
 from __future__ import annotations
@@ -197,8 +207,16 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 # ------------------------------------------------------------------------------------- bare
 
 
-def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace) -> dict:
-    """The backend's engine in this process: device-only rate, then the engine's scoring call."""
+def bare(
+    model: Path,
+    prompts: list[list[int]],
+    k: int,
+    args: argparse.Namespace,
+    inproc: list[list[int]] | None = None,
+) -> dict:
+    """The backend's engine in this process: device-only rate, then the engine's scoring call;
+    then, with ``inproc``, a job over those sequences through the service in this process
+    (:func:`inproc_job`)."""
     import torch
     from logitcache.server.engine import build_engine
 
@@ -256,6 +274,27 @@ def bare(model: Path, prompts: list[list[int]], k: int, args: argparse.Namespace
         }
         if name == "engine":
             out["rows"] = [(s.topk_ids.copy(), s.topk_logprobs.copy()) for s in res[:4]]
+    if inproc:
+        out["inproc"] = inproc_job(engine, inproc, k, args)
+    return out
+
+
+def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Namespace) -> dict:
+    """A job over ``prompts`` through the service in this process behind ``engine``, measured
+    as the ``cpu`` mode measures the job path (:func:`benchmarks.service.cpu.job_run`), with the
+    job settings the subprocess server gets."""
+    from benchmarks.service import cpu
+
+    settings_kw = {
+        "k": k,
+        "job_batch_sequences": args.batch_sequences,
+        "job_batch_tokens": args.job_batch_tokens,
+        "log_level": "warning",
+    }
+    with GpuSampler() as gpu:
+        out = cpu.job_run(k, prompts, settings_kw, engine)
+    out["gpu_util"] = gpu.summary()
+    out["tokens_per_s"] = sum(len(p) for p in prompts) / out["wall_s"]
     return out
 
 
@@ -342,7 +381,7 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
                     st = c.get(f"/v1/jobs/{job_id}").raise_for_status().json()
                     if st["state"] in ("succeeded", "failed", "cancelled"):
                         break
-                    time.sleep(0.5)
+                    time.sleep(1.0)  # each poll costs the server ~ms of CPU
                 wall = time.perf_counter() - t1
             cpu1, threads1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
     finally:
@@ -423,16 +462,28 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
     made = make_model_dir(shape, model, device, max(args.seq_len, 2048))
     print(f"[{name}] weights made and saved: {made}", flush=True)
     prompts = make_prompts(args.sequences, args.seq_len, shape.vocab, seed=1)
-    b = bare(model, prompts[: args.bare_sequences], args.k, args)
+    inproc = prompts[: args.inproc_sequences]
+    b = bare(model, prompts[: args.bare_sequences], args.k, args, inproc)
     free_memory(device.startswith("cuda"))  # the bare engine is gone with bare()'s frame
     rows = b.pop("rows")
-    print(f"[{name}] bare: {json.dumps(b)}", flush=True)
+    ip = b.get("inproc", {})
+    shown = {x: y for x, y in b.items() if x != "inproc"}
+    print(f"[{name}] bare: {json.dumps(shown)}", flush=True)
+    if ip:
+        stages = {x: round(y, 3) for x, y in ip["stage_us_per_position"].items()}
+        print(
+            f"[{name}] inproc: {ip['outside_engine_us_per_position']:.2f} CPU-us/position of "
+            f"job path ({ip['us_per_position']:.2f} with the engine's host work; device "
+            f"{ip['device_us_per_position']:.2f}), {ip['tokens_per_s']:.0f} tok/s, "
+            f"{ip['appends']} appends; stages {stages}",
+            flush=True,
+        )
     j = job(model, prompts, work / f"job-{name}", args)
     print(f"[{name}] job: {json.dumps({x: y for x, y in j.items() if x != 'command'})}", flush=True)
     stats = cache_stats(work / f"job-{name}" / "caches" / "bench", rows, args.tail_sequences)
     eng = b["engine"]
     eng_cores = eng["host_cpu_s"] / eng["wall_s"]
-    engine_share_s = eng_cores * j["client_wall_s"]
+    engine_share_s = eng_cores * j["job_s"]  # the engine works from start to finish
     result = {
         "shape": shape.__dict__,
         "made": made,
@@ -444,12 +495,24 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
         "ratio_entropy_vs_device": b["device_entropy"]["tokens_per_s"]
         / b["device"]["tokens_per_s"],
         "bare_engine_cores": eng_cores,
-        "job_path_cpu_us_per_position": 1e6 * (j["server_cpu_s"] - engine_share_s) / j["positions"],
+        "job_path_cpu_us_per_position_subtraction": (
+            1e6 * (j["server_cpu_s"] - engine_share_s) / j["positions"]
+        ),
         "job_path_cpu_us_per_position_per_position_subtraction": (
             j["server_cpu_us_per_position"] - eng["host_cpu_us_per_position"]
         ),
-        "job_path_cores": (j["server_cpu_s"] - engine_share_s) / j["client_wall_s"],
+        "job_path_cores_subtraction": (j["server_cpu_s"] - engine_share_s) / j["job_s"],
     }
+    if ip:  # measured thread by thread (the cpu mode's figure)
+        result["job_path_cpu_method"] = "inproc, per thread and stage"
+        result["job_path_cpu_us_per_position"] = ip["outside_engine_us_per_position"]
+        result["job_path_cpu_us_per_position_with_engine_host"] = ip["us_per_position"]
+        per_position = ip["outside_engine_us_per_position"]
+        result["job_path_cores"] = per_position * ip["positions_per_s"] / 1e6
+    else:
+        result["job_path_cpu_method"] = "subprocess, engine share subtracted"
+        result["job_path_cpu_us_per_position"] = result["job_path_cpu_us_per_position_subtraction"]
+        result["job_path_cores"] = result["job_path_cores_subtraction"]
     shutil.rmtree(model, ignore_errors=True)
     return result
 
@@ -461,6 +524,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--k", type=int, default=100)
     p.add_argument("--bare-sequences", type=int, default=128)
+    p.add_argument(
+        "--inproc-sequences",
+        type=int,
+        default=256,
+        help="sequences of the in-process job measured stage by stage (0: none)",
+    )
     p.add_argument("--tail-sequences", type=int, default=64, help="sequences read for tail mass")
     p.add_argument("--batch-sequences", type=int, default=64, help="job batch sequences")
     p.add_argument("--job-batch-tokens", type=int, default=16384)
@@ -472,7 +541,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from benchmarks.service import cpu
+
     args = parse_args(argv)
+    cpu._track_thread_ends()  # the in-process job's writer thread ends inside the job
     work = args.work or Path(tempfile.mkdtemp(prefix="teacher-job-"))
     given = sys.argv[1:] if argv is None else ["gpu", *argv]
     command = " ".join(["python -m benchmarks.service", *given])
@@ -521,8 +593,16 @@ def record(rec: Recorder, name: str, r: dict, args: argparse.Namespace) -> None:
     rec.add(name, "job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config=config)
     rec.add(name, "entropy_vs_device", "x", r["ratio_entropy_vs_device"], config=config)
     rec.add(name, "job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config=config)
+    config = config | {"job_path_cpu_method": r["job_path_cpu_method"]}
     rec.add(
         name, "job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], config=config
+    )
+    rec.add(
+        name,
+        "job_path_cpu_per_position_subtraction",
+        "us",
+        r["job_path_cpu_us_per_position_subtraction"],
+        config=config,
     )
     rec.add(name, "server_cores", "cores", r["job"]["server_cores"], config=config)
     rec.add(name, "bytes_per_position", "B", r["cache"]["bytes_per_position"], config=config)

@@ -210,7 +210,14 @@ class _Writer:
     a group's first item for more to arrive, until the group holds ``merge_rows`` rows or the
     input ends: an append costs ~20 ms of CPU whatever its size (one object and one metadata
     write per array, the partly filled last chunk of each re-encoded, fsyncs, the commit), so
-    its rows should be many. Without it, a writer that keeps up writes batch by batch."""
+    its rows should be many. Without it, a writer that keeps up writes batch by batch.
+
+    With ``fill`` (seconds), a group waits longer than ``linger`` when the rows arrive fast
+    enough to reach ``merge_rows`` within ``fill`` seconds of its first item (the arrival rate:
+    rows handed over per second, averaged over the last batches): a fast engine (a GPU's
+    ~30K-100K positions/s) then pays the fixed costs once per ``merge_rows`` rows instead of
+    once per batch or two, while a slow one, whose CPU per position matters little, still
+    commits every ``linger`` seconds."""
 
     def __init__(
         self,
@@ -220,11 +227,15 @@ class _Writer:
         write_many: WriteManyFn | None = None,
         merge_rows: int = 0,
         linger: float = 0.0,
+        fill: float = 0.0,
     ):
         self._write = write
         self._write_many = write_many
         self._merge_rows = merge_rows
         self._linger = linger
+        self._fill = fill
+        self._rate = 0.0  # rows handed over per second (0: not known yet)
+        self._last_put: float | None = None
         self.error: BaseException | None = None
         self._queue: queue.Queue[tuple[Batch, list[SequenceRecord] | None] | None] = queue.Queue(
             maxsize
@@ -234,6 +245,8 @@ class _Writer:
 
     def put(self, item: tuple[Batch, list[SequenceRecord] | None] | None) -> None:
         """Blocking put (call from a worker thread); raises the writer's error if it died."""
+        if item is not None:
+            self._arrived(_rows(item))
         while True:
             if self.error is not None:
                 raise self.error
@@ -242,6 +255,20 @@ class _Writer:
                 return
             except queue.Full:
                 continue
+
+    def _arrived(self, rows: int) -> None:
+        """Update the arrival rate with a batch of ``rows`` handed over now."""
+        now = time.monotonic()
+        if self._last_put is not None and now > self._last_put:
+            rate = rows / (now - self._last_put)
+            self._rate = rate if not self._rate else 0.5 * (self._rate + rate)
+        self._last_put = now
+
+    def _wait(self, rows: int) -> float:
+        """Seconds a group of ``rows`` rows waits for more after its first item."""
+        if self._fill and self._rate and (self._merge_rows - rows) / self._rate <= self._fill:
+            return self._fill
+        return self._linger
 
     def join(self) -> None:
         self.put(None)
@@ -256,7 +283,7 @@ class _Writer:
                     self._write(*item)
                     continue
                 group, rows, done = [item], _rows(item), False
-                deadline = time.monotonic() + self._linger
+                deadline = time.monotonic() + self._wait(rows)
                 while rows < self._merge_rows:
                     try:
                         wait = deadline - time.monotonic()
@@ -294,12 +321,14 @@ async def run(
     write_many: WriteManyFn | None = None,
     merge_rows: int = 0,
     linger: float = 0.0,
+    fill: float = 0.0,
 ) -> None:
     """Score every ``todo`` batch of ``batches`` and ``write`` every batch, in order.
 
     With ``write_many``, batches already waiting for the writer thread are written together, up
     to ``merge_rows`` rows, and with ``linger`` the writer waits up to that many seconds for
-    such batches (see :class:`_Writer`); ``write`` is then unused.
+    such batches, with ``fill`` that many when they arrive fast enough to fill a group in that
+    time (see :class:`_Writer`); ``write`` is then unused.
 
     ``batches`` is drawn in a worker thread (forming a batch reads the input and asks the cache).
     ``depth()`` (read after each batch is handed out) bounds the batches in the engine;
@@ -308,7 +337,7 @@ async def run(
     error of scoring or writing; either way every batch already handed to the writer is written
     before this returns or raises.
     """
-    writer = _Writer(write, queue_size, name, write_many, merge_rows, linger)
+    writer = _Writer(write, queue_size, name, write_many, merge_rows, linger, fill)
     inflight: deque[tuple[Batch, asyncio.Future[list[SequenceRecord] | None]]] = deque()
 
     async def drain_one() -> None:

@@ -122,16 +122,17 @@ class TransformersEngine(BaseEngine):
 
     # --- compute ----------------------------------------------------------------------------
 
-    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any, Any]:
+    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any, Any, Any]:
         """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk, on
         the device and without a host sync: per chunk ``torch.topk`` of the logits, minus their
-        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer).
-        The third tensor: with ``cfg.entropy`` each row's entropy (:func:`row_entropy` of the
+        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer),
+        and the rows' tail mass (:func:`_tail`). Returns ``(ids int32, logprobs float32, tail
+        float32, entropy)``: with ``cfg.entropy`` each row's entropy (:func:`row_entropy` of the
         chunk's full ``log_softmax``, the logits shifted in place), else ``None``."""
         import torch
         from logitcache.cache_format.sampling import row_entropy
 
-        ids_out, lps_out, ent_out = [], [], []
+        ids_out, lps_out, tails, ent_out = [], [], [], []
         for h in hidden.split(self.chunk_rows):
             z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
             if temperature != 1.0:
@@ -143,9 +144,10 @@ class TransformersEngine(BaseEngine):
                 ent_out.append(row_entropy(z.sub_(lse)))
             ids_out.append(i.to(torch.int32))
             lps_out.append(v)
+            tails.append(_tail(v))
             del z
         ent = torch.cat(ent_out) if ent_out else None
-        return torch.cat(ids_out), torch.cat(lps_out), ent
+        return torch.cat(ids_out), torch.cat(lps_out), torch.cat(tails), ent
 
     def _sampled_rows(
         self, hidden: Any, key: str, targets: SampledTargets, temperature: float
@@ -166,7 +168,7 @@ class TransformersEngine(BaseEngine):
             head=targets.head,
             entropy=ent,
         )
-        return make_scores(ids, lw, _joined(ent))
+        return make_scores(ids, lw, entropy=_joined(ent))
 
     def _id_rows(self, hidden: Any, ids: list[int], temperature: float) -> Any:
         """``log_softmax((h W^T + b) / T)`` at ``ids`` for ``hidden [n, d]``, chunk by chunk
@@ -233,22 +235,22 @@ class TransformersEngine(BaseEngine):
         def collect(p: _Pending) -> None:
             if p.event is not None:
                 p.event.synchronize()
-            ids, lps = p.ids.numpy(), p.lps.numpy()
+            ids, lps, tail = p.ids.numpy(), p.lps.numpy(), p.tail.numpy()
             ent = None if p.ent is None else p.ent.numpy()
             start = 0
             for i in p.members:
-                n = len(prompts[i]) - 1
-                e = None if ent is None else ent[start : start + n]
-                out[i] = make_scores(ids[start : start + n], lps[start : start + n], e)
-                start += n
+                end = start + len(prompts[i]) - 1
+                e = None if ent is None else ent[start:end]
+                out[i] = make_scores(ids[start:end], lps[start:end], tail[start:end], e)
+                start = end
 
         with self._lock, torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(prompts[i]) - 1] for r, i in enumerate(batch)])
-                tid, tlp, tent = self._topk_rows(rows, k, temperature)
+                top = self._topk_rows(rows, k, temperature)
                 del hidden, rows
-                pending.append(_Pending.start(batch, tid, tlp, tent, self.device))
+                pending.append(_Pending.start(batch, *top, device=self.device))
                 if len(pending) > 1:
                     collect(pending.pop(0))
         for p in pending:
@@ -299,9 +301,9 @@ class TransformersEngine(BaseEngine):
         """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
 
         def both(i: int, hidden: Any) -> tuple[TeacherScores, Any]:
-            tid, tlp, tent = self._topk_rows(hidden, k, temperature)
+            tid, tlp, tail, tent = self._topk_rows(hidden, k, temperature)
             ent = None if tent is None else tent.cpu().numpy()
-            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy(), ent)
+            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy(), tail.cpu().numpy(), ent)
             return rows, self._id_rows(hidden, ids[i], temperature)
 
         out = await asyncio.to_thread(self._forward_rows, prompts, both)
@@ -345,28 +347,44 @@ def _is_dir(path: str) -> bool:
     return Path(path).is_dir()
 
 
-class _Pending:
-    """One decoder batch's top-k (and entropy, or ``None``) on its way to the host: pinned host
-    tensors filled by an asynchronous copy, and the event that marks the copy done (``None`` on
-    the CPU)."""
+def _tail(lp: Any) -> Any:
+    """``clip(1 - sum_k exp(lp), 0, 1)`` per row of sorted float32 logprobs ``lp [n, k]``, on
+    their device, as the format computes it
+    (:func:`~logitcache.cache_format.records.tail_from_logprobs`: with ``m`` the row's first
+    logprob, ``-expm1(m + log1p(sum_{j>0} exp(lp_j - m)))``, no cancellation)."""
+    import torch
 
-    def __init__(self, members: list[int], ids: Any, lps: Any, ent: Any, event: Any) -> None:
-        self.members, self.ids, self.lps, self.ent, self.event = members, ids, lps, ent, event
+    m = lp[:, :1]
+    rest = torch.exp(lp[:, 1:] - m).sum(dim=-1)
+    return (-torch.expm1(m[:, 0] + torch.log1p(rest))).clamp_(0.0, 1.0)
+
+
+class _Pending:
+    """One decoder batch's top-k rows (tail mass, entropy or ``None``) on their way to the host:
+    pinned host tensors filled by an asynchronous copy, and the event that marks the copy done
+    (``None`` on the CPU)."""
+
+    def __init__(
+        self, members: list[int], ids: Any, lps: Any, tail: Any, ent: Any, event: Any
+    ) -> None:
+        self.members, self.ids, self.lps, self.tail = members, ids, lps, tail
+        self.ent, self.event = ent, event
 
     @classmethod
-    def start(cls, members: list[int], ids: Any, lps: Any, ent: Any, device: Any) -> _Pending:
+    def start(
+        cls, members: list[int], ids: Any, lps: Any, tail: Any, ent: Any, device: Any
+    ) -> _Pending:
         import torch
 
         if device.type != "cuda":
-            return cls(members, ids, lps, ent, None)
-        host: list[Any] = []
-        for t in (ids, lps, ent):
+            return cls(members, ids, lps, tail, ent, None)
+
+        def pinned(t: Any) -> Any:
             if t is None:
-                host.append(None)
-                continue
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            host.append(h)
+                return None
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        host = [pinned(t) for t in (ids, lps, tail, ent)]
         event = torch.cuda.Event(blocking=True)
         event.record()
-        return cls(members, host[0], host[1], host[2], event)
+        return cls(members, *host, event)

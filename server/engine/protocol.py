@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
-from logitcache.cache_format.records import TopkRows, computed_tail, known_tail, rows_array
+from logitcache.cache_format.records import (
+    TopkRows,
+    computed_tail,
+    keep_tail,
+    known_tail,
+    rows_array,
+)
 from logitcache.cache_format.sampling import METHOD, sampling_manifest
 
 Backend = Literal["vllm", "transformers"]
@@ -263,16 +269,26 @@ class SamplingTeacherEngine(TeacherEngine, Protocol):
 
 
 def make_scores(
-    topk_ids: np.ndarray, topk_logprobs: np.ndarray, entropy: np.ndarray | None = None
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    tail_mass: np.ndarray | None = None,
+    entropy: np.ndarray | None = None,
 ) -> TeacherScores:
     """Wrap ``[rows, k]`` arrays (cast to int32/float32; rows contiguous, as
-    :func:`~logitcache.cache_format.records.rows_array` keeps them) and add the tail mass
-    (:func:`~logitcache.cache_format.records.tail_from_logprobs`: the format's own formula, at
-    its first use); ``entropy``: the rows' entropy (float32 ``[rows]``), if computed."""
+    :func:`~logitcache.cache_format.records.rows_array` keeps them) and add the tail mass:
+    ``tail_mass`` (float32 ``[rows]``, the format's formula computed where the rows were made,
+    e.g. on the device) or else :func:`~logitcache.cache_format.records.tail_from_logprobs` at
+    its first use; ``entropy``: the rows' entropy (float32 ``[rows]``), if computed."""
     ids = rows_array(topk_ids, np.int32)
     lps = rows_array(topk_logprobs, np.float32)
     ent = None if entropy is None else np.ascontiguousarray(entropy, dtype=np.float32)
-    return TeacherScores(topk_ids=ids, topk_logprobs=lps, entropy=ent)
+    scores = TeacherScores(topk_ids=ids, topk_logprobs=lps, entropy=ent)
+    if tail_mass is not None:
+        tail = np.asarray(tail_mass, dtype=np.float32)
+        if tail.shape != (ids.shape[0],):
+            raise ValueError(f"tail_mass of shape {tail.shape} for {ids.shape[0]} rows")
+        keep_tail(scores, tail)
+    return scores
 
 
 #: Range of a call's temperature: ``z / T`` stays finite in float32 for any finite logit.

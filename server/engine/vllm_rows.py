@@ -131,4 +131,4 @@ def hooked_from_output(
             f"marker for a {length}-token prompt at width {width}: the worker hook did not run "
             "in vLLM's worker (is worker_extension_cls overridden?)"
         )
-    return make_scores(ids, lps, ent)
+    return make_scores(ids, lps, entropy=ent)

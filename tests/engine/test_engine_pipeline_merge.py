@@ -64,7 +64,9 @@ def test_merge_rows_bounds_a_group() -> None:
     assert all(len(g) <= 2 for g in groups) and len(groups) >= 3
 
 
-def _slow_run(n: int, linger: float, merge_rows: int = 10_000) -> tuple[list[list[str]], float]:
+def _slow_run(
+    n: int, linger: float, merge_rows: int = 10_000, fill: float = 0.0
+) -> tuple[list[list[str]], float]:
     """Batches scored one at a time, 50 ms apart, to a writer that keeps up."""
     import time
 
@@ -83,6 +85,7 @@ def _slow_run(n: int, linger: float, merge_rows: int = 10_000) -> tuple[list[lis
             write_many=lambda items: groups.append([s.key for b, _ in items for s in b.seqs]),
             merge_rows=merge_rows,
             linger=linger,
+            fill=fill,
             depth=lambda: 1,
         )
 
@@ -102,3 +105,16 @@ def test_linger_gathers_batches_of_a_writer_that_keeps_up() -> None:
     assert seconds < 10  # not 30: the input's end flushed the group
     bounded, _ = _slow_run(6, linger=30.0, merge_rows=8)  # 4 rows a sequence: 2 per group
     assert bounded == [keys[0:2], keys[2:4], keys[4:6]]
+
+
+def test_fill_waits_for_a_full_group_when_batches_come_fast_enough() -> None:
+    """With ``fill`` a group waits for ``merge_rows`` rows when the batches' arrival rate fills
+    it within ``fill`` seconds (here 4 rows every ~50 ms: 8 more rows in ~0.1 s); the first
+    batch, before any rate is known, is written as ``linger`` says; a rate too slow for
+    ``fill`` leaves the writer eager."""
+    keys = [f"s{i}" for i in range(6)]
+    filled, seconds = _slow_run(6, linger=0.0, merge_rows=12, fill=30.0)
+    assert filled == [keys[:1], keys[1:4], keys[4:]]
+    assert seconds < 10  # not 30: the input's end flushed the last group
+    eager, _ = _slow_run(6, linger=0.0, merge_rows=12, fill=0.01)  # 8 rows need ~0.1 s
+    assert eager == [[k] for k in keys]

@@ -38,9 +38,18 @@ def test_service_gpu_mode_scores_a_job_that_matches_the_bare_engine(tmp_path: Pa
     _run(
         "-m", "benchmarks.service", "gpu", "--shapes", "tiny", "--sequences", "6",
         "--seq-len", "40", "--k", "8", "--bare-sequences", "2", "--tail-sequences", "3",
+        "--inproc-sequences", "4",
         "--json", str(out), "--csv", str(rows), "--work", str(tmp_path / "work"),
     )  # fmt: skip
     r = json.loads(out.read_text())["shapes"]["tiny"]
+    # the in-process job, measured as the cpu mode measures it: the engine's device work apart
+    ip = r["bare"]["inproc"]
+    assert ip["positions"] == 4 * 39 and ip["device_us_per_position"] > 0
+    assert sum(ip["stage_us_per_position"].values()) == pytest.approx(ip["us_per_position"])
+    assert r["job_path_cpu_method"].startswith("inproc")
+    assert r["job_path_cpu_us_per_position"] == ip["outside_engine_us_per_position"]
+    engine_host = ip["stage_us_per_position"]["engine"]
+    assert ip["us_per_position"] - engine_host == pytest.approx(r["job_path_cpu_us_per_position"])
     assert r["job"]["positions"] == 6 * 39 and r["cache"]["rows"] == 6 * 39
     # the service's rows are the bare engine's (same engine code, same weights)
     assert r["cache"]["top10_ids_equal_to_bare"] == 1.0
@@ -54,6 +63,9 @@ def test_service_gpu_mode_scores_a_job_that_matches_the_bare_engine(tmp_path: Pa
     assert m[("tiny", "job_vs_bare_device")] == pytest.approx(r["ratio_job_vs_bare_device"])
     assert m[("tiny", "entropy_vs_device")] == pytest.approx(r["ratio_entropy_vs_device"])
     assert r["bare"]["device_entropy"]["positions_per_s"] > 0
+    assert m[("tiny", "job_path_cpu_per_position")] == pytest.approx(
+        ip["outside_engine_us_per_position"]
+    )
     assert not (tmp_path / "work" / "model-tiny").exists()  # the weights are removed
 
 

@@ -147,15 +147,42 @@ def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
     import numpy as np
 
     from benchmarks.service import cpu
+    from benchmarks.service.replay import StrideRows
 
     cpu._track_thread_ends()
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cpu.VOCAB, 64).tolist() for _ in range(24)]
-    r = cpu.one_run(8, prompts, {"k": 8, "job_batch_sequences": 8, "log_level": "warning"}, 0)
+    prompts = [rng.integers(0, StrideRows.vocab, 64).tolist() for _ in range(24)]
+    settings = {"k": 8, "job_batch_sequences": 8, "log_level": "warning"}
+    r = cpu.one_run(8, prompts, settings, StrideRows(0))
     groups = r["thread_group_us_per_position"]
     assert groups["job_writer"] > 0 and groups["zarr_io"] > 0
     st = r["stage_us_per_position"]
     assert st["encode"] > 0 and st["compress"] > 0 and st["write"] > 0
+    assert sum(st.values()) == pytest.approx(r["us_per_position"])
+    assert abs(st["other"]) < 0.25 * r["us_per_position"], st
+
+
+def test_service_suite_replays_the_transformers_backend_at_a_gpus_pace() -> None:
+    """``service cpu --form hf``: the transformers backend's own code behind replayed device
+    work (random-teacher rows, paced at ``rate`` tokens/s): its worker thread's host work is
+    the ``engine`` stage, the replayed rows' making (the ``device`` stage) is reported apart and
+    not counted, and the stages add up to the job path's CPU."""
+    import numpy as np
+
+    from benchmarks.service import cpu
+    from benchmarks.service.replay import RandomTeacherRows
+
+    cpu._track_thread_ends()
+    rows = RandomTeacherRows(k=16, pool=4096)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, rows.vocab, 256).tolist() for _ in range(16)]
+    settings = {"k": 16, "job_batch_sequences": 4, "log_level": "warning"}
+    r = cpu.one_run(16, prompts, settings, rows, "hf", rate=20000.0)
+    assert r["positions"] == 16 * 255 and r["form"] == "hf"
+    assert r["wall_s"] >= 16 * 256 / 20000.0  # the replayed device's pace held the job back
+    st = r["stage_us_per_position"]
+    assert st["engine"] > 0 and st["encode"] > 0 and st["compress"] > 0
+    assert r["device_us_per_position"] > 0 and "device" not in st
     assert sum(st.values()) == pytest.approx(r["us_per_position"])
     assert abs(st["other"]) < 0.25 * r["us_per_position"], st
 
