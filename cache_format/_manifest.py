@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from ._keyruns import RunRef, parse_runs
 from .errors import ManifestError, ManifestMismatchError
 from .identity import TEACHER_FIELDS
 from .spec import FORMAT_VERSION, LogprobDtype, TailDtype
@@ -80,6 +81,21 @@ class Manifest(BaseModel):
     is dropped, so both spellings are one identity)."""
     loss_mask: bool = False
     """The store has the row-aligned ``loss_mask`` array (FORMAT.md 4.6); set at creation."""
+    key_index: list[dict[str, Any]] | None = None
+    """The runs of the on-disk key index (FORMAT.md 4.9), tiling ``[0, num_sequences)``;
+    ``None``: the store has none (keys are looked up by hashing them all, :mod:`._keyindex`)."""
+
+    @model_validator(mode="after")
+    def _runs_tile_sequences(self) -> Manifest:
+        if self.key_index is not None:
+            parse_runs(self.key_index, self.num_sequences)
+        return self
+
+    def runs(self) -> list[RunRef] | None:
+        """:attr:`key_index` as runs (``None``: no on-disk key index)."""
+        if self.key_index is None:
+            return None
+        return parse_runs(self.key_index, self.num_sequences)
 
     @model_validator(mode="after")
     def _sampling_matches_targets(self) -> Manifest:
@@ -146,6 +162,8 @@ class Manifest(BaseModel):
             doc.pop("num_key_bytes", None)
         if not self.loss_mask:  # stores without a mask keep their exact manifest
             doc.pop("loss_mask", None)
+        if self.key_index is None:  # stores without a key index keep their exact manifest
+            doc.pop("key_index", None)
         return doc
 
     def identity(self) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from . import _shardread as shardread
 from . import spec
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
 from ._integrity import checked_get
-from ._keyindex import KeyTable, stored_key_bytes
+from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
 from ._snapshot import IndexSnapshot, SnapshotKeys
@@ -244,6 +244,7 @@ class CacheReader:
         self._open = opened
         self._index = index
         self._manifest = m
+        follow_runs(index.table, zstore, m)
         return True
 
     def _adopt_arrays(

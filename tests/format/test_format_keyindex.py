@@ -45,7 +45,7 @@ def test_hashes_of_stored_bytes_and_of_keys_agree():
     stored = keyindex.byte_hashes(
         np.frombuffer(b"".join(raw), np.uint8), np.cumsum([len(r) for r in raw])
     )
-    assert np.array_equal(stored, keyindex._hashes(keys))
+    assert np.array_equal(stored, keyindex.hashes_of(keys))
     assert len(set(stored.tolist())) == len(keys)
 
 
