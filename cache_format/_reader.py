@@ -48,7 +48,6 @@ _T = TypeVar("_T")
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
 INDEX_BLOCK = 1 << 16  # index entries read per step at open (small: little heap left behind)
-_INDEX = (spec.SEQ_LENGTHS, spec.SEQ_TOKEN_START, spec.SEQ_ROW_START)
 
 
 def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
@@ -227,11 +226,10 @@ class CacheReader:
 
             return [np.asarray(x) for x in sync(gather())]
 
-        def blocks() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        def blocks() -> Iterator[np.ndarray]:  # the starts are their sums (R8): not read
             for a in range(known, m.num_sequences, INDEX_BLOCK):
                 b = min(m.num_sequences, a + INDEX_BLOCK)
-                ln, tok, row = stored_values(opened, [(n, a, b) for n in _INDEX])
-                yield ln, tok, row
+                yield stored_values(opened, [(spec.SEQ_LENGTHS, a, b)])[0]
 
         id_order = self._id_order
         if m.id_remap and m.num_rows and id_order is None:
