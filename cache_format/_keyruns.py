@@ -29,7 +29,7 @@ import numpy as np
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 
 from ._zarr_adapter import default_buffer_prototype, sync
-from .errors import ChecksumError, CorruptStoreError, MissingDataError
+from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
 
 BLOCK = 4096  # entries per block (64 KiB): the unit of a lookup's read
 ENTRY = np.dtype([("hash", "<i8"), ("seq", "<i8")])
@@ -317,3 +317,25 @@ def listed(store: Any) -> list[str]:
     if not store.supports_listing:
         return []
     return sync(names())
+
+
+def check_runs(store: Any, runs: list[RunRef], hashes: np.ndarray) -> list[str]:
+    """Problems of the key index ``runs`` against ``hashes``, the hashes of every committed key
+    (``hashes[i]`` of sequence ``i``): each run readable (CRC32Cs), sorted by hash, holding each
+    of its sequences once with its key's hash."""
+    bad = []
+    for ref in runs:
+        try:
+            ent = read_run(store, ref)
+        except FormatError as e:
+            bad.append(f"{ref.key}: {e}")
+            continue
+        seqs = np.sort(ent["seq"])
+        if not np.array_equal(seqs, np.arange(ref.first, ref.first + ref.count)):
+            bad.append(f"{ref.key}: does not hold each of sequences {ref.first}.. once")
+        elif not (np.diff(ent["hash"]) >= 0).all():
+            bad.append(f"{ref.key}: not sorted by hash")
+        elif not np.array_equal(ent["hash"], hashes[ent["seq"]]):
+            j = int(np.flatnonzero(ent["hash"] != hashes[ent["seq"]])[0])
+            bad.append(f"{ref.key}: sequence {int(ent['seq'][j])} with another key's hash")
+    return bad
