@@ -173,6 +173,12 @@ class KeyTable:
                 self._flush()
                 self._merge(np.concatenate(parts), a)
 
+    def sorted_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The hashes of the keys hashed so far, ascending, and their sequences (int64)."""
+        with self._lock:
+            self._flush()
+            return self._sorted.copy(), self._where.astype(np.int64)
+
     def _stored_hashes(self, a: int, b: int) -> np.ndarray:
         got = None if self._read_bytes is None else self._read_bytes(a, b)
         return hashes_of(self._read(a, b)) if got is None else byte_hashes(*got)

@@ -148,3 +148,57 @@ def repair(url: str | Path, storage_options: dict[str, Any] | None = None) -> Re
 def record_json(attrs: dict) -> bytes:
     """A commit record's bytes: the root attributes as canonical JSON."""
     return json.dumps(attrs, sort_keys=True).encode()
+
+
+def add_key_index(url: str | Path, storage_options: dict[str, Any] | None = None) -> int | None:
+    """Give a store created without a key index (version 3 or later) one (FORMAT.md 4.9): one
+    run of every committed key, written with a commit of its own (generation + 1, the counts
+    unchanged), under the writer lock. Returns the sequences indexed (``None``: it had one)."""
+    import numpy as np
+
+    from ._lock import make_lock
+    from ._manifest import utcnow
+    from ._reader import CacheReader
+    from .errors import StoreNotFoundError
+    from .layout import root_attrs_for
+
+    handle = open_store(url, storage_options, read_only=False)
+    lock = make_lock(handle)
+    lock.acquire(60.0)
+    try:
+        attrs = read_root_attrs(handle.zstore)
+        if attrs is None:
+            raise StoreNotFoundError(f"no logitcache store at {url!s}")
+        m = parse_root(attrs)
+        if m.key_index is not None:
+            return None
+        if m.format_version < 3:
+            raise FormatError(
+                f"{url!s}: a version-{m.format_version} store has no root digest to cover a key "
+                "index (FORMAT.md 2.2)"
+            )
+        with CacheReader(url, storage_options) as reader:
+            table = reader.index.table
+            table.grow(m.num_sequences)  # every key hashed, as a lookup without an index does
+            h, at = table.sorted_hashes()
+        order = np.lexsort((at, h))
+        ent = np.empty(len(h), keyruns.ENTRY)
+        ent["hash"], ent["seq"] = h[order], at[order]
+        new = m.model_copy(update={"generation": m.generation + 1, "updated": utcnow()})
+        out = [new]
+
+        def record(ref: keyruns.RunRef) -> bytes:
+            out[0] = new.model_copy(update={"key_index": [ref.to_attrs()]})
+            return record_json(root_attrs_for(out[0]))
+
+        if m.num_sequences:
+            ref, obj = keyruns.encode_run(ent, 0, new.generation, record)
+            keyruns.put(handle.zstore, ref.key, obj)
+            handle.barrier()
+        else:
+            out[0] = new.model_copy(update={"key_index": []})
+        write_root_attrs(handle.zstore, root_attrs_for(out[0]))
+        handle.barrier()
+        return m.num_sequences
+    finally:
+        lock.release()

@@ -188,6 +188,21 @@ def repair_cmd(url: str, option: OptionList = None) -> None:
         typer.echo(f"check it: logitcache validate {url}")
 
 
+def reindex_cmd(url: str, option: OptionList = None) -> None:
+    """Give a store created without a key index one (FORMAT.md 4.9: key lookups and the
+    writer's duplicate check then read a few small ranges instead of hashing every key; its
+    root becomes repairable by ``logitcache repair``). One commit; the rows are unchanged."""
+    from ._repair import add_key_index
+    from .errors import FormatError
+
+    try:
+        n = add_key_index(url, storage_options(option))
+    except FormatError as e:
+        raise _fail(url, e) from None
+    done = "has a key index already" if n is None else f"key index of {n} sequences written"
+    typer.echo(f"{url}: {done}")
+
+
 def export_records(
     url: str, out: Path, options: dict[str, object], fmt: str, limit: int | None
 ) -> int:

@@ -93,6 +93,7 @@ def info(
 
 app.command("validate")(format_cli.validate_cmd)
 app.command("repair")(format_cli.repair_cmd)
+app.command("reindex")(format_cli.reindex_cmd)
 
 
 @app.command()

@@ -163,9 +163,10 @@ def test_repair_rebuilds_a_lost_root(request, tmp_path, where, edit):
     res = CliRunner().invoke(app, ["repair", url, *_cli_options(opts)])
     assert res.exit_code == 0, res.output
     assert "root rebuilt" in res.output and "9 sequences" in res.output
-    assert json.loads(objs.get("zarr.json") or b"")["attributes"] == json.loads(good or b"")[
-        "attributes"
-    ]
+    assert (
+        json.loads(objs.get("zarr.json") or b"")["attributes"]
+        == json.loads(good or b"")["attributes"]
+    )
     assert CacheReader(url, opts).keys == [r.key for r in recs]
     assert validate(url, opts).ok
     with CacheWriter.open(url, m, opts) as w:
@@ -192,3 +193,23 @@ def test_repair_without_a_record_writes_nothing(tmp_path):
         res = CliRunner().invoke(app, ["repair", url])
         assert res.exit_code == 2 and "no commit record" in res.output, res.output
         assert objs.listing() == before
+
+
+def test_reindex_gives_an_old_store_its_key_index(tmp_path):
+    url = str(tmp_path / "c")
+    recs = make_records(10, k=K, vocab=VOCAB, seed=7)
+    m = make_manifest(K, VOCAB, format_version=3)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[:7])
+    res = CliRunner().invoke(app, ["reindex", url])
+    assert res.exit_code == 0 and "key index of 7 sequences written" in res.output, res.output
+    r = CacheReader(url)
+    assert r.manifest.generation == 2 and r.index.table.runs is not None
+    assert r.index_of(recs[5].key) == 5 and r.index.table.hashed == 0
+    with CacheWriter.open(url, m) as w:
+        assert w.append(recs) == 3 and [r.count for r in w.manifest.runs() or []] == [7, 3]
+    assert validate(url).ok
+    assert "has a key index already" in CliRunner().invoke(app, ["reindex", url]).output
+    (Path(url) / "zarr.json").unlink()
+    assert CliRunner().invoke(app, ["repair", url]).exit_code == 0
+    assert CacheReader(url).keys == [x.key for x in recs]

@@ -158,6 +158,7 @@ def test_the_stored_bytes_do_not_depend_on_how_appends_are_grouped(
     groupings = {"one": [], "each": list(range(1, 16)), "some": [2, 7, 8, 13]}
     for name, cuts in groupings.items():
         write(tmp_path / name, recs, cuts, direct=True, monkeypatch=monkeypatch)
+
     def arrays(root: Path) -> dict[str, bytes]:
         return {n: b for n, b in files(root).items() if not n.startswith("seq_keys/index/")}
 
