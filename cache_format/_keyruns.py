@@ -321,13 +321,18 @@ def listed(store: Any) -> list[str]:
 
 def check_runs(store: Any, runs: list[RunRef], hashes: np.ndarray) -> list[str]:
     """Problems of the key index ``runs`` against ``hashes``, the hashes of every committed key
-    (``hashes[i]`` of sequence ``i``): each run readable (CRC32Cs), sorted by hash, holding each
-    of its sequences once with its key's hash."""
+    (``hashes[i]`` of sequence ``i``): each run readable (CRC32Cs, its commit record too, naming
+    the run's generation), sorted by hash, holding each of its sequences once with its key's
+    hash."""
     bad = []
     for ref in runs:
         try:
             ent = read_run(store, ref)
-        except FormatError as e:
+            rec = read_record(store, ref).get("logitcache")
+            if not isinstance(rec, dict) or rec.get("generation") != ref.generation:
+                bad.append(f"{ref.key}: its commit record is not commit {ref.generation}'s")
+                continue
+        except (FormatError, ValueError) as e:
             bad.append(f"{ref.key}: {e}")
             continue
         seqs = np.sort(ent["seq"])

@@ -139,11 +139,16 @@ def test_s3_store_made_from_creation_templates(s3_store, monkeypatch, backend):
 
     def objects(prefix: str) -> dict[str, bytes]:
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
-        return {
+        out = {
             k[len(prefix) :]: s3.get_object(Bucket=bucket, Key=k)["Body"].read()
             for k in keys
             if k != prefix + "zarr.json"  # the root holds timestamps
         }
+        for k, data in out.items():  # a key index run: its entries (its record: the root's)
+            if k.startswith("seq_keys/index/"):
+                first, end, _ = map(int, k.rsplit("/", 1)[1].split("-"))
+                out[k] = data[: 16 * (end - first)]
+        return out
 
     a, b = objects("cache/first/"), objects("cache/second/")
     assert len(a) > 10 and a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []
