@@ -388,8 +388,8 @@ class CacheReader:
         return key in self._index
 
     def index_of(self, key: str) -> int:
-        """Sequence index of ``key`` (KeyError if absent). The first lookup of a reader hashes
-        every committed key (:mod:`._keyindex`: about 12 bytes per sequence are kept)."""
+        """Sequence index of ``key`` (KeyError if absent), from the key index (FORMAT.md 4.9);
+        in a store without one the first lookup hashes every committed key (:mod:`._keyindex`)."""
         return self._index.index_of(key)
 
     # ------------------------------------------------------------------ reading

@@ -8,6 +8,7 @@ Transaction of :meth:`CacheWriter.append` (rules W1-W6 of FORMAT.md):
 4. for every array: resize to ``committed + new`` and write the new rows (each object write is
    atomic: LocalStore writes via rename, object stores via single PUT); on a local store each
    object is fsynced before its rename and the changed directories after all writes (W5a);
+   then the key index run of the new keys (FORMAT.md 4.9), made durable the same way;
 5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1`` (fsynced,
    then its directory);
 6. release the lock.
@@ -337,9 +338,10 @@ class CacheWriter:
         return self._handle.url
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is committed (as of this writer's last transaction or refresh). The
-        first lookup of a writer hashes every committed key (:mod:`._keyindex`: 12 bytes per
-        sequence are kept); an unreadable key range raises :class:`~.errors.MissingDataError`."""
+        """Whether ``key`` is committed (as of this writer's last transaction or refresh): looked
+        up in the key index (FORMAT.md 4.9: a few small reads per run); in a store without one
+        the first lookup of a writer hashes every committed key (:mod:`._keyindex`: 12 bytes per
+        sequence are kept). An unreadable key range raises :class:`~.errors.MissingDataError`."""
         return self._keys.find(key, self._manifest.num_sequences) is not None
 
     # ------------------------------------------------------------------ appending
