@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from zarr.abc.store import Store
 
 from . import spec
+from ._keyruns import PREFIX
 from ._manifest import Manifest
 from ._zarr_adapter import sync
 
@@ -58,13 +59,17 @@ class StoreStats:
 
 
 def store_stats(zstore: Store, manifest: Manifest) -> StoreStats:
-    """Stored bytes of every array of the store (all objects under each array's prefix)."""
+    """Stored bytes of every array of the store (all objects under each array's prefix), and of
+    the key index (``key_index``)."""
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
     if manifest.logprob_dtype in spec.QUANTISED_DTYPES:
         names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
     if manifest.format_version >= 2:
         names += list(spec.KEY_BYTES_ARRAYS)
     sizes = {n: int(sync(zstore.getsize_prefix(n + "/"))) for n in names}
+    if manifest.key_index is not None:  # its runs lie under seq_keys/ (FORMAT.md 4.9)
+        sizes["key_index"] = int(sync(zstore.getsize_prefix(PREFIX)))
+        sizes[spec.SEQ_KEYS] -= sizes["key_index"]
     return StoreStats(sizes, manifest.num_rows, manifest.k)
 
 
