@@ -150,10 +150,10 @@ class IndexSnapshot:
                 lengths = lengths.astype(np.int32)
             lengths[i : i + len(ln)] = ln
             first = (-i) % STEP  # entries at multiples of STEP
-            if first < len(ln):  # rows before entry p of the block: rows[p - 1]
-                rows = np.cumsum(ln[: len(ln) - 1] - 1, dtype=np.int64)
-                at = np.arange(first, len(ln), STEP)
-                cps = np.where(at > 0, rows[np.maximum(at - 1, 0)], 0) + r0
+            if first < len(ln):  # rows[p]: the block's rows before its entry p
+                rows = np.zeros(len(ln), np.int64)
+                np.cumsum(ln[: len(ln) - 1] - 1, dtype=np.int64, out=rows[1:])
+                cps = rows[first::STEP] + r0
                 c0 = (i + first) // STEP
                 checkpoints[c0 : c0 + len(cps)] = cps
             total = int(ln.sum(dtype=np.int64))

@@ -175,7 +175,9 @@ def test_snapshot_spans_from_lengths(long):
             update=dict(num_sequences=n, num_rows=int(rows[n]), num_tokens=int(toks[n]))
         )
 
-    first = IndexSnapshot.empty(table).extended(manifest(130), blocks(0, 130, 37))
+    one = IndexSnapshot.empty(table).extended(manifest(1), blocks(0, 1, 1))  # a 1-entry block
+    assert one.row_start(0) == 0 and list(one.checkpoints) == [0]
+    first = one.extended(manifest(130), [*blocks(1, 65, 1), *blocks(65, 130, 37)])
     full = first.extended(manifest(500), blocks(130, 500, 101))
     assert full.lengths.dtype == (np.int32 if long else np.uint16)
     assert np.array_equal(full.row_starts, rows[:-1]) and np.array_equal(
