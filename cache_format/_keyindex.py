@@ -10,6 +10,9 @@ A reader or writer of a store of ``S`` sequences holds no Python string per sequ
   later: no string is made) or ``seq_keys``, and grown by the keys committed since; a candidate
   whose hash matches is confirmed against the stored key (``seq_keys``).
 
+A store with an on-disk key index (FORMAT.md 4.11, :mod:`._keyruns`) is looked up there instead
+(:meth:`KeyTable.use_runs`): nothing is hashed or kept but the runs' fences.
+
 Keys are committed once and never change (FORMAT.md W1-W6), so nothing read here goes stale; a
 block read before its last entries were committed is read again when one of those is asked for.
 """
@@ -19,11 +22,17 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import spec
+from ._keyruns import KeyRuns, RunRef
 from .errors import CorruptStoreError
+
+if TYPE_CHECKING:
+    from ._manifest import Manifest
 
 #: ``read(a, b)``: the stored keys ``[a, b)`` (committed): an array of strings.
 ReadKeys = Callable[[int, int], np.ndarray]
@@ -65,7 +74,7 @@ def byte_hashes(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
     return _mix(sums ^ (lens.astype(np.uint64) * _SEED)).view(np.int64)
 
 
-def _hashes(keys: Sequence[str] | np.ndarray) -> np.ndarray:
+def hashes_of(keys: Sequence[str] | np.ndarray) -> np.ndarray:
     """:func:`byte_hashes` of ``keys``' UTF-8 bytes (an empty key, which no store holds, hashes
     as one zero byte)."""
     raw = [str(k).encode("utf-8", "surrogatepass") or b"\0" for k in keys]
@@ -109,6 +118,26 @@ class KeyTable:
         self._sorted: np.ndarray = np.zeros(0, np.int64)  # hashes, ascending
         self._where: np.ndarray = np.zeros(0, np.uint32)  # the sequence of each hash
         self._recent: dict[str, int] = {}  # added keys [_hashed - len, _hashed), not yet merged
+        self._runs: KeyRuns | None = None
+
+    @property
+    def runs(self) -> KeyRuns | None:
+        return self._runs
+
+    def use_runs(self, runs: KeyRuns | None) -> None:
+        """Look keys up in the on-disk index ``runs`` (those of the newest commit known; a
+        lookup among fewer sequences filters them); ``None``: hash the stored keys."""
+        self._runs = runs
+
+    def _indexed(self, n: int) -> KeyRuns | None:
+        runs = self._runs
+        return runs if runs is not None and runs.covered >= n else None
+
+    def _confirm(self, key: str, seqs: list[int], n: int) -> int | None:
+        for i in seqs:  # ascending: the first sequence first
+            if i < n and self.key(i, n) == key:
+                return i
+        return None
 
     @property
     def hashed(self) -> int:
@@ -144,9 +173,15 @@ class KeyTable:
                 self._flush()
                 self._merge(np.concatenate(parts), a)
 
+    def sorted_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The hashes of the keys hashed so far, ascending, and their sequences (int64)."""
+        with self._lock:
+            self._flush()
+            return self._sorted.copy(), self._where.astype(np.int64)
+
     def _stored_hashes(self, a: int, b: int) -> np.ndarray:
         got = None if self._read_bytes is None else self._read_bytes(a, b)
-        return _hashes(self._read(a, b)) if got is None else byte_hashes(*got)
+        return hashes_of(self._read(a, b)) if got is None else byte_hashes(*got)
 
     def add(self, keys: Sequence[str] | np.ndarray, start: int) -> None:
         """Hash ``keys``, the committed keys ``[start, start + len(keys))``, into the lookup
@@ -154,7 +189,7 @@ class KeyTable:
         read from the store). Small additions wait in a dict (merged every :data:`RECENT`
         keys: a writer's append costs O(batch), not O(sequences))."""
         with self._lock:
-            if start != self._hashed:
+            if start != self._hashed or self._runs is not None:
                 return
             for i, key in enumerate(keys, start):
                 self._recent.setdefault(str(key), i)
@@ -167,7 +202,7 @@ class KeyTable:
         if self._recent:
             recent, end = self._recent, self._hashed
             self._recent = {}
-            self._merge(_hashes(list(recent)), np.fromiter(recent.values(), np.int64), end)
+            self._merge(hashes_of(list(recent)), np.fromiter(recent.values(), np.int64), end)
 
     def _merge(self, h: np.ndarray, where: np.ndarray | int, end: int | None = None) -> None:
         """Merge hashes ``h`` of sequences ``where`` (an array; or the first of consecutive
@@ -196,9 +231,12 @@ class KeyTable:
 
     def find(self, key: str, n: int) -> int | None:
         """The first of sequences ``[0, n)`` stored under ``key``, or ``None``."""
+        runs = self._indexed(n)
+        if runs is not None:
+            return self._confirm(key, runs.candidates(hashes_of([key]))[0], n)
         with self._lock:
             self.grow(n)
-            h = int(_hashes([key])[0])
+            h = int(hashes_of([key])[0])
             lo = int(np.searchsorted(self._sorted, h, side="left"))
             hi = int(np.searchsorted(self._sorted, h, side="right"))
             got = None if lo == hi else self._confirmed(key, lo, hi, n)
@@ -209,9 +247,19 @@ class KeyTable:
 
     def find_many(self, keys: Sequence[str], n: int) -> np.ndarray:
         """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array)."""
+        runs = self._indexed(n)
+        if runs is not None:
+            got = runs.candidates(hashes_of(keys)) if len(keys) else []
+            return np.array(
+                [
+                    bool(c) and self._confirm(k, c, n) is not None
+                    for k, c in zip(keys, got, strict=True)
+                ],
+                bool,
+            )
         with self._lock:
             self.grow(n)
-            h = _hashes(keys)
+            h = hashes_of(keys)
             lo = np.searchsorted(self._sorted, h, side="left")
             hi = np.searchsorted(self._sorted, h, side="right")
             out = np.zeros(len(keys), dtype=bool)
@@ -222,3 +270,25 @@ class KeyTable:
                 for j, key in enumerate(keys):
                     out[j] = out[j] or recent.get(key, n) < n
             return out
+
+
+def latest_runs(store: Any) -> list[RunRef]:
+    """The key index runs of the store's latest commit (``[]`` if it has none)."""
+    from .layout import parse_root, read_root_attrs
+
+    attrs = read_root_attrs(store)
+    if attrs is None:
+        raise CorruptStoreError("store root disappeared")
+    return parse_root(attrs).runs() or []
+
+
+def follow_runs(table: KeyTable, store: Any, m: Manifest) -> None:
+    """Make ``table`` look keys up in the on-disk index of commit ``m`` (if it has one)."""
+    runs = m.runs()
+    old = table.runs
+    if runs is None:
+        table.use_runs(None)
+    elif old is None:
+        table.use_runs(KeyRuns(store, runs, partial(latest_runs, store)))
+    else:
+        old.update(runs)

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from ._keyruns import RunRef, parse_runs
 from .errors import ManifestError, ManifestMismatchError
 from .identity import TEACHER_FIELDS
 from .spec import FORMAT_VERSION, LogprobDtype, TailDtype
@@ -88,6 +89,21 @@ class Manifest(BaseModel):
     entropy: bool = False
     """The store has the row-aligned ``entropy`` array, the teacher's entropy per row in nats
     (FORMAT.md 4.9); set at creation."""
+    key_index: list[dict[str, Any]] | None = None
+    """The runs of the on-disk key index (FORMAT.md 4.11), tiling ``[0, num_sequences)``;
+    ``None``: the store has none (keys are looked up by hashing them all, :mod:`._keyindex`)."""
+
+    @model_validator(mode="after")
+    def _runs_tile_sequences(self) -> Manifest:
+        if self.key_index is not None:
+            parse_runs(self.key_index, self.num_sequences)
+        return self
+
+    def runs(self) -> list[RunRef] | None:
+        """:attr:`key_index` as runs (``None``: no on-disk key index)."""
+        if self.key_index is None:
+            return None
+        return parse_runs(self.key_index, self.num_sequences)
 
     @model_validator(mode="after")
     def _sampling_matches_targets(self) -> Manifest:
@@ -166,6 +182,8 @@ class Manifest(BaseModel):
             doc.pop("loss_mask", None)
         if not self.entropy:  # stores without entropy keep their exact manifest
             doc.pop("entropy", None)
+        if self.key_index is None:  # stores without a key index keep their exact manifest
+            doc.pop("key_index", None)
         return doc
 
     def identity(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from . import _procread as procread
 from . import _shardread as shardread
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
 from ._integrity import checked_get
-from ._keyindex import KeyTable, stored_key_bytes
+from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
 from ._snapshot import IndexSnapshot
@@ -57,7 +57,6 @@ _T = TypeVar("_T")
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
 INDEX_BLOCK = 1 << 16  # index entries read per step at open (small: little heap left behind)
-_INDEX = (spec.SEQ_LENGTHS, spec.SEQ_TOKEN_START, spec.SEQ_ROW_START)
 
 
 def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
@@ -189,11 +188,10 @@ class CacheReader:
 
             return [np.asarray(x) for x in sync(gather())]
 
-        def blocks() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        def blocks() -> Iterator[np.ndarray]:  # the starts are their sums (R8): not read
             for a in range(known, m.num_sequences, INDEX_BLOCK):
                 b = min(m.num_sequences, a + INDEX_BLOCK)
-                ln, tok, row = stored_values(opened, [(n, a, b) for n in _INDEX])
-                yield ln, tok, row
+                yield stored_values(opened, [(spec.SEQ_LENGTHS, a, b)])[0]
 
         id_order = self._id_order
         if m.id_remap and m.num_rows and id_order is None:
@@ -206,6 +204,7 @@ class CacheReader:
         self._open = opened
         self._index = index
         self._manifest = m
+        follow_runs(index.table, zstore, m)
         return True
 
     def _adopt_arrays(
@@ -362,8 +361,8 @@ class CacheReader:
         return key in self._index
 
     def index_of(self, key: str) -> int:
-        """Sequence index of ``key`` (KeyError if absent). The first lookup of a reader hashes
-        every committed key (:mod:`._keyindex`: about 12 bytes per sequence are kept)."""
+        """Sequence index of ``key`` (KeyError if absent), from the key index (FORMAT.md 4.11);
+        in a store without one the first lookup hashes every committed key (:mod:`._keyindex`)."""
         return self._index.index_of(key)
 
     # ------------------------------------------------------------------ reading

@@ -130,15 +130,12 @@ class IndexSnapshot:
             out.append((a, b))
         return out
 
-    def extended(
-        self, m: Manifest, blocks: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]
-    ) -> IndexSnapshot:
+    def extended(self, m: Manifest, blocks: Iterable[np.ndarray]) -> IndexSnapshot:
         """This snapshot with the index entries ``[len(self), m.num_sequences)`` appended, given
-        as consecutive blocks of ``(lengths, token_starts, row_starts)``, after checking them
-        (:func:`check_index`)."""
+        as consecutive blocks of lengths, after checking them (:func:`check_lengths`; their
+        sums must end at the commit's counts, R6, R8)."""
         i = known = len(self)
         r0 = self.row_start(known - 1) + int(self.lengths[-1]) - 1 if known else 0
-        t0 = r0 + known  # one token more than rows per sequence
         n = m.num_sequences
         # filled in place (no list of blocks): what an open leaves behind is this and no more
         lengths = np.empty(max(n, known), self.lengths.dtype)
@@ -146,21 +143,24 @@ class IndexSnapshot:
         checkpoints = np.empty(-(-max(n, known) // STEP), np.int64)
         checkpoints[: len(self.checkpoints)] = self.checkpoints
         for block in blocks:
-            ln, rows = check_index(i, *block, t0, r0)
+            ln = check_lengths(i, block)
             if i + len(ln) > n:
                 raise CorruptStoreError(f"sequence index: more than the {n} committed entries")
             if ln.dtype != lengths.dtype:
                 lengths = lengths.astype(np.int32)
             lengths[i : i + len(ln)] = ln
             first = (-i) % STEP  # entries at multiples of STEP
-            cps = rows[first::STEP]
-            c0 = (i + first) // STEP
-            checkpoints[c0 : c0 + len(cps)] = cps
+            if first < len(ln):  # rows[p]: the block's rows before its entry p
+                rows = np.zeros(len(ln), np.int64)
+                np.cumsum(ln[: len(ln) - 1] - 1, dtype=np.int64, out=rows[1:])
+                cps = rows[first::STEP] + r0
+                c0 = (i + first) // STEP
+                checkpoints[c0 : c0 + len(cps)] = cps
             total = int(ln.sum(dtype=np.int64))
-            i, t0, r0 = i + len(ln), t0 + total, r0 + total - len(ln)
-        if (t0, r0) != (m.num_tokens, m.num_rows) or i != n:
+            i, r0 = i + len(ln), r0 + total - len(ln)
+        if (r0 + i, r0) != (m.num_tokens, m.num_rows) or i != n:
             raise CorruptStoreError(
-                f"sequence index ends at token {t0}, row {r0}; the commit counts "
+                f"sequence index ends at token {r0 + i}, row {r0}; the commit counts "
                 f"{m.num_tokens} tokens, {m.num_rows} rows"
             )
         return IndexSnapshot(
@@ -168,25 +168,15 @@ class IndexSnapshot:
         )
 
 
-def check_index(
-    known: int, lengths: np.ndarray, tok: np.ndarray, row: np.ndarray, t0: int, r0: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The sequence index entries from ``known`` must tile the tokens and rows from ``(t0, r0)``
-    (the end of the entries before them) exactly (R8): ``L_i >= 2`` and starts are running
-    sums. So no read can reach past the committed counts (R6), whatever the index says (the
-    caller checks the end). Returns the lengths (uint16 if they fit, else int32) and the
-    expected row starts (int64)."""
-    wide = lengths.astype(np.int64)
-    if wide.size and int(wide.min()) < 2:
-        raise CorruptStoreError("sequence index: a sequence length < 2")
-    if len(tok) != len(wide) or len(row) != len(wide):
-        raise CorruptStoreError("sequence index: arrays of different lengths")
-    exp_row = np.zeros(len(wide), np.int64)
-    np.cumsum(wide[:-1] - 1, out=exp_row[1:])
-    exp_row += r0
-    exp_tok = exp_row + np.arange(t0 - r0, t0 - r0 + len(wide), dtype=np.int64)
-    if not (np.array_equal(tok, exp_tok) and np.array_equal(row, exp_row)):
-        bad = known + int(np.flatnonzero((tok != exp_tok) | (row != exp_row))[0])
-        raise CorruptStoreError(f"sequence index: offsets of sequence {bad} break R8")
-    narrow = not wide.size or int(wide.max()) <= np.iinfo(np.uint16).max
-    return wide.astype(np.uint16 if narrow else np.int32), exp_row
+def check_lengths(known: int, lengths: np.ndarray) -> np.ndarray:
+    """The sequence lengths from ``known`` (R8: ``L_i >= 2``; the starts of sequences are their
+    running sums, and where the sums end is checked by the caller: no read can reach past the
+    committed counts, R6). Returns them as uint16 if they fit, else int32."""
+    if lengths.size:
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 2:
+            bad = known + int(np.flatnonzero(lengths < 2)[0])
+            raise CorruptStoreError(f"sequence index: sequence {bad} has a length < 2")
+        if hi <= np.iinfo(np.uint16).max:
+            return lengths.astype(np.uint16, copy=False)
+    return lengths.astype(np.int32, copy=False)

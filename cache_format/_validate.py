@@ -18,8 +18,10 @@ import zarr
 from zarr.abc.store import Store
 
 from . import _idmap as idmap
+from . import _keyruns as keyruns
 from . import hidden, spec
 from ._integrity import checked_get, missing_ranges
+from ._keyindex import hashes_of
 from ._manifest import Manifest
 from ._seal import sealed
 from ._zarr_adapter import async_array, sync
@@ -205,8 +207,11 @@ def _open_arrays(store: Store, m: Manifest, report: ValidationReport) -> dict[st
     return arrays
 
 
-def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> np.ndarray | None:
-    """R3, R8 over the whole sequence index; the checked lengths (``None``: not readable)."""
+def _check_index(
+    arrays: dict, m: Manifest, report: ValidationReport, store: Store
+) -> np.ndarray | None:
+    """R3, R8 over the whole sequence index, and the key index (4.11) against the keys; the
+    checked lengths (``None``: not readable)."""
     s = m.num_sequences
     if not all(n in arrays for n in spec.SEQ_ARRAYS):
         return None
@@ -214,6 +219,10 @@ def _check_index(arrays: dict, m: Manifest, report: ValidationReport) -> np.ndar
     keys = read[spec.SEQ_KEYS]
     if keys is not None:
         _check_keys([str(x) for x in keys], arrays, m, report)
+        runs = m.runs()
+        bad = [] if runs is None else keyruns.check_runs(store, runs, hashes_of(keys))
+        if bad:
+            report.add("key_index", "key index run does not match the keys (4.11)", bad, len(bad))
     got = {n: v for n, v in read.items() if v is not None}
     if any(n not in got for n in spec.SEQ_ARRAYS[1:]):
         return None
@@ -537,7 +546,7 @@ def validate(
         return report
     report.manifest = m
     arrays = _open_arrays(handle.zstore, m, report)
-    lengths = _guard(report, _check_index, arrays, m, report)
+    lengths = _guard(report, _check_index, arrays, m, report, handle.zstore)
     rows, tokens = _blocks(m.num_rows, BLOCK_ROWS), _blocks(m.num_tokens, BLOCK_ROWS * 16)
     masks = _blocks(m.num_rows, BLOCK_ROWS * 16)
     if sample is not None and lengths is not None:

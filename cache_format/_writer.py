@@ -8,6 +8,7 @@ Transaction of :meth:`CacheWriter.append` (rules W1-W6 of FORMAT.md):
 4. for every array: resize to ``committed + new`` and write the new rows (each object write is
    atomic: LocalStore writes via rename, object stores via single PUT); on a local store each
    object is fsynced before its rename and the changed directories after all writes (W5a);
+   then the key index run of the new keys (FORMAT.md 4.11), made durable the same way;
 5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1`` (fsynced,
    then its directory);
 6. release the lock.
@@ -31,6 +32,7 @@ import zarr.api.asynchronous
 from zarr.storage import StorePath
 
 from . import _idmap as idmap
+from . import _keyruns as keyruns
 from . import _shardread as shardread
 from . import _shardwrite as shardwrite
 from . import _templates as templates
@@ -38,13 +40,14 @@ from . import fastencode, spec
 from ._decode import OpenArrays, stored_values
 from ._encode import Batch, encode_batch
 from ._integrity import checked_get
-from ._keyindex import KeyTable, stored_key_bytes
+from ._keyindex import KeyTable, follow_runs, hashes_of, stored_key_bytes
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
+from ._repair import record_json, refuse_if_holding_data
 from ._seal import seal_written, sealed
 from ._shardread import DirectLayout
 from ._zarr_adapter import async_array, default_buffer_prototype, sync
-from .errors import FormatError, ManifestError, StoreNeedsRepairError
+from .errors import FormatError, ManifestError
 from .hidden import check_head, head_columns
 from .layout import (
     INCOMPLETE_ATTR,
@@ -151,14 +154,20 @@ class CacheWriter:
             else:
                 unreadable = "missing" if attrs is None else "only the creation marker"
             if attrs is None or (spec.ROOT_ATTR not in attrs and INCOMPLETE_ATTR in attrs):
-                _refuse_if_holding_data(self._store, url, unreadable)
+                refuse_if_holding_data(self._store, url, unreadable)
                 self._create()
             elif spec.ROOT_ATTR not in attrs:
                 raise FormatError(f"{url!s} holds a zarr group that is not a logitcache store")
             else:
                 stored = parse_root(attrs)
                 stored.check_compatible(manifest)
-                self._manifest = stored
+                self._adopt(stored)
+                runs = stored.runs()
+                if runs is not None:  # a killed writer's runs, or runs merged away: no commit's
+                    live = {r.key for r in runs}
+                    keyruns.drop(
+                        self._store, [k for k in keyruns.listed(self._store) if k not in live]
+                    )
         finally:
             self._lock.release()
         return self
@@ -175,6 +184,7 @@ class CacheWriter:
                 num_tokens=0,
                 num_key_bytes=0,
                 generation=0,
+                key_index=[] if self._manifest.format_version >= spec.FORMAT_VERSION else None,
             )
         )
         if m.format_version not in spec.SUPPORTED_VERSIONS:
@@ -187,7 +197,7 @@ class CacheWriter:
         self._handle.barrier()
         write_root_attrs(self._store, root_attrs_for(m))
         self._handle.barrier()
-        self._manifest = m
+        self._adopt(m)
 
     def _create_arrays(self, m: Manifest) -> None:
         """Create every array of ``m`` empty (overwriting whatever lies at its path), each also
@@ -260,8 +270,13 @@ class CacheWriter:
         if attrs is None:
             raise FormatError("store root disappeared while writing")
         m = parse_root(attrs)
-        self._manifest = m
+        self._adopt(m)
         return m
+
+    def _adopt(self, m: Manifest) -> None:
+        """Take ``m`` as the store's commit (its key index runs for lookups)."""
+        self._manifest = m
+        follow_runs(self._keys, self._store, m)
 
     def _read_keys(self, a: int, b: int) -> np.ndarray:
         """Committed keys ``[a, b)`` (a lost keys shard is :class:`MissingDataError`, not ``""``
@@ -314,7 +329,7 @@ class CacheWriter:
             or m.identity() != old.identity()
         ):
             return False
-        self._manifest = m
+        self._adopt(m)
         return True
 
     @property
@@ -331,9 +346,10 @@ class CacheWriter:
         return self._handle.url
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is committed (as of this writer's last transaction or refresh). The
-        first lookup of a writer hashes every committed key (:mod:`._keyindex`: 12 bytes per
-        sequence are kept); an unreadable key range raises :class:`~.errors.MissingDataError`."""
+        """Whether ``key`` is committed (as of this writer's last transaction or refresh): looked
+        up in the key index (FORMAT.md 4.11: a few small reads per run); in a store without one
+        the first lookup of a writer hashes every committed key (:mod:`._keyindex`: 12 bytes per
+        sequence are kept). An unreadable key range raises :class:`~.errors.MissingDataError`."""
         return self._keys.find(key, self._manifest.num_sequences) is not None
 
     # ------------------------------------------------------------------ appending
@@ -382,15 +398,39 @@ class CacheWriter:
                     updated=utcnow(),
                 )
             )
+            new, merged = self._write_run(m, new, [encoded.keys[i] for i in keep])
             write_root_attrs(self._store, root_attrs_for(new))
             self._handle.barrier()
-            self._manifest = new
+            self._adopt(new)
+            keyruns.drop(self._store, [r.key for r in merged])  # now no commit's
             if self._pending_rank is not None:
                 self._rank, self._pending_rank = self._pending_rank, None
             self._keys.add([encoded.keys[i] for i in keep], m.num_sequences)
             return len(keep)
         finally:
             self._lock.release()
+
+    def _write_run(
+        self, m: Manifest, new: Manifest, keys: list[str]
+    ) -> tuple[Manifest, list[keyruns.RunRef]]:
+        """Before the commit ``new`` of ``keys``: write its key index run (FORMAT.md 4.11) and
+        return ``new`` listing it, and the runs merged into it (stores without a key index:
+        ``new`` as it is)."""
+        runs = m.runs()
+        if runs is None:
+            return new, []
+        out = [new]
+
+        def record(listed: list[keyruns.RunRef]) -> bytes:
+            out[0] = new.model_copy(update={"key_index": [r.to_attrs() for r in listed]})
+            return record_json(root_attrs_for(out[0]))
+
+        _, ref, obj, merged = keyruns.next_runs(
+            self._store, runs, hashes_of(keys), m.num_sequences, new.generation, record
+        )
+        keyruns.put(self._store, ref.key, obj)
+        self._handle.barrier()  # the run durable before the commit that lists it
+        return out[0], merged
 
     def _load_id_map(self, m: Manifest) -> None:
         """Load the committed ``id_order`` (once) if the store remaps ids."""
@@ -554,29 +594,3 @@ class CacheWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-async def _first_data_key(store: zarr.abc.store.Store) -> str | None:
-    """The first object of ``store`` that is neither a ``zarr.json`` (nor a local write's
-    temporary ``zarr.<tag>.partial`` of one) nor the writer lock: a chunk or shard, which only
-    an append writes (creation writes metadata only)."""
-    async for key in store.list():
-        name = key.rsplit("/", 1)[-1]
-        metadata = name == "zarr.json" or (name.startswith("zarr.") and name.endswith(".partial"))
-        if not metadata and name != spec.LOCK_NAME:
-            return key
-    return None
-
-
-def _refuse_if_holding_data(store: zarr.abc.store.Store, url: str | Path, root: str) -> None:
-    """Raise :class:`StoreNeedsRepairError` when the store's root is ``root`` (missing,
-    unreadable, the creation marker) but an array holds data: recreating it would delete rows
-    that were committed under a manifest this writer cannot account for."""
-    found = sync(_first_data_key(store))
-    if found is not None:
-        raise StoreNeedsRepairError(
-            f"{url!s}: the root zarr.json (the manifest) is {root}, but the arrays hold data "
-            f"(e.g. {found!r}); refusing to recreate the store over them. The manifest's "
-            "identity fields exist only in the root, so it cannot be rebuilt from the arrays: "
-            "restore the root zarr.json from a backup or copy of the store, then reopen"
-        )

@@ -1,5 +1,5 @@
-"""The format's commands of the ``logitcache`` CLI: ``info``, ``validate``, ``export`` to JSON
-lines or wire frames (the one typer app, with the jobs and import commands, is
+"""The format's commands of the ``logitcache`` CLI: ``info``, ``validate``, ``repair``,
+``export`` to JSON lines or wire frames (the one typer app, with the jobs and import commands, is
 :mod:`logitcache.client.cli`).
 
 Storage options for object stores come from ``--option name=value`` (repeatable), e.g.
@@ -170,6 +170,37 @@ def validate_cmd(
         raise _fail(url, StoreNotFoundError(f"no logitcache store at {url!r}"))
     typer.echo(str(report))
     raise typer.Exit(0 if report.ok else 1)
+
+
+def repair_cmd(url: str, option: OptionList = None) -> None:
+    """Rebuild a store's lost or damaged root zarr.json (the manifest) from the newest commit
+    record of its key index, checked against the arrays' own metadata; exit status 2, writing
+    nothing, when no record passes. A readable root is left as it is."""
+    from ._repair import repair
+    from .errors import FormatError
+
+    try:
+        done = repair(url, storage_options(option))
+    except FormatError as e:
+        raise _fail(url, e) from None
+    typer.echo(f"{url}: {done.message}")
+    if done.repaired:
+        typer.echo(f"check it: logitcache validate {url}")
+
+
+def reindex_cmd(url: str, option: OptionList = None) -> None:
+    """Give a store created without a key index one (FORMAT.md 4.11: key lookups and the
+    writer's duplicate check then read a few small ranges instead of hashing every key; its
+    root becomes repairable by ``logitcache repair``). One commit; the rows are unchanged."""
+    from ._repair import add_key_index
+    from .errors import FormatError
+
+    try:
+        n = add_key_index(url, storage_options(option))
+    except FormatError as e:
+        raise _fail(url, e) from None
+    done = "has a key index already" if n is None else f"key index of {n} sequences written"
+    typer.echo(f"{url}: {done}")
 
 
 def export_records(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from zarr.abc.store import Store
 
 from . import spec
+from ._keyruns import PREFIX
 from ._manifest import Manifest
 from ._zarr_adapter import sync
 from .hidden import bytes_per_position
@@ -63,7 +64,8 @@ class StoreStats:
 
 
 def store_stats(zstore: Store, manifest: Manifest) -> StoreStats:
-    """Stored bytes of every array of the store (all objects under each array's prefix)."""
+    """Stored bytes of every array of the store (all objects under each array's prefix), and of
+    the key index (``key_index``)."""
     names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS, spec.INPUT_IDS, *spec.SEQ_ARRAYS]
     h, raw = manifest.hidden, None
     if h is not None:  # FORMAT.md 4.10: hidden rows (and the head) instead of top-k arrays
@@ -74,6 +76,9 @@ def store_stats(zstore: Store, manifest: Manifest) -> StoreStats:
     if manifest.format_version >= 2:
         names += list(spec.KEY_BYTES_ARRAYS)
     sizes = {n: int(sync(zstore.getsize_prefix(n + "/"))) for n in names}
+    if manifest.key_index is not None:  # its runs lie under seq_keys/ (FORMAT.md 4.11)
+        sizes["key_index"] = int(sync(zstore.getsize_prefix(PREFIX)))
+        sizes[spec.SEQ_KEYS] -= sizes["key_index"]
     return StoreStats(sizes, manifest.num_rows, manifest.k, raw)
 
 

@@ -97,10 +97,12 @@ def s3_store(s3_endpoint):
 # Run as `python tests/format_support.py append URL OPTIONS_JSON N BATCH SEED [CRASH_APPEND
 # CRASH_AFTER_ARRAYS LOCK_TTL PREFIX]`: appends make_records(N, seed=SEED) in batches, printing
 # "COMMITTED <num_sequences>" after each append. With CRASH_APPEND = j >= 0, the j-th append
-# SIGKILLs its own process after CRASH_AFTER_ARRAYS array writes (before the commit).
+# SIGKILLs its own process after CRASH_AFTER_ARRAYS array writes (before the commit), or, with
+# CRASH_AFTER_ARRAYS = KILL_AFTER_RUN, after its key index run is written (before the commit).
 
 CHILD_K = 8
 CHILD_VOCAB = 1000
+KILL_AFTER_RUN = 99
 
 
 def child_append(argv: list[str]) -> None:
@@ -127,6 +129,12 @@ def child_append(argv: list[str]) -> None:
             state["arrays"] += 1
             if armed and state["arrays"] == crash_after:  # others may be half-way: realistic
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def _write_run(self, m, new, keys):
+            got = super()._write_run(m, new, keys)
+            if state["append"] == crash_append and crash_after == KILL_AFTER_RUN:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return got
 
     recs = make_records(n, k=CHILD_K, vocab=CHILD_VOCAB, seed=seed, prefix=prefix)
     w = CrashingWriter.open(

@@ -228,6 +228,7 @@ class SpecStore:
             out["key_bytes_keys"] = [
                 data[int(a) : int(b)].decode("utf-8") for a, b in zip(starts, ends, strict=True)
             ]
+            out["key_index"] = self.key_index(out["keys"])
             out["encodings"] = {
                 p.parent.name: json.loads(p.read_text())["attributes"]["logitcache_encoding"]
                 for p in self.root.glob("*/zarr.json")
@@ -254,3 +255,74 @@ class SpecStore:
         if R and "sha256:" + digest.hexdigest() != h["head_digest"]:
             raise SpecError("4.10: the head does not hash to head_digest")
         return {"hidden": rows, "head_weight": weight, "head_bias": bias}
+
+    # ----------------------------------------------------------------- key index (4.11)
+    def key_index(self, keys: list[str]) -> dict[int, int] | None:
+        """4.11: every run of ``key_index`` checked (footer, fence against the manifest's
+        ``crc``, blocks, record, order) and its pairs checked against the keys' hashes; the
+        pairs as ``{sequence: hash}`` (``None``: the store has no key index)."""
+        runs = self.manifest.get("key_index")
+        if runs is None:
+            return None
+        crc = google_crc32c.value
+        pairs: dict[int, int] = {}
+        at = 0
+        for run in runs:
+            first, count, gen = run["first"], run["count"], run["generation"]
+            if first != at:
+                raise SpecError("4.11: runs do not tile [0, S) in order")
+            at += count
+            data = (self.root / f"seq_keys/index/{first}-{first + count}-{gen}").read_bytes()
+            foot = data[-48:]
+            if crc(foot[:44]) != int.from_bytes(foot[44:], "little") or foot[:4] != b"LCKI":
+                raise SpecError("4.11: run footer fails its CRC32C or magic")
+            f_first, f_count, f_gen, r_len = (
+                int.from_bytes(foot[4 + 8 * i : 12 + 8 * i], "little") for i in range(4)
+            )
+            if (f_first, f_count, f_gen) != (first, count, gen):
+                raise SpecError("4.11: run footer names another run")
+            nb = -(-count // 4096)
+            fence = data[-48 - 12 * nb : -48]
+            if f"{crc(fence):08x}" != run["crc"]:
+                raise SpecError("4.11: fence fails the manifest's crc")
+            record = data[16 * count : 16 * count + r_len]
+            if crc(record) != int.from_bytes(foot[40:44], "little"):
+                raise SpecError("4.11: commit record fails its CRC32C")
+            if json.loads(record)["logitcache"]["generation"] != gen:
+                raise SpecError("4.11: commit record of another commit")
+            for j in range(nb):
+                block = data[16 * 4096 * j : 16 * min(4096 * (j + 1), count)]
+                if crc(block) != int.from_bytes(
+                    fence[8 * nb + 4 * j : 8 * nb + 4 * j + 4], "little"
+                ):
+                    raise SpecError(f"4.11: block {j} fails its CRC32C")
+            ent = np.frombuffer(data[: 16 * count], dtype=[("h", "<i8"), ("s", "<i8")])
+            if not (ent["h"][1:] >= ent["h"][:-1]).all():
+                raise SpecError("4.11: run not sorted by hash")
+            pairs.update(zip(ent["s"].tolist(), ent["h"].tolist(), strict=True))
+        if at != len(keys) or sorted(pairs) != list(range(len(keys))):
+            raise SpecError("4.11: the runs do not hold each sequence once")
+        for i, key in enumerate(keys):
+            if pairs[i] != _key_hash(key.encode("utf-8")):
+                raise SpecError(f"4.11: sequence {i} holds another key's hash")
+        return pairs
+
+
+_M = 2**64
+
+
+def _mix(x: int) -> int:
+    """4.11: splitmix64's finaliser, modulo 2^64."""
+    x ^= x >> 30
+    x = x * 0xBF58476D1CE4E5B9 % _M
+    x ^= x >> 27
+    x = x * 0x94D049BB133111EB % _M
+    return x ^ (x >> 31)
+
+
+def _key_hash(b: bytes) -> int:
+    """4.11: the key hash of UTF-8 bytes ``b`` as int64."""
+    seed = 0x9E3779B97F4A7C15
+    s = sum((byte + 1) * (_mix((j + seed) % _M) | 1) for j, byte in enumerate(b)) % _M
+    h = _mix(s ^ (len(b) * seed % _M))
+    return h - _M if h >= 2**63 else h

@@ -92,6 +92,8 @@ def info(
 
 
 app.command("validate")(format_cli.validate_cmd)
+app.command("repair")(format_cli.repair_cmd)
+app.command("reindex")(format_cli.reindex_cmd)
 
 
 @app.command()

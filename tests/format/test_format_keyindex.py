@@ -45,7 +45,7 @@ def test_hashes_of_stored_bytes_and_of_keys_agree():
     stored = keyindex.byte_hashes(
         np.frombuffer(b"".join(raw), np.uint8), np.cumsum([len(r) for r in raw])
     )
-    assert np.array_equal(stored, keyindex._hashes(keys))
+    assert np.array_equal(stored, keyindex.hashes_of(keys))
     assert len(set(stored.tolist())) == len(keys)
 
 
@@ -114,7 +114,7 @@ def test_reader_open_reads_no_key_and_records_read_theirs_when_used(tmp_path):
     assert type(copy) is SequenceRecord and copy.key == recs[11].key
     assert replace(r.sequence(12)).key == recs[12].key
     assert r.index_of(recs[33].key) == 33 and recs[0].key in r and "nope" not in r
-    assert table.hashed == 40
+    assert table.hashed == 0 and table.runs is not None  # looked up in the on-disk index
     assert r.keys == [x.key for x in recs]
     assert np.array_equal(r.row_starts, np.cumsum([0] + [x.length - 1 for x in recs])[:-1])
 
@@ -168,17 +168,16 @@ def test_snapshot_spans_from_lengths(long):
     table = keyindex.KeyTable(lambda a, b: np.array([], dtype=object))
 
     def blocks(a: int, b: int, step: int):
-        return [
-            (lengths[x : min(b, x + step)], toks[x : min(b, x + step)], rows[x : min(b, x + step)])
-            for x in range(a, b, step)
-        ]
+        return [lengths[x : min(b, x + step)] for x in range(a, b, step)]
 
     def manifest(n: int):
         return make_manifest().model_copy(
             update=dict(num_sequences=n, num_rows=int(rows[n]), num_tokens=int(toks[n]))
         )
 
-    first = IndexSnapshot.empty(table).extended(manifest(130), blocks(0, 130, 37))
+    one = IndexSnapshot.empty(table).extended(manifest(1), blocks(0, 1, 1))  # a 1-entry block
+    assert one.row_start(0) == 0 and list(one.checkpoints) == [0]
+    first = one.extended(manifest(130), [*blocks(1, 65, 1), *blocks(65, 130, 37)])
     full = first.extended(manifest(500), blocks(130, 500, 101))
     assert full.lengths.dtype == (np.int32 if long else np.uint16)
     assert np.array_equal(full.row_starts, rows[:-1]) and np.array_equal(
@@ -189,8 +188,9 @@ def test_snapshot_spans_from_lengths(long):
     assert full.range_span(7, 450) == (slice(rows[7], rows[450]), slice(toks[7], toks[450]))
     assert len(full.checkpoints) == -(-500 // snap.STEP)
     bad = blocks(0, 130, 50)
-    bad[1] = (bad[1][0], bad[1][1] + 1, bad[1][2])
-    with pytest.raises(CorruptStoreError, match="sequence 50"):
+    bad[1] = bad[1].copy()
+    bad[1][3] = 1
+    with pytest.raises(CorruptStoreError, match="sequence 53 has a length < 2"):
         IndexSnapshot.empty(table).extended(manifest(130), bad)
     with pytest.raises(CorruptStoreError, match="commit counts"):
         IndexSnapshot.empty(table).extended(manifest(131), blocks(0, 130, 50))

@@ -13,7 +13,14 @@ import time
 import format_support
 import numpy as np
 import pytest
-from format_support import CHILD_K, CHILD_VOCAB, make_manifest, make_records, s3_client
+from format_support import (
+    CHILD_K,
+    CHILD_VOCAB,
+    KILL_AFTER_RUN,
+    make_manifest,
+    make_records,
+    s3_client,
+)
 from logitcache.cache_format import CacheReader, CacheWriter, WriterLockedError, validate
 from logitcache.cache_format._lock import ObjectLock
 from logitcache.cache_format.store import open_store
@@ -66,13 +73,20 @@ def test_s3_lock_excludes_second_writer_and_expires(s3_store):
     assert time.monotonic() - t0 >= 0.5
 
 
-def test_s3_sigkill_and_resume(s3_store):
+@pytest.mark.parametrize("crash_after", [3, KILL_AFTER_RUN])  # inside the arrays; after the run
+def test_s3_sigkill_and_resume(s3_store, crash_after):
     url, opts = s3_store
-    proc = run_child(url, 30, 5, 7, 2, 3, 1.5, options=opts)
+    proc = run_child(url, 30, 5, 7, 2, crash_after, 1.5, options=opts)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     recs = expected()
     assert check_prefix(url, recs, opts) == 10
     resume_and_check(url, recs, 10, opts, lock_timeout=30)  # waits out the dead writer's lease
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    listing = s3_client(opts["endpoint_url"]).list_objects_v2(
+        Bucket=bucket, Prefix=f"{prefix}/seq_keys/index/"
+    )
+    stored = {o["Key"][len(prefix) + 1 :] for o in listing.get("Contents", [])}
+    assert stored == {r.key for r in CacheReader(url, opts).manifest.runs() or []}  # no orphan
 
 
 def _spawn(kind: str, url: str, opts: dict, *args: object) -> subprocess.Popen:
@@ -139,11 +153,16 @@ def test_s3_store_made_from_creation_templates(s3_store, monkeypatch, backend):
 
     def objects(prefix: str) -> dict[str, bytes]:
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
-        return {
+        out = {
             k[len(prefix) :]: s3.get_object(Bucket=bucket, Key=k)["Body"].read()
             for k in keys
             if k != prefix + "zarr.json"  # the root holds timestamps
         }
+        for k, data in out.items():  # a key index run: its entries (its record: the root's)
+            if k.startswith("seq_keys/index/"):
+                first, end, _ = map(int, k.rsplit("/", 1)[1].split("-"))
+                out[k] = data[: 16 * (end - first)]
+        return out
 
     a, b = objects("cache/first/"), objects("cache/second/")
     assert len(a) > 10 and a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == []

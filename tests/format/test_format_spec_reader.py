@@ -72,6 +72,7 @@ def test_spec_reader_matches_project_reader(tmp_path, case):
         w.append(recs[6:])
     spec = _compare(url)
     assert spec["key_bytes_keys"] == spec["keys"] and "ключ-λ" in spec["keys"]
+    assert spec["key_index"] is not None and len(spec["key_index"]) == len(recs)  # 4.11 checked
     lp_dtype = over.get("logprob_dtype", "float16")
     assert spec["encodings"]["topk_logprobs"] == f"{lp_dtype}_row_delta"
     assert spec["encodings"]["topk_ids"] == ("id_rank" if over.get("id_remap") else "id")

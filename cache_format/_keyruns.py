@@ -1,0 +1,346 @@
+"""The on-disk key index (FORMAT.md 4.11): sorted runs of ``(hash, sequence)`` pairs.
+
+Every commit of a store with a key index writes one *run* object: the 64-bit hashes
+(:func:`~._keyindex.byte_hashes`) of the keys it adds, sorted, each with its sequence number,
+merged with the store's newest runs while the newest run is no larger than what is merged into it
+(a binary counter: ``O(log S)`` runs, each entry rewritten ``O(log S)`` times). The manifest lists
+the runs (``key_index``) with the CRC32C of each run's fence, so the root digest covers them. A
+run object is::
+
+    entries (16 bytes each: hash int64 LE, sequence int64 LE; sorted) | commit record (the root
+    attributes of the commit that wrote the run, JSON) | fence (first hash of each block of
+    BLOCK entries, int64 LE; then the CRC32C of each block, uint32 LE) | footer (48 bytes)
+
+A lookup reads the fence and footer of a run (one suffix request, cached per run) and the blocks
+that can hold the hash (one range request): ``O(log S)`` small reads per key, no key loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+
+from ._zarr_adapter import default_buffer_prototype, sync
+from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
+
+BLOCK = 4096  # entries per block (64 KiB): the unit of a lookup's read
+ENTRY = np.dtype([("hash", "<i8"), ("seq", "<i8")])
+MAGIC = b"LCKI"
+_FOOT = struct.Struct(
+    "<4sQQQQII"
+)  # magic, first, count, generation, record bytes, fence crc, record crc
+FOOTER_SIZE = _FOOT.size + 4  # + CRC32C of the footer's other bytes
+PREFIX = "seq_keys/index/"  # under an array's prefix: zarr never lists or addresses it
+
+
+def _crc(data: bytes | memoryview | np.ndarray) -> int:
+    return int(google_crc32c.value(bytes(data)))
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """A run as the manifest lists it: entries of sequences ``[first, first + count)``,
+    written by commit ``generation``; ``crc``: its fence's CRC32C (8 hex digits)."""
+
+    first: int
+    count: int
+    generation: int
+    crc: str
+
+    @property
+    def key(self) -> str:
+        return f"{PREFIX}{self.first}-{self.first + self.count}-{self.generation}"
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.count // BLOCK)
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {
+            "first": self.first,
+            "count": self.count,
+            "generation": self.generation,
+            "crc": self.crc,
+        }
+
+    @classmethod
+    def parse(cls, doc: Any) -> RunRef:
+        ok = isinstance(doc, dict) and set(doc) == {"first", "count", "generation", "crc"}
+        if ok:
+            ints = [doc[n] for n in ("first", "count", "generation")]
+            ok = all(type(v) is int and v >= 0 for v in ints) and doc["count"] > 0
+            ok = ok and isinstance(doc["crc"], str) and len(doc["crc"]) == 8
+        if not ok:
+            raise ValueError(
+                f"key_index entry {doc!r} is not a run (first, count, generation, crc)"
+            )
+        return cls(doc["first"], doc["count"], doc["generation"], doc["crc"])
+
+
+def parse_runs(docs: Any, num_sequences: int) -> list[RunRef]:
+    """The manifest's ``key_index`` as runs; they must tile ``[0, num_sequences)`` in order."""
+    if not isinstance(docs, list):
+        raise ValueError("key_index must be a list of runs")
+    runs, at = [RunRef.parse(d) for d in docs], 0
+    for r in runs:
+        if r.first != at:
+            raise ValueError(f"key_index: run {r.key} does not start at sequence {at}")
+        at += r.count
+    if at != num_sequences:
+        raise ValueError(f"key_index covers {at} sequences, the commit {num_sequences}")
+    return runs
+
+
+def encode_run(
+    entries: np.ndarray, first: int, generation: int, record: Callable[[RunRef], bytes]
+) -> tuple[RunRef, bytes]:
+    """The object of a run of sorted ``entries`` (:data:`ENTRY`) of sequences from ``first``;
+    ``record(ref)``: the commit record (the root attributes that list ``ref``, JSON bytes)."""
+    count = len(entries)
+    raw = np.ascontiguousarray(entries, ENTRY).tobytes()
+    starts = range(0, count, BLOCK)
+    heads = entries["hash"][::BLOCK].astype("<i8")
+    crcs = np.array([_crc(raw[16 * a : 16 * min(a + BLOCK, count)]) for a in starts], "<u4")
+    fence = heads.tobytes() + crcs.tobytes()
+    ref = RunRef(first, count, generation, f"{_crc(fence):08x}")
+    rec = record(ref)
+    foot = _FOOT.pack(MAGIC, first, count, generation, len(rec), _crc(fence), _crc(rec))
+    return ref, raw + rec + fence + foot + _crc(foot).to_bytes(4, "little")
+
+
+def merge_plan(runs: Sequence[RunRef], added: int) -> int:
+    """How many of the newest ``runs`` a commit adding ``added`` entries merges into its run
+    (returns the index of the first merged run): while the newest unmerged run holds no more
+    entries than the merge so far."""
+    i, total = len(runs), added
+    while i > 0 and runs[i - 1].count <= total:
+        total += runs[i - 1].count
+        i -= 1
+    return i
+
+
+def _get(store: Any, key: str, byte_range: Any = None) -> bytes:
+    try:
+        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+    except FileNotFoundError:
+        buf = None
+    if buf is None:
+        raise MissingDataError(f"key index run {key} is missing")
+    return bytes(buf.to_bytes())
+
+
+def _tail(store: Any, ref: RunRef) -> tuple[bytes, tuple[Any, ...]]:
+    """The run's fence and its footer's fields (the footer checked against its CRC32C and
+    ``ref``'s place)."""
+    nb = ref.blocks
+    tail = _get(store, ref.key, SuffixByteRequest(12 * nb + FOOTER_SIZE))
+    if len(tail) != 12 * nb + FOOTER_SIZE:
+        raise ChecksumError(f"key index run {ref.key} is truncated")
+    fence, foot = tail[: 12 * nb], tail[12 * nb :]
+    if _crc(foot[:-4]) != int.from_bytes(foot[-4:], "little"):
+        raise ChecksumError(f"key index run {ref.key}: footer fails its CRC32C")
+    fields = _FOOT.unpack(foot[:-4])
+    if fields[0] != MAGIC or fields[1:4] != (ref.first, ref.count, ref.generation):
+        raise CorruptStoreError(f"key index run {ref.key}: its footer names another run")
+    return fence, fields
+
+
+def ref_from_footer(store: Any, key: str, first: int, count: int, generation: int) -> RunRef:
+    """The run at ``key`` (named for ``first``, ``count``, ``generation``) as its footer
+    describes it, its fence checked against the footer's CRC32C (no manifest needed)."""
+    ref = RunRef(first, count, generation, "")
+    if key != ref.key or count <= 0:
+        raise CorruptStoreError(f"{key} is not a key index run")
+    fence, fields = _tail(store, ref)
+    if fields[5] != _crc(fence):
+        raise ChecksumError(f"key index run {key}: fence fails its CRC32C")
+    return RunRef(first, count, generation, f"{fields[5]:08x}")
+
+
+def read_fence(store: Any, ref: RunRef) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """The run's block heads and block CRC32Cs (checked against the manifest's CRC32C), its
+    commit record's length and CRC32C."""
+    nb = ref.blocks
+    fence, fields = _tail(store, ref)
+    rec_len, fcrc, rcrc = fields[4:]
+    if f"{_crc(fence):08x}" != ref.crc or fcrc != _crc(fence):
+        raise ChecksumError(f"key index run {ref.key}: fence fails the manifest's CRC32C")
+    heads = np.frombuffer(fence[: 8 * nb], "<i8")
+    crcs = np.frombuffer(fence[8 * nb :], "<u4")
+    return heads, crcs, rec_len, rcrc
+
+
+def _blocks(store: Any, ref: RunRef, crcs: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Entries of blocks ``[a, b)`` of the run, each block checked against its CRC32C."""
+    lo, hi = 16 * a * BLOCK, 16 * min(b * BLOCK, ref.count)
+    raw = _get(store, ref.key, RangeByteRequest(lo, hi))
+    if len(raw) != hi - lo:
+        raise ChecksumError(f"key index run {ref.key} is truncated")
+    for j in range(a, b):
+        s, e = 16 * (j * BLOCK) - lo, 16 * min((j + 1) * BLOCK, ref.count) - lo
+        if _crc(raw[s:e]) != int(crcs[j]):
+            raise ChecksumError(f"key index run {ref.key}: block {j} fails its CRC32C")
+    return np.frombuffer(raw, ENTRY)
+
+
+def read_run(store: Any, ref: RunRef) -> np.ndarray:
+    """Every entry of the run (checked)."""
+    crcs = read_fence(store, ref)[1]
+    return _blocks(store, ref, crcs, 0, ref.blocks)
+
+
+def read_record(store: Any, ref: RunRef) -> dict[str, Any]:
+    """The commit record of the run: the root attributes of the commit that wrote it."""
+    _, _, rec_len, rcrc = read_fence(store, ref)
+    at = 16 * ref.count
+    rec = _get(store, ref.key, RangeByteRequest(at, at + rec_len))
+    if len(rec) != rec_len or _crc(rec) != rcrc:
+        raise ChecksumError(f"key index run {ref.key}: commit record fails its CRC32C")
+    doc = json.loads(rec)
+    if not isinstance(doc, dict):
+        raise CorruptStoreError(f"key index run {ref.key}: commit record is not an object")
+    return doc
+
+
+class KeyRuns:
+    """The runs of a store's newest known commit, looked up without loading them (thread-safe).
+    ``reload()`` returns the runs of the store's latest commit: called once when a run object
+    is gone (merged into a newer run by a later commit)."""
+
+    def __init__(self, store: Any, runs: list[RunRef], reload: Callable[[], list[RunRef]]) -> None:
+        self._store, self._runs, self._reload = store, runs, reload
+        self._fences: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def covered(self) -> int:
+        """Sequences ``[0, covered)`` are indexed."""
+        return sum(r.count for r in self._runs)
+
+    def update(self, runs: list[RunRef]) -> None:
+        with self._lock:
+            self._runs = runs
+            live = {r.key for r in runs}
+            self._fences = {k: v for k, v in self._fences.items() if k in live}
+
+    def candidates(self, hashes: np.ndarray) -> list[list[int]]:
+        """For each hash, the sequences whose key hashes to it (ascending)."""
+        try:
+            return self._candidates(hashes)
+        except MissingDataError:
+            self.update(self._reload())
+            return self._candidates(hashes)
+
+    def _candidates(self, hashes: np.ndarray) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(len(hashes))]
+        for ref in list(self._runs):
+            with self._lock:
+                got = self._fences.get(ref.key)
+            if got is None:
+                got = read_fence(self._store, ref)
+                with self._lock:
+                    self._fences[ref.key] = got
+            heads, crcs = got[0], got[1]
+            lo = np.maximum(np.searchsorted(heads, hashes, "left") - 1, 0)
+            hi = np.searchsorted(heads, hashes, "right")
+            need = np.zeros(len(heads) + 1, np.int64)
+            np.add.at(need, lo, 1)
+            np.add.at(need, hi, -1)
+            used = np.flatnonzero(np.cumsum(need)[: len(heads)] > 0)
+            if not len(used):
+                continue
+            cut = np.flatnonzero(np.diff(used) > 1) + 1
+            parts = [
+                _blocks(self._store, ref, crcs, int(g[0]), int(g[-1]) + 1)
+                for g in np.split(used, cut)
+            ]
+            ent = np.concatenate(parts)
+            a = np.searchsorted(ent["hash"], hashes, "left")
+            b = np.searchsorted(ent["hash"], hashes, "right")
+            for j in np.flatnonzero(b > a).tolist():
+                out[j].extend(ent["seq"][a[j] : b[j]].tolist())
+        return [sorted(x) for x in out]
+
+
+def next_runs(
+    store: Any,
+    runs: list[RunRef],
+    hashes: np.ndarray,
+    first_seq: int,
+    generation: int,
+    record: Callable[[list[RunRef]], bytes],
+) -> tuple[list[RunRef], RunRef, bytes, list[RunRef]]:
+    """The runs after a commit ``generation`` that adds the keys of ``hashes`` as sequences from
+    ``first_seq``: ``(runs, the new run, its object, the runs merged into it)``. ``record(runs)``
+    gives the commit record, the root attributes listing ``runs``."""
+    i = merge_plan(runs, len(hashes))
+    new = np.empty(len(hashes), ENTRY)
+    new["hash"], new["seq"] = hashes, np.arange(first_seq, first_seq + len(hashes))
+    ent = np.concatenate([*(read_run(store, r) for r in runs[i:]), new])
+    ent = ent[np.argsort(ent["hash"], kind="stable")]  # runs in sequence order: ties stay so
+    first = runs[i].first if i < len(runs) else first_seq
+    ref, obj = encode_run(ent, first, generation, lambda ref: record([*runs[:i], ref]))
+    return [*runs[:i], ref], ref, obj, runs[i:]
+
+
+def put(store: Any, key: str, data: bytes) -> None:
+    """Write object ``key`` (atomically, as every object of a store is written)."""
+    sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+
+
+def drop(store: Any, keys: Sequence[str]) -> None:
+    """Delete the objects ``keys`` where the store can (a leftover is harmless: no manifest
+    lists it, and the next writer's open deletes it)."""
+    if not store.supports_deletes:
+        return
+    for key in keys:
+        try:
+            sync(store.delete(key))
+        except (FileNotFoundError, OSError):
+            continue
+
+
+def listed(store: Any) -> list[str]:
+    """The run objects stored (listed), listed or not by the manifest."""
+
+    async def names() -> list[str]:
+        return [k async for k in store.list_prefix(PREFIX)]
+
+    if not store.supports_listing:
+        return []
+    return sync(names())
+
+
+def check_runs(store: Any, runs: list[RunRef], hashes: np.ndarray) -> list[str]:
+    """Problems of the key index ``runs`` against ``hashes``, the hashes of every committed key
+    (``hashes[i]`` of sequence ``i``): each run readable (CRC32Cs, its commit record too, naming
+    the run's generation), sorted by hash, holding each of its sequences once with its key's
+    hash."""
+    bad = []
+    for ref in runs:
+        try:
+            ent = read_run(store, ref)
+            rec = read_record(store, ref).get("logitcache")
+            if not isinstance(rec, dict) or rec.get("generation") != ref.generation:
+                bad.append(f"{ref.key}: its commit record is not commit {ref.generation}'s")
+                continue
+        except (FormatError, ValueError) as e:
+            bad.append(f"{ref.key}: {e}")
+            continue
+        seqs = np.sort(ent["seq"])
+        if not np.array_equal(seqs, np.arange(ref.first, ref.first + ref.count)):
+            bad.append(f"{ref.key}: does not hold each of sequences {ref.first}.. once")
+        elif not (ent["hash"][1:] >= ent["hash"][:-1]).all():
+            bad.append(f"{ref.key}: not sorted by hash")
+        elif not np.array_equal(ent["hash"], hashes[ent["seq"]]):
+            j = int(np.flatnonzero(ent["hash"] != hashes[ent["seq"]])[0])
+            bad.append(f"{ref.key}: sequence {int(ent['seq'][j])} with another key's hash")
+    return bad

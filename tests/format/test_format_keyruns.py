@@ -1,0 +1,215 @@
+"""The on-disk key index (FORMAT.md 4.11, cache_format/_keyruns.py) and ``logitcache repair``.
+
+Every commit writes one run of sorted (hash, sequence) pairs, merged as a binary counter; lookups
+and the writer's duplicate check read runs, not every key; the manifest lists the runs under the
+root digest; ``validate`` checks them against the keys; a writer killed around the run loses
+nothing committed; ``repair`` rebuilds a lost root from the newest run's commit record (locally
+and on the moto S3 server), and writes nothing when no record passes."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import format_support
+import pytest
+from format_support import KILL_AFTER_RUN, make_manifest, make_records
+from logitcache.cache_format import (
+    CacheReader,
+    CacheWriter,
+    ChecksumError,
+    StoreNeedsRepairError,
+    validate,
+)
+from logitcache.cache_format import _keyruns as keyruns
+from logitcache.client.cli import app
+from test_format_crash import check_prefix, expected, resume_and_check, run_child
+from test_format_root_damage import EDITS, _Objects, _where
+from typer.testing import CliRunner
+
+s3_endpoint = format_support.s3_endpoint
+s3_store = format_support.s3_store
+
+K, VOCAB = 8, 1000
+
+
+def _index_objects(objs: _Objects) -> set[str]:
+    return {k for k in objs.listing() if k.startswith(keyruns.PREFIX)}
+
+
+def test_runs_stay_few_and_lookups_exact(tmp_path):
+    url = str(tmp_path / "c")
+    recs = make_records(70, k=K, vocab=VOCAB, seed=1)
+    m = make_manifest(K, VOCAB)
+    with CacheWriter.open(url, m) as w:
+        at = 0
+        for size in [1, 1, 1, 5, 2, 1, 9, 1, 20, 3, 1, 25]:  # 12 commits
+            assert w.append(recs[at : at + size]) == size
+            at += size
+            runs = w.manifest.runs()
+            assert runs is not None and sum(r.count for r in runs) == at
+            assert len(runs) <= math.log2(at) + 1  # binary counter: O(log S) runs
+            assert [r.count for r in runs] == sorted((r.count for r in runs), reverse=True)
+        assert w.append([recs[4], recs[69], recs[30]]) == 0  # known keys: nothing written
+        assert w.contains(recs[0].key) and not w.contains("absent")
+    objs = _Objects(url, {})
+    listed = {r.key for r in CacheReader(url).manifest.runs() or []}
+    assert _index_objects(objs) == listed  # merged runs are deleted after their commit
+    r = CacheReader(url)
+    assert r.index.table.runs is not None
+    for i in (0, 3, 17, 44, 69):
+        assert r.index_of(recs[i].key) == i
+    assert "absent" not in r and r.index.table.hashed == 0  # no key hashed, none loaded
+    assert validate(url).ok
+
+
+def test_store_without_index_uses_the_lazy_path(tmp_path):
+    """A version-3 store (written before the index) has none: keys are hashed at the first
+    lookup, as before; appending keeps it without one."""
+    url = str(tmp_path / "c")
+    recs = make_records(12, k=K, vocab=VOCAB, seed=2)
+    m = make_manifest(K, VOCAB, format_version=3)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[:6])
+    with CacheWriter.open(url, m) as w:
+        assert w.append(recs) == 6 and w.manifest.key_index is None
+    r = CacheReader(url)
+    assert r.index_of(recs[9].key) == 9 and r.index.table.runs is None
+    assert r.index.table.hashed == 12
+    assert not (Path(url) / keyruns.PREFIX).exists() and validate(url).ok
+
+
+def test_old_snapshot_finds_keys_after_its_runs_are_merged_away(tmp_path):
+    url = str(tmp_path / "c")
+    recs = make_records(8, k=K, vocab=VOCAB, seed=3)
+    m = make_manifest(K, VOCAB)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[:4])
+    r = CacheReader(url)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[4:])  # merges the reader's run into a new one and deletes it
+    assert not (Path(url) / (r.manifest.runs() or [])[0].key).exists()
+    assert r.index_of(recs[2].key) == 2 and recs[6].key not in r  # its snapshot's keys only
+
+
+def test_damaged_run_is_a_typed_error_and_a_validate_finding(tmp_path):
+    url = str(tmp_path / "c")
+    recs = make_records(10, k=K, vocab=VOCAB, seed=4)
+    with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
+        w.append(recs)
+    (run,) = CacheReader(url).manifest.runs() or []
+    path = Path(url) / run.key
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x40  # an entry's bytes: its block fails its CRC32C
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="block 0"):
+        CacheReader(url).index_of(recs[3].key)
+    report = validate(url)
+    assert "key_index" in report.codes(), str(report)
+    data[20] ^= 0x40
+    data[-10] ^= 0x01  # the footer
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="footer"):
+        CacheWriter.open(url, make_manifest(K, VOCAB)).contains(recs[0].key)
+
+
+def test_sigkill_after_the_run_before_the_commit(tmp_path):
+    url = tmp_path / "c"
+    proc = run_child(url, 30, 5, 7, 2, KILL_AFTER_RUN)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.split() == ["COMMITTED", "5", "COMMITTED", "10"]
+    recs = expected()
+    assert check_prefix(url, recs) == 10  # the run of the killed append is no commit's
+    listed = {r.key for r in CacheReader(url).manifest.runs() or []}
+    assert len(_index_objects(_Objects(str(url), {})) - listed) == 1  # its orphan run
+    resume_and_check(url, recs, 10)  # the next writer deletes it and goes on
+    listed = {r.key for r in CacheReader(url).manifest.runs() or []}
+    assert _index_objects(_Objects(str(url), {})) == listed
+
+
+def test_repair_after_a_kill_between_run_and_commit_restores_that_append(tmp_path):
+    """The killed append's arrays were all written (and made durable) before its run: the run's
+    record is a complete commit, so the repair restores it."""
+    url = tmp_path / "c"
+    proc = run_child(url, 30, 5, 7, 2, KILL_AFTER_RUN)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    (url / "zarr.json").unlink()
+    res = CliRunner().invoke(app, ["repair", str(url)])
+    assert res.exit_code == 0, res.output
+    assert "generation 3, 15 sequences" in res.output
+    assert check_prefix(url, expected()) == 15
+
+
+def _cli_options(opts: dict) -> list[str]:
+    return [x for n, v in opts.items() for x in ("-o", f"{n}={v}")]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("edit", ["deleted", "garbage", "creation_marker", "truncated"])
+def test_repair_rebuilds_a_lost_root(request, tmp_path, where, edit):
+    url, opts = _where(request, tmp_path, where)
+    recs = make_records(9, k=K, vocab=VOCAB, seed=5)
+    m = make_manifest(K, VOCAB)
+    with CacheWriter.open(url, m, opts) as w:
+        for a in range(0, 9, 3):
+            w.append(recs[a : a + 3])
+    objs = _Objects(url, opts)
+    good = objs.get("zarr.json")
+    objs.put("zarr.json", EDITS[edit](good))
+    with pytest.raises(StoreNeedsRepairError, match="logitcache repair"):
+        CacheWriter.open(url, m, opts)
+    res = CliRunner().invoke(app, ["repair", url, *_cli_options(opts)])
+    assert res.exit_code == 0, res.output
+    assert "root rebuilt" in res.output and "9 sequences" in res.output
+    assert (
+        json.loads(objs.get("zarr.json") or b"")["attributes"]
+        == json.loads(good or b"")["attributes"]
+    )
+    assert CacheReader(url, opts).keys == [r.key for r in recs]
+    assert validate(url, opts).ok
+    with CacheWriter.open(url, m, opts) as w:
+        assert w.append(make_records(12, k=K, vocab=VOCAB, seed=5)) == 3
+    again = CliRunner().invoke(app, ["repair", url, *_cli_options(opts)])
+    assert again.exit_code == 0 and "nothing to repair" in again.output
+
+
+def test_repair_without_a_record_writes_nothing(tmp_path):
+    """A store without a key index (version 3) holds no commit record: ``repair`` says so,
+    exits 2 and writes nothing; so does one whose only run is damaged."""
+    for version, damage_run in ((3, False), (4, True)):
+        url = str(tmp_path / f"v{version}")
+        with CacheWriter.open(url, make_manifest(K, VOCAB, format_version=version)) as w:
+            w.append(make_records(4, k=K, vocab=VOCAB, seed=6))
+        objs = _Objects(url, {})
+        if damage_run:
+            (key,) = _index_objects(objs)
+            data = bytearray(objs.get(key) or b"")
+            data[-5] ^= 0xFF
+            objs.put(key, bytes(data))
+        objs.put("zarr.json", None)
+        before = objs.listing()
+        res = CliRunner().invoke(app, ["repair", url])
+        assert res.exit_code == 2 and "no commit record" in res.output, res.output
+        assert objs.listing() == before
+
+
+def test_reindex_gives_an_old_store_its_key_index(tmp_path):
+    url = str(tmp_path / "c")
+    recs = make_records(10, k=K, vocab=VOCAB, seed=7)
+    m = make_manifest(K, VOCAB, format_version=3)
+    with CacheWriter.open(url, m) as w:
+        w.append(recs[:7])
+    res = CliRunner().invoke(app, ["reindex", url])
+    assert res.exit_code == 0 and "key index of 7 sequences written" in res.output, res.output
+    r = CacheReader(url)
+    assert r.manifest.generation == 2 and r.index.table.runs is not None
+    assert r.index_of(recs[5].key) == 5 and r.index.table.hashed == 0
+    with CacheWriter.open(url, m) as w:
+        assert w.append(recs) == 3 and [r.count for r in w.manifest.runs() or []] == [7, 3]
+    assert validate(url).ok
+    assert "has a key index already" in CliRunner().invoke(app, ["reindex", url]).output
+    (Path(url) / "zarr.json").unlink()
+    assert CliRunner().invoke(app, ["repair", url]).exit_code == 0
+    assert CacheReader(url).keys == [x.key for x in recs]
