@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -365,4 +366,19 @@ def make_hidden_records(n: int, vocab: int, dim: int, seed: int = 0, max_len: in
         ids = rng.integers(0, vocab, size=length, dtype=np.int32)
         h = (rng.standard_normal((length - 1, dim)) * 3).astype(np.float32)
         out.append(HiddenRecord(f"h{i}", ids, h))
+    return out
+
+
+def store_objects(root: Path) -> dict[str, bytes]:
+    """Every object of a store but the root ``zarr.json`` (it holds timestamps); of a key index
+    run its entries only (its commit record is the root's attributes)."""
+    out = {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p != root / "zarr.json" and not p.name.endswith(".lock")
+    }
+    for key, data in out.items():
+        if key.startswith("seq_keys/index/"):
+            first, end, _ = map(int, key.rsplit("/", 1)[1].split("-"))
+            out[key] = data[: 16 * (end - first)]
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_records
+from format_support import store_objects as files
 from logitcache.cache_format import CacheReader, CacheWriter, spec, validate
 from logitcache.cache_format import _writer as writer
 from logitcache.cache_format.errors import ChecksumError, MissingDataError
@@ -31,21 +32,6 @@ def write(url: Path, recs, cuts: list[int], *, direct: bool, monkeypatch, layout
     with CacheWriter.open(url, make_manifest(k=K, vocab_size=VOCAB), layout=layout) as w:
         for a, b in zip([0, *cuts], [*cuts, len(recs)], strict=True):
             w.append(recs[a:b])
-
-
-def files(root: Path) -> dict[str, bytes]:
-    """Every object of a store but the root ``zarr.json`` (it holds timestamps); of a key index
-    run its entries only (its commit record is the root's attributes)."""
-    out = {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p != root / "zarr.json" and not p.name.endswith(".lock")
-    }
-    for key, data in out.items():
-        if key.startswith("seq_keys/index/"):
-            first, end, _ = map(int, key.rsplit("/", 1)[1].split("-"))
-            out[key] = data[: 16 * (end - first)]
-    return out
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, RAW], ids=["blosc", "raw"])
