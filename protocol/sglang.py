@@ -40,6 +40,9 @@ class SglangGenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
+    model: str | None = Field(
+        None, description="logitcache extension: the teacher (a name /v1/models lists)"
+    )
 
 
 class SglangMetaInfo(BaseModel):

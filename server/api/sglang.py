@@ -45,8 +45,8 @@ from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
-from ..serving.scoring import default_cache
-from .deps import ERRORS, Services, ServicesDep, run_for_client
+from ..serving.teachers import Teacher
+from .deps import ERRORS, Services, ServicesDep, run_for_client, teacher_of
 
 router = APIRouter(tags=["sglang"])
 
@@ -180,16 +180,23 @@ def _meta(
 
 
 async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] | list[Any]:
-    """Check, serve through the cache, and build SGLang's answer (every check before any
-    engine work or write)."""
-    scoring = services.scoring
+    """Route to the teacher ``model`` names (an extension: SGLang serves one model), check,
+    serve through the cache, and build SGLang's answer (every check before any engine work or
+    write)."""
+    async with services.teachers.use(req.model) as teacher:
+        return await _generate(teacher, req)
+
+
+async def _generate(teacher: Teacher, req: GenerateRequest) -> dict[str, Any] | list[Any]:
+    scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
+    assert scoring is not None and serving is not None and engine is not None
     seqs_in, batch, asked_t = _check(req)
     top = _one(req.top_logprobs_num, "top_logprobs_num")
     start = _one(req.logprob_start_len, "logprob_start_len")
     top = scoring.check_k(top or None) or 0
     t = scoring.check_temperature(asked_t)
-    info = services.engine.info
-    cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))
+    info = engine.info
+    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
     raws = [
         RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
         for i, s in enumerate(seqs_in)
@@ -208,9 +215,9 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
     asked = [a for a in asks if a is not None]
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
         ids = one_call_ids(asked) if len(todo) == len(seqs) else None  # misses: one engine call
-        served = await services.serving.serve(cache, seqs, manifest.k, manifest, ids=ids)
+        served = await serving.serve(cache, seqs, manifest.k, manifest, ids=ids)
     else:  # the cache cannot hold this k: scored, not stored
-        served = await services.serving.above(seqs, top, manifest.temperature)
+        served = await serving.above(seqs, top, manifest.temperature)
     at: list[tuple[list[int], np.ndarray, bool] | None] = [None] * len(seqs)
     if todo:
         got = await at_chosen_ids(
@@ -224,7 +231,7 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
         )
         for j, i in enumerate(todo):
             at[i] = (chosen[i] or [], got.logprobs[j], got.exact[j])
-    tokenizer = getattr(services.engine, "tokenizer", None)
+    tokenizer = getattr(engine, "tokenizer", None)
     memo: dict[int, str | None] = {}
 
     def decode(tid: int) -> str | None:
@@ -247,6 +254,7 @@ async def generate_route(
     body: GenerateRequest, request: Request, services: ServicesDep
 ) -> JSONResponse:
     """SGLang's ``/generate`` with ``return_logprob`` and ``max_new_tokens: 0`` (module doc)."""
+    body.model = teacher_of(request, body.model)
     answer = await run_for_client(
         request, generate(services, body), services.settings.request_timeout_s
     )
