@@ -205,11 +205,8 @@ class JobRunner:
     async def submit(self, req: JobCreate) -> JobStatus:
         """Check a job completely against the teacher its ``model`` names (nothing written on
         failure), store it queued, wake the loop."""
-        async with self.teachers.use(req.model) as teacher:
-            assert teacher.scoring is not None
-            return await self._submit(
-                req.model_copy(update={"model": teacher.name}), teacher.scoring
-            )
+        async with self.teachers.checking(req.model) as (teacher, scoring):
+            return await self._submit(req.model_copy(update={"model": teacher.name}), scoring)
 
     async def _submit(self, req: JobCreate, scoring: ScoringService) -> JobStatus:
         name = check_name(req.cache)

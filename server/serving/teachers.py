@@ -31,7 +31,7 @@ from .scoring import ScoringService
 from .scoring import default_cache as _default_cache
 
 if TYPE_CHECKING:
-    from ..engine import TeacherEngine
+    from ..engine import EngineInfo, TeacherEngine
     from ..metrics import Metrics
     from ..settings import ServerSettings, TeacherSettings
     from .caches import CacheRegistry
@@ -57,6 +57,19 @@ def cache_suffix(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", name)
 
 
+@dataclass(frozen=True)
+class Known:
+    """What a teacher's engine reported when it was last loaded (its info and tokenizer): a
+    stand-in engine for checking a job for that teacher while it is not loaded (no scoring)."""
+
+    info: EngineInfo
+    tokenizer: Any
+
+    def tokenize(self, text: str) -> list[int]:
+        """The engine's tokenize (:meth:`~..engine.BaseEngine.tokenize`)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+
 @dataclass
 class Teacher:
     """One teacher: settings, and while loaded its engine, scoring service and cache serving."""
@@ -70,6 +83,7 @@ class Teacher:
     scoring: ScoringService | None = None
     serving: CacheServing | None = None
     state: State = "unloaded"
+    known: Known | None = None
     in_flight: int = 0
     loads: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -187,6 +201,27 @@ class TeacherPool:
             async with self._cond:
                 self._cond.notify_all()
 
+    @contextlib.asynccontextmanager
+    async def checking(self, model: str | None) -> AsyncIterator[tuple[Teacher, ScoringService]]:
+        """The teacher ``model`` names and a scoring service to check work for it with: its
+        own while loaded (held, as :meth:`use`), else one over what its engine reported when
+        last loaded (:class:`Known`: nothing is loaded, e.g. a job queued for a teacher while
+        another one's job runs); a teacher never loaded is loaded for it."""
+        teacher = self.resolve(model)
+        known = teacher.known
+        if teacher.loaded or known is None or known.tokenizer is None:
+            async with self.use(model) as held:
+                assert held.scoring is not None
+                yield held, held.scoring
+            return
+        engine: Any = known
+        yield (
+            teacher,
+            ScoringService(
+                engine=engine, caches=self.caches, settings=teacher.settings, metrics=self.metrics
+            ),
+        )
+
     # --- loading --------------------------------------------------------------------------
 
     def _resident(self) -> int:
@@ -239,6 +274,7 @@ class TeacherPool:
             engine=engine, caches=self.caches, settings=teacher.settings, metrics=self.metrics
         )
         teacher.engine, teacher.scoring, teacher.serving = engine, scoring, CacheServing(scoring)
+        teacher.known = Known(engine.info, getattr(engine, "tokenizer", None))
         teacher.state, teacher.loads = "loaded", teacher.loads + 1
         log.info("teacher %s loaded in %.1f s", teacher.name, time.perf_counter() - t0)
 

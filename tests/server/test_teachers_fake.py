@@ -246,3 +246,49 @@ def test_one_teacher_settings_are_the_one_teacher_case(tmp_path) -> None:
     assert (each.model, each.k, each.teachers) == ("teacher-b", 7, [])
     with pytest.raises(ValueError, match="distinct"):
         app_settings(tmp_path, teachers=[{"name": "x", "model": "a"}, {"name": "x", "model": "b"}])
+
+
+async def wait_jobs(c: Any, ids: list[str]) -> list[dict]:
+    for _ in range(400):
+        jobs = [(await c.get(f"/v1/jobs/{i}")).json() for i in ids]
+        if all(j["state"] in ("succeeded", "failed", "cancelled") for j in jobs):
+            return jobs
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"jobs did not finish: {jobs}")
+
+
+def test_jobs_of_the_loaded_teacher_go_first_and_others_queue_unloaded(tmp_path) -> None:
+    asyncio.run(_jobs_of_the_loaded_teacher_go_first(tmp_path))
+
+
+async def _jobs_of_the_loaded_teacher_go_first(tmp_path: Any) -> None:
+    build = Builder()
+    settings = two_teachers(tmp_path, teacher_memory_bytes=150)
+    async with service(settings, build) as (c, pool):
+        for model in ("beta", "alpha"):  # both known; alpha loaded again
+            await c.post("/v1/score", json={"input_ids": [IDS], "model": model})
+        alpha = build.built[-1]
+        alpha.gate = asyncio.Event()
+
+        async def submit(model: str, cache: str) -> str:
+            job = {"cache": cache, "records": [{"input_ids": IDS}], "k": 4, "model": model}
+            r = await c.post("/v1/jobs", json=job)
+            assert r.status_code == 201, r.text
+            return str(r.json()["id"])
+
+        first = await submit("alpha", "a1")
+        while pool.teachers["alpha"].in_flight == 0:
+            await asyncio.sleep(0.01)
+        # checked against what beta's engine said when last loaded: nothing loaded, no wait
+        second = await asyncio.wait_for(submit("beta", "b1"), 5)
+        third = await submit("alpha", "a2")
+        assert states(pool) == {"alpha": "loaded", "beta": "unloaded"}
+        alpha.gate.set()
+        jobs = await wait_jobs(c, [first, second, third])
+        assert [j["state"] for j in jobs] == ["succeeded"] * 3
+        started = {j["id"]: j["started_at"] for j in jobs}
+        assert started[first] < started[third] < started[second]  # alpha's, while it is loaded
+        loads = {t["name"]: t["loads"] for t in pool.status()}
+        assert loads == {"alpha": 2, "beta": 2}  # alpha was not unloaded between its two jobs
+        info = (await c.get("/v1/caches/b1")).json()
+        assert info["manifest"]["teacher_model"] == "teacher-b"
