@@ -244,6 +244,16 @@ def test_one_teacher_settings_are_the_one_teacher_case(tmp_path) -> None:
     assert (only.name, only.model) == ("tiny-teacher", "/models/tiny-teacher")
     each = two_teachers(tmp_path, k=7).for_teacher(two_teachers(tmp_path).teachers[1])
     assert (each.model, each.k, each.teachers) == ("teacher-b", 7, [])
+    from logitcache.server.settings import load_settings
+
+    listed = '[{"name": "math", "model": "/models/a"}, {"name": "code", "model": "/models/b", '
+    listed += '"backend": "hf", "memory_bytes": 16000000000}]'  # as server/API.md gives it
+    cli = load_settings(["--teachers", listed, "--teacher-memory-bytes", "20000000000"])
+    assert [(t.name, t.backend, t.memory_bytes) for t in cli.teacher_list()] == [
+        ("math", None, None),
+        ("code", "hf", 16000000000),
+    ]
+    assert cli.for_teacher(cli.teachers[1]).backend == "hf" and cli.teacher_memory_bytes == 2e10
     with pytest.raises(ValueError, match="distinct"):
         app_settings(tmp_path, teachers=[{"name": "x", "model": "a"}, {"name": "x", "model": "b"}])
 
