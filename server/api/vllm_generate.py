@@ -117,8 +117,16 @@ async def _generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateR
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
     served = await serving.serve(cache, seqs, manifest.k, manifest, ids=one_call_ids([asked]))
     got = await at_chosen_ids(
-        scoring, seqs, served.records, [asked], [start], manifest.temperature, served.at_ids
+        scoring,
+        seqs,
+        served.records,
+        [asked],
+        [start],
+        manifest.temperature,
+        served.at_ids,
+        approximate=req.approximate,
     )
+    spread = got.approximated[0] if got.approximated else None
     n = len(req.token_ids)
     return VllmGenerateResponse(
         request_id=f"generate-tokens-{req.request_id or uuid.uuid4().hex}",
@@ -138,6 +146,7 @@ async def _generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateR
         ],
         cached=bool(served.hits and served.hits[0]),
         exact=got.exact[0],
+        approximated=None if spread is None else await asyncio.to_thread(npy_base64, spread),
     )
 
 
