@@ -111,6 +111,9 @@ async def _every_route_routes_by_model_and_lists_the_teachers(tmp_path: Any) -> 
         # each teacher's default protocol cache is its own (the default keeps the plain name)
         caches = {x["name"]: x for x in (await c.get("/v1/caches")).json()["caches"]}
         assert {"openai-completions", "sglang-generate-beta"} <= set(caches), sorted(caches)
+        page = (await c.get("/")).text  # the status page's teachers table
+        table = page[page.index('id="teachers"') :]
+        assert "<td>alpha</td>" in table and "<td>beta</td>" in table and "loaded" in table
         health = (await c.get("/health")).json()
         assert health["model"] == "alpha"
         assert [(t["name"], t["state"]) for t in health["teachers"]] == [
