@@ -64,3 +64,40 @@ async def _approximate(tmp_path: Any) -> None:
         assert plain["exact"] is True and plain["approximated"] is None
         np.testing.assert_allclose(npy(plain["prompt_token_id_logprobs"]), exact, atol=1e-5)
         assert len(engine.id_calls) > 0 and len(engine.id_calls) + len(engine.calls) > calls
+
+
+def test_sglang_generate_approximate_lists_the_spread_ids(tmp_path) -> None:
+    asyncio.run(_sglang(tmp_path))
+
+
+async def _sglang(tmp_path: Any) -> None:
+    from logitcache.protocol import SglangMetaInfo
+
+    engine = FakeEngine(vocab_size=V, max_k=K)
+    full = fake_logprobs(SEQ, V)
+    inside = int(np.argsort(-full[0])[0])  # row 0's best id: in its top-k
+    far = int(np.argsort(-full[0])[-1])  # row 0's worst: outside it
+    body = {
+        "input_ids": SEQ,
+        "return_logprob": True,
+        "logprob_start_len": 1,
+        "token_ids_logprob": [inside, far],
+        "sampling_params": {"max_new_tokens": 0},
+        "cache": "approx-sglang",
+        "approximate": True,
+    }
+    async with in_process(app_settings(tmp_path, k=K), engine) as c:
+        miss = (await c.post("/generate", json=body)).json()["meta_info"]
+        assert miss["exact_token_ids"] is True
+        assert "approximated_token_ids" not in miss  # a miss: exact
+        calls = len(engine.id_calls) + len(engine.calls)
+        hit = SglangMetaInfo.model_validate(
+            (await c.post("/generate", json=body)).json()["meta_info"]
+        )
+        assert len(engine.id_calls) + len(engine.calls) == calls
+        assert hit.cached and hit.exact_token_ids is False
+        spread = hit.approximated_token_ids
+        assert spread is not None and spread[0] == [far]
+        top = np.argsort(-full, axis=1)[:, :K]
+        for t, ids in enumerate(spread):  # exactly the asked ids outside each row's top-k
+            assert ids == [i for i in (inside, far) if i not in top[t]]
