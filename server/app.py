@@ -183,7 +183,10 @@ def create_app(
         app.state.services = Services(
             settings=settings, teachers=teachers, caches=caches, jobs=runner, metrics=metrics
         )
-        log.info("serving %s from %s", ", ".join(teachers.teachers), caches.root)
+        first = teachers.default.engine
+        assert first is not None  # loaded by teachers.start()
+        names = ",".join(teachers.teachers)
+        log.info("serving %s (k<=%d) from %s", names, first.info.max_k, caches.root)
         try:
             yield
         finally:
