@@ -118,6 +118,7 @@ _RETRY = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {**_ERROR, "description": "body is not parsable JSON (e.g. nested too deeply)"},
     401: {**_ERROR, "description": "missing or wrong API key"},
+    404: {**_ERROR, "description": "unknown model (`model_not_found`)"},
     408: {**_ERROR, "description": "request body sent too slowly"},
     409: {**_ERROR, "description": "the cache holds another teacher or k"},
     413: {**_ERROR, "description": "body, sequence, text or answer over a limit"},

@@ -57,6 +57,7 @@ MAX_PAGE = 1000
     responses={
         **_COMMON,
         201: {"description": "the job, queued", "links": _JOB_LINKS},
+        404: {**_ERROR, "description": "unknown model (`model_not_found`)"},
         408: {**_ERROR, "description": "request body sent too slowly"},
         409: {**_ERROR, "description": "the cache holds another teacher or k"},
         413: {**_ERROR, "description": "body or input over a limit"},

@@ -224,15 +224,9 @@ async def _complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
     return await asyncio.to_thread(_body, teacher, req, prompts, served)
 
 
-_COMPLETION_ERRORS: dict[int | str, dict[str, Any]] = {
-    **ERRORS,
-    404: {**ERRORS[401], "description": "unknown model"},
-}
-
-
 @router.post(
     "/completions",
-    responses=_COMPLETION_ERRORS,
+    responses=ERRORS,
     summary="vLLM-compatible prompt logprobs (served from the cache)",
 )
 async def completions(

@@ -153,7 +153,7 @@ async def _generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateR
 @router.post(
     "/inference/v1/generate",
     response_model=VllmGenerateResponse,
-    responses={**ERRORS, 404: {**ERRORS[401], "description": "unknown model"}},
+    responses=ERRORS,
     summary="vLLM-compatible logprobs at chosen token ids (cached)",
 )
 async def generate_route(
