@@ -81,3 +81,19 @@ def test_openai_client_two_teachers_lru_and_transformers_reference(two, tiny, he
     with two.client() as c:
         caches = {x["name"] for x in c.get("/v1/caches").json()["caches"]}
     assert {"openai-completions", "openai-completions-tiny-b"} <= caches
+
+
+def test_benchmark_mode_teachers_runs(tiny, tmp_path) -> None:
+    """``python -m benchmarks.service teachers`` (a short run): both ratios, rows in the CSV."""
+    import csv
+    import json
+
+    from benchmarks.service import teachers as bench
+
+    out, rows = tmp_path / "out.json", tmp_path / "rows.csv"
+    bench.main(["--sequences", "2", "--swaps", "1", "--json", str(out), "--csv", str(rows)])
+    result = json.loads(out.read_text())
+    assert result["routed_over_one_teacher"] > 0 and result["swap_over_one_teacher_miss"] > 0
+    with rows.open() as f:
+        got = {r["metric"] for r in csv.DictReader(f)}
+    assert got == {"routed_over_one_teacher", "swap_over_one_teacher_miss"}
