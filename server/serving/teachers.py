@@ -152,7 +152,8 @@ class TeacherPool:
             specs[0] = specs[0].model_copy(update={"name": public_name(engine.info.model_id)})
         for i, spec in enumerate(specs):
             self.teachers[spec.name] = self._teacher(spec, i == 0)
-        self._cond = asyncio.Condition()
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._released = asyncio.Event()  # some teacher's work ended (a waiting load retries)
         self._started = False
 
     def _teacher(self, spec: TeacherSettings, default: bool) -> Teacher:
@@ -198,8 +199,7 @@ class TeacherPool:
         finally:
             teacher.in_flight -= 1
             teacher.last_used = time.monotonic()
-            async with self._cond:
-                self._cond.notify_all()
+            self._released.set()  # never waits: a load in progress must not delay this answer
 
     @contextlib.asynccontextmanager
     async def checking(self, model: str | None) -> AsyncIterator[tuple[Teacher, ScoringService]]:
@@ -232,11 +232,13 @@ class TeacherPool:
         return self.budget is None or not others or self._resident() + teacher.memory <= self.budget
 
     async def _load(self, teacher: Teacher) -> None:
-        async with self._cond:
-            while not teacher.loaded:
+        while True:
+            async with self._lock:
+                if teacher.loaded:
+                    return
                 if self._fits(teacher):
                     await self._start(teacher)
-                    break
+                    return
                 idle = sorted(
                     (
                         t
@@ -247,8 +249,11 @@ class TeacherPool:
                 )
                 if idle:
                     await self._unload(idle[0])
-                else:  # every loaded teacher is busy: wait for one to finish its work
-                    await self._cond.wait()
+                    continue
+                # every loaded teacher is busy: wait for one to finish its work (cleared with
+                # no await since the check, so a release in between cannot be missed)
+                self._released.clear()
+            await self._released.wait()
 
     async def _start(self, teacher: Teacher) -> None:
         """Build ``teacher``'s engine: in a worker thread, except at start-up (:meth:`start`,

@@ -305,3 +305,40 @@ async def _jobs_of_the_loaded_teacher_go_first(tmp_path: Any) -> None:
         assert loads == {"alpha": 2, "beta": 2}  # alpha was not unloaded between its two jobs
         info = (await c.get("/v1/caches/b1")).json()
         assert info["manifest"]["teacher_model"] == "teacher-b"
+
+
+class SlowBuilder(Builder):
+    """Builds ``teacher-b`` in ``delay`` seconds (as a real engine takes seconds)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def __call__(self, settings: Any) -> Gated:
+        if settings.model == "teacher-b":
+            import time
+
+            time.sleep(self.delay)  # in the pool's worker thread
+        return super().__call__(settings)
+
+
+def test_a_load_never_delays_another_teachers_answers(tmp_path) -> None:
+    asyncio.run(_load_never_delays(tmp_path))
+
+
+async def _load_never_delays(tmp_path: Any) -> None:
+    import time
+
+    build = SlowBuilder(1.5)
+    async with service(two_teachers(tmp_path), build) as (c, pool):
+        loading = asyncio.create_task(
+            c.post("/v1/score", json={"input_ids": [IDS], "model": "beta"})
+        )
+        while pool.teachers["beta"].state != "loading":
+            await asyncio.sleep(0.01)
+        t0 = time.perf_counter()
+        r = await c.post("/v1/score", json={"input_ids": [IDS], "model": "alpha"})
+        took = time.perf_counter() - t0
+        assert r.status_code == 200 and pool.teachers["beta"].state == "loading"
+        assert took < 1.0, took  # answered while beta's engine was still being built
+        assert (await loading).status_code == 200
