@@ -45,9 +45,9 @@ State = Literal["unloaded", "loading", "loaded", "unloading"]
 
 
 def weights_bytes(model: str) -> int:
-    """Bytes of a local model directory's weight files (0 for a hub id)."""
+    """Bytes of a local model directory's weight files (0 for a hub id or no model)."""
     path = Path(model).expanduser()
-    if not path.is_dir():
+    if not model or not path.is_dir():
         return 0
     return sum(p.stat().st_size for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES)
 
