@@ -21,11 +21,13 @@ options: FsspecStore takes them as they are, obstore gets them translated one wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import mmap
 import os
 import threading
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -267,20 +269,25 @@ class StoreHandle:
             self.zstore.sync_dirs()
 
     def remove_partials(self) -> int:
-        """Delete the ``*.partial`` temporary files under a local store (left by a writer killed
-        mid-write; never part of the store) and return how many. Call it only while holding the
-        writer lock: then no write of this store is in flight. Other stores: 0 (an object-store
-        PUT leaves no temporary)."""
-        if self.local_path is None:
-            return 0
-        n = 0
-        for p in self.local_path.rglob("*.partial"):
-            try:
-                p.unlink()
-            except FileNotFoundError:
+        """Delete every ``*.partial`` temporary under a local store (see :func:`remove_partials`)
+        and return how many. Call it only while holding the writer lock: then no write of this
+        store is in flight. Other stores: 0 (an object-store PUT leaves no temporary)."""
+        return 0 if self.local_path is None else remove_partials(self.local_path)
+
+
+def remove_partials(root: str | Path, older_than_s: float = 0.0) -> int:
+    """Delete the ``*.partial`` temporary files under ``root`` (left by a writer killed between
+    writing an object and renaming it; never part of a store) last modified more than
+    ``older_than_s`` seconds ago, and return how many. A file that vanishes or cannot be removed
+    meanwhile is skipped."""
+    now, n = time.time(), 0
+    for p in Path(root).rglob("*.partial"):
+        with contextlib.suppress(OSError):
+            if older_than_s > 0 and now - p.stat().st_mtime <= older_than_s:
                 continue
+            p.unlink()
             n += 1
-        return n
+    return n
 
 
 def _scheme(url: str) -> str:

@@ -10,16 +10,14 @@ commits the queued on-demand appends, closes the cache writers and the engine it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
+from logitcache.cache_format.store import remove_partials
 
 from .api import caches as routes_caches
 from .api import jobs as routes_jobs
@@ -64,20 +62,6 @@ PARTIAL_MAX_AGE_S = 300.0
 MAINTENANCE_PERIOD_S = 3600.0
 
 
-def clean_partials(root: str, max_age_s: float = PARTIAL_MAX_AGE_S) -> int:
-    """Delete ``*.partial`` files (temporaries of an interrupted object write, never part of a
-    store) older than ``max_age_s`` under a local store root; returns how many."""
-    if is_url(root):
-        return 0
-    now, n = time.time(), 0
-    for p in Path(root).rglob("*.partial"):
-        with contextlib.suppress(OSError):
-            if p.is_file() and now - p.stat().st_mtime > max_age_s:
-                p.unlink()
-                n += 1
-    return n
-
-
 def maintain(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -> None:
     """Prune finished jobs past ``job_retention_s``, clean old ``*.partial`` files, and warn
     about stores whose creation was interrupted (listed as ``incomplete``; the next write to
@@ -85,7 +69,7 @@ def maintain(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -
     pruned = store.prune(settings.job_retention_s)
     if pruned:
         log.info("pruned %d finished job(s) older than %g s", pruned, settings.job_retention_s)
-    cleaned = clean_partials(caches.root)
+    cleaned = 0 if is_url(caches.root) else remove_partials(caches.root, PARTIAL_MAX_AGE_S)
     if cleaned:
         log.info("removed %d leftover *.partial file(s) under the store root", cleaned)
     for name, reason in caches.incomplete().items():
