@@ -109,6 +109,8 @@ class ErrorDetail(ApiModel):
     code: str = Field(description="stable machine-readable slug, e.g. invalid_input")
     message: str
     detail: Any = None
+    type: str | None = Field(None, description="OpenAI's error type, where one applies")
+    param: str | None = Field(None, description="the request field at fault, where one applies")
 
 
 class ErrorResponse(ApiModel):
@@ -197,6 +199,9 @@ class ScoreRequest(ApiModel):
     cache: CacheName | None = Field(None, description="also store the results in this named cache")
     keys: list[Key] | None = Field(
         None, description="sequence keys (default: content hash of the token ids)"
+    )
+    model: str | None = Field(
+        None, description="the teacher (a name GET /v1/models lists; default: the first)"
     )
     targets: TargetKind = Field(
         "topk", description="topk rows, or sampled targets (ids with log importance weights)"
@@ -317,6 +322,9 @@ class JobCreate(ApiModel):
 
     cache: CacheName
     k: TopK | None = Field(None, description="default: the cache's k, else the server's")
+    model: str | None = Field(
+        None, description="the teacher (a name GET /v1/models lists; default: the first)"
+    )
     file: InputFile | None = None
     records: list[InlineRecord] | None = None
     on_long: Literal["reject", "truncate", "split", "skip"] = Field(
@@ -447,11 +455,26 @@ class CacheList(ApiModel):
     caches: list[CacheInfo]
 
 
+class TeacherState(ApiModel):
+    """One teacher of the service and its engine's state."""
+
+    name: str = Field(description="the name requests give as `model`")
+    model: str = Field(description="the teacher's model (last path part)")
+    backend: str
+    state: Literal["unloaded", "loading", "loaded", "unloading"]
+    in_flight: int = Field(description="requests and jobs using it now")
+    memory_bytes: int = Field(description="memory counted against the teachers' budget")
+    loads: int = Field(description="times its engine was loaded since the start")
+    max_k: int | None = Field(None, description="largest k (while loaded)")
+    alive: bool | None = Field(None, description="its engine can score (while loaded)")
+
+
 class Health(ApiModel):
     status: Literal["ok"] = "ok"
-    model: str
+    model: str = Field(description="the default teacher")
     k: int
     version: str
+    teachers: list[TeacherState] = Field(default_factory=list)
 
 
 class CacheLengths(ApiModel):

@@ -40,6 +40,15 @@ class SglangGenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
+    model: str | None = Field(
+        None, description="logitcache extension: the teacher (a name /v1/models lists)"
+    )
+    approximate: bool = Field(
+        False,
+        description="logitcache extension: token_ids_logprob ids outside a cached row's top-k "
+        "from the row's tail spread uniformly, log(tail / (V - k)), listed per position in "
+        "meta_info.approximated_token_ids",
+    )
 
 
 class SglangMetaInfo(BaseModel):
@@ -62,3 +71,8 @@ class SglangMetaInfo(BaseModel):
     output_top_logprobs: list[Any]
     cached: bool
     exact_token_ids: bool | None = None
+    approximated_token_ids: list[list[int] | None] | None = Field(
+        None,
+        description="logitcache extension, with approximate: per position the asked ids spread "
+        "from the row's tail (None at position 0)",
+    )

@@ -51,6 +51,12 @@ class VllmGenerateRequest(BaseModel):
     output_mode: Literal["tokens", "text"] = "tokens"
     return_token_ids: bool | None = None
     cache: CacheName | None = Field(None, description="logitcache extension")
+    approximate: bool = Field(
+        False,
+        description="logitcache extension: an id outside a cached row's top-k is answered from "
+        "the row's tail mass spread uniformly, log(tail / (V - k)), instead of by the engine "
+        "(the answer's `approximated` marks those entries)",
+    )
 
 
 class VllmUsage(BaseModel):
@@ -87,3 +93,9 @@ class VllmGenerateResponse(BaseModel):
     choices: list[VllmGenerateChoice]
     cached: bool
     exact: bool
+    approximated: str | None = Field(
+        None,
+        description="logitcache extension, with `approximate`: a base64 `.npy` bool matrix of "
+        "the shape of `prompt_token_id_logprobs`, true where the entry was spread from the tail "
+        "(absent when none was)",
+    )

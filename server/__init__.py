@@ -30,6 +30,7 @@ client).
 ``api.store``                  ``/v1/caches/{name}/store/{key}``: the stored objects, read-only
 ``api.ops``                    ``/health`` and ``/metrics``
 ``api.ui``                     the browser pages: status page, login, ``/docs``
+``serving.teachers``           ``TeacherPool``: teachers routed by ``model``, loaded within a budget
 ``serving.scoring``            ``ScoringService``: on-demand scoring (+ optional store)
 ``serving.cache_hits``         serving scores from a named cache (hits read, misses scored)
 ``serving.targets``            the target kind of a request or job (top-k or sampled)

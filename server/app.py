@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -34,14 +34,14 @@ from .api.middleware import (
     BodyLimitMiddleware,
     InternalErrorMiddleware,
     MetricsMiddleware,
+    TeacherPrefixMiddleware,
 )
 from .batch.job_store import JobStore
 from .batch.jobs import JobRunner
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .serving.cache_hits import CacheServing
 from .serving.caches import CacheRegistry, is_url
-from .serving.scoring import ScoringService
+from .serving.teachers import TeacherPool
 from .settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -54,15 +54,6 @@ def _operation_id(route: APIRoute) -> str:
     """Stable OpenAPI operation ids: ``<tag>-<function name>``."""
     tag = route.tags[0] if route.tags else "default"
     return f"{tag}-{route.name}"
-
-
-async def _build_engine(settings: ServerSettings) -> TeacherEngine:
-    """The configured engine, supervised: restarted when it dies (:mod:`.engine.supervisor`)."""
-    from .engine import SupervisedEngine, build_engine
-
-    engine = SupervisedEngine(lambda: build_engine(settings))
-    await engine.start()
-    return engine
 
 
 #: Age after which a ``*.partial`` temporary file under a local store root is a crash leftover.
@@ -145,45 +136,50 @@ def declare_common_errors(app: FastAPI, *, keyed: bool) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) -> FastAPI:
-    """A new app serving ``settings``; with ``engine`` given, that engine is used (not closed)."""
+def create_app(
+    settings: ServerSettings,
+    engine: TeacherEngine | None = None,
+    *,
+    build: Callable[[ServerSettings], TeacherEngine] | None = None,
+) -> FastAPI:
+    """A new app serving ``settings``' teachers. With ``engine`` given, that engine is the
+    default teacher's (used, not closed); ``build`` makes a teacher's engine from its settings
+    (default: the configured backend, supervised)."""
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        own_engine = engine is None
-        eng = await _build_engine(settings) if engine is None else engine
         store = JobStore(settings.job_db_path)
         caches = CacheRegistry(settings.store_root, settings.storage_options)
-        scoring = ScoringService(engine=eng, caches=caches, settings=settings, metrics=metrics)
+        teachers = TeacherPool(settings, caches, metrics, build=build, engine=engine)
+        try:
+            await teachers.start()
+        except BaseException:
+            caches.close()
+            store.close()
+            raise
         runner = JobRunner(
-            store=store, scoring=scoring, caches=caches, settings=settings, metrics=metrics
+            store=store, teachers=teachers, caches=caches, settings=settings, metrics=metrics
         )
         await asyncio.to_thread(maintain, store, caches, settings)
         await runner.start()
         upkeep = asyncio.create_task(_maintenance(store, caches, settings), name="maintenance")
-        serving = CacheServing(scoring)
         app.state.services = Services(
-            settings=settings,
-            engine=eng,
-            caches=caches,
-            scoring=scoring,
-            serving=serving,
-            jobs=runner,
-            metrics=metrics,
+            settings=settings, teachers=teachers, caches=caches, jobs=runner, metrics=metrics
         )
-        log.info("serving %s (k<=%d) from %s", eng.info.model_id, eng.info.max_k, caches.root)
+        first = teachers.default.engine
+        assert first is not None  # loaded by teachers.start()
+        names = ",".join(teachers.teachers)
+        log.info("serving %s (k<=%d) from %s", names, first.info.max_k, caches.root)
         try:
             yield
         finally:
             app.state.services = None
             upkeep.cancel()
             await runner.stop()
-            await serving.aclose()
+            await teachers.aclose()
             caches.close()
             store.close()
-            if own_engine:
-                await eng.aclose()
 
     app = FastAPI(
         title="logitcache teacher service",
@@ -219,4 +215,5 @@ def create_app(settings: ServerSettings, engine: TeacherEngine | None = None) ->
         )
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(TeacherPrefixMiddleware)  # before all: they see the teacher's path
     return app

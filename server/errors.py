@@ -83,6 +83,14 @@ class NotFoundError(ServiceError, status=404, code="not_found"):
     """A job or cache does not exist."""
 
 
+class UnknownModelError(NotFoundError, code="model_not_found"):
+    """A request names a ``model`` (teacher) the service does not serve. Its body also carries
+    OpenAI's ``type`` and ``param`` (``{"error": {"message", "type", "param", "code"}}``, the
+    shape the OpenAI and vLLM clients read), and the served names as ``detail``."""
+
+    extra = {"type": "NotFoundError", "param": "model"}
+
+
 class ConflictError(ServiceError, status=409, code="conflict"):
     """The request contradicts existing state (a cache of another teacher, tokenizer or k)."""
 
@@ -195,13 +203,21 @@ _HTTP_CODES = {
 }
 
 
-def error_body(code: str, message: str, detail: Any = None) -> dict[str, Any]:
-    """The one JSON error shape of the API (:class:`~logitcache.protocol.ErrorResponse`)."""
-    return {"error": {"code": code, "message": message, "detail": detail}}
+def error_body(
+    code: str, message: str, detail: Any = None, extra: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The one JSON error shape of the API (:class:`~logitcache.protocol.ErrorResponse`;
+    ``extra``: its optional ``type`` and ``param``)."""
+    return {"error": {"code": code, "message": message, "detail": detail, **(extra or {})}}
 
 
 def error_response(
-    status: int, code: str, message: str, detail: Any = None, headers: dict[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    detail: Any = None,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None,
 ) -> Response:
     """An error body as ASCII JSON (``ensure_ascii``: a lone surrogate echoed from the request
     is escaped, never a 500), paths stripped from the message."""
@@ -210,7 +226,7 @@ def error_response(
     from fastapi.encoders import jsonable_encoder
     from starlette.responses import Response
 
-    body = error_body(code, public_message(message), detail)
+    body = error_body(code, public_message(message), detail, extra)
     try:
         data = json.dumps(jsonable_encoder(body), ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError, UnicodeError):
@@ -260,7 +276,8 @@ def install_error_handlers(app: FastAPI) -> None:
         retry = getattr(exc, "retry_after", None)
         if retry is not None:
             headers = {**(headers or {}), "Retry-After": str(int(retry))}
-        return error_response(exc.status, exc.code, exc.message, exc.detail, headers)
+        extra = getattr(exc, "extra", None)
+        return error_response(exc.status, exc.code, exc.message, exc.detail, headers, extra)
 
     async def on_format_error(_request: Request, exc: FormatError) -> Response:
         status, code = format_error_status(exc)

@@ -120,9 +120,11 @@ def check_port(host: str, port: int) -> None:
 
 def check(settings: ServerSettings) -> None:
     """Every start-up check, cheapest first; raises :class:`PreflightError` on the first failure."""
-    check_model(settings.model)
-    if settings.tokenizer:
-        check_model(settings.tokenizer, what="tokenizer", flag="--tokenizer")
+    for teacher in settings.teacher_list():
+        each = settings.for_teacher(teacher)
+        check_model(each.model)
+        if each.tokenizer:
+            check_model(each.tokenizer, what="tokenizer", flag="--tokenizer")
     if not _is_remote(settings.store_root):
         root = settings.store_root.removeprefix("file://")
         check_writable_dir(root, what="store root")

@@ -8,11 +8,39 @@ Nothing here is read at import time: :func:`load_settings` builds a fresh object
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Backends a teacher may name (``hf`` and ``transformers`` are one backend).
+BackendName = Literal["vllm", "hf", "transformers"]
+
+
+class TeacherSettings(BaseModel):
+    """One teacher of a service serving several (``--teachers`` JSON list): its public name
+    (the ``model`` requests route by), its model, and what it sets differently from the server's
+    engine settings (``None``: the server's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+    """The name requests give as ``model`` and ``/v1/models`` lists."""
+    model: str
+    """A local model directory or a model id."""
+    backend: BackendName | None = None
+    revision: str | None = None
+    tokenizer: str | None = None
+    dtype: str | None = None
+    temperature: float | None = Field(None, ge=1e-3, le=1e3)
+    k: int | None = Field(None, ge=1, le=4096)
+    memory_share: float | None = Field(None, gt=0, le=1)
+    engine_options: dict[str, Any] | None = None
+    memory_bytes: int | None = Field(None, ge=0)
+    """Memory the loaded engine takes, counted against ``teacher_memory_bytes`` (default: the
+    size of the model directory's weight files)."""
 
 
 class ServerSettings(BaseSettings):
@@ -34,7 +62,7 @@ class ServerSettings(BaseSettings):
     """Model revision recorded in cache manifests (default: the engine's own notion)."""
     tokenizer: str | None = None
     """Tokenizer directory or id, if not the model's."""
-    backend: Literal["vllm", "hf", "transformers"] = "vllm"
+    backend: BackendName = "vllm"
     """Engine: vLLM, or plain transformers (``hf``; chunked lm-head top-k) where vLLM cannot run."""
     k: int = Field(20, ge=1, le=4096)
     """Largest top-k the engine is built for (vLLM ``max_logprobs``) and the default request k."""
@@ -64,6 +92,15 @@ class ServerSettings(BaseSettings):
     """Store each row's teacher entropy (nats, from the full logits at the cache's temperature;
     FORMAT.md 4.9) in the caches the service creates (both backends). A cache whose flag
     differs is refused (409)."""
+    teachers: list[TeacherSettings] = Field(default_factory=list)
+    """Several teachers behind one service (JSON list of ``{"name", "model", ...}``, see
+    :class:`TeacherSettings`); requests route by their ``model``, the first is the default.
+    Empty: the one teacher ``--model`` (named by its last path part)."""
+    teacher_memory_bytes: int | None = Field(None, ge=0)
+    """Memory budget of the loaded teacher engines: a teacher is loaded on its first request
+    and the least recently used idle ones are unloaded to keep the loaded ones' ``memory_bytes``
+    within it (an engine with work in flight is never unloaded; one teacher is always let in).
+    Unset: teachers stay loaded once loaded."""
 
     # --- storage ----------------------------------------------------------------------------
     store_root: str = "caches"
@@ -174,7 +211,38 @@ class ServerSettings(BaseSettings):
             self.api_key = SecretStr(key)
         if self.api_key is not None and not self.api_key.get_secret_value():
             self.api_key = None
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"teacher names must be distinct, got {names}")
         return self
+
+    def teacher_list(self) -> list[TeacherSettings]:
+        """The teachers served, the default first: ``teachers``, or the one teacher ``model``
+        under its public name (its last path part)."""
+        if self.teachers:
+            return list(self.teachers)
+        model = self.model.rstrip("/")
+        name = os.path.basename(model) if os.path.isabs(model) else model
+        return [TeacherSettings.model_construct(name=name or "teacher", model=self.model)]
+
+    def for_teacher(self, teacher: TeacherSettings) -> ServerSettings:
+        """These settings with ``teacher``'s model and engine settings (what its engine and
+        scoring service are built from)."""
+        update: dict[str, Any] = {"model": teacher.model, "teachers": []}
+        for attr in (
+            "backend",
+            "revision",
+            "tokenizer",
+            "dtype",
+            "temperature",
+            "k",
+            "memory_share",
+            "engine_options",
+        ):
+            value = getattr(teacher, attr)
+            if value is not None:
+                update[attr] = value
+        return self.model_copy(update=update)
 
     @property
     def text_byte_limit(self) -> int:

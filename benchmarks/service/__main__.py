@@ -15,6 +15,7 @@ MODES = {
     "ray": "replicas",
     "gpu": "gpu",
     "protocols": "protocols",
+    "teachers": "teachers",
 }
 
 

@@ -19,7 +19,6 @@ from logitcache.protocol import ErrorResponse, JobStatus
 from ..errors import (
     ClientClosedError,
     DeadlineExceededError,
-    NotFoundError,
     UnavailableError,
     public_message,
     public_name,
@@ -32,20 +31,41 @@ if TYPE_CHECKING:
     from ..serving.cache_hits import CacheServing
     from ..serving.caches import CacheRegistry
     from ..serving.scoring import ScoringService
+    from ..serving.teachers import Teacher, TeacherPool
     from ..settings import ServerSettings
 
 
 @dataclass
 class Services:
-    """Everything a route may use; built by the app's lifespan, stored on ``app.state``."""
+    """Everything a route may use; built by the app's lifespan, stored on ``app.state``. A
+    route reaches a teacher's engine and scoring through ``teachers.use(model)`` only."""
 
     settings: ServerSettings
-    engine: TeacherEngine
+    teachers: TeacherPool
     caches: CacheRegistry
-    scoring: ScoringService
-    serving: CacheServing
     jobs: JobRunner
     metrics: Metrics
+
+    def _default(self) -> Teacher:
+        teacher = self.teachers.default
+        if not teacher.loaded:
+            raise UnavailableError(f"the teacher {teacher.name} is not loaded", retry_after=5)
+        return teacher
+
+    @property
+    def engine(self) -> TeacherEngine:
+        """The default teacher's engine (503 while it is not loaded)."""
+        return self._default().engine  # type: ignore[return-value]
+
+    @property
+    def scoring(self) -> ScoringService:
+        """The default teacher's scoring service (503 while it is not loaded)."""
+        return self._default().scoring  # type: ignore[return-value]
+
+    @property
+    def serving(self) -> CacheServing:
+        """The default teacher's cache serving (503 while it is not loaded)."""
+        return self._default().serving  # type: ignore[return-value]
 
 
 async def get_services(request: Request) -> Services:
@@ -98,6 +118,7 @@ _RETRY = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {**_ERROR, "description": "body is not parsable JSON (e.g. nested too deeply)"},
     401: {**_ERROR, "description": "missing or wrong API key"},
+    404: {**_ERROR, "description": "unknown model (`model_not_found`)"},
     408: {**_ERROR, "description": "request body sent too slowly"},
     409: {**_ERROR, "description": "the cache holds another teacher or k"},
     413: {**_ERROR, "description": "body, sequence, text or answer over a limit"},
@@ -112,11 +133,10 @@ def public_model(model_id: str) -> str:
     return public_name(model_id)
 
 
-def check_model(model: str | None, model_id: str) -> None:
-    """404 when a protocol request names a ``model`` other than the teacher (by its public
-    name or its id); ``None`` names the teacher."""
-    if model is not None and model not in (public_model(model_id), model_id):
-        raise NotFoundError(f"The model `{model}` does not exist.")
+def teacher_of(request: Request, model: str | None) -> str | None:
+    """The teacher a request names: its body's ``model``, else its URL's ``/teachers/<name>``
+    prefix (``None``: the default teacher)."""
+    return model if model is not None else getattr(request.state, "teacher", None)
 
 
 def public_status(job: JobStatus) -> JobStatus:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from logitcache.protocol import ErrorResponse, JobCreate, JobList, JobState, JobStatus
 
 from ..errors import OverloadedError
-from .deps import OffLoopJSONRoute, ServicesDep, public_status
+from .deps import OffLoopJSONRoute, ServicesDep, public_status, teacher_of
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=OffLoopJSONRoute)
 
@@ -57,14 +57,17 @@ MAX_PAGE = 1000
     responses={
         **_COMMON,
         201: {"description": "the job, queued", "links": _JOB_LINKS},
+        404: {**_ERROR, "description": "unknown model (`model_not_found`)"},
         408: {**_ERROR, "description": "request body sent too slowly"},
         409: {**_ERROR, "description": "the cache holds another teacher or k"},
         413: {**_ERROR, "description": "body or input over a limit"},
         429: {**_ERROR, "description": "too many job tokens pending", "headers": _RETRY},
     },
 )
-async def create_job(body: JobCreate, services: ServicesDep) -> JobStatus:
-    """Check the whole input (422 listing bad records; nothing written), then queue the job."""
+async def create_job(body: JobCreate, request: Request, services: ServicesDep) -> JobStatus:
+    """Check the whole input against the teacher ``model`` names (422 listing bad records;
+    404 for a teacher not served; nothing written), then queue the job."""
+    body.model = teacher_of(request, body.model)
     limit = services.settings.max_pending_job_tokens
     pending = await asyncio.to_thread(services.jobs.store.pending_tokens)
     if pending >= limit:

@@ -34,6 +34,29 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: lis
     await send({"type": "http.response.body", "body": data})
 
 
+#: Path prefix naming a teacher: ``/teachers/<name>/v1/completions`` is ``/v1/completions``
+#: for that teacher (a client that takes the first ``/v1/models`` entry as its model, as TRL's
+#: do, gets one base URL per teacher).
+TEACHER_PREFIX = "/teachers/"
+
+
+class TeacherPrefixMiddleware:
+    """Strip a :data:`TEACHER_PREFIX` ``<name>`` from the path and keep ``<name>`` as the
+    request's ``state.teacher`` (the routes' teacher when the body names no ``model``; the one
+    teacher ``/v1/models`` lists)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(TEACHER_PREFIX):
+            name, _, rest = path[len(TEACHER_PREFIX) :].partition("/")
+            scope = {**scope, "path": "/" + rest, "raw_path": ("/" + rest).encode()}
+            scope["state"] = {**scope.get("state", {}), "teacher": name}
+        await self.app(scope, receive, send)
+
+
 class ApiKeyMiddleware:
     """Require ``Authorization: Bearer <api_key>`` on every path but :data:`PUBLIC_PATHS`
     (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` a live login session's cookie also counts

@@ -45,8 +45,9 @@ from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.cache_hits import Served
 from ..serving.caches import check_name
-from ..serving.scoring import ScoringService, default_cache
-from .deps import ERRORS, Services, ServicesDep, check_model, public_model, run_for_client
+from ..serving.scoring import ScoringService
+from ..serving.teachers import Teacher
+from .deps import ERRORS, Services, ServicesDep, public_model, run_for_client, teacher_of
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -164,12 +165,12 @@ def prompt_logprobs(rec: SequenceRecord, decode: _Decoder) -> list[dict[str, dic
 
 
 def _body(
-    services: Services,
+    teacher: Teacher,
     req: CompletionRequest,
     prompts: Seq[str | list[int]],
     served: Served,
 ) -> dict[str, Any]:
-    tokenizer = getattr(services.engine, "tokenizer", None)
+    tokenizer = getattr(teacher.engine, "tokenizer", None)
     decode = _Decoder(tokenizer)
     choices = []
     for i, (p, rec) in enumerate(zip(prompts, served.records, strict=True)):
@@ -193,40 +194,39 @@ def _body(
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": public_model(services.engine.info.model_id),
+        "model": teacher.name,
         "choices": choices,
         "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens},
     }
 
 
 async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]:
-    """Check, serve through the cache (or score above its k), and build the vLLM answer."""
-    scoring = services.scoring
-    info = services.engine.info
-    check_model(req.model, info.model_id)
+    """Route to the teacher ``model`` names, check, serve through the cache (or score above its
+    k), and build the vLLM answer."""
+    async with services.teachers.use(req.model) as teacher:
+        return await _complete(teacher, req)
+
+
+async def _complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
+    scoring, serving = teacher.scoring, teacher.serving
+    assert scoring is not None and serving is not None
     k = _check(req, scoring)
     t = scoring.check_temperature(req.temperature)
-    cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))
+    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
     prompts = _prompts(req)
     seqs = await asyncio.to_thread(scoring.checked, _raws(prompts), len(prompts), "prompts")
     scoring.check_answer_size(seqs, k, "completions")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
     if k <= manifest.k:
-        served = await services.serving.serve(cache, seqs, k, manifest)
+        served = await serving.serve(cache, seqs, k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
-        served = await services.serving.above(seqs, k, manifest.temperature)
-    return await asyncio.to_thread(_body, services, req, prompts, served)
-
-
-_COMPLETION_ERRORS: dict[int | str, dict[str, Any]] = {
-    **ERRORS,
-    404: {**ERRORS[401], "description": "unknown model"},
-}
+        served = await serving.above(seqs, k, manifest.temperature)
+    return await asyncio.to_thread(_body, teacher, req, prompts, served)
 
 
 @router.post(
     "/completions",
-    responses=_COMPLETION_ERRORS,
+    responses=ERRORS,
     summary="vLLM-compatible prompt logprobs (served from the cache)",
 )
 async def completions(
@@ -234,6 +234,7 @@ async def completions(
 ) -> JSONResponse:
     """vLLM's ``/v1/completions`` for ``prompt_logprobs`` with ``max_tokens`` 0 or 1 (see module
     doc: the answer's shape, and what differs from vLLM)."""
+    body.model = teacher_of(request, body.model)
     answer = await run_for_client(
         request, complete(services, body), services.settings.request_timeout_s
     )
@@ -243,24 +244,31 @@ async def completions(
 @router.get(
     "/models",
     responses={401: ERRORS[401]},
-    summary="vLLM/OpenAI model list (the teacher)",
+    summary="vLLM/OpenAI model list (the teachers)",
 )
-async def models(services: ServicesDep) -> dict[str, Any]:
+async def models(request: Request, services: ServicesDep) -> dict[str, Any]:
     """``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", "root",
-    "max_model_len"}]}`` with the teacher's public name as ``id``."""
-    info = services.engine.info
-    name = public_model(info.model_id)
-    return {
-        "object": "list",
-        "data": [
+    "max_model_len"}]}``, one entry per teacher (the default first) with its name as ``id``
+    (``max_model_len``: the server's limit, the model's own once its engine is loaded); under
+    ``/teachers/<name>/`` that teacher only."""
+    created = int(time.time())
+    data = []
+    prefixed = teacher_of(request, None)
+    pool = services.teachers
+    listed = pool.teachers.values() if prefixed is None else [pool.resolve(prefixed)]
+    for teacher in listed:
+        scoring = teacher.scoring
+        data.append(
             {
-                "id": name,
+                "id": teacher.name,
                 "object": "model",
-                "created": int(time.time()),
+                "created": created,
                 "owned_by": "logitcache",
-                "root": name,
+                "root": public_model(teacher.settings.model) or teacher.name,
                 "parent": None,
-                "max_model_len": services.scoring.limits.max_seq_len,
+                "max_model_len": (
+                    teacher.settings.max_seq_len if scoring is None else scoring.limits.max_seq_len
+                ),
             }
-        ],
-    }
+        )
+    return {"object": "list", "data": data}

@@ -6,11 +6,11 @@ import functools
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Response
-from logitcache.protocol import ErrorResponse, Health
+from logitcache.protocol import ErrorResponse, Health, TeacherState
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine import EngineUnavailableError, SupervisedEngine
-from .deps import ServicesDep, public_model
+from .deps import ServicesDep
 
 router = APIRouter(tags=["ops"])
 
@@ -37,15 +37,22 @@ def _version() -> str:
     },
 )
 async def health(services: ServicesDep) -> Health:
-    """Liveness and readiness: 200 while the engine can score; 503 while starting, stopping, or
-    while a dead engine is restarted (no engine call: the engine's own liveness flag)."""
-    engine = services.engine
-    if not getattr(engine, "alive", True):
-        retry = engine.retry_after() if isinstance(engine, SupervisedEngine) else 5.0
-        raise EngineUnavailableError("the teacher engine is not running", retry_after=retry)
-    info = engine.info
-    k = services.scoring.default_k
-    return Health(model=public_model(info.model_id), k=k, version=_version())
+    """Liveness and readiness: 200 while the loaded teachers' engines can score; 503 while
+    starting, stopping, or while a dead engine is restarted (no engine call: the engines' own
+    liveness flags). ``teachers``: every teacher's state (loaded or not, work in flight,
+    memory)."""
+    pool = services.teachers
+    for teacher in pool.teachers.values():
+        engine = teacher.engine
+        if engine is not None and not getattr(engine, "alive", True):
+            retry = engine.retry_after() if isinstance(engine, SupervisedEngine) else 5.0
+            raise EngineUnavailableError(
+                f"the teacher engine {teacher.name} is not running", retry_after=retry
+            )
+    default = pool.default
+    k = default.scoring.default_k if default.scoring is not None else services.settings.k
+    teachers = [TeacherState.model_validate(s) for s in pool.status()]
+    return Health(model=default.name, k=k, version=_version(), teachers=teachers)
 
 
 @router.get(

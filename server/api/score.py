@@ -20,7 +20,8 @@ from fastapi.responses import StreamingResponse
 from logitcache.cache_format import SequenceRecord, encode_records
 from logitcache.protocol import FRAMES_MEDIA_TYPE, ScoreRequest, ScoreResponse
 
-from .deps import ERRORS, OffLoopJSONRoute, ServicesDep, public_model, run_for_client
+from ..serving.cache_hits import Served
+from .deps import ERRORS, OffLoopJSONRoute, Services, ServicesDep, run_for_client, teacher_of
 
 router = APIRouter(prefix="/v1", tags=["score"], route_class=OffLoopJSONRoute)
 
@@ -78,6 +79,13 @@ def json_chunks(
     yield b"]}"
 
 
+async def _answer(services: Services, body: ScoreRequest, frames: bool) -> tuple[str, Served]:
+    """The teacher's name and its answer to ``body`` (routed by ``body.model``)."""
+    async with services.teachers.use(body.model) as teacher:
+        assert teacher.serving is not None
+        return teacher.name, await teacher.serving.answer(body, frames=frames)
+
+
 @router.post(
     "/score",
     response_model=ScoreResponse,
@@ -105,10 +113,9 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
     ``X-Logitcache-Stored``; otherwise a :class:`ScoreResponse` JSON body.
     """
     frames = wants_frames(request)
-    result = await run_for_client(
-        request,
-        services.serving.answer(body, frames=frames),
-        services.settings.request_timeout_s,
+    body.model = teacher_of(request, body.model)
+    model, result = await run_for_client(
+        request, _answer(services, body, frames), services.settings.request_timeout_s
     )
     headers = {"X-Logitcache-K": str(result.k), "X-Logitcache-Stored": str(result.stored)}
     if result.hits is not None:
@@ -117,7 +124,7 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
         data = await asyncio.to_thread(encode_records, result.records)
         return Response(data, media_type=FRAMES_MEDIA_TYPE, headers=headers)
     chunks = json_chunks(
-        public_model(services.engine.info.model_id),
+        model,
         result.k,
         body.cache,
         result.stored,

@@ -20,7 +20,9 @@ the actual token when it is in the top-``k`` row, else ``None`` (never an estima
 ``meta_info.input_token_ids_logprobs`` (per position ``None`` or ``[[logprob, id, text], ...]``
 in the asked order) from the sequence's top-``k`` rows when every asked id is in them, else
 exactly from the engine at the request's temperature (``server/serving/chosen.py``;
-``meta_info.exact_token_ids`` says which). ``sampling_params.temperature`` is the
+``meta_info.exact_token_ids`` says which; with ``approximate: true``, a logitcache extension,
+the asked ids outside a cached row's top-k are its tail spread uniformly instead, listed per
+position in ``meta_info.approximated_token_ids``). ``sampling_params.temperature`` is the
 teacher's: logprobs of ``log_softmax(logits / T)`` exactly, from :data:`DEFAULT_CACHE` at the
 server's temperature and ``DEFAULT_CACHE-t<T>`` at another; a named cache made at another
 temperature is a 409. Not served (422): ``max_new_tokens`` other than 0, ``text`` prompts,
@@ -45,8 +47,8 @@ from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
-from ..serving.scoring import default_cache
-from .deps import ERRORS, Services, ServicesDep, run_for_client
+from ..serving.teachers import Teacher
+from .deps import ERRORS, Services, ServicesDep, run_for_client, teacher_of
 
 router = APIRouter(tags=["sglang"])
 
@@ -128,9 +130,11 @@ def _meta(
     at: tuple[list[int], np.ndarray, bool] | None,
     decode: Any,
     cached: bool,
+    mask: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """SGLang's ``meta_info`` of one scored sequence; ``at``: the ``token_ids_logprob`` ids,
-    their logprobs at rows ``max(start, 1) - 1 ..`` and whether these came from the engine."""
+    their logprobs at rows ``max(start, 1) - 1 ..`` and whether these came from the engine;
+    ``mask`` (``approximate``): which of them were spread from the tail."""
     ids = rec.input_ids.tolist()
     rows_ids = rec.topk_ids.tolist()
     rows_lps = rec.topk_logprobs.tolist()
@@ -139,12 +143,14 @@ def _meta(
     token: list[list[Any]] = []
     tops: list[list[list[Any]] | None] = []
     at_ids: list[list[list[Any]] | None] = []
+    spread: list[list[int] | None] = []
     for t in range(start, len(ids)):
         x = ids[t]
         if t == 0:
             token.append([None, x, decode(x)])
             tops.append(None)
             at_ids.append(None)
+            spread.append(None)
             continue
         row = dict(zip(rows_ids[t - 1], rows_lps[t - 1], strict=True))
         if at is not None:
@@ -154,6 +160,8 @@ def _meta(
                     for i, lp in zip(at[0], at_lps[t - 1 - row0], strict=True)
                 ]
             )
+            if mask is not None:
+                spread.append([i for i, m in zip(at[0], mask[t - 1 - row0], strict=True) if m])
         token.append([_json_lp(row.get(x)), x, decode(x)])
         tops.append(
             [
@@ -164,6 +172,8 @@ def _meta(
             else None
         )
     chosen = {"input_token_ids_logprobs": at_ids, "exact_token_ids": at[2]} if at else {}
+    if at is not None and mask is not None:
+        chosen["approximated_token_ids"] = spread
     return {
         "id": uuid.uuid4().hex,
         "finish_reason": {"type": "length", "length": 0},
@@ -180,16 +190,23 @@ def _meta(
 
 
 async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] | list[Any]:
-    """Check, serve through the cache, and build SGLang's answer (every check before any
-    engine work or write)."""
-    scoring = services.scoring
+    """Route to the teacher ``model`` names (an extension: SGLang serves one model), check,
+    serve through the cache, and build SGLang's answer (every check before any engine work or
+    write)."""
+    async with services.teachers.use(req.model) as teacher:
+        return await _generate(teacher, req)
+
+
+async def _generate(teacher: Teacher, req: GenerateRequest) -> dict[str, Any] | list[Any]:
+    scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
+    assert scoring is not None and serving is not None and engine is not None
     seqs_in, batch, asked_t = _check(req)
     top = _one(req.top_logprobs_num, "top_logprobs_num")
     start = _one(req.logprob_start_len, "logprob_start_len")
     top = scoring.check_k(top or None) or 0
     t = scoring.check_temperature(asked_t)
-    info = services.engine.info
-    cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))
+    info = engine.info
+    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
     raws = [
         RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
         for i, s in enumerate(seqs_in)
@@ -208,10 +225,11 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
     asked = [a for a in asks if a is not None]
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
         ids = one_call_ids(asked) if len(todo) == len(seqs) else None  # misses: one engine call
-        served = await services.serving.serve(cache, seqs, manifest.k, manifest, ids=ids)
+        served = await serving.serve(cache, seqs, manifest.k, manifest, ids=ids)
     else:  # the cache cannot hold this k: scored, not stored
-        served = await services.serving.above(seqs, top, manifest.temperature)
+        served = await serving.above(seqs, top, manifest.temperature)
     at: list[tuple[list[int], np.ndarray, bool] | None] = [None] * len(seqs)
+    masks: list[np.ndarray | None] = [None] * len(seqs)
     if todo:
         got = await at_chosen_ids(
             scoring,
@@ -221,10 +239,12 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
             [max(firsts[i], 1) - 1 for i in todo],
             manifest.temperature,
             {j: served.at_ids[i] for j, i in enumerate(todo) if i in served.at_ids},
+            approximate=req.approximate,
         )
         for j, i in enumerate(todo):
             at[i] = (chosen[i] or [], got.logprobs[j], got.exact[j])
-    tokenizer = getattr(services.engine, "tokenizer", None)
+            masks[i] = got.approximated[j] if got.approximated else None
+    tokenizer = getattr(engine, "tokenizer", None)
     memo: dict[int, str | None] = {}
 
     def decode(tid: int) -> str | None:
@@ -237,7 +257,7 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
     out = []
     for i, rec in enumerate(served.records):
         cached = served.hits is not None and served.hits[i]
-        meta = _meta(rec, firsts[i], top, at[i], decode, cached)
+        meta = _meta(rec, firsts[i], top, at[i], decode, cached, masks[i])
         out.append({"text": "", "output_ids": [], "meta_info": meta})
     return out if batch else out[0]
 
@@ -247,6 +267,7 @@ async def generate_route(
     body: GenerateRequest, request: Request, services: ServicesDep
 ) -> JSONResponse:
     """SGLang's ``/generate`` with ``return_logprob`` and ``max_new_tokens: 0`` (module doc)."""
+    body.model = teacher_of(request, body.model)
     answer = await run_for_client(
         request, generate(services, body), services.settings.request_timeout_s
     )

@@ -40,8 +40,8 @@ from ..errors import InvalidInputError
 from ..inputs.records import RawRecord
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
-from ..serving.scoring import default_cache
-from .deps import ERRORS, Services, ServicesDep, check_model, public_model, run_for_client
+from ..serving.teachers import Teacher
+from .deps import ERRORS, Services, ServicesDep, run_for_client, teacher_of
 
 router = APIRouter(tags=["vllm"])
 
@@ -98,27 +98,39 @@ def asked_matrix(req: VllmGenerateRequest, vocab_size: int) -> tuple[np.ndarray,
 
 
 async def generate(services: Services, req: VllmGenerateRequest) -> VllmGenerateResponse:
-    """Check (everything before any engine work or write), read through the cache, answer."""
-    scoring = services.scoring
-    info = services.engine.info
-    check_model(req.model, info.model_id)
+    """Route to the teacher ``model`` names, check (everything before any engine work or
+    write), read through the cache, answer."""
+    async with services.teachers.use(req.model) as teacher:
+        return await _generate(teacher, req)
+
+
+async def _generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateResponse:
+    scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
+    assert scoring is not None and serving is not None and engine is not None
+    info = engine.info
     asked, start = asked_matrix(req, info.vocab_size)
     t = scoring.check_temperature(req.sampling_params.temperature)
-    cache = check_name(req.cache or default_cache(DEFAULT_CACHE, t, info.temperature))
+    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
     raw = RawRecord(where="token_ids", id=None, text=None, input_ids=req.token_ids)
     seqs = await asyncio.to_thread(scoring.checked, [raw], 1, "token_ids")
     scoring.check_answer_size(seqs, asked.shape[1], "npy")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
-    served = await services.serving.serve(
-        cache, seqs, manifest.k, manifest, ids=one_call_ids([asked])
-    )
+    served = await serving.serve(cache, seqs, manifest.k, manifest, ids=one_call_ids([asked]))
     got = await at_chosen_ids(
-        scoring, seqs, served.records, [asked], [start], manifest.temperature, served.at_ids
+        scoring,
+        seqs,
+        served.records,
+        [asked],
+        [start],
+        manifest.temperature,
+        served.at_ids,
+        approximate=req.approximate,
     )
+    spread = got.approximated[0] if got.approximated else None
     n = len(req.token_ids)
     return VllmGenerateResponse(
         request_id=f"generate-tokens-{req.request_id or uuid.uuid4().hex}",
-        model=public_model(info.model_id),
+        model=teacher.name,
         created=int(time.time()),
         usage=VllmUsage(prompt_tokens=n, completion_tokens=0, total_tokens=n),
         prompt_token_id_logprobs=await asyncio.to_thread(npy_base64, got.logprobs[0]),
@@ -134,19 +146,21 @@ async def generate(services: Services, req: VllmGenerateRequest) -> VllmGenerate
         ],
         cached=bool(served.hits and served.hits[0]),
         exact=got.exact[0],
+        approximated=None if spread is None else await asyncio.to_thread(npy_base64, spread),
     )
 
 
 @router.post(
     "/inference/v1/generate",
     response_model=VllmGenerateResponse,
-    responses={**ERRORS, 404: {**ERRORS[401], "description": "unknown model"}},
+    responses=ERRORS,
     summary="vLLM-compatible logprobs at chosen token ids (cached)",
 )
 async def generate_route(
     body: VllmGenerateRequest, request: Request, services: ServicesDep
 ) -> VllmGenerateResponse:
     """vLLM's ``/inference/v1/generate`` with ``prompt_logprob_token_ids`` (module doc)."""
+    body.model = teacher_of(request, body.model)
     return await run_for_client(
         request, generate(services, body), services.settings.request_timeout_s
     )

@@ -52,6 +52,7 @@ from . import pipeline
 
 if TYPE_CHECKING:
     from ..metrics import Metrics
+    from ..serving.teachers import TeacherPool
     from ..settings import ServerSettings
     from .job_store import JobRecord, JobStore
 
@@ -133,6 +134,19 @@ def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingO
     return "sampled", SamplingOptions.from_manifest(sampling)
 
 
+def _limits(scoring: ScoringService, spec: JobCreate) -> inputs.Limits:
+    """The teacher's limits with the job's long-sequence rule (``on_long``)."""
+    return inputs.job_limits(scoring.limits, spec.on_long, spec.split_overlap)
+
+
+def _tokenize(scoring: ScoringService, spec: JobCreate) -> ChatTokenize:
+    """The teacher's tokenize, able to render the job's chat records (server/inputs/chat.py)."""
+    return ChatTokenize.of(scoring.engine, spec.chat_template, spec.loss_mask)
+
+
+#: Queued jobs looked through for one of a loaded teacher before the oldest is taken.
+QUEUE_SCAN = 256
+
 #: Engine deaths in a row without a committed sequence after which a job fails (the engine
 #: crashes on its input) instead of waiting for the restarted engine again.
 MAX_ENGINE_DEATHS = 3
@@ -150,13 +164,13 @@ class JobRunner:
         self,
         *,
         store: JobStore,
-        scoring: ScoringService,
+        teachers: TeacherPool,
         caches: CacheRegistry,
         settings: ServerSettings,
         metrics: Metrics,
     ):
         self.store = store
-        self.scoring = scoring
+        self.teachers = teachers
         self.caches = caches
         self.settings = settings
         self.metrics = metrics
@@ -171,6 +185,7 @@ class JobRunner:
         self._engine_deaths: dict[str, tuple[int, int]] = {}
         # job id -> (tokens, sequences): the checked input of a job not yet started
         self._kept: dict[str, tuple[int, list[inputs.Sequence]]] = {}
+        self._models: dict[str, str | None] = {}  # job id -> the teacher its spec names
         metrics.watch_job_states(self.store.count_by_state)
         numpy_hugepages_off()  # this process runs the jobs: see the function
 
@@ -201,7 +216,12 @@ class JobRunner:
     # --- API --------------------------------------------------------------------------------
 
     async def submit(self, req: JobCreate) -> JobStatus:
-        """Check a job completely (nothing written on failure), store it queued, wake the loop."""
+        """Check a job completely against the teacher its ``model`` names (nothing written on
+        failure), store it queued, wake the loop."""
+        async with self.teachers.checking(req.model) as (teacher, scoring):
+            return await self._submit(req.model_copy(update={"model": teacher.name}), scoring)
+
+    async def _submit(self, req: JobCreate, scoring: ScoringService) -> JobStatus:
         name = check_name(req.cache)
         if req.records is not None and len(req.records) > self.settings.max_inline_records:
             raise PayloadTooLargeError(
@@ -209,11 +229,11 @@ class JobRunner:
                 f"{self.settings.max_inline_records}; use an input file"
             )
         await asyncio.to_thread(self.caches.check_writable, name)
-        manifest = await asyncio.to_thread(self._manifest, name, req, req.k)
+        manifest = await asyncio.to_thread(self._manifest, scoring, name, req, req.k)
         if req.layout is not None:
             await asyncio.to_thread(self._check_layout, name, req.layout)
         kept: list[inputs.Sequence] = []
-        summary, digest = await asyncio.to_thread(self._scan, req, kept)
+        summary, digest = await asyncio.to_thread(self._scan, scoring, req, kept)
         counts = summary.counts.as_dict()
         job = await asyncio.to_thread(  # job-table writes off the event loop (fsync'd)
             self.store.create,
@@ -229,17 +249,20 @@ class JobRunner:
         if len(kept) == summary.sequences:  # the whole input fits in the budget
             self._kept[job.id] = (summary.tokens, kept)
         self._kinds[job.id] = _kind_of(manifest.targets, manifest.sampling)  # as resolved
+        self._models[job.id] = req.model
         self._wake.set()
         return await asyncio.to_thread(self.status, job.id)
 
-    def _scan(self, req: JobCreate, keep: list[inputs.Sequence]) -> tuple[inputs.InputSummary, str]:
+    def _scan(
+        self, scoring: ScoringService, req: JobCreate, keep: list[inputs.Sequence]
+    ) -> tuple[inputs.InputSummary, str]:
         """The input's summary and digest, from one reading of a JSONL file
         (:class:`~.records.InputDigest`); its checked sequences go to ``keep`` when they fit in
         what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
         file, records, data_dir = req.file, req.records, self.settings.data_dir
         if file is not None:  # a bad path is its own error, before any record is read
             inputs.resolve_input_path(data_dir, file.path)
-        tok, limits = self._tokenize(req), self._limits(req)
+        tok, limits = _tokenize(scoring, req), _limits(scoring, req)
         digest = inputs.InputDigest()
         raws = inputs.raw_records(
             file=file,
@@ -253,17 +276,19 @@ class JobRunner:
         summary = inputs.scan(raws, tok, limits, keep=keep, keep_tokens=budget)
         return summary, digest.value(file=file, records=records, data_dir=data_dir)
 
-    def _manifest(self, cache: str, spec: JobCreate, k: int | None) -> Manifest:
+    def _manifest(
+        self, scoring: ScoringService, cache: str, spec: JobCreate, k: int | None
+    ) -> Manifest:
         """The manifest the job writes ``cache`` with (:meth:`ScoringService.target_manifest`
         for its target kind and ``k``, checked once here). With ``loss_mask`` a new cache is
         created with the ``loss_mask`` array (FORMAT.md 4.6); an existing cache without one is
         a 409 (its rows could not hold the mask; nothing is written)."""
         asked = targets.of_request(spec)
-        k = self.scoring.check_k(k) if asked is None else None
-        manifest = self.scoring.target_manifest(cache, k, spec.dataset or "", asked)
+        k = scoring.check_k(k) if asked is None else None
+        manifest = scoring.target_manifest(cache, k, spec.dataset or "", asked)
         if not spec.loss_mask:
             return manifest
-        stored = self.scoring.stored_manifest(cache)
+        stored = scoring.stored_manifest(cache)
         if stored is None:
             return manifest.model_copy(update={"loss_mask": True})
         if not stored.loss_mask:
@@ -284,14 +309,6 @@ class JobRunner:
                 f"cache {name!r} has the layout preset {have!r}, the job asks for {layout!r} "
                 "(a cache's layout is fixed when it is created)"
             )
-
-    def _limits(self, spec: JobCreate) -> inputs.Limits:
-        """The server's limits with the job's long-sequence rule (``on_long``)."""
-        return inputs.job_limits(self.scoring.limits, spec.on_long, spec.split_overlap)
-
-    def _tokenize(self, spec: JobCreate) -> ChatTokenize:
-        """The teacher's tokenize, able to render the job's chat records (server/inputs/chat.py)."""
-        return ChatTokenize.of(self.scoring.engine, spec.chat_template, spec.loss_mask)
 
     def status(self, job_id: str) -> JobStatus:
         return self._status(self.store.get(job_id))
@@ -375,24 +392,50 @@ class JobRunner:
         # through each fsync'd commit, and the event loop must never wait for it
         while not self._stopping:
             self._wake.clear()  # before the read: a submit during it is not missed
-            job = await asyncio.to_thread(self.store.next_queued)
+            job = await asyncio.to_thread(self._next)
             if job is None:
                 await self._wake.wait()
                 continue
-            if not await asyncio.to_thread(self.store.start, job.id):
-                continue
-            self._current = job.id
-            self._cancel.clear()
             try:
-                await self._run_job(await asyncio.to_thread(self.store.get, job.id))
-            finally:
-                self._current = None
-                self.metrics.job_ended(job.id)
+                model = self._model(job.id)
+                async with self.teachers.use(model) as teacher:
+                    if not await asyncio.to_thread(self.store.start, job.id):
+                        continue
+                    self._current = job.id
+                    self._cancel.clear()
+                    try:
+                        assert teacher.scoring is not None
+                        await self._run_job(
+                            await asyncio.to_thread(self.store.get, job.id), teacher.scoring
+                        )
+                    finally:
+                        self._current = None
+                        self.metrics.job_ended(job.id)
+            except ServiceError as e:  # e.g. a teacher no longer served, or one failing to load
+                log.warning("job %s failed: %s", job.id, e.message)
+                await asyncio.to_thread(self.store.finish, job.id, JobState.failed, e.message)
 
-    async def _run_job(self, job: JobRecord) -> None:
+    def _model(self, job_id: str) -> str | None:
+        """The teacher job ``job_id`` names (``None``: the default)."""
+        if job_id not in self._models:
+            self._models[job_id] = self.store.get(job_id).spec.get("model")
+        return self._models[job_id]
+
+    def _next(self) -> JobRecord | None:
+        """The oldest queued job of a loaded teacher (its jobs run while it is loaded), else
+        the oldest queued job."""
+        queued = self.store.list(state=JobState.queued, limit=QUEUE_SCAN)
+        loaded = set(self.teachers.resident())
+        for job in queued:
+            model = self._model(job.id)
+            if (model or self.teachers.default.name) in loaded:
+                return job
+        return queued[0] if queued else None
+
+    async def _run_job(self, job: JobRecord, scoring: ScoringService) -> None:
         stats = self._stats[job.id] = _RunStats()
         try:
-            await self._pipeline(job, stats)
+            await self._pipeline(job, stats, scoring)
         except pipeline.Stopped:
             if self._stopping and not await asyncio.to_thread(self.store.cancel_requested, job.id):
                 await asyncio.to_thread(self.store.requeue_interrupted)  # resume at next start
@@ -401,7 +444,7 @@ class JobRunner:
         except asyncio.CancelledError:
             raise
         except EngineUnavailableError as e:
-            if not isinstance(self.scoring.engine, SupervisedEngine):  # nothing restarts it
+            if not isinstance(scoring.engine, SupervisedEngine):  # nothing restarts it
                 log.warning("job %s failed: %s", job.id, e)
                 await asyncio.to_thread(self.store.finish, job.id, JobState.failed, str(e))
                 return
@@ -418,7 +461,7 @@ class JobRunner:
                 return
             log.warning("job %s paused: %s", job.id, e)
             await asyncio.to_thread(self.store.requeue_interrupted)
-            while not self._stopping and not self.scoring.engine.alive:
+            while not self._stopping and not scoring.engine.alive:
                 await asyncio.sleep(0.5)
         except ServiceError as e:
             log.warning("job %s failed: %s", job.id, e.message)
@@ -432,7 +475,7 @@ class JobRunner:
         finally:
             stats.ended = time.monotonic()
 
-    async def _pipeline(self, job: JobRecord, stats: _RunStats) -> None:
+    async def _pipeline(self, job: JobRecord, stats: _RunStats, scoring: ScoringService) -> None:
         spec = JobCreate.model_validate(job.spec)
         kept = self._kept.pop(job.id, None)
         if kept is None:  # read again (a resumed job, or an input too large to keep)
@@ -444,17 +487,21 @@ class JobRunner:
             )
             if digest != job.input_digest:
                 raise ServiceError("the input file changed since the job was submitted")
-        manifest = await asyncio.to_thread(self._manifest, job.cache, spec, job.k)
-        head = self.scoring.teacher_head() if manifest.hidden is not None else None
+        manifest = await asyncio.to_thread(self._manifest, scoring, job.cache, spec, job.k)
+        head = scoring.teacher_head() if manifest.hidden is not None else None
         cm = self.caches.writer(job.cache, manifest, spec.layout, head)  # new: the preset
         handle = await asyncio.to_thread(cm.__enter__)
         try:
-            await self._stream(job, spec, handle, stats, None if kept is None else kept[1])
+            await self._stream(job, spec, handle, stats, scoring, None if kept is None else kept[1])
         finally:
             await asyncio.to_thread(cm.__exit__, None, None, None)
 
     def _batches(
-        self, spec: JobCreate, handle: WriterHandle, kept: list[inputs.Sequence] | None = None
+        self,
+        spec: JobCreate,
+        handle: WriterHandle,
+        scoring: ScoringService,
+        kept: list[inputs.Sequence] | None = None,
     ) -> Iterator[pipeline.Batch]:
         """The job's batches (a generator: the input is read in the pipeline's worker thread),
         from the sequences its submission checked when they were ``kept``."""
@@ -462,14 +509,14 @@ class JobRunner:
         if kept is not None:
             seqs = iter(kept)
         else:
-            limits = self._limits(spec)
+            limits = _limits(scoring, spec)
             raws = inputs.raw_records(
                 file=spec.file,
                 records=spec.records,
                 data_dir=self.settings.data_dir,
                 max_line_bytes=inputs.line_limit(limits),
             )
-            seqs = inputs.sequences(raws, self._tokenize(spec), limits)
+            seqs = inputs.sequences(raws, _tokenize(scoring, spec), limits)
         yield from pipeline.plan(
             seqs,
             handle.missing,
@@ -483,6 +530,7 @@ class JobRunner:
         spec: JobCreate,
         handle: WriterHandle,
         stats: _RunStats,
+        scoring: ScoringService,
         kept: list[inputs.Sequence] | None = None,
     ) -> None:
         """The job's batches through :func:`.pipeline.run`: appended to ``handle`` in order,
@@ -494,9 +542,9 @@ class JobRunner:
 
         def score(seqs: list[inputs.Sequence]) -> Any:
             if handle.manifest.hidden is not None:  # FORMAT.md 4.10
-                return pipeline.hidden_records(self.scoring.engine, seqs, metrics=self.metrics)
+                return pipeline.hidden_records(scoring.engine, seqs, metrics=self.metrics)
             return pipeline.engine_records(
-                self.scoring.engine,
+                scoring.engine,
                 seqs,
                 job.k,
                 metrics=self.metrics,
@@ -506,14 +554,14 @@ class JobRunner:
             )
 
         await pipeline.run(
-            self._batches(spec, handle, kept),
+            self._batches(spec, handle, scoring, kept),
             score=score,
             write=progress.write,
             write_many=progress.write_many,
             merge_rows=min(MERGE_ROWS, MERGE_VALUES // max(_row_width(handle.manifest), 1)),
             linger=WRITE_LINGER_S,
             fill=WRITE_FILL_S,
-            depth=lambda: 1 if self.scoring.active else depth,
+            depth=lambda: 1 if scoring.active else depth,
             stop=self._cancel.is_set,
             queue_size=self.settings.job_write_queue,
             name=f"job-writer-{job.id}",

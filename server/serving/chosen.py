@@ -8,9 +8,14 @@ vLLM does). The answer is a float32 matrix of the same shape per sequence:
 * from the sequence's top-k rows as served (a cache hit, or a miss just scored and stored at
   the cache's k: :class:`~.cache_hits.CacheServing`), when every asked id of every asked row is
   in its row's top-k;
-* otherwise exact from the engine at the request's temperature, never an estimate: for a miss
-  scored with its ids (:func:`one_call_ids`), from that same engine call; else by ``score_ids``
-  on the union of the sequence's asked ids (at most :data:`IDS_PER_CALL` per engine call).
+* otherwise exact from the engine at the request's temperature: for a miss scored with its ids
+  (:func:`one_call_ids`), from that same engine call; else by ``score_ids`` on the union of the
+  sequence's asked ids (at most :data:`IDS_PER_CALL` per engine call);
+* except when the request asks for an approximation (``approximate``): then the asked ids outside
+  a served row's top-k get the row's tail mass spread uniformly over the ``V - k`` ids outside it,
+  ``log(tail / (V - k))`` (``-inf`` for a zero tail), with no engine call, and the answer marks
+  them (:attr:`Chosen.approximated`). Ids in the top-k stay exact, and a miss scored with its ids
+  is exact throughout.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class Chosen:
 
     logprobs: list[np.ndarray]
     exact: list[bool]
+    approximated: list[np.ndarray | None] | None = None
+    """Per sequence the ``[R_i, m_i]`` mask of the entries spread from the tail (``None``: none
+    of its entries)."""
 
 
 def check_asked(asked: np.ndarray, first: int, length: int, vocab_size: int, where: str) -> None:
@@ -58,8 +66,30 @@ def check_asked(asked: np.ndarray, first: int, length: int, vocab_size: int, whe
 
 def from_rows(rec: SequenceRecord, asked: np.ndarray, first: int) -> np.ndarray | None:
     """The logprobs at ``asked`` from ``rec``'s top-k rows ``first ..``, or ``None`` when an
-    asked id is outside its row's top-k. One sorted search over ``(row, id)`` keys: memory
-    ``O(rows * (k + ids))``."""
+    asked id is outside its row's top-k."""
+    lps, found = _lookup(rec, asked, first)
+    return lps if found.all() else None
+
+
+def from_tail(
+    rec: SequenceRecord, asked: np.ndarray, first: int, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The logprobs at ``asked`` from ``rec``'s rows ``first ..``: an id in its row's top-k
+    exact, any other ``log(tail / (V - k))`` (the row's tail mass spread uniformly over the ids
+    outside its top-k); and the mask of the latter."""
+    lps, found = _lookup(rec, asked, first)
+    k = rec.topk_ids.shape[1]
+    tail = rec.tail_or_computed()[first : first + asked.shape[0]].astype(np.float64)
+    with np.errstate(divide="ignore"):
+        spread = np.log(np.clip(tail, 0.0, 1.0) / max(vocab_size - k, 1))[:, None]
+    spread = np.broadcast_to(spread, asked.shape)
+    return np.where(found, lps, spread).astype(np.float32), ~found
+
+
+def _lookup(rec: SequenceRecord, asked: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """The logprobs at ``asked`` found in ``rec``'s top-k rows ``first ..`` (padding ``-inf``)
+    and the mask of those found (padding counts as found). One sorted search over ``(row, id)``
+    keys: memory ``O(rows * (k + ids))``."""
     n = asked.shape[0]
     rows = rec.topk_ids[first : first + n].astype(np.int64)
     row_of = np.arange(n, dtype=np.int64)[:, None] << 32
@@ -70,10 +100,9 @@ def from_rows(rec: SequenceRecord, asked: np.ndarray, first: int) -> np.ndarray 
     pos = np.minimum(np.searchsorted(sorted_keys, query), max(keys.size - 1, 0))
     pad = (asked < 0).ravel()
     found = (sorted_keys[pos] == query) if keys.size else np.zeros(query.shape, bool)
-    if not (found | pad).all():
-        return None
     lps = rec.topk_logprobs[first : first + n].ravel()[order[pos]] if keys.size else query * 0.0
-    return np.where(pad, -np.inf, lps).reshape(asked.shape).astype(np.float32)
+    lps = np.where(pad, -np.inf, lps).reshape(asked.shape).astype(np.float32)
+    return lps, (found | pad).reshape(asked.shape)
 
 
 def union(asked: np.ndarray) -> np.ndarray:
@@ -114,20 +143,27 @@ async def at_chosen_ids(
     first: Seq[int],
     temperature: float | None,
     known: Mapping[int, np.ndarray] | None = None,
+    approximate: bool = False,
 ) -> Chosen:
     """The logprobs at ``asked[i]`` (rows ``first[i] ..``) of each sequence: from its
     ``records[i]`` when they hold every asked id, else exact: from ``known[i]`` (the engine's
     ``[L - 1, len(union(asked[i]))]`` logprobs at :func:`union` ``(asked[i])``, scored with
-    the sequence's rows) when given, else from the engine at ``temperature`` (module doc). The
+    the sequence's rows) when given, else from the engine at ``temperature``; with
+    ``approximate``, from the tail (:func:`from_tail`) instead of the engine (module doc). The
     asks are checked (:func:`check_asked`) by the caller."""
     known = known or {}
     out: list[np.ndarray | None] = [
         from_rows(rec, a, f) for rec, a, f in zip(records, asked, first, strict=True)
     ]
     todo = [i for i, o in enumerate(out) if o is None]
+    spread: list[np.ndarray | None] = [None] * len(out)
     for i in todo:
         if i in known:
             out[i] = _gather(known[i], union(asked[i]), asked[i], first[i])
+        elif approximate:
+            vocab = scoring.engine.info.vocab_size
+            out[i], spread[i] = from_tail(records[i], asked[i], first[i], vocab)
+    todo = [i for i in todo if spread[i] is None]
     calls: list[tuple[int, np.ndarray]] = [
         (i, u) for i in todo if i not in known for u in _union_chunks(asked[i])
     ]
@@ -146,5 +182,7 @@ async def at_chosen_ids(
             )
     exact = set(todo)
     return Chosen(
-        logprobs=[o for o in out if o is not None], exact=[i in exact for i in range(len(out))]
+        logprobs=[o for o in out if o is not None],
+        exact=[i in exact for i in range(len(out))],
+        approximated=spread if approximate else None,
     )

@@ -190,9 +190,21 @@ def engine_block(engine: dict[str, Any]) -> str:
     return f'<dl id="engine">{items}</dl>'
 
 
+def teachers_table(teachers: Sequence[dict[str, Any]]) -> str:
+    """Every teacher's state (:meth:`~logitcache.server.serving.teachers.Teacher.status`)."""
+    cols = ("name", "model", "backend", "state", "in_flight", "memory_bytes", "loads")
+    head = "".join(f"<th>{escape(c.replace('_', ' '))}</th>" for c in cols)
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{escape(str(t.get(c)))}</td>" for c in cols) + "</tr>"
+        for t in teachers
+    )
+    return f'<table id="teachers"><tr>{head}</tr>{rows}</table>'
+
+
 def status_page(
     *,
     engine: dict[str, Any],
+    teachers: Sequence[dict[str, Any]] = (),
     jobs: Sequence[Any],
     caches: Iterable[CacheSummary] | None,
     jobs_paging: JobsPage | None = None,
@@ -216,6 +228,7 @@ def status_page(
         "<h1>logitcache teacher service</h1>"
         f'<p class="muted">{now}; refreshes every {refresh}s (<a href="/?refresh=0">stop</a>)</p>'
         f"<h2>Engine</h2>{engine_block(engine)}"
+        f"<h2>Teachers</h2>{teachers_table(teachers)}"
         f"<h2>Jobs</h2>{jobs_nav(jobs_paging)}{jobs_table(jobs)}"
         f"<h2>Caches</h2>{caches_html}"
     )

@@ -96,18 +96,21 @@ def _engine_state(request: Request) -> dict[str, Any]:
             "state": "starting (loading the teacher) or stopping",
             "model": public_name(settings.model),
         }
-    info = services.engine.info
     running = getattr(services.jobs, "_current", None)
+    teacher = services.teachers.default
+    if teacher.engine is None or teacher.scoring is None:
+        return {"state": f"ready (default teacher {teacher.state})", "model": teacher.name}
+    info = teacher.engine.info
     return {
         "state": "ready",
         "model": public_name(info.model_id),
         "backend": info.backend,
         "dtype": info.dtype,
         "vocab size": info.vocab_size,
-        "k (default / max)": f"{services.scoring.default_k} / {info.max_k}",
-        "max sequence length": services.scoring.limits.max_seq_len,
+        "k (default / max)": f"{teacher.scoring.default_k} / {info.max_k}",
+        "max sequence length": teacher.scoring.limits.max_seq_len,
         "temperature": info.temperature,
-        "on-demand requests in flight": getattr(services.scoring, "active", 0),
+        "on-demand requests in flight": teacher.scoring.active,
         "served from caches": services.metrics.cache_line(),
         "running job": running or "none",
         # last components only: no page shows where the server keeps its files
@@ -147,6 +150,7 @@ async def status_page(
             caches_error = public_message(f"cannot list caches: {e}")
     html = pages.status_page(
         engine=_engine_state(request),
+        teachers=[] if services is None else services.teachers.status(),
         jobs=jobs,
         jobs_paging=paging,
         caches=caches,

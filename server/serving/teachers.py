@@ -1,0 +1,318 @@
+"""Several teachers behind one service: :class:`TeacherPool`.
+
+Each teacher (:meth:`~..settings.ServerSettings.teacher_list`; one teacher is the one-teacher
+case) has its own engine, :class:`~.scoring.ScoringService` and :class:`~.cache_hits.CacheServing`
+over the service's one cache registry (a cache records its teacher's identity, so one teacher's
+cache is a 409 to another). Requests and jobs reach a teacher only through :meth:`TeacherPool.use`,
+which routes by the request's ``model`` (404 :class:`UnknownModelError` for a name it does not
+serve), loads the teacher's engine when it is not loaded, and counts the work in flight.
+
+Loading keeps the loaded teachers' ``memory_bytes`` within ``teacher_memory_bytes``: the least
+recently used *idle* teachers are unloaded first (their queued cache appends committed, their
+engines closed); a teacher with work in flight is never unloaded, so a load that cannot fit
+waits for one to become idle (one teacher alone is always let in). Loads run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import UnknownModelError, public_name
+from .cache_hits import CacheServing
+from .scoring import ScoringService
+from .scoring import default_cache as _default_cache
+
+if TYPE_CHECKING:
+    from ..engine import EngineInfo, TeacherEngine
+    from ..metrics import Metrics
+    from ..settings import ServerSettings, TeacherSettings
+    from .caches import CacheRegistry
+
+log = logging.getLogger("logitcache.server.teachers")
+
+#: Files counted as a model's weights when a teacher names no ``memory_bytes``.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+State = Literal["unloaded", "loading", "loaded", "unloading"]
+
+
+def weights_bytes(model: str) -> int:
+    """Bytes of a local model directory's weight files (0 for a hub id or no model)."""
+    path = Path(model).expanduser()
+    if not model or not path.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES)
+
+
+def cache_suffix(name: str) -> str:
+    """``name`` as a cache-name part (characters outside ``[A-Za-z0-9._-]`` become ``-``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What a teacher's engine reported when it was last loaded (its info and tokenizer): a
+    stand-in engine for checking a job for that teacher while it is not loaded (no scoring)."""
+
+    info: EngineInfo
+    tokenizer: Any
+
+    def tokenize(self, text: str) -> list[int]:
+        """The engine's tokenize (:meth:`~..engine.BaseEngine.tokenize`)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+
+@dataclass
+class Teacher:
+    """One teacher: settings, and while loaded its engine, scoring service and cache serving."""
+
+    name: str
+    settings: ServerSettings
+    memory: int
+    default: bool
+    aliases: frozenset[str]
+    engine: TeacherEngine | None = None
+    scoring: ScoringService | None = None
+    serving: CacheServing | None = None
+    state: State = "unloaded"
+    known: Known | None = None
+    in_flight: int = 0
+    loads: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def loaded(self) -> bool:
+        return self.state == "loaded"
+
+    def default_cache(self, base: str, temperature: float | None) -> str:
+        """The cache a protocol route serves this teacher from when the request names none:
+        :func:`.scoring.default_cache` of ``base`` (the default teacher) or of
+        ``f"{base}-{name}"`` (any other, so teachers never share one)."""
+        assert self.engine is not None
+        named = base if self.default else f"{base}-{cache_suffix(self.name)}"
+        return _default_cache(named, temperature, self.engine.info.temperature)
+
+    def status(self) -> dict[str, Any]:
+        """The teacher's state for ``/health`` and the status page."""
+        info = None if self.engine is None else self.engine.info
+        return {
+            "name": self.name,
+            "model": public_name(self.settings.model),
+            "backend": self.settings.backend,
+            "state": self.state,
+            "in_flight": self.in_flight,
+            "memory_bytes": self.memory,
+            "loads": self.loads,
+            "max_k": None if info is None else info.max_k,
+            "alive": None if self.engine is None else bool(getattr(self.engine, "alive", True)),
+        }
+
+
+def _supervised(settings: ServerSettings) -> TeacherEngine:
+    """The configured engine, supervised: restarted when it dies (:mod:`..engine.supervisor`)."""
+    from ..engine import SupervisedEngine, build_engine
+
+    engine: Any = SupervisedEngine(lambda: build_engine(settings))
+    return engine  # a TeacherEngine by its methods (its ``info`` is a read-only property)
+
+
+class TeacherPool:
+    """The service's teachers, loaded on demand within a memory budget (module doc).
+
+    ``build`` makes a teacher's engine from its settings (called in a worker thread; default: a
+    supervised :func:`~..engine.build_engine`); ``engine`` is an engine the caller owns, used for
+    the default teacher and never closed."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        caches: CacheRegistry,
+        metrics: Metrics,
+        *,
+        build: Callable[[ServerSettings], TeacherEngine] | None = None,
+        engine: TeacherEngine | None = None,
+    ):
+        self.settings = settings
+        self.caches = caches
+        self.metrics = metrics
+        self.budget = settings.teacher_memory_bytes
+        self._build = build or _supervised
+        self._given = engine
+        self.teachers: dict[str, Teacher] = {}
+        specs = settings.teacher_list()
+        if engine is not None and not settings.teachers:  # the one teacher: the engine's name
+            specs[0] = specs[0].model_copy(update={"name": public_name(engine.info.model_id)})
+        for i, spec in enumerate(specs):
+            self.teachers[spec.name] = self._teacher(spec, i == 0)
+        self._lock = asyncio.Lock()  # one load or unload at a time
+        self._released = asyncio.Event()  # some teacher's work ended (a waiting load retries)
+        self._started = False
+
+    def _teacher(self, spec: TeacherSettings, default: bool) -> Teacher:
+        each = self.settings.for_teacher(spec)
+        aliases = {spec.name, spec.model, public_name(spec.model)}
+        if default and self._given is not None:
+            model_id = self._given.info.model_id
+            aliases |= {model_id, public_name(model_id)}
+        memory = spec.memory_bytes if spec.memory_bytes is not None else weights_bytes(spec.model)
+        aliases.discard("")
+        return Teacher(spec.name, each, memory, default, frozenset(aliases))
+
+    # --- routing --------------------------------------------------------------------------
+
+    @property
+    def default(self) -> Teacher:
+        return next(iter(self.teachers.values()))
+
+    def resolve(self, model: str | None) -> Teacher:
+        """The teacher a request's ``model`` names (``None``: the default one); 404 otherwise."""
+        if model is None:
+            return self.default
+        found = self.teachers.get(model)
+        if found is not None:
+            return found
+        for teacher in self.teachers.values():
+            if model in teacher.aliases:
+                return teacher
+        raise UnknownModelError(
+            f"The model `{model}` does not exist.",
+            detail={"models": list(self.teachers)},
+        )
+
+    @contextlib.asynccontextmanager
+    async def use(self, model: str | None) -> AsyncIterator[Teacher]:
+        """The loaded teacher ``model`` names, held (never unloaded) until the block ends."""
+        teacher = self.resolve(model)
+        teacher.in_flight += 1
+        try:
+            if not teacher.loaded:
+                await self._load(teacher)
+            yield teacher
+        finally:
+            teacher.in_flight -= 1
+            teacher.last_used = time.monotonic()
+            self._released.set()  # never waits: a load in progress must not delay this answer
+
+    @contextlib.asynccontextmanager
+    async def checking(self, model: str | None) -> AsyncIterator[tuple[Teacher, ScoringService]]:
+        """The teacher ``model`` names and a scoring service to check work for it with: its
+        own while loaded (held, as :meth:`use`), else one over what its engine reported when
+        last loaded (:class:`Known`: nothing is loaded, e.g. a job queued for a teacher while
+        another one's job runs); a teacher never loaded is loaded for it."""
+        teacher = self.resolve(model)
+        known = teacher.known
+        if teacher.loaded or known is None or known.tokenizer is None:
+            async with self.use(model) as held:
+                assert held.scoring is not None
+                yield held, held.scoring
+            return
+        engine: Any = known
+        yield (
+            teacher,
+            ScoringService(
+                engine=engine, caches=self.caches, settings=teacher.settings, metrics=self.metrics
+            ),
+        )
+
+    # --- loading --------------------------------------------------------------------------
+
+    def _resident(self) -> int:
+        return sum(t.memory for t in self.teachers.values() if t.state != "unloaded")
+
+    def _fits(self, teacher: Teacher) -> bool:
+        others = [t for t in self.teachers.values() if t.state != "unloaded" and t is not teacher]
+        return self.budget is None or not others or self._resident() + teacher.memory <= self.budget
+
+    async def _load(self, teacher: Teacher) -> None:
+        while True:
+            async with self._lock:
+                if teacher.loaded:
+                    return
+                if self._fits(teacher):
+                    await self._start(teacher)
+                    return
+                idle = sorted(
+                    (
+                        t
+                        for t in self.teachers.values()
+                        if t.loaded and t.in_flight == 0 and t is not teacher
+                    ),
+                    key=lambda t: t.last_used,
+                )
+                if idle:
+                    await self._unload(idle[0])
+                    continue
+                # every loaded teacher is busy: wait for one to finish its work (cleared with
+                # no await since the check, so a release in between cannot be missed)
+                self._released.clear()
+            await self._released.wait()
+
+    async def _start(self, teacher: Teacher) -> None:
+        """Build ``teacher``'s engine: in a worker thread, except at start-up (:meth:`start`,
+        on this thread as a one-teacher service always built it)."""
+        teacher.state = "loading"
+        t0 = time.perf_counter()
+        try:
+            if teacher.default and self._given is not None:
+                engine = self._given
+            else:
+                engine = (
+                    await asyncio.to_thread(self._build, teacher.settings)
+                    if self._started
+                    else self._build(teacher.settings)
+                )
+                starting = getattr(engine, "start", None)
+                if starting is not None:
+                    await starting()
+        except BaseException:
+            teacher.state = "unloaded"
+            raise
+        scoring = ScoringService(
+            engine=engine, caches=self.caches, settings=teacher.settings, metrics=self.metrics
+        )
+        teacher.engine, teacher.scoring, teacher.serving = engine, scoring, CacheServing(scoring)
+        teacher.known = Known(engine.info, getattr(engine, "tokenizer", None))
+        teacher.state, teacher.loads = "loaded", teacher.loads + 1
+        log.info("teacher %s loaded in %.1f s", teacher.name, time.perf_counter() - t0)
+
+    async def _unload(self, teacher: Teacher) -> None:
+        teacher.state = "unloading"
+        engine, serving = teacher.engine, teacher.serving
+        teacher.engine = teacher.scoring = teacher.serving = None
+        try:
+            if serving is not None:
+                await serving.aclose()  # its queued appends are committed first
+            if engine is not None and engine is not self._given:
+                await engine.aclose()
+        finally:
+            teacher.state = "unloaded"
+        log.info("teacher %s unloaded", teacher.name)
+
+    async def start(self) -> None:
+        """Load the default teacher (at start-up, so a one-teacher service is ready at once)."""
+        async with self.use(None):
+            self._started = True
+
+    async def aclose(self) -> None:
+        """Unload every teacher (shutdown)."""
+        for teacher in self.teachers.values():
+            if teacher.state == "loaded":
+                await self._unload(teacher)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def resident(self) -> list[str]:
+        """Names of the loaded teachers."""
+        return [t.name for t in self.teachers.values() if t.loaded]
+
+    def status(self) -> list[dict[str, Any]]:
+        """Every teacher's :meth:`Teacher.status`, the default first."""
+        return [t.status() for t in self.teachers.values()]
