@@ -335,6 +335,7 @@ print("ok")
 """
 
 
+@pytest.mark.subprocess
 def test_triton_passes_under_interpreter():
     """The Triton passes (Triton's CPU interpreter) equal the float64 reference to float32
     rounding, every objective, with temperature, logit scale and soft-cap, all reductions."""

@@ -166,6 +166,7 @@ def _start(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise AssertionError("the fake server did not start")
 
 
+@pytest.mark.subprocess
 def test_sigkill_mid_load_loses_no_answered_row(tmp_path: Path) -> None:
     proc, url = _start(tmp_path)
     rng = random.Random(11)
