@@ -146,6 +146,32 @@ def test_loss_suite(tmp_path: Path) -> None:
     assert ms == {"fused_chunked", "floor", "torch_dense_gather"}
 
 
+def test_loss_suite_exact_mode(tmp_path: Path) -> None:
+    """``loss exact``: the exact (teacher hidden + head) losses against the top-k loss, every
+    variant timed and checked against float64."""
+    from benchmarks.loss import main
+
+    csv = tmp_path / "rows.csv"
+    out = tmp_path / "exact.json"
+    variants = "topk_fused_chunked,topk_floor,exact_forward_kl,exact_jsd_torch_c32,exact_reverse_kl"
+    main(["exact", "--device", "cpu", "--sizes", "64,128", "--configs", "256x16", "--k", "8",
+          "--reps", "2", "--chunk", "16", "--gemm-chunks", "16", "--check", "--variants", variants,
+          "--csv", str(csv), "--out", str(out)])  # fmt: skip
+    import json
+
+    result = json.loads(out.read_text())["exact"]
+    rows = result["rows"]
+    assert {r["variant"] for r in rows} == set(variants.split(","))
+    assert {r["n"] for r in rows} == {64, 128}
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["tracked_peak_mib"] > 0 for r in rows)
+    assert all(r["ms_vs_topk_fused_chunked"] > 0 for r in rows)
+    assert result["gemm"]["256x16"]["four_gemms_ms_c16"] > 0
+    # the float32 torch passes against float64, every objective
+    assert {c["loss"] for c in result["check"]} == {"forward_kl", "reverse_kl", "jsd"}
+    assert all(c["rel_grad_w"] < 1e-4 for c in result["check"])
+    assert "exact_jsd_torch_c32" in csv.read_text()
+
+
 def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
     """``service cpu``: the job writer thread (which ends inside the job) and zarr's IO threads
     are split into stages that add up to the process's CPU."""
