@@ -207,14 +207,15 @@ def http_server(root: str) -> Iterator[tuple[str, int]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server process exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/v1/caches/{CACHE}/store/zarr.json").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        with httpx.Client() as poll:  # one client: httpx.get builds one per call
+            for _ in range(300):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server process exited with {proc.returncode}")
+                try:
+                    if poll.get(f"{url}/v1/caches/{CACHE}/store/zarr.json").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
         yield url, proc.pid
     finally:
         proc.terminate()

@@ -271,15 +271,16 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError((work / "server.log").read_text()[-2000:])
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+    with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError((work / "server.log").read_text()[-2000:])
+            try:
+                if poll.get(url + "/health").status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
     proc.kill()
     raise RuntimeError("stand-in server did not start")
 

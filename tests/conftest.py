@@ -106,7 +106,7 @@ def hf_engine(tiny: Any) -> Iterator[Any]:
 
 # ----------------------------------------------------------------------------- the fast tier
 #: Marks that put a test outside the fast tier.
-_NOT_FAST_MARKS = ("slow", "vllm", "gpu", "container")
+_NOT_FAST_MARKS = ("slow", "vllm", "gpu", "container", "s3", "subprocess")
 #: Fixtures that start a real engine, build or load the tiny models, or start an S3 server.
 _NOT_FAST_FIXTURES = frozenset(
     {

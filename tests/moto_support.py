@@ -35,16 +35,17 @@ def moto_server() -> Iterator[str]:
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {proc.returncode}: {cmd}")
-            try:
-                httpx.get(f"{endpoint}/moto-api/", timeout=2.0)
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not answer on {endpoint}") from None
-                time.sleep(0.2)
+        with httpx.Client(timeout=2.0) as poll:  # one client: httpx.get builds one per call
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"moto server exited with {proc.returncode}: {cmd}")
+                try:
+                    poll.get(f"{endpoint}/moto-api/")
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"moto server did not answer on {endpoint}") from None
+                    time.sleep(0.2)
         yield endpoint
     finally:
         proc.terminate()

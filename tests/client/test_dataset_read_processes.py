@@ -15,6 +15,7 @@ from logitcache.client import CacheDataset, ReadOptions, StreamConfig
 from logitcache.client.errors import ConfigError
 
 
+@pytest.mark.subprocess
 def test_read_processes_reach_the_reader_and_keep_the_stream(tmp_path):
     url = str(tmp_path / "c")
     write_small_cache(
@@ -68,6 +69,7 @@ def test_read_processes_are_checked(tmp_path):
         CacheDataset(Other(CacheReader(url)), read=ReadOptions(read_processes=2))
 
 
+@pytest.mark.subprocess
 def test_local_source_takes_read_processes_itself(tmp_path):
     """``LocalSource(url, read_processes=n)``: the option lives on the source (pickled with it,
     shown in its repr, refused below 0); fetch returns what the range reads return."""

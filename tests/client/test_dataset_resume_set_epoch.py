@@ -160,7 +160,7 @@ def test_set_epoch_refuses_bad_epochs(url: str) -> None:
     assert ds.epoch == 0 and ds.resume_point == 0
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.subprocess)])
 def test_plain_dataloader_workers_clear_the_restored_mark(url: str, context: str) -> None:
     """A plain ``DataLoader(num_workers=2)`` iterates copies of the dataset in its workers; the
     restored position must still be spent once they read it: repeating the epoch with

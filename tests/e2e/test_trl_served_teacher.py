@@ -18,7 +18,6 @@ import pytest
 from server_support import ThreadedServer, server_settings
 
 pytestmark = pytest.mark.vllm
-trl_client = pytest.importorskip("trl.generation.vllm_client")
 
 K = 5
 
@@ -37,6 +36,9 @@ def engine_tokens(client) -> float:
 
 
 def test_trl_get_sequence_logprobs_is_served_from_the_cache(server, heldout_sequences) -> None:
+    # imported here, not at collection: TRL's generation package imports vLLM (~10 CPU-s),
+    # which every pytest process would pay while collecting, the fast tier's included
+    trl_client = pytest.importorskip("trl.generation.vllm_client")
     seqs = [list(s[:24]) for s in heldout_sequences if len(s) >= 24][:3]
     prompt_lengths = [6, 10, 12]
     teacher = trl_client.VLLMClient(base_url=server.url, connection_timeout=10)

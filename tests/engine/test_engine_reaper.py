@@ -92,16 +92,18 @@ def test_readme_started_server_sigkilled_leaves_no_engine_process(
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("server did not start:\n" + (tmp_path / "server.log").read_text()[-4000:])
+        with httpx.Client(timeout=2) as poll:  # one client: httpx.get builds one per call
+            while time.monotonic() < deadline:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+                try:
+                    if poll.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            else:
+                log_text = (tmp_path / "server.log").read_text()[-4000:]
+                pytest.fail("server did not start:\n" + log_text)
         children = psutil.Process(server.pid).children(recursive=True)
         engine = [c for c in children if "reaper" not in " ".join(c.cmdline())]
         assert engine, "expected vLLM's engine-core process"

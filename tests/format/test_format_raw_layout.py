@@ -81,6 +81,7 @@ def test_every_read_path_returns_the_same_values(tmp_path, monkeypatch, kw):
         assert spy.calls > 0 and spy.handed_back == 0  # the compiled path read raw chunks
 
 
+@pytest.mark.subprocess
 def test_reader_processes_read_raw_chunks(tmp_path):
     url = tmp_path / "c"
     write_small_cache(url, SMALL_RAW, loss_mask=True)

@@ -4,18 +4,25 @@ values zarr-python reads, and the keys through ``seq_key_bytes`` + ``seq_key_end
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import zarr
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheReader, CacheWriter, Layout
 
-ts = pytest.importorskip("tensorstore")
+# imported when a test runs, not at collection (~2 CPU-s in every pytest process otherwise)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tensorstore") is None, reason="tensorstore is not installed"
+)
 
 TINY = Layout(row_chunk=4, row_shard=16, token_chunk=8, token_shard=32, seq_chunk=2, seq_shard=8)
 
 
 def _open(path, name):
+    import tensorstore as ts
+
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / name)}}
     return ts.open(spec, read=True).result()
 

@@ -148,6 +148,7 @@ _TRITON_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_triton_kernels_under_interpreter():
     """The Triton path (kernels run by Triton's CPU interpreter) agrees with the reference,
     for top-k rows (4 objective/impl cases) and for sampled rows."""

@@ -66,23 +66,29 @@ def test_harness_runs_a_command_on_another_tree_and_appends_csv_rows(tmp_path: P
     assert rows[0]["git_sha"] and rows[0]["cpu_count"] and rows[0]["load_avg"]
 
 
-def test_format_suite(tmp_path: Path) -> None:
-    csv_path = tmp_path / "rows.csv"
-    out = _run(
-        "-m",
-        "benchmarks.format",
-        "configs",
-        "--positions",
-        "4092",
-        "--configs",
-        "default,random-access",
-        "--random-reads",
-        "4",
-        "--repeats",
-        "1",
-        "--csv",
-        str(csv_path),
+def test_bench_command_lists_the_suites_and_runs_the_format_suite(tmp_path: Path) -> None:
+    """``logitcache bench --list`` names every suite with its modes; ``logitcache bench format
+    configs ...`` is ``python -m benchmarks.format configs ...`` (run from another directory:
+    the checkout is found)."""
+    exe = str(Path(sys.executable).with_name("logitcache"))
+    listing = subprocess.run(
+        [exe, "bench", "--list"], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
+    assert listing.returncode == 0, listing.stderr[-3000:]
+    lines = {line.split()[0]: line for line in listing.stdout.splitlines() if "modes:" in line}
+    assert set(lines) == {"format", "loader", "loss", "service", "ddp", "train_step"}
+    assert "configs, write, random, codecs, validate, index" in lines["format"]
+    assert "jobs, cpu, overload, cache, appends, ray, gpu, protocols" in lines["service"]
+    unknown = subprocess.run([exe, "bench", "nope"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and "no benchmark suite 'nope'" in unknown.stderr
+    csv_path = tmp_path / "rows.csv"
+    args = [exe, "bench", "format", "configs", "--positions", "4092", "--configs"]
+    args += ["default,random-access", "--random-reads", "4", "--repeats", "1", "--csv"]
+    run = subprocess.run(
+        [*args, str(csv_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
     assert "| default |" in out and "| baseline (npy) |" in out
     bpp = {
         r["case"]: float(r["value"]) for r in _rows(csv_path) if r["metric"] == "bytes_per_position"
@@ -138,6 +144,32 @@ def test_loss_suite(tmp_path: Path) -> None:
     )
     ms = {r["case"] for r in _rows(csv_path) if r["metric"] == "ms"}
     assert ms == {"fused_chunked", "floor", "torch_dense_gather"}
+
+
+def test_loss_suite_exact_mode(tmp_path: Path) -> None:
+    """``loss exact``: the exact (teacher hidden + head) losses against the top-k loss, every
+    variant timed and checked against float64."""
+    from benchmarks.loss import main
+
+    csv = tmp_path / "rows.csv"
+    out = tmp_path / "exact.json"
+    variants = "topk_fused_chunked,topk_floor,exact_forward_kl,exact_jsd_torch_c32,exact_reverse_kl"
+    main(["exact", "--device", "cpu", "--sizes", "64,128", "--configs", "256x16", "--k", "8",
+          "--reps", "2", "--chunk", "16", "--gemm-chunks", "16", "--check", "--variants", variants,
+          "--csv", str(csv), "--out", str(out)])  # fmt: skip
+    import json
+
+    result = json.loads(out.read_text())["exact"]
+    rows = result["rows"]
+    assert {r["variant"] for r in rows} == set(variants.split(","))
+    assert {r["n"] for r in rows} == {64, 128}
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["tracked_peak_mib"] > 0 for r in rows)
+    assert all(r["ms_vs_topk_fused_chunked"] > 0 for r in rows)
+    assert result["gemm"]["256x16"]["four_gemms_ms_c16"] > 0
+    # the float32 torch passes against float64, every objective
+    assert {c["loss"] for c in result["check"]} == {"forward_kl", "reverse_kl", "jsd"}
+    assert all(c["rel_grad_w"] < 1e-4 for c in result["check"])
+    assert "exact_jsd_torch_c32" in csv.read_text()
 
 
 def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:

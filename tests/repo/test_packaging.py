@@ -91,6 +91,7 @@ def test_protocol_is_light() -> None:
     assert out.stdout.strip() == ""
 
 
+@pytest.mark.subprocess
 def test_importing_the_client_loads_no_server_stack() -> None:
     code = (
         "import sys, logitcache.client, logitcache.client.loss\n"

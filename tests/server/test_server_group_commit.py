@@ -155,17 +155,19 @@ def _start(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the fake server exited"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    with httpx.Client(timeout=2) as poll:  # one client: httpx.get builds one per call
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "the fake server exited"
+            try:
+                if poll.get(url + "/health").status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                time.sleep(0.2)
     proc.kill()
     raise AssertionError("the fake server did not start")
 
 
+@pytest.mark.subprocess
 def test_sigkill_mid_load_loses_no_answered_row(tmp_path: Path) -> None:
     proc, url = _start(tmp_path)
     rng = random.Random(11)

@@ -48,6 +48,7 @@ def _docstring_commands() -> list[list[str]]:
     return cmds
 
 
+@pytest.mark.subprocess
 def test_committed_result_pngs_are_made_by_the_printed_commands(tmp_path: Path) -> None:
     """Run with the outputs redirected to tmp_path, the PNGs must equal the committed ones byte
     for byte (the plot is deterministic)."""

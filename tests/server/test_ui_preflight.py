@@ -87,6 +87,7 @@ def test_preflight_checks(tmp_path: Path, model_dir: Path) -> None:
         sock.close()
 
 
+@pytest.mark.subprocess
 def test_cli_prints_one_line_and_exits_2(tmp_path: Path, model_dir: Path) -> None:
     """Through the real entry point: exit 2, one stderr line, no traceback, no engine load."""
     sock, port = _listening_port()
@@ -105,6 +106,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path, model_dir: Path) -> Non
         sock.close()
 
 
+@pytest.mark.subprocess
 def test_top_k_flag_is_one_spelling(tmp_path: Path, model_dir: Path) -> None:
     """``-k`` is the flag; ``--k`` (and any other abbreviation) is refused, not guessed."""
     rc, err, _ = _run(["--model", str(model_dir), "--k", "20"], tmp_path)
