@@ -32,10 +32,9 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import Manifest, SequenceRecord, fastencode
+from logitcache.cache_format import Manifest, fastencode
 from logitcache.cache_format.errors import StoreNotFoundError
 from logitcache.cache_format.layout import parse_root, read_root_attrs
 from logitcache.protocol import JobCreate, JobState, JobStatus, SamplingOptions
@@ -49,6 +48,7 @@ from ..serving import targets
 from ..serving.caches import CacheRegistry, WriterHandle, check_name
 from ..serving.scoring import ScoringService
 from . import pipeline
+from .progress import Progress, RunStats
 
 if TYPE_CHECKING:
     from ..metrics import Metrics
@@ -102,27 +102,6 @@ def numpy_hugepages_off() -> bool:
     if setter is None or "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return False
     return bool(setter(False))
-
-
-@dataclass
-class _RunStats:
-    """Throughput of the current (or last) run of a job, in this process."""
-
-    started: float = field(default_factory=time.monotonic)
-    ended: float | None = None
-    tokens_scored: int = 0
-    tail_sum: float = 0.0
-    tail_rows: int = 0
-
-    def coverage(self) -> float | None:
-        """Mean top-k mass (``1 - mean tail mass``) of the rows this run has written."""
-        return 1.0 - self.tail_sum / self.tail_rows if self.tail_rows else None
-
-    def rate(self) -> float | None:
-        elapsed = (self.ended or time.monotonic()) - self.started
-        if elapsed <= 0 or self.tokens_scored == 0:
-            return None
-        return self.tokens_scored / elapsed
 
 
 def _kind_of(kind: str, sampling: dict[str, Any] | None) -> tuple[str, SamplingOptions | None]:
@@ -179,7 +158,7 @@ class JobRunner:
         self._task: asyncio.Task[None] | None = None
         self._current: str | None = None
         self._cancel = threading.Event()
-        self._stats: dict[str, _RunStats] = {}
+        self._stats: dict[str, RunStats] = {}
         self._kinds: dict[str, tuple[str, SamplingOptions | None]] = {}  # job id -> targets
         # job id -> (sequences done, engine deaths in a row at that count)
         self._engine_deaths: dict[str, tuple[int, int]] = {}
@@ -433,7 +412,7 @@ class JobRunner:
         return queued[0] if queued else None
 
     async def _run_job(self, job: JobRecord, scoring: ScoringService) -> None:
-        stats = self._stats[job.id] = _RunStats()
+        stats = self._stats[job.id] = RunStats()
         try:
             await self._pipeline(job, stats, scoring)
         except pipeline.Stopped:
@@ -475,7 +454,7 @@ class JobRunner:
         finally:
             stats.ended = time.monotonic()
 
-    async def _pipeline(self, job: JobRecord, stats: _RunStats, scoring: ScoringService) -> None:
+    async def _pipeline(self, job: JobRecord, stats: RunStats, scoring: ScoringService) -> None:
         spec = JobCreate.model_validate(job.spec)
         kept = self._kept.pop(job.id, None)
         if kept is None:  # read again (a resumed job, or an input too large to keep)
@@ -529,14 +508,14 @@ class JobRunner:
         job: JobRecord,
         spec: JobCreate,
         handle: WriterHandle,
-        stats: _RunStats,
+        stats: RunStats,
         scoring: ScoringService,
         kept: list[inputs.Sequence] | None = None,
     ) -> None:
         """The job's batches through :func:`.pipeline.run`: appended to ``handle`` in order,
         progress advanced after each commit; only one batch in the engine while on-demand
         requests are scored (they go first)."""
-        progress = _Progress(job, handle, self.store, self.metrics, stats)
+        progress = Progress(job, handle, self.store, self.metrics, stats)
         depth = self.settings.job_inflight_batches
         sampled = targets.targets_of(handle.manifest)  # None: top-k rows
 
@@ -565,54 +544,4 @@ class JobRunner:
             stop=self._cancel.is_set,
             queue_size=self.settings.job_write_queue,
             name=f"job-writer-{job.id}",
-        )
-
-
-class _Progress:
-    """A job's writer-thread step: append a scored batch, then advance the committed progress
-    (job table, metrics, live coverage)."""
-
-    def __init__(
-        self,
-        job: JobRecord,
-        writer: WriterHandle,
-        store: JobStore,
-        metrics: Metrics,
-        stats: _RunStats,
-    ):
-        self.job = job
-        self.writer = writer
-        self.store = store
-        self.metrics = metrics
-        self.stats = stats
-        self.sequences_done = 0
-        self.tokens_done = 0
-
-    def write(self, batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
-        self.write_many([(batch, records)])
-
-    def write_many(self, items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
-        """Append the scored batches of ``items`` in one commit, then advance the progress."""
-        scored = [r for _, records in items if records is not None for r in records]
-        if scored:
-            self.writer.append(scored)
-            for r in scored:  # live coverage (status page, job status; hidden rows have none)
-                if not hasattr(r, "tail_or_computed"):
-                    continue
-                tail = r.tail_or_computed()
-                self.stats.tail_sum += float(tail.sum(dtype="float64"))
-                self.stats.tail_rows += int(tail.shape[0])
-        for batch, records in items:
-            if records is not None:
-                self.stats.tokens_scored += batch.tokens
-            self.sequences_done += len(batch.seqs)
-            self.tokens_done += batch.tokens
-        self.store.progress(
-            self.job.id, sequences_done=self.sequences_done, tokens_done=self.tokens_done
-        )
-        self.metrics.job_progress(
-            self.job.id,
-            sequences_done=self.sequences_done,
-            tokens_done=self.tokens_done,
-            total=self.job.tokens_total,
         )

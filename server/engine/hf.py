@@ -384,7 +384,7 @@ class _Pending:
                 return None
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-        host = [pinned(t) for t in (ids, lps, tail, ent)]
+        host_ids, host_lps, host_tail, host_ent = (pinned(t) for t in (ids, lps, tail, ent))
         event = torch.cuda.Event(blocking=True)
         event.record()
-        return cls(members, *host, event)
+        return cls(members, host_ids, host_lps, host_tail, host_ent, event)
