@@ -177,6 +177,12 @@ class ServerSettings(BaseSettings):
     after a restart, reads its input again (and fails if it changed). 0: never keep."""
     job_write_queue: int = Field(4, ge=1)
     """Bound of the queue between scoring and the cache-writer thread."""
+    job_write_fill_s: float = Field(2.5, ge=0)
+    """Seconds a job's writer waits to fill a group of ``MERGE_ROWS`` rows when batches arrive
+    fast enough to fill it in that time (else it commits after 0.1 s): a GPU teacher otherwise
+    commits every batch or two, and each append's fixed cost adds ~1 CPU-us/position
+    (``python -m benchmarks.service cpu --form hf --rate``). It bounds how often progress moves
+    and the most a crash can lose. 0: commit after 0.1 s always."""
     job_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
     """Finished (succeeded, failed, cancelled) jobs are deleted from the job table this long
     after they finished (checked at start-up and hourly); their caches stay."""

@@ -74,12 +74,6 @@ MERGE_VALUES = 1 << 23
 #: A slow engine gets smaller groups, and progress still moves (and a crash loses at most)
 #: every 0.1 s.
 WRITE_LINGER_S = 0.1
-#: Seconds the writer waits instead when batches arrive fast enough to fill MERGE_ROWS rows in
-#: that time (pipeline._Writer's ``fill``): a GPU teacher (the transformers backend on an H100:
-#: ~105K positions/s for a 1B model, ~29K for 8B, 16K-row batches) otherwise commits every
-#: batch or two, and the fixed costs add ~1 CPU-us/position (benchmarks/service/cpu.py
-#: --form hf --rate). Progress then moves (and a crash loses at most) every 2.5 s.
-WRITE_FILL_S = 2.5
 
 
 def numpy_hugepages_off() -> bool:
@@ -539,7 +533,7 @@ class JobRunner:
             write_many=progress.write_many,
             merge_rows=min(MERGE_ROWS, MERGE_VALUES // max(_row_width(handle.manifest), 1)),
             linger=WRITE_LINGER_S,
-            fill=WRITE_FILL_S,
+            fill=self.settings.job_write_fill_s,
             depth=lambda: 1 if scoring.active else depth,
             stop=self._cancel.is_set,
             queue_size=self.settings.job_write_queue,

@@ -100,6 +100,7 @@ def test_engine_killed_mid_job_is_restarted_and_the_job_equals_one_go(
         dtype="float32",
         max_seq_len=MAX_LEN,
         job_batch_sequences=8,
+        job_write_fill_s=0,  # commit per batch group (0.1 s): a kill lands mid-job
         engine_options=json.dumps({"vllm_mode": "async"}),
     ).start()
     caches = tmp_path / "caches"

@@ -68,7 +68,8 @@ def test_sigkill_mid_sampled_job_then_resume_equals_one_go(tiny, tmp_path) -> No
     sampling = {"draws": draws, "proposal_temperature": 1.5, "seed": 11}
     job = {"file": {"path": "corpus.jsonl"}, "targets": "sampled", "sampling": sampling}
     settings = dict(model=str(tiny.teacher_dir), k=8, dtype="float32", max_seq_len=MAX_LEN,
-                    job_batch_sequences=2, logprob_dtype="float32")  # fmt: skip
+                    job_batch_sequences=2, logprob_dtype="float32",
+                    job_write_fill_s=0)  # fmt: skip
     n_rows = write_input(tiny, tmp_path / "data" / "corpus.jsonl")
     caches = tmp_path / "caches"
 

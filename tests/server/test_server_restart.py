@@ -67,6 +67,7 @@ def test_sigkill_mid_job_then_resume_equals_one_go(tiny, tmp_path) -> None:
         dtype="float32",
         max_seq_len=MAX_LEN,
         job_batch_sequences=8,
+        job_write_fill_s=0,  # commit per batch group (0.1 s): a kill lands mid-job
     )
     n_rows = write_input(tiny, tmp_path / "data" / "corpus.jsonl")
     caches = tmp_path / "caches"
