@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .errors import ManifestError, RecordError
-from .records import _as_int32, _as_mask, content_key
+from .records import _as_mask, checked_tokens, content_key
 
 HiddenDtype = Literal["bfloat16", "float8_e4m3"]
 HeadDtype = Literal["bfloat16", "float32"]
@@ -233,11 +233,7 @@ class HiddenRecord:
 
     def __post_init__(self) -> None:
         key = self.key
-        if key is not None and (not isinstance(key, str) or not key):
-            raise RecordError(f"key must be a non-empty str or None, got {key!r}")
-        ids = _as_int32("input_ids", self.input_ids, key)
-        if ids.ndim != 1 or ids.shape[0] < 2:
-            raise RecordError(f"input_ids must be 1-D with L >= 2 tokens, got {ids.shape}", key=key)
+        ids = checked_tokens(key, self.input_ids)
         h = np.asarray(self.hidden)
         if h.dtype.kind != "f":
             raise RecordError(f"hidden must be floats, got dtype {h.dtype}", key=key)

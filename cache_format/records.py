@@ -150,6 +150,17 @@ class TopkRows:
         return int(self.topk_ids.shape[1])
 
 
+def checked_tokens(key: str | None, input_ids: Any) -> np.ndarray:
+    """A record's ``input_ids`` as int32 ``[L]``, ``L >= 2``, after checking its ``key`` (a
+    non-empty str or ``None``); a :class:`RecordError` otherwise."""
+    if key is not None and (not isinstance(key, str) or not key):
+        raise RecordError(f"key must be a non-empty str or None, got {key!r}")
+    ids = _as_int32("input_ids", input_ids, key)
+    if ids.ndim != 1 or ids.shape[0] < 2:
+        raise RecordError(f"input_ids must be 1-D with L >= 2 tokens, got {ids.shape}", key=key)
+    return ids
+
+
 @dataclass(frozen=True, eq=False)
 class SequenceRecord(TopkRows):
     """One cached sequence.
@@ -175,11 +186,7 @@ class SequenceRecord(TopkRows):
 
     def __post_init__(self) -> None:
         key = self.key
-        if key is not None and (not isinstance(key, str) or not key):
-            raise RecordError(f"key must be a non-empty str or None, got {key!r}")
-        ids = _as_int32("input_ids", self.input_ids, key)
-        if ids.ndim != 1 or ids.shape[0] < 2:
-            raise RecordError(f"input_ids must be 1-D with L >= 2 tokens, got {ids.shape}", key=key)
+        ids = checked_tokens(key, self.input_ids)
         rows = ids.shape[0] - 1
         topk = _as_int32("topk_ids", self.topk_ids, key)
         lp = _as_float32("topk_logprobs", self.topk_logprobs, key)
