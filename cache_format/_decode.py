@@ -16,7 +16,7 @@ give the same values, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -107,6 +107,25 @@ def _blockwise(stored: str, out: str) -> bool:
     return stored == "float16" or (stored == "float32" and out == "float32")
 
 
+def stored_spans(
+    arrays: OpenArrays, spans: Sequence[Span], names: Sequence[str]
+) -> list[tuple[dict[str, np.ndarray], np.ndarray | None]]:
+    """Per span, the stored values of the row arrays ``names`` over its rows (by name) and of
+    ``input_ids`` over its tokens (``None`` for a span without them), in one
+    :func:`stored_values` call."""
+    jobs: list[tuple[str, int, int]] = []
+    for rows, toks in spans:
+        jobs += [(n, rows.start, rows.stop) for n in names]
+        if toks is not None:
+            jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
+    vals = iter(stored_values(arrays, jobs))
+    out: list[tuple[dict[str, np.ndarray], np.ndarray | None]] = []
+    for _rows, toks in spans:
+        got = {n: next(vals) for n in names}
+        out.append((got, next(vals) if toks is not None else None))
+    return out
+
+
 def stored_values(
     arrays: OpenArrays, jobs: list[tuple[str, int, int]], pool: ThreadPoolExecutor | None = None
 ) -> list[np.ndarray]:
@@ -149,16 +168,8 @@ class NumpyDecoder:
         wanted = [*names, *([spec.INPUT_IDS] if any(t for _, t in spans) else [])]
         if all(n in arrays.direct for n in wanted):
             return _fetch_point(arrays, spans, names, logprob_dtype, pool, threads, into)
-        jobs: list[tuple[str, int, int]] = []
-        for rows, toks in spans:
-            jobs += [(n, rows.start, rows.stop) for n in names]
-            if toks is not None:
-                jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
-        results = iter(stored_values(arrays, jobs))
         out: list[Fetched] = []
-        for _rows, toks in spans:
-            got = {n: next(results) for n in names}
-            tokens = next(results) if toks is not None else None
+        for got, tokens in stored_spans(arrays, spans, names):
             ids = got[spec.TOPK_IDS]
             if arrays.id_order is not None:
                 ids = arrays.id_order[ids]

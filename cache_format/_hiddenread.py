@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import spec
-from ._decode import OpenArrays, Span, stored_values
+from ._decode import OpenArrays, Span, stored_spans, stored_values
 from ._snapshot import IndexSnapshot, SnapshotKeys
 from ._stored import LazyKey
 from .hidden import HiddenRecord, HiddenRows, TeacherHead, decode_rows, to_bf16_bits
@@ -36,16 +36,8 @@ def fetch(opened: OpenArrays, spans: Sequence[Span], out: str) -> list[Got]:
         names.append(spec.HIDDEN_SCALE)
     if m.loss_mask:
         names.append(spec.LOSS_MASK)
-    jobs: list[tuple[str, int, int]] = []
-    for rows, toks in spans:
-        jobs += [(n, rows.start, rows.stop) for n in names]
-        if toks is not None:
-            jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
-    vals = iter(stored_values(opened, jobs))
     result: list[Got] = []
-    for _rows, toks in spans:
-        got = {n: next(vals) for n in names}
-        tokens = next(vals) if toks is not None else None
+    for got, tokens in stored_spans(opened, spans, names):
         stored = got[spec.HIDDEN]
         if h["dtype"] == "bfloat16" and out == "bfloat16":
             hidden = stored
