@@ -122,9 +122,8 @@ def _batch_usage_context() -> Any:
     ``max_num_seqs`` are set, an engine built with ``from_engine_args``' default context
     (``ENGINE_CONTEXT``) gets 2,048 tokens per step, where ``vllm.LLM`` (``LLM_CLASS``) gets
     4,096 per CPU rank (8,192-16,384 on GPUs). The service scores prompts in batches, as
-    ``vllm.LLM`` does, so it takes the offline defaults: on 2 CPU cores a 256 x 256-token job ran
-    32 steps of 2,048 tokens where ``LLM.generate`` ran 16 of 4,096, 4% slower per token (issue
-    #19). The settings ``max_num_batched_tokens`` and ``max_num_seqs`` still override them.
+    ``vllm.LLM`` does, so it takes the offline defaults (fewer, larger steps). The settings
+    ``max_num_batched_tokens`` and ``max_num_seqs`` still override them.
     """
     from vllm.usage.usage_lib import UsageContext
 
@@ -311,6 +310,7 @@ class VllmEngine(BaseEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.options.cpu_kvcache_gib:g}")
         self.cfg = cfg
         self.mode = _resolve_mode(self.options.mode)
+        self._one = self._one_inproc if self.mode == "inproc" else self._one_async
         config = read_model_config(cfg.model)
         vocab_size = config_vocab_size(config)
         max_seq_len, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
@@ -493,8 +493,7 @@ class VllmEngine(BaseEngine):
         """Every prompt in flight at once; one final ``RequestOutput`` each (with whether the
         worker hook answered it: a temperature other than 1, or entropy)."""
         params = self._params(k, temperature)
-        one = self._one_inproc if self.mode == "inproc" else self._one_async
-        outs = await asyncio.gather(*(one(ids, params) for ids in prompts))
+        outs = await asyncio.gather(*(self._one(ids, params) for ids in prompts))
         return [(out, temperature != 1.0 or self.cfg.entropy) for out in outs]
 
     def _convert(self, raw: Any, length: int, k: int) -> TeacherScores:
@@ -528,9 +527,8 @@ class VllmEngine(BaseEngine):
     ) -> list[Any]:
         """Every prompt in flight at once, each with its own sequence seed."""
         self._need_arrays("sampled targets")
-        one = self._one_inproc if self.mode == "inproc" else self._one_async
         calls = [
-            one(ids, self._sampled_params(key, targets, temperature))
+            self._one(ids, self._sampled_params(key, targets, temperature))
             for ids, key in zip(prompts, keys, strict=True)
         ]
         return list(await asyncio.gather(*calls))
@@ -542,23 +540,17 @@ class VllmEngine(BaseEngine):
         self, prompts: list[list[int]], ids: list[list[int]], temperature: float
     ) -> list[Any]:
         """Logprobs at each prompt's chosen ids, gathered by the worker hook."""
-        _, at_ids = await self._hooked_ids(prompts, 0, ids, temperature)
+        _, at_ids = await self._generate_with_ids(prompts, 0, ids, temperature)
         return at_ids
 
     async def _generate_with_ids(
         self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
     ) -> tuple[list[TeacherScores], list[np.ndarray]]:
-        """Top-k rows and the chosen ids' logprobs from one pass of the worker hook."""
-        return await self._hooked_ids(prompts, k, ids, temperature)
-
-    async def _hooked_ids(
-        self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
-    ) -> tuple[list[TeacherScores], list[np.ndarray]]:
-        """The worker hook's top ``k`` (``0``: none) and chosen-id columns of every prompt."""
+        """Top-``k`` rows (``0``: none) and the chosen ids' logprobs of every prompt from one
+        pass of the worker hook."""
         from . import vllm_sampling
 
         self._need_arrays("logprobs at chosen token ids")
-        one = self._one_inproc if self.mode == "inproc" else self._one_async
 
         def params(chosen: list[int]) -> Any:
             extra = {vllm_logprobs.FLAG: True, vllm_sampling.TOKEN_IDS: chosen}
@@ -567,7 +559,7 @@ class VllmEngine(BaseEngine):
             extra[vllm_sampling.ENTROPY] = bool(k) and self.cfg.entropy  # top rows only
             return self._request(vllm_sampling.PROMPT_LOGPROBS, extra)
 
-        outs = await asyncio.gather(*(one(p, params(c)) for p, c in zip(prompts, ids, strict=True)))
+        outs = await asyncio.gather(*map(self._one, prompts, map(params, ids)))
         ent = bool(k) and self.cfg.entropy
         rows = [
             hooked_from_output(out, len(p), k + len(c), ent)
@@ -589,8 +581,7 @@ class VllmEngine(BaseEngine):
         self._need_arrays("hidden states (targets='hidden')")
         d = vllm_hidden.hidden_size(read_model_config(self.cfg.model))
         extra = {vllm_logprobs.FLAG: True, vllm_sampling.HIDDEN: d}
-        one = self._one_inproc if self.mode == "inproc" else self._one_async
-        calls = [one(p, self._request(vllm_sampling.PROMPT_LOGPROBS, extra)) for p in prompts]
+        calls = [self._one(p, self._request(vllm_sampling.PROMPT_LOGPROBS, extra)) for p in prompts]
         return vllm_hidden.rows_of(list(await asyncio.gather(*calls)), prompts, d)
 
     def teacher_head(self) -> Any:
