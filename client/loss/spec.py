@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
-
-LossKind = Literal["forward_kl", "renormalized_kl", "reverse_kl", "jsd"]
-Reduction = Literal["mean", "sum", "none"]
-Impl = Literal[
-    "auto", "dense", "forward_chunked", "fused_chunked", "fused_chunked_recompute", "small_vocab"
-]
 
 LOSS_KINDS: tuple[str, ...] = ("forward_kl", "renormalized_kl", "reverse_kl", "jsd")
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")

@@ -55,8 +55,6 @@ router = APIRouter(tags=["sglang"])
 #: The cache ``/generate`` serves from when the request names none.
 DEFAULT_CACHE = "sglang-generate"
 
-GenerateRequest = SglangGenerateRequest
-
 
 def _one(value: Any, name: str) -> Any:
     """A per-request field that SGLang also takes per sequence: one value for the batch only."""
@@ -67,7 +65,7 @@ def _one(value: Any, name: str) -> Any:
     return value
 
 
-def _check(req: GenerateRequest) -> tuple[list[list[int]], bool, Any]:
+def _check(req: SglangGenerateRequest) -> tuple[list[list[int]], bool, Any]:
     """The sequences, whether the request was a batch, and its temperature (unchecked; ``None``
     when absent); 422 for what is not served."""
     if req.text is not None or req.input_ids is None:
@@ -189,7 +187,7 @@ def _meta(
     }
 
 
-async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] | list[Any]:
+async def generate(services: Services, req: SglangGenerateRequest) -> dict[str, Any] | list[Any]:
     """Route to the teacher ``model`` names (an extension: SGLang serves one model), check,
     serve through the cache, and build SGLang's answer (every check before any engine work or
     write)."""
@@ -197,7 +195,7 @@ async def generate(services: Services, req: GenerateRequest) -> dict[str, Any] |
         return await _generate(teacher, req)
 
 
-async def _generate(teacher: Teacher, req: GenerateRequest) -> dict[str, Any] | list[Any]:
+async def _generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, Any] | list[Any]:
     scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
     assert scoring is not None and serving is not None and engine is not None
     seqs_in, batch, asked_t = _check(req)
@@ -264,7 +262,7 @@ async def _generate(teacher: Teacher, req: GenerateRequest) -> dict[str, Any] | 
 
 @router.post("/generate", responses=ERRORS, summary="SGLang-compatible input logprobs (cached)")
 async def generate_route(
-    body: GenerateRequest, request: Request, services: ServicesDep
+    body: SglangGenerateRequest, request: Request, services: ServicesDep
 ) -> JSONResponse:
     """SGLang's ``/generate`` with ``return_logprob`` and ``max_new_tokens: 0`` (module doc)."""
     body.model = teacher_of(request, body.model)

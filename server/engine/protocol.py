@@ -142,10 +142,6 @@ class ScoreTimings:
     rows: int = 0
     calls: int = field(default=0)
 
-    def reset(self) -> None:
-        self.engine = self.convert = 0.0
-        self.prompts = self.rows = self.calls = 0
-
 
 #: Largest ``draws`` a sampled request may ask for (the row width of a sampled cache).
 MAX_DRAWS = 4096

@@ -145,13 +145,6 @@ class SupervisedEngine:
             log.warning("teacher engine restarted in %.1f s", self.start_s)
             return
 
-    async def wait_alive(self, poll_s: float = 0.2) -> None:
-        """Return once the engine can score (raises EngineClosedError once closed)."""
-        while not self.alive:
-            if self._closed:
-                raise EngineClosedError("the engine is closed")
-            await asyncio.sleep(poll_s)
-
     async def aclose(self) -> None:
         """Stop watching and close the current engine (idempotent)."""
         if self._closed:
