@@ -1,6 +1,7 @@
 """What the routers share: the per-app service container and its request accessor (routes
 reach services only here), :class:`OffLoopJSONRoute` (JSON bodies decoded in a worker thread),
-:func:`run_for_client` (work cancelled when its client leaves or its deadline passes), the
+:func:`run_for_client` (work cancelled when its client leaves or its deadline passes) and
+:func:`with_teacher` (the same, on the teacher a request names), the
 public forms of names and job errors, and the error answers of the scoring routes."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -181,3 +182,19 @@ async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout
     raise DeadlineExceededError(
         f"no answer within the request deadline of {timeout:g} s; the work was aborted"
     )
+
+
+async def with_teacher(
+    request: Request,
+    services: Services,
+    model: str | None,
+    work: Callable[[Teacher], Awaitable[T]],
+) -> T:
+    """``work(teacher)`` on the teacher the request names (:func:`teacher_of`: its body's
+    ``model``, else its URL's prefix), held for the call, under :func:`run_for_client`."""
+
+    async def use() -> T:
+        async with services.teachers.use(teacher_of(request, model)) as teacher:
+            return await work(teacher)
+
+    return await run_for_client(request, use(), services.settings.request_timeout_s)

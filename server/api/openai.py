@@ -47,7 +47,7 @@ from ..serving.cache_hits import Served
 from ..serving.caches import check_name
 from ..serving.scoring import ScoringService
 from ..serving.teachers import Teacher
-from .deps import ERRORS, Services, ServicesDep, public_model, run_for_client, teacher_of
+from .deps import ERRORS, ServicesDep, public_model, teacher_of, with_teacher
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -200,14 +200,9 @@ def _body(
     }
 
 
-async def complete(services: Services, req: CompletionRequest) -> dict[str, Any]:
-    """Route to the teacher ``model`` names, check, serve through the cache (or score above its
-    k), and build the vLLM answer."""
-    async with services.teachers.use(req.model) as teacher:
-        return await _complete(teacher, req)
-
-
-async def _complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
+async def complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
+    """Check, serve through ``teacher``'s cache (or score above its k), and build the vLLM
+    answer."""
     scoring, serving = teacher.scoring, teacher.serving
     assert scoring is not None and serving is not None
     k = _check(req, scoring)
@@ -234,10 +229,7 @@ async def completions(
 ) -> JSONResponse:
     """vLLM's ``/v1/completions`` for ``prompt_logprobs`` with ``max_tokens`` 0 or 1 (see module
     doc: the answer's shape, and what differs from vLLM)."""
-    body.model = teacher_of(request, body.model)
-    answer = await run_for_client(
-        request, complete(services, body), services.settings.request_timeout_s
-    )
+    answer = await with_teacher(request, services, body.model, lambda t: complete(t, body))
     return JSONResponse(answer)
 
 

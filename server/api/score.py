@@ -21,7 +21,8 @@ from logitcache.cache_format import SequenceRecord, encode_records
 from logitcache.protocol import FRAMES_MEDIA_TYPE, ScoreRequest, ScoreResponse
 
 from ..serving.cache_hits import Served
-from .deps import ERRORS, OffLoopJSONRoute, Services, ServicesDep, run_for_client, teacher_of
+from ..serving.teachers import Teacher
+from .deps import ERRORS, OffLoopJSONRoute, ServicesDep, with_teacher
 
 router = APIRouter(prefix="/v1", tags=["score"], route_class=OffLoopJSONRoute)
 
@@ -79,11 +80,10 @@ def json_chunks(
     yield b"]}"
 
 
-async def _answer(services: Services, body: ScoreRequest, frames: bool) -> tuple[str, Served]:
-    """The teacher's name and its answer to ``body`` (routed by ``body.model``)."""
-    async with services.teachers.use(body.model) as teacher:
-        assert teacher.serving is not None
-        return teacher.name, await teacher.serving.answer(body, frames=frames)
+async def _answer(teacher: Teacher, body: ScoreRequest, frames: bool) -> tuple[str, Served]:
+    """The teacher's name and its answer to ``body``."""
+    assert teacher.serving is not None
+    return teacher.name, await teacher.serving.answer(body, frames=frames)
 
 
 @router.post(
@@ -113,9 +113,8 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
     ``X-Logitcache-Stored``; otherwise a :class:`ScoreResponse` JSON body.
     """
     frames = wants_frames(request)
-    body.model = teacher_of(request, body.model)
-    model, result = await run_for_client(
-        request, _answer(services, body, frames), services.settings.request_timeout_s
+    model, result = await with_teacher(
+        request, services, body.model, lambda t: _answer(t, body, frames)
     )
     headers = {"X-Logitcache-K": str(result.k), "X-Logitcache-Stored": str(result.stored)}
     if result.hits is not None:

@@ -48,7 +48,7 @@ from ..inputs.records import RawRecord
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.teachers import Teacher
-from .deps import ERRORS, Services, ServicesDep, run_for_client, teacher_of
+from .deps import ERRORS, ServicesDep, with_teacher
 
 router = APIRouter(tags=["sglang"])
 
@@ -187,15 +187,10 @@ def _meta(
     }
 
 
-async def generate(services: Services, req: SglangGenerateRequest) -> dict[str, Any] | list[Any]:
-    """Route to the teacher ``model`` names (an extension: SGLang serves one model), check,
-    serve through the cache, and build SGLang's answer (every check before any engine work or
+async def generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, Any] | list[Any]:
+    """Check, serve through the cache of ``teacher`` (the one ``model`` names: an extension,
+    SGLang serves one model) and build SGLang's answer (every check before any engine work or
     write)."""
-    async with services.teachers.use(req.model) as teacher:
-        return await _generate(teacher, req)
-
-
-async def _generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, Any] | list[Any]:
     scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
     assert scoring is not None and serving is not None and engine is not None
     seqs_in, batch, asked_t = _check(req)
@@ -265,8 +260,5 @@ async def generate_route(
     body: SglangGenerateRequest, request: Request, services: ServicesDep
 ) -> JSONResponse:
     """SGLang's ``/generate`` with ``return_logprob`` and ``max_new_tokens: 0`` (module doc)."""
-    body.model = teacher_of(request, body.model)
-    answer = await run_for_client(
-        request, generate(services, body), services.settings.request_timeout_s
-    )
+    answer = await with_teacher(request, services, body.model, lambda t: generate(t, body))
     return JSONResponse(answer)

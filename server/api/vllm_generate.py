@@ -41,7 +41,7 @@ from ..inputs.records import RawRecord
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.teachers import Teacher
-from .deps import ERRORS, Services, ServicesDep, run_for_client, teacher_of
+from .deps import ERRORS, ServicesDep, with_teacher
 
 router = APIRouter(tags=["vllm"])
 
@@ -97,14 +97,9 @@ def asked_matrix(req: VllmGenerateRequest, vocab_size: int) -> tuple[np.ndarray,
     return asked, start
 
 
-async def generate(services: Services, req: VllmGenerateRequest) -> VllmGenerateResponse:
-    """Route to the teacher ``model`` names, check (everything before any engine work or
-    write), read through the cache, answer."""
-    async with services.teachers.use(req.model) as teacher:
-        return await _generate(teacher, req)
-
-
-async def _generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateResponse:
+async def generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateResponse:
+    """Check (everything before any engine work or write), read through ``teacher``'s cache,
+    answer."""
     scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
     assert scoring is not None and serving is not None and engine is not None
     info = engine.info
@@ -160,7 +155,4 @@ async def generate_route(
     body: VllmGenerateRequest, request: Request, services: ServicesDep
 ) -> VllmGenerateResponse:
     """vLLM's ``/inference/v1/generate`` with ``prompt_logprob_token_ids`` (module doc)."""
-    body.model = teacher_of(request, body.model)
-    return await run_for_client(
-        request, generate(services, body), services.settings.request_timeout_s
-    )
+    return await with_teacher(request, services, body.model, lambda t: generate(t, body))
