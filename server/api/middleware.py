@@ -34,6 +34,17 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: lis
     await send({"type": "http.response.body", "body": data})
 
 
+def _watched(send: Send, statuses: list[int]) -> Send:
+    """``send`` that also appends the response's status to ``statuses`` once it starts."""
+
+    async def watched(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+        await send(message)
+
+    return watched
+
+
 #: Path prefix naming a teacher: ``/teachers/<name>/v1/completions`` is ``/v1/completions``
 #: for that teacher (a client that takes the first ``/v1/models`` entry as its model, as TRL's
 #: do, gets one base URL per teacher).
@@ -121,7 +132,7 @@ class BodyLimitMiddleware:
             await _send_json(send, 413, too_large)
             return
         seen = 0
-        started = False
+        started: list[int] = []
         body_done = False
         loop = asyncio.get_running_loop()
         ends = None if self.deadline_s is None else loop.time() + self.deadline_s
@@ -148,14 +159,8 @@ class BodyLimitMiddleware:
                     raise HTTPException(413, too_large["error"]["message"])
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, _watched(send, started))
         except HTTPException as e:
             if e.status_code not in (408, 413) or started:
                 raise
@@ -182,16 +187,9 @@ class InternalErrorMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        started: list[int] = []
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, _watched(send, started))
         except Exception as exc:  # noqa: BLE001 - the last net: a 500 body, never a dropped socket
             log.error("unhandled error: %r", exc, exc_info=exc)
             if started:
@@ -214,17 +212,11 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        status = 500
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        statuses: list[int] = []
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, _watched(send, statuses))
         finally:
+            status = statuses[0] if statuses else 500
             route = scope.get("route")
             template = getattr(route, "path", None) or "<unmatched>"
             method = scope.get("method", "")
