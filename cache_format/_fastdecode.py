@@ -221,10 +221,8 @@ MAX_MISSING = 64
 
 PARALLEL_MIN_BYTES = 512 * 1024
 """The least work (bytes decoded) one thread is given: a call with less than twice this runs in
-the calling thread alone. A hand-off costs 23-34 us on the H200 box; at 128 KiB a typical
-``sequence(i)`` (~0.65 MB at k=100) was cut into ~5 pieces and ran at half its one-thread rate
-with 8 decode threads there (0.14x vs 0.28x of the ``.npy`` copy), and used 25% more
-CPU with 2 threads on the 2-core VM."""
+the calling thread alone (a thread hand-off costs tens of microseconds, so a smaller piece loses
+more than it gains; benchmarks/results/format.md)."""
 
 
 def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) -> list[np.ndarray]:
@@ -294,9 +292,8 @@ def read_arrays(
     group one compiled call without the GIL). A shard the kernel needs that is not open yet is
     opened here and the call made again; a shard whose descriptor cannot be kept
     (:data:`._shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
-    its descriptor closed after it. (Plain Python on the few numbers of a call: a
-    ``sequence(i)`` spends ~0.2 ms in all, and numpy's per-call cost on small arrays was a
-    quarter of it.)"""
+    its descriptor closed after it. (Plain Python on the few numbers of a call: numpy's per-call
+    cost on small arrays is a large share of a ``sequence(i)``.)"""
     assert _kernels is not None
     plan = _plan(lays)
     a_lp, widen = lp

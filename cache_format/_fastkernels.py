@@ -2,7 +2,7 @@
 optional). Module-level functions, so that numba's on-disk cache (``cache=True``) finds them again
 in the next process; the C functions they call are arguments (``fns``: their addresses, an int64
 array), not globals (numba cannot cache code holding function pointers), called through the
-intrinsics below (a ctypes function object as an argument cost ~6 us of dispatch per call)."""
+intrinsics below (a ctypes function object as an argument costs a dispatch per call)."""
 
 from __future__ import annotations
 

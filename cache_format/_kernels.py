@@ -1,9 +1,9 @@
 """The two elementwise kernels of logprob decoding: the row-delta inverse (FORMAT.md 4.2) and
 float16 -> float32 widening.
 
-numpy's cumulative sum along short rows and its float16 cast run scalar loops (about 3-4 ns per
-value here), as much CPU as decompressing the chunks. torch's CPU kernels compute the same
-values about 4x faster (vectorised), so they are used when torch is installed (imported on the
+numpy's cumulative sum along short rows and its float16 cast run scalar loops, as much CPU as
+decompressing the chunks. torch's CPU kernels compute the same values vectorised, so they are
+used when torch is installed (imported on the
 first call, never at import time: the format does not depend on torch). Both backends give
 bit-identical results: the cumulative sum is modulo ``2**bits`` of the unsigned dtype (torch works
 on the same bits viewed as the signed type of that width, whose wrapping addition is the same

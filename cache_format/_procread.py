@@ -186,9 +186,8 @@ def serve(
 
 
 MAX_FREE = 4
-"""Free segments kept for reuse (a reused segment's pages are already mapped in every process:
-a fresh one costs a page fault per 4 KiB in the workers and the caller, measured at more than the
-decoding on the 2-core box)."""
+"""Free segments kept for reuse (a reused segment's pages are already mapped in every process: a
+fresh one costs a page fault per 4 KiB in the workers and the caller, more than the decoding)."""
 
 SEGMENT_MIN = 1 << 20
 """Smallest segment (bytes); sizes are powers of two, so segments are reused across calls."""

@@ -69,10 +69,9 @@ def shard_sig(lay: DirectLayout, last: shardwrite.LastShard) -> tuple[int, ...] 
 @dataclass
 class DirectArray:
     """An array the writer grows and writes without zarr: its direct layout and its
-    ``zarr.json`` as the bytes around the first dimension. zarr's ``resize`` rebuilt and
-    re-encoded the metadata through its Python JSON encoder on every append (~1.2 ms per array,
-    ~0.7 CPU-us/position at 16K rows per append); here the new ``zarr.json`` is those bytes with
-    the new length in between, bit-identical to zarr's
+    ``zarr.json`` as the bytes around the first dimension (zarr's ``resize`` re-encodes the
+    metadata through its JSON encoder on every append); the new ``zarr.json`` is those bytes
+    with the new length in between, bit-identical to zarr's
     (tests/format/test_format_shardwrite.py compares every object with zarr's own writes),
     written through the same store (atomic, fsynced)."""
 

@@ -225,8 +225,8 @@ class SequenceRecord(TopkRows):
     ) -> SequenceRecord:
         """A record of arrays that already are what construction would make of them (a reader's
         decoded arrays: int32 ids, float32 or float16 logprobs, float32 tail, uint8 mask, shapes
-        consistent by the store's layout), without the coercion and checks (~3 us of a ~150 us
-        ``sequence(i)``). Anything else goes through the constructor."""
+        consistent by the store's layout), without the coercion and checks. Anything else goes
+        through the constructor."""
         rec = object.__new__(cls)
         rec.__dict__.update(  # the fields a frozen dataclass's __init__ would set
             key=key,

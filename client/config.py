@@ -31,7 +31,7 @@ __all__ = ["ReadOptions", "StreamConfig", "TRAINER_SHUFFLE"]
 #: about ``24 * 5`` blocks of decoded records per rank (~4.5 GB at 735 tokens per sequence, k=100),
 #: split among the workers. ``StreamConfig(**TRAINER_SHUFFLE, ids_dtype=torch.int32)``.
 #: In one process (no DataLoader workers) ``lanes=1`` starts faster: with 24 lanes every lane's
-#: first window is read before the 24th batch (1.6 s on that host with 4 read threads).
+#: first window is read before the 24th batch.
 TRAINER_SHUFFLE: dict[str, int] = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}
 
 

@@ -97,9 +97,8 @@ class _OffLoopJSONRequest(Request):
 class OffLoopJSONRoute(APIRoute):
     """Route class of the routes with large JSON bodies (``/v1/score``, ``/v1/jobs``).
 
-    FastAPI decodes a JSON body with ``json.loads`` on the event loop: about 1-7 ms for a
-    64-client overload's 8,000-token request (46 KB), so a burst of them held the loop (and so
-    ``/health``) for hundreds of ms. Here the decoding runs in a worker thread, where the
+    FastAPI decodes a JSON body with ``json.loads`` on the event loop, so a burst of large
+    bodies holds the loop (and ``/health``). Here the decoding runs in a worker thread, where the
     interpreter's switch interval lets the loop in every 5 ms; validation of the decoded value
     stays FastAPI's (same errors, same OpenAPI)."""
 

@@ -7,8 +7,8 @@ full ``[n, V]`` logits and ``log_softmax(logits)``, and keeps the top ``prompt_l
 row (``Sampler.gather_logprobs``). Neither the request's temperature nor its logits processors
 (``vllm.v1.sample.logits_processor``) ever reach prompt positions, so no public hook can change
 the distribution of a prompt position or see all of it; asking for ``prompt_logprobs = V`` does
-see it, but ships ``V`` values per position out of the engine (measured 14.8x the time of top-k
-scoring, ``benchmarks/distill_vllm_sampling.py``).
+see it, but ships ``V`` values per position out of the engine (many times the time of top-k
+scoring, ``experiments/vllm_sampling.py``).
 
 :func:`install` wraps ``_get_prompt_logprobs_dict`` (once per process) so that a request whose
 ``SamplingParams.extra_args`` carry :data:`TEMPERATURE` = ``T`` and/or :data:`FLAG` =
