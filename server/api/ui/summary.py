@@ -14,15 +14,14 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from logitcache.cache_format.stats import LOW_COVERAGE
+
 from ...errors import public_message, public_name
 
 if TYPE_CHECKING:
     from logitcache.cache_format import CacheReader
 
     from ...serving.caches import CacheRegistry
-
-#: Mean top-k mass below which the page (and ``logitcache info``) warns.
-LOW_COVERAGE = 0.9
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,6 @@ class CacheSummary:
     stored_bytes: int | None
     bytes_per_position: float | None
     coverage: float | None
-    tail_p50: float | None
-    tail_p90: float | None
     coverage_rows: int
     error: str | None = None
 
@@ -59,9 +56,6 @@ def summarize_cache(name: str, reader: CacheReader) -> CacheSummary:
     except Exception:  # sizes are best-effort (some stores cannot list sizes)
         pass
     tail = tail_summary(reader)
-    cov = p50 = p90 = None
-    if tail is not None:
-        cov, p50, p90 = tail.coverage, tail.p50, tail.p90
     return CacheSummary(
         name=name,
         k=m.k,
@@ -70,9 +64,7 @@ def summarize_cache(name: str, reader: CacheReader) -> CacheSummary:
         num_rows=reader.num_rows,
         stored_bytes=stored,
         bytes_per_position=bpp,
-        coverage=cov,
-        tail_p50=p50,
-        tail_p90=p90,
+        coverage=None if tail is None else tail.coverage,
         coverage_rows=0 if tail is None else tail.rows,
     )
 
@@ -114,7 +106,7 @@ class CacheSummaries:
 
 def _broken(name: str, e: Exception) -> CacheSummary:
     msg = public_message(str(e).splitlines()[0]) if str(e) else type(e).__name__
-    return CacheSummary(name, 0, "", 0, 0, None, None, None, None, None, 0, error=msg)
+    return CacheSummary(name, 0, "", 0, 0, None, None, None, 0, error=msg)
 
 
 def human_bytes(n: float | None) -> str:
