@@ -192,7 +192,8 @@ def _send(call: Call, retry: RetryPolicy) -> Steps[Any]:
 
 
 class _JobProgress:
-    """A tqdm bar over a job's tokens (``tokens_done / tokens_total``)."""
+    """A tqdm bar over a job's tokens (``tokens_done / tokens_total``), with its state,
+    sequences, and the server's throughput and ETA."""
 
     def __init__(self, enabled: bool, job_id: str) -> None:
         self._bar: Any = None
@@ -207,8 +208,11 @@ class _JobProgress:
         if self._bar.total != job.tokens_total:
             self._bar.total = job.tokens_total
         self._bar.n = job.tokens_done
+        eta = "" if job.eta_s is None else f", ETA {job.eta_s:.0f} s"
         self._bar.set_postfix_str(
-            f"{job.state} {job.sequences_done}/{job.sequences_total} seq", refresh=False
+            f"{job.state} {job.sequences_done}/{job.sequences_total} seq, "
+            f"{job.tokens_per_s or 0:,.0f} tok/s{eta}",
+            refresh=False,
         )
         self._bar.refresh()
 

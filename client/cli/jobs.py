@@ -41,14 +41,11 @@ cancelled, 2 on a usage, connection or HTTP error, printed as one line
 from __future__ import annotations
 
 import json
-import sys
-import time
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from logitcache.protocol import TERMINAL_JOB_STATES
 
 from .errors import CliError
 
@@ -334,40 +331,16 @@ def watch(
     job_id: Annotated[str | None, typer.Argument(help="default: the newest job")] = None,
     interval: Annotated[float, typer.Option(help="seconds between polls")] = 1.0,
 ) -> None:
-    """A progress bar (tokens) until the job ends; exit status 1 if it did not succeed."""
-    from tqdm import tqdm
-
+    """A progress bar (tokens) until the job ends (:meth:`TeacherClient.wait_job`); exit
+    status 1 if it did not succeed."""
     client = _client(ctx)
     if job_id is None:
         jobs = client.list_jobs()
         if not jobs:
             raise CliError("no jobs to watch")
         job_id = max(jobs, key=lambda j: j.created_at).id
-    job = _job(client.get_job(job_id))
-    bar = tqdm(
-        total=job["tokens_total"],
-        unit="tok",
-        unit_scale=True,
-        desc=f"{job['id']} -> {job['cache']}",
-        file=sys.stdout,
-        dynamic_ncols=True,
-        mininterval=0,
-    )
-    try:
-        while True:
-            bar.n = job["tokens_done"]
-            rate = job.get("tokens_per_s")
-            bar.set_postfix_str(
-                f"{job['state']}, {job['sequences_done']}/{job['sequences_total']} seqs, "
-                f"{rate or 0:,.0f} tok/s, ETA {_eta(job.get('eta_s'))}",
-                refresh=True,
-            )
-            if job["state"] in TERMINAL_JOB_STATES:
-                break
-            time.sleep(interval)
-            job = _job(client.get_job(job_id))
-    finally:
-        bar.close()
+    status = client.wait_job(job_id, poll_interval=interval, raise_on_failure=False, progress=True)
+    job = _job(status)
     typer.echo(summary_line(job))
     if job["state"] != "succeeded":
         raise typer.Exit(1)
