@@ -164,24 +164,22 @@ class LocalSource:
         self._pid: int | None = None
         self._lengths: np.ndarray | None = None
 
+    #: The constructor's arguments, in order: what a pickle (a DataLoader worker's copy) holds.
+    _CONFIG = (
+        "url",
+        "storage_options",
+        "max_gap_tokens",
+        "read_processes",
+        "decode_threads",
+        "point_reads",
+    )
+
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "storage_options": self.storage_options,
-            "max_gap_tokens": self.max_gap_tokens,
-            "read_processes": self.read_processes,
-            "decode_threads": self.decode_threads,
-            "point_reads": self.point_reads,
-        }
+        return {name: getattr(self, name) for name in self._CONFIG}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(  # type: ignore[misc]
-            state["url"],
-            state["storage_options"],
-            max_gap_tokens=state["max_gap_tokens"],
-            read_processes=state.get("read_processes", 0),
-            decode_threads=state.get("decode_threads", 1),
-            point_reads=state.get("point_reads"),
+            state["url"], state["storage_options"], **{n: state[n] for n in self._CONFIG[2:]}
         )
 
     def __repr__(self) -> str:
