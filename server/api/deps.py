@@ -133,6 +133,21 @@ def public_model(model_id: str) -> str:
     return public_name(model_id)
 
 
+class TokenText:
+    """Token id -> the text of that token alone, memoised (vLLM's ``decoded_token``, SGLang's
+    logprob text); ``None`` without a tokenizer."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.memo: dict[int, str | None] = {}
+
+    def __call__(self, tid: int) -> str | None:
+        if tid not in self.memo:
+            tok = self.tokenizer
+            self.memo[tid] = None if tok is None else (tok.decode([tid]) or "")
+        return self.memo[tid]
+
+
 def teacher_of(request: Request, model: str | None) -> str | None:
     """The teacher a request names: its body's ``model``, else its URL's ``/teachers/<name>``
     prefix (``None``: the default teacher)."""

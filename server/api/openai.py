@@ -47,7 +47,7 @@ from ..serving.cache_hits import Served
 from ..serving.caches import check_name
 from ..serving.scoring import ScoringService
 from ..serving.teachers import Teacher
-from .deps import ERRORS, ServicesDep, public_model, teacher_of, with_teacher
+from .deps import ERRORS, ServicesDep, TokenText, public_model, teacher_of, with_teacher
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -133,21 +133,7 @@ def _raws(prompts: list[str | list[int]]) -> list[RawRecord]:
     ]
 
 
-class _Decoder:
-    """Token id -> text of that token alone (memoised): vLLM's ``decoded_token``."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.memo: dict[int, str | None] = {}
-
-    def __call__(self, tid: int) -> str | None:
-        if tid not in self.memo:
-            tok = self.tokenizer
-            self.memo[tid] = None if tok is None else (tok.decode([tid]) or "")
-        return self.memo[tid]
-
-
-def prompt_logprobs(rec: SequenceRecord, decode: _Decoder) -> list[dict[str, dict] | None]:
+def prompt_logprobs(rec: SequenceRecord, decode: TokenText) -> list[dict[str, dict] | None]:
     """vLLM's ``prompt_logprobs`` of one record: ``None``, then one top-k dict per row."""
     out: list[dict[str, dict] | None] = [None]
     for ids, lps in zip(rec.topk_ids.tolist(), rec.topk_logprobs.tolist(), strict=True):
@@ -171,7 +157,7 @@ def _body(
     served: Served,
 ) -> dict[str, Any]:
     tokenizer = getattr(teacher.engine, "tokenizer", None)
-    decode = _Decoder(tokenizer)
+    decode = TokenText(tokenizer)
     choices = []
     for i, (p, rec) in enumerate(zip(prompts, served.records, strict=True)):
         text = ""

@@ -48,7 +48,7 @@ from ..inputs.records import RawRecord
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.teachers import Teacher
-from .deps import ERRORS, ServicesDep, with_teacher
+from .deps import ERRORS, ServicesDep, TokenText, with_teacher
 
 router = APIRouter(tags=["sglang"])
 
@@ -237,16 +237,7 @@ async def generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, An
         for j, i in enumerate(todo):
             at[i] = (chosen[i] or [], got.logprobs[j], got.exact[j])
             masks[i] = got.approximated[j] if got.approximated else None
-    tokenizer = getattr(engine, "tokenizer", None)
-    memo: dict[int, str | None] = {}
-
-    def decode(tid: int) -> str | None:
-        if not req.return_text_in_logprobs or tokenizer is None:
-            return None
-        if tid not in memo:
-            memo[tid] = tokenizer.decode([tid])
-        return memo[tid]
-
+    decode = TokenText(getattr(engine, "tokenizer", None) if req.return_text_in_logprobs else None)
     out = []
     for i, rec in enumerate(served.records):
         cached = served.hits is not None and served.hits[i]
