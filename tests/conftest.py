@@ -18,6 +18,10 @@ Fixtures (session scope):
 * ``vllm_engine``: an in-process :class:`~logitcache.server.engine.vllm.VllmEngine` on the tiny
   teacher (float32, ``max_k=20``); ``hf_engine``: the transformers backend, same settings.
   Engines are shared: tests must not close them.
+* ``s3_endpoint``: one real S3-compatible server (moto in server mode, a child process on
+  127.0.0.1) for every test of the process; ``s3_store``: ``(url, storage_options)`` of an empty
+  prefix in a fresh bucket on it (``deploy_support.s3_bucket_fixture`` gives another option
+  dialect on the same server).
 """
 
 from __future__ import annotations
@@ -104,6 +108,26 @@ def hf_engine(tiny: Any) -> Iterator[Any]:
     yield from _engine(tiny, "transformers")
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    from moto_support import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_store(s3_endpoint: str) -> tuple[str, dict[str, str]]:
+    import uuid
+
+    from format_support import s3_client
+
+    bucket = f"lc-{uuid.uuid4().hex[:12]}"
+    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
+    options = {"endpoint_url": s3_endpoint, "key": "test", "secret": "test", "region": "us-east-1"}
+    return f"s3://{bucket}/cache", options
+
+
 # ----------------------------------------------------------------------------- the fast tier
 #: Marks that put a test outside the fast tier.
 _NOT_FAST_MARKS = ("slow", "vllm", "gpu", "container", "s3", "subprocess")
@@ -119,7 +143,6 @@ _NOT_FAST_FIXTURES = frozenset(
         "hf_engine",
         "s3_endpoint",
         "s3_store",
-        "s3_server",
         "s3_bucket",
     }
 )

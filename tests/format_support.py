@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import pytest
 from logitcache.cache_format import CacheWriter, Layout, Manifest, SequenceRecord
-from moto_support import moto_server
 
 
 def make_manifest(k: int = 8, vocab_size: int = 1000, **kw) -> Manifest:
@@ -65,13 +62,6 @@ def make_records(
 # --------------------------------------------------------------------------- S3 (moto server)
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A real S3-compatible HTTP server (moto server mode) on 127.0.0.1, random port."""
-    with moto_server() as endpoint:
-        yield endpoint
-
-
 def s3_client(endpoint_url: str):
     """A boto3 S3 client of the moto server at ``endpoint_url`` (the tests' credentials)."""
     import boto3
@@ -83,15 +73,6 @@ def s3_client(endpoint_url: str):
         aws_secret_access_key="test",
         region_name="us-east-1",
     )
-
-
-@pytest.fixture
-def s3_store(s3_endpoint):
-    """(url, storage_options) of an empty prefix in a fresh bucket on the moto server."""
-    bucket = f"lc-{uuid.uuid4().hex[:12]}"
-    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
-    options = {"endpoint_url": s3_endpoint, "key": "test", "secret": "test", "region": "us-east-1"}
-    return f"s3://{bucket}/cache", options
 
 
 # --------------------------------------------------------------------------- child processes

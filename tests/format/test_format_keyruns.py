@@ -13,7 +13,6 @@ import math
 import signal
 from pathlib import Path
 
-import format_support
 import pytest
 from format_support import KILL_AFTER_RUN, make_manifest, make_records
 from logitcache.cache_format import (
@@ -28,9 +27,6 @@ from logitcache.client.cli import app
 from test_format_crash import check_prefix, expected, resume_and_check, run_child
 from test_format_root_damage import EDITS, _Objects, _where
 from typer.testing import CliRunner
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 K, VOCAB = 8, 1000
 
