@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +44,13 @@ VLLM_ENV: dict[str, str] = {
 }
 for _k, _v in VLLM_ENV.items():
     os.environ.setdefault(_k, _v)
+
+# Bytecode caches are written even where the environment turns them off
+# (``PYTHONDONTWRITEBYTECODE``): without them each xdist worker rewrites the asserts of every test
+# module again (5-13 CPU-s per process on 2 cores) and each child program the tests start (servers,
+# CLIs, workers) compiles the project's modules again. ``__pycache__/`` is in .gitignore.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # Tests live in one folder per room (tests/format, tests/server, ...) and share the support
 # modules at tests/ (engine_support, format_support, ...): pytest finds them through
