@@ -59,6 +59,20 @@ def make_records(
     ]
 
 
+def write_store(
+    url, recs: list, *, k: int, vocab: int, layout=None, split: int | None = None, **manifest_kw
+) -> None:
+    """Write ``recs`` to a new local store (manifest from :func:`make_manifest` with
+    ``manifest_kw``): in one append, or in two (``recs[:split]``, then the rest), each of which
+    must store all its records."""
+    parts = [recs] if split is None else [recs[:split], recs[split:]]
+    with CacheWriter.open(
+        url, make_manifest(k=k, vocab_size=vocab, **manifest_kw), layout=layout
+    ) as w:
+        for part in parts:
+            assert w.append(part) == len(part)
+
+
 # --------------------------------------------------------------------------- S3 (moto server)
 
 
