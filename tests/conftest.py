@@ -228,7 +228,9 @@ def pytest_collection_modifyitems(
     for item in items:
         if item.get_closest_marker("container") and not run_containers:
             item.add_marker(skip)
-        if any(item.get_closest_marker(m) for m in _NOT_FAST_MARKS):
+        if marks := [m for m in _NOT_FAST_MARKS if item.get_closest_marker(m)]:
+            if item.get_closest_marker("fast"):  # e.g. a module's ``pytestmark`` of fast
+                raise pytest.UsageError(f"{item.nodeid} is marked fast and {marks[0]}")
             continue
         if _NOT_FAST_FIXTURES & set(getattr(item, "fixturenames", ())):
             continue
