@@ -25,7 +25,7 @@ from logitcache.cache_format import (
 from logitcache.cache_format import _keyruns as keyruns
 from logitcache.client.cli import app
 from test_format_crash import check_prefix, expected, resume_and_check, run_child
-from test_format_root_damage import EDITS, _Objects, _where
+from test_format_root_damage import EDITS, WHERE, _Objects, _where
 from typer.testing import CliRunner
 
 K, VOCAB = 8, 1000
@@ -142,7 +142,7 @@ def _cli_options(opts: dict) -> list[str]:
     return [x for n, v in opts.items() for x in ("-o", f"{n}={v}")]
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("edit", ["deleted", "garbage", "creation_marker", "truncated"])
 def test_repair_rebuilds_a_lost_root(request, tmp_path, where, edit):
     url, opts = _where(request, tmp_path, where)
