@@ -111,6 +111,7 @@ def test_damaged_run_is_a_typed_error_and_a_validate_finding(tmp_path):
         CacheWriter.open(url, make_manifest(K, VOCAB)).contains(recs[0].key)
 
 
+@pytest.mark.subprocess
 def test_sigkill_after_the_run_before_the_commit(tmp_path):
     url = tmp_path / "c"
     proc = run_child(url, 30, 5, 7, 2, KILL_AFTER_RUN)
@@ -125,6 +126,7 @@ def test_sigkill_after_the_run_before_the_commit(tmp_path):
     assert _index_objects(_Objects(str(url), {})) == listed
 
 
+@pytest.mark.subprocess
 def test_repair_after_a_kill_between_run_and_commit_restores_that_append(tmp_path):
     """The killed append's arrays were all written (and made durable) before its run: the run's
     record is a complete commit, so the repair restores it."""
