@@ -18,12 +18,17 @@ Fixtures (session scope):
 * ``vllm_engine``: an in-process :class:`~logitcache.server.engine.vllm.VllmEngine` on the tiny
   teacher (float32, ``max_k=20``); ``hf_engine``: the transformers backend, same settings.
   Engines are shared: tests must not close them.
+* ``s3_endpoint``: one real S3-compatible server (moto in server mode, a child process on
+  127.0.0.1) for every test of the process; ``s3_store``: ``(url, storage_options)`` of an empty
+  prefix in a fresh bucket on it (``deploy_support.s3_bucket_fixture`` gives another option
+  dialect on the same server).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +44,13 @@ VLLM_ENV: dict[str, str] = {
 }
 for _k, _v in VLLM_ENV.items():
     os.environ.setdefault(_k, _v)
+
+# Bytecode caches are written even where the environment turns them off
+# (``PYTHONDONTWRITEBYTECODE``): without them each xdist worker rewrites the asserts of every test
+# module again (5-13 CPU-s per process on 2 cores) and each child program the tests start (servers,
+# CLIs, workers) compiles the project's modules again. ``__pycache__/`` is in .gitignore.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # Tests live in one folder per room (tests/format, tests/server, ...) and share the support
 # modules at tests/ (engine_support, format_support, ...): pytest finds them through
@@ -104,6 +116,26 @@ def hf_engine(tiny: Any) -> Iterator[Any]:
     yield from _engine(tiny, "transformers")
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    from moto_support import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_store(s3_endpoint: str) -> tuple[str, dict[str, str]]:
+    import uuid
+
+    from format_support import s3_client
+
+    bucket = f"lc-{uuid.uuid4().hex[:12]}"
+    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
+    options = {"endpoint_url": s3_endpoint, "key": "test", "secret": "test", "region": "us-east-1"}
+    return f"s3://{bucket}/cache", options
+
+
 # ----------------------------------------------------------------------------- the fast tier
 #: Marks that put a test outside the fast tier.
 _NOT_FAST_MARKS = ("slow", "vllm", "gpu", "container", "s3", "subprocess")
@@ -119,7 +151,6 @@ _NOT_FAST_FIXTURES = frozenset(
         "hf_engine",
         "s3_endpoint",
         "s3_store",
-        "s3_server",
         "s3_bucket",
     }
 )
@@ -197,7 +228,9 @@ def pytest_collection_modifyitems(
     for item in items:
         if item.get_closest_marker("container") and not run_containers:
             item.add_marker(skip)
-        if any(item.get_closest_marker(m) for m in _NOT_FAST_MARKS):
+        if marks := [m for m in _NOT_FAST_MARKS if item.get_closest_marker(m)]:
+            if item.get_closest_marker("fast"):  # e.g. a module's ``pytestmark`` of fast
+                raise pytest.UsageError(f"{item.nodeid} is marked fast and {marks[0]}")
             continue
         if _NOT_FAST_FIXTURES & set(getattr(item, "fixturenames", ())):
             continue

@@ -101,18 +101,10 @@ def compose_config(*args: str, env: dict[str, str] | None = None) -> dict[str, A
     return yaml.safe_load(proc.stdout)
 
 
-@pytest.fixture(scope="module", name="s3_server")
-def s3_server_fixture():
-    """A real S3-compatible server (moto in server mode) on 127.0.0.1, random port."""
-    from moto_support import moto_server
-
-    with moto_server() as endpoint:
-        yield endpoint
-
-
 @pytest.fixture(name="s3_bucket")
-def s3_bucket_fixture(s3_server):
-    """``(endpoint, bucket, storage_options)`` of a fresh bucket on the ``s3_server`` fixture."""
+def s3_bucket_fixture(s3_endpoint):
+    """``(endpoint, bucket, storage_options)`` of a fresh bucket on the session's
+    ``s3_endpoint`` (tests/conftest.py)."""
     import uuid
 
     import boto3
@@ -120,7 +112,7 @@ def s3_bucket_fixture(s3_server):
     bucket = f"deploy-{uuid.uuid4().hex[:10]}"
     boto3.client(
         "s3",
-        endpoint_url=s3_server,
+        endpoint_url=s3_endpoint,
         aws_access_key_id="test",
         aws_secret_access_key="test",
         region_name="us-east-1",
@@ -128,12 +120,12 @@ def s3_bucket_fixture(s3_server):
     # s3fs-style options in the form both store backends accept (obstore via cache_format's
     # translation, s3fs as is): a top-level "region" breaks s3fs (AioSession rejects it).
     options = {
-        "endpoint_url": s3_server,
+        "endpoint_url": s3_endpoint,
         "key": "test",
         "secret": "test",
         "client_kwargs": {"region_name": "us-east-1"},
     }
-    return s3_server, bucket, options
+    return s3_endpoint, bucket, options
 
 
 def s3_keys(endpoint: str, bucket: str, prefix: str = "") -> set[str]:

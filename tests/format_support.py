@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import pytest
 from logitcache.cache_format import CacheWriter, Layout, Manifest, SequenceRecord
-from moto_support import moto_server
 
 
 def make_manifest(k: int = 8, vocab_size: int = 1000, **kw) -> Manifest:
@@ -62,14 +59,21 @@ def make_records(
     ]
 
 
+def write_store(
+    url, recs: list, *, k: int, vocab: int, layout=None, split: int | None = None, **manifest_kw
+) -> None:
+    """Write ``recs`` to a new local store (manifest from :func:`make_manifest` with
+    ``manifest_kw``): in one append, or in two (``recs[:split]``, then the rest), each of which
+    must store all its records."""
+    parts = [recs] if split is None else [recs[:split], recs[split:]]
+    with CacheWriter.open(
+        url, make_manifest(k=k, vocab_size=vocab, **manifest_kw), layout=layout
+    ) as w:
+        for part in parts:
+            assert w.append(part) == len(part)
+
+
 # --------------------------------------------------------------------------- S3 (moto server)
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """A real S3-compatible HTTP server (moto server mode) on 127.0.0.1, random port."""
-    with moto_server() as endpoint:
-        yield endpoint
 
 
 def s3_client(endpoint_url: str):
@@ -83,15 +87,6 @@ def s3_client(endpoint_url: str):
         aws_secret_access_key="test",
         region_name="us-east-1",
     )
-
-
-@pytest.fixture
-def s3_store(s3_endpoint):
-    """(url, storage_options) of an empty prefix in a fresh bucket on the moto server."""
-    bucket = f"lc-{uuid.uuid4().hex[:12]}"
-    s3_client(s3_endpoint).create_bucket(Bucket=bucket)
-    options = {"endpoint_url": s3_endpoint, "key": "test", "secret": "test", "region": "us-east-1"}
-    return f"s3://{bucket}/cache", options
 
 
 # --------------------------------------------------------------------------- child processes

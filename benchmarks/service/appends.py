@@ -42,7 +42,8 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import ROOT, Recorder, add_csv_option, export_tree, machine_line
+from benchmarks.harness import ROOT, Recorder, export_tree, machine_line
+from benchmarks.service.common import mode_parser, parse
 from tests.server_support import free_port
 
 FAKE_SERVER = ROOT / "tests" / "fake_server.py"
@@ -157,9 +158,7 @@ def one_run(tree: Path | None, args: argparse.Namespace, seed: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.service appends", description=__doc__.split("\n")[0]
-    )
+    ap = mode_parser("appends", __doc__)
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--min-len", type=int, default=8)
@@ -167,9 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline", default=None, help="a git revision to measure beside")
-    ap.add_argument("--json", type=Path, default=None)
-    add_csv_option(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
     runs: dict[str, list[dict[str, Any]]] = {"head": []}
     with tempfile.TemporaryDirectory(prefix="lc-appends-tree-") as tmp:

@@ -24,7 +24,6 @@ direct scores (exact with ``--logprob-dtype float32``; float16 storage rounds lo
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import tempfile
@@ -35,7 +34,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.harness import Recorder, machine_line
+from benchmarks.service.common import mode_parser, parse, tiny_windows
 from tests.server_support import ServerProcess
 
 API_KEY = "cache-serve-bench"
@@ -70,28 +70,17 @@ def rows_of_completion(choice: dict) -> list[tuple[list[int], list[float]]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.service cache", description=__doc__.split("\n")[0]
-    )
+    ap = mode_parser("cache", __doc__)
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--logprob-dtype", default="float32")
-    ap.add_argument("--json", type=Path, default=None)
-    add_csv_option(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
-    from logitcache.fixtures.tiny import build_tiny_models
-
-    tiny = build_tiny_models()
-    seqs = tiny.token_sequences(
-        "train", max_len=args.length, min_len=args.length, limit=args.sequences + 1
-    )
+    tiny, seqs = tiny_windows(args.length, args.sequences + 1)
     warm, seqs = seqs[0], seqs[1:]
-    if len(seqs) < args.sequences:
-        raise SystemExit(f"only {len(seqs)} windows of {args.length} tokens in the fixture")
     batches = [seqs[i : i + args.batch] for i in range(0, len(seqs), args.batch)]
     tokens = sum(len(s) for s in seqs)
 

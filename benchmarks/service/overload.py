@@ -49,7 +49,8 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import Recorder, add_csv_option, load1, machine_line
+from benchmarks.harness import Recorder, load1, machine_line
+from benchmarks.service.common import mode_parser, parse
 from tests import server_support
 from tests.server_support import ServerProcess
 
@@ -395,9 +396,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.service overload", description=__doc__.split("\n\n")[0]
-    )
+    p = mode_parser("overload", __doc__)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--overload-s", type=float, default=30.0)
     p.add_argument("--steady-s", type=float, default=20.0)
@@ -412,9 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         help="vLLM engine core in the server process (inproc) or its own process (async: "
         "the README's start mode)",
     )
-    p.add_argument("--json", type=Path, default=Path("/tmp/lc-overload.json"))
-    add_csv_option(p)
-    args = p.parse_args(argv)
+    args = parse(p, argv, json_default=Path("/tmp/lc-overload.json"))
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

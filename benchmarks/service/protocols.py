@@ -33,7 +33,6 @@ the SGLang answer also carries the actual token's entry at each position).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -45,7 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.harness import Recorder, machine_line
+from benchmarks.service.common import mode_parser, parse, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -92,27 +92,17 @@ def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.service protocols", description=__doc__.split("\n")[0]
-    )
+    ap = mode_parser("protocols", __doc__)
     ap.add_argument("--sequences", type=int, default=24)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--ids", type=int, default=8, help="candidate ids per row")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
-    ap.add_argument("--json", type=Path, default=None)
-    add_csv_option(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
-    from logitcache.fixtures.tiny import build_tiny_models
     from logitcache.server.engine import build_engine
 
-    tiny = build_tiny_models()
-    seqs = tiny.token_sequences(
-        "train", max_len=args.length, min_len=args.length, limit=args.sequences + 1
-    )
-    if len(seqs) < args.sequences + 1:
-        raise SystemExit(f"only {len(seqs)} windows of {args.length} tokens in the fixture")
+    tiny, seqs = tiny_windows(args.length, args.sequences + 1)
     rng = np.random.default_rng(0)
 
     def candidates(seq: list[int]) -> list[list[int]]:

@@ -13,14 +13,13 @@ phase. The baseline is the 1-replica run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.harness import Recorder, machine_line
+from benchmarks.service.common import mode_parser, parse
 
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -59,16 +58,12 @@ def same_cache(a_url: str, b_url: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.service ray", description=__doc__.split("\n")[0]
-    )
+    p = mode_parser("ray", __doc__)
     p.add_argument("--sequences", type=int, default=256)
     p.add_argument("--chars", type=int, default=600)
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--k", type=int, default=20)
-    p.add_argument("--json", type=Path, default=None)
-    add_csv_option(p)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     os.environ.update(VLLM_ENV)
 
     from logitcache.fixtures.tiny import build_tiny_models

@@ -23,7 +23,6 @@ swaps teachers waits.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -33,7 +32,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.harness import Recorder, machine_line
+from benchmarks.service.common import mode_parser, parse, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -45,26 +45,18 @@ def _miss(client: Any, seq: list[int], k: int, model: str | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.service teachers", description=__doc__.split("\n")[0]
-    )
+    ap = mode_parser("teachers", __doc__)
     ap.add_argument("--sequences", type=int, default=32)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--swaps", type=int, default=6)
     ap.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
-    ap.add_argument("--json", type=Path, default=None)
-    add_csv_option(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv)
 
-    from logitcache.fixtures.tiny import build_tiny_models
     from logitcache.server.engine import build_engine
     from logitcache.server.serving.teachers import weights_bytes
 
-    tiny = build_tiny_models()
-    seqs = tiny.token_sequences(
-        "train", max_len=args.length, min_len=args.length, limit=2 * args.sequences + 2
-    )
+    tiny, seqs = tiny_windows(args.length, 2 * args.sequences + 2)
     options = {"vllm_mode": "inproc"} if args.backend == "vllm" else {}
     engine = build_engine(
         model=str(tiny.teacher_dir), backend=args.backend, max_k=20, dtype="float32",

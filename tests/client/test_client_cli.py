@@ -12,8 +12,6 @@ import pytest
 from logitcache.client.cli import main
 from server_support import free_port
 
-pytestmark = pytest.mark.fast
-
 
 def test_info_versions_names_the_loss_kernels(capsys: pytest.CaptureFixture[str]) -> None:
     from logitcache.client.loss import TRITON_AVAILABLE
@@ -60,6 +58,7 @@ def test_console_script_runs() -> None:
     assert exe.returncode == 0 and "loss kernels" in exe.stdout, exe.stderr
 
 
+@pytest.mark.subprocess
 def test_the_cli_and_the_client_face_load_no_torch_or_httpx() -> None:
     """The store commands run on the base install: importing the CLI (and the client's face)
     loads neither torch nor httpx until a name that needs them is used."""

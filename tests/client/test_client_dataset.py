@@ -454,6 +454,7 @@ def _indices(units: list[dict[str, np.ndarray]]) -> list[int]:
     return [t[0] * 97 + t[1] for u in units for t in segments(u)]
 
 
+@pytest.mark.subprocess
 def test_follow_adopts_sequences_a_concurrent_writer_commits_and_resumes_exactly(
     tmp_path: Path,
 ) -> None:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import format_support
 import pytest
 from client_support import build_cache, collect, make_dataset, make_sequences, same_stream
 from logitcache.client import CacheDataLoader, CacheDataset, StreamConfig, open_source
 from logitcache.client.errors import SourceError
 from logitcache.client.sources import LocalSource
 from torch.utils.data import DataLoader
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 
 def test_s3_items_equal_local_items_and_forked_obstore_fails_loudly(s3_store, tmp_path) -> None:

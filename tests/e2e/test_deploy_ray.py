@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from deploy_support import s3_bucket_fixture, s3_keys, s3_server_fixture  # noqa: F401
+from deploy_support import s3_bucket_fixture, s3_keys  # noqa: F401
 from logitcache.cache_format import CacheReader, Manifest, validate
 from logitcache.server.errors import InvalidInputError
 from logitcache.server.settings import ServerSettings

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from deploy_support import REPO, s3_bucket_fixture, s3_keys, s3_server_fixture  # noqa: F401
+from deploy_support import REPO, s3_bucket_fixture, s3_keys  # noqa: F401
 from logitcache.cache_format import CacheReader, validate
 from logitcache.client import CacheDataset, StreamConfig, open_source
 from logitcache.client.http import TeacherClient

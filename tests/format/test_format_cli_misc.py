@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheWriter, tokenizer_fingerprint
 from logitcache.cache_format.spec import layout_named
@@ -68,7 +69,7 @@ def test_fingerprint_duck_typed_and_sensitive():
 
 
 def test_fingerprint_real_tokenizer():
-    tokenizers = __import__("pytest").importorskip("tokenizers")
+    tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({"x": 0, "y": 1, "[UNK]": 2}, unk_token="[UNK]"))
@@ -78,6 +79,7 @@ def test_fingerprint_real_tokenizer():
     assert tokenizers and f1 != tokenizer_fingerprint(tok)  # backend pipeline matters
 
 
+@pytest.mark.subprocess
 def test_import_does_not_import_torch():
     code = "import sys, logitcache.cache_format as c; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

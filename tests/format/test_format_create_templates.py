@@ -140,6 +140,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("after", [1, 4])
 def test_sigkill_inside_a_creation_from_templates(tmp_path: Path, after: int) -> None:
     url = tmp_path / "c"

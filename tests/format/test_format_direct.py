@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import format_support
 import numpy as np
 import pytest
 from format_support import ZarrReader, make_manifest, make_records, s3_client
@@ -19,9 +18,6 @@ from logitcache.cache_format import (
 )
 from logitcache.cache_format import _reader as reader_mod
 from logitcache.cache_format.errors import ChecksumError
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 # 16-row chunks, 64-row shards: a few hundred rows cross many chunk and shard boundaries.
 SMALL = Layout(

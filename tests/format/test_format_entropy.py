@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import zarr
-from format_support import make_manifest, make_records, reseal
+from format_support import make_manifest, make_records, reseal, write_store
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
@@ -40,9 +40,7 @@ def entropies(recs: list[SequenceRecord], seed: int = 5) -> list[SequenceRecord]
 def stored(tmp_path, request):
     recs = entropies(make_records(7, k=K, vocab=V, seed=3, min_len=2, max_len=30))
     url = tmp_path / "e.zarr"
-    m = make_manifest(k=K, vocab_size=V, entropy=True)
-    with CacheWriter.open(url, m, layout=LAYOUTS[request.param]) as w:
-        assert w.append(recs[:4]) == 4 and w.append(recs[4:]) == 3
+    write_store(url, recs, k=K, vocab=V, split=4, layout=LAYOUTS[request.param], entropy=True)
     return url, recs
 
 
@@ -84,9 +82,7 @@ def test_reader_pickles_records_with_entropy(stored) -> None:
 
 def test_store_without_entropy_reads_none_and_refuses_it(tmp_path) -> None:
     url = tmp_path / "plain.zarr"
-    recs = make_records(3, k=K, vocab=V, seed=1)
-    with CacheWriter.open(url, make_manifest(k=K, vocab_size=V)) as w:
-        w.append(recs)
+    write_store(url, make_records(3, k=K, vocab=V, seed=1), k=K, vocab=V)
     r = CacheReader(url)
     assert r.sequence(0).entropy is None and r.rows(0, 2).entropy is None
     assert all(x.entropy is None for x in r.read_ranges([(0, 3)]))

@@ -286,6 +286,7 @@ def _kernel_cache_stats() -> tuple[int, int]:
     return int(hits), int(misses)
 
 
+@pytest.mark.subprocess
 def test_the_kernel_is_cached_on_disk() -> None:
     """The kernel is a module-level numba function (cache_format/_encodekernels.py): a second
     process loads both its specialisations (``ready`` compiles them: C-ordered ids, and rows of

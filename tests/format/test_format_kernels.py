@@ -61,6 +61,7 @@ def test_kernel_arguments_checked():
         kernels.row_undelta(np.zeros((2, 3), np.uint16), out=np.zeros((3, 2), np.uint16))
 
 
+@pytest.mark.subprocess
 def test_store_reads_identically_under_both_backends(tmp_path):
     """End to end in fresh processes (the backend is chosen once per process: the numpy one
     forced through the module's ``TORCH`` flag before the first read)."""

@@ -13,7 +13,6 @@ import math
 import signal
 from pathlib import Path
 
-import format_support
 import pytest
 from format_support import KILL_AFTER_RUN, make_manifest, make_records
 from logitcache.cache_format import (
@@ -26,11 +25,8 @@ from logitcache.cache_format import (
 from logitcache.cache_format import _keyruns as keyruns
 from logitcache.client.cli import app
 from test_format_crash import check_prefix, expected, resume_and_check, run_child
-from test_format_root_damage import EDITS, _Objects, _where
+from test_format_root_damage import EDITS, WHERE, _Objects, _where
 from typer.testing import CliRunner
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 K, VOCAB = 8, 1000
 
@@ -115,6 +111,7 @@ def test_damaged_run_is_a_typed_error_and_a_validate_finding(tmp_path):
         CacheWriter.open(url, make_manifest(K, VOCAB)).contains(recs[0].key)
 
 
+@pytest.mark.subprocess
 def test_sigkill_after_the_run_before_the_commit(tmp_path):
     url = tmp_path / "c"
     proc = run_child(url, 30, 5, 7, 2, KILL_AFTER_RUN)
@@ -129,6 +126,7 @@ def test_sigkill_after_the_run_before_the_commit(tmp_path):
     assert _index_objects(_Objects(str(url), {})) == listed
 
 
+@pytest.mark.subprocess
 def test_repair_after_a_kill_between_run_and_commit_restores_that_append(tmp_path):
     """The killed append's arrays were all written (and made durable) before its run: the run's
     record is a complete commit, so the repair restores it."""
@@ -146,7 +144,7 @@ def _cli_options(opts: dict) -> list[str]:
     return [x for n, v in opts.items() for x in ("-o", f"{n}={v}")]
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("edit", ["deleted", "garbage", "creation_marker", "truncated"])
 def test_repair_rebuilds_a_lost_root(request, tmp_path, where, edit):
     url, opts = _where(request, tmp_path, where)

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import zarr
-from format_support import make_manifest, make_records, reseal
+from format_support import make_manifest, make_records, reseal, write_store
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
@@ -43,8 +43,7 @@ def masked(tmp_path):
     out = [with_mask(r, prompt_response(r, 2 + i % 3)) for i, r in enumerate(recs[:6])]
     out.append(recs[6])
     url = tmp_path / "m.zarr"
-    with CacheWriter.open(url, make_manifest(k=K, vocab_size=V, loss_mask=True)) as w:
-        assert w.append(out[:4]) == 4 and w.append(out[4:]) == 3
+    write_store(url, out, k=K, vocab=V, split=4, loss_mask=True)
     return url, out
 
 
@@ -72,9 +71,7 @@ def test_round_trip_every_read_path(masked) -> None:
 
 def test_store_without_mask_reads_none_and_keeps_its_manifest(tmp_path) -> None:
     url = tmp_path / "plain.zarr"
-    recs = make_records(3, k=K, vocab=V, seed=1)
-    with CacheWriter.open(url, make_manifest(k=K, vocab_size=V)) as w:
-        w.append(recs)
+    write_store(url, make_records(3, k=K, vocab=V, seed=1), k=K, vocab=V)
     r = CacheReader(url)
     assert r.sequence(0).loss_mask is None and r.rows(0, 2).loss_mask is None
     assert "loss_mask" not in r.sequence(0).to_torch()

@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import format_support
 import google_crc32c
 import numpy as np
 import pytest
@@ -26,9 +25,6 @@ from logitcache.cache_format import (
     MissingDataError,
     validate,
 )
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 SMALL = Layout(row_chunk=8, row_shard=32, token_chunk=16, token_shard=64, seq_chunk=4, seq_shard=8)
 K = 4

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import format_support
 import numpy as np
 import pytest
 from format_support import (
@@ -29,9 +28,6 @@ from format_support import (
 from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord, spec, validate
 from logitcache.cache_format import _pointread as pointread
 from logitcache.cache_format.errors import ChecksumError, CorruptStoreError
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(kw) or "float16")

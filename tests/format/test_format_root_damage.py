@@ -13,7 +13,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import format_support
 import pytest
 from format_support import make_manifest, make_records, s3_client
 from logitcache.cache_format import (
@@ -26,9 +25,6 @@ from logitcache.cache_format import (
 )
 from logitcache.cache_format.layout import INCOMPLETE_ATTR
 from spec_reader import SpecError, SpecStore
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 K, VOCAB = 8, 1000
 

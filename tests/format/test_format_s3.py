@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import format_support
 import numpy as np
 import pytest
 from format_support import (
@@ -25,9 +24,6 @@ from logitcache.cache_format import CacheReader, CacheWriter, WriterLockedError,
 from logitcache.cache_format._lock import ObjectLock
 from logitcache.cache_format.store import open_store
 from test_format_crash import SUPPORT, check_prefix, expected, resume_and_check, run_child
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 
 def test_s3_roundtrip_obstore_and_fsspec(s3_store):

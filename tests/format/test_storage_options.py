@@ -11,16 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import format_support
 import pytest
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheReader, CacheWriter, FormatError
 from logitcache.cache_format.cli import storage_options
 from logitcache.cache_format.store import _obstore_options, normalize_storage_options
 from logitcache.server.serving.caches import CacheRegistry
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 
 @pytest.mark.fast

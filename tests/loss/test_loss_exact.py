@@ -266,6 +266,7 @@ def test_readme_example_runs():
     assert ns["lm_head"].weight.grad is not None and ns["h"].grad.abs().sum() > 0
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_vocab_parallel_heads_equal_one_process():
     """Both heads split unevenly over 2 gloo ranks (V=41: 21 + 20): loss and student grads

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.fast
-
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE_DIR: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
@@ -71,6 +69,7 @@ def test_cache_format_imports_no_heavy_framework_at_import() -> None:
     assert _offenders(module_level, ("torch", "transformers", "logitcache.client")) == []
 
 
+@pytest.mark.subprocess
 def test_protocol_is_light() -> None:
     """The shared protocol imports nothing of ours and no web framework, engine or HTTP client
     (pydantic only), so both sides may import it; its frames media type is the one FORMAT.md
@@ -172,6 +171,7 @@ def test_server_has_no_import_cycle() -> None:
     assert "logitcache.server.engine.protocol" in graph
 
 
+@pytest.mark.subprocess
 def test_engine_package_imports_no_backend_at_import_time() -> None:
     code = (
         "import sys, logitcache.server.engine as e\n"

@@ -6,13 +6,9 @@ unchanged in ``names()``, which then failed, so ``GET /v1/caches`` answered 500 
 
 from __future__ import annotations
 
-import format_support
 from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheWriter
 from logitcache.server.serving.caches import CacheRegistry
-
-s3_endpoint = format_support.s3_endpoint
-s3_store = format_support.s3_store
 
 
 def test_names_lists_s3_caches_with_top_level_region(s3_store) -> None:

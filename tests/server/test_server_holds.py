@@ -32,8 +32,6 @@ import pytest
 from engine_support import FakeEngine, app_settings, in_process
 from server_support import ThreadedServer
 
-pytestmark = pytest.mark.fast
-
 #: Creates a cache with the format library's writer and SIGKILLs itself inside the creation:
 #: before the root ``zarr.json`` is written (argv[2] = -1) or after argv[2] arrays.
 _DIE_CREATING = r"""
@@ -72,6 +70,7 @@ def _killed_while_creating(caches: Path, plan: dict[str, int]) -> None:
         assert p.wait(timeout=120) == -signal.SIGKILL
 
 
+@pytest.mark.subprocess
 def test_stores_killed_during_creation_are_listed_incomplete_then_completed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
