@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -95,7 +96,7 @@ def read(
     out = {}
     for x in kept(opened.manifest):
         jobs = [(x.name, r.start, r.stop) for r in rows]
-        got: list[np.ndarray] = retry(lambda jobs=jobs: stored_values(opened, jobs))
+        got: list[np.ndarray] = retry(partial(stored_values, opened, jobs))
         out[x.name] = [np.asarray(g).view(x.dtype) for g in got]
     return out
 

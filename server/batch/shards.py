@@ -213,7 +213,7 @@ async def score_shard(
 
     def append(batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
         if records is not None:
-            writer.append(records)
+            writer.append(pipeline.for_store(records, manifest))
             done["sequences"] += len(batch.seqs)
             done["tokens"] += batch.tokens
 

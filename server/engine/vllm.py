@@ -577,7 +577,10 @@ class VllmEngine(BaseEngine):
             if not (r.topk_ids[:, k:] == np.asarray(c, np.int32)).all():
                 raise EngineError("vLLM's worker hook answered other ids than the ones asked")
         top = [
-            make_scores(r.topk_ids[:, :k], r.topk_logprobs[:, :k], entropy=r.entropy) for r in rows
+            make_scores(
+                r.topk_ids[:, :k], r.topk_logprobs[:, :k], None, r.entropy, r.actual_logprob
+            )
+            for r in rows
         ]
         top = top if k else []
         return top, [np.ascontiguousarray(r.topk_logprobs[:, k:]) for r in rows]

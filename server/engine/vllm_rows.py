@@ -95,7 +95,7 @@ def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
                 f"vLLM returned prompt logprobs of shape {ids.shape} for a {length}-token "
                 f"prompt at k={k}"
             )
-        return make_scores(ids, lps)
+        return make_scores(ids, lps, actual_logprob=pl.column0_values())  # the prompt's tokens
     if hasattr(pl, "start_indices"):
         ids, lps = rows_from_flat(pl, k, length)
     else:
@@ -131,4 +131,4 @@ def hooked_from_output(
             f"marker for a {length}-token prompt at width {width}: the worker hook did not run "
             "in vLLM's worker (is worker_extension_cls overridden?)"
         )
-    return make_scores(ids, lps, entropy=ent)
+    return make_scores(ids, lps, entropy=ent, actual_logprob=pl.column0_values())

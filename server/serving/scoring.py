@@ -185,6 +185,8 @@ class ScoringService:
                 self.caches.target_manifest(name, with_targets(new, chosen), k=None)
             )
         expected = self.expected_manifest(self.default_k if k is None else k, dataset, temperature)
+        if self.settings.actual_logprob:  # a new top-k cache keeps it (FORMAT.md 4.12)
+            expected = expected.model_copy(update={"actual_logprob": True})
         with broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
