@@ -78,7 +78,8 @@ def as_stored(rec: SequenceRecord, manifest: Manifest) -> SequenceRecord:
         np.asarray(lp, np.float32),
         tail.astype(np.float32),
         entropy=None if ent is None else ent.astype(np.float16),
-        actual_logprob=rec.actual_logprob,  # stored as computed (FORMAT.md 4.12)
+        # stored as computed (FORMAT.md 4.12); a cache without the array answers none
+        actual_logprob=rec.actual_logprob if manifest.actual_logprob else None,
     )
 
 

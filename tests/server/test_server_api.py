@@ -81,6 +81,7 @@ def as_records(body: dict) -> list[SequenceRecord]:
             np.asarray(s["topk_ids"]),
             np.asarray(s["topk_logprobs"], dtype=np.float32),
             np.asarray(s["tail_mass"], dtype=np.float32),
+            actual_logprob=s.get("actual_logprob"),  # FORMAT.md 4.12: rows scored carry it
         )
         for s in body["sequences"]
     ]
