@@ -50,7 +50,7 @@ from ..inputs import records as inputs
 
 if TYPE_CHECKING:
     from ..engine import SampledTargets, TeacherEngine, TeacherScores
-    from ..metrics import Metrics
+    from ..metrics import TeacherMetrics
 
 
 @dataclass
@@ -157,7 +157,7 @@ async def engine_records(
     seqs: Seq[inputs.Sequence],
     k: int,
     *,
-    metrics: Metrics | None = None,
+    metrics: TeacherMetrics | None = None,
     source: str = "job",
     targets: SampledTargets | None = None,
     lazy_tail: bool = False,
@@ -186,7 +186,7 @@ async def hidden_records(
     engine: TeacherEngine,
     seqs: Seq[inputs.Sequence],
     *,
-    metrics: Metrics | None = None,
+    metrics: TeacherMetrics | None = None,
     source: str = "job",
 ) -> list[Any]:
     """The :class:`~logitcache.cache_format.HiddenRecord` of ``seqs`` (FORMAT.md 4.10): one

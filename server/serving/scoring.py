@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
 
     from ..engine import TeacherEngine
-    from ..metrics import Metrics
+    from ..metrics import TeacherMetrics
     from ..settings import ServerSettings
 
 
@@ -90,7 +90,7 @@ class ScoringService:
         engine: TeacherEngine,
         caches: CacheRegistry,
         settings: ServerSettings,
-        metrics: Metrics,
+        metrics: TeacherMetrics,
     ):
         self.engine = engine
         self.caches = caches

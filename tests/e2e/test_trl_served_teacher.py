@@ -13,11 +13,11 @@ the app under real uvicorn (no API key: TRL's client sends none), real zarr cach
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pytest
 from engine_support import full_forward_logprobs
+from logitcache.server.metrics import scraped_total
 from server_support import ThreadedServer, server_settings
 
 pytestmark = pytest.mark.vllm
@@ -34,8 +34,7 @@ def server(vllm_engine, tiny, tmp_path_factory):
 
 def engine_tokens(client) -> float:
     text = client.get("/metrics").text
-    m = re.search(r'^logitcache_tokens_scored_total\{source="score"\} ([0-9.e+-]+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return scraped_total(text, "logitcache_tokens_scored_total", source="score")
 
 
 def test_trl_get_sequence_logprobs_is_served_from_the_cache(

@@ -3,17 +3,17 @@
 
 Real parts: the suite's in-process vLLM engine on the tiny teacher, the real app under real
 uvicorn (``ThreadedServer``), real zarr caches. "No engine work" is read from the engine's own
-counter ``logitcache_tokens_scored_total{source="score"}``.
+counter ``logitcache_tokens_scored_total{source="score",teacher=...}``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pytest
 from logitcache.client import StreamConfig, open_source
+from logitcache.server.metrics import scraped_total
 from server_support import ThreadedServer, server_settings
 
 pytestmark = pytest.mark.vllm
@@ -41,14 +41,12 @@ def seqs(heldout_sequences):
     return [s[:40] for s in heldout_sequences if len(s) >= 12][:5]
 
 
-def metric(client, name: str) -> float:
-    text = client.get("/metrics").text
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+def metric(client, name: str, **labels: str) -> float:
+    return scraped_total(client.get("/metrics").text, name, **labels)
 
 
 def engine_tokens(client) -> float:
-    return metric(client, 'logitcache_tokens_scored_total{source="score"}')
+    return metric(client, "logitcache_tokens_scored_total", source="score")
 
 
 def test_score_hits_misses_and_identical_answers(client, seqs) -> None:
