@@ -256,7 +256,9 @@ def hf_engine(k: int, rows: Any, batch_tokens: int = 8192, rate: float = 0.0) ->
             if with_tail:
                 out.append(tail_from_logprobs(lp32))  # the device's tail mass, the same formula
             top = tuple(torch.from_numpy(a) for a in out)
-            none = (None,) * (int(with_entropy) + int(with_actual))  # no entropy, no actual
-            return (*top, *none)
+            ent = (None,) if with_entropy else ()  # no entropy asked
+            # the actual token's logprob (FORMAT.md 4.12): a value of the row stands in for it
+            act = (torch.from_numpy(lp32[:, -1].copy()),) if with_actual else ()
+            return (*top, *ent, *act)
 
     return HfReplay()
