@@ -159,3 +159,9 @@ def hooked_from_output(
             "in vLLM's worker (is worker_extension_cls overridden?)"
         )
     return make_scores(ids, lps, entropy=ent, actual_logprob=pl.column0_values())
+
+
+def first_columns(rows: TeacherScores, k: int) -> TeacherScores:
+    """``rows``' first ``k`` columns, with their entropy and actual-token logprob."""
+    ids, lps = rows.topk_ids[:, :k], rows.topk_logprobs[:, :k]
+    return make_scores(ids, lps, None, rows.entropy, rows.actual_logprob)
