@@ -25,6 +25,7 @@ import asyncio
 import numpy as np
 import pytest
 from engine_support import full_forward_logprobs
+from logitcache.server.metrics import scraped_total
 from server_support import ThreadedServer, server_settings
 
 pytest.importorskip("trl")
@@ -48,6 +49,10 @@ def two(tiny, tmp_path_factory):
     settings = server_settings(work, "", backend="hf", teachers=teachers, k=8)
     with ThreadedServer(settings, None) as srv:
         yield srv
+
+
+def total(text: str, which: str) -> float:
+    return scraped_total(text, f"logitcache_cache_{which}_total")
 
 
 def student_completion(tiny, prompt: list[int], n: int = 10) -> list[int]:
@@ -225,7 +230,7 @@ def test_server_distillation_trainer_at_its_defaults_gets_the_actual_tokens(
                 checked += 1
     assert checked >= 8
     with two.client() as c:
-        before = {m: total(c.get("/metrics").text, m) for m in ("hits", "misses")}
+        before = {m: total(c.get("/metrics").text, m) for m in ("hits", "misses")}  # all teachers
         seqs, lens, _ = asked[-1]
         again = original(
             sequences=seqs, prompt_lengths=lens, top_logprobs=1, temperature=args.temperature
@@ -233,13 +238,3 @@ def test_server_distillation_trainer_at_its_defaults_gets_the_actual_tokens(
         after = {m: total(c.get("/metrics").text, m) for m in ("hits", "misses")}
     assert after == {"hits": before["hits"] + len(seqs), "misses": before["misses"]}
     assert again["actual_logprobs"] == asked[-1][2]["actual_logprobs"]
-
-
-def total(text: str, which: str) -> float:
-    """The sum of ``logitcache_cache_<which>_total`` over its label sets in a ``/metrics`` page."""
-    name = f"logitcache_cache_{which}_total"
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and line[len(name)] in " {"
-    )
