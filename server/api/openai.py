@@ -12,8 +12,9 @@ Answer, per prompt ``x_0..x_{L-1}``: ``choices[i].prompt_logprobs`` is a list of
 ``{str(token_id): {"logprob", "rank", "decoded_token"}}`` of the teacher's top-``k`` ids for
 ``x_t`` given ``x_<t`` (``k = prompt_logprobs``; rank ``1..k`` by descending logprob; ``-inf`` as
 ``-9999.0`` as vLLM does), plus, as vLLM adds it (its first entry), the actual prompt token
-``x_t`` with its logprob: its top-k rank when it is among them, else rank ``k + 1`` (vLLM gives
-the exact rank there; a top-k cache knows only that it is beyond ``k``). The actual token's
+``x_t`` with its logprob and rank: its rank in the cache's top-``K`` row (``K >= k``, the cache's
+k), else ``K + 1`` (vLLM gives the exact rank there; a top-K cache knows only that it is beyond
+``K``). The actual token's
 logprob comes from the cache's ``actual_logprob`` array (FORMAT.md 4.12, kept by the caches the
 service creates) or from the rows just scored, with no engine work; a cache made without that
 array answers it from the row when the token is in its top-k, else scores the sequence's actual
@@ -29,8 +30,8 @@ ignores it for prompt logprobs); without one, the server's temperature (or a nam
 The cache is ``cache`` (an extra body field, e.g. the ``openai`` client's ``extra_body``), else
 :data:`DEFAULT_CACHE` at the server's temperature and ``DEFAULT_CACHE-t<T>`` at another
 (:func:`~..serving.scoring.default_cache`); a named cache made at another temperature is a 409.
-A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below
-the cache's k is served from it (tail folded, ``cache_hits.fold_k``); above it, the prompts are
+A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below the cache's k is
+served from its rows (their first ``prompt_logprobs`` entries); above it, the prompts are
 scored by the engine and not stored. ``choices[i]`` carries the extra field ``cached`` (bool).
 """
 
@@ -169,17 +170,18 @@ def _entry(lp: float, rank: int, text: str | None) -> dict[str, Any]:
 
 
 def prompt_logprobs(
-    rec: SequenceRecord, decode: _Decoder, actual: np.ndarray
+    rec: SequenceRecord, k: int, decode: _Decoder, actual: np.ndarray
 ) -> list[dict[str, dict] | None]:
-    """vLLM's ``prompt_logprobs`` of one record: ``None``, then per row a dict of the actual
-    next token (``actual``: its logprob per row; rank ``k + 1``) and the top-k, in vLLM's order
-    (the actual token first; a top-k entry of the same id gives it its top-k rank)."""
+    """vLLM's ``prompt_logprobs`` at ``k`` of one record of ``K >= k`` columns: ``None``, then
+    per row a dict of the actual next token (``actual``: its logprob per row; its rank in the
+    record's row, else ``K + 1``) and the top ``k``, in vLLM's order (the actual token first; a
+    top-k entry of the same id gives it its top-k rank and value)."""
     out: list[dict[str, dict] | None] = [None]
-    k = rec.topk_ids.shape[1]
-    top = zip(rec.topk_ids.tolist(), rec.topk_logprobs.tolist(), strict=True)
-    for tok, act, (ids, lps) in zip(rec.labels.tolist(), actual.tolist(), top, strict=True):
-        row = {str(tok): _entry(act, k + 1, decode(tok))}
-        for r, (t, lp) in enumerate(zip(ids, lps, strict=True)):
+    rows = zip(rec.topk_ids.tolist(), rec.topk_logprobs.tolist(), strict=True)
+    for tok, act, (ids, lps) in zip(rec.labels.tolist(), actual.tolist(), rows, strict=True):
+        rank = ids.index(tok) + 1 if tok in ids else len(ids) + 1
+        row = {str(tok): _entry(act, rank, decode(tok))}
+        for r, (t, lp) in enumerate(zip(ids[:k], lps[:k], strict=True)):
             row[str(t)] = _entry(lp, r + 1, decode(t))
         out.append(row)
     return out
@@ -221,6 +223,7 @@ def _body(
     req: CompletionRequest,
     prompts: Seq[str | list[int]],
     served: Served,
+    k: int,
     actual: list[tuple[np.ndarray, np.ndarray | None]],
 ) -> dict[str, Any]:
     tokenizer = getattr(teacher.engine, "tokenizer", None)
@@ -238,7 +241,7 @@ def _body(
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
-                "prompt_logprobs": prompt_logprobs(rec, decode, act),
+                "prompt_logprobs": prompt_logprobs(rec, k, decode, act),
                 "prompt_token_ids": rec.input_ids.tolist() if req.return_token_ids else None,
                 "cached": served.hits is not None and served.hits[i],
             }
@@ -274,14 +277,14 @@ async def _complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
     seqs = await asyncio.to_thread(scoring.checked, _raws(prompts), len(prompts), "prompts")
     scoring.check_answer_size(seqs, k, "completions")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
-    if k <= manifest.k:
-        served = await serving.serve(cache, seqs, k, manifest)
+    if k <= manifest.k:  # whole cached rows: the actual token's rank within them
+        served = await serving.serve(cache, seqs, manifest.k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
         served = await serving.above(seqs, k, manifest.temperature)
     actual = await actual_tokens(
         scoring, seqs, served.records, manifest.temperature, req.approximate
     )
-    return await asyncio.to_thread(_body, teacher, req, prompts, served, actual)
+    return await asyncio.to_thread(_body, teacher, req, prompts, served, k, actual)
 
 
 @router.post(

@@ -174,7 +174,7 @@ def test_openai_client_completions_served_from_the_cache(server, client, seqs, t
     assert first["usage"]["completion_tokens"] == 0
 
     # the same numbers as /v1/score on that cache (top 5 of its k, in order, ranks 1..5), and
-    # first, as vLLM puts it, the actual prompt token: its top-k rank, or rank 6 outside them
+    # first, as vLLM puts it, the actual prompt token: its top-k rank, or its rank beyond them
     ref = client.post("/v1/score", json={"input_ids": seqs[:2], "cache": "oa", "k": 5}).json()
     assert ref["hits"] == 2
     outside = 0
@@ -192,7 +192,10 @@ def test_openai_client_completions_served_from_the_cache(server, client, seqs, t
             assert len(pos) == 5 + (tok not in ids)
             if tok not in ids:
                 outside += 1
-                assert pos[str(tok)]["rank"] == 6 and pos[str(tok)]["logprob"] <= lps[-1] + 1e-3
+                # its rank in the cache's top-8 row, else 9 (vLLM: the exact rank)
+                assert (
+                    6 <= pos[str(tok)]["rank"] <= 9 and pos[str(tok)]["logprob"] <= lps[-1] + 1e-3
+                )
             assert all(isinstance(v["decoded_token"], str) for v in pos.values())
     assert outside > 0  # the case vLLM adds an entry for is exercised
 

@@ -4,8 +4,8 @@ in-process app, fake engine whose distributions are known in closed form).
 vLLM's shape (``vllm/v1/sample/sampler.py::Sampler.gather_logprobs``, vLLM 0.32: per position the
 prompt token's logprob gathered from the same ``log_softmax``, with its rank, then the top-k; the
 prompt-logprob dicts are built in that order, ``vllm/logprobs.py``): the actual token is the
-first entry of each position's dict, with its top-k rank when it is among them; outside them
-this service answers rank ``k + 1`` (vLLM: its exact rank). Caches the service creates keep the
+first entry of each position's dict, with its rank in the cache's top-K row; outside it this
+service answers rank ``K + 1`` (vLLM: its exact rank). Caches the service creates keep the
 value (FORMAT.md 4.12), so a hit costs no engine work; a cache made without it scores the actual
 tokens outside its top-k, or with ``approximate: true`` spreads the row's tail over them."""
 
@@ -82,6 +82,15 @@ def test_new_cache_keeps_the_actual_token_and_a_hit_costs_no_engine_work(tmp_pat
             outside += ranks.count(K + 1)
             assert "approximated" not in b
         assert outside >= 3  # the tokens vLLM adds an entry for are exercised
+        narrow = app.complete(prompt_logprobs=2)  # below the cache's k: ranks from its rows
+        assert app.work() == work
+        for seq, c in zip(SEQS, narrow["choices"], strict=True):
+            got, ranks = actual_of(c, seq)
+            assert ranks == want_ranks(seq)  # e.g. 4: beyond the 2 asked, within the cache's 5
+            np.testing.assert_allclose(got, exact_actual(seq), atol=1e-6)
+            for row in c["prompt_logprobs"][1:]:
+                assert sorted(v["rank"] for v in row.values() if v["rank"] <= 2) == [1, 2]
+                assert len(row) in (2, 3)
         with CacheReader(tmp_path / "caches" / "openai-completions") as r:
             assert r.manifest.actual_logprob is True
             rec = r.sequence(0)
