@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _entropy, fastencode, spec
 from . import _kernels as kernels
+from . import _rowextra, fastencode, spec
 from ._manifest import Manifest
 from .errors import RecordError
 from .quant import F16_MIN, encode_logprobs, row_delta
@@ -47,9 +47,7 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
             key=rec.key,
             index=index,
         )
-    ent = _entropy.encode(rec, manifest, index)  # FORMAT.md 4.9
-    if ent is not None:
-        arrays[spec.ENTROPY] = ent
+    arrays.update(_rowextra.encode(rec, manifest, index))  # FORMAT.md 4.9, 4.12
     assert rec.key is not None  # SequenceRecord.__post_init__ sets the content key
     return Encoded(rec.key, rec.input_ids, arrays)
 
@@ -139,7 +137,7 @@ def encode_batch(
     if all(
         isinstance(r, SequenceRecord) and r.k == k and (mask or r.loss_mask is None)
         for r in records
-    ) and _entropy.batch_matches(records, manifest):
+    ) and _rowextra.batch_matches(records, manifest):
         got = _encode_groups(records, manifest, out)
     if got is None:
         for i, r in enumerate(records):
@@ -150,8 +148,7 @@ def encode_batch(
         arrays[spec.LOSS_MASK] = np.concatenate(
             [np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in records]
         )
-    if manifest.entropy:  # FORMAT.md 4.9
-        arrays[spec.ENTROPY] = np.concatenate([r.entropy for r in records]).astype(np.float16)
+    arrays.update(_rowextra.batch_arrays(records, manifest))  # FORMAT.md 4.9, 4.12
     keys = [r.key for r in records]
     lengths = np.array([r.length for r in records], dtype=np.int64)
     return Batch(keys, lengths, inp, arrays)

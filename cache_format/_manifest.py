@@ -89,6 +89,9 @@ class Manifest(BaseModel):
     entropy: bool = False
     """The store has the row-aligned ``entropy`` array, the teacher's entropy per row in nats
     (FORMAT.md 4.9); set at creation."""
+    actual_logprob: bool = False
+    """The store has the row-aligned ``actual_logprob`` array, each row's logprob of its actual
+    next token (FORMAT.md 4.12); set at creation."""
     key_index: list[dict[str, Any]] | None = None
     """The runs of the on-disk key index (FORMAT.md 4.11), tiling ``[0, num_sequences)``;
     ``None``: the store has none (keys are looked up by hashing them all, :mod:`._keyindex`)."""
@@ -116,8 +119,9 @@ class Manifest(BaseModel):
             from .hidden import check_spec
 
             check_spec(self.hidden, self.k)
-            if self.entropy:  # the rows rebuild the full distribution: nothing to store beside
-                raise ValueError('entropy is for targets "topk" and "sampled", not "hidden"')
+            for flag in ("entropy", "actual_logprob"):  # the rows rebuild the distribution
+                if getattr(self, flag):
+                    raise ValueError(f'{flag} is for targets "topk" and "sampled", not "hidden"')
         if targets == "sampled":
             need = {"method", "draws", "proposal_temperature", "seed"}
             if not isinstance(v, dict) or not need <= set(v) <= need | {"head"}:
@@ -180,8 +184,9 @@ class Manifest(BaseModel):
             doc.pop("num_key_bytes", None)
         if not self.loss_mask:  # stores without a mask keep their exact manifest
             doc.pop("loss_mask", None)
-        if not self.entropy:  # stores without entropy keep their exact manifest
-            doc.pop("entropy", None)
+        for flag in ("entropy", "actual_logprob"):  # stores without keep their exact manifest
+            if not getattr(self, flag):
+                doc.pop(flag, None)
         if self.key_index is None:  # stores without a key index keep their exact manifest
             doc.pop("key_index", None)
         return doc

@@ -27,10 +27,10 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ShardingCodec
 
-from . import _entropy, spec
 from . import _hiddenread as hiddenread
 from . import _idmap as idmap
 from . import _procread as procread
+from . import _rowextra, spec
 from . import _shardread as shardread
 from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
 from ._integrity import checked_get
@@ -441,8 +441,8 @@ class CacheReader:
         if got is None:
             spans = self.read_spans([index.span(i) for i in idx], logprob_dtype)
             got = records_of(index, idx, spans)
-        ent = _entropy.read(self._opened, self._retry, [index.span(i)[0] for i in idx])
-        return _entropy.attach(got, ent)
+        extra = _rowextra.read(self._opened, self._retry, [index.span(i)[0] for i in idx])
+        return _rowextra.attach(got, extra)
 
     def _proc_records(
         self, index: IndexSnapshot, idx: list[int], logprob_dtype: str
@@ -522,7 +522,7 @@ class CacheReader:
                 )
                 rs += n - 1
         spans = [index.range_span(a, b)[0] for a, b in todo]
-        return _entropy.attach(out, _entropy.read(self._opened, self._retry, spans))
+        return _rowextra.attach(out, _rowextra.read(self._opened, self._retry, spans))
 
     def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
         """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).
@@ -538,8 +538,11 @@ class CacheReader:
             got = hiddenread.rows(self._get_open, self._retry, start, stop, logprob_dtype)
             return self._out(got)
         ids, lp, tail, _, mask = self.read_spans([(slice(start, stop), None)], logprob_dtype)[0]
-        ent = _entropy.read(self._opened, self._retry, [slice(start, stop)])
-        return self._out(RowBlock(start, ids, lp, tail, mask, None if ent is None else ent[0]))
+        extra = _rowextra.read(self._opened, self._retry, [slice(start, stop)])
+        block = RowBlock(
+            start, ids, lp, tail, mask, *(_rowextra.first(extra, x.name) for x in _rowextra.EXTRAS)
+        )
+        return self._out(block)
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Global input-token range ``[start, stop)`` of the flat ``input_ids`` array."""

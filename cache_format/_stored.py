@@ -38,6 +38,7 @@ class StoredRecord(LazyKey, SequenceRecord):
             self.tail_mass,
             self.loss_mask,
             self.entropy,
+            self.actual_logprob,
         )
 
 

@@ -148,6 +148,8 @@ def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
         d[spec.LOSS_MASK] = ("uint8", False)
     if m.entropy:
         d[spec.ENTROPY] = ("float16", False)
+    if m.actual_logprob:
+        d[spec.ACTUAL_LOGPROB] = ("float32", False)
     if m.format_version >= 2:
         d[spec.SEQ_KEY_END] = ("int64", False)
         d[spec.SEQ_KEY_BYTES] = ("uint8", False)
@@ -480,6 +482,21 @@ def _check_entropy(
             )
 
 
+def _check_actual(
+    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
+) -> None:
+    """FORMAT.md 4.12: every committed ``actual_logprob`` entry is ``<= 0`` and not NaN
+    (``actual_value``)."""
+    if not m.actual_logprob or spec.ACTUAL_LOGPROB not in arrays:
+        return
+    for b0, b1 in spans:
+        got = _read(arrays, m, report, spec.ACTUAL_LOGPROB, b0, b1)
+        if got is not None:
+            a = np.asarray(got, dtype=np.float32)
+            bad = np.isnan(a) | (a > 0)
+            _flag(report, "actual_value", "actual_logprob NaN or above 0", bad, b0, "row")
+
+
 def _check_tokens(
     arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
 ) -> None:
@@ -555,6 +572,7 @@ def validate(
     _guard(report, _check_rows, arrays, m, report, rows)
     _guard(report, _check_loss_mask, arrays, m, report, masks)
     _guard(report, _check_entropy, arrays, m, report, masks)
+    _guard(report, _check_actual, arrays, m, report, masks)
     _guard(report, _check_tokens, arrays, m, report, tokens)
     return report
 

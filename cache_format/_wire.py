@@ -17,8 +17,9 @@ concatenation of frames; each frame is independent::
 Arrays: ``input_ids`` ``<i4 [T]``, ``topk_ids`` ``<i4 [R, k]``, ``topk_logprobs`` ``<f4`` or
 ``<f2 [R, k]``, optional ``tail_mass`` ``<f4 [R]``, optional ``loss_mask`` ``|u1 [R]`` (FORMAT.md
 4.6; sent when any record has one, the others as all 1), optional ``entropy`` ``<f2 [R]`` (FORMAT.md
-4.9; sent when every record has it, a frame mixing records with and without is refused);
-``T = sum(lengths)``, ``R = T - n``.
+4.9; sent when every record has it, a frame mixing records with and without is refused),
+optional ``actual_logprob`` ``<f4 [R]`` (FORMAT.md 4.12; the same rule); ``T = sum(lengths)``,
+``R = T - n``.
 Record ``i`` owns the ``lengths[i]`` tokens and ``lengths[i] - 1`` rows after those of records
 ``0..i-1``. Decoding returns float32 logprobs. A frame of hidden records (FORMAT.md 4.10) has
 ``input_ids``, ``hidden`` ``<f4 [R, d]`` or ``hidden_bf16`` ``<u2 [R, d]`` (bfloat16 bit
@@ -54,6 +55,7 @@ _ALLOWED = {
     "tail_mass": {"<f4"},
     "loss_mask": {"|u1"},
     "entropy": {"<f2"},
+    "actual_logprob": {"<f4"},
     "hidden": {"<f4"},
     "hidden_bf16": {"<u2"},
 }
@@ -88,6 +90,23 @@ def _hidden_parts(recs: Sequence[Any], dtype: str) -> list[tuple[str, np.ndarray
         part = ("hidden", from_bf16_bits(h) if h.dtype == np.uint16 else h.astype("<f4"))
     inp = np.concatenate([r.input_ids for r in recs]).astype("<i4")
     return [("input_ids", inp), part, *_mask_part(recs)]
+
+
+#: The optional per-row arrays a frame may carry (FORMAT.md 4.9, 4.12) and their wire dtypes.
+_EXTRA_DTYPES = {"entropy": "<f2", "actual_logprob": "<f4"}
+
+
+def _extra_parts(recs: Sequence[Any]) -> list[tuple[str, np.ndarray]]:
+    """The optional per-row arrays every record of a frame has (one some records lack is a
+    :class:`WireFormatError`)."""
+    parts = []
+    for name, dt in _EXTRA_DTYPES.items():
+        have = sum(getattr(r, name) is not None for r in recs)
+        if have not in (0, len(recs)):
+            raise WireFormatError(f"records in one frame must all have {name} or none")
+        if have:
+            parts.append((name, np.concatenate([getattr(r, name) for r in recs]).astype(dt)))
+    return parts
 
 
 def encode_records(
@@ -128,11 +147,7 @@ def encode_records(
                 ("tail_mass", np.concatenate([r.tail_or_computed() for r in recs]).astype("<f4"))
             )
         parts += _mask_part(recs)
-        with_entropy = sum(r.entropy is not None for r in recs)
-        if with_entropy not in (0, len(recs)):
-            raise WireFormatError("records in one frame must all have entropy or none")
-        if with_entropy:
-            parts.append(("entropy", np.concatenate([r.entropy for r in recs]).astype("<f2")))
+        parts += _extra_parts(recs)
     payload = b"".join(np.ascontiguousarray(a).tobytes() for _, a in parts)
     raw_len = len(payload)
     flags = 0
@@ -219,8 +234,8 @@ def _decode_frame(frame: memoryview) -> list[Any]:
         raise WireFormatError("frame array shapes disagree with lengths")
     lp = arrays["topk_logprobs"].astype(np.float32)
     tail = arrays.get("tail_mass")
-    mask, ent = arrays.get("loss_mask"), arrays.get("entropy")
-    for name in ("tail_mass", "loss_mask", "entropy"):
+    mask, ent, act = (arrays.get(x) for x in ("loss_mask", "entropy", "actual_logprob"))
+    for name in ("tail_mass", "loss_mask", *_EXTRA_DTYPES):
         if name in arrays and arrays[name].shape != (total - n,):
             raise WireFormatError(f"frame array {name} shape disagrees with lengths")
     out, t, r = [], 0, 0
@@ -235,6 +250,7 @@ def _decode_frame(frame: memoryview) -> list[Any]:
                 None if tail is None else tail[r : r + L - 1].copy(),
                 None if mask is None else mask[r : r + L - 1].copy(),
                 None if ent is None else ent[r : r + L - 1].astype(np.float32),
+                None if act is None else act[r : r + L - 1].copy(),
             )
         )
         t, r = t + L, r + L - 1

@@ -90,6 +90,7 @@ def _reader(url: str, options: dict[str, object]) -> CacheReader:
 
 def info(url: str, option: OptionList = None, as_json: bool = False) -> None:
     """Print the manifest, sizes and compression ratio of the store at URL."""
+    from . import _rowextra
     from ._manifest import IDENTITY_FIELDS
     from .stats import LOW_COVERAGE, store_stats, tail_summary
 
@@ -127,6 +128,8 @@ def info(url: str, option: OptionList = None, as_json: bool = False) -> None:
     typer.echo(f"{'rows (positions)':<22} {m.num_rows}")
     typer.echo(f"{'tokens':<22} {m.num_tokens}")
     typer.echo(f"{'layout preset':<22} {reader.layout_name}")
+    extras = [x.name for x in _rowextra.kept(m)]  # FORMAT.md 4.9, 4.12
+    typer.echo(f"{'per-row arrays':<22} {', '.join(extras) or 'none'}")
     typer.echo(f"{'stored bytes':<22} {st.total_bytes}")
     typer.echo(
         f"{'bytes/position':<22} {st.bytes_per_position:.1f} "

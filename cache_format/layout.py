@@ -89,6 +89,11 @@ def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) ->
             if manifest.entropy
             else []
         ),
+        *(
+            [rows(spec.ACTUAL_LOGPROB, "float32", layout.other_codec, "float32")]
+            if manifest.actual_logprob
+            else []
+        ),
         per_seq(spec.SEQ_KEYS, "str", "utf8"),
         per_seq(spec.SEQ_LENGTHS, "int32", "int32"),
         per_seq(spec.SEQ_TOKEN_START, "int64", "int64"),
@@ -243,6 +248,7 @@ def committed_lengths(m: Manifest) -> dict[str, int]:
         spec.TAIL_MASS: m.num_rows,
         spec.LOSS_MASK: m.num_rows,
         spec.ENTROPY: m.num_rows,
+        spec.ACTUAL_LOGPROB: m.num_rows,
         spec.INPUT_IDS: m.num_tokens,
         spec.ID_ORDER: m.vocab_size if m.num_rows else 0,
         spec.HIDDEN: m.num_rows,

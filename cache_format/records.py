@@ -133,6 +133,17 @@ def _as_entropy(value: Any, rows: int, key: str | None) -> np.ndarray:
     return arr
 
 
+def _as_actual(value: Any, rows: int, key: str | None) -> np.ndarray:
+    """The logprob of each row's actual next token as float32 ``[rows]``, ``<= 0`` and not NaN
+    (``-inf`` allowed; else RecordError; FORMAT.md 4.12)."""
+    arr = _as_float32("actual_logprob", value, key)
+    if arr.shape != (rows,):
+        raise RecordError(f"actual_logprob must be [L-1={rows}], got {arr.shape}", key=key)
+    if arr.size and (np.isnan(arr).any() or float(arr.max()) > 0.0):
+        raise RecordError("actual_logprob values must be <= 0 and not NaN", key=key)
+    return arr
+
+
 class TopkRows:
     """Sizes derived from a ``topk_ids [rows, k]`` array (shared by every holder of rows, e.g.
     :class:`SequenceRecord` and the server's ``TeacherScores``)."""
@@ -171,7 +182,9 @@ class SequenceRecord(TopkRows):
     ``[L-1]`` float32 or ``None`` (then computed from the logprobs), ``loss_mask`` ``[L-1]``
     uint8 of 0/1 or ``None`` (row ``j`` is trained on iff 1; ``None``: every row is, FORMAT.md
     4.6), ``entropy`` ``[L-1]`` float32 nats or ``None`` (the teacher's entropy per row, FORMAT.md
-    4.9; a reader's record of an ``entropy`` store has it as float16). Construction coerces
+    4.9; a reader's record of an ``entropy`` store has it as float16), ``actual_logprob``
+    ``[L-1]`` float32 or ``None`` (row ``j``'s logprob of its actual next token ``input_ids[j +
+    1]``, FORMAT.md 4.12). Construction coerces
     dtypes and checks shapes (:class:`RecordError`); value checks against a manifest (vocab, k,
     order, NaN) are :func:`check_record`'s job.
     """
@@ -183,6 +196,7 @@ class SequenceRecord(TopkRows):
     tail_mass: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
     entropy: np.ndarray | None = None
+    actual_logprob: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         key = self.key
@@ -205,6 +219,9 @@ class SequenceRecord(TopkRows):
             object.__setattr__(self, "loss_mask", _as_mask(self.loss_mask, rows, key))
         if self.entropy is not None:
             object.__setattr__(self, "entropy", _as_entropy(self.entropy, rows, key))
+        if self.actual_logprob is not None:
+            actual = _as_actual(self.actual_logprob, rows, key)
+            object.__setattr__(self, "actual_logprob", actual)
         object.__setattr__(self, "input_ids", ids)
         object.__setattr__(self, "topk_ids", topk)
         object.__setattr__(self, "topk_logprobs", lp)
@@ -222,6 +239,7 @@ class SequenceRecord(TopkRows):
         tail_mass: np.ndarray | None,
         loss_mask: np.ndarray | None,
         entropy: np.ndarray | None = None,
+        actual_logprob: np.ndarray | None = None,
     ) -> SequenceRecord:
         """A record of arrays that already are what construction would make of them (a reader's
         decoded arrays: int32 ids, float32 or float16 logprobs, float32 tail, uint8 mask, shapes
@@ -236,6 +254,7 @@ class SequenceRecord(TopkRows):
             tail_mass=tail_mass,
             loss_mask=loss_mask,
             entropy=entropy,
+            actual_logprob=actual_logprob,
         )
         return rec
 
@@ -269,6 +288,7 @@ class SequenceRecord(TopkRows):
             (self.tail_mass, other.tail_mass),
             (self.loss_mask, other.loss_mask),
             (self.entropy, other.entropy),
+            (self.actual_logprob, other.actual_logprob),
         ):
             if (mine is None) != (theirs is None):
                 return False
@@ -278,8 +298,8 @@ class SequenceRecord(TopkRows):
 
     def to_torch(self) -> dict[str, Any]:
         """Tensors: input_ids, labels, topk_ids, topk_logprobs, tail_mass (and the key), plus
-        ``loss_mask`` (bool ``[L-1]``) and ``entropy`` (float32 ``[L-1]``) when the record has
-        them.
+        ``loss_mask`` (bool ``[L-1]``), ``entropy`` and ``actual_logprob`` (float32 ``[L-1]``)
+        when the record has them.
 
         Imports torch lazily; ids become int64 (what embedding/gather ops expect).
         """
@@ -295,9 +315,7 @@ class SequenceRecord(TopkRows):
         }
         if self.loss_mask is not None:
             out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
-        if self.entropy is not None:
-            out["entropy"] = torch.from_numpy(self.entropy.astype(np.float32))
-        return out
+        return _with_extras(out, self)
 
 
 @dataclass(frozen=True, eq=False)
@@ -310,6 +328,7 @@ class RowBlock:
     tail_mass: np.ndarray  # [n] float32
     loss_mask: np.ndarray | None = None  # [n] uint8 0/1, loss_mask stores only (FORMAT.md 4.6)
     entropy: np.ndarray | None = None  # [n] float16 nats, entropy stores only (FORMAT.md 4.9)
+    actual_logprob: np.ndarray | None = None  # [n] float32, actual_logprob stores only (4.12)
 
     @property
     def stop(self) -> int:
@@ -326,9 +345,18 @@ class RowBlock:
         }
         if self.loss_mask is not None:
             out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
-        if self.entropy is not None:
-            out["entropy"] = torch.from_numpy(self.entropy.astype(np.float32))
-        return out
+        return _with_extras(out, self)
+
+
+def _with_extras(out: dict[str, Any], rows: Any) -> dict[str, Any]:
+    """``out`` plus the optional per-row arrays ``rows`` has, as float32 tensors."""
+    import torch
+
+    for name in ("entropy", "actual_logprob"):
+        value = getattr(rows, name)
+        if value is not None:
+            out[name] = torch.from_numpy(value.astype(np.float32))
+    return out
 
 
 def _row_pairs(a: np.ndarray, op: Any) -> bool:

@@ -50,6 +50,8 @@ LOGPROB_STEP = "logprob_step"  # [R] float32, quantised dtypes only: quantisatio
 TAIL_MASS = "tail_mass"  # [R] float32 | float16
 LOSS_MASK = "loss_mask"  # [R] uint8 0/1, when manifest.loss_mask: row trained on (FORMAT.md 4.6)
 ENTROPY = "entropy"  # [R] float16 nats, when manifest.entropy: teacher entropy (FORMAT.md 4.9)
+#: [R] float32, when manifest.actual_logprob: the logprob of the row's actual next token (4.12)
+ACTUAL_LOGPROB = "actual_logprob"
 ID_ORDER = "id_order"  # [vocab] int32 permutation (frequency-rank remap), when manifest.id_remap
 SEQ_KEYS = "seq_keys"  # [S] string (UTF-8)
 SEQ_LENGTHS = "seq_lengths"  # [S] int32, L_i >= 2 tokens

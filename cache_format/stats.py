@@ -2,7 +2,8 @@
 
 Raw reference: ``k * (4 + 2)`` bytes per position (int32 ids + float16 logprobs),
 i.e. 600 B at k=100. ``bytes_per_position`` counts every stored byte of the row arrays (ids,
-logprobs, quantisation parameters, tail mass) divided by the committed rows.
+logprobs, quantisation parameters, tail mass, and the optional per-row arrays: loss mask,
+entropy, actual-token logprob) divided by the committed rows.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from zarr.abc.store import Store
 
-from . import spec
+from . import _rowextra, spec
 from ._keyruns import PREFIX
 from ._manifest import Manifest
 from ._zarr_adapter import sync
@@ -30,6 +31,9 @@ ROW_FAMILY = (
     spec.TAIL_MASS,
     spec.HIDDEN,
     spec.HIDDEN_SCALE,
+    spec.LOSS_MASK,
+    spec.ENTROPY,
+    spec.ACTUAL_LOGPROB,
 )
 
 
@@ -75,6 +79,8 @@ def store_stats(zstore: Store, manifest: Manifest) -> StoreStats:
         names += [spec.LOGPROB_MAX, spec.LOGPROB_STEP]
     if manifest.format_version >= 2:
         names += list(spec.KEY_BYTES_ARRAYS)
+    names += [spec.LOSS_MASK] if manifest.loss_mask else []
+    names += [x.name for x in _rowextra.kept(manifest)]  # FORMAT.md 4.9, 4.12
     sizes = {n: int(sync(zstore.getsize_prefix(n + "/"))) for n in names}
     if manifest.key_index is not None:  # its runs lie under seq_keys/ (FORMAT.md 4.11)
         sizes["key_index"] = int(sync(zstore.getsize_prefix(PREFIX)))

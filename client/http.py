@@ -165,6 +165,9 @@ def _parse_scores(response: httpx.Response) -> list[Any]:
             topk_logprobs=np.asarray(s.topk_logprobs, dtype=np.float32),
             tail_mass=np.asarray(s.tail_mass, dtype=np.float32),
             entropy=None if s.entropy is None else np.asarray(s.entropy, dtype=np.float32),
+            actual_logprob=None
+            if s.actual_logprob is None
+            else np.asarray(s.actual_logprob, dtype=np.float32),
         )
         for s in body.sequences
     ]

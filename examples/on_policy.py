@@ -18,23 +18,24 @@ import argparse
 import base64
 import io
 import json
-import re
 from typing import Any
 
 import httpx
 import numpy as np
 import torch
 from logitcache.client.loss import topk_distill_loss
+from logitcache.server.metrics import scraped_total
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = ["def read(path):", "class Queue:", "Return the number of", "import os\n"]
 
 
 def metric(http: httpx.Client, name: str) -> float:
-    """One unlabelled (or ``source="score"``) series of ``/metrics``, 0 if absent."""
+    """A ``/metrics`` series summed over its teachers (``source="score"`` where it has a source),
+    0 if absent."""
     text = http.get("/metrics").text
-    m = re.search(rf'^{name}(?:{{source="score"}})? ([0-9.e+-]+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+    source = {"source": "score"} if "scored" in name or "engine" in name else {}
+    return scraped_total(text, name, **source)
 
 
 def teacher_at(http: httpx.Client, seq: list[int], ids: np.ndarray, model: str | None) -> Any:

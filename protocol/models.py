@@ -247,6 +247,11 @@ class ScoredSequence(ApiModel):
         description="[L-1] the teacher's entropy per row in nats, from its full distribution "
         "(a server run with entropy on; FORMAT.md 4.9); absent otherwise",
     )
+    actual_logprob: list[float] | None = Field(
+        None,
+        description="[L-1] each row's logprob of the sequence's actual next token (rows scored "
+        "now, or read from a cache that keeps them, FORMAT.md 4.12); absent otherwise",
+    )
     cached: bool | None = Field(
         None, description="with a cache: whether this sequence was read from it (no engine work)"
     )

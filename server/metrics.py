@@ -4,14 +4,19 @@ Exposed at ``GET /metrics`` in the Prometheus text format:
 
 * ``logitcache_http_requests_total{method,route,status}`` and
   ``logitcache_http_request_seconds{method,route}`` (latency histogram);
-* ``logitcache_sequences_scored_total{source}`` / ``logitcache_tokens_scored_total{source}``
-  (``source`` = ``score`` for on-demand requests, ``job`` for batch jobs; prompt tokens);
-* ``logitcache_engine_seconds{source}``: latency of one engine call;
+* ``logitcache_sequences_scored_total{source,teacher}`` /
+  ``logitcache_tokens_scored_total{source,teacher}`` (``source`` = ``score`` for on-demand
+  requests, ``job`` for batch jobs; prompt tokens; ``teacher``: the teacher's name, one service
+  may serve several);
+* ``logitcache_engine_seconds{source,teacher}``: latency of one engine call;
 * ``logitcache_jobs{state}``: jobs per state; ``logitcache_job_sequences_done{job}``,
   ``logitcache_job_tokens_done{job}``, ``logitcache_job_tokens_total{job}`` for the running job;
-* ``logitcache_cache_hits_total`` / ``logitcache_cache_misses_total`` (sequences of cache-backed
-  requests answered from the cache / scored), ``logitcache_cache_tokens_saved_total`` (their
-  prompt tokens) and ``logitcache_cache_bytes_served_total`` (in-memory bytes of the hit arrays).
+* ``logitcache_cache_hits_total{teacher}`` / ``logitcache_cache_misses_total{teacher}``
+  (sequences of cache-backed requests answered from the cache / scored),
+  ``logitcache_cache_tokens_saved_total{teacher}`` (their prompt tokens) and
+  ``logitcache_cache_bytes_served_total{teacher}`` (in-memory bytes of the hit arrays).
+
+A teacher's services record through :meth:`Metrics.for_teacher`, which labels them.
 """
 
 from __future__ import annotations
@@ -54,30 +59,40 @@ class Metrics:
             registry=r,
         )
         self.sequences = PCounter(
-            "logitcache_sequences_scored", "sequences scored", ["source"], registry=r
+            "logitcache_sequences_scored", "sequences scored", ["source", "teacher"], registry=r
         )
         self.tokens = PCounter(
-            "logitcache_tokens_scored", "prompt tokens scored", ["source"], registry=r
+            "logitcache_tokens_scored", "prompt tokens scored", ["source", "teacher"], registry=r
         )
         self.engine_seconds = Histogram(
             "logitcache_engine_seconds",
             "latency of one engine score call",
-            ["source"],
+            ["source", "teacher"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.cache_hits = PCounter(
-            "logitcache_cache_hits", "sequences answered from a cache (no engine work)", registry=r
+            "logitcache_cache_hits",
+            "sequences answered from a cache (no engine work)",
+            ["teacher"],
+            registry=r,
         )
         self.cache_misses = PCounter(
-            "logitcache_cache_misses", "sequences of cache-backed requests scored", registry=r
+            "logitcache_cache_misses",
+            "sequences of cache-backed requests scored",
+            ["teacher"],
+            registry=r,
         )
         self.cache_tokens_saved = PCounter(
-            "logitcache_cache_tokens_saved", "prompt tokens answered from a cache", registry=r
+            "logitcache_cache_tokens_saved",
+            "prompt tokens answered from a cache",
+            ["teacher"],
+            registry=r,
         )
         self.cache_bytes_served = PCounter(
             "logitcache_cache_bytes_served",
             "bytes of cached arrays answered (ids, logprobs, tail, tokens; in memory)",
+            ["teacher"],
             registry=r,
         )
         self.job_sequences_done = Gauge(
@@ -90,18 +105,23 @@ class Metrics:
             "logitcache_job_tokens_total", "prompt tokens of a running job", ["job"], registry=r
         )
 
-    def cache_served(self, *, hits: int, misses: int, tokens_saved: int, bytes_served: int) -> None:
-        """Count one cache-backed answer (``server/serving/cache_hits.py``)."""
-        self.cache_hits.inc(hits)
-        self.cache_misses.inc(misses)
-        self.cache_tokens_saved.inc(tokens_saved)
-        self.cache_bytes_served.inc(bytes_served)
+    def for_teacher(self, teacher: str) -> TeacherMetrics:
+        """The scoring and cache counters as teacher ``teacher`` records them (labelled)."""
+        return TeacherMetrics(self, teacher)
 
     def cache_line(self) -> str:
-        """The cache counters in one line (status page): hit rate over cache-backed sequences."""
+        """The cache counters in one line (status page), all teachers together: hit rate over
+        cache-backed sequences."""
+        counters = {
+            "hits": self.cache_hits,
+            "misses": self.cache_misses,
+            "tokens_saved": self.cache_tokens_saved,
+            "bytes_served": self.cache_bytes_served,
+        }
 
         def get(name: str) -> int:
-            return int(self.registry.get_sample_value(f"logitcache_cache_{name}_total") or 0)
+            samples = (s for m in counters[name].collect() for s in m.samples)
+            return int(sum(s.value for s in samples if s.name.endswith("_total")))
 
         hits, misses = get("hits"), get("misses")
         rate = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
@@ -114,11 +134,6 @@ class Metrics:
         """Report ``logitcache_jobs{state}`` from ``counts()`` (state -> jobs) at every scrape."""
         self.registry.register(_JobStateCollector(counts))
 
-    def scored(self, source: str, *, sequences: int, tokens: int, seconds: float) -> None:
-        self.sequences.labels(source).inc(sequences)
-        self.tokens.labels(source).inc(tokens)
-        self.engine_seconds.labels(source).observe(seconds)
-
     def job_progress(self, job: str, *, sequences_done: int, tokens_done: int, total: int) -> None:
         self.job_sequences_done.labels(job).set(sequences_done)
         self.job_tokens_done.labels(job).set(tokens_done)
@@ -130,3 +145,40 @@ class Metrics:
                 g.remove(job)
             except KeyError:
                 pass
+
+
+class TeacherMetrics:
+    """One teacher's view of :class:`Metrics`: its engine calls and cache answers, labelled with
+    its name (``teacher``)."""
+
+    def __init__(self, metrics: Metrics, teacher: str) -> None:
+        self.metrics, self.teacher = metrics, teacher
+
+    def scored(self, source: str, *, sequences: int, tokens: int, seconds: float) -> None:
+        """Count one engine call of ``sequences`` (``tokens`` prompt tokens) for ``source``."""
+        m, t = self.metrics, self.teacher
+        m.sequences.labels(source, t).inc(sequences)
+        m.tokens.labels(source, t).inc(tokens)
+        m.engine_seconds.labels(source, t).observe(seconds)
+
+    def cache_served(self, *, hits: int, misses: int, tokens_saved: int, bytes_served: int) -> None:
+        """Count one cache-backed answer (``server/serving/cache_hits.py``)."""
+        m, t = self.metrics, self.teacher
+        m.cache_hits.labels(t).inc(hits)
+        m.cache_misses.labels(t).inc(misses)
+        m.cache_tokens_saved.labels(t).inc(tokens_saved)
+        m.cache_bytes_served.labels(t).inc(bytes_served)
+
+
+def scraped_total(text: str, name: str, **labels: str) -> float:
+    """The sum of sample ``name`` (e.g. ``logitcache_cache_hits_total``) over every label set of a
+    ``/metrics`` page ``text`` that has ``labels`` (e.g. ``source="score"``): all teachers
+    together unless ``teacher`` is given; 0 when there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )

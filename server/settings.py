@@ -92,6 +92,11 @@ class ServerSettings(BaseSettings):
     """Store each row's teacher entropy (nats, from the full logits at the cache's temperature;
     FORMAT.md 4.9) in the caches the service creates (both backends). A cache whose flag
     differs is refused (409)."""
+    actual_logprob: bool = True
+    """Keep each row's logprob of its actual next token (float32, 4 B per position before
+    compression; FORMAT.md 4.12) in the top-k caches the service creates: ``/v1/completions``
+    answers the prompt's own token from it, as vLLM does, with no engine work on a hit. Caches
+    made without it are served as before (their actual tokens outside the top-k are scored)."""
     teachers: list[TeacherSettings] = Field(default_factory=list)
     """Several teachers behind one service (JSON list of ``{"name", "model", ...}``, see
     :class:`TeacherSettings`); requests route by their ``model``, the first is the default.

@@ -125,7 +125,8 @@ class FakeEngine(BaseEngine):
         for ids in prompts:
             lp = fake_logprobs(ids, self.info.vocab_size, temperature)
             top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
-            out.append(make_scores(top, np.take_along_axis(lp, top, axis=1)))
+            act = lp[np.arange(len(ids) - 1), ids[1:]]  # the prompt's next tokens (4.12)
+            out.append(make_scores(top, np.take_along_axis(lp, top, axis=1), actual_logprob=act))
         return out
 
     async def _generate_ids(

@@ -216,6 +216,8 @@ class SpecStore:
         out["tail_mass"] = self.raw("tail_mass", R).astype(np.float32)
         if m.get("entropy"):  # 4.9: float16 nats per row
             out["entropy"] = self.raw("entropy", R).astype(np.float16)
+        if m.get("actual_logprob"):  # 4.12: float32 per row
+            out["actual_logprob"] = self.raw("actual_logprob", R).astype(np.float32)
         return self._key_bytes(out, S)
 
     def _key_bytes(self, out: dict, S: int) -> dict:

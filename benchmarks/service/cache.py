@@ -15,8 +15,8 @@ sent in requests of ``--batch`` prompts:
    ``max_tokens=0``) through the cache (``server/serving/cache_hits.py``): epoch 1 misses and
    stores, later epochs should hit.
 
-Per epoch: engine seconds (``logitcache_engine_seconds_sum{source="score"}`` delta from
-``/metrics``: time inside engine calls), tokens the engine scored, cache hits, and wall seconds.
+Per epoch: engine seconds (``logitcache_engine_seconds_sum{source="score"}``, all teachers; delta
+from ``/metrics``: time inside engine calls), tokens the engine scored, cache hits, wall seconds.
 Goal: engine time of epochs 2..n < 5% of epoch 1. Identity: every later epoch's
 ``prompt_logprobs`` equal epoch 1's exactly, and epoch 1's top-k ids/logprobs compared with the
 direct scores (exact with ``--logprob-dtype float32``; float16 storage rounds logprobs).
@@ -25,7 +25,6 @@ direct scores (exact with ``--logprob-dtype float32``; float16 storage rounds lo
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -43,17 +42,14 @@ API_KEY = "cache-serve-bench"
 
 def scrape(client: Any) -> dict[str, float]:
     """Engine seconds, engine tokens and cache hits/misses from ``/metrics``."""
+    from logitcache.server.metrics import scraped_total
+
     text = client.get("/metrics").text
-
-    def value(name: str) -> float:
-        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
-
     return {
-        "engine_s": value('logitcache_engine_seconds_sum{source="score"}'),
-        "engine_tokens": value('logitcache_tokens_scored_total{source="score"}'),
-        "hits": value("logitcache_cache_hits_total"),
-        "misses": value("logitcache_cache_misses_total"),
+        "engine_s": scraped_total(text, "logitcache_engine_seconds_sum", source="score"),
+        "engine_tokens": scraped_total(text, "logitcache_tokens_scored_total", source="score"),
+        "hits": scraped_total(text, "logitcache_cache_hits_total"),
+        "misses": scraped_total(text, "logitcache_cache_misses_total"),
     }
 
 
@@ -61,12 +57,14 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in after}
 
 
-def rows_of_completion(choice: dict) -> list[tuple[list[int], list[float]]]:
-    """(top-k ids, logprobs) per row of a vLLM ``prompt_logprobs`` list (``None`` first)."""
-    return [
-        ([int(t) for t in pos], [v["logprob"] for v in pos.values()])
-        for pos in choice["prompt_logprobs"][1:]
-    ]
+def rows_of_completion(choice: dict, k: int) -> list[tuple[list[int], list[float]]]:
+    """(top-k ids, logprobs) per row of a vLLM ``prompt_logprobs`` list (``None`` first): the
+    entries of rank ``<= k`` by rank (without the actual prompt token vLLM adds outside them)."""
+    out = []
+    for pos in choice["prompt_logprobs"][1:]:
+        top = sorted((e for e in pos.items() if e[1]["rank"] <= k), key=lambda e: e[1]["rank"])
+        out.append(([int(t) for t, _ in top], [v["logprob"] for _, v in top]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ids_equal = rows = rows_exact = 0
     max_abs = 0.0
     for choice, want in zip(first, direct, strict=True):
-        for (ids, lps), (wids, wlps) in zip(rows_of_completion(choice), want, strict=True):
+        for (ids, lps), (wids, wlps) in zip(rows_of_completion(choice, args.k), want, strict=True):
             rows += 1
             ids_equal += ids == wids
             rows_exact += ids == wids and lps == wlps

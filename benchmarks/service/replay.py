@@ -228,7 +228,7 @@ def hf_engine(k: int, rows: Any, batch_tokens: int = 8192, rate: float = 0.0) ->
 
     # a tree whose backend hands over no tail mass (an A/B baseline) takes ids and logprobs
     params = inspect.signature(hf._Pending.start).parameters
-    with_tail, with_entropy = "tail" in params, "ent" in params
+    with_tail, with_entropy, with_actual = "tail" in params, "ent" in params, "act" in params
 
     class HfReplay(TransformersEngine):
         def __init__(self) -> None:
@@ -249,13 +249,16 @@ def hf_engine(k: int, rows: Any, batch_tokens: int = 8192, rate: float = 0.0) ->
                 time.sleep(self.ready - now)
             return torch.empty((len(seqs), width, 0))
 
-        def _topk_rows(self, hidden: Any, kk: int, temperature: float) -> tuple[Any, ...]:
+        def _topk_rows(self, hidden: Any, kk: int, temperature: float, *_: Any) -> tuple[Any, ...]:
             ids, lps = rows.take(int(hidden.shape[0]), kk)
             lp32 = lps.astype(np.float32)
             out = [ids.astype(np.int32), lp32]
             if with_tail:
                 out.append(tail_from_logprobs(lp32))  # the device's tail mass, the same formula
             top = tuple(torch.from_numpy(a) for a in out)
-            return (*top, None) if with_entropy else top  # no entropy asked
+            ent = (None,) if with_entropy else ()  # no entropy asked
+            # the actual token's logprob (FORMAT.md 4.12): a value of the row stands in for it
+            act = (torch.from_numpy(lp32[:, -1].copy()),) if with_actual else ()
+            return (*top, *ent, *act)
 
     return HfReplay()

@@ -11,19 +11,27 @@ Answer, per prompt ``x_0..x_{L-1}``: ``choices[i].prompt_logprobs`` is a list of
 ``None`` first (no prediction for ``x_0``), then for position ``t >= 1`` a dict
 ``{str(token_id): {"logprob", "rank", "decoded_token"}}`` of the teacher's top-``k`` ids for
 ``x_t`` given ``x_<t`` (``k = prompt_logprobs``; rank ``1..k`` by descending logprob; ``-inf`` as
-``-9999.0`` as vLLM does). Differences from vLLM, by design of a top-k cache: vLLM also adds the
-actual prompt token ``x_t`` with its rank when it is outside the top-k, and this route cannot
-(the cache holds the top-k and the tail mass only); no token is generated (``max_tokens: 1`` is
-accepted and answered with no completion tokens, ``finish_reason: "length"``); ``logprobs``,
-``stream``, ``n > 1`` and ``prompt_logprobs`` outside ``[1, max_k]`` are a 422.
+``-9999.0`` as vLLM does), plus, as vLLM adds it (its first entry), the actual prompt token
+``x_t`` with its logprob and rank: its rank in the cache's top-``K`` row (``K >= k``, the cache's
+k), else ``K + 1`` (vLLM gives the exact rank there; a top-K cache knows only that it is beyond
+``K``). The actual token's
+logprob comes from the cache's ``actual_logprob`` array (FORMAT.md 4.12, kept by the caches the
+service creates) or from the rows just scored, with no engine work; a cache made without that
+array answers it from the row when the token is in its top-k, else scores the sequence's actual
+tokens (:func:`~..serving.chosen.at_chosen_ids`) unless the request asks ``approximate: true``
+(a logitcache extension): then such a token gets its row's tail mass spread uniformly over the
+``V - k`` ids outside the top-k, and ``choices[i].approximated`` lists those positions. No
+token is generated (``max_tokens: 1`` is accepted and answered with no completion tokens,
+``finish_reason: "length"``); ``logprobs``, ``stream``, ``n > 1`` and ``prompt_logprobs``
+outside ``[1, max_k]`` are a 422.
 
 ``temperature`` is the teacher's: the answer is ``log_softmax(logits / T)`` exactly (vLLM itself
 ignores it for prompt logprobs); without one, the server's temperature (or a named cache's).
 The cache is ``cache`` (an extra body field, e.g. the ``openai`` client's ``extra_body``), else
 :data:`DEFAULT_CACHE` at the server's temperature and ``DEFAULT_CACHE-t<T>`` at another
 (:func:`~..serving.scoring.default_cache`); a named cache made at another temperature is a 409.
-A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below
-the cache's k is served from it (tail folded, ``cache_hits.fold_k``); above it, the prompts are
+A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below the cache's k is
+served from its rows (their first ``prompt_logprobs`` entries); above it, the prompts are
 scored by the engine and not stored. ``choices[i]`` carries the extra field ``cached`` (bool).
 """
 
@@ -35,6 +43,7 @@ import uuid
 from collections.abc import Sequence as Seq
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from logitcache.cache_format import SequenceRecord
@@ -42,9 +51,10 @@ from logitcache.protocol import Temperature, TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidInputError
-from ..inputs.records import RawRecord
+from ..inputs.records import RawRecord, Sequence
 from ..serving.cache_hits import Served
 from ..serving.caches import check_name
+from ..serving.chosen import at_chosen_ids
 from ..serving.scoring import ScoringService
 from ..serving.teachers import Teacher
 from .deps import ERRORS, ServicesDep, TokenText, public_model, teacher_of, with_teacher
@@ -83,6 +93,12 @@ class CompletionRequest(BaseModel):
         None, description="the teacher's temperature: logprobs of log_softmax(logits / T)"
     )
     cache: str | None = Field(None, description="logitcache extension: the cache to serve from")
+    approximate: bool = Field(
+        False,
+        description="logitcache extension: for a cache without actual-token logprobs, an actual "
+        "token outside its row's top-k gets the tail mass spread uniformly (listed in the "
+        "choice's `approximated`) instead of being scored",
+    )
 
 
 def _check(req: CompletionRequest, scoring: ScoringService) -> int:
@@ -133,21 +149,59 @@ def _raws(prompts: list[str | list[int]]) -> list[RawRecord]:
     ]
 
 
-def prompt_logprobs(rec: SequenceRecord, decode: TokenText) -> list[dict[str, dict] | None]:
-    """vLLM's ``prompt_logprobs`` of one record: ``None``, then one top-k dict per row."""
+def _entry(lp: float, rank: int, text: str | None) -> dict[str, Any]:
+    """One vLLM ``Logprob`` (``-inf`` as vLLM clamps it)."""
+    clamped = lp if lp > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+    return {"logprob": clamped, "rank": rank, "decoded_token": text}
+
+
+def prompt_logprobs(
+    rec: SequenceRecord, k: int, decode: TokenText, actual: np.ndarray
+) -> list[dict[str, dict] | None]:
+    """vLLM's ``prompt_logprobs`` at ``k`` of one record of ``K >= k`` columns: ``None``, then
+    per row a dict of the actual next token (``actual``: its logprob per row; its rank in the
+    record's row, else ``K + 1``) and the top ``k``, in vLLM's order (the actual token first; a
+    top-k entry of the same id gives it its top-k rank and value)."""
     out: list[dict[str, dict] | None] = [None]
-    for ids, lps in zip(rec.topk_ids.tolist(), rec.topk_logprobs.tolist(), strict=True):
-        out.append(
-            {
-                str(t): {
-                    "logprob": lp if lp > NEG_INF_LOGPROB else NEG_INF_LOGPROB,
-                    "rank": r + 1,
-                    "decoded_token": decode(t),
-                }
-                for r, (t, lp) in enumerate(zip(ids, lps, strict=True))
-            }
-        )
+    rows = zip(rec.topk_ids.tolist(), rec.topk_logprobs.tolist(), strict=True)
+    for tok, act, (ids, lps) in zip(rec.labels.tolist(), actual.tolist(), rows, strict=True):
+        rank = ids.index(tok) + 1 if tok in ids else len(ids) + 1
+        row = {str(tok): _entry(act, rank, decode(tok))}
+        for r, (t, lp) in enumerate(zip(ids[:k], lps[:k], strict=True)):
+            row[str(t)] = _entry(lp, r + 1, decode(t))
+        out.append(row)
     return out
+
+
+async def actual_tokens(
+    scoring: ScoringService,
+    seqs: Seq[Sequence],
+    records: Seq[SequenceRecord],
+    temperature: float,
+    approximate: bool,
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Per record its rows' logprobs of their actual next tokens and (with ``approximate``) the
+    mask of those spread from the tail: a record's own ``actual_logprob`` when it has one, else
+    through :func:`~..serving.chosen.at_chosen_ids` (module doc)."""
+    todo = [i for i, r in enumerate(records) if r.actual_logprob is None]
+    out: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+    if todo:
+        got = await at_chosen_ids(
+            scoring,
+            [seqs[i] for i in todo],
+            [records[i] for i in todo],
+            [records[i].labels.astype(np.int64)[:, None] for i in todo],
+            [0] * len(todo),
+            temperature,
+            approximate=approximate,
+        )
+        for j, i in enumerate(todo):
+            spread = got.approximated[j] if got.approximated else None
+            out[i] = (got.logprobs[j][:, 0], None if spread is None else spread[:, 0])
+    return [
+        out[i] if i in out else (np.asarray(r.actual_logprob, np.float32), None)
+        for i, r in enumerate(records)
+    ]
 
 
 def _body(
@@ -155,11 +209,14 @@ def _body(
     req: CompletionRequest,
     prompts: Seq[str | list[int]],
     served: Served,
+    k: int,
+    actual: list[tuple[np.ndarray, np.ndarray | None]],
 ) -> dict[str, Any]:
     tokenizer = getattr(teacher.engine, "tokenizer", None)
     decode = TokenText(tokenizer)
     choices = []
     for i, (p, rec) in enumerate(zip(prompts, served.records, strict=True)):
+        act, spread = actual[i]
         text = ""
         if req.echo:
             text = p if isinstance(p, str) else (tokenizer.decode(p) if tokenizer else "")
@@ -170,11 +227,14 @@ def _body(
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
-                "prompt_logprobs": prompt_logprobs(rec, decode),
+                "prompt_logprobs": prompt_logprobs(rec, k, decode, act),
                 "prompt_token_ids": rec.input_ids.tolist() if req.return_token_ids else None,
                 "cached": served.hits is not None and served.hits[i],
             }
         )
+        if req.approximate:  # the positions whose actual token was spread from the tail
+            rows = [] if spread is None else np.flatnonzero(spread).tolist()
+            choices[-1]["approximated"] = [r + 1 for r in rows]
     tokens = sum(int(r.input_ids.shape[0]) for r in served.records)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -198,11 +258,14 @@ async def complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
     seqs = await asyncio.to_thread(scoring.checked, _raws(prompts), len(prompts), "prompts")
     scoring.check_answer_size(seqs, k, "completions")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
-    if k <= manifest.k:
-        served = await serving.serve(cache, seqs, k, manifest)
+    if k <= manifest.k:  # whole cached rows: the actual token's rank within them
+        served = await serving.serve(cache, seqs, manifest.k, manifest)
     else:  # the cache cannot hold this k: scored, not stored
         served = await serving.above(seqs, k, manifest.temperature)
-    return await asyncio.to_thread(_body, teacher, req, prompts, served)
+    actual = await actual_tokens(
+        scoring, seqs, served.records, manifest.temperature, req.approximate
+    )
+    return await asyncio.to_thread(_body, teacher, req, prompts, served, k, actual)
 
 
 @router.post(

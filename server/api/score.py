@@ -73,6 +73,8 @@ def json_chunks(
         }
         if r.entropy is not None:
             seq["entropy"] = r.entropy.astype(np.float64).tolist()
+        if r.actual_logprob is not None:
+            seq["actual_logprob"] = np.maximum(r.actual_logprob, _F32_MIN).tolist()
         if hits is not None:
             seq["cached"] = hits[i]
         text = json.dumps(seq, separators=(",", ":"), allow_nan=False).encode()

@@ -14,8 +14,10 @@ Every sequence is served through the cache exactly as ``/v1/completions`` is
 (``server/serving/cache_hits.py``): hits cost no engine work, misses are scored, stored, answered.
 The cache is ``cache`` (an extra body field), else :data:`DEFAULT_CACHE`.
 
-Limits, by design of a top-k cache: ``input_token_logprobs[t][0]`` is the teacher's logprob of
-the actual token when it is in the top-``k`` row, else ``None`` (never an estimate).
+``input_token_logprobs[t][0]`` is the teacher's logprob of the actual token: from its top-``k``
+row when it is there, else from the cache's ``actual_logprob`` array (FORMAT.md 4.12: the caches
+the service creates keep it) or the rows just scored; a cache made without that array answers
+``None`` for a token outside the top-``k`` (never an estimate).
 ``token_ids_logprob`` (one list of ids, or one per sequence) is answered in
 ``meta_info.input_token_ids_logprobs`` (per position ``None`` or ``[[logprob, id, text], ...]``
 in the asked order) from the sequence's top-``k`` rows when every asked id is in them, else
@@ -136,6 +138,7 @@ def _meta(
     ids = rec.input_ids.tolist()
     rows_ids = rec.topk_ids.tolist()
     rows_lps = rec.topk_logprobs.tolist()
+    actual = None if rec.actual_logprob is None else rec.actual_logprob.tolist()
     at_lps = at[1].tolist() if at is not None else []
     row0 = max(start, 1) - 1
     token: list[list[Any]] = []
@@ -160,7 +163,8 @@ def _meta(
             )
             if mask is not None:
                 spread.append([i for i, m in zip(at[0], mask[t - 1 - row0], strict=True) if m])
-        token.append([_json_lp(row.get(x)), x, decode(x)])
+        lp = row.get(x, None if actual is None else actual[t - 1])
+        token.append([_json_lp(lp), x, decode(x)])
         tops.append(
             [
                 [_json_lp(lp), tid, decode(tid)]

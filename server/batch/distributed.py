@@ -489,13 +489,13 @@ def _final_manifest(
     """The final cache's manifest: the engine's teacher at its ``max_k`` (the server's ``-k``,
     within the vocabulary: the engine applied the range check once, at its configuration); for
     sampled targets ``k = draws`` and the ``sampling`` object (:func:`.targets.with_targets`);
-    with the ``entropy`` setting, the rows' entropy (FORMAT.md 4.9)."""
+    with the ``entropy`` setting, the rows' entropy (FORMAT.md 4.9); top-k rows with the
+    ``actual_logprob`` setting, the actual tokens' logprobs (FORMAT.md 4.12)."""
     top = expected_manifest(
         info, k=info.max_k, logprob_dtype=settings.logprob_dtype, dataset=dataset
     )
-    if settings.entropy:
-        top = top.model_copy(update={"entropy": True})
-    return with_targets(top, targets)
+    flags = {"entropy": settings.entropy, "actual_logprob": settings.actual_logprob and not targets}
+    return with_targets(top.model_copy(update=flags), targets)
 
 
 # --- CLI -----------------------------------------------------------------------------------

@@ -515,12 +515,12 @@ class JobRunner:
 
         def score(seqs: list[inputs.Sequence]) -> Any:
             if handle.manifest.hidden is not None:  # FORMAT.md 4.10
-                return pipeline.hidden_records(scoring.engine, seqs, metrics=self.metrics)
+                return pipeline.hidden_records(scoring.engine, seqs, metrics=scoring.metrics)
             return pipeline.engine_records(
                 scoring.engine,
                 seqs,
                 job.k,
-                metrics=self.metrics,
+                metrics=scoring.metrics,  # labelled with the job's teacher
                 source="job",
                 targets=sampled,
                 lazy_tail=True,  # the writer computes it (pipeline.to_records)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import queue
 import threading
 import time
@@ -42,14 +43,14 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from logitcache.cache_format import SequenceRecord
+from logitcache.cache_format import Manifest, SequenceRecord
 
 from ..engine.protocol import EngineInputError
 from ..inputs import records as inputs
 
 if TYPE_CHECKING:
     from ..engine import SampledTargets, TeacherEngine, TeacherScores
-    from ..metrics import Metrics
+    from ..metrics import TeacherMetrics
 
 
 @dataclass
@@ -111,9 +112,25 @@ def to_records(
             tail_mass=sc.known_tail() if lazy_tail and hasattr(sc, "known_tail") else sc.tail_mass,
             loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/inputs/chat.py)
             entropy=getattr(sc, "entropy", None),  # an engine built with entropy (FORMAT.md 4.9)
+            actual_logprob=getattr(sc, "actual_logprob", None),  # FORMAT.md 4.12
         )
         for s, sc in zip(seqs, scores, strict=True)
     ]
+
+
+def for_store(records: Seq[Any], manifest: Manifest) -> list[Any]:
+    """``records`` as a cache with ``manifest`` keeps them: copies without the actual-token
+    logprob (FORMAT.md 4.12) when the cache has no such array (a cache made without it), the
+    records themselves otherwise."""
+    if manifest.actual_logprob:
+        return list(records)
+    out = []
+    for rec in records:
+        if getattr(rec, "actual_logprob", None) is not None:
+            rec = copy.copy(rec)
+            rec.__dict__["actual_logprob"] = None
+        out.append(rec)
+    return out
 
 
 async def call_engine(
@@ -140,7 +157,7 @@ async def engine_records(
     seqs: Seq[inputs.Sequence],
     k: int,
     *,
-    metrics: Metrics | None = None,
+    metrics: TeacherMetrics | None = None,
     source: str = "job",
     targets: SampledTargets | None = None,
     lazy_tail: bool = False,
@@ -169,7 +186,7 @@ async def hidden_records(
     engine: TeacherEngine,
     seqs: Seq[inputs.Sequence],
     *,
-    metrics: Metrics | None = None,
+    metrics: TeacherMetrics | None = None,
     source: str = "job",
 ) -> list[Any]:
     """The :class:`~logitcache.cache_format.HiddenRecord` of ``seqs`` (FORMAT.md 4.10): one

@@ -63,7 +63,7 @@ class Progress:
         """Append the scored batches of ``items`` in one commit, then advance the progress."""
         scored = [r for _, records in items if records is not None for r in records]
         if scored:
-            self.writer.append(scored)
+            self.writer.append(pipeline.for_store(scored, self.writer.manifest))
             for r in scored:  # live coverage (status page, job status; hidden rows have none)
                 if not hasattr(r, "tail_or_computed"):
                     continue

@@ -213,7 +213,7 @@ async def score_shard(
 
     def append(batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
         if records is not None:
-            writer.append(records)
+            writer.append(pipeline.for_store(records, manifest))
             done["sequences"] += len(batch.seqs)
             done["tokens"] += batch.tokens
 
@@ -299,7 +299,8 @@ def commit(
                 i for i, key in enumerate(reader.keys) if key in wanted and not writer.contains(key)
             ]
             for start in range(0, len(todo), COMMIT_CHUNK):
-                added += writer.append(reader.sequences(todo[start : start + COMMIT_CHUNK]))
+                recs = reader.sequences(todo[start : start + COMMIT_CHUNK])
+                added += writer.append(pipeline.for_store(recs, writer.manifest))
     return added
 
 

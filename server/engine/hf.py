@@ -23,7 +23,9 @@ next call's forward is already queued (benchmarks/results/service_gpu.md).
 
 With ``EngineConfig.entropy`` every row also gets the entropy of its full distribution
 (:func:`~logitcache.cache_format.sampling.row_entropy` of the chunk's ``log_softmax``, FORMAT.md
-4.9), computed in the same chunk while its ``[chunk_rows, V]`` logits exist.
+4.9), computed in the same chunk while its ``[chunk_rows, V]`` logits exist. Top-k rows also
+get each row's logprob of the prompt's next token (FORMAT.md 4.12), gathered from the same
+chunk's logits.
 
 Models whose head does more than a linear map (logit soft-capping or scaling in the config) are
 refused, since the chunked head would silently differ.
@@ -122,24 +124,33 @@ class TransformersEngine(BaseEngine):
 
     # --- compute ----------------------------------------------------------------------------
 
-    def _topk_rows(self, hidden: Any, k: int, temperature: float) -> tuple[Any, Any, Any, Any]:
+    def _topk_rows(
+        self, hidden: Any, k: int, temperature: float, targets: Any = None
+    ) -> tuple[Any, Any, Any, Any, Any]:
         """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk, on
         the device and without a host sync: per chunk ``torch.topk`` of the logits, minus their
         ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer),
         and the rows' tail mass (:func:`_tail`). Returns ``(ids int32, logprobs float32, tail
-        float32, entropy)``: with ``cfg.entropy`` each row's entropy (:func:`row_entropy` of the
-        chunk's full ``log_softmax``, the logits shifted in place), else ``None``."""
+        float32, entropy, actual)``: with ``cfg.entropy`` each row's entropy (:func:`row_entropy`
+        of the chunk's full ``log_softmax``, the logits shifted in place), else ``None``; with
+        ``targets`` (the ``[n]`` next token of each row, on the device) each row's logprob at
+        it (FORMAT.md 4.12), else ``None``."""
         import torch
         from logitcache.cache_format.sampling import row_entropy
 
-        ids_out, lps_out, tails, ent_out = [], [], [], []
-        for h in hidden.split(self.chunk_rows):
+        ids_out, lps_out, tails, ent_out, act_out = [], [], [], [], []
+        parts: list[Any] = [None] * len(hidden.split(self.chunk_rows))
+        if targets is not None:
+            parts = list(targets.split(self.chunk_rows))
+        for h, t in zip(hidden.split(self.chunk_rows), parts, strict=True):
             z = torch.nn.functional.linear(h, self.head_weight, self.head_bias).float()
             if temperature != 1.0:
                 z.div_(temperature)
             v, i = torch.topk(z, k, dim=-1, sorted=True)
             lse = torch.logsumexp(z, dim=-1, keepdim=True)
             v.sub_(lse)
+            if t is not None:
+                act_out.append((z.gather(1, t[:, None]) - lse)[:, 0])
             if self.cfg.entropy:
                 ent_out.append(row_entropy(z.sub_(lse)))
             ids_out.append(i.to(torch.int32))
@@ -147,7 +158,8 @@ class TransformersEngine(BaseEngine):
             tails.append(_tail(v))
             del z
         ent = torch.cat(ent_out) if ent_out else None
-        return torch.cat(ids_out), torch.cat(lps_out), torch.cat(tails), ent
+        act = torch.cat(act_out) if act_out else None
+        return torch.cat(ids_out), torch.cat(lps_out), torch.cat(tails), ent, act
 
     def _sampled_rows(
         self, hidden: Any, key: str, targets: SampledTargets, temperature: float
@@ -236,19 +248,20 @@ class TransformersEngine(BaseEngine):
             if p.event is not None:
                 p.event.synchronize()
             ids, lps, tail = p.ids.numpy(), p.lps.numpy(), p.tail.numpy()
-            ent = None if p.ent is None else p.ent.numpy()
+            ent, act = (None if x is None else x.numpy() for x in (p.ent, p.act))
             start = 0
             for i in p.members:
                 end = start + len(prompts[i]) - 1
-                e = None if ent is None else ent[start:end]
-                out[i] = make_scores(ids[start:end], lps[start:end], tail[start:end], e)
+                e, a = (None if x is None else x[start:end] for x in (ent, act))
+                out[i] = make_scores(ids[start:end], lps[start:end], tail[start:end], e, a)
                 start = end
 
         with self._lock, torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(prompts[i]) - 1] for r, i in enumerate(batch)])
-                top = self._topk_rows(rows, k, temperature)
+                nxt = torch.cat([torch.as_tensor(prompts[i][1:]) for i in batch])
+                top = self._topk_rows(rows, k, temperature, nxt.to(self.device, non_blocking=True))
                 del hidden, rows
                 pending.append(_Pending.start(batch, *top, device=self.device))
                 if len(pending) > 1:
@@ -301,9 +314,13 @@ class TransformersEngine(BaseEngine):
         """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
 
         def both(i: int, hidden: Any) -> tuple[TeacherScores, Any]:
-            tid, tlp, tail, tent = self._topk_rows(hidden, k, temperature)
-            ent = None if tent is None else tent.cpu().numpy()
-            rows = make_scores(tid.cpu().numpy(), tlp.cpu().numpy(), tail.cpu().numpy(), ent)
+            import torch
+
+            nxt = torch.as_tensor(prompts[i][1:]).to(hidden.device)
+            top = self._topk_rows(hidden, k, temperature, nxt)
+            tid, tlp, tail, ent, act = (None if x is None else x.cpu().numpy() for x in top)
+            assert tid is not None and tlp is not None
+            rows = make_scores(tid, tlp, tail, ent, act)
             return rows, self._id_rows(hidden, ids[i], temperature)
 
         out = await asyncio.to_thread(self._forward_rows, prompts, both)
@@ -365,26 +382,26 @@ class _Pending:
     (``None`` on the CPU)."""
 
     def __init__(
-        self, members: list[int], ids: Any, lps: Any, tail: Any, ent: Any, event: Any
+        self, members: list[int], ids: Any, lps: Any, tail: Any, ent: Any, act: Any, event: Any
     ) -> None:
         self.members, self.ids, self.lps, self.tail = members, ids, lps, tail
-        self.ent, self.event = ent, event
+        self.ent, self.act, self.event = ent, act, event
 
     @classmethod
     def start(
-        cls, members: list[int], ids: Any, lps: Any, tail: Any, ent: Any, device: Any
+        cls, members: list[int], ids: Any, lps: Any, tail: Any, ent: Any, act: Any, device: Any
     ) -> _Pending:
         import torch
 
         if device.type != "cuda":
-            return cls(members, ids, lps, tail, ent, None)
+            return cls(members, ids, lps, tail, ent, act, None)
 
         def pinned(t: Any) -> Any:
             if t is None:
                 return None
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-        host_ids, host_lps, host_tail, host_ent = (pinned(t) for t in (ids, lps, tail, ent))
+        h_ids, h_lps, h_tail, h_ent, h_act = (pinned(t) for t in (ids, lps, tail, ent, act))
         event = torch.cuda.Event(blocking=True)
         event.record()
-        return cls(members, host_ids, host_lps, host_tail, host_ent, event)
+        return cls(members, h_ids, h_lps, h_tail, h_ent, h_act, event)

@@ -121,6 +121,9 @@ class TeacherScores(TopkRows):
     entropy: np.ndarray | None = None
     """``[L-1]`` float32: the entropy in nats of each row's full distribution at the call's
     temperature, from an engine built with ``EngineConfig.entropy`` (else ``None``)."""
+    actual_logprob: np.ndarray | None = None
+    """``[L-1]`` float32: row ``j``'s logprob of the prompt's token ``j + 1`` at the call's
+    temperature (FORMAT.md 4.12), from the pass that made the rows (``None``: not computed)."""
 
     @property
     def tail_mass(self) -> np.ndarray:
@@ -269,16 +272,19 @@ def make_scores(
     topk_logprobs: np.ndarray,
     tail_mass: np.ndarray | None = None,
     entropy: np.ndarray | None = None,
+    actual_logprob: np.ndarray | None = None,
 ) -> TeacherScores:
     """Wrap ``[rows, k]`` arrays (cast to int32/float32; rows contiguous, as
     :func:`~logitcache.cache_format.records.rows_array` keeps them) and add the tail mass:
     ``tail_mass`` (float32 ``[rows]``, the format's formula computed where the rows were made,
     e.g. on the device) or else :func:`~logitcache.cache_format.records.tail_from_logprobs` at
-    its first use; ``entropy``: the rows' entropy (float32 ``[rows]``), if computed."""
+    its first use; ``entropy``: the rows' entropy, ``actual_logprob``: the logprob of each row's
+    actual next token (float32 ``[rows]`` each), if computed."""
     ids = rows_array(topk_ids, np.int32)
     lps = rows_array(topk_logprobs, np.float32)
     ent = None if entropy is None else np.ascontiguousarray(entropy, dtype=np.float32)
-    scores = TeacherScores(topk_ids=ids, topk_logprobs=lps, entropy=ent)
+    act = None if actual_logprob is None else np.ascontiguousarray(actual_logprob, np.float32)
+    scores = TeacherScores(topk_ids=ids, topk_logprobs=lps, entropy=ent, actual_logprob=act)
     if tail_mass is not None:
         tail = np.asarray(tail_mass, dtype=np.float32)
         if tail.shape != (ids.shape[0],):

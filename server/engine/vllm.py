@@ -79,9 +79,8 @@ from .protocol import (
     EngineUnavailableError,
     SampledTargets,
     TeacherScores,
-    make_scores,
 )
-from .vllm_rows import hooked_from_output, scores_from_output
+from .vllm_rows import first_columns, hooked_from_output, scores_from_output
 
 _DEFAULT_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
 
@@ -568,10 +567,7 @@ class VllmEngine(BaseEngine):
         for r, c in zip(rows, ids, strict=True):
             if not (r.topk_ids[:, k:] == np.asarray(c, np.int32)).all():
                 raise EngineError("vLLM's worker hook answered other ids than the ones asked")
-        top = [
-            make_scores(r.topk_ids[:, :k], r.topk_logprobs[:, :k], entropy=r.entropy) for r in rows
-        ]
-        top = top if k else []
+        top = [first_columns(r, k) for r in rows] if k else []
         return top, [np.ascontiguousarray(r.topk_logprobs[:, k:]) for r in rows]
 
     async def _generate_hidden(self, prompts: list[list[int]]) -> list[Any]:

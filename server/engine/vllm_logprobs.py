@@ -111,6 +111,13 @@ class TensorPromptLogprobs:
         ids = np.concatenate([c[:, -1] for c in self.token_ids], dtype=np.int64)
         return ids, np.concatenate([c[:, -1] for c in self.logprobs], dtype=np.float32)
 
+    def column0_values(self) -> np.ndarray:
+        """The engine core's column 0 values of every row (float32 ``[L-1]``): the logprob of
+        the row's next prompt token (vLLM's, and the worker hook's)."""
+        if not self.logprobs:
+            return np.empty(0, np.float32)
+        return np.concatenate([c[:, 0] for c in self.logprobs], dtype=np.float32)
+
     def column0(self) -> np.ndarray:
         """The engine core's column 0 of every row (int64 ``[L-1]``)."""
         if not self.token_ids:

@@ -36,6 +36,15 @@ def rows_from_flat(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarr
     Fast path (vLLM 0.32's layout, see the module docstring): reshape the flat lists to
     ``[L-1, k+1]`` and drop column 0. Anything else goes through :func:`rows_from_dicts`.
     """
+    full = _flat_columns(flat, k, length)
+    if full is None:
+        return rows_from_dicts(list(flat), k, length)
+    return full[0][:, 1:], full[1][:, 1:]
+
+
+def _flat_columns(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ``[L-1, k+1]`` ids and logprobs of a ``FlatLogprobs`` in vLLM 0.32's layout (column
+    0: the prompt's tokens), or ``None`` for another layout."""
     starts = flat.start_indices
     n = len(starts)
     if n != length:
@@ -53,12 +62,28 @@ def rows_from_flat(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarr
         en = np.asarray(flat.end_indices, dtype=np.int64)
         regular = bool(np.all(en[1:] - st[1:] == w)) and bool(np.all(st[2:] == en[1:-1]))
     if not regular:
-        return rows_from_dicts(list(flat), k, length)
+        return None
     # array.array reads a list of Python ints/floats ~20% faster than np.asarray (no per-item
     # type dispatch); the [:, 1:] slices are copied to contiguous int32/float32 by make_scores
-    ids = np.frombuffer(array.array("q", flat.token_ids), dtype=np.int64).reshape(m, w)[:, 1:]
-    lps = np.frombuffer(array.array("d", flat.logprobs), dtype=np.float64).reshape(m, w)[:, 1:]
+    ids = np.frombuffer(array.array("q", flat.token_ids), dtype=np.int64).reshape(m, w)
+    lps = np.frombuffer(array.array("d", flat.logprobs), dtype=np.float64).reshape(m, w)
     return ids, lps
+
+
+def actual_from_dicts(
+    positions: Sequence[dict[int, Any] | None], prompt: Sequence[int] | None
+) -> np.ndarray | None:
+    """Each row's logprob of the prompt's next token from vLLM's per-position dicts (vLLM adds
+    the prompt token to every position), or ``None`` without the prompt or such an entry."""
+    if prompt is None or len(positions) != len(prompt):
+        return None
+    out = np.empty(len(prompt) - 1, np.float32)
+    for j, pos in enumerate(positions[1:]):
+        lp = (pos or {}).get(prompt[j + 1])
+        if lp is None:
+            return None
+        out[j] = lp.logprob
+    return out
 
 
 def rows_from_dicts(
@@ -95,12 +120,14 @@ def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
                 f"vLLM returned prompt logprobs of shape {ids.shape} for a {length}-token "
                 f"prompt at k={k}"
             )
-        return make_scores(ids, lps)
-    if hasattr(pl, "start_indices"):
-        ids, lps = rows_from_flat(pl, k, length)
-    else:
-        ids, lps = rows_from_dicts(pl, k, length)
-    return make_scores(ids, lps)
+        return make_scores(ids, lps, actual_logprob=pl.column0_values())  # the prompt's tokens
+    full = _flat_columns(pl, k, length) if hasattr(pl, "start_indices") else None
+    if full is not None:
+        return make_scores(full[0][:, 1:], full[1][:, 1:], actual_logprob=full[1][:, 0])
+    positions = list(pl)
+    ids, lps = rows_from_dicts(positions, k, length)
+    act = actual_from_dicts(positions, getattr(output, "prompt_token_ids", None))
+    return make_scores(ids, lps, actual_logprob=act)
 
 
 def hooked_from_output(
@@ -131,4 +158,10 @@ def hooked_from_output(
             f"marker for a {length}-token prompt at width {width}: the worker hook did not run "
             "in vLLM's worker (is worker_extension_cls overridden?)"
         )
-    return make_scores(ids, lps, entropy=ent)
+    return make_scores(ids, lps, entropy=ent, actual_logprob=pl.column0_values())
+
+
+def first_columns(rows: TeacherScores, k: int) -> TeacherScores:
+    """``rows``' first ``k`` columns, with their entropy and actual-token logprob."""
+    ids, lps = rows.topk_ids[:, :k], rows.topk_logprobs[:, :k]
+    return make_scores(ids, lps, None, rows.entropy, rows.actual_logprob)

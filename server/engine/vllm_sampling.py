@@ -30,8 +30,10 @@ scoring, ``experiments/vllm_sampling.py``).
   (:func:`~logitcache.cache_format.sampling.row_entropy`, FORMAT.md 4.9).
 
 The request's prompt-logprob tensors then hold ``[L - 1, width + 1]``: column 0 the marker id
-:data:`MARK` (``-1``; vLLM puts the prompt token there), columns ``1..width`` the row's ids and
-their logprobs (log-weights for samples). Every other request takes vLLM's own code unchanged.
+:data:`MARK` (``-1``; vLLM puts the prompt token there) with, as its value, the row's logprob of
+the prompt's next token (``lp`` at it, as vLLM's own column 0; FORMAT.md 4.12; 0 for hidden
+states), columns ``1..width`` the row's ids and their logprobs (log-weights for samples).
+Every other request takes vLLM's own code unchanged.
 Only ``width + 1`` values per position leave the worker, as in vLLM's own top-k.
 
 The wrapper must be installed in the process that runs the model runner. The engine names
@@ -90,31 +92,37 @@ def _spec(request: Any) -> dict[str, Any] | None:
     return {**(sampled if isinstance(sampled, dict) else {}), "T": t, "entropy": ent}
 
 
-def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int) -> Any:
-    """``(ids, logprobs, entropy)`` CPU tensors of one chunk's hidden states: ``[n, width]``
-    (see the module docstring: sampled rows with ``draws`` in ``spec``, else the top
-    ``width``) and, when ``spec`` asks for it, the rows' entropy ``[n]`` (else ``None``)."""
-    ids, lps, lp = _values(runner, spec, hidden, start, width)
+def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int, nxt: Any) -> Any:
+    """``(ids, logprobs, entropy, actual)`` CPU tensors of one chunk's hidden states: ``[n,
+    width]`` (see the module docstring: sampled rows with ``draws`` in ``spec``, else the top
+    ``width``), when ``spec`` asks for it the rows' entropy ``[n]`` (else ``None``), and the
+    rows' logprob at their next prompt token ``nxt`` (``[n]``; ``None`` for hidden states)."""
+    ids, lps, lp, act = _values(runner, spec, hidden, start, width, nxt)
     if not spec.get("entropy") or lp is None:
-        return ids, lps, None
+        return ids, lps, None, act
     from logitcache.cache_format.sampling import row_entropy
 
-    return ids, lps, row_entropy(lp.float()).to("cpu")
+    return ids, lps, row_entropy(lp.float()).to("cpu"), act
 
 
-def _values(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int) -> Any:
-    """``(ids, logprobs)`` of :func:`_rows` and the chunk's full ``lp``."""
+def _values(
+    runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int, nxt: Any
+) -> Any:
+    """``(ids, logprobs)`` of :func:`_rows`, the chunk's full ``lp`` and its values at
+    ``nxt``."""
     import torch
     from logitcache.cache_format.sampling import sample_rows, seeded_uniforms
 
     if "hidden" in spec:  # the states the head turns into logits (FORMAT.md 4.10)
         d = int(hidden.shape[1])
         ids = torch.arange(d, dtype=torch.int32).expand(int(hidden.shape[0]), d)
-        return ids, hidden.to("cpu", torch.float32), None
+        return ids, hidden.to("cpu", torch.float32), None, None
     logits = runner.model.compute_logits(hidden)
     if spec["T"] != 1.0:
         logits = logits.to(torch.float32) / spec["T"]
     lp = runner.sampler.compute_logprobs(logits)
+    at = torch.as_tensor(nxt, dtype=torch.long, device=lp.device)[:, None]
+    act = lp.gather(1, at)[:, 0].to("cpu", torch.float32)  # FORMAT.md 4.12
     if "ids" in spec:
         idx = torch.as_tensor(spec["ids"], dtype=torch.long, device=lp.device)
         ids_out = idx.expand(lp.shape[0], -1)
@@ -122,14 +130,14 @@ def _values(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: i
         if spec["k"]:  # the top k first, then the chosen ids
             values, top = torch.topk(lp, spec["k"], dim=-1)
             ids_out, lps_out = torch.cat([top, ids_out], 1), torch.cat([values, lps_out], 1)
-        return ids_out.to("cpu", torch.int32), lps_out.to("cpu", torch.float32), lp
+        return ids_out.to("cpu", torch.int32), lps_out.to("cpu", torch.float32), lp, act
     if "draws" not in spec:
         values, ids = torch.topk(lp, width, dim=-1)
-        return ids.to("cpu", torch.int32), values.to("cpu", torch.float32), lp
+        return ids.to("cpu", torch.int32), values.to("cpu", torch.float32), lp, act
     draws = int(spec["draws"])
     u = seeded_uniforms(int(spec["seed"]), start + int(hidden.shape[0]), draws)[start:]
     ids_np, lw = sample_rows(lp, u, float(spec["tau"]), k=width, head=int(spec.get("head", 0)))
-    return torch.from_numpy(ids_np), torch.from_numpy(lw), lp
+    return torch.from_numpy(ids_np), torch.from_numpy(lw), lp, act
 
 
 def _width(spec: dict[str, Any], k: int) -> int:
@@ -181,11 +189,13 @@ def _hooked_chunks(
         if n <= 0:
             continue
         offset = runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]].item()
-        ids, lps, ent = _rows(runner, spec, hidden_states[offset : offset + n], start, width)
+        nxt = request.prompt_token_ids[start + 1 : start + 1 + n]
+        chunk = hidden_states[offset : offset + n]
+        ids, lps, ent, act = _rows(runner, spec, chunk, start, width, nxt)
         part = slice(start, start + n)
         tensors.logprob_token_ids[part, 0] = MARK
         tensors.logprob_token_ids[part, 1 : width + 1] = ids
-        tensors.logprobs[part, 0] = 0.0
+        tensors.logprobs[part, 0] = 0.0 if act is None else act
         tensors.logprobs[part, 1 : width + 1] = lps
         if ent is not None:
             tensors.logprob_token_ids[part, width + 1] = MARK

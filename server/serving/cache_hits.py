@@ -78,6 +78,8 @@ def as_stored(rec: SequenceRecord, manifest: Manifest) -> SequenceRecord:
         np.asarray(lp, np.float32),
         tail.astype(np.float32),
         entropy=None if ent is None else ent.astype(np.float16),
+        # stored as computed (FORMAT.md 4.12); a cache without the array answers none
+        actual_logprob=rec.actual_logprob if manifest.actual_logprob else None,
     )
 
 
@@ -87,7 +89,7 @@ def checked_as_stored(
     """``records`` as stored (:func:`as_stored`); with ``check``, after the writer's own checks
     of each (``encode_record``: a bad record raises before anything is queued for the cache, so
     a rejected request fails no other request's commit and creates no cache)."""
-    for i, rec in enumerate(records if check else ()):
+    for i, rec in enumerate(pipeline.for_store(records, manifest) if check else ()):
         encode_record(rec, manifest, i)
     return [as_stored(rec, manifest) for rec in records]
 
@@ -110,6 +112,7 @@ def fold_k(rec: SequenceRecord, k: int) -> SequenceRecord:
         np.ascontiguousarray(rec.topk_logprobs[:, :k]),
         tail.astype(np.float32),
         entropy=rec.entropy,  # of the full distribution: no k changes it
+        actual_logprob=rec.actual_logprob,  # likewise
     )
 
 
@@ -261,7 +264,8 @@ class CacheServing:
                 ),
             )
         as_kept = await asyncio.to_thread(checked_as_stored, scored, manifest, store)
-        stored = await self.commits.append(ticket, manifest, scored if store else [])
+        kept = pipeline.for_store(scored, manifest) if store else []
+        stored = await self.commits.append(ticket, manifest, kept)
         out: list[SequenceRecord | None] = [None] * len(seqs)
         for i, rec in found.items():
             out[i] = fold_k(rec, k)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
 
     from ..engine import TeacherEngine
-    from ..metrics import Metrics
+    from ..metrics import TeacherMetrics
     from ..settings import ServerSettings
 
 
@@ -90,7 +90,7 @@ class ScoringService:
         engine: TeacherEngine,
         caches: CacheRegistry,
         settings: ServerSettings,
-        metrics: Metrics,
+        metrics: TeacherMetrics,
     ):
         self.engine = engine
         self.caches = caches
@@ -185,6 +185,8 @@ class ScoringService:
                 self.caches.target_manifest(name, with_targets(new, chosen), k=None)
             )
         expected = self.expected_manifest(self.default_k if k is None else k, dataset, temperature)
+        if self.settings.actual_logprob:  # a new top-k cache keeps it (FORMAT.md 4.12)
+            expected = expected.model_copy(update={"actual_logprob": True})
         with broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it

@@ -218,7 +218,10 @@ class TeacherPool:
         yield (
             teacher,
             ScoringService(
-                engine=engine, caches=self.caches, settings=teacher.settings, metrics=self.metrics
+                engine=engine,
+                caches=self.caches,
+                settings=teacher.settings,
+                metrics=self.metrics.for_teacher(teacher.name),
             ),
         )
 
@@ -276,7 +279,10 @@ class TeacherPool:
             teacher.state = "unloaded"
             raise
         scoring = ScoringService(
-            engine=engine, caches=self.caches, settings=teacher.settings, metrics=self.metrics
+            engine=engine,
+            caches=self.caches,
+            settings=teacher.settings,
+            metrics=self.metrics.for_teacher(teacher.name),
         )
         teacher.engine, teacher.scoring, teacher.serving = engine, scoring, CacheServing(scoring)
         teacher.known = Known(engine.info, getattr(engine, "tokenizer", None))

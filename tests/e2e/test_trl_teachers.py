@@ -26,6 +26,7 @@ from importlib.util import find_spec
 import numpy as np
 import pytest
 from engine_support import full_forward_logprobs
+from logitcache.server.metrics import scraped_total
 from server_support import ThreadedServer, server_settings
 
 # Checked, not imported: TRL and aiohttp load in the tests that use them, not at collection.
@@ -51,6 +52,10 @@ def two(tiny, tmp_path_factory):
     settings = server_settings(work, "", backend="hf", teachers=teachers, k=8)
     with ThreadedServer(settings, None) as srv:
         yield srv
+
+
+def total(text: str, which: str) -> float:
+    return scraped_total(text, f"logitcache_cache_{which}_total")
 
 
 def student_completion(tiny, prompt: list[int], n: int = 10) -> list[int]:
@@ -161,3 +166,80 @@ def test_server_distillation_trainer_steps_against_the_second_teacher(two, tiny,
         after = c.get("/v1/caches/openai-completions-tiny-b-t0.7").json()
     assert after["manifest"]["temperature"] == T  # TRL's temperature reached the teacher
     assert after["num_rows"] > before  # the student's completions were scored into it
+
+
+def test_server_distillation_trainer_at_its_defaults_gets_the_actual_tokens(
+    two, tiny, tmp_path
+) -> None:
+    """TRL's defaults (``beta=1.0``, ``loss_top_k=1``: reverse KL on the sampled token) need the
+    teacher's logprob of every completion token, which TRL reads from the token's own entry in
+    vLLM's ``prompt_logprobs`` (``VLLMClient._format_sequence_logprobs``; ``-inf`` when absent
+    fails the step). The service answers it from the cache's ``actual_logprob`` array (FORMAT.md
+    4.12): every value TRL trained on equals a plain transformers forward at TRL's temperature,
+    and a repeated request is served with no engine work."""
+    from datasets import Dataset
+    from trl.experimental.server_distillation import (
+        ServerDistillationConfig,
+        ServerDistillationTrainer,
+    )
+
+    args = ServerDistillationConfig(
+        output_dir=str(tmp_path / "out"),
+        teacher_model_server_url=f"{two.url}/teachers/tiny-a",
+        max_steps=2,
+        per_device_train_batch_size=2,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+    )
+    assert (args.beta, args.loss_top_k) == (1.0, 1)  # TRL's defaults, untouched
+    trainer = ServerDistillationTrainer(
+        model=str(tiny.student_dir),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["def read(path):", "class Queue:"] * 2}),
+        processing_class=tiny.load_tokenizer(),
+    )
+    asked: list[tuple[list, list, dict]] = []
+    client = trainer.teacher_client
+    original = client.get_sequence_logprobs
+
+    def recorded(sequences, prompt_lengths, **kw):
+        out = original(sequences=sequences, prompt_lengths=prompt_lengths, **kw)
+        asked.append((sequences, prompt_lengths, out))
+        return out
+
+    client.get_sequence_logprobs = recorded
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(np.isfinite(losses)), trainer.state.log_history
+    assert len(asked) == 2
+    checked = 0
+    for sequences, prompt_lengths, out in asked:
+        for seq, p, actual, top_ids, top_lps in zip(
+            sequences,
+            prompt_lengths,
+            out["actual_logprobs"],
+            out["logprob_token_ids"],
+            out["logprobs"],
+            strict=True,
+        ):
+            ref = full_forward_logprobs(str(tiny.teacher_dir), seq, temperature=args.temperature)
+            for j, t in enumerate(range(p, len(seq))):  # position t: the row t - 1
+                row = ref[t - 1]
+                np.testing.assert_allclose(actual[j][0], row[seq[t]], atol=2e-4)
+                assert top_ids[j][0] == int(np.argmax(row))
+                np.testing.assert_allclose(top_lps[j][0], row.max(), atol=2e-3)  # float16 cache
+                checked += 1
+    assert checked >= 8
+    with two.client() as c:
+        before = {m: total(c.get("/metrics").text, m) for m in ("hits", "misses")}  # all teachers
+        seqs, lens, _ = asked[-1]
+        again = original(
+            sequences=seqs, prompt_lengths=lens, top_logprobs=1, temperature=args.temperature
+        )
+        after = {m: total(c.get("/metrics").text, m) for m in ("hits", "misses")}
+    assert after == {"hits": before["hits"] + len(seqs), "misses": before["misses"]}
+    assert again["actual_logprobs"] == asked[-1][2]["actual_logprobs"]

@@ -24,6 +24,7 @@ CASES = {
     "uint8-remap-tiny": (dict(logprob_dtype="uint8", id_remap=True), TINY),
     "uint16-tiny": (dict(logprob_dtype="uint16"), TINY),
     "float16-entropy-tiny": (dict(entropy=True), TINY),
+    "float16-actual-tiny": (dict(actual_logprob=True), TINY),
 }
 
 
@@ -51,6 +52,9 @@ def _compare(path: Path) -> dict:
     assert np.array_equal(spec["tail_mass"].view(np.uint32), block.tail_mass.view(np.uint32))
     if block.entropy is not None:  # FORMAT.md 4.9
         assert np.array_equal(spec["entropy"].view(np.uint16), block.entropy.view(np.uint16))
+    if block.actual_logprob is not None:  # FORMAT.md 4.12
+        got = block.actual_logprob.view(np.uint32)
+        assert np.array_equal(spec["actual_logprob"].view(np.uint32), got)
     assert np.array_equal(spec["input_ids"], r.tokens(0, r.num_tokens))
     for i in (0, r.num_sequences - 1):
         s = r.sequence(i)
@@ -67,6 +71,9 @@ def test_spec_reader_matches_project_reader(tmp_path, case):
     if over.get("entropy"):
         rng = np.random.default_rng(3)
         recs = [replace(r, entropy=rng.uniform(0, 5, r.num_rows)) for r in recs]
+    if over.get("actual_logprob"):
+        rng = np.random.default_rng(4)
+        recs = [replace(r, actual_logprob=-rng.uniform(0, 9, r.num_rows)) for r in recs]
     with CacheWriter.open(url, make_manifest(k=5, vocab_size=300, **over), layout=layout) as w:
         w.append(recs[:6])
         w.append(recs[6:])

@@ -101,3 +101,36 @@ def test_distributed_targets_keep_the_entropy_flag(tmp_path, tiny) -> None:
     assert shards.check_target(url, plain, None) == frozenset()
     with pytest.raises(ManifestMismatchError, match="entropy"):
         shards.check_target(url, plain.model_copy(update={"entropy": True}), None)
+
+
+def test_distributed_keeps_the_actual_token_and_commits_into_a_cache_without_it(
+    tmp_path, tiny
+) -> None:
+    """``logitcache-distributed``: a top-k run's final manifest keeps the actual tokens'
+    logprobs (FORMAT.md 4.12) with the setting; staged rows that have them commit into an
+    existing cache made without the array (the values are not kept there)."""
+    from dataclasses import replace
+
+    from format_support import make_manifest, make_records
+    from logitcache.server.batch import shards
+    from logitcache.server.batch.distributed import _final_manifest
+    from logitcache.server.engine.config import engine_config, planned_info
+
+    for on in (True, False):
+        settings = server_settings(tmp_path, str(tiny.teacher_dir), backend="hf", actual_logprob=on)
+        info = planned_info(engine_config(settings))
+        assert _final_manifest(info, settings, "d").actual_logprob is on
+    recs = make_records(3, k=4, vocab=50, seed=2)
+    staged = [replace(r, actual_logprob=-np.ones(r.num_rows)) for r in recs]
+    stage = str(tmp_path / "stage")
+    with CacheWriter.open(stage, make_manifest(k=4, vocab_size=50, actual_logprob=True)) as w:
+        w.append(staged)
+    final = str(tmp_path / "final")
+    old = make_manifest(k=4, vocab_size=50)
+    with CacheWriter.open(final, old) as w:
+        w.append(recs[:1])
+    keys = tuple(r.key for r in recs)
+    result = shards.ShardResult(0, stage, 3, keys, 3, sum(r.length for r in recs), 0.0)
+    assert shards.commit([result], final, old.model_copy(update={"actual_logprob": True})) == 2
+    got = CacheReader(final)
+    assert got.num_sequences == 3 and got.manifest.actual_logprob is False

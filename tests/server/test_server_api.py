@@ -81,6 +81,7 @@ def as_records(body: dict) -> list[SequenceRecord]:
             np.asarray(s["topk_ids"]),
             np.asarray(s["topk_logprobs"], dtype=np.float32),
             np.asarray(s["tail_mass"], dtype=np.float32),
+            actual_logprob=s.get("actual_logprob"),  # FORMAT.md 4.12: rows scored carry it
         )
         for s in body["sequences"]
     ]
@@ -377,6 +378,6 @@ def test_inline_and_file_jobs_and_cancel(client, server, tiny, tokenizer) -> Non
     assert validate(store_root(server) / "cancelled").ok
 
     metrics = client.get("/metrics").text
-    assert 'logitcache_tokens_scored_total{source="job"}' in metrics
+    assert 'logitcache_tokens_scored_total{source="job",teacher=' in metrics
     assert 'logitcache_jobs{state="cancelled"} 1.0' in metrics
     assert 'route="/v1/score"' in metrics

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from asgi_support import LiveApp
-from engine_support import FakeEngine, app_settings
+from engine_support import FakeEngine, app_settings, fake_logprobs
 
 pytestmark = pytest.mark.fast
 
@@ -93,7 +93,8 @@ def test_batch_through_the_cache_matches_score(app: App) -> None:
             assert [e[1] for e in top[t]] == ids
             assert [e[0] for e in top[t]] == pytest.approx(lps)
             assert tok[t][1] == seq[t]
-            # the actual token's logprob: from the row when it is there, else None (no estimate)
+            # the actual token's logprob: from the row when it is there, else the cache's
+            # actual_logprob (FORMAT.md 4.12; the fake teacher's exact value)
             full = app.post("/v1/score", {"input_ids": [seq], "cache": "sg"}).json()
             row = dict(
                 zip(
@@ -105,7 +106,8 @@ def test_batch_through_the_cache_matches_score(app: App) -> None:
             if seq[t] in row:
                 assert tok[t][0] == pytest.approx(row[seq[t]])
             else:
-                assert tok[t][0] is None
+                exact = fake_logprobs(seq, 300, 1.0)[t - 1, seq[t]]
+                assert tok[t][0] == pytest.approx(exact, abs=1e-6)
 
 
 def test_single_sequence_and_start_len(app: App) -> None:

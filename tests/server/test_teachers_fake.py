@@ -342,3 +342,35 @@ async def _load_never_delays(tmp_path: Any) -> None:
         assert r.status_code == 200 and pool.teachers["beta"].state == "loading"
         assert took < 1.0, took  # answered while beta's engine was still being built
         assert (await loading).status_code == 200
+
+
+def test_metrics_are_labelled_per_teacher(tmp_path) -> None:
+    asyncio.run(_metrics_are_labelled_per_teacher(tmp_path))
+
+
+async def _metrics_are_labelled_per_teacher(tmp_path: Any) -> None:
+    from logitcache.server.metrics import scraped_total
+
+    build = Builder()
+    async with service(two_teachers(tmp_path), build) as (c, _):
+        body = {"prompt": IDS, "max_tokens": 1, "prompt_logprobs": 3}
+        for model in ("alpha", "beta", "beta"):  # beta: a miss, then a hit
+            r = await c.post("/v1/completions", json={**body, "model": model})
+            assert r.status_code == 200, r.text
+        r = await c.post("/v1/score", json={"input_ids": [IDS, IDS[:4]], "k": 3, "model": "alpha"})
+        assert r.status_code == 200, r.text
+        text = (await c.get("/metrics")).text
+
+    def total(name: str, **labels: str) -> float:
+        return scraped_total(text, f"logitcache_{name}", **labels)
+
+    assert total("cache_hits_total", teacher="beta") == 1
+    assert total("cache_misses_total", teacher="beta") == 1
+    assert total("cache_hits_total", teacher="alpha") == 0
+    assert total("cache_misses_total", teacher="alpha") == 1
+    assert total("cache_tokens_saved_total", teacher="beta") == len(IDS)
+    assert total("tokens_scored_total", source="score", teacher="alpha") == 2 * len(IDS) + 4
+    assert total("tokens_scored_total", source="score", teacher="beta") == len(IDS)
+    assert total("sequences_scored_total", teacher="alpha") == 3
+    assert total("engine_seconds_count", source="score", teacher="beta") == 1
+    assert total("cache_hits_total") == 1  # all teachers together
