@@ -221,7 +221,7 @@ async def score_shard(
         await pipeline.run(
             pipeline.plan(
                 seqs,
-                lambda keys: [k for k in keys if not writer.contains(k)],
+                writer.missing,
                 max_sequences=batch_sequences,
                 max_tokens=batch_tokens,
             ),
