@@ -191,6 +191,31 @@ async def hidden_records(
     ]
 
 
+#: Rows (positions) of scored batches that a cache's writer thread (a job's, a Ray shard's) may
+#: append in one commit (:class:`_Writer`): at most one default shard of rows, and at most
+#: MERGE_VALUES top-k entries (``rows * k``, which bounds a group's memory at large
+#: k; 65,536 rows up to k=128). Large groups matter in a long job: every append rewrites each
+#: partly filled shard object whole (FORMAT.md W3), and the per-row arrays' shards hold 524,288
+#: rows, so small appends rewrite them dozens of times (job_cpu_bench --prefill 1600, k=100:
+#: 11.5 CPU-us/position with the earlier 1M cap, 10K-row groups, against 7.4 with this one).
+MERGE_ROWS = 65536
+MERGE_VALUES = 1 << 23
+#: Seconds the writer thread waits, after taking a scored batch, for more to reach
+#: MERGE_ROWS rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU
+#: whatever its size, so a writer that keeps up with the engine (one batch of ~16K rows per
+#: append) pays ~1.2 CPU-us/position in fixed costs that a 65K-row append spreads 4x thinner.
+#: A slow engine gets smaller groups, and progress still moves (and a crash loses at most)
+#: every 0.1 s.
+WRITE_LINGER_S = 0.1
+
+
+def merge_rows(manifest: Any) -> int:
+    """The :data:`MERGE_ROWS` / :data:`MERGE_VALUES` bound of one append's rows for a cache of
+    ``manifest``: values per row are ``k``, or a hidden cache's ``d`` (FORMAT.md 4.10)."""
+    width = int(manifest.hidden["dim"]) if manifest.hidden is not None else int(manifest.k)
+    return min(MERGE_ROWS, MERGE_VALUES // max(width, 1))
+
+
 #: Writes several scored batches at once (one append, one commit), in order: ``(batch,
 #: records)`` items as :data:`WriteFn` takes them.
 WriteManyFn = Callable[[list[tuple[Batch, "list[SequenceRecord] | None"]]], None]
