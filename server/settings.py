@@ -179,8 +179,8 @@ class ServerSettings(BaseSettings):
     """Bound of the queue between scoring and the cache-writer thread."""
     job_write_fill_s: float = Field(2.5, ge=0)
     """Seconds a job's (or a Ray shard's) writer waits to fill a group of
-    ``pipeline.MERGE_ROWS`` rows when batches arrive fast enough to fill it, or half of it, in
-    that time (else it commits after 0.1 s): a GPU teacher otherwise
+    ``pipeline.MERGE_ROWS`` rows when batches arrive fast enough to fill half of it in that
+    time (else it commits after 0.1 s): a GPU teacher otherwise
     commits every batch or two, and each append's fixed cost adds ~1 CPU-us/position
     (``python -m benchmarks.service cpu --form hf --rate``). It bounds how often progress moves
     and the most a crash can lose. 0: commit after 0.1 s always."""

@@ -240,12 +240,13 @@ class _Writer:
     write per array, the partly filled last chunk of each re-encoded, fsyncs, the commit), so
     its rows should be many. Without it, a writer that keeps up writes batch by batch.
 
-    With ``fill`` (seconds), a group waits longer than ``linger`` when the rows arrive fast
-    enough to reach ``merge_rows``, or half of it, within ``fill`` seconds of its first item
-    (the arrival rate: rows handed over per second, averaged over the last batches): a fast
-    engine (a GPU's ~30K-100K positions/s) then pays the fixed costs once per group of up to
-    ``merge_rows`` rows instead of once per batch or two, while a slow one, whose CPU per
-    position matters little, still commits every ``linger`` seconds."""
+    With ``fill`` (seconds), a group waits longer than ``linger`` (up to ``fill`` seconds, for
+    up to ``merge_rows`` rows) when the rows arrive fast enough to reach half of ``merge_rows``
+    within ``fill`` seconds of its first item (the arrival rate: rows handed over per second,
+    averaged over the last batches): a fast engine (a GPU's ~30K-100K positions/s) then pays
+    the fixed costs once per group of up to ``merge_rows`` rows instead of once per batch or
+    two, while a slow one, whose CPU per position matters little, still commits every
+    ``linger`` seconds."""
 
     def __init__(
         self,
@@ -294,9 +295,9 @@ class _Writer:
 
     def _wait(self, rows: int) -> float:
         """Seconds a group of ``rows`` rows waits for more after its first item: ``fill`` when
-        the arrival rate brings the rows it lacks, or at least half of ``merge_rows``, within
-        ``fill`` seconds, else ``linger``."""
-        lacking = min(self._merge_rows - rows, self._merge_rows // 2)
+        the arrival rate brings it to half of ``merge_rows`` within ``fill`` seconds, else
+        ``linger``."""
+        lacking = max(self._merge_rows // 2 - rows, 0)
         if self._fill and self._rate and lacking / self._rate <= self._fill:
             return self._fill
         return self._linger
