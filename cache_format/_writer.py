@@ -21,7 +21,7 @@ changed: partially filled shards are rewritten (read-modify-write) with identica
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -346,11 +346,15 @@ class CacheWriter:
         return self._handle.url
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is committed (as of this writer's last transaction or refresh): looked
-        up in the key index (FORMAT.md 4.11: a few small reads per run); in a store without one
-        the first lookup of a writer hashes every committed key (:mod:`._keyindex`: 12 bytes per
-        sequence are kept). An unreadable key range raises :class:`~.errors.MissingDataError`."""
+        """Whether ``key`` is committed (as of this writer's last transaction or refresh), from
+        the key index (FORMAT.md 4.11), else by hashing every committed key once (12 bytes per
+        sequence kept); an unreadable key range raises :class:`~.errors.MissingDataError`."""
         return self._keys.find(key, self._manifest.num_sequences) is not None
+
+    def missing(self, keys: Sequence[str]) -> list[str]:
+        """The keys of ``keys`` not committed, in order (one key index lookup for all)."""
+        got = self._keys.find_many(keys, self._manifest.num_sequences).tolist()
+        return [k for k, stored in zip(keys, got, strict=True) if not stored]
 
     # ------------------------------------------------------------------ appending
     def append(self, records: Iterable[SequenceRecord]) -> int:

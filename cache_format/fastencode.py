@@ -188,8 +188,8 @@ class StampTable:
 
 
 #: Largest output kept between appends, in top-k entries (``rows * k``): 64 MiB of ids and 32 MiB
-#: of stored logprobs. A job's appends hold at most ``jobs.MERGE_VALUES`` (2**23) and a batch;
-#: a larger append gets arrays of its own, freed with it.
+#: of stored logprobs. A job's appends hold at most ``pipeline.MERGE_VALUES`` (13 x 2**20) and
+#: a batch; a larger append gets arrays of its own, freed with it.
 KEEP_VALUES = 1 << 24
 
 

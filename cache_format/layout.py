@@ -163,7 +163,7 @@ def _topk_defs(manifest: Manifest, layout: spec.Layout, rows: Any) -> list[Array
             for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
         ]
     defs.append(
-        rows(spec.TAIL_MASS, manifest.tail_mass_dtype, layout.other_codec, manifest.tail_mass_dtype)
+        rows(spec.TAIL_MASS, manifest.tail_mass_dtype, layout.tail_codec, manifest.tail_mass_dtype)
     )
     return defs
 

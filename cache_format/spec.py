@@ -94,6 +94,9 @@ class Layout:
     id_codec: str = "blosc-zstd1-bitshuffle"
     logprob_codec: str = "blosc-zstd1-shuffle"
     other_codec: str = "blosc-zstd5-shuffle"
+    tail_codec: str = "blosc-zstd1-bitshuffle"
+    """``tail_mass``'s codec: its values' bit planes compress smaller than their bytes and about
+    5x faster (format bench: 3.39 against 3.43 B/row on the synthetic teacher's tails)."""
     blosc_blocks: Literal["chunk", "auto"] = "chunk"
     """``"chunk"``: blosc compresses each inner chunk as one block (smaller and faster to decode
     than blosc's automatic 32 KiB blocks at these chunk sizes, see format.md); ``"auto"``: blosc
@@ -125,6 +128,7 @@ RANDOM_ACCESS_RAW_LAYOUT = replace(
     id_codec="none",
     logprob_codec="none",
     other_codec="none",
+    tail_codec="none",
     name="random_access_raw",
 )
 """Point-read preset that trades bytes for CPU: every numeric array stored without a compressor

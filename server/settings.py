@@ -183,8 +183,9 @@ class ServerSettings(BaseSettings):
     job_write_queue: int = Field(4, ge=1)
     """Bound of the queue between scoring and the cache-writer thread."""
     job_write_fill_s: float = Field(2.5, ge=0)
-    """Seconds a job's writer waits to fill a group of ``MERGE_ROWS`` rows when batches arrive
-    fast enough to fill it in that time (else it commits after 0.1 s): a GPU teacher otherwise
+    """Seconds a job's (or a Ray shard's) writer waits to fill a group of
+    ``pipeline.MERGE_ROWS`` rows when batches arrive fast enough to fill half of it in that
+    time (else it commits after 0.1 s): a GPU teacher otherwise
     commits every batch or two, and each append's fixed cost adds ~1 CPU-us/position
     (``python -m benchmarks.service cpu --form hf --rate``). It bounds how often progress moves
     and the most a crash can lose. 0: commit after 0.1 s always."""

@@ -171,6 +171,7 @@ class ShardWorker:
             inflight_batches=self.settings.job_inflight_batches,
             storage_options=storage_options,
             worker=self.name,
+            write_fill_s=self.settings.job_write_fill_s,
         )
 
     def pid(self) -> int:

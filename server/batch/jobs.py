@@ -58,23 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("logitcache.server.jobs")
 
-#: Rows (positions) of scored batches that the job's writer thread may append in one commit
-#: when they are already waiting for it (pipeline._Writer): at most one default shard of rows,
-#: and at most MERGE_VALUES top-k entries (``rows * k``, which bounds a group's memory at large
-#: k; 65,536 rows up to k=128). Large groups matter in a long job: every append rewrites each
-#: partly filled shard object whole (FORMAT.md W3), and the per-row arrays' shards hold 524,288
-#: rows, so small appends rewrite them dozens of times (job_cpu_bench --prefill 1600, k=100:
-#: 11.5 CPU-us/position with the earlier 1M cap, 10K-row groups, against 7.4 with this one).
-MERGE_ROWS = 65536
-MERGE_VALUES = 1 << 23
-#: Seconds the job's writer thread waits, after taking a scored batch, for more to reach
-#: MERGE_ROWS rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU
-#: whatever its size, so a writer that keeps up with the engine (one batch of ~16K rows per
-#: append) pays ~1.2 CPU-us/position in fixed costs that a 65K-row append spreads 4x thinner.
-#: A slow engine gets smaller groups, and progress still moves (and a crash loses at most)
-#: every 0.1 s.
-WRITE_LINGER_S = 0.1
-
 
 def numpy_hugepages_off() -> bool:
     """Stop numpy asking for transparent huge pages for its arrays (``madvise(MADV_HUGEPAGE)``
@@ -123,11 +106,6 @@ QUEUE_SCAN = 256
 #: Engine deaths in a row without a committed sequence after which a job fails (the engine
 #: crashes on its input) instead of waiting for the restarted engine again.
 MAX_ENGINE_DEATHS = 3
-
-
-def _row_width(manifest: Any) -> int:
-    """Values per row a job's writer holds: ``k``, or a hidden cache's ``d`` (FORMAT.md 4.10)."""
-    return int(manifest.hidden["dim"]) if manifest.hidden is not None else int(manifest.k)
 
 
 class JobRunner:
@@ -531,8 +509,8 @@ class JobRunner:
             score=score,
             write=progress.write,
             write_many=progress.write_many,
-            merge_rows=min(MERGE_ROWS, MERGE_VALUES // max(_row_width(handle.manifest), 1)),
-            linger=WRITE_LINGER_S,
+            merge_rows=pipeline.merge_rows(handle.manifest),
+            linger=pipeline.WRITE_LINGER_S,
             fill=self.settings.job_write_fill_s,
             depth=lambda: 1 if scoring.active else depth,
             stop=self._cancel.is_set,

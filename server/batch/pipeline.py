@@ -208,6 +208,34 @@ async def hidden_records(
     ]
 
 
+#: Rows (positions) of scored batches that a cache's writer thread (a job's, a Ray shard's) may
+#: append in one commit (:class:`_Writer`): at most two default shards of rows, and at most
+#: MERGE_VALUES top-k entries (``rows * k``, which bounds a group's memory at large k: 106,496
+#: rows at k=128, so that a group and one more batch of 16K rows still fit the encode's kept
+#: outputs, ``fastencode.KEEP_VALUES``). Large groups matter in a long job: every append
+#: rewrites each partly filled shard object whole (FORMAT.md W3), and the per-row arrays' shards
+#: hold 524,288 rows, so small appends rewrite them dozens of times (job_cpu_bench --prefill
+#: 1600, k=100: 11.5 CPU-us/position with the earlier 1M cap, 10K-row groups, against 7.4 with
+#: 65K-row ones); a GPU's job at 105K positions/s spends 0.15-0.25 CPU-us/position less in its
+#: writes with 131K-row groups than with 65K-row ones (``benchmarks.service cpu --rate``).
+MERGE_ROWS = 131072
+MERGE_VALUES = 13 << 20
+#: Seconds the writer thread waits, after taking a scored batch, for more to reach
+#: MERGE_ROWS rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU
+#: whatever its size, so a writer that keeps up with the engine (one batch of ~16K rows per
+#: append) pays ~1.2 CPU-us/position in fixed costs that a 65K-row append spreads 4x thinner.
+#: A slow engine gets smaller groups, and progress still moves (and a crash loses at most)
+#: every 0.1 s.
+WRITE_LINGER_S = 0.1
+
+
+def merge_rows(manifest: Any) -> int:
+    """The :data:`MERGE_ROWS` / :data:`MERGE_VALUES` bound of one append's rows for a cache of
+    ``manifest``: values per row are ``k``, or a hidden cache's ``d`` (FORMAT.md 4.10)."""
+    width = int(manifest.hidden["dim"]) if manifest.hidden is not None else int(manifest.k)
+    return min(MERGE_ROWS, MERGE_VALUES // max(width, 1))
+
+
 #: Writes several scored batches at once (one append, one commit), in order: ``(batch,
 #: records)`` items as :data:`WriteFn` takes them.
 WriteManyFn = Callable[[list[tuple[Batch, "list[SequenceRecord] | None"]]], None]
@@ -229,12 +257,13 @@ class _Writer:
     write per array, the partly filled last chunk of each re-encoded, fsyncs, the commit), so
     its rows should be many. Without it, a writer that keeps up writes batch by batch.
 
-    With ``fill`` (seconds), a group waits longer than ``linger`` when the rows arrive fast
-    enough to reach ``merge_rows`` within ``fill`` seconds of its first item (the arrival rate:
-    rows handed over per second, averaged over the last batches): a fast engine (a GPU's
-    ~30K-100K positions/s) then pays the fixed costs once per ``merge_rows`` rows instead of
-    once per batch or two, while a slow one, whose CPU per position matters little, still
-    commits every ``linger`` seconds."""
+    With ``fill`` (seconds), a group waits longer than ``linger`` (up to ``fill`` seconds, for
+    up to ``merge_rows`` rows) when the rows arrive fast enough to reach half of ``merge_rows``
+    within ``fill`` seconds of its first item (the arrival rate: rows handed over per second,
+    averaged over the last batches): a fast engine (a GPU's ~30K-100K positions/s) then pays
+    the fixed costs once per group of up to ``merge_rows`` rows instead of once per batch or
+    two, while a slow one, whose CPU per position matters little, still commits every
+    ``linger`` seconds."""
 
     def __init__(
         self,
@@ -282,8 +311,11 @@ class _Writer:
         self._last_put = now
 
     def _wait(self, rows: int) -> float:
-        """Seconds a group of ``rows`` rows waits for more after its first item."""
-        if self._fill and self._rate and (self._merge_rows - rows) / self._rate <= self._fill:
+        """Seconds a group of ``rows`` rows waits for more after its first item: ``fill`` when
+        the arrival rate brings it to half of ``merge_rows`` within ``fill`` seconds, else
+        ``linger``."""
+        lacking = max(self._merge_rows // 2 - rows, 0)
+        if self._fill and self._rate and lacking / self._rate <= self._fill:
             return self._fill
         return self._linger
 

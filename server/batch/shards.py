@@ -17,10 +17,11 @@ Contract (the result does not depend on how many workers ran, or in which order 
 3. **Score.** A worker scores one shard (:func:`score_shard`) into its own *staging* cache
    ``<staging root>/shard-<index>``: the shard's sequences are cut into batches by
    :func:`logitcache.server.batch.pipeline.plan` (job batch limits) and run through the batch
-   pipeline jobs use (:func:`logitcache.server.batch.pipeline.run`): each batch is one engine call
-   and one committed append. Staging caches keep float32 logprobs and tail mass (lossless), so the
-   final quantisation happens once, as in a direct write. Re-running a shard skips batches whose
-   keys are all committed (a crashed or retried worker resumes; nothing is scored twice).
+   pipeline jobs use (:func:`logitcache.server.batch.pipeline.run`): each batch is one engine call,
+   and the writer thread commits the batches waiting for it together, as a job's does. Staging
+   caches keep float32 logprobs and tail mass (lossless), so the final quantisation happens
+   once, as in a direct write. Re-running a shard skips batches whose keys are all committed (a
+   crashed or retried worker resumes; nothing is scored twice).
 4. **Commit.** :func:`commit` appends the staging caches to the final cache in shard order,
    each in its stored (input) order. Appends skip keys already present, so an interrupted commit
    is resumed by running it again. Final order = input order minus dropped duplicates.
@@ -192,14 +193,18 @@ async def score_shard(
     inflight_batches: int = 1,
     storage_options: dict[str, Any] | None = None,
     worker: str = "",
+    write_fill_s: float = 0.0,
 ) -> ShardResult:
     """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's),
     through the batch pipeline (:func:`.pipeline.run`, as a job does). The rows are the kind
     ``manifest`` names: top-``k``, or sampled targets with its ``sampling`` parameters, each
     sequence's draws seeded by its key (so they do not depend on the shard or the worker).
 
-    Batches whose keys are all committed already are skipped (resume). One engine call and one
-    committed append per batch, in input order; up to ``inflight_batches`` in the engine.
+    Batches whose keys are all committed already are skipped (resume). One engine call per
+    batch, up to ``inflight_batches`` in the engine; the scored batches are appended in input
+    order by the pipeline's writer thread as a job's are: the batches waiting for it in one
+    commit, up to :func:`.pipeline.merge_rows` rows, and with ``write_fill_s`` (the settings'
+    ``job_write_fill_s``) a group waits that long to fill when batches arrive fast enough.
     """
     t0 = time.perf_counter()
     seqs = [
@@ -211,9 +216,11 @@ async def score_shard(
     writer = await asyncio.to_thread(CacheWriter.open, task.staging_url, manifest, storage_options)
     done = {"sequences": 0, "tokens": 0}
 
-    def append(batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
-        if records is not None:
-            writer.append(pipeline.for_store(records, manifest))
+    def append(items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
+        scored = [(batch, records) for batch, records in items if records is not None]
+        if scored:
+            writer.append(pipeline.for_store([r for _, rs in scored for r in rs], manifest))
+        for batch, _ in scored:
             done["sequences"] += len(batch.seqs)
             done["tokens"] += batch.tokens
 
@@ -221,12 +228,16 @@ async def score_shard(
         await pipeline.run(
             pipeline.plan(
                 seqs,
-                lambda keys: [k for k in keys if not writer.contains(k)],
+                writer.missing,
                 max_sequences=batch_sequences,
                 max_tokens=batch_tokens,
             ),
             score=lambda b: pipeline.engine_records(engine, b, manifest.k, targets=sampled),
-            write=append,
+            write=lambda batch, records: append([(batch, records)]),
+            write_many=append,
+            merge_rows=pipeline.merge_rows(manifest),
+            linger=pipeline.WRITE_LINGER_S,
+            fill=write_fill_s,
             depth=lambda: inflight_batches,
             name=f"shard-writer-{task.shard.index}",
         )

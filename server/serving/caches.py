@@ -165,8 +165,7 @@ class WriterHandle:
 
     def missing(self, keys: Sequence[str]) -> list[str]:
         """The keys of ``keys`` not yet committed, in order (see :meth:`contains`)."""
-        w = self._entry.writer
-        return [k for k in keys if not w.contains(k)]
+        return self._entry.writer.missing(keys)
 
 
 #: Why a store left by a crash during its creation is not usable (:func:`incomplete_reason`).

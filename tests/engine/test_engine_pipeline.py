@@ -53,6 +53,33 @@ def test_a_shard_is_staged_in_input_order_and_a_rerun_scores_nothing(tmp_path: P
     assert again.scored_sequences == 0 and engine.calls == [2, 2, 2]
 
 
+def test_a_shard_commits_the_batches_waiting_for_its_writer_together(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A shard's writer groups scored batches as a job's does (pipeline.merge_rows and the
+    linger/fill waits, shared): 3 batches of 8 rows with groups of up to 16 rows are 2 commits,
+    the rows the same as batch by batch."""
+    monkeypatch.setattr(pipeline, "MERGE_ROWS", 16)  # 2 batches of 2 sequences x 4 rows
+    monkeypatch.setattr(pipeline, "WRITE_LINGER_S", 60.0)  # the group waits for its 16 rows
+    engine = FakeEngine()
+    kw = dict(manifest=_manifest(engine), limits=LIMITS, batch_sequences=2, batch_tokens=1000)
+    staged = {}
+    for name, fill in (("grouped", 60.0), ("alone", 0.0)):
+        (shard,) = shards.plan_shards(_raws(6), shard_size=10)
+        task = shards.ShardTask(shard, str(tmp_path / name), frozenset())
+        if name == "alone":
+            monkeypatch.setattr(pipeline, "MERGE_ROWS", 1)  # a group is one batch
+        done = asyncio.run(shards.score_shard(engine, task, write_fill_s=fill, **kw))
+        assert done.scored_sequences == 6
+        staged[name] = CacheReader(tmp_path / name)
+    assert staged["grouped"].manifest.generation == staged["alone"].manifest.generation - 1
+    assert staged["grouped"].keys == staged["alone"].keys == [f"s{i}" for i in range(6)]
+    for key in staged["alone"].keys:
+        a, b = staged["grouped"].get(key), staged["alone"].get(key)
+        assert np.array_equal(a.topk_ids, b.topk_ids)
+        assert np.array_equal(a.topk_logprobs, b.topk_logprobs)
+
+
 def test_stop_between_batches_keeps_the_committed_batches(tmp_path: Path) -> None:
     engine = FakeEngine()
     seqs = list(inputs.sequences(_raws(6), engine.tokenize, LIMITS))

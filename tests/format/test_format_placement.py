@@ -27,7 +27,14 @@ from logitcache.cache_format import (
 from logitcache.cache_format import _shardread as shardread
 from spec_reader import SpecError, SpecStore
 
-RAW = replace(SMALL, id_codec="none", logprob_codec="none", other_codec="none", name="custom")
+RAW = replace(
+    SMALL,
+    id_codec="none",
+    logprob_codec="none",
+    other_codec="none",
+    tail_codec="none",
+    name="custom",
+)
 LAYOUTS = {"compressed": SMALL, "raw": RAW}
 ARRAYS = ["input_ids", "topk_ids", "topk_logprobs", "tail_mass", "seq_lengths", "seq_keys"]
 

@@ -21,7 +21,9 @@ from test_fastdecode import Spy, _per_chunk
 
 RAW = spec.layout_named("random_access_raw")
 # the preset's codecs on chunks of 8 rows / 16 tokens (chunk and shard edges everywhere)
-SMALL_RAW = replace(SMALL, id_codec="none", logprob_codec="none", other_codec="none")
+SMALL_RAW = replace(
+    SMALL, id_codec="none", logprob_codec="none", other_codec="none", tail_codec="none"
+)
 PATHS = ("compiled", "per_chunk", "zarr")
 
 
