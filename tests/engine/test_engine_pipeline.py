@@ -172,7 +172,9 @@ def test_the_writer_computes_a_jobs_tail_mass_once(tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(
         recs_mod, "tail_from_logprobs", lambda lp: calls.append(len(lp)) or real(lp)
     )
-    m = expected_manifest(engine.info, k=K, logprob_dtype="float16")
+    m = expected_manifest(engine.info, k=K, logprob_dtype="float16").model_copy(
+        update={"actual_logprob": True}
+    )
     with CacheWriter.open(tmp_path / "c", m) as w:
         w.append(got)
     if fastencode.ready():

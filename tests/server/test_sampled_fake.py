@@ -130,6 +130,7 @@ def test_jobs_cli_submits_a_sampled_job(tmp_path: Path, capsys) -> None:  # noqa
                 job = c.get(f"/v1/jobs/{job['id']}").json()
             assert job["state"] == "succeeded", job
             jobs_before = len(c.get("/v1/jobs").json()["jobs"])
+        capsys.readouterr()  # the watched job's progress bar
         for bad, why in (
             (["--draws", "8"], "--draws only apply with --targets sampled"),
             (["--targets", "topk", "--seed", "1"], "--seed only apply with --targets sampled"),
