@@ -32,12 +32,12 @@ from . import _hiddenread as hiddenread
 from . import _idmap as idmap
 from . import _procread as procread
 from . import _shardread as shardread
-from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
+from ._decode import Fetched, OpenArrays, Span, get_decoder, index_block, stored_values
 from ._integrity import checked_get
 from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
-from ._snapshot import IndexSnapshot
+from ._snapshot import IndexBlocks, IndexSnapshot
 from ._stored import records_of, stored_record
 from ._zarr_adapter import async_array, sync
 from .errors import (
@@ -56,7 +56,6 @@ from .store import open_store
 _T = TypeVar("_T")
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
-INDEX_BLOCK = 1 << 16  # index entries read per step at open (small: little heap left behind)
 
 
 def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
@@ -138,7 +137,10 @@ class CacheReader:
         self._url, self._storage_options = str(url), storage_options
         self._decode_pool: ThreadPoolExecutor | None = None
         self._handle = open_store(url, storage_options, read_only=True)
-        self._index = IndexSnapshot.empty(KeyTable(self._read_keys, self._read_key_bytes))
+        self._index = IndexSnapshot.empty(
+            KeyTable(self._read_keys, self._read_key_bytes),
+            IndexBlocks(self._read_index_block, self._read_lengths),
+        )
         self._manifest: Manifest | None = None
         self._open: OpenArrays | None = None
         self._id_order: np.ndarray | None = None
@@ -146,7 +148,8 @@ class CacheReader:
 
     # ------------------------------------------------------------------ snapshot
     def refresh(self) -> bool:
-        """Adopt the latest commit; returns True if it changed. The index grows incrementally.
+        """Adopt the latest commit; returns True if it changed. Reads the new commit's last
+        index block only (:mod:`._snapshot`).
 
         A read that races a writer's shard rewrite (CRC32C mismatch, truncated object) is retried
         on a freshly read commit.
@@ -188,18 +191,13 @@ class CacheReader:
 
             return [np.asarray(x) for x in sync(gather())]
 
-        def blocks() -> Iterator[np.ndarray]:  # the starts are their sums (R8): not read
-            for a in range(known, m.num_sequences, INDEX_BLOCK):
-                b = min(m.num_sequences, a + INDEX_BLOCK)
-                yield stored_values(opened, [(spec.SEQ_LENGTHS, a, b)])[0]
-
         id_order = self._id_order
         if m.id_remap and m.num_rows and id_order is None:
             id_order = read([(spec.ID_ORDER, 0, m.vocab_size)])[0]
             if not idmap.is_permutation(id_order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
         opened = self._adopt_arrays(arrays, need, strict_, m, id_order)
-        index = self._index.extended(m, blocks())  # checks the new entries (R8)
+        index = self._index.at(m, partial(index_block, opened))  # checks its end (R6, R8)
         self._id_order = id_order  # every read done and checked: now adopt
         self._open = opened
         self._index = index
@@ -231,6 +229,15 @@ class CacheReader:
         self._open = self._adopt_arrays(
             _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest, o.id_order
         )
+
+    def _read_index_block(self, a: int, b: int, upto: bool) -> tuple[np.ndarray, int, int | None]:
+        """Index block ``[a, b)`` of the adopted commit (:data:`._snapshot.ReadBlock`), with the
+        reader's retries."""
+        return self._retry(lambda: index_block(self._opened, a, b, upto))
+
+    def _read_lengths(self, a: int, b: int) -> np.ndarray:
+        """Committed ``seq_lengths[a:b]``, with the reader's retries."""
+        return self._retry(lambda: stored_values(self._opened, [(spec.SEQ_LENGTHS, a, b)])[0])
 
     def _read_keys(self, a: int, b: int) -> np.ndarray:
         """Stored keys ``[a, b)`` (committed), with the reader's retries."""
@@ -505,7 +512,7 @@ class CacheReader:
         keys, out = index.keys, []
         for (a, b), (ids, lp, tail, tokens, mask) in zip(todo, got, strict=True):
             assert tokens is not None  # sequence spans read their tokens
-            lengths = index.lengths[a:b].tolist()
+            lengths = index.lengths_of(a, b).tolist()
             rs = 0
             for i, n in zip(range(a, b), lengths, strict=True):
                 ts = rs + i - a
