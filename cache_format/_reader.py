@@ -39,7 +39,7 @@ from ._manifest import Manifest
 from ._seal import sealed
 from ._snapshot import IndexBlocks, IndexSnapshot
 from ._stored import records_of, stored_record
-from ._zarr_adapter import async_array, sync
+from ._zarr_adapter import async_array, open_arrays, sync
 from .errors import (
     ChecksumError,
     CorruptStoreError,
@@ -89,7 +89,7 @@ def _array_names(m: Manifest) -> list[str]:
 
 def _open_arrays(zstore: Any, m: Manifest) -> dict[str, zarr.Array]:
     try:
-        return {n: zarr.open_array(zstore, path=n, mode="r") for n in _array_names(m)}
+        return open_arrays(zstore, _array_names(m))
     except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as e:
         raise CorruptStoreError(f"store is missing an array: {e}") from e
     except Exception as e:  # damaged array metadata (zarr.json)

@@ -21,7 +21,7 @@ changed: partially filled shards are rewritten (read-modify-write) with identica
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -304,10 +304,8 @@ class CacheWriter:
 
     def refresh(self) -> bool:
         """Catch up with what other writers committed since this writer's last transaction:
-        re-read the committed manifest (the keys committed since are hashed at the next
-        :meth:`contains` or append). For a writer kept open between jobs (the server's
-        ``CacheRegistry``): its next job plans against the cache as it is, without a new
-        writer hashing every committed key again (O(sequences) per writer).
+        re-read the committed manifest. For a writer kept open between jobs (the server's
+        ``CacheRegistry``): its next job plans against the cache as it is.
 
         Returns ``False``, changing nothing, when the store is no longer the one this writer
         has been appending to (root gone, or made again: another ``created`` time, fewer
@@ -351,6 +349,10 @@ class CacheWriter:
         the first lookup of a writer hashes every committed key (:mod:`._keyindex`: 12 bytes per
         sequence are kept). An unreadable key range raises :class:`~.errors.MissingDataError`."""
         return self._keys.find(key, self._manifest.num_sequences) is not None
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """:meth:`contains` of each of ``keys``, looked up together (a run's blocks read once)."""
+        return [bool(x) for x in self._keys.find_many(list(keys), self._manifest.num_sequences)]
 
     # ------------------------------------------------------------------ appending
     def append(self, records: Iterable[SequenceRecord]) -> int:

@@ -7,6 +7,7 @@ covers most of the format. What it does not, and why the format needs it:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import zarr
@@ -36,6 +37,7 @@ __all__ = [
     "blosc_codec",
     "default_buffer_prototype",
     "load_shard_index",
+    "open_arrays",
     "sync",
     "zstd_codec",
 ]
@@ -46,6 +48,19 @@ def async_array(arr: zarr.Array) -> zarr.AsyncArray[Any]:
     the reads of several arrays concurrently in one call into zarr's event loop, which the
     synchronous ``Array`` cannot."""
     return arr._async_array
+
+
+def open_arrays(store: Any, names: list[str]) -> dict[str, zarr.Array]:
+    """Arrays ``names`` of the hierarchy at ``store``, opened read-only with their metadata
+    read concurrently (one call into zarr's event loop, not one per array)."""
+    from zarr.api import asynchronous
+
+    async def gather() -> list[zarr.AsyncArray[Any]]:
+        return await asyncio.gather(
+            *(asynchronous.open_array(store=store, path=n, mode="r") for n in names)
+        )
+
+    return {n: zarr.Array(a) for n, a in zip(names, sync(gather()), strict=True)}
 
 
 def blosc_codec(codec: Any) -> Any:
