@@ -39,7 +39,7 @@ from ._manifest import Manifest
 from ._seal import sealed
 from ._snapshot import IndexBlocks, IndexSnapshot
 from ._stored import records_of, stored_record
-from ._zarr_adapter import async_array, open_arrays, sync
+from ._zarr_adapter import Opened, async_array, open_arrays, sync
 from .errors import (
     ChecksumError,
     CorruptStoreError,
@@ -87,9 +87,11 @@ def _array_names(m: Manifest) -> list[str]:
     return [d.name for d in array_defs(m)]
 
 
-def _open_arrays(zstore: Any, m: Manifest) -> dict[str, zarr.Array]:
+def _open_arrays(
+    zstore: Any, m: Manifest, known: dict[str, Opened] | None = None
+) -> dict[str, Opened]:
     try:
-        return open_arrays(zstore, _array_names(m))
+        return open_arrays(zstore, _array_names(m), known)
     except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as e:
         raise CorruptStoreError(f"store is missing an array: {e}") from e
     except Exception as e:  # damaged array metadata (zarr.json)
@@ -144,6 +146,7 @@ class CacheReader:
         self._manifest: Manifest | None = None
         self._open: OpenArrays | None = None
         self._id_order: np.ndarray | None = None
+        self._arrays: dict[str, Opened] | None = None  # with their metadata, for the next refresh
         self.refresh()
 
     # ------------------------------------------------------------------ snapshot
@@ -171,7 +174,8 @@ class CacheReader:
         known = len(self._index)
         if old is not None and (m.generation < old.generation or m.num_sequences < known):
             raise CorruptStoreError("store went backwards (generation or count decreased)")
-        arrays = _open_arrays(zstore, m)
+        opened_now = _open_arrays(zstore, m, self._arrays)
+        arrays = {n: a for n, (a, _) in opened_now.items()}
         need = committed_lengths(m)
         for n, a in arrays.items():
             if a.shape[0] < need[n]:
@@ -199,7 +203,7 @@ class CacheReader:
         opened = self._adopt_arrays(arrays, need, strict_, m, id_order)
         index = self._index.at(m, partial(index_block, opened))  # checks its end (R6, R8)
         self._id_order = id_order  # every read done and checked: now adopt
-        self._open = opened
+        self._open, self._arrays = opened, opened_now
         self._index = index
         self._manifest = m
         follow_runs(index.table, zstore, m)
@@ -226,9 +230,9 @@ class CacheReader:
 
     def _reopen_arrays(self) -> None:
         o = self._opened
-        self._open = self._adopt_arrays(
-            _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest, o.id_order
-        )
+        self._arrays = _open_arrays(self._handle.zstore, o.manifest)
+        arrays = {n: a for n, (a, _) in self._arrays.items()}
+        self._open = self._adopt_arrays(arrays, o.need, o.strict, o.manifest, o.id_order)
 
     def _read_index_block(self, a: int, b: int, upto: bool) -> tuple[np.ndarray, int, int | None]:
         """Index block ``[a, b)`` of the adopted commit (:data:`._snapshot.ReadBlock`), with the
