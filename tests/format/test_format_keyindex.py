@@ -212,3 +212,41 @@ def test_snapshot_spans_from_index_blocks(long, monkeypatch):
     shifted = snap.IndexBlocks(lambda a, b, u: (lengths[a:b], int(rows[a]) + 1, None), bad.take)
     with pytest.raises(CorruptStoreError, match="seq_row_start"):
         IndexSnapshot.empty(table, shifted).at(manifest(500))
+
+
+def test_refresh_keeps_arrays_whose_metadata_changed_only_in_shape(tmp_path, monkeypatch):
+    """A refresh opens no array again when a commit changed only the shapes (the arrays kept at
+    their new shapes read the new rows, through the direct and zarr paths); an array whose
+    metadata changed otherwise is opened again."""
+    import json
+
+    from zarr.api import asynchronous
+
+    url = tmp_path / "c"
+    recs = make_records(9, seed=2)
+    w = CacheWriter.open(url, make_manifest(), layout=SMALL)
+    w.append(recs[:4])
+    r = CacheReader(url)
+    opened: list[str] = []
+    real = asynchronous.open_array
+
+    async def counted(*a, **kw):
+        opened.append(kw["path"])
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(asynchronous, "open_array", counted)
+    w.append(recs[4:])
+    assert r.refresh() and opened == []
+    assert r.index.index_of(recs[8].key) == 8
+    assert np.array_equal(r.sequence(8).topk_ids, recs[8].topk_ids)
+    tail = r._opened.arrays["tail_mass"]
+    assert tail.shape[0] == r.num_rows
+    assert np.array_equal(tail[r.num_rows - 2 :], r.rows(r.num_rows - 2, r.num_rows).tail_mass)
+    w.append([replace(recs[0], key="another")])
+    w.close()
+    doc_path = url / "tail_mass" / "zarr.json"  # after the commit: its shape is the new one
+    doc = json.loads(doc_path.read_text())
+    doc["attributes"]["note"] = "changed"
+    doc_path.write_text(json.dumps(doc))
+    assert r.refresh() and opened == ["tail_mass"]
+    assert r._opened.arrays["tail_mass"].attrs["note"] == "changed"
