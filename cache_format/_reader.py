@@ -357,7 +357,8 @@ class CacheReader:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a new int32 array)."""
+        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a new int32 array): the
+        whole index, read at the first use per snapshot (opening reads one index block)."""
         return self._index.lengths.astype(np.int32)
 
     @property
