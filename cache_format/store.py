@@ -67,16 +67,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 _FSYNC_THREADS = 8
-_pool: list[ThreadPoolExecutor] = []
+_pool: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
 def _fsync_pool() -> ThreadPoolExecutor:
-    """The threads that fsync a barrier's directories concurrently (started once)."""
+    """The threads that fsync a barrier's directories concurrently (started once per process:
+    a forked child starts its own)."""
     with _pool_lock:
-        if not _pool:
-            _pool.append(ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="logitcache-fsync"))
-        return _pool[0]
+        pid = os.getpid()
+        if pid not in _pool:
+            _pool.clear()
+            _pool[pid] = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="logitcache-fsync")
+        return _pool[pid]
 
 
 #: Objects of at least this many bytes are written with ``O_DIRECT`` (:class:`DurableLocalStore`).
