@@ -180,6 +180,18 @@ class IndexSnapshot:
         """First global row of sequence ``i`` (``i = n``: the row count)."""
         return self.num_rows if i == self.n else self._block(i).row_start(i)
 
+    def first_from_row(self, row: int) -> int:
+        """The first sequence whose first row is at or after ``row`` (``n`` if none; row starts
+        increase): a binary search reading about ``log2(n)`` index entries."""
+        lo, hi = 0, self.n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.row_start(mid) < row:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def token_start(self, i: int) -> int:
         """First global token of sequence ``i`` (its rows before it, plus one per sequence)."""
         return self.row_start(i) + i

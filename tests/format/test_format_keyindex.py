@@ -198,6 +198,9 @@ def test_snapshot_spans_from_index_blocks(long, monkeypatch):
         assert full.span(i) == (slice(rows[i], rows[i + 1]), slice(toks[i], toks[i + 1]))
     assert full.range_span(7, 450) == (slice(rows[7], rows[450]), slice(toks[7], toks[450]))
     assert full.range_span(450, 500) == (slice(rows[450], rows[500]), slice(toks[450], toks[500]))
+    for row in (0, 1, int(rows[1]), int(rows[200]) - 1, int(rows[200]), int(rows[499]) + 1):
+        assert full.first_from_row(row) == int(np.searchsorted(rows[:-1], row, side="left"))
+    assert full.first_from_row(int(rows[500])) == 500
     assert len(blocks) == 3  # KEEP_BLOCKS
     bad = lengths.copy()
     bad[53] = 1
