@@ -12,7 +12,9 @@ process (imports done before the clock starts), ``--repeats`` times:
   the first ``index_of(key)`` (seconds, and RSS growth after it, counted from before the
   open), then the first ``sequence(i)`` (seconds; the peak RSS includes what it imports);
 * writer: ``CacheWriter.open(url, manifest)`` wall seconds and RSS growth, then the first
-  ``contains(key)`` (seconds, RSS growth after it). The probes append nothing.
+  ``contains(key)`` (seconds, RSS growth after it). The probes append nothing;
+* validate (caches of at most ``--validate-max`` sequences): ``validate(url)`` wall seconds, the
+  first call (kernels loaded or compiled) and a second.
 
 The median of the repeats is reported. The probes import ``logitcache`` from the tree this
 process imports it from (so ``with-tree`` measures that tree's code).
@@ -90,7 +92,14 @@ def probe(role: str, url: str, n: int, tree: str) -> None:
     out: dict[str, float] = {}
     with PeakRSS() as peak:
         t0 = time.perf_counter()
-        if role == "reader":
+        if role == "validate":
+            from logitcache.cache_format import validate
+
+            validate(url)  # the first call loads (or compiles) its kernels
+            t1 = time.perf_counter()
+            validate(url)
+            out["first_s"], out["second_s"] = t1 - t0, time.perf_counter() - t1
+        elif role == "reader":
             r = CacheReader(url, decoder="numpy")  # no compiled-kernel load in the timings
             t1 = time.perf_counter()
             out["open_s"], out["rss_open"] = t1 - t0, _rss() - peak.start
@@ -138,8 +147,12 @@ def run_index(args: argparse.Namespace) -> None:
             if not Path(f"{url}.json").exists():
                 build(url, n, args.seed)
             got: dict[str, dict[str, list[float]]] = {"reader": {}, "writer": {}}
+            roles = ["reader", "writer"]
+            if n <= args.validate_max:
+                roles.append("validate")
+                got["validate"] = {}
             for _ in range(args.repeats):
-                for role in ("reader", "writer"):
+                for role in roles:
                     for m, v in _probe_in_child(role, url, n).items():
                         got[role].setdefault(m, []).append(v)
             med = {
@@ -154,6 +167,8 @@ def run_index(args: argparse.Namespace) -> None:
                         f"{label} n={n}", f"{role}_{m}", unit, v, samples=args.repeats, config=cfg
                     )
             rd, wr = med["reader"], med["writer"]
+            va = med.get("validate")
+            val = f"{va['first_s']:.2f} / {va['second_s']:.2f}" if va else "-"
             table.append(
                 [
                     label,
@@ -168,6 +183,7 @@ def run_index(args: argparse.Namespace) -> None:
                     f"{wr['rss_open'] / 2**20:.1f}",
                     f"{wr['first_contains_s']:.3f}",
                     f"{wr['rss_after_key'] / 2**20:.1f}",
+                    val,
                 ]
             )
     rec.save()
@@ -185,6 +201,7 @@ def run_index(args: argparse.Namespace) -> None:
         "RSS +MB",
         "1st contains s",
         "RSS +MB after",
+        "validate 1st / 2nd s",
     ]
     print(md_table(header, table))
 
@@ -194,3 +211,6 @@ def add_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--store-dir", default="", help="keep (and reuse) the built caches here")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--label", default="this tree")
+    s.add_argument(
+        "--validate-max", type=int, default=100_000, help="validate caches up to this size"
+    )

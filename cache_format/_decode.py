@@ -145,6 +145,18 @@ def stored_values(
     ]
 
 
+def index_block(
+    opened: OpenArrays, a: int, b: int, upto: bool
+) -> tuple[np.ndarray, int, int | None]:
+    """``seq_lengths[a:b]``, ``seq_row_start[a]`` and, if ``upto``, ``seq_row_start[b]``: an
+    index block (:mod:`._snapshot`) in one read."""
+    jobs = [(spec.SEQ_LENGTHS, a, b), (spec.SEQ_ROW_START, a, a + 1)]
+    if upto:
+        jobs.append((spec.SEQ_ROW_START, b, b + 1))
+    got = stored_values(opened, jobs)
+    return got[0], int(got[1][0]), int(got[2][0]) if upto else None
+
+
 class NumpyDecoder:
     """The reference decoder (see the module docstring)."""
 

@@ -98,7 +98,7 @@ def read_ranges(
     for (a, b), (hidden, tokens, mask) in zip(todo, got, strict=True):
         assert tokens is not None
         rs = 0
-        for i, n in zip(range(a, b), index.lengths[a:b].tolist(), strict=True):
+        for i, n in zip(range(a, b), index.lengths_of(a, b).tolist(), strict=True):
             ts = rs + i - a
             m = None if mask is None else mask[rs : rs + n - 1]
             recs.append(_stored(index.keys, i, tokens[ts : ts + n], hidden[rs : rs + n - 1], m))

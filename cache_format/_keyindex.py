@@ -77,9 +77,14 @@ def byte_hashes(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
 def hashes_of(keys: Sequence[str] | np.ndarray) -> np.ndarray:
     """:func:`byte_hashes` of ``keys``' UTF-8 bytes (an empty key, which no store holds, hashes
     as one zero byte)."""
-    raw = [str(k).encode("utf-8", "surrogatepass") or b"\0" for k in keys]
-    ends = np.cumsum([len(r) for r in raw], dtype=np.int64)
-    return byte_hashes(np.frombuffer(b"".join(raw), np.uint8), ends)
+    ks = [str(k) or "\0" for k in keys]
+    text = "".join(ks)
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) == len(text):  # ASCII: one byte per character, the lengths without encoding
+        lens = np.fromiter(map(len, ks), np.int64, len(ks))
+    else:
+        lens = np.fromiter((len(k.encode("utf-8", "surrogatepass")) for k in ks), np.int64, len(ks))
+    return byte_hashes(np.frombuffer(raw, np.uint8), np.cumsum(lens))
 
 
 #: ``fetch(jobs)``: the stored values of ``name[a:b]`` for each ``(name, a, b)`` (committed).

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from ._zarr_adapter import default_buffer_prototype, sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
 
 BLOCK = 4096  # entries per block (64 KiB): the unit of a lookup's read
+KEEP_BLOCKS = 64  # checked run blocks a process keeps (4 MiB): runs never change once written
 ENTRY = np.dtype([("hash", "<i8"), ("seq", "<i8")])
 MAGIC = b"LCKI"
 _FOOT = struct.Struct(
@@ -211,13 +213,15 @@ def read_record(store: Any, ref: RunRef) -> dict[str, Any]:
 
 
 class KeyRuns:
-    """The runs of a store's newest known commit, looked up without loading them (thread-safe).
+    """The runs of a store's newest known commit, looked up without loading them (a bounded
+    number of checked blocks kept; thread-safe).
     ``reload()`` returns the runs of the store's latest commit: called once when a run object
     is gone (merged into a newer run by a later commit)."""
 
     def __init__(self, store: Any, runs: list[RunRef], reload: Callable[[], list[RunRef]]) -> None:
         self._store, self._runs, self._reload = store, runs, reload
         self._fences: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}
+        self._kept: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -230,6 +234,8 @@ class KeyRuns:
             self._runs = runs
             live = {r.key for r in runs}
             self._fences = {k: v for k, v in self._fences.items() if k in live}
+            for k in [k for k in self._kept if k[0] not in live]:
+                del self._kept[k]
 
     def candidates(self, hashes: np.ndarray) -> list[list[int]]:
         """For each hash, the sequences whose key hashes to it (ascending)."""
@@ -238,6 +244,31 @@ class KeyRuns:
         except MissingDataError:
             self.update(self._reload())
             return self._candidates(hashes)
+
+    def _run_blocks(self, ref: RunRef, crcs: np.ndarray, used: list[int]) -> np.ndarray:
+        """Entries of blocks ``used`` (ascending) of run ``ref``: kept ones from memory, the
+        others read (consecutive ones in one request), checked and kept (the least recently
+        used dropped past :data:`KEEP_BLOCKS`)."""
+        with self._lock:
+            have = {j: self._kept[(ref.key, j)] for j in used if (ref.key, j) in self._kept}
+            for j in have:
+                self._kept.move_to_end((ref.key, j))
+        todo = [j for j in used if j not in have]
+        read: dict[int, np.ndarray] = {}
+        while todo:
+            a = b = todo.pop(0)
+            while todo and todo[0] == b + 1:
+                b = todo.pop(0)
+            ent = _blocks(self._store, ref, crcs, a, b + 1)
+            read |= {j: ent[(j - a) * BLOCK : (j - a + 1) * BLOCK].copy() for j in range(a, b + 1)}
+        if read:
+            with self._lock:
+                for j, got in read.items():
+                    self._kept[(ref.key, j)] = got
+                while len(self._kept) > KEEP_BLOCKS:
+                    self._kept.popitem(last=False)
+        have |= read
+        return np.concatenate([have[j] for j in used])
 
     def _candidates(self, hashes: np.ndarray) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in range(len(hashes))]
@@ -257,12 +288,7 @@ class KeyRuns:
             used = np.flatnonzero(np.cumsum(need)[: len(heads)] > 0)
             if not len(used):
                 continue
-            cut = np.flatnonzero(np.diff(used) > 1) + 1
-            parts = [
-                _blocks(self._store, ref, crcs, int(g[0]), int(g[-1]) + 1)
-                for g in np.split(used, cut)
-            ]
-            ent = np.concatenate(parts)
+            ent = self._run_blocks(ref, crcs, used.tolist())
             a = np.searchsorted(ent["hash"], hashes, "left")
             b = np.searchsorted(ent["hash"], hashes, "right")
             for j in np.flatnonzero(b > a).tolist():

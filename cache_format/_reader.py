@@ -32,14 +32,14 @@ from . import _idmap as idmap
 from . import _procread as procread
 from . import _rowextra, spec
 from . import _shardread as shardread
-from ._decode import Fetched, OpenArrays, Span, get_decoder, stored_values
+from ._decode import Fetched, OpenArrays, Span, get_decoder, index_block, stored_values
 from ._integrity import checked_get
 from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
-from ._snapshot import IndexSnapshot
+from ._snapshot import IndexBlocks, IndexSnapshot
 from ._stored import records_of, stored_record
-from ._zarr_adapter import async_array, sync
+from ._zarr_adapter import Opened, async_array, open_arrays, sync
 from .errors import (
     ChecksumError,
     CorruptStoreError,
@@ -56,7 +56,6 @@ from .store import open_store
 _T = TypeVar("_T")
 
 _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in all)
-INDEX_BLOCK = 1 << 16  # index entries read per step at open (small: little heap left behind)
 
 
 def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
@@ -88,9 +87,11 @@ def _array_names(m: Manifest) -> list[str]:
     return [d.name for d in array_defs(m)]
 
 
-def _open_arrays(zstore: Any, m: Manifest) -> dict[str, zarr.Array]:
+def _open_arrays(
+    zstore: Any, m: Manifest, known: dict[str, Opened] | None = None
+) -> dict[str, Opened]:
     try:
-        return {n: zarr.open_array(zstore, path=n, mode="r") for n in _array_names(m)}
+        return open_arrays(zstore, _array_names(m), known)
     except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as e:
         raise CorruptStoreError(f"store is missing an array: {e}") from e
     except Exception as e:  # damaged array metadata (zarr.json)
@@ -138,15 +139,20 @@ class CacheReader:
         self._url, self._storage_options = str(url), storage_options
         self._decode_pool: ThreadPoolExecutor | None = None
         self._handle = open_store(url, storage_options, read_only=True)
-        self._index = IndexSnapshot.empty(KeyTable(self._read_keys, self._read_key_bytes))
+        self._index = IndexSnapshot.empty(
+            KeyTable(self._read_keys, self._read_key_bytes),
+            IndexBlocks(self._read_index_block, self._read_lengths),
+        )
         self._manifest: Manifest | None = None
         self._open: OpenArrays | None = None
         self._id_order: np.ndarray | None = None
+        self._arrays: dict[str, Opened] | None = None  # with their metadata, for the next refresh
         self.refresh()
 
     # ------------------------------------------------------------------ snapshot
     def refresh(self) -> bool:
-        """Adopt the latest commit; returns True if it changed. The index grows incrementally.
+        """Adopt the latest commit; returns True if it changed. Reads the new commit's last
+        index block only (:mod:`._snapshot`).
 
         A read that races a writer's shard rewrite (CRC32C mismatch, truncated object) is retried
         on a freshly read commit.
@@ -168,7 +174,8 @@ class CacheReader:
         known = len(self._index)
         if old is not None and (m.generation < old.generation or m.num_sequences < known):
             raise CorruptStoreError("store went backwards (generation or count decreased)")
-        arrays = _open_arrays(zstore, m)
+        opened_now = _open_arrays(zstore, m, self._arrays)
+        arrays = {n: a for n, (a, _) in opened_now.items()}
         need = committed_lengths(m)
         for n, a in arrays.items():
             if a.shape[0] < need[n]:
@@ -188,20 +195,15 @@ class CacheReader:
 
             return [np.asarray(x) for x in sync(gather())]
 
-        def blocks() -> Iterator[np.ndarray]:  # the starts are their sums (R8): not read
-            for a in range(known, m.num_sequences, INDEX_BLOCK):
-                b = min(m.num_sequences, a + INDEX_BLOCK)
-                yield stored_values(opened, [(spec.SEQ_LENGTHS, a, b)])[0]
-
         id_order = self._id_order
         if m.id_remap and m.num_rows and id_order is None:
             id_order = read([(spec.ID_ORDER, 0, m.vocab_size)])[0]
             if not idmap.is_permutation(id_order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
         opened = self._adopt_arrays(arrays, need, strict_, m, id_order)
-        index = self._index.extended(m, blocks())  # checks the new entries (R8)
+        index = self._index.at(m, partial(index_block, opened))  # checks its end (R6, R8)
         self._id_order = id_order  # every read done and checked: now adopt
-        self._open = opened
+        self._open, self._arrays = opened, opened_now
         self._index = index
         self._manifest = m
         follow_runs(index.table, zstore, m)
@@ -228,9 +230,18 @@ class CacheReader:
 
     def _reopen_arrays(self) -> None:
         o = self._opened
-        self._open = self._adopt_arrays(
-            _open_arrays(self._handle.zstore, o.manifest), o.need, o.strict, o.manifest, o.id_order
-        )
+        self._arrays = _open_arrays(self._handle.zstore, o.manifest)
+        arrays = {n: a for n, (a, _) in self._arrays.items()}
+        self._open = self._adopt_arrays(arrays, o.need, o.strict, o.manifest, o.id_order)
+
+    def _read_index_block(self, a: int, b: int, upto: bool) -> tuple[np.ndarray, int, int | None]:
+        """Index block ``[a, b)`` of the adopted commit (:data:`._snapshot.ReadBlock`), with the
+        reader's retries."""
+        return self._retry(lambda: index_block(self._opened, a, b, upto))
+
+    def _read_lengths(self, a: int, b: int) -> np.ndarray:
+        """Committed ``seq_lengths[a:b]``, with the reader's retries."""
+        return self._retry(lambda: stored_values(self._opened, [(spec.SEQ_LENGTHS, a, b)])[0])
 
     def _read_keys(self, a: int, b: int) -> np.ndarray:
         """Stored keys ``[a, b)`` (committed), with the reader's retries."""
@@ -346,7 +357,8 @@ class CacheReader:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a new int32 array)."""
+        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a new int32 array): the
+        whole index, read at the first use per snapshot (opening reads one index block)."""
         return self._index.lengths.astype(np.int32)
 
     @property
@@ -505,7 +517,7 @@ class CacheReader:
         keys, out = index.keys, []
         for (a, b), (ids, lp, tail, tokens, mask) in zip(todo, got, strict=True):
             assert tokens is not None  # sequence spans read their tokens
-            lengths = index.lengths[a:b].tolist()
+            lengths = index.lengths_of(a, b).tolist()
             rs = 0
             for i, n in zip(range(a, b), lengths, strict=True):
                 ts = rs + i - a

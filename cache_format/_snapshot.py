@@ -1,15 +1,22 @@
-"""The committed sequence index a reader works on (FORMAT.md §6, R6, R8): a frozen snapshot of
-the length and first row and token of every sequence, made at open and at each refresh that
-adopts a new commit, and a view of the keys (read on demand, :mod:`._keyindex`).
+"""The committed sequence index a reader works on (FORMAT.md §6, D1, R6, R8): a frozen snapshot
+of one commit's counts, its index blocks read on demand, and a view of the keys (read on demand,
+:mod:`._keyindex`).
 
-Per sequence it holds the length (uint16 while every length fits, else int32: 2 or 4 bytes) and,
-every :data:`STEP` sequences, the first row (int64): first rows and tokens are running sums of
-the lengths (R8), checked when read."""
+An index block is ``seq_lengths[a:b]`` of :data:`BLOCK` sequences with ``seq_row_start[a]`` (and
+``seq_row_start[b]``, or the commit's row count for the last block): a point lookup reads one
+block, however many sequences the store holds. A block is checked when read (every length
+``>= 2``; its rows end where the next block starts, the last block's at the commit's count) and
+kept as its lengths (uint16 while they fit, else int32) and its first row every :data:`STEP`
+sequences; :data:`KEEP_BLOCKS` blocks are kept (least recently used dropped), shared by the
+snapshots of one reader (a block a later commit extends is another block). The whole index
+(:attr:`IndexSnapshot.lengths`) is read only when asked for."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import overload
 
 import numpy as np
@@ -19,11 +26,84 @@ from ._manifest import Manifest
 from .errors import CorruptStoreError
 
 STEP = 64  # sequences per kept first row (row starts in between are summed from the lengths)
+BLOCK = 16384  # sequences per index block: the default seq_lengths inner chunk (FORMAT.md 4)
+KEEP_BLOCKS = 1024  # blocks kept: ~16.8M sequences, at most ~36 MB
+WHOLE_BLOCK = 1 << 16  # entries read per step when the whole index is read
+
+#: ``read(a, b, upto)``: committed ``seq_lengths[a:b]``, ``seq_row_start[a]`` and, when
+#: ``upto`` (``b`` below the count), ``seq_row_start[b]`` (else ``None``).
+ReadBlock = Callable[[int, int, bool], tuple[np.ndarray, int, int | None]]
+#: ``read(a, b)``: committed ``seq_lengths[a:b]``.
+ReadLengths = Callable[[int, int], np.ndarray]
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Index entries ``[first, first + len(lengths))``: lengths and the first row of every
+    :data:`STEP`-th of them."""
+
+    first: int
+    lengths: np.ndarray
+    checkpoints: np.ndarray
+
+    def row_start(self, i: int) -> int:
+        j = i - self.first
+        c = j - j % STEP
+        return int(self.checkpoints[j // STEP]) + int(self.lengths[c:j].sum()) - (j - c)
+
+
+class IndexBlocks:
+    """The index blocks of one reader's store, read by ``read_block`` (point lookups) and
+    ``read_lengths`` (the whole index) and kept in a bounded LRU; thread-safe."""
+
+    def __init__(self, read_block: ReadBlock, read_lengths: ReadLengths) -> None:
+        self.read_block, self.read_lengths = read_block, read_lengths
+        self._kept: OrderedDict[tuple[int, int], _Block] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, a: int, b: int, n: int, num_rows: int, read: ReadBlock | None = None) -> _Block:
+        """Block ``[a, b)`` of a snapshot of ``n`` sequences and ``num_rows`` rows (read with
+        ``read``, default :attr:`read_block`, and checked if not kept)."""
+        with self._lock:
+            got = self._kept.get((a, b))
+            if got is not None:
+                self._kept.move_to_end((a, b))
+                return got
+        got = _checked_block(a, b, n, num_rows, *(read or self.read_block)(a, b, b < n))
+        with self._lock:
+            self._kept[(a, b)] = got
+            while len(self._kept) > KEEP_BLOCKS:
+                self._kept.popitem(last=False)
+        return got
+
+
+def _checked_block(
+    a: int, b: int, n: int, num_rows: int, ln: np.ndarray, r0: int, r1: int | None
+) -> _Block:
+    """Block ``[a, b)`` from its stored values, checked (R8; R6: it ends at the next block's
+    first row, the last block at the commit's row count)."""
+    if len(ln) != b - a:
+        raise CorruptStoreError(f"sequence index: {len(ln)} lengths read for [{a}, {b})")
+    ln = check_lengths(a, ln)
+    end = r0 + int(ln.sum(dtype=np.int64)) - len(ln)
+    want = num_rows if r1 is None else r1
+    if (a == 0 and r0 != 0) or not 0 <= r0 <= end <= num_rows or end != want:
+        where = "the commit counts" if r1 is None else f"seq_row_start[{b}] is"
+        raise CorruptStoreError(
+            f"sequence index: seq_row_start[{a}] = {r0} and the lengths of [{a}, {b}) end at "
+            f"row {end}; {where} {want} rows"
+        )
+    rows = np.zeros(len(ln), np.int64)
+    np.cumsum(ln[:-1] - 1, dtype=np.int64, out=rows[1:])
+    return _Block(a, _frozen(ln), _frozen(rows[::STEP] + r0))
 
 
 class SnapshotKeys(Sequence[str]):
@@ -54,47 +134,105 @@ class SnapshotKeys(Sequence[str]):
 
 @dataclass(frozen=True)
 class IndexSnapshot:
-    """The sequence index of one commit: sequence ``i`` is ``keys[i]``, ``lengths[i]`` tokens
-    from token :meth:`token_start` and ``lengths[i] - 1`` rows from :meth:`row_start`
-    (``lengths``: a read-only uint16 or int32 array). ``checkpoints[j]`` is the first row of
-    sequence ``j * STEP``. Keys are looked up in ``table``, shared with later snapshots (it may know
-    keys of a later one: lookups pass this snapshot's count)."""
+    """The sequence index of one commit of ``n`` sequences: sequence ``i`` is ``keys[i]``,
+    :meth:`length` tokens from token :meth:`token_start` and ``length - 1`` rows from
+    :meth:`row_start`, read from ``blocks`` on demand. Keys are looked up in ``table``, shared
+    with later snapshots (it may know keys of a later one: lookups pass this snapshot's count)."""
 
-    lengths: np.ndarray
-    checkpoints: np.ndarray
+    n: int
     num_rows: int
     num_tokens: int
     table: KeyTable
+    blocks: IndexBlocks
+    _whole: list[np.ndarray] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
-    def empty(cls, table: KeyTable) -> IndexSnapshot:
-        return cls(_frozen(np.zeros(0, np.uint16)), _frozen(np.zeros(0, np.int64)), 0, 0, table)
+    def empty(cls, table: KeyTable, blocks: IndexBlocks) -> IndexSnapshot:
+        return cls(0, 0, 0, table, blocks)
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return self.n
 
     @property
     def keys(self) -> SnapshotKeys:
-        return SnapshotKeys(self.table, len(self))
+        return SnapshotKeys(self.table, self.n)
 
     def index_of(self, key: str) -> int:
         """The first sequence stored under ``key`` (KeyError if absent)."""
-        i = self.table.find(key, len(self)) if isinstance(key, str) else None
+        i = self.table.find(key, self.n) if isinstance(key, str) else None
         if i is None:
             raise KeyError(key)
         return i
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.table.find(key, len(self)) is not None
+        return isinstance(key, str) and self.table.find(key, self.n) is not None
+
+    def _block(self, i: int) -> _Block:
+        a = i - i % BLOCK
+        return self.blocks.get(a, min(self.n, a + BLOCK), self.n, self.num_rows)
+
+    def length(self, i: int) -> int:
+        """Tokens of sequence ``i``."""
+        blk = self._block(i)
+        return int(blk.lengths[i - blk.first])
 
     def row_start(self, i: int) -> int:
-        """First global row of sequence ``i``."""
-        j = i - i % STEP
-        return int(self.checkpoints[i // STEP]) + int(self.lengths[j:i].sum()) - (i - j)
+        """First global row of sequence ``i`` (``i = n``: the row count)."""
+        return self.num_rows if i == self.n else self._block(i).row_start(i)
+
+    def first_from_row(self, row: int) -> int:
+        """The first sequence whose first row is at or after ``row`` (``n`` if none; row starts
+        increase): a binary search reading about ``log2(n)`` index entries."""
+        lo, hi = 0, self.n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.row_start(mid) < row:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def token_start(self, i: int) -> int:
         """First global token of sequence ``i`` (its rows before it, plus one per sequence)."""
         return self.row_start(i) + i
+
+    def lengths_of(self, a: int, b: int) -> np.ndarray:
+        """Tokens of sequences ``[a, b)`` (int32; read block by block)."""
+        parts, i = [], a
+        while i < b:
+            blk = self._block(i)
+            j = min(b, blk.first + len(blk.lengths))
+            parts.append(blk.lengths[i - blk.first : j - blk.first])
+            i = j
+        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of every sequence (read-only, uint16 while every length fits, else int32):
+        read whole at the first use and kept by this snapshot; their sums must end at the
+        commit's counts (R6, R8)."""
+        if not self._whole:
+            self._whole.append(self._read_whole())
+        return self._whole[0]
+
+    def _read_whole(self) -> np.ndarray:
+        n, out = self.n, np.empty(self.n, np.uint16)
+        rows = 0
+        for a in range(0, n, WHOLE_BLOCK):
+            b = min(n, a + WHOLE_BLOCK)
+            ln = check_lengths(a, self.blocks.read_lengths(a, b))
+            if len(ln) != b - a:
+                raise CorruptStoreError(f"sequence index: {len(ln)} lengths read for [{a}, {b})")
+            if ln.dtype != out.dtype:
+                out = out.astype(np.int32)
+            out[a:b] = ln
+            rows += int(ln.sum(dtype=np.int64)) - len(ln)
+        if (rows, rows + n) != (self.num_rows, self.num_tokens):
+            raise CorruptStoreError(
+                f"sequence index ends at token {rows + n}, row {rows}; the commit counts "
+                f"{self.num_tokens} tokens, {self.num_rows} rows"
+            )
+        return _frozen(out)
 
     @property
     def row_starts(self) -> np.ndarray:
@@ -107,22 +245,22 @@ class IndexSnapshot:
     @property
     def token_starts(self) -> np.ndarray:
         """First global token of every sequence (computed: a new int64 array)."""
-        return self.row_starts + np.arange(len(self), dtype=np.int64)
+        return self.row_starts + np.arange(self.n, dtype=np.int64)
 
     def span(self, i: int) -> tuple[slice, slice]:
         """Rows and tokens of sequence ``i``."""
-        r0, n = self.row_start(i), int(self.lengths[i])
+        blk = self._block(i)
+        r0, n = blk.row_start(i), int(blk.lengths[i - blk.first])
         return slice(r0, r0 + n - 1), slice(r0 + i, r0 + i + n)
 
     def range_span(self, a: int, b: int) -> tuple[slice, slice]:
         """Rows and tokens of sequences ``[a, b)`` (stored back to back), ``a < b``."""
-        r0 = self.row_start(a)
-        r1 = r0 + int(self.lengths[a:b].sum()) - (b - a)
+        r0, r1 = self.row_start(a), self.row_start(b)
         return slice(r0, r1), slice(r0 + a, r1 + b)
 
     def check_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` as int pairs; ``IndexError`` unless ``0 <= a <= b <= len(self)``."""
-        n, out = len(self), []
+        n, out = self.n, []
         for r in ranges:
             a, b = (int(x) for x in r)
             if not 0 <= a <= b <= n:
@@ -130,42 +268,21 @@ class IndexSnapshot:
             out.append((a, b))
         return out
 
-    def extended(self, m: Manifest, blocks: Iterable[np.ndarray]) -> IndexSnapshot:
-        """This snapshot with the index entries ``[len(self), m.num_sequences)`` appended, given
-        as consecutive blocks of lengths, after checking them (:func:`check_lengths`; their
-        sums must end at the commit's counts, R6, R8)."""
-        i = known = len(self)
-        r0 = self.row_start(known - 1) + int(self.lengths[-1]) - 1 if known else 0
+    def at(self, m: Manifest, read: ReadBlock | None = None) -> IndexSnapshot:
+        """The snapshot of commit ``m`` (same table and blocks), its last block read (with
+        ``read``, default the blocks' reader) and checked: the index ends at the commit's
+        counts (R6, R8)."""
         n = m.num_sequences
-        # filled in place (no list of blocks): what an open leaves behind is this and no more
-        lengths = np.empty(max(n, known), self.lengths.dtype)
-        lengths[:known] = self.lengths
-        checkpoints = np.empty(-(-max(n, known) // STEP), np.int64)
-        checkpoints[: len(self.checkpoints)] = self.checkpoints
-        for block in blocks:
-            ln = check_lengths(i, block)
-            if i + len(ln) > n:
-                raise CorruptStoreError(f"sequence index: more than the {n} committed entries")
-            if ln.dtype != lengths.dtype:
-                lengths = lengths.astype(np.int32)
-            lengths[i : i + len(ln)] = ln
-            first = (-i) % STEP  # entries at multiples of STEP
-            if first < len(ln):  # rows[p]: the block's rows before its entry p
-                rows = np.zeros(len(ln), np.int64)
-                np.cumsum(ln[: len(ln) - 1] - 1, dtype=np.int64, out=rows[1:])
-                cps = rows[first::STEP] + r0
-                c0 = (i + first) // STEP
-                checkpoints[c0 : c0 + len(cps)] = cps
-            total = int(ln.sum(dtype=np.int64))
-            i, r0 = i + len(ln), r0 + total - len(ln)
-        if (r0 + i, r0) != (m.num_tokens, m.num_rows) or i != n:
+        if m.num_tokens != m.num_rows + n or (n == 0 and m.num_rows != 0):
             raise CorruptStoreError(
-                f"sequence index ends at token {r0 + i}, row {r0}; the commit counts "
-                f"{m.num_tokens} tokens, {m.num_rows} rows"
+                f"the commit counts {m.num_tokens} tokens, {m.num_rows} rows and {n} sequences: "
+                "tokens must be rows plus sequences"
             )
-        return IndexSnapshot(
-            _frozen(lengths), _frozen(checkpoints), m.num_rows, m.num_tokens, self.table
-        )
+        snap = IndexSnapshot(n, m.num_rows, m.num_tokens, self.table, self.blocks)
+        if n:
+            a = (n - 1) - (n - 1) % BLOCK
+            self.blocks.get(a, n, n, m.num_rows, read)
+        return snap
 
 
 def check_lengths(known: int, lengths: np.ndarray) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from . import _idmap as idmap
 from . import _keyruns as keyruns
 from . import hidden, spec
 from ._integrity import checked_get, missing_ranges
-from ._keyindex import hashes_of
+from ._keyindex import byte_hashes, hashes_of
 from ._manifest import Manifest
 from ._seal import sealed
 from ._zarr_adapter import async_array, sync
@@ -220,9 +221,9 @@ def _check_index(
     read = {n: _read(arrays, m, report, n, 0, s) for n in spec.SEQ_ARRAYS}
     keys = read[spec.SEQ_KEYS]
     if keys is not None:
-        _check_keys([str(x) for x in keys], arrays, m, report)
+        hashes = _check_keys(keys.tolist(), arrays, m, report)
         runs = m.runs()
-        bad = [] if runs is None else keyruns.check_runs(store, runs, hashes_of(keys))
+        bad = [] if runs is None else keyruns.check_runs(store, runs, hashes())
         if bad:
             report.add("key_index", "key index run does not match the keys (4.11)", bad, len(bad))
     got = {n: v for n, v in read.items() if v is not None}
@@ -265,38 +266,55 @@ def _check_index(
     return lengths if tiles and int(lengths.sum()) == m.num_tokens else None
 
 
-def _check_keys(keys: list[str], arrays: dict, m: Manifest, report: ValidationReport) -> None:
+def _check_keys(
+    keys: list[str], arrays: dict, m: Manifest, report: ValidationReport
+) -> Callable[[], np.ndarray]:
     """R3 (non-empty, unique) and, in version 2, ``seq_key_bytes``/``seq_key_end`` hold the
-    same keys (``key_bytes``)."""
-    seen: dict[str, int] = {}
-    dups = []
-    for i, key in enumerate(keys):
-        if not key:
+    same keys (``key_bytes``). Returns what gives the keys' 64-bit hashes (4.11): from the key
+    bytes where they hold the keys, else from the keys."""
+    if "" in keys:
+        for i in (i for i, key in enumerate(keys) if not key):
             report.add("key_empty", "empty sequence key", [f"sequence {i}"])
-        if key in seen:
-            dups.append(f"sequence {i} (= {seen[key]})")
-        seen.setdefault(key, i)
-    if dups:
+    if len(set(keys)) != len(keys):
+        seen: dict[str, int] = {}
+        dups = []
+        for i, key in enumerate(keys):
+            if key in seen:
+                dups.append(f"sequence {i} (= {seen[key]})")
+            seen.setdefault(key, i)
         report.add("key_duplicate", "sequence key stored twice", dups, len(dups))
+    from_keys = partial(hashes_of, keys)
     if m.format_version < 2 or not all(n in arrays for n in spec.KEY_BYTES_ARRAYS):
-        return
+        return from_keys
     ends = _read(arrays, m, report, spec.SEQ_KEY_END, 0, m.num_sequences)
     raw = _read(arrays, m, report, spec.SEQ_KEY_BYTES, 0, m.num_key_bytes)
     if ends is None or raw is None:
-        return
-    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        return from_keys
+    ends = ends.astype(np.int64)
     last = int(ends[-1]) if ends.size else 0
     if last != m.num_key_bytes or (ends.size and (np.diff(ends, prepend=0) < 0).any()):
         report.add("key_bytes", "seq_key_end not non-decreasing or not ending at num_key_bytes", [])
-        return
+        return from_keys
     data = raw.tobytes()
+    text = "".join(keys)
+    joined = text.encode("utf-8", "surrogatepass")
+    if len(joined) == len(text):  # ASCII: a byte per character
+        lens = np.fromiter(map(len, keys), np.int64, len(keys))
+    else:
+        lens = np.fromiter((len(k.encode("utf-8", "surrogatepass")) for k in keys), np.int64)
+    if joined == data and np.array_equal(np.cumsum(lens), ends):
+        if not (lens > 0).all():
+            return from_keys
+        return partial(byte_hashes, raw.astype(np.uint8, copy=False), ends)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
     bad = [
         f"sequence {i}"
         for i, key in enumerate(keys)
-        if data[int(starts[i]) : int(ends[i])] != key.encode("utf-8")
+        if data[int(starts[i]) : int(ends[i])] != key.encode("utf-8", "surrogatepass")
     ]
     if bad:
         report.add("key_bytes", "seq_key_bytes differ from seq_keys", bad, len(bad))
+    return from_keys
 
 
 def _blocks(stop: int, size: int) -> list[tuple[int, int]]:

@@ -304,10 +304,8 @@ class CacheWriter:
 
     def refresh(self) -> bool:
         """Catch up with what other writers committed since this writer's last transaction:
-        re-read the committed manifest (the keys committed since are hashed at the next
-        :meth:`contains` or append). For a writer kept open between jobs (the server's
-        ``CacheRegistry``): its next job plans against the cache as it is, without a new
-        writer hashing every committed key again (O(sequences) per writer).
+        re-read the committed manifest. For a writer kept open between jobs (the server's
+        ``CacheRegistry``): its next job plans against the cache as it is.
 
         Returns ``False``, changing nothing, when the store is no longer the one this writer
         has been appending to (root gone, or made again: another ``created`` time, fewer

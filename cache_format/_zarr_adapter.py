@@ -7,6 +7,9 @@ covers most of the format. What it does not, and why the format needs it:
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import zarr
@@ -36,6 +39,7 @@ __all__ = [
     "blosc_codec",
     "default_buffer_prototype",
     "load_shard_index",
+    "open_arrays",
     "sync",
     "zstd_codec",
 ]
@@ -46,6 +50,77 @@ def async_array(arr: zarr.Array) -> zarr.AsyncArray[Any]:
     the reads of several arrays concurrently in one call into zarr's event loop, which the
     synchronous ``Array`` cannot."""
     return arr._async_array
+
+
+#: An opened array and its parsed metadata document (``zarr.json``).
+Opened = tuple[zarr.Array, dict[str, Any]]
+
+
+def _documents(store: Any, names: list[str]) -> list[dict[str, Any] | None]:
+    """The parsed ``zarr.json`` of each array (``None``: absent or not a JSON object): a local
+    store's read here, another's in one call into zarr's event loop."""
+    if isinstance(store, zarr.storage.LocalStore):
+        raws: list[bytes | None] = []
+        for n in names:
+            try:
+                raws.append((Path(store.root) / n / "zarr.json").read_bytes())
+            except (FileNotFoundError, NotADirectoryError):
+                raws.append(None)
+    else:
+
+        async def gather() -> list[Buffer | None]:
+            proto = default_buffer_prototype()
+            keys = [f"{n}/zarr.json" for n in names]
+            return await asyncio.gather(*(store.get(k, prototype=proto) for k in keys))
+
+        raws = [None if b is None else b.to_bytes() for b in sync(gather())]
+    docs: list[dict[str, Any] | None] = []
+    for raw in raws:
+        try:
+            doc = None if raw is None else json.loads(raw)
+        except ValueError:
+            doc = None
+        docs.append(doc if isinstance(doc, dict) else None)
+    return docs
+
+
+def open_arrays(
+    store: Any, names: list[str], known: dict[str, Opened] | None = None
+) -> dict[str, Opened]:
+    """Arrays ``names`` of the hierarchy at ``store``, opened read-only, with their metadata.
+
+    An array whose document equals its ``known`` one but for the shape is that array at the new
+    shape (a commit changes the shapes only: nothing parsed again); the others are opened by
+    zarr, concurrently (one call into its event loop)."""
+    from zarr.api import asynchronous
+
+    out: dict[str, Opened] = {}
+    docs = dict(zip(names, _documents(store, names), strict=True))
+    for n, doc in docs.items():
+        prev = (known or {}).get(n)
+        if doc is None or prev is None or {**doc, "shape": 0} != {**prev[1], "shape": 0}:
+            continue
+        shape = doc.get("shape")
+        old = prev[0]
+        if (
+            isinstance(shape, list)
+            and len(shape) == old.ndim
+            and all(isinstance(x, int) and x >= 0 for x in shape)
+        ):
+            meta = old.metadata.update_shape(tuple(shape))
+            arr = zarr.AsyncArray(meta, old.store_path, old._async_array.config)
+            out[n] = (zarr.Array(arr), doc)
+    todo = [n for n in names if n not in out]
+
+    async def gather() -> list[zarr.AsyncArray[Any]]:
+        return await asyncio.gather(
+            *(asynchronous.open_array(store=store, path=n, mode="r") for n in todo)
+        )
+
+    if todo:
+        for n, a in zip(todo, sync(gather()), strict=True):
+            out[n] = (zarr.Array(a), docs[n] or {})
+    return {n: out[n] for n in names}
 
 
 def blosc_codec(codec: Any) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import google_crc32c
@@ -329,13 +330,17 @@ def _root_document(store: zarr.abc.store.Store) -> dict | None:
     """The root ``zarr.json`` parsed, if it is a zarr v3 group's without consolidated metadata
     (what this library writes); else ``None``."""
     try:
-        raw = sync(store.get(ROOT_METADATA, prototype=default_buffer_prototype()))
-    except FileNotFoundError:  # a read-only local store whose root does not exist
-        return None
-    if raw is None:
+        if isinstance(store, zarr.storage.LocalStore):  # read here: no trip through zarr's loop
+            raw = (Path(store.root) / ROOT_METADATA).read_bytes()
+        else:
+            got = sync(store.get(ROOT_METADATA, prototype=default_buffer_prototype()))
+            if got is None:
+                return None
+            raw = got.to_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # no root (or no store folder)
         return None
     try:
-        doc = json.loads(raw.to_bytes())
+        doc = json.loads(raw)
     except ValueError:
         return None
     if (

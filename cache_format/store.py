@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -63,6 +64,22 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_FSYNC_THREADS = 8
+_pool: dict[int, ThreadPoolExecutor] = {}
+_pool_lock = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The threads that fsync a barrier's directories concurrently (started once per process:
+    a forked child starts its own)."""
+    with _pool_lock:
+        pid = os.getpid()
+        if pid not in _pool:
+            _pool.clear()
+            _pool[pid] = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="logitcache-fsync")
+        return _pool[pid]
 
 
 #: Objects of at least this many bytes are written with ``O_DIRECT`` (:class:`DurableLocalStore`).
@@ -246,9 +263,11 @@ class DurableLocalStore(zarr.storage.LocalStore):
         """fsync every directory whose entries changed since the last call."""
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
-        for d in sorted(dirty, key=lambda p: len(p.parts), reverse=True):  # leaves first
-            if d.exists():
-                _fsync_dir(d)
+        dirs = [d for d in dirty if d.exists()]
+        if len(dirs) == 1:
+            _fsync_dir(dirs[0])
+        elif dirs:  # concurrently: the file system commits them together
+            list(_fsync_pool().map(_fsync_dir, dirs))
 
 
 @dataclass

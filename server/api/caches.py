@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
@@ -170,7 +169,8 @@ def cache_lengths(
     n = reader.num_sequences
     stop = n if stop is None else stop
     start, stop = _range(start, stop, n, max(n, 1))
-    return CacheLengths(start=start, stop=stop, lengths=reader.lengths[start:stop].tolist())
+    lengths = reader.index.lengths_of(start, stop).tolist()  # the blocks of the range only
+    return CacheLengths(start=start, stop=stop, lengths=lengths)
 
 
 @router.get("/{name}/sequences", response_class=StreamingResponse, responses={**_ERRORS, **_FRAMES})
@@ -237,13 +237,13 @@ def cache_rows(
     reader = services.caches.open_reader(name)
     if not 0 <= start < stop <= reader.num_rows:
         raise InvalidInputError(f"row range [{start}, {stop}) is outside [0, {reader.num_rows}]")
-    row_starts = reader.row_starts
-    first = int(np.searchsorted(row_starts, start, side="right")) - 1
-    last = int(np.searchsorted(row_starts, stop, side="left"))
+    index = reader.index  # a binary search over the index blocks, not every length
+    first = index.first_from_row(start + 1) - 1
+    last = index.first_from_row(stop)
     _range(first, last, reader.num_sequences, services.settings.max_stream_sequences)
     headers = {
         "X-Logitcache-First-Sequence": str(first),
-        "X-Logitcache-First-Row": str(int(row_starts[first])),
+        "X-Logitcache-First-Row": str(index.row_start(first)),
         "X-Logitcache-Num-Sequences": str(last - first),
     }
     return StreamingResponse(

@@ -21,8 +21,9 @@ manifest of the group's first request; a request with another manifest waits for
 are queued, so one bad request cannot fail the others.
 
 :meth:`GroupCommitter.aclose` (the app's shutdown) refuses new appends, commits what is queued and
-waits for the queues' tasks; the commits run in the event loop's default executor (no thread of
-their own).
+waits for the queues' tasks. The commits run in threads of the committer's own (one commit per
+cache at a time, up to :data:`COMMIT_THREADS` caches at once), never queued behind the requests'
+work in the event loop's default executor.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from logitcache.cache_format import Manifest, SequenceRecord
@@ -41,6 +43,8 @@ from .caches import CacheRegistry
 #: Rows one group commit holds at most (a request over it is committed alone): bounds the memory
 #: of a group and the time its first request waits behind the encoding of the others.
 MAX_GROUP_ROWS = 1 << 16
+#: Threads committing groups (each cache's groups are committed one at a time).
+COMMIT_THREADS = 4
 
 
 def _rows(records: Sequence[SequenceRecord]) -> int:
@@ -106,6 +110,7 @@ class GroupCommitter:
         self.max_rows = max_rows
         self._queues: dict[str, _Queue] = {}
         self._closed = False
+        self._pool = ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="logitcache-commit")
 
     @contextlib.contextmanager
     def ticket(self, name: str) -> Iterator[Ticket]:
@@ -158,7 +163,8 @@ class GroupCommitter:
                 await self._wait(q)
                 group = self._take(q)
                 try:
-                    counts = await asyncio.to_thread(self._commit, name, group)
+                    loop = asyncio.get_running_loop()
+                    counts = await loop.run_in_executor(self._pool, self._commit, name, group)
                 except Exception as e:  # noqa: BLE001 - every request of the group gets it
                     for item in group:
                         item.ticket.leave()
@@ -219,3 +225,4 @@ class GroupCommitter:
         tasks = [q.task for q in self._queues.values() if q.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._pool.shutdown(wait=False)

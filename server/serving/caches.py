@@ -97,10 +97,8 @@ def is_url(root: str) -> bool:
 
 
 #: Seconds a cache's writer stays open after its last user has finished: the next job
-#: into the cache within that time reuses it, loading only the keys committed since
-#: (:meth:`CacheWriter.refresh`) instead of opening a new writer, which reads every committed
-#: key (O(sequences): ~2 us of CPU per key, seconds at a million sequences), and its first append
-#: finds its arrays as it left them.
+#: into the cache within that time reuses it (:meth:`CacheWriter.refresh`) instead of opening a
+#: new writer, and its first append finds its arrays as it left them.
 WRITER_IDLE_S = 120.0
 #: Idle writers kept open at most; past that the least recently used is closed. Each holds its
 #: cache's key set and the last shard of every array (~20 MB at k=100).
@@ -145,10 +143,11 @@ class WriterHandle:
         keys meanwhile is taken from the last parts, whose keys are committed either way)."""
         with self._entry.lock, not_writable_as_409(self.name):
             w = self._entry.writer
-            seen: set[str] = set()
+            keys = list(dict.fromkeys(r.key for part in parts for r in part))
+            seen = set(keys) - set(w.missing(keys))
             counts: list[int] = []
             for part in parts:
-                fresh = {r.key for r in part if r.key not in seen and not w.contains(r.key)}
+                fresh = {r.key for r in part if r.key not in seen}
                 seen |= fresh
                 counts.append(len(fresh))
             short = sum(counts) - w.append([r for part in parts for r in part])

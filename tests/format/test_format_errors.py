@@ -171,3 +171,26 @@ def test_validate_reports_every_problem(tmp_path):
     data[10] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert "unreadable" in validate(url).codes()
+
+
+@pytest.mark.parametrize("ascii_keys", [True, False])
+def test_validate_compares_keys_with_their_bytes(tmp_path, ascii_keys):
+    """validate hashes the keys from ``seq_key_bytes`` when they hold exactly the keys, and
+    names every sequence whose bytes differ (keys of 1-byte and multi-byte characters)."""
+    url = tmp_path / "c"
+    recs = [
+        _bad(r, key=r.key if ascii_keys else f"ключ-{i}-λ")
+        for i, r in enumerate(make_records(9, seed=3))
+    ]
+    m = make_manifest(format_version=3)  # stock zarr's writes below keep no shard seal
+    with CacheWriter.open(url, m) as w:
+        w.append(recs)
+    assert validate(url).ok
+    raw = zarr.open_array(zarr.storage.LocalStore(url), path="seq_key_bytes", mode="r+")
+    ends = zarr.open_array(zarr.storage.LocalStore(url), path="seq_key_end", mode="r")[:]
+    at = int(ends[3]) + 1  # a byte of sequence 4's key
+    raw[at] = (int(raw[at]) + 1) % 256
+    report = validate(url)
+    assert "key_bytes" in report.codes(), str(report)
+    where = next(p for p in report.problems if p.code == "key_bytes").where
+    assert where == ["sequence 4"], where

@@ -153,12 +153,16 @@ def test_writer_skips_known_keys_when_hashes_collide(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("long", [False, True])
-def test_snapshot_spans_from_lengths(long):
-    """The snapshot keeps lengths (uint16 while they fit) and a row start every STEP sequences;
-    every span equals the running sums, across blocks and extensions; R8 breaks are refused."""
+def test_snapshot_spans_from_index_blocks(long, monkeypatch):
+    """The snapshot reads index blocks on demand (lengths and the block's first row) and keeps
+    at most KEEP_BLOCKS; every span equals the running sums, across blocks and commits; a
+    commit reads only its last block; R8 breaks are refused where the block is read."""
     from logitcache.cache_format import CorruptStoreError, IndexSnapshot
     from logitcache.cache_format import _snapshot as snap
 
+    monkeypatch.setattr(snap, "BLOCK", 64)
+    monkeypatch.setattr(snap, "KEEP_BLOCKS", 3)
+    monkeypatch.setattr(snap, "WHOLE_BLOCK", 100)
     rng = np.random.default_rng(1)
     lengths = rng.integers(2, 50, 500).astype(np.int32)
     if long:
@@ -166,31 +170,86 @@ def test_snapshot_spans_from_lengths(long):
     rows = np.concatenate([[0], np.cumsum(lengths - 1)]).astype(np.int64)
     toks = rows + np.arange(len(rows))
     table = keyindex.KeyTable(lambda a, b: np.array([], dtype=object))
+    reads: list[tuple[int, int]] = []
 
-    def blocks(a: int, b: int, step: int):
-        return [lengths[x : min(b, x + step)] for x in range(a, b, step)]
+    def read_block(a: int, b: int, upto: bool):
+        reads.append((a, b))
+        return lengths[a:b], int(rows[a]), int(rows[b]) if upto else None
 
-    def manifest(n: int):
+    def manifest(n: int, **kw):
         return make_manifest().model_copy(
-            update=dict(num_sequences=n, num_rows=int(rows[n]), num_tokens=int(toks[n]))
+            update={"num_sequences": n, "num_rows": int(rows[n]), "num_tokens": int(toks[n]), **kw}
         )
 
-    one = IndexSnapshot.empty(table).extended(manifest(1), blocks(0, 1, 1))  # a 1-entry block
-    assert one.row_start(0) == 0 and list(one.checkpoints) == [0]
-    first = one.extended(manifest(130), [*blocks(1, 65, 1), *blocks(65, 130, 37)])
-    full = first.extended(manifest(500), blocks(130, 500, 101))
+    blocks = snap.IndexBlocks(read_block, lambda a, b: lengths[a:b])
+    one = IndexSnapshot.empty(table, blocks).at(manifest(1))
+    assert one.row_start(0) == 0 and one.length(0) == lengths[0] and reads == [(0, 1)]
+    first = one.at(manifest(130))
+    assert reads[-1] == (128, 130)  # a commit reads its last block only
+    full = first.at(manifest(500))
+    assert first.span(129) == full.span(129)
     assert full.lengths.dtype == (np.int32 if long else np.uint16)
+    assert np.array_equal(full.lengths, lengths)
+    assert np.array_equal(full.lengths_of(60, 300), lengths[60:300])
     assert np.array_equal(full.row_starts, rows[:-1]) and np.array_equal(
         full.token_starts, toks[:-1]
     )
     for i in range(500):
         assert full.span(i) == (slice(rows[i], rows[i + 1]), slice(toks[i], toks[i + 1]))
     assert full.range_span(7, 450) == (slice(rows[7], rows[450]), slice(toks[7], toks[450]))
-    assert len(full.checkpoints) == -(-500 // snap.STEP)
-    bad = blocks(0, 130, 50)
-    bad[1] = bad[1].copy()
-    bad[1][3] = 1
+    assert full.range_span(450, 500) == (slice(rows[450], rows[500]), slice(toks[450], toks[500]))
+    for row in (0, 1, int(rows[1]), int(rows[200]) - 1, int(rows[200]), int(rows[499]) + 1):
+        assert full.first_from_row(row) == int(np.searchsorted(rows[:-1], row, side="left"))
+    assert full.first_from_row(int(rows[500])) == 500
+    assert len(blocks) == 3  # KEEP_BLOCKS
+    bad = lengths.copy()
+    bad[53] = 1
+    blocks = snap.IndexBlocks(lambda a, b, u: (bad[a:b], int(rows[a]), None), lambda a, b: bad)
+    wrong = IndexSnapshot.empty(table, blocks).at(manifest(500))  # reads [448, 500) only
     with pytest.raises(CorruptStoreError, match="sequence 53 has a length < 2"):
-        IndexSnapshot.empty(table).extended(manifest(130), bad)
+        wrong.span(60)
     with pytest.raises(CorruptStoreError, match="commit counts"):
-        IndexSnapshot.empty(table).extended(manifest(131), blocks(0, 130, 50))
+        IndexSnapshot.empty(table, snap.IndexBlocks(read_block, bad.__getitem__)).at(
+            manifest(500, num_rows=int(rows[500]) + 1, num_tokens=int(toks[500]) + 1)
+        )
+    shifted = snap.IndexBlocks(lambda a, b, u: (lengths[a:b], int(rows[a]) + 1, None), bad.take)
+    with pytest.raises(CorruptStoreError, match="seq_row_start"):
+        IndexSnapshot.empty(table, shifted).at(manifest(500))
+
+
+def test_refresh_keeps_arrays_whose_metadata_changed_only_in_shape(tmp_path, monkeypatch):
+    """A refresh opens no array again when a commit changed only the shapes (the arrays kept at
+    their new shapes read the new rows, through the direct and zarr paths); an array whose
+    metadata changed otherwise is opened again."""
+    import json
+
+    from zarr.api import asynchronous
+
+    url = tmp_path / "c"
+    recs = make_records(9, seed=2)
+    w = CacheWriter.open(url, make_manifest(), layout=SMALL)
+    w.append(recs[:4])
+    r = CacheReader(url)
+    opened: list[str] = []
+    real = asynchronous.open_array
+
+    async def counted(*a, **kw):
+        opened.append(kw["path"])
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(asynchronous, "open_array", counted)
+    w.append(recs[4:])
+    assert r.refresh() and opened == []
+    assert r.index.index_of(recs[8].key) == 8
+    assert np.array_equal(r.sequence(8).topk_ids, recs[8].topk_ids)
+    tail = r._opened.arrays["tail_mass"]
+    assert tail.shape[0] == r.num_rows
+    assert np.array_equal(tail[r.num_rows - 2 :], r.rows(r.num_rows - 2, r.num_rows).tail_mass)
+    w.append([replace(recs[0], key="another")])
+    w.close()
+    doc_path = url / "tail_mass" / "zarr.json"  # after the commit: its shape is the new one
+    doc = json.loads(doc_path.read_text())
+    doc["attributes"]["note"] = "changed"
+    doc_path.write_text(json.dumps(doc))
+    assert r.refresh() and opened == ["tail_mass"]
+    assert r._opened.arrays["tail_mass"].attrs["note"] == "changed"

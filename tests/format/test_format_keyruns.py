@@ -211,3 +211,30 @@ def test_reindex_gives_an_old_store_its_key_index(tmp_path):
     (Path(url) / "zarr.json").unlink()
     assert CliRunner().invoke(app, ["repair", url]).exit_code == 0
     assert CacheReader(url).keys == [x.key for x in recs]
+
+
+def test_run_blocks_are_kept_bounded_and_checked_once(tmp_path, monkeypatch):
+    """A lookup keeps the run blocks it read (at most KEEP_BLOCKS): the next lookup in them
+    reads no run object; a writer checks a group's keys together (``missing``)."""
+    url = str(tmp_path / "c")
+    recs = make_records(12, k=K, vocab=VOCAB, seed=6)
+    with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
+        for a in range(0, 12, 3):
+            w.append(recs[a : a + 3])
+        assert w.missing([recs[0].key, "absent", recs[11].key]) == ["absent"]
+        assert w.missing([]) == []
+    monkeypatch.setattr(keyruns, "KEEP_BLOCKS", 1)
+    reads: list[tuple[int, int]] = []
+    real = keyruns._blocks
+
+    def counted(store, ref, crcs, a, b):
+        reads.append((a, b))
+        return real(store, ref, crcs, a, b)
+
+    monkeypatch.setattr(keyruns, "_blocks", counted)
+    r = CacheReader(url)
+    runs = r.manifest.runs() or []
+    assert len(runs) == 1  # 4 commits of 3: one merged run
+    assert r.index_of(recs[5].key) == 5 and len(reads) == 1
+    assert r.index_of(recs[7].key) == 7 and "absent" not in r and len(reads) == 1
+    assert len(r.index.table.runs._kept) == 1

@@ -29,9 +29,10 @@ from logitcache.cache_format import (
 SMALL = Layout(row_chunk=8, row_shard=32, token_chunk=16, token_shard=64, seq_chunk=4, seq_shard=8)
 K = 4
 ROW_ARRAYS = ["topk_ids", "topk_logprobs", "tail_mass", "logprob_max", "logprob_step"]
-INDEX_ARRAYS = ["seq_keys", "seq_lengths", "id_order"]
-# not read by readers (the starts are sums of the lengths, D1; key lookups use the key index)
-KEY_ARRAYS = ["seq_key_end", "seq_key_bytes", "seq_token_start", "seq_row_start"]
+# the store is one index block (FORMAT.md D1): opening reads its lengths and first row
+INDEX_ARRAYS = ["seq_keys", "seq_lengths", "seq_row_start", "id_order"]
+# not read by readers (token starts are row starts plus i, D1; key lookups use the key index)
+KEY_ARRAYS = ["seq_key_end", "seq_key_bytes", "seq_token_start"]
 ALL = [*ROW_ARRAYS, "input_ids", *INDEX_ARRAYS, *KEY_ARRAYS]
 
 

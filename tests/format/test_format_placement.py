@@ -98,7 +98,7 @@ def test_shard_of_another_array_is_found(store, tmp_path, monkeypatch):
     src, dst = _shards(work, "seq_row_start")[1], _shards(work, "seq_token_start")[1]
     dst.write_bytes(src.read_bytes())
     assert "placement" in validate(str(work)).codes()
-    # readers read neither (every start is a sum of the lengths, FORMAT.md D1): still right
+    # readers do not read seq_token_start (token starts are row starts plus i, FORMAT.md D1)
     r = CacheReader(str(work))
     last = r.num_sequences - 1
     assert r.index.row_start(last) == int(r.lengths[:last].astype(int).sum()) - last
