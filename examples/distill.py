@@ -695,20 +695,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cache["check"] = check_cache(cache["url"], teacher)
         cache["bytes_per_position"] = bytes_per_position(cache["url"])
         print(f"[distill] cache vs PyTorch teacher at T: {cache['check']}", flush=True)
+        hidden_url = None
+        if "offline_exact" in plan.methods:
+            hidden_url = hidden_cache(plan, service, name, sequences, reuse)
+            cache["hidden_check"] = check_hidden(hidden_url, teacher, plan.teacher_temperature)
+            print(f"[distill] hidden cache vs PyTorch teacher: {cache['hidden_check']}")
+        if plan.read_from == "store" and not reuse:
+            service.stop()  # training reads the Zarr stores directly: free the engine's memory
         derived = plan.workdir / "caches" / name
         specs, where = resolve_methods(plan, cache["url"], teacher, derived)
         probe = where.pop("_probe")
         build_caches(plan, cache["url"], teacher, derived, where)
-        if "offline_exact" in specs:
-            url = hidden_cache(plan, service, name, sequences, reuse)
-            where["offline_exact"] = {"n": None, "budget": None, "url": url}
-            cache["hidden_check"] = check_hidden(url, teacher, plan.teacher_temperature)
-            print(f"[distill] hidden cache vs PyTorch teacher: {cache['hidden_check']}")
-        if plan.read_from == "store" and not reuse:
-            service.stop()  # training reads the Zarr stores directly: free the engine's memory
+        if hidden_url is not None:
+            where["offline_exact"] = {"n": None, "budget": None, "url": hidden_url}
+            where["offline_exact"]["bytes_per_position"] = bytes_per_position(hidden_url)
         for spec, info in where.items():
-            if spec == "offline_exact":
-                info["bytes_per_position"] = bytes_per_position(info["url"])
             print(
                 f"[distill] {spec}: {info['bytes_per_position']:.1f} B/position on disk "
                 f"(budget {info['budget']})",

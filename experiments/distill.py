@@ -1,7 +1,7 @@
 """The distillation comparison over paired seeds; writes the committed results pages.
 
-    python -m experiments.distill plot experiments/results/distill_t128_24seeds.json \\
-        experiments/results/distill_kl_bytes.png      # the chart the README links
+    python -m experiments.distill plot experiments/results/distill_exact.json \\
+        experiments/results/distill_kl_bytes.png      # every family and the exact point
 
     python -m experiments.distill            # seeds 0 and 1, default plan
     python -m experiments.distill --parallel -- --steps 60 --reuse-cache
