@@ -435,7 +435,7 @@ class CacheDistillTrainer(Trainer):
     ) -> Any:
         """``sum_rows loss / N * num_processes`` (module docstring); the student's own lm_head."""
         if "topk_ids" not in inputs and "hidden" not in inputs:
-            raise ConfigError("CacheDistillTrainer needs CacheDataset batches (no 'topk_ids')")
+            raise ConfigError("CacheDistillTrainer needs CacheDataset batches (topk_ids or hidden)")
         hidden = packed_hidden_states(model, inputs)
         head = unwrap_model(model).get_output_embeddings()
         if "hidden" in inputs:
