@@ -18,10 +18,15 @@ Variants (``--variants``):
   batch (tokens, top-``k`` ids and logprobs) and the student trains with ``topk_distill_loss``
   (``client/loss``) on its hidden states;
 * ``offline_http``: the same, reading the cache's stored objects over HTTP from the service on
-  this box (``logitcache-server`` with a stand-in model: the store route sends stored bytes).
+  this box (``logitcache-server`` with a stand-in model: the store route sends stored bytes);
+* ``offline_exact``: the teacher is not loaded; a ``CacheDataset`` over a ``targets="hidden"``
+  cache (FORMAT.md 4.10) yields the teacher's final hidden states (bfloat16) and the student
+  trains with ``exact_distill_loss`` against the full distribution rebuilt from them and the
+  head the cache stores (``load_head``): online KD's exact target, without the teacher.
 
-The cache the offline variants read is made in the same run by the same teacher on the same token
-ids (its top-``k`` of each position, written with ``CacheWriter``), before the teacher is freed.
+The caches the offline variants read are made in the same run by the same teacher on the same
+token ids (its top-``k`` of each position, or its final hidden states and head, written with
+``CacheWriter``), before the teacher is freed.
 Online variants take their token ids from a tensor already on the device (no loader cost).
 
 Per variant and size: ``--warmup`` steps, then ``--steps`` timed steps, each closed by
@@ -37,7 +42,8 @@ Modes::
         --tokens 8192 32768 65536 131072 --json benchmarks/results/train_step.json
     # CPU smoke (tests/repo/test_bench_gpu_suites.py)
     python -m benchmarks.train_step run --student tiny --teacher tiny --seq-len 32 \\
-        --tokens 64 128 --k 8 --variants online_dense offline_local --json /tmp/ts.json
+        --tokens 64 128 --k 8 --variants online_dense offline_local offline_exact \\
+        --json /tmp/ts.json
     # train_step.png (step time and peak memory vs tokens per step) from a result
     python -m benchmarks.train_step plot benchmarks/results/train_step.json benchmarks/results
 """
@@ -67,7 +73,9 @@ from benchmarks.harness import (
 )
 from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, bf16_llama, make_model_dir
 
-VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http")
+VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http", "offline_exact")
+#: Variants that read a cache (``offline_exact`` a hidden one), in the order they run.
+OFFLINE = ("offline_local", "offline_http", "offline_exact")
 
 
 def make_model(shape_name: str, device: torch.device, seq_len: int, seed: int) -> Any:
@@ -95,34 +103,41 @@ def teacher_topk(teacher: Any, ids: torch.Tensor, k: int, chunk: int = 1024) -> 
     return torch.cat(out_i).view(shape), torch.cat(out_v).view(shape)
 
 
-def write_cache(teacher: Any, tokens: torch.Tensor, k: int, path: Path, batch: int) -> dict:
+def write_cache(
+    teacher: Any, tokens: torch.Tensor, k: int, path: Path, batch: int, hidden: bool = False
+) -> dict:
     """The teacher's top-``k`` of every sequence of ``tokens [S, T]`` into a cache at ``path``
-    (row ``j`` of a sequence predicts token ``j + 1``: its last position has no row)."""
-    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
+    (row ``j`` of a sequence predicts token ``j + 1``: its last position has no row);
+    ``hidden``: its final hidden states and head instead (``targets="hidden"``, bfloat16)."""
+    from logitcache.cache_format import CacheWriter, HiddenRecord, Manifest, SequenceRecord
+    from logitcache.server.engine.hidden import head_of
 
+    head = head_of(teacher.lm_head.weight, None, teacher.config) if hidden else None
     manifest = Manifest(
         teacher_model="random-llama-bench-teacher",
         tokenizer_fingerprint="bench-word-level",
         vocab_size=int(teacher.config.vocab_size),
-        k=k,
+        k=1 if hidden else k,
+        **({"targets": "hidden", "hidden": head.spec("bfloat16")} if head else {}),
     )
     t0 = time.perf_counter()
-    with CacheWriter.open(str(path), manifest) as writer:
+    with CacheWriter.open(str(path), manifest, head=head) as writer:
         for start in range(0, tokens.shape[0], batch):
             ids = tokens[start : start + batch]
-            tid, tlp = teacher_topk(teacher, ids, k)
-            tid, tlp, host = tid.cpu().numpy(), tlp.cpu().numpy(), ids.cpu().numpy()
-            writer.append(
-                [
-                    SequenceRecord(
-                        key=f"s{start + r:06d}",
-                        input_ids=host[r].astype("int32"),
-                        topk_ids=tid[r, :-1],
-                        topk_logprobs=tlp[r, :-1],
-                    )
-                    for r in range(ids.shape[0])
+            host = ids.cpu().numpy().astype("int32")
+            keys = [f"s{start + r:06d}" for r in range(ids.shape[0])]
+            if hidden:
+                with torch.no_grad():
+                    h = teacher.model(input_ids=ids).last_hidden_state.float().cpu().numpy()
+                parts = zip(keys, host, h, strict=True)
+                recs: list = [HiddenRecord(key, i, x[:-1]) for key, i, x in parts]
+            else:
+                tid, tlp = (t.cpu().numpy() for t in teacher_topk(teacher, ids, k))
+                recs = [
+                    SequenceRecord(key, i, topk_ids=a[:-1], topk_logprobs=b[:-1])
+                    for key, i, a, b in zip(keys, host, tid, tlp, strict=True)
                 ]
-            )
+            writer.append(recs)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     rows = tokens.shape[0] * (tokens.shape[1] - 1)
     return {"seconds": time.perf_counter() - t0, "rows": rows, "bytes_per_row": size / rows}
@@ -169,6 +184,15 @@ def offline(student: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch["topk_ids"],
         batch["topk_logprobs"],
         mask=batch["loss_mask"],
+    )
+
+
+def offline_exact(student: Any, batch: dict[str, torch.Tensor], head: dict) -> torch.Tensor:
+    from logitcache.client.loss import exact_distill_loss
+
+    sh = student_hidden(student, batch["input_ids"])
+    return exact_distill_loss(
+        sh, student.lm_head.weight, batch["hidden"], mask=batch["loss_mask"], **head
     )
 
 
@@ -378,8 +402,13 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
         run_variant(name, sizes, make_step, opt, device, args, result["variants"])
 
     cache_dir = work / "caches" / "bench"
-    result["cache"] = write_cache(teacher, tokens, args.k, cache_dir, batch=4)
-    print(f"[cache] {result['cache']}", flush=True)
+    hidden_dir = work / "caches" / "bench-hidden"
+    if {"offline_local", "offline_http"} & set(args.variants):
+        result["cache"] = write_cache(teacher, tokens, args.k, cache_dir, batch=4)
+        print(f"[cache] {result['cache']}", flush=True)
+    if "offline_exact" in args.variants:
+        result["hidden_cache"] = write_cache(teacher, tokens, 0, hidden_dir, 4, hidden=True)
+        print(f"[hidden cache] {result['hidden_cache']}", flush=True)
     teacher = None  # the offline variants run without it
     free_memory(device.type == "cuda")
     result["memory_before_gib"]["student_only"] = (
@@ -396,15 +425,29 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
             sources["offline_http"] = (url, "bench")
         except Exception as e:
             result["variants"]["offline_http"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    head: dict = {}
+    if "offline_exact" in args.variants:
+        from logitcache.client import load_head
+
+        sources["offline_exact"] = (str(hidden_dir), None)
+        head = load_head(str(hidden_dir), device=device)
     try:
         for name, (source, cache) in sources.items():
 
-            def make_step(t: int, source: str = source, cache: str | None = cache) -> Any:
+            def make_step(
+                t: int, source: str = source, cache: str | None = cache, name: str = name
+            ) -> Any:
                 it = loader(source, cache, t // args.seq_len, args.seq_len)
 
                 def step() -> torch.Tensor:
                     b = next(it)
-                    b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+                    b = {
+                        k: v.to(device, non_blocking=True)
+                        for k, v in b.items()
+                        if isinstance(v, torch.Tensor)  # not a hidden unit's target_kind
+                    }
+                    if name == "offline_exact":
+                        return offline_exact(student, b, head)
                     return offline(student, b)
 
                 return step
@@ -460,7 +503,7 @@ def summarize(result: dict, sizes: list[int]) -> None:
     """Ratios offline/online per size, the largest size each variant fits; a table."""
     v = result["variants"]
     ratios: dict[str, dict[str, float]] = {}
-    for off in ("offline_local", "offline_http"):
+    for off in OFFLINE:
         for on in ("online_dense", "online_liger"):
             for t in map(str, sizes):
                 a, b = v.get(off, {}).get(t, {}), v.get(on, {}).get(t, {})

@@ -5,7 +5,9 @@
 micro-batch it runs the student on the packed batch through the *wrapped* model
 (:func:`~logitcache.client.packing.packed_hidden_states`: DDP's hooks fire, no document attends to
 another) and trains the student's own ``lm_head`` against the cached top-k with
-:func:`~logitcache.client.loss.topk_distill_loss`::
+:func:`~logitcache.client.loss.topk_distill_loss` (a ``targets="hidden"`` cache: against the
+teacher's full distribution rebuilt from the cached hidden states and the cache's head, with
+:func:`~logitcache.client.loss.exact_distill_loss`)::
 
     loss = sum over counted rows of [ T**2 * KD(row) + ce_weight * CE(row) ] / N
 
@@ -80,6 +82,8 @@ __all__ = ["CacheDistillTrainer", "DATA_STATE_NAME", "RankEvenStream", "planned_
 #: LoaderState dict, items_consumed 0: the position in the epoch is the trainer's global_step>,
 #: "units_per_epoch": <batches per epoch of every rank>}``.
 DATA_STATE_NAME = "logitcache_data-rank{rank}.json"
+#: ``kd_loss`` values of a ``targets="hidden"`` cache (``exact_distill_loss``'s ``loss``).
+EXACT_LOSSES = ("forward_kl", "reverse_kl", "jsd")
 
 
 def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
@@ -120,15 +124,22 @@ class RankEvenStream(IterableDataset):
         """One item of padding: no token, no row (adds 0 to every loss and to every count)."""
         ds, T = self.dataset, self.dataset.config.tokens_per_item
         zeros = torch.zeros(1, T, dtype=torch.int64)
+        if ds.hidden_dim is None:
+            targets: dict[str, Any] = {
+                "topk_ids": torch.zeros(1, T, ds.k, dtype=ds.config.ids_dtype),
+                "topk_logprobs": torch.zeros(1, T, ds.k, dtype=torch.float32),
+                "tail_mass": torch.zeros(1, T, dtype=torch.float32),
+            }
+        else:
+            hidden = torch.zeros(1, T, ds.hidden_dim, dtype=torch.bfloat16)
+            targets = {"hidden": hidden, "target_kind": "hidden"}
         return {
             "input_ids": torch.full((1, T), ds.config.pad_token_id, dtype=torch.int64),
             "labels": torch.full((1, T), IGNORE_INDEX, dtype=torch.int64),
             "attention_mask": zeros.clone(),
             "position_ids": zeros.clone(),
             "segment_ids": zeros.clone(),
-            "topk_ids": torch.zeros(1, T, ds.k, dtype=ds.config.ids_dtype),
-            "topk_logprobs": torch.zeros(1, T, ds.k, dtype=torch.float32),
-            "tail_mass": torch.zeros(1, T, dtype=torch.float32),
+            **targets,
             "loss_mask": torch.zeros(1, T, dtype=torch.bool),
         }
 
@@ -194,15 +205,22 @@ class CacheDistillTrainer(Trainer):
 
     Extra keyword arguments (the rest go to ``Trainer``):
 
-    * ``temperature``: divides the student logits (the teacher is used as cached); ``T**2``
-      scales the KD term.
+    * ``temperature``: divides the student logits (the teacher is used as cached; a hidden
+      cache's teacher logits are divided too, as ``exact_distill_loss`` does); ``T**2`` scales
+      the KD term.
     * ``ce_weight``: weight of the hard-label cross-entropy mixed in (0: pure KD).
     * ``kd_loss``: ``"forward_kl"`` (default), ``"reverse_kl"``, ``"renormalized_kl"``, ``"jsd"``
       (with ``beta``); see :func:`~logitcache.client.loss.topk_distill_loss`.
     * ``use_tail``: use the cached tail mass as one more bucket (default true; a sampled
       cache, FORMAT.md 4.4, has none: its batches train with ``targets="sampled"``, forward KL
       against the importance weights, so ``kd_loss`` must stay ``"forward_kl"``).
-    * ``loss_impl``, ``chunk_size``: passed to ``topk_distill_loss``.
+    * ``loss_impl``, ``chunk_size``: passed to ``topk_distill_loss`` (``chunk_size`` to
+      ``exact_distill_loss`` too).
+
+    A ``targets="hidden"`` cache trains with ``exact_distill_loss`` (``kd_loss``
+    ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``); its teacher head is read once from the
+    ``train_dataset``'s source (:func:`~logitcache.client.load_head`, the rows' dtype, on the
+    batch's device).
 
     ``train_dataset`` must be a ``CacheDataset`` with ``batch_size ==
     args.per_device_train_batch_size`` and this process's ``rank``/``world_size``. Refused:
@@ -239,6 +257,7 @@ class CacheDistillTrainer(Trainer):
         self.loss_impl = loss_impl
         self.chunk_size = chunk_size
         self._stream: RankEvenStream | None = None
+        self._teacher_head: dict[str, Any] | None = None  # a hidden cache's (load_head)
         self._resume_units: int | None = None  # epoch length restored from a checkpoint
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if self.is_fsdp_enabled or getattr(plugin, "zero_stage", 0) == 3:
@@ -264,6 +283,8 @@ class CacheDistillTrainer(Trainer):
                 f"{a.process_index} of {a.world_size}: build it with rank=args.process_index, "
                 "world_size=args.world_size (or after TrainingArguments)"
             )
+        if ds.target_kind == "hidden" and self.kd_loss not in EXACT_LOSSES:
+            raise ConfigError(f"a hidden cache trains with kd_loss in {EXACT_LOSSES}")
         if a.dataloader_persistent_workers:
             raise ConfigError("dataloader_persistent_workers would keep a stale epoch; turn it off")
         if ds.config.follow:
@@ -413,16 +434,29 @@ class CacheDistillTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
         """``sum_rows loss / N * num_processes`` (module docstring); the student's own lm_head."""
-        from .loss import topk_distill_loss
-
-        if "topk_ids" not in inputs:
-            raise ConfigError("CacheDistillTrainer needs CacheDataset batches (no 'topk_ids')")
+        if "topk_ids" not in inputs and "hidden" not in inputs:
+            raise ConfigError("CacheDistillTrainer needs CacheDataset batches (topk_ids or hidden)")
         hidden = packed_hidden_states(model, inputs)
         head = unwrap_model(model).get_output_embeddings()
+        if "hidden" in inputs:
+            total = self._exact_total(hidden, head, inputs)
+        else:
+            total = self._topk_total(hidden, head, inputs)
+        if num_items_in_batch is None:  # e.g. evaluation: this batch's mean
+            loss = total / inputs["loss_mask"].sum().clamp_min(1)
+        else:
+            n = torch.as_tensor(num_items_in_batch, device=total.device).clamp_min(1)
+            loss = total / n * self.accelerator.num_processes
+        return (loss, {"hidden_states": hidden}) if return_outputs else loss
+
+    def _topk_total(self, hidden: torch.Tensor, head: Any, inputs: dict[str, Any]) -> Any:
+        """Summed loss of a top-k or sampled cache's batch."""
+        from .loss import topk_distill_loss
+
         ds = self.train_dataset
         kind = ds.target_kind if isinstance(ds, CacheDataset) else "topk"
         kind = str(inputs.get("target_kind", kind))
-        total = topk_distill_loss(
+        return topk_distill_loss(
             hidden,
             head.weight,
             inputs["topk_ids"],
@@ -440,12 +474,34 @@ class CacheDistillTrainer(Trainer):
             chunk_size=self.chunk_size,
             targets=kind,
         )
-        if num_items_in_batch is None:  # e.g. evaluation: this batch's mean
-            loss = total / inputs["loss_mask"].sum().clamp_min(1)
-        else:
-            n = torch.as_tensor(num_items_in_batch, device=total.device).clamp_min(1)
-            loss = total / n * self.accelerator.num_processes
-        return (loss, {"hidden_states": hidden}) if return_outputs else loss
+
+    def _exact_total(self, hidden: torch.Tensor, head: Any, inputs: dict[str, Any]) -> Any:
+        """Summed exact loss of a hidden cache's batch (the teacher head loaded once)."""
+        from .hidden import load_head
+        from .loss import exact_distill_loss
+
+        if self._teacher_head is None:
+            ds = self.train_dataset
+            if not isinstance(ds, CacheDataset):
+                raise ConfigError("hidden batches need their CacheDataset as train_dataset")
+            self._teacher_head = load_head(
+                ds.source, device=hidden.device, dtype=inputs["hidden"].dtype
+            )
+        return exact_distill_loss(
+            hidden,
+            head.weight,
+            inputs["hidden"],
+            student_bias=getattr(head, "bias", None),
+            labels=inputs["labels"],
+            mask=inputs["loss_mask"],
+            loss=self.kd_loss,
+            beta=self.beta,
+            temperature=self.temperature,
+            ce_weight=self.ce_weight,
+            reduction="sum",
+            chunk_size=self.chunk_size,
+            **self._teacher_head,
+        )
 
 
 def hf_iterable(ds: CacheDataset) -> Any:

@@ -12,7 +12,9 @@
    ``logitcache.cache_format.sampling``) per budget (``distill_caches.py``);
 4. train copies of the student on the same stream (same init, same data order): CE only,
    online full-vocabulary KD (teacher in the loop), and per budget offline top-k, top-k + tail
-   mass, and sampled targets (``distill_train.py``);
+   mass, and sampled targets (``distill_train.py``); ``offline_exact`` trains from a second
+   cache the same service scores with ``targets="hidden"`` (the teacher's final hidden states and
+   its head: the exact full-vocabulary target, rebuilt in the loss);
 5. evaluate every student on held-out text: full-vocabulary KL(teacher || student), perplexity
    and the calibration (ECE) of its top-1 (``distill_eval.py``); print the table and, per
    offline method, its held-out KL vs online KD's, bytes per position and step time, beside the
@@ -553,13 +555,77 @@ def split_note(url: str, tokens_per_item: int) -> str:
     )
 
 
-def spec_run(spec: str, load_student: Any, make_dataset: Any, teacher: Any, settings: Any) -> Any:
+def spec_run(
+    spec: str,
+    load_student: Any,
+    make_dataset: Any,
+    teacher: Any,
+    settings: Any,
+    where: dict[str, dict[str, Any]],
+    plan: Plan,
+) -> Any:
     """:func:`make_run` for a spec that may carry ``~tau``: the loss is the plain method's (the
-    stored importance weights already hold the proposal), the stream is the spec's own cache."""
+    stored importance weights already hold the proposal), the stream is the spec's own cache.
+    ``offline_exact`` gets its hidden cache's head (float32, logit scale ``1 / T``)."""
     plain, _ = plain_spec(spec)
-    run = make_run(plain, load_student, lambda _m: make_dataset(spec), teacher, settings)
+    head = None
+    if plain == "offline_exact":
+        from logitcache.client import load_head
+
+        head = load_head(where[spec]["url"], dtype=torch.float32)
+        head["teacher_logit_scale"] /= plan.teacher_temperature
+    run = make_run(plain, load_student, lambda _m: make_dataset(spec), teacher, settings, head)
     run.method = spec
     return run
+
+
+def hidden_cache(
+    plan: Plan, service: TeacherService, name: str, sequences: list[list[int]], reuse: bool
+) -> str:
+    """The ``targets="hidden"`` cache of the same sequences (cache ``<name>-hidden``), scored by
+    the running service unless ``reuse`` and it already holds every sequence."""
+    from distill_service import score_corpus
+
+    hname = f"{name}-hidden"
+    url = service.cache_url(hname)
+    if reuse and committed_sequences(url) >= len(sequences):
+        return url
+    if reuse:
+        raise RuntimeError(f"--reuse-cache: the hidden cache {hname!r} is not complete")
+    print(f"[distill] scoring {len(sequences)} sequences into hidden cache {hname!r}", flush=True)
+    score_corpus(
+        service.url,
+        hname,
+        sequences,
+        k=None,
+        targets="hidden",
+        dataset=f"tiny fixture train split, pieces of <= {plan.seq_len}",
+    )
+    return url
+
+
+def check_hidden(url: str, teacher: Any, temperature: float, sequences: int = 4) -> dict[str, Any]:
+    """The first ``sequences`` of a hidden cache against the PyTorch teacher (sharpened by
+    ``temperature``): ``max |log_softmax(rebuilt z / T) - log_softmax(z / T)|`` over every id of
+    every row, and the share of rows whose rebuilt argmax is the teacher's."""
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format.hidden import hidden_tensor
+
+    reader = CacheReader(url)
+    head = reader.head()
+    diff, top1, rows = 0.0, 0, 0
+    with torch.no_grad():
+        for i in range(min(sequences, reader.num_sequences)):
+            rec = reader.sequence(i)
+            ids = torch.as_tensor(rec.input_ids, dtype=torch.long)[None]
+            lp = torch.log_softmax(teacher(input_ids=ids).logits[0, :-1].float(), -1)
+            h = hidden_tensor(np.asarray(rec.hidden)).float().numpy()
+            z = torch.from_numpy(head.logprobs(h))
+            got = torch.log_softmax(z.float() / temperature, -1)
+            diff = max(diff, float((got - lp).abs().max()))
+            top1 += int((got.argmax(-1) == lp.argmax(-1)).sum())
+            rows += lp.shape[0]
+    return {"rows": rows, "max_abs_logprob_diff": diff, "top1_agreement": top1 / max(rows, 1)}
 
 
 def committed_k(url: str) -> int:
@@ -629,12 +695,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cache["check"] = check_cache(cache["url"], teacher)
         cache["bytes_per_position"] = bytes_per_position(cache["url"])
         print(f"[distill] cache vs PyTorch teacher at T: {cache['check']}", flush=True)
+        hidden_url = None
+        if "offline_exact" in plan.methods:
+            hidden_url = hidden_cache(plan, service, name, sequences, reuse)
+            cache["hidden_check"] = check_hidden(hidden_url, teacher, plan.teacher_temperature)
+            print(f"[distill] hidden cache vs PyTorch teacher: {cache['hidden_check']}")
         if plan.read_from == "store" and not reuse:
             service.stop()  # training reads the Zarr stores directly: free the engine's memory
         derived = plan.workdir / "caches" / name
         specs, where = resolve_methods(plan, cache["url"], teacher, derived)
         probe = where.pop("_probe")
         build_caches(plan, cache["url"], teacher, derived, where)
+        if hidden_url is not None:
+            where["offline_exact"] = {"n": None, "budget": None, "url": hidden_url}
+            where["offline_exact"]["bytes_per_position"] = bytes_per_position(hidden_url)
         for spec, info in where.items():
             print(
                 f"[distill] {spec}: {info['bytes_per_position']:.1f} B/position on disk "
@@ -673,7 +747,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             seed=plan.seed,
             loss_impl=plan.loss_impl,
         )
-        runs = [spec_run(m, load_student, make_dataset, teacher, settings) for m in specs]
+        runs = [
+            spec_run(m, load_student, make_dataset, teacher, settings, where, plan) for m in specs
+        ]
         print(f"[distill] training {', '.join(specs)} for {plan.steps} steps", flush=True)
         load = train_interleaved(runs, plan.steps, log_every=max(1, plan.steps // 6))
     methods = {r.method: method_summary(r, evaluate(r.student, held)) for r in runs}
@@ -729,6 +805,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "notes": [],
     }
     rep["notes"].append(temperature_note(plan.teacher_temperature, cache["check"]))
+    if "hidden_check" in cache:
+        hc = cache["hidden_check"]
+        rep["notes"].append(
+            f"hidden cache (offline_exact) vs PyTorch teacher at T on {hc['rows']} rows: max "
+            f"|logprob diff| over all ids {hc['max_abs_logprob_diff']:.2e} (bfloat16 hidden "
+            f"states), top-1 agreement {100 * hc['top1_agreement']:.1f}%"
+        )
     cut = split_note(cache["url"], plan.tokens_per_item)
     if cut:
         rep["notes"].append(cut)

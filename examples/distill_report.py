@@ -13,6 +13,7 @@ LABELS = {
     "offline_topk_tail": "offline top-k cache KD + tail mass",
     "offline_sampled": "offline sampled targets (RS-KD)",
     "offline_sampled_head": "offline sampled targets, exact top-m + residual draws",
+    "offline_exact": "offline exact: cached teacher hidden states + head, full-vocab KL",
     "online_kd_f16": "ablation: online KD, teacher logprobs rounded through float16",
     "online_topk": "ablation: live teacher's top-k, no tail (no cache)",
     "online_topk_tail": "ablation: live teacher's top-k + tail mass (no cache)",

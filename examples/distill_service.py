@@ -162,12 +162,14 @@ def score_corpus(
     cache: str,
     sequences: list[list[int]],
     *,
-    k: int,
+    k: int | None,
     dataset: str,
     timeout: float = 1800.0,
     progress: bool = True,
+    targets: str = "topk",
 ) -> dict[str, Any]:
-    """Score ``sequences`` (token ids, ``L >= 2`` each) into ``cache`` with one batch job.
+    """Score ``sequences`` (token ids, ``L >= 2`` each) into ``cache`` with one batch job
+    (``targets="hidden"``, ``k=None``: the teacher's final hidden states and its head).
 
     Sequence ``i`` gets the key ``"seq-<i>"``, so a re-run resumes the same cache (keys already
     committed are skipped by the server). Returns the finished job's status (``JobStatus`` as a
@@ -183,6 +185,7 @@ def score_corpus(
             records=records,
             k=k,
             dataset=dataset,
+            **({} if targets == "topk" else {"targets": targets}),
             wait_timeout=timeout,
             wait_poll_interval=0.5,
         )

@@ -13,7 +13,12 @@ initial weights, same AdamW settings and schedule; position ``t`` of an item is 
   ``sum_S p_v log(p_v / q_v) + P_o log(P_o / Q_o)``;
 * ``offline_sampled``: random-sampling KD (Anshumann et al. 2025) from a ``targets="sampled"``
   cache: ``sum_i w_i (log w_i - log q_i)`` over the sampled ids with importance weights ``w``
-  (FORMAT.md 4.4), ``topk_distill_loss(..., targets="sampled")``.
+  (FORMAT.md 4.4), ``topk_distill_loss(..., targets="sampled")``;
+* ``offline_exact``: exact distillation from a ``targets="hidden"`` cache (FORMAT.md 4.10): the
+  batch's ``hidden`` rows (the teacher's final hidden states, stored bfloat16) and the head the
+  cache stores (:func:`logitcache.client.load_head`) rebuild the teacher's full distribution
+  chunk by chunk in ``exact_distill_loss``, the same ``mean_t KL(p_teacher || q_student)`` as
+  ``online_kd`` without the teacher's network in the step (rows and head in float32 on this CPU).
 
 Ablations (issue #12: why every offline method sits above online KD). Each builds its targets
 from the LIVE teacher's ``log_softmax`` on the very batch the student trains on (the teacher's
@@ -65,6 +70,7 @@ METHODS = (
     "offline_topk_tail",
     "offline_sampled",
     "offline_sampled_head",
+    "offline_exact",
     "online_kd_f16",
     "online_topk",
     "online_topk_tail",
@@ -183,10 +189,13 @@ def live_sampled(
     return {"topk_ids": ids_t[..., :width], "topk_logprobs": lw_t[..., :width]}
 
 
-def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[..., torch.Tensor]:
+def loss_fn(
+    method: str, teacher: Any, settings: TrainSettings, head: dict[str, Any] | None = None
+) -> Callable[..., torch.Tensor]:
     """``f(student, batch) -> scalar loss`` for one method (see the module docstring); ``method``
-    is a spec (``online_topk_tail@128``) or a base name for the methods that take no ``@n``."""
-    from logitcache.client.loss import topk_distill_loss
+    is a spec (``online_topk_tail@128``) or a base name for the methods that take no ``@n``.
+    ``head``: ``offline_exact``'s teacher head (``load_head``'s keyword arguments)."""
+    from logitcache.client.loss import exact_distill_loss, topk_distill_loss
 
     base, n = parse_method(method) if "@" in method else (method, None)
     if base in SIZED and n is None:
@@ -255,6 +264,18 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
 
         return f
 
+    def exact(student: Any, batch: dict[str, Any]) -> torch.Tensor:
+        if head is None or "hidden" not in batch:
+            raise ValueError("offline_exact needs a targets='hidden' cache and its head")
+        return exact_distill_loss(
+            _body(student, batch),
+            student.lm_head.weight,
+            batch["hidden"].to(head["teacher_weight"].dtype),
+            mask=batch["loss_mask"],
+            chunk_size=settings.chunk_size,
+            **head,
+        )
+
     table = {
         "ce": ce,
         "online_kd": online_kd,
@@ -262,6 +283,7 @@ def loss_fn(method: str, teacher: Any, settings: TrainSettings) -> Callable[...,
         "offline_topk_tail": offline(True),
         "offline_sampled": offline(False, sampled=True),
         "offline_sampled_head": offline(False, sampled=True),
+        "offline_exact": exact,
         "online_kd_f16": lambda student, batch: online_kd(student, batch, f16=True),
         "online_topk": online_topk(False),
         "online_topk_tail": online_topk(True),
@@ -332,10 +354,12 @@ def make_run(
     make_dataset: Callable[[str], Any],
     teacher: Any,
     settings: TrainSettings,
+    head: dict[str, Any] | None = None,
 ) -> Run:
     """A fresh student (same initial weights for every method) on a fresh stream
     (``make_dataset(method)``: the method's cache, every cache holding the same sequences in the
-    same order, so every method sees the same items in the same order)."""
+    same order, so every method sees the same items in the same order); ``head``: the teacher
+    head of ``offline_exact``'s hidden cache."""
     parse_method(method)
     student = load_student()
     student.train()
@@ -344,7 +368,8 @@ def make_run(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, settings.lr_factor)
     stream = epochs(lambda: make_dataset(method))
-    return Run(method, student, loss_fn(method, teacher, settings), opt, sched, stream, settings)
+    loss = loss_fn(method, teacher, settings, head)
+    return Run(method, student, loss, opt, sched, stream, settings)
 
 
 def train_interleaved(

@@ -1,7 +1,7 @@
 """The distillation comparison over paired seeds; writes the committed results pages.
 
-    python -m experiments.distill plot experiments/results/distill_t128_24seeds.json \\
-        experiments/results/distill_kl_bytes.png      # the chart the README links
+    python -m experiments.distill plot experiments/results/distill_exact.json \\
+        experiments/results/distill_kl_bytes.png      # every family and the exact point
 
     python -m experiments.distill            # seeds 0 and 1, default plan
     python -m experiments.distill --parallel -- --steps 60 --reuse-cache
@@ -407,11 +407,17 @@ def spread_notes(methods: dict[str, dict[str, Any]]) -> list[str]:
 def distill_series(result: Mapping) -> tuple[dict[str, list[Point]], float]:
     """Held-out KL vs bytes/position per offline method family of a ``distill_bench`` result
     (``experiments/results/distill.json``: ``mean[method] = {"kl", "bytes_per_position"}``,
-    methods ``<family>@<size>``), and online KD's KL (the reference line)."""
+    methods ``<family>@<size>``; ``offline_exact``, one size, is a one-point family ``exact``),
+    and online KD's KL (the reference line)."""
     mean = result["mean"]
     series: dict[str, list[Point]] = {}
     for method, row in mean.items():
-        if "@" not in method or row.get("bytes_per_position") is None:
+        if row.get("bytes_per_position") is None:
+            continue
+        if method == "offline_exact":
+            series["exact (hidden states)"] = [(float(row["bytes_per_position"]), float(row["kl"]))]
+            continue
+        if "@" not in method:
             continue
         base, _, size = method.partition("@")
         _, mark, tau = size.partition("~tau")  # a sampled variant at its own proposal tau

@@ -181,3 +181,28 @@ def test_the_printed_report_gives_results_beside_the_paired_seed_study(
     assert "B/position" in page and "ms/step" in page and "sampled vs top-k + tail" in page
     assert PAIRED_STUDY in page and "NOT met" not in page and "**met**" not in page
     assert (ROOT / "experiments/results/distill_t128_24seeds.md").exists()  # the page it names
+
+
+def test_exact_from_a_hidden_cache_trains_as_online_kd(
+    tiny: Any, vllm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """``offline_exact``: the same service scores a ``targets="hidden"`` cache of the same
+    sequences; the student trained from its hidden states and stored head takes online KD's
+    steps (same stream, same init, the same full-vocabulary KL up to the bfloat16 states),
+    also against a sharpened teacher (the stored head's logit scale divided by T)."""
+    rep = run_example(
+        tmp_path,
+        vllm_env,
+        *("--backend", "hf", "--teacher-temperature", "0.5", "--train-seqs", "40"),
+        *("--steps", "6", "--methods", "online_kd,offline_exact", "--eval-tokens", "1024"),
+    )
+    exact, online = rep["methods"]["offline_exact"], rep["methods"]["online_kd"]
+    assert exact["cache"].endswith("-T0.5-hidden") and exact["budget"] is None
+    np.testing.assert_allclose(exact["loss_curve"], online["loss_curve"], rtol=1e-2)
+    assert exact["loss_curve"][0] > 1.0 and exact["kl"] < rep["untrained"]["kl"]
+    assert abs(exact["kl"] / online["kl"] - 1) < 0.01
+    check = rep["cache"]["hidden_check"]
+    assert check["max_abs_logprob_diff"] < 0.1 and check["top1_agreement"] > 0.95
+    # d=256 bfloat16 rows (zstd: about 0.66 of 512 B) plus the float32 head over few rows
+    assert exact["bytes_per_position"] > 256
+    assert any("hidden cache (offline_exact)" in n for n in rep["notes"])
