@@ -124,36 +124,22 @@ is the slice of an output the whole chunk decodes into, or ``None``: the chunk d
 scratch chunk and its rows are copied to each ``(out, start, stop)`` range of ``targets``."""
 
 
-def _fits(x: np.ndarray | None, lay: DirectLayout, rows: int) -> bool:
-    """Whether ``x`` can take ``rows`` rows of ``lay`` decoded in place."""
-    return (
-        x is not None
-        and x.dtype == lay.dtype
-        and x.shape == (rows, *lay.inner)
-        and x.flags.c_contiguous
-        and x.flags.writeable
-    )
-
-
 def read(
     direct: dict[str, DirectLayout],
     jobs: list[Job],
     pool: ThreadPoolExecutor | None = None,
     threads: int = 1,
-    into: list[np.ndarray | None] | None = None,
 ) -> list[np.ndarray]:
     """Stored values of each ``array[start:stop]`` of ``jobs`` (every array in ``direct``),
-    each needed inner chunk fetched and decoded once; ``into[j]``, where given and of the
-    job's exact shape and stored dtype (C-contiguous), is the output of job ``j`` (else a new
-    array). With a pool and ``threads > 1`` the jobs are split over up to ``threads`` (at most
-    :data:`MAX_SHARES`) threads by :func:`._plan.split`, each reading and decoding its share."""
+    each needed inner chunk fetched and decoded once. With a pool and ``threads > 1`` the jobs
+    are split over up to ``threads`` (at most :data:`MAX_SHARES`) threads by
+    :func:`._plan.split`, each reading and decoding its share."""
     outs: list[np.ndarray] = []
-    for j, (n, a, b) in enumerate(jobs):
+    for n, a, b in jobs:
         lay = direct[n]
         if not 0 <= a <= b <= lay.length:  # R6: never past the committed count
             raise CorruptStoreError(f"read of {n}[{a}:{b}] past the committed {lay.length} entries")
-        given = into[j] if into is not None else None
-        outs.append(given if given is not None and _fits(given, lay, b - a) else lay.empty(b - a))
+        outs.append(lay.empty(b - a))
     if pool is not None and threads > 1:
         lays = [direct[n] for n, _, _ in jobs]
         items = [(j, a, b, 0) for j, (_, a, b) in enumerate(jobs) if b > a]

@@ -381,11 +381,9 @@ class CacheReader:
         self,
         spans: list[Span],
         logprob_dtype: str = "float32",
-        into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[Fetched]:
         """The decoded arrays of row (and token) spans of this snapshot, with the reader's
-        retries: per span ``(ids, logprobs, tail, tokens or None, mask or None)``. ``into``:
-        per span, output arrays to decode into where they fit (see :class:`._decode.Decoder`).
+        retries: per span ``(ids, logprobs, tail, tokens or None, mask or None)``.
         Spans past the committed counts are :class:`CorruptStoreError` (R6)."""
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
@@ -394,7 +392,7 @@ class CacheReader:
 
         def read() -> list[Fetched]:
             opened, threads = self._opened, self.decode_threads
-            return self._decoder.fetch(opened, spans, logprob_dtype, self._pool(), threads, into)
+            return self._decoder.fetch(opened, spans, logprob_dtype, self._pool(), threads)
 
         return self._retry(read)
 
