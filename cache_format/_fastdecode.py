@@ -55,7 +55,7 @@ from . import _numba
 from . import _outbuf as outbuf
 from . import _shardread as shardread
 from ._numba import NEED_BUFFER, NEED_SHARDS, OK
-from ._plan import split
+from ._plan import run_groups, split
 from ._shardread import DirectLayout
 
 AVAILABLE = _numba.AVAILABLE and cdecode.FOUND
@@ -327,13 +327,7 @@ def read_arrays(
         groups = _pieces(items, meta, threads)
     else:
         groups = [np.array(items, np.int64).reshape(-1, 4)]
-    if len(groups) == 1:
-        ok = run(groups[0])
-    else:
-        futures = [pool.submit(run, grp) for grp in groups[1:]]  # type: ignore[union-attr]
-        ok = run(groups[0])
-        ok = all([f.result() for f in futures]) and ok
-    if not ok:
+    if not all(run_groups(run, groups, pool)):
         return None
     out_blocks = [
         np.ndarray((rows[a], *plan.inner[a]), plan.dtypes[a], arena, o)

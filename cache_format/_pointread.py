@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import numpy as np
 
@@ -55,7 +54,6 @@ chunk, CRC32C, the reader's records), so more threads only queue on it. Measured
 H200 box (benchmarks/results/format.md, random access): ``sequences(32)`` on the preset 1,370-1,540
 seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
 
-_T = TypeVar("_T")
 
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
@@ -78,28 +76,6 @@ def _groups(cost: list[int], n: int) -> list[list[int]]:
     return groups
 
 
-def _run_groups(
-    run: Callable[[list[_T]], None], groups: list[list[_T]], pool: ThreadPoolExecutor | None
-) -> None:
-    """``run(group)`` for every group: the first in the calling thread, the others on ``pool``;
-    every group finishes before this returns (or raises the first error)."""
-    if pool is None or len(groups) == 1:
-        for grp in groups:
-            run(grp)
-        return
-    futures = [pool.submit(run, grp) for grp in groups[1:]]
-    err: BaseException | None = None
-    try:
-        run(groups[0])  # the calling thread takes a share
-    except BaseException as e:
-        err = e
-    for f in futures:  # every group finishes before the caller sees its buffers or an error
-        failed = f.exception()
-        err = err or failed
-    if err is not None:
-        raise err
-
-
 def run_tasks(
     tasks: list[Callable[[], None]], cost: list[int], pool: ThreadPoolExecutor | None, n: int
 ) -> None:
@@ -115,7 +91,7 @@ def run_tasks(
         for i in group:
             tasks[i]()
 
-    _run_groups(run, _groups(cost, n), pool)
+    _plan.run_groups(run, _groups(cost, n), pool)
 
 
 Item = tuple[DirectLayout, int, "shardread.Frame | None", "np.ndarray | None", list]
@@ -154,7 +130,7 @@ def read(
                 sub = [(jobs[j][0], a, b) for j, a, b, _ in group]
                 _read_jobs(direct, sub, [outs[j][o : o + b - a] for j, a, b, o in group])
 
-            _run_groups(run, groups, pool)
+            _plan.run_groups(run, groups, pool)
             return outs
     _read_jobs(direct, jobs, outs)
     return outs
