@@ -92,12 +92,8 @@ class Decoder(Protocol):
         logprob_dtype: str,
         pool: ThreadPoolExecutor | None,
         threads: int,
-        into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[Fetched]:
-        """Per span ``(ids, logprobs as logprob_dtype, tail, tokens, mask)``. ``into``: per
-        span, output arrays to decode into where they fit (``"ids"``, ``"lp"``, ``"tail"``,
-        ``"mask"``, ``"tokens"``; the reader processes'); the arrays returned are those where
-        they were used."""
+        """Per span ``(ids, logprobs as logprob_dtype, tail, tokens, mask)``."""
         ...
 
 
@@ -172,14 +168,13 @@ class NumpyDecoder:
         logprob_dtype: str,
         pool: ThreadPoolExecutor | None,
         threads: int,
-        into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[Fetched]:
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
         names = arrays.row_names()
         wanted = [*names, *([spec.INPUT_IDS] if any(t for _, t in spans) else [])]
         if all(n in arrays.direct for n in wanted):
-            return _fetch_point(arrays, spans, names, logprob_dtype, pool, threads, into)
+            return _fetch_point(arrays, spans, names, logprob_dtype, pool, threads)
         out: list[Fetched] = []
         for got, tokens in stored_spans(arrays, spans, names):
             ids = got[spec.TOPK_IDS]
@@ -205,46 +200,29 @@ def _fetch_point(
     logprob_dtype: str,
     pool: ThreadPoolExecutor | None,
     threads: int,
-    into: list[dict[str, np.ndarray]] | None,
 ) -> list[Fetched]:
     """:meth:`NumpyDecoder.fetch` of direct arrays (FORMAT.md D4): each needed chunk decoded
     once, then the logprobs (and id remap) in row blocks, on the pool if any."""
     dtype = arrays.manifest.logprob_dtype
     blockwise = _blockwise(dtype, logprob_dtype)
     jobs: list[pointread.Job] = []
-    dest: list[np.ndarray | None] = []
-    slot = {spec.TOPK_IDS: "ids", spec.TAIL_MASS: "tail", spec.LOSS_MASK: "mask"}
-    for s, (rows, toks) in enumerate(spans):
+    for rows, toks in spans:
         jobs += [(n, rows.start, rows.stop) for n in names]
         if toks is not None:
             jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
-        if into is None:
-            continue
-        want = into[s]
-        for n in names:
-            x = want.get(slot.get(n, ""))
-            if n == spec.TOPK_LOGPROBS and blockwise and dtype == logprob_dtype:
-                x = want.get("lp")  # the stored bits, decoded in place
-                x = None if x is None else x.view(np.uint16 if dtype == "float16" else np.uint32)
-            dest.append(x)
-        if toks is not None:
-            dest.append(want.get("tokens"))
-    results = iter(pointread.read(arrays.direct, jobs, pool, threads, dest if into else None))
+    results = iter(pointread.read(arrays.direct, jobs, pool, threads))
     out: list[Fetched] = []
     tasks: list[Callable[[], None]] = []
     cost: list[int] = []
     order = arrays.id_order
-    for s, (_rows, toks) in enumerate(spans):
+    for _rows, toks in spans:
         got = {n: next(results) for n in names}
         tokens = next(results) if toks is not None else None
         ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
         if blockwise:
             lp = d.view(np.float16 if dtype == "float16" else np.float32)
             if dtype == "float16" and logprob_dtype == "float32":
-                given = into[s].get("lp") if into is not None else None
-                if given is None or given.shape != d.shape or given.dtype != np.float32:
-                    given = np.empty(d.shape, dtype=np.float32)
-                lp = given
+                lp = np.empty(d.shape, dtype=np.float32)
             for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
                 tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
                 cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
@@ -346,10 +324,7 @@ class NumbaDecoder:
         logprob_dtype: str,
         pool: ThreadPoolExecutor | None,
         threads: int,
-        into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[Fetched]:
-        # The compiled read decodes into its own arena even when ``into`` is given: a reader
-        # process copies it out, which costs less than decoding in place chunk by chunk.
         if fastdecode.AVAILABLE and logprob_dtype in OUT_DTYPES:
             tokens = any(t is not None for _, t in spans)
             plan = _fast_plan(arrays, logprob_dtype, tokens)
@@ -357,7 +332,7 @@ class NumbaDecoder:
                 got = _fetch_fast(arrays, spans, plan, pool, threads)
                 if got is not None:
                     return got
-        return self.fallback.fetch(arrays, spans, logprob_dtype, pool, threads, into)
+        return self.fallback.fetch(arrays, spans, logprob_dtype, pool, threads)
 
 
 def _fetch_fast(

@@ -25,12 +25,11 @@ path does not handle it hands back (``None``: the caller reads the call through
 :mod:`._pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
 value or :class:`~.errors.MissingDataError`), a frame failing its checks or a short read (so the
 error raised is the per-chunk path's :class:`~.errors.ChecksumError`, after the reader's retries),
-quantised logprobs, float32 logprobs read as float16, output arrays given by the caller (reader
-processes).
+quantised logprobs, float32 logprobs read as float16.
 
 Outputs: the arrays of a call decode into one arena (a block per array; the float16 logprob bits
 stay there, widened into a separate float32 array); the records of a ``sequences`` call are
-views of it (one record keeps its call's arena alive, as with reader processes).
+views of it (one record keeps its call's arena alive).
 
 Optional: needs ``numba`` (in the ``client`` extra, or ``pip install 'logitcache[fast]'``);
 without it, with the C symbols missing, if the self-check in
@@ -56,7 +55,7 @@ from . import _numba
 from . import _outbuf as outbuf
 from . import _shardread as shardread
 from ._numba import NEED_BUFFER, NEED_SHARDS, OK
-from ._plan import split
+from ._plan import run_groups, split
 from ._shardread import DirectLayout
 
 AVAILABLE = _numba.AVAILABLE and cdecode.FOUND
@@ -325,13 +324,7 @@ def read_arrays(
         groups = _pieces(items, meta, threads)
     else:
         groups = [np.array(items, np.int64).reshape(-1, 4)]
-    if len(groups) == 1:
-        ok = run(groups[0])
-    else:
-        futures = [pool.submit(run, grp) for grp in groups[1:]]  # type: ignore[union-attr]
-        ok = run(groups[0])
-        ok = all([f.result() for f in futures]) and ok
-    if not ok:
+    if not all(run_groups(run, groups, pool)):
         return None
     out_blocks = [
         np.ndarray((rows[a], *plan.inner[a]), plan.dtypes[a], arena, o)

@@ -1,9 +1,15 @@
-"""The chunk planner of a read call: how the rows a call decodes are split over threads. Both
-decoders (:mod:`._pointread`, :mod:`._fastdecode`) plan with it."""
+"""The chunk planner of a read call: how the rows a call decodes are split over threads, and
+how the groups run. Both decoders (:mod:`._pointread`, :mod:`._fastdecode`) plan and run with
+it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+_G = TypeVar("_G")
+_R = TypeVar("_R")
 
 Item = tuple[int, int, int, int]
 """``(array, first row, end row, output row)``: rows ``[first, end)`` of array ``array`` decode
@@ -51,3 +57,28 @@ def split(
             out += cut - st
             st, c = cut, c - take
     return [x for x in groups if x]
+
+
+def run_groups(
+    run: Callable[[_G], _R], groups: Sequence[_G], pool: ThreadPoolExecutor | None
+) -> list[_R]:
+    """``run(group)`` for every group, its results in group order: the first in the calling
+    thread, the others on ``pool``; every group finishes before this returns (or raises the
+    first error), so no thread still writes into the call's outputs."""
+    if pool is None or len(groups) == 1:
+        return [run(grp) for grp in groups]
+    futures = [pool.submit(run, grp) for grp in groups[1:]]
+    err: BaseException | None = None
+    out: list[_R] = []
+    try:
+        out.append(run(groups[0]))  # the calling thread takes a share
+    except BaseException as e:
+        err = e
+    for f in futures:
+        failed = f.exception()
+        err = err or failed
+        if failed is None:
+            out.append(f.result())
+    if err is not None:
+        raise err
+    return out

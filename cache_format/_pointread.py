@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import numpy as np
 
@@ -55,7 +54,6 @@ chunk, CRC32C, the reader's records), so more threads only queue on it. Measured
 H200 box (benchmarks/results/format.md, random access): ``sequences(32)`` on the preset 1,370-1,540
 seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
 
-_T = TypeVar("_T")
 
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
@@ -78,28 +76,6 @@ def _groups(cost: list[int], n: int) -> list[list[int]]:
     return groups
 
 
-def _run_groups(
-    run: Callable[[list[_T]], None], groups: list[list[_T]], pool: ThreadPoolExecutor | None
-) -> None:
-    """``run(group)`` for every group: the first in the calling thread, the others on ``pool``;
-    every group finishes before this returns (or raises the first error)."""
-    if pool is None or len(groups) == 1:
-        for grp in groups:
-            run(grp)
-        return
-    futures = [pool.submit(run, grp) for grp in groups[1:]]
-    err: BaseException | None = None
-    try:
-        run(groups[0])  # the calling thread takes a share
-    except BaseException as e:
-        err = e
-    for f in futures:  # every group finishes before the caller sees its buffers or an error
-        failed = f.exception()
-        err = err or failed
-    if err is not None:
-        raise err
-
-
 def run_tasks(
     tasks: list[Callable[[], None]], cost: list[int], pool: ThreadPoolExecutor | None, n: int
 ) -> None:
@@ -115,7 +91,7 @@ def run_tasks(
         for i in group:
             tasks[i]()
 
-    _run_groups(run, _groups(cost, n), pool)
+    _plan.run_groups(run, _groups(cost, n), pool)
 
 
 Item = tuple[DirectLayout, int, "shardread.Frame | None", "np.ndarray | None", list]
@@ -124,36 +100,22 @@ is the slice of an output the whole chunk decodes into, or ``None``: the chunk d
 scratch chunk and its rows are copied to each ``(out, start, stop)`` range of ``targets``."""
 
 
-def _fits(x: np.ndarray | None, lay: DirectLayout, rows: int) -> bool:
-    """Whether ``x`` can take ``rows`` rows of ``lay`` decoded in place."""
-    return (
-        x is not None
-        and x.dtype == lay.dtype
-        and x.shape == (rows, *lay.inner)
-        and x.flags.c_contiguous
-        and x.flags.writeable
-    )
-
-
 def read(
     direct: dict[str, DirectLayout],
     jobs: list[Job],
     pool: ThreadPoolExecutor | None = None,
     threads: int = 1,
-    into: list[np.ndarray | None] | None = None,
 ) -> list[np.ndarray]:
     """Stored values of each ``array[start:stop]`` of ``jobs`` (every array in ``direct``),
-    each needed inner chunk fetched and decoded once; ``into[j]``, where given and of the
-    job's exact shape and stored dtype (C-contiguous), is the output of job ``j`` (else a new
-    array). With a pool and ``threads > 1`` the jobs are split over up to ``threads`` (at most
-    :data:`MAX_SHARES`) threads by :func:`._plan.split`, each reading and decoding its share."""
+    each needed inner chunk fetched and decoded once. With a pool and ``threads > 1`` the jobs
+    are split over up to ``threads`` (at most :data:`MAX_SHARES`) threads by
+    :func:`._plan.split`, each reading and decoding its share."""
     outs: list[np.ndarray] = []
-    for j, (n, a, b) in enumerate(jobs):
+    for n, a, b in jobs:
         lay = direct[n]
         if not 0 <= a <= b <= lay.length:  # R6: never past the committed count
             raise CorruptStoreError(f"read of {n}[{a}:{b}] past the committed {lay.length} entries")
-        given = into[j] if into is not None else None
-        outs.append(given if given is not None and _fits(given, lay, b - a) else lay.empty(b - a))
+        outs.append(lay.empty(b - a))
     if pool is not None and threads > 1:
         lays = [direct[n] for n, _, _ in jobs]
         items = [(j, a, b, 0) for j, (_, a, b) in enumerate(jobs) if b > a]
@@ -168,7 +130,7 @@ def read(
                 sub = [(jobs[j][0], a, b) for j, a, b, _ in group]
                 _read_jobs(direct, sub, [outs[j][o : o + b - a] for j, a, b, o in group])
 
-            _run_groups(run, groups, pool)
+            _plan.run_groups(run, groups, pool)
             return outs
     _read_jobs(direct, jobs, outs)
     return outs

@@ -8,14 +8,13 @@ partly filled shard fails its CRC32C and is retried on a fresh snapshot; a failu
 is a :class:`~.errors.CorruptStoreError` (a :class:`~.errors.ChecksumError` for bad bytes).
 
 Every read (:meth:`CacheReader.sequence`, :meth:`~CacheReader.sequences`,
-:meth:`~CacheReader.rows`, :meth:`~CacheReader.read_ranges`, the reader processes) goes through
+:meth:`~CacheReader.rows`, :meth:`~CacheReader.read_ranges`) goes through
 one decoder (:mod:`._decode`: the compiled one where numba is installed, else NumPy).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,6 @@ from zarr.codecs import BloscCodec, ShardingCodec
 
 from . import _hiddenread as hiddenread
 from . import _idmap as idmap
-from . import _procread as procread
 from . import _rowextra, spec
 from . import _shardread as shardread
 from ._decode import Fetched, OpenArrays, Span, get_decoder, index_block, stored_values
@@ -105,11 +103,7 @@ class CacheReader:
     return dicts of torch tensors (``record.to_torch()``) instead of numpy records.
     ``decode_threads > 1`` splits the decoding of one read call (e.g. the sequences of one
     :meth:`sequences` call) over that many threads, cut at chunk edges (the values are the
-    same). ``read_processes > 0`` spreads the rows of each :meth:`sequence` /
-    :meth:`sequences` call over the calling process and that many reader processes
-    (:mod:`._procread`: started at the first such call, each with its own GIL, decoding into
-    shared memory the returned arrays are views of; same values); :meth:`close` (or ``with``)
-    stops them. ``decoder``: ``"numba"`` or ``"numpy"`` (:mod:`._decode`; default: the compiled
+    same). ``decoder``: ``"numba"`` or ``"numpy"`` (:mod:`._decode`; default: the compiled
     one where numba is installed); both give the same values.
 
     Random access is fastest on a store written with the ``random_access`` layout preset
@@ -124,18 +118,13 @@ class CacheReader:
         *,
         as_torch: bool = False,
         decode_threads: int = 1,
-        read_processes: int = 0,
         decoder: str | None = None,
     ):
         if decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
-        if read_processes < 0:
-            raise ValueError(f"read_processes must be >= 0, got {read_processes}")
         self._decoder = get_decoder(decoder)
         self.decode_threads = int(decode_threads)
-        self.read_processes = int(read_processes)
         self.as_torch = as_torch
-        self._procs: procread.ReadProcesses | None = None
         self._url, self._storage_options = str(url), storage_options
         self._decode_pool: ThreadPoolExecutor | None = None
         self._handle = open_store(url, storage_options, read_only=True)
@@ -404,11 +393,9 @@ class CacheReader:
         self,
         spans: list[Span],
         logprob_dtype: str = "float32",
-        into: list[dict[str, np.ndarray]] | None = None,
     ) -> list[Fetched]:
         """The decoded arrays of row (and token) spans of this snapshot, with the reader's
-        retries: per span ``(ids, logprobs, tail, tokens or None, mask or None)``. ``into``:
-        per span, output arrays to decode into where they fit (see :class:`._decode.Decoder`).
+        retries: per span ``(ids, logprobs, tail, tokens or None, mask or None)``.
         Spans past the committed counts are :class:`CorruptStoreError` (R6)."""
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
@@ -417,7 +404,7 @@ class CacheReader:
 
         def read() -> list[Fetched]:
             opened, threads = self._opened, self.decode_threads
-            return self._decoder.fetch(opened, spans, logprob_dtype, self._pool(), threads, into)
+            return self._decoder.fetch(opened, spans, logprob_dtype, self._pool(), threads)
 
         return self._retry(read)
 
@@ -442,61 +429,14 @@ class CacheReader:
         return [self._out(rec) for rec in self._sequences(idx, logprob_dtype)]
 
     def _sequences(self, idx: list[int], logprob_dtype: str) -> list[Any]:
-        """Records of sequences ``idx`` (checked indices) in one read: over the reader processes
-        when there are any and the call splits, else in this process."""
+        """Records of sequences ``idx`` (checked indices) in one read."""
         index = self._index
         if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
             return hiddenread.sequences(self._get_open, self._retry, index, idx, logprob_dtype)
-        got = None
-        if self.read_processes > 0 and spec.TOPK_IDS in self._opened.direct:
-            got = self._proc_records(index, idx, logprob_dtype)
-        if got is None:
-            spans = self.read_spans([index.span(i) for i in idx], logprob_dtype)
-            got = records_of(index, idx, spans)
+        spans = self.read_spans([index.span(i) for i in idx], logprob_dtype)
+        got = records_of(index, idx, spans)
         extra = _rowextra.read(self._opened, self._retry, [index.span(i)[0] for i in idx])
         return _rowextra.attach(got, extra)
-
-    def _proc_records(
-        self, index: IndexSnapshot, idx: list[int], logprob_dtype: str
-    ) -> list[SequenceRecord] | None:
-        """Records of sequences ``idx`` read by the reader processes (:mod:`._procread`); ``None``
-        for a call that makes one piece (read in this process)."""
-        if logprob_dtype not in OUT_DTYPES:
-            raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
-        spans = []
-        for i in idx:
-            rows, toks = index.span(i)
-            spans.append((rows.start, rows.stop, toks.start, toks.stop))
-        cr = self._opened.direct[spec.TOPK_IDS].chunk_rows
-        groups = procread.cut(spans, self.read_processes + 1, cr)  # the caller takes a share
-        if len(groups) <= 1:
-            return None
-        if self._procs is not None and self._procs.pid != os.getpid():
-            self._procs = None  # a forked copy of the reader: the processes are the parent's
-        if self._procs is None:
-            self._procs = procread.ReadProcesses(
-                self._url, self._storage_options, self.read_processes, self._decoder.name
-            )
-        m = self.manifest
-        buf, reg = self._procs.read(
-            spans, m.k, m.num_rows, m.num_tokens, logprob_dtype, m.loss_mask, groups, self
-        )
-        ids, lp, tail, mask, tok = reg.views(buf)
-        out, r, t, keys = [], 0, 0, index.keys
-        for i, (a, b, ta, tb) in zip(idx, spans, strict=True):
-            n, nt = b - a, tb - ta
-            rec = stored_record(
-                keys,
-                i,
-                tok[t : t + nt],
-                ids[r : r + n],
-                lp[r : r + n],
-                tail[r : r + n],
-                None if mask is None else mask[r : r + n],
-            )
-            out.append(rec)
-            r, t = r + n, t + nt
-        return out
 
     def read_ranges(
         self, ranges: Sequence[tuple[int, int]], *, logprob_dtype: str = "float32"
@@ -570,15 +510,13 @@ class CacheReader:
     # ------------------------------------------------------------------ lifetime
     def __getstate__(self) -> dict[str, Any]:
         """A reader pickles as its configuration (e.g. to reach a ``DataLoader`` worker): the
-        copy opens the store again (its latest commit at unpickling) and starts its own reader
-        processes at its first point read; the original's processes, decode pool and open
-        files stay the original's."""
+        copy opens the store again (its latest commit at unpickling); the original's decode
+        pool and open files stay the original's."""
         return {
             "url": self._url,
             "storage_options": self._storage_options,
             "as_torch": self.as_torch,
             "decode_threads": self.decode_threads,
-            "read_processes": self.read_processes,
             "decoder": self._decoder.name,
         }
 
@@ -588,11 +526,11 @@ class CacheReader:
         self.__init__(url, options, **state)  # type: ignore[misc]
 
     def close(self) -> None:
-        """Stop the reader processes, if any (the reader stays usable: a later call starts
+        """Stop the decode threads, if any (the reader stays usable: a later call starts
         them again)."""
-        procs, self._procs = self._procs, None
-        if procs is not None and procs.pid == os.getpid():
-            procs.close()
+        pool, self._decode_pool = self._decode_pool, None
+        if pool is not None:
+            pool.shutdown()
 
     def __enter__(self) -> CacheReader:
         return self

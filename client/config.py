@@ -5,7 +5,7 @@ Two frozen dataclasses, apart on purpose:
 * :class:`StreamConfig`: the stream itself (packing, order, sharding, the item tensors). Its
   order-shaping fields are fingerprinted into the loader state, so a resume with another
   stream is refused.
-* :class:`ReadOptions`: read tuning (prefetch, threads, reader processes, point reads). The
+* :class:`ReadOptions`: read tuning (prefetch, threads, point reads). The
   items and their order never depend on it.
 
 Where to read from (a path, ``s3://...``, a server URL with its cache name, storage options,
@@ -170,12 +170,6 @@ class ReadOptions:
         units that need them (:class:`~logitcache.client.readahead.ReadAhead`; decoding releases
         the GIL). ``None``: :func:`~logitcache.client.readahead.default_read_threads` (4 in the
         trainer process of a 16-core host, 2 in each of 8 DataLoader workers).
-    read_processes:
-        ``0`` (default): each iterating process reads with its own reader alone. ``n > 0``
-        (a :class:`~logitcache.client.sources.LocalSource` only): its reader is
-        ``CacheReader(read_processes=n)`` and each fetch is a point read spread over the
-        iterating process and ``n`` reader processes. Pays where idle cores exist
-        (benchmarks/results/loader.md).
     decode_threads:
         ``1`` (default): each store read is decoded in the thread that issued it. ``n > 1``
         (a LocalSource, or an :class:`~logitcache.client.sources.HttpSource` with
@@ -190,7 +184,6 @@ class ReadOptions:
 
     prefetch: int = 4
     read_threads: int | None = None
-    read_processes: int = 0
     decode_threads: int = 1
     point_reads: bool | None = None
 
@@ -199,7 +192,5 @@ class ReadOptions:
             raise ConfigError(f"prefetch must be >= 1, got {self.prefetch}")
         if self.read_threads is not None and self.read_threads < 1:
             raise ConfigError(f"read_threads must be >= 1 or None, got {self.read_threads}")
-        if self.read_processes < 0:
-            raise ConfigError(f"read_processes must be >= 0, got {self.read_processes}")
         if self.decode_threads < 1:
             raise ConfigError(f"decode_threads must be >= 1, got {self.decode_threads}")

@@ -94,15 +94,14 @@ _SEQUENTIAL_BLOCK = 64
 
 
 def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
-    """``source`` with ``read``'s reader settings (reader processes, decode threads, point
-    reads), as a copy; the source itself when they are its defaults. ``read_processes`` and
-    ``point_reads``: a :class:`~logitcache.client.sources.LocalSource` only;
+    """``source`` with ``read``'s reader settings (decode threads, point reads), as a copy;
+    the source itself when they are its defaults. ``point_reads``: a
+    :class:`~logitcache.client.sources.LocalSource` only;
     ``decode_threads``: also an :class:`~logitcache.client.sources.HttpSource` of
     ``transport="store"`` (its reader is a LocalSource's). ConfigError elsewhere."""
     point_reads = read.point_reads
     if not (
-        read.read_processes
-        or read.decode_threads > 1
+        read.decode_threads > 1
         or point_reads is not None
         and (point_reads or type(source) is LocalSource)
     ):  # (point_reads=False: range reads, what every other source does anyway)
@@ -112,20 +111,14 @@ def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
             source.url,
             source.storage_options,
             max_gap_tokens=source.max_gap_tokens,
-            read_processes=read.read_processes or source.read_processes,
             decode_threads=read.decode_threads
             if read.decode_threads > 1
             else source.decode_threads,
             point_reads=source.point_reads if point_reads is None else point_reads,
         )
-    local = [
-        name
-        for name, value in (("read_processes", read.read_processes), ("point_reads", point_reads))
-        if value
-    ]
-    if local:
+    if point_reads:
         raise ConfigError(
-            f"{' and '.join(local)}: for local and object-store caches (a LocalSource) only, "
+            "point_reads: for local and object-store caches (a LocalSource) only, "
             f"not {type(source).__name__}"
         )
     if type(source) is HttpSource and source.transport == "store":

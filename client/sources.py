@@ -112,17 +112,13 @@ class LocalSource:
     """Read a cache store directly: a local path or an object-store URL (``s3://bucket/prefix``).
 
     ``storage_options`` go to ``CacheReader`` unchanged (e.g. ``{"endpoint_url": ...,
-    "key": ..., "secret": ...}``). ``max_gap_tokens``: see :meth:`fetch`. ``read_processes``
-    (default 0): the reader is ``CacheReader(read_processes=n)`` and :meth:`fetch` reads the wanted
-    sequences with one point read, which that reader spreads over this process and ``n`` reader
-    processes (started at its first read, in every process that reads;
-    ``cache_format/procread.py``); the records are the same. ``decode_threads`` (default 1): the
-    reader is ``CacheReader(decode_threads=n)``, which decodes the arrays of each read call (a
-    :meth:`fetch`'s range reads, or its point read with ``read_processes``) on ``n`` threads; the
-    records are the same. ``point_reads``: ``True``: :meth:`fetch` reads the wanted sequences
+    "key": ..., "secret": ...}``). ``max_gap_tokens``: see :meth:`fetch`. ``decode_threads``
+    (default 1): the reader is ``CacheReader(decode_threads=n)``, which decodes the arrays of
+    each read call (a :meth:`fetch`'s range reads or point read) on ``n`` threads; the records
+    are the same. ``point_reads``: ``True``: :meth:`fetch` reads the wanted sequences
     with one point read (``CacheReader.sequences``, FORMAT.md D4: only their own chunks, each
     decoded once; one compiled call per thread on a local store with numba) instead of merged
-    range reads, as it always does with ``read_processes``; ``False``: range reads; ``None``
+    range reads; ``False``: range reads; ``None``
     (default): point reads for a fetch of scattered sequences (at least one merged range per two
     wanted sequences) where the reader's compiled path serves them (a local directory store and
     :mod:`~logitcache.cache_format.fastdecode` available), else range reads (an object store
@@ -146,18 +142,14 @@ class LocalSource:
         storage_options: dict[str, Any] | None = None,
         *,
         max_gap_tokens: int = 16384,
-        read_processes: int = 0,
         decode_threads: int = 1,
         point_reads: bool | None = None,
     ) -> None:
-        if read_processes < 0:
-            raise SourceError(f"read_processes must be >= 0, got {read_processes}")
         if decode_threads < 1:
             raise SourceError(f"decode_threads must be >= 1, got {decode_threads}")
         self.url = str(url)
         self.storage_options = dict(storage_options) if storage_options else None
         self.max_gap_tokens = int(max_gap_tokens)
-        self.read_processes = int(read_processes)
         self.decode_threads = int(decode_threads)
         self.point_reads = None if point_reads is None else bool(point_reads)
         self._reader: Any = None
@@ -169,7 +161,6 @@ class LocalSource:
         "url",
         "storage_options",
         "max_gap_tokens",
-        "read_processes",
         "decode_threads",
         "point_reads",
     )
@@ -183,10 +174,9 @@ class LocalSource:
         )
 
     def __repr__(self) -> str:
-        procs = f", read_processes={self.read_processes}" if self.read_processes else ""
         threads = f", decode_threads={self.decode_threads}" if self.decode_threads > 1 else ""
         points = "" if self.point_reads is None else f", point_reads={self.point_reads}"
-        return f"LocalSource({self.url!r}{procs}{threads}{points})"
+        return f"LocalSource({self.url!r}{threads}{points})"
 
     @property
     def fork_safe(self) -> bool:
@@ -212,7 +202,6 @@ class LocalSource:
             self._reader = CacheReader(
                 self.url,
                 storage_options=self.storage_options,
-                read_processes=self.read_processes,
                 decode_threads=self.decode_threads,
             )
             self._pid = os.getpid()
@@ -259,7 +248,7 @@ class LocalSource:
         ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
         concurrent) and the unwanted sequences in between are dropped. With point reads (see
         the class: by default for scattered sequences on a local store read by the compiled
-        path) or ``read_processes`` the wanted sequences are read with one point read
+        path) the wanted sequences are read with one point read
         (``CacheReader.sequences``) instead.
         """
         lengths = self._snapshot_lengths()
@@ -268,7 +257,7 @@ class LocalSource:
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
         ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)
         dt = "bfloat16" if self.reader.manifest.hidden is not None else "float32"  # FORMAT 4.10
-        if self.read_processes or self._point_reads(len(wanted), len(ranges)):
+        if self._point_reads(len(wanted), len(ranges)):
             picked = wanted.tolist()
             got = self.reader.sequences(picked, logprob_dtype=dt)
             return dict(zip(picked, got, strict=True))

@@ -177,7 +177,6 @@ _NOT_FAST_MODULES = frozenset(
         "test_engine_async_temperature",
         "test_fastdecode",
         "test_format_random_access",
-        "test_procread",
         "test_server_writer_keep",
         "test_engine_reaper",
         "test_engine_reaper_startup",

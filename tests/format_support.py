@@ -212,7 +212,7 @@ if __name__ == "__main__":
     {"append": child_append, "read": child_read}[sys.argv[1]](sys.argv[2:])
 
 
-# --- a small multi-chunk cache (random access, point reads, reader processes) -------------
+# --- a small multi-chunk cache (random access, point reads) -------------
 # chunks of 8 rows / 16 tokens, shards of 32 rows / 64 tokens: sequences of 2..40 tokens cross
 # chunk and shard edges everywhere
 SMALL = Layout(row_chunk=8, row_shard=32, token_chunk=16, token_shard=64, seq_chunk=4, seq_shard=8)

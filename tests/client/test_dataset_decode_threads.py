@@ -48,9 +48,6 @@ def test_decode_threads_reach_the_reader_and_keep_the_stream(tmp_path) -> None:
     copy = pickle.loads(pickle.dumps(ds))  # what a spawned DataLoader worker receives
     assert copy.read.decode_threads == 3 and copy.source._reader is None
     assert copy.source.reader.decode_threads == 3
-    # with reader processes too: both settings reach the one reader
-    both = make_dataset(url, read_processes=1, decode_threads=2, **OPTS)
-    assert (both.source.reader.read_processes, both.source.reader.decode_threads) == (1, 2)
     assert make_dataset(url, **OPTS).source.reader.decode_threads == 1  # the default
 
 
@@ -85,10 +82,10 @@ def test_local_source_takes_decode_threads_itself(tmp_path) -> None:
     assert sorted(got) == sorted(want) == [2, 5, 30]
     assert all(got[i].equals(want[i]) for i in want)
     assert make_dataset(src, **OPTS).source.reader.decode_threads == 2
-    procs = LocalSource(url, read_processes=2)
-    ds = make_dataset(procs, decode_threads=4, **OPTS)
-    assert (ds.source.read_processes, ds.source.decode_threads) == (2, 4)
-    assert procs.decode_threads == 1  # the given source is left as it is
+    given = LocalSource(url, max_gap_tokens=7)
+    ds = make_dataset(given, decode_threads=4, **OPTS)
+    assert (ds.source.max_gap_tokens, ds.source.decode_threads) == (7, 4)
+    assert given.decode_threads == 1  # the given source is left as it is
 
 
 def test_decode_threads_over_the_http_store_transport(tmp_path) -> None:

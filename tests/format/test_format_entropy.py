@@ -1,5 +1,5 @@
 """The optional per-row teacher entropy (FORMAT.md 4.9): written as float16, read by every path
-(sequence, sequences, rows, read_ranges, reader processes, torch), carried by the wire codec,
+(sequence, sequences, rows, read_ranges, torch), carried by the wire codec,
 checked by ``validate``; stores without it read as before. Real zarr stores in ``tmp_path``.
 """
 
@@ -48,11 +48,10 @@ def f16(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(np.float16)
 
 
-@pytest.mark.parametrize("procs", [0, 1])
-def test_round_trip_every_read_path(stored, procs) -> None:
+def test_round_trip_every_read_path(stored) -> None:
     url, recs = stored
     want = [f16(r.entropy) for r in recs]
-    with CacheReader(url, read_processes=procs) as r:
+    with CacheReader(url) as r:
         assert r.manifest.entropy is True
         for i, e in enumerate(want):
             got = r.sequence(i).entropy

@@ -83,17 +83,6 @@ def test_every_read_path_returns_the_same_values(tmp_path, monkeypatch, kw):
         assert spy.calls > 0 and spy.handed_back == 0  # the compiled path read raw chunks
 
 
-@pytest.mark.subprocess
-def test_reader_processes_read_raw_chunks(tmp_path):
-    url = tmp_path / "c"
-    write_small_cache(url, SMALL_RAW, loss_mask=True)
-    want = _reader(url, "zarr")
-    idx = [5, 3, 5, 39, 0, 22, 21, 22, 38, 1]
-    with CacheReader(url, read_processes=2) as r:
-        for g, w in zip(r.sequences(idx), want.sequences(idx), strict=True):
-            assert_same_record(g, w)
-
-
 def _first_shards(url) -> list:
     out = []
     for array in ("topk_ids", "topk_logprobs", "tail_mass", "input_ids"):
