@@ -79,10 +79,6 @@ class ValidationReport:
         head += f" ({self.checked_sequences} sequences, {self.checked_rows} rows checked)"
         return "\n".join([head, *(f"  {p}" for p in self.problems)])
 
-    def raise_if_failed(self) -> None:
-        if not self.ok:
-            raise FormatError(str(self))
-
 
 def _flag(
     report: ValidationReport, code: str, msg: str, bad: npt.ArrayLike, base: int, unit: str

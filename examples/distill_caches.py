@@ -67,6 +67,7 @@ def derive_topk_cache(src: str, dst: str, k: int, limit: int | None = None) -> s
                         r.topk_ids[:, :k],
                         r.topk_logprobs[:, :k],
                         entropy=r.entropy,  # a source with per-row entropy keeps it
+                        actual_logprob=r.actual_logprob,  # and its actual-token logprobs
                     )
                 )
             if recs:
@@ -103,6 +104,7 @@ def sampled_caches(
                 update={
                     "k": int(n) + int(head),
                     "targets": "sampled",
+                    "actual_logprob": False,  # kept by top-k caches only (FORMAT.md 4.12)
                     "sampling": sampling_manifest(n, proposal_temperature, seed, head),
                     "extra": {**m.extra, "sampled_by": "examples/distill_caches.py (PyTorch)"},
                 }

@@ -268,7 +268,10 @@ def _record(key: str, ids: list[int], lp: np.ndarray, k: int):
 
     top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
     val = np.take_along_axis(lp, top, axis=1).astype(np.float32)
-    return SequenceRecord(key, np.asarray(ids, np.int32), top.astype(np.int32), val)
+    actual = lp[np.arange(len(ids) - 1), ids[1:]].astype(np.float32)  # FORMAT.md 4.12
+    return SequenceRecord(
+        key, np.asarray(ids, np.int32), top.astype(np.int32), val, actual_logprob=actual
+    )
 
 
 # --------------------------------------------------------------------------- SIGKILL
