@@ -5,7 +5,12 @@ It wraps the engine a ``build`` function returns and is itself a :class:`~.proto
 ``score_with_ids``, ``aclose``). A monitor task (:meth:`SupervisedEngine.start`) checks the
 engine's ``alive`` every :data:`CHECK_S` seconds; a call that fails with
 :class:`~.protocol.EngineUnavailableError`, or any engine error once the engine is no longer alive,
-also marks it dead. A dead engine is closed (its processes ended) and built again in a worker
+also marks it dead. Declaring an engine dead (or closing the supervisor) fails every call still
+in flight on it at once, with :class:`~.protocol.EngineUnavailableError` (or
+:class:`~.protocol.EngineClosedError`), and cancels the engine's side of the call
+(:class:`_Lifetime`): a dying engine need not fail its own requests, and one whose clean-up
+abandons them (vLLM's ``AsyncLLM.shutdown`` cancels the task that would fail them) cannot leave a
+caller waiting. A dead engine is closed (its processes ended) and built again in a worker
 thread, with a growing pause between failed builds; meanwhile ``alive`` is false and every call
 raises :class:`~.protocol.EngineUnavailableError` at once, with a ``retry_after`` estimated from
 how long the engine took to start.
@@ -22,8 +27,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from .protocol import (
     EngineClosedError,
@@ -46,9 +51,56 @@ BACKOFF_S = (1.0, 5.0, 15.0, 60.0)
 CLOSE_TIMEOUT_S = 60.0
 
 
+T = TypeVar("T")
+
+
 def engine_alive(engine: Any) -> bool:
     """An engine's ``alive`` (an engine without one counts as alive)."""
     return bool(getattr(engine, "alive", True))
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark an abandoned engine call's outcome as seen (no "never retrieved" warning)."""
+    if not task.cancelled():
+        task.exception()
+
+
+class _Lifetime:
+    """The calls in flight on one engine: :meth:`end` (the engine declared dead, or closed)
+    makes each of them raise ``error()`` at once and cancels its engine-side task."""
+
+    def __init__(self) -> None:
+        self.error: Callable[[], EngineError] | None = None
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def end(self, error: Callable[[], EngineError]) -> None:
+        """End the engine's lifetime (once): every call in flight raises ``error()``."""
+        if self.error is not None:
+            return
+        self.error = error
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def run(self, call: Awaitable[T]) -> T:
+        """``call``'s outcome, unless the lifetime ends first: then ``call`` is cancelled (not
+        awaited) and ``error()`` raised. Cancelling the caller cancels ``call`` too."""
+        task = asyncio.ensure_future(call)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            if self.error is None:
+                await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._waiters.discard(waiter)
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_retrieve)
+        if task.done():
+            return task.result()
+        assert self.error is not None
+        raise self.error()
 
 
 class SupervisedEngine:
@@ -60,6 +112,7 @@ class SupervisedEngine:
         self._build = build
         t0 = time.monotonic()
         self._engine = build()
+        self._life = _Lifetime()
         self.start_s = time.monotonic() - t0
         self.restarts = 0
         self._restarting_since: float | None = None
@@ -117,6 +170,7 @@ class SupervisedEngine:
             return
         log.error("teacher engine unavailable (%s): restarting it", why)
         self._restarting_since = time.monotonic()
+        self._life.end(lambda: EngineUnavailableError(why, retry_after=self.retry_after()))
         self._restart = asyncio.create_task(self._rebuild(engine), name="engine-restart")
 
     async def _rebuild(self, dead: TeacherEngine) -> None:
@@ -140,6 +194,7 @@ class SupervisedEngine:
                 return
             self.start_s = time.monotonic() - t0
             self._engine = engine
+            self._life = _Lifetime()
             self.restarts += 1
             self._restarting_since = None
             log.warning("teacher engine restarted in %.1f s", self.start_s)
@@ -150,6 +205,7 @@ class SupervisedEngine:
         if self._closed:
             return
         self._closed = True
+        self._life.end(lambda: EngineClosedError("the engine is closed"))
         for task in (self._monitor, self._restart):
             if task is not None:
                 task.cancel()
@@ -167,6 +223,19 @@ class SupervisedEngine:
                 "the teacher engine is restarting", retry_after=self.retry_after()
             )
         return self._engine
+
+    async def _call(self, method: str, cannot: str, *args: Any) -> Any:
+        """The current engine's ``method`` on ``args``, failed at once when the engine is
+        declared dead meanwhile (:class:`_Lifetime`); :class:`EngineInputError` ("this engine
+        cannot ``cannot``") if the engine has no such method."""
+        engine, life = self._current(), self._life
+        call = getattr(engine, method, None)
+        if call is None:
+            raise EngineInputError(f"this engine cannot {cannot}")
+        try:
+            return await life.run(call(*args))
+        except EngineError as e:
+            raise self._failed(engine, e) from e
 
     def _failed(self, engine: TeacherEngine, e: EngineError) -> EngineError:
         """The error to raise for ``e``: a dead engine's becomes EngineUnavailableError (and
@@ -186,23 +255,8 @@ class SupervisedEngine:
     async def score(
         self, prompts: list[list[int]], k: int, temperature: float | None = None
     ) -> list[TeacherScores]:
-        engine = self._current()
-        try:
-            return await engine.score(prompts, k, temperature)
-        except EngineError as e:
-            raise self._failed(engine, e) from e
-
-    async def _optional(self, method: str, cannot: str, *args: Any) -> Any:
-        """The current engine's ``method`` (one the protocol does not require) on ``args``;
-        :class:`EngineInputError` ("this engine cannot ...") if it has none."""
-        engine = self._current()
-        call = getattr(engine, method, None)
-        if call is None:
-            raise EngineInputError(f"this engine cannot {cannot}")
-        try:
-            return await call(*args)
-        except EngineError as e:
-            raise self._failed(engine, e) from e
+        out: list[TeacherScores] = await self._call("score", "score", prompts, k, temperature)
+        return out
 
     async def score_sampled(
         self,
@@ -211,7 +265,7 @@ class SupervisedEngine:
         targets: SampledTargets,
         temperature: float | None = None,
     ) -> list[TeacherScores]:
-        out: list[TeacherScores] = await self._optional(
+        out: list[TeacherScores] = await self._call(
             "score_sampled",
             "produce sampled targets (targets='sampled')",
             prompts,
@@ -228,13 +282,13 @@ class SupervisedEngine:
         ids: list[list[int]],
         temperature: float | None = None,
     ) -> tuple[list[TeacherScores], list[Any]]:
-        out: tuple[list[TeacherScores], list[Any]] = await self._optional(
+        out: tuple[list[TeacherScores], list[Any]] = await self._call(
             "score_with_ids", "score chosen token ids", prompts, k, ids, temperature
         )
         return out
 
     async def score_hidden(self, prompts: list[list[int]]) -> list[Any]:
-        out: list[Any] = await self._optional(
+        out: list[Any] = await self._call(
             "score_hidden", "capture hidden states (targets='hidden')", prompts
         )
         return out
@@ -249,7 +303,7 @@ class SupervisedEngine:
     async def score_ids(
         self, prompts: list[list[int]], ids: list[list[int]], temperature: float | None = None
     ) -> list[Any]:
-        out: list[Any] = await self._optional(
+        out: list[Any] = await self._call(
             "score_ids", "score chosen token ids", prompts, ids, temperature
         )
         return out
