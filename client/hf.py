@@ -463,17 +463,24 @@ class CacheDistillTrainer(Trainer):
             inputs["topk_logprobs"],
             inputs["tail_mass"] if self.use_tail and kind == "topk" else None,
             bias=getattr(head, "bias", None),
-            labels=inputs["labels"],
-            mask=inputs["loss_mask"],
-            loss=self.kd_loss,
-            beta=self.beta,
-            temperature=self.temperature,
-            ce_weight=self.ce_weight,
-            reduction="sum",
             impl=self.loss_impl,
-            chunk_size=self.chunk_size,
             targets=kind,
+            **self._loss_options(inputs),
         )
+
+    def _loss_options(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The options the top-k and the exact loss share: labels, mask and this trainer's
+        objective, summed over the batch."""
+        return {
+            "labels": inputs["labels"],
+            "mask": inputs["loss_mask"],
+            "loss": self.kd_loss,
+            "beta": self.beta,
+            "temperature": self.temperature,
+            "ce_weight": self.ce_weight,
+            "reduction": "sum",
+            "chunk_size": self.chunk_size,
+        }
 
     def _exact_total(self, hidden: torch.Tensor, head: Any, inputs: dict[str, Any]) -> Any:
         """Summed exact loss of a hidden cache's batch (the teacher head loaded once)."""
@@ -492,14 +499,7 @@ class CacheDistillTrainer(Trainer):
             head.weight,
             inputs["hidden"],
             student_bias=getattr(head, "bias", None),
-            labels=inputs["labels"],
-            mask=inputs["loss_mask"],
-            loss=self.kd_loss,
-            beta=self.beta,
-            temperature=self.temperature,
-            ce_weight=self.ce_weight,
-            reduction="sum",
-            chunk_size=self.chunk_size,
+            **self._loss_options(inputs),
             **self._teacher_head,
         )
 
