@@ -26,6 +26,7 @@ def settings_for(tmp_path, tiny) -> ServerSettings:
         data_dir=tmp_path / "data",
         state_dir=tmp_path / "state",
         job_batch_sequences=4,
+        job_write_fill_s=0,  # commit per batch group (0.1 s): the stop lands mid-job
     )
 
 
