@@ -1,5 +1,5 @@
 """The optional per-row logprob of the actual next token (FORMAT.md 4.12): written as float32,
-read bit-exact by every path (sequence, sequences, rows, read_ranges, reader processes, torch,
+read bit-exact by every path (sequence, sequences, rows, read_ranges, torch,
 pickling), carried by the wire codec, checked by ``validate``, listed by ``logitcache info``;
 stores without it read as before. Real zarr stores in ``tmp_path``."""
 
@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import zarr
-from format_support import make_manifest, make_records, reseal
+from format_support import make_manifest, make_records, reseal, write_store
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
@@ -42,10 +42,9 @@ def actuals(recs: list[SequenceRecord], seed: int = 5) -> list[SequenceRecord]:
 def stored(tmp_path, request):
     recs = actuals(make_records(7, k=K, vocab=V, seed=3, min_len=2, max_len=30))
     url = tmp_path / "a.zarr"
-    m = make_manifest(k=K, vocab_size=V, actual_logprob=True, entropy=True)
     recs = [replace(r, entropy=np.ones(r.num_rows)) for r in recs]  # both arrays side by side
-    with CacheWriter.open(url, m, layout=LAYOUTS[request.param]) as w:
-        assert w.append(recs[:4]) == 4 and w.append(recs[4:]) == 3
+    layout = LAYOUTS[request.param]
+    write_store(url, recs, k=K, vocab=V, layout=layout, split=4, actual_logprob=True, entropy=True)
     return url, recs
 
 
