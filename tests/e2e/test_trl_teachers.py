@@ -127,34 +127,9 @@ def test_async_distillation_teacher_side_with_two_teachers(two, tiny, heldout_se
 
 
 def test_server_distillation_trainer_steps_against_the_second_teacher(two, tiny, tmp_path) -> None:
-    from datasets import Dataset
-    from trl.experimental.server_distillation import (
-        ServerDistillationConfig,
-        ServerDistillationTrainer,
-    )
-
-    tok = tiny.load_tokenizer()
     texts = ["def read(path):", "class Queue:", "Return the", "import os"]
-    args = ServerDistillationConfig(
-        output_dir=str(tmp_path / "out"),
-        teacher_model_server_url=f"{two.url}/teachers/tiny-b",
-        max_steps=2,
-        per_device_train_batch_size=2,
-        max_completion_length=8,
-        temperature=T,
-        beta=0.0,
-        loss_top_k=K,
-        learning_rate=1e-3,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-    )
-    trainer = ServerDistillationTrainer(
-        model=str(tiny.student_dir),
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": texts}),
-        processing_class=tok,
+    trainer = _served_trainer(
+        tiny, tmp_path, f"{two.url}/teachers/tiny-b", texts, temperature=T, beta=0.0, loss_top_k=K
     )
     with two.client() as c:
         r = c.get("/v1/caches/openai-completions-tiny-b-t0.7")
@@ -177,31 +152,10 @@ def test_server_distillation_trainer_at_its_defaults_gets_the_actual_tokens(
     fails the step). The service answers it from the cache's ``actual_logprob`` array (FORMAT.md
     4.12): every value TRL trained on equals a plain transformers forward at TRL's temperature,
     and a repeated request is served with no engine work."""
-    from datasets import Dataset
-    from trl.experimental.server_distillation import (
-        ServerDistillationConfig,
-        ServerDistillationTrainer,
-    )
-
-    args = ServerDistillationConfig(
-        output_dir=str(tmp_path / "out"),
-        teacher_model_server_url=f"{two.url}/teachers/tiny-a",
-        max_steps=2,
-        per_device_train_batch_size=2,
-        max_completion_length=8,
-        learning_rate=1e-3,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-    )
+    texts = ["def read(path):", "class Queue:"] * 2
+    trainer = _served_trainer(tiny, tmp_path, f"{two.url}/teachers/tiny-a", texts)
+    args = trainer.args
     assert (args.beta, args.loss_top_k) == (1.0, 1)  # TRL's defaults, untouched
-    trainer = ServerDistillationTrainer(
-        model=str(tiny.student_dir),
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["def read(path):", "class Queue:"] * 2}),
-        processing_class=tiny.load_tokenizer(),
-    )
     asked: list[tuple[list, list, dict]] = []
     client = trainer.teacher_client
     original = client.get_sequence_logprobs
@@ -243,3 +197,33 @@ def test_server_distillation_trainer_at_its_defaults_gets_the_actual_tokens(
         after = {m: total(c.get("/metrics").text, m) for m in ("hits", "misses")}
     assert after == {"hits": before["hits"] + len(seqs), "misses": before["misses"]}
     assert again["actual_logprobs"] == asked[-1][2]["actual_logprobs"]
+
+
+def _served_trainer(tiny, tmp_path, url: str, prompts: list[str], **config):
+    """TRL's ``ServerDistillationTrainer`` of the tiny student against the teacher at ``url``:
+    two steps of two prompts on the CPU, TRL's defaults but for ``config``."""
+    from datasets import Dataset
+    from trl.experimental.server_distillation import (
+        ServerDistillationConfig,
+        ServerDistillationTrainer,
+    )
+
+    args = ServerDistillationConfig(
+        output_dir=str(tmp_path / "out"),
+        teacher_model_server_url=url,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        **config,
+    )
+    return ServerDistillationTrainer(
+        model=str(tiny.student_dir),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tiny.load_tokenizer(),
+    )
