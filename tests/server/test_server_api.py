@@ -45,6 +45,7 @@ def server(tiny, tmp_path_factory):
         max_request_bytes=256 * 1024,
         job_batch_sequences=8,
         max_inline_records=500,
+        job_write_fill_s=0,  # commit per batch group, so a cancel lands mid-job
         log_level="info",
     )
     proc.start()
