@@ -360,6 +360,7 @@ def test_inline_and_file_jobs_and_cancel(client, server, tiny, tokenizer) -> Non
     assert client.delete(f"/v1/jobs/{job['id']}").json()["state"] == "succeeded"
 
     data = Path(server.settings["data_dir"])
+    data.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, t in enumerate(tiny.texts("train")[:400]):
         ids = tokenizer(t)["input_ids"][:MAX_LEN]
