@@ -513,7 +513,8 @@ def hf_iterable(ds: CacheDataset) -> Any:
     It reads ``ds`` as configured (its rank partition, epoch and resume point) each time it is
     iterated; do not let a second layer shard it again (e.g. ``split_dataset_by_node``). Units
     of a sampled cache keep the full ``k`` columns here (the features fix the shape; no
-    ``trim_sampled``) and carry ``target_kind``."""
+    ``trim_sampled``) and carry ``target_kind``; a hidden cache's carry it and ``hidden [.., T,
+    d]`` as float32 (Arrow has no bfloat16; exact: ``.bfloat16()`` gives the rows back)."""
     import datasets
 
     t, k = ds.config.tokens_per_item, ds.k
@@ -526,20 +527,15 @@ def hf_iterable(ds: CacheDataset) -> Any:
             return datasets.Sequence(datasets.Value(dtype), length=dims[0] or -1)
         return getattr(datasets, f"Array{len(dims)}D")(shape=dims, dtype=dtype)
 
+    targets = {"topk_ids": arr(ids, t, k), "topk_logprobs": arr("float32", t, k)}
+    targets["tail_mass"] = arr("float32", t)
+    if ds.hidden_dim is not None:
+        targets = {"hidden": arr("float32", t, ds.hidden_dim)}
+    tokens = ("input_ids", "labels", "attention_mask", "position_ids", "segment_ids")
     features = datasets.Features(
-        {
-            "input_ids": arr("int64", t),
-            "labels": arr("int64", t),
-            "attention_mask": arr("int64", t),
-            "position_ids": arr("int64", t),
-            "segment_ids": arr("int64", t),
-            "topk_ids": arr(ids, t, k),
-            "topk_logprobs": arr("float32", t, k),
-            "tail_mass": arr("float32", t),
-            "loss_mask": arr("bool", t),
-        }
+        {**{n: arr("int64", t) for n in tokens}, **targets, "loss_mask": arr("bool", t)}
     )
-    if ds.target_kind != "topk":  # sampled units carry their kind (the loss's ``targets=``)
+    if ds.target_kind != "topk":  # sampled and hidden units carry their kind
         features["target_kind"] = datasets.Value("string")
     return datasets.IterableDataset.from_generator(
         _numpy_items, gen_kwargs={"ds": ds}, features=features
@@ -549,6 +545,8 @@ def hf_iterable(ds: CacheDataset) -> Any:
 def _numpy_items(ds: CacheDataset) -> Iterator[dict[str, np.ndarray]]:
     # full width: the features declare [..., k] (a sampled cache's units are not trimmed here)
     for unit in ds._iterate(trim=False):
+        if "hidden" in unit:  # bfloat16 widened to the declared float32 (exact)
+            unit["hidden"] = unit["hidden"].float()
         yield {n: v.numpy() if isinstance(v, torch.Tensor) else v for n, v in unit.items()}
 
 

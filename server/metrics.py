@@ -109,9 +109,9 @@ class Metrics:
         """The scoring and cache counters as teacher ``teacher`` records them (labelled)."""
         return TeacherMetrics(self, teacher)
 
-    def cache_line(self) -> str:
-        """The cache counters in one line (status page), all teachers together: hit rate over
-        cache-backed sequences."""
+    def cache_line(self, teacher: str | None = None) -> str:
+        """The cache counters of ``teacher`` (``None``: all teachers together) in one line (status
+        page): hit rate over cache-backed sequences."""
         counters = {
             "hits": self.cache_hits,
             "misses": self.cache_misses,
@@ -121,7 +121,14 @@ class Metrics:
 
         def get(name: str) -> int:
             samples = (s for m in counters[name].collect() for s in m.samples)
-            return int(sum(s.value for s in samples if s.name.endswith("_total")))
+            return int(
+                sum(
+                    s.value
+                    for s in samples
+                    if s.name.endswith("_total")
+                    and (teacher is None or s.labels.get("teacher") == teacher)
+                )
+            )
 
         hits, misses = get("hits"), get("misses")
         rate = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"

@@ -12,10 +12,14 @@ Answer, per prompt ``x_0..x_{L-1}``: ``choices[i].prompt_logprobs`` is a list of
 ``{str(token_id): {"logprob", "rank", "decoded_token"}}`` of the teacher's top-``k`` ids for
 ``x_t`` given ``x_<t`` (``k = prompt_logprobs``; rank ``1..k`` by descending logprob; ``-inf`` as
 ``-9999.0`` as vLLM does), plus, as vLLM adds it (its first entry), the actual prompt token
-``x_t`` with its logprob and rank: its rank in the cache's top-``K`` row (``K >= k``, the cache's
-k), else ``K + 1`` (vLLM gives the exact rank there; a top-K cache knows only that it is beyond
-``K``). The actual token's
-logprob comes from the cache's ``actual_logprob`` array (FORMAT.md 4.12, kept by the caches the
+``x_t`` with its logprob and rank. Inside the row's top ``K`` (``K >= k``: the cache's k, or
+``k`` when scored above it) that rank is vLLM's: one plus the number of ids with a higher logprob
+(ties aside). Outside it a top-``K`` row knows only that the rank is beyond ``K``: the answer is
+``K + 1``, a lower bound (vLLM counts over the whole vocabulary), and
+``choices[i].rank_lower_bound`` (a logitcache extension) lists those positions. The exact rank
+is not computed on a miss either: the cache could not keep it, and a hit would then answer
+another rank than the miss that stored it. The actual token's logprob comes from the cache's
+``actual_logprob`` array (FORMAT.md 4.12, kept by the caches the
 service creates) or from the rows just scored, with no engine work; a cache made without that
 array answers it from the row when the token is in its top-k, else scores the sequence's actual
 tokens (:func:`~..serving.chosen.at_chosen_ids`) unless the request asks ``approximate: true``
@@ -32,8 +36,8 @@ The cache is ``cache`` (an extra body field, e.g. the ``openai`` client's ``extr
 (:func:`~..serving.scoring.default_cache`); a named cache made at another temperature is a 409.
 A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below the cache's k is
 served from its rows (their first ``prompt_logprobs`` entries); above it, the prompts are
-scored by the engine and not stored. ``choices[i]`` carries the extra field ``cached`` (bool).
-"""
+scored by the engine and not stored. ``choices[i]`` carries the extra fields ``cached`` (bool)
+and ``rank_lower_bound`` (positions whose rank is ``K + 1``, see above)."""
 
 from __future__ import annotations
 
@@ -173,6 +177,13 @@ def prompt_logprobs(
     return out
 
 
+def rank_lower_bound(rec: SequenceRecord) -> list[int]:
+    """The positions (``t >= 1``) whose actual token is outside the record's top-``K`` row: their
+    answered rank ``K + 1`` is a lower bound of the exact rank."""
+    labels = rec.labels.astype(np.int64)[:, None]
+    return (np.flatnonzero((rec.topk_ids != labels).all(axis=1)) + 1).tolist()
+
+
 async def actual_tokens(
     scoring: ScoringService,
     seqs: Seq[Sequence],
@@ -230,6 +241,7 @@ def _body(
                 "prompt_logprobs": prompt_logprobs(rec, k, decode, act),
                 "prompt_token_ids": rec.input_ids.tolist() if req.return_token_ids else None,
                 "cached": served.hits is not None and served.hits[i],
+                "rank_lower_bound": rank_lower_bound(rec),
             }
         )
         if req.approximate:  # the positions whose actual token was spread from the tail

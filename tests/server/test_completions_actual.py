@@ -5,7 +5,8 @@ vLLM's shape (``vllm/v1/sample/sampler.py::Sampler.gather_logprobs``, vLLM 0.32:
 prompt token's logprob gathered from the same ``log_softmax``, with its rank, then the top-k; the
 prompt-logprob dicts are built in that order, ``vllm/logprobs.py``): the actual token is the
 first entry of each position's dict, with its rank in the cache's top-K row; outside it this
-service answers rank ``K + 1`` (vLLM: its exact rank). Caches the service creates keep the
+service answers rank ``K + 1``, a lower bound of vLLM's exact rank, and lists those positions in
+``rank_lower_bound`` (hit and miss alike). Caches the service creates keep the
 value (FORMAT.md 4.12), so a hit costs no engine work; a cache made without it scores the actual
 tokens outside its top-k, or with ``approximate: true`` spreads the row's tail over them."""
 
@@ -80,6 +81,10 @@ def test_new_cache_keeps_the_actual_token_and_a_hit_costs_no_engine_work(tmp_pat
             np.testing.assert_allclose(got, exact_actual(seq), atol=1e-6)
             assert ranks == want_ranks(seq)
             outside += ranks.count(K + 1)
+            bound = [t + 1 for t, r in enumerate(ranks) if r == K + 1]
+            assert a["rank_lower_bound"] == b["rank_lower_bound"] == bound
+            exact = (fake_logprobs(seq, V, 1.0) > exact_actual(seq)[:, None]).sum(axis=1) + 1
+            assert all(exact[t - 1] > K for t in bound)  # K + 1 <= the exact rank there
             assert "approximated" not in b
         assert outside >= 3  # the tokens vLLM adds an entry for are exercised
         narrow = app.complete(prompt_logprobs=2)  # below the cache's k: ranks from its rows
@@ -87,6 +92,7 @@ def test_new_cache_keeps_the_actual_token_and_a_hit_costs_no_engine_work(tmp_pat
         for seq, c in zip(SEQS, narrow["choices"], strict=True):
             got, ranks = actual_of(c, seq)
             assert ranks == want_ranks(seq)  # e.g. 4: beyond the 2 asked, within the cache's 5
+            assert c["rank_lower_bound"] == [t + 1 for t, r in enumerate(ranks) if r == K + 1]
             np.testing.assert_allclose(got, exact_actual(seq), atol=1e-6)
             for row in c["prompt_logprobs"][1:]:
                 assert sorted(v["rank"] for v in row.values() if v["rank"] <= 2) == [1, 2]

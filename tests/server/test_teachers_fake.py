@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -111,9 +112,22 @@ async def _every_route_routes_by_model_and_lists_the_teachers(tmp_path: Any) -> 
         # each teacher's default protocol cache is its own (the default keeps the plain name)
         caches = {x["name"]: x for x in (await c.get("/v1/caches")).json()["caches"]}
         assert {"openai-completions", "sglang-generate-beta"} <= set(caches), sorted(caches)
-        page = (await c.get("/")).text  # the status page's teachers table
-        table = page[page.index('id="teachers"') :]
-        assert "<td>alpha</td>" in table and "<td>beta</td>" in table and "loaded" in table
+        assert (await c.post("/v1/completions", json=body)).json()["choices"][0]["cached"]
+        page = (await c.get("/")).text  # the status page's teachers table, a row per teacher
+        table = page[page.index('id="teachers"') :].split("</table>")[0]
+        rows = {
+            r[0]: r for r in (re.findall(r"<td>(.*?)</td>", x) for x in table.split("<tr>")) if r
+        }
+        assert set(rows) == {"alpha", "beta"} and rows["alpha"][3] == rows["beta"][3] == "loaded"
+        alpha_caches, alpha_use = rows["alpha"][7:]
+        beta_caches, beta_use = rows["beta"][7:]
+        assert alpha_caches.split(", ") == ["openai-completions"]  # each teacher's own caches
+        assert "sglang-generate-beta" in beta_caches.split(", ")
+        assert "openai-completions" not in beta_caches.split(", ")
+        assert alpha_use.startswith("1 hits / 1 misses (50.0%)")  # each teacher's own counters
+        assert beta_use.startswith("0 hits / ") and not beta_use.startswith("0 hits / 0 misses")
+        engine = page[page.index('id="engine"') :].split("</dl>")[0]
+        assert f"<dd>{alpha_use}</dd>" in engine  # the default teacher's engine block: its own
         health = (await c.get("/health")).json()
         assert health["model"] == "alpha"
         assert [(t["name"], t["state"]) for t in health["teachers"]] == [

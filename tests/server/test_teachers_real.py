@@ -66,6 +66,10 @@ def test_openai_client_two_teachers_lru_and_transformers_reference(two, tiny, he
     assert states(two) == {"tiny-a": ("loaded", 2), "tiny-b": ("unloaded", 1)}
     assert a2["cached"] and not b["cached"]  # tiny-a's own cache; tiny-b's is another
     ref = full_forward_logprobs(str(tiny.teacher_dir), seq)
+    with two.client() as c:  # the caches' k (the server's), above the K asked
+        wide = c.get("/v1/caches/openai-completions").json()["manifest"]["k"]
+    assert wide > K
+    bounded = 0
     for choice in (a, b):
         rows = choice["prompt_logprobs"]
         assert len(rows) == len(seq) and rows[0] is None
@@ -75,6 +79,14 @@ def test_openai_client_two_teachers_lru_and_transformers_reference(two, tiny, he
             assert [int(i) for i, _ in got] == top.tolist()
             lps = np.array([v["logprob"] for _, v in got])
             np.testing.assert_allclose(lps, ref[t][top], atol=2e-3)  # float16 cache
+        # the actual token: vLLM's exact rank inside the cache's top `wide`, else `wide + 1`
+        # marked as a bound
+        exact = [int((r > r[tok]).sum()) + 1 for r, tok in zip(ref, seq[1:], strict=False)]
+        ranks = [row[str(tok)]["rank"] for row, tok in zip(rows[1:], seq[1:], strict=True)]
+        assert ranks == [min(r, wide + 1) for r in exact]
+        assert choice["rank_lower_bound"] == [t + 1 for t, r in enumerate(exact) if r > wide]
+        bounded += len(choice["rank_lower_bound"])
+    assert 0 < bounded < 2 * (len(seq) - 1)  # both kinds of position are exercised
     with pytest.raises(openai.NotFoundError) as err:
         ask("tiny-c")
     assert err.value.code == "model_not_found" and err.value.param == "model"

@@ -191,8 +191,19 @@ def engine_block(engine: dict[str, Any]) -> str:
 
 
 def teachers_table(teachers: Sequence[dict[str, Any]]) -> str:
-    """Every teacher's state (:meth:`~logitcache.server.serving.teachers.Teacher.status`)."""
-    cols = ("name", "model", "backend", "state", "in_flight", "memory_bytes", "loads")
+    """Every teacher's state (:meth:`~logitcache.server.serving.teachers.Teacher.status`), its
+    caches and its cache use (:func:`.summary.teacher_rows`)."""
+    cols = (
+        "name",
+        "model",
+        "backend",
+        "state",
+        "in_flight",
+        "memory_bytes",
+        "loads",
+        "caches",
+        "cache use",
+    )
     head = "".join(f"<th>{escape(c.replace('_', ' '))}</th>" for c in cols)
     rows = "".join(
         "<tr>" + "".join(f"<td>{escape(str(t.get(c)))}</td>" for c in cols) + "</tr>"

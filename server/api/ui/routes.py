@@ -1,7 +1,8 @@
 """Routes of the browser UI and :func:`install`, which ``create_app`` calls.
 
-* ``GET /``: the status page (engine, jobs with progress/ETA/throughput, caches with size, rows,
-  coverage and bytes/position). With an API key set, a browser without the login cookie gets the
+* ``GET /``: the status page (the default teacher's engine, every teacher's state with its own
+  caches and cache use, jobs with progress/ETA/throughput, caches with size, rows, coverage and
+  bytes/position). With an API key set, a browser without the login cookie gets the
   login form instead; ``Authorization: Bearer <key>`` works too.
 * ``POST /login`` (form field ``key``): sets the login cookie (see :mod:`.auth`) and redirects
   to ``/``; a wrong key answers 401 with the form again. ``POST /logout`` clears it.
@@ -30,7 +31,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from ...errors import public_message, public_name
 from ..deps import public_status
 from . import auth, pages
-from .summary import CacheSummaries
+from .summary import CacheSummaries, teacher_rows
 
 if TYPE_CHECKING:
     from ...settings import ServerSettings
@@ -111,7 +112,7 @@ def _engine_state(request: Request) -> dict[str, Any]:
         "max sequence length": teacher.scoring.limits.max_seq_len,
         "temperature": info.temperature,
         "on-demand requests in flight": teacher.scoring.active,
-        "served from caches": services.metrics.cache_line(),
+        "served from caches": services.metrics.cache_line(teacher.name),
         "running job": running or "none",
         # last components only: no page shows where the server keeps its files
         "store root": public_name(str(services.caches.root)),
@@ -150,7 +151,9 @@ async def status_page(
             caches_error = public_message(f"cannot list caches: {e}")
     html = pages.status_page(
         engine=_engine_state(request),
-        teachers=[] if services is None else services.teachers.status(),
+        teachers=[]
+        if services is None
+        else teacher_rows(services.teachers.status(), caches, services.metrics.cache_line),
         jobs=jobs,
         jobs_paging=paging,
         caches=caches,

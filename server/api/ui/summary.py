@@ -1,18 +1,20 @@
 """What the status page shows, as plain dataclasses built from the running services.
 
-Cache coverage is the mean teacher probability mass held by the cached top-k,
-``coverage = 1 - mean(tail_mass)`` over rows (:func:`logitcache.cache_format.stats.tail_summary`:
-every row of a small cache, 8 evenly spaced windows of 2048 rows of a large one); the page says
-how many rows it used. Summaries are
-memoised per ``(cache, num_rows)``: a cache is re-read only after it has grown.
+Each teacher's row carries its own cache counters and the caches its model made
+(:func:`teacher_rows`). Cache coverage is the mean teacher probability mass held by the cached
+top-k, ``coverage = 1 - mean(tail_mass)`` over rows
+(:func:`logitcache.cache_format.stats.tail_summary`: every row of a small cache, 8 evenly spaced
+windows of 2048 rows of a large one); the page says how many rows it used. Summaries are memoised
+per ``(cache, num_rows)``: a cache is re-read only after it has grown.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format.stats import LOW_COVERAGE
 
@@ -102,6 +104,22 @@ class CacheSummaries:
                 self._memo[name] = (reader.num_rows, s)
             out.append(s)
         return out
+
+
+def teacher_rows(
+    teachers: Sequence[dict[str, Any]],
+    caches: Sequence[CacheSummary] | None,
+    cache_line: Callable[[str], str],
+) -> list[dict[str, Any]]:
+    """Each teacher's status row with its own cache use (``cache_line(name)``: its hits, misses
+    and savings) and ``caches``: the caches its model made (a cache records its teacher's model,
+    :attr:`CacheSummary.model`), ``"-"`` when the caches cannot be listed."""
+    out = []
+    for t in teachers:
+        own = None if caches is None else [c.name for c in caches if c.model == t.get("model")]
+        listed = "-" if own is None else ", ".join(own) or "none"
+        out.append({**t, "caches": listed, "cache use": cache_line(str(t["name"]))})
+    return out
 
 
 def _broken(name: str, e: Exception) -> CacheSummary:
