@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import shutil
 import statistics
@@ -463,13 +464,21 @@ def run_codecs(args: argparse.Namespace) -> None:
     from logitcache.cache_format.quant import row_delta
     from numcodecs import Blosc
 
-    teacher = Teacher(seed=args.seed)
-    data = teacher.fixed(args.positions)
-    lp16 = np.minimum(data.logprobs, 0).astype(np.float16).view(np.uint16)
-    rank = inverse(build_id_order(data.ids[:8192], teacher.vocab))
+    if args.rows == "random":  # a random-weights teacher's rows, as the GPU job scores them
+        from benchmarks.service.replay import RandomTeacherRows
+
+        src = RandomTeacherRows(seed=args.seed, sigma=args.sigma)
+        ids64, lp64 = src.take(args.positions, 100)
+        ids, lps, vocab = ids64.astype(np.int32), lp64.astype(np.float32), src.vocab
+    else:
+        teacher = Teacher(seed=args.seed)
+        data = teacher.fixed(args.positions)
+        ids, lps, vocab = data.ids, data.logprobs, teacher.vocab
+    lp16 = np.maximum(np.minimum(lps, 0), -65504).astype(np.float16).view(np.uint16)
+    rank = inverse(build_id_order(ids[:8192], vocab))
     inputs = {
-        "ids": data.ids,
-        "ids remapped": rank[data.ids],
+        "ids": ids,
+        "ids remapped": rank[ids],
         "logprobs float16": lp16,
         "logprobs float16 row-delta": row_delta(lp16),
     }
@@ -479,21 +488,18 @@ def run_codecs(args: argparse.Namespace) -> None:
     chunk = 2048
     for name, arr in inputs.items():
         chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
-        for cname, level, shuffle in (
-            ("zstd", 1, 1),
-            ("zstd", 1, 2),
-            ("zstd", 5, 1),
-            ("zstd", 5, 2),
-            ("lz4", 1, 2),
-            ("lz4", 5, 2),
-        ):
-            codec = Blosc(cname, level, shuffle, blocksize=chunk * arr[:1].nbytes)
+        codecs = [("zstd", 1, 1), ("zstd", 1, 2), ("zstd", 5, 1), ("zstd", 5, 2), ("lz4", 1, 2)]
+        codecs.append(("lz4", 5, 2))
+        for (cname, level, shuffle), block in itertools.product(codecs, args.blocks):
+            whole = chunk * arr[:1].nbytes
+            codec = Blosc(cname, level, shuffle, blocksize=whole if block < 0 else block)
             enc = [codec.encode(c) for c in chunks]
             m_enc = measure(lambda chunks=chunks, codec=codec: [codec.encode(c) for c in chunks])
             m_dec = measure(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
             label = f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle"
+            label += "" if block < 0 else f" block {block or 'auto'}"
             bpp = sum(map(len, enc)) / len(arr)
-            cfg = {"input": name, "codec": label, "chunk": chunk}
+            cfg = {"input": name, "codec": label, "chunk": chunk, "rows": args.rows}
             rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
             rec.add(
                 f"{name} / {label}",
@@ -587,6 +593,21 @@ def main(argv: list[str] | None = None) -> None:
             s.add_argument("--repeats", type=int, default=3)
         if name == "write":
             s.add_argument("--rounds", type=int, default=5)
+        if name == "codecs":
+            s.add_argument(
+                "--rows",
+                default="zipf",
+                choices=["zipf", "random"],
+                help="the synthetic teacher's rows, or a random-weights teacher's (the GPU job's)",
+            )
+            s.add_argument("--sigma", type=float, default=0.9, help="--rows random: logit spread")
+            s.add_argument(
+                "--blocks",
+                type=int,
+                nargs="+",
+                default=[-1],
+                help="blosc block bytes: -1 one block per chunk (the format's), 0 blosc's choice",
+            )
         if name == "index":
             index_options(s)
         if name == "random":

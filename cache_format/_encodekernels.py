@@ -51,28 +51,42 @@ def _rare(x, b):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def encode_rows(ids, lp, bits, ids_out, stored_out, seen, stamp, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
+def encode_rows(ids, lp, bits, ids_out, stored_out, seen, state, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
     """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
     (the caller then runs the per-record checks for the error). ``ids``: ``[n, k]``, any
     strides; ``lp``: C-ordered ``[n, w]`` with ``w >= k`` (``k`` from ``ids_out``; columns past
     ``k`` are never read: :func:`.fastencode.parent_rows`); ``bits``: ``lp`` viewed as uint32;
-    ``seen``: int32 ``[vocab]`` of stamps, ``stamp`` the first row's. The checks are branch-free
-    flags tested once per row (early exits per value cost 4x); the logprob loop vectorises, the
-    rare values (zero, subnormal, clipped: a prefix and a suffix of a row that passes) are then
-    recomputed by :func:`_half` (a failing row's outputs are not used)."""
+    ``seen``: uint16 ``[vocab]`` of stamps, ``state[0]`` the last stamp given (each row takes
+    the next; past 65535 the table is zeroed and stamps restart at 1; ``state[0]`` is current
+    at every return). Per row, the ids are range-checked and copied in one vectorised loop, then
+    looked up in the table (a row out of range returns before its lookups: no clamping);
+    uint16 stamps keep the table at 256 KiB for a vocabulary of 128K (fewer cache misses).
+    The checks are branch-free flags tested once per row (early exits per value cost 4x); the
+    logprob loop vectorises, the rare values (zero, subnormal, clipped: a prefix and a suffix
+    of a row that passes) are then recomputed by :func:`_half` (a failing row's outputs are
+    not used)."""
     n, k = ids_out.shape
     top = vocab - 1
     hs = np.empty(k, np.int32)  # one row's half bits
+    cur = state[0]
     for r in range(n):
-        s = np.int32(stamp + r)
+        cur += 1
+        if cur > 0xFFFF:  # stamps used up: a clean table
+            seen[:] = 0
+            cur = 1
+        state[0] = cur
+        s = np.uint16(cur)
         bad = False
-        for j in range(k):  # ids: scalar (the stamp table)
+        for j in range(k):  # ids: range and copy (vectorised)
             v = ids[r, j]
             bad |= (v < 0) | (v > top)
-            vi = min(max(v, 0), top)  # in range for the table even when bad
+            ids_out[r, j] = v
+        if bad:
+            return 1
+        for j in range(k):  # distinct: the stamp table (scalar)
+            vi = ids[r, j]
             bad |= seen[vi] == s
             seen[vi] = s
-            ids_out[r, j] = v
         rare = False
         for j in range(k):  # logprobs: branch-free, vectorised
             x = lp[r, j]

@@ -47,7 +47,7 @@ __all__ = [
     "tail_rows",
 ]
 
-#: Largest vocabulary the stamp table serves (int32 entries: 4 MiB); larger ones use numpy.
+#: Largest vocabulary the stamp table serves (uint16 entries: 2 MiB); larger ones use numpy.
 MAX_VOCAB = 1 << 20
 
 _kernel: Any = None
@@ -168,23 +168,15 @@ def _self_check() -> bool:
 
 
 class StampTable:
-    """The distinct-id table of :func:`encode_rows`: one int32 stamp per vocabulary id; a row's
-    ids are distinct iff none finds the row's own stamp. Stamps grow by one per row checked, so
-    the table is never cleared (only refilled when the stamps would overflow int32)."""
+    """The distinct-id table of :func:`encode_rows`: one uint16 stamp per vocabulary id; a row's
+    ids are distinct iff none finds the row's own stamp. Each row checked takes the next stamp
+    (``state[0]``, advanced by the kernel); after stamp 65535 the kernel zeroes the table and
+    starts again at 1, so a stamp never repeats without a clean table in between."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab = int(vocab_size)
-        self.seen = np.full(self.vocab, -1, dtype=np.int32)
-        self.next = 0
-
-    def take(self, rows: int) -> int:
-        """The first stamp of ``rows`` new rows."""
-        if self.next + rows >= 2**31 - 1:
-            self.seen.fill(-1)
-            self.next = 0
-        s = self.next
-        self.next += rows
-        return s
+        self.seen = np.zeros(self.vocab, dtype=np.uint16)
+        self.state = np.zeros(1, dtype=np.int64)  # the last stamp given (0: none yet)
 
 
 #: Largest output kept between appends, in top-k entries (``rows * k``): 64 MiB of ids and 32 MiB
@@ -266,9 +258,8 @@ def encode_rows(
     :func:`.records.rows_pass` does and write ``ids_out`` (the ids) and ``stored_out`` (the
     float16 row-delta bit patterns, :func:`.quant.encode_logprobs`); False at the first failing
     row (the outputs are then partly written). Call only after :func:`ready` returned True."""
-    stamp = table.take(ids.shape[0])
     pl = parent_rows(lp)  # the ids' loop is scalar: their strides cost nothing (numba's "A")
     got = _kernel(
-        ids, pl, pl.view(np.uint32), ids_out, stored_out, table.seen, stamp, table.vocab, tol
+        ids, pl, pl.view(np.uint32), ids_out, stored_out, table.seen, table.state, table.vocab, tol
     )
     return got == 0

@@ -111,16 +111,25 @@ def test_an_id_may_repeat_across_rows_and_calls() -> None:
         assert fastencode.encode_rows(ids, lp, out, np.empty(ids.shape, np.uint16), table, TOL)
 
 
-def test_the_stamp_table_refills_before_its_stamps_overflow() -> None:
+def test_the_stamp_table_restarts_its_stamps_inside_a_call() -> None:
+    """Stamps past 65535 zero the table and restart at 1 within a call (every row the same
+    ids, which must not read as repeats); a record longer than the stamp range passes, and a
+    repeated id after the restart still fails."""
     table = fastencode.StampTable(8)
-    table.next = 2**31 - 10
-    table.seen[:] = 5
-    assert table.take(20) == 0 and table.next == 20
-    assert (table.seen == -1).all()
-    ids, lp = _good(n=20, k=4, vocab=8)
-    assert fastencode.encode_rows(
-        ids, lp, np.empty_like(ids), np.empty(ids.shape, np.uint16), table, TOL
-    )
+    table.state[0] = 0xFFFF - 5
+    table.seen[:] = 5  # an earlier row's stamp
+    ids = np.tile(np.array([0, 7, 3, 5], np.int32), (20, 1))
+    lp = np.tile(np.array([-0.1, -1.0, -2.0, -3.0], np.float32), (20, 1))
+    out, stored = np.empty_like(ids), np.empty(ids.shape, np.uint16)
+    assert fastencode.encode_rows(ids, lp, out, stored, table, TOL)
+    assert table.state[0] == 15 and (out == ids).all()
+    assert (table.seen[[0, 7, 3, 5]] == 15).all() and (table.seen[[1, 2, 4, 6]] == 0).all()
+    long_ids, long_lp = np.tile(ids[:1], (70_000, 1)), np.tile(lp[:1], (70_000, 1))
+    out, stored = np.empty_like(long_ids), np.empty(long_ids.shape, np.uint16)
+    assert fastencode.encode_rows(long_ids, long_lp, out, stored, table, TOL)
+    assert table.state[0] == (15 + 70_000 - 1) % 0xFFFF + 1
+    ids[3, 2] = ids[3, 0]
+    assert not fastencode.encode_rows(ids, lp, np.empty_like(ids), stored[:20], table, TOL)
 
 
 @pytest.fixture
