@@ -25,7 +25,6 @@ from ..engine.protocol import (
     EngineInputError,
     SampledTargets,
     check_k,
-    check_sampled,
     check_temperature,
 )
 from ..errors import (
@@ -36,7 +35,7 @@ from ..errors import (
 )
 from ..inputs.records import Limits, RawRecord, Sequence, to_sequence
 from .caches import CacheRegistry, broken_store, check_name, expected_manifest
-from .targets import resolve, with_targets
+from .targets import checked, resolve, with_targets
 
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
@@ -244,12 +243,7 @@ class ScoringService:
         return None if asked is None else self._sampled(resolve(asked, None))
 
     def _sampled(self, chosen: SampledTargets | None) -> SampledTargets | None:
-        if chosen is None:
-            return None
-        try:
-            return check_sampled(chosen, self.engine.info.vocab_size)
-        except EngineInputError as e:
-            raise InvalidInputError(str(e)) from None
+        return checked(chosen, self.engine.info.vocab_size)
 
     def sequences_of(self, req: ScoreRequest) -> list[Sequence]:
         """The request's checked, keyed sequences (tokenising texts)."""

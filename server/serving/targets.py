@@ -23,7 +23,7 @@ from typing import Protocol
 from logitcache.cache_format import Manifest
 from logitcache.protocol import SamplingOptions
 
-from ..engine.protocol import SampledTargets
+from ..engine.protocol import EngineInputError, SampledTargets, check_sampled
 from ..errors import InvalidInputError
 
 #: Draws per row of a sampled request that names none (and no existing cache gives them).
@@ -69,6 +69,15 @@ def resolve(asked: SampledTargets | str | None, stored: Manifest | None) -> Samp
     if asked != "sampled":
         return asked if isinstance(asked, SampledTargets) else None
     return cache_or_default(stored)
+
+
+def checked(chosen: SampledTargets | None, vocab_size: int) -> SampledTargets | None:
+    """``chosen`` range-checked for a vocabulary of ``vocab_size`` ids (``None`` passes); a
+    :class:`InvalidInputError` (422) otherwise."""
+    try:
+        return None if chosen is None else check_sampled(chosen, vocab_size)
+    except EngineInputError as e:
+        raise InvalidInputError(str(e)) from None
 
 
 def cache_or_default(stored: Manifest | None) -> SampledTargets:
