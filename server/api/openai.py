@@ -1,38 +1,13 @@
 """vLLM-compatible routes: ``POST /v1/completions`` (prompt logprobs) and ``GET /v1/models``.
 
-For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD): the request
-shape of vLLM's ``CompletionRequest`` (``prompt``: a string, a list of token ids, or a list of
-either; ``prompt_logprobs``: int; ``max_tokens`` 0 or 1; ``echo``), answered in vLLM's
-``CompletionResponse`` shape for the fields those clients read. Every prompt is served through
-the cache (``server/serving/cache_hits.py``): hits are read with no engine work, misses are scored,
-stored and returned.
-
-Answer, per prompt ``x_0..x_{L-1}``: ``choices[i].prompt_logprobs`` is a list of ``L`` entries,
-``None`` first (no prediction for ``x_0``), then for position ``t >= 1`` a dict
-``{str(token_id): {"logprob", "rank", "decoded_token"}}`` of the teacher's top-``k`` ids for
-``x_t`` given ``x_<t`` (``k = prompt_logprobs``; rank ``1..k`` by descending logprob; ``-inf`` as
-``-9999.0`` as vLLM does), plus, as vLLM adds it (its first entry), the actual prompt token
-``x_t`` with its logprob and rank: its rank in the cache's top-``K`` row (``K >= k``, the cache's
-k), else ``K + 1`` (vLLM gives the exact rank there; a top-K cache knows only that it is beyond
-``K``). The actual token's
-logprob comes from the cache's ``actual_logprob`` array (FORMAT.md 4.12, kept by the caches the
-service creates) or from the rows just scored, with no engine work; a cache made without that
-array answers it from the row when the token is in its top-k, else scores the sequence's actual
-tokens (:func:`~..serving.chosen.at_chosen_ids`) unless the request asks ``approximate: true``
-(a logitcache extension): then such a token gets its row's tail mass spread uniformly over the
-``V - k`` ids outside the top-k, and ``choices[i].approximated`` lists those positions. No
-token is generated (``max_tokens: 1`` is accepted and answered with no completion tokens,
-``finish_reason: "length"``); ``logprobs``, ``stream``, ``n > 1`` and ``prompt_logprobs``
-outside ``[1, max_k]`` are a 422.
-
-``temperature`` is the teacher's: the answer is ``log_softmax(logits / T)`` exactly (vLLM itself
-ignores it for prompt logprobs); without one, the server's temperature (or a named cache's).
-The cache is ``cache`` (an extra body field, e.g. the ``openai`` client's ``extra_body``), else
-:data:`DEFAULT_CACHE` at the server's temperature and ``DEFAULT_CACHE-t<T>`` at another
-(:func:`~..serving.scoring.default_cache`); a named cache made at another temperature is a 409.
-A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below the cache's k is
-served from its rows (their first ``prompt_logprobs`` entries); above it, the prompts are
-scored by the engine and not stored. ``choices[i]`` carries the extra field ``cached`` (bool).
+For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD): vLLM's
+``CompletionRequest`` shape in, its ``CompletionResponse`` shape out, every prompt served
+through a cache (:mod:`~..serving.cache_hits`; default :data:`DEFAULT_CACHE`, one per
+temperature: :func:`~..serving.scoring.default_cache`). Each row lists the actual prompt token
+first (its logprob from the cache's ``actual_logprob`` array, the rows just scored, or
+:func:`~..serving.chosen.at_chosen_ids`), then the top ``prompt_logprobs`` ids. A
+``prompt_logprobs`` above the cache's k is scored and not stored. The contract, and what
+differs from vLLM: ``server/API.md``.
 """
 
 from __future__ import annotations

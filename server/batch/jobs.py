@@ -60,16 +60,11 @@ log = logging.getLogger("logitcache.server.jobs")
 
 
 def numpy_hugepages_off() -> bool:
-    """Stop numpy asking for transparent huge pages for its arrays (``madvise(MADV_HUGEPAGE)``
-    on every array of 4 MiB or more) in this process, unless ``NUMPY_MADVISE_HUGEPAGE`` is set
-    (then numpy's own choice stands); returns whether numpy asked for them before.
-
-    The job path allocates tens of MB of fresh arrays per append (the batch's top-k arrays, its
-    stored forms, shard objects); with the kernel's THP ``defrag=madvise`` setting a fault on such
-    an array may compact memory for a 2 MiB page first (``compact_stall``), and each huge page is
-    zeroed whole: system time that came and went with the rest of the machine's memory use,
-    0.2-4 CPU-us/position at k=100 (benchmarks/results/service.md). The arrays
-    are written and read once, sequentially: 4 KiB pages cost them nothing measurable."""
+    """Stop numpy asking for transparent huge pages (``madvise(MADV_HUGEPAGE)`` on arrays of
+    4 MiB or more) in this process unless ``NUMPY_MADVISE_HUGEPAGE`` is set; returns whether
+    numpy asked for them before. A job's fresh per-append arrays are written and read once,
+    sequentially: huge pages only add compaction stalls and whole-page zeroing to them
+    (benchmarks/results/service.md)."""
     import os
 
     import numpy as np

@@ -209,23 +209,16 @@ async def hidden_records(
 
 
 #: Rows (positions) of scored batches that a cache's writer thread (a job's, a Ray shard's) may
-#: append in one commit (:class:`_Writer`): at most two default shards of rows, and at most
-#: MERGE_VALUES top-k entries (``rows * k``, which bounds a group's memory at large k: 106,496
-#: rows at k=128, so that a group and one more batch of 16K rows still fit the encode's kept
-#: outputs, ``fastencode.KEEP_VALUES``). Large groups matter in a long job: every append
-#: rewrites each partly filled shard object whole (FORMAT.md W3), and the per-row arrays' shards
-#: hold 524,288 rows, so small appends rewrite them dozens of times (job_cpu_bench --prefill
-#: 1600, k=100: 11.5 CPU-us/position with the earlier 1M cap, 10K-row groups, against 7.4 with
-#: 65K-row ones); a GPU's job at 105K positions/s spends 0.15-0.25 CPU-us/position less in its
-#: writes with 131K-row groups than with 65K-row ones (``benchmarks.service cpu --rate``).
+#: append in one commit (:class:`_Writer`): at most MERGE_ROWS, and at most MERGE_VALUES top-k
+#: entries (``rows * k``: a group and one more batch of 16K rows fit the encode's kept outputs,
+#: ``fastencode.KEEP_VALUES``). Every append rewrites each partly filled shard object whole
+#: (FORMAT.md W3), so large groups keep a long job's CPU per position low
+#: (benchmarks/results/service.md).
 MERGE_ROWS = 131072
 MERGE_VALUES = 13 << 20
-#: Seconds the writer thread waits, after taking a scored batch, for more to reach
-#: MERGE_ROWS rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU
-#: whatever its size, so a writer that keeps up with the engine (one batch of ~16K rows per
-#: append) pays ~1.2 CPU-us/position in fixed costs that a 65K-row append spreads 4x thinner.
-#: A slow engine gets smaller groups, and progress still moves (and a crash loses at most)
-#: every 0.1 s.
+#: Seconds the writer thread waits, after taking a scored batch, for more to reach MERGE_ROWS
+#: rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU whatever
+#: its size, while progress still moves (and a crash loses at most) every 0.1 s.
 WRITE_LINGER_S = 0.1
 
 
@@ -247,23 +240,14 @@ def _rows(item: tuple[Batch, list[SequenceRecord] | None]) -> int:
 
 class _Writer:
     """The writer thread: ``write(batch, records)`` for each item, in order, off the loop. With
-    ``write_many``, the items already waiting in the queue when one is taken are written with
-    it, up to ``merge_rows`` rows: one append and one commit for the group, so a
-    writer that falls behind the engine pays its per-commit costs (array metadata, fsyncs, the
-    manifest commit, rewriting the partly filled shards) once per group instead of per batch.
-    With ``linger`` (seconds), a writer that keeps up also waits up to that long after taking
-    a group's first item for more to arrive, until the group holds ``merge_rows`` rows or the
-    input ends: an append costs ~20 ms of CPU whatever its size (one object and one metadata
-    write per array, the partly filled last chunk of each re-encoded, fsyncs, the commit), so
-    its rows should be many. Without it, a writer that keeps up writes batch by batch.
-
-    With ``fill`` (seconds), a group waits longer than ``linger`` (up to ``fill`` seconds, for
-    up to ``merge_rows`` rows) when the rows arrive fast enough to reach half of ``merge_rows``
-    within ``fill`` seconds of its first item (the arrival rate: rows handed over per second,
-    averaged over the last batches): a fast engine (a GPU's ~30K-100K positions/s) then pays
-    the fixed costs once per group of up to ``merge_rows`` rows instead of once per batch or
-    two, while a slow one, whose CPU per position matters little, still commits every
-    ``linger`` seconds."""
+    ``write_many``, the items already waiting when one is taken are written with it, up to
+    ``merge_rows`` rows: one append and one commit for the group (its fixed costs, array
+    metadata, fsyncs, the commit, rewriting partly filled shards, paid once per group). With
+    ``linger`` (seconds) the writer waits that long after a group's first item for more, until
+    the group holds ``merge_rows`` rows or the input ends; with ``fill`` (seconds), up to
+    ``fill`` instead when the arrival rate (rows per second over the last batches) brings the
+    group to half of ``merge_rows`` within that time (a fast engine), so a slow one still
+    commits every ``linger`` seconds."""
 
     def __init__(
         self,
@@ -374,10 +358,8 @@ async def run(
 ) -> None:
     """Score every ``todo`` batch of ``batches`` and ``write`` every batch, in order.
 
-    With ``write_many``, batches already waiting for the writer thread are written together, up
-    to ``merge_rows`` rows, and with ``linger`` the writer waits up to that many seconds for
-    such batches, with ``fill`` that many when they arrive fast enough to fill a group in that
-    time (see :class:`_Writer`); ``write`` is then unused.
+    ``write_many``, ``merge_rows``, ``linger``, ``fill``: batches written in groups (see
+    :class:`_Writer`); ``write`` is then unused.
 
     ``batches`` is drawn in a worker thread (forming a batch reads the input and asks the cache).
     ``depth()`` (read after each batch is handed out) bounds the batches in the engine;
