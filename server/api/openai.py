@@ -25,14 +25,14 @@ from logitcache.cache_format import SequenceRecord
 from logitcache.protocol import Temperature, TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, public_name
 from ..inputs.records import RawRecord, Sequence
 from ..serving.cache_hits import Served
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids
 from ..serving.scoring import ScoringService
 from ..serving.teachers import Teacher
-from .deps import ERRORS, ServicesDep, TokenText, public_model, teacher_of, with_teacher
+from .deps import ERRORS, ServicesDep, TokenText, teacher_of, with_teacher
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -280,7 +280,7 @@ async def models(request: Request, services: ServicesDep) -> dict[str, Any]:
                 "object": "model",
                 "created": created,
                 "owned_by": "logitcache",
-                "root": public_model(teacher.settings.model) or teacher.name,
+                "root": public_name(teacher.settings.model) or teacher.name,
                 "parent": None,
                 "max_model_len": (
                     teacher.settings.max_seq_len if scoring is None else scoring.limits.max_seq_len
