@@ -46,8 +46,7 @@ from ..engine.identity import teacher_identity
 from ..engine.protocol import SampledTargets
 from ..errors import InvalidInputError, ServiceError
 from ..inputs import records as inputs
-from ..serving.caches import expected_manifest
-from ..serving.targets import with_targets
+from ..serving.targets import new_manifest
 from ..settings import ServerSettings
 from . import shards
 from .distributed_config import (
@@ -71,11 +70,8 @@ START_ATTEMPTS = 3
 ENGINE_LIMITS = ("max_k", "max_seq_len")
 
 
-class DistributedError(ServiceError):
+class DistributedError(ServiceError, status=500, code="distributed_error"):
     """The Ray cluster or a replica failed in a way that is not the input's fault."""
-
-    status = 500
-    code = "distributed_error"
 
 
 @dataclass(frozen=True)
@@ -368,7 +364,7 @@ def run_distributed(
         info = replicas.info
         say(f"{n} replica(s) up: {info.model_id} (vocab {info.vocab_size})")
         chosen = chosen_targets(targets, shards.stored_manifest(cache_url, options), info)
-        manifest = _final_manifest(info, settings, dataset, chosen)
+        manifest = new_manifest(info, settings, info.max_k, dataset, chosen)
         committed = shards.check_target(cache_url, manifest, options)
 
         pool = ActorPool(replicas.actors[:n])
@@ -466,24 +462,6 @@ def _agreed_info(infos: list[EngineInfo]) -> EngineInfo:
     return first
 
 
-def _final_manifest(
-    info: EngineInfo,
-    settings: ServerSettings,
-    dataset: str,
-    targets: SampledTargets | None = None,
-) -> Manifest:
-    """The final cache's manifest: the engine's teacher at its ``max_k`` (the server's ``-k``,
-    within the vocabulary: the engine applied the range check once, at its configuration); for
-    sampled targets ``k = draws`` and the ``sampling`` object (:func:`.targets.with_targets`);
-    with the ``entropy`` setting, the rows' entropy (FORMAT.md 4.9); top-k rows with the
-    ``actual_logprob`` setting, the actual tokens' logprobs (FORMAT.md 4.12)."""
-    top = expected_manifest(
-        info, k=info.max_k, logprob_dtype=settings.logprob_dtype, dataset=dataset
-    )
-    flags = {"entropy": settings.entropy, "actual_logprob": settings.actual_logprob and not targets}
-    return with_targets(top.model_copy(update=flags), targets)
-
-
 # --- CLI -----------------------------------------------------------------------------------
 
 
@@ -527,10 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.ray_address is None:
             cpus = args.num_cpus or max(1, int(plan.replicas * plan.cpus_per_replica))
             init_local_ray(cpus, args.num_gpus)
-            started = True
         else:
             ray.init(address=args.ray_address)
-            started = True
+        started = True
         report = run_distributed(
             raws,
             args.cache,

@@ -164,12 +164,9 @@ def load_distributed_settings(argv: list[str]) -> DistributedSettings:
     return DistributedSettings(_cli_parse_args=argv)  # type: ignore[call-arg]
 
 
-class TargetMismatchError(ServiceError):
+class TargetMismatchError(ServiceError, status=409, code="conflict"):
     """The target cache holds another teacher, k, target kind or sampling parameters (found
     before any engine loads)."""
-
-    status = 409
-    code = "conflict"
 
 
 def check_target_early(

@@ -12,8 +12,8 @@ checked again) and checked against the cache's keys in a worker thread; up to
 ``job_inflight_batches`` batches are in the engine at once (only one while on-demand
 ``/v1/score`` requests are in progress: the engine serves requests in arrival order, so fewer job
 tokens queued ahead of them means lower on-demand latency); a writer
-thread, fed by a bounded queue (``job_write_queue``), appends each scored batch to the cache (one
-commit per batch) and only then advances the job's progress counters.
+thread, fed by a bounded queue (``job_write_queue``), appends the scored batches waiting for it
+to the cache (one commit per group) and only then advances the job's progress counters.
 
 Resume: a job left ``running`` by a stopped or killed server is queued again at start-up; the same
 batches are formed again, a batch whose keys are all committed is skipped, any other batch is
@@ -502,8 +502,7 @@ class JobRunner:
         await pipeline.run(
             self._batches(spec, handle, scoring, kept),
             score=score,
-            write=progress.write,
-            write_many=progress.write_many,
+            write=progress,
             merge_rows=pipeline.merge_rows(handle.manifest),
             linger=pipeline.WRITE_LINGER_S,
             fill=self.settings.job_write_fill_s,

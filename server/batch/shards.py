@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
+from logitcache.cache_format import CacheReader, CacheWriter, Manifest
 from logitcache.cache_format.errors import ManifestMismatchError, StoreNotFoundError
 
 from ..errors import InvalidInputError
@@ -214,15 +214,7 @@ async def score_shard(
     ]
     sampled = targets_of(manifest)  # the kind the manifest says (None: top-k rows)
     writer = await asyncio.to_thread(CacheWriter.open, task.staging_url, manifest, storage_options)
-    done = {"sequences": 0, "tokens": 0}
-
-    def append(items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
-        scored = [(batch, records) for batch, records in items if records is not None]
-        if scored:
-            writer.append(pipeline.for_store([r for _, rs in scored for r in rs], manifest))
-        for batch, _ in scored:
-            done["sequences"] += len(batch.seqs)
-            done["tokens"] += batch.tokens
+    done = pipeline.Appended(writer.append, manifest)
 
     try:
         await pipeline.run(
@@ -233,8 +225,7 @@ async def score_shard(
                 max_tokens=batch_tokens,
             ),
             score=lambda b: pipeline.engine_records(engine, b, manifest.k, targets=sampled),
-            write=lambda batch, records: append([(batch, records)]),
-            write_many=append,
+            write=done,
             merge_rows=pipeline.merge_rows(manifest),
             linger=pipeline.WRITE_LINGER_S,
             fill=write_fill_s,
@@ -248,8 +239,8 @@ async def score_shard(
         staging_url=task.staging_url,
         num_sequences=len(seqs),
         keys=tuple(s.key for s in seqs),
-        scored_sequences=done["sequences"],
-        scored_tokens=done["tokens"],
+        scored_sequences=done.scored_sequences,
+        scored_tokens=done.scored_tokens,
         seconds=time.perf_counter() - t0,
         worker=worker,
     )

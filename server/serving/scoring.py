@@ -34,8 +34,8 @@ from ..errors import (
     PayloadTooLargeError,
 )
 from ..inputs.records import Limits, RawRecord, Sequence, to_sequence
-from .caches import CacheRegistry, broken_store, check_name, expected_manifest
-from .targets import checked, resolve, with_targets
+from .caches import CacheRegistry, broken_store, check_name
+from .targets import checked, new_manifest, resolve
 
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
@@ -145,16 +145,19 @@ class ScoringService:
         stored = None if cache is None else self.stored_manifest(cache)
         return self.engine.info.temperature if stored is None else stored.temperature
 
-    def expected_manifest(
-        self, k: int, dataset: str = "", temperature: float | None = None
+    def new_manifest(
+        self,
+        k: int,
+        dataset: str = "",
+        temperature: float | None = None,
+        targets: SampledTargets | None = None,
     ) -> Manifest:
-        """The manifest of a new cache written by this server's engine at a checked ``k`` and
+        """:func:`.targets.new_manifest` of this server's engine at a checked ``k`` and
         ``temperature`` (``None``: the engine's)."""
         info = self.engine.info
         if temperature is not None:
             info = replace(info, temperature=temperature)
-        m = expected_manifest(info, k=k, logprob_dtype=self.settings.logprob_dtype, dataset=dataset)
-        return m.model_copy(update={"entropy": True}) if self.settings.entropy else m
+        return new_manifest(info, self.settings, k, dataset, targets)
 
     def target_manifest(
         self,
@@ -179,13 +182,9 @@ class ScoringService:
             return self.caches.target_manifest(name, new, k=None)
         if asked is not None:
             chosen = self._sampled(resolve(asked, self.stored_manifest(name)))
-            new = self.expected_manifest(self.default_k, dataset, temperature)
-            return self._same_entropy(
-                self.caches.target_manifest(name, with_targets(new, chosen), k=None)
-            )
-        expected = self.expected_manifest(self.default_k if k is None else k, dataset, temperature)
-        if self.settings.actual_logprob:  # a new top-k cache keeps it (FORMAT.md 4.12)
-            expected = expected.model_copy(update={"actual_logprob": True})
+            new = self.new_manifest(self.default_k, dataset, temperature, chosen)
+            return self._same_entropy(self.caches.target_manifest(name, new, k=None))
+        expected = self.new_manifest(self.default_k if k is None else k, dataset, temperature)
         with broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
@@ -209,8 +208,10 @@ class ScoringService:
         """The manifest of a new ``targets="hidden"`` cache of this engine (FORMAT.md 4.10):
         bfloat16 rows, the engine's head described (and content-hashed) in ``hidden``; 422 if
         the engine does not capture hidden states."""
-        doc = self.expected_manifest(1, dataset, temperature).model_dump()
-        doc.update(targets="hidden", hidden=self.teacher_head().spec("bfloat16"))
+        doc = self.new_manifest(1, dataset, temperature).model_dump()
+        doc.update(
+            targets="hidden", hidden=self.teacher_head().spec("bfloat16"), actual_logprob=False
+        )
         return Manifest(**doc)
 
     def teacher_head(self) -> Any:

@@ -18,13 +18,18 @@ The kind then travels as the manifest written: :func:`targets_of` gives the engi
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from logitcache.cache_format import Manifest
 from logitcache.protocol import SamplingOptions
 
 from ..engine.protocol import EngineInputError, SampledTargets, check_sampled
 from ..errors import InvalidInputError
+from .caches import expected_manifest
+
+if TYPE_CHECKING:
+    from ..engine import EngineInfo
+    from ..settings import ServerSettings
 
 #: Draws per row of a sampled request that names none (and no existing cache gives them).
 DEFAULT_DRAWS = 64
@@ -112,6 +117,22 @@ def with_targets(expected: Manifest, targets: SampledTargets | None) -> Manifest
     doc = expected.model_dump()
     doc.update(k=targets.slots, targets="sampled", sampling=targets.manifest())
     return Manifest(**doc)
+
+
+def new_manifest(
+    info: EngineInfo,
+    settings: ServerSettings,
+    k: int,
+    dataset: str = "",
+    targets: SampledTargets | None = None,
+) -> Manifest:
+    """The manifest of a new cache the engine ``info`` describes writes under ``settings``:
+    top-``k`` rows, keeping the actual tokens' logprobs with the ``actual_logprob`` setting
+    (FORMAT.md 4.12), or ``targets``' sampled rows (:func:`with_targets`); either way the rows'
+    entropy with the ``entropy`` setting (FORMAT.md 4.9)."""
+    top = expected_manifest(info, k=k, logprob_dtype=settings.logprob_dtype, dataset=dataset)
+    flags = {"entropy": settings.entropy, "actual_logprob": settings.actual_logprob and not targets}
+    return with_targets(top.model_copy(update=flags), targets)
 
 
 def targets_of(manifest: Manifest) -> SampledTargets | None:

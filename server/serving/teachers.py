@@ -214,15 +214,12 @@ class TeacherPool:
                 assert held.scoring is not None
                 yield held, held.scoring
             return
-        engine: Any = known
-        yield (
-            teacher,
-            ScoringService(
-                engine=engine,
-                caches=self.caches,
-                settings=teacher.settings,
-                metrics=self.metrics.for_teacher(teacher.name),
-            ),
+        yield teacher, self._scoring(teacher, known)
+
+    def _scoring(self, teacher: Teacher, engine: Any) -> ScoringService:
+        metrics = self.metrics.for_teacher(teacher.name)
+        return ScoringService(
+            engine=engine, caches=self.caches, settings=teacher.settings, metrics=metrics
         )
 
     # --- loading --------------------------------------------------------------------------
@@ -278,12 +275,7 @@ class TeacherPool:
         except BaseException:
             teacher.state = "unloaded"
             raise
-        scoring = ScoringService(
-            engine=engine,
-            caches=self.caches,
-            settings=teacher.settings,
-            metrics=self.metrics.for_teacher(teacher.name),
-        )
+        scoring = self._scoring(teacher, engine)
         teacher.engine, teacher.scoring, teacher.serving = engine, scoring, CacheServing(scoring)
         teacher.known = Known(engine.info, getattr(engine, "tokenizer", None))
         teacher.state, teacher.loads = "loaded", teacher.loads + 1
