@@ -4,16 +4,12 @@ Submission (:meth:`JobRunner.submit`) checks everything before a job exists: cac
 cache's teacher identity (409), and every input record (ids, lengths, duplicate ids; 422 listing
 the problems). A rejected job writes nothing and leaves no row.
 
-Running (one job at a time, oldest first) is :func:`logitcache.server.batch.pipeline.run`, the batch
-pipeline shared with on-demand scoring and the Ray shards: batches are formed from the input
-(:func:`~logitcache.server.inputs.records.batches`, a pure function of the input: the sequences
-that the submission checked, kept in memory up to ``job_keep_input_tokens``, else the input read and
-checked again) and checked against the cache's keys in a worker thread; up to
-``job_inflight_batches`` batches are in the engine at once (only one while on-demand
-``/v1/score`` requests are in progress: the engine serves requests in arrival order, so fewer job
-tokens queued ahead of them means lower on-demand latency); a writer
-thread, fed by a bounded queue (``job_write_queue``), appends the scored batches waiting for it
-to the cache (one commit per group) and only then advances the job's progress counters.
+Running (one job at a time, oldest first; a loaded teacher's jobs first) is the batch pipeline
+(:func:`.pipeline.run`) over the sequences the submission checked, kept in memory up to
+``job_keep_input_tokens`` (else the input is read and checked again, and must not have
+changed): up to ``job_inflight_batches`` batches in the engine (one while on-demand requests
+are scored, so they wait behind fewer job tokens), a writer thread (queue ``job_write_queue``)
+committing the scored batches and only then advancing the job's progress counters.
 
 Resume: a job left ``running`` by a stopped or killed server is queued again at start-up; the same
 batches are formed again, a batch whose keys are all committed is skipped, any other batch is

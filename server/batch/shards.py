@@ -195,17 +195,12 @@ async def score_shard(
     worker: str = "",
     write_fill_s: float = 0.0,
 ) -> ShardResult:
-    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's),
-    through the batch pipeline (:func:`.pipeline.run`, as a job does). The rows are the kind
-    ``manifest`` names: top-``k``, or sampled targets with its ``sampling`` parameters, each
-    sequence's draws seeded by its key (so they do not depend on the shard or the worker).
-
-    Batches whose keys are all committed already are skipped (resume). One engine call per
-    batch, up to ``inflight_batches`` in the engine; the scored batches are appended in input
-    order by the pipeline's writer thread as a job's are: the batches waiting for it in one
-    commit, up to :func:`.pipeline.merge_rows` rows, and with ``write_fill_s`` (the settings'
-    ``job_write_fill_s``) a group waits that long to fill when batches arrive fast enough.
-    """
+    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's)
+    through the batch pipeline exactly as a job does (:func:`.pipeline.run`: up to
+    ``inflight_batches`` in the engine, grouped commits, ``write_fill_s`` the settings'
+    ``job_write_fill_s``). The rows are the kind ``manifest`` names, sampled draws seeded by
+    each sequence's key (so they do not depend on the shard or the worker). Batches whose keys
+    are all committed already are skipped (resume)."""
     t0 = time.perf_counter()
     seqs = [
         s

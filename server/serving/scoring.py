@@ -122,11 +122,6 @@ class ScoringService:
         except EngineInputError as e:
             raise InvalidInputError(str(e)) from None
 
-    def resolve_k(self, k: int | None) -> int:
-        """The request's checked ``k``, or :attr:`default_k` when it names none."""
-        checked = self.check_k(k)
-        return self.default_k if checked is None else checked
-
     def check_temperature(self, temperature: float | None) -> float | None:
         """A request's temperature, range-checked (422); ``None`` stays ``None``."""
         if temperature is None:

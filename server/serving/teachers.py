@@ -224,12 +224,11 @@ class TeacherPool:
 
     # --- loading --------------------------------------------------------------------------
 
-    def _resident(self) -> int:
-        return sum(t.memory for t in self.teachers.values() if t.state != "unloaded")
-
     def _fits(self, teacher: Teacher) -> bool:
-        others = [t for t in self.teachers.values() if t.state != "unloaded" and t is not teacher]
-        return self.budget is None or not others or self._resident() + teacher.memory <= self.budget
+        resident = [t for t in self.teachers.values() if t.state != "unloaded"]
+        others = [t for t in resident if t is not teacher]
+        used = sum(t.memory for t in resident)
+        return self.budget is None or not others or used + teacher.memory <= self.budget
 
     async def _load(self, teacher: Teacher) -> None:
         while True:
