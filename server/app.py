@@ -21,13 +21,10 @@ from logitcache.cache_format.store import remove_partials
 
 from .api import caches as routes_caches
 from .api import jobs as routes_jobs
-from .api import openai as routes_openai
+from .api import openai, sglang, ui, vllm_generate
 from .api import ops as routes_ops
 from .api import score as routes_score
-from .api import sglang as routes_sglang
 from .api import store as routes_store
-from .api import ui
-from .api import vllm_generate as routes_vllm_generate
 from .api.deps import Services
 from .api.middleware import (
     ApiKeyMiddleware,
@@ -192,11 +189,9 @@ def create_app(
     )
     app.state.services = None
     app.state.metrics = metrics
-    for module in (routes_ops, routes_score, routes_jobs, routes_caches, routes_store):
+    routers = (routes_ops, routes_score, routes_jobs, routes_caches, routes_store)
+    for module in (*routers, openai, sglang, vllm_generate):
         app.include_router(module.router)
-    app.include_router(routes_openai.router)  # vLLM-compatible /v1/completions, /v1/models
-    app.include_router(routes_sglang.router)  # SGLang-compatible /generate
-    app.include_router(routes_vllm_generate.router)  # vLLM's /inference/v1/generate
     ui.install(app, settings)  # status page at /, login form, /docs, Bearer scheme
     install_error_handlers(app)
     declare_common_errors(app, keyed=settings.api_key is not None)

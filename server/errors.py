@@ -243,13 +243,6 @@ def _validation_details(errors: Any) -> list[dict[str, Any]]:
     return out[:50]
 
 
-def _engine_error_types() -> tuple[type[Exception], ...]:
-    """The engine's input error (422) and failure (503) types."""
-    from .engine import EngineError, EngineInputError
-
-    return (EngineInputError, EngineError)
-
-
 def _allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at the request's path (Starlette's own ``Allow`` header
     names only the first route's methods when several routes share a path)."""
@@ -270,6 +263,8 @@ def install_error_handlers(app: FastAPI) -> None:
     ``internal_error`` in :class:`~logitcache.server.api.middleware.InternalErrorMiddleware`)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from .engine import EngineError, EngineInputError, EngineUnavailableError
 
     async def on_service_error(_request: Request, exc: ServiceError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, UnauthorizedError) else None
@@ -296,8 +291,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, code, str(exc.detail), headers=headers or None)
 
     async def on_engine_error(_request: Request, exc: Exception) -> Response:
-        from .engine import EngineInputError, EngineUnavailableError
-
         if isinstance(exc, EngineInputError):
             return error_response(422, "invalid_input", str(exc))
         if isinstance(exc, EngineUnavailableError):  # the supervisor logged the death once
@@ -319,7 +312,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
     app.add_exception_handler(FormatError, on_format_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
-    for exc_type in _engine_error_types():
+    for exc_type in (EngineInputError, EngineError):  # 422 and 503
         app.add_exception_handler(exc_type, on_engine_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
     # any other exception: middleware.InternalErrorMiddleware (keeps the connection usable)

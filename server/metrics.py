@@ -71,39 +71,21 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.cache_hits = PCounter(
-            "logitcache_cache_hits",
-            "sequences answered from a cache (no engine work)",
-            ["teacher"],
-            registry=r,
-        )
-        self.cache_misses = PCounter(
-            "logitcache_cache_misses",
-            "sequences of cache-backed requests scored",
-            ["teacher"],
-            registry=r,
-        )
-        self.cache_tokens_saved = PCounter(
-            "logitcache_cache_tokens_saved",
-            "prompt tokens answered from a cache",
-            ["teacher"],
-            registry=r,
-        )
-        self.cache_bytes_served = PCounter(
-            "logitcache_cache_bytes_served",
-            "bytes of cached arrays answered (ids, logprobs, tail, tokens; in memory)",
-            ["teacher"],
-            registry=r,
-        )
-        self.job_sequences_done = Gauge(
-            "logitcache_job_sequences_done", "sequences done of a running job", ["job"], registry=r
-        )
-        self.job_tokens_done = Gauge(
-            "logitcache_job_tokens_done", "prompt tokens done of a running job", ["job"], registry=r
-        )
-        self.job_tokens_total = Gauge(
-            "logitcache_job_tokens_total", "prompt tokens of a running job", ["job"], registry=r
-        )
+
+        def cache(name: str, doc: str) -> PCounter:
+            return PCounter(f"logitcache_cache_{name}", doc, ["teacher"], registry=r)
+
+        def job(name: str, doc: str) -> Gauge:
+            return Gauge(f"logitcache_job_{name}", doc, ["job"], registry=r)
+
+        self.cache_hits = cache("hits", "sequences answered from a cache (no engine work)")
+        self.cache_misses = cache("misses", "sequences of cache-backed requests scored")
+        self.cache_tokens_saved = cache("tokens_saved", "prompt tokens answered from a cache")
+        served = "bytes of cached arrays answered (ids, logprobs, tail, tokens; in memory)"
+        self.cache_bytes_served = cache("bytes_served", served)
+        self.job_sequences_done = job("sequences_done", "sequences done of a running job")
+        self.job_tokens_done = job("tokens_done", "prompt tokens done of a running job")
+        self.job_tokens_total = job("tokens_total", "prompt tokens of a running job")
 
     def for_teacher(self, teacher: str) -> TeacherMetrics:
         """The scoring and cache counters as teacher ``teacher`` records them (labelled)."""

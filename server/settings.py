@@ -167,11 +167,9 @@ class ServerSettings(BaseSettings):
     job_batch_sequences: int = Field(64, ge=1)
     """Sequences per engine call in a job; batches are fixed by input order (restart-safe)."""
     job_batch_tokens: int = Field(16384, ge=2)
-    """A job batch also closes once it holds this many tokens. With two batches in flight the
-    in-process CPU engine (4,096 tokens per step) ran a 256 x 256-token job at 24.7-26.3K
-    tokens/s with 8,192, 27.6-28.9K with 16,384 and 28.6-29.2K with 32,768
-    (benchmarks/results/service.md). A larger batch also makes an on-demand request wait longer
-    behind the one job batch kept in the engine meanwhile."""
+    """A job batch also closes once it holds this many tokens (larger: slightly faster jobs,
+    benchmarks/results/service.md; an on-demand request waits longer behind the job batch kept
+    in the engine meanwhile)."""
     job_inflight_batches: int = Field(2, ge=1)
     """Job batches handed to the engine before the oldest is awaited (keeps the engine busy);
     while on-demand requests are being scored a job keeps only one batch in the engine."""
@@ -185,10 +183,9 @@ class ServerSettings(BaseSettings):
     job_write_fill_s: float = Field(2.5, ge=0)
     """Seconds a job's (or a Ray shard's) writer waits to fill a group of
     ``pipeline.MERGE_ROWS`` rows when batches arrive fast enough to fill half of it in that
-    time (else it commits after 0.1 s): a GPU teacher otherwise
-    commits every batch or two, and each append's fixed cost adds ~1 CPU-us/position
-    (``python -m benchmarks.service cpu --form hf --rate``). It bounds how often progress moves
-    and the most a crash can lose. 0: commit after 0.1 s always."""
+    time (else it commits after 0.1 s), so a fast teacher pays an append's fixed cost once per
+    group. It bounds how often progress moves and the most a crash can lose. 0: commit after
+    0.1 s always."""
     job_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
     """Finished (succeeded, failed, cancelled) jobs are deleted from the job table this long
     after they finished (checked at start-up and hourly); their caches stay."""

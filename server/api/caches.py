@@ -11,11 +11,10 @@ Block streaming (``Accept`` is not needed: these answer ``application/x-logitcac
   where the first returned sequence starts, so a client can cut the exact rows.
 
 The body is a concatenation of frames of at most ``FRAME_SEQUENCES`` sequences each
-(``logitcache.cache_format.iter_decode`` reads it incrementally); each frame's sequences are read
-with one contiguous row read and one token read (:class:`~.caches.RangeReader`), while the
-previous frame is being sent. Logprobs travel as float16 when the cache stores float16 (exact),
-else float32. ``compression=zstd`` compresses each frame. Ranges are checked against the
-committed snapshot at the time of the request.
+(``logitcache.cache_format.iter_decode`` reads it incrementally), each read while the previous
+one is sent (:func:`_frames`). Logprobs travel as float16 when the cache stores float16
+(exact), else float32. ``compression=zstd`` compresses each frame. Ranges are checked against
+the committed snapshot at the time of the request.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
-from logitcache.cache_format import CacheReader, encode_records
+from logitcache.cache_format import CacheReader, encode_records, exact_frame_dtype
 from logitcache.protocol import (
     FRAMES_MEDIA_TYPE,
     MAX_NAME_CHARS,
@@ -46,7 +45,7 @@ from ..errors import (
     ServiceError,
     public_value,
 )
-from ..serving.caches import CacheRegistry, RangeReader
+from ..serving.caches import CacheRegistry
 from .deps import ServicesDep
 
 router = APIRouter(prefix="/v1/caches", tags=["caches"])
@@ -131,14 +130,14 @@ def _range(start: int, stop: int | None, n: int, limit: int) -> tuple[int, int]:
 def _frames(
     reader: CacheReader, ranges: list[tuple[int, int]], compression: str
 ) -> Iterator[bytes]:
-    """Frames of the sequences of ``ranges`` (each cut into frames of ``FRAME_SEQUENCES``)."""
-    ranged = RangeReader(reader)
+    """Frames of the sequences of ``ranges`` (each cut into frames of ``FRAME_SEQUENCES``),
+    each read with one contiguous row read and one token read (``CacheReader.read_ranges``);
+    float16 and hidden caches are sent as stored (exact, less work)."""
+    dtype = exact_frame_dtype(reader.manifest)
     for start, stop in ranges:
         for a in range(start, stop, FRAME_SEQUENCES):
-            records = ranged.read(a, min(stop, a + FRAME_SEQUENCES))
-            yield encode_records(
-                records, logprob_dtype=ranged.logprob_dtype, compression=compression
-            )
+            records = reader.read_ranges([(a, min(stop, a + FRAME_SEQUENCES))], logprob_dtype=dtype)
+            yield encode_records(records, logprob_dtype=dtype, compression=compression)
 
 
 @router.get(

@@ -22,7 +22,6 @@ from ..errors import (
     DeadlineExceededError,
     UnavailableError,
     public_message,
-    public_name,
 )
 
 if TYPE_CHECKING:
@@ -126,11 +125,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     429: {**_ERROR, "description": "over the on-demand token budget", "headers": _RETRY},
     503: {**_ERROR, "description": "engine unavailable or deadline passed", "headers": _RETRY},
 }
-
-
-def public_model(model_id: str) -> str:
-    """The teacher's name for public bodies: an absolute local path shows only its last part."""
-    return public_name(model_id)
 
 
 class TokenText:

@@ -1,43 +1,15 @@
 """vLLM-compatible routes: ``POST /v1/completions`` (prompt logprobs) and ``GET /v1/models``.
 
-For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD): the request
-shape of vLLM's ``CompletionRequest`` (``prompt``: a string, a list of token ids, or a list of
-either; ``prompt_logprobs``: int; ``max_tokens`` 0 or 1; ``echo``), answered in vLLM's
-``CompletionResponse`` shape for the fields those clients read. Every prompt is served through
-the cache (``server/serving/cache_hits.py``): hits are read with no engine work, misses are scored,
-stored and returned.
-
-Answer, per prompt ``x_0..x_{L-1}``: ``choices[i].prompt_logprobs`` is a list of ``L`` entries,
-``None`` first (no prediction for ``x_0``), then for position ``t >= 1`` a dict
-``{str(token_id): {"logprob", "rank", "decoded_token"}}`` of the teacher's top-``k`` ids for
-``x_t`` given ``x_<t`` (``k = prompt_logprobs``; rank ``1..k`` by descending logprob; ``-inf`` as
-``-9999.0`` as vLLM does), plus, as vLLM adds it (its first entry), the actual prompt token
-``x_t`` with its logprob and rank. Inside the row's top ``K`` (``K >= k``: the cache's k, or
-``k`` when scored above it) that rank is vLLM's: one plus the number of ids with a higher logprob
-(ties aside). Outside it a top-``K`` row knows only that the rank is beyond ``K``: the answer is
-``K + 1``, a lower bound (vLLM counts over the whole vocabulary), and
-``choices[i].rank_lower_bound`` (a logitcache extension) lists those positions. The exact rank
-is not computed on a miss either: the cache could not keep it, and a hit would then answer
-another rank than the miss that stored it. The actual token's logprob comes from the cache's
-``actual_logprob`` array (FORMAT.md 4.12, kept by the caches the
-service creates) or from the rows just scored, with no engine work; a cache made without that
-array answers it from the row when the token is in its top-k, else scores the sequence's actual
-tokens (:func:`~..serving.chosen.at_chosen_ids`) unless the request asks ``approximate: true``
-(a logitcache extension): then such a token gets its row's tail mass spread uniformly over the
-``V - k`` ids outside the top-k, and ``choices[i].approximated`` lists those positions. No
-token is generated (``max_tokens: 1`` is accepted and answered with no completion tokens,
-``finish_reason: "length"``); ``logprobs``, ``stream``, ``n > 1`` and ``prompt_logprobs``
-outside ``[1, max_k]`` are a 422.
-
-``temperature`` is the teacher's: the answer is ``log_softmax(logits / T)`` exactly (vLLM itself
-ignores it for prompt logprobs); without one, the server's temperature (or a named cache's).
-The cache is ``cache`` (an extra body field, e.g. the ``openai`` client's ``extra_body``), else
-:data:`DEFAULT_CACHE` at the server's temperature and ``DEFAULT_CACHE-t<T>`` at another
-(:func:`~..serving.scoring.default_cache`); a named cache made at another temperature is a 409.
-A new cache is made at the server's ``k``. A ``prompt_logprobs`` at or below the cache's k is
-served from its rows (their first ``prompt_logprobs`` entries); above it, the prompts are
-scored by the engine and not stored. ``choices[i]`` carries the extra fields ``cached`` (bool)
-and ``rank_lower_bound`` (positions whose rank is ``K + 1``, see above)."""
+For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD): vLLM's
+``CompletionRequest`` shape in, its ``CompletionResponse`` shape out, every prompt served
+through a cache (:mod:`~..serving.cache_hits`; default :data:`DEFAULT_CACHE`, one per
+temperature: :func:`~..serving.scoring.default_cache`). Each row lists the actual prompt token
+first (its logprob from the cache's ``actual_logprob`` array, the rows just scored, or
+:func:`~..serving.chosen.at_chosen_ids`), then the top ``prompt_logprobs`` ids; outside the row's top ``K`` that token's rank is ``K + 1``,
+a lower bound, and ``choices[i].rank_lower_bound`` lists those positions. A
+``prompt_logprobs`` above the cache's k is scored and not stored. The contract, and what
+differs from vLLM: ``server/API.md``.
+"""
 
 from __future__ import annotations
 
@@ -54,14 +26,14 @@ from logitcache.cache_format import SequenceRecord
 from logitcache.protocol import Temperature, TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, public_name
 from ..inputs.records import RawRecord, Sequence
 from ..serving.cache_hits import Served
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids
 from ..serving.scoring import ScoringService
 from ..serving.teachers import Teacher
-from .deps import ERRORS, ServicesDep, TokenText, public_model, teacher_of, with_teacher
+from .deps import ERRORS, ServicesDep, TokenText, teacher_of, with_teacher
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -317,7 +289,7 @@ async def models(request: Request, services: ServicesDep) -> dict[str, Any]:
                 "object": "model",
                 "created": created,
                 "owned_by": "logitcache",
-                "root": public_model(teacher.settings.model) or teacher.name,
+                "root": public_name(teacher.settings.model) or teacher.name,
                 "parent": None,
                 "max_model_len": (
                     teacher.settings.max_seq_len if scoring is None else scoring.limits.max_seq_len

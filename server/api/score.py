@@ -36,11 +36,6 @@ _SCORE_HEADERS = {
 }
 
 
-def wants_frames(request: Request) -> bool:
-    """Whether the ``Accept`` header asks for :data:`FRAMES_MEDIA_TYPE`."""
-    return FRAMES_MEDIA_TYPE in request.headers.get("accept", "")
-
-
 _F32_MIN = float(np.finfo(np.float32).min)
 
 #: JSON answers of at most this many top-k values (rows x k; about 30 bytes each) are built in
@@ -114,7 +109,7 @@ async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> 
     (``logitcache.cache_format.decode_records``), headers ``X-Logitcache-K`` and
     ``X-Logitcache-Stored``; otherwise a :class:`ScoreResponse` JSON body.
     """
-    frames = wants_frames(request)
+    frames = FRAMES_MEDIA_TYPE in request.headers.get("accept", "")
     model, result = await with_teacher(
         request, services, body.model, lambda t: _answer(t, body, frames)
     )

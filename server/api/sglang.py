@@ -1,34 +1,12 @@
 """SGLang-compatible ``POST /generate`` for teacher logprobs (on-policy distillation clients).
 
-The request shape of SGLang's ``GenerateReqInput`` (``python/sglang/srt/managers/io_struct.py``)
-for scoring: ``input_ids`` (one list of token ids, or a list of them), ``return_logprob: true``,
-``logprob_start_len``, ``top_logprobs_num``, ``sampling_params`` with ``max_new_tokens: 0``. The
-answer is SGLang's: ``{"text", "output_ids", "meta_info"}`` per sequence (one object for one
-sequence, a list for a batch), with ``meta_info.input_token_logprobs`` (``[logprob, token_id,
-text]`` for each input position from ``logprob_start_len``; the first input token has no
-prediction, so ``None``) and ``meta_info.input_top_logprobs`` (per position ``None`` or the
-``top_logprobs_num`` best ``[logprob, token_id, text]``, descending). ``text`` is the decoded
-token when ``return_text_in_logprobs``, else ``None``.
-
-Every sequence is served through the cache exactly as ``/v1/completions`` is
-(``server/serving/cache_hits.py``): hits cost no engine work, misses are scored, stored, answered.
-The cache is ``cache`` (an extra body field), else :data:`DEFAULT_CACHE`.
-
-``input_token_logprobs[t][0]`` is the teacher's logprob of the actual token: from its top-``k``
-row when it is there, else from the cache's ``actual_logprob`` array (FORMAT.md 4.12: the caches
-the service creates keep it) or the rows just scored; a cache made without that array answers
-``None`` for a token outside the top-``k`` (never an estimate).
-``token_ids_logprob`` (one list of ids, or one per sequence) is answered in
-``meta_info.input_token_ids_logprobs`` (per position ``None`` or ``[[logprob, id, text], ...]``
-in the asked order) from the sequence's top-``k`` rows when every asked id is in them, else
-exactly from the engine at the request's temperature (``server/serving/chosen.py``;
-``meta_info.exact_token_ids`` says which; with ``approximate: true``, a logitcache extension,
-the asked ids outside a cached row's top-k are its tail spread uniformly instead, listed per
-position in ``meta_info.approximated_token_ids``). ``sampling_params.temperature`` is the
-teacher's: logprobs of ``log_softmax(logits / T)`` exactly, from :data:`DEFAULT_CACHE` at the
-server's temperature and ``DEFAULT_CACHE-t<T>`` at another; a named cache made at another
-temperature is a 409. Not served (422): ``max_new_tokens`` other than 0, ``text`` prompts,
-``stream``. ``meta_info.cached`` (bool) is a logitcache extension. Request and ``meta_info`` are
+The scoring subset of SGLang's ``GenerateReqInput`` (``input_ids``, ``return_logprob``,
+``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``, ``sampling_params`` with
+``max_new_tokens: 0``) answered in SGLang's shape, one object per sequence (a list for a batch).
+Every sequence is served through a cache as ``/v1/completions`` is (default
+:data:`DEFAULT_CACHE`, one per temperature); the actual token's logprob comes from its top-k row
+or the cache's ``actual_logprob`` array, and asked ids from the rows or exactly from the engine
+(:mod:`~..serving.chosen`). The contract: ``server/API.md``; request and ``meta_info`` are
 typed in ``logitcache.protocol.sglang``.
 """
 

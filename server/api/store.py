@@ -11,12 +11,8 @@ outside the store root is refused (422 ``invalid_path``). A ``zarr.json`` docume
 with the absolute server paths in its attributes cut to their last component
 (:func:`public_metadata`; e.g. the manifest's ``teacher_model``), as every other answer shows it.
 
-Why this design: the client opens the cache with the format library's own reader over this URL
-(``CacheReader("http://host/v1/caches/NAME/store")``, fsspec's HTTP store), so the wire carries
-the stored ~260 B/position, the server spends no CPU on decoding or re-encoding (it copies bytes),
-decoding scales with the client's workers, and the client gets the reader's snapshot and
-retry rules unchanged: the root ``zarr.json`` is the commit point, and a shard read that races a
-writer's rewrite fails its CRC32C and is re-read (FORMAT.md R7), as for an object store.
+The client opens the cache with the format library's own reader over this URL (its snapshot
+and retry rules unchanged, FORMAT.md R7), so the server only copies bytes.
 """
 
 from __future__ import annotations

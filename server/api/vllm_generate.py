@@ -1,21 +1,12 @@
 """vLLM-compatible ``POST /inference/v1/generate`` for logprobs at caller-chosen token ids.
 
-The request and answer are vLLM's (0.32.0, typed in ``logitcache.protocol.vllm_generate``):
-``{"token_ids": [...], "sampling_params": {"prompt_logprob_token_ids": [[ids of row 0], ...],
-"prompt_logprob_start"?: s, "max_tokens"?: 0 | 1, "temperature"?: T}}`` -> ``{"request_id",
-"model", "created", "usage", "prompt_token_id_logprobs": <base64 .npy float32 [rows, width]>,
-"output_mode": "tokens", "choices": [{"index": 0, "token_ids": [], "finish_reason":
-"length"}]}``; row ``i`` holds the logprobs of its candidates as predictions of token ``s + i +
-1`` (``-1`` pads a row and scores ``-inf``).
-
-The sequence is served through the cache ``cache`` (default :data:`DEFAULT_CACHE`, one per
-temperature) as ``/v1/score`` serves it: a hit costs no engine work for its top-k rows, a miss is
-scored, stored and answered. The matrix comes from those rows when every candidate is in them,
-else exactly from the engine (``server/serving/chosen.py``; a miss's rows and candidates come from
-one engine call); ``exact`` says which.
-``sampling_params.temperature`` is applied exactly (vLLM ignores it for prompt logprobs). Not
-served (422): ``stream``, ``max_tokens`` above 1, ``prompt_logprobs`` (``/v1/completions`` serves
-them), a request without ``prompt_logprob_token_ids``.
+vLLM 0.32.0's token-in/token-out route with ``prompt_logprob_token_ids`` (typed in
+``logitcache.protocol.vllm_generate``): row ``i`` of the answer's base64 ``.npy`` matrix holds
+the logprobs of its candidates as predictions of token ``s + i + 1`` (``-1`` pads a row and
+scores ``-inf``). The sequence is served through a cache as ``/v1/score`` serves it (default
+:data:`DEFAULT_CACHE`, one per temperature); the matrix comes from the cached rows when every
+candidate is in them, else exactly from the engine (:mod:`~..serving.chosen`); ``exact`` says
+which. The contract: ``server/API.md``.
 """
 
 from __future__ import annotations

@@ -3,51 +3,36 @@
     python -m logitcache.server.batch.distributed --input data.jsonl --cache s3://bucket/name \\
         --replicas 4 --model /models/teacher -k 64 [any logitcache-server option]
 
-Settings (:class:`DistributedSettings`) are the server's pydantic settings plus the run's own,
-read the same way (flags > ``LOGITCACHE_*`` environment > ``.env``). Before Ray or any engine
-starts, the input is read and an existing target cache is checked against this run's teacher
-identity, k and target kind (:func:`check_target_early`); any problem is one JSON line on
-stderr. While the shards are checked and scored, tqdm bars on stderr show shards done and
-sequences/tokens scored (``--no-progress`` turns them off).
+Settings are :class:`~.distributed_config.DistributedSettings`. Before Ray or any engine
+starts, the input is read and an existing target cache is checked (:func:`check_target_early`);
+any problem is one JSON line on stderr. tqdm bars on stderr show shards checked and scored
+(``--no-progress`` turns them off).
 
-Each replica is a Ray actor (:class:`ShardWorker`) that owns one teacher engine
-(:func:`logitcache.server.engine.build_engine`, the service's own backends); a large teacher spans
-several GPUs per replica with vLLM's own parallelism (``--tensor-parallel-size``,
-``--pipeline-parallel-size``, which are server settings). Work is distributed by Ray's
-:class:`ray.util.ActorPool`; the steps and the consistency contract are those of
-:mod:`logitcache.server.batch.shards`:
+Each replica is a Ray actor (:class:`ShardWorker`) owning one engine built as the server builds
+it (vLLM's own tensor/pipeline parallelism spans several GPUs per replica); Ray's
+:class:`ray.util.ActorPool` hands out the shards. The steps (plan, check, score into staging
+caches under ``--staging``, default ``<cache>.staging``, commit in shard order) and their
+contract are :mod:`.shards`': the final cache equals a one-replica run array for array
+(tests/e2e/test_deploy_ray.py), and re-running an interrupted command resumes it. A failed
+replica is restarted by Ray and its shard re-run. Scaling to many nodes: docs/SCALING.md.
 
-1. the driver reads the input and cuts it into shards of ``--shard-size`` records;
-2. the replicas check every shard (tokenise, lengths, vocabulary, ids); any problem aborts the run
-   before anything is written;
-3. the replicas score shards into per-shard staging caches under ``--staging``
-   (default ``<cache>.staging``) in the same store; a failed replica is restarted by Ray and its
-   shard re-run (finished batches are skipped);
-4. the driver commits the staging caches into the final cache in shard order, then deletes them.
-
-The final cache does not depend on the number of replicas: it equals a one-replica run,
-array for array, in the same order (tests/e2e/test_deploy_ray.py). Re-running an interrupted command
-resumes it. Scaling to many nodes: docs/SCALING.md.
-
-Sampled targets (FORMAT.md 4.4): ``--targets sampled`` with ``--draws``,
-``--proposal-temperature``, ``--sampling-seed`` and ``--head`` (each optional: an existing sampled
-cache's own parameters, else 64 draws at temperature 1, seed 0 and head 0, as for a job) writes a
-sampled cache
-instead of top-k rows. Every sequence's draws are seeded by (seed, key) only, so the cache equals
-the service's job (``POST /v1/jobs`` with ``targets="sampled"``) on the same input, row for row,
-whatever the number of replicas or shards.
+``--targets sampled`` (FORMAT.md 4.4; ``--draws``, ``--proposal-temperature``,
+``--sampling-seed``, ``--head``, each defaulting to an existing sampled cache's, else a job's
+defaults) writes sampled targets seeded by (seed, key) only, so the cache equals the service's
+sampled job on the same input whatever the number of replicas or shards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,8 +46,7 @@ from ..engine.identity import teacher_identity
 from ..engine.protocol import SampledTargets
 from ..errors import InvalidInputError, ServiceError
 from ..inputs import records as inputs
-from ..serving.caches import expected_manifest
-from ..serving.targets import with_targets
+from ..serving.targets import new_manifest
 from ..settings import ServerSettings
 from . import shards
 from .distributed_config import (
@@ -86,11 +70,8 @@ START_ATTEMPTS = 3
 ENGINE_LIMITS = ("max_k", "max_seq_len")
 
 
-class DistributedError(ServiceError):
+class DistributedError(ServiceError, status=500, code="distributed_error"):
     """The Ray cluster or a replica failed in a way that is not the input's fault."""
-
-    status = 500
-    code = "distributed_error"
 
 
 @dataclass(frozen=True)
@@ -229,10 +210,16 @@ def _forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The original exception inside a Ray task error (so typed errors stay typed)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
+@contextlib.contextmanager
+def _worker_errors() -> Iterator[None]:
+    """Re-raise a Ray task error as the worker's own exception (so typed errors stay typed)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - RayTaskError wraps the worker's own exception
+        cause = getattr(e, "cause", None)
+        if not isinstance(cause, BaseException):
+            raise
+        raise cause from e
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -377,7 +364,7 @@ def run_distributed(
         info = replicas.info
         say(f"{n} replica(s) up: {info.model_id} (vocab {info.vocab_size})")
         chosen = chosen_targets(targets, shards.stored_manifest(cache_url, options), info)
-        manifest = _final_manifest(info, settings, dataset, chosen)
+        manifest = new_manifest(info, settings, info.max_k, dataset, chosen)
         committed = shards.check_target(cache_url, manifest, options)
 
         pool = ActorPool(replicas.actors[:n])
@@ -430,10 +417,8 @@ def run_distributed(
 def _get(refs: list[Any]) -> list[Any]:
     import ray
 
-    try:
+    with _worker_errors():
         return ray.get(refs)
-    except Exception as e:  # RayTaskError wraps the worker's own exception
-        raise _unwrap(e) from e
 
 
 def _bar(enabled: bool, what: str, shards_total: int) -> Any:
@@ -451,20 +436,16 @@ def _gather(results: Any, bar: Any = None) -> list[Any]:
     out: list[Any] = []
     seqs = tokens = 0
     try:
-        for r in results:
-            out.append(r)
-            if bar is not None:
-                if isinstance(r, shards.ShardResult):
-                    seqs += r.scored_sequences
-                    tokens += r.scored_tokens
-                    bar.set_postfix(sequences=seqs, tokens=tokens, refresh=False)
-                bar.update(1)
+        with _worker_errors():
+            for r in results:
+                out.append(r)
+                if bar is not None:
+                    if isinstance(r, shards.ShardResult):
+                        seqs += r.scored_sequences
+                        tokens += r.scored_tokens
+                        bar.set_postfix(sequences=seqs, tokens=tokens, refresh=False)
+                    bar.update(1)
         return out
-    except Exception as e:  # noqa: BLE001 - Ray's wrapper: re-raised as the worker's own error
-        inner = _unwrap(e)
-        if inner is e:
-            raise
-        raise inner from e
     finally:
         if bar is not None:
             bar.close()
@@ -479,24 +460,6 @@ def _agreed_info(infos: list[EngineInfo]) -> EngineInfo:
         if diff:
             raise DistributedError(f"replicas loaded different teachers (fields {diff})")
     return first
-
-
-def _final_manifest(
-    info: EngineInfo,
-    settings: ServerSettings,
-    dataset: str,
-    targets: SampledTargets | None = None,
-) -> Manifest:
-    """The final cache's manifest: the engine's teacher at its ``max_k`` (the server's ``-k``,
-    within the vocabulary: the engine applied the range check once, at its configuration); for
-    sampled targets ``k = draws`` and the ``sampling`` object (:func:`.targets.with_targets`);
-    with the ``entropy`` setting, the rows' entropy (FORMAT.md 4.9); top-k rows with the
-    ``actual_logprob`` setting, the actual tokens' logprobs (FORMAT.md 4.12)."""
-    top = expected_manifest(
-        info, k=info.max_k, logprob_dtype=settings.logprob_dtype, dataset=dataset
-    )
-    flags = {"entropy": settings.entropy, "actual_logprob": settings.actual_logprob and not targets}
-    return with_targets(top.model_copy(update=flags), targets)
 
 
 # --- CLI -----------------------------------------------------------------------------------
@@ -542,10 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.ray_address is None:
             cpus = args.num_cpus or max(1, int(plan.replicas * plan.cpus_per_replica))
             init_local_ray(cpus, args.num_gpus)
-            started = True
         else:
             ray.init(address=args.ray_address)
-            started = True
+        started = True
         report = run_distributed(
             raws,
             args.cache,

@@ -4,7 +4,7 @@ parameters, and the early check of an existing target cache (:func:`check_target
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -14,9 +14,9 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from ..engine.identity import teacher_identity
-from ..engine.protocol import MAX_DRAWS, EngineInputError, SampledTargets, check_sampled
+from ..engine.protocol import MAX_DRAWS, SampledTargets
 from ..errors import InvalidInputError, ServiceError
-from ..serving.targets import DEFAULT_DRAWS, resolve
+from ..serving.targets import DEFAULT_DRAWS, checked, resolve
 from ..settings import ServerSettings
 from . import shards
 
@@ -49,10 +49,7 @@ def check_asked(targets: SampledTargets | str | None) -> None:
         return
     if not isinstance(targets, SampledTargets):
         raise InvalidInputError(f'targets must be None, "sampled" or SampledTargets: {targets!r}')
-    try:
-        check_sampled(targets, MAX_DRAWS)
-    except EngineInputError as e:
-        raise InvalidInputError(str(e)) from None
+    checked(targets, MAX_DRAWS)
 
 
 def chosen_targets(
@@ -62,13 +59,7 @@ def chosen_targets(
     sampled cache's own (``stored``), else the job defaults (:func:`.targets.resolve`); checked
     against the teacher's vocabulary (:class:`InvalidInputError`)."""
     check_asked(targets)
-    chosen = resolve(targets, stored)
-    if chosen is None:
-        return None
-    try:
-        return check_sampled(chosen, info.vocab_size)
-    except EngineInputError as e:
-        raise InvalidInputError(str(e)) from None
+    return checked(resolve(targets, stored), info.vocab_size)
 
 
 _SAMPLING_FIELDS = ("draws", "proposal_temperature", "sampling_seed", "head")
@@ -159,14 +150,7 @@ class DistributedSettings(ServerSettings):
         )
 
     def plan(self) -> Plan:
-        return Plan(
-            replicas=self.replicas,
-            shard_size=self.shard_size,
-            cpus_per_replica=self.cpus_per_replica,
-            gpus_per_replica=self.gpus_per_replica,
-            max_restarts=self.max_restarts,
-            keep_staging=self.keep_staging,
-        )
+        return Plan(**{f.name: getattr(self, f.name) for f in fields(Plan)})
 
     def server_settings(self) -> ServerSettings:
         """The :class:`ServerSettings` part (what the replicas' engines are built from)."""
@@ -180,12 +164,9 @@ def load_distributed_settings(argv: list[str]) -> DistributedSettings:
     return DistributedSettings(_cli_parse_args=argv)  # type: ignore[call-arg]
 
 
-class TargetMismatchError(ServiceError):
+class TargetMismatchError(ServiceError, status=409, code="conflict"):
     """The target cache holds another teacher, k, target kind or sampling parameters (found
     before any engine loads)."""
-
-    status = 409
-    code = "conflict"
 
 
 def check_target_early(

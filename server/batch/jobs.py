@@ -4,16 +4,12 @@ Submission (:meth:`JobRunner.submit`) checks everything before a job exists: cac
 cache's teacher identity (409), and every input record (ids, lengths, duplicate ids; 422 listing
 the problems). A rejected job writes nothing and leaves no row.
 
-Running (one job at a time, oldest first) is :func:`logitcache.server.batch.pipeline.run`, the batch
-pipeline shared with on-demand scoring and the Ray shards: batches are formed from the input
-(:func:`~logitcache.server.inputs.records.batches`, a pure function of the input: the sequences
-that the submission checked, kept in memory up to ``job_keep_input_tokens``, else the input read and
-checked again) and checked against the cache's keys in a worker thread; up to
-``job_inflight_batches`` batches are in the engine at once (only one while on-demand
-``/v1/score`` requests are in progress: the engine serves requests in arrival order, so fewer job
-tokens queued ahead of them means lower on-demand latency); a writer
-thread, fed by a bounded queue (``job_write_queue``), appends each scored batch to the cache (one
-commit per batch) and only then advances the job's progress counters.
+Running (one job at a time, oldest first; a loaded teacher's jobs first) is the batch pipeline
+(:func:`.pipeline.run`) over the sequences the submission checked, kept in memory up to
+``job_keep_input_tokens`` (else the input is read and checked again, and must not have
+changed): up to ``job_inflight_batches`` batches in the engine (one while on-demand requests
+are scored, so they wait behind fewer job tokens), a writer thread (queue ``job_write_queue``)
+committing the scored batches and only then advancing the job's progress counters.
 
 Resume: a job left ``running`` by a stopped or killed server is queued again at start-up; the same
 batches are formed again, a batch whose keys are all committed is skipped, any other batch is
@@ -60,16 +56,11 @@ log = logging.getLogger("logitcache.server.jobs")
 
 
 def numpy_hugepages_off() -> bool:
-    """Stop numpy asking for transparent huge pages for its arrays (``madvise(MADV_HUGEPAGE)``
-    on every array of 4 MiB or more) in this process, unless ``NUMPY_MADVISE_HUGEPAGE`` is set
-    (then numpy's own choice stands); returns whether numpy asked for them before.
-
-    The job path allocates tens of MB of fresh arrays per append (the batch's top-k arrays, its
-    stored forms, shard objects); with the kernel's THP ``defrag=madvise`` setting a fault on such
-    an array may compact memory for a 2 MiB page first (``compact_stall``), and each huge page is
-    zeroed whole: system time that came and went with the rest of the machine's memory use,
-    0.2-4 CPU-us/position at k=100 (benchmarks/results/service.md). The arrays
-    are written and read once, sequentially: 4 KiB pages cost them nothing measurable."""
+    """Stop numpy asking for transparent huge pages (``madvise(MADV_HUGEPAGE)`` on arrays of
+    4 MiB or more) in this process unless ``NUMPY_MADVISE_HUGEPAGE`` is set; returns whether
+    numpy asked for them before. A job's fresh per-append arrays are written and read once,
+    sequentially: huge pages only add compaction stalls and whole-page zeroing to them
+    (benchmarks/results/service.md)."""
     import os
 
     import numpy as np
@@ -507,8 +498,7 @@ class JobRunner:
         await pipeline.run(
             self._batches(spec, handle, scoring, kept),
             score=score,
-            write=progress.write,
-            write_many=progress.write_many,
+            write=progress,
             merge_rows=pipeline.merge_rows(handle.manifest),
             linger=pipeline.WRITE_LINGER_S,
             fill=self.settings.job_write_fill_s,

@@ -17,13 +17,12 @@ Contract of :func:`run` (jobs and shards; an on-demand batch is scored by step 2
    and marks a batch ``todo`` when its cache still lacks any of its keys.
 2. :func:`engine_records` scores one batch: one engine call at ``k`` (:func:`call_engine`, rows
    aligned as in DESIGN.md), then :func:`to_records` pairs each sequence with its rows.
-3. :func:`run` keeps up to ``depth()`` batches in the engine, and hands each finished batch, in
-   input order, to ``write(batch, records)`` in one writer thread (``records`` is ``None`` for
-   a batch that was not ``todo``); ``write`` appends (one commit per batch) and then reports
-   progress. A ``write_many`` instead takes the batches already waiting for the writer thread
-   as one group (one commit for the group: a writer behind the engine pays its per-commit
-   costs less often). A batch is therefore committed before any later batch, and the engine
-   is never idle while results are converted and written.
+3. :func:`run` keeps up to ``depth()`` batches in the engine, and hands the finished batches,
+   in input order, to ``write`` in one writer thread: the batches waiting for it as one group
+   of ``(batch, records)`` items (``records`` is ``None`` for a batch that was not ``todo``),
+   appended in one commit (:class:`Appended`) before progress is reported. A batch is
+   therefore committed before any later batch, and the engine is never idle while results are
+   converted and written.
 
 Stopping: :func:`run` raises :class:`Stopped` when ``stop()`` turns true between batches; the
 batches already scored are written first, the ones still in the engine are cancelled.
@@ -73,8 +72,9 @@ class Missing(Protocol):
 
 #: Scores one batch's sequences (engine call + conversion); returns one record per sequence.
 ScoreFn = Callable[[list[inputs.Sequence]], Awaitable[list[SequenceRecord]]]
-#: Appends a scored batch (``records``; ``None`` when nothing was scored) and reports progress.
-WriteFn = Callable[[Batch, "list[SequenceRecord] | None"], None]
+#: Writes a group of batches in one append (one commit), in order: ``(batch, records)`` items,
+#: ``records`` ``None`` for a batch that was not scored.
+WriteFn = Callable[[list[tuple[Batch, "list[SequenceRecord] | None"]]], None]
 
 
 class Stopped(Exception):
@@ -209,24 +209,42 @@ async def hidden_records(
 
 
 #: Rows (positions) of scored batches that a cache's writer thread (a job's, a Ray shard's) may
-#: append in one commit (:class:`_Writer`): at most two default shards of rows, and at most
-#: MERGE_VALUES top-k entries (``rows * k``, which bounds a group's memory at large k: 106,496
-#: rows at k=128, so that a group and one more batch of 16K rows still fit the encode's kept
-#: outputs, ``fastencode.KEEP_VALUES``). Large groups matter in a long job: every append
-#: rewrites each partly filled shard object whole (FORMAT.md W3), and the per-row arrays' shards
-#: hold 524,288 rows, so small appends rewrite them dozens of times (job_cpu_bench --prefill
-#: 1600, k=100: 11.5 CPU-us/position with the earlier 1M cap, 10K-row groups, against 7.4 with
-#: 65K-row ones); a GPU's job at 105K positions/s spends 0.15-0.25 CPU-us/position less in its
-#: writes with 131K-row groups than with 65K-row ones (``benchmarks.service cpu --rate``).
+#: append in one commit (:class:`_Writer`): at most MERGE_ROWS, and at most MERGE_VALUES top-k
+#: entries (``rows * k``: a group and one more batch of 16K rows fit the encode's kept outputs,
+#: ``fastencode.KEEP_VALUES``). Every append rewrites each partly filled shard object whole
+#: (FORMAT.md W3), so large groups keep a long job's CPU per position low
+#: (benchmarks/results/service.md).
 MERGE_ROWS = 131072
 MERGE_VALUES = 13 << 20
-#: Seconds the writer thread waits, after taking a scored batch, for more to reach
-#: MERGE_ROWS rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU
-#: whatever its size, so a writer that keeps up with the engine (one batch of ~16K rows per
-#: append) pays ~1.2 CPU-us/position in fixed costs that a 65K-row append spreads 4x thinner.
-#: A slow engine gets smaller groups, and progress still moves (and a crash loses at most)
-#: every 0.1 s.
+#: Seconds the writer thread waits, after taking a scored batch, for more to reach MERGE_ROWS
+#: rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU whatever
+#: its size, while progress still moves (and a crash loses at most) every 0.1 s.
 WRITE_LINGER_S = 0.1
+
+
+class Appended:
+    """A writer-thread step: the scored records of a group of ``(batch, records)`` items
+    appended with ``append`` in one commit, as a cache of ``manifest`` keeps them
+    (:func:`for_store`); counts the batches written (``sequences``, ``tokens``) and, of those,
+    the ones scored (``scored_sequences``, ``scored_tokens``)."""
+
+    def __init__(self, append: Callable[[list[Any]], Any], manifest: Manifest):
+        self.append = append
+        self.manifest = manifest
+        self.sequences = self.tokens = self.scored_sequences = self.scored_tokens = 0
+
+    def __call__(self, items: list[tuple[Batch, list[SequenceRecord] | None]]) -> list[Any]:
+        """Append ``items``' records; returns them (as scored)."""
+        scored = [r for _, records in items if records is not None for r in records]
+        if scored:
+            self.append(for_store(scored, self.manifest))
+        for batch, records in items:
+            self.sequences += len(batch.seqs)
+            self.tokens += batch.tokens
+            if records is not None:
+                self.scored_sequences += len(batch.seqs)
+                self.scored_tokens += batch.tokens
+        return scored
 
 
 def merge_rows(manifest: Any) -> int:
@@ -236,47 +254,31 @@ def merge_rows(manifest: Any) -> int:
     return min(MERGE_ROWS, MERGE_VALUES // max(width, 1))
 
 
-#: Writes several scored batches at once (one append, one commit), in order: ``(batch,
-#: records)`` items as :data:`WriteFn` takes them.
-WriteManyFn = Callable[[list[tuple[Batch, "list[SequenceRecord] | None"]]], None]
-
-
 def _rows(item: tuple[Batch, list[SequenceRecord] | None]) -> int:
     return sum(s.length - 1 for s in item[0].seqs)
 
 
 class _Writer:
-    """The writer thread: ``write(batch, records)`` for each item, in order, off the loop. With
-    ``write_many``, the items already waiting in the queue when one is taken are written with
-    it, up to ``merge_rows`` rows: one append and one commit for the group, so a
-    writer that falls behind the engine pays its per-commit costs (array metadata, fsyncs, the
-    manifest commit, rewriting the partly filled shards) once per group instead of per batch.
-    With ``linger`` (seconds), a writer that keeps up also waits up to that long after taking
-    a group's first item for more to arrive, until the group holds ``merge_rows`` rows or the
-    input ends: an append costs ~20 ms of CPU whatever its size (one object and one metadata
-    write per array, the partly filled last chunk of each re-encoded, fsyncs, the commit), so
-    its rows should be many. Without it, a writer that keeps up writes batch by batch.
-
-    With ``fill`` (seconds), a group waits longer than ``linger`` (up to ``fill`` seconds, for
-    up to ``merge_rows`` rows) when the rows arrive fast enough to reach half of ``merge_rows``
-    within ``fill`` seconds of its first item (the arrival rate: rows handed over per second,
-    averaged over the last batches): a fast engine (a GPU's ~30K-100K positions/s) then pays
-    the fixed costs once per group of up to ``merge_rows`` rows instead of once per batch or
-    two, while a slow one, whose CPU per position matters little, still commits every
-    ``linger`` seconds."""
+    """The writer thread: ``write(group)`` off the loop, in order, where a group is an item and
+    the items already waiting when it is taken, up to ``merge_rows`` rows: one append and one
+    commit for the group (its fixed costs, array metadata, fsyncs, the commit, rewriting partly
+    filled shards, paid once per group). With
+    ``linger`` (seconds) the writer waits that long after a group's first item for more, until
+    the group holds ``merge_rows`` rows or the input ends; with ``fill`` (seconds), up to
+    ``fill`` instead when the arrival rate (rows per second over the last batches) brings the
+    group to half of ``merge_rows`` within that time (a fast engine), so a slow one still
+    commits every ``linger`` seconds."""
 
     def __init__(
         self,
         write: WriteFn,
         maxsize: int,
         name: str,
-        write_many: WriteManyFn | None = None,
         merge_rows: int = 0,
         linger: float = 0.0,
         fill: float = 0.0,
     ):
         self._write = write
-        self._write_many = write_many
         self._merge_rows = merge_rows
         self._linger = linger
         self._fill = fill
@@ -328,9 +330,6 @@ class _Writer:
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                if self._write_many is None:
-                    self._write(*item)
-                    continue
                 group, rows, done = [item], _rows(item), False
                 deadline = time.monotonic() + self._wait(rows)
                 while rows < self._merge_rows:
@@ -346,7 +345,7 @@ class _Writer:
                         break
                     group.append(more)
                     rows += _rows(more)
-                self._write_many(group)
+                self._write(group)
                 if done:
                     break
         except BaseException as e:  # noqa: BLE001 - re-raised to the pipeline, never lost
@@ -367,17 +366,12 @@ async def run(
     stop: Callable[[], bool] = lambda: False,
     queue_size: int = 4,
     name: str = "pipeline-writer",
-    write_many: WriteManyFn | None = None,
     merge_rows: int = 0,
     linger: float = 0.0,
     fill: float = 0.0,
 ) -> None:
-    """Score every ``todo`` batch of ``batches`` and ``write`` every batch, in order.
-
-    With ``write_many``, batches already waiting for the writer thread are written together, up
-    to ``merge_rows`` rows, and with ``linger`` the writer waits up to that many seconds for
-    such batches, with ``fill`` that many when they arrive fast enough to fill a group in that
-    time (see :class:`_Writer`); ``write`` is then unused.
+    """Score every ``todo`` batch of ``batches`` and ``write`` every batch, in order, in groups
+    bounded by ``merge_rows``, ``linger`` and ``fill`` (see :class:`_Writer`).
 
     ``batches`` is drawn in a worker thread (forming a batch reads the input and asks the cache).
     ``depth()`` (read after each batch is handed out) bounds the batches in the engine;
@@ -386,7 +380,7 @@ async def run(
     error of scoring or writing; either way every batch already handed to the writer is written
     before this returns or raises.
     """
-    writer = _Writer(write, queue_size, name, write_many, merge_rows, linger, fill)
+    writer = _Writer(write, queue_size, name, merge_rows, linger, fill)
     inflight: deque[tuple[Batch, asyncio.Future[list[SequenceRecord] | None]]] = deque()
 
     async def drain_one() -> None:

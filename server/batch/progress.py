@@ -37,8 +37,9 @@ class RunStats:
 
 
 class Progress:
-    """A job's writer-thread step: append a scored batch, then advance the committed progress
-    (job table, metrics, live coverage)."""
+    """A job's writer-thread step: append a group of scored batches in one commit
+    (:class:`.pipeline.Appended`), then advance the committed progress (job table, metrics,
+    live coverage)."""
 
     def __init__(
         self,
@@ -49,38 +50,23 @@ class Progress:
         stats: RunStats,
     ):
         self.job = job
-        self.writer = writer
+        self.appended = pipeline.Appended(writer.append, writer.manifest)
         self.store = store
         self.metrics = metrics
         self.stats = stats
-        self.sequences_done = 0
-        self.tokens_done = 0
 
-    def write(self, batch: pipeline.Batch, records: list[SequenceRecord] | None) -> None:
-        self.write_many([(batch, records)])
-
-    def write_many(self, items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
-        """Append the scored batches of ``items`` in one commit, then advance the progress."""
-        scored = [r for _, records in items if records is not None for r in records]
-        if scored:
-            self.writer.append(pipeline.for_store(scored, self.writer.manifest))
-            for r in scored:  # live coverage (status page, job status; hidden rows have none)
-                if not hasattr(r, "tail_or_computed"):
-                    continue
+    def __call__(self, items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
+        done = self.appended
+        for r in done(items):  # live coverage (status page, job status; hidden rows have none)
+            if hasattr(r, "tail_or_computed"):
                 tail = r.tail_or_computed()
                 self.stats.tail_sum += float(tail.sum(dtype="float64"))
                 self.stats.tail_rows += int(tail.shape[0])
-        for batch, records in items:
-            if records is not None:
-                self.stats.tokens_scored += batch.tokens
-            self.sequences_done += len(batch.seqs)
-            self.tokens_done += batch.tokens
-        self.store.progress(
-            self.job.id, sequences_done=self.sequences_done, tokens_done=self.tokens_done
-        )
+        self.stats.tokens_scored = done.scored_tokens
+        self.store.progress(self.job.id, sequences_done=done.sequences, tokens_done=done.tokens)
         self.metrics.job_progress(
             self.job.id,
-            sequences_done=self.sequences_done,
-            tokens_done=self.tokens_done,
+            sequences_done=done.sequences,
+            tokens_done=done.tokens,
             total=self.job.tokens_total,
         )

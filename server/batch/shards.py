@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
+from logitcache.cache_format import CacheReader, CacheWriter, Manifest
 from logitcache.cache_format.errors import ManifestMismatchError, StoreNotFoundError
 
 from ..errors import InvalidInputError
@@ -195,17 +195,12 @@ async def score_shard(
     worker: str = "",
     write_fill_s: float = 0.0,
 ) -> ShardResult:
-    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's),
-    through the batch pipeline (:func:`.pipeline.run`, as a job does). The rows are the kind
-    ``manifest`` names: top-``k``, or sampled targets with its ``sampling`` parameters, each
-    sequence's draws seeded by its key (so they do not depend on the shard or the worker).
-
-    Batches whose keys are all committed already are skipped (resume). One engine call per
-    batch, up to ``inflight_batches`` in the engine; the scored batches are appended in input
-    order by the pipeline's writer thread as a job's are: the batches waiting for it in one
-    commit, up to :func:`.pipeline.merge_rows` rows, and with ``write_fill_s`` (the settings'
-    ``job_write_fill_s``) a group waits that long to fill when batches arrive fast enough.
-    """
+    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's)
+    through the batch pipeline exactly as a job does (:func:`.pipeline.run`: up to
+    ``inflight_batches`` in the engine, grouped commits, ``write_fill_s`` the settings'
+    ``job_write_fill_s``). The rows are the kind ``manifest`` names, sampled draws seeded by
+    each sequence's key (so they do not depend on the shard or the worker). Batches whose keys
+    are all committed already are skipped (resume)."""
     t0 = time.perf_counter()
     seqs = [
         s
@@ -214,15 +209,7 @@ async def score_shard(
     ]
     sampled = targets_of(manifest)  # the kind the manifest says (None: top-k rows)
     writer = await asyncio.to_thread(CacheWriter.open, task.staging_url, manifest, storage_options)
-    done = {"sequences": 0, "tokens": 0}
-
-    def append(items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
-        scored = [(batch, records) for batch, records in items if records is not None]
-        if scored:
-            writer.append(pipeline.for_store([r for _, rs in scored for r in rs], manifest))
-        for batch, _ in scored:
-            done["sequences"] += len(batch.seqs)
-            done["tokens"] += batch.tokens
+    done = pipeline.Appended(writer.append, manifest)
 
     try:
         await pipeline.run(
@@ -233,8 +220,7 @@ async def score_shard(
                 max_tokens=batch_tokens,
             ),
             score=lambda b: pipeline.engine_records(engine, b, manifest.k, targets=sampled),
-            write=lambda batch, records: append([(batch, records)]),
-            write_many=append,
+            write=done,
             merge_rows=pipeline.merge_rows(manifest),
             linger=pipeline.WRITE_LINGER_S,
             fill=write_fill_s,
@@ -248,8 +234,8 @@ async def score_shard(
         staging_url=task.staging_url,
         num_sequences=len(seqs),
         keys=tuple(s.key for s in seqs),
-        scored_sequences=done["sequences"],
-        scored_tokens=done["tokens"],
+        scored_sequences=done.scored_sequences,
+        scored_tokens=done.scored_tokens,
         seconds=time.perf_counter() - t0,
         worker=worker,
     )

@@ -10,8 +10,10 @@ Modules (arrows are the only imports allowed inside the package; tests/repo/test
 * :mod:`.base` — the check/score/convert/time path every backend shares (-> protocol).
 * :mod:`.vllm`, :mod:`.hf` — the backends (-> protocol, config, base); vLLM/torch are imported
   when an engine is built, never at import time. :mod:`.vllm_logprobs` has vLLM hand this
-  engine's prompt logprobs over as arrays (no Python lists); :mod:`.vllm_sampling` draws sampled
-  targets inside vLLM's worker; :mod:`.reaper` ends the engine's processes with the server.
+  engine's prompt logprobs over as arrays (no Python lists); :mod:`.vllm_rows` turns one vLLM
+  output into rows; :mod:`.vllm_sampling` draws sampled targets inside vLLM's worker (both
+  hooks installed through :mod:`.patching`); :mod:`.hidden` and :mod:`.vllm_hidden` capture
+  hidden states (FORMAT.md 4.10); :mod:`.reaper` ends the engine's processes with the server.
 * :mod:`.factory` — :func:`build_engine` (-> config, backends, lazily).
 * :mod:`.supervisor` — :class:`SupervisedEngine`: restarts an engine that died (-> protocol).
 """

@@ -30,18 +30,6 @@ from .protocol import EngineError, TeacherScores, make_scores
 from .vllm_logprobs import TensorPromptLogprobs
 
 
-def rows_from_flat(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(topk_ids [L-1, k] int32, topk_logprobs [L-1, k] float32)`` from a ``FlatLogprobs``.
-
-    Fast path (vLLM 0.32's layout, see the module docstring): reshape the flat lists to
-    ``[L-1, k+1]`` and drop column 0. Anything else goes through :func:`rows_from_dicts`.
-    """
-    full = _flat_columns(flat, k, length)
-    if full is None:
-        return rows_from_dicts(list(flat), k, length)
-    return full[0][:, 1:], full[1][:, 1:]
-
-
 def _flat_columns(flat: Any, k: int, length: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The ``[L-1, k+1]`` ids and logprobs of a ``FlatLogprobs`` in vLLM 0.32's layout (column
     0: the prompt's tokens), or ``None`` for another layout."""

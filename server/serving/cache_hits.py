@@ -153,7 +153,7 @@ class CacheServing:
             raise InvalidInputError(targets.HIDDEN_JOBS_ONLY)
         if req.cache is None:
             sampled = scoring.sampled_targets(asked)
-            k = scoring.resolve_k(req.k) if sampled is None else sampled.slots
+            k = (scoring.check_k(req.k) or scoring.default_k) if sampled is None else sampled.slots
             t = scoring.check_temperature(req.temperature)
             seqs = await asyncio.to_thread(scoring.sequences_of, req)
             scoring.check_answer_size(seqs, k, fmt)

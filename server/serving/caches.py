@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
-from logitcache.cache_format._wire import exact_frame_dtype
 from logitcache.cache_format.errors import FormatError, ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
@@ -522,23 +521,6 @@ class CacheRegistry:
             entries = list(self._writers.items())
             for name, entry in entries:
                 self._drop(name, entry)
-
-
-class RangeReader:
-    """Read whole sequence ranges of one reader with two contiguous reads each
-    (``CacheReader.read_ranges``, as the client's ``LocalSource`` reads): sequences ``[a, b)``
-    are rows ``[row_start(a), row_start(b))`` and tokens ``[row_start(a) + a, row_start(b) +
-    b)`` (FORMAT.md). The committed prefix never changes, so ranges checked against an earlier
-    snapshot stay valid while the reader refreshes."""
-
-    def __init__(self, reader: CacheReader) -> None:
-        self.reader = reader
-        # float16 and hidden caches are read (and sent) as stored: exact, less work
-        self.logprob_dtype = exact_frame_dtype(reader.manifest)
-
-    def read(self, start: int, stop: int) -> list[SequenceRecord]:
-        """Records of sequences ``[start, stop)`` (``0 <= start <= stop <= num_sequences``)."""
-        return self.reader.read_ranges([(start, stop)], logprob_dtype=self.logprob_dtype)
 
 
 def _holds_chunks(folder: Path) -> bool:

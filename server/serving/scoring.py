@@ -25,7 +25,6 @@ from ..engine.protocol import (
     EngineInputError,
     SampledTargets,
     check_k,
-    check_sampled,
     check_temperature,
 )
 from ..errors import (
@@ -35,8 +34,8 @@ from ..errors import (
     PayloadTooLargeError,
 )
 from ..inputs.records import Limits, RawRecord, Sequence, to_sequence
-from .caches import CacheRegistry, broken_store, check_name, expected_manifest
-from .targets import resolve, with_targets
+from .caches import CacheRegistry, broken_store, check_name
+from .targets import checked, new_manifest, resolve
 
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
@@ -123,11 +122,6 @@ class ScoringService:
         except EngineInputError as e:
             raise InvalidInputError(str(e)) from None
 
-    def resolve_k(self, k: int | None) -> int:
-        """The request's checked ``k``, or :attr:`default_k` when it names none."""
-        checked = self.check_k(k)
-        return self.default_k if checked is None else checked
-
     def check_temperature(self, temperature: float | None) -> float | None:
         """A request's temperature, range-checked (422); ``None`` stays ``None``."""
         if temperature is None:
@@ -146,16 +140,19 @@ class ScoringService:
         stored = None if cache is None else self.stored_manifest(cache)
         return self.engine.info.temperature if stored is None else stored.temperature
 
-    def expected_manifest(
-        self, k: int, dataset: str = "", temperature: float | None = None
+    def new_manifest(
+        self,
+        k: int,
+        dataset: str = "",
+        temperature: float | None = None,
+        targets: SampledTargets | None = None,
     ) -> Manifest:
-        """The manifest of a new cache written by this server's engine at a checked ``k`` and
+        """:func:`.targets.new_manifest` of this server's engine at a checked ``k`` and
         ``temperature`` (``None``: the engine's)."""
         info = self.engine.info
         if temperature is not None:
             info = replace(info, temperature=temperature)
-        m = expected_manifest(info, k=k, logprob_dtype=self.settings.logprob_dtype, dataset=dataset)
-        return m.model_copy(update={"entropy": True}) if self.settings.entropy else m
+        return new_manifest(info, self.settings, k, dataset, targets)
 
     def target_manifest(
         self,
@@ -180,13 +177,9 @@ class ScoringService:
             return self.caches.target_manifest(name, new, k=None)
         if asked is not None:
             chosen = self._sampled(resolve(asked, self.stored_manifest(name)))
-            new = self.expected_manifest(self.default_k, dataset, temperature)
-            return self._same_entropy(
-                self.caches.target_manifest(name, with_targets(new, chosen), k=None)
-            )
-        expected = self.expected_manifest(self.default_k if k is None else k, dataset, temperature)
-        if self.settings.actual_logprob:  # a new top-k cache keeps it (FORMAT.md 4.12)
-            expected = expected.model_copy(update={"actual_logprob": True})
+            new = self.new_manifest(self.default_k, dataset, temperature, chosen)
+            return self._same_entropy(self.caches.target_manifest(name, new, k=None))
+        expected = self.new_manifest(self.default_k if k is None else k, dataset, temperature)
         with broken_store(name):
             manifest = self.caches.target_manifest(name, expected, k=k)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
@@ -210,8 +203,10 @@ class ScoringService:
         """The manifest of a new ``targets="hidden"`` cache of this engine (FORMAT.md 4.10):
         bfloat16 rows, the engine's head described (and content-hashed) in ``hidden``; 422 if
         the engine does not capture hidden states."""
-        doc = self.expected_manifest(1, dataset, temperature).model_dump()
-        doc.update(targets="hidden", hidden=self.teacher_head().spec("bfloat16"))
+        doc = self.new_manifest(1, dataset, temperature).model_dump()
+        doc.update(
+            targets="hidden", hidden=self.teacher_head().spec("bfloat16"), actual_logprob=False
+        )
         return Manifest(**doc)
 
     def teacher_head(self) -> Any:
@@ -244,12 +239,7 @@ class ScoringService:
         return None if asked is None else self._sampled(resolve(asked, None))
 
     def _sampled(self, chosen: SampledTargets | None) -> SampledTargets | None:
-        if chosen is None:
-            return None
-        try:
-            return check_sampled(chosen, self.engine.info.vocab_size)
-        except EngineInputError as e:
-            raise InvalidInputError(str(e)) from None
+        return checked(chosen, self.engine.info.vocab_size)
 
     def sequences_of(self, req: ScoreRequest) -> list[Sequence]:
         """The request's checked, keyed sequences (tokenising texts)."""

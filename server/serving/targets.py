@@ -18,13 +18,18 @@ The kind then travels as the manifest written: :func:`targets_of` gives the engi
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from logitcache.cache_format import Manifest
 from logitcache.protocol import SamplingOptions
 
-from ..engine.protocol import SampledTargets
+from ..engine.protocol import EngineInputError, SampledTargets, check_sampled
 from ..errors import InvalidInputError
+from .caches import expected_manifest
+
+if TYPE_CHECKING:
+    from ..engine import EngineInfo
+    from ..settings import ServerSettings
 
 #: Draws per row of a sampled request that names none (and no existing cache gives them).
 DEFAULT_DRAWS = 64
@@ -71,6 +76,15 @@ def resolve(asked: SampledTargets | str | None, stored: Manifest | None) -> Samp
     return cache_or_default(stored)
 
 
+def checked(chosen: SampledTargets | None, vocab_size: int) -> SampledTargets | None:
+    """``chosen`` range-checked for a vocabulary of ``vocab_size`` ids (``None`` passes); a
+    :class:`InvalidInputError` (422) otherwise."""
+    try:
+        return None if chosen is None else check_sampled(chosen, vocab_size)
+    except EngineInputError as e:
+        raise InvalidInputError(str(e)) from None
+
+
 def cache_or_default(stored: Manifest | None) -> SampledTargets:
     """A sampled cache's own parameters, else :data:`DEFAULT_DRAWS` draws at proposal
     temperature 1 and seed 0."""
@@ -103,6 +117,22 @@ def with_targets(expected: Manifest, targets: SampledTargets | None) -> Manifest
     doc = expected.model_dump()
     doc.update(k=targets.slots, targets="sampled", sampling=targets.manifest())
     return Manifest(**doc)
+
+
+def new_manifest(
+    info: EngineInfo,
+    settings: ServerSettings,
+    k: int,
+    dataset: str = "",
+    targets: SampledTargets | None = None,
+) -> Manifest:
+    """The manifest of a new cache the engine ``info`` describes writes under ``settings``:
+    top-``k`` rows, keeping the actual tokens' logprobs with the ``actual_logprob`` setting
+    (FORMAT.md 4.12), or ``targets``' sampled rows (:func:`with_targets`); either way the rows'
+    entropy with the ``entropy`` setting (FORMAT.md 4.9)."""
+    top = expected_manifest(info, k=k, logprob_dtype=settings.logprob_dtype, dataset=dataset)
+    flags = {"entropy": settings.entropy, "actual_logprob": settings.actual_logprob and not targets}
+    return with_targets(top.model_copy(update=flags), targets)
 
 
 def targets_of(manifest: Manifest) -> SampledTargets | None:

@@ -214,25 +214,21 @@ class TeacherPool:
                 assert held.scoring is not None
                 yield held, held.scoring
             return
-        engine: Any = known
-        yield (
-            teacher,
-            ScoringService(
-                engine=engine,
-                caches=self.caches,
-                settings=teacher.settings,
-                metrics=self.metrics.for_teacher(teacher.name),
-            ),
+        yield teacher, self._scoring(teacher, known)
+
+    def _scoring(self, teacher: Teacher, engine: Any) -> ScoringService:
+        metrics = self.metrics.for_teacher(teacher.name)
+        return ScoringService(
+            engine=engine, caches=self.caches, settings=teacher.settings, metrics=metrics
         )
 
     # --- loading --------------------------------------------------------------------------
 
-    def _resident(self) -> int:
-        return sum(t.memory for t in self.teachers.values() if t.state != "unloaded")
-
     def _fits(self, teacher: Teacher) -> bool:
-        others = [t for t in self.teachers.values() if t.state != "unloaded" and t is not teacher]
-        return self.budget is None or not others or self._resident() + teacher.memory <= self.budget
+        resident = [t for t in self.teachers.values() if t.state != "unloaded"]
+        others = [t for t in resident if t is not teacher]
+        used = sum(t.memory for t in resident)
+        return self.budget is None or not others or used + teacher.memory <= self.budget
 
     async def _load(self, teacher: Teacher) -> None:
         while True:
@@ -278,12 +274,7 @@ class TeacherPool:
         except BaseException:
             teacher.state = "unloaded"
             raise
-        scoring = ScoringService(
-            engine=engine,
-            caches=self.caches,
-            settings=teacher.settings,
-            metrics=self.metrics.for_teacher(teacher.name),
-        )
+        scoring = self._scoring(teacher, engine)
         teacher.engine, teacher.scoring, teacher.serving = engine, scoring, CacheServing(scoring)
         teacher.known = Known(engine.info, getattr(engine, "tokenizer", None))
         teacher.state, teacher.loads = "loaded", teacher.loads + 1

@@ -15,7 +15,7 @@ from logitcache.server.engine import (
     build_engine,
     engine_config,
 )
-from logitcache.server.engine.vllm_rows import rows_from_dicts, rows_from_flat, scores_from_output
+from logitcache.server.engine.vllm_rows import rows_from_dicts, scores_from_output
 
 K = 20
 #: fp32 on both sides; research measured |vLLM - HF| <= 2e-6 on CPU.
@@ -99,16 +99,16 @@ def test_array_form_equals_flat_fast_path_and_rank_fallback(vllm_engine, heldout
         out = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5, 1.0, arrays=False)))
         flat = out.prompt_logprobs
         assert len(flat) == len(ids) and len(flat.token_ids) == (len(ids) - 1) * 6
-        fast = rows_from_flat(flat, 5, len(ids))
+        fast = scores_from_output(out, 5, len(ids))  # the flat lists read in bulk
         slow = rows_from_dicts(list(flat), 5, len(ids))
-        np.testing.assert_array_equal(fast[0], slow[0])
-        np.testing.assert_array_equal(fast[1], slow[1])
+        np.testing.assert_array_equal(fast.topk_ids, slow[0])
+        np.testing.assert_array_equal(fast.topk_logprobs, slow[1])
         arrays = asyncio.run(vllm_engine._one_inproc(ids, vllm_engine._params(5, 1.0)))
         pl = arrays.prompt_logprobs
         assert isinstance(pl, TensorPromptLogprobs) and len(pl) == len(ids)
         got = scores_from_output(arrays, 5, len(ids))
-        np.testing.assert_array_equal(got.topk_ids, fast[0])
-        np.testing.assert_array_equal(got.topk_logprobs, fast[1])
+        np.testing.assert_array_equal(got.topk_ids, fast.topk_ids)
+        np.testing.assert_array_equal(got.topk_logprobs, fast.topk_logprobs)
 
 
 def test_smaller_k_is_a_prefix_and_concurrent_calls_agree(vllm_engine, heldout_sequences) -> None:

@@ -85,8 +85,8 @@ def test_stop_between_batches_keeps_the_committed_batches(tmp_path: Path) -> Non
     seqs = list(inputs.sequences(_raws(6), engine.tokenize, LIMITS))
     written: list[list[str]] = []
 
-    def write(batch: pipeline.Batch, records: list | None) -> None:
-        written.append([r.key for r in records or []])
+    def write(items: list) -> None:
+        written.extend([r.key for r in records or []] for _, records in items)
 
     async def main() -> None:
         await pipeline.run(
@@ -106,8 +106,9 @@ def test_a_writer_error_reaches_the_caller_and_skipped_batches_keep_their_place(
     seqs = list(inputs.sequences(_raws(6), engine.tokenize, LIMITS))
     order: list[tuple[bool, list[str]]] = []
 
-    def write(batch: pipeline.Batch, records: list | None) -> None:
-        order.append((records is not None, [s.key for s in batch.seqs]))
+    def write(items: list) -> None:
+        for batch, records in items:
+            order.append((records is not None, [s.key for s in batch.seqs]))
         if len(order) == 3:
             raise OSError("disk full")
 

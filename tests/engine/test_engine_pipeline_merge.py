@@ -1,4 +1,4 @@
-"""pipeline.run with ``write_many``: batches already waiting for a slow writer are written as one
+"""pipeline.run's writer: batches already waiting for a slow writer are written as one
 group (in order, up to ``merge_rows`` rows), every batch exactly once; a writer that keeps up
 writes them one by one."""
 
@@ -39,8 +39,7 @@ def _run(n: int, merge_rows: int, gate: threading.Event | None) -> list[list[str
         await pipeline.run(
             pipeline.plan(_seqs(n), lambda keys: keys, max_sequences=1, max_tokens=99),
             score=lambda b: pipeline.engine_records(engine, b, K),
-            write=lambda b, r: pytest.fail("write_many takes every batch"),
-            write_many=write_many,
+            write=write_many,
             merge_rows=merge_rows,
             depth=lambda: 2,
             queue_size=8,
@@ -81,8 +80,7 @@ def _slow_run(
         await pipeline.run(
             pipeline.plan(_seqs(n), lambda keys: keys, max_sequences=1, max_tokens=99),
             score=slow_score,
-            write=lambda b, r: pytest.fail("write_many takes every batch"),
-            write_many=lambda items: groups.append([s.key for b, _ in items for s in b.seqs]),
+            write=lambda items: groups.append([s.key for b, _ in items for s in b.seqs]),
             merge_rows=merge_rows,
             linger=linger,
             fill=fill,

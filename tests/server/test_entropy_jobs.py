@@ -86,13 +86,13 @@ def test_distributed_targets_keep_the_entropy_flag(tmp_path, tiny) -> None:
     from format_support import make_manifest
     from logitcache.cache_format.errors import ManifestMismatchError
     from logitcache.server.batch import shards
-    from logitcache.server.batch.distributed import _final_manifest
     from logitcache.server.engine.config import engine_config, planned_info
+    from logitcache.server.serving.targets import new_manifest
 
     for on in (True, False):
         settings = server_settings(tmp_path, str(tiny.teacher_dir), backend="hf", entropy=on)
         info = planned_info(engine_config(settings))
-        assert _final_manifest(info, settings, "d").entropy is on
+        assert new_manifest(info, settings, info.max_k, "d").entropy is on
 
     url = str(tmp_path / "c")
     with CacheWriter.open(url, make_manifest(k=4, vocab_size=50)):
@@ -113,13 +113,13 @@ def test_distributed_keeps_the_actual_token_and_commits_into_a_cache_without_it(
 
     from format_support import make_manifest, make_records
     from logitcache.server.batch import shards
-    from logitcache.server.batch.distributed import _final_manifest
     from logitcache.server.engine.config import engine_config, planned_info
+    from logitcache.server.serving.targets import new_manifest
 
     for on in (True, False):
         settings = server_settings(tmp_path, str(tiny.teacher_dir), backend="hf", actual_logprob=on)
         info = planned_info(engine_config(settings))
-        assert _final_manifest(info, settings, "d").actual_logprob is on
+        assert new_manifest(info, settings, info.max_k, "d").actual_logprob is on
     recs = make_records(3, k=4, vocab=50, seed=2)
     staged = [replace(r, actual_logprob=-np.ones(r.num_rows)) for r in recs]
     stage = str(tmp_path / "stage")

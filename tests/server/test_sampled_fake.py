@@ -193,9 +193,10 @@ def test_shard_steps_write_the_jobs_sampled_rows(tmp_path: Path) -> None:
     one-process job's cache: same keys in the same order, byte-equal arrays, same identity; a
     re-run adds nothing; a top-k run into that cache is refused (one cache, one kind)."""
     from logitcache.cache_format import ManifestMismatchError
-    from logitcache.server.batch.distributed import _final_manifest, read_input
+    from logitcache.server.batch.distributed import read_input
     from logitcache.server.batch.distributed_config import chosen_targets
     from logitcache.server.errors import InvalidInputError
+    from logitcache.server.serving.targets import new_manifest
 
     settings = app_settings(tmp_path, job_batch_sequences=3)
     records = _records(11)
@@ -214,7 +215,7 @@ def test_shard_steps_write_the_jobs_sampled_rows(tmp_path: Path) -> None:
     job_url = tmp_path / "caches" / "job"
 
     chosen = chosen_targets(SampledTargets(**sampling), None, engine.info)
-    manifest = _final_manifest(engine.info, settings, "in.jsonl", chosen)
+    manifest = new_manifest(engine.info, settings, engine.info.max_k, "in.jsonl", chosen)
     url = str(tmp_path / "sharded")
     assert _shards_run(engine, read_input(path), url, manifest, shard_size=4) == len(records)
     a, b = CacheReader(url), CacheReader(job_url)
@@ -226,7 +227,7 @@ def test_shard_steps_write_the_jobs_sampled_rows(tmp_path: Path) -> None:
     assert _shards_run(engine, read_input(path), url, manifest, shard_size=4) == 0
     # an existing sampled cache: "sampled" takes its parameters; top-k or others are refused
     assert chosen_targets("sampled", a.manifest, engine.info) == chosen
-    top = _final_manifest(engine.info, settings, "in.jsonl", None)
+    top = new_manifest(engine.info, settings, engine.info.max_k, "in.jsonl")
     with pytest.raises(ManifestMismatchError, match="targets"):
         _shards_run(engine, read_input(path), url, top, shard_size=4)
     with pytest.raises(InvalidInputError, match="draws"):

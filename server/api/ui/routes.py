@@ -1,16 +1,8 @@
-"""Routes of the browser UI and :func:`install`, which ``create_app`` calls.
-
-* ``GET /``: the status page (the default teacher's engine, every teacher's state with its own
-  caches and cache use, jobs with progress/ETA/throughput, caches with size, rows, coverage and
-  bytes/position). With an API key set, a browser without the login cookie gets the
-  login form instead; ``Authorization: Bearer <key>`` works too.
-* ``POST /login`` (form field ``key``): sets the login cookie (see :mod:`.auth`) and redirects
-  to ``/``; a wrong key answers 401 with the form again. ``POST /logout`` clears it.
-* ``GET /docs``: Swagger UI (5.x: it renders the OpenAPI 3.1 schema FastAPI writes) with its
-  JavaScript/CSS served from this server (``/ui/static/...``, the files the ``fastapi-offline``
-  package carries; only they are used, not its code): nothing from a CDN.
-* The OpenAPI schema declares an HTTP Bearer scheme (``bearerAuth``) on every operation but
-  ``/health`` when the server has an API key, so Swagger UI shows its Authorize button.
+"""Routes of the browser UI and :func:`install`, which ``create_app`` calls: the status page
+``GET /`` (the login form without the key), ``POST /login`` and ``/logout`` (:mod:`.auth`), and
+``GET /docs`` (Swagger UI from the ``fastapi-offline`` package's files, no CDN; only its files
+are used, not its code). The OpenAPI schema declares an HTTP Bearer scheme when the server has
+an API key. What each page shows: ``server/API.md``.
 
 ``/``, ``/login``, ``/logout``, ``/docs``, ``/openapi.json`` and ``/ui/static/*`` are public at
 the middleware (:data:`PUBLIC_PATHS`, :data:`PUBLIC_PREFIXES`); ``/`` checks the key itself.
