@@ -5,9 +5,10 @@ For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD):
 through a cache (:mod:`~..serving.cache_hits`; default :data:`DEFAULT_CACHE`, one per
 temperature: :func:`~..serving.scoring.default_cache`). Each row lists the actual prompt token
 first (its logprob from the cache's ``actual_logprob`` array, the rows just scored, or
-:func:`~..serving.chosen.at_chosen_ids`), then the top ``prompt_logprobs`` ids; outside the row's top ``K`` that token's rank is ``K + 1``,
-a lower bound, and ``choices[i].rank_lower_bound`` lists those positions. A
-``prompt_logprobs`` above the cache's k is scored and not stored. The contract, and what
+:func:`~..serving.chosen.at_chosen_ids`), then the top ``prompt_logprobs`` ids; outside the
+row's top ``K`` that token's rank is ``K + 1``, a lower bound, and
+``choices[i].rank_lower_bound`` lists those positions. A ``prompt_logprobs`` above the cache's
+k is scored and not stored. The contract, and what
 differs from vLLM: ``server/API.md``.
 """
 
