@@ -64,8 +64,6 @@ __all__ = [
     "add_csv_option",
     "Recorder",
     "ab",
-    "cuda_measure",
-    "cuda_peak_bytes",
     "free_memory",
     "free_port",
     "line_plot",
@@ -77,6 +75,7 @@ __all__ = [
     "measure",
     "pin_cores",
     "quantiles",
+    "rss_bytes",
     "sync",
     "time_call",
 ]
@@ -226,26 +225,6 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Measure
     return Measurement(wall, cpu)
 
 
-def cuda_measure(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> Measurement:
-    """Seconds per call of ``fn`` on the current CUDA stream, timed by CUDA events (so kernel
-    time, not launch time); the caches are not flushed between calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    wall = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        wall.append(start.elapsed_time(end) / 1e3)
-    return Measurement(wall)
-
-
 def sync(cuda: bool) -> None:
     """Wait for the GPU's queued work (no-op on the CPU)."""
     if cuda:
@@ -293,19 +272,8 @@ def free_memory(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``(fn(), peak CUDA bytes allocated during the call above what was allocated before)``."""
-    import torch
-
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """Resident bytes of this process now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -323,10 +291,10 @@ class PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, _rss_bytes())
+            self.peak = max(self.peak, rss_bytes())
 
     def __enter__(self) -> PeakRSS:
-        self.start = self.peak = _rss_bytes()
+        self.start = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -335,7 +303,7 @@ class PeakRSS:
         self._stop.set()
         assert self._thread is not None
         self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self.peak = max(self.peak, rss_bytes())
 
     @property
     def growth(self) -> int:
@@ -442,12 +410,19 @@ class Recorder:
     """Collects one run's rows and appends them to the CSV (and to a JSON file if asked).
 
     ``rec = Recorder("format", "write")``; ``rec.add(case, metric, unit, value, ...)``;
-    ``rec.save()``. The machine row is taken once, when the recorder is made."""
+    ``rec.save()``. The machine row is taken once, when the recorder is made; ``config`` goes
+    into every row's configuration (beside what :meth:`add` is given)."""
 
     def __init__(
-        self, suite: str, mode: str, *, csv_path: Path | None = None, command: str = ""
+        self,
+        suite: str,
+        mode: str,
+        *,
+        csv_path: Path | None = None,
+        command: str = "",
+        config: Mapping[str, Any] | None = None,
     ) -> None:
-        self.suite, self.mode = suite, mode
+        self.suite, self.mode, self.config = suite, mode, dict(config or {})
         self.csv_path = CSV_PATH if csv_path is None else csv_path
         self.machine = machine()
         self.command = command or "python -m " + " ".join(
@@ -479,7 +454,9 @@ class Recorder:
             "p80": "" if p80 is None else float(p80),
             "samples": samples,
             "config": json.dumps(
-                dict(config or {}) | ({"tree": TREE} if TREE else {}), sort_keys=True, default=str
+                self.config | dict(config or {}) | ({"tree": TREE} if TREE else {}),
+                sort_keys=True,
+                default=str,
             ),
             **{k: self.machine.get(k, "") for k in COLUMNS[11:18]},
             "command": self.command,
@@ -543,6 +520,18 @@ class Recorder:
         if json_path is not None:
             json_path.write_text(json.dumps({"machine": self.machine, "rows": self.rows}, indent=1))
         return self.csv_path
+
+    def finish(
+        self, result: Any, json_path: Path | None = None, *, indent: int = 2, show: int = 0
+    ) -> None:
+        """Append the rows to the CSV, print ``result`` as JSON (its first ``show`` characters
+        if ``show``) and write it to ``json_path`` if given."""
+        self.save()
+        text = json.dumps(result, indent=indent, default=str)
+        print(text[:show] if show else text, flush=True)
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(text + "\n")
 
 
 def add_csv_option(parser: argparse.ArgumentParser) -> None:

@@ -357,30 +357,12 @@ def main(argv: list[str] | None = None) -> None:
         for k, row in per_k.items():
             cfg = result["inputs"] | {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
             ratios = [p["ratio"] for p in row["pairs"]]
-            rec.add(
-                f"{mode} k={k}",
-                "job_over_direct",
-                "ratio",
-                row["median_ratio"],
-                p20=min(ratios),
-                p80=max(ratios),
-                samples=len(ratios),
-                config=cfg,
-            )
-            rec.add(
-                f"{mode} k={k}",
-                "direct_tokens_per_s",
-                "tok/s",
-                row["direct_median_tokens_per_s"],
-                config=cfg,
-            )
-            rec.add(
-                f"{mode} k={k}",
-                "job_tokens_per_s",
-                "tok/s",
-                row["job_median_tokens_per_s"],
-                config=cfg,
-            )
+            case, n = f"{mode} k={k}", len(ratios)
+            rec.add(case, "job_over_direct", "ratio", row["median_ratio"], config=cfg,
+                    p20=min(ratios), p80=max(ratios), samples=n)  # fmt: skip
+            for side in ("direct", "job"):
+                value = row[f"{side}_median_tokens_per_s"]
+                rec.add(case, f"{side}_tokens_per_s", "tok/s", value, config=cfg)
     rec.save()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
