@@ -71,6 +71,7 @@ from benchmarks.harness import (
     pin_cores,
     rss_bytes,
     scratch,
+    suite_parser,
 )
 from benchmarks.synthetic import Data, Teacher, store_bytes
 
@@ -471,6 +472,10 @@ def run_random(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- codecs
+def _each(fn: Any, items: list[Any]) -> list[Any]:
+    return [fn(x) for x in items]
+
+
 def run_codecs(args: argparse.Namespace) -> None:
     import numcodecs.blosc
     from logitcache.cache_format._idmap import build_id_order, inverse
@@ -503,8 +508,8 @@ def run_codecs(args: argparse.Namespace) -> None:
         ):
             codec = Blosc(cname, level, shuffle, blocksize=chunk * arr[:1].nbytes)
             enc = [codec.encode(c) for c in chunks]
-            m_enc = measure(lambda chunks=chunks, codec=codec: [codec.encode(c) for c in chunks])
-            m_dec = measure(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
+            m_enc = measure(functools.partial(_each, codec.encode, chunks))
+            m_dec = measure(functools.partial(_each, codec.decode, enc))
             label = f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle"
             bpp = sum(map(len, enc)) / len(arr)
             cfg = {"input": name, "codec": label, "chunk": chunk}
@@ -715,10 +720,7 @@ def run_index(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.format", description=__doc__.split("\n")[0]
-    )
-    sub = p.add_subparsers(dest="mode", required=True)
+    p, sub = suite_parser("format", __doc__)
     modes = {
         "configs": run_configs,
         "write": run_write,

@@ -73,11 +73,14 @@ __all__ = [
     "machine",
     "machine_line",
     "measure",
+    "median_time",
     "pin_cores",
     "quantiles",
     "rss_bytes",
     "sync",
     "time_call",
+    "suite_parser",
+    "wait_ready",
 ]
 
 
@@ -249,7 +252,32 @@ def time_call(cuda: bool, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def median_time(cuda: bool, fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` (:func:`time_call`) after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    sync(cuda)
+    return statistics.median(time_call(cuda, fn) for _ in range(repeats))
+
+
 # --------------------------------------------------------------------------- processes
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300, every: float = 0.1) -> bool:
+    """Poll ``url`` until it answers 200 (True) or ``timeout`` seconds pass (False); a
+    ``RuntimeError`` if ``proc`` (the server) exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server process exited with {proc.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if poll.get(url).status_code == 200:
+                    return True
+            time.sleep(every)
+    return False
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -532,6 +560,15 @@ class Recorder:
         if json_path is not None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(text + "\n")
+
+
+def suite_parser(suite: str, doc: str) -> tuple[argparse.ArgumentParser, Any]:
+    """The parser of ``python -m benchmarks.<suite>`` (described by the first line of ``doc``)
+    and its ``mode`` subparsers."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{suite}", description=doc.split("\n")[0]
+    )
+    return p, p.add_subparsers(dest="mode", required=True)
 
 
 def add_csv_option(parser: argparse.ArgumentParser) -> None:

@@ -65,6 +65,8 @@ from benchmarks.harness import (
     line_plot,
     log,
     machine_line,
+    suite_parser,
+    wait_ready,
 )
 from benchmarks.synthetic import Teacher, store_bytes, write_cache
 
@@ -74,7 +76,7 @@ CACHE = "bench"
 #: The full shuffle users are told to copy (order.py states its randomness).
 SHUFFLE = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}  # = dataset.TRAINER_SHUFFLE
 #: The loader settings of every measurement (items of 2048 tokens, packed, 8 per batch).
-LOADER = {"tokens_per_item": 2048, "mode": "pack", "batch_size": 8}
+LOADER: dict[str, Any] = {"tokens_per_item": 2048, "mode": "pack", "batch_size": 8}
 
 
 def build(url: str, positions: int, seed: int = 0) -> dict[str, Any]:
@@ -211,8 +213,6 @@ def serve(root: str, port: int) -> None:
 @contextlib.contextmanager
 def http_server(root: str) -> Iterator[tuple[str, int]]:
     """A server process (``serve``) on a free loopback port; yields ``(url, pid)``."""
-    import httpx
-
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.loader", "serve", "--root", root, "--port", str(port)],
@@ -220,15 +220,7 @@ def http_server(root: str) -> Iterator[tuple[str, int]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client() as poll:  # one client: httpx.get builds one per call
-            for _ in range(300):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server process exited with {proc.returncode}")
-                try:
-                    if poll.get(f"{url}/v1/caches/{CACHE}/store/zarr.json").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+        wait_ready(proc, f"{url}/v1/caches/{CACHE}/store/zarr.json", timeout=30)
         yield url, proc.pid
     finally:
         proc.terminate()
@@ -246,7 +238,7 @@ def http_rates(
     with each ``threads`` (``read_threads``), then each ``workers`` (> 0) count of workers."""
     from logitcache.client.sources import HttpSource
 
-    runs = [(0, t) for t in threads] if 0 in workers else []
+    runs: list[tuple[int, int | None]] = [(0, t) for t in threads] if 0 in workers else []
     runs += [(w, t or None) for t in worker_threads for w in workers if w > 0]
     out = []
     with http_server(root) as (url, pid):
@@ -344,7 +336,9 @@ def data_wait(
     # the workers filled their queues (num_workers x prefetch_factor batches) during the pure
     # steps: the first fed steps are served from that buffer, so the steady figures leave them out
     skip = warmup + workers * 4
-    waits, totals, pos = [], [], 0
+    waits: list[float] = []
+    totals: list[float] = []
+    pos = 0
     for i in range(skip + fed_steps):
         if i == skip:
             waits, totals, pos = [], [], 0
@@ -422,10 +416,7 @@ def one_process(url: str, args: argparse.Namespace, reader_pos_per_s: float) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.loader", description=__doc__.split("\n")[0]
-    )
-    sub = p.add_subparsers(dest="mode", required=True)
+    p, sub = suite_parser("loader", __doc__)
     srv = sub.add_parser("serve", help="(internal) the HTTP mode's server process")
     srv.add_argument("--root", required=True)
     srv.add_argument("--port", type=int, required=True)

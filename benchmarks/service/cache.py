@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             rows_exact += ids == wids and lps == wlps
             max_abs = max(max_abs, max(abs(a - b) for a, b in zip(lps, wlps, strict=True)))
     e1 = epochs[0]["engine_s"]
-    result = {
+    result: dict[str, Any] = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_line(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -46,6 +46,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness import Recorder, add_csv_option, load1, machine_line
 from tests.server_support import VLLM_ENV, ServerProcess, wait_job
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()
             if worker.proc.poll() is None:
                 worker.proc.kill()
-    result = {
+    result: dict[str, Any] = {
         "machine": machine_line(rec.machine),
         "command": rec.command,
         "inputs": {"sequences": args.sequences, "length": args.length, "k": args.k},

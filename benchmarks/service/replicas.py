@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     raws = [RawRecord(where=f"r{i}", id=r["id"], text=r["text"], input_ids=None)
             for i, r in enumerate(records)]  # fmt: skip
     settings = ServerSettings(
-        _env_file=None,  # type: ignore[call-arg]
+        _env_file=None,
         model=str(tiny.teacher_dir),
         k=args.k,
         max_seq_len=1024,

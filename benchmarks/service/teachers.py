@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(engine.aclose())
 
     med_one, med_two, med_swap = (statistics.median(x) for x in (one, two, swaps))
-    result = {
+    result: dict[str, Any] = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_line(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
