@@ -210,11 +210,7 @@ def loader(source: str, cache: str | None, seqs: int, seq_len: int) -> Iterator[
 
 
 def measure(
-    step: Callable[[], torch.Tensor],
-    opt: Any,
-    device: torch.device,
-    warmup: int,
-    steps: int,
+    step: Callable[[], torch.Tensor], opt: Any, device: torch.device, warmup: int, steps: int
 ) -> dict:
     """``warmup`` + ``steps`` optimizer steps of ``step()``'s loss; median time, peak memory."""
 

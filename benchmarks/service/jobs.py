@@ -48,7 +48,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Recorder, add_csv_option, load1, machine_line
+from benchmarks.harness import Recorder, load1, machine_line
+from benchmarks.service.common import mode_parser, parse
 from tests.server_support import VLLM_ENV, ServerProcess, wait_job
 
 
@@ -242,9 +243,7 @@ def run_pairs(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.service jobs", description=__doc__.splitlines()[0]
-    )
+    p = mode_parser("jobs", __doc__)
     p.add_argument("--sequences", type=int, default=512)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--k", type=int, nargs="+", default=[8], help="one or more k (pairs per k)")
@@ -255,31 +254,19 @@ def main(argv: list[str] | None = None) -> None:
     from logitcache.server.settings import ServerSettings
 
     default = {n: f.default for n, f in ServerSettings.model_fields.items()}
-    p.add_argument(
-        "--batch-sequences",
-        type=int,
-        default=default["job_batch_sequences"],
-        help="server job_batch_sequences (default: the service's)",
-    )
-    p.add_argument(
-        "--batch-tokens",
-        type=int,
-        default=default["job_batch_tokens"],
-        help="server job_batch_tokens (default: the service's)",
-    )
-    p.add_argument(
-        "--inflight",
-        type=int,
-        default=default["job_inflight_batches"],
-        help="server job_inflight_batches (default: the service's)",
-    )
-    p.add_argument("--json", type=Path, default=None)
-    add_csv_option(p)
+    for flag, name in (
+        ("--batch-sequences", "job_batch_sequences"),
+        ("--batch-tokens", "job_batch_tokens"),
+        ("--inflight", "job_inflight_batches"),
+    ):
+        p.add_argument(
+            flag, type=int, default=default[name], help=f"server {name} (default: the service's)"
+        )
     p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.direct_worker:
         args.k = args.k[0]
         direct_worker(args)

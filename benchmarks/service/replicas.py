@@ -75,11 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     raws = [RawRecord(where=f"r{i}", id=r["id"], text=r["text"], input_ids=None)
             for i, r in enumerate(records)]  # fmt: skip
     settings = ServerSettings(
-        _env_file=None,
-        model=str(tiny.teacher_dir),
-        k=args.k,
-        max_seq_len=1024,
-        backend="vllm",
+        _env_file=None, model=str(tiny.teacher_dir), k=args.k, max_seq_len=1024, backend="vllm"
     )
     t = time.perf_counter()
     init_local_ray(num_cpus=2)
