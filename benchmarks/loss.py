@@ -233,17 +233,17 @@ def grads_of(fn: Callable, x: dict) -> tuple[float, torch.Tensor, torch.Tensor]:
     return out
 
 
+def leaves_as(x: dict, dtype: torch.dtype) -> dict:
+    """``x`` with ``h`` and ``w`` as new leaves of ``dtype`` (the targets shared)."""
+    return x | {n: x[n].detach().to(dtype).requires_grad_() for n in ("h", "w")}
+
+
 def check(args: argparse.Namespace, device: str) -> dict:
     """Every variant vs a float64 dense reference (small N); bf16 grad_W vs fp32 (large N)."""
     out: dict[str, Any] = {"small": [], "large": {}}
     vocab, dim = args.configs[0]
     x = make_inputs(args.check_n, dim, vocab, args.k, device, seed=1)
-    x64 = {
-        "h": x["h"].detach().double().requires_grad_(),
-        "w": x["w"].detach().double().requires_grad_(),
-        "ids": x["ids"],
-        "lp": x["lp"],
-    }
+    x64 = leaves_as(x, torch.float64)
     tail = (1 - x["lp"].exp().sum(-1)).clamp(0, 1)
     labels = torch.randint(0, vocab, (args.check_n,), device=device)
     configs = {
@@ -313,12 +313,7 @@ def check(args: argparse.Namespace, device: str) -> dict:
     free()
     if args.check_large_n:
         xl = make_inputs(args.check_large_n, dim, vocab, args.k, device, seed=2)
-        x32 = {
-            "h": xl["h"].detach().float().requires_grad_(),
-            "w": xl["w"].detach().float().requires_grad_(),
-            "ids": xl["ids"],
-            "lp": xl["lp"],
-        }
+        x32 = leaves_as(xl, torch.float32)
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         ref = grads_of(ours("fused_chunked", "torch", 2048), x32)
