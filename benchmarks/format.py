@@ -274,14 +274,10 @@ def run_configs(args: argparse.Namespace) -> None:
             log(name, {k: round(v, 1) for k, v in results[name].items()})
     for case, r in results.items():
         cfg = asdict(CONFIGS[case]) if case in CONFIGS else {"name": case}
+        cfg |= {"positions": data.positions, "cores": args.cores}
         for metric, value in r.items():
-            rec.add(
-                case,
-                metric,
-                UNITS.get(metric, "pos/s" if "pos" in metric else "seq/s"),
-                value,
-                config=cfg | {"positions": data.positions, "cores": args.cores},
-            )
+            unit = UNITS.get(metric, "pos/s" if "pos" in metric else "seq/s")
+            rec.add(case, metric, unit, value, config=cfg)
     rec.save()
     base = results["baseline (npy)"]
     rows = [
@@ -337,15 +333,17 @@ def run_write(args: argparse.Namespace) -> None:
     rec = Recorder("format", "write", csv_path=args.csv)
     table = []
     for name, xs in rates.items():
+        cfg = asdict(CONFIGS[name]) | {"positions": data.positions}
+        rate = statistics.median(xs)
         rec.add(
             name,
             "write_pos_per_cpu_s",
             "pos/cpu-s",
-            statistics.median(xs),
+            rate,
+            config=cfg,
             p20=min(xs),
             p80=max(xs),
             samples=len(xs),
-            config=asdict(CONFIGS[name]) | {"positions": data.positions},
         )
         table.append([name, f"{statistics.median(xs):,.0f}", f"{max(xs):,.0f}", len(xs)])
     rec.save()
@@ -514,20 +512,15 @@ def run_codecs(args: argparse.Namespace) -> None:
             bpp = sum(map(len, enc)) / len(arr)
             cfg = {"input": name, "codec": label, "chunk": chunk}
             rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
-            rec.add(
-                f"{name} / {label}",
-                "decode_pos_per_cpu_s",
-                "pos/cpu-s",
-                m_dec.rate(len(arr), cpu=True),
-                config=cfg,
-            )
+            dec = m_dec.rate(len(arr), cpu=True)
+            rec.add(f"{name} / {label}", "decode_pos_per_cpu_s", "pos/cpu-s", dec, config=cfg)
             table.append(
                 [
                     name,
                     label,
                     f"{bpp:.1f}",
                     f"{m_enc.rate(len(arr), cpu=True):,.0f}",
-                    f"{m_dec.rate(len(arr), cpu=True):,.0f}",
+                    f"{dec:,.0f}",
                 ]
             )
     rec.save()
@@ -554,17 +547,9 @@ def run_validate(args: argparse.Namespace) -> None:
                 wall, cpu = (min(x) * 1e6 / rows for x in (got.wall, got.cpu))
                 case = f"{name} sample={sample or 'all'}"
                 log(f"{case}: {wall:.2f} s/M rows wall, {cpu:.2f} CPU-s/M rows")
-                for metric, v in (
-                    ("validate_wall_s_per_m_rows", wall),
-                    ("validate_cpu_s_per_m_rows", cpu),
-                ):
-                    rec.add(
-                        case,
-                        metric,
-                        "s/M rows",
-                        v,
-                        config={"positions": data.positions, "sample": sample},
-                    )
+                cfg = {"positions": data.positions, "sample": sample}
+                for what, v in (("wall", wall), ("cpu", cpu)):
+                    rec.add(case, f"validate_{what}_s_per_m_rows", "s/M rows", v, config=cfg)
                 table.append(
                     [case, f"{rows:,}", f"{report.checked_rows:,}", f"{wall:.2f}", f"{cpu:.2f}"]
                 )

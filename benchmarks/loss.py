@@ -711,13 +711,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "anatomy":
         vocab, d = args.configs[0]
         out = anatomy(args.variant, args.n, vocab, d, args.k, device)
-        rec.add(
-            args.variant,
-            "tracked_peak_bytes",
-            "B",
-            out["tracked_peak_bytes"],
-            config={"n": args.n, "vocab": vocab, "d": d, "k": args.k},
-        )
+        cfg = {"n": args.n, "vocab": vocab, "d": d, "k": args.k}
+        rec.add(args.variant, "tracked_peak_bytes", "B", out["tracked_peak_bytes"], config=cfg)
         rec.save()
         return
     t0 = time.time()
