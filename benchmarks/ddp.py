@@ -392,10 +392,9 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
                 if u is not None:
                     leftovers[i].append(u)
             break
-        seen = [p.pieces(u) for p, u in zip(parts, units, strict=True)]
-        batch = {
-            k: torch.cat([u[k] for u in units]).to(device, non_blocking=True) for k in units[0]
-        }
+        got = [u for u in units if u is not None]  # every part has one here
+        seen = [p.pieces(u) for p, u in zip(parts, got, strict=True)]
+        batch = {k: torch.cat([u[k] for u in got]).to(device, non_blocking=True) for k in got[0]}
         with autocast:
             hidden = body(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
         weight = model.lm_head.weight
@@ -476,7 +475,7 @@ def _run_process(rank: int, world: int, local_rank: int, cfg: TrainConfig, init:
         dist.init_process_group(cfg.backend, init_method=init, rank=rank, world_size=world)
     try:
         result = train_rank(cfg, rank, world, device)
-        results = [None] * world
+        results: list[Any] = [None] * world
         if world > 1:
             dist.all_gather_object(results, result)
         else:
