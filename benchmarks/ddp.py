@@ -23,26 +23,17 @@ Subcommands
 ``make-cache``  write a synthetic "bigram teacher" cache through ``logitcache.cache_format``;
 ``train``       one run (``--nproc W`` spawns W local ranks; under ``torchrun`` it uses the env);
 ``report``      make-cache (if needed) + 1-process run + W-process run + resume run; writes
-                ``--out`` (JSON) and ``--md`` (markdown).
+                ``--json`` (JSON) and ``--md`` (markdown); ``summary``: see below.
 
 CPU (the test suite, gloo)::
 
     python -m benchmarks.ddp report --workdir runs/ddp --nproc 2 --backend gloo
 
-GPU box (NCCL, one process per GPU; NVLink multicast is switched off by this script). Make the
-cache once (vocab 128256, k 100, 20480 x 1024 = 20.97M positions), then run the report on it::
-
-    python -m benchmarks.ddp make-cache --url /scratch/ddp/cache --vocab 128256 --k 100 \
-        --num-sequences 20480 --min-len 1025 --max-len 1025
-    python -m benchmarks.ddp report --cache /scratch/ddp/cache --workdir /scratch/ddp \
-        --nproc 2 --backend nccl --tokens-per-item 1024 --batch-items 8 --hidden 1024 --layers 4 \
-        --heads 8 --dtype bfloat16 --workers 4 --json ddp_gpu.json --md ddp_gpu.md
-
-Under ``torchrun --nproc-per-node 2 -m benchmarks.ddp train ...`` the ``train`` command takes rank
-and world size from the environment instead of spawning. A one-GPU run checkpointing at step N
-and its resumed run are summarised (coverage, throughput, memory, resume) by::
-
-    python -m benchmarks.ddp summary --full full.json --resumed resumed.json --num-sequences 20480
+GPU runs (NCCL, one process per GPU; NVLink multicast is switched off by this script): the
+commands are on the suite page, ``benchmarks/results/ddp.md``. Under ``torchrun
+--nproc-per-node 2 -m benchmarks.ddp train ...`` the ``train`` command takes rank and world
+size from the environment instead of spawning; ``summary`` summarises a one-GPU run that
+checkpointed at step N and its resumed run (coverage, throughput, memory, resume).
 """
 
 from __future__ import annotations
@@ -401,10 +392,9 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
                 if u is not None:
                     leftovers[i].append(u)
             break
-        seen = [p.pieces(u) for p, u in zip(parts, units, strict=True)]
-        batch = {
-            k: torch.cat([u[k] for u in units]).to(device, non_blocking=True) for k in units[0]
-        }
+        got = [u for u in units if u is not None]  # every part has one here
+        seen = [p.pieces(u) for p, u in zip(parts, got, strict=True)]
+        batch = {k: torch.cat([u[k] for u in got]).to(device, non_blocking=True) for k in got[0]}
         with autocast:
             hidden = body(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
         weight = model.lm_head.weight
@@ -485,7 +475,7 @@ def _run_process(rank: int, world: int, local_rank: int, cfg: TrainConfig, init:
         dist.init_process_group(cfg.backend, init_method=init, rank=rank, world_size=world)
     try:
         result = train_rank(cfg, rank, world, device)
-        results = [None] * world
+        results: list[Any] = [None] * world
         if world > 1:
             dist.all_gather_object(results, result)
         else:

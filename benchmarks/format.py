@@ -28,8 +28,18 @@ Modes (``python -m benchmarks.format <mode> --help``)::
   rows (for a sample: per million rows of the store, the figure a multi-TB cache's check costs).
 * ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw chunks
   (numcodecs, one block per chunk, one thread).
-* ``index``: what opening a cache of many short sequences costs a reader and a writer (seconds,
-  RSS), each in a fresh process (:mod:`benchmarks.format_index`).
+* ``index``: what opening a cache of many sequences costs. One synthetic cache per
+  ``--sequences`` value (built once per ``--store-dir``, reused by later runs, e.g. a baseline
+  under another tree via ``python -m benchmarks.harness with-tree``): sequences of 2 tokens,
+  k=4, vocab 1000, keys ``doc-<10 digits>``, appends of 50,000 sequences without fsync. Then,
+  each in a fresh Python process (imports done before the clock starts), ``--repeats`` times
+  (the median is reported): **reader**: ``CacheReader(url, decoder="numpy")`` seconds and RSS
+  growth, the first ``index_of(key)`` (seconds, RSS growth counted from before the open), the
+  first ``sequence(i)`` (the peak RSS includes what it imports); **writer**:
+  ``CacheWriter.open`` seconds and RSS growth, the first ``contains(key)``; **validate** (caches
+  of at most ``--validate-max`` sequences): ``validate(url)`` seconds, a first call (kernels
+  loaded or compiled) and a second. The probes import ``logitcache`` from the tree this process
+  imports it from (so ``with-tree`` measures that tree's code).
 """
 
 from __future__ import annotations
@@ -37,9 +47,12 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -47,9 +60,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.format_index import add_options as index_options
-from benchmarks.format_index import run_index
 from benchmarks.harness import (
+    ROOT,
+    PeakRSS,
     Recorder,
     add_csv_option,
     log,
@@ -57,7 +70,9 @@ from benchmarks.harness import (
     md_table,
     measure,
     pin_cores,
+    rss_bytes,
     scratch,
+    suite_parser,
 )
 from benchmarks.synthetic import Data, Teacher, store_bytes
 
@@ -260,14 +275,10 @@ def run_configs(args: argparse.Namespace) -> None:
             log(name, {k: round(v, 1) for k, v in results[name].items()})
     for case, r in results.items():
         cfg = asdict(CONFIGS[case]) if case in CONFIGS else {"name": case}
+        cfg |= {"positions": data.positions, "cores": args.cores}
         for metric, value in r.items():
-            rec.add(
-                case,
-                metric,
-                UNITS.get(metric, "pos/s" if "pos" in metric else "seq/s"),
-                value,
-                config=cfg | {"positions": data.positions, "cores": args.cores},
-            )
+            unit = UNITS.get(metric, "pos/s" if "pos" in metric else "seq/s")
+            rec.add(case, metric, unit, value, config=cfg)
     rec.save()
     base = results["baseline (npy)"]
     rows = [
@@ -323,15 +334,17 @@ def run_write(args: argparse.Namespace) -> None:
     rec = Recorder("format", "write", csv_path=args.csv)
     table = []
     for name, xs in rates.items():
+        cfg = asdict(CONFIGS[name]) | {"positions": data.positions}
+        rate = statistics.median(xs)
         rec.add(
             name,
             "write_pos_per_cpu_s",
             "pos/cpu-s",
-            statistics.median(xs),
+            rate,
+            config=cfg,
             p20=min(xs),
             p80=max(xs),
             samples=len(xs),
-            config=asdict(CONFIGS[name]) | {"positions": data.positions},
         )
         table.append([name, f"{statistics.median(xs):,.0f}", f"{max(xs):,.0f}", len(xs)])
     rec.save()
@@ -458,6 +471,10 @@ def run_random(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- codecs
+def _each(fn: Any, items: list[Any]) -> list[Any]:
+    return [fn(x) for x in items]
+
+
 def run_codecs(args: argparse.Namespace) -> None:
     import numcodecs.blosc
     from logitcache.cache_format._idmap import build_id_order, inverse
@@ -494,27 +511,22 @@ def run_codecs(args: argparse.Namespace) -> None:
             whole = chunk * arr[:1].nbytes
             codec = Blosc(cname, level, shuffle, blocksize=whole if block < 0 else block)
             enc = [codec.encode(c) for c in chunks]
-            m_enc = measure(lambda chunks=chunks, codec=codec: [codec.encode(c) for c in chunks])
-            m_dec = measure(lambda enc=enc, codec=codec: [codec.decode(e) for e in enc])
+            m_enc = measure(functools.partial(_each, codec.encode, chunks))
+            m_dec = measure(functools.partial(_each, codec.decode, enc))
             label = f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle"
             label += "" if block < 0 else f" block {block or 'auto'}"
             bpp = sum(map(len, enc)) / len(arr)
             cfg = {"input": name, "codec": label, "chunk": chunk, "rows": args.rows}
             rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
-            rec.add(
-                f"{name} / {label}",
-                "decode_pos_per_cpu_s",
-                "pos/cpu-s",
-                m_dec.rate(len(arr), cpu=True),
-                config=cfg,
-            )
+            dec = m_dec.rate(len(arr), cpu=True)
+            rec.add(f"{name} / {label}", "decode_pos_per_cpu_s", "pos/cpu-s", dec, config=cfg)
             table.append(
                 [
                     name,
                     label,
                     f"{bpp:.1f}",
                     f"{m_enc.rate(len(arr), cpu=True):,.0f}",
-                    f"{m_dec.rate(len(arr), cpu=True):,.0f}",
+                    f"{dec:,.0f}",
                 ]
             )
     rec.save()
@@ -541,17 +553,9 @@ def run_validate(args: argparse.Namespace) -> None:
                 wall, cpu = (min(x) * 1e6 / rows for x in (got.wall, got.cpu))
                 case = f"{name} sample={sample or 'all'}"
                 log(f"{case}: {wall:.2f} s/M rows wall, {cpu:.2f} CPU-s/M rows")
-                for metric, v in (
-                    ("validate_wall_s_per_m_rows", wall),
-                    ("validate_cpu_s_per_m_rows", cpu),
-                ):
-                    rec.add(
-                        case,
-                        metric,
-                        "s/M rows",
-                        v,
-                        config={"positions": data.positions, "sample": sample},
-                    )
+                cfg = {"positions": data.positions, "sample": sample}
+                for what, v in (("wall", wall), ("cpu", cpu)):
+                    rec.add(case, f"validate_{what}_s_per_m_rows", "s/M rows", v, config=cfg)
                 table.append(
                     [case, f"{rows:,}", f"{report.checked_rows:,}", f"{wall:.2f}", f"{cpu:.2f}"]
                 )
@@ -562,11 +566,152 @@ def run_validate(args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.format", description=__doc__.split("\n")[0]
+# --------------------------------------------------------------------------- index
+INDEX_K, INDEX_VOCAB, INDEX_BATCH = 4, 1000, 50_000
+
+
+def _key(i: int) -> str:
+    return f"doc-{i:010d}"
+
+
+def build_index_cache(url: Path, n: int, seed: int = 0) -> None:
+    """A cache of ``n`` 2-token sequences at ``url`` and its manifest as ``url.json``."""
+    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
+
+    m = Manifest(
+        teacher_model="synthetic-index",
+        tokenizer_fingerprint="synthetic-index",
+        vocab_size=INDEX_VOCAB,
+        k=INDEX_K,
+        dataset="synthetic (benchmarks/format.py index)",
     )
-    sub = p.add_subparsers(dest="mode", required=True)
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((INDEX_BATCH, INDEX_VOCAB)), axis=1)[:, :INDEX_K].astype(np.int32)
+    lp = np.sort(-rng.random((INDEX_BATCH, INDEX_K)).astype(np.float32) * 5 - 0.01, axis=1)
+    lp = np.ascontiguousarray(lp[:, ::-1])
+    toks = rng.integers(0, INDEX_VOCAB, size=(INDEX_BATCH, 2)).astype(np.int32)
+    t0 = time.perf_counter()
+    with CacheWriter.open(url, m, fsync=False) as w:
+        for a in range(0, n, INDEX_BATCH):
+            w.append(
+                SequenceRecord(_key(i), toks[j], ids[j : j + 1], lp[j : j + 1])
+                for j, i in enumerate(range(a, min(n, a + INDEX_BATCH)))
+            )
+    Path(f"{url}.json").write_text(m.model_dump_json())
+    log(f"built {n:,} sequences in {time.perf_counter() - t0:.1f} s")
+
+
+def index_probe(role: str, url: str, n: int, tree: str) -> None:
+    """Run in a fresh process: print one JSON line of timings and RSS growths (bytes)."""
+    import gc
+
+    from benchmarks.harness import use_tree
+
+    if tree:
+        use_tree(tree)
+    from logitcache.cache_format import CacheReader, CacheWriter, Manifest, validate
+
+    manifest = Manifest.model_validate_json(Path(f"{url}.json").read_text())
+    key = _key(n // 3)
+    gc.collect()
+    out: dict[str, float] = {}
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        if role == "validate":
+            validate(url)  # the first call loads (or compiles) its kernels
+            t1 = time.perf_counter()
+            validate(url)
+            out["first_s"], out["second_s"] = t1 - t0, time.perf_counter() - t1
+        elif role == "reader":
+            r = CacheReader(url, decoder="numpy")  # no compiled-kernel load in the timings
+            t1 = time.perf_counter()
+            out["open_s"], out["rss_open"] = t1 - t0, rss_bytes() - peak.start
+            assert r.index_of(key) == n // 3
+            t2 = time.perf_counter()
+            out["first_index_of_s"], out["rss_after_key"] = t2 - t1, rss_bytes() - peak.start
+            r.sequence(n // 2)  # the first read imports and sets up the decoder: its RSS
+            out["first_sequence_s"] = time.perf_counter() - t2  # is not counted
+        else:
+            w = CacheWriter.open(url, manifest, fsync=False)
+            t1 = time.perf_counter()
+            out["open_s"], out["rss_open"] = t1 - t0, rss_bytes() - peak.start
+            assert w.contains(key) and not w.contains("absent")
+            out["first_contains_s"] = time.perf_counter() - t1
+            out["rss_after_key"] = rss_bytes() - peak.start
+            w.close()
+    out["rss_peak"] = peak.growth  # reader: including the first read's
+    print(json.dumps(out))
+
+
+def _probe_in_child(role: str, url: Path, n: int) -> dict[str, float]:
+    import logitcache.cache_format as cf
+
+    tree = str(Path(cf.__path__[0]))
+    call = f"index_probe({role!r}, {str(url)!r}, {n}, {tree!r})"
+    code = f"from benchmarks.format import index_probe; {call}"
+    got = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if got.returncode:
+        raise RuntimeError(f"probe {role} {url} failed:\n{got.stderr[-3000:]}")
+    return dict(json.loads(got.stdout.strip().splitlines()[-1]))
+
+
+INDEX_COLUMNS = {  # table header -> (role, figure, divisor)
+    "reader open s": ("reader", "open_s", 0),
+    "RSS +MB": ("reader", "rss_open", 2**20),
+    "peak +MB": ("reader", "rss_peak", 2**20),
+    "1st sequence s": ("reader", "first_sequence_s", 0),
+    "1st index_of s": ("reader", "first_index_of_s", 0),
+    "RSS +MB after": ("reader", "rss_after_key", 2**20),
+    "writer open s": ("writer", "open_s", 0),
+    "RSS +MB ": ("writer", "rss_open", 2**20),
+    "1st contains s": ("writer", "first_contains_s", 0),
+    "RSS +MB after ": ("writer", "rss_after_key", 2**20),
+}
+
+
+def run_index(args: argparse.Namespace) -> None:
+    rec = Recorder("format", "index", csv_path=args.csv)
+    label = os.environ.get("BENCH_TREE") or args.label
+    table = []
+    with scratch("lc-format-index-") as tmp:
+        root = Path(args.store_dir) if args.store_dir else tmp
+        root.mkdir(parents=True, exist_ok=True)
+        for n in args.sequences:
+            url = root / f"n{n}"
+            if not Path(f"{url}.json").exists():
+                build_index_cache(url, n, args.seed)
+            roles = ["reader", "writer"] + (["validate"] if n <= args.validate_max else [])
+            got: dict[str, dict[str, list[float]]] = {role: {} for role in roles}
+            for _ in range(args.repeats):
+                for role in roles:
+                    for m, v in _probe_in_child(role, url, n).items():
+                        got[role].setdefault(m, []).append(v)
+            med = {r: {m: statistics.median(v) for m, v in ms.items()} for r, ms in got.items()}
+            log(f"{label} n={n:,}: {json.dumps(med)}")
+            cfg = {"sequences": n, "k": INDEX_K, "tokens_per_sequence": 2, "tree": label}
+            for role, ms in med.items():
+                for m, v in ms.items():
+                    unit = "s" if m.endswith("_s") else "bytes"
+                    rec.add(
+                        f"{label} n={n}", f"{role}_{m}", unit, v, samples=args.repeats, config=cfg
+                    )
+            cells = [
+                f"{med[r][m] / d:.1f}" if d else f"{med[r][m]:.3f}"
+                for r, m, d in INDEX_COLUMNS.values()
+            ]
+            va = med.get("validate")
+            val = f"{va['first_s']:.2f} / {va['second_s']:.2f}" if va else "-"
+            table.append([label, f"{n:,}", *cells, val])
+    rec.save()
+    print(f"\n{args.repeats} repeats (median); {machine_line(rec.machine)}\n")
+    header = ["tree", "sequences", *(h.strip() for h in INDEX_COLUMNS), "validate 1st / 2nd s"]
+    print(md_table(header, table))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p, sub = suite_parser("format", __doc__)
     modes = {
         "configs": run_configs,
         "write": run_write,
@@ -609,7 +754,11 @@ def main(argv: list[str] | None = None) -> None:
                 help="blosc block bytes: -1 one block per chunk (the format's), 0 blosc's choice",
             )
         if name == "index":
-            index_options(s)
+            s.add_argument("--sequences", type=int, nargs="+", default=[1000, 100_000, 1_000_000])
+            s.add_argument("--store-dir", default="", help="keep (and reuse) the built caches here")
+            s.add_argument("--repeats", type=int, default=3)
+            s.add_argument("--label", default="this tree")
+            s.add_argument("--validate-max", type=int, default=100_000, help="validate up to this")
         if name == "random":
             s.add_argument("--layouts", nargs="+", default=["default", "random_access"])
             s.add_argument("--threads", type=int, nargs="+", default=[1, 8])

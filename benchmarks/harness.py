@@ -64,8 +64,6 @@ __all__ = [
     "add_csv_option",
     "Recorder",
     "ab",
-    "cuda_measure",
-    "cuda_peak_bytes",
     "free_memory",
     "free_port",
     "line_plot",
@@ -75,10 +73,14 @@ __all__ = [
     "machine",
     "machine_line",
     "measure",
+    "median_time",
     "pin_cores",
     "quantiles",
+    "rss_bytes",
     "sync",
     "time_call",
+    "suite_parser",
+    "wait_ready",
 ]
 
 
@@ -226,26 +228,6 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Measure
     return Measurement(wall, cpu)
 
 
-def cuda_measure(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> Measurement:
-    """Seconds per call of ``fn`` on the current CUDA stream, timed by CUDA events (so kernel
-    time, not launch time); the caches are not flushed between calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    wall = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        wall.append(start.elapsed_time(end) / 1e3)
-    return Measurement(wall)
-
-
 def sync(cuda: bool) -> None:
     """Wait for the GPU's queued work (no-op on the CPU)."""
     if cuda:
@@ -270,7 +252,32 @@ def time_call(cuda: bool, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def median_time(cuda: bool, fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` (:func:`time_call`) after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    sync(cuda)
+    return statistics.median(time_call(cuda, fn) for _ in range(repeats))
+
+
 # --------------------------------------------------------------------------- processes
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300, every: float = 0.1) -> bool:
+    """Poll ``url`` until it answers 200 (True) or ``timeout`` seconds pass (False); a
+    ``RuntimeError`` if ``proc`` (the server) exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server process exited with {proc.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if poll.get(url).status_code == 200:
+                    return True
+            time.sleep(every)
+    return False
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -293,19 +300,8 @@ def free_memory(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def cuda_peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``(fn(), peak CUDA bytes allocated during the call above what was allocated before)``."""
-    import torch
-
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """Resident bytes of this process now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -323,10 +319,10 @@ class PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, _rss_bytes())
+            self.peak = max(self.peak, rss_bytes())
 
     def __enter__(self) -> PeakRSS:
-        self.start = self.peak = _rss_bytes()
+        self.start = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -335,7 +331,7 @@ class PeakRSS:
         self._stop.set()
         assert self._thread is not None
         self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self.peak = max(self.peak, rss_bytes())
 
     @property
     def growth(self) -> int:
@@ -442,12 +438,19 @@ class Recorder:
     """Collects one run's rows and appends them to the CSV (and to a JSON file if asked).
 
     ``rec = Recorder("format", "write")``; ``rec.add(case, metric, unit, value, ...)``;
-    ``rec.save()``. The machine row is taken once, when the recorder is made."""
+    ``rec.save()``. The machine row is taken once, when the recorder is made; ``config`` goes
+    into every row's configuration (beside what :meth:`add` is given)."""
 
     def __init__(
-        self, suite: str, mode: str, *, csv_path: Path | None = None, command: str = ""
+        self,
+        suite: str,
+        mode: str,
+        *,
+        csv_path: Path | None = None,
+        command: str = "",
+        config: Mapping[str, Any] | None = None,
     ) -> None:
-        self.suite, self.mode = suite, mode
+        self.suite, self.mode, self.config = suite, mode, dict(config or {})
         self.csv_path = CSV_PATH if csv_path is None else csv_path
         self.machine = machine()
         self.command = command or "python -m " + " ".join(
@@ -479,7 +482,9 @@ class Recorder:
             "p80": "" if p80 is None else float(p80),
             "samples": samples,
             "config": json.dumps(
-                dict(config or {}) | ({"tree": TREE} if TREE else {}), sort_keys=True, default=str
+                self.config | dict(config or {}) | ({"tree": TREE} if TREE else {}),
+                sort_keys=True,
+                default=str,
             ),
             **{k: self.machine.get(k, "") for k in COLUMNS[11:18]},
             "command": self.command,
@@ -543,6 +548,27 @@ class Recorder:
         if json_path is not None:
             json_path.write_text(json.dumps({"machine": self.machine, "rows": self.rows}, indent=1))
         return self.csv_path
+
+    def finish(
+        self, result: Any, json_path: Path | None = None, *, indent: int = 2, show: int = 0
+    ) -> None:
+        """Append the rows to the CSV, print ``result`` as JSON (its first ``show`` characters
+        if ``show``) and write it to ``json_path`` if given."""
+        self.save()
+        text = json.dumps(result, indent=indent, default=str)
+        print(text[:show] if show else text, flush=True)
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(text + "\n")
+
+
+def suite_parser(suite: str, doc: str) -> tuple[argparse.ArgumentParser, Any]:
+    """The parser of ``python -m benchmarks.<suite>`` (described by the first line of ``doc``)
+    and its ``mode`` subparsers."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{suite}", description=doc.split("\n")[0]
+    )
+    return p, p.add_subparsers(dest="mode", required=True)
 
 
 def add_csv_option(parser: argparse.ArgumentParser) -> None:

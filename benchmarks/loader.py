@@ -28,10 +28,14 @@ chunk compresses like the format suite's data.
   copies; ``--ddp``: inside ``DistributedDataParallel`` in a one-process NCCL group), from the
   local store and over HTTP: the share of step time spent in ``next()`` after the workers'
   prefilled queues are drained, beside the pure step time on one batch kept on the GPU.
-* ``hidden``: the same loader over a ``targets="hidden"`` cache of bfloat16 final hidden states
-  (``--dim``; :mod:`benchmarks.loader_hidden`), one process then ``--workers``; ``--quick``:
-  d=256, 200K positions, workers 0 and 1, 1 s each (a smoke run: its epoch is a dozen batches,
-  so its rates are no measurement).
+* ``hidden``: the same loader over a ``targets="hidden"`` cache (FORMAT.md 4.10) of bfloat16
+  rows of ``--dim`` values (8 KB per position at d=4096): sequential and full shuffle in one
+  process, then ``--workers``; positions/s and MB/s of hidden rows. Its cache: sequences of the
+  same lengths, each a slice of one pool of :data:`HIDDEN_POOL` standard-normal states (they
+  compress to about 0.72 of ``2 d`` bytes, the tiny teacher's real states to 0.66), vocabulary
+  :data:`HIDDEN_VOCAB` (the head is stored once and not read by the loader). ``--quick``: d=256,
+  200K positions, workers 0 and 1, 1 s each (a smoke run: its epoch is a dozen batches, so its
+  rates are no measurement).
 
 Loader rates are steady-state: positions with ``loss_mask`` over ``--seconds`` after the first
 ``2 * max(1, w)`` batches (start-up reported apart).
@@ -53,7 +57,17 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import RESULTS, Recorder, add_csv_option, line_plot, log, machine_line
+from benchmarks.harness import (
+    RESULTS,
+    Recorder,
+    add_csv_option,
+    free_port,
+    line_plot,
+    log,
+    machine_line,
+    suite_parser,
+    wait_ready,
+)
 from benchmarks.synthetic import Teacher, store_bytes, write_cache
 
 K = 100
@@ -62,7 +76,7 @@ CACHE = "bench"
 #: The full shuffle users are told to copy (order.py states its randomness).
 SHUFFLE = {"shuffle_block_size": 64, "shuffle_window": 4, "lanes": 24}  # = dataset.TRAINER_SHUFFLE
 #: The loader settings of every measurement (items of 2048 tokens, packed, 8 per batch).
-LOADER = {"tokens_per_item": 2048, "mode": "pack", "batch_size": 8}
+LOADER: dict[str, Any] = {"tokens_per_item": 2048, "mode": "pack", "batch_size": 8}
 
 
 def build(url: str, positions: int, seed: int = 0) -> dict[str, Any]:
@@ -168,6 +182,11 @@ def loader_rate(
     }
 
 
+def worker_rates(url: str, workers: list[int], seconds: float) -> list[dict[str, Any]]:
+    """:func:`loader_rate` pinned, full shuffle, for each worker count."""
+    return [loader_rate(url, w, seconds, pin=True, shuffle=True) for w in workers]
+
+
 def proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (and its waited-for children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -194,28 +213,14 @@ def serve(root: str, port: int) -> None:
 @contextlib.contextmanager
 def http_server(root: str) -> Iterator[tuple[str, int]]:
     """A server process (``serve``) on a free loopback port; yields ``(url, pid)``."""
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.loader", "serve", "--root", root, "--port", str(port)],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client() as poll:  # one client: httpx.get builds one per call
-            for _ in range(300):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server process exited with {proc.returncode}")
-                try:
-                    if poll.get(f"{url}/v1/caches/{CACHE}/store/zarr.json").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+        wait_ready(proc, f"{url}/v1/caches/{CACHE}/store/zarr.json", timeout=30)
         yield url, proc.pid
     finally:
         proc.terminate()
@@ -233,7 +238,7 @@ def http_rates(
     with each ``threads`` (``read_threads``), then each ``workers`` (> 0) count of workers."""
     from logitcache.client.sources import HttpSource
 
-    runs = [(0, t) for t in threads] if 0 in workers else []
+    runs: list[tuple[int, int | None]] = [(0, t) for t in threads] if 0 in workers else []
     runs += [(w, t or None) for t in worker_threads for w in workers if w > 0]
     out = []
     with http_server(root) as (url, pid):
@@ -301,12 +306,8 @@ def data_wait(
 
     net: torch.nn.Module = Distill(model)
     if ddp:
-        import socket
-
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            port = sk.getsockname()[1]
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        init = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group("nccl", init_method=init, rank=0, world_size=1)
         net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[0])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -335,7 +336,9 @@ def data_wait(
     # the workers filled their queues (num_workers x prefetch_factor batches) during the pure
     # steps: the first fed steps are served from that buffer, so the steady figures leave them out
     skip = warmup + workers * 4
-    waits, totals, pos = [], [], 0
+    waits: list[float] = []
+    totals: list[float] = []
+    pos = 0
     for i in range(skip + fed_steps):
         if i == skip:
             waits, totals, pos = [], [], 0
@@ -413,10 +416,7 @@ def one_process(url: str, args: argparse.Namespace, reader_pos_per_s: float) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.loader", description=__doc__.split("\n")[0]
-    )
-    sub = p.add_subparsers(dest="mode", required=True)
+    p, sub = suite_parser("loader", __doc__)
     srv = sub.add_parser("serve", help="(internal) the HTTP mode's server process")
     srv.add_argument("--root", required=True)
     srv.add_argument("--port", type=int, required=True)
@@ -450,9 +450,10 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.root)
     url = str(root / CACHE)
     rec = Recorder("loader", args.mode, csv_path=args.csv)
-    if args.mode == "hidden":
-        return _hidden(args, root, rec)
     doc: dict[str, Any] = {"machine_line": machine_line(rec.machine)}
+    if args.mode == "hidden":
+        run_hidden(args, root, rec, doc)
+        return rec.finish(doc, indent=1, show=6000)
     cfg = {"positions": int(args.positions), "k": K, "vocab": VOCAB, **LOADER}
     if not (root / CACHE / "zarr.json").exists():
         doc["build"] = build(url, int(args.positions))
@@ -462,44 +463,22 @@ def main(argv: list[str] | None = None) -> None:
         rec.add("reader", "pos_per_s", "pos/s", doc["reader"]["pos_per_s"], config=cfg)
         doc["shuffle"] = one_process(url, args, doc["reader"]["pos_per_s"])
         for case in ("sequential", "full_shuffle", "full_shuffle_lanes1"):
-            rec.add(
-                f"1 process {case}",
-                "pos_per_s",
-                "pos/s",
-                doc["shuffle"][case]["pos_per_s"],
-                config=cfg | SHUFFLE,
-            )
-        doc["scaling"] = [
-            loader_rate(url, w, args.seconds, pin=True, shuffle=True) for w in args.workers
-        ]
+            rate = doc["shuffle"][case]["pos_per_s"]
+            rec.add(f"1 process {case}", "pos_per_s", "pos/s", rate, config=cfg | SHUFFLE)
+        doc["scaling"] = worker_rates(url, args.workers, args.seconds)
         for r in doc["scaling"]:
-            rec.add(
-                f"{r['workers']} workers",
-                "pos_per_s",
-                "pos/s",
-                r["pos_per_s"],
-                config=cfg | SHUFFLE | {"workers": r["workers"], "pin_memory": True},
-            )
+            c = cfg | SHUFFLE | {"workers": r["workers"], "pin_memory": True}
+            rec.add(f"{r['workers']} workers", "pos_per_s", "pos/s", r["pos_per_s"], config=c)
         if args.plot:
             print(plot(doc, args.plot))
     elif args.mode == "http":
         doc["http"] = http_rates(str(root), args.http_workers, args.seconds, args.http_threads)
         for r in doc["http"]:
             c = cfg | SHUFFLE | {"workers": r["workers"], "read_threads": r["read_threads"]}
-            rec.add(
-                f"http {r['workers']} workers {r['read_threads']} threads",
-                "pos_per_s",
-                "pos/s",
-                r["pos_per_s"],
-                config=c,
-            )
-            rec.add(
-                f"http {r['workers']} workers {r['read_threads']} threads",
-                "server_cpu_us_per_position",
-                "us/pos",
-                r["server_cpu_us_per_position_upper"],
-                config=c,
-            )
+            case = f"http {r['workers']} workers {r['read_threads']} threads"
+            rec.add(case, "pos_per_s", "pos/s", r["pos_per_s"], config=c)
+            cpu = r["server_cpu_us_per_position_upper"]
+            rec.add(case, "server_cpu_us_per_position", "us/pos", cpu, config=c)
     else:
         doc["datawait"] = data_wait(url, args.workers, args.steps, 5, args.ddp, args.fed_steps)
         with http_server(str(root)) as (http_url, pid):
@@ -514,27 +493,80 @@ def main(argv: list[str] | None = None) -> None:
             rec.add(case, "wait_fraction", "ratio", d["wait_fraction"], config=c)
             rec.add(case, "fed_step_s", "s", d["fed_step_s_mean"], config=c)
             rec.add(case, "pure_step_s", "s", d["pure_step_s_median"], config=c)
-    rec.save()
-    print(json.dumps({k: v for k, v in doc.items()}, indent=1, default=str)[:6000])
+    rec.finish(doc, indent=1, show=6000)
 
 
-def _hidden(args: argparse.Namespace, root: Path, rec: Recorder) -> None:
-    """The ``hidden`` mode (:mod:`benchmarks.loader_hidden`)."""
-    from benchmarks import loader_hidden as lh
+# --------------------------------------------------------------------------- hidden
+HIDDEN_VOCAB = 4096
+HIDDEN_POOL = 65536
 
+
+def build_hidden(url: str, positions: int, dim: int, seed: int = 0) -> dict[str, Any]:
+    """Write the ``hidden`` mode's cache (see the module docstring); counts and timings."""
+    import numcodecs.blosc
+    from logitcache.cache_format import CacheWriter, HiddenRecord, Manifest, TeacherHead
+
+    numcodecs.blosc.set_nthreads(1)
+    rng = np.random.default_rng(seed)
+    head = TeacherHead(rng.standard_normal((HIDDEN_VOCAB, dim), dtype=np.float32))
+    manifest = Manifest(
+        teacher_model="synthetic-hidden",
+        tokenizer_fingerprint="synthetic-hidden",
+        vocab_size=HIDDEN_VOCAB,
+        k=1,
+        targets="hidden",
+        hidden=head.spec("bfloat16"),
+        dataset=f"synthetic hidden states (benchmarks/loader.py, seed {seed})",
+    )
+    pool = rng.standard_normal((HIDDEN_POOL, dim), dtype=np.float32)
+    tokens = rng.integers(0, HIDDEN_VOCAB, size=HIDDEN_POOL, dtype=np.int32)
+    t0 = time.perf_counter()
+    rows = seqs = 0
+    batch: list[HiddenRecord] = []
+    with CacheWriter.open(url, manifest, head=head, fsync=False) as w:
+        while rows < positions:
+            n = min(int(np.clip(rng.lognormal(np.log(490), 0.9), 16, 8192)), HIDDEN_POOL)
+            o = int(rng.integers(0, HIDDEN_POOL - n + 1))
+            batch.append(HiddenRecord(f"s{seqs}", tokens[o : o + n], pool[o : o + n - 1]))
+            rows, seqs = rows + n - 1, seqs + 1
+            if sum(r.num_rows for r in batch) >= 65536 or rows >= positions:
+                w.append(batch)
+                batch = []
+    nbytes = store_bytes(url)
+    return {
+        "sequences": seqs,
+        "positions": rows,
+        "dim": dim,
+        "build_s": time.perf_counter() - t0,
+        "store_bytes": nbytes,
+        "bytes_per_position": nbytes / rows,
+    }
+
+
+def run_hidden(args: argparse.Namespace, root: Path, rec: Recorder, doc: dict[str, Any]) -> None:
+    """The ``hidden`` mode: one process (sequential, full shuffle), then each worker count."""
     if args.quick:
         args.dim, args.positions, args.workers, args.seconds = 256, 2e5, [0, 1], 1.0
-    positions = int(args.positions)
-    url = lh.cache_url(root, args.dim, positions)
-    doc: dict[str, Any] = {"machine_line": machine_line(rec.machine)}
+    dim, positions = args.dim, int(args.positions)
+    url = str(root / f"hidden-d{dim}-{positions}")
     if not (Path(url) / "zarr.json").exists():
-        doc["build"] = lh.build(url, positions, args.dim)
+        doc["build"] = build_hidden(url, positions, dim)
         log("build", doc["build"])
-    doc |= lh.run(url, args.workers, args.seconds, warm=2)
-    cfg = {"positions": positions, "dim": args.dim, "vocab": lh.VOCAB, **LOADER}
-    lh.record(rec, doc, cfg, args.dim, url)
-    rec.save()
-    print(json.dumps(doc, indent=1, default=str)[:6000])
+    for name, shuffle in (("sequential", False), ("full_shuffle", True)):
+        doc[name] = loader_rate(url, 0, args.seconds, pin=False, shuffle=shuffle, warm=2)
+    doc["scaling"] = worker_rates(url, args.workers, args.seconds)
+    cfg = {"positions": positions, "dim": dim, "vocab": HIDDEN_VOCAB, **LOADER}
+    bpp = store_bytes(url) / positions
+    rec.add(f"hidden d={dim} store", "bytes_per_position", "B", bpp, config=cfg)
+    cases = [(f"1 process {n}", doc[n], cfg) for n in ("sequential", "full_shuffle")]
+    cases += [
+        (f"{r['workers']} workers", r, cfg | SHUFFLE | {"workers": r["workers"]})
+        for r in doc["scaling"]
+    ]
+    for case, r, c in cases:
+        rec.add(f"hidden d={dim} {case}", "pos_per_s", "pos/s", r["pos_per_s"], config=c)
+        mbs = r["pos_per_s"] * 2 * dim / 1e6
+        rec.add(f"hidden d={dim} {case}", "hidden_MB_per_s", "MB/s", mbs, config=c)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ and ``loss_time.png`` (every variant vs positions at V=128256, d=4096) from a co
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import statistics
@@ -60,10 +59,12 @@ from benchmarks.harness import (
     Point,
     Recorder,
     add_csv_option,
+    free_memory,
     line_plot,
     live_bytes,
     machine_line,
-    sync,
+    median_time,
+    suite_parser,
     time_call,
 )
 
@@ -177,9 +178,7 @@ def variants(device: str) -> dict[str, Callable]:
 
 # ----------------------------------------------------------------------------- timing
 def free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory(torch.cuda.is_available())
 
 
 def gemm_rate(n: int, d: int, vocab: int, device: str, cuda: bool) -> float:
@@ -187,35 +186,23 @@ def gemm_rate(n: int, d: int, vocab: int, device: str, cuda: bool) -> float:
     a = torch.randn(n, d, device=device, dtype=torch.bfloat16)
     b = torch.randn(vocab, d, device=device, dtype=torch.bfloat16)
 
-    def mm() -> torch.Tensor:
-        return a @ b.t()
-
-    for _ in range(3):
-        mm()
-    sync(cuda)
-    ts = [time_call(cuda, mm) for _ in range(10)]
+    t = median_time(cuda, lambda: a @ b.t())
     free()
-    return 2 * n * d * vocab / statistics.median(ts) / 1e12
+    return 2 * n * d * vocab / t / 1e12
 
 
 def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dict:
-    device_cuda = cuda
-
     def step() -> None:
-        x["h"].grad = None
-        x["w"].grad = None
+        x["h"].grad = x["w"].grad = None
         fn(x).backward()
 
-    if device_cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
     first = time_call(cuda, step)  # warm-up 1 (kernel compile, allocator)
     x["h"].grad = x["w"].grad = None
     n_warm = 1 if first > cap_s / 4 else 2
     for _ in range(n_warm - 1):
         time_call(cuda, step)
         x["h"].grad = x["w"].grad = None
-    if device_cuda:
+    if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -225,7 +212,7 @@ def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dic
         ts.append(time_call(cuda, step))
         x["h"].grad = x["w"].grad = None
     res = {"ms": statistics.median(ts) * 1e3, "ms_all": [round(t * 1e3, 2) for t in ts]}
-    if device_cuda:
+    if cuda:
         peak = torch.cuda.max_memory_allocated()
         res.update(peak_gib=peak / GIB, delta_gib=(peak - base) / GIB, input_gib=base / GIB)
     return res
@@ -246,17 +233,17 @@ def grads_of(fn: Callable, x: dict) -> tuple[float, torch.Tensor, torch.Tensor]:
     return out
 
 
+def leaves_as(x: dict, dtype: torch.dtype) -> dict:
+    """``x`` with ``h`` and ``w`` as new leaves of ``dtype`` (the targets shared)."""
+    return x | {n: x[n].detach().to(dtype).requires_grad_() for n in ("h", "w")}
+
+
 def check(args: argparse.Namespace, device: str) -> dict:
     """Every variant vs a float64 dense reference (small N); bf16 grad_W vs fp32 (large N)."""
     out: dict[str, Any] = {"small": [], "large": {}}
     vocab, dim = args.configs[0]
     x = make_inputs(args.check_n, dim, vocab, args.k, device, seed=1)
-    x64 = {
-        "h": x["h"].detach().double().requires_grad_(),
-        "w": x["w"].detach().double().requires_grad_(),
-        "ids": x["ids"],
-        "lp": x["lp"],
-    }
+    x64 = leaves_as(x, torch.float64)
     tail = (1 - x["lp"].exp().sum(-1)).clamp(0, 1)
     labels = torch.randint(0, vocab, (args.check_n,), device=device)
     configs = {
@@ -326,12 +313,7 @@ def check(args: argparse.Namespace, device: str) -> dict:
     free()
     if args.check_large_n:
         xl = make_inputs(args.check_large_n, dim, vocab, args.k, device, seed=2)
-        x32 = {
-            "h": xl["h"].detach().float().requires_grad_(),
-            "w": xl["w"].detach().float().requires_grad_(),
-            "ids": xl["ids"],
-            "lp": xl["lp"],
-        }
+        x32 = leaves_as(xl, torch.float32)
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         ref = grads_of(ours("fused_chunked", "torch", 2048), x32)
@@ -522,12 +504,9 @@ def gemm_chunk_ms(c: int, d: int, vocab: int, device: str, cuda: bool) -> float:
         torch.mm(g, w)
         gw.addmm_(g.t(), h)
 
-    for _ in range(2):
-        four()
-    sync(cuda)
-    ts = [time_call(cuda, four) for _ in range(10)]
+    t = median_time(cuda, four, warmup=2)
     free()
-    return statistics.median(ts) * 1e3
+    return t * 1e3
 
 
 def exact_check(device: str) -> list[dict]:
@@ -686,10 +665,7 @@ def loss_plots(result_json: str | Path, out_dir: str | Path, vocab: int = 128256
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.loss", description=__doc__.split("\n")[0]
-    )
-    sub = ap.add_subparsers(dest="mode", required=True)
+    ap, sub = suite_parser("loss", __doc__)
     pl = sub.add_parser("plot", help="loss_memory.png and loss_time.png from a result JSON")
     pl.add_argument("result", type=Path)
     pl.add_argument("out_dir", type=Path)
@@ -735,13 +711,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "anatomy":
         vocab, d = args.configs[0]
         out = anatomy(args.variant, args.n, vocab, d, args.k, device)
-        rec.add(
-            args.variant,
-            "tracked_peak_bytes",
-            "B",
-            out["tracked_peak_bytes"],
-            config={"n": args.n, "vocab": vocab, "d": d, "k": args.k},
-        )
+        cfg = {"n": args.n, "vocab": vocab, "d": d, "k": args.k}
+        rec.add(args.variant, "tracked_peak_bytes", "B", out["tracked_peak_bytes"], config=cfg)
         rec.save()
         return
     t0 = time.time()

@@ -69,7 +69,9 @@ from benchmarks.harness import (
     free_port,
     line_plot,
     machine,
+    suite_parser,
     sync,
+    wait_ready,
 )
 from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, bf16_llama, make_model_dir
 
@@ -208,11 +210,7 @@ def loader(source: str, cache: str | None, seqs: int, seq_len: int) -> Iterator[
 
 
 def measure(
-    step: Callable[[], torch.Tensor],
-    opt: Any,
-    device: torch.device,
-    warmup: int,
-    steps: int,
+    step: Callable[[], torch.Tensor], opt: Any, device: torch.device, warmup: int, steps: int
 ) -> dict:
     """``warmup`` + ``steps`` optimizer steps of ``step()``'s loss; median time, peak memory."""
 
@@ -282,8 +280,6 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     """``logitcache-server`` over ``store_root`` with a tiny stand-in model of ``vocab`` ids."""
     import subprocess
 
-    import httpx
-
     model_dir = work / "stand-in"
     make_model_dir(Shape(64, 1, 4, 2, 128, vocab, tied=True), model_dir, "cpu", 2048)
     port = free_port()
@@ -294,27 +290,18 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     log = (work / "server.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError((work / "server.log").read_text()[-2000:])
-            try:
-                if poll.get(url + "/health").status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+    try:
+        if wait_ready(proc, url + "/health", timeout=300, every=0.25):
+            return proc, url
+    except RuntimeError:
+        raise RuntimeError((work / "server.log").read_text()[-2000:]) from None
     proc.kill()
     raise RuntimeError("stand-in server did not start")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     given = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.train_step", description=__doc__.split("\n")[0]
-    )
-    sub = p.add_subparsers(dest="mode", required=True)
+    p, sub = suite_parser("train_step", __doc__)
     pl = sub.add_parser("plot", help="train_step.png from a result JSON")
     pl.add_argument("result", type=Path)
     pl.add_argument("out_dir", type=Path)
@@ -434,7 +421,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
     try:
         for name, (source, cache) in sources.items():
 
-            def make_step(
+            def make_offline_step(
                 t: int, source: str = source, cache: str | None = cache, name: str = name
             ) -> Any:
                 it = loader(source, cache, t // args.seq_len, args.seq_len)
@@ -452,7 +439,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
 
                 return step
 
-            run_variant(name, sizes, make_step, opt, device, args, result["variants"])
+            run_variant(name, sizes, make_offline_step, opt, device, args, result["variants"])
     finally:
         if proc is not None:
             proc.terminate()

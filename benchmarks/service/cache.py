@@ -24,7 +24,6 @@ direct scores (exact with ``--logprob-dtype float32``; float16 storage rounds lo
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             rows_exact += ids == wids and lps == wlps
             max_abs = max(max_abs, max(abs(a - b) for a, b in zip(lps, wlps, strict=True)))
     e1 = epochs[0]["engine_s"]
-    result = {
+    result: dict[str, Any] = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_line(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -164,17 +163,12 @@ def main(argv: list[str] | None = None) -> None:
             "max_abs_logprob_diff": max_abs,
         },
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    rec = Recorder("service", "cache", csv_path=args.csv)
     cfg = {k: v for k, v in result["args"].items() if k != "csv"}
+    rec = Recorder("service", "cache", csv_path=args.csv, config=cfg)
     for i, ratio in enumerate(result["later_over_first_engine_s"], start=2):
-        rec.add(f"epoch {i}", "engine_s_over_epoch_1", "ratio", ratio or 0.0, config=cfg)
-    rec.add_flat("epoch 1", result["served_epochs"][0], config=cfg)
-    rec.save()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        rec.add(f"epoch {i}", "engine_s_over_epoch_1", "ratio", ratio or 0.0)
+    rec.add_flat("epoch 1", result["served_epochs"][0])
+    rec.finish(result, args.json)
 
 
 if __name__ == "__main__":

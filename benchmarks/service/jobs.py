@@ -46,8 +46,10 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from benchmarks.harness import Recorder, add_csv_option, load1, machine_line
+from benchmarks.harness import Recorder, load1, machine_line
+from benchmarks.service.common import mode_parser, parse
 from tests.server_support import VLLM_ENV, ServerProcess, wait_job
 
 
@@ -241,9 +243,7 @@ def run_pairs(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.service jobs", description=__doc__.splitlines()[0]
-    )
+    p = mode_parser("jobs", __doc__)
     p.add_argument("--sequences", type=int, default=512)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--k", type=int, nargs="+", default=[8], help="one or more k (pairs per k)")
@@ -254,31 +254,19 @@ def main(argv: list[str] | None = None) -> None:
     from logitcache.server.settings import ServerSettings
 
     default = {n: f.default for n, f in ServerSettings.model_fields.items()}
-    p.add_argument(
-        "--batch-sequences",
-        type=int,
-        default=default["job_batch_sequences"],
-        help="server job_batch_sequences (default: the service's)",
-    )
-    p.add_argument(
-        "--batch-tokens",
-        type=int,
-        default=default["job_batch_tokens"],
-        help="server job_batch_tokens (default: the service's)",
-    )
-    p.add_argument(
-        "--inflight",
-        type=int,
-        default=default["job_inflight_batches"],
-        help="server job_inflight_batches (default: the service's)",
-    )
-    p.add_argument("--json", type=Path, default=None)
-    add_csv_option(p)
+    for flag, name in (
+        ("--batch-sequences", "job_batch_sequences"),
+        ("--batch-tokens", "job_batch_tokens"),
+        ("--inflight", "job_inflight_batches"),
+    ):
+        p.add_argument(
+            flag, type=int, default=default[name], help=f"server {name} (default: the service's)"
+        )
     p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.direct_worker:
         args.k = args.k[0]
         direct_worker(args)
@@ -334,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             server.stop()
             if worker.proc.poll() is None:
                 worker.proc.kill()
-    result = {
+    result: dict[str, Any] = {
         "machine": machine_line(rec.machine),
         "command": rec.command,
         "inputs": {"sequences": args.sequences, "length": args.length, "k": args.k},
@@ -357,30 +345,12 @@ def main(argv: list[str] | None = None) -> None:
         for k, row in per_k.items():
             cfg = result["inputs"] | {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
             ratios = [p["ratio"] for p in row["pairs"]]
-            rec.add(
-                f"{mode} k={k}",
-                "job_over_direct",
-                "ratio",
-                row["median_ratio"],
-                p20=min(ratios),
-                p80=max(ratios),
-                samples=len(ratios),
-                config=cfg,
-            )
-            rec.add(
-                f"{mode} k={k}",
-                "direct_tokens_per_s",
-                "tok/s",
-                row["direct_median_tokens_per_s"],
-                config=cfg,
-            )
-            rec.add(
-                f"{mode} k={k}",
-                "job_tokens_per_s",
-                "tok/s",
-                row["job_median_tokens_per_s"],
-                config=cfg,
-            )
+            case, n = f"{mode} k={k}", len(ratios)
+            rec.add(case, "job_over_direct", "ratio", row["median_ratio"], config=cfg,
+                    p20=min(ratios), p80=max(ratios), samples=n)  # fmt: skip
+            for side in ("direct", "job"):
+                value = row[f"{side}_median_tokens_per_s"]
+                rec.add(case, f"{side}_tokens_per_s", "tok/s", value, config=cfg)
     rec.save()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -413,15 +413,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parse(p, argv, json_default=Path("/tmp/lc-overload.json"))
     result = asyncio.run(main_async(args))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=1)[:8000])
-    rec = Recorder("service", "overload", csv_path=args.csv)
+    cfg = {"engine": args.engine, "clients": args.clients}
+    rec = Recorder("service", "overload", csv_path=args.csv, config=cfg)
     for m in result["modes"]:
-        rec.add_flat(
-            str(m.get("mode", "?")), m, config={"engine": args.engine, "clients": args.clients}
-        )
-    rec.save()
+        rec.add_flat(str(m.get("mode", "?")), m)
+    rec.finish(result, args.json, show=8000)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ phase. The baseline is the 1-replica run.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -76,11 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     raws = [RawRecord(where=f"r{i}", id=r["id"], text=r["text"], input_ids=None)
             for i, r in enumerate(records)]  # fmt: skip
     settings = ServerSettings(
-        _env_file=None,  # type: ignore[call-arg]
-        model=str(tiny.teacher_dir),
-        k=args.k,
-        max_seq_len=1024,
-        backend="vllm",
+        _env_file=None, model=str(tiny.teacher_dir), k=args.k, max_seq_len=1024, backend="vllm"
     )
     t = time.perf_counter()
     init_local_ray(num_cpus=2)
@@ -128,27 +123,12 @@ def main(argv: list[str] | None = None) -> None:
         "score_speedup_2_vs_1": round(speedup, 3),
         "caches_byte_equal": equal,
     }
-    print(json.dumps(result, indent=2))
-    rec = Recorder("service", "ray", csv_path=args.csv)
+    cfg = {"sequences": args.sequences, "k": args.k}
+    rec = Recorder("service", "ray", csv_path=args.csv, config=cfg)
     for row in rows:
-        rec.add(
-            f"{row['replicas']} replica(s)",
-            "score_tok_per_s",
-            "tok/s",
-            row["score_tok_per_s"],
-            config={"sequences": args.sequences, "k": args.k},
-        )
-    rec.add(
-        "2 vs 1 replicas",
-        "score_speedup",
-        "ratio",
-        speedup,
-        config={"sequences": args.sequences, "k": args.k},
-    )
-    rec.save()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        rec.add(f"{row['replicas']} replica(s)", "score_tok_per_s", "tok/s", row["score_tok_per_s"])
+    rec.add("2 vs 1 replicas", "score_speedup", "ratio", speedup)
+    rec.finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ swaps teachers waits.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(engine.aclose())
 
     med_one, med_two, med_swap = (statistics.median(x) for x in (one, two, swaps))
-    result = {
+    result: dict[str, Any] = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_line(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -112,16 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         "routed_over_one_teacher": med_two / med_one,
         "swap_over_one_teacher_miss": med_swap / med_one,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    rec = Recorder("service", "teachers", csv_path=args.csv)
     cfg = {k: v for k, v in result["args"].items() if k != "csv"}
+    rec = Recorder("service", "teachers", csv_path=args.csv, config=cfg)
     for key in ("routed_over_one_teacher", "swap_over_one_teacher_miss"):
-        rec.add("score_miss", key, "ratio", result[key], config=cfg)
-    rec.save()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        rec.add("score_miss", key, "ratio", result[key])
+    rec.finish(result, args.json)
 
 
 if __name__ == "__main__":
