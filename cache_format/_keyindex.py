@@ -134,6 +134,12 @@ class KeyTable:
         lookup among fewer sequences filters them); ``None``: hash the stored keys."""
         self._runs = runs
 
+    def wrote(self, run: tuple[RunRef, bytes] | None) -> None:
+        """Keep run ``(ref, object)`` that this process has just committed
+        (:meth:`KeyRuns.wrote`); ``None`` (no key index): nothing to keep."""
+        if run is not None and self._runs is not None:
+            self._runs.wrote(*run)
+
     def _indexed(self, n: int) -> KeyRuns | None:
         runs = self._runs
         return runs if runs is not None and runs.covered >= n else None

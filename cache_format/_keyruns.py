@@ -142,8 +142,11 @@ def _get(store: Any, key: str, byte_range: Any = None) -> bytes:
 def _tail(store: Any, ref: RunRef) -> tuple[bytes, tuple[Any, ...]]:
     """The run's fence and its footer's fields (the footer checked against its CRC32C and
     ``ref``'s place)."""
+    return _parse_tail(_get(store, ref.key, SuffixByteRequest(12 * ref.blocks + FOOTER_SIZE)), ref)
+
+
+def _parse_tail(tail: bytes, ref: RunRef) -> tuple[bytes, tuple[Any, ...]]:
     nb = ref.blocks
-    tail = _get(store, ref.key, SuffixByteRequest(12 * nb + FOOTER_SIZE))
     if len(tail) != 12 * nb + FOOTER_SIZE:
         raise ChecksumError(f"key index run {ref.key} is truncated")
     fence, foot = tail[: 12 * nb], tail[12 * nb :]
@@ -170,8 +173,13 @@ def ref_from_footer(store: Any, key: str, first: int, count: int, generation: in
 def read_fence(store: Any, ref: RunRef) -> tuple[np.ndarray, np.ndarray, int, int]:
     """The run's block heads and block CRC32Cs (checked against the manifest's CRC32C), its
     commit record's length and CRC32C."""
+    return _fence_of(*_tail(store, ref), ref)
+
+
+def _fence_of(
+    fence: bytes, fields: tuple[Any, ...], ref: RunRef
+) -> tuple[np.ndarray, np.ndarray, int, int]:
     nb = ref.blocks
-    fence, fields = _tail(store, ref)
     rec_len, fcrc, rcrc = fields[4:]
     if f"{_crc(fence):08x}" != ref.crc or fcrc != _crc(fence):
         raise ChecksumError(f"key index run {ref.key}: fence fails the manifest's CRC32C")
@@ -237,6 +245,38 @@ class KeyRuns:
             for k in [k for k in self._kept if k[0] not in live]:
                 del self._kept[k]
 
+    def wrote(self, ref: RunRef, obj: bytes) -> None:
+        """Keep what lookups and merges read of run ``ref``, which this process has just
+        written as ``obj`` and committed: its fence, and its entries while it is small (at
+        most a quarter of :data:`KEEP_BLOCKS`), so that nothing of it is read back."""
+        tail = obj[len(obj) - 12 * ref.blocks - FOOTER_SIZE :]
+        got = _fence_of(*_parse_tail(tail, ref), ref)
+        ent = np.frombuffer(obj, ENTRY, ref.count)
+        with self._lock:
+            self._fences[ref.key] = got
+            if ref.blocks <= KEEP_BLOCKS // 4:
+                for j in range(ref.blocks):
+                    self._kept[(ref.key, j)] = ent[j * BLOCK : (j + 1) * BLOCK].copy()
+                while len(self._kept) > KEEP_BLOCKS:
+                    self._kept.popitem(last=False)
+
+    def entries(self, ref: RunRef) -> np.ndarray:
+        """Every entry of run ``ref`` (checked): a small run's blocks kept in memory (as
+        :meth:`wrote` keeps them), a large one read whole."""
+        if ref.blocks > KEEP_BLOCKS // 4:
+            return read_run(self._store, ref)
+        return self._run_blocks(ref, self._fence(ref)[1], list(range(ref.blocks)))
+
+    def _fence(self, ref: RunRef) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """:func:`read_fence` of ``ref``, kept per run."""
+        with self._lock:
+            got = self._fences.get(ref.key)
+        if got is None:
+            got = read_fence(self._store, ref)
+            with self._lock:
+                self._fences[ref.key] = got
+        return got
+
     def candidates(self, hashes: np.ndarray) -> list[list[int]]:
         """For each hash, the sequences whose key hashes to it (ascending)."""
         try:
@@ -273,13 +313,7 @@ class KeyRuns:
     def _candidates(self, hashes: np.ndarray) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in range(len(hashes))]
         for ref in list(self._runs):
-            with self._lock:
-                got = self._fences.get(ref.key)
-            if got is None:
-                got = read_fence(self._store, ref)
-                with self._lock:
-                    self._fences[ref.key] = got
-            heads, crcs = got[0], got[1]
+            heads, crcs = self._fence(ref)[:2]
             lo = np.maximum(np.searchsorted(heads, hashes, "left") - 1, 0)
             hi = np.searchsorted(heads, hashes, "right")
             need = np.zeros(len(heads) + 1, np.int64)
@@ -297,7 +331,7 @@ class KeyRuns:
 
 
 def next_runs(
-    store: Any,
+    read: Callable[[RunRef], np.ndarray],
     runs: list[RunRef],
     hashes: np.ndarray,
     first_seq: int,
@@ -305,12 +339,13 @@ def next_runs(
     record: Callable[[list[RunRef]], bytes],
 ) -> tuple[list[RunRef], RunRef, bytes, list[RunRef]]:
     """The runs after a commit ``generation`` that adds the keys of ``hashes`` as sequences from
-    ``first_seq``: ``(runs, the new run, its object, the runs merged into it)``. ``record(runs)``
-    gives the commit record, the root attributes listing ``runs``."""
+    ``first_seq``: ``(runs, the new run, its object, the runs merged into it)``. ``read(run)``
+    gives a run's checked entries (:func:`read_run`, :meth:`KeyRuns.entries`);
+    ``record(runs)`` gives the commit record, the root attributes listing ``runs``."""
     i = merge_plan(runs, len(hashes))
     new = np.empty(len(hashes), ENTRY)
     new["hash"], new["seq"] = hashes, np.arange(first_seq, first_seq + len(hashes))
-    ent = np.concatenate([*(read_run(store, r) for r in runs[i:]), new])
+    ent = np.concatenate([*(read(r) for r in runs[i:]), new])
     ent = ent[np.argsort(ent["hash"], kind="stable")]  # runs in sequence order: ties stay so
     first = runs[i].first if i < len(runs) else first_seq
     ref, obj = encode_run(ent, first, generation, lambda ref: record([*runs[:i], ref]))

@@ -10,8 +10,7 @@ Transaction of :meth:`CacheWriter.append` (rules W1-W6 of FORMAT.md):
    object is fsynced before its rename and the changed directories after all writes (W5a);
    then the key index run of the new keys (FORMAT.md 4.11), made durable the same way;
 5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1`` (fsynced,
-   then its directory);
-6. release the lock.
+   then its directory); 6. release the lock.
 
 A writer killed before step 5 leaves data past the committed counts, which readers ignore and the
 next writer overwrites; a writer killed after step 5 has committed. Committed bytes are never
@@ -400,10 +399,11 @@ class CacheWriter:
                     updated=utcnow(),
                 )
             )
-            new, merged = self._write_run(m, new, [encoded.keys[i] for i in keep])
+            new, merged, run = self._write_run(m, new, [encoded.keys[i] for i in keep])
             write_root_attrs(self._store, root_attrs_for(new))
             self._handle.barrier()
             self._adopt(new)
+            self._keys.wrote(run)  # lookups and the next merge read none of it back
             keyruns.drop(self._store, [r.key for r in merged])  # now no commit's
             if self._pending_rank is not None:
                 self._rank, self._pending_rank = self._pending_rank, None
@@ -414,25 +414,27 @@ class CacheWriter:
 
     def _write_run(
         self, m: Manifest, new: Manifest, keys: list[str]
-    ) -> tuple[Manifest, list[keyruns.RunRef]]:
+    ) -> tuple[Manifest, list[keyruns.RunRef], tuple[keyruns.RunRef, bytes] | None]:
         """Before the commit ``new`` of ``keys``: write its key index run (FORMAT.md 4.11) and
-        return ``new`` listing it, and the runs merged into it (stores without a key index:
-        ``new`` as it is)."""
+        return ``new`` listing it, the runs merged into it (read through the lookups' kept
+        runs) and the run with its object (stores without a key index: ``new`` as it is)."""
         runs = m.runs()
         if runs is None:
-            return new, []
+            return new, [], None
         out = [new]
 
         def record(listed: list[keyruns.RunRef]) -> bytes:
             out[0] = new.model_copy(update={"key_index": [r.to_attrs() for r in listed]})
             return record_json(root_attrs_for(out[0]))
 
+        table = self._keys.runs
+        read = partial(keyruns.read_run, self._store) if table is None else table.entries
         _, ref, obj, merged = keyruns.next_runs(
-            self._store, runs, hashes_of(keys), m.num_sequences, new.generation, record
+            read, runs, hashes_of(keys), m.num_sequences, new.generation, record
         )
         keyruns.put(self._store, ref.key, obj)
         self._handle.barrier()  # the run durable before the commit that lists it
-        return out[0], merged
+        return out[0], merged, (ref, obj)
 
     def _load_id_map(self, m: Manifest) -> None:
         """Load the committed ``id_order`` (once) if the store remaps ids."""

@@ -8,6 +8,7 @@ covers most of the format. What it does not, and why the format needs it:
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,10 @@ def open_arrays(
             and len(shape) == old.ndim
             and all(isinstance(x, int) and x >= 0 for x in shape)
         ):
-            meta = old.metadata.update_shape(tuple(shape))
+            # the document is the one ``old`` was parsed from but for its shape: a copy with the
+            # new shape (zarr's ``update_shape`` parses and checks the whole document again)
+            meta = copy.copy(old.metadata)
+            object.__setattr__(meta, "shape", tuple(shape))
             arr = zarr.AsyncArray(meta, old.store_path, old._async_array.config)
             out[n] = (zarr.Array(arr), doc)
     todo = [n for n in names if n not in out]

@@ -48,6 +48,8 @@ from .scoring import ScoringService
 if TYPE_CHECKING:
     from logitcache.protocol import ScoreRequest
 
+    from ..engine.protocol import SampledTargets
+
 
 @dataclass(frozen=True)
 class Served:
@@ -159,40 +161,54 @@ class CacheServing:
             scoring.check_answer_size(seqs, k, fmt)
             records = await scoring.admitted(seqs, k, targets=sampled, temperature=t)
             return Served(records=records, k=k, hits=None, stored=0)
-        cache = req.cache
-        t = await asyncio.to_thread(scoring.request_temperature, cache, req.temperature)
-        if asked is None:
-            manifest, k = await asyncio.to_thread(self._cache_manifest, cache, req.k, t)
-        else:  # sampled: the cache's kind and parameters must match (409), k is the draws
-            manifest = await asyncio.to_thread(scoring.target_manifest, cache, None, "", asked, t)
-            k = manifest.k
-        seqs = await asyncio.to_thread(scoring.sequences_of, req)
-        scoring.check_answer_size(seqs, k, fmt)
+        manifest, k, seqs = await asyncio.to_thread(self._checked, req, req.cache, asked, fmt)
         if k > manifest.k:
             return await self.above(seqs, k, manifest.temperature)
-        return await self.serve(cache, seqs, k, manifest)
+        return await self.serve(req.cache, seqs, k, manifest)
 
-    def _cache_manifest(
-        self, cache: str, k: int | None, temperature: float | None = None
-    ) -> tuple[Manifest, int]:
-        """The cache's manifest (checked against the engine) and the checked k to answer at.
+    def _checked(
+        self, req: ScoreRequest, cache: str, asked: SampledTargets | str | None, fmt: str
+    ) -> tuple[Manifest, int, list[Sequence]]:
+        """Every check of a request into ``cache`` (blocking; one read of its manifest): the
+        manifest to serve and store with (checked against the engine), the checked k to answer
+        at and the checked sequences (answer size within the limit for ``fmt``).
 
         A ``k`` other than an existing cache's k is answered at ``k`` (below: folded from the
         cache; above: :meth:`above`); the cache's teacher identity is checked either way
-        (:meth:`ScoringService.target_manifest`: 409 if another teacher or ``temperature``).
+        (:meth:`ScoringService.target_manifest`: 409 if another teacher or temperature). A
+        sampled request (``asked``) must match the cache's kind and parameters (409); its k is
+        the draws.
         """
         scoring = self.scoring
-        k = scoring.check_k(k)
         stored = scoring.stored_manifest(cache)
-        if stored is not None and k is not None and k != stored.k:
-            return scoring.target_manifest(cache, None, temperature=temperature), k
-        manifest = scoring.target_manifest(cache, k, temperature=temperature)
-        return manifest, manifest.k
+        t = scoring.request_temperature(cache, req.temperature, stored)
+        if asked is not None:
+            manifest = scoring.target_manifest(cache, None, "", asked, t, stored=stored)
+            k = manifest.k
+        else:
+            k = scoring.check_k(req.k)
+            above = stored is not None and k is not None and k != stored.k
+            manifest = scoring.target_manifest(
+                cache, None if above else k, temperature=t, stored=stored
+            )
+            k = k if above else manifest.k
+        seqs = scoring.sequences_of(req)
+        scoring.check_answer_size(seqs, k, fmt)
+        return manifest, k, seqs
 
-    def lookup(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
+    def lookup(
+        self, cache: str, seqs: Seq[Sequence], store: bool = False
+    ) -> dict[int, SequenceRecord]:
         """Stored records of the hits among ``seqs`` (index -> record); blocking (run in a
         thread). A key stored with other token ids is not a hit (it is scored, and not stored
-        again)."""
+        again). With ``store`` and a miss, 409 first if the store refuses writes
+        (:meth:`~.caches.CacheRegistry.check_writable`: a read-only store still serves hits)."""
+        found = self._hits(cache, seqs)
+        if store and len(found) < len(seqs):
+            self.caches.check_writable(cache)
+        return found
+
+    def _hits(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
         try:
             reader = self.caches.reader(check_name(cache))
         except NotFoundError:
@@ -244,10 +260,8 @@ class CacheServing:
         ticket: Ticket,
         ids: Seq[list[int]] | None,
     ) -> Served:
-        found = await asyncio.to_thread(self.lookup, cache, seqs)
+        found = await asyncio.to_thread(self.lookup, cache, seqs, store)
         miss_idx = [i for i in range(len(seqs)) if i not in found]
-        if store and miss_idx:  # a read-only store still serves its hits
-            await asyncio.to_thread(self.caches.check_writable, cache)
         sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
         misses = [seqs[i] for i in miss_idx]
         at_ids: dict[int, np.ndarray] = {}

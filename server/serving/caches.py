@@ -214,11 +214,13 @@ class CacheRegistry:
 
     def url(self, name: str) -> str:
         """The store URL (or local path) of cache ``name`` (validated; a local cache folder
-        must lie inside the root, links followed: :func:`..paths.resolve_under`)."""
+        must lie inside the root, links followed: :func:`..paths.resolve_under`, asked only of
+        a link, since the root is resolved and ``name`` is one segment)."""
         check_name(name)
-        if not is_url(self.root):
+        url = f"{self.root}/{name}"
+        if not is_url(self.root) and os.path.islink(url):
             paths.resolve_under(Path(self.root), name, "cache folder")
-        return f"{self.root}/{name}"
+        return url
 
     def names(self) -> list[str]:
         """Names of the caches (entries with a root ``zarr.json``) under the root, sorted.
@@ -334,11 +336,10 @@ class CacheRegistry:
 
     def manifest(self, name: str) -> Manifest | None:
         """The committed manifest of cache ``name``, or ``None`` if the cache does not exist
-        (or holds no committed manifest: the next writer creates it).
-
-        Read from the root ``zarr.json`` alone: a job asks twice (at submission and at its
-        start), and a reader's refresh would also load the new part of the sequence index
-        (~5.5 ms of CPU per call at 2K sequences). A root that cannot be read raises."""
+        (or holds no committed manifest: the next writer creates it). Read from the root
+        ``zarr.json`` alone: a job asks twice (at submission and at its start), and a reader's
+        refresh would also load the new part of the sequence index (~5.5 ms of CPU per call at
+        2K sequences). A root that cannot be read raises."""
         try:
             attrs = read_root_attrs(self.store(name))
         except (StoreNotFoundError, FileNotFoundError):
@@ -366,15 +367,16 @@ class CacheRegistry:
 
     # --- identity checks ------------------------------------------------------------------
 
-    def target_manifest(self, name: str, expected: Manifest, *, k: int | None) -> Manifest:
+    def target_manifest(
+        self, name: str, expected: Manifest, *, k: int | None, stored: Manifest | None
+    ) -> Manifest:
         """The manifest a writer of ``name`` must use for ``expected``'s teacher.
 
         For a new cache: ``expected``. For an existing cache: its own
         manifest, after checking that every teacher field, ``k`` (when given) and the target
         kind (``targets``, ``sampling``) agree; any difference raises :class:`ConflictError`
-        listing them.
+        listing them. ``stored``: the cache's manifest as :meth:`manifest` has just read it.
         """
-        stored = self.manifest(name)
         if stored is None:
             return expected
         diff: dict[str, Any] = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
@@ -66,6 +67,17 @@ SMALLER_ANSWER = {
     "generate": "send fewer or shorter sequences or a smaller top_logprobs_num",
     "npy": "send a shorter sequence or fewer candidate ids per row",
 }
+
+
+class Unread(enum.Enum):
+    """The type of :data:`UNREAD`."""
+
+    UNREAD = 0
+
+
+#: A cache manifest argument the callee reads itself (:meth:`ScoringService.stored_manifest`),
+#: unlike one its caller has just read (``None``: no cache).
+UNREAD = Unread.UNREAD
 
 
 def default_cache(base: str, temperature: float | None, engine_temperature: float) -> str:
@@ -131,13 +143,20 @@ class ScoringService:
         except EngineInputError as e:
             raise InvalidInputError(str(e)) from None
 
-    def request_temperature(self, cache: str | None, temperature: float | None) -> float:
+    def request_temperature(
+        self,
+        cache: str | None,
+        temperature: float | None,
+        stored: Manifest | None | Unread = UNREAD,
+    ) -> float:
         """The temperature an on-demand request is scored at: its own, else an existing
-        ``cache``'s (as its k and sampling parameters are), else the engine's."""
+        ``cache``'s (as its k and sampling parameters are; ``stored``: its manifest as the
+        caller read it), else the engine's."""
         checked = self.check_temperature(temperature)
         if checked is not None:
             return checked
-        stored = None if cache is None else self.stored_manifest(cache)
+        if stored is UNREAD:
+            stored = None if cache is None else self.stored_manifest(cache)
         return self.engine.info.temperature if stored is None else stored.temperature
 
     def new_manifest(
@@ -161,10 +180,12 @@ class ScoringService:
         dataset: str = "",
         asked: SampledTargets | str | None = None,
         temperature: float | None = None,
+        stored: Manifest | None | Unread = UNREAD,
     ) -> Manifest:
         """The manifest to write ``cache`` with for a checked ``k`` (:meth:`check_k`), the
         asked target kind (:func:`.targets.of_request`) and a checked ``temperature``
         (``None``: the engine's; a cache made at another is a 409 like another teacher).
+        ``stored``: the cache's manifest as the caller read it (:meth:`stored_manifest`).
 
         Top-k: an existing cache's own (its k when ``k`` is None), else a new one at ``k`` (or
         :attr:`default_k`). Sampled: the parameters (:func:`.targets.resolve`, checked against
@@ -172,16 +193,18 @@ class ScoringService:
         :class:`ConflictError` if the cache holds another teacher, kind, k or sampling
         parameters, and 422 if an existing cache's k is beyond this engine's."""
         name = check_name(cache)
+        if stored is UNREAD:
+            stored = self.stored_manifest(name)
         if asked == "hidden":  # FORMAT.md 4.10: k = 1, the engine's head in the manifest
             new = self.hidden_manifest(dataset, temperature)
-            return self.caches.target_manifest(name, new, k=None)
+            return self.caches.target_manifest(name, new, k=None, stored=stored)
         if asked is not None:
-            chosen = self._sampled(resolve(asked, self.stored_manifest(name)))
+            chosen = self._sampled(resolve(asked, stored))
             new = self.new_manifest(self.default_k, dataset, temperature, chosen)
-            return self._same_entropy(self.caches.target_manifest(name, new, k=None))
+            return self._same_entropy(self.caches.target_manifest(name, new, k=None, stored=stored))
         expected = self.new_manifest(self.default_k if k is None else k, dataset, temperature)
         with broken_store(name):
-            manifest = self.caches.target_manifest(name, expected, k=k)
+            manifest = self.caches.target_manifest(name, expected, k=k, stored=stored)
         if manifest.k != k:  # an existing cache's k: this engine must be able to serve it
             self.check_k(manifest.k)
         return self._same_entropy(manifest)
@@ -223,8 +246,9 @@ class ScoringService:
         """The top-k manifest of a protocol route's ``cache`` (at its own k) at a checked
         ``temperature`` (``None``: an existing cache's, else the engine's); 409 if the cache
         was made at another temperature or by another teacher."""
-        t = self.request_temperature(cache, temperature)
-        return self.target_manifest(cache, None, temperature=t)
+        stored = self.stored_manifest(cache)
+        t = self.request_temperature(cache, temperature, stored)
+        return self.target_manifest(cache, None, temperature=t, stored=stored)
 
     def stored_manifest(self, cache: str) -> Manifest | None:
         """Cache ``cache``'s committed manifest (None if absent); 409 ``cache_broken`` if its

@@ -58,6 +58,36 @@ def test_runs_stay_few_and_lookups_exact(tmp_path):
     for i in (0, 3, 17, 44, 69):
         assert r.index_of(recs[i].key) == i
     assert "absent" not in r and r.index.table.hashed == 0  # no key hashed, none loaded
+
+
+def test_writer_keeps_what_it_committed_as_stored(tmp_path, monkeypatch):
+    """What a writer keeps of the runs it committed (fence, small runs' entries) is what a
+    fresh read of the stored objects gives, and its lookups and merges read no run object."""
+    url = str(tmp_path / "c")
+    recs = make_records(40, k=K, vocab=VOCAB, seed=3)
+    reads: list[str] = []
+    real = keyruns._get
+
+    def counting(store, key, byte_range=None):
+        reads.append(key)
+        return real(store, key, byte_range)
+
+    monkeypatch.setattr(keyruns, "_get", counting)
+    with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
+        at = 0
+        for size in [1, 1, 2, 1, 5, 1]:
+            assert w.append(recs[at : at + size]) == size  # merges the runs it wrote
+            at += size
+            assert w.append(recs[:at]) == 0  # every key known: found in the kept runs
+        assert reads == []
+        table = w._keys.runs
+        assert table is not None and len(w.manifest.runs() or []) > 1
+        for ref in w.manifest.runs() or []:
+            kept, stored = table._fence(ref), keyruns.read_fence(w._store, ref)
+            assert all((a == b).all() for a, b in zip(kept[:2], stored[:2], strict=True))
+            assert kept[2:] == stored[2:]
+            assert table.entries(ref).tobytes() == keyruns.read_run(w._store, ref).tobytes()
+    assert reads  # the fresh reads above did read the objects
     assert validate(url).ok
 
 
