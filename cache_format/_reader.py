@@ -35,8 +35,8 @@ from ._integrity import checked_get
 from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
-from ._snapshot import IndexBlocks, IndexSnapshot
-from ._stored import records_of, stored_record
+from ._snapshot import IndexBlocks, IndexSnapshot, Piece
+from ._stored import stored_record
 from ._zarr_adapter import Opened, async_array, open_arrays, sync
 from .errors import (
     ChecksumError,
@@ -45,7 +45,7 @@ from .errors import (
     StoreNotFoundError,
     TargetKindError,
 )
-from .hidden import TeacherHead
+from .hidden import HiddenRows, TeacherHead
 from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
 from .quant import OUT_DTYPES
 from .records import RowBlock, SequenceRecord
@@ -261,9 +261,6 @@ class CacheReader:
         assert self._open is not None
         return self._open
 
-    def _get_open(self) -> OpenArrays:
-        return self._opened
-
     def head(self) -> TeacherHead:
         """The teacher head of a ``targets="hidden"`` store (FORMAT.md 4.10), checked against
         the manifest's ``head_digest`` (:class:`FormatError` for any other store)."""
@@ -430,13 +427,10 @@ class CacheReader:
 
     def _sequences(self, idx: list[int], logprob_dtype: str) -> list[Any]:
         """Records of sequences ``idx`` (checked indices) in one read."""
-        index = self._index
-        if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
-            return hiddenread.sequences(self._get_open, self._retry, index, idx, logprob_dtype)
-        spans = self.read_spans([index.span(i) for i in idx], logprob_dtype)
-        got = records_of(index, idx, spans)
-        extra = _rowextra.read(self._opened, self._retry, [index.span(i)[0] for i in idx])
-        return _rowextra.attach(got, extra)
+        index, whole = self._index, (slice(None), slice(None))
+        return self._records(
+            [index.span(i) for i in idx], [[(i, *whole)] for i in idx], logprob_dtype
+        )
 
     def read_ranges(
         self, ranges: Sequence[tuple[int, int]], *, logprob_dtype: str = "float32"
@@ -448,33 +442,27 @@ class CacheReader:
         of the range's blocks (no copy). Empty ranges contribute nothing; ranges may overlap or
         come in any order."""
         index = self._index
-        if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
-            return hiddenread.read_ranges(self._get_open, self._retry, index, ranges, logprob_dtype)
         todo = [(a, b) for a, b in index.check_ranges(ranges) if b > a]
         if not todo:
             return []
-        got = self.read_spans([index.range_span(a, b) for a, b in todo], logprob_dtype)
-        keys, out = index.keys, []
-        for (a, b), (ids, lp, tail, tokens, mask) in zip(todo, got, strict=True):
-            assert tokens is not None  # sequence spans read their tokens
-            lengths = index.lengths_of(a, b).tolist()
-            rs = 0
-            for i, n in zip(range(a, b), lengths, strict=True):
-                ts = rs + i - a
-                out.append(
-                    stored_record(
-                        keys,
-                        i,
-                        tokens[ts : ts + n],
-                        ids[rs : rs + n - 1],
-                        lp[rs : rs + n - 1],
-                        tail[rs : rs + n - 1],
-                        None if mask is None else mask[rs : rs + n - 1],
-                    )
-                )
-                rs += n - 1
-        spans = [index.range_span(a, b)[0] for a, b in todo]
-        return _rowextra.attach(out, _rowextra.read(self._opened, self._retry, spans))
+        spans: list[Span] = [index.range_span(a, b) for a, b in todo]
+        return self._records(spans, [index.pieces(a, b) for a, b in todo], logprob_dtype)
+
+    def _records(self, spans: list[Span], pieces: list[list[Piece]], logprob_dtype: str) -> list:
+        """The records of each span's ``pieces`` (top-k or hidden, FORMAT.md 4.10), with the
+        store's optional per-row arrays attached."""
+        make: Callable[..., Any] = stored_record
+        if self._opened.manifest.hidden is not None:
+            got: list[Any] = self._retry(
+                lambda: hiddenread.fetch(self._opened, spans, logprob_dtype)
+            )
+            make = hiddenread.record
+        else:
+            got = self.read_spans(spans, logprob_dtype)
+        keys = self._index.keys
+        out = [make(keys, i, g, r, t) for g, ps in zip(got, pieces, strict=True) for i, r, t in ps]
+        extra = _rowextra.read(self._opened, self._retry, [rows for rows, _ in spans])
+        return _rowextra.attach(out, extra)
 
     def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
         """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).
@@ -486,10 +474,13 @@ class CacheReader:
         n = self.num_rows
         if not (0 <= start <= stop <= n):
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
+        span: list[Span] = [(slice(start, stop), None)]
         if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
-            got = hiddenread.rows(self._get_open, self._retry, start, stop, logprob_dtype)
-            return self._out(got)
-        ids, lp, tail, _, mask = self.read_spans([(slice(start, stop), None)], logprob_dtype)[0]
+            hidden, _, mask = self._retry(
+                lambda: hiddenread.fetch(self._opened, span, logprob_dtype)
+            )[0]
+            return self._out(HiddenRows(start, hidden, mask))
+        ids, lp, tail, _, mask = self.read_spans(span, logprob_dtype)[0]
         extra = _rowextra.read(self._opened, self._retry, [slice(start, stop)])
         block = RowBlock(
             start, ids, lp, tail, mask, *(_rowextra.first(extra, x.name) for x in _rowextra.EXTRAS)
