@@ -1,28 +1,17 @@
-"""Point reads: whole sequences by index, the path of ``CacheReader.sequence`` / ``sequences``
-(FORMAT.md §6, D4), chunk by chunk in Python (the compiled path, :mod:`._fastdecode`, reads a call
-in one compiled call where numba is installed and hands back to this module what it does not
-handle).
+"""The NumPy decoder's chunk reads (FORMAT.md §6, D4): stored values of row ranges of the
+format's sharded arrays, chunk by chunk in Python.
 
-A random sequence needs a few inner chunks of each row array and of ``input_ids``. This module
-reads exactly those (:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files
-kept open per layout, no event loop), decodes every needed chunk once per call, straight into the
-output when the chunk lies inside one requested range (else into a scratch chunk copied to each
-range that uses it), and then decodes the logprobs (row-delta inverse, float16 -> float32) in row
-blocks.
+A read needs a few inner chunks of each array. :func:`read` fetches exactly those
+(:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files kept open per
+layout), decodes every needed chunk once per call, straight into the output when the chunk lies
+inside one requested range (else into a scratch chunk copied to each range that uses it). With a
+thread pool and ``threads > 1`` a call's ranges are split by :func:`._plan.split` (at chunk
+edges, at most :data:`MAX_SHARES` threads, each at least :data:`PARALLEL_MIN_BYTES`), the calling
+thread taking one share; the values never depend on it.
 
-With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) a call's ranges are split by
-the read planner (:func:`._plan.split`: cut at chunk edges, about ``1/t`` of the bytes to decode
-each, ``t`` at most :data:`MAX_SHARES`, at least :data:`PARALLEL_MIN_BYTES`), and each thread
-reads (``pread`` releases the GIL) and decodes its share (``google_crc32c`` holds the GIL, ~3 us
-per 100 KB frame); the calling thread takes one share. About half of a call's CPU holds the GIL,
-and a thread hand-off costs tens of microseconds, so threads pay off for batches
-(``sequences``) and large chunks, not for one sequence of the ``random_access`` preset. The row
-blocks go to the threads the same way. The values never depend on it.
-
-The row-block kernels use torch (when :mod:`._kernels` selects it) on blocks of at most
-:data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
-the calling thread, vectorised (faster than numpy's cumulative sum along short rows and its
-float16 cast), with no thread start-up.
+The row-block kernels (row-delta inverse, float16 widening) use torch when :mod:`._kernels`
+selects it, on blocks of at most :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain
+size every call runs in the calling thread, vectorised, with no thread start-up.
 """
 
 from __future__ import annotations
@@ -45,14 +34,12 @@ BLOCK_ELEMENTS = 32_000
 PARALLEL_MIN_BYTES = 192 * 1024
 """The least work (bytes decoded, or read + written by a row block) one decode thread is given:
 a call with less than twice this runs in the calling thread alone (a hand-off costs tens of
-microseconds; benchmarks/results/format.md, random access)."""
+microseconds)."""
 
 MAX_SHARES = 4
 """A call's work goes to at most this many threads (the calling thread included), whatever
-``decode_threads``: about half of a point read's CPU holds the GIL (the Python around each
-chunk, CRC32C, the reader's records), so more threads only queue on it. Measured on the 16-core
-H200 box (benchmarks/results/format.md, random access): ``sequences(32)`` on the preset 1,370-1,540
-seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
+``decode_threads``: about half of a read's CPU holds the GIL (the Python around each chunk,
+CRC32C), so more threads only queue on it (benchmarks/results/format.md, random access)."""
 
 
 Job = tuple[str, int, int]
