@@ -14,7 +14,6 @@ one decoder (:mod:`._decode`: the compiled one where numba is installed, else Nu
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +30,13 @@ from . import _idmap as idmap
 from . import _rowextra, spec
 from . import _shardread as shardread
 from ._decode import Fetched, OpenArrays, Span, get_decoder, index_block, stored_values
-from ._integrity import checked_get
+from ._integrity import checked_read
 from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
 from ._snapshot import IndexBlocks, IndexSnapshot, Piece
 from ._stored import stored_record
-from ._zarr_adapter import Opened, async_array, open_arrays, sync
+from ._zarr_adapter import Opened, open_arrays
 from .errors import (
     ChecksumError,
     CorruptStoreError,
@@ -171,22 +170,13 @@ class CacheReader:
                 raise CorruptStoreError(
                     f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
                 )
-        strict_, seal = strict(m), sealed(m.format_version)
-
-        def read(jobs: list[tuple[str, int, int]]) -> list[np.ndarray]:
-            async def gather() -> list[np.ndarray]:
-                return await asyncio.gather(
-                    *(
-                        checked_get(async_array(arrays[n]), n, a, b, strict_, seal)
-                        for n, a, b in jobs
-                    )
-                )
-
-            return [np.asarray(x) for x in sync(gather())]
-
+        strict_ = strict(m)
         id_order = self._id_order
         if m.id_remap and m.num_rows and id_order is None:
-            id_order = read([(spec.ID_ORDER, 0, m.vocab_size)])[0]
+            seal = sealed(m.format_version)
+            id_order = checked_read(
+                arrays[spec.ID_ORDER], spec.ID_ORDER, 0, m.vocab_size, strict_, seal
+            )
             if not idmap.is_permutation(id_order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
         opened = self._adopt_arrays(arrays, need, strict_, m, id_order)
@@ -235,13 +225,7 @@ class CacheReader:
     def _read_keys(self, a: int, b: int) -> np.ndarray:
         """Stored keys ``[a, b)`` (committed), with the reader's retries."""
 
-        def read() -> np.ndarray:
-            o = self._opened
-            arr = async_array(o.arrays[spec.SEQ_KEYS])
-            seal = sealed(o.manifest.format_version)
-            return np.asarray(sync(checked_get(arr, spec.SEQ_KEYS, a, b, o.strict, seal)))
-
-        return self._retry(read)
+        return self._retry(lambda: stored_values(self._opened, [(spec.SEQ_KEYS, a, b)])[0])
 
     def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
         """UTF-8 bytes of committed keys ``[a, b)`` and their ends (:func:`stored_key_bytes`);
