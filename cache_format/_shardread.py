@@ -42,6 +42,7 @@ from zarr.codecs.sharding import ShardingCodecIndexLocation
 from zarr.storage import LocalStore, StorePath
 
 from . import _outbuf as outbuf
+from ._numba import EMPTY
 from ._seal import SEAL_SIZE, check_seal, need_of
 from ._zarr_adapter import (
     ArrayV3Metadata,
@@ -52,7 +53,6 @@ from ._zarr_adapter import (
 )
 from .errors import ChecksumError, MissingDataError
 
-EMPTY = 2**64 - 1
 _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes (uint32 LE)
 _HEADER = struct.Struct("<III")  # nbytes, blocksize, cbytes: bytes 4..16 of a blosc frame
 _U32 = struct.Struct("<I")
@@ -473,32 +473,18 @@ def open_shard(lay: DirectLayout, root: str, shard: int) -> tuple[int, bool] | N
 def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame | None]:
     """:func:`chunk_frames` of one local array: ``os.pread`` on the shard files, one read per
     run of consecutive chunks, frames as views of the bytes read."""
-    n = lay.chunks_per_shard
     out: list[Frame | None] = []
-    i, total = 0, len(chunks)
-    while i < total:
-        shard = chunks[i] // n
-        j, end = i + 1, (shard + 1) * n
-        while j < total and chunks[j] < end:
-            j += 1
-        part, i = chunks[i:j], j
+    for shard, runs in _runs(chunks, lay.chunks_per_shard).items():
         got = open_shard(lay, root, shard)
         if got is None:
-            out += [None] * len(part)
+            out += [None] * sum(c1 - c0 for c0, c1 in runs)
             continue
         fd, owned = got
         where = f"{lay.name or lay.paths[shard]} shard {shard}"
         try:
             index = local_index(lay, fd, shard)
-            base = shard * n
-            k = 0
-            while k < len(part):  # one pread per run of consecutive chunks
-                c0 = part[k] - base
-                m = k + 1
-                while m < len(part) and part[m] - base == c0 + (m - k):
-                    m += 1
-                entries = index[c0 : c0 + m - k].tolist()
-                k = m
+            for c0, c1 in runs:  # one pread per run of consecutive chunks
+                entries = index[c0:c1].tolist()
                 used = [(o, nb) for o, nb in entries if o != EMPTY]
                 if not used:
                     out += [None] * len(entries)
