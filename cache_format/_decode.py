@@ -25,6 +25,7 @@ import numpy as np
 import zarr
 
 from . import _fastdecode as fastdecode
+from . import _kernels as kernels
 from . import _pointread as pointread
 from . import spec
 from ._integrity import checked_read
@@ -192,7 +193,7 @@ class NumpyDecoder:
                 lp = d.view(np.float16 if dtype == "float16" else np.float32)
                 if dtype == "float16" and logprob_dtype == "float32":
                     lp = np.empty(d.shape, dtype=np.float32)
-                for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
+                for a, b in kernels.row_blocks(d.shape[0], d.shape[1]):
                     tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
                     cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
             else:
@@ -220,9 +221,9 @@ def _lp_task(
     and the id remap of ``ids`` (in place) when the store has one."""
 
     def task() -> None:
-        pointread.undelta_block(d)
+        kernels.undelta_block(d)
         if lp.dtype == np.float32 and d.dtype == np.uint16:
-            pointread.widen_block(d.view(np.float16), lp)
+            kernels.widen_block(d.view(np.float16), lp)
         if order is not None:
             np.take(order, ids, out=ids)
 

@@ -8,10 +8,6 @@ inside one requested range (else into a scratch chunk copied to each range that 
 thread pool and ``threads > 1`` a call's ranges are split by :func:`._plan.split` (at chunk
 edges, at most :data:`MAX_SHARES` threads, each at least :data:`PARALLEL_MIN_BYTES`), the calling
 thread taking one share; the values never depend on it.
-
-The row-block kernels (row-delta inverse, float16 widening) use torch when :mod:`._kernels`
-selects it, on blocks of at most :data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain
-size every call runs in the calling thread, vectorised, with no thread start-up.
 """
 
 from __future__ import annotations
@@ -22,14 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import _kernels as kernels
 from . import _plan
 from . import _shardread as shardread
 from ._shardread import DirectLayout
 from .errors import CorruptStoreError
-
-BLOCK_ELEMENTS = 32_000
-"""Elements per row-block kernel call (below torch's intra-op grain size of 32,768)."""
 
 PARALLEL_MIN_BYTES = 192 * 1024
 """The least work (bytes decoded, or read + written by a row block) one decode thread is given:
@@ -220,37 +212,3 @@ def _scratch(lay: DirectLayout) -> np.ndarray:
     if buf is None:
         buf = cache[key] = lay.empty(lay.chunk_rows)
     return buf
-
-
-# --------------------------------------------------------------------------- row-block kernels
-def row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
-    """``[(a, b), ...]`` row blocks of at most :data:`BLOCK_ELEMENTS` elements covering ``rows``."""
-    step = max(1, BLOCK_ELEMENTS // max(1, k))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
-
-
-_SIGNED = {
-    np.dtype(np.uint8): np.int8,
-    np.dtype(np.uint16): np.int16,
-    np.dtype(np.uint32): np.int32,
-}
-
-
-def undelta_block(d: np.ndarray) -> None:
-    """In place: ``d[:, j] = d[:, 0] + ... + d[:, j]`` modulo ``2**bits`` (FORMAT.md 4.2) for a
-    C-contiguous unsigned ``[m, k]`` block of at most :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels.torch_module()
-    if torch is None:
-        np.cumsum(d, axis=1, dtype=d.dtype, out=d)
-        return
-    torch.from_numpy(d.view(_SIGNED[d.dtype])).cumsum_(1)  # in place (no temporary)
-
-
-def widen_block(h: np.ndarray, out: np.ndarray) -> None:
-    """``out[...] = h`` (exact float16 -> float32) for a block of at most
-    :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels.torch_module()
-    if torch is None:
-        np.copyto(out, h, casting="same_kind")
-        return
-    torch.from_numpy(out).copy_(torch.from_numpy(h))
