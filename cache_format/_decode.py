@@ -25,6 +25,7 @@ import numpy as np
 import zarr
 
 from . import _fastdecode as fastdecode
+from . import _kernels as kernels
 from . import _pointread as pointread
 from . import spec
 from ._integrity import checked_read
@@ -104,7 +105,11 @@ def _blockwise(stored: str, out: str) -> bool:
 
 
 def stored_spans(
-    arrays: OpenArrays, spans: Sequence[Span], names: Sequence[str]
+    arrays: OpenArrays,
+    spans: Sequence[Span],
+    names: Sequence[str],
+    pool: ThreadPoolExecutor | None = None,
+    threads: int = 1,
 ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None]]:
     """Per span, the stored values of the row arrays ``names`` over its rows (by name) and of
     ``input_ids`` over its tokens (``None`` for a span without them), in one
@@ -114,7 +119,7 @@ def stored_spans(
         jobs += [(n, rows.start, rows.stop) for n in names]
         if toks is not None:
             jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
-    vals = iter(stored_values(arrays, jobs))
+    vals = iter(stored_values(arrays, jobs, pool, threads))
     out: list[tuple[dict[str, np.ndarray], np.ndarray | None]] = []
     for _rows, toks in spans:
         got = {n: next(vals) for n in names}
@@ -123,14 +128,17 @@ def stored_spans(
 
 
 def stored_values(
-    arrays: OpenArrays, jobs: list[tuple[str, int, int]], pool: ThreadPoolExecutor | None = None
+    arrays: OpenArrays,
+    jobs: list[tuple[str, int, int]],
+    pool: ThreadPoolExecutor | None = None,
+    threads: int = 1,
 ) -> list[np.ndarray]:
-    """The stored values of ``name[a:b]`` for each job: direct arrays chunk by chunk, others
-    through zarr."""
+    """The stored values of ``name[a:b]`` for each job: direct arrays chunk by chunk
+    (:func:`._pointread.read`, split over ``threads`` of ``pool``), others through zarr."""
     for name, a, b in jobs:
         arrays.check(name, a, b)
     direct = [j for j in jobs if j[0] in arrays.direct]
-    got = iter(pointread.read(arrays.direct, direct, pool) if direct else [])
+    got = iter(pointread.read(arrays.direct, direct, pool, threads) if direct else [])
     return [
         next(got)
         if n in arrays.direct
@@ -173,74 +181,36 @@ class NumpyDecoder:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
         names = arrays.row_names()
         wanted = [*names, *([spec.INPUT_IDS] if any(t for _, t in spans) else [])]
-        if all(n in arrays.direct for n in wanted):
-            return _fetch_point(arrays, spans, names, logprob_dtype, pool, threads)
+        dtype, order = arrays.manifest.logprob_dtype, arrays.id_order
+        # direct arrays: the logprobs (and id remap) in row blocks, on the pool if any
+        blockwise = _blockwise(dtype, logprob_dtype) and all(n in arrays.direct for n in wanted)
         out: list[Fetched] = []
-        for got, tokens in stored_spans(arrays, spans, names):
-            ids = got[spec.TOPK_IDS]
-            if arrays.id_order is not None:
-                ids = arrays.id_order[ids]
-            lp = decode_logprobs(
-                got[spec.TOPK_LOGPROBS],
-                arrays.manifest.logprob_dtype,
-                got.get(spec.LOGPROB_MAX),
-                got.get(spec.LOGPROB_STEP),
-                out_dtype=logprob_dtype,
-                in_place=True,
-            )
+        tasks: list[Callable[[], None]] = []
+        cost: list[int] = []
+        for got, tokens in stored_spans(arrays, spans, names, pool, threads):
+            ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
+            if blockwise:
+                lp = d.view(np.float16 if dtype == "float16" else np.float32)
+                if dtype == "float16" and logprob_dtype == "float32":
+                    lp = np.empty(d.shape, dtype=np.float32)
+                for a, b in kernels.row_blocks(d.shape[0], d.shape[1]):
+                    tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
+                    cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
+            else:
+                if order is not None:
+                    ids = order[ids]
+                lp = decode_logprobs(
+                    d,
+                    dtype,
+                    got.get(spec.LOGPROB_MAX),
+                    got.get(spec.LOGPROB_STEP),
+                    out_dtype=logprob_dtype,
+                    in_place=True,
+                )
             tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
             out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
+        pointread.run_tasks(tasks, cost, pool, threads)
         return out
-
-
-def _fetch_point(
-    arrays: OpenArrays,
-    spans: list[Span],
-    names: list[str],
-    logprob_dtype: str,
-    pool: ThreadPoolExecutor | None,
-    threads: int,
-) -> list[Fetched]:
-    """:meth:`NumpyDecoder.fetch` of direct arrays (FORMAT.md D4): each needed chunk decoded
-    once, then the logprobs (and id remap) in row blocks, on the pool if any."""
-    dtype = arrays.manifest.logprob_dtype
-    blockwise = _blockwise(dtype, logprob_dtype)
-    jobs: list[pointread.Job] = []
-    for rows, toks in spans:
-        jobs += [(n, rows.start, rows.stop) for n in names]
-        if toks is not None:
-            jobs.append((spec.INPUT_IDS, toks.start, toks.stop))
-    results = iter(pointread.read(arrays.direct, jobs, pool, threads))
-    out: list[Fetched] = []
-    tasks: list[Callable[[], None]] = []
-    cost: list[int] = []
-    order = arrays.id_order
-    for _rows, toks in spans:
-        got = {n: next(results) for n in names}
-        tokens = next(results) if toks is not None else None
-        ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
-        if blockwise:
-            lp = d.view(np.float16 if dtype == "float16" else np.float32)
-            if dtype == "float16" and logprob_dtype == "float32":
-                lp = np.empty(d.shape, dtype=np.float32)
-            for a, b in pointread.row_blocks(d.shape[0], d.shape[1]):
-                tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
-                cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
-        else:
-            if order is not None:
-                ids = order[ids]
-            lp = decode_logprobs(
-                d,
-                dtype,
-                got.get(spec.LOGPROB_MAX),
-                got.get(spec.LOGPROB_STEP),
-                out_dtype=logprob_dtype,
-                in_place=True,
-            )
-        tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
-        out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
-    pointread.run_tasks(tasks, cost, pool, threads)
-    return out
 
 
 def _lp_task(
@@ -251,9 +221,9 @@ def _lp_task(
     and the id remap of ``ids`` (in place) when the store has one."""
 
     def task() -> None:
-        pointread.undelta_block(d)
+        kernels.undelta_block(d)
         if lp.dtype == np.float32 and d.dtype == np.uint16:
-            pointread.widen_block(d.view(np.float16), lp)
+            kernels.widen_block(d.view(np.float16), lp)
         if order is not None:
             np.take(order, ids, out=ids)
 
@@ -284,11 +254,7 @@ def _fast_plan(arrays: OpenArrays, logprob_dtype: str, tokens: bool) -> _FastPla
     if key in arrays.plans:
         return arrays.plans[key]
     m = arrays.manifest
-    names = [spec.TOPK_IDS, spec.TOPK_LOGPROBS, spec.TAIL_MASS]
-    if m.loss_mask:
-        names.append(spec.LOSS_MASK)
-    if tokens:
-        names.append(spec.INPUT_IDS)
+    names = arrays.row_names() + ([spec.INPUT_IDS] if tokens else [])
     plan = None
     if (
         arrays.root is not None

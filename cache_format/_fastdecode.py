@@ -1,42 +1,25 @@
-"""Compiled point reads: the whole decode of a ``sequence`` / ``sequences`` call in one compiled
-call per thread (FORMAT.md D4).
+"""The compiled decoder: the whole decode of a read call in one compiled call per thread
+(FORMAT.md D4).
 
-The per-chunk path (:mod:`._pointread`) spends a large part of a ``random_access``-preset
-``sequence(i)`` in Python around its ~10 inner chunks (frame slicing, wrappers, header checks,
-row blocks, torch calls; benchmarks/results/format.md). Here one function compiled with
-numba (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output row) with the
-layouts' tables of open shard descriptors and parsed indexes, and does the rest without returning
-to Python: it groups each array's needed chunks into runs, reads each run with ``pread`` into a
-per-thread buffer, checks every chunk's CRC32C and blosc header, decompresses it
-(``blosc_decompress_ctx``, the C function numcodecs' wheel runs, one internal thread) straight into
-the call's arena or, for a chunk shared by several ranges or cut by one, into a scratch chunk whose
-rows are ``memcpy``'d to each range (a chunk without compressor, layout ``random_access_raw``, is
-read with ``preadv`` straight into the arena where one range uses it whole, else its rows
-``memcpy``'d from the bytes read; its CRC32C and size checked either way); then it undoes the
-logprob row delta and widens float16 to float32 (LLVM ``fpext half``: exact, as numpy's and
-torch's casts). The C functions are those :mod:`._cdecode` finds in the installed wheels
-(``crc32c_value`` of google_crc32c's libcrc32c, ``blosc_decompress_ctx`` of numcodecs' blosc
-extension) and libc's ``pread``, ``preadv`` and ``memcpy``, passed to the compiled code as their
-addresses (:func:`_cfuncs`). With a decode pool (``decode_threads > 1``) a call is cut at chunk
-edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
+One numba function (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output
+row) with the layouts' tables of open shard descriptors and parsed indexes: it groups each
+array's needed chunks into runs, reads each run with ``pread`` into a per-thread buffer, checks
+every chunk's CRC32C and blosc header, decompresses it (``blosc_decompress_ctx``) straight into
+the call's arena or, for a chunk shared by several ranges or cut by one, into a scratch chunk
+whose rows are copied to each range (a ``raw`` chunk is read with ``preadv`` straight into the
+arena where one range uses it whole); then it undoes the logprob row delta and widens float16 to
+float32 (LLVM ``fpext half``: exact). The C functions are those :mod:`._cdecode` finds and libc's
+``pread``, ``preadv`` and ``memcpy``, passed as addresses (:func:`_cfuncs`). With a decode pool a
+call is cut at chunk edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
 
-The values are those of :mod:`._pointread`, bit for bit, and every CRC32C is checked. What this
-path does not handle it hands back (``None``: the caller reads the call through
-:mod:`._pointread`): a store that is not a local directory, a missing shard or empty chunk (fill
-value or :class:`~.errors.MissingDataError`), a frame failing its checks or a short read (so the
-error raised is the per-chunk path's :class:`~.errors.ChecksumError`, after the reader's retries),
-quantised logprobs, float32 logprobs read as float16.
+The values are the NumPy decoder's, bit for bit. What this path does not handle it hands back
+(``None``): a missing shard or empty chunk, a frame failing its checks or a short read (so the
+NumPy decoder raises its typed error, after the reader's retries). The arrays of a call decode
+into one arena; the records of a call are views of it.
 
-Outputs: the arrays of a call decode into one arena (a block per array; the float16 logprob bits
-stay there, widened into a separate float32 array); the records of a ``sequences`` call are
-views of it (one record keeps its call's arena alive).
-
-Optional: needs ``numba`` (in the ``client`` extra, or ``pip install 'logitcache[fast]'``);
-without it, with the C symbols missing, if the self-check in
-:func:`ready` fails or a kernel raises, :data:`AVAILABLE` is ``False`` and the reader uses
-:mod:`._pointread`. The kernels compile at the first point read of a process (3.8 s on the 2-core
-VM) and numba caches them on disk (next to the module, or in its user cache): later processes load
-them (0.4-0.7 s).
+Needs ``numba`` (the ``client`` or ``fast`` extra); without it, with the C symbols missing, or
+if the self-check in :func:`ready` fails, :data:`AVAILABLE` is ``False``. The kernels compile at
+the first read of a process and numba caches them on disk.
 """
 
 from __future__ import annotations
@@ -220,8 +203,7 @@ MAX_MISSING = 64
 
 PARALLEL_MIN_BYTES = 512 * 1024
 """The least work (bytes decoded) one thread is given: a call with less than twice this runs in
-the calling thread alone (a thread hand-off costs tens of microseconds, so a smaller piece loses
-more than it gains; benchmarks/results/format.md)."""
+the calling thread alone (a thread hand-off costs tens of microseconds)."""
 
 
 def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) -> list[np.ndarray]:
@@ -315,7 +297,7 @@ def read_arrays(
     meta[:, 4] = offsets
     arena = outbuf.empty(max(at, 1))  # no huge-page request for large calls (outbuf)
     lp_out = None
-    if a_lp >= 0 and widen:  # (a separate allocation: one block with the arena was slower)
+    if a_lp >= 0 and widen:  # a separate allocation (faster than a block of the arena)
         lp_out = outbuf.empty((rows[a_lp], *plan.inner[a_lp]), np.float32)
         rows[a_lp] = 0  # its block in the arena stays empty
     dummy = lp_out if lp_out is not None else _DUMMY

@@ -1,20 +1,19 @@
-"""Reads of a hidden store (FORMAT.md 4.10): the :class:`~.CacheReader` calls that give rows
-(``sequence``, ``sequences``, ``get``, ``read_ranges``, ``rows``) answer with
-:class:`~.hidden.HiddenRecord` / :class:`~.hidden.HiddenRows`, through the same checked reads
-as every array (:func:`._decode.stored_values`: R6, R7, R9 and the seals of 4.8)."""
+"""Reads of a hidden store (FORMAT.md 4.10): the decoded rows of a :class:`~.CacheReader`'s
+spans and its :class:`~.hidden.HiddenRecord` s, through the same checked reads as every array
+(:func:`._decode.stored_values`: R6, R7, R9 and the seals of 4.8)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from . import spec
 from ._decode import OpenArrays, Span, stored_spans, stored_values
-from ._snapshot import IndexSnapshot, SnapshotKeys
+from ._snapshot import SnapshotKeys
 from ._stored import LazyKey
-from .hidden import HiddenRecord, HiddenRows, TeacherHead, decode_rows, to_bf16_bits
+from .hidden import HiddenRecord, TeacherHead, decode_rows, to_bf16_bits
 
 HIDDEN_OUT = ("float32", "bfloat16")
 """What a hidden store's rows decode to (the readers' ``logprob_dtype`` argument): float32, or
@@ -56,62 +55,19 @@ class StoredHiddenRecord(LazyKey, HiddenRecord):
         return HiddenRecord.trusted, (self.key, self.input_ids, self.hidden, self.loss_mask)
 
 
-def _stored(
-    keys: SnapshotKeys, i: int, tokens: np.ndarray, hidden: np.ndarray, mask: np.ndarray | None
-) -> HiddenRecord:
+def record(keys: SnapshotKeys, i: int, got: Got, rows: slice, toks: slice) -> HiddenRecord:
+    """Sequence ``i`` from a span's decoded arrays ``got`` (its ``rows`` and ``toks``), its key
+    left in the store until used."""
+    hidden, tokens, mask = got
+    assert tokens is not None  # sequence spans read their tokens
     rec = object.__new__(StoredHiddenRecord)
-    rec.__dict__.update(_keys=(keys, i), input_ids=tokens, hidden=hidden, loss_mask=mask)
+    rec.__dict__.update(
+        _keys=(keys, i),
+        input_ids=tokens[toks],
+        hidden=hidden[rows],
+        loss_mask=None if mask is None else mask[rows],
+    )
     return rec
-
-
-Retry = Callable[[Callable[[], Any]], Any]
-
-
-def sequences(
-    opened: Callable[[], OpenArrays], retry: Retry, index: IndexSnapshot, idx: list[int], out: str
-) -> list[HiddenRecord]:
-    """Records of sequences ``idx`` (checked indices), in one read."""
-    spans = [index.span(i) for i in idx]
-    got = retry(lambda: fetch(opened(), spans, out))
-    recs = []
-    for i, (hidden, tokens, mask) in zip(idx, got, strict=True):
-        assert tokens is not None
-        recs.append(_stored(index.keys, i, tokens, hidden, mask))
-    return recs
-
-
-def read_ranges(
-    opened: Callable[[], OpenArrays],
-    retry: Retry,
-    index: IndexSnapshot,
-    ranges: Sequence[tuple[int, int]],
-    out: str,
-) -> list[HiddenRecord]:
-    """Records of the sequences of every ``[a, b)`` of ``ranges``: one read per range, the
-    records views of its blocks."""
-    todo = [(a, b) for a, b in index.check_ranges(ranges) if b > a]
-    if not todo:
-        return []
-    spans = [index.range_span(a, b) for a, b in todo]
-    got = retry(lambda: fetch(opened(), spans, out))
-    recs: list[HiddenRecord] = []
-    for (a, b), (hidden, tokens, mask) in zip(todo, got, strict=True):
-        assert tokens is not None
-        rs = 0
-        for i, n in zip(range(a, b), index.lengths_of(a, b).tolist(), strict=True):
-            ts = rs + i - a
-            m = None if mask is None else mask[rs : rs + n - 1]
-            recs.append(_stored(index.keys, i, tokens[ts : ts + n], hidden[rs : rs + n - 1], m))
-            rs += n - 1
-    return recs
-
-
-def rows(
-    opened: Callable[[], OpenArrays], retry: Retry, start: int, stop: int, out: str
-) -> HiddenRows:
-    """Global rows ``[start, stop)`` (checked)."""
-    hidden, _, mask = retry(lambda: fetch(opened(), [(slice(start, stop), None)], out))[0]
-    return HiddenRows(start, hidden, mask)
 
 
 def read_head(opened: OpenArrays) -> TeacherHead:

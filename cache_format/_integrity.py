@@ -21,7 +21,7 @@ from zarr.abc.store import SuffixByteRequest
 from zarr.codecs import ShardingCodec
 
 from ._seal import SEAL_SIZE, check_seal
-from ._shardread import as_bytes, parse_index
+from ._shardread import EMPTY, as_bytes, parse_index
 from ._zarr_adapter import (
     ArrayV3Metadata,
     RegularChunkGrid,
@@ -31,8 +31,6 @@ from ._zarr_adapter import (
     sync,
 )
 from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
-
-_EMPTY = 2**64 - 1
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -110,7 +108,7 @@ async def missing_ranges(
                 missing.append((lo, hi))
                 continue
             c0, c1 = (lo - s * outer[0]) // inner0, (hi - 1 - s * outer[0]) // inner0 + 1
-            empty = (table[c0:c1, ..., 0] == _EMPTY).reshape(c1 - c0, -1).any(axis=1)
+            empty = (table[c0:c1, ..., 0] == EMPTY).reshape(c1 - c0, -1).any(axis=1)
             for c in np.flatnonzero(empty):
                 r0 = s * outer[0] + (c0 + int(c)) * inner0
                 missing.append((max(lo, r0), min(hi, r0 + inner0)))

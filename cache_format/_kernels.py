@@ -1,14 +1,14 @@
-"""The two elementwise kernels of logprob decoding: the row-delta inverse (FORMAT.md 4.2) and
-float16 -> float32 widening.
+"""The elementwise kernels of logprob decoding: the row-delta inverse (FORMAT.md 4.2) and
+float16 -> float32 widening, of whole arrays and of a read call's row blocks (:func:`row_blocks`,
+which the NumPy decoder runs on its decode threads); and float32 -> float16 rounding.
 
 numpy's cumulative sum along short rows and its float16 cast run scalar loops, as much CPU as
 decompressing the chunks. torch's CPU kernels compute the same values vectorised, so they are
-used when torch is installed (imported on the
-first call, never at import time: the format does not depend on torch). Both backends give
-bit-identical results: the cumulative sum is modulo ``2**bits`` of the unsigned dtype (torch works
-on the same bits viewed as the signed type of that width, whose wrapping addition is the same
-operation), and float16 -> float32 is exact. Whether torch is importable is decided once, at
-import (:func:`backend` says which runs).
+used when torch is installed (imported on the first call, never at import time: the format does
+not depend on torch). Both backends give bit-identical results: the cumulative sum is modulo
+``2**bits`` of the unsigned dtype (torch works on the same bits viewed as a type of that width,
+whose wrapping addition is the same operation), and float16 -> float32 is exact. Whether torch
+is importable is decided once, at import (:func:`backend` says which runs).
 """
 
 from __future__ import annotations
@@ -119,3 +119,36 @@ def float_to_half(x: np.ndarray) -> np.ndarray:
         b = min(a + HALF_BLOCK, src.size)
         torch.from_numpy(dst[a:b]).copy_(torch.from_numpy(src[a:b]))
     return out
+
+
+# --------------------------------------------------------------------------- row blocks
+BLOCK_ELEMENTS = 32_000
+"""Elements per row-block kernel call: below torch's intra-op grain size of 32,768, so every
+call runs in the calling thread, vectorised, with no thread start-up (a read's decode threads
+take the blocks)."""
+
+
+def row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
+    """``[(a, b), ...]`` row blocks of at most :data:`BLOCK_ELEMENTS` elements covering ``rows``."""
+    step = max(1, BLOCK_ELEMENTS // max(1, k))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def undelta_block(d: np.ndarray) -> None:
+    """In place: ``d[:, j] = d[:, 0] + ... + d[:, j]`` modulo ``2**bits`` (FORMAT.md 4.2) for a
+    C-contiguous unsigned ``[m, k]`` block of at most :data:`BLOCK_ELEMENTS` elements."""
+    torch = torch_module()
+    if torch is None:
+        np.cumsum(d, axis=1, dtype=d.dtype, out=d)
+        return
+    torch.from_numpy(d.view(_SIGNED[d.dtype])).cumsum_(1)  # in place (no temporary)
+
+
+def widen_block(h: np.ndarray, out: np.ndarray) -> None:
+    """``out[...] = h`` (exact float16 -> float32) for a block of at most
+    :data:`BLOCK_ELEMENTS` elements."""
+    torch = torch_module()
+    if torch is None:
+        np.copyto(out, h, casting="same_kind")
+        return
+    torch.from_numpy(out).copy_(torch.from_numpy(h))

@@ -1,28 +1,13 @@
-"""Point reads: whole sequences by index, the path of ``CacheReader.sequence`` / ``sequences``
-(FORMAT.md §6, D4), chunk by chunk in Python (the compiled path, :mod:`._fastdecode`, reads a call
-in one compiled call where numba is installed and hands back to this module what it does not
-handle).
+"""The NumPy decoder's chunk reads (FORMAT.md §6, D4): stored values of row ranges of the
+format's sharded arrays, chunk by chunk in Python.
 
-A random sequence needs a few inner chunks of each row array and of ``input_ids``. This module
-reads exactly those (:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files
-kept open per layout, no event loop), decodes every needed chunk once per call, straight into the
-output when the chunk lies inside one requested range (else into a scratch chunk copied to each
-range that uses it), and then decodes the logprobs (row-delta inverse, float16 -> float32) in row
-blocks.
-
-With a thread pool (``CacheReader(decode_threads=t)``, ``t > 1``) a call's ranges are split by
-the read planner (:func:`._plan.split`: cut at chunk edges, about ``1/t`` of the bytes to decode
-each, ``t`` at most :data:`MAX_SHARES`, at least :data:`PARALLEL_MIN_BYTES`), and each thread
-reads (``pread`` releases the GIL) and decodes its share (``google_crc32c`` holds the GIL, ~3 us
-per 100 KB frame); the calling thread takes one share. About half of a call's CPU holds the GIL,
-and a thread hand-off costs tens of microseconds, so threads pay off for batches
-(``sequences``) and large chunks, not for one sequence of the ``random_access`` preset. The row
-blocks go to the threads the same way. The values never depend on it.
-
-The row-block kernels use torch (when :mod:`._kernels` selects it) on blocks of at most
-:data:`BLOCK_ELEMENTS` elements: below torch's intra-op grain size every call runs serially in
-the calling thread, vectorised (faster than numpy's cumulative sum along short rows and its
-float16 cast), with no thread start-up.
+A read needs a few inner chunks of each array. :func:`read` fetches exactly those
+(:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files kept open per
+layout), decodes every needed chunk once per call, straight into the output when the chunk lies
+inside one requested range (else into a scratch chunk copied to each range that uses it). With a
+thread pool and ``threads > 1`` a call's ranges are split by :func:`._plan.split` (at chunk
+edges, at most :data:`MAX_SHARES` threads, each at least :data:`PARALLEL_MIN_BYTES`), the calling
+thread taking one share; the values never depend on it.
 """
 
 from __future__ import annotations
@@ -33,26 +18,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import _kernels as kernels
 from . import _plan
 from . import _shardread as shardread
 from ._shardread import DirectLayout
 from .errors import CorruptStoreError
 
-BLOCK_ELEMENTS = 32_000
-"""Elements per row-block kernel call (below torch's intra-op grain size of 32,768)."""
-
 PARALLEL_MIN_BYTES = 192 * 1024
 """The least work (bytes decoded, or read + written by a row block) one decode thread is given:
 a call with less than twice this runs in the calling thread alone (a hand-off costs tens of
-microseconds; benchmarks/results/format.md, random access)."""
+microseconds)."""
 
 MAX_SHARES = 4
 """A call's work goes to at most this many threads (the calling thread included), whatever
-``decode_threads``: about half of a point read's CPU holds the GIL (the Python around each
-chunk, CRC32C, the reader's records), so more threads only queue on it. Measured on the 16-core
-H200 box (benchmarks/results/format.md, random access): ``sequences(32)`` on the preset 1,370-1,540
-seq/s with 4 threads, 970-1,130 with 8, 760-830 with 16."""
+``decode_threads``: about half of a read's CPU holds the GIL (the Python around each chunk,
+CRC32C), so more threads only queue on it (benchmarks/results/format.md, random access)."""
 
 
 Job = tuple[str, int, int]
@@ -233,37 +212,3 @@ def _scratch(lay: DirectLayout) -> np.ndarray:
     if buf is None:
         buf = cache[key] = lay.empty(lay.chunk_rows)
     return buf
-
-
-# --------------------------------------------------------------------------- row-block kernels
-def row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
-    """``[(a, b), ...]`` row blocks of at most :data:`BLOCK_ELEMENTS` elements covering ``rows``."""
-    step = max(1, BLOCK_ELEMENTS // max(1, k))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
-
-
-_SIGNED = {
-    np.dtype(np.uint8): np.int8,
-    np.dtype(np.uint16): np.int16,
-    np.dtype(np.uint32): np.int32,
-}
-
-
-def undelta_block(d: np.ndarray) -> None:
-    """In place: ``d[:, j] = d[:, 0] + ... + d[:, j]`` modulo ``2**bits`` (FORMAT.md 4.2) for a
-    C-contiguous unsigned ``[m, k]`` block of at most :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels.torch_module()
-    if torch is None:
-        np.cumsum(d, axis=1, dtype=d.dtype, out=d)
-        return
-    torch.from_numpy(d.view(_SIGNED[d.dtype])).cumsum_(1)  # in place (no temporary)
-
-
-def widen_block(h: np.ndarray, out: np.ndarray) -> None:
-    """``out[...] = h`` (exact float16 -> float32) for a block of at most
-    :data:`BLOCK_ELEMENTS` elements."""
-    torch = kernels.torch_module()
-    if torch is None:
-        np.copyto(out, h, casting="same_kind")
-        return
-    torch.from_numpy(out).copy_(torch.from_numpy(h))

@@ -14,7 +14,6 @@ one decoder (:mod:`._decode`: the compiled one where numba is installed, else Nu
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +30,13 @@ from . import _idmap as idmap
 from . import _rowextra, spec
 from . import _shardread as shardread
 from ._decode import Fetched, OpenArrays, Span, get_decoder, index_block, stored_values
-from ._integrity import checked_get
+from ._integrity import checked_read
 from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._manifest import Manifest
 from ._seal import sealed
-from ._snapshot import IndexBlocks, IndexSnapshot
-from ._stored import records_of, stored_record
-from ._zarr_adapter import Opened, async_array, open_arrays, sync
+from ._snapshot import IndexBlocks, IndexSnapshot, Piece
+from ._stored import stored_record
+from ._zarr_adapter import Opened, open_arrays
 from .errors import (
     ChecksumError,
     CorruptStoreError,
@@ -45,7 +44,7 @@ from .errors import (
     StoreNotFoundError,
     TargetKindError,
 )
-from .hidden import TeacherHead
+from .hidden import HiddenRows, TeacherHead
 from .layout import array_defs, committed_lengths, parse_root, read_root_attrs, strict
 from .quant import OUT_DTYPES
 from .records import RowBlock, SequenceRecord
@@ -171,22 +170,13 @@ class CacheReader:
                 raise CorruptStoreError(
                     f"array {n} has {a.shape[0]} entries, commit needs {need[n]}"
                 )
-        strict_, seal = strict(m), sealed(m.format_version)
-
-        def read(jobs: list[tuple[str, int, int]]) -> list[np.ndarray]:
-            async def gather() -> list[np.ndarray]:
-                return await asyncio.gather(
-                    *(
-                        checked_get(async_array(arrays[n]), n, a, b, strict_, seal)
-                        for n, a, b in jobs
-                    )
-                )
-
-            return [np.asarray(x) for x in sync(gather())]
-
+        strict_ = strict(m)
         id_order = self._id_order
         if m.id_remap and m.num_rows and id_order is None:
-            id_order = read([(spec.ID_ORDER, 0, m.vocab_size)])[0]
+            seal = sealed(m.format_version)
+            id_order = checked_read(
+                arrays[spec.ID_ORDER], spec.ID_ORDER, 0, m.vocab_size, strict_, seal
+            )
             if not idmap.is_permutation(id_order, m.vocab_size):
                 raise CorruptStoreError("id_order is not a permutation of the vocabulary")
         opened = self._adopt_arrays(arrays, need, strict_, m, id_order)
@@ -235,13 +225,7 @@ class CacheReader:
     def _read_keys(self, a: int, b: int) -> np.ndarray:
         """Stored keys ``[a, b)`` (committed), with the reader's retries."""
 
-        def read() -> np.ndarray:
-            o = self._opened
-            arr = async_array(o.arrays[spec.SEQ_KEYS])
-            seal = sealed(o.manifest.format_version)
-            return np.asarray(sync(checked_get(arr, spec.SEQ_KEYS, a, b, o.strict, seal)))
-
-        return self._retry(read)
+        return self._retry(lambda: stored_values(self._opened, [(spec.SEQ_KEYS, a, b)])[0])
 
     def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
         """UTF-8 bytes of committed keys ``[a, b)`` and their ends (:func:`stored_key_bytes`);
@@ -260,9 +244,6 @@ class CacheReader:
     def _opened(self) -> OpenArrays:
         assert self._open is not None
         return self._open
-
-    def _get_open(self) -> OpenArrays:
-        return self._opened
 
     def head(self) -> TeacherHead:
         """The teacher head of a ``targets="hidden"`` store (FORMAT.md 4.10), checked against
@@ -430,13 +411,10 @@ class CacheReader:
 
     def _sequences(self, idx: list[int], logprob_dtype: str) -> list[Any]:
         """Records of sequences ``idx`` (checked indices) in one read."""
-        index = self._index
-        if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
-            return hiddenread.sequences(self._get_open, self._retry, index, idx, logprob_dtype)
-        spans = self.read_spans([index.span(i) for i in idx], logprob_dtype)
-        got = records_of(index, idx, spans)
-        extra = _rowextra.read(self._opened, self._retry, [index.span(i)[0] for i in idx])
-        return _rowextra.attach(got, extra)
+        index, whole = self._index, (slice(None), slice(None))
+        return self._records(
+            [index.span(i) for i in idx], [[(i, *whole)] for i in idx], logprob_dtype
+        )
 
     def read_ranges(
         self, ranges: Sequence[tuple[int, int]], *, logprob_dtype: str = "float32"
@@ -448,33 +426,27 @@ class CacheReader:
         of the range's blocks (no copy). Empty ranges contribute nothing; ranges may overlap or
         come in any order."""
         index = self._index
-        if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
-            return hiddenread.read_ranges(self._get_open, self._retry, index, ranges, logprob_dtype)
         todo = [(a, b) for a, b in index.check_ranges(ranges) if b > a]
         if not todo:
             return []
-        got = self.read_spans([index.range_span(a, b) for a, b in todo], logprob_dtype)
-        keys, out = index.keys, []
-        for (a, b), (ids, lp, tail, tokens, mask) in zip(todo, got, strict=True):
-            assert tokens is not None  # sequence spans read their tokens
-            lengths = index.lengths_of(a, b).tolist()
-            rs = 0
-            for i, n in zip(range(a, b), lengths, strict=True):
-                ts = rs + i - a
-                out.append(
-                    stored_record(
-                        keys,
-                        i,
-                        tokens[ts : ts + n],
-                        ids[rs : rs + n - 1],
-                        lp[rs : rs + n - 1],
-                        tail[rs : rs + n - 1],
-                        None if mask is None else mask[rs : rs + n - 1],
-                    )
-                )
-                rs += n - 1
-        spans = [index.range_span(a, b)[0] for a, b in todo]
-        return _rowextra.attach(out, _rowextra.read(self._opened, self._retry, spans))
+        spans: list[Span] = [index.range_span(a, b) for a, b in todo]
+        return self._records(spans, [index.pieces(a, b) for a, b in todo], logprob_dtype)
+
+    def _records(self, spans: list[Span], pieces: list[list[Piece]], logprob_dtype: str) -> list:
+        """The records of each span's ``pieces`` (top-k or hidden, FORMAT.md 4.10), with the
+        store's optional per-row arrays attached."""
+        make: Callable[..., Any] = stored_record
+        if self._opened.manifest.hidden is not None:
+            got: list[Any] = self._retry(
+                lambda: hiddenread.fetch(self._opened, spans, logprob_dtype)
+            )
+            make = hiddenread.record
+        else:
+            got = self.read_spans(spans, logprob_dtype)
+        keys = self._index.keys
+        out = [make(keys, i, g, r, t) for g, ps in zip(got, pieces, strict=True) for i, r, t in ps]
+        extra = _rowextra.read(self._opened, self._retry, [rows for rows, _ in spans])
+        return _rowextra.attach(out, extra)
 
     def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
         """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).
@@ -486,10 +458,13 @@ class CacheReader:
         n = self.num_rows
         if not (0 <= start <= stop <= n):
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
+        span: list[Span] = [(slice(start, stop), None)]
         if self._opened.manifest.hidden is not None:  # FORMAT.md 4.10
-            got = hiddenread.rows(self._get_open, self._retry, start, stop, logprob_dtype)
-            return self._out(got)
-        ids, lp, tail, _, mask = self.read_spans([(slice(start, stop), None)], logprob_dtype)[0]
+            hidden, _, mask = self._retry(
+                lambda: hiddenread.fetch(self._opened, span, logprob_dtype)
+            )[0]
+            return self._out(HiddenRows(start, hidden, mask))
+        ids, lp, tail, _, mask = self.read_spans(span, logprob_dtype)[0]
         extra = _rowextra.read(self._opened, self._retry, [slice(start, stop)])
         block = RowBlock(
             start, ids, lp, tail, mask, *(_rowextra.first(extra, x.name) for x in _rowextra.EXTRAS)

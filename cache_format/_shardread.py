@@ -1,37 +1,24 @@
-"""Direct reads of row ranges of the format's sharded arrays (FORMAT.md §6, rule D2).
-
-zarr-python's array API decodes a sharded read through per-chunk tasks, copies and a generic
-codec pipeline, which costs about as much CPU as the decompression itself. This module reads the
-same bytes through the same zarr ``Store`` (local directory, obstore, fsspec) and decodes them
-itself, straight into the caller's output array. It implements the zarr v3 ``sharding_indexed``
-codec with the index at the end, for arrays whose chunk layout it fully understands
-(:func:`direct_layout`); for any other array it returns ``None`` and the caller uses zarr.
+"""Direct reads of the format's sharded arrays (FORMAT.md §6, rule D2): the zarr v3
+``sharding_indexed`` codec (index at the end) read through the same zarr ``Store`` and decoded
+here, for arrays whose chunk layout this module fully understands (:func:`direct_layout`; any
+other array is read through zarr).
 
 Shard object of ``n`` inner chunks (zarr v3 sharding spec)::
 
     chunk bytes ... | index: n x (offset uint64 LE, nbytes uint64 LE) | CRC32C(index) uint32 LE
 
 in C order over the shard's chunk grid; ``offset = nbytes = 2**64 - 1`` marks an empty chunk (all
-fill value). A missing shard object is all fill value too. Each inner chunk is
-``bytes(little-endian) -> blosc -> crc32c``: a blosc frame followed by the CRC32C of the frame,
-or (``raw`` layouts, preset ``random_access_raw``) ``bytes(little-endian) -> crc32c``: the
-chunk's bytes as they are followed by their CRC32C.
-In a version-2 store (``strict``) an absent shard or empty entry in the committed range is a
-lost object: :class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value.
-Every CRC32C is verified, as zarr does (chunks through :func:`check_decode`); a mismatch, an index
-pointing outside the object or a blosc frame of the wrong size raises
+fill value), and so does a missing shard object. Each inner chunk is a blosc frame followed by
+its CRC32C, or (``raw`` layouts) the chunk's little-endian bytes followed by their CRC32C. In a
+version-2 store (``strict``) an absent shard or empty entry in the committed range is
+:class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value. Every CRC32C is verified; a
+mismatch, an index pointing outside the object or a blosc frame of the wrong size is a
 :class:`~.errors.ChecksumError` (the reader retries it on a fresh snapshot, FORMAT.md R7).
 
-A shard whose needed chunks are at least half of it is read with one ``get`` of the whole
-object; otherwise its index is read with a suffix request (once per complete shard and layout:
-:attr:`DirectLayout.index_cache`) and the needed chunks with one range request spanning them.
-All requests of a call are issued concurrently on zarr's event loop.
-
-Point reads (:func:`chunk_frames`, used by ``CacheReader.sequence`` / ``sequences`` through
-:mod:`._pointread`) fetch a set of inner chunks by number: on a local directory store with
-``os.pread`` on the shard files (no event loop, no store object: one ``open``, an index read
-unless cached, and one read per run of consecutive chunks), on other stores with the requests
-above, all arrays' requests in one call into zarr's event loop.
+:func:`chunk_frames` fetches a set of inner chunks by number: on a local directory store with
+``os.pread`` on the shard files (one read per run of consecutive chunks), on other stores with
+concurrent requests on zarr's event loop (the whole object where half its chunks are needed, else
+the index by a suffix request, cached per complete shard, and one range request for the chunks).
 """
 
 from __future__ import annotations
@@ -55,6 +42,7 @@ from zarr.codecs.sharding import ShardingCodecIndexLocation
 from zarr.storage import LocalStore, StorePath
 
 from . import _outbuf as outbuf
+from ._numba import EMPTY
 from ._seal import SEAL_SIZE, check_seal, need_of
 from ._zarr_adapter import (
     ArrayV3Metadata,
@@ -65,7 +53,6 @@ from ._zarr_adapter import (
 )
 from .errors import ChecksumError, MissingDataError
 
-EMPTY = 2**64 - 1
 _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes (uint32 LE)
 _HEADER = struct.Struct("<III")  # nbytes, blocksize, cbytes: bytes 4..16 of a blosc frame
 _U32 = struct.Struct("<I")
@@ -93,7 +80,7 @@ class OpenShards:
     local store writes a temporary file and renames it): an open descriptor keeps the version it
     opened, which holds every row committed when the layout was made (a writer writes the data
     before the commit that a snapshot reads). A writer that rewrote files in place would make a
-    read fail its CRC32C, which the reader retries on fresh layouts, as before."""
+    read fail its CRC32C, which the reader retries on fresh layouts."""
 
     def __init__(self) -> None:
         self.fds: dict[int, int] = {}
@@ -449,11 +436,13 @@ def _frames_of(lay: DirectLayout, sh: _Shard, out: list[Frame | None]) -> None:
         out.append(sh.data[off : off + nb])
 
 
-def _local_index(lay: DirectLayout, fd: int, shard: int, where: str) -> np.ndarray:
-    """The parsed index of shard ``shard`` open as ``fd`` (cached for complete shards)."""
+def local_index(lay: DirectLayout, fd: int, shard: int) -> np.ndarray:
+    """The parsed index of shard ``shard`` open as ``fd`` (:func:`open_shard`; cached for
+    complete shards)."""
     complete = (shard + 1) * lay.shard_rows <= lay.length
     index = lay.index_cache.get(shard) if complete else None
     if index is None:
+        where = f"{lay.name or lay.paths.get(shard)} shard {shard}"
         size, want = os.fstat(fd).st_size, lay.tail_size
         if size < want:
             raise ChecksumError(f"{where}: object shorter than its index")
@@ -481,40 +470,21 @@ def open_shard(lay: DirectLayout, root: str, shard: int) -> tuple[int, bool] | N
     return fd, not lay.fds.keep(shard, fd)
 
 
-def local_index(lay: DirectLayout, fd: int, shard: int) -> np.ndarray:
-    """:func:`_local_index` of shard ``shard`` open as ``fd`` (after :func:`open_shard`)."""
-    return _local_index(lay, fd, shard, f"{lay.name or lay.paths.get(shard)} shard {shard}")
-
-
 def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame | None]:
     """:func:`chunk_frames` of one local array: ``os.pread`` on the shard files, one read per
     run of consecutive chunks, frames as views of the bytes read."""
-    n = lay.chunks_per_shard
     out: list[Frame | None] = []
-    i, total = 0, len(chunks)
-    while i < total:
-        shard = chunks[i] // n
-        j, end = i + 1, (shard + 1) * n
-        while j < total and chunks[j] < end:
-            j += 1
-        part, i = chunks[i:j], j
+    for shard, runs in _runs(chunks, lay.chunks_per_shard).items():
         got = open_shard(lay, root, shard)
         if got is None:
-            out += [None] * len(part)
+            out += [None] * sum(c1 - c0 for c0, c1 in runs)
             continue
         fd, owned = got
         where = f"{lay.name or lay.paths[shard]} shard {shard}"
         try:
-            index = _local_index(lay, fd, shard, where)
-            base = shard * n
-            k = 0
-            while k < len(part):  # one pread per run of consecutive chunks
-                c0 = part[k] - base
-                m = k + 1
-                while m < len(part) and part[m] - base == c0 + (m - k):
-                    m += 1
-                entries = index[c0 : c0 + m - k].tolist()
-                k = m
+            index = local_index(lay, fd, shard)
+            for c0, c1 in runs:  # one pread per run of consecutive chunks
+                entries = index[c0:c1].tolist()
                 used = [(o, nb) for o, nb in entries if o != EMPTY]
                 if not used:
                     out += [None] * len(entries)

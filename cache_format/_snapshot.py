@@ -36,6 +36,9 @@ ReadBlock = Callable[[int, int, bool], tuple[np.ndarray, int, int | None]]
 #: ``read(a, b)``: committed ``seq_lengths[a:b]``.
 ReadLengths = Callable[[int, int], np.ndarray]
 
+#: ``(sequence, rows, tokens)``: where sequence ``i``'s rows and tokens lie in a span's arrays.
+Piece = tuple[int, slice, slice]
+
 
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
@@ -257,6 +260,16 @@ class IndexSnapshot:
         """Rows and tokens of sequences ``[a, b)`` (stored back to back), ``a < b``."""
         r0, r1 = self.row_start(a), self.row_start(b)
         return slice(r0, r1), slice(r0 + a, r1 + b)
+
+    def pieces(self, a: int, b: int) -> list[Piece]:
+        """Sequences ``[a, b)`` as :data:`Piece` s of :meth:`range_span` ``(a, b)``."""
+        out: list[Piece] = []
+        rs = 0
+        for i, n in zip(range(a, b), self.lengths_of(a, b).tolist(), strict=True):
+            ts = rs + i - a
+            out.append((i, slice(rs, rs + n - 1), slice(ts, ts + n)))
+            rs += n - 1
+        return out
 
     def check_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` as int pairs; ``IndexError`` unless ``0 <= a <= b <= len(self)``."""

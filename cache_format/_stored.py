@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ._decode import Fetched
-from ._snapshot import IndexSnapshot, SnapshotKeys
+from ._snapshot import SnapshotKeys
 from .records import SequenceRecord
 
 
@@ -42,25 +40,20 @@ class StoredRecord(LazyKey, SequenceRecord):
         )
 
 
-def stored_record(keys: SnapshotKeys, i: int, *arrays: np.ndarray | None) -> SequenceRecord:
-    """:meth:`SequenceRecord.trusted` of a reader's arrays ``(tokens, ids, logprobs, tail,
-    mask)`` for sequence ``i``, its key left in the store until used."""
+def stored_record(
+    keys: SnapshotKeys, i: int, got: Fetched, rows: slice, toks: slice
+) -> SequenceRecord:
+    """:meth:`SequenceRecord.trusted` of sequence ``i`` from a span's decoded arrays ``got``
+    (its ``rows`` and ``toks``), its key left in the store until used."""
     rec = object.__new__(StoredRecord)
-    tokens, ids, lp, tail, mask = arrays
+    ids, lp, tail, tokens, mask = got
+    assert tokens is not None  # sequence spans read their tokens
     rec.__dict__.update(
         _keys=(keys, i),
-        input_ids=tokens,
-        topk_ids=ids,
-        topk_logprobs=lp,
-        tail_mass=tail,
-        loss_mask=mask,
+        input_ids=tokens[toks],
+        topk_ids=ids[rows],
+        topk_logprobs=lp[rows],
+        tail_mass=tail[rows],
+        loss_mask=None if mask is None else mask[rows],
     )
     return rec
-
-
-def records_of(index: IndexSnapshot, idx: list[int], got: list[Fetched]) -> list[SequenceRecord]:
-    out, keys = [], index.keys
-    for i, (ids, lp, tail, tokens, mask) in zip(idx, got, strict=True):
-        assert tokens is not None  # sequence spans read their tokens
-        out.append(stored_record(keys, i, tokens, ids, lp, tail, mask))
-    return out

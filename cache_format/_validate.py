@@ -7,7 +7,7 @@ the first problem: each violated rule is reported with how often it occurred and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -123,6 +123,22 @@ def _read(
     except Exception as e:
         report.add("unreadable", f"cannot be read/decoded: {e}", [f"{name} {unit} {a}:{b}"])
     return None
+
+
+def _read_spans(
+    arrays: dict,
+    m: Manifest,
+    report: ValidationReport,
+    names: list[str],
+    spans: list[tuple[int, int]],
+) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+    """``(b0, b1, values by name)`` of every span ``[b0, b1)`` whose ``names`` all read
+    (:func:`_read` reports the others)."""
+    for b0, b1 in spans:
+        read = {n: _read(arrays, m, report, n, b0, b1) for n in names}
+        block = {n: v for n, v in read.items() if v is not None}
+        if len(block) == len(read):
+            yield b0, b1, block
 
 
 def _expected_dtypes(m: Manifest) -> dict[str, tuple[str, bool]]:
@@ -349,11 +365,7 @@ def _check_rows(
         if not idmap.is_permutation(order, m.vocab_size):
             report.add("id_order", "id_order is not a permutation of [0, vocab_size)")
             return
-    for b0, b1 in spans:
-        read = {n: _read(arrays, m, report, n, b0, b1) for n in names}
-        block = {n: v for n, v in read.items() if v is not None}
-        if len(block) < len(read):
-            continue
+    for b0, b1, block in _read_spans(arrays, m, report, names, spans):
         ids = block[spec.TOPK_IDS]  # ranks if remapped: same range, same distinctness
         _flag(
             report,
@@ -449,11 +461,7 @@ def _check_hidden(
             got = hidden.TeacherHead(w, b, dtype=h["head_dtype"]).digest()
             if got != h["head_digest"]:
                 report.add("head_digest", f"head bytes hash to {got}, manifest has another")
-    for b0, b1 in spans:
-        read = {n: _read(arrays, m, report, n, b0, b1) for n in names}
-        block = {n: v for n, v in read.items() if v is not None}
-        if len(block) < len(read):
-            continue
+    for b0, b1, block in _read_spans(arrays, m, report, names, spans):
         scale = block.get(spec.HIDDEN_SCALE)
         if scale is not None:
             bad = ~np.isfinite(scale) | (scale <= 0)
@@ -466,49 +474,36 @@ def _check_hidden(
         report.checked_rows += b1 - b0
 
 
-def _check_loss_mask(
+#: ``(array and manifest flag, code, message, bad(values, log V))`` of the optional per-row
+#: arrays: FORMAT.md 4.6 (``loss_mask`` 0 or 1), 4.9 (``entropy`` finite in ``[0, log V]`` up to
+#: float16 rounding), 4.12 (``actual_logprob`` ``<= 0``, not NaN).
+_VALUE_CHECKS: tuple[tuple[str, str, str, Callable[[np.ndarray, float], Any]], ...] = (
+    (spec.LOSS_MASK, "loss_mask_value", "loss_mask entry not 0 or 1", lambda x, _: x > 1),
+    (
+        spec.ENTROPY,
+        "entropy_value",
+        "entropy not finite or outside [0, log V]",
+        lambda e, top: ~np.isfinite(e) | (e < 0) | (e > top * (1 + 2.0**-10) + 2.0**-10),
+    ),
+    (
+        spec.ACTUAL_LOGPROB,
+        "actual_value",
+        "actual_logprob NaN or above 0",
+        lambda a, _: np.isnan(a) | (a > 0),
+    ),
+)
+
+
+def _check_values(
     arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
 ) -> None:
-    """FORMAT.md 4.6: every committed ``loss_mask`` entry is 0 or 1 (``loss_mask_value``)."""
-    if not m.loss_mask or spec.LOSS_MASK not in arrays:
-        return
-    for b0, b1 in spans:
-        mask = _read(arrays, m, report, spec.LOSS_MASK, b0, b1)
-        if mask is not None:
-            _flag(report, "loss_mask_value", "loss_mask entry not 0 or 1", mask > 1, b0, "row")
-
-
-def _check_entropy(
-    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
-) -> None:
-    """FORMAT.md 4.9: every committed ``entropy`` entry is finite and in ``[0, log V]`` (up to
-    float16 rounding; ``entropy_value``)."""
-    if not m.entropy or spec.ENTROPY not in arrays:
-        return
-    top = float(np.log(m.vocab_size)) * (1 + 2.0**-10) + 2.0**-10
-    for b0, b1 in spans:
-        ent = _read(arrays, m, report, spec.ENTROPY, b0, b1)
-        if ent is not None:
-            e = np.asarray(ent, dtype=np.float32)
-            bad = ~np.isfinite(e) | (e < 0) | (e > top)
-            _flag(
-                report, "entropy_value", "entropy not finite or outside [0, log V]", bad, b0, "row"
-            )
-
-
-def _check_actual(
-    arrays: dict, m: Manifest, report: ValidationReport, spans: list[tuple[int, int]]
-) -> None:
-    """FORMAT.md 4.12: every committed ``actual_logprob`` entry is ``<= 0`` and not NaN
-    (``actual_value``)."""
-    if not m.actual_logprob or spec.ACTUAL_LOGPROB not in arrays:
-        return
-    for b0, b1 in spans:
-        got = _read(arrays, m, report, spec.ACTUAL_LOGPROB, b0, b1)
-        if got is not None:
-            a = np.asarray(got, dtype=np.float32)
-            bad = np.isnan(a) | (a > 0)
-            _flag(report, "actual_value", "actual_logprob NaN or above 0", bad, b0, "row")
+    """:data:`_VALUE_CHECKS` of the arrays the store keeps, over every entry of ``spans``."""
+    top = float(np.log(m.vocab_size))
+    for name, code, msg, bad in _VALUE_CHECKS:
+        if getattr(m, name) and name in arrays:
+            for b0, _, got in _read_spans(arrays, m, report, [name], spans):
+                values = np.asarray(got[name], dtype=np.float32)
+                _flag(report, code, msg, bad(values, top), b0, "row")
 
 
 def _check_tokens(
@@ -516,10 +511,8 @@ def _check_tokens(
 ) -> None:
     if spec.INPUT_IDS not in arrays:
         return
-    for b0, b1 in spans:
-        tok = _read(arrays, m, report, spec.INPUT_IDS, b0, b1)
-        if tok is None:
-            continue
+    for b0, _, got in _read_spans(arrays, m, report, [spec.INPUT_IDS], spans):
+        tok = got[spec.INPUT_IDS]
         _flag(
             report,
             "token_out_of_vocab",
@@ -584,9 +577,7 @@ def validate(
         rows, tokens = _sample(lengths, sample, seed)
         masks = rows
     _guard(report, _check_rows, arrays, m, report, rows)
-    _guard(report, _check_loss_mask, arrays, m, report, masks)
-    _guard(report, _check_entropy, arrays, m, report, masks)
-    _guard(report, _check_actual, arrays, m, report, masks)
+    _guard(report, _check_values, arrays, m, report, masks)
     _guard(report, _check_tokens, arrays, m, report, tokens)
     return report
 
