@@ -16,7 +16,7 @@ from importlib.util import find_spec
 import torch
 
 from .row_math import RowCoefs, row_coefs
-from .spec import KERNELS, LossInputError, LossSpec, given
+from .spec import KERNELS, LossInputError, LossSpec, check_choice, given
 
 #: Whether Triton is installed, decided once at import (``logitcache info --versions`` shows
 #: it): without it the full-vocabulary passes run in torch on every device.
@@ -53,8 +53,7 @@ def use_triton(kernels: str, device: torch.device) -> bool:
     """Whether the Triton kernels run the passes: ``kernels="auto"``: on CUDA when Triton is
     installed; ``"torch"``: never; ``"triton"``: always (on the CPU too, under Triton's
     interpreter ``TRITON_INTERPRET=1``; an error without Triton)."""
-    if kernels not in KERNELS:
-        raise LossInputError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    check_choice("kernels", kernels, KERNELS)
     if kernels == "triton" and not TRITON_AVAILABLE:
         raise LossInputError('kernels="triton" needs Triton installed')
     if kernels == "auto":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .spec import GRAD_WEIGHT_DTYPES, IMPLS, LossInputError
+from .spec import GRAD_WEIGHT_DTYPES, IMPLS, KERNELS, REDUCTIONS, LossInputError, check_choice
 
 #: Bytes of one chunk's logits buffer that the automatic chunk size aims at.
 CHUNK_BUDGET_BYTES_GPU = 1 << 30
@@ -62,8 +62,7 @@ def resolve_impl(
     ``"auto"``: ``"small_vocab"`` where :func:`picks_small_vocab` says so (needs the problem's
     ``n_rows``, ``vocab`` and ``device``), else the fused chunked path.
     """
-    if impl not in IMPLS:
-        raise LossInputError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_choice("impl", impl, IMPLS)
     if impl == "auto":
         small = (
             n_rows is not None
@@ -94,6 +93,17 @@ def auto_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.d
     return max(1, min(rows, n_rows))
 
 
+def check_options(
+    reduction: str, chunk_size: int | None, grad_weight_dtype: str, kernels: str, impl: str = "auto"
+) -> None:
+    """The checks of the loss options that need no tensor (a typed error on the first bad one)."""
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_chunk_size(chunk_size)
+    check_choice("grad_weight_dtype", grad_weight_dtype, GRAD_WEIGHT_DTYPES)
+    check_choice("kernels", kernels, KERNELS)
+    resolve_impl(impl, reduction)
+
+
 def check_chunk_size(chunk_size: int | None) -> None:
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
@@ -106,10 +116,7 @@ def resolve_grad_weight_dtype(
 ) -> torch.dtype | None:
     """The ``grad_W`` accumulation dtype for the fused paths (``None``: their default, fp32
     for bf16/fp16 weights); see ``topk_distill_loss(grad_weight_dtype=...)``."""
-    if option not in GRAD_WEIGHT_DTYPES:
-        raise LossInputError(
-            f"grad_weight_dtype must be one of {GRAD_WEIGHT_DTYPES}, got {option!r}"
-        )
+    check_choice("grad_weight_dtype", option, GRAD_WEIGHT_DTYPES)
     if weight_dtype not in (torch.bfloat16, torch.float16) or option == "float32":
         return None
     if option == "weight":
