@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from .chunk_ops import use_triton
-from .dispatch import auto_chunk_size, check_options, resolve_grad_weight_dtype, resolve_impl
+from .dispatch import check_options, plan_chunks, resolve_impl
 from .forward_chunked import forward_chunked_rows
 from .fused_chunked import TopKChunks, chunked_loss
 from .reference import dense_row_losses
@@ -187,10 +187,7 @@ def topk_distill_loss(
     if shard is not None:
         check_same_rows(prep.ids, prep.valid, shard)
     n_rows = prep.valid.numel()
-    cols = weight.shape[0] if shard is None else -(-shard.vocab // shard.world)
-    chunk = chunk_size or auto_chunk_size(n_rows, cols, weight.dtype, weight.device)
-    acc = resolve_grad_weight_dtype(grad_weight_dtype, weight.dtype, prep.n_valid, chunk)
-
+    chunk, acc = plan_chunks(chunk_size, n_rows, weight, shard, grad_weight_dtype, prep.n_valid)
     if impl == "fused_chunked":
         scale = 1.0 if reduction == "sum" else 1.0 / max(prep.n_valid, 1)
         return chunked_loss(TopKChunks(spec, prep, shard, triton), chunk, acc, scale)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .spec import GRAD_WEIGHT_DTYPES, IMPLS, KERNELS, REDUCTIONS, LossInputError, check_choice
+from .vocab_parallel import VocabShard
 
 #: Bytes of one chunk's logits buffer that the automatic chunk size aims at.
 CHUNK_BUDGET_BYTES_GPU = 1 << 30
@@ -102,6 +103,23 @@ def check_options(
     check_choice("grad_weight_dtype", grad_weight_dtype, GRAD_WEIGHT_DTYPES)
     check_choice("kernels", kernels, KERNELS)
     resolve_impl(impl, reduction)
+
+
+def plan_chunks(
+    chunk_size: int | None,
+    n_rows: int,
+    weight: torch.Tensor,
+    shard: VocabShard | None,
+    grad_weight_dtype: str,
+    n_valid: int,
+    buffers: int = 1,
+) -> tuple[int, torch.dtype | None]:
+    """Rows per chunk (``chunk_size``, else :func:`auto_chunk_size` for ``buffers`` logits
+    buffers of this rank's columns: every rank of a shard counts ``ceil(V / world)`` so that
+    they cut the same chunks) and the ``grad_W`` accumulation dtype."""
+    cols = weight.shape[0] if shard is None else -(-shard.vocab // shard.world)
+    chunk = chunk_size or auto_chunk_size(n_rows, cols * buffers, weight.dtype, weight.device)
+    return chunk, resolve_grad_weight_dtype(grad_weight_dtype, weight.dtype, n_valid, chunk)
 
 
 def check_chunk_size(chunk_size: int | None) -> None:
