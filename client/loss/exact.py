@@ -19,9 +19,9 @@ import torch
 
 from .api import autocast_inputs
 from .chunk_ops import use_triton
-from .dispatch import auto_chunk_size, check_options, resolve_grad_weight_dtype
+from .dispatch import check_options, plan_chunks
 from .fused_chunked import Rows, chunked_loss, project, take_rows
-from .spec import LossInputError, LossSpec
+from .spec import LossInputError, LossSpec, check_choice
 from .validation import check_head, counted_rows
 from .vocab_parallel import VocabParallel, VocabShard, exchange, resolve_shard
 
@@ -180,6 +180,8 @@ def exact_distill_loss(
     Under ``torch.autocast`` with float32 student tensors, they are cast to the autocast dtype
     first (as in ``topk_distill_loss``). Raises :class:`LossInputError` for any bad argument.
     """
+    check_choice("loss", loss, EXACT_LOSS_KINDS)
+    spec = LossSpec(loss=loss, beta=beta, temperature=temperature, ce_weight=ce_weight)
     shard = None
     if vocab_parallel is not None:
         if not isinstance(vocab_parallel, VocabParallel):
@@ -196,8 +198,7 @@ def exact_distill_loss(
         labels,
         mask,
         ignore_index,
-        LossSpec(loss="forward_kl", beta=beta, temperature=temperature, ce_weight=ce_weight),
-        loss,
+        spec,
         None if shard is None else shard.vocab,
     )
     inp.shard = shard
@@ -206,14 +207,10 @@ def exact_distill_loss(
         raise LossInputError('kernels="triton" does not cover ce_weight > 0 or vocab_parallel')
     inp.triton = triton and shard is None and ce_weight == 0.0
     check_options(reduction, chunk_size, grad_weight_dtype, kernels)
-    cols = inp.weight.shape[0] if inp.shard is None else -(-inp.shard.vocab // inp.shard.world)
-    chunk = chunk_size or auto_chunk_size(
-        max(inp.n_valid, 1),
-        cols * (TRITON_CHUNK_BUFFERS if inp.triton else CHUNK_BUFFERS),
-        inp.weight.dtype,
-        inp.hidden.device,
+    buffers = TRITON_CHUNK_BUFFERS if inp.triton else CHUNK_BUFFERS
+    chunk, acc = plan_chunks(
+        chunk_size, max(inp.n_valid, 1), inp.weight, shard, grad_weight_dtype, inp.n_valid, buffers
     )
-    acc = resolve_grad_weight_dtype(grad_weight_dtype, inp.weight.dtype, inp.n_valid, chunk)
     if reduction == "none":
         return chunked_loss(inp, chunk, acc, None).reshape(inp.lead_shape)
     return chunked_loss(inp, chunk, acc, 1.0 if reduction == "sum" else 1.0 / max(inp.n_valid, 1))
@@ -229,15 +226,9 @@ def prepare_exact(
     mask: torch.Tensor | None,
     ignore_index: int,
     spec: LossSpec,
-    loss: str,
     vocab_global: int | None = None,
 ) -> ExactInputs:
     """Check every argument and flatten the rows; raise :class:`LossInputError` on a problem."""
-    if loss not in EXACT_LOSS_KINDS:
-        raise LossInputError(f"loss must be one of {EXACT_LOSS_KINDS}, got {loss!r}")
-    spec = LossSpec(
-        loss=loss, beta=spec.beta, temperature=spec.temperature, ce_weight=spec.ce_weight
-    )
     if spec.ce_weight > 0.0 and labels is None:
         raise LossInputError("ce_weight > 0 needs labels")
     check_head(hidden, weight, bias, _STUDENT)
