@@ -15,8 +15,7 @@ _ROW_MULTIPLE = 256
 #: to this many chunks (each chunk adds one rounding of the running sum; see RESULTS).
 AUTO_LOWP_MAX_CHUNKS = 8
 #: ``impl="auto"`` takes ``"small_vocab"`` on the CPU up to this vocabulary and this many rows x
-#: vocabulary entries (see :func:`picks_small_vocab`; figures from
-#: ``benchmarks/loss_small_vocab_cpu.py --sweep``).
+#: vocabulary entries (see :func:`picks_small_vocab`; figures: ``benchmarks/results/loss.md``).
 SMALL_VOCAB_MAX_VOCAB = 4096
 SMALL_VOCAB_MAX_ELEMENTS = 1 << 22
 
@@ -28,16 +27,10 @@ def picks_small_vocab(
 
     Only on the CPU, only for ``V <= SMALL_VOCAB_MAX_VOCAB`` and ``N * V <=
     SMALL_VOCAB_MAX_ELEMENTS``, never with an explicit ``chunk_size`` (the caller asked for
-    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. Speed
-    (``benchmarks/loss_small_vocab_cpu.py --sweep``, one CPU thread, hidden 128, k = 128, two
-    runs on the shared 2-core box, load 2.2-2.9): CPU time vs the fused path 0.59/0.72x at
-    N x V = 512 x 1,024; 0.85/0.79x at 4,096 x 1,024; 0.65/0.65x at 512 x 2,048; 0.81/0.81x at
-    512 x 4,096 and 1.03/1.02x at 1,024 x 4,096; 1.08/1.10x at 512 x 8,192. Fewer rows at a
-    large V are faster too (0.84-0.88x at 128 x 32,768, 0.77x at 32 x 131,072), but there the
-    ``[N, V]`` buffers grow with V, so the vocabulary bound keeps them to the small-vocabulary
-    case. Memory: its logits, exponentials and logits gradient are at most 16 MiB each in
-    float32 under the element bound, no more than one chunk of the fused path's 64 MiB CPU
-    budget.
+    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. The
+    vocabulary bound keeps the ``[N, V]`` buffers small: its logits, exponentials and logits
+    gradient are at most 16 MiB each in float32, no more than one chunk of the fused path's
+    64 MiB CPU budget (CPU times: ``benchmarks/results/loss.md``).
     """
     return (
         device.type == "cpu"
