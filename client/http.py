@@ -224,17 +224,30 @@ class _JobProgress:
             self._bar.close()
 
 
-def _client_kwargs(base_url: str, api_key: str | None, timeout: float) -> dict[str, Any]:
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    return {"base_url": base_url, "headers": headers, "timeout": timeout}
-
-
 class _Endpoints:
     """Every endpoint of the service, defined once as steps; ``_run`` drives them (sync: returns
-    the value; async: returns a coroutine of it)."""
+    the value; async: returns a coroutine of it). ``transport``: an ``httpx`` transport of the
+    driver's kind (sync or async)."""
 
-    retry: RetryPolicy
-    progress: bool
+    _http_class: Any
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_retries: int = 5,
+        backoff: float = 0.25,
+        progress: bool = True,
+        transport: Any = None,
+    ) -> None:
+        self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
+        self.progress = progress
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = self._http_class(
+            base_url=base_url, headers=headers, timeout=timeout, transport=transport
+        )
 
     def _run(self, steps: Steps[Any]) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -293,24 +306,11 @@ class _Endpoints:
         JobCreate`: ``on_long``, ``targets``, ``sampling``, ``layout``, ...). Not retried on
         ambiguous failures (it is not idempotent).
         """
-        return self._call(
-            Call(
-                "POST",
-                "/v1/jobs",
-                json=_job_body(
-                    cache,
-                    records=records,
-                    texts=texts,
-                    input_ids=input_ids,
-                    file=file,
-                    k=k,
-                    dataset=dataset,
-                    **fields,
-                ),
-                parse=_model(JobStatus),
-                idempotent=False,
-            )
-        )
+        call = _submit_call(
+            cache, records=records, texts=texts, input_ids=input_ids, file=file, k=k,
+            dataset=dataset, **fields,
+        )  # fmt: skip
+        return self._call(call)
 
     def get_job(self, job_id: str) -> Any:
         """``GET /v1/jobs/{id}`` -> :class:`~logitcache.protocol.JobStatus` (state,
@@ -395,14 +395,7 @@ class _Endpoints:
         return self._run(self._run_job(cache, job, wait))
 
     def _run_job(self, cache: str, job: dict[str, Any], wait: dict[str, Any]) -> Steps[JobStatus]:
-        submit = Call(
-            "POST",
-            "/v1/jobs",
-            json=_job_body(cache, **job),
-            parse=_model(JobStatus),
-            idempotent=False,
-        )
-        status: JobStatus = yield from _send(submit, self.retry)
+        status: JobStatus = yield from _send(_submit_call(cache, **job), self.retry)
         return (yield from self._wait_job(status.id, **wait))
 
     def list_caches(self) -> Any:
@@ -442,7 +435,7 @@ class _Endpoints:
         )
 
 
-def _job_body(
+def _submit_call(
     cache: str,
     *,
     records: list[dict[str, Any]] | None = None,
@@ -452,8 +445,8 @@ def _job_body(
     k: int | None = None,
     dataset: str | None = None,
     **fields: object,
-) -> dict[str, object]:
-    """The ``POST /v1/jobs`` body (:class:`~logitcache.protocol.JobCreate`) of one input."""
+) -> Call:
+    """The ``POST /v1/jobs`` call (body: :class:`~logitcache.protocol.JobCreate`) of one input."""
     given = [x is not None for x in (records, texts, input_ids, file)]
     if sum(given) != 1:
         raise ConfigError("give exactly one of records, texts, input_ids, file")
@@ -470,7 +463,8 @@ def _job_body(
         body["k"] = k
     if dataset is not None:
         body["dataset"] = dataset
-    return body | {name: value for name, value in fields.items() if value is not None}
+    body |= {name: value for name, value in fields.items() if value is not None}
+    return Call("POST", "/v1/jobs", json=body, parse=_model(JobStatus), idempotent=False)
 
 
 class TeacherClient(_Endpoints):
@@ -481,20 +475,8 @@ class TeacherClient(_Endpoints):
     ``httpx.Client`` (add event hooks, inspect the pool).
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: str | None = None,
-        timeout: float = 60.0,
-        max_retries: int = 5,
-        backoff: float = 0.25,
-        progress: bool = True,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
-        self.progress = progress
-        self.http = httpx.Client(**_client_kwargs(base_url, api_key, timeout), transport=transport)
+    http: httpx.Client
+    _http_class = httpx.Client
 
     def __enter__(self) -> TeacherClient:
         return self
@@ -530,22 +512,8 @@ class AsyncTeacherClient(_Endpoints):
     ``http`` is the underlying ``httpx.AsyncClient``.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: str | None = None,
-        timeout: float = 60.0,
-        max_retries: int = 5,
-        backoff: float = 0.25,
-        progress: bool = True,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
-        self.progress = progress
-        self.http = httpx.AsyncClient(
-            **_client_kwargs(base_url, api_key, timeout), transport=transport
-        )
+    http: httpx.AsyncClient
+    _http_class = httpx.AsyncClient
 
     async def __aenter__(self) -> AsyncTeacherClient:
         return self

@@ -36,6 +36,7 @@ an error. Rows with fewer valid slots than others (``-inf`` / ``-1e9`` padding) 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -156,6 +157,19 @@ def _write_cache(
     return len(records)
 
 
+def _write_parquet(path: Path, schema: Any, rows: Iterator[tuple]) -> int:
+    """Write ``rows`` (one tuple of column values each, in ``schema`` order) to one parquet
+    file, ``_BATCH`` rows a row group; returns the number of rows."""
+    pa, pq = _pa()
+    n = 0
+    with pq.ParquetWriter(str(path), schema) as writer:
+        while batch := list(itertools.islice(rows, _BATCH)):
+            cols = zip(schema.names, zip(*batch, strict=True), strict=True)
+            writer.write_table(pa.table({name: list(c) for name, c in cols}, schema=schema))
+            n += len(batch)
+    return n
+
+
 # -- axolotl ----------------------------------------------------------------------------------
 def export_axolotl(
     url: str,
@@ -166,7 +180,7 @@ def export_axolotl(
 ) -> int:
     """Write the cache at ``url`` as one parquet file in axolotl's KD layout (module docstring).
     Returns the number of sequences written."""
-    pa, pq = _pa()
+    pa = _pa()[0]
     lst = pa.list_
     schema = pa.schema(
         [
@@ -178,27 +192,16 @@ def export_axolotl(
             ("target_mask", lst(lst(pa.int64()))),
         ]
     )
-    n = 0
-    with pq.ParquetWriter(str(out), schema) as writer:
-        cols: dict[str, list] = {name: [] for name in schema.names}
+
+    def rows() -> Iterator[tuple]:
         for rec in _records(url, storage_options, limit):
-            tokens = rec.input_ids.astype(np.int64).tolist()
-            k = rec.topk_ids.shape[1]
-            pad = [[0] * k]
-            cols["input_ids"].append(tokens)
-            cols["labels"].append(tokens)
-            cols["attention_mask"].append([1] * len(tokens))
-            cols["target_token_ids"].append(rec.topk_ids.astype(np.int64).tolist() + pad)
-            lp = rec.topk_logprobs.astype(np.float32).tolist()
-            cols["target_logprobs"].append(lp + [[AXOLOTL_PAD_LOGPROB] * k])
-            cols["target_mask"].append([[1] * k] * (len(tokens) - 1) + pad)
-            n += 1
-            if len(cols["input_ids"]) == _BATCH:
-                writer.write_table(pa.table(cols, schema=schema))
-                cols = {name: [] for name in schema.names}
-        if cols["input_ids"]:
-            writer.write_table(pa.table(cols, schema=schema))
-    return n
+            tokens, k = rec.input_ids.astype(np.int64).tolist(), rec.topk_ids.shape[1]
+            pad, lp = [[0] * k], rec.topk_logprobs.astype(np.float32).tolist()
+            ids = rec.topk_ids.astype(np.int64).tolist() + pad
+            mask = [[1] * k] * (len(tokens) - 1) + pad
+            yield tokens, tokens, [1] * len(tokens), ids, lp + [[AXOLOTL_PAD_LOGPROB] * k], mask
+
+    return _write_parquet(Path(out), schema, rows())
 
 
 def _parquet_files(path: str | Path) -> list[Path]:
@@ -391,7 +394,7 @@ def export_distillkit(
 
     if exact_dtype not in _DTYPES:
         raise InteropError(f"exact_dtype must be one of {sorted(_DTYPES)}, got {exact_dtype!r}")
-    pa, pq = _pa()
+    pa = _pa()[0]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest = CacheReader(url, storage_options).manifest
@@ -417,23 +420,21 @@ def export_distillkit(
             ("bytepacked_indices", u8),
         ]
     )
-    bits, n = _index_bits(d), 0
-    with pq.ParquetWriter(str(out / "data_0.parquet"), schema) as writer:
-        cols: dict[str, list] = {name: [] for name in schema.names}
+    bits = _index_bits(d)
+
+    def rows() -> Iterator[tuple]:
         for rec in _records(url, storage_options, limit):
             lp = rec.topk_logprobs.astype(np.float64)
             if delta_encoding:
                 lp = np.concatenate([lp[:, :1], np.diff(lp, axis=1)], axis=1)
-            cols["input_ids"].append(rec.input_ids.astype(np.uint64).tolist())
-            cols["compressed_logprobs"].append(_to_bytes(lp, exact_dtype).tolist())
-            cols["bytepacked_indices"].append(pack_bits(rec.topk_ids, bits).tolist())
-            n += 1
-            if len(cols["input_ids"]) == _BATCH:
-                writer.write_table(pa.table(cols, schema=schema))
-                cols = {name: [] for name in schema.names}
-        if cols["input_ids"]:
-            writer.write_table(pa.table(cols, schema=schema))
-    return n
+            tokens = rec.input_ids.astype(np.uint64).tolist()
+            yield (
+                tokens,
+                _to_bytes(lp, exact_dtype).tolist(),
+                pack_bits(rec.topk_ids, bits).tolist(),
+            )
+
+    return _write_parquet(out / "data_0.parquet", schema, rows())
 
 
 def import_distillkit(

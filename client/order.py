@@ -48,8 +48,8 @@ def epoch_order(
 ) -> np.ndarray:
     """Return the epoch's permutation of sequence indices (``int64``, length ``num_sequences``).
 
-    ``block_size`` and ``window``: see the module docstring (``window=1`` gives exactly the
-    orders of earlier versions, which had no window). The generator is
+    ``block_size`` and ``window``: see the module docstring (``window=1``: blocks in plain
+    permutation order). The generator is
     ``numpy.random.default_rng([seed, epoch])`` (PCG64 seeded through ``SeedSequence``): the same
     ``(seed, epoch)`` gives the same order on every machine running the same numpy major
     version, and different epochs give independent orders.

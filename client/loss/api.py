@@ -7,17 +7,12 @@ import dataclasses
 import torch
 
 from .chunk_ops import use_triton
-from .dispatch import (
-    auto_chunk_size,
-    check_chunk_size,
-    resolve_grad_weight_dtype,
-    resolve_impl,
-)
+from .dispatch import check_options, plan_chunks, resolve_impl
 from .forward_chunked import forward_chunked_rows
-from .fused_chunked import FusedGradInForward, FusedRecompute, needs_grad
+from .fused_chunked import TopKChunks, chunked_loss
 from .reference import dense_row_losses
 from .small_vocab import small_vocab_rows
-from .spec import REDUCTIONS, LossInputError, LossSpec
+from .spec import LossInputError, LossSpec
 from .validation import Prepared, prepare
 from .vocab_parallel import (
     VocabParallel,
@@ -151,10 +146,7 @@ def topk_distill_loss(
         has_tail=tail_mass is not None,
         targets=targets,
     )
-    if reduction not in REDUCTIONS:
-        raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    check_chunk_size(chunk_size)
-    resolve_impl(impl, reduction)  # the option's check, before any other work
+    check_options(reduction, chunk_size, grad_weight_dtype, kernels, impl)
     triton = use_triton(kernels, hidden.device)
     if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
         raise LossInputError(f"vocab_parallel must be a VocabParallel, got {vocab_parallel!r}")
@@ -195,16 +187,10 @@ def topk_distill_loss(
     if shard is not None:
         check_same_rows(prep.ids, prep.valid, shard)
     n_rows = prep.valid.numel()
-    cols = weight.shape[0] if shard is None else -(-shard.vocab // shard.world)
-    chunk = chunk_size or auto_chunk_size(n_rows, cols, weight.dtype, weight.device)
-    acc = resolve_grad_weight_dtype(grad_weight_dtype, weight.dtype, prep.n_valid, chunk)
-
+    chunk, acc = plan_chunks(chunk_size, n_rows, weight, shard, grad_weight_dtype, prep.n_valid)
     if impl == "fused_chunked":
         scale = 1.0 if reduction == "sum" else 1.0 / max(prep.n_valid, 1)
-        need = needs_grad(prep.hidden, weight, bias, torch.is_grad_enabled())
-        return FusedGradInForward.apply(
-            prep.hidden, weight, bias, spec, prep, chunk, scale, need, acc, shard, triton
-        )
+        return chunked_loss(TopKChunks(spec, prep, shard, triton), chunk, acc, scale)
     if impl == "small_vocab":
         rows = small_vocab_rows(spec, prep, check_ids)
     else:
@@ -249,6 +235,4 @@ def _rows(
         return dense_row_losses(spec, prep)
     if impl == "forward_chunked":
         return forward_chunked_rows(spec, prep, chunk, triton)
-    return FusedRecompute.apply(
-        prep.hidden, prep.weight, prep.bias, spec, prep, chunk, acc, shard, triton
-    )
+    return chunked_loss(TopKChunks(spec, prep, shard, triton), chunk, acc, None)

@@ -16,7 +16,7 @@ from importlib.util import find_spec
 import torch
 
 from .row_math import RowCoefs, row_coefs
-from .spec import KERNELS, LossInputError, LossSpec, given
+from .spec import KERNELS, LossInputError, LossSpec, check_choice, given
 
 #: Whether Triton is installed, decided once at import (``logitcache info --versions`` shows
 #: it): without it the full-vocabulary passes run in torch on every device.
@@ -53,8 +53,7 @@ def use_triton(kernels: str, device: torch.device) -> bool:
     """Whether the Triton kernels run the passes: ``kernels="auto"``: on CUDA when Triton is
     installed; ``"torch"``: never; ``"triton"``: always (on the CPU too, under Triton's
     interpreter ``TRITON_INTERPRET=1``; an error without Triton)."""
-    if kernels not in KERNELS:
-        raise LossInputError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    check_choice("kernels", kernels, KERNELS)
     if kernels == "triton" and not TRITON_AVAILABLE:
         raise LossInputError('kernels="triton" needs Triton installed')
     if kernels == "auto":
@@ -82,26 +81,29 @@ def stats_pass(
     if need_ce:
         x_label = x.gather(1, given(tgt.labels, "labels")[:, None]).squeeze(1).to(work_dtype)
     if triton:
-        from . import triton_kernels
-
         buf = x if inplace else x.clone()
-        buf.scatter_(1, tgt.ids, float("-inf"))
-        lse_out, lse1_out = triton_kernels.row_lse(
-            buf, spec.inv_temperature, spec.separate_ce_softmax
-        )
-        lse_out, lse1_out = lse_out.to(work_dtype), _cast(lse1_out, work_dtype)
     else:
         reuse = inplace and x.dtype == work_dtype
         buf = x if reuse else x.to(work_dtype, copy=True)
-        buf.scatter_(1, tgt.ids, float("-inf"))
-        scaled = buf if spec.temperature == 1.0 else buf * spec.inv_temperature
-        lse_out = torch.logsumexp(scaled, dim=1)
-        lse1_out = torch.logsumexp(buf, dim=1) if spec.separate_ce_softmax else None
+    buf.scatter_(1, tgt.ids, float("-inf"))
+    lse_out, lse1_out = blanked_lse(spec, buf, work_dtype, triton=triton)
     return row_coefs(spec, x_s, lse_out, tgt.logprobs, tgt.tail, x_label, lse1_out, tgt.has_label)
 
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
+def blanked_lse(
+    spec: LossSpec, buf: torch.Tensor, work_dtype: torch.dtype, *, triton: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row log-sum-exps of a chunk ``buf`` whose target columns hold ``-inf``: of ``buf / T``
+    and (when CE has its own softmax) of ``buf``, in the working dtype."""
+    if triton:
+        from . import triton_kernels
+
+        lse, lse1 = triton_kernels.row_lse(buf, spec.inv_temperature, spec.separate_ce_softmax)
+        return lse.to(work_dtype), None if lse1 is None else lse1.to(work_dtype)
+    xf = buf.to(work_dtype)
+    scaled = xf if spec.temperature == 1.0 else xf * spec.inv_temperature
+    lse1 = torch.logsumexp(xf, dim=1) if spec.separate_ce_softmax else None
+    return torch.logsumexp(scaled, dim=1), lse1
 
 
 def dense_row_grad(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .spec import GRAD_WEIGHT_DTYPES, IMPLS, LossInputError
+from .spec import GRAD_WEIGHT_DTYPES, IMPLS, KERNELS, REDUCTIONS, LossInputError, check_choice
+from .vocab_parallel import VocabShard
 
 #: Bytes of one chunk's logits buffer that the automatic chunk size aims at.
 CHUNK_BUDGET_BYTES_GPU = 1 << 30
@@ -14,8 +15,7 @@ _ROW_MULTIPLE = 256
 #: to this many chunks (each chunk adds one rounding of the running sum; see RESULTS).
 AUTO_LOWP_MAX_CHUNKS = 8
 #: ``impl="auto"`` takes ``"small_vocab"`` on the CPU up to this vocabulary and this many rows x
-#: vocabulary entries (see :func:`picks_small_vocab`; figures from
-#: ``benchmarks/loss_small_vocab_cpu.py --sweep``).
+#: vocabulary entries (see :func:`picks_small_vocab`; figures: ``benchmarks/results/loss.md``).
 SMALL_VOCAB_MAX_VOCAB = 4096
 SMALL_VOCAB_MAX_ELEMENTS = 1 << 22
 
@@ -27,16 +27,10 @@ def picks_small_vocab(
 
     Only on the CPU, only for ``V <= SMALL_VOCAB_MAX_VOCAB`` and ``N * V <=
     SMALL_VOCAB_MAX_ELEMENTS``, never with an explicit ``chunk_size`` (the caller asked for
-    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. Speed
-    (``benchmarks/loss_small_vocab_cpu.py --sweep``, one CPU thread, hidden 128, k = 128, two
-    runs on the shared 2-core box, load 2.2-2.9): CPU time vs the fused path 0.59/0.72x at
-    N x V = 512 x 1,024; 0.85/0.79x at 4,096 x 1,024; 0.65/0.65x at 512 x 2,048; 0.81/0.81x at
-    512 x 4,096 and 1.03/1.02x at 1,024 x 4,096; 1.08/1.10x at 512 x 8,192. Fewer rows at a
-    large V are faster too (0.84-0.88x at 128 x 32,768, 0.77x at 32 x 131,072), but there the
-    ``[N, V]`` buffers grow with V, so the vocabulary bound keeps them to the small-vocabulary
-    case. Memory: its logits, exponentials and logits gradient are at most 16 MiB each in
-    float32 under the element bound, no more than one chunk of the fused path's 64 MiB CPU
-    budget.
+    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. The
+    vocabulary bound keeps the ``[N, V]`` buffers small: its logits, exponentials and logits
+    gradient are at most 16 MiB each in float32, no more than one chunk of the fused path's
+    64 MiB CPU budget (CPU times: ``benchmarks/results/loss.md``).
     """
     return (
         device.type == "cpu"
@@ -62,8 +56,7 @@ def resolve_impl(
     ``"auto"``: ``"small_vocab"`` where :func:`picks_small_vocab` says so (needs the problem's
     ``n_rows``, ``vocab`` and ``device``), else the fused chunked path.
     """
-    if impl not in IMPLS:
-        raise LossInputError(f"impl must be one of {IMPLS}, got {impl!r}")
+    check_choice("impl", impl, IMPLS)
     if impl == "auto":
         small = (
             n_rows is not None
@@ -94,6 +87,34 @@ def auto_chunk_size(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.d
     return max(1, min(rows, n_rows))
 
 
+def check_options(
+    reduction: str, chunk_size: int | None, grad_weight_dtype: str, kernels: str, impl: str = "auto"
+) -> None:
+    """The checks of the loss options that need no tensor (a typed error on the first bad one)."""
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_chunk_size(chunk_size)
+    check_choice("grad_weight_dtype", grad_weight_dtype, GRAD_WEIGHT_DTYPES)
+    check_choice("kernels", kernels, KERNELS)
+    resolve_impl(impl, reduction)
+
+
+def plan_chunks(
+    chunk_size: int | None,
+    n_rows: int,
+    weight: torch.Tensor,
+    shard: VocabShard | None,
+    grad_weight_dtype: str,
+    n_valid: int,
+    buffers: int = 1,
+) -> tuple[int, torch.dtype | None]:
+    """Rows per chunk (``chunk_size``, else :func:`auto_chunk_size` for ``buffers`` logits
+    buffers of this rank's columns: every rank of a shard counts ``ceil(V / world)`` so that
+    they cut the same chunks) and the ``grad_W`` accumulation dtype."""
+    cols = weight.shape[0] if shard is None else -(-shard.vocab // shard.world)
+    chunk = chunk_size or auto_chunk_size(n_rows, cols * buffers, weight.dtype, weight.device)
+    return chunk, resolve_grad_weight_dtype(grad_weight_dtype, weight.dtype, n_valid, chunk)
+
+
 def check_chunk_size(chunk_size: int | None) -> None:
     if chunk_size is not None and (
         isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
@@ -106,10 +127,7 @@ def resolve_grad_weight_dtype(
 ) -> torch.dtype | None:
     """The ``grad_W`` accumulation dtype for the fused paths (``None``: their default, fp32
     for bf16/fp16 weights); see ``topk_distill_loss(grad_weight_dtype=...)``."""
-    if option not in GRAD_WEIGHT_DTYPES:
-        raise LossInputError(
-            f"grad_weight_dtype must be one of {GRAD_WEIGHT_DTYPES}, got {option!r}"
-        )
+    check_choice("grad_weight_dtype", option, GRAD_WEIGHT_DTYPES)
     if weight_dtype not in (torch.bfloat16, torch.float16) or option == "float32":
         return None
     if option == "weight":

@@ -14,24 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .api import autocast_inputs
 from .chunk_ops import use_triton
-from .dispatch import auto_chunk_size, check_chunk_size, resolve_grad_weight_dtype
-from .fused_chunked import (
-    ChunkGrads,
-    Rows,
-    needs_grad,
-    no_autocast,
-    project,
-    row_blocks,
-    scaled_once,
-    take_rows,
-)
-from .spec import REDUCTIONS, LossInputError, LossSpec
+from .dispatch import check_options, plan_chunks
+from .fused_chunked import Rows, chunked_loss, project, take_rows
+from .spec import LossInputError, LossSpec, check_choice
 from .validation import check_head, counted_rows
 from .vocab_parallel import VocabParallel, VocabShard, exchange, resolve_shard
 
@@ -95,6 +85,24 @@ class ExactInputs:
     @property
     def all_valid(self) -> bool:
         return self.n_valid == self.valid.numel()
+
+    # the :class:`~.fused_chunked.ChunkObjective` methods
+    def losses(self, rows: Rows) -> torch.Tensor:
+        return chunk_terms(self, rows, None)[0]
+
+    def loss_and_grad(
+        self, rows: Rows, scale: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        loss, g = chunk_terms(self, rows, scale)
+        return loss, None if g is None else g.to(self.weight.dtype), take_rows(self.hidden, rows)
+
+    def grad(
+        self, i: int, rows: Rows, row_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        g = chunk_terms(self, rows, row_weight.to(self.work_dtype)[:, None])[1]
+        if g is None:
+            raise RuntimeError("chunk_terms returned no gradient")
+        return g.to(self.weight.dtype), take_rows(self.hidden, rows)
 
 
 def exact_distill_loss(
@@ -172,6 +180,8 @@ def exact_distill_loss(
     Under ``torch.autocast`` with float32 student tensors, they are cast to the autocast dtype
     first (as in ``topk_distill_loss``). Raises :class:`LossInputError` for any bad argument.
     """
+    check_choice("loss", loss, EXACT_LOSS_KINDS)
+    spec = LossSpec(loss=loss, beta=beta, temperature=temperature, ce_weight=ce_weight)
     shard = None
     if vocab_parallel is not None:
         if not isinstance(vocab_parallel, VocabParallel):
@@ -188,8 +198,7 @@ def exact_distill_loss(
         labels,
         mask,
         ignore_index,
-        LossSpec(loss="forward_kl", beta=beta, temperature=temperature, ce_weight=ce_weight),
-        loss,
+        spec,
         None if shard is None else shard.vocab,
     )
     inp.shard = shard
@@ -197,26 +206,14 @@ def exact_distill_loss(
     if triton and kernels == "triton" and (shard is not None or ce_weight > 0.0):
         raise LossInputError('kernels="triton" does not cover ce_weight > 0 or vocab_parallel')
     inp.triton = triton and shard is None and ce_weight == 0.0
-    if reduction not in REDUCTIONS:
-        raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    check_chunk_size(chunk_size)
-    cols = inp.weight.shape[0] if inp.shard is None else -(-inp.shard.vocab // inp.shard.world)
-    chunk = chunk_size or auto_chunk_size(
-        max(inp.n_valid, 1),
-        cols * (TRITON_CHUNK_BUFFERS if inp.triton else CHUNK_BUFFERS),
-        inp.weight.dtype,
-        inp.hidden.device,
+    check_options(reduction, chunk_size, grad_weight_dtype, kernels)
+    buffers = TRITON_CHUNK_BUFFERS if inp.triton else CHUNK_BUFFERS
+    chunk, acc = plan_chunks(
+        chunk_size, max(inp.n_valid, 1), inp.weight, shard, grad_weight_dtype, inp.n_valid, buffers
     )
-    acc = resolve_grad_weight_dtype(grad_weight_dtype, inp.weight.dtype, inp.n_valid, chunk)
     if reduction == "none":
-        rows = ExactRecompute.apply(inp.hidden, inp.weight, inp.bias, inp, chunk, acc)
-        return rows.reshape(inp.lead_shape)
-    scale = 1.0 if reduction == "sum" else 1.0 / max(inp.n_valid, 1)
-    need = needs_grad(inp.hidden, inp.weight, inp.bias, torch.is_grad_enabled())
-    total: torch.Tensor = ExactGradInForward.apply(
-        inp.hidden, inp.weight, inp.bias, inp, chunk, scale, need, acc
-    )
-    return total
+        return chunked_loss(inp, chunk, acc, None).reshape(inp.lead_shape)
+    return chunked_loss(inp, chunk, acc, 1.0 if reduction == "sum" else 1.0 / max(inp.n_valid, 1))
 
 
 def prepare_exact(
@@ -229,15 +226,9 @@ def prepare_exact(
     mask: torch.Tensor | None,
     ignore_index: int,
     spec: LossSpec,
-    loss: str,
     vocab_global: int | None = None,
 ) -> ExactInputs:
     """Check every argument and flatten the rows; raise :class:`LossInputError` on a problem."""
-    if loss not in EXACT_LOSS_KINDS:
-        raise LossInputError(f"loss must be one of {EXACT_LOSS_KINDS}, got {loss!r}")
-    spec = LossSpec(
-        loss=loss, beta=spec.beta, temperature=spec.temperature, ce_weight=spec.ce_weight
-    )
     if spec.ce_weight > 0.0 and labels is None:
         raise LossInputError("ce_weight > 0 needs labels")
     check_head(hidden, weight, bias, _STUDENT)
@@ -411,74 +402,3 @@ def _add_ce(
         g.scatter_add_(1, idx, torch.where(own, -ce * torch.ones_like(x_lab), zero)[:, None])
         g.mul_(row_weight)
     return loss, g
-
-
-class ExactGradInForward(torch.autograd.Function):
-    """Scalar ``scale * sum(row losses)``; the student's gradients are computed in forward."""
-
-    @staticmethod
-    @no_autocast
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        inp: ExactInputs,
-        chunk: int,
-        scale: float,
-        need: tuple[bool, bool, bool],
-        acc: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        grads = ChunkGrads(hidden, weight, bias, inp.all_valid, need, acc)
-        total = torch.zeros((), dtype=inp.work_dtype, device=hidden.device)
-        for rows in row_blocks(inp.valid, inp.all_valid, chunk):
-            loss, g = chunk_terms(inp, rows, scale if any(need) else None)
-            total += loss.sum()
-            if g is not None:
-                grads.add(rows, g.to(weight.dtype), take_rows(hidden, rows), weight)
-            del g
-        ctx.grads = grads.finish(inp.shard)
-        return total * scale
-
-    @staticmethod
-    @no_autocast
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out = scaled_once(ctx, grad_out, "exact_distill_loss")
-        return (*out, None, None, None, None, None)
-
-
-class ExactRecompute(torch.autograd.Function):
-    """Per-row losses ``[N]``; backward computes each chunk's logits again."""
-
-    @staticmethod
-    @no_autocast
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        inp: ExactInputs,
-        chunk: int,
-        acc: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        out = torch.zeros(inp.valid.numel(), dtype=inp.work_dtype, device=hidden.device)
-        blocks = row_blocks(inp.valid, inp.all_valid, chunk)
-        for rows in blocks:
-            out[rows] = chunk_terms(inp, rows, None)[0]
-        ctx.inp, ctx.blocks, ctx.acc = inp, blocks, acc
-        ctx.need = needs_grad(hidden, weight, bias)
-        return out
-
-    @staticmethod
-    @no_autocast
-    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inp: ExactInputs = ctx.inp
-        grads = ChunkGrads(inp.hidden, inp.weight, inp.bias, inp.all_valid, ctx.need, ctx.acc)
-        for rows in ctx.blocks:
-            weight = take_rows(grad_rows, rows).to(inp.work_dtype)[:, None]
-            g = chunk_terms(inp, rows, weight)[1]
-            if g is None:
-                raise RuntimeError("chunk_terms returned no gradient")
-            grads.add(rows, g.to(inp.weight.dtype), take_rows(inp.hidden, rows), inp.weight)
-            del g
-        return (*grads.finish(inp.shard), None, None, None)

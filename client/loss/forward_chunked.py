@@ -13,34 +13,12 @@ from typing import Any
 import torch
 
 from .chunk_ops import ChunkTargets, grad_pass, stats_pass
-from .row_math import RowCoefs
 from .spec import LossSpec
 from .validation import Prepared
 
 
 def targets_of(prep: Prepared) -> ChunkTargets:
     return ChunkTargets(prep.ids, prep.logprobs, prep.tail, prep.labels, prep.has_label)
-
-
-def cat_coefs(parts: list[RowCoefs]) -> RowCoefs:
-    """Concatenate the per-chunk coefficients of consecutive row ranges."""
-
-    def cat(name: str) -> torch.Tensor | None:
-        vals = [getattr(p, name) for p in parts]
-        return None if vals[0] is None else torch.cat(vals)
-
-    fields: dict[str, Any] = {name: cat(name) for name in RowCoefs.__dataclass_fields__}
-    return RowCoefs(**fields)  # the required fields are present in every part
-
-
-def slice_coefs(c: RowCoefs, rows: slice | torch.Tensor) -> RowCoefs:
-    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
-
-    fields: dict[str, Any] = {n: pick(getattr(c, n)) for n in RowCoefs.__dataclass_fields__}
-    return RowCoefs(**fields)
 
 
 class _ChunkedLossOnLogits(torch.autograd.Function):
@@ -62,25 +40,19 @@ class _ChunkedLossOnLogits(torch.autograd.Function):
                     spec, logits[rows], tgt.select(rows), work_dtype, inplace=False, triton=triton
                 )
             )
-        coefs = cat_coefs(parts)
         ctx.save_for_backward(logits)
-        ctx.coefs, ctx.tgt, ctx.spec, ctx.chunk, ctx.triton = coefs, tgt, spec, chunk, triton
-        return coefs.loss
+        ctx.parts, ctx.tgt, ctx.spec, ctx.chunk, ctx.triton = parts, tgt, spec, chunk, triton
+        return torch.cat([p.loss for p in parts])
 
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (logits,) = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        coefs = ctx.coefs.scaled(grad_rows.to(ctx.coefs.c1.dtype))
-        for start in range(0, logits.shape[0], ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
+        for i, part in enumerate(ctx.parts):
+            rows = slice(i * ctx.chunk, (i + 1) * ctx.chunk)
+            coefs = part.scaled(grad_rows[rows].to(part.c1.dtype))
             grad_pass(
-                ctx.spec,
-                logits[rows],
-                grad[rows],
-                slice_coefs(coefs, rows),
-                ctx.tgt.select(rows),
-                triton=ctx.triton,
+                ctx.spec, logits[rows], grad[rows], coefs, ctx.tgt.select(rows), triton=ctx.triton
             )
         return grad, None, None, None, None, None
 

@@ -1,16 +1,18 @@
-"""``impl="fused_chunked"``: the lm-head projection fused into the loss, chunked over positions.
+"""The lm-head projection fused into the loss, chunked over positions: the one chunk loop of
+the top-k loss (``impl="fused_chunked"``, :class:`TopKChunks`) and the exact loss.
 
 The full ``[N, V]`` logits never exist: rows are processed ``chunk`` at a time (only rows that
 count, so masked and ignored positions cost nothing) and each chunk's logits buffer is reused
 in place for its gradient. Two schedules, same numbers:
 
-* **gradient in forward** (:class:`FusedGradInForward`, the default for ``reduction`` "mean" and
-  "sum"): per chunk, ``x = h_c W^T``; stats; ``g`` written over ``x``; ``grad_h_c = g W`` and
-  ``grad_W += g^T h_c`` right away. Three GEMMs per chunk (``6 N d V`` FLOPs in all); backward
-  only scales the stored gradients by the incoming scalar.
-* **recompute** (:class:`FusedRecompute`, used for ``reduction="none"`` or on request): forward
-  keeps per-row statistics only (``O(N k)``); backward projects each chunk again. Four GEMMs
-  per chunk (``8 N d V``), but no gradient is held between forward and backward.
+* **gradient in forward** (:class:`GradInForward`, the default for ``reduction`` "mean" and
+  "sum"): per chunk, ``x = h_c W^T``; the objective's loss and ``g = dloss/dx`` (written
+  over ``x`` by the top-k loss); ``grad_h_c = g W`` and ``grad_W += g^T h_c`` right away.
+  Three student GEMMs per chunk (``6 N d V`` FLOPs in all); backward only scales the stored
+  gradients by the incoming scalar.
+* **recompute** (:class:`Recompute`, used for ``reduction="none"`` or on request): forward
+  keeps per-row statistics only (``O(N k)``); backward projects each chunk again. Four student
+  GEMMs per chunk (``8 N d V``), but no gradient is held between forward and backward.
 
 Memory beyond inputs and gradients: one ``[chunk, V]`` buffer in the logits dtype (plus, on the
 torch path, float32 temporaries of that size), an fp32 ``grad_W`` accumulator when ``W`` is
@@ -26,12 +28,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .chunk_ops import ChunkTargets, grad_pass, stats_pass
-from .forward_chunked import cat_coefs, slice_coefs, targets_of
+from .forward_chunked import targets_of
 from .row_math import RowCoefs
 from .spec import LossSpec
 from .validation import Prepared
@@ -120,16 +122,6 @@ def needs_grad(
     )
 
 
-def scaled_once(ctx: Any, grad_out: torch.Tensor, what: str) -> tuple[torch.Tensor | None, ...]:
-    """The gradients stored in ``ctx.grads`` during forward, times ``grad_out``, released (a
-    second backward is an error: the buffers are handed to autograd)."""
-    if ctx.grads is None:
-        raise RuntimeError(f"{what} supports one backward only")
-    out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
-    ctx.grads = None
-    return out
-
-
 class ChunkGrads:
     """Gradient buffers of ``hidden [N, d]``, ``weight [V, d]``, ``bias [V]``, filled chunk by
     chunk (``all_valid``: every row gets a gradient written, so ``grad_h`` needs no zeroing)."""
@@ -176,40 +168,39 @@ class ChunkGrads:
         return self.h, w, b
 
 
-def _chunk_pass(
-    spec: LossSpec,
-    prep: Prepared,
-    tgt: ChunkTargets,
-    rows: Rows,
-    triton: bool,
-    shard: VocabShard | None,
-) -> tuple[torch.Tensor, torch.Tensor, RowCoefs, ChunkTargets | LocalTargets]:
-    """Project one chunk and take its statistics; ``x`` keeps ``-inf`` at the target columns."""
-    h_c = take_rows(prep.hidden, rows)
-    x = project(h_c, prep.weight, prep.bias)
-    tgt_c = tgt.select(rows)
-    if shard is not None:
-        coefs, loc = stats_pass_sharded(spec, x, tgt_c, prep.work_dtype, shard, triton=triton)
-        return h_c, x, coefs, loc
-    coefs = stats_pass(spec, x, tgt_c, prep.work_dtype, inplace=True, triton=triton)
-    return h_c, x, coefs, tgt_c
+class ChunkObjective(Protocol):
+    """One loss computed chunk by chunk on the student logits ``x = h W^T (+ b)``: what the
+    loops below need of the top-k (:class:`TopKChunks`) and the exact loss."""
+
+    hidden: torch.Tensor  # [N, d]
+    weight: torch.Tensor  # [V, d] (this rank's rows under a shard)
+    bias: torch.Tensor | None
+    valid: torch.Tensor  # [N] bool
+    shard: VocabShard | None
+
+    @property
+    def all_valid(self) -> bool: ...
+
+    @property
+    def work_dtype(self) -> torch.dtype: ...
+
+    def losses(self, rows: Rows) -> torch.Tensor:
+        """Row losses ``[C]`` of one chunk (may keep what :meth:`grad` needs later)."""
+
+    def loss_and_grad(
+        self, rows: Rows, scale: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Row losses, the gradient of ``scale * sum(losses)`` w.r.t. the chunk logits in the
+        weight's dtype (``None`` when ``scale`` is), and the chunk's hidden rows."""
+
+    def grad(
+        self, i: int, rows: Rows, row_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For chunk ``i`` of a :meth:`losses` pass: the gradient of ``sum(row_weight *
+        losses)`` w.r.t. the chunk logits (weight dtype) and the chunk's hidden rows."""
 
 
-def _write_grad(
-    spec: LossSpec,
-    x: torch.Tensor,
-    coefs: RowCoefs,
-    tgt: ChunkTargets | LocalTargets,
-    triton: bool,
-) -> None:
-    """Overwrite ``x`` (blanked at the target columns) with d(loss)/d(x)."""
-    if isinstance(tgt, LocalTargets):
-        grad_pass_sharded(spec, x, coefs, tgt, triton=triton)
-    else:
-        grad_pass(spec, x, x, coefs, tgt, triton=triton)
-
-
-class FusedGradInForward(torch.autograd.Function):
+class GradInForward(torch.autograd.Function):
     """Scalar ``scale * sum(row losses)``; all gradients are computed during forward."""
 
     @staticmethod
@@ -219,39 +210,36 @@ class FusedGradInForward(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: LossSpec,
-        prep: Prepared,
+        obj: ChunkObjective,
         chunk: int,
         scale: float,
         need: tuple[bool, bool, bool],
         acc_dtype: torch.dtype | None = None,
-        shard: VocabShard | None = None,
-        triton: bool = False,
     ) -> torch.Tensor:
-        tgt = targets_of(prep)
-        grads = ChunkGrads(prep.hidden, prep.weight, prep.bias, prep.all_valid, need, acc_dtype)
-        total = torch.zeros((), dtype=prep.work_dtype, device=hidden.device)
-        for rows in row_blocks(prep.valid, prep.all_valid, chunk):
-            h_c, x, coefs, tgt_c = _chunk_pass(spec, prep, tgt, rows, triton, shard)
-            total += coefs.loss.sum()
-            if any(need):
-                _write_grad(spec, x, coefs.scaled_(scale), tgt_c, triton)
-            del coefs  # its [C, k] terms must not sit beside the chunk during the GEMMs
-            if any(need):
-                grads.add(rows, x, h_c, prep.weight)
-            del x, h_c, tgt_c
-        ctx.grads = grads.finish(shard)
+        grads = ChunkGrads(hidden, weight, bias, obj.all_valid, need, acc_dtype)
+        total = torch.zeros((), dtype=obj.work_dtype, device=hidden.device)
+        for rows in row_blocks(obj.valid, obj.all_valid, chunk):
+            loss, g, h_c = obj.loss_and_grad(rows, scale if any(need) else None)
+            total += loss.sum()
+            if g is not None:
+                grads.add(rows, g, h_c, weight)
+            del g, h_c
+        ctx.grads = grads.finish(obj.shard)
         return total * scale
 
     @staticmethod
     @no_autocast
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out = scaled_once(ctx, grad_out, "fused_chunked (gradient in forward)")
-        return (*out, None, None, None, None, None, None, None, None)
+        if ctx.grads is None:  # the buffers were handed to autograd
+            raise RuntimeError("the chunked loss (gradient in forward) supports one backward only")
+        out = tuple(None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads)
+        ctx.grads = None
+        return (*out, None, None, None, None, None)
 
 
-class FusedRecompute(torch.autograd.Function):
-    """Per-row losses ``[N]``; backward recomputes each chunk's projection."""
+class Recompute(torch.autograd.Function):
+    """Per-row losses ``[N]`` (0 on rows that do not count); backward projects each chunk
+    again."""
 
     @staticmethod
     @no_autocast
@@ -260,58 +248,112 @@ class FusedRecompute(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: LossSpec,
-        prep: Prepared,
+        obj: ChunkObjective,
         chunk: int,
         acc_dtype: torch.dtype | None = None,
-        shard: VocabShard | None = None,
-        triton: bool = False,
     ) -> torch.Tensor:
-        tgt = targets_of(prep)
-        blocks = row_blocks(prep.valid, prep.all_valid, chunk)
-        parts = []
+        out = torch.zeros(obj.valid.numel(), dtype=obj.work_dtype, device=hidden.device)
+        blocks = row_blocks(obj.valid, obj.all_valid, chunk)
         for rows in blocks:
-            _, x, coefs, _ = _chunk_pass(spec, prep, tgt, rows, triton, shard)
-            parts.append(coefs)
-            del x
-        n = prep.valid.numel()
-        out = torch.zeros(n, dtype=prep.work_dtype, device=hidden.device)
-        all_coefs = cat_coefs(parts) if parts else None
-        if all_coefs is not None:
-            if prep.all_valid:
-                out = all_coefs.loss
-            else:  # index tensors (row_blocks gives slices only when every row counts)
-                index = [r for r in blocks if isinstance(r, torch.Tensor)]
-                out.index_copy_(0, torch.cat(index), all_coefs.loss)
-        ctx.prep, ctx.spec, ctx.blocks, ctx.coefs = prep, spec, blocks, all_coefs
-        ctx.triton = triton
-        ctx.acc_dtype, ctx.shard = acc_dtype, shard
+            out[rows] = obj.losses(rows)
+        ctx.obj, ctx.blocks, ctx.acc_dtype = obj, blocks, acc_dtype
         ctx.need = needs_grad(hidden, weight, bias)
         return out
 
     @staticmethod
     @no_autocast
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        prep, spec = ctx.prep, ctx.spec
-        shard = ctx.shard
-        grads = ChunkGrads(
-            prep.hidden, prep.weight, prep.bias, prep.all_valid, ctx.need, ctx.acc_dtype
-        )
-        tgt = targets_of(prep)
-        start = 0
-        for rows in ctx.blocks:
-            h_c = take_rows(prep.hidden, rows)
-            x = project(h_c, prep.weight, prep.bias)
-            tgt_c = tgt.select(rows)
-            c = slice_coefs(ctx.coefs, slice(start, start + x.shape[0]))
-            start += x.shape[0]
-            w = take_rows(grad_rows, rows).to(c.c1.dtype)
-            if shard is not None:
-                loc = locate(tgt_c, shard, spec.ce_weight > 0.0)
-                blank_owned(x, loc)
-                grad_pass_sharded(spec, x, c.scaled(w), loc, triton=ctx.triton)
-            else:
-                grad_pass(spec, x, x, c.scaled(w), tgt_c, triton=ctx.triton)
-            grads.add(rows, x, h_c, prep.weight)
-            del x
-        return (*grads.finish(shard), None, None, None, None, None, None)
+        obj: ChunkObjective = ctx.obj
+        grads = ChunkGrads(obj.hidden, obj.weight, obj.bias, obj.all_valid, ctx.need, ctx.acc_dtype)
+        for i, rows in enumerate(ctx.blocks):
+            g, h_c = obj.grad(i, rows, take_rows(grad_rows, rows))
+            grads.add(rows, g, h_c, obj.weight)
+            del g, h_c
+        return (*grads.finish(obj.shard), None, None, None)
+
+
+def chunked_loss(
+    obj: ChunkObjective, chunk: int, acc: torch.dtype | None, scale: float | None
+) -> torch.Tensor:
+    """``scale * sum(row losses)`` with the gradients computed in forward, or (``scale`` is
+    ``None``) the per-row losses ``[N]`` with a recomputing backward."""
+    if scale is None:
+        return Recompute.apply(obj.hidden, obj.weight, obj.bias, obj, chunk, acc)
+    need = needs_grad(obj.hidden, obj.weight, obj.bias, torch.is_grad_enabled())
+    return GradInForward.apply(obj.hidden, obj.weight, obj.bias, obj, chunk, scale, need, acc)
+
+
+class TopKChunks:
+    """The top-k loss as a :class:`ChunkObjective`: per chunk, the stats pass (which leaves
+    ``x`` at ``-inf`` on the target columns) and the gradient written over ``x``."""
+
+    def __init__(
+        self, spec: LossSpec, prep: Prepared, shard: VocabShard | None, triton: bool
+    ) -> None:
+        self.spec, self.prep, self.shard, self.triton = spec, prep, shard, triton
+        self.hidden, self.weight, self.bias = prep.hidden, prep.weight, prep.bias
+        self.valid = prep.valid
+        self.tgt = targets_of(prep)
+        self.saved: list[RowCoefs] = []  # per chunk of a losses() pass
+
+    @property
+    def all_valid(self) -> bool:
+        return self.prep.all_valid
+
+    @property
+    def work_dtype(self) -> torch.dtype:
+        return self.prep.work_dtype
+
+    def _stats(
+        self, rows: Rows
+    ) -> tuple[torch.Tensor, torch.Tensor, RowCoefs, ChunkTargets | LocalTargets]:
+        h_c = take_rows(self.hidden, rows)
+        x = project(h_c, self.weight, self.bias)
+        tgt_c = self.tgt.select(rows)
+        work = self.prep.work_dtype
+        if self.shard is not None:
+            coefs, loc = stats_pass_sharded(
+                self.spec, x, tgt_c, work, self.shard, triton=self.triton
+            )
+            return h_c, x, coefs, loc
+        coefs = stats_pass(self.spec, x, tgt_c, work, inplace=True, triton=self.triton)
+        return h_c, x, coefs, tgt_c
+
+    def _write_grad(
+        self, x: torch.Tensor, coefs: RowCoefs, tgt: ChunkTargets | LocalTargets
+    ) -> None:
+        """Overwrite ``x`` (blanked at the target columns) with d(loss)/d(x)."""
+        if isinstance(tgt, LocalTargets):
+            grad_pass_sharded(self.spec, x, coefs, tgt, triton=self.triton)
+        else:
+            grad_pass(self.spec, x, x, coefs, tgt, triton=self.triton)
+
+    def losses(self, rows: Rows) -> torch.Tensor:
+        coefs = self._stats(rows)[2]
+        self.saved.append(coefs)
+        return coefs.loss
+
+    def loss_and_grad(
+        self, rows: Rows, scale: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        h_c, x, coefs, tgt_c = self._stats(rows)
+        if scale is None:
+            return coefs.loss, None, h_c
+        self._write_grad(x, coefs.scaled_(scale), tgt_c)  # scales the gradient terms only
+        return coefs.loss, x, h_c
+
+    def grad(
+        self, i: int, rows: Rows, row_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h_c = take_rows(self.hidden, rows)
+        x = project(h_c, self.weight, self.bias)
+        tgt_c = self.tgt.select(rows)
+        c = self.saved[i]
+        coefs = c.scaled(row_weight.to(c.c1.dtype))
+        if self.shard is not None:
+            loc = locate(tgt_c, self.shard, self.spec.ce_weight > 0.0)
+            blank_owned(x, loc)
+            self._write_grad(x, coefs, loc)
+        else:
+            self._write_grad(x, coefs, tgt_c)
+        return x, h_c

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .api import topk_distill_loss
-from .dispatch import check_chunk_size, resolve_impl
-from .spec import GRAD_WEIGHT_DTYPES, KERNELS, REDUCTIONS, LossInputError, LossSpec
+from .dispatch import check_options
+from .spec import LossSpec
 from .vocab_parallel import VocabParallel
 
 
@@ -40,16 +40,7 @@ class TopKDistillLoss(nn.Module):
     ) -> None:
         super().__init__()
         LossSpec(loss=loss, beta=beta, temperature=temperature, ce_weight=ce_weight)
-        if reduction not in REDUCTIONS:
-            raise LossInputError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        if grad_weight_dtype not in GRAD_WEIGHT_DTYPES:
-            raise LossInputError(
-                f"grad_weight_dtype must be one of {GRAD_WEIGHT_DTYPES}, got {grad_weight_dtype!r}"
-            )
-        if kernels not in KERNELS:
-            raise LossInputError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-        resolve_impl(impl, reduction)
-        check_chunk_size(chunk_size)
+        check_options(reduction, chunk_size, grad_weight_dtype, kernels, impl)
         self.options: dict[str, Any] = dict(
             loss=loss,
             beta=beta,

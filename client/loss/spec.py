@@ -35,6 +35,12 @@ class LossInputError(ValueError):
     """Bad arguments to the distillation loss (shape, dtype, range, duplicate ids, option)."""
 
 
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """A typed error unless option ``name`` is one of ``choices``."""
+    if value not in choices:
+        raise LossInputError(f"{name} must be one of {choices}, got {value!r}")
+
+
 def given(value: T | None, what: str) -> T:
     """``value``, which validation guarantees when this is called; a typed error if missing."""
     if value is None:

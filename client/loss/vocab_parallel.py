@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .chunk_ops import ChunkTargets, dense_row_grad
+from .chunk_ops import ChunkTargets, blanked_lse, dense_row_grad
 from .row_math import RowCoefs, row_coefs
 from .spec import LossInputError, LossSpec, given
 
@@ -221,17 +221,7 @@ def stats_pass_sharded(
         x_lab = x.gather(1, given(loc.lab_idx, "lab_idx")).squeeze(1).to(work_dtype)
         cols.append(torch.where(given(loc.lab_own, "lab_own"), x_lab, zero)[:, None])
     blank_owned(x, loc)
-    if triton:
-        from . import triton_kernels
-
-        l1, l2 = triton_kernels.row_lse(x, spec.inv_temperature, spec.separate_ce_softmax)
-        lse_out = l1.to(work_dtype)
-        lse1_out = None if l2 is None else l2.to(work_dtype)
-    else:
-        xf = x.to(work_dtype)
-        scaled = xf if spec.temperature == 1.0 else xf * spec.inv_temperature
-        lse_out = torch.logsumexp(scaled, dim=1)
-        lse1_out = torch.logsumexp(xf, dim=1) if spec.separate_ce_softmax else None
+    lse_out, lse1_out = blanked_lse(spec, x, work_dtype, triton=triton)
     cols.append(lse_out[:, None])
     if lse1_out is not None:
         cols.append(lse1_out[:, None])
