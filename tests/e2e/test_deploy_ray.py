@@ -124,13 +124,8 @@ def _cli(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
 def settings(tiny, vllm_env) -> ServerSettings:
     return ServerSettings(
         _env_file=None,  # type: ignore[call-arg]
-        model=str(tiny.teacher_dir),
-        k=K,
-        max_seq_len=256,
-        job_batch_sequences=3,
-        job_inflight_batches=1,
-        logprob_dtype="float16",
-        backend="vllm",
+        **_settings_kw(tiny),
+        job_write_fill_s=0,  # commit per batch group: a killed replica's shard resumes mid-way
     )
 
 
