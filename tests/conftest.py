@@ -245,7 +245,8 @@ def pytest_collection_modifyitems(
     Before the other hooks (so that ``-m fast`` sees the mark), the tiers:
 
     ``-m fast``: every test that runs in-process with the fake engine or none (no real engine,
-    no tiny-model build, no S3 server, no child programs); the tier to run while editing.
+    no tiny-model build, no S3 server, no child programs), but for the modules of seconds-long
+    tests (``_HEAVY_MODULES``); the tier to run while editing.
 
     Tests marked ``container`` build and run the Docker image (~10 minutes warm, more cold):
     they run only when a ``-m`` expression names them, not in the README's test command."""
