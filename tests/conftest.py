@@ -183,6 +183,33 @@ _NOT_FAST_MODULES = frozenset(
         "test_engine_supervisor_vllm",
     }
 )
+#: In-process modules whose tests take seconds each on 2 cores (a store damaged object by object,
+#: every read path over a matrix of encodings, whole-repository source scans): in the whole suite,
+#: outside the tier run while editing, which they would otherwise take over half of.
+_HEAVY_MODULES = frozenset(
+    {
+        "test_format_damage_matrix",
+        "test_format_raw_layout",
+        "test_format_placement",
+        "test_format_hidden",
+        "test_format_direct",
+        "test_pointread_fastpath",
+        "test_format_fuzz",
+        "test_format_create_templates",
+        "test_format_shardwrite",
+        "test_format_validate_sample",
+        "test_format_missing",
+        "test_format_lastshard",
+        "test_dataset_sampled_trim",
+        "test_client_store_http",
+        "test_dataset_decode_threads",
+        "test_sampled_head",
+        "test_sampled_fake",
+        "test_engine_supervisor",
+        "test_loss_memory",
+        "test_packaging",
+    }
+)
 #: How `.ci/run` runs the container tests, in a step of its own after the README's test command.
 CONTAINER_COMMAND = (
     ".venv/bin/python -m pytest -q -n 0 -m container tests/e2e/test_docker_compose_up.py"
@@ -218,7 +245,8 @@ def pytest_collection_modifyitems(
     Before the other hooks (so that ``-m fast`` sees the mark), the tiers:
 
     ``-m fast``: every test that runs in-process with the fake engine or none (no real engine,
-    no tiny-model build, no S3 server, no child programs); the tier to run while editing.
+    no tiny-model build, no S3 server, no child programs), but for the modules of seconds-long
+    tests (``_HEAVY_MODULES``); the tier to run while editing.
 
     Tests marked ``container`` build and run the Docker image (~10 minutes warm, more cold):
     they run only when a ``-m`` expression names them, not in the README's test command."""
@@ -234,6 +262,8 @@ def pytest_collection_modifyitems(
         if _NOT_FAST_FIXTURES & set(getattr(item, "fixturenames", ())):
             continue
         if item.path.parent.name in _NOT_FAST_FOLDERS or item.path.stem in _NOT_FAST_MODULES:
+            continue
+        if item.path.stem in _HEAVY_MODULES:
             continue
         item.add_marker(pytest.mark.fast)
     yield

@@ -69,9 +69,9 @@ def _texts(tiny, n: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def dataset(tiny, tmp_path_factory) -> tuple[Path, list[str]]:
+def dataset(tiny, tmp_path_factory) -> tuple[Path, list[dict]]:
     """A JSONL input of 21 records: explicit ids, texts, a token-id record, and a duplicated text
-    (no id) that must be scored once, in its first position. Returns (path, expected keys)."""
+    (no id) that must be scored once, in its first position. Returns (path, the records)."""
     texts = _texts(tiny, 18)
     records: list[dict] = [{"id": f"doc-{i:02d}", "text": t} for i, t in enumerate(texts)]
     records.insert(3, {"text": texts[0] + " (copy without id)"})
@@ -123,14 +123,9 @@ def _cli(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def settings(tiny, vllm_env) -> ServerSettings:
     return ServerSettings(
-        _env_file=None,  # type: ignore[call-arg]
-        model=str(tiny.teacher_dir),
-        k=K,
-        max_seq_len=256,
-        job_batch_sequences=3,
-        job_inflight_batches=1,
-        logprob_dtype="float16",
-        backend="vllm",
+        _env_file=None,
+        **_settings_kw(tiny),
+        job_write_fill_s=0,  # commit per batch group: a killed replica's shard resumes mid-way
     )
 
 
@@ -306,7 +301,7 @@ def test_cli_refuses_a_cache_of_another_k_or_teacher_before_any_engine_loads(
     from logitcache.server.serving.caches import expected_manifest
 
     other = {**_settings_kw(tiny), "k": K + 1, "temperature": 2.0}
-    cfg = engine_config(ServerSettings(_env_file=None, **other))  # type: ignore[call-arg]
+    cfg = engine_config(ServerSettings(_env_file=None, **other))
     manifest = expected_manifest(planned_info(cfg), k=cfg.max_k, logprob_dtype="float16")
     cache = tmp_path / "made-otherwise"
     with CacheWriter.open(cache, manifest) as w:
@@ -506,7 +501,7 @@ def test_cli_sampled_flags_are_checked_before_any_engine_loads(
     from logitcache.server.engine.config import planned_info
     from logitcache.server.serving.caches import expected_manifest
 
-    cfg = engine_config(ServerSettings(_env_file=None, **_settings_kw(tiny)))  # type: ignore[call-arg]
+    cfg = engine_config(ServerSettings(_env_file=None, **_settings_kw(tiny)))
     manifest = expected_manifest(planned_info(cfg), k=cfg.max_k, logprob_dtype="float16")
     cache = tmp_path / "topk"
     with CacheWriter.open(cache, manifest) as w:

@@ -6,9 +6,10 @@ small corpus with a batch job over HTTP, and trains the student from the cache w
 own distribution, the tokenizer's fingerprint), that training reduced the loss, and that the
 distilled student is closer to the teacher on held-out text than the untrained one.
 
-A second, smaller run with ``--teacher-temperature 0.5`` checks that the sharpened teacher reaches
-every part: the service's cache holds ``log_softmax(z / 0.5)`` (not ``log_softmax(z)``), online KD
-and the held-out figures use the same teacher, and the cache gets its own name.
+A second, smaller run on the transformers backend with ``--teacher-temperature 0.5`` checks that
+the sharpened teacher reaches every part: the service's cache holds ``log_softmax(z / 0.5)`` (not
+``log_softmax(z)``), online KD and the held-out figures use the same teacher, the cache gets its own
+name, and ``offline_exact`` (from a hidden cache of the same service) takes online KD's steps.
 """
 
 from __future__ import annotations
@@ -137,18 +138,25 @@ def test_budgeted_caches_are_measured_on_disk_and_sampled_rows_are_weights(
     assert 1 <= method(quick_run, "offline_sampled")["mean_distinct_ids"] <= sampled.manifest.k
 
 
+@pytest.fixture(scope="module")
+def sharp_run(tiny: Any, vllm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """A smaller run on the transformers backend with a sharpened teacher (T = 0.5): online KD,
+    top-k + tail, and ``offline_exact`` from a ``targets="hidden"`` cache of the same service."""
+    return run_example(
+        tmp_path_factory.mktemp("distill-sharp"),
+        vllm_env,
+        *("--backend", "hf", "--teacher-temperature", "0.5", "--train-seqs", "40"),
+        *("--steps", "6", "--methods", "online_kd,offline_topk_tail@64,offline_exact"),
+        *("--eval-tokens", "1024"),
+    )
+
+
 def test_sharpened_teacher_reaches_the_cache_online_kd_and_the_eval(
-    quick_run: dict[str, Any], tiny: Any, vllm_env: dict[str, str], tmp_path: Path
+    quick_run: dict[str, Any], sharp_run: dict[str, Any], tiny: Any
 ) -> None:
     from logitcache.cache_format import CacheReader
 
-    t = 0.5
-    rep = run_example(
-        tmp_path,
-        vllm_env,
-        *("--teacher-temperature", str(t), "--train-seqs", "40", "--steps", "6"),
-        *("--methods", "online_kd,offline_topk_tail@64", "--eval-tokens", "1024"),
-    )
+    t, rep = 0.5, sharp_run
     assert rep["plan"]["teacher_temperature"] == t
     assert rep["cache"]["url"].endswith("-T0.5") and rep["cache"]["valid"]
     rec = CacheReader(rep["cache"]["url"]).sequence(1)
@@ -183,19 +191,12 @@ def test_the_printed_report_gives_results_beside_the_paired_seed_study(
     assert (ROOT / "experiments/results/distill_t128_24seeds.md").exists()  # the page it names
 
 
-def test_exact_from_a_hidden_cache_trains_as_online_kd(
-    tiny: Any, vllm_env: dict[str, str], tmp_path: Path
-) -> None:
+def test_exact_from_a_hidden_cache_trains_as_online_kd(sharp_run: dict[str, Any]) -> None:
     """``offline_exact``: the same service scores a ``targets="hidden"`` cache of the same
     sequences; the student trained from its hidden states and stored head takes online KD's
     steps (same stream, same init, the same full-vocabulary KL up to the bfloat16 states),
     also against a sharpened teacher (the stored head's logit scale divided by T)."""
-    rep = run_example(
-        tmp_path,
-        vllm_env,
-        *("--backend", "hf", "--teacher-temperature", "0.5", "--train-seqs", "40"),
-        *("--steps", "6", "--methods", "online_kd,offline_exact", "--eval-tokens", "1024"),
-    )
+    rep = sharp_run
     exact, online = rep["methods"]["offline_exact"], rep["methods"]["online_kd"]
     assert exact["cache"].endswith("-T0.5-hidden") and exact["budget"] is None
     np.testing.assert_allclose(exact["loss_curve"], online["loss_curve"], rtol=1e-2)

@@ -52,7 +52,7 @@ time.sleep(300)
 """
 
 
-@pytest.mark.fast
+@pytest.mark.subprocess  # a child Python program, SIGKILLed
 def test_children_handed_to_the_reaper_die_with_a_sigkilled_parent() -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", _FAKE_SERVER], stdout=subprocess.PIPE, text=True
@@ -134,7 +134,7 @@ time.sleep(300)
 """
 
 
-@pytest.mark.fast
+@pytest.mark.subprocess  # a child Python program, SIGKILLed
 @pytest.mark.parametrize("when", ["inside", "after"])
 def test_armed_reaper_ends_what_started_in_the_block_only(when: str) -> None:
     """Children started inside ``reaper.armed()`` end with a SIGKILLed parent, also when it is

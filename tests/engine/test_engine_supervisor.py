@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 from engine_support import FakeEngine, app_settings, in_process
 from logitcache.cache_format import CacheReader
 from logitcache.server.engine import EngineUnavailableError, SupervisedEngine
-
-pytestmark = pytest.mark.fast
 
 
 class MortalEngine(FakeEngine):

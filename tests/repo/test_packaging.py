@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 import tomllib
@@ -33,10 +34,16 @@ def test_every_package_folder_is_listed_and_mapped() -> None:
     assert not (ROOT / "logitcache" / "__init__.py").exists()
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """The syntax tree of one of our source files, parsed once for all the tests here."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def _imported_modules(folder: str, *, module_level_only: bool) -> dict[str, set[str]]:
     result: dict[str, set[str]] = {}
     for path in (ROOT / folder).rglob("*.py"):
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = _parsed(path)
         nodes = tree.body if module_level_only else list(ast.walk(tree))
         names: set[str] = set()
         for node in nodes:
@@ -119,7 +126,7 @@ def _import_edges(folder: str) -> dict[str, set[str]]:
         mod = _module_name(path)
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         targets: set[str] = set()
-        tree = ast.parse(path.read_text())
+        tree = _parsed(path)
         typing_only = {
             id(n)
             for block in ast.walk(tree)

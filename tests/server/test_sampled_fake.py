@@ -20,8 +20,6 @@ from logitcache.cache_format.sampling import PAD_LOGPROB, sampling_manifest
 from logitcache.server.engine import EngineInputError, SampledTargets
 from server_support import ThreadedServer
 
-pytestmark = pytest.mark.fast
-
 
 def _records(n: int = 9) -> list[dict[str, Any]]:
     """Explicit ids, texts keyed by content, and one token-id record."""

@@ -37,7 +37,13 @@ def server(tiny, tmp_path_factory) -> Iterator[ServerProcess]:
     # the transformers backend: a real engine of the service that starts in seconds (the
     # README test runs the vLLM one); nothing here depends on which engine scores
     srv = ServerProcess(
-        work, api_key=KEY, model=str(tiny.teacher_dir), k=8, max_seq_len=256, backend="hf"
+        work,
+        api_key=KEY,
+        model=str(tiny.teacher_dir),
+        k=8,
+        max_seq_len=256,
+        backend="hf",
+        job_write_fill_s=0,  # commit per batch group, so the cancel lands mid-job
     )
     srv.start()
     seqs = tiny.token_sequences("heldout", max_len=64, min_len=8, limit=6)

@@ -30,9 +30,11 @@ def _get(url: str, cookie: str, path: str = "/v1/caches") -> int:
     return httpx.get(f"{url}{path}", headers={"cookie": f"{COOKIE}={cookie}"}).status_code
 
 
-def test_sessions_are_random_revoked_at_logout_and_expire(tmp_path) -> None:
+def test_sessions_are_random_revoked_at_logout_and_expire(tmp_path, monkeypatch) -> None:
     settings = app_settings(tmp_path, api_key=KEY, session_ttl_s=1.5)
+    now = [time.monotonic()]  # the sessions' clock: expiry does not depend on the box's speed
     with ThreadedServer(settings, FakeEngine(), api_key=KEY) as srv:
+        monkeypatch.setattr(srv.app.state.ui_sessions, "_clock", lambda: now[0])
         a, b = _login(srv.url), _login(srv.url)
         old = hmac.new(KEY.encode(), b"logitcache-ui-v1", hashlib.sha256).hexdigest()
         assert a != b and old not in (a, b) and KEY not in a + b
@@ -47,7 +49,7 @@ def test_sessions_are_random_revoked_at_logout_and_expire(tmp_path) -> None:
         out = httpx.post(f"{srv.url}/logout", headers={"cookie": f"{COOKIE}={a}"})
         assert out.status_code in (200, 303)
         assert _get(srv.url, a) == 401 and _get(srv.url, b) == 200
-        time.sleep(1.7)  # past session_ttl_s
+        now[0] += 1.7  # past session_ttl_s
         assert _get(srv.url, b) == 401
         c = _login(srv.url)
         assert _get(srv.url, c) == 200
