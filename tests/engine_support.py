@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -211,3 +213,24 @@ async def in_process(settings: Any, engine: Any) -> AsyncIterator[Any]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
             yield client
+
+
+async def until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Wait, polling every 20 ms, until ``cond()`` holds; an assertion error after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def job_done(client: Any, job_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    """The job ``job_id`` of an :func:`in_process` app once it has left ``queued`` and
+    ``running``; an assertion error (with the job) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while (job := (await client.get(f"/v1/jobs/{job_id}")).json())["state"] in (
+        "queued",
+        "running",
+    ):
+        assert time.monotonic() < deadline, job
+        await asyncio.sleep(0.02)
+    return job

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from engine_support import FakeEngine, app_settings, in_process
+from engine_support import FakeEngine, app_settings, in_process, job_done, until
 from logitcache.cache_format import CacheReader
 from logitcache.server.engine import EngineUnavailableError, SupervisedEngine
 
@@ -58,13 +58,6 @@ class Builds:
         return engine
 
 
-async def _until(cond: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
-
-
 def test_dead_engine_gives_503_with_retry_after_then_is_restarted(tmp_path: Path) -> None:
     builds = Builds(die_after=None, delay_s=1.0)
     settings = app_settings(tmp_path)
@@ -87,7 +80,7 @@ def test_dead_engine_gives_503_with_retry_after_then_is_restarted(tmp_path: Path
                 assert health.json()["error"]["code"] == "engine_unavailable"
                 assert "retry-after" in health.headers
                 assert not engine.alive
-                await _until(lambda: engine.alive)
+                await until(lambda: engine.alive)
                 assert engine.restarts == 1 and len(builds.built) == 2
                 assert builds.built[0]._closed  # the dead one was closed (its processes ended)
                 assert (await c.get("/health")).status_code == 200
@@ -108,7 +101,7 @@ def test_monitor_notices_a_death_without_any_request(tmp_path: Path) -> None:
         await engine.start()
         try:
             builds.built[0].dead = True
-            await _until(lambda: engine.restarts == 1)
+            await until(lambda: engine.restarts == 1)
             assert engine.alive and engine.engine is builds.built[1]
         finally:
             await engine.aclose()
@@ -232,7 +225,7 @@ def test_weights_changed_in_place_are_a_409_after_the_engine_restarts(tmp_path: 
                 with weights.open("r+b") as fh:
                     fh.write(data)
                 built[0].dead = True
-                await _until(lambda: engine.restarts == 1)
+                await until(lambda: engine.restarts == 1)
                 assert built[1].info.weights_hash != built[0].info.weights_hash
                 r = await c.post("/v1/score", json={**body, "input_ids": [[1, 2, 3]]})
                 assert r.status_code == 409, r.text
@@ -268,16 +261,10 @@ def test_a_job_the_engine_keeps_dying_on_fails_after_three_deaths(tmp_path: Path
             async with in_process(settings, engine) as c:
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "c.jsonl"}})
                 job_id = r.json()["id"]
-                deadline = time.monotonic() + 60
-                while (state := (await c.get(f"/v1/jobs/{job_id}")).json())["state"] in (
-                    "queued",
-                    "running",
-                ):
-                    assert time.monotonic() < deadline, state
-                    await asyncio.sleep(0.05)
+                state = await job_done(c, job_id)
                 assert state["state"] == "failed", state
                 assert f"died {MAX_ENGINE_DEATHS} times" in state["error"], state
-                await _until(lambda: engine.alive and engine.restarts == MAX_ENGINE_DEATHS)
+                await until(lambda: engine.alive and engine.restarts == MAX_ENGINE_DEATHS)
                 r = await c.post("/v1/score", json={"input_ids": [[1, 2, 3]], "k": 2})
                 assert r.status_code == 200, r.text
         finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_support import FakeEngine, app_settings, in_process
+from engine_support import FakeEngine, app_settings, in_process, job_done, until
 from logitcache.cache_format import CacheReader, validate
 from logitcache.server.engine import EngineClosedError, EngineUnavailableError, SupervisedEngine
 from logitcache.server.engine import supervisor as supervisor_module
@@ -77,13 +77,6 @@ def _fast_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervisor_module, "CHECK_S", 0.05)
 
 
-async def _until(cond: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 def test_a_call_in_flight_fails_when_the_monitor_declares_the_engine_dead() -> None:
     builds = Builds(hang_at=1)
 
@@ -102,8 +95,8 @@ def test_a_call_in_flight_fails_when_the_monitor_declares_the_engine_dead() -> N
             assert time.monotonic() - t0 < PROMPT_S
             assert "the engine stopped" in str(err.value), err.value
             assert err.value.retry_after >= 1
-            await _until(lambda: first.cancelled == 1)  # the engine's side was cancelled
-            await _until(lambda: engine.alive)
+            await until(lambda: first.cancelled == 1)  # the engine's side was cancelled
+            await until(lambda: engine.alive)
             assert engine.restarts == 1 and first._closed
             assert len(await engine.score([[1, 5, 9, 20]], 4)) == 1
         finally:
@@ -123,7 +116,7 @@ def test_closing_the_supervisor_fails_a_call_in_flight() -> None:
         await asyncio.wait_for(engine.aclose(), PROMPT_S)
         with pytest.raises(EngineClosedError):
             await asyncio.wait_for(call, PROMPT_S)
-        await _until(lambda: first.cancelled == 1)
+        await until(lambda: first.cancelled == 1)
         assert first._closed and engine.restarts == 0
 
     asyncio.run(run())
@@ -148,13 +141,7 @@ def test_a_job_whose_engine_hangs_dead_pauses_and_resumes(tmp_path: Path) -> Non
                 r = await c.post("/v1/jobs", json={"cache": "c", "file": {"path": "corpus.jsonl"}})
                 assert r.status_code == 201, r.text
                 job_id = r.json()["id"]
-                deadline = time.monotonic() + 60
-                while (job := (await c.get(f"/v1/jobs/{job_id}")).json())["state"] in (
-                    "queued",
-                    "running",
-                ):
-                    assert time.monotonic() < deadline, job
-                    await asyncio.sleep(0.05)
+                job = await job_done(c, job_id)
                 assert job["state"] == "succeeded", job
                 assert job["sequences_done"] == len(rows)
                 first = builds.built[0]
