@@ -254,11 +254,17 @@ class KeyRuns:
         ent = np.frombuffer(obj, ENTRY, ref.count)
         with self._lock:
             self._fences[ref.key] = got
-            if ref.blocks <= KEEP_BLOCKS // 4:
-                for j in range(ref.blocks):
-                    self._kept[(ref.key, j)] = ent[j * BLOCK : (j + 1) * BLOCK].copy()
-                while len(self._kept) > KEEP_BLOCKS:
-                    self._kept.popitem(last=False)
+        if ref.blocks <= KEEP_BLOCKS // 4:
+            self._keep(ref, {j: ent[j * BLOCK : (j + 1) * BLOCK].copy() for j in range(ref.blocks)})
+
+    def _keep(self, ref: RunRef, blocks: dict[int, np.ndarray]) -> None:
+        """Keep checked ``blocks`` (block index -> entries) of run ``ref``, the least recently
+        used dropped past :data:`KEEP_BLOCKS`."""
+        with self._lock:
+            for j, got in blocks.items():
+                self._kept[(ref.key, j)] = got
+            while len(self._kept) > KEEP_BLOCKS:
+                self._kept.popitem(last=False)
 
     def entries(self, ref: RunRef) -> np.ndarray:
         """Every entry of run ``ref`` (checked): a small run's blocks kept in memory (as
@@ -301,12 +307,7 @@ class KeyRuns:
                 b = todo.pop(0)
             ent = _blocks(self._store, ref, crcs, a, b + 1)
             read |= {j: ent[(j - a) * BLOCK : (j - a + 1) * BLOCK].copy() for j in range(a, b + 1)}
-        if read:
-            with self._lock:
-                for j, got in read.items():
-                    self._kept[(ref.key, j)] = got
-                while len(self._kept) > KEEP_BLOCKS:
-                    self._kept.popitem(last=False)
+        self._keep(ref, read)
         have |= read
         return np.concatenate([have[j] for j in used])
 
