@@ -19,7 +19,7 @@ The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the
 free and forwards are serialised. On a GPU the top-k of a decoder batch stays on the device and
 reaches the host by an asynchronous copy into pinned memory; the host converts one batch while the
 device runs the next, and a call's last batch is converted after the lock is released, so the
-next call's forward is already queued (benchmarks/results/service_gpu.md).
+next call's forward is already queued (benchmarks/results/service.md, mode ``gpu``).
 
 With ``EngineConfig.entropy`` every row also gets the entropy of its full distribution
 (:func:`~logitcache.cache_format.sampling.row_entropy` of the chunk's ``log_softmax``, FORMAT.md
