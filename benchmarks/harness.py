@@ -57,32 +57,6 @@ PACKAGES = ("cache_format", "client", "server")
 #: The revision whose packages this process runs under ``ab`` (recorded in each row's config).
 TREE = os.environ.get("BENCH_TREE", "")
 
-__all__ = [
-    "CSV_PATH",
-    "Measurement",
-    "PeakRSS",
-    "add_csv_option",
-    "Recorder",
-    "ab",
-    "free_memory",
-    "free_port",
-    "line_plot",
-    "live_bytes",
-    "load1",
-    "log",
-    "machine",
-    "machine_line",
-    "measure",
-    "median_time",
-    "pin_cores",
-    "quantiles",
-    "rss_bytes",
-    "sync",
-    "time_call",
-    "suite_parser",
-    "wait_ready",
-]
-
 
 def log(*parts: Any) -> None:
     """A timestamped progress line on stdout."""
@@ -411,27 +385,10 @@ def live_bytes(top: int = 12) -> Any:
 
 
 # --------------------------------------------------------------------------- the CSV
-COLUMNS = [
-    "timestamp",
-    "suite",
-    "mode",
-    "case",
-    "metric",
-    "unit",
-    "value",
-    "p20",
-    "p80",
-    "samples",
-    "config",
-    "git_sha",
-    "cpu",
-    "cpu_count",
-    "load_avg",
-    "torch",
-    "cuda",
-    "gpu",
-    "command",
-]
+COLUMNS = (
+    "timestamp suite mode case metric unit value p20 p80 samples config "
+    "git_sha cpu cpu_count load_avg torch cuda gpu command"
+).split()
 
 
 class Recorder:
@@ -649,16 +606,8 @@ def ab(
             for rev, tree in trees.items():
                 log(f"round {r}: {rev}")
                 env = dict(os.environ, BENCH_TREE=rev)
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.harness",
-                    "with-tree",
-                    str(tree),
-                    "--",
-                    *target,
-                ]
-                out.append((rev, r, subprocess.run(cmd, cwd=ROOT, env=env).returncode))
+                cmd = [sys.executable, "-m", "benchmarks.harness", "with-tree", str(tree), "--"]
+                out.append((rev, r, subprocess.run([*cmd, *target], cwd=ROOT, env=env).returncode))
     return out
 
 
@@ -671,24 +620,8 @@ def device_env(
     Returns the environment to run a suite in."""
     whls = sorted(glob.glob(str(wheels / "*.whl")))
     if whls:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                "--no-cache-dir",
-                "--upgrade",
-                "--target",
-                str(site),
-                *whls,
-            ],
-            check=True,
-        )
+        pip = "-m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
+        subprocess.run([sys.executable, *pip.split(), "--target", str(site), *whls], check=True)
     (pkg / "logitcache").mkdir(parents=True, exist_ok=True)
     for name in (*PACKAGES, "protocol", "fixtures"):
         link = pkg / "logitcache" / name
