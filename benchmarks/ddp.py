@@ -1,39 +1,20 @@
 """Distributed student training from one shared logitcache cache (torch.distributed DDP).
 
-Every rank streams its own partition of one cache through ``logitcache.client.CacheDataset`` and
-trains a student with the fused chunked top-k KL loss (``topk_distill_loss``, impl
-``fused_chunked``). The script shows, with the data it delivers:
+Every rank streams its own partition of one cache (``CacheDataset``) and trains a small student
+with the fused chunked top-k loss. ``report`` checks, from the delivered tokens (each synthetic
+sequence starts with its own index written in base ``vocab``): **coverage** (the ranks' epochs
+are disjoint and cover every sequence once), **loss agreement** (the DDP curve equals one process
+reading all ``W`` partitions, same global batches and normalisation), **throughput** (rows/s of 1
+and W processes, peak memory, the share of each step waiting for data) and **resume** (a run
+checkpointed at step ``N`` and resumed replays the same order and, on CPU, the same losses).
 
-* **coverage**: over one epoch the ranks see disjoint sequences whose union is every cache
-  sequence exactly once (checked from the delivered tokens: each synthetic sequence starts with
-  its own index written in base ``vocab``, see :func:`make_cache`);
-* **loss agreement**: the DDP loss curve equals a one-process run on the same global batches
-  (the one process reads all ``W`` rank partitions and concatenates them, so step ``s`` sees
-  exactly the union of the ranks' step-``s`` batches; the loss is normalised by the global count
-  of supervised positions on both sides, so the two runs compute the same objective);
-* **throughput**: supervised positions/s (rows/s) of the 1-process run and of the W-process run,
-  and their ratio; **peak memory** per rank; the **share of each step spent waiting for data**
-  (time blocked in ``next(loader)`` / step time);
-* **resume**: a run checkpoints at step ``N`` (model, optimizer and dataset ``state_dict`` per
-  rank); a fresh set of processes loads it and must replay the same remaining data order on
-  every rank (and, on CPU, the same losses).
-
-Subcommands
------------
-``make-cache``  write a synthetic "bigram teacher" cache through ``logitcache.cache_format``;
-``train``       one run (``--nproc W`` spawns W local ranks; under ``torchrun`` it uses the env);
-``report``      make-cache (if needed) + 1-process run + W-process run + resume run; writes
-                ``--json`` (JSON) and ``--md`` (markdown); ``summary``: see below.
-
-CPU (the test suite, gloo)::
+Commands: ``make-cache`` (the synthetic bigram cache), ``train`` (one run: ``--nproc W`` spawns W
+ranks, or under ``torchrun``), ``report`` (cache + 1-process + W-process + resumed runs; ``--json``
+and ``--md``), ``summary`` (a one-GPU run and its resumed run)::
 
     python -m benchmarks.ddp report --workdir runs/ddp --nproc 2 --backend gloo
 
-GPU runs (NCCL, one process per GPU; NVLink multicast is switched off by this script): the
-commands are on the suite page, ``benchmarks/results/ddp.md``. Under ``torchrun
---nproc-per-node 2 -m benchmarks.ddp train ...`` the ``train`` command takes rank and world
-size from the environment instead of spawning; ``summary`` summarises a one-GPU run that
-checkpointed at step N and its resumed run (coverage, throughput, memory, resume).
+GPU commands (NCCL; NVLink multicast switched off here): ``benchmarks/results/ddp.md``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ Modes (``python -m benchmarks.format <mode> --help``)::
     python -m benchmarks.format configs --positions 262144 --cores 1     # the page's main table
     python -m benchmarks.format write --configs default,appends-of-4 --rounds 5
     python -m benchmarks.format random --positions 2000000 --layouts default random_access
-    python -m benchmarks.format validate --positions 1048576 --configs default --sample 0.01 0.1
     python -m benchmarks.format codecs --positions 262144
     python -m benchmarks.format index --sequences 1000 100000 1000000 --store-dir /tmp/lc-index
 
@@ -23,9 +22,6 @@ Modes (``python -m benchmarks.format <mode> --help``)::
   (``CacheReader(decode_threads=t)``) against an uncompressed ``.npy`` copy of the same sequences
   read right before, and the sequential reader on the same store. The values read are checked
   against the ``.npy`` copy first.
-* ``validate``: ``validate()`` of a store of ``--configs`` (written once each), whole and with
-  ``--sample`` (fractions of the sequences, seed 0): wall and CPU seconds per million committed
-  rows (for a sample: per million rows of the store, the figure a multi-TB cache's check costs).
 * ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw chunks
   (numcodecs, one block per chunk, one thread).
 * ``index``: what opening a cache of many sequences costs. One synthetic cache per
@@ -65,6 +61,7 @@ from benchmarks.harness import (
     PeakRSS,
     Recorder,
     add_csv_option,
+    load1,
     log,
     machine_line,
     md_table,
@@ -208,12 +205,8 @@ def bench_npy(data: Data, root: Path, picks: np.ndarray, repeats: int) -> dict[s
     d = root / "npy"
     d.mkdir()
     rows = data.positions
-    arrays = {
-        "ids": data.ids,
-        "lp": data.logprobs.astype(np.float16),
-        "tail": data.tail,
-        "tokens": data.tokens,
-    }
+    lp16 = data.logprobs.astype(np.float16)
+    arrays = {"ids": data.ids, "lp": lp16, "tail": data.tail, "tokens": data.tokens}
 
     def write() -> None:
         for name, a in arrays.items():
@@ -282,36 +275,20 @@ def run_configs(args: argparse.Namespace) -> None:
     rec.save()
     base = results["baseline (npy)"]
     rows = [
-        [
-            case,
-            f"{r['bytes_per_position']:.1f}",
-            f"{RAW_BPP / r['bytes_per_position']:.2f}x",
-            f"{r['write_pos_per_cpu_s']:,.0f}",
-            vs(r, base, "seq_read_pos_per_cpu_s", ",.0f"),
-            vs(r, base, "seq_read_f16_pos_per_cpu_s", ",.0f"),
-            vs(r, base, "random_read_seq_per_cpu_s", ",.1f"),
-            f"{r.get('random_batch32_seq_per_cpu_s', float('nan')):,.1f}",
-            f"{r.get('max_abs_logprob_error', 0):.1e}",
-        ]
+        [case, f"{r['bytes_per_position']:.1f}", f"{RAW_BPP / r['bytes_per_position']:.2f}x"]
+        + [f"{r['write_pos_per_cpu_s']:,.0f}", vs(r, base, "seq_read_pos_per_cpu_s", ",.0f")]
+        + [vs(r, base, "seq_read_f16_pos_per_cpu_s", ",.0f")]
+        + [vs(r, base, "random_read_seq_per_cpu_s", ",.1f")]
+        + [f"{r.get('random_batch32_seq_per_cpu_s', float('nan')):,.1f}"]
+        + [f"{r.get('max_abs_logprob_error', 0):.1e}"]
         for case, r in results.items()
     ]
     print(f"\n{data.positions} positions, {args.cores} core(s); {machine_line(rec.machine)}\n")
-    print(
-        md_table(
-            [
-                "config",
-                "B/pos",
-                "vs raw 600",
-                "write pos/cpu-s",
-                "seq read pos/cpu-s (x npy)",
-                "f16 seq read pos/cpu-s (x npy)",
-                "random seq/cpu-s (x npy)",
-                "sequences(32) seq/cpu-s",
-                "max lp err",
-            ],
-            rows,
-        )
+    head = (
+        "config|B/pos|vs raw 600|write pos/cpu-s|seq read pos/cpu-s (x npy)|f16 seq read pos/cpu-s"
     )
+    head += " (x npy)|random seq/cpu-s (x npy)|sequences(32) seq/cpu-s|max lp err"
+    print(md_table(head.split("|"), rows))
 
 
 # --------------------------------------------------------------------------- write
@@ -327,25 +304,14 @@ def run_write(args: argparse.Namespace) -> None:
                 cpu = measure(write, 1).cpu[0]
                 shutil.rmtree(root / name)
                 rates[name].append(data.positions / cpu)
-                log(
-                    f"round {r} {name}: {rates[name][-1]:,.0f} pos/cpu-s "
-                    f"(load {os.getloadavg()[0]:.1f})"
-                )
+                log(f"round {r} {name}: {rates[name][-1]:,.0f} pos/cpu-s (load {load1()})")
     rec = Recorder("format", "write", csv_path=args.csv)
     table = []
     for name, xs in rates.items():
         cfg = asdict(CONFIGS[name]) | {"positions": data.positions}
         rate = statistics.median(xs)
-        rec.add(
-            name,
-            "write_pos_per_cpu_s",
-            "pos/cpu-s",
-            rate,
-            config=cfg,
-            p20=min(xs),
-            p80=max(xs),
-            samples=len(xs),
-        )
+        kw: dict[str, Any] = {"config": cfg, "p20": min(xs), "p80": max(xs), "samples": len(xs)}
+        rec.add(name, "write_pos_per_cpu_s", "pos/cpu-s", rate, **kw)
         table.append([name, f"{statistics.median(xs):,.0f}", f"{max(xs):,.0f}", len(xs)])
     rec.save()
     print(md_table(["config", "median pos/cpu-s", "best", "rounds"], table))
@@ -520,50 +486,10 @@ def run_codecs(args: argparse.Namespace) -> None:
             rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
             dec = m_dec.rate(len(arr), cpu=True)
             rec.add(f"{name} / {label}", "decode_pos_per_cpu_s", "pos/cpu-s", dec, config=cfg)
-            table.append(
-                [
-                    name,
-                    label,
-                    f"{bpp:.1f}",
-                    f"{m_enc.rate(len(arr), cpu=True):,.0f}",
-                    f"{dec:,.0f}",
-                ]
-            )
+            enc_rate = m_enc.rate(len(arr), cpu=True)
+            table.append([name, label, f"{bpp:.1f}", f"{enc_rate:,.0f}", f"{dec:,.0f}"])
     rec.save()
     print(md_table(["input", "codec", "B/pos", "encode pos/cpu-s", "decode pos/cpu-s"], table))
-
-
-# --------------------------------------------------------------------------- validate
-def run_validate(args: argparse.Namespace) -> None:
-    from logitcache.cache_format import validate
-
-    teacher = Teacher(seed=args.seed)
-    data = teacher.fixed(args.positions)
-    rec = Recorder("format", "validate", csv_path=args.csv)
-    table = []
-    with scratch("lc-format-validate-") as root:
-        for name in args.configs.split(","):
-            url = root / name
-            writer_for(CONFIGS[name], data, teacher, url)()
-            for sample in [None, *args.sample]:
-                got = measure(functools.partial(validate, str(url), sample=sample), args.repeats)
-                report = validate(str(url), sample=sample)
-                assert report.ok, str(report)
-                rows = report.manifest.num_rows if report.manifest else 0
-                wall, cpu = (min(x) * 1e6 / rows for x in (got.wall, got.cpu))
-                case = f"{name} sample={sample or 'all'}"
-                log(f"{case}: {wall:.2f} s/M rows wall, {cpu:.2f} CPU-s/M rows")
-                cfg = {"positions": data.positions, "sample": sample}
-                for what, v in (("wall", wall), ("cpu", cpu)):
-                    rec.add(case, f"validate_{what}_s_per_m_rows", "s/M rows", v, config=cfg)
-                table.append(
-                    [case, f"{rows:,}", f"{report.checked_rows:,}", f"{wall:.2f}", f"{cpu:.2f}"]
-                )
-            shutil.rmtree(url)
-    rec.save()
-    print(
-        md_table(["store, sample", "rows", "rows checked", "wall s/M rows", "CPU-s/M rows"], table)
-    )
 
 
 # --------------------------------------------------------------------------- index
@@ -717,7 +643,6 @@ def main(argv: list[str] | None = None) -> None:
         "write": run_write,
         "random": run_random,
         "codecs": run_codecs,
-        "validate": run_validate,
         "index": run_index,
     }
     for name in modes:
@@ -726,12 +651,9 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--cores", type=int, default=1, help="pin to this many cores (0: all)")
         s.add_argument("--seed", type=int, default=0)
         add_csv_option(s)
-        if name in ("configs", "write", "validate"):
+        if name in ("configs", "write"):
             every = ",".join(CONFIGS) if name == "configs" else "default"
             s.add_argument("--configs", default=every)
-        if name == "validate":
-            s.add_argument("--sample", type=float, nargs="*", default=[0.01])
-            s.add_argument("--repeats", type=int, default=2)
         if name == "configs":
             s.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
             s.add_argument("--random-reads", type=int, default=200)

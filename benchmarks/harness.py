@@ -510,10 +510,11 @@ class Recorder:
         self, result: Any, json_path: Path | None = None, *, indent: int = 2, show: int = 0
     ) -> None:
         """Append the rows to the CSV, print ``result`` as JSON (its first ``show`` characters
-        if ``show``) and write it to ``json_path`` if given."""
+        if ``show`` > 0, nothing if < 0) and write it to ``json_path`` if given."""
         self.save()
         text = json.dumps(result, indent=indent, default=str)
-        print(text[:show] if show else text, flush=True)
+        if show >= 0:
+            print(text[:show] if show else text, flush=True)
         if json_path is not None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(text + "\n")

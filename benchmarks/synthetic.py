@@ -1,23 +1,13 @@
 """The benchmarks' one synthetic teacher: realistic top-k rows without a model.
 
-- ids: each row's k ids are successive draws without replacement from a Zipf(s) law over the
-  vocabulary (the first-appearance order of i.i.d. Zipf draws), so rank 0 tends to be a frequent
-  token. The map frequency-rank -> token id is "bpe-like": ids sorted by ``log(rank) + N(0, 1.5)``
-  (frequent tokens have small ids on average, as BPE gives early merges small ids); ``"random"``
-  is a uniform permutation (worst case for compression), ``"identity"`` the rank itself.
-- logprobs: ``lp_j = -s log(j+1) + noise`` sorted descending, per-row sharpness
-  ``s ~ LogNormal(log 1.2, 0.35)``, normalised so that the top-k mass is ``1 - tail`` with
-  ``tail ~ Beta(0.6, 6)``.
-
-Two shapes of data: :meth:`Teacher.fixed` (sequences of ``seq_len`` tokens, every row drawn; the
-``format`` suite) and :meth:`Teacher.pooled` (sequences of log-normal length around 490 tokens,
-sliced out of one pool of drawn rows, so hundreds of millions of positions cost no more to make
-than the pool; the ``loader`` and ``format random`` modes). :func:`write_cache` writes either
-through :class:`~logitcache.cache_format.CacheWriter`.
-
-The ``ddp`` suite's teacher is another: a random "bigram" teacher (:class:`CacheSpec`,
-:func:`bigram_teacher`, :func:`synthetic_records`) whose sequences start with their own index
-written as tokens, so a loader's coverage can be checked from the tokens it delivered.
+Ids: each row's k ids are the first-appearance order of i.i.d. Zipf(s) draws over the vocabulary,
+mapped frequency-rank -> id "bpe-like" (ids sorted by ``log(rank) + N(0, 1.5)``; ``"random"``: a
+uniform permutation, ``"identity"``: the rank). Logprobs: ``-s log(j+1) + noise`` sorted, per-row
+sharpness ``s ~ LogNormal(log 1.2, 0.35)``, top-k mass ``1 - tail`` with ``tail ~ Beta(0.6, 6)``.
+:meth:`Teacher.fixed` draws every row of ``seq_len``-token sequences (``format``);
+:meth:`Teacher.pooled` slices log-normal-length sequences (median 490) out of one pool of rows
+(``loader``, ``format random``). The ``ddp`` suite's teacher is a random "bigram" teacher
+(:class:`CacheSpec`) whose sequences start with their own index written as tokens.
 """
 
 from __future__ import annotations
@@ -29,16 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-__all__ = [
-    "CacheSpec",
-    "Data",
-    "Teacher",
-    "bigram_teacher",
-    "store_bytes",
-    "synthetic_records",
-    "write_cache",
-]
 
 
 @dataclass(frozen=True)

@@ -1,51 +1,15 @@
 """One distillation training step on one GPU: online KD (teacher in memory, run every step)
 against offline KD from a logitcache cache (the student alone).
 
-The student is a Llama-3.2-1B-shaped model (``--student``), the teacher Llama-3-8B-shaped
-(``--teacher``), both with random bf16 weights made on the device (nothing is downloaded). The
-student trains with AdamW (fused), activation checkpointing (``gradient_checkpointing``,
-non-reentrant) and SDPA attention, on ``--tokens`` tokens per step (sequences of ``--seq-len``).
-
-Variants (``--variants``):
-
-* ``online_dense``: teacher forward under ``no_grad`` to its full logits, student logits, plain
-  ``kl_div(log_softmax(student), log_softmax(teacher))`` in fp32 (the simple way; it holds
-  ``[N, V]`` tensors);
-* ``online_liger``: teacher forward to its last hidden states; Liger-Kernel's fused linear JSD
-  with ``jsd_beta=0`` (forward KL) on the student's and teacher's hidden states and lm-heads: no
-  ``[N, V]`` logits (the strongest online peer; needs CUDA and ``liger-kernel``);
-* ``offline_local``: the teacher is not loaded; a ``CacheDataset`` on local disk yields the
-  batch (tokens, top-``k`` ids and logprobs) and the student trains with ``topk_distill_loss``
-  (``client/loss``) on its hidden states;
-* ``offline_http``: the same, reading the cache's stored objects over HTTP from the service on
-  this box (``logitcache-server`` with a stand-in model: the store route sends stored bytes);
-* ``offline_exact``: the teacher is not loaded; a ``CacheDataset`` over a ``targets="hidden"``
-  cache (FORMAT.md 4.10) yields the teacher's final hidden states (bfloat16) and the student
-  trains with ``exact_distill_loss`` against the full distribution rebuilt from them and the
-  head the cache stores (``load_head``): online KD's exact target, without the teacher.
-
-The caches the offline variants read are made in the same run by the same teacher on the same
-token ids (its top-``k`` of each position, or its final hidden states and head, written with
-``CacheWriter``), before the teacher is freed.
-Online variants take their token ids from a tensor already on the device (no loader cost).
-
-Per variant and size: ``--warmup`` steps, then ``--steps`` timed steps, each closed by
-``torch.cuda.synchronize()``; step time = median; peak memory =
-``torch.cuda.max_memory_allocated`` over the timed steps (the teacher's weights included for
-online variants); a size that runs out of memory is recorded as ``oom`` and the variant's larger
-sizes are skipped.
-
-Modes::
-
-    # GPU box, through the harness's device runner (wheels: liger-kernel and the service's deps)
-    python -m benchmarks.harness device WHEELS -- -m benchmarks.train_step run \\
-        --tokens 8192 32768 65536 131072 --json benchmarks/results/train_step.json
-    # CPU smoke (tests/repo/test_bench_gpu_suites.py)
-    python -m benchmarks.train_step run --student tiny --teacher tiny --seq-len 32 \\
-        --tokens 64 128 --k 8 --variants online_dense offline_local offline_exact \\
-        --json /tmp/ts.json
-    # train_step.png (step time and peak memory vs tokens per step) from a result
-    python -m benchmarks.train_step plot benchmarks/results/train_step.json benchmarks/results
+Student Llama-3.2-1B-shaped (``--student``), teacher Llama-3-8B-shaped (``--teacher``), random
+bf16 weights made on the device; AdamW (fused), activation checkpointing, SDPA. Variants:
+``online_dense`` (full teacher logits, fp32 ``kl_div``), ``online_liger`` (Liger's fused linear
+JSD, beta 0, on both hidden states; CUDA), ``offline_local`` / ``offline_http`` (``CacheDataset``
+on local disk / over the service's store route, ``topk_distill_loss``), ``offline_exact`` (a
+``targets="hidden"`` cache and ``exact_distill_loss``). The caches are written in the same run by
+the same teacher on the same token ids. Per variant and size: ``--warmup`` steps, then
+``--steps`` timed ones (median step time, ``max_memory_allocated``); an OOM ends the variant.
+Commands and figures: ``benchmarks/results/train_step.md``; ``plot`` redraws ``train_step.png``.
 """
 
 from __future__ import annotations

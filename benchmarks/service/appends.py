@@ -208,8 +208,6 @@ def main(argv: list[str] | None = None) -> None:
         "all_stored_readable": all(x["all_stored_readable"] for v in runs.values() for x in v),
         "goal_met": summary["head"]["requests_per_s"] >= 100,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
     rec = Recorder("service", "appends", csv_path=args.csv)
     cfg = {k: v for k, v in result["args"].items() if k != "csv"}
     for label, values in summary.items():
@@ -217,10 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             rec.add_flat(label, values, config=cfg)
         else:
             rec.add("head vs baseline", label, "ratio", values, config=cfg)
-    rec.save()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    rec.finish(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,5 @@
 """Online-KD teacher traffic against the cache-serving endpoint: 3 epochs of the same requests.
 
-Usage (from the repository root; the vLLM env is set by the script)::
-
-    python -m benchmarks.service cache [--sequences 256] [--length 128] [--batch 16] [--k 8]
-        [--epochs 3] [--logprob-dtype float32] [--json OUT.json]
-
 One real service (``python -m logitcache.server`` subprocess, vLLM engine on the tiny teacher)
 and ``--sequences`` windows of ``--length`` tokens cut from the tiny fixture's training split,
 sent in requests of ``--batch`` prompts:

@@ -50,7 +50,6 @@ The second is the GPU mode's job (2,048-token sequences, rows over 128,256 ids) 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -65,7 +64,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
+from benchmarks.harness import Recorder, machine_line
+from benchmarks.service.common import mode_parser, parse
 from benchmarks.service.replay import ROWS, RandomTeacherRows, StrideRows, ZipfRows, build_engine
 
 
@@ -404,9 +404,7 @@ def job_run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.service cpu", description=__doc__.splitlines()[0]
-    )
+    p = mode_parser("cpu", __doc__)
     p.add_argument("--k", type=int, nargs="+", default=[20, 100])
     p.add_argument("--sequences", type=int, default=256)
     p.add_argument("--length", type=int, default=256)
@@ -420,7 +418,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sequences", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--logprob-dtype", default="float16")
-    p.add_argument("--json", type=Path, default=None)
     p.add_argument(
         "--form",
         choices=["arrays", "lists", "hf"],
@@ -457,8 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         default=0.9,
         help="--ids random: the logits' spread (0.9: the 1B shape, 1.3: 8B)",
     )
-    add_csv_option(p)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     shared: Any = None  # the pooled rows are made once
     if args.ids == "zipf":
         shared = ZipfRows()
@@ -518,25 +514,17 @@ def main(argv: list[str] | None = None) -> None:
             | {"k": k, "form": args.form, "prefill": args.prefill, "rate": args.rate},
         )
         print(f"k={k}: median {statistics.median(xs):.2f} CPU-us/position")
-    rec.save()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machine": machine_line(rec.machine),
-                    "command": rec.command,
-                    "inputs": inputs,
-                    "settings": settings_kw,
-                    "form": args.form,
-                    "prefill_sequences": args.prefill,
-                    "runs": runs,
-                    "summary": summary,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+    result = {
+        "machine": machine_line(rec.machine),
+        "command": rec.command,
+        "inputs": inputs,
+        "settings": settings_kw,
+        "form": args.form,
+        "prefill_sequences": args.prefill,
+        "runs": runs,
+        "summary": summary,
+    }
+    rec.finish(result, args.json, show=-1)
 
 
 if __name__ == "__main__":

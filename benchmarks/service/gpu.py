@@ -71,7 +71,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, add_csv_option, free_memory, free_port, machine, sync
+from benchmarks.harness import Recorder, free_memory, free_port, machine, sync, wait_ready
+from benchmarks.service.common import mode_parser, parse
 
 
 @dataclass(frozen=True)
@@ -360,15 +361,12 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60.0) as c:
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"server exited: {(work / 'server.log').read_text()[-3000:]}")
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.25)
+            try:
+                if not wait_ready(proc, url + "/health", timeout=3600, every=0.25):
+                    raise RuntimeError("no answer in an hour")
+            except RuntimeError as e:
+                tail = (work / "server.log").read_text()[-3000:]
+                raise SystemExit(f"server: {e}: {tail}") from None
             start_s = time.perf_counter() - t0
             threads0, cpu0 = thread_cpu(proc.pid), proc_cpu(proc.pid)
             with GpuSampler() as gpu:
@@ -518,7 +516,7 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = mode_parser("gpu", __doc__)
     p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
     p.add_argument("--sequences", type=int, default=1000)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -535,9 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job-batch-tokens", type=int, default=16384)
     p.add_argument("--engine-options", type=json.loads, default={}, help="JSON, as the server's")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
-    p.add_argument("--json", type=Path, default=None)
-    add_csv_option(p)
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -576,37 +572,25 @@ def main(argv: list[str] | None = None) -> dict:
 def record(rec: Recorder, name: str, r: dict, args: argparse.Namespace) -> None:
     """The CSV rows of one teacher shape."""
     config = {"shape": name, "k": args.k, "seq_len": args.seq_len, "sequences": args.sequences}
-    rec.add(
-        name,
-        "bare_device_tokens_per_s",
-        "tok/s",
-        r["bare"]["device"]["tokens_per_s"],
-        config=config,
-    )
-    rec.add(
-        name,
-        "bare_engine_tokens_per_s",
-        "tok/s",
-        r["bare"]["engine"]["tokens_per_s"],
-        config=config,
-    )
-    rec.add(name, "job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config=config)
-    rec.add(name, "entropy_vs_device", "x", r["ratio_entropy_vs_device"], config=config)
-    rec.add(name, "job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config=config)
-    config = config | {"job_path_cpu_method": r["job_path_cpu_method"]}
-    rec.add(
-        name, "job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], config=config
-    )
-    rec.add(
-        name,
-        "job_path_cpu_per_position_subtraction",
-        "us",
-        r["job_path_cpu_us_per_position_subtraction"],
-        config=config,
-    )
-    rec.add(name, "server_cores", "cores", r["job"]["server_cores"], config=config)
-    rec.add(name, "bytes_per_position", "B", r["cache"]["bytes_per_position"], config=config)
-    rec.add(name, "tail_mass_p50", "", r["cache"]["tail_mass"]["quantiles"]["0.5"], config=config)
+    cpu_config = config | {"job_path_cpu_method": r["job_path_cpu_method"]}
+    for metric, unit, value, cfg in (
+        ("bare_device_tokens_per_s", "tok/s", r["bare"]["device"]["tokens_per_s"], config),
+        ("bare_engine_tokens_per_s", "tok/s", r["bare"]["engine"]["tokens_per_s"], config),
+        ("job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config),
+        ("entropy_vs_device", "x", r["ratio_entropy_vs_device"], config),
+        ("job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config),
+        ("job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], cpu_config),
+        (
+            "job_path_cpu_per_position_subtraction",
+            "us",
+            r["job_path_cpu_us_per_position_subtraction"],
+            cpu_config,
+        ),
+        ("server_cores", "cores", r["job"]["server_cores"], cpu_config),
+        ("bytes_per_position", "B", r["cache"]["bytes_per_position"], cpu_config),
+        ("tail_mass_p50", "", r["cache"]["tail_mass"]["quantiles"]["0.5"], cpu_config),
+    ):
+        rec.add(name, metric, unit, value, config=cfg)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,5 @@
 """Teacher-service benchmark: the batch-job path versus vLLM called directly, plus concurrency.
 
-Usage (from the repository root, vLLM env set by the script)::
-
-    python -m benchmarks.service jobs [--sequences 512] [--length 256] [--k 8 ...]
-        [--modes inproc async] [--repeats 2] [--json OUT.json]
-
 The idle-machine job/direct ratio (5 alternating pairs, k=20 and k=100, both engine
 modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
 

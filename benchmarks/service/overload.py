@@ -1,10 +1,6 @@
 """Load benchmark of the teacher service: overload with client timeouts, concurrency with and
 without a job, ``/health`` latency and memory under load.
 
-Usage (from the repository root; the vLLM-on-CPU environment is set by the script)::
-
-    python -m benchmarks.service overload [--overload-s 30] [--steady-s 20] [--json OUT.json]
-
 The real service (``python -m logitcache.server`` subprocess, tiny fixture teacher, vLLM on CPU,
 ``--max-seq-len 1000``) is started twice on the same inputs:
 

@@ -34,7 +34,6 @@ the SGLang answer also carries the actual token's entry at each position).
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -157,8 +156,6 @@ def main(argv: list[str] | None = None) -> None:
             "sglang_json": med["sglang_bytes"] / positions / args.ids,
         },
     }
-    text = json.dumps(result, indent=2)
-    print(text)
     rec = Recorder("service", "protocols", csv_path=args.csv)
     cfg = {k: v for k, v in result["args"].items() if k != "csv"}
     for key in ("vllm", "sglang"):
@@ -166,10 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"], config=cfg)
     for key, value in result["bytes_per_position"].items():
         rec.add(key, "bytes_per_position", "B", value, config=cfg)
-    rec.save()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    rec.finish(result, args.json)
 
 
 if __name__ == "__main__":

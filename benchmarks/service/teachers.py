@@ -1,10 +1,5 @@
 """Several teachers behind one service: what routing costs a miss, and what a swap costs.
 
-Usage (from the repository root)::
-
-    python -m benchmarks.service teachers [--sequences 32] [--length 128] [--k 8]
-        [--backend transformers] [--json OUT.json]
-
 One engine on the tiny teacher in this process is the default teacher of two apps under uvicorn
 in threads (``tests/server_support.ThreadedServer``), in one run (two rounds, each app started
 first in one of them):
