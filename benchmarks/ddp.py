@@ -26,7 +26,7 @@ import resource
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -45,11 +45,9 @@ from benchmarks.synthetic import (
 )
 
 #: Settings that keep NCCL / symmetric memory off NVLink multicast (NVLS) on GPU boxes.
-NVLS_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+NVLS_OFF = dict.fromkeys(("NCCL_NVLS_ENABLE",), "0") | dict.fromkeys(
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"), "1"
+)
 
 SYNTHETIC_TOKENIZER = "synthetic-bigram-v1"
 
@@ -256,20 +254,11 @@ def _open_parts(cfg: TrainConfig, rank: int, world: int, vocab: int) -> list[Par
     else:
         ranks, n_parts = [rank], world
     parts = []
+    kw = dict(tokens_per_item=cfg.tokens_per_item, mode=cfg.mode, batch_size=cfg.batch_items)
+    read = ReadOptions(prefetch=cfg.prefetch)
     for r in ranks:
-        ds = CacheDataset(
-            cfg.cache,
-            StreamConfig(
-                tokens_per_item=cfg.tokens_per_item,
-                mode=cfg.mode,
-                batch_size=cfg.batch_items,
-                seed=cfg.seed,
-                rank=r,
-                world_size=n_parts,
-            ),
-            read=ReadOptions(prefetch=cfg.prefetch),
-            vocab_size=vocab,
-        )
+        stream = StreamConfig(seed=cfg.seed, rank=r, world_size=n_parts, **kw)
+        ds = CacheDataset(cfg.cache, stream, read=read, vocab_size=vocab)
         parts.append(Part(ds, CacheDataLoader(ds, num_workers=cfg.workers)))
     return parts
 
@@ -311,22 +300,18 @@ def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
 def _peak_rss_mib() -> float:
     """Peak resident memory of this process: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``,
     which a child inherits from the process that forked it), else ``ru_maxrss``."""
-    try:
+    with suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    except OSError:
-        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _reset_peak_rss() -> None:
     """Start a new peak-RSS window (Linux: writing 5 to ``/proc/self/clear_refs`` resets
     ``VmHWM``), so a run's figure excludes what the process did before (e.g. making the cache)."""
-    try:
+    with suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def _peak_memory(device: torch.device) -> dict[str, float]:
@@ -383,17 +368,11 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
             hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
         else:
             hidden = hidden.float()
+        targets = (batch["topk_ids"], batch["topk_logprobs"], batch["tail_mass"])
         loss_sum = topk_distill_loss(
-            hidden,
-            weight,
-            batch["topk_ids"],
-            batch["topk_logprobs"],
-            batch["tail_mass"],
-            mask=batch["loss_mask"],
-            reduction="sum",
-            impl="fused_chunked",
-            chunk_size=cfg.chunk_size or None,
-        )
+            hidden, weight, *targets, mask=batch["loss_mask"], reduction="sum",
+            impl="fused_chunked", chunk_size=cfg.chunk_size or None,
+        )  # fmt: skip
         counts = torch.stack([batch["loss_mask"].sum(), batch["attention_mask"].sum()]).to(
             torch.float64
         )
@@ -409,18 +388,11 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
             dist.all_reduce(total)
         global_loss = float(total.item() / counts[0].item())
         step += 1
-        log.append(
-            {
-                "step": step,
-                "loss": global_loss,
-                "rows": int(counts[0].item()),
-                "tokens": int(counts[1].item()),
-                "data_s": t_data,
-                "step_s": time.perf_counter() - t0,
-                "planned": [s[0] for s in seen],
-                "headers": [s[1] for s in seen],
-            }
-        )
+        rows, tokens = int(counts[0].item()), int(counts[1].item())
+        step_s = time.perf_counter() - t0
+        planned, headers = [s[0] for s in seen], [s[1] for s in seen]
+        log.append(dict(step=step, loss=global_loss, rows=rows, tokens=tokens, data_s=t_data,
+                        step_s=step_s, planned=planned, headers=headers))  # fmt: skip
         if cfg.checkpoint_at and step == cfg.checkpoint_at:
             _checkpoint(cfg, rank, step, model, opt, parts)
     drained = []  # epoch mode: read (not train) the rest of each rank's epoch, for coverage

@@ -149,47 +149,68 @@ async def small_request(c: httpx.AsyncClient, rng: random.Random) -> tuple[int, 
     return r.status_code, time.perf_counter() - t0
 
 
-async def overload(url: str, clients: int, seconds: float, probe: Probe) -> dict[str, Any]:
+async def _clients(
+    url: str, n: int, seconds: float, bodies: list[bytes], overload: bool
+) -> tuple[dict[str, int], list[float], float]:
+    """``n`` clients posting ``bodies`` in turn to ``/v1/score`` for ``seconds``: answers per
+    status, latencies of the 200s, wall seconds. ``overload``: a 10 s client timeout (counted as
+    ``timeout``), a connection error pauses 0.5 s (``conn_error``), a 429/503 waits its
+    ``Retry-After`` up to the end; else a 120 s timeout, any error counts as ``error``, any
+    other answer waits its ``Retry-After``."""
     counts: dict[str, int] = {}
-    lat_ok: list[float] = []
+    lat: list[float] = []
     stop = time.monotonic() + seconds
-    headers = {"authorization": f"Bearer {KEY}"}
-    limits = httpx.Limits(max_connections=clients + 4)
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    limits = httpx.Limits(max_connections=n + 4)
 
-    # bodies built once (the load generator's own CPU must not be the bottleneck)
-    rng = random.Random(0)
-    bodies = [
-        json.dumps({"input_ids": [_ids(rng, SEQ_LEN) for _ in range(BIG_SEQS)]}).encode()
-        for _ in range(16)
-    ]
-    jheaders = {**headers, "content-type": "application/json"}
+    def count(key: str) -> None:
+        counts[key] = counts.get(key, 0) + 1
 
     async def client(i: int) -> None:
+        timeout = 10.0 if overload else 120.0
         async with httpx.AsyncClient(
-            base_url=url, headers=jheaders, timeout=10.0, limits=limits
+            base_url=url, headers=headers, timeout=timeout, limits=limits
         ) as c:
-            n = i
             while time.monotonic() < stop:
-                body = bodies[n % len(bodies)]
-                n += 1
+                body = bodies[(i if overload else i + 1) % len(bodies)]
+                i += 1
                 t0 = time.perf_counter()
                 try:
                     r = await c.post("/v1/score", content=body)
                 except httpx.TimeoutException:
-                    counts["timeout"] = counts.get("timeout", 0) + 1
+                    count("timeout" if overload else "error")
                     continue
                 except httpx.HTTPError:
-                    counts["conn_error"] = counts.get("conn_error", 0) + 1
-                    await asyncio.sleep(0.5)
+                    count("conn_error" if overload else "error")
+                    await asyncio.sleep(0.5 if overload else 0.0)
                     continue
-                counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
+                count(str(r.status_code))
                 if r.status_code == 200:
-                    lat_ok.append(time.perf_counter() - t0)
+                    lat.append(time.perf_counter() - t0)
+                elif not overload:
+                    await asyncio.sleep(float(r.headers.get("retry-after", "1")))
                 elif r.status_code in (429, 503):
                     wait = float(r.headers.get("retry-after", "1"))
                     await asyncio.sleep(min(wait, max(0.0, stop - time.monotonic())))
 
-    await asyncio.gather(*(client(i) for i in range(clients)))
+    t0 = time.monotonic()
+    await asyncio.gather(*(client(i) for i in range(n)))
+    return counts, lat, time.monotonic() - t0
+
+
+def _bodies(seed: int, count: int, seqs: int, length: int) -> list[bytes]:
+    """Request bodies built once (the load generator's own CPU must not be the bottleneck)."""
+    rng = random.Random(seed)
+    return [
+        json.dumps({"input_ids": [_ids(rng, length) for _ in range(seqs)]}).encode()
+        for _ in range(count)
+    ]
+
+
+async def overload(url: str, clients: int, seconds: float, probe: Probe) -> dict[str, Any]:
+    bodies = _bodies(0, 16, BIG_SEQS, SEQ_LEN)
+    counts, lat_ok, _ = await _clients(url, clients, seconds, bodies, True)
+    headers = {"authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=url, headers=headers) as c:
         status, after = await small_request(c, random.Random(99))
     return {
@@ -205,37 +226,7 @@ async def overload(url: str, clients: int, seconds: float, probe: Probe) -> dict
 
 
 async def steady(url: str, clients: int, seconds: float) -> dict[str, Any]:
-    counts: dict[str, int] = {}
-    lat: list[float] = []
-    stop = time.monotonic() + seconds
-    headers = {"authorization": f"Bearer {KEY}"}
-
-    rng = random.Random(1)
-    bodies = [
-        json.dumps({"input_ids": [_ids(rng, 64) for _ in range(4)]}).encode() for _ in range(64)
-    ]
-    jheaders = {**headers, "content-type": "application/json"}
-
-    async def client(i: int) -> None:
-        async with httpx.AsyncClient(base_url=url, headers=jheaders, timeout=120) as c:
-            n = i
-            while time.monotonic() < stop:
-                t0 = time.perf_counter()
-                n += 1
-                try:
-                    r = await c.post("/v1/score", content=bodies[n % len(bodies)])
-                except httpx.HTTPError:
-                    counts["error"] = counts.get("error", 0) + 1
-                    continue
-                counts[str(r.status_code)] = counts.get(str(r.status_code), 0) + 1
-                if r.status_code == 200:
-                    lat.append(time.perf_counter() - t0)
-                else:
-                    await asyncio.sleep(float(r.headers.get("retry-after", "1")))
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(client(i) for i in range(clients)))
-    wall = time.monotonic() - t0
+    counts, lat, wall = await _clients(url, clients, seconds, _bodies(1, 64, 4, 64), False)
     return {
         "clients": clients,
         "answers": counts,
