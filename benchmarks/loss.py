@@ -69,16 +69,10 @@ from benchmarks.harness import (
 )
 
 GIB = 1 << 30
-DEFAULT_VARIANTS = [
-    "fused_chunked",
-    "fused_chunked_recompute",
-    "forward_chunked",
-    "torch_dense_gather",
-    "dense",
-    "liger_kl_dense_target",
-    "fused_chunked_torchpath",
-    "fused_chunked_c8192",
-]
+DEFAULT_VARIANTS = (
+    "fused_chunked fused_chunked_recompute forward_chunked torch_dense_gather dense "
+    "liger_kl_dense_target fused_chunked_torchpath fused_chunked_c8192"
+).split()
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -99,11 +93,14 @@ def make_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0) 
 
 
 # ----------------------------------------------------------------------------- variants
+def targets(x: dict) -> tuple[torch.Tensor, ...]:
+    """The loss's positional inputs: student hidden, head, top-k ids and logprobs."""
+    return x["h"], x["w"], x["ids"], x["lp"]
+
+
 def ours(impl: str, backend: str = "auto", chunk: int | None = None) -> Callable:
     def fn(x: dict) -> torch.Tensor:
-        return topk_distill_loss(
-            x["h"], x["w"], x["ids"], x["lp"], impl=impl, chunk_size=chunk, kernels=backend
-        )
+        return topk_distill_loss(*targets(x), impl=impl, chunk_size=chunk, kernels=backend)
 
     return fn
 
@@ -124,14 +121,8 @@ def floor_variant(name: str) -> Callable:
     def fn(x: dict) -> torch.Tensor:
         vocab = x["w"].shape[0]
         rows = opts.get("rows") or max(256, opts["budget"] // (2 * vocab) // 256 * 256)
-        return topk_distill_loss(
-            x["h"],
-            x["w"],
-            x["ids"],
-            x["lp"],
-            chunk_size=rows,
-            grad_weight_dtype=opts["grad_weight_dtype"],
-        )
+        dtype = opts["grad_weight_dtype"]
+        return topk_distill_loss(*targets(x), chunk_size=rows, grad_weight_dtype=dtype)
 
     return fn
 
@@ -224,6 +215,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+def rel_errors(got: tuple, ref: tuple) -> dict[str, float]:
+    """Relative errors of a ``(loss, grad_h, grad_w)`` against a reference's."""
+    return dict(
+        rel_loss=abs(got[0] - ref[0]) / abs(ref[0]),
+        rel_grad_h=rel(got[1], ref[1]),
+        rel_grad_w=rel(got[2], ref[2]),
+    )
+
+
 def grads_of(fn: Callable, x: dict) -> tuple[float, torch.Tensor, torch.Tensor]:
     x["h"].grad = x["w"].grad = None
     loss = fn(x)
@@ -248,33 +248,20 @@ def check(args: argparse.Namespace, device: str) -> dict:
     labels = torch.randint(0, vocab, (args.check_n,), device=device)
     configs = {
         "forward_kl": {},
-        "forward_kl+tail+ce0.2+T2": dict(
-            tail_mass=tail, labels=labels, ce_weight=0.2, temperature=2.0
-        ),
+        "forward_kl+tail+ce0.2+T2": dict(tail_mass=tail, labels=labels, ce_weight=0.2),
         "jsd+tail": dict(loss="jsd", tail_mass=tail),
         "reverse_kl": dict(loss="reverse_kl"),
         "renormalized_kl": dict(loss="renormalized_kl"),
     }
-    impls = [
-        ("forward_chunked", "auto"),
-        ("fused_chunked", "auto"),
-        ("fused_chunked_recompute", "auto"),
-        ("fused_chunked", "torch"),
-    ]
+    configs["forward_kl+tail+ce0.2+T2"]["temperature"] = 2.0
+    impls = [(i, "auto") for i in ("forward_chunked", "fused_chunked", "fused_chunked_recompute")]
+    impls.append(("fused_chunked", "torch"))
     for cname, kw in configs.items():
 
         def mk(impl: str, backend: str, kw: dict = kw) -> Callable:
             def call(x: dict) -> torch.Tensor:
-                return topk_distill_loss(
-                    x["h"],
-                    x["w"],
-                    x["ids"],
-                    x["lp"],
-                    impl=impl,
-                    chunk_size=args.check_chunk,
-                    kernels=backend,
-                    **kw,
-                )
+                opts = dict(impl=impl, chunk_size=args.check_chunk, kernels=backend)
+                return topk_distill_loss(*targets(x), **opts, **kw)
 
             return call
 
@@ -289,16 +276,9 @@ def check(args: argparse.Namespace, device: str) -> dict:
                 rows.append(("liger_kl_dense_target", liger_kl_dense_target))
         for name, fn in rows:
             got = grads_of(fn, x)
-            errs = dict(
-                config=cname,
-                variant=name,
-                loss=got[0],
-                loss_ref=ref[0],
-                rel_loss=abs(got[0] - ref[0]) / abs(ref[0]),
-                rel_grad_h=rel(got[1], ref[1]),
-                rel_grad_w=rel(got[2], ref[2]),
-                finite=bool(torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all()),
-            )
+            errs = dict(config=cname, variant=name, loss=got[0], loss_ref=ref[0])
+            errs.update(rel_errors(got, ref))
+            errs["finite"] = bool(torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all())
             out["small"].append(errs)
             print(
                 f"check {cname:26s} {name:30s} loss {got[0]:+.6f} (ref {ref[0]:+.6f}) "
@@ -321,12 +301,9 @@ def check(args: argparse.Namespace, device: str) -> dict:
         del x32
         free()
         got = grads_of(ours("fused_chunked"), xl)
-        out["large"] = dict(
-            n=args.check_large_n,
-            rel_loss=abs(got[0] - ref[0]) / abs(ref[0]),
-            rel_grad_h=rel(got[1], ref[1]),
-            rel_grad_w=rel(got[2], ref[2]),
-            fp32_epilogue=fused_chunked.addmm_fp32_epilogue_used(xl["h"].device, torch.bfloat16),
+        out["large"] = dict(n=args.check_large_n, **rel_errors(got, ref))
+        out["large"]["fp32_epilogue"] = fused_chunked.addmm_fp32_epilogue_used(
+            xl["h"].device, torch.bfloat16
         )
         print(f"check large N={args.check_large_n}: fused bf16 vs fp32 {out['large']}", flush=True)
         del xl, ref, got
