@@ -252,6 +252,45 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300, every: fl
     return False
 
 
+@contextlib.contextmanager
+def server_process(
+    cmd: Sequence[str],
+    ready: str,
+    *,
+    log: Path | None = None,
+    timeout: float = 300,
+    every: float = 0.1,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[subprocess.Popen]:
+    """Start ``cmd`` (from the repository root; output to ``log`` if given), wait until the URL
+    ``ready`` answers 200 (:func:`wait_ready`; a ``RuntimeError`` with the log's tail if it
+    exits first or ``timeout`` passes), yield the process; terminate it (kill if it lingers)."""
+    out = log.open("wb") if log is not None else None
+    proc = subprocess.Popen(
+        list(cmd), cwd=ROOT, stdout=out, stderr=out and subprocess.STDOUT, env=env
+    )
+    try:
+        try:
+            up = wait_ready(proc, ready, timeout=timeout, every=every)
+        except RuntimeError as e:
+            up, why = False, str(e)
+        else:
+            why = f"{ready} did not answer in {timeout:.0f} s"
+        if not up:
+            tail = log.read_text()[-4000:] if log is not None else ""
+            raise RuntimeError(f"{why}\n{tail}")
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+        if out is not None:
+            out.close()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

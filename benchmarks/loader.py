@@ -48,7 +48,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -65,8 +64,8 @@ from benchmarks.harness import (
     line_plot,
     log,
     machine_line,
+    server_process,
     suite_parser,
-    wait_ready,
 )
 from benchmarks.synthetic import Teacher, store_bytes, write_cache
 
@@ -214,17 +213,12 @@ def serve(root: str, port: int) -> None:
 def http_server(root: str) -> Iterator[tuple[str, int]]:
     """A server process (``serve``) on a free loopback port; yields ``(url, pid)``."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.loader", "serve", "--root", root, "--port", str(port)],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    cmd = [sys.executable, "-m", "benchmarks.loader", "serve", "--root", root, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, f"{url}/v1/caches/{CACHE}/store/zarr.json", timeout=30)
+    ready = f"{url}/v1/caches/{CACHE}/store/zarr.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with server_process(cmd, ready, timeout=30, env=env) as proc:
         yield url, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def http_rates(

@@ -15,6 +15,7 @@ Commands and figures: ``benchmarks/results/train_step.md``; ``plot`` redraws ``t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -33,9 +34,9 @@ from benchmarks.harness import (
     free_port,
     line_plot,
     machine,
+    server_process,
     suite_parser,
     sync,
-    wait_ready,
 )
 from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, bf16_llama, make_model_dir
 
@@ -241,9 +242,8 @@ def run_variant(
 
 
 def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]:
-    """``logitcache-server`` over ``store_root`` with a tiny stand-in model of ``vocab`` ids."""
-    import subprocess
-
+    """``logitcache-server`` over ``store_root`` with a tiny stand-in model of ``vocab`` ids: a
+    context running it, and its URL."""
     model_dir = work / "stand-in"
     make_model_dir(Shape(64, 1, 4, 2, 128, vocab, tied=True), model_dir, "cpu", 2048)
     port = free_port()
@@ -251,16 +251,9 @@ def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]
     cmd += ["--store-root", str(store_root), "--data-dir", str(work / "data")]
     cmd += ["--state-dir", str(work / "state"), "--port", str(port), "--log-level", "warning"]
     cmd += ["--engine-options", json.dumps({"device": "cpu"})]
-    log = (work / "server.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        if wait_ready(proc, url + "/health", timeout=300, every=0.25):
-            return proc, url
-    except RuntimeError:
-        raise RuntimeError((work / "server.log").read_text()[-2000:]) from None
-    proc.kill()
-    raise RuntimeError("stand-in server did not start")
+    log = work / "server.log"
+    return server_process(cmd, url + "/health", log=log, timeout=300, every=0.25), url
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -367,12 +360,14 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
     )
 
     sources: dict[str, tuple[str, str | None]] = {}
-    proc = None
+    servers = contextlib.ExitStack()
     if "offline_local" in args.variants:
         sources["offline_local"] = (str(cache_dir), None)
     if "offline_http" in args.variants:
         try:
-            proc, url = stand_in_server(work / "caches", vocab, work / "server")
+            (work / "server").mkdir(parents=True, exist_ok=True)
+            server, url = stand_in_server(work / "caches", vocab, work / "server")
+            servers.enter_context(server)
             sources["offline_http"] = (url, "bench")
         except Exception as e:
             result["variants"]["offline_http"] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -382,7 +377,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
 
         sources["offline_exact"] = (str(hidden_dir), None)
         head = load_head(str(hidden_dir), device=device)
-    try:
+    with servers:
         for name, (source, cache) in sources.items():
 
             def make_offline_step(
@@ -404,10 +399,6 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
                 return step
 
             run_variant(name, sizes, make_offline_step, opt, device, args, result["variants"])
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
 
     summarize(result, sizes)
     if args.json:

@@ -31,7 +31,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import ROOT, Recorder, export_tree, machine_line
+from benchmarks.harness import ROOT, Recorder, export_tree, machine_line, server_process
 from benchmarks.service.common import mode_parser, parse
 from tests.server_support import free_port
 
@@ -56,41 +55,18 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-class FakeServer:
-    """``tests/fake_server.py`` in a subprocess, with this checkout's packages or ``tree``'s."""
-
-    def __init__(self, workdir: Path, tree: Path | None, k: int):
-        self.workdir, self.port = workdir, free_port()
-        settings = json.dumps({"k": k, "max_seq_len": 512})
-        script = [str(FAKE_SERVER), str(workdir), str(self.port), settings]
-        if tree is not None:
-            script = ["-m", "benchmarks.harness", "with-tree", str(tree), "--", *script]
-        self.log = (workdir / "server.log").open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, *script], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError((workdir / "server.log").read_text()[-4000:])
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("the fake server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
-        self.log.close()
+def fake_server(workdir: Path, tree: Path | None, k: int) -> Any:
+    """``tests/fake_server.py`` in a subprocess, with this checkout's packages or ``tree``'s:
+    a context yielding ``(url, process)``."""
+    port = free_port()
+    settings = json.dumps({"k": k, "max_seq_len": 512})
+    script = [str(FAKE_SERVER), str(workdir), str(port), settings]
+    if tree is not None:
+        script = ["-m", "benchmarks.harness", "with-tree", str(tree), "--", *script]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, *script]
+    log = workdir / "server.log"
+    return server_process(cmd, url + "/health", log=log, timeout=120, every=0.2), url
 
 
 def _body(rng: random.Random, lo: int, hi: int, k: int) -> dict[str, Any]:
@@ -144,13 +120,11 @@ def one_run(tree: Path | None, args: argparse.Namespace, seed: int) -> dict[str,
     from logitcache.cache_format import CacheReader
 
     with tempfile.TemporaryDirectory(prefix="lc-appends-") as tmp:
-        server = FakeServer(Path(tmp), tree, args.k)
-        try:
+        server, url = fake_server(Path(tmp), tree, args.k)
+        with server as proc:
             warm_args = argparse.Namespace(**{**vars(args), "requests": 8, "concurrency": 2})
-            warm = asyncio.run(_load(server.url, warm_args, seed + 1))  # creates the cache
-            out = asyncio.run(_load(server.url, args, seed, server.proc.pid))
-        finally:
-            server.stop()
+            warm = asyncio.run(_load(url, warm_args, seed + 1))  # creates the cache
+            out = asyncio.run(_load(url, args, seed, proc.pid))
         held = CacheReader(Path(tmp) / "caches" / CACHE).num_sequences
     out["cache_sequences"] = held
     out["all_stored_readable"] = held == out["stored"] + warm["stored"]

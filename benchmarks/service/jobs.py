@@ -54,15 +54,9 @@ def direct_engine_kwargs(settings: dict) -> dict:
     from logitcache.server.engine import engine_config, model_max_len
     from logitcache.server.engine.vllm import resolve_seq_len
 
-    cfg = engine_config(
-        None,
-        **{
-            "model": settings["model"],
-            "max_k": settings["k"],
-            "dtype": settings["dtype"],
-            "max_seq_len": settings["max_seq_len"],
-        },
-    )
+    keys = ("model", "k", "dtype", "max_seq_len")
+    model, max_k, dtype, max_seq_len = (settings[key] for key in keys)
+    cfg = engine_config(None, model=model, max_k=max_k, dtype=dtype, max_seq_len=max_seq_len)
     _, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
     return dict(
         dtype=cfg.dtype,
@@ -131,20 +125,9 @@ class DirectWorker:
     ):
         env = {**os.environ, **VLLM_ENV}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.service.jobs",
-            "--direct-worker",
-            "--model",
-            model,
-            "--prompts",
-            str(prompts_file),
-            "--k",
-            str(k),
-            "--engine-kwargs",
-            json.dumps(engine_kwargs),
-        ]
+        cmd = [sys.executable, "-m", "benchmarks.service.jobs", "--direct-worker"]
+        cmd += ["--model", model, "--prompts", str(prompts_file), "--k", str(k)]
+        cmd += ["--engine-kwargs", json.dumps(engine_kwargs)]
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -223,17 +206,11 @@ def run_pairs(
     for row in out.values():
         ratios = [p["ratio"] for p in row["pairs"]]
         loads = [p[w]["load_avg_1min_before"] for p in row["pairs"] for w in ("direct", "job")]
-        row.update(
-            median_ratio=statistics.median(ratios),
-            min_ratio=min(ratios),
-            direct_median_tokens_per_s=statistics.median(
-                p["direct"]["tokens_per_s"] for p in row["pairs"]
-            ),
-            job_median_tokens_per_s=statistics.median(
-                p["job"]["tokens_per_s"] for p in row["pairs"]
-            ),
-            load_avg_1min_range=[min(loads), max(loads)],
-        )
+        row.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios))
+        for w in ("direct", "job"):
+            rates = [p[w]["tokens_per_s"] for p in row["pairs"]]
+            row[f"{w}_median_tokens_per_s"] = statistics.median(rates)
+        row["load_avg_1min_range"] = [min(loads), max(loads)]
     return out
 
 
@@ -346,10 +323,7 @@ def main(argv: list[str] | None = None) -> None:
             for side in ("direct", "job"):
                 value = row[f"{side}_median_tokens_per_s"]
                 rec.add(case, f"{side}_tokens_per_s", "tok/s", value, config=cfg)
-    rec.save()
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    rec.finish(result, args.json, show=-1)
 
 
 if __name__ == "__main__":
