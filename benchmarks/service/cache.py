@@ -1,20 +1,13 @@
-"""Online-KD teacher traffic against the cache-serving endpoint: 3 epochs of the same requests.
+"""Online-KD teacher traffic against the cache-serving endpoint: epochs of the same requests.
 
-One real service (``python -m logitcache.server`` subprocess, vLLM engine on the tiny teacher)
-and ``--sequences`` windows of ``--length`` tokens cut from the tiny fixture's training split,
-sent in requests of ``--batch`` prompts:
-
-1. **direct** (baseline): one epoch of ``POST /v1/score`` without a cache (every request is
-   scored by the engine: what a trainer calling a plain teacher pays every epoch).
-2. **served**: ``--epochs`` epochs of vLLM-shaped ``POST /v1/completions`` (``prompt_logprobs=k``,
-   ``max_tokens=0``) through the cache (``server/serving/cache_hits.py``): epoch 1 misses and
-   stores, later epochs should hit.
-
-Per epoch: engine seconds (``logitcache_engine_seconds_sum{source="score"}``, all teachers; delta
-from ``/metrics``: time inside engine calls), tokens the engine scored, cache hits, wall seconds.
-Goal: engine time of epochs 2..n < 5% of epoch 1. Identity: every later epoch's
-``prompt_logprobs`` equal epoch 1's exactly, and epoch 1's top-k ids/logprobs compared with the
-direct scores (exact with ``--logprob-dtype float32``; float16 storage rounds logprobs).
+One real service (vLLM engine on the tiny teacher) and ``--sequences`` windows of ``--length``
+tokens in requests of ``--batch`` prompts: **direct**, one epoch of ``POST /v1/score`` without a
+cache (what a trainer calling a plain teacher pays every epoch); **served**, ``--epochs`` epochs
+of vLLM-shaped ``POST /v1/completions`` (``prompt_logprobs=k``, ``max_tokens=0``) through the
+cache (epoch 1 misses and stores, later epochs hit). Per epoch, from ``/metrics``: engine seconds
+(``logitcache_engine_seconds_sum{source="score"}``), tokens scored, cache hits, wall seconds.
+Goal: engine time of epochs 2..n < 5% of epoch 1. Later epochs must equal epoch 1 exactly; epoch
+1's top-k is compared with the direct scores (exact with ``--logprob-dtype float32``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,19 @@
-"""Teacher-service benchmark: the batch-job path versus vLLM called directly, plus concurrency.
+"""Teacher-service benchmark: the batch-job path versus vLLM called directly.
 
-The idle-machine job/direct ratio (5 alternating pairs, k=20 and k=100, both engine
-modes; about 6 minutes on an idle 2-core box; the load average is printed beside every figure)::
+Same inputs for both (``--sequences`` windows of ``--length`` tokens of the tiny fixture's
+training split): **direct**, a long-lived process that builds ``vllm.LLM`` once with the
+service's engine settings and times one ``LLM.generate(prompts, SamplingParams(max_tokens=1,
+prompt_logprobs=k, detokenize=False, flat_logprobs=True))`` over every prompt per run (nothing
+converted or stored; idle on stdin while the job runs), and **job**, the real service running a
+batch job over the same prompts as JSONL into a Zarr cache (rate: ``tokens_total /
+(finished_at - started_at)``). ``--repeats`` pairs per ``k``, the order alternating (the load
+drifts); per ``k`` the median and minimum job/direct ratio, each figure beside the load average
+read just before it. ``--modes``: ``inproc`` (engine core in the server process; direct with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``async`` (``AsyncLLM``, engine core in its own
+process). The idle-machine figure (about 6 minutes on an idle 2-core box)::
 
     python -m benchmarks.service jobs --sequences 256 --length 256 --k 20 100 \
         --modes inproc async --repeats 5 --json benchmarks/results/service_jobs.json
-
-Phases, all in one run on the same inputs (``--sequences`` windows of ``--length`` tokens cut
-from the tiny fixture's training split):
-
-1. **direct** (baseline): a separate long-lived process builds ``vllm.LLM`` once with the engine
-   settings the service uses and, per repeat, times one ``LLM.generate(prompts,
-   SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True))`` over
-   every prompt (after a warm-up call). Nothing is converted or stored: this is the cheapest way
-   vLLM gives prompt logprobs. It sits idle (blocked on stdin) while the job runs.
-2. **job**: the real service (``python -m logitcache.server`` subprocess) runs a batch job over the
-   same prompts written as JSONL, converting to arrays and writing a Zarr cache; throughput is
-   ``tokens_total / (finished_at - started_at)`` from the job's own timestamps.
-   Phases 1 and 2 form ``--repeats`` pairs per ``k`` (the machine's load drifts: adjacent runs
-   are compared, and the pair's order alternates: direct first in even pairs, job first in odd
-   ones); per ``k``, the median and the minimum of the paired ratios job/direct are printed, each
-   figure with the 1-minute load average read just before it.
-   ``--modes``: the engine driver, one server (and one direct process) per mode: ``inproc``
-   (vLLM's engine core in the server process; direct ``LLM`` with
-   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``async`` (``AsyncLLM``, engine core in its own
-   process; direct ``LLM`` with multiprocessing on).
-On-demand clients during a job: the ``overload`` mode's steady phase. The CPU cost per position
-of the job path outside the engine: ``python -m benchmarks.service cpu``.
 """
 
 from __future__ import annotations

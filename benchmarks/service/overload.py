@@ -1,30 +1,16 @@
 """Load benchmark of the teacher service: overload with client timeouts, concurrency with and
 without a job, ``/health`` latency and memory under load.
 
-The real service (``python -m logitcache.server`` subprocess, tiny fixture teacher, vLLM on CPU,
-``--max-seq-len 1000``) is started twice on the same inputs:
-
-* **shedding** (the defaults under test: ``--max-queued-tokens 32768``, abort on disconnect),
-* **baseline** (admission control off: ``--max-queued-tokens`` = 10^9; disconnects still abort).
-
-In each run:
-
-1. **idle**: 10 small requests (1 sequence of 16 tokens) one after another: median latency.
-2. **overload**: ``--clients`` (64) clients each send requests of 8 sequences x 1000 tokens
-   (8,000 tokens: the tiny teacher's context is 1024 tokens, so the issue's "8k-token request"
-   is 8 sequences of 1000) with a 10 s client timeout, back to back for ``--overload-s``; a 429
-   is retried after its ``Retry-After``. Then every client stops and one small request is timed
-   (goal: answered in < 2 s). Counts of 200 / 429 / 503 / client timeouts.
-3. **steady**: 16 and 64 clients sending 4 x 64-token requests back to back for ``--steady-s``,
-   without and with a batch job running (64-sequence x 1000-token JSONL, re-submitted as needed):
-   answers per status, p50/p99 latency, requests/s.
-
-Before 2, ``/health`` is probed for ``--idle-s`` with no client load: the latency floor the
-(shared) machine sets at that moment. During 2 and 3 a prober in its own process sends
-``GET /health`` every 100 ms (p50/p99/max
-latency and how many took over 100 ms; goal < 100 ms) and the server process's RSS is sampled
-every 0.5 s (``psutil``; peak and after). The machine is
-shared: the 1-minute load average is recorded at start and end of every phase.
+The real service (tiny fixture teacher, vLLM on CPU, ``--max-seq-len 1000``) runs twice on the
+same inputs: **shedding** (``--max-queued-tokens 32768``, abort on disconnect: the defaults) and
+**baseline** (``--max-queued-tokens`` 10^9). Each run: **idle** (10 small requests of 16 tokens in
+turn: median latency; then ``/health`` alone for ``--idle-s``: the machine's floor), **overload**
+(``--clients`` clients sending 8 x 1000-token requests, 10 s client timeout, a 429 retried after
+its ``Retry-After``, for ``--overload-s``; then one small request is timed, goal < 2 s),
+**steady** (16 and 64 clients sending 4 x 64-token requests for ``--steady-s``, without and with
+a batch job running: answers per status, p50/p99 latency, requests/s). Meanwhile a prober in its
+own process sends ``GET /health`` every 100 ms (goal p99 < 100 ms) and the server's RSS is
+sampled every 0.5 s; the 1-minute load average is recorded at the start and end of each phase.
 """
 
 from __future__ import annotations
