@@ -93,13 +93,14 @@ class Config:
     layout: str = "default"
 
 
+LZ4 = ("blosc-lz4-bitshuffle", "blosc-lz4-shuffle")
 CONFIGS = {
     c.name: c
     for c in [
         Config("default"),
         Config("id-remap", id_remap=True),
         Config("zstd5", id_codec="blosc-zstd5-bitshuffle", logprob_codec="blosc-zstd5-shuffle"),
-        Config("lz4", id_codec="blosc-lz4-bitshuffle", logprob_codec="blosc-lz4-shuffle"),
+        Config("lz4", *LZ4),
         Config("zstd3-noshuffle", id_codec="zstd3", logprob_codec="zstd3"),
         Config("chunk512", row_chunk=512),
         Config("chunk8192", row_chunk=8192),
@@ -111,20 +112,8 @@ CONFIGS = {
         Config("appends-of-4-shard16k", append_seqs=4, row_shard=16384),
         Config("blocks-auto", blosc_blocks="auto"),
         Config("no-fsync", fsync=False),
-        Config(
-            "random-access",
-            id_codec="blosc-lz4-bitshuffle",
-            logprob_codec="blosc-lz4-shuffle",
-            row_chunk=256,
-            layout="random_access",
-        ),
-        Config(
-            "random-access-raw",
-            id_codec="none",
-            logprob_codec="none",
-            row_chunk=256,
-            layout="random_access_raw",
-        ),
+        Config("random-access", *LZ4, row_chunk=256, layout="random_access"),
+        Config("random-access-raw", "none", "none", row_chunk=256, layout="random_access_raw"),
     ]
 }
 
@@ -134,14 +123,8 @@ def writer_for(cfg: Config, data: Data, teacher: Teacher, url: Path) -> Any:
     from logitcache.cache_format import CacheWriter, spec
 
     manifest = teacher.manifest("format", logprob_dtype=cfg.logprob_dtype, id_remap=cfg.id_remap)
-    layout = replace(
-        spec.layout_named(cfg.layout),
-        id_codec=cfg.id_codec,
-        logprob_codec=cfg.logprob_codec,
-        row_chunk=cfg.row_chunk,
-        row_shard=cfg.row_shard,
-        blosc_blocks=cfg.blosc_blocks,
-    )
+    fields = ("id_codec", "logprob_codec", "row_chunk", "row_shard", "blosc_blocks")
+    layout = replace(spec.layout_named(cfg.layout), **{f: getattr(cfg, f) for f in fields})
     batches = list(data.batches(sequences=cfg.append_seqs))
 
     def write() -> None:
@@ -391,16 +374,9 @@ def run_random(args: argparse.Namespace) -> None:
                     rec.add(name, f"{what}_seq_per_cpu_s", "seq/cpu-s", per_cpu, config=c)
                     rec.add(name, f"{what}_seq_per_s", "seq/s", m.rate(n), config=c)
                     rec.add(name, f"{what}_x_npy_cpu", "ratio", x_npy, config=c)
+                    rate = f"{m.rate(n):,.0f}"
                     table.append(
-                        [
-                            name,
-                            f"{bpp:.1f}",
-                            t,
-                            what,
-                            f"{per_cpu:,.0f}",
-                            f"{m.rate(n):,.0f}",
-                            f"{x_npy:.2f}",
-                        ]
+                        [name, f"{bpp:.1f}", t, what, f"{per_cpu:,.0f}", rate, f"{x_npy:.2f}"]
                     )
 
             def sequential(r: Any = ref) -> None:
@@ -411,29 +387,18 @@ def run_random(args: argparse.Namespace) -> None:
 
             m = measure(sequential, 1, warmup=1)
             pos = int(rs[min(n_seq, 1024)])
-            rec.add(
-                name, "sequential_pos_per_cpu_s", "pos/cpu-s", m.rate(pos, cpu=True), config=cfg
-            )
-            table.append(
-                [
-                    name,
-                    f"{bpp:.1f}",
-                    1,
-                    "sequential rows (pos)",
-                    f"{m.rate(pos, cpu=True):,.0f}",
-                    f"{m.rate(pos):,.0f}",
-                    "-",
-                ]
-            )
+            per_cpu = m.rate(pos, cpu=True)
+            rec.add(name, "sequential_pos_per_cpu_s", "pos/cpu-s", per_cpu, config=cfg)
+            row = [name, f"{bpp:.1f}", 1, "sequential rows (pos)", f"{per_cpu:,.0f}"]
+            table.append([*row, f"{m.rate(pos):,.0f}", "-"])
             log(name, table[-1])
     rec.save()
     print(
         f"\n{data.positions} positions, {n_seq} sequences (mean {lengths.mean():.0f} tokens); "
         f"{machine_line(rec.machine)}\n"
     )
-    print(
-        md_table(["layout", "B/pos", "threads", "read", "per CPU-s", "per s", "x npy (CPU)"], table)
-    )
+    head = ["layout", "B/pos", "threads", "read", "per CPU-s", "per s", "x npy (CPU)"]
+    print(md_table(head, table))
 
 
 # --------------------------------------------------------------------------- codecs
@@ -459,12 +424,8 @@ def run_codecs(args: argparse.Namespace) -> None:
         ids, lps, vocab = data.ids, data.logprobs, teacher.vocab
     lp16 = np.maximum(np.minimum(lps, 0), -65504).astype(np.float16).view(np.uint16)
     rank = inverse(build_id_order(ids[:8192], vocab))
-    inputs = {
-        "ids": ids,
-        "ids remapped": rank[ids],
-        "logprobs float16": lp16,
-        "logprobs float16 row-delta": row_delta(lp16),
-    }
+    inputs = {"ids": ids, "ids remapped": rank[ids], "logprobs float16": lp16}
+    inputs["logprobs float16 row-delta"] = row_delta(lp16)
     numcodecs.blosc.use_threads = False
     rec = Recorder("format", "codecs", csv_path=args.csv)
     table = []
