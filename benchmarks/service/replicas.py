@@ -19,16 +19,7 @@ import time
 
 from benchmarks.harness import Recorder, machine_line
 from benchmarks.service.common import mode_parser, parse
-
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from tests.server_support import VLLM_ENV
 
 
 def corpus(tiny, n: int, chars: int) -> list[dict]:
@@ -101,17 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the 1- and 2-replica caches differ")
     rows = []
     for replicas, r in runs.items():
-        rows.append(
-            {
-                "replicas": replicas,
-                "shards": r.shards,
-                "sequences": r.sequences,
-                "tokens": r.scored_tokens,
-                "wall_s": round(r.seconds, 2),
-                **{f"{k}_s": v for k, v in r.phases.items()},
-                "score_tok_per_s": round(r.scored_tokens / r.phases["score"], 1),
-            }
+        row = dict(
+            replicas=replicas, shards=r.shards, sequences=r.sequences, tokens=r.scored_tokens
         )
+        row["wall_s"] = round(r.seconds, 2)
+        row |= {f"{k}_s": v for k, v in r.phases.items()}
+        row["score_tok_per_s"] = round(r.scored_tokens / r.phases["score"], 1)
+        rows.append(row)
     speedup = rows[1]["score_tok_per_s"] / rows[0]["score_tok_per_s"]
     result = {
         "machine": machine_line(),
