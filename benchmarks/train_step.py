@@ -144,13 +144,9 @@ def make_liger() -> Callable[..., torch.Tensor]:
 def offline(student: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     from logitcache.client.loss import topk_distill_loss
 
-    sh = student_hidden(student, batch["input_ids"])
+    sh, w = student_hidden(student, batch["input_ids"]), student.lm_head.weight
     return topk_distill_loss(
-        sh,
-        student.lm_head.weight,
-        batch["topk_ids"],
-        batch["topk_logprobs"],
-        mask=batch["loss_mask"],
+        sh, w, batch["topk_ids"], batch["topk_logprobs"], mask=batch["loss_mask"]
     )
 
 
@@ -168,10 +164,8 @@ def loader(source: str, cache: str | None, seqs: int, seq_len: int) -> Iterator[
     from logitcache.client import CacheDataset, StreamConfig, open_source
 
     src = open_source(source, cache=cache) if cache else source
-    ds = CacheDataset(
-        src, StreamConfig(tokens_per_item=seq_len, mode="pad", batch_size=seqs, seed=0)
-    )
-    return iter(ds)
+    stream = StreamConfig(tokens_per_item=seq_len, mode="pad", batch_size=seqs, seed=0)
+    return iter(CacheDataset(src, stream))
 
 
 def measure(
@@ -288,15 +282,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
     """Online variants, the cache, offline variants; the result (also in ``--json``)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = args.work or Path(tempfile.mkdtemp(prefix="train-step-"))
-    result: dict[str, Any] = {
-        "command": rec.command,
-        "machine": machine(),
-        "student": args.student,
-        "teacher": args.teacher,
-        "seq_len": args.seq_len,
-        "k": args.k,
-        "variants": {},
-    }
+    result: dict[str, Any] = {"command": rec.command, "machine": machine()}
+    result |= {"student": args.student, "teacher": args.teacher, "seq_len": args.seq_len}
+    result |= {"k": args.k, "variants": {}}
     args.result = result
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -386,11 +374,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
                 it = loader(source, cache, t // args.seq_len, args.seq_len)
 
                 def step() -> torch.Tensor:
-                    b = next(it)
-                    b = {
+                    b = {  # tensors only (not a hidden unit's target_kind)
                         k: v.to(device, non_blocking=True)
-                        for k, v in b.items()
-                        if isinstance(v, torch.Tensor)  # not a hidden unit's target_kind
+                        for k, v in next(it).items()
+                        if isinstance(v, torch.Tensor)
                     }
                     if name == "offline_exact":
                         return offline_exact(student, b, head)
