@@ -49,13 +49,11 @@ class Data:
         out = []
         for i in range(lo, self.sequences if hi is None else hi):
             r0, t0, n = self.bounds[i]
+            rows = slice(r0, r0 + n - 1)
+            tokens = self.tokens[t0 : t0 + n]
             out.append(
                 SequenceRecord(
-                    f"s{i}",
-                    self.tokens[t0 : t0 + n],
-                    self.ids[r0 : r0 + n - 1],
-                    self.logprobs[r0 : r0 + n - 1],
-                    self.tail[r0 : r0 + n - 1],
+                    f"s{i}", tokens, self.ids[rows], self.logprobs[rows], self.tail[rows]
                 )
             )
         return out
@@ -185,14 +183,12 @@ class Teacher:
         """A :class:`~logitcache.cache_format.Manifest` for a cache of this teacher."""
         from logitcache.cache_format import Manifest
 
-        return Manifest(
-            teacher_model=f"synthetic-{name}",
-            tokenizer_fingerprint=f"synthetic-{name}",
-            vocab_size=self.vocab,
-            k=self.k,
-            dataset=f"synthetic (benchmarks/synthetic.py, seed {self.seed})",
-            **fields,
-        )
+        fields |= {
+            "teacher_model": f"synthetic-{name}",
+            "tokenizer_fingerprint": f"synthetic-{name}",
+        }
+        dataset = f"synthetic (benchmarks/synthetic.py, seed {self.seed})"
+        return Manifest(vocab_size=self.vocab, k=self.k, dataset=dataset, **fields)
 
 
 def write_cache(
@@ -313,13 +309,6 @@ def synthetic_records(
     for i in range(count):
         n = int(lengths[i])
         prev = x[i, : n - 1]
-        records.append(
-            SequenceRecord(
-                key=f"seq-{first + i:09d}",
-                input_ids=x[i, :n],
-                topk_ids=ids_t[prev],
-                topk_logprobs=lp_t[prev],
-                tail_mass=None,
-            )
-        )
+        key = f"seq-{first + i:09d}"
+        records.append(SequenceRecord(key, x[i, :n], ids_t[prev], lp_t[prev], tail_mass=None))
     return records
