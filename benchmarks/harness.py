@@ -34,7 +34,6 @@ import importlib
 import json
 import os
 import platform
-import resource
 import runpy
 import shlex
 import socket
@@ -321,8 +320,7 @@ def rss_bytes() -> int:
 
 class PeakRSS:
     """Peak resident bytes of this process while the ``with`` block runs, sampled every
-    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``); ``max_rss`` is the
-    kernel's lifetime high-water mark (children excluded)."""
+    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``)."""
 
     def __init__(self, interval: float = 0.005) -> None:
         self.interval = interval
@@ -349,10 +347,6 @@ class PeakRSS:
     @property
     def growth(self) -> int:
         return self.peak - self.start
-
-    @staticmethod
-    def max_rss() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def live_bytes(top: int = 12) -> Any:

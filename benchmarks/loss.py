@@ -623,22 +623,15 @@ def loss_plots(result_json: str | Path, out_dir: str | Path, vocab: int = 128256
         f"V={vocab}, d=4096, k=100, fwd+bwd; a variant's line ends where it ran out of memory"
     )
     common = dict(xlabel="positions N", logx=True, logy=True, note=note, size=(7.2, 4.4))
-    return [
-        line_plot(
-            Path(out_dir) / "loss_memory.png",
-            loss_series(result, "peak_gib", vocab),
-            title="distillation loss: peak memory vs positions, every variant",
-            ylabel="peak GiB",
-            **common,  # type: ignore[arg-type]
-        ),
-        line_plot(
-            Path(out_dir) / "loss_time.png",
-            loss_series(result, "ms", vocab),
-            title="distillation loss: fwd+bwd time vs positions, every variant",
-            ylabel="ms",
-            **common,  # type: ignore[arg-type]
-        ),
-    ]
+    out = []
+    for png, field, what, unit in (
+        ("loss_memory.png", "peak_gib", "peak memory", "peak GiB"),
+        ("loss_time.png", "ms", "fwd+bwd time", "ms"),
+    ):
+        title = f"distillation loss: {what} vs positions, every variant"
+        series = loss_series(result, field, vocab)
+        out.append(line_plot(Path(out_dir) / png, series, title=title, ylabel=unit, **common))  # type: ignore[arg-type]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

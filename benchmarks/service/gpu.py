@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     for name, r in result["shapes"].items():
         record(rec, name, r, args)
-    rec.save()
+    rec.finish(result, args.json, indent=1, show=-1)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
     return result
