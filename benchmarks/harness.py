@@ -460,25 +460,13 @@ class Recorder:
         samples: int = 1,
         config: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        row = {
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "suite": self.suite,
-            "mode": self.mode,
-            "case": case,
-            "metric": metric,
-            "unit": unit,
-            "value": float(value),
-            "p20": "" if p20 is None else float(p20),
-            "p80": "" if p80 is None else float(p80),
-            "samples": samples,
-            "config": json.dumps(
-                self.config | dict(config or {}) | ({"tree": TREE} if TREE else {}),
-                sort_keys=True,
-                default=str,
-            ),
-            **{k: self.machine.get(k, "") for k in COLUMNS[11:18]},
-            "command": self.command,
-        }
+        cfg = self.config | dict(config or {}) | ({"tree": TREE} if TREE else {})
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        p20_, p80_ = ("" if p is None else float(p) for p in (p20, p80))
+        values = [when, self.suite, self.mode, case, metric, unit, float(value), p20_, p80_]
+        values += [samples, json.dumps(cfg, sort_keys=True, default=str)]
+        values += [self.machine.get(k, "") for k in COLUMNS[11:18]] + [self.command]
+        row = dict(zip(COLUMNS, values, strict=True))
         self.rows.append(row)
         return row
 
@@ -499,16 +487,8 @@ class Recorder:
             return self.add(
                 case, metric, unit, q50, p20=q20, p80=q80, samples=len(m.wall), config=config
             )
-        return self.add(
-            case,
-            metric,
-            unit,
-            work / q50,
-            p20=work / q80,
-            p80=work / q20,
-            samples=len(m.wall),
-            config=config,
-        )
+        kw: dict[str, Any] = {"p20": work / q80, "p80": work / q20, "samples": len(m.wall)}
+        return self.add(case, metric, unit, work / q50, config=config, **kw)
 
     def add_flat(
         self,
