@@ -623,9 +623,7 @@ def report(base: TrainConfig, spec: CacheSpec, workdir: Path, warmup: int) -> di
 
     world = base.nproc
     cache = base.cache or str(workdir / "cache")
-    made = None
-    if not base.cache:
-        made = make_cache(cache, spec)
+    made = None if base.cache else make_cache(cache, spec)
     reader = CacheReader(cache)
     n_seq = reader.num_sequences
     one_cfg = replace(
@@ -635,14 +633,8 @@ def report(base: TrainConfig, spec: CacheSpec, workdir: Path, warmup: int) -> di
     one = json.loads(Path(one_cfg.out).read_text())
     at = base.checkpoint_at or max(1, len(one["ranks"][0]["log"]) // 2)
     ckpt = str(workdir / "checkpoint")
-    ddp_cfg = replace(
-        one_cfg,
-        nproc=world,
-        emulate_ranks=1,
-        out=str(workdir / "ddp.json"),
-        checkpoint_at=at,
-        checkpoint_dir=ckpt,
-    )
+    ddp_cfg = replace(one_cfg, nproc=world, emulate_ranks=1, out=str(workdir / "ddp.json"))
+    ddp_cfg = replace(ddp_cfg, checkpoint_at=at, checkpoint_dir=ckpt)  # checkpoint half way
     ddp = _train_subprocess(ddp_cfg)
     res_cfg = replace(
         ddp_cfg, checkpoint_at=0, checkpoint_dir="", resume=ckpt, out=str(workdir / "resumed.json")
@@ -650,14 +642,14 @@ def report(base: TrainConfig, spec: CacheSpec, workdir: Path, warmup: int) -> di
     resumed = _train_subprocess(res_cfg)
     t_one, t_ddp = throughput(one, warmup), throughput(ddp, warmup)
     return {
-        "cache": {
-            "url": cache,
-            "num_sequences": n_seq,
-            "num_rows": reader.num_rows,
-            "vocab": reader.manifest.vocab_size,
-            "k": reader.manifest.k,
-            "made": made,
-        },
+        "cache": dict(
+            url=cache,
+            num_sequences=n_seq,
+            num_rows=reader.num_rows,
+            vocab=reader.manifest.vocab_size,
+            k=reader.manifest.k,
+            made=made,
+        ),  # fmt: skip
         "world": world,
         "config": asdict(base),
         "coverage": coverage(ddp, n_seq),
