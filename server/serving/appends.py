@@ -50,6 +50,7 @@ from ..errors import UnavailableError
 from .caches import CacheRegistry
 
 log = logging.getLogger(__name__)
+
 #: Rows one group commit holds at most (a request over it is committed alone): bounds the memory
 #: of a group and the time its first request waits behind the encoding of the others.
 MAX_GROUP_ROWS = 1 << 16
@@ -85,8 +86,9 @@ class _Queue:
         pending (a record of the same key queued again since keeps its entry)."""
         item.ticket.leave()
         for rec in item.answered:
-            if self.pending.get(rec.key) is rec:
-                del self.pending[rec.key]
+            key = rec.key
+            if key is not None and self.pending.get(key) is rec:
+                del self.pending[key]
 
     def settled(self, max_rows: int) -> bool:
         """Whether the group can go without waiting: full, or every announced request has
@@ -171,9 +173,9 @@ class GroupCommitter:
             ticket.leave()
             return
         item = self._queue(ticket, manifest, records)
-        for rec in answered:
-            ticket._q.pending[rec.key] = rec
-        item.answered = list(answered)
+        item.answered = [rec for rec in answered if rec.key is not None]
+        for rec in item.answered:
+            ticket._q.pending[str(rec.key)] = rec
 
     def pending(self, name: str, key: str) -> SequenceRecord | None:
         """The record of ``key`` answered into cache ``name`` and queued or being committed
