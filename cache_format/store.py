@@ -223,28 +223,26 @@ class DurableLocalStore(zarr.storage.LocalStore):
 
     def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
         """Write the objects ``items`` (key, bytes-like) and make them durable before returning:
-        each written as :meth:`_put_durable` writes it, then every directory whose entries it
-        changed fsynced. The objects are grouped by directory and the groups written in one round
-        of the store's threads, each thread fsyncing its group's directories after its renames
-        (a lone group is written on the calling thread): one hand-off for a whole append."""
+        each written as :meth:`_put_durable` writes it (in one round of the store's threads, a
+        lone object on the calling thread), then every directory whose entries they changed
+        fsynced (one more round): one hand-off per round for a whole append, and every rename
+        done before the first directory fsync, so the file system commits them together."""
         self._ensure_open_sync()
         self._check_writable()
-        groups: dict[Path, list[tuple[Path, memoryview]]] = {}
-        for key, data in items:
-            path = self.root / key
-            groups.setdefault(path.parent, []).append((path, memoryview(data).cast("B")))
+        objects = [(self.root / key, memoryview(data).cast("B")) for key, data in items]
 
-        def one(objects: list[tuple[Path, memoryview]]) -> None:
-            changed: dict[Path, None] = {}
-            for path, data in objects:
-                changed.update(dict.fromkeys(self._write_durable(path, data, False)))
-            for d in changed:
-                _fsync_dir(d)
+        def one(obj: tuple[Path, memoryview]) -> list[Path]:
+            return self._write_durable(obj[0], obj[1], False)
 
-        if len(groups) == 1:
-            one(next(iter(groups.values())))
-        elif groups:
-            list(_fsync_pool().map(one, groups.values()))
+        if len(objects) == 1:
+            changed = one(objects[0])
+        else:
+            changed = [d for dirs in _fsync_pool().map(one, objects) for d in dirs]
+        dirs = list(dict.fromkeys(changed))
+        if len(dirs) == 1:
+            _fsync_dir(dirs[0])
+        elif dirs:
+            list(_fsync_pool().map(_fsync_dir, dirs))
 
     def _put_direct(self, tmp: Path, data: memoryview) -> bool:
         """Write ``data`` to the new file ``tmp`` with ``O_DIRECT`` and fsync it; False (nothing
