@@ -3,8 +3,9 @@
 zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
 codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machinery cost about 4
 CPU-us per position in the job path, more than the compression itself. This module
-writes the same bytes itself, through the same zarr ``Store`` (so a local store still writes each
-object atomically and fsyncs it, FORMAT.md W5), for arrays whose layout
+encodes the same bytes itself, on the calling thread, and hands the objects to the writer, which
+writes them through the same zarr ``Store`` (each object atomic, and fsynced on a local disk,
+FORMAT.md W5; :func:`.store.put_objects`), for arrays whose layout
 :func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
 chunks ``vlen-utf8`` -> ``zstd`` -> ``crc32c``); the writer falls back to zarr for the others.
 
