@@ -31,6 +31,7 @@ from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 
 from ._zarr_adapter import default_buffer_prototype, sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
+from .store import put_objects
 
 BLOCK = 4096  # entries per block (64 KiB): the unit of a lookup's read
 KEEP_BLOCKS = 64  # checked run blocks a process keeps (4 MiB): runs never change once written
@@ -354,8 +355,9 @@ def next_runs(
 
 
 def put(store: Any, key: str, data: bytes) -> None:
-    """Write object ``key`` (atomically, as every object of a store is written)."""
-    sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+    """Write object ``key`` (atomically, as every object of a store is written; on a local disk
+    durable on return, written on the calling thread: :func:`.store.put_objects`)."""
+    put_objects(store, [(key, data)])
 
 
 def drop(store: Any, keys: Sequence[str]) -> None:

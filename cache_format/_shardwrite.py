@@ -3,8 +3,9 @@
 zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
 codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machinery cost about 4
 CPU-us per position in the job path, more than the compression itself. This module
-writes the same bytes itself, through the same zarr ``Store`` (so a local store still writes each
-object atomically and fsyncs it, FORMAT.md W5), for arrays whose layout
+encodes the same bytes itself, on the calling thread, and hands the objects to the writer, which
+writes them through the same zarr ``Store`` (each object atomic, and fsynced on a local disk,
+FORMAT.md W5; :func:`.store.put_objects`), for arrays whose layout
 :func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
 chunks ``vlen-utf8`` -> ``zstd`` -> ``crc32c``); the writer falls back to zarr for the others.
 
@@ -28,7 +29,7 @@ on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ from ._zarr_adapter import (
     RegularChunkGrid,
     blosc_codec,
     default_buffer_prototype,
+    sync,
     zstd_codec,
 )
 from .errors import ChecksumError, MissingDataError
@@ -180,14 +182,15 @@ def _aligned(size: int) -> np.ndarray:
     return raw[start : start + size]
 
 
-async def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np.ndarray | None]:
+def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np.ndarray | None]:
     """The stored bytes of the chunks wholly below row ``below`` of ``shard`` and the rows of
-    the chunk holding ``below`` that precede it (None when ``below`` starts a chunk)."""
+    the chunk holding ``below`` that precede it (None when ``below`` starts a chunk); read on
+    the calling thread (never from zarr's event loop)."""
     n, c = lay.chunks_per_shard, lay.chunk_rows
     keep: list[np.ndarray | None] = [None] * n
     full, part = divmod(below, c)
     where = f"{lay.name} shard {shard}"
-    buf = await lay.shard_path(shard).get(prototype=default_buffer_prototype())
+    buf = sync(lay.shard_path(shard).get(prototype=default_buffer_prototype()))
     if buf is None:
         if lay.strict:
             raise MissingDataError(f"{where}: shard object missing below the committed count")
@@ -236,17 +239,18 @@ class LastShard:
     head: np.ndarray | None = None  # rows of the chunk holding ``end`` below it
 
 
-async def _write_shard(
+def _shard_object(
     lay: DirectLayout,
     shard: int,
     off: int,
     rows: np.ndarray,
     reuse: LastShard | None = None,
     update: LastShard | None = None,
-) -> None:
-    """Write ``rows`` at row ``off`` of ``shard`` (rows below ``off`` are committed); the
-    committed chunks come from ``reuse`` (this shard as last written, ending at ``off``) or are
-    read back; ``update`` then describes the shard as written.
+) -> tuple[str, np.ndarray, Callable[[], None]]:
+    """The object of ``shard`` with ``rows`` at row ``off`` (rows below ``off`` are committed):
+    its key, its bytes and what to call once it is written (``update`` then describes the shard
+    as written). The committed chunks come from ``reuse`` (this shard as last written, ending
+    at ``off``) or are read back.
 
     The object is assembled in one buffer, each byte copied into it once (joining
     ``bytes`` copied committed chunks twice and new ones three times, per append, for the whole
@@ -258,7 +262,7 @@ async def _write_shard(
         keep[: len(reuse.frames)] = reuse.frames
         head = reuse.head
     elif off:
-        keep, head = await _existing(lay, shard, off)
+        keep, head = _existing(lay, shard, off)
     first = off // c
     last = (off + rows.shape[0] - 1) // c
     lead = 0 if head is None else head.shape[0]  # committed rows of chunk ``first``
@@ -311,8 +315,10 @@ async def _write_shard(
     if seal:  # FORMAT.md 4.8: this object's array, place and fill, bound to its index
         sealed_by = make_seal(lay.name, shard, off + rows.shape[0], index)
         payload[body : body + seal] = np.frombuffer(sealed_by, dtype=np.uint8)
-    await lay.shard_path(shard).set(default_buffer_prototype().buffer.from_array_like(payload))
-    if update is not None:  # as this shard now stands (only once its write has returned)
+
+    def written() -> None:  # as this shard now stands (only once its write has returned)
+        if update is None:
+            return
         end = off + rows.shape[0]
         done, part = divmod(end, c)
         update.frames = views[:done]
@@ -325,22 +331,26 @@ async def _write_shard(
         update.head = tail
         update.shard, update.end = shard, end
 
+    return lay.shard_path(shard).path, payload, written
 
-async def write_rows(
+
+def rows_objects(
     lay: DirectLayout, start: int, data: np.ndarray, last: LastShard | None = None
-) -> None:
-    """Write ``data`` (rows ``[start, start + len(data))``, the array already resized) shard by
-    shard, the shards concurrently; see the module docstring. ``last``: the array's
-    :class:`LastShard`, used when the write starts where it ends and updated to the last shard
-    written (left stale if a write fails: the caller drops it then)."""
+) -> tuple[list[tuple[str, np.ndarray]], Callable[[], None]]:
+    """The shard objects holding ``data`` (rows ``[start, start + len(data))``, the array
+    already resized), encoded on the calling thread, and what to call once every one of them is
+    written; see the module docstring. The caller writes them (all of an append's objects in
+    one batch). ``last``: the array's :class:`LastShard`, used when the write starts where it
+    ends and, once written, updated to the last shard written (left stale if the write fails:
+    the caller drops it then)."""
     if data.shape[0] == 0:
-        return
+        return [], lambda: None
     data = np.ascontiguousarray(data, dtype=lay.dtype)
     if data.shape[1:] != lay.inner:
         raise ValueError(f"{lay.name}: rows of shape {data.shape[1:]}, array has {lay.inner}")
     s = lay.shard_rows
     stop = start + data.shape[0]
-    jobs = []
+    objects, done = [], []
     for shard in range(start // s, (stop - 1) // s + 1):
         lo, hi = max(start, shard * s), min(stop, (shard + 1) * s)
         off = lo - shard * s
@@ -348,7 +358,16 @@ async def write_rows(
         if last is not None and last.shard == shard and last.end == off and off:
             reuse = LastShard(shard, off, list(last.frames), last.head)  # before any update
         update = last if shard == (stop - 1) // s else None
-        jobs.append(_write_shard(lay, shard, off, data[lo - start : hi - start], reuse, update))
+        key, payload, written = _shard_object(
+            lay, shard, off, data[lo - start : hi - start], reuse, update
+        )
+        objects.append((key, payload))
+        done.append(written)
     if last is not None:
         last.shard = -1  # stale until the last shard's write has returned
-    await asyncio.gather(*jobs)
+
+    def all_written() -> None:
+        for written in done:
+            written()
+
+    return objects, all_written

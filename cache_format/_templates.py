@@ -6,10 +6,10 @@ the one written)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -97,16 +97,21 @@ class DirectArray:
         head, tail = raw.split(mark)
         return cls(lay, arr.store_path / "zarr.json", head, tail, length, last)
 
-    async def write(self, start: int, data: np.ndarray) -> None:
-        """Set the length to ``start + len(data)`` and write ``data`` at ``start``."""
+    def objects(
+        self, start: int, data: np.ndarray
+    ) -> tuple[list[tuple[str, Any]], Callable[[], None]]:
+        """The objects that set the length to ``start + len(data)`` and hold ``data`` at
+        ``start`` (its ``zarr.json`` and shards), and what to call once all are written."""
         stop = start + data.shape[0]
         meta = self.head + str(stop).encode() + self.tail
-        await asyncio.gather(
-            self.meta_path.set(default_buffer_prototype().buffer.from_bytes(meta)),
-            shardwrite.write_rows(self.lay, start, data, self.last),
-        )
-        self.length = stop
-        self.sig = shard_sig(self.lay, self.last)
+        objects, rows_written = shardwrite.rows_objects(self.lay, start, data, self.last)
+
+        def written() -> None:
+            rows_written()
+            self.length = stop
+            self.sig = shard_sig(self.lay, self.last)
+
+        return [(self.meta_path.path, meta), *objects], written
 
 
 def direct_layout_of(arr: Any, name: str, version: int, direct: bool) -> DirectLayout | None:

@@ -36,6 +36,7 @@ from . import _shardread as shardread
 from . import _shardwrite as shardwrite
 from . import _templates as templates
 from . import fastencode, spec
+from ._arraywrites import ArrayWrites
 from ._decode import OpenArrays, stored_values
 from ._encode import Batch, encode_batch
 from ._integrity import checked_get
@@ -43,7 +44,7 @@ from ._keyindex import KeyTable, follow_runs, hashes_of, stored_key_bytes
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
 from ._repair import record_json, refuse_if_holding_data
-from ._seal import seal_written, sealed
+from ._seal import sealed
 from ._shardread import DirectLayout
 from ._zarr_adapter import async_array, default_buffer_prototype, sync
 from .errors import FormatError, ManifestError
@@ -69,7 +70,7 @@ from .store import StoreHandle, open_store
 DIRECT_WRITES = True
 
 
-class CacheWriter:
+class CacheWriter(ArrayWrites):
     """Appends :class:`SequenceRecord` batches to a store; see the module docstring.
 
     Use :meth:`open` (creates the store or resumes an existing one). Concurrency: appends from
@@ -476,107 +477,6 @@ class CacheWriter:
         if m.hidden is not None and m.num_rows == 0:  # the head, once (FORMAT.md 4.10)
             cols.update(head_columns(check_head(self._head, m.hidden, m.vocab_size)))
         return cols
-
-    def _write(self, m: Manifest, fresh: Batch) -> None:
-        """Step 4 of the transaction: grow every array and write the new rows past the commit.
-
-        The arrays are written concurrently (zarr's async API on zarr's event loop); the commit
-        (step 5) starts only after every write has returned.
-        """
-        cols = self._columns(m, fresh)
-        base = {
-            spec.INPUT_IDS: m.num_tokens,
-            spec.ID_ORDER: 0,
-            spec.HEAD_WEIGHT: 0,
-            spec.HEAD_BIAS: 0,
-            spec.SEQ_KEY_BYTES: m.num_key_bytes,
-            **{n: m.num_sequences for n in (*spec.SEQ_ARRAYS, spec.SEQ_KEY_END)},
-        }
-        jobs = [
-            (d.name, base.get(d.name, m.num_rows), cols[d.name])
-            for d in array_defs(m, self._layout)
-            if d.name in cols
-        ]
-
-        async def write_all() -> None:
-            await asyncio.gather(*(self._write_array(n, start, data) for n, start, data in jobs))
-
-        sync(write_all())
-
-    async def _write_array(self, name: str, start: int, data: np.ndarray) -> None:
-        """Resize array ``name`` to ``start + len(data)`` and write ``data`` at ``start``.
-
-        Every chunk is stored, also one equal to the fill value (``write_empty_chunks``), so an
-        absent object in the committed range can only be a lost one (FORMAT.md R9). Arrays of a
-        version-2 store whose layout :func:`~._shardread.direct_layout` supports, and its
-        ``seq_keys`` (:func:`._shardwrite.keys_layout`), are written by :mod:`._shardwrite` (same
-        bytes, less CPU: benchmarks/results/server.md, job_cpu_s6.md); the others through zarr.
-        The opened arrays are kept between appends while nothing else resizes them.
-        """
-        direct = self._direct.pop(name, None)
-        if direct is None or direct.length != start:  # not ours as we left it
-            direct = await self._from_template(name, start)
-        if direct is not None:  # ours as we left it, or as this process last saw it: no zarr
-            await direct.write(start, data)
-            self._direct[name] = direct
-            return
-        arr = self._opened.get(name)
-        if arr is None or arr.shape[0] != start:  # not ours as we left it: read it again
-            arr = await zarr.api.asynchronous.open_array(store=self._store, path=name, mode="r+")
-            if self._manifest.format_version >= 2:  # version 1 stored no all-fill chunk
-                arr = arr.with_config({"write_empty_chunks": True})
-        self._opened.pop(name, None)
-        stop = start + data.shape[0]
-        # when growing, no chunk lies outside the new shape: skip zarr's scan of every chunk key
-        # (it grows with the store); shrinking (past a dead writer's rows) deletes as before
-        shrink = stop < arr.shape[0]
-        await arr.resize((stop, *arr.shape[1:]), delete_outside_chunks=shrink)
-        lay = templates.direct_layout_of(arr, name, self._manifest.format_version, DIRECT_WRITES)
-        last = shardwrite.LastShard()
-        if lay is None:
-            await arr.setitem(slice(start, stop), data)
-            if sealed(self._manifest.format_version):  # zarr writes no seal (FORMAT.md 4.8)
-                await seal_written(arr, name, start, stop)
-        else:  # the same bytes as zarr's setitem, without its per-chunk machinery
-            await shardwrite.write_rows(lay, start, data, last)
-        # kept for the next append (its metadata now says ``stop``): reused only if the array
-        # still ends where this append left it, i.e. no other writer has resized it since
-        direct = None if lay is None else templates.DirectArray.of(arr, lay, stop, last)
-        if direct is not None:
-            direct.sig = templates.shard_sig(direct.lay, last)
-            self._keep_direct(name, direct)
-        else:
-            self._opened[name] = arr
-
-    async def _from_template(self, name: str, start: int) -> templates.DirectArray | None:
-        """Array ``name`` as a :class:`templates.DirectArray` of length ``start`` without opening it
-        through zarr, when this process has written the same store's array before (an earlier
-        writer: the service opens one per job) and its stored ``zarr.json`` is, byte for byte,
-        that writer's template with length ``start`` (so layout, codecs and attributes are the
-        template's, and nothing lies past ``start``). Its last shard is read back on the first
-        write, as for an array opened through zarr. ``None``: open it through zarr.
-
-        The last shard the store's previous writer in this process left (:data:`._templates.LAST`)
-        is taken too when its file is still the one that writer wrote
-        (:func:`._templates.shard_sig`): no read-back.
-
-        This skips zarr's ``open_array``, ``resize`` and the template's JSON encoding (~19 ms of
-        CPU per writer of 10 arrays at its first append) and the read-back (~9 ms)."""
-        tpl = templates.TEMPLATES.get((self._handle.url, name))
-        if tpl is None or not DIRECT_WRITES or self._manifest.format_version < 2:
-            return None
-        old, head, tail = tpl
-        path = StorePath(self._store, name)
-        got = await (path / "zarr.json").get(prototype=default_buffer_prototype())
-        if got is None or got.to_bytes() != head + str(start).encode() + tail:
-            return None
-        lay = templates.rebased(old, path, start)
-        last = shardwrite.LastShard()
-        with templates.LAST_LOCK:
-            saved = templates.LAST.get(self._handle.url, {}).pop(name, None)
-        if saved is not None and saved[1] == templates.shard_sig(lay, saved[0]):
-            last = saved[0]  # its shard file is the one it describes
-        return templates.DirectArray(lay, path / "zarr.json", head, tail, start, last)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -20,6 +20,7 @@ from ._codecs import compressors
 from ._manifest import Manifest
 from ._zarr_adapter import GroupMetadata, default_buffer_prototype, sync
 from .quant import STORED_DTYPE
+from .store import put_objects
 
 
 @dataclass(frozen=True)
@@ -362,7 +363,7 @@ def write_root_attrs(store: zarr.abc.store.Store, attrs: dict) -> None:
     opening the group first.
     """
     doc = GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())
-    sync(store.set(ROOT_METADATA, doc[ROOT_METADATA]))
+    put_objects(store, [(ROOT_METADATA, doc[ROOT_METADATA].to_bytes())])
 
 
 def parse_root(attrs: dict) -> Manifest:

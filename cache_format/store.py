@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,13 @@ class DurableLocalStore(zarr.storage.LocalStore):
         self.direct_io = direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)
 
     def _put_durable(self, path: Path, value: Buffer, exclusive: bool) -> None:
+        changed = self._write_durable(path, memoryview(value.as_buffer_like()).cast("B"), exclusive)
+        with self._dirty_lock:
+            self._dirty.update(changed)
+
+    def _write_durable(self, path: Path, data: memoryview, exclusive: bool) -> list[Path]:
+        """Write object ``path`` (temporary file fsynced, then renamed over it); returns the
+        directories whose entries changed (not yet fsynced)."""
         parent = path.parent
         changed = [parent]
         if not os.path.isdir(parent):  # new directories: their parents' entries change too
@@ -194,7 +202,6 @@ class DurableLocalStore(zarr.storage.LocalStore):
                 changed.append(missing.parent)
                 missing = missing.parent
             parent.mkdir(parents=True, exist_ok=True)
-        data = memoryview(value.as_buffer_like()).cast("B")
         tmp = path.with_suffix(f".{_temporary_tag()}.partial")
         try:
             if not (self.direct_io and len(data) >= DIRECT_IO_MIN and self._put_direct(tmp, data)):
@@ -212,8 +219,30 @@ class DurableLocalStore(zarr.storage.LocalStore):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        with self._dirty_lock:
-            self._dirty.update(changed)
+        return changed
+
+    def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
+        """Write the objects ``items`` (key, bytes-like) and make them durable before returning:
+        each written as :meth:`_put_durable` writes it (in one round of the store's threads, a
+        lone object on the calling thread), then every directory whose entries they changed
+        fsynced (one more round): one hand-off per round for a whole append, and every rename
+        done before the first directory fsync, so the file system commits them together."""
+        self._ensure_open_sync()
+        self._check_writable()
+        objects = [(self.root / key, memoryview(data).cast("B")) for key, data in items]
+
+        def one(obj: tuple[Path, memoryview]) -> list[Path]:
+            return self._write_durable(obj[0], obj[1], False)
+
+        if len(objects) == 1:
+            changed = one(objects[0])
+        else:
+            changed = [d for dirs in _fsync_pool().map(one, objects) for d in dirs]
+        dirs = list(dict.fromkeys(changed))
+        if len(dirs) == 1:
+            _fsync_dir(dirs[0])
+        elif dirs:
+            list(_fsync_pool().map(_fsync_dir, dirs))
 
     def _put_direct(self, tmp: Path, data: memoryview) -> bool:
         """Write ``data`` to the new file ``tmp`` with ``O_DIRECT`` and fsync it; False (nothing
@@ -268,6 +297,29 @@ class DurableLocalStore(zarr.storage.LocalStore):
             _fsync_dir(dirs[0])
         elif dirs:  # concurrently: the file system commits them together
             list(_fsync_pool().map(_fsync_dir, dirs))
+
+
+def put_objects(zstore: Any, items: Sequence[tuple[str, Any]]) -> None:
+    """Write the objects ``items`` (key, ``bytes`` or a contiguous uint8 array) into ``zstore``
+    together: a :class:`DurableLocalStore` writes them in one round of its threads, durable on
+    return (:meth:`DurableLocalStore.put_many`); any other store gets them in one gather on
+    zarr's event loop (each object atomic, as the store writes it)."""
+    if not items:
+        return
+    if isinstance(zstore, DurableLocalStore):
+        zstore.put_many(items)
+        return
+    from ._zarr_adapter import default_buffer_prototype
+
+    proto = default_buffer_prototype().buffer
+
+    def buf(d: Any) -> Buffer:
+        return proto.from_bytes(d) if isinstance(d, bytes) else proto.from_array_like(d)
+
+    async def put_all() -> None:
+        await asyncio.gather(*(zstore.set(k, buf(d)) for k, d in items))
+
+    sync(put_all())
 
 
 @dataclass

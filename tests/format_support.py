@@ -93,7 +93,8 @@ def s3_client(endpoint_url: str):
 # Run as `python tests/format_support.py append URL OPTIONS_JSON N BATCH SEED [CRASH_APPEND
 # CRASH_AFTER_ARRAYS LOCK_TTL PREFIX]`: appends make_records(N, seed=SEED) in batches, printing
 # "COMMITTED <num_sequences>" after each append. With CRASH_APPEND = j >= 0, the j-th append
-# SIGKILLs its own process after CRASH_AFTER_ARRAYS array writes (before the commit), or, with
+# SIGKILLs its own process after writing the first CRASH_AFTER_ARRAYS objects of its array writes
+# (``zarr.json`` and shards, one batch: before the commit), or, with
 # CRASH_AFTER_ARRAYS = KILL_AFTER_RUN, after its key index run is written (before the commit).
 
 CHILD_K = 8
@@ -114,17 +115,15 @@ def child_append(argv: list[str]) -> None:
     crash_after = int(argv[6]) if len(argv) > 6 else 0
     ttl = float(argv[7]) if len(argv) > 7 else 60.0
     prefix = argv[8] if len(argv) > 8 else "s"
-    state = {"append": 0, "arrays": 0}
+    state = {"append": 0}
 
     class CrashingWriter(CacheWriter):
-        async def _write_array(self, name, start, data):
-            armed = state["append"] == crash_append
-            if armed and crash_after == 0:
+        def _put(self, objects):
+            if state["append"] == crash_append and crash_after != KILL_AFTER_RUN:
+                if crash_after:  # the first CRASH_AFTER_ARRAYS objects of the batch only
+                    super()._put(objects[:crash_after])
                 os.kill(os.getpid(), signal.SIGKILL)
-            await super()._write_array(name, start, data)
-            state["arrays"] += 1
-            if armed and state["arrays"] == crash_after:  # others may be half-way: realistic
-                os.kill(os.getpid(), signal.SIGKILL)
+            super()._put(objects)
 
         def _write_run(self, m, new, keys):
             got = super()._write_run(m, new, keys)
@@ -141,7 +140,6 @@ def child_append(argv: list[str]) -> None:
         lock_timeout=120,
     )
     for i in range(0, n, batch):
-        state["arrays"] = 0
         w.append(recs[i : i + batch])
         state["append"] += 1
         print(f"COMMITTED {w.num_sequences}", flush=True)

@@ -153,6 +153,15 @@ class ServerProcess:
         self.stop()
 
 
+def eventually(cond: Any, timeout: float = 30.0) -> None:
+    """Poll ``cond()`` every 20 ms until it holds (an assertion error after ``timeout`` s): for
+    what a protocol route stores behind its answer (the cache's group commit)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 def wait_job(
     client: httpx.Client,
     job_id: str,

@@ -172,7 +172,7 @@ async def run_job(
     from logitcache.cache_format import _writer as writer
     from logitcache.cache_format import store
 
-    put_durable = store.DurableLocalStore._put_durable
+    put_durable = store.DurableLocalStore._write_durable
     ended = threading.Event()
 
     own = {"_convert": clock.wrap("convert", engine._convert)}
@@ -189,7 +189,7 @@ async def run_job(
         (WriterHandle, "append", clock.wrap("append", clock.count_append(WriterHandle.append))),
         (writer, "encode_batch", clock.wrap("encode", writer.encode_batch)),
         (shardwrite, "encode_chunk", clock.wrap("compress", shardwrite.encode_chunk)),
-        (store.DurableLocalStore, "_put_durable", clock.wrap("put", put_durable)),
+        (store.DurableLocalStore, "_write_durable", clock.wrap("put", put_durable)),
         (job_store.JobStore, "progress", clock.wrap("sqlite", job_store.JobStore.progress)),
         (jobs.JobRunner, "_batches", _wrap_gen(clock, jobs.JobRunner._batches)),
         (jobs.JobRunner, "_scan", clock.wrap("submit", jobs.JobRunner._scan)),

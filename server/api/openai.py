@@ -244,7 +244,7 @@ async def complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
     scoring.check_answer_size(seqs, k, "completions")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
     if k <= manifest.k:  # whole cached rows: the actual token's rank within them
-        served = await serving.serve(cache, seqs, manifest.k, manifest)
+        served = await serving.serve(cache, seqs, manifest.k, manifest, answer_first=True)
     else:  # the cache cannot hold this k: scored, not stored
         served = await serving.above(seqs, k, manifest.temperature)
     actual = await actual_tokens(

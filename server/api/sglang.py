@@ -200,7 +200,7 @@ async def generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, An
     asked = [a for a in asks if a is not None]
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
         ids = one_call_ids(asked) if len(todo) == len(seqs) else None  # misses: one engine call
-        served = await serving.serve(cache, seqs, manifest.k, manifest, ids=ids)
+        served = await serving.serve(cache, seqs, manifest.k, manifest, ids=ids, answer_first=True)
     else:  # the cache cannot hold this k: scored, not stored
         served = await serving.above(seqs, top, manifest.temperature)
     at: list[tuple[list[int], np.ndarray, bool] | None] = [None] * len(seqs)

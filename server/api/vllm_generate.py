@@ -101,7 +101,9 @@ async def generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateRe
     seqs = await asyncio.to_thread(scoring.checked, [raw], 1, "token_ids")
     scoring.check_answer_size(seqs, asked.shape[1], "npy")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
-    served = await serving.serve(cache, seqs, manifest.k, manifest, ids=one_call_ids([asked]))
+    served = await serving.serve(
+        cache, seqs, manifest.k, manifest, ids=one_call_ids([asked]), answer_first=True
+    )
     got = await at_chosen_ids(
         scoring,
         seqs,

@@ -14,7 +14,15 @@ cache commits the misses of all its concurrent requests together.
 Promise (the same as one append per request): :meth:`GroupCommitter.append` returns only after
 the commit holding the request's records has returned, with how many of them it newly stored; if
 that commit fails, every request of the group gets its error (the typed error of the writer or the
-store, mapped to HTTP as usual) and the answer says nothing was stored. A request whose client
+store, mapped to HTTP as usual) and the answer says nothing was stored.
+
+:meth:`GroupCommitter.append_behind` queues records the same way and returns at once: for answers
+that claim nothing stored (the engines' protocol routes, whose clients have no such field), so a
+miss is answered as soon as it is scored and its group's commit stores it behind the answer.
+Until that commit has returned, :meth:`GroupCommitter.pending` finds the records as answered (a
+later identical request is served them, as a hit); a failed commit is logged and its records are
+simply not stored (a later request misses and scores them again). A crash loses at most such
+records, which no answer claimed stored. A request whose client
 has gone still has its records committed with its group. Records of one group share the
 manifest of the group's first request; a request with another manifest waits for the next group
 (where the registry's identity check answers it). Records are checked by the caller before they
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +48,8 @@ from logitcache.cache_format import Manifest, SequenceRecord
 
 from ..errors import UnavailableError
 from .caches import CacheRegistry
+
+log = logging.getLogger(__name__)
 
 #: Rows one group commit holds at most (a request over it is committed alone): bounds the memory
 #: of a group and the time its first request waits behind the encoding of the others.
@@ -58,6 +69,7 @@ class _Item:
     done: asyncio.Future[int]
     rows: int
     ticket: Ticket
+    answered: list[SequenceRecord] = field(default_factory=list)  # in the queue's ``pending``
 
 
 @dataclass
@@ -67,6 +79,16 @@ class _Queue:
     announced: int = 0  # tickets not yet left: requests that may still queue records
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    pending: dict[str, SequenceRecord] = field(default_factory=dict)  # answered, not committed
+
+    def settle(self, item: _Item) -> None:
+        """``item`` left the queue (committed or not): its answered records are no longer
+        pending (a record of the same key queued again since keeps its entry)."""
+        item.ticket.leave()
+        for rec in item.answered:
+            key = rec.key
+            if key is not None and self.pending.get(key) is rec:
+                del self.pending[key]
 
     def settled(self, max_rows: int) -> bool:
         """Whether the group can go without waiting: full, or every announced request has
@@ -134,6 +156,36 @@ class GroupCommitter:
             return 0
         if self._closed:
             raise UnavailableError("the server is stopping; the records were not stored")
+        return await asyncio.shield(self._queue(ticket, manifest, records).done)
+
+    def append_behind(
+        self,
+        ticket: Ticket,
+        manifest: Manifest,
+        records: Sequence[SequenceRecord],
+        answered: Sequence[SequenceRecord],
+    ) -> None:
+        """Queue ``records`` (checked, at ``manifest``) for the ticket's cache's next group
+        commit and return at once; ``answered`` (the same records as answered, as stored) are
+        :meth:`pending` until that commit has returned. While the server stops, nothing is
+        queued (the answer claimed nothing stored)."""
+        if not records or self._closed:
+            ticket.leave()
+            return
+        item = self._queue(ticket, manifest, records)
+        item.answered = [rec for rec in answered if rec.key is not None]
+        for rec in item.answered:
+            ticket._q.pending[str(rec.key)] = rec
+
+    def pending(self, name: str, key: str) -> SequenceRecord | None:
+        """The record of ``key`` answered into cache ``name`` and queued or being committed
+        (:meth:`append_behind`), if any."""
+        q = self._queues.get(name)
+        return None if q is None else q.pending.get(key)
+
+    def _queue(
+        self, ticket: Ticket, manifest: Manifest, records: Sequence[SequenceRecord]
+    ) -> _Item:
         loop = asyncio.get_running_loop()
         q = ticket._q
         item = _Item(list(records), manifest, loop.create_future(), _rows(records), ticket)
@@ -143,7 +195,7 @@ class GroupCommitter:
         q.changed.set()
         if q.task is None:
             q.task = loop.create_task(self._run(ticket.name, q), name=f"commit-{ticket.name}")
-        return await asyncio.shield(item.done)
+        return item
 
     async def _wait(self, q: _Queue) -> None:
         """Wait up to the window for the group to settle (:meth:`_Queue.settled`)."""
@@ -166,24 +218,26 @@ class GroupCommitter:
                     loop = asyncio.get_running_loop()
                     counts = await loop.run_in_executor(self._pool, self._commit, name, group)
                 except Exception as e:  # noqa: BLE001 - every request of the group gets it
+                    if any(item.answered for item in group):
+                        log.warning("cache %r: answered records were not stored: %s", name, e)
                     for item in group:
-                        item.ticket.leave()
+                        q.settle(item)
                         if not item.done.done():
                             item.done.set_exception(e)
                 except BaseException:  # cancelled: whether it committed is unknown
                     for item in group:
-                        item.ticket.leave()
+                        q.settle(item)
                         item.done.cancel()
                     raise
                 else:
                     for item, n in zip(group, counts, strict=True):
-                        item.ticket.leave()
+                        q.settle(item)
                         if not item.done.done():
                             item.done.set_result(n)
         finally:
             q.task = None
             for item in q.items:  # only when cancelled: never committed
-                item.ticket.leave()
+                q.settle(item)
                 if not item.done.done():
                     item.done.set_exception(UnavailableError("the records were not stored"))
             q.items.clear()

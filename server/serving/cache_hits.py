@@ -6,6 +6,10 @@ Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
   token ids) *with the same token ids*; its rows are read from the cache, no engine work.
   Anything else is a **miss**: scored by the engine at the cache's k, stored (keys already present
   are never overwritten), and answered.
+* The engines' protocol routes (``/v1/completions``, ``/generate``, ``/inference/v1/generate``)
+  answer a miss as soon as it is scored, its commit going on behind the answer
+  (:meth:`CacheServing.serve` ``answer_first``; their answers claim nothing stored); until it has
+  returned, the answered rows are hits (:meth:`.appends.GroupCommitter.pending`).
 * Misses are answered as the cache will return them later (:func:`as_stored`: logprobs encoded
   to the cache's ``logprob_dtype`` and decoded again, tail mass clipped to ``[0, 1]`` and cast to
   its ``tail_mass_dtype``), so a first (miss) and a repeated (hit) request answer bit-identically.
@@ -209,18 +213,22 @@ class CacheServing:
         return found
 
     def _hits(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
+        """Stored records of ``seqs`` (by index), or answered and not yet committed ones
+        (:meth:`.appends.GroupCommitter.pending`), with the same token ids."""
         try:
             reader = self.caches.reader(check_name(cache))
         except NotFoundError:
-            return {}
-        found = [(i, reader.index_of(s.key)) for i, s in enumerate(seqs) if s.key in reader]
-        if not found:
-            return {}
-        recs = reader.sequences([j for _, j in found])
+            reader = None
+        found: list[tuple[int, int]] = []
+        if reader is not None:
+            found = [(i, reader.index_of(s.key)) for i, s in enumerate(seqs) if s.key in reader]
+        recs = reader.sequences([j for _, j in found]) if reader is not None and found else []
+        got = dict(zip((i for i, _ in found), recs, strict=True))
+        for i, s in enumerate(seqs):
+            if i not in got and (rec := self.commits.pending(cache, s.key)) is not None:
+                got[i] = rec
         return {
-            i: rec
-            for (i, _), rec in zip(found, recs, strict=True)
-            if np.array_equal(rec.input_ids, seqs[i].input_ids)
+            i: rec for i, rec in got.items() if np.array_equal(rec.input_ids, seqs[i].input_ids)
         }
 
     async def above(self, seqs: Seq[Sequence], k: int, temperature: float | None = None) -> Served:
@@ -242,13 +250,17 @@ class CacheServing:
         *,
         store: bool = True,
         ids: Seq[list[int]] | None = None,
+        answer_first: bool = False,
     ) -> Served:
         """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache``: hits read, misses scored
         at ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``.
         With ``ids`` (per sequence, a top-k cache), the misses' logprobs at their ids come from
-        the same engine call (``Served.at_ids``)."""
+        the same engine call (``Served.at_ids``). ``answer_first`` (answers that claim nothing
+        stored: ``Served.stored`` is 0): return once the misses are scored, their commit going
+        on behind the answer (:meth:`.appends.GroupCommitter.append_behind`); otherwise return
+        once it has committed them."""
         with self.commits.ticket(cache) as ticket:
-            return await self._serve(cache, seqs, k, manifest, store, ticket, ids)
+            return await self._serve(cache, seqs, k, manifest, store, ticket, ids, answer_first)
 
     async def _serve(
         self,
@@ -259,6 +271,7 @@ class CacheServing:
         store: bool,
         ticket: Ticket,
         ids: Seq[list[int]] | None,
+        answer_first: bool,
     ) -> Served:
         found = await asyncio.to_thread(self.lookup, cache, seqs, store)
         miss_idx = [i for i in range(len(seqs)) if i not in found]
@@ -279,7 +292,11 @@ class CacheServing:
             )
         as_kept = await asyncio.to_thread(checked_as_stored, scored, manifest, store)
         kept = pipeline.for_store(scored, manifest) if store else []
-        stored = await self.commits.append(ticket, manifest, kept)
+        stored = 0
+        if answer_first:
+            self.commits.append_behind(ticket, manifest, kept, as_kept)
+        else:
+            stored = await self.commits.append(ticket, manifest, kept)
         out: list[SequenceRecord | None] = [None] * len(seqs)
         for i, rec in found.items():
             out[i] = fold_k(rec, k)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from engine_support import full_forward_logprobs
 from logitcache.server.metrics import scraped_total
-from server_support import ThreadedServer, server_settings
+from server_support import ThreadedServer, eventually, server_settings
 
 # Checked, not imported: TRL and aiohttp load in the tests that use them, not at collection.
 pytestmark = pytest.mark.skipif(
@@ -122,6 +122,8 @@ def test_async_distillation_teacher_side_with_two_teachers(two, tiny, heldout_se
     with two.client() as c:
         caches = {x["name"]: x for x in c.get("/v1/caches").json()["caches"]}
         for name in ("openai-completions-t0.7", "openai-completions-tiny-b-t0.7"):
+            url = f"/v1/caches/{name}"  # stored behind the answers
+            eventually(lambda url=url: c.get(url).status_code == 200)
             assert c.get(f"/v1/caches/{name}").json()["manifest"]["temperature"] == T
     assert "openai-completions" not in caches  # nothing was scored at the engine's T = 1
 
@@ -138,7 +140,11 @@ def test_server_distillation_trainer_steps_against_the_second_teacher(two, tiny,
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(np.isfinite(losses)), trainer.state.log_history
     with two.client() as c:
-        after = c.get("/v1/caches/openai-completions-tiny-b-t0.7").json()
+        name = "/v1/caches/openai-completions-tiny-b-t0.7"  # stored behind the answers
+        eventually(
+            lambda: c.get(name).status_code == 200 and c.get(name).json()["num_rows"] > before
+        )
+        after = c.get(name).json()
     assert after["manifest"]["temperature"] == T  # TRL's temperature reached the teacher
     assert after["num_rows"] > before  # the student's completions were scored into it
 

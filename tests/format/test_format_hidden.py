@@ -261,14 +261,14 @@ def test_a_failed_append_loses_nothing_committed(tmp_path, monkeypatch, fail) ->
         if first:
             w.append(first)
     before = [r.hidden.copy() for r in CacheReader(url).sequences(list(range(len(first))))]
-    real = _writer.CacheWriter._write_array
+    real = _writer.CacheWriter._put
 
-    async def broken(self, name, start, data):
-        await real(self, name, start, data)
-        if name == fail:  # written past the commit, then the append dies
-            raise OSError("disk gone")
+    def broken(self, objects):
+        real(self, objects)
+        if any(key.startswith(f"{fail}/") for key, _ in objects):  # written past the commit,
+            raise OSError("disk gone")  # then the append dies
 
-    monkeypatch.setattr(_writer.CacheWriter, "_write_array", broken)
+    monkeypatch.setattr(_writer.CacheWriter, "_put", broken)
     with CacheWriter.open(url, hidden_manifest(head), head=head) as w, pytest.raises(OSError):
         w.append(recs[3:])
     monkeypatch.undo()

@@ -17,9 +17,9 @@ def _count_reads(monkeypatch) -> list[int]:
     reads = [0]
     real = shardwrite._existing
 
-    async def counted(*a, **kw):
+    def counted(*a, **kw):
         reads[0] += 1
-        return await real(*a, **kw)
+        return real(*a, **kw)
 
     monkeypatch.setattr(shardwrite, "_existing", counted)
     return reads

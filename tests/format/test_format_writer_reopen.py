@@ -50,9 +50,9 @@ def _spy_readbacks(monkeypatch) -> list[str]:
     seen: list[str] = []
     real = shardwrite._existing
 
-    async def spy(lay, shard, below):
+    def spy(lay, shard, below):
         seen.append(lay.name)
-        return await real(lay, shard, below)
+        return real(lay, shard, below)
 
     monkeypatch.setattr(shardwrite, "_existing", spy)
     return seen

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from asgi_support import LiveApp
 from engine_support import FakeEngine, app_settings, fake_logprobs
-from logitcache.cache_format import CacheReader
+from logitcache.cache_format import CacheReader, StoreNotFoundError
+from server_support import eventually
 
 pytestmark = pytest.mark.fast
 
@@ -43,6 +44,14 @@ class App(LiveApp):
 
     def work(self) -> tuple[int, int]:
         return len(self.engine.calls), len(self.engine.id_calls)
+
+
+def committed(url: Path) -> int:
+    """Sequences committed to the cache at ``url`` (-1: not created yet)."""
+    try:
+        return CacheReader(url).num_sequences
+    except StoreNotFoundError:
+        return -1
 
 
 def actual_of(choice: dict[str, Any], seq: list[int]) -> tuple[np.ndarray, list[int]]:
@@ -97,7 +106,9 @@ def test_new_cache_keeps_the_actual_token_and_a_hit_costs_no_engine_work(tmp_pat
             for row in c["prompt_logprobs"][1:]:
                 assert sorted(v["rank"] for v in row.values() if v["rank"] <= 2) == [1, 2]
                 assert len(row) in (2, 3)
-        with CacheReader(tmp_path / "caches" / "openai-completions") as r:
+        url = tmp_path / "caches" / "openai-completions"
+        eventually(lambda: committed(url) == len(SEQS))  # behind the answers
+        with CacheReader(url) as r:
             assert r.manifest.actual_logprob is True
             rec = r.sequence(0)
             want = exact_actual(list(rec.input_ids)).astype(np.float32)
@@ -137,7 +148,9 @@ def test_cache_without_the_array_scores_or_spreads_the_missing_tokens(tmp_path) 
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         new = app.complete(prompt=[[7, 7, 3, 9, 2]])  # a miss into the old cache is stored
         assert new["choices"][0]["cached"] is False
-        with CacheReader(tmp_path / "caches" / "openai-completions") as r:
-            assert r.manifest.actual_logprob is False and r.num_sequences == 3
+        url = tmp_path / "caches" / "openai-completions"
+        eventually(lambda: committed(url) == 3)  # stored behind the answer
+        with CacheReader(url) as r:
+            assert r.manifest.actual_logprob is False
     finally:
         app.close()

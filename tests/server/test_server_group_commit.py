@@ -213,3 +213,128 @@ def test_sigkill_mid_load_loses_no_answered_row(tmp_path: Path) -> None:
     finally:
         proc2.kill()
         proc2.wait(30)
+
+
+# --------------------------------------------------------------------------- answered first
+
+
+def _completion(ids: list[int], cache: str = "p") -> dict[str, Any]:
+    return {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 3, "cache": cache}
+
+
+def test_a_protocol_route_miss_is_answered_before_its_commit_and_stored_by_the_drain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/v1/completions`` answers a miss while the commit that stores it is held; an identical
+    request meanwhile is served the answered rows (no engine work); a miss still queued when
+    the server stops is committed by the shutdown's drain."""
+    from logitcache.server.serving.caches import WriterHandle
+
+    rng = random.Random(13)
+    first, second = _seq(rng), _seq(rng)
+    held, release = threading.Event(), threading.Event()
+    real = WriterHandle.append_parts
+
+    def append_parts(self: WriterHandle, parts: Any) -> list[int]:
+        held.set()
+        assert release.wait(60)
+        return real(self, parts)
+
+    monkeypatch.setattr(WriterHandle, "append_parts", append_parts)
+    settings = app_settings(tmp_path, k=K, cache_append_window_s=0.5)
+    url = tmp_path / "caches" / "p"
+
+    async def main() -> tuple[Any, Any]:
+        engine = FakeEngine()
+        async with in_process(settings, engine) as c:
+            r = await c.post("/v1/completions", json=_completion(first))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["cached"] is False
+            assert await asyncio.to_thread(held.wait, 60)  # its commit is running, held
+            assert CacheReader(url).num_sequences == 0  # answered, not yet committed
+            calls = len(engine.calls)
+            again = await c.post("/v1/completions", json=_completion(first))
+            assert again.json()["choices"][0]["cached"] is True and len(engine.calls) == calls
+            release.set()
+            last = await c.post("/v1/completions", json=_completion(second))
+            assert last.status_code == 200  # queued (window 0.5 s) when the server stops
+        return r.json(), last.json()
+
+    a, b = asyncio.run(main())
+    reader = CacheReader(url)
+    assert reader.num_sequences == 2 and validate(url).ok
+    for ids, answer in ((first, a), (second, b)):
+        rec = reader.sequence(reader.index_of(_key_of(reader, ids)))
+        assert rec.input_ids.tolist() == ids
+        rows = answer["choices"][0]["prompt_logprobs"][1:]
+        for pos, top in zip(rows, rec.topk_ids[:, :3].tolist(), strict=True):
+            ranked = sorted((v["rank"], int(t)) for t, v in pos.items() if v["rank"] <= 3)
+            assert [t for _, t in ranked] == top  # stored as answered
+
+
+def _key_of(reader: CacheReader, ids: list[int]) -> str:
+    """The key of the committed sequence whose token ids are ``ids``."""
+    for i, key in enumerate(reader.keys):
+        if reader.sequence(i).input_ids.tolist() == ids:
+            return key
+    raise AssertionError("not committed")
+
+
+@pytest.mark.subprocess
+def test_sigkill_with_answered_first_traffic_loses_no_row_said_stored(tmp_path: Path) -> None:
+    """``/v1/score`` requests (whose answers say ``stored``) and ``/v1/completions`` requests
+    (answered before their commit) into one server, SIGKILLed mid-load: every row an answer
+    said was stored is committed as answered; both caches validate, and what the protocol
+    route's cache holds is what it answered."""
+    proc, url = _start(tmp_path)
+    rng = random.Random(17)
+    said: dict[str, list[int]] = {}
+    proto: dict[tuple[int, ...], Any] = {}
+    seqs = {f"s{i}": _seq(rng) for i in range(2000)}
+    todo = iter(seqs.items())
+
+    async def client(route: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            for key, ids in todo:
+                body = _body(ids, key) if route == "score" else _completion(ids)
+                try:
+                    r = await c.post(f"/v1/{route}", json=body)
+                except httpx.HTTPError:
+                    return  # the server is gone
+                assert r.status_code == 200, r.text
+                if route == "score":
+                    assert r.json()["stored"] == 1
+                    said[key] = r.json()["sequences"][0]["topk_ids"]
+                else:
+                    proto[tuple(ids)] = r.json()["choices"][0]["prompt_logprobs"]
+
+    async def load() -> None:
+        routes = ["score", "completions"] * 8
+        clients = [asyncio.create_task(client(route)) for route in routes]
+        while len(said) < 40 or len(proto) < 40:
+            await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)  # groups queued and committing on both caches
+        await asyncio.gather(*clients)
+
+    try:
+        asyncio.run(load())
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    g = tmp_path / "caches" / "g"
+    assert validate(g).ok
+    reader = CacheReader(g)
+    for key, top in said.items():
+        rec = reader.sequence(reader.index_of(key))
+        assert rec.input_ids.tolist() == seqs[key] and rec.topk_ids.tolist() == top
+    p = tmp_path / "caches" / "p"
+    if (p / "zarr.json").exists():  # what it holds (maybe less than answered) is as answered
+        assert validate(p).ok
+        held = CacheReader(p)
+        for i in range(held.num_sequences):
+            rec = held.sequence(i)
+            rows = proto[tuple(rec.input_ids.tolist())][1:]
+            for pos, top in zip(rows, rec.topk_ids[:, :3].tolist(), strict=True):
+                ranked = sorted((v["rank"], int(t)) for t, v in pos.items() if v["rank"] <= 3)
+                assert [t for _, t in ranked] == top

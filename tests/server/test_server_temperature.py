@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from asgi_support import LiveApp
 from engine_support import FakeEngine, app_settings, fake_logprobs
+from server_support import eventually
 
 pytestmark = pytest.mark.fast
 
@@ -110,7 +111,7 @@ def test_completions_temperature_has_a_default_cache_of_its_own(app: App) -> Non
 
     status, hot = complete(temperature=0.7)  # what TRL's VLLMClient sends
     assert status == 200, hot
-    assert app.caches() == ["openai-completions-t0.7"]
+    eventually(lambda: app.caches() == ["openai-completions-t0.7"])  # stored behind the answer
     assert app.cache_temperature("openai-completions-t0.7") == 0.7
     for ids, choice in zip(SEQS, hot["choices"], strict=True):
         want_ids, want_lp = exact(ids, 0.7)
@@ -119,7 +120,8 @@ def test_completions_temperature_has_a_default_cache_of_its_own(app: App) -> Non
         got = [[v["logprob"] for v in row.values()] for row in rows]
         np.testing.assert_allclose(got, want_lp, atol=1e-6)
     status, plain = complete()  # no temperature: the server's (1.0), its own cache
-    assert status == 200 and app.caches() == ["openai-completions", "openai-completions-t0.7"]
+    assert status == 200
+    eventually(lambda: app.caches() == ["openai-completions", "openai-completions-t0.7"])
     assert app.cache_temperature("openai-completions") == 1.0
     np.testing.assert_allclose(
         [v["logprob"] for v in top_k(plain["choices"][0]["prompt_logprobs"][1]).values()],
@@ -147,7 +149,7 @@ def test_generate_sampling_params_temperature(app: App) -> None:
     }
     status, out = app.post("/generate", body)
     assert status == 200, out
-    assert app.caches() == ["sglang-generate-t2.0"]
+    eventually(lambda: app.caches() == ["sglang-generate-t2.0"])
     want_ids, want_lp = exact(SEQS[0], 2.0)
     tops = out["meta_info"]["input_top_logprobs"][1:]
     assert [[e[1] for e in row] for row in tops] == want_ids[:, :3].tolist()
