@@ -42,7 +42,9 @@ cores times the job's own time (started to finished); the rest is the job path's
 position times the job's positions) is beside it. The server's busiest threads are listed by CPU
 seconds. The in-process figure (3) needs no such estimate.
 
-Usage (GPU box, through the harness's device runner; wheels as in benchmarks/results/service.md)::
+Usage (GPU box, through the harness's device runner; wheels as in
+benchmarks/results/service_gpu.md, msgspec among them: ``fast_paths`` in the JSON says whether
+the job path's compiled passes were there)::
 
     python -m benchmarks.harness device WHEELS -- -m benchmarks.service gpu --shapes 1b 8b \\
         --sequences 1000 --seq-len 2048 --k 100 --json benchmarks/results/service_gpu.json
@@ -515,6 +517,18 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
     return result
 
 
+def fast_paths() -> dict[str, bool]:
+    """Whether this environment has the job path's compiled passes, which its CPU per position
+    depends on: the writer's encode (numba; without it the numpy pass, ~2.5x the encode stage)
+    and the JSONL input-ids reader (msgspec + numba; without them each line of the input goes
+    through ``json``: the ``submit`` stage 0.12-0.13 instead of 0.04 CPU-us/position at 2,048
+    tokens per sequence, measured on the VM)."""
+    from logitcache.cache_format import fastencode
+    from logitcache.server.inputs import jsonids
+
+    return {"encode_numba": fastencode.ready(), "jsonl_ids_msgspec": jsonids.ready()}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = mode_parser("gpu", __doc__)
     p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
@@ -546,6 +560,8 @@ def main(argv: list[str] | None = None) -> dict:
     command = " ".join(["python -m benchmarks.service", *given])
     rec = Recorder("service", "gpu", csv_path=args.csv, command=command)
     result: dict[str, Any] = {"command": rec.command, "machine": machine(), "shapes": {}}
+    result["fast_paths"] = fast_paths()
+    print(f"fast paths: {json.dumps(result['fast_paths'])}", flush=True)
     for name in args.shapes:
         result["shapes"][name] = run_shape(name, args, work)
         if args.json:

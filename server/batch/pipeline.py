@@ -265,9 +265,10 @@ class _Writer:
     filled shards, paid once per group). With
     ``linger`` (seconds) the writer waits that long after a group's first item for more, until
     the group holds ``merge_rows`` rows or the input ends; with ``fill`` (seconds), up to
-    ``fill`` instead when the arrival rate (rows per second over the last batches) brings the
-    group to half of ``merge_rows`` within that time (a fast engine), so a slow one still
-    commits every ``linger`` seconds."""
+    ``fill`` instead when the arrival rate (rows per second over the last batches; for the
+    first batch, its rows over the time since the writer started) brings the group to half of
+    ``merge_rows`` within that time (a fast engine: its first batch is not an append of its
+    own), so a slow one still commits every ``linger`` seconds."""
 
     def __init__(
         self,
@@ -283,7 +284,7 @@ class _Writer:
         self._linger = linger
         self._fill = fill
         self._rate = 0.0  # rows handed over per second (0: not known yet)
-        self._last_put: float | None = None
+        self._last_put = time.monotonic()  # the first batch's rate runs from here
         self.error: BaseException | None = None
         self._queue: queue.Queue[tuple[Batch, list[SequenceRecord] | None] | None] = queue.Queue(
             maxsize
@@ -307,7 +308,7 @@ class _Writer:
     def _arrived(self, rows: int) -> None:
         """Update the arrival rate with a batch of ``rows`` handed over now."""
         now = time.monotonic()
-        if self._last_put is not None and now > self._last_put:
+        if now > self._last_put:
             rate = rows / (now - self._last_put)
             self._rate = rate if not self._rate else 0.5 * (self._rate + rate)
         self._last_put = now

@@ -107,12 +107,12 @@ def test_linger_gathers_batches_of_a_writer_that_keeps_up() -> None:
 
 def test_fill_waits_for_a_full_group_when_batches_come_fast_enough() -> None:
     """With ``fill`` a group waits for ``merge_rows`` rows when the batches' arrival rate fills
-    it within ``fill`` seconds (here 4 rows every ~50 ms: 8 more rows in ~0.1 s); the first
-    batch, before any rate is known, is written as ``linger`` says; a rate too slow for
-    ``fill`` leaves the writer eager."""
+    it within ``fill`` seconds (here 4 rows every ~50 ms: 8 more rows in ~0.1 s), the first
+    batch too (its rate: its rows over the time since the writer started); a rate too slow
+    for ``fill`` leaves the writer eager."""
     keys = [f"s{i}" for i in range(6)]
     filled, seconds = _slow_run(6, linger=0.0, merge_rows=12, fill=30.0)
-    assert filled == [keys[:1], keys[1:4], keys[4:]]
+    assert filled == [keys[:3], keys[3:]]
     assert seconds < 10  # not 30: the input's end flushed the last group
     eager, _ = _slow_run(6, linger=0.0, merge_rows=12, fill=0.01)  # 8 rows need ~0.1 s
     assert eager == [[k] for k in keys]

@@ -41,7 +41,14 @@ def test_service_gpu_mode_scores_a_job_that_matches_the_bare_engine(tmp_path: Pa
         "--inproc-sequences", "4",
         "--json", str(out), "--csv", str(rows), "--work", str(tmp_path / "work"),
     )  # fmt: skip
-    r = json.loads(out.read_text())["shapes"]["tiny"]
+    whole = json.loads(out.read_text())
+    # whether the compiled encode and JSONL reader were there, as this process finds them
+    from logitcache.cache_format import fastencode
+    from logitcache.server.inputs import jsonids
+
+    want = {"encode_numba": fastencode.ready(), "jsonl_ids_msgspec": jsonids.ready()}
+    assert whole["fast_paths"] == want
+    r = whole["shapes"]["tiny"]
     # the in-process job, measured as the cpu mode measures it: the engine's device work apart
     ip = r["bare"]["inproc"]
     assert ip["positions"] == 4 * 39 and ip["device_us_per_position"] > 0
