@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +54,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from logitcache.client.loss import exact_distill_loss, fused_chunked, topk_distill_loss
+from logitcache.client.loss import (
+    EXACT_LOSS_KINDS,
+    ExactKernelConfig,
+    LossInputError,
+    exact_distill_loss,
+    fused_chunked,
+    topk_distill_loss,
+)
+from logitcache.client.loss.dispatch import auto_chunk_size
+from logitcache.client.loss.exact import TRITON_CHUNK_BUFFERS
+from logitcache.client.loss.exact_kernels import DEFAULT_CONFIG as EXACT_DEFAULT_CONFIG
 
 from benchmarks.harness import (
     Point,
@@ -450,7 +461,9 @@ def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0)
 
 
 def parse_exact(name: str) -> dict[str, Any]:
-    """``exact_<loss>[_torch][_c<rows>][_bf16acc]`` -> the call's options."""
+    """``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest|_before]`` -> the call's options
+    (``kbest``: ``kernel_config="best"``, the fastest passes of the run's :func:`pass_sweep`;
+    ``before``: ``before=True``, the passes of :mod:`benchmarks.exact_before`)."""
     parts = name[len("exact_") :].split("_")
     opts: dict[str, Any] = {"kernels": "auto", "chunk_size": None, "grad_weight_dtype": "auto"}
     loss = []
@@ -459,6 +472,10 @@ def parse_exact(name: str) -> dict[str, Any]:
             opts["kernels"] = "torch"
         elif part == "bf16acc":
             opts["grad_weight_dtype"] = "weight"
+        elif part == "kbest":
+            opts["kernel_config"] = "best"
+        elif part == "before":
+            opts["before"] = True
         elif part.startswith("c") and part[1:].isdigit():
             opts["chunk_size"] = int(part[1:])
         else:
@@ -467,7 +484,7 @@ def parse_exact(name: str) -> dict[str, Any]:
     return opts
 
 
-def exact_variant(name: str, chunk: int | None) -> Callable:
+def exact_variant(name: str, chunk: int | None, best: ExactKernelConfig | None = None) -> Callable:
     if name == "topk_floor":
         return floor_variant("floor")
     if name == "topk_fused_chunked":
@@ -480,11 +497,147 @@ def exact_variant(name: str, chunk: int | None) -> Callable:
         return topk
     opts = parse_exact(name)
     opts["chunk_size"] = opts["chunk_size"] or chunk
+    if opts.get("kernel_config") == "best":
+        opts["kernel_config"] = best
+    before = opts.pop("before", False)
 
     def fn(x: dict) -> torch.Tensor:
-        return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
+        if not before:
+            return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
+        from benchmarks import exact_before
+
+        with exact_before.installed():
+            return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
 
     return fn
+
+
+def kernel_configs(spec: str) -> list[str]:
+    """``--kernel-configs``: comma-separated ``default``, ``before`` or
+    ``S<block>x<cols>w<warps>[p<stages>]-G<block>x<cols>w<warps>[p<stages>]`` (statistics and
+    gradient passes; :class:`ExactKernelConfig`), each checked here."""
+    names = [n for n in spec.split(",") if n]
+    for n in names:
+        if n != "before":
+            parse_kernel_config(n)
+    return names
+
+
+def parse_kernel_config(name: str) -> ExactKernelConfig:
+    if name == "default":
+        return EXACT_DEFAULT_CONFIG
+    m = re.fullmatch(r"S(\d+)x(\d+)w(\d+)(?:p(\d+))?-G(\d+)x(\d+)w(\d+)(?:p(\d+))?", name)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"bad kernel config {name!r} (see --kernel-configs)")
+    v = [int(g) if g else 1 for g in m.groups()]
+    try:
+        return ExactKernelConfig(*v)
+    except LossInputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+EXACT_KERNEL_CONFIGS = [
+    "before",
+    "default",
+    "S2048x131072w4-G2048x131072w8",
+    "S4096x16384w8-G4096x4096w8",
+    "S1024x8192w4-G1024x8192w4",
+    "S2048x16384w4p3-G2048x16384w8p3",
+    "S4096x32768w8p2-G4096x32768w16p2",
+]
+
+
+def pass_sweep(
+    names: list[str], rows: int, vocab: int, device: str
+) -> tuple[list[dict], ExactKernelConfig | None]:
+    """Median ms of one chunk's row passes (``[rows, vocab]`` bf16 teacher and student logits)
+    per kernel config, beside a copy of one table (read + write) as the bandwidth reference;
+    and the config of the fastest statistics settings with the fastest gradient settings."""
+    from logitcache.client.loss import exact_kernels as ek
+
+    g = torch.Generator(device=device).manual_seed(3)
+    y = (torch.randn(rows, vocab, generator=g, device=device) * 2).to(torch.bfloat16)
+    x0 = (torch.randn(rows, vocab, generator=g, device=device) * 2).to(torch.bfloat16)
+    x = x0.clone()
+    table = y.numel() * y.element_size()
+    cuda = device == "cuda"
+    copy_ms = median_time(cuda, lambda: x.copy_(y)) * 1e3
+    out = [dict(config="copy", ms=copy_ms, gbps=2 * table / copy_ms / 1e6)]
+    tf = ek.Transform(1.0, None, 1.0)
+    best: dict[str, tuple[float, ExactKernelConfig]] = {}
+    for name in names:
+        row: dict[str, Any] = dict(config=name)
+        try:
+            row.update(pass_times(name, x, x0, y, tf, cuda))
+        except Exception as e:  # a config that does not compile is a row, not the end
+            row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            print("passes", name, row["status"], flush=True)
+            out.append(row)
+            continue
+        row["status"] = "ok"
+        row["kl_ms"] = row["stats_ms"] + row["grad_forward_kl_ms"]
+        row["jsd_total_ms"] = row["stats_ms"] + row["jsd_ms"] + row["grad_jsd_ms"]
+        row["kl_of_copy_bw"] = 2.5 * copy_ms / row["kl_ms"]  # 5 table transfers vs 2
+        row["stats_gbps"] = 2 * table / row["stats_ms"] / 1e6
+        row["grad_gbps"] = 3 * table / row["grad_forward_kl_ms"] / 1e6
+        if name != "before":
+            cfg = parse_kernel_config(name)
+            grad_t = sum(row[f"grad_{loss}_ms"] for loss in EXACT_LOSS_KINDS)
+            for side, t in (("stats", row["stats_ms"] + row["jsd_ms"]), ("grad", grad_t)):
+                if side not in best or t < best[side][0]:
+                    best[side] = (t, cfg)
+        print("passes", json.dumps(row), flush=True)
+        out.append(row)
+    if len(best) < 2:
+        return out, None
+    s, gr = best["stats"][1], best["grad"][1]
+    pick = ExactKernelConfig(
+        s.stats_block, s.stats_cols, s.stats_warps, s.stats_stages,
+        gr.grad_block, gr.grad_cols, gr.grad_warps, gr.grad_stages,
+    )  # fmt: skip
+    out.append(dict(config="best", status="picked", **vars(pick)))
+    return out, pick
+
+
+def pass_times(
+    name: str, x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor, tf: Any, cuda: bool
+) -> dict:
+    """Median ms of the statistics, JSD sums and gradient passes of one config."""
+    from logitcache.client.loss import exact_kernels as ek
+
+    if name == "before":
+        from benchmarks import exact_before as eb
+
+        def stats() -> torch.Tensor:
+            return eb.row_stats(y, x, tf)
+
+        def sums(st: torch.Tensor) -> torch.Tensor:
+            return eb.jsd_sums(y, x, tf, st)
+
+        def grad(loss: str, st: torch.Tensor) -> None:
+            one = torch.as_tensor(1.0, dtype=torch.float32, device=x.device).reshape(-1)
+            eb.row_grad(y, x, tf, loss, st, st[:, 0], one)
+    else:
+        cfg = parse_kernel_config(name)
+
+        def stats() -> torch.Tensor:
+            return ek.row_stats(y, x, tf, cfg)
+
+        def sums(st: torch.Tensor) -> torch.Tensor:
+            return ek.jsd_sums(y, x, tf, st, cfg)
+
+        def grad(loss: str, st: torch.Tensor) -> None:
+            ek.row_grad(y, x, tf, loss, st, st[:, 2], 1.0, cfg)
+
+    x.copy_(x0)
+    st = stats()
+    res = dict(stats_ms=median_time(cuda, stats) * 1e3)
+    res["jsd_ms"] = median_time(cuda, lambda: sums(st)) * 1e3
+    for loss in EXACT_LOSS_KINDS:
+        x.copy_(x0)
+        res[f"grad_{loss}_ms"] = median_time(cuda, lambda: grad(loss, st)) * 1e3  # noqa: B023
+    x.copy_(x0)
+    return res
 
 
 def gemm_chunk_ms(c: int, d: int, vocab: int, device: str, cuda: bool) -> float:
@@ -554,6 +707,15 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
             gemm[f"four_gemms_ms_c{c}"] = gemm_chunk_ms(c, d, vocab, device, cuda)
         out["gemm"][key] = gemm
         print("bare GEMMs", key, json.dumps(gemm), flush=True)
+        best = None
+        if cuda and args.kernel_configs:
+            rows = args.chunk or auto_chunk_size(
+                1 << 30, vocab * TRITON_CHUNK_BUFFERS, torch.bfloat16, torch.device(device)
+            )
+            out.setdefault("passes", {})[key], best = pass_sweep(
+                args.kernel_configs, rows, vocab, device
+            )
+            free()
         for n in args.sizes:
             try:
                 x = exact_inputs(n, d, vocab, args.k, device)
@@ -564,7 +726,7 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
             for name in args.variants:
                 row: dict[str, Any] = dict(variant=name, n=n, vocab=vocab, d=d, k=args.k)
                 try:
-                    res = exact_cell(name, x, args, cuda)
+                    res = exact_cell(name, x, args, cuda, best)
                 except torch.OutOfMemoryError:
                     row["status"] = "OOM"
                     print(f"{name:28s} N={n:7d} OOM", flush=True)
@@ -593,8 +755,10 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
     return out
 
 
-def exact_cell(name: str, x: dict, args: argparse.Namespace, cuda: bool) -> dict:
-    fn = exact_variant(name, args.chunk)
+def exact_cell(
+    name: str, x: dict, args: argparse.Namespace, cuda: bool, best: ExactKernelConfig | None
+) -> dict:
+    fn = exact_variant(name, args.chunk, best)
     res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
     if not cuda:  # the CPU has no allocator peak: count the tensors the step creates
         mode = live_bytes().known(*x.values())
@@ -681,6 +845,13 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--reps", type=int, default=3)
     ex.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: each's)")
     ex.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
+    ex.add_argument(
+        "--kernel-configs",
+        type=kernel_configs,
+        default=EXACT_KERNEL_CONFIGS,
+        help="CUDA: time one chunk's row passes per config first (see kernel_configs; "
+        "'' for none); variants ..._kbest run the fastest",
+    )
     ex.add_argument("--out", type=Path, default=None)
     an.add_argument("variant")
     an.add_argument("--n", type=int, default=262144)
