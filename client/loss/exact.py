@@ -366,21 +366,24 @@ def _chunk_terms_triton(
     tf = ek.Transform(head.logit_scale, head.softcap, spec.inv_temperature, spec.beta)
     y = project(take_rows(inp.teacher_hidden, rows), head.weight, head.bias)
     x = project(take_rows(inp.hidden, rows), inp.weight, inp.bias)
-    stats = ek.row_stats(y, x, tf, cfg)
-    if spec.loss == "forward_kl":
-        kd = term = stats[:, 2]
-    elif spec.loss == "reverse_kl":
-        kd = term = stats[:, 3]
+    coef: float | torch.Tensor | None = None
+    if isinstance(row_weight, torch.Tensor):
+        coef = row_weight.reshape(-1) * t
+    elif row_weight is not None:
+        coef = row_weight * t
+    if cfg.fused_programs:
+        stats, sums = ek.fused(y, x, tf, spec.loss, coef, cfg)
     else:
-        tp, term = ek.jsd_sums(y, x, tf, stats, cfg).unbind(1)
-        kd = spec.beta * tp + (1.0 - spec.beta) * term
-    loss = kd.to(inp.work_dtype) * (t * t)
-    if row_weight is None:
-        return loss, None
-    coef: float | torch.Tensor = (
-        row_weight.reshape(-1) * t if isinstance(row_weight, torch.Tensor) else row_weight * t
-    )
-    return loss, ek.row_grad(y, x, tf, spec.loss, stats, term, coef, cfg)
+        stats = ek.row_stats(y, x, tf, cfg)
+        sums = ek.jsd_sums(y, x, tf, stats, cfg) if spec.loss == "jsd" else None
+    if sums is not None:
+        kd = spec.beta * sums[:, 0] + (1.0 - spec.beta) * sums[:, 1]
+        term = sums[:, 1]
+    else:
+        kd = term = stats[:, 2 if spec.loss == "forward_kl" else 3]
+    if coef is not None and not cfg.fused_programs:
+        ek.row_grad(y, x, tf, spec.loss, stats, term, coef, cfg)
+    return kd.to(inp.work_dtype) * (t * t), None if coef is None else x
 
 
 def _add_ce(

@@ -71,7 +71,8 @@ def row_grad_kernel(
 
 # ----------------------------------------------------------------------------- the exact loss
 # Grids ``(rows, parts)``: program ``(r, s)`` covers columns ``[s seg, min((s + 1) seg, V))`` of
-# row ``r`` in steps of ``BLOCK`` columns.
+# row ``r`` in steps of ``BLOCK`` columns (``seg`` a multiple of ``BLOCK``, so only the row's end
+# needs a mask).
 
 
 @triton.jit
@@ -81,6 +82,53 @@ def _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         y = cap * (2.0 * tl.sigmoid(2.0 * y / cap) - 1.0)
     return y * inv_t
+
+
+@triton.jit
+def _stats_loop(
+    yb,
+    xb,
+    lo,
+    hi,
+    n_cols,
+    y_scale,
+    cap,
+    inv_t,
+    SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """One read of columns ``[lo, hi)`` of a row of teacher logits (at ``yb``) and student
+    logits (at ``xb``); with ``a`` the tempered teacher logits and ``b = x / T``:
+    ``(m_a, s_a, f_a, m_b, s_b, f_b)``, maxima ``m``, ``s_a = sum exp(a - m_a)``, ``f_a = sum
+    exp(a - m_a) (a - b)``, ``s_b = sum exp(b - m_b)``, ``f_b = sum exp(b - m_b) (b - a)``.
+    The maxima are per block, the sums per lane (reduced once at the end)."""
+    ma = tl.max(tl.full([BLOCK], -1.0e30, tl.float32), 0)
+    mb = ma
+    sa = tl.zeros([BLOCK], tl.float32)
+    fa = sa
+    sb = sa
+    fb = sa
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK)
+        msk = offs < n_cols
+        y = tl.load(yb + offs, mask=msk, other=0.0).to(tl.float32)
+        a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP), -float("inf"))
+        b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
+        d = tl.where(msk, a - b, 0.0)
+        na = tl.maximum(ma, tl.max(a, 0))
+        nb = tl.maximum(mb, tl.max(b, 0))
+        ca = tl.exp(ma - na)
+        cb = tl.exp(mb - nb)
+        ea = tl.exp(a - na)
+        eb = tl.exp(b - nb)
+        sa = sa * ca + ea
+        fa = fa * ca + ea * d
+        sb = sb * cb + eb
+        fb = fb * cb - eb * d
+        ma = na
+        mb = nb
+    return ma, tl.sum(sa, 0), tl.sum(fa, 0), mb, tl.sum(sb, 0), tl.sum(fb, 0)
 
 
 @triton.jit
@@ -99,49 +147,22 @@ def exact_stats_kernel(
     BLOCK: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """One read of a segment of teacher logits ``y`` and student logits ``x``; with ``a`` the
-    tempered teacher logits and ``b = x / T``, ``part[row, s] = (m_a, s_a, f_a, m_b, s_b, f_b)``:
-    running maxima ``m``, ``s_a = sum exp(a - m_a)``, ``f_a = sum exp(a - m_a) (a - b)``,
-    ``s_b = sum exp(b - m_b)``, ``f_b = sum exp(b - m_b) (b - a)``. The maxima are per block,
-    the sums per lane (one reduction each at the end)."""
+    """``part[row, s]`` = :func:`_stats_loop` of segment ``s`` of the row."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    yb = y_ptr + row * y_stride
-    xb = x_ptr + row * x_stride
     lo = part * seg
     hi = tl.minimum(lo + seg, n_cols)
-    ma = tl.max(tl.full([BLOCK], -1.0e30, tl.float32), 0)
-    mb = ma
-    sa = tl.zeros([BLOCK], tl.float32)
-    fa = sa
-    sb = sa
-    fb = sa
-    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < hi
-        y = tl.load(yb + offs, mask=msk, other=0.0).to(tl.float32)
-        a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP), -float("inf"))
-        b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
-        d = tl.where(msk, a - b, 0.0)
-        na = tl.maximum(ma, tl.max(a, 0))
-        nb = tl.maximum(mb, tl.max(b, 0))
-        ca = tl.exp(ma - na)
-        cb = tl.exp(mb - nb)
-        ea = tl.exp(a - na)
-        eb = tl.exp(b - nb)
-        sa = sa * ca + ea
-        fa = fa * ca + ea * d
-        sb = sb * cb + eb
-        fb = fb * cb - eb * d
-        ma = na
-        mb = nb
+    ma, sa, fa, mb, sb, fb = _stats_loop(
+        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
+        SOFTCAP, BLOCK, STAGES,
+    )  # fmt: skip
     out = part_ptr + (row * tl.num_programs(1) + part) * 6
     tl.store(out, ma)
-    tl.store(out + 1, tl.sum(sa, 0))
-    tl.store(out + 2, tl.sum(fa, 0))
+    tl.store(out + 1, sa)
+    tl.store(out + 2, fa)
     tl.store(out + 3, mb)
-    tl.store(out + 4, tl.sum(sb, 0))
-    tl.store(out + 5, tl.sum(fb, 0))
+    tl.store(out + 4, sb)
+    tl.store(out + 5, fb)
 
 
 @triton.jit
@@ -183,11 +204,42 @@ def _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP: tl
 
 @triton.jit
 def _log_mix(lp, lq, log_beta, log_1mbeta):
-    """``log(beta p + (1 - beta) q)``."""
+    """``log(beta p + (1 - beta) q)`` (one exp and one log)."""
     u = lp + log_beta
     v = lq + log_1mbeta
-    m = tl.maximum(u, v)
-    return m + tl.log(tl.exp(u - m) + tl.exp(v - m))
+    return tl.maximum(u, v) + tl.log(1.0 + tl.exp(-tl.abs(u - v)))
+
+
+@triton.jit
+def _sums_loop(
+    yb,
+    xb,
+    lo,
+    hi,
+    n_cols,
+    y_scale,
+    cap,
+    inv_t,
+    log_beta,
+    log_1mbeta,
+    lse_a,
+    lse_b,
+    SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``(sum p (log p - log m), sum q (log q - log m))`` over columns ``[lo, hi)``, ``m = beta
+    p + (1 - beta) q``."""
+    tp = tl.zeros([BLOCK], tl.float32)
+    tq = tp
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK)
+        msk = offs < n_cols
+        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
+        lm = _log_mix(lp, lq, log_beta, log_1mbeta)
+        tp += tl.where(msk, tl.exp(lp) * (lp - lm), 0.0)
+        tq += tl.where(msk, tl.exp(lq) * (lq - lm), 0.0)
+    return tl.sum(tp, 0), tl.sum(tq, 0)
 
 
 @triton.jit
@@ -209,28 +261,60 @@ def exact_jsd_sums_kernel(
     BLOCK: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """``out[row, s] = (sum p (log p - log m), sum q (log q - log m))`` over segment ``s``,
-    ``m = beta p + (1 - beta) q``, with the row log-sum-exps of :func:`exact_combine_kernel`."""
+    """``out[row, s]`` = :func:`_sums_loop` over segment ``s``, with the row log-sum-exps of
+    :func:`exact_combine_kernel`."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    yb = y_ptr + row * y_stride
-    xb = x_ptr + row * x_stride
     lo = part * seg
     hi = tl.minimum(lo + seg, n_cols)
-    lse_a = tl.load(stats_ptr + row * 4)
-    lse_b = tl.load(stats_ptr + row * 4 + 1)
-    tp = tl.zeros([BLOCK], tl.float32)
-    tq = tp
+    tp, tq = _sums_loop(
+        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
+        log_beta, log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
+        SOFTCAP, BLOCK, STAGES,
+    )  # fmt: skip
+    out = out_ptr + (row * tl.num_programs(1) + part) * 2
+    tl.store(out, tp)
+    tl.store(out + 1, tq)
+
+
+@triton.jit
+def _grad_loop(
+    yb,
+    xb,
+    gb,
+    lo,
+    hi,
+    n_cols,
+    y_scale,
+    cap,
+    inv_t,
+    log_beta,
+    log_1mbeta,
+    lse_a,
+    lse_b,
+    r,
+    c,
+    LOSS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``c * dKD/db`` over columns ``[lo, hi)`` written at ``gb`` (may be ``xb``); ``LOSS``: 0
+    forward KL ``q - p``, 1 reverse KL ``q (log q - log p - r)`` (``r`` = KD), 2 JSD ``q (1 -
+    beta) (log q - log m - r)`` (``r = t_q``)."""
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
-        msk = offs < hi
+        msk = offs < n_cols
         lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
-        lm = _log_mix(lp, lq, log_beta, log_1mbeta)
-        tp += tl.where(msk, tl.exp(lp) * (lp - lm), 0.0)
-        tq += tl.where(msk, tl.exp(lq) * (lq - lm), 0.0)
-    out = out_ptr + (row * tl.num_programs(1) + part) * 2
-    tl.store(out, tl.sum(tp, 0))
-    tl.store(out + 1, tl.sum(tq, 0))
+        q = tl.exp(lq)
+        if LOSS == 0:
+            g = q - tl.exp(lp)
+        elif LOSS == 1:
+            g = q * (lq - lp - r)
+        else:
+            lm = _log_mix(lp, lq, log_beta, log_1mbeta)
+            g = q * (tl.exp(log_1mbeta) * (lq - lm - r))
+        tl.store(gb + offs, (g * c).to(gb.dtype.element_ty), mask=msk)
 
 
 @triton.jit
@@ -239,8 +323,6 @@ def exact_grad_kernel(
     y_stride,
     x_ptr,
     x_stride,
-    g_ptr,
-    g_stride,
     n_cols,
     seg,
     y_scale,
@@ -259,33 +341,79 @@ def exact_grad_kernel(
     BLOCK: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """The student-logits gradient over a segment, written to ``g`` (may alias ``x``), times
-    ``coef_ptr[row]`` (``ROW_COEF``) or ``coef``; ``LOSS``: 0 forward KL ``q - p``, 1 reverse
-    KL ``q (log q - log p - KD)``, 2 JSD ``q (1 - beta) (log q - log m - t_q)``;
-    ``term_ptr[row * term_stride]`` holds KD (1) or t_q (2)."""
+    """:func:`_grad_loop` over segment ``s`` of the row, written over ``x``, with ``r =
+    term_ptr[row * term_stride]`` and ``c = coef_ptr[row]`` (``ROW_COEF``) or ``coef``."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    yb = y_ptr + row * y_stride
     xb = x_ptr + row * x_stride
-    gb = g_ptr + row * g_stride
     lo = part * seg
     hi = tl.minimum(lo + seg, n_cols)
-    lse_a = tl.load(stats_ptr + row * 4)
-    lse_b = tl.load(stats_ptr + row * 4 + 1)
-    r = tl.load(term_ptr + row * term_stride)
     c = coef
     if ROW_COEF:
         c = tl.load(coef_ptr + row)
-    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < hi
-        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
-        q = tl.exp(lq)
-        if LOSS == 0:
-            g = q - tl.exp(lp)
-        elif LOSS == 1:
-            g = q * (lq - lp - r)
-        else:
-            lm = _log_mix(lp, lq, log_beta, log_1mbeta)
-            g = q * (tl.exp(log_1mbeta) * (lq - lm - r))
-        tl.store(gb + offs, (g * c).to(g_ptr.dtype.element_ty), mask=msk)
+    _grad_loop(
+        y_ptr + row * y_stride, xb, xb, lo, hi, n_cols, y_scale, cap, inv_t, log_beta,
+        log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
+        tl.load(term_ptr + row * term_stride), c, LOSS, SOFTCAP, BLOCK, STAGES,
+    )  # fmt: skip
+
+
+@triton.jit
+def exact_fused_kernel(
+    y_ptr,
+    y_stride,
+    x_ptr,
+    x_stride,
+    n_rows,
+    n_cols,
+    y_scale,
+    cap,
+    inv_t,
+    log_beta,
+    log_1mbeta,
+    stats_ptr,
+    sums_ptr,
+    coef_ptr,
+    coef,
+    LOSS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ROW_COEF: tl.constexpr,
+    GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Every pass of a whole row in one program, rows ``pid, pid + P, ...`` (``P`` programs):
+    ``stats[row] = (lse(a), lse(b), KL(p || q), KL(q || p))``, for JSD ``sums[row] = (t_p,
+    t_q)``, and (``GRAD``) the gradient written over ``x``. The second and third reads of a
+    row come from L2 while ``P`` rows fit in it."""
+    first = tl.program_id(0).to(tl.int64)
+    for i in range(0, tl.cdiv(n_rows, tl.num_programs(0))):
+        row = first + i * tl.num_programs(0)
+        if row < n_rows:
+            yb = y_ptr + row * y_stride
+            xb = x_ptr + row * x_stride
+            ma, sa, fa, mb, sb, fb = _stats_loop(
+                yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, SOFTCAP, BLOCK, STAGES
+            )
+            lse_a = ma + tl.log(sa)
+            lse_b = mb + tl.log(sb)
+            term = fb / sb - lse_b + lse_a
+            tl.store(stats_ptr + row * 4, lse_a)
+            tl.store(stats_ptr + row * 4 + 1, lse_b)
+            tl.store(stats_ptr + row * 4 + 2, fa / sa - lse_a + lse_b)
+            tl.store(stats_ptr + row * 4 + 3, term)
+            if LOSS == 2:
+                tp, term = _sums_loop(
+                    yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta, lse_a,
+                    lse_b, SOFTCAP, BLOCK, STAGES,
+                )  # fmt: skip
+                tl.store(sums_ptr + row * 2, tp)
+                tl.store(sums_ptr + row * 2 + 1, term)
+            if GRAD:
+                c = coef
+                if ROW_COEF:
+                    c = tl.load(coef_ptr + row)
+                _grad_loop(
+                    yb, xb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta,
+                    lse_a, lse_b, term, c, LOSS, SOFTCAP, BLOCK, STAGES,
+                )  # fmt: skip
