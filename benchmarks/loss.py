@@ -44,6 +44,7 @@ and ``loss_time.png`` (every variant vs positions at V=128256, d=4096) from a co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -498,7 +499,7 @@ def exact_variant(name: str, chunk: int | None, best: ExactKernelConfig | None =
     opts = parse_exact(name)
     opts["chunk_size"] = opts["chunk_size"] or chunk
     if opts.get("kernel_config") == "best":
-        opts["kernel_config"] = best
+        opts["kernel_config"] = (best or {}).get(opts["loss"])
     before = opts.pop("before", False)
 
     def fn(x: dict) -> torch.Tensor:
@@ -513,9 +514,10 @@ def exact_variant(name: str, chunk: int | None, best: ExactKernelConfig | None =
 
 
 def kernel_configs(spec: str) -> list[str]:
-    """``--kernel-configs``: comma-separated ``default``, ``before`` or
-    ``S<block>x<cols>w<warps>[p<stages>]-G<block>x<cols>w<warps>[p<stages>]`` (statistics and
-    gradient passes; :class:`ExactKernelConfig`), each checked here."""
+    """``--kernel-configs``: comma-separated ``default``, ``before``,
+    ``S<block>x<cols>w<warps>[p<stages>]-G<block>x<cols>w<warps>[p<stages>]`` (split passes:
+    statistics, then gradient) or ``F<programs>b<block>w<warps>[p<stages>]`` (the fused
+    kernel); see :class:`ExactKernelConfig`. Each is checked here."""
     names = [n for n in spec.split(",") if n]
     for n in names:
         if n != "before":
@@ -526,14 +528,20 @@ def kernel_configs(spec: str) -> list[str]:
 def parse_kernel_config(name: str) -> ExactKernelConfig:
     if name == "default":
         return EXACT_DEFAULT_CONFIG
-    m = re.fullmatch(r"S(\d+)x(\d+)w(\d+)(?:p(\d+))?-G(\d+)x(\d+)w(\d+)(?:p(\d+))?", name)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"bad kernel config {name!r} (see --kernel-configs)")
-    v = [int(g) if g else 1 for g in m.groups()]
+    split = re.fullmatch(r"S(\d+)x(\d+)w(\d+)(?:p(\d+))?-G(\d+)x(\d+)w(\d+)(?:p(\d+))?", name)
+    fused = re.fullmatch(r"F(\d+)b(\d+)w(\d+)(?:p(\d+))?", name)
     try:
-        return ExactKernelConfig(*v)
+        if split is not None:
+            return ExactKernelConfig(*[int(g) if g else 1 for g in split.groups()])
+        if fused is not None:
+            p, block, warps, stages = (int(g) if g else 1 for g in fused.groups())
+            return ExactKernelConfig(
+                stats_block=block, stats_cols=block, stats_warps=warps, stats_stages=stages,
+                fused_programs=p,
+            )  # fmt: skip
     except LossInputError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+    raise argparse.ArgumentTypeError(f"bad kernel config {name!r} (see --kernel-configs)")
 
 
 EXACT_KERNEL_CONFIGS = [
@@ -544,15 +552,21 @@ EXACT_KERNEL_CONFIGS = [
     "S1024x8192w4-G1024x8192w4",
     "S2048x16384w4p3-G2048x16384w8p3",
     "S4096x32768w8p2-G4096x32768w16p2",
+    "F132b4096w16",
+    "F132b4096w16p3",
+    "F132b8192w32",
+    "F66b8192w32p2",
+    "F96b4096w16p3",
 ]
 
 
 def pass_sweep(
     names: list[str], rows: int, vocab: int, device: str
-) -> tuple[list[dict], ExactKernelConfig | None]:
+) -> tuple[list[dict], dict[str, ExactKernelConfig]]:
     """Median ms of one chunk's row passes (``[rows, vocab]`` bf16 teacher and student logits)
     per kernel config, beside a copy of one table (read + write) as the bandwidth reference;
-    and the config of the fastest statistics settings with the fastest gradient settings."""
+    and per objective the fastest config (split passes: the fastest statistics settings with
+    the fastest gradient settings; or a fused config if faster)."""
     from logitcache.client.loss import exact_kernels as ek
 
     g = torch.Generator(device=device).manual_seed(3)
@@ -564,47 +578,68 @@ def pass_sweep(
     copy_ms = median_time(cuda, lambda: x.copy_(y)) * 1e3
     out = [dict(config="copy", ms=copy_ms, gbps=2 * table / copy_ms / 1e6)]
     tf = ek.Transform(1.0, None, 1.0)
-    best: dict[str, tuple[float, ExactKernelConfig]] = {}
+    ok: list[tuple[ExactKernelConfig, dict]] = []
     for name in names:
         row: dict[str, Any] = dict(config=name)
         try:
             row.update(pass_times(name, x, x0, y, tf, cuda))
         except Exception as e:  # a config that does not compile is a row, not the end
-            row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
             print("passes", name, row["status"], flush=True)
             out.append(row)
             continue
         row["status"] = "ok"
-        row["kl_ms"] = row["stats_ms"] + row["grad_forward_kl_ms"]
-        row["jsd_total_ms"] = row["stats_ms"] + row["jsd_ms"] + row["grad_jsd_ms"]
-        row["kl_of_copy_bw"] = 2.5 * copy_ms / row["kl_ms"]  # 5 table transfers vs 2
-        row["stats_gbps"] = 2 * table / row["stats_ms"] / 1e6
-        row["grad_gbps"] = 3 * table / row["grad_forward_kl_ms"] / 1e6
-        if name != "before":
-            cfg = parse_kernel_config(name)
-            grad_t = sum(row[f"grad_{loss}_ms"] for loss in EXACT_LOSS_KINDS)
-            for side, t in (("stats", row["stats_ms"] + row["jsd_ms"]), ("grad", grad_t)):
-                if side not in best or t < best[side][0]:
-                    best[side] = (t, cfg)
+        row["kl_of_copy_bw"] = 2.5 * copy_ms / row["forward_kl_ms"]  # 5 table transfers vs 2
         print("passes", json.dumps(row), flush=True)
         out.append(row)
-    if len(best) < 2:
-        return out, None
-    s, gr = best["stats"][1], best["grad"][1]
-    pick = ExactKernelConfig(
-        s.stats_block, s.stats_cols, s.stats_warps, s.stats_stages,
-        gr.grad_block, gr.grad_cols, gr.grad_warps, gr.grad_stages,
-    )  # fmt: skip
-    out.append(dict(config="best", status="picked", **vars(pick)))
-    return out, pick
+        if name != "before":
+            ok.append((parse_kernel_config(name), row))
+    best = pick_configs(ok)
+    out.append(dict(config="best", status="picked", **{k: vars(c) for k, c in best.items()}))
+    return out, best
+
+
+def pick_configs(rows: list[tuple[ExactKernelConfig, dict]]) -> dict[str, ExactKernelConfig]:
+    """Per objective, the fastest of: the split passes' fastest statistics settings with their
+    fastest gradient settings, and each fused config."""
+    split = [(c, r) for c, r in rows if not c.fused_programs]
+    best: dict[str, ExactKernelConfig] = {}
+    for loss in EXACT_LOSS_KINDS:
+        cands: list[tuple[float, ExactKernelConfig]] = []
+        if split:
+            sc, sr = min(split, key=lambda cr: cr[1]["stats_ms"] + cr[1]["sums_ms"])
+            gc, gr = min(split, key=lambda cr: cr[1][f"grad_{loss}_ms"])  # noqa: B023
+            t = sr["stats_ms"] + (sr["sums_ms"] if loss == "jsd" else 0.0) + gr[f"grad_{loss}_ms"]
+            cfg = dataclasses.replace(
+                gc, stats_block=sc.stats_block, stats_cols=sc.stats_cols,
+                stats_warps=sc.stats_warps, stats_stages=sc.stats_stages,
+            )  # fmt: skip
+            cands.append((t, cfg))
+        cands += [(r[f"{loss}_ms"], c) for c, r in rows if c.fused_programs]
+        if cands:
+            best[loss] = min(cands, key=lambda tc: tc[0])[1]
+    return best
 
 
 def pass_times(
     name: str, x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor, tf: Any, cuda: bool
 ) -> dict:
-    """Median ms of the statistics, JSD sums and gradient passes of one config."""
+    """Median ms of one config's passes: ``<loss>_ms`` (all passes with the gradient) per
+    objective; for split passes also ``stats_ms``, ``sums_ms`` (JSD) and ``grad_<loss>_ms``."""
     from logitcache.client.loss import exact_kernels as ek
 
+    def timed(fn: Callable) -> float:
+        x.copy_(x0)
+        t = median_time(cuda, fn) * 1e3
+        x.copy_(x0)
+        return t
+
+    if name.startswith("F"):
+        cfg = parse_kernel_config(name)
+        return {
+            f"{loss}_ms": timed(lambda: ek.fused(y, x, tf, loss, 1.0, cfg))  # noqa: B023
+            for loss in EXACT_LOSS_KINDS
+        }
     if name == "before":
         from benchmarks import exact_before as eb
 
@@ -631,12 +666,12 @@ def pass_times(
 
     x.copy_(x0)
     st = stats()
-    res = dict(stats_ms=median_time(cuda, stats) * 1e3)
-    res["jsd_ms"] = median_time(cuda, lambda: sums(st)) * 1e3
+    res = dict(stats_ms=timed(stats), sums_ms=timed(lambda: sums(st)))
     for loss in EXACT_LOSS_KINDS:
-        x.copy_(x0)
-        res[f"grad_{loss}_ms"] = median_time(cuda, lambda: grad(loss, st)) * 1e3  # noqa: B023
-    x.copy_(x0)
+        res[f"grad_{loss}_ms"] = timed(lambda: grad(loss, st))  # noqa: B023
+    for loss in EXACT_LOSS_KINDS:
+        extra = res["sums_ms"] if loss == "jsd" else 0.0
+        res[f"{loss}_ms"] = res["stats_ms"] + extra + res[f"grad_{loss}_ms"]
     return res
 
 
@@ -756,7 +791,11 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
 
 
 def exact_cell(
-    name: str, x: dict, args: argparse.Namespace, cuda: bool, best: ExactKernelConfig | None
+    name: str,
+    x: dict,
+    args: argparse.Namespace,
+    cuda: bool,
+    best: dict[str, ExactKernelConfig] | None,
 ) -> dict:
     fn = exact_variant(name, args.chunk, best)
     res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
