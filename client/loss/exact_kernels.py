@@ -42,6 +42,11 @@ def _jit() -> Any:
     return triton_jit
 
 
+def _stages(n: int) -> int | None:
+    """The loops' ``num_stages``: ``None`` (no pipelining attribute) for 1."""
+    return n if n > 1 else None
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -134,7 +139,7 @@ def row_stats(
         jit = _jit()
         jit.exact_stats_kernel[(rows, parts)](
             y, y.stride(0), x, x.stride(0), cols, cfg.stats_cols, *tf.args(), part,
-            SOFTCAP=tf.softcap is not None, BLOCK=cfg.stats_block, STAGES=cfg.stats_stages,
+            SOFTCAP=tf.softcap is not None, BLOCK=cfg.stats_block, STAGES=_stages(cfg.stats_stages),
             num_warps=cfg.stats_warps,
         )  # fmt: skip
         p2 = max(2, 1 << (parts - 1).bit_length())
@@ -157,8 +162,8 @@ def jsd_sums(
     if rows:
         _jit().exact_jsd_sums_kernel[(rows, parts)](
             y, y.stride(0), x, x.stride(0), cols, cfg.stats_cols, *tf.args(), *tf.mix(), stats,
-            out, SOFTCAP=tf.softcap is not None, BLOCK=cfg.stats_block, STAGES=cfg.stats_stages,
-            num_warps=cfg.stats_warps,
+            out, SOFTCAP=tf.softcap is not None, BLOCK=cfg.stats_block,
+            STAGES=_stages(cfg.stats_stages), num_warps=cfg.stats_warps,
         )  # fmt: skip
     return out.sum(1)
 
@@ -193,7 +198,7 @@ def row_grad(
             *tf.mix(), stats, row_term, row_term.stride(0), coef_t,
             coef_v,
             LOSS=_LOSS_CODE[loss], SOFTCAP=tf.softcap is not None, ROW_COEF=per_row,
-            BLOCK=cfg.grad_block, STAGES=cfg.grad_stages, num_warps=cfg.grad_warps,
+            BLOCK=cfg.grad_block, STAGES=_stages(cfg.grad_stages), num_warps=cfg.grad_warps,
         )  # fmt: skip
     return x
 
@@ -224,6 +229,6 @@ def fused(
             stats if sums is None else sums, coef_t, coef_v,
             LOSS=_LOSS_CODE[loss], SOFTCAP=tf.softcap is not None,
             ROW_COEF=isinstance(coef, torch.Tensor), GRAD=coef is not None,
-            BLOCK=cfg.stats_block, STAGES=cfg.stats_stages, num_warps=cfg.stats_warps,
+            BLOCK=cfg.stats_block, STAGES=_stages(cfg.stats_stages), num_warps=cfg.stats_warps,
         )  # fmt: skip
     return stats, sums
