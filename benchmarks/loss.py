@@ -34,7 +34,11 @@ the memory-floor setting) on the top-k of the same teacher's logits, in float32 
 ``6 N d V``) as a fraction of the lm-head GEMM rate of the same run, and the time of one
 chunk's four bare GEMMs (teacher and student products, grad_h, grad_W) at each
 ``--gemm-chunks`` size. ``--check`` first compares the Triton passes and the torch passes with
-float64.
+float64. On CUDA, ``--kernel-configs`` first times one chunk's row passes per launch geometry
+(:class:`ExactKernelConfig`; ``before``: the previous kernels, :mod:`benchmarks.exact_before`)
+beside a copy of one table, checks each against the default config's losses and gradient, and
+picks per objective the fastest that agrees: variants ``..._kbest`` run it, ``..._before`` run
+the previous kernels.
 
 ``--check`` first compares every variant with a float64 dense reference at a small N, and the
 bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
@@ -551,12 +555,9 @@ EXACT_KERNEL_CONFIGS = [
     "S4096x16384w8-G4096x4096w8",
     "S1024x8192w4-G1024x8192w4",
     "S2048x16384w4p3-G2048x16384w8p3",
-    "S4096x32768w8p2-G4096x32768w16p2",
-    "F132b4096w16",
     "F132b4096w16p3",
     "F132b8192w32",
     "F66b8192w32p2",
-    "F96b4096w16p3",
 ]
 
 
@@ -579,10 +580,15 @@ def pass_sweep(
     out = [dict(config="copy", ms=copy_ms, gbps=2 * table / copy_ms / 1e6)]
     tf = ek.Transform(1.0, None, 1.0)
     ok: list[tuple[ExactKernelConfig, dict]] = []
+    ref = {loss: chunk_result("default", loss, x, x0, y, tf) for loss in EXACT_LOSS_KINDS}
     for name in names:
         row: dict[str, Any] = dict(config=name)
         try:
             row.update(pass_times(name, x, x0, y, tf, cuda))
+            for loss in EXACT_LOSS_KINDS:  # the same numbers as the default config's?
+                kd, grad = chunk_result(name, loss, x, x0, y, tf)
+                row[f"{loss}_rel_loss"] = rel(kd, ref[loss][0])
+                row[f"{loss}_rel_grad"] = rel(grad, ref[loss][1])
         except Exception as e:  # a config that does not compile is a row, not the end
             row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
             print("passes", name, row["status"], flush=True)
@@ -592,7 +598,11 @@ def pass_sweep(
         row["kl_of_copy_bw"] = 2.5 * copy_ms / row["forward_kl_ms"]  # 5 table transfers vs 2
         print("passes", json.dumps(row), flush=True)
         out.append(row)
-        if name != "before":
+        agrees = all(
+            row[f"{loss}_rel_loss"] < 1e-4 and row[f"{loss}_rel_grad"] < 2e-2
+            for loss in EXACT_LOSS_KINDS
+        )
+        if name != "before" and agrees:
             ok.append((parse_kernel_config(name), row))
     best = pick_configs(ok)
     out.append(dict(config="best", status="picked", **{k: vars(c) for k, c in best.items()}))
@@ -619,6 +629,43 @@ def pick_configs(rows: list[tuple[ExactKernelConfig, dict]]) -> dict[str, ExactK
         if cands:
             best[loss] = min(cands, key=lambda tc: tc[0])[1]
     return best
+
+
+def chunk_result(
+    name: str, loss: str, x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor, tf: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One config's row losses ``KD [rows]`` (beta 0.5) and gradient table of the chunk."""
+    from logitcache.client.loss import exact_kernels as ek
+
+    x.copy_(x0)
+    if name == "before":
+        from benchmarks import exact_before as eb
+
+        old = eb.row_stats(y, x, tf)  # lse(a), lse(b), sum p (a - b), sum q (b - a)
+        sums = eb.jsd_sums(y, x, tf, old) if loss == "jsd" else None
+        lse_a, lse_b, fw, rv = old.unbind(1)
+        st = torch.stack([lse_a, lse_b, fw - lse_a + lse_b, rv - lse_b + lse_a], 1)
+    else:
+        cfg = parse_kernel_config(name)
+        if cfg.fused_programs:
+            st, sums = ek.fused(y, x, tf, loss, 1.0, cfg)
+        else:
+            st = ek.row_stats(y, x, tf, cfg)
+            sums = ek.jsd_sums(y, x, tf, st, cfg) if loss == "jsd" else None
+    if sums is not None:
+        kd, term = 0.5 * (sums[:, 0] + sums[:, 1]), sums[:, 1].contiguous()
+    else:
+        kd = term = st[:, 2 if loss == "forward_kl" else 3].contiguous()
+    if name == "before":
+        from benchmarks import exact_before as eb
+
+        one = torch.ones(1, dtype=torch.float32, device=x.device)
+        eb.row_grad(y, x, tf, loss, st, term, one)
+    elif not cfg.fused_programs:
+        ek.row_grad(y, x, tf, loss, st, term, 1.0, cfg)
+    out = kd.clone(), x.clone()
+    x.copy_(x0)
+    return out
 
 
 def pass_times(
