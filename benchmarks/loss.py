@@ -781,7 +781,11 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
     cuda = device == "cuda"
     out: dict[str, Any] = {"rows": [], "gemm": {}}
     if args.check:
-        out["check"] = exact_check(device)
+        try:
+            out["check"] = exact_check(device)
+        except Exception as e:  # report it and time what still runs
+            out["check_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            print("check failed:", out["check_error"], flush=True)
     for vocab, d in args.configs:
         key = f"{vocab}x{d}"
         gemm = dict(lm_head_tflops=gemm_rate(8192, d, vocab, device, cuda) if cuda else None)
@@ -794,9 +798,13 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
             rows = args.chunk or auto_chunk_size(
                 1 << 30, vocab * TRITON_CHUNK_BUFFERS, torch.bfloat16, torch.device(device)
             )
-            out.setdefault("passes", {})[key], best = pass_sweep(
-                args.kernel_configs, rows, vocab, device
-            )
+            try:
+                out.setdefault("passes", {})[key], best = pass_sweep(
+                    args.kernel_configs, rows, vocab, device
+                )
+            except Exception as e:  # the default config's reference failed: no pick
+                out["passes_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                print("pass sweep failed:", out["passes_error"], flush=True)
             free()
         for n in args.sizes:
             try:
@@ -812,6 +820,9 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
                 except torch.OutOfMemoryError:
                     row["status"] = "OOM"
                     print(f"{name:28s} N={n:7d} OOM", flush=True)
+                except Exception as e:  # one variant failing must not end the run
+                    row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                    print(f"{name:28s} N={n:7d} {row['status']}", flush=True)
                 else:
                     row.update(status="ok", **res)
                     flops = (8 if name.startswith("exact") else 6) * n * d * vocab
