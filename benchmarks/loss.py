@@ -606,6 +606,7 @@ def pass_sweep(
             ok.append((parse_kernel_config(name), row))
     best = pick_configs(ok)
     out.append(dict(config="best", status="picked", **{k: vars(c) for k, c in best.items()}))
+    print("passes", json.dumps(out[-1]), flush=True)
     return out, best
 
 
