@@ -85,6 +85,11 @@ def _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _max2(a1, b1, a2, b2):
+    return tl.maximum(a1, a2), tl.maximum(b1, b2)
+
+
+@triton.jit
 def _stats_loop(
     yb,
     xb,
@@ -116,8 +121,9 @@ def _stats_loop(
         a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP), -float("inf"))
         b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
         d = tl.where(msk, a - b, 0.0)
-        na = tl.maximum(ma, tl.max(a, 0))
-        nb = tl.maximum(mb, tl.max(b, 0))
+        ba, bb = tl.reduce((a, b), 0, _max2)  # both block maxima in one reduction
+        na = tl.maximum(ma, ba)
+        nb = tl.maximum(mb, bb)
         ca = tl.exp(ma - na)
         cb = tl.exp(mb - nb)
         ea = tl.exp(a - na)
