@@ -35,10 +35,9 @@ the memory-floor setting) on the top-k of the same teacher's logits, in float32 
 chunk's four bare GEMMs (teacher and student products, grad_h, grad_W) at each
 ``--gemm-chunks`` size. ``--check`` first compares the Triton passes and the torch passes with
 float64. On CUDA, ``--kernel-configs`` first times one chunk's row passes per launch geometry
-(:class:`ExactKernelConfig`; ``before``: the previous kernels, :mod:`benchmarks.exact_before`)
-beside a copy of one table, checks each against the default config's losses and gradient, and
-picks per objective the fastest that agrees: variants ``..._kbest`` run it, ``..._before`` run
-the previous kernels.
+(:mod:`benchmarks.exact_passes`) and picks per objective the fastest config that agrees with
+the default's numbers: variants ``..._kbest`` run it, ``..._before`` run the previous kernels
+(:mod:`benchmarks.exact_before`).
 
 ``--check`` first compares every variant with a float64 dense reference at a small N, and the
 bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
