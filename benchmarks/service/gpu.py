@@ -43,8 +43,8 @@ position times the job's positions) is beside it. The server's busiest threads a
 seconds. The in-process figure (3) needs no such estimate.
 
 Usage (GPU box, through the harness's device runner; wheels as in
-benchmarks/results/service.md (section ``gpu``), msgspec among them: ``fast_paths`` in the JSON says whether
-the job path's compiled passes were there)::
+benchmarks/results/service.md, section ``gpu``, msgspec among them: ``fast_paths`` in the JSON
+says whether the job path's compiled passes were there)::
 
     python -m benchmarks.harness device WHEELS -- -m benchmarks.service gpu --shapes 1b 8b \\
         --sequences 1000 --seq-len 2048 --k 100 --json benchmarks/results/service_gpu.json
