@@ -43,15 +43,16 @@ FETCH_ITEMS = 64
 #: Sequences per read when ``shuffle=False`` (the order is the storage order: contiguous reads).
 SEQUENTIAL_BLOCK = 64
 
-#: Decoded bytes per row above which a shuffled stream reads the sequences of each unit instead
-#: of whole shuffle blocks. A block read holds its block until the last unit that needs it, and
-#: with ``lanes`` every lane holds the blocks of its current window: about ``lanes * window *
-#: block`` sequences, the whole of a cache of up to that many, all read before every lane's
-#: first unit. With ``TRAINER_SHUFFLE`` (6,144 sequences, 4.5M rows of 735 tokens on average)
-#: that is 3.6 GB of top-k rows (k=100: 804 B) but 37 GB of hidden rows (d=4096 bfloat16: 8 KB),
-#: while a hidden store's inner chunks of about 1 MiB (128 rows at d=4096) make a read of single
-#: sequences cost little more than their own rows (benchmarks/results/loader.md).
-BLOCK_READ_MAX_ROW_BYTES = 2048
+#: Bytes per row from which a shuffled stream reads the sequences of each unit instead of whole
+#: shuffle blocks (hidden rows at d >= 1024 in bfloat16; top-k rows below k = 256). A block read
+#: holds its block until the last unit that needs it, and with ``lanes`` every lane holds the
+#: blocks of its current window: about ``lanes * window * block`` sequences, the whole of a
+#: cache of up to that many, all read before every lane's first unit. With ``TRAINER_SHUFFLE``
+#: (6,144 sequences, 4.5M rows at 735 tokens on average) that is 3.6 GB of top-k rows (k=100:
+#: 804 B) but 37 GB of hidden rows (d=4096: 8 KB), while a hidden store's inner chunks of about
+#: 1 MiB (128 rows at d=4096, 512 at d=1024) make a read of single sequences decode little more
+#: than their own rows (benchmarks/results/loader.md).
+UNIT_READ_ROW_BYTES = 2048
 
 
 def default_read_threads(num_workers: int, cpus: int | None) -> int:
@@ -75,13 +76,13 @@ def read_granularity(config: Any, row_size: int) -> tuple[int, int]:
     """``(block, group)`` of :class:`ReadAhead` for a stream ``config``
     (:class:`~logitcache.client.config.StreamConfig`) over rows of ``row_size`` bytes
     (:func:`row_bytes`): :data:`SEQUENTIAL_BLOCK` sequences per read unshuffled; whole shuffle
-    blocks shuffled, unless the rows are larger than :data:`BLOCK_READ_MAX_ROW_BYTES` (then each
-    read is the sequences of one unit) or the blocks are single sequences (then of the units of
+    blocks shuffled, unless the rows have :data:`UNIT_READ_ROW_BYTES` or more (then each read
+    is the sequences of one unit) or the blocks are single sequences (then of the units of
     :data:`FETCH_ITEMS` items). The stream is the same whichever reads serve it."""
     unit = config.batch_size or 1
     if not config.shuffle:
         return SEQUENTIAL_BLOCK, 1
-    if row_size > BLOCK_READ_MAX_ROW_BYTES:
+    if row_size >= UNIT_READ_ROW_BYTES:
         return 1, 1
     if config.shuffle_block_size > 1:
         return config.shuffle_block_size, 1
