@@ -74,7 +74,7 @@ from .config import TRAINER_SHUFFLE, ReadOptions, StreamConfig
 from .errors import ConfigError, CutSequenceWarning, StateError
 from .guards import check_compatible
 from .order import epoch_order, lane_item_order, rank_partition, worker_units
-from .readahead import ReadAhead, default_read_threads
+from .readahead import ReadAhead, default_read_threads, read_granularity, row_bytes
 from .resume_mark import ResumeMark
 from .sources import CacheSource, HttpSource, LocalSource, open_source
 from .state import LoaderState
@@ -83,14 +83,6 @@ from .world import agree_min, current_worker, distributed_world_size, resolve_ra
 __all__ = ["CacheDataset", "CacheDataLoader", "ReadOptions", "StreamConfig", "TRAINER_SHUFFLE"]
 
 _DONE = object()
-
-#: Items whose sequences one ``source.fetch`` call reads with a uniform full shuffle
-#: (``shuffle_block_size=1``): more give the source longer runs to merge and fewer calls, at the
-#: price of memory and first-batch delay.
-_FETCH_ITEMS = 64
-
-#: Sequences per read when ``shuffle=False`` (the order is the storage order: contiguous reads).
-_SEQUENTIAL_BLOCK = 64
 
 
 def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
@@ -442,13 +434,14 @@ class CacheDataset(IterableDataset):
         try:
             plan = self.plan()
             worker, num_workers = current_worker()
+            block, group = read_granularity(self.config, row_bytes(self.manifest))
             reads = ReadAhead(
                 self.source,
                 [plan.sequences_of(items) for items in units],
-                block=self.config.shuffle_block_size if self.config.shuffle else _SEQUENTIAL_BLOCK,
+                block=block,
                 num_sequences=self.num_sequences,
                 threads=self._read_threads(num_workers if get_worker_info() else 0),
-                group=max(1, _FETCH_ITEMS // (self.config.batch_size or 1)),
+                group=group,
             )
             for u, items in enumerate(units):
                 unit = self._make_unit(plan, items, reads.records(u), trim)

@@ -12,9 +12,9 @@ Reads
 * ``block > 1`` (block or windowed shuffle, or a sequential stream): a read is one whole block of
   ``block`` consecutive sequences (``[b * block, (b + 1) * block)``), i.e. one contiguous range
   read, whichever of its sequences the units need.
-* ``block = 1`` (uniform full shuffle): the units are cut into groups of ``group`` consecutive
-  units; a read is the sequences first needed by one group (merged into few ranges by the
-  source).
+* ``block = 1`` (uniform full shuffle, or rows too large to hold whole blocks: see
+  :func:`read_granularity`): the units are cut into groups of ``group`` consecutive units; a
+  read is the sequences first needed by one group (merged into few ranges by the source).
 
 Every read is issued once per iteration, in the order of the unit that first needs it, and its
 records are dropped after the last unit that needs them: memory holds the reads that are in use
@@ -33,7 +33,26 @@ import numpy as np
 from .errors import SourceError
 from .sources import CacheSource
 
-__all__ = ["ReadAhead", "default_read_threads"]
+__all__ = ["ReadAhead", "default_read_threads", "read_granularity", "row_bytes"]
+
+#: Items whose sequences one ``source.fetch`` call reads when reads follow the units (``block =
+#: 1``): more give the source longer runs to merge and fewer calls, at the price of memory and
+#: first-batch delay.
+FETCH_ITEMS = 64
+
+#: Sequences per read when ``shuffle=False`` (the order is the storage order: contiguous reads).
+SEQUENTIAL_BLOCK = 64
+
+#: Bytes per row from which a shuffled stream reads the sequences of each unit instead of whole
+#: shuffle blocks (hidden rows at d >= 1024 in bfloat16; top-k rows below k = 256). A block read
+#: holds its block until the last unit that needs it, and with ``lanes`` every lane holds the
+#: blocks of its current window: about ``lanes * window * block`` sequences, the whole of a
+#: cache of up to that many, all read before every lane's first unit. With ``TRAINER_SHUFFLE``
+#: (6,144 sequences, 4.5M rows at 735 tokens on average) that is 3.6 GB of top-k rows (k=100:
+#: 804 B) but 37 GB of hidden rows (d=4096: 8 KB), while a hidden store's inner chunks of about
+#: 1 MiB (128 rows at d=4096, 512 at d=1024) make a read of single sequences decode little more
+#: than their own rows (benchmarks/results/loader.md).
+UNIT_READ_ROW_BYTES = 2048
 
 
 def default_read_threads(num_workers: int, cpus: int | None) -> int:
@@ -43,6 +62,31 @@ def default_read_threads(num_workers: int, cpus: int | None) -> int:
     workers gets 2; 12 or more workers get 1 each.
     """
     return max(1, min(4, (cpus or 1) // max(1, num_workers)))
+
+
+def row_bytes(manifest: Any) -> int:
+    """Bytes of one row of the records a source returns for a cache with ``manifest``: a hidden
+    cache's bfloat16 state (``2 d``, FORMAT.md 4.10), else ``k`` int32 ids and float32 logprobs
+    plus a float32 tail."""
+    hidden = getattr(manifest, "hidden", None)
+    return 2 * int(hidden["dim"]) if hidden else 8 * int(manifest.k) + 4
+
+
+def read_granularity(config: Any, row_size: int) -> tuple[int, int]:
+    """``(block, group)`` of :class:`ReadAhead` for a stream ``config``
+    (:class:`~logitcache.client.config.StreamConfig`) over rows of ``row_size`` bytes
+    (:func:`row_bytes`): :data:`SEQUENTIAL_BLOCK` sequences per read unshuffled; whole shuffle
+    blocks shuffled, unless the rows have :data:`UNIT_READ_ROW_BYTES` or more (then each read
+    is the sequences of one unit) or the blocks are single sequences (then of the units of
+    :data:`FETCH_ITEMS` items). The stream is the same whichever reads serve it."""
+    unit = config.batch_size or 1
+    if not config.shuffle:
+        return SEQUENTIAL_BLOCK, 1
+    if row_size >= UNIT_READ_ROW_BYTES:
+        return 1, 1
+    if config.shuffle_block_size > 1:
+        return config.shuffle_block_size, 1
+    return 1, max(1, FETCH_ITEMS // unit)
 
 
 class ReadAhead:

@@ -244,7 +244,9 @@ class LocalSource:
         """Read the wanted sequences with few range reads (each read has a fixed cost).
 
         Runs of wanted sequences less than ``max_gap_tokens`` apart are merged into one
-        sequence range (:func:`merged_ranges`); all ranges are read by one
+        sequence range (:func:`merged_ranges`; a hidden cache's runs are read as they are: its
+        rows are read chunk by chunk, each chunk once per call, so a merged gap would only
+        decode unwanted rows, 8 KB each at d=4096); all ranges are read by one
         ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
         concurrent) and the unwanted sequences in between are dropped. With point reads (see
         the class: by default for scattered sequences on a local store read by the compiled
@@ -255,8 +257,9 @@ class LocalSource:
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(lengths)):
             raise SourceError(f"sequence indices outside [0, {len(lengths)})")
-        ranges = merged_ranges(wanted, lengths, self.max_gap_tokens)
-        dt = "bfloat16" if self.reader.manifest.hidden is not None else "float32"  # FORMAT 4.10
+        hidden = self.reader.manifest.hidden is not None  # FORMAT.md 4.10
+        ranges = merged_ranges(wanted, lengths, 0 if hidden else self.max_gap_tokens)
+        dt = "bfloat16" if hidden else "float32"
         if self._point_reads(len(wanted), len(ranges)):
             picked = wanted.tolist()
             got = self.reader.sequences(picked, logprob_dtype=dt)
