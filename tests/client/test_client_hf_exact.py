@@ -6,7 +6,7 @@ the PyTorch teacher on the same packed batch, and two real ``Trainer`` steps tra
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -14,10 +14,13 @@ from format_support import hidden_manifest
 from logitcache.cache_format import CacheWriter, HiddenRecord
 from logitcache.client import CacheDataset, StreamConfig
 from logitcache.client.errors import ConfigError
-from logitcache.client.hf import CacheDistillTrainer, RankEvenStream
 from logitcache.client.packing import packed_hidden_states
-from transformers import LlamaForCausalLM, TrainingArguments
 
+if TYPE_CHECKING:
+    from logitcache.client.hf import CacheDistillTrainer
+
+# The trainer stack (transformers.Trainer, ~5 CPU-s to import) is imported by the tests that use
+# it, not when the module is collected: every pytest process collects this file.
 T, B = 64, 2
 
 
@@ -38,6 +41,9 @@ def _dataset(url: str, tiny: Any) -> CacheDataset:
 
 
 def _trainer(url: str, tiny: Any, out: str, **kw: Any) -> CacheDistillTrainer:
+    from logitcache.client.hf import CacheDistillTrainer
+    from transformers import LlamaForCausalLM, TrainingArguments
+
     args = TrainingArguments(
         out,
         per_device_train_batch_size=B,
@@ -58,6 +64,8 @@ def test_hidden_batches_train_with_the_exact_loss(hidden_cache, tiny, tmp_path) 
     trainer = _trainer(hidden_cache, tiny, str(tmp_path / "run"))
     batch = next(iter(trainer.get_train_dataloader()))
     assert batch["hidden"].dtype == torch.bfloat16 and "topk_ids" not in batch
+    from transformers import LlamaForCausalLM
+
     teacher = LlamaForCausalLM.from_pretrained(str(tiny.teacher_dir)).float().eval()
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch)
@@ -79,6 +87,8 @@ def test_hidden_batches_train_with_the_exact_loss(hidden_cache, tiny, tmp_path) 
 
 
 def test_empty_hidden_unit_counts_nothing(hidden_cache, tiny, tmp_path) -> None:
+    from logitcache.client.hf import RankEvenStream
+
     trainer = _trainer(hidden_cache, tiny, str(tmp_path / "run"), kd_loss="jsd")
     unit = RankEvenStream(trainer.train_dataset, 1).empty_unit()
     assert unit["hidden"].shape == (1, T, 256) and unit["target_kind"] == "hidden"
