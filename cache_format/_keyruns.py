@@ -285,11 +285,19 @@ class KeyRuns:
 
     def candidates(self, hashes: np.ndarray) -> list[list[int]]:
         """For each hash, the sequences whose key hashes to it (ascending)."""
+        j, seqs = self.matches(hashes)
+        out: list[list[int]] = [[] for _ in range(len(hashes))]
+        for i, s in zip(j.tolist(), seqs.tolist(), strict=True):
+            out[i].append(s)
+        return [sorted(x) for x in out]
+
+    def matches(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every ``(j, sequence)`` whose key hashes to ``hashes[j]``, as two int64 arrays."""
         try:
-            return self._candidates(hashes)
+            return self._matches(hashes)
         except MissingDataError:
             self.update(self._reload())
-            return self._candidates(hashes)
+            return self._matches(hashes)
 
     def _run_blocks(self, ref: RunRef, crcs: np.ndarray, used: list[int]) -> np.ndarray:
         """Entries of blocks ``used`` (ascending) of run ``ref``: kept ones from memory, the
@@ -311,8 +319,8 @@ class KeyRuns:
         have |= read
         return np.concatenate([have[j] for j in used])
 
-    def _candidates(self, hashes: np.ndarray) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in range(len(hashes))]
+    def _matches(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        js, seqs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for ref in list(self._runs):
             heads, crcs = self._fence(ref)[:2]
             lo = np.maximum(np.searchsorted(heads, hashes, "left") - 1, 0)
@@ -325,10 +333,15 @@ class KeyRuns:
                 continue
             ent = self._run_blocks(ref, crcs, used.tolist())
             a = np.searchsorted(ent["hash"], hashes, "left")
-            b = np.searchsorted(ent["hash"], hashes, "right")
-            for j in np.flatnonzero(b > a).tolist():
-                out[j].extend(ent["seq"][a[j] : b[j]].tolist())
-        return [sorted(x) for x in out]
+            count = np.searchsorted(ent["hash"], hashes, "right") - a
+            hit = np.flatnonzero(count)
+            if not len(hit):
+                continue
+            c = count[hit]
+            pos = np.repeat(a[hit] - np.cumsum(c) + c, c) + np.arange(int(c.sum()))
+            js.append(np.repeat(hit, c).astype(np.int64))
+            seqs.append(ent["seq"][pos].astype(np.int64))
+        return np.concatenate(js), np.concatenate(seqs)
 
 
 def next_runs(

@@ -141,3 +141,20 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("how", ["records", "batch"])
+@pytest.mark.parametrize("fast", [True, False], ids=["compiled", "numpy"])
+def test_appends_store_the_golden_bytes(tmp_path, monkeypatch, case: str, how: str, fast: bool):
+    from logitcache.cache_format import _encode
+
+    monkeypatch.setattr(_encode, "FAST_ENCODE", fast)
+    want = json.loads(GOLDEN.read_text())[case]
+    write_case(tmp_path / case, case, how)
+    got = digests(tmp_path / case)
+    assert sorted(got) == sorted(want)
+    assert [p for p in want if got[p] != want[p]] == []
