@@ -12,8 +12,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from . import _kernels as kernels
+from . import _keyindex as keyindex
 from . import _rowextra, fastencode, spec
-from ._keyindex import byte_hashes
 from ._manifest import Manifest
 from ._seqbatch import SequenceBatch, give_tails
 from .errors import RecordError
@@ -89,7 +89,7 @@ class Batch:
         else:
             lens = np.fromiter((len(k.encode("utf-8")) for k in keys), np.int64, len(keys))
         self.key_bytes, self.key_lens = np.frombuffer(raw, np.uint8), lens
-        self.hashes = byte_hashes(self.key_bytes, np.cumsum(lens))
+        self.hashes = keyindex.byte_hashes(self.key_bytes, np.cumsum(lens))
 
     @classmethod
     def of(cls, encoded: list[Encoded]) -> Batch:

@@ -84,8 +84,13 @@ class SequenceBatch:
             keys = list(keys)
             if len(keys) != n:
                 raise RecordError(f"keys must be {n} (one per sequence), got {len(keys)}")
-            if not all(isinstance(k, str) and k for k in keys):
-                i = next(j for j, k in enumerate(keys) if not isinstance(k, str) or not k)
+            try:  # one pass in C: join refuses anything but str
+                "".join(keys)
+                empty = np.fromiter(map(len, keys), np.int64, n) == 0
+            except TypeError:
+                empty = np.array([not isinstance(k, str) for k in keys], bool)
+            if empty.any():
+                i = _first(empty)
                 raise RecordError(f"key must be a non-empty str, got {keys[i]!r}", index=i)
         tail = self.tail_mass
         if tail is not None:
