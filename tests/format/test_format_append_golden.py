@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 GOLDEN = Path(__file__).with_name("append_golden.json")
 NOW = "2026-01-01T00:00:00+00:00"
@@ -95,7 +96,8 @@ def sequences(case: str) -> list[list[dict[str, Any]]]:
 
 def write_case(url: Path, case: str, how: str = "records") -> None:
     """Write ``case``'s appends to a new store at ``url``: as ``SequenceRecord`` lists
-    (``how="records"``) or as ``SequenceBatch`` es (``"batch"``), commit times fixed."""
+    (``how="records"``) or as ``SequenceBatch`` es of flat arrays (``"batch"``), commit
+    times fixed."""
     from unittest import mock
 
     from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
@@ -110,13 +112,35 @@ def write_case(url: Path, case: str, how: str = "records") -> None:
     with mock.patch.object(writer_mod, "utcnow", lambda: NOW):
         with CacheWriter.open(url, m, fsync=False) as w:
             for batch in sequences(case):
-                recs = [SequenceRecord(**s) for s in batch]
-                if how == "records":
-                    w.append(recs)
-                else:
-                    from logitcache.cache_format import SequenceBatch
+                w.append([SequenceRecord(**s) for s in batch] if how == "records" else flat(batch))
 
-                    w.append(SequenceBatch.of_records(recs))
+
+def flat(batch: list[dict[str, Any]]) -> Any:
+    """The sequences of one append as a ``SequenceBatch`` of flat arrays (tail masses not
+    given computed with ``tail_from_logprobs``, masks not given all ones)."""
+    from logitcache.cache_format import SequenceBatch, tail_from_logprobs
+
+    def col(name: str, fill: Any) -> Any:
+        got = [s[name] for s in batch]
+        if all(g is None for g in got):
+            return None
+        return np.concatenate(
+            [fill(s) if g is None else g for s, g in zip(batch, got, strict=True)]
+        )
+
+    keys = [s["key"] for s in batch]
+    lengths = [len(s["input_ids"]) for s in batch]
+    return SequenceBatch(
+        input_ids=np.concatenate([s["input_ids"] for s in batch]),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+        topk_ids=np.concatenate([s["topk_ids"] for s in batch]),
+        topk_logprobs=np.concatenate([s["topk_logprobs"] for s in batch]),
+        keys=None if all(k is None for k in keys) else keys,
+        tail_mass=col("tail_mass", lambda s: tail_from_logprobs(s["topk_logprobs"])),
+        loss_mask=col("loss_mask", lambda s: np.ones(len(s["input_ids"]) - 1, np.uint8)),
+        entropy=col("entropy", None),
+        actual_logprob=col("actual_logprob", None),
+    )
 
 
 def digests(url: Path) -> dict[str, str]:
@@ -142,8 +166,6 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1])
 
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
