@@ -169,16 +169,17 @@ def encode_batch(
     arrays are bit-identical to :func:`encode_record`'s concatenated. Records without a tail
     mass are given their rows of the tail computed here (:func:`._seqbatch.give_tails`).
     """
-    recs = None if isinstance(records, SequenceBatch) else list(records)
-    if recs is not None and manifest.hidden is not None:  # FORMAT.md 4.10: no top-k entries
-        return _hidden_batch(recs, manifest) if recs else None
-    if recs is None:
+    recs: list[Any] | None = None
+    if isinstance(records, SequenceBatch):
         if manifest.hidden is not None:
             raise RecordError('a targets="hidden" store takes HiddenRecord, got SequenceBatch')
         batch = records
-    elif not recs:
-        return None
     else:
+        recs = list(records)
+        if not recs:
+            return None
+        if manifest.hidden is not None:  # FORMAT.md 4.10: hidden rows, no top-k entries
+            return _hidden_batch(recs, manifest)
         k, mask = manifest.k, manifest.loss_mask
         if not (
             all(

@@ -267,9 +267,9 @@ class KeyTable:
         if runs is not None:
             if not len(keys):
                 return out
-            j, seqs = runs.matches(h)  # hash seen: confirm against the store, first seq first
-            for at in np.lexsort((seqs, j)).tolist():
-                i, s = int(j[at]), int(seqs[at])
+            which, seqs = runs.matches(h)  # hash seen: confirm against the store, first first
+            for at in np.lexsort((seqs, which)).tolist():
+                i, s = int(which[at]), int(seqs[at])
                 if not out[i] and s < n and self.key(s, n) == keys[i]:
                     out[i] = True
             return out

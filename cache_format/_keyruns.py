@@ -115,7 +115,7 @@ def encode_run(
     ref = RunRef(first, count, generation, f"{_crc(fence):08x}")
     rec = record(ref)
     foot = _FOOT.pack(MAGIC, first, count, generation, len(rec), _crc(fence), _crc(rec))
-    return ref, raw + rec + fence + foot + _crc(foot).to_bytes(4, "little")
+    return ref, b"".join((raw, rec, fence, foot, _crc(foot).to_bytes(4, "little")))  # one copy
 
 
 def merge_plan(runs: Sequence[RunRef], added: int) -> int:

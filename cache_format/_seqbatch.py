@@ -148,7 +148,9 @@ class SequenceBatch:
             if all(given):
                 fields[name] = np.concatenate(got)
             elif any(given):
-                raise RecordError(f"record has no {name} where others have", index=given.index(0))
+                raise RecordError(
+                    f"record has no {name} where others have", index=given.index(False)
+                )
             else:
                 fields[name] = None
         batch = object.__new__(cls)
