@@ -189,7 +189,7 @@ def encode_batch(
             and _rowextra.batch_matches(recs, manifest)
         ):
             _raise_first(recs.__getitem__, len(recs), manifest, 0)
-        batch = SequenceBatch.of_records(recs)
+        batch = SequenceBatch.of_records(recs, None if out is None else out.take_rows)
     if batch.num_sequences == 0:
         return None
     arrays = _encode_rows(batch, manifest, out)

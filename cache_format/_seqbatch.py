@@ -6,7 +6,7 @@ per sequence (content keys excepted: one SHA-256 each, FORMAT.md §2)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,10 +109,14 @@ class SequenceBatch:
         self.__dict__.update(fields)
 
     @classmethod
-    def of_records(cls, records: Sequence[SequenceRecord]) -> SequenceBatch:
+    def of_records(
+        cls, records: Sequence[SequenceRecord], rows_into: Callable[[int, int], Any] | None = None
+    ) -> SequenceBatch:
         """The batch of ``records`` (checked ``SequenceRecord`` s of one ``k``; each optional
         row array given by all of them or by none, the tail mass and loss mask excepted: a
-        record without one has its computed tail, or a mask of ones, where others have one)."""
+        record without one has its computed tail, or a mask of ones, where others have one).
+        ``rows_into(rows, k)``: the int32 and float32 ``[rows, k]`` arrays to join the top-k
+        rows into (:meth:`.fastencode.Outputs.take_rows`; ``None``: new arrays)."""
         if not records:
             raise RecordError("a batch of records needs at least one record")
         k = records[0].k
@@ -124,11 +128,19 @@ class SequenceBatch:
         np.cumsum(lengths, out=off[1:])
         tails = [r.tail_mass for r in records]
         masks = [r.loss_mask for r in records]
+        ids = [r.topk_ids for r in records]
+        lps = [r.topk_logprobs for r in records]
+        if rows_into is None:
+            topk, lp = np.concatenate(ids), np.concatenate(lps)
+        else:
+            topk, lp = rows_into(int(off[-1]) - len(records), k)
+            np.concatenate(ids, out=topk)
+            np.concatenate(lps, out=lp)
         fields: dict[str, Any] = dict(
             input_ids=np.concatenate([r.input_ids for r in records]),
             offsets=off,
-            topk_ids=np.concatenate([r.topk_ids for r in records]),
-            topk_logprobs=np.concatenate([r.topk_logprobs for r in records]),
+            topk_ids=topk,
+            topk_logprobs=lp,
             keys=[r.key for r in records],
             tail_mass=None,
             loss_mask=None,
