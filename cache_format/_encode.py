@@ -289,6 +289,8 @@ def _encode_rows(
         if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
             return None
     step = max(1, ENCODE_GROUP_VALUES // k)
+    lp = b.topk_logprobs
+    tails = np.empty(rows, np.float32) if t is None and known_tail(b) is None else None
     if (
         FAST_ENCODE
         and manifest.logprob_dtype == "float16"
@@ -302,24 +304,26 @@ def _encode_rows(
         with _tables_lock:  # one table per writer thread at a time
             table = _tables.pop(vocab, None) or fastencode.StampTable(vocab)
         try:
-            ok = fastencode.encode_rows(
-                b.topk_ids, b.topk_logprobs, ids, stored, table, LOGPROB_TOLERANCE
-            )
+            for a in range(0, rows, step):
+                part = slice(a, a + step)
+                if not fastencode.encode_rows(
+                    b.topk_ids[part], lp[part], ids[part], stored[part], table, LOGPROB_TOLERANCE
+                ):
+                    return None
+                if tails is not None:  # after the kernel: its rows are in cache
+                    tails[part] = tail_from_logprobs(lp[part])
         finally:
             with _tables_lock:
                 _tables[vocab] = table
-        if not ok:
-            return None
         arrays = {spec.TOPK_LOGPROBS: stored, spec.TOPK_IDS: ids}
     else:
         got = _encode_numpy(b, manifest, step)
         if got is None:
             return None
         arrays = got
-    if t is None and known_tail(b) is None:  # computed in groups: no batch-sized temporaries
-        tails = np.empty(rows, np.float32)
-        for a in range(0, rows, step):
-            tails[a : a + step] = tail_from_logprobs(b.topk_logprobs[a : a + step])
+        for a in range(0, rows if tails is not None else 0, step):  # no batch-sized temporaries
+            tails[a : a + step] = tail_from_logprobs(lp[a : a + step])  # type: ignore[index]
+    if tails is not None:
         keep_tail(b, tails)
     arrays[spec.TAIL_MASS] = b.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
     arrays.update(extras)
