@@ -27,7 +27,8 @@ Modes (``python -m benchmarks.format <mode> --help``)::
 * ``index``: what opening a cache of many sequences costs. One synthetic cache per
   ``--sequences`` value (built once per ``--store-dir``, reused by later runs, e.g. a baseline
   under another tree via ``python -m benchmarks.harness with-tree``): sequences of 2 tokens,
-  k=4, vocab 1000, keys ``doc-<10 digits>``, appends of 50,000 sequences without fsync. Then,
+  k=4, vocab 1000, keys ``doc-<10 digits>``, appends of 50,000 sequences without fsync
+  (``--appends batch``: each a ``SequenceBatch``; the build's rate is logged). Then,
   each in a fresh Python process (imports done before the clock starts), ``--repeats`` times
   (the median is reported): **reader**: ``CacheReader(url, decoder="numpy")`` seconds and RSS
   growth, the first ``index_of(key)`` (seconds, RSS growth counted from before the open), the
@@ -461,8 +462,9 @@ def _key(i: int) -> str:
     return f"doc-{i:010d}"
 
 
-def build_index_cache(url: Path, n: int, seed: int = 0) -> None:
-    """A cache of ``n`` 2-token sequences at ``url`` and its manifest as ``url.json``."""
+def build_index_cache(url: Path, n: int, seed: int = 0, appends: str = "records") -> None:
+    """A cache of ``n`` 2-token sequences at ``url`` and its manifest as ``url.json``, appended
+    as ``SequenceRecord`` lists (``appends="records"``) or ``SequenceBatch`` es (``"batch"``)."""
     from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
 
     m = Manifest(
@@ -477,15 +479,25 @@ def build_index_cache(url: Path, n: int, seed: int = 0) -> None:
     lp = np.sort(-rng.random((INDEX_BATCH, INDEX_K)).astype(np.float32) * 5 - 0.01, axis=1)
     lp = np.ascontiguousarray(lp[:, ::-1])
     toks = rng.integers(0, INDEX_VOCAB, size=(INDEX_BATCH, 2)).astype(np.int32)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with CacheWriter.open(url, m, fsync=False) as w:
         for a in range(0, n, INDEX_BATCH):
+            part = range(a, min(n, a + INDEX_BATCH))
+            if appends == "batch":
+                from logitcache.cache_format import SequenceBatch
+
+                c = len(part)
+                offsets = np.arange(0, 2 * c + 1, 2)
+                keys = [_key(i) for i in part]
+                w.append(SequenceBatch(toks[:c].reshape(-1), offsets, ids[:c], lp[:c], keys))
+                continue
             w.append(
                 SequenceRecord(_key(i), toks[j], ids[j : j + 1], lp[j : j + 1])
-                for j, i in enumerate(range(a, min(n, a + INDEX_BATCH)))
+                for j, i in enumerate(part)
             )
     Path(f"{url}.json").write_text(m.model_dump_json())
-    log(f"built {n:,} sequences in {time.perf_counter() - t0:.1f} s")
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    log(f"built {n:,} sequences ({appends}) in {wall:.1f} s, {cpu:.1f} CPU-s: {n / wall:,.0f}/s")
 
 
 def index_probe(role: str, url: str, n: int, tree: str) -> None:
@@ -568,7 +580,7 @@ def run_index(args: argparse.Namespace) -> None:
         for n in args.sequences:
             url = root / f"n{n}"
             if not Path(f"{url}.json").exists():
-                build_index_cache(url, n, args.seed)
+                build_index_cache(url, n, args.seed, args.appends)
             roles = ["reader", "writer"] + (["validate"] if n <= args.validate_max else [])
             got: dict[str, dict[str, list[float]]] = {role: {} for role in roles}
             for _ in range(args.repeats):
@@ -642,6 +654,7 @@ def main(argv: list[str] | None = None) -> None:
             s.add_argument("--repeats", type=int, default=3)
             s.add_argument("--label", default="this tree")
             s.add_argument("--validate-max", type=int, default=100_000, help="validate up to this")
+            s.add_argument("--appends", default="records", choices=["records", "batch"])
         if name == "random":
             s.add_argument("--layouts", nargs="+", default=["default", "random_access"])
             s.add_argument("--threads", type=int, nargs="+", default=[1, 8])

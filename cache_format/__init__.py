@@ -6,7 +6,8 @@ Importing this package does not import torch.
 
 - reading and writing: :class:`CacheReader`, :class:`CacheWriter`, :class:`IndexSnapshot`,
   :func:`validate`, :func:`kernels_in_use` (which compiled kernels run);
-- records and their wire form: :class:`SequenceRecord`, :class:`RowBlock`, :class:`TopkRows`,
+- records and their wire form: :class:`SequenceRecord`, :class:`SequenceBatch` (many sequences as
+  flat columns, the writer's fastest input), :class:`RowBlock`, :class:`TopkRows`,
   :func:`encode_records` / :func:`decode_records`;
 - the manifest and the teacher identity: :class:`Manifest`, :data:`TEACHER_FIELDS`,
   :func:`teacher_diff`, :func:`tokenizer_fingerprint`;
@@ -20,6 +21,7 @@ from ._fingerprint import tokenizer_fingerprint
 from ._info import kernels_in_use
 from ._manifest import IDENTITY_FIELDS, Manifest
 from ._reader import CacheReader
+from ._seqbatch import SequenceBatch
 from ._snapshot import IndexSnapshot
 from ._validate import Problem, ValidationReport, validate
 from ._wire import (
@@ -100,6 +102,7 @@ __all__ = [
     "Problem",
     "RecordError",
     "RowBlock",
+    "SequenceBatch",
     "SequenceRecord",
     "StoreNeedsRepairError",
     "StoreNotFoundError",

@@ -5,17 +5,27 @@ same bytes; nothing is written here."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import numpy as np
 
 from . import _kernels as kernels
+from . import _keyindex as keyindex
 from . import _rowextra, fastencode, spec
 from ._manifest import Manifest
+from ._seqbatch import SequenceBatch, give_tails
 from .errors import RecordError
 from .quant import F16_MIN, encode_logprobs, row_delta
-from .records import SequenceRecord, check_record, rows_pass, tail_from_logprobs
+from .records import (
+    SequenceRecord,
+    check_record,
+    keep_tail,
+    known_tail,
+    rows_pass,
+    tail_from_logprobs,
+)
 
 
 @dataclass
@@ -55,12 +65,31 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
 @dataclass
 class Batch:
     """The validated records of one append, in storage dtypes, each array concatenated over
-    the batch (rows and tokens in record order)."""
+    the batch (rows and tokens in record order), with the keys' UTF-8 bytes (``key_bytes``,
+    ``key_lens`` per key) and their hashes (:func:`._keyindex.byte_hashes`), made once."""
 
     keys: list[str]
     lengths: np.ndarray  # int64 [S]: tokens of each record
     input_ids: np.ndarray  # [T] int32
     arrays: dict[str, np.ndarray]  # row arrays by name, [R, ...]
+    key_bytes: np.ndarray = field(init=False)  # uint8, the keys' UTF-8 bytes back to back
+    key_lens: np.ndarray = field(init=False)  # int64 [S]
+    hashes: np.ndarray = field(init=False)  # int64 [S]
+
+    def __post_init__(self) -> None:
+        keys = self.keys
+        text = "".join(keys)
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            i = next(j for j, k in enumerate(keys) if not k.isascii() and _no_utf8(k))
+            raise RecordError(f"key is not valid UTF-8 text ({e.reason})", index=i) from None
+        if len(raw) == len(text):  # ASCII: one byte per character
+            lens = np.fromiter(map(len, keys), np.int64, len(keys))
+        else:
+            lens = np.fromiter((len(k.encode("utf-8")) for k in keys), np.int64, len(keys))
+        self.key_bytes, self.key_lens = np.frombuffer(raw, np.uint8), lens
+        self.hashes = keyindex.byte_hashes(self.key_bytes, np.cumsum(lens))
 
     @classmethod
     def of(cls, encoded: list[Encoded]) -> Batch:
@@ -72,140 +101,163 @@ class Batch:
             {n: np.concatenate([e.arrays[n] for e in encoded]) for n in encoded[0].arrays},
         )
 
-    def select(self, keep: list[int]) -> Batch:
-        """The records ``keep`` (indices, ascending) of this batch."""
-        if len(keep) == len(self.keys):
+    def fresh(self, stored: np.ndarray) -> Batch | None:
+        """The records to append: those not ``stored`` (bool per record), each key's first
+        (``None``: none)."""
+        keep = ~stored & first_of_each(self.keys, self.hashes)
+        if keep.all():
             return self
+        if not keep.any():
+            return None
         rows = self.lengths - 1
-        row_end, tok_end = np.cumsum(rows), np.cumsum(self.lengths)
-        r = np.concatenate([np.arange(row_end[i] - rows[i], row_end[i]) for i in keep])
-        t = np.concatenate([np.arange(tok_end[i] - self.lengths[i], tok_end[i]) for i in keep])
-        return Batch(
-            [self.keys[i] for i in keep],
-            self.lengths[keep],
-            self.input_ids[t],
-            {n: a[r] for n, a in self.arrays.items()},
-        )
+        out = object.__new__(Batch)
+        out.keys = [k for k, kept in zip(self.keys, keep.tolist(), strict=True) if kept]
+        out.lengths = self.lengths[keep]
+        out.input_ids = self.input_ids[np.repeat(keep, self.lengths)]
+        row_keep = np.repeat(keep, rows)
+        out.arrays = {n: a[row_keep] for n, a in self.arrays.items()}
+        out.key_bytes = self.key_bytes[np.repeat(keep, self.key_lens)]
+        out.key_lens, out.hashes = self.key_lens[keep], self.hashes[keep]
+        return out
 
 
-#: Top-k entries (rows * k) of the records that :func:`encode_batch` checks and encodes at once:
+def _no_utf8(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def first_of_each(keys: list[str], hashes: np.ndarray) -> np.ndarray:
+    """Whether each key is the first of its value in ``keys`` (bool; ``hashes``: the keys'
+    :func:`._keyindex.byte_hashes`): keys of equal hash compared as strings."""
+    first = np.ones(len(keys), bool)
+    order = np.argsort(hashes, kind="stable")  # equal hashes: ascending position
+    hs = hashes[order]
+    same = np.flatnonzero(hs[1:] == hs[:-1])
+    if not len(same):
+        return first
+    group_of = np.cumsum(np.concatenate([[True], hs[1:] != hs[:-1]]))
+    seen: dict[tuple[int, str], int] = {}
+    for j in np.unique(np.concatenate([same, same + 1])).tolist():
+        i = int(order[j])
+        if seen.setdefault((int(group_of[j]), keys[i]), i) != i:
+            first[i] = False
+    return first
+
+
+#: Top-k entries (rows * k) checked, encoded or given a tail mass at once by the NumPy passes:
 #: 2 MiB of int32 / float32 temporaries per step, which the allocator reuses from group to group.
 #: Whole-batch temporaries (26 MB each at 65K rows, k=100) were fresh pages every append: page
 #: faults and zeroing, system time.
 ENCODE_GROUP_VALUES = 1 << 19
 
 
-def _groups(records: list[SequenceRecord], rows_per_group: int) -> list[tuple[int, int]]:
-    """Consecutive ``[lo, hi)`` ranges of records of up to ``rows_per_group`` rows (at least one
-    record each)."""
-    out: list[tuple[int, int]] = []
-    lo = n = 0
-    for i, r in enumerate(records):
-        if n and n + r.num_rows > rows_per_group:
-            out.append((lo, i))
-            lo, n = i, 0
-        n += r.num_rows
-    out.append((lo, len(records)))
-    return out
-
-
 def encode_batch(
-    records: list[Any], manifest: Manifest, out: fastencode.Outputs | None = None
+    records: list[Any] | SequenceBatch, manifest: Manifest, out: fastencode.Outputs | None = None
 ) -> Batch | None:
-    """Validate every record of ``records`` against ``manifest`` and convert the batch to the
-    stored dtypes, concatenated (``None`` for an empty batch). With ``out``, the compiled pass
-    writes the top-k ids and logprobs into its arrays (valid until ``out`` is taken again).
+    """Validate an append (a :class:`~._seqbatch.SequenceBatch`, or records, made one in one
+    pass) against ``manifest`` and convert it to the stored dtypes, concatenated (``None`` for
+    an empty append). With ``out``, the compiled pass writes the top-k ids and logprobs into its
+    arrays (valid until ``out`` is taken again).
 
     Accepts and refuses exactly what :func:`encode_record` does record by record, with the same
-    :class:`~.errors.RecordError` (the first bad record's, with its index): the value checks run
-    once per group of records (:data:`ENCODE_GROUP_VALUES`) over their concatenated rows
-    (:func:`.records.rows_pass`), and only a batch that fails them is checked again record by
-    record, for the error. The stored arrays are bit-identical to :func:`encode_record`'s
-    concatenated (a few numpy calls per group instead of per record).
+    :class:`~.errors.RecordError` (the first bad record's, with its index): the checks run
+    over the batch's flat arrays (:func:`_encode_rows`), and only a batch that fails them is
+    checked again record by record, from the first sequence at fault, for the error. The stored
+    arrays are bit-identical to :func:`encode_record`'s concatenated. Records without a tail
+    mass are given their rows of the tail computed here (:func:`._seqbatch.give_tails`).
     """
-    if not records:
-        return None
-    if manifest.hidden is not None:  # FORMAT.md 4.10: hidden rows, no top-k entries
-        from .hidden import encode_rows
-
-        arrays = encode_rows(records, manifest.hidden, manifest.vocab_size, manifest.loss_mask)
-        inp = arrays.pop("input_ids")
-        lengths = np.array([r.length for r in records], dtype=np.int64)
-        return Batch([r.key for r in records], lengths, inp, arrays)
-    k, mask = manifest.k, manifest.loss_mask
-    got = None
-    if all(
-        isinstance(r, SequenceRecord) and r.k == k and (mask or r.loss_mask is None)
-        for r in records
-    ) and _rowextra.batch_matches(records, manifest):
-        got = _encode_groups(records, manifest, out)
-    if got is None:
-        for i, r in enumerate(records):
-            encode_record(r, manifest, i)  # raises the first bad record's error
-        raise RecordError("the batch fails its checks but none of its records does")
-    arrays, inp = got
-    if mask:  # FORMAT.md 4.6: no mask means every row is trained on
-        arrays[spec.LOSS_MASK] = np.concatenate(
-            [np.ones(r.num_rows, np.uint8) if r.loss_mask is None else r.loss_mask for r in records]
-        )
-    arrays.update(_rowextra.batch_arrays(records, manifest))  # FORMAT.md 4.9, 4.12
-    keys = [r.key for r in records]
-    lengths = np.array([r.length for r in records], dtype=np.int64)
-    return Batch(keys, lengths, inp, arrays)
-
-
-def _encode_groups(
-    records: list[SequenceRecord], manifest: Manifest, out: fastencode.Outputs | None = None
-) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
-    """The row arrays and input ids of checked ``records`` (all of the cache's ``k``), or
-    ``None`` as soon as a group fails :func:`.records.rows_pass`. float16 stores with a
-    vocabulary of up to :data:`.fastencode.MAX_VOCAB` take the compiled pass
-    (:func:`_encode_fused`) where numba is available."""
-    if (
-        FAST_ENCODE
-        and manifest.logprob_dtype == "float16"
-        and manifest.vocab_size <= fastencode.MAX_VOCAB
-        and fastencode.ready()
-    ):
-        return _encode_fused(records, manifest, out)
-    k = manifest.k
-    row_end = np.cumsum([r.num_rows for r in records])
-    tok_end = np.cumsum([r.length for r in records])
-    inp = np.concatenate([r.input_ids for r in records])
-    total = int(row_end[-1])
-    ids = np.empty((total, k), dtype=np.int32)
-    tails = np.empty(total, dtype=np.float32)
-    half = manifest.logprob_dtype == "float16"
-    stored = np.empty((total, k), dtype=np.uint16) if half else None
-    lps: list[np.ndarray] = []  # other encodings: encoded once, over the batch
-    for lo, hi in _groups(records, max(1, ENCODE_GROUP_VALUES // k)):
-        part = records[lo:hi]
-        a, b = (int(row_end[lo - 1]) if lo else 0), int(row_end[hi - 1])
-        ta, tb = (int(tok_end[lo - 1]) if lo else 0), int(tok_end[hi - 1])
-        np.concatenate([r.topk_ids for r in part], out=ids[a:b])
-        lp = np.concatenate([r.topk_logprobs for r in part])
-        given = [r.tail_mass for r in part if r.tail_mass is not None]
-        t_given = np.concatenate(given) if given else None
-        if not rows_pass(inp[ta:tb], ids[a:b], lp, t_given, vocab_size=manifest.vocab_size):
-            return None
-        if stored is not None:
-            stored[a:b] = _float16_row_delta(lp)
-        else:
-            lps.append(lp)
-        if t_given is not None and len(given) == len(part):
-            tails[a:b] = t_given
-        elif t_given is None:
-            tails[a:b] = tail_from_logprobs(lp)
-        else:
-            tails[a:b] = np.concatenate([r.tail_or_computed() for r in part])
-    arrays: dict[str, np.ndarray]
-    if stored is not None:
-        arrays = {spec.TOPK_LOGPROBS: stored}
+    recs: list[Any] | None = None
+    if isinstance(records, SequenceBatch):
+        if manifest.hidden is not None:
+            raise RecordError('a targets="hidden" store takes HiddenRecord, got SequenceBatch')
+        batch = records
     else:
-        arrays = encode_logprobs(np.concatenate(lps), manifest.logprob_dtype)
-    arrays[spec.TOPK_IDS] = ids
-    arrays[spec.TAIL_MASS] = tails.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
-    return arrays, inp
+        recs = list(records)
+        if not recs:
+            return None
+        if manifest.hidden is not None:  # FORMAT.md 4.10: hidden rows, no top-k entries
+            return _hidden_batch(recs, manifest)
+        k, mask = manifest.k, manifest.loss_mask
+        if not (
+            all(
+                isinstance(r, SequenceRecord) and r.k == k and (mask or r.loss_mask is None)
+                for r in recs
+            )
+            and _rowextra.batch_matches(recs, manifest)
+        ):
+            _raise_first(recs.__getitem__, len(recs), manifest, 0)
+        batch = SequenceBatch.of_records(recs, None if out is None else out.take_rows)
+    if batch.num_sequences == 0:
+        return None
+    arrays = _encode_rows(batch, manifest, out)
+    if arrays is None:
+        get = batch.record if recs is None else recs.__getitem__
+        _raise_first(get, batch.num_sequences, manifest, _first_bad(batch, manifest))
+    if recs is not None:
+        give_tails(recs, batch)
+    return Batch(batch.key_list(), batch.lengths, batch.input_ids, arrays)
+
+
+def _hidden_batch(records: list[Any], manifest: Manifest) -> Batch:
+    from .hidden import encode_rows
+
+    assert manifest.hidden is not None
+    arrays = encode_rows(records, manifest.hidden, manifest.vocab_size, manifest.loss_mask)
+    inp = arrays.pop("input_ids")
+    lengths = np.array([r.length for r in records], dtype=np.int64)
+    return Batch([r.key for r in records], lengths, inp, arrays)
+
+
+def _raise_first(get: Callable[[int], Any], n: int, manifest: Manifest, start: int) -> NoReturn:
+    """Raise the first bad record's error, checking records ``get(i)`` one by one, ``i`` from
+    ``start`` to ``n``."""
+    for i in range(start, n):
+        encode_record(get(i), manifest, i)
+    raise RecordError("the batch fails its checks but none of its records does")
+
+
+def _first_bad(b: SequenceBatch, manifest: Manifest) -> int:
+    """The first sequence of ``b`` that fails a value check of :func:`.records.check_record`
+    (0 when the batch and the store disagree on ``k`` or an optional array)."""
+    from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
+
+    k, vocab, ids, lp = manifest.k, manifest.vocab_size, b.topk_ids, b.topk_logprobs
+    if b.k != k or _extras(b, manifest) is None:
+        return 0
+    with np.errstate(invalid="ignore"):
+        bad = ((ids < 0) | (ids >= vocab)).any(axis=1) | (~np.isfinite(lp)).any(axis=1)
+        bad |= (lp > LOGPROB_TOLERANCE).any(axis=1)
+        if k > 1:
+            srt = np.sort(ids, axis=1)
+            bad |= (srt[:, 1:] == srt[:, :-1]).any(axis=1) | (lp[:, 1:] > lp[:, :-1]).any(axis=1)
+        t = b.tail_mass
+        if t is not None:
+            bad |= ~np.isfinite(t) | (t < -TAIL_TOLERANCE) | (t > 1 + TAIL_TOLERANCE)
+    tok = (b.input_ids < 0) | (b.input_ids >= vocab)
+    at = [np.searchsorted(b.offsets, np.flatnonzero(tok)[:1], "right") - 1]
+    at.append(np.searchsorted(b.row_offsets, np.flatnonzero(bad)[:1], "right") - 1)
+    return int(min(np.concatenate(at).tolist(), default=0))
+
+
+def _extras(b: SequenceBatch, manifest: Manifest) -> dict[str, np.ndarray] | None:
+    """The batch's loss mask and optional row arrays as stored (``None``: the batch has one
+    the store lacks, or lacks one the store keeps)."""
+    if b.loss_mask is not None and not manifest.loss_mask:
+        return None
+    out = {}
+    if manifest.loss_mask:  # FORMAT.md 4.6: no mask means every row is trained on
+        mask = b.loss_mask
+        out[spec.LOSS_MASK] = np.ones(b.num_rows, np.uint8) if mask is None else mask
+    for x in _rowextra.EXTRAS:  # FORMAT.md 4.9, 4.12
+        value = getattr(b, x.name)
+        if (value is None) == bool(getattr(manifest, x.name)):
+            return None
+        if value is not None:
+            out[x.name] = value.astype(x.dtype)
+    return out
 
 
 #: Use :mod:`.fastencode` when it is ready (False: the numpy path, for tests and A/B runs).
@@ -214,51 +266,88 @@ _tables: dict[int, fastencode.StampTable] = {}  # by vocabulary size, reused bet
 _tables_lock = threading.Lock()
 
 
-def _encode_fused(
-    records: list[SequenceRecord], manifest: Manifest, out: fastencode.Outputs | None = None
-) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
-    """:func:`_encode_groups`'s result through :func:`.fastencode.encode_rows`: one compiled
-    call per record checks its rows and writes its ids and float16 row deltas straight into the
-    batch's arrays (no concatenated copies, no temporaries); the input ids and tail masses are
-    checked as :func:`.records.rows_pass` checks them. Same bytes, same accepted batches."""
+def _encode_rows(
+    b: SequenceBatch, manifest: Manifest, out: fastencode.Outputs | None = None
+) -> dict[str, np.ndarray] | None:
+    """The stored row arrays of batch ``b``, or ``None`` when it fails a check
+    (:func:`.records.rows_pass`'s, over the whole batch). float16 stores with a vocabulary of
+    up to :data:`.fastencode.MAX_VOCAB` take the compiled pass (:func:`.fastencode.encode_rows`:
+    checks, ids and float16 row deltas in one loop over the rows, into ``out``'s arrays) where
+    numba is available; the others NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
     from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
 
-    k, vocab = manifest.k, manifest.vocab_size
-    inp = np.concatenate([r.input_ids for r in records])
+    k, vocab, rows = manifest.k, manifest.vocab_size, b.num_rows
+    extras = None if b.k != k else _extras(b, manifest)
+    if extras is None:
+        return None
+    inp, t = b.input_ids, b.tail_mass
     if inp.size and (int(inp.min()) < 0 or int(inp.max()) >= vocab):
         return None
-    total = sum(r.num_rows for r in records)
-    if out is not None:  # faulted in once, reused (fastencode.Outputs)
-        ids, stored = out.take(total, k)
-    else:
-        ids, stored = np.empty((total, k), np.int32), np.empty((total, k), np.uint16)
-    tails = np.empty(total, dtype=np.float32)
-    with _tables_lock:  # one table per writer thread at a time
-        table = _tables.pop(vocab, None) or fastencode.StampTable(vocab)
-    try:
-        a = 0
-        for r in records:
-            b = a + r.num_rows
-            lp = r.topk_logprobs
-            if not fastencode.encode_rows(
-                r.topk_ids, lp, ids[a:b], stored[a:b], table, LOGPROB_TOLERANCE
-            ):
-                return None
-            tails[a:b] = r.tail_or_computed()  # after the kernel: its rows are in cache
-            a = b
-    finally:
-        with _tables_lock:
-            _tables[vocab] = table
-    given = [r.tail_mass for r in records if r.tail_mass is not None]
-    if given:
-        t = np.concatenate(given) if len(given) > 1 else given[0]
+    if t is not None and t.size:
         if not bool(np.isfinite(t).all()):
             return None
         if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
             return None
-    arrays: dict[str, np.ndarray] = {spec.TOPK_LOGPROBS: stored, spec.TOPK_IDS: ids}
-    arrays[spec.TAIL_MASS] = tails.clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
-    return arrays, inp
+    step = max(1, ENCODE_GROUP_VALUES // k)
+    lp = b.topk_logprobs
+    tails = np.empty(rows, np.float32) if t is None and known_tail(b) is None else None
+    if (
+        FAST_ENCODE
+        and manifest.logprob_dtype == "float16"
+        and vocab <= fastencode.MAX_VOCAB
+        and fastencode.ready()
+    ):
+        if out is not None:  # faulted in once, reused (fastencode.Outputs)
+            ids, stored = out.take(rows, k)
+        else:
+            ids, stored = np.empty((rows, k), np.int32), np.empty((rows, k), np.uint16)
+        with _tables_lock:  # one table per writer thread at a time
+            table = _tables.pop(vocab, None) or fastencode.StampTable(vocab)
+        try:
+            for a in range(0, rows, step):
+                part = slice(a, a + step)
+                if not fastencode.encode_rows(
+                    b.topk_ids[part], lp[part], ids[part], stored[part], table, LOGPROB_TOLERANCE
+                ):
+                    return None
+                if tails is not None:  # after the kernel: its rows are in cache
+                    tails[part] = tail_from_logprobs(lp[part])
+        finally:
+            with _tables_lock:
+                _tables[vocab] = table
+        arrays = {spec.TOPK_LOGPROBS: stored, spec.TOPK_IDS: ids}
+    else:
+        got = _encode_numpy(b, manifest, step)
+        if got is None:
+            return None
+        arrays = got
+        for a in range(0, rows if tails is not None else 0, step):  # no batch-sized temporaries
+            tails[a : a + step] = tail_from_logprobs(lp[a : a + step])  # type: ignore[index]
+    if tails is not None:
+        keep_tail(b, tails)
+    arrays[spec.TAIL_MASS] = b.tail_or_computed().clip(0.0, 1.0).astype(manifest.tail_mass_dtype)
+    arrays.update(extras)
+    return arrays
+
+
+def _encode_numpy(b: SequenceBatch, manifest: Manifest, step: int) -> dict[str, np.ndarray] | None:
+    """The top-k arrays of :func:`_encode_rows` with NumPy alone (checked in groups of ``step``
+    rows; ``None`` when one fails)."""
+    ids, lp, rows = b.topk_ids, b.topk_logprobs, b.num_rows
+    half = manifest.logprob_dtype == "float16"
+    stored = np.empty((rows, manifest.k), np.uint16) if half else None
+    no_tokens = np.zeros(0, np.int32)
+    for a in range(0, rows, step):
+        part = lp[a : a + step]
+        if not rows_pass(no_tokens, ids[a : a + step], part, None, vocab_size=manifest.vocab_size):
+            return None
+        if stored is not None:
+            stored[a : a + step] = _float16_row_delta(part)
+    arrays = {spec.TOPK_LOGPROBS: stored} if stored is not None else None
+    if arrays is None:
+        arrays = encode_logprobs(lp, manifest.logprob_dtype)
+    arrays[spec.TOPK_IDS] = np.ascontiguousarray(ids)
+    return arrays
 
 
 def _float16_row_delta(lp: np.ndarray) -> np.ndarray:

@@ -256,24 +256,27 @@ class KeyTable:
                 got = i if i is not None and i < n else None
             return got
 
-    def find_many(self, keys: Sequence[str], n: int) -> np.ndarray:
-        """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array)."""
+    def find_many(
+        self, keys: Sequence[str], n: int, hashes: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array);
+        ``hashes``: the keys' :func:`hashes_of`, where the caller has them."""
+        h = hashes_of(keys) if hashes is None else hashes
+        out = np.zeros(len(keys), dtype=bool)
         runs = self._indexed(n)
         if runs is not None:
-            got = runs.candidates(hashes_of(keys)) if len(keys) else []
-            return np.array(
-                [
-                    bool(c) and self._confirm(k, c, n) is not None
-                    for k, c in zip(keys, got, strict=True)
-                ],
-                bool,
-            )
+            if not len(keys):
+                return out
+            which, seqs = runs.matches(h)  # hash seen: confirm against the store, first first
+            for at in np.lexsort((seqs, which)).tolist():
+                i, s = int(which[at]), int(seqs[at])
+                if not out[i] and s < n and self.key(s, n) == keys[i]:
+                    out[i] = True
+            return out
         with self._lock:
             self.grow(n)
-            h = hashes_of(keys)
             lo = np.searchsorted(self._sorted, h, side="left")
             hi = np.searchsorted(self._sorted, h, side="right")
-            out = np.zeros(len(keys), dtype=bool)
             for j in np.flatnonzero(hi > lo).tolist():  # hash seen: confirm against the store
                 out[j] = self._confirmed(keys[j], int(lo[j]), int(hi[j]), n) is not None
             if self._recent:

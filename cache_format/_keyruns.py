@@ -116,7 +116,7 @@ def encode_run(
     ref = RunRef(first, count, generation, f"{_crc(fence):08x}")
     rec = record(ref)
     foot = _FOOT.pack(MAGIC, first, count, generation, len(rec), _crc(fence), _crc(rec))
-    return ref, raw + rec + fence + foot + _crc(foot).to_bytes(4, "little")
+    return ref, b"".join((raw, rec, fence, foot, _crc(foot).to_bytes(4, "little")))  # one copy
 
 
 def merge_plan(runs: Sequence[RunRef], added: int) -> int:
@@ -286,11 +286,19 @@ class KeyRuns:
 
     def candidates(self, hashes: np.ndarray) -> list[list[int]]:
         """For each hash, the sequences whose key hashes to it (ascending)."""
+        j, seqs = self.matches(hashes)
+        out: list[list[int]] = [[] for _ in range(len(hashes))]
+        for i, s in zip(j.tolist(), seqs.tolist(), strict=True):
+            out[i].append(s)
+        return [sorted(x) for x in out]
+
+    def matches(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every ``(j, sequence)`` whose key hashes to ``hashes[j]``, as two int64 arrays."""
         try:
-            return self._candidates(hashes)
+            return self._matches(hashes)
         except MissingDataError:
             self.update(self._reload())
-            return self._candidates(hashes)
+            return self._matches(hashes)
 
     def _run_blocks(self, ref: RunRef, crcs: np.ndarray, used: list[int]) -> np.ndarray:
         """Entries of blocks ``used`` (ascending) of run ``ref``: kept ones from memory, the
@@ -300,20 +308,29 @@ class KeyRuns:
             have = {j: self._kept[(ref.key, j)] for j in used if (ref.key, j) in self._kept}
             for j in have:
                 self._kept.move_to_end((ref.key, j))
-        todo = [j for j in used if j not in have]
+        parts: list[np.ndarray] = []
         read: dict[int, np.ndarray] = {}
-        while todo:
-            a = b = todo.pop(0)
-            while todo and todo[0] == b + 1:
-                b = todo.pop(0)
+        i = 0
+        while i < len(used):
+            a = b = used[i]
+            i += 1
+            if a in have:
+                parts.append(have[a])
+                continue
+            while i < len(used) and used[i] == b + 1 and used[i] not in have:
+                b = used[i]
+                i += 1
             ent = _blocks(self._store, ref, crcs, a, b + 1)
-            read |= {j: ent[(j - a) * BLOCK : (j - a + 1) * BLOCK].copy() for j in range(a, b + 1)}
+            parts.append(ent)
+            for j in range(max(a, b + 1 - KEEP_BLOCKS), b + 1):  # no more than the bound keeps
+                read[j] = ent[(j - a) * BLOCK : (j - a + 1) * BLOCK].copy()
         self._keep(ref, read)
-        have |= read
-        return np.concatenate([have[j] for j in used])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _candidates(self, hashes: np.ndarray) -> list[list[int]]:
-        out: list[list[int]] = [[] for _ in range(len(hashes))]
+    def _matches(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(hashes)  # sorted queries: each search starts where the last ended
+        hashes = hashes[order]
+        js, seqs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for ref in list(self._runs):
             heads, crcs = self._fence(ref)[:2]
             lo = np.maximum(np.searchsorted(heads, hashes, "left") - 1, 0)
@@ -325,11 +342,17 @@ class KeyRuns:
             if not len(used):
                 continue
             ent = self._run_blocks(ref, crcs, used.tolist())
-            a = np.searchsorted(ent["hash"], hashes, "left")
-            b = np.searchsorted(ent["hash"], hashes, "right")
-            for j in np.flatnonzero(b > a).tolist():
-                out[j].extend(ent["seq"][a[j] : b[j]].tolist())
-        return [sorted(x) for x in out]
+            got = np.ascontiguousarray(ent["hash"])
+            a = np.searchsorted(got, hashes, "left")
+            count = np.searchsorted(got, hashes, "right") - a
+            hit = np.flatnonzero(count)
+            if not len(hit):
+                continue
+            c = count[hit]
+            pos = np.repeat(a[hit] - np.cumsum(c) + c, c) + np.arange(int(c.sum()))
+            js.append(order[np.repeat(hit, c)].astype(np.int64))
+            seqs.append(ent["seq"][pos].astype(np.int64))
+        return np.concatenate(js), np.concatenate(seqs)
 
 
 def next_runs(
@@ -347,7 +370,8 @@ def next_runs(
     i = merge_plan(runs, len(hashes))
     new = np.empty(len(hashes), ENTRY)
     new["hash"], new["seq"] = hashes, np.arange(first_seq, first_seq + len(hashes))
-    ent = np.concatenate([*(read(r) for r in runs[i:]), new])
+    new = new[np.argsort(new["hash"], kind="stable")]
+    ent = np.concatenate([*(read(r) for r in runs[i:]), new])  # sorted parts: a merge
     ent = ent[np.argsort(ent["hash"], kind="stable")]  # runs in sequence order: ties stay so
     first = runs[i].first if i < len(runs) else first_seq
     ref, obj = encode_run(ent, first, generation, lambda ref: record([*runs[:i], ref]))

@@ -40,11 +40,12 @@ from ._arraywrites import ArrayWrites
 from ._decode import OpenArrays, stored_values
 from ._encode import Batch, encode_batch
 from ._integrity import checked_get
-from ._keyindex import KeyTable, follow_runs, hashes_of, stored_key_bytes
+from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
 from ._repair import record_json, refuse_if_holding_data
 from ._seal import sealed
+from ._seqbatch import SequenceBatch
 from ._shardread import DirectLayout
 from ._zarr_adapter import async_array, default_buffer_prototype, sync
 from .errors import FormatError, ManifestError
@@ -355,8 +356,9 @@ class CacheWriter(ArrayWrites):
         return [k for k, stored in zip(keys, got, strict=True) if not stored]
 
     # ------------------------------------------------------------------ appending
-    def append(self, records: Iterable[SequenceRecord]) -> int:
-        """Append ``records``; returns how many were newly committed (known keys are skipped).
+    def append(self, records: Iterable[SequenceRecord] | SequenceBatch) -> int:
+        """Append ``records`` (or a :class:`~._seqbatch.SequenceBatch`); returns how many were
+        newly committed (known keys are skipped, and a key's repeats within the append).
 
         The whole batch is validated first: any bad record raises :class:`~.errors.RecordError`
         and nothing is written. Raises :class:`~.errors.WriterLockedError` if the lock is not
@@ -364,10 +366,11 @@ class CacheWriter(ArrayWrites):
         """
         if self._closed:
             raise FormatError("writer is closed")
+        batch = records if isinstance(records, SequenceBatch) else list(records)
         with fastencode.outputs() as out:  # its arrays are written before this returns
-            return self._append(list(records), out)
+            return self._append(batch, out)
 
-    def _append(self, records: list[SequenceRecord], out: fastencode.Outputs) -> int:
+    def _append(self, records: list[SequenceRecord] | SequenceBatch, out: Any) -> int:
         encoded = encode_batch(records, self._manifest, out)
         if encoded is None:
             return 0
@@ -375,32 +378,27 @@ class CacheWriter(ArrayWrites):
         try:
             m = self._refresh_manifest()
             self._load_id_map(m)
-            stored = self._keys.find_many(encoded.keys, m.num_sequences)
-            keep: list[int] = []
-            seen: set[str] = set()
-            for i, key in enumerate(encoded.keys):
-                if not stored[i] and key not in seen:
-                    seen.add(key)
-                    keep.append(i)
-            if not keep:
+            stored = self._keys.find_many(encoded.keys, m.num_sequences, encoded.hashes)
+            fresh = encoded.fresh(stored)
+            if fresh is None:
                 return 0
-            fresh = encoded.select(keep)
             self._write(m, fresh)
             self._handle.barrier()  # data durable before the commit that points at it
             self._lock.check()
+            added, tokens = len(fresh.keys), int(fresh.lengths.sum())
             new = m.model_copy(
                 update=dict(
-                    num_sequences=m.num_sequences + len(keep),
-                    num_rows=m.num_rows + int(fresh.lengths.sum()) - len(keep),
-                    num_tokens=m.num_tokens + int(fresh.lengths.sum()),
-                    num_key_bytes=m.num_key_bytes + sum(len(k.encode("utf-8")) for k in seen)
+                    num_sequences=m.num_sequences + added,
+                    num_rows=m.num_rows + tokens - added,
+                    num_tokens=m.num_tokens + tokens,
+                    num_key_bytes=m.num_key_bytes + fresh.key_bytes.size
                     if m.format_version >= 2
                     else 0,
                     generation=m.generation + 1,
                     updated=utcnow(),
                 )
             )
-            new, merged, run = self._write_run(m, new, [encoded.keys[i] for i in keep])
+            new, merged, run = self._write_run(m, new, fresh.hashes)
             write_root_attrs(self._store, root_attrs_for(new))
             self._handle.barrier()
             self._adopt(new)
@@ -408,17 +406,18 @@ class CacheWriter(ArrayWrites):
             keyruns.drop(self._store, [r.key for r in merged])  # now no commit's
             if self._pending_rank is not None:
                 self._rank, self._pending_rank = self._pending_rank, None
-            self._keys.add([encoded.keys[i] for i in keep], m.num_sequences)
-            return len(keep)
+            self._keys.add(fresh.keys, m.num_sequences)
+            return added
         finally:
             self._lock.release()
 
     def _write_run(
-        self, m: Manifest, new: Manifest, keys: list[str]
+        self, m: Manifest, new: Manifest, hashes: np.ndarray
     ) -> tuple[Manifest, list[keyruns.RunRef], tuple[keyruns.RunRef, bytes] | None]:
-        """Before the commit ``new`` of ``keys``: write its key index run (FORMAT.md 4.11) and
-        return ``new`` listing it, the runs merged into it (read through the lookups' kept
-        runs) and the run with its object (stores without a key index: ``new`` as it is)."""
+        """Before the commit ``new`` of keys of ``hashes`` (:func:`._keyindex.byte_hashes`): write
+        its key index run (FORMAT.md 4.11) and return ``new`` listing it, the runs merged into it
+        (read through the lookups' kept runs) and the run with its object (stores without a key
+        index: ``new`` as it is)."""
         runs = m.runs()
         if runs is None:
             return new, [], None
@@ -431,7 +430,7 @@ class CacheWriter(ArrayWrites):
         table = self._keys.runs
         read = partial(keyruns.read_run, self._store) if table is None else table.entries
         _, ref, obj, merged = keyruns.next_runs(
-            read, runs, hashes_of(keys), m.num_sequences, new.generation, record
+            read, runs, hashes, m.num_sequences, new.generation, record
         )
         keyruns.put(self._store, ref.key, obj)
         self._handle.barrier()  # the run durable before the commit that lists it
@@ -469,10 +468,8 @@ class CacheWriter(ArrayWrites):
         cols[spec.SEQ_TOKEN_START] = tok_start.astype(np.int64)
         cols[spec.SEQ_ROW_START] = row_start.astype(np.int64)
         if m.format_version >= 2:
-            raw = [key.encode("utf-8") for key in fresh.keys]
-            cols[spec.SEQ_KEY_BYTES] = np.frombuffer(b"".join(raw), dtype=np.uint8)
-            ends = m.num_key_bytes + np.cumsum([len(b) for b in raw])
-            cols[spec.SEQ_KEY_END] = ends.astype(np.int64)
+            cols[spec.SEQ_KEY_BYTES] = fresh.key_bytes
+            cols[spec.SEQ_KEY_END] = m.num_key_bytes + np.cumsum(fresh.key_lens)
         self._remap_ids(m, cols)
         if m.hidden is not None and m.num_rows == 0:  # the head, once (FORMAT.md 4.10)
             cols.update(head_columns(check_head(self._head, m.hidden, m.vocab_size)))

@@ -186,7 +186,8 @@ KEEP_VALUES = 1 << 24
 
 
 class Outputs:
-    """The compiled encode's output arrays, kept from one append to the next.
+    """The compiled encode's output arrays, and the arrays a batch of records' top-k rows are
+    joined into (its input), kept from one append to the next.
 
     Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages: at 65K rows and
     k=100 (~40 MB) that is ~10K page faults, whose system time (~0.25 CPU-us per row on the
@@ -196,20 +197,30 @@ class Outputs:
     overwritten by the next append that takes the same :class:`Outputs`."""
 
     def __init__(self) -> None:
-        self._ids = np.empty(0, np.int32)
-        self._stored = np.empty(0, np.uint16)
+        self._kept: dict[str, np.ndarray] = {}
+
+    def _views(self, rows: int, k: int, dtypes: dict[str, Any]) -> list[np.ndarray]:
+        n = rows * k
+        if n > KEEP_VALUES:
+            return [np.empty((rows, k), d) for d in dtypes.values()]
+        if any(n > self._kept.get(name, np.empty(0)).size for name in dtypes):
+            size = min(max(n + n // 4, 1 << 16), KEEP_VALUES)  # headroom: group sizes vary
+            for name, d in dtypes.items():
+                self._kept[name] = np.empty(0, d)  # free first
+                self._kept[name] = np.empty(size, d)
+        return [self._kept[name][:n].reshape(rows, k) for name in dtypes]
 
     def take(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(ids int32 [rows, k], stored uint16 [rows, k])``, uninitialised; views of the kept
         buffers when they fit in :data:`KEEP_VALUES` (grown as needed), else new arrays."""
-        n = rows * k
-        if n > KEEP_VALUES:
-            return np.empty((rows, k), np.int32), np.empty((rows, k), np.uint16)
-        if n > self._ids.size:
-            size = min(max(n + n // 4, 1 << 16), KEEP_VALUES)  # headroom: group sizes vary
-            self._ids, self._stored = np.empty(0, np.int32), np.empty(0, np.uint16)  # free first
-            self._ids, self._stored = np.empty(size, np.int32), np.empty(size, np.uint16)
-        return self._ids[:n].reshape(rows, k), self._stored[:n].reshape(rows, k)
+        ids, stored = self._views(rows, k, {"ids": np.int32, "stored": np.uint16})
+        return ids, stored
+
+    def take_rows(self, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(topk_ids int32 [rows, k], topk_logprobs float32 [rows, k])`` to join records'
+        rows into, as :meth:`take` gives them (other buffers than :meth:`take` 's)."""
+        ids, lp = self._views(rows, k, {"in_ids": np.int32, "in_lp": np.float32})
+        return ids, lp
 
 
 _outputs: list[Outputs] = []  # free ones, for the next append of any writer
