@@ -154,11 +154,10 @@ def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
 
 
 def test_the_writer_computes_a_jobs_tail_mass_once(tmp_path: Path, monkeypatch) -> None:
-    """A job's records reach the writer without their tail mass (issue #19: computed in the
-    writer thread next to the encode pass, not on the event loop); it is computed once per
-    record, progress reads it again without recomputing, and the stored tails are the ones
-    computed up front."""
-    from logitcache.cache_format import CacheWriter, fastencode
+    """A job's records reach the writer without their tail mass (computed in the writer thread
+    next to the encode pass, not on the event loop); each row's tail is computed once, progress
+    reads it again without recomputing, and the stored tails are the ones computed up front."""
+    from logitcache.cache_format import CacheWriter, _encode
     from logitcache.cache_format import records as recs_mod
     from logitcache.server.engine.protocol import make_scores
 
@@ -168,20 +167,20 @@ def test_the_writer_computes_a_jobs_tail_mass_once(tmp_path: Path, monkeypatch) 
     assert all(r.tail_mass is not None for r in eager)
     got = asyncio.run(pipeline.engine_records(engine, seqs, K, lazy_tail=True))  # a job's
     assert all(r.tail_mass is None for r in got)
-    calls: list[int] = []
+    rows: list[int] = []  # rows given a tail, per call
     real = recs_mod.tail_from_logprobs
-    monkeypatch.setattr(
-        recs_mod, "tail_from_logprobs", lambda lp: calls.append(len(lp)) or real(lp)
-    )
+    counted = lambda lp: rows.append(len(lp)) or real(lp)  # noqa: E731
+    monkeypatch.setattr(recs_mod, "tail_from_logprobs", counted)
+    monkeypatch.setattr(_encode, "tail_from_logprobs", counted)
     m = expected_manifest(engine.info, k=K, logprob_dtype="float16").model_copy(
         update={"actual_logprob": True}
     )
     with CacheWriter.open(tmp_path / "c", m) as w:
         w.append(got)
-    if fastencode.ready():
-        assert len(calls) == len(got)  # the fused encode computed each once
+    total = sum(len(r.topk_ids) for r in got)
+    assert sum(rows) == total  # the encode computed each row's tail once
     tails = [r.tail_or_computed() for r in got]  # as the job's progress reads them
-    assert len(calls) == len(got)
+    assert sum(rows) == total  # and progress computed none again
     stored = CacheReader(tmp_path / "c").sequences(range(4))
     for r, t, s in zip(got, tails, stored, strict=True):
         want = make_scores(r.topk_ids, r.topk_logprobs).tail_mass
