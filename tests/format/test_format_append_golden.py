@@ -167,7 +167,6 @@ if __name__ == "__main__":
     main(sys.argv[1])
 
 
-
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("how", ["records", "batch"])
 @pytest.mark.parametrize("fast", [True, False], ids=["compiled", "numpy"])
