@@ -214,19 +214,26 @@ class CacheServing:
 
     def _hits(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
         """Stored records of ``seqs`` (by index), or answered and not yet committed ones
-        (:meth:`.appends.GroupCommitter.pending`), with the same token ids."""
+        (:meth:`.appends.GroupCommitter.pending`), with the same token ids. The pending ones
+        are taken before the reader is opened: a record whose commit returns in between is
+        no longer pending but is then in the reader."""
+        got: dict[int, SequenceRecord] = {}
+        for i, s in enumerate(seqs):
+            if (rec := self.commits.pending(cache, s.key)) is not None:
+                got[i] = rec
         try:
             reader = self.caches.reader(check_name(cache))
         except NotFoundError:
             reader = None
         found: list[tuple[int, int]] = []
-        if reader is not None:
-            found = [(i, reader.index_of(s.key)) for i, s in enumerate(seqs) if s.key in reader]
+        if reader is not None and len(got) < len(seqs):
+            found = [
+                (i, reader.index_of(s.key))
+                for i, s in enumerate(seqs)
+                if i not in got and s.key in reader
+            ]
         recs = reader.sequences([j for _, j in found]) if reader is not None and found else []
-        got = dict(zip((i for i, _ in found), recs, strict=True))
-        for i, s in enumerate(seqs):
-            if i not in got and (rec := self.commits.pending(cache, s.key)) is not None:
-                got[i] = rec
+        got.update(zip((i for i, _ in found), recs, strict=True))
         return {
             i: rec for i, rec in got.items() if np.array_equal(rec.input_ids, seqs[i].input_ids)
         }
