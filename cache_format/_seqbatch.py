@@ -15,6 +15,7 @@ import numpy as np
 from .errors import RecordError
 from .records import (
     SequenceRecord,
+    TopkRows,
     _as_actual,
     _as_entropy,
     _as_float32,
@@ -30,7 +31,7 @@ def _first(bad: np.ndarray) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class SequenceBatch:
+class SequenceBatch(TopkRows):
     """``S`` sequences side by side: sequence ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``
     (``L_i >= 2`` tokens) and owns rows ``offsets[i] - i`` to ``offsets[i + 1] - i - 1`` of the
     row arrays (its ``L_i - 1`` rows, in sequence order: ``R = T - S`` rows in all).
@@ -172,14 +173,6 @@ class SequenceBatch:
     @property
     def num_sequences(self) -> int:
         return int(self.offsets.shape[0] - 1)
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.topk_ids.shape[0])
-
-    @property
-    def k(self) -> int:
-        return int(self.topk_ids.shape[1])
 
     @property
     def lengths(self) -> np.ndarray:
