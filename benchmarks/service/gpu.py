@@ -61,7 +61,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,7 +72,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, free_memory, free_port, machine, sync, wait_ready
+from benchmarks.harness import (
+    Recorder,
+    free_memory,
+    free_port,
+    machine,
+    server_process,
+    sync,
+)
 from benchmarks.service.common import mode_parser, parse
 
 
@@ -357,19 +363,12 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
             f.write(json.dumps({"id": f"s{i:06d}", "input_ids": p}) + "\n")
     port = free_port()
     cmd = server_command(model, work, port, args)
-    log = (work / "server.log").open("wb")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
+    t0 = time.perf_counter()
+    ready = url + "/health"
+    with server_process(cmd, ready, log=work / "server.log", timeout=3600, every=0.25) as proc:
+        start_s = time.perf_counter() - t0
         with httpx.Client(base_url=url, timeout=60.0) as c:
-            try:
-                if not wait_ready(proc, url + "/health", timeout=3600, every=0.25):
-                    raise RuntimeError("no answer in an hour")
-            except RuntimeError as e:
-                tail = (work / "server.log").read_text()[-3000:]
-                raise SystemExit(f"server: {e}: {tail}") from None
-            start_s = time.perf_counter() - t0
             threads0, cpu0 = thread_cpu(proc.pid), proc_cpu(proc.pid)
             with GpuSampler() as gpu:
                 t1 = time.perf_counter()
@@ -384,13 +383,6 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
                     time.sleep(1.0)  # each poll costs the server ~ms of CPU
                 wall = time.perf_counter() - t1
             cpu1, threads1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     if st["state"] != "succeeded":
         raise SystemExit(f"job {st['state']}: {st}")
     job_s = (
