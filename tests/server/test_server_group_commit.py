@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,28 @@ def _start(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise AssertionError("the fake server did not start")
 
 
+def _sigkill_mid_load(
+    proc: subprocess.Popen[bytes],
+    clients: list[Coroutine[Any, Any, None]],
+    loaded: Callable[[], bool],
+) -> None:
+    """Run ``clients`` against ``proc`` and SIGKILL it once ``loaded()`` (groups queued and
+    committing); the clients end when the server is gone."""
+
+    async def load() -> None:
+        tasks = [asyncio.create_task(c) for c in clients]
+        while not loaded():
+            await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(load())
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 @pytest.mark.subprocess
 def test_sigkill_mid_load_loses_no_answered_row(tmp_path: Path) -> None:
     proc, url = _start(tmp_path)
@@ -186,18 +209,7 @@ def test_sigkill_mid_load_loses_no_answered_row(tmp_path: Path) -> None:
                 assert r.json()["stored"] == 1
                 answered[key] = r.json()["sequences"][0]["topk_ids"]
 
-    async def load() -> None:
-        clients = [asyncio.create_task(client()) for _ in range(16)]
-        while len(answered) < 60:
-            await asyncio.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)  # mid-load: groups queued and committing
-        await asyncio.gather(*clients)
-
-    try:
-        asyncio.run(load())
-    finally:
-        proc.kill()
-        proc.wait(30)
+    _sigkill_mid_load(proc, [client() for _ in range(16)], lambda: len(answered) >= 60)
     assert proc.returncode == -signal.SIGKILL and len(answered) >= 60
     url_c = tmp_path / "caches" / "g"
     assert validate(url_c).ok
@@ -308,19 +320,10 @@ def test_sigkill_with_answered_first_traffic_loses_no_row_said_stored(tmp_path: 
                 else:
                     proto[tuple(ids)] = r.json()["choices"][0]["prompt_logprobs"]
 
-    async def load() -> None:
-        routes = ["score", "completions"] * 8
-        clients = [asyncio.create_task(client(route)) for route in routes]
-        while len(said) < 40 or len(proto) < 40:
-            await asyncio.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)  # groups queued and committing on both caches
-        await asyncio.gather(*clients)
-
-    try:
-        asyncio.run(load())
-    finally:
-        proc.kill()
-        proc.wait(30)
+    routes = ["score", "completions"] * 8
+    _sigkill_mid_load(
+        proc, [client(r) for r in routes], lambda: len(said) >= 40 and len(proto) >= 40
+    )
     assert proc.returncode == -signal.SIGKILL
     g = tmp_path / "caches" / "g"
     assert validate(g).ok
