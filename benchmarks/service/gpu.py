@@ -384,7 +384,8 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
                 wall = time.perf_counter() - t1
             cpu1, threads1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
     if st["state"] != "succeeded":
-        raise SystemExit(f"job {st['state']}: {st}")
+        log_tail = "\n".join((work / "server.log").read_text(errors="replace").splitlines()[-80:])
+        raise SystemExit(f"job {st['state']}: {st}\nserver log (last 80 lines):\n{log_tail}")
     job_s = (
         datetime.fromisoformat(st["finished_at"]) - datetime.fromisoformat(st["started_at"])
     ).total_seconds()
