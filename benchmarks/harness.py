@@ -153,6 +153,12 @@ def quantiles(samples: Sequence[float], qs: Sequence[float] = (0.5, 0.2, 0.8)) -
     return out
 
 
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The nearest-rank ``q``-th percentile of ``xs`` (None if empty)."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else None
+
+
 @dataclass(frozen=True)
 class Measurement:
     """Seconds per call: ``wall`` and ``cpu`` (process CPU, all threads) samples, one per
@@ -295,6 +301,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def proc_cpu(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads; with ``children``, also
+    those of its waited-for children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def load1() -> float:

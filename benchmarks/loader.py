@@ -64,6 +64,7 @@ from benchmarks.harness import (
     line_plot,
     log,
     machine_line,
+    proc_cpu,
     server_process,
     suite_parser,
 )
@@ -186,12 +187,6 @@ def worker_rates(url: str, workers: list[int], seconds: float) -> list[dict[str,
     return [loader_rate(url, w, seconds, pin=True, shuffle=True) for w in workers]
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (and its waited-for children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 def serve(root: str, port: int) -> None:
     """The server part of the HTTP step: the real store route under uvicorn (no engine)."""
     from types import SimpleNamespace
@@ -237,11 +232,11 @@ def http_rates(
     out = []
     with http_server(root) as (url, pid):
         for w, t in runs:
-            c0 = proc_cpu_s(pid)
+            c0 = proc_cpu(pid, children=True)
             r = loader_rate(
                 HttpSource(url, CACHE), w, seconds, pin=w > 0, shuffle=True, read_threads=t
             )
-            r["server_cpu_s"] = proc_cpu_s(pid) - c0
+            r["server_cpu_s"] = proc_cpu(pid, children=True) - c0
             # CPU over the whole run (start-up reads included) per steady position: an upper bound
             r["server_cpu_us_per_position_upper"] = 1e6 * r["server_cpu_s"] / r["positions"]
             out.append(r)

@@ -41,18 +41,20 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import ROOT, Recorder, export_tree, machine_line, server_process
+from benchmarks.harness import (
+    ROOT,
+    Recorder,
+    export_tree,
+    free_port,
+    machine_line,
+    percentile,
+    server_process,
+)
 from benchmarks.service.common import mode_parser, parse
-from tests.server_support import free_port
 
 FAKE_SERVER = ROOT / "tests" / "fake_server.py"
 VOCAB = 300  # the fake teacher's vocabulary
 CACHE = "bench"
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def fake_server(workdir: Path, tree: Path | None, k: int) -> Any:
@@ -109,8 +111,8 @@ async def _load(
         "wall_s": wall,
         "status": status,
         "requests_per_s": len(lat) / wall,
-        "p50_ms": 1e3 * _pct(lat, 50),
-        "p99_ms": 1e3 * _pct(lat, 99),
+        "p50_ms": 1e3 * percentile(lat, 50),
+        "p99_ms": 1e3 * percentile(lat, 99),
         "mean_ms": 1e3 * statistics.fmean(lat),
         "stored": stored,
     }

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -77,8 +76,10 @@ from benchmarks.harness import (
     free_memory,
     free_port,
     machine,
+    proc_cpu,
     server_process,
     sync,
+    thread_cpu,
 )
 from benchmarks.service.common import mode_parser, parse
 
@@ -331,26 +332,6 @@ def server_command(model: Path, work: Path, port: int, args: argparse.Namespace)
         "--job-batch-sequences", str(args.batch_sequences),
         "--engine-options", json.dumps(args.engine_options),
     ]  # fmt: skip
-
-
-def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namespace) -> dict:
