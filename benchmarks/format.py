@@ -3,7 +3,6 @@
 Modes (``python -m benchmarks.format <mode> --help``)::
 
     python -m benchmarks.format configs --positions 262144 --cores 1     # the page's main table
-    python -m benchmarks.format write --configs default,appends-of-4 --rounds 5
     python -m benchmarks.format random --positions 2000000 --layouts default random_access
     python -m benchmarks.format codecs --positions 262144
     python -m benchmarks.format index --sequences 1000 100000 1000000 --store-dir /tmp/lc-index
@@ -15,8 +14,6 @@ Modes (``python -m benchmarks.format <mode> --help``)::
   logprobs) and at random (``sequence(i)``, and ``sequences`` of 32). Baseline in the same run:
   the same arrays as uncompressed ``.npy`` files (int32 ids, float16 logprobs, float32 tail).
   Rates are per wall second and per CPU-second of the process (all threads: per core used).
-* ``write``: the write rate alone, the configurations alternating within each round (the load
-  drifts; adjacent runs are compared): median and best positions per CPU-second.
 * ``random``: ``Teacher.pooled`` sequences (median 490 tokens) written once per layout preset;
   ``sequence(i)`` and ``sequences(32 indices)`` for each ``--threads`` value
   (``CacheReader(decode_threads=t)``) against an uncompressed ``.npy`` copy of the same sequences
@@ -62,7 +59,6 @@ from benchmarks.harness import (
     PeakRSS,
     Recorder,
     add_csv_option,
-    load1,
     log,
     machine_line,
     md_table,
@@ -273,32 +269,6 @@ def run_configs(args: argparse.Namespace) -> None:
     )
     head += " (x npy)|random seq/cpu-s (x npy)|sequences(32) seq/cpu-s|max lp err"
     print(md_table(head.split("|"), rows))
-
-
-# --------------------------------------------------------------------------- write
-def run_write(args: argparse.Namespace) -> None:
-    teacher = Teacher(seed=args.seed)
-    data = teacher.fixed(args.positions)
-    names = args.configs.split(",")
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    with scratch("lc-format-write-") as root:
-        for r in range(args.rounds):
-            for name in names:
-                write = writer_for(CONFIGS[name], data, teacher, root / name)
-                cpu = measure(write, 1).cpu[0]
-                shutil.rmtree(root / name)
-                rates[name].append(data.positions / cpu)
-                log(f"round {r} {name}: {rates[name][-1]:,.0f} pos/cpu-s (load {load1()})")
-    rec = Recorder("format", "write", csv_path=args.csv)
-    table = []
-    for name, xs in rates.items():
-        cfg = asdict(CONFIGS[name]) | {"positions": data.positions}
-        rate = statistics.median(xs)
-        kw: dict[str, Any] = {"config": cfg, "p20": min(xs), "p80": max(xs), "samples": len(xs)}
-        rec.add(name, "write_pos_per_cpu_s", "pos/cpu-s", rate, **kw)
-        table.append([name, f"{statistics.median(xs):,.0f}", f"{max(xs):,.0f}", len(xs)])
-    rec.save()
-    print(md_table(["config", "median pos/cpu-s", "best", "rounds"], table))
 
 
 # --------------------------------------------------------------------------- random
@@ -613,7 +583,6 @@ def main(argv: list[str] | None = None) -> None:
     p, sub = suite_parser("format", __doc__)
     modes = {
         "configs": run_configs,
-        "write": run_write,
         "random": run_random,
         "codecs": run_codecs,
         "index": run_index,
@@ -624,15 +593,11 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--cores", type=int, default=1, help="pin to this many cores (0: all)")
         s.add_argument("--seed", type=int, default=0)
         add_csv_option(s)
-        if name in ("configs", "write"):
-            every = ",".join(CONFIGS) if name == "configs" else "default"
-            s.add_argument("--configs", default=every)
         if name == "configs":
+            s.add_argument("--configs", default=",".join(CONFIGS))
             s.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
             s.add_argument("--random-reads", type=int, default=200)
             s.add_argument("--repeats", type=int, default=3)
-        if name == "write":
-            s.add_argument("--rounds", type=int, default=5)
         if name == "codecs":
             s.add_argument(
                 "--rows",

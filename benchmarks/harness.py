@@ -11,8 +11,8 @@ shows its current figures; the CSV keeps every run.
 Command line::
 
     python -m benchmarks.harness machine                   # the machine row, as JSON
-    python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format write --positions 65536
-    python -m benchmarks.harness with-tree TREE -- -m benchmarks.format write --positions 65536
+    python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format configs --positions 65536
+    python -m benchmarks.harness with-tree TREE -- -m benchmarks.format configs --positions 65536
     python -m benchmarks.harness device WHEELS -- -m benchmarks.loader scaling --positions 1e8
 
 ``ab`` exports both revisions with ``git archive`` and runs the command under each tree in turn
@@ -454,7 +454,7 @@ COLUMNS = (
 class Recorder:
     """Collects one run's rows and appends them to the CSV (and to a JSON file if asked).
 
-    ``rec = Recorder("format", "write")``; ``rec.add(case, metric, unit, value, ...)``;
+    ``rec = Recorder("format", "configs")``; ``rec.add(case, metric, unit, value, ...)``;
     ``rec.save()``. The machine row is taken once, when the recorder is made; ``config`` goes
     into every row's configuration (beside what :meth:`add` is given)."""
 
@@ -735,7 +735,7 @@ def line_plot(
 # --------------------------------------------------------------------------- command line
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
-        raise SystemExit("give the command to run after --, e.g. -- -m benchmarks.format write")
+        raise SystemExit("give the command to run after --, e.g. -- -m benchmarks.format configs")
     i = argv.index("--")
     return argv[:i], argv[i + 1 :]
 

@@ -77,7 +77,7 @@ def test_bench_command_lists_the_suites_and_runs_the_format_suite(tmp_path: Path
     assert listing.returncode == 0, listing.stderr[-3000:]
     lines = {line.split()[0]: line for line in listing.stdout.splitlines() if "modes:" in line}
     assert set(lines) == {"format", "loader", "loss", "service", "ddp", "train_step"}
-    assert "configs, write, random, codecs, index" in lines["format"]
+    assert "configs, random, codecs, index" in lines["format"]
     assert "jobs, cpu, overload, cache, appends, ray, gpu, protocols" in lines["service"]
     unknown = subprocess.run([exe, "bench", "nope"], capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2 and "no benchmark suite 'nope'" in unknown.stderr
