@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +42,12 @@ import psutil
 
 from benchmarks.harness import (
     ROOT,
-    Recorder,
     export_tree,
     free_port,
-    machine_line,
     percentile,
     server_process,
 )
-from benchmarks.service.common import mode_parser, parse
+from benchmarks.service.common import mode_parser, parse, recorded
 
 FAKE_SERVER = ROOT / "tests" / "fake_server.py"
 VOCAB = 300  # the fake teacher's vocabulary
@@ -174,23 +171,20 @@ def main(argv: list[str] | None = None) -> None:
             summary["baseline"]["server_cpu_ms_per_request"]
             / summary["head"]["server_cpu_ms_per_request"]
         )
+    head, rec = recorded("appends", args)
     result = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_line(),
+        **head,
         "engine": "fake (tests/engine_support.FakeEngine) in the server process",
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": runs,
         "summary": summary,
         "all_stored_readable": all(x["all_stored_readable"] for v in runs.values() for x in v),
         "goal_met": summary["head"]["requests_per_s"] >= 100,
     }
-    rec = Recorder("service", "appends", csv_path=args.csv)
-    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
     for label, values in summary.items():
         if isinstance(values, dict):
-            rec.add_flat(label, values, config=cfg)
+            rec.add_flat(label, values)
         else:
-            rec.add("head vs baseline", label, "ratio", values, config=cfg)
+            rec.add("head vs baseline", label, "ratio", values)
     rec.finish(result, args.json)
 
 

@@ -37,14 +37,12 @@ import asyncio
 import statistics
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, machine_line
-from benchmarks.service.common import mode_parser, parse, tiny_windows
+from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -132,10 +130,9 @@ def main(argv: list[str] | None = None) -> None:
 
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     positions = args.length - 1
+    head, rec = recorded("protocols", args)
     result = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_line(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **head,
         "median_s": {k: v for k, v in med.items() if not k.endswith("bytes")},
         "vllm_over_direct_ids": med["vllm_route"] / med["direct_ids"],
         "vllm_over_direct_ids_topk": med["vllm_route"] / med["direct_ids_topk"],
@@ -156,13 +153,11 @@ def main(argv: list[str] | None = None) -> None:
             "sglang_json": med["sglang_bytes"] / positions / args.ids,
         },
     }
-    rec = Recorder("service", "protocols", csv_path=args.csv)
-    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
     for key in ("vllm", "sglang"):
         for base in ("direct_ids", "direct_ids_topk", "score_route"):
-            rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"], config=cfg)
+            rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"])
     for key, value in result["bytes_per_position"].items():
-        rec.add(key, "bytes_per_position", "B", value, config=cfg)
+        rec.add(key, "bytes_per_position", "B", value)
     rec.finish(result, args.json)
 
 

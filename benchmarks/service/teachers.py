@@ -22,12 +22,10 @@ import asyncio
 import statistics
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Recorder, machine_line
-from benchmarks.service.common import mode_parser, parse, tiny_windows
+from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -98,16 +96,13 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(engine.aclose())
 
     med_one, med_two, med_swap = (statistics.median(x) for x in (one, two, swaps))
+    head, rec = recorded("teachers", args)
     result: dict[str, Any] = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_line(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **head,
         "median_s": {"one_teacher_miss": med_one, "two_teachers_miss": med_two, "swap": med_swap},
         "routed_over_one_teacher": med_two / med_one,
         "swap_over_one_teacher_miss": med_swap / med_one,
     }
-    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
-    rec = Recorder("service", "teachers", csv_path=args.csv, config=cfg)
     for key in ("routed_over_one_teacher", "swap_over_one_teacher_miss"):
         rec.add("score_miss", key, "ratio", result[key])
     rec.finish(result, args.json)
