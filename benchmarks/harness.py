@@ -569,6 +569,27 @@ def suite_parser(suite: str, doc: str) -> tuple[argparse.ArgumentParser, Any]:
     return p, p.add_subparsers(dest="mode", required=True)
 
 
+def options(parser: argparse.ArgumentParser, **spec: Any) -> argparse.ArgumentParser:
+    """One ``--name-with-dashes`` option per keyword, its type taken from its default: a list is
+    ``nargs="+"`` of its first item's type, ``False`` a flag, a string or ``None`` a string. A value
+    ``(default, help)`` adds a help text, ``(default, help, {...})`` more ``add_argument``
+    keywords (``choices``, ``type``, ...). Returns ``parser``."""
+    for name, value in spec.items():
+        default, help_, extra = (
+            (*value, None, None)[:3] if isinstance(value, tuple) else (value, None, None)
+        )
+        kw: dict[str, Any] = {"default": default, "help": help_}
+        kind = type(default[0] if isinstance(default, list) else default)
+        if default is False:
+            kw["action"] = "store_true"
+        elif kind not in (str, type(None)):
+            kw["type"] = kind
+        if isinstance(default, list):
+            kw["nargs"] = "+"
+        parser.add_argument("--" + name.replace("_", "-"), **kw | (extra or {}))
+    return parser
+
+
 def add_csv_option(parser: argparse.ArgumentParser) -> None:
     """``--csv PATH``: where a run appends its rows (default: the committed CSV)."""
     parser.add_argument("--csv", type=Path, default=CSV_PATH, help="append the rows here")

@@ -44,6 +44,7 @@ from benchmarks.harness import (
     ROOT,
     export_tree,
     free_port,
+    options,
     percentile,
     server_process,
 )
@@ -132,13 +133,8 @@ def one_run(tree: Path | None, args: argparse.Namespace, seed: int) -> dict[str,
 
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("appends", __doc__)
-    ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--min-len", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=64)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--baseline", default=None, help="a git revision to measure beside")
+    options(ap, requests=600, concurrency=32, min_len=8, max_len=64, k=20, rounds=2)
+    options(ap, baseline=(None, "a git revision to measure beside"))
     args = parse(ap, argv)
 
     runs: dict[str, list[dict[str, Any]]] = {"head": []}

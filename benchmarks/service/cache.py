@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.harness import options
 from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ServerProcess
 
@@ -54,12 +55,7 @@ def rows_of_completion(choice: dict, k: int) -> list[tuple[list[int], list[float
 
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("cache", __doc__)
-    ap.add_argument("--sequences", type=int, default=256)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--logprob-dtype", default="float32")
+    options(ap, sequences=256, length=128, batch=16, k=8, epochs=3, logprob_dtype="float32")
     args = parse(ap, argv)
 
     tiny, seqs = tiny_windows(args.length, args.sequences + 1)

@@ -76,6 +76,7 @@ from benchmarks.harness import (
     free_memory,
     free_port,
     machine,
+    options,
     proc_cpu,
     server_process,
     sync,
@@ -504,22 +505,16 @@ def fast_paths() -> dict[str, bool]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = mode_parser("gpu", __doc__)
-    p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
-    p.add_argument("--sequences", type=int, default=1000)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--k", type=int, default=100)
-    p.add_argument("--bare-sequences", type=int, default=128)
-    p.add_argument(
-        "--inproc-sequences",
-        type=int,
-        default=256,
-        help="sequences of the in-process job measured stage by stage (0: none)",
+    options(p, shapes=(["1b", "8b"], None, {"choices": sorted(SHAPES)}), sequences=1000)
+    options(p, seq_len=2048, k=100, bare_sequences=128, job_batch_tokens=16384)
+    options(
+        p,
+        inproc_sequences=(256, "sequences of the in-process job measured stage by stage (0: none)"),
+        tail_sequences=(64, "sequences read for tail mass"),
+        batch_sequences=(64, "job batch sequences"),
+        engine_options=({}, "JSON, as the server's", {"type": json.loads}),
+        work=(None, "scratch folder (default: a temp dir)", {"type": Path}),
     )
-    p.add_argument("--tail-sequences", type=int, default=64, help="sequences read for tail mass")
-    p.add_argument("--batch-sequences", type=int, default=64, help="job batch sequences")
-    p.add_argument("--job-batch-tokens", type=int, default=16384)
-    p.add_argument("--engine-options", type=json.loads, default={}, help="JSON, as the server's")
-    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     return parse(p, argv)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import Recorder, load1, machine_line, percentile
+from benchmarks.harness import Recorder, load1, machine_line, options, percentile
 from benchmarks.service.common import mode_parser, parse
 from tests import server_support
 from tests.server_support import ServerProcess
@@ -363,19 +363,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = mode_parser("overload", __doc__)
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--overload-s", type=float, default=30.0)
-    p.add_argument("--steady-s", type=float, default=20.0)
-    p.add_argument("--modes", default="shedding,baseline")
-    p.add_argument(
-        "--idle-s", type=float, default=10.0, help="/health probed with no client load first"
-    )
-    p.add_argument(
-        "--engine",
-        choices=("inproc", "async"),
-        default="inproc",
-        help="vLLM engine core in the server process (inproc) or its own process (async: "
-        "the README's start mode)",
+    options(p, clients=64, overload_s=30.0, steady_s=20.0, modes="shedding,baseline")
+    options(
+        p,
+        idle_s=(10.0, "/health probed with no client load first"),
+        engine=(
+            "inproc",
+            "vLLM engine core in the server process (inproc) or its own process (async: "
+            "the README's start mode)",
+            {"choices": ("inproc", "async")},
+        ),
     )
     args = parse(p, argv, json_default=Path("/tmp/lc-overload.json"))
     result = asyncio.run(main_async(args))

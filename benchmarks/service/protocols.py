@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.harness import options
 from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
@@ -90,11 +91,8 @@ def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: i
 
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("protocols", __doc__)
-    ap.add_argument("--sequences", type=int, default=24)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--ids", type=int, default=8, help="candidate ids per row")
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    backend = ("transformers", None, {"choices": ["transformers", "vllm"]})
+    options(ap, sequences=24, length=128, ids=(8, "candidate ids per row"), k=8, backend=backend)
     args = parse(ap, argv)
 
     from logitcache.server.engine import build_engine
