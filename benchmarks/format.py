@@ -63,6 +63,7 @@ from benchmarks.harness import (
     machine_line,
     md_table,
     measure,
+    options,
     pin_cores,
     rss_bytes,
     scratch,
@@ -579,56 +580,49 @@ def run_index(args: argparse.Namespace) -> None:
     print(md_table(header, table))
 
 
+#: mode -> (its function, its options beside ``--positions``, ``--cores``, ``--seed``, ``--csv``)
+MODES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "configs": (
+        run_configs,
+        dict(configs=",".join(CONFIGS), random_reads=200, repeats=3)
+        | {"id_map": ("bpe", None, {"choices": ["bpe", "random", "identity"]})},
+    ),
+    "random": (run_random, dict(layouts=["default", "random_access"], threads=[1, 8], reads=320)),
+    "codecs": (
+        run_codecs,
+        {
+            "rows": ("zipf", "the synthetic teacher's rows, or a random-weights teacher's (the GPU "
+                     "job's)", {"choices": ["zipf", "random"]}),
+            "sigma": (0.9, "--rows random: logit spread"),
+            "blocks": ([-1], "blosc block bytes: -1 one block per chunk (the format's), 0 blosc's "
+                       "choice"),
+        },
+    ),
+    "index": (
+        run_index,
+        dict(sequences=[1000, 100_000, 1_000_000], repeats=3, label="this tree")
+        | {
+            "store_dir": ("", "keep (and reuse) the built caches here"),
+            "validate_max": (100_000, "validate up to this"),
+            "appends": ("records", None, {"choices": ["records", "batch"]}),
+        },
+    ),
+}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     p, sub = suite_parser("format", __doc__)
-    modes = {
-        "configs": run_configs,
-        "random": run_random,
-        "codecs": run_codecs,
-        "index": run_index,
-    }
-    for name in modes:
-        s = sub.add_parser(name)
-        s.add_argument("--positions", type=float, default=2e6 if name == "random" else 262144)
-        s.add_argument("--cores", type=int, default=1, help="pin to this many cores (0: all)")
-        s.add_argument("--seed", type=int, default=0)
+    for name, (_, spec) in MODES.items():
+        s = options(sub.add_parser(name), **spec, seed=0)
+        positions = 2e6 if name == "random" else 262144
+        options(s, positions=(positions, None, {"type": float}))
+        options(s, cores=(1, "pin to this many cores (0: all)"))
         add_csv_option(s)
-        if name == "configs":
-            s.add_argument("--configs", default=",".join(CONFIGS))
-            s.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
-            s.add_argument("--random-reads", type=int, default=200)
-            s.add_argument("--repeats", type=int, default=3)
-        if name == "codecs":
-            s.add_argument(
-                "--rows",
-                default="zipf",
-                choices=["zipf", "random"],
-                help="the synthetic teacher's rows, or a random-weights teacher's (the GPU job's)",
-            )
-            s.add_argument("--sigma", type=float, default=0.9, help="--rows random: logit spread")
-            s.add_argument(
-                "--blocks",
-                type=int,
-                nargs="+",
-                default=[-1],
-                help="blosc block bytes: -1 one block per chunk (the format's), 0 blosc's choice",
-            )
-        if name == "index":
-            s.add_argument("--sequences", type=int, nargs="+", default=[1000, 100_000, 1_000_000])
-            s.add_argument("--store-dir", default="", help="keep (and reuse) the built caches here")
-            s.add_argument("--repeats", type=int, default=3)
-            s.add_argument("--label", default="this tree")
-            s.add_argument("--validate-max", type=int, default=100_000, help="validate up to this")
-            s.add_argument("--appends", default="records", choices=["records", "batch"])
-        if name == "random":
-            s.add_argument("--layouts", nargs="+", default=["default", "random_access"])
-            s.add_argument("--threads", type=int, nargs="+", default=[1, 8])
-            s.add_argument("--reads", type=int, default=320)
     args = p.parse_args(argv)
     args.positions = int(args.positions)
     if args.cores:
         pin_cores(args.cores)
-    modes[args.mode](args)
+    MODES[args.mode][0](args)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ from benchmarks.harness import (
     line_plot,
     log,
     machine_line,
+    options,
     proc_cpu,
     server_process,
     suite_parser,
@@ -404,34 +405,26 @@ def one_process(url: str, args: argparse.Namespace, reader_pos_per_s: float) -> 
     return out
 
 
+#: mode -> its options beside ``--positions``, ``--seconds``, ``--root`` and ``--csv``
+MODE_OPTIONS: dict[str, dict[str, Any]] = {
+    "scaling": dict(workers=[1, 2, 4, 8, 12], shuffle_seconds=10.0, shuffle_warm=30)
+    | {"plot": (None, None, {"nargs": "?", "type": Path, "const": RESULTS / "loader_scaling.png"})},
+    "http": dict(http_workers=[0, 8], http_threads=[4, 8]),
+    "datawait": dict(workers=8, steps=40, fed_steps=120, ddp=(False, "under a world-1 NCCL DDP")),
+    "hidden": dict(dim=4096, workers=[1, 2, 4, 8, 12])
+    | {"quick": (False, "smoke size (see the docstring)")},
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     p, sub = suite_parser("loader", __doc__)
     srv = sub.add_parser("serve", help="(internal) the HTTP mode's server process")
     srv.add_argument("--root", required=True)
     srv.add_argument("--port", type=int, required=True)
-    for name in ("scaling", "http", "datawait", "hidden"):
-        s = sub.add_parser(name)
-        s.add_argument("--root", default="/tmp/lc-loader-bench", help="the cache is kept here")
-        s.add_argument("--positions", type=float, default=20e6)
-        s.add_argument("--seconds", type=float, default=6.0)
+    for name, spec in MODE_OPTIONS.items():
+        s = options(sub.add_parser(name), positions=20e6, seconds=6.0, **spec)
+        options(s, root=("/tmp/lc-loader-bench", "the cache is kept here"))
         add_csv_option(s)
-        if name == "scaling":
-            s.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 12])
-            s.add_argument("--shuffle-seconds", type=float, default=10.0)
-            s.add_argument("--shuffle-warm", type=int, default=30)
-            s.add_argument("--plot", nargs="?", type=Path, const=RESULTS / "loader_scaling.png")
-        if name == "http":
-            s.add_argument("--http-workers", type=int, nargs="+", default=[0, 8])
-            s.add_argument("--http-threads", type=int, nargs="+", default=[4, 8])
-        if name == "datawait":
-            s.add_argument("--workers", type=int, default=8)
-            s.add_argument("--steps", type=int, default=40)
-            s.add_argument("--fed-steps", type=int, default=120)
-            s.add_argument("--ddp", action="store_true", help="under a world-1 NCCL DDP")
-        if name == "hidden":
-            s.add_argument("--dim", type=int, default=4096)
-            s.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 12])
-            s.add_argument("--quick", action="store_true", help="smoke size (see the docstring)")
     args = p.parse_args(argv)
     if args.mode == "serve":
         serve(args.root, args.port)

@@ -63,6 +63,7 @@ from benchmarks.harness import (
     live_bytes,
     machine_line,
     median_time,
+    options,
     suite_parser,
     time_call,
 )
@@ -621,19 +622,18 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--configs", type=configs, default=[(128256, 4096), (201088, 4096)])
         s.add_argument("--k", type=int, default=100)
         add_csv_option(s)
-    sw.add_argument("--sizes", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
-    sw.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS)
-    sw.add_argument("--reps", type=int, default=5)
-    sw.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
-    sw.add_argument("--budget-s", type=float, default=420.0, help="stop starting cells after")
-    sw.add_argument("--torchpath-max-n", type=int, default=32768)
-    sw.add_argument("--dense-max-n", type=int, default=32768)
-    sw.add_argument("--c8192-sizes", type=ints, default=[32768, 262144])
-    sw.add_argument("--check", action="store_true")
-    sw.add_argument("--check-n", type=int, default=2048)
-    sw.add_argument("--check-chunk", type=int, default=512)
-    sw.add_argument("--check-large-n", type=int, default=32768)
-    sw.add_argument("--out", type=Path, default=None)
+    comma = {"type": ints, "nargs": None}
+    options(sw, sizes=([4096, 8192, 16384, 32768, 65536, 131072, 262144], None, comma))
+    options(
+        sw,
+        c8192_sizes=([32768, 262144], None, comma),
+        check=False,
+        out=(None, None, {"type": Path}),
+    )
+    options(sw, variants=(DEFAULT_VARIANTS, None, {"type": lambda s: s.split(","), "nargs": None}))
+    options(sw, reps=5, torchpath_max_n=32768, dense_max_n=32768, check_n=2048, check_chunk=512)
+    options(sw, check_large_n=32768, cell_cap_s=(6.0, "time budget per cell"))
+    options(sw, budget_s=(420.0, "stop starting cells after"))
     args = ap.parse_args(argv)
     if args.mode == "plot":
         print(*loss_plots(args.result, args.out_dir), sep="\n")
