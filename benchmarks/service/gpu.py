@@ -1,46 +1,15 @@
 """A teacher job on one GPU with the transformers backend, against the bare model in the same run.
 
-For each teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for
-the CPU test) this suite
-
-1. writes a model directory a user could point the service at: ``config.json``, a word-level
-   tokenizer of ``V`` tokens and random bf16 weights made on the device (``safetensors``; the
-   time to make and save them is reported apart, nothing is downloaded);
-2. **bare**: in this process, the backend's own engine (``server/engine/hf.py``) loaded from that
-   directory runs ``--bare-sequences`` of the job's sequences twice over: ``device`` (decoder
-   forward + chunked lm-head top-k, results left on the device, one sync at the end: the rate
-   the GPU allows), ``device_entropy`` (the same with the engine's ``entropy`` on: each row's
-   teacher entropy computed in the chunked lm-head pass, FORMAT.md 4.9; its cost is
-   ``ratio_entropy_vs_device``) and ``engine`` (the engine's scoring call: the same as
-   ``device`` plus the copies to the host and the per-sequence arrays). Host CPU is this
-   process's CPU time over each;
-3. **inproc**: the same engine object scores the first ``--inproc-sequences`` of the job's
-   sequences through the service in this process (``create_app`` + ``POST /v1/jobs``, a cache on
-   local disk), measured exactly as ``python -m benchmarks.service cpu`` measures the job path
-   on the CPU (:func:`benchmarks.service.cpu.job_run`): each thread's CPU and each stage's, in
-   the thread that spends it. The engine's ``device`` stage (``_hidden`` + ``_topk_rows``: the
-   launches of the decoder's and lm-head's work, and whatever waits on the device inside them)
-   and its ``engine`` stage (the rest of its worker thread: batching, the hand-over of each
-   batch's top-k, per-sequence rows, and any wait on the device there) are apart; the job path
-   is the process's CPU less both (``job_path_cpu_us_per_position``; less ``device`` alone, the
-   ``cpu`` mode's headline, it is ``job_path_cpu_us_per_position_with_engine_host``);
-4. **job**: the service started as a user would (``logitcache-server --backend hf ...``, a
-   subprocess) scores all ``--sequences`` x ``--seq-len`` random token ids of a JSONL file into a
-   cache on local disk through ``POST /v1/jobs``. The rate is the job's own
-   ``tokens_total / (finished_at - started_at)``; the server's CPU time (all its threads,
-   ``/proc/<pid>/stat``, from submit to the end), less the engine's share estimated from (2),
-   is a second estimate of the job path's (``..._subtraction``);
-5. reads the cache back: bytes on disk per position, the tail-mass distribution, and the share
-   of top-k ids equal to the bare engine's on the sequences both scored.
-
-GPU utilisation is sampled through NVML every 0.2 s during each timed phase when available.
-
-Host CPU of the subprocess job, estimated: the bare engine's thread keeps about one core busy
-for as long as the device works, so the engine's share of the server's CPU is the bare run's
-cores times the job's own time (started to finished); the rest is the job path's
-(``job_path_cpu_us_per_position_subtraction``); the per-position subtraction (bare CPU per
-position times the job's positions) is beside it. The server's busiest threads are listed by CPU
-seconds. The in-process figure (3) needs no such estimate.
+Per teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for the
+CPU test): a model directory of random bf16 weights a user could serve; **bare** (the backend's
+engine in this process: ``device``, ``device_entropy``, ``engine`` rates); **inproc** (the same
+engine object behind the service in this process, the job path's CPU measured by stage and by
+thread as :func:`benchmarks.service.cpu.job_run` measures it: the job path is the process's CPU
+less the engine's ``device`` and ``engine`` stages); **job** (``logitcache-server --backend hf``
+in a subprocess scores ``--sequences`` x ``--seq-len`` random ids through ``POST /v1/jobs``;
+its server CPU less the bare engine's share is the ``..._subtraction`` estimate); the cache read
+back (bytes/position, tail mass, top-k ids vs the bare engine's). What each phase times:
+``benchmarks/results/service.md``, section "The transformers backend on one GPU".
 
 Usage (GPU box, through the harness's device runner; wheels as in
 benchmarks/results/service.md, section ``gpu``, msgspec among them: ``fast_paths`` in the JSON
