@@ -645,11 +645,7 @@ def main(argv: list[str] | None = None) -> None:
     print(result["meta"]["line"], flush=True)
     if args.mode == "exact":
         result["exact"] = exact_mode(args, device, rec)
-        rec.save()
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
-        return
+        return rec.finish(result, args.out, indent=1, show=-1)
     if device == "cuda":
         result["gemm_tflops"] = {
             f"{v}x{d}": gemm_rate(8192, d, v, device, True) for v, d in args.configs
@@ -666,11 +662,8 @@ def main(argv: list[str] | None = None) -> None:
         rec.add(r["variant"], "ms", "ms", r["ms"], samples=len(r["ms_all"]), config=cfg)
         if "peak_gib" in r:
             rec.add(r["variant"], "peak_gib", "GiB", r["peak_gib"], config=cfg)
-    rec.save()
     result["wall_s"] = time.time() - t0
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    rec.finish(result, args.out, indent=1, show=-1)
     print(f"done in {result['wall_s']:.0f} s", flush=True)
 
 

@@ -384,8 +384,6 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
             run_variant(name, sizes, make_offline_step, opt, device, args, result["variants"])
 
     summarize(result, sizes)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
     config = {"student": args.student, "teacher": args.teacher, "seq_len": args.seq_len}
     for name, runs in result["variants"].items():
         for t, r in runs.items():
@@ -395,7 +393,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
                 rec.add(case, "tokens_per_s", "tok/s", r["tokens_per_s"], config=config)
                 if r["peak_gib"] is not None:
                     rec.add(case, "peak_memory", "GiB", r["peak_gib"], config=config)
-    rec.save()
+    rec.finish(result, args.json, indent=1, show=-1)
     return result
 
 
