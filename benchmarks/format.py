@@ -69,7 +69,7 @@ from benchmarks.harness import (
     scratch,
     suite_parser,
 )
-from benchmarks.synthetic import Data, Teacher, store_bytes
+from benchmarks.synthetic import Data, Teacher, store_bytes, write_cache
 
 RAW_BPP = 100 * 6  # int32 id + float16 logprob per entry at k=100: the 600 B/position reference
 
@@ -274,7 +274,7 @@ def run_configs(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- random
 def run_random(args: argparse.Namespace) -> None:
-    from logitcache.cache_format import CacheReader, CacheWriter, spec
+    from logitcache.cache_format import CacheReader, spec
 
     teacher = Teacher(vocab=128_256, seed=args.seed)
     data = teacher.pooled(args.positions, round_f16=True)
@@ -311,11 +311,7 @@ def run_random(args: argparse.Namespace) -> None:
         for name in args.layouts:
             url = root / name
             t0 = time.process_time()
-            with CacheWriter.open(
-                url, teacher.manifest("random"), layout=spec.layout_named(name), fsync=False
-            ) as w:
-                for b in data.batches(positions=500_000):
-                    w.append(b)
+            write_cache(url, data, teacher.manifest("random"), layout=spec.layout_named(name))
             write_cpu = time.process_time() - t0
             bpp = store_bytes(url) / data.positions
             ref = CacheReader(url)
