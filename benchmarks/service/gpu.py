@@ -45,6 +45,7 @@ from benchmarks.harness import (
     free_memory,
     free_port,
     machine,
+    md_table,
     options,
     proc_cpu,
     server_process,
@@ -504,16 +505,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
-    print(f"{'shape':>5} {'bare tok/s':>11} {'job tok/s':>10} {'ratio':>6} {'job us/pos':>10} "
-          f"{'cores':>5} {'B/pos':>6} {'tail p50':>8}")  # fmt: skip
-    for name, r in result["shapes"].items():
-        print(
-            f"{name:>5} {r['bare']['device']['tokens_per_s']:>11.0f} "
-            f"{r['job']['tokens_per_s']:>10.0f} {r['ratio_job_vs_bare_device']:>6.3f} "
-            f"{r['job_path_cpu_us_per_position']:>10.2f} {r['job']['server_cores']:>5.2f} "
-            f"{r['cache']['bytes_per_position']:>6.0f} "
-            f"{r['cache']['tail_mass']['quantiles']['0.5']:>8.4f}"
-        )
+    head = ["shape", "bare tok/s", "job tok/s", "ratio", "job us/pos", "cores", "B/pos", "tail p50"]
+    rows = [
+        [name, f"{r['bare']['device']['tokens_per_s']:.0f}", f"{r['job']['tokens_per_s']:.0f}"]
+        + [f"{r['ratio_job_vs_bare_device']:.3f}", f"{r['job_path_cpu_us_per_position']:.2f}"]
+        + [f"{r['job']['server_cores']:.2f}", f"{r['cache']['bytes_per_position']:.0f}"]
+        + [f"{r['cache']['tail_mass']['quantiles']['0.5']:.4f}"]
+        for name, r in result["shapes"].items()
+    ]
+    print(md_table(head, rows))
     for name, r in result["shapes"].items():
         record(rec, name, r, args)
     rec.finish(result, args.json, indent=1, show=-1)
