@@ -3,7 +3,6 @@
 Modes (``python -m benchmarks.format <mode> --help``)::
 
     python -m benchmarks.format configs --positions 262144 --cores 1     # the page's main table
-    python -m benchmarks.format write --configs default,appends-of-4 --rounds 5
     python -m benchmarks.format random --positions 2000000 --layouts default random_access
     python -m benchmarks.format codecs --positions 262144
     python -m benchmarks.format index --sequences 1000 100000 1000000 --store-dir /tmp/lc-index
@@ -15,8 +14,6 @@ Modes (``python -m benchmarks.format <mode> --help``)::
   logprobs) and at random (``sequence(i)``, and ``sequences`` of 32). Baseline in the same run:
   the same arrays as uncompressed ``.npy`` files (int32 ids, float16 logprobs, float32 tail).
   Rates are per wall second and per CPU-second of the process (all threads: per core used).
-* ``write``: the write rate alone, the configurations alternating within each round (the load
-  drifts; adjacent runs are compared): median and best positions per CPU-second.
 * ``random``: ``Teacher.pooled`` sequences (median 490 tokens) written once per layout preset;
   ``sequence(i)`` and ``sequences(32 indices)`` for each ``--threads`` value
   (``CacheReader(decode_threads=t)``) against an uncompressed ``.npy`` copy of the same sequences
@@ -62,17 +59,17 @@ from benchmarks.harness import (
     PeakRSS,
     Recorder,
     add_csv_option,
-    load1,
     log,
     machine_line,
     md_table,
     measure,
+    options,
     pin_cores,
     rss_bytes,
     scratch,
     suite_parser,
 )
-from benchmarks.synthetic import Data, Teacher, store_bytes
+from benchmarks.synthetic import Data, Teacher, store_bytes, write_cache
 
 RAW_BPP = 100 * 6  # int32 id + float16 logprob per entry at k=100: the 600 B/position reference
 
@@ -275,35 +272,9 @@ def run_configs(args: argparse.Namespace) -> None:
     print(md_table(head.split("|"), rows))
 
 
-# --------------------------------------------------------------------------- write
-def run_write(args: argparse.Namespace) -> None:
-    teacher = Teacher(seed=args.seed)
-    data = teacher.fixed(args.positions)
-    names = args.configs.split(",")
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    with scratch("lc-format-write-") as root:
-        for r in range(args.rounds):
-            for name in names:
-                write = writer_for(CONFIGS[name], data, teacher, root / name)
-                cpu = measure(write, 1).cpu[0]
-                shutil.rmtree(root / name)
-                rates[name].append(data.positions / cpu)
-                log(f"round {r} {name}: {rates[name][-1]:,.0f} pos/cpu-s (load {load1()})")
-    rec = Recorder("format", "write", csv_path=args.csv)
-    table = []
-    for name, xs in rates.items():
-        cfg = asdict(CONFIGS[name]) | {"positions": data.positions}
-        rate = statistics.median(xs)
-        kw: dict[str, Any] = {"config": cfg, "p20": min(xs), "p80": max(xs), "samples": len(xs)}
-        rec.add(name, "write_pos_per_cpu_s", "pos/cpu-s", rate, **kw)
-        table.append([name, f"{statistics.median(xs):,.0f}", f"{max(xs):,.0f}", len(xs)])
-    rec.save()
-    print(md_table(["config", "median pos/cpu-s", "best", "rounds"], table))
-
-
 # --------------------------------------------------------------------------- random
 def run_random(args: argparse.Namespace) -> None:
-    from logitcache.cache_format import CacheReader, CacheWriter, spec
+    from logitcache.cache_format import CacheReader, spec
 
     teacher = Teacher(vocab=128_256, seed=args.seed)
     data = teacher.pooled(args.positions, round_f16=True)
@@ -340,11 +311,7 @@ def run_random(args: argparse.Namespace) -> None:
         for name in args.layouts:
             url = root / name
             t0 = time.process_time()
-            with CacheWriter.open(
-                url, teacher.manifest("random"), layout=spec.layout_named(name), fsync=False
-            ) as w:
-                for b in data.batches(positions=500_000):
-                    w.append(b)
+            write_cache(url, data, teacher.manifest("random"), layout=spec.layout_named(name))
             write_cpu = time.process_time() - t0
             bpp = store_bytes(url) / data.positions
             ref = CacheReader(url)
@@ -609,61 +576,49 @@ def run_index(args: argparse.Namespace) -> None:
     print(md_table(header, table))
 
 
+#: mode -> (its function, its options beside ``--positions``, ``--cores``, ``--seed``, ``--csv``)
+MODES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "configs": (
+        run_configs,
+        dict(configs=",".join(CONFIGS), random_reads=200, repeats=3)
+        | {"id_map": ("bpe", None, {"choices": ["bpe", "random", "identity"]})},
+    ),
+    "random": (run_random, dict(layouts=["default", "random_access"], threads=[1, 8], reads=320)),
+    "codecs": (
+        run_codecs,
+        {
+            "rows": ("zipf", "the synthetic teacher's rows, or a random-weights teacher's (the GPU "
+                     "job's)", {"choices": ["zipf", "random"]}),
+            "sigma": (0.9, "--rows random: logit spread"),
+            "blocks": ([-1], "blosc block bytes: -1 one block per chunk (the format's), 0 blosc's "
+                       "choice"),
+        },
+    ),
+    "index": (
+        run_index,
+        dict(sequences=[1000, 100_000, 1_000_000], repeats=3, label="this tree")
+        | {
+            "store_dir": ("", "keep (and reuse) the built caches here"),
+            "validate_max": (100_000, "validate up to this"),
+            "appends": ("records", None, {"choices": ["records", "batch"]}),
+        },
+    ),
+}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     p, sub = suite_parser("format", __doc__)
-    modes = {
-        "configs": run_configs,
-        "write": run_write,
-        "random": run_random,
-        "codecs": run_codecs,
-        "index": run_index,
-    }
-    for name in modes:
-        s = sub.add_parser(name)
-        s.add_argument("--positions", type=float, default=2e6 if name == "random" else 262144)
-        s.add_argument("--cores", type=int, default=1, help="pin to this many cores (0: all)")
-        s.add_argument("--seed", type=int, default=0)
+    for name, (_, spec) in MODES.items():
+        s = options(sub.add_parser(name), **spec, seed=0)
+        positions = 2e6 if name == "random" else 262144
+        options(s, positions=(positions, None, {"type": float}))
+        options(s, cores=(1, "pin to this many cores (0: all)"))
         add_csv_option(s)
-        if name in ("configs", "write"):
-            every = ",".join(CONFIGS) if name == "configs" else "default"
-            s.add_argument("--configs", default=every)
-        if name == "configs":
-            s.add_argument("--id-map", default="bpe", choices=["bpe", "random", "identity"])
-            s.add_argument("--random-reads", type=int, default=200)
-            s.add_argument("--repeats", type=int, default=3)
-        if name == "write":
-            s.add_argument("--rounds", type=int, default=5)
-        if name == "codecs":
-            s.add_argument(
-                "--rows",
-                default="zipf",
-                choices=["zipf", "random"],
-                help="the synthetic teacher's rows, or a random-weights teacher's (the GPU job's)",
-            )
-            s.add_argument("--sigma", type=float, default=0.9, help="--rows random: logit spread")
-            s.add_argument(
-                "--blocks",
-                type=int,
-                nargs="+",
-                default=[-1],
-                help="blosc block bytes: -1 one block per chunk (the format's), 0 blosc's choice",
-            )
-        if name == "index":
-            s.add_argument("--sequences", type=int, nargs="+", default=[1000, 100_000, 1_000_000])
-            s.add_argument("--store-dir", default="", help="keep (and reuse) the built caches here")
-            s.add_argument("--repeats", type=int, default=3)
-            s.add_argument("--label", default="this tree")
-            s.add_argument("--validate-max", type=int, default=100_000, help="validate up to this")
-            s.add_argument("--appends", default="records", choices=["records", "batch"])
-        if name == "random":
-            s.add_argument("--layouts", nargs="+", default=["default", "random_access"])
-            s.add_argument("--threads", type=int, nargs="+", default=[1, 8])
-            s.add_argument("--reads", type=int, default=320)
     args = p.parse_args(argv)
     args.positions = int(args.positions)
     if args.cores:
         pin_cores(args.cores)
-    modes[args.mode](args)
+    MODES[args.mode][0](args)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ shows its current figures; the CSV keeps every run.
 Command line::
 
     python -m benchmarks.harness machine                   # the machine row, as JSON
-    python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format write --positions 65536
-    python -m benchmarks.harness with-tree TREE -- -m benchmarks.format write --positions 65536
+    python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format configs --positions 65536
+    python -m benchmarks.harness with-tree TREE -- -m benchmarks.format configs --positions 65536
     python -m benchmarks.harness device WHEELS -- -m benchmarks.loader scaling --positions 1e8
 
 ``ab`` exports both revisions with ``git archive`` and runs the command under each tree in turn
@@ -151,6 +151,12 @@ def quantiles(samples: Sequence[float], qs: Sequence[float] = (0.5, 0.2, 0.8)) -
         hi = min(lo + 1, len(s) - 1)
         out.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
     return out
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The nearest-rank ``q``-th percentile of ``xs`` (None if empty)."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else None
 
 
 @dataclass(frozen=True)
@@ -297,6 +303,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def proc_cpu(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads; with ``children``, also
+    those of its waited-for children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def load1() -> float:
     """The 1-minute load average now."""
     return round(os.getloadavg()[0], 2)
@@ -427,7 +454,7 @@ COLUMNS = (
 class Recorder:
     """Collects one run's rows and appends them to the CSV (and to a JSON file if asked).
 
-    ``rec = Recorder("format", "write")``; ``rec.add(case, metric, unit, value, ...)``;
+    ``rec = Recorder("format", "configs")``; ``rec.add(case, metric, unit, value, ...)``;
     ``rec.save()``. The machine row is taken once, when the recorder is made; ``config`` goes
     into every row's configuration (beside what :meth:`add` is given)."""
 
@@ -540,6 +567,27 @@ def suite_parser(suite: str, doc: str) -> tuple[argparse.ArgumentParser, Any]:
         prog=f"python -m benchmarks.{suite}", description=doc.split("\n")[0]
     )
     return p, p.add_subparsers(dest="mode", required=True)
+
+
+def options(parser: argparse.ArgumentParser, **spec: Any) -> argparse.ArgumentParser:
+    """One ``--name-with-dashes`` option per keyword, its type taken from its default: a list is
+    ``nargs="+"`` of its first item's type, ``False`` a flag, a string or ``None`` a string. A value
+    ``(default, help)`` adds a help text, ``(default, help, {...})`` more ``add_argument``
+    keywords (``choices``, ``type``, ...). Returns ``parser``."""
+    for name, value in spec.items():
+        default, help_, extra = (
+            (*value, None, None)[:3] if isinstance(value, tuple) else (value, None, None)
+        )
+        kw: dict[str, Any] = {"default": default, "help": help_}
+        kind = type(default[0] if isinstance(default, list) else default)
+        if default is False:
+            kw["action"] = "store_true"
+        elif kind not in (str, type(None)):
+            kw["type"] = kind
+        if isinstance(default, list):
+            kw["nargs"] = "+"
+        parser.add_argument("--" + name.replace("_", "-"), **kw | (extra or {}))
+    return parser
 
 
 def add_csv_option(parser: argparse.ArgumentParser) -> None:
@@ -708,7 +756,7 @@ def line_plot(
 # --------------------------------------------------------------------------- command line
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
-        raise SystemExit("give the command to run after --, e.g. -- -m benchmarks.format write")
+        raise SystemExit("give the command to run after --, e.g. -- -m benchmarks.format configs")
     i = argv.index("--")
     return argv[:i], argv[i + 1 :]
 

@@ -64,6 +64,8 @@ from benchmarks.harness import (
     line_plot,
     log,
     machine_line,
+    options,
+    proc_cpu,
     server_process,
     suite_parser,
 )
@@ -186,12 +188,6 @@ def worker_rates(url: str, workers: list[int], seconds: float) -> list[dict[str,
     return [loader_rate(url, w, seconds, pin=True, shuffle=True) for w in workers]
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (and its waited-for children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 def serve(root: str, port: int) -> None:
     """The server part of the HTTP step: the real store route under uvicorn (no engine)."""
     from types import SimpleNamespace
@@ -237,11 +233,11 @@ def http_rates(
     out = []
     with http_server(root) as (url, pid):
         for w, t in runs:
-            c0 = proc_cpu_s(pid)
+            c0 = proc_cpu(pid, children=True)
             r = loader_rate(
                 HttpSource(url, CACHE), w, seconds, pin=w > 0, shuffle=True, read_threads=t
             )
-            r["server_cpu_s"] = proc_cpu_s(pid) - c0
+            r["server_cpu_s"] = proc_cpu(pid, children=True) - c0
             # CPU over the whole run (start-up reads included) per steady position: an upper bound
             r["server_cpu_us_per_position_upper"] = 1e6 * r["server_cpu_s"] / r["positions"]
             out.append(r)
@@ -409,34 +405,26 @@ def one_process(url: str, args: argparse.Namespace, reader_pos_per_s: float) -> 
     return out
 
 
+#: mode -> its options beside ``--positions``, ``--seconds``, ``--root`` and ``--csv``
+MODE_OPTIONS: dict[str, dict[str, Any]] = {
+    "scaling": dict(workers=[1, 2, 4, 8, 12], shuffle_seconds=10.0, shuffle_warm=30)
+    | {"plot": (None, None, {"nargs": "?", "type": Path, "const": RESULTS / "loader_scaling.png"})},
+    "http": dict(http_workers=[0, 8], http_threads=[4, 8]),
+    "datawait": dict(workers=8, steps=40, fed_steps=120, ddp=(False, "under a world-1 NCCL DDP")),
+    "hidden": dict(dim=4096, workers=[1, 2, 4, 8, 12])
+    | {"quick": (False, "smoke size (see the docstring)")},
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     p, sub = suite_parser("loader", __doc__)
     srv = sub.add_parser("serve", help="(internal) the HTTP mode's server process")
     srv.add_argument("--root", required=True)
     srv.add_argument("--port", type=int, required=True)
-    for name in ("scaling", "http", "datawait", "hidden"):
-        s = sub.add_parser(name)
-        s.add_argument("--root", default="/tmp/lc-loader-bench", help="the cache is kept here")
-        s.add_argument("--positions", type=float, default=20e6)
-        s.add_argument("--seconds", type=float, default=6.0)
+    for name, spec in MODE_OPTIONS.items():
+        s = options(sub.add_parser(name), positions=20e6, seconds=6.0, **spec)
+        options(s, root=("/tmp/lc-loader-bench", "the cache is kept here"))
         add_csv_option(s)
-        if name == "scaling":
-            s.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 12])
-            s.add_argument("--shuffle-seconds", type=float, default=10.0)
-            s.add_argument("--shuffle-warm", type=int, default=30)
-            s.add_argument("--plot", nargs="?", type=Path, const=RESULTS / "loader_scaling.png")
-        if name == "http":
-            s.add_argument("--http-workers", type=int, nargs="+", default=[0, 8])
-            s.add_argument("--http-threads", type=int, nargs="+", default=[4, 8])
-        if name == "datawait":
-            s.add_argument("--workers", type=int, default=8)
-            s.add_argument("--steps", type=int, default=40)
-            s.add_argument("--fed-steps", type=int, default=120)
-            s.add_argument("--ddp", action="store_true", help="under a world-1 NCCL DDP")
-        if name == "hidden":
-            s.add_argument("--dim", type=int, default=4096)
-            s.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 12])
-            s.add_argument("--quick", action="store_true", help="smoke size (see the docstring)")
     args = p.parse_args(argv)
     if args.mode == "serve":
         serve(args.root, args.port)

@@ -20,7 +20,6 @@ Modes::
     python -m benchmarks.loss sweep --variants fp32acc,bf16acc,floor \\
         --configs 128256x4096,201088x4096,128256x8192
     python -m benchmarks.loss sweep --device cpu --sizes 64 --configs 500x32 --k 8 --check
-    python -m benchmarks.loss anatomy floor --n 262144       # tensors alive at the peak
     python -m benchmarks.loss plot benchmarks/results/loss.json benchmarks/results
     python -m benchmarks.loss exact --check --configs 128256x4096 --out exact_gpu.json
     python -m benchmarks.loss exact --device cpu --sizes 2048 --configs 8192x256 --gemm-chunks 512
@@ -64,6 +63,7 @@ from benchmarks.harness import (
     live_bytes,
     machine_line,
     median_time,
+    options,
     suite_parser,
     time_call,
 )
@@ -360,40 +360,6 @@ def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
     return table
 
 
-def anatomy(name: str, n: int, vocab: int, d: int, k: int, device: str) -> dict:
-    """One fwd+bwd step of ``name`` at ``n`` under :func:`~benchmarks.harness.live_bytes`
-    (after one warm-up step)."""
-    x = make_inputs(n, d, vocab, k, device, seed=41)
-    fn = variants(device)[name]
-    grads_of(fn, x)  # warm-up: kernels compiled, cuBLAS workspaces allocated
-    free()
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    mode = live_bytes().known(*x.values())
-    with mode:
-        loss = fn(x)
-        loss.backward()
-    out: dict[str, Any] = {"variant": name, "n": n, "vocab": vocab, "d": d}
-    out.update(mode.report())
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        out.update(
-            base_bytes=base,
-            allocator_peak_bytes=peak,
-            allocator_over_base_bytes=peak - base,
-            not_tensors_bytes=peak - base - mode.peak,
-        )
-    x["h"].grad = x["w"].grad = None
-    del x, loss
-    free()
-    print("anatomy", json.dumps(out), flush=True)
-    return out
-
-
 # ----------------------------------------------------------------------------- exact
 EXACT_VARIANTS = [
     "topk_fused_chunked",
@@ -642,7 +608,6 @@ def main(argv: list[str] | None = None) -> None:
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     configs = lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")]  # noqa: E731
     sw = sub.add_parser("sweep", help="every variant x N x config: memory and time")
-    an = sub.add_parser("anatomy", help="the tensors alive at one variant's peak")
     ex = sub.add_parser("exact", help="exact loss (teacher hidden + head) vs the top-k loss")
     ex.add_argument("--sizes", type=ints, default=[32768, 65536, 131072, 262144])
     ex.add_argument("--variants", type=lambda s: s.split(","), default=EXACT_VARIANTS)
@@ -652,49 +617,35 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: each's)")
     ex.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
     ex.add_argument("--out", type=Path, default=None)
-    an.add_argument("variant")
-    an.add_argument("--n", type=int, default=262144)
-    for s in (sw, an, ex):
+    for s in (sw, ex):
         s.add_argument("--device", default=None)
         s.add_argument("--configs", type=configs, default=[(128256, 4096), (201088, 4096)])
         s.add_argument("--k", type=int, default=100)
         add_csv_option(s)
-    sw.add_argument("--sizes", type=ints, default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
-    sw.add_argument("--variants", type=lambda s: s.split(","), default=DEFAULT_VARIANTS)
-    sw.add_argument("--reps", type=int, default=5)
-    sw.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
-    sw.add_argument("--budget-s", type=float, default=420.0, help="stop starting cells after")
-    sw.add_argument("--torchpath-max-n", type=int, default=32768)
-    sw.add_argument("--dense-max-n", type=int, default=32768)
-    sw.add_argument("--c8192-sizes", type=ints, default=[32768, 262144])
-    sw.add_argument("--check", action="store_true")
-    sw.add_argument("--check-n", type=int, default=2048)
-    sw.add_argument("--check-chunk", type=int, default=512)
-    sw.add_argument("--check-large-n", type=int, default=32768)
-    sw.add_argument("--out", type=Path, default=None)
+    comma = {"type": ints, "nargs": None}
+    options(sw, sizes=([4096, 8192, 16384, 32768, 65536, 131072, 262144], None, comma))
+    options(
+        sw,
+        c8192_sizes=([32768, 262144], None, comma),
+        check=False,
+        out=(None, None, {"type": Path}),
+    )
+    options(sw, variants=(DEFAULT_VARIANTS, None, {"type": lambda s: s.split(","), "nargs": None}))
+    options(sw, reps=5, torchpath_max_n=32768, dense_max_n=32768, check_n=2048, check_chunk=512)
+    options(sw, check_large_n=32768, cell_cap_s=(6.0, "time budget per cell"))
+    options(sw, budget_s=(420.0, "stop starting cells after"))
     args = ap.parse_args(argv)
     if args.mode == "plot":
         print(*loss_plots(args.result, args.out_dir), sep="\n")
         return
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rec = Recorder("loss", args.mode, csv_path=args.csv)
-    if args.mode == "anatomy":
-        vocab, d = args.configs[0]
-        out = anatomy(args.variant, args.n, vocab, d, args.k, device)
-        cfg = {"n": args.n, "vocab": vocab, "d": d, "k": args.k}
-        rec.add(args.variant, "tracked_peak_bytes", "B", out["tracked_peak_bytes"], config=cfg)
-        rec.save()
-        return
     t0 = time.time()
     result: dict[str, Any] = {"meta": rec.machine | {"line": machine_line(rec.machine)}}
     print(result["meta"]["line"], flush=True)
     if args.mode == "exact":
         result["exact"] = exact_mode(args, device, rec)
-        rec.save()
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
-        return
+        return rec.finish(result, args.out, indent=1, show=-1)
     if device == "cuda":
         result["gemm_tflops"] = {
             f"{v}x{d}": gemm_rate(8192, d, v, device, True) for v, d in args.configs
@@ -711,11 +662,8 @@ def main(argv: list[str] | None = None) -> None:
         rec.add(r["variant"], "ms", "ms", r["ms"], samples=len(r["ms_all"]), config=cfg)
         if "peak_gib" in r:
             rec.add(r["variant"], "peak_gib", "GiB", r["peak_gib"], config=cfg)
-    rec.save()
     result["wall_s"] = time.time() - t0
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    rec.finish(result, args.out, indent=1, show=-1)
     print(f"done in {result['wall_s']:.0f} s", flush=True)
 
 

@@ -34,6 +34,7 @@ from benchmarks.harness import (
     free_port,
     line_plot,
     machine,
+    options,
     server_process,
     suite_parser,
     sync,
@@ -257,16 +258,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     pl.add_argument("result", type=Path)
     pl.add_argument("out_dir", type=Path)
     r = sub.add_parser("run", help="every variant x tokens per step")
-    r.add_argument("--student", default="1b", choices=sorted(SHAPES))
-    r.add_argument("--teacher", default="8b", choices=sorted(SHAPES))
-    r.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
-    r.add_argument("--seq-len", type=int, default=2048)
-    r.add_argument("--k", type=int, default=100)
-    r.add_argument("--warmup", type=int, default=1)
-    r.add_argument("--steps", type=int, default=3)
-    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    r.add_argument("--work", type=Path, default=None)
-    r.add_argument("--json", type=Path, default=None)
+    shape = {"choices": sorted(SHAPES)}
+    options(r, student=("1b", None, shape), teacher=("8b", None, shape), seq_len=2048, k=100)
+    options(r, tokens=[8192, 32768, 65536, 131072], warmup=1, steps=3)
+    options(r, variants=(list(VARIANTS), None, {"choices": VARIANTS}))
+    options(r, work=(None, None, {"type": Path}), json=(None, None, {"type": Path}))
     add_csv_option(r)
     args = p.parse_args(given)
     if args.mode == "plot":
@@ -388,8 +384,6 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
             run_variant(name, sizes, make_offline_step, opt, device, args, result["variants"])
 
     summarize(result, sizes)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
     config = {"student": args.student, "teacher": args.teacher, "seq_len": args.seq_len}
     for name, runs in result["variants"].items():
         for t, r in runs.items():
@@ -399,7 +393,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
                 rec.add(case, "tokens_per_s", "tok/s", r["tokens_per_s"], config=config)
                 if r["peak_gib"] is not None:
                     rec.add(case, "peak_memory", "GiB", r["peak_gib"], config=config)
-    rec.save()
+    rec.finish(result, args.json, indent=1, show=-1)
     return result
 
 

@@ -34,25 +34,25 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-from benchmarks.harness import ROOT, Recorder, export_tree, machine_line, server_process
-from benchmarks.service.common import mode_parser, parse
-from tests.server_support import free_port
+from benchmarks.harness import (
+    ROOT,
+    export_tree,
+    free_port,
+    options,
+    percentile,
+    server_process,
+)
+from benchmarks.service.common import mode_parser, parse, recorded
 
 FAKE_SERVER = ROOT / "tests" / "fake_server.py"
 VOCAB = 300  # the fake teacher's vocabulary
 CACHE = "bench"
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def fake_server(workdir: Path, tree: Path | None, k: int) -> Any:
@@ -109,8 +109,8 @@ async def _load(
         "wall_s": wall,
         "status": status,
         "requests_per_s": len(lat) / wall,
-        "p50_ms": 1e3 * _pct(lat, 50),
-        "p99_ms": 1e3 * _pct(lat, 99),
+        "p50_ms": 1e3 * percentile(lat, 50),
+        "p99_ms": 1e3 * percentile(lat, 99),
         "mean_ms": 1e3 * statistics.fmean(lat),
         "stored": stored,
     }
@@ -133,13 +133,8 @@ def one_run(tree: Path | None, args: argparse.Namespace, seed: int) -> dict[str,
 
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("appends", __doc__)
-    ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--min-len", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=64)
-    ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--baseline", default=None, help="a git revision to measure beside")
+    options(ap, requests=600, concurrency=32, min_len=8, max_len=64, k=20, rounds=2)
+    options(ap, baseline=(None, "a git revision to measure beside"))
     args = parse(ap, argv)
 
     runs: dict[str, list[dict[str, Any]]] = {"head": []}
@@ -172,23 +167,20 @@ def main(argv: list[str] | None = None) -> None:
             summary["baseline"]["server_cpu_ms_per_request"]
             / summary["head"]["server_cpu_ms_per_request"]
         )
+    head, rec = recorded("appends", args)
     result = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_line(),
+        **head,
         "engine": "fake (tests/engine_support.FakeEngine) in the server process",
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "runs": runs,
         "summary": summary,
         "all_stored_readable": all(x["all_stored_readable"] for v in runs.values() for x in v),
         "goal_met": summary["head"]["requests_per_s"] >= 100,
     }
-    rec = Recorder("service", "appends", csv_path=args.csv)
-    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
     for label, values in summary.items():
         if isinstance(values, dict):
-            rec.add_flat(label, values, config=cfg)
+            rec.add_flat(label, values)
         else:
-            rec.add("head vs baseline", label, "ratio", values, config=cfg)
+            rec.add("head vs baseline", label, "ratio", values)
     rec.finish(result, args.json)
 
 

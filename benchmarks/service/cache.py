@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks.harness import Recorder, machine_line
-from benchmarks.service.common import mode_parser, parse, tiny_windows
+from benchmarks.harness import options
+from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ServerProcess
 
 API_KEY = "cache-serve-bench"
@@ -56,12 +55,7 @@ def rows_of_completion(choice: dict, k: int) -> list[tuple[list[int], list[float
 
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("cache", __doc__)
-    ap.add_argument("--sequences", type=int, default=256)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--logprob-dtype", default="float32")
+    options(ap, sequences=256, length=128, batch=16, k=8, epochs=3, logprob_dtype="float32")
     args = parse(ap, argv)
 
     tiny, seqs = tiny_windows(args.length, args.sequences + 1)
@@ -133,10 +127,9 @@ def main(argv: list[str] | None = None) -> None:
             rows_exact += ids == wids and lps == wlps
             max_abs = max(max_abs, max(abs(a - b) for a, b in zip(lps, wlps, strict=True)))
     e1 = epochs[0]["engine_s"]
+    head, rec = recorded("cache", args)
     result: dict[str, Any] = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_line(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **head,
         "tokens_per_epoch": tokens,
         "server_startup_s": startup_s,
         "direct_epoch": direct_epoch,
@@ -151,8 +144,6 @@ def main(argv: list[str] | None = None) -> None:
             "max_abs_logprob_diff": max_abs,
         },
     }
-    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
-    rec = Recorder("service", "cache", csv_path=args.csv, config=cfg)
     for i, ratio in enumerate(result["later_over_first_engine_s"], start=2):
         rec.add(f"epoch {i}", "engine_s_over_epoch_1", "ratio", ratio or 0.0)
     rec.add_flat("epoch 1", result["served_epochs"][0])

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import add_csv_option
+from benchmarks.harness import Recorder, add_csv_option, machine_line
 
 
 def mode_parser(mode: str, doc: str) -> argparse.ArgumentParser:
@@ -24,6 +25,16 @@ def parse(
     parser.add_argument("--json", type=Path, default=json_default)
     add_csv_option(parser)
     return parser.parse_args(argv)
+
+
+def recorded(mode: str, args: argparse.Namespace) -> tuple[dict[str, Any], Recorder]:
+    """A finished run's result header (``when``, ``machine``, ``args``) and its Recorder, whose
+    rows carry the arguments (less ``--csv``) as their configuration."""
+    given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    cfg = {k: v for k, v in given.items() if k != "csv"}
+    rec = Recorder("service", mode, csv_path=args.csv, config=cfg)
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    return {"when": when, "machine": machine_line(rec.machine), "args": given}, rec
 
 
 def tiny_windows(length: int, count: int) -> tuple[Any, list[list[int]]]:

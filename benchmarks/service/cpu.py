@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, machine_line
+from benchmarks.harness import Recorder, machine_line, options
 from benchmarks.service.common import mode_parser, parse
 from benchmarks.service.replay import ROWS, RandomTeacherRows, StrideRows, ZipfRows, build_engine
 
@@ -405,55 +405,25 @@ def job_run(
 
 def main(argv: list[str] | None = None) -> None:
     p = mode_parser("cpu", __doc__)
-    p.add_argument("--k", type=int, nargs="+", default=[20, 100])
-    p.add_argument("--sequences", type=int, default=256)
-    p.add_argument("--length", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=1,
-        help="untimed jobs of 16 sequences per k first (imports, first calls; 0: none)",
-    )
-    p.add_argument("--batch-sequences", type=int, default=64)
-    p.add_argument("--batch-tokens", type=int, default=16384)
-    p.add_argument("--logprob-dtype", default="float16")
-    p.add_argument(
-        "--form",
-        choices=["arrays", "lists", "hf"],
-        default="arrays",
-        help="engine output: vLLM's through the service's array hook, vLLM's FlatLogprobs "
-        "lists, or the transformers backend's (its own code, the device work replayed)",
-    )
-    p.add_argument(
-        "--prefill",
-        type=int,
-        default=0,
-        help="sequences written (untimed) into the cache before the timed job, e.g. "
-        "1600: the timed appends then rewrite partly filled shards as a long job's do",
-    )
-    p.add_argument(
-        "--ids",
-        choices=sorted(ROWS),
-        default="stride",
-        help="top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens), "
-        "'zipf' (the synthetic teacher over 131,072 tokens, what the format's "
-        "bytes/position goal is measured on; ~8 s to make) or 'random' (a random-weights "
-        "teacher over 128,256 tokens, as the GPU mode scores; ~2 s to make)",
-    )
-    p.add_argument(
-        "--rate",
-        type=float,
-        default=0.0,
-        help="--form hf: the replayed device's pace in tokens/s, e.g. 105000 (the 1B shape on "
-        "an H100) or 29000 (8B); 0: rows at once",
-    )
-    p.add_argument(
-        "--sigma",
-        type=float,
-        default=0.9,
-        help="--ids random: the logits' spread (0.9: the 1B shape, 1.3: 8B)",
-    )
+    options(p, k=[20, 100], sequences=256, length=256, repeats=3, batch_sequences=64)
+    options(p, batch_tokens=16384, logprob_dtype="float16")
+    options(
+        p,
+        warmup=(1, "untimed jobs of 16 sequences per k first (imports, first calls; 0: none)"),
+        form=("arrays", "engine output: vLLM's through the service's array hook, vLLM's "
+              "FlatLogprobs lists, or the transformers backend's (its own code, the device "
+              "work replayed)", {"choices": ["arrays", "lists", "hf"]}),
+        prefill=(0, "sequences written (untimed) into the cache before the timed job, e.g. "
+                 "1600: the timed appends then rewrite partly filled shards as a long job's do"),
+        ids=("stride", "top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens), "
+             "'zipf' (the synthetic teacher over 131,072 tokens, what the format's "
+             "bytes/position goal is measured on; ~8 s to make) or 'random' (a random-weights "
+             "teacher over 128,256 tokens, as the GPU mode scores; ~2 s to make)",
+             {"choices": sorted(ROWS)}),
+        rate=(0.0, "--form hf: the replayed device's pace in tokens/s, e.g. 105000 (the 1B "
+              "shape on an H100) or 29000 (8B); 0: rows at once"),
+        sigma=(0.9, "--ids random: the logits' spread (0.9: the 1B shape, 1.3: 8B)"),
+    )  # fmt: skip
     args = parse(p, argv)
     shared: Any = None  # the pooled rows are made once
     if args.ids == "zipf":

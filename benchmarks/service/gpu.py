@@ -1,46 +1,15 @@
 """A teacher job on one GPU with the transformers backend, against the bare model in the same run.
 
-For each teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for
-the CPU test) this suite
-
-1. writes a model directory a user could point the service at: ``config.json``, a word-level
-   tokenizer of ``V`` tokens and random bf16 weights made on the device (``safetensors``; the
-   time to make and save them is reported apart, nothing is downloaded);
-2. **bare**: in this process, the backend's own engine (``server/engine/hf.py``) loaded from that
-   directory runs ``--bare-sequences`` of the job's sequences twice over: ``device`` (decoder
-   forward + chunked lm-head top-k, results left on the device, one sync at the end: the rate
-   the GPU allows), ``device_entropy`` (the same with the engine's ``entropy`` on: each row's
-   teacher entropy computed in the chunked lm-head pass, FORMAT.md 4.9; its cost is
-   ``ratio_entropy_vs_device``) and ``engine`` (the engine's scoring call: the same as
-   ``device`` plus the copies to the host and the per-sequence arrays). Host CPU is this
-   process's CPU time over each;
-3. **inproc**: the same engine object scores the first ``--inproc-sequences`` of the job's
-   sequences through the service in this process (``create_app`` + ``POST /v1/jobs``, a cache on
-   local disk), measured exactly as ``python -m benchmarks.service cpu`` measures the job path
-   on the CPU (:func:`benchmarks.service.cpu.job_run`): each thread's CPU and each stage's, in
-   the thread that spends it. The engine's ``device`` stage (``_hidden`` + ``_topk_rows``: the
-   launches of the decoder's and lm-head's work, and whatever waits on the device inside them)
-   and its ``engine`` stage (the rest of its worker thread: batching, the hand-over of each
-   batch's top-k, per-sequence rows, and any wait on the device there) are apart; the job path
-   is the process's CPU less both (``job_path_cpu_us_per_position``; less ``device`` alone, the
-   ``cpu`` mode's headline, it is ``job_path_cpu_us_per_position_with_engine_host``);
-4. **job**: the service started as a user would (``logitcache-server --backend hf ...``, a
-   subprocess) scores all ``--sequences`` x ``--seq-len`` random token ids of a JSONL file into a
-   cache on local disk through ``POST /v1/jobs``. The rate is the job's own
-   ``tokens_total / (finished_at - started_at)``; the server's CPU time (all its threads,
-   ``/proc/<pid>/stat``, from submit to the end), less the engine's share estimated from (2),
-   is a second estimate of the job path's (``..._subtraction``);
-5. reads the cache back: bytes on disk per position, the tail-mass distribution, and the share
-   of top-k ids equal to the bare engine's on the sequences both scored.
-
-GPU utilisation is sampled through NVML every 0.2 s during each timed phase when available.
-
-Host CPU of the subprocess job, estimated: the bare engine's thread keeps about one core busy
-for as long as the device works, so the engine's share of the server's CPU is the bare run's
-cores times the job's own time (started to finished); the rest is the job path's
-(``job_path_cpu_us_per_position_subtraction``); the per-position subtraction (bare CPU per
-position times the job's positions) is beside it. The server's busiest threads are listed by CPU
-seconds. The in-process figure (3) needs no such estimate.
+Per teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for the
+CPU test): a model directory of random bf16 weights a user could serve; **bare** (the backend's
+engine in this process: ``device``, ``device_entropy``, ``engine`` rates); **inproc** (the same
+engine object behind the service in this process, the job path's CPU measured by stage and by
+thread as :func:`benchmarks.service.cpu.job_run` measures it: the job path is the process's CPU
+less the engine's ``device`` and ``engine`` stages); **job** (``logitcache-server --backend hf``
+in a subprocess scores ``--sequences`` x ``--seq-len`` random ids through ``POST /v1/jobs``;
+its server CPU less the bare engine's share is the ``..._subtraction`` estimate); the cache read
+back (bytes/position, tail mass, top-k ids vs the bare engine's). What each phase times:
+``benchmarks/results/service.md``, section "The transformers backend on one GPU".
 
 Usage (GPU box, through the harness's device runner; wheels as in
 benchmarks/results/service.md, section ``gpu``, msgspec among them: ``fast_paths`` in the JSON
@@ -59,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -77,8 +45,12 @@ from benchmarks.harness import (
     free_memory,
     free_port,
     machine,
+    md_table,
+    options,
+    proc_cpu,
     server_process,
     sync,
+    thread_cpu,
 )
 from benchmarks.service.common import mode_parser, parse
 
@@ -333,26 +305,6 @@ def server_command(model: Path, work: Path, port: int, args: argparse.Namespace)
     ]  # fmt: skip
 
 
-def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namespace) -> dict:
     """The service in a subprocess runs one job over ``prompts``; its rate and host CPU."""
     import httpx
@@ -524,22 +476,16 @@ def fast_paths() -> dict[str, bool]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = mode_parser("gpu", __doc__)
-    p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
-    p.add_argument("--sequences", type=int, default=1000)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--k", type=int, default=100)
-    p.add_argument("--bare-sequences", type=int, default=128)
-    p.add_argument(
-        "--inproc-sequences",
-        type=int,
-        default=256,
-        help="sequences of the in-process job measured stage by stage (0: none)",
+    options(p, shapes=(["1b", "8b"], None, {"choices": sorted(SHAPES)}), sequences=1000)
+    options(p, seq_len=2048, k=100, bare_sequences=128, job_batch_tokens=16384)
+    options(
+        p,
+        inproc_sequences=(256, "sequences of the in-process job measured stage by stage (0: none)"),
+        tail_sequences=(64, "sequences read for tail mass"),
+        batch_sequences=(64, "job batch sequences"),
+        engine_options=({}, "JSON, as the server's", {"type": json.loads}),
+        work=(None, "scratch folder (default: a temp dir)", {"type": Path}),
     )
-    p.add_argument("--tail-sequences", type=int, default=64, help="sequences read for tail mass")
-    p.add_argument("--batch-sequences", type=int, default=64, help="job batch sequences")
-    p.add_argument("--job-batch-tokens", type=int, default=16384)
-    p.add_argument("--engine-options", type=json.loads, default={}, help="JSON, as the server's")
-    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     return parse(p, argv)
 
 
@@ -560,16 +506,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=1))
-    print(f"{'shape':>5} {'bare tok/s':>11} {'job tok/s':>10} {'ratio':>6} {'job us/pos':>10} "
-          f"{'cores':>5} {'B/pos':>6} {'tail p50':>8}")  # fmt: skip
-    for name, r in result["shapes"].items():
-        print(
-            f"{name:>5} {r['bare']['device']['tokens_per_s']:>11.0f} "
-            f"{r['job']['tokens_per_s']:>10.0f} {r['ratio_job_vs_bare_device']:>6.3f} "
-            f"{r['job_path_cpu_us_per_position']:>10.2f} {r['job']['server_cores']:>5.2f} "
-            f"{r['cache']['bytes_per_position']:>6.0f} "
-            f"{r['cache']['tail_mass']['quantiles']['0.5']:>8.4f}"
-        )
+    head = ["shape", "bare tok/s", "job tok/s", "ratio", "job us/pos", "cores", "B/pos", "tail p50"]
+    rows = [
+        [name, f"{r['bare']['device']['tokens_per_s']:.0f}", f"{r['job']['tokens_per_s']:.0f}"]
+        + [f"{r['ratio_job_vs_bare_device']:.3f}", f"{r['job_path_cpu_us_per_position']:.2f}"]
+        + [f"{r['job']['server_cores']:.2f}", f"{r['cache']['bytes_per_position']:.0f}"]
+        + [f"{r['cache']['tail_mass']['quantiles']['0.5']:.4f}"]
+        for name, r in result["shapes"].items()
+    ]
+    print(md_table(head, rows))
     for name, r in result["shapes"].items():
         record(rec, name, r, args)
     rec.finish(result, args.json, indent=1, show=-1)

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Recorder, load1, machine_line
+from benchmarks.harness import Recorder, load1, machine_line, options
 from benchmarks.service.common import mode_parser, parse
 from tests.server_support import VLLM_ENV, ServerProcess, wait_job
 
@@ -203,13 +203,9 @@ def run_pairs(
 
 def main(argv: list[str] | None = None) -> None:
     p = mode_parser("jobs", __doc__)
-    p.add_argument("--sequences", type=int, default=512)
-    p.add_argument("--length", type=int, default=256)
-    p.add_argument("--k", type=int, nargs="+", default=[8], help="one or more k (pairs per k)")
-    p.add_argument(
-        "--modes", nargs="+", default=["inproc"], choices=["inproc", "async"], help="engine driver"
-    )
-    p.add_argument("--repeats", type=int, default=2, help="pairs (direct, job) per k and mode")
+    options(p, sequences=512, length=256, k=([8], "one or more k (pairs per k)"))
+    options(p, modes=(["inproc"], "engine driver", {"choices": ["inproc", "async"]}))
+    options(p, repeats=(2, "pairs (direct, job) per k and mode"))
     from logitcache.server.settings import ServerSettings
 
     default = {n: f.default for n, f in ServerSettings.model_fields.items()}
@@ -221,10 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument(
             flag, type=int, default=default[name], help=f"server {name} (default: the service's)"
         )
-    p.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--prompts", help=argparse.SUPPRESS)
-    p.add_argument("--engine-kwargs", default="{}", help=argparse.SUPPRESS)
+    hidden = argparse.SUPPRESS
+    options(p, direct_worker=(False, hidden), model=(None, hidden), prompts=(None, hidden))
+    options(p, engine_kwargs=("{}", hidden))
     args = parse(p, argv)
     if args.direct_worker:
         args.k = args.k[0]

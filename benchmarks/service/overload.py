@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import Recorder, load1, machine_line
+from benchmarks.harness import Recorder, load1, machine_line, options, percentile
 from benchmarks.service.common import mode_parser, parse
 from tests import server_support
 from tests.server_support import ServerProcess
@@ -40,13 +40,6 @@ KEY = "load-bench-key"
 SEQ_LEN = 1000
 BIG_SEQS = 8
 VOCAB = 1024  # replaced by the fixture teacher's vocabulary in main_async
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -117,8 +110,8 @@ class Probe:
         return {
             "health_n": len(self.health),
             "health_errors": self.health_errors,
-            "health_p50_ms": _ms(_pct(self.health, 50)),
-            "health_p99_ms": _ms(_pct(self.health, 99)),
+            "health_p50_ms": _ms(percentile(self.health, 50)),
+            "health_p99_ms": _ms(percentile(self.health, 99)),
             "health_max_ms": _ms(max(self.health) if self.health else None),
             "health_over_100ms": sum(x > 0.1 for x in self.health),
             "rss_peak_mib": round(max(self.rss) / 2**20, 1) if self.rss else None,
@@ -204,7 +197,7 @@ async def overload(url: str, clients: int, seconds: float, probe: Probe) -> dict
         "seconds": seconds,
         "request_tokens": SEQ_LEN * BIG_SEQS,
         "answers": counts,
-        "ok_p50_s": _pct(lat_ok, 50),
+        "ok_p50_s": percentile(lat_ok, 50),
         "small_after_status": status,
         "small_after_s": round(after, 3),
         "small_after_goal_met": status == 200 and after < 2.0,
@@ -217,8 +210,8 @@ async def steady(url: str, clients: int, seconds: float) -> dict[str, Any]:
         "clients": clients,
         "answers": counts,
         "ok_fraction": round(counts.get("200", 0) / max(1, sum(counts.values())), 4),
-        "p50_s": _pct(lat, 50),
-        "p99_s": _pct(lat, 99),
+        "p50_s": percentile(lat, 50),
+        "p99_s": percentile(lat, 99),
         "requests_per_s": round(counts.get("200", 0) / wall, 2),
     }
 
@@ -370,19 +363,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = mode_parser("overload", __doc__)
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--overload-s", type=float, default=30.0)
-    p.add_argument("--steady-s", type=float, default=20.0)
-    p.add_argument("--modes", default="shedding,baseline")
-    p.add_argument(
-        "--idle-s", type=float, default=10.0, help="/health probed with no client load first"
-    )
-    p.add_argument(
-        "--engine",
-        choices=("inproc", "async"),
-        default="inproc",
-        help="vLLM engine core in the server process (inproc) or its own process (async: "
-        "the README's start mode)",
+    options(p, clients=64, overload_s=30.0, steady_s=20.0, modes="shedding,baseline")
+    options(
+        p,
+        idle_s=(10.0, "/health probed with no client load first"),
+        engine=(
+            "inproc",
+            "vLLM engine core in the server process (inproc) or its own process (async: "
+            "the README's start mode)",
+            {"choices": ("inproc", "async")},
+        ),
     )
     args = parse(p, argv, json_default=Path("/tmp/lc-overload.json"))
     result = asyncio.run(main_async(args))

@@ -37,14 +37,13 @@ import asyncio
 import statistics
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, machine_line
-from benchmarks.service.common import mode_parser, parse, tiny_windows
+from benchmarks.harness import options
+from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -92,11 +91,8 @@ def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: i
 
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("protocols", __doc__)
-    ap.add_argument("--sequences", type=int, default=24)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--ids", type=int, default=8, help="candidate ids per row")
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    backend = ("transformers", None, {"choices": ["transformers", "vllm"]})
+    options(ap, sequences=24, length=128, ids=(8, "candidate ids per row"), k=8, backend=backend)
     args = parse(ap, argv)
 
     from logitcache.server.engine import build_engine
@@ -132,10 +128,9 @@ def main(argv: list[str] | None = None) -> None:
 
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     positions = args.length - 1
+    head, rec = recorded("protocols", args)
     result = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_line(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **head,
         "median_s": {k: v for k, v in med.items() if not k.endswith("bytes")},
         "vllm_over_direct_ids": med["vllm_route"] / med["direct_ids"],
         "vllm_over_direct_ids_topk": med["vllm_route"] / med["direct_ids_topk"],
@@ -156,13 +151,11 @@ def main(argv: list[str] | None = None) -> None:
             "sglang_json": med["sglang_bytes"] / positions / args.ids,
         },
     }
-    rec = Recorder("service", "protocols", csv_path=args.csv)
-    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
     for key in ("vllm", "sglang"):
         for base in ("direct_ids", "direct_ids_topk", "score_route"):
-            rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"], config=cfg)
+            rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"])
     for key, value in result["bytes_per_position"].items():
-        rec.add(key, "bytes_per_position", "B", value, config=cfg)
+        rec.add(key, "bytes_per_position", "B", value)
     rec.finish(result, args.json)
 
 

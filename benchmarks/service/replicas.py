@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 
-from benchmarks.harness import Recorder, machine_line
+from benchmarks.harness import Recorder, machine_line, options
 from benchmarks.service.common import mode_parser, parse
 from tests.server_support import VLLM_ENV
 
@@ -49,10 +49,7 @@ def same_cache(a_url: str, b_url: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     p = mode_parser("ray", __doc__)
-    p.add_argument("--sequences", type=int, default=256)
-    p.add_argument("--chars", type=int, default=600)
-    p.add_argument("--shard-size", type=int, default=32)
-    p.add_argument("--k", type=int, default=20)
+    options(p, sequences=256, chars=600, shard_size=32, k=20)
     args = parse(p, argv)
     os.environ.update(VLLM_ENV)
 

@@ -22,12 +22,11 @@ import asyncio
 import statistics
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Recorder, machine_line
-from benchmarks.service.common import mode_parser, parse, tiny_windows
+from benchmarks.harness import options
+from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -40,21 +39,18 @@ def _miss(client: Any, seq: list[int], k: int, model: str | None) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("teachers", __doc__)
-    ap.add_argument("--sequences", type=int, default=32)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--swaps", type=int, default=6)
-    ap.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    backend = ("transformers", None, {"choices": ["transformers", "vllm"]})
+    options(ap, sequences=32, length=128, k=8, swaps=6, backend=backend)
     args = parse(ap, argv)
 
     from logitcache.server.engine import build_engine
     from logitcache.server.serving.teachers import weights_bytes
 
     tiny, seqs = tiny_windows(args.length, 2 * args.sequences + 2)
-    options = {"vllm_mode": "inproc"} if args.backend == "vllm" else {}
+    engine_options = {"vllm_mode": "inproc"} if args.backend == "vllm" else {}
     engine = build_engine(
         model=str(tiny.teacher_dir), backend=args.backend, max_k=20, dtype="float32",
-        options=options,
+        options=engine_options,
     )  # fmt: skip
     one, two, swaps = [], [], []
     try:
@@ -63,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             other.mkdir()
             for f in tiny.teacher_dir.iterdir():
                 (other / f.name).symlink_to(f)
-            common = {"k": args.k, "backend": args.backend, "engine_options": options}
+            common = {"k": args.k, "backend": args.backend, "engine_options": engine_options}
             single = server_settings(Path(tmp) / "one", str(tiny.teacher_dir), **common)
             teachers = [
                 {"name": "tiny-a", "model": str(tiny.teacher_dir)},
@@ -98,16 +94,13 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(engine.aclose())
 
     med_one, med_two, med_swap = (statistics.median(x) for x in (one, two, swaps))
+    head, rec = recorded("teachers", args)
     result: dict[str, Any] = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_line(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **head,
         "median_s": {"one_teacher_miss": med_one, "two_teachers_miss": med_two, "swap": med_swap},
         "routed_over_one_teacher": med_two / med_one,
         "swap_over_one_teacher_miss": med_swap / med_one,
     }
-    cfg = {k: v for k, v in result["args"].items() if k != "csv"}
-    rec = Recorder("service", "teachers", csv_path=args.csv, config=cfg)
     for key in ("routed_over_one_teacher", "swap_over_one_teacher_miss"):
         rec.add("score_miss", key, "ratio", result[key])
     rec.finish(result, args.json)

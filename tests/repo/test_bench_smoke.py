@@ -6,6 +6,8 @@ a temporary CSV. The ``ddp`` suite's smoke test is ``test_ddp_gloo.py``; the dem
 from __future__ import annotations
 
 import csv
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,7 +79,7 @@ def test_bench_command_lists_the_suites_and_runs_the_format_suite(tmp_path: Path
     assert listing.returncode == 0, listing.stderr[-3000:]
     lines = {line.split()[0]: line for line in listing.stdout.splitlines() if "modes:" in line}
     assert set(lines) == {"format", "loader", "loss", "service", "ddp", "train_step"}
-    assert "configs, write, random, codecs, index" in lines["format"]
+    assert "configs, random, codecs, index" in lines["format"]
     assert "jobs, cpu, overload, cache, appends, ray, gpu, protocols" in lines["service"]
     unknown = subprocess.run([exe, "bench", "nope"], capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2 and "no benchmark suite 'nope'" in unknown.stderr
@@ -94,6 +96,56 @@ def test_bench_command_lists_the_suites_and_runs_the_format_suite(tmp_path: Path
         r["case"]: float(r["value"]) for r in _rows(csv_path) if r["metric"] == "bytes_per_position"
     }
     assert 150 < bpp["default"] < bpp["random-access"] < bpp["baseline (npy)"] < 700
+
+
+def _page_commands() -> list[tuple[str, str, list[str]]]:
+    """``(page, module, argv)`` of every ``python -m benchmarks.<suite> ...`` (or ``... -- -m
+    benchmarks.<suite> ...``) command the results pages print, placeholders (``<mode>``) and
+    elisions (``...``) left out; a service mode's module is its own."""
+    from benchmarks.service.__main__ import MODES
+
+    out = []
+    for page in sorted((ROOT / "benchmarks").glob("**/*.md")):
+        text = re.sub(r"\\\n\s*", " ", page.read_text())  # a code block's continued lines
+        text = re.sub(r"`[^`]*`", lambda m: m.group(0).replace("\n", " "), text)
+        for m in re.finditer(r"(?:python|--) -m (benchmarks\.\w+) ?([^`\n|)#<]*)", text):
+            words = shlex.split(m.group(2).split(" -- ")[0])
+            module, argv = m.group(1), [w for w in words if w != "..."]  # "..." elides options
+            if module == "benchmarks.harness" or not argv:
+                continue
+            if module == "benchmarks.service":
+                module, argv = f"benchmarks.service.{MODES[argv[0]]}", argv[1:]
+            out.append((page.name, module, argv))
+    return out
+
+
+def test_every_command_the_pages_print_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A figure is rerun with the command its page prints: each parses against its suite (its
+    options exist, its values have their types); nothing is run."""
+    import argparse
+    import importlib
+
+    class Parsed(Exception):
+        pass
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_only(self: argparse.ArgumentParser, *a: Any, **kw: Any) -> None:
+        parse(self, *a, **kw)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    commands = _page_commands()
+    assert len(commands) >= 20
+    failed = []
+    for page, module, argv in commands:
+        try:
+            importlib.import_module(module).main(argv)
+        except Parsed:
+            continue
+        except SystemExit:
+            failed.append(f"{page}: {module} {' '.join(argv)}")
+    assert not failed, failed
 
 
 def test_format_index_mode(tmp_path: Path) -> None:
