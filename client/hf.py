@@ -68,7 +68,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from .collate import IGNORE_INDEX
 from .dataset import CacheDataset
@@ -185,10 +191,14 @@ class _StreamSync(TrainerCallback):
         self.trainer = trainer
         self.first_epoch = True
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+    ) -> None:
         self.first_epoch = True
 
-    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+    ) -> None:
         stream = self.trainer._stream
         if stream is None:
             return
@@ -432,7 +442,7 @@ class CacheDistillTrainer(Trainer):
         inputs: dict[str, Any],
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> Any:
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``sum_rows loss / N * num_processes`` (module docstring); the student's own lm_head."""
         if "topk_ids" not in inputs and "hidden" not in inputs:
             raise ConfigError("CacheDistillTrainer needs CacheDataset batches (topk_ids or hidden)")
@@ -449,7 +459,9 @@ class CacheDistillTrainer(Trainer):
             loss = total / n * self.accelerator.num_processes
         return (loss, {"hidden_states": hidden}) if return_outputs else loss
 
-    def _topk_total(self, hidden: torch.Tensor, head: Any, inputs: dict[str, Any]) -> Any:
+    def _topk_total(
+        self, hidden: torch.Tensor, head: torch.nn.Linear, inputs: dict[str, Any]
+    ) -> torch.Tensor:
         """Summed loss of a top-k or sampled cache's batch."""
         from .loss import topk_distill_loss
 
@@ -482,7 +494,9 @@ class CacheDistillTrainer(Trainer):
             "chunk_size": self.chunk_size,
         }
 
-    def _exact_total(self, hidden: torch.Tensor, head: Any, inputs: dict[str, Any]) -> Any:
+    def _exact_total(
+        self, hidden: torch.Tensor, head: torch.nn.Linear, inputs: dict[str, Any]
+    ) -> torch.Tensor:
         """Summed exact loss of a hidden cache's batch (the teacher head loaded once)."""
         from .hidden import load_head
         from .loss import exact_distill_loss

@@ -51,6 +51,7 @@ from .errors import CliError
 
 if TYPE_CHECKING:
     from logitcache.client.http import TeacherClient
+    from logitcache.protocol import JobStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -108,7 +109,7 @@ def _client(ctx: typer.Context) -> TeacherClient:
     return client
 
 
-def _job(status: Any) -> dict[str, Any]:
+def _job(status: JobStatus) -> dict[str, Any]:
     """A ``JobStatus`` as the JSON the server sent."""
     doc: dict[str, Any] = status.model_dump(mode="json")
     return doc
