@@ -157,13 +157,7 @@ class LocalSource:
         self._lengths: np.ndarray | None = None
 
     #: The constructor's arguments, in order: what a pickle (a DataLoader worker's copy) holds.
-    _CONFIG = (
-        "url",
-        "storage_options",
-        "max_gap_tokens",
-        "decode_threads",
-        "point_reads",
-    )
+    _CONFIG = tuple(inspect.signature(__init__).parameters)[1:]
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._CONFIG}
@@ -351,19 +345,8 @@ class HttpSource:
             decode_threads=self.decode_threads,
         )
 
-    _CONFIG = (
-        "base_url",
-        "cache",
-        "api_key",
-        "timeout",
-        "max_retries",
-        "max_sequences_per_request",
-        "concurrency",
-        "compression",
-        "max_gap_tokens",
-        "transport",
-        "decode_threads",
-    )
+    #: The constructor's arguments, in order (each kept as the attribute of its name).
+    _CONFIG = tuple(inspect.signature(__init__).parameters)[1:]
 
     def __getstate__(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in self._CONFIG}
