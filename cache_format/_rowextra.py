@@ -80,14 +80,6 @@ def batch_matches(records: Sequence[Any], manifest: Manifest) -> bool:
     )
 
 
-def batch_arrays(records: Sequence[Any], manifest: Manifest) -> dict[str, np.ndarray]:
-    """The stored optional arrays of ``records`` (checked by :func:`batch_matches`), joined."""
-    return {
-        x.name: np.concatenate([getattr(r, x.name) for r in records]).astype(x.dtype)
-        for x in kept(manifest)
-    }
-
-
 def read(
     opened: OpenArrays, retry: Callable[[Callable[[], Any]], Any], rows: Sequence[slice]
 ) -> dict[str, list[np.ndarray]]:

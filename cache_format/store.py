@@ -281,13 +281,6 @@ class DurableLocalStore(zarr.storage.LocalStore):
             raise TypeError(f"value must be a zarr Buffer, got {type(value).__name__}")
         await asyncio.to_thread(self._put_durable, self.root / key, value, exclusive)
 
-    def set_sync(self, key: str, value: Buffer) -> None:
-        self._ensure_open_sync()
-        self._check_writable()
-        if not isinstance(value, Buffer):
-            raise TypeError(f"value must be a zarr Buffer, got {type(value).__name__}")
-        self._put_durable(self.root / key, value, False)
-
     def sync_dirs(self) -> None:
         """fsync every directory whose entries changed since the last call."""
         with self._dirty_lock:

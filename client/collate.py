@@ -64,22 +64,10 @@ __all__ = [
     "plan_items",
     "build_batch",
     "trim_padding_columns",
-    "ITEM_FIELDS",
     "PADDING_LOGPROB_MAX",
 ]
 
 IGNORE_INDEX = -100
-ITEM_FIELDS = (
-    "input_ids",
-    "labels",
-    "attention_mask",
-    "position_ids",
-    "segment_ids",
-    "topk_ids",
-    "topk_logprobs",
-    "tail_mass",
-    "loss_mask",
-)
 
 #: A column of a sampled row whose logprob is at most this is padding (weight ``exp(lp) = 0``
 #: exactly, in float32 and float64 alike): the format pads sampled rows with ``-65504``

@@ -56,7 +56,7 @@ import queue
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -79,6 +79,9 @@ from .resume_mark import ResumeMark
 from .sources import CacheSource, HttpSource, LocalSource, open_source
 from .state import LoaderState
 from .world import agree_min, current_worker, distributed_world_size, resolve_ranks
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import Manifest
 
 __all__ = ["CacheDataset", "CacheDataLoader", "ReadOptions", "StreamConfig", "TRAINER_SHUFFLE"]
 
@@ -215,7 +218,7 @@ class CacheDataset(IterableDataset):
 
     # -- configuration --------------------------------------------------------------------
     @property
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest:
         """The cache manifest."""
         return self.source.manifest
 
@@ -575,7 +578,7 @@ class CacheDataLoader(DataLoader):
         self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
 
 
-def _identity(manifest: Any) -> dict[str, Any]:
+def _identity(manifest: Manifest) -> dict[str, object]:
     """The manifest fields that identify the cached distributions (not its counts/timestamps):
     ``cache_format``'s :data:`~logitcache.cache_format.IDENTITY_FIELDS` (the teacher identity,
     ``k``, encodings, target kind), read off any source's manifest."""

@@ -7,7 +7,7 @@ the list of reasons the cache was refused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from logitcache.protocol import ErrorDetail, ErrorResponse
 from pydantic import ValidationError
@@ -90,7 +90,7 @@ class TeacherHTTPError(ClientError):
         The request that failed.
     """
 
-    def __init__(self, status_code: int, body: Any, method: str, url: str) -> None:
+    def __init__(self, status_code: int, body: object, method: str, url: str) -> None:
         self.status_code = status_code
         self.body = body
         self.error = _error_detail(body)
@@ -104,7 +104,7 @@ class TeacherHTTPError(ClientError):
         return None if self.error is None else self.error.code
 
     @property
-    def detail(self) -> Any:
+    def detail(self) -> object:
         """The server's error message (``error.message``, else ``detail`` or ``message``)."""
         if self.error is not None:
             return self.error.message
@@ -171,7 +171,7 @@ _BY_STATUS: dict[int, type[TeacherHTTPError]] = {
 }
 
 
-def http_error_for(status_code: int, body: Any, method: str, url: str) -> TeacherHTTPError:
+def http_error_for(status_code: int, body: object, method: str, url: str) -> TeacherHTTPError:
     """Build the most specific :class:`TeacherHTTPError` subclass for ``status_code``."""
     if status_code >= 500:
         cls: type[TeacherHTTPError] = ServerError
@@ -180,13 +180,13 @@ def http_error_for(status_code: int, body: Any, method: str, url: str) -> Teache
     return cls(status_code, body, method, url)
 
 
-def _error_detail(body: Any) -> ErrorDetail | None:
+def _error_detail(body: object) -> ErrorDetail | None:
     try:
         return ErrorResponse.model_validate(body).error
     except ValidationError:
         return None
 
 
-def _summarise(body: Any, limit: int = 500) -> str:
+def _summarise(body: object, limit: int = 500) -> str:
     text = str(body)
     return text if len(text) <= limit else text[:limit] + "..."

@@ -16,16 +16,19 @@ Every mismatch is collected and reported at once in :class:`IncompatibleCacheErr
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, IncompatibleCacheError
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import Manifest
 
 __all__ = ["check_compatible", "student_vocab_size", "student_fingerprint"]
 
 log = logging.getLogger(__name__)
 
 
-def student_fingerprint(tokenizer: Any) -> str:
+def student_fingerprint(tokenizer: object) -> str:
     """Fingerprint of ``tokenizer`` (a string is taken as a fingerprint already)."""
     if isinstance(tokenizer, str):
         return tokenizer
@@ -55,10 +58,10 @@ def student_vocab_size(model_or_config: Any) -> int:
 
 
 def check_compatible(
-    manifest: Any,
+    manifest: Manifest,
     *,
-    tokenizer: Any = None,
-    vocab_size: Any = None,
+    tokenizer: object = None,
+    vocab_size: object = None,
     allow_mismatch: bool = False,
 ) -> list[str]:
     """Check a cache manifest against the student; return the mismatches found (empty if none).

@@ -67,8 +67,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .collate import IGNORE_INDEX
 from .dataset import CacheDataset
@@ -84,6 +85,8 @@ __all__ = ["CacheDistillTrainer", "DATA_STATE_NAME", "RankEvenStream", "planned_
 DATA_STATE_NAME = "logitcache_data-rank{rank}.json"
 #: ``kd_loss`` values of a ``targets="hidden"`` cache (``exact_distill_loss``'s ``loss``).
 EXACT_LOSSES = ("forward_kl", "reverse_kl", "jsd")
+#: A collated batch of a :class:`CacheDataset`.
+Batch = dict[str, Any]
 
 
 def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
@@ -157,17 +160,13 @@ class RankEvenStream(IterableDataset):
             skip = min(skip, real)
             for _ in range(skip):
                 yield {}
-            if skip:
-                ds.load_state_dict(ds.state_dict(items_consumed=_items_before(ds, skip)))
+            if skip:  # resume after the items of those units (all but the last are full)
+                items = min(skip * (ds.config.batch_size or 1), ds.num_items())
+                ds.load_state_dict(ds.state_dict(items_consumed=items))
         yield from ds
         for i in range(real, self.units_per_epoch):
             if i % num_workers == worker:
                 yield self.empty_unit()
-
-
-def _items_before(ds: CacheDataset, units: int) -> int:
-    """Items in the first ``units`` units of the current epoch (all units but the last are full)."""
-    return min(units * (ds.config.batch_size or 1), ds.num_items())
 
 
 class _EpochLoader(DataLoader):
@@ -185,10 +184,12 @@ class _StreamSync(TrainerCallback):
         self.trainer = trainer
         self.first_epoch = True
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(self, *_: object, **__: object) -> None:
         self.first_epoch = True
 
-    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: object
+    ) -> None:
         stream = self.trainer._stream
         if stream is None:
             return
@@ -429,10 +430,10 @@ class CacheDistillTrainer(Trainer):
     def compute_loss(
         self,
         model: torch.nn.Module,
-        inputs: dict[str, Any],
+        inputs: Batch,
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> Any:
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``sum_rows loss / N * num_processes`` (module docstring); the student's own lm_head."""
         if "topk_ids" not in inputs and "hidden" not in inputs:
             raise ConfigError("CacheDistillTrainer needs CacheDataset batches (topk_ids or hidden)")
@@ -449,7 +450,7 @@ class CacheDistillTrainer(Trainer):
             loss = total / n * self.accelerator.num_processes
         return (loss, {"hidden_states": hidden}) if return_outputs else loss
 
-    def _topk_total(self, hidden: torch.Tensor, head: Any, inputs: dict[str, Any]) -> Any:
+    def _topk_total(self, hidden: torch.Tensor, head: nn.Linear, inputs: Batch) -> torch.Tensor:
         """Summed loss of a top-k or sampled cache's batch."""
         from .loss import topk_distill_loss
 
@@ -468,7 +469,7 @@ class CacheDistillTrainer(Trainer):
             **self._loss_options(inputs),
         )
 
-    def _loss_options(self, inputs: dict[str, Any]) -> dict[str, Any]:
+    def _loss_options(self, inputs: Batch) -> dict[str, Any]:
         """The options the top-k and the exact loss share: labels, mask and this trainer's
         objective, summed over the batch."""
         return {
@@ -482,7 +483,7 @@ class CacheDistillTrainer(Trainer):
             "chunk_size": self.chunk_size,
         }
 
-    def _exact_total(self, hidden: torch.Tensor, head: Any, inputs: dict[str, Any]) -> Any:
+    def _exact_total(self, hidden: torch.Tensor, head: nn.Linear, inputs: Batch) -> torch.Tensor:
         """Summed exact loss of a hidden cache's batch (the teacher head loaded once)."""
         from .hidden import load_head
         from .loss import exact_distill_loss

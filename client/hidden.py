@@ -19,14 +19,19 @@ batch moved there too)::
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import SourceError
 
+if TYPE_CHECKING:
+    from logitcache.cache_format import CacheReader
 
-def _reader(source: Any) -> Any:
+    from .sources import CacheSource
+
+
+def _reader(source: CacheSource | str | os.PathLike[str]) -> CacheReader:
     from logitcache.cache_format import CacheReader
 
     from .sources import HttpSource, LocalSource
@@ -41,7 +46,7 @@ def _reader(source: Any) -> Any:
 
 
 def load_head(
-    source: Any,
+    source: CacheSource | str | os.PathLike[str],
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = torch.bfloat16,

@@ -28,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import httpx
 import numpy as np
@@ -55,6 +55,9 @@ from .errors import (
     TransportError,
     http_error_for,
 )
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import SequenceRecord
 
 __all__ = ["TeacherClient", "AsyncTeacherClient", "Call", "RetryPolicy"]
 
@@ -111,6 +114,7 @@ class Call:
 
 
 T = TypeVar("T")
+P = ParamSpec("P")
 #: What a driver hands back for a sent :class:`Call`: the response, or the transport error.
 Outcome = tuple[httpx.Response | None, httpx.TransportError | None]
 #: A request's steps: yields a :class:`Call` (answered with its :data:`Outcome`) or seconds to
@@ -224,12 +228,38 @@ class _JobProgress:
             self._bar.close()
 
 
-class _Endpoints:
-    """Every endpoint of the service, defined once as steps; ``_run`` drives them (sync: returns
-    the value; async: returns a coroutine of it). ``transport``: an ``httpx`` transport of the
-    driver's kind (sync or async)."""
+class _endpoint(Generic[P, T]):
+    """An endpoint written once as steps: on a :class:`TeacherClient` it returns the value, on
+    an :class:`AsyncTeacherClient` a coroutine of it (``steps`` keeps the generator)."""
 
-    _http_class: Any
+    def __init__(self, steps: Callable[Concatenate[_Endpoints, P], Steps[T]]) -> None:
+        self.steps = steps
+        self.__doc__ = steps.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _endpoint[P, T]: ...
+    @overload
+    def __get__(self, obj: TeacherClient, owner: type) -> Callable[P, T]: ...
+    @overload
+    def __get__(self, obj: AsyncTeacherClient, owner: type) -> Callable[P, Awaitable[T]]: ...
+    def __get__(self, obj: _Endpoints | None, owner: type) -> object:
+        if obj is None:
+            return self
+        steps = self.steps
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> object:
+            return obj._run(steps(obj, *args, **kwargs))
+
+        call.__name__, call.__doc__ = steps.__name__, steps.__doc__
+        return call
+
+
+class _Endpoints:
+    """Every endpoint of the service, defined once as steps (:class:`_endpoint`); ``_run``
+    drives them (sync: returns the value; async: returns a coroutine of it). ``transport``: an
+    ``httpx`` transport of the driver's kind (sync or async)."""
+
+    _http_class: type[httpx.Client] | type[httpx.AsyncClient]
 
     def __init__(
         self,
@@ -240,25 +270,30 @@ class _Endpoints:
         max_retries: int = 5,
         backoff: float = 0.25,
         progress: bool = True,
-        transport: Any = None,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
         self.progress = progress
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = self._http_class(
-            base_url=base_url, headers=headers, timeout=timeout, transport=transport
+            base_url=base_url,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,  # type: ignore[arg-type]  # the driver's kind, by contract
         )
 
-    def _run(self, steps: Steps[Any]) -> Any:  # pragma: no cover - overridden
+    def _run(self, steps: Steps[T]) -> object:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def _call(self, call: Call) -> Any:
-        return self._run(_send(call, self.retry))
+    def _send(self, call: Call) -> Steps[Any]:
+        return _send(call, self.retry)
 
-    def health(self) -> Any:
+    @_endpoint
+    def health(self) -> Steps[Health]:
         """``GET /health`` -> :class:`~logitcache.protocol.Health` (model, k, version)."""
-        return self._call(Call("GET", "/health", parse=_model(Health)))
+        return (yield from self._send(Call("GET", "/health", parse=_model(Health))))
 
+    @_endpoint
     def score(
         self,
         input_ids: Iterable[Iterable[int]] | None = None,
@@ -267,7 +302,7 @@ class _Endpoints:
         k: int | None = None,
         cache: str | None = None,
         keys: list[str] | None = None,
-    ) -> Any:
+    ) -> Steps[list[SequenceRecord]]:
         """``POST /v1/score``: teacher top-k for the given sequences, now.
 
         Give token id sequences (each ``L >= 2``) or ``texts`` (tokenised by the teacher). Returns
@@ -281,10 +316,10 @@ class _Endpoints:
             body["texts"] = list(texts)
         body = {key: value for key, value in body.items() if value is not None}
         accept = f"{FRAMES_MEDIA_TYPE}, {JSON_MEDIA_TYPE};q=0.5"
-        return self._call(
-            Call("POST", "/v1/score", json=body, headers={"accept": accept}, parse=_parse_scores)
-        )
+        call = Call("POST", "/v1/score", json=body, headers={"accept": accept}, parse=_parse_scores)
+        return (yield from self._send(call))
 
+    @_endpoint
     def submit_job(
         self,
         cache: str,
@@ -296,7 +331,7 @@ class _Endpoints:
         k: int | None = None,
         dataset: str | None = None,
         **fields: object,
-    ) -> Any:
+    ) -> Steps[JobStatus]:
         """``POST /v1/jobs``: score a corpus into ``cache`` in the background; returns the job's
         :class:`~logitcache.protocol.JobStatus`.
 
@@ -306,39 +341,53 @@ class _Endpoints:
         JobCreate`: ``on_long``, ``targets``, ``sampling``, ``layout``, ...). Not retried on
         ambiguous failures (it is not idempotent).
         """
-        call = _submit_call(
-            cache, records=records, texts=texts, input_ids=input_ids, file=file, k=k,
-            dataset=dataset, **fields,
-        )  # fmt: skip
-        return self._call(call)
+        given = [x is not None for x in (records, texts, input_ids, file)]
+        if sum(given) != 1:
+            raise ConfigError("give exactly one of records, texts, input_ids, file")
+        body: dict[str, object] = {"cache": cache}
+        if texts is not None:
+            records = [{"text": str(t)} for t in texts]
+        if input_ids is not None:
+            records = [{"input_ids": [int(t) for t in seq]} for seq in input_ids]
+        if records is not None:
+            body["records"] = records
+        if file is not None:
+            body["file"] = {"path": file} if isinstance(file, str) else dict(file)
+        body |= {"k": k, "dataset": dataset} | fields
+        body = {name: value for name, value in body.items() if value is not None}
+        call = Call("POST", "/v1/jobs", json=body, parse=_model(JobStatus), idempotent=False)
+        return (yield from self._send(call))
 
-    def get_job(self, job_id: str) -> Any:
+    @_endpoint
+    def get_job(self, job_id: str) -> Steps[JobStatus]:
         """``GET /v1/jobs/{id}`` -> :class:`~logitcache.protocol.JobStatus` (state,
         sequences/tokens done, eta, errors)."""
-        return self._call(Call("GET", f"/v1/jobs/{job_id}", parse=_model(JobStatus)))
+        return (yield from self._send(Call("GET", f"/v1/jobs/{job_id}", parse=_model(JobStatus))))
 
-    def list_jobs(self) -> Any:
+    @_endpoint
+    def list_jobs(self) -> Steps[list[JobStatus]]:
         """``GET /v1/jobs`` -> ``list[JobStatus]``: every job, oldest first (the pages followed
         to the end)."""
-        return self._run(self._list_jobs())
-
-    def _list_jobs(self) -> Steps[list[JobStatus]]:
         jobs: list[JobStatus] = []
         offset: int | None = 0
         while offset is not None:
             params = {"offset": offset} if offset else None
-            call = Call("GET", "/v1/jobs", params=params, parse=_model(JobList))
-            page: JobList = yield from _send(call, self.retry)
+            page: JobList = yield from self._send(
+                Call("GET", "/v1/jobs", params=params, parse=_model(JobList))
+            )
             jobs += page.jobs
             nxt = page.next_offset
             offset = nxt if nxt is not None and nxt > offset else None
         return jobs
 
-    def cancel_job(self, job_id: str) -> Any:
+    @_endpoint
+    def cancel_job(self, job_id: str) -> Steps[JobStatus]:
         """``POST /v1/jobs/{id}/cancel`` -> the job's ``JobStatus``: stop a job (what it
         committed stays in the cache)."""
-        return self._call(Call("POST", f"/v1/jobs/{job_id}/cancel", parse=_model(JobStatus)))
+        call = Call("POST", f"/v1/jobs/{job_id}/cancel", parse=_model(JobStatus))
+        return (yield from self._send(call))
 
+    @_endpoint
     def wait_job(
         self,
         job_id: str,
@@ -347,37 +396,18 @@ class _Endpoints:
         timeout: float | None = None,
         raise_on_failure: bool = True,
         progress: bool | None = None,
-    ) -> Any:
+    ) -> Steps[JobStatus]:
         """Poll a job until it ends, with a tqdm bar over its tokens; return its last status.
 
         Raises :class:`JobFailedError` if it failed or was cancelled (unless
         ``raise_on_failure=False``) and :class:`JobTimeoutError` after ``timeout`` seconds.
         """
-        return self._run(
-            self._wait_job(
-                job_id,
-                poll_interval=poll_interval,
-                timeout=timeout,
-                raise_on_failure=raise_on_failure,
-                progress=progress,
-            )
-        )
-
-    def _wait_job(
-        self,
-        job_id: str,
-        *,
-        poll_interval: float = 1.0,
-        timeout: float | None = None,
-        raise_on_failure: bool = True,
-        progress: bool | None = None,
-    ) -> Steps[JobStatus]:
         bar = _JobProgress(self.progress if progress is None else progress, job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         call = Call("GET", f"/v1/jobs/{job_id}", parse=_model(JobStatus))
         try:
             while True:
-                job: JobStatus = yield from _send(call, self.retry)
+                job: JobStatus = yield from self._send(call)
                 bar.update(job)
                 if job.state.terminal:
                     if raise_on_failure and job.state != "succeeded":
@@ -389,33 +419,36 @@ class _Endpoints:
         finally:
             bar.close()
 
-    def run_job(self, cache: str, **job: Any) -> Any:
+    @_endpoint
+    def run_job(self, cache: str, **job: Any) -> Steps[JobStatus]:
         """:meth:`submit_job` then :meth:`wait_job`; ``wait_*`` keywords go to the wait."""
         wait = {k[5:]: job.pop(k) for k in list(job) if k.startswith("wait_")}
-        return self._run(self._run_job(cache, job, wait))
+        status = yield from _Endpoints.submit_job.steps(self, cache, **job)
+        return (yield from _Endpoints.wait_job.steps(self, status.id, **wait))
 
-    def _run_job(self, cache: str, job: dict[str, Any], wait: dict[str, Any]) -> Steps[JobStatus]:
-        status: JobStatus = yield from _send(_submit_call(cache, **job), self.retry)
-        return (yield from self._wait_job(status.id, **wait))
-
-    def list_caches(self) -> Any:
+    @_endpoint
+    def list_caches(self) -> Steps[list[CacheInfo]]:
         """``GET /v1/caches`` -> ``list[CacheInfo]`` (name, manifest, counts, status)."""
-        return self._call(Call("GET", "/v1/caches", parse=_caches))
+        return (yield from self._send(Call("GET", "/v1/caches", parse=_caches)))
 
-    def get_cache(self, name: str) -> Any:
+    @_endpoint
+    def get_cache(self, name: str) -> Steps[CacheInfo]:
         """``GET /v1/caches/{name}`` -> :class:`~logitcache.protocol.CacheInfo`."""
-        return self._call(Call("GET", f"/v1/caches/{name}", parse=_model(CacheInfo)))
+        return (yield from self._send(Call("GET", f"/v1/caches/{name}", parse=_model(CacheInfo))))
 
-    def cache_lengths(self, name: str, *, start: int = 0, stop: int | None = None) -> Any:
+    @_endpoint
+    def cache_lengths(
+        self, name: str, *, start: int = 0, stop: int | None = None
+    ) -> Steps[np.ndarray]:
         """``GET /v1/caches/{name}/lengths``: token count of sequences ``[start, stop)``."""
         params = {"start": start} | ({} if stop is None else {"stop": stop})
-        return self._call(
-            Call("GET", f"/v1/caches/{name}/lengths", params=params, parse=_parse_lengths)
-        )
+        call = Call("GET", f"/v1/caches/{name}/lengths", params=params, parse=_parse_lengths)
+        return (yield from self._send(call))
 
+    @_endpoint
     def read_ranges(
         self, name: str, ranges: Iterable[tuple[int, int]], *, compression: str = "none"
-    ) -> Any:
+    ) -> Steps[list[SequenceRecord]]:
         """``POST /v1/caches/{name}/sequences``: records of several ``[start, stop)`` ranges.
 
         One request, answered range after range (each in storage order); the ranges' total is
@@ -424,47 +457,14 @@ class _Endpoints:
         request = RangesRequest.model_validate(
             {"ranges": [(int(a), int(b)) for a, b in ranges], "compression": compression}
         )
-        return self._call(
-            Call(
-                "POST",
-                f"/v1/caches/{name}/sequences",
-                json=request.model_dump(mode="json"),
-                headers={"accept": FRAMES_MEDIA_TYPE},
-                parse=_decode_frames,
-            )
+        call = Call(
+            "POST",
+            f"/v1/caches/{name}/sequences",
+            json=request.model_dump(mode="json"),
+            headers={"accept": FRAMES_MEDIA_TYPE},
+            parse=_decode_frames,
         )
-
-
-def _submit_call(
-    cache: str,
-    *,
-    records: list[dict[str, Any]] | None = None,
-    texts: Iterable[str] | None = None,
-    input_ids: Iterable[Iterable[int]] | None = None,
-    file: str | dict[str, Any] | None = None,
-    k: int | None = None,
-    dataset: str | None = None,
-    **fields: object,
-) -> Call:
-    """The ``POST /v1/jobs`` call (body: :class:`~logitcache.protocol.JobCreate`) of one input."""
-    given = [x is not None for x in (records, texts, input_ids, file)]
-    if sum(given) != 1:
-        raise ConfigError("give exactly one of records, texts, input_ids, file")
-    body: dict[str, object] = {"cache": cache}
-    if texts is not None:
-        records = [{"text": str(t)} for t in texts]
-    if input_ids is not None:
-        records = [{"input_ids": [int(t) for t in seq]} for seq in input_ids]
-    if records is not None:
-        body["records"] = records
-    if file is not None:
-        body["file"] = {"path": file} if isinstance(file, str) else dict(file)
-    if k is not None:
-        body["k"] = k
-    if dataset is not None:
-        body["dataset"] = dataset
-    body |= {name: value for name, value in fields.items() if value is not None}
-    return Call("POST", "/v1/jobs", json=body, parse=_model(JobStatus), idempotent=False)
+        return (yield from self._send(call))
 
 
 class TeacherClient(_Endpoints):

@@ -40,9 +40,13 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import SequenceRecord
 
 __all__ = [
     "AXOLOTL_PAD_LOGPROB",
@@ -74,7 +78,7 @@ def _pa() -> tuple[Any, Any]:
     return pa, pq
 
 
-def _records(url: str, storage_options: dict | None, limit: int | None) -> Iterator[Any]:
+def _records(url: str, storage_options: dict | None, limit: int | None) -> Iterator[SequenceRecord]:
     from logitcache.cache_format import CacheReader
 
     reader = CacheReader(url, storage_options)
@@ -258,7 +262,7 @@ def import_axolotl(
     return _write_cache(url, rows(), manifest_fields, storage_options)
 
 
-def _rect(rows: list, dtype: Any, fill: float, name: str) -> np.ndarray:
+def _rect(rows: list, dtype: npt.DTypeLike, fill: float, name: str) -> np.ndarray:
     """Ragged ``[R][<=k]`` lists as a ``[R, k]`` array padded with ``fill``."""
     width = max((len(r) for r in rows if r is not None), default=0)
     out = np.full((len(rows), width), fill, dtype=dtype)

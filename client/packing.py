@@ -63,7 +63,7 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def attn_implementation(model: Any) -> str:
+def attn_implementation(model: torch.nn.Module) -> str:
     """The attention implementation the (unwrapped) model's config selects, e.g. ``"sdpa"``."""
     config = getattr(unwrap_model(model), "config", None)
     impl = getattr(config, "_attn_implementation", None) or "eager"
@@ -116,7 +116,7 @@ def packed_model_inputs(
     return kwargs
 
 
-def packed_hidden_states(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def packed_hidden_states(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Final hidden states ``[B, T, d]`` (the ``lm_head`` input) of a packed batch.
 
     ``model`` is what the trainer holds: a ``*ForCausalLM`` or its DDP / FSDP / accelerate

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import SourceError
 from .sources import CacheSource
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import Manifest, SequenceRecord
+
+    from .config import StreamConfig
 
 __all__ = ["ReadAhead", "default_read_threads", "read_granularity", "row_bytes"]
 
@@ -64,7 +69,7 @@ def default_read_threads(num_workers: int, cpus: int | None) -> int:
     return max(1, min(4, (cpus or 1) // max(1, num_workers)))
 
 
-def row_bytes(manifest: Any) -> int:
+def row_bytes(manifest: Manifest) -> int:
     """Bytes of one row of the records a source returns for a cache with ``manifest``: a hidden
     cache's bfloat16 state (``2 d``, FORMAT.md 4.10), else ``k`` int32 ids and float32 logprobs
     plus a float32 tail."""
@@ -72,7 +77,7 @@ def row_bytes(manifest: Any) -> int:
     return 2 * int(hidden["dim"]) if hidden else 8 * int(manifest.k) + 4
 
 
-def read_granularity(config: Any, row_size: int) -> tuple[int, int]:
+def read_granularity(config: StreamConfig, row_size: int) -> tuple[int, int]:
     """``(block, group)`` of :class:`ReadAhead` for a stream ``config``
     (:class:`~logitcache.client.config.StreamConfig`) over rows of ``row_size`` bytes
     (:func:`row_bytes`): :data:`SEQUENTIAL_BLOCK` sequences per read unshuffled; whole shuffle
@@ -145,7 +150,7 @@ class ReadAhead:
         for r, u in enumerate(last_use):
             self._drop_after.setdefault(u, []).append(r)
         self._futures: dict[int, Future] = {}
-        self._done: dict[int, dict[int, Any]] = {}
+        self._done: dict[int, dict[int, SequenceRecord]] = {}
         self._next_read = 0
         self._pool: ThreadPoolExecutor | None = None
 
@@ -154,7 +159,7 @@ class ReadAhead:
         """Reads (``source.fetch`` calls) of the whole unit list."""
         return len(self._reads)
 
-    def _fetch(self, r: int) -> dict[int, Any]:
+    def _fetch(self, r: int) -> dict[int, SequenceRecord]:
         seqs = self._reads[r]
         got = self.source.fetch(seqs)
         lost = [int(i) for i in seqs if int(i) not in got]
@@ -174,10 +179,10 @@ class ReadAhead:
             self._futures[r] = self._pool.submit(self._fetch, r)
             self._next_read += 1
 
-    def records(self, u: int) -> dict[int, Any]:
+    def records(self, u: int) -> dict[int, SequenceRecord]:
         """``{sequence: record}`` of every sequence unit ``u`` needs (units in order)."""
         self._submit_up_to(u)
-        out: dict[int, Any] = {}
+        out: dict[int, SequenceRecord] = {}
         for r in self._unit_reads[u]:
             if r not in self._done:
                 self._done[r] = self._futures.pop(r).result()

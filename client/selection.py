@@ -25,12 +25,15 @@ trained on (a global threshold would drop whole low-entropy documents).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from logitcache.cache_format import SequenceRecord
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from logitcache.cache_format import Manifest
 
 
 def check_fraction(fraction: float | None) -> float | None:
@@ -44,7 +47,7 @@ def check_fraction(fraction: float | None) -> float | None:
     return float(fraction)
 
 
-def check_cache(manifest: Any, fraction: float | None) -> None:
+def check_cache(manifest: Manifest, fraction: float | None) -> None:
     """A :class:`ConfigError` when a selection is asked of a cache without per-row entropy."""
     if fraction is not None and not getattr(manifest, "entropy", False):
         raise ConfigError(
@@ -53,7 +56,9 @@ def check_cache(manifest: Any, fraction: float | None) -> None:
         )
 
 
-def selected_rows(entropy: np.ndarray, fraction: float, mask: np.ndarray | None = None) -> Any:
+def selected_rows(
+    entropy: np.ndarray, fraction: float, mask: np.ndarray | None = None
+) -> np.ndarray:
     """Bool ``[rows]``: the rows the rule of the module docstring selects, for a record's
     ``entropy`` and stored loss ``mask`` (``None``: every row is a candidate)."""
     ent = np.asarray(entropy, dtype=np.float32)

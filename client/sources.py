@@ -20,7 +20,7 @@ import numpy as np
 from .errors import SourceError
 
 if TYPE_CHECKING:
-    from logitcache.cache_format import SequenceRecord
+    from logitcache.cache_format import CacheReader, Manifest, SequenceRecord
     from logitcache.protocol import CacheInfo
 
     from .http import TeacherClient
@@ -40,7 +40,7 @@ class CacheSource(Protocol):
     """What :class:`logitcache.client.CacheDataset` reads from."""
 
     @property
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest:
         """The cache's ``Manifest`` (tokenizer fingerprint, vocab size, k, ...)."""
         ...
 
@@ -152,18 +152,12 @@ class LocalSource:
         self.max_gap_tokens = int(max_gap_tokens)
         self.decode_threads = int(decode_threads)
         self.point_reads = None if point_reads is None else bool(point_reads)
-        self._reader: Any = None
+        self._reader: CacheReader | None = None
         self._pid: int | None = None
         self._lengths: np.ndarray | None = None
 
     #: The constructor's arguments, in order: what a pickle (a DataLoader worker's copy) holds.
-    _CONFIG = (
-        "url",
-        "storage_options",
-        "max_gap_tokens",
-        "decode_threads",
-        "point_reads",
-    )
+    _CONFIG = tuple(inspect.signature(__init__).parameters)[1:]
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._CONFIG}
@@ -186,7 +180,7 @@ class LocalSource:
         return not (scheme in _OBSTORE_SCHEMES and backend in (None, "obstore"))
 
     @property
-    def reader(self) -> Any:
+    def reader(self) -> CacheReader:
         """The ``CacheReader`` of this process (opened on first use, reopened after a fork)."""
         if self._reader is None or self._pid != os.getpid():
             from logitcache.cache_format import CacheReader
@@ -209,7 +203,7 @@ class LocalSource:
         return self._reader
 
     @property
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest:
         return self.reader.manifest
 
     @property
@@ -351,19 +345,8 @@ class HttpSource:
             decode_threads=self.decode_threads,
         )
 
-    _CONFIG = (
-        "base_url",
-        "cache",
-        "api_key",
-        "timeout",
-        "max_retries",
-        "max_sequences_per_request",
-        "concurrency",
-        "compression",
-        "max_gap_tokens",
-        "transport",
-        "decode_threads",
-    )
+    #: The constructor's arguments, in order (each kept as the attribute of its name).
+    _CONFIG = tuple(inspect.signature(__init__).parameters)[1:]
 
     def __getstate__(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in self._CONFIG}
@@ -410,7 +393,7 @@ class HttpSource:
         return True
 
     @property
-    def manifest(self) -> Any:
+    def manifest(self) -> Manifest:
         if self._store is not None:
             return self._store.manifest
         from logitcache.cache_format import Manifest

@@ -304,12 +304,18 @@ class InlineRecord(ApiModel):
     messages: list[ChatMessage] | None = None
 
 
+#: Input file formats a job reads.
+InputFormat = Literal["jsonl", "parquet", "arrow"]
+#: What a job does with a sequence over the max length.
+OnLong = Literal["reject", "truncate", "split", "skip"]
+
+
 class InputFile(ApiModel):
     """A JSONL (optionally .gz), Parquet or Arrow file, or a directory of Parquet/Arrow files
     (Hugging Face ``datasets`` layouts), under the server's data directory (a relative path)."""
 
     path: ShortText = Field(description="relative to the server's data directory")
-    format: Literal["jsonl", "parquet", "arrow"] | None = Field(
+    format: InputFormat | None = Field(
         None, description="default: from the suffix (.gz allowed) or the directory's files"
     )
     text_field: ShortText = "text"
@@ -332,7 +338,7 @@ class JobCreate(ApiModel):
     )
     file: InputFile | None = None
     records: list[InlineRecord] | None = None
-    on_long: Literal["reject", "truncate", "split", "skip"] = Field(
+    on_long: OnLong = Field(
         "reject",
         description="a sequence over the max length: reject the job, keep its first max-length "
         "tokens, split it into windows (keys <key>#w<i>), or skip it (server/inputs/long.py)",

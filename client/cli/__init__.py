@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, TextIO
+from typing import Annotated, Literal, TextIO
 
 import typer
 from logitcache.cache_format import cli as format_cli
@@ -66,12 +65,7 @@ app = typer.Typer(
 )
 
 
-class ExportFormat(StrEnum):
-    jsonl = "jsonl"
-    frames = "frames"
-    parquet = "parquet"
-    axolotl = "axolotl"
-    distillkit = "distillkit"
+ExportFormat = Literal["jsonl", "frames", "parquet", "axolotl", "distillkit"]
 
 
 @app.command()
@@ -108,17 +102,17 @@ def export(
         typer.Option(
             "--format", help="jsonl | frames (wire codec) | parquet (axolotl) | distillkit"
         ),
-    ] = ExportFormat.jsonl,
+    ] = "jsonl",
     limit: Annotated[int, typer.Option(help="export the first N sequences only (-1: all)")] = -1,
 ) -> None:
     """Export sequences to JSON lines (one record per line) or wire-codec frames; or for a peer
     trainer: ``parquet`` (axolotl's KD layout) or ``distillkit`` (a DistillKit logit directory)."""
     options = format_cli.storage_options(option)
     first = None if limit < 0 else limit
-    if fmt.value in PEER_FORMATS:
-        n = export_peer(fmt.value, url, out, options, first)
+    if fmt in PEER_FORMATS:
+        n = export_peer(fmt, url, out, options, first)
     else:
-        n = format_cli.export_records(url, out, options, fmt.value, first)
+        n = format_cli.export_records(url, out, options, fmt, first)
     typer.echo(f"exported {n} sequences to {out}", err=True)
 
 

@@ -14,22 +14,17 @@ Bad input prints one line (``error: ...``) and exits 2 without writing a cache.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 
 import typer
 
 from .errors import CliError
 
-#: ``export --format`` values that write a peer trainer's files (the rest are the format's own).
-PEER_FORMATS = ("parquet", "axolotl", "distillkit")
-
-
-class ImportFormat(StrEnum):
-    axolotl = "axolotl"
-    parquet = "parquet"
-    distillkit = "distillkit"
+#: Peer trainers' files: what ``import`` reads and the ``export --format`` values that write them
+#: (the rest are the format's own).
+PeerFormat = Literal["parquet", "axolotl", "distillkit"]
+PEER_FORMATS: tuple[str, ...] = get_args(PeerFormat)
 
 
 def export_peer(
@@ -56,7 +51,7 @@ def _fingerprint(tokenizer: str | None, fingerprint: str | None) -> str:
 def import_cmd(
     src: Annotated[Path, typer.Argument(help="parquet file or directory")],
     url: Annotated[str, typer.Argument(help="new cache (local path or s3://...)")],
-    fmt: Annotated[ImportFormat, typer.Option("--format", help="axolotl | distillkit")],
+    fmt: Annotated[PeerFormat, typer.Option("--format", help="axolotl | distillkit")],
     teacher_model: Annotated[str, typer.Option(help="teacher name recorded in the manifest")],
     tokenizer: Annotated[str | None, typer.Option(help="HF tokenizer (dir or name)")] = None,
     tokenizer_fingerprint: Annotated[str | None, typer.Option()] = None,
@@ -75,12 +70,12 @@ def import_cmd(
         "teacher_model": teacher_model,
         "tokenizer_fingerprint": _fingerprint(tokenizer, tokenizer_fingerprint),
         "temperature": temperature,
-        "dataset": {"imported_from": fmt.value, "path": str(src)},
+        "dataset": {"imported_from": fmt, "path": str(src)},
     }
     if vocab_size is not None:
         fields["vocab_size"] = vocab_size
     try:
-        if fmt == ImportFormat.distillkit:
+        if fmt == "distillkit":
             n = import_distillkit(
                 src, url, manifest_fields=fields, config=config, storage_options=options
             )

@@ -41,47 +41,23 @@ cancelled, 2 on a usage, connection or HTTP error, printed as one line
 from __future__ import annotations
 
 import json
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from logitcache.protocol import InputFormat, LayoutName, OnLong, TargetKind
 
 from .errors import CliError
 
 if TYPE_CHECKING:
     from logitcache.client.http import TeacherClient
+    from logitcache.protocol import JobStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Submit, list, watch and cancel batch jobs."
 )
-
-
-class Targets(StrEnum):
-    topk = "topk"
-    sampled = "sampled"
-    hidden = "hidden"
-
-
-class Layout(StrEnum):
-    default = "default"
-    random_access = "random_access"
-    random_access_raw = "random_access_raw"
-
-
-class FileFormat(StrEnum):
-    jsonl = "jsonl"
-    parquet = "parquet"
-    arrow = "arrow"
-
-
-class OnLong(StrEnum):
-    reject = "reject"
-    truncate = "truncate"
-    split_ = "split"  # (not `split`: str.split)
-    skip = "skip"
 
 
 @app.callback()
@@ -108,7 +84,7 @@ def _client(ctx: typer.Context) -> TeacherClient:
     return client
 
 
-def _job(status: Any) -> dict[str, Any]:
+def _job(status: JobStatus) -> dict[str, Any]:
     """A ``JobStatus`` as the JSON the server sent."""
     doc: dict[str, Any] = status.model_dump(mode="json")
     return doc
@@ -253,7 +229,7 @@ def submit(
     ] = None,
     k: Annotated[int | None, typer.Option(help="default: the cache's k, else the server's")] = None,
     targets: Annotated[
-        Targets | None,
+        TargetKind | None,
         typer.Option(help="top-k rows (default) or sampled targets (ids with importance weights)"),
     ] = None,
     draws: Annotated[
@@ -277,20 +253,20 @@ def submit(
         ),
     ] = None,
     layout: Annotated[
-        Layout | None,
+        LayoutName | None,
         typer.Option(
             help="layout preset of a new cache (FORMAT.md 4.7; random_access: cheaper "
             "sequence(i) reads, ~25% larger; random_access_raw: no compression, cheapest "
             "sequence(i) reads, ~2.3x larger); an existing cache keeps its own"
         ),
     ] = None,
-    fmt: Annotated[FileFormat | None, typer.Option("--format", help="default: by suffix")] = None,
+    fmt: Annotated[InputFormat | None, typer.Option("--format", help="default: by suffix")] = None,
     text_field: Annotated[str | None, typer.Option(help="default: text")] = None,
     ids_field: Annotated[str | None, typer.Option(help="default: input_ids")] = None,
     id_field: Annotated[str | None, typer.Option(help="default: id")] = None,
     on_long: Annotated[
         OnLong, typer.Option(help="a sequence over the server's max length")
-    ] = OnLong.reject,
+    ] = "reject",
     dataset: Annotated[
         str | None, typer.Option(help="dataset description for a new cache's manifest")
     ] = None,
@@ -303,10 +279,10 @@ def submit(
     if (path is None) == (records is None):
         raise CliError("give exactly one of PATH (on the server) or --records FILE (local)")
     sampling = {"draws": draws, "proposal_temperature": proposal_temperature}
-    fields = target_fields(targets and targets.value, k, sampling | {"seed": seed, "head": head})
+    fields = target_fields(targets, k, sampling | {"seed": seed, "head": head})
     file: dict[str, str] | None = None
     if path is not None:
-        given = {"format": fmt and fmt.value, "text_field": text_field}
+        given = {"format": fmt, "text_field": text_field}
         given |= {"ids_field": ids_field, "id_field": id_field}
         file = {"path": path} | {name: value for name, value in given.items() if value}
     job = _job(
@@ -315,8 +291,8 @@ def submit(
             records=None if records is None else read_records(records),
             file=file,
             dataset=dataset,
-            on_long=on_long.value,
-            layout=layout and layout.value,
+            on_long=on_long,
+            layout=layout,
             **fields,
         )
     )
