@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from logitcache.cache_format import SequenceRecord
+from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.protocol import SglangGenerateRequest
 
 from ..errors import InvalidInputError
-from ..inputs.records import RawRecord
+from ..inputs.records import RawRecord, Sequence
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.teachers import Teacher
@@ -226,16 +226,22 @@ async def generate(teacher: Teacher, req: SglangGenerateRequest) -> bytes:
         RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
         for i, s in enumerate(seqs_in)
     ]
-    seqs = await asyncio.to_thread(scoring.checked, raws, len(raws), "input_ids")
-    firsts = [_first(start, s.length) for s in seqs]
-    chosen = [_chosen(req.token_ids_logprob, i, len(seqs), batch) for i in range(len(seqs))]
-    asks = [
-        None if c is None else _asked(c, f, s.length, info.vocab_size, "token_ids_logprob")
-        for c, f, s in zip(chosen, firsts, seqs, strict=True)
-    ]
-    width = max((len(c) for c in chosen if c is not None), default=0)
-    scoring.check_answer_size(seqs, max(top, 1) + width, "generate")
-    manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
+
+    def checked() -> tuple[list[Sequence], list[int], list[Any], list[Any], Manifest]:
+        """Every check, blocking (one worker thread hop): the sequences, their first answered
+        positions, asked ids and asked matrices, and the cache's manifest."""
+        seqs = scoring.checked(raws, len(raws), "input_ids")
+        firsts = [_first(start, s.length) for s in seqs]
+        chosen = [_chosen(req.token_ids_logprob, i, len(seqs), batch) for i in range(len(seqs))]
+        asks = [
+            None if c is None else _asked(c, f, s.length, info.vocab_size, "token_ids_logprob")
+            for c, f, s in zip(chosen, firsts, seqs, strict=True)
+        ]
+        width = max((len(c) for c in chosen if c is not None), default=0)
+        scoring.check_answer_size(seqs, max(top, 1) + width, "generate")
+        return seqs, firsts, chosen, asks, scoring.route_manifest(cache, t)
+
+    seqs, firsts, chosen, asks, manifest = await asyncio.to_thread(checked)
     todo = [i for i, a in enumerate(asks) if a is not None]
     asked = [a for a in asks if a is not None]
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
