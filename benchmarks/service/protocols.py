@@ -58,10 +58,15 @@ ROUTES = ("score_route", "vllm_route", "sglang_route")
 
 
 def _settle(caches: Any, name: str, n: int) -> None:
-    """Wait until cache ``name`` holds ``n`` sequences (the routes that answer first commit
-    behind their answer), so no commit overlaps the next timed path."""
+    """Wait until cache ``name`` holds ``n`` sequences and its writer's append has returned (the
+    routes that answer first commit behind their answer), so no commit overlaps the next timed
+    path."""
     deadline = time.monotonic() + 60
-    while (m := caches.manifest(name)) is None or m.num_sequences < n:
+    while (
+        caches.open_writers().get(name)
+        or (m := caches.manifest(name)) is None
+        or m.num_sequences < n
+    ):
         if time.monotonic() > deadline:
             raise RuntimeError(f"cache {name!r} did not reach {n} sequences")
         time.sleep(0.004)
