@@ -36,6 +36,7 @@ client).
 ``serving.targets``            the target kind of a request or job (top-k or sampled)
 ``serving.chosen``             logprobs at caller-chosen ids: cached, or exact from the engine
 ``serving.caches``             ``CacheRegistry``: named caches, identity checks, shared writers
+``serving.readers``            the kept reader per cache, refreshed for a lookup only when needed
 ``serving.appends``            ``GroupCommitter``: concurrent requests' misses, one commit per group
 ``inputs.records``             reading, tokenising, checking, keying and batching input sequences
 ``inputs.files``               input files: gzip JSONL, Parquet, Arrow, dataset directories

@@ -25,10 +25,16 @@ turn:
 5. **SGLang route**: ``POST /generate`` with ``token_ids_logprob`` (one list for every row, as
    SGLang defines it) and ``top_logprobs_num: 0``, into cache ``bench-sglang``.
 
-Figures: median wall seconds per sequence of each, the routes' ratios to (1), (2) and (3), their
-milliseconds above (2) (the service's own cost per miss: HTTP, checks, lookup, store), and
-the answer bytes per position of the two routes (the whole HTTP body, over the scored positions;
-the SGLang answer also carries the actual token's entry at each position).
+Each path is timed alone: after a route's answer the next path waits until the route's cache
+holds the sequence (the protocol routes commit behind their answer; a commit running beside the
+next path's engine call would be charged to that path).
+
+Figures: median wall seconds and process CPU seconds per sequence of each, the routes' ratios to
+(1), (2) and (3), their milliseconds above (2) (the service's own cost per miss: HTTP, checks,
+lookup, store; also as the median of the per-sequence differences, and in CPU, with and without
+the commit behind the answer), and the answer bytes per position of the two routes (the whole
+HTTP body, over the scored positions; the SGLang answer also carries the actual token's entry at
+each position).
 """
 
 from __future__ import annotations
@@ -46,33 +52,38 @@ from benchmarks.harness import options
 from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
+#: The timed routes.
+ROUTES = ("score_route", "vllm_route", "sglang_route")
 
-def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: int) -> dict:
-    """Wall seconds and answer bytes of the four paths for one sequence."""
+
+def _settle(caches: Any, name: str, n: int) -> None:
+    """Wait until cache ``name`` holds ``n`` sequences and its writer's append has returned (the
+    routes that answer first commit behind their answer), so no commit overlaps the next timed
+    path."""
+    deadline = time.monotonic() + 60
+    while (
+        caches.open_writers().get(name)
+        or (m := caches.manifest(name)) is None
+        or m.num_sequences < n
+    ):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cache {name!r} did not reach {n} sequences")
+        time.sleep(0.004)
+
+
+def _paths(
+    engine: Any, client: Any, caches: Any, seq: list[int], rows: list[list[int]], k: int, n: int
+) -> dict:
+    """Wall and process CPU seconds and answer bytes of the five paths for one sequence (the
+    ``n``-th into each cache); each route's CPU also until its rows are stored (``_cpu_stored``)."""
     union = sorted({i for r in rows for i in r})
-    out: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    asyncio.run(engine.score_ids([seq], [union]))
-    out["direct_ids"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    asyncio.run(engine.score_with_ids([seq], k, [union]))
-    out["direct_ids_topk"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    r = client.post("/v1/score", json={"input_ids": [seq], "k": k, "cache": "bench-score"})
-    out["score_route"] = time.perf_counter() - t0
-    r.raise_for_status()
-    body = {
+    score = {"input_ids": [seq], "k": k, "cache": "bench-score"}
+    vllm = {
         "token_ids": seq,
         "sampling_params": {"max_tokens": 1, "prompt_logprob_token_ids": rows},
         "cache": "bench-vllm",
     }
-    t0 = time.perf_counter()
-    r = client.post("/inference/v1/generate", json=body)
-    out["vllm_route"] = time.perf_counter() - t0
-    r.raise_for_status()
-    assert r.json()["cached"] is False, "every route request must be a miss"
-    out["vllm_bytes"] = len(r.content)
-    body = {
+    sglang = {
         "input_ids": seq,
         "return_logprob": True,
         "logprob_start_len": 1,
@@ -81,11 +92,28 @@ def _paths(engine: Any, client: Any, seq: list[int], rows: list[list[int]], k: i
         "sampling_params": {"max_new_tokens": 0},
         "cache": "bench-sglang",
     }
-    t0 = time.perf_counter()
-    r = client.post("/generate", json=body)
-    out["sglang_route"] = time.perf_counter() - t0
-    r.raise_for_status()
-    out["sglang_bytes"] = len(r.content)
+    calls: list[tuple[str, Any, str | None]] = [
+        ("direct_ids", lambda: asyncio.run(engine.score_ids([seq], [union])), None),
+        ("direct_ids_topk", lambda: asyncio.run(engine.score_with_ids([seq], k, [union])), None),
+        ("score_route", lambda: client.post("/v1/score", json=score), "bench-score"),
+        ("vllm_route", lambda: client.post("/inference/v1/generate", json=vllm), "bench-vllm"),
+        ("sglang_route", lambda: client.post("/generate", json=sglang), "bench-sglang"),
+    ]
+    out: dict[str, Any] = {}
+    for key, call, cache in calls:
+        c0, t0 = time.process_time(), time.perf_counter()
+        r = call()
+        out[key] = time.perf_counter() - t0
+        out[f"{key}_cpu"] = time.process_time() - c0
+        if cache is None:
+            continue
+        r.raise_for_status()
+        _settle(caches, cache, n)
+        out[f"{key}_cpu_stored"] = time.process_time() - c0
+        if key == "vllm_route":
+            assert r.json()["cached"] is False, "every route request must be a miss"
+        if key != "score_route":
+            out[f"{key.split('_')[0]}_bytes"] = len(r.content)
     return out
 
 
@@ -120,9 +148,10 @@ def main(argv: list[str] | None = None) -> None:
                 Path(tmp), str(tiny.teacher_dir), k=args.k, logprob_dtype="float32"
             )
             with ThreadedServer(settings, engine) as srv, srv.client() as client:
-                _paths(engine, client, seqs[0], candidates(seqs[0]), args.k)  # warm-up
-                for seq in seqs[1:]:
-                    runs.append(_paths(engine, client, seq, candidates(seq), args.k))
+                caches = srv.services.caches
+                for n, seq in enumerate(seqs, 1):  # the first: warm-up
+                    got = _paths(engine, client, caches, seq, candidates(seq), args.k, n)
+                    runs.extend([got] if n > 1 else [])
     finally:
         asyncio.run(engine.aclose())
 
@@ -139,8 +168,17 @@ def main(argv: list[str] | None = None) -> None:
         "vllm_over_score_route": med["vllm_route"] / med["score_route"],
         "sglang_over_score_route": med["sglang_route"] / med["score_route"],
         "extra_ms_over_direct_ids_topk": {
-            key: 1e3 * (med[key] - med["direct_ids_topk"])
-            for key in ("score_route", "vllm_route", "sglang_route")
+            key: 1e3 * (med[key] - med["direct_ids_topk"]) for key in ROUTES
+        },
+        "paired_extra_ms_over_direct_ids_topk": {
+            key: 1e3 * statistics.median(r[key] - r["direct_ids_topk"] for r in runs)
+            for key in ROUTES
+        },
+        "extra_cpu_ms_over_direct_ids_topk": {
+            key: 1e3 * (med[f"{key}_cpu"] - med["direct_ids_topk_cpu"]) for key in ROUTES
+        },
+        "extra_cpu_ms_with_commit_over_direct_ids_topk": {
+            key: 1e3 * (med[f"{key}_cpu_stored"] - med["direct_ids_topk_cpu"]) for key in ROUTES
         },
         "bytes_per_position": {
             "vllm_npy_base64": med["vllm_bytes"] / positions,

@@ -13,18 +13,20 @@ typed in ``logitcache.protocol.sglang``.
 from __future__ import annotations
 
 import asyncio
-import math
+import json
 import uuid
+from itertools import chain, repeat
+from json.encoder import encode_basestring
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-from logitcache.cache_format import SequenceRecord
+from fastapi.responses import Response
+from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.protocol import SglangGenerateRequest
 
 from ..errors import InvalidInputError
-from ..inputs.records import RawRecord
+from ..inputs.records import RawRecord, Sequence
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.teachers import Teacher
@@ -95,84 +97,122 @@ def _asked(chosen: list[int], first: int, n: int, vocab_size: int, where: str) -
     return asked
 
 
-def _json_lp(lp: float | None) -> float | None:
-    """A logprob as SGLang's JSON carries it: ``-inf`` (a token the teacher rules out) becomes
-    ``null``, as SGLang's orjson answers write it."""
-    return lp if lp is None or math.isfinite(lp) else None
+def _json(value: Any) -> str:
+    """``value`` as the answer's JSON writes it (Starlette's ``JSONResponse``: compact, UTF-8
+    text as it is, no NaN or infinity)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def _meta(
+def _lp_texts(values: np.ndarray) -> list[str]:
+    """Logprobs as SGLang's JSON carries them: each as Python's ``repr`` of the value (what
+    ``json`` writes for a float), and ``null`` for a non-finite one (a token the teacher rules
+    out, ``-inf``, as SGLang's orjson answers write it; or none known)."""
+    wide = np.asarray(values, dtype=np.float64)
+    out = list(map(float.__repr__, wide.ravel().tolist()))
+    for i in np.flatnonzero(~np.isfinite(wide.ravel())).tolist():
+        out[i] = "null"
+    return out
+
+
+class _Entries:
+    """``[logprob, token_id, text]`` entries as JSON text; the ``,id,text]`` tail of each token
+    id is written once per answer (``decode``: id -> text or ``None``)."""
+
+    def __init__(self, decode: Any) -> None:
+        self.decode = decode
+        self.tails: dict[int, str] = {}
+
+    def _tails(self, ids: list[int]) -> list[str]:
+        memo = self.tails
+        for tid in set(ids).difference(memo):
+            text = self.decode(tid)
+            memo[tid] = f",{tid},{'null' if text is None else encode_basestring(text)}]"
+        return list(map(memo.__getitem__, ids))
+
+    def flat(self, lps: list[str], ids: list[int]) -> str:
+        """The entries of logprobs ``lps`` (JSON texts) at ``ids``, comma-separated."""
+        seps = [","] * len(ids)
+        seps[-1:] = [""]
+        return "".join(chain.from_iterable(zip(repeat("["), lps, self._tails(ids), seps)))
+
+    def rows(self, lps: list[str], ids: list[int], count: int) -> str:
+        """``count`` comma-separated JSON lists of ``width = len(ids) // count`` entries: row
+        ``r`` of logprobs ``lps[r * width:(r + 1) * width]`` at those of ``ids``."""
+        if not ids:
+            return ",".join(["[]"] * count)
+        width = len(ids) // count
+        seps = ([","] * (width - 1) + ["],["]) * count
+        seps[-1] = "]"
+        pieces = chain.from_iterable(zip(repeat("["), lps, self._tails(ids), seps))
+        return "[" + "".join(pieces)
+
+
+def _token_lps(rec: SequenceRecord) -> np.ndarray:
+    """The logprob of each next token (rows ``0 .. L-2``): its entry in the row's top-k (the
+    last one holding it), else the cache's ``actual_logprob``, else NaN (``null``: unknown)."""
+    nxt = rec.input_ids[1:, None]
+    eq = rec.topk_ids[:, ::-1] == nxt
+    col = rec.topk_ids.shape[1] - 1 - eq.argmax(axis=1)
+    rows = np.arange(len(col))
+    found = rec.topk_logprobs[rows, col].astype(np.float64)
+    other = (
+        np.full(len(col), np.nan)
+        if rec.actual_logprob is None
+        else rec.actual_logprob.astype(np.float64)
+    )
+    return np.where(eq.any(axis=1), found, other)
+
+
+def _meta_json(
     rec: SequenceRecord,
     start: int,
     top: int,
     at: tuple[list[int], np.ndarray, bool] | None,
     decode: Any,
     cached: bool,
-    mask: np.ndarray | None = None,
-) -> dict[str, Any]:
-    """SGLang's ``meta_info`` of one scored sequence; ``at``: the ``token_ids_logprob`` ids,
-    their logprobs at rows ``max(start, 1) - 1 ..`` and whether these came from the engine;
-    ``mask`` (``approximate``): which of them were spread from the tail."""
+    mask: np.ndarray | None,
+    rid: str,
+) -> str:
+    """SGLang's ``meta_info`` of one scored sequence as JSON text; ``at``: the
+    ``token_ids_logprob`` ids, their logprobs at rows ``max(start, 1) - 1 ..`` and whether these
+    came from the engine; ``mask`` (``approximate``): which of them were spread from the tail;
+    ``rid``: the answer's ``id``."""
+    n = len(rec.input_ids)
     ids = rec.input_ids.tolist()
-    rows_ids = rec.topk_ids.tolist()
-    rows_lps = rec.topk_logprobs.tolist()
-    actual = None if rec.actual_logprob is None else rec.actual_logprob.tolist()
-    at_lps = at[1].tolist() if at is not None else []
-    row0 = max(start, 1) - 1
-    token: list[list[Any]] = []
-    tops: list[list[list[Any]] | None] = []
-    at_ids: list[list[list[Any]] | None] = []
-    spread: list[list[int] | None] = []
-    for t in range(start, len(ids)):
-        x = ids[t]
-        if t == 0:
-            token.append([None, x, decode(x)])
-            tops.append(None)
-            at_ids.append(None)
-            spread.append(None)
-            continue
-        row = dict(zip(rows_ids[t - 1], rows_lps[t - 1], strict=True))
-        if at is not None:
-            at_ids.append(
-                [
-                    [_json_lp(lp), i, decode(i)]
-                    for i, lp in zip(at[0], at_lps[t - 1 - row0], strict=True)
-                ]
+    entries = _Entries(decode)
+    first = max(start, 1)  # positions from here have a row (position 0 has none)
+    none = "null," if start == 0 else ""
+    lps = (["null"] if start == 0 else []) + _lp_texts(_token_lps(rec)[first - 1 :])
+    tops = "[" + ",".join(["null"] * (n - start)) + "]"
+    if top:
+        topk = rec.topk_ids[first - 1 :, :top]
+        topk_lps = _lp_texts(rec.topk_logprobs[first - 1 :, :top])
+        rows = entries.rows(topk_lps, topk.ravel().tolist(), len(topk))
+        tops = "[" + (none + rows).rstrip(",") + "]"
+    parts = [
+        f'"id":{_json(rid)},"finish_reason":{{"type":"length","length":0}}',
+        f'"prompt_tokens":{n},"completion_tokens":0,"cached_tokens":{n if cached else 0}',
+        '"input_token_logprobs":[' + entries.flat(lps, ids[start:]) + "]",
+        '"input_top_logprobs":' + tops,
+    ]
+    if at is not None:
+        chosen, values, exact = at
+        lists = entries.rows(_lp_texts(values), chosen * len(values), len(values))
+        parts.append('"input_token_ids_logprobs":[' + (none + lists).rstrip(",") + "]")
+        parts.append(f'"exact_token_ids":{_json(exact)}')
+        if mask is not None:
+            spread = [[i for i, m in zip(chosen, r, strict=True) if m] for r in mask.tolist()]
+            parts.append(
+                f'"approximated_token_ids":{_json(([None] if start == 0 else []) + spread)}'
             )
-            if mask is not None:
-                spread.append([i for i, m in zip(at[0], mask[t - 1 - row0], strict=True) if m])
-        lp = row.get(x, None if actual is None else actual[t - 1])
-        token.append([_json_lp(lp), x, decode(x)])
-        tops.append(
-            [
-                [_json_lp(lp), tid, decode(tid)]
-                for tid, lp in zip(rows_ids[t - 1][:top], rows_lps[t - 1][:top], strict=True)
-            ]
-            if top
-            else None
-        )
-    chosen = {"input_token_ids_logprobs": at_ids, "exact_token_ids": at[2]} if at else {}
-    if at is not None and mask is not None:
-        chosen["approximated_token_ids"] = spread
-    return {
-        "id": uuid.uuid4().hex,
-        "finish_reason": {"type": "length", "length": 0},
-        "prompt_tokens": len(ids),
-        "completion_tokens": 0,
-        "cached_tokens": len(ids) if cached else 0,
-        "input_token_logprobs": token,
-        "input_top_logprobs": tops,
-        **chosen,
-        "output_token_logprobs": [],
-        "output_top_logprobs": [],
-        "cached": cached,
-    }
+    parts.append(f'"output_token_logprobs":[],"output_top_logprobs":[],"cached":{_json(cached)}')
+    return "{" + ",".join(parts) + "}"
 
 
-async def generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, Any] | list[Any]:
+async def generate(teacher: Teacher, req: SglangGenerateRequest) -> bytes:
     """Check, serve through the cache of ``teacher`` (the one ``model`` names: an extension,
-    SGLang serves one model) and build SGLang's answer (every check before any engine work or
-    write)."""
+    SGLang serves one model) and build SGLang's answer, its JSON body (every check before any
+    engine work or write)."""
     scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
     assert scoring is not None and serving is not None and engine is not None
     seqs_in, batch, asked_t = _check(req)
@@ -186,16 +226,22 @@ async def generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, An
         RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
         for i, s in enumerate(seqs_in)
     ]
-    seqs = await asyncio.to_thread(scoring.checked, raws, len(raws), "input_ids")
-    firsts = [_first(start, s.length) for s in seqs]
-    chosen = [_chosen(req.token_ids_logprob, i, len(seqs), batch) for i in range(len(seqs))]
-    asks = [
-        None if c is None else _asked(c, f, s.length, info.vocab_size, "token_ids_logprob")
-        for c, f, s in zip(chosen, firsts, seqs, strict=True)
-    ]
-    width = max((len(c) for c in chosen if c is not None), default=0)
-    scoring.check_answer_size(seqs, max(top, 1) + width, "generate")
-    manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
+
+    def checked() -> tuple[list[Sequence], list[int], list[Any], list[Any], Manifest]:
+        """Every check, blocking (one worker thread hop): the sequences, their first answered
+        positions, asked ids and asked matrices, and the cache's manifest."""
+        seqs = scoring.checked(raws, len(raws), "input_ids")
+        firsts = [_first(start, s.length) for s in seqs]
+        chosen = [_chosen(req.token_ids_logprob, i, len(seqs), batch) for i in range(len(seqs))]
+        asks = [
+            None if c is None else _asked(c, f, s.length, info.vocab_size, "token_ids_logprob")
+            for c, f, s in zip(chosen, firsts, seqs, strict=True)
+        ]
+        width = max((len(c) for c in chosen if c is not None), default=0)
+        scoring.check_answer_size(seqs, max(top, 1) + width, "generate")
+        return seqs, firsts, chosen, asks, scoring.route_manifest(cache, t)
+
+    seqs, firsts, chosen, asks, manifest = await asyncio.to_thread(checked)
     todo = [i for i, a in enumerate(asks) if a is not None]
     asked = [a for a in asks if a is not None]
     if top <= manifest.k:  # whole cached rows: the actual token is found in any of its k
@@ -223,15 +269,15 @@ async def generate(teacher: Teacher, req: SglangGenerateRequest) -> dict[str, An
     out = []
     for i, rec in enumerate(served.records):
         cached = served.hits is not None and served.hits[i]
-        meta = _meta(rec, firsts[i], top, at[i], decode, cached, masks[i])
-        out.append({"text": "", "output_ids": [], "meta_info": meta})
-    return out if batch else out[0]
+        meta = _meta_json(rec, firsts[i], top, at[i], decode, cached, masks[i], uuid.uuid4().hex)
+        out.append('{"text":"","output_ids":[],"meta_info":' + meta + "}")
+    return ("[" + ",".join(out) + "]" if batch else out[0]).encode()
 
 
 @router.post("/generate", responses=ERRORS, summary="SGLang-compatible input logprobs (cached)")
 async def generate_route(
     body: SglangGenerateRequest, request: Request, services: ServicesDep
-) -> JSONResponse:
+) -> Response:
     """SGLang's ``/generate`` with ``return_logprob`` and ``max_new_tokens: 0`` (module doc)."""
     answer = await with_teacher(request, services, body.model, lambda t: generate(t, body))
-    return JSONResponse(answer)
+    return Response(answer, media_type="application/json")

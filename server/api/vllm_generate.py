@@ -19,6 +19,7 @@ import uuid
 
 import numpy as np
 from fastapi import APIRouter, Request
+from logitcache.cache_format import Manifest
 from logitcache.protocol import (
     MAX_K,
     VllmGenerateChoice,
@@ -28,7 +29,7 @@ from logitcache.protocol import (
 )
 
 from ..errors import InvalidInputError
-from ..inputs.records import RawRecord
+from ..inputs.records import RawRecord, Sequence
 from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.teachers import Teacher
@@ -98,9 +99,14 @@ async def generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateRe
     t = scoring.check_temperature(req.sampling_params.temperature)
     cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
     raw = RawRecord(where="token_ids", id=None, text=None, input_ids=req.token_ids)
-    seqs = await asyncio.to_thread(scoring.checked, [raw], 1, "token_ids")
-    scoring.check_answer_size(seqs, asked.shape[1], "npy")
-    manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
+
+    def checked() -> tuple[list[Sequence], Manifest]:
+        """The checked sequence and the cache's manifest, blocking (one worker thread hop)."""
+        seqs = scoring.checked([raw], 1, "token_ids")
+        scoring.check_answer_size(seqs, asked.shape[1], "npy")
+        return seqs, scoring.route_manifest(cache, t)
+
+    seqs, manifest = await asyncio.to_thread(checked)
     served = await serving.serve(
         cache, seqs, manifest.k, manifest, ids=one_call_ids([asked]), answer_first=True
     )

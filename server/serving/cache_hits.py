@@ -215,14 +215,16 @@ class CacheServing:
     def _hits(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
         """Stored records of ``seqs`` (by index), or answered and not yet committed ones
         (:meth:`.appends.GroupCommitter.pending`), with the same token ids. The pending ones
-        are taken before the reader is opened: a record whose commit returns in between is
-        no longer pending but is then in the reader."""
+        are taken before the reader is asked for the others: a record whose commit returns in
+        between is no longer pending but is then in the reader (the commit is reported before
+        it returns: :meth:`~.caches.CacheRegistry.lookup_reader`)."""
         got: dict[int, SequenceRecord] = {}
         for i, s in enumerate(seqs):
             if (rec := self.commits.pending(cache, s.key)) is not None:
                 got[i] = rec
+        rest = {s.key for i, s in enumerate(seqs) if i not in got}
         try:
-            reader = self.caches.reader(check_name(cache))
+            reader = self.caches.lookup_reader(check_name(cache), rest)
         except NotFoundError:
             reader = None
         found: list[tuple[int, int]] = []

@@ -19,9 +19,10 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,12 +40,12 @@ from ..errors import (
     ConflictError,
     InvalidCacheNameError,
     NotACacheError,
-    NotFoundError,
     ServiceError,
     StoreNotWritableError,
     format_error_status,
     public_message,
 )
+from .readers import KeptReaders
 
 if TYPE_CHECKING:
     from ..engine import EngineInfo
@@ -114,18 +115,21 @@ class _OpenWriter:
     timer: threading.Timer | None = None  # closes it once idle for the registry's idle_s
 
 
-@dataclass
-class _CachedReader:
-    reader: CacheReader | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 class WriterHandle:
-    """A shared, serialised view of one cache's writer (see :meth:`CacheRegistry.writer`)."""
+    """A shared, serialised view of one cache's writer (see :meth:`CacheRegistry.writer`).
+    ``on_commit(generation, keys)`` is called after each commit (before its append returns)."""
 
-    def __init__(self, name: str, entry: _OpenWriter):
+    def __init__(
+        self, name: str, entry: _OpenWriter, on_commit: Callable[[int, frozenset[str]], None]
+    ):
         self.name = name
         self._entry = entry
+        self._on_commit = on_commit
+
+    def _committed(self, added: int, records: Iterable[SequenceRecord]) -> None:
+        if added > 0:
+            keys = frozenset(str(r.key) for r in records if r.key is not None)
+            self._on_commit(self._entry.writer.manifest.generation, keys)
 
     @property
     def manifest(self) -> Manifest:
@@ -133,8 +137,11 @@ class WriterHandle:
 
     def append(self, records: Sequence[SequenceRecord]) -> int:
         """Append (and commit) records; keys already present are skipped. Returns new count."""
+        records = list(records)
         with self._entry.lock, not_writable_as_409(self.name):
-            return self._entry.writer.append(list(records))
+            added = self._entry.writer.append(records)
+            self._committed(added, records)
+            return added
 
     def append_parts(self, parts: Sequence[Sequence[SequenceRecord]]) -> list[int]:
         """One append (one commit) of every part's records; the new records of each part (a
@@ -149,7 +156,10 @@ class WriterHandle:
                 fresh = {r.key for r in part if r.key not in seen}
                 seen |= fresh
                 counts.append(len(fresh))
-            short = sum(counts) - w.append([r for part in parts for r in part])
+            records = [r for part in parts for r in part]
+            added = w.append(records)
+            self._committed(added, records)
+            short = sum(counts) - added
         for i in reversed(range(len(counts))):
             cut = min(short, counts[i])
             counts[i] -= cut
@@ -206,7 +216,7 @@ class CacheRegistry:
         self.idle_s = idle_s
         self.keep_idle = keep_idle
         self._closed = False
-        self._readers: dict[str, _CachedReader] = {}
+        self._readers = KeptReaders(self.url, self.store, self.storage_options)
         self._stores: dict[str, Any] = {}
         self._root: Any = None
 
@@ -252,20 +262,14 @@ class CacheRegistry:
         large cache block by block does not reload its index every time. Reads of an older
         snapshot stay valid while a refresh runs (the committed prefix never changes).
         """
-        url = self.url(name)
-        with self._lock:
-            entry = self._readers.setdefault(name, _CachedReader())
-        try:
-            with entry.lock:
-                if entry.reader is None:
-                    entry.reader = CacheReader(url, storage_options=self.storage_options)
-                else:
-                    entry.reader.refresh()
-                return entry.reader
-        except (StoreNotFoundError, FileNotFoundError) as e:
-            with self._lock:
-                self._readers.pop(name, None)
-            raise NotFoundError(f"no cache named {name!r}") from e
+        return self._readers.reader(name)
+
+    def lookup_reader(self, name: str, keys: Collection[str]) -> CacheReader:
+        """A reader of cache ``name`` holding every one of ``keys`` committed before this call
+        (a read-through lookup's): the kept one without a refresh unless a commit since may
+        hold one of them (:meth:`.readers.KeptReaders.lookup_reader`); :class:`NotFoundError`
+        if none."""
+        return self._readers.lookup_reader(name, keys)
 
     def incomplete_reason(self, name: str) -> str | None:
         """Why ``name`` is a store whose creation was interrupted (a crash inside
@@ -415,7 +419,7 @@ class CacheRegistry:
         with self._lock:
             entry = self._take(name, manifest, layout, head)
         try:
-            yield WriterHandle(name, entry)
+            yield WriterHandle(name, entry, partial(self._readers.committed, name))
         finally:
             self._release(name, entry)
 

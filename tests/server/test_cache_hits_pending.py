@@ -27,12 +27,12 @@ def test_rows_whose_commit_returns_during_the_lookup_are_hits() -> None:
     )
     pending = {"k0": rec}
 
-    def reader(name: str) -> _OldSnapshot:
+    def lookup_reader(name: str, keys: object) -> _OldSnapshot:
         pending.clear()  # the group commit returns while the reader is being opened
         return _OldSnapshot()
 
     serving = object.__new__(CacheServing)
-    serving.caches = SimpleNamespace(reader=reader)
+    serving.caches = SimpleNamespace(lookup_reader=lookup_reader)
     serving.commits = SimpleNamespace(pending=lambda cache, key: pending.get(key))
     got = serving._hits("c", [SimpleNamespace(key="k0", input_ids=ids)])
     assert list(got) == [0] and got[0] is rec

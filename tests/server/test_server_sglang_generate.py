@@ -13,14 +13,17 @@ engine's own call count.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from asgi_support import LiveApp
 from engine_support import FakeEngine, app_settings, fake_logprobs
+from logitcache.cache_format import SequenceRecord
 
 pytestmark = pytest.mark.fast
 
@@ -232,12 +235,148 @@ def test_bad_token_ids_logprob_is_a_422_and_writes_nothing(
     assert not (tmp_path / "caches" / "never").exists()
 
 
+def _ref_json_lp(lp: float | None) -> float | None:
+    """A logprob as SGLang's JSON carries it: ``-inf`` (a token the teacher rules out) becomes
+    ``null``, as SGLang's orjson answers write it."""
+    return lp if lp is None or math.isfinite(lp) else None
+
+
+def _ref_meta(
+    rec: SequenceRecord,
+    start: int,
+    top: int,
+    at: tuple[list[int], np.ndarray, bool] | None,
+    decode: Any,
+    cached: bool,
+    mask: np.ndarray | None,
+    rid: str,
+) -> dict[str, Any]:
+    """The reference: ``meta_info`` built as Python objects, written by Starlette's
+    ``JSONResponse`` (the route's first implementation)."""
+    ids = rec.input_ids.tolist()
+    rows_ids = rec.topk_ids.tolist()
+    rows_lps = rec.topk_logprobs.tolist()
+    actual = None if rec.actual_logprob is None else rec.actual_logprob.tolist()
+    at_lps = at[1].tolist() if at is not None else []
+    row0 = max(start, 1) - 1
+    token: list[list[Any]] = []
+    tops: list[list[list[Any]] | None] = []
+    at_ids: list[list[list[Any]] | None] = []
+    spread: list[list[int] | None] = []
+    for t in range(start, len(ids)):
+        x = ids[t]
+        if t == 0:
+            token.append([None, x, decode(x)])
+            tops.append(None)
+            at_ids.append(None)
+            spread.append(None)
+            continue
+        row = dict(zip(rows_ids[t - 1], rows_lps[t - 1], strict=True))
+        if at is not None:
+            at_ids.append(
+                [
+                    [_ref_json_lp(lp), i, decode(i)]
+                    for i, lp in zip(at[0], at_lps[t - 1 - row0], strict=True)
+                ]
+            )
+            if mask is not None:
+                spread.append([i for i, m in zip(at[0], mask[t - 1 - row0], strict=True) if m])
+        lp = row.get(x, None if actual is None else actual[t - 1])
+        token.append([_ref_json_lp(lp), x, decode(x)])
+        tops.append(
+            [
+                [_ref_json_lp(lp), tid, decode(tid)]
+                for tid, lp in zip(rows_ids[t - 1][:top], rows_lps[t - 1][:top], strict=True)
+            ]
+            if top
+            else None
+        )
+    chosen = {"input_token_ids_logprobs": at_ids, "exact_token_ids": at[2]} if at else {}
+    if at is not None and mask is not None:
+        chosen["approximated_token_ids"] = spread
+    return {
+        "id": rid,
+        "finish_reason": {"type": "length", "length": 0},
+        "prompt_tokens": len(ids),
+        "completion_tokens": 0,
+        "cached_tokens": len(ids) if cached else 0,
+        "input_token_logprobs": token,
+        "input_top_logprobs": tops,
+        **chosen,
+        "output_token_logprobs": [],
+        "output_top_logprobs": [],
+        "cached": cached,
+    }
+
+
+def _record(start_k: int, actual: bool, seed: int) -> Any:
+    rng = np.random.default_rng(seed)
+    n, k = 9, start_k
+    topk = np.stack([rng.choice(40, k, replace=False) for _ in range(n - 1)]).astype(np.int32)
+    ids = rng.integers(0, 40, n).astype(np.int32)
+    ids[2] = topk[1, k - 1]  # a next token in its row's top-k (last column)
+    lps = np.sort(rng.normal(-3, 2, (n - 1, k)).astype(np.float32), axis=1)[:, ::-1].copy()
+    lps[3, 0] = -np.inf  # a token the teacher rules out
+    lps[4, 1] = -0.0
+    act = rng.normal(-4, 1, n - 1).astype(np.float32) if actual else None
+    if act is not None:
+        act[5] = -np.inf
+    return SequenceRecord("k", ids, topk, lps, np.full(n - 1, 0.1, np.float32), actual_logprob=act)
+
+
+TEXTS = {i: t for i, t in enumerate(["a", '"q"', "\\", "é", "\n", "", "日本", "\u2028"] * 5)}
+
+
+@pytest.mark.parametrize("start", [0, 1, 3])
+@pytest.mark.parametrize("top", [0, 2, 4])
+@pytest.mark.parametrize("chosen", [None, [3, 17, 0], [21]])
+@pytest.mark.parametrize("variant", ["plain", "actual", "texts", "approximate"])
+def test_the_answer_is_byte_equal_to_the_reference_json(start, top, chosen, variant) -> None:
+    """The meta_info written as JSON text is byte for byte what ``JSONResponse`` makes of the
+    reference's Python objects (ids, logprobs as ``repr`` or ``null``, texts, key order)."""
+    from logitcache.server.api.sglang import _meta_json
+    from starlette.responses import JSONResponse
+
+    rec = _record(4, variant == "actual", seed=start * 7 + top)
+    decode = TEXTS.get if variant == "texts" else (lambda i: None)
+    at = mask = None
+    if chosen is not None:
+        rows = len(rec.input_ids) - max(start, 1)
+        vals = np.random.default_rng(top).normal(-5, 2, (rows, len(chosen))).astype(np.float32)
+        vals[0, 0] = -np.inf
+        at = (chosen, vals, variant != "approximate")
+        if variant == "approximate":
+            mask = np.random.default_rng(1).random((rows, len(chosen))) < 0.5
+    for cached in (False, True):
+        want = JSONResponse(_ref_meta(rec, start, top, at, decode, cached, mask, "r1")).body
+        got = _meta_json(rec, start, top, at, decode, cached, mask, "r1").encode()
+        assert got == want
+
+
+@pytest.mark.parametrize("chosen", [[], [4]])
+def test_the_shortest_answers_are_byte_equal_to_the_reference_json(chosen) -> None:
+    """Two tokens (one row), an empty id list: still the reference's bytes."""
+    from logitcache.server.api.sglang import _meta_json
+    from starlette.responses import JSONResponse
+
+    n = 2
+    rec = SequenceRecord(
+        "k",
+        np.arange(n, dtype=np.int32),
+        np.full((n - 1, 2), 3, np.int32) + np.arange(2, dtype=np.int32),
+        np.full((n - 1, 2), -1.5, np.float32),
+        np.zeros(n - 1, np.float32),
+    )
+    at = (chosen, np.full((n - 1, len(chosen)), -2.25, np.float32), True)
+    for start, top in ((0, 0), (0, 2), (n - 1, 2)):
+        want = JSONResponse(_ref_meta(rec, start, top, at, str, True, None, "r")).body
+        assert _meta_json(rec, start, top, at, str, True, None, "r").encode() == want
+
+
 def test_a_ruled_out_token_is_null_in_the_json_answer() -> None:
     """A ``-inf`` logprob (the teacher rules a token out: a padded vocabulary row, an asked id)
     is ``null`` in SGLang's answer, as orjson writes it, never invalid JSON or a 500."""
-    import numpy as np
-    from logitcache.cache_format import SequenceRecord
-    from logitcache.server.api.sglang import _meta
+    from logitcache.server.api.sglang import _meta_json
 
     inf = float("-inf")
     rec = SequenceRecord(
@@ -247,9 +386,7 @@ def test_a_ruled_out_token_is_null_in_the_json_answer() -> None:
         topk_logprobs=np.array([[-0.1, inf], [inf, -0.2]], dtype=np.float32),
     )
     at = ([6], np.array([[inf], [-0.2]], dtype=np.float32), True)
-    meta = _meta(rec, 0, 2, at, str, cached=False)
-    text = json.dumps(meta, allow_nan=False)  # raises on -inf
-    back = json.loads(text)
+    back = json.loads(_meta_json(rec, 0, 2, at, str, False, None, "r"))  # strict JSON
     assert back["input_token_logprobs"][2][0] is None  # token 3: -inf at row 1
     assert back["input_top_logprobs"][1][1][0] is None
     assert back["input_token_ids_logprobs"][1][0][0] is None

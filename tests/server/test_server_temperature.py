@@ -48,6 +48,13 @@ class App(LiveApp):
     def caches(self) -> list[str]:
         return sorted(p.name for p in (self.root / "caches").iterdir())
 
+    def stored(self, *names: str) -> bool:
+        """Whether the cache folders are ``names`` and each holds its first commit (a folder
+        appears when its writer opens, before the commit that a route runs behind its
+        answer)."""
+        ok = self.caches() == sorted(names)
+        return ok and all(self.request("GET", f"/v1/caches/{n}", {}, b"")[0] == 200 for n in names)
+
 
 @pytest.fixture
 def app(tmp_path: Path) -> Iterator[App]:
@@ -111,7 +118,7 @@ def test_completions_temperature_has_a_default_cache_of_its_own(app: App) -> Non
 
     status, hot = complete(temperature=0.7)  # what TRL's VLLMClient sends
     assert status == 200, hot
-    eventually(lambda: app.caches() == ["openai-completions-t0.7"])  # stored behind the answer
+    eventually(lambda: app.stored("openai-completions-t0.7"))  # stored behind the answer
     assert app.cache_temperature("openai-completions-t0.7") == 0.7
     for ids, choice in zip(SEQS, hot["choices"], strict=True):
         want_ids, want_lp = exact(ids, 0.7)
@@ -121,7 +128,7 @@ def test_completions_temperature_has_a_default_cache_of_its_own(app: App) -> Non
         np.testing.assert_allclose(got, want_lp, atol=1e-6)
     status, plain = complete()  # no temperature: the server's (1.0), its own cache
     assert status == 200
-    eventually(lambda: app.caches() == ["openai-completions", "openai-completions-t0.7"])
+    eventually(lambda: app.stored("openai-completions", "openai-completions-t0.7"))
     assert app.cache_temperature("openai-completions") == 1.0
     np.testing.assert_allclose(
         [v["logprob"] for v in top_k(plain["choices"][0]["prompt_logprobs"][1]).values()],
@@ -149,7 +156,7 @@ def test_generate_sampling_params_temperature(app: App) -> None:
     }
     status, out = app.post("/generate", body)
     assert status == 200, out
-    eventually(lambda: app.caches() == ["sglang-generate-t2.0"])
+    eventually(lambda: app.stored("sglang-generate-t2.0"))
     want_ids, want_lp = exact(SEQS[0], 2.0)
     tops = out["meta_info"]["input_top_logprobs"][1:]
     assert [[e[1] for e in row] for row in tops] == want_ids[:, :3].tolist()
