@@ -235,8 +235,7 @@ LONGEST_FILES: dict[str, float] = {
     "test_deploy_ray": 150,
     "test_readme": 124,
     "test_engine_supervisor_vllm": 115,
-    "test_server_restart": 85,
-    "test_sampled_restart": 85,
+    "test_server_restart": 130,
     "test_server_schemathesis": 80,
     "test_engine_typing": 41,
 }

@@ -2,7 +2,7 @@
 ``logitcache jobs submit --targets sampled``, and the shard steps of the Ray path
 (server/batch/shards.py) run in one process, all on :class:`engine_support.FakeEngine` (whose
 sampled rows are the format's estimator on its own distributions). The real engines' sampled rows
-have their own tests (test_sampled_targets.py, test_deploy_ray.py, test_sampled_restart.py)."""
+have their own tests (test_sampled_targets.py, test_deploy_ray.py, test_server_restart.py)."""
 
 from __future__ import annotations
 
