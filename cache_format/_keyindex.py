@@ -257,21 +257,26 @@ class KeyTable:
             return got
 
     def find_many(
-        self, keys: Sequence[str], n: int, hashes: np.ndarray | None = None
+        self,
+        keys: Sequence[str],
+        n: int,
+        hashes: np.ndarray | None = None,
+        order: np.ndarray | None = None,
     ) -> np.ndarray:
         """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array);
-        ``hashes``: the keys' :func:`hashes_of`, where the caller has them."""
+        ``hashes``: the keys' :func:`hashes_of`, and ``order``, the permutation that sorts them,
+        where the caller has them."""
         h = hashes_of(keys) if hashes is None else hashes
         out = np.zeros(len(keys), dtype=bool)
         runs = self._indexed(n)
         if runs is not None:
             if not len(keys):
                 return out
-            which, seqs = runs.matches(h)  # hash seen: confirm against the store, first first
+            which, seqs = runs.matches(h, order)
             for at in np.lexsort((seqs, which)).tolist():
                 i, s = int(which[at]), int(seqs[at])
-                if not out[i] and s < n and self.key(s, n) == keys[i]:
-                    out[i] = True
+                if not out[i] and s < n and self.key(s, n) == keys[i]:  # hash seen: confirm
+                    out[i] = True  # against the store, the first sequence first
             return out
         with self._lock:
             self.grow(n)

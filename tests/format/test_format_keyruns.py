@@ -13,12 +13,14 @@ import math
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 from format_support import KILL_AFTER_RUN, make_manifest, make_records
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
     ChecksumError,
+    SequenceBatch,
     StoreNeedsRepairError,
     validate,
 )
@@ -268,3 +270,61 @@ def test_run_blocks_are_kept_bounded_and_checked_once(tmp_path, monkeypatch):
     assert r.index_of(recs[5].key) == 5 and len(reads) == 1
     assert r.index_of(recs[7].key) == 7 and "absent" not in r and len(reads) == 1
     assert len(r.index.table.runs._kept) == 1
+
+
+def _short_batch(keys: list[str]) -> SequenceBatch:
+    """2-token sequences under ``keys``, k=K."""
+    n = len(keys)
+    ids = (np.arange(K)[None, :] + np.arange(n)[:, None] % (VOCAB - K)).astype(np.int32)
+    lp = np.tile(-0.5 * np.arange(1, K + 1, dtype=np.float32), (n, 1))
+    toks = (np.arange(2 * n) % VOCAB).astype(np.int32)
+    return SequenceBatch(toks, np.arange(0, 2 * n + 1, 2), ids, lp, keys)
+
+
+def test_many_key_lookups_read_only_the_blocks_their_hash_prefixes_name(tmp_path, monkeypatch):
+    """A writer keeps the hash prefixes of the runs it commits: looking up many new keys reads
+    no run block, a known key reads the one block that holds it; a reader that read a run whole
+    keeps its prefixes (at most KEEP_PRINTS entries); lookups stay exact when every prefix
+    collides."""
+    url = str(tmp_path / "c")
+    keys = [f"k{i:06d}" for i in range(20000)]
+    reads: list[tuple[int, int]] = []
+    real = keyruns._blocks
+
+    def counted(store, ref, crcs, a, b):
+        reads.append((a, b))
+        return real(store, ref, crcs, a, b)
+
+    monkeypatch.setattr(keyruns, "_blocks", counted)
+    monkeypatch.setattr(keyruns, "KEEP_BLOCKS", 4)  # no run's blocks kept whole
+    with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
+        assert w.append(_short_batch(keys[:10000])) == 10000
+        assert w.append(_short_batch(keys[10000:15000])) == 5000
+        assert [r.count for r in w.manifest.runs() or []] == [10000, 5000]  # 3 + 2 blocks
+        reads.clear()
+        assert w.missing(keys[15000:]) == keys[15000:] and reads == []
+        assert w.missing([keys[15000], keys[7], keys[12000]]) == [keys[15000]]
+        assert len(reads) == 2 and all(b == a + 1 for a, b in reads)  # one block per run
+        assert w.append(_short_batch(keys[14990:16000])) == 1000
+    reads.clear()
+    monkeypatch.setattr(keyruns, "KEEP_PRINTS", 12000)
+    r = CacheReader(url)
+    table = r.index.table
+    assert table.find_many(keys[16000:], 16000).tolist() == [False] * 4000
+    assert sum(b - a for a, b in reads) == 3 + 2 + 1  # every block of the 3 runs, once
+    reads.clear()
+    assert table.find_many(keys[16000:] + keys[:3], 16000).tolist() == [False] * 4000 + [True] * 3
+    assert reads and sum(b - a for a, b in reads) < 3 + 2 + 1  # the kept runs' candidates only
+    assert table.runs is not None and table.runs._printed <= 12000
+    monkeypatch.setattr(keyruns, "_prefixes", lambda h: (h >> 62).astype(np.int32))
+    r = CacheReader(url)
+    probe = keys[15990:16010]
+    assert r.index.table.find_many(probe, 16000).tolist() == [True] * 10 + [False] * 10
+    assert r.index.table.find_many(probe, 16000).tolist() == [True] * 10 + [False] * 10
+
+
+def test_hash_order_is_the_stable_order():
+    rng = np.random.default_rng(0)
+    for h in (rng.integers(-(2**63), 2**63 - 1, 1000), rng.integers(0, 50, 1000), np.zeros(0)):
+        h = h.astype(np.int64)
+        assert keyruns.hash_order(h).tolist() == np.argsort(h, kind="stable").tolist()
