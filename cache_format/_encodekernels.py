@@ -166,3 +166,19 @@ def row_sums(x, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
             for i in range(end, c):
                 res += x[r, i]
         out[r] = np.float32(0.0) + res
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def key_sums(buf, ends, weights, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """``out[i]``: the sum over key ``i``'s bytes ``buf[ends[i-1]:ends[i]]`` (uint8) of
+    ``(byte + 1) * weights[position in the key]``, modulo ``2**64`` (uint64 throughout): the
+    sums :func:`._keyindex.byte_hashes` mixes, in one pass over the bytes."""
+    one = np.uint64(1)
+    start = 0
+    for i in range(ends.shape[0]):
+        end = ends[i]
+        s = np.uint64(0)
+        for j in range(start, end):
+            s += (np.uint64(buf[j]) + one) * weights[j - start]
+        out[i] = s
+        start = end

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import spec
+from . import fastencode, spec
 from ._keyruns import KeyRuns, RunRef
 from .errors import CorruptStoreError
 
@@ -69,9 +69,20 @@ def byte_hashes(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
     starts[1:] = ends[:-1]
     lens = ends - starts
     weights = _mix(np.arange(int(lens.max()), dtype=np.uint64) + _SEED) | np.uint64(1)
-    pos = np.arange(len(buf), dtype=np.int64) - np.repeat(starts, lens)
-    sums = np.add.reduceat((buf.astype(np.uint64) + np.uint64(1)) * weights[pos], starts)
+    sums = fastencode.key_sums(buf, ends, weights)
+    if sums is None:
+        sums = key_sums_numpy(buf, starts, lens, weights)
     return _mix(sums ^ (lens.astype(np.uint64) * _SEED)).view(np.int64)
+
+
+def key_sums_numpy(
+    buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
+    """The weighted byte sums of :func:`byte_hashes` (uint64, wrapping) with numpy: the keys
+    ``buf[starts[i]:starts[i] + lens[i]]`` back to back, ``weights`` by position in a key.
+    :func:`.fastencode.key_sums` gives the same in one compiled pass where it is loaded."""
+    pos = np.arange(len(buf), dtype=np.int64) - np.repeat(starts, lens)
+    return np.add.reduceat((buf.astype(np.uint64) + np.uint64(1)) * weights[pos], starts)
 
 
 def hashes_of(keys: Sequence[str] | np.ndarray) -> np.ndarray:

@@ -14,7 +14,9 @@ nearest-even half, row deltas of the bit patterns modulo ``2**16``), bit for bit
 random batches). Distinct ids are checked with a per-vocabulary stamp table instead of a sort.
 
 The float32 -> float16 rounding is integer arithmetic on the bit patterns (no F16C instruction or
-compiler runtime needed), exact for the clipped range ``[-65504, 0]``.
+compiler runtime needed), exact for the clipped range ``[-65504, 0]``. Loaded with it: the tail
+mass's passes (:func:`tail_rows`) and the weighted byte sums of the key hashes
+(:func:`key_sums`, one pass over an append's key bytes where numpy makes five).
 
 Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere, ~10 MB with
 llvmlite's ~40 MB; whether it is installed is decided once, :data:`._numba.AVAILABLE`). Without
@@ -54,6 +56,7 @@ _kernel: Any = None
 _tail: Any = (
     None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once they pass their self-check, else None
 )
+_sums: Any = None  # the compiled key_sums once it passes its self-check, else None
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
 
@@ -67,8 +70,8 @@ def _compile() -> Any:
 
 def ready() -> bool:
     """Whether :func:`encode_rows` is usable in this process (compiles and self-checks once;
-    the tail-mass kernels of :func:`tail_rows` too)."""
-    global _kernel, _state, _tail
+    the tail-mass kernels of :func:`tail_rows` and the key sums of :func:`key_sums` too)."""
+    global _kernel, _state
     if _state == "unknown":
         with _lock:
             if _state == "unknown":
@@ -80,15 +83,57 @@ def ready() -> bool:
                 except Exception:  # no numba, a failed compile: the numpy path
                     _state = "off"
                 if _state == "ready":
-                    try:
-                        from . import _encodekernels as ek
-
-                        _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
-                        if not _tail_check():
-                            _tail = None
-                    except Exception:  # numpy's tail formula stays
-                        _tail = None
+                    _load_more()
     return _state == "ready"
+
+
+def _load_more() -> None:
+    """Load the tail-mass kernels and the key sums, each kept only if it passes its
+    self-check (else numpy's formula stays)."""
+    global _tail, _sums
+    from . import _encodekernels as ek  # imported by the kernel's compile already
+
+    try:
+        _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
+        if not _tail_check():
+            _tail = None
+    except Exception:  # numpy's tail formula stays
+        _tail = None
+    try:
+        _sums = ek.key_sums
+        if not _sums_check():
+            _sums = None
+    except Exception:  # numpy's sums stay
+        _sums = None
+
+
+def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+    """:func:`._keyindex.key_sums_numpy` of the keys ``buf`` (uint8) ending at ``ends``
+    (increasing, the last ``len(buf)``), bit for bit, in one compiled pass; ``None`` when the
+    kernel is not loaded (only :func:`ready` loads it: a reader hashing keys compiles
+    nothing)."""
+    if _sums is None:
+        return None
+    out = np.empty(len(ends), np.uint64)
+    buf = np.ascontiguousarray(buf, np.uint8)
+    _sums(buf, np.ascontiguousarray(ends, np.int64), np.ascontiguousarray(weights), out)
+    return out
+
+
+def _sums_check() -> bool:
+    """:func:`key_sums` against :func:`._keyindex.key_sums_numpy` on keys of 1 to 300 random
+    bytes (weights wrapping past ``2**64``)."""
+    from ._keyindex import _SEED, _mix, key_sums_numpy
+
+    rng = np.random.default_rng(2)
+    lens = rng.integers(1, 301, 200)
+    lens[:3] = (1, 300, 17)
+    ends = np.cumsum(lens)
+    buf = rng.integers(0, 256, int(ends[-1])).astype(np.uint8)
+    weights = _mix(np.arange(300, dtype=np.uint64) + _SEED) | np.uint64(1)
+    got = key_sums(buf, ends, weights)
+    want = key_sums_numpy(buf, ends - lens, lens, weights)
+    return got is not None and got.tobytes() == want.tobytes()
 
 
 def tail_rows(lp: np.ndarray) -> np.ndarray | None:
