@@ -182,3 +182,31 @@ def key_sums(buf, ends, weights, out):  # type: ignore[no-untyped-def]  # noqa: 
             s += (np.uint64(buf[j]) + one) * weights[j - start]
         out[i] = s
         start = end
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def merge_pairs(a, b, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """Merge ``a`` and ``b`` (int64 ``[n, 2]``: key-index entries, hash then sequence, each
+    sorted by hash) into ``out``, stably: on equal hashes ``a``'s entries first."""
+    na, nb = a.shape[0], b.shape[0]
+    i = j = k = 0
+    while i < na and j < nb:
+        if b[j, 0] < a[i, 0]:
+            out[k, 0] = b[j, 0]
+            out[k, 1] = b[j, 1]
+            j += 1
+        else:
+            out[k, 0] = a[i, 0]
+            out[k, 1] = a[i, 1]
+            i += 1
+        k += 1
+    while i < na:
+        out[k, 0] = a[i, 0]
+        out[k, 1] = a[i, 1]
+        i += 1
+        k += 1
+    while j < nb:
+        out[k, 0] = b[j, 0]
+        out[k, 1] = b[j, 1]
+        j += 1
+        k += 1

@@ -33,6 +33,7 @@ import google_crc32c
 import numpy as np
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 
+from . import fastencode
 from ._zarr_adapter import default_buffer_prototype, sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
 from .store import put_objects
@@ -446,9 +447,13 @@ def next_runs(
     order = hash_order(hashes) if order is None else order
     ent = np.empty(len(hashes), ENTRY)
     ent["hash"], ent["seq"] = hashes[order], first_seq + order
-    if i < len(runs):
-        ent = np.concatenate([*(read(r) for r in runs[i:]), ent])  # sorted parts: a merge
-        ent = ent[np.argsort(ent["hash"], kind="stable")]  # runs in sequence order: ties stay so
+    if i < len(runs):  # sorted parts, the runs in sequence order: ties stay so
+        parts = [*(read(r) for r in runs[i:]), ent]
+        merged = fastencode.merge_sorted(parts)
+        if merged is None:
+            ent = np.concatenate(parts)
+            merged = ent[np.argsort(ent["hash"], kind="stable")]
+        ent = merged
     first = runs[i].first if i < len(runs) else first_seq
     ref, obj = encode_run(ent, first, generation, lambda ref: record([*runs[:i], ref]))
     return [*runs[:i], ref], ref, obj, runs[i:]

@@ -57,6 +57,7 @@ _tail: Any = (
     None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once they pass their self-check, else None
 )
 _sums: Any = None  # the compiled key_sums once it passes its self-check, else None
+_merge: Any = None  # the compiled merge_pairs once it passes its self-check, else None
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
 
@@ -90,7 +91,7 @@ def ready() -> bool:
 def _load_more() -> None:
     """Load the tail-mass kernels and the key sums, each kept only if it passes its
     self-check (else numpy's formula stays)."""
-    global _tail, _sums
+    global _tail, _sums, _merge
     from . import _encodekernels as ek  # imported by the kernel's compile already
 
     try:
@@ -105,6 +106,12 @@ def _load_more() -> None:
             _sums = None
     except Exception:  # numpy's sums stay
         _sums = None
+    try:
+        _merge = ek.merge_pairs
+        if not _merge_check():
+            _merge = None
+    except Exception:  # numpy's stable sort stays
+        _merge = None
 
 
 def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
@@ -115,9 +122,50 @@ def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarr
     if _sums is None:
         return None
     out = np.empty(len(ends), np.uint64)
-    buf = np.ascontiguousarray(buf, np.uint8)
-    _sums(buf, np.ascontiguousarray(ends, np.int64), np.ascontiguousarray(weights), out)
+    ins = (np.ascontiguousarray(a, d) for a, d in ((buf, np.uint8), (ends, np.int64)))
+    _sums(*map(_read_only, ins), _read_only(np.ascontiguousarray(weights)), out)
     return out
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``: a kernel's inputs are always read-only arrays (bytes of a
+    store often are), so numba specialises each kernel once, not again per writability."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def merge_sorted(parts: list[np.ndarray]) -> np.ndarray | None:
+    """``parts`` (key-index entries, :data:`._keyruns.ENTRY`, each sorted by hash, given in
+    sequence order) merged into one array sorted by hash, equal hashes in the parts' order:
+    what a stable sort of their concatenation gives, bit for bit, by merges from the newest part
+    back (each entry copied once per part it passes). ``None`` when the kernel is not loaded."""
+    if _merge is None:
+        return None
+    out = np.ascontiguousarray(parts[-1])
+    for p in reversed(parts[:-1]):
+        got = np.empty(len(p) + len(out), out.dtype)
+        a, b = (_read_only(np.ascontiguousarray(x).view(np.int64).reshape(-1, 2)) for x in (p, out))
+        _merge(a, b, got.view(np.int64).reshape(-1, 2))
+        out = got
+    return out
+
+
+def _merge_check() -> bool:
+    """:func:`merge_sorted` against a stable sort, on parts that share hashes."""
+    from ._keyruns import ENTRY
+
+    rng = np.random.default_rng(3)
+    parts = []
+    for n in (300, 0, 70, 5, 41):
+        p = np.empty(n, ENTRY)
+        p["hash"] = np.sort(rng.integers(-40, 40, n))
+        p["seq"] = np.arange(n) + 1000 * len(parts)
+        parts.append(p)
+    ent = np.concatenate(parts)
+    want = ent[np.argsort(ent["hash"], kind="stable")]
+    got = merge_sorted(parts)
+    return got is not None and got.tobytes() == want.tobytes()
 
 
 def _sums_check() -> bool:

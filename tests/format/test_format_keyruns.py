@@ -328,3 +328,32 @@ def test_hash_order_is_the_stable_order():
     for h in (rng.integers(-(2**63), 2**63 - 1, 1000), rng.integers(0, 50, 1000), np.zeros(0)):
         h = h.astype(np.int64)
         assert keyruns.hash_order(h).tolist() == np.argsort(h, kind="stable").tolist()
+
+
+def test_compiled_merge_writes_the_runs_numpy_writes(monkeypatch):
+    """A commit's run merged by the compiled kernel (loaded by ``fastencode.ready``) is, byte
+    for byte, the stable sort's, equal hashes across runs included."""
+    from logitcache.cache_format import fastencode
+
+    if not fastencode.ready() or fastencode._merge is None:
+        pytest.skip("numba is not available")
+    stored: dict[str, np.ndarray] = {}
+
+    def commits() -> list[bytes]:
+        runs: list[keyruns.RunRef] = []
+        objs = []
+        for g, n in enumerate([700, 300, 200, 100, 100, 4500, 1]):  # merges of 5 and 2 runs
+            h = rng.integers(-50, 50, n) * (2**40)  # hashes repeat, within and across runs
+            first = sum(r.count for r in runs)
+            runs, ref, obj, _ = keyruns.next_runs(
+                lambda r: stored[r.key], runs, h, first, g + 1, lambda rs: b"{}"
+            )
+            stored[ref.key] = np.frombuffer(obj, keyruns.ENTRY, ref.count)
+            objs.append(obj)
+        return objs
+
+    rng = np.random.default_rng(5)
+    fast = commits()
+    monkeypatch.setattr(fastencode, "_merge", None)
+    rng = np.random.default_rng(5)
+    assert commits() == fast
