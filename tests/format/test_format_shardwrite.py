@@ -175,3 +175,43 @@ def test_seq_keys_are_written_directly_with_zarrs_bytes(tmp_path: Path, monkeypa
     assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == []
     assert CacheReader(tmp_path / "direct").keys == [r.key for r in recs]
     assert validate(tmp_path / "direct").ok
+
+
+def test_arrays_encode_on_two_threads_and_a_failing_one_commits_nothing(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An append's arrays are encoded by the appending thread and a pool thread; when one
+    array's encode fails the append raises it, writes no object and commits nothing, and the
+    next append stores what a writer without the failure stores."""
+    import threading
+
+    from logitcache.cache_format import _templates as templates
+
+    recs = make_records(12, seed=3)
+    real = templates.DirectArray.objects
+    threads: set[int] = set()
+    fail = False
+
+    def spy(self, start, data):
+        threads.add(threading.get_ident())
+        if self.lay.name == spec.TAIL_MASS and fail:
+            raise OSError("encode failed")
+        return real(self, start, data)
+
+    monkeypatch.setattr(templates.DirectArray, "objects", spy)
+    url = tmp_path / "c"
+    with CacheWriter.open(url, make_manifest()) as w:
+        w.append(recs[:6])
+        before = files(url)
+        fail = True
+        with pytest.raises(OSError, match="encode failed"):
+            w.append(recs[6:])
+        assert files(url) == before and w.num_sequences == 6
+        fail = False
+        assert w.append(recs[6:]) == 6
+    assert threading.get_ident() in threads and len(threads) >= 2  # and pool threads
+    monkeypatch.setattr(templates.DirectArray, "objects", real)
+    with CacheWriter.open(tmp_path / "d", make_manifest()) as w:
+        w.append(recs[:6])
+        w.append(recs[6:])
+    assert files(tmp_path / "d") == files(url)
