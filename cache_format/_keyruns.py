@@ -14,9 +14,8 @@ run object is::
 A lookup reads the fence and footer of a run (one suffix request, cached per run) and the blocks
 that can hold the hash (one range request): ``O(log S)`` small reads per key, no key loaded. A
 lookup of many keys (a writer's append) would need every block of a large run; a process keeps,
-for the runs it wrote or read whole, the upper 32 bits of each entry's hash (4 bytes per entry, at
-most :data:`KEEP_PRINTS` entries), and reads only the blocks whose entries share those bits with
-a key looked up.
+for the runs it wrote or read whole, their hash column (8 bytes per entry, at most
+:data:`KEEP_HASHES` entries), and reads only the blocks that hold a hash looked up.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from .store import put_objects
 
 BLOCK = 4096  # entries per block (64 KiB): the unit of a lookup's read
 KEEP_BLOCKS = 64  # checked run blocks a process keeps (4 MiB): runs never change once written
-KEEP_PRINTS = 1 << 23  # hash prefixes of run entries a process keeps (32 MiB)
+KEEP_HASHES = 1 << 22  # run entries whose hashes a process keeps (32 MiB)
 ENTRY = np.dtype([("hash", "<i8"), ("seq", "<i8")])
 MAGIC = b"LCKI"
 _FOOT = struct.Struct(
@@ -134,11 +133,6 @@ def hash_order(hashes: np.ndarray) -> np.ndarray:
     if bool((srt[1:] == srt[:-1]).any()):
         return np.argsort(hashes, kind="stable")
     return order
-
-
-def _prefixes(hashes: np.ndarray) -> np.ndarray:
-    """The upper 32 bits of int64 ``hashes`` as int32: ascending where ``hashes`` are."""
-    return (hashes >> 32).astype(np.int32)
 
 
 def merge_plan(runs: Sequence[RunRef], added: int) -> int:
@@ -245,7 +239,7 @@ def read_record(store: Any, ref: RunRef) -> dict[str, Any]:
 
 class KeyRuns:
     """The runs of a store's newest known commit, looked up without loading them (a bounded
-    number of checked blocks and of runs' hash prefixes kept; thread-safe).
+    number of checked blocks and of runs' hash columns kept; thread-safe).
     ``reload()`` returns the runs of the store's latest commit: called once when a run object
     is gone (merged into a newer run by a later commit)."""
 
@@ -253,8 +247,8 @@ class KeyRuns:
         self._store, self._runs, self._reload = store, runs, reload
         self._fences: dict[str, tuple[np.ndarray, np.ndarray, int, int]] = {}
         self._kept: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self._prints: OrderedDict[RunRef, np.ndarray] = OrderedDict()  # :func:`_prefixes`
-        self._printed = 0  # entries in ``_prints``
+        self._hashes: OrderedDict[RunRef, np.ndarray] = OrderedDict()  # each run's, in order
+        self._held = 0  # entries in ``_hashes``
         self._lock = threading.Lock()
 
     @property
@@ -270,12 +264,12 @@ class KeyRuns:
             for k in [k for k in self._kept if k[0] not in live]:
                 del self._kept[k]
             refs = set(runs)
-            for r in [r for r in self._prints if r not in refs]:
-                self._printed -= len(self._prints.pop(r))
+            for r in [r for r in self._hashes if r not in refs]:
+                self._held -= len(self._hashes.pop(r))
 
     def wrote(self, ref: RunRef, obj: bytes) -> None:
         """Keep what lookups and merges read of run ``ref``, which this process has just
-        written as ``obj`` and committed: its fence, its hash prefixes, and its entries while it
+        written as ``obj`` and committed: its fence, its hashes, and its entries while it
         is small (at most a quarter of :data:`KEEP_BLOCKS`), so that nothing of it is read
         back."""
         tail = obj[len(obj) - 12 * ref.blocks - FOOTER_SIZE :]
@@ -283,7 +277,7 @@ class KeyRuns:
         ent = np.frombuffer(obj, ENTRY, ref.count)
         with self._lock:
             self._fences[ref.key] = got
-        self._keep_prints(ref, ent["hash"])
+        self._keep_hashes(ref, ent["hash"])
         if ref.blocks <= KEEP_BLOCKS // 4:
             self._keep(ref, {j: ent[j * BLOCK : (j + 1) * BLOCK].copy() for j in range(ref.blocks)})
 
@@ -296,25 +290,25 @@ class KeyRuns:
             while len(self._kept) > KEEP_BLOCKS:
                 self._kept.popitem(last=False)
 
-    def _keep_prints(self, ref: RunRef, hashes: np.ndarray) -> None:
-        """Keep the hash prefixes of run ``ref`` (every entry's ``hashes``, checked), the least
-        recently used runs' dropped past :data:`KEEP_PRINTS` entries."""
-        if ref.count > KEEP_PRINTS:
+    def _keep_hashes(self, ref: RunRef, hashes: np.ndarray) -> None:
+        """Keep the hashes of run ``ref`` (every entry's, checked), the least recently used
+        runs' dropped past :data:`KEEP_HASHES` entries."""
+        if ref.count > KEEP_HASHES:
             return
-        got = _prefixes(hashes)
+        got = np.array(hashes, np.int64)
         with self._lock:
-            if ref not in self._runs or ref in self._prints:
+            if ref not in self._runs or ref in self._hashes:
                 return
-            self._prints[ref] = got
-            self._printed += len(got)
-            while self._printed > KEEP_PRINTS:
-                self._printed -= len(self._prints.popitem(last=False)[1])
+            self._hashes[ref] = got
+            self._held += len(got)
+            while self._held > KEEP_HASHES:
+                self._held -= len(self._hashes.popitem(last=False)[1])
 
-    def _prints_of(self, ref: RunRef) -> np.ndarray | None:
+    def _hashes_of(self, ref: RunRef) -> np.ndarray | None:
         with self._lock:
-            got = self._prints.get(ref)
+            got = self._hashes.get(ref)
             if got is not None:
-                self._prints.move_to_end(ref)
+                self._hashes.move_to_end(ref)
             return got
 
     def entries(self, ref: RunRef) -> np.ndarray:
@@ -383,19 +377,17 @@ class KeyRuns:
         self._keep(ref, read)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _blocks_for(
-        self, ref: RunRef, hashes: np.ndarray, prints: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _blocks_for(self, ref: RunRef, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The blocks of run ``ref`` that can hold an entry of sorted ``hashes`` (ascending) and
-        the positions in ``hashes`` that may be found in them: from the run's kept hash
-        prefixes (``prints``: the prefixes of ``hashes``) where kept, else from its fence."""
-        nb, kept = ref.blocks, self._prints_of(ref)
+        the positions in ``hashes`` that may be found in them: from the run's kept hashes where
+        kept (only the blocks of hashes it holds), else from its fence."""
+        nb, kept = ref.blocks, self._hashes_of(ref)
         if kept is not None:
-            lo = np.searchsorted(kept, prints, "left")
+            lo = np.searchsorted(kept, hashes, "left")
             who = np.flatnonzero(lo < len(kept))
-            who = who[kept[lo[who]] == prints[who]]
+            who = who[kept[lo[who]] == hashes[who]]
             first = lo[who] // BLOCK
-            stop = (np.searchsorted(kept, prints[who], "right") - 1) // BLOCK + 1
+            stop = (np.searchsorted(kept, hashes[who], "right") - 1) // BLOCK + 1
         else:
             heads = self._fence(ref)[0]
             first = np.maximum(np.searchsorted(heads, hashes, "left") - 1, 0)
@@ -406,16 +398,15 @@ class KeyRuns:
 
     def _matches(self, hashes: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         hashes = hashes[order]  # sorted queries: each search starts where the last ended
-        prints = _prefixes(hashes)
         js, seqs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for ref in list(self._runs):
-            used, who = self._blocks_for(ref, hashes, prints)
+            used, who = self._blocks_for(ref, hashes)
             if not len(used):
                 continue
             ent = self._run_blocks(ref, self._fence(ref)[1], used.tolist())
             got = np.ascontiguousarray(ent["hash"])
-            if len(used) == ref.blocks:  # read whole: its prefixes spare the next lookup that
-                self._keep_prints(ref, got)
+            if len(used) == ref.blocks:  # read whole: its hashes spare the next lookup that
+                self._keep_hashes(ref, got)
             want = hashes[who]
             a = np.searchsorted(got, want, "left")
             count = np.searchsorted(got, want, "right") - a

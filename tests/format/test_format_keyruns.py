@@ -281,11 +281,10 @@ def _short_batch(keys: list[str]) -> SequenceBatch:
     return SequenceBatch(toks, np.arange(0, 2 * n + 1, 2), ids, lp, keys)
 
 
-def test_many_key_lookups_read_only_the_blocks_their_hash_prefixes_name(tmp_path, monkeypatch):
-    """A writer keeps the hash prefixes of the runs it commits: looking up many new keys reads
-    no run block, a known key reads the one block that holds it; a reader that read a run whole
-    keeps its prefixes (at most KEEP_PRINTS entries); lookups stay exact when every prefix
-    collides."""
+def test_many_key_lookups_read_only_the_blocks_holding_their_hashes(tmp_path, monkeypatch):
+    """A writer keeps the hashes of the runs it commits: looking up many new keys reads no run
+    block, a known key reads the one block that holds it; a reader that read a run whole keeps
+    its hashes (at most KEEP_HASHES entries); lookups stay exact when every hash collides."""
     url = str(tmp_path / "c")
     keys = [f"k{i:06d}" for i in range(20000)]
     reads: list[tuple[int, int]] = []
@@ -307,7 +306,7 @@ def test_many_key_lookups_read_only_the_blocks_their_hash_prefixes_name(tmp_path
         assert len(reads) == 2 and all(b == a + 1 for a, b in reads)  # one block per run
         assert w.append(_short_batch(keys[14990:16000])) == 1000
     reads.clear()
-    monkeypatch.setattr(keyruns, "KEEP_PRINTS", 12000)
+    monkeypatch.setattr(keyruns, "KEEP_HASHES", 12000)
     r = CacheReader(url)
     table = r.index.table
     assert table.find_many(keys[16000:], 16000).tolist() == [False] * 4000
@@ -315,12 +314,26 @@ def test_many_key_lookups_read_only_the_blocks_their_hash_prefixes_name(tmp_path
     reads.clear()
     assert table.find_many(keys[16000:] + keys[:3], 16000).tolist() == [False] * 4000 + [True] * 3
     assert reads and sum(b - a for a, b in reads) < 3 + 2 + 1  # the kept runs' candidates only
-    assert table.runs is not None and table.runs._printed <= 12000
-    monkeypatch.setattr(keyruns, "_prefixes", lambda h: (h >> 62).astype(np.int32))
-    r = CacheReader(url)
-    probe = keys[15990:16010]
-    assert r.index.table.find_many(probe, 16000).tolist() == [True] * 10 + [False] * 10
-    assert r.index.table.find_many(probe, 16000).tolist() == [True] * 10 + [False] * 10
+    assert table.runs is not None and table.runs._held <= 12000
+
+
+def test_lookups_through_kept_hashes_are_exact_when_hashes_collide(tmp_path, monkeypatch):
+    """Keys whose hashes collide (three hash values for all keys) are told apart by their
+    stored keys, through kept hashes as through the fence."""
+    from logitcache.cache_format import _keyindex as keyindex
+
+    monkeypatch.setattr(
+        keyindex, "byte_hashes", lambda buf, ends: (np.diff(ends, prepend=0) % 3).astype(np.int64)
+    )
+    url = str(tmp_path / "c")
+    keys = [f"k{i}" for i in range(300)]  # lengths 2, 3, 4: three hashes
+    with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
+        assert w.append(_short_batch(keys[:200])) == 200
+        assert w.append(_short_batch(keys[150:250])) == 50
+        assert w.missing(keys[240:300]) == keys[250:300]
+    table = CacheReader(url).index.table
+    for _ in range(2):  # the fence, then the hashes kept
+        assert table.find_many(keys[240:300], 250).tolist() == [True] * 10 + [False] * 50
 
 
 def test_hash_order_is_the_stable_order():
