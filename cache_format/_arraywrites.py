@@ -11,7 +11,6 @@ durable on return). The others are opened through zarr first, all at once on its
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,11 +21,10 @@ from zarr.storage import StorePath
 from . import _shardwrite as shardwrite
 from . import _templates as templates
 from . import spec
-from ._plan import run_groups
 from ._seal import seal_written, sealed
 from ._zarr_adapter import default_buffer_prototype, sync
 from .layout import array_defs
-from .store import put_objects, writer_pool
+from .store import put_objects
 
 if TYPE_CHECKING:
     from ._encode import Batch
@@ -39,35 +37,6 @@ def _direct_writes() -> bool:
     from . import _writer
 
     return _writer.DIRECT_WRITES
-
-
-#: Threads that encode an append's arrays: the appending one and one of :func:`.writer_pool`.
-ENCODE_THREADS = 2
-
-
-def _encode_all(
-    jobs: list[tuple[templates.DirectArray, int, np.ndarray]],
-) -> list[tuple[list[tuple[str, Any]], Any]]:
-    """``direct.objects(start, data)`` of each job, in job order: the appending thread and
-    ``ENCODE_THREADS - 1`` pool threads take the arrays one at a time, the largest first (the
-    compressors release the GIL: on two cores one array's shards compress while another's
-    are assembled). Every job has finished when this returns (or raises the first error)."""
-    todo = sorted(range(len(jobs)), key=lambda i: -jobs[i][2].nbytes)
-    lock = threading.Lock()
-    got: dict[int, tuple[list[tuple[str, Any]], Any]] = {}
-
-    def work(_: object = None) -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            direct, start, data = jobs[i]
-            got[i] = direct.objects(start, data)
-
-    helpers = min(ENCODE_THREADS - 1, len(jobs) - 1)
-    run_groups(work, [None] * (helpers + 1), writer_pool() if helpers > 0 else None)
-    return [got[i] for i in range(len(jobs))]
 
 
 class ArrayWrites:
@@ -126,8 +95,8 @@ class ArrayWrites:
                     ready.append((name, start, data, *got))
         objects: list[tuple[str, Any]] = []
         done = []
-        encoded = _encode_all([(direct, start, data) for _, start, data, direct, _ in ready])
-        for (name, _, _, direct, new), (objs, written) in zip(ready, encoded, strict=True):
+        for name, start, data, direct, new in ready:
+            objs, written = direct.objects(start, data)
             objects += objs
             done.append((name, direct, new, written))
         self._put(objects)

@@ -73,15 +73,14 @@ _pool: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
-def writer_pool() -> ThreadPoolExecutor:
-    """The writers' threads (started once per process: a forked child starts its own): they
-    write and fsync a barrier's objects and directories concurrently, and encode an append's
-    arrays beside the appending thread (:mod:`._arraywrites`)."""
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The threads that fsync a barrier's directories concurrently (started once per process:
+    a forked child starts its own)."""
     with _pool_lock:
         pid = os.getpid()
         if pid not in _pool:
             _pool.clear()
-            _pool[pid] = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="logitcache-write")
+            _pool[pid] = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="logitcache-fsync")
         return _pool[pid]
 
 
@@ -257,12 +256,12 @@ class DurableLocalStore(zarr.storage.LocalStore):
         if len(objects) == 1:
             changed = one(objects[0])
         else:
-            changed = [d for dirs in writer_pool().map(one, objects) for d in dirs]
+            changed = [d for dirs in _fsync_pool().map(one, objects) for d in dirs]
         dirs = list(dict.fromkeys(changed))
         if len(dirs) == 1:
             _fsync_dir(dirs[0])
         elif dirs:
-            list(writer_pool().map(_fsync_dir, dirs))
+            list(_fsync_pool().map(_fsync_dir, dirs))
 
     def _put_direct(self, tmp: Path, data: memoryview) -> bool:
         """Write ``data`` to the new file ``tmp`` with ``O_DIRECT`` and fsync it; False (nothing
@@ -316,7 +315,7 @@ class DurableLocalStore(zarr.storage.LocalStore):
         if len(dirs) == 1:
             _fsync_dir(dirs[0])
         elif dirs:  # concurrently: the file system commits them together
-            list(writer_pool().map(_fsync_dir, dirs))
+            list(_fsync_pool().map(_fsync_dir, dirs))
 
 
 def put_objects(zstore: Any, items: Sequence[tuple[str, Any]]) -> None:
