@@ -14,6 +14,7 @@ import numpy as np
 from . import _kernels as kernels
 from . import _keyindex as keyindex
 from . import _rowextra, fastencode, spec
+from ._keyruns import hash_order
 from ._manifest import Manifest
 from ._seqbatch import SequenceBatch, give_tails
 from .errors import RecordError
@@ -66,7 +67,8 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
 class Batch:
     """The validated records of one append, in storage dtypes, each array concatenated over
     the batch (rows and tokens in record order), with the keys' UTF-8 bytes (``key_bytes``,
-    ``key_lens`` per key) and their hashes (:func:`._keyindex.byte_hashes`), made once."""
+    ``key_lens`` per key), their hashes (:func:`._keyindex.byte_hashes`) and the order that sorts
+    them (:func:`._keyruns.hash_order`), made once."""
 
     keys: list[str]
     lengths: np.ndarray  # int64 [S]: tokens of each record
@@ -75,6 +77,7 @@ class Batch:
     key_bytes: np.ndarray = field(init=False)  # uint8, the keys' UTF-8 bytes back to back
     key_lens: np.ndarray = field(init=False)  # int64 [S]
     hashes: np.ndarray = field(init=False)  # int64 [S]
+    order: np.ndarray = field(init=False)  # int64 [S]: hashes[order] ascending, ties by position
 
     def __post_init__(self) -> None:
         keys = self.keys
@@ -90,6 +93,7 @@ class Batch:
             lens = np.fromiter((len(k.encode("utf-8")) for k in keys), np.int64, len(keys))
         self.key_bytes, self.key_lens = np.frombuffer(raw, np.uint8), lens
         self.hashes = keyindex.byte_hashes(self.key_bytes, np.cumsum(lens))
+        self.order = hash_order(self.hashes)
 
     @classmethod
     def of(cls, encoded: list[Encoded]) -> Batch:
@@ -104,7 +108,7 @@ class Batch:
     def fresh(self, stored: np.ndarray) -> Batch | None:
         """The records to append: those not ``stored`` (bool per record), each key's first
         (``None``: none)."""
-        keep = ~stored & first_of_each(self.keys, self.hashes)
+        keep = ~stored & first_of_each(self.keys, self.hashes, self.order)
         if keep.all():
             return self
         if not keep.any():
@@ -118,6 +122,8 @@ class Batch:
         out.arrays = {n: a[row_keep] for n, a in self.arrays.items()}
         out.key_bytes = self.key_bytes[np.repeat(keep, self.key_lens)]
         out.key_lens, out.hashes = self.key_lens[keep], self.hashes[keep]
+        kept = self.order[keep[self.order]]  # still sorted by hash, ties by position
+        out.order = (np.cumsum(keep) - 1)[kept]
         return out
 
 
@@ -129,11 +135,11 @@ def _no_utf8(key: str) -> bool:
     return False
 
 
-def first_of_each(keys: list[str], hashes: np.ndarray) -> np.ndarray:
+def first_of_each(keys: list[str], hashes: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Whether each key is the first of its value in ``keys`` (bool; ``hashes``: the keys'
-    :func:`._keyindex.byte_hashes`): keys of equal hash compared as strings."""
+    :func:`._keyindex.byte_hashes`, ``order``: their :func:`._keyruns.hash_order`): keys of
+    equal hash compared as strings."""
     first = np.ones(len(keys), bool)
-    order = np.argsort(hashes, kind="stable")  # equal hashes: ascending position
     hs = hashes[order]
     same = np.flatnonzero(hs[1:] == hs[:-1])
     if not len(same):

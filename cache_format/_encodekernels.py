@@ -166,3 +166,47 @@ def row_sums(x, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
             for i in range(end, c):
                 res += x[r, i]
         out[r] = np.float32(0.0) + res
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def key_sums(buf, ends, weights, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """``out[i]``: the sum over key ``i``'s bytes ``buf[ends[i-1]:ends[i]]`` (uint8) of
+    ``(byte + 1) * weights[position in the key]``, modulo ``2**64`` (uint64 throughout): the
+    sums :func:`._keyindex.byte_hashes` mixes, in one pass over the bytes."""
+    one = np.uint64(1)
+    start = 0
+    for i in range(ends.shape[0]):
+        end = ends[i]
+        s = np.uint64(0)
+        for j in range(start, end):
+            s += (np.uint64(buf[j]) + one) * weights[j - start]
+        out[i] = s
+        start = end
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def merge_pairs(a, b, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """Merge ``a`` and ``b`` (int64 ``[n, 2]``: key-index entries, hash then sequence, each
+    sorted by hash) into ``out``, stably: on equal hashes ``a``'s entries first."""
+    na, nb = a.shape[0], b.shape[0]
+    i = j = k = 0
+    while i < na and j < nb:
+        if b[j, 0] < a[i, 0]:
+            out[k, 0] = b[j, 0]
+            out[k, 1] = b[j, 1]
+            j += 1
+        else:
+            out[k, 0] = a[i, 0]
+            out[k, 1] = a[i, 1]
+            i += 1
+        k += 1
+    while i < na:
+        out[k, 0] = a[i, 0]
+        out[k, 1] = a[i, 1]
+        i += 1
+        k += 1
+    while j < nb:
+        out[k, 0] = b[j, 0]
+        out[k, 1] = b[j, 1]
+        j += 1
+        k += 1

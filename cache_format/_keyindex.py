@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import spec
+from . import fastencode, spec
 from ._keyruns import KeyRuns, RunRef
 from .errors import CorruptStoreError
 
@@ -69,9 +69,20 @@ def byte_hashes(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
     starts[1:] = ends[:-1]
     lens = ends - starts
     weights = _mix(np.arange(int(lens.max()), dtype=np.uint64) + _SEED) | np.uint64(1)
-    pos = np.arange(len(buf), dtype=np.int64) - np.repeat(starts, lens)
-    sums = np.add.reduceat((buf.astype(np.uint64) + np.uint64(1)) * weights[pos], starts)
+    sums = fastencode.key_sums(buf, ends, weights)
+    if sums is None:
+        sums = key_sums_numpy(buf, starts, lens, weights)
     return _mix(sums ^ (lens.astype(np.uint64) * _SEED)).view(np.int64)
+
+
+def key_sums_numpy(
+    buf: np.ndarray, starts: np.ndarray, lens: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
+    """The weighted byte sums of :func:`byte_hashes` (uint64, wrapping) with numpy: the keys
+    ``buf[starts[i]:starts[i] + lens[i]]`` back to back, ``weights`` by position in a key.
+    :func:`.fastencode.key_sums` gives the same in one compiled pass where it is loaded."""
+    pos = np.arange(len(buf), dtype=np.int64) - np.repeat(starts, lens)
+    return np.add.reduceat((buf.astype(np.uint64) + np.uint64(1)) * weights[pos], starts)
 
 
 def hashes_of(keys: Sequence[str] | np.ndarray) -> np.ndarray:
@@ -257,21 +268,26 @@ class KeyTable:
             return got
 
     def find_many(
-        self, keys: Sequence[str], n: int, hashes: np.ndarray | None = None
+        self,
+        keys: Sequence[str],
+        n: int,
+        hashes: np.ndarray | None = None,
+        order: np.ndarray | None = None,
     ) -> np.ndarray:
         """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array);
-        ``hashes``: the keys' :func:`hashes_of`, where the caller has them."""
+        ``hashes``: the keys' :func:`hashes_of`, and ``order``, the permutation that sorts them,
+        where the caller has them."""
         h = hashes_of(keys) if hashes is None else hashes
         out = np.zeros(len(keys), dtype=bool)
         runs = self._indexed(n)
         if runs is not None:
             if not len(keys):
                 return out
-            which, seqs = runs.matches(h)  # hash seen: confirm against the store, first first
+            which, seqs = runs.matches(h, order)
             for at in np.lexsort((seqs, which)).tolist():
                 i, s = int(which[at]), int(seqs[at])
-                if not out[i] and s < n and self.key(s, n) == keys[i]:
-                    out[i] = True
+                if not out[i] and s < n and self.key(s, n) == keys[i]:  # hash seen: confirm
+                    out[i] = True  # against the store, the first sequence first
             return out
         with self._lock:
             self.grow(n)

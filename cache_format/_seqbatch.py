@@ -85,13 +85,12 @@ class SequenceBatch(TopkRows):
             keys = list(keys)
             if len(keys) != n:
                 raise RecordError(f"keys must be {n} (one per sequence), got {len(keys)}")
-            try:  # one pass in C: join refuses anything but str
+            try:  # passes in C: join refuses anything but str, ``in`` finds an empty one
                 "".join(keys)
-                empty = np.fromiter(map(len, keys), np.int64, n) == 0
+                i = keys.index("") if "" in keys else -1
             except TypeError:
-                empty = np.array([not isinstance(k, str) for k in keys], bool)
-            if empty.any():
-                i = _first(empty)
+                i = next(j for j, k in enumerate(keys) if not isinstance(k, str))
+            if i >= 0:
                 raise RecordError(f"key must be a non-empty str, got {keys[i]!r}", index=i)
         tail = self.tail_mass
         if tail is not None:

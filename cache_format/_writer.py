@@ -378,7 +378,9 @@ class CacheWriter(ArrayWrites):
         try:
             m = self._refresh_manifest()
             self._load_id_map(m)
-            stored = self._keys.find_many(encoded.keys, m.num_sequences, encoded.hashes)
+            stored = self._keys.find_many(
+                encoded.keys, m.num_sequences, encoded.hashes, encoded.order
+            )
             fresh = encoded.fresh(stored)
             if fresh is None:
                 return 0
@@ -398,7 +400,7 @@ class CacheWriter(ArrayWrites):
                     updated=utcnow(),
                 )
             )
-            new, merged, run = self._write_run(m, new, fresh.hashes)
+            new, merged, run = self._write_run(m, new, fresh.hashes, fresh.order)
             write_root_attrs(self._store, root_attrs_for(new))
             self._handle.barrier()
             self._adopt(new)
@@ -412,12 +414,13 @@ class CacheWriter(ArrayWrites):
             self._lock.release()
 
     def _write_run(
-        self, m: Manifest, new: Manifest, hashes: np.ndarray
+        self, m: Manifest, new: Manifest, hashes: np.ndarray, order: np.ndarray
     ) -> tuple[Manifest, list[keyruns.RunRef], tuple[keyruns.RunRef, bytes] | None]:
-        """Before the commit ``new`` of keys of ``hashes`` (:func:`._keyindex.byte_hashes`): write
-        its key index run (FORMAT.md 4.11) and return ``new`` listing it, the runs merged into it
-        (read through the lookups' kept runs) and the run with its object (stores without a key
-        index: ``new`` as it is)."""
+        """Before the commit ``new`` of keys of ``hashes`` (:func:`._keyindex.byte_hashes`,
+        ``order`` sorting them: :func:`._keyruns.hash_order`): write its key index run
+        (FORMAT.md 4.11) and return ``new`` listing it, the runs merged into it (read through the
+        lookups' kept runs) and the run with its object (stores without a key index: ``new`` as
+        it is)."""
         runs = m.runs()
         if runs is None:
             return new, [], None
@@ -430,7 +433,7 @@ class CacheWriter(ArrayWrites):
         table = self._keys.runs
         read = partial(keyruns.read_run, self._store) if table is None else table.entries
         _, ref, obj, merged = keyruns.next_runs(
-            read, runs, hashes, m.num_sequences, new.generation, record
+            read, runs, hashes, m.num_sequences, new.generation, record, order
         )
         keyruns.put(self._store, ref.key, obj)
         self._handle.barrier()  # the run durable before the commit that lists it

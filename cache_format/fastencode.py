@@ -14,7 +14,9 @@ nearest-even half, row deltas of the bit patterns modulo ``2**16``), bit for bit
 random batches). Distinct ids are checked with a per-vocabulary stamp table instead of a sort.
 
 The float32 -> float16 rounding is integer arithmetic on the bit patterns (no F16C instruction or
-compiler runtime needed), exact for the clipped range ``[-65504, 0]``.
+compiler runtime needed), exact for the clipped range ``[-65504, 0]``. Loaded with it: the tail
+mass's passes (:func:`tail_rows`) and the weighted byte sums of the key hashes
+(:func:`key_sums`, one pass over an append's key bytes where numpy makes five).
 
 Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere, ~10 MB with
 llvmlite's ~40 MB; whether it is installed is decided once, :data:`._numba.AVAILABLE`). Without
@@ -54,6 +56,8 @@ _kernel: Any = None
 _tail: Any = (
     None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once they pass their self-check, else None
 )
+_sums: Any = None  # the compiled key_sums once it passes its self-check, else None
+_merge: Any = None  # the compiled merge_pairs once it passes its self-check, else None
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
 
@@ -67,8 +71,8 @@ def _compile() -> Any:
 
 def ready() -> bool:
     """Whether :func:`encode_rows` is usable in this process (compiles and self-checks once;
-    the tail-mass kernels of :func:`tail_rows` too)."""
-    global _kernel, _state, _tail
+    the tail-mass kernels of :func:`tail_rows` and the key sums of :func:`key_sums` too)."""
+    global _kernel, _state
     if _state == "unknown":
         with _lock:
             if _state == "unknown":
@@ -80,15 +84,104 @@ def ready() -> bool:
                 except Exception:  # no numba, a failed compile: the numpy path
                     _state = "off"
                 if _state == "ready":
-                    try:
-                        from . import _encodekernels as ek
-
-                        _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
-                        if not _tail_check():
-                            _tail = None
-                    except Exception:  # numpy's tail formula stays
-                        _tail = None
+                    _load_more()
     return _state == "ready"
+
+
+def _load_more() -> None:
+    """Load the tail-mass kernels and the key sums, each kept only if it passes its
+    self-check (else numpy's formula stays)."""
+    global _tail, _sums, _merge
+    from . import _encodekernels as ek  # imported by the kernel's compile already
+
+    try:
+        _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
+        if not _tail_check():
+            _tail = None
+    except Exception:  # numpy's tail formula stays
+        _tail = None
+    try:
+        _sums = ek.key_sums
+        if not _sums_check():
+            _sums = None
+    except Exception:  # numpy's sums stay
+        _sums = None
+    try:
+        _merge = ek.merge_pairs
+        if not _merge_check():
+            _merge = None
+    except Exception:  # numpy's stable sort stays
+        _merge = None
+
+
+def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+    """:func:`._keyindex.key_sums_numpy` of the keys ``buf`` (uint8) ending at ``ends``
+    (increasing, the last ``len(buf)``), bit for bit, in one compiled pass; ``None`` when the
+    kernel is not loaded (only :func:`ready` loads it: a reader hashing keys compiles
+    nothing)."""
+    if _sums is None:
+        return None
+    out = np.empty(len(ends), np.uint64)
+    ins = (np.ascontiguousarray(a, d) for a, d in ((buf, np.uint8), (ends, np.int64)))
+    _sums(*map(_read_only, ins), _read_only(np.ascontiguousarray(weights)), out)
+    return out
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``: a kernel's inputs are always read-only arrays (bytes of a
+    store often are), so numba specialises each kernel once, not again per writability."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def merge_sorted(parts: list[np.ndarray]) -> np.ndarray | None:
+    """``parts`` (key-index entries, :data:`._keyruns.ENTRY`, each sorted by hash, given in
+    sequence order) merged into one array sorted by hash, equal hashes in the parts' order:
+    what a stable sort of their concatenation gives, bit for bit, by merges from the newest part
+    back (each entry copied once per part it passes). ``None`` when the kernel is not loaded."""
+    if _merge is None:
+        return None
+    out = np.ascontiguousarray(parts[-1])
+    for p in reversed(parts[:-1]):
+        got = np.empty(len(p) + len(out), out.dtype)
+        a, b = (_read_only(np.ascontiguousarray(x).view(np.int64).reshape(-1, 2)) for x in (p, out))
+        _merge(a, b, got.view(np.int64).reshape(-1, 2))
+        out = got
+    return out
+
+
+def _merge_check() -> bool:
+    """:func:`merge_sorted` against a stable sort, on parts that share hashes."""
+    from ._keyruns import ENTRY
+
+    rng = np.random.default_rng(3)
+    parts = []
+    for n in (300, 0, 70, 5, 41):
+        p = np.empty(n, ENTRY)
+        p["hash"] = np.sort(rng.integers(-40, 40, n))
+        p["seq"] = np.arange(n) + 1000 * len(parts)
+        parts.append(p)
+    ent = np.concatenate(parts)
+    want = ent[np.argsort(ent["hash"], kind="stable")]
+    got = merge_sorted(parts)
+    return got is not None and got.tobytes() == want.tobytes()
+
+
+def _sums_check() -> bool:
+    """:func:`key_sums` against :func:`._keyindex.key_sums_numpy` on keys of 1 to 300 random
+    bytes (weights wrapping past ``2**64``)."""
+    from ._keyindex import _SEED, _mix, key_sums_numpy
+
+    rng = np.random.default_rng(2)
+    lens = rng.integers(1, 301, 200)
+    lens[:3] = (1, 300, 17)
+    ends = np.cumsum(lens)
+    buf = rng.integers(0, 256, int(ends[-1])).astype(np.uint8)
+    weights = _mix(np.arange(300, dtype=np.uint64) + _SEED) | np.uint64(1)
+    got = key_sums(buf, ends, weights)
+    want = key_sums_numpy(buf, ends - lens, lens, weights)
+    return got is not None and got.tobytes() == want.tobytes()
 
 
 def tail_rows(lp: np.ndarray) -> np.ndarray | None:

@@ -125,8 +125,8 @@ def child_append(argv: list[str]) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             super()._put(objects)
 
-        def _write_run(self, m, new, keys):
-            got = super()._write_run(m, new, keys)
+        def _write_run(self, m, new, *hashes):
+            got = super()._write_run(m, new, *hashes)
             if state["append"] == crash_append and crash_after == KILL_AFTER_RUN:
                 os.kill(os.getpid(), signal.SIGKILL)
             return got

@@ -6,6 +6,7 @@ os.fsync (which still runs)."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,27 @@ def test_fsync_false_writes_plain_localstore(tmp_path, monkeypatch):
         w.append(make_records(5))
     assert events == []
     assert CacheReader(url).num_sequences == 5
+
+
+def test_fsync_false_writes_each_object_by_rename_on_the_calling_thread(tmp_path, monkeypatch):
+    """Without fsync an append's objects are still written as zarr writes them (a ``*.partial``
+    file renamed over the key: never a torn object), on the appending thread, none left over."""
+    url = tmp_path / "c"
+    renames: list[tuple[str, str, int]] = []
+    real = os.replace
+
+    def spy(src, dst, *a, **kw):
+        renames.append((str(src), str(dst), threading.get_ident()))
+        return real(src, dst, *a, **kw)
+
+    with CacheWriter.open(url, make_manifest(), fsync=False) as w:
+        monkeypatch.setattr(os, "replace", spy)
+        w.append(make_records(5))
+    shards = [r for r in renames if "c" in Path(r[1]).relative_to(url).parts]
+    assert {Path(d).relative_to(url).parts[0] for _, d, _ in shards} >= {"topk_ids", "input_ids"}
+    assert all(s.endswith(".partial") and s.startswith(d + ".") for s, d, _ in shards)
+    assert {t for _, _, t in shards} == {threading.get_ident()}
+    assert not list(url.rglob("*.partial"))
 
 
 def test_temporary_names_differ_across_writes_and_forked_children():

@@ -253,3 +253,18 @@ def test_refresh_keeps_arrays_whose_metadata_changed_only_in_shape(tmp_path, mon
     doc_path.write_text(json.dumps(doc))
     assert r.refresh() and opened == ["tail_mass"]
     assert r._opened.arrays["tail_mass"].attrs["note"] == "changed"
+
+
+def test_compiled_key_sums_hash_as_numpy_does(monkeypatch):
+    """The writer's compiled key sums (loaded by ``fastencode.ready``) give byte_hashes the
+    bits of its numpy form, for keys of every length and any bytes."""
+    from logitcache.cache_format import fastencode
+
+    if not fastencode.ready() or fastencode._sums is None:
+        pytest.skip("numba is not available")
+    rng = np.random.default_rng(4)
+    keys = ["a", "ключ", "键🙂", "x" * 700, *(f"doc-{i:010d}" for i in range(500))]
+    keys += ["".join(map(chr, rng.integers(1, 0x2FF, int(n)))) for n in rng.integers(1, 90, 300)]
+    got = keyindex.hashes_of(keys)
+    monkeypatch.setattr(fastencode, "_sums", None)
+    assert keyindex.hashes_of(keys).tobytes() == got.tobytes()

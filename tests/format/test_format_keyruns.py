@@ -13,12 +13,14 @@ import math
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 from format_support import KILL_AFTER_RUN, make_manifest, make_records
 from logitcache.cache_format import (
     CacheReader,
     CacheWriter,
     ChecksumError,
+    SequenceBatch,
     StoreNeedsRepairError,
     validate,
 )
@@ -268,3 +270,103 @@ def test_run_blocks_are_kept_bounded_and_checked_once(tmp_path, monkeypatch):
     assert r.index_of(recs[5].key) == 5 and len(reads) == 1
     assert r.index_of(recs[7].key) == 7 and "absent" not in r and len(reads) == 1
     assert len(r.index.table.runs._kept) == 1
+
+
+def _short_batch(keys: list[str]) -> SequenceBatch:
+    """2-token sequences under ``keys``, k=K."""
+    n = len(keys)
+    ids = (np.arange(K)[None, :] + np.arange(n)[:, None] % (VOCAB - K)).astype(np.int32)
+    lp = np.tile(-0.5 * np.arange(1, K + 1, dtype=np.float32), (n, 1))
+    toks = (np.arange(2 * n) % VOCAB).astype(np.int32)
+    return SequenceBatch(toks, np.arange(0, 2 * n + 1, 2), ids, lp, keys)
+
+
+def test_many_key_lookups_read_only_the_blocks_holding_their_hashes(tmp_path, monkeypatch):
+    """A writer keeps the hashes of the runs it commits: looking up many new keys reads no run
+    block, a known key reads the one block that holds it; a reader that read a run whole keeps
+    its hashes (at most KEEP_HASHES entries); lookups stay exact when every hash collides."""
+    url = str(tmp_path / "c")
+    keys = [f"k{i:06d}" for i in range(20000)]
+    reads: list[tuple[int, int]] = []
+    real = keyruns._blocks
+
+    def counted(store, ref, crcs, a, b):
+        reads.append((a, b))
+        return real(store, ref, crcs, a, b)
+
+    monkeypatch.setattr(keyruns, "_blocks", counted)
+    monkeypatch.setattr(keyruns, "KEEP_BLOCKS", 4)  # no run's blocks kept whole
+    with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
+        assert w.append(_short_batch(keys[:10000])) == 10000
+        assert w.append(_short_batch(keys[10000:15000])) == 5000
+        assert [r.count for r in w.manifest.runs() or []] == [10000, 5000]  # 3 + 2 blocks
+        reads.clear()
+        assert w.missing(keys[15000:]) == keys[15000:] and reads == []
+        assert w.missing([keys[15000], keys[7], keys[12000]]) == [keys[15000]]
+        assert len(reads) == 2 and all(b == a + 1 for a, b in reads)  # one block per run
+        assert w.append(_short_batch(keys[14990:16000])) == 1000
+    reads.clear()
+    monkeypatch.setattr(keyruns, "KEEP_HASHES", 12000)
+    r = CacheReader(url)
+    table = r.index.table
+    assert table.find_many(keys[16000:], 16000).tolist() == [False] * 4000
+    assert sum(b - a for a, b in reads) == 3 + 2 + 1  # every block of the 3 runs, once
+    reads.clear()
+    assert table.find_many(keys[16000:] + keys[:3], 16000).tolist() == [False] * 4000 + [True] * 3
+    assert reads and sum(b - a for a, b in reads) < 3 + 2 + 1  # the kept runs' candidates only
+    assert table.runs is not None and table.runs._held <= 12000
+
+
+def test_lookups_through_kept_hashes_are_exact_when_hashes_collide(tmp_path, monkeypatch):
+    """Keys whose hashes collide (three hash values for all keys) are told apart by their
+    stored keys, through kept hashes as through the fence."""
+    from logitcache.cache_format import _keyindex as keyindex
+
+    monkeypatch.setattr(
+        keyindex, "byte_hashes", lambda buf, ends: (np.diff(ends, prepend=0) % 3).astype(np.int64)
+    )
+    url = str(tmp_path / "c")
+    keys = [f"k{i}" for i in range(300)]  # lengths 2, 3, 4: three hashes
+    with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
+        assert w.append(_short_batch(keys[:200])) == 200
+        assert w.append(_short_batch(keys[150:250])) == 50
+        assert w.missing(keys[240:300]) == keys[250:300]
+    table = CacheReader(url).index.table
+    for _ in range(2):  # the fence, then the hashes kept
+        assert table.find_many(keys[240:300], 250).tolist() == [True] * 10 + [False] * 50
+
+
+def test_hash_order_is_the_stable_order():
+    rng = np.random.default_rng(0)
+    for h in (rng.integers(-(2**63), 2**63 - 1, 1000), rng.integers(0, 50, 1000), np.zeros(0)):
+        h = h.astype(np.int64)
+        assert keyruns.hash_order(h).tolist() == np.argsort(h, kind="stable").tolist()
+
+
+def test_compiled_merge_writes_the_runs_numpy_writes(monkeypatch):
+    """A commit's run merged by the compiled kernel (loaded by ``fastencode.ready``) is, byte
+    for byte, the stable sort's, equal hashes across runs included."""
+    from logitcache.cache_format import fastencode
+
+    if not fastencode.ready() or fastencode._merge is None:
+        pytest.skip("numba is not available")
+    stored: dict[str, np.ndarray] = {}
+
+    def commits() -> list[bytes]:
+        runs: list[keyruns.RunRef] = []
+        objs = []
+        for g, n in enumerate([700, 300, 200, 100, 100, 4500, 1]):  # merges of 5 and 2 runs
+            h = rng.integers(-50, 50, n) * (2**40)  # hashes repeat, within and across runs
+            first = sum(r.count for r in runs)
+            runs, ref, obj, _ = keyruns.next_runs(
+                lambda r: stored[r.key], runs, h, first, g + 1, lambda rs: b"{}"
+            )
+            stored[ref.key] = np.frombuffer(obj, keyruns.ENTRY, ref.count)
+            objs.append(obj)
+        return objs
+
+    rng = np.random.default_rng(5)
+    fast = commits()
+    monkeypatch.setattr(fastencode, "_merge", None)
+    rng = np.random.default_rng(5)
+    assert commits() == fast
