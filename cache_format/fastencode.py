@@ -156,7 +156,7 @@ def _merge_check() -> bool:
     from ._keyruns import ENTRY
 
     rng = np.random.default_rng(3)
-    parts = []
+    parts: list[np.ndarray] = []
     for n in (300, 0, 70, 5, 41):
         p = np.empty(n, ENTRY)
         p["hash"] = np.sort(rng.integers(-40, 40, n))
