@@ -1,8 +1,8 @@
 """One chunk's row passes of the exact loss per kernel launch geometry, for ``python -m
 benchmarks.loss exact --kernel-configs ...`` (CUDA): median ms of each pass per config
-(:class:`ExactKernelConfig`; ``before``: the previous kernels, :mod:`benchmarks.exact_before`)
-beside a copy of one table, each config's losses and gradient against the default config's,
-and per objective the fastest config that agrees (the ``..._kbest`` variants run it).
+(:class:`ExactKernelConfig`) beside a copy of one table, each config's losses and gradient
+against the default config's, and per objective the fastest config that agrees (the
+``..._kbest`` variants run it).
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kernel_configs(spec: str) -> list[str]:
-    """``--kernel-configs``: comma-separated ``default``, ``before``,
+    """``--kernel-configs``: comma-separated ``default``,
     ``S<block>x<cols>w<warps>[p<stages>]-G<block>x<cols>w<warps>[p<stages>]`` (split passes:
     statistics, then gradient) or ``F<programs>b<block>w<warps>[p<stages>]`` (the fused
     kernel); see :class:`ExactKernelConfig`. Each is checked here."""
     names = [n for n in spec.split(",") if n]
     for n in names:
-        if n != "before":
-            parse_kernel_config(n)
+        parse_kernel_config(n)
     return names
 
 
@@ -58,8 +57,8 @@ def parse_kernel_config(name: str) -> ExactKernelConfig:
 
 
 EXACT_KERNEL_CONFIGS = [
-    "before",
     "default",
+    "S2048x16384w4-G2048x16384w8",
     "S2048x131072w4-G2048x131072w8",
     "S4096x16384w8-G4096x4096w8",
     "S2048x16384w8-G4096x16384w8",
@@ -112,7 +111,7 @@ def pass_sweep(
             row[f"{loss}_rel_loss"] < 1e-4 and row[f"{loss}_rel_grad"] < 2e-2
             for loss in EXACT_LOSS_KINDS
         )
-        if name != "before" and agrees:
+        if agrees:
             ok.append((parse_kernel_config(name), row))
     best = pick_configs(ok)
     out.append(dict(config="best", status="picked", **{k: vars(c) for k, c in best.items()}))
@@ -149,30 +148,17 @@ def chunk_result(
     from logitcache.client.loss import exact_kernels as ek
 
     x.copy_(x0)
-    if name == "before":
-        from benchmarks import exact_before as eb
-
-        old = eb.row_stats(y, x, tf)  # lse(a), lse(b), sum p (a - b), sum q (b - a)
-        sums = eb.jsd_sums(y, x, tf, old) if loss == "jsd" else None
-        lse_a, lse_b, fw, rv = old.unbind(1)
-        st = torch.stack([lse_a, lse_b, fw - lse_a + lse_b, rv - lse_b + lse_a], 1)
+    cfg = parse_kernel_config(name)
+    if cfg.fused_programs:
+        st, sums = ek.fused(y, x, tf, loss, 1.0, cfg)
     else:
-        cfg = parse_kernel_config(name)
-        if cfg.fused_programs:
-            st, sums = ek.fused(y, x, tf, loss, 1.0, cfg)
-        else:
-            st = ek.row_stats(y, x, tf, cfg)
-            sums = ek.jsd_sums(y, x, tf, st, cfg) if loss == "jsd" else None
+        st = ek.row_stats(y, x, tf, cfg)
+        sums = ek.jsd_sums(y, x, tf, st, cfg) if loss == "jsd" else None
     if sums is not None:
         kd, term = 0.5 * (sums[:, 0] + sums[:, 1]), sums[:, 1].contiguous()
     else:
         kd = term = st[:, 2 if loss == "forward_kl" else 3].contiguous()
-    if name == "before":
-        from benchmarks import exact_before as eb
-
-        one = torch.ones(1, dtype=torch.float32, device=x.device)
-        eb.row_grad(y, x, tf, loss, st, term, one)
-    elif not cfg.fused_programs:
+    if not cfg.fused_programs:
         ek.row_grad(y, x, tf, loss, st, term, 1.0, cfg)
     out = kd.clone(), x.clone()
     x.copy_(x0)
@@ -198,29 +184,16 @@ def pass_times(
             f"{loss}_ms": timed(lambda: ek.fused(y, x, tf, loss, 1.0, cfg))  # noqa: B023
             for loss in EXACT_LOSS_KINDS
         }
-    if name == "before":
-        from benchmarks import exact_before as eb
+    cfg = parse_kernel_config(name)
 
-        def stats() -> torch.Tensor:
-            return eb.row_stats(y, x, tf)
+    def stats() -> torch.Tensor:
+        return ek.row_stats(y, x, tf, cfg)
 
-        def sums(st: torch.Tensor) -> torch.Tensor:
-            return eb.jsd_sums(y, x, tf, st)
+    def sums(st: torch.Tensor) -> torch.Tensor:
+        return ek.jsd_sums(y, x, tf, st, cfg)
 
-        def grad(loss: str, st: torch.Tensor) -> None:
-            one = torch.as_tensor(1.0, dtype=torch.float32, device=x.device).reshape(-1)
-            eb.row_grad(y, x, tf, loss, st, st[:, 0], one)
-    else:
-        cfg = parse_kernel_config(name)
-
-        def stats() -> torch.Tensor:
-            return ek.row_stats(y, x, tf, cfg)
-
-        def sums(st: torch.Tensor) -> torch.Tensor:
-            return ek.jsd_sums(y, x, tf, st, cfg)
-
-        def grad(loss: str, st: torch.Tensor) -> None:
-            ek.row_grad(y, x, tf, loss, st, st[:, 2], 1.0, cfg)
+    def grad(loss: str, st: torch.Tensor) -> None:
+        ek.row_grad(y, x, tf, loss, st, st[:, 2], 1.0, cfg)
 
     x.copy_(x0)
     st = stats()

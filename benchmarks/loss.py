@@ -36,8 +36,7 @@ chunk's four bare GEMMs (teacher and student products, grad_h, grad_W) at each
 ``--gemm-chunks`` size. ``--check`` first compares the Triton passes and the torch passes with
 float64. On CUDA, ``--kernel-configs`` first times one chunk's row passes per launch geometry
 (:mod:`benchmarks.exact_passes`) and picks per objective the fastest config that agrees with
-the default's numbers: variants ``..._kbest`` run it, ``..._before`` run the previous kernels
-(:mod:`benchmarks.exact_before`).
+the default's numbers: variants ``..._kbest`` run it.
 
 ``--check`` first compares every variant with a float64 dense reference at a small N, and the
 bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
@@ -438,9 +437,8 @@ def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0)
 
 
 def parse_exact(name: str) -> dict[str, Any]:
-    """``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest|_before]`` -> the call's options
-    (``kbest``: ``kernel_config="best"``, the fastest passes of the run's :func:`pass_sweep`;
-    ``before``: ``before=True``, the passes of :mod:`benchmarks.exact_before`)."""
+    """``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest]`` -> the call's options (``kbest``:
+    ``kernel_config="best"``, the fastest passes of the run's :func:`pass_sweep`)."""
     parts = name[len("exact_") :].split("_")
     opts: dict[str, Any] = {"kernels": "auto", "chunk_size": None, "grad_weight_dtype": "auto"}
     loss = []
@@ -451,8 +449,6 @@ def parse_exact(name: str) -> dict[str, Any]:
             opts["grad_weight_dtype"] = "weight"
         elif part == "kbest":
             opts["kernel_config"] = "best"
-        elif part == "before":
-            opts["before"] = True
         elif part.startswith("c") and part[1:].isdigit():
             opts["chunk_size"] = int(part[1:])
         else:
@@ -478,15 +474,9 @@ def exact_variant(
     opts["chunk_size"] = opts["chunk_size"] or chunk
     if opts.get("kernel_config") == "best":
         opts["kernel_config"] = (best or {}).get(opts["loss"])
-    before = opts.pop("before", False)
 
     def fn(x: dict) -> torch.Tensor:
-        if not before:
-            return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
-        from benchmarks import exact_before
-
-        with exact_before.installed():
-            return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
+        return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
 
     return fn
 
