@@ -33,7 +33,9 @@ the memory-floor setting) on the top-k of the same teacher's logits, in float32 
 ``6 N d V``) as a fraction of the lm-head GEMM rate of the same run, and the time of one
 chunk's four bare GEMMs (teacher and student products, grad_h, grad_W) at each
 ``--gemm-chunks`` size. ``--check`` first compares the Triton passes and the torch passes with
-float64.
+float64. On CUDA, ``--kernel-configs`` first times one chunk's row passes per launch geometry
+(:mod:`benchmarks.exact_passes`) and picks per objective the fastest config that agrees with
+the default's numbers: variants ``..._kbest`` run it.
 
 ``--check`` first compares every variant with a float64 dense reference at a small N, and the
 bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
@@ -52,8 +54,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from logitcache.client.loss import exact_distill_loss, fused_chunked, topk_distill_loss
+from logitcache.client.loss import (
+    ExactKernelConfig,
+    exact_distill_loss,
+    fused_chunked,
+    topk_distill_loss,
+)
+from logitcache.client.loss.dispatch import auto_chunk_size
+from logitcache.client.loss.exact import TRITON_CHUNK_BUFFERS
 
+from benchmarks import exact_passes
 from benchmarks.harness import (
     Point,
     Recorder,
@@ -393,7 +403,8 @@ def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0)
 
 
 def parse_exact(name: str) -> dict[str, Any]:
-    """``exact_<loss>[_torch][_c<rows>][_bf16acc]`` -> the call's options."""
+    """``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest]`` -> the call's options (``kbest``:
+    ``kernel_config="best"``, the fastest passes of the run's :func:`pass_sweep`)."""
     parts = name[len("exact_") :].split("_")
     opts: dict[str, Any] = {"kernels": "auto", "chunk_size": None, "grad_weight_dtype": "auto"}
     loss = []
@@ -402,6 +413,8 @@ def parse_exact(name: str) -> dict[str, Any]:
             opts["kernels"] = "torch"
         elif part == "bf16acc":
             opts["grad_weight_dtype"] = "weight"
+        elif part == "kbest":
+            opts["kernel_config"] = "best"
         elif part.startswith("c") and part[1:].isdigit():
             opts["chunk_size"] = int(part[1:])
         else:
@@ -410,7 +423,9 @@ def parse_exact(name: str) -> dict[str, Any]:
     return opts
 
 
-def exact_variant(name: str, chunk: int | None) -> Callable:
+def exact_variant(
+    name: str, chunk: int | None, best: dict[str, ExactKernelConfig] | None = None
+) -> Callable:
     if name == "topk_floor":
         return floor_variant("floor")
     if name == "topk_fused_chunked":
@@ -423,6 +438,8 @@ def exact_variant(name: str, chunk: int | None) -> Callable:
         return topk
     opts = parse_exact(name)
     opts["chunk_size"] = opts["chunk_size"] or chunk
+    if opts.get("kernel_config") == "best":
+        opts["kernel_config"] = (best or {}).get(opts["loss"])
 
     def fn(x: dict) -> torch.Tensor:
         return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
@@ -489,7 +506,11 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
     cuda = device == "cuda"
     out: dict[str, Any] = {"rows": [], "gemm": {}}
     if args.check:
-        out["check"] = exact_check(device)
+        try:
+            out["check"] = exact_check(device)
+        except Exception as e:  # report it and time what still runs
+            out["check_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            print("check failed:", out["check_error"], flush=True)
     for vocab, d in args.configs:
         key = f"{vocab}x{d}"
         gemm = dict(lm_head_tflops=gemm_rate(8192, d, vocab, device, cuda) if cuda else None)
@@ -497,6 +518,19 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
             gemm[f"four_gemms_ms_c{c}"] = gemm_chunk_ms(c, d, vocab, device, cuda)
         out["gemm"][key] = gemm
         print("bare GEMMs", key, json.dumps(gemm), flush=True)
+        best = None
+        if cuda and args.kernel_configs:
+            rows = args.chunk or auto_chunk_size(
+                1 << 30, vocab * TRITON_CHUNK_BUFFERS, torch.bfloat16, torch.device(device)
+            )
+            try:
+                out.setdefault("passes", {})[key], best = exact_passes.pass_sweep(
+                    args.kernel_configs, rows, vocab, device
+                )
+            except Exception as e:  # the default config's reference failed: no pick
+                out["passes_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                print("pass sweep failed:", out["passes_error"], flush=True)
+            free()
         for n in args.sizes:
             try:
                 x = exact_inputs(n, d, vocab, args.k, device)
@@ -507,10 +541,13 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
             for name in args.variants:
                 row: dict[str, Any] = dict(variant=name, n=n, vocab=vocab, d=d, k=args.k)
                 try:
-                    res = exact_cell(name, x, args, cuda)
+                    res = exact_cell(name, x, args, cuda, best)
                 except torch.OutOfMemoryError:
                     row["status"] = "OOM"
                     print(f"{name:28s} N={n:7d} OOM", flush=True)
+                except Exception as e:  # one variant failing must not end the run
+                    row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                    print(f"{name:28s} N={n:7d} {row['status']}", flush=True)
                 else:
                     row.update(status="ok", **res)
                     flops = (8 if name.startswith("exact") else 6) * n * d * vocab
@@ -536,8 +573,14 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
     return out
 
 
-def exact_cell(name: str, x: dict, args: argparse.Namespace, cuda: bool) -> dict:
-    fn = exact_variant(name, args.chunk)
+def exact_cell(
+    name: str,
+    x: dict,
+    args: argparse.Namespace,
+    cuda: bool,
+    best: dict[str, ExactKernelConfig] | None,
+) -> dict:
+    fn = exact_variant(name, args.chunk, best)
     res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
     if not cuda:  # the CPU has no allocator peak: count the tensors the step creates
         mode = live_bytes().known(*x.values())
@@ -616,6 +659,13 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--reps", type=int, default=3)
     ex.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: each's)")
     ex.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
+    ex.add_argument(
+        "--kernel-configs",
+        type=exact_passes.kernel_configs,
+        default=exact_passes.EXACT_KERNEL_CONFIGS,
+        help="CUDA: time one chunk's row passes per config first (see kernel_configs; "
+        "'' for none); variants ..._kbest run the fastest",
+    )
     ex.add_argument("--out", type=Path, default=None)
     for s in (sw, ex):
         s.add_argument("--device", default=None)

@@ -17,12 +17,14 @@ temperature), with the same chunking and errors.
 from .api import topk_distill_loss
 from .chunk_ops import TRITON_AVAILABLE
 from .exact import EXACT_LOSS_KINDS, exact_distill_loss
+from .exact_kernels import ExactKernelConfig
 from .module import TopKDistillHead, TopKDistillLoss
 from .spec import LOSS_KINDS, TARGET_KINDS, LossInputError, LossSpec
 from .vocab_parallel import VocabParallel
 
 __all__ = [
     "EXACT_LOSS_KINDS",
+    "ExactKernelConfig",
     "LOSS_KINDS",
     "TARGET_KINDS",
     "LossInputError",

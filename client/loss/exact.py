@@ -20,6 +20,7 @@ import torch
 from .api import autocast_inputs
 from .chunk_ops import use_triton
 from .dispatch import check_options, plan_chunks
+from .exact_kernels import DEFAULT_CONFIG, ExactKernelConfig
 from .fused_chunked import Rows, chunked_loss, project, take_rows
 from .spec import LossInputError, LossSpec, check_choice
 from .validation import check_head, counted_rows
@@ -77,6 +78,7 @@ class ExactInputs:
     ce_weight: float = 0.0
     shard: VocabShard | None = None
     triton: bool = False
+    kernel_config: ExactKernelConfig = DEFAULT_CONFIG
 
     @property
     def work_dtype(self) -> torch.dtype:
@@ -127,6 +129,7 @@ def exact_distill_loss(
     grad_weight_dtype: str = "auto",
     kernels: str = "auto",
     vocab_parallel: VocabParallel | None = None,
+    kernel_config: ExactKernelConfig | None = None,
 ) -> torch.Tensor:
     r"""Exact distillation loss of a student lm-head against the teacher's full distribution.
 
@@ -170,7 +173,10 @@ def exact_distill_loss(
     many times larger). The kernels do not
     cover ``ce_weight > 0`` or ``vocab_parallel`` (those run the torch passes; ``"triton"``
     with them is an error). ``grad_weight_dtype``: where ``grad_W`` is accumulated, as in
-    ``topk_distill_loss`` (``"auto"``, ``"float32"``, ``"weight"``).
+    ``topk_distill_loss`` (``"auto"``, ``"float32"``, ``"weight"``). ``kernel_config``: the
+    kernels' launch geometry (a :class:`~.exact_kernels.ExactKernelConfig`; ``None``: the library's
+    :data:`~.exact_kernels.DEFAULT_CONFIG`); it changes the speed, not the numbers beyond float32
+    summation order.
 
     ``vocab_parallel``: a :class:`VocabParallel` when ``student_weight``/``student_bias`` *and*
     ``teacher_weight``/``teacher_bias`` are this rank's rows of heads split along the same
@@ -206,6 +212,12 @@ def exact_distill_loss(
     if triton and kernels == "triton" and (shard is not None or ce_weight > 0.0):
         raise LossInputError('kernels="triton" does not cover ce_weight > 0 or vocab_parallel')
     inp.triton = triton and shard is None and ce_weight == 0.0
+    if kernel_config is not None:
+        if not isinstance(kernel_config, ExactKernelConfig):
+            raise LossInputError(
+                f"kernel_config must be an ExactKernelConfig, got {kernel_config!r}"
+            )
+        inp.kernel_config = kernel_config
     check_options(reduction, chunk_size, grad_weight_dtype, kernels)
     buffers = TRITON_CHUNK_BUFFERS if inp.triton else CHUNK_BUFFERS
     chunk, acc = plan_chunks(
@@ -349,27 +361,29 @@ def _chunk_terms_triton(
     """:func:`chunk_terms` through the kernels of :mod:`.exact_kernels` (no shard, no CE)."""
     from . import exact_kernels as ek
 
-    spec, head = inp.spec, inp.teacher
+    spec, head, cfg = inp.spec, inp.teacher, inp.kernel_config
     t = spec.temperature
     tf = ek.Transform(head.logit_scale, head.softcap, spec.inv_temperature, spec.beta)
     y = project(take_rows(inp.teacher_hidden, rows), head.weight, head.bias)
     x = project(take_rows(inp.hidden, rows), inp.weight, inp.bias)
-    stats = ek.row_stats(y, x, tf)
-    lse_a, lse_b, fw, rv = stats.unbind(1)
-    term = stats[:, 0]  # unused by the forward-KL gradient
-    if spec.loss == "forward_kl":
-        kd = fw - lse_a + lse_b
-    elif spec.loss == "reverse_kl":
-        kd = term = rv - lse_b + lse_a
+    coef: float | torch.Tensor | None = None
+    if isinstance(row_weight, torch.Tensor):
+        coef = row_weight.reshape(-1) * t
+    elif row_weight is not None:
+        coef = row_weight * t
+    if cfg.fused_programs:
+        stats, sums = ek.fused(y, x, tf, spec.loss, coef, cfg)
     else:
-        tp, tq = ek.jsd_sums(y, x, tf, stats).unbind(1)
-        kd = spec.beta * tp + (1.0 - spec.beta) * tq
-        term = tq
-    loss = kd.to(inp.work_dtype) * (t * t)
-    if row_weight is None:
-        return loss, None
-    coef = torch.as_tensor(row_weight, dtype=torch.float32, device=x.device).reshape(-1) * t
-    return loss, ek.row_grad(y, x, tf, spec.loss, stats, term, coef)
+        stats = ek.row_stats(y, x, tf, cfg)
+        sums = ek.jsd_sums(y, x, tf, stats, cfg) if spec.loss == "jsd" else None
+    if sums is not None:
+        kd = spec.beta * sums[:, 0] + (1.0 - spec.beta) * sums[:, 1]
+        term = sums[:, 1]
+    else:
+        kd = term = stats[:, 2 if spec.loss == "forward_kl" else 3]
+    if coef is not None and not cfg.fused_programs:
+        ek.row_grad(y, x, tf, spec.loss, stats, term, coef, cfg)
+    return kd.to(inp.work_dtype) * (t * t), None if coef is None else x
 
 
 def _add_ce(

@@ -69,6 +69,12 @@ def row_grad_kernel(
         tl.store(gb + offs, g.to(g_ptr.dtype.element_ty), mask=msk)
 
 
+# ----------------------------------------------------------------------------- the exact loss
+# Grids ``(rows, parts)``: program ``(r, s)`` covers columns ``[s seg, min((s + 1) seg, V))`` of
+# row ``r`` in steps of ``BLOCK`` columns (``seg`` a multiple of ``BLOCK``, so only the row's end
+# needs a mask).
+
+
 @triton.jit
 def _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP: tl.constexpr):
     """``c tanh(s y / c) / T`` (no tanh unless SOFTCAP) of float32 raw teacher logits."""
@@ -79,54 +85,119 @@ def _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def exact_stats_kernel(
-    y_ptr,
-    y_stride,
-    x_ptr,
-    x_stride,
+def _max2(a1, b1, a2, b2):
+    return tl.maximum(a1, a2), tl.maximum(b1, b2)
+
+
+@triton.jit
+def _stats_loop(
+    yb,
+    xb,
+    lo,
+    hi,
     n_cols,
     y_scale,
     cap,
     inv_t,
-    out_ptr,
     SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """Per row of teacher logits ``y`` and student logits ``x`` (one read of each), with ``a``
-    the tempered teacher logits and ``b = x / T``: ``out[row] = (lse(a), lse(b), sum_v p_v
-    (a_v - b_v), sum_v q_v (b_v - a_v))``, ``p = softmax(a)``, ``q = softmax(b)``."""
-    row = tl.program_id(0).to(tl.int64)
-    yb = y_ptr + row * y_stride
-    xb = x_ptr + row * x_stride
-    ma = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), 0)
+    """One read of columns ``[lo, hi)`` of a row of teacher logits (at ``yb``) and student
+    logits (at ``xb``); with ``a`` the tempered teacher logits and ``b = x / T``:
+    ``(m_a, s_a, f_a, m_b, s_b, f_b)``, maxima ``m``, ``s_a = sum exp(a - m_a)``, ``f_a = sum
+    exp(a - m_a) (a - b)``, ``s_b = sum exp(b - m_b)``, ``f_b = sum exp(b - m_b) (b - a)``.
+    The maxima are per block, the sums per lane (reduced once at the end)."""
+    ma = tl.max(tl.full([BLOCK], -1.0e30, tl.float32), 0)
     mb = ma
-    sa = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    sa = tl.zeros([BLOCK], tl.float32)
+    fa = sa
     sb = sa
-    fw = sa
-    rv = sa
-    for start in range(0, n_cols, BLOCK):
+    fb = sa
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < n_cols
         y = tl.load(yb + offs, mask=msk, other=0.0).to(tl.float32)
         a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP), -float("inf"))
         b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
         d = tl.where(msk, a - b, 0.0)
-        na = tl.maximum(ma, tl.max(a, 0))
-        nb = tl.maximum(mb, tl.max(b, 0))
+        ba, bb = tl.reduce((a, b), 0, _max2)  # both block maxima in one reduction
+        na = tl.maximum(ma, ba)
+        nb = tl.maximum(mb, bb)
         ca = tl.exp(ma - na)
         cb = tl.exp(mb - nb)
         ea = tl.exp(a - na)
         eb = tl.exp(b - nb)
-        sa = sa * ca + tl.sum(ea, 0)
-        fw = fw * ca + tl.sum(ea * d, 0)
-        sb = sb * cb + tl.sum(eb, 0)
-        rv = rv * cb - tl.sum(eb * d, 0)
+        sa = sa * ca + ea
+        fa = fa * ca + ea * d
+        sb = sb * cb + eb
+        fb = fb * cb - eb * d
         ma = na
         mb = nb
-    tl.store(out_ptr + row * 4, ma + tl.log(sa))
-    tl.store(out_ptr + row * 4 + 1, mb + tl.log(sb))
-    tl.store(out_ptr + row * 4 + 2, fw / sa)
-    tl.store(out_ptr + row * 4 + 3, rv / sb)
+    return ma, tl.sum(sa, 0), tl.sum(fa, 0), mb, tl.sum(sb, 0), tl.sum(fb, 0)
+
+
+@triton.jit
+def exact_stats_kernel(
+    y_ptr,
+    y_stride,
+    x_ptr,
+    x_stride,
+    n_cols,
+    seg,
+    y_scale,
+    cap,
+    inv_t,
+    part_ptr,
+    SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``part[row, s]`` = :func:`_stats_loop` of segment ``s`` of the row."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    lo = part * seg
+    hi = tl.minimum(lo + seg, n_cols)
+    ma, sa, fa, mb, sb, fb = _stats_loop(
+        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
+        SOFTCAP, BLOCK, STAGES,
+    )  # fmt: skip
+    out = part_ptr + (row * tl.num_programs(1) + part) * 6
+    tl.store(out, ma)
+    tl.store(out + 1, sa)
+    tl.store(out + 2, fa)
+    tl.store(out + 3, mb)
+    tl.store(out + 4, sb)
+    tl.store(out + 5, fb)
+
+
+@triton.jit
+def _merge(part_ptr, n_parts, PARTS: tl.constexpr):
+    """``(lse, sum exp(z - lse) u)`` of one side of a row's partials ``(m, s, f)`` at
+    ``part_ptr`` (stride 6), with ``f = sum exp(z - m) u``."""
+    i = tl.arange(0, PARTS)
+    msk = i < n_parts
+    m = tl.load(part_ptr + i * 6, mask=msk, other=-1.0e30)
+    s = tl.load(part_ptr + i * 6 + 1, mask=msk, other=0.0)
+    f = tl.load(part_ptr + i * 6 + 2, mask=msk, other=0.0)
+    top = tl.max(m, 0)
+    w = tl.exp(m - top)
+    total = tl.sum(s * w, 0)
+    return top + tl.log(total), tl.sum(f * w, 0) / total
+
+
+@triton.jit
+def exact_combine_kernel(part_ptr, n_parts, out_ptr, PARTS: tl.constexpr):
+    """``out[row] = (lse(a), lse(b), KL(p || q), KL(q || p))`` from the row's ``n_parts``
+    partials of :func:`exact_stats_kernel` (``PARTS``: a power of two >= ``n_parts``)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = part_ptr + row * n_parts * 6
+    lse_a, fw = _merge(base, n_parts, PARTS)
+    lse_b, rv = _merge(base + 3, n_parts, PARTS)
+    tl.store(out_ptr + row * 4, lse_a)
+    tl.store(out_ptr + row * 4 + 1, lse_b)
+    tl.store(out_ptr + row * 4 + 2, fw - lse_a + lse_b)
+    tl.store(out_ptr + row * 4 + 3, rv - lse_b + lse_a)
 
 
 @triton.jit
@@ -139,11 +210,42 @@ def _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP: tl
 
 @triton.jit
 def _log_mix(lp, lq, log_beta, log_1mbeta):
-    """``log(beta p + (1 - beta) q)``."""
+    """``log(beta p + (1 - beta) q)`` (one exp and one log)."""
     u = lp + log_beta
     v = lq + log_1mbeta
-    m = tl.maximum(u, v)
-    return m + tl.log(tl.exp(u - m) + tl.exp(v - m))
+    return tl.maximum(u, v) + tl.log(1.0 + tl.exp(-tl.abs(u - v)))
+
+
+@triton.jit
+def _sums_loop(
+    yb,
+    xb,
+    lo,
+    hi,
+    n_cols,
+    y_scale,
+    cap,
+    inv_t,
+    log_beta,
+    log_1mbeta,
+    lse_a,
+    lse_b,
+    SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``(sum p (log p - log m), sum q (log q - log m))`` over columns ``[lo, hi)``, ``m = beta
+    p + (1 - beta) q``."""
+    tp = tl.zeros([BLOCK], tl.float32)
+    tq = tp
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK)
+        msk = offs < n_cols
+        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
+        lm = _log_mix(lp, lq, log_beta, log_1mbeta)
+        tp += tl.where(msk, tl.exp(lp) * (lp - lm), 0.0)
+        tq += tl.where(msk, tl.exp(lq) * (lq - lm), 0.0)
+    return tl.sum(tp, 0), tl.sum(tq, 0)
 
 
 @triton.jit
@@ -153,6 +255,7 @@ def exact_jsd_sums_kernel(
     x_ptr,
     x_stride,
     n_cols,
+    seg,
     y_scale,
     cap,
     inv_t,
@@ -162,60 +265,50 @@ def exact_jsd_sums_kernel(
     out_ptr,
     SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """``out[row] = (sum p (log p - log m), sum q (log q - log m))``, ``m = beta p + (1 -
-    beta) q``, with the row log-sum-exps of :func:`exact_stats_kernel`."""
+    """``out[row, s]`` = :func:`_sums_loop` over segment ``s``, with the row log-sum-exps of
+    :func:`exact_combine_kernel`."""
     row = tl.program_id(0).to(tl.int64)
-    yb = y_ptr + row * y_stride
-    xb = x_ptr + row * x_stride
-    lse_a = tl.load(stats_ptr + row * 4)
-    lse_b = tl.load(stats_ptr + row * 4 + 1)
-    tp = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-    tq = tp
-    for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < n_cols
-        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
-        lm = _log_mix(lp, lq, log_beta, log_1mbeta)
-        tp += tl.sum(tl.where(msk, tl.exp(lp) * (lp - lm), 0.0), 0)
-        tq += tl.sum(tl.where(msk, tl.exp(lq) * (lq - lm), 0.0), 0)
-    tl.store(out_ptr + row * 2, tp)
-    tl.store(out_ptr + row * 2 + 1, tq)
+    part = tl.program_id(1)
+    lo = part * seg
+    hi = tl.minimum(lo + seg, n_cols)
+    tp, tq = _sums_loop(
+        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
+        log_beta, log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
+        SOFTCAP, BLOCK, STAGES,
+    )  # fmt: skip
+    out = out_ptr + (row * tl.num_programs(1) + part) * 2
+    tl.store(out, tp)
+    tl.store(out + 1, tq)
 
 
 @triton.jit
-def exact_grad_kernel(
-    y_ptr,
-    y_stride,
-    x_ptr,
-    x_stride,
-    g_ptr,
-    g_stride,
+def _grad_loop(
+    yb,
+    xb,
+    gb,
+    lo,
+    hi,
     n_cols,
     y_scale,
     cap,
     inv_t,
     log_beta,
     log_1mbeta,
-    stats_ptr,
-    row_ptr,
-    coef_ptr,
+    lse_a,
+    lse_b,
+    r,
+    c,
     LOSS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """The student-logits gradient ``g`` (may alias ``x``), times ``coef[row]``; ``LOSS``: 0
-    forward KL ``q - p``, 1 reverse KL ``q (log q - log p - KD)``, 2 JSD ``q (1 - beta)
-    (log q - log m - t_q)``; ``row_ptr[row]`` holds KD (1) or t_q (2)."""
-    row = tl.program_id(0).to(tl.int64)
-    yb = y_ptr + row * y_stride
-    xb = x_ptr + row * x_stride
-    gb = g_ptr + row * g_stride
-    lse_a = tl.load(stats_ptr + row * 4)
-    lse_b = tl.load(stats_ptr + row * 4 + 1)
-    r = tl.load(row_ptr + row)
-    c = tl.load(coef_ptr + row)
-    for start in range(0, n_cols, BLOCK):
+    """``c * dKD/db`` over columns ``[lo, hi)`` written at ``gb`` (may be ``xb``); ``LOSS``: 0
+    forward KL ``q - p``, 1 reverse KL ``q (log q - log p - r)`` (``r`` = KD), 2 JSD ``q (1 -
+    beta) (log q - log m - r)`` (``r = t_q``)."""
+    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < n_cols
         lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
@@ -227,4 +320,106 @@ def exact_grad_kernel(
         else:
             lm = _log_mix(lp, lq, log_beta, log_1mbeta)
             g = q * (tl.exp(log_1mbeta) * (lq - lm - r))
-        tl.store(gb + offs, (g * c).to(g_ptr.dtype.element_ty), mask=msk)
+        tl.store(gb + offs, (g * c).to(gb.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def exact_grad_kernel(
+    y_ptr,
+    y_stride,
+    x_ptr,
+    x_stride,
+    n_cols,
+    seg,
+    y_scale,
+    cap,
+    inv_t,
+    log_beta,
+    log_1mbeta,
+    stats_ptr,
+    term_ptr,
+    term_stride,
+    coef_ptr,
+    coef,
+    LOSS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ROW_COEF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """:func:`_grad_loop` over segment ``s`` of the row, written over ``x``, with ``r =
+    term_ptr[row * term_stride]`` and ``c = coef_ptr[row]`` (``ROW_COEF``) or ``coef``."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    xb = x_ptr + row * x_stride
+    lo = part * seg
+    hi = tl.minimum(lo + seg, n_cols)
+    c = coef
+    if ROW_COEF:
+        c = tl.load(coef_ptr + row)
+    _grad_loop(
+        y_ptr + row * y_stride, xb, xb, lo, hi, n_cols, y_scale, cap, inv_t, log_beta,
+        log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
+        tl.load(term_ptr + row * term_stride), c, LOSS, SOFTCAP, BLOCK, STAGES,
+    )  # fmt: skip
+
+
+@triton.jit
+def exact_fused_kernel(
+    y_ptr,
+    y_stride,
+    x_ptr,
+    x_stride,
+    n_rows,
+    n_cols,
+    y_scale,
+    cap,
+    inv_t,
+    log_beta,
+    log_1mbeta,
+    stats_ptr,
+    sums_ptr,
+    coef_ptr,
+    coef,
+    LOSS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ROW_COEF: tl.constexpr,
+    GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Every pass of a whole row in one program, rows ``pid, pid + P, ...`` (``P`` programs):
+    ``stats[row] = (lse(a), lse(b), KL(p || q), KL(q || p))``, for JSD ``sums[row] = (t_p,
+    t_q)``, and (``GRAD``) the gradient written over ``x``. The second and third reads of a
+    row come from L2 while ``P`` rows fit in it."""
+    first = tl.program_id(0).to(tl.int64)
+    for i in range(0, tl.cdiv(n_rows, tl.num_programs(0))):
+        row = first + i * tl.num_programs(0)
+        if row < n_rows:
+            yb = y_ptr + row * y_stride
+            xb = x_ptr + row * x_stride
+            ma, sa, fa, mb, sb, fb = _stats_loop(
+                yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, SOFTCAP, BLOCK, STAGES
+            )
+            lse_a = ma + tl.log(sa)
+            lse_b = mb + tl.log(sb)
+            term = fb / sb - lse_b + lse_a
+            tl.store(stats_ptr + row * 4, lse_a)
+            tl.store(stats_ptr + row * 4 + 1, lse_b)
+            tl.store(stats_ptr + row * 4 + 2, fa / sa - lse_a + lse_b)
+            tl.store(stats_ptr + row * 4 + 3, term)
+            if LOSS == 2:
+                tp, term = _sums_loop(
+                    yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta, lse_a,
+                    lse_b, SOFTCAP, BLOCK, STAGES,
+                )  # fmt: skip
+                tl.store(sums_ptr + row * 2, tp)
+                tl.store(sums_ptr + row * 2 + 1, term)
+            if GRAD:
+                c = coef
+                if ROW_COEF:
+                    c = tl.load(coef_ptr + row)
+                _grad_loop(
+                    yb, xb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta,
+                    lse_a, lse_b, term, c, LOSS, SOFTCAP, BLOCK, STAGES,
+                )  # fmt: skip

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from logitcache.client.loss import LossInputError, VocabParallel, exact_distill_loss
+from logitcache.client.loss import (
+    ExactKernelConfig,
+    LossInputError,
+    VocabParallel,
+    exact_distill_loss,
+)
 from logitcache.client.loss.exact import CHUNK_BUFFERS
 from loss_support import spawn_workers
 
@@ -294,20 +299,26 @@ def test_autocast_runs_the_student_projection_in_bfloat16():
 
 _TRITON_EXACT = """
 import torch
+from logitcache.client.loss import ExactKernelConfig
 from test_loss_exact import LOSSES, exact, grads_of, problem, reference
 
+# rows split over programs (V=37: 3 statistics and 5 gradient segments); the fused kernel
+split = ExactKernelConfig(stats_block=8, stats_cols=16, grad_block=4, grad_cols=8, grad_stages=2)
+fused = ExactKernelConfig(stats_block=16, fused_programs=2)
+cases = [(1.0, "mean", {}, None), (2.0, "none", {}, None),
+         (0.5, "sum", dict(scale=1.3, cap=3.0), None), (2.0, "none", dict(cap=3.0), split),
+         (0.5, "mean", {}, fused), (1.0, "none", dict(scale=1.3), fused)]
 for loss in LOSSES:
-    for t, reduction, kw in [(1.0, "mean", {}), (2.0, "none", {}),
-                             (0.5, "sum", dict(scale=1.3, cap=3.0))]:
+    for t, reduction, kw, cfg in cases:
         student, teacher, labels, mask = problem(seed=3)
         ref = reference(student, teacher, labels, mask, loss, t, reduction, **kw)
         head = dict(teacher_logit_scale=kw.get("scale", 1.0), teacher_softcap=kw.get("cap"))
         out = exact(student, teacher, labels, mask, loss, t, reduction, 5, kernels="triton",
-                    **head)
+                    kernel_config=cfg, **head)
         # the kernels compute in float32 whatever the inputs' dtype
-        assert float((out - ref).norm() / ref.norm()) < 1e-5, (loss, t)
+        assert float((out - ref).norm() / ref.norm()) < 1e-5, (loss, t, cfg)
         for a, b in zip(grads_of(out, student), grads_of(ref, student), strict=True):
-            assert float((a - b).norm() / b.norm()) < 1e-5, (loss, t)
+            assert float((a - b).norm() / b.norm()) < 1e-5, (loss, t, cfg)
 print("ok")
 """
 
@@ -315,7 +326,8 @@ print("ok")
 @pytest.mark.subprocess
 def test_triton_passes_under_interpreter():
     """The Triton passes (Triton's CPU interpreter) equal the float64 reference to float32
-    rounding, every objective, with temperature, logit scale and soft-cap, all reductions."""
+    rounding, every objective, with temperature, logit scale and soft-cap, all reductions, for
+    rows split over several programs and for the fused kernel."""
     pytest.importorskip("triton")
     here = Path(__file__).resolve().parent
     proc = subprocess.run(
@@ -337,3 +349,26 @@ def test_triton_kernels_refuse_what_they_do_not_cover():
         exact_distill_loss(hs, ws, ht, wt, labels=labels, ce_weight=0.5, kernels="triton")
     with pytest.raises(LossInputError, match="kernels must be one of"):
         exact_distill_loss(hs, ws, ht, wt, kernels="cuda")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(stats_block=1000),
+        dict(grad_cols=3000),
+        dict(stats_cols=1024, stats_block=2048),
+        dict(grad_warps=3),
+        dict(stats_stages=0),
+        dict(fused_programs=-1),
+        dict(grad_block=True),
+    ],
+)
+def test_bad_kernel_config_is_a_typed_error(bad):
+    with pytest.raises(LossInputError, match="ExactKernelConfig"):
+        ExactKernelConfig(**bad)
+
+
+def test_kernel_config_must_be_an_exact_kernel_config():
+    (hs, ws, _), (ht, wt, _), _, _ = problem()
+    with pytest.raises(LossInputError, match="kernel_config must be"):
+        exact_distill_loss(hs, ws, ht, wt, kernel_config={"stats_block": 8})  # type: ignore[arg-type]
