@@ -90,5 +90,6 @@ def select(records: dict[int, Any], fraction: float | None) -> dict[int, Any]:
             rec.tail_mass,
             keep,
             rec.entropy,
+            rec.actual_logprob,
         )
     return out

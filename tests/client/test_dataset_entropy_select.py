@@ -14,6 +14,7 @@ from format_support import make_manifest, make_records
 from logitcache.cache_format import CacheReader, CacheWriter
 from logitcache.client import CacheDataset, StreamConfig
 from logitcache.client.errors import ConfigError
+from logitcache.client.selection import select
 
 K, V = 4, 50
 
@@ -97,3 +98,20 @@ def test_bad_settings_are_refused(tmp_path) -> None:
         w.append(make_records(2, k=K, vocab=V))
     with pytest.raises(ConfigError, match="entropy"):
         CacheDataset(str(url), StreamConfig(entropy_top_fraction=0.2))
+
+
+def test_selection_keeps_every_array_but_the_mask() -> None:
+    """A selected record is the record with a narrower mask: its other arrays, the actual
+    tokens' logprobs included, are the same objects."""
+    rec = make_records(1, k=K, vocab=V, seed=2, min_len=12, max_len=12)[0]
+    rows = rec.num_rows
+    rec = replace(
+        rec,
+        entropy=np.linspace(0, 3, rows, dtype=np.float32),
+        actual_logprob=-np.linspace(0.1, 2, rows, dtype=np.float32),
+    )
+    got = select({0: rec}, 0.25)[0]
+    assert got.loss_mask.tolist() == _expected(rec, 0.25).astype(np.uint8).tolist()
+    for name in ("input_ids", "topk_ids", "topk_logprobs", "tail_mass", "entropy"):
+        assert getattr(got, name) is getattr(rec, name), name
+    assert got.actual_logprob is rec.actual_logprob
