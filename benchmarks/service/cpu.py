@@ -25,7 +25,8 @@ and not counted), ``convert`` (the engine output's rows, on the event loop),
 ``pair`` (``to_batches``: the rows as the writer's parts; ``to_records`` in a tree that
 pairs each sequence with its rows), ``encode`` (``writer.encode_batch``: checks, float16, row
 deltas, in the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C,
-in zarr's IO thread), ``write`` (the rest of zarr's IO thread: shard assembly; the store's object
+in the job writer thread, or zarr's IO thread for an array zarr opens), ``write`` (the rest of
+zarr's IO thread and of the append's shard assembly; the store's object
 writes, fsyncs and renames in its ``to_thread`` workers; and the rest of ``CacheWriter.append`` in
 the job writer thread: directory fsyncs, manifest commit), ``sqlite`` (progress rows), ``read``
 (input -> batches, missing-key checks), ``submit`` (the whole input checked before the job exists),
@@ -299,9 +300,10 @@ def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: floa
     out["read"], out["submit"] = g("read", 0.0), g("submit", 0.0)
     append = g("append", 0.0)
     put = g("put", 0.0)  # object files: write, fsync, rename (zarr's to_thread workers)
-    out["write"] = (
-        max(groups["zarr_io"] - g("compress", 0.0), 0.0) + append - g("encode", 0.0) + put
-    )
+    # compress runs in the job writer thread (objects encoded by the append itself) or in
+    # zarr's IO thread (arrays zarr opens): taken once from the two together
+    out["write"] = max(groups["zarr_io"] + append - g("compress", 0.0) - g("encode", 0.0), 0.0)
+    out["write"] += put
     out["bookkeeping"] = max(groups["job_writer"] - append - g("sqlite", 0.0), 0.0)
     out["event_loop"] = max(groups["event_loop"] - in_loop - g("convert", 0.0), 0.0)
     in_workers = g("read", 0.0) + g("submit", 0.0) + g("pair", 0.0) + put
