@@ -245,6 +245,19 @@ def test_reindex_gives_an_old_store_its_key_index(tmp_path):
     assert CacheReader(url).keys == [x.key for x in recs]
 
 
+def _count_block_reads(monkeypatch) -> list[tuple[int, int]]:
+    """The ``(first, stop)`` block ranges of every key-index run read from now on."""
+    reads: list[tuple[int, int]] = []
+    real = keyruns._blocks
+
+    def counted(store, ref, crcs, a, b):
+        reads.append((a, b))
+        return real(store, ref, crcs, a, b)
+
+    monkeypatch.setattr(keyruns, "_blocks", counted)
+    return reads
+
+
 def test_run_blocks_are_kept_bounded_and_checked_once(tmp_path, monkeypatch):
     """A lookup keeps the run blocks it read (at most KEEP_BLOCKS): the next lookup in them
     reads no run object; a writer checks a group's keys together (``missing``)."""
@@ -256,14 +269,7 @@ def test_run_blocks_are_kept_bounded_and_checked_once(tmp_path, monkeypatch):
         assert w.missing([recs[0].key, "absent", recs[11].key]) == ["absent"]
         assert w.missing([]) == []
     monkeypatch.setattr(keyruns, "KEEP_BLOCKS", 1)
-    reads: list[tuple[int, int]] = []
-    real = keyruns._blocks
-
-    def counted(store, ref, crcs, a, b):
-        reads.append((a, b))
-        return real(store, ref, crcs, a, b)
-
-    monkeypatch.setattr(keyruns, "_blocks", counted)
+    reads = _count_block_reads(monkeypatch)
     r = CacheReader(url)
     runs = r.manifest.runs() or []
     assert len(runs) == 1  # 4 commits of 3: one merged run
@@ -287,14 +293,7 @@ def test_many_key_lookups_read_only_the_blocks_holding_their_hashes(tmp_path, mo
     its hashes (at most KEEP_HASHES entries); lookups stay exact when every hash collides."""
     url = str(tmp_path / "c")
     keys = [f"k{i:06d}" for i in range(20000)]
-    reads: list[tuple[int, int]] = []
-    real = keyruns._blocks
-
-    def counted(store, ref, crcs, a, b):
-        reads.append((a, b))
-        return real(store, ref, crcs, a, b)
-
-    monkeypatch.setattr(keyruns, "_blocks", counted)
+    reads = _count_block_reads(monkeypatch)
     monkeypatch.setattr(keyruns, "KEEP_BLOCKS", 4)  # no run's blocks kept whole
     with CacheWriter.open(url, make_manifest(K, VOCAB)) as w:
         assert w.append(_short_batch(keys[:10000])) == 10000
