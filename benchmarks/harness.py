@@ -64,6 +64,11 @@ def log(*parts: Any) -> None:
 
 # --------------------------------------------------------------------------- machine row
 def _git_sha(root: Path = ROOT) -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes); in a ``git archive`` copy,
+    which has no ``.git``, the commit named by its ``GIT_SHA`` file (written by whoever made
+    the copy, e.g. ``git rev-parse --short=10 REV > TREE/GIT_SHA``)."""
+    if not (root / ".git").exists() and (root / "GIT_SHA").is_file():
+        return (root / "GIT_SHA").read_text().strip() + "+archive"
     try:
         sha = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"],

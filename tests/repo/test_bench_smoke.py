@@ -346,3 +346,14 @@ def test_distill_study_pairs_each_seed_with_its_own_online_run() -> None:
     assert tail["kl_vs_online"] == pytest.approx(1.56 / 1.5 - 1)  # on the seed means
     text = distill.markdown(reports, methods)
     assert "| +10.0%, +1.0% |" in text
+
+
+def test_machine_row_names_the_commit_of_an_archive_copy(tmp_path: Path) -> None:
+    """A ``git archive`` copy (no ``.git``) is named by its ``GIT_SHA`` file, not by the checkout
+    the harness happens to run from; a copy without one is ``unknown``."""
+    from benchmarks.harness import _git_sha
+
+    assert _git_sha(tmp_path) == "unknown"
+    (tmp_path / "GIT_SHA").write_text("0123456789\n")
+    assert _git_sha(tmp_path) == "0123456789+archive"
+    assert _git_sha().split("+")[0] != "0123456789"
