@@ -282,8 +282,11 @@ def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Nam
 # -------------------------------------------------------------------------------------- job
 
 
-def server_command(model: Path, work: Path, port: int, args: argparse.Namespace) -> list[str]:
-    """``logitcache-server --backend hf ...`` as a user would start it."""
+def server_command(
+    model: Path, work: Path, port: int, args: argparse.Namespace, inflight: int
+) -> list[str]:
+    """``logitcache-server --backend hf ...`` as a user would start it, ``inflight`` job batches
+    in the engine at once."""
     exe = shutil.which("logitcache-server")
     head = [exe] if exe else [sys.executable, "-m", "logitcache.server"]
     return [
@@ -301,12 +304,16 @@ def server_command(model: Path, work: Path, port: int, args: argparse.Namespace)
         "--log-level", "warning",
         "--job-batch-tokens", str(args.job_batch_tokens),
         "--job-batch-sequences", str(args.batch_sequences),
+        "--job-inflight-batches", str(inflight),
         "--engine-options", json.dumps(args.engine_options),
     ]  # fmt: skip
 
 
-def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namespace) -> dict:
-    """The service in a subprocess runs one job over ``prompts``; its rate and host CPU."""
+def job(
+    model: Path, prompts: list[list[int]], work: Path, args: argparse.Namespace, inflight: int
+) -> dict:
+    """The service in a subprocess runs one job over ``prompts`` with ``inflight`` batches in the
+    engine at once; its rate and host CPU."""
     import httpx
 
     (work / "data").mkdir(parents=True, exist_ok=True)
@@ -314,7 +321,7 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
         for i, p in enumerate(prompts):
             f.write(json.dumps({"id": f"s{i:06d}", "input_ids": p}) + "\n")
     port = free_port()
-    cmd = server_command(model, work, port, args)
+    cmd = server_command(model, work, port, args, inflight)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     ready = url + "/health"
@@ -423,9 +430,17 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
             f"{ip['appends']} appends; stages {stages}",
             flush=True,
         )
-    j = job(model, prompts, work / f"job-{name}", args)
-    print(f"[{name}] job: {json.dumps({x: y for x, y in j.items() if x != 'command'})}", flush=True)
-    stats = cache_stats(work / f"job-{name}" / "caches" / "bench", rows, args.tail_sequences)
+    jobs = {}
+    for inflight in args.job_inflight_batches:  # the first is the reported job
+        j = job(model, prompts, work / f"job-{name}-{inflight}", args, inflight)
+        shown = {x: y for x, y in j.items() if x != "command"}
+        print(f"[{name}] job, {inflight} batches in flight: {json.dumps(shown)}", flush=True)
+        jobs[inflight] = j
+    inflight = args.job_inflight_batches[0]
+    j = jobs[inflight]
+    stats = cache_stats(
+        work / f"job-{name}-{inflight}" / "caches" / "bench", rows, args.tail_sequences
+    )
     eng = b["engine"]
     eng_cores = eng["host_cpu_s"] / eng["wall_s"]
     engine_share_s = eng_cores * j["job_s"]  # the engine works from start to finish
@@ -434,6 +449,11 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
         "made": made,
         "bare": b,
         "job": j,
+        "jobs_by_inflight_batches": {
+            str(n): {"tokens_per_s": x["tokens_per_s"], "server_cores": x["server_cores"]}
+            | {"ratio_vs_bare_device": x["tokens_per_s"] / b["device"]["tokens_per_s"]}
+            for n, x in jobs.items()
+        },
         "cache": stats,
         "ratio_job_vs_bare_device": j["tokens_per_s"] / b["device"]["tokens_per_s"],
         "ratio_job_vs_bare_engine": j["tokens_per_s"] / b["engine"]["tokens_per_s"],
@@ -483,6 +503,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         inproc_sequences=(256, "sequences of the in-process job measured stage by stage (0: none)"),
         tail_sequences=(64, "sequences read for tail mass"),
         batch_sequences=(64, "job batch sequences"),
+        job_inflight_batches=(
+            [2],
+            "the HTTP job once per value: job batches in the engine at "
+            "once (the server's --job-inflight-batches); the first is reported",
+        ),
         engine_options=({}, "JSON, as the server's", {"type": json.loads}),
         work=(None, "scratch folder (default: a temp dir)", {"type": Path}),
     )

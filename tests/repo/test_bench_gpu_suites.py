@@ -58,6 +58,8 @@ def test_service_gpu_mode_scores_a_job_that_matches_the_bare_engine(tmp_path: Pa
     engine_host = ip["stage_us_per_position"]["engine"]
     assert ip["us_per_position"] - engine_host == pytest.approx(r["job_path_cpu_us_per_position"])
     assert r["job"]["positions"] == 6 * 39 and r["cache"]["rows"] == 6 * 39
+    # one HTTP job per --job-inflight-batches value (default: the server's 2)
+    assert r["jobs_by_inflight_batches"]["2"]["tokens_per_s"] == r["job"]["tokens_per_s"]
     # the service's rows are the bare engine's (same engine code, same weights)
     assert r["cache"]["top10_ids_equal_to_bare"] == 1.0
     assert r["cache"]["top1_logprob_max_abs_diff_vs_bare"] < 1e-2  # float16 in the cache
