@@ -345,31 +345,49 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class PeakRSS:
-    """Peak resident bytes of this process while the ``with`` block runs, sampled every
-    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``)."""
+class Sampler:
+    """``fn()`` called every ``interval`` seconds by a thread while the ``with`` block runs, its
+    values in ``.samples`` (no thread if ``fn`` is None)."""
 
-    def __init__(self, interval: float = 0.005) -> None:
-        self.interval = interval
-        self.start = self.peak = 0
+    def __init__(self, fn: Callable[[], Any] | None, interval: float) -> None:
+        self.fn, self.interval, self.samples = fn, interval, []
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, rss_bytes())
+            self.samples.append(self.fn())  # type: ignore[misc]
 
-    def __enter__(self) -> PeakRSS:
-        self.start = self.peak = rss_bytes()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __enter__(self) -> Any:
+        if self.fn is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+class PeakRSS(Sampler):
+    """Peak resident bytes of this process while the ``with`` block runs, sampled every
+    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``)."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        super().__init__(rss_bytes, interval)
+        self.start = 0
+
+    def __enter__(self) -> PeakRSS:
+        self.start = rss_bytes()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__()
+        self.samples.append(rss_bytes())
+
+    @property
+    def peak(self) -> int:
+        return max([self.start, *self.samples])
 
     @property
     def growth(self) -> int:

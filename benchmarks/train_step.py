@@ -39,7 +39,7 @@ from benchmarks.harness import (
     suite_parser,
     sync,
 )
-from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, bf16_llama, make_model_dir
+from benchmarks.service.gpu import SHAPES, Shape, bf16_llama, gpu_sampler, make_model_dir, util
 
 VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http", "offline_exact")
 #: Variants that read a cache (``offline_exact`` a hidden one), in the order they run.
@@ -189,14 +189,14 @@ def measure(
         one()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with GpuSampler() as gpu:
+    with gpu_sampler() as gpu:
         times = [one() for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return {
         "step_s": statistics.median(times),
         "step_s_all": times,
         "peak_gib": None if peak is None else peak / 2**30,
-        "gpu_util": gpu.summary(),
+        "gpu_util": util(gpu),
     }
 
 

@@ -31,10 +31,8 @@ import json
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +40,7 @@ import numpy as np
 
 from benchmarks.harness import (
     Recorder,
+    Sampler,
     free_memory,
     free_port,
     machine,
@@ -52,7 +51,7 @@ from benchmarks.harness import (
     sync,
     thread_cpu,
 )
-from benchmarks.service.common import mode_parser, parse
+from benchmarks.service.common import mode_parser, parse, run_job, write_jsonl
 
 
 @dataclass(frozen=True)
@@ -141,42 +140,25 @@ def make_model_dir(shape: Shape, path: Path, device: str, max_len: int, seed: in
     return {"params": params, "init_s": t1 - t0, "save_s": t2 - t1, "weights_bytes": size}
 
 
-class GpuSampler:
-    """GPU utilisation (%) sampled through NVML every ``interval`` s while active."""
+def gpu_sampler() -> Sampler:
+    """GPU utilisation (%) sampled through NVML every 0.2 s while active (none without NVML)."""
+    try:
+        import pynvml
 
-    def __init__(self, interval: float = 0.2) -> None:
-        self.samples: list[int] = []
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        try:
-            import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return Sampler(lambda: int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), 0.2)
+    except Exception:
+        return Sampler(None, 0.2)
 
-            pynvml.nvmlInit()
-            self._handle: Any = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self._nvml: Any = pynvml
-        except Exception:
-            self._handle = None
 
-    def __enter__(self) -> GpuSampler:
-        if self._handle is not None:
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def summary(self) -> dict | None:
-        if not self.samples:
-            return None
-        return {"mean_pct": float(np.mean(self.samples)), "samples": len(self.samples)}
+def util(gpu: Sampler) -> dict | None:
+    """The sampled utilisation's mean (None if nothing was sampled)."""
+    return (
+        {"mean_pct": float(np.mean(gpu.samples)), "samples": len(gpu.samples)}
+        if gpu.samples
+        else None
+    )
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -240,7 +222,7 @@ def bare(
         ("device_entropy", with_entropy),
         ("engine", lambda ps: engine._score_sync(ps, k, 1.0)),
     ):
-        with GpuSampler() as gpu:
+        with gpu_sampler() as gpu:
             c0, t0 = time.process_time(), time.perf_counter()
             res = fn(prompts)
             sync(device.startswith("cuda"))
@@ -251,7 +233,7 @@ def bare(
             "positions_per_s": positions / wall,
             "host_cpu_s": cpu,
             "host_cpu_us_per_position": 1e6 * cpu / positions,
-            "gpu_util": gpu.summary(),
+            "gpu_util": util(gpu),
         }
         if name == "engine":
             out["rows"] = [(s.topk_ids.copy(), s.topk_logprobs.copy()) for s in res[:4]]
@@ -272,9 +254,9 @@ def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Nam
         "job_batch_tokens": args.job_batch_tokens,
         "log_level": "warning",
     }
-    with GpuSampler() as gpu:
+    with gpu_sampler() as gpu:
         out = cpu.job_run(k, prompts, settings_kw, engine)
-    out["gpu_util"] = gpu.summary()
+    out["gpu_util"] = util(gpu)
     out["tokens_per_s"] = sum(len(p) for p in prompts) / out["wall_s"]
     return out
 
@@ -309,56 +291,32 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
     """The service in a subprocess runs one job over ``prompts``; its rate and host CPU."""
     import httpx
 
-    (work / "data").mkdir(parents=True, exist_ok=True)
-    with (work / "data" / "bench.jsonl").open("w") as f:
-        for i, p in enumerate(prompts):
-            f.write(json.dumps({"id": f"s{i:06d}", "input_ids": p}) + "\n")
+    write_jsonl(work / "data", prompts)
     port = free_port()
     cmd = server_command(model, work, port, args)
-    url = f"http://127.0.0.1:{port}"
+    url, log = f"http://127.0.0.1:{port}", work / "server.log"
     t0 = time.perf_counter()
-    ready = url + "/health"
-    with server_process(cmd, ready, log=work / "server.log", timeout=3600, every=0.25) as proc:
+    with server_process(cmd, url + "/health", log=log, timeout=3600, every=0.25) as proc:
         start_s = time.perf_counter() - t0
-        with httpx.Client(base_url=url, timeout=60.0) as c:
+        with httpx.Client(base_url=url, timeout=60.0) as c, gpu_sampler() as gpu:
             threads0, cpu0 = thread_cpu(proc.pid), proc_cpu(proc.pid)
-            with GpuSampler() as gpu:
-                t1 = time.perf_counter()
-                body = {"cache": "bench", "file": {"path": "bench.jsonl"}, "k": args.k}
-                r = c.post("/v1/jobs", json=body)
-                r.raise_for_status()
-                job_id = r.json()["id"]
-                while True:
-                    st = c.get(f"/v1/jobs/{job_id}").raise_for_status().json()
-                    if st["state"] in ("succeeded", "failed", "cancelled"):
-                        break
-                    time.sleep(1.0)  # each poll costs the server ~ms of CPU
-                wall = time.perf_counter() - t1
-            cpu1, threads1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
-    if st["state"] != "succeeded":
-        log_tail = "\n".join((work / "server.log").read_text(errors="replace").splitlines()[-80:])
-        raise SystemExit(f"job {st['state']}: {st}\nserver log (last 80 lines):\n{log_tail}")
-    job_s = (
-        datetime.fromisoformat(st["finished_at"]) - datetime.fromisoformat(st["started_at"])
-    ).total_seconds()
+            st = run_job(c, "bench", args.k, poll=1.0, log=log)
+            cpu, threads1 = proc_cpu(proc.pid) - cpu0, thread_cpu(proc.pid)
     positions = sum(len(p) - 1 for p in prompts)
-    cpu = cpu1 - cpu0
     per_thread = {n: round(v - threads0.get(n, 0.0), 3) for n, v in threads1.items()}
     return {
         "command": " ".join(cmd),
         "server_start_s": start_s,
         "tokens": st["tokens_total"],
         "positions": positions,
-        "job_s": job_s,
-        "client_wall_s": wall,
-        "tokens_per_s": st["tokens_total"] / job_s,
-        "positions_per_s": positions / job_s,
+        **{x: st[x] for x in ("job_s", "client_wall_s", "tokens_per_s")},
+        "positions_per_s": positions / st["job_s"],
         "server_cpu_s": cpu,
         "server_cpu_us_per_position": 1e6 * cpu / positions,
-        "server_cores": cpu / wall,
+        "server_cores": cpu / st["client_wall_s"],
         "busiest_threads_cpu_s": dict(sorted(per_thread.items(), key=lambda x: -x[1])[:6]),
         "threads_seen": len(per_thread),
-        "gpu_util": gpu.summary(),
+        "gpu_util": util(gpu),
     }
 
 
