@@ -64,20 +64,12 @@ def log(*parts: Any) -> None:
 
 # --------------------------------------------------------------------------- machine row
 def _git_sha(root: Path = ROOT) -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()  # fmt: skip
+
     try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        sha, dirty = git("rev-parse", "--short=10", "HEAD"), git("status", "--porcelain", "-uno")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
@@ -167,27 +159,10 @@ class Measurement:
     wall: list[float]
     cpu: list[float] = field(default_factory=list)
 
-    @property
-    def median(self) -> float:
-        return statistics.median(self.wall)
-
-    @property
-    def best(self) -> float:
-        return min(self.wall)
-
-    @property
-    def cpu_median(self) -> float:
-        return statistics.median(self.cpu) if self.cpu else float("nan")
-
-    @property
-    def cpu_best(self) -> float:
-        return min(self.cpu) if self.cpu else float("nan")
-
     def rate(self, work: float, cpu: bool = False, best: bool = False) -> float:
         """``work`` per second (per CPU-second with ``cpu``), at the median or the best."""
-        if cpu:
-            return work / (self.cpu_best if best else self.cpu_median)
-        return work / (self.best if best else self.median)
+        samples = self.cpu if cpu else self.wall
+        return work / (min(samples) if best else statistics.median(samples))
 
     def q(self, qs: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
         return quantiles(self.wall, qs)
@@ -240,23 +215,6 @@ def median_time(cuda: bool, fn: Callable[[], Any], repeats: int = 10, warmup: in
 
 
 # --------------------------------------------------------------------------- processes
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300, every: float = 0.1) -> bool:
-    """Poll ``url`` until it answers 200 (True) or ``timeout`` seconds pass (False); a
-    ``RuntimeError`` if ``proc`` (the server) exits first."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server process exited with {proc.returncode}")
-            with contextlib.suppress(httpx.TransportError):
-                if poll.get(url).status_code == 200:
-                    return True
-            time.sleep(every)
-    return False
-
-
 @contextlib.contextmanager
 def server_process(
     cmd: Sequence[str],
@@ -267,21 +225,27 @@ def server_process(
     every: float = 0.1,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """Start ``cmd`` (from the repository root; output to ``log`` if given), wait until the URL
-    ``ready`` answers 200 (:func:`wait_ready`; a ``RuntimeError`` with the log's tail if it
-    exits first or ``timeout`` passes), yield the process; terminate it (kill if it lingers)."""
+    """Start ``cmd`` (from the repository root; output to ``log`` if given), poll the URL
+    ``ready`` every ``every`` s until it answers 200 (a ``RuntimeError`` with the log's tail if
+    the process exits first or ``timeout`` passes), yield the process; terminate it (kill if it
+    lingers)."""
+    import httpx
+
     out = log.open("wb") if log is not None else None
     proc = subprocess.Popen(
         list(cmd), cwd=ROOT, stdout=out, stderr=out and subprocess.STDOUT, env=env
     )
     try:
-        try:
-            up = wait_ready(proc, ready, timeout=timeout, every=every)
-        except RuntimeError as e:
-            up, why = False, str(e)
-        else:
-            why = f"{ready} did not answer in {timeout:.0f} s"
+        deadline, up = time.monotonic() + timeout, False
+        with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
+            while not up and time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(httpx.TransportError):
+                    up = poll.get(ready).status_code == 200
+                time.sleep(0 if up else every)
         if not up:
+            why = f"{ready} did not answer in {timeout:.0f} s"
+            if proc.poll() is not None:
+                why = f"the server process exited with {proc.returncode}"
             tail = log.read_text()[-4000:] if log is not None else ""
             raise RuntimeError(f"{why}\n{tail}")
         yield proc

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Recorder, add_csv_option, machine_line
-from tests.server_support import wait_job
 
 
 def mode_parser(mode: str, doc: str) -> argparse.ArgumentParser:
@@ -77,6 +76,8 @@ def run_job(
     """One job over ``bench.jsonl`` into ``cache`` (``POST /v1/jobs``, polled every ``poll`` s: a
     poll costs the server ~ms of CPU): its final state plus ``job_s`` (started to finished),
     ``tokens_per_s`` over it and ``client_wall_s``; exits (with ``log``'s tail) if it failed."""
+    from tests.server_support import wait_job
+
     t0 = time.perf_counter()
     body = {"cache": cache, "file": {"path": "bench.jsonl"}} | ({"k": k} if k is not None else {})
     job = client.post("/v1/jobs", json=body).raise_for_status().json()

@@ -70,20 +70,11 @@ class Shape:
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            hidden_size=self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            intermediate_size=self.ffn,
-            vocab_size=self.vocab,
-            tie_word_embeddings=self.tied,
-            max_position_embeddings=max_len,
-            rope_theta=500000.0,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=None,
-            dtype="bfloat16",
-        )
+            hidden_size=self.hidden, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, intermediate_size=self.ffn, vocab_size=self.vocab,
+            tie_word_embeddings=self.tied, max_position_embeddings=max_len, rope_theta=500000.0,
+            bos_token_id=0, eos_token_id=1, pad_token_id=None, dtype="bfloat16",
+        )  # fmt: skip
 
 
 SHAPES = {
@@ -485,24 +476,27 @@ def record(rec: Recorder, name: str, r: dict, args: argparse.Namespace) -> None:
     """The CSV rows of one teacher shape."""
     config = {"shape": name, "k": args.k, "seq_len": args.seq_len, "sequences": args.sequences}
     cpu_config = config | {"job_path_cpu_method": r["job_path_cpu_method"]}
-    for metric, unit, value, cfg in (
-        ("bare_device_tokens_per_s", "tok/s", r["bare"]["device"]["tokens_per_s"], config),
-        ("bare_engine_tokens_per_s", "tok/s", r["bare"]["engine"]["tokens_per_s"], config),
-        ("job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config),
-        ("entropy_vs_device", "x", r["ratio_entropy_vs_device"], config),
-        ("job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config),
-        ("job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], cpu_config),
+    bare, job, cache = r["bare"], r["job"], r["cache"]
+    for metric, unit, value in (
+        ("bare_device_tokens_per_s", "tok/s", bare["device"]["tokens_per_s"]),
+        ("bare_engine_tokens_per_s", "tok/s", bare["engine"]["tokens_per_s"]),
+        ("job_tokens_per_s", "tok/s", job["tokens_per_s"]),
+        ("entropy_vs_device", "x", r["ratio_entropy_vs_device"]),
+        ("job_vs_bare_device", "x", r["ratio_job_vs_bare_device"]),
+    ):
+        rec.add(name, metric, unit, value, config=config)
+    for metric, unit, value in (
+        ("job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"]),
         (
             "job_path_cpu_per_position_subtraction",
             "us",
             r["job_path_cpu_us_per_position_subtraction"],
-            cpu_config,
         ),
-        ("server_cores", "cores", r["job"]["server_cores"], cpu_config),
-        ("bytes_per_position", "B", r["cache"]["bytes_per_position"], cpu_config),
-        ("tail_mass_p50", "", r["cache"]["tail_mass"]["quantiles"]["0.5"], cpu_config),
+        ("server_cores", "cores", job["server_cores"]),
+        ("bytes_per_position", "B", cache["bytes_per_position"]),
+        ("tail_mass_p50", "", cache["tail_mass"]["quantiles"]["0.5"]),
     ):
-        rec.add(name, metric, unit, value, config=cfg)
+        rec.add(name, metric, unit, value, config=cpu_config)
 
 
 if __name__ == "__main__":
