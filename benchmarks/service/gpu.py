@@ -27,11 +27,13 @@ CPU smoke (tests/repo/test_bench_gpu_suites.py)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -255,27 +257,19 @@ def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Nam
 # -------------------------------------------------------------------------------------- job
 
 
-def server_command(model: Path, work: Path, port: int, args: argparse.Namespace) -> list[str]:
-    """``logitcache-server --backend hf ...`` as a user would start it."""
+@contextlib.contextmanager
+def hf_server(model: Path, work: Path, *flags: str, timeout: float = 3600) -> Iterator[tuple]:
+    """``logitcache-server --backend hf`` as a user would start it, over ``work``'s caches, data
+    and state, with more ``flags``: a context yielding ``(process, url, command)``."""
     exe = shutil.which("logitcache-server")
-    head = [exe] if exe else [sys.executable, "-m", "logitcache.server"]
-    return [
-        *head,
-        "--backend", "hf",
-        "--model", str(model),
-        "--dtype", "bfloat16",
-        "-k", str(args.k),
-        "--max-seq-len", str(args.seq_len),
-        "--store-root", str(work / "caches"),
-        "--data-dir", str(work / "data"),
-        "--state-dir", str(work / "state"),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--log-level", "warning",
-        "--job-batch-tokens", str(args.job_batch_tokens),
-        "--job-batch-sequences", str(args.batch_sequences),
-        "--engine-options", json.dumps(args.engine_options),
-    ]  # fmt: skip
+    port, log = free_port(), work / "server.log"
+    cmd = [exe] if exe else [sys.executable, "-m", "logitcache.server"]
+    cmd += ["--backend", "hf", "--model", str(model), "--store-root", str(work / "caches")]
+    cmd += ["--data-dir", str(work / "data"), "--state-dir", str(work / "state")]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
+    url = f"http://127.0.0.1:{port}"
+    with server_process(cmd, url + "/health", log=log, timeout=timeout, every=0.25) as proc:
+        yield proc, url, cmd
 
 
 def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namespace) -> dict:
@@ -283,15 +277,16 @@ def job(model: Path, prompts: list[list[int]], work: Path, args: argparse.Namesp
     import httpx
 
     write_jsonl(work / "data", prompts)
-    port = free_port()
-    cmd = server_command(model, work, port, args)
-    url, log = f"http://127.0.0.1:{port}", work / "server.log"
+    flags = ["--dtype", "bfloat16", "-k", str(args.k), "--max-seq-len", str(args.seq_len)]
+    flags += ["--job-batch-tokens", str(args.job_batch_tokens)]
+    flags += ["--job-batch-sequences", str(args.batch_sequences)]
+    flags += ["--engine-options", json.dumps(args.engine_options)]
     t0 = time.perf_counter()
-    with server_process(cmd, url + "/health", log=log, timeout=3600, every=0.25) as proc:
+    with hf_server(model, work, *flags) as (proc, url, cmd):
         start_s = time.perf_counter() - t0
         with httpx.Client(base_url=url, timeout=60.0) as c, gpu_sampler() as gpu:
             threads0, cpu0 = thread_cpu(proc.pid), proc_cpu(proc.pid)
-            st = run_job(c, "bench", args.k, poll=1.0, log=log)
+            st = run_job(c, "bench", args.k, poll=1.0, log=work / "server.log")
             cpu, threads1 = proc_cpu(proc.pid) - cpu0, thread_cpu(proc.pid)
     positions = sum(len(p) - 1 for p in prompts)
     per_thread = {n: round(v - threads0.get(n, 0.0), 3) for n, v in threads1.items()}
