@@ -69,20 +69,13 @@ def _git_sha(root: Path = ROOT) -> str:
     the copy, e.g. ``git rev-parse --short=10 REV > TREE/GIT_SHA``)."""
     if not (root / ".git").exists() and (root / "GIT_SHA").is_file():
         return (root / "GIT_SHA").read_text().strip() + "+archive"
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()  # fmt: skip
+
     try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        sha, dirty = git("rev-parse", "--short=10", "HEAD"), git("status", "--porcelain", "-uno")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
@@ -172,27 +165,10 @@ class Measurement:
     wall: list[float]
     cpu: list[float] = field(default_factory=list)
 
-    @property
-    def median(self) -> float:
-        return statistics.median(self.wall)
-
-    @property
-    def best(self) -> float:
-        return min(self.wall)
-
-    @property
-    def cpu_median(self) -> float:
-        return statistics.median(self.cpu) if self.cpu else float("nan")
-
-    @property
-    def cpu_best(self) -> float:
-        return min(self.cpu) if self.cpu else float("nan")
-
     def rate(self, work: float, cpu: bool = False, best: bool = False) -> float:
         """``work`` per second (per CPU-second with ``cpu``), at the median or the best."""
-        if cpu:
-            return work / (self.cpu_best if best else self.cpu_median)
-        return work / (self.best if best else self.median)
+        samples = self.cpu if cpu else self.wall
+        return work / (min(samples) if best else statistics.median(samples))
 
     def q(self, qs: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
         return quantiles(self.wall, qs)
@@ -245,23 +221,6 @@ def median_time(cuda: bool, fn: Callable[[], Any], repeats: int = 10, warmup: in
 
 
 # --------------------------------------------------------------------------- processes
-def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300, every: float = 0.1) -> bool:
-    """Poll ``url`` until it answers 200 (True) or ``timeout`` seconds pass (False); a
-    ``RuntimeError`` if ``proc`` (the server) exits first."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server process exited with {proc.returncode}")
-            with contextlib.suppress(httpx.TransportError):
-                if poll.get(url).status_code == 200:
-                    return True
-            time.sleep(every)
-    return False
-
-
 @contextlib.contextmanager
 def server_process(
     cmd: Sequence[str],
@@ -272,21 +231,27 @@ def server_process(
     every: float = 0.1,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """Start ``cmd`` (from the repository root; output to ``log`` if given), wait until the URL
-    ``ready`` answers 200 (:func:`wait_ready`; a ``RuntimeError`` with the log's tail if it
-    exits first or ``timeout`` passes), yield the process; terminate it (kill if it lingers)."""
+    """Start ``cmd`` (from the repository root; output to ``log`` if given), poll the URL
+    ``ready`` every ``every`` s until it answers 200 (a ``RuntimeError`` with the log's tail if
+    the process exits first or ``timeout`` passes), yield the process; terminate it (kill if it
+    lingers)."""
+    import httpx
+
     out = log.open("wb") if log is not None else None
     proc = subprocess.Popen(
         list(cmd), cwd=ROOT, stdout=out, stderr=out and subprocess.STDOUT, env=env
     )
     try:
-        try:
-            up = wait_ready(proc, ready, timeout=timeout, every=every)
-        except RuntimeError as e:
-            up, why = False, str(e)
-        else:
-            why = f"{ready} did not answer in {timeout:.0f} s"
+        deadline, up = time.monotonic() + timeout, False
+        with httpx.Client(timeout=5) as poll:  # one client: httpx.get builds one per call
+            while not up and time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(httpx.TransportError):
+                    up = poll.get(ready).status_code == 200
+                time.sleep(0 if up else every)
         if not up:
+            why = f"{ready} did not answer in {timeout:.0f} s"
+            if proc.poll() is not None:
+                why = f"the server process exited with {proc.returncode}"
             tail = log.read_text()[-4000:] if log is not None else ""
             raise RuntimeError(f"{why}\n{tail}")
         yield proc
@@ -350,31 +315,49 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class PeakRSS:
-    """Peak resident bytes of this process while the ``with`` block runs, sampled every
-    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``)."""
+class Sampler:
+    """``fn()`` called every ``interval`` seconds by a thread while the ``with`` block runs, its
+    values in ``.samples`` (no thread if ``fn`` is None)."""
 
-    def __init__(self, interval: float = 0.005) -> None:
-        self.interval = interval
-        self.start = self.peak = 0
+    def __init__(self, fn: Callable[[], Any] | None, interval: float) -> None:
+        self.fn, self.interval, self.samples = fn, interval, []
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, rss_bytes())
+            self.samples.append(self.fn())  # type: ignore[misc]
 
-    def __enter__(self) -> PeakRSS:
-        self.start = self.peak = rss_bytes()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __enter__(self) -> Any:
+        if self.fn is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+class PeakRSS(Sampler):
+    """Peak resident bytes of this process while the ``with`` block runs, sampled every
+    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``)."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        super().__init__(rss_bytes, interval)
+        self.start = 0
+
+    def __enter__(self) -> PeakRSS:
+        self.start = rss_bytes()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__()
+        self.samples.append(rss_bytes())
+
+    @property
+    def peak(self) -> int:
+        return max([self.start, *self.samples])
 
     @property
     def growth(self) -> int:

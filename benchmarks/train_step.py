@@ -31,15 +31,21 @@ from benchmarks.harness import (
     Recorder,
     add_csv_option,
     free_memory,
-    free_port,
     line_plot,
     machine,
     options,
-    server_process,
     suite_parser,
     sync,
 )
-from benchmarks.service.gpu import SHAPES, GpuSampler, Shape, bf16_llama, make_model_dir
+from benchmarks.service.gpu import (
+    SHAPES,
+    Shape,
+    bf16_llama,
+    gpu_sampler,
+    hf_server,
+    make_model_dir,
+    util,
+)
 
 VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http", "offline_exact")
 #: Variants that read a cache (``offline_exact`` a hidden one), in the order they run.
@@ -189,14 +195,14 @@ def measure(
         one()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with GpuSampler() as gpu:
+    with gpu_sampler() as gpu:
         times = [one() for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return {
         "step_s": statistics.median(times),
         "step_s_all": times,
         "peak_gib": None if peak is None else peak / 2**30,
-        "gpu_util": gpu.summary(),
+        "gpu_util": util(gpu),
     }
 
 
@@ -236,19 +242,12 @@ def run_variant(
             break
 
 
-def stand_in_server(store_root: Path, vocab: int, work: Path) -> tuple[Any, str]:
-    """``logitcache-server`` over ``store_root`` with a tiny stand-in model of ``vocab`` ids: a
-    context running it, and its URL."""
+def stand_in_server(work: Path, vocab: int) -> Any:
+    """``logitcache-server`` over ``work/caches`` with a tiny stand-in model of ``vocab`` ids: a
+    context yielding ``(process, url, command)``."""
     model_dir = work / "stand-in"
     make_model_dir(Shape(64, 1, 4, 2, 128, vocab, tied=True), model_dir, "cpu", 2048)
-    port = free_port()
-    cmd = [sys.executable, "-m", "logitcache.server", "--backend", "hf", "--model", str(model_dir)]
-    cmd += ["--store-root", str(store_root), "--data-dir", str(work / "data")]
-    cmd += ["--state-dir", str(work / "state"), "--port", str(port), "--log-level", "warning"]
-    cmd += ["--engine-options", json.dumps({"device": "cpu"})]
-    url = f"http://127.0.0.1:{port}"
-    log = work / "server.log"
-    return server_process(cmd, url + "/health", log=log, timeout=300, every=0.25), url
+    return hf_server(model_dir, work, "--engine-options", '{"device": "cpu"}', timeout=300)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -349,9 +348,7 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
         sources["offline_local"] = (str(cache_dir), None)
     if "offline_http" in args.variants:
         try:
-            (work / "server").mkdir(parents=True, exist_ok=True)
-            server, url = stand_in_server(work / "caches", vocab, work / "server")
-            servers.enter_context(server)
+            _, url, _ = servers.enter_context(stand_in_server(work, vocab))
             sources["offline_http"] = (url, "bench")
         except Exception as e:
             result["variants"]["offline_http"] = {"error": f"{type(e).__name__}: {e}"[:300]}

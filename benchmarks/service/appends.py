@@ -40,14 +40,7 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import (
-    ROOT,
-    export_tree,
-    free_port,
-    options,
-    percentile,
-    server_process,
-)
+from benchmarks.harness import ROOT, export_tree, free_port, options, percentile, server_process
 from benchmarks.service.common import mode_parser, parse, recorded
 
 FAKE_SERVER = ROOT / "tests" / "fake_server.py"
@@ -59,14 +52,13 @@ def fake_server(workdir: Path, tree: Path | None, k: int) -> Any:
     """``tests/fake_server.py`` in a subprocess, with this checkout's packages or ``tree``'s:
     a context yielding ``(url, process)``."""
     port = free_port()
-    settings = json.dumps({"k": k, "max_seq_len": 512})
-    script = [str(FAKE_SERVER), str(workdir), str(port), settings]
+    script = [str(FAKE_SERVER), str(workdir), str(port), json.dumps({"k": k, "max_seq_len": 512})]
     if tree is not None:
         script = ["-m", "benchmarks.harness", "with-tree", str(tree), "--", *script]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, *script]
     log = workdir / "server.log"
-    return server_process(cmd, url + "/health", log=log, timeout=120, every=0.2), url
+    return server_process([sys.executable, *script], url + "/health", log=log, timeout=120,
+                          every=0.2), url  # fmt: skip
 
 
 def _body(rng: random.Random, lo: int, hi: int, k: int) -> dict[str, Any]:
@@ -149,23 +141,18 @@ def main(argv: list[str] | None = None) -> None:
                 print(label, json.dumps(res), flush=True)
                 runs[label].append(res)
 
-    def median(label: str, key: str) -> float:
-        return statistics.median(x[key] for x in runs[label])
-
-    summary = {
-        label: {
-            m: median(label, m)
-            for m in ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request")
-        }
-        for label in runs
+    metrics = ("requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request")
+    summary: dict[str, Any] = {
+        label: {m: statistics.median(x[m] for x in rows) for m in metrics}
+        for label, rows in runs.items()
     }
     if "baseline" in runs:
+        head_, base = summary["head"], summary["baseline"]
         summary["head_over_baseline_requests_per_s"] = (
-            summary["head"]["requests_per_s"] / summary["baseline"]["requests_per_s"]
+            head_["requests_per_s"] / base["requests_per_s"]
         )
         summary["baseline_over_head_server_cpu_per_request"] = (
-            summary["baseline"]["server_cpu_ms_per_request"]
-            / summary["head"]["server_cpu_ms_per_request"]
+            base["server_cpu_ms_per_request"] / head_["server_cpu_ms_per_request"]
         )
     head, rec = recorded("appends", args)
     result = {

@@ -82,37 +82,26 @@ def main(argv: list[str] | None = None) -> None:
             r = client.post("/v1/score", json={"input_ids": [warm], "k": args.k})
             r.raise_for_status()  # warm-up, not counted
 
-            # 1. direct: every request scored by the engine
-            m0, t0 = scrape(client), time.perf_counter()
-            direct: list[list[tuple[list[int], list[float]]]] = []
-            for b in batches:
-                r = client.post("/v1/score", json={"input_ids": b, "k": args.k})
-                r.raise_for_status()
-                for s in r.json()["sequences"]:
-                    direct.append(list(zip(s["topk_ids"], s["topk_logprobs"], strict=True)))
-            direct_epoch = {**delta(scrape(client), m0), "wall_s": time.perf_counter() - t0}
-
-            # 2. served: epochs through the cache
-            epochs = []
-            answers: list[list[dict]] = []
-            for _ in range(args.epochs):
+            def epoch(route: str, body: Any, field: str) -> tuple[dict, list]:
+                """One pass over the batches: the /metrics deltas, wall seconds, answers."""
                 m0, t0 = scrape(client), time.perf_counter()
-                got: list[dict] = []
+                got: list[Any] = []
                 for b in batches:
-                    r = client.post(
-                        "/v1/completions",
-                        json={
-                            "prompt": b,
-                            "prompt_logprobs": args.k,
-                            "max_tokens": 0,
-                            "cache": "bench",
-                        },
-                    )
-                    r.raise_for_status()
-                    got.extend(r.json()["choices"])
-                epochs.append({**delta(scrape(client), m0), "wall_s": time.perf_counter() - t0})
-                answers.append(got)
+                    got += client.post(route, json=body(b)).raise_for_status().json()[field]
+                return {**delta(scrape(client), m0), "wall_s": time.perf_counter() - t0}, got
 
+            # 1. direct: every request scored by the engine
+            direct_epoch, scored = epoch(
+                "/v1/score", lambda b: {"input_ids": b, "k": args.k}, "sequences"
+            )
+            # 2. served: epochs through the cache
+            completion = {"prompt_logprobs": args.k, "max_tokens": 0, "cache": "bench"}
+            served = [
+                epoch("/v1/completions", lambda b: {"prompt": b, **completion}, "choices")
+                for _ in range(args.epochs)
+            ]
+    direct = [list(zip(s["topk_ids"], s["topk_logprobs"], strict=True)) for s in scored]
+    epochs, answers = [e for e, _ in served], [a for _, a in served]
     first = answers[0]
     later_identical = all(
         [c["prompt_logprobs"] for c in a] == [c["prompt_logprobs"] for c in first]

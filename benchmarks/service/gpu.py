@@ -27,14 +27,14 @@ CPU smoke (tests/repo/test_bench_gpu_suites.py)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from benchmarks.harness import (
     Recorder,
+    Sampler,
     free_memory,
     free_port,
     machine,
@@ -52,7 +53,7 @@ from benchmarks.harness import (
     sync,
     thread_cpu,
 )
-from benchmarks.service.common import mode_parser, parse
+from benchmarks.service.common import mode_parser, parse, run_job, write_jsonl
 
 
 @dataclass(frozen=True)
@@ -71,20 +72,11 @@ class Shape:
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            hidden_size=self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            intermediate_size=self.ffn,
-            vocab_size=self.vocab,
-            tie_word_embeddings=self.tied,
-            max_position_embeddings=max_len,
-            rope_theta=500000.0,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=None,
-            dtype="bfloat16",
-        )
+            hidden_size=self.hidden, num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads, intermediate_size=self.ffn, vocab_size=self.vocab,
+            tie_word_embeddings=self.tied, max_position_embeddings=max_len, rope_theta=500000.0,
+            bos_token_id=0, eos_token_id=1, pad_token_id=None, dtype="bfloat16",
+        )  # fmt: skip
 
 
 SHAPES = {
@@ -141,42 +133,25 @@ def make_model_dir(shape: Shape, path: Path, device: str, max_len: int, seed: in
     return {"params": params, "init_s": t1 - t0, "save_s": t2 - t1, "weights_bytes": size}
 
 
-class GpuSampler:
-    """GPU utilisation (%) sampled through NVML every ``interval`` s while active."""
+def gpu_sampler() -> Sampler:
+    """GPU utilisation (%) sampled through NVML every 0.2 s while active (none without NVML)."""
+    try:
+        import pynvml
 
-    def __init__(self, interval: float = 0.2) -> None:
-        self.samples: list[int] = []
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        try:
-            import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return Sampler(lambda: int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu), 0.2)
+    except Exception:
+        return Sampler(None, 0.2)
 
-            pynvml.nvmlInit()
-            self._handle: Any = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self._nvml: Any = pynvml
-        except Exception:
-            self._handle = None
 
-    def __enter__(self) -> GpuSampler:
-        if self._handle is not None:
-            self._thread = threading.Thread(target=self._run, daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.samples.append(int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def summary(self) -> dict | None:
-        if not self.samples:
-            return None
-        return {"mean_pct": float(np.mean(self.samples)), "samples": len(self.samples)}
+def util(gpu: Sampler) -> dict | None:
+    """The sampled utilisation's mean (None if nothing was sampled)."""
+    return (
+        {"mean_pct": float(np.mean(gpu.samples)), "samples": len(gpu.samples)}
+        if gpu.samples
+        else None
+    )
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -240,7 +215,7 @@ def bare(
         ("device_entropy", with_entropy),
         ("engine", lambda ps: engine._score_sync(ps, k, 1.0)),
     ):
-        with GpuSampler() as gpu:
+        with gpu_sampler() as gpu:
             c0, t0 = time.process_time(), time.perf_counter()
             res = fn(prompts)
             sync(device.startswith("cuda"))
@@ -251,7 +226,7 @@ def bare(
             "positions_per_s": positions / wall,
             "host_cpu_s": cpu,
             "host_cpu_us_per_position": 1e6 * cpu / positions,
-            "gpu_util": gpu.summary(),
+            "gpu_util": util(gpu),
         }
         if name == "engine":
             out["rows"] = [(s.topk_ids.copy(), s.topk_logprobs.copy()) for s in res[:4]]
@@ -272,9 +247,9 @@ def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Nam
         "job_batch_tokens": args.job_batch_tokens,
         "log_level": "warning",
     }
-    with GpuSampler() as gpu:
+    with gpu_sampler() as gpu:
         out = cpu.job_run(k, prompts, settings_kw, engine)
-    out["gpu_util"] = gpu.summary()
+    out["gpu_util"] = util(gpu)
     out["tokens_per_s"] = sum(len(p) for p in prompts) / out["wall_s"]
     return out
 
@@ -282,31 +257,19 @@ def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Nam
 # -------------------------------------------------------------------------------------- job
 
 
-def server_command(
-    model: Path, work: Path, port: int, args: argparse.Namespace, inflight: int
-) -> list[str]:
-    """``logitcache-server --backend hf ...`` as a user would start it, ``inflight`` job batches
-    in the engine at once."""
+@contextlib.contextmanager
+def hf_server(model: Path, work: Path, *flags: str, timeout: float = 3600) -> Iterator[tuple]:
+    """``logitcache-server --backend hf`` as a user would start it, over ``work``'s caches, data
+    and state, with more ``flags``: a context yielding ``(process, url, command)``."""
     exe = shutil.which("logitcache-server")
-    head = [exe] if exe else [sys.executable, "-m", "logitcache.server"]
-    return [
-        *head,
-        "--backend", "hf",
-        "--model", str(model),
-        "--dtype", "bfloat16",
-        "-k", str(args.k),
-        "--max-seq-len", str(args.seq_len),
-        "--store-root", str(work / "caches"),
-        "--data-dir", str(work / "data"),
-        "--state-dir", str(work / "state"),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--log-level", "warning",
-        "--job-batch-tokens", str(args.job_batch_tokens),
-        "--job-batch-sequences", str(args.batch_sequences),
-        "--job-inflight-batches", str(inflight),
-        "--engine-options", json.dumps(args.engine_options),
-    ]  # fmt: skip
+    port, log = free_port(), work / "server.log"
+    cmd = [exe] if exe else [sys.executable, "-m", "logitcache.server"]
+    cmd += ["--backend", "hf", "--model", str(model), "--store-root", str(work / "caches")]
+    cmd += ["--data-dir", str(work / "data"), "--state-dir", str(work / "state")]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
+    url = f"http://127.0.0.1:{port}"
+    with server_process(cmd, url + "/health", log=log, timeout=timeout, every=0.25) as proc:
+        yield proc, url, cmd
 
 
 def job(
@@ -316,56 +279,34 @@ def job(
     engine at once; its rate and host CPU."""
     import httpx
 
-    (work / "data").mkdir(parents=True, exist_ok=True)
-    with (work / "data" / "bench.jsonl").open("w") as f:
-        for i, p in enumerate(prompts):
-            f.write(json.dumps({"id": f"s{i:06d}", "input_ids": p}) + "\n")
-    port = free_port()
-    cmd = server_command(model, work, port, args, inflight)
-    url = f"http://127.0.0.1:{port}"
+    write_jsonl(work / "data", prompts)
+    flags = ["--dtype", "bfloat16", "-k", str(args.k), "--max-seq-len", str(args.seq_len)]
+    flags += ["--job-batch-tokens", str(args.job_batch_tokens)]
+    flags += ["--job-batch-sequences", str(args.batch_sequences)]
+    flags += ["--job-inflight-batches", str(inflight)]
+    flags += ["--engine-options", json.dumps(args.engine_options)]
     t0 = time.perf_counter()
-    ready = url + "/health"
-    with server_process(cmd, ready, log=work / "server.log", timeout=3600, every=0.25) as proc:
+    with hf_server(model, work, *flags) as (proc, url, cmd):
         start_s = time.perf_counter() - t0
-        with httpx.Client(base_url=url, timeout=60.0) as c:
+        with httpx.Client(base_url=url, timeout=60.0) as c, gpu_sampler() as gpu:
             threads0, cpu0 = thread_cpu(proc.pid), proc_cpu(proc.pid)
-            with GpuSampler() as gpu:
-                t1 = time.perf_counter()
-                body = {"cache": "bench", "file": {"path": "bench.jsonl"}, "k": args.k}
-                r = c.post("/v1/jobs", json=body)
-                r.raise_for_status()
-                job_id = r.json()["id"]
-                while True:
-                    st = c.get(f"/v1/jobs/{job_id}").raise_for_status().json()
-                    if st["state"] in ("succeeded", "failed", "cancelled"):
-                        break
-                    time.sleep(1.0)  # each poll costs the server ~ms of CPU
-                wall = time.perf_counter() - t1
-            cpu1, threads1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
-    if st["state"] != "succeeded":
-        log_tail = "\n".join((work / "server.log").read_text(errors="replace").splitlines()[-80:])
-        raise SystemExit(f"job {st['state']}: {st}\nserver log (last 80 lines):\n{log_tail}")
-    job_s = (
-        datetime.fromisoformat(st["finished_at"]) - datetime.fromisoformat(st["started_at"])
-    ).total_seconds()
+            st = run_job(c, "bench", args.k, poll=1.0, log=work / "server.log")
+            cpu, threads1 = proc_cpu(proc.pid) - cpu0, thread_cpu(proc.pid)
     positions = sum(len(p) - 1 for p in prompts)
-    cpu = cpu1 - cpu0
     per_thread = {n: round(v - threads0.get(n, 0.0), 3) for n, v in threads1.items()}
     return {
         "command": " ".join(cmd),
         "server_start_s": start_s,
         "tokens": st["tokens_total"],
         "positions": positions,
-        "job_s": job_s,
-        "client_wall_s": wall,
-        "tokens_per_s": st["tokens_total"] / job_s,
-        "positions_per_s": positions / job_s,
+        **{x: st[x] for x in ("job_s", "client_wall_s", "tokens_per_s")},
+        "positions_per_s": positions / st["job_s"],
         "server_cpu_s": cpu,
         "server_cpu_us_per_position": 1e6 * cpu / positions,
-        "server_cores": cpu / wall,
+        "server_cores": cpu / st["client_wall_s"],
         "busiest_threads_cpu_s": dict(sorted(per_thread.items(), key=lambda x: -x[1])[:6]),
         "threads_seen": len(per_thread),
-        "gpu_util": gpu.summary(),
+        "gpu_util": util(gpu),
     }
 
 
@@ -552,24 +493,27 @@ def record(rec: Recorder, name: str, r: dict, args: argparse.Namespace) -> None:
     """The CSV rows of one teacher shape."""
     config = {"shape": name, "k": args.k, "seq_len": args.seq_len, "sequences": args.sequences}
     cpu_config = config | {"job_path_cpu_method": r["job_path_cpu_method"]}
-    for metric, unit, value, cfg in (
-        ("bare_device_tokens_per_s", "tok/s", r["bare"]["device"]["tokens_per_s"], config),
-        ("bare_engine_tokens_per_s", "tok/s", r["bare"]["engine"]["tokens_per_s"], config),
-        ("job_tokens_per_s", "tok/s", r["job"]["tokens_per_s"], config),
-        ("entropy_vs_device", "x", r["ratio_entropy_vs_device"], config),
-        ("job_vs_bare_device", "x", r["ratio_job_vs_bare_device"], config),
-        ("job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"], cpu_config),
+    bare, job, cache = r["bare"], r["job"], r["cache"]
+    for metric, unit, value in (
+        ("bare_device_tokens_per_s", "tok/s", bare["device"]["tokens_per_s"]),
+        ("bare_engine_tokens_per_s", "tok/s", bare["engine"]["tokens_per_s"]),
+        ("job_tokens_per_s", "tok/s", job["tokens_per_s"]),
+        ("entropy_vs_device", "x", r["ratio_entropy_vs_device"]),
+        ("job_vs_bare_device", "x", r["ratio_job_vs_bare_device"]),
+    ):
+        rec.add(name, metric, unit, value, config=config)
+    for metric, unit, value in (
+        ("job_path_cpu_per_position", "us", r["job_path_cpu_us_per_position"]),
         (
             "job_path_cpu_per_position_subtraction",
             "us",
             r["job_path_cpu_us_per_position_subtraction"],
-            cpu_config,
         ),
-        ("server_cores", "cores", r["job"]["server_cores"], cpu_config),
-        ("bytes_per_position", "B", r["cache"]["bytes_per_position"], cpu_config),
-        ("tail_mass_p50", "", r["cache"]["tail_mass"]["quantiles"]["0.5"], cpu_config),
+        ("server_cores", "cores", job["server_cores"]),
+        ("bytes_per_position", "B", cache["bytes_per_position"]),
+        ("tail_mass_p50", "", cache["tail_mass"]["quantiles"]["0.5"]),
     ):
-        rec.add(name, metric, unit, value, config=cfg)
+        rec.add(name, metric, unit, value, config=cpu_config)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import Recorder, load1, machine_line, options
-from benchmarks.service.common import mode_parser, parse
-from tests.server_support import VLLM_ENV, ServerProcess, wait_job
+from benchmarks.service.common import mode_parser, parse, run_job, write_jsonl
+from tests.server_support import VLLM_ENV, ServerProcess
 
 
 def direct_engine_kwargs(settings: dict) -> dict:
@@ -46,16 +45,10 @@ def direct_engine_kwargs(settings: dict) -> dict:
     cfg = engine_config(None, model=model, max_k=max_k, dtype=dtype, max_seq_len=max_seq_len)
     _, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
     return dict(
-        dtype=cfg.dtype,
-        max_model_len=engine_len,
-        logprobs_mode="raw_logprobs",
-        enable_prefix_caching=False,
-        gpu_memory_utilization=cfg.memory_share,
-        max_num_seqs=cfg.max_num_seqs,
-        seed=cfg.seed,
-        enforce_eager=True,
-        disable_log_stats=True,
-    )
+        dtype=cfg.dtype, max_model_len=engine_len, logprobs_mode="raw_logprobs",
+        enable_prefix_caching=False, gpu_memory_utilization=cfg.memory_share,
+        max_num_seqs=cfg.max_num_seqs, seed=cfg.seed, enforce_eager=True, disable_log_stats=True,
+    )  # fmt: skip
 
 
 def make_inputs(length: int, count: int) -> list[list[int]]:
@@ -75,49 +68,43 @@ def make_inputs(length: int, count: int) -> list[list[int]]:
 
 
 def direct_worker(args: argparse.Namespace) -> None:
-    """Phase 1 in its own long-lived process: build ``vllm.LLM`` once, then for every ``run``
-    line on stdin time one ``LLM.generate`` over all prompts and print a JSON line."""
+    """The baseline in its own long-lived process: build ``vllm.LLM`` once, then for every
+    ``run K`` line on stdin time one ``LLM.generate`` over all prompts and print a JSON line."""
     from vllm import LLM, SamplingParams
 
-    prompts = json.loads(Path(args.prompts).read_text())
-    engine_kwargs = json.loads(args.engine_kwargs)
-    llm = LLM(model=args.model, max_logprobs=args.k, **engine_kwargs)
+    prompts = [{"prompt_token_ids": p} for p in json.loads(Path(args.prompts).read_text())]
+    llm = LLM(model=args.model, max_logprobs=args.k, **json.loads(args.engine_kwargs))
 
-    def params(k: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=1, prompt_logprobs=k, detokenize=False, flat_logprobs=True, temperature=1.0
-        )
+    def generate(k: int, which: list[dict]) -> list[Any]:
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False,
+                            flat_logprobs=True, temperature=1.0)  # fmt: skip
+        return llm.generate(which, sp, use_tqdm=False)
 
-    as_inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(as_inputs[:8], params(args.k), use_tqdm=False)  # warm-up
-    tokens = sum(len(p) for p in prompts)
+    generate(args.k, prompts[:8])  # warm-up
+    tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     print("READY", flush=True)
     for line in sys.stdin:
         words = line.split()
         if not words or words[0] != "run":
             break
-        sp = params(int(words[1]) if len(words) > 1 else args.k)
         t0 = time.perf_counter()
-        outs = llm.generate(as_inputs, sp, use_tqdm=False)
+        outs = generate(int(words[1]), prompts)
         seconds = time.perf_counter() - t0
-        assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts, strict=True))
+        assert all(len(o.prompt_logprobs) == len(p["prompt_token_ids"])
+                   for o, p in zip(outs, prompts, strict=True))  # fmt: skip
         print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
 
 
 class DirectWorker:
     """The baseline process (see :func:`direct_worker`); idle (blocked on stdin) between runs."""
 
-    def __init__(
-        self, model: str, prompts_file: Path, k: int, engine_kwargs: dict, mode: str = "inproc"
-    ):
-        env = {**os.environ, **VLLM_ENV}
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "inproc" else "1"
-        cmd = [sys.executable, "-m", "benchmarks.service.jobs", "--direct-worker"]
-        cmd += ["--model", model, "--prompts", str(prompts_file), "--k", str(k)]
+    def __init__(self, model: str, prompts: Path, k: int, engine_kwargs: dict, mode: str):
+        env = {**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if mode == "inproc" else "1"}
+        cmd = [sys.executable, "-m", "benchmarks.service.jobs", "--direct-worker", "--model"]
+        cmd += [model, "--prompts", str(prompts), "--k", str(k)]
         cmd += ["--engine-kwargs", json.dumps(engine_kwargs)]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
+        self.proc = subprocess.Popen(cmd, env=os.environ | env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
         self._read_until("READY")
 
     def _read_until(self, prefix: str) -> str:
@@ -132,8 +119,7 @@ class DirectWorker:
         self.proc.stdin.write(f"run {k}\n")
         self.proc.stdin.flush()
         res = json.loads(self._read_until("{"))
-        res["tokens_per_s"] = res["tokens"] / res["seconds"]
-        return res
+        return res | {"tokens_per_s": res["tokens"] / res["seconds"]}
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -141,29 +127,7 @@ class DirectWorker:
         self.proc.wait(120)
 
 
-def job_rate(job: dict) -> float:
-    started = datetime.fromisoformat(job["started_at"])
-    finished = datetime.fromisoformat(job["finished_at"])
-    return job["tokens_total"] / (finished - started).total_seconds()
-
-
-def run_job(client, cache: str, k: int | None = None) -> dict:
-    t0 = time.perf_counter()
-    body: dict = {"cache": cache, "file": {"path": "bench.jsonl"}}
-    if k is not None:
-        body["k"] = k
-    r = client.post("/v1/jobs", json=body)
-    r.raise_for_status()
-    job = wait_job(client, r.json()["id"], timeout=3600, interval=0.5)
-    wall = time.perf_counter() - t0
-    if job["state"] != "succeeded":
-        raise SystemExit(f"job failed: {job}")
-    return {"tokens": job["tokens_total"], "tokens_per_s": job_rate(job), "client_wall_s": wall}
-
-
-def run_pairs(
-    worker: DirectWorker, server: ServerProcess, ks: list[int], repeats: int, mode: str
-) -> dict:
+def run_pairs(worker: DirectWorker, server: Any, ks: list[int], repeats: int, mode: str) -> dict:
     """``repeats`` pairs (direct, job) per ``k``, order alternating; per ``k``: the pairs and
     the median and minimum paired ratio job/direct."""
     out: dict[str, dict] = {}
@@ -175,21 +139,22 @@ def run_pairs(
                 got: dict[str, dict] = {}
                 for what in order:
                     before = load1()
-                    res = (
-                        worker.run(k) if what == "direct" else run_job(c, f"b-{mode}-{k}-{rep}", k)
-                    )
+                    if what == "direct":
+                        res = worker.run(k)
+                    else:
+                        job = run_job(c, f"b-{mode}-{k}-{rep}", k)
+                        res = {"tokens": job["tokens_total"]}
+                        res |= {x: job[x] for x in ("tokens_per_s", "client_wall_s")}
                     got[what] = {**res, "load_avg_1min_before": before}
-                ratio = got["job"]["tokens_per_s"] / got["direct"]["tokens_per_s"]
-                pair = {"k": k, "order": list(order), **got, "ratio": ratio}
-                out.setdefault(str(k), {"pairs": []})["pairs"].append(pair)
-                print(
-                    f"{mode} k={k} pair {rep} ({order[0]} first): direct "
-                    f"{got['direct']['tokens_per_s']:,.0f} tok/s (load "
-                    f"{got['direct']['load_avg_1min_before']}), job "
-                    f"{got['job']['tokens_per_s']:,.0f} tok/s (load "
-                    f"{got['job']['load_avg_1min_before']}), job/direct {ratio:.3f}",
-                    flush=True,
+                d, j = got["direct"], got["job"]
+                ratio = j["tokens_per_s"] / d["tokens_per_s"]
+                out.setdefault(str(k), {"pairs": []})["pairs"].append(
+                    {"k": k, "order": list(order), **got, "ratio": ratio}
                 )
+                print(f"{mode} k={k} pair {rep} ({order[0]} first): direct "
+                      f"{d['tokens_per_s']:,.0f} tok/s (load {d['load_avg_1min_before']}), job "
+                      f"{j['tokens_per_s']:,.0f} tok/s (load {j['load_avg_1min_before']}), "
+                      f"job/direct {ratio:.3f}", flush=True)  # fmt: skip
     for row in out.values():
         ratios = [p["ratio"] for p in row["pairs"]]
         loads = [p[w]["load_avg_1min_before"] for p in row["pairs"] for w in ("direct", "job")]
@@ -208,23 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     options(p, repeats=(2, "pairs (direct, job) per k and mode"))
     from logitcache.server.settings import ServerSettings
 
-    default = {n: f.default for n, f in ServerSettings.model_fields.items()}
-    for flag, name in (
-        ("--batch-sequences", "job_batch_sequences"),
-        ("--batch-tokens", "job_batch_tokens"),
-        ("--inflight", "job_inflight_batches"),
-    ):
-        p.add_argument(
-            flag, type=int, default=default[name], help=f"server {name} (default: the service's)"
-        )
+    flags = {"batch_sequences": "job_batch_sequences", "batch_tokens": "job_batch_tokens"}
+    for flag, name in (flags | {"inflight": "job_inflight_batches"}).items():
+        options(p, **{flag: (ServerSettings.model_fields[name].default, f"server {name}")})
     hidden = argparse.SUPPRESS
     options(p, direct_worker=(False, hidden), model=(None, hidden), prompts=(None, hidden))
     options(p, engine_kwargs=("{}", hidden))
     args = parse(p, argv)
     if args.direct_worker:
         args.k = args.k[0]
-        direct_worker(args)
-        return
+        return direct_worker(args)
     if args.sequences < 1 or args.length < 2 or args.repeats < 1 or min(args.k) < 1:
         p.error("need --sequences >= 1, --length >= 2, --repeats >= 1 and --k >= 1")
 
@@ -235,76 +193,47 @@ def main(argv: list[str] | None = None) -> None:
     tiny = build_tiny_models()
     prompts = make_inputs(args.length, args.sequences)
     work = Path(tempfile.mkdtemp(prefix="server-bench-"))
-    (work / "data").mkdir()
-    (work / "data" / "bench.jsonl").write_text(
-        "\n".join(json.dumps({"id": f"w{i}", "input_ids": x}) for i, x in enumerate(prompts))
-    )
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    kmax = max(args.k)
-    settings = dict(
-        model=str(tiny.teacher_dir),
-        k=kmax,
-        dtype="float32",
-        max_seq_len=max(args.length, 512),
-        job_batch_sequences=args.batch_sequences,
-        job_batch_tokens=args.batch_tokens,
-        job_inflight_batches=args.inflight,
-    )
+    settings = dict(model=str(tiny.teacher_dir), k=max(args.k), dtype="float32",
+                    max_seq_len=max(args.length, 512), job_batch_tokens=args.batch_tokens,
+                    job_batch_sequences=args.batch_sequences,
+                    job_inflight_batches=args.inflight)  # fmt: skip
     engine_kwargs = direct_engine_kwargs(settings)
-    print(
-        f"inputs: {args.sequences} x {args.length} tokens, k={args.k}, modes {args.modes}; "
-        f"engine {engine_kwargs}; load {load1()}",
-        flush=True,
-    )
-
+    print(f"inputs: {args.sequences} x {args.length} tokens, k={args.k}, modes {args.modes}; "
+          f"engine {engine_kwargs}; load {load1()}", flush=True)  # fmt: skip
     modes: dict[str, dict] = {}
     for mode in args.modes:
-        worker = DirectWorker(str(tiny.teacher_dir), prompts_file, kmax, engine_kwargs, mode)
-        server = ServerProcess(
-            work / mode, **settings, engine_options=json.dumps({"vllm_mode": mode})
-        )
-        (work / mode / "data").mkdir(parents=True, exist_ok=True)
-        (work / mode / "data" / "bench.jsonl").write_text(
-            (work / "data" / "bench.jsonl").read_text()
-        )
-        server.start()
+        worker = DirectWorker(settings["model"], prompts_file, max(args.k), engine_kwargs, mode)
+        write_jsonl(work / mode / "data", prompts)
+        options_ = json.dumps({"vllm_mode": mode})
         try:
-            modes[mode] = run_pairs(worker, server, args.k, args.repeats, mode)
+            with ServerProcess(work / mode, **settings, engine_options=options_) as server:
+                modes[mode] = run_pairs(worker, server, args.k, args.repeats, mode)
             worker.close()
         finally:
-            server.stop()
             if worker.proc.poll() is None:
                 worker.proc.kill()
-    result: dict[str, Any] = {
-        "machine": machine_line(rec.machine),
-        "command": rec.command,
-        "inputs": {"sequences": args.sequences, "length": args.length, "k": args.k},
-        "modes": modes,
-        "settings": settings,
-        "engine_kwargs": engine_kwargs,
-        "wall_s": time.perf_counter() - t_start,
-    }
+    inputs = {"sequences": args.sequences, "length": args.length, "k": args.k}
+    result: dict[str, Any] = {"machine": machine_line(rec.machine), "command": rec.command,
+                              "inputs": inputs, "modes": modes, "settings": settings,
+                              "engine_kwargs": engine_kwargs,
+                              "wall_s": time.perf_counter() - t_start}  # fmt: skip
     for mode, per_k in modes.items():
         for k, row in per_k.items():
-            print(
-                f"{mode} k={k}: job/direct median {row['median_ratio']:.3f}, min "
-                f"{row['min_ratio']:.3f} over {len(row['pairs'])} pairs (direct median "
-                f"{row['direct_median_tokens_per_s']:,.0f} tok/s, job median "
-                f"{row['job_median_tokens_per_s']:,.0f}); load average "
-                f"{row['load_avg_1min_range'][0]}-{row['load_avg_1min_range'][1]}"
-            )
-    print(f"wall {result['wall_s']:.0f} s")
-    for mode, per_k in modes.items():
-        for k, row in per_k.items():
-            cfg = result["inputs"] | {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
+            lo, hi = row["load_avg_1min_range"]
+            print(f"{mode} k={k}: job/direct median {row['median_ratio']:.3f}, min "
+                  f"{row['min_ratio']:.3f} over {len(row['pairs'])} pairs (direct median "
+                  f"{row['direct_median_tokens_per_s']:,.0f} tok/s, job median "
+                  f"{row['job_median_tokens_per_s']:,.0f}); load average {lo}-{hi}")  # fmt: skip
+            cfg = inputs | {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
             ratios = [p["ratio"] for p in row["pairs"]]
-            case, n = f"{mode} k={k}", len(ratios)
-            rec.add(case, "job_over_direct", "ratio", row["median_ratio"], config=cfg,
-                    p20=min(ratios), p80=max(ratios), samples=n)  # fmt: skip
+            rec.add(f"{mode} k={k}", "job_over_direct", "ratio", row["median_ratio"], config=cfg,
+                    p20=min(ratios), p80=max(ratios), samples=len(ratios))  # fmt: skip
             for side in ("direct", "job"):
                 value = row[f"{side}_median_tokens_per_s"]
-                rec.add(case, f"{side}_tokens_per_s", "tok/s", value, config=cfg)
+                rec.add(f"{mode} k={k}", f"{side}_tokens_per_s", "tok/s", value, config=cfg)
+    print(f"wall {result['wall_s']:.0f} s")
     rec.finish(result, args.json, show=-1)
 
 

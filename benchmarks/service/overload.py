@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,8 @@ from typing import Any
 import httpx
 import psutil
 
-from benchmarks.harness import Recorder, load1, machine_line, options, percentile
-from benchmarks.service.common import mode_parser, parse
+from benchmarks.harness import Recorder, Sampler, load1, machine_line, options, percentile
+from benchmarks.service.common import mode_parser, parse, write_jsonl
 from tests import server_support
 from tests.server_support import ServerProcess
 
@@ -68,58 +69,45 @@ json.dump({"lat": lat, "errors": errors}, open(out, "w"))
 """
 
 
-class Probe:
-    """``GET /health`` every 100 ms from a separate process, and the server's RSS (its process
-    and children) every 0.5 s, while running."""
-
-    def __init__(self, url: str, pid: int):
-        self.url, self.pid = url, pid
-        self.health: list[float] = []
-        self.health_errors = 0
-        self.rss: list[int] = []
-        self._stop = asyncio.Event()
-        self._dir = Path(tempfile.mkdtemp(prefix="probe-"))
-
-    def _rss(self) -> int:
-        try:
-            p = psutil.Process(self.pid)
-            return p.memory_info().rss + sum(
-                c.memory_info().rss for c in p.children(recursive=True)
-            )
-        except psutil.Error:
-            return 0
-
-    async def run(self) -> None:
-        out, stop = self._dir / "health.json", self._dir / "stop"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _PROBER, self.url, str(out), str(stop)
-        )
-        while not self._stop.is_set():
-            self.rss.append(await asyncio.to_thread(self._rss))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 0.5)
-        stop.touch()
-        await proc.wait()
-        data = json.loads(out.read_text())
-        self.health, self.health_errors = data["lat"], data["errors"]
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "health_n": len(self.health),
-            "health_errors": self.health_errors,
-            "health_p50_ms": _ms(percentile(self.health, 50)),
-            "health_p99_ms": _ms(percentile(self.health, 99)),
-            "health_max_ms": _ms(max(self.health) if self.health else None),
-            "health_over_100ms": sum(x > 0.1 for x in self.health),
-            "rss_peak_mib": round(max(self.rss) / 2**20, 1) if self.rss else None,
-        }
+def _rss(pid: int) -> int:
+    try:
+        p = psutil.Process(pid)
+        return p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+    except psutil.Error:
+        return 0
 
 
 def _ms(x: float | None) -> float | None:
     return None if x is None else round(1000 * x, 1)
+
+
+@contextlib.asynccontextmanager
+async def probed(url: str, pid: int) -> AsyncIterator[dict[str, Any]]:
+    """``GET /health`` every 100 ms from a separate process, and the server's RSS (its process and
+    children) every 0.5 s, while running; their summary fills the yielded dict at the end."""
+    where = Path(tempfile.mkdtemp(prefix="probe-"))
+    out, stop = where / "health.json", where / "stop"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _PROBER, url, str(out), str(stop)
+    )
+    summary: dict[str, Any] = {}
+    with Sampler(lambda: _rss(pid), 0.5) as rss:
+        try:
+            yield summary
+        finally:
+            stop.touch()
+            await proc.wait()
+    data = json.loads(out.read_text())
+    lat = data["lat"]
+    summary.update(
+        health_n=len(lat),
+        health_errors=data["errors"],
+        health_p50_ms=_ms(percentile(lat, 50)),
+        health_p99_ms=_ms(percentile(lat, 99)),
+        health_max_ms=_ms(max(lat) if lat else None),
+        health_over_100ms=sum(x > 0.1 for x in lat),
+        rss_peak_mib=round(max(rss.samples) / 2**20, 1) if rss.samples else None,
+    )
 
 
 async def small_request(c: httpx.AsyncClient, rng: random.Random) -> tuple[int, float]:
@@ -186,7 +174,7 @@ def _bodies(seed: int, count: int, seqs: int, length: int) -> list[bytes]:
     ]
 
 
-async def overload(url: str, clients: int, seconds: float, probe: Probe) -> dict[str, Any]:
+async def overload(url: str, clients: int, seconds: float) -> dict[str, Any]:
     bodies = _bodies(0, 16, BIG_SEQS, SEQ_LEN)
     counts, lat_ok, _ = await _clients(url, clients, seconds, bodies, True)
     headers = {"authorization": f"Bearer {KEY}"}
@@ -216,24 +204,12 @@ async def steady(url: str, clients: int, seconds: float) -> dict[str, Any]:
     }
 
 
-async def _phase(name: str, url: str, pid: int, coro_fn: Any) -> dict[str, Any]:
-    probe = Probe(url, pid)
-    task = asyncio.create_task(probe.run())
+async def _phase(name: str, url: str, pid: int, work: Awaitable[dict[str, Any]]) -> dict:
     load0 = load1()
-    try:
-        result = await coro_fn(probe)
-    finally:
-        probe.stop()
-        await task
+    async with probed(url, pid) as probe:
+        result = await work
     print(f"  {name}: done", flush=True)
-    return {**result, **probe.summary(), "load_start": load0, "load_end": load1()}
-
-
-def _job_file(data: Path) -> None:
-    rng = random.Random(7)
-    with (data / "load.jsonl").open("w") as f:
-        for i in range(64):
-            f.write(json.dumps({"id": f"s{i}", "input_ids": _ids(rng, SEQ_LEN)}) + "\n")
+    return {**result, **probe, "load_start": load0, "load_end": load1()}
 
 
 async def _keep_job(url: str, stop: asyncio.Event) -> int:
@@ -273,66 +249,42 @@ async def _keep_job(url: str, stop: asyncio.Event) -> int:
 
 async def run_mode(mode: str, args: argparse.Namespace, teacher: str) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"load-{mode}-"))
-    (work / "data").mkdir()
-    _job_file(work / "data")
+    rng = random.Random(7)
+    write_jsonl(work / "data", [_ids(rng, SEQ_LEN) for _ in range(64)], "load.jsonl")
     queued = 32768 if mode == "shedding" else 10**9
-    server = ServerProcess(
-        work,
-        api_key=KEY,
-        model=teacher,
-        k=8,
-        dtype="float32",
-        max_seq_len=SEQ_LEN,
-        max_queued_tokens=queued,
-    )
+    server = ServerProcess(work, api_key=KEY, model=teacher, k=8, dtype="float32",
+                           max_seq_len=SEQ_LEN, max_queued_tokens=queued)  # fmt: skip
     print(f"[{mode}] starting the server", flush=True)
-    server.start()
-    assert server.proc is not None
-    pid = server.proc.pid
     out: dict[str, Any] = {"mode": mode, "max_queued_tokens": queued}
-    try:
-        async with httpx.AsyncClient(
-            base_url=server.url, headers={"authorization": f"Bearer {KEY}"}
-        ) as c:
+    with server:
+        assert server.proc is not None
+        url, pid = server.url, server.proc.pid
+        async with httpx.AsyncClient(base_url=url, headers=server.headers()) as c:
             rng = random.Random(5)
             await small_request(c, rng)  # warm-up
             idle = [(await small_request(c, rng))[1] for _ in range(10)]
         out["idle_small_p50_s"] = round(statistics.median(idle), 4)
         out["rss_idle_mib"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
-
-        async def quiet(_p: Probe) -> dict[str, Any]:
-            await asyncio.sleep(args.idle_s)
-            return {"seconds": args.idle_s}
-
         # /health with no client load: the floor this (shared) machine sets at this moment
-        out["idle"] = await _phase("idle", server.url, pid, quiet)
-        out["overload"] = await _phase(
-            "overload",
-            server.url,
-            pid,
-            lambda p: overload(server.url, args.clients, args.overload_s, p),
-        )
+        quiet = asyncio.sleep(args.idle_s, {"seconds": args.idle_s})
+        out["idle"] = await _phase("idle", url, pid, quiet)
+        work_ = overload(url, args.clients, args.overload_s)
+        out["overload"] = await _phase("overload", url, pid, work_)
         await asyncio.sleep(2)
-        steady_runs = []
+        out["steady"] = []
         for with_job in (False, True):
             for clients in (16, 64):
                 stop = asyncio.Event()
-                job_task = asyncio.create_task(_keep_job(server.url, stop)) if with_job else None
+                job_task = asyncio.create_task(_keep_job(url, stop)) if with_job else None
                 if with_job:
                     await asyncio.sleep(2)
-
-                async def go(_p: Probe, n: int = clients) -> dict[str, Any]:
-                    return await steady(server.url, n, args.steady_s)
-
-                res = await _phase(f"steady {clients} job={with_job}", server.url, pid, go)
+                name = f"steady {clients} job={with_job}"
+                res = await _phase(name, url, pid, steady(url, clients, args.steady_s))
                 stop.set()
                 if job_task is not None:
                     res["jobs_started"] = await job_task
-                steady_runs.append({"with_job": with_job, **res})
-        out["steady"] = steady_runs
+                out["steady"].append({"with_job": with_job, **res})
         out["rss_after_mib"] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
-    finally:
-        server.stop()
     return out
 
 

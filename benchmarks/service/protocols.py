@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness import options
-from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
+from benchmarks.service.common import mode_parser, parse, recorded, tiny_engine, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 #: The timed routes.
@@ -123,8 +123,6 @@ def main(argv: list[str] | None = None) -> None:
     options(ap, sequences=24, length=128, ids=(8, "candidate ids per row"), k=8, backend=backend)
     args = parse(ap, argv)
 
-    from logitcache.server.engine import build_engine
-
     tiny, seqs = tiny_windows(args.length, args.sequences + 1)
     rng = np.random.default_rng(0)
 
@@ -134,13 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(len(seq) - 1)
         ]
 
-    engine = build_engine(
-        model=str(tiny.teacher_dir),
-        backend=args.backend,
-        max_k=max(args.k, 20),
-        dtype="float32",
-        options={"vllm_mode": "inproc"} if args.backend == "vllm" else {},
-    )
+    engine = tiny_engine(tiny, args.backend, max(args.k, 20))
     runs: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -158,39 +150,30 @@ def main(argv: list[str] | None = None) -> None:
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     positions = args.length - 1
     head, rec = recorded("protocols", args)
-    result = {
+    bases = ("direct_ids", "direct_ids_topk", "score_route")
+    result: dict[str, Any] = {
         **head,
-        "median_s": {k: v for k, v in med.items() if not k.endswith("bytes")},
-        "vllm_over_direct_ids": med["vllm_route"] / med["direct_ids"],
-        "vllm_over_direct_ids_topk": med["vllm_route"] / med["direct_ids_topk"],
-        "sglang_over_direct_ids": med["sglang_route"] / med["direct_ids"],
-        "sglang_over_direct_ids_topk": med["sglang_route"] / med["direct_ids_topk"],
-        "vllm_over_score_route": med["vllm_route"] / med["score_route"],
-        "sglang_over_score_route": med["sglang_route"] / med["score_route"],
-        "extra_ms_over_direct_ids_topk": {
-            key: 1e3 * (med[key] - med["direct_ids_topk"]) for key in ROUTES
-        },
-        "paired_extra_ms_over_direct_ids_topk": {
-            key: 1e3 * statistics.median(r[key] - r["direct_ids_topk"] for r in runs)
-            for key in ROUTES
-        },
-        "extra_cpu_ms_over_direct_ids_topk": {
-            key: 1e3 * (med[f"{key}_cpu"] - med["direct_ids_topk_cpu"]) for key in ROUTES
-        },
-        "extra_cpu_ms_with_commit_over_direct_ids_topk": {
-            key: 1e3 * (med[f"{key}_cpu_stored"] - med["direct_ids_topk_cpu"]) for key in ROUTES
-        },
-        "bytes_per_position": {
-            "vllm_npy_base64": med["vllm_bytes"] / positions,
-            "sglang_json": med["sglang_bytes"] / positions,
-        },
-        "bytes_per_value": {
-            "vllm_npy_base64": med["vllm_bytes"] / positions / args.ids,
-            "sglang_json": med["sglang_bytes"] / positions / args.ids,
-        },
+        "median_s": {k: v for k, v in med.items() if "bytes" not in k},
     }
     for key in ("vllm", "sglang"):
-        for base in ("direct_ids", "direct_ids_topk", "score_route"):
+        result |= {f"{key}_over_{b}": med[f"{key}_route"] / med[b] for b in bases}
+    topk, topk_cpu = med["direct_ids_topk"], med["direct_ids_topk_cpu"]
+    extra = {
+        "extra_ms_over_direct_ids_topk": lambda key: med[key] - topk,
+        "paired_extra_ms_over_direct_ids_topk": lambda key: statistics.median(
+            r[key] - r["direct_ids_topk"] for r in runs
+        ),
+        "extra_cpu_ms_over_direct_ids_topk": lambda key: med[f"{key}_cpu"] - topk_cpu,
+        "extra_cpu_ms_with_commit_over_direct_ids_topk": lambda key: (
+            med[f"{key}_cpu_stored"] - topk_cpu
+        ),
+    }
+    result |= {name: {key: 1e3 * fn(key) for key in ROUTES} for name, fn in extra.items()}
+    wire = {"vllm_npy_base64": med["vllm_bytes"], "sglang_json": med["sglang_bytes"]}
+    result["bytes_per_position"] = {k: v / positions for k, v in wire.items()}
+    result["bytes_per_value"] = {k: v / positions / args.ids for k, v in wire.items()}
+    for key in ("vllm", "sglang"):
+        for base in bases:
             rec.add(key, f"route_over_{base}", "ratio", result[f"{key}_over_{base}"])
     for key, value in result["bytes_per_position"].items():
         rec.add(key, "bytes_per_position", "B", value)

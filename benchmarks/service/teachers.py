@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import options
-from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
+from benchmarks.service.common import mode_parser, parse, recorded, tiny_engine, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -43,15 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     options(ap, sequences=32, length=128, k=8, swaps=6, backend=backend)
     args = parse(ap, argv)
 
-    from logitcache.server.engine import build_engine
     from logitcache.server.serving.teachers import weights_bytes
 
     tiny, seqs = tiny_windows(args.length, 2 * args.sequences + 2)
+    engine = tiny_engine(tiny, args.backend, 20)
     engine_options = {"vllm_mode": "inproc"} if args.backend == "vllm" else {}
-    engine = build_engine(
-        model=str(tiny.teacher_dir), backend=args.backend, max_k=20, dtype="float32",
-        options=engine_options,
-    )  # fmt: skip
     one, two, swaps = [], [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
