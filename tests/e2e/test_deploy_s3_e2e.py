@@ -1,6 +1,9 @@
-"""End to end on object storage: the real teacher service (subprocess, vLLM on the tiny teacher)
-writes a cache to ``s3://bucket/caches/<name>`` on a real S3 server (moto, 127.0.0.1), and the
-client streams training items straight from the bucket, without the service.
+"""End to end on object storage: the real teacher service (the app under uvicorn on a real port,
+on the suite's in-process vLLM engine on the tiny teacher; its settings parsed from the
+command-line flags ``logitcache-server`` takes, the bucket's storage options among them) writes a
+cache to ``s3://bucket/caches/<name>`` on a real S3 server (moto, 127.0.0.1), and the client
+streams training items straight from the bucket, without the service. The service as its own
+process (``python -m logitcache.server``) is started in ``tests/server/test_server_api.py``.
 
 Also: the container health probe (docker/healthcheck.py) against the real service. The Ray path
 into a bucket (per-shard staging caches on S3, then one commit) is in test_deploy_ray.py.
@@ -18,19 +21,13 @@ from deploy_support import REPO, s3_bucket_fixture, s3_keys  # noqa: F401
 from logitcache.cache_format import CacheReader, validate
 from logitcache.client import CacheDataset, StreamConfig, open_source
 from logitcache.client.http import TeacherClient
-from server_support import ServerProcess
+from logitcache.server.settings import load_settings
+from server_support import ThreadedServer
 
 pytestmark = pytest.mark.vllm
 
 K = 8
 CACHE = "corpus-k8"
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from logitcache.fixtures.tiny import build_tiny_models
-
-    return build_tiny_models()
 
 
 def _texts(tiny, n: int) -> list[str]:
@@ -49,19 +46,22 @@ def _probe(port: int) -> int:
     return subprocess.run(probe, env=env, capture_output=True, timeout=30).returncode
 
 
-def test_service_writes_to_s3_and_the_client_streams_from_it(tiny, s3_bucket, tmp_path):
+def test_service_writes_to_s3_and_the_client_streams_from_it(
+    tiny, vllm_engine, s3_bucket, tmp_path
+):
     endpoint, bucket, options = s3_bucket
     root = f"s3://{bucket}/caches"
     texts = _texts(tiny, 10)
-    server = ServerProcess(
-        tmp_path / "srv",
-        model=str(tiny.teacher_dir),
-        k=K,
-        max_seq_len=256,
-        backend="vllm",
-        store_root=root,
-        storage_options=json.dumps(options),
-    )
+    work = tmp_path / "srv"
+    (work / "data").mkdir(parents=True)
+    settings = load_settings([
+        "--model", str(tiny.teacher_dir), "-k", str(K), "--max-seq-len", "256",
+        "--dtype", "float32", "--store-root", root, "--storage-options", json.dumps(options),
+        "--data-dir", str(work / "data"), "--state-dir", str(work / "state"),
+        "--host", "127.0.0.1", "--log-level", "warning",
+    ])  # fmt: skip
+    assert settings.storage_options == options
+    server = ThreadedServer(settings, vllm_engine)
     with server:
         assert _probe(server.port) == 0, "the container health probe fails on a healthy server"
         with TeacherClient(server.url, progress=False, timeout=120) as client:

@@ -1,5 +1,8 @@
 """Engine processes die with the server (issue #18): after a SIGKILL of the server, the watcher
-of ``server/engine/reaper.py`` ends every process the engine started within a few seconds."""
+of ``server/engine/reaper.py`` ends every process the engine started within a few seconds. Here
+on child Python programs standing in for the server; a real server with vLLM's engine running
+is SIGKILLed at the end of ``test_engine_supervisor_vllm.py`` (its one server start serves both
+checks), one killed during the engine's start in ``test_engine_reaper_startup.py``."""
 
 from __future__ import annotations
 
@@ -9,12 +12,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 from logitcache.server.engine.reaper import GRACE_S
-from server_support import free_port
 
 #: The brief's bound: no engine process left this long after the kill.
 GONE_WITHIN_S = 5.0
@@ -71,51 +71,6 @@ def test_children_handed_to_the_reaper_die_with_a_sigkilled_parent() -> None:
         for p in [parent.pid]:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
-
-
-@pytest.mark.slow
-def test_readme_started_server_sigkilled_leaves_no_engine_process(
-    tiny: Any, tmp_path: Path
-) -> None:
-    """``logitcache-server --model ... -k 20 --store-root ... --data-dir ...`` as the README
-    starts it (vLLM's AsyncLLM: the engine core in its own process), SIGKILLed."""
-    import psutil
-
-    port = free_port()
-    exe = Path(sys.executable).with_name("logitcache-server")
-    argv = [str(exe), "--model", str(tiny.teacher_dir), "-k", "20"]
-    argv += ["--store-root", str(tmp_path / "caches"), "--data-dir", str(tmp_path / "data")]
-    argv += ["--state-dir", str(tmp_path / "state"), "--port", str(port)]
-    (tmp_path / "data").mkdir()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = (tmp_path / "server.log").open("wb")
-    server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 400
-        with httpx.Client(timeout=2) as poll:  # one client: httpx.get builds one per call
-            while time.monotonic() < deadline:
-                assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-                try:
-                    if poll.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            else:
-                log_text = (tmp_path / "server.log").read_text()[-4000:]
-                pytest.fail("server did not start:\n" + log_text)
-        children = psutil.Process(server.pid).children(recursive=True)
-        engine = [c for c in children if "reaper" not in " ".join(c.cmdline())]
-        assert engine, "expected vLLM's engine-core process"
-        rss = sum(c.memory_info().rss for c in engine)
-        server.send_signal(signal.SIGKILL)
-        server.wait(30)
-        left, waited = _wait_gone([c.pid for c in children], GONE_WITHIN_S)
-        assert left == [], f"{len(left)} engine process(es) ({rss / 2**30:.1f} GiB) survived"
-    finally:
-        if server.poll() is None:
-            server.kill()
-        log.close()
 
 
 _ARMED_SERVER = """

@@ -3,8 +3,8 @@ reaper.py``) is armed before vLLM starts a process, so whatever the server had s
 moment of the kill (only the watcher; the engine core just spawned; the core and the worker it
 has just spawned, still importing) ends within seconds. The kill comes on a signal of the start
 itself (a process appearing), not after a fixed time. The other process set, the engine core
-with its worker started (loading the model or ready), is killed in
-``test_engine_reaper.py::test_readme_started_server_sigkilled_leaves_no_engine_process``."""
+with its worker started and the model served (after two engine restarts), is killed at the end of
+``test_engine_supervisor_vllm.py``."""
 
 from __future__ import annotations
 

