@@ -102,15 +102,12 @@ def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
     ):  # (point_reads=False: range reads, what every other source does anyway)
         return source
     if type(source) is LocalSource:
-        return LocalSource(
-            source.url,
-            source.storage_options,
-            max_gap_tokens=source.max_gap_tokens,
-            decode_threads=read.decode_threads
-            if read.decode_threads > 1
-            else source.decode_threads,
-            point_reads=source.point_reads if point_reads is None else point_reads,
-        )
+        config = {name: getattr(source, name) for name in LocalSource._CONFIG}
+        if read.decode_threads > 1:
+            config["decode_threads"] = read.decode_threads
+        if point_reads is not None:
+            config["point_reads"] = point_reads
+        return LocalSource(**config)
     if point_reads:
         raise ConfigError(
             "point_reads: for local and object-store caches (a LocalSource) only, "

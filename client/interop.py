@@ -305,17 +305,6 @@ def unpack_bits(data: np.ndarray, bits: int, n: int) -> np.ndarray:
     return (stream * weights).sum(axis=-1)
 
 
-def _to_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
-    kind, width = _DTYPES[dtype]
-    if kind == "bf16":  # round to nearest even, keep the high 16 bits
-        u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
-        raw = u
-    else:
-        raw = np.ascontiguousarray(values, dtype=np.dtype(kind))
-    return raw.view(np.uint8).reshape(*values.shape[:-1], values.shape[-1] * width)
-
-
 def _from_bytes(data: np.ndarray, dtype: str, n: int) -> np.ndarray:
     kind, width = _DTYPES[dtype]
     raw = np.ascontiguousarray(data[..., : n * width], dtype=np.uint8)
@@ -386,18 +375,15 @@ def export_distillkit(
     url: str,
     out_dir: str | Path,
     *,
-    exact_dtype: str = "float32",
-    delta_encoding: bool = False,
     storage_options: dict | None = None,
     limit: int | None = None,
 ) -> int:
     """Write the cache as a DistillKit offline-logit directory (``data_0.parquet`` and
-    ``compression_config.yaml`` with ``exact_k = k``). Returns the sequences written."""
+    ``compression_config.yaml`` with ``exact_k = k``: float32 logprobs, no delta encoding).
+    Returns the sequences written."""
     import yaml
     from logitcache.cache_format import CacheReader
 
-    if exact_dtype not in _DTYPES:
-        raise InteropError(f"exact_dtype must be one of {sorted(_DTYPES)}, got {exact_dtype!r}")
     pa = _pa()[0]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -407,11 +393,11 @@ def export_distillkit(
         "d": d,
         "k": k,
         "exact_k": k,
-        "exact_dtype": exact_dtype,
+        "exact_dtype": "float32",
         "polynomial_terms": [],
         "term_dtype": "float32",
         "residual_bins": [],
-        "delta_encoding": bool(delta_encoding),
+        "delta_encoding": False,
         "error_diffusion": False,
         "normalize_t": False,
     }
@@ -428,13 +414,11 @@ def export_distillkit(
 
     def rows() -> Iterator[tuple]:
         for rec in _records(url, storage_options, limit):
-            lp = rec.topk_logprobs.astype(np.float64)
-            if delta_encoding:
-                lp = np.concatenate([lp[:, :1], np.diff(lp, axis=1)], axis=1)
+            lp = np.ascontiguousarray(rec.topk_logprobs, dtype="<f4")
             tokens = rec.input_ids.astype(np.uint64).tolist()
             yield (
                 tokens,
-                _to_bytes(lp, exact_dtype).tolist(),
+                lp.view(np.uint8).reshape(len(lp), 4 * lp.shape[1]).tolist(),
                 pack_bits(rec.topk_ids, bits).tolist(),
             )
 

@@ -163,9 +163,7 @@ class LocalSource:
         return {name: getattr(self, name) for name in self._CONFIG}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["url"], state["storage_options"], **{n: state[n] for n in self._CONFIG[2:]}
-        )
+        self.__init__(**{n: state[n] for n in self._CONFIG})  # type: ignore[misc]
 
     def __repr__(self) -> str:
         threads = f", decode_threads={self.decode_threads}" if self.decode_threads > 1 else ""
@@ -354,9 +352,7 @@ class HttpSource:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["base_url"], state["cache"], **{n: state[n] for n in self._CONFIG[2:]}
-        )
+        self.__init__(**{n: state[n] for n in self._CONFIG})  # type: ignore[misc]
         self._info, self._lengths = state["_info"], state["_lengths"]
 
     def __repr__(self) -> str:

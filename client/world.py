@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .errors import ConfigError
 
-__all__ = ["World", "agree_min", "current_worker", "distributed_world_size", "resolve_ranks"]
-
-
-@dataclass(frozen=True)
-class World:
-    """One reading process: ``rank`` of ``world_size`` trainer ranks, ``worker`` of ``num_workers``.
-
-    ``num_workers`` is 1 and ``worker`` 0 when the dataset is iterated in the trainer process.
-    """
-
-    rank: int
-    world_size: int
-    worker: int = 0
-    num_workers: int = 1
+__all__ = ["agree_min", "current_worker", "distributed_world_size", "resolve_ranks"]
 
 
 def resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:

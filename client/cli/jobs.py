@@ -86,8 +86,7 @@ def _client(ctx: typer.Context) -> TeacherClient:
 
 def _job(status: JobStatus) -> dict[str, Any]:
     """A ``JobStatus`` as the JSON the server sent."""
-    doc: dict[str, Any] = status.model_dump(mode="json")
-    return doc
+    return status.model_dump(mode="json")
 
 
 def _pct(job: dict[str, Any]) -> float:

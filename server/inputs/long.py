@@ -27,9 +27,6 @@ Duplicates: a record whose content key (no explicit id) was seen before is dropp
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
-
-OnLong = Literal["reject", "truncate", "split", "skip"]
 
 
 def windows(n: int, max_seq_len: int, overlap: int = 1) -> list[tuple[int, int]]:

@@ -269,11 +269,8 @@ class ScoringService:
         """The request's checked, keyed sequences (tokenising texts)."""
         n = req.num_sequences
         keys: Seq[str | None] = req.keys if req.keys is not None else [None] * n
-        if req.keys is not None:
-            if any(not k for k in req.keys):
-                raise InvalidInputError("keys must be non-empty strings")
-            if len(set(req.keys)) != len(req.keys):
-                raise InvalidInputError("keys must be distinct")
+        if req.keys is not None and len(set(req.keys)) != len(req.keys):
+            raise InvalidInputError("keys must be distinct")  # (each is a non-empty Key)
         if req.texts is not None:
             raws = [
                 RawRecord(where=f"texts[{i}]", id=keys[i], text=t, input_ids=None)

@@ -5,7 +5,8 @@ A request (``/v1/score``, ``/v1/jobs``) names ``targets`` (``"topk"``, the defau
 seed, head}`` (FORMAT.md 4.4; the engine contract in ``server/engine/protocol.py``). Rules:
 
 * ``sampling`` with ``targets="topk"`` is a 422; so is ``k`` with ``targets="sampled"`` (a
-  sampled row has ``head + draws`` slots; ``k`` of the cache is ``head + draws``).
+  sampled row has ``head + draws`` slots; ``k`` of the cache is ``head + draws``): the request
+  models refuse them (:mod:`logitcache.protocol`).
 * ``targets="sampled"`` without ``sampling``: an existing sampled cache's own parameters, else
   :data:`DEFAULT_DRAWS` draws at proposal temperature 1 and seed 0.
 * One cache holds one kind: a request whose kind or sampling parameters differ from an existing
@@ -38,32 +39,6 @@ HIDDEN_JOBS_ONLY = (
     'targets="hidden" caches are written by jobs (POST /v1/jobs); /v1/score and the protocol '
     "routes answer with top-k or sampled rows"
 )
-
-
-def requested(
-    targets: str | None, sampling: SamplingOptions | None, k: int | None
-) -> SampledTargets | str | None:
-    """What a request asks for: ``None`` (top-k), ``"sampled"`` (sampled, parameters from the
-    cache or the defaults) or a :class:`SampledTargets`. 422 on a contradiction."""
-    kind = targets or "topk"
-    if kind == "hidden":  # FORMAT.md 4.10 (jobs only; ScoringService.target_manifest)
-        return "hidden"
-    if kind == "topk":
-        if sampling is not None:
-            raise InvalidInputError('sampling is only allowed with targets="sampled"')
-        return None
-    if k is not None:
-        raise InvalidInputError(
-            'k does not apply to targets="sampled" (a sampled row holds sampling.draws slots)'
-        )
-    if sampling is None:
-        return "sampled"
-    return SampledTargets(
-        draws=int(sampling.draws),
-        proposal_temperature=float(sampling.proposal_temperature),
-        seed=int(sampling.seed),
-        head=int(sampling.head),
-    )
 
 
 def resolve(asked: SampledTargets | str | None, stored: Manifest | None) -> SampledTargets | None:
@@ -100,13 +75,20 @@ class Asks(Protocol):
     def targets(self) -> str: ...
     @property
     def sampling(self) -> SamplingOptions | None: ...
-    @property
-    def k(self) -> int | None: ...
 
 
 def of_request(req: Asks) -> SampledTargets | str | None:
-    """:func:`requested` of a ``ScoreRequest`` or ``JobCreate``."""
-    return requested(req.targets, req.sampling, req.k)
+    """What a validated ``ScoreRequest`` or ``JobCreate`` asks for (its model has refused
+    ``k`` or ``sampling`` beside a kind they do not apply to): ``None`` (top-k), ``"hidden"``,
+    ``"sampled"`` (parameters from the cache or the defaults) or a :class:`SampledTargets`."""
+    if req.targets != "sampled":
+        return None if req.targets == "topk" else req.targets
+    s = req.sampling
+    if s is None:
+        return "sampled"
+    return SampledTargets(
+        draws=s.draws, proposal_temperature=float(s.proposal_temperature), seed=s.seed, head=s.head
+    )
 
 
 def with_targets(expected: Manifest, targets: SampledTargets | None) -> Manifest:
