@@ -243,9 +243,10 @@ def _encode_parts(
             )
         encoded.append(arrays)
         row, first = part.stop, first + p.num_sequences
-    joined = {n: np.concatenate([e[n] for e in encoded]) for n in encoded[0]}
-    if into is not None:  # the parts' rows of these two are in place already
-        joined[spec.TOPK_IDS], joined[spec.TOPK_LOGPROBS] = into
+    placed = {} if into is None else {spec.TOPK_IDS: into[0], spec.TOPK_LOGPROBS: into[1]}
+    joined = {  # the compiled pass wrote the parts' top-k rows in place
+        n: placed[n] if n in placed else np.concatenate([e[n] for e in encoded]) for n in encoded[0]
+    }
     keys = [key for p in parts for key in p.key_list()]
     lengths = np.concatenate([p.lengths for p in parts])
     return Batch(keys, lengths, np.concatenate([p.input_ids for p in parts]), joined)

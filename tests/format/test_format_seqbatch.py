@@ -164,7 +164,7 @@ def _parts(f: dict, cuts: list[int]) -> list[SequenceBatch]:
 def test_parts_store_the_bytes_of_one_batch_and_of_records(tmp_path, monkeypatch, compiled):
     """A list of SequenceBatch parts is one append: every object the same bytes as the append
     of one batch of their sequences and of their records; each part gets its computed tail."""
-    from logitcache.cache_format import _encode
+    from logitcache.cache_format import _encode, fastencode
     from logitcache.cache_format.records import tail_from_logprobs
 
     monkeypatch.setattr(_encode, "FAST_ENCODE", compiled)
@@ -182,6 +182,12 @@ def test_parts_store_the_bytes_of_one_batch_and_of_records(tmp_path, monkeypatch
         assert got.keys() == want.keys()
         differ = [n for n in want if got[n] != want[n] and not _stamped(n)]
         assert differ == [], name
+    if compiled and _encode._compiled(m):  # the parts' rows went straight into the outputs
+        with fastencode.outputs() as out:
+            got = _encode.encode_batch(parts, m, out)
+            ids, stored = out.take(sum(p.num_rows for p in parts), K)
+            assert np.shares_memory(got.arrays["topk_ids"], ids)
+            assert np.shares_memory(got.arrays["topk_logprobs"], stored)
     for p in parts:  # given the tail the encode computed, as records are
         assert known_tail(p).tobytes() == tail_from_logprobs(p.topk_logprobs).tobytes()
 
