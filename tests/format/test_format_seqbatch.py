@@ -183,8 +183,13 @@ def test_parts_store_the_bytes_of_one_batch_and_of_records(tmp_path, monkeypatch
         differ = [n for n in want if got[n] != want[n] and not _stamped(n)]
         assert differ == [], name
     if compiled and _encode._compiled(m):  # the parts' rows went straight into the outputs
+        joined: list[int] = []  # sizes of the arrays the encode concatenates
+        real = np.concatenate
+        counted = lambda xs, **kw: joined.append(sum(np.size(x) for x in xs)) or real(xs, **kw)  # noqa: E731
+        monkeypatch.setattr(np, "concatenate", counted)
         with fastencode.outputs() as out:
             got = _encode.encode_batch(parts, m, out)
+            assert max(joined) < len(f["topk_ids"]) * K  # no top-k rows joined
             ids, stored = out.take(sum(p.num_rows for p in parts), K)
             assert np.shares_memory(got.arrays["topk_ids"], ids)
             assert np.shares_memory(got.arrays["topk_logprobs"], stored)
