@@ -231,7 +231,10 @@ def bare(
         sync(device.startswith("cuda"))
 
     out: dict[str, Any] = {"load_s": load_s, "positions": positions, "device": device}
-    warm = prompts[: max(1, args.batch_sequences)]
+    from logitcache.server.engine.protocol import check_prompts
+
+    checked = check_prompts(prompts, engine.info, engine.array_prompts)  # as score hands them
+    warm = checked[: max(1, args.batch_sequences)]
     device_only(warm)
     with_entropy(warm)
     engine._score_sync(warm, k, 1.0)
@@ -242,7 +245,7 @@ def bare(
     ):
         with GpuSampler() as gpu:
             c0, t0 = time.process_time(), time.perf_counter()
-            res = fn(prompts)
+            res = fn(checked)
             sync(device.startswith("cuda"))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         out[name] = {
