@@ -80,6 +80,28 @@ def test_rows_of_one_buffer_are_parts_that_view_it() -> None:
         to_batches(seqs, scores[:4])
 
 
+def test_a_long_sequence_in_a_buffer_of_its_own_is_a_part_of_its_own(monkeypatch) -> None:
+    """Sequences in separate buffers (vLLM's outputs): one of PART_ROWS rows or more is a view,
+    the shorter ones between are joined (one copy, instead of a part's fixed costs each)."""
+    from logitcache.server.batch import parts
+
+    monkeypatch.setattr(parts, "PART_ROWS", 6)
+    engine = FakeEngine()
+    lengths = [5, 5, 9, 5]  # rows 4, 4, 8, 4
+    raws = [
+        inputs.RawRecord(where=f"r{i}", id=f"s{i}", text=None, input_ids=list(range(1, n + 1)))
+        for i, n in enumerate(lengths)
+    ]
+    seqs = list(inputs.sequences(raws, engine.tokenize, LIMITS))
+    scores = asyncio.run(engine.score([s.input_ids for s in seqs], K))
+    got = to_batches(seqs, scores)
+    assert [p.keys for p in got] == [["s0", "s1"], ["s2"], ["s3"]]
+    assert not np.shares_memory(got[0].topk_ids, scores[0].topk_ids)  # joined
+    assert np.shares_memory(got[1].topk_ids, scores[2].topk_ids)  # viewed
+    assert np.shares_memory(got[2].topk_logprobs, scores[3].topk_logprobs)
+    assert np.array_equal(got[0].record(1).topk_ids, scores[1].topk_ids)
+
+
 def _files(url: Path) -> dict[str, bytes]:
     return {p.relative_to(url).as_posix(): p.read_bytes() for p in url.rglob("*") if p.is_file()}
 
@@ -99,11 +121,19 @@ def _write(url: Path, engine: FakeEngine, seqs: list, score: Any) -> None:
         )
 
 
-@pytest.mark.parametrize("engine_type", [FlatEngine, FakeEngine])
-def test_a_job_stores_the_bytes_of_the_per_record_append(tmp_path: Path, engine_type) -> None:
-    """The job path's parts and the records a job appended before (``engine_records`` with its
-    tail left to the writer: the reference) give stores whose every object has the same bytes,
-    those recording the commit's time excepted (root attributes, key index runs)."""
+@pytest.mark.parametrize(
+    ("engine_type", "part_rows"), [(FlatEngine, 512), (FakeEngine, 512), (FakeEngine, 3)]
+)
+def test_a_job_stores_the_bytes_of_the_per_record_append(
+    tmp_path: Path, monkeypatch, engine_type, part_rows
+) -> None:
+    """The job path's parts (views of shared buffers, joined short sequences, or a part per
+    sequence) and the records a job appended before (``engine_records`` with its tail left to
+    the writer: the reference) give stores whose every object has the same bytes, those
+    recording the commit's time excepted (root attributes, key index runs)."""
+    from logitcache.server.batch import parts
+
+    monkeypatch.setattr(parts, "PART_ROWS", part_rows)
     engine = engine_type()
     seqs = _seqs(engine, 8)
     _write(tmp_path / "parts", engine, seqs, lambda b: pipeline.engine_batches(engine, b, K))
