@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NoReturn
 
 import numpy as np
@@ -236,11 +237,9 @@ def _encode_parts(
         arrays = _encode_rows(
             p, manifest, None, None if into is None else (into[0][part], into[1][part])
         )
-        if arrays is None:
+        if arrays is None:  # the error names the sequence's place in the whole append
             start = first + _first_bad(p, manifest)
-            _raise_first(
-                lambda i, p=p, f=first: p.record(i - f), first + p.num_sequences, manifest, start
-            )
+            _raise_first(partial(_shifted, p, first), first + p.num_sequences, manifest, start)
         encoded.append(arrays)
         row, first = part.stop, first + p.num_sequences
     placed = {} if into is None else {spec.TOPK_IDS: into[0], spec.TOPK_LOGPROBS: into[1]}
@@ -250,6 +249,11 @@ def _encode_parts(
     keys = [key for p in parts for key in p.key_list()]
     lengths = np.concatenate([p.lengths for p in parts])
     return Batch(keys, lengths, np.concatenate([p.input_ids for p in parts]), joined)
+
+
+def _shifted(b: SequenceBatch, first: int, i: int) -> SequenceRecord:
+    """Sequence ``i`` of an append whose part ``b`` starts at sequence ``first``."""
+    return b.record(i - first)
 
 
 def _hidden_batch(records: list[Any], manifest: Manifest) -> Batch:

@@ -359,7 +359,7 @@ def check_prompts(
         raise EngineInputError("prompts must be a list of token-id lists")
     if len(prompts) == 0:
         raise EngineInputError("no prompts given")
-    out: list[list[int]] = []
+    out: list[Any] = []
     for i, p in enumerate(prompts):
         try:
             arr = np.asarray(p)
