@@ -275,9 +275,15 @@ def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Nam
         "job_batch_tokens": args.job_batch_tokens,
         "log_level": "warning",
     }
+    warm: dict[str, Any] = {}
+    if args.inproc_warmup:  # the first job of a process pays first calls (the cpu mode's warmup)
+        warm = cpu.job_run(k, prompts[: args.inproc_warmup], settings_kw, engine)
     with GpuSampler() as gpu:
         out = cpu.job_run(k, prompts, settings_kw, engine)
     out["gpu_util"] = gpu.summary()
+    if warm:
+        out["warmup"] = {x: warm[x] for x in ("positions", "outside_engine_us_per_position")}
+        out["warmup"]["stage_us_per_position"] = warm["stage_us_per_position"]
     out["tokens_per_s"] = sum(len(p) for p in prompts) / out["wall_s"]
     return out
 
@@ -423,7 +429,8 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
             f"[{name}] inproc: {ip['outside_engine_us_per_position']:.2f} CPU-us/position of "
             f"job path ({ip['us_per_position']:.2f} with the engine's host work; device "
             f"{ip['device_us_per_position']:.2f}), {ip['tokens_per_s']:.0f} tok/s, "
-            f"{ip['appends']} appends; stages {stages}",
+            f"{ip['appends']} appends; stages {stages}; untimed warm-up job before it: "
+            f"{ip.get('warmup', {}).get('outside_engine_us_per_position', float('nan')):.2f}",
             flush=True,
         )
     j = job(model, prompts, work / f"job-{name}", args)
@@ -484,6 +491,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     options(
         p,
         inproc_sequences=(256, "sequences of the in-process job measured stage by stage (0: none)"),
+        inproc_warmup=(16, "sequences of an untimed in-process job before it (0: none)"),
         tail_sequences=(64, "sequences read for tail mass"),
         batch_sequences=(64, "job batch sequences"),
         engine_options=({}, "JSON, as the server's", {"type": json.loads}),
