@@ -1,14 +1,15 @@
 """A teacher job on one GPU with the transformers backend, against the bare model in the same run.
 
-Per teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for the
-CPU test): a model directory of random bf16 weights a user could serve; **bare** (the backend's
-engine in this process: ``device``, ``device_entropy``, ``engine`` rates); **inproc** (the same
-engine object behind the service in this process, the job path's CPU measured by stage and by
-thread as :func:`benchmarks.service.cpu.job_run` measures it: the job path is the process's CPU
-less the engine's ``device`` and ``engine`` stages); **job** (``logitcache-server --backend hf``
-in a subprocess scores ``--sequences`` x ``--seq-len`` random ids through ``POST /v1/jobs``;
-its server CPU less the bare engine's share is the ``..._subtraction`` estimate); the cache read
-back (bytes/position, tail mass, top-k ids vs the bare engine's). What each phase times:
+Per teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for the CPU
+test): a model directory of random bf16 weights a user could serve; **bare** (the backend's engine
+in this process: ``device``, ``device_entropy``, ``engine`` rates); **inproc** (the same engine
+object behind the service in this process, the job path's CPU measured by stage and by thread as
+:func:`benchmarks.service.cpu.job_run` measures it: the job path is the process's CPU less the
+engine's ``device`` and ``engine`` stages; after an untimed warm-up job of ``--inproc-warmup``
+sequences, whose figure the JSON keeps apart); **job** (``logitcache-server --backend hf`` in a
+subprocess scores ``--sequences`` x ``--seq-len`` random ids through ``POST /v1/jobs``; its server
+CPU less the bare engine's share is the ``..._subtraction`` estimate); the cache read back
+(bytes/position, tail mass, top-k ids vs the bare engine's). What each phase times:
 ``benchmarks/results/service.md``, section "The transformers backend on one GPU".
 
 Usage (GPU box, through the harness's device runner; wheels as in
