@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NoReturn
 
 import numpy as np
@@ -163,10 +164,11 @@ ENCODE_GROUP_VALUES = 1 << 19
 def encode_batch(
     records: list[Any] | SequenceBatch, manifest: Manifest, out: fastencode.Outputs | None = None
 ) -> Batch | None:
-    """Validate an append (a :class:`~._seqbatch.SequenceBatch`, or records, made one in one
-    pass) against ``manifest`` and convert it to the stored dtypes, concatenated (``None`` for
-    an empty append). With ``out``, the compiled pass writes the top-k ids and logprobs into its
-    arrays (valid until ``out`` is taken again).
+    """Validate an append (a :class:`~._seqbatch.SequenceBatch`, a list of them,
+    :func:`_encode_parts`, or records, made one in one pass) against ``manifest`` and convert it
+    to the stored dtypes, concatenated (``None`` for an empty append). With ``out``, the
+    compiled pass writes the top-k ids and logprobs into its arrays (valid until ``out`` is
+    taken again).
 
     Accepts and refuses exactly what :func:`encode_record` does record by record, with the same
     :class:`~.errors.RecordError` (the first bad record's, with its index): the checks run
@@ -184,6 +186,8 @@ def encode_batch(
         recs = list(records)
         if not recs:
             return None
+        if isinstance(recs[0], SequenceBatch):
+            return _encode_parts(recs, manifest, out)
         if manifest.hidden is not None:  # FORMAT.md 4.10: hidden rows, no top-k entries
             return _hidden_batch(recs, manifest)
         k, mask = manifest.k, manifest.loss_mask
@@ -205,6 +209,51 @@ def encode_batch(
     if recs is not None:
         give_tails(recs, batch)
     return Batch(batch.key_list(), batch.lengths, batch.input_ids, arrays)
+
+
+def _encode_parts(
+    parts: list[Any], manifest: Manifest, out: fastencode.Outputs | None
+) -> Batch | None:
+    """:func:`encode_batch` of :class:`~._seqbatch.SequenceBatch` ``parts`` appended as one
+    (their sequences in order): each part's top-k rows are checked and encoded straight into its
+    rows of the append's stored arrays (the compiled pass), so rows that arrive in several
+    buffers (an engine's batches) are never joined first. The same bytes, checks and errors
+    (``index``: the sequence's place in the whole append) as one batch of all the sequences."""
+    for i, p in enumerate(parts):
+        if not isinstance(p, SequenceBatch):
+            raise RecordError(f"an append of SequenceBatch parts got {type(p).__name__}", index=i)
+    if manifest.hidden is not None:
+        raise RecordError('a targets="hidden" store takes HiddenRecord, got SequenceBatch')
+    parts = [p for p in parts if p.num_sequences]
+    if len(parts) <= 1:
+        return encode_batch(parts[0], manifest, out) if parts else None
+    k, total = manifest.k, sum(p.num_rows for p in parts)
+    into: tuple[np.ndarray, np.ndarray] | None = None
+    if _compiled(manifest):
+        into = out.take(total, k) if out is not None else _new_outputs(total, k)
+    encoded, row, first = [], 0, 0
+    for p in parts:
+        part = slice(row, row + p.num_rows)
+        arrays = _encode_rows(
+            p, manifest, None, None if into is None else (into[0][part], into[1][part])
+        )
+        if arrays is None:  # the error names the sequence's place in the whole append
+            start = first + _first_bad(p, manifest)
+            _raise_first(partial(_shifted, p, first), first + p.num_sequences, manifest, start)
+        encoded.append(arrays)
+        row, first = part.stop, first + p.num_sequences
+    placed = {} if into is None else {spec.TOPK_IDS: into[0], spec.TOPK_LOGPROBS: into[1]}
+    joined = {  # the compiled pass wrote the parts' top-k rows in place
+        n: placed[n] if n in placed else np.concatenate([e[n] for e in encoded]) for n in encoded[0]
+    }
+    keys = [key for p in parts for key in p.key_list()]
+    lengths = np.concatenate([p.lengths for p in parts])
+    return Batch(keys, lengths, np.concatenate([p.input_ids for p in parts]), joined)
+
+
+def _shifted(b: SequenceBatch, first: int, i: int) -> SequenceRecord:
+    """Sequence ``i`` of an append whose part ``b`` starts at sequence ``first``."""
+    return b.record(i - first)
 
 
 def _hidden_batch(records: list[Any], manifest: Manifest) -> Batch:
@@ -272,14 +321,32 @@ _tables: dict[int, fastencode.StampTable] = {}  # by vocabulary size, reused bet
 _tables_lock = threading.Lock()
 
 
+def _compiled(manifest: Manifest) -> bool:
+    """Whether appends to a store of ``manifest`` take the compiled pass (:func:`_encode_rows`)."""
+    return (
+        FAST_ENCODE
+        and manifest.logprob_dtype == "float16"
+        and manifest.vocab_size <= fastencode.MAX_VOCAB
+        and fastencode.ready()
+    )
+
+
+def _new_outputs(rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.empty((rows, k), np.int32), np.empty((rows, k), np.uint16)
+
+
 def _encode_rows(
-    b: SequenceBatch, manifest: Manifest, out: fastencode.Outputs | None = None
+    b: SequenceBatch,
+    manifest: Manifest,
+    out: fastencode.Outputs | None = None,
+    into: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray] | None:
     """The stored row arrays of batch ``b``, or ``None`` when it fails a check
     (:func:`.records.rows_pass`'s, over the whole batch). float16 stores with a vocabulary of
     up to :data:`.fastencode.MAX_VOCAB` take the compiled pass (:func:`.fastencode.encode_rows`:
-    checks, ids and float16 row deltas in one loop over the rows, into ``out``'s arrays) where
-    numba is available; the others NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
+    checks, ids and float16 row deltas in one loop over the rows, into ``into``'s ``[rows, k]``
+    ids and stored logprobs, else ``out``'s arrays) where numba is available; the others
+    NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
     from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
 
     k, vocab, rows = manifest.k, manifest.vocab_size, b.num_rows
@@ -297,16 +364,13 @@ def _encode_rows(
     step = max(1, ENCODE_GROUP_VALUES // k)
     lp = b.topk_logprobs
     tails = np.empty(rows, np.float32) if t is None and known_tail(b) is None else None
-    if (
-        FAST_ENCODE
-        and manifest.logprob_dtype == "float16"
-        and vocab <= fastencode.MAX_VOCAB
-        and fastencode.ready()
-    ):
-        if out is not None:  # faulted in once, reused (fastencode.Outputs)
+    if _compiled(manifest):
+        if into is not None:
+            ids, stored = into
+        elif out is not None:  # faulted in once, reused (fastencode.Outputs)
             ids, stored = out.take(rows, k)
         else:
-            ids, stored = np.empty((rows, k), np.int32), np.empty((rows, k), np.uint16)
+            ids, stored = _new_outputs(rows, k)
         with _tables_lock:  # one table per writer thread at a time
             table = _tables.pop(vocab, None) or fastencode.StampTable(vocab)
         try:

@@ -356,9 +356,13 @@ class CacheWriter(ArrayWrites):
         return [k for k, stored in zip(keys, got, strict=True) if not stored]
 
     # ------------------------------------------------------------------ appending
-    def append(self, records: Iterable[SequenceRecord] | SequenceBatch) -> int:
-        """Append ``records`` (or a :class:`~._seqbatch.SequenceBatch`); returns how many were
-        newly committed (known keys are skipped, and a key's repeats within the append).
+    def append(
+        self, records: Iterable[SequenceRecord] | Iterable[SequenceBatch] | SequenceBatch
+    ) -> int:
+        """Append ``records`` (or a :class:`~._seqbatch.SequenceBatch`, or a list of them: their
+        sequences in order, each one's rows encoded in place, never joined first); returns how
+        many were newly committed (known keys are skipped, and a key's repeats within the
+        append).
 
         The whole batch is validated first: any bad record raises :class:`~.errors.RecordError`
         and nothing is written. Raises :class:`~.errors.WriterLockedError` if the lock is not
@@ -370,7 +374,7 @@ class CacheWriter(ArrayWrites):
         with fastencode.outputs() as out:  # its arrays are written before this returns
             return self._append(batch, out)
 
-    def _append(self, records: list[SequenceRecord] | SequenceBatch, out: Any) -> int:
+    def _append(self, records: list[Any] | SequenceBatch, out: Any) -> int:
         encoded = encode_batch(records, self._manifest, out)
         if encoded is None:
             return 0

@@ -129,7 +129,10 @@ def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarr
 
 def _read_only(a: np.ndarray) -> np.ndarray:
     """A read-only view of ``a``: a kernel's inputs are always read-only arrays (bytes of a
-    store often are), so numba specialises each kernel once, not again per writability."""
+    store often are, and so are views of an engine's row buffers), so numba specialises each
+    kernel once, at :func:`ready`'s self-check, not again per writability inside an append
+    (a compile there costs ~1 CPU-s, in the job's encode stage, wherever numba's on-disk cache
+    lacks that specialisation)."""
     v = a.view()
     v.flags.writeable = False
     return v
@@ -196,7 +199,7 @@ def tail_rows(lp: np.ndarray) -> np.ndarray | None:
         return None
     n, k = lp.shape
     rest = np.empty((n, k - 1), np.float32)
-    if _tail[0](parent_rows(lp), rest):
+    if _tail[0](_read_only(parent_rows(lp)), rest):
         return None
     np.exp(rest, out=rest)  # numpy's exp: its bits are what the format stores
     if k - 1 <= _tail[2]:
@@ -362,8 +365,16 @@ def encode_rows(
     :func:`.records.rows_pass` does and write ``ids_out`` (the ids) and ``stored_out`` (the
     float16 row-delta bit patterns, :func:`.quant.encode_logprobs`); False at the first failing
     row (the outputs are then partly written). Call only after :func:`ready` returned True."""
-    pl = parent_rows(lp)  # the ids' loop is scalar: their strides cost nothing (numba's "A")
-    got = _kernel(
-        ids, pl, pl.view(np.uint32), ids_out, stored_out, table.seen, table.state, table.vocab, tol
+    pl = _read_only(parent_rows(lp))
+    got = _kernel(  # the ids' loop is scalar: their strides cost nothing (numba's "A")
+        _read_only(ids),
+        pl,
+        pl.view(np.uint32),
+        ids_out,
+        stored_out,
+        table.seen,
+        table.state,
+        table.vocab,
+        tol,
     )
     return got == 0

@@ -22,7 +22,8 @@ loop; or the transformers backend's batching, hand-over of each decoder batch's 
 per-sequence rows, in its worker thread, less its ``device`` stage: the replayed rows' making,
 or on a GPU the decoder's and lm-head's launches, ``_hidden`` and ``_topk_rows``, reported apart
 and not counted), ``convert`` (the engine output's rows, on the event loop),
-``pair`` (``to_records``), ``encode`` (``writer.encode_batch``: checks, float16, row
+``pair`` (``to_batches``: the rows as the writer's parts; ``to_records`` in a tree that
+pairs each sequence with its rows), ``encode`` (``writer.encode_batch``: checks, float16, row
 deltas, in the job writer thread), ``compress`` (``shardwrite.encode_chunk``: blosc + CRC32C,
 in the job writer thread, or zarr's IO thread for an array zarr opens), ``write`` (the rest of
 zarr's IO thread and of the append's shard assembly; the store's object
@@ -185,8 +186,11 @@ async def run_job(
         own["_generate"] = clock.wrap_async("engine", engine._generate)
     for name, fn in own.items():  # on this engine object only, until the job ends
         setattr(engine, name, fn)
+    # the engine's rows as the writer takes them: parts (to_batches), or records in a tree
+    # that pairs each sequence with its rows (to_records)
+    pair = "to_batches" if hasattr(pipeline, "to_batches") else "to_records"
     patches = [
-        (pipeline, "to_records", clock.wrap("pair", pipeline.to_records)),
+        (pipeline, pair, clock.wrap("pair", getattr(pipeline, pair))),
         (WriterHandle, "append", clock.wrap("append", clock.count_append(WriterHandle.append))),
         (writer, "encode_batch", clock.wrap("encode", writer.encode_batch)),
         (shardwrite, "encode_chunk", clock.wrap("compress", shardwrite.encode_chunk)),

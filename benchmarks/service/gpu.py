@@ -1,14 +1,15 @@
 """A teacher job on one GPU with the transformers backend, against the bare model in the same run.
 
-Per teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for the
-CPU test): a model directory of random bf16 weights a user could serve; **bare** (the backend's
-engine in this process: ``device``, ``device_entropy``, ``engine`` rates); **inproc** (the same
-engine object behind the service in this process, the job path's CPU measured by stage and by
-thread as :func:`benchmarks.service.cpu.job_run` measures it: the job path is the process's CPU
-less the engine's ``device`` and ``engine`` stages); **job** (``logitcache-server --backend hf``
-in a subprocess scores ``--sequences`` x ``--seq-len`` random ids through ``POST /v1/jobs``;
-its server CPU less the bare engine's share is the ``..._subtraction`` estimate); the cache read
-back (bytes/position, tail mass, top-k ids vs the bare engine's). What each phase times:
+Per teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for the CPU
+test): a model directory of random bf16 weights a user could serve; **bare** (the backend's engine
+in this process: ``device``, ``device_entropy``, ``engine`` rates); **inproc** (the same engine
+object behind the service in this process, the job path's CPU measured by stage and by thread as
+:func:`benchmarks.service.cpu.job_run` measures it: the job path is the process's CPU less the
+engine's ``device`` and ``engine`` stages; after an untimed warm-up job of ``--inproc-warmup``
+sequences, whose figure the JSON keeps apart); **job** (``logitcache-server --backend hf`` in a
+subprocess scores ``--sequences`` x ``--seq-len`` random ids through ``POST /v1/jobs``; its server
+CPU less the bare engine's share is the ``..._subtraction`` estimate); the cache read back
+(bytes/position, tail mass, top-k ids vs the bare engine's). What each phase times:
 ``benchmarks/results/service.md``, section "The transformers backend on one GPU".
 
 Usage (GPU box, through the harness's device runner; wheels as in
@@ -206,7 +207,10 @@ def bare(
         sync(device.startswith("cuda"))
 
     out: dict[str, Any] = {"load_s": load_s, "positions": positions, "device": device}
-    warm = prompts[: max(1, args.batch_sequences)]
+    from logitcache.server.engine.protocol import check_prompts
+
+    checked = check_prompts(prompts, engine.info, engine.array_prompts)  # as score hands them
+    warm = checked[: max(1, args.batch_sequences)]
     device_only(warm)
     with_entropy(warm)
     engine._score_sync(warm, k, 1.0)
@@ -217,7 +221,7 @@ def bare(
     ):
         with gpu_sampler() as gpu:
             c0, t0 = time.process_time(), time.perf_counter()
-            res = fn(prompts)
+            res = fn(checked)
             sync(device.startswith("cuda"))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         out[name] = {
@@ -247,9 +251,15 @@ def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Nam
         "job_batch_tokens": args.job_batch_tokens,
         "log_level": "warning",
     }
+    warm: dict[str, Any] = {}
+    if args.inproc_warmup:  # the first job of a process pays first calls (the cpu mode's warmup)
+        warm = cpu.job_run(k, prompts[: args.inproc_warmup], settings_kw, engine)
     with gpu_sampler() as gpu:
         out = cpu.job_run(k, prompts, settings_kw, engine)
     out["gpu_util"] = util(gpu)
+    if warm:
+        out["warmup"] = {x: warm[x] for x in ("positions", "outside_engine_us_per_position")}
+        out["warmup"]["stage_us_per_position"] = warm["stage_us_per_position"]
     out["tokens_per_s"] = sum(len(p) for p in prompts) / out["wall_s"]
     return out
 
@@ -368,7 +378,8 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
             f"[{name}] inproc: {ip['outside_engine_us_per_position']:.2f} CPU-us/position of "
             f"job path ({ip['us_per_position']:.2f} with the engine's host work; device "
             f"{ip['device_us_per_position']:.2f}), {ip['tokens_per_s']:.0f} tok/s, "
-            f"{ip['appends']} appends; stages {stages}",
+            f"{ip['appends']} appends; stages {stages}; untimed warm-up job before it: "
+            f"{ip.get('warmup', {}).get('outside_engine_us_per_position', float('nan')):.2f}",
             flush=True,
         )
     jobs = {}
@@ -442,6 +453,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     options(
         p,
         inproc_sequences=(256, "sequences of the in-process job measured stage by stage (0: none)"),
+        inproc_warmup=(16, "sequences of an untimed in-process job before it (0: none)"),
         tail_sequences=(64, "sequences read for tail mass"),
         batch_sequences=(64, "job batch sequences"),
         job_inflight_batches=(

@@ -485,14 +485,13 @@ class JobRunner:
         def score(seqs: list[inputs.Sequence]) -> Any:
             if handle.manifest.hidden is not None:  # FORMAT.md 4.10
                 return pipeline.hidden_records(scoring.engine, seqs, metrics=scoring.metrics)
-            return pipeline.engine_records(
+            return pipeline.engine_batches(
                 scoring.engine,
                 seqs,
                 job.k,
                 metrics=scoring.metrics,  # labelled with the job's teacher
                 source="job",
                 targets=sampled,
-                lazy_tail=True,  # the writer computes it (pipeline.to_records)
             )
 
         await pipeline.run(

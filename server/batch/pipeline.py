@@ -1,4 +1,4 @@
-"""The one batch pipeline: checked sequences -> batches -> engine scores -> records -> append.
+"""The one batch pipeline: checked sequences -> batches -> engine scores -> rows -> append.
 
 Used by every path that writes scored rows to a cache:
 
@@ -15,12 +15,15 @@ Contract of :func:`run` (jobs and shards; an on-demand batch is scored by step 2
 1. :func:`plan` cuts the sequences into consecutive batches (:func:`.records.batches`: a pure
    function of the sequences and the batch limits, so a restarted run forms the same batches)
    and marks a batch ``todo`` when its cache still lacks any of its keys.
-2. :func:`engine_records` scores one batch: one engine call at ``k`` (:func:`call_engine`, rows
-   aligned as in DESIGN.md), then :func:`to_records` pairs each sequence with its rows.
+2. :func:`engine_batches` scores one batch: one engine call at ``k`` (:func:`call_engine`,
+   rows aligned as in DESIGN.md), then :func:`.parts.to_batches` makes its rows
+   :class:`~logitcache.cache_format.SequenceBatch` parts, views of the engine's arrays (an
+   on-demand batch is paired per sequence instead, :func:`engine_records`: the records answer
+   the request).
 3. :func:`run` keeps up to ``depth()`` batches in the engine, and hands the finished batches,
    in input order, to ``write`` in one writer thread: the batches waiting for it as one group
-   of ``(batch, records)`` items (``records`` is ``None`` for a batch that was not ``todo``),
-   appended in one commit (:class:`Appended`) before progress is reported. A batch is
+   of ``(batch, rows)`` items (``rows``: the batch's parts, or ``None`` for a batch that was
+   not ``todo``), appended in one commit (:class:`Appended`) before progress is reported. A batch is
    therefore committed before any later batch, and the engine is never idle while results are
    converted and written.
 
@@ -42,10 +45,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from logitcache.cache_format import Manifest, SequenceRecord
+from logitcache.cache_format import Manifest, SequenceBatch, SequenceRecord
 
 from ..engine.protocol import EngineInputError
 from ..inputs import records as inputs
+from .parts import to_batches
 
 if TYPE_CHECKING:
     from ..engine import SampledTargets, TeacherEngine, TeacherScores
@@ -70,11 +74,13 @@ class Missing(Protocol):
     def __call__(self, keys: Seq[str]) -> Seq[str]: ...
 
 
-#: Scores one batch's sequences (engine call + conversion); returns one record per sequence.
-ScoreFn = Callable[[list[inputs.Sequence]], Awaitable[list[SequenceRecord]]]
-#: Writes a group of batches in one append (one commit), in order: ``(batch, records)`` items,
-#: ``records`` ``None`` for a batch that was not scored.
-WriteFn = Callable[[list[tuple[Batch, "list[SequenceRecord] | None"]]], None]
+#: Scores one batch's sequences (engine call + conversion); returns what a cache's writer
+#: appends for them: :class:`~logitcache.cache_format.SequenceBatch` parts (top-k rows) or one
+#: record per sequence (records to answer a request, hidden-state records).
+ScoreFn = Callable[[list[inputs.Sequence]], Awaitable[list[Any]]]
+#: Writes a group of batches in one append (one commit), in order: ``(batch, rows)`` items,
+#: ``rows`` ``None`` for a batch that was not scored.
+WriteFn = Callable[[list[tuple[Batch, "list[Any] | None"]]], None]
 
 
 class Stopped(Exception):
@@ -119,9 +125,9 @@ def to_records(
 
 
 def for_store(records: Seq[Any], manifest: Manifest) -> list[Any]:
-    """``records`` as a cache with ``manifest`` keeps them: copies without the actual-token
-    logprob (FORMAT.md 4.12) when the cache has no such array (a cache made without it), the
-    records themselves otherwise."""
+    """``records`` (or :class:`~logitcache.cache_format.SequenceBatch` parts) as a cache with
+    ``manifest`` keeps them: copies without the actual-token logprob (FORMAT.md 4.12) when the
+    cache has no such array (a cache made without it), the records themselves otherwise."""
     if manifest.actual_logprob:
         return list(records)
     out = []
@@ -152,6 +158,28 @@ async def call_engine(
     return scores
 
 
+async def _scores(
+    engine: TeacherEngine,
+    seqs: Seq[inputs.Sequence],
+    k: int,
+    metrics: TeacherMetrics | None,
+    source: str,
+    targets: SampledTargets | None,
+    temperature: float | None,
+) -> list[TeacherScores]:
+    """:func:`call_engine`, its time recorded under ``source`` with ``metrics``."""
+    t0 = time.perf_counter()
+    scores = await call_engine(engine, seqs, k, targets, temperature)
+    if metrics is not None:
+        metrics.scored(
+            source,
+            sequences=len(seqs),
+            tokens=sum(s.length for s in seqs),
+            seconds=time.perf_counter() - t0,
+        )
+    return scores
+
+
 async def engine_records(
     engine: TeacherEngine,
     seqs: Seq[inputs.Sequence],
@@ -170,16 +198,25 @@ async def engine_records(
     ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
     (:func:`to_records`). ``temperature``: the engine's ``T`` for these rows (``None``: its own).
     """
-    t0 = time.perf_counter()
-    scores = await call_engine(engine, seqs, k, targets, temperature)
-    if metrics is not None:
-        metrics.scored(
-            source,
-            sequences=len(seqs),
-            tokens=sum(s.length for s in seqs),
-            seconds=time.perf_counter() - t0,
-        )
+    scores = await _scores(engine, seqs, k, metrics, source, targets, temperature)
     return await asyncio.to_thread(to_records, seqs, scores, lazy_tail)
+
+
+async def engine_batches(
+    engine: TeacherEngine,
+    seqs: Seq[inputs.Sequence],
+    k: int,
+    *,
+    metrics: TeacherMetrics | None = None,
+    source: str = "job",
+    targets: SampledTargets | None = None,
+) -> list[SequenceBatch]:
+    """:func:`engine_records`' engine call for rows that only go to a cache's writer: the
+    :class:`~logitcache.cache_format.SequenceBatch` parts of :func:`.parts.to_batches` (views
+    of the engine's arrays, made in a worker thread; a tail mass not computed yet is the
+    writer's)."""
+    scores = await _scores(engine, seqs, k, metrics, source, targets, None)
+    return await asyncio.to_thread(to_batches, seqs, scores)
 
 
 async def hidden_records(
@@ -223,21 +260,24 @@ WRITE_LINGER_S = 0.1
 
 
 class Appended:
-    """A writer-thread step: the scored records of a group of ``(batch, records)`` items
-    appended with ``append`` in one commit, as a cache of ``manifest`` keeps them
-    (:func:`for_store`); counts the batches written (``sequences``, ``tokens``) and, of those,
-    the ones scored (``scored_sequences``, ``scored_tokens``)."""
+    """A writer-thread step: the scored rows (:class:`~logitcache.cache_format.SequenceBatch`
+    parts or records) of a group of ``(batch, rows)`` items appended with ``append`` in one
+    commit, as a cache of ``manifest`` keeps them (:func:`for_store`); counts the batches
+    written (``sequences``, ``tokens``) and, of those, the ones scored (``scored_sequences``,
+    ``scored_tokens``)."""
 
     def __init__(self, append: Callable[[list[Any]], Any], manifest: Manifest):
         self.append = append
         self.manifest = manifest
         self.sequences = self.tokens = self.scored_sequences = self.scored_tokens = 0
 
-    def __call__(self, items: list[tuple[Batch, list[SequenceRecord] | None]]) -> list[Any]:
-        """Append ``items``' records; returns them (as scored)."""
-        scored = [r for _, records in items if records is not None for r in records]
+    def __call__(self, items: list[tuple[Batch, list[Any] | None]]) -> list[Any]:
+        """Append ``items``' rows; returns them as appended (:func:`for_store`: with the tail
+        mass the writer computed)."""
+        scored = [r for _, rows in items if rows is not None for r in rows]
         if scored:
-            self.append(for_store(scored, self.manifest))
+            scored = for_store(scored, self.manifest)
+            self.append(scored)
         for batch, records in items:
             self.sequences += len(batch.seqs)
             self.tokens += batch.tokens
@@ -254,7 +294,7 @@ def merge_rows(manifest: Any) -> int:
     return min(MERGE_ROWS, MERGE_VALUES // max(width, 1))
 
 
-def _rows(item: tuple[Batch, list[SequenceRecord] | None]) -> int:
+def _rows(item: tuple[Batch, list[Any] | None]) -> int:
     return sum(s.length - 1 for s in item[0].seqs)
 
 
@@ -286,13 +326,11 @@ class _Writer:
         self._rate = 0.0  # rows handed over per second (0: not known yet)
         self._last_put = time.monotonic()  # the first batch's rate runs from here
         self.error: BaseException | None = None
-        self._queue: queue.Queue[tuple[Batch, list[SequenceRecord] | None] | None] = queue.Queue(
-            maxsize
-        )
+        self._queue: queue.Queue[tuple[Batch, list[Any] | None] | None] = queue.Queue(maxsize)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, item: tuple[Batch, list[SequenceRecord] | None] | None) -> None:
+    def put(self, item: tuple[Batch, list[Any] | None] | None) -> None:
         """Blocking put (call from a worker thread); raises the writer's error if it died."""
         if item is not None:
             self._arrived(_rows(item))
@@ -382,7 +420,7 @@ async def run(
     before this returns or raises.
     """
     writer = _Writer(write, queue_size, name, merge_rows, linger, fill)
-    inflight: deque[tuple[Batch, asyncio.Future[list[SequenceRecord] | None]]] = deque()
+    inflight: deque[tuple[Batch, asyncio.Future[list[Any] | None]]] = deque()
 
     async def drain_one() -> None:
         b, t = inflight.popleft()
@@ -399,7 +437,7 @@ async def run(
             if not batch.todo and not inflight:
                 await asyncio.to_thread(writer.put, (batch, None))
                 continue
-            fut: asyncio.Future[list[SequenceRecord] | None]
+            fut: asyncio.Future[list[Any] | None]
             if batch.todo:
                 fut = asyncio.ensure_future(score(batch.seqs))
             else:  # keep its place in the order behind the batches still in the engine

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-from logitcache.cache_format import SequenceRecord
+from typing import Any
 
 from ..metrics import Metrics
 from ..serving.caches import WriterHandle
@@ -55,7 +54,7 @@ class Progress:
         self.metrics = metrics
         self.stats = stats
 
-    def __call__(self, items: list[tuple[pipeline.Batch, list[SequenceRecord] | None]]) -> None:
+    def __call__(self, items: list[tuple[pipeline.Batch, list[Any] | None]]) -> None:
         done = self.appended
         for r in done(items):  # live coverage (status page, job status; hidden rows have none)
             if hasattr(r, "tail_or_computed"):

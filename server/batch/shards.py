@@ -219,7 +219,7 @@ async def score_shard(
                 max_sequences=batch_sequences,
                 max_tokens=batch_tokens,
             ),
-            score=lambda b: pipeline.engine_records(engine, b, manifest.k, targets=sampled),
+            score=lambda b: pipeline.engine_batches(engine, b, manifest.k, targets=sampled),
             write=done,
             merge_rows=pipeline.merge_rows(manifest),
             linger=pipeline.WRITE_LINGER_S,

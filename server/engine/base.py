@@ -38,6 +38,9 @@ class BaseEngine:
 
     info: EngineInfo
     tokenizer: Any
+    #: Whether the checked prompts reach ``_generate`` and the other hooks as int64 arrays
+    #: (:func:`~.protocol.check_prompts`) instead of ``list[int]`` lists.
+    array_prompts = False
 
     def __init__(self) -> None:
         self.timings = ScoreTimings()
@@ -115,7 +118,7 @@ class BaseEngine:
             raise EngineClosedError("the engine is closed")
         k = check_k(k, self.info.max_k, self.info.vocab_size)
         t = check_temperature(temperature, self.info.temperature)
-        checked = check_prompts(prompts, self.info)
+        checked = check_prompts(prompts, self.info, self.array_prompts)
         t0 = time.perf_counter()
         raw = await self._generate(checked, k, t)
         t1 = time.perf_counter()
@@ -138,7 +141,7 @@ class BaseEngine:
             raise EngineClosedError("the engine is closed")
         targets = check_sampled(targets, self.info.vocab_size)
         t = check_temperature(temperature, self.info.temperature)
-        checked = check_prompts(prompts, self.info)
+        checked = check_prompts(prompts, self.info, self.array_prompts)
         keys = check_keys(keys, len(checked))
         t0 = time.perf_counter()
         raw = await self._generate_sampled(checked, keys, targets, t)
@@ -163,7 +166,7 @@ class BaseEngine:
         if self._closed:
             raise EngineClosedError("the engine is closed")
         t = check_temperature(temperature, self.info.temperature)
-        checked = check_prompts(prompts, self.info)
+        checked = check_prompts(prompts, self.info, self.array_prompts)
         chosen = check_token_ids(ids, len(checked), self.info.vocab_size)
         t0 = time.perf_counter()
         out = await self._generate_ids(checked, chosen, t)
@@ -184,7 +187,7 @@ class BaseEngine:
             raise EngineClosedError("the engine is closed")
         k = check_k(k, self.info.max_k, self.info.vocab_size)
         t = check_temperature(temperature, self.info.temperature)
-        checked = check_prompts(prompts, self.info)
+        checked = check_prompts(prompts, self.info, self.array_prompts)
         chosen = check_token_ids(ids, len(checked), self.info.vocab_size)
         t0 = time.perf_counter()
         scores, at_ids = await self._generate_with_ids(checked, k, chosen, t)
@@ -198,7 +201,7 @@ class BaseEngine:
         predicts token ``j + 1`` (FORMAT.md 4.10); every check runs before any work."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        checked = check_prompts(prompts, self.info)
+        checked = check_prompts(prompts, self.info, self.array_prompts)
         t0 = time.perf_counter()
         out = await self._generate_hidden(checked)
         t1 = time.perf_counter()

@@ -122,6 +122,9 @@ class TransformersEngine(BaseEngine):
         )
         self._lock = threading.Lock()
 
+    #: Prompts arrive as int64 arrays (tensors are made of them without a Python int per token).
+    array_prompts = True
+
     # --- compute ----------------------------------------------------------------------------
 
     def _topk_rows(
@@ -196,7 +199,7 @@ class TransformersEngine(BaseEngine):
             out.append((z[:, idx] - torch.logsumexp(z, dim=-1, keepdim=True)).cpu())
         return torch.cat(out).numpy()
 
-    def _batches(self, prompts: list[list[int]]) -> list[list[int]]:
+    def _batches(self, prompts: list[Any]) -> list[list[int]]:
         """Prompt indices grouped by length (longest first) so padded tokens stay under
         ``batch_tokens`` (a longer prompt gets a batch of its own)."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -212,7 +215,7 @@ class TransformersEngine(BaseEngine):
             batches.append(cur)
         return batches
 
-    def _hidden(self, seqs: list[list[int]]) -> Any:
+    def _hidden(self, seqs: list[Any]) -> Any:
         """The decoder's last hidden states ``[B, width, d]`` of right-padded ``seqs``. Inputs go
         up through pinned memory without a host sync; a batch of equal lengths has no padding
         mask (the causal mask alone, which needs no check of the mask's values on the host)."""
@@ -231,9 +234,7 @@ class TransformersEngine(BaseEngine):
             kwargs["attention_mask"] = mask.to(self.device, non_blocking=True)
         return self.decoder(**kwargs).last_hidden_state
 
-    def _score_sync(
-        self, prompts: list[list[int]], k: int, temperature: float
-    ) -> list[TeacherScores]:
+    def _score_sync(self, prompts: list[Any], k: int, temperature: float) -> list[TeacherScores]:
         """Top-k rows of every prompt. Each decoder batch's top-k stays on the device and is
         copied to the host asynchronously; the host converts batch ``i`` while the device runs
         batch ``i + 1``, and the last batch is collected after the lock is released, so the
@@ -270,7 +271,7 @@ class TransformersEngine(BaseEngine):
             collect(p)
         return [s for s in out if s is not None]
 
-    def _forward_rows(self, prompts: list[list[int]], rows: Any) -> list[Any]:
+    def _forward_rows(self, prompts: list[Any], rows: Any) -> list[Any]:
         """``rows(i, hidden [L_i - 1, d])`` of every prompt after batched decoder forwards."""
         import torch
 
@@ -283,13 +284,13 @@ class TransformersEngine(BaseEngine):
         return [s for s in out if s is not None]
 
     async def _generate(
-        self, prompts: list[list[int]], k: int, temperature: float
+        self, prompts: list[Any], k: int, temperature: float
     ) -> list[TeacherScores]:
         """The forward in a worker thread (calls are serialised by a lock)."""
         return await asyncio.to_thread(self._score_sync, prompts, k, temperature)
 
     async def _generate_sampled(
-        self, prompts: list[list[int]], keys: list[str], targets: SampledTargets, temperature: float
+        self, prompts: list[Any], keys: list[str], targets: SampledTargets, temperature: float
     ) -> list[TeacherScores]:
         """Sampled rows from the chunked lm-head pass, in a worker thread."""
 
@@ -299,7 +300,7 @@ class TransformersEngine(BaseEngine):
         return await asyncio.to_thread(self._forward_rows, prompts, sampled)
 
     async def _generate_ids(
-        self, prompts: list[list[int]], ids: list[list[int]], temperature: float
+        self, prompts: list[Any], ids: list[list[int]], temperature: float
     ) -> list[Any]:
         """Logprobs at the chosen ids from the chunked lm-head pass, in a worker thread."""
 
@@ -309,7 +310,7 @@ class TransformersEngine(BaseEngine):
         return await asyncio.to_thread(self._forward_rows, prompts, at_ids)
 
     async def _generate_with_ids(
-        self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
+        self, prompts: list[Any], k: int, ids: list[list[int]], temperature: float
     ) -> tuple[list[TeacherScores], list[Any]]:
         """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
 
@@ -326,7 +327,7 @@ class TransformersEngine(BaseEngine):
         out = await asyncio.to_thread(self._forward_rows, prompts, both)
         return [r for r, _ in out], [a for _, a in out]
 
-    async def _generate_hidden(self, prompts: list[list[int]]) -> list[Any]:
+    async def _generate_hidden(self, prompts: list[Any]) -> list[Any]:
         """The decoder's last hidden states (after its final norm: the lm head's input) of
         every prompt's first ``L - 1`` positions, float32 on the host, in a worker thread."""
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 from logitcache.cache_format.records import (
@@ -346,8 +346,11 @@ def check_k(k: int, max_k: int, vocab_size: int) -> int:
     return k
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], info: EngineInfo) -> list[list[int]]:
-    """Validate a batch of prompts against ``info``; return them as plain ``list[int]`` lists.
+def check_prompts(
+    prompts: Sequence[Sequence[int]], info: EngineInfo, arrays: bool = False
+) -> list[Any]:
+    """Validate a batch of prompts against ``info``; return them as plain ``list[int]`` lists
+    (``arrays``: as C-ordered int64 arrays, for a backend that makes tensors of them).
 
     Every prompt is checked before any is returned, and the first problem is raised as an
     :class:`EngineInputError` naming the prompt's index.
@@ -356,7 +359,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], info: EngineInfo) -> list[li
         raise EngineInputError("prompts must be a list of token-id lists")
     if len(prompts) == 0:
         raise EngineInputError("no prompts given")
-    out: list[list[int]] = []
+    out: list[Any] = []
     for i, p in enumerate(prompts):
         try:
             arr = np.asarray(p)
@@ -381,5 +384,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], info: EngineInfo) -> list[li
             raise EngineInputError(
                 f"prompt {i}: token id {bad} outside the vocabulary [0, {info.vocab_size})"
             )
-        out.append(arr.tolist())  # Python ints whatever the integer dtype
+        # Python ints whatever the integer dtype; or an array a tensor is made from without
+        # a Python int per token (torch.as_tensor of a list: ~0.06-0.14 CPU-us per token)
+        out.append(np.ascontiguousarray(arr, np.int64) if arrays else arr.tolist())
     return out

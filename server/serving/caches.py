@@ -26,7 +26,13 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from logitcache.cache_format import CacheReader, CacheWriter, Manifest, SequenceRecord
+from logitcache.cache_format import (
+    CacheReader,
+    CacheWriter,
+    Manifest,
+    SequenceBatch,
+    SequenceRecord,
+)
 from logitcache.cache_format.errors import FormatError, ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
 from logitcache.cache_format.layout import INCOMPLETE_ATTR, parse_root, read_root_attrs
@@ -126,10 +132,17 @@ class WriterHandle:
         self._entry = entry
         self._on_commit = on_commit
 
-    def _committed(self, added: int, records: Iterable[SequenceRecord]) -> None:
+    def _committed(self, added: int, records: Iterable[SequenceRecord | SequenceBatch]) -> None:
+        """Report a commit's keys: records' own, and every sequence's of a batch (a job's
+        appends hand the writer :class:`SequenceBatch` parts)."""
         if added > 0:
-            keys = frozenset(str(r.key) for r in records if r.key is not None)
-            self._on_commit(self._entry.writer.manifest.generation, keys)
+            keys: set[str] = set()
+            for r in records:
+                if isinstance(r, SequenceBatch):
+                    keys.update(r.key_list())
+                elif r.key is not None:
+                    keys.add(str(r.key))
+            self._on_commit(self._entry.writer.manifest.generation, frozenset(keys))
 
     @property
     def manifest(self) -> Manifest:

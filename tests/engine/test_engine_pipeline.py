@@ -137,7 +137,7 @@ def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
     seqs = [inputs.to_sequence(r, engine.tokenize, LIMITS) for r in _raws(3)]
     seen: list[Any] = []
     real = base.check_prompts
-    monkeypatch.setattr(base, "check_prompts", lambda p, info: seen.extend(p) or real(p, info))
+    monkeypatch.setattr(base, "check_prompts", lambda p, *a: seen.extend(p) or real(p, *a))
     got: list[list[int]] = []
     original = engine._generate
 
@@ -151,6 +151,28 @@ def test_the_engine_gets_the_sequences_as_lists_made_once(monkeypatch) -> None:
     assert [type(p) for p in got] == [list] * 3 and all(type(t) is int for p in got for t in p)
     assert got == [s.input_ids.tolist() for s in seqs]
     assert [r.key for r in records] == [s.key for s in seqs]
+
+
+def test_a_backend_that_makes_tensors_gets_the_prompts_as_int64_arrays(monkeypatch) -> None:
+    """A backend with ``array_prompts`` (the transformers one) gets each checked prompt as one
+    int64 array, no Python int per token (its tensors are made from them without one)."""
+    engine = FakeEngine()
+    monkeypatch.setattr(engine, "array_prompts", True)
+    seqs = [inputs.to_sequence(r, engine.tokenize, LIMITS) for r in _raws(3)]
+    got: list[Any] = []
+    original = engine._generate
+
+    async def generate(prompts: list[Any], k: int, temperature: float) -> list[Any]:
+        got.extend(prompts)
+        return await original(prompts, k, temperature)
+
+    monkeypatch.setattr(engine, "_generate", generate)
+    parts = asyncio.run(pipeline.engine_batches(engine, seqs, K))
+    assert [(type(p), p.dtype, p.flags.c_contiguous) for p in got] == [
+        (np.ndarray, np.int64, True)
+    ] * 3
+    assert [p.tolist() for p in got] == [s.input_ids.tolist() for s in seqs]
+    assert parts[0].keys == [s.key for s in seqs]
 
 
 def test_the_writer_computes_a_jobs_tail_mass_once(tmp_path: Path, monkeypatch) -> None:

@@ -242,6 +242,34 @@ def test_rows_of_a_wider_buffer_are_read_in_place() -> None:
         fastencode.parent_rows(full_ids[:, ::2])
 
 
+def test_read_only_and_writable_rows_share_one_specialisation() -> None:
+    """The kernels see every input read-only: rows that arrive writable (a fresh array), read
+    only (a view of an engine's buffer, ``as_strided(..., writeable=False)``), C-ordered or as
+    rows of a wider buffer run the specialisations ``ready`` made, and none is compiled inside
+    an append (a compile there is ~1 CPU-s in the job's encode stage on a machine whose numba
+    cache lacks it)."""
+    from logitcache.cache_format import _encodekernels as ek
+
+    kernels = (ek.encode_rows, ek.tail_rest, ek.row_sums)
+    before = [list(f.signatures) for f in kernels]
+    rng = np.random.default_rng(5)
+    n, k, vocab = 40, 12, 100
+    full_ids = np.stack([rng.choice(vocab, k + 1, replace=False) for _ in range(n)]).astype(
+        np.int32
+    )
+    full_lp = -np.sort(rng.exponential(2.0, (n, k + 1)), axis=1).astype(np.float32)
+    for cols in (slice(1, None), slice(0, k)):
+        for writeable in (True, False):
+            ids, lp = full_ids.copy()[:, cols], full_lp.copy()[:, cols]
+            c_ids, c_lp = ids.copy(), lp.copy()
+            for a in (ids, lp, c_ids, c_lp):
+                a.flags.writeable = writeable
+            for i, x in ((ids, lp), (c_ids, c_lp)):
+                assert _encode(i, x, vocab)[0]
+                assert fastencode.tail_rows(x) is not None
+    assert [list(f.signatures) for f in kernels] == before
+
+
 def test_the_writer_stores_row_views_as_their_copies() -> None:
     """Records holding row views (rows_array keeps them) store the bytes of C-ordered copies,
     through the compiled pass and the numpy path."""

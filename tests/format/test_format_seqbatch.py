@@ -37,6 +37,12 @@ def _files(url) -> dict[str, bytes]:
     return {p.relative_to(url).as_posix(): p.read_bytes() for p in url.rglob("*") if p.is_file()}
 
 
+def _stamped(name: str) -> bool:
+    """Objects holding the commit's time (the root's attributes, and the key index runs that
+    record them): the only ones two writes of the same rows may differ in."""
+    return name.endswith("zarr.json") or name.startswith("seq_keys/index/")
+
+
 def test_a_batch_reads_back_and_content_keys_match(tmp_path):
     f = _batch()
     url = tmp_path / "c"
@@ -135,3 +141,72 @@ def test_records_get_the_tail_the_writer_computed(tmp_path):
     for r, again in zip(bare, fresh, strict=True):
         assert known_tail(r) is not None
         assert known_tail(r).tobytes() == again.tail_or_computed().tobytes()
+
+
+def _parts(f: dict, cuts: list[int]) -> list[SequenceBatch]:
+    """``f``'s sequences cut before the sequences ``cuts`` into batches whose top-k rows are
+    views of ``f``'s arrays (an engine's buffers), without tail masses."""
+    off, edges = f["offsets"], [0, *cuts, len(f["keys"])]
+    rows = off - np.arange(len(off))
+    return [
+        SequenceBatch(
+            input_ids=f["input_ids"][off[a] : off[b]],
+            offsets=off[a : b + 1] - off[a],
+            topk_ids=f["topk_ids"][rows[a] : rows[b]],
+            topk_logprobs=f["topk_logprobs"][rows[a] : rows[b]],
+            keys=f["keys"][a:b],
+        )
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    ]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_parts_store_the_bytes_of_one_batch_and_of_records(tmp_path, monkeypatch, compiled):
+    """A list of SequenceBatch parts is one append: every object the same bytes as the append
+    of one batch of their sequences and of their records; each part gets its computed tail."""
+    from logitcache.cache_format import _encode, fastencode
+    from logitcache.cache_format.records import tail_from_logprobs
+
+    monkeypatch.setattr(_encode, "FAST_ENCODE", compiled)
+    f = _batch(n=12, seed=5)
+    recs = make_records(12, k=K, vocab=VOCAB, seed=5, max_len=6)
+    bare = [SequenceRecord(r.key, r.input_ids, r.topk_ids, r.topk_logprobs) for r in recs]
+    m = make_manifest(k=K, vocab_size=VOCAB)
+    parts = _parts(f, [1, 5, 6])
+    for name, rows in (("one", SequenceBatch(**f)), ("records", bare), ("parts", parts)):
+        with CacheWriter.open(tmp_path / name, m) as w:
+            assert w.append(rows) == 12
+    want = _files(tmp_path / "one")
+    for name in ("records", "parts"):
+        got = _files(tmp_path / name)
+        assert got.keys() == want.keys()
+        differ = [n for n in want if got[n] != want[n] and not _stamped(n)]
+        assert differ == [], name
+    if compiled and _encode._compiled(m):  # the parts' rows went straight into the outputs
+        joined: list[int] = []  # sizes of the arrays the encode concatenates
+        real = np.concatenate
+        counted = lambda xs, **kw: joined.append(sum(np.size(x) for x in xs)) or real(xs, **kw)  # noqa: E731
+        monkeypatch.setattr(np, "concatenate", counted)
+        with fastencode.outputs() as out:
+            got = _encode.encode_batch(parts, m, out)
+            assert max(joined) < len(f["topk_ids"]) * K  # no top-k rows joined
+            ids, stored = out.take(sum(p.num_rows for p in parts), K)
+            assert np.shares_memory(got.arrays["topk_ids"], ids)
+            assert np.shares_memory(got.arrays["topk_logprobs"], stored)
+    for p in parts:  # given the tail the encode computed, as records are
+        assert known_tail(p).tobytes() == tail_from_logprobs(p.topk_logprobs).tobytes()
+
+
+def test_a_bad_part_names_its_sequence_in_the_append_and_writes_nothing(tmp_path):
+    f = _batch(n=12, seed=6)
+    rows = f["offsets"] - np.arange(len(f["offsets"]))
+    ids = f["topk_ids"].copy()
+    ids[rows[8], 1] = VOCAB  # sequence 8: in the third part
+    parts = _parts({**f, "topk_ids": ids}, [3, 7])
+    with CacheWriter.open(tmp_path / "c", make_manifest(k=K, vocab_size=VOCAB)) as w:
+        with pytest.raises(RecordError, match="outside vocab") as e:
+            w.append(parts)
+        assert e.value.index == 8
+        with pytest.raises(RecordError, match="SequenceBatch parts got SequenceRecord"):
+            w.append([*_parts(f, [3]), make_records(1, k=K, vocab=VOCAB)[0]])
+        assert w.num_sequences == 0
