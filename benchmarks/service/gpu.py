@@ -213,11 +213,22 @@ def bare(
     warm = checked[: max(1, args.batch_sequences)]
     device_only(warm)
     with_entropy(warm)
-    engine._score_sync(warm, k, 1.0)
+
+    def scored(ps: list[list[int]]) -> list[Any]:
+        """The engine's rows of ``ps`` on this thread (a tree whose ``_score_sync`` leaves the
+        last batch to its caller: converted here)."""
+        got = engine._score_sync(ps, k, 1.0)
+        if isinstance(got, tuple):
+            got, last = got
+            if last is not None:
+                last.collect(ps, got)
+        return got
+
+    scored(warm)
     for name, fn in (
         ("device", device_only),
         ("device_entropy", with_entropy),
-        ("engine", lambda ps: engine._score_sync(ps, k, 1.0)),
+        ("engine", scored),
     ):
         with gpu_sampler() as gpu:
             c0, t0 = time.process_time(), time.perf_counter()

@@ -26,6 +26,7 @@ import gc
 import inspect
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -237,7 +238,8 @@ def hf_engine(k: int, rows: Any, batch_tokens: int = 8192, rate: float = 0.0) ->
             self.info = _info(rows.vocab, k, "transformers")
             self.chunk_rows, self.batch_tokens = 1024, batch_tokens
             self.device = torch.device("cpu")
-            self._lock = threading.Lock()
+            self._lock = threading.Lock()  # a tree whose forwards are serialised by a lock
+            self._torch = ThreadPoolExecutor(1, thread_name_prefix="logitcache-forward")
 
         ready = 0.0  # when the replayed device finishes its last batch (perf_counter)
 

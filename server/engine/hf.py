@@ -15,11 +15,19 @@ uniforms (:func:`~logitcache.cache_format.sampling.uniforms` of ``(seed, key)``)
 equal those of one pass over the whole ``[L-1, V]`` block without ever building it; a ``head``
 (:class:`~.protocol.SampledTargets`) is the chunk's ``torch.topk`` plus the residual draws.
 
-The forward runs in a worker thread (``asyncio.to_thread``) under a lock, so the event loop stays
-free and forwards are serialised. On a GPU the top-k of a decoder batch stays on the device and
-reaches the host by an asynchronous copy into pinned memory; the host converts one batch while the
-device runs the next, and a call's last batch is converted after the lock is released, so the
-next call's forward is already queued (benchmarks/results/service.md, mode ``gpu``).
+Every torch call of the engine (forwards, lm-head passes, the head's export) runs on one
+dedicated thread of the engine (``logitcache-forward``), so the event loop stays free and
+forwards are serialised. One thread, not whichever worker thread is free: PyTorch's CPU kernels
+run under OpenMP, each OS thread that enters a parallel region gets its own team of OpenMP
+workers, and idle teams' workers spin after their regions; one thread keeps one team, and the
+direct and the served calls share it. The team is one thread smaller than the usable cores
+(:func:`intra_op_threads`), so the server's own threads have a core beside a forward.
+
+On a GPU the top-k of a decoder batch stays on the device and reaches the host by an asynchronous
+copy into pinned memory; the host converts one batch while the device runs the next, and a
+call's last batch is converted on another thread (``asyncio.to_thread``: a wait for the copy and
+NumPy, no torch kernels), so the next call's forward is already queued on the forward thread
+(benchmarks/results/service.md, mode ``gpu``).
 
 With ``EngineConfig.entropy`` every row also gets the entropy of its full distribution
 (:func:`~logitcache.cache_format.sampling.row_entropy` of the chunk's ``log_softmax``, FORMAT.md
@@ -34,8 +42,11 @@ refused, since the chunked head would silently differ.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from .base import BaseEngine
 from .config import EngineConfig, HfOptions, engine_info
@@ -46,6 +57,8 @@ _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "out
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _DTYPES.update({"float16": "float16", "fp16": "float16", "half": "float16"})
+
+_T = TypeVar("_T")
 
 
 def _torch_dtype(name: str, config: Any) -> Any:
@@ -120,7 +133,20 @@ class TransformersEngine(BaseEngine):
             backend="transformers",
             dtype=str(self.dtype).removeprefix("torch."),
         )
-        self._lock = threading.Lock()
+        # The one thread of every torch call after loading (the module docstring says why).
+        self._torch = ThreadPoolExecutor(1, thread_name_prefix="logitcache-forward")
+        self._on_torch_sync(torch.set_num_threads, intra_op_threads(torch.get_num_threads()))
+
+    async def _on_torch(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on the engine's forward thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._torch, fn, *args)
+
+    def _on_torch_sync(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on the engine's forward thread, waited for (run in place when called
+        from that thread)."""
+        if threading.current_thread().name.startswith("logitcache-forward"):
+            return fn(*args)
+        return self._torch.submit(fn, *args).result()
 
     #: Prompts arrive as int64 arrays (tensors are made of them without a Python int per token).
     array_prompts = True
@@ -234,49 +260,40 @@ class TransformersEngine(BaseEngine):
             kwargs["attention_mask"] = mask.to(self.device, non_blocking=True)
         return self.decoder(**kwargs).last_hidden_state
 
-    def _score_sync(self, prompts: list[Any], k: int, temperature: float) -> list[TeacherScores]:
-        """Top-k rows of every prompt. Each decoder batch's top-k stays on the device and is
-        copied to the host asynchronously; the host converts batch ``i`` while the device runs
-        batch ``i + 1``, and the last batch is collected after the lock is released, so the
-        next call's forward is queued behind it (the device is not idle while rows are
-        converted). Waits block the thread instead of spinning a core."""
+    def _score_sync(
+        self, prompts: list[Any], k: int, temperature: float
+    ) -> tuple[list[TeacherScores | None], _Pending | None]:
+        """Top-k rows of every prompt, on the forward thread. Each decoder batch's top-k stays
+        on the device and is copied to the host asynchronously; the host converts batch ``i``
+        while the device runs batch ``i + 1``. On a GPU the last batch is returned unconverted
+        (the caller converts it off this thread, so the next call's forward is queued behind it
+        and the device is not idle while rows are converted); on the CPU every batch is
+        converted here. Waits block the thread instead of spinning a core."""
         import torch
 
         out: list[TeacherScores | None] = [None] * len(prompts)
-        pending: list[_Pending] = []
-
-        def collect(p: _Pending) -> None:
-            if p.event is not None:
-                p.event.synchronize()
-            ids, lps, tail = p.ids.numpy(), p.lps.numpy(), p.tail.numpy()
-            ent, act = (None if x is None else x.numpy() for x in (p.ent, p.act))
-            start = 0
-            for i in p.members:
-                end = start + len(prompts[i]) - 1
-                e, a = (None if x is None else x[start:end] for x in (ent, act))
-                out[i] = make_scores(ids[start:end], lps[start:end], tail[start:end], e, a)
-                start = end
-
-        with self._lock, torch.inference_mode():
+        last: _Pending | None = None
+        with torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
                 rows = torch.cat([hidden[r, : len(prompts[i]) - 1] for r, i in enumerate(batch)])
                 nxt = torch.cat([torch.as_tensor(prompts[i][1:]) for i in batch])
                 top = self._topk_rows(rows, k, temperature, nxt.to(self.device, non_blocking=True))
                 del hidden, rows
-                pending.append(_Pending.start(batch, *top, device=self.device))
-                if len(pending) > 1:
-                    collect(pending.pop(0))
-        for p in pending:
-            collect(p)
-        return [s for s in out if s is not None]
+                if last is not None:
+                    last.collect(prompts, out)
+                last = _Pending.start(batch, *top, device=self.device)
+        if last is not None and last.event is None:  # CPU rows: nothing left to overlap
+            last.collect(prompts, out)
+            last = None
+        return out, last
 
     def _forward_rows(self, prompts: list[Any], rows: Any) -> list[Any]:
         """``rows(i, hidden [L_i - 1, d])`` of every prompt after batched decoder forwards."""
         import torch
 
         out: list[Any] = [None] * len(prompts)
-        with self._lock, torch.inference_mode():
+        with torch.inference_mode():
             for batch in self._batches(prompts):
                 hidden = self._hidden([prompts[i] for i in batch])
                 for r, i in enumerate(batch):
@@ -286,33 +303,38 @@ class TransformersEngine(BaseEngine):
     async def _generate(
         self, prompts: list[Any], k: int, temperature: float
     ) -> list[TeacherScores]:
-        """The forward in a worker thread (calls are serialised by a lock)."""
-        return await asyncio.to_thread(self._score_sync, prompts, k, temperature)
+        """The forward on the forward thread; on a GPU the last batch's rows are converted on
+        another thread while the next call's forward runs."""
+        out, last = await self._on_torch(self._score_sync, prompts, k, temperature)
+        if last is not None:
+            await asyncio.to_thread(last.collect, prompts, out)
+        return [s for s in out if s is not None]
 
     async def _generate_sampled(
         self, prompts: list[Any], keys: list[str], targets: SampledTargets, temperature: float
     ) -> list[TeacherScores]:
-        """Sampled rows from the chunked lm-head pass, in a worker thread."""
+        """Sampled rows from the chunked lm-head pass, on the forward thread."""
 
         def sampled(i: int, hidden: Any) -> TeacherScores:
             return self._sampled_rows(hidden, keys[i], targets, temperature)
 
-        return await asyncio.to_thread(self._forward_rows, prompts, sampled)
+        return await self._on_torch(self._forward_rows, prompts, sampled)
 
     async def _generate_ids(
         self, prompts: list[Any], ids: list[list[int]], temperature: float
     ) -> list[Any]:
-        """Logprobs at the chosen ids from the chunked lm-head pass, in a worker thread."""
+        """Logprobs at the chosen ids from the chunked lm-head pass, on the forward thread."""
 
         def at_ids(i: int, hidden: Any) -> Any:
             return self._id_rows(hidden, ids[i], temperature)
 
-        return await asyncio.to_thread(self._forward_rows, prompts, at_ids)
+        return await self._on_torch(self._forward_rows, prompts, at_ids)
 
     async def _generate_with_ids(
         self, prompts: list[Any], k: int, ids: list[list[int]], temperature: float
     ) -> tuple[list[TeacherScores], list[Any]]:
-        """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
+        """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch,
+        on the forward thread."""
 
         def both(i: int, hidden: Any) -> tuple[TeacherScores, Any]:
             import torch
@@ -324,30 +346,37 @@ class TransformersEngine(BaseEngine):
             rows = make_scores(tid, tlp, tail, ent, act)
             return rows, self._id_rows(hidden, ids[i], temperature)
 
-        out = await asyncio.to_thread(self._forward_rows, prompts, both)
+        out = await self._on_torch(self._forward_rows, prompts, both)
         return [r for r, _ in out], [a for _, a in out]
 
     async def _generate_hidden(self, prompts: list[Any]) -> list[Any]:
         """The decoder's last hidden states (after its final norm: the lm head's input) of
-        every prompt's first ``L - 1`` positions, float32 on the host, in a worker thread."""
+        every prompt's first ``L - 1`` positions, float32 on the host, on the forward thread."""
 
         def states(i: int, hidden: Any) -> Any:
             return hidden.float().cpu().numpy()
 
-        return await asyncio.to_thread(self._forward_rows, prompts, states)
+        return await self._on_torch(self._forward_rows, prompts, states)
 
     def teacher_head(self) -> Any:
         """The lm head as a :class:`~logitcache.cache_format.TeacherHead` (FORMAT.md 4.10), made
-        once (its digest hashes the whole weight)."""
+        once (its digest hashes the whole weight), on the forward thread."""
         from .hidden import head_of
 
         if getattr(self, "_teacher_head", None) is None:
-            self._teacher_head = head_of(self.head_weight, self.head_bias, self.model_config)
+            self._teacher_head = self._on_torch_sync(
+                head_of, self.head_weight, self.head_bias, self.model_config
+            )
         return self._teacher_head
 
     async def _close(self) -> None:
-        """Drop the model."""
-        self.model = self.decoder = self.head_weight = self.head_bias = None
+        """Drop the model after the forwards already queued, and end the forward thread."""
+
+        def drop() -> None:
+            self.model = self.decoder = self.head_weight = self.head_bias = None
+
+        await self._on_torch(drop)
+        self._torch.shutdown(wait=False)
 
 
 def _joined(parts: list[Any] | None) -> Any:
@@ -357,6 +386,17 @@ def _joined(parts: list[Any] | None) -> Any:
     if parts is None:
         return None
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def intra_op_threads(default: int) -> int:
+    """The engine's intra-op (OpenMP) threads: ``default`` (torch's, which follows
+    ``OMP_NUM_THREADS``), at most the usable cores less one, at least 1. The core left over
+    runs the server's own threads (event loop, commits) beside a forward: with a thread per core,
+    OpenMP's workers wait for a descheduled peer at every parallel region's barrier, spinning,
+    and a forward of the tiny teacher cost 120-200 ms CPU instead of 12-17 ms on a loaded 2-core
+    host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(default, (cores or 1) - 1))
 
 
 def _is_dir(path: str) -> bool:
@@ -406,3 +446,17 @@ class _Pending:
         event = torch.cuda.Event(blocking=True)
         event.record()
         return cls(members, h_ids, h_lps, h_tail, h_ent, h_act, event)
+
+    def collect(self, prompts: list[Any], out: list[Any]) -> None:
+        """Wait for the copy, then put each member prompt's rows into ``out`` (a blocking
+        wait, NumPy views and slices: no torch kernel, so any thread may run it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        ids, lps, tail = self.ids.numpy(), self.lps.numpy(), self.tail.numpy()
+        ent, act = (None if x is None else x.numpy() for x in (self.ent, self.act))
+        start = 0
+        for i in self.members:
+            end = start + len(prompts[i]) - 1
+            e, a = (None if x is None else x[start:end] for x in (ent, act))
+            out[i] = make_scores(ids[start:end], lps[start:end], tail[start:end], e, a)
+            start = end
