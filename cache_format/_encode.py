@@ -266,7 +266,7 @@ def _extras(b: SequenceBatch, manifest: Manifest) -> dict[str, np.ndarray] | Non
     return out
 
 
-#: Use :mod:`.fastencode` when it is ready (False: the numpy path, for tests and A/B runs).
+#: Use :mod:`.fastencode` when it is wanted (False: the numpy path, for tests and A/B runs).
 FAST_ENCODE = True
 _tables: dict[int, fastencode.StampTable] = {}  # by vocabulary size, reused between appends
 _tables_lock = threading.Lock()
@@ -279,7 +279,8 @@ def _encode_rows(
     (:func:`.records.rows_pass`'s, over the whole batch). float16 stores with a vocabulary of
     up to :data:`.fastencode.MAX_VOCAB` take the compiled pass (:func:`.fastencode.encode_rows`:
     checks, ids and float16 row deltas in one loop over the rows, into ``out``'s arrays) where
-    numba is available; the others NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
+    numba is available and loaded or worth loading (:func:`.fastencode.wanted`); the others
+    NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
     from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
 
     k, vocab, rows = manifest.k, manifest.vocab_size, b.num_rows
@@ -301,7 +302,7 @@ def _encode_rows(
         FAST_ENCODE
         and manifest.logprob_dtype == "float16"
         and vocab <= fastencode.MAX_VOCAB
-        and fastencode.ready()
+        and fastencode.wanted(rows * k)
     ):
         if out is not None:  # faulted in once, reused (fastencode.Outputs)
             ids, stored = out.take(rows, k)
