@@ -229,13 +229,14 @@ def _encode_parts(
         return encode_batch(parts[0], manifest, out) if parts else None
     k, total = manifest.k, sum(p.num_rows for p in parts)
     into: tuple[np.ndarray, np.ndarray] | None = None
-    if _compiled(manifest):
+    compiled = _compiled(manifest, total * k)
+    if compiled:
         into = out.take(total, k) if out is not None else _new_outputs(total, k)
     encoded, row, first = [], 0, 0
     for p in parts:
         part = slice(row, row + p.num_rows)
         arrays = _encode_rows(
-            p, manifest, None, None if into is None else (into[0][part], into[1][part])
+            p, manifest, None, None if into is None else (into[0][part], into[1][part]), compiled
         )
         if arrays is None:  # the error names the sequence's place in the whole append
             start = first + _first_bad(p, manifest)
@@ -315,19 +316,20 @@ def _extras(b: SequenceBatch, manifest: Manifest) -> dict[str, np.ndarray] | Non
     return out
 
 
-#: Use :mod:`.fastencode` when it is ready (False: the numpy path, for tests and A/B runs).
+#: Use :mod:`.fastencode` when it is wanted (False: the numpy path, for tests and A/B runs).
 FAST_ENCODE = True
 _tables: dict[int, fastencode.StampTable] = {}  # by vocabulary size, reused between appends
 _tables_lock = threading.Lock()
 
 
-def _compiled(manifest: Manifest) -> bool:
-    """Whether appends to a store of ``manifest`` take the compiled pass (:func:`_encode_rows`)."""
+def _compiled(manifest: Manifest, values: int) -> bool:
+    """Whether an append of ``values`` top-k values to a store of ``manifest`` takes the compiled
+    pass (:func:`_encode_rows`; the kernels load when worth it: :func:`.fastencode.wanted`)."""
     return (
         FAST_ENCODE
         and manifest.logprob_dtype == "float16"
         and manifest.vocab_size <= fastencode.MAX_VOCAB
-        and fastencode.ready()
+        and fastencode.wanted(values)
     )
 
 
@@ -340,13 +342,15 @@ def _encode_rows(
     manifest: Manifest,
     out: fastencode.Outputs | None = None,
     into: tuple[np.ndarray, np.ndarray] | None = None,
+    compiled: bool | None = None,
 ) -> dict[str, np.ndarray] | None:
     """The stored row arrays of batch ``b``, or ``None`` when it fails a check
     (:func:`.records.rows_pass`'s, over the whole batch). float16 stores with a vocabulary of
     up to :data:`.fastencode.MAX_VOCAB` take the compiled pass (:func:`.fastencode.encode_rows`:
     checks, ids and float16 row deltas in one loop over the rows, into ``into``'s ``[rows, k]``
-    ids and stored logprobs, else ``out``'s arrays) where numba is available; the others
-    NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
+    ids and stored logprobs, else ``out``'s arrays) where numba is available and loaded or worth
+    loading (:func:`_compiled`; ``compiled`` when the caller decided it for a whole append); the
+    others NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
     from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
 
     k, vocab, rows = manifest.k, manifest.vocab_size, b.num_rows
@@ -364,7 +368,7 @@ def _encode_rows(
     step = max(1, ENCODE_GROUP_VALUES // k)
     lp = b.topk_logprobs
     tails = np.empty(rows, np.float32) if t is None and known_tail(b) is None else None
-    if _compiled(manifest):
+    if compiled if compiled is not None else _compiled(manifest, rows * k):
         if into is not None:
             ids, stored = into
         elif out is not None:  # faulted in once, reused (fastencode.Outputs)

@@ -22,9 +22,12 @@ Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere,
 llvmlite's ~40 MB; whether it is installed is decided once, :data:`._numba.AVAILABLE`). Without
 it, or if compiling or the self-check at the first use fails, :func:`ready` is ``False`` and the
 writer keeps its numpy path.
-The kernel compiles at the first append of a process (~1-2 s) unless numba's on-disk cache has it
-(``cache=True``: the package's ``__pycache__``, or numba's user cache directory), where the
-kernel module :mod:`._encodekernels` keeps its functions at module level so that it finds them.
+The kernels load at :func:`ready` (the job runner calls it at its start), or at the append that
+brings the values a process has encoded with numpy to :data:`LOAD_AFTER_VALUES`
+(:func:`wanted`): a process that writes less never imports numba. They compile then (~1-2 s)
+unless numba's on-disk cache has them (``cache=True``: the package's ``__pycache__``, or numba's
+user cache directory), where the kernel module :mod:`._encodekernels` keeps its functions at
+module level so that it finds them.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ _merge: Any = None  # the compiled merge_pairs once it passes its self-check, el
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
 
+#: Top-k values (rows x k) a process encodes with numpy before :func:`wanted` loads the kernels.
+#: Loading them costs ~0.35 CPU-s (numba's import ~0.13, then its first kernel from the on-disk
+#: cache ~0.2: its typing and lowering registries; each further kernel ~3 ms), what numpy's
+#: encode spends over the kernels' on about this many values of short rows (k=4: ~20 ns a value,
+#: the key hashes and run merges of the append included); at k=100 it is ~4 ns a value.
+LOAD_AFTER_VALUES = 1 << 24
+_numpy_values = 0  # top-k values encoded with numpy while the kernels were not loaded
+
 
 def _compile() -> Any:
     """The compiled kernel (raises ImportError without numba)."""
@@ -86,6 +97,19 @@ def ready() -> bool:
                 if _state == "ready":
                     _load_more()
     return _state == "ready"
+
+
+def wanted(values: int) -> bool:
+    """Whether an encode of ``values`` top-k values takes the compiled pass: once :func:`ready`
+    loaded the kernels, or when this encode brings the values encoded with numpy in this process
+    to :data:`LOAD_AFTER_VALUES` (then it loads them: :func:`ready`'s answer). Either pass stores
+    the same bytes; until then the key sums and run merges are numpy's too."""
+    global _numpy_values
+    if _state == "unknown":
+        _numpy_values += values
+        if _numpy_values < LOAD_AFTER_VALUES:
+            return False
+    return ready()
 
 
 def _load_more() -> None:

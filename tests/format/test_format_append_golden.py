@@ -171,9 +171,11 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("how", ["records", "batch"])
 @pytest.mark.parametrize("fast", [True, False], ids=["compiled", "numpy"])
 def test_appends_store_the_golden_bytes(tmp_path, monkeypatch, case: str, how: str, fast: bool):
-    from logitcache.cache_format import _encode
+    from logitcache.cache_format import _encode, fastencode
 
     monkeypatch.setattr(_encode, "FAST_ENCODE", fast)
+    if fast:  # loaded now: small appends do not load the kernels (fastencode.wanted)
+        fastencode.ready()
     want = json.loads(GOLDEN.read_text())[case]
     write_case(tmp_path / case, case, how)
     got = digests(tmp_path / case)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from format_support import make_manifest, make_record, make_records
-from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord
+from logitcache.cache_format import CacheReader, CacheWriter, SequenceRecord, fastencode
 from logitcache.cache_format import _encode as writer
 from logitcache.cache_format.errors import RecordError
 
@@ -19,6 +19,8 @@ K, VOCAB = 6, 50
 @pytest.fixture(autouse=True, params=[True, False], ids=["fast", "numpy"])
 def _fast_encode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(writer, "FAST_ENCODE", request.param)
+    if request.param:  # loaded now: small appends do not load the kernels (fastencode.wanted)
+        fastencode.ready()
 
 
 def _one_by_one(recs: list[SequenceRecord], m) -> writer.Batch:

@@ -16,7 +16,15 @@ def _edge_values(rng: np.random.Generator, n: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def test_float_to_half_is_numpys_cast_bit_for_bit() -> None:
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_float_to_half_is_numpys_cast_bit_for_bit(backend: str, monkeypatch, request) -> None:
+    """Both casts: torch's once imported or after TORCH_AFTER_VALUES values, numpy's before."""
+    if backend == "torch" and not kernels.TORCH:
+        pytest.skip("torch is not installed")
+    monkeypatch.setattr(kernels, "TORCH", backend == "torch")
+    kernels.torch_module.cache_clear()
+    request.addfinalizer(kernels.torch_module.cache_clear)
+    monkeypatch.setattr(kernels, "_numpy_halves", kernels.TORCH_AFTER_VALUES)
     x = _edge_values(np.random.default_rng(0), 3 * kernels.HALF_BLOCK + 17)  # several blocks
     x[12:16] = [np.inf, -np.inf, np.nan, 65520.0]
     with np.errstate(over="ignore"):
@@ -29,6 +37,7 @@ def test_float_to_half_is_numpys_cast_bit_for_bit() -> None:
     np.testing.assert_array_equal(
         kernels.float_to_half(ro).view(np.uint16), want[:100].view(np.uint16)
     )
+    assert (kernels.torch_module() is not None) == (backend == "torch")
 
 
 @pytest.mark.parametrize("k", [1, 20, 100, 400])

@@ -397,3 +397,67 @@ def test_rows_with_rare_values_at_both_ends_store_the_numpy_bytes() -> None:
     bad = lp.copy()
     bad[7, 20] = 0.0  # a rare value out of order: refused
     assert not _encode(ids, bad, vocab)[0]
+
+
+def test_kernels_load_once_numpy_has_encoded_enough(
+    spy: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the kernels are loaded, appends take the numpy path (the same bytes) until the
+    values they encoded reach LOAD_AFTER_VALUES; the append that reaches it loads them
+    (``ready``) and takes the compiled pass, as every append after it does."""
+    m = make_manifest(k=6, vocab_size=50)
+    recs = make_records(4, k=6, vocab=50, seed=5)
+    values = sum(r.num_rows for r in recs) * 6
+    want = writer.encode_batch(recs, m)
+    monkeypatch.setattr(fastencode, "_state", "unknown")
+    monkeypatch.setattr(fastencode, "_numpy_values", 0)
+    monkeypatch.setattr(fastencode, "LOAD_AFTER_VALUES", 2 * values + 1)
+    got = [writer.encode_batch(recs, m) for _ in range(2)]
+    assert spy == [values // 6] and fastencode._state == "unknown"  # only the first (ready)
+    assert fastencode._numpy_values == 2 * values
+    got.append(writer.encode_batch(recs, m))  # reaches it: loads, then compiled
+    got.append(writer.encode_batch(recs, m))
+    assert fastencode._state == "ready" and spy[-2:] == [values // 6] * 2  # after ready's check
+    assert fastencode._numpy_values == 3 * values  # counted while not loaded, not after
+    assert want is not None
+    for g in got:
+        assert g is not None
+        for name, a in want.arrays.items():
+            assert g.arrays[name].tobytes() == a.tobytes(), name
+
+
+@pytest.mark.subprocess
+def test_a_small_writer_imports_neither_numba_nor_torch(tmp_path) -> None:
+    """A process that writes a few short sequences (less than LOAD_AFTER_VALUES top-k values)
+    encodes, hashes its keys and merges its key-index runs with numpy: numba's import and first
+    kernel (~0.35 CPU-s) and torch's import (~1.1 CPU-s) would cost more than the whole write."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = "\n".join(
+        [
+            "import sys, numpy as np",
+            "from logitcache.cache_format import CacheWriter, Manifest, SequenceBatch",
+            "m = Manifest(teacher_model='t', tokenizer_fingerprint='t', vocab_size=100, k=4,"
+            " dataset='d')",
+            "rng = np.random.default_rng(0)",
+            "lp = np.ascontiguousarray(-np.sort(rng.random((1000, 4)), axis=1)).astype('f4')",
+            "ids = np.tile(np.arange(4, dtype=np.int32), (1000, 1))",
+            "with CacheWriter.open(sys.argv[1], m, fsync=False) as w:",
+            "    for a in range(0, 4000, 1000):",
+            "        keys = [f'doc-{i:06d}' for i in range(a, a + 1000)]",
+            "        toks = np.ones(2000, np.int32)",
+            "        w.append(SequenceBatch(toks, np.arange(0, 2001, 2), ids, lp, keys))",
+            "print(sorted({'numba', 'torch'} & set(sys.modules)))",
+        ]
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "c")],
+        check=True,
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert done.stdout.split() == ["[]"]

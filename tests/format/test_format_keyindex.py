@@ -268,3 +268,25 @@ def test_compiled_key_sums_hash_as_numpy_does(monkeypatch):
     got = keyindex.hashes_of(keys)
     monkeypatch.setattr(fastencode, "_sums", None)
     assert keyindex.hashes_of(keys).tobytes() == got.tobytes()
+
+
+@pytest.mark.parametrize("width", [1, 14, 300])
+def test_numpy_key_sums_of_keys_of_one_length(width):
+    """Keys of one length (a matrix product) sum as the general form and as Python's integers
+    do, modulo 2**64, for any bytes; keys of two lengths take the general form."""
+    rng = np.random.default_rng(width)
+    n = 200
+    lens = np.full(n, width, np.int64)
+    starts = np.arange(n, dtype=np.int64) * width
+    buf = rng.integers(0, 256, n * width).astype(np.uint8)
+    buf[:width] = 255
+    weights = keyindex._mix(np.arange(301, dtype=np.uint64) + keyindex._SEED) | np.uint64(1)
+    got = keyindex.key_sums_numpy(buf, starts, lens, weights)
+    w = [int(x) for x in weights]
+    want = [
+        sum((int(b) + 1) * w[j] for j, b in enumerate(buf[s : s + width])) % 2**64 for s in starts
+    ]
+    assert got.dtype == np.uint64 and got.tolist() == want
+    mixed = np.append(lens[: n - 1], width + 1)  # the last key one byte longer: general form
+    more = np.append(buf, np.uint8(7))
+    assert keyindex.key_sums_numpy(more, starts, mixed, weights)[: n - 1].tolist() == want[:-1]
