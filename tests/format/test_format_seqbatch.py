@@ -168,6 +168,8 @@ def test_parts_store_the_bytes_of_one_batch_and_of_records(tmp_path, monkeypatch
     from logitcache.cache_format.records import tail_from_logprobs
 
     monkeypatch.setattr(_encode, "FAST_ENCODE", compiled)
+    if compiled:
+        fastencode.ready()  # the kernels load now, not after a process's first values
     f = _batch(n=12, seed=5)
     recs = make_records(12, k=K, vocab=VOCAB, seed=5, max_len=6)
     bare = [SequenceRecord(r.key, r.input_ids, r.topk_ids, r.topk_logprobs) for r in recs]
@@ -182,7 +184,7 @@ def test_parts_store_the_bytes_of_one_batch_and_of_records(tmp_path, monkeypatch
         assert got.keys() == want.keys()
         differ = [n for n in want if got[n] != want[n] and not _stamped(n)]
         assert differ == [], name
-    if compiled and _encode._compiled(m):  # the parts' rows went straight into the outputs
+    if compiled and _encode._compiled(m, 1):  # the parts' rows went straight into the outputs
         joined: list[int] = []  # sizes of the arrays the encode concatenates
         real = np.concatenate
         counted = lambda xs, **kw: joined.append(sum(np.size(x) for x in xs)) or real(xs, **kw)  # noqa: E731
