@@ -267,8 +267,8 @@ def thread_cpu() -> dict[str, float]:
 
 def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
     """Per-thread CPU summed by role: ``event_loop`` (the main thread), ``workers``
-    (``asyncio.to_thread``), ``job_writer``, ``zarr_io`` (zarr's own event loop thread),
-    ``other_threads``."""
+    (``asyncio.to_thread`` and the transformers backend's forward thread), ``job_writer``,
+    ``zarr_io`` (zarr's own event loop thread), ``other_threads``."""
     out = dict.fromkeys(("event_loop", "workers", "job_writer", "zarr_io", "other_threads"), 0.0)
     for key, v in per_thread.items():
         name = key.split(":", 1)[1]
@@ -276,7 +276,7 @@ def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
             "event_loop"
             if name == "MainThread"
             else "workers"
-            if name.startswith("asyncio_")
+            if name.startswith(("asyncio_", "logitcache-forward"))
             else "job_writer"
             if name.startswith("job-writer")
             else "zarr_io"
