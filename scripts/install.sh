@@ -20,5 +20,13 @@ fi
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || echo "chromium not installed (optional)"
 fi
+# What the first run would otherwise pay in every process at once: the bytecode of the checkout's
+# modules (an editable install compiles none), numba's on-disk cache of the format's kernels
+# (__pycache__/ beside them: ~12 CPU-s per process until one has written it) and the tiny local
+# teacher the demo and the tests use (built once per machine, ~/.cache/logitcache/fixtures: 2-4
+# minutes on 2 cores; found, not rebuilt, where it is already built).
+.venv/bin/python -m compileall -q -j 0 cache_format client server protocol fixtures benchmarks examples experiments tests
+.venv/bin/python -c "import logitcache.cache_format as f, logitcache.server.inputs.jsonids as j; print('kernels', f.kernels_in_use(), 'json', 'numba' if j.ready() else 'json')"
+.venv/bin/python -m logitcache.fixtures.tiny
 touch .venv/.installed
 echo "logitcache installed in .venv"

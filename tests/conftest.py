@@ -221,22 +221,43 @@ CONTAINER_COMMAND = (
 )
 
 
-#: The files that take longest (seconds of the file in a full run of the README's test command on
-#: 2 loaded cores; Ray: its 74 s set-up plus its runs, estimated; mypy: a cold run on 2 cores, as
-#: pyproject's mypy section says). They start first, so the two xdist workers (``--dist loadfile``
-#: takes whole files, ``--no-loadscope-reorder`` keeps this order) end together instead of one of
-#: them running a two-minute file alone at the end; then the other files that start programs or
-#: engines, then the fast tier. Files not listed here keep their folder order. A checkout that ran
-#: the whole suite before orders by that run's own figures instead (pytest's cache,
-#: ``FILE_SECONDS_KEY``).
+#: The files that take longest: seconds of each file (setup, call and teardown of its tests) in a
+#: whole run of the README's test command on a fresh clone after ``scripts/install.sh`` (2 cores,
+#: load average 5-8: 17 min 04 s wall), every file of 20 s or more, and mypy's cold run (its cache
+#: is per machine, in the temp directory: 1.6 s warm; 41 s cold on 2 cores, as pyproject's mypy
+#: section says). They start first, so the two xdist workers (``--dist loadfile`` takes whole files,
+#: ``--no-loadscope-reorder`` keeps this order) end together instead of one of them running a two-
+#: minute file alone at the end; then the other files that start programs or engines, then the fast
+#: tier. Files not listed here keep their folder order. A checkout that ran the whole suite before
+#: orders by that run's own figures instead (pytest's cache, ``FILE_SECONDS_KEY``).
 LONGEST_FILES: dict[str, float] = {
-    "test_e2e_distill": 240,
-    "test_deploy_ray": 150,
-    "test_readme": 124,
-    "test_engine_supervisor_vllm": 115,
-    "test_server_restart": 130,
-    "test_server_schemathesis": 80,
+    "test_deploy_ray": 240,
+    "test_engine_supervisor_vllm": 174,
+    "test_e2e_distill": 173,
+    "test_engine_reaper_startup": 78,
+    "test_engine_vllm_child": 75,
+    "test_server_restart": 72,
+    "test_client_hf": 62,
+    "test_loss_exact": 56,
+    "test_readme": 49,
+    "test_server_schemathesis": 49,
+    "test_format_s3": 45,
+    "test_bench_smoke": 45,
+    "test_format_root_damage": 39,
+    "test_bench_gpu_suites": 36,
+    "test_ddp_gloo": 36,
+    "test_client_dataset": 35,
+    "test_client_hf_readme": 28,
+    "test_loss_vocab_parallel": 26,
+    "test_format_random_access": 25,
+    "test_fastdecode": 25,
+    "test_format_missing": 23,
+    "test_server_api": 23,
+    "test_dataset_resume_set_epoch": 22,
+    "test_fixtures_tiny": 22,
+    "test_format_direct": 21,
     "test_engine_typing": 41,
+    "test_teachers_vllm": 20,
 }
 
 
