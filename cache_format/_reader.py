@@ -151,6 +151,8 @@ class CacheReader:
         zstore = self._handle.zstore
         try:
             attrs = read_root_attrs(zstore)
+        except CorruptStoreError:  # a damaged root: its own typed error
+            raise
         except Exception as e:  # store unreachable or unreadable
             raise FormatError(f"cannot read store {self._handle.url!r}: {e}") from e
         if attrs is None:

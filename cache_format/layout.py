@@ -344,6 +344,7 @@ def _root_document(store: zarr.abc.store.Store) -> dict | None:
         doc = json.loads(raw)
     except ValueError:
         return None
+    _check_root_fields(doc)
     if (
         not isinstance(doc, dict)
         or doc.get("zarr_format") != 3
@@ -353,6 +354,31 @@ def _root_document(store: zarr.abc.store.Store) -> dict | None:
     ):
         return None
     return doc
+
+
+#: The root document's fields besides ``attributes``, as this library writes them.
+_ROOT_FIELDS = {"zarr_format": 3, "node_type": "group", "consolidated_metadata": None}
+
+
+def _check_root_fields(doc: object) -> None:
+    """Raise :class:`~.errors.CorruptStoreError` when a root document whose attributes carry the
+    manifest digest (this library's root) has zarr fields other than a v3 group's: the digest
+    covers the attributes only, so a damaged field name or value is caught here."""
+    from .errors import CorruptStoreError
+
+    if not isinstance(doc, dict):
+        return
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, dict) or spec.DIGEST_ATTR not in attrs:
+        return
+    fields = {k: v for k, v in doc.items() if k != "attributes"}
+    if any(_ROOT_FIELDS.get(k, ...) != v for k, v in fields.items()) or any(
+        k not in fields for k in ("zarr_format", "node_type")
+    ):
+        raise CorruptStoreError(
+            f"root zarr.json: fields {sorted(fields)} are not a zarr v3 group's "
+            f"(zarr_format 3, node_type 'group'): the document was changed or damaged"
+        )
 
 
 def write_root_attrs(store: zarr.abc.store.Store, attrs: dict) -> None:

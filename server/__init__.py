@@ -46,6 +46,7 @@ client).
 ``batch.job_store``            the SQLite job table
 ``batch.jobs``                 ``JobRunner``: background jobs, restart-safe resume, cancel
 ``batch.pipeline``             the one batch pipeline: batches -> engine -> records -> appends
+``batch.parts``                an engine batch's rows handed to the writer as views, no copies
 ``batch.progress``             a job run's throughput and coverage; the append-then-progress step
 ``batch.shards``               sharded batch scoring: plan, check, score into staging, commit
 ``batch.distributed``          the Ray driver, ``logitcache-distributed``, over ``batch.shards``

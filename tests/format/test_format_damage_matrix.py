@@ -114,3 +114,34 @@ def test_any_bit_flip_is_found(sources, tmp_path, pick, at, bit):
     if not work.exists():
         shutil.copytree(src, work)
     assert _verdict_damaged(work, rel, "flip", at, bit) == "found", (rel, at, bit)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ('"zarr_format"', '"zarr_formau"'),  # a flipped bit in a field name (found by hypothesis)
+        ('"node_type": "group"', '"node_type": "grouq"'),
+        ('"zarr_format": 3', '"zarr_format": 2'),
+    ],
+)
+def test_a_damaged_zarr_field_of_the_root_is_found(sources, tmp_path, edit):
+    """The manifest digest covers the root's attributes; its zarr fields are checked apart: a
+    reader refuses the store with a typed error, a writer neither wipes nor appends, and
+    ``validate`` reports it."""
+    from logitcache.cache_format import CacheReader
+    from logitcache.cache_format.errors import CorruptStoreError
+
+    work = tmp_path / "r"
+    shutil.copytree(sources["uint8"], work)
+    root = work / "zarr.json"
+    text = root.read_text()
+    assert edit[0] in text
+    root.write_text(text.replace(edit[0], edit[1], 1))
+    before = sorted(p.relative_to(work) for p in work.rglob("*"))
+    assert _verdict(work) == "found"
+    with pytest.raises(CorruptStoreError, match="root zarr.json"):
+        CacheReader(str(work))
+    m = make_manifest(8, 1000, logprob_dtype="uint8", id_remap=True)
+    with pytest.raises(CorruptStoreError, match="root zarr.json"):
+        CacheWriter.open(str(work), m, layout=layout_named("random_access_raw"))
+    assert sorted(p.relative_to(work) for p in work.rglob("*")) == before
