@@ -1,8 +1,9 @@
 """A teacher job on one GPU with the transformers backend, against the bare model in the same run.
 
 Per teacher shape (``--shapes``: ``8b`` = Llama-3-8B, ``1b`` = Llama-3.2-1B, ``tiny`` for the CPU
-test): a model directory of random bf16 weights a user could serve; **bare** (the backend's engine
-in this process: ``device``, ``device_entropy``, ``engine`` rates); **inproc** (the same engine
+test, ``small`` a CPU-sized teacher): a model directory of random bf16 weights a user could serve;
+**bare** (the backend's engine in this process: ``device``, ``device_entropy``, ``engine`` rates);
+**inproc** (the same engine
 object behind the service in this process, the job path's CPU measured by stage and by thread as
 :func:`benchmarks.service.cpu.job_run` measures it: the job path is the process's CPU less the
 engine's ``device`` and ``engine`` stages; after an untimed warm-up job of ``--inproc-warmup``
@@ -83,6 +84,7 @@ class Shape:
 SHAPES = {
     "8b": Shape(4096, 32, 32, 8, 14336, 128256, tied=False),  # Llama-3-8B
     "1b": Shape(2048, 16, 32, 8, 8192, 128256, tied=True),  # Llama-3.2-1B
+    "small": Shape(512, 8, 8, 2, 1536, 32000, tied=True),  # ~0.2 s per 128-token forward on CPU
     "tiny": Shape(64, 2, 4, 2, 128, 512, tied=False),
 }
 

@@ -4,9 +4,13 @@ the wire per position (JSON vs the base64 ``.npy`` matrix).
 Usage (from the repository root)::
 
     python -m benchmarks.service protocols [--sequences 24] [--length 128] [--ids 8] [--k 8]
-        [--backend transformers] [--json OUT.json]
+        [--backend transformers] [--shape small] [--json OUT.json]
 
-One engine on the tiny teacher in this process, served by the real app under uvicorn in a
+One engine on the tiny teacher (or, with ``--shape NAME``, on a random-weight Llama of that
+shape from :data:`benchmarks.service.gpu.SHAPES`, made in a temporary directory; ``small`` is
+sized so that a forward over 128 tokens takes ~0.2 s on a CPU, as a real teacher's forward is
+far slower than the tiny teacher's; the windows' ids are taken modulo its vocabulary) in this
+process, served by the real app under uvicorn in a
 thread (``tests/server_support.ThreadedServer``), so the routes and the direct calls share the
 engine and the run. ``--sequences`` windows of ``--length`` tokens, each asked once per path
 (every route request is a miss: a sequence its cache has not seen), with ``--ids`` candidate ids
@@ -50,6 +54,7 @@ import numpy as np
 
 from benchmarks.harness import options
 from benchmarks.service.common import mode_parser, parse, recorded, tiny_engine, tiny_windows
+from benchmarks.service.gpu import SHAPES, make_model_dir
 from tests.server_support import ThreadedServer, server_settings
 
 #: The timed routes.
@@ -117,35 +122,57 @@ def _paths(
     return out
 
 
+def _teacher(tiny: Any, args: Any, tmp: Path) -> tuple[Path, int, Any, dict]:
+    """The served teacher's directory, vocabulary size, engine and description: the tiny
+    fixture teacher, or a random-weight Llama of shape ``args.shape`` made under ``tmp``."""
+    max_k = max(args.k, 20)
+    if args.shape is None:
+        engine = tiny_engine(tiny, args.backend, max_k)
+        return tiny.teacher_dir, tiny.vocab_size, engine, {"shape": "fixture"}
+    from logitcache.server.engine import build_engine
+
+    shape, model_dir = SHAPES[args.shape], tmp / "teacher"
+    made = make_model_dir(shape, model_dir, "cpu", max_len=max(args.length, 128))
+    options = {"vllm_mode": "inproc"} if args.backend == "vllm" else {}
+    engine = build_engine(
+        model=str(model_dir), backend=args.backend, max_k=max_k, dtype="float32", options=options
+    )
+    info = {"shape": args.shape, "params": made["params"], "vocab": shape.vocab}
+    return model_dir, shape.vocab, engine, info | {"layers": shape.layers, "hidden": shape.hidden}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = mode_parser("protocols", __doc__)
     backend = ("transformers", None, {"choices": ["transformers", "vllm"]})
+    shape = (None, "a random-weight Llama of this shape, not the tiny teacher", {"choices": SHAPES})
     options(ap, sequences=24, length=128, ids=(8, "candidate ids per row"), k=8, backend=backend)
+    options(ap, shape=shape)
     args = parse(ap, argv)
 
     tiny, seqs = tiny_windows(args.length, args.sequences + 1)
     rng = np.random.default_rng(0)
-
-    def candidates(seq: list[int]) -> list[list[int]]:
-        return [
-            rng.choice(tiny.vocab_size, size=args.ids, replace=False).tolist()
-            for _ in range(len(seq) - 1)
-        ]
-
-    engine = tiny_engine(tiny, args.backend, max(args.k, 20))
     runs: list[dict[str, Any]] = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        teacher_dir, vocab, engine, teacher = _teacher(tiny, args, Path(tmp))
+        seqs = [[t % vocab for t in seq] for seq in seqs]
+
+        def candidates(seq: list[int]) -> list[list[int]]:
+            return [
+                rng.choice(vocab, size=args.ids, replace=False).tolist()
+                for _ in range(len(seq) - 1)
+            ]
+
+        try:
             settings = server_settings(
-                Path(tmp), str(tiny.teacher_dir), k=args.k, logprob_dtype="float32"
+                Path(tmp), str(teacher_dir), k=args.k, logprob_dtype="float32"
             )
             with ThreadedServer(settings, engine) as srv, srv.client() as client:
                 caches = srv.services.caches
                 for n, seq in enumerate(seqs, 1):  # the first: warm-up
                     got = _paths(engine, client, caches, seq, candidates(seq), args.k, n)
                     runs.extend([got] if n > 1 else [])
-    finally:
-        asyncio.run(engine.aclose())
+        finally:
+            asyncio.run(engine.aclose())
 
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     positions = args.length - 1
@@ -153,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     bases = ("direct_ids", "direct_ids_topk", "score_route")
     result: dict[str, Any] = {
         **head,
+        "teacher": teacher,
         "median_s": {k: v for k, v in med.items() if "bytes" not in k},
     }
     for key in ("vllm", "sglang"):

@@ -307,6 +307,24 @@ def test_service_suite_replays_the_transformers_backend_at_a_gpus_pace() -> None
     assert abs(st["other"]) < 0.25 * r["us_per_position"], st
 
 
+def test_service_protocols_mode_serves_a_random_llama_of_the_asked_shape(tmp_path: Path) -> None:
+    """``service protocols --shape tiny``: the routes are timed against a random-weight Llama of
+    that shape (not the fixture teacher), which the JSON records, and every path was timed."""
+    import json
+
+    from benchmarks.service.gpu import SHAPES
+
+    out = tmp_path / "p.json"
+    args = ["--sequences", "2", "--length", "16", "--json", str(out), "--csv", str(tmp_path / "r")]
+    _run("-m", "benchmarks.service", "protocols", "--shape", "tiny", *args)
+    got = json.loads(out.read_text())
+    assert got["args"]["shape"] == "tiny"
+    assert got["teacher"]["shape"] == "tiny" and got["teacher"]["vocab"] == SHAPES["tiny"].vocab
+    assert got["teacher"]["params"] > 0 and got["teacher"]["layers"] == SHAPES["tiny"].layers
+    assert all(got["median_s"][p] > 0 for p in ("direct_ids_topk", "vllm_route", "sglang_route"))
+    assert got["bytes_per_position"]["vllm_npy_base64"] > 0
+
+
 def _report(seed: int, kls: dict[str, float]) -> dict[str, Any]:
     methods: dict[str, dict[str, Any]] = {}
     for m, kl in kls.items():
