@@ -1,5 +1,5 @@
-"""One chunk's row passes of the exact loss per kernel launch geometry, for ``python -m
-benchmarks.loss exact --kernel-configs ...`` (CUDA): median ms of each pass per config
+"""One chunk's row kernel of the exact loss per launch geometry, for ``python -m benchmarks.loss
+exact --kernel-configs ...`` (CUDA): median ms per objective (with the gradient) per config
 (:class:`ExactKernelConfig`) beside a copy of one table, each config's losses and gradient
 against the default config's, and per objective the fastest config that agrees (the
 ``..._kbest`` variants run it).
@@ -8,10 +8,8 @@ against the default config's, and per objective the fastest config that agrees (
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,10 +25,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def kernel_configs(spec: str) -> list[str]:
-    """``--kernel-configs``: comma-separated ``default``,
-    ``S<block>x<cols>w<warps>[p<stages>]-G<block>x<cols>w<warps>[p<stages>]`` (split passes:
-    statistics, then gradient) or ``F<programs>b<block>w<warps>[p<stages>]`` (the fused
-    kernel); see :class:`ExactKernelConfig`. Each is checked here."""
+    """``--kernel-configs``: comma-separated ``default`` or ``B<block>w<warps>[r<max_regs>][s]``
+    (``s``: ``sync=False``, one launch per step); see :class:`ExactKernelConfig`. Each is
+    checked here."""
     names = [n for n in spec.split(",") if n]
     for n in names:
         parse_kernel_config(n)
@@ -40,17 +37,11 @@ def kernel_configs(spec: str) -> list[str]:
 def parse_kernel_config(name: str) -> ExactKernelConfig:
     if name == "default":
         return EXACT_DEFAULT_CONFIG
-    split = re.fullmatch(r"S(\d+)x(\d+)w(\d+)(?:p(\d+))?-G(\d+)x(\d+)w(\d+)(?:p(\d+))?", name)
-    fused = re.fullmatch(r"F(\d+)b(\d+)w(\d+)(?:p(\d+))?", name)
+    m = re.fullmatch(r"B(\d+)w(\d+)(?:r(\d+))?(s?)", name)
     try:
-        if split is not None:
-            return ExactKernelConfig(*[int(g) if g else 1 for g in split.groups()])
-        if fused is not None:
-            p, block, warps, stages = (int(g) if g else 1 for g in fused.groups())
-            return ExactKernelConfig(
-                stats_block=block, stats_cols=block, stats_warps=warps, stats_stages=stages,
-                fused_programs=p,
-            )  # fmt: skip
+        if m is not None:
+            block, warps, regs, split = m.groups()
+            return ExactKernelConfig(int(block), int(warps), not split, int(regs or 0))
     except LossInputError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     raise argparse.ArgumentTypeError(f"bad kernel config {name!r} (see --kernel-configs)")
@@ -58,27 +49,25 @@ def parse_kernel_config(name: str) -> ExactKernelConfig:
 
 EXACT_KERNEL_CONFIGS = [
     "default",
-    "S2048x16384w4-G2048x16384w8",
-    "S2048x131072w4-G2048x131072w8",
-    "S4096x16384w8-G4096x4096w8",
-    "S2048x16384w8-G4096x16384w8",
-    "S1024x8192w4-G1024x8192w4",
-    "S2048x16384w4p3-G2048x16384w8p3",
-    "F132b4096w16p3",
-    "F132b8192w32",
-    "F66b8192w32p2",
+    "B2048w8s",
+    "B4096w8",
+    "B4096w16",
+    "B2048w4",
+    "B2048w8r80",
+    "B2048w8r64",
+    "B1024w4",
+    "B1024w4r64",
+    "B1024w2",
+    "B8192w16",
 ]
 
 
 def pass_sweep(
     names: list[str], rows: int, vocab: int, device: str
 ) -> tuple[list[dict], dict[str, ExactKernelConfig]]:
-    """Median ms of one chunk's row passes (``[rows, vocab]`` bf16 teacher and student logits)
-    per kernel config, beside a copy of one table (read + write) as the bandwidth reference;
-    and per objective the fastest config (split passes: the fastest statistics settings with
-    the fastest gradient settings; or a fused config if faster)."""
-    from logitcache.client.loss import exact_kernels as ek
-
+    """Median ms of one chunk's row kernel (``[rows, vocab]`` bf16 teacher and student logits)
+    per kernel config and objective, beside a copy of one table (read + write) as the bandwidth
+    reference; and per objective the fastest config."""
     g = torch.Generator(device=device).manual_seed(3)
     y = (torch.randn(rows, vocab, generator=g, device=device) * 2).to(torch.bfloat16)
     x0 = (torch.randn(rows, vocab, generator=g, device=device) * 2).to(torch.bfloat16)
@@ -87,24 +76,24 @@ def pass_sweep(
     cuda = device == "cuda"
     copy_ms = median_time(cuda, lambda: x.copy_(y)) * 1e3
     out = [dict(config="copy", ms=copy_ms, gbps=2 * table / copy_ms / 1e6)]
-    tf = ek.Transform(1.0, None, 1.0)
     ok: list[tuple[ExactKernelConfig, dict]] = []
-    ref = {loss: chunk_result("default", loss, x, x0, y, tf) for loss in EXACT_LOSS_KINDS}
+    ref = {loss: chunk_result("default", loss, x, x0, y) for loss in EXACT_LOSS_KINDS}
     for name in names:
         row: dict[str, Any] = dict(config=name)
         try:
-            row.update(pass_times(name, x, x0, y, tf, cuda))
-            for loss in EXACT_LOSS_KINDS:  # the same numbers as the default config's?
-                kd, grad = chunk_result(name, loss, x, x0, y, tf)
+            for loss in EXACT_LOSS_KINDS:
+                row[f"{loss}_ms"] = pass_time(name, loss, x, x0, y, cuda)
+                kd, grad = chunk_result(name, loss, x, x0, y)  # the default config's numbers?
                 row[f"{loss}_rel_loss"] = rel(kd, ref[loss][0])
                 row[f"{loss}_rel_grad"] = rel(grad, ref[loss][1])
+                # 3 table transfers (2 reads, 1 write) vs the copy's 2
+                row[f"{loss}_of_copy_bw"] = 1.5 * copy_ms / row[f"{loss}_ms"]
         except Exception as e:  # a config that does not compile is a row, not the end
             row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
             print("passes", name, row["status"], flush=True)
             out.append(row)
             continue
         row["status"] = "ok"
-        row["kl_of_copy_bw"] = 2.5 * copy_ms / row["forward_kl_ms"]  # 5 table transfers vs 2
         print("passes", json.dumps(row), flush=True)
         out.append(row)
         agrees = all(
@@ -120,87 +109,39 @@ def pass_sweep(
 
 
 def pick_configs(rows: list[tuple[ExactKernelConfig, dict]]) -> dict[str, ExactKernelConfig]:
-    """Per objective, the fastest of: the split passes' fastest statistics settings with their
-    fastest gradient settings, and each fused config."""
-    split = [(c, r) for c, r in rows if not c.fused_programs]
-    best: dict[str, ExactKernelConfig] = {}
-    for loss in EXACT_LOSS_KINDS:
-        cands: list[tuple[float, ExactKernelConfig]] = []
-        if split:
-            sc, sr = min(split, key=lambda cr: cr[1]["stats_ms"] + cr[1]["sums_ms"])
-            gc, gr = min(split, key=lambda cr: cr[1][f"grad_{loss}_ms"])  # noqa: B023
-            t = sr["stats_ms"] + (sr["sums_ms"] if loss == "jsd" else 0.0) + gr[f"grad_{loss}_ms"]
-            cfg = dataclasses.replace(
-                gc, stats_block=sc.stats_block, stats_cols=sc.stats_cols,
-                stats_warps=sc.stats_warps, stats_stages=sc.stats_stages,
-            )  # fmt: skip
-            cands.append((t, cfg))
-        cands += [(r[f"{loss}_ms"], c) for c, r in rows if c.fused_programs]
-        if cands:
-            best[loss] = min(cands, key=lambda tc: tc[0])[1]
-    return best
+    """Per objective, the config of the fastest row."""
+    return {
+        loss: min(rows, key=lambda cr: cr[1][f"{loss}_ms"])[0]  # noqa: B023
+        for loss in EXACT_LOSS_KINDS
+        if rows
+    }
 
 
 def chunk_result(
-    name: str, loss: str, x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor, tf: Any
+    name: str, loss: str, x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One config's row losses ``KD [rows]`` (beta 0.5) and gradient table of the chunk."""
     from logitcache.client.loss import exact_kernels as ek
 
     x.copy_(x0)
-    cfg = parse_kernel_config(name)
-    if cfg.fused_programs:
-        st, sums = ek.fused(y, x, tf, loss, 1.0, cfg)
-    else:
-        st = ek.row_stats(y, x, tf, cfg)
-        sums = ek.jsd_sums(y, x, tf, st, cfg) if loss == "jsd" else None
+    st, sums = ek.rows(y, x, ek.Transform(1.0, None, 1.0), loss, 1.0, parse_kernel_config(name))
     if sums is not None:
-        kd, term = 0.5 * (sums[:, 0] + sums[:, 1]), sums[:, 1].contiguous()
+        kd = 0.5 * (sums[:, 0] + sums[:, 1])
     else:
-        kd = term = st[:, 2 if loss == "forward_kl" else 3].contiguous()
-    if not cfg.fused_programs:
-        ek.row_grad(y, x, tf, loss, st, term, 1.0, cfg)
+        kd = st[:, 2 if loss == "forward_kl" else 3]
     out = kd.clone(), x.clone()
     x.copy_(x0)
     return out
 
 
-def pass_times(
-    name: str, x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor, tf: Any, cuda: bool
-) -> dict:
-    """Median ms of one config's passes: ``<loss>_ms`` (all passes with the gradient) per
-    objective; for split passes also ``stats_ms``, ``sums_ms`` (JSD) and ``grad_<loss>_ms``."""
+def pass_time(
+    name: str, loss: str, x: torch.Tensor, x0: torch.Tensor, y: torch.Tensor, cuda: bool
+) -> float:
+    """Median ms of one config's kernel (with the gradient) for one objective."""
     from logitcache.client.loss import exact_kernels as ek
 
-    def timed(fn: Callable) -> float:
-        x.copy_(x0)
-        t = median_time(cuda, fn) * 1e3
-        x.copy_(x0)
-        return t
-
-    if name.startswith("F"):
-        cfg = parse_kernel_config(name)
-        return {
-            f"{loss}_ms": timed(lambda: ek.fused(y, x, tf, loss, 1.0, cfg))  # noqa: B023
-            for loss in EXACT_LOSS_KINDS
-        }
-    cfg = parse_kernel_config(name)
-
-    def stats() -> torch.Tensor:
-        return ek.row_stats(y, x, tf, cfg)
-
-    def sums(st: torch.Tensor) -> torch.Tensor:
-        return ek.jsd_sums(y, x, tf, st, cfg)
-
-    def grad(loss: str, st: torch.Tensor) -> None:
-        ek.row_grad(y, x, tf, loss, st, st[:, 2], 1.0, cfg)
-
+    cfg, tf = parse_kernel_config(name), ek.Transform(1.0, None, 1.0)
     x.copy_(x0)
-    st = stats()
-    res = dict(stats_ms=timed(stats), sums_ms=timed(lambda: sums(st)))
-    for loss in EXACT_LOSS_KINDS:
-        res[f"grad_{loss}_ms"] = timed(lambda: grad(loss, st))  # noqa: B023
-    for loss in EXACT_LOSS_KINDS:
-        extra = res["sums_ms"] if loss == "jsd" else 0.0
-        res[f"{loss}_ms"] = res["stats_ms"] + extra + res[f"grad_{loss}_ms"]
-    return res
+    t = median_time(cuda, lambda: ek.rows(y, x, tf, loss, 1.0, cfg)) * 1e3
+    x.copy_(x0)
+    return t

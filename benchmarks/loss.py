@@ -33,7 +33,7 @@ the memory-floor setting) on the top-k of the same teacher's logits, in float32 
 ``6 N d V``) as a fraction of the lm-head GEMM rate of the same run, and the time of one
 chunk's four bare GEMMs (teacher and student products, grad_h, grad_W) at each
 ``--gemm-chunks`` size. ``--check`` first compares the Triton passes and the torch passes with
-float64. On CUDA, ``--kernel-configs`` first times one chunk's row passes per launch geometry
+float64. On CUDA, ``--kernel-configs`` first times one chunk's row kernel per launch geometry
 (:mod:`benchmarks.exact_passes`) and picks per objective the fastest config that agrees with
 the default's numbers: variants ``..._kbest`` run it.
 
@@ -403,8 +403,10 @@ def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0)
 
 
 def parse_exact(name: str) -> dict[str, Any]:
-    """``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest]`` -> the call's options (``kbest``:
-    ``kernel_config="best"``, the fastest passes of the run's :func:`pass_sweep`)."""
+    """``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest|_split]`` -> the call's options
+    (``kbest``: ``kernel_config="best"``, the fastest config of the run's :func:`pass_sweep`;
+    ``split``: ``ExactKernelConfig(sync=False)``, one launch per step, each reading the
+    tables again)."""
     parts = name[len("exact_") :].split("_")
     opts: dict[str, Any] = {"kernels": "auto", "chunk_size": None, "grad_weight_dtype": "auto"}
     loss = []
@@ -415,6 +417,8 @@ def parse_exact(name: str) -> dict[str, Any]:
             opts["grad_weight_dtype"] = "weight"
         elif part == "kbest":
             opts["kernel_config"] = "best"
+        elif part == "split":
+            opts["kernel_config"] = ExactKernelConfig(sync=False)
         elif part.startswith("c") and part[1:].isdigit():
             opts["chunk_size"] = int(part[1:])
         else:

@@ -1,22 +1,15 @@
-"""Triton kernels for the exact loss's full-vocabulary passes over one chunk.
+"""Triton kernel for the exact loss's full-vocabulary passes over one chunk.
 
-Each kernel reads the chunk's teacher logits ``y`` and student logits ``x`` in their storage
-dtype (bf16 from the GEMMs) and computes in float32, so no float32 ``[chunk, V]`` buffer exists.
-A row is split into segments of :attr:`ExactKernelConfig.stats_cols` (statistics passes) or
-:attr:`ExactKernelConfig.grad_cols` (gradient pass) columns, one program each, which stream their
-segment in blocks:
-
-* :func:`row_stats`: per segment the maxima, sums and divergence sums of both tables (one read
-  of each), merged per row into ``(lse(a), lse(b), KL(p || q), KL(q || p))`` (``a`` = tempered
-  teacher logits after scale and soft-cap, ``b = x / T``);
-* :func:`jsd_sums`: JSD's two sums against the mixture, a second read (JSD only);
-* :func:`row_grad`: the student-logits gradient, written over ``x``;
-* :func:`fused`: all of them in one kernel, each program taking whole rows in turn so that a
-  row's later reads can come from L2 (:attr:`ExactKernelConfig.fused_programs`).
-
-Chunk traffic: the KLs read both tables twice and write one; JSD reads them three times.
+:func:`rows` runs one kernel (:func:`~.triton_jit.exact_rows_kernel`) over the chunk's teacher
+logits ``y`` and student logits ``x`` in their storage dtype (bf16 from the GEMMs), computing
+in float32, so no float32 ``[chunk, V]`` buffer exists. A row is split into segments of
+:attr:`ExactKernelConfig.block` columns, one program each, which keeps its segment in registers
+from its one read of ``y`` and ``x`` to its write of the gradient over ``x``; the programs of a
+row exchange their partial sums (maxima, sums of exponentials, divergence sums) through a small
+buffer, once for the log-sum-exps and the KLs and once more for JSD's sums against the mixture.
+Chunk traffic, every objective: both tables read once, the gradient written once.
 Triton is imported on the first call (``chunk_ops.TRITON_AVAILABLE`` says whether it is
-installed); on the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
+installed); on the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -30,9 +23,12 @@ import torch
 
 from .spec import LossInputError
 
-#: ``LOSS`` constexpr of the gradient kernel per objective.
+#: ``LOSS`` constexpr of the kernel per objective.
 _LOSS_CODE = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 _WARPS = (1, 2, 4, 8, 16, 32)
+#: Fields per segment in the partials buffer, and the word every one holds until written.
+_FIELDS = 8
+_SENTINEL = 0x7FBADBAD
 
 
 @functools.cache
@@ -42,65 +38,47 @@ def _jit() -> Any:
     return triton_jit
 
 
-def _stages(n: int) -> int | None:
-    """The loops' ``num_stages``: ``None`` (no pipelining attribute) for 1."""
-    return n if n > 1 else None
-
-
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True)
 class ExactKernelConfig:
-    """Launch geometry of the passes: per pass, columns per loop step (``*_block``, a power of
-    two), columns per program (``*_cols``, a multiple of the block: a row of ``V`` columns runs
-    as ``ceil(V / cols)`` programs), warps per program and software-pipeline stages of the
-    loop (``*_stages``; 1: none). The statistics settings also run the JSD sums pass.
-    ``fused_programs > 0`` runs every pass in one kernel instead (:func:`fused`): that many
-    programs, each taking whole rows in turn, with the statistics block, warps and stages.
-    The defaults are the fastest split-pass settings of ``python -m benchmarks.loss exact
-    --kernel-configs`` on an H100 at V=128,256 (statistics: 2048-column blocks, 4 warps;
-    gradient: 4096-column blocks, 8 warps; 16,384 columns per program)."""
+    """Launch geometry of the kernel: ``block`` columns per program (a power of two; a row of
+    ``V`` columns runs as ``ceil(V / block)`` programs), ``warps`` per program. ``sync=False``
+    runs the kernel's steps as separate launches that each read the two tables again (three
+    reads for JSD, two for the KLs; as on the CPU, where the interpreter runs one program at a
+    time), a slower reference for the one-read kernel. The defaults: 2048-column segments of 8
+    warps (8 columns of each table per thread)."""
 
-    stats_block: int = 2048
-    stats_cols: int = 16384
-    stats_warps: int = 4
-    stats_stages: int = 1
-    grad_block: int = 4096
-    grad_cols: int = 16384
-    grad_warps: int = 8
-    grad_stages: int = 1
-    fused_programs: int = 0
+    block: int = 2048
+    warps: int = 8
+    sync: bool = True
+    max_regs: int = 0
 
     def __post_init__(self) -> None:
-        p = self.fused_programs
-        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-            raise LossInputError(f"ExactKernelConfig fused_programs must be an int >= 0, got {p!r}")
-        for side in ("stats", "grad"):
-            block, cols, warps, stages = (
-                getattr(self, f"{side}_{k}") for k in ("block", "cols", "warps", "stages")
+        block, warps, sync, regs = self.block, self.warps, self.sync, self.max_regs
+        ok = (
+            isinstance(regs, int)
+            and not isinstance(regs, bool)
+            and (regs == 0 or 24 <= regs <= 255)
+            and isinstance(block, int)
+            and not isinstance(block, bool)
+            and _pow2(block)
+            and warps in _WARPS
+            and not isinstance(warps, bool)
+            and isinstance(sync, bool)
+        )
+        if not ok:
+            raise LossInputError(
+                f"ExactKernelConfig: block must be a power of two, warps one of {_WARPS}, sync a "
+                f"bool, max_regs 0 or in 24..255; got block={block!r}, warps={warps!r}, "
+                f"sync={sync!r}, max_regs={regs!r}"
             )
-            ok = (
-                all(isinstance(v, int) and not isinstance(v, bool) for v in (block, cols))
-                and _pow2(block)
-                and cols >= block
-                and cols % block == 0
-                and warps in _WARPS
-                and isinstance(stages, int)
-                and 1 <= stages <= 8
-            )
-            if not ok:
-                raise LossInputError(
-                    f"ExactKernelConfig {side}: block must be a power of two, cols a positive "
-                    f"multiple of it, warps one of {_WARPS}, stages in 1..8; got block={block!r}, "
-                    f"cols={cols!r}, warps={warps!r}, stages={stages!r}"
-                )
 
-    @staticmethod
-    def parts(cols: int, n_cols: int) -> int:
-        """Programs per row for ``n_cols`` columns at ``cols`` columns per program."""
-        return max(1, -(-n_cols // cols))
+    def parts(self, n_cols: int) -> int:
+        """Programs per row for ``n_cols`` columns."""
+        return max(1, -(-n_cols // self.block))
 
 
 #: The library's launch geometry.
@@ -129,109 +107,42 @@ def _check(*ts: torch.Tensor) -> None:
             raise ValueError("exact loss kernels need 2-D tensors with unit column stride")
 
 
-def row_stats(
-    y: torch.Tensor, x: torch.Tensor, tf: Transform, cfg: ExactKernelConfig = DEFAULT_CONFIG
-) -> torch.Tensor:
-    """``[C, 4]`` float32: ``lse(a), lse(b), KL(p || q), KL(q || p)`` per row."""
-    _check(y, x)
-    rows, cols = x.shape
-    out = torch.empty(rows, 4, dtype=torch.float32, device=x.device)
-    if rows:
-        parts = cfg.parts(cfg.stats_cols, cols)
-        part = torch.empty(rows, parts, 6, dtype=torch.float32, device=x.device)
-        jit = _jit()
-        jit.exact_stats_kernel[(rows, parts)](
-            y, y.stride(0), x, x.stride(0), cols, cfg.stats_cols, *tf.args(), part,
-            SOFTCAP=tf.softcap is not None, BLOCK=cfg.stats_block, STAGES=_stages(cfg.stats_stages),
-            num_warps=cfg.stats_warps,
-        )  # fmt: skip
-        p2 = max(2, 1 << (parts - 1).bit_length())
-        jit.exact_combine_kernel[(rows,)](part, parts, out, PARTS=p2, num_warps=1)
-    return out
-
-
-def jsd_sums(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    tf: Transform,
-    stats: torch.Tensor,
-    cfg: ExactKernelConfig = DEFAULT_CONFIG,
-) -> torch.Tensor:
-    """``[C, 2]`` float32: ``sum p (log p - log m), sum q (log q - log m)`` per row."""
-    _check(y, x)
-    rows, cols = x.shape
-    parts = cfg.parts(cfg.stats_cols, cols)
-    out = torch.empty(rows, parts, 2, dtype=torch.float32, device=x.device)
-    if rows:
-        _jit().exact_jsd_sums_kernel[(rows, parts)](
-            y, y.stride(0), x, x.stride(0), cols, cfg.stats_cols, *tf.args(), *tf.mix(), stats,
-            out, SOFTCAP=tf.softcap is not None, BLOCK=cfg.stats_block,
-            STAGES=_stages(cfg.stats_stages), num_warps=cfg.stats_warps,
-        )  # fmt: skip
-    return out.sum(1)
-
-
-def row_grad(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    tf: Transform,
-    loss: str,
-    stats: torch.Tensor,
-    row_term: torch.Tensor,
-    coef: float | torch.Tensor,
-    cfg: ExactKernelConfig = DEFAULT_CONFIG,
-) -> torch.Tensor:
-    """Write ``coef * dKD/db`` over ``x`` (``coef``: one number, or ``[C]`` per row;
-    ``row_term [C]``: KD for the reverse KL, ``t_q`` for JSD, unused for the forward KL);
-    returns ``x``."""
-    _check(y, x)
-    rows, cols = x.shape
-    if row_term.dim() != 1 or row_term.dtype != torch.float32:
-        raise ValueError("row_term must be a [C] float32 tensor")
-    per_row = isinstance(coef, torch.Tensor)
-    coef_t = stats
-    coef_v = 0.0
-    if isinstance(coef, torch.Tensor):
-        coef_t = coef.to(torch.float32).expand(rows).contiguous()
-    else:
-        coef_v = float(coef)
-    if rows:
-        _jit().exact_grad_kernel[(rows, cfg.parts(cfg.grad_cols, cols))](
-            y, y.stride(0), x, x.stride(0), cols, cfg.grad_cols, *tf.args(),
-            *tf.mix(), stats, row_term, row_term.stride(0), coef_t,
-            coef_v,
-            LOSS=_LOSS_CODE[loss], SOFTCAP=tf.softcap is not None, ROW_COEF=per_row,
-            BLOCK=cfg.grad_block, STAGES=_stages(cfg.grad_stages), num_warps=cfg.grad_warps,
-        )  # fmt: skip
-    return x
-
-
-def fused(
+def rows(
     y: torch.Tensor,
     x: torch.Tensor,
     tf: Transform,
     loss: str,
     coef: float | torch.Tensor | None,
-    cfg: ExactKernelConfig,
+    cfg: ExactKernelConfig = DEFAULT_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`row_stats`, for JSD :func:`jsd_sums`, and unless ``coef`` is ``None``
-    :func:`row_grad` (written over ``x``), in one kernel of ``cfg.fused_programs`` programs."""
+    """Per row ``stats [C, 4]`` float32 ``(lse(a), lse(b), KL(p || q), KL(q || p))`` and, for
+    JSD, ``sums [C, 2]`` ``(sum p log(p / m), sum q log(q / m))``; unless ``coef`` is ``None``,
+    ``coef * dKD/db`` (``coef``: one number, or ``[C]`` per row) written over ``x``."""
     _check(y, x)
-    rows, cols = x.shape
+    n_rows, cols = x.shape
     dev = x.device
-    stats = torch.empty(rows, 4, dtype=torch.float32, device=dev)
-    sums = torch.empty(rows, 2, dtype=torch.float32, device=dev) if loss == "jsd" else None
+    stats = torch.empty(n_rows, 4, dtype=torch.float32, device=dev)
+    sums = torch.empty(n_rows, 2, dtype=torch.float32, device=dev) if loss == "jsd" else None
     coef_t, coef_v = stats, 0.0
     if isinstance(coef, torch.Tensor):
-        coef_t = coef.to(torch.float32).expand(rows).contiguous()
+        coef_t = coef.to(device=dev, dtype=torch.float32).expand(n_rows).contiguous()
     elif coef is not None:
         coef_v = float(coef)
-    if rows:
-        _jit().exact_fused_kernel[(min(rows, cfg.fused_programs),)](
-            y, y.stride(0), x, x.stride(0), rows, cols, *tf.args(), *tf.mix(), stats,
-            stats if sums is None else sums, coef_t, coef_v,
+    if not n_rows:
+        return stats, sums
+    parts = cfg.parts(cols)
+    part = torch.full((n_rows, _FIELDS, parts), _SENTINEL, dtype=torch.int32, device=dev)
+    if cfg.sync and (dev.type == "cuda" or parts == 1):  # one program a row: nothing to wait on
+        phases: tuple[int, ...] = (0,)
+    else:
+        phases = (1, 2, 3) if loss == "jsd" else (1, 3)
+    extra = {"maxnreg": cfg.max_regs} if cfg.max_regs else {}
+    for phase in phases:
+        _jit().exact_rows_kernel[(n_rows * parts,)](
+            y, y.stride(0), x, x.stride(0), cols, parts, *tf.args(), *tf.mix(),
+            part.view(torch.float32), stats, stats if sums is None else sums, coef_t, coef_v,
             LOSS=_LOSS_CODE[loss], SOFTCAP=tf.softcap is not None,
-            ROW_COEF=isinstance(coef, torch.Tensor), GRAD=coef is not None,
-            BLOCK=cfg.stats_block, STAGES=_stages(cfg.stats_stages), num_warps=cfg.stats_warps,
+            ROW_COEF=isinstance(coef, torch.Tensor), GRAD=coef is not None, PHASE=phase,
+            SP=max(2, 1 << (parts - 1).bit_length()), BLOCK=cfg.block, num_warps=cfg.warps, **extra,
         )  # fmt: skip
     return stats, sums

@@ -70,9 +70,13 @@ def row_grad_kernel(
 
 
 # ----------------------------------------------------------------------------- the exact loss
-# Grids ``(rows, parts)``: program ``(r, s)`` covers columns ``[s seg, min((s + 1) seg, V))`` of
-# row ``r`` in steps of ``BLOCK`` columns (``seg`` a multiple of ``BLOCK``, so only the row's end
-# needs a mask).
+# Grid ``(rows * S,)``: program ``pid`` holds segment ``s = pid % S`` (columns ``[s BLOCK, (s +
+# 1) BLOCK)``) of row ``pid // S`` in registers for all its steps. The programs of a row exchange
+# partial sums through ``part [rows, 8, S]`` (float32, every word filled with the bit pattern
+# ``SENTINEL`` before the launch): fields 0-5 the statistics, 6-7 JSD's sums.
+
+SENTINEL = tl.constexpr(0x7FBADBAD)  # a NaN no arithmetic produces
+SPINS = tl.constexpr(1 << 14)  # polls before a wait gives up (the partials stay NaN)
 
 
 @triton.jit
@@ -90,96 +94,42 @@ def _max2(a1, b1, a2, b2):
 
 
 @triton.jit
-def _stats_loop(
-    yb,
-    xb,
-    lo,
-    hi,
-    n_cols,
-    y_scale,
-    cap,
-    inv_t,
-    SOFTCAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """One read of columns ``[lo, hi)`` of a row of teacher logits (at ``yb``) and student
-    logits (at ``xb``); with ``a`` the tempered teacher logits and ``b = x / T``:
-    ``(m_a, s_a, f_a, m_b, s_b, f_b)``, maxima ``m``, ``s_a = sum exp(a - m_a)``, ``f_a = sum
-    exp(a - m_a) (a - b)``, ``s_b = sum exp(b - m_b)``, ``f_b = sum exp(b - m_b) (b - a)``.
-    The maxima are per block, the sums per lane (reduced once at the end)."""
-    ma = tl.max(tl.full([BLOCK], -1.0e30, tl.float32), 0)
-    mb = ma
-    sa = tl.zeros([BLOCK], tl.float32)
-    fa = sa
-    sb = sa
-    fb = sa
-    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < n_cols
-        y = tl.load(yb + offs, mask=msk, other=0.0).to(tl.float32)
-        a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP), -float("inf"))
-        b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
-        d = tl.where(msk, a - b, 0.0)
-        ba, bb = tl.reduce((a, b), 0, _max2)  # both block maxima in one reduction
-        na = tl.maximum(ma, ba)
-        nb = tl.maximum(mb, bb)
-        ca = tl.exp(ma - na)
-        cb = tl.exp(mb - nb)
-        ea = tl.exp(a - na)
-        eb = tl.exp(b - nb)
-        sa = sa * ca + ea
-        fa = fa * ca + ea * d
-        sb = sb * cb + eb
-        fb = fb * cb - eb * d
-        ma = na
-        mb = nb
-    return ma, tl.sum(sa, 0), tl.sum(fa, 0), mb, tl.sum(sb, 0), tl.sum(fb, 0)
+def _field(base, n, f: tl.constexpr, SP: tl.constexpr):
+    """Field ``f`` of a row's ``n`` partials (``SP``: a power of two >= ``n``), read from L2."""
+    i = tl.arange(0, SP)
+    return tl.load(base + f * n + i, mask=i < n, other=0.0, volatile=True)
 
 
 @triton.jit
-def exact_stats_kernel(
-    y_ptr,
-    y_stride,
-    x_ptr,
-    x_stride,
-    n_cols,
-    seg,
-    y_scale,
-    cap,
-    inv_t,
-    part_ptr,
-    SOFTCAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """``part[row, s]`` = :func:`_stats_loop` of segment ``s`` of the row."""
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    lo = part * seg
-    hi = tl.minimum(lo + seg, n_cols)
-    ma, sa, fa, mb, sb, fb = _stats_loop(
-        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
-        SOFTCAP, BLOCK, STAGES,
-    )  # fmt: skip
-    out = part_ptr + (row * tl.num_programs(1) + part) * 6
-    tl.store(out, ma)
-    tl.store(out + 1, sa)
-    tl.store(out + 2, fa)
-    tl.store(out + 3, mb)
-    tl.store(out + 4, sb)
-    tl.store(out + 5, fb)
+def _pending(base, n, F0: tl.constexpr, NF: tl.constexpr, SP: tl.constexpr):
+    """How many of fields ``[F0, F0 + NF)`` of the row's partials still hold the sentinel."""
+    left = 0
+    for f in tl.static_range(F0, F0 + NF):
+        v = _field(base, n, f, SP).to(tl.int32, bitcast=True)
+        left += tl.sum((v == SENTINEL).to(tl.int32), 0)
+    return left
 
 
 @triton.jit
-def _merge(part_ptr, n_parts, PARTS: tl.constexpr):
-    """``(lse, sum exp(z - lse) u)`` of one side of a row's partials ``(m, s, f)`` at
-    ``part_ptr`` (stride 6), with ``f = sum exp(z - m) u``."""
-    i = tl.arange(0, PARTS)
-    msk = i < n_parts
-    m = tl.load(part_ptr + i * 6, mask=msk, other=-1.0e30)
-    s = tl.load(part_ptr + i * 6 + 1, mask=msk, other=0.0)
-    f = tl.load(part_ptr + i * 6 + 2, mask=msk, other=0.0)
+def _wait(base, n, F0: tl.constexpr, NF: tl.constexpr, SP: tl.constexpr):
+    """Poll until every program of the row has written fields ``[F0, F0 + NF)`` (at most
+    ``SPINS`` polls; the row's programs are resident together, see :func:`exact_rows_kernel`)."""
+    left = _pending(base, n, F0, NF, SP)
+    spins = 0
+    while (left > 0) & (spins < SPINS):
+        left = _pending(base, n, F0, NF, SP)
+        spins += 1
+
+
+@triton.jit
+def _merge(base, n, F0: tl.constexpr, SP: tl.constexpr):
+    """``(lse, sum exp(z - lse) u)`` of one side from the row's partials ``(m, s, f)`` (fields
+    ``F0..F0 + 2``: maximum, ``sum exp(z - m)``, ``sum exp(z - m) u``)."""
+    m = _field(base, n, F0, SP)
+    s = _field(base, n, F0 + 1, SP)
+    f = _field(base, n, F0 + 2, SP)
+    i = tl.arange(0, SP)
+    m = tl.where(i < n, m, -1.0e30)
     top = tl.max(m, 0)
     w = tl.exp(m - top)
     total = tl.sum(s * w, 0)
@@ -187,196 +137,19 @@ def _merge(part_ptr, n_parts, PARTS: tl.constexpr):
 
 
 @triton.jit
-def exact_combine_kernel(part_ptr, n_parts, out_ptr, PARTS: tl.constexpr):
-    """``out[row] = (lse(a), lse(b), KL(p || q), KL(q || p))`` from the row's ``n_parts``
-    partials of :func:`exact_stats_kernel` (``PARTS``: a power of two >= ``n_parts``)."""
-    row = tl.program_id(0).to(tl.int64)
-    base = part_ptr + row * n_parts * 6
-    lse_a, fw = _merge(base, n_parts, PARTS)
-    lse_b, rv = _merge(base + 3, n_parts, PARTS)
-    tl.store(out_ptr + row * 4, lse_a)
-    tl.store(out_ptr + row * 4 + 1, lse_b)
-    tl.store(out_ptr + row * 4 + 2, fw - lse_a + lse_b)
-    tl.store(out_ptr + row * 4 + 3, rv - lse_b + lse_a)
-
-
-@triton.jit
-def _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP: tl.constexpr):
-    y = tl.load(yb + offs, mask=msk, other=0.0).to(tl.float32)
-    lp = _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP) - lse_a
-    lq = tl.load(xb + offs, mask=msk, other=0.0).to(tl.float32) * inv_t - lse_b
-    return lp, lq
-
-
-@triton.jit
-def _log_mix(lp, lq, log_beta, log_1mbeta):
-    """``log(beta p + (1 - beta) q)`` (one exp and one log)."""
-    u = lp + log_beta
-    v = lq + log_1mbeta
-    return tl.maximum(u, v) + tl.log(1.0 + tl.exp(-tl.abs(u - v)))
-
-
-@triton.jit
-def _sums_loop(
-    yb,
-    xb,
-    lo,
-    hi,
-    n_cols,
-    y_scale,
-    cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
-    lse_a,
-    lse_b,
-    SOFTCAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """``(sum p (log p - log m), sum q (log q - log m))`` over columns ``[lo, hi)``, ``m = beta
-    p + (1 - beta) q``."""
-    tp = tl.zeros([BLOCK], tl.float32)
-    tq = tp
-    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < n_cols
-        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
-        lm = _log_mix(lp, lq, log_beta, log_1mbeta)
-        tp += tl.where(msk, tl.exp(lp) * (lp - lm), 0.0)
-        tq += tl.where(msk, tl.exp(lq) * (lq - lm), 0.0)
-    return tl.sum(tp, 0), tl.sum(tq, 0)
-
-
-@triton.jit
-def exact_jsd_sums_kernel(
+def exact_rows_kernel(
     y_ptr,
     y_stride,
     x_ptr,
     x_stride,
     n_cols,
-    seg,
+    n_parts,
     y_scale,
     cap,
     inv_t,
     log_beta,
     log_1mbeta,
-    stats_ptr,
-    out_ptr,
-    SOFTCAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """``out[row, s]`` = :func:`_sums_loop` over segment ``s``, with the row log-sum-exps of
-    :func:`exact_combine_kernel`."""
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    lo = part * seg
-    hi = tl.minimum(lo + seg, n_cols)
-    tp, tq = _sums_loop(
-        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
-        log_beta, log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
-        SOFTCAP, BLOCK, STAGES,
-    )  # fmt: skip
-    out = out_ptr + (row * tl.num_programs(1) + part) * 2
-    tl.store(out, tp)
-    tl.store(out + 1, tq)
-
-
-@triton.jit
-def _grad_loop(
-    yb,
-    xb,
-    gb,
-    lo,
-    hi,
-    n_cols,
-    y_scale,
-    cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
-    lse_a,
-    lse_b,
-    r,
-    c,
-    LOSS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """``c * dKD/db`` over columns ``[lo, hi)`` written at ``gb`` (may be ``xb``); ``LOSS``: 0
-    forward KL ``q - p``, 1 reverse KL ``q (log q - log p - r)`` (``r`` = KD), 2 JSD ``q (1 -
-    beta) (log q - log m - r)`` (``r = t_q``)."""
-    for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        msk = offs < n_cols
-        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
-        q = tl.exp(lq)
-        if LOSS == 0:
-            g = q - tl.exp(lp)
-        elif LOSS == 1:
-            g = q * (lq - lp - r)
-        else:
-            lm = _log_mix(lp, lq, log_beta, log_1mbeta)
-            g = q * (tl.exp(log_1mbeta) * (lq - lm - r))
-        tl.store(gb + offs, (g * c).to(gb.dtype.element_ty), mask=msk)
-
-
-@triton.jit
-def exact_grad_kernel(
-    y_ptr,
-    y_stride,
-    x_ptr,
-    x_stride,
-    n_cols,
-    seg,
-    y_scale,
-    cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
-    stats_ptr,
-    term_ptr,
-    term_stride,
-    coef_ptr,
-    coef,
-    LOSS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ROW_COEF: tl.constexpr,
-    BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """:func:`_grad_loop` over segment ``s`` of the row, written over ``x``, with ``r =
-    term_ptr[row * term_stride]`` and ``c = coef_ptr[row]`` (``ROW_COEF``) or ``coef``."""
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    xb = x_ptr + row * x_stride
-    lo = part * seg
-    hi = tl.minimum(lo + seg, n_cols)
-    c = coef
-    if ROW_COEF:
-        c = tl.load(coef_ptr + row)
-    _grad_loop(
-        y_ptr + row * y_stride, xb, xb, lo, hi, n_cols, y_scale, cap, inv_t, log_beta,
-        log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
-        tl.load(term_ptr + row * term_stride), c, LOSS, SOFTCAP, BLOCK, STAGES,
-    )  # fmt: skip
-
-
-@triton.jit
-def exact_fused_kernel(
-    y_ptr,
-    y_stride,
-    x_ptr,
-    x_stride,
-    n_rows,
-    n_cols,
-    y_scale,
-    cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
+    part_ptr,
     stats_ptr,
     sums_ptr,
     coef_ptr,
@@ -385,41 +158,92 @@ def exact_fused_kernel(
     SOFTCAP: tl.constexpr,
     ROW_COEF: tl.constexpr,
     GRAD: tl.constexpr,
+    PHASE: tl.constexpr,
+    SP: tl.constexpr,
     BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
-    """Every pass of a whole row in one program, rows ``pid, pid + P, ...`` (``P`` programs):
-    ``stats[row] = (lse(a), lse(b), KL(p || q), KL(q || p))``, for JSD ``sums[row] = (t_p,
-    t_q)``, and (``GRAD``) the gradient written over ``x``. The second and third reads of a
-    row come from L2 while ``P`` rows fit in it."""
-    first = tl.program_id(0).to(tl.int64)
-    for i in range(0, tl.cdiv(n_rows, tl.num_programs(0))):
-        row = first + i * tl.num_programs(0)
-        if row < n_rows:
-            yb = y_ptr + row * y_stride
-            xb = x_ptr + row * x_stride
-            ma, sa, fa, mb, sb, fb = _stats_loop(
-                yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, SOFTCAP, BLOCK, STAGES
-            )
-            lse_a = ma + tl.log(sa)
-            lse_b = mb + tl.log(sb)
-            term = fb / sb - lse_b + lse_a
-            tl.store(stats_ptr + row * 4, lse_a)
-            tl.store(stats_ptr + row * 4 + 1, lse_b)
-            tl.store(stats_ptr + row * 4 + 2, fa / sa - lse_a + lse_b)
-            tl.store(stats_ptr + row * 4 + 3, term)
-            if LOSS == 2:
-                tp, term = _sums_loop(
-                    yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta, lse_a,
-                    lse_b, SOFTCAP, BLOCK, STAGES,
-                )  # fmt: skip
-                tl.store(sums_ptr + row * 2, tp)
-                tl.store(sums_ptr + row * 2 + 1, term)
+    """One read of the segment's teacher logits ``y`` and student logits ``x``; with ``a`` the
+    tempered teacher logits (scale, soft-cap, ``/ T``) and ``b = x / T``, ``p = softmax(a)``,
+    ``q = softmax(b)``:
+
+    1. segment partials (maxima, ``sum exp``, ``sum exp(a - m_a) (a - b)`` and ``sum exp(b -
+       m_b) (b - a)``) published to ``part``; the row's are merged into ``stats[row] =
+       (lse(a), lse(b), KL(p || q), KL(q || p))``;
+    2. JSD (``LOSS`` 2): ``sums[row] = (sum p log(p / m), sum q log(q / m))``, ``m = beta p +
+       (1 - beta) q``, the same way;
+    3. ``GRAD``: ``c * dKD/db`` written over the segment of ``x`` (``c = coef_ptr[row]`` with
+       ``ROW_COEF``, else ``coef``): ``LOSS`` 0 forward KL ``q - p``, 1 reverse KL ``q (log q -
+       log p - KD)``, 2 JSD ``(1 - beta) q (log q - log m - t_q)``.
+
+    ``PHASE`` 0 runs all steps, each program polling ``part`` for its row's partials: this
+    needs the ``n_parts`` programs of a row resident at once, which holds as programs start in
+    grid order and an SM holds far more than ``n_parts`` of them. ``PHASE`` 1, 2, 3 run one
+    step per launch (1: publish the statistics; 2: JSD's sums; 3: the rest), each reading the
+    segment again (the interpreter's way; no program waits)."""
+    pid = tl.program_id(0)
+    row = (pid // n_parts).to(tl.int64)
+    seg = pid % n_parts
+    base = part_ptr + row * 8 * n_parts
+    offs = seg * BLOCK + tl.arange(0, BLOCK)
+    msk = offs < n_cols
+    y = tl.load(y_ptr + row * y_stride + offs, mask=msk, other=0.0).to(tl.float32)
+    a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP), -float("inf"))
+    xb = x_ptr + row * x_stride
+    b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
+    d = tl.where(msk, a - b, 0.0)
+    ma, mb = tl.reduce((a, b), 0, _max2)
+    ea = tl.exp(a - ma)
+    eb = tl.exp(b - mb)
+    if PHASE <= 1:
+        tl.store(base + seg, ma)
+        tl.store(base + n_parts + seg, tl.sum(ea, 0))
+        tl.store(base + 2 * n_parts + seg, tl.sum(ea * d, 0))
+        tl.store(base + 3 * n_parts + seg, mb)
+        tl.store(base + 4 * n_parts + seg, tl.sum(eb, 0))
+        tl.store(base + 5 * n_parts + seg, -tl.sum(eb * d, 0))
+    if PHASE != 1:
+        if PHASE == 0:
+            _wait(base, n_parts, 0, 6, SP)
+        lse_a, fw = _merge(base, n_parts, 0, SP)
+        lse_b, rv = _merge(base + 3 * n_parts, n_parts, 0, SP)
+        kl_f = fw - lse_a + lse_b
+        kl_r = rv - lse_b + lse_a
+        p = ea * tl.exp(ma - lse_a)
+        q = eb * tl.exp(mb - lse_b)
+        term = kl_r
+        lm = p  # JSD's log m and where m > 0 (LOSS 2)
+        live = msk
+        if LOSS == 2:
+            # m = beta p + (1 - beta) q: one log; where m underflows, so do p and q (terms 0)
+            mix = tl.exp(log_beta) * p + tl.exp(log_1mbeta) * q
+            live = msk & (mix > 0.0)
+            lm = tl.log(tl.where(live, mix, 1.0))
+            if PHASE <= 2:
+                tp_s = tl.sum(tl.where(live, p * (a - lse_a - lm), 0.0), 0)
+                tl.store(base + 6 * n_parts + seg, tp_s)
+                tl.store(
+                    base + 7 * n_parts + seg, tl.sum(tl.where(live, q * (b - lse_b - lm), 0.0), 0)
+                )
+            if PHASE != 2:
+                if PHASE == 0:
+                    _wait(base, n_parts, 6, 2, SP)
+                tp = tl.sum(_field(base, n_parts, 6, SP), 0)
+                term = tl.sum(_field(base, n_parts, 7, SP), 0)
+                tl.store(sums_ptr + row * 2, tp, mask=seg == 0)
+                tl.store(sums_ptr + row * 2 + 1, term, mask=seg == 0)
+        if PHASE != 2:
+            tl.store(stats_ptr + row * 4, lse_a, mask=seg == 0)
+            tl.store(stats_ptr + row * 4 + 1, lse_b, mask=seg == 0)
+            tl.store(stats_ptr + row * 4 + 2, kl_f, mask=seg == 0)
+            tl.store(stats_ptr + row * 4 + 3, kl_r, mask=seg == 0)
             if GRAD:
                 c = coef
                 if ROW_COEF:
                     c = tl.load(coef_ptr + row)
-                _grad_loop(
-                    yb, xb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta,
-                    lse_a, lse_b, term, c, LOSS, SOFTCAP, BLOCK, STAGES,
-                )  # fmt: skip
+                if LOSS == 0:
+                    g = q - p
+                elif LOSS == 1:
+                    g = q * (lse_a - lse_b - d - term)
+                else:
+                    g = tl.where(live, q * (tl.exp(log_1mbeta) * (b - lse_b - lm - term)), 0.0)
+                tl.store(xb + offs, (g * c).to(x_ptr.dtype.element_ty), mask=msk)

@@ -225,39 +225,31 @@ def test_loss_suite_exact_mode(tmp_path: Path) -> None:
 
 
 def test_loss_exact_kernel_configs_parse_and_pick() -> None:
-    """``--kernel-configs`` (the CUDA pass sweep): every listed config parses, ``default`` is
-    the library's default (statistics S2048x16384w4, gradient G4096x16384w8), an unknown name is
-    an argparse error, and the pick joins the fastest statistics with the fastest gradient (or a
-    faster fused config)."""
+    """``--kernel-configs`` (the CUDA sweep): every listed config parses, ``default`` is the
+    library's default (B2048w8), ``r``/``s`` set ``max_regs``/``sync=False``, an unknown or bad
+    name is an argparse error, and the pick is per objective the fastest row."""
     import argparse
-    import dataclasses
 
     from logitcache.client.loss import ExactKernelConfig
 
     from benchmarks import exact_passes as ep
+    from benchmarks.loss import parse_exact
 
     assert ep.kernel_configs(",".join(ep.EXACT_KERNEL_CONFIGS)) == ep.EXACT_KERNEL_CONFIGS
-    assert (
-        ep.parse_kernel_config("default")
-        == ep.parse_kernel_config("S2048x16384w4-G4096x16384w8")
-        == ExactKernelConfig()
-    )
-    for bad in ("before", "S2048x16384w4-G3000x16384w8"):
+    assert ep.parse_kernel_config("default") == ep.parse_kernel_config("B2048w8")
+    assert ep.parse_kernel_config("default") == ExactKernelConfig()
+    assert ep.parse_kernel_config("B1024w4r64s") == ExactKernelConfig(1024, 4, False, 64)
+    for bad in ("before", "B3000w8", "B2048w3", "B2048w8r300", "S2048x16384w4-G4096x16384w8"):
         with pytest.raises(argparse.ArgumentTypeError):
             ep.kernel_configs(f"default,{bad}")
-    a, b = ep.parse_kernel_config("S1024x8192w4-G1024x8192w4"), ExactKernelConfig()
-    fused = ep.parse_kernel_config("F132b4096w16p3")
-    times = dict(stats_ms=1.0, sums_ms=1.0, grad_forward_kl_ms=1.0, grad_reverse_kl_ms=1.0)
+    a, b, c = (ep.parse_kernel_config(n) for n in ("B1024w4", "B4096w8", "B2048w8s"))
     rows = [
-        (a, {**times, "stats_ms": 0.5, "grad_jsd_ms": 2.0}),
-        (b, {**times, "grad_forward_kl_ms": 0.5, "grad_jsd_ms": 0.9}),
-        (fused, dict(forward_kl_ms=9.0, reverse_kl_ms=0.1, jsd_ms=9.0)),
+        (a, dict(forward_kl_ms=1.0, reverse_kl_ms=2.0, jsd_ms=3.0)),
+        (b, dict(forward_kl_ms=2.0, reverse_kl_ms=1.0, jsd_ms=3.0)),
+        (c, dict(forward_kl_ms=2.0, reverse_kl_ms=2.0, jsd_ms=1.0)),
     ]
-    best = ep.pick_configs(rows)
-    stats_of_a = dict(stats_block=1024, stats_cols=8192, stats_warps=4, stats_stages=1)
-    assert best["forward_kl"] == dataclasses.replace(b, **stats_of_a)
-    assert best["jsd"] == dataclasses.replace(b, **stats_of_a)
-    assert best["reverse_kl"] == fused
+    assert ep.pick_configs(rows) == dict(forward_kl=a, reverse_kl=b, jsd=c)
+    assert parse_exact("exact_jsd_bf16acc_split")["kernel_config"] == ExactKernelConfig(sync=False)
 
 
 def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
