@@ -49,16 +49,16 @@ def parse_kernel_config(name: str) -> ExactKernelConfig:
 
 EXACT_KERNEL_CONFIGS = [
     "default",
-    "B2048w8s",
+    "B2048w8r64s",
+    "B2048w8",
+    "B2048w8r80",
+    "B2048w4",
+    "B1024w4",
+    "B1024w4r56",
+    "B1024w2",
+    "B512w2",
     "B4096w8",
     "B4096w16",
-    "B2048w4",
-    "B2048w8r80",
-    "B2048w8r64",
-    "B1024w4",
-    "B1024w4r64",
-    "B1024w2",
-    "B8192w16",
 ]
 
 

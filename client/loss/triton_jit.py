@@ -94,6 +94,16 @@ def _max2(a1, b1, a2, b2):
 
 
 @triton.jit
+def _add2(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
+@triton.jit
+def _add4(a1, b1, c1, d1, a2, b2, c2, d2):
+    return a1 + a2, b1 + b2, c1 + c2, d1 + d2
+
+
+@triton.jit
 def _field(base, n, f: tl.constexpr, SP: tl.constexpr):
     """Field ``f`` of a row's ``n`` partials (``SP``: a power of two >= ``n``), read from L2."""
     i = tl.arange(0, SP)
@@ -103,11 +113,11 @@ def _field(base, n, f: tl.constexpr, SP: tl.constexpr):
 @triton.jit
 def _pending(base, n, F0: tl.constexpr, NF: tl.constexpr, SP: tl.constexpr):
     """How many of fields ``[F0, F0 + NF)`` of the row's partials still hold the sentinel."""
-    left = 0
+    left = tl.zeros([SP], tl.int32)
     for f in tl.static_range(F0, F0 + NF):
         v = _field(base, n, f, SP).to(tl.int32, bitcast=True)
-        left += tl.sum((v == SENTINEL).to(tl.int32), 0)
-    return left
+        left += (v == SENTINEL).to(tl.int32)
+    return tl.sum(left, 0)
 
 
 @triton.jit
@@ -195,12 +205,13 @@ def exact_rows_kernel(
     ea = tl.exp(a - ma)
     eb = tl.exp(b - mb)
     if PHASE <= 1:
+        sa, fa, sb, fb = tl.reduce((ea, ea * d, eb, eb * d), 0, _add4)
         tl.store(base + seg, ma)
-        tl.store(base + n_parts + seg, tl.sum(ea, 0))
-        tl.store(base + 2 * n_parts + seg, tl.sum(ea * d, 0))
+        tl.store(base + n_parts + seg, sa)
+        tl.store(base + 2 * n_parts + seg, fa)
         tl.store(base + 3 * n_parts + seg, mb)
-        tl.store(base + 4 * n_parts + seg, tl.sum(eb, 0))
-        tl.store(base + 5 * n_parts + seg, -tl.sum(eb * d, 0))
+        tl.store(base + 4 * n_parts + seg, sb)
+        tl.store(base + 5 * n_parts + seg, -fb)
     if PHASE != 1:
         if PHASE == 0:
             _wait(base, n_parts, 0, 6, SP)
@@ -219,11 +230,16 @@ def exact_rows_kernel(
             live = msk & (mix > 0.0)
             lm = tl.log(tl.where(live, mix, 1.0))
             if PHASE <= 2:
-                tp_s = tl.sum(tl.where(live, p * (a - lse_a - lm), 0.0), 0)
-                tl.store(base + 6 * n_parts + seg, tp_s)
-                tl.store(
-                    base + 7 * n_parts + seg, tl.sum(tl.where(live, q * (b - lse_b - lm), 0.0), 0)
+                tp_s, tq_s = tl.reduce(
+                    (
+                        tl.where(live, p * (a - lse_a - lm), 0.0),
+                        tl.where(live, q * (b - lse_b - lm), 0.0),
+                    ),
+                    0,
+                    _add2,
                 )
+                tl.store(base + 6 * n_parts + seg, tp_s)
+                tl.store(base + 7 * n_parts + seg, tq_s)
             if PHASE != 2:
                 if PHASE == 0:
                     _wait(base, n_parts, 6, 2, SP)

@@ -302,10 +302,12 @@ import torch
 from logitcache.client.loss import ExactKernelConfig
 from test_loss_exact import LOSSES, exact, grads_of, problem, reference
 
-# rows split over programs (V=37: 5 segments of 8 columns, 3 of 16), one segment by default
+# rows split over programs (V=37: 5 segments of 8 columns, 3 of 16), or one segment (the
+# default's 2048 columns, or 64: one launch, its program waits only on itself)
 split = ExactKernelConfig(block=8, warps=2)
 split16 = ExactKernelConfig(block=16, sync=False)
-cases = [(1.0, "mean", {}, None), (2.0, "none", {}, None),
+one = ExactKernelConfig(block=64)
+cases = [(1.0, "mean", {}, None), (2.0, "none", {}, one),
          (0.5, "sum", dict(scale=1.3, cap=3.0), split), (2.0, "none", dict(cap=3.0), split),
          (0.5, "mean", {}, split16), (1.0, "none", dict(scale=1.3), split)]
 for loss in LOSSES:

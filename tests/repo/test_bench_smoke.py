@@ -226,7 +226,7 @@ def test_loss_suite_exact_mode(tmp_path: Path) -> None:
 
 def test_loss_exact_kernel_configs_parse_and_pick() -> None:
     """``--kernel-configs`` (the CUDA sweep): every listed config parses, ``default`` is the
-    library's default (B2048w8), ``r``/``s`` set ``max_regs``/``sync=False``, an unknown or bad
+    library's default (B2048w8r64), ``r``/``s`` set ``max_regs``/``sync=False``, an unknown or bad
     name is an argparse error, and the pick is per objective the fastest row."""
     import argparse
 
@@ -236,7 +236,7 @@ def test_loss_exact_kernel_configs_parse_and_pick() -> None:
     from benchmarks.loss import parse_exact
 
     assert ep.kernel_configs(",".join(ep.EXACT_KERNEL_CONFIGS)) == ep.EXACT_KERNEL_CONFIGS
-    assert ep.parse_kernel_config("default") == ep.parse_kernel_config("B2048w8")
+    assert ep.parse_kernel_config("default") == ep.parse_kernel_config("B2048w8r64")
     assert ep.parse_kernel_config("default") == ExactKernelConfig()
     assert ep.parse_kernel_config("B1024w4r64s") == ExactKernelConfig(1024, 4, False, 64)
     for bad in ("before", "B3000w8", "B2048w3", "B2048w8r300", "S2048x16384w4-G4096x16384w8"):
