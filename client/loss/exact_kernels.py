@@ -132,7 +132,8 @@ def rows(
     if not n_rows:
         return stats, sums
     parts = cfg.parts(cols)
-    part = torch.full((n_rows, _FIELDS, parts), _SENTINEL, dtype=torch.int32, device=dev)
+    words = n_rows * _FIELDS * parts
+    part = torch.full((words + 1,), _SENTINEL, dtype=torch.int32, device=dev).view(torch.float32)
     if cfg.sync and (dev.type == "cuda" or parts == 1):  # one program a row: nothing to wait on
         phases: tuple[int, ...] = (0,)
     else:
@@ -141,7 +142,7 @@ def rows(
     for phase in phases:
         _jit().exact_rows_kernel[(n_rows * parts,)](
             y, y.stride(0), x, x.stride(0), cols, parts, *tf.args(), *tf.mix(),
-            part.view(torch.float32), stats, stats if sums is None else sums, coef_t, coef_v,
+            part, part[words:], stats, stats if sums is None else sums, coef_t, coef_v,
             LOSS=_LOSS_CODE[loss], SOFTCAP=tf.softcap is not None,
             ROW_COEF=isinstance(coef, torch.Tensor), GRAD=coef is not None, PHASE=phase,
             SP=max(2, 1 << (parts - 1).bit_length()), BLOCK=cfg.block, num_warps=cfg.warps, **extra,

@@ -121,14 +121,21 @@ def _pending(base, n, F0: tl.constexpr, NF: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def _wait(base, n, F0: tl.constexpr, NF: tl.constexpr, SP: tl.constexpr):
-    """Poll until every program of the row has written fields ``[F0, F0 + NF)`` (at most
-    ``SPINS`` polls; the row's programs are resident together, see :func:`exact_rows_kernel`)."""
+def _wait(base, n, stop_ptr, F0: tl.constexpr, NF: tl.constexpr, SP: tl.constexpr):
+    """Poll until every program of the row has written fields ``[F0, F0 + NF)``. A wait that
+    polls ``SPINS`` times in vain writes 0 at ``stop_ptr`` (else the sentinel), which ends every
+    other wait of the launch at once: its rows come out NaN instead of the launch hanging (the
+    row's programs are resident together, see :func:`exact_rows_kernel`: not expected)."""
     left = _pending(base, n, F0, NF, SP)
     spins = 0
-    while (left > 0) & (spins < SPINS):
+    go = tl.load(stop_ptr, volatile=True).to(tl.int32, bitcast=True) == SENTINEL
+    while (left > 0) & go:
         left = _pending(base, n, F0, NF, SP)
         spins += 1
+        go = tl.load(stop_ptr, volatile=True).to(tl.int32, bitcast=True) == SENTINEL
+        if spins >= SPINS:
+            tl.store(stop_ptr, 0.0)
+            go = False
 
 
 @triton.jit
@@ -160,6 +167,7 @@ def exact_rows_kernel(
     log_beta,
     log_1mbeta,
     part_ptr,
+    stop_ptr,
     stats_ptr,
     sums_ptr,
     coef_ptr,
@@ -187,7 +195,8 @@ def exact_rows_kernel(
 
     ``PHASE`` 0 runs all steps, each program polling ``part`` for its row's partials: this
     needs the ``n_parts`` programs of a row resident at once, which holds as programs start in
-    grid order and an SM holds far more than ``n_parts`` of them. ``PHASE`` 1, 2, 3 run one
+    grid order and the GPU holds far more than ``n_parts`` of them (``stop_ptr``: see
+    :func:`_wait`). ``PHASE`` 1, 2, 3 run one
     step per launch (1: publish the statistics; 2: JSD's sums; 3: the rest), each reading the
     segment again (the interpreter's way; no program waits)."""
     pid = tl.program_id(0)
@@ -214,7 +223,7 @@ def exact_rows_kernel(
         tl.store(base + 5 * n_parts + seg, -fb)
     if PHASE != 1:
         if PHASE == 0:
-            _wait(base, n_parts, 0, 6, SP)
+            _wait(base, n_parts, stop_ptr, 0, 6, SP)
         lse_a, fw = _merge(base, n_parts, 0, SP)
         lse_b, rv = _merge(base + 3 * n_parts, n_parts, 0, SP)
         kl_f = fw - lse_a + lse_b
@@ -242,7 +251,7 @@ def exact_rows_kernel(
                 tl.store(base + 7 * n_parts + seg, tq_s)
             if PHASE != 2:
                 if PHASE == 0:
-                    _wait(base, n_parts, 6, 2, SP)
+                    _wait(base, n_parts, stop_ptr, 6, 2, SP)
                 tp = tl.sum(_field(base, n_parts, 6, SP), 0)
                 term = tl.sum(_field(base, n_parts, 7, SP), 0)
                 tl.store(sums_ptr + row * 2, tp, mask=seg == 0)
