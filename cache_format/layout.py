@@ -327,6 +327,29 @@ def read_root_attrs(store: zarr.abc.store.Store) -> dict | None:
     return dict(group.attrs)
 
 
+#: The root document's fields besides ``attributes``, as this library writes them.
+_ROOT_FIELDS = {"zarr_format": 3, "node_type": "group", "consolidated_metadata": None}
+
+
+def _check_root_fields(doc: object) -> None:
+    """Raise :class:`~.errors.CorruptStoreError` when a root document whose attributes carry the
+    manifest digest (this library's root) has zarr fields other than a v3 group's: the digest
+    covers the attributes only, so a damaged field name or value is caught here."""
+    from .errors import CorruptStoreError
+
+    if not isinstance(doc, dict):
+        return
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, dict) or spec.DIGEST_ATTR not in attrs:
+        return
+    fields = {k: v for k, v in doc.items() if k != "attributes"}
+    if {"consolidated_metadata": None, **fields} != _ROOT_FIELDS:
+        raise CorruptStoreError(
+            f"root zarr.json: fields {sorted(fields)} are not a zarr v3 group's "
+            f"(zarr_format 3, node_type 'group'): the document was changed or damaged"
+        )
+
+
 def _root_document(store: zarr.abc.store.Store) -> dict | None:
     """The root ``zarr.json`` parsed, if it is a zarr v3 group's without consolidated metadata
     (what this library writes); else ``None``."""
@@ -347,38 +370,11 @@ def _root_document(store: zarr.abc.store.Store) -> dict | None:
     _check_root_fields(doc)
     if (
         not isinstance(doc, dict)
-        or doc.get("zarr_format") != 3
-        or doc.get("node_type") != "group"
-        or doc.get("consolidated_metadata") is not None
+        or any(doc.get(k) != v for k, v in _ROOT_FIELDS.items())
         or not isinstance(doc.get("attributes", {}), dict)
     ):
         return None
     return doc
-
-
-#: The root document's fields besides ``attributes``, as this library writes them.
-_ROOT_FIELDS = {"zarr_format": 3, "node_type": "group", "consolidated_metadata": None}
-
-
-def _check_root_fields(doc: object) -> None:
-    """Raise :class:`~.errors.CorruptStoreError` when a root document whose attributes carry the
-    manifest digest (this library's root) has zarr fields other than a v3 group's: the digest
-    covers the attributes only, so a damaged field name or value is caught here."""
-    from .errors import CorruptStoreError
-
-    if not isinstance(doc, dict):
-        return
-    attrs = doc.get("attributes")
-    if not isinstance(attrs, dict) or spec.DIGEST_ATTR not in attrs:
-        return
-    fields = {k: v for k, v in doc.items() if k != "attributes"}
-    if any(_ROOT_FIELDS.get(k, ...) != v for k, v in fields.items()) or any(
-        k not in fields for k in ("zarr_format", "node_type")
-    ):
-        raise CorruptStoreError(
-            f"root zarr.json: fields {sorted(fields)} are not a zarr v3 group's "
-            f"(zarr_format 3, node_type 'group'): the document was changed or damaged"
-        )
 
 
 def write_root_attrs(store: zarr.abc.store.Store, attrs: dict) -> None:
