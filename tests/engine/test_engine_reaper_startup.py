@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 from logitcache.server.engine.reaper import TAG_VAR
-from server_support import VLLM_ENV, free_port
+from server_support import VLLM_ENV, free_port, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -67,17 +67,6 @@ def _tagged(server_pid: int) -> list[psutil.Process]:
     for p in psutil.process_iter():
         try:
             if p.environ().get(TAG_VAR, "").startswith(f"{server_pid}:"):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
-def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.Error:
             continue
@@ -151,7 +140,7 @@ def test_sigkill_during_engine_start_leaves_no_process(
         t0 = time.monotonic()
         left: list[psutil.Process] = []
         while time.monotonic() - t0 < GONE_WITHIN_S:
-            left = _running([*seen.values(), *_tagged(server.pid)])
+            left = running([*seen.values(), *_tagged(server.pid)])
             if not left:
                 break
             time.sleep(0.1)
@@ -161,5 +150,5 @@ def test_sigkill_during_engine_start_leaves_no_process(
     finally:
         if server.poll() is None:
             server.kill()
-        for p in _running([*seen.values(), *_tagged(server.pid)]):
+        for p in running([*seen.values(), *_tagged(server.pid)]):
             p.kill()

@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 from logitcache.cache_format import CacheReader, validate
-from server_support import ServerProcess, wait_job
+from server_support import ServerProcess, running, wait_job
 
 pytestmark = pytest.mark.vllm
 
@@ -97,29 +97,17 @@ def _kill_and_see_503(server: ServerProcess, c: httpx.Client, which: str, sig: i
 GONE_WITHIN_S = 5.0
 
 
-def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """Those still running (a zombie holds no memory and counts as gone)."""
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
-
-
 def _sigkill_leaves_no_process(server: ServerProcess) -> None:
     """SIGKILL the server; every process under it (the engine's core and worker, the reaper's
     watcher) ends within :data:`GONE_WITHIN_S`."""
     assert server.proc is not None
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert "core" in _engine_procs(server), "expected vLLM's engine-core process"
-    rss = sum(c.memory_info().rss for c in _running(children))
+    rss = sum(c.memory_info().rss for c in running(children))
     server.kill()
     assert server.proc.returncode == -signal.SIGKILL
     t0 = time.monotonic()
-    while (left := _running(children)) and time.monotonic() - t0 < GONE_WITHIN_S:
+    while (left := running(children)) and time.monotonic() - t0 < GONE_WITHIN_S:
         time.sleep(0.05)
     assert left == [], f"{len(left)} engine process(es) ({rss / 2**30:.1f} GiB) survived"
 

@@ -301,12 +301,20 @@ def test_the_writer_stores_row_views_as_their_copies() -> None:
     assert one.arrays["topk_ids"].flags.c_contiguous
 
 
-def _kernel_cache_stats() -> tuple[int, int]:
-    """``(cache hits, cache misses)`` of the kernel's specialisations in a fresh process."""
+def _run_probe(code: str, *args: str) -> str:
+    """The standard output of ``python -c code args...`` in a fresh process at the repository
+    root (it must succeed)."""
     import subprocess
     import sys
     from pathlib import Path
 
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-c", code, *args]
+    return subprocess.run(cmd, check=True, cwd=root, capture_output=True, text=True).stdout
+
+
+def _kernel_cache_stats() -> tuple[int, int]:
+    """``(cache hits, cache misses)`` of the kernel's specialisations in a fresh process."""
     probe = "; ".join(
         [
             "from logitcache.cache_format import fastencode, _encodekernels as ek",
@@ -315,11 +323,7 @@ def _kernel_cache_stats() -> tuple[int, int]:
             "print(sum(st.cache_hits.values()), len(st.cache_misses))",
         ]
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", probe], check=True, cwd=root, capture_output=True, text=True
-    )
-    hits, misses = done.stdout.split()
+    hits, misses = _run_probe(probe).split()
     return int(hits), int(misses)
 
 
@@ -431,10 +435,6 @@ def test_a_small_writer_imports_neither_numba_nor_torch(tmp_path) -> None:
     """A process that writes a few short sequences (less than LOAD_AFTER_VALUES top-k values)
     encodes, hashes its keys and merges its key-index runs with numpy: numba's import and first
     kernel (~0.35 CPU-s) and torch's import (~1.1 CPU-s) would cost more than the whole write."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     probe = "\n".join(
         [
             "import sys, numpy as np",
@@ -452,12 +452,4 @@ def test_a_small_writer_imports_neither_numba_nor_torch(tmp_path) -> None:
             "print(sorted({'numba', 'torch'} & set(sys.modules)))",
         ]
     )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path / "c")],
-        check=True,
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
-    assert done.stdout.split() == ["[]"]
+    assert _run_probe(probe, str(tmp_path / "c")).split() == ["[]"]
