@@ -117,10 +117,13 @@ class Transform:
     beta: float = 0.5
 
     def args(self) -> tuple[float, float, float]:
-        return (float(self.logit_scale), float(self.softcap or 1.0), float(self.inv_temperature))
+        """``(logit scale, soft-cap (1.0: none), log2(e) / T)``: the kernels work in bits."""
+        inv_t2 = float(self.inv_temperature) * math.log2(math.e)
+        return (float(self.logit_scale), float(self.softcap or 1.0), inv_t2)
 
     def mix(self) -> tuple[float, float]:
-        return math.log(self.beta), math.log1p(-self.beta)
+        """JSD's mixture weights ``(beta, 1 - beta)``."""
+        return float(self.beta), 1.0 - float(self.beta)
 
 
 def _check(*ts: torch.Tensor) -> None:

@@ -72,16 +72,22 @@ def row_grad_kernel(
 # ----------------------------------------------------------------------------- the exact loss
 # Grids ``(rows, parts)``: program ``(r, s)`` covers columns ``[s seg, min((s + 1) seg, V))`` of
 # row ``r`` in steps of ``BLOCK`` columns (``seg`` a multiple of ``BLOCK``, so only the row's end
-# needs a mask).
+# needs a mask). The loops work in base 2: ``inv_t2 = log2(e) / T``, so tempered logits come out
+# in bits and every exponential and logarithm is one ``ex2`` / ``lg2`` instruction; results
+# leave the kernels in natural units (``LN2`` below).
+
+LN2: tl.constexpr = 0.6931471805599453
+LOG2E: tl.constexpr = 1.4426950408889634
 
 
 @triton.jit
-def _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP: tl.constexpr):
-    """``c tanh(s y / c) / T`` (no tanh unless SOFTCAP) of float32 raw teacher logits."""
+def _teacher_logits(y, y_scale, cap, inv_t2, SOFTCAP: tl.constexpr):
+    """``(c tanh(s y / c)) log2(e) / T`` (no tanh unless SOFTCAP) of float32 raw teacher
+    logits: the tempered teacher logits in bits."""
     y = y * y_scale
     if SOFTCAP:
         y = cap * (2.0 * tl.sigmoid(2.0 * y / cap) - 1.0)
-    return y * inv_t
+    return y * inv_t2
 
 
 @triton.jit
@@ -98,15 +104,15 @@ def _stats_loop(
     n_cols,
     y_scale,
     cap,
-    inv_t,
+    inv_t2,
     SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """One read of columns ``[lo, hi)`` of a row of teacher logits (at ``yb``) and student
-    logits (at ``xb``); with ``a`` the tempered teacher logits and ``b = x / T``:
-    ``(m_a, s_a, f_a, m_b, s_b, f_b)``, maxima ``m``, ``s_a = sum exp(a - m_a)``, ``f_a = sum
-    exp(a - m_a) (a - b)``, ``s_b = sum exp(b - m_b)``, ``f_b = sum exp(b - m_b) (b - a)``.
+    logits (at ``xb``); with ``a`` the tempered teacher logits and ``b = x / T``, both in bits:
+    ``(m_a, s_a, f_a, m_b, s_b, f_b)``, maxima ``m``, ``s_a = sum 2^(a - m_a)``, ``f_a = sum
+    2^(a - m_a) (a - b)``, ``s_b = sum 2^(b - m_b)``, ``f_b = sum 2^(b - m_b) (b - a)``.
     The maxima are per block, the sums per lane (reduced once at the end)."""
     ma = tl.max(tl.full([BLOCK], -1.0e30, tl.float32), 0)
     mb = ma
@@ -118,16 +124,16 @@ def _stats_loop(
         offs = start + tl.arange(0, BLOCK)
         msk = offs < n_cols
         y = tl.load(yb + offs, mask=msk, other=0.0).to(tl.float32)
-        a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP), -float("inf"))
-        b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t
+        a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t2, SOFTCAP), -float("inf"))
+        b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t2
         d = tl.where(msk, a - b, 0.0)
         ba, bb = tl.reduce((a, b), 0, _max2)  # both block maxima in one reduction
         na = tl.maximum(ma, ba)
         nb = tl.maximum(mb, bb)
-        ca = tl.exp(ma - na)
-        cb = tl.exp(mb - nb)
-        ea = tl.exp(a - na)
-        eb = tl.exp(b - nb)
+        ca = tl.exp2(ma - na)
+        cb = tl.exp2(mb - nb)
+        ea = tl.exp2(a - na)
+        eb = tl.exp2(b - nb)
         sa = sa * ca + ea
         fa = fa * ca + ea * d
         sb = sb * cb + eb
@@ -147,7 +153,7 @@ def exact_stats_kernel(
     seg,
     y_scale,
     cap,
-    inv_t,
+    inv_t2,
     part_ptr,
     SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -159,7 +165,7 @@ def exact_stats_kernel(
     lo = part * seg
     hi = tl.minimum(lo + seg, n_cols)
     ma, sa, fa, mb, sb, fb = _stats_loop(
-        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
+        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t2,
         SOFTCAP, BLOCK, STAGES,
     )  # fmt: skip
     out = part_ptr + (row * tl.num_programs(1) + part) * 6
@@ -173,17 +179,17 @@ def exact_stats_kernel(
 
 @triton.jit
 def _merge(part_ptr, n_parts, PARTS: tl.constexpr):
-    """``(lse, sum exp(z - lse) u)`` of one side of a row's partials ``(m, s, f)`` at
-    ``part_ptr`` (stride 6), with ``f = sum exp(z - m) u``."""
+    """``(lse, sum exp(z - lse) u)`` in natural units of one side of a row's partials ``(m, s,
+    f)`` in bits at ``part_ptr`` (stride 6), with ``f = sum 2^(z - m) u``."""
     i = tl.arange(0, PARTS)
     msk = i < n_parts
     m = tl.load(part_ptr + i * 6, mask=msk, other=-1.0e30)
     s = tl.load(part_ptr + i * 6 + 1, mask=msk, other=0.0)
     f = tl.load(part_ptr + i * 6 + 2, mask=msk, other=0.0)
     top = tl.max(m, 0)
-    w = tl.exp(m - top)
+    w = tl.exp2(m - top)
     total = tl.sum(s * w, 0)
-    return top + tl.log(total), tl.sum(f * w, 0) / total
+    return (top + tl.log2(total)) * LN2, tl.sum(f * w, 0) / total * LN2
 
 
 @triton.jit
@@ -201,19 +207,19 @@ def exact_combine_kernel(part_ptr, n_parts, out_ptr, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP: tl.constexpr):
+def _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t2, lse_a2, lse_b2, SOFTCAP: tl.constexpr):
+    """``(log2 p, log2 q)`` of a block, given the row log-sum-exps in bits."""
     y = tl.load(yb + offs, mask=msk, other=0.0).to(tl.float32)
-    lp = _teacher_logits(y, y_scale, cap, inv_t, SOFTCAP) - lse_a
-    lq = tl.load(xb + offs, mask=msk, other=0.0).to(tl.float32) * inv_t - lse_b
+    lp = _teacher_logits(y, y_scale, cap, inv_t2, SOFTCAP) - lse_a2
+    lq = tl.load(xb + offs, mask=msk, other=0.0).to(tl.float32) * inv_t2 - lse_b2
     return lp, lq
 
 
 @triton.jit
-def _log_mix(lp, lq, log_beta, log_1mbeta):
-    """``log(beta p + (1 - beta) q)`` (one exp and one log)."""
-    u = lp + log_beta
-    v = lq + log_1mbeta
-    return tl.maximum(u, v) + tl.log(1.0 + tl.exp(-tl.abs(u - v)))
+def _log_mix(p, q, beta, one_m_beta):
+    """``log2(beta p + (1 - beta) q)``, floored at ``log2(1e-37)`` where both underflow (the
+    terms it enters are multiplied by ``p`` or ``q`` there)."""
+    return tl.log2(tl.maximum(beta * p + one_m_beta * q, 1.0e-37))
 
 
 @triton.jit
@@ -225,27 +231,29 @@ def _sums_loop(
     n_cols,
     y_scale,
     cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
-    lse_a,
-    lse_b,
+    inv_t2,
+    beta,
+    one_m_beta,
+    lse_a2,
+    lse_b2,
     SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """``(sum p (log p - log m), sum q (log q - log m))`` over columns ``[lo, hi)``, ``m = beta
-    p + (1 - beta) q``."""
+    """``(sum p (log p - log m), sum q (log q - log m))`` in natural units over columns
+    ``[lo, hi)``, ``m = beta p + (1 - beta) q``."""
     tp = tl.zeros([BLOCK], tl.float32)
     tq = tp
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < n_cols
-        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
-        lm = _log_mix(lp, lq, log_beta, log_1mbeta)
-        tp += tl.where(msk, tl.exp(lp) * (lp - lm), 0.0)
-        tq += tl.where(msk, tl.exp(lq) * (lq - lm), 0.0)
-    return tl.sum(tp, 0), tl.sum(tq, 0)
+        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t2, lse_a2, lse_b2, SOFTCAP)
+        p = tl.exp2(lp)
+        q = tl.exp2(lq)
+        lm = _log_mix(p, q, beta, one_m_beta)
+        tp += tl.where(msk, p * (lp - lm), 0.0)
+        tq += tl.where(msk, q * (lq - lm), 0.0)
+    return tl.sum(tp, 0) * LN2, tl.sum(tq, 0) * LN2
 
 
 @triton.jit
@@ -258,9 +266,9 @@ def exact_jsd_sums_kernel(
     seg,
     y_scale,
     cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
+    inv_t2,
+    beta,
+    one_m_beta,
     stats_ptr,
     out_ptr,
     SOFTCAP: tl.constexpr,
@@ -274,9 +282,9 @@ def exact_jsd_sums_kernel(
     lo = part * seg
     hi = tl.minimum(lo + seg, n_cols)
     tp, tq = _sums_loop(
-        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t,
-        log_beta, log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
-        SOFTCAP, BLOCK, STAGES,
+        y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t2,
+        beta, one_m_beta, tl.load(stats_ptr + row * 4) * LOG2E,
+        tl.load(stats_ptr + row * 4 + 1) * LOG2E, SOFTCAP, BLOCK, STAGES,
     )  # fmt: skip
     out = out_ptr + (row * tl.num_programs(1) + part) * 2
     tl.store(out, tp)
@@ -293,11 +301,11 @@ def _grad_loop(
     n_cols,
     y_scale,
     cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
-    lse_a,
-    lse_b,
+    inv_t2,
+    beta,
+    one_m_beta,
+    lse_a2,
+    lse_b2,
     r,
     c,
     LOSS: tl.constexpr,
@@ -307,19 +315,23 @@ def _grad_loop(
 ):
     """``c * dKD/db`` over columns ``[lo, hi)`` written at ``gb`` (may be ``xb``); ``LOSS``: 0
     forward KL ``q - p``, 1 reverse KL ``q (log q - log p - r)`` (``r`` = KD), 2 JSD ``q (1 -
-    beta) (log q - log m - r)`` (``r = t_q``)."""
+    beta) (log q - log m - r)`` (``r = t_q``); ``r`` in natural units."""
+    r2 = r * LOG2E
+    if LOSS == 1:
+        c = c * LN2
+    elif LOSS == 2:
+        c = c * (one_m_beta * LN2)
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < n_cols
-        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t, lse_a, lse_b, SOFTCAP)
-        q = tl.exp(lq)
+        lp, lq = _log_probs(yb, xb, offs, msk, y_scale, cap, inv_t2, lse_a2, lse_b2, SOFTCAP)
+        q = tl.exp2(lq)
         if LOSS == 0:
-            g = q - tl.exp(lp)
+            g = q - tl.exp2(lp)
         elif LOSS == 1:
-            g = q * (lq - lp - r)
+            g = q * (lq - lp - r2)
         else:
-            lm = _log_mix(lp, lq, log_beta, log_1mbeta)
-            g = q * (tl.exp(log_1mbeta) * (lq - lm - r))
+            g = q * (lq - _log_mix(tl.exp2(lp), q, beta, one_m_beta) - r2)
         tl.store(gb + offs, (g * c).to(gb.dtype.element_ty), mask=msk)
 
 
@@ -333,9 +345,9 @@ def exact_grad_kernel(
     seg,
     y_scale,
     cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
+    inv_t2,
+    beta,
+    one_m_beta,
     stats_ptr,
     term_ptr,
     term_stride,
@@ -358,9 +370,10 @@ def exact_grad_kernel(
     if ROW_COEF:
         c = tl.load(coef_ptr + row)
     _grad_loop(
-        y_ptr + row * y_stride, xb, xb, lo, hi, n_cols, y_scale, cap, inv_t, log_beta,
-        log_1mbeta, tl.load(stats_ptr + row * 4), tl.load(stats_ptr + row * 4 + 1),
-        tl.load(term_ptr + row * term_stride), c, LOSS, SOFTCAP, BLOCK, STAGES,
+        y_ptr + row * y_stride, xb, xb, lo, hi, n_cols, y_scale, cap, inv_t2, beta,
+        one_m_beta, tl.load(stats_ptr + row * 4) * LOG2E,
+        tl.load(stats_ptr + row * 4 + 1) * LOG2E, tl.load(term_ptr + row * term_stride), c,
+        LOSS, SOFTCAP, BLOCK, STAGES,
     )  # fmt: skip
 
 
@@ -374,9 +387,9 @@ def exact_fused_kernel(
     n_cols,
     y_scale,
     cap,
-    inv_t,
-    log_beta,
-    log_1mbeta,
+    inv_t2,
+    beta,
+    one_m_beta,
     stats_ptr,
     sums_ptr,
     coef_ptr,
@@ -399,19 +412,19 @@ def exact_fused_kernel(
             yb = y_ptr + row * y_stride
             xb = x_ptr + row * x_stride
             ma, sa, fa, mb, sb, fb = _stats_loop(
-                yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, SOFTCAP, BLOCK, STAGES
+                yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t2, SOFTCAP, BLOCK, STAGES
             )
-            lse_a = ma + tl.log(sa)
-            lse_b = mb + tl.log(sb)
-            term = fb / sb - lse_b + lse_a
-            tl.store(stats_ptr + row * 4, lse_a)
-            tl.store(stats_ptr + row * 4 + 1, lse_b)
-            tl.store(stats_ptr + row * 4 + 2, fa / sa - lse_a + lse_b)
+            lse_a2 = ma + tl.log2(sa)
+            lse_b2 = mb + tl.log2(sb)
+            term = (fb / sb - lse_b2 + lse_a2) * LN2
+            tl.store(stats_ptr + row * 4, lse_a2 * LN2)
+            tl.store(stats_ptr + row * 4 + 1, lse_b2 * LN2)
+            tl.store(stats_ptr + row * 4 + 2, (fa / sa - lse_a2 + lse_b2) * LN2)
             tl.store(stats_ptr + row * 4 + 3, term)
             if LOSS == 2:
                 tp, term = _sums_loop(
-                    yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta, lse_a,
-                    lse_b, SOFTCAP, BLOCK, STAGES,
+                    yb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t2, beta, one_m_beta, lse_a2,
+                    lse_b2, SOFTCAP, BLOCK, STAGES,
                 )  # fmt: skip
                 tl.store(sums_ptr + row * 2, tp)
                 tl.store(sums_ptr + row * 2 + 1, term)
@@ -420,6 +433,6 @@ def exact_fused_kernel(
                 if ROW_COEF:
                     c = tl.load(coef_ptr + row)
                 _grad_loop(
-                    yb, xb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t, log_beta, log_1mbeta,
-                    lse_a, lse_b, term, c, LOSS, SOFTCAP, BLOCK, STAGES,
+                    yb, xb, xb, 0, n_cols, n_cols, y_scale, cap, inv_t2, beta, one_m_beta,
+                    lse_a2, lse_b2, term, c, LOSS, SOFTCAP, BLOCK, STAGES,
                 )  # fmt: skip
