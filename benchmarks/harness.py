@@ -280,17 +280,23 @@ def proc_cpu(pid: int, children: bool = False) -> float:
     return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
-    out: dict[str, float] = {}
+def thread_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds per thread (``"<tid>:<name>"``) of process ``pid`` (default: this one, its
+    threads named as Python names them): the scheduler's ns count (``schedstat``), else the
+    ``stat`` ticks."""
+    names = {t.native_id: t.name for t in threading.enumerate()} if pid == "self" else {}
     tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            raw = (task / "stat").read_text()
+            ns = (task / "schedstat").read_text().split()[0]
+        except (OSError, IndexError):
             continue
-        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+        name = names.get(int(task.name)) or raw[raw.index("(") + 1 : raw.rindex(")")]
+        f = raw[raw.rindex(")") + 2 :].split()
+        ticks = (int(f[11]) + int(f[12])) / tick
+        out[f"{task.name}:{name}"] = int(ns) / 1e9 if ns.isdigit() else ticks
     return out
 
 
