@@ -170,9 +170,6 @@ class Measurement:
         samples = self.cpu if cpu else self.wall
         return work / (min(samples) if best else statistics.median(samples))
 
-    def q(self, qs: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
-        return quantiles(self.wall, qs)
-
 
 def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Measurement:
     """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times, timing wall and process CPU
@@ -491,26 +488,6 @@ class Recorder:
         self.rows.append(row)
         return row
 
-    def add_measurement(
-        self,
-        case: str,
-        metric: str,
-        m: Measurement,
-        *,
-        work: float = 1.0,
-        unit: str = "s",
-        config: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """A timing as seconds per call (``work=1``) or as ``work`` per second (quantiles
-        inverted accordingly)."""
-        q50, q20, q80 = m.q()
-        if work == 1.0 and unit == "s":
-            return self.add(
-                case, metric, unit, q50, p20=q20, p80=q80, samples=len(m.wall), config=config
-            )
-        kw: dict[str, Any] = {"p20": work / q80, "p80": work / q20, "samples": len(m.wall)}
-        return self.add(case, metric, unit, work / q50, config=config, **kw)
-
     def add_flat(
         self,
         case: str,
@@ -527,7 +504,7 @@ class Recorder:
             elif isinstance(v, int | float) and not isinstance(v, bool):
                 self.add(case, f"{prefix}{key}", "", v, config=config)
 
-    def save(self, json_path: Path | None = None) -> Path:
+    def save(self) -> Path:
         """Append the rows to the CSV (header written if the file is new)."""
         self.csv_path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
@@ -536,8 +513,6 @@ class Recorder:
             if new:
                 w.writeheader()
             w.writerows(self.rows)
-        if json_path is not None:
-            json_path.write_text(json.dumps({"machine": self.machine, "rows": self.rows}, indent=1))
         return self.csv_path
 
     def finish(
