@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from logitcache.client import ReadOptions, StreamConfig
 
-from benchmarks.harness import ROOT, Recorder, add_csv_option, free_port
+from benchmarks.harness import ROOT, Recorder, add_csv_option, free_port, load1, machine, options
 from benchmarks.synthetic import (
     CacheSpec,
     bigram_teacher,
@@ -126,11 +126,7 @@ class TrainConfig:
 
 
 def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple = ()) -> None:
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        kind = {"int": int, "float": float, "str": str}[str(f.type)]
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    options(parser, **{f.name: f.default for f in fields(cls) if f.name not in skip})
 
 
 def _dataclass_argv(obj: Any) -> list[str]:
@@ -475,16 +471,9 @@ def launch(cfg: TrainConfig) -> None:
 
 
 def _env(device: torch.device) -> dict[str, Any]:
-    env = {
-        "torch": torch.__version__,
-        "device": str(device),
-        "cpu_count": os.cpu_count(),
-        "load_average_1min": round(os.getloadavg()[0], 2),
-        "nvls": {k: os.environ.get(k) for k in NVLS_OFF},
-    }
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
+    """The harness's machine row, the device this rank trained on and the NVLS settings."""
+    nvls = {k: os.environ.get(k) for k in NVLS_OFF}
+    return machine() | {"device": str(device), "load_average_1min": load1(), "nvls": nvls}
 
 
 # ------------------------------------------------------------------------------------ analysis

@@ -170,9 +170,6 @@ class Measurement:
         samples = self.cpu if cpu else self.wall
         return work / (min(samples) if best else statistics.median(samples))
 
-    def q(self, qs: Sequence[float] = (0.5, 0.2, 0.8)) -> list[float]:
-        return quantiles(self.wall, qs)
-
 
 def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Measurement:
     """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times, timing wall and process CPU
@@ -280,17 +277,23 @@ def proc_cpu(pid: int, children: bool = False) -> float:
     return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per thread (``"<name>:<tid>"``) of process ``pid``."""
-    out: dict[str, float] = {}
+def thread_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds per thread (``"<tid>:<name>"``) of process ``pid`` (default: this one, its
+    threads named as Python names them): the scheduler's ns count (``schedstat``), else the
+    ``stat`` ticks."""
+    names = {t.native_id: t.name for t in threading.enumerate()} if pid == "self" else {}
     tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            raw = (task / "stat").read_text()
+            ns = (task / "schedstat").read_text().split()[0]
+        except (OSError, IndexError):
             continue
-        out[f"{name}:{task.name}"] = (int(fields[11]) + int(fields[12])) / tick
+        name = names.get(int(task.name)) or raw[raw.index("(") + 1 : raw.rindex(")")]
+        f = raw[raw.rindex(")") + 2 :].split()
+        ticks = (int(f[11]) + int(f[12])) / tick
+        out[f"{task.name}:{name}"] = int(ns) / 1e9 if ns.isdigit() else ticks
     return out
 
 
@@ -485,26 +488,6 @@ class Recorder:
         self.rows.append(row)
         return row
 
-    def add_measurement(
-        self,
-        case: str,
-        metric: str,
-        m: Measurement,
-        *,
-        work: float = 1.0,
-        unit: str = "s",
-        config: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """A timing as seconds per call (``work=1``) or as ``work`` per second (quantiles
-        inverted accordingly)."""
-        q50, q20, q80 = m.q()
-        if work == 1.0 and unit == "s":
-            return self.add(
-                case, metric, unit, q50, p20=q20, p80=q80, samples=len(m.wall), config=config
-            )
-        kw: dict[str, Any] = {"p20": work / q80, "p80": work / q20, "samples": len(m.wall)}
-        return self.add(case, metric, unit, work / q50, config=config, **kw)
-
     def add_flat(
         self,
         case: str,
@@ -521,7 +504,7 @@ class Recorder:
             elif isinstance(v, int | float) and not isinstance(v, bool):
                 self.add(case, f"{prefix}{key}", "", v, config=config)
 
-    def save(self, json_path: Path | None = None) -> Path:
+    def save(self) -> Path:
         """Append the rows to the CSV (header written if the file is new)."""
         self.csv_path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
@@ -530,8 +513,6 @@ class Recorder:
             if new:
                 w.writeheader()
             w.writerows(self.rows)
-        if json_path is not None:
-            json_path.write_text(json.dumps({"machine": self.machine, "rows": self.rows}, indent=1))
         return self.csv_path
 
     def finish(

@@ -62,10 +62,14 @@ def tiny_engine(tiny: Any, backend: str, max_k: int) -> Any:
     )
 
 
-def write_jsonl(data_dir: Path, prompts: list[list[int]], name: str = "bench.jsonl") -> Path:
+def write_jsonl(
+    data_dir: Path, prompts: list[list[int]], name: str = "bench.jsonl", prefix: str = "s"
+) -> Path:
     """``prompts`` as a job's input file ``data_dir/name`` (ids ``s000000``, ...)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    lines = (json.dumps({"id": f"s{i:06d}", "input_ids": p}) + "\n" for i, p in enumerate(prompts))
+    lines = (
+        json.dumps({"id": f"{prefix}{i:06d}", "input_ids": p}) + "\n" for i, p in enumerate(prompts)
+    )
     (data_dir / name).write_text("".join(lines))
     return data_dir / name
 

@@ -53,7 +53,6 @@ The second is the GPU mode's job (2,048-token sequences, rows over 128,256 ids) 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import resource
 import shutil
@@ -66,8 +65,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import Recorder, machine_line, options
-from benchmarks.service.common import mode_parser, parse
+from benchmarks.harness import Recorder, machine_line, options, thread_cpu
+from benchmarks.service.common import mode_parser, parse, write_jsonl
 from benchmarks.service.replay import ROWS, RandomTeacherRows, StrideRows, ZipfRows, build_engine
 
 
@@ -246,25 +245,6 @@ async def run_job(
     }
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds per thread of this process, by ``tid:name`` (``/proc/self/task``: the
-    scheduler's ns count, ``schedstat``, else the ``stat`` ticks)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            raw = (task / "stat").read_text()
-            ns = (task / "schedstat").read_text().split()[0]
-        except (OSError, IndexError):
-            continue
-        name = names.get(int(task.name)) or raw[raw.index("(") + 1 : raw.rindex(")")]
-        f = raw[raw.rindex(")") + 2 :].split()
-        ticks = (int(f[11]) + int(f[12])) / tick
-        out[f"{task.name}:{name}"] = int(ns) / 1e9 if ns.isdigit() else ticks
-    return out
-
-
 def thread_groups(per_thread: dict[str, float]) -> dict[str, float]:
     """Per-thread CPU summed by role: ``event_loop`` (the main thread), ``workers``
     (``asyncio.to_thread`` and the transformers backend's forward thread), ``job_writer``,
@@ -311,10 +291,6 @@ def breakdown(stage_s: dict[str, float], groups: dict[str, float], total_s: floa
     out["handoffs"] = max(groups["workers"] - in_workers, 0.0) + groups["other_threads"]
     out["other"] = total_s - device - sum(out.values())
     return out
-
-
-#: Objects at least this large go through O_DIRECT under ``--direct-io``.
-DIRECT_IO_MIN = 1 << 16
 
 
 def _wrap_gen(clock: StageClock, gen_fn: Any) -> Any:
@@ -365,17 +341,10 @@ def job_run(
     ``outside_engine_us_per_position``: less the ``engine`` stage too (the engine's own host
     work, and on a GPU whatever its worker thread spends waiting outside ``device``)."""
     work = Path(tempfile.mkdtemp(prefix="job-cpu-"))
-    (work / "data").mkdir()
-    (work / "data" / "in.jsonl").write_text(
-        "\n".join(json.dumps({"id": f"s{i}", "input_ids": p}) for i, p in enumerate(prompts))
-    )
-    if prefill:
-        (work / "data" / "pre.jsonl").write_text(
-            "\n".join(
-                json.dumps({"id": f"p{i}", "input_ids": prompts[i % len(prompts)]})
-                for i in range(prefill)
-            )
-        )
+    write_jsonl(work / "data", prompts, "in.jsonl")
+    if prefill:  # the same prompts again under other ids
+        again = [prompts[i % len(prompts)] for i in range(prefill)]
+        write_jsonl(work / "data", again, "pre.jsonl", prefix="p")
     clock = StageClock()
     load = os.getloadavg()[0]
     res = asyncio.run(run_job(work, engine, settings_kw, clock, prefill=prefill > 0))
@@ -411,14 +380,13 @@ def job_run(
 
 def main(argv: list[str] | None = None) -> None:
     p = mode_parser("cpu", __doc__)
-    options(p, k=[20, 100], sequences=256, length=256, repeats=3, batch_sequences=64)
-    options(p, batch_tokens=16384, logprob_dtype="float16")
+    options(p, k=[20, 100], sequences=256, length=256, repeats=3)
     options(
         p,
         warmup=(1, "untimed jobs of 16 sequences per k first (imports, first calls; 0: none)"),
-        form=("arrays", "engine output: vLLM's through the service's array hook, vLLM's "
-              "FlatLogprobs lists, or the transformers backend's (its own code, the device "
-              "work replayed)", {"choices": ["arrays", "lists", "hf"]}),
+        form=("arrays", "engine output: vLLM's through the service's array hook, or the "
+              "transformers backend's (its own code, the device work replayed)",
+              {"choices": ["arrays", "hf"]}),
         prefill=(0, "sequences written (untimed) into the cache before the timed job, e.g. "
                  "1600: the timed appends then rewrite partly filled shards as a long job's do"),
         ids=("stride", "top-k rows: 'stride' (arithmetic progressions modulo 4,096 tokens), "
@@ -446,13 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--sequences >= 1, --length >= 2 and --repeats >= 1 are needed")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, args.length).tolist() for _ in range(args.sequences)]
-    settings_kw = {
-        "k": max(args.k),
-        "logprob_dtype": args.logprob_dtype,
-        "job_batch_sequences": args.batch_sequences,
-        "job_batch_tokens": args.batch_tokens,
-        "log_level": "warning",
-    }
+    settings_kw = {"k": max(args.k), "log_level": "warning"}  # the server's job batching
     rec = Recorder("service", "cpu", csv_path=args.csv)
     for _ in range(args.warmup):  # the first job in a process pays imports and first calls
         for k in args.k:

@@ -186,7 +186,6 @@ def bare(
         max_k=k,
         dtype="bfloat16",
         max_seq_len=args.seq_len,
-        options=dict(args.engine_options),
     )
     load_s = time.perf_counter() - t0
     positions = sum(len(p) - 1 for p in prompts)
@@ -212,7 +211,7 @@ def bare(
     from logitcache.server.engine.protocol import check_prompts
 
     checked = check_prompts(prompts, engine.info, engine.array_prompts)  # as score hands them
-    warm = checked[: max(1, args.batch_sequences)]
+    warm = checked[:64]  # one job batch
     device_only(warm)
     with_entropy(warm)
 
@@ -255,15 +254,10 @@ def bare(
 def inproc_job(engine: Any, prompts: list[list[int]], k: int, args: argparse.Namespace) -> dict:
     """A job over ``prompts`` through the service in this process behind ``engine``, measured
     as the ``cpu`` mode measures the job path (:func:`benchmarks.service.cpu.job_run`), with the
-    job settings the subprocess server gets."""
+    server's job settings, as the subprocess server has them."""
     from benchmarks.service import cpu
 
-    settings_kw = {
-        "k": k,
-        "job_batch_sequences": args.batch_sequences,
-        "job_batch_tokens": args.job_batch_tokens,
-        "log_level": "warning",
-    }
+    settings_kw = {"k": k, "log_level": "warning"}
     warm: dict[str, Any] = {}
     if args.inproc_warmup:  # the first job of a process pays first calls (the cpu mode's warmup)
         warm = cpu.job_run(k, prompts[: args.inproc_warmup], settings_kw, engine)
@@ -304,10 +298,7 @@ def job(
 
     write_jsonl(work / "data", prompts)
     flags = ["--dtype", "bfloat16", "-k", str(args.k), "--max-seq-len", str(args.seq_len)]
-    flags += ["--job-batch-tokens", str(args.job_batch_tokens)]
-    flags += ["--job-batch-sequences", str(args.batch_sequences)]
-    flags += ["--job-inflight-batches", str(inflight)]
-    flags += ["--engine-options", json.dumps(args.engine_options)]
+    flags += ["--job-inflight-batches", str(inflight)]  # the server's job batching otherwise
     t0 = time.perf_counter()
     with hf_server(model, work, *flags) as (proc, url, cmd):
         start_s = time.perf_counter() - t0
@@ -462,19 +453,17 @@ def fast_paths() -> dict[str, bool]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = mode_parser("gpu", __doc__)
     options(p, shapes=(["1b", "8b"], None, {"choices": sorted(SHAPES)}), sequences=1000)
-    options(p, seq_len=2048, k=100, bare_sequences=128, job_batch_tokens=16384)
+    options(p, seq_len=2048, k=100, bare_sequences=128)
     options(
         p,
         inproc_sequences=(256, "sequences of the in-process job measured stage by stage (0: none)"),
         inproc_warmup=(16, "sequences of an untimed in-process job before it (0: none)"),
         tail_sequences=(64, "sequences read for tail mass"),
-        batch_sequences=(64, "job batch sequences"),
         job_inflight_batches=(
             [2],
             "the HTTP job once per value: job batches in the engine at "
             "once (the server's --job-inflight-batches); the first is reported",
         ),
-        engine_options=({}, "JSON, as the server's", {"type": json.loads}),
         work=(None, "scratch folder (default: a temp dir)", {"type": Path}),
     )
     return parse(p, argv)

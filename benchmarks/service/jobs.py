@@ -171,11 +171,6 @@ def main(argv: list[str] | None = None) -> None:
     options(p, sequences=512, length=256, k=([8], "one or more k (pairs per k)"))
     options(p, modes=(["inproc"], "engine driver", {"choices": ["inproc", "async"]}))
     options(p, repeats=(2, "pairs (direct, job) per k and mode"))
-    from logitcache.server.settings import ServerSettings
-
-    flags = {"batch_sequences": "job_batch_sequences", "batch_tokens": "job_batch_tokens"}
-    for flag, name in (flags | {"inflight": "job_inflight_batches"}).items():
-        options(p, **{flag: (ServerSettings.model_fields[name].default, f"server {name}")})
     hidden = argparse.SUPPRESS
     options(p, direct_worker=(False, hidden), model=(None, hidden), prompts=(None, hidden))
     options(p, engine_kwargs=("{}", hidden))
@@ -195,10 +190,12 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="server-bench-"))
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    settings = dict(model=str(tiny.teacher_dir), k=max(args.k), dtype="float32",
-                    max_seq_len=max(args.length, 512), job_batch_tokens=args.batch_tokens,
-                    job_batch_sequences=args.batch_sequences,
-                    job_inflight_batches=args.inflight)  # fmt: skip
+    settings = dict(
+        model=str(tiny.teacher_dir),
+        k=max(args.k),
+        dtype="float32",
+        max_seq_len=max(args.length, 512),
+    )  # the server's job batching otherwise
     engine_kwargs = direct_engine_kwargs(settings)
     print(f"inputs: {args.sequences} x {args.length} tokens, k={args.k}, modes {args.modes}; "
           f"engine {engine_kwargs}; load {load1()}", flush=True)  # fmt: skip

@@ -13,7 +13,6 @@ Forms (``--form``), what the engine hands the job path:
 
 * ``arrays``: vLLM 0.32's prompt-logprob tensors wrapped as the service's vLLM hook wraps them
   (``vllm_logprobs.TensorPromptLogprobs``), converted by ``engine/vllm_rows.py``;
-* ``lists``: vLLM's ``FlatLogprobs`` lists;
 * ``hf``: the transformers backend (``server/engine/hf.py``) itself, its decoder and lm-head
   replaced by rows taken from the pool: batching, the hand-over of each decoder batch's top-k
   to the host and the per-sequence rows are the backend's own code (on the CPU, where the
@@ -132,23 +131,6 @@ def tensor_output(ids: list[int], k: int, rows: Any) -> Any:
     return torch.from_numpy(tok.astype(np.int32)), torch.from_numpy(lp.astype(np.float32))
 
 
-def flat_output(ids: list[int], k: int, rows: Any) -> Any:
-    """A ``RequestOutput``-like object with vLLM 0.32's FlatLogprobs layout for ``ids``:
-    position 0 empty, then per position the actual token followed by the top-k."""
-    from vllm.logprobs import FlatLogprobs
-
-    tok, lp = _with_actual(ids, k, rows)
-    m, w = tok.shape
-    flat = FlatLogprobs()
-    flat.start_indices = [0, *range(0, m * w, w)]
-    flat.end_indices = [0, *range(w, m * w + 1, w)]
-    flat.token_ids = tok.ravel().tolist()
-    flat.logprobs = lp.ravel().tolist()
-    flat.ranks = [1] * (m * w)
-    flat.decoded_tokens = [None] * (m * w)
-    return SimpleNamespace(prompt_logprobs=flat)
-
-
 def _with_actual(ids: list[int], k: int, rows: Any) -> tuple[np.ndarray, np.ndarray]:
     """vLLM's prompt-logprob rows: per position the actual next token, then the top-k."""
     m, w = len(ids) - 1, k + 1
@@ -188,8 +170,7 @@ def build_engine(
     from logitcache.server.engine.vllm_logprobs import TensorPromptLogprobs
     from logitcache.server.engine.vllm_rows import scores_from_output
 
-    make = tensor_output if form == "arrays" else flat_output
-    outputs = {tuple(p): make(p, k, rows) for p in prompts}
+    outputs = {tuple(p): tensor_output(p, k, rows) for p in prompts}
     gc.collect()
     gc.freeze()
 
@@ -200,8 +181,6 @@ def build_engine(
             self.info = _info(rows.vocab, k, "vllm")
 
         async def _generate(self, ps: list[list[int]], kk: int, t: float) -> list[Any]:
-            if form == "lists":
-                return [outputs[tuple(p)] for p in ps]
             out = []
             for p in ps:
                 arrays = TensorPromptLogprobs()

@@ -59,7 +59,8 @@ def test_harness_runs_a_command_on_another_tree_and_appends_csv_rows(tmp_path: P
     assert out.strip() == f"tree cache_format | tree client | {ROOT / 'server'} ['--x', '1']"
     assert quantiles([4.0, 1.0, 3.0, 2.0, 5.0]) == [3.0, 1.8, 4.2]
     rec = Recorder("selftest", "mode", csv_path=tmp_path / "rows.csv")
-    rec.add_measurement("case", "calls", measure(lambda: None, 5), work=10.0, unit="1/s")
+    q50, q20, q80 = quantiles(measure(lambda: None, 5).wall)
+    rec.add("case", "seconds", "s", q50, p20=q20, p80=q80, samples=5)
     rec.save()
     rec.save()  # appends; one header
     rows = _rows(tmp_path / "rows.csv")
