@@ -155,7 +155,8 @@ def _decode_frames(response: httpx.Response) -> list[Any]:
 
 
 def _parse_scores(response: httpx.Response) -> list[Any]:
-    """``SequenceRecord`` list from a score answer, binary frames or JSON."""
+    """``SequenceRecord`` list from a score answer, binary frames or JSON (the record's
+    constructor makes the arrays of the JSON lists and checks their shapes)."""
     if response.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
         return _decode_frames(response)
     from logitcache.cache_format import SequenceRecord
@@ -163,15 +164,13 @@ def _parse_scores(response: httpx.Response) -> list[Any]:
     body = ScoreResponse.model_validate_json(response.content)
     return [
         SequenceRecord(
-            key=s.key,
-            input_ids=np.asarray(s.input_ids, dtype=np.int32),
-            topk_ids=np.asarray(s.topk_ids, dtype=np.int32),
-            topk_logprobs=np.asarray(s.topk_logprobs, dtype=np.float32),
-            tail_mass=np.asarray(s.tail_mass, dtype=np.float32),
-            entropy=None if s.entropy is None else np.asarray(s.entropy, dtype=np.float32),
-            actual_logprob=None
-            if s.actual_logprob is None
-            else np.asarray(s.actual_logprob, dtype=np.float32),
+            s.key,
+            s.input_ids,
+            s.topk_ids,
+            s.topk_logprobs,
+            s.tail_mass,
+            entropy=s.entropy,
+            actual_logprob=s.actual_logprob,
         )
         for s in body.sequences
     ]
