@@ -279,13 +279,6 @@ class CacheDataset(IterableDataset):
         self._all_lengths = lengths
         self.num_sequences = count
 
-    def refresh(self) -> None:
-        """Plan later epochs over the sequences committed since the dataset was built."""
-        self.source.refresh()
-        self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
-        self.num_sequences = len(self._all_lengths)
-        self._plans.clear()
-
     # -- planning -------------------------------------------------------------------------
     def plan(self, epoch: int | None = None, rank: int | None = None) -> ItemPlan:
         """Item plan of ``rank`` (default this rank) for ``epoch`` (default the current one)."""
