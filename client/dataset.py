@@ -91,31 +91,25 @@ _DONE = object()
 def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
     """``source`` with ``read``'s reader settings (decode threads, point reads), as a copy;
     the source itself when they are its defaults. ``point_reads``: a
-    :class:`~logitcache.client.sources.LocalSource` only;
-    ``decode_threads``: also an :class:`~logitcache.client.sources.HttpSource` of
-    ``transport="store"`` (its reader is a LocalSource's). ConfigError elsewhere."""
-    point_reads = read.point_reads
-    if not (
-        read.decode_threads > 1
-        or point_reads is not None
-        and (point_reads or type(source) is LocalSource)
-    ):  # (point_reads=False: range reads, what every other source does anyway)
-        return source
-    if type(source) is LocalSource:
-        config = {name: getattr(source, name) for name in LocalSource._CONFIG}
-        if read.decode_threads > 1:
-            config["decode_threads"] = read.decode_threads
-        if point_reads is not None:
-            config["point_reads"] = point_reads
-        return LocalSource(**config)
-    if point_reads:
+    :class:`~logitcache.client.sources.LocalSource` only (``False`` elsewhere: range reads, what
+    every other source does anyway); ``decode_threads``: also an
+    :class:`~logitcache.client.sources.HttpSource` of ``transport="store"`` (its reader is a
+    LocalSource's). ConfigError elsewhere."""
+    changes: dict[str, object] = {}
+    if read.decode_threads > 1:
+        changes["decode_threads"] = read.decode_threads
+    if read.point_reads is not None and type(source) is LocalSource:
+        changes["point_reads"] = read.point_reads
+    elif read.point_reads:
         raise ConfigError(
             "point_reads: for local and object-store caches (a LocalSource) only, "
             f"not {type(source).__name__}"
         )
-    if type(source) is HttpSource and source.transport == "store":
-        config = {name: getattr(source, name) for name in HttpSource._CONFIG}
-        return HttpSource(**{**config, "decode_threads": read.decode_threads})
+    if not changes:
+        return source
+    if type(source) is LocalSource or (type(source) is HttpSource and source.transport == "store"):
+        config = {name: getattr(source, name) for name in source._CONFIG}
+        return type(source)(**config | changes)
     raise ConfigError(
         "decode_threads applies where this process reads the store: a LocalSource, or an "
         f"HttpSource with transport='store'; not to {source!r}"
