@@ -404,6 +404,13 @@ class CacheDataset(IterableDataset):
             unit["target_kind"] = self.target_kind
         return unit
 
+    def padding_unit(self) -> dict[str, Any]:
+        """A unit of one item of padding, full width: no token and no row, so it adds 0 to every
+        loss and every count."""
+        none = np.zeros(0, dtype=np.int64)
+        plan = ItemPlan(none, none, none, none, item_offsets=np.zeros(2, dtype=np.int64))
+        return self._make_unit(plan, np.zeros(1, dtype=np.int64), {})
+
     def _read_threads(self, num_workers: int) -> int:
         if self.read.read_threads is not None:
             return self.read.read_threads

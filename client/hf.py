@@ -71,7 +71,6 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .collate import IGNORE_INDEX
 from .dataset import CacheDataset
 from .errors import ConfigError
 from .packing import packed_hidden_states, unwrap_model
@@ -125,26 +124,7 @@ class RankEvenStream(IterableDataset):
 
     def empty_unit(self) -> dict[str, torch.Tensor]:
         """One item of padding: no token, no row (adds 0 to every loss and to every count)."""
-        ds, T = self.dataset, self.dataset.config.tokens_per_item
-        zeros = torch.zeros(1, T, dtype=torch.int64)
-        if ds.hidden_dim is None:
-            targets: dict[str, Any] = {
-                "topk_ids": torch.zeros(1, T, ds.k, dtype=ds.config.ids_dtype),
-                "topk_logprobs": torch.zeros(1, T, ds.k, dtype=torch.float32),
-                "tail_mass": torch.zeros(1, T, dtype=torch.float32),
-            }
-        else:
-            hidden = torch.zeros(1, T, ds.hidden_dim, dtype=torch.bfloat16)
-            targets = {"hidden": hidden, "target_kind": "hidden"}
-        return {
-            "input_ids": torch.full((1, T), ds.config.pad_token_id, dtype=torch.int64),
-            "labels": torch.full((1, T), IGNORE_INDEX, dtype=torch.int64),
-            "attention_mask": zeros.clone(),
-            "position_ids": zeros.clone(),
-            "segment_ids": zeros.clone(),
-            **targets,
-            "loss_mask": torch.zeros(1, T, dtype=torch.bool),
-        }
+        return self.dataset.padding_unit()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker, num_workers = current_worker()
