@@ -306,17 +306,15 @@ class CacheDataset(IterableDataset):
             self._plans[key] = _interleave(plans, self.config.batch_size or 1)
         return self._plans[key]
 
-    def num_items(self, epoch: int | None = None) -> int:
-        """Items this rank yields in ``epoch`` (after ``even_ranks``)."""
-        count = self.plan(epoch).num_items
+    def num_items(self, epoch: int | None = None, rank: int | None = None) -> int:
+        """Items ``rank`` (default this rank) yields in ``epoch`` (after ``even_ranks``)."""
         if self.config.even_ranks:
-            count = min(self.plan(epoch, r).num_items for r in range(self.world_size))
-        return count
+            return min(self.plan(epoch, r).num_items for r in range(self.world_size))
+        return self.plan(epoch, rank).num_items
 
     def __len__(self) -> int:
         """Units (items, or batches when ``batch_size`` is set) of this rank's current epoch."""
-        n = self.num_items()
-        return n if self.config.batch_size is None else -(-n // self.config.batch_size)
+        return -(-self.num_items() // (self.config.batch_size or 1))
 
     # -- state ----------------------------------------------------------------------------
     @property

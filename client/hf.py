@@ -92,11 +92,7 @@ def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
     """Units (batches) ``rank`` yields in ``epoch``: ``len(ds)`` as rank ``rank`` of ``ds``'s
     world would see it in ``epoch`` (the dataset's own :meth:`CacheDataset.plan`, lengths only,
     no data read; plans of an epoch other than the current one are dropped at ``set_epoch``)."""
-    if ds.config.even_ranks:
-        count = min(ds.plan(epoch, r).num_items for r in range(ds.world_size))
-    else:
-        count = ds.plan(epoch, rank).num_items
-    return -(-count // (ds.config.batch_size or 1))
+    return -(-ds.num_items(epoch, rank) // (ds.config.batch_size or 1))
 
 
 class RankEvenStream(IterableDataset):
