@@ -533,12 +533,8 @@ class CacheDataLoader(DataLoader):
         if kwargs.get("persistent_workers"):
             raise ConfigError("persistent_workers would keep a stale epoch/resume point")
         kwargs["batch_size"] = None
-        if (
-            kwargs.get("num_workers", 0) > 0
-            and kwargs.get("multiprocessing_context") is None
-            and not getattr(dataset.source, "fork_safe", True)
-        ):
-            kwargs["multiprocessing_context"] = "spawn"
+        workers, context = kwargs.get("num_workers", 0), kwargs.get("multiprocessing_context")
+        kwargs["multiprocessing_context"] = worker_context(dataset.source, workers, context)
         super().__init__(dataset, **kwargs)
         self._epoch = dataset.epoch
         self._base = 0
@@ -565,6 +561,14 @@ class CacheDataLoader(DataLoader):
         ds: CacheDataset = self.dataset  # type: ignore[assignment]
         ds.load_state_dict(state)
         self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
+
+
+def worker_context(source: CacheSource, num_workers: int, context: Any) -> Any:
+    """The DataLoader ``multiprocessing_context`` for workers reading ``source``: ``context``,
+    or ``"spawn"`` when none is given and the source must not be forked (``fork_safe``)."""
+    if num_workers > 0 and context is None and not getattr(source, "fork_safe", True):
+        return "spawn"
+    return context
 
 
 def _identity(manifest: Manifest) -> dict[str, object]:

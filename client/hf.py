@@ -71,7 +71,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .dataset import CacheDataset
+from .dataset import CacheDataset, worker_context
 from .errors import ConfigError
 from .packing import packed_hidden_states, unwrap_model
 from .world import current_worker
@@ -304,9 +304,7 @@ class CacheDistillTrainer(Trainer):
                 epochs = min(epochs, self._planned_epochs(units))
         self._stream = RankEvenStream(ds, units)
         workers = self.args.dataloader_num_workers
-        context = self.args.dataloader_multiprocessing_context
-        if workers > 0 and context is None and not getattr(ds.source, "fork_safe", True):
-            context = "spawn"  # as CacheDataLoader: obstore-backed sources must not be forked
+        context = worker_context(ds.source, workers, self.args.dataloader_multiprocessing_context)
         return _EpochLoader(
             self._stream,
             batch_size=None,
