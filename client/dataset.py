@@ -23,12 +23,8 @@ Resume
 ``state_dict()`` is a :class:`~logitcache.client.state.LoaderState`: ``epoch`` and
 ``items_consumed``, the number of items of this rank's epoch stream *delivered to the trainer*.
 ``load_state_dict(state)`` makes the next iteration start at item ``items_consumed`` of the same
-stream, so the remaining stream is identical to the one an uninterrupted run would have seen.
-A trainer loop may call ``set_epoch(state["epoch"])`` after it (as it does at every epoch start):
-until the restored stream is iterated (by this object or by a copy in a DataLoader worker:
-:class:`~logitcache.client.resume_mark.ResumeMark` is shared with them), setting the restored
-epoch keeps the restored position and sequence count; after it, and for another epoch, set_epoch
-starts the epoch from its beginning.
+stream, so the remaining stream is identical to the one an uninterrupted run would have seen
+(``set_epoch`` of the restored epoch keeps that position: see :meth:`CacheDataset.set_epoch`).
 Counting happens where items reach the trainer: when the dataset is iterated in the trainer
 process (``num_workers=0``) it counts itself; with DataLoader workers the copies in the workers
 cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
@@ -237,9 +233,11 @@ class CacheDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its order); the next iteration starts at its beginning.
 
-        Right after :meth:`load_state_dict` (before the restored stream is iterated), setting
-        the state's own epoch keeps the restored position and sequence count (``follow=True``
-        does not adopt newer sequences then): a trainer that calls ``set_epoch`` at every epoch
+        Right after :meth:`load_state_dict`, until the restored stream is iterated (by this
+        object or by a copy in a DataLoader worker: the
+        :class:`~logitcache.client.resume_mark.ResumeMark` is shared with them), setting the
+        state's own epoch keeps the restored position and sequence count (``follow=True`` does
+        not adopt newer sequences then): a trainer that calls ``set_epoch`` at every epoch
         start, the resumed one included, continues the interrupted epoch exactly. Any other
         epoch starts from its beginning (``follow=True``: over the sequences committed now).
         """
