@@ -150,11 +150,6 @@ class ReadAhead:
         self._next_read = 0
         self._pool: ThreadPoolExecutor | None = None
 
-    @property
-    def num_reads(self) -> int:
-        """Reads (``source.fetch`` calls) of the whole unit list."""
-        return len(self._reads)
-
     def _fetch(self, r: int) -> dict[int, SequenceRecord]:
         seqs = self._reads[r]
         got = self.source.fetch(seqs)
