@@ -23,15 +23,11 @@ Data sharding: exactly once, by the dataset
 Each rank's ``CacheDataset`` reads only its own partition (``rank``/``world_size``: pass
 ``rank=args.process_index, world_size=args.world_size``, or build it after ``TrainingArguments``
 so that ``torch.distributed`` is initialised; the trainer checks). The training ``DataLoader`` is
-**not** passed through ``accelerator.prepare``: for an ``IterableDataset`` accelerate would either
-dispatch rank 0's batches to every rank (``dispatch_batches=True``, its default for iterable
-datasets: with an already-sharded dataset half of the cache is never seen) or wrap it in
-``IterableDatasetShard`` and shard it a second time (``dispatch_batches=False``: each rank keeps
-1/world of its own partition), and ``split_batches`` would cut our pre-built batches. So the
-settings ``dispatch_batches``/``split_batches``/``even_batches`` of ``accelerator_config`` do not
-apply to the training data; the trainer sets ``dispatch_batches=False, split_batches=False`` in
-``accelerator_config`` anyway so that a stray ``prepare`` could not dispatch. Every rank reads
-1/world of the cache (I/O scales with ranks) and no batch is sent between processes.
+**not** passed through ``accelerator.prepare``: for an ``IterableDataset`` accelerate would send
+rank 0's batches to every rank (``dispatch_batches=True``, its default there) or shard each
+partition a second time (``False``), and ``split_batches`` would cut the pre-built batches; the
+trainer also sets ``dispatch_batches=False, split_batches=False`` so that a stray ``prepare``
+could not dispatch. Every rank reads 1/world of the cache and no batch is sent between processes.
 
 DDP needs the same number of steps on every rank, but the partitions of a packed cache give ranks
 slightly different item counts. Instead of dropping items (``even_ranks=True``), a rank with fewer
@@ -45,15 +41,13 @@ epoch order is a pure function of ``(seed, epoch)`` and of the number of cache s
 planned over; every checkpoint also holds, per rank, the dataset's state (``epoch``,
 ``num_sequences``: :data:`DATA_STATE_NAME`) and the planned epoch length, and a resumed
 ``train`` restores them before planning, so the resumed epoch is planned over the same sequences
-even when the cache grew since (a new ``CacheDataset`` sees every committed sequence). The
-trainer refuses ``follow=True`` when it is built (``ConfigError``): Trainer fixes the epoch length
-when ``train()`` starts, so a cache that grows during the run could not join a later epoch
-without breaking its step schedule. The trainer sets the epoch at every epoch
-start (also on resume: setting the restored epoch keeps the restored snapshot) and Trainer's own
-mid-epoch skip drops the batches already trained. When ``dataloader_num_workers == 0`` those
-skipped batches are not read (placeholders stand in for them); with workers they are read and
-discarded. A checkpoint without the file (written before it existed) resumes over the cache as
-it is now, with a warning.
+even when the cache grew since (a new ``CacheDataset`` sees every committed sequence);
+``follow=True`` is refused (Trainer fixes the epoch length when ``train()`` starts). The trainer
+sets the epoch at every epoch start (also on resume: setting the restored epoch keeps the
+restored snapshot) and Trainer's own mid-epoch skip drops the batches already trained. When
+``dataloader_num_workers == 0`` those skipped batches are not read (placeholders stand in for
+them); with workers they are read and discarded. A checkpoint without the file (written before
+it existed) resumes over the cache as it is now, with a warning.
 """
 
 from __future__ import annotations
