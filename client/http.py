@@ -64,6 +64,16 @@ __all__ = ["TeacherClient", "AsyncTeacherClient", "Call", "RetryPolicy"]
 _ALWAYS_RETRY_STATUS = frozenset({429, 502, 503, 504})
 _IDEMPOTENT_RETRY_STATUS = frozenset({500})
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+#: The fields of a ``ScoredSequence`` that a ``SequenceRecord`` holds.
+_RECORD_FIELDS = (
+    "key",
+    "input_ids",
+    "topk_ids",
+    "topk_logprobs",
+    "tail_mass",
+    "entropy",
+    "actual_logprob",
+)
 
 
 @dataclass(frozen=True)
@@ -162,18 +172,7 @@ def _parse_scores(response: httpx.Response) -> list[Any]:
     from logitcache.cache_format import SequenceRecord
 
     body = ScoreResponse.model_validate_json(response.content)
-    return [
-        SequenceRecord(
-            s.key,
-            s.input_ids,
-            s.topk_ids,
-            s.topk_logprobs,
-            s.tail_mass,
-            entropy=s.entropy,
-            actual_logprob=s.actual_logprob,
-        )
-        for s in body.sequences
-    ]
+    return [SequenceRecord(**{f: getattr(s, f) for f in _RECORD_FIELDS}) for s in body.sequences]
 
 
 def _caches(response: httpx.Response) -> list[CacheInfo]:
