@@ -46,14 +46,9 @@ Quick start (the training loop is README's "In a trainer" block, executed by
             opt.zero_grad()
             state = loader.state_dict()  # save with checkpoints; resume: load_state_dict
 
-``packed_hidden_states`` (:mod:`logitcache.client.packing`) keeps the documents of a packed item
-apart (position ids, no attention mask, ``use_cache=False``; calling ``student.model(...)``
-with the default cache lets them attend to each other) and calls the model it is given, so the
-DDP wrapper's hooks run. With the Hugging Face ``Trainer``: :class:`logitcache.client.hf.
-CacheDistillTrainer` (README); as a ``datasets.IterableDataset``:
-:func:`logitcache.client.hf.hf_iterable`; files for axolotl / DistillKit:
-:mod:`logitcache.client.interop` (``logitcache export --format parquet|distillkit``,
-``logitcache import``).
+``packed_hidden_states`` keeps the documents of a packed item apart and calls the model it is
+given, so the DDP wrapper's hooks run (:mod:`logitcache.client.packing`). With the Hugging Face
+``Trainer``: :class:`logitcache.client.hf.CacheDistillTrainer` (README).
 """
 
 from __future__ import annotations

@@ -38,9 +38,7 @@ Fields of an item (``T`` = budget, ``k`` = top-k width; a batch adds a leading `
 ``input_ids`` [T] int64, ``labels`` [T] int64, ``attention_mask`` [T] int64 (1 = token, 0 = pad),
 ``position_ids`` [T] int64, ``segment_ids`` [T] int64, ``topk_ids`` [T, k] int64 (or int32),
 ``topk_logprobs`` [T, k] float32, ``tail_mass`` [T] float32, ``loss_mask`` [T] bool.
-In a batch of a sampled cache ``CacheDataset`` (``trim_sampled=True``, its default) keeps only
-the first ``k' <= k`` columns, up to the last one that holds a drawn id in any row of the batch
-(:func:`trim_padding_columns`; the rest is weight-0 padding).
+A sampled cache's batches may keep fewer columns (``trim_sampled``: :func:`trim_padding_columns`).
 Positions without a row hold ``topk_ids = 0``, ``topk_logprobs = 0``, ``tail_mass = 0`` and
 ``loss_mask = False``: mask them (``loss_mask``) in every loss. A record with a stored loss mask
 (chat data, cache_format FORMAT.md 4.6: row ``j`` trained on iff ``record.loss_mask[j] = 1``)

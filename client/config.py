@@ -54,15 +54,12 @@ class StreamConfig:
         ``None``: yield single items (tensors ``[T, ...]``). An int ``B``: yield batches
         ``[B, T, ...]`` of consecutive items (the last one may be smaller).
     seed, shuffle, shuffle_block_size, shuffle_window:
-        Order of sequences per epoch (:func:`~logitcache.client.order.epoch_order`, whose
-        docstring states the randomness of each mode). The default ``shuffle_block_size=1`` is
-        a uniform full shuffle: one small store read per sequence, and each read has a fixed
-        cost. ``shuffle_block_size=b`` (e.g. 64) shuffles blocks of ``b`` contiguous sequences
-        and the sequences inside each block: one contiguous read per block, but a batch draws
-        from one or two blocks of neighbours. ``shuffle_window=w`` (with ``b > 1``) mixes the
-        sequences of ``w`` random blocks at a time: a batch draws from ``w`` distant regions,
-        reads stay one per block, and each iterating process holds about ``w + 1`` blocks of
-        records in memory. Measured rates: benchmarks/results/loader.md.
+        Order of sequences per epoch (:func:`~logitcache.client.order.epoch_order`; the
+        randomness of each mode: :mod:`logitcache.client.order`). ``shuffle_block_size=1``
+        (default): a uniform full shuffle, one small store read per sequence. ``b > 1``: blocks
+        of ``b`` neighbours, one contiguous read each; ``shuffle_window=w`` mixes ``w`` random
+        blocks at a time, so a batch draws from ``w`` distant regions (each iterating process
+        holds about ``w + 1`` blocks). Measured rates: benchmarks/results/loader.md.
     lanes:
         Cut this rank's epoch stream into ``lanes`` parts planned separately whose units
         (batches) are interleaved, unit ``u`` from lane ``u mod lanes``

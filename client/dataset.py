@@ -23,12 +23,8 @@ Resume
 ``state_dict()`` is a :class:`~logitcache.client.state.LoaderState`: ``epoch`` and
 ``items_consumed``, the number of items of this rank's epoch stream *delivered to the trainer*.
 ``load_state_dict(state)`` makes the next iteration start at item ``items_consumed`` of the same
-stream, so the remaining stream is identical to the one an uninterrupted run would have seen.
-A trainer loop may call ``set_epoch(state["epoch"])`` after it (as it does at every epoch start):
-until the restored stream is iterated (by this object or by a copy in a DataLoader worker:
-:class:`~logitcache.client.resume_mark.ResumeMark` is shared with them), setting the restored
-epoch keeps the restored position and sequence count; after it, and for another epoch, set_epoch
-starts the epoch from its beginning.
+stream, so the remaining stream is identical to the one an uninterrupted run would have seen
+(``set_epoch`` of the restored epoch keeps that position: see :meth:`CacheDataset.set_epoch`).
 Counting happens where items reach the trainer: when the dataset is iterated in the trainer
 process (``num_workers=0``) it counts itself; with DataLoader workers the copies in the workers
 cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
@@ -91,31 +87,25 @@ _DONE = object()
 def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
     """``source`` with ``read``'s reader settings (decode threads, point reads), as a copy;
     the source itself when they are its defaults. ``point_reads``: a
-    :class:`~logitcache.client.sources.LocalSource` only;
-    ``decode_threads``: also an :class:`~logitcache.client.sources.HttpSource` of
-    ``transport="store"`` (its reader is a LocalSource's). ConfigError elsewhere."""
-    point_reads = read.point_reads
-    if not (
-        read.decode_threads > 1
-        or point_reads is not None
-        and (point_reads or type(source) is LocalSource)
-    ):  # (point_reads=False: range reads, what every other source does anyway)
-        return source
-    if type(source) is LocalSource:
-        config = {name: getattr(source, name) for name in LocalSource._CONFIG}
-        if read.decode_threads > 1:
-            config["decode_threads"] = read.decode_threads
-        if point_reads is not None:
-            config["point_reads"] = point_reads
-        return LocalSource(**config)
-    if point_reads:
+    :class:`~logitcache.client.sources.LocalSource` only (``False`` elsewhere: range reads, what
+    every other source does anyway); ``decode_threads``: also an
+    :class:`~logitcache.client.sources.HttpSource` of ``transport="store"`` (its reader is a
+    LocalSource's). ConfigError elsewhere."""
+    changes: dict[str, object] = {}
+    if read.decode_threads > 1:
+        changes["decode_threads"] = read.decode_threads
+    if read.point_reads is not None and type(source) is LocalSource:
+        changes["point_reads"] = read.point_reads
+    elif read.point_reads:
         raise ConfigError(
             "point_reads: for local and object-store caches (a LocalSource) only, "
             f"not {type(source).__name__}"
         )
-    if type(source) is HttpSource and source.transport == "store":
-        config = {name: getattr(source, name) for name in HttpSource._CONFIG}
-        return HttpSource(**{**config, "decode_threads": read.decode_threads})
+    if not changes:
+        return source
+    if type(source) is LocalSource or (type(source) is HttpSource and source.transport == "store"):
+        config = {name: getattr(source, name) for name in source._CONFIG}
+        return type(source)(**config | changes)
     raise ConfigError(
         "decode_threads applies where this process reads the store: a LocalSource, or an "
         f"HttpSource with transport='store'; not to {source!r}"
@@ -173,7 +163,7 @@ class CacheDataset(IterableDataset):
             raise ConfigError(f"topk must be in [1, {k}] (the cache's k), got {config.topk}")
         self.k = k if config.topk is None else config.topk
         self.rank, self.world_size = resolve_ranks(config.rank, config.world_size)
-        self._manifest_identity = _identity(manifest)
+        self._manifest_identity = manifest.identity()
         self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
         self.num_sequences = len(self._all_lengths)
         self.epoch = 0
@@ -243,9 +233,11 @@ class CacheDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its order); the next iteration starts at its beginning.
 
-        Right after :meth:`load_state_dict` (before the restored stream is iterated), setting
-        the state's own epoch keeps the restored position and sequence count (``follow=True``
-        does not adopt newer sequences then): a trainer that calls ``set_epoch`` at every epoch
+        Right after :meth:`load_state_dict`, until the restored stream is iterated (by this
+        object or by a copy in a DataLoader worker: the
+        :class:`~logitcache.client.resume_mark.ResumeMark` is shared with them), setting the
+        state's own epoch keeps the restored position and sequence count (``follow=True`` does
+        not adopt newer sequences then): a trainer that calls ``set_epoch`` at every epoch
         start, the resumed one included, continues the interrupted epoch exactly. Any other
         epoch starts from its beginning (``follow=True``: over the sequences committed now).
         """
@@ -278,13 +270,6 @@ class CacheDataset(IterableDataset):
             self._plans.clear()
         self._all_lengths = lengths
         self.num_sequences = count
-
-    def refresh(self) -> None:
-        """Plan later epochs over the sequences committed since the dataset was built."""
-        self.source.refresh()
-        self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
-        self.num_sequences = len(self._all_lengths)
-        self._plans.clear()
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, epoch: int | None = None, rank: int | None = None) -> ItemPlan:
@@ -319,17 +304,15 @@ class CacheDataset(IterableDataset):
             self._plans[key] = _interleave(plans, self.config.batch_size or 1)
         return self._plans[key]
 
-    def num_items(self, epoch: int | None = None) -> int:
-        """Items this rank yields in ``epoch`` (after ``even_ranks``)."""
-        count = self.plan(epoch).num_items
+    def num_items(self, epoch: int | None = None, rank: int | None = None) -> int:
+        """Items ``rank`` (default this rank) yields in ``epoch`` (after ``even_ranks``)."""
         if self.config.even_ranks:
-            count = min(self.plan(epoch, r).num_items for r in range(self.world_size))
-        return count
+            return min(self.plan(epoch, r).num_items for r in range(self.world_size))
+        return self.plan(epoch, rank).num_items
 
     def __len__(self) -> int:
         """Units (items, or batches when ``batch_size`` is set) of this rank's current epoch."""
-        n = self.num_items()
-        return n if self.config.batch_size is None else -(-n // self.config.batch_size)
+        return -(-self.num_items() // (self.config.batch_size or 1))
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -416,6 +399,13 @@ class CacheDataset(IterableDataset):
         if self.target_kind != "topk":
             unit["target_kind"] = self.target_kind
         return unit
+
+    def padding_unit(self) -> dict[str, Any]:
+        """A unit of one item of padding, full width: no token and no row, so it adds 0 to every
+        loss and every count."""
+        none = np.zeros(0, dtype=np.int64)
+        plan = ItemPlan(none, none, none, none, item_offsets=np.zeros(2, dtype=np.int64))
+        return self._make_unit(plan, np.zeros(1, dtype=np.int64), {})
 
     def _read_threads(self, num_workers: int) -> int:
         if self.read.read_threads is not None:
@@ -541,12 +531,8 @@ class CacheDataLoader(DataLoader):
         if kwargs.get("persistent_workers"):
             raise ConfigError("persistent_workers would keep a stale epoch/resume point")
         kwargs["batch_size"] = None
-        if (
-            kwargs.get("num_workers", 0) > 0
-            and kwargs.get("multiprocessing_context") is None
-            and not getattr(dataset.source, "fork_safe", True)
-        ):
-            kwargs["multiprocessing_context"] = "spawn"
+        workers, context = kwargs.get("num_workers", 0), kwargs.get("multiprocessing_context")
+        kwargs["multiprocessing_context"] = worker_context(dataset.source, workers, context)
         super().__init__(dataset, **kwargs)
         self._epoch = dataset.epoch
         self._base = 0
@@ -575,10 +561,9 @@ class CacheDataLoader(DataLoader):
         self._epoch, self._base, self._yielded = ds.epoch, ds.resume_point, 0
 
 
-def _identity(manifest: Manifest) -> dict[str, object]:
-    """The manifest fields that identify the cached distributions (not its counts/timestamps):
-    ``cache_format``'s :data:`~logitcache.cache_format.IDENTITY_FIELDS` (the teacher identity,
-    ``k``, encodings, target kind), read off any source's manifest."""
-    from logitcache.cache_format import IDENTITY_FIELDS
-
-    return {f: getattr(manifest, f, None) for f in IDENTITY_FIELDS}
+def worker_context(source: CacheSource, num_workers: int, context: Any) -> Any:
+    """The DataLoader ``multiprocessing_context`` for workers reading ``source``: ``context``,
+    or ``"spawn"`` when none is given and the source must not be forked (``fork_safe``)."""
+    if num_workers > 0 and context is None and not getattr(source, "fork_safe", True):
+        return "spawn"
+    return context

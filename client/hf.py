@@ -23,15 +23,11 @@ Data sharding: exactly once, by the dataset
 Each rank's ``CacheDataset`` reads only its own partition (``rank``/``world_size``: pass
 ``rank=args.process_index, world_size=args.world_size``, or build it after ``TrainingArguments``
 so that ``torch.distributed`` is initialised; the trainer checks). The training ``DataLoader`` is
-**not** passed through ``accelerator.prepare``: for an ``IterableDataset`` accelerate would either
-dispatch rank 0's batches to every rank (``dispatch_batches=True``, its default for iterable
-datasets: with an already-sharded dataset half of the cache is never seen) or wrap it in
-``IterableDatasetShard`` and shard it a second time (``dispatch_batches=False``: each rank keeps
-1/world of its own partition), and ``split_batches`` would cut our pre-built batches. So the
-settings ``dispatch_batches``/``split_batches``/``even_batches`` of ``accelerator_config`` do not
-apply to the training data; the trainer sets ``dispatch_batches=False, split_batches=False`` in
-``accelerator_config`` anyway so that a stray ``prepare`` could not dispatch. Every rank reads
-1/world of the cache (I/O scales with ranks) and no batch is sent between processes.
+**not** passed through ``accelerator.prepare``: for an ``IterableDataset`` accelerate would send
+rank 0's batches to every rank (``dispatch_batches=True``, its default there) or shard each
+partition a second time (``False``), and ``split_batches`` would cut the pre-built batches; the
+trainer also sets ``dispatch_batches=False, split_batches=False`` so that a stray ``prepare``
+could not dispatch. Every rank reads 1/world of the cache and no batch is sent between processes.
 
 DDP needs the same number of steps on every rank, but the partitions of a packed cache give ranks
 slightly different item counts. Instead of dropping items (``even_ranks=True``), a rank with fewer
@@ -45,15 +41,13 @@ epoch order is a pure function of ``(seed, epoch)`` and of the number of cache s
 planned over; every checkpoint also holds, per rank, the dataset's state (``epoch``,
 ``num_sequences``: :data:`DATA_STATE_NAME`) and the planned epoch length, and a resumed
 ``train`` restores them before planning, so the resumed epoch is planned over the same sequences
-even when the cache grew since (a new ``CacheDataset`` sees every committed sequence). The
-trainer refuses ``follow=True`` when it is built (``ConfigError``): Trainer fixes the epoch length
-when ``train()`` starts, so a cache that grows during the run could not join a later epoch
-without breaking its step schedule. The trainer sets the epoch at every epoch
-start (also on resume: setting the restored epoch keeps the restored snapshot) and Trainer's own
-mid-epoch skip drops the batches already trained. When ``dataloader_num_workers == 0`` those
-skipped batches are not read (placeholders stand in for them); with workers they are read and
-discarded. A checkpoint without the file (written before it existed) resumes over the cache as
-it is now, with a warning.
+even when the cache grew since (a new ``CacheDataset`` sees every committed sequence);
+``follow=True`` is refused (Trainer fixes the epoch length when ``train()`` starts). The trainer
+sets the epoch at every epoch start (also on resume: setting the restored epoch keeps the
+restored snapshot) and Trainer's own mid-epoch skip drops the batches already trained. When
+``dataloader_num_workers == 0`` those skipped batches are not read (placeholders stand in for
+them); with workers they are read and discarded. A checkpoint without the file (written before
+it existed) resumes over the cache as it is now, with a warning.
 """
 
 from __future__ import annotations
@@ -71,8 +65,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .collate import IGNORE_INDEX
-from .dataset import CacheDataset
+from .dataset import CacheDataset, worker_context
 from .errors import ConfigError
 from .packing import packed_hidden_states, unwrap_model
 from .world import current_worker
@@ -93,11 +86,7 @@ def planned_units(ds: CacheDataset, epoch: int, rank: int) -> int:
     """Units (batches) ``rank`` yields in ``epoch``: ``len(ds)`` as rank ``rank`` of ``ds``'s
     world would see it in ``epoch`` (the dataset's own :meth:`CacheDataset.plan`, lengths only,
     no data read; plans of an epoch other than the current one are dropped at ``set_epoch``)."""
-    if ds.config.even_ranks:
-        count = min(ds.plan(epoch, r).num_items for r in range(ds.world_size))
-    else:
-        count = ds.plan(epoch, rank).num_items
-    return -(-count // (ds.config.batch_size or 1))
+    return -(-ds.num_items(epoch, rank) // (ds.config.batch_size or 1))
 
 
 class RankEvenStream(IterableDataset):
@@ -125,26 +114,7 @@ class RankEvenStream(IterableDataset):
 
     def empty_unit(self) -> dict[str, torch.Tensor]:
         """One item of padding: no token, no row (adds 0 to every loss and to every count)."""
-        ds, T = self.dataset, self.dataset.config.tokens_per_item
-        zeros = torch.zeros(1, T, dtype=torch.int64)
-        if ds.hidden_dim is None:
-            targets: dict[str, Any] = {
-                "topk_ids": torch.zeros(1, T, ds.k, dtype=ds.config.ids_dtype),
-                "topk_logprobs": torch.zeros(1, T, ds.k, dtype=torch.float32),
-                "tail_mass": torch.zeros(1, T, dtype=torch.float32),
-            }
-        else:
-            hidden = torch.zeros(1, T, ds.hidden_dim, dtype=torch.bfloat16)
-            targets = {"hidden": hidden, "target_kind": "hidden"}
-        return {
-            "input_ids": torch.full((1, T), ds.config.pad_token_id, dtype=torch.int64),
-            "labels": torch.full((1, T), IGNORE_INDEX, dtype=torch.int64),
-            "attention_mask": zeros.clone(),
-            "position_ids": zeros.clone(),
-            "segment_ids": zeros.clone(),
-            **targets,
-            "loss_mask": torch.zeros(1, T, dtype=torch.bool),
-        }
+        return self.dataset.padding_unit()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker, num_workers = current_worker()
@@ -328,9 +298,7 @@ class CacheDistillTrainer(Trainer):
                 epochs = min(epochs, self._planned_epochs(units))
         self._stream = RankEvenStream(ds, units)
         workers = self.args.dataloader_num_workers
-        context = self.args.dataloader_multiprocessing_context
-        if workers > 0 and context is None and not getattr(ds.source, "fork_safe", True):
-            context = "spawn"  # as CacheDataLoader: obstore-backed sources must not be forked
+        context = worker_context(ds.source, workers, self.args.dataloader_multiprocessing_context)
         return _EpochLoader(
             self._stream,
             batch_size=None,

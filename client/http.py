@@ -64,6 +64,16 @@ __all__ = ["TeacherClient", "AsyncTeacherClient", "Call", "RetryPolicy"]
 _ALWAYS_RETRY_STATUS = frozenset({429, 502, 503, 504})
 _IDEMPOTENT_RETRY_STATUS = frozenset({500})
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+#: The fields of a ``ScoredSequence`` that a ``SequenceRecord`` holds.
+_RECORD_FIELDS = (
+    "key",
+    "input_ids",
+    "topk_ids",
+    "topk_logprobs",
+    "tail_mass",
+    "entropy",
+    "actual_logprob",
+)
 
 
 @dataclass(frozen=True)
@@ -155,26 +165,14 @@ def _decode_frames(response: httpx.Response) -> list[Any]:
 
 
 def _parse_scores(response: httpx.Response) -> list[Any]:
-    """``SequenceRecord`` list from a score answer, binary frames or JSON."""
+    """``SequenceRecord`` list from a score answer, binary frames or JSON (the record's
+    constructor makes the arrays of the JSON lists and checks their shapes)."""
     if response.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
         return _decode_frames(response)
     from logitcache.cache_format import SequenceRecord
 
     body = ScoreResponse.model_validate_json(response.content)
-    return [
-        SequenceRecord(
-            key=s.key,
-            input_ids=np.asarray(s.input_ids, dtype=np.int32),
-            topk_ids=np.asarray(s.topk_ids, dtype=np.int32),
-            topk_logprobs=np.asarray(s.topk_logprobs, dtype=np.float32),
-            tail_mass=np.asarray(s.tail_mass, dtype=np.float32),
-            entropy=None if s.entropy is None else np.asarray(s.entropy, dtype=np.float32),
-            actual_logprob=None
-            if s.actual_logprob is None
-            else np.asarray(s.actual_logprob, dtype=np.float32),
-        )
-        for s in body.sequences
-    ]
+    return [SequenceRecord(**{f: getattr(s, f) for f in _RECORD_FIELDS}) for s in body.sequences]
 
 
 def _caches(response: httpx.Response) -> list[CacheInfo]:

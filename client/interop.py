@@ -120,12 +120,13 @@ def _cache_rows(
 
 def _write_cache(
     url: str,
-    rows: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    rows: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray] | None],
     manifest_fields: dict[str, Any],
     storage_options: dict | None,
 ) -> int:
     """Write sequences ``(tokens, ids [L-1, k0], logprobs [L-1, k0])`` (``-inf`` = missing) to a
-    new cache; ``k`` = the smallest count of valid slots over all rows (two passes)."""
+    new cache, skipping ``None`` and sequences under 2 tokens (:func:`_cache_rows` without
+    teacher data); ``k`` = the smallest count of valid slots over all rows (two passes)."""
     from logitcache.cache_format import (
         CacheWriter,
         Manifest,
@@ -134,7 +135,7 @@ def _write_cache(
         check_record,
     )
 
-    seqs = list(rows)
+    seqs = [row for row in rows if row is not None and len(row[0]) >= 2]
     if not seqs:
         raise InteropError("no sequence with teacher data to import")
     k = min(int(np.isfinite(lp).sum(axis=1).min()) for _, _, lp in seqs)
@@ -245,7 +246,7 @@ def import_axolotl(
     ``vocab_size`` (and optionally ``temperature``, ``dataset``...). Returns sequences written."""
     cols = ["input_ids", "target_token_ids", "target_logprobs", "target_mask"]
 
-    def rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         for i, row in enumerate(_table_rows(_parquet_files(path), cols)):
             tokens = np.asarray(row["input_ids"], dtype=np.int64)
             ids = _rect(row["target_token_ids"], np.int64, 0, f"row {i} target_token_ids")
@@ -255,9 +256,7 @@ def import_axolotl(
                     f"row {i}: {len(tokens)} tokens, target ids {ids.shape}, logprobs {lp.shape}"
                 )
             # the mask says which rows train (labels), not which hold data: data = logprob > pad
-            got = _cache_rows(ids[:-1], lp[:-1], tokens, f"row {i}")
-            if got is not None and len(got[0]) >= 2:
-                yield got
+            yield _cache_rows(ids[:-1], lp[:-1], tokens, f"row {i}")
 
     return _write_cache(url, rows(), manifest_fields, storage_options)
 
@@ -452,7 +451,7 @@ def import_distillkit(
     if cfg is not None:
         fields.setdefault("vocab_size", int(cfg["d"]))
 
-    def rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def rows() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray] | None]:
         for i, row in enumerate(_table_rows(files, cols)):
             tokens = np.asarray(row["input_ids"], dtype=np.int64)
             if cfg is None:
@@ -464,8 +463,6 @@ def import_distillkit(
                 lp_bytes = np.asarray(row["compressed_logprobs"], dtype=np.uint8)
                 ix_bytes = np.asarray(row["bytepacked_indices"], dtype=np.uint8)
                 ids, lp = decode_distillkit_row(lp_bytes, ix_bytes, cfg)
-            got = _cache_rows(ids, lp, tokens, f"row {i}")
-            if got is not None and len(got[0]) >= 2:
-                yield got
+            yield _cache_rows(ids, lp, tokens, f"row {i}")
 
     return _write_cache(url, rows(), fields, storage_options)

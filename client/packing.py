@@ -10,9 +10,7 @@ backend of transformers 5.x needs for that:
   position ids (``masking_utils.find_packed_sequence_indices``: a new document wherever the
   position does not grow by one). With a cache object (the default ``use_cache=True`` builds a
   ``DynamicCache``) or with a 2D ``attention_mask`` that detection is skipped and the documents
-  of an item attend to each other: with transformers 5.19 a packed document's hidden states then
-  differ from the document run alone by up to 4.3 on the fixture student (the negative control of
-  ``tests/client/test_client_packing.py``; this helper: under 2e-6, float32 rounding).
+  of an item attend to each other (``tests/client/test_client_packing.py`` shows both cases).
 * ``flash_attention_*`` (varlen kernels): the same, plus explicit ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` (:func:`varlen_kwargs`), the cumulative document boundaries over the
   flattened ``[B * T]`` tokens, so no boundary is re-derived inside every layer.

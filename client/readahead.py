@@ -49,14 +49,10 @@ FETCH_ITEMS = 64
 SEQUENTIAL_BLOCK = 64
 
 #: Bytes per row from which a shuffled stream reads the sequences of each unit instead of whole
-#: shuffle blocks (hidden rows at d >= 1024 in bfloat16; top-k rows below k = 256). A block read
-#: holds its block until the last unit that needs it, and with ``lanes`` every lane holds the
-#: blocks of its current window: about ``lanes * window * block`` sequences, the whole of a
-#: cache of up to that many, all read before every lane's first unit. With ``TRAINER_SHUFFLE``
-#: (6,144 sequences, 4.5M rows at 735 tokens on average) that is 3.6 GB of top-k rows (k=100:
-#: 804 B) but 37 GB of hidden rows (d=4096: 8 KB), while a hidden store's inner chunks of about
-#: 1 MiB (128 rows at d=4096, 512 at d=1024) make a read of single sequences decode little more
-#: than their own rows (benchmarks/results/loader.md).
+#: shuffle blocks (hidden rows at d >= 1024 in bfloat16; top-k rows below k = 256). Block reads
+#: hold about ``lanes * window * block`` sequences at once: with ``TRAINER_SHUFFLE``, 3.6 GB of
+#: top-k rows at k=100 but 37 GB of hidden rows at d=4096, while a hidden store's ~1 MiB inner
+#: chunks make single-sequence reads cheap (benchmarks/results/loader.md).
 UNIT_READ_ROW_BYTES = 2048
 
 
@@ -153,11 +149,6 @@ class ReadAhead:
         self._done: dict[int, dict[int, SequenceRecord]] = {}
         self._next_read = 0
         self._pool: ThreadPoolExecutor | None = None
-
-    @property
-    def num_reads(self) -> int:
-        """Reads (``source.fetch`` calls) of the whole unit list."""
-        return len(self._reads)
 
     def _fetch(self, r: int) -> dict[int, SequenceRecord]:
         seqs = self._reads[r]

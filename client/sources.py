@@ -112,21 +112,10 @@ class LocalSource:
     """Read a cache store directly: a local path or an object-store URL (``s3://bucket/prefix``).
 
     ``storage_options`` go to ``CacheReader`` unchanged (e.g. ``{"endpoint_url": ...,
-    "key": ..., "secret": ...}``). ``max_gap_tokens``: see :meth:`fetch`. ``decode_threads``
-    (default 1): the reader is ``CacheReader(decode_threads=n)``, which decodes the arrays of
-    each read call (a :meth:`fetch`'s range reads or point read) on ``n`` threads; the records
-    are the same. ``point_reads``: ``True``: :meth:`fetch` reads the wanted sequences
-    with one point read (``CacheReader.sequences``, FORMAT.md D4: only their own chunks, each
-    decoded once; one compiled call per thread on a local store with numba) instead of merged
-    range reads; ``False``: range reads; ``None``
-    (default): point reads for a fetch of scattered sequences (at least one merged range per two
-    wanted sequences) where the reader's compiled path serves them (a local directory store and
-    :mod:`~logitcache.cache_format.fastdecode` available), else range reads (an object store
-    answers few large range requests better than many chunk requests; runs of neighbours, as
-    shuffle blocks fetch, decode cheaper as ranges). The records are the same either way.
-    These settings are pickled with the source, so a DataLoader worker's reader (opened there)
-    has them too. The reader's other settings stay its defaults (direct shard reads, numpy
-    records).
+    "key": ..., "secret": ...}``); ``decode_threads=n``: the reader is
+    ``CacheReader(decode_threads=n)``; ``max_gap_tokens`` and ``point_reads``: how :meth:`fetch`
+    reads. These settings are pickled with the source, so a DataLoader worker's reader (opened
+    there) has them too.
 
     Fork safety: object-store URLs are read through obstore by default, whose runtime does not
     survive ``fork`` (a forked child hangs on its first request). :attr:`fork_safe` says so;
@@ -221,10 +210,8 @@ class LocalSource:
         return self._lengths
 
     def _point_reads(self, wanted: int, ranges: int) -> bool:
-        """Whether :meth:`fetch` reads ``wanted`` sequences, which merge into ``ranges`` sequence
-        ranges, with one point read (``point_reads``; ``None``: where the compiled path serves
-        this process's reader and the wanted sequences are scattered, at least one range per two
-        of them)."""
+        """Whether :meth:`fetch` reads ``wanted`` sequences, which merge into ``ranges`` ranges,
+        with one point read (see :meth:`fetch`)."""
         if self.point_reads is not None:
             return self.point_reads
         if 2 * ranges < wanted:
@@ -233,17 +220,20 @@ class LocalSource:
         return reader.local_root is not None and reader.decoder == "numba"
 
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        """Read the wanted sequences with few range reads (each read has a fixed cost).
+        """Records of the wanted sequences, keyed by index; the same whichever way they are read:
 
-        Runs of wanted sequences less than ``max_gap_tokens`` apart are merged into one
-        sequence range (:func:`merged_ranges`; a hidden cache's runs are read as they are: its
-        rows are read chunk by chunk, each chunk once per call, so a merged gap would only
-        decode unwanted rows, 8 KB each at d=4096); all ranges are read by one
-        ``CacheReader.read_ranges`` call (one row read and one token read per range, all I/O
-        concurrent) and the unwanted sequences in between are dropped. With point reads (see
-        the class: by default for scattered sequences on a local store read by the compiled
-        path) the wanted sequences are read with one point read
-        (``CacheReader.sequences``) instead.
+        * range reads (``point_reads=False``): runs of wanted sequences less than
+          ``max_gap_tokens`` apart are merged into one range (:func:`merged_ranges`; a hidden
+          cache's are not: its rows decode chunk by chunk, so a gap would only decode unwanted
+          rows), all ranges are read by one ``CacheReader.read_ranges`` call and the unwanted
+          sequences in between are dropped;
+        * a point read (``point_reads=True``): one ``CacheReader.sequences`` call, which decodes
+          the wanted sequences' own chunks only, each once.
+
+        ``point_reads=None`` (default): a point read of scattered sequences (at least one merged
+        range per two wanted) where the reader's compiled path serves them (a local directory
+        store with numba), else range reads: an object store answers few large requests better,
+        and runs of neighbours (shuffle blocks) decode cheaper as ranges.
         """
         lengths = self._snapshot_lengths()
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
@@ -270,23 +260,17 @@ class HttpSource:
     """Read a cache from the teacher service.
 
     ``transport="store"`` (default): the cache's stored objects are read as they are
-    (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md) by the format
-    library's own reader, so the server only copies compressed shard bytes (~260 B/position at
-    k=100), this process (or each DataLoader worker) decodes them, and snapshots, CRC32C checks
-    and retries are the reader's (an :class:`LocalSource` over the HTTP URL does the reading;
-    ``decode_threads`` is its reader's, see :class:`LocalSource`).
+    (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md) by a
+    :class:`LocalSource` over that URL (:meth:`store_source`): the server only copies compressed
+    shard bytes, this process (or each DataLoader worker) decodes them, and snapshots, CRC32C
+    checks and retries are the reader's.
 
     ``transport="frames"``: ``POST /v1/caches/{name}/sequences``, the server decodes and sends
-    wire frames. :meth:`fetch` turns the wanted indices into sequence ranges
-    (:func:`merged_ranges`: runs less than ``max_gap_tokens`` apart are merged, the unwanted
-    sequences between them dropped on arrival), packs the ranges into requests of at most
-    ``max_sequences_per_request`` sequences, and sends them ``concurrency`` at a time over one
-    keep-alive connection pool. The server answers each request with binary wire frames read by
-    contiguous range reads (``logitcache.cache_format.encode_records``, decoded with
-    ``decode_records``; ``compression="zstd"`` asks the server to compress each frame). Transient
-    errors are
-    retried by the underlying :class:`~logitcache.client.http.TeacherClient`. There is no reader
-    in this process then, so ``decode_threads`` (> 1) is refused.
+    wire frames (``compression="zstd"``: each frame compressed). :meth:`fetch` merges the wanted
+    indices into ranges (:func:`merged_ranges`, ``max_gap_tokens``), packs them into requests of
+    at most ``max_sequences_per_request`` sequences and sends ``concurrency`` at a time through
+    a :class:`~logitcache.client.http.TeacherClient` (its retries and typed errors). No reader
+    runs in this process then, so ``decode_threads`` (> 1) is refused.
     """
 
     def __init__(

@@ -20,12 +20,9 @@ request (at most the server's ``max_inline_records``). It prints the job's line 
 status), and with ``--watch`` then draws the progress bar until the job ends.
 
 ``--targets sampled`` asks for sampled targets instead of top-k rows (random-sampling KD,
-FORMAT.md 4.4): ``--draws`` per row, ``--proposal-temperature``, ``--seed`` and ``--head M``
-(keep the teacher's top ``M`` ids exactly and draw from the rest: ``M + draws`` slots a row)
-(each optional; without any of them the server takes an existing sampled cache's own
-parameters, else 64 draws, temperature 1, seed 0, head 0; a missing one takes that default). A
-sampling flag without ``--targets sampled``, or ``--k`` with it, is refused before anything is
-sent.
+FORMAT.md 4.4), shaped by ``--draws``, ``--proposal-temperature``, ``--seed`` and ``--head``
+(each flag's help gives its default). A sampling flag without ``--targets sampled``, or ``--k``
+with it, is refused before anything is sent.
 
 The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
 ``--api-key`` (default ``$LOGITCACHE_API_KEY``), options of ``jobs`` itself

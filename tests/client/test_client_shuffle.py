@@ -162,10 +162,12 @@ class _CountingSource(LocalSource):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.asked: Counter[int] = Counter()
+        self.calls: list[list[int]] = []
 
     def fetch(self, indices):  # noqa: ANN001, ANN201 - LocalSource.fetch's signature
         indices = list(indices)
         self.asked.update(int(i) for i in indices)
+        self.calls.append(sorted(int(i) for i in indices))
         return super().fetch(indices)
 
 
@@ -214,8 +216,8 @@ def test_read_ahead_frees_each_read_after_its_last_unit_and_passes_errors(
 
     url, _ = cache
     units = [np.arange(a, min(a + 3, NUM_SEQ)) for a in range(0, NUM_SEQ, 3)]
-    reads = ReadAhead(LocalSource(url), units, block=5, num_sequences=NUM_SEQ, threads=2, ahead=2)
-    assert reads.num_reads == 9  # blocks of 5 sequences, each read once
+    source = _CountingSource(url)
+    reads = ReadAhead(source, units, block=5, num_sequences=NUM_SEQ, threads=2, ahead=2)
     try:
         for u, seqs in enumerate(units):
             got = reads.records(u)
@@ -224,6 +226,8 @@ def test_read_ahead_frees_each_read_after_its_last_unit_and_passes_errors(
             assert len(live) <= 2, (u, live)  # only the blocks the next units still need
     finally:
         reads.close()
+    blocks = [list(range(b, b + 5)) for b in range(0, NUM_SEQ, 5)]
+    assert sorted(source.calls) == blocks  # one read per block of 5 sequences, each read once
 
     class Broken(LocalSource):
         def fetch(self, indices):  # noqa: ANN001, ANN201 - LocalSource.fetch's signature
