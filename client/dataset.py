@@ -163,7 +163,7 @@ class CacheDataset(IterableDataset):
             raise ConfigError(f"topk must be in [1, {k}] (the cache's k), got {config.topk}")
         self.k = k if config.topk is None else config.topk
         self.rank, self.world_size = resolve_ranks(config.rank, config.world_size)
-        self._manifest_identity = manifest.identity()
+        self._manifest_identity = _identity(manifest)
         self._all_lengths = np.asarray(self.source.lengths, dtype=np.int64)
         self.num_sequences = len(self._all_lengths)
         self.epoch = 0
@@ -567,3 +567,12 @@ def worker_context(source: CacheSource, num_workers: int, context: Any) -> Any:
     if num_workers > 0 and context is None and not getattr(source, "fork_safe", True):
         return "spawn"
     return context
+
+
+def _identity(manifest: Manifest) -> dict[str, object]:
+    """The manifest fields that identify the cached distributions (not its counts/timestamps):
+    ``cache_format``'s :data:`~logitcache.cache_format.IDENTITY_FIELDS` (the teacher identity,
+    ``k``, encodings, target kind), read off any source's manifest."""
+    from logitcache.cache_format import IDENTITY_FIELDS
+
+    return {f: getattr(manifest, f, None) for f in IDENTITY_FIELDS}
