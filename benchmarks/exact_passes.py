@@ -28,9 +28,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def kernel_configs(spec: str) -> list[str]:
     """``--kernel-configs``: comma-separated ``default``,
-    ``S<block>x<cols>w<warps>[p<stages>]-G<block>x<cols>w<warps>[p<stages>]`` (split passes:
-    statistics, then gradient) or ``F<programs>b<block>w<warps>[p<stages>]`` (the fused
-    kernel); see :class:`ExactKernelConfig`. Each is checked here."""
+    ``S<block>x<cols>w<warps>[p<stages>]-G<block>x<cols>w<warps>[p<stages>]`` (statistics
+    passes, then gradient pass); see :class:`ExactKernelConfig`. Each is checked here."""
     names = [n for n in spec.split(",") if n]
     for n in names:
         parse_kernel_config(n)
@@ -41,16 +40,9 @@ def parse_kernel_config(name: str) -> ExactKernelConfig:
     if name == "default":
         return EXACT_DEFAULT_CONFIG
     split = re.fullmatch(r"S(\d+)x(\d+)w(\d+)(?:p(\d+))?-G(\d+)x(\d+)w(\d+)(?:p(\d+))?", name)
-    fused = re.fullmatch(r"F(\d+)b(\d+)w(\d+)(?:p(\d+))?", name)
     try:
         if split is not None:
             return ExactKernelConfig(*[int(g) if g else 1 for g in split.groups()])
-        if fused is not None:
-            p, block, warps, stages = (int(g) if g else 1 for g in fused.groups())
-            return ExactKernelConfig(
-                stats_block=block, stats_cols=block, stats_warps=warps, stats_stages=stages,
-                fused_programs=p,
-            )  # fmt: skip
     except LossInputError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     raise argparse.ArgumentTypeError(f"bad kernel config {name!r} (see --kernel-configs)")
@@ -64,9 +56,6 @@ EXACT_KERNEL_CONFIGS = [
     "S2048x16384w8-G4096x16384w8",
     "S1024x8192w4-G1024x8192w4",
     "S2048x16384w4p3-G2048x16384w8p3",
-    "F132b4096w16p3",
-    "F132b8192w32",
-    "F66b8192w32p2",
 ]
 
 
@@ -76,7 +65,7 @@ def pass_sweep(
     """Median ms of one chunk's row passes (``[rows, vocab]`` bf16 teacher and student logits)
     per kernel config, beside a copy of one table (read + write) as the bandwidth reference;
     and per objective the fastest config (split passes: the fastest statistics settings with
-    the fastest gradient settings; or a fused config if faster)."""
+    the fastest gradient settings)."""
     from logitcache.client.loss import exact_kernels as ek
 
     g = torch.Generator(device=device).manual_seed(3)
@@ -120,24 +109,18 @@ def pass_sweep(
 
 
 def pick_configs(rows: list[tuple[ExactKernelConfig, dict]]) -> dict[str, ExactKernelConfig]:
-    """Per objective, the fastest of: the split passes' fastest statistics settings with their
-    fastest gradient settings, and each fused config."""
-    split = [(c, r) for c, r in rows if not c.fused_programs]
+    """Per objective, the fastest statistics settings (statistics plus sums pass) with the
+    fastest gradient settings of that objective."""
     best: dict[str, ExactKernelConfig] = {}
+    if not rows:
+        return best
+    sc, _ = min(rows, key=lambda cr: cr[1]["stats_ms"] + cr[1]["sums_ms"])
     for loss in EXACT_LOSS_KINDS:
-        cands: list[tuple[float, ExactKernelConfig]] = []
-        if split:
-            sc, sr = min(split, key=lambda cr: cr[1]["stats_ms"] + cr[1]["sums_ms"])
-            gc, gr = min(split, key=lambda cr: cr[1][f"grad_{loss}_ms"])  # noqa: B023
-            t = sr["stats_ms"] + (sr["sums_ms"] if loss == "jsd" else 0.0) + gr[f"grad_{loss}_ms"]
-            cfg = dataclasses.replace(
-                gc, stats_block=sc.stats_block, stats_cols=sc.stats_cols,
-                stats_warps=sc.stats_warps, stats_stages=sc.stats_stages,
-            )  # fmt: skip
-            cands.append((t, cfg))
-        cands += [(r[f"{loss}_ms"], c) for c, r in rows if c.fused_programs]
-        if cands:
-            best[loss] = min(cands, key=lambda tc: tc[0])[1]
+        gc, _ = min(rows, key=lambda cr: cr[1][f"grad_{loss}_ms"])  # noqa: B023
+        best[loss] = dataclasses.replace(
+            gc, stats_block=sc.stats_block, stats_cols=sc.stats_cols,
+            stats_warps=sc.stats_warps, stats_stages=sc.stats_stages,
+        )  # fmt: skip
     return best
 
 
@@ -149,17 +132,13 @@ def chunk_result(
 
     x.copy_(x0)
     cfg = parse_kernel_config(name)
-    if cfg.fused_programs:
-        st, sums = ek.fused(y, x, tf, loss, 1.0, cfg)
-    else:
-        st = ek.row_stats(y, x, tf, cfg)
-        sums = ek.jsd_sums(y, x, tf, st, cfg) if loss == "jsd" else None
+    st = ek.row_stats(y, x, tf, cfg)
+    sums = ek.jsd_sums(y, x, tf, st, cfg) if loss == "jsd" else None
     if sums is not None:
         kd, term = 0.5 * (sums[:, 0] + sums[:, 1]), sums[:, 1].contiguous()
     else:
         kd = term = st[:, 2 if loss == "forward_kl" else 3].contiguous()
-    if not cfg.fused_programs:
-        ek.row_grad(y, x, tf, loss, st, term, 1.0, cfg)
+    ek.row_grad(y, x, tf, loss, st, term, 1.0, cfg)
     out = kd.clone(), x.clone()
     x.copy_(x0)
     return out
@@ -178,12 +157,6 @@ def pass_times(
         x.copy_(x0)
         return t
 
-    if name.startswith("F"):
-        cfg = parse_kernel_config(name)
-        return {
-            f"{loss}_ms": timed(lambda: ek.fused(y, x, tf, loss, 1.0, cfg))  # noqa: B023
-            for loss in EXACT_LOSS_KINDS
-        }
     cfg = parse_kernel_config(name)
 
     def stats() -> torch.Tensor:

@@ -371,17 +371,14 @@ def _chunk_terms_triton(
         coef = row_weight.reshape(-1) * t
     elif row_weight is not None:
         coef = row_weight * t
-    if cfg.fused_programs:
-        stats, sums = ek.fused(y, x, tf, spec.loss, coef, cfg)
-    else:
-        stats = ek.row_stats(y, x, tf, cfg)
-        sums = ek.jsd_sums(y, x, tf, stats, cfg) if spec.loss == "jsd" else None
+    stats = ek.row_stats(y, x, tf, cfg)
+    sums = ek.jsd_sums(y, x, tf, stats, cfg) if spec.loss == "jsd" else None
     if sums is not None:
         kd = spec.beta * sums[:, 0] + (1.0 - spec.beta) * sums[:, 1]
         term = sums[:, 1]
     else:
         kd = term = stats[:, 2 if spec.loss == "forward_kl" else 3]
-    if coef is not None and not cfg.fused_programs:
+    if coef is not None:
         ek.row_grad(y, x, tf, spec.loss, stats, term, coef, cfg)
     return kd.to(inp.work_dtype) * (t * t), None if coef is None else x
 

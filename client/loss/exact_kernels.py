@@ -10,9 +10,7 @@ segment in blocks:
   of each), merged per row into ``(lse(a), lse(b), KL(p || q), KL(q || p))`` (``a`` = tempered
   teacher logits after scale and soft-cap, ``b = x / T``);
 * :func:`jsd_sums`: JSD's two sums against the mixture, a second read (JSD only);
-* :func:`row_grad`: the student-logits gradient, written over ``x``;
-* :func:`fused`: all of them in one kernel, each program taking whole rows in turn so that a
-  row's later reads can come from L2 (:attr:`ExactKernelConfig.fused_programs`).
+* :func:`row_grad`: the student-logits gradient, written over ``x``.
 
 Chunk traffic: the KLs read both tables twice and write one; JSD reads them three times.
 Triton is imported on the first call (``chunk_ops.TRITON_AVAILABLE`` says whether it is
@@ -57,8 +55,6 @@ class ExactKernelConfig:
     two), columns per program (``*_cols``, a multiple of the block: a row of ``V`` columns runs
     as ``ceil(V / cols)`` programs), warps per program and software-pipeline stages of the
     loop (``*_stages``; 1: none). The statistics settings also run the JSD sums pass.
-    ``fused_programs > 0`` runs every pass in one kernel instead (:func:`fused`): that many
-    programs, each taking whole rows in turn, with the statistics block, warps and stages.
     The defaults are the fastest split-pass settings of ``python -m benchmarks.loss exact
     --kernel-configs`` on an H100 at V=128,256 (statistics: 2048-column blocks, 4 warps;
     gradient: 4096-column blocks, 8 warps; 16,384 columns per program)."""
@@ -71,12 +67,8 @@ class ExactKernelConfig:
     grad_cols: int = 16384
     grad_warps: int = 8
     grad_stages: int = 1
-    fused_programs: int = 0
 
     def __post_init__(self) -> None:
-        p = self.fused_programs
-        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-            raise LossInputError(f"ExactKernelConfig fused_programs must be an int >= 0, got {p!r}")
         for side in ("stats", "grad"):
             block, cols, warps, stages = (
                 getattr(self, f"{side}_{k}") for k in ("block", "cols", "warps", "stages")
@@ -207,34 +199,3 @@ def row_grad(
             BLOCK=cfg.grad_block, STAGES=_stages(cfg.grad_stages), num_warps=cfg.grad_warps,
         )  # fmt: skip
     return x
-
-
-def fused(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    tf: Transform,
-    loss: str,
-    coef: float | torch.Tensor | None,
-    cfg: ExactKernelConfig,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`row_stats`, for JSD :func:`jsd_sums`, and unless ``coef`` is ``None``
-    :func:`row_grad` (written over ``x``), in one kernel of ``cfg.fused_programs`` programs."""
-    _check(y, x)
-    rows, cols = x.shape
-    dev = x.device
-    stats = torch.empty(rows, 4, dtype=torch.float32, device=dev)
-    sums = torch.empty(rows, 2, dtype=torch.float32, device=dev) if loss == "jsd" else None
-    coef_t, coef_v = stats, 0.0
-    if isinstance(coef, torch.Tensor):
-        coef_t = coef.to(torch.float32).expand(rows).contiguous()
-    elif coef is not None:
-        coef_v = float(coef)
-    if rows:
-        _jit().exact_fused_kernel[(min(rows, cfg.fused_programs),)](
-            y, y.stride(0), x, x.stride(0), rows, cols, *tf.args(), *tf.mix(), stats,
-            stats if sums is None else sums, coef_t, coef_v,
-            LOSS=_LOSS_CODE[loss], SOFTCAP=tf.softcap is not None,
-            ROW_COEF=isinstance(coef, torch.Tensor), GRAD=coef is not None,
-            BLOCK=cfg.stats_block, STAGES=_stages(cfg.stats_stages), num_warps=cfg.stats_warps,
-        )  # fmt: skip
-    return stats, sums

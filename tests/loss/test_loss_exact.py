@@ -302,12 +302,11 @@ import torch
 from logitcache.client.loss import ExactKernelConfig
 from test_loss_exact import LOSSES, exact, grads_of, problem, reference
 
-# rows split over programs (V=37: 3 statistics and 5 gradient segments); the fused kernel
+# rows split over programs (V=37: 3 statistics and 5 gradient segments)
 split = ExactKernelConfig(stats_block=8, stats_cols=16, grad_block=4, grad_cols=8, grad_stages=2)
-fused = ExactKernelConfig(stats_block=16, fused_programs=2)
 cases = [(1.0, "mean", {}, None), (2.0, "none", {}, None),
          (0.5, "sum", dict(scale=1.3, cap=3.0), None), (2.0, "none", dict(cap=3.0), split),
-         (0.5, "mean", {}, fused), (1.0, "none", dict(scale=1.3), fused)]
+         (0.5, "mean", {}, split), (1.0, "none", dict(scale=1.3), split)]
 for loss in LOSSES:
     for t, reduction, kw, cfg in cases:
         student, teacher, labels, mask = problem(seed=3)
@@ -327,7 +326,7 @@ print("ok")
 def test_triton_passes_under_interpreter():
     """The Triton passes (Triton's CPU interpreter) equal the float64 reference to float32
     rounding, every objective, with temperature, logit scale and soft-cap, all reductions, for
-    rows split over several programs and for the fused kernel."""
+    rows split over several programs."""
     pytest.importorskip("triton")
     here = Path(__file__).resolve().parent
     proc = subprocess.run(
@@ -359,7 +358,6 @@ def test_triton_kernels_refuse_what_they_do_not_cover():
         dict(stats_cols=1024, stats_block=2048),
         dict(grad_warps=3),
         dict(stats_stages=0),
-        dict(fused_programs=-1),
         dict(grad_block=True),
     ],
 )
