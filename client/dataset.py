@@ -103,7 +103,7 @@ def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
         )
     if not changes:
         return source
-    if type(source) in (LocalSource, HttpSource):
+    if type(source) is LocalSource or type(source) is HttpSource:
         config = {name: getattr(source, name) for name in source._CONFIG}
         return type(source)(**config | changes)
     raise ConfigError(
