@@ -169,9 +169,9 @@ class ReadOptions:
         trainer process of a 16-core host, 2 in each of 8 DataLoader workers).
     decode_threads:
         ``1`` (default): each store read is decoded in the thread that issued it. ``n > 1``
-        (a LocalSource, or an :class:`~logitcache.client.sources.HttpSource` with
-        ``transport="store"``): the reader decodes the arrays of each fetch on ``n`` threads;
-        it pays when few fetches are in flight and cores are idle.
+        (a LocalSource or an :class:`~logitcache.client.sources.HttpSource`): the reader
+        decodes the arrays of each fetch on ``n`` threads; it pays when few fetches are in
+        flight and cores are idle.
     point_reads:
         ``None`` (default): the source's choice (a LocalSource makes point reads where its
         reader's compiled path serves them, range reads elsewhere). ``True`` (LocalSource

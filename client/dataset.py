@@ -89,8 +89,8 @@ def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
     the source itself when they are its defaults. ``point_reads``: a
     :class:`~logitcache.client.sources.LocalSource` only (``False`` elsewhere: range reads, what
     every other source does anyway); ``decode_threads``: also an
-    :class:`~logitcache.client.sources.HttpSource` of ``transport="store"`` (its reader is a
-    LocalSource's). ConfigError elsewhere."""
+    :class:`~logitcache.client.sources.HttpSource` (its reader is a LocalSource's). ConfigError
+    elsewhere."""
     changes: dict[str, object] = {}
     if read.decode_threads > 1:
         changes["decode_threads"] = read.decode_threads
@@ -103,12 +103,12 @@ def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
         )
     if not changes:
         return source
-    if type(source) is LocalSource or (type(source) is HttpSource and source.transport == "store"):
+    if type(source) is LocalSource or type(source) is HttpSource:
         config = {name: getattr(source, name) for name in source._CONFIG}
         return type(source)(**config | changes)
     raise ConfigError(
-        "decode_threads applies where this process reads the store: a LocalSource, or an "
-        f"HttpSource with transport='store'; not to {source!r}"
+        "decode_threads applies where this process reads the store: a LocalSource or an "
+        f"HttpSource; not to {source!r}"
     )
 
 

@@ -43,7 +43,6 @@ from logitcache.protocol import (
     Health,
     JobList,
     JobStatus,
-    RangesRequest,
     ScoreResponse,
 )
 from pydantic import BaseModel
@@ -158,19 +157,13 @@ def _outcome(call: Call, response: httpx.Response | None, error: Exception | Non
     return call.parse(response)
 
 
-def _decode_frames(response: httpx.Response) -> list[Any]:
-    from logitcache.cache_format import decode_records
-
-    return list(decode_records(response.content))
-
-
 def _parse_scores(response: httpx.Response) -> list[Any]:
     """``SequenceRecord`` list from a score answer, binary frames or JSON (the record's
     constructor makes the arrays of the JSON lists and checks their shapes)."""
-    if response.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
-        return _decode_frames(response)
-    from logitcache.cache_format import SequenceRecord
+    from logitcache.cache_format import SequenceRecord, decode_records
 
+    if response.headers.get("content-type", "").startswith(FRAMES_MEDIA_TYPE):
+        return list(decode_records(response.content))
     body = ScoreResponse.model_validate_json(response.content)
     return [SequenceRecord(**{f: getattr(s, f) for f in _RECORD_FIELDS}) for s in body.sequences]
 
@@ -441,27 +434,6 @@ class _Endpoints:
         """``GET /v1/caches/{name}/lengths``: token count of sequences ``[start, stop)``."""
         params = {"start": start} | ({} if stop is None else {"stop": stop})
         call = Call("GET", f"/v1/caches/{name}/lengths", params=params, parse=_parse_lengths)
-        return (yield from self._send(call))
-
-    @_endpoint
-    def read_ranges(
-        self, name: str, ranges: Iterable[tuple[int, int]], *, compression: str = "none"
-    ) -> Steps[list[SequenceRecord]]:
-        """``POST /v1/caches/{name}/sequences``: records of several ``[start, stop)`` ranges.
-
-        One request, answered range after range (each in storage order); the ranges' total is
-        at most the server's ``max_stream_sequences``. Idempotent (a read), so it is retried.
-        """
-        request = RangesRequest.model_validate(
-            {"ranges": [(int(a), int(b)) for a, b in ranges], "compression": compression}
-        )
-        call = Call(
-            "POST",
-            f"/v1/caches/{name}/sequences",
-            json=request.model_dump(mode="json"),
-            headers={"accept": FRAMES_MEDIA_TYPE},
-            parse=_decode_frames,
-        )
         return (yield from self._send(call))
 
 

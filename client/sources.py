@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -21,9 +20,6 @@ from .errors import SourceError
 
 if TYPE_CHECKING:
     from logitcache.cache_format import CacheReader, Manifest, SequenceRecord
-    from logitcache.protocol import CacheInfo
-
-    from .http import TeacherClient
 
 __all__ = [
     "CacheSource",
@@ -63,44 +59,28 @@ class CacheSource(Protocol):
         ...
 
 
-def contiguous_runs(indices: Iterable[int], max_len: int | None = None) -> list[tuple[int, int]]:
-    """Cut sorted unique ``indices`` into ``[start, stop)`` runs of consecutive integers.
-
-    Runs are at most ``max_len`` long when given. ``[3, 4, 5, 9] -> [(3, 6), (9, 10)]``.
-    """
+def contiguous_runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Cut sorted unique ``indices`` into ``[start, stop)`` runs of consecutive integers:
+    ``[3, 4, 5, 9] -> [(3, 6), (9, 10)]``."""
     idx = np.unique(np.fromiter(indices, dtype=np.int64))
     if idx.size == 0:
         return []
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    runs: list[tuple[int, int]] = []
-    for part in np.split(idx, breaks):
-        start, stop = int(part[0]), int(part[-1]) + 1
-        step = max_len or (stop - start)
-        runs.extend((s, min(s + step, stop)) for s in range(start, stop, step))
-    return runs
+    return [(int(part[0]), int(part[-1]) + 1) for part in np.split(idx, breaks)]
 
 
 def merged_ranges(
-    wanted: np.ndarray,
-    lengths: np.ndarray,
-    max_gap_tokens: int,
-    max_sequences: int | None = None,
+    wanted: np.ndarray, lengths: np.ndarray, max_gap_tokens: int
 ) -> list[tuple[int, int]]:
-    """Sequence ranges ``[a, b)`` covering sorted unique ``wanted`` with few reads.
-
-    Runs of consecutive indices are merged when fewer than ``max_gap_tokens`` tokens of unwanted
-    sequences lie between them (reading those is cheaper than another request) and while the
-    range stays within ``max_sequences`` sequences.
-    """
+    """Sequence ranges ``[a, b)`` covering sorted unique ``wanted`` with few reads: runs of
+    consecutive indices are merged when fewer than ``max_gap_tokens`` tokens of unwanted
+    sequences lie between them (reading those is cheaper than another read)."""
     ranges: list[tuple[int, int]] = []
-    for a, b in contiguous_runs(wanted.tolist(), max_sequences):
-        if ranges:
-            pa, pb = ranges[-1]
-            gap = int(lengths[pb:a].sum())
-            if gap <= max_gap_tokens and (max_sequences is None or b - pa <= max_sequences):
-                ranges[-1] = (pa, b)
-                continue
-        ranges.append((a, b))
+    for a, b in contiguous_runs(wanted.tolist()):
+        if ranges and int(lengths[ranges[-1][1] : a].sum()) <= max_gap_tokens:
+            ranges[-1] = (ranges[-1][0], b)
+        else:
+            ranges.append((a, b))
     return ranges
 
 
@@ -257,20 +237,12 @@ class LocalSource:
 
 
 class HttpSource:
-    """Read a cache from the teacher service.
-
-    ``transport="store"`` (default): the cache's stored objects are read as they are
-    (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md) by a
-    :class:`LocalSource` over that URL (:meth:`store_source`): the server only copies compressed
-    shard bytes, this process (or each DataLoader worker) decodes them, and snapshots, CRC32C
-    checks and retries are the reader's.
-
-    ``transport="frames"``: ``POST /v1/caches/{name}/sequences``, the server decodes and sends
-    wire frames (``compression="zstd"``: each frame compressed). :meth:`fetch` merges the wanted
-    indices into ranges (:func:`merged_ranges`, ``max_gap_tokens``), packs them into requests of
-    at most ``max_sequences_per_request`` sequences and sends ``concurrency`` at a time through
-    a :class:`~logitcache.client.http.TeacherClient` (its retries and typed errors). No reader
-    runs in this process then, so ``decode_threads`` (> 1) is refused.
+    """Read a cache from the teacher service: its stored objects as they are
+    (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md), through a
+    :class:`LocalSource` over that URL (:meth:`store_source`). The server only copies compressed
+    shard bytes; this process (or each DataLoader worker) decodes them, and snapshots, CRC32C
+    checks, retries, ``max_gap_tokens`` and ``decode_threads`` are that source's and its
+    reader's.
     """
 
     def __init__(
@@ -279,46 +251,19 @@ class HttpSource:
         cache: str,
         *,
         api_key: str | None = None,
-        timeout: float = 60.0,
-        max_retries: int = 5,
-        max_sequences_per_request: int = 256,
-        concurrency: int = 4,
-        compression: str = "none",
         max_gap_tokens: int = 8192,
-        transport: str = "store",
         decode_threads: int = 1,
     ) -> None:
-        if transport not in ("store", "frames"):
-            raise SourceError(f"transport must be 'store' or 'frames', got {transport!r}")
-        if decode_threads != 1 and transport != "store":
-            raise SourceError(
-                "decode_threads applies to transport='store' (the reader in this process); "
-                "with 'frames' the server decodes"
-            )
-        self.transport = transport
         self.base_url = base_url
         self.cache = cache
         self.api_key = api_key
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.max_sequences_per_request = max_sequences_per_request
-        self.concurrency = concurrency
-        self.compression = compression
         self.max_gap_tokens = int(max_gap_tokens)
         self.decode_threads = int(decode_threads)
-        self._client: TeacherClient | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid: int | None = None
-        self._info: CacheInfo | None = None
-        self._lengths: np.ndarray | None = None
-        self._store: LocalSource | None = None
-        if transport == "store":
-            self._store = self.store_source()
+        self._store = self.store_source()
 
     def store_source(self) -> LocalSource:
-        """A :class:`LocalSource` reading this cache's stored objects over HTTP (what
-        ``transport="store"`` reads through; any transport may use it, e.g. for the teacher
-        head of a hidden cache)."""
+        """A new :class:`LocalSource` reading this cache's stored objects over HTTP (e.g. for
+        the teacher head of a hidden cache)."""
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return LocalSource(
             f"{self.base_url.rstrip('/')}/v1/caches/{self.cache}/store",
@@ -331,41 +276,13 @@ class HttpSource:
     _CONFIG = tuple(inspect.signature(__init__).parameters)[1:]
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {name: getattr(self, name) for name in self._CONFIG}
-        state["_info"], state["_lengths"] = self._info, self._lengths
-        return state
+        return {name: getattr(self, name) for name in self._CONFIG}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**{n: state[n] for n in self._CONFIG})  # type: ignore[misc]
-        self._info, self._lengths = state["_info"], state["_lengths"]
 
     def __repr__(self) -> str:
         return f"HttpSource({self.base_url!r}, {self.cache!r})"
-
-    @property
-    def client(self) -> TeacherClient:
-        """The HTTP client of this process (made on first use, remade after a fork)."""
-        return self._connection()[0]
-
-    def _connection(self) -> tuple[TeacherClient, ThreadPoolExecutor]:
-        if self._client is None or self._pool is None or self._pid != os.getpid():
-            from .http import TeacherClient
-
-            self._client = TeacherClient(
-                self.base_url,
-                api_key=self.api_key,
-                timeout=self.timeout,
-                max_retries=self.max_retries,
-                progress=False,
-            )
-            self._pool = ThreadPoolExecutor(max(1, self.concurrency), "logitcache-http")
-            self._pid = os.getpid()
-        return self._client, self._pool
-
-    def _cache_info(self) -> CacheInfo:
-        if self._info is None:
-            self._info = self.client.get_cache(self.cache)
-        return self._info
 
     @property
     def fork_safe(self) -> bool:
@@ -374,92 +291,22 @@ class HttpSource:
 
     @property
     def manifest(self) -> Manifest:
-        if self._store is not None:
-            return self._store.manifest
-        from logitcache.cache_format import Manifest
-
-        return Manifest.model_validate(self._cache_info().manifest)
+        return self._store.manifest
 
     @property
     def num_sequences(self) -> int:
-        if self._store is not None:
-            return self._store.num_sequences
-        return self._cache_info().num_sequences
+        return self._store.num_sequences
 
     @property
     def lengths(self) -> np.ndarray:
-        if self._store is not None:
-            return self._store.lengths
-        if self._lengths is None:
-            lengths = self.client.cache_lengths(self.cache, stop=self.num_sequences)
-            if len(lengths) != self.num_sequences:
-                raise SourceError(
-                    f"server sent {len(lengths)} lengths for {self.num_sequences} sequences"
-                )
-            self._lengths = lengths
-        return self._lengths
-
-    def _request_size(self, ranges: list[tuple[int, int]]) -> int:
-        """Sequences per request: enough requests to keep ``concurrency`` in flight, but not
-        fewer than 32 sequences each (each request has a fixed cost) nor more than
-        ``max_sequences_per_request``."""
-        total = sum(b - a for a, b in ranges)
-        share = -(-total // max(1, self.concurrency))
-        return max(1, min(self.max_sequences_per_request, max(32, share)))
+        return self._store.lengths
 
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        """Records of the wanted indices: few ranges, few requests (see the class docstring)."""
-        if self._store is not None:
-            return self._store.fetch(indices)
-        lengths = self.lengths
-        wanted = np.unique(np.fromiter(indices, dtype=np.int64))
-        if wanted.size == 0:
-            return {}
-        if wanted[0] < 0 or wanted[-1] >= len(lengths):
-            raise SourceError(f"sequence indices outside [0, {len(lengths)})")
-        ranges = merged_ranges(wanted, lengths, self.max_gap_tokens, self.max_sequences_per_request)
-        client, pool = self._connection()
-        futures = [
-            (
-                batch,
-                pool.submit(client.read_ranges, self.cache, batch, compression=self.compression),
-            )
-            for batch in _pack_ranges(ranges, self._request_size(ranges))
-        ]
-        keep = set(wanted.tolist())
-        out: dict[int, SequenceRecord] = {}
-        for batch, future in futures:
-            records = future.result()
-            indices_sent = [i for a, b in batch for i in range(a, b)]
-            if len(records) != len(indices_sent):
-                raise SourceError(
-                    f"server sent {len(records)} sequences for ranges {batch} of {self.cache!r}"
-                )
-            out.update((i, r) for i, r in zip(indices_sent, records, strict=True) if i in keep)
-        return out
+        """Records of the wanted indices (:meth:`LocalSource.fetch`)."""
+        return self._store.fetch(indices)
 
     def refresh(self) -> None:
-        if self._store is not None:
-            self._store.refresh()
-        self._info = None
-        self._lengths = None
-
-
-def _pack_ranges(ranges: list[tuple[int, int]], limit: int) -> list[list[tuple[int, int]]]:
-    """Consecutive groups of ``ranges`` holding at most ``limit`` sequences each (longer ranges
-    are cut). ``[(0, 5), (9, 10)]`` with ``limit=3`` -> ``[[(0, 3)], [(3, 5), (9, 10)]]``."""
-    groups: list[list[tuple[int, int]]] = []
-    size = limit
-    for a, b in ranges:
-        while a < b:
-            if size == limit:
-                groups.append([])
-                size = 0
-            take = min(b - a, limit - size)
-            groups[-1].append((a, a + take))
-            size += take
-            a += take
-    return groups
+        self._store.refresh()
 
 
 _SOURCE_MEMBERS = ("manifest", "num_sequences", "lengths", "fetch", "refresh")

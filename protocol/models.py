@@ -498,12 +498,3 @@ class CacheLengths(ApiModel):
 
 #: Frame compression the sequence routes offer (``zstd``: each frame compressed).
 Compression = Literal["none", "zstd"]
-
-
-class RangesRequest(ApiModel):
-    """Body of ``POST /v1/caches/{name}/sequences``: several ranges in one request."""
-
-    ranges: list[tuple[int, int]] = Field(
-        min_length=1, description="[start, stop) sequence ranges, answered in this order"
-    )
-    compression: Compression = "none"

@@ -8,12 +8,11 @@
     logitcache export STORE OUT --format jsonl|frames|parquet|distillkit
     logitcache import SRC NEW_STORE --format axolotl|distillkit ...
     logitcache jobs submit|list|show|watch|cancel ...   # the teacher service's batch jobs
-    logitcache bench --list | SUITE MODE [options]      # a benchmark suite of the checkout
 
 The store commands are the format's (:mod:`logitcache.cache_format.cli`), ``import`` and the
-peer formats of ``export`` are :mod:`.interop`'s, ``jobs`` is :mod:`.jobs`, ``bench`` is
-:mod:`.bench`. A user error (bad input, no store, an HTTP or connection error) prints one line
-``logitcache: error: ...`` on stderr and exits with status 2, without a traceback.
+peer formats of ``export`` are :mod:`.interop`'s, ``jobs`` is :mod:`.jobs`. A user error (bad
+input, no store, an HTTP or connection error) prints one line ``logitcache: error: ...`` on
+stderr and exits with status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from logitcache.cache_format import cli as format_cli
 from typer.core import TyperGroup
 
 from ..errors import ClientError, TeacherHTTPError
-from . import bench as bench_suites
 from . import jobs
 from .errors import CliError
 from .interop import PEER_FORMATS, export_peer, import_cmd
@@ -118,31 +116,6 @@ def export(
 
 app.command("import")(import_cmd)
 app.add_typer(jobs.app, name="jobs")
-
-
-# everything after SUITE is the suite's: its mode, its options, its --help
-_PASS_THROUGH = {
-    "allow_extra_args": True,
-    "ignore_unknown_options": True,
-    "allow_interspersed_args": False,
-}
-
-
-@app.command(context_settings=_PASS_THROUGH)
-def bench(
-    ctx: typer.Context,
-    suite: Annotated[str | None, typer.Argument(help="the suite (see --list)")] = None,
-    list_: Annotated[bool, typer.Option("--list", help="list the suites and their modes")] = False,
-) -> int:
-    """Run a benchmark suite of this checkout as ``python -m benchmarks.SUITE MODE ...``
-    (``--list``: the suites and their modes; ``SUITE --help``: the suite's own help)."""
-    root = bench_suites.find_checkout()
-    if list_:
-        typer.echo(bench_suites.list_suites(root))
-        return 0
-    if suite is None:
-        raise CliError("give a suite (logitcache bench --list lists them)")
-    return bench_suites.run_suite(root, suite, list(ctx.args))
 
 
 def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:

@@ -3,9 +3,6 @@
 Block streaming (``Accept`` is not needed: these answer ``application/x-logitcache-frames``):
 
 * ``GET /v1/caches/{name}/sequences?start=&stop=``: sequences ``[start, stop)`` in storage order;
-* ``POST /v1/caches/{name}/sequences`` ``{"ranges": [[start, stop], ...]}``: the sequences of
-  several ranges in one answer (range after range, each in storage order), so a client that
-  reads a shuffled subset pays one request, not one per run of consecutive sequences;
 * ``GET /v1/caches/{name}/rows?start=&stop=``: the whole sequences that hold global rows
   ``[start, stop)``; headers ``X-Logitcache-First-Sequence`` and ``X-Logitcache-First-Row`` say
   where the first returned sequence starts, so a client can cut the exact rows.
@@ -35,7 +32,6 @@ from logitcache.protocol import (
     CacheList,
     Compression,
     ErrorResponse,
-    RangesRequest,
 )
 
 from ..errors import (
@@ -79,7 +75,6 @@ _LIST_LINKS = {
     "GetCache": _link("get_cache"),
     "GetLengths": _link("cache_lengths"),
     "GetSequences": _link("cache_sequences"),
-    "PostSequences": _link("cache_sequence_ranges"),
     "GetRows": _link("cache_rows"),
 }
 
@@ -127,17 +122,14 @@ def _range(start: int, stop: int | None, n: int, limit: int) -> tuple[int, int]:
     return start, stop
 
 
-def _frames(
-    reader: CacheReader, ranges: list[tuple[int, int]], compression: str
-) -> Iterator[bytes]:
-    """Frames of the sequences of ``ranges`` (each cut into frames of ``FRAME_SEQUENCES``),
-    each read with one contiguous row read and one token read (``CacheReader.read_ranges``);
-    float16 and hidden caches are sent as stored (exact, less work)."""
+def _frames(reader: CacheReader, start: int, stop: int, compression: str) -> Iterator[bytes]:
+    """Frames of sequences ``[start, stop)``, ``FRAME_SEQUENCES`` each, each read with one
+    contiguous row read and one token read (``CacheReader.read_ranges``); float16 and hidden
+    caches are sent as stored (exact, less work)."""
     dtype = exact_frame_dtype(reader.manifest)
-    for start, stop in ranges:
-        for a in range(start, stop, FRAME_SEQUENCES):
-            records = reader.read_ranges([(a, min(stop, a + FRAME_SEQUENCES))], logprob_dtype=dtype)
-            yield encode_records(records, logprob_dtype=dtype, compression=compression)
+    for a in range(start, stop, FRAME_SEQUENCES):
+        records = reader.read_ranges([(a, min(stop, a + FRAME_SEQUENCES))], logprob_dtype=dtype)
+        yield encode_records(records, logprob_dtype=dtype, compression=compression)
 
 
 @router.get(
@@ -190,37 +182,7 @@ def cache_sequences(
         "X-Logitcache-Num-Sequences": str(reader.num_sequences),
     }
     return StreamingResponse(
-        _frames(reader, [(start, stop)], compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
-    )
-
-
-@router.post(
-    "/{name}/sequences", response_class=StreamingResponse, responses={**_ERRORS, **_FRAMES}
-)
-def cache_sequence_ranges(
-    name: Name, body: RangesRequest, services: ServicesDep
-) -> StreamingResponse:
-    """The sequences of several ``[start, stop)`` ranges as wire frames, range after range.
-
-    Every range must lie in ``[0, num_sequences]`` with ``start <= stop``; their total length is
-    at most ``max_stream_sequences``.
-    """
-    reader = services.caches.open_reader(name)
-    n, limit = reader.num_sequences, services.settings.max_stream_sequences
-    for start, stop in body.ranges:
-        if not 0 <= start <= stop <= n:
-            raise InvalidInputError(f"range [{start}, {stop}) is outside [0, {n}]")
-    total = sum(stop - start for start, stop in body.ranges)
-    if total > limit:
-        raise PayloadTooLargeError(f"{total} sequences exceed the limit of {limit}")
-    headers = {
-        "X-Logitcache-Num-Sequences": str(total),
-        "X-Logitcache-Cache-Sequences": str(n),
-    }
-    return StreamingResponse(
-        _frames(reader, list(body.ranges), body.compression),
-        media_type=FRAMES_MEDIA_TYPE,
-        headers=headers,
+        _frames(reader, start, stop, compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
     )
 
 
@@ -246,5 +208,5 @@ def cache_rows(
         "X-Logitcache-Num-Sequences": str(last - first),
     }
     return StreamingResponse(
-        _frames(reader, [(first, last)], compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
+        _frames(reader, first, last, compression), media_type=FRAMES_MEDIA_TYPE, headers=headers
     )

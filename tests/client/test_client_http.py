@@ -94,9 +94,6 @@ def test_http_source_gives_the_local_items(server, job, tiny) -> None:
     assert len(expected) > 3
     assert same_stream(collect(remote), expected)
     assert same_stream(collect(CacheDataLoader(remote, num_workers=2)), expected)
-    # the frames transport (server decodes) gives the same stream as the store transport
-    frames = HttpSource(server.url, CACHE, api_key=KEY, transport="frames")
-    assert same_stream(collect(make_dataset(frames, **settings, **student)), expected)
     # a student with another vocabulary is refused, with the reason
     with pytest.raises(IncompatibleCacheError, match="vocab size differs"):
         CacheDataset(HttpSource(server.url, CACHE, api_key=KEY), vocab_size=7)

@@ -1,5 +1,5 @@
 """``decode_threads`` from the loader to the reader (issue #14): ``ReadOptions(decode_threads=n)``,
-``LocalSource(decode_threads=n)`` and ``HttpSource(decode_threads=n)`` (store transport) read
+``LocalSource(decode_threads=n)`` and ``HttpSource(decode_threads=n)`` read
 through ``CacheReader(decode_threads=n)`` in the trainer process and in every DataLoader worker
 (the setting is pickled with the source); the stream is the one without; it is refused where no
 reader of this process decodes."""
@@ -14,7 +14,7 @@ import torch
 from client_support import collect, make_dataset, same_stream
 from format_support import SMALL, write_small_cache
 from logitcache.cache_format import CacheReader
-from logitcache.client import CacheDataLoader, CacheDataset, ReadOptions, open_source
+from logitcache.client import CacheDataLoader, CacheDataset, ReadOptions
 from logitcache.client.errors import ConfigError, SourceError
 from logitcache.client.sources import HttpSource, LocalSource
 from server_support import StoreServer
@@ -90,8 +90,7 @@ def test_local_source_takes_decode_threads_itself(tmp_path) -> None:
 
 def test_decode_threads_over_the_http_store_transport(tmp_path) -> None:
     """The store transport's reader (a LocalSource over the store URL) gets the threads, from
-    the source and from the dataset (a server URL or a given HttpSource), in pickled copies too;
-    the frames transport, where the server decodes, refuses them."""
+    the source and from the dataset (a server URL or a given HttpSource), in pickled copies too."""
     url = tmp_path / "c"
     write_small_cache(str(url), SMALL)
     with StoreServer(tmp_path) as server:
@@ -106,17 +105,10 @@ def test_decode_threads_over_the_http_store_transport(tmp_path) -> None:
         ds = make_dataset(server.url, cache="c", decode_threads=3, **OPTS)
         assert ds.source._store.reader.decode_threads == 3
         assert same_stream(collect(ds), plain)
-        given = HttpSource(server.url, "c", timeout=7.0)
+        given = HttpSource(server.url, "c", max_gap_tokens=7)
         ds = make_dataset(given, decode_threads=2, **OPTS)
-        assert ds.source.decode_threads == 2 and ds.source.timeout == 7.0
+        assert ds.source.decode_threads == 2 and ds.source.max_gap_tokens == 7
         assert ds.source._store.reader.decode_threads == 2 and given.decode_threads == 1
-    with pytest.raises(SourceError, match="decode_threads"):
-        HttpSource("http://127.0.0.1:9", "c", transport="frames", decode_threads=2)
-    with pytest.raises(ConfigError, match="decode_threads"):  # refused before any request
-        CacheDataset(
-            open_source("http://127.0.0.1:9", cache="c", transport="frames"),
-            read=ReadOptions(decode_threads=2),
-        )
 
 
 def test_decode_threads_are_checked(tmp_path) -> None:

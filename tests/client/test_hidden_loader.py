@@ -1,7 +1,8 @@
 """CacheDataset over a hidden cache (FORMAT.md 4.10): units carry the teacher's final hidden
-states as bfloat16, locally and over real HTTP (store and frames transports); the head loaded
-from the cache feeds ``exact_distill_loss`` (and ``logitcache.client.hidden``'s docstring loop
-runs as written); top-k settings on a hidden cache are refused."""
+states as bfloat16, locally and over real HTTP (a bare store server, and the app on a
+float8_e4m3 cache); the head loaded from the cache feeds ``exact_distill_loss`` (and
+``logitcache.client.hidden``'s docstring loop runs as written); top-k settings on a hidden cache
+are refused."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def test_exact_loss_on_loader_units_matches_a_reference_and_trains(cache) -> Non
     assert losses[-1] < 0.7 * losses[0]
 
 
-def test_http_store_and_frames_transports(cache, tmp_path) -> None:
+def test_http_source_of_the_store_server_and_of_the_app(cache, tmp_path) -> None:
     root, head, _ = cache
     expected = collect(make_dataset(str(root / "h"), **SETTINGS))
     with StoreServer(root) as server:
@@ -116,8 +117,8 @@ def test_http_store_and_frames_transports(cache, tmp_path) -> None:
     e4m3 = str(app_root / "caches" / "h")
     local = collect(make_dataset(e4m3, **SETTINGS))
     with ThreadedServer(app_settings(app_root), FakeEngine()) as server:
-        frames = HttpSource(server.url, "h", transport="frames")
-        assert same_stream(collect(make_dataset(frames, **SETTINGS)), local)
+        remote = HttpSource(server.url, "h")
+        assert same_stream(collect(make_dataset(remote, **SETTINGS)), local)
 
 
 def test_load_head_of_a_topk_cache_is_refused(tmp_path) -> None:

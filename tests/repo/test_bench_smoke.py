@@ -69,29 +69,24 @@ def test_harness_runs_a_command_on_another_tree_and_appends_csv_rows(tmp_path: P
     assert rows[0]["git_sha"] and rows[0]["cpu_count"] and rows[0]["load_avg"]
 
 
-def test_bench_command_lists_the_suites_and_runs_the_format_suite(tmp_path: Path) -> None:
-    """``logitcache bench --list`` names every suite with its modes; ``logitcache bench format
-    configs ...`` is ``python -m benchmarks.format configs ...`` (run from another directory:
-    the checkout is found)."""
-    exe = str(Path(sys.executable).with_name("logitcache"))
-    listing = subprocess.run(
-        [exe, "bench", "--list"], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert listing.returncode == 0, listing.stderr[-3000:]
-    lines = {line.split()[0]: line for line in listing.stdout.splitlines() if "modes:" in line}
+def test_benchmarks_command_lists_the_suites_and_runs_the_format_suite(tmp_path: Path) -> None:
+    """``python -m benchmarks --list`` names every suite with its modes; ``python -m benchmarks
+    format configs ...`` is ``python -m benchmarks.format configs ...``; an unknown suite or no
+    argument exits with status 2."""
+    listing = _run("-m", "benchmarks", "--list").splitlines()
+    lines = {line.split()[0]: line for line in listing if "modes:" in line}
     assert set(lines) == {"format", "loader", "loss", "service", "ddp", "train_step"}
     assert "configs, random, codecs, index" in lines["format"]
     assert "jobs, cpu, overload, cache, appends, ray, gpu, protocols" in lines["service"]
-    unknown = subprocess.run([exe, "bench", "nope"], capture_output=True, text=True, timeout=60)
-    assert unknown.returncode == 2 and "no benchmark suite 'nope'" in unknown.stderr
+    for argv, says in (["nope"], "no benchmark suite 'nope'"), ([], "usage: python -m benchmarks"):
+        bad = subprocess.run(
+            [sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, capture_output=True, text=True
+        )
+        assert bad.returncode == 2 and says in bad.stderr, bad.stderr
     csv_path = tmp_path / "rows.csv"
-    args = [exe, "bench", "format", "configs", "--positions", "4092", "--configs"]
+    args = ["-m", "benchmarks", "format", "configs", "--positions", "4092", "--configs"]
     args += ["default,random-access", "--random-reads", "4", "--repeats", "1", "--csv"]
-    run = subprocess.run(
-        [*args, str(csv_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout
+    out = _run(*args, str(csv_path))
     assert "| default |" in out and "| baseline (npy) |" in out
     bpp = {
         r["case"]: float(r["value"]) for r in _rows(csv_path) if r["metric"] == "bytes_per_position"
@@ -100,18 +95,20 @@ def test_bench_command_lists_the_suites_and_runs_the_format_suite(tmp_path: Path
 
 
 def _page_commands() -> list[tuple[str, str, list[str]]]:
-    """``(page, module, argv)`` of every ``python -m benchmarks.<suite> ...`` (or ``... -- -m
-    benchmarks.<suite> ...``) command the results pages print, placeholders (``<mode>``) and
-    elisions (``...``) left out; a service mode's module is its own."""
+    """``(page, module, argv)`` of every ``python -m benchmarks.<suite> ...`` (or ``python -m
+    benchmarks <suite> ...``, ``... -- -m benchmarks.<suite> ...``) command the results pages
+    print, placeholders (``<mode>``) and elisions (``...``) left out; a service mode's module is
+    its own."""
     from benchmarks.service.__main__ import MODES
 
     out = []
     for page in sorted((ROOT / "benchmarks").glob("**/*.md")):
         text = re.sub(r"\\\n\s*", " ", page.read_text())  # a code block's continued lines
         text = re.sub(r"`[^`]*`", lambda m: m.group(0).replace("\n", " "), text)
-        for m in re.finditer(r"(?:python|--) -m (benchmarks\.\w+) ?([^`\n|)#<]*)", text):
+        for m in re.finditer(r"(?:python|--) -m benchmarks[. ](\w+) ?([^`\n|)#<]*)", text):
             words = shlex.split(m.group(2).split(" -- ")[0])
-            module, argv = m.group(1), [w for w in words if w != "..."]  # "..." elides options
+            module = f"benchmarks.{m.group(1)}"  # python -m benchmarks SUITE is benchmarks.SUITE
+            argv = [w for w in words if w != "..."]  # "..." elides options
             if module == "benchmarks.harness" or not argv:
                 continue
             if module == "benchmarks.service":

@@ -291,20 +291,19 @@ def test_chat_job_stores_the_assistant_loss_mask(server, client, tiny) -> None:
         want = [m["content"] + "<|end|>\n" for m in msgs if m["role"] == "assistant"]
         assert [tok.decode(x) for x in runs] == want
     assert reader.get("plain").loss_mask.all()  # a text record of a mask job: every row
-    # a trainer reading over HTTP (stored objects, or server-decoded frames) gets the mask folded
-    # into the batch's loss_mask (labels keep the tokens)
+    # a trainer reading over HTTP gets the mask folded into the batch's loss_mask (labels keep
+    # the tokens)
     from logitcache.client import CacheDataset
 
     c0 = reader.get("c0")
-    for transport in ("store", "frames"):
-        ds = CacheDataset(
-            open_source(server.url, cache="chat-mask", api_key=API_KEY, transport=transport),
-            StreamConfig(tokens_per_item=128, mode="pad", shuffle=False),
-        )
-        item = next(i for i in ds if i["input_ids"][: c0.length].tolist() == c0.input_ids.tolist())
-        n = c0.length - 1
-        assert item["loss_mask"][:n].tolist() == c0.loss_mask.astype(bool).tolist(), transport
-        assert item["labels"][:n].tolist() == c0.input_ids[1:].tolist()
+    ds = CacheDataset(
+        open_source(server.url, cache="chat-mask", api_key=API_KEY),
+        StreamConfig(tokens_per_item=128, mode="pad", shuffle=False),
+    )
+    item = next(i for i in ds if i["input_ids"][: c0.length].tolist() == c0.input_ids.tolist())
+    n = c0.length - 1
+    assert item["loss_mask"][:n].tolist() == c0.loss_mask.astype(bool).tolist()
+    assert item["labels"][:n].tolist() == c0.input_ids[1:].tolist()
     # an existing cache without a mask refuses a loss_mask job (nothing written)
     client.post("/v1/score", json={"input_ids": [[1, 2, 3]], "cache": "no-mask"})
     r = client.post("/v1/jobs", json={**body, "cache": "no-mask"})

@@ -41,7 +41,7 @@ def test_jobs_and_score_store_the_entropy(tmp_path, tiny, entropy_engine) -> Non
         for i, w in enumerate(want):
             got = reader.get(f"r{i}").entropy
             assert np.array_equal(got, w.entropy.astype(np.float16))
-        # the loader selects the same rows over HTTP (frames) as from the store
+        # the loader selects the same rows over HTTP as from the store
         from logitcache.client import CacheDataset, StreamConfig, open_source
 
         cfg = StreamConfig(tokens_per_item=48, mode="pad", shuffle=False, entropy_top_fraction=0.5)

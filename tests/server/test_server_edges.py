@@ -269,7 +269,6 @@ NUMERIC_FIELDS = [
     ("POST", "/v1/completions", {"prompt": [1, 2, 3], "prompt_logprobs": 2, "max_tokens": "X"}),
     ("POST", "/v1/completions", {"prompt": [1, 2, 3], "prompt_logprobs": 2, "n": "X"}),
     ("POST", "/v1/completions", {"prompt": [1, 2, 3], "prompt_logprobs": 2, "temperature": "X"}),
-    ("POST", "/v1/caches/c/sequences", {"ranges": [[0, "X"]]}),
     ("GET", "/v1/caches/c/sequences?start=X", None),
     ("GET", "/v1/caches/c/rows?start=0&stop=X", None),
     ("GET", "/v1/caches/c/lengths?start=X&stop=X", None),
