@@ -65,11 +65,6 @@ from .layout import (
 from .records import SequenceRecord
 from .store import StoreHandle, open_store
 
-#: Write the arrays that :func:`~._shardread.direct_layout` supports, and ``seq_keys``, with
-#: :mod:`._shardwrite` (False: every array through zarr's ``setitem``, the reference the tests
-#: compare against).
-DIRECT_WRITES = True
-
 
 class CacheWriter(ArrayWrites):
     """Appends :class:`SequenceRecord` batches to a store; see the module docstring.
@@ -214,12 +209,12 @@ class CacheWriter(ArrayWrites):
         made: list[tuple[ArrayDef, tuple[DirectLayout, bytes, bytes]]] = []
         for d in array_defs(m, self._layout):
             key = (m.format_version, m.k, d)
-            tpl = templates.CREATED.get(key) if DIRECT_WRITES and m.format_version >= 2 else None
+            tpl = templates.CREATED.get(key) if m.format_version >= 2 else None
             if tpl is not None:
                 made.append((d, tpl))
                 continue
             arr = create_array(self._store, d, m.k, m.format_version)
-            direct = templates.direct_of(arr, d.name, 0, m.format_version, DIRECT_WRITES)
+            direct = templates.direct_of(arr, d.name, 0, m.format_version)
             if direct is None:
                 continue
             if sync(direct.meta_path.get(prototype=default_buffer_prototype())).to_bytes() == (
