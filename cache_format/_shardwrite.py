@@ -1,9 +1,9 @@
-"""Direct writes of new rows into the format's sharded arrays (the write side of shardread.py).
+"""Direct writes of new rows into the format's sharded arrays (the write side of
+:mod:`._shardread`).
 
 zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
-codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machinery cost about 4
-CPU-us per position in the job path, more than the compression itself. This module
-encodes the same bytes itself, on the calling thread, and hands the objects to the writer, which
+codec pipeline (per-chunk tasks, thread hand-offs, copies). This module encodes the same bytes
+itself, on the calling thread, and hands the objects to the writer, which
 writes them through the same zarr ``Store`` (each object atomic, and fsynced on a local disk,
 FORMAT.md W5; :func:`.store.put_objects`), for arrays whose layout
 :func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
@@ -91,8 +91,7 @@ def keys_layout(arr: Any, name: str, *, strict: bool, sealed: bool = False) -> D
     """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
     as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
     ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
-    inner chunks are written as zarr writes them (zarr's ``setitem`` of one append's
-    keys cost ~5 ms of CPU, a quarter of an append's fixed cost)."""
+    inner chunks are written as zarr writes them."""
     from zarr.codecs import BytesCodec, Crc32cCodec
     from zarr.codecs.sharding import ShardingCodecIndexLocation
     from zarr.codecs.vlen_utf8 import VLenUTF8Codec
@@ -175,8 +174,8 @@ def _aligned(size: int) -> np.ndarray:
     """``size`` uninitialised bytes starting on a page boundary, so that a store writing with
     ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
     from them, with no copy through its bounce buffer. From :func:`._outbuf.empty` (malloc, no
-    huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing cost
-    more than the copies saved, measured), not zero-filled (the caller writes every byte)."""
+    huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing costs
+    more than the copies save), not zero-filled (the caller writes every byte)."""
     raw = outbuf.empty(size + DIRECT_IO_ALIGN)
     start = -raw.ctypes.data % DIRECT_IO_ALIGN
     return raw[start : start + size]

@@ -155,8 +155,7 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     """A read-only view of ``a``: a kernel's inputs are always read-only arrays (bytes of a
     store often are, and so are views of an engine's row buffers), so numba specialises each
     kernel once, at :func:`ready`'s self-check, not again per writability inside an append
-    (a compile there costs ~1 CPU-s, in the job's encode stage, wherever numba's on-disk cache
-    lacks that specialisation)."""
+    (where numba's on-disk cache lacks that specialisation, that would compile it there)."""
     v = a.view()
     v.flags.writeable = False
     return v
@@ -309,10 +308,9 @@ class Outputs:
     """The compiled encode's output arrays, and the arrays a batch of records' top-k rows are
     joined into (its input), kept from one append to the next.
 
-    Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages: at 65K rows and
-    k=100 (~40 MB) that is ~10K page faults, whose system time (~0.25 CPU-us per row on the
-    2-core VM) was half of the encode stage, and an ``int32`` array over glibc's largest mmap
-    threshold (32 MiB) is a new mapping every time. These are faulted in once and reused.
+    Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages (page faults in
+    system time; an ``int32`` array over glibc's largest mmap threshold, 32 MiB, is a new
+    mapping every time). These are faulted in once and reused.
     Taken through :func:`outputs` for the length of one append: the arrays it hands out are
     overwritten by the next append that takes the same :class:`Outputs`."""
 
