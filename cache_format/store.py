@@ -96,11 +96,6 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _bounce = threading.local()
 
 
-def direct_io_default() -> bool:
-    """Whether stores use ``O_DIRECT`` when not told: wherever the platform has it."""
-    return bool(_O_DIRECT)
-
-
 def _address(data: memoryview) -> int:
     import numpy as np
 
@@ -222,8 +217,9 @@ class DurableLocalStore(zarr.storage.LocalStore):
         super().__init__(root, read_only=read_only)
         self._dirty: set[Path] = set()
         self._dirty_lock = threading.Lock()
-        # objects of DIRECT_IO_MIN bytes or more written with O_DIRECT (False once refused)
-        self.direct_io = direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)
+        # objects of DIRECT_IO_MIN bytes or more written with O_DIRECT wherever the platform has
+        # it, unless told not to (False once refused)
+        self.direct_io = bool(_O_DIRECT) and direct_io is not False
 
     def _put_durable(self, path: Path, value: Buffer, exclusive: bool) -> None:
         changed = self._write_durable(path, memoryview(value.as_buffer_like()).cast("B"), exclusive)
