@@ -41,11 +41,9 @@ from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
 
 from . import _outbuf as outbuf
 from ._seal import SEAL_SIZE, make_seal
-from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, read_index
+from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, read_index, sharding_of
 from ._shardread import decode_chunk as shardread_decode_chunk
 from ._zarr_adapter import (
-    ArrayV3Metadata,
-    RegularChunkGrid,
     blosc_codec,
     default_buffer_prototype,
     sync,
@@ -92,27 +90,19 @@ def keys_layout(arr: Any, name: str, *, strict: bool, sealed: bool = False) -> D
     as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
     ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
     inner chunks are written as zarr writes them."""
-    from zarr.codecs import BytesCodec, Crc32cCodec
-    from zarr.codecs.sharding import ShardingCodecIndexLocation
+    from zarr.codecs import Crc32cCodec
     from zarr.codecs.vlen_utf8 import VLenUTF8Codec
 
-    m = arr.metadata
-    if not isinstance(m, ArrayV3Metadata) or len(m.shape) != 1 or m.storage_transformers:
+    got = sharding_of(arr.metadata)
+    if got is None:
         return None
-    grid = m.chunk_grid
-    if not isinstance(grid, RegularChunkGrid) or len(m.codecs) != 1:
+    m, grid, sharding = got
+    codecs = sharding.codecs
+    if len(m.shape) != 1 or not isinstance(m.fill_value, str) or len(codecs) != 3:
         return None
-    sharding = m.codecs[0]
-    if not isinstance(sharding, ShardingCodec) or not isinstance(m.fill_value, str):
+    if not isinstance(codecs[0], VLenUTF8Codec) or not isinstance(codecs[1], ZstdCodec):
         return None
-    if sharding.index_location != ShardingCodecIndexLocation.end:
-        return None
-    idx, codecs = sharding.index_codecs, sharding.codecs
-    if len(idx) != 2 or not isinstance(idx[0], BytesCodec) or not isinstance(idx[1], Crc32cCodec):
-        return None
-    if len(codecs) != 3 or not isinstance(codecs[0], VLenUTF8Codec):
-        return None
-    if not isinstance(codecs[1], ZstdCodec) or not isinstance(codecs[2], Crc32cCodec):
+    if not isinstance(codecs[2], Crc32cCodec):
         return None
     shard, chunk = int(grid.chunk_shape[0]), int(sharding.chunk_shape[0])
     if shard % chunk:
