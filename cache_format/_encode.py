@@ -155,9 +155,8 @@ def first_of_each(keys: list[str], hashes: np.ndarray, order: np.ndarray) -> np.
 
 
 #: Top-k entries (rows * k) checked, encoded or given a tail mass at once by the NumPy passes:
-#: 2 MiB of int32 / float32 temporaries per step, which the allocator reuses from group to group.
-#: Whole-batch temporaries (26 MB each at 65K rows, k=100) were fresh pages every append: page
-#: faults and zeroing, system time.
+#: 2 MiB of int32 / float32 temporaries per step, which the allocator reuses from group to group
+#: (whole-batch temporaries would be fresh pages every append: page faults and zeroing).
 ENCODE_GROUP_VALUES = 1 << 19
 
 

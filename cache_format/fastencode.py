@@ -1,10 +1,10 @@
 """A compiled pass for the writer's encode step: checks, float16 and row deltas in one loop over
 each record's rows (the write side of the format, FORMAT.md W1 and 4.2).
 
-:func:`~._writer.encode_batch` checks a batch with about fifteen numpy passes over its top-k
+:func:`~._encode.encode_batch` checks a batch with about fifteen numpy passes over its top-k
 arrays (ranges, a sort per row for distinct ids, finiteness, the order of each row) and encodes
 the logprobs with five more (clip, float16, row delta, copies), each pass writing a temporary as
-large as the batch: ~0.5 CPU-us per position at k=100. :func:`encode_rows`, compiled with numba,
+large as the batch. :func:`encode_rows`, compiled with numba,
 reads each record's ``topk_ids`` and ``topk_logprobs`` once and writes the batch's stored arrays in
 place: the same checks (:func:`.records.rows_pass`: ids in ``[0, vocab)`` and distinct in a row,
 logprobs finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along the row) and the same bytes
@@ -24,7 +24,7 @@ it, or if compiling or the self-check at the first use fails, :func:`ready` is `
 writer keeps its numpy path.
 The kernels load at :func:`ready` (the job runner calls it at its start), or at the append that
 brings the values a process has encoded with numpy to :data:`LOAD_AFTER_VALUES`
-(:func:`wanted`): a process that writes less never imports numba. They compile then (~1-2 s)
+(:func:`wanted`): a process that writes less never imports numba. They compile then
 unless numba's on-disk cache has them (``cache=True``: the package's ``__pycache__``, or numba's
 user cache directory), where the kernel module :mod:`._encodekernels` keeps its functions at
 module level so that it finds them.
