@@ -32,13 +32,6 @@ if TYPE_CHECKING:
     from .store import StoreHandle
 
 
-def _direct_writes() -> bool:
-    """:data:`._writer.DIRECT_WRITES` as it is now."""
-    from . import _writer
-
-    return _writer.DIRECT_WRITES
-
-
 class ArrayWrites:
     """The array writes of :class:`~._writer.CacheWriter` (see the module docstring)."""
 
@@ -139,7 +132,7 @@ class ArrayWrites:
         # (it grows with the store); shrinking (past a dead writer's rows) deletes as before
         shrink = stop < arr.shape[0]
         await arr.resize((stop, *arr.shape[1:]), delete_outside_chunks=shrink)
-        lay = templates.direct_layout_of(arr, name, self._manifest.format_version, _direct_writes())
+        lay = templates.direct_layout_of(arr, name, self._manifest.format_version)
         direct = (
             None
             if lay is None
@@ -163,12 +156,9 @@ class ArrayWrites:
 
         The last shard the store's previous writer in this process left (:data:`._templates.LAST`)
         is taken too when its file is still the one that writer wrote
-        (:func:`._templates.shard_sig`): no read-back.
-
-        This skips zarr's ``open_array``, ``resize`` and the template's JSON encoding (~19 ms of
-        CPU per writer of 10 arrays at its first append) and the read-back (~9 ms)."""
+        (:func:`._templates.shard_sig`): no read-back."""
         tpl = templates.TEMPLATES.get((self._handle.url, name))
-        if tpl is None or not _direct_writes() or self._manifest.format_version < 2:
+        if tpl is None or self._manifest.format_version < 2:
             return None
         old, head, tail = tpl
         path = StorePath(self._store, name)

@@ -1,9 +1,7 @@
 """The numba kernel of :mod:`.fastencode` (imported only by :func:`.fastencode.ready`: numba is
-optional). Module-level functions, so that numba's on-disk cache (``cache=True``) finds them again
-in the next process: defined inside a function, :func:`encode_rows` held :func:`_half` as a
-closure variable, whose pickled bytes (numba's cache key for closures) differ from process to
-process, so every process compiled it again (~1 s of CPU) and added another entry to the cache
-directory."""
+optional). Module-level functions, not closures (numba's cache key of a closure is its pickled
+bytes, which differ from process to process), so that numba's on-disk cache (``cache=True``)
+finds them again in the next process."""
 
 from __future__ import annotations
 

@@ -40,8 +40,7 @@ def torch_module() -> ModuleType | None:
 
 
 #: Arrays smaller than this (elements) use numpy even when torch is selected: torch's
-#: intra-op thread start-up costs more than the work on one sequence's rows (measured:
-#: benchmarks/results/format.md, random access).
+#: intra-op thread start-up costs more than the work on one sequence's rows.
 TORCH_MIN_ELEMENTS = 1 << 20
 
 
@@ -113,9 +112,8 @@ _numpy_halves = 0  # values cast with numpy while torch was not imported
 def float_to_half(x: np.ndarray) -> np.ndarray:
     """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``.
 
-    numpy converts one value at a time (~3.5 ns per value here: 0.35 CPU-us per position at
-    k=100 on the writer's path); torch's vectorised cast is ~4x cheaper. It runs in
-    blocks of :data:`HALF_BLOCK` elements, each on the calling thread, once torch is imported
+    numpy converts one value at a time; torch's cast is vectorised. It runs in blocks of
+    :data:`HALF_BLOCK` elements, each on the calling thread, once torch is imported
     (:data:`TORCH_AFTER_VALUES`)."""
     global _numpy_halves
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -13,7 +13,7 @@ thread taking one share; the values never depend on it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -119,10 +119,6 @@ Plan = tuple[DirectLayout, list[int], list[list[int]]]
 """The chunks one array needs (sorted global chunk numbers) and, per chunk, the jobs using it."""
 
 
-def _chunk_bytes(lay: DirectLayout) -> int:
-    return lay.chunk_rows * lay.row_items * lay.dtype.itemsize
-
-
 def _read_jobs(direct: dict[str, DirectLayout], jobs: list[Job], outs: list[np.ndarray]) -> None:
     """Fetch and decode the chunks of ``jobs`` into ``outs`` in this thread, each chunk once."""
     per: dict[str, list[int]] = {}
@@ -145,13 +141,7 @@ def _read_jobs(direct: dict[str, DirectLayout], jobs: list[Job], outs: list[np.n
                 need.setdefault(g, []).append(j)
         chunks = sorted(need)
         plans.append((lay, chunks, [need[g] for g in chunks]))
-    _read_plans(plans, jobs, outs)
-
-
-def _read_plans(plans: list[Plan], jobs: list[Job], outs: list[np.ndarray]) -> None:
-    """Fetch and decode the chunks of ``plans`` in this thread."""
-    items, _ = _items(plans, shardread.chunk_frames([p[:2] for p in plans]), jobs, outs)
-    _decode_items(items, range(len(items)))
+    _decode_items(_items(plans, shardread.chunk_frames([p[:2] for p in plans]), jobs, outs))
 
 
 def _items(
@@ -159,13 +149,11 @@ def _items(
     frames: list[list[shardread.Frame | None]],
     jobs: list[Job],
     outs: list[np.ndarray],
-) -> tuple[list[Item], list[int]]:
-    """The decode :data:`Item` of every chunk of ``plans`` and the bytes each decodes."""
+) -> list[Item]:
+    """The decode :data:`Item` of every chunk of ``plans``."""
     items: list[Item] = []
-    cost: list[int] = []
     for (lay, chunks, users), fr in zip(plans, frames, strict=True):
         cr = lay.chunk_rows
-        nbytes = _chunk_bytes(lay)
         for g, frame, js in zip(chunks, fr, users, strict=True):
             r0 = g * cr
             if len(js) == 1:
@@ -173,17 +161,14 @@ def _items(
                 _, a, b = jobs[j]
                 if a <= r0 and r0 + cr <= b:  # the chunk lies inside the one range using it
                     items.append((lay, g, frame, outs[j][r0 - a : r0 + cr - a], []))
-                    cost.append(nbytes)
                     continue
             items.append((lay, g, frame, None, [(outs[j], jobs[j][1], jobs[j][2]) for j in js]))
-            cost.append(nbytes)
-    return items, cost
+    return items
 
 
-def _decode_items(items: list[Item], which: Iterable[int]) -> None:
-    """Decode ``items[i]`` for ``i`` in ``which`` (see :data:`Item`)."""
-    for i in which:
-        lay, g, frame, dest, targets = items[i]
+def _decode_items(items: list[Item]) -> None:
+    """Decode every item (see :data:`Item`)."""
+    for lay, g, frame, dest, targets in items:
         cr = lay.chunk_rows
         r0 = g * cr
         if dest is not None:

@@ -187,6 +187,23 @@ def _little_endian_bytes(codec: object, dtype: np.dtype) -> bool:
     return endian == "little" or (endian is None and dtype.itemsize == 1)
 
 
+def sharding_of(m: object) -> tuple[ArrayV3Metadata, RegularChunkGrid, ShardingCodec] | None:
+    """Array metadata ``m`` with its chunk grid and codec if it is a zarr v3 array of one
+    ``sharding_indexed`` codec on a regular grid with its index at the end, encoded ``bytes``
+    little-endian + ``crc32c`` (the shards this module and :mod:`._shardwrite` know); else
+    ``None``."""
+    if not isinstance(m, ArrayV3Metadata) or m.storage_transformers or len(m.codecs) != 1:
+        return None
+    grid, sharding = m.chunk_grid, m.codecs[0]
+    if not isinstance(grid, RegularChunkGrid) or not isinstance(sharding, ShardingCodec):
+        return None
+    idx = sharding.index_codecs
+    if sharding.index_location != ShardingCodecIndexLocation.end or len(idx) != 2:
+        return None
+    ok = _little_endian_bytes(idx[0], np.dtype("<u8")) and isinstance(idx[1], Crc32cCodec)
+    return (m, grid, sharding) if ok else None
+
+
 def direct_layout(
     arr: zarr.Array | zarr.AsyncArray[Any],
     name: str = "",
@@ -205,31 +222,21 @@ def direct_layout(
     ``committed``: the entries readers may use (default: the array's length); ``strict``,
     ``sealed``: see :class:`DirectLayout`.
     """
-    m = arr.metadata
-    if sys.byteorder != "little" or not isinstance(m, ArrayV3Metadata) or m.storage_transformers:
+    got = sharding_of(arr.metadata)
+    if sys.byteorder != "little" or got is None:
         return None
+    m, grid, sharding = got
     try:
         dtype = np.dtype(m.data_type.to_native_dtype())
     except Exception:
         return None
     if dtype.kind not in "iuf" or dtype.byteorder == ">":
         return None
-    grid = m.chunk_grid
-    if not isinstance(grid, RegularChunkGrid) or len(m.codecs) != 1:
-        return None
-    sharding = m.codecs[0]
-    if not isinstance(sharding, ShardingCodec):
-        return None
     shape, shard_shape, chunk_shape = tuple(m.shape), tuple(grid.chunk_shape), sharding.chunk_shape
     inner = shape[1:]
     if len(shard_shape) != len(shape) or shard_shape[1:] != inner or chunk_shape[1:] != inner:
         return None
-    if shard_shape[0] % chunk_shape[0] or sharding.index_location != ShardingCodecIndexLocation.end:
-        return None
-    idx = sharding.index_codecs
-    if len(idx) != 2 or not _little_endian_bytes(idx[0], np.dtype("<u8")):
-        return None
-    if not isinstance(idx[1], Crc32cCodec):
+    if shard_shape[0] % chunk_shape[0]:
         return None
     codecs = sharding.codecs
     if len(codecs) not in (2, 3) or not _little_endian_bytes(codecs[0], dtype):

@@ -1,9 +1,9 @@
-"""Direct writes of new rows into the format's sharded arrays (the write side of shardread.py).
+"""Direct writes of new rows into the format's sharded arrays (the write side of
+:mod:`._shardread`).
 
 zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
-codec pipeline (per-chunk tasks, thread hand-offs, copies): at k=100 that machinery cost about 4
-CPU-us per position in the job path, more than the compression itself. This module
-encodes the same bytes itself, on the calling thread, and hands the objects to the writer, which
+codec pipeline (per-chunk tasks, thread hand-offs, copies). This module encodes the same bytes
+itself, on the calling thread, and hands the objects to the writer, which
 writes them through the same zarr ``Store`` (each object atomic, and fsynced on a local disk,
 FORMAT.md W5; :func:`.store.put_objects`), for arrays whose layout
 :func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
@@ -41,11 +41,9 @@ from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
 
 from . import _outbuf as outbuf
 from ._seal import SEAL_SIZE, make_seal
-from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, read_index
+from ._shardread import EMPTY, DirectLayout, as_bytes, crc_ok, read_index, sharding_of
 from ._shardread import decode_chunk as shardread_decode_chunk
 from ._zarr_adapter import (
-    ArrayV3Metadata,
-    RegularChunkGrid,
     blosc_codec,
     default_buffer_prototype,
     sync,
@@ -91,29 +89,20 @@ def keys_layout(arr: Any, name: str, *, strict: bool, sealed: bool = False) -> D
     """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
     as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
     ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
-    inner chunks are written as zarr writes them (zarr's ``setitem`` of one append's
-    keys cost ~5 ms of CPU, a quarter of an append's fixed cost)."""
-    from zarr.codecs import BytesCodec, Crc32cCodec
-    from zarr.codecs.sharding import ShardingCodecIndexLocation
+    inner chunks are written as zarr writes them."""
+    from zarr.codecs import Crc32cCodec
     from zarr.codecs.vlen_utf8 import VLenUTF8Codec
 
-    m = arr.metadata
-    if not isinstance(m, ArrayV3Metadata) or len(m.shape) != 1 or m.storage_transformers:
+    got = sharding_of(arr.metadata)
+    if got is None:
         return None
-    grid = m.chunk_grid
-    if not isinstance(grid, RegularChunkGrid) or len(m.codecs) != 1:
+    m, grid, sharding = got
+    codecs = sharding.codecs
+    if len(m.shape) != 1 or not isinstance(m.fill_value, str) or len(codecs) != 3:
         return None
-    sharding = m.codecs[0]
-    if not isinstance(sharding, ShardingCodec) or not isinstance(m.fill_value, str):
+    if not isinstance(codecs[0], VLenUTF8Codec) or not isinstance(codecs[1], ZstdCodec):
         return None
-    if sharding.index_location != ShardingCodecIndexLocation.end:
-        return None
-    idx, codecs = sharding.index_codecs, sharding.codecs
-    if len(idx) != 2 or not isinstance(idx[0], BytesCodec) or not isinstance(idx[1], Crc32cCodec):
-        return None
-    if len(codecs) != 3 or not isinstance(codecs[0], VLenUTF8Codec):
-        return None
-    if not isinstance(codecs[1], ZstdCodec) or not isinstance(codecs[2], Crc32cCodec):
+    if not isinstance(codecs[2], Crc32cCodec):
         return None
     shard, chunk = int(grid.chunk_shape[0]), int(sharding.chunk_shape[0])
     if shard % chunk:
@@ -175,8 +164,8 @@ def _aligned(size: int) -> np.ndarray:
     """``size`` uninitialised bytes starting on a page boundary, so that a store writing with
     ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
     from them, with no copy through its bounce buffer. From :func:`._outbuf.empty` (malloc, no
-    huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing cost
-    more than the copies saved, measured), not zero-filled (the caller writes every byte)."""
+    huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing costs
+    more than the copies save), not zero-filled (the caller writes every byte)."""
     raw = outbuf.empty(size + DIRECT_IO_ALIGN)
     start = -raw.ctypes.data % DIRECT_IO_ALIGN
     return raw[start : start + size]

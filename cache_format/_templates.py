@@ -114,10 +114,10 @@ class DirectArray:
         return [(self.meta_path.path, meta), *objects], written
 
 
-def direct_layout_of(arr: Any, name: str, version: int, direct: bool) -> DirectLayout | None:
-    """The layout :mod:`._shardwrite` writes ``arr`` with, or ``None`` (written through zarr;
-    always where ``direct`` is off)."""
-    if not direct or version < 2:
+def direct_layout_of(arr: Any, name: str, version: int) -> DirectLayout | None:
+    """The layout :mod:`._shardwrite` writes ``arr`` with, or ``None`` (written through zarr's
+    ``setitem``: a layout it does not write, a version-1 store)."""
+    if version < 2:
         return None
     seal = sealed(version)
     lay = direct_layout(arr, name, strict=True, sealed=seal)
@@ -126,9 +126,9 @@ def direct_layout_of(arr: Any, name: str, version: int, direct: bool) -> DirectL
     return lay if lay is not None and shardwrite.supported(lay) else None
 
 
-def direct_of(arr: Any, name: str, length: int, version: int, direct: bool) -> DirectArray | None:
+def direct_of(arr: Any, name: str, length: int, version: int) -> DirectArray | None:
     """``arr`` (of ``length`` rows, nothing written yet) as a :class:`DirectArray`, or ``None``."""
-    lay = direct_layout_of(arr, name, version, direct)
+    lay = direct_layout_of(arr, name, version)
     return None if lay is None else DirectArray.of(arr, lay, length, shardwrite.LastShard())
 
 

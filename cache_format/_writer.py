@@ -65,11 +65,6 @@ from .layout import (
 from .records import SequenceRecord
 from .store import StoreHandle, open_store
 
-#: Write the arrays that :func:`~._shardread.direct_layout` supports, and ``seq_keys``, with
-#: :mod:`._shardwrite` (False: every array through zarr's ``setitem``, the reference the tests
-#: compare against).
-DIRECT_WRITES = True
-
 
 class CacheWriter(ArrayWrites):
     """Appends :class:`SequenceRecord` batches to a store; see the module docstring.
@@ -208,18 +203,16 @@ class CacheWriter(ArrayWrites):
         The first store of a layout this process creates goes through zarr's ``create_array``;
         its arrays' ``zarr.json`` become templates (:data:`._templates.CREATED`) once read back
         equal, byte for byte, to the template at length 0. Later stores of that layout get those
-        bytes written directly (zarr's creation, its Python JSON encoding with indentation,
-        and the first append's ``open_array`` + ``resize`` cost ~25-35 ms of CPU per new cache,
-        ~0.2 CPU-us/position of a 130K-position job)."""
+        bytes written directly (no zarr creation, JSON encoding, ``open_array`` or ``resize``)."""
         made: list[tuple[ArrayDef, tuple[DirectLayout, bytes, bytes]]] = []
         for d in array_defs(m, self._layout):
             key = (m.format_version, m.k, d)
-            tpl = templates.CREATED.get(key) if DIRECT_WRITES and m.format_version >= 2 else None
+            tpl = templates.CREATED.get(key) if m.format_version >= 2 else None
             if tpl is not None:
                 made.append((d, tpl))
                 continue
             arr = create_array(self._store, d, m.k, m.format_version)
-            direct = templates.direct_of(arr, d.name, 0, m.format_version, DIRECT_WRITES)
+            direct = templates.direct_of(arr, d.name, 0, m.format_version)
             if direct is None:
                 continue
             if sync(direct.meta_path.get(prototype=default_buffer_prototype())).to_bytes() == (

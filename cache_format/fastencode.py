@@ -1,10 +1,10 @@
 """A compiled pass for the writer's encode step: checks, float16 and row deltas in one loop over
 each record's rows (the write side of the format, FORMAT.md W1 and 4.2).
 
-:func:`~._writer.encode_batch` checks a batch with about fifteen numpy passes over its top-k
+:func:`~._encode.encode_batch` checks a batch with about fifteen numpy passes over its top-k
 arrays (ranges, a sort per row for distinct ids, finiteness, the order of each row) and encodes
 the logprobs with five more (clip, float16, row delta, copies), each pass writing a temporary as
-large as the batch: ~0.5 CPU-us per position at k=100. :func:`encode_rows`, compiled with numba,
+large as the batch. :func:`encode_rows`, compiled with numba,
 reads each record's ``topk_ids`` and ``topk_logprobs`` once and writes the batch's stored arrays in
 place: the same checks (:func:`.records.rows_pass`: ids in ``[0, vocab)`` and distinct in a row,
 logprobs finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along the row) and the same bytes
@@ -24,7 +24,7 @@ it, or if compiling or the self-check at the first use fails, :func:`ready` is `
 writer keeps its numpy path.
 The kernels load at :func:`ready` (the job runner calls it at its start), or at the append that
 brings the values a process has encoded with numpy to :data:`LOAD_AFTER_VALUES`
-(:func:`wanted`): a process that writes less never imports numba. They compile then (~1-2 s)
+(:func:`wanted`): a process that writes less never imports numba. They compile then
 unless numba's on-disk cache has them (``cache=True``: the package's ``__pycache__``, or numba's
 user cache directory), where the kernel module :mod:`._encodekernels` keeps its functions at
 module level so that it finds them.
@@ -155,8 +155,7 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     """A read-only view of ``a``: a kernel's inputs are always read-only arrays (bytes of a
     store often are, and so are views of an engine's row buffers), so numba specialises each
     kernel once, at :func:`ready`'s self-check, not again per writability inside an append
-    (a compile there costs ~1 CPU-s, in the job's encode stage, wherever numba's on-disk cache
-    lacks that specialisation)."""
+    (where numba's on-disk cache lacks that specialisation, that would compile it there)."""
     v = a.view()
     v.flags.writeable = False
     return v
@@ -309,10 +308,9 @@ class Outputs:
     """The compiled encode's output arrays, and the arrays a batch of records' top-k rows are
     joined into (its input), kept from one append to the next.
 
-    Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages: at 65K rows and
-    k=100 (~40 MB) that is ~10K page faults, whose system time (~0.25 CPU-us per row on the
-    2-core VM) was half of the encode stage, and an ``int32`` array over glibc's largest mmap
-    threshold (32 MiB) is a new mapping every time. These are faulted in once and reused.
+    Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages (page faults in
+    system time; an ``int32`` array over glibc's largest mmap threshold, 32 MiB, is a new
+    mapping every time). These are faulted in once and reused.
     Taken through :func:`outputs` for the length of one append: the arrays it hands out are
     overwritten by the next append that takes the same :class:`Outputs`."""
 

@@ -103,15 +103,3 @@ def decode_logprobs(
     if out_dtype == "float16":  # clip to the finite float16 range first (FORMAT.md D3)
         return np.clip(out, F16_MIN, -F16_MIN).astype(np.float16)
     return out
-
-
-def error_bound(lp: np.ndarray, dtype: str) -> np.ndarray:
-    """Per-row worst-case absolute error of encoding ``lp`` as ``dtype`` (documented bound)."""
-    lp = np.asarray(lp, dtype=np.float64)
-    if dtype == "float32":
-        return np.zeros(lp.shape[0])
-    if dtype == "float16":
-        return np.abs(lp).max(axis=1) * 2.0**-11 + 2.0**-25
-    qmax = _QMAX[dtype]
-    spread = (lp.max(axis=1) - lp.min(axis=1)) / (2 * qmax)
-    return spread * (1 + 1e-6) + np.abs(lp).max(axis=1) * 2e-7

@@ -27,8 +27,7 @@ def content_key(input_ids: np.ndarray) -> str:
 def tail_from_logprobs(topk_logprobs: np.ndarray) -> np.ndarray:
     """``clip(1 - sum_k exp(logprob), 0, 1)`` per row, as float32.
 
-    Computed in float32 without cancellation (the float64 form cost ~0.65 CPU-us per position at
-    k=100, this one ~0.25): with ``m`` the row's first (largest) logprob,
+    Computed in float32 without cancellation: with ``m`` the row's first (largest) logprob,
     ``tail = -expm1(m + log1p(sum_{j>0} exp(lp_j - m)))``. Every term is accurate relative to
     itself, so the absolute error is a few float32 ulps of ``|m|`` plus a few ulps of the tail
     (``tests/format/test_format_tail.py`` bounds it against the float64 sum): within what the
@@ -382,8 +381,7 @@ def rows_pass(
     all have the cache's ``k``, ``tails``: the given tail masses, or ``None`` if none is given).
 
     The same checks as :func:`check_record`'s, each made once over the whole batch instead of
-    once per record (at 255 rows per record the per-call overheads of its ~15 numpy
-    calls were a third of its cost): every check is a test of single rows or an extremum, so it
+    once per record: every check is a test of single rows or an extremum, so it
     holds for the concatenation iff it holds for every record. ``False`` says only that some
     record fails; the caller runs :func:`check_record` per record for the error.
     """

@@ -136,8 +136,7 @@ RANDOM_ACCESS_RAW_LAYOUT = replace(
 part of the encoding), in 64-row chunks (512-token ``input_ids`` chunks): a point read checks and
 reads whole chunks, so smaller chunks cut the extra bytes of a random sequence's first and last
 chunk, and a chunk's CRC32C and row sums run while it is in the core's first-level cache
-(``sequence(i)`` CPU 13-16% lower than with 128-row chunks, 1.15-1.2x from 256 to 128 rows;
-benchmarks/results/format.md). ``loss_mask`` keeps its own codec and
+(benchmarks/results/format.md). ``loss_mask`` keeps its own codec and
 ``seq_keys`` zstd. About 1.9x the bytes of ``random_access`` at k=100 (FORMAT.md 4.7): for
 ``sequence(i)`` reads whose budget the decompression alone exceeds. (Stores made
 with the earlier 256- and 128-row versions read as any layout does: the chunking is in their

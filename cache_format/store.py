@@ -96,11 +96,6 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _bounce = threading.local()
 
 
-def direct_io_default() -> bool:
-    """Whether stores use ``O_DIRECT`` when not told: wherever the platform has it."""
-    return bool(_O_DIRECT)
-
-
 def _address(data: memoryview) -> int:
     import numpy as np
 
@@ -208,9 +203,8 @@ class DurableLocalStore(zarr.storage.LocalStore):
     temporary file with ``O_DIRECT``: page-aligned memory straight from the caller's
     buffer, the rest through a page-aligned bounce buffer, padded to a page and truncated back to
     the object's size, then fsynced and renamed as above: the same bytes and the same crash
-    safety, without the copy into the page cache (on the 2-core VM that copy's system time came
-    and went with fresh page-cache pages, 0.2-1.9 CPU-us/position at k=100). Smaller objects
-    (``zarr.json``) go through the page cache. A filesystem that refuses ``O_DIRECT`` (``EINVAL``
+    safety, without the copy into the page cache. Smaller objects (``zarr.json``) go through the
+    page cache. A filesystem that refuses ``O_DIRECT`` (``EINVAL``
     on open or on the first write: tmpfs, ``/dev/shm``, some FUSE mounts) gets the buffered write,
     and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False`` turns it
     off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it comes
@@ -223,8 +217,9 @@ class DurableLocalStore(zarr.storage.LocalStore):
         super().__init__(root, read_only=read_only)
         self._dirty: set[Path] = set()
         self._dirty_lock = threading.Lock()
-        # objects of DIRECT_IO_MIN bytes or more written with O_DIRECT (False once refused)
-        self.direct_io = direct_io_default() if direct_io is None else bool(direct_io and _O_DIRECT)
+        # objects of DIRECT_IO_MIN bytes or more written with O_DIRECT wherever the platform has
+        # it, unless told not to (False once refused)
+        self.direct_io = bool(_O_DIRECT) and direct_io is not False
 
     def _put_durable(self, path: Path, value: Buffer, exclusive: bool) -> None:
         changed = self._write_durable(path, memoryview(value.as_buffer_like()).cast("B"), exclusive)
@@ -315,8 +310,8 @@ def put_objects(zstore: Any, items: Sequence[tuple[str, Any]]) -> None:
     """Write the objects ``items`` (key, ``bytes`` or a contiguous uint8 array) into ``zstore``
     together: a :class:`DurableLocalStore` writes them in one round of its threads, durable on
     return (:meth:`DurableLocalStore.put_many`); zarr's plain ``LocalStore`` (a writer without
-    fsync) on the calling thread, each as zarr writes it (:func:`_write_object`: half the CPU of
-    a hand-off to zarr's loop and its threads per object); any other store gets them in one
+    fsync) on the calling thread, each as zarr writes it (:func:`_write_object`, no hand-off to
+    zarr's loop per object); any other store gets them in one
     gather on zarr's event loop (each object atomic, as the store writes it)."""
     if not items:
         return

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 from logitcache.cache_format import CacheWriter, Layout, Manifest, SequenceRecord
 
 
@@ -375,3 +378,18 @@ def store_objects(root: Path) -> dict[str, bytes]:
             first, end, _ = map(int, key.rsplit("/", 1)[1].split("-"))
             out[key] = data[: 16 * (end - first)]
     return out
+
+
+@contextmanager
+def zarr_writes() -> Iterator[None]:
+    """Writers inside write every array through zarr's ``setitem``: the reference that the
+    writer's direct shard writes (``_shardwrite``, ``_templates``) are compared with. No array
+    has a direct layout and no template of this process is used or recorded."""
+    from logitcache.cache_format import _templates as templates
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(templates, "direct_layout_of", lambda *a, **k: None)
+        mp.setattr(templates, "CREATED", {})
+        mp.setattr(templates, "TEMPLATES", templates.OrderedDict())
+        mp.setattr(templates, "LAST", templates.OrderedDict())
+        yield

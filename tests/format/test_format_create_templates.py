@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from format_support import make_manifest, make_records
+from format_support import make_manifest, make_records, zarr_writes
 from logitcache.cache_format import CacheReader, CacheWriter, StoreNeedsRepairError, validate
 from logitcache.cache_format import _templates as templates
 from logitcache.cache_format import _writer as writer
@@ -50,9 +50,8 @@ def test_a_store_made_from_templates_has_zarrs_bytes(tmp_path: Path, monkeypatch
     monkeypatch.setattr(templates, "CREATED", {})
     recs = make_records(12, k=K, vocab=VOCAB, seed=21)
     cuts = [3, 7]
-    monkeypatch.setattr(writer, "DIRECT_WRITES", False)  # the reference: zarr alone
-    _make(tmp_path / "zarr", recs, cuts, layout=layout)
-    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    with zarr_writes():  # the reference: zarr alone
+        _make(tmp_path / "zarr", recs, cuts, layout=layout)
     made, opened = _spy_creates(monkeypatch), _spy_opens(monkeypatch)
     _make(tmp_path / "first", recs, cuts, layout=layout)
     assert len(made) >= 8 and not opened, (made, opened)  # zarr creates; nothing reopened
@@ -77,9 +76,8 @@ def test_templates_are_kept_per_k_and_layout(tmp_path: Path, monkeypatch) -> Non
     cases = [(8, LAYOUT), (16, LAYOUT), (8, RAW), (8, LAYOUT), (16, LAYOUT)]
     for i, (k, layout) in enumerate(cases):
         m = make_manifest(k=k, vocab_size=VOCAB)
-        monkeypatch.setattr(writer, "DIRECT_WRITES", False)
-        CacheWriter.open(tmp_path / f"zarr{i}", m, layout=layout).close()
-        monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+        with zarr_writes():
+            CacheWriter.open(tmp_path / f"zarr{i}", m, layout=layout).close()
         CacheWriter.open(tmp_path / f"tpl{i}", m, layout=layout).close()
         a, b = files(tmp_path / f"zarr{i}"), files(tmp_path / f"tpl{i}")
         assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == [], (k, i)
@@ -175,9 +173,8 @@ def test_stores_made_by_concurrent_writers_have_zarrs_bytes(tmp_path: Path, monk
 
     monkeypatch.setattr(templates, "CREATED", {})
     recs = make_records(6, k=K, vocab=VOCAB, seed=31)
-    monkeypatch.setattr(writer, "DIRECT_WRITES", False)
-    _make(tmp_path / "zarr", recs, [2])
-    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    with zarr_writes():
+        _make(tmp_path / "zarr", recs, [2])
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: _make(tmp_path / f"t{i}", recs, [2]), range(4)))
     ref = files(tmp_path / "zarr")

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from format_support import make_manifest, make_records
+from format_support import make_manifest, make_records, zarr_writes
 from logitcache.cache_format import CacheWriter, validate
 from logitcache.cache_format import _shardwrite as shardwrite
-from logitcache.cache_format import _writer as writer
 from test_format_shardwrite import LAYOUT, VOCAB, K, files, write
 
 
@@ -28,9 +27,9 @@ def _count_reads(monkeypatch) -> list[int]:
 def test_one_writer_never_reads_its_shards_back(tmp_path: Path, monkeypatch) -> None:
     recs = make_records(16, k=K, vocab=VOCAB, seed=5)
     cuts = [1, 2, 3, 5, 8, 9, 12, 15]  # appends starting and ending inside chunks and shards
-    write(tmp_path / "zarr", recs, cuts, direct=False, monkeypatch=monkeypatch)
+    write(tmp_path / "zarr", recs, cuts, direct=False)
     reads = _count_reads(monkeypatch)
-    write(tmp_path / "direct", recs, cuts, direct=True, monkeypatch=monkeypatch)
+    write(tmp_path / "direct", recs, cuts, direct=True)
     assert reads[0] == 0
     a, b = files(tmp_path / "zarr"), files(tmp_path / "direct")
     assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == []
@@ -40,11 +39,9 @@ def test_one_writer_never_reads_its_shards_back(tmp_path: Path, monkeypatch) -> 
 def test_another_writers_append_makes_it_read_again(tmp_path: Path, monkeypatch) -> None:
     recs = make_records(12, k=K, vocab=VOCAB, seed=6)
     m = make_manifest(k=K, vocab_size=VOCAB)
-    monkeypatch.setattr(writer, "DIRECT_WRITES", False)
-    with CacheWriter.open(tmp_path / "zarr", m, layout=LAYOUT) as w:
+    with zarr_writes(), CacheWriter.open(tmp_path / "zarr", m, layout=LAYOUT) as w:
         for a, b in ((0, 3), (3, 5), (5, 9), (9, 12)):
             w.append(recs[a:b])
-    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
     reads = _count_reads(monkeypatch)
     url = tmp_path / "direct"
     with (

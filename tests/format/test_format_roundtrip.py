@@ -12,7 +12,19 @@ from logitcache.cache_format import (
     SequenceRecord,
     validate,
 )
-from logitcache.cache_format.quant import error_bound
+
+
+def error_bound(lp: np.ndarray, dtype: str) -> np.ndarray:
+    """Per-row worst-case absolute error of encoding ``lp`` as ``dtype`` (the bounds of
+    FORMAT.md's logprob encodings)."""
+    lp = np.asarray(lp, dtype=np.float64)
+    if dtype == "float32":
+        return np.zeros(lp.shape[0])
+    if dtype == "float16":
+        return np.abs(lp).max(axis=1) * 2.0**-11 + 2.0**-25
+    qmax = {"uint8": 255, "uint16": 65535}[dtype]
+    spread = (lp.max(axis=1) - lp.min(axis=1)) / (2 * qmax)
+    return spread * (1 + 1e-6) + np.abs(lp).max(axis=1) * 2e-7
 
 
 def _same_exact(a: SequenceRecord, b: SequenceRecord) -> None:

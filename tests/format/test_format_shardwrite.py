@@ -1,6 +1,6 @@
 """cache_format/shardwrite.py: the writer's direct shard writes give the bytes zarr gives.
 
-The reference is the same writer with ``writer.DIRECT_WRITES = False`` (every array through
+The reference is the same writer inside ``format_support.zarr_writes()`` (every array through
 zarr's ``setitem``). Small layouts make every case cheap: appends that start and end inside inner
 chunks and shards, a batch spanning several shards, leftovers of a writer killed before its
 commit, and a damaged committed shard (typed error, nothing committed).
@@ -8,12 +8,13 @@ commit, and a damaged committed shard (typed error, nothing committed).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from format_support import make_manifest, make_records
+from format_support import make_manifest, make_records, zarr_writes
 from format_support import store_objects as files
 from logitcache.cache_format import CacheReader, CacheWriter, spec, validate
 from logitcache.cache_format import _writer as writer
@@ -27,9 +28,9 @@ RAW = replace(spec.RANDOM_ACCESS_RAW_LAYOUT, **SMALL)  # no compressor: bytes, t
 K, VOCAB = 8, 1000
 
 
-def write(url: Path, recs, cuts: list[int], *, direct: bool, monkeypatch, layout=LAYOUT) -> None:
-    monkeypatch.setattr(writer, "DIRECT_WRITES", direct)
-    with CacheWriter.open(url, make_manifest(k=K, vocab_size=VOCAB), layout=layout) as w:
+def write(url: Path, recs, cuts: list[int], *, direct: bool, layout=LAYOUT) -> None:
+    m = make_manifest(k=K, vocab_size=VOCAB)
+    with nullcontext() if direct else zarr_writes(), CacheWriter.open(url, m, layout=layout) as w:
         for a, b in zip([0, *cuts], [*cuts, len(recs)], strict=True):
             w.append(recs[a:b])
 
@@ -47,8 +48,8 @@ def test_same_bytes_as_zarr(tmp_path: Path, monkeypatch, cuts: list[int], layout
         return ok
 
     monkeypatch.setattr(writer.shardwrite, "supported", spy)
-    write(tmp_path / "zarr", recs, cuts, direct=False, monkeypatch=monkeypatch, layout=layout)
-    write(tmp_path / "direct", recs, cuts, direct=True, monkeypatch=monkeypatch, layout=layout)
+    write(tmp_path / "zarr", recs, cuts, direct=False, layout=layout)
+    write(tmp_path / "direct", recs, cuts, direct=True, layout=layout)
     refused = {n for n, ok in direct_layouts if not ok}
     assert not refused & {"topk_ids", "topk_logprobs", "tail_mass", "input_ids"}, refused
     a, b = files(tmp_path / "zarr"), files(tmp_path / "direct")
@@ -68,16 +69,16 @@ def test_leftovers_of_a_killed_writer_are_overwritten(tmp_path: Path, monkeypatc
     recs = make_records(12, k=K, vocab=VOCAB, seed=4)
     stray = make_records(5, k=K, vocab=VOCAB, seed=5, prefix="x")
     for direct in (False, True):
-        monkeypatch.setattr(writer, "DIRECT_WRITES", direct)
         url = tmp_path / f"store-{direct}"
         m = make_manifest(k=K, vocab_size=VOCAB)
-        with CacheWriter.open(url, m, layout=LAYOUT) as w:
-            w.append(recs[:5])
-            fresh = writer.encode_batch(stray, w.manifest)
-            w._write(w.manifest, fresh)  # step 4 only: data past the commit, no commit
-        with CacheWriter.open(url, m) as w:
-            assert w.num_sequences == 5
-            w.append(recs[5:])
+        with nullcontext() if direct else zarr_writes():
+            with CacheWriter.open(url, m, layout=LAYOUT) as w:
+                w.append(recs[:5])
+                fresh = writer.encode_batch(stray, w.manifest)
+                w._write(w.manifest, fresh)  # step 4 only: data past the commit, no commit
+            with CacheWriter.open(url, m) as w:
+                assert w.num_sequences == 5
+                w.append(recs[5:])
         r = CacheReader(url)
         assert r.keys == [x.key for x in recs]
         got = r.rows(0, r.manifest.num_rows)
@@ -87,7 +88,6 @@ def test_leftovers_of_a_killed_writer_are_overwritten(tmp_path: Path, monkeypatc
 
 
 def test_damaged_committed_shard_is_a_typed_error(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
     recs = make_records(6, k=K, vocab=VOCAB, seed=6)
     url = tmp_path / "s"
     m = make_manifest(k=K, vocab_size=VOCAB)
@@ -115,8 +115,7 @@ def test_two_writers_taking_turns(tmp_path: Path, monkeypatch, layout) -> None:
     leftover rows the same values."""
     recs = make_records(12, k=K, vocab=VOCAB, seed=8)
     ref = tmp_path / "ref"
-    write(ref, recs[:10], [2, 4, 6, 8], direct=False, monkeypatch=monkeypatch, layout=layout)
-    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    write(ref, recs[:10], [2, 4, 6, 8], direct=False, layout=layout)
     url, m = tmp_path / "two", make_manifest(k=K, vocab_size=VOCAB)
     with CacheWriter.open(url, m, layout=layout) as a, CacheWriter.open(url, m) as b:
         for i, w in enumerate([a, b, a, a, b]):
@@ -143,7 +142,7 @@ def test_the_stored_bytes_do_not_depend_on_how_appends_are_grouped(
     recs = make_records(16, k=K, vocab=VOCAB, seed=4)
     groupings = {"one": [], "each": list(range(1, 16)), "some": [2, 7, 8, 13]}
     for name, cuts in groupings.items():
-        write(tmp_path / name, recs, cuts, direct=True, monkeypatch=monkeypatch)
+        write(tmp_path / name, recs, cuts, direct=True)
 
     def arrays(root: Path) -> dict[str, bytes]:
         return {n: b for n, b in files(root).items() if not n.startswith("seq_keys/index/")}
@@ -164,8 +163,7 @@ def test_seq_keys_are_written_directly_with_zarrs_bytes(tmp_path: Path, monkeypa
         for i, r in enumerate(make_records(16, k=K, vocab=VOCAB, seed=8))
     ]
     cuts = [3, 4, 9, 15]
-    write(tmp_path / "zarr", recs, cuts, direct=False, monkeypatch=monkeypatch)
-    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
+    write(tmp_path / "zarr", recs, cuts, direct=False)
     m = make_manifest(k=K, vocab_size=VOCAB)
     for a, b in zip([0, *cuts], [*cuts, len(recs)], strict=True):
         with CacheWriter.open(tmp_path / "direct", m, layout=LAYOUT) as w:  # a new writer each

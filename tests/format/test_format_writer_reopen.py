@@ -74,7 +74,6 @@ def _writers(url: Path, recs, groups: list[list[int]], *, forget: bool) -> None:
 def test_a_later_writer_takes_the_templates(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(templates, "TEMPLATES", templates.OrderedDict())
     monkeypatch.setattr(templates, "LAST", templates.OrderedDict())
-    monkeypatch.setattr(writer, "DIRECT_WRITES", True)
     recs = make_records(16, k=K, vocab=VOCAB, seed=11)
     groups = [[3, 5], [9], [10, 16]]  # the later writers start inside partly filled shards
     _writers(tmp_path / "ref", recs, groups, forget=True)
