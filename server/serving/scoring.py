@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from logitcache.cache_format import Manifest, SequenceRecord
+from logitcache.protocol import FRAMES_MEDIA_TYPE
 
 from ..admission import TokenGate
 from ..batch import pipeline
@@ -46,26 +47,19 @@ if TYPE_CHECKING:
     from ..settings import ServerSettings
 
 
-#: Upper-bound bytes of an answer, per format: per top-k value, per row, per token and per
-#: sequence. JSON: an id of up to 10 digits and a float of up to 22 characters with separators,
-#: the tail per row, ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions:
-#: vLLM's per-id dict (logprob, rank, decoded token) for every value; npy: a base64 float32.
-ANSWER_BYTES: dict[str, tuple[int, int, int, int]] = {
-    "json": (34, 30, 12, 200),
-    "frames": (8, 4, 12, 200),
-    "completions": (80, 0, 0, 200),
-    "generate": (40, 40, 0, 400),
-    "npy": (6, 0, 0, 600),
-}
-#: What to change when an answer would be over ``max_response_bytes``, per format.
-SMALLER_ANSWER = {
-    "json": "send fewer or shorter sequences, a smaller k, or ask for frames "
-    "(Accept: application/x-logitcache-frames)",
-    "frames": "send fewer or shorter sequences, a smaller k, or ask for frames "
-    "(Accept: application/x-logitcache-frames)",
-    "completions": "send fewer or shorter prompts or a smaller prompt_logprobs",
-    "generate": "send fewer or shorter sequences or a smaller top_logprobs_num",
-    "npy": "send a shorter sequence or fewer candidate ids per row",
+#: Per answer format: upper-bound bytes per top-k value, per row, per token and per sequence,
+#: and what to change when an answer would be over ``max_response_bytes``. JSON: an id of up to
+#: 10 digits and a float of up to 22 characters with separators, the tail per row,
+#: ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions: vLLM's per-id dict
+#: (logprob, rank, decoded token) for every value; npy: a base64 float32.
+_SEQS = "send fewer or shorter sequences"
+_FRAMES = f"ask for frames (Accept: {FRAMES_MEDIA_TYPE})"
+ANSWER_BYTES: dict[str, tuple[int, int, int, int, str]] = {
+    "json": (34, 30, 12, 200, f"{_SEQS}, a smaller k, or {_FRAMES}"),
+    "frames": (8, 4, 12, 200, f"{_SEQS} or a smaller k"),
+    "completions": (80, 0, 0, 200, "send fewer or shorter prompts or a smaller prompt_logprobs"),
+    "generate": (40, 40, 0, 400, f"{_SEQS} or a smaller top_logprobs_num"),
+    "npy": (6, 0, 0, 600, "send a shorter sequence or fewer candidate ids per row"),
 }
 
 
@@ -294,15 +288,14 @@ class ScoringService:
     def check_answer_size(self, seqs: Seq[Sequence], k: int, answer: str) -> None:
         """413 before any engine work if the answer (``answer``: a format of
         :data:`ANSWER_BYTES`) could exceed ``max_response_bytes`` (an upper-bound estimate)."""
-        per_value, per_row, per_token, per_seq = ANSWER_BYTES[answer]
+        per_value, per_row, per_token, per_seq, smaller = ANSWER_BYTES[answer]
         tokens = sum(s.length for s in seqs)
         rows = tokens - len(seqs)
         size = rows * (k * per_value + per_row) + tokens * per_token + per_seq * len(seqs)
         limit = self.settings.max_response_bytes
         if size > limit:
             raise PayloadTooLargeError(
-                f"the answer would take about {size} bytes, over the limit of {limit}: "
-                + SMALLER_ANSWER[answer]
+                f"the answer would take about {size} bytes, over the limit of {limit}: {smaller}"
             )
 
     # --- scoring --------------------------------------------------------------------------
