@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from logitcache.cache_format import Manifest, SequenceBatch, SequenceRecord
 
@@ -54,6 +54,9 @@ from .parts import to_batches
 if TYPE_CHECKING:
     from ..engine import SampledTargets, TeacherEngine, TeacherScores
     from ..metrics import TeacherMetrics
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -158,18 +161,16 @@ async def call_engine(
     return scores
 
 
-async def _scores(
-    engine: TeacherEngine,
+async def timed(
+    call: Awaitable[T],
     seqs: Seq[inputs.Sequence],
-    k: int,
     metrics: TeacherMetrics | None,
     source: str,
-    targets: SampledTargets | None,
-    temperature: float | None,
-) -> list[TeacherScores]:
-    """:func:`call_engine`, its time recorded under ``source`` with ``metrics``."""
+) -> T:
+    """``call`` (an engine call on ``seqs``) awaited, its time recorded under ``source`` with
+    ``metrics``."""
     t0 = time.perf_counter()
-    scores = await call_engine(engine, seqs, k, targets, temperature)
+    out = await call
     if metrics is not None:
         metrics.scored(
             source,
@@ -177,7 +178,7 @@ async def _scores(
             tokens=sum(s.length for s in seqs),
             seconds=time.perf_counter() - t0,
         )
-    return scores
+    return out
 
 
 async def engine_records(
@@ -198,7 +199,7 @@ async def engine_records(
     ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
     (:func:`to_records`). ``temperature``: the engine's ``T`` for these rows (``None``: its own).
     """
-    scores = await _scores(engine, seqs, k, metrics, source, targets, temperature)
+    scores = await timed(call_engine(engine, seqs, k, targets, temperature), seqs, metrics, source)
     return await asyncio.to_thread(to_records, seqs, scores, lazy_tail)
 
 
@@ -215,7 +216,7 @@ async def engine_batches(
     :class:`~logitcache.cache_format.SequenceBatch` parts of :func:`.parts.to_batches` (views
     of the engine's arrays, made in a worker thread; a tail mass not computed yet is the
     writer's)."""
-    scores = await _scores(engine, seqs, k, metrics, source, targets, None)
+    scores = await timed(call_engine(engine, seqs, k, targets), seqs, metrics, source)
     return await asyncio.to_thread(to_batches, seqs, scores)
 
 
@@ -234,12 +235,7 @@ async def hidden_records(
     call = getattr(engine, "score_hidden", None)
     if call is None:
         raise EngineInputError("this engine cannot capture hidden states (targets='hidden')")
-    t0 = time.perf_counter()
-    hidden = await call([s.input_ids for s in seqs])
-    if metrics is not None:
-        seconds = time.perf_counter() - t0
-        tokens = sum(s.length for s in seqs)
-        metrics.scored(source, sequences=len(seqs), tokens=tokens, seconds=seconds)
+    hidden = await timed(call([s.input_ids for s in seqs]), seqs, metrics, source)
     return [
         HiddenRecord(s.key, s.input_ids, h, s.loss_mask) for s, h in zip(seqs, hidden, strict=True)
     ]

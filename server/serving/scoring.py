@@ -378,7 +378,6 @@ class ScoringService:
         if call is None:
             raise InvalidInputError("this engine cannot score chosen token ids")
         async with self._admission(sum(s.length for s in seqs)):
-            t0 = time.perf_counter()
             chosen = [list(c) for c in ids]
             args = (
                 ([s.input_ids for s in seqs], chosen)
@@ -386,13 +385,6 @@ class ScoringService:
                 else ([s.input_ids for s in seqs], k, chosen)
             )
             try:
-                out = await call(*args, temperature)
+                return await pipeline.timed(call(*args, temperature), seqs, self.metrics, "score")
             except EngineInputError as e:
                 raise InvalidInputError(str(e)) from None
-            self.metrics.scored(
-                "score",
-                sequences=len(seqs),
-                tokens=sum(s.length for s in seqs),
-                seconds=time.perf_counter() - t0,
-            )
-            return out
