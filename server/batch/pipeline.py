@@ -103,13 +103,9 @@ def plan(
         yield Batch(seqs=b, todo=bool(missing([s.key for s in b])))
 
 
-def to_records(
-    seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores], lazy_tail: bool = False
-) -> list[SequenceRecord]:
-    """Pair checked sequences with the engine's ``TeacherScores`` (same order). With
-    ``lazy_tail``, a tail mass not computed yet stays so: the cache's writer computes it (next
-    to its encode pass, on rows still in the CPU's cache; the same bits); else it is computed
-    here (the records answer a request with it)."""
+def to_records(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores]) -> list[SequenceRecord]:
+    """Pair checked sequences with the engine's ``TeacherScores`` (same order), each with its
+    tail mass (the records answer a request)."""
     if len(scores) != len(seqs):
         raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
     return [
@@ -118,7 +114,7 @@ def to_records(
             input_ids=s.input_ids,
             topk_ids=sc.topk_ids,
             topk_logprobs=sc.topk_logprobs,
-            tail_mass=sc.known_tail() if lazy_tail and hasattr(sc, "known_tail") else sc.tail_mass,
+            tail_mass=sc.tail_mass,
             loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/inputs/chat.py)
             entropy=getattr(sc, "entropy", None),  # an engine built with entropy (FORMAT.md 4.9)
             actual_logprob=getattr(sc, "actual_logprob", None),  # FORMAT.md 4.12
@@ -189,18 +185,16 @@ async def engine_records(
     metrics: TeacherMetrics | None = None,
     source: str = "job",
     targets: SampledTargets | None = None,
-    lazy_tail: bool = False,
     temperature: float | None = None,
 ) -> list[SequenceRecord]:
     """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
     the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
     With ``metrics``, the engine call's time is recorded under ``source``. With ``targets``,
-    sampled rows instead (:func:`call_engine`: seeded by each sequence's key). With
-    ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
-    (:func:`to_records`). ``temperature``: the engine's ``T`` for these rows (``None``: its own).
+    sampled rows instead (:func:`call_engine`: seeded by each sequence's key). ``temperature``:
+    the engine's ``T`` for these rows (``None``: its own).
     """
     scores = await timed(call_engine(engine, seqs, k, targets, temperature), seqs, metrics, source)
-    return await asyncio.to_thread(to_records, seqs, scores, lazy_tail)
+    return await asyncio.to_thread(to_records, seqs, scores)
 
 
 async def engine_batches(
