@@ -102,7 +102,7 @@ async def generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateRe
 
     def checked() -> tuple[list[Sequence], Manifest]:
         """The checked sequence and the cache's manifest, blocking (one worker thread hop)."""
-        seqs = scoring.checked([raw], 1, "token_ids")
+        seqs = scoring.checked([raw], "token_ids")
         scoring.check_answer_size(seqs, asked.shape[1], "npy")
         return seqs, scoring.route_manifest(cache, t)
 

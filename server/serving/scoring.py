@@ -63,6 +63,22 @@ ANSWER_BYTES: dict[str, tuple[int, int, int, int, str]] = {
 }
 
 
+def raws(
+    field: str, items: Seq[str | Seq[int]], keys: Seq[str | None] | None = None
+) -> list[RawRecord]:
+    """The raw records of a request's list ``field``: a text, or token ids, per item (``keys``:
+    their ids; default none)."""
+    return [
+        RawRecord(
+            where=f"{field}[{i}]",
+            id=None if keys is None else keys[i],
+            text=item if isinstance(item, str) else None,
+            input_ids=None if isinstance(item, str) else item,
+        )
+        for i, item in enumerate(items)
+    ]
+
+
 class Unread(enum.Enum):
     """The type of :data:`UNREAD`."""
 
@@ -261,29 +277,20 @@ class ScoringService:
 
     def sequences_of(self, req: ScoreRequest) -> list[Sequence]:
         """The request's checked, keyed sequences (tokenising texts)."""
-        n = req.num_sequences
-        keys: Seq[str | None] = req.keys if req.keys is not None else [None] * n
         if req.keys is not None and len(set(req.keys)) != len(req.keys):
             raise InvalidInputError("keys must be distinct")  # (each is a non-empty Key)
-        if req.texts is not None:
-            raws = [
-                RawRecord(where=f"texts[{i}]", id=keys[i], text=t, input_ids=None)
-                for i, t in enumerate(req.texts)
-            ]
-        else:
-            raws = [
-                RawRecord(where=f"input_ids[{i}]", id=keys[i], text=None, input_ids=ids)
-                for i, ids in enumerate(req.input_ids or [])
-            ]
-        return self.checked(raws, n, "sequences", " per request")
+        field, items = (
+            ("texts", req.texts) if req.texts is not None else ("input_ids", req.input_ids)
+        )
+        return self.checked(raws(field, items or [], req.keys), "sequences", " per request")
 
-    def checked(self, raws: Seq[RawRecord], n: int, noun: str, per: str = "") -> list[Sequence]:
-        """Checked sequences of ``n`` raw records of one request (``noun``: what the limit's
+    def checked(self, records: Seq[RawRecord], noun: str, per: str = "") -> list[Sequence]:
+        """Checked sequences of the raw records of one request (``noun``: what the limit's
         message calls them); 413 over ``max_score_sequences``."""
-        limit = self.settings.max_score_sequences
+        n, limit = len(records), self.settings.max_score_sequences
         if n > limit:
             raise PayloadTooLargeError(f"{n} {noun} exceed the limit of {limit}{per}")
-        return [to_sequence(r, self.engine.tokenize, self.limits) for r in raws]
+        return [to_sequence(r, self.engine.tokenize, self.limits) for r in records]
 
     def check_answer_size(self, seqs: Seq[Sequence], k: int, answer: str) -> None:
         """413 before any engine work if the answer (``answer``: a format of
