@@ -27,7 +27,6 @@ from logitcache.protocol import SglangGenerateRequest
 
 from ..errors import InvalidInputError
 from ..inputs.records import Sequence
-from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.scoring import raws
 from ..serving.teachers import Teacher
@@ -222,7 +221,7 @@ async def generate(teacher: Teacher, req: SglangGenerateRequest) -> bytes:
     top = scoring.check_k(top or None) or 0
     t = scoring.check_temperature(asked_t)
     info = engine.info
-    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
+    cache = teacher.route_cache(req.cache, DEFAULT_CACHE, t)
 
     def checked() -> tuple[list[Sequence], list[int], list[Any], list[Any], Manifest]:
         """Every check, blocking (one worker thread hop): the sequences, their first answered

@@ -90,16 +90,6 @@ class Unread(enum.Enum):
 UNREAD = Unread.UNREAD
 
 
-def default_cache(base: str, temperature: float | None, engine_temperature: float) -> str:
-    """The cache a protocol route (``/v1/completions``, ``/generate``) serves from when the
-    request names none: ``base`` at the engine's temperature, ``f"{base}-t{T}"`` (``T`` as
-    Python's shortest ``repr``, e.g. ``openai-completions-t0.7``) at another, so each
-    temperature a trainer sends gets a cache of its own and none answers another's."""
-    if temperature is None or temperature == engine_temperature:
-        return base
-    return f"{base}-t{float(temperature)!r}"
-
-
 class ScoringService:
     """Checks on-demand requests against the engine and the limits, and scores checked
     sequences under the on-demand admission budget (no cache logic: see
