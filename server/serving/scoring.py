@@ -349,7 +349,11 @@ class ScoringService:
         """The engine's exact logprobs at chosen ids (``score_ids``: per sequence ``i`` a float32
         ``[L_i - 1, len(ids[i])]`` array) at ``temperature`` under the on-demand admission
         budget; an id list the engine refuses is a 422."""
-        out: list[np.ndarray] = await self._ids_call("score_ids", seqs, ids, temperature)
+        chosen = [list(c) for c in ids]
+        prompts = [s.input_ids for s in seqs]
+        out: list[np.ndarray] = await self._ids_call(
+            seqs, "score_ids", prompts, chosen, temperature
+        )
         return out
 
     async def admitted_with_ids(
@@ -357,31 +361,22 @@ class ScoringService:
     ) -> tuple[list[SequenceRecord], list[np.ndarray]]:
         """Engine records of ``seqs`` at ``k`` and the exact logprobs at ``ids`` (as
         :meth:`admitted_ids`) from one engine call (``score_with_ids``)."""
-        scores, at_ids = await self._ids_call("score_with_ids", seqs, ids, temperature, k=k)
+        chosen = [list(c) for c in ids]
+        prompts = [s.input_ids for s in seqs]
+        scores, at_ids = await self._ids_call(
+            seqs, "score_with_ids", prompts, k, chosen, temperature
+        )
         return await asyncio.to_thread(pipeline.to_records, seqs, scores), at_ids
 
-    async def _ids_call(
-        self,
-        method: str,
-        seqs: Seq[Sequence],
-        ids: Seq[Seq[int]],
-        temperature: float | None,
-        k: int | None = None,
-    ) -> Any:
-        """The engine's ``method`` (``score_ids`` or ``score_with_ids``) on ``seqs`` under the
-        admission budget, timed as on-demand scoring; an engine without it or ids it refuses
-        are a 422."""
+    async def _ids_call(self, seqs: Seq[Sequence], method: str, *args: Any) -> Any:
+        """The engine's ``method`` (``score_ids`` or ``score_with_ids``) with ``args`` on
+        ``seqs`` under the admission budget, timed as on-demand scoring; an engine without it
+        or ids it refuses are a 422."""
         call = getattr(self.engine, method, None)
         if call is None:
             raise InvalidInputError("this engine cannot score chosen token ids")
         async with self._admission(sum(s.length for s in seqs)):
-            chosen = [list(c) for c in ids]
-            args = (
-                ([s.input_ids for s in seqs], chosen)
-                if k is None
-                else ([s.input_ids for s in seqs], k, chosen)
-            )
             try:
-                return await pipeline.timed(call(*args, temperature), seqs, self.metrics, "score")
+                return await pipeline.timed(call(*args), seqs, self.metrics, "score")
             except EngineInputError as e:
                 raise InvalidInputError(str(e)) from None
