@@ -9,9 +9,8 @@ still runs when it is alone, so no valid request is refused forever.
 been finishing work: ``ceil(in_flight / rate)`` seconds, clamped to ``[1, 60]`` (``1`` before any
 request has finished). The rate is the queue's real drain rate, measured over the requests that
 finished in the last :data:`RATE_WINDOW_S` seconds: their tokens over the wall time from the
-earliest start among them to now. (A per-request ``tokens / seconds`` counts each request's wait
-behind the others as slowness: under a burst of 64 concurrent requests it under-estimated the
-drain rate about 30 times, and nearly every 429 said 60 s for a queue that drained in 10 s.)
+earliest start among them to now (a per-request ``tokens / seconds`` would count each request's
+wait behind the others as slowness).
 
 Single event loop only (no locks): every method is called from the app's loop.
 """

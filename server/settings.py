@@ -96,7 +96,7 @@ class ServerSettings(BaseSettings):
     """Keep each row's logprob of its actual next token (float32, 4 B per position before
     compression; FORMAT.md 4.12) in the top-k caches the service creates: ``/v1/completions``
     answers the prompt's own token from it, as vLLM does, with no engine work on a hit. Caches
-    made without it are served as before (their actual tokens outside the top-k are scored)."""
+    made without it are served too (their actual tokens outside the top-k are scored)."""
     teachers: list[TeacherSettings] = Field(default_factory=list)
     """Several teachers behind one service (JSON list of ``{"name", "model", ...}``, see
     :class:`TeacherSettings`); requests route by their ``model``, the first is the default.

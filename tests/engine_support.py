@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
+from logitcache.cache_format import SequenceRecord
 from logitcache.server.engine import BaseEngine, EngineInfo, SampledTargets, make_scores
 
 
@@ -152,6 +153,28 @@ class FakeEngine(BaseEngine):
             fake_sampled(ids, key, targets, self.info, temperature)
             for ids, key in zip(prompts, keys, strict=True)
         ]
+
+
+async def lazy_records(engine: Any, seqs: Any, k: int) -> list[SequenceRecord]:
+    """The records a job appended before its rows went to the writer as parts (the reference of
+    the parts tests): the engine's rows per sequence, a tail mass not computed yet left to the
+    writer."""
+    from logitcache.server.batch import pipeline
+
+    scores = await pipeline.call_engine(engine, seqs, k, None)
+    return [
+        SequenceRecord(
+            key=s.key,
+            input_ids=s.input_ids,
+            topk_ids=sc.topk_ids,
+            topk_logprobs=sc.topk_logprobs,
+            tail_mass=sc.known_tail(),
+            loss_mask=s.loss_mask,
+            entropy=sc.entropy,
+            actual_logprob=sc.actual_logprob,
+        )
+        for s, sc in zip(seqs, scores, strict=True)
+    ]
 
 
 def fake_sampled(

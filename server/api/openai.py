@@ -3,7 +3,7 @@
 For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD): vLLM's
 ``CompletionRequest`` shape in, its ``CompletionResponse`` shape out, every prompt served
 through a cache (:mod:`~..serving.cache_hits`; default :data:`DEFAULT_CACHE`, one per
-temperature: :func:`~..serving.scoring.default_cache`). Each row lists the actual prompt token
+temperature: :meth:`~..serving.teachers.Teacher.route_cache`). A row lists the actual prompt token
 first (its logprob from the cache's ``actual_logprob`` array, the rows just scored, or
 :func:`~..serving.chosen.at_chosen_ids`), then the top ``prompt_logprobs`` ids; outside the
 row's top ``K`` that token's rank is ``K + 1``, a lower bound, and
@@ -28,11 +28,10 @@ from logitcache.protocol import Temperature, TokenId
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidInputError, public_name
-from ..inputs.records import RawRecord, Sequence
+from ..inputs.records import Sequence
 from ..serving.cache_hits import Served
-from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids
-from ..serving.scoring import ScoringService
+from ..serving.scoring import ScoringService, raws
 from ..serving.teachers import Teacher
 from .deps import ERRORS, ServicesDep, TokenText, teacher_of, with_teacher
 
@@ -115,15 +114,6 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     if isinstance(p[0], int):
         return [list(p)]  # type: ignore[arg-type]
     return list(p)  # type: ignore[arg-type]
-
-
-def _raws(prompts: list[str | list[int]]) -> list[RawRecord]:
-    return [
-        RawRecord(where=f"prompt[{i}]", id=None, text=p, input_ids=None)
-        if isinstance(p, str)
-        else RawRecord(where=f"prompt[{i}]", id=None, text=None, input_ids=p)
-        for i, p in enumerate(prompts)
-    ]
 
 
 def _entry(lp: float, rank: int, text: str | None) -> dict[str, Any]:
@@ -238,9 +228,9 @@ async def complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
     assert scoring is not None and serving is not None
     k = _check(req, scoring)
     t = scoring.check_temperature(req.temperature)
-    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
+    cache = teacher.route_cache(req.cache, DEFAULT_CACHE, t)
     prompts = _prompts(req)
-    seqs = await asyncio.to_thread(scoring.checked, _raws(prompts), len(prompts), "prompts")
+    seqs = await asyncio.to_thread(scoring.checked, raws("prompt", prompts), "prompts")
     scoring.check_answer_size(seqs, k, "completions")
     manifest = await asyncio.to_thread(scoring.route_manifest, cache, t)
     if k <= manifest.k:  # whole cached rows: the actual token's rank within them

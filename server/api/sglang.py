@@ -26,9 +26,9 @@ from logitcache.cache_format import Manifest, SequenceRecord
 from logitcache.protocol import SglangGenerateRequest
 
 from ..errors import InvalidInputError
-from ..inputs.records import RawRecord, Sequence
-from ..serving.caches import check_name
+from ..inputs.records import Sequence
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
+from ..serving.scoring import raws
 from ..serving.teachers import Teacher
 from .deps import ERRORS, ServicesDep, TokenText, with_teacher
 
@@ -221,16 +221,12 @@ async def generate(teacher: Teacher, req: SglangGenerateRequest) -> bytes:
     top = scoring.check_k(top or None) or 0
     t = scoring.check_temperature(asked_t)
     info = engine.info
-    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
-    raws = [
-        RawRecord(where=f"input_ids[{i}]", id=None, text=None, input_ids=s)
-        for i, s in enumerate(seqs_in)
-    ]
+    cache = teacher.route_cache(req.cache, DEFAULT_CACHE, t)
 
     def checked() -> tuple[list[Sequence], list[int], list[Any], list[Any], Manifest]:
         """Every check, blocking (one worker thread hop): the sequences, their first answered
         positions, asked ids and asked matrices, and the cache's manifest."""
-        seqs = scoring.checked(raws, len(raws), "input_ids")
+        seqs = scoring.checked(raws("input_ids", seqs_in), "input_ids")
         firsts = [_first(start, s.length) for s in seqs]
         chosen = [_chosen(req.token_ids_logprob, i, len(seqs), batch) for i in range(len(seqs))]
         asks = [

@@ -30,7 +30,6 @@ from logitcache.protocol import (
 
 from ..errors import InvalidInputError
 from ..inputs.records import RawRecord, Sequence
-from ..serving.caches import check_name
 from ..serving.chosen import at_chosen_ids, check_asked, one_call_ids
 from ..serving.teachers import Teacher
 from .deps import ERRORS, ServicesDep, with_teacher
@@ -97,12 +96,12 @@ async def generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateRe
     info = engine.info
     asked, start = asked_matrix(req, info.vocab_size)
     t = scoring.check_temperature(req.sampling_params.temperature)
-    cache = check_name(req.cache or teacher.default_cache(DEFAULT_CACHE, t))
+    cache = teacher.route_cache(req.cache, DEFAULT_CACHE, t)
     raw = RawRecord(where="token_ids", id=None, text=None, input_ids=req.token_ids)
 
     def checked() -> tuple[list[Sequence], Manifest]:
         """The checked sequence and the cache's manifest, blocking (one worker thread hop)."""
-        seqs = scoring.checked([raw], 1, "token_ids")
+        seqs = scoring.checked([raw], "token_ids")
         scoring.check_answer_size(seqs, asked.shape[1], "npy")
         return seqs, scoring.route_manifest(cache, t)
 

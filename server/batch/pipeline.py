@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from logitcache.cache_format import Manifest, SequenceBatch, SequenceRecord
 
@@ -54,6 +54,9 @@ from .parts import to_batches
 if TYPE_CHECKING:
     from ..engine import SampledTargets, TeacherEngine, TeacherScores
     from ..metrics import TeacherMetrics
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -100,13 +103,9 @@ def plan(
         yield Batch(seqs=b, todo=bool(missing([s.key for s in b])))
 
 
-def to_records(
-    seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores], lazy_tail: bool = False
-) -> list[SequenceRecord]:
-    """Pair checked sequences with the engine's ``TeacherScores`` (same order). With
-    ``lazy_tail``, a tail mass not computed yet stays so: the cache's writer computes it (next
-    to its encode pass, on rows still in the CPU's cache; the same bits); else it is computed
-    here (the records answer a request with it)."""
+def to_records(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores]) -> list[SequenceRecord]:
+    """Pair checked sequences with the engine's ``TeacherScores`` (same order), each with its
+    tail mass (the records answer a request)."""
     if len(scores) != len(seqs):
         raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
     return [
@@ -115,7 +114,7 @@ def to_records(
             input_ids=s.input_ids,
             topk_ids=sc.topk_ids,
             topk_logprobs=sc.topk_logprobs,
-            tail_mass=sc.known_tail() if lazy_tail and hasattr(sc, "known_tail") else sc.tail_mass,
+            tail_mass=sc.tail_mass,
             loss_mask=s.loss_mask,  # chat records of a loss_mask job (server/inputs/chat.py)
             entropy=getattr(sc, "entropy", None),  # an engine built with entropy (FORMAT.md 4.9)
             actual_logprob=getattr(sc, "actual_logprob", None),  # FORMAT.md 4.12
@@ -158,18 +157,16 @@ async def call_engine(
     return scores
 
 
-async def _scores(
-    engine: TeacherEngine,
+async def timed(
+    call: Awaitable[T],
     seqs: Seq[inputs.Sequence],
-    k: int,
     metrics: TeacherMetrics | None,
     source: str,
-    targets: SampledTargets | None,
-    temperature: float | None,
-) -> list[TeacherScores]:
-    """:func:`call_engine`, its time recorded under ``source`` with ``metrics``."""
+) -> T:
+    """``call`` (an engine call on ``seqs``) awaited, its time recorded under ``source`` with
+    ``metrics``."""
     t0 = time.perf_counter()
-    scores = await call_engine(engine, seqs, k, targets, temperature)
+    out = await call
     if metrics is not None:
         metrics.scored(
             source,
@@ -177,7 +174,7 @@ async def _scores(
             tokens=sum(s.length for s in seqs),
             seconds=time.perf_counter() - t0,
         )
-    return scores
+    return out
 
 
 async def engine_records(
@@ -188,18 +185,16 @@ async def engine_records(
     metrics: TeacherMetrics | None = None,
     source: str = "job",
     targets: SampledTargets | None = None,
-    lazy_tail: bool = False,
     temperature: float | None = None,
 ) -> list[SequenceRecord]:
     """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
     the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
     With ``metrics``, the engine call's time is recorded under ``source``. With ``targets``,
-    sampled rows instead (:func:`call_engine`: seeded by each sequence's key). With
-    ``lazy_tail``, records that only go to a cache's writer: their tail mass is left to it
-    (:func:`to_records`). ``temperature``: the engine's ``T`` for these rows (``None``: its own).
+    sampled rows instead (:func:`call_engine`: seeded by each sequence's key). ``temperature``:
+    the engine's ``T`` for these rows (``None``: its own).
     """
-    scores = await _scores(engine, seqs, k, metrics, source, targets, temperature)
-    return await asyncio.to_thread(to_records, seqs, scores, lazy_tail)
+    scores = await timed(call_engine(engine, seqs, k, targets, temperature), seqs, metrics, source)
+    return await asyncio.to_thread(to_records, seqs, scores)
 
 
 async def engine_batches(
@@ -215,7 +210,7 @@ async def engine_batches(
     :class:`~logitcache.cache_format.SequenceBatch` parts of :func:`.parts.to_batches` (views
     of the engine's arrays, made in a worker thread; a tail mass not computed yet is the
     writer's)."""
-    scores = await _scores(engine, seqs, k, metrics, source, targets, None)
+    scores = await timed(call_engine(engine, seqs, k, targets), seqs, metrics, source)
     return await asyncio.to_thread(to_batches, seqs, scores)
 
 
@@ -234,12 +229,7 @@ async def hidden_records(
     call = getattr(engine, "score_hidden", None)
     if call is None:
         raise EngineInputError("this engine cannot capture hidden states (targets='hidden')")
-    t0 = time.perf_counter()
-    hidden = await call([s.input_ids for s in seqs])
-    if metrics is not None:
-        seconds = time.perf_counter() - t0
-        tokens = sum(s.length for s in seqs)
-        metrics.scored(source, sequences=len(seqs), tokens=tokens, seconds=seconds)
+    hidden = await timed(call([s.input_ids for s in seqs]), seqs, metrics, source)
     return [
         HiddenRecord(s.key, s.input_ids, h, s.loss_mask) for s, h in zip(seqs, hidden, strict=True)
     ]

@@ -65,7 +65,7 @@ class VllmOptions:
             gib = float(rest.pop("cpu_kvcache_gib", 1.0))
         except (TypeError, ValueError):
             raise EngineConfigError("cpu_kvcache_gib must be a number") from None
-        for key in HfOptions.OWN:  # the other backend's keys are ignored, as before
+        for key in HfOptions.OWN:  # the other backend's keys are ignored
             rest.pop(key, None)
         return cls(mode=mode, cpu_kvcache_gib=gib, engine_args=rest)  # type: ignore[arg-type]
 

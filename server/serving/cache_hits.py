@@ -45,7 +45,7 @@ from ..batch import pipeline
 from ..errors import InvalidInputError, NotFoundError
 from ..inputs.records import Sequence
 from . import targets
-from .appends import GroupCommitter, Ticket
+from .appends import GroupCommitter
 from .caches import check_name
 from .scoring import ScoringService
 
@@ -269,54 +269,41 @@ class CacheServing:
         on behind the answer (:meth:`.appends.GroupCommitter.append_behind`); otherwise return
         once it has committed them."""
         with self.commits.ticket(cache) as ticket:
-            return await self._serve(cache, seqs, k, manifest, store, ticket, ids, answer_first)
-
-    async def _serve(
-        self,
-        cache: str,
-        seqs: Seq[Sequence],
-        k: int,
-        manifest: Manifest,
-        store: bool,
-        ticket: Ticket,
-        ids: Seq[list[int]] | None,
-        answer_first: bool,
-    ) -> Served:
-        found = await asyncio.to_thread(self.lookup, cache, seqs, store)
-        miss_idx = [i for i in range(len(seqs)) if i not in found]
-        sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
-        misses = [seqs[i] for i in miss_idx]
-        at_ids: dict[int, np.ndarray] = {}
-        if ids is not None and misses and sampled is None:
-            scored, exact = await self.scoring.admitted_with_ids(
-                misses, manifest.k, [ids[i] for i in miss_idx], manifest.temperature
+            found = await asyncio.to_thread(self.lookup, cache, seqs, store)
+            miss_idx = [i for i in range(len(seqs)) if i not in found]
+            sampled = targets.targets_of(manifest)  # a sampled cache's misses are sampled rows
+            misses = [seqs[i] for i in miss_idx]
+            at_ids: dict[int, np.ndarray] = {}
+            if ids is not None and misses and sampled is None:
+                scored, exact = await self.scoring.admitted_with_ids(
+                    misses, manifest.k, [ids[i] for i in miss_idx], manifest.temperature
+                )
+                at_ids = dict(zip(miss_idx, exact, strict=True))
+            else:
+                scored = await pipeline.one_batch(
+                    misses,
+                    score=lambda s: self.scoring.admitted(
+                        s, manifest.k, targets=sampled, temperature=manifest.temperature
+                    ),
+                )
+            as_kept = await asyncio.to_thread(checked_as_stored, scored, manifest, store)
+            kept = pipeline.for_store(scored, manifest) if store else []
+            stored = 0
+            if answer_first:
+                self.commits.append_behind(ticket, manifest, kept, as_kept)
+            else:
+                stored = await self.commits.append(ticket, manifest, kept)
+            out: list[SequenceRecord | None] = [None] * len(seqs)
+            for i, rec in found.items():
+                out[i] = fold_k(rec, k)
+            for i, rec in zip(miss_idx, as_kept, strict=True):
+                out[i] = fold_k(rec, k)
+            records = [r for r in out if r is not None]
+            hits = [i in found for i in range(len(seqs))]
+            self.metrics.cache_served(
+                hits=len(found),
+                misses=len(miss_idx),
+                tokens_saved=sum(seqs[i].length for i in found),
+                bytes_served=sum(record_bytes(records[i]) for i in found),
             )
-            at_ids = dict(zip(miss_idx, exact, strict=True))
-        else:
-            scored = await pipeline.one_batch(
-                misses,
-                score=lambda s: self.scoring.admitted(
-                    s, manifest.k, targets=sampled, temperature=manifest.temperature
-                ),
-            )
-        as_kept = await asyncio.to_thread(checked_as_stored, scored, manifest, store)
-        kept = pipeline.for_store(scored, manifest) if store else []
-        stored = 0
-        if answer_first:
-            self.commits.append_behind(ticket, manifest, kept, as_kept)
-        else:
-            stored = await self.commits.append(ticket, manifest, kept)
-        out: list[SequenceRecord | None] = [None] * len(seqs)
-        for i, rec in found.items():
-            out[i] = fold_k(rec, k)
-        for i, rec in zip(miss_idx, as_kept, strict=True):
-            out[i] = fold_k(rec, k)
-        records = [r for r in out if r is not None]
-        hits = [i in found for i in range(len(seqs))]
-        self.metrics.cache_served(
-            hits=len(found),
-            misses=len(miss_idx),
-            tokens_saved=sum(seqs[i].length for i in found),
-            bytes_served=sum(record_bytes(records[i]) for i in found),
-        )
-        return Served(records=records, k=k, hits=hits, stored=stored, at_ids=at_ids)
+            return Served(records=records, k=k, hits=hits, stored=stored, at_ids=at_ids)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from logitcache.cache_format import Manifest, SequenceRecord
+from logitcache.protocol import FRAMES_MEDIA_TYPE
 
 from ..admission import TokenGate
 from ..batch import pipeline
@@ -46,27 +47,36 @@ if TYPE_CHECKING:
     from ..settings import ServerSettings
 
 
-#: Upper-bound bytes of an answer, per format: per top-k value, per row, per token and per
-#: sequence. JSON: an id of up to 10 digits and a float of up to 22 characters with separators,
-#: the tail per row, ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions:
-#: vLLM's per-id dict (logprob, rank, decoded token) for every value; npy: a base64 float32.
-ANSWER_BYTES: dict[str, tuple[int, int, int, int]] = {
-    "json": (34, 30, 12, 200),
-    "frames": (8, 4, 12, 200),
-    "completions": (80, 0, 0, 200),
-    "generate": (40, 40, 0, 400),
-    "npy": (6, 0, 0, 600),
+#: Per answer format: upper-bound bytes per top-k value, per row, per token and per sequence,
+#: and what to change when an answer would be over ``max_response_bytes``. JSON: an id of up to
+#: 10 digits and a float of up to 22 characters with separators, the tail per row,
+#: ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions: vLLM's per-id dict
+#: (logprob, rank, decoded token) for every value; npy: a base64 float32.
+_SEQS = "send fewer or shorter sequences"
+_FRAMES = f"ask for frames (Accept: {FRAMES_MEDIA_TYPE})"
+ANSWER_BYTES: dict[str, tuple[int, int, int, int, str]] = {
+    "json": (34, 30, 12, 200, f"{_SEQS}, a smaller k, or {_FRAMES}"),
+    "frames": (8, 4, 12, 200, f"{_SEQS} or a smaller k"),
+    "completions": (80, 0, 0, 200, "send fewer or shorter prompts or a smaller prompt_logprobs"),
+    "generate": (40, 40, 0, 400, f"{_SEQS} or a smaller top_logprobs_num"),
+    "npy": (6, 0, 0, 600, "send a shorter sequence or fewer candidate ids per row"),
 }
-#: What to change when an answer would be over ``max_response_bytes``, per format.
-SMALLER_ANSWER = {
-    "json": "send fewer or shorter sequences, a smaller k, or ask for frames "
-    "(Accept: application/x-logitcache-frames)",
-    "frames": "send fewer or shorter sequences, a smaller k, or ask for frames "
-    "(Accept: application/x-logitcache-frames)",
-    "completions": "send fewer or shorter prompts or a smaller prompt_logprobs",
-    "generate": "send fewer or shorter sequences or a smaller top_logprobs_num",
-    "npy": "send a shorter sequence or fewer candidate ids per row",
-}
+
+
+def raws(
+    field: str, items: Seq[str | Seq[int]], keys: Seq[str | None] | None = None
+) -> list[RawRecord]:
+    """The raw records of a request's list ``field``: a text, or token ids, per item (``keys``:
+    their ids; default none)."""
+    return [
+        RawRecord(
+            where=f"{field}[{i}]",
+            id=None if keys is None else keys[i],
+            text=item if isinstance(item, str) else None,
+            input_ids=None if isinstance(item, str) else item,
+        )
+        for i, item in enumerate(items)
+    ]
 
 
 class Unread(enum.Enum):
@@ -78,16 +88,6 @@ class Unread(enum.Enum):
 #: A cache manifest argument the callee reads itself (:meth:`ScoringService.stored_manifest`),
 #: unlike one its caller has just read (``None``: no cache).
 UNREAD = Unread.UNREAD
-
-
-def default_cache(base: str, temperature: float | None, engine_temperature: float) -> str:
-    """The cache a protocol route (``/v1/completions``, ``/generate``) serves from when the
-    request names none: ``base`` at the engine's temperature, ``f"{base}-t{T}"`` (``T`` as
-    Python's shortest ``repr``, e.g. ``openai-completions-t0.7``) at another, so each
-    temperature a trainer sends gets a cache of its own and none answers another's."""
-    if temperature is None or temperature == engine_temperature:
-        return base
-    return f"{base}-t{float(temperature)!r}"
 
 
 class ScoringService:
@@ -267,42 +267,32 @@ class ScoringService:
 
     def sequences_of(self, req: ScoreRequest) -> list[Sequence]:
         """The request's checked, keyed sequences (tokenising texts)."""
-        n = req.num_sequences
-        keys: Seq[str | None] = req.keys if req.keys is not None else [None] * n
         if req.keys is not None and len(set(req.keys)) != len(req.keys):
             raise InvalidInputError("keys must be distinct")  # (each is a non-empty Key)
-        if req.texts is not None:
-            raws = [
-                RawRecord(where=f"texts[{i}]", id=keys[i], text=t, input_ids=None)
-                for i, t in enumerate(req.texts)
-            ]
-        else:
-            raws = [
-                RawRecord(where=f"input_ids[{i}]", id=keys[i], text=None, input_ids=ids)
-                for i, ids in enumerate(req.input_ids or [])
-            ]
-        return self.checked(raws, n, "sequences", " per request")
+        field, items = (
+            ("texts", req.texts) if req.texts is not None else ("input_ids", req.input_ids)
+        )
+        return self.checked(raws(field, items or [], req.keys), "sequences", " per request")
 
-    def checked(self, raws: Seq[RawRecord], n: int, noun: str, per: str = "") -> list[Sequence]:
-        """Checked sequences of ``n`` raw records of one request (``noun``: what the limit's
+    def checked(self, records: Seq[RawRecord], noun: str, per: str = "") -> list[Sequence]:
+        """Checked sequences of the raw records of one request (``noun``: what the limit's
         message calls them); 413 over ``max_score_sequences``."""
-        limit = self.settings.max_score_sequences
+        n, limit = len(records), self.settings.max_score_sequences
         if n > limit:
             raise PayloadTooLargeError(f"{n} {noun} exceed the limit of {limit}{per}")
-        return [to_sequence(r, self.engine.tokenize, self.limits) for r in raws]
+        return [to_sequence(r, self.engine.tokenize, self.limits) for r in records]
 
     def check_answer_size(self, seqs: Seq[Sequence], k: int, answer: str) -> None:
         """413 before any engine work if the answer (``answer``: a format of
         :data:`ANSWER_BYTES`) could exceed ``max_response_bytes`` (an upper-bound estimate)."""
-        per_value, per_row, per_token, per_seq = ANSWER_BYTES[answer]
+        per_value, per_row, per_token, per_seq, smaller = ANSWER_BYTES[answer]
         tokens = sum(s.length for s in seqs)
         rows = tokens - len(seqs)
         size = rows * (k * per_value + per_row) + tokens * per_token + per_seq * len(seqs)
         limit = self.settings.max_response_bytes
         if size > limit:
             raise PayloadTooLargeError(
-                f"the answer would take about {size} bytes, over the limit of {limit}: "
-                + SMALLER_ANSWER[answer]
+                f"the answer would take about {size} bytes, over the limit of {limit}: {smaller}"
             )
 
     # --- scoring --------------------------------------------------------------------------
@@ -359,7 +349,11 @@ class ScoringService:
         """The engine's exact logprobs at chosen ids (``score_ids``: per sequence ``i`` a float32
         ``[L_i - 1, len(ids[i])]`` array) at ``temperature`` under the on-demand admission
         budget; an id list the engine refuses is a 422."""
-        out: list[np.ndarray] = await self._ids_call("score_ids", seqs, ids, temperature)
+        chosen = [list(c) for c in ids]
+        prompts = [s.input_ids for s in seqs]
+        out: list[np.ndarray] = await self._ids_call(
+            seqs, "score_ids", prompts, chosen, temperature
+        )
         return out
 
     async def admitted_with_ids(
@@ -367,39 +361,22 @@ class ScoringService:
     ) -> tuple[list[SequenceRecord], list[np.ndarray]]:
         """Engine records of ``seqs`` at ``k`` and the exact logprobs at ``ids`` (as
         :meth:`admitted_ids`) from one engine call (``score_with_ids``)."""
-        scores, at_ids = await self._ids_call("score_with_ids", seqs, ids, temperature, k=k)
+        chosen = [list(c) for c in ids]
+        prompts = [s.input_ids for s in seqs]
+        scores, at_ids = await self._ids_call(
+            seqs, "score_with_ids", prompts, k, chosen, temperature
+        )
         return await asyncio.to_thread(pipeline.to_records, seqs, scores), at_ids
 
-    async def _ids_call(
-        self,
-        method: str,
-        seqs: Seq[Sequence],
-        ids: Seq[Seq[int]],
-        temperature: float | None,
-        k: int | None = None,
-    ) -> Any:
-        """The engine's ``method`` (``score_ids`` or ``score_with_ids``) on ``seqs`` under the
-        admission budget, timed as on-demand scoring; an engine without it or ids it refuses
-        are a 422."""
+    async def _ids_call(self, seqs: Seq[Sequence], method: str, *args: Any) -> Any:
+        """The engine's ``method`` (``score_ids`` or ``score_with_ids``) with ``args`` on
+        ``seqs`` under the admission budget, timed as on-demand scoring; an engine without it
+        or ids it refuses are a 422."""
         call = getattr(self.engine, method, None)
         if call is None:
             raise InvalidInputError("this engine cannot score chosen token ids")
         async with self._admission(sum(s.length for s in seqs)):
-            t0 = time.perf_counter()
-            chosen = [list(c) for c in ids]
-            args = (
-                ([s.input_ids for s in seqs], chosen)
-                if k is None
-                else ([s.input_ids for s in seqs], k, chosen)
-            )
             try:
-                out = await call(*args, temperature)
+                return await pipeline.timed(call(*args), seqs, self.metrics, "score")
             except EngineInputError as e:
                 raise InvalidInputError(str(e)) from None
-            self.metrics.scored(
-                "score",
-                sequences=len(seqs),
-                tokens=sum(s.length for s in seqs),
-                seconds=time.perf_counter() - t0,
-            )
-            return out

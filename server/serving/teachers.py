@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import UnknownModelError, public_name
 from .cache_hits import CacheServing
+from .caches import check_name
 from .scoring import ScoringService
-from .scoring import default_cache as _default_cache
 
 if TYPE_CHECKING:
     from ..engine import EngineInfo, TeacherEngine
@@ -92,13 +92,20 @@ class Teacher:
     def loaded(self) -> bool:
         return self.state == "loaded"
 
-    def default_cache(self, base: str, temperature: float | None) -> str:
-        """The cache a protocol route serves this teacher from when the request names none:
-        :func:`.scoring.default_cache` of ``base`` (the default teacher) or of
-        ``f"{base}-{name}"`` (any other, so teachers never share one)."""
+    def route_cache(self, asked: str | None, base: str, temperature: float | None) -> str:
+        """The checked name of the cache a protocol route (``/v1/completions``, ``/generate``)
+        serves this teacher from: ``asked`` (the request's), else ``base`` (the default teacher)
+        or ``f"{base}-{name}"`` (any other, so teachers never share one), suffixed
+        ``f"-t{T}"`` at a ``temperature`` other than the engine's (``T`` as Python's shortest
+        ``repr``, e.g. ``openai-completions-t0.7``: each temperature a trainer sends gets a
+        cache of its own and none answers another's)."""
         assert self.engine is not None
+        if asked:
+            return check_name(asked)
         named = base if self.default else f"{base}-{cache_suffix(self.name)}"
-        return _default_cache(named, temperature, self.engine.info.temperature)
+        if temperature is None or temperature == self.engine.info.temperature:
+            return named
+        return f"{named}-t{float(temperature)!r}"
 
     def status(self) -> dict[str, Any]:
         """The teacher's state for ``/health`` and the status page."""

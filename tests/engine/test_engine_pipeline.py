@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_support import FakeEngine, fake_logprobs
+from engine_support import FakeEngine, fake_logprobs, lazy_records
 from logitcache.cache_format import CacheReader, Manifest
 from logitcache.server.batch import pipeline, shards
 from logitcache.server.inputs import records as inputs
@@ -187,7 +187,7 @@ def test_the_writer_computes_a_jobs_tail_mass_once(tmp_path: Path, monkeypatch) 
     seqs = [inputs.to_sequence(r, engine.tokenize, LIMITS) for r in _raws(4)]
     eager = asyncio.run(pipeline.engine_records(engine, seqs, K))  # answers carry their tail
     assert all(r.tail_mass is not None for r in eager)
-    got = asyncio.run(pipeline.engine_records(engine, seqs, K, lazy_tail=True))  # a job's
+    got = asyncio.run(lazy_records(engine, seqs, K))  # a job's
     assert all(r.tail_mass is None for r in got)
     rows: list[int] = []  # rows given a tail, per call
     real = recs_mod.tail_from_logprobs

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_support import FakeEngine
+from engine_support import FakeEngine, lazy_records
 from logitcache.cache_format import CacheWriter, SequenceBatch
 from logitcache.cache_format.records import tail_from_logprobs
 from logitcache.server.batch import pipeline
@@ -137,7 +137,7 @@ def test_a_job_stores_the_bytes_of_the_per_record_append(
     engine = engine_type()
     seqs = _seqs(engine, 8)
     _write(tmp_path / "parts", engine, seqs, lambda b: pipeline.engine_batches(engine, b, K))
-    reference = lambda b: pipeline.engine_records(engine, b, K, lazy_tail=True)  # noqa: E731
+    reference = lambda b: lazy_records(engine, b, K)  # noqa: E731
     _write(tmp_path / "records", engine, seqs, reference)
     got, want = _files(tmp_path / "parts"), _files(tmp_path / "records")
     assert got.keys() == want.keys()
