@@ -1,11 +1,11 @@
 """Random access: point reads and the ``random_access`` layout preset.
 
 ``CacheReader.sequence`` / ``sequences`` read only the inner chunks they need, each decoded once
-per call (``_pointread.py``, FORMAT.md D4); they must return bit-identical values to stock zarr
-reading the same store (``ZarrReader``) for every encoding, id remap, loss mask, repeated and unsorted
-indices, ranges across chunk and shard edges, with and without decode threads, on a local and
-an S3 store. The ``random_access`` preset (FORMAT.md 4.7) is chosen at write time, recorded in
-the store, kept by a later writer given another layout, and validates.
+per call (``_pointread.py``, FORMAT.md D4); they must return bit-identical values to stock
+zarr reading the same store (``ZarrReader``) for every encoding, id remap, loss mask, repeated
+and unsorted indices, ranges across chunk and shard edges, with and without decode threads, on a
+local and an S3 store. The ``random_access`` preset (FORMAT.md 4.7) is chosen at write time,
+recorded in the store, kept by a later writer given another layout, and validates.
 """
 
 from __future__ import annotations
