@@ -91,8 +91,21 @@ def _teacher_logits(y, y_scale, cap, inv_t2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _max2(a1, b1, a2, b2):
-    return tl.maximum(a1, a2), tl.maximum(b1, b2)
+def _online(m, s, f, z, u):
+    """One element per lane into a lane's running ``(max m, sum 2^(z - m), sum 2^(z - m) u)``:
+    one ``ex2`` (of ``-|z - m|``), whichever side of the maximum ``z`` falls."""
+    dz = z - m
+    e = tl.exp2(-tl.abs(dz))
+    up = dz > 0
+    return tl.maximum(m, z), tl.where(up, s * e + 1.0, s + e), tl.where(up, f * e + u, f + e * u)
+
+
+@triton.jit
+def _lanes(m, s, f):
+    """A segment's ``(m, s, f)`` from its lanes' ``(m, s, f)``."""
+    top = tl.max(m, 0)
+    w = tl.exp2(m - top)
+    return top, tl.sum(s * w, 0), tl.sum(f * w, 0)
 
 
 @triton.jit
@@ -113,8 +126,8 @@ def _stats_loop(
     logits (at ``xb``); with ``a`` the tempered teacher logits and ``b = x / T``, both in bits:
     ``(m_a, s_a, f_a, m_b, s_b, f_b)``, maxima ``m``, ``s_a = sum 2^(a - m_a)``, ``f_a = sum
     2^(a - m_a) (a - b)``, ``s_b = sum 2^(b - m_b)``, ``f_b = sum 2^(b - m_b) (b - a)``.
-    The maxima are per block, the sums per lane (reduced once at the end)."""
-    ma = tl.max(tl.full([BLOCK], -1.0e30, tl.float32), 0)
+    Each lane keeps its own maxima and sums (no reduction inside the loop), merged at the end."""
+    ma = tl.full([BLOCK], -1.0e30, tl.float32)
     mb = ma
     sa = tl.zeros([BLOCK], tl.float32)
     fa = sa
@@ -127,20 +140,11 @@ def _stats_loop(
         a = tl.where(msk, _teacher_logits(y, y_scale, cap, inv_t2, SOFTCAP), -float("inf"))
         b = tl.load(xb + offs, mask=msk, other=-float("inf")).to(tl.float32) * inv_t2
         d = tl.where(msk, a - b, 0.0)
-        ba, bb = tl.reduce((a, b), 0, _max2)  # both block maxima in one reduction
-        na = tl.maximum(ma, ba)
-        nb = tl.maximum(mb, bb)
-        ca = tl.exp2(ma - na)
-        cb = tl.exp2(mb - nb)
-        ea = tl.exp2(a - na)
-        eb = tl.exp2(b - nb)
-        sa = sa * ca + ea
-        fa = fa * ca + ea * d
-        sb = sb * cb + eb
-        fb = fb * cb - eb * d
-        ma = na
-        mb = nb
-    return ma, tl.sum(sa, 0), tl.sum(fa, 0), mb, tl.sum(sb, 0), tl.sum(fb, 0)
+        ma, sa, fa = _online(ma, sa, fa, a, d)
+        mb, sb, fb = _online(mb, sb, fb, b, -d)
+    ma, sa, fa = _lanes(ma, sa, fa)
+    mb, sb, fb = _lanes(mb, sb, fb)
+    return ma, sa, fa, mb, sb, fb
 
 
 @triton.jit
