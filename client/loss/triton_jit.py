@@ -74,10 +74,7 @@ def row_grad_kernel(
 # row ``r`` in steps of ``BLOCK`` columns (``seg`` a multiple of ``BLOCK``, so only the row's end
 # needs a mask). The loops work in base 2: ``inv_t2 = log2(e) / T``, so tempered logits come out
 # in bits and every exponential and logarithm is one ``ex2`` / ``lg2`` instruction; results
-# leave the kernels in natural units (``LN2`` below).
-
-LN2: tl.constexpr = 0.6931471805599453
-LOG2E: tl.constexpr = 1.4426950408889634
+# leave the kernels in natural units (``* 0.6931...``, ln 2).
 
 
 @triton.jit
@@ -193,7 +190,9 @@ def _merge(part_ptr, n_parts, PARTS: tl.constexpr):
     top = tl.max(m, 0)
     w = tl.exp2(m - top)
     total = tl.sum(s * w, 0)
-    return (top + tl.log2(total)) * LN2, tl.sum(f * w, 0) / total * LN2
+    return (top + tl.log2(total)) * 0.6931471805599453, tl.sum(
+        f * w, 0
+    ) / total * 0.6931471805599453
 
 
 @triton.jit
@@ -257,7 +256,7 @@ def _sums_loop(
         lm = _log_mix(p, q, beta, one_m_beta)
         tp += tl.where(msk, p * (lp - lm), 0.0)
         tq += tl.where(msk, q * (lq - lm), 0.0)
-    return tl.sum(tp, 0) * LN2, tl.sum(tq, 0) * LN2
+    return tl.sum(tp, 0) * 0.6931471805599453, tl.sum(tq, 0) * 0.6931471805599453
 
 
 @triton.jit
@@ -287,8 +286,8 @@ def exact_jsd_sums_kernel(
     hi = tl.minimum(lo + seg, n_cols)
     tp, tq = _sums_loop(
         y_ptr + row * y_stride, x_ptr + row * x_stride, lo, hi, n_cols, y_scale, cap, inv_t2,
-        beta, one_m_beta, tl.load(stats_ptr + row * 4) * LOG2E,
-        tl.load(stats_ptr + row * 4 + 1) * LOG2E, SOFTCAP, BLOCK, STAGES,
+        beta, one_m_beta, tl.load(stats_ptr + row * 4) * 1.4426950408889634,
+        tl.load(stats_ptr + row * 4 + 1) * 1.4426950408889634, SOFTCAP, BLOCK, STAGES,
     )  # fmt: skip
     out = out_ptr + (row * tl.num_programs(1) + part) * 2
     tl.store(out, tp)
@@ -320,11 +319,11 @@ def _grad_loop(
     """``c * dKD/db`` over columns ``[lo, hi)`` written at ``gb`` (may be ``xb``); ``LOSS``: 0
     forward KL ``q - p``, 1 reverse KL ``q (log q - log p - r)`` (``r`` = KD), 2 JSD ``q (1 -
     beta) (log q - log m - r)`` (``r = t_q``); ``r`` in natural units."""
-    r2 = r * LOG2E
+    r2 = r * 1.4426950408889634
     if LOSS == 1:
-        c = c * LN2
+        c = c * 0.6931471805599453
     elif LOSS == 2:
-        c = c * (one_m_beta * LN2)
+        c = c * (one_m_beta * 0.6931471805599453)
     for start in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK)
         msk = offs < n_cols
@@ -375,8 +374,9 @@ def exact_grad_kernel(
         c = tl.load(coef_ptr + row)
     _grad_loop(
         y_ptr + row * y_stride, xb, xb, lo, hi, n_cols, y_scale, cap, inv_t2, beta,
-        one_m_beta, tl.load(stats_ptr + row * 4) * LOG2E,
-        tl.load(stats_ptr + row * 4 + 1) * LOG2E, tl.load(term_ptr + row * term_stride), c,
+        one_m_beta, tl.load(stats_ptr + row * 4) * 1.4426950408889634,
+        tl.load(stats_ptr + row * 4 + 1) * 1.4426950408889634,
+        tl.load(term_ptr + row * term_stride), c,
         LOSS, SOFTCAP, BLOCK, STAGES,
     )  # fmt: skip
 
@@ -420,10 +420,10 @@ def exact_fused_kernel(
             )
             lse_a2 = ma + tl.log2(sa)
             lse_b2 = mb + tl.log2(sb)
-            term = (fb / sb - lse_b2 + lse_a2) * LN2
-            tl.store(stats_ptr + row * 4, lse_a2 * LN2)
-            tl.store(stats_ptr + row * 4 + 1, lse_b2 * LN2)
-            tl.store(stats_ptr + row * 4 + 2, (fa / sa - lse_a2 + lse_b2) * LN2)
+            term = (fb / sb - lse_b2 + lse_a2) * 0.6931471805599453
+            tl.store(stats_ptr + row * 4, lse_a2 * 0.6931471805599453)
+            tl.store(stats_ptr + row * 4 + 1, lse_b2 * 0.6931471805599453)
+            tl.store(stats_ptr + row * 4 + 2, (fa / sa - lse_a2 + lse_b2) * 0.6931471805599453)
             tl.store(stats_ptr + row * 4 + 3, term)
             if LOSS == 2:
                 tp, term = _sums_loop(
