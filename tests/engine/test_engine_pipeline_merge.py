@@ -116,3 +116,22 @@ def test_fill_waits_for_a_full_group_when_batches_come_fast_enough() -> None:
     assert seconds < 10  # not 30: the input's end flushed the last group
     eager, _ = _slow_run(6, linger=0.0, merge_rows=12, fill=0.01)  # 8 rows need ~0.1 s
     assert eager == [[k] for k in keys]
+
+
+def test_groups_are_written_in_the_writer_thread_never_the_event_loops() -> None:
+    """The append (encode, compression, writes) runs in the pipeline's writer thread, never on
+    the event loop's thread (a server's main thread): the loop stays free for requests."""
+    engine = FakeEngine()
+    where: list[threading.Thread] = []
+
+    async def main() -> None:
+        await pipeline.run(
+            pipeline.plan(_seqs(4), lambda keys: keys, max_sequences=1, max_tokens=99),
+            score=lambda b: pipeline.engine_records(engine, b, K),
+            write=lambda items: where.append(threading.current_thread()),
+            name="writer-under-test",
+        )
+
+    asyncio.run(main())
+    assert where and all(t is not threading.main_thread() for t in where)
+    assert {t.name for t in where} == {"writer-under-test"}

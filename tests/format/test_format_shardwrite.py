@@ -8,6 +8,7 @@ commit, and a damaged committed shard (typed error, nothing committed).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -175,3 +176,86 @@ def test_seq_keys_are_written_directly_with_zarrs_bytes(tmp_path: Path, monkeypa
     assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == []
     assert CacheReader(tmp_path / "direct").keys == [r.key for r in recs]
     assert validate(tmp_path / "direct").ok
+
+
+def test_kept_payload_buffers_give_the_same_bytes(tmp_path: Path, monkeypatch) -> None:
+    """Every shard object assembled in a kept buffer (``KEEP_MIN`` 0), few of them kept: a
+    buffer still holding a :class:`~._shardwrite.LastShard`'s committed chunks (views of it)
+    is never handed out again, so the stores equal zarr's; ones nothing refers to are reused."""
+    sw = writer.shardwrite
+    monkeypatch.setattr(sw, "KEEP_MIN", 0)
+    monkeypatch.setattr(sw, "KEEP_PAYLOADS", 16)
+    monkeypatch.setattr(sw, "_payloads", [])
+    given: list[weakref.ref] = []
+    reused = []
+    real = sw._kept
+
+    def spy(need: int) -> np.ndarray:
+        raw = real(need)
+        reused.append(any(r() is raw for r in given))
+        given.append(weakref.ref(raw))
+        return raw
+
+    monkeypatch.setattr(sw, "_kept", spy)
+    recs = make_records(16, k=K, vocab=VOCAB, seed=5)
+    cuts = [1, 2, 3, 5, 8, 9, 12, 13]
+    write(tmp_path / "zarr", recs, cuts, direct=False, monkeypatch=monkeypatch)
+    write(tmp_path / "direct", recs, cuts, direct=True, monkeypatch=monkeypatch)
+    a, b = files(tmp_path / "zarr"), files(tmp_path / "direct")
+    assert a.keys() == b.keys() and [n for n in a if a[n] != b[n]] == []
+    assert any(reused) and not all(reused)
+    assert len(sw._payloads) <= 16
+
+
+def test_a_kept_payload_is_reused_only_once_nothing_refers_to_it(monkeypatch) -> None:
+    sw = writer.shardwrite
+    monkeypatch.setattr(sw, "_payloads", [])
+    monkeypatch.setattr(sw, "KEEP_MIN", 8192)
+    size = 1 << 20
+    first = sw._aligned(size)
+    assert first.ctypes.data % 4096 == 0 and len(sw._payloads) == 1
+    view = first[100:200]  # e.g. a committed chunk a LastShard keeps
+    del first
+    second = sw._aligned(size)  # the first buffer is still referred to: a new one
+    assert second.base is not view.base and len(sw._payloads) == 2
+    del view, second
+    third = sw._aligned(size)  # both free now: one of them again
+    assert any(third.base is b for b in sw._payloads) and len(sw._payloads) == 2
+    quarter = sw._aligned(size // 4)  # one kept buffer is free, but over twice too big: new
+    assert len(sw._payloads) == 3 and quarter.base is sw._payloads[2]
+    small = sw._aligned(4000)  # below KEEP_MIN: never kept
+    assert len(sw._payloads) == 3 and all(small.base is not b for b in sw._payloads)
+
+
+def test_a_chunk_is_one_blosc_block_so_its_bytes_do_not_depend_on_threads(monkeypatch) -> None:
+    """zarr's import turns numcodecs' blosc threads off (``numcodecs.blosc.use_threads =
+    False``), so every chunk is compressed in a single-threaded blosc context, on any thread.
+    Were they on (a user's setting; numcodecs' default uses them on the main thread, with
+    ``set_nthreads`` threads: 8 on a 16-core box), a format chunk's frame would still be the
+    same every time: it is one blosc block (``blosc_blocks="chunk"``), and blosc splits only a
+    chunk of several blocks among threads (storing the blocks in the order they finish)."""
+
+    import numcodecs.blosc
+    from logitcache.cache_format import _codecs
+    from logitcache.cache_format._zarr_adapter import blosc_codec
+
+    assert numcodecs.blosc.use_threads is False
+    rng = np.random.default_rng(0)
+    rows = DEFAULT_LAYOUT.row_chunk
+    ids = rng.integers(0, 128_256, (rows, 100)).astype("<i4")
+    deltas = rng.integers(0, 1 << 16, (rows, 100)).astype("<u2")
+    before = numcodecs.blosc.get_nthreads()
+    monkeypatch.setattr(numcodecs.blosc, "use_threads", True)
+    numcodecs.blosc.set_nthreads(8)
+    try:
+        for name, a in (("blosc-zstd1-bitshuffle", ids), ("blosc-zstd1-shuffle", deltas)):
+            comp = _codecs.compressors(name, a.itemsize, blocksize=a.nbytes)[0]
+            codec = blosc_codec(comp)
+            flat = a.view(np.uint8).reshape(-1)
+            threaded = {codec.encode(flat) for _ in range(40)}  # blosc's global context
+            monkeypatch.setattr(numcodecs.blosc, "use_threads", False)
+            alone = codec.encode(flat)
+            monkeypatch.setattr(numcodecs.blosc, "use_threads", True)
+            assert threaded == {alone}
+    finally:
+        numcodecs.blosc.set_nthreads(before)
