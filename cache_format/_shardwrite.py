@@ -201,17 +201,15 @@ def _kept(need: int) -> np.ndarray:
         if fits:
             return _payloads[min(fits, key=lambda i: _payloads[i].size)]
         raw = outbuf.empty(need + need // 8)
-        free = sorted(
-            (i for i in range(len(_payloads)) if _free(i)), key=lambda i: _payloads[i].size
-        )
-        free_bufs = [_payloads[i] for i in free]  # (their references from here on: not free)
+        free = [_payloads[i] for i in range(len(_payloads)) if _free(i)]  # checked, then held
+        free.sort(key=lambda b: b.size)
 
         def room() -> bool:  # for ``raw`` too
             total = raw.size + sum(b.size for b in _payloads)
             return len(_payloads) < KEEP_PAYLOADS and total <= KEEP_BYTES
 
-        while free_bufs and not room():
-            drop = free_bufs.pop(0)
+        while free and not room():
+            drop = free.pop(0)
             _payloads[:] = [b for b in _payloads if b is not drop]
         if room():
             _payloads.append(raw)
@@ -223,7 +221,7 @@ def _aligned(size: int) -> np.ndarray:
     ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
     from them, with no copy through its bounce buffer; not zero-filled (the caller writes
     every byte). From :func:`_kept` from :data:`KEEP_MIN` bytes on (a shard object allocated
-    anew per append was fresh pages each time, glibc returning the top of its heap to the
+    per append would be fresh pages each time, glibc returning the top of its heap to the
     kernel: ~0.04 page faults per position at k=100, each ~1-2 CPU-us with its zeroing), else
     from :func:`._outbuf.empty` (malloc, no huge-page request: numpy asks for huge pages above
     4 MiB, whose first-touch zeroing cost more than the copies saved, measured)."""
