@@ -1,13 +1,12 @@
 """Online-KD teacher traffic against the cache-serving endpoint: epochs of the same requests.
 
-One real service (vLLM engine on the tiny teacher) and ``--sequences`` windows of ``--length``
-tokens in requests of ``--batch`` prompts: **direct**, one epoch of ``POST /v1/score`` without a
-cache (what a trainer calling a plain teacher pays every epoch); **served**, ``--epochs`` epochs
-of vLLM-shaped ``POST /v1/completions`` (``prompt_logprobs=k``, ``max_tokens=0``) through the
-cache (epoch 1 misses and stores, later epochs hit). Per epoch, from ``/metrics``: engine seconds
-(``logitcache_engine_seconds_sum{source="score"}``), tokens scored, cache hits, wall seconds.
-Goal: engine time of epochs 2..n < 5% of epoch 1. Later epochs must equal epoch 1 exactly; epoch
-1's top-k is compared with the direct scores (exact with ``--logprob-dtype float32``).
+One real service (vLLM engine on the tiny teacher), ``--sequences`` windows of ``--length`` tokens
+in requests of ``--batch`` prompts: **direct**, one epoch of ``POST /v1/score`` without a cache;
+**served**, ``--epochs`` epochs of vLLM-shaped ``POST /v1/completions`` (``prompt_logprobs=k``,
+``max_tokens=0``) through a cache (epoch 1 misses and stores, later epochs hit). Per epoch, from
+``/metrics``: engine seconds and tokens, cache hits and misses, wall seconds. Goal: engine time of
+epochs 2..n < 5% of epoch 1; later epochs equal epoch 1 exactly; epoch 1's top-k equals the direct
+scores (exactly with ``--logprob-dtype float32``).
 """
 
 from __future__ import annotations
@@ -19,11 +18,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.harness import options
-from benchmarks.service.common import mode_parser, parse, recorded, tiny_windows
+from benchmarks.service.common import parse, recorded, tiny_windows
 from tests.server_support import ServerProcess
-
-API_KEY = "cache-serve-bench"
 
 
 def scrape(client: Any) -> dict[str, float]:
@@ -39,10 +35,6 @@ def scrape(client: Any) -> dict[str, float]:
     }
 
 
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
-
-
 def rows_of_completion(choice: dict, k: int) -> list[tuple[list[int], list[float]]]:
     """(top-k ids, logprobs) per row of a vLLM ``prompt_logprobs`` list (``None`` first): the
     entries of rank ``<= k`` by rank (without the actual prompt token vLLM adds outside them)."""
@@ -54,33 +46,25 @@ def rows_of_completion(choice: dict, k: int) -> list[tuple[list[int], list[float
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = mode_parser("cache", __doc__)
-    options(ap, sequences=256, length=128, batch=16, k=8, epochs=3, logprob_dtype="float32")
-    args = parse(ap, argv)
-
+    args = parse(
+        "cache", __doc__, argv, sequences=256, length=128, batch=16, k=8, epochs=3,
+        logprob_dtype="float32",
+    )  # fmt: skip
     tiny, seqs = tiny_windows(args.length, args.sequences + 1)
     warm, seqs = seqs[0], seqs[1:]
     batches = [seqs[i : i + args.batch] for i in range(0, len(seqs), args.batch)]
-    tokens = sum(len(s) for s in seqs)
-
     with tempfile.TemporaryDirectory() as tmp:
         server = ServerProcess(
-            Path(tmp),
-            api_key=API_KEY,
-            model=str(tiny.teacher_dir),
-            k=args.k,
-            dtype="float32",
-            max_seq_len=max(256, args.length),
-            logprob_dtype=args.logprob_dtype,
-        )
+            Path(tmp), api_key="cache-serve-bench", model=str(tiny.teacher_dir), k=args.k,
+            dtype="float32", max_seq_len=max(256, args.length), logprob_dtype=args.logprob_dtype,
+        )  # fmt: skip
         t_start = time.perf_counter()
         with (
             server,
-            httpx.Client(base_url=server.url, headers=server.headers(), timeout=300.0) as client,
+            httpx.Client(base_url=server.url, headers=server.headers(), timeout=300) as client,
         ):
             startup_s = time.perf_counter() - t_start
-            r = client.post("/v1/score", json={"input_ids": [warm], "k": args.k})
-            r.raise_for_status()  # warm-up, not counted
+            client.post("/v1/score", json={"input_ids": [warm], "k": args.k}).raise_for_status()
 
             def epoch(route: str, body: Any, field: str) -> tuple[dict, list]:
                 """One pass over the batches: the /metrics deltas, wall seconds, answers."""
@@ -88,28 +72,22 @@ def main(argv: list[str] | None = None) -> None:
                 got: list[Any] = []
                 for b in batches:
                     got += client.post(route, json=body(b)).raise_for_status().json()[field]
-                return {**delta(scrape(client), m0), "wall_s": time.perf_counter() - t0}, got
+                m1 = scrape(client)
+                return {x: m1[x] - m0[x] for x in m1} | {"wall_s": time.perf_counter() - t0}, got
 
-            # 1. direct: every request scored by the engine
             direct_epoch, scored = epoch(
                 "/v1/score", lambda b: {"input_ids": b, "k": args.k}, "sequences"
             )
-            # 2. served: epochs through the cache
             completion = {"prompt_logprobs": args.k, "max_tokens": 0, "cache": "bench"}
             served = [
                 epoch("/v1/completions", lambda b: {"prompt": b, **completion}, "choices")
                 for _ in range(args.epochs)
             ]
     direct = [list(zip(s["topk_ids"], s["topk_logprobs"], strict=True)) for s in scored]
-    epochs, answers = [e for e, _ in served], [a for _, a in served]
-    first = answers[0]
-    later_identical = all(
-        [c["prompt_logprobs"] for c in a] == [c["prompt_logprobs"] for c in first]
-        for a in answers[1:]
-    )
+    epochs, answers = [e for e, _ in served], [[c["prompt_logprobs"] for c in a] for _, a in served]
     ids_equal = rows = rows_exact = 0
     max_abs = 0.0
-    for choice, want in zip(first, direct, strict=True):
+    for choice, want in zip(served[0][1], direct, strict=True):
         for (ids, lps), (wids, wlps) in zip(rows_of_completion(choice, args.k), want, strict=True):
             rows += 1
             ids_equal += ids == wids
@@ -117,25 +95,18 @@ def main(argv: list[str] | None = None) -> None:
             max_abs = max(max_abs, max(abs(a - b) for a, b in zip(lps, wlps, strict=True)))
     e1 = epochs[0]["engine_s"]
     head, rec = recorded("cache", args)
-    result: dict[str, Any] = {
-        **head,
-        "tokens_per_epoch": tokens,
-        "server_startup_s": startup_s,
-        "direct_epoch": direct_epoch,
-        "served_epochs": epochs,
+    result: dict[str, Any] = head | {
+        "tokens_per_epoch": sum(len(s) for s in seqs), "server_startup_s": startup_s,
+        "direct_epoch": direct_epoch, "served_epochs": epochs,
         "later_over_first_engine_s": [e["engine_s"] / e1 if e1 else None for e in epochs[1:]],
         "goal_met": all(e["engine_s"] < 0.05 * e1 for e in epochs[1:]),
-        "later_epochs_identical": later_identical,
-        "vs_direct": {
-            "rows": rows,
-            "rows_ids_equal": ids_equal,
-            "rows_exact": rows_exact,
-            "max_abs_logprob_diff": max_abs,
-        },
-    }
+        "later_epochs_identical": all(a == answers[0] for a in answers[1:]),
+        "vs_direct": {"rows": rows, "rows_ids_equal": ids_equal, "rows_exact": rows_exact,
+                      "max_abs_logprob_diff": max_abs},
+    }  # fmt: skip
     for i, ratio in enumerate(result["later_over_first_engine_s"], start=2):
         rec.add(f"epoch {i}", "engine_s_over_epoch_1", "ratio", ratio or 0.0)
-    rec.add_flat("epoch 1", result["served_epochs"][0])
+    rec.add_flat("epoch 1", epochs[0])
     rec.finish(result, args.json)
 
 

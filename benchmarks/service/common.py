@@ -1,43 +1,54 @@
-"""What the service modes share: their command-line prologue, the tiny teacher's windows and
-engine, and one job runner (inputs as JSONL, ``POST /v1/jobs``, wait, rate)."""
+"""What the service modes share: the command-line prologue, the result header, the tiny teacher's
+windows and engine, the server command under the packages in use, and one job runner."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Recorder, add_csv_option, machine_line
-
-
-def mode_parser(mode: str, doc: str) -> argparse.ArgumentParser:
-    """The parser of ``python -m benchmarks.service <mode>``, described by the first paragraph of
-    the mode's docstring ``doc``; :func:`parse` adds the options every mode has."""
-    return argparse.ArgumentParser(
-        prog=f"python -m benchmarks.service {mode}", description=doc.split("\n\n")[0]
-    )
+from benchmarks.harness import ROOT, Recorder, add_csv_option, machine_line, options
 
 
 def parse(
-    parser: argparse.ArgumentParser, argv: list[str] | None, json_default: Path | None = None
+    mode: str, doc: str, argv: list[str] | None, json_default: Path | None = None, **spec: Any
 ) -> argparse.Namespace:
-    """``argv`` parsed after adding ``--json`` (where the run's result goes) and ``--csv``."""
-    parser.add_argument("--json", type=Path, default=json_default)
-    add_csv_option(parser)
-    return parser.parse_args(argv)
+    """``argv`` parsed by ``python -m benchmarks.service <mode>`` (described by the first paragraph
+    of ``doc``): the options of ``spec`` (:func:`benchmarks.harness.options`), ``--json`` (where
+    the result goes) and ``--csv``."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.service {mode}", description=doc.split("\n\n")[0]
+    )
+    options(p, **spec)
+    p.add_argument("--json", type=Path, default=json_default)
+    add_csv_option(p)
+    return p.parse_args(argv)
 
 
-def recorded(mode: str, args: argparse.Namespace) -> tuple[dict[str, Any], Recorder]:
-    """A finished run's result header (``when``, ``machine``, ``args``) and its Recorder, whose
-    rows carry the arguments (less ``--csv``) as their configuration."""
+def recorded(mode: str, args: argparse.Namespace, **config: Any) -> tuple[dict[str, Any], Recorder]:
+    """A run's result header (``when``, ``machine``, ``command``, ``args``) and its Recorder, whose
+    rows carry the arguments (less ``--csv``) and ``config`` as their configuration."""
     given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    cfg = {k: v for k, v in given.items() if k != "csv"}
+    cfg = {k: v for k, v in given.items() if k != "csv"} | config
     rec = Recorder("service", mode, csv_path=args.csv, config=cfg)
     when = datetime.now(UTC).isoformat(timespec="seconds")
-    return {"when": when, "machine": machine_line(rec.machine), "args": given}, rec
+    head = {"when": when, "machine": machine_line(rec.machine), "command": rec.command}
+    return head | {"args": given}, rec
+
+
+def python_cmd(*args: str) -> list[str]:
+    """``python ARGS`` in a subprocess that runs the project's packages this process runs: under
+    ``python -m benchmarks.harness ab`` another tree's (through ``with-tree``)."""
+    import logitcache.cache_format as fmt
+
+    tree = Path(fmt.__path__[0]).parent
+    if tree == ROOT:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "benchmarks.harness", "with-tree", str(tree), "--", *args]
 
 
 def tiny_windows(length: int, count: int) -> tuple[Any, list[list[int]]]:
@@ -52,13 +63,13 @@ def tiny_windows(length: int, count: int) -> tuple[Any, list[list[int]]]:
     return tiny, seqs
 
 
-def tiny_engine(tiny: Any, backend: str, max_k: int) -> Any:
-    """An engine on the tiny teacher in this process (vLLM's engine core in-process too)."""
+def tiny_engine(model: Any, max_k: int, backend: str = "transformers") -> Any:
+    """An engine on ``model`` (a directory) in this process (vLLM's engine core in-process too)."""
     from logitcache.server.engine import build_engine
 
     options = {"vllm_mode": "inproc"} if backend == "vllm" else {}
     return build_engine(
-        model=str(tiny.teacher_dir), backend=backend, max_k=max_k, dtype="float32", options=options
+        model=str(model), backend=backend, max_k=max_k, dtype="float32", options=options
     )
 
 

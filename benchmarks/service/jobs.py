@@ -1,19 +1,13 @@
-"""Teacher-service benchmark: the batch-job path versus vLLM called directly.
+"""The batch-job path versus vLLM called directly, on the same prompts.
 
-Same inputs for both (``--sequences`` windows of ``--length`` tokens of the tiny fixture's
-training split): **direct**, a long-lived process that builds ``vllm.LLM`` once with the
-service's engine settings and times one ``LLM.generate(prompts, SamplingParams(max_tokens=1,
-prompt_logprobs=k, detokenize=False, flat_logprobs=True))`` over every prompt per run (nothing
-converted or stored; idle on stdin while the job runs), and **job**, the real service running a
-batch job over the same prompts as JSONL into a Zarr cache (rate: ``tokens_total /
-(finished_at - started_at)``). ``--repeats`` pairs per ``k``, the order alternating (the load
-drifts); per ``k`` the median and minimum job/direct ratio, each figure beside the load average
-read just before it. ``--modes``: ``inproc`` (engine core in the server process; direct with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``async`` (``AsyncLLM``, engine core in its own
-process). The idle-machine figure (about 6 minutes on an idle 2-core box)::
-
-    python -m benchmarks.service jobs --sequences 256 --length 256 --k 20 100 \
-        --modes inproc async --repeats 5 --json benchmarks/results/service_jobs.json
+``--sequences`` windows of ``--length`` tokens of the tiny fixture's training text: **direct**, a
+long-lived process that builds ``vllm.LLM`` once with the service's engine settings and times one
+``LLM.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=k, ...))`` over every prompt
+per run (idle on stdin while the job runs); **job**, the real service running a batch job over
+the same prompts into a Zarr cache (``tokens_total / (finished_at - started_at)``). ``--repeats``
+pairs per ``k``, the order alternating; per ``k`` the median and minimum job/direct ratio, each
+figure beside the load average before it. ``--modes``: ``inproc`` (engine core in the server
+process) and ``async`` (``AsyncLLM``, engine core in its own process).
 """
 
 from __future__ import annotations
@@ -29,19 +23,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Recorder, load1, machine_line, options
-from benchmarks.service.common import mode_parser, parse, run_job, write_jsonl
+from benchmarks.harness import load1
+from benchmarks.service.common import parse, recorded, run_job, write_jsonl
 from tests.server_support import VLLM_ENV, ServerProcess
 
 
 def direct_engine_kwargs(settings: dict) -> dict:
     """``vllm.LLM`` arguments equal to what the service's ``VllmEngine`` passes to ``EngineArgs``
-    for these settings (see ``server/engine/vllm.py::VllmEngine._engine_args``)."""
+    for these settings (``server/engine/vllm.py``)."""
     from logitcache.server.engine import engine_config, model_max_len
     from logitcache.server.engine.vllm import resolve_seq_len
 
-    keys = ("model", "k", "dtype", "max_seq_len")
-    model, max_k, dtype, max_seq_len = (settings[key] for key in keys)
+    model, max_k, dtype, max_seq_len = (settings[x] for x in ("model", "k", "dtype", "max_seq_len"))
     cfg = engine_config(None, model=model, max_k=max_k, dtype=dtype, max_seq_len=max_seq_len)
     _, engine_len = resolve_seq_len(cfg.max_seq_len, model_max_len(cfg.model))
     return dict(
@@ -68,27 +61,26 @@ def make_inputs(length: int, count: int) -> list[list[int]]:
 
 
 def direct_worker(args: argparse.Namespace) -> None:
-    """The baseline in its own long-lived process: build ``vllm.LLM`` once, then for every
-    ``run K`` line on stdin time one ``LLM.generate`` over all prompts and print a JSON line."""
+    """The baseline process: build ``vllm.LLM`` once, then for every ``run K`` line on stdin time
+    one ``LLM.generate`` over all prompts and print a JSON line."""
     from vllm import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in json.loads(Path(args.prompts).read_text())]
-    llm = LLM(model=args.model, max_logprobs=args.k, **json.loads(args.engine_kwargs))
+    llm = LLM(model=args.model, max_logprobs=args.k[0], **json.loads(args.engine_kwargs))
 
     def generate(k: int, which: list[dict]) -> list[Any]:
         sp = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False,
                             flat_logprobs=True, temperature=1.0)  # fmt: skip
         return llm.generate(which, sp, use_tqdm=False)
 
-    generate(args.k, prompts[:8])  # warm-up
+    generate(args.k[0], prompts[:8])  # warm-up
     tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     print("READY", flush=True)
     for line in sys.stdin:
-        words = line.split()
-        if not words or words[0] != "run":
+        if not line.startswith("run "):
             break
         t0 = time.perf_counter()
-        outs = generate(int(words[1]), prompts)
+        outs = generate(int(line.split()[1]), prompts)
         seconds = time.perf_counter() - t0
         assert all(len(o.prompt_logprobs) == len(p["prompt_token_ids"])
                    for o, p in zip(outs, prompts, strict=True))  # fmt: skip
@@ -96,7 +88,7 @@ def direct_worker(args: argparse.Namespace) -> None:
 
 
 class DirectWorker:
-    """The baseline process (see :func:`direct_worker`); idle (blocked on stdin) between runs."""
+    """The baseline process (:func:`direct_worker`); blocked on stdin between runs."""
 
     def __init__(self, model: str, prompts: Path, k: int, engine_kwargs: dict, mode: str):
         env = {**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if mode == "inproc" else "1"}
@@ -108,23 +100,16 @@ class DirectWorker:
         self._read_until("READY")
 
     def _read_until(self, prefix: str) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
             if line.startswith(prefix):
                 return line
         raise SystemExit(f"direct worker exited with {self.proc.wait()}")
 
     def run(self, k: int) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"run {k}\n")
-        self.proc.stdin.flush()
+        self.proc.stdin.write(f"run {k}\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
         res = json.loads(self._read_until("{"))
         return res | {"tokens_per_s": res["tokens"] / res["seconds"]}
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(120)
 
 
 def run_pairs(worker: DirectWorker, server: Any, ks: list[int], repeats: int, mode: str) -> dict:
@@ -143,14 +128,13 @@ def run_pairs(worker: DirectWorker, server: Any, ks: list[int], repeats: int, mo
                         res = worker.run(k)
                     else:
                         job = run_job(c, f"b-{mode}-{k}-{rep}", k)
-                        res = {"tokens": job["tokens_total"]}
-                        res |= {x: job[x] for x in ("tokens_per_s", "client_wall_s")}
+                        res = {x: job[x] for x in ("tokens_per_s", "client_wall_s")}
+                        res["tokens"] = job["tokens_total"]
                     got[what] = {**res, "load_avg_1min_before": before}
                 d, j = got["direct"], got["job"]
                 ratio = j["tokens_per_s"] / d["tokens_per_s"]
-                out.setdefault(str(k), {"pairs": []})["pairs"].append(
-                    {"k": k, "order": list(order), **got, "ratio": ratio}
-                )
+                pair = {"k": k, "order": list(order), **got, "ratio": ratio}
+                out.setdefault(str(k), {"pairs": []})["pairs"].append(pair)
                 print(f"{mode} k={k} pair {rep} ({order[0]} first): direct "
                       f"{d['tokens_per_s']:,.0f} tok/s (load {d['load_avg_1min_before']}), job "
                       f"{j['tokens_per_s']:,.0f} tok/s (load {j['load_avg_1min_before']}), "
@@ -160,62 +144,56 @@ def run_pairs(worker: DirectWorker, server: Any, ks: list[int], repeats: int, mo
         loads = [p[w]["load_avg_1min_before"] for p in row["pairs"] for w in ("direct", "job")]
         row.update(median_ratio=statistics.median(ratios), min_ratio=min(ratios))
         for w in ("direct", "job"):
-            rates = [p[w]["tokens_per_s"] for p in row["pairs"]]
-            row[f"{w}_median_tokens_per_s"] = statistics.median(rates)
+            row[f"{w}_median_tokens_per_s"] = statistics.median(
+                p[w]["tokens_per_s"] for p in row["pairs"]
+            )
         row["load_avg_1min_range"] = [min(loads), max(loads)]
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = mode_parser("jobs", __doc__)
-    options(p, sequences=512, length=256, k=([8], "one or more k (pairs per k)"))
-    options(p, modes=(["inproc"], "engine driver", {"choices": ["inproc", "async"]}))
-    options(p, repeats=(2, "pairs (direct, job) per k and mode"))
     hidden = argparse.SUPPRESS
-    options(p, direct_worker=(False, hidden), model=(None, hidden), prompts=(None, hidden))
-    options(p, engine_kwargs=("{}", hidden))
-    args = parse(p, argv)
+    args = parse(
+        "jobs", __doc__, argv, sequences=512, length=256, k=([8], "one or more k (pairs per k)"),
+        modes=(["inproc"], "engine driver", {"choices": ["inproc", "async"]}),
+        repeats=(2, "pairs (direct, job) per k and mode"), direct_worker=(False, hidden),
+        model=(None, hidden), prompts=(None, hidden), engine_kwargs=("{}", hidden),
+    )  # fmt: skip
     if args.direct_worker:
-        args.k = args.k[0]
         return direct_worker(args)
     if args.sequences < 1 or args.length < 2 or args.repeats < 1 or min(args.k) < 1:
-        p.error("need --sequences >= 1, --length >= 2, --repeats >= 1 and --k >= 1")
-
+        raise SystemExit("need --sequences >= 1, --length >= 2, --repeats >= 1 and --k >= 1")
     from logitcache.fixtures.tiny import build_tiny_models
 
     t_start = time.perf_counter()
-    rec = Recorder("service", "jobs", csv_path=args.csv)
-    tiny = build_tiny_models()
+    model = str(build_tiny_models().teacher_dir)
     prompts = make_inputs(args.length, args.sequences)
     work = Path(tempfile.mkdtemp(prefix="server-bench-"))
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    settings = dict(
-        model=str(tiny.teacher_dir),
-        k=max(args.k),
-        dtype="float32",
-        max_seq_len=max(args.length, 512),
-    )  # the server's job batching otherwise
+    settings = {
+        "model": model,
+        "k": max(args.k),
+        "dtype": "float32",
+        "max_seq_len": max(args.length, 512),
+    }  # the server's job batching otherwise
     engine_kwargs = direct_engine_kwargs(settings)
     print(f"inputs: {args.sequences} x {args.length} tokens, k={args.k}, modes {args.modes}; "
           f"engine {engine_kwargs}; load {load1()}", flush=True)  # fmt: skip
     modes: dict[str, dict] = {}
     for mode in args.modes:
-        worker = DirectWorker(settings["model"], prompts_file, max(args.k), engine_kwargs, mode)
+        worker = DirectWorker(model, prompts_file, max(args.k), engine_kwargs, mode)
         write_jsonl(work / mode / "data", prompts)
-        options_ = json.dumps({"vllm_mode": mode})
         try:
-            with ServerProcess(work / mode, **settings, engine_options=options_) as server:
+            engine_options = json.dumps({"vllm_mode": mode})
+            with ServerProcess(work / mode, **settings, engine_options=engine_options) as server:
                 modes[mode] = run_pairs(worker, server, args.k, args.repeats, mode)
-            worker.close()
+            worker.proc.stdin.close()  # type: ignore[union-attr]
+            worker.proc.wait(120)
         finally:
             if worker.proc.poll() is None:
                 worker.proc.kill()
-    inputs = {"sequences": args.sequences, "length": args.length, "k": args.k}
-    result: dict[str, Any] = {"machine": machine_line(rec.machine), "command": rec.command,
-                              "inputs": inputs, "modes": modes, "settings": settings,
-                              "engine_kwargs": engine_kwargs,
-                              "wall_s": time.perf_counter() - t_start}  # fmt: skip
+    head, rec = recorded("jobs", args)
     for mode, per_k in modes.items():
         for k, row in per_k.items():
             lo, hi = row["load_avg_1min_range"]
@@ -223,15 +201,15 @@ def main(argv: list[str] | None = None) -> None:
                   f"{row['min_ratio']:.3f} over {len(row['pairs'])} pairs (direct median "
                   f"{row['direct_median_tokens_per_s']:,.0f} tok/s, job median "
                   f"{row['job_median_tokens_per_s']:,.0f}); load average {lo}-{hi}")  # fmt: skip
-            cfg = inputs | {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
+            cfg = {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
             ratios = [p["ratio"] for p in row["pairs"]]
             rec.add(f"{mode} k={k}", "job_over_direct", "ratio", row["median_ratio"], config=cfg,
                     p20=min(ratios), p80=max(ratios), samples=len(ratios))  # fmt: skip
             for side in ("direct", "job"):
                 value = row[f"{side}_median_tokens_per_s"]
                 rec.add(f"{mode} k={k}", f"{side}_tokens_per_s", "tok/s", value, config=cfg)
-    print(f"wall {result['wall_s']:.0f} s")
-    rec.finish(result, args.json, show=-1)
+    result = head | {"modes": modes, "settings": settings, "engine_kwargs": engine_kwargs}
+    rec.finish(result | {"wall_s": time.perf_counter() - t_start}, args.json, show=-1)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,15 @@
-"""Load benchmark of the teacher service: overload with client timeouts, concurrency with and
-without a job, ``/health`` latency and memory under load.
+"""Load on the teacher service: overload with client timeouts, concurrency with and without a job,
+``/health`` latency and memory under load.
 
-The real service (tiny fixture teacher, vLLM on CPU, ``--max-seq-len 1000``) runs twice on the
-same inputs: **shedding** (``--max-queued-tokens 32768``, abort on disconnect: the defaults) and
-**baseline** (``--max-queued-tokens`` 10^9). Each run: **idle** (10 small requests of 16 tokens in
-turn: median latency; then ``/health`` alone for ``--idle-s``: the machine's floor), **overload**
-(``--clients`` clients sending 8 x 1000-token requests, 10 s client timeout, a 429 retried after
-its ``Retry-After``, for ``--overload-s``; then one small request is timed, goal < 2 s),
-**steady** (16 and 64 clients sending 4 x 64-token requests for ``--steady-s``, without and with
-a batch job running: answers per status, p50/p99 latency, requests/s). Meanwhile a prober in its
-own process sends ``GET /health`` every 100 ms (goal p99 < 100 ms) and the server's RSS is
-sampled every 0.5 s; the 1-minute load average is recorded at the start and end of each phase.
+The real service (tiny teacher, vLLM on CPU, ``--max-seq-len 1000``) runs once per ``--modes``
+entry on the same inputs: ``shedding`` (``--max-queued-tokens 32768``, the default admission
+control) and ``baseline`` (10^9). Phases: **idle** (10 small requests: median latency; then
+``/health`` alone for ``--idle-s``), **overload** (``--clients`` clients sending 8 x 1000-token
+requests with a 10 s client timeout, a 429 retried after its ``Retry-After``, for
+``--overload-s``; then one small request is timed, goal < 2 s), **steady** (16 and 64 clients
+sending 4 x 64-token requests for ``--steady-s``, without and with a batch job running). Meanwhile
+a prober in its own process sends ``GET /health`` every 100 ms (goal p99 < 100 ms) and the
+server's RSS is sampled every 0.5 s; the load average is recorded at each phase's start and end.
 """
 
 from __future__ import annotations
@@ -25,22 +24,21 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-from benchmarks.harness import Recorder, Sampler, load1, machine_line, options, percentile
-from benchmarks.service.common import mode_parser, parse, write_jsonl
+from benchmarks.harness import Sampler, load1, percentile
+from benchmarks.service.common import parse, recorded, write_jsonl
 from tests import server_support
 from tests.server_support import ServerProcess
 
 KEY = "load-bench-key"
+HEADERS = {"authorization": f"Bearer {KEY}"}
 SEQ_LEN = 1000
-BIG_SEQS = 8
-VOCAB = 1024  # replaced by the fixture teacher's vocabulary in main_async
+VOCAB = 1024  # replaced by the fixture teacher's vocabulary in main
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -83,8 +81,8 @@ def _ms(x: float | None) -> float | None:
 
 @contextlib.asynccontextmanager
 async def probed(url: str, pid: int) -> AsyncIterator[dict[str, Any]]:
-    """``GET /health`` every 100 ms from a separate process, and the server's RSS (its process and
-    children) every 0.5 s, while running; their summary fills the yielded dict at the end."""
+    """``GET /health`` every 100 ms from a separate process and the server's RSS (with its
+    children) every 0.5 s while running; their summary fills the yielded dict at the end."""
     where = Path(tempfile.mkdtemp(prefix="probe-"))
     out, stop = where / "health.json", where / "stop"
     proc = await asyncio.create_subprocess_exec(
@@ -100,14 +98,11 @@ async def probed(url: str, pid: int) -> AsyncIterator[dict[str, Any]]:
     data = json.loads(out.read_text())
     lat = data["lat"]
     summary.update(
-        health_n=len(lat),
-        health_errors=data["errors"],
-        health_p50_ms=_ms(percentile(lat, 50)),
-        health_p99_ms=_ms(percentile(lat, 99)),
-        health_max_ms=_ms(max(lat) if lat else None),
+        health_n=len(lat), health_errors=data["errors"], health_p50_ms=_ms(percentile(lat, 50)),
+        health_p99_ms=_ms(percentile(lat, 99)), health_max_ms=_ms(max(lat) if lat else None),
         health_over_100ms=sum(x > 0.1 for x in lat),
         rss_peak_mib=round(max(rss.samples) / 2**20, 1) if rss.samples else None,
-    )
+    )  # fmt: skip
 
 
 async def small_request(c: httpx.AsyncClient, rng: random.Random) -> tuple[int, float]:
@@ -120,14 +115,14 @@ async def _clients(
     url: str, n: int, seconds: float, bodies: list[bytes], overload: bool
 ) -> tuple[dict[str, int], list[float], float]:
     """``n`` clients posting ``bodies`` in turn to ``/v1/score`` for ``seconds``: answers per
-    status, latencies of the 200s, wall seconds. ``overload``: a 10 s client timeout (counted as
-    ``timeout``), a connection error pauses 0.5 s (``conn_error``), a 429/503 waits its
-    ``Retry-After`` up to the end; else a 120 s timeout, any error counts as ``error``, any
-    other answer waits its ``Retry-After``."""
+    status, latencies of the 200s, wall seconds. ``overload``: a 10 s client timeout
+    (``timeout``), a connection error pauses 0.5 s (``conn_error``), a 429/503 waits its
+    ``Retry-After`` up to the end; else a 120 s timeout, any error is ``error``, any other answer
+    waits its ``Retry-After``."""
     counts: dict[str, int] = {}
     lat: list[float] = []
     stop = time.monotonic() + seconds
-    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    headers = HEADERS | {"content-type": "application/json"}
     limits = httpx.Limits(max_connections=n + 4)
 
     def count(key: str) -> None:
@@ -175,33 +170,24 @@ def _bodies(seed: int, count: int, seqs: int, length: int) -> list[bytes]:
 
 
 async def overload(url: str, clients: int, seconds: float) -> dict[str, Any]:
-    bodies = _bodies(0, 16, BIG_SEQS, SEQ_LEN)
-    counts, lat_ok, _ = await _clients(url, clients, seconds, bodies, True)
-    headers = {"authorization": f"Bearer {KEY}"}
-    async with httpx.AsyncClient(base_url=url, headers=headers) as c:
+    counts, lat_ok, _ = await _clients(url, clients, seconds, _bodies(0, 16, 8, SEQ_LEN), True)
+    async with httpx.AsyncClient(base_url=url, headers=HEADERS) as c:
         status, after = await small_request(c, random.Random(99))
     return {
-        "clients": clients,
-        "seconds": seconds,
-        "request_tokens": SEQ_LEN * BIG_SEQS,
-        "answers": counts,
-        "ok_p50_s": percentile(lat_ok, 50),
-        "small_after_status": status,
-        "small_after_s": round(after, 3),
-        "small_after_goal_met": status == 200 and after < 2.0,
-    }
+        "clients": clients, "seconds": seconds, "request_tokens": SEQ_LEN * 8, "answers": counts,
+        "ok_p50_s": percentile(lat_ok, 50), "small_after_status": status,
+        "small_after_s": round(after, 3), "small_after_goal_met": status == 200 and after < 2.0,
+    }  # fmt: skip
 
 
 async def steady(url: str, clients: int, seconds: float) -> dict[str, Any]:
     counts, lat, wall = await _clients(url, clients, seconds, _bodies(1, 64, 4, 64), False)
     return {
-        "clients": clients,
-        "answers": counts,
+        "clients": clients, "answers": counts,
         "ok_fraction": round(counts.get("200", 0) / max(1, sum(counts.values())), 4),
-        "p50_s": percentile(lat, 50),
-        "p99_s": percentile(lat, 99),
+        "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
         "requests_per_s": round(counts.get("200", 0) / wall, 2),
-    }
+    }  # fmt: skip
 
 
 async def _phase(name: str, url: str, pid: int, work: Awaitable[dict[str, Any]]) -> dict:
@@ -214,36 +200,32 @@ async def _phase(name: str, url: str, pid: int, work: Awaitable[dict[str, Any]])
 
 async def _keep_job(url: str, stop: asyncio.Event) -> int:
     """Keep one job running (a new cache each time) until ``stop``; returns jobs started."""
-    headers = {"authorization": f"Bearer {KEY}"}
     n = 0
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as c:
-        while not stop.is_set():
-            try:
-                r = await c.post(
-                    "/v1/jobs", json={"cache": f"load-job-{n}", "file": {"path": "load.jsonl"}}
-                )
-            except httpx.HTTPError:
-                await asyncio.sleep(0.2)
-                continue
-            r.raise_for_status()
-            job = r.json()["id"]
-            n += 1
+    async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=60) as c:
+
+        async def call(method: str, path: str, **kw: Any) -> Any:
+            """The answer, retried on a transport error (a keep-alive connection closed under
+            us is not fatal); None once ``stop`` is set."""
             while not stop.is_set():
-                try:  # a keep-alive connection closed under us is retried, not fatal
-                    state = (await c.get(f"/v1/jobs/{job}")).json()["state"]
+                try:
+                    return await c.request(method, path, **kw)
                 except httpx.HTTPError:
                     await asyncio.sleep(0.2)
-                    continue
-                if state in ("succeeded", "failed", "cancelled"):
+            return None
+
+        body = {"cache": "load-job-0", "file": {"path": "load.jsonl"}}
+        while (r := await call("POST", "/v1/jobs", json=body)) is not None:
+            job, n = r.raise_for_status().json()["id"], n + 1
+            body = {"cache": f"load-job-{n}", "file": {"path": "load.jsonl"}}
+            while (s := await call("GET", f"/v1/jobs/{job}")) is not None:
+                if s.json()["state"] in ("succeeded", "failed", "cancelled"):
                     break
                 await asyncio.sleep(0.2)
-            if stop.is_set():
-                for _ in range(5):
-                    try:
-                        await c.delete(f"/v1/jobs/{job}")
-                        break
-                    except httpx.HTTPError:
-                        await asyncio.sleep(0.2)
+            for _ in range(5 if stop.is_set() else 0):
+                with contextlib.suppress(httpx.HTTPError):
+                    await c.delete(f"/v1/jobs/{job}")
+                    break
+                await asyncio.sleep(0.2)
     return n
 
 
@@ -257,8 +239,7 @@ async def run_mode(mode: str, args: argparse.Namespace, teacher: str) -> dict[st
     print(f"[{mode}] starting the server", flush=True)
     out: dict[str, Any] = {"mode": mode, "max_queued_tokens": queued}
     with server:
-        assert server.proc is not None
-        url, pid = server.url, server.proc.pid
+        url, pid = server.url, server.proc.pid  # type: ignore[union-attr]
         async with httpx.AsyncClient(base_url=url, headers=server.headers()) as c:
             rng = random.Random(5)
             await small_request(c, rng)  # warm-up
@@ -288,51 +269,31 @@ async def run_mode(mode: str, args: argparse.Namespace, teacher: str) -> dict[st
     return out
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> None:
+    global VOCAB
+    args = parse(
+        "overload", __doc__, argv, Path("/tmp/lc-overload.json"), clients=64, overload_s=30.0,
+        steady_s=20.0, modes="shedding,baseline",
+        idle_s=(10.0, "/health probed with no client load first"),
+        engine=("inproc", "vLLM engine core in the server process (inproc) or its own process "
+                "(async: the README's start mode)", {"choices": ("inproc", "async")}),
+    )  # fmt: skip
     from logitcache.fixtures.tiny import build_tiny_models
 
-    # ServerProcess applies VLLM_ENV over the environment: "1" lets vLLM run its engine core in
-    # a separate process (AsyncLLM), as a server started by the README does
+    # ServerProcess applies VLLM_ENV over the environment: "1" runs vLLM's engine core in its
+    # own process (AsyncLLM), as a server started by the README does
     multiprocessing = "1" if args.engine == "async" else "0"
     server_support.VLLM_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
-
-    global VOCAB
     tiny = build_tiny_models()
     teacher, VOCAB = str(tiny.teacher_dir), tiny.vocab_size  # ids the teacher accepts
+    head, rec = recorded("overload", args)
     modes = []
     for m in args.modes.split(","):
-        modes.append(await run_mode(m, args, teacher))
+        modes.append(asyncio.run(run_mode(m, args, teacher)))
+        rec.add_flat(m, modes[-1])
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.with_suffix(".partial.json").write_text(json.dumps(modes, indent=2))
-    return {
-        "command": "python -m benchmarks.service overload " + " ".join(sys.argv[1:]),
-        "machine": machine_line(),
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "engine": args.engine,
-        "modes": modes,
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = mode_parser("overload", __doc__)
-    options(p, clients=64, overload_s=30.0, steady_s=20.0, modes="shedding,baseline")
-    options(
-        p,
-        idle_s=(10.0, "/health probed with no client load first"),
-        engine=(
-            "inproc",
-            "vLLM engine core in the server process (inproc) or its own process (async: "
-            "the README's start mode)",
-            {"choices": ("inproc", "async")},
-        ),
-    )
-    args = parse(p, argv, json_default=Path("/tmp/lc-overload.json"))
-    result = asyncio.run(main_async(args))
-    cfg = {"engine": args.engine, "clients": args.clients}
-    rec = Recorder("service", "overload", csv_path=args.csv, config=cfg)
-    for m in result["modes"]:
-        rec.add_flat(str(m.get("mode", "?")), m)
-    rec.finish(result, args.json, show=8000)
+    rec.finish(head | {"engine": args.engine, "modes": modes}, args.json, show=8000)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,10 @@
 """Ray batch scoring: the same input with 1 and with 2 teacher replicas (tiny teacher, vLLM CPU).
 
-    python -m benchmarks.service ray --sequences 256 --json benchmarks/results/deploy_ray.json
-
-Both runs use the same local Ray cluster (2 CPUs, 127.0.0.1), the same two started replicas
-(engines loaded once; the 1-replica run uses the first), the same shards and batches, and one CPU
-(one torch thread, Ray's OMP_NUM_THREADS) per replica, so the ratio is what a second replica
-buys. The machine's load average is recorded: on a shared machine the ratio is noisy. The caches
-of the two runs are compared array for array (the run fails if they differ). Reported per run:
-wall seconds of each phase (check, score, commit) and scored tokens per second over the score
-phase. The baseline is the 1-replica run.
+One local Ray cluster (2 CPUs), two replicas started once (the 1-replica run uses the first), the
+same shards and batches, one CPU (one torch thread) per replica: the ratio is what a second
+replica buys (noisy on a shared machine: the load average is recorded). The two caches must be
+equal array for array. Per run: wall seconds of each phase (check, score, commit) and scored
+tokens per second over the score phase.
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ import os
 import tempfile
 import time
 
-from benchmarks.harness import Recorder, machine_line, options
-from benchmarks.service.common import mode_parser, parse
+from benchmarks.service.common import parse, recorded
 from tests.server_support import VLLM_ENV
 
 
@@ -39,26 +34,23 @@ def same_cache(a_url: str, b_url: str) -> bool:
 
     a, b = CacheReader(a_url), CacheReader(b_url)
     return a.keys == b.keys and all(
-        a.sequence(i).equals(b.sequence(i))
-        for i in range(a.num_sequences)  # type: ignore[union-attr]
+        a.sequence(i).equals(b.sequence(i))  # type: ignore[union-attr]
+        for i in range(a.num_sequences)
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = mode_parser("ray", __doc__)
-    options(p, sequences=256, chars=600, shard_size=32, k=20)
-    args = parse(p, argv)
+    args = parse("ray", __doc__, argv, sequences=256, chars=600, shard_size=32, k=20)
     os.environ.update(VLLM_ENV)
-
+    import ray
     from logitcache.fixtures.tiny import build_tiny_models
     from logitcache.server.batch.distributed import Plan, Replicas, init_local_ray, run_distributed
     from logitcache.server.inputs.records import RawRecord
     from logitcache.server.settings import ServerSettings
 
     tiny = build_tiny_models()
-    records = corpus(tiny, args.sequences, args.chars)
     raws = [RawRecord(where=f"r{i}", id=r["id"], text=r["text"], input_ids=None)
-            for i, r in enumerate(records)]  # fmt: skip
+            for i, r in enumerate(corpus(tiny, args.sequences, args.chars))]  # fmt: skip
     settings = ServerSettings(
         _env_file=None, model=str(tiny.teacher_dir), k=args.k, max_seq_len=1024, backend="vllm"
     )
@@ -66,50 +58,36 @@ def main(argv: list[str] | None = None) -> None:
     init_local_ray(num_cpus=2)
     ray_start = time.perf_counter() - t
     runs = {}
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()[0]
     plan = Plan(shard_size=args.shard_size, cpus_per_replica=1.0)
     with tempfile.TemporaryDirectory() as tmp, Replicas(settings, 2, plan) as started:
         print(f"2 engines up in {started.start_seconds:.1f} s")
         for replicas in (1, 2):
-            url = f"{tmp}/r{replicas}"
             run_plan = Plan(replicas=replicas, shard_size=args.shard_size)
-            report = run_distributed(raws, url, settings, run_plan, replicas=started)
-            runs[replicas] = report
-            print(f"replicas={replicas}: {report.phases} tokens={report.scored_tokens}")
+            runs[replicas] = r = run_distributed(raws, f"{tmp}/r{replicas}", settings, run_plan,
+                                                 replicas=started)  # fmt: skip
+            print(f"replicas={replicas}: {r.phases} tokens={r.scored_tokens}")
         equal = same_cache(f"{tmp}/r1", f"{tmp}/r2")
-        start_s = started.start_seconds
-    load_after = os.getloadavg()
-    import ray
-
     ray.shutdown()
     if not equal:
         raise SystemExit("the 1- and 2-replica caches differ")
-    rows = []
-    for replicas, r in runs.items():
-        row = dict(
-            replicas=replicas, shards=r.shards, sequences=r.sequences, tokens=r.scored_tokens
-        )
-        row["wall_s"] = round(r.seconds, 2)
-        row |= {f"{k}_s": v for k, v in r.phases.items()}
-        row["score_tok_per_s"] = round(r.scored_tokens / r.phases["score"], 1)
-        rows.append(row)
+    rows = [
+        {"replicas": n, "shards": r.shards, "sequences": r.sequences, "tokens": r.scored_tokens,
+         "wall_s": round(r.seconds, 2), **{f"{k}_s": v for k, v in r.phases.items()},
+         "score_tok_per_s": round(r.scored_tokens / r.phases["score"], 1)}
+        for n, r in runs.items()
+    ]  # fmt: skip
     speedup = rows[1]["score_tok_per_s"] / rows[0]["score_tok_per_s"]
-    result = {
-        "machine": machine_line(),
-        "ray_init_s": round(ray_start, 2),
-        "engines_start_s (2 in parallel)": round(start_s, 2),
-        "load_average_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
-        "k": args.k,
-        "runs": rows,
-        "score_speedup_2_vs_1": round(speedup, 3),
-        "caches_byte_equal": equal,
-    }
-    cfg = {"sequences": args.sequences, "k": args.k}
-    rec = Recorder("service", "ray", csv_path=args.csv, config=cfg)
+    head, rec = recorded("ray", args)
     for row in rows:
         rec.add(f"{row['replicas']} replica(s)", "score_tok_per_s", "tok/s", row["score_tok_per_s"])
     rec.add("2 vs 1 replicas", "score_speedup", "ratio", speedup)
-    rec.finish(result, args.json)
+    rec.finish(head | {
+        "ray_init_s": round(ray_start, 2),
+        "engines_start_s (2 in parallel)": round(started.start_seconds, 2),
+        "load_average_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "runs": rows, "score_speedup_2_vs_1": round(speedup, 3), "caches_byte_equal": equal,
+    }, args.json)  # fmt: skip
 
 
 if __name__ == "__main__":

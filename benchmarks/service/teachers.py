@@ -1,19 +1,12 @@
 """Several teachers behind one service: what routing costs a miss, and what a swap costs.
 
-One engine on the tiny teacher in this process is the default teacher of two apps under uvicorn
-in threads (``tests/server_support.ThreadedServer``), in one run (two rounds, each app started
-first in one of them):
-
-1. **one teacher**: ``--model`` only (the one-teacher case);
-2. **two teachers**: the same engine as the first of two teachers (``tiny-a``; ``tiny-b`` is the
-   same weights under another name, built by the service), room for one engine;
-
-then per sequence a ``POST /v1/score`` (no cache: the engine scores it) on (1) and on (2) naming
-``tiny-a``, in turn (which goes first alternates): the routing's cost is their ratio. Last,
-``--swaps`` requests for ``tiny-b``, each after one for ``tiny-a`` on (2): each unloads
-``tiny-a`` (the caller's engine: nothing to close) and builds ``tiny-b``'s engine (the request for
-``tiny-a`` closes it again); their median over the one-teacher request is what a request that
-swaps teachers waits.
+One transformers engine on the tiny teacher in this process serves two apps under uvicorn in
+threads (``tests/server_support.ThreadedServer``): **one teacher** (``--model`` only) and **two
+teachers** (the engine as ``tiny-a``; ``tiny-b``, the same weights under another name, built by
+the service; room for one engine). Per sequence a ``POST /v1/score`` miss on each, in turn (the
+order alternating; two rounds, each app started first in one): routing costs their ratio. Then
+``--swaps`` requests for ``tiny-b``, each after one for ``tiny-a``, each unloading one engine and
+building the other: their median over the one-teacher request is what a swap waits.
 """
 
 from __future__ import annotations
@@ -25,8 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import options
-from benchmarks.service.common import mode_parser, parse, recorded, tiny_engine, tiny_windows
+from benchmarks.service.common import parse, recorded, tiny_engine, tiny_windows
 from tests.server_support import ThreadedServer, server_settings
 
 
@@ -38,16 +30,11 @@ def _miss(client: Any, seq: list[int], k: int, model: str | None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = mode_parser("teachers", __doc__)
-    backend = ("transformers", None, {"choices": ["transformers", "vllm"]})
-    options(ap, sequences=32, length=128, k=8, swaps=6, backend=backend)
-    args = parse(ap, argv)
-
+    args = parse("teachers", __doc__, argv, sequences=32, length=128, k=8, swaps=6)
     from logitcache.server.serving.teachers import weights_bytes
 
     tiny, seqs = tiny_windows(args.length, 2 * args.sequences + 2)
-    engine = tiny_engine(tiny, args.backend, 20)
-    engine_options = {"vllm_mode": "inproc"} if args.backend == "vllm" else {}
+    engine = tiny_engine(tiny.teacher_dir, 20)
     one, two, swaps = [], [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -55,12 +42,10 @@ def main(argv: list[str] | None = None) -> None:
             other.mkdir()
             for f in tiny.teacher_dir.iterdir():
                 (other / f.name).symlink_to(f)
-            common = {"k": args.k, "backend": args.backend, "engine_options": engine_options}
+            common = {"k": args.k, "backend": "transformers", "engine_options": {}}
             single = server_settings(Path(tmp) / "one", str(tiny.teacher_dir), **common)
-            teachers = [
-                {"name": "tiny-a", "model": str(tiny.teacher_dir)},
-                {"name": "tiny-b", "model": str(other)},
-            ]
+            teachers = [{"name": "tiny-a", "model": str(tiny.teacher_dir)},
+                        {"name": "tiny-b", "model": str(other)}]  # fmt: skip
             budget = weights_bytes(str(tiny.teacher_dir))
             double = server_settings(
                 Path(tmp) / "two", "", teachers=teachers, teacher_memory_bytes=budget, **common
@@ -91,15 +76,12 @@ def main(argv: list[str] | None = None) -> None:
 
     med_one, med_two, med_swap = (statistics.median(x) for x in (one, two, swaps))
     head, rec = recorded("teachers", args)
-    result: dict[str, Any] = {
-        **head,
-        "median_s": {"one_teacher_miss": med_one, "two_teachers_miss": med_two, "swap": med_swap},
-        "routed_over_one_teacher": med_two / med_one,
-        "swap_over_one_teacher_miss": med_swap / med_one,
-    }
-    for key in ("routed_over_one_teacher", "swap_over_one_teacher_miss"):
-        rec.add("score_miss", key, "ratio", result[key])
-    rec.finish(result, args.json)
+    ratios = {"routed_over_one_teacher": med_two / med_one,
+              "swap_over_one_teacher_miss": med_swap / med_one}  # fmt: skip
+    for key, value in ratios.items():
+        rec.add("score_miss", key, "ratio", value)
+    median_s = {"one_teacher_miss": med_one, "two_teachers_miss": med_two, "swap": med_swap}
+    rec.finish(head | {"median_s": median_s} | ratios, args.json)
 
 
 if __name__ == "__main__":

@@ -263,13 +263,14 @@ def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
     import numpy as np
 
     from benchmarks.service import cpu
-    from benchmarks.service.replay import StrideRows
+    from benchmarks.service.replay import RandomTeacherRows
 
-    cpu._track_thread_ends()
+    cpu.track_thread_ends()
+    rows = RandomTeacherRows(k=8, pool=4096)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, StrideRows.vocab, 64).tolist() for _ in range(24)]
+    prompts = [rng.integers(0, rows.vocab, 64).tolist() for _ in range(24)]
     settings = {"k": 8, "job_batch_sequences": 8, "log_level": "warning"}
-    r = cpu.one_run(8, prompts, settings, StrideRows(0))
+    r = cpu.one_run(8, prompts, settings, rows)
     groups = r["thread_group_us_per_position"]
     assert groups["job_writer"] > 0 and groups["zarr_io"] > 0
     st = r["stage_us_per_position"]
@@ -288,7 +289,7 @@ def test_service_suite_replays_the_transformers_backend_at_a_gpus_pace() -> None
     from benchmarks.service import cpu
     from benchmarks.service.replay import RandomTeacherRows
 
-    cpu._track_thread_ends()
+    cpu.track_thread_ends()
     rows = RandomTeacherRows(k=16, pool=4096)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, rows.vocab, 256).tolist() for _ in range(16)]
