@@ -2,19 +2,13 @@
 
 Every rank streams its own partition of one cache (``CacheDataset``) and trains a small student
 with the fused chunked top-k loss. ``report`` checks, from the delivered tokens (each synthetic
-sequence starts with its own index written in base ``vocab``): **coverage** (the ranks' epochs
-are disjoint and cover every sequence once), **loss agreement** (the DDP curve equals one process
-reading all ``W`` partitions, same global batches and normalisation), **throughput** (rows/s of 1
-and W processes, peak memory, the share of each step waiting for data) and **resume** (a run
-checkpointed at step ``N`` and resumed replays the same order and, on CPU, the same losses).
-
-Commands: ``make-cache`` (the synthetic bigram cache), ``train`` (one run: ``--nproc W`` spawns W
-ranks, or under ``torchrun``), ``report`` (cache + 1-process + W-process + resumed runs; ``--json``
-and ``--md``), ``summary`` (a one-GPU run and its resumed run)::
-
-    python -m benchmarks.ddp report --workdir runs/ddp --nproc 2 --backend gloo
-
-GPU commands (NCCL; NVLink multicast switched off here): ``benchmarks/results/ddp.md``.
+sequence starts with its own index in base ``vocab``): **coverage** (the ranks' epochs are
+disjoint and cover every sequence once), **loss agreement** (the DDP curve equals one process
+reading all ``W`` partitions), **throughput** (rows/s of 1 and W processes, peak memory, data
+wait) and **resume** (a run checkpointed at step ``N`` and resumed replays the same order).
+Commands: ``make-cache``, ``train`` (one run: ``--nproc W`` spawns W ranks, or under
+``torchrun``), ``report`` (cache + 1-process + W-process + resumed runs), ``summary`` (a one-GPU
+run and its resumed run); GPU commands (NCCL, NVLink multicast off): ``results/ddp.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +29,16 @@ import numpy as np
 import torch
 from logitcache.client import ReadOptions, StreamConfig
 
-from benchmarks.harness import ROOT, Recorder, add_csv_option, free_port, load1, machine, options
+from benchmarks.harness import (
+    ROOT,
+    Recorder,
+    add_csv_option,
+    free_port,
+    load1,
+    machine,
+    md_table,
+    options,
+)
 from benchmarks.synthetic import (
     CacheSpec,
     bigram_teacher,
@@ -45,14 +48,10 @@ from benchmarks.synthetic import (
 )
 
 #: Settings that keep NCCL / symmetric memory off NVLink multicast (NVLS) on GPU boxes.
-NVLS_OFF = dict.fromkeys(("NCCL_NVLS_ENABLE",), "0") | dict.fromkeys(
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"), "1"
-)
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 
 SYNTHETIC_TOKENIZER = "synthetic-bigram-v1"
-
-
-# ------------------------------------------------------------------------------ synthetic cache
 
 
 def make_cache(url: str, spec: CacheSpec, *, batch: int = 512, log: bool = True) -> dict[str, Any]:
@@ -72,8 +71,7 @@ def make_cache(url: str, spec: CacheSpec, *, batch: int = 512, log: bool = True)
         dataset={"synthetic": asdict(spec)},
     )
     teacher = bigram_teacher(spec.vocab, spec.k, spec.seed)
-    t0 = time.perf_counter()
-    added = 0
+    t0, added = time.perf_counter(), 0
     with CacheWriter.open(url, manifest) as writer:
         for first in range(0, spec.num_sequences, batch):
             count = min(batch, spec.num_sequences - first)
@@ -81,12 +79,8 @@ def make_cache(url: str, spec: CacheSpec, *, batch: int = 512, log: bool = True)
                 continue
             added += writer.append(synthetic_records(spec, first, count, teacher))
             if log:
-                done = first + count
-                print(f"[make-cache] {done}/{spec.num_sequences} sequences", file=sys.stderr)
+                print(f"[make-cache] {first + count}/{spec.num_sequences}", file=sys.stderr)
     return {"url": url, "added": added, "seconds": round(time.perf_counter() - t0, 2)}
-
-
-# ------------------------------------------------------------------------------- configuration
 
 
 @dataclass
@@ -97,13 +91,10 @@ class TrainConfig:
     out: str = ""
     nproc: int = 1
     backend: str = "gloo"
-    emulate_ranks: int = 1
-    """One process reads this many rank partitions and trains on their union (the reference)."""
-    steps: int = 0
-    """Optimizer steps; 0 = until the first rank's epoch runs out."""
+    emulate_ranks: int = 1  # one process reads this many partitions, trains on their union
+    steps: int = 0  # optimizer steps; 0: until the first rank's epoch runs out
     tokens_per_item: int = 64
-    batch_items: int = 2
-    """Items per rank (per partition) and step: the global batch is ranks x batch_items."""
+    batch_items: int = 2  # items per rank (partition) and step
     mode: str = "pack"
     workers: int = 0
     prefetch: int = 4
@@ -112,13 +103,9 @@ class TrainConfig:
     layers: int = 2
     heads: int = 2
     lr: float = 1e-3
-    dtype: str = "float32"
-    """float32, or bfloat16: autocast body and bf16 hidden/weight into the loss (GPU)."""
-    chunk_size: int = 0
-    """Rows per chunk of the fused loss (0: its default)."""
-    threads: int = 1
-    """torch CPU threads per process (1: the 1-process and W-process runs get a core per
-    process, the CPU analogue of one GPU per process; more threads oversubscribe shared cores)."""
+    dtype: str = "float32"  # or bfloat16: autocast body, bf16 hidden/weight into the loss (GPU)
+    chunk_size: int = 0  # rows per chunk of the fused loss (0: its default)
+    threads: int = 1  # torch CPU threads per process (1: a core per process, as a GPU per rank)
     checkpoint_at: int = 0
     checkpoint_dir: str = ""
     resume: str = ""
@@ -130,13 +117,9 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple
 
 
 def _dataclass_argv(obj: Any) -> list[str]:
-    argv: list[str] = []
-    for f in fields(obj):
-        argv += ["--" + f.name.replace("_", "-"), str(getattr(obj, f.name))]
-    return argv
-
-
-# ----------------------------------------------------------------------------------- the student
+    return [
+        x for f in fields(obj) for x in ("--" + f.name.replace("_", "-"), str(getattr(obj, f.name)))
+    ]
 
 
 class Block(torch.nn.Module):
@@ -190,9 +173,6 @@ class Student(torch.nn.Module):
         for block in self.blocks:
             x = block(x, mask[:, None])
         return self.norm(x)
-
-
-# ---------------------------------------------------------------------------------- one rank
 
 
 @dataclass
@@ -286,32 +266,15 @@ def _resume(cfg: TrainConfig, rank: int, model: Any, opt: Any, parts: list, devi
     return int(trainer["step"])
 
 
-def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
-    if cfg.backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def _peak_rss_mib() -> float:
-    """Peak resident memory of this process: ``VmHWM`` (reset by exec, unlike ``ru_maxrss``,
-    which a child inherits from the process that forked it), else ``ru_maxrss``."""
-    with suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _reset_peak_rss() -> None:
-    """Start a new peak-RSS window (Linux: writing 5 to ``/proc/self/clear_refs`` resets
-    ``VmHWM``), so a run's figure excludes what the process did before (e.g. making the cache)."""
-    with suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
 def _peak_memory(device: torch.device) -> dict[str, float]:
-    out = {"peak_rss_mib": round(_peak_rss_mib(), 1)}
+    """Peak resident memory of this process since :func:`train_rank` reset it: ``VmHWM`` (reset
+    by exec, unlike ``ru_maxrss``, which a child inherits from its parent), else ``ru_maxrss``;
+    on CUDA also the peak allocated."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with suppress(OSError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        rss = next((int(x.split()[1]) / 1024 for x in status if x.startswith("VmHWM:")), rss)
+    out = {"peak_rss_mib": round(rss, 1)}
     if device.type == "cuda":
         out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return out
@@ -324,7 +287,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
     from logitcache.client.loss import topk_distill_loss
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    _reset_peak_rss()
+    with suppress(OSError):  # a new VmHWM window: not what the process did before (the cache)
+        Path("/proc/self/clear_refs").write_text("5")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     reader = CacheReader(cfg.cache)
@@ -407,9 +371,6 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, device: torch.device) ->
     }
 
 
-# ------------------------------------------------------------------------------ process launch
-
-
 def _run_process(rank: int, world: int, local_rank: int, cfg: TrainConfig, init: str) -> None:
     """Body of one rank: set up the process group, train, gather everything on rank 0."""
     import torch.distributed as dist
@@ -419,7 +380,10 @@ def _run_process(rank: int, world: int, local_rank: int, cfg: TrainConfig, init:
     # Rank 0 may be the caller's own process (a test, a notebook): give its thread count back.
     threads_before = torch.get_num_threads()
     torch.set_num_threads(max(1, cfg.threads))
-    device = _device(cfg, local_rank)
+    device = torch.device("cpu")
+    if cfg.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
     if world > 1:
         dist.init_process_group(cfg.backend, init_method=init, rank=rank, world_size=world)
     try:
@@ -474,9 +438,6 @@ def _env(device: torch.device) -> dict[str, Any]:
     """The harness's machine row, the device this rank trained on and the NVLS settings."""
     nvls = {k: os.environ.get(k) for k in NVLS_OFF}
     return machine() | {"device": str(device), "load_average_1min": load1(), "nvls": nvls}
-
-
-# ------------------------------------------------------------------------------------ analysis
 
 
 def _flat(lists: list[list[int]]) -> list[int]:
@@ -571,9 +532,6 @@ def loss_agreement(one: dict[str, Any], ddp: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# -------------------------------------------------------------------------------------- report
-
-
 def summary(
     full: dict[str, Any], resumed: dict[str, Any], num_sequences: int, warmup: int
 ) -> dict[str, Any]:
@@ -630,89 +588,70 @@ def report(base: TrainConfig, spec: CacheSpec, workdir: Path, warmup: int) -> di
     )
     resumed = _train_subprocess(res_cfg)
     t_one, t_ddp = throughput(one, warmup), throughput(ddp, warmup)
+    man = reader.manifest
     return {
-        "cache": dict(
-            url=cache,
-            num_sequences=n_seq,
-            num_rows=reader.num_rows,
-            vocab=reader.manifest.vocab_size,
-            k=reader.manifest.k,
-            made=made,
-        ),  # fmt: skip
-        "world": world,
-        "config": asdict(base),
-        "coverage": coverage(ddp, n_seq),
-        "coverage_planned": coverage(ddp, n_seq, key="planned"),
+        "cache": {"url": cache, "num_sequences": n_seq, "num_rows": reader.num_rows,
+                  "vocab": man.vocab_size, "k": man.k, "made": made},
+        "world": world, "config": asdict(base),
+        "coverage": coverage(ddp, n_seq), "coverage_planned": coverage(ddp, n_seq, key="planned"),
         "loss_agreement": loss_agreement(one, ddp),
-        "throughput": {
-            "one_process": t_one,
-            "ddp": t_ddp,
-            "ratio_rows_per_s": t_ddp["rows_per_s"] / t_one["rows_per_s"],
-        },
-        "memory": {
-            "one_process": [r["memory"] for r in one["ranks"]],
-            "ddp": [r["memory"] for r in ddp["ranks"]],
-        },
-        "resume": resume_check(ddp, resumed, at),
-        "env": ddp["env"],
+        "throughput": {"one_process": t_one, "ddp": t_ddp,
+                       "ratio_rows_per_s": t_ddp["rows_per_s"] / t_one["rows_per_s"]},
+        "memory": {"one_process": [r["memory"] for r in one["ranks"]],
+                   "ddp": [r["memory"] for r in ddp["ranks"]]},
+        "resume": resume_check(ddp, resumed, at), "env": ddp["env"],
         "load_average": [r["env"]["load_average_1min"] for r in (one, ddp, resumed)],
-        "threads": {
-            "one_process": one["ranks"][0]["threads"],
-            "ddp": [r["threads"] for r in ddp["ranks"]],
-        },
+        "threads": {"one_process": one["ranks"][0]["threads"],
+                    "ddp": [r["threads"] for r in ddp["ranks"]]},
         "runs": {"one_process": one_cfg.out, "ddp": ddp_cfg.out, "resumed": res_cfg.out},
-    }
+    }  # fmt: skip
 
 
 def markdown(rep: dict[str, Any], command: str) -> str:
     """The results page for one report."""
     c, cov, la = rep["cache"], rep["coverage"], rep["loss_agreement"]
-    tp, mem, rs = rep["throughput"], rep["memory"], rep["resume"]
-    w = rep["world"]
+    tp, mem, rs, env, w = rep["throughput"], rep["memory"], rep["resume"], rep["env"], rep["world"]
     mem_key = "peak_gpu_gib" if "peak_gpu_gib" in mem["ddp"][0] else "peak_rss_mib"
-    lines = [
-        f"- machine: {rep['env']['device']}, {rep['env']['cpu_count']} CPU cores, torch "
-        f"{rep['env']['torch']}; backend {rep['config']['backend']}; threads per process: "
-        f"1-process {rep['threads']['one_process']}, DDP {rep['threads']['ddp']}; 1-min load "
-        f"average at the end of the runs: {rep['load_average']} (shared machine)",
+
+    def rate(t: dict) -> str:
+        return (f"{t['rows_per_s']:,.0f} (tokens/s {t['tokens_per_s']:,.0f}, median step "
+                f"{t['step_ms_median']:.1f} ms)")  # fmt: skip
+
+    def pct(xs: list[float]) -> str:
+        return "[" + ", ".join(f"{100 * x:.1f}%" for x in xs) + "]"
+
+    rows = [
+        ["epoch coverage (from delivered tokens)", f"sequences per rank "
+         f"{cov['sequences_per_rank']}, overlap {cov['overlap_between_ranks']}, duplicates "
+         f"{cov['duplicates_within_ranks']}, missing {cov['missing']}: exactly once = "
+         f"**{cov['exactly_once']}**"],
+        ["trained vs drained", f"trained {cov['trained_per_rank']} sequences per rank before the "
+         "first rank ran out; the rest was drained (read, not trained)"],
+        [f"loss curve, 1 process vs {w} (same global batches: {la['same_global_batches']})",
+         f"max abs diff {la['max_abs_diff']:.3g}, max rel diff {la['max_rel_diff']:.3g} over "
+         f"{la['steps'][1]} steps (loss {la['first_last_ddp'][0]:.4f} -> "
+         f"{la['first_last_ddp'][1]:.4f})"],
+        ["rows/s, 1 process", rate(tp["one_process"])],
+        [f"rows/s, {w} processes", rate(tp["ddp"])],
+        [f"ratio {w} / 1", f"**{tp['ratio_rows_per_s']:.2f}x**"],
+        [f"peak memory ({mem_key})", f"1 process {[m[mem_key] for m in mem['one_process']]}, per "
+         f"rank {[m[mem_key] for m in mem['ddp']]}"],
+        ["data-wait share of step time", f"1 process "
+         f"{pct(tp['one_process']['data_wait_share_per_rank'])}, per rank "
+         f"{pct(tp['ddp']['data_wait_share_per_rank'])}"],
+        [f"resume at step {rs['checkpoint_step']}", f"same remaining order per rank "
+         f"{rs['same_order_per_rank']}, same tokens {rs['same_tokens_per_rank']}, max abs loss "
+         f"diff {rs['max_abs_loss_diff']} over {rs['resumed_steps_per_rank']} steps"],
+    ]  # fmt: skip
+    return (
+        f"- machine: {env['device']}, {env['cpu_count']} CPU cores, torch {env['torch']}; backend "
+        f"{rep['config']['backend']}; threads per process: 1-process "
+        f"{rep['threads']['one_process']}, DDP {rep['threads']['ddp']}; 1-min load average at the "
+        f"end of the runs: {rep['load_average']} (shared machine)\n"
         f"- cache: {c['num_sequences']} sequences, {c['num_rows']} rows (positions), vocab "
-        f"{c['vocab']}, k {c['k']} (synthetic bigram teacher written through CacheWriter)",
-        f"- command: `{command}`",
-        "",
-        "| check | result |",
-        "|---|---|",
-        f"| epoch coverage (from delivered tokens) | sequences per rank {cov['sequences_per_rank']}"
-        f", overlap {cov['overlap_between_ranks']}, duplicates {cov['duplicates_within_ranks']},"
-        f" missing {cov['missing']}: exactly once = **{cov['exactly_once']}** |",
-        f"| trained vs drained | trained {cov['trained_per_rank']} sequences per rank before "
-        "the first rank ran out; the rest was drained (read, not trained) |",
-        f"| loss curve, 1 process vs {w} (same global batches: {la['same_global_batches']}) | "
-        f"max abs diff {la['max_abs_diff']:.3g}, max rel diff {la['max_rel_diff']:.3g} over "
-        f"{la['steps'][1]} steps (loss {la['first_last_ddp'][0]:.4f} -> "
-        f"{la['first_last_ddp'][1]:.4f}) |",
-        f"| rows/s, 1 process | {tp['one_process']['rows_per_s']:,.0f} (tokens/s "
-        f"{tp['one_process']['tokens_per_s']:,.0f}, median step "
-        f"{tp['one_process']['step_ms_median']:.1f} ms) |",
-        f"| rows/s, {w} processes | {tp['ddp']['rows_per_s']:,.0f} (tokens/s "
-        f"{tp['ddp']['tokens_per_s']:,.0f}, median step {tp['ddp']['step_ms_median']:.1f} ms) |",
-        f"| ratio {w} / 1 | **{tp['ratio_rows_per_s']:.2f}x** |",
-        f"| peak memory ({mem_key}) | 1 process {[m[mem_key] for m in mem['one_process']]}, "
-        f"per rank {[m[mem_key] for m in mem['ddp']]} |",
-        "| data-wait share of step time | 1 process "
-        f"{_pct(tp['one_process']['data_wait_share_per_rank'])}, per rank "
-        f"{_pct(tp['ddp']['data_wait_share_per_rank'])} |",
-        f"| resume at step {rs['checkpoint_step']} | same remaining order per rank "
-        f"{rs['same_order_per_rank']}, same tokens {rs['same_tokens_per_rank']}, max abs loss "
-        f"diff {rs['max_abs_loss_diff']} over {rs['resumed_steps_per_rank']} steps |",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _pct(xs: list[float]) -> str:
-    return "[" + ", ".join(f"{100 * x:.1f}%" for x in xs) + "]"
-
-
-# ------------------------------------------------------------------------------------------ CLI
+        f"{c['vocab']}, k {c['k']} (synthetic bigram teacher written through CacheWriter)\n"
+        f"- command: `{command}`\n\n" + md_table(["check", "result"], rows)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -734,8 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--md", default="", help="write the markdown table here")
     add_csv_option(rp)
     sm = sub.add_parser("summary", help="a train run and its resumed run (one GPU)")
-    sm.add_argument("--full", type=Path, required=True)
-    sm.add_argument("--resumed", type=Path, required=True)
+    for name in ("--full", "--resumed"):
+        sm.add_argument(name, type=Path, required=True)
     sm.add_argument("--num-sequences", type=int, required=True)
     sm.add_argument("--warmup", type=int, default=20)
     args = vars(parser.parse_args(argv))
@@ -743,13 +682,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "summary":
         full, resumed = (json.loads(args[k].read_text()) for k in ("full", "resumed"))
         print(json.dumps(summary(full, resumed, args["num_sequences"], args["warmup"]), indent=1))
-        return 0
-    if command == "make-cache":
-        url = args.pop("url")
-        print(json.dumps(make_cache(url, CacheSpec(**args))))
-        return 0
-    if command == "train":
+    elif command == "make-cache":
+        print(json.dumps(make_cache(args.pop("url"), CacheSpec(**args))))
+    elif command == "train":
         launch(TrainConfig(**args))
+    if command != "report":
         return 0
     spec_names = {f.name for f in fields(CacheSpec)} - {"seed"}
     spec = CacheSpec(seed=args["seed"], **{k: args.pop(k) for k in list(args) if k in spec_names})
@@ -759,12 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = report(TrainConfig(**args), spec, workdir, warmup)
     command_line = "python -m benchmarks.ddp " + " ".join(argv or sys.argv[1:])
     rep["command"] = command_line
-    rec = Recorder("ddp", "report", csv_path=csv_path, command=command_line)
-    rec.add_flat(
-        f"{args['nproc']} ranks {args['backend']}",
-        rep.get("throughput", {}),
-        config={k: v for k, v in args.items() if isinstance(v, int | float | str)},
-    )
+    config = {k: v for k, v in args.items() if isinstance(v, int | float | str)}
+    rec = Recorder("ddp", "report", csv_path=csv_path, command=command_line, config=config)
+    rec.add_flat(f"{args['nproc']} ranks {args['backend']}", rep["throughput"])
     rec.save()
     text = markdown(rep, command_line)
     print(text)

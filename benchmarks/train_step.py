@@ -1,15 +1,14 @@
 """One distillation training step on one GPU: online KD (teacher in memory, run every step)
 against offline KD from a logitcache cache (the student alone).
 
-Student Llama-3.2-1B-shaped (``--student``), teacher Llama-3-8B-shaped (``--teacher``), random
-bf16 weights made on the device; AdamW (fused), activation checkpointing, SDPA. Variants:
-``online_dense`` (full teacher logits, fp32 ``kl_div``), ``online_liger`` (Liger's fused linear
-JSD, beta 0, on both hidden states; CUDA), ``offline_local`` / ``offline_http`` (``CacheDataset``
-on local disk / over the service's store route, ``topk_distill_loss``), ``offline_exact`` (a
-``targets="hidden"`` cache and ``exact_distill_loss``). The caches are written in the same run by
-the same teacher on the same token ids. Per variant and size: ``--warmup`` steps, then
-``--steps`` timed ones (median step time, ``max_memory_allocated``); an OOM ends the variant.
-Commands and figures: ``benchmarks/results/train_step.md``; ``plot`` redraws ``train_step.png``.
+Student ``--student`` (1B-shaped), teacher ``--teacher`` (8B-shaped), random bf16 weights;
+AdamW (fused), activation checkpointing, SDPA. Variants: ``online_dense`` (full teacher logits,
+fp32 ``kl_div``), ``online_liger`` (Liger's fused linear JSD, beta 0; CUDA), ``offline_local`` /
+``offline_http`` (``CacheDataset`` on local disk / over the service's store route,
+``topk_distill_loss``), ``offline_exact`` (a ``targets="hidden"`` cache, ``exact_distill_loss``);
+the caches are written in the same run by the same teacher on the same ids. Per variant and size:
+``--warmup`` steps, then ``--steps`` timed ones (median, ``max_memory_allocated``); an OOM ends
+the variant. The page: ``benchmarks/results/train_step.md``; ``plot`` redraws ``train_step.png``.
 """
 
 from __future__ import annotations
@@ -58,9 +57,6 @@ def make_model(shape_name: str, device: torch.device, seq_len: int, seed: int) -
     config = SHAPES[shape_name].config(max(seq_len, 2048))
     config._attn_implementation = "sdpa"
     return bf16_llama(config, device)
-
-
-# ------------------------------------------------------------------------------------ cache
 
 
 def teacher_topk(teacher: Any, ids: torch.Tensor, k: int, chunk: int = 1024) -> tuple:
@@ -115,9 +111,6 @@ def write_cache(
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     rows = tokens.shape[0] * (tokens.shape[1] - 1)
     return {"seconds": time.perf_counter() - t0, "rows": rows, "bytes_per_row": size / rows}
-
-
-# ------------------------------------------------------------------------------------ steps
 
 
 def student_hidden(student: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -270,7 +263,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if any(t % args.seq_len for t in args.tokens):
         p.error("every --tokens must be a multiple of --seq-len")
     command = " ".join(["python -m benchmarks.train_step", *given])
-    return run(args, Recorder("train_step", "run", csv_path=args.csv, command=command))
+    config = {"student": args.student, "teacher": args.teacher, "seq_len": args.seq_len}
+    return run(
+        args, Recorder("train_step", "run", csv_path=args.csv, command=command, config=config)
+    )
 
 
 def run(args: argparse.Namespace, rec: Recorder) -> dict:
@@ -315,11 +311,10 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
     online: dict[str, Callable[..., torch.Tensor]] = {}
     if "online_dense" in args.variants:
         online["online_dense"] = online_dense
-    if "online_liger" in args.variants:
-        if device.type != "cuda":
-            result["variants"]["online_liger"] = {"skipped": "needs CUDA (Triton)"}
-        else:
-            online["online_liger"] = make_liger()
+    if "online_liger" in args.variants and device.type != "cuda":
+        result["variants"]["online_liger"] = {"skipped": "needs CUDA (Triton)"}
+    elif "online_liger" in args.variants:
+        online["online_liger"] = make_liger()
     for name, fn in online.items():
 
         def make_step(t: int, fn: Any = fn) -> Callable[[], torch.Tensor]:
@@ -381,15 +376,13 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
             run_variant(name, sizes, make_offline_step, opt, device, args, result["variants"])
 
     summarize(result, sizes)
-    config = {"student": args.student, "teacher": args.teacher, "seq_len": args.seq_len}
     for name, runs in result["variants"].items():
         for t, r in runs.items():
             if isinstance(r, dict) and "step_s" in r:
-                case = f"{name}/{t}"
-                rec.add(case, "step_time", "s", r["step_s"], samples=args.steps, config=config)
-                rec.add(case, "tokens_per_s", "tok/s", r["tokens_per_s"], config=config)
+                rec.add(f"{name}/{t}", "step_time", "s", r["step_s"], samples=args.steps)
+                rec.add(f"{name}/{t}", "tokens_per_s", "tok/s", r["tokens_per_s"])
                 if r["peak_gib"] is not None:
-                    rec.add(case, "peak_memory", "GiB", r["peak_gib"], config=config)
+                    rec.add(f"{name}/{t}", "peak_memory", "GiB", r["peak_gib"])
     rec.finish(result, args.json, indent=1, show=-1)
     return result
 
@@ -438,11 +431,11 @@ def summarize(result: dict, sizes: list[int]) -> None:
     print(f"{'variant':>14} {'tokens':>7} {'step s':>7} {'tok/s':>8} {'peak GiB':>8}")
     for name, runs in v.items():
         for t, r in runs.items():
-            if isinstance(r, dict) and "step_s" in r:
-                peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-                print(f"{name:>14} {t:>7} {r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f} {peak:>8}")
-            else:
+            if "step_s" not in r:
                 print(f"{name:>14} {t:>7} {str(r)[:60]}")
+                continue
+            peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+            print(f"{name:>14} {t:>7} {r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f} {peak:>8}")
 
 
 if __name__ == "__main__":

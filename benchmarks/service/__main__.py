@@ -6,17 +6,9 @@ import importlib
 import sys
 
 #: mode -> module under ``benchmarks.service`` (each has ``main(argv)``).
-MODES = {
-    "jobs": "jobs",
-    "cpu": "cpu",
-    "overload": "overload",
-    "cache": "cache",
-    "appends": "appends",
-    "ray": "replicas",
-    "gpu": "gpu",
-    "protocols": "protocols",
-    "teachers": "teachers",
-}
+MODES = {"jobs": "jobs", "cpu": "cpu", "overload": "overload", "cache": "cache",
+         "appends": "appends", "ray": "replicas", "gpu": "gpu", "protocols": "protocols",
+         "teachers": "teachers"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,8 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0] not in MODES:
         print(f"usage: python -m benchmarks.service {{{','.join(MODES)}}} [options]")
         raise SystemExit(2)
-    module = importlib.import_module(f"benchmarks.service.{MODES[args[0]]}")
-    module.main(args[1:])
+    importlib.import_module(f"benchmarks.service.{MODES[args[0]]}").main(args[1:])
 
 
 if __name__ == "__main__":
