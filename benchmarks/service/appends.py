@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
-from benchmarks.harness import ROOT, free_port, percentile, server_process
+from benchmarks.harness import ROOT, free_port, percentile, proc_cpu, server_process
 from benchmarks.service.common import parse, python_cmd, recorded
 
 VOCAB = 300  # the fake teacher's vocabulary
@@ -55,12 +54,10 @@ async def _load(url: str, args: argparse.Namespace, seed: int, pid: int | None =
                     lat.append(dt)
                     stored += r.json()["stored"]
 
-    proc = psutil.Process(pid) if pid is not None else None
-    cpu0 = sum(proc.cpu_times()[:2]) if proc is not None else 0.0
-    t0 = time.perf_counter()
+    cpu0, t0 = proc_cpu(pid) if pid else 0.0, time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     wall = time.perf_counter() - t0
-    cpu = sum(proc.cpu_times()[:2]) - cpu0 if proc is not None else 0.0
+    cpu = proc_cpu(pid) - cpu0 if pid else 0.0
     return {
         "server_cpu_ms_per_request": 1e3 * cpu / max(len(lat), 1), "wall_s": wall,
         "status": status, "requests_per_s": len(lat) / wall,
