@@ -42,7 +42,6 @@ def same_cache(a_url: str, b_url: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = parse("ray", __doc__, argv, sequences=256, chars=600, shard_size=32, k=20)
     os.environ.update(VLLM_ENV)
-    import ray
     from logitcache.fixtures.tiny import build_tiny_models
     from logitcache.server.batch.distributed import Plan, Replicas, init_local_ray, run_distributed
     from logitcache.server.inputs.records import RawRecord
@@ -68,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  replicas=started)  # fmt: skip
             print(f"replicas={replicas}: {r.phases} tokens={r.scored_tokens}")
         equal = same_cache(f"{tmp}/r1", f"{tmp}/r2")
+    import ray  # imported by init_local_ray, after the environment it reads
+
     ray.shutdown()
     if not equal:
         raise SystemExit("the 1- and 2-replica caches differ")
