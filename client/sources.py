@@ -236,13 +236,10 @@ class LocalSource:
         self._lengths = None
 
 
-class HttpSource:
-    """Read a cache from the teacher service: its stored objects as they are
-    (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md), through a
-    :class:`LocalSource` over that URL (:meth:`store_source`). The server only copies compressed
-    shard bytes; this process (or each DataLoader worker) decodes them, and snapshots, CRC32C
-    checks, retries, ``max_gap_tokens`` and ``decode_threads`` are that source's and its
-    reader's.
+class HttpSource(LocalSource):
+    """Read a cache from the teacher service: a :class:`LocalSource` over its stored objects as
+    they are (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md). The server
+    only copies compressed shard bytes; this process (or each DataLoader worker) decodes them.
     """
 
     def __init__(
@@ -254,59 +251,19 @@ class HttpSource:
         max_gap_tokens: int = 8192,
         decode_threads: int = 1,
     ) -> None:
-        self.base_url = base_url
-        self.cache = cache
-        self.api_key = api_key
-        self.max_gap_tokens = int(max_gap_tokens)
-        self.decode_threads = int(decode_threads)
-        self._store = self.store_source()
-
-    def store_source(self) -> LocalSource:
-        """A new :class:`LocalSource` reading this cache's stored objects over HTTP (e.g. for
-        the teacher head of a hidden cache)."""
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return LocalSource(
-            f"{self.base_url.rstrip('/')}/v1/caches/{self.cache}/store",
+        self.base_url, self.cache, self.api_key = base_url, cache, api_key
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        super().__init__(
+            f"{base_url.rstrip('/')}/v1/caches/{cache}/store",
             {"headers": headers} if headers else None,
-            max_gap_tokens=self.max_gap_tokens,
-            decode_threads=self.decode_threads,
+            max_gap_tokens=max_gap_tokens,
+            decode_threads=decode_threads,
         )
 
-    #: The constructor's arguments, in order (each kept as the attribute of its name).
     _CONFIG = tuple(inspect.signature(__init__).parameters)[1:]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._CONFIG}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**{n: state[n] for n in self._CONFIG})  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"HttpSource({self.base_url!r}, {self.cache!r})"
-
-    @property
-    def fork_safe(self) -> bool:
-        """A forked DataLoader worker opens its own connections (see :class:`LocalSource`)."""
-        return True
-
-    @property
-    def manifest(self) -> Manifest:
-        return self._store.manifest
-
-    @property
-    def num_sequences(self) -> int:
-        return self._store.num_sequences
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._store.lengths
-
-    def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        """Records of the wanted indices (:meth:`LocalSource.fetch`)."""
-        return self._store.fetch(indices)
-
-    def refresh(self) -> None:
-        self._store.refresh()
 
 
 _SOURCE_MEMBERS = ("manifest", "num_sequences", "lengths", "fetch", "refresh")
