@@ -93,8 +93,8 @@ class LocalSource:
 
     ``storage_options`` go to ``CacheReader`` unchanged (e.g. ``{"endpoint_url": ...,
     "key": ..., "secret": ...}``); ``decode_threads=n``: the reader is
-    ``CacheReader(decode_threads=n)``; ``max_gap_tokens`` and ``point_reads``: how :meth:`fetch`
-    reads. These settings are pickled with the source, so a DataLoader worker's reader (opened
+    ``CacheReader(decode_threads=n)``; ``max_gap_tokens``: how :meth:`fetch` merges reads.
+    These settings are pickled with the source, so a DataLoader worker's reader (opened
     there) has them too.
 
     Fork safety: object-store URLs are read through obstore by default, whose runtime does not
@@ -112,7 +112,6 @@ class LocalSource:
         *,
         max_gap_tokens: int = 16384,
         decode_threads: int = 1,
-        point_reads: bool | None = None,
     ) -> None:
         if decode_threads < 1:
             raise SourceError(f"decode_threads must be >= 1, got {decode_threads}")
@@ -120,7 +119,6 @@ class LocalSource:
         self.storage_options = dict(storage_options) if storage_options else None
         self.max_gap_tokens = int(max_gap_tokens)
         self.decode_threads = int(decode_threads)
-        self.point_reads = None if point_reads is None else bool(point_reads)
         self._reader: CacheReader | None = None
         self._pid: int | None = None
         self._lengths: np.ndarray | None = None
@@ -136,8 +134,7 @@ class LocalSource:
 
     def __repr__(self) -> str:
         threads = f", decode_threads={self.decode_threads}" if self.decode_threads > 1 else ""
-        points = "" if self.point_reads is None else f", point_reads={self.point_reads}"
-        return f"LocalSource({self.url!r}{threads}{points})"
+        return f"LocalSource({self.url!r}{threads})"
 
     @property
     def fork_safe(self) -> bool:
@@ -192,28 +189,20 @@ class LocalSource:
     def _point_reads(self, wanted: int, ranges: int) -> bool:
         """Whether :meth:`fetch` reads ``wanted`` sequences, which merge into ``ranges`` ranges,
         with one point read (see :meth:`fetch`)."""
-        if self.point_reads is not None:
-            return self.point_reads
         if 2 * ranges < wanted:
             return False  # runs of neighbours (shuffle blocks): range reads decode them cheaper
         reader = self.reader
         return reader.local_root is not None and reader.decoder == "numba"
 
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        """Records of the wanted sequences, keyed by index; the same whichever way they are read:
-
-        * range reads (``point_reads=False``): runs of wanted sequences less than
-          ``max_gap_tokens`` apart are merged into one range (:func:`merged_ranges`; a hidden
-          cache's are not: its rows decode chunk by chunk, so a gap would only decode unwanted
-          rows), all ranges are read by one ``CacheReader.read_ranges`` call and the unwanted
-          sequences in between are dropped;
-        * a point read (``point_reads=True``): one ``CacheReader.sequences`` call, which decodes
-          the wanted sequences' own chunks only, each once.
-
-        ``point_reads=None`` (default): a point read of scattered sequences (at least one merged
-        range per two wanted) where the reader's compiled path serves them (a local directory
-        store with numba), else range reads: an object store answers few large requests better,
-        and runs of neighbours (shuffle blocks) decode cheaper as ranges.
+        """Records of the wanted sequences, keyed by index, the same whichever way they are read:
+        scattered sequences (at least one merged range per two wanted) by one point read
+        (``CacheReader.sequences``: each wanted chunk decoded once) where the reader's compiled
+        path serves them (a local directory store with numba); else range reads: runs less than
+        ``max_gap_tokens`` apart are merged (:func:`merged_ranges`; not for a hidden cache,
+        whose rows decode chunk by chunk), read by one ``CacheReader.read_ranges`` call, and the
+        unwanted sequences in between dropped. An object store answers few large requests
+        better, and neighbours (shuffle blocks) decode cheaper as ranges.
         """
         lengths = self._snapshot_lengths()
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
