@@ -68,7 +68,7 @@ def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
     default); a LocalSource or an HttpSource only."""
     if read.decode_threads == 1:
         return source
-    if type(source) in (LocalSource, HttpSource):
+    if type(source) is LocalSource or type(source) is HttpSource:
         config = {name: getattr(source, name) for name in source._CONFIG}
         return type(source)(**config | {"decode_threads": read.decode_threads})
     raise ConfigError(
