@@ -294,18 +294,12 @@ def _place(
 def trim_padding_columns(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Drop the trailing ``topk_*`` columns that are padding in every row of a batch.
 
-    For sampled targets (cache_format FORMAT.md 4.4): a row stores its ``m <= k`` distinct
-    draws first (descending weight), then ``k - m`` padding slots of log-weight ``-65504``
-    (weight 0). The width kept is ``1 + `` the last column holding a non-padding value
-    (:data:`PADDING_LOGPROB_MAX`) in any position that has a teacher row (``labels !=
-    IGNORE_INDEX``; positions without a row hold zeros and are masked in every loss). Only
-    trailing all-padding columns are dropped, so a padding slot in the middle of a row (which
-    the format does not write) is kept, never reordered. At least one column is kept.
-
-    A dropped column has weight exactly 0 in every row, so a forward KL against the batch
-    (``topk_distill_loss(..., targets="sampled")``) has the same value and gradients, up to the
-    order of float summation. Returns a new dict (the other arrays are the same objects); the
-    trimmed arrays are contiguous copies.
+    Sampled rows (cache_format FORMAT.md 4.4) store their distinct draws first, then padding of
+    log-weight ``-65504`` (weight 0). The width kept is ``1 +`` the last column holding a value
+    above :data:`PADDING_LOGPROB_MAX` in a position with a teacher row (at least one column);
+    only trailing columns go, so the loss (``targets="sampled"``) has the same value and
+    gradients up to float summation order. Returns a new dict; trimmed arrays are contiguous
+    copies, the others the same objects.
     """
     lp = arrays["topk_logprobs"]
     rows = arrays["labels"] != IGNORE_INDEX

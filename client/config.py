@@ -5,8 +5,8 @@ Two frozen dataclasses, apart on purpose:
 * :class:`StreamConfig`: the stream itself (packing, order, sharding, the item tensors). Its
   order-shaping fields are fingerprinted into the loader state, so a resume with another
   stream is refused.
-* :class:`ReadOptions`: read tuning (prefetch, threads, point reads). The
-  items and their order never depend on it.
+* :class:`ReadOptions`: read tuning (prefetch, threads). The items and their order never
+  depend on it.
 
 Where to read from (a path, ``s3://...``, a server URL with its cache name, storage options,
 an API key, HTTP transport settings) is the source's business:
@@ -172,17 +172,11 @@ class ReadOptions:
         (a LocalSource or an :class:`~logitcache.client.sources.HttpSource`): the reader
         decodes the arrays of each fetch on ``n`` threads; it pays when few fetches are in
         flight and cores are idle.
-    point_reads:
-        ``None`` (default): the source's choice (a LocalSource makes point reads where its
-        reader's compiled path serves them, range reads elsewhere). ``True`` (LocalSource
-        only): each fetch is one point read of the wanted sequences. ``False``: each fetch
-        reads merged sequence ranges (benchmarks/results/loader.md).
     """
 
     prefetch: int = 4
     read_threads: int | None = None
     decode_threads: int = 1
-    point_reads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.prefetch < 1:

@@ -1,46 +1,25 @@
 """``CacheDataset``: a torch ``IterableDataset`` of aligned teacher top-k items.
 
-Stream
-------
-For epoch ``e`` the dataset plans, from the cache lengths alone:
+Per epoch the dataset plans, from the cache lengths alone: the epoch's order
+(:func:`~logitcache.client.order.epoch_order`; identity without ``shuffle``), this rank's span of
+it (:func:`~logitcache.client.order.rank_partition`), the items of that span
+(:func:`~logitcache.client.collate.plan_items`: padding or packing to ``tokens_per_item``), and
+the *units* it yields: single items, or batches of ``batch_size`` consecutive items (use
+``DataLoader(batch_size=None)`` then). DataLoader worker ``w`` of ``n`` yields units ``w, w+n,
+...``, so the loader's round-robin gives the trainer the rank's units in order for any
+``num_workers``. Items are documented in :mod:`logitcache.client.collate`.
 
-1. ``order = epoch_order(N, seed, e, shuffle_block_size, shuffle_window)`` (identity when
-   ``shuffle=False``);
-2. this rank's span of it (:func:`~logitcache.client.order.rank_partition`): ranks are disjoint
-   and together cover all ``N`` sequences;
-3. the items of that span (:func:`~logitcache.client.collate.plan_items`: padding or packing to
-   ``tokens_per_item`` positions);
-4. the *units* the dataset yields: single items, or batches of ``batch_size`` consecutive items
-   (tensors with a leading batch dimension; use ``DataLoader(batch_size=None)`` then);
-5. DataLoader worker ``w`` of ``n`` yields units ``w, w+n, ...`` so the DataLoader's round-robin
-   gives the trainer the rank's units in order, for any ``num_workers``.
+Resume: ``state_dict()`` is a :class:`~logitcache.client.state.LoaderState` (``epoch`` and
+``items_consumed``, the items of this rank's epoch stream *delivered to the trainer*);
+``load_state_dict`` makes the next iteration start there, so the rest of the stream is the one
+an uninterrupted run would have seen. With DataLoader workers only the loader knows what the
+trainer consumed: use :class:`CacheDataLoader`, whose ``state_dict()`` counts its batches.
 
-Items are documented in :mod:`logitcache.client.collate` (position t's target is token t+1 and row
-t of the cache; ``labels`` are -100 where there is no target).
-
-Resume
-------
-``state_dict()`` is a :class:`~logitcache.client.state.LoaderState`: ``epoch`` and
-``items_consumed``, the number of items of this rank's epoch stream *delivered to the trainer*.
-``load_state_dict(state)`` makes the next iteration start at item ``items_consumed`` of the same
-stream, so the remaining stream is identical to the one an uninterrupted run would have seen
-(``set_epoch`` of the restored epoch keeps that position: see :meth:`CacheDataset.set_epoch`).
-Counting happens where items reach the trainer: when the dataset is iterated in the trainer
-process (``num_workers=0``) it counts itself; with DataLoader workers the copies in the workers
-cannot know what the trainer consumed, so use :class:`CacheDataLoader`, whose ``state_dict()``
-counts the batches it handed out.
-
-The stream is a :class:`~logitcache.client.config.StreamConfig`; how it is read, a
-:class:`~logitcache.client.config.ReadOptions`: a background thread per iterating process
-collates ``prefetch`` units ahead, from records that
-:class:`~logitcache.client.readahead.ReadAhead` reads ``read_threads`` store reads at a time, in
-the order the units first need them.
-
-Follow
-------
-``StreamConfig(follow=True)``: :meth:`CacheDataset.set_epoch` adopts the sequences committed
-since (a job may still be filling the cache); every rank plans the epoch over the same count (the
-smallest any rank sees), and the state's ``num_sequences`` pins it for an exact resume.
+Reading (:class:`~logitcache.client.config.ReadOptions`): a background thread per iterating
+process collates ``prefetch`` units ahead, from records that
+:class:`~logitcache.client.readahead.ReadAhead` reads ``read_threads`` store reads at a time.
+``StreamConfig(follow=True)``: :meth:`CacheDataset.set_epoch` adopts the sequences committed since
+(every rank plans over the smallest count any rank sees; the state's ``num_sequences`` pins it).
 """
 
 from __future__ import annotations
@@ -85,27 +64,13 @@ _DONE = object()
 
 
 def _tuned(source: CacheSource, read: ReadOptions) -> CacheSource:
-    """``source`` with ``read``'s reader settings (decode threads, point reads), as a copy;
-    the source itself when they are its defaults. ``point_reads``: a
-    :class:`~logitcache.client.sources.LocalSource` only (``False`` elsewhere: range reads, what
-    every other source does anyway); ``decode_threads``: also an
-    :class:`~logitcache.client.sources.HttpSource` (its reader is a LocalSource's). ConfigError
-    elsewhere."""
-    changes: dict[str, object] = {}
-    if read.decode_threads > 1:
-        changes["decode_threads"] = read.decode_threads
-    if read.point_reads is not None and type(source) is LocalSource:
-        changes["point_reads"] = read.point_reads
-    elif read.point_reads:
-        raise ConfigError(
-            "point_reads: for local and object-store caches (a LocalSource) only, "
-            f"not {type(source).__name__}"
-        )
-    if not changes:
+    """``source`` with ``read``'s ``decode_threads``, as a copy (the source itself at the
+    default); a LocalSource or an HttpSource only."""
+    if read.decode_threads == 1:
         return source
     if type(source) is LocalSource or type(source) is HttpSource:
         config = {name: getattr(source, name) for name in source._CONFIG}
-        return type(source)(**config | changes)
+        return type(source)(**config | {"decode_threads": read.decode_threads})
     raise ConfigError(
         "decode_threads applies where this process reads the store: a LocalSource or an "
         f"HttpSource; not to {source!r}"

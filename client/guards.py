@@ -1,16 +1,9 @@
 """Refuse a cache built for another tokenizer or vocabulary than the student's.
 
-A cache is only meaningful for a student that shares the teacher's token ids: the cached
-``topk_ids`` index the student's logits and ``input_ids`` are the student's inputs. Two checks,
-each against the cache manifest:
-
-* tokenizer: ``manifest.tokenizer_fingerprint == tokenizer_fingerprint(student_tokenizer)``
-  (``logitcache.cache_format.tokenizer_fingerprint``; a precomputed fingerprint string works too);
-* vocabulary: ``manifest.vocab_size == student vocab size`` (an int, or a model config / model with
-  ``vocab_size``, e.g. ``transformers.PretrainedConfig``).
-
-Every mismatch is collected and reported at once in :class:`IncompatibleCacheError`. With
-``allow_mismatch=True`` the mismatches are logged as a warning instead and returned.
+The cached ``topk_ids`` index the student's logits and ``input_ids`` are its inputs, so the
+manifest's ``tokenizer_fingerprint`` (``logitcache.cache_format.tokenizer_fingerprint``) and
+``vocab_size`` must be the student's. Every mismatch is reported at once in
+:class:`IncompatibleCacheError`, or with ``allow_mismatch=True`` logged as a warning and returned.
 """
 
 from __future__ import annotations

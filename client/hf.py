@@ -2,52 +2,37 @@
 
 :class:`CacheDistillTrainer` is a ``transformers.Trainer`` whose ``train_dataset`` is a
 :class:`~logitcache.client.CacheDataset` (``batch_size = per_device_train_batch_size``). Per
-micro-batch it runs the student on the packed batch through the *wrapped* model
+micro-batch it runs the *wrapped* model on the packed batch
 (:func:`~logitcache.client.packing.packed_hidden_states`: DDP's hooks fire, no document attends to
-another) and trains the student's own ``lm_head`` against the cached top-k with
-:func:`~logitcache.client.loss.topk_distill_loss` (a ``targets="hidden"`` cache: against the
-teacher's full distribution rebuilt from the cached hidden states and the cache's head, with
-:func:`~logitcache.client.loss.exact_distill_loss`)::
+another) and trains the student's own ``lm_head`` with
+:func:`~logitcache.client.loss.topk_distill_loss` (a ``targets="hidden"`` cache: with
+:func:`~logitcache.client.loss.exact_distill_loss` against the cached hidden states and head)::
 
     loss = sum over counted rows of [ T**2 * KD(row) + ce_weight * CE(row) ] / N
 
-where a row counts when ``loss_mask`` is true, ``KD`` is the chosen divergence against the cached
-top-k (+ tail mass bucket unless ``use_tail=False``) with the student logits divided by
-``temperature``, and ``N`` is the number of counted rows of the *whole optimizer step*: every
-micro-batch of the gradient-accumulation window on every rank (summed across ranks). The returned
-loss is multiplied by the number of processes because DDP averages gradients; so the gradient of a
-step, and the logged loss, equal those of one process training on the same global batch.
+where a row counts when ``loss_mask`` is true and ``N`` is the number of counted rows of the
+whole optimizer step (every micro-batch of the accumulation window, summed across ranks). The
+loss is multiplied by the number of processes because DDP averages gradients, so a step equals
+one process training on the same global batch.
 
-Data sharding: exactly once, by the dataset
--------------------------------------------
-Each rank's ``CacheDataset`` reads only its own partition (``rank``/``world_size``: pass
-``rank=args.process_index, world_size=args.world_size``, or build it after ``TrainingArguments``
-so that ``torch.distributed`` is initialised; the trainer checks). The training ``DataLoader`` is
-**not** passed through ``accelerator.prepare``: for an ``IterableDataset`` accelerate would send
-rank 0's batches to every rank (``dispatch_batches=True``, its default there) or shard each
-partition a second time (``False``), and ``split_batches`` would cut the pre-built batches; the
-trainer also sets ``dispatch_batches=False, split_batches=False`` so that a stray ``prepare``
-could not dispatch. Every rank reads 1/world of the cache and no batch is sent between processes.
+Sharding happens once, in the dataset: each rank's ``CacheDataset`` reads its own partition
+(``rank=args.process_index, world_size=args.world_size``, checked). The training ``DataLoader``
+is not passed through ``accelerate.prepare`` (for an ``IterableDataset`` it would dispatch rank
+0's batches or shard a second time, and ``split_batches`` would cut the built batches); the
+trainer also sets ``dispatch_batches=False, split_batches=False``.
 
-DDP needs the same number of steps on every rank, but the partitions of a packed cache give ranks
-slightly different item counts. Instead of dropping items (``even_ranks=True``), a rank with fewer
-batches finishes its epoch with *empty* batches (one item of padding, ``loss_mask`` all false:
-they add 0 to the loss and to ``N``), so every cached row is trained exactly once per epoch. The
-epoch length is the largest rank's unit count over the epochs the run plans (computed from the
-cache lengths; no data is read).
+DDP needs the same number of steps on every rank: a rank with fewer batches ends its epoch with
+empty batches (one item of padding, ``loss_mask`` all false, adding 0 to the loss and to ``N``),
+so every cached row is trained once per epoch. The epoch length is the largest rank's unit count
+over the planned epochs (from the cache lengths; no data is read).
 
-Resume: ``trainer.train(resume_from_checkpoint=...)`` continues the data stream exactly. The
-epoch order is a pure function of ``(seed, epoch)`` and of the number of cache sequences it is
-planned over; every checkpoint also holds, per rank, the dataset's state (``epoch``,
-``num_sequences``: :data:`DATA_STATE_NAME`) and the planned epoch length, and a resumed
-``train`` restores them before planning, so the resumed epoch is planned over the same sequences
-even when the cache grew since (a new ``CacheDataset`` sees every committed sequence);
-``follow=True`` is refused (Trainer fixes the epoch length when ``train()`` starts). The trainer
-sets the epoch at every epoch start (also on resume: setting the restored epoch keeps the
-restored snapshot) and Trainer's own mid-epoch skip drops the batches already trained. When
-``dataloader_num_workers == 0`` those skipped batches are not read (placeholders stand in for
-them); with workers they are read and discarded. A checkpoint without the file (written before
-it existed) resumes over the cache as it is now, with a warning.
+Resume: ``trainer.train(resume_from_checkpoint=...)`` continues the data stream exactly. Every
+checkpoint holds, per rank, the dataset's state and the epoch length (:data:`DATA_STATE_NAME`);
+a resumed ``train`` restores them before planning, so the resumed epoch is planned over the same
+sequences even when the cache grew (``follow=True`` is refused: Trainer fixes the epoch length
+when ``train()`` starts). Trainer's own mid-epoch skip drops the batches already trained; with
+``dataloader_num_workers == 0`` they are not read (placeholders stand in for them). A checkpoint
+without the file resumes over the cache as it is now, with a warning.
 """
 
 from __future__ import annotations

@@ -34,13 +34,11 @@ if TYPE_CHECKING:
 def _reader(source: CacheSource | str | os.PathLike[str]) -> CacheReader:
     from logitcache.cache_format import CacheReader
 
-    from .sources import HttpSource, LocalSource
+    from .sources import LocalSource
 
     if isinstance(source, str | os.PathLike):
         return CacheReader(os.fspath(source))
-    if isinstance(source, HttpSource):
-        return source.store_source().reader
-    if isinstance(source, LocalSource):
+    if isinstance(source, LocalSource):  # an HttpSource too
         return source.reader
     raise SourceError(f"load_head reads a store path, URL, LocalSource or HttpSource: {source!r}")
 

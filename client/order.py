@@ -85,11 +85,7 @@ def rank_partition(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, {world_size}), got {rank}")
-    n = len(order)
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    stop = start + base + (1 if rank < extra else 0)
-    return order[start:stop]
+    return np.array_split(order, world_size)[rank]
 
 
 def worker_units(num_units: int, worker: int, num_workers: int) -> np.ndarray:

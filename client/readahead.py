@@ -1,25 +1,15 @@
 """Read-ahead of the sequences a stream of units needs, several reads at a time.
 
 A DataLoader worker (or the trainer process) knows, before it starts, every unit it will build
-and therefore every sequence it will need, in order. :class:`ReadAhead` turns that into *reads*
-(each one ``source.fetch`` call) and runs up to ``threads`` of them at once in a thread pool,
-ahead of the unit that first needs them, so that one process decodes on several cores
-(the format's blosc decoding, CRC32C and numpy kernels release the GIL) and I/O overlaps
-decoding and collation.
-
-Reads
------
-* ``block > 1`` (block or windowed shuffle, or a sequential stream): a read is one whole block of
-  ``block`` consecutive sequences (``[b * block, (b + 1) * block)``), i.e. one contiguous range
-  read, whichever of its sequences the units need.
-* ``block = 1`` (uniform full shuffle, or rows too large to hold whole blocks: see
-  :func:`read_granularity`): the units are cut into groups of ``group`` consecutive units; a
-  read is the sequences first needed by one group (merged into few ranges by the source).
-
-Every read is issued once per iteration, in the order of the unit that first needs it, and its
-records are dropped after the last unit that needs them: memory holds the reads that are in use
-or read ahead (at most ``ahead`` beyond the current unit's), never the whole epoch. The records
-returned for a unit are exactly the source's, so the stream does not depend on ``threads``.
+and so every sequence it will need, in order. :class:`ReadAhead` turns that into *reads* (one
+``source.fetch`` call each) and runs up to ``threads`` of them at once, ahead of the unit that
+first needs them, so one process decodes on several cores (decoding releases the GIL) and I/O
+overlaps decoding and collation. A read is one whole block of ``block`` consecutive sequences
+(``block > 1``: block or windowed shuffle, or a sequential stream), or the sequences first
+needed by a group of ``group`` consecutive units (``block = 1``; see :func:`read_granularity`).
+Each read is issued once, in the order of its first use, and dropped after its last: memory
+holds the reads in use or read ahead, never the whole epoch. The records of a unit are exactly
+the source's, so the stream does not depend on ``threads``.
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ class LocalSource:
 
     ``storage_options`` go to ``CacheReader`` unchanged (e.g. ``{"endpoint_url": ...,
     "key": ..., "secret": ...}``); ``decode_threads=n``: the reader is
-    ``CacheReader(decode_threads=n)``; ``max_gap_tokens`` and ``point_reads``: how :meth:`fetch`
-    reads. These settings are pickled with the source, so a DataLoader worker's reader (opened
+    ``CacheReader(decode_threads=n)``; ``max_gap_tokens``: how :meth:`fetch` merges reads.
+    These settings are pickled with the source, so a DataLoader worker's reader (opened
     there) has them too.
 
     Fork safety: object-store URLs are read through obstore by default, whose runtime does not
@@ -112,7 +112,6 @@ class LocalSource:
         *,
         max_gap_tokens: int = 16384,
         decode_threads: int = 1,
-        point_reads: bool | None = None,
     ) -> None:
         if decode_threads < 1:
             raise SourceError(f"decode_threads must be >= 1, got {decode_threads}")
@@ -120,7 +119,6 @@ class LocalSource:
         self.storage_options = dict(storage_options) if storage_options else None
         self.max_gap_tokens = int(max_gap_tokens)
         self.decode_threads = int(decode_threads)
-        self.point_reads = None if point_reads is None else bool(point_reads)
         self._reader: CacheReader | None = None
         self._pid: int | None = None
         self._lengths: np.ndarray | None = None
@@ -136,8 +134,7 @@ class LocalSource:
 
     def __repr__(self) -> str:
         threads = f", decode_threads={self.decode_threads}" if self.decode_threads > 1 else ""
-        points = "" if self.point_reads is None else f", point_reads={self.point_reads}"
-        return f"LocalSource({self.url!r}{threads}{points})"
+        return f"LocalSource({self.url!r}{threads})"
 
     @property
     def fork_safe(self) -> bool:
@@ -192,28 +189,20 @@ class LocalSource:
     def _point_reads(self, wanted: int, ranges: int) -> bool:
         """Whether :meth:`fetch` reads ``wanted`` sequences, which merge into ``ranges`` ranges,
         with one point read (see :meth:`fetch`)."""
-        if self.point_reads is not None:
-            return self.point_reads
         if 2 * ranges < wanted:
             return False  # runs of neighbours (shuffle blocks): range reads decode them cheaper
         reader = self.reader
         return reader.local_root is not None and reader.decoder == "numba"
 
     def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        """Records of the wanted sequences, keyed by index; the same whichever way they are read:
-
-        * range reads (``point_reads=False``): runs of wanted sequences less than
-          ``max_gap_tokens`` apart are merged into one range (:func:`merged_ranges`; a hidden
-          cache's are not: its rows decode chunk by chunk, so a gap would only decode unwanted
-          rows), all ranges are read by one ``CacheReader.read_ranges`` call and the unwanted
-          sequences in between are dropped;
-        * a point read (``point_reads=True``): one ``CacheReader.sequences`` call, which decodes
-          the wanted sequences' own chunks only, each once.
-
-        ``point_reads=None`` (default): a point read of scattered sequences (at least one merged
-        range per two wanted) where the reader's compiled path serves them (a local directory
-        store with numba), else range reads: an object store answers few large requests better,
-        and runs of neighbours (shuffle blocks) decode cheaper as ranges.
+        """Records of the wanted sequences, keyed by index, the same whichever way they are read:
+        scattered sequences (at least one merged range per two wanted) by one point read
+        (``CacheReader.sequences``: each wanted chunk decoded once) where the reader's compiled
+        path serves them (a local directory store with numba); else range reads: runs less than
+        ``max_gap_tokens`` apart are merged (:func:`merged_ranges`; not for a hidden cache,
+        whose rows decode chunk by chunk), read by one ``CacheReader.read_ranges`` call, and the
+        unwanted sequences in between dropped. An object store answers few large requests
+        better, and neighbours (shuffle blocks) decode cheaper as ranges.
         """
         lengths = self._snapshot_lengths()
         wanted = np.unique(np.fromiter(indices, dtype=np.int64))
@@ -236,13 +225,10 @@ class LocalSource:
         self._lengths = None
 
 
-class HttpSource:
-    """Read a cache from the teacher service: its stored objects as they are
-    (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md), through a
-    :class:`LocalSource` over that URL (:meth:`store_source`). The server only copies compressed
-    shard bytes; this process (or each DataLoader worker) decodes them, and snapshots, CRC32C
-    checks, retries, ``max_gap_tokens`` and ``decode_threads`` are that source's and its
-    reader's.
+class HttpSource(LocalSource):
+    """Read a cache from the teacher service: a :class:`LocalSource` over its stored objects as
+    they are (``GET /v1/caches/{name}/store/{key}`` with byte ranges; server/API.md). The server
+    only copies compressed shard bytes; this process (or each DataLoader worker) decodes them.
     """
 
     def __init__(
@@ -254,59 +240,19 @@ class HttpSource:
         max_gap_tokens: int = 8192,
         decode_threads: int = 1,
     ) -> None:
-        self.base_url = base_url
-        self.cache = cache
-        self.api_key = api_key
-        self.max_gap_tokens = int(max_gap_tokens)
-        self.decode_threads = int(decode_threads)
-        self._store = self.store_source()
-
-    def store_source(self) -> LocalSource:
-        """A new :class:`LocalSource` reading this cache's stored objects over HTTP (e.g. for
-        the teacher head of a hidden cache)."""
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return LocalSource(
-            f"{self.base_url.rstrip('/')}/v1/caches/{self.cache}/store",
+        self.base_url, self.cache, self.api_key = base_url, cache, api_key
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        super().__init__(
+            f"{base_url.rstrip('/')}/v1/caches/{cache}/store",
             {"headers": headers} if headers else None,
-            max_gap_tokens=self.max_gap_tokens,
-            decode_threads=self.decode_threads,
+            max_gap_tokens=max_gap_tokens,
+            decode_threads=decode_threads,
         )
 
-    #: The constructor's arguments, in order (each kept as the attribute of its name).
     _CONFIG = tuple(inspect.signature(__init__).parameters)[1:]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._CONFIG}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**{n: state[n] for n in self._CONFIG})  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"HttpSource({self.base_url!r}, {self.cache!r})"
-
-    @property
-    def fork_safe(self) -> bool:
-        """A forked DataLoader worker opens its own connections (see :class:`LocalSource`)."""
-        return True
-
-    @property
-    def manifest(self) -> Manifest:
-        return self._store.manifest
-
-    @property
-    def num_sequences(self) -> int:
-        return self._store.num_sequences
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._store.lengths
-
-    def fetch(self, indices: Iterable[int]) -> dict[int, SequenceRecord]:
-        """Records of the wanted indices (:meth:`LocalSource.fetch`)."""
-        return self._store.fetch(indices)
-
-    def refresh(self) -> None:
-        self._store.refresh()
 
 
 _SOURCE_MEMBERS = ("manifest", "num_sequences", "lengths", "fetch", "refresh")

@@ -13,26 +13,17 @@ From a terminal:
     logitcache jobs watch [JOB_ID]          # a progress bar until the job ends (default: newest)
     logitcache jobs cancel JOB_ID
 
-``submit`` sends ``POST /v1/jobs``: ``PATH`` is relative to the server's ``--data-dir``
-(JSONL, .jsonl.gz, Parquet, Arrow, or a directory of them); ``--records`` reads a local JSONL
-file (one ``{"text"|"input_ids"|"messages", "id"}`` object per line) and sends its records in the
-request (at most the server's ``max_inline_records``). It prints the job's line (``--json``: its
-status), and with ``--watch`` then draws the progress bar until the job ends.
-
-``--targets sampled`` asks for sampled targets instead of top-k rows (random-sampling KD,
-FORMAT.md 4.4), shaped by ``--draws``, ``--proposal-temperature``, ``--seed`` and ``--head``
-(each flag's help gives its default). A sampling flag without ``--targets sampled``, or ``--k``
-with it, is refused before anything is sent.
-
-The server is ``--url`` (default ``$LOGITCACHE_URL``, else ``http://127.0.0.1:8000``); the key is
-``--api-key`` (default ``$LOGITCACHE_API_KEY``), options of ``jobs`` itself
-(``logitcache jobs --url URL list``). Progress is in tokens (``tokens_done`` of
-``tokens_total``, what the job status reports); throughput and ETA are the server's. Requests go
-through :class:`~logitcache.client.TeacherClient` (its retries and typed errors).
+``submit`` sends ``POST /v1/jobs`` (``PATH`` is relative to the server's ``--data-dir``;
+``--records`` sends a local JSONL file's records inline) and prints the job's line. A sampling
+flag without ``--targets sampled``, or ``--k`` with it, is refused before anything is sent. The
+server is ``--url`` (``$LOGITCACHE_URL``), the key ``--api-key`` (``$LOGITCACHE_API_KEY``),
+options of ``jobs`` itself (``logitcache jobs --url URL list``); requests go through
+:class:`~logitcache.client.TeacherClient` (its retries and typed errors). Progress is in tokens;
+throughput and ETA are the server's.
 
 Exit status: 0 on success (``watch``: the job succeeded), 1 when a watched job ended failed or
 cancelled, 2 on a usage, connection or HTTP error, printed as one line
-``logitcache: error: ...`` (no traceback).
+``logitcache: error: ...``.
 """
 
 from __future__ import annotations

@@ -95,19 +95,15 @@ def topk_distill_loss(
       ``reduction="none"`` it becomes ``"fused_chunked_recompute"`` (projection recomputed in
       backward, 4 GEMMs).
       The two full-vocabulary passes run in Triton or torch as ``kernels`` says.
-    * ``"small_vocab"``: full logits of the counted rows (autograd GEMM), one exponential pass
-      shared by forward and backward, the loss gathered at the ids (see :mod:`.small_vocab`);
-      memory ``O(N V)``. ``"auto"`` takes it instead of ``"fused_chunked"`` on the CPU when
-      ``V <= 4096`` and ``N * V <= 4,194,304`` (``dispatch.picks_small_vocab``), no
-      ``chunk_size`` is given and the lm-head is not vocab-parallel; never on CUDA.
+    * ``"small_vocab"``: full logits of the counted rows, one exponential pass shared by
+      forward and backward (:mod:`.small_vocab`; memory ``O(N V)``). ``"auto"`` takes it on the
+      CPU for a small ``N x V`` (``dispatch.picks_small_vocab``), never on CUDA.
 
     ``targets``: ``"topk"`` (cached top-k logprobs, as above) or ``"sampled"``: random-sampling
-    KD rows (Anshumann et al. 2025), ``topk_ids [..., m]`` distinct sampled ids and
-    ``topk_logprobs`` = ``log w`` with importance weights ``w`` summing to 1 per row (``-inf``
-    on padding ids); the loss is ``sum_i w_i (log w_i - log q_i)``, gradient ``q - w`` (the
-    ``forward_kl`` formula with ``p = w``). It needs ``loss="forward_kl"``, no ``tail_mass``;
-    rows whose weights do not sum to 1 within 1e-2 are an error, the rest are renormalised
-    exactly. Every ``impl`` accepts it.
+    KD rows (Anshumann et al. 2025), distinct sampled ids with ``topk_logprobs = log w``,
+    importance weights summing to 1 per row within 1e-2 (renormalised exactly; ``-inf`` on
+    padding); the loss is ``sum_i w_i (log w_i - log q_i)`` (``forward_kl`` with ``p = w``,
+    which it needs, without ``tail_mass``).
 
     ``grad_weight_dtype`` (fused impls, bf16/fp16 ``weight``): where ``grad_W`` is
     accumulated chunk by chunk. ``"float32"``: an fp32 buffer (``4 V d`` bytes), cast to the

@@ -12,15 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.util import find_spec
+from typing import TYPE_CHECKING
 
 import torch
 
 from .row_math import RowCoefs, row_coefs
 from .spec import KERNELS, LossInputError, LossSpec, check_choice, given
 
+if TYPE_CHECKING:
+    from .validation import Prepared
+
 #: Whether Triton is installed, decided once at import (``logitcache info --versions`` shows
 #: it): without it the full-vocabulary passes run in torch on every device.
 TRITON_AVAILABLE: bool = find_spec("triton") is not None
+#: Rows of a chunk: a slice, or an index tensor of the counted rows.
+Rows = slice | torch.Tensor
 
 
 @dataclass
@@ -33,20 +39,24 @@ class ChunkTargets:
     labels: torch.Tensor | None  # [C] int64
     has_label: torch.Tensor | None  # [C] bool
 
-    def select(self, rows: slice | torch.Tensor) -> ChunkTargets:
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+    def select(self, rows: Rows) -> ChunkTargets:
+        """The targets of ``rows`` (a slice or an index tensor)."""
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else take(t)
+            return None if t is None else take_rows(t, rows)
 
-        return ChunkTargets(
-            take(self.ids),
-            take(self.logprobs),
-            pick(self.tail),
-            pick(self.labels),
-            pick(self.has_label),
-        )
+        ids, logprobs = take_rows(self.ids, rows), take_rows(self.logprobs, rows)
+        return ChunkTargets(ids, logprobs, pick(self.tail), pick(self.labels), pick(self.has_label))
+
+
+def targets_of(prep: Prepared) -> ChunkTargets:
+    """The teacher side of every row of ``prep``."""
+    return ChunkTargets(prep.ids, prep.logprobs, prep.tail, prep.labels, prep.has_label)
+
+
+def take_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The rows ``rows`` (a slice or an index tensor) of ``t``."""
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
 def use_triton(kernels: str, device: torch.device) -> bool:

@@ -23,15 +23,9 @@ SMALL_VOCAB_MAX_ELEMENTS = 1 << 22
 def picks_small_vocab(
     n_rows: int, vocab: int, device: torch.device, chunk_size: int | None, sharded: bool
 ) -> bool:
-    """Whether ``impl="auto"`` computes the loss on the full ``[N, V]`` logits.
-
-    Only on the CPU, only for ``V <= SMALL_VOCAB_MAX_VOCAB`` and ``N * V <=
-    SMALL_VOCAB_MAX_ELEMENTS``, never with an explicit ``chunk_size`` (the caller asked for
-    chunks) or a vocab-parallel lm-head; on CUDA the fused (Triton) path stays the choice. The
-    vocabulary bound keeps the ``[N, V]`` buffers small: its logits, exponentials and logits
-    gradient are at most 16 MiB each in float32, no more than one chunk of the fused path's
-    64 MiB CPU budget (CPU times: ``benchmarks/results/loss.md``).
-    """
+    """Whether ``impl="auto"`` computes the loss on the full ``[N, V]`` logits: on the CPU for
+    a small ``N x V`` (its three ``[N, V]`` float32 buffers at most 16 MiB each, within one chunk
+    of the fused path's budget), without an explicit ``chunk_size`` or a vocab-parallel head."""
     return (
         device.type == "cpu"
         and chunk_size is None

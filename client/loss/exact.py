@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .api import autocast_inputs
-from .chunk_ops import use_triton
+from .chunk_ops import Rows, take_rows, use_triton
 from .dispatch import check_options, plan_chunks
 from .exact_kernels import DEFAULT_CONFIG, ExactKernelConfig
-from .fused_chunked import Rows, chunked_loss, project, take_rows
+from .fused_chunked import chunked_loss, project
 from .spec import LossInputError, LossSpec, check_choice
 from .validation import check_head, counted_rows
 from .vocab_parallel import VocabParallel, VocabShard, exchange, resolve_shard
@@ -75,7 +75,6 @@ class ExactInputs:
     n_valid: int
     lead_shape: tuple[int, ...]
     labels: torch.Tensor | None = None  # [N] int64 (0 on rows that do not count)
-    ce_weight: float = 0.0
     shard: VocabShard | None = None
     triton: bool = False
     kernel_config: ExactKernelConfig = DEFAULT_CONFIG
@@ -161,22 +160,15 @@ def exact_distill_loss(
     that do not count).
 
     Computation: chunks of ``chunk_size`` counted rows. With ``"mean"``/``"sum"`` the
-    gradients are computed in the forward pass (teacher GEMM + 3 student GEMMs per chunk,
-    ``8 N d V`` FLOPs at ``d_S = d_T = d``); with ``"none"`` the backward pass projects each
-    chunk again. ``kernels``: ``"auto"`` runs the full-vocabulary passes as Triton kernels on
-    CUDA when Triton is installed (as in ``topk_distill_loss``), ``"torch"`` in torch,
-    ``"triton"`` forces the kernels. The kernels read the two chunk logits tables in the GEMMs'
-    dtype and write the gradient over the student's, so a chunk holds two ``[chunk, V]``
-    buffers in that dtype (default chunk: both within the top-k loss's automatic chunk
-    budget, 2048 rows at V=128256 in bf16); the torch passes hold up to
-    :data:`CHUNK_BUFFERS` float32 ones (default chunk: the top-k loss's for a vocabulary that
-    many times larger). The kernels do not
-    cover ``ce_weight > 0`` or ``vocab_parallel`` (those run the torch passes; ``"triton"``
-    with them is an error). ``grad_weight_dtype``: where ``grad_W`` is accumulated, as in
-    ``topk_distill_loss`` (``"auto"``, ``"float32"``, ``"weight"``). ``kernel_config``: the
-    kernels' launch geometry (a :class:`~.exact_kernels.ExactKernelConfig`; ``None``: the library's
-    :data:`~.exact_kernels.DEFAULT_CONFIG`); it changes the speed, not the numbers beyond float32
-    summation order.
+    gradients are computed in the forward pass (teacher GEMM + 3 student GEMMs per chunk);
+    with ``"none"`` the backward pass projects each chunk again. ``kernels`` and
+    ``grad_weight_dtype`` as in ``topk_distill_loss``. The Triton kernels hold two ``[chunk,
+    V]`` buffers in the GEMMs' dtype (:data:`TRITON_CHUNK_BUFFERS`), the torch passes up to
+    :data:`CHUNK_BUFFERS` float32 ones; the default chunk fits them in the top-k loss's budget.
+    The kernels do not cover ``ce_weight > 0`` or ``vocab_parallel`` (those run the torch
+    passes; ``"triton"`` with them is an error). ``kernel_config``: the kernels' launch geometry
+    (:class:`~.exact_kernels.ExactKernelConfig`; ``None``: :data:`~.exact_kernels.DEFAULT_CONFIG`),
+    which changes the speed, not the numbers beyond float32 summation order.
 
     ``vocab_parallel``: a :class:`VocabParallel` when ``student_weight``/``student_bias`` *and*
     ``teacher_weight``/``teacher_bias`` are this rank's rows of heads split along the same
@@ -286,7 +278,6 @@ def prepare_exact(
         n_valid=int(valid.sum().item()),
         lead_shape=lead,
         labels=flat,
-        ce_weight=spec.ce_weight,
     )
 
 
@@ -314,7 +305,7 @@ def chunk_terms(
     t = spec.temperature
     lp = inp.teacher.logits(take_rows(inp.teacher_hidden, rows), work)
     lq = project(take_rows(inp.hidden, rows), inp.weight, inp.bias).to(work)
-    raw = lq.clone() if inp.ce_weight > 0.0 else None  # the un-tempered logits, for CE
+    raw = lq.clone() if spec.ce_weight > 0.0 else None  # the un-tempered logits, for CE
     if t != 1.0:
         lp.mul_(spec.inv_temperature)
         lq.mul_(spec.inv_temperature)
@@ -396,7 +387,7 @@ def _add_ce(
     this shard's columns) is overwritten."""
     if inp.labels is None:
         raise LossInputError("ce_weight > 0 needs labels")
-    shard, ce = inp.shard, inp.ce_weight
+    shard, ce = inp.shard, inp.spec.ce_weight
     lab = take_rows(inp.labels, rows)
     if shard is not None:
         lab = lab - shard.start

@@ -12,13 +12,9 @@ from typing import Any
 
 import torch
 
-from .chunk_ops import ChunkTargets, grad_pass, stats_pass
+from .chunk_ops import ChunkTargets, grad_pass, stats_pass, targets_of
 from .spec import LossSpec
 from .validation import Prepared
-
-
-def targets_of(prep: Prepared) -> ChunkTargets:
-    return ChunkTargets(prep.ids, prep.logprobs, prep.tail, prep.labels, prep.has_label)
 
 
 class _ChunkedLossOnLogits(torch.autograd.Function):

@@ -32,8 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .chunk_ops import ChunkTargets, grad_pass, stats_pass
-from .forward_chunked import targets_of
+from .chunk_ops import ChunkTargets, Rows, grad_pass, stats_pass, take_rows, targets_of
 from .row_math import RowCoefs
 from .spec import LossSpec
 from .validation import Prepared
@@ -46,8 +45,6 @@ from .vocab_parallel import (
     reduce_grad_hidden,
     stats_pass_sharded,
 )
-
-Rows = slice | torch.Tensor
 
 
 def no_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,11 +71,6 @@ def row_blocks(valid: torch.Tensor, all_valid: bool, chunk: int) -> list[Rows]:
         return [slice(s, min(s + chunk, n)) for s in range(0, n, chunk)]
     idx = valid.nonzero().squeeze(1)
     return list(idx.split(chunk))
-
-
-def take_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The rows ``rows`` (a slice or an index tensor) of ``t``."""
-    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
 def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

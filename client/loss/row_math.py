@@ -146,8 +146,6 @@ def kd_terms(
     mass = p.sum(-1)
     if spec.loss == "forward_kl":
         loss = _pos_mul(p, logprobs - logq).sum(-1)
-        if not spec.uses_tail_bucket:
-            return KDTerms(loss, mass, mass[:, None] * q - p, lse)
         tail = _required(tail, "tail_mass")
         loss = loss + _pos_mul(tail, tail.clamp_min(1e-30).log() - log_qo)
         total = mass + tail

@@ -1,34 +1,22 @@
 r"""``impl="small_vocab"``: full student logits and one exponential pass, for a small ``N x V``.
 
 Per counted row (notation of :func:`~.api.topk_distill_loss`): logits ``x = W h + b``, tempered
-``z = x / T``, cached ids ``S``. With ``m = max_u z_u`` and
-
-    e_u = exp(z_u - m) for u not in S,   e_v = 0 for v in S,
-
-the log-sum-exp of ``z`` outside ``S`` is ``lse_out = m + log sum_u e_u``, exact: no ``-inf``
-entries, no cancellation, and ``log Q_o = lse_out - lse`` with
-``lse = logaddexp(lse_out, logsumexp(z_S))``. (When every ``e_u`` underflows, ``Q_o`` is below
-``exp(-87)``, far under the ``1e-30`` floor the divergences apply to ``log Q_o`` anyway.) The row
-loss ``L = T**2 * KD + ce_weight * CE`` and its gradient coefficients then come from ``z_S``,
-``lse_out`` and the targets through :func:`.row_math.row_coefs`, the formulas every chunked impl
-uses, for every ``loss``, ``targets``, tail, label and temperature option. The gradient w.r.t.
-the raw logits is
+``z = x / T``, cached ids ``S``. With ``m = max_u z_u`` and ``e_u = exp(z_u - m)`` off ``S``
+(``0`` on ``S``), the log-sum-exp of ``z`` outside ``S`` is ``lse_out = m + log sum_u e_u``,
+exact (no ``-inf`` entries, no cancellation). The row loss and its gradient coefficients then
+come from ``z_S``, ``lse_out`` and the targets through :func:`.row_math.row_coefs`, the formulas
+of every chunked impl. The gradient w.r.t. the raw logits is
 
     dL/dx_u = c1 * q_u + c2 * softmax(x)_u     (u not in S),   q_u = e_u * exp(m - lse)
     dL/dx_v = sparse_v                         (v in S)
 
-plus ``label_add`` at the label column (``c2``, and a second pass ``e1 = exp(x - max x)``, only
-with a separate CE softmax: ``ce_weight > 0`` and ``T != 1``). ``e`` is kept from forward for
-backward, so one exponential over ``[N, V]`` serves both. The projection is plain autograd
-(one GEMM forward, two backward) on the counted rows only.
-
-Memory ``O(N V)``: the logits, ``e`` and the logits gradient (working dtype), so
-``impl="auto"`` picks it only on the CPU for a small ``N x V`` (``dispatch.picks_small_vocab``).
-Where every full-vocabulary row is cheap (``V`` about 1K), it takes 0.57-0.72x the time of the
-fused chunked impl on one CPU thread (benchmarks/loss_small_vocab_cpu.py at the tiny distillation
-step's shapes), whose ``-inf`` blanking (``exp(-inf)`` is a slow path in torch's CPU kernels) and
-id sort cost more than the GEMM it saves. Duplicate ids are found by counting them into an
-``[N, V]`` buffer, not by a sort.
+plus ``label_add`` at the label column (``c2`` and a second pass over ``x`` only with a
+separate CE softmax). ``e`` is kept for backward, so one exponential over ``[N, V]`` serves
+both; the projection is plain autograd on the counted rows. Memory ``O(N V)``, so
+``impl="auto"`` picks it only on the CPU for a small ``N x V`` (``dispatch.picks_small_vocab``),
+where it beats the fused impl, whose ``-inf`` blanking and id sort cost more than the GEMM it
+saves (benchmarks/results/loss.md). Duplicate ids are found by counting them into an ``[N, V]``
+buffer, not by a sort.
 """
 
 from __future__ import annotations
@@ -37,8 +25,7 @@ from typing import Any
 
 import torch
 
-from .chunk_ops import ChunkTargets
-from .forward_chunked import targets_of
+from .chunk_ops import ChunkTargets, targets_of
 from .row_math import RowCoefs, row_coefs
 from .spec import LossInputError, LossSpec, given
 from .validation import DUPLICATE_IDS, Prepared

@@ -50,19 +50,8 @@ def given(value: T | None, what: str) -> T:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """The objective, independent of how it is computed.
-
-    ``temperature`` divides the student logits (the cached teacher is used as cached) and the
-    distillation term is multiplied by ``temperature**2``; ``ce_weight`` weights a hard-label
-    cross-entropy term computed on the un-tempered logits.
-
-    ``targets="sampled"`` (random-sampling KD, Anshumann et al. 2025): the teacher columns hold
-    ``m`` distinct sampled ids and ``log w_i``, importance weights summing to 1 per row (``-inf``
-    on padding). The objective is then the forward KL ``sum_i w_i (log w_i - log q_i)`` with the
-    full-vocabulary student softmax, gradient ``q - w`` w.r.t. the tempered logits: the
-    ``forward_kl`` formula without tail, with ``p = w``. Only ``loss="forward_kl"`` without
-    ``tail_mass`` is accepted for sampled rows.
-    """
+    """The objective, independent of how it is computed (the formulas:
+    :func:`~.api.topk_distill_loss`)."""
 
     loss: str = "forward_kl"
     beta: float = 0.5

@@ -95,20 +95,20 @@ def test_decode_threads_over_the_http_store_transport(tmp_path) -> None:
     write_small_cache(str(url), SMALL)
     with StoreServer(tmp_path) as server:
         src = HttpSource(server.url, "c", decode_threads=2)
-        assert src._store is not None and src._store.reader.decode_threads == 2
+        assert src.reader.decode_threads == 2
         copy = pickle.loads(pickle.dumps(src))
-        assert copy.decode_threads == 2 and copy._store.reader.decode_threads == 2
+        assert copy.decode_threads == 2 and copy.reader.decode_threads == 2
         got = src.fetch([0, 7, 39])
         want = CacheReader(url).sequences([0, 7, 39])
         assert all(got[i].equals(w) for i, w in zip([0, 7, 39], want, strict=True))
         plain = collect(make_dataset(str(url), **OPTS))
         ds = make_dataset(server.url, cache="c", decode_threads=3, **OPTS)
-        assert ds.source._store.reader.decode_threads == 3
+        assert ds.source.reader.decode_threads == 3
         assert same_stream(collect(ds), plain)
         given = HttpSource(server.url, "c", max_gap_tokens=7)
         ds = make_dataset(given, decode_threads=2, **OPTS)
         assert ds.source.decode_threads == 2 and ds.source.max_gap_tokens == 7
-        assert ds.source._store.reader.decode_threads == 2 and given.decode_threads == 1
+        assert ds.source.reader.decode_threads == 2 and given.decode_threads == 1
 
 
 def test_decode_threads_are_checked(tmp_path) -> None:
