@@ -3,23 +3,13 @@
     python -m logitcache.server.batch.distributed --input data.jsonl --cache s3://bucket/name \\
         --replicas 4 --model /models/teacher -k 64 [any logitcache-server option]
 
-Settings are :class:`~.distributed_config.DistributedSettings`. Before Ray or any engine
-starts, the input is read and an existing target cache is checked (:func:`check_target_early`);
-any problem is one JSON line on stderr. tqdm bars on stderr show shards checked and scored
-(``--no-progress`` turns them off).
-
-Each replica is a Ray actor (:class:`ShardWorker`) owning one engine built as the server builds
-it (vLLM's own tensor/pipeline parallelism spans several GPUs per replica); Ray's
-:class:`ray.util.ActorPool` hands out the shards. The steps (plan, check, score into staging
-caches under ``--staging``, default ``<cache>.staging``, commit in shard order) and their
-contract are :mod:`.shards`': the final cache equals a one-replica run array for array
-(tests/e2e/test_deploy_ray.py), and re-running an interrupted command resumes it. A failed
-replica is restarted by Ray and its shard re-run. Scaling to many nodes: docs/SCALING.md.
-
-``--targets sampled`` (FORMAT.md 4.4; ``--draws``, ``--proposal-temperature``,
-``--sampling-seed``, ``--head``, each defaulting to an existing sampled cache's, else a job's
-defaults) writes sampled targets seeded by (seed, key) only, so the cache equals the service's
-sampled job on the same input whatever the number of replicas or shards.
+Settings are :class:`~.distributed_config.DistributedSettings`. Before Ray or any engine starts,
+the input and an existing target cache are checked (:func:`check_target_early`; a problem is one
+JSON line on stderr). Each replica is a Ray actor (:class:`ShardWorker`) owning one engine;
+:class:`ray.util.ActorPool` hands out the shards; the steps and their contract are
+:mod:`.shards`' (the final cache equals a one-replica run's; a re-run resumes). ``--targets
+sampled`` writes sampled targets seeded by (seed, key) only. Scaling to many nodes:
+docs/SCALING.md.
 """
 
 from __future__ import annotations

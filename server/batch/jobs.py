@@ -1,23 +1,14 @@
 """Background batch jobs: score an input into a named cache, restart-safe, without blocking HTTP.
 
-Submission (:meth:`JobRunner.submit`) checks everything before a job exists: cache name, k, the
-cache's teacher identity (409), and every input record (ids, lengths, duplicate ids; 422 listing
-the problems). A rejected job writes nothing and leaves no row.
+Submission (:meth:`JobRunner.submit`) checks everything before a job exists (cache name, k,
+teacher identity, every input record); a rejected job writes nothing and leaves no row.
+Running (one job at a time, a loaded teacher's first) is :func:`.pipeline.run` over the checked
+sequences (kept in memory up to ``job_keep_input_tokens``, else read again and checked against
+the input's digest); progress advances after each commit.
 
-Running (one job at a time, oldest first; a loaded teacher's jobs first) is the batch pipeline
-(:func:`.pipeline.run`) over the sequences the submission checked, kept in memory up to
-``job_keep_input_tokens`` (else the input is read and checked again, and must not have
-changed): up to ``job_inflight_batches`` batches in the engine (one while on-demand requests
-are scored, so they wait behind fewer job tokens), a writer thread (queue ``job_write_queue``)
-committing the scored batches and only then advancing the job's progress counters.
-
-Resume: a job left ``running`` by a stopped or killed server is queued again at start-up; the same
-batches are formed again, a batch whose keys are all committed is skipped, any other batch is
-scored whole (keys already present are skipped by the writer). The cache's keys, not the job
-table, decide what is skipped, so nothing is lost or duplicated.
-
-Cancel (``DELETE``): a queued job is cancelled at once; a running job stops handing batches to the
-engine, writes what it has already scored, and ends ``cancelled``. Committed data stays.
+Resume: a job left ``running`` is queued again at start-up; the same batches are formed and a
+batch whose keys are all committed is skipped. Cancel: a queued job at once; a running one
+stops handing batches to the engine, writes what it has scored, and ends ``cancelled``.
 """
 
 from __future__ import annotations

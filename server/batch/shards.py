@@ -1,30 +1,17 @@
 """Sharded batch scoring without a scheduler of its own: plan, check, score a shard, commit.
 
-This module is the engine-and-store half of :mod:`logitcache.server.batch.distributed`; it holds no
-Ray code, so a single process can run the same steps (that is the single-worker reference).
+The engine-and-store half of :mod:`logitcache.server.batch.distributed`, without Ray; the
+result does not depend on how many workers ran or in which order shards finished:
 
-Contract (the result does not depend on how many workers ran, or in which order shards finished):
-
-1. **Plan.** The input's raw records, in input order, are cut into shards of ``shard_size``
-   consecutive records (:func:`plan_shards`). The cut depends on the input and ``shard_size``
-   only, never on the number of workers.
-2. **Check** (before anything is written). Every shard is tokenised and checked
-   (:func:`scan_shard`); :func:`check_scans` merges the scans in shard order and raises one
-   :class:`~logitcache.server.errors.InvalidInputError` listing bad records or explicit ids used
-   twice (anywhere in the input). A content key (no explicit id) seen again later is dropped, the
-   first occurrence kept, exactly as :func:`logitcache.server.inputs.records.sequences` does in
-   one stream.
-3. **Score.** A worker scores one shard (:func:`score_shard`) into its own *staging* cache
-   ``<staging root>/shard-<index>``: the shard's sequences are cut into batches by
-   :func:`logitcache.server.batch.pipeline.plan` (job batch limits) and run through the batch
-   pipeline jobs use (:func:`logitcache.server.batch.pipeline.run`): each batch is one engine call,
-   and the writer thread commits the batches waiting for it together, as a job's does. Staging
-   caches keep float32 logprobs and tail mass (lossless), so the final quantisation happens
-   once, as in a direct write. Re-running a shard skips batches whose keys are all committed (a
-   crashed or retried worker resumes; nothing is scored twice).
-4. **Commit.** :func:`commit` appends the staging caches to the final cache in shard order,
-   each in its stored (input) order. Appends skip keys already present, so an interrupted commit
-   is resumed by running it again. Final order = input order minus dropped duplicates.
+1. **Plan**: the input's records are cut into shards of ``shard_size`` consecutive records.
+2. **Check** (before anything is written): every shard is checked (:func:`scan_shard`);
+   :func:`check_scans` merges the scans in shard order into one 422 listing the problems, and
+   drops repeated content keys as :func:`~logitcache.server.inputs.records.sequences` does.
+3. **Score**: a worker scores one shard (:func:`score_shard`) through the jobs' batch pipeline
+   into its own lossless staging cache ``<staging>/shard-<index>``; a re-run skips committed
+   batches.
+4. **Commit**: :func:`commit` appends the staging caches to the final cache in shard order
+   (keys already present skipped, so an interrupted commit resumes).
 """
 
 from __future__ import annotations
