@@ -50,9 +50,8 @@ class Shard:
 
 @dataclass(frozen=True)
 class ShardScan:
-    """What checking one shard found: its keys (input order, in-shard duplicates dropped), which
-    of them are explicit ids, its token count, and the problems (empty when the shard is valid).
-    """
+    """What checking one shard found: its keys (input order), which are explicit ids, its token
+    count, and the problems."""
 
     index: int
     keys: tuple[str, ...]
@@ -127,13 +126,9 @@ def scan_shard(shard: Shard, tokenize: inputs.Tokenize, limits: inputs.Limits) -
 def check_scans(
     scans: Sequence[ShardScan], committed: frozenset[str] = frozenset()
 ) -> list[frozenset[str]]:
-    """Merge shard scans (any order given; merged by index) into the input's verdict.
-
-    Returns, per shard index, the keys to leave out: owned by an earlier shard, or already in
-    the final cache (``committed``: a re-run scores only what is missing). Raises
-    :class:`InvalidInputError` (``detail`` = the problems) for bad records, an explicit id used
-    twice, or an empty input.
-    """
+    """Merge shard scans by index into, per shard, the keys to leave out (owned by an earlier
+    shard, or ``committed``); :class:`InvalidInputError` listing the problems, or for an empty
+    input."""
     ordered = sorted(scans, key=lambda s: s.index)
     errors = [e for s in ordered for e in s.errors]
     owner: dict[str, int] = {}
@@ -182,12 +177,8 @@ async def score_shard(
     worker: str = "",
     write_fill_s: float = 0.0,
 ) -> ShardResult:
-    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's)
-    through the batch pipeline exactly as a job does (:func:`.pipeline.run`: up to
-    ``inflight_batches`` in the engine, grouped commits, ``write_fill_s`` the settings'
-    ``job_write_fill_s``). The rows are the kind ``manifest`` names, sampled draws seeded by
-    each sequence's key (so they do not depend on the shard or the worker). Batches whose keys
-    are all committed already are skipped (resume)."""
+    """Score ``task.shard`` with ``engine`` into its staging cache through the batch pipeline
+    as a job does (rows of the kind ``manifest`` names); committed batches are skipped."""
     t0 = time.perf_counter()
     seqs = [
         s
@@ -239,12 +230,8 @@ def stored_manifest(url: str, storage_options: dict[str, Any] | None) -> Manifes
 def check_target(
     url: str, manifest: Manifest, storage_options: dict[str, Any] | None
 ) -> frozenset[str]:
-    """The keys already committed to the cache at ``url`` (empty if there is none).
-
-    Raises ManifestMismatchError if that cache exists with another identity (teacher, ``k``,
-    target kind or sampling parameters) or keeps per-row entropy (FORMAT.md 4.9) where this run
-    does not, or the reverse.
-    """
+    """The keys already committed to the cache at ``url`` (empty if there is none);
+    ManifestMismatchError if it has another identity, kind or entropy setting."""
     try:
         reader = CacheReader(url, storage_options=storage_options)
     except (StoreNotFoundError, FileNotFoundError):
@@ -261,13 +248,9 @@ def commit(
     manifest: Manifest,
     storage_options: dict[str, Any] | None = None,
 ) -> int:
-    """Append every staged shard to the final cache at ``url`` in shard order; returns the number
-    of sequences newly committed (0 when re-run after a complete commit).
-
-    Each shard's sequences go in their staging order (= input order); keys already in the final
-    cache are skipped, so an interrupted commit is finished by running it again. A staging cache
-    missing one of its result's keys is an error (nothing of that shard is appended).
-    """
+    """Append every staged shard to the final cache at ``url`` in shard order (keys already
+    there skipped); returns the number newly committed. A staging cache missing one of its
+    result's keys is an error."""
     added = 0
     with CacheWriter.open(url, manifest, storage_options) as writer:
         for result in sorted(results, key=lambda r: r.index):
@@ -289,11 +272,7 @@ def commit(
 
 
 def remove_staging(root: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete the staging root (all shard caches) after a successful commit.
-
-    Goes through the format library's store opener, so every URL form and storage option that
-    works for caches works here (local directory, ``s3://`` via obstore, fsspec URLs).
-    """
+    """Delete the staging root (all shard caches) through the format's store opener."""
     from logitcache.cache_format.store import open_store
     from zarr.core.sync import sync
 
