@@ -1,13 +1,9 @@
 """SGLang-compatible ``POST /generate`` for teacher logprobs (on-policy distillation clients).
 
-The scoring subset of SGLang's ``GenerateReqInput`` (``input_ids``, ``return_logprob``,
-``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``, ``sampling_params`` with
-``max_new_tokens: 0``) answered in SGLang's shape, one object per sequence (a list for a batch).
-Every sequence is served through a cache as ``/v1/completions`` is (default
-:data:`DEFAULT_CACHE`, one per temperature); the actual token's logprob comes from its top-k row
-or the cache's ``actual_logprob`` array, and asked ids from the rows or exactly from the engine
-(:mod:`~..serving.chosen`). The contract: ``server/API.md``; request and ``meta_info`` are
-typed in ``logitcache.protocol.sglang``.
+The scoring subset of SGLang's ``GenerateReqInput`` (``max_new_tokens: 0``) answered in SGLang's
+shape, one object per sequence (a list for a batch), every sequence served through a cache
+(default :data:`DEFAULT_CACHE`); asked ids come from the rows or exactly from the engine
+(:mod:`~..serving.chosen`). The contract: ``server/API.md``; types: ``logitcache.protocol.sglang``.
 """
 
 from __future__ import annotations
