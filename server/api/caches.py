@@ -123,9 +123,8 @@ def _range(start: int, stop: int | None, n: int, limit: int) -> tuple[int, int]:
 
 
 def _frames(reader: CacheReader, start: int, stop: int, compression: str) -> Iterator[bytes]:
-    """Frames of sequences ``[start, stop)``, ``FRAME_SEQUENCES`` each, each read with one
-    contiguous row read and one token read (``CacheReader.read_ranges``); float16 and hidden
-    caches are sent as stored (exact, less work)."""
+    """Frames of sequences ``[start, stop)``, ``FRAME_SEQUENCES`` each, one range read each
+    (float16 and hidden caches sent as stored)."""
     dtype = exact_frame_dtype(reader.manifest)
     for a in range(start, stop, FRAME_SEQUENCES):
         records = reader.read_ranges([(a, min(stop, a + FRAME_SEQUENCES))], logprob_dtype=dtype)

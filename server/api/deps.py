@@ -158,9 +158,8 @@ async def _disconnected(request: Request) -> None:
 
 
 async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout: float) -> T:
-    """``await work`` unless the client disconnects or ``timeout`` seconds pass first; then the
-    work is cancelled (and awaited) and :class:`ClientClosedError` /
-    :class:`DeadlineExceededError` raised."""
+    """``await work`` unless the client disconnects (:class:`ClientClosedError`) or ``timeout``
+    seconds pass (:class:`DeadlineExceededError`) first; then the work is cancelled."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:

@@ -37,10 +37,8 @@ def _version() -> str:
     },
 )
 async def health(services: ServicesDep) -> Health:
-    """Liveness and readiness: 200 while the loaded teachers' engines can score; 503 while
-    starting, stopping, or while a dead engine is restarted (no engine call: the engines' own
-    liveness flags). ``teachers``: every teacher's state (loaded or not, work in flight,
-    memory)."""
+    """Liveness and readiness: 200 while the loaded teachers' engines can score, else 503;
+    ``teachers``: every teacher's state."""
     pool = services.teachers
     for teacher in pool.teachers.values():
         engine = teacher.engine

@@ -72,11 +72,9 @@ def parse_range(header: str | None) -> Any:
 
 
 def public_metadata(raw: bytes) -> bytes:
-    """A ``zarr.json`` document as served: its attributes through
-    :func:`~logitcache.server.errors.public_value`, so no absolute server path (the manifest's
-    ``teacher_model`` when the teacher was given as a folder) leaves the server, and the root's
-    manifest digest recomputed over what is served when the stored one was valid (a damaged
-    manifest stays detectably damaged); the stored bytes unchanged when nothing needed it."""
+    """A ``zarr.json`` document as served: attributes through
+    :func:`~logitcache.server.errors.public_value` (no server paths) and a valid manifest digest
+    recomputed over them; the stored bytes when nothing changed."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

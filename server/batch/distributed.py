@@ -154,9 +154,7 @@ class ShardWorker:
 
 
 def init_local_ray(num_cpus: int, num_gpus: int | None = None) -> None:
-    """Start an in-process single-node Ray cluster that listens on 127.0.0.1 only
-    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``; :class:`DistributedError` if a node reports another
-    address)."""
+    """Start an in-process single-node Ray cluster bound to 127.0.0.1 only (checked)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     already = "ray._private.ray_constants" in sys.modules

@@ -113,9 +113,8 @@ def _part(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores], view: bool) ->
 
 
 def spans(scores: Seq[TeacherScores]) -> list[tuple[int, int, bool]]:
-    """``(a, b, view)`` per part of ``scores`` (in order): a run of :func:`runs` of several
-    sequences, or of one with :data:`PART_ROWS` rows or more, is a view; consecutive runs of one
-    shorter sequence each are joined (``view`` false, unless the part is one sequence)."""
+    """``(a, b, view)`` per part of ``scores``: runs of several sequences, or of one with
+    :data:`PART_ROWS` rows or more, are views; shorter single-sequence runs are joined."""
     out: list[tuple[int, int, bool]] = []
     for a, b in runs(scores):
         short = b - a == 1 and scores[a].num_rows < PART_ROWS
@@ -127,10 +126,8 @@ def spans(scores: Seq[TeacherScores]) -> list[tuple[int, int, bool]]:
 
 
 def to_batches(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores]) -> list[SequenceBatch]:
-    """Checked sequences and the engine's ``TeacherScores`` (same order) as the parts of one
-    append, in order (:func:`spans`: views of the engine's buffers, short sequences of separate
-    buffers joined). A tail mass the engine did not compute is left to the writer (computed
-    next to its encode pass, the same bits)."""
+    """Checked sequences and the engine's ``TeacherScores`` as the parts of one append (views of
+    the engine's buffers where :func:`spans` allows)."""
     if len(scores) != len(seqs):
         raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
     return [_part(seqs[a:b], scores[a:b], view) for a, b, view in spans(scores)]

@@ -36,9 +36,8 @@ class RunStats:
 
 
 class Progress:
-    """A job's writer-thread step: append a group of scored batches in one commit
-    (:class:`.pipeline.Appended`), then advance the committed progress (job table, metrics,
-    live coverage)."""
+    """A job's writer-thread step: append a group of scored batches in one commit, then advance
+    the job's progress."""
 
     def __init__(
         self,

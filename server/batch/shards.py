@@ -126,9 +126,8 @@ def scan_shard(shard: Shard, tokenize: inputs.Tokenize, limits: inputs.Limits) -
 def check_scans(
     scans: Sequence[ShardScan], committed: frozenset[str] = frozenset()
 ) -> list[frozenset[str]]:
-    """Merge shard scans by index into, per shard, the keys to leave out (owned by an earlier
-    shard, or ``committed``); :class:`InvalidInputError` listing the problems, or for an empty
-    input."""
+    """Merge shard scans by index into, per shard, the keys to leave out (an earlier shard's, or
+    ``committed``); :class:`InvalidInputError` listing the problems."""
     ordered = sorted(scans, key=lambda s: s.index)
     errors = [e for s in ordered for e in s.errors]
     owner: dict[str, int] = {}

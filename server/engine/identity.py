@@ -134,9 +134,8 @@ def content_digest(path: Path) -> str:
 def weights_hash(
     model: str, revision: str | None = None, *, cache_path: Path | None = None
 ) -> str | None:
-    """The content hash of ``model``'s weight files (see the module docstring); None when the
-    model is not on this machine or has no weight files. ``cache_path``: the shared digest
-    cache (default :func:`digest_cache_path`)."""
+    """The content hash of ``model``'s weight files (module doc); None when the model is not on
+    this machine or has none."""
     root = model_dir(model, revision)
     if root is None:
         return None
@@ -172,9 +171,7 @@ def weights_hash(
 
 
 def teacher_identity(source: EngineInfo | Manifest) -> dict[str, Any]:
-    """The teacher identity (:data:`~logitcache.cache_format.identity.TEACHER_FIELDS` +
-    ``TEACHER_EXTRA_FIELDS``) of an engine's ``EngineInfo`` or of a cache ``Manifest``
-    (:func:`~logitcache.cache_format.identity.teacher_of`)."""
+    """The teacher identity of an engine's ``EngineInfo`` or of a cache ``Manifest``."""
     if isinstance(source, Manifest):
         return teacher_of(source)
     out = {

@@ -119,9 +119,7 @@ def _send(lines: list[str]) -> None:
 
 @contextlib.contextmanager
 def armed() -> Iterator[None]:
-    """Start processes that must not outlive this one inside this block (see the module
-    docstring): the watcher exists before them, and ends them however this process ends, also
-    while the block still runs."""
+    """Start processes that must not outlive this one inside this block (module doc)."""
     if not sys.platform.startswith("linux"):
         yield
         return

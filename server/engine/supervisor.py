@@ -95,9 +95,8 @@ class _Lifetime:
 
 
 class SupervisedEngine:
-    """A :class:`~.protocol.TeacherEngine` that rebuilds its engine when it dies (see the
-    module docstring). ``build`` is called now, on this thread, and again in a worker thread
-    for each restart."""
+    """A :class:`~.protocol.TeacherEngine` that rebuilds its engine when it dies (module doc);
+    ``build`` runs now, and in a worker thread for each restart."""
 
     def __init__(self, build: Callable[[], TeacherEngine]):
         self._build = build
@@ -216,9 +215,8 @@ class SupervisedEngine:
         return self._engine
 
     async def _call(self, method: str, cannot: str, *args: Any) -> Any:
-        """The current engine's ``method`` on ``args``, failed at once when the engine is
-        declared dead meanwhile (:class:`_Lifetime`); :class:`EngineInputError` ("this engine
-        cannot ``cannot``") if the engine has no such method."""
+        """The current engine's ``method`` on ``args``, failed at once when the engine is declared
+        dead meanwhile; :class:`EngineInputError` if it has no such method."""
         engine, life = self._current(), self._life
         call = getattr(engine, method, None)
         if call is None:
