@@ -78,8 +78,7 @@ def rows_from_dicts(
     positions: Sequence[dict[int, Any] | None], k: int, length: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Fallback for ``list[dict[token_id, Logprob] | None]``: per position the ``k`` entries of
-    best rank (the actual token, added with a rank ``> k`` when outside the top-k, is dropped),
-    ordered by descending logprob."""
+    best rank, by descending logprob."""
     if len(positions) != length:
         raise EngineError(f"vLLM returned {len(positions)} prompt positions for {length} tokens")
     ids = np.empty((length - 1, k), dtype=np.int32)
@@ -121,10 +120,8 @@ def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
 def hooked_from_output(
     output: Any, length: int, width: int, entropy: bool = False
 ) -> TeacherScores:
-    """The rows of one vLLM ``RequestOutput`` of a request the worker hook answered (sampled
-    targets, or top-k at a temperature other than 1 or with entropy; :mod:`.vllm_sampling`):
-    ``[L - 1, width + 1]`` arrays, column 0 the hook's marker, checked and dropped; with
-    ``entropy`` one more column (marker id, the row's entropy as value)."""
+    """The rows of one ``RequestOutput`` the worker hook answered: ``[L - 1, width + 1]`` arrays
+    whose column 0 (the hook's marker) is checked and dropped; with ``entropy`` one more column."""
     from .vllm_sampling import MARK
 
     pl = output.prompt_logprobs

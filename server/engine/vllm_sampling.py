@@ -47,9 +47,8 @@ class SamplingWorkerExtension:
 
 
 def _spec(request: Any) -> dict[str, Any] | None:
-    """The hook's part of a request: its sampling spec (``{}`` for top-k) with ``"T"`` and
-    ``"entropy"``; ``None`` for a request vLLM answers itself (no key, or top-k at ``T = 1``
-    without entropy)."""
+    """The hook's part of a request (its spec with ``"T"`` and ``"entropy"``), or ``None`` for a
+    request vLLM answers itself."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
     if extra.get(HIDDEN):
         return {"hidden": int(extra[HIDDEN]), "T": 1.0}

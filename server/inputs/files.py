@@ -145,11 +145,8 @@ def table_rows(
     need_one_of: tuple[str, ...],
     root: Path,
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, row dict)`` of a Parquet/Arrow file or directory under the data directory
-    ``root``, ``wanted`` columns only.
-
-    Every file must have at least one of ``need_one_of`` (InvalidInputError naming its columns).
-    """
+    """``(where, row dict)`` of a Parquet/Arrow file or directory under ``root``, ``wanted``
+    columns only; every file must have one of ``need_one_of``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -58,9 +58,8 @@ def int_list(raw: Any) -> np.ndarray | None:
 
 
 def fields(line: bytes, names: Iterable[str], ids_name: str) -> dict[str, Any] | None:
-    """The values of ``names`` present in the JSON object ``line`` (as ``json.loads`` gives
-    them; ``ids_name``'s as an int32 array when it is a list of int32 integers), or ``None``
-    when the line is not such an object by msgspec's reading (the caller uses ``json``)."""
+    """The values of ``names`` in the JSON object ``line`` (``ids_name``'s as int32 when it is a
+    list of int32 integers), or ``None`` when msgspec cannot read it so (use ``json``)."""
     try:
         top = _decoder.decode(line.decode("utf-8"))
     except Exception:  # noqa: BLE001 - any refusal: json.loads decides, with its own message

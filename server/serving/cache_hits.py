@@ -172,9 +172,8 @@ class CacheServing:
     def lookup(
         self, cache: str, seqs: Seq[Sequence], store: bool = False
     ) -> dict[int, SequenceRecord]:
-        """Stored records of the hits among ``seqs`` (index -> record; blocking). With ``store``
-        and a miss, 409 first if the store refuses writes (a read-only store still serves
-        hits)."""
+        """Stored records of the hits among ``seqs`` (index -> record; blocking); with ``store`` and
+        a miss, 409 first if the store refuses writes."""
         found = self._hits(cache, seqs)
         if store and len(found) < len(seqs):
             self.caches.check_writable(cache)

@@ -79,10 +79,8 @@ class KeptReaders:
             raise NotFoundError(f"no cache named {name!r}") from e
 
     def lookup_reader(self, name: str, keys: Collection[str]) -> CacheReader:
-        """A reader of ``name`` that holds every one of ``keys`` committed before this call;
-        :class:`NotFoundError` if there is no cache. The kept reader as it is when the root's
-        committed generation is its own, or when every commit since is one of this process's
-        (:meth:`committed`) holding none of ``keys``; else refreshed (:meth:`reader`)."""
+        """A reader of ``name`` holding every one of ``keys`` committed before this call (the kept
+        one unless a commit since may hold one); :class:`NotFoundError` if there is no cache."""
         with self._lock:
             entry = self._kept.get(name)
         if entry is not None:

@@ -78,9 +78,8 @@ class Asks(Protocol):
 
 
 def of_request(req: Asks) -> SampledTargets | str | None:
-    """What a validated ``ScoreRequest`` or ``JobCreate`` asks for (its model has refused
-    ``k`` or ``sampling`` beside a kind they do not apply to): ``None`` (top-k), ``"hidden"``,
-    ``"sampled"`` (parameters from the cache or the defaults) or a :class:`SampledTargets`."""
+    """What a validated ``ScoreRequest`` or ``JobCreate`` asks for: ``None`` (top-k),
+    ``"hidden"``, ``"sampled"`` or a :class:`SampledTargets`."""
     if req.targets != "sampled":
         return None if req.targets == "topk" else req.targets
     s = req.sampling
@@ -108,10 +107,8 @@ def new_manifest(
     dataset: str = "",
     targets: SampledTargets | None = None,
 ) -> Manifest:
-    """The manifest of a new cache the engine ``info`` describes writes under ``settings``:
-    top-``k`` rows, keeping the actual tokens' logprobs with the ``actual_logprob`` setting
-    (FORMAT.md 4.12), or ``targets``' sampled rows (:func:`with_targets`); either way the rows'
-    entropy with the ``entropy`` setting (FORMAT.md 4.9)."""
+    """The manifest of a new cache of the engine ``info`` under ``settings``: top-``k`` or
+    ``targets``' sampled rows, with the ``actual_logprob`` and ``entropy`` settings."""
     top = expected_manifest(info, k=k, logprob_dtype=settings.logprob_dtype, dataset=dataset)
     flags = {"entropy": settings.entropy, "actual_logprob": settings.actual_logprob and not targets}
     return with_targets(top.model_copy(update=flags), targets)
