@@ -1,15 +1,10 @@
 """A scored batch as the cache writer takes it: :class:`~logitcache.cache_format.SequenceBatch`
 parts built from the engine's arrays, no record per sequence.
 
-An engine returns one :class:`~..engine.TeacherScores` per prompt; the transformers backend's are
-consecutive row ranges of one ``[positions, k]`` array per decoder batch (``engine/hf.py``).
-:func:`to_batches` finds such runs (views of one buffer, each starting where the one before
-ends) and makes each run one part whose top-k rows are a view of that buffer, so the rows reach
-the writer's encode pass without being split per sequence and joined again
-(:meth:`~logitcache.cache_format.CacheWriter.append` of a list of parts encodes each into its
-rows of the append). Rows that lie in one buffer per sequence (vLLM's outputs) are a part per
-sequence when it has :data:`PART_ROWS` rows or more, and are joined into one part with their
-short neighbours otherwise (the copy the writer's join of records made before).
+:func:`to_batches` finds runs of sequences whose rows are consecutive ranges of one buffer (the
+transformers backend's) and makes each run one part, a view of that buffer; a sequence in a
+buffer of its own (vLLM's) is a part of its own from :data:`PART_ROWS` rows on, else joined
+with its short neighbours.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Prompt logprobs as arrays, straight from the engine core's tensors (no Python lists).
 
-vLLM 0.32's output processor (``vllm/v1/engine/logprobs.py::LogprobsProcessor``, in the
-process that owns the ``LLMEngine``/``AsyncLLM``) receives each prefill chunk's prompt logprobs
-as tensors ``token_ids [n, k+1]``, ``logprobs [n, k+1]`` (column 0: the actual next token, then
-the top-k by rank) and turns them into a ``FlatLogprobs`` of Python lists, one object per value;
-the service then reads those lists back into arrays. Both steps cost tens of CPU-us per position
-at k=100 (benchmarks/results/server.md). :func:`install` wraps two methods of that class, once
-per process, so that a request whose ``SamplingParams.extra_args`` carry :data:`FLAG` keeps the
-chunks as numpy arrays in a :class:`TensorPromptLogprobs` instead; every other request (any
-other vLLM user in the process) takes vLLM's own path unchanged.
-
-If the vLLM in use lacks the hooks (another version), :func:`install` returns False and the
-engine keeps asking for the list form.
+vLLM's ``LogprobsProcessor`` turns each prefill chunk's ``[n, k+1]`` tensors into Python lists,
+one object per value. :func:`install` wraps it so a request whose ``extra_args`` carry
+:data:`FLAG` keeps the chunks as numpy arrays in a :class:`TensorPromptLogprobs`; every other
+request takes vLLM's path. A vLLM without the hooks makes :func:`install` False.
 """
 
 from __future__ import annotations

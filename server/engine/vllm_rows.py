@@ -1,21 +1,9 @@
 """vLLM's prompt logprobs as rows: the conversions of one ``RequestOutput`` (no engine here).
 
-Output layout (read from ``vllm/v1/sample/sampler.py::gather_logprobs`` and
-``vllm/logprobs.py::append_logprobs_for_next_position`` of 0.32): ``prompt_logprobs`` is a
-``FlatLogprobs`` with one entry per prompt position; position 0 is empty; every later position
-``i`` holds exactly ``k + 1`` entries: first the actual token ``x_i`` (with its true rank), then
-the top-k by descending logprob (ranks ``1..k``), duplicates included. So the flat lists reshape to
-``[L - 1, k + 1]`` and column 0 is dropped: row ``j`` (= position ``j + 1``) is the top-k of the
-distribution of ``x_{j+1}``. That conversion is a handful of numpy calls per prompt (no
-per-position Python loop); other layouts (the dict form) go through a per-position fallback that
-keeps the ``k`` best entries by rank. Normally neither runs: :mod:`.vllm_logprobs` has vLLM keep
-the engine's prompt logprobs as the engine core's ``[L - 1, k + 1]`` arrays (same layout), so no
-Python list is built at all.
-
-Rows computed by the worker hook (:mod:`.vllm_sampling`: sampled targets, and top-k rows at a
-temperature other than 1) come in that array form with column 0 the hook's marker
-``vllm_sampling.MARK``; :func:`hooked_from_output` checks it, so a worker without the hook is an
-:class:`~.protocol.EngineError`, never rows of another distribution.
+Every prompt position but the first holds ``k + 1`` entries: the actual token, then the top-k
+by descending logprob; reshaped to ``[L - 1, k + 1]`` with column 0 dropped, row ``j`` is the
+top-k of token ``j + 1``. The dict form goes through a per-position fallback. Rows of the worker
+hook carry its marker in column 0, checked by :func:`hooked_from_output`.
 """
 
 from __future__ import annotations

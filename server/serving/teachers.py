@@ -1,16 +1,10 @@
 """Several teachers behind one service: :class:`TeacherPool`.
 
-Each teacher (:meth:`~..settings.ServerSettings.teacher_list`; one teacher is the one-teacher
-case) has its own engine, :class:`~.scoring.ScoringService` and :class:`~.cache_hits.CacheServing`
-over the service's one cache registry (a cache records its teacher's identity, so one teacher's
-cache is a 409 to another). Requests and jobs reach a teacher only through :meth:`TeacherPool.use`,
-which routes by the request's ``model`` (404 :class:`UnknownModelError` for a name it does not
-serve), loads the teacher's engine when it is not loaded, and counts the work in flight.
-
-Loading keeps the loaded teachers' ``memory_bytes`` within ``teacher_memory_bytes``: the least
-recently used *idle* teachers are unloaded first (their queued cache appends committed, their
-engines closed); a teacher with work in flight is never unloaded, so a load that cannot fit
-waits for one to become idle (one teacher alone is always let in). Loads run one at a time.
+Each teacher has its own engine, :class:`~.scoring.ScoringService` and
+:class:`~.cache_hits.CacheServing` over the one cache registry. Requests and jobs reach a teacher
+through :meth:`TeacherPool.use` (404 for an unknown ``model``), which loads it and counts its work
+in flight. Loads run one at a time and keep the loaded teachers within ``teacher_memory_bytes``
+by unloading the least recently used idle ones (one teacher is always let in).
 """
 
 from __future__ import annotations
