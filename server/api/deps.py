@@ -78,8 +78,7 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 
 
 class _OffLoopJSONRequest(Request):
-    """A request whose ``json()`` decodes the body in a worker thread (same result and
-    exceptions as Starlette's)."""
+    """A request whose ``json()`` decodes the body in a worker thread."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -187,8 +186,7 @@ async def with_teacher(
     model: str | None,
     work: Callable[[Teacher], Awaitable[T]],
 ) -> T:
-    """``work(teacher)`` on the teacher the request names, held for the call, under
-    :func:`run_for_client`."""
+    """``work(teacher)`` on the teacher the request names, under :func:`run_for_client`."""
 
     async def use() -> T:
         async with services.teachers.use(teacher_of(request, model)) as teacher:

@@ -238,8 +238,7 @@ async def complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, request: Request, services: ServicesDep
 ) -> JSONResponse:
-    """vLLM's ``/v1/completions`` for ``prompt_logprobs`` with ``max_tokens`` 0 or 1 (see module
-    doc: the answer's shape, and what differs from vLLM)."""
+    """vLLM's ``/v1/completions`` for ``prompt_logprobs``, ``max_tokens`` 0 or 1 (module doc)."""
     answer = await with_teacher(request, services, body.model, lambda t: complete(t, body))
     return JSONResponse(answer)
 
@@ -250,8 +249,7 @@ async def completions(
     summary="vLLM/OpenAI model list (the teachers)",
 )
 async def models(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """One entry per teacher (the default first; under ``/teachers/<name>/`` that one only)
-    with its name as ``id``."""
+    """One entry per teacher with its name as ``id`` (under ``/teachers/<name>/``: that one)."""
     created = int(time.time())
     data = []
     prefixed = teacher_of(request, None)

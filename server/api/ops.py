@@ -17,8 +17,7 @@ router = APIRouter(tags=["ops"])
 
 @functools.cache
 def _version() -> str:
-    """The package version, read once (``importlib.metadata`` parses the METADATA file on every
-    call: file I/O and an e-mail header parse that ``/health`` must not pay each time)."""
+    """The package version, read once (``/health`` must not parse METADATA on every call)."""
     try:
         return version("logitcache")
     except PackageNotFoundError:

@@ -397,8 +397,7 @@ def _bar(enabled: bool, what: str, shards_total: int) -> Any:
 
 
 def _gather(results: Any, bar: Any = None) -> list[Any]:
-    """Drain an ActorPool result iterator, re-raising a worker's own exception; each result
-    advances ``bar``."""
+    """Drain an ActorPool result iterator (re-raising a worker's own exceptions), advancing bar."""
     out: list[Any] = []
     seqs = tokens = 0
     try:

@@ -456,8 +456,7 @@ class JobRunner:
         scoring: ScoringService,
         kept: list[inputs.Sequence] | None = None,
     ) -> None:
-        """The job's batches through :func:`.pipeline.run`; one batch in the engine while on-demand
-        requests are scored."""
+        """The job's batches through :func:`.pipeline.run` (depth 1 while on-demand work runs)."""
         progress = Progress(job, handle, self.store, self.metrics, stats)
         depth = self.settings.job_inflight_batches
         sampled = targets.targets_of(handle.manifest)  # None: top-k rows

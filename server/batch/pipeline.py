@@ -241,8 +241,7 @@ class Appended:
 
 
 def merge_rows(manifest: Any) -> int:
-    """The most rows of one append to a cache of ``manifest`` (values per row: ``k``, or a
-    hidden cache's ``dim``)."""
+    """The most rows of one append to a cache of ``manifest``."""
     width = int(manifest.hidden["dim"]) if manifest.hidden is not None else int(manifest.k)
     return min(MERGE_ROWS, MERGE_VALUES // max(width, 1))
 

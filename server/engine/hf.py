@@ -52,8 +52,7 @@ def _torch_dtype(name: str, config: Any) -> Any:
 
 
 class TransformersEngine(BaseEngine):
-    """:class:`~logitcache.server.engine.TeacherEngine` on ``transformers`` + PyTorch
-    (options: :class:`~.config.HfOptions`)."""
+    """A :class:`~logitcache.server.engine.TeacherEngine` on ``transformers`` + PyTorch."""
 
     def __init__(self, cfg: EngineConfig):
         import torch

@@ -107,8 +107,7 @@ class TeacherScores(TopkRows):
 
 @dataclass
 class ScoreTimings:
-    """Cumulative seconds an engine spent in the model (``engine``) and converting its output
-    (``convert``), for benchmarks."""
+    """Cumulative seconds an engine spent in the model and converting its output."""
 
     engine: float = 0.0
     convert: float = 0.0

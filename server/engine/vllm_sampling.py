@@ -42,8 +42,7 @@ PROMPT_LOGPROBS = 1
 
 
 class SamplingWorkerExtension:
-    """vLLM ``worker_extension_cls``: importing this class's module installs the wrapper in the
-    worker process (the class itself adds nothing to the worker)."""
+    """vLLM ``worker_extension_cls``: importing its module installs the wrapper in the worker."""
 
 
 def _spec(request: Any) -> dict[str, Any] | None:

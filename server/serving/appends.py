@@ -61,8 +61,7 @@ class _Queue:
     pending: dict[str, SequenceRecord] = field(default_factory=dict)  # answered, not committed
 
     def settle(self, item: _Item) -> None:
-        """``item`` left the queue (committed or not): its answered records are no longer
-        pending."""
+        """``item`` left the queue: its answered records are no longer pending."""
         item.ticket.leave()
         for rec in item.answered:
             key = rec.key
@@ -224,8 +223,7 @@ class GroupCommitter:
             del self._queues[name]
 
     def _take(self, q: _Queue) -> list[_Item]:
-        """The next group: queued items with the first one's manifest, up to ``max_rows`` rows
-        (at least one item)."""
+        """The next group: queued items with the first one's manifest, up to ``max_rows`` rows."""
         first = q.items[0].manifest.identity()
         group: list[_Item] = []
         rest: deque[_Item] = deque()

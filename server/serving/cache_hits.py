@@ -127,8 +127,7 @@ class CacheServing:
         await self.commits.aclose()
 
     async def answer(self, req: ScoreRequest, *, frames: bool = False) -> Served:
-        """``/v1/score``: check (in a worker thread), then serve from ``req.cache`` or score
-        without one."""
+        """``/v1/score``: check, then serve from ``req.cache`` or score without one."""
         scoring = self.scoring
         fmt = "frames" if frames else "json"
         asked = targets.of_request(req)

@@ -223,8 +223,7 @@ class ScoringService:
             raise InvalidInputError(str(e)) from None
 
     def route_manifest(self, cache: str, temperature: float | None) -> Manifest:
-        """The top-k manifest of a protocol route's ``cache`` at ``temperature``
-        (:meth:`request_temperature`)."""
+        """The top-k manifest of a protocol route's ``cache`` at :meth:`request_temperature`."""
         stored = self.stored_manifest(cache)
         t = self.request_temperature(cache, temperature, stored)
         return self.target_manifest(cache, None, temperature=t, stored=stored)
@@ -236,8 +235,7 @@ class ScoringService:
             return self.caches.manifest(name)
 
     def sampled_targets(self, asked: SampledTargets | str | None) -> SampledTargets | None:
-        """The checked sampled-target parameters of a request without a cache (``None``:
-        top-k)."""
+        """The checked sampled parameters of a request without a cache (``None``: top-k)."""
         return None if asked is None else self._sampled(resolve(asked, None))
 
     def _sampled(self, chosen: SampledTargets | None) -> SampledTargets | None:
@@ -329,8 +327,7 @@ class ScoringService:
     async def admitted_with_ids(
         self, seqs: Seq[Sequence], k: int, ids: Seq[Seq[int]], temperature: float | None = None
     ) -> tuple[list[SequenceRecord], list[np.ndarray]]:
-        """Engine records of ``seqs`` at ``k`` and the exact logprobs at ``ids`` from one engine
-        call."""
+        """Engine records at ``k`` and the exact logprobs at ``ids`` from one engine call."""
         scores, at_ids = await self._ids_call(seqs, k, ids, temperature)
         return await asyncio.to_thread(pipeline.to_records, seqs, scores), at_ids
 
