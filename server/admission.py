@@ -1,18 +1,9 @@
 """Admission control of on-demand scoring: a bounded budget of prompt tokens in flight.
 
-Contract: a request of ``n`` prompt tokens is admitted iff nothing is in flight or
-``in_flight + n <= limit``; otherwise it is refused at once (no queueing in the server, the
-client retries after ``Retry-After`` seconds). A single request larger than the whole budget
-still runs when it is alone, so no valid request is refused forever.
-
-``Retry-After`` is the time the engine needs to work off what is in flight at the rate it has
-been finishing work: ``ceil(in_flight / rate)`` seconds, clamped to ``[1, 60]`` (``1`` before any
-request has finished). The rate is the queue's real drain rate, measured over the requests that
-finished in the last :data:`RATE_WINDOW_S` seconds: their tokens over the wall time from the
-earliest start among them to now (a per-request ``tokens / seconds`` would count each request's
-wait behind the others as slowness).
-
-Single event loop only (no locks): every method is called from the app's loop.
+A request of ``n`` tokens is admitted iff nothing is in flight or ``in_flight + n <= limit``,
+else refused at once with ``Retry-After = ceil(in_flight / rate)`` seconds in ``[1, 60]``, the
+rate being the tokens of the requests finished in the last :data:`RATE_WINDOW_S` seconds over
+the wall time since the earliest of them started. Used from the app's event loop only.
 """
 
 from __future__ import annotations

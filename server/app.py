@@ -60,9 +60,8 @@ MAINTENANCE_PERIOD_S = 3600.0
 
 
 def maintain(store: JobStore, caches: CacheRegistry, settings: ServerSettings) -> None:
-    """Prune finished jobs past ``job_retention_s``, clean old ``*.partial`` files, and warn
-    about stores whose creation was interrupted (listed as ``incomplete``; the next write to
-    one completes it)."""
+    """Prune finished jobs past ``job_retention_s``, clean old ``*.partial`` files and warn about
+    stores whose creation was interrupted."""
     pruned = store.prune(settings.job_retention_s)
     if pruned:
         log.info("pruned %d finished job(s) older than %g s", pruned, settings.job_retention_s)
@@ -87,11 +86,9 @@ _NO_SERVICE_PATHS = frozenset({"/openapi.json", "/docs", "/login", "/logout", "/
 
 
 def declare_common_errors(app: FastAPI, *, keyed: bool) -> None:
-    """Declare in ``/openapi.json`` the error answers every operation can give because of the
-    middleware and the app's state, whatever its router wrote: ``401`` (with an API key, all
-    but ``/health``), ``503`` (starting, stopping, engine down), and for operations with a body
-    ``400`` (unparsable), ``408`` (body too slow), ``413`` (body too large), ``422`` (invalid).
-    Each points at the one :class:`~logitcache.protocol.ErrorResponse` shape."""
+    """Declare in ``/openapi.json`` the error answers the middleware and app state give every
+    operation (401, 503; with a body 400, 408, 413, 422) as
+    :class:`~logitcache.protocol.ErrorResponse`."""
     from .api.middleware import PUBLIC_PATHS
 
     build = app.openapi
@@ -139,9 +136,8 @@ def create_app(
     *,
     build: Callable[[ServerSettings], TeacherEngine] | None = None,
 ) -> FastAPI:
-    """A new app serving ``settings``' teachers. With ``engine`` given, that engine is the
-    default teacher's (used, not closed); ``build`` makes a teacher's engine from its settings
-    (default: the configured backend, supervised)."""
+    """A new app serving ``settings``' teachers (``engine``: the default teacher's, not closed;
+    ``build``: makes a teacher's engine, default the configured backend, supervised)."""
     metrics = Metrics()
 
     @asynccontextmanager

@@ -35,12 +35,9 @@ log = logging.getLogger("logitcache.server")
 
 
 class ServiceError(Exception):
-    """Base of the service's typed errors: ``status`` is the HTTP status, ``code`` a stable slug.
-
-    A subclass names its own with class keywords, ``class X(ServiceError, status=404,
-    code="not_found")``; one that names neither inherits its parent's (so a handler of the
-    parent's status also catches it).
-    """
+    """Base of the service's typed errors: ``status`` is the HTTP status, ``code`` a stable slug,
+    both set by class keywords (``class X(ServiceError, status=404, code="not_found")``) or
+    inherited."""
 
     status: int = 500
     code: str = "internal_error"
@@ -84,9 +81,8 @@ class NotFoundError(ServiceError, status=404, code="not_found"):
 
 
 class UnknownModelError(NotFoundError, code="model_not_found"):
-    """A request names a ``model`` (teacher) the service does not serve. Its body also carries
-    OpenAI's ``type`` and ``param`` (``{"error": {"message", "type", "param", "code"}}``, the
-    shape the OpenAI and vLLM clients read), and the served names as ``detail``."""
+    """A request names a ``model`` the service does not serve; the body also carries OpenAI's
+    ``type`` and ``param``, and the served names as ``detail``."""
 
     extra = {"type": "NotFoundError", "param": "model"}
 
@@ -152,19 +148,15 @@ def public_message(message: str) -> str:
 
 
 def public_name(value: str) -> str:
-    """``value`` as a public body may show it: an absolute local path (a teacher given as a
-    folder, a store root) becomes its last component (``/srv/models/tiny/`` -> ``tiny``);
-    absolute directories inside any other text are dropped as in :func:`public_message`; hub
-    ids and URLs stay as they are."""
+    """``value`` as a public body may show it: an absolute local path becomes its last
+    component (``/srv/models/tiny/`` -> ``tiny``); other text as :func:`public_message`."""
     if os.path.isabs(value):
         return os.path.basename(value.rstrip("/")) or value
     return public_message(value)
 
 
 def public_value(value: Any) -> Any:
-    """``value`` (JSON-like: dicts, lists, strings, numbers) with every string through
-    :func:`public_name`, e.g. a cache manifest, whose ``teacher_model`` is the path the server
-    was started with."""
+    """``value`` (JSON-like) with every string through :func:`public_name`."""
     if isinstance(value, str):
         return public_name(value)
     if isinstance(value, dict):
@@ -258,9 +250,8 @@ def _allowed_methods(request: Request) -> list[str]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every error to the JSON body: :class:`ServiceError`, ``FormatError``, engine errors,
-    request-validation errors and HTTP errors (any other exception becomes a 500
-    ``internal_error`` in :class:`~logitcache.server.api.middleware.InternalErrorMiddleware`)."""
+    """Map every error to the JSON body (any other exception: a 500 in
+    :class:`~logitcache.server.api.middleware.InternalErrorMiddleware`)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 

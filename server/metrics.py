@@ -160,9 +160,8 @@ class TeacherMetrics:
 
 
 def scraped_total(text: str, name: str, **labels: str) -> float:
-    """The sum of sample ``name`` (e.g. ``logitcache_cache_hits_total``) over every label set of a
-    ``/metrics`` page ``text`` that has ``labels`` (e.g. ``source="score"``): all teachers
-    together unless ``teacher`` is given; 0 when there is none."""
+    """The sum of sample ``name`` over the label sets of a ``/metrics`` page ``text`` that have
+    ``labels`` (and ``teacher``, if given); 0 when there is none."""
     from prometheus_client.parser import text_string_to_metric_families
 
     return sum(

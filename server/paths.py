@@ -73,9 +73,8 @@ def segments(rel: str, what: str = "path") -> tuple[str, ...]:
 
 
 def contained(root: Path, path: Path, what: str = "path", shown: str | None = None) -> Path:
-    """``path`` resolved (links followed) if it lies inside ``root`` (resolved too), else
-    :class:`PathEscapeError`. ``shown``: how the message names the path (default: ``path``'s
-    name, so no server directory is shown)."""
+    """``path`` resolved (links followed) if it lies inside ``root``, else
+    :class:`PathEscapeError` (``shown``: how the message names it)."""
     base = root.expanduser().resolve()
     real = path.expanduser().resolve()
     if not real.is_relative_to(base):
@@ -84,18 +83,16 @@ def contained(root: Path, path: Path, what: str = "path", shown: str | None = No
 
 
 def resolve_under(root: Path, rel: str, what: str = "path", *, base: Path | None = None) -> Path:
-    """``base / rel`` resolved (``base`` defaults to ``root``; a folder inside it, e.g. a
-    dataset folder whose ``state.json`` names ``rel``), after :func:`segments` checked ``rel``'s
-    text and :func:`contained` that the result stays inside ``root``. It need not exist."""
+    """``base / rel`` resolved (``base`` defaults to ``root``) after checking ``rel``'s text and
+    that the result stays inside ``root``; it need not exist."""
     parts = segments(rel, what)
     start = (root if base is None else base).expanduser().resolve()
     return contained(root, start.joinpath(*parts), what, shown=rel)
 
 
 def store_key(key: str) -> str:
-    """``key`` if it is a store key the store route serves (see the module docstring):
-    :class:`UnsafePathError` for a malformed key, :class:`NotFoundError` for a segment that
-    starts with a dot (never served)."""
+    """``key`` if the store route serves it: :class:`UnsafePathError` if malformed,
+    :class:`NotFoundError` for a segment starting with a dot."""
     if not isinstance(key, str) or not key:
         raise UnsafePathError("store key is empty")
     parts = key.split("/")

@@ -1,24 +1,10 @@
 """Fail-fast start-up checks and the start-up banner of ``logitcache-server``.
 
-:func:`check` runs before the engine loads (loading takes seconds on the tiny fixture, minutes for a
-real teacher), so every mistake an operator can make on the command line is reported first, in
-one line, without a traceback:
-
-* no model given;
-* the model is a local path that does not exist, or a directory that holds no ``config.json``
-  (not a Hugging Face model directory); a tokenizer path likewise;
-* a model given as a hub id while ``HF_HUB_OFFLINE=1`` (the hub cannot be asked);
-* the store root (a local directory) or the state directory cannot be created or written;
-* the port is already in use on the bind address (tested by binding it the way uvicorn does,
-  with ``SO_REUSEADDR``; port 0 is never in use).
-
-A failed check raises :class:`PreflightError`; ``logitcache-server`` prints
-``logitcache-server: error: <message>`` to stderr and exits with status 2.
-
-:func:`install_banner` wraps the app's lifespan so that once the engine has loaded, a banner lists
-the URL, the docs URL, the store root, the data directory, the model, k and the *effective*
-maximum sequence length (the smaller of ``--max-seq-len`` and the engine's limit, which the model's
-``config.json`` caps), saying so when the requested length was capped.
+:func:`check` runs before the engine loads and reports an operator's mistake in one line
+(:class:`PreflightError`; exit status 2): no model, a missing model or tokenizer path or one
+without ``config.json``, a hub id under ``HF_HUB_OFFLINE=1``, a store root or state directory
+that cannot be written, a port in use. :func:`install_banner` prints, once the engine has
+loaded, the URLs, store root, data directory, model, k and the effective max sequence length.
 """
 
 from __future__ import annotations

@@ -265,10 +265,8 @@ class ServerSettings(BaseSettings):
 
 
 def load_settings(argv: list[str] | None = None, **overrides: Any) -> ServerSettings:
-    """Build settings from defaults < environment/.env < ``argv`` (CLI flags) < ``overrides``.
-
-    ``argv=None`` reads no command line (``[]`` parses an empty one).
-    """
+    """Build settings from defaults < environment/.env < ``argv`` < ``overrides`` (``argv=None``
+    reads no command line)."""
     if argv is None:
         return ServerSettings(**overrides)
     return ServerSettings(_cli_parse_args=argv, **overrides)  # type: ignore[call-arg]

@@ -1,17 +1,10 @@
 """Caches: list, describe, and stream blocks to clients as wire frames.
 
-Block streaming (``Accept`` is not needed: these answer ``application/x-logitcache-frames``):
-
-* ``GET /v1/caches/{name}/sequences?start=&stop=``: sequences ``[start, stop)`` in storage order;
-* ``GET /v1/caches/{name}/rows?start=&stop=``: the whole sequences that hold global rows
-  ``[start, stop)``; headers ``X-Logitcache-First-Sequence`` and ``X-Logitcache-First-Row`` say
-  where the first returned sequence starts, so a client can cut the exact rows.
-
-The body is a concatenation of frames of at most ``FRAME_SEQUENCES`` sequences each
-(``logitcache.cache_format.iter_decode`` reads it incrementally), each read while the previous
-one is sent (:func:`_frames`). Logprobs travel as float16 when the cache stores float16
-(exact), else float32. ``compression=zstd`` compresses each frame. Ranges are checked against
-the committed snapshot at the time of the request.
+``GET /v1/caches/{name}/sequences?start=&stop=`` streams sequences ``[start, stop)`` in storage
+order; ``GET /v1/caches/{name}/rows?start=&stop=`` the whole sequences holding global rows
+``[start, stop)`` (headers ``X-Logitcache-First-Sequence`` / ``-First-Row``). The body is
+frames of at most ``FRAME_SEQUENCES`` sequences, each read while the previous one is sent
+(``compression=zstd`` compresses each).
 """
 
 from __future__ import annotations
@@ -123,9 +116,8 @@ def _range(start: int, stop: int | None, n: int, limit: int) -> tuple[int, int]:
 
 
 def _frames(reader: CacheReader, start: int, stop: int, compression: str) -> Iterator[bytes]:
-    """Frames of sequences ``[start, stop)``, ``FRAME_SEQUENCES`` each, each read with one
-    contiguous row read and one token read (``CacheReader.read_ranges``); float16 and hidden
-    caches are sent as stored (exact, less work)."""
+    """Frames of sequences ``[start, stop)``, ``FRAME_SEQUENCES`` each, one range read each
+    (float16 and hidden caches sent as stored)."""
     dtype = exact_frame_dtype(reader.manifest)
     for a in range(start, stop, FRAME_SEQUENCES):
         records = reader.read_ranges([(a, min(stop, a + FRAME_SEQUENCES))], logprob_dtype=dtype)

@@ -1,13 +1,8 @@
 """Connection limits of the HTTP server: what uvicorn is run with (:func:`uvicorn_options`).
 
-* **A deadline on each request's head**: the request line and headers must arrive within
-  ``header_timeout_s`` of the connection opening or of the previous answer on it, else the
-  connection is closed (:class:`HeadDeadlineProtocol`; uvicorn alone waits for ever for a head
-  sent a byte at a time). The body then has its own limits (``body_timeout_s`` per piece and
-  ``body_deadline_s`` in all: :class:`~.middleware.BodyLimitMiddleware`, 408).
-* **A bound on connections and requests in progress** (``max_connections``, uvicorn's
-  ``limit_concurrency``): past it a new request is answered 503 at once.
-* Heads are at most :data:`MAX_HEAD_BYTES` (h11's incomplete-event limit; httptools has its own).
+A request's head must arrive within ``header_timeout_s`` (:class:`HeadDeadlineProtocol`, else the
+connection is closed) and hold at most :data:`MAX_HEAD_BYTES`; past ``max_connections``
+(uvicorn's ``limit_concurrency``) a new request is answered 503 at once.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""What the routers share: the per-app service container and its request accessor (routes
-reach services only here), :class:`OffLoopJSONRoute` (JSON bodies decoded in a worker thread),
-:func:`run_for_client` (work cancelled when its client leaves or its deadline passes) and
-:func:`with_teacher` (the same, on the teacher a request names), the
-public forms of names and job errors, and the error answers of the scoring routes."""
+"""What the routers share: the per-app service container (routes reach services only here),
+:class:`OffLoopJSONRoute`, :func:`with_teacher` (work on the named teacher, cancelled when its
+client leaves or its deadline passes) and the error answers of the scoring routes."""
 
 from __future__ import annotations
 
@@ -69,9 +67,7 @@ class Services:
 
 
 async def get_services(request: Request) -> Services:
-    """The app's services, or 503 while starting/stopping. ``async`` on purpose: FastAPI runs a
-    plain ``def`` dependency in its worker-thread pool, and that hop (queued behind every other
-    worker-thread task, and two GIL hand-offs) made even ``/health`` wait under load."""
+    """The app's services, or 503 while starting/stopping (``async``: no worker-thread hop)."""
     services = getattr(request.app.state, "services", None)
     if services is None:
         raise UnavailableError("the service is starting or stopping", retry_after=5)
@@ -82,9 +78,7 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 
 
 class _OffLoopJSONRequest(Request):
-    """A request whose ``json()`` decodes the body in a worker thread (same result, same
-    exceptions as Starlette's: FastAPI maps a decode error to 422 and any other, e.g. a
-    ``RecursionError`` from deep nesting, to 400)."""
+    """A request whose ``json()`` decodes the body in a worker thread."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -94,12 +88,8 @@ class _OffLoopJSONRequest(Request):
 
 
 class OffLoopJSONRoute(APIRoute):
-    """Route class of the routes with large JSON bodies (``/v1/score``, ``/v1/jobs``).
-
-    FastAPI decodes a JSON body with ``json.loads`` on the event loop, so a burst of large
-    bodies holds the loop (and ``/health``). Here the decoding runs in a worker thread, where the
-    interpreter's switch interval lets the loop in every 5 ms; validation of the decoded value
-    stays FastAPI's (same errors, same OpenAPI)."""
+    """Route class of the routes with large JSON bodies (``/v1/score``, ``/v1/jobs``): the body
+    is decoded in a worker thread, not on the event loop; validation stays FastAPI's."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -161,16 +151,14 @@ def public_status(job: JobStatus) -> JobStatus:
 
 
 async def _disconnected(request: Request) -> None:
-    """Return once the client has gone (the body is already read: only ``http.disconnect``
-    can arrive)."""
+    """Return once the client has gone."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
 async def run_for_client(request: Request, work: Coroutine[Any, Any, T], timeout: float) -> T:
-    """``await work`` unless the client disconnects or ``timeout`` seconds pass first; then the
-    work is cancelled (and awaited) and :class:`ClientClosedError` /
-    :class:`DeadlineExceededError` raised."""
+    """``await work`` unless the client disconnects (:class:`ClientClosedError`) or ``timeout``
+    seconds pass (:class:`DeadlineExceededError`) first; then the work is cancelled."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -198,8 +186,7 @@ async def with_teacher(
     model: str | None,
     work: Callable[[Teacher], Awaitable[T]],
 ) -> T:
-    """``work(teacher)`` on the teacher the request names (:func:`teacher_of`: its body's
-    ``model``, else its URL's prefix), held for the call, under :func:`run_for_client`."""
+    """``work(teacher)`` on the teacher the request names, under :func:`run_for_client`."""
 
     async def use() -> T:
         async with services.teachers.use(teacher_of(request, model)) as teacher:

@@ -1,12 +1,8 @@
 """Batch jobs: ``POST/GET /v1/jobs``, ``GET/DELETE /v1/jobs/{id}``, ``POST .../{id}/cancel``.
 
-Job admission is accounted apart from on-demand scoring: while the queued and running jobs
-hold more than ``max_pending_job_tokens`` prompt tokens not yet scored, a new job is refused
-with 429 and ``Retry-After``. Listing is paged and never reads job inputs.
-
-The job table is read in worker threads, never on the event loop: its lock is held by the job
-writer through each fsync'd progress commit, which would otherwise stall every route
-(``/health`` included) for the commit's duration. Error texts in statuses keep no server paths.
+A new job is refused with 429 while queued and running jobs hold more than
+``max_pending_job_tokens`` unscored tokens. The job table is read in worker threads (its lock
+is held through each fsync'd commit); error texts keep no server paths.
 """
 
 from __future__ import annotations

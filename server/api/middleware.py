@@ -52,9 +52,7 @@ TEACHER_PREFIX = "/teachers/"
 
 
 class TeacherPrefixMiddleware:
-    """Strip a :data:`TEACHER_PREFIX` ``<name>`` from the path and keep ``<name>`` as the
-    request's ``state.teacher`` (the routes' teacher when the body names no ``model``; the one
-    teacher ``/v1/models`` lists)."""
+    """Strip a :data:`TEACHER_PREFIX` ``<name>`` from the path, kept as ``state.teacher``."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -69,9 +67,8 @@ class TeacherPrefixMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on every path but :data:`PUBLIC_PATHS`
-    (and ``PUBLIC_PREFIXES``); on ``GET``/``HEAD`` a live login session's cookie also counts
-    (``sessions``, ``server/api/ui/auth.py``)."""
+    """Require ``Authorization: Bearer <api_key>`` on every path but the public ones (on
+    ``GET``/``HEAD`` a live login session's cookie also counts)."""
 
     def __init__(self, app: ASGIApp, api_key: str, sessions: ui_auth.Sessions):
         self.app = app
@@ -103,10 +100,8 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Answer 413 for a body over ``max_bytes`` (by ``Content-Length``, or while streaming it),
-    and 408 when the next piece of a body takes longer than ``timeout_s`` to arrive or the whole
-    body longer than ``deadline_s`` (a slow or drip-feeding client cannot hold a connection and a
-    request slot for ever)."""
+    """Answer 413 for a body over ``max_bytes`` and 408 when its next piece takes longer than
+    ``timeout_s`` or the whole body longer than ``deadline_s``."""
 
     def __init__(
         self,
@@ -172,13 +167,9 @@ class BodyLimitMiddleware:
 
 
 class InternalErrorMiddleware:
-    """Answer any unhandled exception with the JSON 500 body (``internal_error``: the error type
-    only, no message, no path; the traceback goes to the log) and keep the connection usable.
-
-    (Starlette's own last-resort handler re-raises after answering, and uvicorn then closes the
-    keep-alive connection, so the client's next request on it fails.) An exception after the
-    answer has started cannot be turned into a 500: it is re-raised (the connection is closed).
-    """
+    """Answer any unhandled exception with the JSON 500 body (the error type only; the traceback
+    goes to the log) and keep the connection usable (Starlette's own handler re-raises, and
+    uvicorn then closes it); an exception after the answer started is re-raised."""
 
     def __init__(self, app: ASGIApp):
         self.app = app

@@ -1,15 +1,9 @@
 """vLLM-compatible routes: ``POST /v1/completions`` (prompt logprobs) and ``GET /v1/models``.
 
-For trainers that call a ``vllm serve`` teacher for prompt logprobs (online KD): vLLM's
-``CompletionRequest`` shape in, its ``CompletionResponse`` shape out, every prompt served
-through a cache (:mod:`~..serving.cache_hits`; default :data:`DEFAULT_CACHE`, one per
-temperature: :meth:`~..serving.teachers.Teacher.route_cache`). A row lists the actual prompt token
-first (its logprob from the cache's ``actual_logprob`` array, the rows just scored, or
-:func:`~..serving.chosen.at_chosen_ids`), then the top ``prompt_logprobs`` ids; outside the
-row's top ``K`` that token's rank is ``K + 1``, a lower bound, and
-``choices[i].rank_lower_bound`` lists those positions. A ``prompt_logprobs`` above the cache's
-k is scored and not stored. The contract, and what
-differs from vLLM: ``server/API.md``.
+vLLM's ``CompletionRequest`` in, its ``CompletionResponse`` out, every prompt served through a
+cache (default :data:`DEFAULT_CACHE`). A row lists the actual prompt token first, then the top
+``prompt_logprobs`` ids; outside the row's top ``K`` that token's rank is ``K + 1``, a lower
+bound (``choices[i].rank_lower_bound``). The contract: ``server/API.md``.
 """
 
 from __future__ import annotations
@@ -50,9 +44,8 @@ Int = Annotated[int, Field(strict=True)]
 
 
 class CompletionRequest(BaseModel):
-    """The fields of vLLM's ``CompletionRequest`` this route reads; others are accepted and
-    ignored (the other sampling parameters do not change prompt logprobs; ``temperature``
-    does). Integers are strict, as in ``/v1/score``: ``2.0``, ``"2"`` and ``true`` are a 422."""
+    """The fields of vLLM's ``CompletionRequest`` this route reads (others are ignored);
+    integers are strict."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -78,8 +71,7 @@ class CompletionRequest(BaseModel):
 
 
 def _check(req: CompletionRequest, scoring: ScoringService) -> int:
-    """The requested k (range-checked by :meth:`ScoringService.check_k`), or
-    :class:`InvalidInputError` for what this route does not do."""
+    """The requested k, or :class:`InvalidInputError` for what this route does not do."""
     k = req.prompt_logprobs
     try:
         checked = scoring.check_k(k)
@@ -125,10 +117,8 @@ def _entry(lp: float, rank: int, text: str | None) -> dict[str, Any]:
 def prompt_logprobs(
     rec: SequenceRecord, k: int, decode: TokenText, actual: np.ndarray
 ) -> list[dict[str, dict] | None]:
-    """vLLM's ``prompt_logprobs`` at ``k`` of one record of ``K >= k`` columns: ``None``, then
-    per row a dict of the actual next token (``actual``: its logprob per row; its rank in the
-    record's row, else ``K + 1``) and the top ``k``, in vLLM's order (the actual token first; a
-    top-k entry of the same id gives it its top-k rank and value)."""
+    """vLLM's ``prompt_logprobs`` at ``k`` of one record: ``None``, then per row the actual next
+    token (logprob ``actual``; rank in the row, else ``K + 1``) and the top ``k``."""
     out: list[dict[str, dict] | None] = [None]
     rows = zip(rec.topk_ids.tolist(), rec.topk_logprobs.tolist(), strict=True)
     for tok, act, (ids, lps) in zip(rec.labels.tolist(), actual.tolist(), rows, strict=True):
@@ -141,8 +131,7 @@ def prompt_logprobs(
 
 
 def rank_lower_bound(rec: SequenceRecord) -> list[int]:
-    """The positions (``t >= 1``) whose actual token is outside the record's top-``K`` row: their
-    answered rank ``K + 1`` is a lower bound of the exact rank."""
+    """The positions (``t >= 1``) whose actual token is outside the record's top-``K`` row."""
     labels = rec.labels.astype(np.int64)[:, None]
     return (np.flatnonzero((rec.topk_ids != labels).all(axis=1)) + 1).tolist()
 
@@ -154,9 +143,8 @@ async def actual_tokens(
     temperature: float,
     approximate: bool,
 ) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """Per record its rows' logprobs of their actual next tokens and (with ``approximate``) the
-    mask of those spread from the tail: a record's own ``actual_logprob`` when it has one, else
-    through :func:`~..serving.chosen.at_chosen_ids` (module doc)."""
+    """Per record its rows' logprobs of their actual next tokens (its ``actual_logprob``, else
+    :func:`~..serving.chosen.at_chosen_ids`) and the mask of those spread from the tail."""
     todo = [i for i, r in enumerate(records) if r.actual_logprob is None]
     out: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
     if todo:
@@ -222,8 +210,7 @@ def _body(
 
 
 async def complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
-    """Check, serve through ``teacher``'s cache (or score above its k), and build the vLLM
-    answer."""
+    """Check, serve through ``teacher``'s cache, build the vLLM answer."""
     scoring, serving = teacher.scoring, teacher.serving
     assert scoring is not None and serving is not None
     k = _check(req, scoring)
@@ -251,8 +238,7 @@ async def complete(teacher: Teacher, req: CompletionRequest) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, request: Request, services: ServicesDep
 ) -> JSONResponse:
-    """vLLM's ``/v1/completions`` for ``prompt_logprobs`` with ``max_tokens`` 0 or 1 (see module
-    doc: the answer's shape, and what differs from vLLM)."""
+    """vLLM's ``/v1/completions`` for ``prompt_logprobs``, ``max_tokens`` 0 or 1 (module doc)."""
     answer = await with_teacher(request, services, body.model, lambda t: complete(t, body))
     return JSONResponse(answer)
 
@@ -263,10 +249,7 @@ async def completions(
     summary="vLLM/OpenAI model list (the teachers)",
 )
 async def models(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", "root",
-    "max_model_len"}]}``, one entry per teacher (the default first) with its name as ``id``
-    (``max_model_len``: the server's limit, the model's own once its engine is loaded); under
-    ``/teachers/<name>/`` that teacher only."""
+    """One entry per teacher with its name as ``id`` (under ``/teachers/<name>/``: that one)."""
     created = int(time.time())
     data = []
     prefixed = teacher_of(request, None)

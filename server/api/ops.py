@@ -17,8 +17,7 @@ router = APIRouter(tags=["ops"])
 
 @functools.cache
 def _version() -> str:
-    """The package version, read once (``importlib.metadata`` parses the METADATA file on every
-    call: file I/O and an e-mail header parse that ``/health`` must not pay each time)."""
+    """The package version, read once (``/health`` must not parse METADATA on every call)."""
     try:
         return version("logitcache")
     except PackageNotFoundError:
@@ -37,10 +36,8 @@ def _version() -> str:
     },
 )
 async def health(services: ServicesDep) -> Health:
-    """Liveness and readiness: 200 while the loaded teachers' engines can score; 503 while
-    starting, stopping, or while a dead engine is restarted (no engine call: the engines' own
-    liveness flags). ``teachers``: every teacher's state (loaded or not, work in flight,
-    memory)."""
+    """Liveness and readiness: 200 while the loaded teachers' engines can score, else 503;
+    ``teachers``: every teacher's state."""
     pool = services.teachers
     for teacher in pool.teachers.values():
         engine = teacher.engine

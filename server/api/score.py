@@ -51,9 +51,8 @@ def json_chunks(
     recs: list[SequenceRecord],
     hits: list[bool] | None = None,
 ) -> Iterator[bytes]:
-    """The :class:`ScoreResponse` JSON in pieces, one sequence at a time (``-inf`` logprobs, if
-    any, as float32's lowest value). Streamed from a worker thread: no piece holds the GIL for
-    long (``/health`` stays fast) and the whole text never sits in memory at once."""
+    """The :class:`ScoreResponse` JSON in pieces, one sequence at a time (``-inf`` as float32's
+    lowest value), so no piece holds the GIL for long."""
     head: dict[str, Any] = {"model": model, "k": k, "cache": cache, "stored": stored}
     if hits is not None:
         head["hits"] = sum(hits)
@@ -103,12 +102,9 @@ async def _answer(teacher: Teacher, body: ScoreRequest, frames: bool) -> tuple[s
     summary="Score sequences now",
 )
 async def score(body: ScoreRequest, request: Request, services: ServicesDep) -> Response:
-    """Top-k ids, logprobs and tail mass for every row of every sequence.
-
-    With ``Accept: application/x-logitcache-frames`` the body is one wire frame
-    (``logitcache.cache_format.decode_records``), headers ``X-Logitcache-K`` and
-    ``X-Logitcache-Stored``; otherwise a :class:`ScoreResponse` JSON body.
-    """
+    """Top-k ids, logprobs and tail mass for every row of every sequence: a
+    :class:`ScoreResponse` JSON body, or with ``Accept: application/x-logitcache-frames`` one
+    wire frame."""
     frames = FRAMES_MEDIA_TYPE in request.headers.get("accept", "")
     model, result = await with_teacher(
         request, services, body.model, lambda t: _answer(t, body, frames)

@@ -1,13 +1,9 @@
 """SGLang-compatible ``POST /generate`` for teacher logprobs (on-policy distillation clients).
 
-The scoring subset of SGLang's ``GenerateReqInput`` (``input_ids``, ``return_logprob``,
-``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``, ``sampling_params`` with
-``max_new_tokens: 0``) answered in SGLang's shape, one object per sequence (a list for a batch).
-Every sequence is served through a cache as ``/v1/completions`` is (default
-:data:`DEFAULT_CACHE`, one per temperature); the actual token's logprob comes from its top-k row
-or the cache's ``actual_logprob`` array, and asked ids from the rows or exactly from the engine
-(:mod:`~..serving.chosen`). The contract: ``server/API.md``; request and ``meta_info`` are
-typed in ``logitcache.protocol.sglang``.
+The scoring subset of SGLang's ``GenerateReqInput`` (``max_new_tokens: 0``) answered in SGLang's
+shape, one object per sequence (a list for a batch), every sequence served through a cache
+(default :data:`DEFAULT_CACHE`); asked ids come from the rows or exactly from the engine
+(:mod:`~..serving.chosen`). The contract: ``server/API.md``; types: ``logitcache.protocol.sglang``.
 """
 
 from __future__ import annotations
@@ -104,9 +100,8 @@ def _json(value: Any) -> str:
 
 
 def _lp_texts(values: np.ndarray) -> list[str]:
-    """Logprobs as SGLang's JSON carries them: each as Python's ``repr`` of the value (what
-    ``json`` writes for a float), and ``null`` for a non-finite one (a token the teacher rules
-    out, ``-inf``, as SGLang's orjson answers write it; or none known)."""
+    """Logprobs as SGLang's JSON carries them: Python's ``repr`` of each, ``null`` for a
+    non-finite one."""
     wide = np.asarray(values, dtype=np.float64)
     out = list(map(float.__repr__, wide.ravel().tolist()))
     for i in np.flatnonzero(~np.isfinite(wide.ravel())).tolist():
@@ -173,10 +168,8 @@ def _meta_json(
     mask: np.ndarray | None,
     rid: str,
 ) -> str:
-    """SGLang's ``meta_info`` of one scored sequence as JSON text; ``at``: the
-    ``token_ids_logprob`` ids, their logprobs at rows ``max(start, 1) - 1 ..`` and whether these
-    came from the engine; ``mask`` (``approximate``): which of them were spread from the tail;
-    ``rid``: the answer's ``id``."""
+    """SGLang's ``meta_info`` of one scored sequence as JSON text (``at``: the asked ids, their
+    logprobs and whether exact; ``mask``: which were spread from the tail)."""
     n = len(rec.input_ids)
     ids = rec.input_ids.tolist()
     entries = _Entries(decode)
@@ -210,9 +203,7 @@ def _meta_json(
 
 
 async def generate(teacher: Teacher, req: SglangGenerateRequest) -> bytes:
-    """Check, serve through the cache of ``teacher`` (the one ``model`` names: an extension,
-    SGLang serves one model) and build SGLang's answer, its JSON body (every check before any
-    engine work or write)."""
+    """Check, serve through ``teacher``'s cache and build SGLang's answer as its JSON body."""
     scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
     assert scoring is not None and serving is not None and engine is not None
     seqs_in, batch, asked_t = _check(req)

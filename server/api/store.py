@@ -1,18 +1,9 @@
 """Read-only access to the stored objects of a cache: ``GET /v1/caches/{name}/store/{key}``.
 
-The object ``key`` of the cache's Zarr store (``zarr.json``, ``topk_ids/zarr.json``, shard
-objects such as ``topk_ids/c/3/0``) is sent **as stored**: compressed, checksummed shard bytes,
-never decoded here. A single ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` header answers
-``206`` with those bytes (how a client reads a shard's index and then the chunks it needs).
-A missing object is ``404``. Keys are checked by :func:`..paths.store_key` (segments of
-``[A-Za-z0-9_.-]``, no empty, dot or absolute segment; a segment starting with a dot, such as the
-writer lock, is never served) and, for a local store, resolved with links followed: an object
-outside the store root is refused (422 ``invalid_path``). A ``zarr.json`` document is served
-with the absolute server paths in its attributes cut to their last component
-(:func:`public_metadata`; e.g. the manifest's ``teacher_model``), as every other answer shows it.
-
-The client opens the cache with the format library's own reader over this URL (its snapshot
-and retry rules unchanged, FORMAT.md R7), so the server only copies bytes.
+The object ``key`` of the cache's Zarr store is sent as stored (a ``Range`` header answers 206
+with those bytes; a missing object 404), so a client opens the cache with the format's own
+reader over this URL. Keys are checked by :func:`..paths.store_key` and resolved inside the
+store root; a ``zarr.json`` is served without server paths (:func:`public_metadata`).
 """
 
 from __future__ import annotations
@@ -72,11 +63,9 @@ def parse_range(header: str | None) -> Any:
 
 
 def public_metadata(raw: bytes) -> bytes:
-    """A ``zarr.json`` document as served: its attributes through
-    :func:`~logitcache.server.errors.public_value`, so no absolute server path (the manifest's
-    ``teacher_model`` when the teacher was given as a folder) leaves the server, and the root's
-    manifest digest recomputed over what is served when the stored one was valid (a damaged
-    manifest stays detectably damaged); the stored bytes unchanged when nothing needed it."""
+    """A ``zarr.json`` document as served: attributes through
+    :func:`~logitcache.server.errors.public_value` (no server paths) and a valid manifest digest
+    recomputed over them; the stored bytes when nothing changed."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

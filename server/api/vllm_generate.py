@@ -1,12 +1,9 @@
 """vLLM-compatible ``POST /inference/v1/generate`` for logprobs at caller-chosen token ids.
 
-vLLM 0.32.0's token-in/token-out route with ``prompt_logprob_token_ids`` (typed in
-``logitcache.protocol.vllm_generate``): row ``i`` of the answer's base64 ``.npy`` matrix holds
-the logprobs of its candidates as predictions of token ``s + i + 1`` (``-1`` pads a row and
-scores ``-inf``). The sequence is served through a cache as ``/v1/score`` serves it (default
-:data:`DEFAULT_CACHE`, one per temperature); the matrix comes from the cached rows when every
-candidate is in them, else exactly from the engine (:mod:`~..serving.chosen`); ``exact`` says
-which. The contract: ``server/API.md``.
+Row ``i`` of the answer's base64 ``.npy`` matrix holds the logprobs of its candidates as
+predictions of token ``s + i + 1`` (``-1`` pads a row). The sequence is served through a cache
+(default :data:`DEFAULT_CACHE`); the matrix comes from the cached rows when every candidate is in
+them, else exactly from the engine (:mod:`~..serving.chosen`). The contract: ``server/API.md``.
 """
 
 from __future__ import annotations
@@ -89,8 +86,7 @@ def asked_matrix(req: VllmGenerateRequest, vocab_size: int) -> tuple[np.ndarray,
 
 
 async def generate(teacher: Teacher, req: VllmGenerateRequest) -> VllmGenerateResponse:
-    """Check (everything before any engine work or write), read through ``teacher``'s cache,
-    answer."""
+    """Check, read through ``teacher``'s cache, answer."""
     scoring, serving, engine = teacher.scoring, teacher.serving, teacher.engine
     assert scoring is not None and serving is not None and engine is not None
     info = engine.info

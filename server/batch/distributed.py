@@ -3,23 +3,13 @@
     python -m logitcache.server.batch.distributed --input data.jsonl --cache s3://bucket/name \\
         --replicas 4 --model /models/teacher -k 64 [any logitcache-server option]
 
-Settings are :class:`~.distributed_config.DistributedSettings`. Before Ray or any engine
-starts, the input is read and an existing target cache is checked (:func:`check_target_early`);
-any problem is one JSON line on stderr. tqdm bars on stderr show shards checked and scored
-(``--no-progress`` turns them off).
-
-Each replica is a Ray actor (:class:`ShardWorker`) owning one engine built as the server builds
-it (vLLM's own tensor/pipeline parallelism spans several GPUs per replica); Ray's
-:class:`ray.util.ActorPool` hands out the shards. The steps (plan, check, score into staging
-caches under ``--staging``, default ``<cache>.staging``, commit in shard order) and their
-contract are :mod:`.shards`': the final cache equals a one-replica run array for array
-(tests/e2e/test_deploy_ray.py), and re-running an interrupted command resumes it. A failed
-replica is restarted by Ray and its shard re-run. Scaling to many nodes: docs/SCALING.md.
-
-``--targets sampled`` (FORMAT.md 4.4; ``--draws``, ``--proposal-temperature``,
-``--sampling-seed``, ``--head``, each defaulting to an existing sampled cache's, else a job's
-defaults) writes sampled targets seeded by (seed, key) only, so the cache equals the service's
-sampled job on the same input whatever the number of replicas or shards.
+Settings are :class:`~.distributed_config.DistributedSettings`. Before Ray or any engine starts,
+the input and an existing target cache are checked (:func:`check_target_early`; a problem is one
+JSON line on stderr). Each replica is a Ray actor (:class:`ShardWorker`) owning one engine;
+:class:`ray.util.ActorPool` hands out the shards; the steps and their contract are
+:mod:`.shards`' (the final cache equals a one-replica run's; a re-run resumes). ``--targets
+sampled`` writes sampled targets seeded by (seed, key) only. Scaling to many nodes:
+docs/SCALING.md.
 """
 
 from __future__ import annotations
@@ -101,12 +91,8 @@ class RunReport:
 
 
 class ShardWorker:
-    """One teacher replica: builds its engine once, then checks and scores shards.
-
-    Wrapped with ``ray.remote`` by :class:`Replicas`; methods are ``async`` so the engine's
-    coroutines run on the actor's event loop. Storage options travel with each call, so one
-    replica can serve runs against different stores.
-    """
+    """One teacher replica (a Ray actor, :class:`Replicas`): builds its engine once, then checks
+    and scores shards on the actor's event loop."""
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
@@ -118,8 +104,7 @@ class ShardWorker:
         return (await self._ready()).info
 
     async def _ready(self) -> TeacherEngine:
-        """The engine, built on first use: a replica Ray restarted after a crash rebuilds it
-        inside the retried call."""
+        """The engine, built on first use (also by a replica Ray restarted)."""
         if self.engine is None:
             from ..engine import build_engine
 
@@ -169,13 +154,7 @@ class ShardWorker:
 
 
 def init_local_ray(num_cpus: int, num_gpus: int | None = None) -> None:
-    """Start an in-process single-node Ray cluster that listens on 127.0.0.1 only.
-
-    Ray binds a machine's outward address by default, even with ``_node_ip_address``; with
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when Ray is imported, and by its subprocesses)
-    it treats the node as a local-only one, as on macOS, and every server binds 127.0.0.1. Checked
-    after start: :class:`DistributedError` if any node reports another address.
-    """
+    """Start an in-process single-node Ray cluster bound to 127.0.0.1 only (checked)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     already = "ray._private.ray_constants" in sys.modules
@@ -194,8 +173,7 @@ def init_local_ray(num_cpus: int, num_gpus: int | None = None) -> None:
             )
             break
         except Exception as e:  # Ray raises a bare Exception for this timeout
-            # Ray waits a fixed 30 s for its raylet to register; an overloaded machine can miss
-            # that. Anything else, or the last attempt, is raised as is.
+            # Ray waits a fixed 30 s for its raylet, which an overloaded machine can miss
             if "timed out during startup" not in str(e) or attempt == START_ATTEMPTS:
                 raise
             log.warning("Ray start-up timed out (attempt %d); retrying", attempt)
@@ -235,13 +213,9 @@ def read_input(
 
 
 class Replicas:
-    """``count`` started teacher replicas (Ray actors with their engines loaded).
-
-    Reusable across runs (a large teacher loads once and scores many datasets); a context
-    manager whose exit stops the engines and kills the actors. Resources per actor come from
-    ``plan``; ``gpus_per_replica=None`` reserves ``tensor x pipeline`` GPUs when the cluster has
-    GPUs, none otherwise.
-    """
+    """``count`` started teacher replicas (Ray actors with their engines loaded), reusable
+    across runs; exiting the context stops them. ``plan.gpus_per_replica=None`` reserves
+    ``tensor x pipeline`` GPUs when the cluster has GPUs."""
 
     def __init__(
         self,
@@ -320,20 +294,12 @@ def run_distributed(
     progress: bool = False,
     targets: SampledTargets | str | None = None,
 ) -> RunReport:
-    """Score ``raws`` into the cache at ``cache_url`` with ``plan.replicas`` teacher replicas.
-
-    Needs a connected Ray cluster (``ray.init`` or :func:`init_local_ray`). ``replicas``: started
-    replicas to use (the first ``plan.replicas`` of them; they stay up); without it, replicas are
-    started for this run (``worker_cls``: a :class:`ShardWorker` subclass) and stopped after.
-    ``settings.storage_options`` apply to the cache and its staging. Raises
-    :class:`InvalidInputError` for a bad input and ``ManifestMismatchError`` for an existing
-    cache of another teacher, in both cases before anything is written. ``progress``: tqdm bars
-    on stderr while the shards are checked and scored. ``targets``: ``None`` for top-``k`` rows
-    (``k`` = the engines' ``max_k``), a :class:`~.engine.SampledTargets` for sampled targets, or
-    ``"sampled"`` for an existing sampled cache's own parameters (else the job defaults); bad
-    parameters, or another kind than an existing cache's, are refused before anything is
-    written.
-    """
+    """Score ``raws`` into the cache at ``cache_url`` with ``plan.replicas`` teacher replicas
+    on a connected Ray cluster. ``replicas``: started ones to use (else started and stopped
+    here, of ``worker_cls``). ``targets``: ``None`` for top-``max_k`` rows, a
+    :class:`~.engine.SampledTargets`, or ``"sampled"`` (an existing cache's parameters, else the
+    defaults). A bad input, target or cache of another teacher is refused before anything is
+    written; ``progress``: tqdm bars on stderr."""
     from ray.util import ActorPool
 
     say = on_event or log.info
@@ -431,8 +397,7 @@ def _bar(enabled: bool, what: str, shards_total: int) -> Any:
 
 
 def _gather(results: Any, bar: Any = None) -> list[Any]:
-    """Drain an ActorPool result iterator, re-raising a worker's own (typed) exception; each
-    result advances ``bar`` (a tqdm bar: shards, and sequences/tokens scored as its postfix)."""
+    """Drain an ActorPool result iterator (re-raising a worker's own exceptions), advancing bar."""
     out: list[Any] = []
     seqs = tokens = 0
     try:
@@ -475,8 +440,7 @@ def _fail(code: str, message: str, detail: Any = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints the :class:`RunReport` as JSON. Exit 2 on bad input or settings,
-    1 on a cluster failure; errors are one JSON line on stderr, before any engine loads when the
-    input, the model or the target cache is wrong."""
+    1 on a cluster failure (one JSON line on stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         args = load_distributed_settings(sys.argv[1:] if argv is None else argv)

@@ -55,9 +55,8 @@ def check_asked(targets: SampledTargets | str | None) -> None:
 def chosen_targets(
     targets: SampledTargets | str | None, stored: Manifest | None, info: EngineInfo
 ) -> SampledTargets | None:
-    """The run's sampled-target parameters (``None``: top-k): ``"sampled"`` takes an existing
-    sampled cache's own (``stored``), else the job defaults (:func:`.targets.resolve`); checked
-    against the teacher's vocabulary (:class:`InvalidInputError`)."""
+    """The run's checked sampled-target parameters (``None``: top-k; ``"sampled"``: an existing
+    cache's, else the job defaults)."""
     check_asked(targets)
     return checked(resolve(targets, stored), info.vocab_size)
 
@@ -67,10 +66,8 @@ _SAMPLING_FIELDS = ("draws", "proposal_temperature", "sampling_seed", "head")
 
 
 class DistributedSettings(ServerSettings):
-    """``logitcache-distributed``'s settings: every :class:`ServerSettings` field (the replicas'
-    engines are built from them: ``--model``, ``-k``, ``--backend``, ``--tensor-parallel-size``,
-    ``--storage-options``, ...) plus the run's own below; read exactly like the server's (command
-    line > ``LOGITCACHE_*`` environment > ``.env`` > defaults; no abbreviated flags)."""
+    """``logitcache-distributed``'s settings: every :class:`ServerSettings` field plus the run's
+    own below, read exactly like the server's."""
 
     model_config = SettingsConfigDict(
         **{**ServerSettings.model_config, "cli_prog_name": "logitcache-distributed"}
@@ -172,15 +169,9 @@ class TargetMismatchError(ServiceError, status=409, code="conflict"):
 def check_target_early(
     settings: ServerSettings, cache_url: str, targets: SampledTargets | str | None = None
 ) -> None:
-    """Fail before any engine loads when the cache at ``cache_url`` exists with another teacher
-    identity, k, target kind or sampling parameters than this run would write (``targets`` as
-    for :func:`.distributed.run_distributed`): :class:`TargetMismatchError` naming each field.
-    Sampling parameters out of range are an :class:`InvalidInputError` (exit 2) here too.
-
-    The run's identity is :func:`~.engine.config.planned_info` (the model's files and tokenizer
-    only); a cache that does not exist yet passes. The full check (:func:`.shards.check_target`,
-    against the loaded engines) still runs before anything is written.
-    """
+    """Fail before any engine loads when the cache at ``cache_url`` exists with another teacher,
+    k, target kind or sampling parameters (:class:`TargetMismatchError`), from the model's files
+    only (:func:`~.engine.config.planned_info`); the full check still runs before any write."""
     from ..engine.config import engine_config, planned_info
 
     check_asked(targets)

@@ -165,9 +165,7 @@ class JobStore:
         tokens_total: int,
         layout: str | None = None,
     ) -> JobRecord:
-        """Insert a queued job and return it. The spec (with any inline records: the job's only
-        copy of its input) is stored once, zlib-compressed; file inputs are stored by path.
-        ``layout``: the preset the job asked for its cache (a column, so listing shows it)."""
+        """Insert a queued job and return it (its spec stored once, zlib-compressed)."""
         job_id = uuid.uuid4().hex
         spec_z = zlib.compress(json.dumps(spec, separators=(",", ":")).encode("utf-8"), 6)
         self._exec(
@@ -293,10 +291,8 @@ class JobStore:
             )
 
     def request_cancel(self, job_id: str) -> JobRecord:
-        """Cancel: a queued job is cancelled at once; a running one is flagged for the runner.
-
-        Terminal jobs are left as they are (cancelling them is a no-op).
-        """
+        """Cancel: a queued job at once; a running one is flagged for the runner; terminal jobs
+        stay as they are."""
         self.get(job_id)
         live = (JobState.queued.value, JobState.running.value)
         self._exec(

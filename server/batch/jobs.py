@@ -1,23 +1,14 @@
 """Background batch jobs: score an input into a named cache, restart-safe, without blocking HTTP.
 
-Submission (:meth:`JobRunner.submit`) checks everything before a job exists: cache name, k, the
-cache's teacher identity (409), and every input record (ids, lengths, duplicate ids; 422 listing
-the problems). A rejected job writes nothing and leaves no row.
+Submission (:meth:`JobRunner.submit`) checks everything before a job exists (cache name, k,
+teacher identity, every input record); a rejected job writes nothing and leaves no row.
+Running (one job at a time, a loaded teacher's first) is :func:`.pipeline.run` over the checked
+sequences (kept in memory up to ``job_keep_input_tokens``, else read again and checked against
+the input's digest); progress advances after each commit.
 
-Running (one job at a time, oldest first; a loaded teacher's jobs first) is the batch pipeline
-(:func:`.pipeline.run`) over the sequences the submission checked, kept in memory up to
-``job_keep_input_tokens`` (else the input is read and checked again, and must not have
-changed): up to ``job_inflight_batches`` batches in the engine (one while on-demand requests
-are scored, so they wait behind fewer job tokens), a writer thread (queue ``job_write_queue``)
-committing the scored batches and only then advancing the job's progress counters.
-
-Resume: a job left ``running`` by a stopped or killed server is queued again at start-up; the same
-batches are formed again, a batch whose keys are all committed is skipped, any other batch is
-scored whole (keys already present are skipped by the writer). The cache's keys, not the job
-table, decide what is skipped, so nothing is lost or duplicated.
-
-Cancel (``DELETE``): a queued job is cancelled at once; a running job stops handing batches to the
-engine, writes what it has already scored, and ends ``cancelled``. Committed data stays.
+Resume: a job left ``running`` is queued again at start-up; the same batches are formed and a
+batch whose keys are all committed is skipped. Cancel: a queued job at once; a running one
+stops handing batches to the engine, writes what it has scored, and ends ``cancelled``.
 """
 
 from __future__ import annotations
@@ -56,11 +47,9 @@ log = logging.getLogger("logitcache.server.jobs")
 
 
 def numpy_hugepages_off() -> bool:
-    """Stop numpy asking for transparent huge pages (``madvise(MADV_HUGEPAGE)`` on arrays of
-    4 MiB or more) in this process unless ``NUMPY_MADVISE_HUGEPAGE`` is set; returns whether
-    numpy asked for them before. A job's fresh per-append arrays are written and read once,
-    sequentially: huge pages only add compaction stalls and whole-page zeroing to them
-    (benchmarks/results/service.md)."""
+    """Stop numpy asking for transparent huge pages in this process unless
+    ``NUMPY_MADVISE_HUGEPAGE`` is set (a job's arrays are written and read once); returns whether
+    numpy asked for them before."""
     import os
 
     import numpy as np
@@ -134,10 +123,8 @@ class JobRunner:
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Warm the writer's compiled encode pass (a job's first append would otherwise compile
-        or load it: 0.6-3.8 s of a 2-core box, inside the first job's time) and the input
-        reader's (:mod:`.jsonids`), queue jobs
-        interrupted by the last shutdown or crash, then start the loop."""
+        """Warm the writer's compiled encode pass and the JSONL reader, queue jobs interrupted by
+        the last shutdown, start the loop."""
         await asyncio.to_thread(fastencode.ready)
         fast = await asyncio.to_thread(jsonids.ready)  # its JSONL reading, compiled or loaded
         log.info("JSONL input ids: %s", "msgspec + numba" if fast else "json (no msgspec/numba)")
@@ -198,9 +185,8 @@ class JobRunner:
     def _scan(
         self, scoring: ScoringService, req: JobCreate, keep: list[inputs.Sequence]
     ) -> tuple[inputs.InputSummary, str]:
-        """The input's summary and digest, from one reading of a JSONL file
-        (:class:`~.records.InputDigest`); its checked sequences go to ``keep`` when they fit in
-        what ``settings.job_keep_input_tokens`` leaves (else ``keep`` stays empty)."""
+        """The input's summary and digest from one reading; its checked sequences go to ``keep``
+        when they fit in what ``job_keep_input_tokens`` leaves."""
         file, records, data_dir = req.file, req.records, self.settings.data_dir
         if file is not None:  # a bad path is its own error, before any record is read
             inputs.resolve_input_path(data_dir, file.path)
@@ -221,10 +207,8 @@ class JobRunner:
     def _manifest(
         self, scoring: ScoringService, cache: str, spec: JobCreate, k: int | None
     ) -> Manifest:
-        """The manifest the job writes ``cache`` with (:meth:`ScoringService.target_manifest`
-        for its target kind and ``k``, checked once here). With ``loss_mask`` a new cache is
-        created with the ``loss_mask`` array (FORMAT.md 4.6); an existing cache without one is
-        a 409 (its rows could not hold the mask; nothing is written)."""
+        """The manifest the job writes ``cache`` with; with ``loss_mask`` a new cache gets the array
+        and an existing cache without one is a 409."""
         asked = targets.of_request(spec)
         k = scoring.check_k(k) if asked is None else None
         manifest = scoring.target_manifest(cache, k, spec.dataset or "", asked)
@@ -300,11 +284,8 @@ class JobRunner:
         )
 
     def _kind(self, job: JobRecord) -> tuple[str, SamplingOptions | None]:
-        """What ``job`` writes (``targets``, and a sampled job's parameters): as resolved at
-        submission; after a restart from the job's spec, a sampled spec naming no parameters
-        taking its cache's own (else the defaults, :func:`.targets.resolve`). Fixed for a job's
-        life, so worked out once per job and process (a listed row carries no spec: it is read
-        on its own that once)."""
+        """What ``job`` writes (``targets`` and sampled parameters): as resolved at submission, else
+        from its spec (a sampled spec without parameters takes its cache's or the defaults)."""
         got = self._kinds.get(job.id)
         if got is not None:
             return got
@@ -475,9 +456,7 @@ class JobRunner:
         scoring: ScoringService,
         kept: list[inputs.Sequence] | None = None,
     ) -> None:
-        """The job's batches through :func:`.pipeline.run`: appended to ``handle`` in order,
-        progress advanced after each commit; only one batch in the engine while on-demand
-        requests are scored (they go first)."""
+        """The job's batches through :func:`.pipeline.run` (depth 1 while on-demand work runs)."""
         progress = Progress(job, handle, self.store, self.metrics, stats)
         depth = self.settings.job_inflight_batches
         sampled = targets.targets_of(handle.manifest)  # None: top-k rows

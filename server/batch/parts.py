@@ -1,15 +1,10 @@
 """A scored batch as the cache writer takes it: :class:`~logitcache.cache_format.SequenceBatch`
 parts built from the engine's arrays, no record per sequence.
 
-An engine returns one :class:`~..engine.TeacherScores` per prompt; the transformers backend's are
-consecutive row ranges of one ``[positions, k]`` array per decoder batch (``engine/hf.py``).
-:func:`to_batches` finds such runs (views of one buffer, each starting where the one before
-ends) and makes each run one part whose top-k rows are a view of that buffer, so the rows reach
-the writer's encode pass without being split per sequence and joined again
-(:meth:`~logitcache.cache_format.CacheWriter.append` of a list of parts encodes each into its
-rows of the append). Rows that lie in one buffer per sequence (vLLM's outputs) are a part per
-sequence when it has :data:`PART_ROWS` rows or more, and are joined into one part with their
-short neighbours otherwise (the copy the writer's join of records made before).
+:func:`to_batches` finds runs of sequences whose rows are consecutive ranges of one buffer (the
+transformers backend's) and makes each run one part, a view of that buffer; a sequence in a
+buffer of its own (vLLM's) is a part of its own from :data:`PART_ROWS` rows on, else joined
+with its short neighbours.
 """
 
 from __future__ import annotations
@@ -113,9 +108,8 @@ def _part(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores], view: bool) ->
 
 
 def spans(scores: Seq[TeacherScores]) -> list[tuple[int, int, bool]]:
-    """``(a, b, view)`` per part of ``scores`` (in order): a run of :func:`runs` of several
-    sequences, or of one with :data:`PART_ROWS` rows or more, is a view; consecutive runs of one
-    shorter sequence each are joined (``view`` false, unless the part is one sequence)."""
+    """``(a, b, view)`` per part of ``scores``: runs of several sequences, or of one with
+    :data:`PART_ROWS` rows or more, are views; shorter single-sequence runs are joined."""
     out: list[tuple[int, int, bool]] = []
     for a, b in runs(scores):
         short = b - a == 1 and scores[a].num_rows < PART_ROWS
@@ -127,10 +121,8 @@ def spans(scores: Seq[TeacherScores]) -> list[tuple[int, int, bool]]:
 
 
 def to_batches(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores]) -> list[SequenceBatch]:
-    """Checked sequences and the engine's ``TeacherScores`` (same order) as the parts of one
-    append, in order (:func:`spans`: views of the engine's buffers, short sequences of separate
-    buffers joined). A tail mass the engine did not compute is left to the writer (computed
-    next to its encode pass, the same bits)."""
+    """Checked sequences and the engine's ``TeacherScores`` as the parts of one append (views of
+    the engine's buffers where :func:`spans` allows)."""
     if len(scores) != len(seqs):
         raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
     return [_part(seqs[a:b], scores[a:b], view) for a, b, view in spans(scores)]

@@ -1,34 +1,17 @@
 """The one batch pipeline: checked sequences -> batches -> engine scores -> rows -> append.
 
-Used by every path that writes scored rows to a cache:
+Jobs (:mod:`.jobs`) and Ray shards (:mod:`.shards`) run all of it; an on-demand request's
+misses are scored by step 2 alone (:mod:`~logitcache.server.serving.cache_hits`).
 
-* jobs (:mod:`.jobs`): a whole input, ``job_inflight_batches`` batches in the engine at once
-  (one while on-demand requests are scored), progress advanced after each commit;
-* on-demand scoring with a cache (:mod:`~logitcache.server.serving.cache_hits`): the misses of
-  one request are one batch (:func:`one_batch`), scored under the admission budget, then
-  appended with those of concurrent requests (one commit per group:
-  :mod:`~logitcache.server.serving.appends`) and answered as stored;
-* the Ray shards (:mod:`.shards`): a shard's sequences into its staging cache.
-
-Contract of :func:`run` (jobs and shards; an on-demand batch is scored by step 2 alone):
-
-1. :func:`plan` cuts the sequences into consecutive batches (:func:`.records.batches`: a pure
-   function of the sequences and the batch limits, so a restarted run forms the same batches)
-   and marks a batch ``todo`` when its cache still lacks any of its keys.
-2. :func:`engine_batches` scores one batch: one engine call at ``k`` (:func:`call_engine`,
-   rows aligned as in DESIGN.md), then :func:`.parts.to_batches` makes its rows
-   :class:`~logitcache.cache_format.SequenceBatch` parts, views of the engine's arrays (an
-   on-demand batch is paired per sequence instead, :func:`engine_records`: the records answer
-   the request).
-3. :func:`run` keeps up to ``depth()`` batches in the engine, and hands the finished batches,
-   in input order, to ``write`` in one writer thread: the batches waiting for it as one group
-   of ``(batch, rows)`` items (``rows``: the batch's parts, or ``None`` for a batch that was
-   not ``todo``), appended in one commit (:class:`Appended`) before progress is reported. A batch is
-   therefore committed before any later batch, and the engine is never idle while results are
-   converted and written.
-
-Stopping: :func:`run` raises :class:`Stopped` when ``stop()`` turns true between batches; the
-batches already scored are written first, the ones still in the engine are cancelled.
+1. :func:`plan` cuts the sequences into consecutive batches (the same ones on a restart) and
+   marks a batch ``todo`` when its cache still lacks any of its keys.
+2. :func:`engine_batches` makes one engine call per batch and its rows
+   :class:`~logitcache.cache_format.SequenceBatch` parts (:func:`engine_records`: records, to
+   answer a request).
+3. :func:`run` keeps up to ``depth()`` batches in the engine and hands finished ones, in input
+   order, to ``write`` in one writer thread, which appends the waiting ones in one commit
+   (:class:`Appended`) before progress is reported. :class:`Stopped` when ``stop()`` turns true:
+   scored batches are written first, the ones in the engine cancelled.
 """
 
 from __future__ import annotations
@@ -77,9 +60,8 @@ class Missing(Protocol):
     def __call__(self, keys: Seq[str]) -> Seq[str]: ...
 
 
-#: Scores one batch's sequences (engine call + conversion); returns what a cache's writer
-#: appends for them: :class:`~logitcache.cache_format.SequenceBatch` parts (top-k rows) or one
-#: record per sequence (records to answer a request, hidden-state records).
+#: Scores one batch's sequences: :class:`~logitcache.cache_format.SequenceBatch` parts or one
+#: record per sequence.
 ScoreFn = Callable[[list[inputs.Sequence]], Awaitable[list[Any]]]
 #: Writes a group of batches in one append (one commit), in order: ``(batch, rows)`` items,
 #: ``rows`` ``None`` for a batch that was not scored.
@@ -104,8 +86,7 @@ def plan(
 
 
 def to_records(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores]) -> list[SequenceRecord]:
-    """Pair checked sequences with the engine's ``TeacherScores`` (same order), each with its
-    tail mass (the records answer a request)."""
+    """Pair checked sequences with the engine's ``TeacherScores`` (same order)."""
     if len(scores) != len(seqs):
         raise RuntimeError(f"engine returned {len(scores)} results for {len(seqs)} sequences")
     return [
@@ -124,9 +105,8 @@ def to_records(seqs: Seq[inputs.Sequence], scores: Seq[TeacherScores]) -> list[S
 
 
 def for_store(records: Seq[Any], manifest: Manifest) -> list[Any]:
-    """``records`` (or :class:`~logitcache.cache_format.SequenceBatch` parts) as a cache with
-    ``manifest`` keeps them: copies without the actual-token logprob (FORMAT.md 4.12) when the
-    cache has no such array (a cache made without it), the records themselves otherwise."""
+    """``records`` (or parts) as a cache with ``manifest`` keeps them: copies without the
+    actual-token logprob when the cache has no such array."""
     if manifest.actual_logprob:
         return list(records)
     out = []
@@ -163,8 +143,7 @@ async def timed(
     metrics: TeacherMetrics | None,
     source: str,
 ) -> T:
-    """``call`` (an engine call on ``seqs``) awaited, its time recorded under ``source`` with
-    ``metrics``."""
+    """``call`` (an engine call on ``seqs``) awaited, its time recorded under ``source``."""
     t0 = time.perf_counter()
     out = await call
     if metrics is not None:
@@ -187,12 +166,8 @@ async def engine_records(
     targets: SampledTargets | None = None,
     temperature: float | None = None,
 ) -> list[SequenceRecord]:
-    """One engine call at ``k`` for ``seqs`` and its records (converted in a worker thread, off
-    the event loop). The engine range-checks ``k`` and the ids (nothing computed for bad input).
-    With ``metrics``, the engine call's time is recorded under ``source``. With ``targets``,
-    sampled rows instead (:func:`call_engine`: seeded by each sequence's key). ``temperature``:
-    the engine's ``T`` for these rows (``None``: its own).
-    """
+    """One engine call (:func:`call_engine`) for ``seqs`` and its records, converted in a
+    worker thread; its time recorded under ``source``."""
     scores = await timed(call_engine(engine, seqs, k, targets, temperature), seqs, metrics, source)
     return await asyncio.to_thread(to_records, seqs, scores)
 
@@ -206,10 +181,8 @@ async def engine_batches(
     source: str = "job",
     targets: SampledTargets | None = None,
 ) -> list[SequenceBatch]:
-    """:func:`engine_records`' engine call for rows that only go to a cache's writer: the
-    :class:`~logitcache.cache_format.SequenceBatch` parts of :func:`.parts.to_batches` (views
-    of the engine's arrays, made in a worker thread; a tail mass not computed yet is the
-    writer's)."""
+    """:func:`engine_records` for rows that only go to a cache's writer: views of the engine's
+    arrays as :class:`~logitcache.cache_format.SequenceBatch` parts."""
     scores = await timed(call_engine(engine, seqs, k, targets), seqs, metrics, source)
     return await asyncio.to_thread(to_batches, seqs, scores)
 
@@ -221,9 +194,8 @@ async def hidden_records(
     metrics: TeacherMetrics | None = None,
     source: str = "job",
 ) -> list[Any]:
-    """The :class:`~logitcache.cache_format.HiddenRecord` of ``seqs`` (FORMAT.md 4.10): one
-    ``score_hidden`` call (the engine checks the ids; a backend without hidden-state capture
-    raises its :class:`EngineInputError`), its time recorded under ``source``."""
+    """The :class:`~logitcache.cache_format.HiddenRecord` of ``seqs``: one ``score_hidden``
+    call, its time recorded under ``source``."""
     from logitcache.cache_format import HiddenRecord
 
     call = getattr(engine, "score_hidden", None)
@@ -235,26 +207,18 @@ async def hidden_records(
     ]
 
 
-#: Rows (positions) of scored batches that a cache's writer thread (a job's, a Ray shard's) may
-#: append in one commit (:class:`_Writer`): at most MERGE_ROWS, and at most MERGE_VALUES top-k
-#: entries (``rows * k``: a group and one more batch of 16K rows fit the encode's kept outputs,
-#: ``fastencode.KEEP_VALUES``). Every append rewrites each partly filled shard object whole
-#: (FORMAT.md W3), so large groups keep a long job's CPU per position low
-#: (benchmarks/results/service.md).
+#: Most rows, and top-k values (``rows * k``), one writer-thread append commits: every append
+#: rewrites partly filled shards whole, so large groups keep a job's CPU per position low.
 MERGE_ROWS = 131072
 MERGE_VALUES = 13 << 20
-#: Seconds the writer thread waits, after taking a scored batch, for more to reach MERGE_ROWS
-#: rows (the end of the input ends the wait at once): an append costs ~20 ms of CPU whatever
-#: its size, while progress still moves (and a crash loses at most) every 0.1 s.
+#: Seconds the writer thread waits after a scored batch for more (an append costs ~20 ms of CPU
+#: whatever its size).
 WRITE_LINGER_S = 0.1
 
 
 class Appended:
-    """A writer-thread step: the scored rows (:class:`~logitcache.cache_format.SequenceBatch`
-    parts or records) of a group of ``(batch, rows)`` items appended with ``append`` in one
-    commit, as a cache of ``manifest`` keeps them (:func:`for_store`); counts the batches
-    written (``sequences``, ``tokens``) and, of those, the ones scored (``scored_sequences``,
-    ``scored_tokens``)."""
+    """A writer-thread step: a group's scored rows appended in one commit (:func:`for_store`);
+    counts the sequences and tokens written and, of those, scored."""
 
     def __init__(self, append: Callable[[list[Any]], Any], manifest: Manifest):
         self.append = append
@@ -262,8 +226,7 @@ class Appended:
         self.sequences = self.tokens = self.scored_sequences = self.scored_tokens = 0
 
     def __call__(self, items: list[tuple[Batch, list[Any] | None]]) -> list[Any]:
-        """Append ``items``' rows; returns them as appended (:func:`for_store`: with the tail
-        mass the writer computed)."""
+        """Append ``items``' rows; returns them as appended."""
         scored = [r for _, rows in items if rows is not None for r in rows]
         if scored:
             scored = for_store(scored, self.manifest)
@@ -278,8 +241,7 @@ class Appended:
 
 
 def merge_rows(manifest: Any) -> int:
-    """The :data:`MERGE_ROWS` / :data:`MERGE_VALUES` bound of one append's rows for a cache of
-    ``manifest``: values per row are ``k``, or a hidden cache's ``d`` (FORMAT.md 4.10)."""
+    """The most rows of one append to a cache of ``manifest``."""
     width = int(manifest.hidden["dim"]) if manifest.hidden is not None else int(manifest.k)
     return min(MERGE_ROWS, MERGE_VALUES // max(width, 1))
 
@@ -289,16 +251,10 @@ def _rows(item: tuple[Batch, list[Any] | None]) -> int:
 
 
 class _Writer:
-    """The writer thread: ``write(group)`` off the loop, in order, where a group is an item and
-    the items already waiting when it is taken, up to ``merge_rows`` rows: one append and one
-    commit for the group (its fixed costs, array metadata, fsyncs, the commit, rewriting partly
-    filled shards, paid once per group). With
-    ``linger`` (seconds) the writer waits that long after a group's first item for more, until
-    the group holds ``merge_rows`` rows or the input ends; with ``fill`` (seconds), up to
-    ``fill`` instead when the arrival rate (rows per second over the last batches; for the
-    first batch, its rows over the time since the writer started) brings the group to half of
-    ``merge_rows`` within that time (a fast engine: its first batch is not an append of its
-    own), so a slow one still commits every ``linger`` seconds."""
+    """The writer thread: ``write(group)`` in order, a group being an item and those waiting
+    behind it, up to ``merge_rows`` rows. After a group's first item it waits ``linger``
+    seconds for more, or ``fill`` when the arrival rate would bring the group to half of
+    ``merge_rows`` within that time."""
 
     def __init__(
         self,
@@ -342,9 +298,7 @@ class _Writer:
         self._last_put = now
 
     def _wait(self, rows: int) -> float:
-        """Seconds a group of ``rows`` rows waits for more after its first item: ``fill`` when
-        the arrival rate brings it to half of ``merge_rows`` within ``fill`` seconds, else
-        ``linger``."""
+        """Seconds a group of ``rows`` rows waits for more (class doc)."""
         lacking = max(self._merge_rows // 2 - rows, 0)
         if self._fill and self._rate and lacking / self._rate <= self._fill:
             return self._fill
@@ -399,16 +353,10 @@ async def run(
     linger: float = 0.0,
     fill: float = 0.0,
 ) -> None:
-    """Score every ``todo`` batch of ``batches`` and ``write`` every batch, in order, in groups
-    bounded by ``merge_rows``, ``linger`` and ``fill`` (see :class:`_Writer`).
-
-    ``batches`` is drawn in a worker thread (forming a batch reads the input and asks the cache).
-    ``depth()`` (read after each batch is handed out) bounds the batches in the engine;
-    ``queue_size`` bounds the scored batches waiting for the writer thread. Raises
-    :class:`Stopped` when ``stop()`` is true before a batch is drawn, and re-raises the first
-    error of scoring or writing; either way every batch already handed to the writer is written
-    before this returns or raises.
-    """
+    """Score every ``todo`` batch of ``batches`` (drawn in a worker thread) and ``write`` every
+    batch in order (:class:`_Writer`). ``depth()`` bounds the batches in the engine,
+    ``queue_size`` those waiting for the writer. Raises :class:`Stopped` or the first error of
+    scoring or writing, after writing every batch already handed to the writer."""
     writer = _Writer(write, queue_size, name, merge_rows, linger, fill)
     inflight: deque[tuple[Batch, asyncio.Future[list[Any] | None]]] = deque()
 
@@ -446,13 +394,3 @@ async def run(
             with contextlib.suppress(BaseException):
                 await t
         await asyncio.to_thread(writer.join)
-
-
-async def one_batch(seqs: list[inputs.Sequence], *, score: ScoreFn) -> list[SequenceRecord]:
-    """The pipeline for one batch (an on-demand request's misses): the scored records of
-    ``seqs`` (input order). Storing them is the cache's group committer's
-    (:mod:`~logitcache.server.serving.appends`), which commits the misses of concurrent
-    requests together."""
-    if not seqs:
-        return []
-    return await score(seqs)

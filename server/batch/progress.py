@@ -36,9 +36,7 @@ class RunStats:
 
 
 class Progress:
-    """A job's writer-thread step: append a group of scored batches in one commit
-    (:class:`.pipeline.Appended`), then advance the committed progress (job table, metrics,
-    live coverage)."""
+    """A job's writer-thread step: one commit of a group of batches, then the job's progress."""
 
     def __init__(
         self,

@@ -1,30 +1,17 @@
 """Sharded batch scoring without a scheduler of its own: plan, check, score a shard, commit.
 
-This module is the engine-and-store half of :mod:`logitcache.server.batch.distributed`; it holds no
-Ray code, so a single process can run the same steps (that is the single-worker reference).
+The engine-and-store half of :mod:`logitcache.server.batch.distributed`, without Ray; the
+result does not depend on how many workers ran or in which order shards finished:
 
-Contract (the result does not depend on how many workers ran, or in which order shards finished):
-
-1. **Plan.** The input's raw records, in input order, are cut into shards of ``shard_size``
-   consecutive records (:func:`plan_shards`). The cut depends on the input and ``shard_size``
-   only, never on the number of workers.
-2. **Check** (before anything is written). Every shard is tokenised and checked
-   (:func:`scan_shard`); :func:`check_scans` merges the scans in shard order and raises one
-   :class:`~logitcache.server.errors.InvalidInputError` listing bad records or explicit ids used
-   twice (anywhere in the input). A content key (no explicit id) seen again later is dropped, the
-   first occurrence kept, exactly as :func:`logitcache.server.inputs.records.sequences` does in
-   one stream.
-3. **Score.** A worker scores one shard (:func:`score_shard`) into its own *staging* cache
-   ``<staging root>/shard-<index>``: the shard's sequences are cut into batches by
-   :func:`logitcache.server.batch.pipeline.plan` (job batch limits) and run through the batch
-   pipeline jobs use (:func:`logitcache.server.batch.pipeline.run`): each batch is one engine call,
-   and the writer thread commits the batches waiting for it together, as a job's does. Staging
-   caches keep float32 logprobs and tail mass (lossless), so the final quantisation happens
-   once, as in a direct write. Re-running a shard skips batches whose keys are all committed (a
-   crashed or retried worker resumes; nothing is scored twice).
-4. **Commit.** :func:`commit` appends the staging caches to the final cache in shard order,
-   each in its stored (input) order. Appends skip keys already present, so an interrupted commit
-   is resumed by running it again. Final order = input order minus dropped duplicates.
+1. **Plan**: the input's records are cut into shards of ``shard_size`` consecutive records.
+2. **Check** (before anything is written): every shard is checked (:func:`scan_shard`);
+   :func:`check_scans` merges the scans in shard order into one 422 listing the problems, and
+   drops repeated content keys as :func:`~logitcache.server.inputs.records.sequences` does.
+3. **Score**: a worker scores one shard (:func:`score_shard`) through the jobs' batch pipeline
+   into its own lossless staging cache ``<staging>/shard-<index>``; a re-run skips committed
+   batches.
+4. **Commit**: :func:`commit` appends the staging caches to the final cache in shard order
+   (keys already present skipped, so an interrupted commit resumes).
 """
 
 from __future__ import annotations
@@ -63,9 +50,8 @@ class Shard:
 
 @dataclass(frozen=True)
 class ShardScan:
-    """What checking one shard found: its keys (input order, in-shard duplicates dropped), which
-    of them are explicit ids, its token count, and the problems (empty when the shard is valid).
-    """
+    """What checking one shard found: its keys (input order), which are explicit ids, its token
+    count, and the problems."""
 
     index: int
     keys: tuple[str, ...]
@@ -140,13 +126,8 @@ def scan_shard(shard: Shard, tokenize: inputs.Tokenize, limits: inputs.Limits) -
 def check_scans(
     scans: Sequence[ShardScan], committed: frozenset[str] = frozenset()
 ) -> list[frozenset[str]]:
-    """Merge shard scans (any order given; merged by index) into the input's verdict.
-
-    Returns, per shard index, the keys to leave out: owned by an earlier shard, or already in
-    the final cache (``committed``: a re-run scores only what is missing). Raises
-    :class:`InvalidInputError` (``detail`` = the problems) for bad records, an explicit id used
-    twice, or an empty input.
-    """
+    """Merge shard scans by index into, per shard, the keys to leave out (an earlier shard's, or
+    ``committed``); :class:`InvalidInputError` listing the problems."""
     ordered = sorted(scans, key=lambda s: s.index)
     errors = [e for s in ordered for e in s.errors]
     owner: dict[str, int] = {}
@@ -195,12 +176,8 @@ async def score_shard(
     worker: str = "",
     write_fill_s: float = 0.0,
 ) -> ShardResult:
-    """Score ``task.shard`` with ``engine`` into its staging cache (``manifest``: staging's)
-    through the batch pipeline exactly as a job does (:func:`.pipeline.run`: up to
-    ``inflight_batches`` in the engine, grouped commits, ``write_fill_s`` the settings'
-    ``job_write_fill_s``). The rows are the kind ``manifest`` names, sampled draws seeded by
-    each sequence's key (so they do not depend on the shard or the worker). Batches whose keys
-    are all committed already are skipped (resume)."""
+    """Score ``task.shard`` with ``engine`` into its staging cache through the batch pipeline
+    as a job does (rows of the kind ``manifest`` names); committed batches are skipped."""
     t0 = time.perf_counter()
     seqs = [
         s
@@ -252,12 +229,8 @@ def stored_manifest(url: str, storage_options: dict[str, Any] | None) -> Manifes
 def check_target(
     url: str, manifest: Manifest, storage_options: dict[str, Any] | None
 ) -> frozenset[str]:
-    """The keys already committed to the cache at ``url`` (empty if there is none).
-
-    Raises ManifestMismatchError if that cache exists with another identity (teacher, ``k``,
-    target kind or sampling parameters) or keeps per-row entropy (FORMAT.md 4.9) where this run
-    does not, or the reverse.
-    """
+    """The keys already committed to the cache at ``url`` (empty if there is none);
+    ManifestMismatchError if it has another identity, kind or entropy setting."""
     try:
         reader = CacheReader(url, storage_options=storage_options)
     except (StoreNotFoundError, FileNotFoundError):
@@ -274,13 +247,9 @@ def commit(
     manifest: Manifest,
     storage_options: dict[str, Any] | None = None,
 ) -> int:
-    """Append every staged shard to the final cache at ``url`` in shard order; returns the number
-    of sequences newly committed (0 when re-run after a complete commit).
-
-    Each shard's sequences go in their staging order (= input order); keys already in the final
-    cache are skipped, so an interrupted commit is finished by running it again. A staging cache
-    missing one of its result's keys is an error (nothing of that shard is appended).
-    """
+    """Append every staged shard to the final cache at ``url`` in shard order (keys already
+    there skipped); returns the number newly committed. A staging cache missing one of its
+    result's keys is an error."""
     added = 0
     with CacheWriter.open(url, manifest, storage_options) as writer:
         for result in sorted(results, key=lambda r: r.index):
@@ -302,11 +271,7 @@ def commit(
 
 
 def remove_staging(root: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete the staging root (all shard caches) after a successful commit.
-
-    Goes through the format library's store opener, so every URL form and storage option that
-    works for caches works here (local directory, ``s3://`` via obstore, fsspec URLs).
-    """
+    """Delete the staging root (all shard caches) through the format's store opener."""
     from logitcache.cache_format.store import open_store
     from zarr.core.sync import sync
 

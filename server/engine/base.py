@@ -134,9 +134,8 @@ class BaseEngine:
         targets: SampledTargets,
         temperature: float | None = None,
     ) -> list[TeacherScores]:
-        """Sampled rows of every prompt, drawn from ``log_softmax(z / temperature)``
-        (``None``: ``info.temperature``), in order (the contract of :mod:`.protocol`); all
-        checks (closed, parameters, temperature, keys, prompts) run before any work."""
+        """Sampled rows of every prompt in order (module :mod:`.protocol`); every check before any
+        work."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         targets = check_sampled(targets, self.info.vocab_size)
@@ -159,10 +158,8 @@ class BaseEngine:
         ids: list[list[int]],
         temperature: float | None = None,
     ) -> list[np.ndarray]:
-        """The teacher's exact logprobs at caller-chosen token ids: per prompt ``i`` a float32
-        ``[L_i - 1, len(ids[i])]`` array, row ``j`` holding ``log_softmax(z_j / T)`` at
-        ``ids[i]`` in the given order (``T``: ``temperature``, ``None``: ``info.temperature``);
-        every check runs before any work."""
+        """The exact logprobs at chosen ids: per prompt a float32 ``[L_i - 1, len(ids[i])]`` array;
+        every check before any work."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         t = check_temperature(temperature, self.info.temperature)
@@ -196,9 +193,8 @@ class BaseEngine:
         return scores, at_ids
 
     async def score_hidden(self, prompts: list[list[int]]) -> list[np.ndarray]:
-        """The teacher's final hidden states (its final norm's output, the head's input) of
-        every prompt: float32 ``[L_i - 1, d]`` per prompt, row ``j`` the state whose head output
-        predicts token ``j + 1`` (FORMAT.md 4.10); every check runs before any work."""
+        """The teacher's final hidden states (the head's input), float32 ``[L_i - 1, d]`` per
+        prompt; every check before any work."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         checked = check_prompts(prompts, self.info, self.array_prompts)

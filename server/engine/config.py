@@ -72,9 +72,8 @@ class VllmOptions:
 
 @dataclass(frozen=True)
 class HfOptions:
-    """The transformers backend's options: ``chunk_rows`` (positions per lm-head chunk),
-    ``batch_tokens`` (padded tokens per forward), ``device`` (default ``cuda`` if available);
-    every other key goes to ``AutoModelForCausalLM.from_pretrained`` (``model_kwargs``)."""
+    """The transformers backend's options (``chunk_rows``, ``batch_tokens``, ``device``); every
+    other key goes to ``from_pretrained``."""
 
     OWN = ("chunk_rows", "batch_tokens", "device")
 
@@ -101,14 +100,8 @@ class HfOptions:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Backend-independent engine options (what :func:`engine_config` reads from settings).
-
-    ``max_k``: the largest ``k`` a request may ask for (vLLM ``max_logprobs``).
-    ``max_seq_len``: the longest prompt accepted (``None``: the model's own limit; vLLM needs
-    room for one generated token, see :mod:`.vllm`). ``memory_share`` is vLLM's
-    ``gpu_memory_utilization``; on CPU the KV cache is sized by ``VLLM_CPU_KVCACHE_SPACE``.
-    ``options``: backend options, parsed by :class:`VllmOptions` / :class:`HfOptions`.
-    """
+    """Backend-independent engine options (what :func:`engine_config` reads from settings;
+    ``options``: parsed by :class:`VllmOptions` / :class:`HfOptions`)."""
 
     model: str
     backend: Backend = "vllm"
@@ -173,11 +166,8 @@ def engine_info(
     backend: Backend,
     dtype: str,
 ) -> EngineInfo:
-    """The :class:`EngineInfo` of an engine built from ``cfg``, the same for every backend:
-    ``cfg.display_id``, :func:`.identity.local_revision`, ``max_k = min(cfg.max_k,
-    vocab_size)``, the tokenizer's fingerprint, ``cfg.temperature``, :data:`LOGPROB_MODE` and
-    :func:`.identity.weights_hash`; the backend supplies the vocabulary size, the accepted
-    prompt length and the dtype it resolved."""
+    """The :class:`EngineInfo` of an engine built from ``cfg``, the same for every backend; the
+    backend supplies the vocabulary size, prompt length and resolved dtype."""
     return EngineInfo(
         model_id=cfg.display_id,
         revision=local_revision(cfg.model, cfg.revision),
@@ -254,12 +244,8 @@ def config_vocab_size(config: Mapping[str, Any]) -> int:
 
 
 def planned_info(cfg: EngineConfig) -> EngineInfo:
-    """The :class:`EngineInfo` an engine built from ``cfg`` will report, from the model's files
-    and tokenizer only (no weights loaded, nothing on an accelerator): for checks that must fail
-    before an engine starts (the Ray CLI's target-cache check). Exact for the teacher identity and
-    ``max_k``, with one exception: both backends resolve ``dtype="auto"`` only when they load the
-    weights, so an ``"auto"`` here is unknown (callers do not compare it).
-    ``max_seq_len`` is ``cfg.max_seq_len`` as asked (the model may cap it)."""
+    """The :class:`EngineInfo` an engine built from ``cfg`` will report, from the model's files and
+    tokenizer only (``dtype="auto"`` stays unresolved), for checks before an engine starts."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)

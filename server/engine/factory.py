@@ -9,8 +9,7 @@ from .protocol import TeacherEngine
 
 
 def build_engine(settings: Any = None, **overrides: Any) -> TeacherEngine:
-    """Build the configured backend (vLLM's start-up blocks ~3 s on the tiny teacher). See
-    :func:`~.config.engine_config` for the accepted arguments."""
+    """Build the configured backend (arguments: :func:`~.config.engine_config`)."""
     cfg = engine_config(settings, **overrides)
     if cfg.backend == "vllm":
         from .vllm import VllmEngine

@@ -1,42 +1,15 @@
 """The plain-transformers teacher backend: a PyTorch forward with a chunked lm-head top-k.
 
-For a batch of prompts (right-padded, grouped by length under a token budget) the decoder's last
-hidden states ``h [B, T, d]`` are computed once; then, ``chunk_rows`` positions at a time,
-``z = h_chunk W^T (+ b)``, ``lp = log_softmax(z / T)`` and ``torch.topk(lp, k)``, with ``T`` the
-call's temperature (the engine's ``cfg.temperature`` when the call names none). Peak extra
-memory is ``chunk_rows x V`` floats, never the full ``[L, V]`` logits. Rows are aligned as in
-``protocol.py`` (position ``j``'s distribution predicts token ``j + 1``; the last position is not
-scored).
+Prompts are right-padded and grouped by length under a token budget; the decoder's last hidden
+states are computed once per batch, then ``chunk_rows`` positions at a time ``z = h W^T (+ b)``,
+``log_softmax(z / T)`` and ``torch.topk`` (peak extra memory ``chunk_rows x V`` floats). Sampled
+rows, entropy and the next token's logprob come from the same chunks. Models whose head does
+more than a linear map are refused.
 
-Sampled targets (:meth:`score_sampled`, protocol.py) take the same pass: per chunk
-``lp = log_softmax((h W^T + b) / T)`` feeds
-:func:`~logitcache.cache_format.sampling.sample_rows` with the chunk's rows of the prompt's
-uniforms (:func:`~logitcache.cache_format.sampling.uniforms` of ``(seed, key)``), so the draws
-equal those of one pass over the whole ``[L-1, V]`` block without ever building it; a ``head``
-(:class:`~.protocol.SampledTargets`) is the chunk's ``torch.topk`` plus the residual draws.
-
-Every torch call of the engine (forwards, lm-head passes, the head's export) runs on one
-dedicated thread of the engine (``logitcache-forward``), so the event loop stays free and
-forwards are serialised. One thread, not whichever worker thread is free: PyTorch's CPU kernels
-run under OpenMP, each OS thread that enters a parallel region gets its own team of OpenMP
-workers, and idle teams' workers spin after their regions; one thread keeps one team, and the
-direct and the served calls share it. The team is one thread smaller than the usable cores
-(:func:`intra_op_threads`), so the server's own threads have a core beside a forward.
-
-On a GPU the top-k of a decoder batch stays on the device and reaches the host by an asynchronous
-copy into pinned memory; the host converts one batch while the device runs the next, and a
-call's last batch is converted on another thread (``asyncio.to_thread``: a wait for the copy and
-NumPy, no torch kernels), so the next call's forward is already queued on the forward thread
-(benchmarks/results/service.md, mode ``gpu``).
-
-With ``EngineConfig.entropy`` every row also gets the entropy of its full distribution
-(:func:`~logitcache.cache_format.sampling.row_entropy` of the chunk's ``log_softmax``, FORMAT.md
-4.9), computed in the same chunk while its ``[chunk_rows, V]`` logits exist. Top-k rows also
-get each row's logprob of the prompt's next token (FORMAT.md 4.12), gathered from the same
-chunk's logits.
-
-Models whose head does more than a linear map (logit soft-capping or scaling in the config) are
-refused, since the chunked head would silently differ.
+Every torch call runs on one dedicated thread (``logitcache-forward``): one OpenMP team, one
+core fewer than the usable ones (:func:`intra_op_threads`), so the server's threads have a core.
+On a GPU a batch's top-k reaches the host by an asynchronous copy into pinned memory, converted
+while the device runs the next batch.
 """
 
 from __future__ import annotations
@@ -79,12 +52,7 @@ def _torch_dtype(name: str, config: Any) -> Any:
 
 
 class TransformersEngine(BaseEngine):
-    """:class:`~logitcache.server.engine.TeacherEngine` on ``transformers`` + PyTorch.
-
-    ``options`` (:class:`~.config.HfOptions`): ``chunk_rows`` (positions per lm-head chunk,
-    default 1024), ``batch_tokens`` (padded tokens per forward, default 8192), ``device``
-    (default ``cuda`` if available); other keys go to ``from_pretrained``.
-    """
+    """A :class:`~logitcache.server.engine.TeacherEngine` on ``transformers`` + PyTorch."""
 
     def __init__(self, cfg: EngineConfig):
         import torch
@@ -142,8 +110,7 @@ class TransformersEngine(BaseEngine):
         return await asyncio.get_running_loop().run_in_executor(self._torch, fn, *args)
 
     def _on_torch_sync(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` on the engine's forward thread, waited for (run in place when called
-        from that thread)."""
+        """``fn(*args)`` on the engine's forward thread, waited for."""
         if threading.current_thread().name.startswith("logitcache-forward"):
             return fn(*args)
         return self._torch.submit(fn, *args).result()
@@ -156,14 +123,8 @@ class TransformersEngine(BaseEngine):
     def _topk_rows(
         self, hidden: Any, k: int, temperature: float, targets: Any = None
     ) -> tuple[Any, Any, Any, Any, Any]:
-        """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk, on
-        the device and without a host sync: per chunk ``torch.topk`` of the logits, minus their
-        ``logsumexp`` (the same ids and values as a top-k of ``log_softmax``, one pass fewer),
-        and the rows' tail mass (:func:`_tail`). Returns ``(ids int32, logprobs float32, tail
-        float32, entropy, actual)``: with ``cfg.entropy`` each row's entropy (:func:`row_entropy`
-        of the chunk's full ``log_softmax``, the logits shifted in place), else ``None``; with
-        ``targets`` (the ``[n]`` next token of each row, on the device) each row's logprob at
-        it (FORMAT.md 4.12), else ``None``."""
+        """Top-k of ``log_softmax((h W^T + b) / T)`` for ``hidden [n, d]``, chunk by chunk on the
+        device: ``(ids, logprobs, tail, entropy or None, logprob at targets or None)``."""
         import torch
         from logitcache.cache_format.sampling import row_entropy
 
@@ -193,7 +154,7 @@ class TransformersEngine(BaseEngine):
     def _sampled_rows(
         self, hidden: Any, key: str, targets: SampledTargets, temperature: float
     ) -> TeacherScores:
-        """Sampled rows (FORMAT.md 4.4) of ``hidden [n, d]``, ``chunk_rows`` rows at a time."""
+        """Sampled rows of ``hidden [n, d]``, ``chunk_rows`` rows at a time."""
         from logitcache.cache_format.sampling import sample_from_hidden, uniforms
 
         u = uniforms(targets.seed, key, int(hidden.shape[0]), targets.draws)
@@ -242,9 +203,8 @@ class TransformersEngine(BaseEngine):
         return batches
 
     def _hidden(self, seqs: list[Any]) -> Any:
-        """The decoder's last hidden states ``[B, width, d]`` of right-padded ``seqs``. Inputs go
-        up through pinned memory without a host sync; a batch of equal lengths has no padding
-        mask (the causal mask alone, which needs no check of the mask's values on the host)."""
+        """The decoder's last hidden states ``[B, width, d]`` of right-padded ``seqs`` (a batch
+        of equal lengths without a padding mask)."""
         import torch
 
         width = max(len(s) for s in seqs)
@@ -263,12 +223,8 @@ class TransformersEngine(BaseEngine):
     def _score_sync(
         self, prompts: list[Any], k: int, temperature: float
     ) -> tuple[list[TeacherScores | None], _Pending | None]:
-        """Top-k rows of every prompt, on the forward thread. Each decoder batch's top-k stays
-        on the device and is copied to the host asynchronously; the host converts batch ``i``
-        while the device runs batch ``i + 1``. On a GPU the last batch is returned unconverted
-        (the caller converts it off this thread, so the next call's forward is queued behind it
-        and the device is not idle while rows are converted); on the CPU every batch is
-        converted here. Waits block the thread instead of spinning a core."""
+        """Top-k rows of every prompt, on the forward thread; batch ``i`` converted while the
+        device runs ``i + 1``, and on a GPU the last batch returned unconverted."""
         import torch
 
         out: list[TeacherScores | None] = [None] * len(prompts)
@@ -303,8 +259,7 @@ class TransformersEngine(BaseEngine):
     async def _generate(
         self, prompts: list[Any], k: int, temperature: float
     ) -> list[TeacherScores]:
-        """The forward on the forward thread; on a GPU the last batch's rows are converted on
-        another thread while the next call's forward runs."""
+        """The forward on the forward thread, the last batch converted on another."""
         out, last = await self._on_torch(self._score_sync, prompts, k, temperature)
         if last is not None:
             await asyncio.to_thread(last.collect, prompts, out)
@@ -333,8 +288,7 @@ class TransformersEngine(BaseEngine):
     async def _generate_with_ids(
         self, prompts: list[Any], k: int, ids: list[list[int]], temperature: float
     ) -> tuple[list[TeacherScores], list[Any]]:
-        """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch,
-        on the forward thread."""
+        """Top-k rows and the logprobs at the chosen ids from one decoder forward per batch."""
 
         def both(i: int, hidden: Any) -> tuple[TeacherScores, Any]:
             import torch
@@ -350,8 +304,7 @@ class TransformersEngine(BaseEngine):
         return [r for r, _ in out], [a for _, a in out]
 
     async def _generate_hidden(self, prompts: list[Any]) -> list[Any]:
-        """The decoder's last hidden states (after its final norm: the lm head's input) of
-        every prompt's first ``L - 1`` positions, float32 on the host, on the forward thread."""
+        """The lm head's input at every prompt's first ``L - 1`` positions (float32, host)."""
 
         def states(i: int, hidden: Any) -> Any:
             return hidden.float().cpu().numpy()
@@ -359,8 +312,7 @@ class TransformersEngine(BaseEngine):
         return await self._on_torch(self._forward_rows, prompts, states)
 
     def teacher_head(self) -> Any:
-        """The lm head as a :class:`~logitcache.cache_format.TeacherHead` (FORMAT.md 4.10), made
-        once (its digest hashes the whole weight), on the forward thread."""
+        """The lm head as a :class:`~logitcache.cache_format.TeacherHead`, made once."""
         from .hidden import head_of
 
         if getattr(self, "_teacher_head", None) is None:
@@ -389,12 +341,9 @@ def _joined(parts: list[Any] | None) -> Any:
 
 
 def intra_op_threads(default: int) -> int:
-    """The engine's intra-op (OpenMP) threads: ``default`` (torch's, which follows
-    ``OMP_NUM_THREADS``), at most the usable cores less one, at least 1. The core left over
-    runs the server's own threads (event loop, commits) beside a forward: with a thread per core,
-    OpenMP's workers wait for a descheduled peer at every parallel region's barrier, spinning,
-    and a forward of the tiny teacher cost 120-200 ms CPU instead of 12-17 ms on a loaded 2-core
-    host."""
+    """The engine's intra-op (OpenMP) threads: ``default``, at most the usable cores less one
+    (left to the server's own threads; OpenMP barriers spin when a peer is descheduled), at
+    least 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(default, (cores or 1) - 1))
 
@@ -406,10 +355,8 @@ def _is_dir(path: str) -> bool:
 
 
 def _tail(lp: Any) -> Any:
-    """``clip(1 - sum_k exp(lp), 0, 1)`` per row of sorted float32 logprobs ``lp [n, k]``, on
-    their device, as the format computes it
-    (:func:`~logitcache.cache_format.records.tail_from_logprobs`: with ``m`` the row's first
-    logprob, ``-expm1(m + log1p(sum_{j>0} exp(lp_j - m)))``, no cancellation)."""
+    """``clip(1 - sum_k exp(lp), 0, 1)`` per row of sorted logprobs ``lp [n, k]`` on their
+    device, as ``tail_from_logprobs`` computes it."""
     import torch
 
     m = lp[:, :1]
@@ -418,9 +365,8 @@ def _tail(lp: Any) -> Any:
 
 
 class _Pending:
-    """One decoder batch's top-k rows (tail mass, entropy or ``None``) on their way to the host:
-    pinned host tensors filled by an asynchronous copy, and the event that marks the copy done
-    (``None`` on the CPU)."""
+    """One decoder batch's rows on their way to the host: pinned tensors filled by an
+    asynchronous copy, and its done event (``None`` on the CPU)."""
 
     def __init__(
         self, members: list[int], ids: Any, lps: Any, tail: Any, ent: Any, act: Any, event: Any
@@ -448,8 +394,7 @@ class _Pending:
         return cls(members, h_ids, h_lps, h_tail, h_ent, h_act, event)
 
     def collect(self, prompts: list[Any], out: list[Any]) -> None:
-        """Wait for the copy, then put each member prompt's rows into ``out`` (a blocking
-        wait, NumPy views and slices: no torch kernel, so any thread may run it)."""
+        """Wait for the copy, then put each member prompt's rows into ``out`` (any thread)."""
         if self.event is not None:
             self.event.synchronize()
         ids, lps, tail = self.ids.numpy(), self.lps.numpy(), self.tail.numpy()

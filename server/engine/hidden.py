@@ -33,9 +33,8 @@ def _config_value(config: Any, names: tuple[str, ...]) -> float | None:
 
 
 def head_of(weight: Any, bias: Any, config: Any) -> TeacherHead:
-    """The :class:`TeacherHead` of a torch output projection (``weight [V, d]``, ``bias [V]``
-    or ``None``) and the model config's soft-capping / logit multiplier: a bfloat16 weight is
-    kept as its bit patterns, any other dtype widened to float32 (exact for float16)."""
+    """The :class:`TeacherHead` of a torch output projection and the config's soft-capping /
+    multiplier (bfloat16 kept as bits, other dtypes widened to float32)."""
     import torch
 
     w = weight.detach().to("cpu")

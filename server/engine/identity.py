@@ -1,21 +1,11 @@
-"""Who the teacher is, as an engine sees it: the on-disk facts a teacher's identity is built from
-(a local model's revision and a content hash of its weights) and the identity of an engine.
+"""Who the teacher is, as an engine sees it: a local model's revision, a content hash of its
+weights, and :func:`teacher_identity` of an engine (the fields and their comparison live in
+:mod:`logitcache.cache_format.identity`).
 
-The identity itself (its fields and :func:`~logitcache.cache_format.identity.teacher_diff`, the
-only comparison) is defined once in :mod:`logitcache.cache_format.identity`, beside the manifest
-that records it; :func:`teacher_identity` maps an :class:`~.protocol.EngineInfo` (or a cache
-``Manifest``) to it. ``k`` is not part of it (a request's ``k`` is checked against the cache's
-apart).
-
-``weights_hash(model)``: ``"sha256:<hex>"`` over every weight file (``*.safetensors``, ``*.bin``,
-``*.pt``; sorted by name) of a local model directory (or a hub id already in the local hub
-cache): each file's name, size and the sha256 of its whole content, so a change to any byte (a
-1 KiB norm tensor included) changes it. Reading every byte costs what the disk and sha256 allow
-(server/API.md states the measured rate), so a file's digest is computed once and kept by the
-file's identity on disk ``(device, inode, size, mtime_ns, ctime_ns)``: in-process, and in a small
-JSON file shared by every process on the machine (:func:`digest_cache_path`), so a restart does
-not rehash a multi-GB checkpoint. Any write to a file changes its ``ctime``, so an in-place
-change is always hashed again.
+``weights_hash(model)``: ``"sha256:<hex>"`` over every weight file's name, size and content. A
+file's digest is kept by its identity on disk ``(device, inode, size, mtime_ns, ctime_ns)``, in
+process and in a JSON file shared on the machine (:func:`digest_cache_path`), so a restart does
+not rehash a checkpoint and any write is hashed again.
 """
 
 from __future__ import annotations
@@ -144,9 +134,8 @@ def content_digest(path: Path) -> str:
 def weights_hash(
     model: str, revision: str | None = None, *, cache_path: Path | None = None
 ) -> str | None:
-    """The content hash of ``model``'s weight files (see the module docstring); None when the
-    model is not on this machine or has no weight files. ``cache_path``: the shared digest
-    cache (default :func:`digest_cache_path`)."""
+    """The content hash of ``model``'s weight files (module doc); None when the model is not on
+    this machine or has none."""
     root = model_dir(model, revision)
     if root is None:
         return None
@@ -182,9 +171,7 @@ def weights_hash(
 
 
 def teacher_identity(source: EngineInfo | Manifest) -> dict[str, Any]:
-    """The teacher identity (:data:`~logitcache.cache_format.identity.TEACHER_FIELDS` +
-    ``TEACHER_EXTRA_FIELDS``) of an engine's ``EngineInfo`` or of a cache ``Manifest``
-    (:func:`~logitcache.cache_format.identity.teacher_of`)."""
+    """The teacher identity of an engine's ``EngineInfo`` or of a cache ``Manifest``."""
     if isinstance(source, Manifest):
         return teacher_of(source)
     out = {

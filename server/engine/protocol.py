@@ -1,37 +1,21 @@
 """The teacher-engine contract: what an engine returns, how bad input is refused, and who it is.
 
 For a prompt ``x_0 .. x_{L-1}`` (``L >= 2``) an engine returns ``L - 1`` rows; row ``j``
-describes the teacher's distribution of token ``x_{j+1}`` given ``x_0 .. x_j`` (DESIGN.md,
-"Alignment"):
+describes the teacher's distribution of token ``x_{j+1}`` given ``x_0 .. x_j``: ``topk_ids[j]``
+the ``k`` most likely ids by descending logprob (int32), ``topk_logprobs[j]`` their
+``log_softmax(z_j / T)`` (float32; ``T`` the call's temperature, ``None``: the engine's own) and
+``tail_mass[j] = clip(1 - sum(exp(topk_logprobs[j])), 0, 1)``.
 
-* ``topk_ids[j]``: the ``k`` most likely ids, distinct, by descending logprob (int32);
-* ``topk_logprobs[j]``: their log-probabilities ``log_softmax(z_j / T)`` where ``z_j`` are the
-  teacher's logits and ``T`` the call's ``temperature`` (``None``: the engine's own,
-  ``info.temperature``; float32, ``<= 0``, non-increasing);
-* ``tail_mass[j] = clip(1 - sum(exp(topk_logprobs[j])), 0, 1)`` (float32): the probability
-  mass outside the top-k.
+Bad input raises :class:`EngineInputError` (4xx) before any work; a running engine's failures
+raise :class:`EngineError`, and :class:`EngineUnavailableError` while it is dead or restarting.
 
-Bad input raises :class:`EngineInputError` (a ``ValueError``; the server maps it to 4xx) before
-any work is done: an empty batch or prompt, a prompt shorter than 2 tokens or longer than
-``info.max_seq_len``, token ids outside ``[0, vocab_size)``, ``k`` outside ``[1, max_k]``, a
-temperature outside ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``.
-Engine configuration problems raise :class:`EngineConfigError`; failures inside a running engine
-raise :class:`EngineError`, and :class:`EngineUnavailableError` when the engine itself is gone (its
-process died) or restarting.
+**Sampled targets** (:meth:`SamplingTeacherEngine.score_sampled`, FORMAT.md 4.4): row ``j``
+holds the distinct ids of ``N`` draws from ``q ∝ p_j^(1/tau)`` by descending normalised
+importance weight (``topk_logprobs = log w``), padded to ``N`` slots; the draws are seeded by
+``sha256(f"{seed}:{key}")`` only, so rows do not depend on batching or resumes. With ``head =
+m > 0`` the top ``m`` ids are kept exactly and the draws come from the rest.
 
-**Sampled targets** (:meth:`TeacherEngine.score_sampled`; FORMAT.md 4.4, the estimator of
-``cache_format/sampling.py``): with :class:`SampledTargets` ``(draws N, proposal_temperature tau,
-seed)`` and one sequence key per prompt, row ``j`` instead holds the ``m <= N`` distinct ids of
-``N`` draws from ``q ∝ p_j^(1/tau)`` (``p_j`` the distribution above), sorted by descending
-importance weight ``w_i ∝ c_i p_i / q_i`` (normalised), padded to ``N`` slots with the smallest
-ids not drawn at log-weight ``PAD_LOGPROB``; ``topk_logprobs = log w`` and ``tail_mass ~ 0``.
-The uniforms of a prompt come from a generator seeded by ``sha256(f"{seed}:{key}")`` (row ``j``
-uses row ``j`` of them), so the rows depend on (seed, key, teacher distribution) only: not on
-batching, chunking, the backend's own RNG or a resumed job. With ``head = m > 0`` a row keeps the
-teacher's top ``m`` ids exactly (``w = p``) and the ``N`` draws come from the rest (FORMAT.md
-4.4): ``m + N`` slots (:attr:`SampledTargets.slots`).
-
-This module imports nothing of the backends (numpy and the format's records only).
+This module imports nothing of the backends.
 """
 
 from __future__ import annotations
@@ -52,9 +36,8 @@ from logitcache.cache_format.sampling import METHOD, sampling_manifest
 
 Backend = Literal["vllm", "transformers"]
 
-#: ``logprob_mode`` recorded by both backends: normalised log-probabilities of the (tempered)
-#: logits, before any sampling processor (vLLM's ``raw_logprobs``; prompt positions never pass
-#: through sampling processors in vLLM 0.32, so ``processed_logprobs`` would be identical).
+#: ``logprob_mode`` of both backends: log-probabilities of the tempered logits, before any
+#: sampling processor (vLLM's ``raw_logprobs``).
 LOGPROB_MODE = "raw_logprobs"
 
 
@@ -75,8 +58,7 @@ class EngineClosedError(EngineError):
 
 
 class EngineUnavailableError(EngineError):
-    """The engine has died or is being restarted (not the request's fault): retry after
-    ``retry_after`` seconds."""
+    """The engine has died or is being restarted: retry after ``retry_after`` seconds."""
 
     def __init__(self, message: str, retry_after: float = 5.0):
         super().__init__(message)
@@ -85,12 +67,9 @@ class EngineUnavailableError(EngineError):
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What a cache manifest needs to know about the teacher behind an engine.
-
-    ``max_k``: the largest ``k`` a request may ask for; ``max_seq_len``: the longest prompt
-    (in tokens) the engine accepts. ``weights_hash``: a content hash of the weight files
-    (:func:`logitcache.server.engine.identity.weights_hash`; ``None`` for a hub id not on disk).
-    """
+    """What a cache manifest needs to know about the teacher behind an engine (``max_k`` and
+    ``max_seq_len``: the limits it accepts; ``weights_hash``: ``None`` for a hub id not on
+    disk)."""
 
     model_id: str
     revision: str | None
@@ -107,23 +86,15 @@ class EngineInfo:
 
 @dataclass(frozen=True, eq=False)
 class TeacherScores(TopkRows):
-    """The rows of one prompt: ``topk_ids [L-1, k]`` int32, ``topk_logprobs [L-1, k]`` float32,
-    ``tail_mass [L-1]`` float32 (see the module docstring); ``num_rows`` and ``k`` as for a
-    cached record.
-
-    ``tail_mass`` is computed from the logprobs at its first use, then kept: a job
-    hands its rows to the cache's writer without it (:meth:`known_tail`), which computes it next
-    to its encode pass, on rows still in the CPU's cache, instead of the event loop on cold ones.
-    """
+    """The rows of one prompt (module doc); ``tail_mass`` is computed at its first use, then
+    kept (a job's writer computes it beside its encode pass)."""
 
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
     entropy: np.ndarray | None = None
-    """``[L-1]`` float32: the entropy in nats of each row's full distribution at the call's
-    temperature, from an engine built with ``EngineConfig.entropy`` (else ``None``)."""
+    """``[L-1]`` float32: each row's entropy in nats (``EngineConfig.entropy``; else None)."""
     actual_logprob: np.ndarray | None = None
-    """``[L-1]`` float32: row ``j``'s logprob of the prompt's token ``j + 1`` at the call's
-    temperature (FORMAT.md 4.12), from the pass that made the rows (``None``: not computed)."""
+    """``[L-1]`` float32: row ``j``'s logprob of token ``j + 1`` (``None``: not computed)."""
 
     @property
     def tail_mass(self) -> np.ndarray:
@@ -136,8 +107,7 @@ class TeacherScores(TopkRows):
 
 @dataclass
 class ScoreTimings:
-    """Cumulative seconds an engine spent per phase (for benchmarks): ``engine`` is the model's
-    own time as seen by the caller, ``convert`` the output-to-numpy conversion."""
+    """Cumulative seconds an engine spent in the model and converting its output."""
 
     engine: float = 0.0
     convert: float = 0.0
@@ -154,8 +124,7 @@ TargetKind = Literal["topk", "sampled"]
 
 @dataclass(frozen=True)
 class SampledTargets:
-    """Parameters of sampled targets (see the module docstring): ``draws`` N i.i.d. draws per
-    row from ``q ∝ p^(1/proposal_temperature)``, sequence generators seeded from ``seed``."""
+    """Parameters of sampled targets (module doc)."""
 
     draws: int
     proposal_temperature: float = 1.0
@@ -186,14 +155,13 @@ class SampledTargets:
 
 
 def check_sampled(targets: SampledTargets, vocab_size: int) -> SampledTargets:
-    """``targets`` if ``1 <= draws <= min(MAX_DRAWS, vocab_size)``, ``proposal_temperature`` a
-    finite number > 0, ``0 <= seed < 2**63``, ``head >= 0`` and ``head + draws <=
-    min(MAX_DRAWS, vocab_size)``; :class:`EngineInputError` otherwise."""
+    """``targets`` if ``1 <= draws``, ``head >= 0``, ``head + draws <= min(MAX_DRAWS,
+    vocab_size)``, ``proposal_temperature`` finite > 0 and ``0 <= seed < 2**63``;
+    :class:`EngineInputError` otherwise."""
     if not isinstance(targets, SampledTargets):
         raise EngineInputError(f"expected SampledTargets, got {type(targets).__name__}")
-    d, tau, seed = targets.draws, targets.proposal_temperature, targets.seed
-    if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 1:
-        raise EngineInputError(f"draws must be an integer >= 1, got {d!r}")
+    d, tau, seed, head = targets.draws, targets.proposal_temperature, targets.seed, targets.head
+    _check_int(d, "draws", 1)
     if d > min(MAX_DRAWS, vocab_size):
         raise EngineInputError(
             f"draws={d} exceeds the limit {min(MAX_DRAWS, vocab_size)} "
@@ -203,15 +171,18 @@ def check_sampled(targets: SampledTargets, vocab_size: int) -> SampledTargets:
         raise EngineInputError(f"proposal_temperature must be a finite number > 0, got {tau!r}")
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**63:
         raise EngineInputError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    head = targets.head
-    if isinstance(head, bool) or not isinstance(head, int | np.integer) or head < 0:
-        raise EngineInputError(f"head must be an integer >= 0, got {head!r}")
+    _check_int(head, "head", 0)
     if head + d > min(MAX_DRAWS, vocab_size):
         raise EngineInputError(
             f"head={head} + draws={d} slots exceed the limit {min(MAX_DRAWS, vocab_size)} "
             f"(min of {MAX_DRAWS} and the vocabulary size)"
         )
     return SampledTargets(int(d), float(tau), int(seed), int(head))
+
+
+def _check_int(value: object, name: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        raise EngineInputError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 def check_keys(keys: Sequence[str], n: int) -> list[str]:
@@ -274,12 +245,8 @@ def make_scores(
     entropy: np.ndarray | None = None,
     actual_logprob: np.ndarray | None = None,
 ) -> TeacherScores:
-    """Wrap ``[rows, k]`` arrays (cast to int32/float32; rows contiguous, as
-    :func:`~logitcache.cache_format.records.rows_array` keeps them) and add the tail mass:
-    ``tail_mass`` (float32 ``[rows]``, the format's formula computed where the rows were made,
-    e.g. on the device) or else :func:`~logitcache.cache_format.records.tail_from_logprobs` at
-    its first use; ``entropy``: the rows' entropy, ``actual_logprob``: the logprob of each row's
-    actual next token (float32 ``[rows]`` each), if computed."""
+    """Wrap ``[rows, k]`` arrays (int32/float32, rows contiguous) as :class:`TeacherScores`;
+    ``tail_mass``, ``entropy``, ``actual_logprob``: float32 ``[rows]`` where already computed."""
     ids = rows_array(topk_ids, np.int32)
     lps = rows_array(topk_logprobs, np.float32)
     ent = None if entropy is None else np.ascontiguousarray(entropy, dtype=np.float32)
@@ -313,8 +280,7 @@ def check_temperature(temperature: float | None, default: float) -> float:
 
 
 def check_token_ids(ids: Sequence[Sequence[int]], n: int, vocab_size: int) -> list[list[int]]:
-    """One list of distinct token ids per prompt (``1..MAX_DRAWS`` ids, each in ``[0,
-    vocab_size)``): the ids :meth:`BaseEngine.score_ids` gives the logprobs of."""
+    """One list of ``1..MAX_DRAWS`` distinct ids in ``[0, vocab_size)`` per prompt."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or len(ids) != n:
         raise EngineInputError(f"token ids: one list of ids per prompt ({n}) expected")
     out: list[list[int]] = []
@@ -349,12 +315,9 @@ def check_k(k: int, max_k: int, vocab_size: int) -> int:
 def check_prompts(
     prompts: Sequence[Sequence[int]], info: EngineInfo, arrays: bool = False
 ) -> list[Any]:
-    """Validate a batch of prompts against ``info``; return them as plain ``list[int]`` lists
-    (``arrays``: as C-ordered int64 arrays, for a backend that makes tensors of them).
-
-    Every prompt is checked before any is returned, and the first problem is raised as an
-    :class:`EngineInputError` naming the prompt's index.
-    """
+    """Validate a batch of prompts against ``info`` (the first problem an
+    :class:`EngineInputError` naming the prompt's index); return them as ``list[int]`` lists
+    (``arrays``: C-ordered int64 arrays)."""
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
         raise EngineInputError("prompts must be a list of token-id lists")
     if len(prompts) == 0:
@@ -384,7 +347,5 @@ def check_prompts(
             raise EngineInputError(
                 f"prompt {i}: token id {bad} outside the vocabulary [0, {info.vocab_size})"
             )
-        # Python ints whatever the integer dtype; or an array a tensor is made from without
-        # a Python int per token (torch.as_tensor of a list: ~0.06-0.14 CPU-us per token)
         out.append(np.ascontiguousarray(arr, np.int64) if arrays else arr.tolist())
     return out

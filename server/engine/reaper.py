@@ -2,27 +2,16 @@
 server process is gone, however it ended (SIGKILL and OOM kills included), also while the
 engine is still starting.
 
-vLLM's ``AsyncLLM`` runs its engine core in a child process (``fork`` or ``spawn``; the core
-starts its worker the same way), and a SIGKILLed parent runs no clean-up, so without help the
-engine (GiBs of weights and KV cache) outlives the server. ``PR_SET_PDEATHSIG`` would need code
-in the child at start (impossible for ``spawn`` children without patching vLLM) and fires when
-the creating *thread* exits. Instead an engine starts its processes inside :func:`armed`:
+An engine starts its processes inside :func:`armed`: the watcher (``python -S reaper.py <server
+pid> <tag>``, stdlib only) is started first; while the block runs, the tag is in the
+environment as :data:`TAG_VAR` (so every process started meanwhile inherits it) and the watcher
+records the server's descendants every :data:`SCAN_S` seconds; after it, those processes are
+handed to the watcher (:func:`protect`) and the tag removed.
 
-* the watcher, ``python -S .../reaper.py <server pid> <tag>`` (stdlib only, so it is watching
-  within milliseconds), is started (once per server process) before any engine process exists;
-* while the block runs, ``<tag>`` (the server's pid and start time) is in this process's
-  environment as :data:`TAG_VAR`, so every process started meanwhile inherits it, and so do
-  theirs; and the watcher records the server's descendants every :data:`SCAN_S` seconds;
-* after it, the processes started meanwhile are handed to the watcher (:func:`protect`: ``pid
-  starttime`` lines on its stdin) and the tag is removed (later children are not the engine's).
-
-The watcher polls ``getppid()`` every :data:`POLL_S` seconds. When its parent changed (the
-server is gone) or its stdin closed, it sends SIGTERM to every process it recorded that is still
-alive with the same start time (pid reuse is never hit), to their descendants, and to every
-process whose environment carries the tag (a child started after the last scan, or orphaned by
-then: its parent is gone), then SIGKILL to what is left after :data:`GRACE_S` seconds, and exits.
-
-Linux only (``/proc``); elsewhere :func:`armed` and :func:`protect` do nothing.
+When the watcher's parent changes or its stdin closes, it sends SIGTERM to every recorded
+process still alive with the same start time, their descendants and every process carrying the
+tag, then SIGKILL after :data:`GRACE_S` seconds. Linux only; elsewhere :func:`armed` and
+:func:`protect` do nothing.
 """
 
 from __future__ import annotations
@@ -130,9 +119,7 @@ def _send(lines: list[str]) -> None:
 
 @contextlib.contextmanager
 def armed() -> Iterator[None]:
-    """Start processes that must not outlive this one inside this block (see the module
-    docstring): the watcher exists before them, and ends them however this process ends, also
-    while the block still runs."""
+    """Start processes that must not outlive this one inside this block (module doc)."""
     if not sys.platform.startswith("linux"):
         yield
         return

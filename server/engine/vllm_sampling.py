@@ -1,47 +1,19 @@
 """The worker hook: rows vLLM's own prompt-logprob pass cannot give, computed where it runs.
 
-vLLM 0.32 computes prompt logprobs in the model runner
-(``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner._get_prompt_logprobs_dict``, also used by
-the CPU runner): per request and prefill chunk it takes the chunk's hidden states, computes the
-full ``[n, V]`` logits and ``log_softmax(logits)``, and keeps the top ``prompt_logprobs`` of each
-row (``Sampler.gather_logprobs``). Neither the request's temperature nor its logits processors
-(``vllm.v1.sample.logits_processor``) ever reach prompt positions, so no public hook can change
-the distribution of a prompt position or see all of it; asking for ``prompt_logprobs = V`` does
-see it, but ships ``V`` values per position out of the engine (many times the time of top-k
-scoring, ``experiments/vllm_sampling.py``).
+vLLM computes prompt logprobs in ``GPUModelRunner._get_prompt_logprobs_dict`` (also the CPU
+runner's) from the full ``[n, V]`` logits of each prefill chunk, and no temperature or logits
+processor reaches prompt positions. :func:`install` wraps that method so a request whose
+``SamplingParams.extra_args`` carry this module's keys is answered where the block exists, from
+``lp = log_softmax(logits / T)``: sampled rows (:data:`FLAG`, seeded per chunk row so a chunked
+prefill draws what one pass would), ``lp`` at chosen ids (:data:`TOKEN_IDS`, after the top
+:data:`TOPK`), the top ``prompt_logprobs``, or the hidden states (:data:`HIDDEN`); with
+:data:`ENTROPY` one more column holds the row's entropy.
 
-:func:`install` wraps ``_get_prompt_logprobs_dict`` (once per process) so that a request whose
-``SamplingParams.extra_args`` carry :data:`TEMPERATURE` = ``T`` and/or :data:`FLAG` =
-``{"seed", "draws", "tau", "head"}`` is answered right where the ``[n, V]`` block exists, from
-``lp = log_softmax(logits / T)`` (``T`` absent: 1):
-
-* with :data:`FLAG`, sampled targets: ``sample_rows(lp, u, tau, head=head)`` (``head`` absent:
-  0) of :mod:`logitcache.cache_format.sampling` (FORMAT.md 4.4), with ``u`` the rows
-  ``[start, start + n)`` of :func:`~logitcache.cache_format.sampling.seeded_uniforms` of the
-  request's sequence seed, so a chunked prefill draws exactly what one pass would;
-  ``head + draws`` entries per row;
-* with :data:`TOKEN_IDS` (a list of ids), ``lp`` at those ids, in their order: the exact
-  logprobs of caller-chosen ids (e.g. a student's top-k); with :data:`TOPK` = ``k`` as well,
-  the top ``k`` of ``lp`` first (as below), then those ids: both from one pass;
-* otherwise the top ``k`` (the request's ``prompt_logprobs``) of ``lp`` by descending logprob:
-  exactly ``log_softmax(z / T)`` of the teacher's final logits ``z``;
-* with :data:`ENTROPY` (any of the above, also top-k at ``T = 1``), one more column after the
-  row's: id :data:`MARK`, value the row's entropy ``-sum_v p_v log p_v`` of the full ``lp``
-  (:func:`~logitcache.cache_format.sampling.row_entropy`, FORMAT.md 4.9).
-
-The request's prompt-logprob tensors then hold ``[L - 1, width + 1]``: column 0 the marker id
-:data:`MARK` (``-1``; vLLM puts the prompt token there) with, as its value, the row's logprob of
-the prompt's next token (``lp`` at it, as vLLM's own column 0; FORMAT.md 4.12; 0 for hidden
-states), columns ``1..width`` the row's ids and their logprobs (log-weights for samples).
-Every other request takes vLLM's own code unchanged.
-Only ``width + 1`` values per position leave the worker, as in vLLM's own top-k.
-
-The wrapper must be installed in the process that runs the model runner. The engine names
-:class:`SamplingWorkerExtension` as vLLM's ``worker_extension_cls``; vLLM imports it in every
-worker process it starts (``WorkerWrapperBase.init_worker``), and importing this module
-installs the wrapper there. The service checks the marker column of every hooked answer
-(:func:`.vllm_rows.hooked_from_output`), so a worker without the wrapper is an
-:class:`~.protocol.EngineError`, never rows of another distribution taken for these.
+Its tensors then hold ``[L - 1, width + 1]``: column 0 the marker id :data:`MARK` with the row's
+logprob of the next prompt token, then the row's ids and values. Every other request takes
+vLLM's own code. The engine names :class:`SamplingWorkerExtension` as ``worker_extension_cls`` so
+every worker imports this module (which installs the wrapper); the service checks the marker of
+every hooked answer, so a worker without the wrapper is an error.
 """
 
 from __future__ import annotations
@@ -70,14 +42,12 @@ PROMPT_LOGPROBS = 1
 
 
 class SamplingWorkerExtension:
-    """vLLM ``worker_extension_cls``: importing this class's module installs the wrapper in the
-    worker process (the class itself adds nothing to the worker)."""
+    """vLLM ``worker_extension_cls``: importing its module installs the wrapper in the worker."""
 
 
 def _spec(request: Any) -> dict[str, Any] | None:
-    """The hook's part of a request: its sampling spec (``{}`` for top-k) with ``"T"`` and
-    ``"entropy"``; ``None`` for a request vLLM answers itself (no key, or top-k at ``T = 1``
-    without entropy)."""
+    """The hook's part of a request (its spec with ``"T"`` and ``"entropy"``), or ``None`` for a
+    request vLLM answers itself."""
     extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
     if extra.get(HIDDEN):
         return {"hidden": int(extra[HIDDEN]), "T": 1.0}
@@ -93,10 +63,8 @@ def _spec(request: Any) -> dict[str, Any] | None:
 
 
 def _rows(runner: Any, spec: dict[str, Any], hidden: Any, start: int, width: int, nxt: Any) -> Any:
-    """``(ids, logprobs, entropy, actual)`` CPU tensors of one chunk's hidden states: ``[n,
-    width]`` (see the module docstring: sampled rows with ``draws`` in ``spec``, else the top
-    ``width``), when ``spec`` asks for it the rows' entropy ``[n]`` (else ``None``), and the
-    rows' logprob at their next prompt token ``nxt`` (``[n]``; ``None`` for hidden states)."""
+    """``(ids [n, width], values, entropy or None, logprob at next token nxt or None)`` CPU
+    tensors of one chunk's hidden states."""
     ids, lps, lp, act = _values(runner, spec, hidden, start, width, nxt)
     if not spec.get("entropy") or lp is None:
         return ids, lps, None, act

@@ -16,10 +16,8 @@ def _skip_ws(b, i):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def int_list(b, out):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
-    """The integers of the JSON array ``b`` (UTF-8 bytes as uint8, valid JSON) into ``out``
-    (room for ``(len(b) + 1) // 2``); their count, or -1 unless every value is a JSON integer
-    in int32 range (a float, exponent, string, nested value, leading zero or larger integer:
-    the caller parses with ``json`` instead)."""
+    """The integers of the JSON array ``b`` (UTF-8 bytes) into ``out``; their count, or -1 unless
+    every value is a JSON integer in int32 range (the caller then parses with ``json``)."""
     n = b.size
     i = _skip_ws(b, 0)
     if i >= n or b[i] != 91:  # [

@@ -1,27 +1,14 @@
 """Chat-formatted job records: ``{"messages": [{"role": ..., "content": ...}, ...]}``.
 
-A chat record is rendered to text with the teacher tokenizer's chat template
-(``tokenizer.apply_chat_template(messages, tokenize=False)``, no generation prompt), or with the
-job's own ``chat_template`` (a Jinja string, same variables) when given; the text is then
-tokenised **without** adding special tokens again (the template writes BOS and the like itself),
-so the cached ids are exactly the rendered conversation's. A teacher tokenizer without a chat
-template and no ``chat_template`` in the job is an error naming the record: nothing is guessed.
+A record is rendered with the teacher tokenizer's chat template (or the job's ``chat_template``;
+no generation prompt) and tokenised without adding special tokens again; a tokenizer without a
+template and no ``chat_template`` is an error naming the record.
 
-The scored sequence is the whole conversation. With ``loss_mask`` (a job option) each record
-also gets a per-row loss mask (cache_format FORMAT.md 4.6), stored with the sequence:
-
-* **Assistant spans.** For each assistant message ``i``, the characters
-  ``[len(P_i), len(F_i))`` of the rendered text, where ``P_i`` renders ``messages[:i]`` with the
-  generation prompt (the assistant header, when the template writes one) and ``F_i`` renders
-  ``messages[:i + 1]``. So a span holds the message's content and whatever the template writes
-  after it (end-of-turn token), and not its role header when the template's generation prompt
-  writes that. Every ``P_i`` must be a prefix of ``F_i`` and every ``F_i`` a prefix of the whole
-  text; a template that rewrites earlier turns (e.g. drops past reasoning) is refused for that
-  record (InvalidInputError), nothing is guessed.
-* **Tokens.** Token ``t`` is a response token iff its first character (the tokenizer's offset
-  mapping) lies in an assistant span.
-* **Rows.** ``loss_mask[j] = 1`` iff token ``j + 1`` is a response token (row ``j`` predicts
-  it), ``0`` for the system/user/tool turns and the template's framing around them.
+With ``loss_mask`` each record also gets a per-row loss mask (FORMAT.md 4.6): assistant message
+``i`` spans the characters ``[len(P_i), len(F_i))``, ``P_i`` rendering ``messages[:i]`` with the
+generation prompt and ``F_i`` rendering ``messages[:i + 1]`` (a template that rewrites earlier
+turns is refused); a token is a response token iff its first character lies in a span, and
+``loss_mask[j] = 1`` iff token ``j + 1`` is one.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Job input files as real datasets come: gzip JSONL, Parquet or Arrow files, and directories of
 them in the layouts Hugging Face ``datasets`` writes.
 
-Accepted under the data directory (``InputFile.path``):
-
-* ``*.jsonl`` / ``*.ndjson`` / ``*.json`` (one JSON object per line), and the same with ``.gz``;
-* ``*.parquet`` / ``*.pq``; ``*.arrow`` (Arrow IPC stream, as ``datasets`` writes, or file);
-* a directory: ``Dataset.save_to_disk`` output (``state.json`` + ``data-*.arrow``, read in the
-  order ``state.json`` lists), or any directory of ``*.parquet`` files (e.g. a hub dataset's
-  ``data/`` folder), read in sorted path order, sub-directories included. A
-  ``DatasetDict`` directory (``dataset_dict.json``) is refused with the names of its splits:
-  give one split's directory.
-
-Records are read in a fixed order (a resumed job forms the same batches), each located as
-``<path>[/<file>] row <n>`` or ``<path>:<line>`` in error messages. Every file read (a folder's
-``state.json``, the files it names, the files found by walking a folder) must lie inside the data
-directory ``root`` with links followed, and a ``state.json`` entry must be a safe relative path
-(:mod:`..paths`; 422 ``invalid_path`` otherwise).
+Accepted under the data directory: ``*.jsonl`` / ``*.ndjson`` / ``*.json`` (optionally ``.gz``),
+``*.parquet`` / ``*.pq``, ``*.arrow``, a ``Dataset.save_to_disk`` folder (read in the order
+``state.json`` lists) or any folder of ``*.parquet`` files (sorted path order). A
+``DatasetDict`` folder is refused with the names of its splits. Records are read in a fixed
+order; every file read must lie inside the data directory with links followed (:mod:`..paths`).
 """
 
 from __future__ import annotations
@@ -155,11 +145,8 @@ def table_rows(
     need_one_of: tuple[str, ...],
     root: Path,
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, row dict)`` of a Parquet/Arrow file or directory under the data directory
-    ``root``, ``wanted`` columns only.
-
-    Every file must have at least one of ``need_one_of`` (InvalidInputError naming its columns).
-    """
+    """``(where, row dict)`` of a Parquet/Arrow file or directory under ``root``, ``wanted``
+    columns only; every file must have one of ``need_one_of``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -1,18 +1,10 @@
 """A faster reading of JSONL input lines whose token ids are plain integer lists.
 
-``json.loads`` builds one Python ``int`` per token id, which :func:`.records.check_ids` then
-converts to int32: ~0.1 CPU-us per position of the job's submission. Here msgspec (installed
-with vLLM) splits a line's object into its top-level values without decoding them
-(``msgspec.Raw``), a compiled pass (numba) turns the ids array's bytes straight into int32, and
-the few other fields the reader uses are decoded by ``json.loads`` from their own bytes, so each
-is the value ``json.loads`` gives for the whole line.
-
-Anything else takes the ``json`` path unchanged, so accepted input, values and error messages
-stay ``json.loads``'s: a line msgspec refuses (it is stricter: ``NaN``, lone surrogates, a
-top-level array, ...), ids that are not all JSON integers in int32 range (floats, ``true``,
-strings, nesting, leading zeros, larger values). Duplicate keys keep their last value, as in
-``json.loads``. Without msgspec or numba (optional: decided once, at the first :func:`ready`), or
-if the self-check fails, :func:`ready` is ``False`` and every line takes the ``json`` path.
+msgspec splits a line's object into raw top-level values, a compiled pass (numba) turns the ids
+array's bytes straight into int32, and the other fields are decoded by ``json.loads``. Anything
+else (a line msgspec refuses, ids not all JSON integers in int32 range) takes the ``json`` path,
+so accepted input, values and errors stay ``json.loads``'s. Without msgspec or numba, or if its
+self-check fails, :func:`ready` is ``False`` and every line takes the ``json`` path.
 """
 
 from __future__ import annotations
@@ -58,9 +50,8 @@ def int_list(raw: Any) -> np.ndarray | None:
 
 
 def fields(line: bytes, names: Iterable[str], ids_name: str) -> dict[str, Any] | None:
-    """The values of ``names`` present in the JSON object ``line`` (as ``json.loads`` gives
-    them; ``ids_name``'s as an int32 array when it is a list of int32 integers), or ``None``
-    when the line is not such an object by msgspec's reading (the caller uses ``json``)."""
+    """The values of ``names`` in the JSON object ``line`` (``ids_name``'s as int32 when it is a
+    list of int32 integers), or ``None`` when msgspec cannot read it so (use ``json``)."""
     try:
         top = _decoder.decode(line.decode("utf-8"))
     except Exception:  # noqa: BLE001 - any refusal: json.loads decides, with its own message

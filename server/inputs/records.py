@@ -66,9 +66,8 @@ class RawRecord:
 
 @dataclass(frozen=True)
 class Sequence:
-    """A checked input sequence: its key, ``[L]`` int32 token ids and, for a chat record of a
-    job with ``loss_mask``, its row loss mask (uint8 ``[L-1]``, server/inputs/chat.py; else
-    None)."""
+    """A checked input sequence: its key, ``[L]`` int32 token ids and a chat record's row loss
+    mask (uint8 ``[L-1]``, else None)."""
 
     key: str
     input_ids: np.ndarray
@@ -180,9 +179,7 @@ def fit_sequences(
     limits: Limits,
     counts: long_inputs.InputCounts | None = None,
 ) -> list[Sequence]:
-    """``raw`` as the sequences a job scores under ``limits.on_long`` (server/inputs/long.py):
-    one sequence, none (``skip``), its first ``max_seq_len`` tokens (``truncate``) or its windows
-    (``split``, keys ``<key>#w<i>``). ``reject`` raises as :func:`to_sequence` does."""
+    """``raw`` as the sequences a job scores under ``limits.on_long`` (:mod:`.long`)."""
     if limits.on_long == "reject":
         return [to_sequence(raw, tokenize, limits)]
     whole = to_sequence(raw, tokenize, replace(limits, max_seq_len=2**62))
@@ -238,9 +235,7 @@ def _id_of(value: object, where: str) -> str | None:
 
 
 def resolve_input_path(data_dir: Path, rel: str) -> Path:
-    """The file or directory ``rel`` under ``data_dir`` (a directory holds Parquet or Arrow
-    files: :mod:`.files`): a safe relative path that stays inside ``data_dir`` with links
-    followed (:func:`..paths.resolve_under`), and must exist."""
+    """The existing file or directory ``rel`` inside ``data_dir`` (links followed)."""
     path = paths.resolve_under(data_dir, rel, "input path")
     if not (path.is_file() or path.is_dir()):
         raise InvalidPathError(f"input file {rel!r} does not exist in the data directory")
@@ -266,18 +261,16 @@ def _from_mapping(obj: object, spec: InputFile, where: str) -> RawRecord:
 
 
 def line_limit(limits: Limits) -> int | None:
-    """Longest JSONL line read (bytes) for ``limits``: room for a text of ``max_text_bytes``
-    written with JSON escapes (at most 6 bytes per byte), ``max_seq_len`` token ids of up to
-    11 characters each, and 64 KiB of other fields; None without a text limit."""
+    """Longest JSONL line read (bytes) for ``limits`` (an escaped text of ``max_text_bytes``,
+    ``max_seq_len`` ids and 64 KiB); None without a text limit."""
     if limits.max_text_bytes is None:
         return None
     return 6 * limits.max_text_bytes + 12 * limits.max_seq_len + (64 << 10)
 
 
 def _lines(f: Any, limit: int | None, rel: str) -> Iterator[tuple[int, bytes]]:
-    """``(line number, line)`` of a binary reader, each read with at most ``limit + 1`` bytes
-    in memory (a longer line is a 413 before the rest of it is read); a file that is not what
-    its name says (a ``.gz`` that is not gzip, a read error) is a 422."""
+    """``(line number, line)`` of a binary reader, a line over ``limit`` a 413 before it is read
+    whole; an unreadable file a 422."""
     lineno = 0
     try:
         while line := (f.readline() if limit is None else f.readline(limit + 1)):
@@ -392,9 +385,7 @@ def raw_records(
     digest: InputDigest | None = None,
     max_line_bytes: int | None = None,
 ) -> Iterator[RawRecord]:
-    """The raw records of a job's input, in order; a JSONL file's bytes also go to ``digest``
-    (so a submission reads its file once), and a JSONL line over ``max_line_bytes``
-    (:func:`line_limit`) is a 413 before it is read whole."""
+    """The raw records of a job's input, in order; a JSONL file's bytes also go to ``digest``."""
     if records is not None:
         for i, r in enumerate(records):
             where = f"records[{i}]"
@@ -445,10 +436,8 @@ def sequences(
     limits: Limits,
     counts: long_inputs.InputCounts | None = None,
 ) -> Iterator[Sequence]:
-    """Checked, keyed sequences in input order; repeated content keys are dropped.
-
-    Raises :class:`InvalidInputError` at the first bad record, or at an explicit id used twice.
-    """
+    """Checked, keyed sequences in input order (repeated content keys dropped); raises at the
+    first bad record or explicit id used twice."""
     seen: set[str] = set()
     for raw in raws:
         for seq in fit_sequences(raw, tokenize, limits, counts):
@@ -469,15 +458,9 @@ def valid_records(
     errors: list[str],
     counts: long_inputs.InputCounts | None = None,
 ) -> Iterator[tuple[RawRecord, Sequence]]:
-    """The valid, first-seen records of ``raws`` with their sequences, in input order; the
-    problems found go to ``errors`` instead of being raised (the checks of :func:`scan`).
-
-    A bad record is listed and skipped; so is an explicit id seen before. A repeated content key
-    without an explicit id is dropped silently (the first occurrence is kept, as in
-    :func:`sequences`). The walk ends early when the source itself fails while being read (its
-    message listed) or when a bad record brings the list to :data:`MAX_LISTED_ERRORS`; a file
-    of the input outside the data directory raises its :class:`InvalidPathError` at once.
-    """
+    """The valid, first-seen records of ``raws`` with their sequences, in input order, the
+    problems going to ``errors`` (up to :data:`MAX_LISTED_ERRORS`; a source failing while read
+    ends the walk); a file outside the data directory raises at once."""
     seen: set[str] = set()
     it = iter(raws)
     while True:
@@ -527,16 +510,9 @@ def scan(
     keep: list[Sequence] | None = None,
     keep_tokens: int = 0,
 ) -> InputSummary:
-    """Check every record before a job is accepted; list up to :data:`MAX_LISTED_ERRORS` errors.
-
-    Raises :class:`InvalidInputError` (422) with ``detail`` = the problems found, or for empty
-    input. Nothing is written either way.
-
-    With ``keep``, the checked sequences are appended to it while they hold at most
-    ``keep_tokens`` tokens in all (past that, ``keep`` is emptied and stays empty): for a valid
-    input they are what :func:`sequences` yields, so a job can run from them without reading
-    and checking its input a second time.
-    """
+    """Check every record before a job is accepted: :class:`InvalidInputError` listing the
+    problems, or for empty input. With ``keep``, the checked sequences are kept while they hold at
+    most ``keep_tokens`` tokens (else ``keep`` ends empty)."""
     n = tokens = 0
     errors: list[str] = []
     counts = long_inputs.InputCounts()
@@ -563,9 +539,8 @@ def scan(
 def batches(
     seqs: Iterable[Sequence], *, max_sequences: int, max_tokens: int
 ) -> Iterator[list[Sequence]]:
-    """Consecutive batches: a batch closes at ``max_sequences`` sequences, or before the sequence
-    that would take it past ``max_tokens`` tokens (a longer single sequence forms its own batch).
-    """
+    """Consecutive batches of at most ``max_sequences`` sequences and ``max_tokens`` tokens (a
+    longer single sequence forms its own batch)."""
     batch: list[Sequence] = []
     tokens = 0
     for s in seqs:

@@ -1,37 +1,17 @@
 """Group commit of on-demand appends: the scored misses of concurrent requests into one cache
 share one writer append (one commit).
 
-An append costs about the same whatever its size (one object and one metadata write per array,
-the partly filled last chunk of each rewritten, the fsyncs, the commit: ~20 ms of CPU), so one
-append per small request caps a cache at a few tens of requests per second. :class:`GroupCommitter`
-keeps one queue per cache on the event loop. A request takes a :class:`Ticket` before its lookup;
-its scored misses join the queue; a group goes once every ticket holder has queued its records (or
-left without any), or when the oldest has waited ``window_s``, or at ``max_rows`` rows, and is
-committed by one :meth:`~.caches.WriterHandle.append_parts` in a worker thread. Records that
-arrive while a commit runs form the next group. So a lone request is committed at once and a busy
-cache commits the misses of all its concurrent requests together.
+An append costs ~20 ms of CPU whatever its size, so :class:`GroupCommitter` keeps one queue per
+cache: a request takes a :class:`Ticket` before its lookup, its scored misses join the queue, and
+a group goes once every ticket holder has queued (or left), after ``window_s``, or at
+``max_rows``, as one :meth:`~.caches.WriterHandle.append_parts` in the committer's own threads.
+A lone request is committed at once; a busy cache commits concurrent requests' misses together.
+Records of one group share the first one's manifest.
 
-Promise (the same as one append per request): :meth:`GroupCommitter.append` returns only after
-the commit holding the request's records has returned, with how many of them it newly stored; if
-that commit fails, every request of the group gets its error (the typed error of the writer or the
-store, mapped to HTTP as usual) and the answer says nothing was stored.
-
-:meth:`GroupCommitter.append_behind` queues records the same way and returns at once: for answers
-that claim nothing stored (the engines' protocol routes, whose clients have no such field), so a
-miss is answered as soon as it is scored and its group's commit stores it behind the answer.
-Until that commit has returned, :meth:`GroupCommitter.pending` finds the records as answered (a
-later identical request is served them, as a hit); a failed commit is logged and its records are
-simply not stored (a later request misses and scores them again). A crash loses at most such
-records, which no answer claimed stored. A request whose client
-has gone still has its records committed with its group. Records of one group share the
-manifest of the group's first request; a request with another manifest waits for the next group
-(where the registry's identity check answers it). Records are checked by the caller before they
-are queued, so one bad request cannot fail the others.
-
-:meth:`GroupCommitter.aclose` (the app's shutdown) refuses new appends, commits what is queued and
-waits for the queues' tasks. The commits run in threads of the committer's own (one commit per
-cache at a time, up to :data:`COMMIT_THREADS` caches at once), never queued behind the requests'
-work in the event loop's default executor.
+:meth:`GroupCommitter.append` returns once the commit holding the records has returned (how many
+it newly stored; its error for every request of a failed group). ``append_behind`` returns at
+once (answers that claim nothing stored); until the commit returns ``pending`` finds the
+records, and a failed commit is logged only.
 """
 
 from __future__ import annotations
@@ -51,8 +31,7 @@ from .caches import CacheRegistry
 
 log = logging.getLogger(__name__)
 
-#: Rows one group commit holds at most (a request over it is committed alone): bounds the memory
-#: of a group and the time its first request waits behind the encoding of the others.
+#: Rows one group commit holds at most (a request over it is committed alone).
 MAX_GROUP_ROWS = 1 << 16
 #: Threads committing groups (each cache's groups are committed one at a time).
 COMMIT_THREADS = 4
@@ -82,8 +61,7 @@ class _Queue:
     pending: dict[str, SequenceRecord] = field(default_factory=dict)  # answered, not committed
 
     def settle(self, item: _Item) -> None:
-        """``item`` left the queue (committed or not): its answered records are no longer
-        pending (a record of the same key queued again since keeps its entry)."""
+        """``item`` left the queue: its answered records are no longer pending."""
         item.ticket.leave()
         for rec in item.answered:
             key = rec.key
@@ -98,8 +76,7 @@ class _Queue:
 
 class Ticket:
     """One request's place in a cache's queue, from before its lookup until its records are
-    committed or it leaves without any: a group waits (up to the window) for the records of
-    the requests holding tickets."""
+    queued or it leaves: a group waits (up to the window) for the ticket holders."""
 
     def __init__(self, committer: GroupCommitter, name: str, q: _Queue) -> None:
         self._committer, self.name, self._q = committer, name, q
@@ -165,10 +142,9 @@ class GroupCommitter:
         records: Sequence[SequenceRecord],
         answered: Sequence[SequenceRecord],
     ) -> None:
-        """Queue ``records`` (checked, at ``manifest``) for the ticket's cache's next group
-        commit and return at once; ``answered`` (the same records as answered, as stored) are
-        :meth:`pending` until that commit has returned. While the server stops, nothing is
-        queued (the answer claimed nothing stored)."""
+        """Queue ``records`` for the next group commit and return at once; ``answered`` (the
+        records as answered) are :meth:`pending` until it returns. Nothing is queued while the
+        server stops."""
         if not records or self._closed:
             ticket.leave()
             return
@@ -178,8 +154,7 @@ class GroupCommitter:
             ticket._q.pending[str(rec.key)] = rec
 
     def pending(self, name: str, key: str) -> SequenceRecord | None:
-        """The record of ``key`` answered into cache ``name`` and queued or being committed
-        (:meth:`append_behind`), if any."""
+        """The record of ``key`` answered into cache ``name`` and not yet committed, if any."""
         q = self._queues.get(name)
         return None if q is None else q.pending.get(key)
 
@@ -248,8 +223,7 @@ class GroupCommitter:
             del self._queues[name]
 
     def _take(self, q: _Queue) -> list[_Item]:
-        """The next group: queued items with the first one's manifest, up to ``max_rows`` rows
-        (at least one item); the others keep their order for the next group."""
+        """The next group: queued items with the first one's manifest, up to ``max_rows`` rows."""
         first = q.items[0].manifest.identity()
         group: list[_Item] = []
         rest: deque[_Item] = deque()

@@ -2,31 +2,17 @@
 
 Contract (``POST /v1/score`` with ``cache``, and ``POST /v1/completions``):
 
-* A sequence is a **hit** when the cache holds its key (``keys[i]``, else the content key of its
-  token ids) *with the same token ids*; its rows are read from the cache, no engine work.
-  Anything else is a **miss**: scored by the engine at the cache's k, stored (keys already present
-  are never overwritten), and answered.
-* The engines' protocol routes (``/v1/completions``, ``/generate``, ``/inference/v1/generate``)
-  answer a miss as soon as it is scored, its commit going on behind the answer
-  (:meth:`CacheServing.serve` ``answer_first``; their answers claim nothing stored); until it has
-  returned, the answered rows are hits (:meth:`.appends.GroupCommitter.pending`).
-* Misses are answered as the cache will return them later (:func:`as_stored`: logprobs encoded
-  to the cache's ``logprob_dtype`` and decoded again, tail mass clipped to ``[0, 1]`` and cast to
-  its ``tail_mass_dtype``), so a first (miss) and a repeated (hit) request answer bit-identically.
-* A requested ``k' <= k`` of the cache is served from the cache's top-k by :func:`fold_k`: the
-  first ``k'`` columns (already sorted by descending logprob) and
-  ``tail' = clip(tail + sum_{j >= k'} exp(logprob_j), 0, 1)`` (the dropped probability folded
-  into the tail). A ``k' > k`` cannot be served or stored by that cache: every sequence is a
-  **miss**, scored by the engine at ``k'``, answered as the engine returned it and **not stored**
-  (the cache keeps its k; :meth:`CacheServing.above`). This holds for ``/v1/score`` and
-  ``/v1/completions`` alike; the cache's teacher identity is still checked (409 if another).
-* A cache holds rows at one **temperature** (its manifest's): a request at another is a 409,
-  like another teacher; a request naming none is answered at the cache's; misses are scored at
-  the cache's temperature.
-* A **sampled** cache (``targets="sampled"``, FORMAT.md 4.4) is served only to requests with
-  ``targets="sampled"`` and its sampling parameters (or none: the cache's own); any other kind
-  or parameters is a 409. Rows are answered whole (``k`` = the draws, no folding); misses are
-  sampled rows seeded by their keys, so a miss answers what a later hit will.
+* A **hit**: the cache holds the sequence's key with the same token ids; its rows are read.
+  Anything else is a **miss**: scored at the cache's k, stored (never overwriting a key), and
+  answered as the cache will return it later (:func:`as_stored`), so a miss and a later hit
+  answer bit-identically.
+* The protocol routes answer a miss once it is scored, its commit going on behind the answer
+  (``answer_first``); until then the answered rows are hits (``GroupCommitter.pending``).
+* A ``k' <= k`` is folded from the cache's rows (:func:`fold_k`); a ``k' > k`` is scored at
+  ``k'`` and not stored (:meth:`CacheServing.above`), the teacher identity still checked.
+* A cache holds one **temperature** and one target kind: a request at another temperature, or
+  another kind or sampling parameters, is a 409; one naming none gets the cache's. Sampled rows
+  are answered whole.
 """
 
 from __future__ import annotations
@@ -57,10 +43,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Served:
-    """Records in request order, the k they were answered at, how many were newly committed
-    to the request's cache, (with a cache) which came from it (``hits``), and for misses
-    scored with chosen ids (:meth:`CacheServing.serve` ``ids``) their exact logprobs at those
-    ids (index -> ``[L - 1, len(ids[index])]``)."""
+    """Records in request order, the k they were answered at, which came from the cache
+    (``hits``), how many were newly committed, and the exact logprobs at asked ids of misses
+    (``at_ids``: index -> ``[L - 1, len(ids[index])]``)."""
 
     records: list[SequenceRecord]
     k: int
@@ -93,19 +78,15 @@ def checked_as_stored(
     records: Seq[SequenceRecord], manifest: Manifest, check: bool = True
 ) -> list[SequenceRecord]:
     """``records`` as stored (:func:`as_stored`); with ``check``, after the writer's own checks
-    of each (``encode_record``: a bad record raises before anything is queued for the cache, so
-    a rejected request fails no other request's commit and creates no cache)."""
+    of each (a bad record raises before anything is queued for the cache)."""
     for i, rec in enumerate(pipeline.for_store(records, manifest) if check else ()):
         encode_record(rec, manifest, i)
     return [as_stored(rec, manifest) for rec in records]
 
 
 def fold_k(rec: SequenceRecord, k: int) -> SequenceRecord:
-    """``rec`` cut to its first ``k`` columns, the dropped mass folded into the tail.
-
-    ``tail' = clip(tail + sum_{j >= k} exp(logprob_j), 0, 1)`` (sum in float64). ``k`` at or
-    above the record's k returns ``rec`` unchanged.
-    """
+    """``rec`` cut to its first ``k`` columns, ``tail' = clip(tail + sum_{j >= k}
+    exp(logprob_j), 0, 1)``; ``rec`` itself for ``k`` at or above its own."""
     have = rec.topk_ids.shape[1]
     if k >= have:
         return rec
@@ -129,10 +110,8 @@ def record_bytes(rec: SequenceRecord) -> int:
 
 
 class CacheServing:
-    """On-demand answers (``/v1/score``, ``/v1/completions``): with a cache, hits read and misses
-    scored, stored and answered as stored (see the module doc); without one, scored. Checks
-    (k, cache manifest, inputs, answer size) precede any read, engine call or write; the
-    engine work is :meth:`ScoringService.admitted` (the on-demand budget)."""
+    """On-demand answers through a cache (module doc), or scored without one; every check
+    precedes any read, engine call or write."""
 
     def __init__(self, scoring: ScoringService):
         self.scoring = scoring
@@ -148,10 +127,7 @@ class CacheServing:
         await self.commits.aclose()
 
     async def answer(self, req: ScoreRequest, *, frames: bool = False) -> Served:
-        """``/v1/score``: check, then serve from ``req.cache`` or score without one.
-
-        Tokenising and checking run in a worker thread (never on the event loop). Cancelling
-        the awaiting task (client gone, deadline passed) aborts the engine work."""
+        """``/v1/score``: check, then serve from ``req.cache`` or score without one."""
         scoring = self.scoring
         fmt = "frames" if frames else "json"
         asked = targets.of_request(req)
@@ -174,15 +150,7 @@ class CacheServing:
         self, req: ScoreRequest, cache: str, asked: SampledTargets | str | None, fmt: str
     ) -> tuple[Manifest, int, list[Sequence]]:
         """Every check of a request into ``cache`` (blocking; one read of its manifest): the
-        manifest to serve and store with (checked against the engine), the checked k to answer
-        at and the checked sequences (answer size within the limit for ``fmt``).
-
-        A ``k`` other than an existing cache's k is answered at ``k`` (below: folded from the
-        cache; above: :meth:`above`); the cache's teacher identity is checked either way
-        (:meth:`ScoringService.target_manifest`: 409 if another teacher or temperature). A
-        sampled request (``asked``) must match the cache's kind and parameters (409); its k is
-        the draws.
-        """
+        manifest to serve and store with, the k to answer at and the checked sequences."""
         scoring = self.scoring
         stored = scoring.stored_manifest(cache)
         t = scoring.request_temperature(cache, req.temperature, stored)
@@ -203,21 +171,16 @@ class CacheServing:
     def lookup(
         self, cache: str, seqs: Seq[Sequence], store: bool = False
     ) -> dict[int, SequenceRecord]:
-        """Stored records of the hits among ``seqs`` (index -> record); blocking (run in a
-        thread). A key stored with other token ids is not a hit (it is scored, and not stored
-        again). With ``store`` and a miss, 409 first if the store refuses writes
-        (:meth:`~.caches.CacheRegistry.check_writable`: a read-only store still serves hits)."""
+        """Stored records of the hits among ``seqs`` (index -> record; blocking); with ``store`` and
+        a miss, 409 first if the store refuses writes."""
         found = self._hits(cache, seqs)
         if store and len(found) < len(seqs):
             self.caches.check_writable(cache)
         return found
 
     def _hits(self, cache: str, seqs: Seq[Sequence]) -> dict[int, SequenceRecord]:
-        """Stored records of ``seqs`` (by index), or answered and not yet committed ones
-        (:meth:`.appends.GroupCommitter.pending`), with the same token ids. The pending ones
-        are taken before the reader is asked for the others: a record whose commit returns in
-        between is no longer pending but is then in the reader (the commit is reported before
-        it returns: :meth:`~.caches.CacheRegistry.lookup_reader`)."""
+        """Stored or pending records of ``seqs`` (by index) with the same token ids; pending ones
+        are taken first, so a commit in between is found in the reader."""
         got: dict[int, SequenceRecord] = {}
         for i, s in enumerate(seqs):
             if (rec := self.commits.pending(cache, s.key)) is not None:
@@ -241,11 +204,9 @@ class CacheServing:
         }
 
     async def above(self, seqs: Seq[Sequence], k: int, temperature: float | None = None) -> Served:
-        """Answer ``seqs`` at a ``k`` above the cache's: all misses, engine-scored at ``k`` and
-        the cache's ``temperature``, returned as scored and not stored (the cache cannot hold a
-        larger k)."""
-        records = await pipeline.one_batch(
-            list(seqs), score=lambda s: self.scoring.admitted(s, k, temperature=temperature)
+        """Answer ``seqs`` at a ``k`` above the cache's: scored at ``k``, not stored."""
+        records = (
+            await self.scoring.admitted(list(seqs), k, temperature=temperature) if seqs else []
         )
         self.metrics.cache_served(hits=0, misses=len(seqs), tokens_saved=0, bytes_served=0)
         return Served(records=records, k=k, hits=[False] * len(seqs), stored=0)
@@ -261,13 +222,10 @@ class CacheServing:
         ids: Seq[list[int]] | None = None,
         answer_first: bool = False,
     ) -> Served:
-        """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache``: hits read, misses scored
-        at ``manifest.k``, stored (if ``store``) and returned as stored; all folded to ``k``.
-        With ``ids`` (per sequence, a top-k cache), the misses' logprobs at their ids come from
-        the same engine call (``Served.at_ids``). ``answer_first`` (answers that claim nothing
-        stored: ``Served.stored`` is 0): return once the misses are scored, their commit going
-        on behind the answer (:meth:`.appends.GroupCommitter.append_behind`); otherwise return
-        once it has committed them."""
+        """Answer ``seqs`` at ``k <= manifest.k`` from cache ``cache`` (module doc), folded to
+        ``k``. With ``ids``, the misses' logprobs at their ids come from the same engine call
+        (``Served.at_ids``). ``answer_first``: return once the misses are scored, their commit
+        going on behind the answer (``stored`` 0)."""
         with self.commits.ticket(cache) as ticket:
             found = await asyncio.to_thread(self.lookup, cache, seqs, store)
             miss_idx = [i for i in range(len(seqs)) if i not in found]
@@ -280,11 +238,12 @@ class CacheServing:
                 )
                 at_ids = dict(zip(miss_idx, exact, strict=True))
             else:
-                scored = await pipeline.one_batch(
-                    misses,
-                    score=lambda s: self.scoring.admitted(
-                        s, manifest.k, targets=sampled, temperature=manifest.temperature
-                    ),
+                scored = (
+                    await self.scoring.admitted(
+                        misses, manifest.k, targets=sampled, temperature=manifest.temperature
+                    )
+                    if misses
+                    else []
                 )
             as_kept = await asyncio.to_thread(checked_as_stored, scored, manifest, store)
             kept = pipeline.for_store(scored, manifest) if store else []

@@ -1,14 +1,9 @@
 """Named caches under the server's store root, and the one writer per cache this process holds.
 
-A cache name maps to ``<store_root>/<name>`` (a local directory or an object-store prefix). Names
-match :data:`NAME_PATTERN` (letters, digits, ``.``, ``_``, ``-``; no ``/``, no ``..``, at most 128
-characters), so no name can leave the root.
-
-Before anything is written the server's expected manifest (from the engine: teacher, revision,
-tokenizer fingerprint, vocab size, temperature, logprob mode, and the requested k) is compared
-with an existing cache's; any difference is a :class:`~logitcache.server.errors.ConflictError`
-(409). Storage dtypes (``logprob_dtype``, ``tail_mass_dtype``) are the cache's own: a resumed cache
-keeps what it was created with.
+A name (:data:`NAME_PATTERN`) maps to ``<store_root>/<name>`` and cannot leave the root. Before
+anything is written the engine's expected manifest is compared with an existing cache's; any
+difference is a 409 :class:`~logitcache.server.errors.ConflictError`. A resumed cache keeps its
+own storage dtypes.
 """
 
 from __future__ import annotations
@@ -63,14 +58,13 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def check_name(name: str) -> str:
-    """Return ``name`` if it is a valid cache name (one safe segment under the store root,
-    :func:`..paths.one_segment`, without ``..``), else raise :class:`InvalidCacheNameError`."""
+    """``name`` if it is one safe segment under the store root, else
+    :class:`InvalidCacheNameError`."""
     try:
         paths.one_segment(name, NAME_PATTERN, "cache name")
+        ok = ".." not in name
     except paths.UnsafePathError:
         ok = False
-    else:
-        ok = ".." not in name
     if not ok:
         raise InvalidCacheNameError(
             f"invalid cache name {name!r}: use 1-128 of [A-Za-z0-9._-], starting with a letter or "
@@ -85,8 +79,7 @@ _NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 @contextmanager
 def not_writable_as_409(name: str) -> Iterator[None]:
-    """Turn a write refused by the store (read-only file system, no permission) into
-    :class:`StoreNotWritableError` (409 ``store_read_only``) instead of a 500."""
+    """A write the store refuses becomes :class:`StoreNotWritableError` (409), not a 500."""
     try:
         yield
     except OSError as e:
@@ -102,12 +95,9 @@ def is_url(root: str) -> bool:
     return "://" in root
 
 
-#: Seconds a cache's writer stays open after its last user has finished: the next job
-#: into the cache within that time reuses it (:meth:`CacheWriter.refresh`) instead of opening a
-#: new writer, and its first append finds its arrays as it left them.
+#: Seconds a cache's writer stays open after its last user, for the next job to reuse.
 WRITER_IDLE_S = 120.0
-#: Idle writers kept open at most; past that the least recently used is closed. Each holds its
-#: cache's key set and the last shard of every array (~20 MB at k=100).
+#: Idle writers kept open at most (least recently used closed first; ~20 MB each at k=100).
 KEEP_IDLE_WRITERS = 4
 
 
@@ -122,8 +112,8 @@ class _OpenWriter:
 
 
 class WriterHandle:
-    """A shared, serialised view of one cache's writer (see :meth:`CacheRegistry.writer`).
-    ``on_commit(generation, keys)`` is called after each commit (before its append returns)."""
+    """A shared, serialised view of one cache's writer; ``on_commit(generation, keys)`` runs
+    after each commit."""
 
     def __init__(
         self, name: str, entry: _OpenWriter, on_commit: Callable[[int, frozenset[str]], None]
@@ -133,8 +123,7 @@ class WriterHandle:
         self._on_commit = on_commit
 
     def _committed(self, added: int, records: Iterable[SequenceRecord | SequenceBatch]) -> None:
-        """Report a commit's keys: records' own, and every sequence's of a batch (a job's
-        appends hand the writer :class:`SequenceBatch` parts)."""
+        """Report a commit's keys (of records and of :class:`SequenceBatch` parts)."""
         if added > 0:
             keys: set[str] = set()
             for r in records:
@@ -157,9 +146,9 @@ class WriterHandle:
             return added
 
     def append_parts(self, parts: Sequence[Sequence[SequenceRecord]]) -> list[int]:
-        """One append (one commit) of every part's records; the new records of each part (a
-        key counts for its first part; a shortfall from another process's commits of the same
-        keys meanwhile is taken from the last parts, whose keys are committed either way)."""
+        """One append (one commit) of every part's records; returns each part's new records (a
+        key counts for its first part; keys another process committed meanwhile are taken off
+        the last parts)."""
         with self._entry.lock, not_writable_as_409(self.name):
             w = self._entry.writer
             keys = list(dict.fromkeys(r.key for part in parts for r in part))
@@ -180,12 +169,11 @@ class WriterHandle:
         return counts
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is committed; does not wait for an append in progress (a key being
-        committed right now may read as absent: re-appending it is a no-op)."""
+        """Whether ``key`` is committed (an append in progress is not waited for)."""
         return self._entry.writer.contains(key)
 
     def missing(self, keys: Sequence[str]) -> list[str]:
-        """The keys of ``keys`` not yet committed, in order (see :meth:`contains`)."""
+        """The keys of ``keys`` not yet committed, in order."""
         return self._entry.writer.missing(keys)
 
 
@@ -202,11 +190,8 @@ ROOT_MARKED = (
 
 
 class CacheRegistry:
-    """Resolves cache names to store URLs, lists caches, and shares one writer per cache.
-
-    Thread-safe: writers are opened, shared and closed under a lock; appends to one cache are
-    serialised by that cache's own lock.
-    """
+    """Resolves cache names to store URLs, lists caches, and shares one writer per cache
+    (thread-safe; appends to one cache are serialised by its own lock)."""
 
     def __init__(
         self,
@@ -216,9 +201,8 @@ class CacheRegistry:
         idle_s: float = WRITER_IDLE_S,
         keep_idle: int = KEEP_IDLE_WRITERS,
     ):
-        """``idle_s``/``keep_idle``: how long and how many of the caches' writers stay open
-        after their last user (:data:`WRITER_IDLE_S`, :data:`KEEP_IDLE_WRITERS`; ``0``: closed
-        at once)."""
+        """``idle_s``/``keep_idle``: how long and how many writers stay open after their last
+        user (``0``: closed at once)."""
         if not is_url(root):
             root = str(Path(root).expanduser().resolve())
             Path(root).mkdir(parents=True, exist_ok=True)
@@ -236,9 +220,8 @@ class CacheRegistry:
     # --- naming / discovery ---------------------------------------------------------------
 
     def url(self, name: str) -> str:
-        """The store URL (or local path) of cache ``name`` (validated; a local cache folder
-        must lie inside the root, links followed: :func:`..paths.resolve_under`, asked only of
-        a link, since the root is resolved and ``name`` is one segment)."""
+        """The store URL (or local path) of cache ``name``; a linked local folder must resolve
+        inside the root."""
         check_name(name)
         url = f"{self.root}/{name}"
         if not is_url(self.root) and os.path.islink(url):
@@ -246,10 +229,7 @@ class CacheRegistry:
         return url
 
     def names(self) -> list[str]:
-        """Names of the caches (entries with a root ``zarr.json``) under the root, sorted.
-
-        Listed through the same store (and storage options) that reads and writes the caches
-        (``cache_format.store.list_children``)."""
+        """Names of the caches (entries with a root ``zarr.json``) under the root, sorted."""
         from logitcache.cache_format.store import list_children
 
         root = self._root_store()
@@ -269,29 +249,19 @@ class CacheRegistry:
             return self._root
 
     def reader(self, name: str) -> CacheReader:
-        """A reader of cache ``name`` at its latest commit; :class:`NotFoundError` if none.
-
-        Readers are kept per cache and refreshed (incrementally) on each call, so streaming a
-        large cache block by block does not reload its index every time. Reads of an older
-        snapshot stay valid while a refresh runs (the committed prefix never changes).
-        """
+        """A reader of cache ``name`` at its latest commit (kept per cache, refreshed
+        incrementally); :class:`NotFoundError` if none."""
         return self._readers.reader(name)
 
     def lookup_reader(self, name: str, keys: Collection[str]) -> CacheReader:
         """A reader of cache ``name`` holding every one of ``keys`` committed before this call
-        (a read-through lookup's): the kept one without a refresh unless a commit since may
-        hold one of them (:meth:`.readers.KeptReaders.lookup_reader`); :class:`NotFoundError`
-        if none."""
+        (refreshed only if a commit since may hold one); :class:`NotFoundError` if none."""
         return self._readers.lookup_reader(name, keys)
 
     def incomplete_reason(self, name: str) -> str | None:
-        """Why ``name`` is a store whose creation was interrupted (a crash inside
-        ``CacheWriter._create``, FORMAT.md's create order: root marked incomplete, arrays, then the
-        manifest), or None if it is not one. Two on-disk states: a non-empty local folder without a
-        root ``zarr.json`` (killed before the first write; e.g. only the writer's lock file), or a
-        root ``zarr.json`` whose attributes carry the incomplete mark and no manifest (killed while
-        the arrays were created). Neither holds committed data, and the writer's next ``open``
-        re-creates such a store, so that is the repair; without a manifest nothing else can be."""
+        """Why ``name`` is a store whose creation was interrupted (a non-empty local folder
+        without a root ``zarr.json``, or a root marked incomplete without a manifest), or None.
+        Neither holds committed data; the writer's next ``open`` re-creates it."""
         if not is_url(self.root):
             d = Path(self.root) / name
             try:
@@ -313,7 +283,7 @@ class CacheRegistry:
 
     def open_reader(self, name: str) -> CacheReader:
         """The reader of ``name``: 404 if absent, 409 ``cache_incomplete`` / ``cache_broken`` if its
-        store exists but cannot be used (message without paths)."""
+        store cannot be used."""
         try:
             return self.reader(name)
         except Exception as e:  # noqa: BLE001 - any failure to open is reported, not a 500
@@ -325,8 +295,7 @@ class CacheRegistry:
             raise broken(name, e) from None
 
     def incomplete(self) -> dict[str, str]:
-        """Every store under a local root whose creation was interrupted, with the reason (what
-        start-up logs and ``GET /v1/caches`` lists)."""
+        """Every store under a local root whose creation was interrupted, with the reason."""
         if is_url(self.root):
             return {}
         try:
@@ -352,11 +321,8 @@ class CacheRegistry:
             return self._stores[name]
 
     def manifest(self, name: str) -> Manifest | None:
-        """The committed manifest of cache ``name``, or ``None`` if the cache does not exist
-        (or holds no committed manifest: the next writer creates it). Read from the root
-        ``zarr.json`` alone: a job asks twice (at submission and at its start), and a reader's
-        refresh would also load the new part of the sequence index (~5.5 ms of CPU per call at
-        2K sequences). A root that cannot be read raises."""
+        """The committed manifest of cache ``name`` (read from the root ``zarr.json`` alone), or
+        ``None`` if there is none yet; a root that cannot be read raises."""
         try:
             attrs = read_root_attrs(self.store(name))
         except (StoreNotFoundError, FileNotFoundError):
@@ -372,8 +338,7 @@ class CacheRegistry:
 
     def check_writable(self, name: str) -> None:
         """:class:`StoreNotWritableError` (409) if a local store refuses writes to cache
-        ``name`` (its folder, or the root for a new cache: a read-only file system, no
-        permission), so a request or job that would write is refused before any engine work."""
+        ``name`` (its folder, or the root for a new cache), before any engine work."""
         if is_url(self.root):
             return
         folder = Path(self.url(name))
@@ -387,13 +352,9 @@ class CacheRegistry:
     def target_manifest(
         self, name: str, expected: Manifest, *, k: int | None, stored: Manifest | None
     ) -> Manifest:
-        """The manifest a writer of ``name`` must use for ``expected``'s teacher.
-
-        For a new cache: ``expected``. For an existing cache: its own
-        manifest, after checking that every teacher field, ``k`` (when given) and the target
-        kind (``targets``, ``sampling``) agree; any difference raises :class:`ConflictError`
-        listing them. ``stored``: the cache's manifest as :meth:`manifest` has just read it.
-        """
+        """The manifest a writer of ``name`` must use: ``expected`` for a new cache, else the
+        ``stored`` one once every teacher field, ``k`` (when given) and the target kind agree
+        (:class:`ConflictError` listing the differences)."""
         if stored is None:
             return expected
         diff: dict[str, Any] = {
@@ -421,14 +382,10 @@ class CacheRegistry:
     def writer(
         self, name: str, manifest: Manifest, layout: str | None = None, head: Any = None
     ) -> Iterator[WriterHandle]:
-        """Use the process's writer of cache ``name``: opened on first use, shared by its
-        concurrent users, and kept open for ``idle_s`` after the last one leaves (at most
-        ``keep_idle`` idle writers), so back-to-back jobs into one cache share it. A kept writer
-        taken up again first catches up with other processes' commits
-        (:meth:`CacheWriter.refresh`; a store removed or made again meanwhile gets a new writer,
-        as a fresh open would). ``layout``: the preset a cache created here gets
-        (``spec.LAYOUTS``; an existing cache keeps its own, FORMAT.md 4.7). ``head``: the
-        teacher head of a hidden cache (``CacheWriter.open``'s, FORMAT.md 4.10)."""
+        """Use the process's writer of cache ``name``: opened on first use, shared by concurrent
+        users, kept open ``idle_s`` after the last leaves, and caught up with other processes'
+        commits when taken up again. ``layout``: the preset of a cache created here; ``head``:
+        the teacher head of a hidden cache."""
         with self._lock:
             entry = self._take(name, manifest, layout, head)
         try:
@@ -460,10 +417,8 @@ class CacheRegistry:
 
     @staticmethod
     def _revive(entry: _OpenWriter, manifest: Manifest) -> bool:
-        """Ready an idle entry for a new first user with ``manifest``: its timer stopped, the
-        writer caught up with other writers' commits. ``False``: open a new writer instead
-        (another identity, whose fresh open raises the store's own error; a store removed or
-        made again; any error while catching up, which a fresh open reports if it persists)."""
+        """Ready an idle entry for a new first user (timer stopped, writer caught up);
+        ``False``: open a new writer instead."""
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
@@ -480,9 +435,8 @@ class CacheRegistry:
         return fresh
 
     def _release(self, name: str, entry: _OpenWriter) -> None:
-        """One user less; the last one leaves the writer idle (closed after ``idle_s``, or at
-        once when nothing is kept), and the least recently used idle writers past
-        ``keep_idle`` are closed."""
+        """One user less; the last leaves the writer idle (closed after ``idle_s``); idle
+        writers past ``keep_idle`` are closed, least recently used first."""
         with self._lock:
             entry.users -= 1
             if entry.users > 0:
@@ -501,8 +455,7 @@ class CacheRegistry:
                 self._drop(n, self._writers[n])
 
     def _expire(self, name: str, entry: _OpenWriter, since: float) -> None:
-        """Timer: close ``entry`` if it is still ``name``'s writer and still idle since
-        ``since`` (not taken up and left again meanwhile: that started a new timer)."""
+        """Timer: close ``entry`` if it is still ``name``'s writer, idle since ``since``."""
         with self._lock:
             if self._writers.get(name) is entry and entry.idle_since == since:
                 self._drop(name, entry)
@@ -533,8 +486,7 @@ class CacheRegistry:
             return True
 
     def close(self) -> None:
-        """Close every open writer, idle or in use (shutdown: the job runner has stopped); a
-        writer used after this is closed when its last user leaves, none is kept."""
+        """Close every open writer (shutdown); none is kept after this."""
         with self._lock:
             self._closed = True
             entries = list(self._writers.items())
@@ -543,9 +495,7 @@ class CacheRegistry:
 
 
 def _holds_chunks(folder: Path) -> bool:
-    """Whether a local store holds a chunk or shard (any object but metadata, a local write's
-    ``*.partial`` and the writer lock): only an append writes one, so such a store is not one
-    whose creation was interrupted."""
+    """Whether a local store holds a chunk or shard (only an append writes one)."""
     for _, _, files in os.walk(folder):
         for f in files:
             if f != "zarr.json" and f != LOCK_NAME and not f.endswith(".partial"):
@@ -563,8 +513,7 @@ def broken(name: str, e: BaseException) -> CacheBrokenError:
 
 @contextmanager
 def broken_store(name: str) -> Iterator[None]:
-    """Turn an unreadable store (any error but a typed 4xx finding) into 409 ``cache_broken``
-    instead of a 500."""
+    """An unreadable store (any error but a typed 4xx) becomes 409 ``cache_broken``."""
     try:
         yield
     except ServiceError:
@@ -586,9 +535,7 @@ def _exists(zstore: Any, key: str) -> bool:
 def expected_manifest(
     info: EngineInfo, *, k: int, logprob_dtype: str, dataset: str = ""
 ) -> Manifest:
-    """The manifest of a new cache of top-``k`` rows from the engine described by ``info``: its
-    teacher identity (:func:`~.engine.identity.teacher_identity`; the weights hash and dtype go
-    to ``extra["teacher"]``), ``k``, the storage dtype and the dataset description."""
+    """The manifest of a new cache of top-``k`` rows from the engine described by ``info``."""
     ident = teacher_identity(info)
     return Manifest(
         **{f: ident[f] for f in TEACHER_FIELDS},

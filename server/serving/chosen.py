@@ -74,9 +74,8 @@ def from_rows(rec: SequenceRecord, asked: np.ndarray, first: int) -> np.ndarray 
 def from_tail(
     rec: SequenceRecord, asked: np.ndarray, first: int, vocab_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The logprobs at ``asked`` from ``rec``'s rows ``first ..``: an id in its row's top-k
-    exact, any other ``log(tail / (V - k))`` (the row's tail mass spread uniformly over the ids
-    outside its top-k); and the mask of the latter."""
+    """The logprobs at ``asked`` from ``rec``'s rows ``first ..`` (an id outside a row's top-k
+    gets ``log(tail / (V - k))``) and the mask of those."""
     lps, found = _lookup(rec, asked, first)
     k = rec.topk_ids.shape[1]
     tail = rec.tail_or_computed()[first : first + asked.shape[0]].astype(np.float64)
@@ -87,9 +86,8 @@ def from_tail(
 
 
 def _lookup(rec: SequenceRecord, asked: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
-    """The logprobs at ``asked`` found in ``rec``'s top-k rows ``first ..`` (padding ``-inf``)
-    and the mask of those found (padding counts as found). One sorted search over ``(row, id)``
-    keys: memory ``O(rows * (k + ids))``."""
+    """The logprobs at ``asked`` found in ``rec``'s top-k rows ``first ..`` and the mask of those
+    found (padding counts as found), by one sorted search."""
     n = asked.shape[0]
     rows = rec.topk_ids[first : first + n].astype(np.int64)
     row_of = np.arange(n, dtype=np.int64)[:, None] << 32
@@ -113,9 +111,8 @@ def union(asked: np.ndarray) -> np.ndarray:
 
 
 def one_call_ids(asked: Seq[np.ndarray]) -> list[list[int]] | None:
-    """Per sequence the :func:`union` of its asks for :meth:`~.cache_hits.CacheServing.serve`'s
-    ``ids`` (misses then score their top-k rows and these ids in one engine call), or ``None``
-    when a union is over :data:`IDS_PER_CALL`."""
+    """Per sequence the :func:`union` of its asks, for one engine call with its top-k rows, or
+    ``None`` when a union is over :data:`IDS_PER_CALL`."""
     unions = [union(a) for a in asked]
     if any(u.size > IDS_PER_CALL for u in unions):
         return None
@@ -145,12 +142,9 @@ async def at_chosen_ids(
     known: Mapping[int, np.ndarray] | None = None,
     approximate: bool = False,
 ) -> Chosen:
-    """The logprobs at ``asked[i]`` (rows ``first[i] ..``) of each sequence: from its
-    ``records[i]`` when they hold every asked id, else exact: from ``known[i]`` (the engine's
-    ``[L - 1, len(union(asked[i]))]`` logprobs at :func:`union` ``(asked[i])``, scored with
-    the sequence's rows) when given, else from the engine at ``temperature``; with
-    ``approximate``, from the tail (:func:`from_tail`) instead of the engine (module doc). The
-    asks are checked (:func:`check_asked`) by the caller."""
+    """The logprobs at ``asked[i]`` (rows ``first[i] ..``) of each sequence: from
+    ``records[i]`` when they hold every asked id, else from ``known[i]`` or the engine (with
+    ``approximate``, from the tail); the caller checked the asks."""
     known = known or {}
     out: list[np.ndarray | None] = [
         from_rows(rec, a, f) for rec, a, f in zip(records, asked, first, strict=True)

@@ -1,13 +1,7 @@
 """The readers a :class:`~.caches.CacheRegistry` keeps, one per cache, and when a read-through
-lookup may use one without a refresh.
-
-A reader's refresh after a commit reads the root, the new index block and the arrays' metadata
-(milliseconds, more under load), and the read-through routes commit into their cache after
-nearly every miss. The registry's writers report each commit of this process (generation and
-keys, before the append returns: :meth:`KeptReaders.committed`), so a lookup
-(:meth:`KeptReaders.lookup_reader`) reads only the root's committed generation: the kept reader
-serves it as it is when no commit since holds any of the asked keys, and is refreshed when one
-does or when a commit since is not one this process reported (another process's).
+lookup may use one without a refresh: the registry's writers report this process's commits
+(:meth:`KeptReaders.committed`), so a lookup refreshes only when a commit since its reader's
+generation may hold an asked key or came from another process.
 """
 
 from __future__ import annotations
@@ -79,10 +73,8 @@ class KeptReaders:
             raise NotFoundError(f"no cache named {name!r}") from e
 
     def lookup_reader(self, name: str, keys: Collection[str]) -> CacheReader:
-        """A reader of ``name`` that holds every one of ``keys`` committed before this call;
-        :class:`NotFoundError` if there is no cache. The kept reader as it is when the root's
-        committed generation is its own, or when every commit since is one of this process's
-        (:meth:`committed`) holding none of ``keys``; else refreshed (:meth:`reader`)."""
+        """A reader of ``name`` holding every one of ``keys`` committed before this call (the kept
+        one unless a commit since may hold one); :class:`NotFoundError` if there is no cache."""
         with self._lock:
             entry = self._kept.get(name)
         if entry is not None:

@@ -1,9 +1,7 @@
 """On-demand scoring: checked sequences in, :class:`SequenceRecord` s out (no FastAPI here).
 
-For a sequence ``x_0..x_{L-1}`` the engine returns ``L - 1`` rows (DESIGN.md alignment); a record
-is the sequence's key, its ids and those rows. Every check (k within the engine's limit, ids in
-the vocabulary, lengths, cache identity) runs before the engine is called, so a rejected request
-neither costs engine time nor writes anything.
+Every check (k, ids, lengths, cache identity) runs before the engine is called: a rejected
+request costs no engine time and writes nothing.
 """
 
 from __future__ import annotations
@@ -48,10 +46,7 @@ if TYPE_CHECKING:
 
 
 #: Per answer format: upper-bound bytes per top-k value, per row, per token and per sequence,
-#: and what to change when an answer would be over ``max_response_bytes``. JSON: an id of up to
-#: 10 digits and a float of up to 22 characters with separators, the tail per row,
-#: ``input_ids`` per token; frames: 8 bytes a value, 4 a row; completions: vLLM's per-id dict
-#: (logprob, rank, decoded token) for every value; npy: a base64 float32.
+#: and what to change when an answer would be over ``max_response_bytes``.
 _SEQS = "send fewer or shorter sequences"
 _FRAMES = f"ask for frames (Accept: {FRAMES_MEDIA_TYPE})"
 ANSWER_BYTES: dict[str, tuple[int, int, int, int, str]] = {
@@ -66,8 +61,7 @@ ANSWER_BYTES: dict[str, tuple[int, int, int, int, str]] = {
 def raws(
     field: str, items: Seq[str | Seq[int]], keys: Seq[str | None] | None = None
 ) -> list[RawRecord]:
-    """The raw records of a request's list ``field``: a text, or token ids, per item (``keys``:
-    their ids; default none)."""
+    """The raw records of a request's list ``field`` (a text or token ids per item)."""
     return [
         RawRecord(
             where=f"{field}[{i}]",
@@ -85,15 +79,13 @@ class Unread(enum.Enum):
     UNREAD = 0
 
 
-#: A cache manifest argument the callee reads itself (:meth:`ScoringService.stored_manifest`),
-#: unlike one its caller has just read (``None``: no cache).
+#: A cache manifest argument the callee reads itself (``None``: no cache).
 UNREAD = Unread.UNREAD
 
 
 class ScoringService:
     """Checks on-demand requests against the engine and the limits, and scores checked
-    sequences under the on-demand admission budget (no cache logic: see
-    :class:`~.cache_hits.CacheServing`, which calls this)."""
+    sequences under the on-demand admission budget (no cache logic)."""
 
     def __init__(
         self,
@@ -123,9 +115,7 @@ class ScoringService:
     # --- checks ---------------------------------------------------------------------------
 
     def check_k(self, k: int | None) -> int | None:
-        """The one range check of a request's or job's ``k`` (the engine's
-        :func:`~.engine.protocol.check_k`: ``1 <= k <= max_k``); 422 otherwise, before any
-        engine work. ``None`` (the request names none) stays ``None``."""
+        """The one range check of a request's or job's ``k`` (422); ``None`` stays ``None``."""
         if k is None:
             return None
         info = self.engine.info
@@ -150,8 +140,7 @@ class ScoringService:
         stored: Manifest | None | Unread = UNREAD,
     ) -> float:
         """The temperature an on-demand request is scored at: its own, else an existing
-        ``cache``'s (as its k and sampling parameters are; ``stored``: its manifest as the
-        caller read it), else the engine's."""
+        ``cache``'s, else the engine's."""
         checked = self.check_temperature(temperature)
         if checked is not None:
             return checked
@@ -166,8 +155,7 @@ class ScoringService:
         temperature: float | None = None,
         targets: SampledTargets | None = None,
     ) -> Manifest:
-        """:func:`.targets.new_manifest` of this server's engine at a checked ``k`` and
-        ``temperature`` (``None``: the engine's)."""
+        """:func:`.targets.new_manifest` of this engine at ``k`` and ``temperature``."""
         info = self.engine.info
         if temperature is not None:
             info = replace(info, temperature=temperature)
@@ -182,16 +170,10 @@ class ScoringService:
         temperature: float | None = None,
         stored: Manifest | None | Unread = UNREAD,
     ) -> Manifest:
-        """The manifest to write ``cache`` with for a checked ``k`` (:meth:`check_k`), the
-        asked target kind (:func:`.targets.of_request`) and a checked ``temperature``
-        (``None``: the engine's; a cache made at another is a 409 like another teacher).
-        ``stored``: the cache's manifest as the caller read it (:meth:`stored_manifest`).
-
-        Top-k: an existing cache's own (its k when ``k`` is None), else a new one at ``k`` (or
-        :attr:`default_k`). Sampled: the parameters (:func:`.targets.resolve`, checked against
-        the engine: 422) and a new cache's manifest at ``k = head + draws``. Either way a
-        :class:`ConflictError` if the cache holds another teacher, kind, k or sampling
-        parameters, and 422 if an existing cache's k is beyond this engine's."""
+        """The manifest to write ``cache`` with for a checked ``k``, target kind ``asked`` and
+        ``temperature``: an existing cache's own, else a new one (at ``k`` or
+        :attr:`default_k`; sampled: ``head + draws``). 409 if the cache holds another teacher,
+        kind, k, temperature or sampling parameters; 422 if its k is beyond this engine's."""
         name = check_name(cache)
         if stored is UNREAD:
             stored = self.stored_manifest(name)
@@ -210,9 +192,8 @@ class ScoringService:
         return self._same_entropy(manifest)
 
     def _same_entropy(self, manifest: Manifest) -> Manifest:
-        """``manifest`` if its cache keeps per-row entropy (FORMAT.md 4.9) exactly when this
-        server computes it (setting ``entropy``), else a :class:`ConflictError` (nothing is
-        scored or written: the rows would lack it, or it would be lost)."""
+        """``manifest`` if its cache keeps per-row entropy exactly when this server computes it,
+        else a :class:`ConflictError`."""
         if manifest.entropy != self.settings.entropy:
             have = "keeps" if manifest.entropy else "does not keep"
             raise ConflictError(
@@ -223,9 +204,8 @@ class ScoringService:
         return manifest
 
     def hidden_manifest(self, dataset: str = "", temperature: float | None = None) -> Manifest:
-        """The manifest of a new ``targets="hidden"`` cache of this engine (FORMAT.md 4.10):
-        bfloat16 rows, the engine's head described (and content-hashed) in ``hidden``; 422 if
-        the engine does not capture hidden states."""
+        """The manifest of a new ``targets="hidden"`` cache of this engine (bfloat16 rows, the
+        engine's head in ``hidden``); 422 if the engine does not capture hidden states."""
         doc = self.new_manifest(1, dataset, temperature).model_dump()
         doc.update(
             targets="hidden", hidden=self.teacher_head().spec("bfloat16"), actual_logprob=False
@@ -243,23 +223,19 @@ class ScoringService:
             raise InvalidInputError(str(e)) from None
 
     def route_manifest(self, cache: str, temperature: float | None) -> Manifest:
-        """The top-k manifest of a protocol route's ``cache`` (at its own k) at a checked
-        ``temperature`` (``None``: an existing cache's, else the engine's); 409 if the cache
-        was made at another temperature or by another teacher."""
+        """The top-k manifest of a protocol route's ``cache`` at :meth:`request_temperature`."""
         stored = self.stored_manifest(cache)
         t = self.request_temperature(cache, temperature, stored)
         return self.target_manifest(cache, None, temperature=t, stored=stored)
 
     def stored_manifest(self, cache: str) -> Manifest | None:
-        """Cache ``cache``'s committed manifest (None if absent); 409 ``cache_broken`` if its
-        store exists but cannot be read."""
+        """Cache ``cache``'s committed manifest (None if absent; 409 if unreadable)."""
         name = check_name(cache)
         with broken_store(name):
             return self.caches.manifest(name)
 
     def sampled_targets(self, asked: SampledTargets | str | None) -> SampledTargets | None:
-        """The sampled-target parameters of a request without a cache (``None``: top-k),
-        checked against the engine (422); ``"sampled"``: the defaults of :mod:`.targets`."""
+        """The checked sampled parameters of a request without a cache (``None``: top-k)."""
         return None if asked is None else self._sampled(resolve(asked, None))
 
     def _sampled(self, chosen: SampledTargets | None) -> SampledTargets | None:
@@ -275,16 +251,15 @@ class ScoringService:
         return self.checked(raws(field, items or [], req.keys), "sequences", " per request")
 
     def checked(self, records: Seq[RawRecord], noun: str, per: str = "") -> list[Sequence]:
-        """Checked sequences of the raw records of one request (``noun``: what the limit's
-        message calls them); 413 over ``max_score_sequences``."""
+        """Checked sequences of one request's raw records; 413 over ``max_score_sequences``."""
         n, limit = len(records), self.settings.max_score_sequences
         if n > limit:
             raise PayloadTooLargeError(f"{n} {noun} exceed the limit of {limit}{per}")
         return [to_sequence(r, self.engine.tokenize, self.limits) for r in records]
 
     def check_answer_size(self, seqs: Seq[Sequence], k: int, answer: str) -> None:
-        """413 before any engine work if the answer (``answer``: a format of
-        :data:`ANSWER_BYTES`) could exceed ``max_response_bytes`` (an upper-bound estimate)."""
+        """413 before any engine work if the answer (a format of :data:`ANSWER_BYTES`) could
+        exceed ``max_response_bytes``."""
         per_value, per_row, per_token, per_seq, smaller = ANSWER_BYTES[answer]
         tokens = sum(s.length for s in seqs)
         rows = tokens - len(seqs)
@@ -308,8 +283,7 @@ class ScoringService:
 
     @contextlib.asynccontextmanager
     async def _admission(self, tokens: int) -> AsyncIterator[None]:
-        """Hold ``tokens`` of the on-demand budget around engine work (429 when full); the
-        budget's token rate learns only from work that finished."""
+        """Hold ``tokens`` of the on-demand budget around engine work (429 when full)."""
         self.admit(tokens)
         self.active += 1
         t0 = time.perf_counter()
@@ -329,9 +303,8 @@ class ScoringService:
         targets: SampledTargets | None = None,
         temperature: float | None = None,
     ) -> list[SequenceRecord]:
-        """Engine records of ``seqs`` at ``k`` (or sampled rows with ``targets``) at
-        ``temperature`` (``None``: the engine's) under the on-demand admission budget (429 when
-        full). Cancelling the awaiting task aborts the engine work."""
+        """Engine records of ``seqs`` at ``k`` (or sampled rows) under the admission budget;
+        cancelling the awaiting task aborts the engine work."""
         async with self._admission(sum(s.length for s in seqs)):
             return await pipeline.engine_records(
                 self.engine,
@@ -346,37 +319,30 @@ class ScoringService:
     async def admitted_ids(
         self, seqs: Seq[Sequence], ids: Seq[Seq[int]], temperature: float | None = None
     ) -> list[np.ndarray]:
-        """The engine's exact logprobs at chosen ids (``score_ids``: per sequence ``i`` a float32
-        ``[L_i - 1, len(ids[i])]`` array) at ``temperature`` under the on-demand admission
-        budget; an id list the engine refuses is a 422."""
-        chosen = [list(c) for c in ids]
-        prompts = [s.input_ids for s in seqs]
-        out: list[np.ndarray] = await self._ids_call(
-            seqs, "score_ids", prompts, chosen, temperature
-        )
+        """The engine's exact logprobs at chosen ids (per sequence ``i`` a float32
+        ``[L_i - 1, len(ids[i])]`` array) under the admission budget."""
+        out: list[np.ndarray] = await self._ids_call(seqs, None, ids, temperature)
         return out
 
     async def admitted_with_ids(
         self, seqs: Seq[Sequence], k: int, ids: Seq[Seq[int]], temperature: float | None = None
     ) -> tuple[list[SequenceRecord], list[np.ndarray]]:
-        """Engine records of ``seqs`` at ``k`` and the exact logprobs at ``ids`` (as
-        :meth:`admitted_ids`) from one engine call (``score_with_ids``)."""
-        chosen = [list(c) for c in ids]
-        prompts = [s.input_ids for s in seqs]
-        scores, at_ids = await self._ids_call(
-            seqs, "score_with_ids", prompts, k, chosen, temperature
-        )
+        """Engine records at ``k`` and the exact logprobs at ``ids`` from one engine call."""
+        scores, at_ids = await self._ids_call(seqs, k, ids, temperature)
         return await asyncio.to_thread(pipeline.to_records, seqs, scores), at_ids
 
-    async def _ids_call(self, seqs: Seq[Sequence], method: str, *args: Any) -> Any:
-        """The engine's ``method`` (``score_ids`` or ``score_with_ids``) with ``args`` on
-        ``seqs`` under the admission budget, timed as on-demand scoring; an engine without it
-        or ids it refuses are a 422."""
-        call = getattr(self.engine, method, None)
+    async def _ids_call(
+        self, seqs: Seq[Sequence], k: int | None, ids: Seq[Seq[int]], temperature: float | None
+    ) -> Any:
+        """The engine's ``score_ids`` (``k`` None) or ``score_with_ids`` at ``k`` under the
+        admission budget; an engine without it or ids it refuses are a 422."""
+        call = getattr(self.engine, "score_ids" if k is None else "score_with_ids", None)
         if call is None:
             raise InvalidInputError("this engine cannot score chosen token ids")
+        prompts, chosen = [s.input_ids for s in seqs], [list(c) for c in ids]
+        args = (prompts, chosen) if k is None else (prompts, k, chosen)
         async with self._admission(sum(s.length for s in seqs)):
             try:
-                return await pipeline.timed(call(*args), seqs, self.metrics, "score")
+                return await pipeline.timed(call(*args, temperature), seqs, self.metrics, "score")
             except EngineInputError as e:
                 raise InvalidInputError(str(e)) from None

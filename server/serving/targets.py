@@ -1,20 +1,9 @@
 """The target kind of a request or job: top-k rows or sampled targets.
 
-A request (``/v1/score``, ``/v1/jobs``) names ``targets`` (``"topk"``, the default, or
-``"sampled"``) and, for ``"sampled"``, optionally ``sampling = {draws, proposal_temperature,
-seed, head}`` (FORMAT.md 4.4; the engine contract in ``server/engine/protocol.py``). Rules:
-
-* ``sampling`` with ``targets="topk"`` is a 422; so is ``k`` with ``targets="sampled"`` (a
-  sampled row has ``head + draws`` slots; ``k`` of the cache is ``head + draws``): the request
-  models refuse them (:mod:`logitcache.protocol`).
-* ``targets="sampled"`` without ``sampling``: an existing sampled cache's own parameters, else
-  :data:`DEFAULT_DRAWS` draws at proposal temperature 1 and seed 0.
-* One cache holds one kind: a request whose kind or sampling parameters differ from an existing
-  cache's is a 409 (``ConflictError`` from ``CacheRegistry.target_manifest``).
-
-The kind then travels as the manifest written: :func:`targets_of` gives the engine call's
-:class:`~.engine.SampledTargets` (``None`` for top-k), which
-:func:`~logitcache.server.batch.pipeline.call_engine` passes on.
+A request names ``targets`` (``"topk"`` or ``"sampled"``) and optionally ``sampling`` (FORMAT.md
+4.4); without it a sampled request takes an existing sampled cache's parameters, else the
+defaults (:data:`DEFAULT_DRAWS`). One cache holds one kind (409 otherwise). :func:`targets_of`
+gives a manifest's engine call parameters (``None`` for top-k).
 """
 
 from __future__ import annotations
@@ -78,9 +67,8 @@ class Asks(Protocol):
 
 
 def of_request(req: Asks) -> SampledTargets | str | None:
-    """What a validated ``ScoreRequest`` or ``JobCreate`` asks for (its model has refused
-    ``k`` or ``sampling`` beside a kind they do not apply to): ``None`` (top-k), ``"hidden"``,
-    ``"sampled"`` (parameters from the cache or the defaults) or a :class:`SampledTargets`."""
+    """What a validated ``ScoreRequest`` or ``JobCreate`` asks for: ``None`` (top-k),
+    ``"hidden"``, ``"sampled"`` or a :class:`SampledTargets`."""
     if req.targets != "sampled":
         return None if req.targets == "topk" else req.targets
     s = req.sampling
@@ -108,10 +96,8 @@ def new_manifest(
     dataset: str = "",
     targets: SampledTargets | None = None,
 ) -> Manifest:
-    """The manifest of a new cache the engine ``info`` describes writes under ``settings``:
-    top-``k`` rows, keeping the actual tokens' logprobs with the ``actual_logprob`` setting
-    (FORMAT.md 4.12), or ``targets``' sampled rows (:func:`with_targets`); either way the rows'
-    entropy with the ``entropy`` setting (FORMAT.md 4.9)."""
+    """The manifest of a new cache of the engine ``info`` under ``settings``: top-``k`` or
+    ``targets``' sampled rows, with the ``actual_logprob`` and ``entropy`` settings."""
     top = expected_manifest(info, k=k, logprob_dtype=settings.logprob_dtype, dataset=dataset)
     flags = {"entropy": settings.entropy, "actual_logprob": settings.actual_logprob and not targets}
     return with_targets(top.model_copy(update=flags), targets)

@@ -1,16 +1,10 @@
 """Several teachers behind one service: :class:`TeacherPool`.
 
-Each teacher (:meth:`~..settings.ServerSettings.teacher_list`; one teacher is the one-teacher
-case) has its own engine, :class:`~.scoring.ScoringService` and :class:`~.cache_hits.CacheServing`
-over the service's one cache registry (a cache records its teacher's identity, so one teacher's
-cache is a 409 to another). Requests and jobs reach a teacher only through :meth:`TeacherPool.use`,
-which routes by the request's ``model`` (404 :class:`UnknownModelError` for a name it does not
-serve), loads the teacher's engine when it is not loaded, and counts the work in flight.
-
-Loading keeps the loaded teachers' ``memory_bytes`` within ``teacher_memory_bytes``: the least
-recently used *idle* teachers are unloaded first (their queued cache appends committed, their
-engines closed); a teacher with work in flight is never unloaded, so a load that cannot fit
-waits for one to become idle (one teacher alone is always let in). Loads run one at a time.
+Each teacher has its own engine, :class:`~.scoring.ScoringService` and
+:class:`~.cache_hits.CacheServing` over the one cache registry. Requests and jobs reach a teacher
+through :meth:`TeacherPool.use` (404 for an unknown ``model``), which loads it and counts its work
+in flight. Loads run one at a time and keep the loaded teachers within ``teacher_memory_bytes``
+by unloading the least recently used idle ones (one teacher is always let in).
 """
 
 from __future__ import annotations
@@ -93,12 +87,9 @@ class Teacher:
         return self.state == "loaded"
 
     def route_cache(self, asked: str | None, base: str, temperature: float | None) -> str:
-        """The checked name of the cache a protocol route (``/v1/completions``, ``/generate``)
-        serves this teacher from: ``asked`` (the request's), else ``base`` (the default teacher)
-        or ``f"{base}-{name}"`` (any other, so teachers never share one), suffixed
-        ``f"-t{T}"`` at a ``temperature`` other than the engine's (``T`` as Python's shortest
-        ``repr``, e.g. ``openai-completions-t0.7``: each temperature a trainer sends gets a
-        cache of its own and none answers another's)."""
+        """The checked cache name a protocol route serves this teacher from: ``asked``, else
+        ``base`` (default teacher) or ``f"{base}-{name}"``, suffixed ``f"-t{T}"`` at a temperature
+        other than the engine's."""
         assert self.engine is not None
         if asked:
             return check_name(asked)
@@ -132,11 +123,8 @@ def _supervised(settings: ServerSettings) -> TeacherEngine:
 
 
 class TeacherPool:
-    """The service's teachers, loaded on demand within a memory budget (module doc).
-
-    ``build`` makes a teacher's engine from its settings (called in a worker thread; default: a
-    supervised :func:`~..engine.build_engine`); ``engine`` is an engine the caller owns, used for
-    the default teacher and never closed."""
+    """The service's teachers, loaded on demand within a memory budget (module doc); ``engine``:
+    one the caller owns, used for the default teacher and never closed."""
 
     def __init__(
         self,
@@ -210,10 +198,8 @@ class TeacherPool:
 
     @contextlib.asynccontextmanager
     async def checking(self, model: str | None) -> AsyncIterator[tuple[Teacher, ScoringService]]:
-        """The teacher ``model`` names and a scoring service to check work for it with: its
-        own while loaded (held, as :meth:`use`), else one over what its engine reported when
-        last loaded (:class:`Known`: nothing is loaded, e.g. a job queued for a teacher while
-        another one's job runs); a teacher never loaded is loaded for it."""
+        """The teacher ``model`` names and a scoring service to check work for it with: its own
+        while loaded, else one over what its engine reported when last loaded (:class:`Known`)."""
         teacher = self.resolve(model)
         known = teacher.known
         if teacher.loaded or known is None or known.tokenizer is None:

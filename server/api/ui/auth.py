@@ -1,14 +1,9 @@
 """The status page's login sessions.
 
-The login form (``POST /login``) takes the API key and, if it matches, starts a session: a random
-id (:func:`secrets.token_urlsafe`, 256 bits; no function of the key) set as the cookie
-:data:`COOKIE`, and held by this process (:class:`Sessions`, only its SHA-256) with its expiry,
-``session_ttl_s`` after login. ``POST /logout`` ends it (the id is forgotten: the cookie is no
-login any more, even if a copy was kept), and so does a restart. The cookie is ``HttpOnly`` and
-``SameSite=Strict`` (another site cannot make the browser send it), and the API-key middleware
-accepts it **only on safe methods** (``GET``/``HEAD``): it lets a browser read the status page and
-the JSON API, while anything that changes state (``POST /v1/jobs``, cancel) still needs
-``Authorization: Bearer``.
+``POST /login`` with the right API key starts a session: a random id (256 bits) as the
+``HttpOnly``, ``SameSite=Strict`` cookie :data:`COOKIE`, held by this process (its SHA-256)
+until ``session_ttl_s``, ``POST /logout`` or a restart. The API-key middleware accepts it on
+``GET``/``HEAD`` only: anything that changes state still needs ``Authorization: Bearer``.
 """
 
 from __future__ import annotations

@@ -47,8 +47,7 @@ router = APIRouter(include_in_schema=False)
 
 
 def swagger_dir() -> Path | None:
-    """Folder of the Swagger UI assets (``fastapi_offline/static``), or None if not installed.
-    Found without importing the package (its code is not used)."""
+    """Folder of the Swagger UI assets (``fastapi_offline/static``), or None if not installed."""
     spec = importlib.util.find_spec("fastapi_offline")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -113,8 +112,8 @@ def _engine_state(request: Request) -> dict[str, Any]:
 
 
 def jobs_page(jobs: Any, offset: int | None) -> tuple[list[Any], pages.JobsPage]:
-    """One page of :data:`JOBS_PAGE` jobs (oldest first) and where it lies; ``offset`` None:
-    the newest page. Read in a worker thread (the job table's lock is held through commits)."""
+    """One page of :data:`JOBS_PAGE` jobs (oldest first) and where it lies (``offset`` None: the
+    newest page)."""
     total = jobs.store.count()
     last = max(0, total - JOBS_PAGE)
     start = last if offset is None else min(max(0, offset), last)

@@ -111,9 +111,8 @@ def teacher_rows(
     caches: Sequence[CacheSummary] | None,
     cache_line: Callable[[str], str],
 ) -> list[dict[str, Any]]:
-    """Each teacher's status row with its own cache use (``cache_line(name)``: its hits, misses
-    and savings) and ``caches``: the caches its model made (a cache records its teacher's model,
-    :attr:`CacheSummary.model`), ``"-"`` when the caches cannot be listed."""
+    """Each teacher's status row with its cache use and the caches its model made (``"-"``
+    when the caches cannot be listed)."""
     out = []
     for t in teachers:
         own = None if caches is None else [c.name for c in caches if c.model == t.get("model")]
