@@ -73,7 +73,7 @@ from .records import (
 )
 from .spec import FORMAT_VERSION, ROOT_ATTR, Layout, layout_named
 from .stats import store_stats, tail_summary
-from .store import list_children, open_store
+from .store import delete_prefix, get_object, list_children, object_exists, object_size, open_store
 
 __all__ = [
     "CONTENT_TYPE",
@@ -118,15 +118,19 @@ __all__ = [
     "content_key",
     "decode_logprobs",
     "decode_records",
+    "delete_prefix",
     "encode_logprobs",
     "encode_record",
     "encode_records",
     "exact_frame_dtype",
+    "get_object",
     "iter_decode",
     "kernels_in_use",
     "known_tail",
     "layout_named",
     "list_children",
+    "object_exists",
+    "object_size",
     "open_store",
     "parse_root",
     "read_root_attrs",

@@ -40,6 +40,7 @@ from urllib.parse import urlparse
 
 import zarr.abc.store
 import zarr.storage
+from zarr.abc.store import ByteRequest
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig
@@ -460,6 +461,29 @@ def list_children(zstore: Any) -> list[str]:
         return [n.rstrip("/") async for n in zstore.list_dir("")]
 
     return sorted(sync(names()))
+
+
+def get_object(zstore: Any, key: str, byte_range: ByteRequest | None = None) -> bytes | None:
+    """Object ``key`` of an opened store (``byte_range``: a part of it), ``None`` if absent."""
+    from ._zarr_adapter import default_buffer_prototype
+
+    buf = sync(zstore.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+    return None if buf is None else buf.to_bytes()
+
+
+def object_size(zstore: Any, key: str) -> int:
+    """Size in bytes of object ``key`` of an opened store (``FileNotFoundError`` if absent)."""
+    return int(sync(zstore.getsize(key)))
+
+
+def object_exists(zstore: Any, key: str) -> bool:
+    """Whether an opened store holds object ``key``."""
+    return bool(sync(zstore.exists(key)))
+
+
+def delete_prefix(zstore: Any, prefix: str = "") -> None:
+    """Delete every object of an opened store under ``prefix`` (``""``: the whole store)."""
+    sync(zstore.delete_dir(prefix))
 
 
 def open_store(

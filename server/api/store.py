@@ -15,11 +15,9 @@ from typing import Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
-from logitcache.cache_format import resealed_root_attrs
+from logitcache.cache_format import get_object, object_size, resealed_root_attrs
 from logitcache.protocol import ErrorResponse
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
 
 from .. import paths
 from ..errors import NotFoundError, ServiceError, public_value
@@ -111,14 +109,13 @@ def store_object(
     try:
         store = services.caches.store(name)
         if byte_range is not None and not metadata:  # cut to the object: no read past its end
-            byte_range = clamp_range(byte_range, int(sync(store.getsize(key))), range_)
+            byte_range = clamp_range(byte_range, object_size(store, key), range_)
         got = byte_range if not metadata else None
-        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=got))
+        body = get_object(store, key, got)
     except FileNotFoundError:  # no such cache folder or object
         raise NotFoundError(f"cache {name!r} has no object {key!r}") from None
-    if buf is None:
+    if body is None:
         raise NotFoundError(f"cache {name!r} has no object {key!r}")
-    body = buf.to_bytes()
     if metadata:
         body = public_metadata(body)
         if byte_range is not None:

@@ -272,8 +272,6 @@ def commit(
 
 def remove_staging(root: str, storage_options: dict[str, Any] | None = None) -> None:
     """Delete the staging root (all shard caches) through the format's store opener."""
-    from logitcache.cache_format.store import open_store
-    from zarr.core.sync import sync
+    from logitcache.cache_format import delete_prefix, open_store
 
-    handle = open_store(root, storage_options, read_only=False)
-    sync(handle.zstore.delete_dir(""))
+    delete_prefix(open_store(root, storage_options, read_only=False).zstore)

@@ -27,6 +27,7 @@ from logitcache.cache_format import (
     Manifest,
     SequenceBatch,
     SequenceRecord,
+    object_exists,
 )
 from logitcache.cache_format.errors import FormatError, ManifestError, StoreNotFoundError
 from logitcache.cache_format.identity import TEACHER_FIELDS, teacher_diff, teacher_extra
@@ -235,7 +236,7 @@ class CacheRegistry:
         root = self._root_store()
         out = []
         for name in list_children(root):
-            if NAME_PATTERN.fullmatch(name) and _exists(root, f"{name}/zarr.json"):
+            if NAME_PATTERN.fullmatch(name) and object_exists(root, f"{name}/zarr.json"):
                 out.append(name)
         return out
 
@@ -524,12 +525,6 @@ def broken_store(name: str) -> Iterator[None]:
         raise broken(name, e) from None
     except Exception as e:  # noqa: BLE001 - an unreadable store is a conflict, not a 500
         raise broken(name, e) from None
-
-
-def _exists(zstore: Any, key: str) -> bool:
-    from zarr.core.sync import sync
-
-    return bool(sync(zstore.exists(key)))
 
 
 def expected_manifest(
