@@ -399,6 +399,22 @@ class Recorder:
         self.rows.append(row)
         return row
 
+    def add_flat(
+        self,
+        case: str,
+        values: Mapping[str, Any],
+        *,
+        prefix: str = "",
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """One row per number in ``values`` (nested mappings flattened as ``a.b``; the unit is
+        left to the metric's name)."""
+        for key, v in values.items():
+            if isinstance(v, Mapping):
+                self.add_flat(case, v, prefix=f"{prefix}{key}.", config=config)
+            elif isinstance(v, int | float) and not isinstance(v, bool):
+                self.add(case, f"{prefix}{key}", "", v, config=config)
+
     def save(self) -> Path:
         """Append the rows to the CSV (header written if the file is new)."""
         self.csv_path.parent.mkdir(parents=True, exist_ok=True)

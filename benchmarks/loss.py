@@ -51,6 +51,7 @@ from logitcache.client.loss.dispatch import auto_chunk_size
 from logitcache.client.loss.exact import TRITON_CHUNK_BUFFERS
 
 from benchmarks import exact_passes
+from benchmarks.exact_passes import rel
 from benchmarks.harness import (
     Point,
     Recorder,
@@ -169,9 +170,8 @@ def free() -> None:
 
 
 def gemm_rate(n: int, d: int, vocab: int, device: str, cuda: bool, hold_s: float = 0.0) -> float:
-    """bf16 TFLOP/s of ``[n, d] @ [d, vocab]``: median of 10 after 3 warm-ups, the warm-ups
-    extended to ``hold_s`` seconds of back-to-back GEMMs (``hold_s > 0``: the rate the GPU
-    sustains once its clocks settle under load, as they do during a loss step)."""
+    """bf16 TFLOP/s of ``[n, d] @ [d, vocab]``: median of 10 after 3 warm-ups, or after
+    ``hold_s`` seconds of back-to-back GEMMs (the rate sustained once the clocks settle)."""
     a = torch.randn(n, d, device=device, dtype=torch.bfloat16)
     b = torch.randn(vocab, d, device=device, dtype=torch.bfloat16)
     warm = 3
@@ -210,18 +210,10 @@ def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dic
 
 
 # ----------------------------------------------------------------------------- checks
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
 def rel_errors(got: tuple, ref: tuple) -> dict[str, float]:
     """Relative errors of a ``(loss, grad_h, grad_w)`` against a reference's."""
-    return dict(
-        rel_loss=abs(got[0] - ref[0]) / abs(ref[0]),
-        rel_grad_h=rel(got[1], ref[1]),
-        rel_grad_w=rel(got[2], ref[2]),
-    )
+    rel_loss = abs(got[0] - ref[0]) / abs(ref[0])
+    return dict(rel_loss=rel_loss, rel_grad_h=rel(got[1], ref[1]), rel_grad_w=rel(got[2], ref[2]))
 
 
 def grads_of(fn: Callable, x: dict) -> tuple[float, torch.Tensor, torch.Tensor]:
@@ -603,10 +595,8 @@ def add_exact_ratios(rows: list[dict]) -> None:
 def loss_series(
     result: Mapping, field: str, vocab: int = 128256, d: int = 4096
 ) -> dict[str, list[Point]]:
-    """``field`` (``peak_gib`` or ``ms``) vs positions per loss variant of a ``loss_bench``
-    result (``benchmarks/results/loss.json``: ``sweep = [{"variant", "n", "vocab", "d",
-    "status", "peak_gib", "ms"}]``) at one (vocab, d); runs that did not finish ("OOM") are left
-    out."""
+    """``field`` (``peak_gib`` or ``ms``) vs positions per variant of a ``sweep`` result at one
+    (vocab, d), cells that did not finish left out."""
     series: dict[str, list[Point]] = {}
     for r in result["sweep"]:
         if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok":
