@@ -82,16 +82,9 @@ def _cpu_name() -> str:
 def machine() -> dict[str, Any]:
     """Where a figure was measured: git sha, CPU, usable CPUs, load average, Python, torch, CUDA,
     GPU name (``""`` where absent)."""
-    row: dict[str, Any] = {
-        "git_sha": _git_sha(),
-        "cpu": _cpu_name(),
-        "cpu_count": len(os.sched_getaffinity(0)),
-        "load_avg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": "",
-        "cuda": "",
-        "gpu": "",
-    }
+    row: dict[str, Any] = dict(git_sha=_git_sha(), cpu=_cpu_name(), torch="", cuda="", gpu="")
+    row |= dict(cpu_count=len(os.sched_getaffinity(0)), python=platform.python_version())
+    row["load_avg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     if importlib.util.find_spec("torch") is not None:
         import torch
 

@@ -240,12 +240,13 @@ def check(args: argparse.Namespace, device: str) -> dict:
     labels = torch.randint(0, vocab, (args.check_n,), device=device)
     configs = {
         "forward_kl": {},
-        "forward_kl+tail+ce0.2+T2": dict(tail_mass=tail, labels=labels, ce_weight=0.2),
+        "forward_kl+tail+ce0.2+T2": dict(
+            tail_mass=tail, labels=labels, ce_weight=0.2, temperature=2.0
+        ),
         "jsd+tail": dict(loss="jsd", tail_mass=tail),
         "reverse_kl": dict(loss="reverse_kl"),
         "renormalized_kl": dict(loss="renormalized_kl"),
     }
-    configs["forward_kl+tail+ce0.2+T2"]["temperature"] = 2.0
     impls = [(i, "auto") for i in ("forward_chunked", "fused_chunked", "fused_chunked_recompute")]
     impls.append(("fused_chunked", "torch"))
     for cname, kw in configs.items():
