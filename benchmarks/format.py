@@ -16,7 +16,7 @@ Modes (``python -m benchmarks.format <mode> --help``)::
   ``sequences(32)`` per ``--threads`` (``decode_threads``) against an ``.npy`` copy read right
   before (the values read are checked against it), and the sequential reader.
 * ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw
-  chunks of 2048 rows (numcodecs, one block per chunk, one thread).
+  chunks of 2048 rows (numcodecs, one thread; ``--blocks``: blosc block bytes).
 * ``index``: what opening a cache of many 2-token sequences (k=4, vocab 1000) costs, each probe in
   a fresh process, median of ``--repeats``: ``CacheReader`` open, first ``index_of`` and
   ``sequence``; ``CacheWriter.open``, first ``contains``; ``validate`` (first and second call);
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -369,12 +370,14 @@ def run_codecs(args: argparse.Namespace) -> None:
         chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
         codecs = [("zstd", 1, 1), ("zstd", 1, 2), ("zstd", 5, 1), ("zstd", 5, 2), ("lz4", 1, 2)]
         codecs.append(("lz4", 5, 2))
-        for cname, level, shuffle in codecs:
-            codec = Blosc(cname, level, shuffle, blocksize=chunk * arr[:1].nbytes)
+        for (cname, level, shuffle), block in itertools.product(codecs, args.blocks):
+            whole = chunk * arr[:1].nbytes
+            codec = Blosc(cname, level, shuffle, blocksize=whole if block < 0 else block)
             enc = [codec.encode(c) for c in chunks]
             m_enc = measure(functools.partial(_each, codec.encode, chunks))
             m_dec = measure(functools.partial(_each, codec.decode, enc))
             label = f"blosc-{cname}{level}-{'byte' if shuffle == 1 else 'bit'}shuffle"
+            label += "" if block < 0 else f" block {block or 'auto'}"
             bpp = sum(map(len, enc)) / len(arr)
             cfg = {"input": name, "codec": label, "chunk": chunk, "rows": args.rows}
             rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
@@ -555,6 +558,8 @@ MODES: dict[str, tuple[Any, dict[str, Any]]] = {
             "rows": ("zipf", "the synthetic teacher's rows, or a random-weights teacher's (the GPU "
                      "job's)", {"choices": ["zipf", "random"]}),
             "sigma": (0.9, "--rows random: logit spread"),
+            "blocks": ([-1], "blosc block bytes: -1 one block per chunk (the format's), 0 blosc's "
+                       "choice"),
         },
     ),
     "index": (
