@@ -5,10 +5,8 @@
     python -m benchmarks --list                  # the suites and their modes
     python -m benchmarks SUITE [MODE ARGS ...]   # = python -m benchmarks.SUITE MODE ARGS ...
 
-A suite is a module (or a package with ``__main__``) of this package that runs as
-``python -m benchmarks.<suite>``; the harness (:mod:`benchmarks.harness`) is the suites' tool,
-not a suite. A suite runs in a child process of this interpreter, from the checkout's root; its
-exit status is this command's. An unknown suite exits with status 2.
+A suite is a module (or a package with ``__main__``) of this package other than the harness;
+it runs in a child process, whose exit status is this command's (an unknown suite: 2).
 """
 
 from __future__ import annotations
@@ -20,23 +18,10 @@ import io
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-#: The checkout's root (the folder holding ``benchmarks/``).
 ROOT = Path(__file__).resolve().parents[1]
-#: Modules of this package that run as programs but are not suites.
-NOT_SUITES = frozenset({"harness", "__main__"})
-_MODES = re.compile(r"\{([\w,-]+)\}")
 USAGE = "usage: python -m benchmarks --list | SUITE [MODE ARGS ...]"
-
-
-@dataclass(frozen=True)
-class Suite:
-    name: str
-    summary: str
-    #: the module whose ``main(argv)`` runs the suite
-    module: str
 
 
 def _summary(source: Path) -> str:
@@ -44,57 +29,51 @@ def _summary(source: Path) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
-def suites() -> list[Suite]:
-    """The suites, by name."""
-    found = []
+def suites() -> dict[str, tuple[str, str]]:
+    """Suite name -> (the module whose ``main(argv)`` runs it, its docstring's first paragraph)."""
+    found = {}
     for path in sorted((ROOT / "benchmarks").iterdir()):
-        if path.is_dir() and (path / "__main__.py").is_file():
+        if (path / "__main__.py").is_file():
             doc = path / "__init__.py" if (path / "__init__.py").is_file() else path / "__main__.py"
-            found.append(Suite(path.name, _summary(doc), f"benchmarks.{path.name}.__main__"))
-        elif path.suffix == ".py" and not path.name.startswith("_"):
-            if path.stem not in NOT_SUITES and '__name__ == "__main__"' in path.read_text():
-                found.append(Suite(path.stem, _summary(path), f"benchmarks.{path.stem}"))
+            found[path.name] = (f"benchmarks.{path.name}.__main__", _summary(doc))
+        elif path.suffix == ".py" and not path.name.startswith("_") and path.stem != "harness":
+            if '__name__ == "__main__"' in path.read_text():
+                found[path.stem] = (f"benchmarks.{path.stem}", _summary(path))
     return found
 
 
-def modes(suite: Suite) -> list[str]:
-    """The suite's modes, as its ``--help`` (or bare usage line) lists them."""
+def modes(module: str) -> list[str]:
+    """The suite's modes, as its ``--help`` lists them."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         with contextlib.suppress(SystemExit):
-            importlib.import_module(suite.module).main(["--help"])
-    found = _MODES.search(out.getvalue())
+            importlib.import_module(module).main(["--help"])
+    found = re.search(r"\{([\w,-]+)\}", out.getvalue())
     return found.group(1).split(",") if found else []
-
-
-def listing() -> str:
-    """One line per suite: its name and modes, then the first paragraph of its docstring."""
-    found = suites()
-    width = max((len(s.name) for s in found), default=0)
-    lines = [f"suites in {ROOT / 'benchmarks'} (run: python -m benchmarks SUITE MODE [options]):"]
-    for suite in found:
-        lines.append(f"  {suite.name:<{width}}  modes: {', '.join(modes(suite)) or '-'}")
-        lines.append(f"  {'':<{width}}  {suite.summary}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    found = suites()
     if not args or args[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{__doc__}", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     if args[0] == "--list":
-        print(listing())
+        width = max(map(len, found))
+        print(f"suites in {ROOT / 'benchmarks'} (run: python -m benchmarks SUITE MODE [options]):")
+        for name, (module, summary) in found.items():
+            print(f"  {name:<{width}}  modes: {', '.join(modes(module)) or '-'}")
+            print(f"  {'':<{width}}  {summary}")
         return 0
-    names = [s.name for s in suites()]
-    if args[0] not in names:
+    if args[0] not in found:
         print(
-            f"{USAGE}\nno benchmark suite {args[0]!r}; the suites: {', '.join(names)}",
+            f"{USAGE}\nno benchmark suite {args[0]!r}; the suites: {', '.join(found)}",
             file=sys.stderr,
         )
         return 2
-    command = [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]]
-    return subprocess.run(command, cwd=ROOT).returncode
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]], cwd=ROOT
+    ).returncode
 
 
 if __name__ == "__main__":

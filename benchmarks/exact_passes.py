@@ -1,8 +1,7 @@
-"""One chunk's row passes of the exact loss per kernel launch geometry, for ``python -m
-benchmarks.loss exact --kernel-configs ...`` (CUDA): median ms of each pass per config
-(:class:`ExactKernelConfig`) beside a copy of one table, each config's losses and gradient
-against the default config's, and per objective the fastest config that agrees (the
-``..._kbest`` variants run it).
+"""``python -m benchmarks.loss exact --kernel-configs ...`` (CUDA): median ms of one chunk's row
+passes of the exact loss per launch geometry (:class:`ExactKernelConfig`) beside a copy of one
+table, each config checked against the default's numbers, and per objective the fastest config
+that agrees (run by the ``..._kbest`` variants).
 """
 
 from __future__ import annotations

@@ -7,33 +7,22 @@ Modes (``python -m benchmarks.format <mode> --help``)::
     python -m benchmarks.format codecs --positions 262144
     python -m benchmarks.format index --sequences 1000 100000 1000000 --store-dir /tmp/lc-index
 
-* ``configs``: each configuration (:data:`CONFIGS`, a layout preset with some fields changed)
-  writes the same synthetic rows (:mod:`benchmarks.synthetic`, ``Teacher.fixed``: sequences of
-  1024 tokens, k=100, vocab 131072) through ``CacheWriter`` (appends of 64 sequences, fsync),
-  then reads them back sequentially (``rows()`` in blocks of one shard, float32 and float16
-  logprobs) and at random (``sequence(i)``, and ``sequences`` of 32). Baseline in the same run:
-  the same arrays as uncompressed ``.npy`` files (int32 ids, float16 logprobs, float32 tail).
-  Rates are per wall second and per CPU-second of the process (all threads: per core used).
-* ``random``: ``Teacher.pooled`` sequences (median 490 tokens) written once per layout preset;
-  ``sequence(i)`` and ``sequences(32 indices)`` for each ``--threads`` value
-  (``CacheReader(decode_threads=t)``) against an uncompressed ``.npy`` copy of the same sequences
-  read right before, and the sequential reader on the same store. The values read are checked
-  against the ``.npy`` copy first.
-* ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw chunks
-  (numcodecs, one block per chunk, one thread).
-* ``index``: what opening a cache of many sequences costs. One synthetic cache per
-  ``--sequences`` value (built once per ``--store-dir``, reused by later runs, e.g. a baseline
-  under another tree via ``python -m benchmarks.harness with-tree``): sequences of 2 tokens,
-  k=4, vocab 1000, keys ``doc-<10 digits>``, appends of 50,000 sequences without fsync
-  (``--appends batch``: each a ``SequenceBatch``; the build's rate is logged). Then,
-  each in a fresh Python process (imports done before the clock starts), ``--repeats`` times
-  (the median is reported): **reader**: ``CacheReader(url, decoder="numpy")`` seconds and RSS
-  growth, the first ``index_of(key)`` (seconds, RSS growth counted from before the open), the
-  first ``sequence(i)`` (the peak RSS includes what it imports); **writer**:
-  ``CacheWriter.open`` seconds and RSS growth, the first ``contains(key)``; **validate** (caches
-  of at most ``--validate-max`` sequences): ``validate(url)`` seconds, a first call (kernels
-  loaded or compiled) and a second. The probes import ``logitcache`` from the tree this process
-  imports it from (so ``with-tree`` measures that tree's code).
+* ``configs``: each :data:`CONFIGS` entry (a layout preset with some fields changed) writes the
+  same ``Teacher.fixed`` rows (1024-token sequences, k=100, vocab 131072; appends of 64
+  sequences, fsync), reads them back with ``rows()`` (one shard per call; float32 and float16
+  logprobs), ``sequence(i)`` and ``sequences`` of 32, beside uncompressed ``.npy`` files of the
+  same arrays; rates per wall second and per CPU-second of the process.
+* ``random``: ``Teacher.pooled`` sequences written once per layout preset; ``sequence(i)`` and
+  ``sequences(32)`` per ``--threads`` (``decode_threads``) against an ``.npy`` copy read right
+  before (the values read are checked against it), and the sequential reader.
+* ``codecs``: bytes/position and encode/decode rate of each transform x blosc codec on raw
+  chunks of 2048 rows (numcodecs, one thread; ``--blocks``: blosc block bytes).
+* ``index``: what opening a cache of many 2-token sequences (k=4, vocab 1000) costs, each probe in
+  a fresh process, median of ``--repeats``: ``CacheReader`` open, first ``index_of`` and
+  ``sequence``; ``CacheWriter.open``, first ``contains``; ``validate`` (first and second call);
+  seconds and RSS growth. The caches are built once per ``--store-dir`` (the build's rate is
+  logged; ``--appends batch``: ``SequenceBatch`` appends); the probes import ``logitcache`` from
+  the tree this process does (``harness with-tree`` measures another tree's code).
 """
 
 from __future__ import annotations
@@ -116,10 +105,14 @@ CONFIGS = {
 }
 
 
-def writer_for(cfg: Config, data: Data, teacher: Teacher, url: Path) -> Any:
-    """A function writing every row of ``data`` to a fresh store at ``url`` with ``cfg``."""
-    from logitcache.cache_format import CacheWriter, spec
+# --------------------------------------------------------------------------- configs
+def bench_config(
+    cfg: Config, data: Data, teacher: Teacher, root: Path, picks: np.ndarray, repeats: int
+) -> dict[str, float]:
+    from logitcache.cache_format import CacheReader, CacheWriter, spec
+    from logitcache.cache_format.stats import store_stats
 
+    url = root / cfg.name
     manifest = teacher.manifest("format", logprob_dtype=cfg.logprob_dtype, id_remap=cfg.id_remap)
     fields = ("id_codec", "logprob_codec", "row_chunk", "row_shard", "blosc_blocks")
     layout = replace(spec.layout_named(cfg.layout), **{f: getattr(cfg, f) for f in fields})
@@ -130,18 +123,6 @@ def writer_for(cfg: Config, data: Data, teacher: Teacher, url: Path) -> Any:
             for b in batches:
                 w.append(b)
 
-    return write
-
-
-# --------------------------------------------------------------------------- configs
-def bench_config(
-    cfg: Config, data: Data, teacher: Teacher, root: Path, picks: np.ndarray, repeats: int
-) -> dict[str, float]:
-    from logitcache.cache_format import CacheReader
-    from logitcache.cache_format.stats import store_stats
-
-    url = root / cfg.name
-    write = writer_for(cfg, data, teacher, url)
     m_write = measure(write, 1)
     rows = data.positions
     reader = CacheReader(url)
@@ -285,28 +266,19 @@ def run_random(args: argparse.Namespace) -> None:
     rec = Recorder("format", "random", csv_path=args.csv)
     table = []
     with scratch("lc-format-random-") as root:
-        d = root / "npy"
-        d.mkdir()
         recs = data.records()
-        np.save(d / "ids.npy", np.concatenate([r.topk_ids for r in recs]))
-        np.save(d / "lp.npy", np.concatenate([r.topk_logprobs for r in recs]).astype(np.float16))
-        np.save(d / "tail.npy", np.concatenate([r.tail_mass for r in recs]))
-        np.save(d / "tok.npy", np.concatenate([r.input_ids for r in recs]))
+        cols = {"ids": "topk_ids", "lp": "topk_logprobs", "tail": "tail_mass", "tok": "input_ids"}
+        for name, attr in cols.items():
+            a = np.concatenate([getattr(r, attr) for r in recs])
+            np.save(root / f"{name}.npy", a.astype(np.float16) if name == "lp" else a)
         lengths = np.array([n for _, _, n in data.bounds])
         rs = np.concatenate([[0], np.cumsum(lengths - 1)])
         ts = np.concatenate([[0], np.cumsum(lengths)])
-        mi, ml, mt, mk = (
-            np.load(d / f"{n}.npy", mmap_mode="r") for n in ("ids", "lp", "tail", "tok")
-        )
+        mi, ml, mt, mk = (np.load(root / f"{n}.npy", mmap_mode="r") for n in cols)
 
         def npy_one(i: int) -> tuple[np.ndarray, ...]:
-            a, b = int(rs[i]), int(rs[i + 1])
-            return (
-                np.array(mi[a:b]),
-                np.array(ml[a:b]),
-                np.array(mt[a:b]),
-                np.array(mk[int(ts[i]) : int(ts[i + 1])]),
-            )
+            a, b, c, d = int(rs[i]), int(rs[i + 1]), int(ts[i]), int(ts[i + 1])
+            return np.array(mi[a:b]), np.array(ml[a:b]), np.array(mt[a:b]), np.array(mk[c:d])
 
         for name in args.layouts:
             url = root / name
@@ -317,17 +289,15 @@ def run_random(args: argparse.Namespace) -> None:
             ref = CacheReader(url)
             check = CacheReader(url, decode_threads=max(args.threads))
             for i in picks[:20]:  # the values read equal the uncompressed copy's
-                got, want = check.sequence(i), npy_one(i)
-                if not (
-                    np.array_equal(got.topk_ids, want[0])
-                    and np.array_equal(got.topk_logprobs, want[1].astype(np.float32))
+                got, (ids, lp, _, _) = check.sequence(i), npy_one(i)
+                if not np.array_equal(got.topk_ids, ids) or not np.array_equal(
+                    got.topk_logprobs, lp.astype(np.float32)
                 ):
                     raise AssertionError(f"{name}: sequence {i} differs from the .npy copy")
             cfg = {"layout": name, "positions": data.positions, "reads": len(picks)}
             rec.add(name, "bytes_per_position", "B/pos", bpp, config=cfg)
-            rec.add(
-                name, "write_pos_per_cpu_s", "pos/cpu-s", data.positions / write_cpu, config=cfg
-            )
+            write = data.positions / write_cpu
+            rec.add(name, "write_pos_per_cpu_s", "pos/cpu-s", write, config=cfg)
             for t in args.threads:
                 r = CacheReader(url, decode_threads=t)
                 for what, fn, n in (
@@ -342,10 +312,8 @@ def run_random(args: argparse.Namespace) -> None:
                     rec.add(name, f"{what}_seq_per_cpu_s", "seq/cpu-s", per_cpu, config=c)
                     rec.add(name, f"{what}_seq_per_s", "seq/s", m.rate(n), config=c)
                     rec.add(name, f"{what}_x_npy_cpu", "ratio", x_npy, config=c)
-                    rate = f"{m.rate(n):,.0f}"
-                    table.append(
-                        [name, f"{bpp:.1f}", t, what, f"{per_cpu:,.0f}", rate, f"{x_npy:.2f}"]
-                    )
+                    row = [name, f"{bpp:.1f}", t, what, f"{per_cpu:,.0f}", f"{m.rate(n):,.0f}"]
+                    table.append([*row, f"{x_npy:.2f}"])
 
             def sequential(r: Any = ref) -> None:
                 for a in range(0, min(n_seq, 1024), 64):

@@ -1,26 +1,17 @@
-"""The benchmarks' one harness: machine row, timers, quantiles, peak memory, the results CSV, A/B
-runs of two trees, the device runner and plots. A suite states *what* it sets up and measures;
-this module owns *how* it is timed and recorded.
+"""The benchmarks' one harness: machine row, timers, quantiles, peak memory, the results CSV
+(one value per row with its suite/mode/case, configuration and machine row), A/B runs of two
+trees, the device runner and plots. A suite states *what* it measures; this module *how*.
 
-Rows go to one CSV, ``benchmarks/results/all_benchmark_data.csv`` (Liger's
-``all_benchmark_data.csv`` is the model): one measured value per row, with its quantiles, the
-suite/mode/case that produced it, the configuration as JSON and the machine row (git sha, load
-average, CPUs, torch/CUDA versions, GPU name). A suite's page (``benchmarks/results/<suite>.md``)
-shows its current figures; the CSV keeps every run.
-
-Command line::
+::
 
     python -m benchmarks.harness machine                   # the machine row, as JSON
     python -m benchmarks.harness ab REV_A REV_B -- -m benchmarks.format configs --positions 65536
     python -m benchmarks.harness with-tree TREE -- -m benchmarks.format configs --positions 65536
     python -m benchmarks.harness device WHEELS -- -m benchmarks.loader scaling --positions 1e8
 
-``ab`` exports both revisions with ``git archive`` and runs the command under each tree in turn
-(``--rounds`` alternations, the load drifts), so the two are measured in one session on one
-machine. ``with-tree`` runs one command with the project's packages taken from another tree (the
-editable install's module map is pointed there before anything is imported). ``device`` runs a
-suite on a box where the project is not installed: wheels from ``WHEELS`` go to ``/tmp/site``
-and ``logitcache`` is a folder of links to this checkout's packages.
+``ab`` runs the command under the packages of each revision (``git archive``) in turn,
+``--rounds`` times; ``with-tree`` under another tree's packages; ``device`` where the project is
+not installed (wheels from ``WHEELS`` to ``/tmp/site``, the packages linked from this checkout).
 """
 
 from __future__ import annotations
@@ -64,9 +55,8 @@ def log(*parts: Any) -> None:
 
 # --------------------------------------------------------------------------- machine row
 def _git_sha(root: Path = ROOT) -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes); in a ``git archive`` copy,
-    which has no ``.git``, the commit named by its ``GIT_SHA`` file (written by whoever made
-    the copy, e.g. ``git rev-parse --short=10 REV > TREE/GIT_SHA``)."""
+    """The checkout's commit (``+dirty`` with uncommitted changes); in a ``git archive`` copy
+    (no ``.git``), the commit its ``GIT_SHA`` file names."""
     if not (root / ".git").exists() and (root / "GIT_SHA").is_file():
         return (root / "GIT_SHA").read_text().strip() + "+archive"
 
@@ -90,19 +80,11 @@ def _cpu_name() -> str:
 
 
 def machine() -> dict[str, Any]:
-    """Where and on what a figure was measured: git sha (``+dirty`` with uncommitted changes),
-    host CPU, usable CPUs, load average, Python, torch, CUDA, GPU name (torch is imported only if
-    it is installed; no GPU gives ``gpu=""``)."""
-    row: dict[str, Any] = {
-        "git_sha": _git_sha(),
-        "cpu": _cpu_name(),
-        "cpu_count": len(os.sched_getaffinity(0)),
-        "load_avg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "python": platform.python_version(),
-        "torch": "",
-        "cuda": "",
-        "gpu": "",
-    }
+    """Where a figure was measured: git sha, CPU, usable CPUs, load average, Python, torch, CUDA,
+    GPU name (``""`` where absent)."""
+    row: dict[str, Any] = dict(git_sha=_git_sha(), cpu=_cpu_name(), torch="", cuda="", gpu="")
+    row |= dict(cpu_count=len(os.sched_getaffinity(0)), python=platform.python_version())
+    row["load_avg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     if importlib.util.find_spec("torch") is not None:
         import torch
 
@@ -151,7 +133,7 @@ def quantiles(samples: Sequence[float], qs: Sequence[float] = (0.5, 0.2, 0.8)) -
     return out
 
 
-def percentile(xs: Sequence[float], q: float) -> float | None:
+def percentile(xs: Sequence[float], q: float) -> float | None:  # the service suite's
     """The nearest-rank ``q``-th percentile of ``xs`` (None if empty)."""
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))] if s else None
@@ -159,8 +141,7 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
 
 @dataclass(frozen=True)
 class Measurement:
-    """Seconds per call: ``wall`` and ``cpu`` (process CPU, all threads) samples, one per
-    repeat."""
+    """Seconds per call, one sample per repeat: ``wall`` and ``cpu`` (process, all threads)."""
 
     wall: list[float]
     cpu: list[float] = field(default_factory=list)
@@ -172,8 +153,7 @@ class Measurement:
 
 
 def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Measurement:
-    """Call ``fn`` ``warmup`` times untimed, then ``repeats`` times, timing wall and process CPU
-    seconds of each call."""
+    """Time ``repeats`` calls of ``fn`` (wall and process CPU) after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     wall, cpu = [], []
@@ -228,10 +208,8 @@ def server_process(
     every: float = 0.1,
     env: Mapping[str, str] | None = None,
 ) -> Iterator[subprocess.Popen]:
-    """Start ``cmd`` (from the repository root; output to ``log`` if given), poll the URL
-    ``ready`` every ``every`` s until it answers 200 (a ``RuntimeError`` with the log's tail if
-    the process exits first or ``timeout`` passes), yield the process; terminate it (kill if it
-    lingers)."""
+    """Start ``cmd`` (output to ``log``), yield it once the URL ``ready`` answers 200 (else a
+    ``RuntimeError`` with the log's tail), terminate it afterwards."""
     import httpx
 
     out = log.open("wb") if log is not None else None
@@ -271,16 +249,15 @@ def free_port() -> int:
 
 
 def proc_cpu(pid: int, children: bool = False) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads; with ``children``, also
-    those of its waited-for children)."""
+    """User + system CPU seconds of process ``pid`` (with ``children``, also its waited-for
+    children's)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return sum(int(x) for x in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pid: int | str = "self") -> dict[str, float]:
-    """CPU seconds per thread (``"<tid>:<name>"``) of process ``pid`` (default: this one, its
-    threads named as Python names them): the scheduler's ns count (``schedstat``), else the
-    ``stat`` ticks."""
+    """CPU seconds per thread (``"<tid>:<name>"``) of process ``pid``, from ``schedstat`` (else
+    the ``stat`` ticks); this process's threads carry their Python names."""
     names = {t.native_id: t.name for t in threading.enumerate()} if pid == "self" else {}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -319,8 +296,7 @@ def rss_bytes() -> int:
 
 
 class Sampler:
-    """``fn()`` called every ``interval`` seconds by a thread while the ``with`` block runs, its
-    values in ``.samples`` (no thread if ``fn`` is None)."""
+    """``fn()`` sampled every ``interval`` s by a thread in the ``with`` block (``.samples``)."""
 
     def __init__(self, fn: Callable[[], Any] | None, interval: float) -> None:
         self.fn, self.interval, self.samples = fn, interval, []
@@ -343,8 +319,7 @@ class Sampler:
 
 
 class PeakRSS(Sampler):
-    """Peak resident bytes of this process while the ``with`` block runs, sampled every
-    ``interval`` seconds by a thread (``.peak``, ``.start``, ``.growth``)."""
+    """Resident bytes during the ``with`` block: ``.start``, ``.peak``, ``.growth``."""
 
     def __init__(self, interval: float = 0.005) -> None:
         super().__init__(rss_bytes, interval)
@@ -367,74 +342,6 @@ class PeakRSS(Sampler):
         return self.peak - self.start
 
 
-def live_bytes(top: int = 12) -> Any:
-    """A ``TorchDispatchMode`` counting the storage bytes of every tensor an aten op creates
-    inside it, from creation until the storage is freed, keeping the ``top`` largest tensors
-    alive at the highest total (``.peak``, ``.report()``). Storages passed to ``.known(...)``
-    (inputs, parameters) are never counted. It cannot see memory that is no tensor (cuBLAS
-    workspaces, Triton scratch): on CUDA, ``max_memory_allocated`` minus its peak bounds that."""
-    import weakref
-
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    class LiveBytes(TorchDispatchMode):
-        """Peak of the bytes held by tensors created inside the mode; see the module docstring."""
-
-        def __init__(self, top: int = 12) -> None:
-            super().__init__()
-            self.live = 0
-            self.peak = 0
-            self.top = top
-            self._alive: dict[int, tuple[int, str, tuple[int, ...], str]] = {}
-            self.at_peak: list[tuple[int, str, tuple[int, ...], str]] = []
-
-        def known(self, *tensors: torch.Tensor | None) -> LiveBytes:
-            """Storages that existed before (inputs): never counted."""
-            for t in tensors:
-                if t is not None:
-                    self._alive[t.untyped_storage().data_ptr()] = (0, "input", tuple(t.shape), "")
-            return self
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self._count(t, str(func))
-            return out
-
-        def _count(self, t: torch.Tensor, op: str) -> None:
-            st = t.untyped_storage()
-            key, n = st.data_ptr(), st.nbytes()
-            if n == 0 or key in self._alive:
-                return
-            self._alive[key] = (n, op, tuple(t.shape), str(t.dtype).replace("torch.", ""))
-            self.live += n
-
-            def gone(key: int = key, n: int = n) -> None:
-                self.live -= n
-                self._alive.pop(key, None)
-
-            weakref.finalize(st, gone)
-            if self.live > self.peak:
-                self.peak = self.live
-                self.at_peak = sorted(self._alive.values(), key=lambda v: -v[0])[: self.top]
-
-        def report(self) -> dict:
-            """The peak and the largest tensors alive at it (bytes, op, shape, dtype)."""
-            return {
-                "tracked_peak_bytes": self.peak,
-                "alive_at_peak": [
-                    {"bytes": n, "op": op, "shape": list(shape), "dtype": dt}
-                    for n, op, shape, dt in self.at_peak
-                    if n
-                ],
-            }
-
-    return LiveBytes(top)
-
-
 # --------------------------------------------------------------------------- the CSV
 COLUMNS = (
     "timestamp suite mode case metric unit value p20 p80 samples config "
@@ -443,11 +350,8 @@ COLUMNS = (
 
 
 class Recorder:
-    """Collects one run's rows and appends them to the CSV (and to a JSON file if asked).
-
-    ``rec = Recorder("format", "configs")``; ``rec.add(case, metric, unit, value, ...)``;
-    ``rec.save()``. The machine row is taken once, when the recorder is made; ``config`` goes
-    into every row's configuration (beside what :meth:`add` is given)."""
+    """One run's rows (:meth:`add`), appended to the CSV by :meth:`save`; the machine row is
+    taken when it is made, ``config`` joins every row's configuration."""
 
     def __init__(
         self,
@@ -518,8 +422,8 @@ class Recorder:
     def finish(
         self, result: Any, json_path: Path | None = None, *, indent: int = 2, show: int = 0
     ) -> None:
-        """Append the rows to the CSV, print ``result`` as JSON (its first ``show`` characters
-        if ``show`` > 0, nothing if < 0) and write it to ``json_path`` if given."""
+        """:meth:`save`, print ``result`` as JSON (its first ``show`` characters if ``show`` > 0,
+        nothing if < 0), write it to ``json_path`` if given."""
         self.save()
         text = json.dumps(result, indent=indent, default=str)
         if show >= 0:
@@ -530,8 +434,7 @@ class Recorder:
 
 
 def suite_parser(suite: str, doc: str) -> tuple[argparse.ArgumentParser, Any]:
-    """The parser of ``python -m benchmarks.<suite>`` (described by the first line of ``doc``)
-    and its ``mode`` subparsers."""
+    """The parser of ``python -m benchmarks.<suite>`` and its ``mode`` subparsers."""
     p = argparse.ArgumentParser(
         prog=f"python -m benchmarks.{suite}", description=doc.split("\n")[0]
     )
@@ -539,10 +442,9 @@ def suite_parser(suite: str, doc: str) -> tuple[argparse.ArgumentParser, Any]:
 
 
 def options(parser: argparse.ArgumentParser, **spec: Any) -> argparse.ArgumentParser:
-    """One ``--name-with-dashes`` option per keyword, its type taken from its default: a list is
-    ``nargs="+"`` of its first item's type, ``False`` a flag, a string or ``None`` a string. A value
-    ``(default, help)`` adds a help text, ``(default, help, {...})`` more ``add_argument``
-    keywords (``choices``, ``type``, ...). Returns ``parser``."""
+    """One ``--name-with-dashes`` option per keyword, typed by its default (a list: ``nargs="+"``
+    of its first item's type; ``False``: a flag); a value ``(default, help[, {add_argument
+    keywords}])`` adds those. Returns ``parser``."""
     for name, value in spec.items():
         default, help_, extra = (
             (*value, None, None)[:3] if isinstance(value, tuple) else (value, None, None)
@@ -581,9 +483,8 @@ def _editable_finder() -> Any:
 
 
 def use_tree(tree: str | Path) -> list[str]:
-    """Point this process's ``logitcache.*`` packages at ``tree`` (a tree's root as
-    ``git archive <rev> | tar -x`` makes it, or a ``cache_format`` folder); the names of the
-    packages moved. Call before anything imports ``logitcache``."""
+    """Point this process's ``logitcache.*`` packages at those found in ``tree`` (a tree's root,
+    or a ``cache_format`` folder) before anything imports them; the names moved."""
     finder = _editable_finder()
     tree = Path(tree).resolve()
     moved = []
@@ -627,9 +528,8 @@ def ab(
     rev_a: str, rev_b: str, target: Sequence[str], rounds: int = 2
 ) -> list[tuple[str, int, int]]:
     """Run ``target`` (``-m module args...``) under the packages of ``rev_a`` and ``rev_b``,
-    alternating, ``rounds`` times each; each run's output streams through. Returns
-    ``(rev, round, returncode)`` per run. The target's own rows carry the label in its
-    ``--label`` argument if it has one; the tree in use is in ``BENCH_TREE``."""
+    alternating, ``rounds`` times each (``BENCH_TREE`` names the revision); ``(rev, round,
+    returncode)`` per run."""
     out = []
     with tempfile.TemporaryDirectory(prefix="lc-ab-") as tmp:
         trees = {rev: export_tree(rev, Path(tmp) / rev.replace("/", "_")) for rev in (rev_a, rev_b)}
@@ -646,9 +546,8 @@ def ab(
 def device_env(
     wheels: Path, site: Path = Path("/tmp/site"), pkg: Path = Path("/tmp/lcpkg")
 ) -> dict[str, str]:
-    """Make the project importable on a box where it is not installed: the wheels in
-    ``wheels`` go to ``site``; ``pkg/logitcache/<package>`` link to this checkout's packages.
-    Returns the environment to run a suite in."""
+    """The environment to run a suite in where the project is not installed: ``wheels`` go to
+    ``site``, ``pkg/logitcache/<package>`` link to this checkout's packages."""
     whls = sorted(glob.glob(str(wheels / "*.whl")))
     if whls:
         pip = "-m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade"
@@ -680,12 +579,8 @@ def line_plot(
     note: str = "",
     size: tuple[float, float] = (6.4, 4.0),
 ) -> Path:
-    """Write a line chart of ``series`` (name -> [(x, y), ...]) to ``out`` (PNG); its path.
-
-    Headless (Agg), deterministic bytes (no timestamp in the PNG metadata), one colour per series
-    in insertion order; ``hline`` draws a dashed reference (a goal), ``note`` a caption under the
-    axes (the command and machine behind the numbers). Needs ``matplotlib`` (the ``dev`` extra).
-    """
+    """A line chart of ``series`` (name -> [(x, y), ...]) as a PNG at ``out`` (deterministic
+    bytes); ``hline`` draws a dashed reference (a goal), ``note`` a caption under the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -723,16 +618,10 @@ def line_plot(
 
 
 # --------------------------------------------------------------------------- command line
-def _split(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" not in argv:
-        raise SystemExit("give the command to run after --, e.g. -- -m benchmarks.format configs")
-    i = argv.index("--")
-    return argv[:i], argv[i + 1 :]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    own, target = _split(argv) if "--" in argv else (argv, [])
+    i = argv.index("--") if "--" in argv else len(argv)
+    own, target = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.harness", description=__doc__.split("\n")[0]
     )
@@ -751,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(machine(), indent=1))
         return 0
     if not target:
-        raise SystemExit("give the command to run after --")
+        raise SystemExit("give the command to run after --, e.g. -- -m benchmarks.format configs")
     if args.cmd == "ab":
         runs = ab(args.rev_a, args.rev_b, target, args.rounds)
         return max(rc for _, _, rc in runs)

@@ -1,8 +1,7 @@
 """The data path at trainer scale: positions/s delivered, worker scaling, shuffle cost, HTTP,
 data wait of a training step.
 
-Modes (``python -m benchmarks.loader <mode> --help``; every figure of
-``benchmarks/results/loader.md`` comes from them)::
+Modes (every figure of ``benchmarks/results/loader.md`` comes from them)::
 
     python -m benchmarks.loader scaling --positions 20e6 --workers 1 2 4 8 12 --plot
     python -m benchmarks.loader http --positions 20e6 --http-workers 0 8
@@ -10,35 +9,23 @@ Modes (``python -m benchmarks.loader <mode> --help``; every figure of
     python -m benchmarks.loader hidden --positions 4e6 --dim 4096 --workers 1 2 4 8 12
     python -m benchmarks.loader hidden --quick                        # smoke size
 
-The cache (built once under ``--root``, reused after): ``--positions`` supervised positions,
-k=100, vocab 128,256, float16 logprobs (the format's defaults), sequences of log-normal length
-(median 490 tokens) sliced from a pool of synthetic-teacher rows (``Teacher.pooled``), so each
-chunk compresses like the format suite's data.
+The cache (built once under ``--root``): ``Teacher.pooled`` sequences (median 490 tokens), k=100,
+vocab 128,256. Loader rates are steady-state: positions with ``loss_mask`` over ``--seconds``
+after the first ``2 * max(1, w)`` batches, with the full shuffle users are told to copy
+(:data:`SHUFFLE`), ``pin_memory``.
 
-* ``scaling``: **reader**: ``CacheReader.rows`` + ``tokens`` in storage order (64-sequence
-  ranges, one process: the format library's sequential rate); **shuffle**: ``CacheDataset`` in
-  one process, sequential vs the full shuffle users are told to copy (:data:`SHUFFLE`) and the
-  same with one lane; **scaling**: ``CacheDataLoader(num_workers=w, pin_memory=True)`` with that
-  shuffle, positions/s delivered to the main process, for each ``--workers``.
-* ``http``: a server process (uvicorn, the real store route) serving the same store root on
-  loopback and ``HttpSource`` in the client: one process with each ``--http-threads``, then
-  ``--http-workers`` workers; the server's CPU per position from its ``/proc`` counters.
-* ``datawait`` (CUDA): a student (d=768, 12 layers, vocab 128,256) trained by
-  ``topk_distill_loss`` on batches from ``CacheDataLoader`` (8 workers, pinned, ``non_blocking``
-  copies; ``--ddp``: inside ``DistributedDataParallel`` in a one-process NCCL group), from the
-  local store and over HTTP: the share of step time spent in ``next()`` after the workers'
-  prefilled queues are drained, beside the pure step time on one batch kept on the GPU.
-* ``hidden``: the same loader over a ``targets="hidden"`` cache (FORMAT.md 4.10) of bfloat16
-  rows of ``--dim`` values (8 KB per position at d=4096): sequential and full shuffle in one
-  process, then ``--workers``; positions/s and MB/s of hidden rows. Its cache: sequences of the
-  same lengths, each a slice of one pool of :data:`HIDDEN_POOL` standard-normal states (they
-  compress to about 0.72 of ``2 d`` bytes, the tiny teacher's real states to 0.66), vocabulary
-  :data:`HIDDEN_VOCAB` (the head is stored once and not read by the loader). ``--quick``: d=256,
-  200K positions, workers 0 and 1, 1 s each (a smoke run: its epoch is a dozen batches, so its
-  rates are no measurement).
-
-Loader rates are steady-state: positions with ``loss_mask`` over ``--seconds`` after the first
-``2 * max(1, w)`` batches (start-up reported apart).
+* ``scaling``: ``CacheReader.rows`` + ``tokens`` in storage order (one process); ``CacheDataset``
+  in one process, sequential vs full shuffle (and with one lane); ``CacheDataLoader`` per
+  ``--workers``.
+* ``http``: the store route under uvicorn on loopback and ``HttpSource``: one process per
+  ``--http-threads``, then ``--http-workers``; the server's CPU per position.
+* ``datawait`` (CUDA): a ~200M-parameter student trained by ``topk_distill_loss`` from the local
+  store and over HTTP (``--ddp``: in a one-process NCCL DDP group): the share of step time spent
+  in ``next()`` once the prefilled queues are drained, beside the step on one batch kept on the GPU.
+* ``hidden``: a ``targets="hidden"`` cache of bfloat16 rows of ``--dim`` values (slices of a pool
+  of :data:`HIDDEN_POOL` standard-normal states): one process sequential and shuffled, then
+  ``--workers``; positions/s and MB/s. ``--quick``: d=256, 200K positions, workers 0 and 1, 1 s
+  each (a smoke run, no measurement).
 """
 
 from __future__ import annotations
@@ -81,7 +68,7 @@ LOADER: dict[str, Any] = {"tokens_per_item": 2048, "mode": "pack", "batch_size":
 
 
 def build(url: str, positions: int, seed: int = 0) -> dict[str, Any]:
-    """Write the benchmark cache (see the module docstring); counts and timings."""
+    """Write the benchmark cache; counts and timings."""
     import numcodecs.blosc
 
     numcodecs.blosc.set_nthreads(1)
@@ -131,7 +118,7 @@ def loader_rate(
     warm: int | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Steady positions/s delivered by ``CacheDataLoader`` (see the module docstring)."""
+    """Steady positions/s delivered by ``CacheDataLoader``."""
     import torch
     from logitcache.client import CacheDataLoader, CacheDataset, ReadOptions, StreamConfig
 
@@ -183,11 +170,6 @@ def loader_rate(
     }
 
 
-def worker_rates(url: str, workers: list[int], seconds: float) -> list[dict[str, Any]]:
-    """:func:`loader_rate` pinned, full shuffle, for each worker count."""
-    return [loader_rate(url, w, seconds, pin=True, shuffle=True) for w in workers]
-
-
 def serve(root: str, port: int) -> None:
     """The server part of the HTTP step: the real store route under uvicorn (no engine)."""
     from types import SimpleNamespace
@@ -218,18 +200,14 @@ def http_server(root: str) -> Iterator[tuple[str, int]]:
 
 
 def http_rates(
-    root: str,
-    workers: list[int],
-    seconds: float,
-    threads: list[int],
-    worker_threads: tuple[int, ...] = (0,),
+    root: str, workers: list[int], seconds: float, threads: list[int]
 ) -> list[dict[str, Any]]:
-    """HttpSource (store transport) against a server process on loopback: one client process
-    with each ``threads`` (``read_threads``), then each ``workers`` (> 0) count of workers."""
+    """HttpSource against a server process on loopback: one client process with each
+    ``threads`` (``read_threads``), then each ``workers`` (> 0) count of workers."""
     from logitcache.client.sources import HttpSource
 
     runs: list[tuple[int, int | None]] = [(0, t) for t in threads] if 0 in workers else []
-    runs += [(w, t or None) for t in worker_threads for w in workers if w > 0]
+    runs += [(w, None) for w in workers if w > 0]
     out = []
     with http_server(root) as (url, pid):
         for w, t in runs:
@@ -391,13 +369,15 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
 def one_process(url: str, args: argparse.Namespace, reader_pos_per_s: float) -> dict[str, Any]:
     """One process: sequential vs full shuffle, same window and warm-up (past the 24-lane
     start-up: lanes x window blocks are read before every lane's first batch)."""
-    out: dict[str, Any] = {}
     kw = {"pin": False, "warm": args.shuffle_warm}
-    out["sequential"] = loader_rate(url, 0, args.shuffle_seconds, shuffle=False, **kw)
-    out["full_shuffle"] = loader_rate(url, 0, args.shuffle_seconds, shuffle=True, **kw)
-    out["full_shuffle_lanes1"] = loader_rate(
-        url, 0, args.shuffle_seconds, shuffle=True, lanes=1, **kw
-    )
+    out: dict[str, Any] = {
+        name: loader_rate(url, 0, args.shuffle_seconds, shuffle=shuffle, **kw, **extra)
+        for name, shuffle, extra in [
+            ("sequential", False, {}),
+            ("full_shuffle", True, {}),
+            ("full_shuffle_lanes1", True, {"lanes": 1}),
+        ]
+    }
     seq = out["sequential"]["pos_per_s"]
     out["ratio"] = out["full_shuffle"]["pos_per_s"] / seq
     out["ratio_lanes1"] = out["full_shuffle_lanes1"]["pos_per_s"] / seq
@@ -447,7 +427,9 @@ def main(argv: list[str] | None = None) -> None:
         for case in ("sequential", "full_shuffle", "full_shuffle_lanes1"):
             rate = doc["shuffle"][case]["pos_per_s"]
             rec.add(f"1 process {case}", "pos_per_s", "pos/s", rate, config=cfg | SHUFFLE)
-        doc["scaling"] = worker_rates(url, args.workers, args.seconds)
+        doc["scaling"] = [
+            loader_rate(url, w, args.seconds, pin=True, shuffle=True) for w in args.workers
+        ]
         for r in doc["scaling"]:
             c = cfg | SHUFFLE | {"workers": r["workers"], "pin_memory": True}
             rec.add(f"{r['workers']} workers", "pos_per_s", "pos/s", r["pos_per_s"], config=c)
@@ -536,7 +518,9 @@ def run_hidden(args: argparse.Namespace, root: Path, rec: Recorder, doc: dict[st
         log("build", doc["build"])
     for name, shuffle in (("sequential", False), ("full_shuffle", True)):
         doc[name] = loader_rate(url, 0, args.seconds, pin=False, shuffle=shuffle, warm=2)
-    doc["scaling"] = worker_rates(url, args.workers, args.seconds)
+    doc["scaling"] = [
+        loader_rate(url, w, args.seconds, pin=True, shuffle=True) for w in args.workers
+    ]
     cfg = {"positions": positions, "dim": dim, "vocab": HIDDEN_VOCAB, **LOADER}
     bpp = store_bytes(url) / positions
     rec.add(f"hidden d={dim} store", "bytes_per_position", "B", bpp, config=cfg)

@@ -1,18 +1,5 @@
-"""The top-k distillation loss in isolation: peak memory and time vs positions, the memory floor.
-
-For each ``(V, d)`` config and number of positions N: student hidden ``h [N, d]`` and lm-head
-``W [V, d]`` in bf16 with ``requires_grad``, teacher top-k ids (distinct per row) and logprobs
-``log_softmax(sorted N(0, 2^2)) + log M`` with ``M ~ U(0.85, 0.95)``, ``W ~ N(0, (2/sqrt d)^2)``.
-One step = forward + backward of the mean forward KL (``sum_S p (log p - log q)``); grads are
-set to None before each step. Per cell: peak ``torch.cuda.max_memory_allocated`` over the timed
-steps (inputs and one set of grads included), ``delta`` = peak minus the memory held before the
-step, the median step time over CUDA events, TFLOP/s counting ``6 N d V``. The bf16 GEMM rate
-of the lm-head shape (``[8192 x d] @ [d x V]``) is measured in the same run as the baseline.
-
-Variants: ours (``dense``, ``forward_chunked``, ``fused_chunked``, ``fused_chunked_recompute``,
-the torch path and a larger chunk of the fused one, and the memory-floor settings
-:data:`FLOOR`), plain torch (``torch_dense_gather``) and Liger-Kernel's fused linear KL on a
-dense target when ``liger_kernel`` is installed.
+"""The distillation loss in isolation: peak memory and time vs positions, the memory floor, the
+exact loss.
 
 Modes::
 
@@ -24,22 +11,22 @@ Modes::
     python -m benchmarks.loss exact --check --configs 128256x4096 --out exact_gpu.json
     python -m benchmarks.loss exact --device cpu --sizes 2048 --configs 8192x256 --gemm-chunks 512
 
-``exact``: the exact loss (``exact_distill_loss``: teacher hidden states ``[N, d]`` + teacher
-head ``[V, d]``; variants ``exact_<loss>[_torch][_c<rows>][_bf16acc]``: the torch passes, a
-chunk of that many rows, grad_W accumulated in bf16) beside the fused top-k loss (default and
-the memory-floor setting) on the top-k of the same teacher's logits, in float32 (CPU) or bf16
-(CUDA), per N: median fwd+bwd time, ``max_memory_allocated`` and its growth over the inputs
-(CPU: the peak bytes of the tensors the step creates), TFLOP/s counting ``8 N d V`` (top-k:
-``6 N d V``) as a fraction of the lm-head GEMM rate of the same run, and the time of one
-chunk's four bare GEMMs (teacher and student products, grad_h, grad_W) at each
-``--gemm-chunks`` size. ``--check`` first compares the Triton passes and the torch passes with
-float64. On CUDA, ``--kernel-configs`` first times one chunk's row passes per launch geometry
-(:mod:`benchmarks.exact_passes`) and picks per objective the fastest config that agrees with
-the default's numbers: variants ``..._kbest`` run it.
+``sweep``: per ``(V, d)`` config and N, forward + backward of the mean forward KL of bf16 student
+hidden ``h [N, d]`` and head ``W [V, d]`` against synthetic top-k targets, for each variant
+(:func:`variants`: ours, the memory-floor settings :data:`FLOOR`, plain torch, Liger's fused KL
+on a dense target if installed): peak ``max_memory_allocated``, its growth over the inputs, the
+median step time (CUDA events), TFLOP/s counting ``6 N d V`` beside the bf16 lm-head GEMM rate
+of the same run. ``--check`` first compares every variant with a float64 dense reference (small
+N) and the bf16 grad_W with float32 (large N). ``plot`` redraws ``loss_memory.png`` and
+``loss_time.png`` from a committed result.
 
-``--check`` first compares every variant with a float64 dense reference at a small N, and the
-bf16 fused grad_W with a float32 computation at a large N. ``plot`` redraws ``loss_memory.png``
-and ``loss_time.png`` (every variant vs positions at V=128256, d=4096) from a committed result.
+``exact``: ``exact_distill_loss`` (teacher hidden + head; variants
+``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest]``) beside the fused top-k loss on the top-k of
+the same teacher's logits: time, memory (CPU: the peak bytes of the tensors a step creates),
+TFLOP/s counting ``8 N d V`` as a fraction of the lm-head GEMM rate, and one chunk's four bare
+GEMMs per ``--gemm-chunks``. ``--check`` first compares the Triton and torch passes with float64.
+On CUDA, ``--kernel-configs`` times one chunk's row passes per launch geometry
+(:mod:`benchmarks.exact_passes`); ``..._kbest`` variants run the fastest that agrees.
 """
 
 from __future__ import annotations
@@ -64,13 +51,13 @@ from logitcache.client.loss.dispatch import auto_chunk_size
 from logitcache.client.loss.exact import TRITON_CHUNK_BUFFERS
 
 from benchmarks import exact_passes
+from benchmarks.exact_passes import rel
 from benchmarks.harness import (
     Point,
     Recorder,
     add_csv_option,
     free_memory,
     line_plot,
-    live_bytes,
     machine_line,
     median_time,
     options,
@@ -183,9 +170,8 @@ def free() -> None:
 
 
 def gemm_rate(n: int, d: int, vocab: int, device: str, cuda: bool, hold_s: float = 0.0) -> float:
-    """bf16 TFLOP/s of ``[n, d] @ [d, vocab]``: median of 10 after 3 warm-ups, the warm-ups
-    extended to ``hold_s`` seconds of back-to-back GEMMs (``hold_s > 0``: the rate the GPU
-    sustains once its clocks settle under load, as they do during a loss step)."""
+    """bf16 TFLOP/s of ``[n, d] @ [d, vocab]``: median of 10 after 3 warm-ups, or after
+    ``hold_s`` seconds of back-to-back GEMMs (the rate sustained once the clocks settle)."""
     a = torch.randn(n, d, device=device, dtype=torch.bfloat16)
     b = torch.randn(vocab, d, device=device, dtype=torch.bfloat16)
     warm = 3
@@ -224,18 +210,10 @@ def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dic
 
 
 # ----------------------------------------------------------------------------- checks
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
 def rel_errors(got: tuple, ref: tuple) -> dict[str, float]:
     """Relative errors of a ``(loss, grad_h, grad_w)`` against a reference's."""
-    return dict(
-        rel_loss=abs(got[0] - ref[0]) / abs(ref[0]),
-        rel_grad_h=rel(got[1], ref[1]),
-        rel_grad_w=rel(got[2], ref[2]),
-    )
+    rel_loss = abs(got[0] - ref[0]) / abs(ref[0])
+    return dict(rel_loss=rel_loss, rel_grad_h=rel(got[1], ref[1]), rel_grad_w=rel(got[2], ref[2]))
 
 
 def grads_of(fn: Callable, x: dict) -> tuple[float, torch.Tensor, torch.Tensor]:
@@ -262,12 +240,13 @@ def check(args: argparse.Namespace, device: str) -> dict:
     labels = torch.randint(0, vocab, (args.check_n,), device=device)
     configs = {
         "forward_kl": {},
-        "forward_kl+tail+ce0.2+T2": dict(tail_mass=tail, labels=labels, ce_weight=0.2),
+        "forward_kl+tail+ce0.2+T2": dict(
+            tail_mass=tail, labels=labels, ce_weight=0.2, temperature=2.0
+        ),
         "jsd+tail": dict(loss="jsd", tail_mass=tail),
         "reverse_kl": dict(loss="reverse_kl"),
         "renormalized_kl": dict(loss="renormalized_kl"),
     }
-    configs["forward_kl+tail+ce0.2+T2"]["temperature"] = 2.0
     impls = [(i, "auto") for i in ("forward_chunked", "fused_chunked", "fused_chunked_recompute")]
     impls.append(("fused_chunked", "torch"))
     for cname, kw in configs.items():
@@ -375,13 +354,7 @@ def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- exact
-EXACT_VARIANTS = [
-    "topk_fused_chunked",
-    "topk_floor",
-    "exact_forward_kl",
-    "exact_reverse_kl",
-    "exact_jsd",
-]
+EXACT_VARIANTS = "topk_fused_chunked topk_floor exact_forward_kl exact_reverse_kl exact_jsd".split()
 
 
 def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0) -> dict:
@@ -592,7 +565,9 @@ def exact_cell(
     fn = exact_variant(name, args.chunk, best)
     res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
     if not cuda:  # the CPU has no allocator peak: count the tensors the step creates
-        mode = live_bytes().known(*x.values())
+        from tests.memory_support import LiveBytes
+
+        mode = LiveBytes().known(*x.values())
         with mode:
             fn(x).backward()
         res["tracked_peak_mib"] = mode.peak / (1 << 20)
@@ -621,10 +596,8 @@ def add_exact_ratios(rows: list[dict]) -> None:
 def loss_series(
     result: Mapping, field: str, vocab: int = 128256, d: int = 4096
 ) -> dict[str, list[Point]]:
-    """``field`` (``peak_gib`` or ``ms``) vs positions per loss variant of a ``loss_bench``
-    result (``benchmarks/results/loss.json``: ``sweep = [{"variant", "n", "vocab", "d",
-    "status", "peak_gib", "ms"}]``) at one (vocab, d); runs that did not finish ("OOM") are left
-    out."""
+    """``field`` (``peak_gib`` or ``ms``) vs positions per variant of a ``sweep`` result at one
+    (vocab, d), cells that did not finish left out."""
     series: dict[str, list[Point]] = {}
     for r in result["sweep"]:
         if r["vocab"] == vocab and r["d"] == d and r["status"] == "ok":
@@ -657,42 +630,36 @@ def main(argv: list[str] | None = None) -> None:
     pl = sub.add_parser("plot", help="loss_memory.png and loss_time.png from a result JSON")
     pl.add_argument("result", type=Path)
     pl.add_argument("out_dir", type=Path)
-    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    configs = lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")]  # noqa: E731
+    ints = {"type": lambda s: [int(v) for v in s.split(",")], "nargs": None}
+    names = {"type": lambda s: s.split(","), "nargs": None}
+    configs = {
+        "type": lambda s: [tuple(int(v) for v in c.split("x")) for c in s.split(",")],
+        "nargs": None,
+    }
     sw = sub.add_parser("sweep", help="every variant x N x config: memory and time")
     ex = sub.add_parser("exact", help="exact loss (teacher hidden + head) vs the top-k loss")
-    ex.add_argument("--sizes", type=ints, default=[32768, 65536, 131072, 262144])
-    ex.add_argument("--variants", type=lambda s: s.split(","), default=EXACT_VARIANTS)
-    ex.add_argument("--gemm-chunks", type=ints, default=[2048, 4096])
-    ex.add_argument("--check", action="store_true", help="kernels vs float64 first")
-    ex.add_argument("--reps", type=int, default=3)
-    ex.add_argument("--chunk", type=int, default=None, help="rows per chunk (default: each's)")
-    ex.add_argument("--cell-cap-s", type=float, default=6.0, help="time budget per cell")
-    ex.add_argument(
-        "--kernel-configs",
-        type=exact_passes.kernel_configs,
-        default=exact_passes.EXACT_KERNEL_CONFIGS,
-        help="CUDA: time one chunk's row passes per config first (see kernel_configs; "
-        "'' for none); variants ..._kbest run the fastest",
-    )
-    ex.add_argument("--out", type=Path, default=None)
-    for s in (sw, ex):
-        s.add_argument("--device", default=None)
-        s.add_argument("--configs", type=configs, default=[(128256, 4096), (201088, 4096)])
-        s.add_argument("--k", type=int, default=100)
-        add_csv_option(s)
-    comma = {"type": ints, "nargs": None}
-    options(sw, sizes=([4096, 8192, 16384, 32768, 65536, 131072, 262144], None, comma))
+    options(ex, sizes=([32768, 65536, 131072, 262144], None, ints))
+    options(ex, variants=(EXACT_VARIANTS, None, names), gemm_chunks=([2048, 4096], None, ints))
+    options(ex, check=(False, "kernels vs float64 first"), reps=3)
+    options(ex, chunk=(None, "rows per chunk (default: each's)", {"type": int}))
     options(
-        sw,
-        c8192_sizes=([32768, 262144], None, comma),
-        check=False,
-        out=(None, None, {"type": Path}),
+        ex,
+        kernel_configs=(
+            exact_passes.EXACT_KERNEL_CONFIGS,
+            "CUDA: time one chunk's row passes per config first ('' for none); variants "
+            "..._kbest run the fastest",
+            {"type": exact_passes.kernel_configs, "nargs": None},
+        ),
     )
-    options(sw, variants=(DEFAULT_VARIANTS, None, {"type": lambda s: s.split(","), "nargs": None}))
+    options(sw, sizes=([4096, 8192, 16384, 32768, 65536, 131072, 262144], None, ints))
+    options(sw, c8192_sizes=([32768, 262144], None, ints), check=False)
+    options(sw, variants=(DEFAULT_VARIANTS, None, names))
     options(sw, reps=5, torchpath_max_n=32768, dense_max_n=32768, check_n=2048, check_chunk=512)
-    options(sw, check_large_n=32768, cell_cap_s=(6.0, "time budget per cell"))
-    options(sw, budget_s=(420.0, "stop starting cells after"))
+    options(sw, check_large_n=32768, budget_s=(420.0, "stop starting cells after"))
+    for s in (sw, ex):
+        options(s, device=None, configs=([(128256, 4096), (201088, 4096)], None, configs), k=100)
+        options(s, cell_cap_s=(6.0, "time budget per cell"), out=(None, None, {"type": Path}))
+        add_csv_option(s)
     args = ap.parse_args(argv)
     if args.mode == "plot":
         print(*loss_plots(args.result, args.out_dir), sep="\n")

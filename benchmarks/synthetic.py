@@ -1,13 +1,10 @@
-"""The benchmarks' one synthetic teacher: realistic top-k rows without a model.
+"""The benchmarks' synthetic teachers: realistic top-k rows without a model.
 
-Ids: each row's k ids are the first-appearance order of i.i.d. Zipf(s) draws over the vocabulary,
-mapped frequency-rank -> id "bpe-like" (ids sorted by ``log(rank) + N(0, 1.5)``; ``"random"``: a
-uniform permutation, ``"identity"``: the rank). Logprobs: ``-s log(j+1) + noise`` sorted, per-row
-sharpness ``s ~ LogNormal(log 1.2, 0.35)``, top-k mass ``1 - tail`` with ``tail ~ Beta(0.6, 6)``.
-:meth:`Teacher.fixed` draws every row of ``seq_len``-token sequences (``format``);
-:meth:`Teacher.pooled` slices log-normal-length sequences (median 490) out of one pool of rows
-(``loader``, ``format random``). The ``ddp`` suite's teacher is a random "bigram" teacher
-(:class:`CacheSpec`) whose sequences start with their own index written as tokens.
+:class:`Teacher`: each row's k ids are the first-appearance order of i.i.d. Zipf(s) draws, mapped
+frequency rank -> id "bpe-like" (ids sorted by ``log(rank) + N(0, 1.5)``); logprobs
+``-s log(j+1) + noise`` sorted, ``s ~ LogNormal(log 1.2, 0.35)``, tail mass ``~ Beta(0.6, 6)``.
+The ``ddp`` suite's teacher is a random "bigram" teacher (:class:`CacheSpec`) whose sequences
+start with their own index written as tokens.
 """
 
 from __future__ import annotations
@@ -23,10 +20,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Data:
-    """Rows of a synthetic teacher: ``tokens`` (int32), ``ids`` (rows, k) int32, ``logprobs``
-    (rows, k) float32, ``tail`` (rows,) float32, and ``bounds``: each sequence's
-    ``(row_start, token_start, length)`` in them (a sequence of ``length`` tokens has
-    ``length - 1`` rows)."""
+    """Rows of a synthetic teacher (``ids``, ``logprobs``: (rows, k); ``tail``: (rows,)), tokens,
+    and each sequence's ``(row_start, token_start, length)`` (``length - 1`` rows)."""
 
     tokens: np.ndarray
     ids: np.ndarray
@@ -59,8 +54,7 @@ class Data:
         return out
 
     def batches(self, sequences: int = 0, positions: int = 0) -> Iterator[list[Any]]:
-        """The records in appends of ``sequences`` sequences, or of at least ``positions``
-        rows."""
+        """The records in lists of ``sequences`` sequences, or of at least ``positions`` rows."""
         batch: list[Any] = []
         rows = 0
         for rec in self.records():
@@ -75,8 +69,8 @@ class Data:
 
 @dataclass(frozen=True)
 class Teacher:
-    """A synthetic teacher over ``vocab`` tokens returning its top ``k``; ``seed`` fixes every
-    draw."""
+    """A synthetic teacher over ``vocab`` tokens returning its top ``k`` (``id_map``: ``bpe``,
+    ``random`` permutation or ``identity``); ``seed`` fixes every draw."""
 
     vocab: int = 131072
     k: int = 100
@@ -89,7 +83,7 @@ class Teacher:
         return np.cumsum(w) / w.sum()
 
     def rank_to_id(self, rng: np.random.Generator) -> np.ndarray:
-        """frequency rank -> token id (see the module docstring)."""
+        """frequency rank -> token id."""
         if self.id_map == "random":
             return rng.permutation(self.vocab).astype(np.int32)
         if self.id_map == "identity":
@@ -159,8 +153,7 @@ class Teacher:
 
     def pooled(self, positions: int, pool_rows: int = 65536, round_f16: bool = False) -> Data:
         """Sequences of LogNormal(log 490, 0.9) tokens (16..8192), each a slice of one pool of
-        ``pool_rows`` drawn rows, until ``positions`` rows. ``round_f16``: logprobs rounded
-        through float16 (the stored values, for comparisons with uncompressed copies)."""
+        ``pool_rows`` rows, until ``positions`` rows (``round_f16``: logprobs as stored)."""
         rng = np.random.default_rng(self.seed)
         cdf = self.cdf()
         rmap = self.rank_to_id(rng)
@@ -197,17 +190,15 @@ def write_cache(
     manifest: Any,
     *,
     layout: Any = None,
-    fsync: bool = False,
-    append_sequences: int = 0,
     append_positions: int = 500_000,
 ) -> None:
-    """Write ``data`` to a new cache at ``url`` (appends of ``append_sequences`` sequences if
-    given, else of ``append_positions`` rows)."""
+    """Write ``data`` to a new cache at ``url`` (no fsync), in appends of ``append_positions``
+    rows."""
     from logitcache.cache_format import CacheWriter
 
     kw = {"layout": layout} if layout is not None else {}
-    with CacheWriter.open(url, manifest, fsync=fsync, **kw) as w:
-        for batch in data.batches(append_sequences, 0 if append_sequences else append_positions):
+    with CacheWriter.open(url, manifest, fsync=False, **kw) as w:
+        for batch in data.batches(positions=append_positions):
             w.append(batch)
 
 
@@ -255,12 +246,9 @@ def decode_index(tokens: np.ndarray, vocab: int) -> int:
 
 def bigram_teacher(vocab: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """A random "bigram" teacher: for each previous token ``v``, ``k`` distinct next-token ids
-    ``ids[v]`` with sorted logprobs ``lp[v]`` (descending) of total mass ``M_v ~ U(0.85, 0.95)``.
-
-    Distinct ids without a per-row shuffle: ``ids = (start + cumsum(gaps)) % vocab`` with gaps in
-    ``[1, vocab // k]``, so the ``k`` offsets are increasing and below ``vocab``. The logprobs are
-    ``log_softmax`` of ``k`` sorted ``N(0, 2^2)`` scores plus ``log M_v``.
-    """
+    ``ids[v]`` (``start + cumsum(gaps) mod vocab``, gaps in ``[1, vocab // k]``, shuffled) with
+    descending logprobs ``lp[v]``: ``log_softmax`` of sorted ``N(0, 2^2)`` scores plus ``log M_v``,
+    ``M_v ~ U(0.85, 0.95)``."""
     if vocab // k < 1:
         raise ValueError(f"need vocab >= k, got vocab={vocab}, k={k}")
     rng = np.random.default_rng([seed, 1])
@@ -280,13 +268,9 @@ def bigram_teacher(vocab: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarra
 def synthetic_records(
     spec: CacheSpec, first: int, count: int, teacher: tuple[np.ndarray, np.ndarray]
 ) -> list[Any]:
-    """Sequences ``first .. first+count-1`` of the synthetic cache, as ``SequenceRecord``s.
-
-    Sequence ``i`` has ``L_i ~ U[min_len, max_len]`` tokens: a header (``i`` in base ``vocab``),
-    then a walk of the bigram teacher (``x_{j+1}`` drawn from row ``x_j``; with the tail mass
-    ``1 - M`` a uniform token). Row ``j`` is the teacher's distribution given ``x_j``, which makes
-    the cache exactly what the teacher would have written for these tokens.
-    """
+    """Sequences ``first .. first+count-1`` as ``SequenceRecord``s: ``U[min_len, max_len]``
+    tokens, a header (``i`` in base ``vocab``), then a walk of the bigram teacher (a uniform token
+    with the tail mass); row ``j`` is the teacher's distribution given token ``j``."""
     from logitcache.cache_format import SequenceRecord
 
     ids_t, lp_t = teacher

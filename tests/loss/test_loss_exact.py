@@ -19,8 +19,7 @@ from logitcache.client.loss import (
 )
 from logitcache.client.loss.exact import CHUNK_BUFFERS
 from loss_support import spawn_workers
-
-from benchmarks.harness import live_bytes
+from memory_support import LiveBytes
 
 LOSSES = ["forward_kl", "reverse_kl", "jsd"]
 
@@ -184,7 +183,7 @@ def peak_bytes(n: int, loss: str) -> int:
     hs = torch.randn(n, D, generator=g).requires_grad_()
     ws = (torch.randn(V, D, generator=g) * 0.3).requires_grad_()
     ht, wt = torch.randn(n, D, generator=g), torch.randn(V, D, generator=g) * 0.3
-    mode = live_bytes().known(hs, ws, ht, wt)
+    mode = LiveBytes().known(hs, ws, ht, wt)
     with mode:
         exact_distill_loss(hs, ws, ht, wt, loss=loss, chunk_size=C).backward()
     return mode.peak

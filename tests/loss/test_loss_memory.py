@@ -1,6 +1,6 @@
 """The fused loss holds one chunk at a time: its peak does not grow with the number of chunks.
 
-Measured on the CPU with ``benchmarks.harness.live_bytes`` (a dispatch mode counting the
+Measured on the CPU with ``memory_support.LiveBytes`` (a dispatch mode counting the
 bytes of every tensor the loss creates, until freed). A buffer of one chunk that outlived its
 chunk (the logits, the ``[C, k]`` row terms, a float32 ``grad_W`` accumulator) would make the
 peak grow with N beyond the ``grad_h`` rows, or exceed the bound below.
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 from logitcache.client.loss import topk_distill_loss
-
-from benchmarks.harness import live_bytes
+from memory_support import LiveBytes
 
 D, V, K, C = 16, 512, 8, 64
 
@@ -22,7 +21,7 @@ def peak_bytes(n: int, grad_weight_dtype: str = "weight") -> int:
     w = (torch.randn(V, D, generator=g) * 0.3).requires_grad_()
     ids = torch.rand(n, V, generator=g).topk(K, dim=1).indices
     lp = torch.log_softmax(torch.randn(n, K, generator=g).sort(1, descending=True).values, -1)
-    mode = live_bytes().known(h, w, ids, lp)
+    mode = LiveBytes().known(h, w, ids, lp)
     with mode:
         topk_distill_loss(
             h, w, ids, lp - 0.1, chunk_size=C, grad_weight_dtype=grad_weight_dtype, check_ids=False
