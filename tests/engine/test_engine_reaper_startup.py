@@ -105,7 +105,10 @@ def _worker_spawned(tree: list[psutil.Process]) -> bool:
 #: phase -> the state of the server's start at which it is killed (its process tree so far).
 PHASES: dict[str, Callable[[list[psutil.Process]], bool]] = {
     "reaper-armed-before-engine-spawn": lambda tree: _has(tree, "reaper.py"),
-    "engine-core-spawned": lambda tree: _has(tree, "EngineCore"),
+    # spawned and still importing: vLLM names it ``EngineCore`` only once its imports are done
+    "engine-core-spawned": lambda tree: (
+        _has(tree, "multiprocessing.spawn") or _has(tree, "EngineCore")
+    ),
     "engine-worker-spawned": _worker_spawned,
 }
 

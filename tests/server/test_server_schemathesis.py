@@ -7,11 +7,13 @@ types, headers and schemas, negative data is rejected, and every protected opera
 a request without the key (``ignored_auth``). Without the key: every answer is a documented,
 conforming 401, and no protected route answers 2xx (counted by the server's own metrics).
 
-Time-bounded (``--max-time``; fuzzing and stateful repeat until it is spent): 30 s with the key,
-10 s without, every phase run in each. ``use_after_free`` is excluded on purpose
-(``DELETE /v1/jobs/{id}`` cancels: the job stays readable), and so is ``positive_data_acceptance``
-(the schema cannot state the vocabulary size or the sequence length limit, which are the
-engine's: valid-looking ids outside them are a documented 413/422).
+Time-bounded (``--max-time``, shared by the coverage, fuzzing and stateful phases; the last two
+repeat until it is spent): 20 s with the key, 6 s without, every phase run in each and every
+operation tested in each (the summary's ``Tested`` equals its ``Selected``, the schema's
+operations). ``use_after_free`` is excluded on purpose (``DELETE /v1/jobs/{id}`` cancels: the
+job stays readable), and so is ``positive_data_acceptance`` (the schema cannot state the
+vocabulary size or the sequence length limit, which are the engine's: valid-looking ids outside
+them are a documented 413/422).
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ def _generated(output: str) -> int:
     """Test cases schemathesis reports as generated (``N generated, ...``)."""
     m = re.search(r"(\d+) generated", output)
     return int(m.group(1)) if m else 0
+
+
+def _tested_of_selected(output: str) -> tuple[int, int]:
+    """``(tested, selected)`` operations of the summary (``Selected: 19/19``, ``Tested: 19``)."""
+    selected = re.search(r"Selected: (\d+)/\d+", output)
+    tested = re.search(r"Tested: (\d+)", output)
+    return (int(tested.group(1)) if tested else 0, int(selected.group(1)) if selected else -1)
 
 
 def _st(
@@ -112,7 +121,7 @@ def test_schemathesis_finds_no_server_error_and_every_answer_conforms(
             schema,
             srv.url,
             tmp_path,
-            30,
+            20,
             "--header",
             f"Authorization: Bearer {KEY}",
             "--checks",
@@ -122,17 +131,21 @@ def test_schemathesis_finds_no_server_error_and_every_answer_conforms(
         )
         assert keyed.returncode == 0, keyed.stdout[-12000:] + keyed.stderr[-3000:]
         assert _generated(keyed.stdout) >= 100, keyed.stdout[-3000:]  # it did test something
+        tested, selected = _tested_of_selected(keyed.stdout)
+        assert tested == selected > 0, keyed.stdout[-3000:]
 
         before = _protected_2xx(srv)
         anonymous = _st(
             schema,
             srv.url,
             tmp_path,
-            10,
+            6,
             "--checks",
             "not_a_server_error,status_code_conformance,content_type_conformance,"
             "response_headers_conformance,response_schema_conformance",
         )
         assert anonymous.returncode == 0, anonymous.stdout[-12000:] + anonymous.stderr[-3000:]
         assert _generated(anonymous.stdout) >= 20, anonymous.stdout[-3000:]
+        tested, selected = _tested_of_selected(anonymous.stdout)
+        assert tested == selected > 0, anonymous.stdout[-3000:]
         assert _protected_2xx(srv) == before
