@@ -1,34 +1,13 @@
-"""A compiled pass for the writer's encode step: checks, float16 and row deltas in one loop over
-each record's rows (the write side of the format, FORMAT.md W1 and 4.2).
+"""The compiled encode pass of the writer (FORMAT.md W1, 4.2): checks, float16 rounding and row
+deltas in one loop over each record's rows, bit for bit what :func:`.records.rows_pass` and
+:func:`.quant.encode_logprobs` do (``tests/format/test_format_fastencode.py`` compares them), with
+distinct ids checked by a per-vocabulary stamp table instead of a sort. Loaded with it: the tail
+mass passes (:func:`tail_rows`), the key hash sums (:func:`key_sums`) and the key-index merge
+(:func:`merge_sorted`).
 
-:func:`~._encode.encode_batch` checks a batch with about fifteen numpy passes over its top-k
-arrays (ranges, a sort per row for distinct ids, finiteness, the order of each row) and encodes
-the logprobs with five more (clip, float16, row delta, copies), each pass writing a temporary as
-large as the batch. :func:`encode_rows`, compiled with numba,
-reads each record's ``topk_ids`` and ``topk_logprobs`` once and writes the batch's stored arrays in
-place: the same checks (:func:`.records.rows_pass`: ids in ``[0, vocab)`` and distinct in a row,
-logprobs finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along the row) and the same bytes
-(:func:`.quant.encode_logprobs` for ``float16``: ``min(x, 0)``, ``max(., -65504)``, rounded to the
-nearest-even half, row deltas of the bit patterns modulo ``2**16``), bit for bit
-(``tests/format/test_format_fastencode.py`` compares them over every float16 rounding boundary and
-random batches). Distinct ids are checked with a per-vocabulary stamp table instead of a sort.
-
-The float32 -> float16 rounding is integer arithmetic on the bit patterns (no F16C instruction or
-compiler runtime needed), exact for the clipped range ``[-65504, 0]``. Loaded with it: the tail
-mass's passes (:func:`tail_rows`) and the weighted byte sums of the key hashes
-(:func:`key_sums`, one pass over an append's key bytes where numpy makes five).
-
-Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere, ~10 MB with
-llvmlite's ~40 MB; whether it is installed is decided once, :data:`._numba.AVAILABLE`). Without
-it, or if compiling or the self-check at the first use fails, :func:`ready` is ``False`` and the
-writer keeps its numpy path.
-The kernels load at :func:`ready` (the job runner calls it at its start), or at the append that
-brings the values a process has encoded with numpy to :data:`LOAD_AFTER_VALUES`
-(:func:`wanted`): a process that writes less never imports numba. They compile then
-unless numba's on-disk cache has them (``cache=True``: the package's ``__pycache__``, or numba's
-user cache directory), where the kernel module :mod:`._encodekernels` keeps its functions at
-module level so that it finds them.
-"""
+Optional: needs ``numba`` (:data:`._numba.AVAILABLE`). The kernels load at :func:`ready`, or once a
+process has encoded :data:`LOAD_AFTER_VALUES` values with numpy (:func:`wanted`); until then, and
+if compiling or a self-check fails, the writer encodes with numpy (the same bytes)."""
 
 from __future__ import annotations
 
@@ -56,86 +35,52 @@ __all__ = [
 MAX_VOCAB = 1 << 20
 
 _kernel: Any = None
-_tail: Any = (
-    None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once they pass their self-check, else None
-)
-_sums: Any = None  # the compiled key_sums once it passes its self-check, else None
-_merge: Any = None  # the compiled merge_pairs once it passes its self-check, else None
+_tail: Any = None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once loaded and checked
+_sums: Any = None  # the compiled key_sums once loaded and checked
+_merge: Any = None  # the compiled merge_pairs once loaded and checked
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
 
-#: Top-k values (rows x k) a process encodes with numpy before :func:`wanted` loads the kernels.
-#: Loading them costs ~0.35 CPU-s (numba's import ~0.13, then its first kernel from the on-disk
-#: cache ~0.2: its typing and lowering registries; each further kernel ~3 ms), what numpy's
-#: encode spends over the kernels' on about this many values of short rows (k=4: ~20 ns a value,
-#: the key hashes and run merges of the append included); at k=100 it is ~4 ns a value.
+#: Top-k values a process encodes with numpy before :func:`wanted` loads the kernels: loading
+#: costs ~0.35 CPU-s, what numpy's encode spends over the kernels' on about this many values.
 LOAD_AFTER_VALUES = 1 << 24
 _numpy_values = 0  # top-k values encoded with numpy while the kernels were not loaded
 
 
-def _compile() -> Any:
-    """The compiled kernel (raises ImportError without numba)."""
-    from . import _encodekernels
-
-    return _encodekernels.encode_rows
-
-
 def ready() -> bool:
-    """Whether :func:`encode_rows` is usable in this process (compiles and self-checks once;
-    the tail-mass kernels of :func:`tail_rows` and the key sums of :func:`key_sums` too)."""
-    global _kernel, _state
+    """Whether the kernels are usable in this process: loaded (compiled, or from numba's cache)
+    and checked against numpy once; any failure keeps every step on numpy."""
+    global _kernel, _tail, _sums, _merge, _state
     if _state == "unknown":
         with _lock:
             if _state == "unknown":
                 try:
                     if not _numba.AVAILABLE:
                         raise ImportError("numba is not installed")
-                    _kernel = _compile()
-                    _state = "ready" if _self_check() else "off"
+                    from . import _encodekernels as ek
+
+                    _kernel, _sums, _merge = ek.encode_rows, ek.key_sums, ek.merge_pairs
+                    _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
+                    checks = (_self_check, _tail_check, _sums_check, _merge_check)
+                    ok = all(check() for check in checks)
                 except Exception:  # no numba, a failed compile: the numpy path
-                    _state = "off"
-                if _state == "ready":
-                    _load_more()
+                    ok = False
+                if not ok:
+                    _kernel = _tail = _sums = _merge = None
+                _state = "ready" if ok else "off"
     return _state == "ready"
 
 
 def wanted(values: int) -> bool:
     """Whether an encode of ``values`` top-k values takes the compiled pass: once :func:`ready`
     loaded the kernels, or when this encode brings the values encoded with numpy in this process
-    to :data:`LOAD_AFTER_VALUES` (then it loads them: :func:`ready`'s answer). Either pass stores
-    the same bytes; until then the key sums and run merges are numpy's too."""
+    to :data:`LOAD_AFTER_VALUES` (then :func:`ready` loads them)."""
     global _numpy_values
     if _state == "unknown":
         _numpy_values += values
         if _numpy_values < LOAD_AFTER_VALUES:
             return False
     return ready()
-
-
-def _load_more() -> None:
-    """Load the tail-mass kernels and the key sums, each kept only if it passes its
-    self-check (else numpy's formula stays)."""
-    global _tail, _sums, _merge
-    from . import _encodekernels as ek  # imported by the kernel's compile already
-
-    try:
-        _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
-        if not _tail_check():
-            _tail = None
-    except Exception:  # numpy's tail formula stays
-        _tail = None
-    try:
-        _sums = ek.key_sums
-        if not _sums_check():
-            _sums = None
-    except Exception:  # numpy's sums stay
-        _sums = None
-    try:
-        _merge = ek.merge_pairs
-        if not _merge_check():
-            _merge = None
-    except Exception:  # numpy's stable sort stays
-        _merge = None
 
 
 def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
