@@ -1,12 +1,7 @@
 """Step 4 of an append (FORMAT.md W3): growing every array and writing its new rows past the
-commit, for :class:`~._writer.CacheWriter` (a mixin: its state lives on the writer).
-
-Arrays the writer left as they are (or that this process has a template of) are written by
-:mod:`._shardwrite` without zarr: their objects (``zarr.json`` and shards) are encoded on the
-committing thread and written in one batch (:func:`.store.put_objects`: on a local disk one round
-of the store's threads, each object fsynced before its rename and the changed directories after,
-durable on return). The others are opened through zarr first, all at once on its loop.
-"""
+commit, for :class:`~._writer.CacheWriter` (a mixin: its state lives on the writer). Arrays with
+a known layout are encoded by :mod:`._shardwrite` and written in one batch
+(:func:`.store.put_objects`); the others through zarr, opened all at once on its loop."""
 
 from __future__ import annotations
 

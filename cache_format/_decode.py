@@ -1,18 +1,13 @@
 """The reader's decoders (FORMAT.md §6, D2-D4): what turns row and token spans of a snapshot's
-arrays into decoded arrays. One interface, two implementations chosen by name:
+arrays into decoded arrays. One interface, two implementations:
 
-- ``"numpy"``: the reference, always available. Arrays of the format's sharded layout are read
-  chunk by chunk (:mod:`._pointread`: only the needed inner chunks, each decoded once per call,
-  ``os.pread`` on a local store), then the logprobs (row-delta inverse, widening, id remap) in
-  row blocks; arrays of any other layout through zarr's array API.
+- ``"numpy"``: the reference, always available: chunk by chunk (:mod:`._pointread`), then the
+  logprobs in row blocks; arrays not in the format's sharded layout through zarr.
 - ``"numba"``: the whole call in one compiled call per thread (:mod:`._fastdecode`) where it
-  applies (a local store, float16 or float32 logprobs read as stored or widened); anything else,
-  and anything the compiled code hands back (a missing shard, a frame failing its checks), goes
-  to the NumPy decoder, which raises the typed error.
+  applies (a local store, float16 or float32 logprobs); anything else, and anything the compiled
+  code hands back, goes to the NumPy decoder, which raises the typed error.
 
-:func:`default_decoder` is the compiled one where numba is installed (decided at import). Both
-give the same values, bit for bit.
-"""
+:func:`default_decoder` is the compiled one where numba is installed. Both give the same bits."""
 
 from __future__ import annotations
 

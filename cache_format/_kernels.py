@@ -1,15 +1,10 @@
 """The elementwise kernels of logprob decoding: the row-delta inverse (FORMAT.md 4.2) and
-float16 -> float32 widening, of whole arrays and of a read call's row blocks (:func:`row_blocks`,
-which the NumPy decoder runs on its decode threads); and float32 -> float16 rounding.
+float16 -> float32 widening, of whole arrays and of a read call's row blocks
+(:func:`row_blocks`); and float32 -> float16 rounding.
 
-numpy's cumulative sum along short rows and its float16 cast run scalar loops, as much CPU as
-decompressing the chunks. torch's CPU kernels compute the same values vectorised, so they are
-used when torch is installed (imported on the first call, never at import time: the format does
-not depend on torch). Both backends give bit-identical results: the cumulative sum is modulo
-``2**bits`` of the unsigned dtype (torch works on the same bits viewed as a type of that width,
-whose wrapping addition is the same operation), and float16 -> float32 is exact. Whether torch
-is importable is decided once, at import (:func:`backend` says which runs).
-"""
+numpy runs these as scalar loops; torch's CPU kernels compute the same bits vectorised (wrapping
+sums on the same bits viewed as signed, exact widening), so they are used where torch is
+installed (decided at import, imported at the first call; :func:`backend` says which runs)."""
 
 from __future__ import annotations
 

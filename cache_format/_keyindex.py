@@ -1,21 +1,12 @@
-"""The keys of a store's committed sequences, read on demand (FORMAT.md §6, R3).
+"""The keys of a store's committed sequences, read on demand (FORMAT.md §6, R3); no Python string
+is held per sequence.
 
-A reader or writer of a store of ``S`` sequences holds no Python string per sequence:
-
-* :meth:`KeyTable.key` reads the ``seq_keys`` block that holds key ``i`` (a few recent blocks
-  are kept);
-* :meth:`KeyTable.find` and :meth:`KeyTable.find_many` look keys up in a sorted array of 64-bit
-  hashes of the keys' UTF-8 bytes (:func:`byte_hashes`: 8 bytes, plus 4 for the sequence index,
-  per key), built at the first lookup from ``seq_key_bytes`` and ``seq_key_end`` (version 2 and
-  later: no string is made) or ``seq_keys``, and grown by the keys committed since; a candidate
-  whose hash matches is confirmed against the stored key (``seq_keys``).
-
-A store with an on-disk key index (FORMAT.md 4.11, :mod:`._keyruns`) is looked up there instead
-(:meth:`KeyTable.use_runs`): nothing is hashed or kept but the runs' fences.
-
-Keys are committed once and never change (FORMAT.md W1-W6), so nothing read here goes stale; a
-block read before its last entries were committed is read again when one of those is asked for.
-"""
+:meth:`KeyTable.key` reads the ``seq_keys`` block that holds a key (a few recent blocks kept);
+:meth:`KeyTable.find` / :meth:`KeyTable.find_many` look keys up in a sorted array of 64-bit
+hashes of their UTF-8 bytes (:func:`byte_hashes`), built at the first lookup and grown by the
+keys committed since, a match confirmed against the stored key. A store with an on-disk key
+index (:mod:`._keyruns`) is looked up there instead (:meth:`KeyTable.use_runs`). Keys never
+change once committed, so nothing read here goes stale."""
 
 from __future__ import annotations
 

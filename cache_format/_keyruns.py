@@ -1,22 +1,11 @@
-"""The on-disk key index (FORMAT.md 4.11): sorted runs of ``(hash, sequence)`` pairs.
+"""The on-disk key index (FORMAT.md 4.11, which fixes the run object's bytes): sorted runs of
+``(hash, sequence)`` pairs.
 
-Every commit of a store with a key index writes one *run* object: the 64-bit hashes
-(:func:`~._keyindex.byte_hashes`) of the keys it adds, sorted, each with its sequence number,
-merged with the store's newest runs while the newest run is no larger than what is merged into it
-(a binary counter: ``O(log S)`` runs, each entry rewritten ``O(log S)`` times). The manifest lists
-the runs (``key_index``) with the CRC32C of each run's fence, so the root digest covers them. A
-run object is::
-
-    entries (16 bytes each: hash int64 LE, sequence int64 LE; sorted) | commit record (the root
-    attributes of the commit that wrote the run, JSON) | fence (first hash of each block of
-    BLOCK entries, int64 LE; then the CRC32C of each block, uint32 LE) | footer (48 bytes)
-
-A lookup reads the fence and footer of a run (one suffix request, cached per run) and the blocks
-that can hold the hash (one range request): ``O(log S)`` small reads per key, no key loaded. A
-lookup of many keys (a writer's append) would need every block of a large run; a process keeps,
-for the runs it wrote or read whole, their hash column (8 bytes per entry, at most
-:data:`KEEP_HASHES` entries), and reads only the blocks that hold a hash looked up.
-"""
+Every commit writes one run of the keys it adds, merged with the newest runs while the newest is
+no larger than what is merged into it (a binary counter: ``O(log S)`` runs). A lookup reads a
+run's fence and footer (one suffix request, cached per run) and the blocks that can hold the
+hash. A process keeps the hash column of the runs it wrote or read whole (at most
+:data:`KEEP_HASHES` entries), so a writer's many-key lookup reads only the blocks it needs."""
 
 from __future__ import annotations
 

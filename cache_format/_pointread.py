@@ -1,14 +1,10 @@
 """The NumPy decoder's chunk reads (FORMAT.md §6, D4): stored values of row ranges of the
 format's sharded arrays, chunk by chunk in Python.
 
-A read needs a few inner chunks of each array. :func:`read` fetches exactly those
-(:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files kept open per
-layout), decodes every needed chunk once per call, straight into the output when the chunk lies
-inside one requested range (else into a scratch chunk copied to each range that uses it). With a
-thread pool and ``threads > 1`` a call's ranges are split by :func:`._plan.split` (at chunk
-edges, at most :data:`MAX_SHARES` threads, each at least :data:`PARALLEL_MIN_BYTES`), the calling
-thread taking one share; the values never depend on it.
-"""
+:func:`read` fetches exactly the inner chunks a call needs (:func:`._shardread.chunk_frames`)
+and decodes each once, straight into the output when it lies inside one requested range, else
+into a scratch chunk copied to each range that uses it. With a pool and ``threads > 1`` the
+ranges are split at chunk edges by :func:`._plan.split` (at most :data:`MAX_SHARES` threads)."""
 
 from __future__ import annotations
 

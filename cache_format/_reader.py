@@ -1,16 +1,10 @@
 """Reading a cache: by sequence index, by key, by row range (FORMAT.md §6 "Reading").
 
-A reader works on a snapshot: the manifest (commit point) read at open or at :meth:`refresh`,
-and the sequence index of that commit (:class:`~._snapshot.IndexSnapshot`). It never reads past
-the snapshot's counts, so while a writer appends it sees a consistent committed prefix. Reads
-only touch the chunks that hold the requested rows. A read that races a writer's rewrite of a
-partly filled shard fails its CRC32C and is retried on a fresh snapshot; a failure that persists
-is a :class:`~.errors.CorruptStoreError` (a :class:`~.errors.ChecksumError` for bad bytes).
-
-Every read (:meth:`CacheReader.sequence`, :meth:`~CacheReader.sequences`,
-:meth:`~CacheReader.rows`, :meth:`~CacheReader.read_ranges`) goes through
-one decoder (:mod:`._decode`: the compiled one where numba is installed, else NumPy).
-"""
+A reader works on a snapshot: the manifest (commit point) read at open or at :meth:`refresh`
+and that commit's sequence index (:class:`~._snapshot.IndexSnapshot`); it never reads past the
+snapshot's counts. A read that races a writer's rewrite of a partly filled shard fails its
+CRC32C and is retried on a fresh snapshot; a failure that persists is a
+:class:`~.errors.CorruptStoreError`. Every read goes through one decoder (:mod:`._decode`)."""
 
 from __future__ import annotations
 

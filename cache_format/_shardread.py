@@ -1,25 +1,14 @@
-"""Direct reads of the format's sharded arrays (FORMAT.md §6, rule D2): the zarr v3
-``sharding_indexed`` codec (index at the end) read through the same zarr ``Store`` and decoded
-here, for arrays whose chunk layout this module fully understands (:func:`direct_layout`; any
-other array is read through zarr).
+"""Direct reads of the format's sharded arrays (FORMAT.md §6, D2): the zarr v3 ``sharding_indexed``
+codec (index at the end, FORMAT.md 4.7) read through the same zarr ``Store`` and decoded here, for
+arrays whose layout :func:`direct_layout` understands (any other array is read through zarr).
 
-Shard object of ``n`` inner chunks (zarr v3 sharding spec)::
+Every CRC32C is verified; a mismatch, an index pointing outside the object or a blosc frame of
+the wrong size is a :class:`~.errors.ChecksumError` (retried by the reader on a fresh snapshot,
+R7). In a version-2 store (``strict``) an absent shard or empty entry in the committed range is
+:class:`~.errors.MissingDataError` (R9), never fill value.
 
-    chunk bytes ... | index: n x (offset uint64 LE, nbytes uint64 LE) | CRC32C(index) uint32 LE
-
-in C order over the shard's chunk grid; ``offset = nbytes = 2**64 - 1`` marks an empty chunk (all
-fill value), and so does a missing shard object. Each inner chunk is a blosc frame followed by
-its CRC32C, or (``raw`` layouts) the chunk's little-endian bytes followed by their CRC32C. In a
-version-2 store (``strict``) an absent shard or empty entry in the committed range is
-:class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value. Every CRC32C is verified; a
-mismatch, an index pointing outside the object or a blosc frame of the wrong size is a
-:class:`~.errors.ChecksumError` (the reader retries it on a fresh snapshot, FORMAT.md R7).
-
-:func:`chunk_frames` fetches a set of inner chunks by number: on a local directory store with
-``os.pread`` on the shard files (one read per run of consecutive chunks), on other stores with
-concurrent requests on zarr's event loop (the whole object where half its chunks are needed, else
-the index by a suffix request, cached per complete shard, and one range request for the chunks).
-"""
+:func:`chunk_frames` fetches inner chunks by number: ``os.pread`` on a local store's shard files
+(one read per run of consecutive chunks), concurrent range requests on other stores."""
 
 from __future__ import annotations
 

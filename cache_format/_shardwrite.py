@@ -1,31 +1,14 @@
 """Direct writes of new rows into the format's sharded arrays (the write side of
 :mod:`._shardread`).
 
-zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
-codec pipeline (per-chunk tasks, thread hand-offs, copies). This module encodes the same bytes
-itself, on the calling thread, and hands the objects to the writer, which
-writes them through the same zarr ``Store`` (each object atomic, and fsynced on a local disk,
-FORMAT.md W5; :func:`.store.put_objects`), for arrays whose layout
-:func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
-chunks ``vlen-utf8`` -> ``zstd`` -> ``crc32c``); the writer falls back to zarr for the others.
-
-Per shard touched by rows ``[start, stop)`` (``start`` is the committed count, rule W3):
-
-* inner chunks wholly below ``start`` keep their stored bytes (committed bytes never change);
-* the inner chunk holding ``start``, when ``start`` is inside it, is read back (CRC32C checked,
-  blosc-decoded), its rows below ``start`` kept and the new rows placed after them;
-* every inner chunk the new rows reach is encoded exactly as zarr encodes it (``bytes`` little
-  endian -> the array's own ``BloscCodec`` settings, or no compressor (``raw`` layouts), or
-  ``vlen-utf8`` -> its ``ZstdCodec`` settings -> CRC32C of the frame, uint32 LE), the last one
-  padded with the fill value;
-* chunks past the new rows are left empty (``offset = nbytes = 2**64 - 1``: nothing past the
-  new count is committed), and the shard object is written once: chunks in order, then (in a
-  version-4 store) the shard's seal (:mod:`._seal`), then the index ``n x (offset, nbytes)``
-  uint64 LE and its CRC32C.
-
-A lost shard below ``start`` in a version-2 store is :class:`~.errors.MissingDataError` (R9), as
-on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
-"""
+The shard objects are encoded here, on the calling thread, byte for byte as zarr's codec
+pipeline encodes them (FORMAT.md 4.7, 4.8), for arrays :func:`~._shardread.direct_layout`
+understands and for ``seq_keys`` (:func:`keys_layout`); the writer writes them through the same
+zarr ``Store`` (:func:`.store.put_objects`) and falls back to zarr for other arrays. Chunks below
+the committed count ``start`` keep their stored bytes (W3); the chunk holding ``start`` is read
+back and completed; chunks past the new rows stay empty. A lost shard below ``start`` in a
+version-2 store is :class:`~.errors.MissingDataError` (R9), a corrupt index or chunk
+:class:`~.errors.ChecksumError`."""
 
 from __future__ import annotations
 

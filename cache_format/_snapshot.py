@@ -1,14 +1,11 @@
 """The committed sequence index a reader works on (FORMAT.md §6, D1, R6, R8): a frozen snapshot
-of one commit's counts, its index blocks read on demand, and a view of the keys (read on demand,
-:mod:`._keyindex`).
+of one commit's counts, its index blocks read on demand, and a view of the keys
+(:mod:`._keyindex`).
 
-An index block is ``seq_lengths[a:b]`` of :data:`BLOCK` sequences with ``seq_row_start[a]`` (and
-``seq_row_start[b]``, or the commit's row count for the last block): a point lookup reads one
-block, however many sequences the store holds. A block is checked when read (every length
-``>= 2``; its rows end where the next block starts, the last block's at the commit's count) and
-kept as its lengths (uint16 while they fit, else int32) and its first row every :data:`STEP`
-sequences; :data:`KEEP_BLOCKS` blocks are kept (least recently used dropped), shared by the
-snapshots of one reader (a block a later commit extends is another block). The whole index
+An index block is ``seq_lengths[a:b]`` of :data:`BLOCK` sequences with ``seq_row_start[a]``: a
+point lookup reads one block. A block is checked when read (every length ``>= 2``, its rows
+ending where the next block's start) and kept compactly; :data:`KEEP_BLOCKS` blocks are kept
+(least recently used dropped), shared by the snapshots of one reader. The whole index
 (:attr:`IndexSnapshot.lengths`) is read only when asked for."""
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """What a writer reuses instead of asking zarr again (FORMAT.md W6, 4.5): the ``zarr.json`` bytes of
-each array around its length (templates: a store created after another of the same layout gets
-its arrays' metadata written from these bytes), and the last shard a closed writer of a store
-left (the next writer of the store takes it instead of reading it back while its file is still
-the one written)."""
+each array around its length (a store created after another of the same layout gets its arrays'
+metadata from these), and the last shard a closed writer of a store left."""
 
 from __future__ import annotations
 

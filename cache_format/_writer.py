@@ -1,21 +1,11 @@
-"""Appending sequences to a cache, crash-safely (FORMAT.md §5 "Writing").
+"""Appending sequences to a cache, crash-safely (FORMAT.md §5, rules W1-W6).
 
-Transaction of :meth:`CacheWriter.append` (rules W1-W6 of FORMAT.md):
-
-1. validate and encode the whole batch in memory (nothing is written on bad input);
-2. take the writer lock; re-read the committed manifest (another process may have appended);
-3. drop records whose key is committed already (or repeated within the batch);
-4. for every array: resize to ``committed + new`` and write the new rows (each object write is
-   atomic: LocalStore writes via rename, object stores via single PUT); on a local store each
-   object is fsynced before its rename and the changed directories after all writes (W5a);
-   then the key index run of the new keys (FORMAT.md 4.11), made durable the same way;
-5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1`` (fsynced,
-   then its directory); 6. release the lock.
-
-A writer killed before step 5 leaves data past the committed counts, which readers ignore and the
-next writer overwrites; a writer killed after step 5 has committed. Committed bytes are never
-changed: partially filled shards are rewritten (read-modify-write) with identical committed bytes.
-"""
+:meth:`CacheWriter.append` encodes and checks the whole batch in memory (nothing is written on
+bad input), takes the writer lock, re-reads the committed manifest, drops keys already committed,
+writes the new rows past the committed counts (each object atomic and, on a local disk,
+fsynced) and the key index run, then commits by rewriting the root ``zarr.json`` with the new
+counts and ``generation + 1``. A writer killed before the commit leaves bytes past the counts,
+which readers ignore and the next writer overwrites; committed bytes never change."""
 
 from __future__ import annotations
 

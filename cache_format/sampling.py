@@ -1,33 +1,11 @@
 """Sampled targets (random-sampling KD, Anshumann et al. 2025, "Sparse Logit Sampling").
 
-The estimator (FORMAT.md section "Sampled targets" is the normative text): for one row with teacher
-distribution ``p`` (already at the cache's ``temperature``) and proposal temperature ``tau``,
-
-* the proposal is ``q = softmax(log p / tau)`` (``q ∝ p^(1/tau)``; ``tau = 1``: ``q = p``);
-* ``N`` ids are drawn from ``q`` with replacement by inverse-CDF sampling: draw ``j`` is the
-  smallest id ``v`` with ``cumsum(q)[v] > u_j`` for the row's uniforms ``u_j`` (:func:`uniforms`);
-* the ``m <= N`` distinct ids get importance weights ``w_i ∝ c_i p_i / q_i`` (``c_i`` = times id
-  ``i`` was drawn), normalised to sum to 1;
-* the row is stored like a top-k row: ``ids [k]`` sorted by descending weight (ties: ascending
-  id), ``logprobs [k] = log w_i``; a row with ``m < k`` is padded with the smallest ids not in it
-  and log-weight :data:`PAD_LOGPROB` (weight 0; the format keeps logprobs finite).
-
-With ``tau = 1`` every weight is ``c_i / N`` and ``E[w_i] = p_i``: the forward KL
-``sum_i w_i (log w_i - log q_student_i)`` then has gradient ``q_student - w`` w.r.t. the student
-logits, an unbiased estimate of full KD's ``q_student - p``.
-
-**Head + residual** (``head = m > 0``, a stratified estimator): the row keeps the teacher's top
-``m`` ids exactly, with ``w_i = p_i``; the ``N`` draws come from the residual proposal
-``q_R ∝ p^(1/tau)`` restricted to the ids outside the head (renormalised), and the distinct drawn
-ids get ``w_i = (1 - P_head) (c_i p_i / q_R_i) / sum_l (c_l p_l / q_R_l)`` (``P_head`` the head's
-mass). With ``tau = 1``, ``E[w_i] = p_i`` for every id (the head is exact, the tail unbiased) and
-the variance is lower than ``m + N`` plain draws': the head's ids no longer spend draws. A row
-then has ``k = m + N`` slots. ``head = 0`` is the plain estimator above, bit for bit.
-
-Reproducibility: the uniforms of a sequence come from a ``torch.Generator`` seeded with
-``sha256(seed, key)`` (:func:`uniforms`), drawn for the whole sequence up front, so the targets
-depend only on (seed, key, teacher row) and not on batching, chunking or resume.
-"""
+FORMAT.md 4.4 is the normative estimator: per row, ``N`` ids drawn with replacement from the
+proposal ``q ∝ p^(1/tau)`` by inverse CDF (:func:`uniforms`), the distinct ones weighted
+``w_i ∝ c_i p_i / q_i`` (normalised), stored like a top-k row (``log w`` by descending weight,
+padded with :data:`PAD_LOGPROB`). ``head = m > 0`` keeps the teacher's top ``m`` ids exactly and
+draws from the residual. The uniforms of a sequence come from ``sha256(seed, key)``, so the
+targets depend only on (seed, key, teacher row), not on batching, chunking or resume."""
 
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Opening a zarr store from a URL (local directory, s3://, gs://, az://, any fsspec URL).
 
-- A path or ``file://`` URL: :class:`zarr.storage.LocalStore` (atomic per-object writes); for
-  writing :class:`DurableLocalStore`, which also fsyncs (FORMAT.md W5a).
-- ``s3://``, ``gs://``, ``az://``/``abfs://``: :class:`zarr.storage.ObjectStore` over obstore
-  (conditional puts give a safe writer lock); ``{"backend": "fsspec"}`` picks
-  :class:`zarr.storage.FsspecStore`.
-- Anything else: :class:`zarr.storage.FsspecStore` (``storage_options`` go to fsspec as given).
-
-**One option dialect.** ``storage_options`` are fsspec's (for S3, s3fs's names: ``endpoint_url``,
-``key``, ``secret``, ``token``, ``anon``, ``client_kwargs={"region_name": ...}``; ``region`` is
-accepted as a shorthand for the latter). :func:`normalize_storage_options` is the one edge: it
-puts the options in that form once (obstore's own spellings ``endpoint``, ``access_key_id``,
-``secret_access_key``, ``session_token`` still work, with a ``DeprecationWarning``; a text
-``anon`` such as ``"false"`` means what it says). Every store is opened from the normalised
-options: FsspecStore takes them as they are, obstore gets them translated one way
-(:func:`_obstore_options`). Listing goes through the same opened store as reading and writing
-(:func:`list_children`), so no path translates them back.
-"""
+A path or ``file://`` URL opens :class:`zarr.storage.LocalStore` (for writing
+:class:`DurableLocalStore`, which also fsyncs, FORMAT.md W5a); ``s3://``, ``gs://``, ``az://``
+open :class:`zarr.storage.ObjectStore` over obstore (conditional puts for the writer lock), or
+:class:`zarr.storage.FsspecStore` with ``{"backend": "fsspec"}``; anything else FsspecStore.
+``storage_options`` are fsspec's names, normalised once by :func:`normalize_storage_options`
+(obstore spellings still accepted, with a ``DeprecationWarning``) and translated one way for
+obstore; listing goes through the same opened store (:func:`list_children`)."""
 
 from __future__ import annotations
 
@@ -190,26 +180,14 @@ def _write_object(
 
 class DurableLocalStore(zarr.storage.LocalStore):
     """A :class:`zarr.storage.LocalStore` whose object writes survive power loss once
-    :meth:`sync_dirs` has returned.
+    :meth:`sync_dirs` has returned (FORMAT.md W3-W5).
 
-    Each object is written as zarr's LocalStore writes it (a ``*.partial`` temporary file renamed
-    over the key, so a reader sees the old or the new object, never a torn one) and its bytes are
-    fsynced before the rename. The rename itself (a directory entry) becomes durable when the
-    directory is fsynced: the store remembers every directory whose entries it changed and
-    :meth:`sync_dirs` fsyncs each once. The writer calls it after the data of an append and again
-    after the commit (FORMAT.md W3-W5).
-
-    **O_DIRECT.** Objects of :data:`DIRECT_IO_MIN` bytes or more (the shards) are written to their
-    temporary file with ``O_DIRECT``: page-aligned memory straight from the caller's
-    buffer, the rest through a page-aligned bounce buffer, padded to a page and truncated back to
-    the object's size, then fsynced and renamed as above: the same bytes and the same crash
-    safety, without the copy into the page cache. Smaller objects (``zarr.json``) go through the
-    page cache. A filesystem that refuses ``O_DIRECT`` (``EINVAL``
-    on open or on the first write: tmpfs, ``/dev/shm``, some FUSE mounts) gets the buffered write,
-    and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False`` turns it
-    off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it comes
-    from the disk.
-    """
+    Each object is written as LocalStore writes it (a ``*.partial`` file renamed over the key) and
+    fsynced before the rename; the directories whose entries changed are fsynced by
+    :meth:`sync_dirs`. Objects of :data:`DIRECT_IO_MIN` bytes or more (the shards) are written with
+    ``O_DIRECT`` (the same bytes, no copy into the page cache) unless ``direct_io=False`` or the
+    filesystem refuses it (tmpfs, some FUSE mounts: then buffered, and :attr:`direct_io` turns
+    False)."""
 
     def __init__(
         self, root: Path | str, *, read_only: bool = False, direct_io: bool | None = None
