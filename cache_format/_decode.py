@@ -11,7 +11,7 @@ arrays into decoded arrays. One interface, two implementations:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,8 +21,8 @@ import zarr
 
 from . import _fastdecode as fastdecode
 from . import _kernels as kernels
+from . import _plan, spec
 from . import _pointread as pointread
-from . import spec
 from ._integrity import checked_read
 from ._manifest import Manifest
 from ._seal import sealed
@@ -180,17 +180,14 @@ class NumpyDecoder:
         # direct arrays: the logprobs (and id remap) in row blocks, on the pool if any
         blockwise = _blockwise(dtype, logprob_dtype) and all(n in arrays.direct for n in wanted)
         out: list[Fetched] = []
-        tasks: list[Callable[[], None]] = []
-        cost: list[int] = []
+        blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (bits, logprobs, ids)
         for got, tokens in stored_spans(arrays, spans, names, pool, threads):
             ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
             if blockwise:
                 lp = d.view(np.float16 if dtype == "float16" else np.float32)
                 if dtype == "float16" and logprob_dtype == "float32":
                     lp = np.empty(d.shape, dtype=np.float32)
-                for a, b in kernels.row_blocks(d.shape[0], d.shape[1]):
-                    tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
-                    cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
+                blocks.append((d, lp, ids))
             else:
                 if order is not None:
                     ids = order[ids]
@@ -204,25 +201,39 @@ class NumpyDecoder:
                 )
             tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
             out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
-        pointread.run_tasks(tasks, cost, pool, threads)
+        if blocks:
+            _decode_blocks(blocks, order, pool, threads)
         return out
 
 
-def _lp_task(
-    d: np.ndarray, lp: np.ndarray, ids: np.ndarray, order: np.ndarray | None
-) -> Callable[[], None]:
-    """One row block of a point read: the row-delta inverse of the stored logprob bits ``d``
-    (in place), widened into ``lp`` if that is a float32 view of other memory (float16 store),
-    and the id remap of ``ids`` (in place) when the store has one."""
+def _decode_blocks(
+    blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    order: np.ndarray | None,
+    pool: ThreadPoolExecutor | None,
+    threads: int,
+) -> None:
+    """The row-delta inverse of each span's stored logprob bits (in place), widened into its
+    logprobs if those are float32 of other memory (a float16 store), and the id remap of its
+    ids (in place), in row blocks of :data:`._kernels.BLOCK_ELEMENTS`, split over ``threads``
+    by :func:`._plan.split` (a block's cost: the bytes it reads and writes)."""
+    steps = [max(1, kernels.BLOCK_ELEMENTS // max(1, d.shape[1])) for d, _, _ in blocks]
+    items = [(j, 0, d.shape[0], 0) for j, (d, _, _) in enumerate(blocks) if d.shape[0]]
+    n = min(threads, pointread.MAX_SHARES) if pool is not None else 1
+    cost = [d.shape[1] * 6 for d, _, _ in blocks]
+    groups = _plan.split(items, steps, cost, n, pointread.PARALLEL_MIN_BYTES)
 
-    def task() -> None:
-        kernels.undelta_block(d)
-        if lp.dtype == np.float32 and d.dtype == np.uint16:
-            kernels.widen_block(d.view(np.float16), lp)
-        if order is not None:
-            np.take(order, ids, out=ids)
+    def run(group: list[_plan.Item]) -> None:
+        for j, st, sp, _ in group:
+            d, lp, ids = blocks[j]
+            for a in range(st, sp, steps[j]):
+                b = min(a + steps[j], sp)
+                kernels.undelta_block(d[a:b])
+                if lp.dtype == np.float32 and d.dtype == np.uint16:
+                    kernels.widen_block(d[a:b].view(np.float16), lp[a:b])
+                if order is not None:
+                    np.take(order, ids[a:b], out=ids[a:b])
 
-    return task
+    _plan.run_groups(run, groups, pool)
 
 
 class _FastPlan:

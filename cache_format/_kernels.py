@@ -1,6 +1,6 @@
 """The elementwise kernels of logprob decoding: the row-delta inverse (FORMAT.md 4.2) and
 float16 -> float32 widening, of whole arrays and of a read call's row blocks
-(:func:`row_blocks`); and float32 -> float16 rounding.
+(:func:`undelta_block`, :func:`widen_block`); and float32 -> float16 rounding.
 
 numpy runs these as scalar loops; torch's CPU kernels compute the same bits vectorised (wrapping
 sums on the same bits viewed as signed, exact widening), so they are used where torch is
@@ -133,12 +133,6 @@ BLOCK_ELEMENTS = 32_000
 """Elements per row-block kernel call: below torch's intra-op grain size of 32,768, so every
 call runs in the calling thread, vectorised, with no thread start-up (a read's decode threads
 take the blocks)."""
-
-
-def row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
-    """``[(a, b), ...]`` row blocks of at most :data:`BLOCK_ELEMENTS` elements covering ``rows``."""
-    step = max(1, BLOCK_ELEMENTS // max(1, k))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 def undelta_block(d: np.ndarray) -> None:

@@ -257,10 +257,8 @@ class KeyRuns:
                 self._held -= len(self._hashes.pop(r))
 
     def wrote(self, ref: RunRef, obj: bytes) -> None:
-        """Keep what lookups and merges read of run ``ref``, which this process has just
-        written as ``obj`` and committed: its fence, its hashes, and its entries while it
-        is small (at most a quarter of :data:`KEEP_BLOCKS`), so that nothing of it is read
-        back."""
+        """Keep what lookups and merges read of run ``ref``, just written as ``obj`` and committed
+        (its fence, its hashes, its entries while small), so that nothing of it is read back."""
         tail = obj[len(obj) - 12 * ref.blocks - FOOTER_SIZE :]
         got = _fence_of(*_parse_tail(tail, ref), ref)
         ent = np.frombuffer(obj, ENTRY, ref.count)

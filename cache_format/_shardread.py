@@ -61,15 +61,9 @@ _kept_lock = threading.Lock()
 
 class OpenShards:
     """Open read-only descriptors of a layout's shard files, up to :data:`FD_CACHE` (and
-    :data:`FD_BUDGET` in the process), closed when the layout is dropped (the reader makes new
-    layouts at every refresh and after a failed read). A descriptor is never closed while its
-    layout is in use, so no read sees it reused.
-
-    Keeping a file open is safe because stores are written by replacing whole objects (zarr's
-    local store writes a temporary file and renames it): an open descriptor keeps the version it
-    opened, which holds every row committed when the layout was made (a writer writes the data
-    before the commit that a snapshot reads). A writer that rewrote files in place would make a
-    read fail its CRC32C, which the reader retries on fresh layouts."""
+    :data:`FD_BUDGET` in the process), closed when the layout is dropped. Safe because stores are
+    written by replacing whole objects (write, then rename): an open descriptor keeps the version it
+    opened, which holds every row committed when the layout was made."""
 
     def __init__(self) -> None:
         self.fds: dict[int, int] = {}
@@ -201,16 +195,11 @@ def direct_layout(
     strict: bool = False,
     sealed: bool = False,
 ) -> DirectLayout | None:
-    """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it.
-
-    Supported: zarr v3, regular chunk grid of shards along axis 0 spanning the trailing
-    dimensions, one ``sharding_indexed`` codec (index at the end, index codecs ``bytes`` little
-    + ``crc32c``), inner codecs ``bytes`` little + ``blosc`` + ``crc32c`` (or ``bytes`` little +
-    ``crc32c``: :attr:`DirectLayout.raw`), inner chunks spanning
-    the trailing dimensions, a fixed-size numeric dtype, and a little-endian host.
+    """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it: zarr
+    v3 shards along axis 0 (:func:`sharding_of`), inner chunks spanning the trailing dimensions with
+    codecs ``bytes`` LE (+ ``blosc``) + ``crc32c``, a numeric dtype, a little-endian host.
     ``committed``: the entries readers may use (default: the array's length); ``strict``,
-    ``sealed``: see :class:`DirectLayout`.
-    """
+    ``sealed``: see :class:`DirectLayout`."""
     got = sharding_of(arr.metadata)
     if sys.byteorder != "little" or got is None:
         return None
@@ -366,10 +355,8 @@ def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
 
 
 def check_decode(frame: np.ndarray, dest: np.ndarray, raw: bool = False) -> str | None:
-    """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it
-    into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None`` (through
-    numcodecs' and google_crc32c's wrappers). ``raw``: the chunk has no compressor (its bytes,
-    then their CRC32C), checked and copied."""
+    """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it into
+    ``dest`` (a full chunk; ``raw``: check and copy); returns why it cannot, else ``None``."""
     if raw:
         if not crc_ok(frame):
             return "chunk fails its CRC32C"
@@ -499,11 +486,10 @@ def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame
 
 
 def chunk_frames(wanted: list[tuple[DirectLayout, list[int]]]) -> list[list[Frame | None]]:
-    """The stored frames (CRC32C not yet checked: :func:`decode_frame` does) of the given inner
-    chunks of each layout: ``wanted`` holds sorted, distinct global chunk numbers along axis 0,
-    all below the layout's ``length``; the answer holds one frame (or ``None``: absent shard or
-    empty entry) per chunk, in that order. Local directory stores are read with ``os.pread``;
-    the others through the store (one call into zarr's event loop for all of them)."""
+    """The stored frames (not yet checked: :func:`decode_frame` does) of the given inner chunks of
+    each layout (sorted, distinct global chunk numbers below its ``length``): one frame, or
+    ``None`` for an absent shard or empty entry, per chunk. Local stores are read with
+    ``os.pread``, others through the store in one call into zarr's event loop."""
     out: list[list[Frame | None]] = [[] for _ in wanted]
     remote: list[tuple[int, DirectLayout, int, int, int]] = []
     for i, (lay, chunks) in enumerate(wanted):

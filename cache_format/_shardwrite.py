@@ -144,11 +144,8 @@ def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarra
 
 
 def _aligned(size: int) -> np.ndarray:
-    """``size`` uninitialised bytes starting on a page boundary, so that a store writing with
-    ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
-    from them, with no copy through its bounce buffer. From :func:`._outbuf.empty` (malloc, no
-    huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing costs
-    more than the copies save), not zero-filled (the caller writes every byte)."""
+    """``size`` uninitialised bytes starting on a page boundary (from :func:`._outbuf.empty`), so
+    that an ``O_DIRECT`` store writes the object's pages straight from them."""
     raw = outbuf.empty(size + DIRECT_IO_ALIGN)
     start = -raw.ctypes.data % DIRECT_IO_ALIGN
     return raw[start : start + size]
@@ -198,12 +195,10 @@ def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np.ndarr
 
 @dataclass
 class LastShard:
-    """What this process last wrote to an array's last shard: the chunk frames it holds and the
-    rows of its last chunk, as of row ``end`` of the shard. The next append, when it
-    starts at that row of that shard, takes the committed chunks from here instead of reading
-    the shard back and decoding its partial chunk: the same bytes (every object it writes is
-    still the one :func:`_existing` would give), without the read. The caller keeps one per
-    array and drops it whenever the array may have changed under it."""
+    """What this process last wrote to an array's last shard (its chunk frames and the rows of its
+    last chunk, as of row ``end``): the next append starting there takes the committed chunks from
+    here instead of reading the shard back (the same bytes). The caller drops it whenever the array
+    may have changed under it."""
 
     shard: int = -1
     end: int = 0
@@ -219,14 +214,9 @@ def _shard_object(
     reuse: LastShard | None = None,
     update: LastShard | None = None,
 ) -> tuple[str, np.ndarray, Callable[[], None]]:
-    """The object of ``shard`` with ``rows`` at row ``off`` (rows below ``off`` are committed):
-    its key, its bytes and what to call once it is written (``update`` then describes the shard
-    as written). The committed chunks come from ``reuse`` (this shard as last written, ending
-    at ``off``) or are read back.
-
-    The object is assembled in one buffer, each byte copied into it once (joining
-    ``bytes`` copied committed chunks twice and new ones three times, per append, for the whole
-    partly filled shard); the chunks the object holds are then views of that buffer."""
+    """The object of ``shard`` with ``rows`` at row ``off`` (rows below ``off`` are committed): its
+    key, its bytes (assembled in one buffer) and what to call once it is written. The committed
+    chunks come from ``reuse`` (this shard as last written, ending at ``off``) or are read back."""
     n, c = lay.chunks_per_shard, lay.chunk_rows
     keep: list[Any] = [None] * n
     head = None
@@ -309,12 +299,10 @@ def _shard_object(
 def rows_objects(
     lay: DirectLayout, start: int, data: np.ndarray, last: LastShard | None = None
 ) -> tuple[list[tuple[str, np.ndarray]], Callable[[], None]]:
-    """The shard objects holding ``data`` (rows ``[start, start + len(data))``, the array
-    already resized), encoded on the calling thread, and what to call once every one of them is
-    written; see the module docstring. The caller writes them (all of an append's objects in
-    one batch). ``last``: the array's :class:`LastShard`, used when the write starts where it
-    ends and, once written, updated to the last shard written (left stale if the write fails:
-    the caller drops it then)."""
+    """The shard objects holding ``data`` (rows ``[start, start + len(data))``, the array already
+    resized), encoded on the calling thread, and what to call once all are written (the caller
+    writes them in one batch). ``last``: the array's :class:`LastShard`, used when the write
+    starts where it ends and updated once written."""
     if data.shape[0] == 0:
         return [], lambda: None
     data = np.ascontiguousarray(data, dtype=lay.dtype)
