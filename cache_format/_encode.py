@@ -88,10 +88,7 @@ class Batch:
         except UnicodeEncodeError as e:
             i = next(j for j, k in enumerate(keys) if not k.isascii() and _no_utf8(k))
             raise RecordError(f"key is not valid UTF-8 text ({e.reason})", index=i) from None
-        if len(raw) == len(text):  # ASCII: one byte per character
-            lens = np.fromiter(map(len, keys), np.int64, len(keys))
-        else:
-            lens = np.fromiter((len(k.encode("utf-8")) for k in keys), np.int64, len(keys))
+        lens = keyindex.utf8_lengths(keys, raw, "strict")
         self.key_bytes, self.key_lens = np.frombuffer(raw, np.uint8), lens
         self.hashes = keyindex.byte_hashes(self.key_bytes, np.cumsum(lens))
         self.order = hash_order(self.hashes)

@@ -93,13 +93,15 @@ def hashes_of(keys: Sequence[str] | np.ndarray) -> np.ndarray:
     """:func:`byte_hashes` of ``keys``' UTF-8 bytes (an empty key, which no store holds, hashes
     as one zero byte)."""
     ks = [str(k) or "\0" for k in keys]
-    text = "".join(ks)
-    raw = text.encode("utf-8", "surrogatepass")
-    if len(raw) == len(text):  # ASCII: one byte per character, the lengths without encoding
-        lens = np.fromiter(map(len, ks), np.int64, len(ks))
-    else:
-        lens = np.fromiter((len(k.encode("utf-8", "surrogatepass")) for k in ks), np.int64, len(ks))
-    return byte_hashes(np.frombuffer(raw, np.uint8), np.cumsum(lens))
+    raw = "".join(ks).encode("utf-8", "surrogatepass")
+    return byte_hashes(np.frombuffer(raw, np.uint8), np.cumsum(utf8_lengths(ks, raw)))
+
+
+def utf8_lengths(keys: Sequence[str], raw: bytes, errors: str = "surrogatepass") -> np.ndarray:
+    """The byte length of each key's UTF-8 form (int64); ``raw``: all of them joined."""
+    if len(raw) == sum(map(len, keys)):  # ASCII: one byte per character
+        return np.fromiter(map(len, keys), np.int64, len(keys))
+    return np.fromiter((len(k.encode("utf-8", errors)) for k in keys), np.int64, len(keys))
 
 
 #: ``fetch(jobs)``: the stored values of ``name[a:b]`` for each ``(name, a, b)`` (committed).

@@ -43,13 +43,9 @@ def utcnow() -> str:
 
 
 class Manifest(BaseModel):
-    """Self-description of a cache (FORMAT.md section "Manifest").
-
-    Identity fields (:data:`IDENTITY_FIELDS`) say which teacher distribution the rows are; the rest
-    is description (``dataset``, ``extra``) or bookkeeping maintained by the writer (timestamps,
-    counts, generation). Callers building a new cache set the identity fields and may leave the
-    bookkeeping at its defaults.
-    """
+    """Self-description of a cache (FORMAT.md "Manifest"): identity fields
+    (:data:`IDENTITY_FIELDS`), description (``dataset``, ``extra``) and the writer's bookkeeping
+    (timestamps, counts, generation), which callers building a new cache leave at its defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
 
@@ -174,22 +170,17 @@ class Manifest(BaseModel):
     def to_attrs(self) -> dict[str, Any]:
         """JSON-ready dict stored as the root attribute (a version-1 manifest without the fields
         version 1 did not have, so that version-1 readers still accept it)."""
-        doc = self.model_dump(mode="json")
-        if self.targets == "topk":  # top-k stores keep the exact manifest they always had
-            doc.pop("targets", None)
-            doc.pop("sampling", None)
-        if self.hidden is None:  # only hidden stores write it
-            doc.pop("hidden", None)
-        if self.format_version < 2:
-            doc.pop("num_key_bytes", None)
-        if not self.loss_mask:  # stores without a mask keep their exact manifest
-            doc.pop("loss_mask", None)
-        for flag in ("entropy", "actual_logprob"):  # stores without keep their exact manifest
-            if not getattr(self, flag):
-                doc.pop(flag, None)
-        if self.key_index is None:  # stores without a key index keep their exact manifest
-            doc.pop("key_index", None)
-        return doc
+        absent = {  # fields a store without them never wrote: its manifest stays as it was
+            "targets": self.targets == "topk",
+            "sampling": self.targets == "topk",
+            "hidden": self.hidden is None,
+            "num_key_bytes": self.format_version < 2,
+            "loss_mask": not self.loss_mask,
+            "entropy": not self.entropy,
+            "actual_logprob": not self.actual_logprob,
+            "key_index": self.key_index is None,
+        }
+        return {n: v for n, v in self.model_dump(mode="json").items() if not absent.get(n)}
 
     def identity(self) -> dict[str, Any]:
         """The identity fields only."""

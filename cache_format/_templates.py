@@ -66,12 +66,9 @@ def shard_sig(lay: DirectLayout, last: shardwrite.LastShard) -> tuple[int, ...] 
 
 @dataclass
 class DirectArray:
-    """An array the writer grows and writes without zarr: its direct layout and its
-    ``zarr.json`` as the bytes around the first dimension (zarr's ``resize`` re-encodes the
-    metadata through its JSON encoder on every append); the new ``zarr.json`` is those bytes
-    with the new length in between, bit-identical to zarr's
-    (tests/format/test_format_shardwrite.py compares every object with zarr's own writes),
-    written through the same store (atomic, fsynced)."""
+    """An array the writer grows and writes without zarr: its direct layout and its ``zarr.json`` as
+    the bytes around the first dimension; the new ``zarr.json`` is those bytes with the new length
+    in between, bit-identical to zarr's (tests/format/test_format_shardwrite.py compares them)."""
 
     lay: Any  # shardread.DirectLayout
     meta_path: Any  # zarr StorePath of the array's zarr.json

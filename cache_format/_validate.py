@@ -22,7 +22,7 @@ from . import _idmap as idmap
 from . import _keyruns as keyruns
 from . import hidden, spec
 from ._integrity import checked_get, missing_ranges
-from ._keyindex import byte_hashes, hashes_of
+from ._keyindex import byte_hashes, hashes_of, utf8_lengths
 from ._manifest import Manifest
 from ._seal import sealed
 from ._zarr_adapter import async_array, sync
@@ -296,12 +296,8 @@ def _check_keys(
         report.add("key_bytes", "seq_key_end not non-decreasing or not ending at num_key_bytes", [])
         return from_keys
     data = raw.tobytes()
-    text = "".join(keys)
-    joined = text.encode("utf-8", "surrogatepass")
-    if len(joined) == len(text):  # ASCII: a byte per character
-        lens = np.fromiter(map(len, keys), np.int64, len(keys))
-    else:
-        lens = np.fromiter((len(k.encode("utf-8", "surrogatepass")) for k in keys), np.int64)
+    joined = "".join(keys).encode("utf-8", "surrogatepass")
+    lens = utf8_lengths(keys, joined)
     if joined == data and np.array_equal(np.cumsum(lens), ends):
         if not (lens > 0).all():
             return from_keys

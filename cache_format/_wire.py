@@ -92,12 +92,9 @@ def encode_records(
     logprob_dtype: str = "float32",
     compression: str = "none",
 ) -> bytes:
-    """One frame holding ``records`` (all with the same ``k``).
-
-    ``logprob_dtype``: ``float32`` (exact) or ``float16`` (what a float16 cache stores, so exact
-    for its rows). ``compression``: ``none`` or ``zstd``. Tail masses are sent when every record
-    has one, or computed for those without when some do.
-    """
+    """One frame holding ``records`` (all with the same ``k``). ``logprob_dtype``: ``float32`` or
+    ``float16`` (exact for a float16 cache's rows); ``compression``: ``none`` or ``zstd``. Tail
+    masses are sent when any record has one (computed for the others)."""
     recs = list(records)
     hidden = bool(recs) and isinstance(recs[0], HiddenRecord)
     allowed = ("float32", "bfloat16") if hidden else ("float32", "float16")
@@ -263,11 +260,8 @@ def _hidden_records(arrays: dict[str, np.ndarray], keys: list, lengths: list) ->
 
 
 class FrameDecoder:
-    """Incremental decoder for a byte stream of frames (e.g. an HTTP response body).
-
-    ``feed(chunk)`` returns the records of every frame completed by ``chunk``; ``close()`` raises
-    :class:`WireFormatError` if a partial frame is left over.
-    """
+    """Incremental decoder of a byte stream of frames: ``feed(chunk)`` returns the records of every
+    frame ``chunk`` completes; ``close()`` raises :class:`WireFormatError` on a partial frame."""
 
     def __init__(self) -> None:
         self._buf = bytearray()

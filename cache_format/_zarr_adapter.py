@@ -88,11 +88,9 @@ def _documents(store: Any, names: list[str]) -> list[dict[str, Any] | None]:
 def open_arrays(
     store: Any, names: list[str], known: dict[str, Opened] | None = None
 ) -> dict[str, Opened]:
-    """Arrays ``names`` of the hierarchy at ``store``, opened read-only, with their metadata.
-
-    An array whose document equals its ``known`` one but for the shape is that array at the new
-    shape (a commit changes the shapes only: nothing parsed again); the others are opened by
-    zarr, concurrently (one call into its event loop)."""
+    """Arrays ``names`` at ``store``, opened read-only, with their metadata: an array whose document
+    equals its ``known`` one but for the shape is reused at the new shape; the others are opened by
+    zarr concurrently."""
     from zarr.api import asynchronous
 
     out: dict[str, Opened] = {}

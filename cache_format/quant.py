@@ -61,15 +61,9 @@ def decode_logprobs(
     out_dtype: str = "float32",
     in_place: bool = False,
 ) -> np.ndarray:
-    """Inverse of :func:`encode_logprobs`: ``[n, k]`` logprobs as ``out_dtype``.
-
-    ``out_dtype="float32"`` (default) gives the decoded values of FORMAT.md D3. ``"float16"``
-    returns the stored float16 values themselves for ``dtype="float16"`` (no widening: exact,
-    half the bytes), and the float32 values clipped to ``[-65504, 65504]`` (the finite float16
-    range) and rounded to float16 for the other encodings (lossy; never ``-inf``).
-    ``in_place=True`` lets the row-delta inverse overwrite ``stored`` (a decoded block the caller
-    owns), saving one array.
-    """
+    """Inverse of :func:`encode_logprobs`: ``[n, k]`` logprobs as ``out_dtype`` (``"float32"``:
+    FORMAT.md D3; ``"float16"``: a float16 store's stored values themselves, other encodings' values
+    clipped and rounded). ``in_place=True`` lets the row-delta inverse overwrite ``stored``."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     d = np.asarray(stored, dtype=STORED_DTYPE[dtype])

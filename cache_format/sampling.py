@@ -227,13 +227,10 @@ def sample_from_hidden(
     head: int = 0,
     entropy: list[Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sampled targets straight from a teacher's final hidden states, chunk by chunk: for
-    ``chunk_rows`` positions at a time ``lp = log_softmax((h W^T + b) / temperature)`` and
-    :func:`sample_rows` on it, so at most ``chunk_rows x V`` logits exist at once (never the
-    ``[L, V]`` block of the whole sequence). ``hidden [n, d]``, ``weight [V, d]``, ``u [n, N]``
-    (:func:`uniforms` of the sequence); ``head``: the top ids kept exactly (:func:`sample_rows`).
-    Equal to :func:`sample_rows` on the full block, whatever ``chunk_rows`` is (the uniforms are
-    per row). ``entropy``: a list that receives, per chunk, the rows' :func:`row_entropy`."""
+    """Sampled targets from a teacher's final hidden states, ``chunk_rows`` positions at a time
+    (``lp = log_softmax((h W^T + b) / temperature)``, then :func:`sample_rows`), so at most
+    ``chunk_rows x V`` logits exist at once; equal to :func:`sample_rows` on the whole block.
+    ``entropy``: a list that receives each chunk's :func:`row_entropy`."""
     import torch
 
     if chunk_rows < 1:

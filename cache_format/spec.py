@@ -71,15 +71,9 @@ KEY_BYTES_ARRAYS = (SEQ_KEY_END, SEQ_KEY_BYTES)  # v2 only
 
 @dataclass(frozen=True)
 class Layout:
-    """Chunk (read unit) and shard (object/write unit) lengths along axis 0, per array family.
-
-    Rows: ``row_chunk`` rows per inner chunk, ``row_shard`` rows per shard object.
-    Tokens (input_ids) and per-sequence arrays have their own lengths.
-    Chosen by ``python -m benchmarks.format`` (see benchmarks/results/format.md). Named presets:
-    :data:`LAYOUTS` (FORMAT.md 4.7); a store records its layout in each array's ``zarr.json``
-    (and a preset's name in the array attribute ``logitcache_layout``), so readers and later
-    writers use the store's own, whatever layout they were given.
-    """
+    """Chunk (read unit) and shard (object/write unit) lengths along axis 0, per array family, and
+    codecs. Named presets: :data:`LAYOUTS` (FORMAT.md 4.7); a store records its layout in each
+    array's ``zarr.json``, so readers and later writers use the store's own."""
 
     row_chunk: int = 2048
     row_shard: int = 65536

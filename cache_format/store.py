@@ -214,11 +214,9 @@ class DurableLocalStore(zarr.storage.LocalStore):
             _write_file(tmp, data, fsync=True)
 
     def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
-        """Write the objects ``items`` (key, bytes-like) and make them durable before returning:
-        each written as :meth:`_put_durable` writes it (in one round of the store's threads, a
-        lone object on the calling thread), then every directory whose entries they changed
-        fsynced (one more round): one hand-off per round for a whole append, and every rename
-        done before the first directory fsync, so the file system commits them together."""
+        """Write the objects ``items`` (key, bytes-like) durably before returning: each written as
+        :meth:`_put_durable` writes it (one round of the store's threads), then every changed
+        directory fsynced (one more round), every rename done before the first directory fsync."""
         self._ensure_open_sync()
         self._check_writable()
         objects = [(self.root / key, memoryview(data).cast("B")) for key, data in items]
@@ -286,11 +284,8 @@ class DurableLocalStore(zarr.storage.LocalStore):
 
 def put_objects(zstore: Any, items: Sequence[tuple[str, Any]]) -> None:
     """Write the objects ``items`` (key, ``bytes`` or a contiguous uint8 array) into ``zstore``
-    together: a :class:`DurableLocalStore` writes them in one round of its threads, durable on
-    return (:meth:`DurableLocalStore.put_many`); zarr's plain ``LocalStore`` (a writer without
-    fsync) on the calling thread, each as zarr writes it (:func:`_write_object`, no hand-off to
-    zarr's loop per object); any other store gets them in one
-    gather on zarr's event loop (each object atomic, as the store writes it)."""
+    together: durably through :meth:`DurableLocalStore.put_many`, on the calling thread for a plain
+    ``LocalStore`` (:func:`_write_object`), in one gather on zarr's event loop for other stores."""
     if not items:
         return
     if isinstance(zstore, DurableLocalStore):
@@ -448,13 +443,9 @@ def open_store(
     fsync: bool = True,
     direct_io: bool | None = None,
 ) -> StoreHandle:
-    """Open the zarr store behind ``url`` (see module docstring for the URL forms).
-
-    ``fsync=False`` writes a local store without fsync (zarr's plain LocalStore: faster, not
-    durable against power loss; still atomic per object). ``direct_io``: whether a durable local
-    store writes its large objects with ``O_DIRECT`` (:class:`DurableLocalStore`; ``None``: yes
-    where the platform has ``O_DIRECT``).
-    """
+    """Open the zarr store behind ``url`` (see module docstring for the URL forms). ``fsync=False``:
+    a local store without fsync (atomic per object, not durable against power loss);
+    ``direct_io``: see :class:`DurableLocalStore`."""
     url = str(url)
     options = normalize_storage_options(url, storage_options)
     backend = options.pop("backend", None)
