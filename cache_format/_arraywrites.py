@@ -92,9 +92,8 @@ class ArrayWrites:
                 self._direct[name] = direct
 
     def _put(self, objects: list[tuple[str, Any]]) -> None:
-        """Write an append's array objects in one batch (:func:`.store.put_objects`: on a local
-        disk one round of the store's threads, each object fsynced before its rename and the
-        changed directories after, all durable on return)."""
+        """Write an append's array objects in one batch (:func:`.store.put_objects`), all durable on
+        return."""
         put_objects(self._store, objects)
 
     async def _open_array(

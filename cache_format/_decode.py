@@ -40,9 +40,8 @@ mask (``None`` unless the store has one)."""
 
 @dataclass
 class OpenArrays:
-    """The arrays of one snapshot as the decoders read them: zarr's handles, the direct layouts
-    of those in the format's sharded layout, the committed entries of each (R6), the local
-    directory of a local store and the store's id order (FORMAT.md 4.3) if it has one."""
+    """The arrays of one snapshot as the decoders read them: zarr's handles, the direct layouts, the
+    committed entries of each (R6), a local store's directory and the id order (FORMAT.md 4.3)."""
 
     manifest: Manifest
     arrays: dict[str, zarr.Array]
@@ -107,8 +106,7 @@ def stored_spans(
     threads: int = 1,
 ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None]]:
     """Per span, the stored values of the row arrays ``names`` over its rows (by name) and of
-    ``input_ids`` over its tokens (``None`` for a span without them), in one
-    :func:`stored_values` call."""
+    ``input_ids`` over its tokens (``None`` without), in one :func:`stored_values` call."""
     jobs: list[tuple[str, int, int]] = []
     for rows, toks in spans:
         jobs += [(n, rows.start, rows.stop) for n in names]

@@ -117,9 +117,9 @@ def describe(name: str, ranges: list[tuple[int, int]], unit: str = "entries") ->
 async def checked_get(
     arr: zarr.AsyncArray, name: str, start: int, stop: int, strict: bool, sealed: bool = False
 ) -> np.ndarray:
-    """``arr[start:stop]`` through zarr; with ``strict`` first :func:`missing_ranges` (raises
-    :class:`MissingDataError`; with ``sealed`` also :class:`PlacementError`). Any failure of
-    zarr's decoding becomes a :class:`ChecksumError` naming the array and range."""
+    """``arr[start:stop]`` through zarr; with ``strict`` first :func:`missing_ranges` (and,
+    ``sealed``, the seals); any failure of zarr's decoding becomes a :class:`ChecksumError` naming
+    the range."""
     if strict or sealed:
         gaps = await missing_ranges(arr, start, stop, sealed=sealed)
         if gaps:

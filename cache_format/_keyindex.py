@@ -51,9 +51,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def byte_hashes(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """64-bit hashes (int64) of the non-empty byte strings ``buf[ends[i-1]:ends[i]]``: each
-    byte plus one times an odd weight drawn for its position in the key, summed, mixed with the
-    length. Vectorised: no Python object per key."""
+    """64-bit hashes (int64) of the non-empty byte strings ``buf[ends[i-1]:ends[i]]``: each byte
+    plus one times an odd weight per position in the key, summed, mixed with the length
+    (vectorised)."""
     if not len(ends):
         return np.zeros(0, np.int64)
     starts = np.zeros(len(ends), np.int64)
@@ -128,9 +128,8 @@ def stored_key_bytes(
 
 
 class KeyTable:
-    """Keys ``[0, n)`` of a store, read by ``read`` on demand; thread-safe. Callers pass the
-    count of their snapshot, which may be below what the table has hashed (a newer snapshot
-    shares it)."""
+    """Keys ``[0, n)`` of a store, read by ``read`` on demand; thread-safe. Callers pass their
+    snapshot's count, which may be below what the table has hashed."""
 
     def __init__(self, read: ReadKeys, read_bytes: ReadKeyBytes | None = None) -> None:
         self._read, self._read_bytes = read, read_bytes
@@ -280,9 +279,8 @@ class KeyTable:
         hashes: np.ndarray | None = None,
         order: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array);
-        ``hashes``: the keys' :func:`hashes_of`, and ``order``, the permutation that sorts them,
-        where the caller has them."""
+        """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array); ``hashes``
+        (their :func:`hashes_of`) and ``order`` (sorting them) where the caller has them."""
         h = hashes_of(keys) if hashes is None else hashes
         out = np.zeros(len(keys), dtype=bool)
         runs = self._indexed(n)

@@ -114,9 +114,8 @@ def encode_run(
 
 
 def hash_order(hashes: np.ndarray) -> np.ndarray:
-    """The permutation that sorts ``hashes`` ascending, equal hashes in position order (what
-    ``np.argsort(hashes, kind="stable")`` gives): numpy's default sort, about 5x faster than
-    its stable one on int64, unless two hashes are equal."""
+    """The permutation that sorts ``hashes`` ascending, equal hashes in position order (a stable
+    argsort; numpy's default sort, 5x faster, where no two hashes are equal)."""
     order = np.argsort(hashes)
     srt = hashes[order]
     if bool((srt[1:] == srt[:-1]).any()):
@@ -125,9 +124,8 @@ def hash_order(hashes: np.ndarray) -> np.ndarray:
 
 
 def merge_plan(runs: Sequence[RunRef], added: int) -> int:
-    """How many of the newest ``runs`` a commit adding ``added`` entries merges into its run
-    (returns the index of the first merged run): while the newest unmerged run holds no more
-    entries than the merge so far."""
+    """The index of the first of the newest ``runs`` a commit adding ``added`` entries merges into
+    its run: while the newest unmerged run holds no more entries than the merge so far."""
     i, total = len(runs), added
     while i > 0 and runs[i - 1].count <= total:
         total += runs[i - 1].count

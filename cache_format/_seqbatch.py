@@ -213,9 +213,9 @@ class SequenceBatch(TopkRows):
 
 
 def give_tails(records: Sequence[SequenceRecord], batch: SequenceBatch) -> None:
-    """Hand each record without a tail mass its rows of the tail the batch computed (what
-    :func:`.records.computed_tail` would compute for it, bit for bit), so that reading it again
-    computes nothing."""
+    """Hand each record without a tail mass its rows of the tail the batch computed (bit for bit
+    what :func:`.records.computed_tail` would compute), so that reading it again computes
+    nothing."""
     tails = known_tail(batch)
     if tails is None:
         return

@@ -208,9 +208,8 @@ class IndexSnapshot:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Tokens of every sequence (read-only, uint16 while every length fits, else int32):
-        read whole at the first use and kept by this snapshot; their sums must end at the
-        commit's counts (R6, R8)."""
+        """Tokens of every sequence (read-only, uint16 while every length fits, else int32), read
+        whole at the first use and checked to end at the commit's counts (R6, R8)."""
         if not self._whole:
             self._whole.append(self._read_whole())
         return self._whole[0]
@@ -279,9 +278,8 @@ class IndexSnapshot:
         return out
 
     def at(self, m: Manifest, read: ReadBlock | None = None) -> IndexSnapshot:
-        """The snapshot of commit ``m`` (same table and blocks), its last block read (with
-        ``read``, default the blocks' reader) and checked: the index ends at the commit's
-        counts (R6, R8)."""
+        """The snapshot of commit ``m`` (same table and blocks), its last block read (with ``read``,
+        default the blocks' reader) and checked to end at the commit's counts (R6, R8)."""
         n = m.num_sequences
         if m.num_tokens != m.num_rows + n or (n == 0 and m.num_rows != 0):
             raise CorruptStoreError(
@@ -296,9 +294,8 @@ class IndexSnapshot:
 
 
 def check_lengths(known: int, lengths: np.ndarray) -> np.ndarray:
-    """The sequence lengths from ``known`` (R8: ``L_i >= 2``; the starts of sequences are their
-    running sums, and where the sums end is checked by the caller: no read can reach past the
-    committed counts, R6). Returns them as uint16 if they fit, else int32."""
+    """The sequence lengths from ``known`` checked (R8: ``L_i >= 2``), as uint16 if they fit, else
+    int32; where their sums end is checked by the caller (R6)."""
     if lengths.size:
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < 2:

@@ -47,9 +47,8 @@ __all__ = [
 
 
 def async_array(arr: zarr.Array) -> zarr.AsyncArray[Any]:
-    """The ``AsyncArray`` behind a synchronous array (``Array._async_array``): the reader issues
-    the reads of several arrays concurrently in one call into zarr's event loop, which the
-    synchronous ``Array`` cannot."""
+    """The ``AsyncArray`` behind a synchronous array (``Array._async_array``): reads of several
+    arrays are issued concurrently in one call into zarr's event loop."""
     return arr._async_array
 
 
@@ -127,8 +126,7 @@ def open_arrays(
 
 def blosc_codec(codec: Any) -> Any:
     """The numcodecs ``Blosc`` a ``BloscCodec`` encodes with (``BloscCodec._blosc_codec``): the
-    direct shard writer compresses chunks with exactly zarr's codec object, so the bytes are
-    zarr's."""
+    direct shard writer compresses with exactly zarr's codec object, so the bytes are zarr's."""
     return codec._blosc_codec
 
 

@@ -356,66 +356,58 @@ def rows_pass(
 ) -> bool:
     """Whether :func:`check_record` passes every record of a batch whose arrays are given here
     concatenated (``input_ids`` ``[T]``, ``topk_ids``/``topk_logprobs`` ``[R, k]``, ``tails``: the
-    given tail masses or ``None``). Each check tests single rows or an extremum, so it holds for the
-    concatenation iff it holds for every record; on ``False`` the caller checks record by record for
-    the error."""
+    given tail masses or ``None``). Each check tests single rows or an extremum, so it holds for
+    the concatenation iff it holds for every record; on ``False`` the caller checks record by
+    record for the error."""
+    return _problem(input_ids, topk_ids, topk_logprobs, tails, vocab_size) is None
+
+
+def _problem(
+    input_ids: np.ndarray,
+    topk_ids: np.ndarray,
+    lp: np.ndarray,
+    tails: np.ndarray | None,
+    vocab_size: int,
+) -> str | None:
+    """The first check of :func:`check_record` these rows fail (its message), or ``None``."""
     from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
 
-    for arr in (input_ids, topk_ids):
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
-            return False
+    for name, arr in (("input_ids", input_ids), ("topk_ids", topk_ids)):
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= vocab_size:
+                return f"{name} outside vocab [0, {vocab_size}): min {lo}, max {hi}"
     k = topk_ids.shape[1]
-    if k > 1 and _row_pairs(np.sort(topk_ids, axis=1), np.equal):
-        return False
-    lp = topk_logprobs
-    if not bool(np.isfinite(lp).all()) or (lp.size and float(lp.max()) > LOGPROB_TOLERANCE):
-        return False
+    if k > 1:
+        srt = np.sort(topk_ids, axis=1)
+        if _row_pairs(srt, np.equal):
+            row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0][0])
+            return f"row {row}: repeated token id in top-k"
+    if not bool(np.isfinite(lp).all()):
+        return "topk_logprobs contain NaN or inf"
+    if lp.size and float(lp.max()) > LOGPROB_TOLERANCE:
+        return f"topk_logprobs > 0 (max {float(lp.max())})"
     if k > 1 and _row_pairs(lp, np.greater):
-        return False
+        row = int(np.nonzero((lp[:, 1:] > lp[:, :-1]).any(axis=1))[0][0])
+        return f"row {row}: logprobs not sorted descending"
     if tails is not None and tails.size:
         if not bool(np.isfinite(tails).all()):
-            return False
-        if float(tails.min()) < -TAIL_TOLERANCE or float(tails.max()) > 1 + TAIL_TOLERANCE:
-            return False
-    return True
+            return "tail_mass contains NaN or inf"
+        lo_t, hi_t = float(tails.min()), float(tails.max())
+        if lo_t < -TAIL_TOLERANCE or hi_t > 1 + TAIL_TOLERANCE:
+            return f"tail_mass outside [0, 1]: [{lo_t}, {hi_t}]"
+    return None
 
 
 def check_record(rec: SequenceRecord, *, k: int, vocab_size: int, index: int | None = None) -> None:
-    """Value checks of one record against a cache's ``k`` and ``vocab_size`` (RecordError): ids in
-    ``[0, vocab_size)`` and distinct within a row; logprobs finite, ``<= LOGPROB_TOLERANCE`` and
-    non-increasing; tail mass (if given) finite and within ``[-TAIL_TOLERANCE, 1 +
+    """Value checks of one record against a cache's ``k`` and ``vocab_size`` (RecordError): ids
+    in ``[0, vocab_size)`` and distinct within a row; logprobs finite, ``<= LOGPROB_TOLERANCE``
+    and non-increasing; tail mass (if given) finite and within ``[-TAIL_TOLERANCE, 1 +
     TAIL_TOLERANCE]``."""
-    from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
-
-    key = rec.key
     if rec.k != k:
-        raise RecordError(f"k mismatch: record has {rec.k}, cache has {k}", key=key, index=index)
-    for name, arr in (("input_ids", rec.input_ids), ("topk_ids", rec.topk_ids)):
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= vocab_size:
-            raise RecordError(
-                f"{name} outside vocab [0, {vocab_size}): min {lo}, max {hi}", key=key, index=index
-            )
-    if k > 1:
-        srt = np.sort(rec.topk_ids, axis=1)
-        if _row_pairs(srt, np.equal):
-            row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0][0])
-            raise RecordError(f"row {row}: repeated token id in top-k", key=key, index=index)
-    lp = rec.topk_logprobs
-    if not bool(np.isfinite(lp).all()):
-        raise RecordError("topk_logprobs contain NaN or inf", key=key, index=index)
-    if float(lp.max()) > LOGPROB_TOLERANCE:
-        raise RecordError(f"topk_logprobs > 0 (max {float(lp.max())})", key=key, index=index)
-    if k > 1 and _row_pairs(lp, np.greater):
-        row = int(np.nonzero((lp[:, 1:] > lp[:, :-1]).any(axis=1))[0][0])
-        raise RecordError(f"row {row}: logprobs not sorted descending", key=key, index=index)
-    if rec.tail_mass is not None:
-        t = rec.tail_mass
-        if not bool(np.isfinite(t).all()):
-            raise RecordError("tail_mass contains NaN or inf", key=key, index=index)
-        if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
-            raise RecordError(
-                f"tail_mass outside [0, 1]: [{float(t.min())}, {float(t.max())}]",
-                key=key,
-                index=index,
-            )
+        raise RecordError(
+            f"k mismatch: record has {rec.k}, cache has {k}", key=rec.key, index=index
+        )
+    got = _problem(rec.input_ids, rec.topk_ids, rec.topk_logprobs, rec.tail_mass, vocab_size)
+    if got is not None:
+        raise RecordError(got, key=rec.key, index=index)

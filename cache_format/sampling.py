@@ -46,8 +46,7 @@ def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
 
 def check_head(head: int, draws: int, vocab_size: int) -> int:
     """``head`` as an int if ``0 <= head`` and, for ``head > 0``, ``head + draws <= vocab_size``
-    (a row's ``head + draws`` slots must fit the vocabulary); ``ValueError`` otherwise. ``head =
-    0`` adds no check (the plain estimator's own ``k <= V`` rule applies, as it always did)."""
+    (the row's slots fit the vocabulary); ``ValueError`` otherwise."""
     if isinstance(head, bool) or not isinstance(head, int | np.integer) or head < 0:
         raise ValueError(f"head must be an integer >= 0, got {head!r}")
     if head and int(head) + int(draws) > vocab_size:
@@ -255,9 +254,8 @@ def sample_from_hidden(
 
 
 def row_entropy(lp: Any) -> Any:
-    """The entropy in nats, ``-sum_v p_v log p_v``, of each row of log-probabilities ``lp``
-    ``[n, V]`` (a full ``log_softmax`` row, float32 torch): float32 ``[n]``, ``>= 0`` (FORMAT.md
-    4.9). Terms with ``p_v = 0`` count 0."""
+    """The entropy in nats, ``-sum_v p_v log p_v``, of each row of log-probabilities ``lp [n, V]``
+    (float32 torch): float32 ``[n]``, ``>= 0`` (FORMAT.md 4.9)."""
     import torch
 
     return torch.special.entr(lp.exp()).sum(-1).clamp_min_(0.0)

@@ -323,15 +323,13 @@ class StoreHandle:
 
     def barrier(self) -> None:
         """Make every object written so far durable: on a :class:`DurableLocalStore` fsync the
-        changed directories (object bytes are fsynced as written); elsewhere a no-op (a
-        completed PUT is the object store's to keep)."""
+        changed directories; elsewhere a no-op."""
         if isinstance(self.zstore, DurableLocalStore):
             self.zstore.sync_dirs()
 
     def remove_partials(self) -> int:
-        """Delete every ``*.partial`` temporary under a local store (see :func:`remove_partials`)
-        and return how many. Call it only while holding the writer lock: then no write of this
-        store is in flight. Other stores: 0 (an object-store PUT leaves no temporary)."""
+        """Delete every ``*.partial`` temporary under a local store (:func:`remove_partials`; only
+        while holding the writer lock) and return how many; other stores: 0."""
         return 0 if self.local_path is None else remove_partials(self.local_path)
 
 
