@@ -21,7 +21,7 @@ from zarr.abc.store import Store
 from . import _idmap as idmap
 from . import _keyruns as keyruns
 from . import hidden, spec
-from ._integrity import checked_get, missing_ranges
+from ._integrity import checked_read, missing_ranges
 from ._keyindex import byte_hashes, hashes_of, utf8_lengths
 from ._manifest import Manifest
 from ._seal import sealed
@@ -109,8 +109,7 @@ def _read(
     unit = _unit(name)
     try:
         seal = sealed(m.format_version)
-        got = checked_get(async_array(arrays[name]), name, a, b, strict(m), seal)
-        return np.asarray(sync(got))
+        return checked_read(arrays[name], name, a, b, strict(m), seal)
     except PlacementError as e:
         report.add("placement", f"object not where it belongs: {e}", [f"{name} {unit} {a}:{b}"])
     except MissingDataError:

@@ -29,7 +29,7 @@ from . import fastencode, spec
 from ._arraywrites import ArrayWrites
 from ._decode import OpenArrays, stored_values
 from ._encode import Batch, encode_batch
-from ._integrity import checked_get
+from ._integrity import checked_read
 from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
@@ -37,7 +37,7 @@ from ._repair import record_json, refuse_if_holding_data
 from ._seal import sealed
 from ._seqbatch import SequenceBatch
 from ._shardread import DirectLayout
-from ._zarr_adapter import async_array, default_buffer_prototype, sync
+from ._zarr_adapter import default_buffer_prototype, sync
 from .errors import FormatError, ManifestError
 from .hidden import check_head, head_columns
 from .layout import (
@@ -256,7 +256,7 @@ class CacheWriter(ArrayWrites):
         m = self._manifest
         arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
         seal = sealed(m.format_version)
-        return np.asarray(sync(checked_get(async_array(arr), spec.SEQ_KEYS, a, b, strict(m), seal)))
+        return checked_read(arr, spec.SEQ_KEYS, a, b, strict(m), seal)
 
     def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
         """UTF-8 bytes of committed keys ``[a, b)`` and their ends (``None``: a version-1
