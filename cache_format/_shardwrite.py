@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
-import numcodecs.blosc
 import numpy as np
 from numcodecs.vlen import VLenUTF8
 from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
@@ -121,25 +120,18 @@ def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes | np.ndarr
 
 
 def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarray:
-    if lay.raw:  # the read side's check and copy: CRC32C, size, bytes
+    if lay.dtype != np.dtype(object):  # the read side's checks (CRC32C, size), then decode
         out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
         shardread_decode_chunk(lay, frame, out, where)
         return out
     if not crc_ok(frame):
         raise ChecksumError(f"{where}: inner chunk fails its CRC32C")
-    if lay.dtype == np.dtype(object):
-        try:
-            out = _VLEN.decode(_codec(lay).decode(frame[:-4].tobytes()))
-        except Exception as e:  # a broken frame
-            raise ChecksumError(f"{where}: inner chunk does not decode ({e})") from e
-        if out.shape != (lay.chunk_rows,):
-            raise ChecksumError(f"{where}: inner chunk holds {out.shape[0]} items")
-        return out
-    out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
     try:
-        numcodecs.blosc.decompress(frame[:-4].tobytes(), out)
-    except Exception as e:  # a wrong-size or broken frame
+        out = _VLEN.decode(_codec(lay).decode(frame[:-4].tobytes()))
+    except Exception as e:  # a broken frame
         raise ChecksumError(f"{where}: inner chunk does not decode ({e})") from e
+    if out.shape != (lay.chunk_rows,):
+        raise ChecksumError(f"{where}: inner chunk holds {out.shape[0]} items")
     return out
 
 
