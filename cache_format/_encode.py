@@ -66,10 +66,9 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
 
 @dataclass
 class Batch:
-    """The validated records of one append, in storage dtypes, each array concatenated over
-    the batch (rows and tokens in record order), with the keys' UTF-8 bytes (``key_bytes``,
-    ``key_lens`` per key), their hashes (:func:`._keyindex.byte_hashes`) and the order that sorts
-    them (:func:`._keyruns.hash_order`), made once."""
+    """The validated records of one append in storage dtypes, each array concatenated over the
+    batch, with the keys' UTF-8 bytes and lengths, their hashes (:func:`._keyindex.byte_hashes`) and
+    the order that sorts them (:func:`._keyruns.hash_order`)."""
 
     keys: list[str]
     lengths: np.ndarray  # int64 [S]: tokens of each record

@@ -206,9 +206,8 @@ def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) ->
 
 
 class _Plan:
-    """What every call over one set of layouts reuses: their tables, ``meta`` rows (block
-    offsets filled per call), the descriptor and index tables as the kernel takes them, the
-    scratch size and the ``lp`` arguments (one small array per ``(array, widen)``)."""
+    """What every call over one set of layouts reuses: their tables as the kernel takes them, the
+    ``meta`` rows, the scratch size and the ``lp`` arguments."""
 
     def __init__(self, lays: list[DirectLayout]):
         self.tabs = [_tables(lay) for lay in lays]

@@ -45,10 +45,8 @@ def backend() -> str:
 
 
 def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``u[:, j] = (d[:, 0] + ... + d[:, j]) mod 2**bits`` for ``[n, k]`` unsigned ``d``.
-
-    ``out`` (same shape and dtype, may be ``d`` itself) receives the result.
-    """
+    """``u[:, j] = (d[:, 0] + ... + d[:, j]) mod 2**bits`` for ``[n, k]`` unsigned ``d``, into
+    ``out`` if given (same shape and dtype, may be ``d`` itself)."""
     d = np.ascontiguousarray(d)
     if not d.flags.writeable:  # torch.from_numpy warns on read-only arrays
         d = d.copy()
@@ -105,10 +103,8 @@ _numpy_halves = 0  # values cast with numpy while torch was not imported
 
 
 def float_to_half(x: np.ndarray) -> np.ndarray:
-    """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``.
-
-    numpy converts one value at a time; torch's cast is vectorised. It runs in blocks of
-    :data:`HALF_BLOCK` elements, each on the calling thread, once torch is imported
+    """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``;
+    through torch's vectorised cast in blocks of :data:`HALF_BLOCK` once torch is imported
     (:data:`TORCH_AFTER_VALUES`)."""
     global _numpy_halves
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -84,10 +84,8 @@ def wanted(values: int) -> bool:
 
 
 def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
-    """:func:`._keyindex.key_sums_numpy` of the keys ``buf`` (uint8) ending at ``ends``
-    (increasing, the last ``len(buf)``), bit for bit, in one compiled pass; ``None`` when the
-    kernel is not loaded (only :func:`ready` loads it: a reader hashing keys compiles
-    nothing)."""
+    """:func:`._keyindex.key_sums_numpy` of the keys ``buf`` (uint8) ending at ``ends``, bit for
+    bit, in one compiled pass; ``None`` when the kernels are not loaded."""
     if _sums is None:
         return None
     out = np.empty(len(ends), np.uint64)
@@ -97,20 +95,17 @@ def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarr
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
-    """A read-only view of ``a``: a kernel's inputs are always read-only arrays (bytes of a
-    store often are, and so are views of an engine's row buffers), so numba specialises each
-    kernel once, at :func:`ready`'s self-check, not again per writability inside an append
-    (where numba's on-disk cache lacks that specialisation, that would compile it there)."""
+    """A read-only view of ``a``: kernel inputs are always read-only, so numba specialises each
+    kernel once (at :func:`ready`'s self-check), never again inside an append."""
     v = a.view()
     v.flags.writeable = False
     return v
 
 
 def merge_sorted(parts: list[np.ndarray]) -> np.ndarray | None:
-    """``parts`` (key-index entries, :data:`._keyruns.ENTRY`, each sorted by hash, given in
-    sequence order) merged into one array sorted by hash, equal hashes in the parts' order:
-    what a stable sort of their concatenation gives, bit for bit, by merges from the newest part
-    back (each entry copied once per part it passes). ``None`` when the kernel is not loaded."""
+    """``parts`` (key-index entries, each sorted by hash, in sequence order) merged into one array
+    sorted by hash, bit for bit what a stable sort of their concatenation gives; ``None`` when the
+    kernels are not loaded."""
     if _merge is None:
         return None
     out = np.ascontiguousarray(parts[-1])
@@ -156,13 +151,9 @@ def _sums_check() -> bool:
 
 
 def tail_rows(lp: np.ndarray) -> np.ndarray | None:
-    """:func:`.records.tail_from_logprobs` of float32 ``lp`` ``[n, k]`` (rows each contiguous,
-    :func:`parent_rows`), bit for bit, with two compiled passes around numpy's own ``exp``
-    : the differences to each row's first value and their check in one pass, the row
-    sums as numpy's pairwise float32 sum. ``None`` when the kernels are not loaded (only
-    :func:`ready`, which the job runner calls at its start, loads them: a reader computing a
-    tail does not compile anything) or when a row is unsorted or not finite (the caller's
-    float64 path then)."""
+    """:func:`.records.tail_from_logprobs` of float32 ``lp`` ``[n, k]`` (rows each contiguous), bit
+    for bit, with two compiled passes around numpy's own ``exp``; ``None`` when the kernels are not
+    loaded or a row is unsorted or not finite (the caller's float64 path then)."""
     if _tail is None:
         return None
     n, k = lp.shape
@@ -183,9 +174,8 @@ def tail_rows(lp: np.ndarray) -> np.ndarray | None:
 
 
 def _tail_check() -> bool:
-    """:func:`tail_rows` against numpy's formula (:func:`._tail.tail_numpy`) on rows of
-    every summation shape (under 8 values, up to 128, split halves), as C-ordered arrays and
-    rows of a wider buffer, and its refusals (unsorted, NaN, a row of -inf)."""
+    """:func:`tail_rows` against numpy's formula (:func:`._tail.tail_numpy`) on rows of every
+    summation shape, C-ordered and rows of a wider buffer, and its refusals."""
     from ._tail import tail_numpy
 
     rng = np.random.default_rng(1)
@@ -204,9 +194,8 @@ def _tail_check() -> bool:
 
 
 def _self_check() -> bool:
-    """The kernel against :func:`.quant.encode_logprobs` and the checks on a small batch, given
-    as C-ordered arrays and as rows of wider ones (both of numba's specialisations, compiled or
-    loaded here, not at a job's first append)."""
+    """The kernel against :func:`.quant.encode_logprobs` and the checks on a small batch, as
+    C-ordered arrays and as rows of wider ones (both of numba's specialisations)."""
     from .quant import encode_logprobs
 
     rng = np.random.default_rng(0)
@@ -232,10 +221,9 @@ def _self_check() -> bool:
 
 
 class StampTable:
-    """The distinct-id table of :func:`encode_rows`: one uint16 stamp per vocabulary id; a row's
-    ids are distinct iff none finds the row's own stamp. Each row checked takes the next stamp
-    (``state[0]``, advanced by the kernel); after stamp 65535 the kernel zeroes the table and
-    starts again at 1, so a stamp never repeats without a clean table in between."""
+    """The distinct-id table of :func:`encode_rows`: one uint16 stamp per vocabulary id; a row's ids
+    are distinct iff none finds the row's own stamp (``state[0]``: the last stamp given; the kernel
+    zeroes the table after stamp 65535)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab = int(vocab_size)
@@ -250,14 +238,9 @@ KEEP_VALUES = 1 << 24
 
 
 class Outputs:
-    """The compiled encode's output arrays, and the arrays a batch of records' top-k rows are
-    joined into (its input), kept from one append to the next.
-
-    Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages (page faults in
-    system time; an ``int32`` array over glibc's largest mmap threshold, 32 MiB, is a new
-    mapping every time). These are faulted in once and reused.
-    Taken through :func:`outputs` for the length of one append: the arrays it hands out are
-    overwritten by the next append that takes the same :class:`Outputs`."""
+    """The compiled encode's output arrays and the arrays records' top-k rows are joined into, kept
+    from one append to the next (fresh arrays per append would be fresh pages: page faults in system
+    time). Taken through :func:`outputs` for one append; the next append overwrites them."""
 
     def __init__(self) -> None:
         self._kept: dict[str, np.ndarray] = {}
@@ -305,11 +288,9 @@ def outputs() -> Iterator[Outputs]:
 
 
 def parent_rows(a: np.ndarray) -> np.ndarray:
-    """A C-ordered ``[n, w]`` view whose first ``k`` columns are ``a`` (``[n, k]``, each row
-    contiguous and ``w`` values after the one before, :func:`.records.rows_array`): ``a`` itself
-    when C-ordered. The kernel reads such a view in place at the speed of a C-ordered array (an
-    arbitrarily strided one halves it). Its columns past ``k`` are not ``a``'s, and the last
-    row's run past ``a``'s last value: only the first ``k`` of a row may be read."""
+    """A C-ordered ``[n, w]`` view whose first ``k`` columns are ``a`` (``[n, k]``, rows each
+    contiguous, :func:`.records.rows_array`), so the kernel reads it at C-order speed; only the
+    first ``k`` values of a row may be read."""
     n, k = a.shape
     if a.flags.c_contiguous or n == 0 or k == 0:
         return a
@@ -327,11 +308,10 @@ def encode_rows(
     table: StampTable,
     tol: float,
 ) -> bool:
-    """Check ``ids`` int32 / ``lp`` float32 ``[n, k]`` (one record's rows: C order, or rows
-    of a wider buffer, each contiguous, as :func:`parent_rows` takes them) as
-    :func:`.records.rows_pass` does and write ``ids_out`` (the ids) and ``stored_out`` (the
-    float16 row-delta bit patterns, :func:`.quant.encode_logprobs`); False at the first failing
-    row (the outputs are then partly written). Call only after :func:`ready` returned True."""
+    """Check ``ids`` int32 / ``lp`` float32 ``[n, k]`` (rows each contiguous) as
+    :func:`.records.rows_pass` does and write ``ids_out`` and ``stored_out`` (the float16 row-delta
+    bit patterns of :func:`.quant.encode_logprobs`); False at the first failing row. Call only after
+    :func:`ready` returned True."""
     pl = _read_only(parent_rows(lp))
     got = _kernel(  # the ids' loop is scalar: their strides cost nothing (numba's "A")
         _read_only(ids),
