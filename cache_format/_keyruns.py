@@ -415,9 +415,8 @@ def next_runs(
     order: np.ndarray | None = None,
 ) -> tuple[list[RunRef], RunRef, bytes, list[RunRef]]:
     """The runs after a commit ``generation`` that adds the keys of ``hashes`` as sequences from
-    ``first_seq``: ``(runs, the new run, its object, the runs merged into it)``. ``read(run)``
-    gives a run's checked entries (:func:`read_run`, :meth:`KeyRuns.entries`);
-    ``record(runs)`` gives the commit record, the root attributes listing ``runs``; ``order``:
+    ``first_seq``: ``(runs, the new run, its object, the runs merged into it)``. ``read(run)``: a
+    run's checked entries; ``record(runs)``: the commit record listing ``runs``; ``order``:
     :func:`hash_order` of ``hashes``, where the caller has it."""
     i = merge_plan(runs, len(hashes))
     order = hash_order(hashes) if order is None else order
@@ -465,10 +464,9 @@ def listed(store: Any) -> list[str]:
 
 
 def check_runs(store: Any, runs: list[RunRef], hashes: np.ndarray) -> list[str]:
-    """Problems of the key index ``runs`` against ``hashes``, the hashes of every committed key
-    (``hashes[i]`` of sequence ``i``): each run readable (CRC32Cs, its commit record too, naming
-    the run's generation), sorted by hash, holding each of its sequences once with its key's
-    hash."""
+    """Problems of the key index ``runs`` against ``hashes[i]``, the hash of committed key ``i``:
+    each run readable (CRC32Cs, its commit record naming its generation), sorted, holding each of
+    its sequences once with its key's hash."""
     bad = []
     for ref in runs:
         try:

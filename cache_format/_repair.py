@@ -97,10 +97,9 @@ def _usable(store: Any, ref: keyruns.RunRef) -> tuple[dict, Manifest] | None:
 
 
 def repair(url: str | Path, storage_options: dict[str, Any] | None = None) -> RepairResult:
-    """Rebuild the root ``zarr.json`` of the store at ``url`` when it is missing, unreadable or
-    the creation marker (takes the writer lock). A readable root is left as it is
-    (``repaired=False``); :class:`StoreNeedsRepairError` when no commit record passes (nothing
-    is written)."""
+    """Rebuild the root ``zarr.json`` of the store at ``url`` when it is missing, unreadable or the
+    creation marker (under the writer lock); a readable root is left as it is (``repaired=False``),
+    and :class:`StoreNeedsRepairError` when no commit record passes (nothing written)."""
     from ._lock import make_lock
 
     handle = open_store(url, storage_options, read_only=False)

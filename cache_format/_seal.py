@@ -68,10 +68,9 @@ def need_of(length: int, shard: int, shard_rows: int) -> int:
 
 
 async def seal_written(arr: Any, name: str, start: int, stop: int) -> None:
-    """Seal the shard objects holding entries ``[start, stop)`` of ``arr`` (a sharded array,
-    index at the end, just written through zarr's ``setitem``, which writes no seal): each
-    object is rewritten whole with its seal inserted before its index (the chunk offsets do not
-    change). Arrays without sharding have no shard object to seal."""
+    """Seal the shard objects holding entries ``[start, stop)`` of ``arr`` (just written through
+    zarr's ``setitem``, which writes no seal): each rewritten whole with its seal inserted before
+    its index. Arrays without sharding have nothing to seal."""
     m = arr.metadata
     if stop <= start or len(m.codecs) != 1 or not isinstance(m.codecs[0], ShardingCodec):
         return

@@ -171,10 +171,9 @@ def _little_endian_bytes(codec: object, dtype: np.dtype) -> bool:
 
 
 def sharding_of(m: object) -> tuple[ArrayV3Metadata, RegularChunkGrid, ShardingCodec] | None:
-    """Array metadata ``m`` with its chunk grid and codec if it is a zarr v3 array of one
-    ``sharding_indexed`` codec on a regular grid with its index at the end, encoded ``bytes``
-    little-endian + ``crc32c`` (the shards this module and :mod:`._shardwrite` know); else
-    ``None``."""
+    """Array metadata ``m`` with its chunk grid and sharding codec if it is a zarr v3 array of one
+    ``sharding_indexed`` codec on a regular grid, index at the end (``bytes`` LE + ``crc32c``);
+    else ``None``."""
     if not isinstance(m, ArrayV3Metadata) or m.storage_transformers or len(m.codecs) != 1:
         return None
     grid, sharding = m.chunk_grid, m.codecs[0]
@@ -282,10 +281,9 @@ def parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
 def read_index(
     lay: DirectLayout, tail: np.ndarray, shard: int, where: str, need: int | None = None
 ) -> np.ndarray:
-    """The checked index table of shard ``shard`` from ``tail``, the object's last
-    :attr:`DirectLayout.tail_size` bytes; in a sealed store its seal is checked first
-    (:func:`._seal.check_seal`: the shard must hold ``need`` entries, by default those below
-    ``lay.length``)."""
+    """The checked index table of shard ``shard`` from ``tail`` (the object's last
+    :attr:`DirectLayout.tail_size` bytes); in a sealed store its seal first (the shard must hold
+    ``need`` entries, by default those below ``lay.length``)."""
     n = lay.chunks_per_shard
     if tail.size != lay.tail_size:
         raise ChecksumError(f"{where}: object shorter than its index")

@@ -42,10 +42,9 @@ RAW = "none"
 
 
 def supported(lay: DirectLayout) -> bool:
-    """Whether this zarr exposes the array's numcodecs Blosc (:func:`._zarr_adapter.blosc_codec`:
-    zarr itself encodes with), or its Zstd for a ``vlen-utf8`` array (:func:`keys_layout`), or
-    the array has no compressor (``raw``: its little-endian bytes); if not, the writer uses
-    zarr's ``setitem``."""
+    """Whether this zarr exposes the codec the array's chunks are encoded with (its numcodecs Blosc,
+    or Zstd for ``vlen-utf8``) or the array has none (``raw``); if not, the writer uses zarr's
+    ``setitem``."""
     try:
         return _codec(lay) is not None
     except Exception:
@@ -68,10 +67,9 @@ def _codec(lay: DirectLayout) -> Any:
 
 
 def keys_layout(arr: Any, name: str, *, strict: bool, sealed: bool = False) -> DirectLayout | None:
-    """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
-    as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
-    ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
-    inner chunks are written as zarr writes them."""
+    """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``) sharded as
+    the numeric arrays are, with inner codecs ``vlen-utf8`` -> ``zstd`` -> ``crc32c``; ``None`` for
+    any other array."""
     from zarr.codecs import Crc32cCodec
     from zarr.codecs.vlen_utf8 import VLenUTF8Codec
 

@@ -402,8 +402,8 @@ def _problem(
 def check_record(rec: SequenceRecord, *, k: int, vocab_size: int, index: int | None = None) -> None:
     """Value checks of one record against a cache's ``k`` and ``vocab_size`` (RecordError): ids
     in ``[0, vocab_size)`` and distinct within a row; logprobs finite, ``<= LOGPROB_TOLERANCE``
-    and non-increasing; tail mass (if given) finite and within ``[-TAIL_TOLERANCE, 1 +
-    TAIL_TOLERANCE]``."""
+    and non-increasing; tail mass (if given) finite and within
+    ``[-TAIL_TOLERANCE, 1 + TAIL_TOLERANCE]``."""
     if rec.k != k:
         raise RecordError(
             f"k mismatch: record has {rec.k}, cache has {k}", key=rec.key, index=index

@@ -34,10 +34,9 @@ def uniforms(seed: int, key: str, rows: int, draws: int) -> Any:
 
 
 def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
-    """The uniforms of a sequence whose generator seed is ``seq_seed`` (:func:`sequence_seed`):
-    ``torch.rand(rows, draws, float64)`` from a CPU ``torch.Generator``. The stream is row-major,
-    so the first ``r`` rows are the same whatever ``rows >= r`` is asked for (a producer that
-    sees a sequence in chunks draws ``[:end]`` and keeps ``[start:end]``)."""
+    """``torch.rand(rows, draws, float64)`` from a CPU ``torch.Generator`` seeded with
+    ``seq_seed`` (:func:`sequence_seed`); row-major, so the first rows are the same whatever
+    ``rows`` is asked for."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seq_seed))
@@ -61,14 +60,10 @@ def sample_rows(
     k: int | None = None,
     head: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sampled targets of a block of rows (see the module docstring).
-
-    ``logprobs``: ``[r, V]`` teacher log-probabilities (torch, any float dtype/device);
-    ``u``: ``[r, N]`` uniforms from :func:`uniforms`; ``head``: the top ids kept exactly
-    (``m``, default 0: plain RS-KD); ``k``: stored slots per row (default ``m + N``; rows with
-    more than ``k`` distinct ids raise ``ValueError``). Returns numpy
-    ``(ids [r, k] int32, log_w [r, k] float32)``.
-    """
+    """Sampled targets of a block of rows (FORMAT.md 4.4): ``logprobs`` ``[r, V]`` teacher
+    log-probabilities (torch), ``u`` ``[r, N]`` uniforms (:func:`uniforms`), ``head`` the top ids
+    kept exactly (0: plain RS-KD), ``k`` stored slots per row (default ``head + N``; more distinct
+    ids raise ``ValueError``). Returns numpy ``(ids [r, k] int32, log_w [r, k] float32)``."""
     import torch
 
     if not proposal_temperature > 0:
