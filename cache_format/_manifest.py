@@ -70,9 +70,8 @@ class Manifest(BaseModel):
     num_key_bytes: int = Field(default=0, ge=0)
     generation: int = Field(default=0, ge=0)
     targets: Literal["topk", "sampled", "hidden"] = "topk"
-    """What the rows hold: the teacher's top-k logprobs, sampled ids with log importance
-    weights (FORMAT.md "Sampled targets"), or the teacher's final hidden states plus its output
-    head stored once (FORMAT.md 4.10); a cache holds one kind."""
+    """What the rows hold: top-k logprobs, sampled ids with log importance weights (FORMAT.md
+    4.4), or the teacher's final hidden states and its head (4.10); one kind per cache."""
     sampling: dict[str, Any] | None = None
     """``targets="sampled"`` only: ``{"method", "draws", "proposal_temperature", "seed"}`` and,
     for the head + residual estimator, ``"head"`` (``> 0``; absent means 0, and a ``head`` of 0
@@ -83,14 +82,13 @@ class Manifest(BaseModel):
     loss_mask: bool = False
     """The store has the row-aligned ``loss_mask`` array (FORMAT.md 4.6); set at creation."""
     entropy: bool = False
-    """The store has the row-aligned ``entropy`` array, the teacher's entropy per row in nats
-    (FORMAT.md 4.9); set at creation."""
+    """The store has the row-aligned ``entropy`` array (nats, FORMAT.md 4.9); set at creation."""
     actual_logprob: bool = False
-    """The store has the row-aligned ``actual_logprob`` array, each row's logprob of its actual
-    next token (FORMAT.md 4.12); set at creation."""
+    """The store has the row-aligned ``actual_logprob`` array (FORMAT.md 4.12); set at
+    creation."""
     key_index: list[dict[str, Any]] | None = None
     """The runs of the on-disk key index (FORMAT.md 4.11), tiling ``[0, num_sequences)``;
-    ``None``: the store has none (keys are looked up by hashing them all, :mod:`._keyindex`)."""
+    ``None``: the store has none."""
 
     @model_validator(mode="after")
     def _runs_tile_sequences(self) -> Manifest:
