@@ -216,9 +216,11 @@ def _decode_blocks(
     by :func:`._plan.split` (a block's cost: the bytes it reads and writes)."""
     steps = [max(1, kernels.BLOCK_ELEMENTS // max(1, d.shape[1])) for d, _, _ in blocks]
     items = [(j, 0, d.shape[0], 0) for j, (d, _, _) in enumerate(blocks) if d.shape[0]]
-    n = min(threads, pointread.MAX_SHARES) if pool is not None else 1
-    cost = [d.shape[1] * 6 for d, _, _ in blocks]
-    groups = _plan.split(items, steps, cost, n, pointread.PARALLEL_MIN_BYTES)
+    groups = [items]  # one thread: no plan
+    if pool is not None and threads > 1:
+        cost = [d.shape[1] * 6 for d, _, _ in blocks]
+        n, least = min(threads, pointread.MAX_SHARES), pointread.PARALLEL_MIN_BYTES
+        groups = _plan.split(items, steps, cost, n, least)
 
     def run(group: list[_plan.Item]) -> None:
         for j, st, sp, _ in group:
