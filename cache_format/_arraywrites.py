@@ -1,12 +1,7 @@
 """Step 4 of an append (FORMAT.md W3): growing every array and writing its new rows past the
-commit, for :class:`~._writer.CacheWriter` (a mixin: its state lives on the writer).
-
-Arrays the writer left as they are (or that this process has a template of) are written by
-:mod:`._shardwrite` without zarr: their objects (``zarr.json`` and shards) are encoded on the
-committing thread and written in one batch (:func:`.store.put_objects`: on a local disk one round
-of the store's threads, each object fsynced before its rename and the changed directories after,
-durable on return). The others are opened through zarr first, all at once on its loop.
-"""
+commit, for :class:`~._writer.CacheWriter` (a mixin: its state lives on the writer). Arrays with
+a known layout are encoded by :mod:`._shardwrite` and written in one batch
+(:func:`.store.put_objects`); the others through zarr, opened all at once on its loop."""
 
 from __future__ import annotations
 
@@ -49,13 +44,9 @@ class ArrayWrites:
         raise NotImplementedError
 
     def _write(self, m: Manifest, fresh: Batch) -> None:
-        """Step 4 of the transaction: grow every array and write the new rows past the commit.
-
-        Arrays written directly (:mod:`._shardwrite`) have their objects (``zarr.json`` and
-        shards) encoded on the calling thread and written in one batch (:meth:`_put`); an array
-        this writer has not left as it is now is first opened (:meth:`_open_array`, on zarr's
-        loop, all at once). The commit (step 5) starts only after every write has returned.
-        """
+        """Step 4 of the transaction: grow every array and write the new rows past the commit
+        (direct arrays encoded here and written in one batch, the others opened through zarr first);
+        the commit starts only after every write has returned."""
         cols = self._columns(m, fresh)
         base = {
             spec.INPUT_IDS: m.num_tokens,
@@ -101,23 +92,19 @@ class ArrayWrites:
                 self._direct[name] = direct
 
     def _put(self, objects: list[tuple[str, Any]]) -> None:
-        """Write an append's array objects in one batch (:func:`.store.put_objects`: on a local
-        disk one round of the store's threads, each object fsynced before its rename and the
-        changed directories after, all durable on return)."""
+        """Write an append's array objects in one batch (:func:`.store.put_objects`), all durable on
+        return."""
         put_objects(self._store, objects)
 
     async def _open_array(
         self, name: str, start: int, data: np.ndarray
     ) -> tuple[templates.DirectArray, bool] | None:
-        """Array ``name``, which this writer did not leave at length ``start``, ready for
-        :mod:`._shardwrite` to write ``data`` at ``start``: from this process's template of it
-        (:meth:`_from_template`, no zarr) or opened through zarr and resized; with ``True`` when
-        it is new to this writer's templates. ``None``: written here through zarr's ``setitem``
-        (a layout :mod:`._shardwrite` does not write, a version-1 store).
-
-        Every chunk is stored, also one equal to the fill value (``write_empty_chunks``), so an
-        absent object in the committed range can only be a lost one (FORMAT.md R9).
-        """
+        """Array ``name``, not left by this writer at length ``start``, ready for
+        :mod:`._shardwrite`: from this process's template (:meth:`_from_template`) or opened through
+        zarr and resized; with ``True`` when it is new to the templates. ``None``: written through
+        zarr's ``setitem`` (a layout :mod:`._shardwrite` does not write, a version-1 store). Every
+        chunk is stored, also one equal to the fill value, so an absent object in the committed
+        range is a lost one (FORMAT.md R9)."""
         direct = await self._from_template(name, start)
         if direct is not None:
             return direct, False
@@ -147,16 +134,10 @@ class ArrayWrites:
         return None
 
     async def _from_template(self, name: str, start: int) -> templates.DirectArray | None:
-        """Array ``name`` as a :class:`templates.DirectArray` of length ``start`` without opening it
-        through zarr, when this process has written the same store's array before (an earlier
-        writer: the service opens one per job) and its stored ``zarr.json`` is, byte for byte,
-        that writer's template with length ``start`` (so layout, codecs and attributes are the
-        template's, and nothing lies past ``start``). Its last shard is read back on the first
-        write, as for an array opened through zarr. ``None``: open it through zarr.
-
-        The last shard the store's previous writer in this process left (:data:`._templates.LAST`)
-        is taken too when its file is still the one that writer wrote
-        (:func:`._templates.shard_sig`): no read-back."""
+        """Array ``name`` as a :class:`templates.DirectArray` of length ``start`` without zarr, when
+        this process wrote the same store's array before and its stored ``zarr.json`` is, byte for
+        byte, that template at length ``start``; with the last shard that writer left when its file
+        is still the one written (:func:`._templates.shard_sig`). ``None``: open it through zarr."""
         tpl = templates.TEMPLATES.get((self._handle.url, name))
         if tpl is None or self._manifest.format_version < 2:
             return None

@@ -1,12 +1,8 @@
 """The C functions a compiled read calls (FORMAT.md R7, D2, D4): ``crc32c_value`` of the libcrc32c
-that ``google_crc32c``'s extension links, and ``blosc_decompress_ctx`` (one internal thread, no
-global state, safe from any thread) that ``numcodecs``' blosc extension exports, found once at
-import through :mod:`ctypes` and checked on a known frame against the Python wrappers.
-
-:data:`FOUND` says whether both symbols were found (``False`` with another build of the wheels,
-or ``google_crc32c``'s pure-Python fallback); without them the reader decodes with NumPy and the
-wrappers (:mod:`._pointread`).
-"""
+that ``google_crc32c``'s extension links and ``blosc_decompress_ctx`` that ``numcodecs``' blosc
+extension exports, found once at import through :mod:`ctypes` and checked on a known frame
+against the Python wrappers. :data:`FOUND` says whether both were found (without them the reader
+decodes with NumPy)."""
 
 from __future__ import annotations
 

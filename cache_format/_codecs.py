@@ -1,13 +1,9 @@
-"""Named codec chains for the format's arrays.
-
-A codec name is a short string stored nowhere (zarr writes the full codec configuration into each
-array's ``zarr.json``); names exist so that the writer and the benchmark pick chains the same way.
+"""Named codec chains for the format's arrays (names are not stored: zarr writes the full codec
+configuration into each array's ``zarr.json``).
 
 Grammar: ``blosc-<cname><level>-<shuffle>`` (cname in zstd|lz4|lz4hc|zlib, shuffle in
-noshuffle|shuffle|bitshuffle), ``zstd<level>``, or ``none`` (no compressor: the chunk's bytes
-as they are, FORMAT.md 4.7's ``random_access_raw``). Every chain ends with a CRC32C of the inner
-chunk so that a torn or raced read is detected instead of decoded (FORMAT.md rule R7).
-"""
+noshuffle|shuffle|bitshuffle), ``zstd<level>``, or ``none`` (FORMAT.md 4.7's
+``random_access_raw``). Every chain ends with a CRC32C of the inner chunk (FORMAT.md R7)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,17 @@
 """The reader's decoders (FORMAT.md §6, D2-D4): what turns row and token spans of a snapshot's
-arrays into decoded arrays. One interface, two implementations chosen by name:
+arrays into decoded arrays. One interface, two implementations:
 
-- ``"numpy"``: the reference, always available. Arrays of the format's sharded layout are read
-  chunk by chunk (:mod:`._pointread`: only the needed inner chunks, each decoded once per call,
-  ``os.pread`` on a local store), then the logprobs (row-delta inverse, widening, id remap) in
-  row blocks; arrays of any other layout through zarr's array API.
+- ``"numpy"``: the reference, always available: chunk by chunk (:mod:`._pointread`), then the
+  logprobs in row blocks; arrays not in the format's sharded layout through zarr.
 - ``"numba"``: the whole call in one compiled call per thread (:mod:`._fastdecode`) where it
-  applies (a local store, float16 or float32 logprobs read as stored or widened); anything else,
-  and anything the compiled code hands back (a missing shard, a frame failing its checks), goes
-  to the NumPy decoder, which raises the typed error.
+  applies (a local store, float16 or float32 logprobs); anything else, and anything the compiled
+  code hands back, goes to the NumPy decoder, which raises the typed error.
 
-:func:`default_decoder` is the compiled one where numba is installed (decided at import). Both
-give the same values, bit for bit.
-"""
+:func:`default_decoder` is the compiled one where numba is installed. Both give the same bits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,8 +21,8 @@ import zarr
 
 from . import _fastdecode as fastdecode
 from . import _kernels as kernels
+from . import _plan, spec
 from . import _pointread as pointread
-from . import spec
 from ._integrity import checked_read
 from ._manifest import Manifest
 from ._seal import sealed
@@ -45,9 +40,8 @@ mask (``None`` unless the store has one)."""
 
 @dataclass
 class OpenArrays:
-    """The arrays of one snapshot as the decoders read them: zarr's handles, the direct layouts
-    of those in the format's sharded layout, the committed entries of each (R6), the local
-    directory of a local store and the store's id order (FORMAT.md 4.3) if it has one."""
+    """The arrays of one snapshot as the decoders read them: zarr's handles, the direct layouts, the
+    committed entries of each (R6), a local store's directory and the id order (FORMAT.md 4.3)."""
 
     manifest: Manifest
     arrays: dict[str, zarr.Array]
@@ -112,8 +106,7 @@ def stored_spans(
     threads: int = 1,
 ) -> list[tuple[dict[str, np.ndarray], np.ndarray | None]]:
     """Per span, the stored values of the row arrays ``names`` over its rows (by name) and of
-    ``input_ids`` over its tokens (``None`` for a span without them), in one
-    :func:`stored_values` call."""
+    ``input_ids`` over its tokens (``None`` without), in one :func:`stored_values` call."""
     jobs: list[tuple[str, int, int]] = []
     for rows, toks in spans:
         jobs += [(n, rows.start, rows.stop) for n in names]
@@ -185,17 +178,14 @@ class NumpyDecoder:
         # direct arrays: the logprobs (and id remap) in row blocks, on the pool if any
         blockwise = _blockwise(dtype, logprob_dtype) and all(n in arrays.direct for n in wanted)
         out: list[Fetched] = []
-        tasks: list[Callable[[], None]] = []
-        cost: list[int] = []
+        blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (bits, logprobs, ids)
         for got, tokens in stored_spans(arrays, spans, names, pool, threads):
             ids, d = got[spec.TOPK_IDS], got[spec.TOPK_LOGPROBS]
             if blockwise:
                 lp = d.view(np.float16 if dtype == "float16" else np.float32)
                 if dtype == "float16" and logprob_dtype == "float32":
                     lp = np.empty(d.shape, dtype=np.float32)
-                for a, b in kernels.row_blocks(d.shape[0], d.shape[1]):
-                    tasks.append(_lp_task(d[a:b], lp[a:b], ids[a:b], order))
-                    cost.append((b - a) * d.shape[1] * 6)  # bytes read + written
+                blocks.append((d, lp, ids))
             else:
                 if order is not None:
                     ids = order[ids]
@@ -209,25 +199,41 @@ class NumpyDecoder:
                 )
             tail = np.asarray(got[spec.TAIL_MASS], dtype=np.float32)
             out.append((ids, lp, tail, tokens, got.get(spec.LOSS_MASK)))
-        pointread.run_tasks(tasks, cost, pool, threads)
+        if blocks:
+            _decode_blocks(blocks, order, pool, threads)
         return out
 
 
-def _lp_task(
-    d: np.ndarray, lp: np.ndarray, ids: np.ndarray, order: np.ndarray | None
-) -> Callable[[], None]:
-    """One row block of a point read: the row-delta inverse of the stored logprob bits ``d``
-    (in place), widened into ``lp`` if that is a float32 view of other memory (float16 store),
-    and the id remap of ``ids`` (in place) when the store has one."""
+def _decode_blocks(
+    blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    order: np.ndarray | None,
+    pool: ThreadPoolExecutor | None,
+    threads: int,
+) -> None:
+    """The row-delta inverse of each span's stored logprob bits (in place), widened into its
+    logprobs if those are float32 of other memory (a float16 store), and the id remap of its
+    ids (in place), in row blocks of :data:`._kernels.BLOCK_ELEMENTS`, split over ``threads``
+    by :func:`._plan.split` (a block's cost: the bytes it reads and writes)."""
+    steps = [max(1, kernels.BLOCK_ELEMENTS // max(1, d.shape[1])) for d, _, _ in blocks]
+    items = [(j, 0, d.shape[0], 0) for j, (d, _, _) in enumerate(blocks) if d.shape[0]]
+    groups = [items]  # one thread: no plan
+    if pool is not None and threads > 1:
+        cost = [d.shape[1] * 6 for d, _, _ in blocks]
+        n, least = min(threads, pointread.MAX_SHARES), pointread.PARALLEL_MIN_BYTES
+        groups = _plan.split(items, steps, cost, n, least)
 
-    def task() -> None:
-        kernels.undelta_block(d)
-        if lp.dtype == np.float32 and d.dtype == np.uint16:
-            kernels.widen_block(d.view(np.float16), lp)
-        if order is not None:
-            np.take(order, ids, out=ids)
+    def run(group: list[_plan.Item]) -> None:
+        for j, st, sp, _ in group:
+            d, lp, ids = blocks[j]
+            for a in range(st, sp, steps[j]):
+                b = min(a + steps[j], sp)
+                kernels.undelta_block(d[a:b])
+                if lp.dtype == np.float32 and d.dtype == np.uint16:
+                    kernels.widen_block(d[a:b].view(np.float16), lp[a:b])
+                if order is not None:
+                    np.take(order, ids[a:b], out=ids[a:b])
 
-    return task
+    _plan.run_groups(run, groups, pool)
 
 
 class _FastPlan:

@@ -66,10 +66,9 @@ def encode_record(rec: SequenceRecord, manifest: Manifest, index: int | None = N
 
 @dataclass
 class Batch:
-    """The validated records of one append, in storage dtypes, each array concatenated over
-    the batch (rows and tokens in record order), with the keys' UTF-8 bytes (``key_bytes``,
-    ``key_lens`` per key), their hashes (:func:`._keyindex.byte_hashes`) and the order that sorts
-    them (:func:`._keyruns.hash_order`), made once."""
+    """The validated records of one append in storage dtypes, each array concatenated over the
+    batch, with the keys' UTF-8 bytes and lengths, their hashes (:func:`._keyindex.byte_hashes`) and
+    the order that sorts them (:func:`._keyruns.hash_order`)."""
 
     keys: list[str]
     lengths: np.ndarray  # int64 [S]: tokens of each record
@@ -88,23 +87,10 @@ class Batch:
         except UnicodeEncodeError as e:
             i = next(j for j, k in enumerate(keys) if not k.isascii() and _no_utf8(k))
             raise RecordError(f"key is not valid UTF-8 text ({e.reason})", index=i) from None
-        if len(raw) == len(text):  # ASCII: one byte per character
-            lens = np.fromiter(map(len, keys), np.int64, len(keys))
-        else:
-            lens = np.fromiter((len(k.encode("utf-8")) for k in keys), np.int64, len(keys))
+        lens = keyindex.utf8_lengths(keys, raw, "strict")
         self.key_bytes, self.key_lens = np.frombuffer(raw, np.uint8), lens
         self.hashes = keyindex.byte_hashes(self.key_bytes, np.cumsum(lens))
         self.order = hash_order(self.hashes)
-
-    @classmethod
-    def of(cls, encoded: list[Encoded]) -> Batch:
-        """The batch of records encoded one by one (:func:`encode_record`)."""
-        return cls(
-            [e.key for e in encoded],
-            np.array([len(e.input_ids) for e in encoded], dtype=np.int64),
-            np.concatenate([e.input_ids for e in encoded]),
-            {n: np.concatenate([e.arrays[n] for e in encoded]) for n in encoded[0].arrays},
-        )
 
     def fresh(self, stored: np.ndarray) -> Batch | None:
         """The records to append: those not ``stored`` (bool per record), each key's first
@@ -163,19 +149,14 @@ ENCODE_GROUP_VALUES = 1 << 19
 def encode_batch(
     records: list[Any] | SequenceBatch, manifest: Manifest, out: fastencode.Outputs | None = None
 ) -> Batch | None:
-    """Validate an append (a :class:`~._seqbatch.SequenceBatch`, a list of them,
-    :func:`_encode_parts`, or records, made one in one pass) against ``manifest`` and convert it
-    to the stored dtypes, concatenated (``None`` for an empty append). With ``out``, the
-    compiled pass writes the top-k ids and logprobs into its arrays (valid until ``out`` is
-    taken again).
+    """Validate an append (a :class:`~._seqbatch.SequenceBatch`, a list of them, or records) against
+    ``manifest`` and convert it to the stored dtypes, concatenated (``None`` for an empty append).
+    With ``out``, the compiled pass writes the top-k ids and logprobs into its arrays.
 
     Accepts and refuses exactly what :func:`encode_record` does record by record, with the same
-    :class:`~.errors.RecordError` (the first bad record's, with its index): the checks run
-    over the batch's flat arrays (:func:`_encode_rows`), and only a batch that fails them is
-    checked again record by record, from the first sequence at fault, for the error. The stored
-    arrays are bit-identical to :func:`encode_record`'s concatenated. Records without a tail
-    mass are given their rows of the tail computed here (:func:`._seqbatch.give_tails`).
-    """
+    :class:`~.errors.RecordError`: the checks run over the batch's flat arrays, and only a batch
+    that fails them is checked record by record for the error. The stored arrays are bit-identical
+    to :func:`encode_record`'s concatenated."""
     recs: list[Any] | None = None
     if isinstance(records, SequenceBatch):
         if manifest.hidden is not None:
@@ -213,11 +194,9 @@ def encode_batch(
 def _encode_parts(
     parts: list[Any], manifest: Manifest, out: fastencode.Outputs | None
 ) -> Batch | None:
-    """:func:`encode_batch` of :class:`~._seqbatch.SequenceBatch` ``parts`` appended as one
-    (their sequences in order): each part's top-k rows are checked and encoded straight into its
-    rows of the append's stored arrays (the compiled pass), so rows that arrive in several
-    buffers (an engine's batches) are never joined first. The same bytes, checks and errors
-    (``index``: the sequence's place in the whole append) as one batch of all the sequences."""
+    """:func:`encode_batch` of :class:`~._seqbatch.SequenceBatch` ``parts`` appended as one: each
+    part's top-k rows are encoded straight into its rows of the append's arrays (never joined
+    first); the same bytes, checks and errors as one batch of all the sequences."""
     for i, p in enumerate(parts):
         if not isinstance(p, SequenceBatch):
             raise RecordError(f"an append of SequenceBatch parts got {type(p).__name__}", index=i)
@@ -344,12 +323,10 @@ def _encode_rows(
     compiled: bool | None = None,
 ) -> dict[str, np.ndarray] | None:
     """The stored row arrays of batch ``b``, or ``None`` when it fails a check
-    (:func:`.records.rows_pass`'s, over the whole batch). float16 stores with a vocabulary of
-    up to :data:`.fastencode.MAX_VOCAB` take the compiled pass (:func:`.fastencode.encode_rows`:
-    checks, ids and float16 row deltas in one loop over the rows, into ``into``'s ``[rows, k]``
-    ids and stored logprobs, else ``out``'s arrays) where numba is available and loaded or worth
-    loading (:func:`_compiled`; ``compiled`` when the caller decided it for a whole append); the
-    others NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
+    (:func:`.records.rows_pass`'s). float16 stores with a vocabulary of up to
+    :data:`.fastencode.MAX_VOCAB` take the compiled pass where it is loaded or worth loading
+    (:func:`_compiled`, or ``compiled`` decided by the caller), into ``into``'s or ``out``'s
+    arrays; the others NumPy's, in groups of :data:`ENCODE_GROUP_VALUES`."""
     from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
 
     k, vocab, rows = manifest.k, manifest.vocab_size, b.num_rows

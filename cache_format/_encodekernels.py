@@ -50,19 +50,13 @@ def _rare(x, b):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def encode_rows(ids, lp, bits, ids_out, stored_out, seen, state, vocab, tol):  # type: ignore[no-untyped-def]  # noqa: ANN001, E501
-    """Check and encode one record's rows; 0 when they pass, 1 at the first failing row
-    (the caller then runs the per-record checks for the error). ``ids``: ``[n, k]``, any
-    strides; ``lp``: C-ordered ``[n, w]`` with ``w >= k`` (``k`` from ``ids_out``; columns past
-    ``k`` are never read: :func:`.fastencode.parent_rows`); ``bits``: ``lp`` viewed as uint32;
-    ``seen``: uint16 ``[vocab]`` of stamps, ``state[0]`` the last stamp given (each row takes
-    the next; past 65535 the table is zeroed and stamps restart at 1; ``state[0]`` is current
-    at every return). Per row, the ids are range-checked and copied in one vectorised loop, then
-    looked up in the table (a row out of range returns before its lookups: no clamping);
-    uint16 stamps keep the table at 256 KiB for a vocabulary of 128K (fewer cache misses).
-    The checks are branch-free flags tested once per row (early exits per value cost 4x); the
-    logprob loop vectorises, the rare values (zero, subnormal, clipped: a prefix and a suffix
-    of a row that passes) are then recomputed by :func:`_half` (a failing row's outputs are
-    not used)."""
+    """Check and encode one record's rows; 0 when they pass, 1 at the first failing row (the caller
+    then runs the per-record checks for the error). ``ids``: ``[n, k]``, any strides; ``lp``:
+    C-ordered ``[n, w]``, ``w >= k`` (:func:`.fastencode.parent_rows`); ``bits``: ``lp`` as uint32;
+    ``seen``: uint16 stamps per vocabulary id, ``state[0]`` the last stamp given (each row takes the
+    next; past 65535 the table is zeroed). The checks are branch-free flags tested once per row; the
+    logprob loop vectorises, and the rare values (zero, subnormal, clipped) are then recomputed by
+    :func:`_half`."""
     n, k = ids_out.shape
     top = vocab - 1
     hs = np.empty(k, np.int32)  # one row's half bits
@@ -119,10 +113,8 @@ def encode_rows(ids, lp, bits, ids_out, stored_out, seen, state, vocab, tol):  #
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def tail_rest(lp, rest):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
     """``rest[r, j] = lp[r, j + 1] - lp[r, 0]`` (float32, as numpy subtracts) for ``rest``'s
-    ``[n, k - 1]``; ``lp``: C-ordered ``[n, w]``, ``w >= k`` (columns past ``k`` never read).
-    1 when some difference is not ``<= 0`` (an unsorted row, NaN), else 0: one pass where
-    :func:`.records.tail_from_logprobs`'s numpy form makes a broadcast subtraction (buffered
-    for row views) and a comparison."""
+    ``[n, k - 1]`` (``lp``: C-ordered ``[n, w]``, ``w >= k``); 1 when some difference is not
+    ``<= 0`` (an unsorted row, NaN), else 0."""
     n, c = rest.shape
     bad = False
     for r in range(n):

@@ -1,26 +1,17 @@
 """The compiled decoder: the whole decode of a read call in one compiled call per thread
 (FORMAT.md D4).
 
-One numba function (``nogil``, :mod:`._fastkernels`) takes the call's items (array, rows, output
-row) with the layouts' tables of open shard descriptors and parsed indexes: it groups each
-array's needed chunks into runs, reads each run with ``pread`` into a per-thread buffer, checks
-every chunk's CRC32C and blosc header, decompresses it (``blosc_decompress_ctx``) straight into
-the call's arena or, for a chunk shared by several ranges or cut by one, into a scratch chunk
-whose rows are copied to each range (a ``raw`` chunk is read with ``preadv`` straight into the
-arena where one range uses it whole); then it undoes the logprob row delta and widens float16 to
-float32 (LLVM ``fpext half``: exact). The C functions are those :mod:`._cdecode` finds and libc's
-``pread``, ``preadv`` and ``memcpy``, passed as addresses (:func:`_cfuncs`). With a decode pool a
-call is cut at chunk edges into groups (:data:`PARALLEL_MIN_BYTES`), one compiled call each.
+One ``nogil`` numba function (:mod:`._fastkernels`) takes the call's items (array, rows, output
+row) with the layouts' tables of open shard descriptors and parsed indexes, reads each run of
+needed chunks with ``pread`` (``preadv`` straight into the output for whole ``raw`` chunks),
+checks every chunk's CRC32C and blosc header, decompresses it (``blosc_decompress_ctx``, found by
+:mod:`._cdecode`) into the call's arena or a scratch chunk, then undoes the logprob row delta
+and widens float16 to float32. Anything it cannot do (a missing shard, a bad frame) is handed
+back to the NumPy decoder, which raises the typed error. The records of a call are views of one
+arena.
 
-The values are the NumPy decoder's, bit for bit. What this path does not handle it hands back
-(``None``): a missing shard or empty chunk, a frame failing its checks or a short read (so the
-NumPy decoder raises its typed error, after the reader's retries). The arrays of a call decode
-into one arena; the records of a call are views of it.
-
-Needs ``numba`` (the ``client`` or ``fast`` extra); without it, with the C symbols missing, or
-if the self-check in :func:`ready` fails, :data:`AVAILABLE` is ``False``. The kernels compile at
-the first read of a process and numba caches them on disk.
-"""
+:data:`AVAILABLE` is ``False`` without numba or the C symbols, or once :func:`ready`'s
+self-check fails; the kernels compile at the first read of a process (numba caches them on disk)."""
 
 from __future__ import annotations
 
@@ -215,9 +206,8 @@ def _pieces(items: list[tuple[int, int, int, int]], meta: np.ndarray, n: int) ->
 
 
 class _Plan:
-    """What every call over one set of layouts reuses: their tables, ``meta`` rows (block
-    offsets filled per call), the descriptor and index tables as the kernel takes them, the
-    scratch size and the ``lp`` arguments (one small array per ``(array, widen)``)."""
+    """What every call over one set of layouts reuses: their tables as the kernel takes them, the
+    ``meta`` rows, the scratch size and the ``lp`` arguments."""
 
     def __init__(self, lays: list[DirectLayout]):
         self.tabs = [_tables(lay) for lay in lays]
@@ -260,21 +250,15 @@ def read_arrays(
     pool: ThreadPoolExecutor | None = None,
     threads: int = 1,
 ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
-    """For each array ``a`` (``lays[a]``), rows ``[start, stop)`` of every job in
-    ``bounds[a]``, one after the other in one block (stored dtype; the blocks share one
-    allocation); or ``None``: read these through :mod:`._pointread` instead (see the module
-    docstring). Rows must lie below each layout's ``length`` (the caller checks R6). ``lp =
-    (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place, or if ``widen``
-    (float16 bits) into the float32 array returned beside the blocks (array ``a``'s block is
-    then empty).
+    """For each array ``a`` (``lays[a]``), rows ``[start, stop)`` of every job in ``bounds[a]``, one
+    after the other in one block (stored dtype; the blocks share one allocation); or ``None``: read
+    these with the NumPy decoder instead. Rows must lie below each layout's ``length`` (the caller
+    checks R6). ``lp = (a, widen)``: array ``a`` holds row-delta logprob bits, decoded in place, or
+    if ``widen`` (float16 bits) into the float32 array returned beside the blocks.
 
-    With ``pool`` and ``threads > 1`` the work is cut at chunk edges into up to ``threads``
-    groups of at least :data:`PARALLEL_MIN_BYTES` decoded, the calling thread taking one (each
-    group one compiled call without the GIL). A shard the kernel needs that is not open yet is
-    opened here and the call made again; a shard whose descriptor cannot be kept
-    (:data:`._shardread.FD_BUDGET`) is read through a private copy of the tables for this call,
-    its descriptor closed after it. (Plain Python on the few numbers of a call: numpy's per-call
-    cost on small arrays is a large share of a ``sequence(i)``.)"""
+    With ``pool`` and ``threads > 1`` the work is split at chunk edges (:func:`._plan.split`), the
+    calling thread taking one group. Shards the kernel needs that are not open yet are opened here
+    and the call made again."""
     assert _kernels is not None
     plan = _plan(lays)
     a_lp, widen = lp
@@ -369,14 +353,9 @@ def _open(
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """Open the shards ``pairs`` (``[array, shard]``) into the tables; returns the tables for the
     next round (private copies for a descriptor not kept, closed after the call; ``((), ())`` if
-    a shard is missing: the per-chunk path decides, fill value or R9).
-
-    A kept descriptor's index stays in the tables for the layout's life, also for the
-    incomplete last shard: a writer replaces a shard file whole (rename), so the descriptor
-    keeps the version it opened, whose index and bytes agree and hold every row below the
-    layout's ``length`` (committed before the layout was made). Reading that index again at
-    every call, as before, cost one ``open`` + ``pread`` + ``close`` per call that touched the
-    last shard."""
+    a shard is missing: the NumPy decoder decides, fill value or R9). A kept descriptor's index
+    stays valid for the layout's life: a writer replaces a shard file whole (rename), so the
+    descriptor keeps the version it opened."""
     fds, idxs = list(fd_tabs), list(idx_tabs)
     for a, s in pairs:
         lay, tab = lays[a], tabs[a]

@@ -145,11 +145,9 @@ scan16_inplace = _scan_intrinsic(False)
 
 @jit
 def undelta(d: Any, out: Any, widen: bool) -> None:
-    """The row-wise cumulative sum of unsigned ``d`` (uint16 or uint32) modulo 2^bits: in
-    place, or (``widen``: float16 bits) as float32 into ``out`` (rows of both C-contiguous).
-    uint16 rows go ``LANES`` values at a time through the vector scan (:func:`_scan_vector`:
-    2-2.5x the serial sum at k=100), the rest of a row serially; the serial sum runs
-    in ``d``'s own type (wrapping), which LLVM keeps in narrow registers."""
+    """The row-wise cumulative sum of unsigned ``d`` (uint16 or uint32) modulo 2^bits: in place, or
+    (``widen``: float16 bits) as float32 into ``out``; uint16 rows ``LANES`` values at a time
+    through the vector scan (:func:`_scan_vector`), the rest serially."""
     n, k = d.shape
     full = k // LANES * LANES if d.itemsize == 2 else 0
     src, dst = np.int64(d.ctypes.data), np.int64(out.ctypes.data)
@@ -185,15 +183,12 @@ def read_items(
     buf: Any,
     status: Any,
 ) -> None:
-    """Decode every item ``(array, first row, end row, output row)`` of ``items`` into its
-    array's block of ``arena`` (``meta[a]``: chunks per shard, chunk rows, row bytes, shard
-    rows, block offset in ``arena``, 1 if its chunks have no compressor: ``raw``, copied after
-    their CRC32C and size are checked), each needed chunk once. The logprob items (array
-    ``lp[0]``): if ``lp[1]`` (float16 bits widened), each chunk's rows summed from the bytes
-    read (or decompressed) straight into ``lp_out`` (their arena block is not written); else,
-    after all chunks, the row-delta inverse in place (see :func:`read_arrays`). ``fns``: the
-    addresses of :func:`_cfuncs` (arguments, not globals, so that numba can cache the compiled
-    code on disk)."""
+    """Decode every item ``(array, first row, end row, output row)`` of ``items`` into its array's
+    block of ``arena``, each needed chunk once (``meta[a]``: chunks per shard, chunk rows, row
+    bytes, shard rows, block offset, 1 if ``raw``). The logprob array ``lp[0]`` is, if ``lp[1]``
+    (float16 widened), summed chunk by chunk straight into ``lp_out``; else row-delta inverted in
+    place after all chunks. ``fns``: the C functions' addresses (:func:`._fastdecode._cfuncs`;
+    arguments, not globals, so that numba can cache the compiled code)."""
     crc_fn, dec_fn, pread_fn, memcpy_fn, preadv_fn = fns[0], fns[1], fns[2], fns[3], fns[4]
     status[0] = OK
     n_items = items.shape[0]

@@ -58,10 +58,8 @@ def _specials(tok: Any) -> dict[str, Any]:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """``"sha256:<hex>"`` identifying ``tokenizer``'s id assignment (see module docstring).
-
-    Raises TypeError for objects without ``get_vocab()``.
-    """
+    """``"sha256:<hex>"`` identifying ``tokenizer``'s id assignment (see module docstring);
+    TypeError for objects without ``get_vocab()``."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
     if get_vocab is None:
         raise TypeError(f"{type(tokenizer).__name__} has no get_vocab(); not a tokenizer")

@@ -1,12 +1,6 @@
-"""Frequency-rank remap of top-k ids (FORMAT.md §4.3), a lossless transform for compression.
-
-The first committed batch defines ``id_order``: the vocabulary sorted by how often each id
-occurs in that batch's ``topk_ids`` (descending count, ties by id), a permutation of
-``[0, vocab_size)``. ``topk_ids`` stores ``rank[id]`` where ``rank`` is the inverse permutation
-(``id_order[rank[i]] = i``); readers decode ``id = id_order[stored]``. Frequent ids become small
-numbers, which bit-shuffling compresses into fewer significant bit planes whatever order the
-tokenizer gave its vocabulary. ``id_order`` never changes after the first commit.
-"""
+"""Frequency-rank remap of top-k ids (FORMAT.md §4.3), a lossless transform for compression: the
+first committed batch defines ``id_order`` (the vocabulary by descending count in that batch,
+ties by id); ``topk_ids`` stores each id's rank and readers decode ``id = id_order[stored]``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Presence checks for reads through zarr's array API (FORMAT.md R9).
-
-zarr reads an absent shard object, or a shard index entry marked empty, as the fill value. In a
-version-2 store every chunk of the committed range is stored, so within ``[0, committed)`` an
-absent chunk is a lost object: :func:`missing_ranges` finds them (one suffix request per shard
-for its index, nothing else; no listing) and :func:`checked_get` raises
-:class:`~.errors.MissingDataError` naming the array and the rows instead of returning fill
-values. The direct shard reader (:mod:`._shardread`) applies the same rule to the indexes it reads
-anyway.
-"""
+"""Presence checks for reads through zarr's array API (FORMAT.md R9): zarr reads an absent chunk as
+the fill value, but in a version-2 store every chunk of the committed range is stored.
+:func:`missing_ranges` finds the absent ones (one suffix request per shard, no listing) and
+:func:`checked_get` raises :class:`~.errors.MissingDataError` instead of returning fill values."""
 
 from __future__ import annotations
 
@@ -123,9 +117,9 @@ def describe(name: str, ranges: list[tuple[int, int]], unit: str = "entries") ->
 async def checked_get(
     arr: zarr.AsyncArray, name: str, start: int, stop: int, strict: bool, sealed: bool = False
 ) -> np.ndarray:
-    """``arr[start:stop]`` through zarr; with ``strict`` first :func:`missing_ranges` (raises
-    :class:`MissingDataError`; with ``sealed`` also :class:`PlacementError`). Any failure of
-    zarr's decoding becomes a :class:`ChecksumError` naming the array and range."""
+    """``arr[start:stop]`` through zarr; with ``strict`` first :func:`missing_ranges` (and,
+    ``sealed``, the seals); any failure of zarr's decoding becomes a :class:`ChecksumError` naming
+    the range."""
     if strict or sealed:
         gaps = await missing_ranges(arr, start, stop, sealed=sealed)
         if gaps:

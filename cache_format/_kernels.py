@@ -1,15 +1,10 @@
 """The elementwise kernels of logprob decoding: the row-delta inverse (FORMAT.md 4.2) and
-float16 -> float32 widening, of whole arrays and of a read call's row blocks (:func:`row_blocks`,
-which the NumPy decoder runs on its decode threads); and float32 -> float16 rounding.
+float16 -> float32 widening, of whole arrays and of a read call's row blocks
+(:func:`undelta_block`, :func:`widen_block`); and float32 -> float16 rounding.
 
-numpy's cumulative sum along short rows and its float16 cast run scalar loops, as much CPU as
-decompressing the chunks. torch's CPU kernels compute the same values vectorised, so they are
-used when torch is installed (imported on the first call, never at import time: the format does
-not depend on torch). Both backends give bit-identical results: the cumulative sum is modulo
-``2**bits`` of the unsigned dtype (torch works on the same bits viewed as a type of that width,
-whose wrapping addition is the same operation), and float16 -> float32 is exact. Whether torch
-is importable is decided once, at import (:func:`backend` says which runs).
-"""
+numpy runs these as scalar loops; torch's CPU kernels compute the same bits vectorised (wrapping
+sums on the same bits viewed as signed, exact widening), so they are used where torch is
+installed (decided at import, imported at the first call; :func:`backend` says which runs)."""
 
 from __future__ import annotations
 
@@ -50,10 +45,8 @@ def backend() -> str:
 
 
 def row_undelta(d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``u[:, j] = (d[:, 0] + ... + d[:, j]) mod 2**bits`` for ``[n, k]`` unsigned ``d``.
-
-    ``out`` (same shape and dtype, may be ``d`` itself) receives the result.
-    """
+    """``u[:, j] = (d[:, 0] + ... + d[:, j]) mod 2**bits`` for ``[n, k]`` unsigned ``d``, into
+    ``out`` if given (same shape and dtype, may be ``d`` itself)."""
     d = np.ascontiguousarray(d)
     if not d.flags.writeable:  # torch.from_numpy warns on read-only arrays
         d = d.copy()
@@ -110,10 +103,8 @@ _numpy_halves = 0  # values cast with numpy while torch was not imported
 
 
 def float_to_half(x: np.ndarray) -> np.ndarray:
-    """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``.
-
-    numpy converts one value at a time; torch's cast is vectorised. It runs in blocks of
-    :data:`HALF_BLOCK` elements, each on the calling thread, once torch is imported
+    """float32 -> float16 rounded to nearest even, bit-identical to ``x.astype(np.float16)``;
+    through torch's vectorised cast in blocks of :data:`HALF_BLOCK` once torch is imported
     (:data:`TORCH_AFTER_VALUES`)."""
     global _numpy_halves
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -138,12 +129,6 @@ BLOCK_ELEMENTS = 32_000
 """Elements per row-block kernel call: below torch's intra-op grain size of 32,768, so every
 call runs in the calling thread, vectorised, with no thread start-up (a read's decode threads
 take the blocks)."""
-
-
-def row_blocks(rows: int, k: int) -> list[tuple[int, int]]:
-    """``[(a, b), ...]`` row blocks of at most :data:`BLOCK_ELEMENTS` elements covering ``rows``."""
-    step = max(1, BLOCK_ELEMENTS // max(1, k))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 def undelta_block(d: np.ndarray) -> None:

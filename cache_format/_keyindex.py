@@ -1,21 +1,12 @@
-"""The keys of a store's committed sequences, read on demand (FORMAT.md §6, R3).
+"""The keys of a store's committed sequences, read on demand (FORMAT.md §6, R3); no Python string
+is held per sequence.
 
-A reader or writer of a store of ``S`` sequences holds no Python string per sequence:
-
-* :meth:`KeyTable.key` reads the ``seq_keys`` block that holds key ``i`` (a few recent blocks
-  are kept);
-* :meth:`KeyTable.find` and :meth:`KeyTable.find_many` look keys up in a sorted array of 64-bit
-  hashes of the keys' UTF-8 bytes (:func:`byte_hashes`: 8 bytes, plus 4 for the sequence index,
-  per key), built at the first lookup from ``seq_key_bytes`` and ``seq_key_end`` (version 2 and
-  later: no string is made) or ``seq_keys``, and grown by the keys committed since; a candidate
-  whose hash matches is confirmed against the stored key (``seq_keys``).
-
-A store with an on-disk key index (FORMAT.md 4.11, :mod:`._keyruns`) is looked up there instead
-(:meth:`KeyTable.use_runs`): nothing is hashed or kept but the runs' fences.
-
-Keys are committed once and never change (FORMAT.md W1-W6), so nothing read here goes stale; a
-block read before its last entries were committed is read again when one of those is asked for.
-"""
+:meth:`KeyTable.key` reads the ``seq_keys`` block that holds a key (a few recent blocks kept);
+:meth:`KeyTable.find` / :meth:`KeyTable.find_many` look keys up in a sorted array of 64-bit
+hashes of their UTF-8 bytes (:func:`byte_hashes`), built at the first lookup and grown by the
+keys committed since, a match confirmed against the stored key. A store with an on-disk key
+index (:mod:`._keyruns`) is looked up there instead (:meth:`KeyTable.use_runs`). Keys never
+change once committed, so nothing read here goes stale."""
 
 from __future__ import annotations
 
@@ -60,9 +51,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def byte_hashes(buf: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """64-bit hashes (int64) of the non-empty byte strings ``buf[ends[i-1]:ends[i]]``: each
-    byte plus one times an odd weight drawn for its position in the key, summed, mixed with the
-    length. Vectorised: no Python object per key."""
+    """64-bit hashes (int64) of the non-empty byte strings ``buf[ends[i-1]:ends[i]]``: each byte
+    plus one times an odd weight per position in the key, summed, mixed with the length
+    (vectorised)."""
     if not len(ends):
         return np.zeros(0, np.int64)
     starts = np.zeros(len(ends), np.int64)
@@ -102,13 +93,15 @@ def hashes_of(keys: Sequence[str] | np.ndarray) -> np.ndarray:
     """:func:`byte_hashes` of ``keys``' UTF-8 bytes (an empty key, which no store holds, hashes
     as one zero byte)."""
     ks = [str(k) or "\0" for k in keys]
-    text = "".join(ks)
-    raw = text.encode("utf-8", "surrogatepass")
-    if len(raw) == len(text):  # ASCII: one byte per character, the lengths without encoding
-        lens = np.fromiter(map(len, ks), np.int64, len(ks))
-    else:
-        lens = np.fromiter((len(k.encode("utf-8", "surrogatepass")) for k in ks), np.int64, len(ks))
-    return byte_hashes(np.frombuffer(raw, np.uint8), np.cumsum(lens))
+    raw = "".join(ks).encode("utf-8", "surrogatepass")
+    return byte_hashes(np.frombuffer(raw, np.uint8), np.cumsum(utf8_lengths(ks, raw)))
+
+
+def utf8_lengths(keys: Sequence[str], raw: bytes, errors: str = "surrogatepass") -> np.ndarray:
+    """The byte length of each key's UTF-8 form (int64); ``raw``: all of them joined."""
+    if len(raw) == sum(map(len, keys)):  # ASCII: one byte per character
+        return np.fromiter(map(len, keys), np.int64, len(keys))
+    return np.fromiter((len(k.encode("utf-8", errors)) for k in keys), np.int64, len(keys))
 
 
 #: ``fetch(jobs)``: the stored values of ``name[a:b]`` for each ``(name, a, b)`` (committed).
@@ -135,9 +128,8 @@ def stored_key_bytes(
 
 
 class KeyTable:
-    """Keys ``[0, n)`` of a store, read by ``read`` on demand; thread-safe. Callers pass the
-    count of their snapshot, which may be below what the table has hashed (a newer snapshot
-    shares it)."""
+    """Keys ``[0, n)`` of a store, read by ``read`` on demand; thread-safe. Callers pass their
+    snapshot's count, which may be below what the table has hashed."""
 
     def __init__(self, read: ReadKeys, read_bytes: ReadKeyBytes | None = None) -> None:
         self._read, self._read_bytes = read, read_bytes
@@ -287,9 +279,8 @@ class KeyTable:
         hashes: np.ndarray | None = None,
         order: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array);
-        ``hashes``: the keys' :func:`hashes_of`, and ``order``, the permutation that sorts them,
-        where the caller has them."""
+        """Whether each of ``keys`` is stored among sequences ``[0, n)`` (bool array); ``hashes``
+        (their :func:`hashes_of`) and ``order`` (sorting them) where the caller has them."""
         h = hashes_of(keys) if hashes is None else hashes
         out = np.zeros(len(keys), dtype=bool)
         runs = self._indexed(n)

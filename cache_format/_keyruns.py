@@ -1,22 +1,11 @@
-"""The on-disk key index (FORMAT.md 4.11): sorted runs of ``(hash, sequence)`` pairs.
+"""The on-disk key index (FORMAT.md 4.11, which fixes the run object's bytes): sorted runs of
+``(hash, sequence)`` pairs.
 
-Every commit of a store with a key index writes one *run* object: the 64-bit hashes
-(:func:`~._keyindex.byte_hashes`) of the keys it adds, sorted, each with its sequence number,
-merged with the store's newest runs while the newest run is no larger than what is merged into it
-(a binary counter: ``O(log S)`` runs, each entry rewritten ``O(log S)`` times). The manifest lists
-the runs (``key_index``) with the CRC32C of each run's fence, so the root digest covers them. A
-run object is::
-
-    entries (16 bytes each: hash int64 LE, sequence int64 LE; sorted) | commit record (the root
-    attributes of the commit that wrote the run, JSON) | fence (first hash of each block of
-    BLOCK entries, int64 LE; then the CRC32C of each block, uint32 LE) | footer (48 bytes)
-
-A lookup reads the fence and footer of a run (one suffix request, cached per run) and the blocks
-that can hold the hash (one range request): ``O(log S)`` small reads per key, no key loaded. A
-lookup of many keys (a writer's append) would need every block of a large run; a process keeps,
-for the runs it wrote or read whole, their hash column (8 bytes per entry, at most
-:data:`KEEP_HASHES` entries), and reads only the blocks that hold a hash looked up.
-"""
+Every commit writes one run of the keys it adds, merged with the newest runs while the newest is
+no larger than what is merged into it (a binary counter: ``O(log S)`` runs). A lookup reads a
+run's fence and footer (one suffix request, cached per run) and the blocks that can hold the
+hash. A process keeps the hash column of the runs it wrote or read whole (at most
+:data:`KEEP_HASHES` entries), so a writer's many-key lookup reads only the blocks it needs."""
 
 from __future__ import annotations
 
@@ -125,9 +114,8 @@ def encode_run(
 
 
 def hash_order(hashes: np.ndarray) -> np.ndarray:
-    """The permutation that sorts ``hashes`` ascending, equal hashes in position order (what
-    ``np.argsort(hashes, kind="stable")`` gives): numpy's default sort, about 5x faster than
-    its stable one on int64, unless two hashes are equal."""
+    """The permutation that sorts ``hashes`` ascending, equal hashes in position order (a stable
+    argsort; numpy's default sort, 5x faster, where no two hashes are equal)."""
     order = np.argsort(hashes)
     srt = hashes[order]
     if bool((srt[1:] == srt[:-1]).any()):
@@ -136,9 +124,8 @@ def hash_order(hashes: np.ndarray) -> np.ndarray:
 
 
 def merge_plan(runs: Sequence[RunRef], added: int) -> int:
-    """How many of the newest ``runs`` a commit adding ``added`` entries merges into its run
-    (returns the index of the first merged run): while the newest unmerged run holds no more
-    entries than the merge so far."""
+    """The index of the first of the newest ``runs`` a commit adding ``added`` entries merges into
+    its run: while the newest unmerged run holds no more entries than the merge so far."""
     i, total = len(runs), added
     while i > 0 and runs[i - 1].count <= total:
         total += runs[i - 1].count
@@ -268,10 +255,8 @@ class KeyRuns:
                 self._held -= len(self._hashes.pop(r))
 
     def wrote(self, ref: RunRef, obj: bytes) -> None:
-        """Keep what lookups and merges read of run ``ref``, which this process has just
-        written as ``obj`` and committed: its fence, its hashes, and its entries while it
-        is small (at most a quarter of :data:`KEEP_BLOCKS`), so that nothing of it is read
-        back."""
+        """Keep what lookups and merges read of run ``ref``, just written as ``obj`` and committed
+        (its fence, its hashes, its entries while small), so that nothing of it is read back."""
         tail = obj[len(obj) - 12 * ref.blocks - FOOTER_SIZE :]
         got = _fence_of(*_parse_tail(tail, ref), ref)
         ent = np.frombuffer(obj, ENTRY, ref.count)
@@ -430,9 +415,8 @@ def next_runs(
     order: np.ndarray | None = None,
 ) -> tuple[list[RunRef], RunRef, bytes, list[RunRef]]:
     """The runs after a commit ``generation`` that adds the keys of ``hashes`` as sequences from
-    ``first_seq``: ``(runs, the new run, its object, the runs merged into it)``. ``read(run)``
-    gives a run's checked entries (:func:`read_run`, :meth:`KeyRuns.entries`);
-    ``record(runs)`` gives the commit record, the root attributes listing ``runs``; ``order``:
+    ``first_seq``: ``(runs, the new run, its object, the runs merged into it)``. ``read(run)``: a
+    run's checked entries; ``record(runs)``: the commit record listing ``runs``; ``order``:
     :func:`hash_order` of ``hashes``, where the caller has it."""
     i = merge_plan(runs, len(hashes))
     order = hash_order(hashes) if order is None else order
@@ -480,10 +464,9 @@ def listed(store: Any) -> list[str]:
 
 
 def check_runs(store: Any, runs: list[RunRef], hashes: np.ndarray) -> list[str]:
-    """Problems of the key index ``runs`` against ``hashes``, the hashes of every committed key
-    (``hashes[i]`` of sequence ``i``): each run readable (CRC32Cs, its commit record too, naming
-    the run's generation), sorted by hash, holding each of its sequences once with its key's
-    hash."""
+    """Problems of the key index ``runs`` against ``hashes[i]``, the hash of committed key ``i``:
+    each run readable (CRC32Cs, its commit record naming its generation), sorted, holding each of
+    its sequences once with its key's hash."""
     bad = []
     for ref in runs:
         try:

@@ -1,19 +1,13 @@
 """Writer lock: one append transaction at a time per store (FORMAT.md rule W5).
 
-- Local directory: ``fcntl.flock`` on ``<root>/.logitcache.lock``. The kernel drops the lock when
-  the holder dies (SIGKILL included), so no lock is ever stale. The holder deletes the file
-  before unlocking, so a store has no lock file between appends (stock zarr lists the store
-  without warnings); a contender that locked a file that was deleted meanwhile (its inode no
-  longer at the path) drops it and retries on the new one.
-- Object store: a lease object ``<prefix>/.logitcache.lock`` created with a conditional put
-  (``If-None-Match: *``). It holds ``{owner, expires}``; a heartbeat thread renews it every
-  ``ttl/3`` with ``If-Match: <etag>``. A lease past ``expires`` (holder died) is taken over with
-  ``If-Match`` on the stale etag, so exactly one contender wins. Caveat of every lease: a holder
-  paused for longer than ``ttl`` (while its writes are in flight) could overlap the next holder.
-  (With ``backend="fsspec"`` on s3/gs/az URLs the data goes through s3fs and the lease through
-  obstore.)
-- Other fsspec stores: an in-process lock only (no cross-process safety; documented).
-"""
+- Local directory: ``fcntl.flock`` on ``<root>/.logitcache.lock`` (dropped by the kernel when the
+  holder dies; the holder deletes the file before unlocking, and a contender that locked a
+  deleted file retries on the new one).
+- Object store: a lease object ``<prefix>/.logitcache.lock`` created with ``If-None-Match: *``,
+  renewed every ``ttl/3`` with ``If-Match: <etag>``; an expired lease is taken over with
+  ``If-Match`` on its etag, so one contender wins. A holder paused longer than ``ttl`` could
+  overlap the next one (the caveat of every lease).
+- Other fsspec stores: an in-process lock only."""
 
 from __future__ import annotations
 

@@ -43,13 +43,9 @@ def utcnow() -> str:
 
 
 class Manifest(BaseModel):
-    """Self-description of a cache (FORMAT.md section "Manifest").
-
-    Identity fields (:data:`IDENTITY_FIELDS`) say which teacher distribution the rows are; the rest
-    is description (``dataset``, ``extra``) or bookkeeping maintained by the writer (timestamps,
-    counts, generation). Callers building a new cache set the identity fields and may leave the
-    bookkeeping at its defaults.
-    """
+    """Self-description of a cache (FORMAT.md "Manifest"): identity fields
+    (:data:`IDENTITY_FIELDS`), description (``dataset``, ``extra``) and the writer's bookkeeping
+    (timestamps, counts, generation), which callers building a new cache leave at its defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True)
 
@@ -74,9 +70,8 @@ class Manifest(BaseModel):
     num_key_bytes: int = Field(default=0, ge=0)
     generation: int = Field(default=0, ge=0)
     targets: Literal["topk", "sampled", "hidden"] = "topk"
-    """What the rows hold: the teacher's top-k logprobs, sampled ids with log importance
-    weights (FORMAT.md "Sampled targets"), or the teacher's final hidden states plus its output
-    head stored once (FORMAT.md 4.10); a cache holds one kind."""
+    """What the rows hold: top-k logprobs, sampled ids with log importance weights (FORMAT.md
+    4.4), or the teacher's final hidden states and its head (4.10); one kind per cache."""
     sampling: dict[str, Any] | None = None
     """``targets="sampled"`` only: ``{"method", "draws", "proposal_temperature", "seed"}`` and,
     for the head + residual estimator, ``"head"`` (``> 0``; absent means 0, and a ``head`` of 0
@@ -87,14 +82,13 @@ class Manifest(BaseModel):
     loss_mask: bool = False
     """The store has the row-aligned ``loss_mask`` array (FORMAT.md 4.6); set at creation."""
     entropy: bool = False
-    """The store has the row-aligned ``entropy`` array, the teacher's entropy per row in nats
-    (FORMAT.md 4.9); set at creation."""
+    """The store has the row-aligned ``entropy`` array (nats, FORMAT.md 4.9); set at creation."""
     actual_logprob: bool = False
-    """The store has the row-aligned ``actual_logprob`` array, each row's logprob of its actual
-    next token (FORMAT.md 4.12); set at creation."""
+    """The store has the row-aligned ``actual_logprob`` array (FORMAT.md 4.12); set at
+    creation."""
     key_index: list[dict[str, Any]] | None = None
     """The runs of the on-disk key index (FORMAT.md 4.11), tiling ``[0, num_sequences)``;
-    ``None``: the store has none (keys are looked up by hashing them all, :mod:`._keyindex`)."""
+    ``None``: the store has none."""
 
     @model_validator(mode="after")
     def _runs_tile_sequences(self) -> Manifest:
@@ -174,22 +168,17 @@ class Manifest(BaseModel):
     def to_attrs(self) -> dict[str, Any]:
         """JSON-ready dict stored as the root attribute (a version-1 manifest without the fields
         version 1 did not have, so that version-1 readers still accept it)."""
-        doc = self.model_dump(mode="json")
-        if self.targets == "topk":  # top-k stores keep the exact manifest they always had
-            doc.pop("targets", None)
-            doc.pop("sampling", None)
-        if self.hidden is None:  # only hidden stores write it
-            doc.pop("hidden", None)
-        if self.format_version < 2:
-            doc.pop("num_key_bytes", None)
-        if not self.loss_mask:  # stores without a mask keep their exact manifest
-            doc.pop("loss_mask", None)
-        for flag in ("entropy", "actual_logprob"):  # stores without keep their exact manifest
-            if not getattr(self, flag):
-                doc.pop(flag, None)
-        if self.key_index is None:  # stores without a key index keep their exact manifest
-            doc.pop("key_index", None)
-        return doc
+        absent = {  # fields a store without them never wrote: its manifest stays as it was
+            "targets": self.targets == "topk",
+            "sampling": self.targets == "topk",
+            "hidden": self.hidden is None,
+            "num_key_bytes": self.format_version < 2,
+            "loss_mask": not self.loss_mask,
+            "entropy": not self.entropy,
+            "actual_logprob": not self.actual_logprob,
+            "key_index": self.key_index is None,
+        }
+        return {n: v for n, v in self.model_dump(mode="json").items() if not absent.get(n)}
 
     def identity(self) -> dict[str, Any]:
         """The identity fields only."""

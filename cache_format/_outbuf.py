@@ -1,15 +1,10 @@
 """Large read outputs without transparent huge pages.
 
-numpy asks the kernel for transparent huge pages (``madvise(MADV_HUGEPAGE)``) for every array of
-4 MiB or more. Where THP defragmentation is ``madvise`` (``defrag`` = ``[madvise]``), the first
-write to such memory can stall on memory compaction and zero whole 2 MiB pages, in system time
-that comes and goes with the machine's memory state (the job process turns numpy's requests off
-for the same reason, ``server/batch/jobs.py::numpy_hugepages_off``). A library should not change
-numpy's global setting, so the reader takes its large outputs from here: numpy's allocation
-(malloc reuses freed memory, already faulted in), with the request withdrawn at once
-(``MADV_NOHUGEPAGE`` on its whole pages, before anything is written), not a fresh anonymous
-mapping per call (that would fault every page of every call in).
-"""
+numpy asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``) for every array of 4 MiB or
+more; where THP defragmentation is ``madvise``, the first write to such memory can stall on
+compaction, in system time. A library should not change numpy's global setting, so the reader
+takes its large outputs from here: numpy's allocation with the request withdrawn at once
+(``MADV_NOHUGEPAGE``, before anything is written)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """The NumPy decoder's chunk reads (FORMAT.md §6, D4): stored values of row ranges of the
 format's sharded arrays, chunk by chunk in Python.
 
-A read needs a few inner chunks of each array. :func:`read` fetches exactly those
-(:func:`._shardread.chunk_frames`: ``os.pread`` on a local store, shard files kept open per
-layout), decodes every needed chunk once per call, straight into the output when the chunk lies
-inside one requested range (else into a scratch chunk copied to each range that uses it). With a
-thread pool and ``threads > 1`` a call's ranges are split by :func:`._plan.split` (at chunk
-edges, at most :data:`MAX_SHARES` threads, each at least :data:`PARALLEL_MIN_BYTES`), the calling
-thread taking one share; the values never depend on it.
-"""
+:func:`read` fetches exactly the inner chunks a call needs (:func:`._shardread.chunk_frames`)
+and decodes each once, straight into the output when it lies inside one requested range, else
+into a scratch chunk copied to each range that uses it. With a pool and ``threads > 1`` the
+ranges are split at chunk edges by :func:`._plan.split` (at most :data:`MAX_SHARES` threads)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -36,41 +31,6 @@ CRC32C), so more threads only queue on it (benchmarks/results/format.md, random 
 
 Job = tuple[str, int, int]
 """``(array name, first entry, end entry)`` of one point-read range."""
-
-
-def _groups(cost: list[int], n: int) -> list[list[int]]:
-    """Task numbers in at most ``n`` (and :data:`MAX_SHARES`) groups balanced by ``cost``
-    (longest first), each group holding at least :data:`PARALLEL_MIN_BYTES` of work (one group:
-    no threads)."""
-    total = sum(cost)
-    g = min(n, MAX_SHARES, len(cost), max(1, total // max(1, PARALLEL_MIN_BYTES)))
-    if g <= 1:
-        return [list(range(len(cost)))]
-    groups: list[list[int]] = [[] for _ in range(g)]
-    load = [0] * g
-    for i in sorted(range(len(cost)), key=cost.__getitem__, reverse=True):
-        k = load.index(min(load))
-        groups[k].append(i)
-        load[k] += cost[i]
-    return groups
-
-
-def run_tasks(
-    tasks: list[Callable[[], None]], cost: list[int], pool: ThreadPoolExecutor | None, n: int
-) -> None:
-    """Run ``tasks`` (``cost``: bytes each decodes). With a pool and ``n > 1``, they go in up to
-    ``n`` groups balanced by cost, each of at least :data:`PARALLEL_MIN_BYTES`, all but the
-    first on the pool (the calling thread runs the first)."""
-    if pool is None or n <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            t()
-        return
-
-    def run(group: list[int]) -> None:
-        for i in group:
-            tasks[i]()
-
-    _plan.run_groups(run, _groups(cost, n), pool)
 
 
 Item = tuple[DirectLayout, int, "shardread.Frame | None", "np.ndarray | None", list]

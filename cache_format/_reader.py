@@ -1,16 +1,10 @@
 """Reading a cache: by sequence index, by key, by row range (FORMAT.md §6 "Reading").
 
-A reader works on a snapshot: the manifest (commit point) read at open or at :meth:`refresh`,
-and the sequence index of that commit (:class:`~._snapshot.IndexSnapshot`). It never reads past
-the snapshot's counts, so while a writer appends it sees a consistent committed prefix. Reads
-only touch the chunks that hold the requested rows. A read that races a writer's rewrite of a
-partly filled shard fails its CRC32C and is retried on a fresh snapshot; a failure that persists
-is a :class:`~.errors.CorruptStoreError` (a :class:`~.errors.ChecksumError` for bad bytes).
-
-Every read (:meth:`CacheReader.sequence`, :meth:`~CacheReader.sequences`,
-:meth:`~CacheReader.rows`, :meth:`~CacheReader.read_ranges`) goes through
-one decoder (:mod:`._decode`: the compiled one where numba is installed, else NumPy).
-"""
+A reader works on a snapshot: the manifest (commit point) read at open or at :meth:`refresh`
+and that commit's sequence index (:class:`~._snapshot.IndexSnapshot`); it never reads past the
+snapshot's counts. A read that races a writer's rewrite of a partly filled shard fails its
+CRC32C and is retried on a fresh snapshot; a failure that persists is a
+:class:`~.errors.CorruptStoreError`. Every read goes through one decoder (:mod:`._decode`)."""
 
 from __future__ import annotations
 
@@ -56,12 +50,9 @@ _RETRIES = 8  # raced reads: retried with backoff 10 ms .. 1.3 s (about 2.5 s in
 
 
 def _with_retries(fn: Callable[[], _T], on_retry: Callable[[], None] | None = None) -> _T:
-    """Run ``fn``; retry a raced read (bad checksum or bytes, I/O error) with backoff.
-
-    Typed errors other than :class:`ChecksumError` are raised at once. Any other failure inside
-    ``fn`` is the store's (the callers check their arguments before): retried, and if it persists
-    a :class:`CorruptStoreError` (never an untyped exception).
-    """
+    """Run ``fn``; retry a raced read (bad checksum or bytes, I/O error) with backoff. Other typed
+    errors are raised at once; any other failure that persists becomes a
+    :class:`CorruptStoreError`."""
     for attempt in range(_RETRIES):
         try:
             return fn()
@@ -98,17 +89,12 @@ def _open_arrays(
 class CacheReader:
     """Read-only view of the committed part of a cache.
 
-    ``as_torch=True`` makes :meth:`sequence`, :meth:`get`, :meth:`sequences` and :meth:`rows`
-    return dicts of torch tensors (``record.to_torch()``) instead of numpy records.
-    ``decode_threads > 1`` splits the decoding of one read call (e.g. the sequences of one
-    :meth:`sequences` call) over that many threads, cut at chunk edges (the values are the
-    same). ``decoder``: ``"numba"`` or ``"numpy"`` (:mod:`._decode`; default: the compiled
-    one where numba is installed); both give the same values.
-
-    Random access is fastest on a store written with the ``random_access`` layout preset
-    (``spec.LAYOUTS``, FORMAT.md 4.7), or ``random_access_raw`` (the same chunks uncompressed:
-    nothing to decompress, about twice the bytes); :attr:`layout_name` says which one a store has.
-    """
+    ``as_torch=True``: reads return dicts of torch tensors (``record.to_torch()``).
+    ``decode_threads > 1`` splits the decode of one read call over that many threads (the same
+    values). ``decoder``: ``"numba"`` or ``"numpy"`` (:mod:`._decode`; default: the compiled one
+    where numba is installed). Random access is fastest on a store written with the
+    ``random_access`` or ``random_access_raw`` layout preset (FORMAT.md 4.7,
+    :attr:`layout_name`)."""
 
     def __init__(
         self,
@@ -139,12 +125,8 @@ class CacheReader:
 
     # ------------------------------------------------------------------ snapshot
     def refresh(self) -> bool:
-        """Adopt the latest commit; returns True if it changed. Reads the new commit's last
-        index block only (:mod:`._snapshot`).
-
-        A read that races a writer's shard rewrite (CRC32C mismatch, truncated object) is retried
-        on a freshly read commit.
-        """
+        """Adopt the latest commit (reading its last index block only); True if it changed. A read
+        that races a writer's shard rewrite is retried on a freshly read commit."""
         return _with_retries(self._refresh_once)
 
     def _refresh_once(self) -> bool:
@@ -280,9 +262,7 @@ class CacheReader:
 
     @property
     def decoder(self) -> str:
-        """The name of the decoder this reader's reads run (``"numba"`` or ``"numpy"``: the
-        compiled one compiles, or loads from numba's cache, at the first call where it has
-        not yet)."""
+        """The name of the decoder this reader's reads run (``"numba"`` or ``"numpy"``)."""
         return self._decoder.active()
 
     @property
@@ -329,8 +309,8 @@ class CacheReader:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Token counts ``L_i`` per sequence (``L_i - 1`` rows each; a new int32 array): the
-        whole index, read at the first use per snapshot (opening reads one index block)."""
+        """Token counts ``L_i`` per sequence (a new int32 array; the whole index, read at the first
+        use per snapshot)."""
         return self._index.lengths.astype(np.int32)
 
     @property
@@ -345,8 +325,7 @@ class CacheReader:
         return key in self._index
 
     def index_of(self, key: str) -> int:
-        """Sequence index of ``key`` (KeyError if absent), from the key index (FORMAT.md 4.11);
-        in a store without one the first lookup hashes every committed key (:mod:`._keyindex`)."""
+        """Sequence index of ``key`` (KeyError if absent), from the key index (FORMAT.md 4.11)."""
         return self._index.index_of(key)
 
     # ------------------------------------------------------------------ reading
@@ -377,9 +356,9 @@ class CacheReader:
         spans: list[Span],
         logprob_dtype: str = "float32",
     ) -> list[Fetched]:
-        """The decoded arrays of row (and token) spans of this snapshot, with the reader's
-        retries: per span ``(ids, logprobs, tail, tokens or None, mask or None)``.
-        Spans past the committed counts are :class:`CorruptStoreError` (R6)."""
+        """Per span ``(ids, logprobs, tail, tokens or None, mask or None)`` of this snapshot, with
+        the reader's retries; spans past the committed counts are :class:`CorruptStoreError`
+        (R6)."""
         if logprob_dtype not in OUT_DTYPES:
             raise ValueError(f"logprob_dtype must be one of {OUT_DTYPES}, got {logprob_dtype!r}")
         if self._opened.manifest.hidden is not None:
@@ -421,12 +400,9 @@ class CacheReader:
     def read_ranges(
         self, ranges: Sequence[tuple[int, int]], *, logprob_dtype: str = "float32"
     ) -> list[Any]:
-        """Records of the sequences of every ``[a, b)`` in ``ranges``, range after range.
-
-        Sequences are stored back to back, so sequences ``[a, b)`` are exactly one row span and
-        one token span: one read per range however many sequences it holds, the records views
-        of the range's blocks (no copy). Empty ranges contribute nothing; ranges may overlap or
-        come in any order."""
+        """Records of the sequences of every ``[a, b)`` in ``ranges``, range after range: one read
+        per range (sequences are stored back to back), the records views of its blocks. Ranges may
+        be empty, overlap or come in any order."""
         index = self._index
         todo = [(a, b) for a, b in index.check_ranges(ranges) if b > a]
         if not todo:
@@ -452,11 +428,8 @@ class CacheReader:
 
     def rows(self, start: int, stop: int, *, logprob_dtype: str = "float32") -> RowBlock | dict:
         """Global rows ``[start, stop)`` (they may span sequences; see :attr:`row_starts`).
-
-        ``logprob_dtype="float32"`` (default): logprobs decoded to float32 (FORMAT.md D3).
-        ``"float16"``: for a float16 store the stored values themselves (exact, no widening, the
-        fastest read); for other encodings the float32 values rounded to float16.
-        """
+        ``logprob_dtype="float16"`` returns a float16 store's stored values as they are (the fastest
+        read); other encodings are decoded to float32 and rounded."""
         n = self.num_rows
         if not (0 <= start <= stop <= n):
             raise IndexError(f"row range [{start}, {stop}) outside [0, {n})")
@@ -486,9 +459,8 @@ class CacheReader:
 
     # ------------------------------------------------------------------ lifetime
     def __getstate__(self) -> dict[str, Any]:
-        """A reader pickles as its configuration (e.g. to reach a ``DataLoader`` worker): the
-        copy opens the store again (its latest commit at unpickling); the original's decode
-        pool and open files stay the original's."""
+        """A reader pickles as its configuration (e.g. for a ``DataLoader`` worker): the copy opens
+        the store again."""
         return {
             "url": self._url,
             "storage_options": self._storage_options,
@@ -503,8 +475,7 @@ class CacheReader:
         self.__init__(url, options, **state)  # type: ignore[misc]
 
     def close(self) -> None:
-        """Stop the decode threads, if any (the reader stays usable: a later call starts
-        them again)."""
+        """Stop the decode threads, if any (a later read starts them again)."""
         pool, self._decode_pool = self._decode_pool, None
         if pool is not None:
             pool.shutdown()

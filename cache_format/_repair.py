@@ -1,14 +1,10 @@
 """A store whose root ``zarr.json`` is lost: refused by writers, rebuilt by ``repair``
 (FORMAT.md W6, 4.11).
 
-The root is the manifest and the commit point. A writer that finds it missing, unreadable or the
-creation marker while the arrays hold data refuses the store (:func:`refuse_if_holding_data`:
-recreating it would delete committed rows). :func:`repair` rebuilds it from the newest commit
-record that the key index holds (every commit of a store with a key index writes one run object
-whose record is the root attributes of that commit, FORMAT.md 4.11), after checking the record's
-digest, the runs it lists and the arrays' own metadata (each array's ``zarr.json`` readable and
-long enough for the record's counts). Nothing is written unless a record passes.
-"""
+A writer that finds the root missing or unreadable while the arrays hold data refuses the store
+(:func:`refuse_if_holding_data`). :func:`repair` rebuilds the root from the newest commit record
+in the key index runs, after checking the record's digest, the runs it lists and the arrays'
+metadata; nothing is written unless a record passes."""
 
 from __future__ import annotations
 
@@ -101,10 +97,9 @@ def _usable(store: Any, ref: keyruns.RunRef) -> tuple[dict, Manifest] | None:
 
 
 def repair(url: str | Path, storage_options: dict[str, Any] | None = None) -> RepairResult:
-    """Rebuild the root ``zarr.json`` of the store at ``url`` when it is missing, unreadable or
-    the creation marker (takes the writer lock). A readable root is left as it is
-    (``repaired=False``); :class:`StoreNeedsRepairError` when no commit record passes (nothing
-    is written)."""
+    """Rebuild the root ``zarr.json`` of the store at ``url`` when it is missing, unreadable or the
+    creation marker (under the writer lock); a readable root is left as it is (``repaired=False``),
+    and :class:`StoreNeedsRepairError` when no commit record passes (nothing written)."""
     from ._lock import make_lock
 
     handle = open_store(url, storage_options, read_only=False)

@@ -1,13 +1,7 @@
-"""The optional per-row arrays beside a store's rows: the teacher's entropy (FORMAT.md 4.9) and
-the logprob of the actual next token (FORMAT.md 4.12). Encoding a record's values for the store,
-and attaching the stored values to what a reader returns.
-
-Each is one array aligned with the rows, named like its manifest flag and its record attribute
-(:data:`EXTRAS`). In a store whose manifest sets the flag every record appended carries the
-values; a record with values appended to a store without the array is refused (they would be
-lost silently). Readers read the arrays after the row arrays of the same snapshot and give
-records and row blocks their rows' stored values; stores without one give ``None``.
-"""
+"""The optional per-row arrays beside a store's rows (:data:`EXTRAS`): the teacher's entropy
+(FORMAT.md 4.9) and the logprob of the actual next token (FORMAT.md 4.12), each named like its
+manifest flag and record attribute. A store with the flag takes only records that carry the
+values, a store without it refuses them; readers attach the stored values (``None`` without)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Shard seals: every shard object bound to its array, its place and its fill (FORMAT.md 4.8).
-
-A chunk's CRC32C covers its bytes, not where they lie: an intact shard object copied over
-another (two ``input_ids`` shards swapped, a stale copy of a partly filled shard) passes R7. In a
-version-4 store every shard object carries, between its last chunk and its index, a seal of
-:data:`SEAL_SIZE` bytes::
-
-    magic "LCS1" | CRC32C(array name, UTF-8) uint32 LE | shard (axis 0) uint64 LE
-    | entries uint64 LE | CRC32C(the 24 bytes before + the index with its CRC32C) uint32 LE
-
-``entries``: how many of the shard's entries (axis 0) were written when the object was. A reader
-reads the seal with the index (one suffix request or ``pread`` of ``16 n + 4 + 28`` bytes instead
-of ``16 n + 4``) and refuses a seal that fails its CRC32C, names another array or shard, or
-holds fewer entries than the committed count needs from that shard (:class:`PlacementError`).
-zarr and other Zarr v3 readers ignore the bytes (an index addresses every chunk by offset).
-"""
+"""Shard seals (FORMAT.md 4.8, which fixes their bytes): in a version-4 store every shard object
+carries, before its index, a seal binding it to its array, its shard number and the entries
+written, so that an intact shard copied over another fails (:class:`PlacementError`). Readers
+read it with the index and check it there; other Zarr v3 readers ignore the bytes."""
 
 from __future__ import annotations
 
@@ -80,10 +68,9 @@ def need_of(length: int, shard: int, shard_rows: int) -> int:
 
 
 async def seal_written(arr: Any, name: str, start: int, stop: int) -> None:
-    """Seal the shard objects holding entries ``[start, stop)`` of ``arr`` (a sharded array,
-    index at the end, just written through zarr's ``setitem``, which writes no seal): each
-    object is rewritten whole with its seal inserted before its index (the chunk offsets do not
-    change). Arrays without sharding have no shard object to seal."""
+    """Seal the shard objects holding entries ``[start, stop)`` of ``arr`` (just written through
+    zarr's ``setitem``, which writes no seal): each rewritten whole with its seal inserted before
+    its index. Arrays without sharding have nothing to seal."""
     m = arr.metadata
     if stop <= start or len(m.codecs) != 1 or not isinstance(m.codecs[0], ShardingCodec):
         return

@@ -33,18 +33,14 @@ def _first(bad: np.ndarray) -> int:
 @dataclass(frozen=True, eq=False)
 class SequenceBatch(TopkRows):
     """``S`` sequences side by side: sequence ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``
-    (``L_i >= 2`` tokens) and owns rows ``offsets[i] - i`` to ``offsets[i + 1] - i - 1`` of the
-    row arrays (its ``L_i - 1`` rows, in sequence order: ``R = T - S`` rows in all).
+    (``L_i >= 2`` tokens) and owns rows ``offsets[i] - i`` to ``offsets[i + 1] - i - 1`` of the row
+    arrays (``R = T - S`` rows in all).
 
-    Fields: ``input_ids`` ``[T]`` int32, ``offsets`` ``[S + 1]`` integers from 0 to ``T``,
-    ``topk_ids`` ``[R, k]`` int32, ``topk_logprobs`` ``[R, k]`` float32, ``keys`` (``S``
-    non-empty str, or ``None``: every sequence's content key, :func:`.records.content_key`),
-    and per row, as in :class:`~.records.SequenceRecord`: ``tail_mass`` (``None``: computed from
-    the logprobs), ``loss_mask`` (``None``: every row is trained on), ``entropy``,
-    ``actual_logprob`` (``None``: none given). Construction coerces dtypes and checks shapes
-    (:class:`~.errors.RecordError`, naming the first sequence at fault where there is one); the
-    checks against a cache's manifest are the writer's.
-    """
+    Fields: ``input_ids`` ``[T]`` int32, ``offsets`` ``[S + 1]``, ``topk_ids`` / ``topk_logprobs``
+    ``[R, k]``, ``keys`` (``None``: content keys), and the per-row arrays of
+    :class:`~.records.SequenceRecord`. Construction coerces dtypes and checks shapes
+    (:class:`~.errors.RecordError`, naming the first sequence at fault); the checks against a
+    cache's manifest are the writer's."""
 
     input_ids: np.ndarray
     offsets: np.ndarray
@@ -217,9 +213,9 @@ class SequenceBatch(TopkRows):
 
 
 def give_tails(records: Sequence[SequenceRecord], batch: SequenceBatch) -> None:
-    """Hand each record without a tail mass its rows of the tail the batch computed (what
-    :func:`.records.computed_tail` would compute for it, bit for bit), so that reading it again
-    computes nothing."""
+    """Hand each record without a tail mass its rows of the tail the batch computed (bit for bit
+    what :func:`.records.computed_tail` would compute), so that reading it again computes
+    nothing."""
     tails = known_tail(batch)
     if tails is None:
         return

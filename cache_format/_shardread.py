@@ -1,25 +1,14 @@
-"""Direct reads of the format's sharded arrays (FORMAT.md §6, rule D2): the zarr v3
-``sharding_indexed`` codec (index at the end) read through the same zarr ``Store`` and decoded
-here, for arrays whose chunk layout this module fully understands (:func:`direct_layout`; any
-other array is read through zarr).
+"""Direct reads of the format's sharded arrays (FORMAT.md §6, D2): the zarr v3 ``sharding_indexed``
+codec (index at the end, FORMAT.md 4.7) read through the same zarr ``Store`` and decoded here, for
+arrays whose layout :func:`direct_layout` understands (any other array is read through zarr).
 
-Shard object of ``n`` inner chunks (zarr v3 sharding spec)::
+Every CRC32C is verified; a mismatch, an index pointing outside the object or a blosc frame of
+the wrong size is a :class:`~.errors.ChecksumError` (retried by the reader on a fresh snapshot,
+R7). In a version-2 store (``strict``) an absent shard or empty entry in the committed range is
+:class:`~.errors.MissingDataError` (R9), never fill value.
 
-    chunk bytes ... | index: n x (offset uint64 LE, nbytes uint64 LE) | CRC32C(index) uint32 LE
-
-in C order over the shard's chunk grid; ``offset = nbytes = 2**64 - 1`` marks an empty chunk (all
-fill value), and so does a missing shard object. Each inner chunk is a blosc frame followed by
-its CRC32C, or (``raw`` layouts) the chunk's little-endian bytes followed by their CRC32C. In a
-version-2 store (``strict``) an absent shard or empty entry in the committed range is
-:class:`~.errors.MissingDataError` (FORMAT.md R9), never fill value. Every CRC32C is verified; a
-mismatch, an index pointing outside the object or a blosc frame of the wrong size is a
-:class:`~.errors.ChecksumError` (the reader retries it on a fresh snapshot, FORMAT.md R7).
-
-:func:`chunk_frames` fetches a set of inner chunks by number: on a local directory store with
-``os.pread`` on the shard files (one read per run of consecutive chunks), on other stores with
-concurrent requests on zarr's event loop (the whole object where half its chunks are needed, else
-the index by a suffix request, cached per complete shard, and one range request for the chunks).
-"""
+:func:`chunk_frames` fetches inner chunks by number: ``os.pread`` on a local store's shard files
+(one read per run of consecutive chunks), concurrent range requests on other stores."""
 
 from __future__ import annotations
 
@@ -72,15 +61,9 @@ _kept_lock = threading.Lock()
 
 class OpenShards:
     """Open read-only descriptors of a layout's shard files, up to :data:`FD_CACHE` (and
-    :data:`FD_BUDGET` in the process), closed when the layout is dropped (the reader makes new
-    layouts at every refresh and after a failed read). A descriptor is never closed while its
-    layout is in use, so no read sees it reused.
-
-    Keeping a file open is safe because stores are written by replacing whole objects (zarr's
-    local store writes a temporary file and renames it): an open descriptor keeps the version it
-    opened, which holds every row committed when the layout was made (a writer writes the data
-    before the commit that a snapshot reads). A writer that rewrote files in place would make a
-    read fail its CRC32C, which the reader retries on fresh layouts."""
+    :data:`FD_BUDGET` in the process), closed when the layout is dropped. Safe because stores are
+    written by replacing whole objects (write, then rename): an open descriptor keeps the version it
+    opened, which holds every row committed when the layout was made."""
 
     def __init__(self) -> None:
         self.fds: dict[int, int] = {}
@@ -188,10 +171,9 @@ def _little_endian_bytes(codec: object, dtype: np.dtype) -> bool:
 
 
 def sharding_of(m: object) -> tuple[ArrayV3Metadata, RegularChunkGrid, ShardingCodec] | None:
-    """Array metadata ``m`` with its chunk grid and codec if it is a zarr v3 array of one
-    ``sharding_indexed`` codec on a regular grid with its index at the end, encoded ``bytes``
-    little-endian + ``crc32c`` (the shards this module and :mod:`._shardwrite` know); else
-    ``None``."""
+    """Array metadata ``m`` with its chunk grid and sharding codec if it is a zarr v3 array of one
+    ``sharding_indexed`` codec on a regular grid, index at the end (``bytes`` LE + ``crc32c``);
+    else ``None``."""
     if not isinstance(m, ArrayV3Metadata) or m.storage_transformers or len(m.codecs) != 1:
         return None
     grid, sharding = m.chunk_grid, m.codecs[0]
@@ -212,16 +194,11 @@ def direct_layout(
     strict: bool = False,
     sealed: bool = False,
 ) -> DirectLayout | None:
-    """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it.
-
-    Supported: zarr v3, regular chunk grid of shards along axis 0 spanning the trailing
-    dimensions, one ``sharding_indexed`` codec (index at the end, index codecs ``bytes`` little
-    + ``crc32c``), inner codecs ``bytes`` little + ``blosc`` + ``crc32c`` (or ``bytes`` little +
-    ``crc32c``: :attr:`DirectLayout.raw`), inner chunks spanning
-    the trailing dimensions, a fixed-size numeric dtype, and a little-endian host.
+    """The array's :class:`DirectLayout`, or ``None`` if the direct path does not support it: zarr
+    v3 shards along axis 0 (:func:`sharding_of`), inner chunks spanning the trailing dimensions with
+    codecs ``bytes`` LE (+ ``blosc``) + ``crc32c``, a numeric dtype, a little-endian host.
     ``committed``: the entries readers may use (default: the array's length); ``strict``,
-    ``sealed``: see :class:`DirectLayout`.
-    """
+    ``sealed``: see :class:`DirectLayout`."""
     got = sharding_of(arr.metadata)
     if sys.byteorder != "little" or got is None:
         return None
@@ -304,10 +281,9 @@ def parse_index(raw: np.ndarray, n: int, where: str) -> np.ndarray:
 def read_index(
     lay: DirectLayout, tail: np.ndarray, shard: int, where: str, need: int | None = None
 ) -> np.ndarray:
-    """The checked index table of shard ``shard`` from ``tail``, the object's last
-    :attr:`DirectLayout.tail_size` bytes; in a sealed store its seal is checked first
-    (:func:`._seal.check_seal`: the shard must hold ``need`` entries, by default those below
-    ``lay.length``)."""
+    """The checked index table of shard ``shard`` from ``tail`` (the object's last
+    :attr:`DirectLayout.tail_size` bytes); in a sealed store its seal first (the shard must hold
+    ``need`` entries, by default those below ``lay.length``)."""
     n = lay.chunks_per_shard
     if tail.size != lay.tail_size:
         raise ChecksumError(f"{where}: object shorter than its index")
@@ -377,10 +353,8 @@ def _frame_error(frame: np.ndarray, nbytes: int) -> str | None:
 
 
 def check_decode(frame: np.ndarray, dest: np.ndarray, raw: bool = False) -> str | None:
-    """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it
-    into ``dest`` (a full chunk, C-contiguous); returns why it cannot, else ``None`` (through
-    numcodecs' and google_crc32c's wrappers). ``raw``: the chunk has no compressor (its bytes,
-    then their CRC32C), checked and copied."""
+    """Verify the CRC32C and blosc header of one inner chunk's stored bytes and decompress it into
+    ``dest`` (a full chunk; ``raw``: check and copy); returns why it cannot, else ``None``."""
     if raw:
         if not crc_ok(frame):
             return "chunk fails its CRC32C"
@@ -510,11 +484,10 @@ def _frames_local(lay: DirectLayout, root: str, chunks: list[int]) -> list[Frame
 
 
 def chunk_frames(wanted: list[tuple[DirectLayout, list[int]]]) -> list[list[Frame | None]]:
-    """The stored frames (CRC32C not yet checked: :func:`decode_frame` does) of the given inner
-    chunks of each layout: ``wanted`` holds sorted, distinct global chunk numbers along axis 0,
-    all below the layout's ``length``; the answer holds one frame (or ``None``: absent shard or
-    empty entry) per chunk, in that order. Local directory stores are read with ``os.pread``;
-    the others through the store (one call into zarr's event loop for all of them)."""
+    """The stored frames (not yet checked: :func:`decode_frame` does) of the given inner chunks of
+    each layout (sorted, distinct global chunk numbers below its ``length``): one frame, or
+    ``None`` for an absent shard or empty entry, per chunk. Local stores are read with
+    ``os.pread``, others through the store in one call into zarr's event loop."""
     out: list[list[Frame | None]] = [[] for _ in wanted]
     remote: list[tuple[int, DirectLayout, int, int, int]] = []
     for i, (lay, chunks) in enumerate(wanted):

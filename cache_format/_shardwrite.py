@@ -1,31 +1,14 @@
 """Direct writes of new rows into the format's sharded arrays (the write side of
 :mod:`._shardread`).
 
-zarr-python's ``setitem`` on a sharded array runs every inner chunk through its generic async
-codec pipeline (per-chunk tasks, thread hand-offs, copies). This module encodes the same bytes
-itself, on the calling thread, and hands the objects to the writer, which
-writes them through the same zarr ``Store`` (each object atomic, and fsynced on a local disk,
-FORMAT.md W5; :func:`.store.put_objects`), for arrays whose layout
-:func:`~._shardread.direct_layout` understands and for ``seq_keys`` (:func:`keys_layout`: inner
-chunks ``vlen-utf8`` -> ``zstd`` -> ``crc32c``); the writer falls back to zarr for the others.
-
-Per shard touched by rows ``[start, stop)`` (``start`` is the committed count, rule W3):
-
-* inner chunks wholly below ``start`` keep their stored bytes (committed bytes never change);
-* the inner chunk holding ``start``, when ``start`` is inside it, is read back (CRC32C checked,
-  blosc-decoded), its rows below ``start`` kept and the new rows placed after them;
-* every inner chunk the new rows reach is encoded exactly as zarr encodes it (``bytes`` little
-  endian -> the array's own ``BloscCodec`` settings, or no compressor (``raw`` layouts), or
-  ``vlen-utf8`` -> its ``ZstdCodec`` settings -> CRC32C of the frame, uint32 LE), the last one
-  padded with the fill value;
-* chunks past the new rows are left empty (``offset = nbytes = 2**64 - 1``: nothing past the
-  new count is committed), and the shard object is written once: chunks in order, then (in a
-  version-4 store) the shard's seal (:mod:`._seal`), then the index ``n x (offset, nbytes)``
-  uint64 LE and its CRC32C.
-
-A lost shard below ``start`` in a version-2 store is :class:`~.errors.MissingDataError` (R9), as
-on the read side; a corrupt index or chunk is :class:`~.errors.ChecksumError`.
-"""
+The shard objects are encoded here, on the calling thread, byte for byte as zarr's codec
+pipeline encodes them (FORMAT.md 4.7, 4.8), for arrays :func:`~._shardread.direct_layout`
+understands and for ``seq_keys`` (:func:`keys_layout`); the writer writes them through the same
+zarr ``Store`` (:func:`.store.put_objects`) and falls back to zarr for other arrays. Chunks below
+the committed count ``start`` keep their stored bytes (W3); the chunk holding ``start`` is read
+back and completed; chunks past the new rows stay empty. A lost shard below ``start`` in a
+version-2 store is :class:`~.errors.MissingDataError` (R9), a corrupt index or chunk
+:class:`~.errors.ChecksumError`."""
 
 from __future__ import annotations
 
@@ -34,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
-import numcodecs.blosc
 import numpy as np
 from numcodecs.vlen import VLenUTF8
 from zarr.codecs import BloscCodec, ShardingCodec, ZstdCodec
@@ -60,10 +42,9 @@ RAW = "none"
 
 
 def supported(lay: DirectLayout) -> bool:
-    """Whether this zarr exposes the array's numcodecs Blosc (:func:`._zarr_adapter.blosc_codec`:
-    zarr itself encodes with), or its Zstd for a ``vlen-utf8`` array (:func:`keys_layout`), or
-    the array has no compressor (``raw``: its little-endian bytes); if not, the writer uses
-    zarr's ``setitem``."""
+    """Whether this zarr exposes the codec the array's chunks are encoded with (its numcodecs Blosc,
+    or Zstd for ``vlen-utf8``) or the array has none (``raw``); if not, the writer uses zarr's
+    ``setitem``."""
     try:
         return _codec(lay) is not None
     except Exception:
@@ -86,10 +67,9 @@ def _codec(lay: DirectLayout) -> Any:
 
 
 def keys_layout(arr: Any, name: str, *, strict: bool, sealed: bool = False) -> DirectLayout | None:
-    """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``), sharded
-    as the numeric arrays are (index at the end: ``bytes`` LE + ``crc32c``) with inner codecs
-    ``vlen-utf8`` -> ``zstd`` -> ``crc32c`` (FORMAT.md 4); ``None`` for any other array. Its
-    inner chunks are written as zarr writes them."""
+    """The :class:`~._shardread.DirectLayout` of a 1-D ``vlen-utf8`` array (``seq_keys``) sharded as
+    the numeric arrays are, with inner codecs ``vlen-utf8`` -> ``zstd`` -> ``crc32c``; ``None`` for
+    any other array."""
     from zarr.codecs import Crc32cCodec
     from zarr.codecs.vlen_utf8 import VLenUTF8Codec
 
@@ -138,34 +118,24 @@ def encode_chunk(lay: DirectLayout, chunk: np.ndarray) -> tuple[bytes | np.ndarr
 
 
 def _decode_chunk(lay: DirectLayout, frame: np.ndarray, where: str) -> np.ndarray:
-    if lay.raw:  # the read side's check and copy: CRC32C, size, bytes
+    if lay.dtype != np.dtype(object):  # the read side's checks (CRC32C, size), then decode
         out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
         shardread_decode_chunk(lay, frame, out, where)
         return out
     if not crc_ok(frame):
         raise ChecksumError(f"{where}: inner chunk fails its CRC32C")
-    if lay.dtype == np.dtype(object):
-        try:
-            out = _VLEN.decode(_codec(lay).decode(frame[:-4].tobytes()))
-        except Exception as e:  # a broken frame
-            raise ChecksumError(f"{where}: inner chunk does not decode ({e})") from e
-        if out.shape != (lay.chunk_rows,):
-            raise ChecksumError(f"{where}: inner chunk holds {out.shape[0]} items")
-        return out
-    out = np.empty((lay.chunk_rows, *lay.inner), dtype=lay.dtype)
     try:
-        numcodecs.blosc.decompress(frame[:-4].tobytes(), out)
-    except Exception as e:  # a wrong-size or broken frame
+        out = _VLEN.decode(_codec(lay).decode(frame[:-4].tobytes()))
+    except Exception as e:  # a broken frame
         raise ChecksumError(f"{where}: inner chunk does not decode ({e})") from e
+    if out.shape != (lay.chunk_rows,):
+        raise ChecksumError(f"{where}: inner chunk holds {out.shape[0]} items")
     return out
 
 
 def _aligned(size: int) -> np.ndarray:
-    """``size`` uninitialised bytes starting on a page boundary, so that a store writing with
-    ``O_DIRECT`` (:class:`.store.DurableLocalStore`) writes the object's whole pages straight
-    from them, with no copy through its bounce buffer. From :func:`._outbuf.empty` (malloc, no
-    huge-page request: numpy asks for huge pages above 4 MiB, whose first-touch zeroing costs
-    more than the copies save), not zero-filled (the caller writes every byte)."""
+    """``size`` uninitialised bytes starting on a page boundary (from :func:`._outbuf.empty`), so
+    that an ``O_DIRECT`` store writes the object's pages straight from them."""
     raw = outbuf.empty(size + DIRECT_IO_ALIGN)
     start = -raw.ctypes.data % DIRECT_IO_ALIGN
     return raw[start : start + size]
@@ -215,12 +185,10 @@ def _existing(lay: DirectLayout, shard: int, below: int) -> tuple[list, np.ndarr
 
 @dataclass
 class LastShard:
-    """What this process last wrote to an array's last shard: the chunk frames it holds and the
-    rows of its last chunk, as of row ``end`` of the shard. The next append, when it
-    starts at that row of that shard, takes the committed chunks from here instead of reading
-    the shard back and decoding its partial chunk: the same bytes (every object it writes is
-    still the one :func:`_existing` would give), without the read. The caller keeps one per
-    array and drops it whenever the array may have changed under it."""
+    """What this process last wrote to an array's last shard (its chunk frames and the rows of its
+    last chunk, as of row ``end``): the next append starting there takes the committed chunks from
+    here instead of reading the shard back (the same bytes). The caller drops it whenever the array
+    may have changed under it."""
 
     shard: int = -1
     end: int = 0
@@ -236,14 +204,9 @@ def _shard_object(
     reuse: LastShard | None = None,
     update: LastShard | None = None,
 ) -> tuple[str, np.ndarray, Callable[[], None]]:
-    """The object of ``shard`` with ``rows`` at row ``off`` (rows below ``off`` are committed):
-    its key, its bytes and what to call once it is written (``update`` then describes the shard
-    as written). The committed chunks come from ``reuse`` (this shard as last written, ending
-    at ``off``) or are read back.
-
-    The object is assembled in one buffer, each byte copied into it once (joining
-    ``bytes`` copied committed chunks twice and new ones three times, per append, for the whole
-    partly filled shard); the chunks the object holds are then views of that buffer."""
+    """The object of ``shard`` with ``rows`` at row ``off`` (rows below ``off`` are committed): its
+    key, its bytes (assembled in one buffer) and what to call once it is written. The committed
+    chunks come from ``reuse`` (this shard as last written, ending at ``off``) or are read back."""
     n, c = lay.chunks_per_shard, lay.chunk_rows
     keep: list[Any] = [None] * n
     head = None
@@ -326,12 +289,10 @@ def _shard_object(
 def rows_objects(
     lay: DirectLayout, start: int, data: np.ndarray, last: LastShard | None = None
 ) -> tuple[list[tuple[str, np.ndarray]], Callable[[], None]]:
-    """The shard objects holding ``data`` (rows ``[start, start + len(data))``, the array
-    already resized), encoded on the calling thread, and what to call once every one of them is
-    written; see the module docstring. The caller writes them (all of an append's objects in
-    one batch). ``last``: the array's :class:`LastShard`, used when the write starts where it
-    ends and, once written, updated to the last shard written (left stale if the write fails:
-    the caller drops it then)."""
+    """The shard objects holding ``data`` (rows ``[start, start + len(data))``, the array already
+    resized), encoded on the calling thread, and what to call once all are written (the caller
+    writes them in one batch). ``last``: the array's :class:`LastShard`, used when the write
+    starts where it ends and updated once written."""
     if data.shape[0] == 0:
         return [], lambda: None
     data = np.ascontiguousarray(data, dtype=lay.dtype)

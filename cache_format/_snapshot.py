@@ -1,14 +1,11 @@
 """The committed sequence index a reader works on (FORMAT.md §6, D1, R6, R8): a frozen snapshot
-of one commit's counts, its index blocks read on demand, and a view of the keys (read on demand,
-:mod:`._keyindex`).
+of one commit's counts, its index blocks read on demand, and a view of the keys
+(:mod:`._keyindex`).
 
-An index block is ``seq_lengths[a:b]`` of :data:`BLOCK` sequences with ``seq_row_start[a]`` (and
-``seq_row_start[b]``, or the commit's row count for the last block): a point lookup reads one
-block, however many sequences the store holds. A block is checked when read (every length
-``>= 2``; its rows end where the next block starts, the last block's at the commit's count) and
-kept as its lengths (uint16 while they fit, else int32) and its first row every :data:`STEP`
-sequences; :data:`KEEP_BLOCKS` blocks are kept (least recently used dropped), shared by the
-snapshots of one reader (a block a later commit extends is another block). The whole index
+An index block is ``seq_lengths[a:b]`` of :data:`BLOCK` sequences with ``seq_row_start[a]``: a
+point lookup reads one block. A block is checked when read (every length ``>= 2``, its rows
+ending where the next block's start) and kept compactly; :data:`KEEP_BLOCKS` blocks are kept
+(least recently used dropped), shared by the snapshots of one reader. The whole index
 (:attr:`IndexSnapshot.lengths`) is read only when asked for."""
 
 from __future__ import annotations
@@ -211,9 +208,8 @@ class IndexSnapshot:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Tokens of every sequence (read-only, uint16 while every length fits, else int32):
-        read whole at the first use and kept by this snapshot; their sums must end at the
-        commit's counts (R6, R8)."""
+        """Tokens of every sequence (read-only, uint16 while every length fits, else int32), read
+        whole at the first use and checked to end at the commit's counts (R6, R8)."""
         if not self._whole:
             self._whole.append(self._read_whole())
         return self._whole[0]
@@ -282,9 +278,8 @@ class IndexSnapshot:
         return out
 
     def at(self, m: Manifest, read: ReadBlock | None = None) -> IndexSnapshot:
-        """The snapshot of commit ``m`` (same table and blocks), its last block read (with
-        ``read``, default the blocks' reader) and checked: the index ends at the commit's
-        counts (R6, R8)."""
+        """The snapshot of commit ``m`` (same table and blocks), its last block read (with ``read``,
+        default the blocks' reader) and checked to end at the commit's counts (R6, R8)."""
         n = m.num_sequences
         if m.num_tokens != m.num_rows + n or (n == 0 and m.num_rows != 0):
             raise CorruptStoreError(
@@ -299,9 +294,8 @@ class IndexSnapshot:
 
 
 def check_lengths(known: int, lengths: np.ndarray) -> np.ndarray:
-    """The sequence lengths from ``known`` (R8: ``L_i >= 2``; the starts of sequences are their
-    running sums, and where the sums end is checked by the caller: no read can reach past the
-    committed counts, R6). Returns them as uint16 if they fit, else int32."""
+    """The sequence lengths from ``known`` checked (R8: ``L_i >= 2``), as uint16 if they fit, else
+    int32; where their sums end is checked by the caller (R6)."""
     if lengths.size:
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < 2:

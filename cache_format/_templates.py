@@ -1,8 +1,6 @@
 """What a writer reuses instead of asking zarr again (FORMAT.md W6, 4.5): the ``zarr.json`` bytes of
-each array around its length (templates: a store created after another of the same layout gets
-its arrays' metadata written from these bytes), and the last shard a closed writer of a store
-left (the next writer of the store takes it instead of reading it back while its file is still
-the one written)."""
+each array around its length (a store created after another of the same layout gets its arrays'
+metadata from these), and the last shard a closed writer of a store left."""
 
 from __future__ import annotations
 
@@ -68,12 +66,9 @@ def shard_sig(lay: DirectLayout, last: shardwrite.LastShard) -> tuple[int, ...] 
 
 @dataclass
 class DirectArray:
-    """An array the writer grows and writes without zarr: its direct layout and its
-    ``zarr.json`` as the bytes around the first dimension (zarr's ``resize`` re-encodes the
-    metadata through its JSON encoder on every append); the new ``zarr.json`` is those bytes
-    with the new length in between, bit-identical to zarr's
-    (tests/format/test_format_shardwrite.py compares every object with zarr's own writes),
-    written through the same store (atomic, fsynced)."""
+    """An array the writer grows and writes without zarr: its direct layout and its ``zarr.json`` as
+    the bytes around the first dimension; the new ``zarr.json`` is those bytes with the new length
+    in between, bit-identical to zarr's (tests/format/test_format_shardwrite.py compares them)."""
 
     lay: Any  # shardread.DirectLayout
     meta_path: Any  # zarr StorePath of the array's zarr.json

@@ -21,8 +21,8 @@ from zarr.abc.store import Store
 from . import _idmap as idmap
 from . import _keyruns as keyruns
 from . import hidden, spec
-from ._integrity import checked_get, missing_ranges
-from ._keyindex import byte_hashes, hashes_of
+from ._integrity import checked_read, missing_ranges
+from ._keyindex import byte_hashes, hashes_of, utf8_lengths
 from ._manifest import Manifest
 from ._seal import sealed
 from ._zarr_adapter import async_array, sync
@@ -81,7 +81,7 @@ class ValidationReport:
 
 
 def _flag(
-    report: ValidationReport, code: str, msg: str, bad: npt.ArrayLike, base: int, unit: str
+    report: ValidationReport, code: str, msg: str, bad: npt.ArrayLike, base: int, unit: str = "row"
 ) -> None:
     """Record problem ``code`` for every True in ``bad`` (offset ``base`` in ``unit`` numbering)."""
     idx = np.flatnonzero(bad)
@@ -109,8 +109,7 @@ def _read(
     unit = _unit(name)
     try:
         seal = sealed(m.format_version)
-        got = checked_get(async_array(arrays[name]), name, a, b, strict(m), seal)
-        return np.asarray(sync(got))
+        return checked_read(arrays[name], name, a, b, strict(m), seal)
     except PlacementError as e:
         report.add("placement", f"object not where it belongs: {e}", [f"{name} {unit} {a}:{b}"])
     except MissingDataError:
@@ -245,25 +244,13 @@ def _check_index(
     tok = got[spec.SEQ_TOKEN_START]
     row = got[spec.SEQ_ROW_START]
     report.checked_sequences = s
-    _flag(report, "seq_too_short", "sequence with fewer than 2 tokens", lengths < 2, 0, "sequence")
+    flag = partial(_flag, report, base=0, unit="sequence")
+    flag("seq_too_short", "sequence with fewer than 2 tokens", lengths < 2)
     exp_tok = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if s else lengths
     exp_row = np.concatenate([[0], np.cumsum(lengths - 1)[:-1]]) if s else lengths
-    _flag(
-        report,
-        "token_offsets",
-        "seq_token_start not the running sum of lengths (monotone, contiguous)",
-        tok != exp_tok,
-        0,
-        "sequence",
-    )
-    _flag(
-        report,
-        "row_offsets",
-        "seq_row_start not the running sum of lengths - 1",
-        row != exp_row,
-        0,
-        "sequence",
-    )
+    msg = "seq_token_start not the running sum of lengths (monotone, contiguous)"
+    flag("token_offsets", msg, tok != exp_tok)
+    flag("row_offsets", "seq_row_start not the running sum of lengths - 1", row != exp_row)
     if int(lengths.sum()) != m.num_tokens:
         report.add(
             "count_tokens", f"sum of lengths {int(lengths.sum())} != num_tokens {m.num_tokens}"
@@ -308,12 +295,8 @@ def _check_keys(
         report.add("key_bytes", "seq_key_end not non-decreasing or not ending at num_key_bytes", [])
         return from_keys
     data = raw.tobytes()
-    text = "".join(keys)
-    joined = text.encode("utf-8", "surrogatepass")
-    if len(joined) == len(text):  # ASCII: a byte per character
-        lens = np.fromiter(map(len, keys), np.int64, len(keys))
-    else:
-        lens = np.fromiter((len(k.encode("utf-8", "surrogatepass")) for k in keys), np.int64)
+    joined = "".join(keys).encode("utf-8", "surrogatepass")
+    lens = utf8_lengths(keys, joined)
     if joined == data and np.array_equal(np.cumsum(lens), ends):
         if not (lens > 0).all():
             return from_keys
@@ -366,81 +349,40 @@ def _check_rows(
             report.add("id_order", "id_order is not a permutation of [0, vocab_size)")
             return
     for b0, b1, block in _read_spans(arrays, m, report, names, spans):
+        flag = partial(_flag, report, base=b0)
         ids = block[spec.TOPK_IDS]  # ranks if remapped: same range, same distinctness
-        _flag(
-            report,
-            "id_out_of_vocab",
-            f"top-k id outside [0, {m.vocab_size})",
-            ((ids < 0) | (ids >= m.vocab_size)).any(axis=1),
-            b0,
-            "row",
-        )
+        out = ((ids < 0) | (ids >= m.vocab_size)).any(axis=1)
+        flag("id_out_of_vocab", f"top-k id outside [0, {m.vocab_size})", out)
         if m.k > 1:
             srt = np.sort(ids, axis=1)
-            _flag(
-                report,
-                "id_repeated",
-                "repeated id within a row",
-                (srt[:, 1:] == srt[:, :-1]).any(axis=1),
-                b0,
-                "row",
-            )
+            repeated = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
+            flag("id_repeated", "repeated id within a row", repeated)
         slack = np.full(b1 - b0, 1e-3 + m.k * (2e-4 if m.logprob_dtype == "float16" else 1e-6))
         if quant:
             mx, st = block[spec.LOGPROB_MAX], block[spec.LOGPROB_STEP]
-            _flag(
-                report,
-                "quant_params",
-                "logprob_max/step not finite, max > 0 or step < 0",
-                ~np.isfinite(mx) | ~np.isfinite(st) | (mx > 0) | (st < 0),
-                b0,
-                "row",
-            )
+            bad = ~np.isfinite(mx) | ~np.isfinite(st) | (mx > 0) | (st < 0)
+            flag("quant_params", "logprob_max/step not finite, max > 0 or step < 0", bad)
             lp = decode_logprobs(block[spec.TOPK_LOGPROBS], m.logprob_dtype, mx, st)
             with np.errstate(all="ignore"):  # decoded values may be up to step/2 too high
                 slack = np.expm1(np.nan_to_num(st.astype(np.float64), nan=0.0) / 2) + 2e-3
         else:
             lp = decode_logprobs(block[spec.TOPK_LOGPROBS], m.logprob_dtype)
         finite = np.isfinite(lp).all(axis=1)
-        _flag(report, "logprob_nonfinite", "logprob NaN or inf", ~finite, b0, "row")
-        _flag(report, "logprob_positive", "logprob > 0", (lp > 0).any(axis=1), b0, "row")
+        flag("logprob_nonfinite", "logprob NaN or inf", ~finite)
+        flag("logprob_positive", "logprob > 0", (lp > 0).any(axis=1))
         with np.errstate(all="ignore"):
             mass = np.exp(lp.astype(np.float64)).sum(axis=1)
-        _flag(
-            report,
-            "logprob_mass",
-            "top-k probabilities sum to more than 1 (R2)",
-            finite & (mass > 1.0 + slack),
-            b0,
-            "row",
-        )
+        over = finite & (mass > 1.0 + slack)
+        flag("logprob_mass", "top-k probabilities sum to more than 1 (R2)", over)
         if m.targets == "sampled":  # FORMAT.md 4.4: importance weights sum to 1
-            _flag(
-                report,
-                "sampled_weights",
-                "sampled row's weights do not sum to 1 (FORMAT.md 4.4)",
-                finite & (mass < 1.0 - slack),
-                b0,
-                "row",
-            )
+            under = finite & (mass < 1.0 - slack)
+            flag("sampled_weights", "sampled row's weights do not sum to 1 (FORMAT.md 4.4)", under)
         if m.k > 1:
-            _flag(
-                report,
-                "logprob_order",
-                "logprobs not sorted descending",
-                (lp[:, 1:] > lp[:, :-1]).any(axis=1),
-                b0,
-                "row",
-            )
+            unsorted = (lp[:, 1:] > lp[:, :-1]).any(axis=1)
+            flag("logprob_order", "logprobs not sorted descending", unsorted)
         tail = np.asarray(block[spec.TAIL_MASS], dtype=np.float32)
-        _flag(
-            report,
-            "tail_range",
-            "tail mass outside [0, 1] or not finite",
-            ~np.isfinite(tail) | (tail < 0) | (tail > 1),
-            b0,
-            "row",
-        )
+        bad = ~np.isfinite(tail) | (tail < 0) | (tail > 1)
+        flag("tail_range", "tail mass outside [0, 1] or not finite", bad)
         report.checked_rows += b1 - b0
 
 
@@ -513,13 +455,9 @@ def _check_tokens(
         return
     for b0, _, got in _read_spans(arrays, m, report, [spec.INPUT_IDS], spans):
         tok = got[spec.INPUT_IDS]
+        bad = (tok < 0) | (tok >= m.vocab_size)
         _flag(
-            report,
-            "token_out_of_vocab",
-            f"input id outside [0, {m.vocab_size})",
-            (tok < 0) | (tok >= m.vocab_size),
-            b0,
-            "token",
+            report, "token_out_of_vocab", f"input id outside [0, {m.vocab_size})", bad, b0, "token"
         )
 
 

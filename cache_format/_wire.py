@@ -1,30 +1,7 @@
-"""Wire codec: compact, self-describing binary frames of sequence records (FORMAT.md §8).
-
-Used by the teacher service's block-streaming endpoints and by the client. A byte stream is a
-concatenation of frames; each frame is independent::
-
-    offset  size  field
-    0       4     magic b"LCWF"
-    4       2     version (uint16 LE) = 1
-    6       2     flags (uint16 LE): bit 0 = payload zstd-compressed
-    8       4     header_len H (uint32 LE)
-    12      8     payload_len P (uint64 LE), bytes as stored (after compression)
-    20      H     header: UTF-8 JSON {"n", "k", "keys", "lengths", "arrays": [{name, dtype, shape}],
-                  "raw_len"}
-    20+H    P     payload: the arrays of "arrays", C order, concatenated in that order
-    20+H+P  4     CRC32 (zlib, uint32 LE) of header + payload bytes
-
-Arrays: ``input_ids`` ``<i4 [T]``, ``topk_ids`` ``<i4 [R, k]``, ``topk_logprobs`` ``<f4`` or
-``<f2 [R, k]``, optional ``tail_mass`` ``<f4 [R]``, optional ``loss_mask`` ``|u1 [R]`` (FORMAT.md
-4.6; sent when any record has one, the others as all 1), optional ``entropy`` ``<f2 [R]`` (FORMAT.md
-4.9; sent when every record has it, a frame mixing records with and without is refused),
-optional ``actual_logprob`` ``<f4 [R]`` (FORMAT.md 4.12; the same rule); ``T = sum(lengths)``,
-``R = T - n``.
-Record ``i`` owns the ``lengths[i]`` tokens and ``lengths[i] - 1`` rows after those of records
-``0..i-1``. Decoding returns float32 logprobs. A frame of hidden records (FORMAT.md 4.10) has
-``input_ids``, ``hidden`` ``<f4 [R, d]`` or ``hidden_bf16`` ``<u2 [R, d]`` (bfloat16 bit
-patterns, decoded as such), optional ``loss_mask``, and ``k = 0``.
-"""
+"""Wire codec: self-describing binary frames of sequence records (FORMAT.md §8, which fixes the
+frame layout and its arrays), used by the service's block-streaming endpoints and the client.
+A byte stream is a concatenation of independent frames; decoding returns float32 logprobs. A
+frame of hidden records (FORMAT.md 4.10) has ``k = 0``."""
 
 from __future__ import annotations
 
@@ -115,12 +92,9 @@ def encode_records(
     logprob_dtype: str = "float32",
     compression: str = "none",
 ) -> bytes:
-    """One frame holding ``records`` (all with the same ``k``).
-
-    ``logprob_dtype``: ``float32`` (exact) or ``float16`` (what a float16 cache stores, so exact
-    for its rows). ``compression``: ``none`` or ``zstd``. Tail masses are sent when every record
-    has one, or computed for those without when some do.
-    """
+    """One frame holding ``records`` (all with the same ``k``). ``logprob_dtype``: ``float32`` or
+    ``float16`` (exact for a float16 cache's rows); ``compression``: ``none`` or ``zstd``. Tail
+    masses are sent when any record has one (computed for the others)."""
     recs = list(records)
     hidden = bool(recs) and isinstance(recs[0], HiddenRecord)
     allowed = ("float32", "bfloat16") if hidden else ("float32", "float16")
@@ -286,11 +260,8 @@ def _hidden_records(arrays: dict[str, np.ndarray], keys: list, lengths: list) ->
 
 
 class FrameDecoder:
-    """Incremental decoder for a byte stream of frames (e.g. an HTTP response body).
-
-    ``feed(chunk)`` returns the records of every frame completed by ``chunk``; ``close()`` raises
-    :class:`WireFormatError` if a partial frame is left over.
-    """
+    """Incremental decoder of a byte stream of frames: ``feed(chunk)`` returns the records of every
+    frame ``chunk`` completes; ``close()`` raises :class:`WireFormatError` on a partial frame."""
 
     def __init__(self) -> None:
         self._buf = bytearray()

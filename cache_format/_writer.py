@@ -1,21 +1,11 @@
-"""Appending sequences to a cache, crash-safely (FORMAT.md §5 "Writing").
+"""Appending sequences to a cache, crash-safely (FORMAT.md §5, rules W1-W6).
 
-Transaction of :meth:`CacheWriter.append` (rules W1-W6 of FORMAT.md):
-
-1. validate and encode the whole batch in memory (nothing is written on bad input);
-2. take the writer lock; re-read the committed manifest (another process may have appended);
-3. drop records whose key is committed already (or repeated within the batch);
-4. for every array: resize to ``committed + new`` and write the new rows (each object write is
-   atomic: LocalStore writes via rename, object stores via single PUT); on a local store each
-   object is fsynced before its rename and the changed directories after all writes (W5a);
-   then the key index run of the new keys (FORMAT.md 4.11), made durable the same way;
-5. commit: rewrite the root ``zarr.json`` with the new counts and ``generation + 1`` (fsynced,
-   then its directory); 6. release the lock.
-
-A writer killed before step 5 leaves data past the committed counts, which readers ignore and the
-next writer overwrites; a writer killed after step 5 has committed. Committed bytes are never
-changed: partially filled shards are rewritten (read-modify-write) with identical committed bytes.
-"""
+:meth:`CacheWriter.append` encodes and checks the whole batch in memory (nothing is written on
+bad input), takes the writer lock, re-reads the committed manifest, drops keys already committed,
+writes the new rows past the committed counts (each object atomic and, on a local disk,
+fsynced) and the key index run, then commits by rewriting the root ``zarr.json`` with the new
+counts and ``generation + 1``. A writer killed before the commit leaves bytes past the counts,
+which readers ignore and the next writer overwrites; committed bytes never change."""
 
 from __future__ import annotations
 
@@ -39,7 +29,7 @@ from . import fastencode, spec
 from ._arraywrites import ArrayWrites
 from ._decode import OpenArrays, stored_values
 from ._encode import Batch, encode_batch
-from ._integrity import checked_get
+from ._integrity import checked_read
 from ._keyindex import KeyTable, follow_runs, stored_key_bytes
 from ._lock import make_lock
 from ._manifest import Manifest, utcnow
@@ -47,7 +37,7 @@ from ._repair import record_json, refuse_if_holding_data
 from ._seal import sealed
 from ._seqbatch import SequenceBatch
 from ._shardread import DirectLayout
-from ._zarr_adapter import async_array, default_buffer_prototype, sync
+from ._zarr_adapter import default_buffer_prototype, sync
 from .errors import FormatError, ManifestError
 from .hidden import check_head, head_columns
 from .layout import (
@@ -67,12 +57,9 @@ from .store import StoreHandle, open_store
 
 
 class CacheWriter(ArrayWrites):
-    """Appends :class:`SequenceRecord` batches to a store; see the module docstring.
-
-    Use :meth:`open` (creates the store or resumes an existing one). Concurrency: appends from
-    several writers (threads or processes, local or object store) are serialised by the writer lock
-    and are therefore safe; each append re-reads the committed state under the lock.
-    """
+    """Appends :class:`SequenceRecord` batches to a store; see the module docstring. Use
+    :meth:`open`. Appends from several writers (threads or processes) are serialised by the writer
+    lock; each re-reads the committed state under it."""
 
     def __init__(
         self,
@@ -114,19 +101,13 @@ class CacheWriter(ArrayWrites):
     ) -> CacheWriter:
         """Create the cache at ``url`` or resume it.
 
-        Resuming checks the identity fields (:data:`~._manifest.IDENTITY_FIELDS`) of ``manifest``
-        against the store's and raises :class:`~.errors.ManifestMismatchError` on any difference;
-        the store's description fields (dataset, extra) are kept. ``layout`` only applies when
-        creating. ``lock_timeout``: seconds to wait for another writer's transaction;
-        ``lock_ttl``: object-store lease length (see lock.py). ``fsync`` (local stores): make
-        each append durable against power loss before :meth:`append` returns (FORMAT.md W5);
-        ``False`` skips the fsyncs (faster, still crash-safe against the process dying).
-        ``direct_io`` (local stores with ``fsync``): write the shards with ``O_DIRECT``, not
-        through the page cache (``None``: yes where the platform has it; see
-        :class:`.store.DurableLocalStore`). ``head``: the teacher's
-        :class:`~.hidden.TeacherHead` of a ``targets="hidden"`` store (FORMAT.md 4.10), checked
-        against the manifest's ``hidden`` here and written by the first commit.
-        """
+        Resuming checks ``manifest``'s identity fields (:data:`~._manifest.IDENTITY_FIELDS`) against
+        the store's (:class:`~.errors.ManifestMismatchError`); ``layout`` applies only when
+        creating. ``lock_timeout``: seconds to wait for another writer; ``lock_ttl``: object-store
+        lease length. ``fsync`` (local stores): each append durable against power loss before
+        :meth:`append` returns (FORMAT.md W5); ``direct_io``: see :class:`.store.DurableLocalStore`.
+        ``head``: the :class:`~.hidden.TeacherHead` of a ``targets="hidden"`` store, written by the
+        first commit."""
         if not isinstance(manifest, Manifest):
             raise ManifestError(f"expected Manifest, got {type(manifest).__name__}")
         if head is not None and manifest.hidden is not None:
@@ -196,14 +177,11 @@ class CacheWriter(ArrayWrites):
         self._adopt(m)
 
     def _create_arrays(self, m: Manifest) -> None:
-        """Create every array of ``m`` empty (overwriting whatever lies at its path), each also
-        kept as this writer's :class:`templates.DirectArray` of length 0, so the first append goes
-        straight to :mod:`._shardwrite` without opening the arrays through zarr.
-
-        The first store of a layout this process creates goes through zarr's ``create_array``;
-        its arrays' ``zarr.json`` become templates (:data:`._templates.CREATED`) once read back
-        equal, byte for byte, to the template at length 0. Later stores of that layout get those
-        bytes written directly (no zarr creation, JSON encoding, ``open_array`` or ``resize``)."""
+        """Create every array of ``m`` empty (overwriting whatever lies at its path), each kept as
+        this writer's :class:`templates.DirectArray` of length 0 for :mod:`._shardwrite`. The first
+        store of a layout goes through zarr's ``create_array`` and its ``zarr.json`` become
+        templates (:data:`._templates.CREATED`) once read back equal to them; later stores get those
+        bytes written directly."""
         made: list[tuple[ArrayDef, tuple[DirectLayout, bytes, bytes]]] = []
         for d in array_defs(m, self._layout):
             key = (m.format_version, m.k, d)
@@ -278,7 +256,7 @@ class CacheWriter(ArrayWrites):
         m = self._manifest
         arr = zarr.open_array(self._store, path=spec.SEQ_KEYS, mode="r")
         seal = sealed(m.format_version)
-        return np.asarray(sync(checked_get(async_array(arr), spec.SEQ_KEYS, a, b, strict(m), seal)))
+        return checked_read(arr, spec.SEQ_KEYS, a, b, strict(m), seal)
 
     def _read_key_bytes(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray] | None:
         """UTF-8 bytes of committed keys ``[a, b)`` and their ends (``None``: a version-1
@@ -297,16 +275,10 @@ class CacheWriter(ArrayWrites):
         return stored_key_bytes(partial(stored_values, opened), a, b, m.num_key_bytes)
 
     def refresh(self) -> bool:
-        """Catch up with what other writers committed since this writer's last transaction:
-        re-read the committed manifest. For a writer kept open between jobs (the server's
-        ``CacheRegistry``): its next job plans against the cache as it is.
-
-        Returns ``False``, changing nothing, when the store is no longer the one this writer
-        has been appending to (root gone, or made again: another ``created`` time, fewer
-        sequences or an older generation than this writer saw, other identity fields): the
-        caller then closes this writer and opens a new one. Reads only committed state, so it
-        takes no lock (as readers do).
-        """
+        """Re-read the committed manifest to catch up with other writers' commits (for a writer kept
+        open between jobs); takes no lock. ``False``, changing nothing, when the store is no longer
+        the one this writer appended to (root gone or made again, fewer sequences, an older
+        generation, other identity fields): the caller then opens a new writer."""
         if self._closed:
             raise FormatError("writer is closed")
         attrs = read_root_attrs(self._store)
@@ -338,9 +310,7 @@ class CacheWriter(ArrayWrites):
         return self._handle.url
 
     def contains(self, key: str) -> bool:
-        """Whether ``key`` is committed (as of this writer's last transaction or refresh), from
-        the key index (FORMAT.md 4.11), else by hashing every committed key once (12 bytes per
-        sequence kept); an unreadable key range raises :class:`~.errors.MissingDataError`."""
+        """Whether ``key`` is committed (as of this writer's last transaction or refresh)."""
         return self._keys.find(key, self._manifest.num_sequences) is not None
 
     def missing(self, keys: Sequence[str]) -> list[str]:
@@ -352,15 +322,11 @@ class CacheWriter(ArrayWrites):
     def append(
         self, records: Iterable[SequenceRecord] | Iterable[SequenceBatch] | SequenceBatch
     ) -> int:
-        """Append ``records`` (or a :class:`~._seqbatch.SequenceBatch`, or a list of them: their
-        sequences in order, each one's rows encoded in place, never joined first); returns how
-        many were newly committed (known keys are skipped, and a key's repeats within the
-        append).
-
-        The whole batch is validated first: any bad record raises :class:`~.errors.RecordError`
-        and nothing is written. Raises :class:`~.errors.WriterLockedError` if the lock is not
-        obtained within ``lock_timeout``.
-        """
+        """Append records, a :class:`~._seqbatch.SequenceBatch` or a list of them (their sequences
+        in order); returns how many were newly committed (committed keys, and a key's repeats, are
+        skipped). The whole batch is checked first: a bad record raises
+        :class:`~.errors.RecordError` and nothing is written; :class:`~.errors.WriterLockedError` if
+        the lock is not obtained within ``lock_timeout``."""
         if self._closed:
             raise FormatError("writer is closed")
         batch = records if isinstance(records, SequenceBatch) else list(records)
@@ -413,11 +379,9 @@ class CacheWriter(ArrayWrites):
     def _write_run(
         self, m: Manifest, new: Manifest, hashes: np.ndarray, order: np.ndarray
     ) -> tuple[Manifest, list[keyruns.RunRef], tuple[keyruns.RunRef, bytes] | None]:
-        """Before the commit ``new`` of keys of ``hashes`` (:func:`._keyindex.byte_hashes`,
-        ``order`` sorting them: :func:`._keyruns.hash_order`): write its key index run
-        (FORMAT.md 4.11) and return ``new`` listing it, the runs merged into it (read through the
-        lookups' kept runs) and the run with its object (stores without a key index: ``new`` as
-        it is)."""
+        """Write the key index run (FORMAT.md 4.11) of the commit ``new`` of keys ``hashes`` (sorted
+        by ``order``) before it; returns ``new`` listing the run, the runs merged into it and the
+        run with its object (a store without a key index: ``new``, ``[]``, ``None``)."""
         runs = m.runs()
         if runs is None:
             return new, [], None

@@ -47,9 +47,8 @@ __all__ = [
 
 
 def async_array(arr: zarr.Array) -> zarr.AsyncArray[Any]:
-    """The ``AsyncArray`` behind a synchronous array (``Array._async_array``): the reader issues
-    the reads of several arrays concurrently in one call into zarr's event loop, which the
-    synchronous ``Array`` cannot."""
+    """The ``AsyncArray`` behind a synchronous array (``Array._async_array``): reads of several
+    arrays are issued concurrently in one call into zarr's event loop."""
     return arr._async_array
 
 
@@ -88,11 +87,9 @@ def _documents(store: Any, names: list[str]) -> list[dict[str, Any] | None]:
 def open_arrays(
     store: Any, names: list[str], known: dict[str, Opened] | None = None
 ) -> dict[str, Opened]:
-    """Arrays ``names`` of the hierarchy at ``store``, opened read-only, with their metadata.
-
-    An array whose document equals its ``known`` one but for the shape is that array at the new
-    shape (a commit changes the shapes only: nothing parsed again); the others are opened by
-    zarr, concurrently (one call into its event loop)."""
+    """Arrays ``names`` at ``store``, opened read-only, with their metadata: an array whose document
+    equals its ``known`` one but for the shape is reused at the new shape; the others are opened by
+    zarr concurrently."""
     from zarr.api import asynchronous
 
     out: dict[str, Opened] = {}
@@ -129,8 +126,7 @@ def open_arrays(
 
 def blosc_codec(codec: Any) -> Any:
     """The numcodecs ``Blosc`` a ``BloscCodec`` encodes with (``BloscCodec._blosc_codec``): the
-    direct shard writer compresses chunks with exactly zarr's codec object, so the bytes are
-    zarr's."""
+    direct shard writer compresses with exactly zarr's codec object, so the bytes are zarr's."""
     return codec._blosc_codec
 
 

@@ -82,11 +82,9 @@ class PlacementError(CorruptStoreError):
 
 class StoreNeedsRepairError(CorruptStoreError):
     """The store's root ``zarr.json`` (the manifest, the commit point) is missing, unreadable or
-    only the creation marker, yet its arrays hold data: a writer refuses to open it (it would
-    otherwise recreate the store over committed rows), a reader cannot interpret it. The
-    manifest's identity fields (teacher, tokenizer fingerprint, k, encoding, ...) live only in
-    the root, so the repair is to put back the root ``zarr.json`` (from a backup or a copy of the
-    store); the arrays are left untouched."""
+    only the creation marker, yet its arrays hold data: writers refuse it (they would recreate the
+    store over committed rows); ``logitcache repair`` rebuilds the root from the key index, where
+    the store has one."""
 
 
 class WireFormatError(FormatError):

@@ -1,34 +1,13 @@
-"""A compiled pass for the writer's encode step: checks, float16 and row deltas in one loop over
-each record's rows (the write side of the format, FORMAT.md W1 and 4.2).
+"""The compiled encode pass of the writer (FORMAT.md W1, 4.2): checks, float16 rounding and row
+deltas in one loop over each record's rows, bit for bit what :func:`.records.rows_pass` and
+:func:`.quant.encode_logprobs` do (``tests/format/test_format_fastencode.py`` compares them), with
+distinct ids checked by a per-vocabulary stamp table instead of a sort. Loaded with it: the tail
+mass passes (:func:`tail_rows`), the key hash sums (:func:`key_sums`) and the key-index merge
+(:func:`merge_sorted`).
 
-:func:`~._encode.encode_batch` checks a batch with about fifteen numpy passes over its top-k
-arrays (ranges, a sort per row for distinct ids, finiteness, the order of each row) and encodes
-the logprobs with five more (clip, float16, row delta, copies), each pass writing a temporary as
-large as the batch. :func:`encode_rows`, compiled with numba,
-reads each record's ``topk_ids`` and ``topk_logprobs`` once and writes the batch's stored arrays in
-place: the same checks (:func:`.records.rows_pass`: ids in ``[0, vocab)`` and distinct in a row,
-logprobs finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along the row) and the same bytes
-(:func:`.quant.encode_logprobs` for ``float16``: ``min(x, 0)``, ``max(., -65504)``, rounded to the
-nearest-even half, row deltas of the bit patterns modulo ``2**16``), bit for bit
-(``tests/format/test_format_fastencode.py`` compares them over every float16 rounding boundary and
-random batches). Distinct ids are checked with a per-vocabulary stamp table instead of a sort.
-
-The float32 -> float16 rounding is integer arithmetic on the bit patterns (no F16C instruction or
-compiler runtime needed), exact for the clipped range ``[-65504, 0]``. Loaded with it: the tail
-mass's passes (:func:`tail_rows`) and the weighted byte sums of the key hashes
-(:func:`key_sums`, one pass over an append's key bytes where numpy makes five).
-
-Optional: needs ``numba`` (installed with vLLM; ``pip install numba`` elsewhere, ~10 MB with
-llvmlite's ~40 MB; whether it is installed is decided once, :data:`._numba.AVAILABLE`). Without
-it, or if compiling or the self-check at the first use fails, :func:`ready` is ``False`` and the
-writer keeps its numpy path.
-The kernels load at :func:`ready` (the job runner calls it at its start), or at the append that
-brings the values a process has encoded with numpy to :data:`LOAD_AFTER_VALUES`
-(:func:`wanted`): a process that writes less never imports numba. They compile then
-unless numba's on-disk cache has them (``cache=True``: the package's ``__pycache__``, or numba's
-user cache directory), where the kernel module :mod:`._encodekernels` keeps its functions at
-module level so that it finds them.
-"""
+Optional: needs ``numba`` (:data:`._numba.AVAILABLE`). The kernels load at :func:`ready`, or once a
+process has encoded :data:`LOAD_AFTER_VALUES` values with numpy (:func:`wanted`); until then, and
+if compiling or a self-check fails, the writer encodes with numpy (the same bytes)."""
 
 from __future__ import annotations
 
@@ -56,54 +35,46 @@ __all__ = [
 MAX_VOCAB = 1 << 20
 
 _kernel: Any = None
-_tail: Any = (
-    None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once they pass their self-check, else None
-)
-_sums: Any = None  # the compiled key_sums once it passes its self-check, else None
-_merge: Any = None  # the compiled merge_pairs once it passes its self-check, else None
+_tail: Any = None  # (tail_rest, row_sums, PAIRWISE_BLOCK) once loaded and checked
+_sums: Any = None  # the compiled key_sums once loaded and checked
+_merge: Any = None  # the compiled merge_pairs once loaded and checked
 _state = "unknown"  # "unknown" | "ready" | "off"
 _lock = threading.Lock()
 
-#: Top-k values (rows x k) a process encodes with numpy before :func:`wanted` loads the kernels.
-#: Loading them costs ~0.35 CPU-s (numba's import ~0.13, then its first kernel from the on-disk
-#: cache ~0.2: its typing and lowering registries; each further kernel ~3 ms), what numpy's
-#: encode spends over the kernels' on about this many values of short rows (k=4: ~20 ns a value,
-#: the key hashes and run merges of the append included); at k=100 it is ~4 ns a value.
+#: Top-k values a process encodes with numpy before :func:`wanted` loads the kernels: loading
+#: costs ~0.35 CPU-s, what numpy's encode spends over the kernels' on about this many values.
 LOAD_AFTER_VALUES = 1 << 24
 _numpy_values = 0  # top-k values encoded with numpy while the kernels were not loaded
 
 
-def _compile() -> Any:
-    """The compiled kernel (raises ImportError without numba)."""
-    from . import _encodekernels
-
-    return _encodekernels.encode_rows
-
-
 def ready() -> bool:
-    """Whether :func:`encode_rows` is usable in this process (compiles and self-checks once;
-    the tail-mass kernels of :func:`tail_rows` and the key sums of :func:`key_sums` too)."""
-    global _kernel, _state
+    """Whether the kernels are usable in this process: loaded (compiled, or from numba's cache)
+    and checked against numpy once; any failure keeps every step on numpy."""
+    global _kernel, _tail, _sums, _merge, _state
     if _state == "unknown":
         with _lock:
             if _state == "unknown":
                 try:
                     if not _numba.AVAILABLE:
                         raise ImportError("numba is not installed")
-                    _kernel = _compile()
-                    _state = "ready" if _self_check() else "off"
+                    from . import _encodekernels as ek
+
+                    _kernel, _sums, _merge = ek.encode_rows, ek.key_sums, ek.merge_pairs
+                    _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
+                    checks = (_self_check, _tail_check, _sums_check, _merge_check)
+                    ok = all(check() for check in checks)
                 except Exception:  # no numba, a failed compile: the numpy path
-                    _state = "off"
-                if _state == "ready":
-                    _load_more()
+                    ok = False
+                if not ok:
+                    _kernel = _tail = _sums = _merge = None
+                _state = "ready" if ok else "off"
     return _state == "ready"
 
 
 def wanted(values: int) -> bool:
     """Whether an encode of ``values`` top-k values takes the compiled pass: once :func:`ready`
     loaded the kernels, or when this encode brings the values encoded with numpy in this process
-    to :data:`LOAD_AFTER_VALUES` (then it loads them: :func:`ready`'s answer). Either pass stores
-    the same bytes; until then the key sums and run merges are numpy's too."""
+    to :data:`LOAD_AFTER_VALUES` (then :func:`ready` loads them)."""
     global _numpy_values
     if _state == "unknown":
         _numpy_values += values
@@ -112,37 +83,9 @@ def wanted(values: int) -> bool:
     return ready()
 
 
-def _load_more() -> None:
-    """Load the tail-mass kernels and the key sums, each kept only if it passes its
-    self-check (else numpy's formula stays)."""
-    global _tail, _sums, _merge
-    from . import _encodekernels as ek  # imported by the kernel's compile already
-
-    try:
-        _tail = (ek.tail_rest, ek.row_sums, ek.PAIRWISE_BLOCK)
-        if not _tail_check():
-            _tail = None
-    except Exception:  # numpy's tail formula stays
-        _tail = None
-    try:
-        _sums = ek.key_sums
-        if not _sums_check():
-            _sums = None
-    except Exception:  # numpy's sums stay
-        _sums = None
-    try:
-        _merge = ek.merge_pairs
-        if not _merge_check():
-            _merge = None
-    except Exception:  # numpy's stable sort stays
-        _merge = None
-
-
 def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
-    """:func:`._keyindex.key_sums_numpy` of the keys ``buf`` (uint8) ending at ``ends``
-    (increasing, the last ``len(buf)``), bit for bit, in one compiled pass; ``None`` when the
-    kernel is not loaded (only :func:`ready` loads it: a reader hashing keys compiles
-    nothing)."""
+    """:func:`._keyindex.key_sums_numpy` of the keys ``buf`` (uint8) ending at ``ends``, bit for
+    bit, in one compiled pass; ``None`` when the kernels are not loaded."""
     if _sums is None:
         return None
     out = np.empty(len(ends), np.uint64)
@@ -152,20 +95,17 @@ def key_sums(buf: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarr
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
-    """A read-only view of ``a``: a kernel's inputs are always read-only arrays (bytes of a
-    store often are, and so are views of an engine's row buffers), so numba specialises each
-    kernel once, at :func:`ready`'s self-check, not again per writability inside an append
-    (where numba's on-disk cache lacks that specialisation, that would compile it there)."""
+    """A read-only view of ``a``: kernel inputs are always read-only, so numba specialises each
+    kernel once (at :func:`ready`'s self-check), never again inside an append."""
     v = a.view()
     v.flags.writeable = False
     return v
 
 
 def merge_sorted(parts: list[np.ndarray]) -> np.ndarray | None:
-    """``parts`` (key-index entries, :data:`._keyruns.ENTRY`, each sorted by hash, given in
-    sequence order) merged into one array sorted by hash, equal hashes in the parts' order:
-    what a stable sort of their concatenation gives, bit for bit, by merges from the newest part
-    back (each entry copied once per part it passes). ``None`` when the kernel is not loaded."""
+    """``parts`` (key-index entries, each sorted by hash, in sequence order) merged into one array
+    sorted by hash, bit for bit what a stable sort of their concatenation gives; ``None`` when the
+    kernels are not loaded."""
     if _merge is None:
         return None
     out = np.ascontiguousarray(parts[-1])
@@ -211,13 +151,9 @@ def _sums_check() -> bool:
 
 
 def tail_rows(lp: np.ndarray) -> np.ndarray | None:
-    """:func:`.records.tail_from_logprobs` of float32 ``lp`` ``[n, k]`` (rows each contiguous,
-    :func:`parent_rows`), bit for bit, with two compiled passes around numpy's own ``exp``
-    : the differences to each row's first value and their check in one pass, the row
-    sums as numpy's pairwise float32 sum. ``None`` when the kernels are not loaded (only
-    :func:`ready`, which the job runner calls at its start, loads them: a reader computing a
-    tail does not compile anything) or when a row is unsorted or not finite (the caller's
-    float64 path then)."""
+    """:func:`.records.tail_from_logprobs` of float32 ``lp`` ``[n, k]`` (rows each contiguous), bit
+    for bit, with two compiled passes around numpy's own ``exp``; ``None`` when the kernels are not
+    loaded or a row is unsorted or not finite (the caller's float64 path then)."""
     if _tail is None:
         return None
     n, k = lp.shape
@@ -238,9 +174,8 @@ def tail_rows(lp: np.ndarray) -> np.ndarray | None:
 
 
 def _tail_check() -> bool:
-    """:func:`tail_rows` against numpy's formula (:func:`._tail.tail_numpy`) on rows of
-    every summation shape (under 8 values, up to 128, split halves), as C-ordered arrays and
-    rows of a wider buffer, and its refusals (unsorted, NaN, a row of -inf)."""
+    """:func:`tail_rows` against numpy's formula (:func:`._tail.tail_numpy`) on rows of every
+    summation shape, C-ordered and rows of a wider buffer, and its refusals."""
     from ._tail import tail_numpy
 
     rng = np.random.default_rng(1)
@@ -259,9 +194,8 @@ def _tail_check() -> bool:
 
 
 def _self_check() -> bool:
-    """The kernel against :func:`.quant.encode_logprobs` and the checks on a small batch, given
-    as C-ordered arrays and as rows of wider ones (both of numba's specialisations, compiled or
-    loaded here, not at a job's first append)."""
+    """The kernel against :func:`.quant.encode_logprobs` and the checks on a small batch, as
+    C-ordered arrays and as rows of wider ones (both of numba's specialisations)."""
     from .quant import encode_logprobs
 
     rng = np.random.default_rng(0)
@@ -287,10 +221,9 @@ def _self_check() -> bool:
 
 
 class StampTable:
-    """The distinct-id table of :func:`encode_rows`: one uint16 stamp per vocabulary id; a row's
-    ids are distinct iff none finds the row's own stamp. Each row checked takes the next stamp
-    (``state[0]``, advanced by the kernel); after stamp 65535 the kernel zeroes the table and
-    starts again at 1, so a stamp never repeats without a clean table in between."""
+    """The distinct-id table of :func:`encode_rows`: one uint16 stamp per vocabulary id; a row's ids
+    are distinct iff none finds the row's own stamp (``state[0]``: the last stamp given; the kernel
+    zeroes the table after stamp 65535)."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab = int(vocab_size)
@@ -305,14 +238,9 @@ KEEP_VALUES = 1 << 24
 
 
 class Outputs:
-    """The compiled encode's output arrays, and the arrays a batch of records' top-k rows are
-    joined into (its input), kept from one append to the next.
-
-    Fresh ``[rows, k]`` int32 and uint16 arrays per append are fresh pages (page faults in
-    system time; an ``int32`` array over glibc's largest mmap threshold, 32 MiB, is a new
-    mapping every time). These are faulted in once and reused.
-    Taken through :func:`outputs` for the length of one append: the arrays it hands out are
-    overwritten by the next append that takes the same :class:`Outputs`."""
+    """The compiled encode's output arrays and the arrays records' top-k rows are joined into, kept
+    from one append to the next (fresh arrays per append would be fresh pages: page faults in system
+    time). Taken through :func:`outputs` for one append; the next append overwrites them."""
 
     def __init__(self) -> None:
         self._kept: dict[str, np.ndarray] = {}
@@ -360,11 +288,9 @@ def outputs() -> Iterator[Outputs]:
 
 
 def parent_rows(a: np.ndarray) -> np.ndarray:
-    """A C-ordered ``[n, w]`` view whose first ``k`` columns are ``a`` (``[n, k]``, each row
-    contiguous and ``w`` values after the one before, :func:`.records.rows_array`): ``a`` itself
-    when C-ordered. The kernel reads such a view in place at the speed of a C-ordered array (an
-    arbitrarily strided one halves it). Its columns past ``k`` are not ``a``'s, and the last
-    row's run past ``a``'s last value: only the first ``k`` of a row may be read."""
+    """A C-ordered ``[n, w]`` view whose first ``k`` columns are ``a`` (``[n, k]``, rows each
+    contiguous, :func:`.records.rows_array`), so the kernel reads it at C-order speed; only the
+    first ``k`` values of a row may be read."""
     n, k = a.shape
     if a.flags.c_contiguous or n == 0 or k == 0:
         return a
@@ -382,11 +308,10 @@ def encode_rows(
     table: StampTable,
     tol: float,
 ) -> bool:
-    """Check ``ids`` int32 / ``lp`` float32 ``[n, k]`` (one record's rows: C order, or rows
-    of a wider buffer, each contiguous, as :func:`parent_rows` takes them) as
-    :func:`.records.rows_pass` does and write ``ids_out`` (the ids) and ``stored_out`` (the
-    float16 row-delta bit patterns, :func:`.quant.encode_logprobs`); False at the first failing
-    row (the outputs are then partly written). Call only after :func:`ready` returned True."""
+    """Check ``ids`` int32 / ``lp`` float32 ``[n, k]`` (rows each contiguous) as
+    :func:`.records.rows_pass` does and write ``ids_out`` and ``stored_out`` (the float16 row-delta
+    bit patterns of :func:`.quant.encode_logprobs`); False at the first failing row. Call only after
+    :func:`ready` returned True."""
     pl = _read_only(parent_rows(lp))
     got = _kernel(  # the ids' loop is scalar: their strides cost nothing (numba's "A")
         _read_only(ids),

@@ -127,11 +127,9 @@ def decode_rows(stored: np.ndarray, dtype: str, scale: np.ndarray | None) -> np.
 @dataclass(frozen=True, eq=False)
 class TeacherHead:
     """The teacher's output head: ``logits = softcap(logit_scale * (h W^T + b))`` with
-    ``softcap(z) = c tanh(z / c)`` when ``softcap = c`` is set (Gemma 2's
-    ``final_logit_softcapping``), ``logit_scale`` Cohere's multiplier (1 elsewhere).
-
-    ``weight`` ``[V, d]``: float32, or bfloat16 bit patterns (uint16) with ``dtype="bfloat16"``;
-    ``bias`` float32 ``[V]`` or ``None``."""
+    ``softcap(z) = c tanh(z / c)`` when set (Gemma 2) and ``logit_scale`` Cohere's multiplier (1
+    elsewhere). ``weight`` ``[V, d]``: float32, or bfloat16 bit patterns (uint16) with
+    ``dtype="bfloat16"``; ``bias`` float32 ``[V]`` or ``None``."""
 
     weight: np.ndarray
     bias: np.ndarray | None = None

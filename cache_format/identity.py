@@ -1,14 +1,10 @@
-"""The teacher identity: which teacher distribution a cache holds. Defined once, here, beside the
-manifest that records it, so the server (its 409 on another teacher, the Ray replicas' check) and
-the client (the dataset's config fingerprint) read the same definition.
+"""The teacher identity: which teacher distribution a cache holds, defined once beside the manifest
+that records it, so the server and the client read the same definition.
 
-The identity is the manifest fields :data:`TEACHER_FIELDS` (model id, revision, tokenizer
-fingerprint, vocabulary size, temperature, logprob mode) plus :data:`TEACHER_EXTRA_FIELDS` (the
-weights' content hash and the engine's dtype), which a manifest keeps under
-``extra[TEACHER_EXTRA_KEY]``. :func:`teacher_diff` is the only comparison. ``k``, the logprob
-encoding and the target kind are not the teacher: they are the rest of a cache's identity
-(:data:`~._manifest.IDENTITY_FIELDS`, which starts with :data:`TEACHER_FIELDS`).
-"""
+It is the manifest fields :data:`TEACHER_FIELDS` plus :data:`TEACHER_EXTRA_FIELDS` (the weights'
+content hash and the engine's dtype, kept under ``extra[TEACHER_EXTRA_KEY]``);
+:func:`teacher_diff` is the only comparison. ``k``, the logprob encoding and the target kind are
+the rest of a cache's identity (:data:`~._manifest.IDENTITY_FIELDS`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -25,11 +24,8 @@ from .store import put_objects
 
 @dataclass(frozen=True)
 class ArrayDef:
-    """One array of the format: ``k_axis`` is True for ``[n, k]`` arrays, else ``[n]``.
-
-    ``whole_blocks``: a blosc codec compresses each inner chunk as one block (else blosc picks
-    its block size).
-    """
+    """One array of the format: ``k_axis`` is True for ``[n, k]`` arrays, else ``[n]``;
+    ``whole_blocks``: blosc compresses each inner chunk as one block."""
 
     name: str
     dtype: str
@@ -51,122 +47,84 @@ class ArrayDef:
 
 def array_defs(manifest: Manifest, layout: spec.Layout = spec.DEFAULT_LAYOUT) -> list[ArrayDef]:
     """Every array a store with this manifest has, in write order (commit comes after all)."""
-    whole = layout.blosc_blocks == "chunk"
-    row_chunk, row_shard = layout.row_chunk, layout.row_shard
+    m, lay, whole = manifest, layout, layout.blosc_blocks == "chunk"
 
-    def rows(name: str, dtype: str, codec: str, enc: str) -> ArrayDef:  # [n] per-row arrays
+    def rows(name: str, dtype: str, codec: str, enc: str, k_axis: bool = False) -> ArrayDef:
+        n = 1 if k_axis else 8  # [n] per-row arrays: chunks of 8x the rows
+        dims = ("row", "rank") if k_axis else ("row",)
         return ArrayDef(
-            name, dtype, False, row_chunk * 8, row_shard * 8, codec, ("row",), whole, enc
+            name, dtype, k_axis, lay.row_chunk * n, lay.row_shard * n, codec, dims, whole, enc
         )
 
     def per_seq(name: str, dtype: str, enc: str) -> ArrayDef:
-        codec = "zstd3" if dtype == "str" else layout.other_codec
+        codec = "zstd3" if dtype == "str" else lay.other_codec
         return ArrayDef(
-            name, dtype, False, layout.seq_chunk, layout.seq_shard, codec, ("sequence",), whole, enc
+            name, dtype, False, lay.seq_chunk, lay.seq_shard, codec, ("sequence",), whole, enc
         )
 
-    if manifest.targets == "hidden":
-        defs = _hidden_defs(manifest, layout, rows)
+    def per_token(name: str, dtype: str, codec: str, dim: str, enc: str) -> ArrayDef:
+        return ArrayDef(
+            name, dtype, False, lay.token_chunk, lay.token_shard, codec, (dim,), whole, enc
+        )
+
+    def per_vocab(name: str, dtype: str, enc: str) -> ArrayDef:
+        v = m.vocab_size
+        return ArrayDef(name, dtype, False, v, v, "zstd3", ("vocab",), False, enc)
+
+    def wide(name: str, dtype_name: str, codec: str, dims: tuple[str, ...]) -> ArrayDef:
+        """``[n, d]`` arrays of a hidden store (FORMAT.md 4.10): inner chunks of about
+        :data:`HIDDEN_CHUNK_BYTES`, shards of 64 chunks."""
+        from .hidden import STORED
+
+        assert m.hidden is not None
+        stored, d = STORED[dtype_name], m.hidden["dim"]
+        chunk = _rows_for(d, np.dtype(stored).itemsize)
+        return ArrayDef(name, stored, True, chunk, chunk * 64, codec, dims, whole, dtype_name, d)
+
+    h = m.hidden
+    if h is not None:
+        defs = [wide(spec.HIDDEN, h["dtype"], lay.logprob_codec, ("row", "hidden"))]
+        if h["dtype"] == "float8_e4m3":
+            defs.append(rows(spec.HIDDEN_SCALE, "float32", lay.other_codec, "float32"))
     else:
-        defs = _topk_defs(manifest, layout, rows)
+        lp = m.logprob_dtype
+        id_enc = "id_rank" if m.id_remap else "id"
+        defs = [
+            rows(spec.TOPK_IDS, "int32", lay.id_codec, id_enc, k_axis=True),
+            rows(spec.TOPK_LOGPROBS, STORED_DTYPE[lp], lay.logprob_codec, f"{lp}_row_delta", True),
+        ]
+        if lp in spec.QUANTISED_DTYPES:
+            defs += [
+                rows(n, "float32", lay.other_codec, "float32")
+                for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
+            ]
+        defs.append(rows(spec.TAIL_MASS, m.tail_mass_dtype, lay.tail_codec, m.tail_mass_dtype))
+    defs.append(per_token(spec.INPUT_IDS, "int32", lay.id_codec, "token", "id"))
+    if m.loss_mask:
+        defs.append(rows(spec.LOSS_MASK, "uint8", "blosc-zstd5-bitshuffle", "bool_u8"))
+    if m.entropy:
+        defs.append(rows(spec.ENTROPY, "float16", lay.other_codec, "float16"))
+    if m.actual_logprob:
+        defs.append(rows(spec.ACTUAL_LOGPROB, "float32", lay.other_codec, "float32"))
     defs += [
-        ArrayDef(
-            spec.INPUT_IDS,
-            "int32",
-            False,
-            layout.token_chunk,
-            layout.token_shard,
-            layout.id_codec,
-            ("token",),
-            whole,
-            "id",
-        ),
-        *(
-            [rows(spec.LOSS_MASK, "uint8", "blosc-zstd5-bitshuffle", "bool_u8")]
-            if manifest.loss_mask
-            else []
-        ),
-        *(
-            [rows(spec.ENTROPY, "float16", layout.other_codec, "float16")]
-            if manifest.entropy
-            else []
-        ),
-        *(
-            [rows(spec.ACTUAL_LOGPROB, "float32", layout.other_codec, "float32")]
-            if manifest.actual_logprob
-            else []
-        ),
         per_seq(spec.SEQ_KEYS, "str", "utf8"),
         per_seq(spec.SEQ_LENGTHS, "int32", "int32"),
         per_seq(spec.SEQ_TOKEN_START, "int64", "int64"),
         per_seq(spec.SEQ_ROW_START, "int64", "int64"),
     ]
-    if manifest.format_version >= 2:
-        defs += [
-            per_seq(spec.SEQ_KEY_END, "int64", "int64"),
-            ArrayDef(
-                spec.SEQ_KEY_BYTES,
-                "uint8",
-                False,
-                layout.token_chunk,
-                layout.token_shard,
-                layout.other_codec,
-                ("byte",),
-                whole,
-                "utf8_bytes",
-            ),
-        ]
-    if manifest.id_remap:
-        vocab = manifest.vocab_size
+    if m.format_version >= 2:
+        defs.append(per_seq(spec.SEQ_KEY_END, "int64", "int64"))
+        defs.append(per_token(spec.SEQ_KEY_BYTES, "uint8", lay.other_codec, "byte", "utf8_bytes"))
+    if m.id_remap:
+        defs.append(per_vocab(spec.ID_ORDER, "int32", "id"))
+    if h is not None:  # the teacher head, written once by the first commit
         defs.append(
-            ArrayDef(spec.ID_ORDER, "int32", False, vocab, vocab, "zstd3", ("vocab",), False, "id")
+            wide(spec.HEAD_WEIGHT, h["head_dtype"], "blosc-zstd1-shuffle", ("vocab", "hidden"))
         )
-    if manifest.targets == "hidden":
-        defs += _head_defs(manifest, layout)
-    if layout.name != "default":
-        defs = [replace(d, layout=layout.name) for d in defs]
-    return defs
-
-
-def _topk_defs(manifest: Manifest, layout: spec.Layout, rows: Any) -> list[ArrayDef]:
-    """The row arrays of a top-k or sampled store (FORMAT.md 4, 4.1)."""
-    whole = layout.blosc_blocks == "chunk"
-    row_chunk, row_shard = layout.row_chunk, layout.row_shard
-    lp_dtype = manifest.logprob_dtype
-    dims2 = ("row", "rank")
-    id_enc = "id_rank" if manifest.id_remap else "id"
-    defs = [
-        ArrayDef(
-            spec.TOPK_IDS,
-            "int32",
-            True,
-            row_chunk,
-            row_shard,
-            layout.id_codec,
-            dims2,
-            whole,
-            id_enc,
-        ),
-        ArrayDef(
-            spec.TOPK_LOGPROBS,
-            STORED_DTYPE[lp_dtype],
-            True,
-            row_chunk,
-            row_shard,
-            layout.logprob_codec,
-            dims2,
-            whole,
-            f"{lp_dtype}_row_delta",
-        ),
-    ]
-    if lp_dtype in spec.QUANTISED_DTYPES:
-        defs += [
-            rows(n, "float32", layout.other_codec, "float32")
-            for n in (spec.LOGPROB_MAX, spec.LOGPROB_STEP)
-        ]
-    defs.append(
-        rows(spec.TAIL_MASS, manifest.tail_mass_dtype, layout.tail_codec, manifest.tail_mass_dtype)
-    )
+        if h["bias"]:
+            defs.append(per_vocab(spec.HEAD_BIAS, "float32", "float32"))
+    if lay.name != "default":
+        defs = [replace(d, layout=lay.name) for d in defs]
     return defs
 
 
@@ -178,66 +136,6 @@ at d=4096 in bfloat16); rounded down to a power of two of rows, at least 1."""
 def _rows_for(width: int, itemsize: int) -> int:
     n = max(1, HIDDEN_CHUNK_BYTES // (width * itemsize))
     return 1 << (n.bit_length() - 1)
-
-
-def _hidden_defs(manifest: Manifest, layout: spec.Layout, rows: Any) -> list[ArrayDef]:
-    """The row arrays of a hidden store (FORMAT.md 4.10): ``hidden`` ``[n, d]`` in inner chunks
-    of about 1 MiB and shards of 64 chunks, plus ``hidden_scale`` for e4m3."""
-    from .hidden import STORED
-
-    h = manifest.hidden
-    assert h is not None
-    stored = STORED[h["dtype"]]
-    chunk = _rows_for(h["dim"], np.dtype(stored).itemsize)
-    defs = [
-        ArrayDef(
-            spec.HIDDEN,
-            stored,
-            True,
-            chunk,
-            chunk * 64,
-            layout.logprob_codec,
-            ("row", "hidden"),
-            layout.blosc_blocks == "chunk",
-            h["dtype"],
-            width=h["dim"],
-        )
-    ]
-    if h["dtype"] == "float8_e4m3":
-        defs.append(rows(spec.HIDDEN_SCALE, "float32", layout.other_codec, "float32"))
-    return defs
-
-
-def _head_defs(manifest: Manifest, layout: spec.Layout) -> list[ArrayDef]:
-    """The teacher head (FORMAT.md 4.10): ``head_weight`` ``[V, d]`` and, with a bias,
-    ``head_bias`` ``[V]``; written once, by the first commit."""
-    from .hidden import STORED
-
-    h = manifest.hidden
-    assert h is not None
-    stored = STORED[h["head_dtype"]]
-    chunk = _rows_for(h["dim"], np.dtype(stored).itemsize)
-    whole = layout.blosc_blocks == "chunk"
-    defs = [
-        ArrayDef(
-            spec.HEAD_WEIGHT,
-            stored,
-            True,
-            chunk,
-            chunk * 64,
-            "blosc-zstd1-shuffle",
-            ("vocab", "hidden"),
-            whole,
-            h["head_dtype"],
-            width=h["dim"],
-        )
-    ]
-    if h["bias"]:
-        v = manifest.vocab_size
-        defs.append(
-            ArrayDef(spec.HEAD_BIAS, "float32", False, v, v, "zstd3", ("vocab",), False, "float32")
-        )
-    return defs
 
 
 def committed_lengths(m: Manifest) -> dict[str, int]:
@@ -311,12 +209,9 @@ INCOMPLETE_ATTR = "logitcache_incomplete"
 
 
 def read_root_attrs(store: zarr.abc.store.Store) -> dict | None:
-    """The root group's attributes, or ``None`` if the store has no root ``zarr.json``.
-
-    A zarr v3 group's ``zarr.json`` is read and parsed directly (one ``get``: the commit point
-    is read on every append and job, and ``open_group`` costs far more);
-    anything else (no ``zarr.json``, another node type or format) goes through zarr's
-    ``open_group``, which decides as before."""
+    """The root group's attributes, or ``None`` if the store has no root ``zarr.json``: a zarr v3
+    group's document is read and parsed directly (one ``get``), anything else goes through zarr's
+    ``open_group``."""
     doc = _root_document(store)
     if doc is not None:
         return dict(doc.get("attributes") or {})
@@ -378,12 +273,9 @@ def _root_document(store: zarr.abc.store.Store) -> dict | None:
 
 
 def write_root_attrs(store: zarr.abc.store.Store, attrs: dict) -> None:
-    """Replace the root group's attributes with one write of the root ``zarr.json`` (the commit).
-
-    Creates the root group if absent; never touches the arrays below it. The document is the
-    one zarr's ``Group.attrs.put`` writes (zarr's own ``GroupMetadata`` encoding), without
-    opening the group first.
-    """
+    """Replace the root group's attributes with one write of the root ``zarr.json`` (the commit),
+    encoded by zarr's ``GroupMetadata``; creates the root group if absent, never touches the
+    arrays."""
     doc = GroupMetadata(attributes=attrs).to_buffer_dict(default_buffer_prototype())
     put_objects(store, [(ROOT_METADATA, doc[ROOT_METADATA].to_bytes())])
 

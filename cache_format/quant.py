@@ -1,22 +1,8 @@
-"""Storage encodings of top-k logprobs (FORMAT.md §4 "Logprob encodings").
-
-Value encodings (manifest ``logprob_dtype``):
-
-- ``float16`` (default): the value clipped to ``[-65504, 0]`` (the finite float16 range) and
-  rounded to nearest-even half; relative error <= 2**-11 (e.g. <= 0.0078 absolute at -16).
-- ``float32``: the value itself (exact).
-- ``uint8`` / ``uint16``: lossy, relative to the row max. With ``m = max_j lp_j`` (rank 0) and
-  ``step = (m - min_j lp_j) / Q`` (``Q = 255`` or ``65535``), ``q_j = round((m - lp_j) / step)``;
-  decoding is ``m - q_j * step`` in float32. Error bound ``|lp_j - lp_j'| <= step / 2 =
-  (m - min_j lp_j) / (2 Q)`` (+ float32 rounding); rank 0 is exact; order is preserved (ties can
-  appear). ``m`` and ``step`` are stored per row in ``logprob_max`` / ``logprob_step`` (float32).
-
-Row-delta transform (applied to every encoding, lossless): the encoded row is viewed as unsigned
-integers ``u`` (float16 -> uint16 bit patterns, float32 -> uint32, quantised as is) and stored as
-``d_0 = u_0``, ``d_j = (u_j - u_{j-1}) mod 2^bits``. Sorted logprobs make ``u`` monotone (bit
-patterns of non-positive floats grow with magnitude; ``q`` grows), so the deltas are small and
-compress about a third better. Decoding is a cumulative sum modulo ``2^bits``.
-"""
+"""Storage encodings of top-k logprobs (FORMAT.md §4 "Logprob encodings"): ``float16`` (clipped to
+``[-65504, 0]``, nearest-even), ``float32`` (exact), ``uint8`` / ``uint16`` (quantised relative to
+the row max, with per-row ``logprob_max`` / ``logprob_step``), each followed by the lossless
+row-delta transform of the values' unsigned bit patterns (decoded by a cumulative sum modulo
+``2**bits``)."""
 
 from __future__ import annotations
 
@@ -75,15 +61,9 @@ def decode_logprobs(
     out_dtype: str = "float32",
     in_place: bool = False,
 ) -> np.ndarray:
-    """Inverse of :func:`encode_logprobs`: ``[n, k]`` logprobs as ``out_dtype``.
-
-    ``out_dtype="float32"`` (default) gives the decoded values of FORMAT.md D3. ``"float16"``
-    returns the stored float16 values themselves for ``dtype="float16"`` (no widening: exact,
-    half the bytes), and the float32 values clipped to ``[-65504, 65504]`` (the finite float16
-    range) and rounded to float16 for the other encodings (lossy; never ``-inf``).
-    ``in_place=True`` lets the row-delta inverse overwrite ``stored`` (a decoded block the caller
-    owns), saving one array.
-    """
+    """Inverse of :func:`encode_logprobs`: ``[n, k]`` logprobs as ``out_dtype`` (``"float32"``:
+    FORMAT.md D3; ``"float16"``: a float16 store's stored values themselves, other encodings' values
+    clipped and rounded). ``in_place=True`` lets the row-delta inverse overwrite ``stored``."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype!r}")
     d = np.asarray(stored, dtype=STORED_DTYPE[dtype])

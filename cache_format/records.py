@@ -27,15 +27,10 @@ def content_key(input_ids: np.ndarray) -> str:
 def tail_from_logprobs(topk_logprobs: np.ndarray) -> np.ndarray:
     """``clip(1 - sum_k exp(logprob), 0, 1)`` per row, as float32.
 
-    Computed in float32 without cancellation: with ``m`` the row's first (largest) logprob,
-    ``tail = -expm1(m + log1p(sum_{j>0} exp(lp_j - m)))``. Every term is accurate relative to
-    itself, so the absolute error is a few float32 ulps of ``|m|`` plus a few ulps of the tail
-    (``tests/format/test_format_tail.py`` bounds it against the float64 sum): within what the
-    float32 input itself fixes, where ``1 - sum exp`` summed in float32 would lose tails below
-    ~1e-7.
-    Rows whose first entry is not their largest (unsorted: refused by :func:`check_record`)
-    and non-float32 input use the float64 sum.
-    """
+    Computed in float32 without cancellation, with ``m`` the row's first (largest) logprob:
+    ``tail = -expm1(m + log1p(sum_{j>0} exp(lp_j - m)))`` (``tests/format/test_format_tail.py``
+    bounds the error against the float64 sum). Unsorted rows and non-float32 input use the float64
+    sum."""
     lp = np.asarray(topk_logprobs)
     if lp.dtype != np.float32 or lp.ndim == 0 or lp.shape[-1] == 0:
         return tail_float64(lp)
@@ -75,10 +70,8 @@ def keep_tail(rows: Any, tail: np.ndarray) -> None:
 
 
 def rows_array(value: Any, dtype: Any) -> np.ndarray:
-    """``value`` as a ``dtype`` array: itself when it already is one whose rows each lie
-    contiguous in memory (a 2-D array with unit inner stride and rows that do not overlap, such
-    as columns ``1..k`` of the vLLM hook's ``[n, k + 1]`` buffers: no copy), else a
-    C-ordered copy."""
+    """``value`` as a ``dtype`` array: itself when its rows each lie contiguous in memory (e.g.
+    columns ``1..k`` of a ``[n, k + 1]`` buffer: no copy), else a C-ordered copy."""
     arr = np.asarray(value)
     if (
         arr.dtype == dtype
@@ -175,18 +168,12 @@ def checked_tokens(key: str | None, input_ids: Any) -> np.ndarray:
 class SequenceRecord(TopkRows):
     """One cached sequence.
 
-    Fields: ``key`` (caller's id, or ``None`` for the content key of ``input_ids``),
-    ``input_ids`` ``[L]`` int32, ``topk_ids`` ``[L-1, k]`` int32, ``topk_logprobs`` ``[L-1, k]``
-    float32 (float16 in a reader's record asked for ``logprob_dtype="float16"``), ``tail_mass``
-    ``[L-1]`` float32 or ``None`` (then computed from the logprobs), ``loss_mask`` ``[L-1]``
-    uint8 of 0/1 or ``None`` (row ``j`` is trained on iff 1; ``None``: every row is, FORMAT.md
-    4.6), ``entropy`` ``[L-1]`` float32 nats or ``None`` (the teacher's entropy per row, FORMAT.md
-    4.9; a reader's record of an ``entropy`` store has it as float16), ``actual_logprob``
-    ``[L-1]`` float32 or ``None`` (row ``j``'s logprob of its actual next token ``input_ids[j +
-    1]``, FORMAT.md 4.12). Construction coerces
-    dtypes and checks shapes (:class:`RecordError`); value checks against a manifest (vocab, k,
-    order, NaN) are :func:`check_record`'s job.
-    """
+    ``key`` (``None``: the content key of ``input_ids``), ``input_ids`` ``[L]`` int32, ``topk_ids``
+    ``[L-1, k]`` int32, ``topk_logprobs`` ``[L-1, k]`` float32 (float16 when a reader is asked for
+    it), ``tail_mass`` ``[L-1]`` float32 or ``None`` (computed from the logprobs), and the optional
+    rows ``loss_mask`` (uint8 0/1, FORMAT.md 4.6), ``entropy`` (nats, 4.9) and ``actual_logprob``
+    (the logprob of ``input_ids[j + 1]``, 4.12). Construction coerces dtypes and checks shapes
+    (:class:`RecordError`); value checks against a manifest are :func:`check_record`'s."""
 
     key: str | None
     input_ids: np.ndarray
@@ -241,9 +228,7 @@ class SequenceRecord(TopkRows):
         actual_logprob: np.ndarray | None = None,
     ) -> SequenceRecord:
         """A record of arrays that already are what construction would make of them (a reader's
-        decoded arrays: int32 ids, float32 or float16 logprobs, float32 tail, uint8 mask, shapes
-        consistent by the store's layout), without the coercion and checks. Anything else goes
-        through the constructor."""
+        decoded arrays), without the coercion and checks."""
         rec = object.__new__(cls)
         rec.__dict__.update(  # the fields a frozen dataclass's __init__ would set
             key=key,
@@ -268,8 +253,7 @@ class SequenceRecord(TopkRows):
         return self.input_ids[1:]
 
     def tail_or_computed(self) -> np.ndarray:
-        """The given tail mass, or the one implied by the top-k logprobs (computed once: a
-        job's writer computes it as it encodes the record, its progress reads it again)."""
+        """The given tail mass, or the one implied by the top-k logprobs (computed once)."""
         if self.tail_mass is not None:
             return self.tail_mass
         return computed_tail(self)
@@ -296,12 +280,8 @@ class SequenceRecord(TopkRows):
         return all(a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in pairs)
 
     def to_torch(self) -> dict[str, Any]:
-        """Tensors: input_ids, labels, topk_ids, topk_logprobs, tail_mass (and the key), plus
-        ``loss_mask`` (bool ``[L-1]``), ``entropy`` and ``actual_logprob`` (float32 ``[L-1]``)
-        when the record has them.
-
-        Imports torch lazily; ids become int64 (what embedding/gather ops expect).
-        """
+        """Tensors of every field the record has (ids as int64, ``loss_mask`` as bool, ``labels``
+        added); imports torch lazily."""
         import torch
 
         out = {
@@ -312,8 +292,6 @@ class SequenceRecord(TopkRows):
             "topk_logprobs": torch.from_numpy(self.topk_logprobs),
             "tail_mass": torch.from_numpy(self.tail_or_computed()),
         }
-        if self.loss_mask is not None:
-            out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
         return _with_extras(out, self)
 
 
@@ -342,15 +320,16 @@ class RowBlock:
             "topk_logprobs": torch.from_numpy(self.topk_logprobs),
             "tail_mass": torch.from_numpy(self.tail_mass),
         }
-        if self.loss_mask is not None:
-            out["loss_mask"] = torch.from_numpy(self.loss_mask.astype(bool))
         return _with_extras(out, self)
 
 
 def _with_extras(out: dict[str, Any], rows: Any) -> dict[str, Any]:
-    """``out`` plus the optional per-row arrays ``rows`` has, as float32 tensors."""
+    """``out`` plus the optional per-row arrays ``rows`` has: the loss mask as bool, the others
+    as float32 tensors."""
     import torch
 
+    if rows.loss_mask is not None:
+        out["loss_mask"] = torch.from_numpy(rows.loss_mask.astype(bool))
     for name in ("entropy", "actual_logprob"):
         value = getattr(rows, name)
         if value is not None:
@@ -359,9 +338,8 @@ def _with_extras(out: dict[str, Any], rows: Any) -> dict[str, Any]:
 
 
 def _row_pairs(a: np.ndarray, op: Any) -> bool:
-    """Whether ``op(a[:, j + 1], a[:, j])`` holds anywhere in a C-contiguous ``[n, k]`` array:
-    one pass over the flat array (the 2-D strided form costs about 2x more), the pairs that
-    straddle two rows masked out."""
+    """Whether ``op(a[:, j + 1], a[:, j])`` holds anywhere in ``[n, k]`` ``a``: one pass over the
+    flat array, the pairs that straddle two rows masked out."""
     flat = np.ascontiguousarray(a).reshape(-1)
     hit = op(flat[1:], flat[:-1])
     hit[a.shape[1] - 1 :: a.shape[1]] = False
@@ -377,73 +355,59 @@ def rows_pass(
     vocab_size: int,
 ) -> bool:
     """Whether :func:`check_record` passes every record of a batch whose arrays are given here
-    concatenated (``input_ids`` ``[T]``, ``topk_ids``/``topk_logprobs`` ``[R, k]`` of records that
-    all have the cache's ``k``, ``tails``: the given tail masses, or ``None`` if none is given).
+    concatenated (``input_ids`` ``[T]``, ``topk_ids``/``topk_logprobs`` ``[R, k]``, ``tails``: the
+    given tail masses or ``None``). Each check tests single rows or an extremum, so it holds for
+    the concatenation iff it holds for every record; on ``False`` the caller checks record by
+    record for the error."""
+    return _problem(input_ids, topk_ids, topk_logprobs, tails, vocab_size) is None
 
-    The same checks as :func:`check_record`'s, each made once over the whole batch instead of
-    once per record: every check is a test of single rows or an extremum, so it
-    holds for the concatenation iff it holds for every record. ``False`` says only that some
-    record fails; the caller runs :func:`check_record` per record for the error.
-    """
+
+def _problem(
+    input_ids: np.ndarray,
+    topk_ids: np.ndarray,
+    lp: np.ndarray,
+    tails: np.ndarray | None,
+    vocab_size: int,
+) -> str | None:
+    """The first check of :func:`check_record` these rows fail (its message), or ``None``."""
     from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
 
-    for arr in (input_ids, topk_ids):
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
-            return False
+    for name, arr in (("input_ids", input_ids), ("topk_ids", topk_ids)):
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= vocab_size:
+                return f"{name} outside vocab [0, {vocab_size}): min {lo}, max {hi}"
     k = topk_ids.shape[1]
-    if k > 1 and _row_pairs(np.sort(topk_ids, axis=1), np.equal):
-        return False
-    lp = topk_logprobs
-    if not bool(np.isfinite(lp).all()) or (lp.size and float(lp.max()) > LOGPROB_TOLERANCE):
-        return False
+    if k > 1:
+        srt = np.sort(topk_ids, axis=1)
+        if _row_pairs(srt, np.equal):
+            row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0][0])
+            return f"row {row}: repeated token id in top-k"
+    if not bool(np.isfinite(lp).all()):
+        return "topk_logprobs contain NaN or inf"
+    if lp.size and float(lp.max()) > LOGPROB_TOLERANCE:
+        return f"topk_logprobs > 0 (max {float(lp.max())})"
     if k > 1 and _row_pairs(lp, np.greater):
-        return False
+        row = int(np.nonzero((lp[:, 1:] > lp[:, :-1]).any(axis=1))[0][0])
+        return f"row {row}: logprobs not sorted descending"
     if tails is not None and tails.size:
         if not bool(np.isfinite(tails).all()):
-            return False
-        if float(tails.min()) < -TAIL_TOLERANCE or float(tails.max()) > 1 + TAIL_TOLERANCE:
-            return False
-    return True
+            return "tail_mass contains NaN or inf"
+        lo_t, hi_t = float(tails.min()), float(tails.max())
+        if lo_t < -TAIL_TOLERANCE or hi_t > 1 + TAIL_TOLERANCE:
+            return f"tail_mass outside [0, 1]: [{lo_t}, {hi_t}]"
+    return None
 
 
 def check_record(rec: SequenceRecord, *, k: int, vocab_size: int, index: int | None = None) -> None:
-    """Value checks of one record against a cache's ``k`` and ``vocab_size`` (RecordError).
-
-    Checks: k matches; all ids in ``[0, vocab_size)``; top-k ids distinct within a row; logprobs
-    finite, ``<= LOGPROB_TOLERANCE`` and non-increasing along each row; tail mass (if given)
-    finite and within ``[-TAIL_TOLERANCE, 1 + TAIL_TOLERANCE]``.
-    """
-    from .spec import LOGPROB_TOLERANCE, TAIL_TOLERANCE
-
-    key = rec.key
+    """Value checks of one record against a cache's ``k`` and ``vocab_size`` (RecordError): ids
+    in ``[0, vocab_size)`` and distinct within a row; logprobs finite, ``<= LOGPROB_TOLERANCE``
+    and non-increasing; tail mass (if given) finite and within
+    ``[-TAIL_TOLERANCE, 1 + TAIL_TOLERANCE]``."""
     if rec.k != k:
-        raise RecordError(f"k mismatch: record has {rec.k}, cache has {k}", key=key, index=index)
-    for name, arr in (("input_ids", rec.input_ids), ("topk_ids", rec.topk_ids)):
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= vocab_size:
-            raise RecordError(
-                f"{name} outside vocab [0, {vocab_size}): min {lo}, max {hi}", key=key, index=index
-            )
-    if k > 1:
-        srt = np.sort(rec.topk_ids, axis=1)
-        if _row_pairs(srt, np.equal):
-            row = int(np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0][0])
-            raise RecordError(f"row {row}: repeated token id in top-k", key=key, index=index)
-    lp = rec.topk_logprobs
-    if not bool(np.isfinite(lp).all()):
-        raise RecordError("topk_logprobs contain NaN or inf", key=key, index=index)
-    if float(lp.max()) > LOGPROB_TOLERANCE:
-        raise RecordError(f"topk_logprobs > 0 (max {float(lp.max())})", key=key, index=index)
-    if k > 1 and _row_pairs(lp, np.greater):
-        row = int(np.nonzero((lp[:, 1:] > lp[:, :-1]).any(axis=1))[0][0])
-        raise RecordError(f"row {row}: logprobs not sorted descending", key=key, index=index)
-    if rec.tail_mass is not None:
-        t = rec.tail_mass
-        if not bool(np.isfinite(t).all()):
-            raise RecordError("tail_mass contains NaN or inf", key=key, index=index)
-        if float(t.min()) < -TAIL_TOLERANCE or float(t.max()) > 1 + TAIL_TOLERANCE:
-            raise RecordError(
-                f"tail_mass outside [0, 1]: [{float(t.min())}, {float(t.max())}]",
-                key=key,
-                index=index,
-            )
+        raise RecordError(
+            f"k mismatch: record has {rec.k}, cache has {k}", key=rec.key, index=index
+        )
+    got = _problem(rec.input_ids, rec.topk_ids, rec.topk_logprobs, rec.tail_mass, vocab_size)
+    if got is not None:
+        raise RecordError(got, key=rec.key, index=index)

@@ -1,33 +1,11 @@
 """Sampled targets (random-sampling KD, Anshumann et al. 2025, "Sparse Logit Sampling").
 
-The estimator (FORMAT.md section "Sampled targets" is the normative text): for one row with teacher
-distribution ``p`` (already at the cache's ``temperature``) and proposal temperature ``tau``,
-
-* the proposal is ``q = softmax(log p / tau)`` (``q ∝ p^(1/tau)``; ``tau = 1``: ``q = p``);
-* ``N`` ids are drawn from ``q`` with replacement by inverse-CDF sampling: draw ``j`` is the
-  smallest id ``v`` with ``cumsum(q)[v] > u_j`` for the row's uniforms ``u_j`` (:func:`uniforms`);
-* the ``m <= N`` distinct ids get importance weights ``w_i ∝ c_i p_i / q_i`` (``c_i`` = times id
-  ``i`` was drawn), normalised to sum to 1;
-* the row is stored like a top-k row: ``ids [k]`` sorted by descending weight (ties: ascending
-  id), ``logprobs [k] = log w_i``; a row with ``m < k`` is padded with the smallest ids not in it
-  and log-weight :data:`PAD_LOGPROB` (weight 0; the format keeps logprobs finite).
-
-With ``tau = 1`` every weight is ``c_i / N`` and ``E[w_i] = p_i``: the forward KL
-``sum_i w_i (log w_i - log q_student_i)`` then has gradient ``q_student - w`` w.r.t. the student
-logits, an unbiased estimate of full KD's ``q_student - p``.
-
-**Head + residual** (``head = m > 0``, a stratified estimator): the row keeps the teacher's top
-``m`` ids exactly, with ``w_i = p_i``; the ``N`` draws come from the residual proposal
-``q_R ∝ p^(1/tau)`` restricted to the ids outside the head (renormalised), and the distinct drawn
-ids get ``w_i = (1 - P_head) (c_i p_i / q_R_i) / sum_l (c_l p_l / q_R_l)`` (``P_head`` the head's
-mass). With ``tau = 1``, ``E[w_i] = p_i`` for every id (the head is exact, the tail unbiased) and
-the variance is lower than ``m + N`` plain draws': the head's ids no longer spend draws. A row
-then has ``k = m + N`` slots. ``head = 0`` is the plain estimator above, bit for bit.
-
-Reproducibility: the uniforms of a sequence come from a ``torch.Generator`` seeded with
-``sha256(seed, key)`` (:func:`uniforms`), drawn for the whole sequence up front, so the targets
-depend only on (seed, key, teacher row) and not on batching, chunking or resume.
-"""
+FORMAT.md 4.4 is the normative estimator: per row, ``N`` ids drawn with replacement from the
+proposal ``q ∝ p^(1/tau)`` by inverse CDF (:func:`uniforms`), the distinct ones weighted
+``w_i ∝ c_i p_i / q_i`` (normalised), stored like a top-k row (``log w`` by descending weight,
+padded with :data:`PAD_LOGPROB`). ``head = m > 0`` keeps the teacher's top ``m`` ids exactly and
+draws from the residual. The uniforms of a sequence come from ``sha256(seed, key)``, so the
+targets depend only on (seed, key, teacher row), not on batching, chunking or resume."""
 
 from __future__ import annotations
 
@@ -56,10 +34,9 @@ def uniforms(seed: int, key: str, rows: int, draws: int) -> Any:
 
 
 def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
-    """The uniforms of a sequence whose generator seed is ``seq_seed`` (:func:`sequence_seed`):
-    ``torch.rand(rows, draws, float64)`` from a CPU ``torch.Generator``. The stream is row-major,
-    so the first ``r`` rows are the same whatever ``rows >= r`` is asked for (a producer that
-    sees a sequence in chunks draws ``[:end]`` and keeps ``[start:end]``)."""
+    """``torch.rand(rows, draws, float64)`` from a CPU ``torch.Generator`` seeded with
+    ``seq_seed`` (:func:`sequence_seed`); row-major, so the first rows are the same whatever
+    ``rows`` is asked for."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seq_seed))
@@ -68,8 +45,7 @@ def seeded_uniforms(seq_seed: int, rows: int, draws: int) -> Any:
 
 def check_head(head: int, draws: int, vocab_size: int) -> int:
     """``head`` as an int if ``0 <= head`` and, for ``head > 0``, ``head + draws <= vocab_size``
-    (a row's ``head + draws`` slots must fit the vocabulary); ``ValueError`` otherwise. ``head =
-    0`` adds no check (the plain estimator's own ``k <= V`` rule applies, as it always did)."""
+    (the row's slots fit the vocabulary); ``ValueError`` otherwise."""
     if isinstance(head, bool) or not isinstance(head, int | np.integer) or head < 0:
         raise ValueError(f"head must be an integer >= 0, got {head!r}")
     if head and int(head) + int(draws) > vocab_size:
@@ -84,14 +60,10 @@ def sample_rows(
     k: int | None = None,
     head: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sampled targets of a block of rows (see the module docstring).
-
-    ``logprobs``: ``[r, V]`` teacher log-probabilities (torch, any float dtype/device);
-    ``u``: ``[r, N]`` uniforms from :func:`uniforms`; ``head``: the top ids kept exactly
-    (``m``, default 0: plain RS-KD); ``k``: stored slots per row (default ``m + N``; rows with
-    more than ``k`` distinct ids raise ``ValueError``). Returns numpy
-    ``(ids [r, k] int32, log_w [r, k] float32)``.
-    """
+    """Sampled targets of a block of rows (FORMAT.md 4.4): ``logprobs`` ``[r, V]`` teacher
+    log-probabilities (torch), ``u`` ``[r, N]`` uniforms (:func:`uniforms`), ``head`` the top ids
+    kept exactly (0: plain RS-KD), ``k`` stored slots per row (default ``head + N``; more distinct
+    ids raise ``ValueError``). Returns numpy ``(ids [r, k] int32, log_w [r, k] float32)``."""
     import torch
 
     if not proposal_temperature > 0:
@@ -249,13 +221,10 @@ def sample_from_hidden(
     head: int = 0,
     entropy: list[Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Sampled targets straight from a teacher's final hidden states, chunk by chunk: for
-    ``chunk_rows`` positions at a time ``lp = log_softmax((h W^T + b) / temperature)`` and
-    :func:`sample_rows` on it, so at most ``chunk_rows x V`` logits exist at once (never the
-    ``[L, V]`` block of the whole sequence). ``hidden [n, d]``, ``weight [V, d]``, ``u [n, N]``
-    (:func:`uniforms` of the sequence); ``head``: the top ids kept exactly (:func:`sample_rows`).
-    Equal to :func:`sample_rows` on the full block, whatever ``chunk_rows`` is (the uniforms are
-    per row). ``entropy``: a list that receives, per chunk, the rows' :func:`row_entropy`."""
+    """Sampled targets from a teacher's final hidden states, ``chunk_rows`` positions at a time
+    (``lp = log_softmax((h W^T + b) / temperature)``, then :func:`sample_rows`), so at most
+    ``chunk_rows x V`` logits exist at once; equal to :func:`sample_rows` on the whole block.
+    ``entropy``: a list that receives each chunk's :func:`row_entropy`."""
     import torch
 
     if chunk_rows < 1:
@@ -280,9 +249,8 @@ def sample_from_hidden(
 
 
 def row_entropy(lp: Any) -> Any:
-    """The entropy in nats, ``-sum_v p_v log p_v``, of each row of log-probabilities ``lp``
-    ``[n, V]`` (a full ``log_softmax`` row, float32 torch): float32 ``[n]``, ``>= 0`` (FORMAT.md
-    4.9). Terms with ``p_v = 0`` count 0."""
+    """The entropy in nats, ``-sum_v p_v log p_v``, of each row of log-probabilities ``lp [n, V]``
+    (float32 torch): float32 ``[n]``, ``>= 0`` (FORMAT.md 4.9)."""
     import torch
 
     return torch.special.entr(lp.exp()).sum(-1).clamp_min_(0.0)

@@ -71,36 +71,26 @@ KEY_BYTES_ARRAYS = (SEQ_KEY_END, SEQ_KEY_BYTES)  # v2 only
 
 @dataclass(frozen=True)
 class Layout:
-    """Chunk (read unit) and shard (object/write unit) lengths along axis 0, per array family.
-
-    Rows: ``row_chunk`` rows per inner chunk, ``row_shard`` rows per shard object.
-    Tokens (input_ids) and per-sequence arrays have their own lengths.
-    Chosen by ``python -m benchmarks.format`` (see benchmarks/results/format.md). Named presets:
-    :data:`LAYOUTS` (FORMAT.md 4.7); a store records its layout in each array's ``zarr.json``
-    (and a preset's name in the array attribute ``logitcache_layout``), so readers and later
-    writers use the store's own, whatever layout they were given.
-    """
+    """Chunk (read unit) and shard (object/write unit) lengths along axis 0, per array family, and
+    codecs. Named presets: :data:`LAYOUTS` (FORMAT.md 4.7); a store records its layout in each
+    array's ``zarr.json``, so readers and later writers use the store's own."""
 
     row_chunk: int = 2048
     row_shard: int = 65536
     token_chunk: int = 8192
     token_shard: int = 65536
-    """Tokens per ``input_ids`` (and ``seq_key_bytes``) shard object. Every append rewrites the
-    partly filled shard whole (FORMAT.md W3), so a 1M-token shard would be rewritten ~9 times per
-    65K-row append and ~33 times per 16K-row one; stores made with 1,048,576 keep it when
-    appended to (the chunking is in their ``zarr.json``)."""
+    """Tokens per ``input_ids`` (and ``seq_key_bytes``) shard object: every append rewrites the
+    partly filled shard whole (FORMAT.md W3), so it stays small."""
     seq_chunk: int = 16384
     seq_shard: int = 262144
     id_codec: str = "blosc-zstd1-bitshuffle"
     logprob_codec: str = "blosc-zstd1-shuffle"
     other_codec: str = "blosc-zstd5-shuffle"
     tail_codec: str = "blosc-zstd1-bitshuffle"
-    """``tail_mass``'s codec: its values' bit planes compress smaller than their bytes and about
-    5x faster (format bench: 3.39 against 3.43 B/row on the synthetic teacher's tails)."""
+    """``tail_mass``'s codec: bit planes compress smaller and faster than bytes here."""
     blosc_blocks: Literal["chunk", "auto"] = "chunk"
-    """``"chunk"``: blosc compresses each inner chunk as one block (smaller and faster to decode
-    than blosc's automatic 32 KiB blocks at these chunk sizes, see format.md); ``"auto"``: blosc
-    picks the block size (stores written before this default)."""
+    """``"chunk"``: blosc compresses each inner chunk as one block; ``"auto"``: blosc picks the
+    block size."""
 
     name: str = "default"
     """Preset name recorded in the store (``logitcache_layout`` array attribute, v2) when it is
@@ -131,16 +121,11 @@ RANDOM_ACCESS_RAW_LAYOUT = replace(
     tail_codec="none",
     name="random_access_raw",
 )
-"""Point-read preset that trades bytes for CPU: every numeric array stored without a compressor
-(inner codecs ``bytes`` LE + ``crc32c``; the logprob row delta of FORMAT.md 4.2 is kept, it is
-part of the encoding), in 64-row chunks (512-token ``input_ids`` chunks): a point read checks and
-reads whole chunks, so smaller chunks cut the extra bytes of a random sequence's first and last
-chunk, and a chunk's CRC32C and row sums run while it is in the core's first-level cache
-(benchmarks/results/format.md). ``loss_mask`` keeps its own codec and
-``seq_keys`` zstd. About 1.9x the bytes of ``random_access`` at k=100 (FORMAT.md 4.7): for
-``sequence(i)`` reads whose budget the decompression alone exceeds. (Stores made
-with the earlier 256- and 128-row versions read as any layout does: the chunking is in their
-``zarr.json``.)"""
+"""Point-read preset that trades bytes for CPU: every numeric array without a compressor (inner
+codecs ``bytes`` LE + ``crc32c``; the row delta of FORMAT.md 4.2 kept) in 64-row chunks
+(512-token ``input_ids`` chunks), so a point read decodes few extra rows; ``loss_mask`` keeps its
+own codec and ``seq_keys`` zstd. About 1.9x the bytes of ``random_access`` at k=100 (FORMAT.md
+4.7)."""
 
 LAYOUTS: dict[str, Layout] = {
     "default": DEFAULT_LAYOUT,
@@ -151,8 +136,8 @@ LAYOUTS: dict[str, Layout] = {
 layout=LAYOUTS["random_access"])`` (or :func:`layout_named`)."""
 
 LAYOUT_ATTR = "logitcache_layout"
-"""Array attribute (v2) naming the preset a store was created with (absent: ``"default"`` or a
-store written before presets; the chunk shapes and codecs in ``zarr.json`` are what readers use)."""
+"""Array attribute (v2) naming the preset a store was created with (absent: ``"default"``, a
+custom layout, or a store written before presets)."""
 
 
 def layout_named(name: str) -> Layout:

@@ -1,22 +1,12 @@
 """Opening a zarr store from a URL (local directory, s3://, gs://, az://, any fsspec URL).
 
-- A path or ``file://`` URL: :class:`zarr.storage.LocalStore` (atomic per-object writes); for
-  writing :class:`DurableLocalStore`, which also fsyncs (FORMAT.md W5a).
-- ``s3://``, ``gs://``, ``az://``/``abfs://``: :class:`zarr.storage.ObjectStore` over obstore
-  (conditional puts give a safe writer lock); ``{"backend": "fsspec"}`` picks
-  :class:`zarr.storage.FsspecStore`.
-- Anything else: :class:`zarr.storage.FsspecStore` (``storage_options`` go to fsspec as given).
-
-**One option dialect.** ``storage_options`` are fsspec's (for S3, s3fs's names: ``endpoint_url``,
-``key``, ``secret``, ``token``, ``anon``, ``client_kwargs={"region_name": ...}``; ``region`` is
-accepted as a shorthand for the latter). :func:`normalize_storage_options` is the one edge: it
-puts the options in that form once (obstore's own spellings ``endpoint``, ``access_key_id``,
-``secret_access_key``, ``session_token`` still work, with a ``DeprecationWarning``; a text
-``anon`` such as ``"false"`` means what it says). Every store is opened from the normalised
-options: FsspecStore takes them as they are, obstore gets them translated one way
-(:func:`_obstore_options`). Listing goes through the same opened store as reading and writing
-(:func:`list_children`), so no path translates them back.
-"""
+A path or ``file://`` URL opens :class:`zarr.storage.LocalStore` (for writing
+:class:`DurableLocalStore`, which also fsyncs, FORMAT.md W5a); ``s3://``, ``gs://``, ``az://``
+open :class:`zarr.storage.ObjectStore` over obstore (conditional puts for the writer lock), or
+:class:`zarr.storage.FsspecStore` with ``{"backend": "fsspec"}``; anything else FsspecStore.
+``storage_options`` are fsspec's names, normalised once by :func:`normalize_storage_options`
+(obstore spellings still accepted, with a ``DeprecationWarning``) and translated one way for
+obstore; listing goes through the same opened store (:func:`list_children`)."""
 
 from __future__ import annotations
 
@@ -191,26 +181,14 @@ def _write_object(
 
 class DurableLocalStore(zarr.storage.LocalStore):
     """A :class:`zarr.storage.LocalStore` whose object writes survive power loss once
-    :meth:`sync_dirs` has returned.
+    :meth:`sync_dirs` has returned (FORMAT.md W3-W5).
 
-    Each object is written as zarr's LocalStore writes it (a ``*.partial`` temporary file renamed
-    over the key, so a reader sees the old or the new object, never a torn one) and its bytes are
-    fsynced before the rename. The rename itself (a directory entry) becomes durable when the
-    directory is fsynced: the store remembers every directory whose entries it changed and
-    :meth:`sync_dirs` fsyncs each once. The writer calls it after the data of an append and again
-    after the commit (FORMAT.md W3-W5).
-
-    **O_DIRECT.** Objects of :data:`DIRECT_IO_MIN` bytes or more (the shards) are written to their
-    temporary file with ``O_DIRECT``: page-aligned memory straight from the caller's
-    buffer, the rest through a page-aligned bounce buffer, padded to a page and truncated back to
-    the object's size, then fsynced and renamed as above: the same bytes and the same crash
-    safety, without the copy into the page cache. Smaller objects (``zarr.json``) go through the
-    page cache. A filesystem that refuses ``O_DIRECT`` (``EINVAL``
-    on open or on the first write: tmpfs, ``/dev/shm``, some FUSE mounts) gets the buffered write,
-    and the store remembers it (:attr:`direct_io` becomes False). ``direct_io=False`` turns it
-    off. Data written with ``O_DIRECT`` is not left in the page cache: the next read of it comes
-    from the disk.
-    """
+    Each object is written as LocalStore writes it (a ``*.partial`` file renamed over the key) and
+    fsynced before the rename; the directories whose entries changed are fsynced by
+    :meth:`sync_dirs`. Objects of :data:`DIRECT_IO_MIN` bytes or more (the shards) are written with
+    ``O_DIRECT`` (the same bytes, no copy into the page cache) unless ``direct_io=False`` or the
+    filesystem refuses it (tmpfs, some FUSE mounts: then buffered, and :attr:`direct_io` turns
+    False)."""
 
     def __init__(
         self, root: Path | str, *, read_only: bool = False, direct_io: bool | None = None
@@ -237,11 +215,9 @@ class DurableLocalStore(zarr.storage.LocalStore):
             _write_file(tmp, data, fsync=True)
 
     def put_many(self, items: Sequence[tuple[str, Any]]) -> None:
-        """Write the objects ``items`` (key, bytes-like) and make them durable before returning:
-        each written as :meth:`_put_durable` writes it (in one round of the store's threads, a
-        lone object on the calling thread), then every directory whose entries they changed
-        fsynced (one more round): one hand-off per round for a whole append, and every rename
-        done before the first directory fsync, so the file system commits them together."""
+        """Write the objects ``items`` (key, bytes-like) durably before returning: each written as
+        :meth:`_put_durable` writes it (one round of the store's threads), then every changed
+        directory fsynced (one more round), every rename done before the first directory fsync."""
         self._ensure_open_sync()
         self._check_writable()
         objects = [(self.root / key, memoryview(data).cast("B")) for key, data in items]
@@ -309,11 +285,8 @@ class DurableLocalStore(zarr.storage.LocalStore):
 
 def put_objects(zstore: Any, items: Sequence[tuple[str, Any]]) -> None:
     """Write the objects ``items`` (key, ``bytes`` or a contiguous uint8 array) into ``zstore``
-    together: a :class:`DurableLocalStore` writes them in one round of its threads, durable on
-    return (:meth:`DurableLocalStore.put_many`); zarr's plain ``LocalStore`` (a writer without
-    fsync) on the calling thread, each as zarr writes it (:func:`_write_object`, no hand-off to
-    zarr's loop per object); any other store gets them in one
-    gather on zarr's event loop (each object atomic, as the store writes it)."""
+    together: durably through :meth:`DurableLocalStore.put_many`, on the calling thread for a plain
+    ``LocalStore`` (:func:`_write_object`), in one gather on zarr's event loop for other stores."""
     if not items:
         return
     if isinstance(zstore, DurableLocalStore):
@@ -351,15 +324,13 @@ class StoreHandle:
 
     def barrier(self) -> None:
         """Make every object written so far durable: on a :class:`DurableLocalStore` fsync the
-        changed directories (object bytes are fsynced as written); elsewhere a no-op (a
-        completed PUT is the object store's to keep)."""
+        changed directories; elsewhere a no-op."""
         if isinstance(self.zstore, DurableLocalStore):
             self.zstore.sync_dirs()
 
     def remove_partials(self) -> int:
-        """Delete every ``*.partial`` temporary under a local store (see :func:`remove_partials`)
-        and return how many. Call it only while holding the writer lock: then no write of this
-        store is in flight. Other stores: 0 (an object-store PUT leaves no temporary)."""
+        """Delete every ``*.partial`` temporary under a local store (:func:`remove_partials`; only
+        while holding the writer lock) and return how many; other stores: 0."""
         return 0 if self.local_path is None else remove_partials(self.local_path)
 
 
@@ -494,13 +465,9 @@ def open_store(
     fsync: bool = True,
     direct_io: bool | None = None,
 ) -> StoreHandle:
-    """Open the zarr store behind ``url`` (see module docstring for the URL forms).
-
-    ``fsync=False`` writes a local store without fsync (zarr's plain LocalStore: faster, not
-    durable against power loss; still atomic per object). ``direct_io``: whether a durable local
-    store writes its large objects with ``O_DIRECT`` (:class:`DurableLocalStore`; ``None``: yes
-    where the platform has ``O_DIRECT``).
-    """
+    """Open the zarr store behind ``url`` (see module docstring for the URL forms). ``fsync=False``:
+    a local store without fsync (atomic per object, not durable against power loss);
+    ``direct_io``: see :class:`DurableLocalStore`."""
     url = str(url)
     options = normalize_storage_options(url, storage_options)
     backend = options.pop("backend", None)

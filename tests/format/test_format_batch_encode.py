@@ -24,7 +24,14 @@ def _fast_encode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 
 def _one_by_one(recs: list[SequenceRecord], m) -> writer.Batch:
-    return writer.Batch.of([writer.encode_record(r, m, i) for i, r in enumerate(recs)])
+    """The reference: the records encoded one by one (``encode_record``), concatenated."""
+    enc = [writer.encode_record(r, m, i) for i, r in enumerate(recs)]
+    return writer.Batch(
+        [e.key for e in enc],
+        np.array([len(e.input_ids) for e in enc], dtype=np.int64),
+        np.concatenate([e.input_ids for e in enc]),
+        {n: np.concatenate([e.arrays[n] for e in enc]) for n in enc[0].arrays},
+    )
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,8 @@ def test_no_numba_and_a_failed_compile_leave_the_numpy_path(
 ) -> None:
     from logitcache.cache_format import _numba
 
+    for name in ("_kernel", "_tail", "_sums", "_merge"):  # restored after the test
+        monkeypatch.setattr(fastencode, name, getattr(fastencode, name))
     monkeypatch.setattr(fastencode, "_state", "unknown")
     monkeypatch.setattr(_numba, "AVAILABLE", False)
     assert not fastencode.ready()
@@ -186,8 +188,9 @@ def test_no_numba_and_a_failed_compile_leave_the_numpy_path(
     def broken() -> None:
         raise ImportError("no numba")
 
-    monkeypatch.setattr(fastencode, "_compile", broken)
+    monkeypatch.setattr(fastencode, "_merge_check", broken)  # one failing check: all numpy
     assert not fastencode.ready()
+    assert fastencode._kernel is None and fastencode._tail is None and fastencode._sums is None
     m = make_manifest(k=6, vocab_size=50)
     assert writer.encode_batch(make_records(2, k=6, vocab=50, seed=7), m) is not None
 

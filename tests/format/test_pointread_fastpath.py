@@ -139,15 +139,52 @@ def test_a_damaged_chunk_read_by_a_thread_is_a_checksum_error(tmp_path, monkeypa
     assert r.sequence(39).key  # other shards still read
 
 
-def test_groups_balance_and_respect_the_share_size(monkeypatch):
-    monkeypatch.setattr(pointread, "PARALLEL_MIN_BYTES", 100)
-    assert pointread._groups([50, 40], 8) == [[0, 1]]  # 90 bytes: not worth a thread
-    groups = pointread._groups([300, 100, 100, 100, 90, 10], 3)
-    assert sorted(i for g in groups for i in g) == list(range(6))
-    loads = sorted(sum([300, 100, 100, 100, 90, 10][i] for i in g) for g in groups)
-    assert len(groups) == 3 and loads == [200, 200, 300]
-    assert len(pointread._groups([1000] * 10, 3)) == 3  # never more than the threads
-    assert len(pointread._groups([1000] * 10, 16)) == pointread.MAX_SHARES == 4
+def test_logprob_blocks_split_over_at_most_max_shares_threads(monkeypatch):
+    """The NumPy decoder's row blocks (row-delta inverse, widening, id remap) go through the one
+    chunk planner: at most ``MAX_SHARES`` groups, nothing split below the share size, and the
+    values of the serial decode."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from logitcache.cache_format import _decode, _plan
+
+    seen: list[int] = []
+    split = _plan.split
+
+    def spy(items, chunk_rows, row_bytes, n, min_bytes):
+        groups = split(items, chunk_rows, row_bytes, n, min_bytes)
+        seen.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(_plan, "split", spy)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(500).astype(np.int32)
+
+    def blocks():
+        out = []
+        for rows, k in ((7000, 16), (3, 16), (0, 16), (20000, 8)):
+            d = rng.integers(0, 1 << 16, (rows, k), dtype=np.uint16)
+            out.append(
+                (
+                    d,
+                    np.empty((rows, k), np.float32),
+                    rng.integers(0, 500, (rows, k), dtype=np.int32),
+                )
+            )
+        return out
+
+    want = blocks()
+    got = [(d.copy(), lp, ids.copy()) for d, lp, ids in want]
+    with ThreadPoolExecutor(8) as pool:
+        monkeypatch.setattr(pointread, "PARALLEL_MIN_BYTES", 1)
+        _decode._decode_blocks(got, order, pool, 16)
+        assert seen[-1] == pointread.MAX_SHARES
+        monkeypatch.setattr(pointread, "PARALLEL_MIN_BYTES", 10**9)
+        _decode._decode_blocks(blocks(), order, pool, 16)
+        assert seen[-1] == 1  # not worth a thread
+    for (d, _, ids), (gd, glp, gids) in zip(want, got, strict=True):
+        bits = np.cumsum(d, axis=1, dtype=np.uint16)
+        assert np.array_equal(gd, bits) and np.array_equal(gids, order[ids])
+        assert np.array_equal(glp, bits.view(np.float16).astype(np.float32), equal_nan=True)
 
 
 def test_frame_checks_on_any_buffer():
