@@ -208,46 +208,6 @@ def _sample_head_rows(
     return ids.cpu().numpy().astype(np.int32), lw.cpu().numpy().astype(np.float32)
 
 
-def sample_from_hidden(
-    hidden: Any,
-    weight: Any,
-    u: Any,
-    *,
-    bias: Any = None,
-    temperature: float = 1.0,
-    proposal_temperature: float = 1.0,
-    chunk_rows: int = 256,
-    k: int | None = None,
-    head: int = 0,
-    entropy: list[Any] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sampled targets from a teacher's final hidden states, ``chunk_rows`` positions at a time
-    (``lp = log_softmax((h W^T + b) / temperature)``, then :func:`sample_rows`), so at most
-    ``chunk_rows x V`` logits exist at once; equal to :func:`sample_rows` on the whole block.
-    ``entropy``: a list that receives each chunk's :func:`row_entropy`."""
-    import torch
-
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    head = check_head(head, int(u.shape[1]), int(weight.shape[0]))
-    ids, lws = [], []
-    with torch.no_grad():
-        for s in range(0, int(hidden.shape[0]), chunk_rows):
-            z = hidden[s : s + chunk_rows].float() @ weight.float().T
-            if bias is not None:
-                z = z + bias.float()
-            lp = torch.log_softmax(z / temperature, -1)
-            i, w = sample_rows(lp, u[s : s + chunk_rows], proposal_temperature, k, head)
-            if entropy is not None:
-                entropy.append(row_entropy(lp).cpu().numpy())
-            ids.append(i)
-            lws.append(w)
-    n = head + int(u.shape[1]) if k is None else int(k)
-    if not ids:
-        return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
-    return np.concatenate(ids), np.concatenate(lws)
-
-
 def row_entropy(lp: Any) -> Any:
     """The entropy in nats, ``-sum_v p_v log p_v``, of each row of log-probabilities ``lp [n, V]``
     (float32 torch): float32 ``[n]``, ``>= 0`` (FORMAT.md 4.9)."""

@@ -155,7 +155,7 @@ class TransformersEngine(BaseEngine):
         self, hidden: Any, key: str, targets: SampledTargets, temperature: float
     ) -> TeacherScores:
         """Sampled rows of ``hidden [n, d]``, ``chunk_rows`` rows at a time."""
-        from logitcache.cache_format.sampling import sample_from_hidden, uniforms
+        from logitcache.cache_format.sampling import uniforms
 
         u = uniforms(targets.seed, key, int(hidden.shape[0]), targets.draws)
         ent: list[Any] | None = [] if self.cfg.entropy else None
@@ -405,3 +405,45 @@ class _Pending:
             e, a = (None if x is None else x[start:end] for x in (ent, act))
             out[i] = make_scores(ids[start:end], lps[start:end], tail[start:end], e, a)
             start = end
+
+
+def sample_from_hidden(
+    hidden: Any,
+    weight: Any,
+    u: Any,
+    *,
+    bias: Any = None,
+    temperature: float = 1.0,
+    proposal_temperature: float = 1.0,
+    chunk_rows: int = 256,
+    k: int | None = None,
+    head: int = 0,
+    entropy: list[Any] | None = None,
+) -> tuple[Any, Any]:
+    """Sampled targets from a teacher's final hidden states, ``chunk_rows`` positions at a time
+    (``lp = log_softmax((h W^T + b) / temperature)``, then the format's ``sample_rows``), so at
+    most ``chunk_rows x V`` logits exist at once; equal to ``sample_rows`` on the whole block.
+    ``entropy``: a list that receives each chunk's ``row_entropy``."""
+    import numpy as np
+    import torch
+    from logitcache.cache_format.sampling import check_head, row_entropy, sample_rows
+
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    head = check_head(head, int(u.shape[1]), int(weight.shape[0]))
+    ids, lws = [], []
+    with torch.no_grad():
+        for s in range(0, int(hidden.shape[0]), chunk_rows):
+            z = hidden[s : s + chunk_rows].float() @ weight.float().T
+            if bias is not None:
+                z = z + bias.float()
+            lp = torch.log_softmax(z / temperature, -1)
+            i, w = sample_rows(lp, u[s : s + chunk_rows], proposal_temperature, k, head)
+            if entropy is not None:
+                entropy.append(row_entropy(lp).cpu().numpy())
+            ids.append(i)
+            lws.append(w)
+    n = head + int(u.shape[1]) if k is None else int(k)
+    if not ids:
+        return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
+    return np.concatenate(ids), np.concatenate(lws)

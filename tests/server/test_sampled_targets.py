@@ -170,7 +170,7 @@ def test_validate_flags_sampled_rows_whose_weights_do_not_sum_to_one(tmp_path: P
 
 
 def test_chunked_lm_head_pass_equals_the_full_block() -> None:
-    from logitcache.cache_format.sampling import sample_from_hidden
+    from logitcache.server.engine.hf import sample_from_hidden
 
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(37, 16, generator=g), torch.randn(V, 16, generator=g)
