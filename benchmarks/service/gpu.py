@@ -33,7 +33,6 @@ from benchmarks.harness import (
     Sampler,
     free_memory,
     free_port,
-    md_table,
     proc_cpu,
     server_process,
     sync,
@@ -361,23 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("tail_mass_p50", "", cache["tail_mass"]["quantiles"]["0.5"]),
         ):
             rec.add(name, metric, unit, value, config=config)
-    head_ = [
-        "shape",
-        "bare tok/s",
-        "job tok/s",
-        "ratio",
-        "job us/pos",
-        "cores",
-        "B/pos",
-        "tail p50",
-    ]
-    print(md_table(head_, [
-        [name, f"{r['bare']['device']['tokens_per_s']:.0f}", f"{r['job']['tokens_per_s']:.0f}",
-         f"{r['ratio_job_vs_bare_device']:.3f}", f"{r['job_path_cpu_us_per_position']:.2f}",
-         f"{r['job']['server_cores']:.2f}", f"{r['cache']['bytes_per_position']:.0f}",
-         f"{r['cache']['tail_mass']['quantiles']['0.5']:.4f}"]
-        for name, r in result["shapes"].items()
-    ]))  # fmt: skip
+    print(rec.table())
     rec.finish(result, args.json, indent=1, show=-1)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

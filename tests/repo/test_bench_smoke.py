@@ -156,7 +156,7 @@ def test_format_index_mode(tmp_path: Path) -> None:
     args = ["--sequences", "300", "--repeats", "1", "--validate-max", "0"]
     args += ["--store-dir", str(tmp_path / "stores")]
     out = _run("-m", "benchmarks.format", "index", *args, "--csv", str(csv_path))
-    assert "| this tree | 300 |" in out
+    assert "| this tree n=300 |" in out
     got = {r["metric"]: float(r["value"]) for r in _rows(csv_path)}
     for role, metric in [("reader", "first_index_of_s"), ("writer", "first_contains_s")]:
         assert got[f"{role}_open_s"] > 0 and got[f"{role}_{metric}"] > 0
