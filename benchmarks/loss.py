@@ -30,6 +30,7 @@ GEMMs per ``--gemm-chunks``. ``--check`` first compares the Triton and torch pas
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -47,6 +48,7 @@ from benchmarks.harness import (
     add_csv_option,
     free_memory,
     line_plot,
+    log,
     machine_line,
     median_time,
     options,
@@ -198,6 +200,21 @@ def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dic
     return res
 
 
+def run_cell(row: dict, timed: Callable[[], dict], flops: float) -> dict:
+    """``row`` with the timings of ``timed()`` and their TFLOP/s (``flops`` per step), or its
+    status (``OOM``, ``error: ...``: one variant failing must not end the run); a progress line."""
+    try:
+        row.update(timed(), status="ok")
+        row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
+    except torch.OutOfMemoryError:
+        row["status"] = "OOM"
+    except Exception as e:
+        row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+    free()
+    log(json.dumps({k: v for k, v in row.items() if k != "ms_all"}))
+    return row
+
+
 # ----------------------------------------------------------------------------- checks
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
@@ -267,12 +284,7 @@ def check(args: argparse.Namespace, device: str) -> dict:
             errs.update(rel_errors(got, ref))
             errs["finite"] = bool(torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all())
             out["small"].append(errs)
-            print(
-                f"check {cname:26s} {name:30s} loss {got[0]:+.6f} (ref {ref[0]:+.6f}) "
-                f"rel loss {errs['rel_loss']:.1e} grad_h {errs['rel_grad_h']:.1e} "
-                f"grad_W {errs['rel_grad_w']:.1e}",
-                flush=True,
-            )
+            log("check", json.dumps(errs))
             free()
         del ref
         free()
@@ -308,8 +320,7 @@ def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
     for vocab, dim in args.configs:
         oomed: set[str] = set()
         for n in args.sizes:
-            flops = 6 * n * dim * vocab
-            x = None
+            xs: dict[str, dict] = {}
             for name in chosen:
                 row = dict(variant=name, n=n, vocab=vocab, d=dim, k=args.k)
                 if name == "fused_chunked_c8192" and n not in args.c8192_sizes:
@@ -322,27 +333,16 @@ def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
                 if time.time() > t_end:
                     table.append({**row, "status": "not run (time cap)"})
                     continue
-                try:
-                    if x is None:
-                        x = make_inputs(n, dim, vocab, args.k, device)
-                    res = time_cell(fns[name], x, cuda, args.reps, args.cell_cap_s)
-                    res["tflops"] = flops / (res["ms"] / 1e3) / 1e12
-                    table.append({**row, "status": "ok", **res})
-                    print(
-                        f"{name:26s} V={vocab} N={n:7d} {res['ms']:9.1f} ms "
-                        f"{res['tflops']:6.1f} TF/s peak {res.get('peak_gib', 0):6.2f} GiB "
-                        f"delta {res.get('delta_gib', 0):6.2f}",
-                        flush=True,
-                    )
-                except torch.OutOfMemoryError:
+
+                def step(fn: Callable = fns[name], xs: dict = xs, r: dict = row) -> dict:
+                    if not xs:  # the inputs, made for the first variant that runs at this N
+                        xs["x"] = make_inputs(r["n"], r["d"], r["vocab"], args.k, device)
+                    return time_cell(fn, xs["x"], cuda, args.reps, args.cell_cap_s)
+
+                table.append(run_cell(row, step, 6 * n * dim * vocab))
+                if table[-1]["status"] == "OOM":
                     oomed.add(name)
-                    table.append({**row, "status": "OOM"})
-                    print(f"{name:26s} V={vocab} N={n:7d} OOM", flush=True)
-                finally:
-                    if x is not None:
-                        x["h"].grad = x["w"].grad = None
-                    free()
-            del x
+            xs.clear()
             free()
     return table
 
@@ -493,35 +493,15 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
                 continue
             for name in args.variants:
                 row: dict[str, Any] = dict(variant=name, n=n, vocab=vocab, d=d, k=args.k)
-                try:
-                    res = exact_cell(name, x, args, cuda)
-                except torch.OutOfMemoryError:
-                    row["status"] = "OOM"
-                    print(f"{name:28s} N={n:7d} OOM", flush=True)
-                except Exception as e:  # one variant failing must not end the run
-                    row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
-                    print(f"{name:28s} N={n:7d} {row['status']}", flush=True)
-                else:
-                    row.update(status="ok", **res)
-                    flops = (8 if name.startswith("exact") else 6) * n * d * vocab
-                    row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
+                flops = (8 if name.startswith("exact") else 6) * n * d * vocab
+                run_cell(row, functools.partial(exact_cell, name, x, args, cuda), flops)
+                if row["status"] == "ok":
                     if gemm["lm_head_tflops"]:
                         row["of_lm_head_gemm"] = row["tflops"] / gemm["lm_head_tflops"]
                         sustained = gemm["lm_head_tflops_sustained"]
                         row["of_sustained_gemm"] = row["tflops"] / sustained
                     cfg = {"n": n, "vocab": vocab, "d": d, "k": args.k}
                     rec.add(name, "ms", "ms", row["ms"], samples=len(row["ms_all"]), config=cfg)
-                    print(
-                        f"{name:28s} V={vocab} N={n:7d} {row['ms']:9.1f} ms "
-                        f"{row['tflops']:6.1f} TF/s ({row.get('of_lm_head_gemm', 0):.3f} of GEMM, "
-                        f"{row.get('of_sustained_gemm', 0):.3f} sustained) "
-                        f"peak {row.get('peak_gib', 0):6.2f} "
-                        f"delta {row.get('delta_gib', 0):6.2f} GiB",
-                        flush=True,
-                    )
-                finally:
-                    x["h"].grad = x["w"].grad = None
-                    free()
                 out["rows"].append(row)
             del x
             free()
@@ -539,6 +519,7 @@ def exact_cell(name: str, x: dict, args: argparse.Namespace, cuda: bool) -> dict
         with mode:
             fn(x).backward()
         res["tracked_peak_mib"] = mode.peak / (1 << 20)
+        x["h"].grad = x["w"].grad = None
     return res
 
 
