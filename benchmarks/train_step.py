@@ -45,6 +45,7 @@ from benchmarks.service.gpu import (
     make_model_dir,
     util,
 )
+from benchmarks.synthetic import store_bytes
 
 VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http")
 OFFLINE = ("offline_local", "offline_http")
@@ -95,7 +96,7 @@ def write_cache(teacher: Any, tokens: torch.Tensor, k: int, path: Path, batch: i
                 for key, i, a, b in zip(keys, host, tid, tlp, strict=True)
             ]
             writer.append(recs)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    size = store_bytes(path)
     rows = tokens.shape[0] * (tokens.shape[1] - 1)
     return {"seconds": time.perf_counter() - t0, "rows": rows, "bytes_per_row": size / rows}
 

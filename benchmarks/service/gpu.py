@@ -40,6 +40,7 @@ from benchmarks.harness import (
     thread_cpu,
 )
 from benchmarks.service.common import parse, recorded, run_job, write_jsonl
+from benchmarks.synthetic import store_bytes
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def cache_stats(root: Path, bare_rows: list, sample: int) -> dict:
     from logitcache.cache_format import CacheReader
 
     reader = CacheReader(str(root))
-    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    size = store_bytes(root)
     lps = [reader.get(key).topk_logprobs for key in sorted(reader.keys)[:sample]]
     tail = np.concatenate([1.0 - np.exp(x.astype(np.float64)).sum(axis=1) for x in lps])
     same, total, lp_err = 0, 0, 0.0
