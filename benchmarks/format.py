@@ -50,7 +50,6 @@ from benchmarks.harness import (
     add_csv_option,
     log,
     machine_line,
-    md_table,
     measure,
     options,
     pin_cores,
@@ -59,8 +58,6 @@ from benchmarks.harness import (
     suite_parser,
 )
 from benchmarks.synthetic import Data, Teacher, store_bytes, write_cache
-
-RAW_BPP = 100 * 6  # int32 id + float16 logprob per entry at k=100: the 600 B/position reference
 
 
 @dataclass(frozen=True)
@@ -212,11 +209,6 @@ UNITS = {
 }
 
 
-def vs(r: dict[str, float], base: dict[str, float], key: str, fmt: str) -> str:
-    """``value (ratio to the baseline)``."""
-    return f"{r[key]:{fmt}} ({r[key] / base[key]:.2f})"
-
-
 def run_configs(args: argparse.Namespace) -> None:
     teacher = Teacher(id_map=args.id_map, seed=args.seed)
     data = teacher.fixed(args.positions)
@@ -235,22 +227,7 @@ def run_configs(args: argparse.Namespace) -> None:
             unit = UNITS.get(metric, "pos/s" if "pos" in metric else "seq/s")
             rec.add(case, metric, unit, value, config=cfg)
     rec.save()
-    base = results["baseline (npy)"]
-    rows = [
-        [case, f"{r['bytes_per_position']:.1f}", f"{RAW_BPP / r['bytes_per_position']:.2f}x"]
-        + [f"{r['write_pos_per_cpu_s']:,.0f}", vs(r, base, "seq_read_pos_per_cpu_s", ",.0f")]
-        + [vs(r, base, "seq_read_f16_pos_per_cpu_s", ",.0f")]
-        + [vs(r, base, "random_read_seq_per_cpu_s", ",.1f")]
-        + [f"{r.get('random_batch32_seq_per_cpu_s', float('nan')):,.1f}"]
-        + [f"{r.get('max_abs_logprob_error', 0):.1e}"]
-        for case, r in results.items()
-    ]
-    print(f"\n{data.positions} positions, {args.cores} core(s); {machine_line(rec.machine)}\n")
-    head = (
-        "config|B/pos|vs raw 600|write pos/cpu-s|seq read pos/cpu-s (x npy)|f16 seq read pos/cpu-s"
-    )
-    head += " (x npy)|random seq/cpu-s (x npy)|sequences(32) seq/cpu-s|max lp err"
-    print(md_table(head.split("|"), rows))
+    print(f"\n{data.positions} positions; {machine_line(rec.machine)}\n\n{rec.table()}")
 
 
 # --------------------------------------------------------------------------- random
@@ -264,7 +241,6 @@ def run_random(args: argparse.Namespace) -> None:
     picks = rng.integers(0, n_seq, size=args.reads).tolist()
     groups = rng.integers(0, n_seq, size=(max(1, args.reads // 32), 32)).tolist()
     rec = Recorder("format", "random", csv_path=args.csv)
-    table = []
     with scratch("lc-format-random-") as root:
         recs = data.records()
         cols = {"ids": "topk_ids", "lp": "topk_logprobs", "tail": "tail_mass", "tok": "input_ids"}
@@ -312,8 +288,6 @@ def run_random(args: argparse.Namespace) -> None:
                     rec.add(name, f"{what}_seq_per_cpu_s", "seq/cpu-s", per_cpu, config=c)
                     rec.add(name, f"{what}_seq_per_s", "seq/s", m.rate(n), config=c)
                     rec.add(name, f"{what}_x_npy_cpu", "ratio", x_npy, config=c)
-                    row = [name, f"{bpp:.1f}", t, what, f"{per_cpu:,.0f}", f"{m.rate(n):,.0f}"]
-                    table.append([*row, f"{x_npy:.2f}"])
 
             def sequential(r: Any = ref) -> None:
                 for a in range(0, min(n_seq, 1024), 64):
@@ -325,16 +299,10 @@ def run_random(args: argparse.Namespace) -> None:
             pos = int(rs[min(n_seq, 1024)])
             per_cpu = m.rate(pos, cpu=True)
             rec.add(name, "sequential_pos_per_cpu_s", "pos/cpu-s", per_cpu, config=cfg)
-            row = [name, f"{bpp:.1f}", 1, "sequential rows (pos)", f"{per_cpu:,.0f}"]
-            table.append([*row, f"{m.rate(pos):,.0f}", "-"])
-            log(name, table[-1])
+            log(name, f"sequential {per_cpu:,.0f} positions/CPU-s")
     rec.save()
-    print(
-        f"\n{data.positions} positions, {n_seq} sequences (mean {lengths.mean():.0f} tokens); "
-        f"{machine_line(rec.machine)}\n"
-    )
-    head = ["layout", "B/pos", "threads", "read", "per CPU-s", "per s", "x npy (CPU)"]
-    print(md_table(head, table))
+    print(f"\n{data.positions} positions, {n_seq} sequences (mean {lengths.mean():.0f} tokens); "
+          f"{machine_line(rec.machine)}\n\n{rec.table()}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- codecs
@@ -364,7 +332,6 @@ def run_codecs(args: argparse.Namespace) -> None:
     inputs["logprobs float16 row-delta"] = row_delta(lp16)
     numcodecs.blosc.use_threads = False
     rec = Recorder("format", "codecs", csv_path=args.csv)
-    table = []
     chunk = 2048
     for name, arr in inputs.items():
         chunks = [np.ascontiguousarray(arr[i : i + chunk]) for i in range(0, len(arr), chunk)]
@@ -381,12 +348,11 @@ def run_codecs(args: argparse.Namespace) -> None:
             bpp = sum(map(len, enc)) / len(arr)
             cfg = {"input": name, "codec": label, "chunk": chunk, "rows": args.rows}
             rec.add(f"{name} / {label}", "bytes_per_position", "B/pos", bpp, config=cfg)
-            dec = m_dec.rate(len(arr), cpu=True)
+            enc, dec = m_enc.rate(len(arr), cpu=True), m_dec.rate(len(arr), cpu=True)
+            rec.add(f"{name} / {label}", "encode_pos_per_cpu_s", "pos/cpu-s", enc, config=cfg)
             rec.add(f"{name} / {label}", "decode_pos_per_cpu_s", "pos/cpu-s", dec, config=cfg)
-            enc_rate = m_enc.rate(len(arr), cpu=True)
-            table.append([name, label, f"{bpp:.1f}", f"{enc_rate:,.0f}", f"{dec:,.0f}"])
     rec.save()
-    print(md_table(["input", "codec", "B/pos", "encode pos/cpu-s", "decode pos/cpu-s"], table))
+    print(rec.table())
 
 
 # --------------------------------------------------------------------------- index
@@ -491,24 +457,9 @@ def _probe_in_child(role: str, url: Path, n: int) -> dict[str, float]:
     return dict(json.loads(got.stdout.strip().splitlines()[-1]))
 
 
-INDEX_COLUMNS = {  # table header -> (role, figure, divisor)
-    "reader open s": ("reader", "open_s", 0),
-    "RSS +MB": ("reader", "rss_open", 2**20),
-    "peak +MB": ("reader", "rss_peak", 2**20),
-    "1st sequence s": ("reader", "first_sequence_s", 0),
-    "1st index_of s": ("reader", "first_index_of_s", 0),
-    "RSS +MB after": ("reader", "rss_after_key", 2**20),
-    "writer open s": ("writer", "open_s", 0),
-    "RSS +MB ": ("writer", "rss_open", 2**20),
-    "1st contains s": ("writer", "first_contains_s", 0),
-    "RSS +MB after ": ("writer", "rss_after_key", 2**20),
-}
-
-
 def run_index(args: argparse.Namespace) -> None:
     rec = Recorder("format", "index", csv_path=args.csv)
     label = os.environ.get("BENCH_TREE") or args.label
-    table = []
     with scratch("lc-format-index-") as tmp:
         root = Path(args.store_dir) if args.store_dir else tmp
         root.mkdir(parents=True, exist_ok=True)
@@ -531,17 +482,8 @@ def run_index(args: argparse.Namespace) -> None:
                     rec.add(
                         f"{label} n={n}", f"{role}_{m}", unit, v, samples=args.repeats, config=cfg
                     )
-            cells = [
-                f"{med[r][m] / d:.1f}" if d else f"{med[r][m]:.3f}"
-                for r, m, d in INDEX_COLUMNS.values()
-            ]
-            va = med.get("validate")
-            val = f"{va['first_s']:.2f} / {va['second_s']:.2f}" if va else "-"
-            table.append([label, f"{n:,}", *cells, val])
     rec.save()
-    print(f"\n{args.repeats} repeats (median); {machine_line(rec.machine)}\n")
-    header = ["tree", "sequences", *(h.strip() for h in INDEX_COLUMNS), "validate 1st / 2nd s"]
-    print(md_table(header, table))
+    print(f"\n{args.repeats} repeats (median); {machine_line(rec.machine)}\n\n{rec.table()}")
 
 
 #: mode -> (its function, its options beside ``--positions``, ``--cores``, ``--seed``, ``--csv``)

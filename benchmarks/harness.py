@@ -408,6 +408,21 @@ class Recorder:
             elif isinstance(v, int | float) and not isinstance(v, bool):
                 self.add(case, f"{prefix}{key}", "", v, config=config)
 
+    def table(self) -> str:
+        """The rows as a markdown table: a column per metric, a line per case and configuration
+        (labelled by the configuration values that differ between the case's lines)."""
+        lines: dict[tuple[str, str], dict[str, str]] = {}
+        for r in self.rows:
+            lines.setdefault((r["case"], r["config"]), {})[r["metric"]] = _num(r["value"])
+        metrics = list(dict.fromkeys(m for cells in lines.values() for m in cells))
+        body = []
+        for case, config in lines:
+            cfg, mates = json.loads(config), [json.loads(c) for k, c in lines if k == case]
+            own = [f"{k}={v}" for k, v in cfg.items() if any(m.get(k) != v for m in mates)]
+            cells = lines[case, config]
+            body.append([" ".join([case, *own]), *(cells.get(m, "") for m in metrics)])
+        return md_table(["case", *metrics], body)
+
     def save(self) -> Path:
         """Append the rows to the CSV (header written if the file is new)."""
         self.csv_path.parent.mkdir(parents=True, exist_ok=True)
@@ -464,6 +479,10 @@ def options(parser: argparse.ArgumentParser, **spec: Any) -> argparse.ArgumentPa
 def add_csv_option(parser: argparse.ArgumentParser) -> None:
     """``--csv PATH``: where a run appends its rows (default: the committed CSV)."""
     parser.add_argument("--csv", type=Path, default=CSV_PATH, help="append the rows here")
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -236,22 +236,15 @@ def data_wait(
     import torch.distributed as dist
     from logitcache.client import CacheDataLoader, CacheDataset, StreamConfig
     from logitcache.client.loss import topk_distill_loss as loss_fn
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden, layers, heads, ffn = 768, 12, 12, 2048  # a ~200M-parameter student at this vocab
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        intermediate_size=ffn,
-        max_position_embeddings=LOADER["tokens_per_item"],
-        attn_implementation="sdpa",
-    )
+    from benchmarks.service.gpu import Shape, bf16_llama
+
+    hidden = 768  # a ~200M-parameter student at this vocab
+    config = Shape(hidden, 12, 12, 12, 2048, VOCAB, tied=False).config(LOADER["tokens_per_item"])
+    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     torch.cuda.set_device(0)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    model = bf16_llama(config, "cuda")
 
     class Distill(torch.nn.Module):
         """Forward = student hidden states + top-k distillation loss (one DDP forward)."""

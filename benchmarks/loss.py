@@ -21,17 +21,16 @@ N) and the bf16 grad_W with float32 (large N). ``plot`` redraws ``loss_memory.pn
 ``loss_time.png`` from a committed result.
 
 ``exact``: ``exact_distill_loss`` (teacher hidden + head; variants
-``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest]``) beside the fused top-k loss on the top-k of
+``exact_<loss>[_torch][_c<rows>][_bf16acc]``) beside the fused top-k loss on the top-k of
 the same teacher's logits: time, memory (CPU: the peak bytes of the tensors a step creates),
 TFLOP/s counting ``8 N d V`` as a fraction of the lm-head GEMM rate, and one chunk's four bare
 GEMMs per ``--gemm-chunks``. ``--check`` first compares the Triton and torch passes with float64.
-On CUDA, ``--kernel-configs`` times one chunk's row passes per launch geometry
-(:mod:`benchmarks.exact_passes`); ``..._kbest`` variants run the fastest that agrees.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -41,23 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from logitcache.client.loss import (
-    ExactKernelConfig,
-    exact_distill_loss,
-    fused_chunked,
-    topk_distill_loss,
-)
-from logitcache.client.loss.dispatch import auto_chunk_size
-from logitcache.client.loss.exact import TRITON_CHUNK_BUFFERS
+from logitcache.client.loss import exact_distill_loss, fused_chunked, topk_distill_loss
 
-from benchmarks import exact_passes
-from benchmarks.exact_passes import rel
 from benchmarks.harness import (
     Point,
     Recorder,
     add_csv_option,
     free_memory,
     line_plot,
+    log,
     machine_line,
     median_time,
     options,
@@ -209,7 +200,27 @@ def time_cell(fn: Callable, x: dict, cuda: bool, reps: int, cap_s: float) -> dic
     return res
 
 
+def run_cell(row: dict, timed: Callable[[], dict], flops: float) -> dict:
+    """``row`` with the timings of ``timed()`` and their TFLOP/s (``flops`` per step), or its
+    status (``OOM``, ``error: ...``: one variant failing must not end the run); a progress line."""
+    try:
+        row.update(timed(), status="ok")
+        row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
+    except torch.OutOfMemoryError:
+        row["status"] = "OOM"
+    except Exception as e:
+        row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+    free()
+    log(json.dumps({k: v for k, v in row.items() if k != "ms_all"}))
+    return row
+
+
 # ----------------------------------------------------------------------------- checks
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
 def rel_errors(got: tuple, ref: tuple) -> dict[str, float]:
     """Relative errors of a ``(loss, grad_h, grad_w)`` against a reference's."""
     rel_loss = abs(got[0] - ref[0]) / abs(ref[0])
@@ -273,12 +284,7 @@ def check(args: argparse.Namespace, device: str) -> dict:
             errs.update(rel_errors(got, ref))
             errs["finite"] = bool(torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all())
             out["small"].append(errs)
-            print(
-                f"check {cname:26s} {name:30s} loss {got[0]:+.6f} (ref {ref[0]:+.6f}) "
-                f"rel loss {errs['rel_loss']:.1e} grad_h {errs['rel_grad_h']:.1e} "
-                f"grad_W {errs['rel_grad_w']:.1e}",
-                flush=True,
-            )
+            log("check", json.dumps(errs))
             free()
         del ref
         free()
@@ -314,8 +320,7 @@ def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
     for vocab, dim in args.configs:
         oomed: set[str] = set()
         for n in args.sizes:
-            flops = 6 * n * dim * vocab
-            x = None
+            xs: dict[str, dict] = {}
             for name in chosen:
                 row = dict(variant=name, n=n, vocab=vocab, d=dim, k=args.k)
                 if name == "fused_chunked_c8192" and n not in args.c8192_sizes:
@@ -328,27 +333,16 @@ def sweep(args: argparse.Namespace, device: str, t_end: float) -> list[dict]:
                 if time.time() > t_end:
                     table.append({**row, "status": "not run (time cap)"})
                     continue
-                try:
-                    if x is None:
-                        x = make_inputs(n, dim, vocab, args.k, device)
-                    res = time_cell(fns[name], x, cuda, args.reps, args.cell_cap_s)
-                    res["tflops"] = flops / (res["ms"] / 1e3) / 1e12
-                    table.append({**row, "status": "ok", **res})
-                    print(
-                        f"{name:26s} V={vocab} N={n:7d} {res['ms']:9.1f} ms "
-                        f"{res['tflops']:6.1f} TF/s peak {res.get('peak_gib', 0):6.2f} GiB "
-                        f"delta {res.get('delta_gib', 0):6.2f}",
-                        flush=True,
-                    )
-                except torch.OutOfMemoryError:
+
+                def step(fn: Callable = fns[name], xs: dict = xs, r: dict = row) -> dict:
+                    if not xs:  # the inputs, made for the first variant that runs at this N
+                        xs["x"] = make_inputs(r["n"], r["d"], r["vocab"], args.k, device)
+                    return time_cell(fn, xs["x"], cuda, args.reps, args.cell_cap_s)
+
+                table.append(run_cell(row, step, 6 * n * dim * vocab))
+                if table[-1]["status"] == "OOM":
                     oomed.add(name)
-                    table.append({**row, "status": "OOM"})
-                    print(f"{name:26s} V={vocab} N={n:7d} OOM", flush=True)
-                finally:
-                    if x is not None:
-                        x["h"].grad = x["w"].grad = None
-                    free()
-            del x
+            xs.clear()
             free()
     return table
 
@@ -380,8 +374,7 @@ def exact_inputs(n: int, d: int, vocab: int, k: int, device: str, seed: int = 0)
 
 
 def parse_exact(name: str) -> dict[str, Any]:
-    """``exact_<loss>[_torch][_c<rows>][_bf16acc][_kbest]`` -> the call's options (``kbest``:
-    ``kernel_config="best"``, the fastest passes of the run's :func:`pass_sweep`)."""
+    """``exact_<loss>[_torch][_c<rows>][_bf16acc]`` -> the call's options."""
     parts = name[len("exact_") :].split("_")
     opts: dict[str, Any] = {"kernels": "auto", "chunk_size": None, "grad_weight_dtype": "auto"}
     loss = []
@@ -390,8 +383,6 @@ def parse_exact(name: str) -> dict[str, Any]:
             opts["kernels"] = "torch"
         elif part == "bf16acc":
             opts["grad_weight_dtype"] = "weight"
-        elif part == "kbest":
-            opts["kernel_config"] = "best"
         elif part.startswith("c") and part[1:].isdigit():
             opts["chunk_size"] = int(part[1:])
         else:
@@ -400,9 +391,7 @@ def parse_exact(name: str) -> dict[str, Any]:
     return opts
 
 
-def exact_variant(
-    name: str, chunk: int | None, best: dict[str, ExactKernelConfig] | None = None
-) -> Callable:
+def exact_variant(name: str, chunk: int | None) -> Callable:
     if name == "topk_floor":
         return floor_variant("floor")
     if name == "topk_fused_chunked":
@@ -415,8 +404,6 @@ def exact_variant(
         return topk
     opts = parse_exact(name)
     opts["chunk_size"] = opts["chunk_size"] or chunk
-    if opts.get("kernel_config") == "best":
-        opts["kernel_config"] = (best or {}).get(opts["loss"])
 
     def fn(x: dict) -> torch.Tensor:
         return exact_distill_loss(x["h"], x["w"], x["ht"], x["wt"], **opts)
@@ -497,19 +484,6 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
             gemm[f"four_gemms_ms_c{c}"] = gemm_chunk_ms(c, d, vocab, device, cuda)
         out["gemm"][key] = gemm
         print("bare GEMMs", key, json.dumps(gemm), flush=True)
-        best = None
-        if cuda and args.kernel_configs:
-            rows = args.chunk or auto_chunk_size(
-                1 << 30, vocab * TRITON_CHUNK_BUFFERS, torch.bfloat16, torch.device(device)
-            )
-            try:
-                out.setdefault("passes", {})[key], best = exact_passes.pass_sweep(
-                    args.kernel_configs, rows, vocab, device
-                )
-            except Exception as e:  # the default config's reference failed: no pick
-                out["passes_error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                print("pass sweep failed:", out["passes_error"], flush=True)
-            free()
         for n in args.sizes:
             try:
                 x = exact_inputs(n, d, vocab, args.k, device)
@@ -519,35 +493,15 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
                 continue
             for name in args.variants:
                 row: dict[str, Any] = dict(variant=name, n=n, vocab=vocab, d=d, k=args.k)
-                try:
-                    res = exact_cell(name, x, args, cuda, best)
-                except torch.OutOfMemoryError:
-                    row["status"] = "OOM"
-                    print(f"{name:28s} N={n:7d} OOM", flush=True)
-                except Exception as e:  # one variant failing must not end the run
-                    row["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
-                    print(f"{name:28s} N={n:7d} {row['status']}", flush=True)
-                else:
-                    row.update(status="ok", **res)
-                    flops = (8 if name.startswith("exact") else 6) * n * d * vocab
-                    row["tflops"] = flops / (row["ms"] / 1e3) / 1e12
+                flops = (8 if name.startswith("exact") else 6) * n * d * vocab
+                run_cell(row, functools.partial(exact_cell, name, x, args, cuda), flops)
+                if row["status"] == "ok":
                     if gemm["lm_head_tflops"]:
                         row["of_lm_head_gemm"] = row["tflops"] / gemm["lm_head_tflops"]
                         sustained = gemm["lm_head_tflops_sustained"]
                         row["of_sustained_gemm"] = row["tflops"] / sustained
                     cfg = {"n": n, "vocab": vocab, "d": d, "k": args.k}
                     rec.add(name, "ms", "ms", row["ms"], samples=len(row["ms_all"]), config=cfg)
-                    print(
-                        f"{name:28s} V={vocab} N={n:7d} {row['ms']:9.1f} ms "
-                        f"{row['tflops']:6.1f} TF/s ({row.get('of_lm_head_gemm', 0):.3f} of GEMM, "
-                        f"{row.get('of_sustained_gemm', 0):.3f} sustained) "
-                        f"peak {row.get('peak_gib', 0):6.2f} "
-                        f"delta {row.get('delta_gib', 0):6.2f} GiB",
-                        flush=True,
-                    )
-                finally:
-                    x["h"].grad = x["w"].grad = None
-                    free()
                 out["rows"].append(row)
             del x
             free()
@@ -555,14 +509,8 @@ def exact_mode(args: argparse.Namespace, device: str, rec: Recorder) -> dict[str
     return out
 
 
-def exact_cell(
-    name: str,
-    x: dict,
-    args: argparse.Namespace,
-    cuda: bool,
-    best: dict[str, ExactKernelConfig] | None,
-) -> dict:
-    fn = exact_variant(name, args.chunk, best)
+def exact_cell(name: str, x: dict, args: argparse.Namespace, cuda: bool) -> dict:
+    fn = exact_variant(name, args.chunk)
     res = time_cell(fn, x, cuda, args.reps, args.cell_cap_s)
     if not cuda:  # the CPU has no allocator peak: count the tensors the step creates
         from tests.memory_support import LiveBytes
@@ -571,6 +519,7 @@ def exact_cell(
         with mode:
             fn(x).backward()
         res["tracked_peak_mib"] = mode.peak / (1 << 20)
+        x["h"].grad = x["w"].grad = None
     return res
 
 
@@ -642,15 +591,6 @@ def main(argv: list[str] | None = None) -> None:
     options(ex, variants=(EXACT_VARIANTS, None, names), gemm_chunks=([2048, 4096], None, ints))
     options(ex, check=(False, "kernels vs float64 first"), reps=3)
     options(ex, chunk=(None, "rows per chunk (default: each's)", {"type": int}))
-    options(
-        ex,
-        kernel_configs=(
-            exact_passes.EXACT_KERNEL_CONFIGS,
-            "CUDA: time one chunk's row passes per config first ('' for none); variants "
-            "..._kbest run the fastest",
-            {"type": exact_passes.kernel_configs, "nargs": None},
-        ),
-    )
     options(sw, sizes=([4096, 8192, 16384, 32768, 65536, 131072, 262144], None, ints))
     options(sw, c8192_sizes=([32768, 262144], None, ints), check=False)
     options(sw, variants=(DEFAULT_VARIANTS, None, names))

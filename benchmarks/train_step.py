@@ -5,10 +5,10 @@ Student ``--student`` (1B-shaped), teacher ``--teacher`` (8B-shaped), random bf1
 AdamW (fused), activation checkpointing, SDPA. Variants: ``online_dense`` (full teacher logits,
 fp32 ``kl_div``), ``online_liger`` (Liger's fused linear JSD, beta 0; CUDA), ``offline_local`` /
 ``offline_http`` (``CacheDataset`` on local disk / over the service's store route,
-``topk_distill_loss``), ``offline_exact`` (a ``targets="hidden"`` cache, ``exact_distill_loss``);
-the caches are written in the same run by the same teacher on the same ids. Per variant and size:
-``--warmup`` steps, then ``--steps`` timed ones (median, ``max_memory_allocated``); an OOM ends
-the variant. The page: ``benchmarks/results/train_step.md``; ``plot`` redraws ``train_step.png``.
+``topk_distill_loss``); the cache is written in the same run by the same teacher on the same
+ids. Per variant and size: ``--warmup`` steps, then ``--steps`` timed ones (median,
+``max_memory_allocated``); an OOM ends the variant. The page:
+``benchmarks/results/train_step.md``; ``plot`` redraws ``train_step.png``.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from benchmarks.service.gpu import (
     make_model_dir,
     util,
 )
+from benchmarks.synthetic import store_bytes
 
-VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http", "offline_exact")
-#: Variants that read a cache (``offline_exact`` a hidden one), in the order they run.
-OFFLINE = ("offline_local", "offline_http", "offline_exact")
+VARIANTS = ("online_dense", "online_liger", "offline_local", "offline_http")
+OFFLINE = ("offline_local", "offline_http")
 
 
 def make_model(shape_name: str, device: torch.device, seq_len: int, seed: int) -> Any:
@@ -73,42 +73,30 @@ def teacher_topk(teacher: Any, ids: torch.Tensor, k: int, chunk: int = 1024) -> 
     return torch.cat(out_i).view(shape), torch.cat(out_v).view(shape)
 
 
-def write_cache(
-    teacher: Any, tokens: torch.Tensor, k: int, path: Path, batch: int, hidden: bool = False
-) -> dict:
+def write_cache(teacher: Any, tokens: torch.Tensor, k: int, path: Path, batch: int) -> dict:
     """The teacher's top-``k`` of every sequence of ``tokens [S, T]`` into a cache at ``path``
-    (row ``j`` of a sequence predicts token ``j + 1``: its last position has no row);
-    ``hidden``: its final hidden states and head instead (``targets="hidden"``, bfloat16)."""
-    from logitcache.cache_format import CacheWriter, HiddenRecord, Manifest, SequenceRecord
-    from logitcache.server.engine.hidden import head_of
+    (row ``j`` of a sequence predicts token ``j + 1``: its last position has no row)."""
+    from logitcache.cache_format import CacheWriter, Manifest, SequenceRecord
 
-    head = head_of(teacher.lm_head.weight, None, teacher.config) if hidden else None
     manifest = Manifest(
         teacher_model="random-llama-bench-teacher",
         tokenizer_fingerprint="bench-word-level",
         vocab_size=int(teacher.config.vocab_size),
-        k=1 if hidden else k,
-        **({"targets": "hidden", "hidden": head.spec("bfloat16")} if head else {}),
+        k=k,
     )
     t0 = time.perf_counter()
-    with CacheWriter.open(str(path), manifest, head=head) as writer:
+    with CacheWriter.open(str(path), manifest) as writer:
         for start in range(0, tokens.shape[0], batch):
             ids = tokens[start : start + batch]
             host = ids.cpu().numpy().astype("int32")
             keys = [f"s{start + r:06d}" for r in range(ids.shape[0])]
-            if hidden:
-                with torch.no_grad():
-                    h = teacher.model(input_ids=ids).last_hidden_state.float().cpu().numpy()
-                parts = zip(keys, host, h, strict=True)
-                recs: list = [HiddenRecord(key, i, x[:-1]) for key, i, x in parts]
-            else:
-                tid, tlp = (t.cpu().numpy() for t in teacher_topk(teacher, ids, k))
-                recs = [
-                    SequenceRecord(key, i, topk_ids=a[:-1], topk_logprobs=b[:-1])
-                    for key, i, a, b in zip(keys, host, tid, tlp, strict=True)
-                ]
+            tid, tlp = (t.cpu().numpy() for t in teacher_topk(teacher, ids, k))
+            recs = [
+                SequenceRecord(key, i, topk_ids=a[:-1], topk_logprobs=b[:-1])
+                for key, i, a, b in zip(keys, host, tid, tlp, strict=True)
+            ]
             writer.append(recs)
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    size = store_bytes(path)
     rows = tokens.shape[0] * (tokens.shape[1] - 1)
     return {"seconds": time.perf_counter() - t0, "rows": rows, "bytes_per_row": size / rows}
 
@@ -147,15 +135,6 @@ def offline(student: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     sh, w = student_hidden(student, batch["input_ids"]), student.lm_head.weight
     return topk_distill_loss(
         sh, w, batch["topk_ids"], batch["topk_logprobs"], mask=batch["loss_mask"]
-    )
-
-
-def offline_exact(student: Any, batch: dict[str, torch.Tensor], head: dict) -> torch.Tensor:
-    from logitcache.client.loss import exact_distill_loss
-
-    sh = student_hidden(student, batch["input_ids"])
-    return exact_distill_loss(
-        sh, student.lm_head.weight, batch["hidden"], mask=batch["loss_mask"], **head
     )
 
 
@@ -324,13 +303,9 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
         run_variant(name, sizes, make_step, opt, device, args, result["variants"])
 
     cache_dir = work / "caches" / "bench"
-    hidden_dir = work / "caches" / "bench-hidden"
     if {"offline_local", "offline_http"} & set(args.variants):
         result["cache"] = write_cache(teacher, tokens, args.k, cache_dir, batch=4)
         print(f"[cache] {result['cache']}", flush=True)
-    if "offline_exact" in args.variants:
-        result["hidden_cache"] = write_cache(teacher, tokens, 0, hidden_dir, 4, hidden=True)
-        print(f"[hidden cache] {result['hidden_cache']}", flush=True)
     teacher = None  # the offline variants run without it
     free_memory(device.type == "cuda")
     result["memory_before_gib"]["student_only"] = (
@@ -347,28 +322,18 @@ def run(args: argparse.Namespace, rec: Recorder) -> dict:
             sources["offline_http"] = (url, "bench")
         except Exception as e:
             result["variants"]["offline_http"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    head: dict = {}
-    if "offline_exact" in args.variants:
-        from logitcache.client import load_head
-
-        sources["offline_exact"] = (str(hidden_dir), None)
-        head = load_head(str(hidden_dir), device=device)
     with servers:
         for name, (source, cache) in sources.items():
 
-            def make_offline_step(
-                t: int, source: str = source, cache: str | None = cache, name: str = name
-            ) -> Any:
+            def make_offline_step(t: int, source: str = source, cache: str | None = cache) -> Any:
                 it = loader(source, cache, t // args.seq_len, args.seq_len)
 
                 def step() -> torch.Tensor:
-                    b = {  # tensors only (not a hidden unit's target_kind)
+                    b = {
                         k: v.to(device, non_blocking=True)
                         for k, v in next(it).items()
                         if isinstance(v, torch.Tensor)
                     }
-                    if name == "offline_exact":
-                        return offline_exact(student, b, head)
                     return offline(student, b)
 
                 return step
@@ -413,7 +378,7 @@ def plot(result_json: Path, out_dir: Path) -> Path:
 
 
 def summarize(result: dict, sizes: list[int]) -> None:
-    """Ratios offline/online per size, the largest size each variant fits; a table."""
+    """Ratios offline/online per size, the largest size each variant fits."""
     v = result["variants"]
     ratios: dict[str, dict[str, float]] = {}
     for off in OFFLINE:
@@ -428,14 +393,6 @@ def summarize(result: dict, sizes: list[int]) -> None:
         for name, runs in v.items()
         if isinstance(runs, dict) and "skipped" not in runs and "error" not in runs
     }
-    print(f"{'variant':>14} {'tokens':>7} {'step s':>7} {'tok/s':>8} {'peak GiB':>8}")
-    for name, runs in v.items():
-        for t, r in runs.items():
-            if "step_s" not in r:
-                print(f"{name:>14} {t:>7} {str(r)[:60]}")
-                continue
-            peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-            print(f"{name:>14} {t:>7} {r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f} {peak:>8}")
 
 
 if __name__ == "__main__":

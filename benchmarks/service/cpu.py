@@ -341,10 +341,10 @@ def main(argv: list[str] | None = None) -> None:
         summary[str(k)] = {"median_us_per_position": med, "min_us_per_position": min(xs)}
         rec.add(f"job path k={k}", "cpu_us_per_position", "us/pos", med, p20=min(xs),
                 p80=max(xs), samples=len(xs), config={"k": k})  # fmt: skip
-        print(f"k={k}: median {med:.2f} CPU-us/position")
     rec.finish(
         head | {"settings": settings_kw, "runs": runs, "summary": summary}, args.json, show=-1
     )
+    print(rec.table())
 
 
 if __name__ == "__main__":

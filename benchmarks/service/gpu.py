@@ -33,13 +33,14 @@ from benchmarks.harness import (
     Sampler,
     free_memory,
     free_port,
-    md_table,
+    log,
     proc_cpu,
     server_process,
     sync,
     thread_cpu,
 )
 from benchmarks.service.common import parse, recorded, run_job, write_jsonl
+from benchmarks.synthetic import store_bytes
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def cache_stats(root: Path, bare_rows: list, sample: int) -> dict:
     from logitcache.cache_format import CacheReader
 
     reader = CacheReader(str(root))
-    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    size = store_bytes(root)
     lps = [reader.get(key).topk_logprobs for key in sorted(reader.keys)[:sample]]
     tail = np.concatenate([1.0 - np.exp(x.astype(np.float64)).sum(axis=1) for x in lps])
     same, total, lp_err = 0, 0, 0.0
@@ -278,22 +279,17 @@ def run_shape(name: str, args: argparse.Namespace, work: Path) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = work / f"model-{name}"
     made = make_model_dir(shape, model, device, max(args.seq_len, 2048))
-    print(f"[{name}] weights made and saved: {made}", flush=True)
+    log(name, "weights made and saved", made)
     rng = np.random.default_rng(1)  # ids 0..2 are special
     prompts = rng.integers(3, shape.vocab, size=(args.sequences, args.seq_len)).tolist()
     b = bare(model, prompts[: args.bare_sequences], args, prompts[: args.inproc_sequences])
     free_memory(device.startswith("cuda"))  # the bare engine is gone with bare()'s frame
     rows, ip = b.pop("rows"), b["inproc"]
-    print(f"[{name}] bare: {json.dumps({x: y for x, y in b.items() if x != 'inproc'})}")
-    stages = {x: round(y, 3) for x, y in ip["stage_us_per_position"].items()}
-    print(f"[{name}] inproc: {ip['outside_engine_us_per_position']:.2f} CPU-us/position of job "
-          f"path ({ip['us_per_position']:.2f} with the engine's host work; device "
-          f"{ip['device_us_per_position']:.2f}), {ip['tokens_per_s']:.0f} tok/s, "
-          f"{ip['appends']} appends; stages {stages}", flush=True)  # fmt: skip
+    log(name, "bare", json.dumps({x: y for x, y in b.items() if x != "inproc"}))
     jobs = {}
     for inflight in args.job_inflight_batches:  # the first is the reported job
         j = job(model, prompts, work / f"job-{name}-{inflight}", args, inflight)
-        print(f"[{name}] job, {inflight} in flight: {json.dumps(j)}", flush=True)
+        log(name, f"job, {inflight} in flight", json.dumps(j))
         jobs[inflight] = j
     first = args.job_inflight_batches[0]
     j, device_rate = jobs[first], b["device"]["tokens_per_s"]
@@ -342,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = args.work or Path(tempfile.mkdtemp(prefix="teacher-job-"))
     head, rec = recorded("gpu", args)
     result: dict[str, Any] = head | {"fast_paths": fast_paths(), "shapes": {}}
-    print(f"fast paths: {json.dumps(result['fast_paths'])}", flush=True)
+    log("fast paths", json.dumps(result["fast_paths"]))
     for name in args.shapes:
         result["shapes"][name] = r = run_shape(name, args, work)
         if args.json:  # a shape's result is kept if a later one fails
@@ -361,23 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
             ("tail_mass_p50", "", cache["tail_mass"]["quantiles"]["0.5"]),
         ):
             rec.add(name, metric, unit, value, config=config)
-    head_ = [
-        "shape",
-        "bare tok/s",
-        "job tok/s",
-        "ratio",
-        "job us/pos",
-        "cores",
-        "B/pos",
-        "tail p50",
-    ]
-    print(md_table(head_, [
-        [name, f"{r['bare']['device']['tokens_per_s']:.0f}", f"{r['job']['tokens_per_s']:.0f}",
-         f"{r['ratio_job_vs_bare_device']:.3f}", f"{r['job_path_cpu_us_per_position']:.2f}",
-         f"{r['job']['server_cores']:.2f}", f"{r['cache']['bytes_per_position']:.0f}",
-         f"{r['cache']['tail_mass']['quantiles']['0.5']:.4f}"]
-        for name, r in result["shapes"].items()
-    ]))  # fmt: skip
+    print(rec.table())
     rec.finish(result, args.json, indent=1, show=-1)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

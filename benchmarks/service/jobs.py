@@ -196,11 +196,6 @@ def main(argv: list[str] | None = None) -> None:
     head, rec = recorded("jobs", args)
     for mode, per_k in modes.items():
         for k, row in per_k.items():
-            lo, hi = row["load_avg_1min_range"]
-            print(f"{mode} k={k}: job/direct median {row['median_ratio']:.3f}, min "
-                  f"{row['min_ratio']:.3f} over {len(row['pairs'])} pairs (direct median "
-                  f"{row['direct_median_tokens_per_s']:,.0f} tok/s, job median "
-                  f"{row['job_median_tokens_per_s']:,.0f}); load average {lo}-{hi}")  # fmt: skip
             cfg = {"k": int(k), "mode": mode, "pairs": len(row["pairs"])}
             ratios = [p["ratio"] for p in row["pairs"]]
             rec.add(f"{mode} k={k}", "job_over_direct", "ratio", row["median_ratio"], config=cfg,
@@ -210,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                 rec.add(f"{mode} k={k}", f"{side}_tokens_per_s", "tok/s", value, config=cfg)
     result = head | {"modes": modes, "settings": settings, "engine_kwargs": engine_kwargs}
     rec.finish(result | {"wall_s": time.perf_counter() - t_start}, args.json, show=-1)
+    print(rec.table())
 
 
 if __name__ == "__main__":

@@ -55,9 +55,10 @@ class ExactKernelConfig:
     two), columns per program (``*_cols``, a multiple of the block: a row of ``V`` columns runs
     as ``ceil(V / cols)`` programs), warps per program and software-pipeline stages of the
     loop (``*_stages``; 1: none). The statistics settings also run the JSD sums pass.
-    The defaults are the fastest split-pass settings of ``python -m benchmarks.loss exact
-    --kernel-configs`` on an H100 at V=128,256 (statistics: 2048-column blocks, 4 warps;
-    gradient: 4096-column blocks, 8 warps; 16,384 columns per program)."""
+    The defaults are the fastest split-pass settings of the pass sweep in
+    ``benchmarks/exact_passes.py`` at git 969549c on an H100 at V=128,256 (statistics:
+    2048-column blocks, 4 warps; gradient: 4096-column blocks, 8 warps; 16,384 columns per
+    program)."""
 
     stats_block: int = 2048
     stats_cols: int = 16384

@@ -81,22 +81,19 @@ def test_train_step_runs_online_and_offline_and_plots(tmp_path: Path) -> None:
     _run(
         "-m", "benchmarks.train_step", "run", "--student", "tiny", "--teacher", "tiny",
         "--seq-len", "32", "--tokens", "32", "64", "--k", "8", "--steps", "1",
-        "--variants", "online_dense", "offline_local", "offline_exact", "--json", str(out),
+        "--variants", "online_dense", "offline_local", "--json", str(out),
         "--csv", str(rows), "--work", str(tmp_path / "work"),
     )  # fmt: skip
     r = json.loads(out.read_text())
-    for variant in ("online_dense", "offline_local", "offline_exact"):
+    for variant in ("online_dense", "offline_local"):
         for tokens in ("32", "64"):
             cell = r["variants"][variant][tokens]
             assert cell["step_s"] > 0 and cell["tokens_per_s"] == pytest.approx(
                 int(tokens) / cell["step_s"]
             )
-    assert r["largest_fit"] == {"online_dense": 64, "offline_local": 64, "offline_exact": 64}
-    # the caches were written by the teacher: (warmup + steps) x the largest batch, 31 rows each
-    assert r["cache"]["rows"] == r["hidden_cache"]["rows"] == (1 + 1) * 2 * 31
-    assert r["hidden_cache"]["bytes_per_row"] > r["cache"]["bytes_per_row"]  # d=64 bf16 vs k=8
-    exact = r["speedup_online_over_offline_step_time"]["online_dense/offline_exact"]
-    assert set(exact) == {"32", "64"} and all(v > 0 for v in exact.values())
+    assert r["largest_fit"] == {"online_dense": 64, "offline_local": 64}
+    # the cache was written by the teacher: (warmup + steps) x the largest batch, 31 rows each
+    assert r["cache"]["rows"] == (1 + 1) * 2 * 31
     ratios = r["speedup_online_over_offline_step_time"]["online_dense/offline_local"]
     assert set(ratios) == {"32", "64"} and all(v > 0 for v in ratios.values())
     m = _metrics(rows)

@@ -156,7 +156,7 @@ def test_format_index_mode(tmp_path: Path) -> None:
     args = ["--sequences", "300", "--repeats", "1", "--validate-max", "0"]
     args += ["--store-dir", str(tmp_path / "stores")]
     out = _run("-m", "benchmarks.format", "index", *args, "--csv", str(csv_path))
-    assert "| this tree | 300 |" in out
+    assert "| this tree n=300 |" in out
     got = {r["metric"]: float(r["value"]) for r in _rows(csv_path)}
     for role, metric in [("reader", "first_index_of_s"), ("writer", "first_contains_s")]:
         assert got[f"{role}_open_s"] > 0 and got[f"{role}_{metric}"] > 0
@@ -210,40 +210,6 @@ def test_loss_suite_exact_mode(tmp_path: Path) -> None:
     assert {c["loss"] for c in result["check"]} == {"forward_kl", "reverse_kl", "jsd"}
     assert all(c["rel_grad_w"] < 1e-4 for c in result["check"])
     assert "exact_jsd_torch_c32" in csv.read_text()
-
-
-def test_loss_exact_kernel_configs_parse_and_pick() -> None:
-    """``--kernel-configs`` (the CUDA pass sweep): every listed config parses, ``default`` is
-    the library's default (statistics S2048x16384w4, gradient G4096x16384w8), an unknown name is
-    an argparse error, and the pick joins the fastest statistics with the fastest gradient (or a
-    faster fused config)."""
-    import argparse
-    import dataclasses
-
-    from logitcache.client.loss import ExactKernelConfig
-
-    from benchmarks import exact_passes as ep
-
-    assert ep.kernel_configs(",".join(ep.EXACT_KERNEL_CONFIGS)) == ep.EXACT_KERNEL_CONFIGS
-    assert (
-        ep.parse_kernel_config("default")
-        == ep.parse_kernel_config("S2048x16384w4-G4096x16384w8")
-        == ExactKernelConfig()
-    )
-    for bad in ("before", "S2048x16384w4-G3000x16384w8", "F132b4096w16p3"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            ep.kernel_configs(f"default,{bad}")
-    a, b = ep.parse_kernel_config("S1024x8192w4-G1024x8192w4"), ExactKernelConfig()
-    times = dict(stats_ms=1.0, sums_ms=1.0, grad_forward_kl_ms=1.0, grad_reverse_kl_ms=1.0)
-    rows = [
-        (a, {**times, "stats_ms": 0.5, "grad_jsd_ms": 2.0}),
-        (b, {**times, "grad_forward_kl_ms": 0.5, "grad_jsd_ms": 0.9}),
-    ]
-    best = ep.pick_configs(rows)
-    stats_of_a = dict(stats_block=1024, stats_cols=8192, stats_warps=4, stats_stages=1)
-    assert best["forward_kl"] == dataclasses.replace(b, **stats_of_a)
-    assert best["jsd"] == dataclasses.replace(b, **stats_of_a)
-    assert best["reverse_kl"] == a  # a tie keeps the first
 
 
 def test_service_suite_accounts_a_small_job_thread_by_thread() -> None:
