@@ -25,11 +25,11 @@ from logitcache.cache_format import (
 )
 from logitcache.cache_format.sampling import (
     PAD_LOGPROB,
-    sample_from_hidden,
     sample_rows,
     sampling_manifest,
     uniforms,
 )
+from logitcache.server.engine.hf import sample_from_hidden
 from sampling_support import V, teacher_rows
 
 
