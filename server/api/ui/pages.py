@@ -1,7 +1,8 @@
 """Server-rendered HTML of the status page, the login form and the Swagger UI page.
 
-Plain HTML and one inline stylesheet: no JavaScript framework, no CDN, no build step. The status
-page reloads itself every ``refresh`` seconds with ``<meta http-equiv="refresh">`` (0: never).
+Plain HTML and one stylesheet (``static/status.css``): no JavaScript framework, no CDN, no build
+step. The status page reloads itself every ``refresh`` seconds with ``<meta http-equiv="refresh">``
+(0: never).
 Every value from outside (job ids, cache names, error messages) goes through :func:`html.escape`.
 """
 
@@ -15,34 +16,14 @@ from typing import Any
 
 from .summary import LOW_COVERAGE, CacheSummary, human_bytes, human_seconds
 
-STYLE = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5rem;color:#1b1f24;
-background:#fafafa}
-h1{font-size:1.4rem;margin:0 0 .2rem}h2{font-size:1.1rem;margin:1.6rem 0 .5rem}
-table{border-collapse:collapse;width:100%;background:#fff}
-th,td{border-bottom:1px solid #ddd;padding:.35rem .5rem;text-align:left;font-size:.9rem;
-vertical-align:top}
-th{background:#f0f2f4}td.num{text-align:right;font-variant-numeric:tabular-nums}
-.bar{background:#e6e8eb;border-radius:3px;height:.8rem;width:12rem;overflow:hidden}
-.bar>div{background:#2f81f7;height:100%}
-.state-running{color:#1a7f37;font-weight:600}.state-failed{color:#cf222e;font-weight:600}
-.state-queued{color:#9a6700}.state-cancelled{color:#6e7781}
-.warn{color:#9a6700;font-weight:600}.err{color:#cf222e}.muted{color:#6e7781}
-dl{display:grid;grid-template-columns:max-content auto;gap:.2rem 1rem;margin:0}
-dt{color:#6e7781}dd{margin:0}
-form.login{max-width:22rem;background:#fff;padding:1rem;border:1px solid #ddd;border-radius:6px}
-input{font-size:1rem;padding:.3rem;width:100%;box-sizing:border-box;margin:.3rem 0 .6rem}
-button{font-size:1rem;padding:.3rem .9rem}
-nav{float:right}nav a,nav button{margin-left:1rem}
-"""
-
 
 def _page(title: str, body: str, *, refresh: int = 0) -> str:
     meta = f'<meta http-equiv="refresh" content="{refresh}">' if refresh > 0 else ""
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
-        f"{meta}<title>{escape(title)}</title><style>{STYLE}</style></head>"
+        f"{meta}<title>{escape(title)}</title>"
+        '<link rel="stylesheet" href="/ui/static/status.css"></head>'
         f"<body>{body}</body></html>"
     )
 

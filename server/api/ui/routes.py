@@ -36,6 +36,9 @@ PUBLIC_PREFIXES = ("/ui/static/",)
 STATIC = "/ui/static"
 #: The Swagger UI files served from the ``fastapi-offline`` package's ``static`` folder.
 SWAGGER_FILES = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "favicon.png"})
+#: The pages' own files, served from ``static/`` beside this module.
+OWN_STATIC = Path(__file__).parent / "static"
+OWN_FILES = frozenset({"status.css"})
 
 #: Jobs per page of the status page's jobs table (the newest page by default).
 JOBS_PAGE = 100
@@ -204,8 +207,8 @@ async def docs(request: Request) -> Response:
 
 @router.get(STATIC + "/{name}")
 async def static(name: str) -> Response:
-    folder = swagger_dir()
-    if folder is None or name not in SWAGGER_FILES:
+    folder = OWN_STATIC if name in OWN_FILES else swagger_dir()
+    if folder is None or name not in SWAGGER_FILES | OWN_FILES:
         return Response(status_code=404)
     return FileResponse(folder / name, headers={"cache-control": "public, max-age=86400"})
 
