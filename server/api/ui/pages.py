@@ -1,4 +1,4 @@
-"""Server-rendered HTML of the status page, the login form and the Swagger UI page.
+"""Server-rendered HTML of the status page and the login form.
 
 Plain HTML and one stylesheet (``static/status.css``): no JavaScript framework, no CDN, no build
 step. The status page reloads itself every ``refresh`` seconds with ``<meta http-equiv="refresh">``
@@ -225,19 +225,3 @@ def status_page(
         f"<h2>Caches</h2>{caches_html}"
     )
     return _page("logitcache status", body, refresh=refresh)
-
-
-def swagger_page(*, openapi_url: str, static: str) -> str:
-    """Swagger UI 5 from local assets (``static``/swagger-ui.css and swagger-ui-bundle.js)."""
-    return (
-        "<!doctype html><html lang=en><head><meta charset=utf-8>"
-        "<title>logitcache teacher service - API docs</title>"
-        f'<link rel="stylesheet" href="{static}/swagger-ui.css">'
-        f'<link rel="icon" type="image/png" href="{static}/favicon.png"></head><body>'
-        '<div id="swagger-ui"></div>'
-        f'<script src="{static}/swagger-ui-bundle.js"></script>'
-        "<script>window.ui = SwaggerUIBundle({"
-        f'url: "{openapi_url}", dom_id: "#swagger-ui", persistAuthorization: true,'
-        "deepLinking: true, presets: [SwaggerUIBundle.presets.apis]});</script>"
-        "</body></html>"
-    )

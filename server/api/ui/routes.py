@@ -36,7 +36,7 @@ PUBLIC_PREFIXES = ("/ui/static/",)
 STATIC = "/ui/static"
 #: The Swagger UI files served from the ``fastapi-offline`` package's ``static`` folder.
 SWAGGER_FILES = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "favicon.png"})
-#: The pages' own files, served from ``static/`` beside this module.
+#: The pages' own files, in ``static/`` beside this module (``docs.html``: the Swagger UI page).
 OWN_STATIC = Path(__file__).parent / "static"
 OWN_FILES = frozenset({"status.css"})
 
@@ -202,7 +202,7 @@ async def docs(request: Request) -> Response:
             'the schema is at <a href="/openapi.json">/openapi.json</a>.</p>',
             503,
         )
-    return HTMLResponse(pages.swagger_page(openapi_url=request.app.openapi_url, static=STATIC))
+    return FileResponse(OWN_STATIC / "docs.html")
 
 
 @router.get(STATIC + "/{name}")
