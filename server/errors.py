@@ -41,6 +41,8 @@ class ServiceError(Exception):
 
     status: int = 500
     code: str = "internal_error"
+    retry_after: float | None = None
+    """Seconds after which a retry may succeed (the ``Retry-After`` header; ``None``: none)."""
 
     def __init_subclass__(cls, *, status: int | None = None, code: str | None = None) -> None:
         super().__init_subclass__()
@@ -49,10 +51,12 @@ class ServiceError(Exception):
         if code is not None:
             cls.code = code
 
-    def __init__(self, message: str, *, detail: Any = None):
+    def __init__(self, message: str, *, detail: Any = None, retry_after: float | None = None):
         super().__init__(message)
         self.message = message
         self.detail = detail
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
 class InvalidInputError(ServiceError, status=422, code="invalid_input"):
@@ -94,25 +98,15 @@ class ConflictError(ServiceError, status=409, code="conflict"):
 class UnavailableError(ServiceError, status=503, code="unavailable"):
     """The engine is not ready or has died (``Retry-After`` when a wait is known to help)."""
 
-    def __init__(self, message: str, *, retry_after: int | None = None, detail: Any = None):
-        super().__init__(message, detail=detail)
-        self.retry_after = retry_after
-
 
 class OverloadedError(ServiceError, status=429, code="overloaded"):
     """Admission control: the queue of tokens waiting for the engine is full (``Retry-After``)."""
-
-    def __init__(self, message: str, *, retry_after: int, detail: Any = None):
-        super().__init__(message, detail=detail)
-        self.retry_after = retry_after
 
 
 class DeadlineExceededError(UnavailableError, code="deadline_exceeded"):
     """The request's deadline passed before the engine answered; its work was aborted."""
 
-    def __init__(self, message: str, *, retry_after: int = 1, detail: Any = None):
-        super().__init__(message, detail=detail)
-        self.retry_after = retry_after
+    retry_after = 1
 
 
 class CacheBrokenError(ConflictError, code="cache_broken"):
@@ -259,9 +253,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_service_error(_request: Request, exc: ServiceError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, UnauthorizedError) else None
-        retry = getattr(exc, "retry_after", None)
-        if retry is not None:
-            headers = {**(headers or {}), "Retry-After": str(int(retry))}
+        if exc.retry_after is not None:
+            headers = {**(headers or {}), "Retry-After": str(int(exc.retry_after))}
         extra = getattr(exc, "extra", None)
         return error_response(exc.status, exc.code, exc.message, exc.detail, headers, extra)
 

@@ -238,16 +238,7 @@ class ServerSettings(BaseSettings):
         """These settings with ``teacher``'s model and engine settings (what its engine and
         scoring service are built from)."""
         update: dict[str, Any] = {"model": teacher.model, "teachers": []}
-        for attr in (
-            "backend",
-            "revision",
-            "tokenizer",
-            "dtype",
-            "temperature",
-            "k",
-            "memory_share",
-            "engine_options",
-        ):
+        for attr in TeacherSettings.model_fields.keys() - {"name", "model", "memory_bytes"}:
             value = getattr(teacher, attr)
             if value is not None:
                 update[attr] = value

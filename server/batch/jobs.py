@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -35,13 +36,14 @@ from ..serving import targets
 from ..serving.caches import CacheRegistry, WriterHandle, check_name
 from ..serving.scoring import ScoringService
 from . import pipeline
+from .job_store import JobRecord
 from .progress import Progress, RunStats
 
 if TYPE_CHECKING:
     from ..metrics import Metrics
     from ..serving.teachers import TeacherPool
     from ..settings import ServerSettings
-    from .job_store import JobRecord, JobStore
+    from .job_store import JobStore
 
 log = logging.getLogger("logitcache.server.jobs")
 
@@ -86,6 +88,12 @@ QUEUE_SCAN = 256
 #: Engine deaths in a row without a committed sequence after which a job fails (the engine
 #: crashes on its input) instead of waiting for the restarted engine again.
 MAX_ENGINE_DEATHS = 3
+
+
+#: The fields of a job's status that are its table row's own (id, cache, state, counts, ...).
+_ROW_FIELDS = tuple(
+    f.name for f in dataclasses.fields(JobRecord) if f.name in JobStatus.model_fields
+)
 
 
 class JobRunner:
@@ -261,25 +269,13 @@ class JobRunner:
             eta = max(job.tokens_total - job.tokens_done, 0) / rate
         kind, sampling = self._kind(job)
         return JobStatus(
-            id=job.id,
-            cache=job.cache,
-            state=job.state,
-            k=job.k,
+            **{f: getattr(job, f) for f in _ROW_FIELDS},
             targets=kind,
             sampling=sampling,
-            layout=job.layout,
-            created_at=job.created_at,
-            started_at=job.started_at,
-            finished_at=job.finished_at,
-            sequences_total=job.sequences_total,
-            sequences_done=job.sequences_done,
-            tokens_total=job.tokens_total,
-            tokens_done=job.tokens_done,
             tokens_per_s=rate,
             coverage=stats.coverage() if stats is not None else None,
             eta_s=eta,
             error=job.errors[-1] if job.errors else None,
-            errors=job.errors,
             input=self.store.input_counts(job.id),
         )
 

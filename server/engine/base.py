@@ -11,7 +11,8 @@ is computed for bad input), runs ``_generate``, converts, and adds the phases to
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from collections.abc import Awaitable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from logitcache.cache_format import TeacherHead
@@ -31,6 +32,8 @@ from .protocol import (
     check_temperature,
     check_token_ids,
 )
+
+_T = TypeVar("_T")
 
 
 class BaseEngine:
@@ -114,8 +117,7 @@ class BaseEngine:
     ) -> list[TeacherScores]:
         """Top-``k`` rows of every prompt at ``temperature`` (``None``: ``info.temperature``),
         in order (the contract of :mod:`.protocol`)."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         k = check_k(k, self.info.max_k, self.info.vocab_size)
         t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info, self.array_prompts)
@@ -136,8 +138,7 @@ class BaseEngine:
     ) -> list[TeacherScores]:
         """Sampled rows of every prompt in order (module :mod:`.protocol`); every check before any
         work."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         targets = check_sampled(targets, self.info.vocab_size)
         t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info, self.array_prompts)
@@ -160,16 +161,11 @@ class BaseEngine:
     ) -> list[np.ndarray]:
         """The exact logprobs at chosen ids: per prompt a float32 ``[L_i - 1, len(ids[i])]`` array;
         every check before any work."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info, self.array_prompts)
         chosen = check_token_ids(ids, len(checked), self.info.vocab_size)
-        t0 = time.perf_counter()
-        out = await self._generate_ids(checked, chosen, t)
-        t1 = time.perf_counter()
-        self._account(checked, sum(len(p) - 1 for p in checked), t0, t1, t1)
-        return out
+        return await self._timed(checked, self._generate_ids(checked, chosen, t))
 
     async def score_with_ids(
         self,
@@ -180,26 +176,28 @@ class BaseEngine:
     ) -> tuple[list[TeacherScores], list[np.ndarray]]:
         """:meth:`score` and :meth:`score_ids` of the same prompts in one call (the
         transformers backend: one forward for both); every check runs before any work."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        self._check_open()
         k = check_k(k, self.info.max_k, self.info.vocab_size)
         t = check_temperature(temperature, self.info.temperature)
         checked = check_prompts(prompts, self.info, self.array_prompts)
         chosen = check_token_ids(ids, len(checked), self.info.vocab_size)
-        t0 = time.perf_counter()
-        scores, at_ids = await self._generate_with_ids(checked, k, chosen, t)
-        t1 = time.perf_counter()
-        self._account(checked, sum(s.num_rows for s in scores), t0, t1, t1)
-        return scores, at_ids
+        return await self._timed(checked, self._generate_with_ids(checked, k, chosen, t))
 
     async def score_hidden(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """The teacher's final hidden states (the head's input), float32 ``[L_i - 1, d]`` per
         prompt; every check before any work."""
+        self._check_open()
+        checked = check_prompts(prompts, self.info, self.array_prompts)
+        return await self._timed(checked, self._generate_hidden(checked))
+
+    def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        checked = check_prompts(prompts, self.info, self.array_prompts)
+
+    async def _timed(self, checked: list[Any], work: Awaitable[_T]) -> _T:
+        """``work``'s result, its time counted as engine time of ``checked``'s rows."""
         t0 = time.perf_counter()
-        out = await self._generate_hidden(checked)
+        out = await work
         t1 = time.perf_counter()
         self._account(checked, sum(len(p) - 1 for p in checked), t0, t1, t1)
         return out

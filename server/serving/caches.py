@@ -216,7 +216,6 @@ class CacheRegistry:
         self._closed = False
         self._readers = KeptReaders(self.url, self.store, self.storage_options)
         self._stores: dict[str, Any] = {}
-        self._root: Any = None
 
     # --- naming / discovery ---------------------------------------------------------------
 
@@ -242,12 +241,7 @@ class CacheRegistry:
 
     def _root_store(self) -> Any:
         """The read-only store of the root (opened once)."""
-        with self._lock:
-            if self._root is None:
-                from logitcache.cache_format.store import open_store
-
-                self._root = open_store(self.root, self.storage_options, read_only=True).zstore
-            return self._root
+        return self._open_store("", self.root)  # "" is no cache name
 
     def reader(self, name: str) -> CacheReader:
         """A reader of cache ``name`` at its latest commit (kept per cache, refreshed
@@ -313,7 +307,9 @@ class CacheRegistry:
 
     def store(self, name: str) -> Any:
         """The read-only zarr store of cache ``name`` (opened once; raw object reads)."""
-        url = self.url(name)
+        return self._open_store(name, self.url(name))
+
+    def _open_store(self, name: str, url: str) -> Any:
         with self._lock:
             if name not in self._stores:
                 from logitcache.cache_format.store import open_store

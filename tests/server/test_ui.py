@@ -74,6 +74,8 @@ def test_status_page_behind_login(server: ServerProcess) -> None:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         r = c.get("/")
         assert r.status_code == 200 and 'name="key"' in r.text and "Engine" not in r.text
+        css = c.get("/ui/static/status.css")  # the pages' stylesheet is public
+        assert css.status_code == 200 and "text/css" in css.headers["content-type"]
         assert c.get("/v1/jobs").status_code == 401
         bad = c.post("/login", data={"key": "wrong"}, follow_redirects=False)
         assert bad.status_code == 401 and "Wrong API key" in bad.text
@@ -235,6 +237,8 @@ def test_browser_login_status_and_docs(server: ServerProcess) -> None:
             assert row.count() == 1
             assert "ui-k8" in page.locator("#jobs").inner_text()
             assert "ready" in page.locator("#engine").inner_text()
+            bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
+            assert bg == "rgb(250, 250, 250)"  # static/status.css applied
             # the JSON API answers the browser (cookie, GET)
             body = page.goto(f"{server.url}/v1/jobs").text()
             assert any(j["cache"] == "ui-k8" for j in json.loads(body)["jobs"])

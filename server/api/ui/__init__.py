@@ -3,7 +3,8 @@
 
 * :mod:`.auth`: the login cookie (an HMAC of the API key, never the key itself);
 * :mod:`.summary`: what the page shows, as plain data (jobs, caches with coverage, engine);
-* :mod:`.pages`: server-rendered HTML (no JavaScript framework, no CDN, no build step);
+* :mod:`.pages`: server-rendered HTML from the Jinja templates in ``templates/`` (no JavaScript
+  framework, no CDN, no build step);
 * :mod:`.routes`: the routes and :func:`install`, which ``create_app`` calls.
 """
 

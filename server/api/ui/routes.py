@@ -36,6 +36,9 @@ PUBLIC_PREFIXES = ("/ui/static/",)
 STATIC = "/ui/static"
 #: The Swagger UI files served from the ``fastapi-offline`` package's ``static`` folder.
 SWAGGER_FILES = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "favicon.png"})
+#: The pages' own files, in ``static/`` beside this module (``docs.html``: the Swagger UI page).
+OWN_STATIC = Path(__file__).parent / "static"
+OWN_FILES = frozenset({"status.css"})
 
 #: Jobs per page of the status page's jobs table (the newest page by default).
 JOBS_PAGE = 100
@@ -199,13 +202,13 @@ async def docs(request: Request) -> Response:
             'the schema is at <a href="/openapi.json">/openapi.json</a>.</p>',
             503,
         )
-    return HTMLResponse(pages.swagger_page(openapi_url=request.app.openapi_url, static=STATIC))
+    return FileResponse(OWN_STATIC / "docs.html")
 
 
 @router.get(STATIC + "/{name}")
 async def static(name: str) -> Response:
-    folder = swagger_dir()
-    if folder is None or name not in SWAGGER_FILES:
+    folder = OWN_STATIC if name in OWN_FILES else swagger_dir()
+    if folder is None or name not in SWAGGER_FILES | OWN_FILES:
         return Response(status_code=404)
     return FileResponse(folder / name, headers={"cache-control": "public, max-age=86400"})
 
