@@ -30,20 +30,14 @@ from server_support import VLLM_ENV
 
 pytestmark = pytest.mark.vllm
 
-K = 8
+K = 20  # ENGINE_MAX_K; float32, the model's own length: the settings of the shared vllm_engine
 SHARD = 5
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from logitcache.fixtures.tiny import build_tiny_models
-
-    return build_tiny_models()
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
+def ray_env():
+    """The vLLM environment for the Ray replicas (their workers inherit this process's)."""
     old = {k: os.environ.get(k) for k in VLLM_ENV}
     os.environ.update(VLLM_ENV)
     yield dict(VLLM_ENV)
@@ -86,21 +80,21 @@ def dataset(tiny, tmp_path_factory) -> tuple[Path, list[dict]]:
 # arrive, and the CPU kernels' rounding depends on the step's batch; with one in flight every
 # step holds one input batch, so runs over different replicas give comparable bytes.
 def _settings_kw(tiny) -> dict:
-    """The settings of :func:`_server_flags` as ``ServerSettings`` keywords."""
-    return dict(model=str(tiny.teacher_dir), k=K, max_seq_len=256, job_batch_sequences=3,
-                job_inflight_batches=1, logprob_dtype="float16", backend="vllm")  # fmt: skip
+    """The settings of :func:`_server_flags` as ``ServerSettings`` keywords (dtype ``auto``: the
+    early checks compare the dtype only once the weights load)."""
+    return dict(model=str(tiny.teacher_dir), k=K, job_batch_sequences=3, job_inflight_batches=1,
+                logprob_dtype="float16", backend="vllm")  # fmt: skip
 
 
 def _server_flags(tiny) -> list[str]:
     return [
-        "--model", str(tiny.teacher_dir), "-k", str(K), "--max-seq-len", "256",
-        "--job-batch-sequences", "3", "--job-inflight-batches", "1",
-        "--logprob-dtype", "float16", "--backend", "vllm",
+        "--model", str(tiny.teacher_dir), "-k", str(K), "--job-batch-sequences", "3",
+        "--job-inflight-batches", "1", "--logprob-dtype", "float16", "--backend", "vllm",
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tiny, vllm_env):
+def ray_cluster(tiny, ray_env):
     """This process's local Ray cluster (2 CPUs, loopback only); after the tiny models exist, so
     their first build does not compete with Ray for the cores."""
     from logitcache.server.batch.distributed import init_local_ray
@@ -121,10 +115,11 @@ def _cli(*args: str, timeout: float = 480) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def settings(tiny, vllm_env) -> ServerSettings:
+def settings(tiny, ray_env) -> ServerSettings:
     return ServerSettings(
         _env_file=None,
         **_settings_kw(tiny),
+        dtype="float32",  # the shared engine's: its rows are the replicas' byte for byte
         job_write_fill_s=0,  # commit per batch group: a killed replica's shard resumes mid-way
     )
 
@@ -335,10 +330,15 @@ def test_planned_identity_is_the_loaded_engines(replicas, tiny, settings) -> Non
 
     planned = planned_info(engine_config(settings))
     want, have = teacher_identity(planned), teacher_identity(replicas.info)
-    assert settings.dtype == want.pop("dtype") == "auto"  # resolved when the weights load
-    have.pop("dtype")
-    assert want == have
+    assert want == have and have["dtype"] == settings.dtype == "float32"
     assert planned.max_k == replicas.info.max_k == K
+    # dtype auto is resolved only when the weights load (the early check leaves it out); the
+    # rest of the planned identity is the same
+    auto = teacher_identity(
+        planned_info(engine_config(settings.model_copy(update={"dtype": "auto"})))
+    )
+    assert auto.pop("dtype") == "auto"
+    assert auto == {f: v for f, v in have.items() if f != "dtype"}
 
 
 def test_an_interrupted_commit_is_finished_by_a_rerun_without_scoring(
@@ -418,7 +418,7 @@ def test_cli_on_the_cluster_equals_the_library_run(ray_cluster, tiny, dataset, r
         "--input", str(path), "--cache", str(out), "--replicas", "1", "--shard-size", str(SHARD),
         "--ray-address", ray_cluster.get_runtime_context().gcs_address, "--report", str(report),
         "--cpus-per-replica", "0",  # the module's two replicas hold both CPUs of the cluster
-        *_server_flags(tiny),
+        *_server_flags(tiny), "--dtype", "float32",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(report.read_text())["committed"] == reference[1].committed
@@ -429,20 +429,18 @@ def test_cli_on_the_cluster_equals_the_library_run(ray_cluster, tiny, dataset, r
 
 
 def test_sampled_targets_on_two_replicas_equal_the_one_process_job(
-    replicas, dataset, settings, tmp_path
+    replicas, dataset, settings, vllm_engine, tmp_path
 ):
     """``targets`` = sampled (tau 1.5, seed 9) on two replicas: the final cache equals, array for
-    array in the same order, the cache the service's own job (``POST /v1/jobs``, one process,
-    its own vLLM engine of the same settings) writes from the same file with the same sampling;
-    the draws depend on (seed, key, teacher row) only, not on shards or replicas. A re-run with
-    ``"sampled"`` (the cache's own parameters) scores nothing; a top-k run into it is refused
-    before anything is written."""
-    import asyncio
-
+    array in the same order, the cache the service's own job (``POST /v1/jobs``, one process, the
+    suite's shared vLLM engine, of the replicas' settings) writes from the same file with the
+    same sampling; the draws depend on (seed, key, teacher row) only, not on shards or replicas.
+    A re-run with ``"sampled"`` (the cache's own parameters) scores nothing; a top-k run into it
+    is refused before anything is written."""
     from logitcache.cache_format import ManifestMismatchError
     from logitcache.cache_format.sampling import sampling_manifest
     from logitcache.server.batch.distributed import read_input
-    from logitcache.server.engine import SampledTargets, build_engine
+    from logitcache.server.engine import SampledTargets
     from server_support import ThreadedServer, wait_job
 
     path, records = dataset
@@ -463,17 +461,13 @@ def test_sampled_targets_on_two_replicas_equal_the_one_process_job(
     job_settings = settings.model_copy(update={
         "store_root": str(work / "caches"), "data_dir": work / "data", "state_dir": work / "state",
     })  # fmt: skip
-    engine = build_engine(job_settings)
-    try:
-        with ThreadedServer(job_settings, engine) as srv, srv.client() as c:
-            body = {"cache": "job", "file": {"path": path.name}, "dataset": path.name,
-                    "targets": "sampled", "sampling": {"draws": draws,
-                    "proposal_temperature": 1.5, "seed": 9}}  # fmt: skip
-            r = c.post("/v1/jobs", json=body)
-            assert r.status_code == 201, r.text
-            assert wait_job(c, r.json()["id"], timeout=240)["state"] == "succeeded"
-    finally:
-        asyncio.run(engine.aclose())
+    with ThreadedServer(job_settings, vllm_engine) as srv, srv.client() as c:
+        body = {"cache": "job", "file": {"path": path.name}, "dataset": path.name,
+                "targets": "sampled", "sampling": {"draws": draws,
+                "proposal_temperature": 1.5, "seed": 9}}  # fmt: skip
+        r = c.post("/v1/jobs", json=body)
+        assert r.status_code == 201, r.text
+        assert wait_job(c, r.json()["id"], timeout=240)["state"] == "succeeded"
     assert_same_cache(got, CacheReader(work / "caches" / "job"))
 
     again = _run(read_input(path), cache, settings, 2, replicas, targets="sampled")
