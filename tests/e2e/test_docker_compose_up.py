@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 import tomllib
 from collections.abc import Iterator
@@ -53,6 +52,7 @@ from docker_support import (
     torch_index,
 )
 from logitcache.cache_format import CacheReader, validate
+from server_support import free_port
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 
@@ -63,12 +63,6 @@ S3_API_KEY = "container-test-env-key-987654"
 INPUT = "corpus.jsonl"
 MOTO_IMAGE = "logitcache-test/moto:latest"
 STOP_GRACE_S = 60  # docker-compose.yml's stop_grace_period
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_input(tiny: Any, path: Path, rows: int = 1600) -> int:
