@@ -22,9 +22,9 @@ import numpy as np
 from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 
 from . import fastencode
-from ._zarr_adapter import default_buffer_prototype, sync
+from ._zarr_adapter import sync
 from .errors import ChecksumError, CorruptStoreError, FormatError, MissingDataError
-from .store import put_objects
+from .store import get_object, put_objects
 
 BLOCK = 4096  # entries per block (64 KiB): the unit of a lookup's read
 KEEP_BLOCKS = 64  # checked run blocks a process keeps (4 MiB): runs never change once written
@@ -135,12 +135,12 @@ def merge_plan(runs: Sequence[RunRef], added: int) -> int:
 
 def _get(store: Any, key: str, byte_range: Any = None) -> bytes:
     try:
-        buf = sync(store.get(key, prototype=default_buffer_prototype(), byte_range=byte_range))
+        got = get_object(store, key, byte_range)
     except FileNotFoundError:
-        buf = None
-    if buf is None:
+        got = None
+    if got is None:
         raise MissingDataError(f"key index run {key} is missing")
-    return bytes(buf.to_bytes())
+    return got
 
 
 def _tail(store: Any, ref: RunRef) -> tuple[bytes, tuple[Any, ...]]:

@@ -17,9 +17,9 @@ import zarr.abc.store
 from . import spec
 from ._codecs import compressors
 from ._manifest import Manifest
-from ._zarr_adapter import GroupMetadata, default_buffer_prototype, sync
+from ._zarr_adapter import GroupMetadata, default_buffer_prototype
 from .quant import STORED_DTYPE
-from .store import put_objects
+from .store import get_object, put_objects
 
 
 @dataclass(frozen=True)
@@ -252,10 +252,10 @@ def _root_document(store: zarr.abc.store.Store) -> dict | None:
         if isinstance(store, zarr.storage.LocalStore):  # read here: no trip through zarr's loop
             raw = (Path(store.root) / ROOT_METADATA).read_bytes()
         else:
-            got = sync(store.get(ROOT_METADATA, prototype=default_buffer_prototype()))
+            got = get_object(store, ROOT_METADATA)
             if got is None:
                 return None
-            raw = got.to_bytes()
+            raw = got
     except (FileNotFoundError, NotADirectoryError):  # no root (or no store folder)
         return None
     try:
